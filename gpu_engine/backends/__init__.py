@@ -1,0 +1,1 @@
+"""Inference backends. ``base`` defines the protocol; implementations import torch lazily."""

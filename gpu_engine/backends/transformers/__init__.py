@@ -1,0 +1,1 @@
+"""The transformers (PyTorch) backend: serial generation with forward hooks."""

@@ -1,0 +1,171 @@
+"""Engine errors: one exception class per stable ``code``.
+
+Every error carries ``code`` (stable, snake_case, what clients switch on), a human
+message and ``details`` (plain JSON values).  ``to_dict``/``error_from_dict`` let an error
+cross a process boundary (Redis Streams) and be re-raised as the same class on the other
+side, so the web tier maps codes to HTTP statuses in one place without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+_REGISTRY: dict[str, type["EngineError"]] = {}
+
+
+class EngineError(Exception):
+    """Base class; subclasses set ``code``."""
+
+    code: ClassVar[str] = "engine_error"
+
+    def __init__(self, message: str, *, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details: dict[str, Any] = dict(details or {})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        code = cls.__dict__.get("code")
+        if code is None:
+            return
+        if code in _REGISTRY:
+            raise TypeError(f"duplicate engine error code {code!r}")
+        _REGISTRY[code] = cls
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "details": self.details}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(code={self.code!r}, message={self.message!r})"
+
+
+_REGISTRY[EngineError.code] = EngineError
+
+
+def error_from_dict(data: dict[str, Any]) -> EngineError:
+    """Rebuild the error class named by ``data['code']`` (unknown codes keep their code)."""
+    code = str(data.get("code") or EngineError.code)
+    message = str(data.get("message") or code)
+    details = dict(data.get("details") or {})
+    cls = _REGISTRY.get(code)
+    if cls is None:
+        err = EngineError(message, details=details)
+        err.code = code  # type: ignore[misc]  # keep the foreign code visible
+        return err
+    err = cls.__new__(cls)
+    EngineError.__init__(err, message, details=details)
+    return err
+
+
+class InvalidParameter(EngineError):
+    code = "invalid_parameter"
+
+    def __init__(self, message: str, *, param: str, details: dict[str, Any] | None = None) -> None:
+        super().__init__(message, details={"param": param, **(details or {})})
+
+    @property
+    def param(self) -> str:
+        return str(self.details.get("param", ""))
+
+
+class ContextLengthExceeded(EngineError):
+    code = "context_length_exceeded"
+
+    def __init__(self, *, prompt_tokens: int, max_tokens: int, context_length: int) -> None:
+        super().__init__(
+            f"This model's maximum context length is {context_length} tokens; the request "
+            f"has {prompt_tokens} prompt tokens and asks for {max_tokens} completion tokens "
+            f"({prompt_tokens + max_tokens} in total).",
+            details={
+                "prompt_tokens": prompt_tokens,
+                "max_tokens": max_tokens,
+                "context_length": context_length,
+            },
+        )
+
+
+class ModelNotLoaded(EngineError):
+    code = "model_not_loaded"
+
+
+class ModelLoadFailed(EngineError):
+    code = "model_load_failed"
+
+
+class UnsupportedArchitecture(EngineError):
+    code = "unsupported_architecture"
+
+    def __init__(self, architecture_class: str) -> None:
+        super().__init__(
+            f"Unsupported architecture {architecture_class!r}: no decoder-block resolver "
+            "is registered for it.",
+            details={"architecture_class": architecture_class},
+        )
+
+
+class SAEFormatError(EngineError):
+    """The SAE files are missing, corrupt or in a layout we cannot read."""
+
+    code = "sae_format_error"
+
+
+class SAEIncompatible(EngineError):
+    """The SAE cannot be attached to this model/layer (d_in, layer range)."""
+
+    code = "sae_incompatible"
+
+
+class SAENotAttached(EngineError):
+    code = "sae_not_attached"
+
+
+class InvalidFeatureIndex(EngineError):
+    code = "invalid_feature_index"
+
+    def __init__(self, *, sae_id: str, index: int, d_sae: int) -> None:
+        super().__init__(
+            f"Feature index {index} is out of range for SAE {sae_id!r} (d_sae={d_sae}).",
+            details={"sae_id": sae_id, "index": index, "d_sae": d_sae},
+        )
+
+
+class InsufficientMemory(EngineError):
+    code = "insufficient_memory"
+
+
+class EngineBusy(EngineError):
+    """A bounded wait (drain before attach/detach/unload) ran out."""
+
+    code = "engine_busy"
+
+
+class EngineShutdown(EngineError):
+    code = "engine_shutdown"
+
+
+class RequestCancelled(EngineError):
+    code = "request_cancelled"
+
+
+class GenerationFailed(EngineError):
+    code = "generation_failed"
+
+
+__all__ = [
+    "ContextLengthExceeded",
+    "EngineBusy",
+    "EngineError",
+    "EngineShutdown",
+    "GenerationFailed",
+    "InsufficientMemory",
+    "InvalidFeatureIndex",
+    "InvalidParameter",
+    "ModelLoadFailed",
+    "ModelNotLoaded",
+    "RequestCancelled",
+    "SAEFormatError",
+    "SAEIncompatible",
+    "SAENotAttached",
+    "UnsupportedArchitecture",
+    "error_from_dict",
+]

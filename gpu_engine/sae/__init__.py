@@ -1,0 +1,38 @@
+"""Sparse autoencoders: configs, layouts, compatibility and the torch module.
+
+``SAEConfig``, ``read_sae_metadata`` and ``check_compatibility`` import no torch; ``SAE``
+and ``load_sae`` do, and are resolved on first use.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .compat import CompatibilityReport, check_compatibility
+from .config import ACTIVATIONS, SAEConfig
+from .layouts import SAELayout, detect_layout, read_sae_metadata, register_layout, registered_layouts
+
+_LAZY = {"SAE": "module", "load_sae": "module"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from importlib import import_module
+
+        return getattr(import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(name)
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "CompatibilityReport",
+    "SAE",
+    "SAEConfig",
+    "SAELayout",
+    "check_compatibility",
+    "detect_layout",
+    "load_sae",
+    "read_sae_metadata",
+    "register_layout",
+    "registered_layouts",
+]

@@ -1,0 +1,57 @@
+"""Can this SAE be attached to that model at that layer?  (no torch)
+
+Errors make attaching impossible (d_in differs from the hidden size, layer out of range);
+warnings flag an SAE trained somewhere else (another layer or model), which attaching
+allows because researchers do transfer SAEs on purpose.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from ..errors import SAEIncompatible
+from .config import SAEConfig
+
+
+@dataclass(frozen=True)
+class CompatibilityReport:
+    compatible: bool
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def raise_for_errors(self, sae_id: str = "") -> None:
+        if self.errors:
+            label = f"SAE {sae_id!r}" if sae_id else "SAE"
+            raise SAEIncompatible(f"{label} is incompatible: " + "; ".join(self.errors), details=self.to_dict())
+
+
+def _norm_model_name(name: str) -> str:
+    return name.strip().rstrip("/").split("/")[-1].lower()
+
+
+def check_compatibility(
+    cfg: SAEConfig,
+    *,
+    hidden_size: int,
+    num_layers: int,
+    layer: int,
+    model_name: str | None = None,
+) -> CompatibilityReport:
+    errors: list[str] = []
+    warnings: list[str] = []
+    if cfg.d_in != hidden_size:
+        errors.append(f"SAE d_in={cfg.d_in} does not match the model hidden size {hidden_size}")
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < num_layers:
+        errors.append(f"layer {layer} is out of range for a model with {num_layers} layers (0..{num_layers - 1})")
+    elif cfg.layer is not None and cfg.layer != layer:
+        warnings.append(f"SAE was trained on layer {cfg.layer}, attaching at layer {layer}")
+    if cfg.model_name and model_name and _norm_model_name(cfg.model_name) != _norm_model_name(model_name):
+        warnings.append(f"SAE was trained on model {cfg.model_name!r}, the loaded model is {model_name!r}")
+    return CompatibilityReport(compatible=not errors, errors=errors, warnings=warnings)
+
+
+__all__ = ["CompatibilityReport", "check_compatibility"]
