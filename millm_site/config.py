@@ -1,0 +1,386 @@
+"""Every environment variable miLLM reads, parsed and validated once at start-up.
+
+The table below is the single source of truth: settings modules, the engine bridge,
+``manage.py check_config`` and docs/configuration.md all follow it. A bad value stops the
+process with one line naming the variable and the rule it broke (``ConfigError``).
+
+Parsing goes through django-environ (``.env`` support, booleans, lists, database URLs);
+the rules on top of it (ranges, choices, combinations) are ours.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import environ
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+
+UNSET = object()
+
+
+class ConfigError(Exception):
+    """A variable that cannot be used; ``str()`` is the one line shown to the operator."""
+
+    def __init__(self, name: str, rule: str, value: Any = UNSET):
+        self.name = name
+        self.rule = rule
+        shown = "" if value is UNSET else f" (got {value!r})"
+        super().__init__(f"{name}: {rule}{shown}")
+
+
+@dataclass(frozen=True)
+class Var:
+    name: str
+    topic: str
+    kind: str  # str | int | float | bool | list | tristate
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    minimum: float | None = None
+    maximum: float | None = None
+    secret: bool = False
+    # A default computed from other values (e.g. paths under the data directory).
+    derive: Callable[[dict[str, Any]], Any] | None = field(default=None, compare=False)
+
+
+def _under_data(sub: str) -> Callable[[dict[str, Any]], Any]:
+    return lambda values: str(Path(values["MILLM_DATA_DIR"]) / sub)
+
+
+VARIABLES: tuple[Var, ...] = (
+    # --- Core -----------------------------------------------------------------------
+    Var("MILLM_DATA_DIR", "Core", "str", str(BASE_DIR / "data"),
+        "Directory for the embedded SQLite database, the generated SECRET_KEY, demo assets "
+        "and (by default) the model and SAE caches. Set it to /app in a container image to "
+        "get the original /app/model_cache and /app/sae_cache paths."),
+    Var("DATABASE_URL", "Core", "str", "",
+        "Unset: an SQLite file in MILLM_DATA_DIR (embedded). Set: a PostgreSQL DSN "
+        "(postgresql://user:pass@host:5432/db; the original's postgresql+asyncpg:// form is "
+        "accepted and served through psycopg 3).", secret=True),
+    Var("MODEL_CACHE_DIR", "Core", "str", None, "Where downloaded model weights live "
+        "(default MILLM_DATA_DIR/model_cache).", derive=_under_data("model_cache")),
+    Var("SAE_CACHE_DIR", "Core", "str", None, "Where downloaded SAEs live "
+        "(default MILLM_DATA_DIR/sae_cache).", derive=_under_data("sae_cache")),
+    Var("HF_TOKEN", "Core", "str", "", "Server-wide Hugging Face token for gated repos; a "
+        "per-request token in an API call takes precedence and is never persisted.", secret=True),
+    Var("HF_ENDPOINT", "Core", "str", "", "Hugging Face hub endpoint (mirror or stand-in "
+        "hub); empty means huggingface_hub's default."),
+    Var("HOST", "Core", "str", "0.0.0.0", "Bind address of the HTTP server."),
+    Var("PORT", "Core", "int", 8000, "Bind port of the HTTP server.", minimum=1, maximum=65535),
+    Var("DEBUG", "Core", "bool", False, "Django debug behaviour; never use in production."),
+    Var("SECRET_KEY", "Core", "str", "", "Django secret key. Required when DEBUG is off and "
+        "DATABASE_URL is set (a deployment); the embedded default generates one and keeps "
+        "it in MILLM_DATA_DIR/secret_key.", secret=True),
+    Var("ALLOWED_HOSTS", "Core", "list", ["*"], "Host names the HTTP server answers for."),
+    Var("REDIS_URL", "Core", "str", "", "Unset: embedded mode (engine in the web process, "
+        "in-memory channel layer, tasks in-process). Set: distributed mode over Redis "
+        "(redis://host:6379/0).", secret=True),
+    Var("AUTO_LOAD_MODEL", "Core", "str", "", "Model id or name to load at start-up."),
+    # --- HTTP & logging -------------------------------------------------------------
+    Var("CORS_ORIGINS", "HTTP & logging", "list", ["*"],
+        "Comma-separated allowed origins, or * for any."),
+    Var("LOG_LEVEL", "HTTP & logging", "str", "INFO", "Log threshold of every process.",
+        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
+    Var("LOG_FORMAT", "HTTP & logging", "str", "console",
+        "console for humans, json (one object per line) for log pipelines.",
+        choices=("console", "json")),
+    # --- Concurrency & timeouts -----------------------------------------------------
+    Var("MAX_CONCURRENT_REQUESTS", "Concurrency & timeouts", "int", 1,
+        "Generation slots. With the serial backend requests beyond 1 wait in the queue; "
+        "per-request steering makes values above 1 safe once batching is on.", minimum=1),
+    Var("MAX_PENDING_REQUESTS", "Concurrency & timeouts", "int", 10,
+        "Queue depth beyond the concurrent slots; overflow is refused with 503 queue_full.",
+        minimum=0),
+    Var("MAX_DOWNLOAD_WORKERS", "Concurrency & timeouts", "int", 2,
+        "Parallel model/SAE downloads.", minimum=1),
+    Var("MAX_LOAD_WORKERS", "Concurrency & timeouts", "int", 1,
+        "Parallel model loads (keep at 1).", minimum=1),
+    Var("GRACEFUL_UNLOAD_TIMEOUT", "Concurrency & timeouts", "float", 30.0,
+        "Seconds an unload waits for running requests before moving any weight; requests "
+        "arriving meanwhile get 503 model_busy.", minimum=0),
+    Var("DOWNLOAD_TIMEOUT", "Concurrency & timeouts", "float", 3600.0,
+        "Maximum seconds for a single download.", minimum=1),
+    # --- Model lease and backpressure -----------------------------------------------
+    Var("LEASE_DEFAULT_TTL_SECONDS", "Lease & backpressure", "int", 7200,
+        "TTL of a lease taken without ttl_seconds; must not exceed the maximum.", minimum=1),
+    Var("LEASE_MAX_TTL_SECONDS", "Lease & backpressure", "int", 7200,
+        "Largest ttl_seconds accepted; larger values are refused with 400, never clamped.",
+        minimum=1),
+    Var("LEASE_HOLDER_MAX_CHARS", "Lease & backpressure", "int", 128,
+        "Longest holder label, after stripping.", minimum=1),
+    Var("LEASE_REASON_MAX_CHARS", "Lease & backpressure", "int", 512,
+        "Longest reason, after stripping.", minimum=1),
+    Var("LEASE_ENDED_MEMORY", "Lease & backpressure", "int", 64,
+        "Ended leases remembered so renew/release of a seen id answers 409 LEASE_EXPIRED.",
+        minimum=0),
+    Var("QUEUE_DURATION_WINDOW", "Lease & backpressure", "int", 50,
+        "Recent slot-holding durations kept for estimated_wait_seconds.", minimum=1),
+    Var("RETRY_AFTER_QUEUE_DEFAULT_S", "Lease & backpressure", "int", 5,
+        "Retry-After of QUEUE_FULL with no estimate.", minimum=1),
+    Var("RETRY_AFTER_MAX_S", "Lease & backpressure", "int", 60,
+        "Ceiling on the QUEUE_FULL estimate.", minimum=1),
+    Var("RETRY_AFTER_LOAD_S", "Lease & backpressure", "int", 15,
+        "Retry-After of MODEL_BUSY / MODEL_LOADING while a load runs.", minimum=1),
+    Var("RETRY_AFTER_UNLOAD_S", "Lease & backpressure", "int", 5,
+        "Retry-After of MODEL_BUSY while an unload runs.", minimum=1),
+    Var("RETRY_AFTER_NOT_LOADED_S", "Lease & backpressure", "int", 30,
+        "Retry-After of MODEL_NOT_LOADED.", minimum=1),
+    Var("RETRY_AFTER_MEMORY_S", "Lease & backpressure", "int", 30,
+        "Retry-After of INSUFFICIENT_MEMORY on /v1.", minimum=1),
+    Var("RETRY_AFTER_READINESS_S", "Lease & backpressure", "int", 5,
+        "Retry-After of the readiness probe's 503.", minimum=1),
+    Var("RETRY_AFTER_FALLBACK_S", "Lease & backpressure", "int", 10,
+        "Any other 503 that reached the response without Retry-After (logged as "
+        "retry_after_defaulted).", minimum=1),
+    # --- Performance ----------------------------------------------------------------
+    Var("TORCH_COMPILE", "Performance", "tristate", None,
+        "true/false/unset; unset = auto: compile on CUDA for non-bitsandbytes models."),
+    Var("TORCH_COMPILE_MODE", "Performance", "str", "reduce-overhead",
+        "torch.compile mode.", choices=("default", "reduce-overhead", "max-autotune")),
+    Var("KV_CACHE_MODE", "Performance", "str", "dynamic",
+        "static enables a compiled static KV cache.", choices=("dynamic", "static")),
+    Var("SPECULATIVE_MODEL", "Performance", "str", "",
+        "Small draft model for speculative decoding (unset = off)."),
+    Var("SPECULATIVE_NUM_TOKENS", "Performance", "int", 5,
+        "Tokens the draft proposes per step.", minimum=1, maximum=64),
+    Var("MILLM_ENGINE_DEVICE", "Performance", "str", "auto",
+        "Where the engine puts the model: cpu, cuda, cuda:N or auto (cuda when present).",),
+    Var("MILLM_ENGINE_DTYPE", "Performance", "str", "auto",
+        "Model dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on CPU).",
+        choices=("auto", "float32", "bfloat16", "float16")),
+    # --- Continuous batching --------------------------------------------------------
+    Var("ENABLE_CONTINUOUS_BATCHING", "Continuous batching", "bool", False,
+        "Batch concurrent requests into shared forward passes."),
+    Var("CBM_MAX_QUEUE_SIZE", "Continuous batching", "int", 256,
+        "Scheduler queue size.", minimum=1),
+    Var("CBM_DEFAULT_TEMPERATURE", "Continuous batching", "float", 0.7,
+        "Default sampling temperature of batched requests that bring none.",
+        minimum=0, maximum=2),
+    Var("CBM_DEFAULT_TOP_P", "Continuous batching", "float", 0.95,
+        "Default top-p of batched requests that bring none.", minimum=0, maximum=1),
+    Var("CBM_DEFAULT_MAX_TOKENS", "Continuous batching", "int", 512,
+        "Default generation length of batched requests.", minimum=1),
+    Var("CBM_FORCE_SERIAL_MONITORING", "Continuous batching", "bool", False,
+        "Route monitored requests to the serial path."),
+    # --- Transformers models --------------------------------------------------------
+    Var("TRANSFORMERS_MIN_CONTEXT", "Transformers models", "int", 4096,
+        "Context whose KV cache every card a model uses must have room for (or the model's "
+        "own maximum if shorter); a floor for loading, not a request limit.", minimum=1),
+    Var("TRANSFORMERS_CUDA_CONTEXT_MB", "Transformers models", "int", 500,
+        "Memory each card keeps for its CUDA context, in MB.", minimum=0),
+    Var("TRANSFORMERS_IDLE_CACHE_RELEASE_S", "Transformers models", "float", 5.0,
+        "Idle seconds before PyTorch's unused cached GPU memory is released; 0 at once, "
+        "negative never."),
+    # --- GGUF models ----------------------------------------------------------------
+    Var("GGUF_CONTEXT_LENGTH", "GGUF models", "int", 32768,
+        "Ceiling on the loaded context window; 0 = what the file declares.", minimum=0),
+    Var("GGUF_TENSOR_SPLIT", "GGUF models", "list", [],
+        "Per-card proportions for a multi-GPU GGUF load (empty = by free memory)."),
+    Var("GGUF_KV_CACHE_TYPE", "GGUF models", "str", "q8_0", "KV-cache precision.",
+        choices=("f32", "f16", "bf16", "q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")),
+    Var("GGUF_FLASH_ATTENTION", "GGUF models", "bool", True,
+        "Flash attention; required by a quantized KV cache."),
+    Var("GGUF_ENABLE_EMBEDDINGS", "GGUF models", "bool", True,
+        "Load GGUF models with embedding output so /v1/embeddings works."),
+)
+
+VARIABLES_BY_NAME = {v.name: v for v in VARIABLES}
+UNQUANTIZED_KV = {"f32", "f16", "bf16"}
+POSTGRES_SCHEMES = {"postgres", "postgresql", "postgresql+asyncpg", "postgresql+psycopg",
+                    "postgresql+psycopg2", "pgsql"}
+_TRUE = {"1", "true", "yes", "on", "y", "t"}
+_FALSE = {"0", "false", "no", "off", "n", "f"}
+
+
+class Config(Mapping[str, Any]):
+    """Read-only view of the parsed values; attribute and item access."""
+
+    def __init__(self, values: dict[str, Any]):
+        self._values = dict(values)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self):
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    @property
+    def embedded(self) -> bool:
+        return not self._values["REDIS_URL"]
+
+    def database(self) -> dict[str, Any]:
+        """The Django DATABASES['default'] entry."""
+        url = self._values["DATABASE_URL"]
+        if not url:
+            path = Path(self._values["MILLM_DATA_DIR"]) / "millm.sqlite3"
+            return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path),
+                    "OPTIONS": {"timeout": 20}}
+        scheme, rest = url.split("://", 1)
+        parsed = environ.Env.db_url_config(f"postgresql://{rest}")
+        parsed["ENGINE"] = "django.db.backends.postgresql"
+        parsed["CONN_MAX_AGE"] = 60
+        parsed["CONN_HEALTH_CHECKS"] = True
+        return parsed
+
+
+def _parse(var: Var, raw: str) -> Any:
+    text = raw.strip()
+    if var.kind == "str":
+        return text
+    if var.kind == "int":
+        try:
+            return int(text)
+        except ValueError:
+            raise ConfigError(var.name, "must be an integer", raw) from None
+    if var.kind == "float":
+        try:
+            value = float(text)
+        except ValueError:
+            raise ConfigError(var.name, "must be a number", raw) from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ConfigError(var.name, "must be a finite number", raw)
+        return value
+    if var.kind in ("bool", "tristate"):
+        low = text.lower()
+        if var.kind == "tristate" and low in ("", "auto"):
+            return None
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        allowed = "true/false" + ("/auto" if var.kind == "tristate" else "")
+        raise ConfigError(var.name, f"must be {allowed}", raw)
+    if var.kind == "list":
+        return [item.strip() for item in text.split(",") if item.strip()]
+    raise AssertionError(var.kind)
+
+
+def _check_range(var: Var, value: Any) -> None:
+    if var.choices is not None and value not in var.choices:
+        raise ConfigError(var.name, f"must be one of {', '.join(var.choices)}", value)
+    if var.minimum is not None and value < var.minimum:
+        raise ConfigError(var.name, f"must be >= {var.minimum:g}", value)
+    if var.maximum is not None and value > var.maximum:
+        raise ConfigError(var.name, f"must be <= {var.maximum:g}", value)
+
+
+def _check_combinations(v: dict[str, Any]) -> None:
+    if v["LEASE_DEFAULT_TTL_SECONDS"] > v["LEASE_MAX_TTL_SECONDS"]:
+        raise ConfigError("LEASE_DEFAULT_TTL_SECONDS",
+                          f"must not exceed LEASE_MAX_TTL_SECONDS ({v['LEASE_MAX_TTL_SECONDS']})",
+                          v["LEASE_DEFAULT_TTL_SECONDS"])
+    if v["RETRY_AFTER_QUEUE_DEFAULT_S"] > v["RETRY_AFTER_MAX_S"]:
+        raise ConfigError("RETRY_AFTER_QUEUE_DEFAULT_S",
+                          f"must not exceed RETRY_AFTER_MAX_S ({v['RETRY_AFTER_MAX_S']})",
+                          v["RETRY_AFTER_QUEUE_DEFAULT_S"])
+    if not v["GGUF_FLASH_ATTENTION"] and v["GGUF_KV_CACHE_TYPE"] not in UNQUANTIZED_KV:
+        raise ConfigError("GGUF_FLASH_ATTENTION",
+                          f"must be true when GGUF_KV_CACHE_TYPE is quantized "
+                          f"({v['GGUF_KV_CACHE_TYPE']}); use f16 to turn flash attention off",
+                          False)
+    for item in v["GGUF_TENSOR_SPLIT"]:
+        try:
+            share = float(item)
+        except ValueError:
+            raise ConfigError("GGUF_TENSOR_SPLIT", "must be comma-separated numbers",
+                              ",".join(v["GGUF_TENSOR_SPLIT"])) from None
+        if not share > 0:
+            raise ConfigError("GGUF_TENSOR_SPLIT", "every proportion must be > 0",
+                              ",".join(v["GGUF_TENSOR_SPLIT"]))
+    device = v["MILLM_ENGINE_DEVICE"]
+    if device not in ("auto", "cpu", "cuda") and not (
+            device.startswith("cuda:") and device[5:].isdigit()):
+        raise ConfigError("MILLM_ENGINE_DEVICE", "must be auto, cpu, cuda or cuda:N", device)
+    url = v["DATABASE_URL"]
+    if url:
+        scheme = url.split("://", 1)[0].lower() if "://" in url else ""
+        if scheme not in POSTGRES_SCHEMES:
+            raise ConfigError("DATABASE_URL", "must be a PostgreSQL URL "
+                              "(postgresql://user:pass@host:5432/db) or unset for SQLite",
+                              _redact(url))
+        if not urlparse(url).path.strip("/"):
+            raise ConfigError("DATABASE_URL", "must name a database", _redact(url))
+    redis_url = v["REDIS_URL"]
+    if redis_url and urlparse(redis_url).scheme not in ("redis", "rediss", "unix"):
+        raise ConfigError("REDIS_URL", "must be a redis://, rediss:// or unix:// URL",
+                          _redact(redis_url))
+    origins = v["CORS_ORIGINS"]
+    for origin in origins:
+        if origin != "*" and not urlparse(origin).scheme in ("http", "https"):
+            raise ConfigError("CORS_ORIGINS", "each origin must be * or an http(s) URL", origin)
+    if not v["DEBUG"] and v["DATABASE_URL"] and not v["SECRET_KEY"]:
+        raise ConfigError("SECRET_KEY", "is required when DEBUG is off and DATABASE_URL is set")
+    if v["SECRET_KEY"] and len(v["SECRET_KEY"]) < 32 and not v["DEBUG"]:
+        raise ConfigError("SECRET_KEY", "must be at least 32 characters when DEBUG is off")
+
+
+def _redact(url: str) -> str:
+    parsed = urlparse(url)
+    if parsed.password:
+        return url.replace(f":{parsed.password}@", ":***@")
+    return url
+
+
+def load_config(environ_map: Mapping[str, str] | None = None) -> Config:
+    """Parse and validate every variable; raise ConfigError on the first bad one."""
+    source = os.environ if environ_map is None else environ_map
+    values: dict[str, Any] = {}
+    derived: list[Var] = []
+    for var in VARIABLES:
+        raw = source.get(var.name)
+        if raw is None or (raw.strip() == "" and var.kind not in ("str", "list", "tristate")):
+            if var.derive is not None:
+                derived.append(var)
+                continue
+            values[var.name] = var.default
+            continue
+        if raw.strip() == "" and var.derive is not None:
+            derived.append(var)
+            continue
+        value = _parse(var, raw)
+        _check_range(var, value)
+        values[var.name] = value
+    for var in derived:
+        values[var.name] = var.derive(values)
+    _check_combinations(values)
+    return Config(values)
+
+
+def read_dotenv(path: Path | None = None) -> None:
+    """Load ``.env`` (without overriding the real environment), as django-environ does."""
+    path = path or Path(os.environ.get("MILLM_ENV_FILE", BASE_DIR / ".env"))
+    if path.is_file():
+        environ.Env.read_env(str(path), overwrite=False)
+
+
+_CONFIG: Config | None = None
+
+
+def get_config() -> Config:
+    """The process-wide configuration; exits with one line on a bad value."""
+    global _CONFIG
+    if _CONFIG is None:
+        read_dotenv()
+        try:
+            _CONFIG = load_config()
+        except ConfigError as exc:
+            sys.stderr.write(f"miLLM configuration error: {exc}\n")
+            sys.stderr.flush()
+            raise SystemExit(2) from None
+    return _CONFIG

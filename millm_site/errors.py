@@ -1,0 +1,72 @@
+"""Domain errors shared by every surface.
+
+Each error class carries the stable ``code`` of the documented contract and its HTTP
+status; the /api envelope and the /v1 OpenAI shape are both built from these in one place
+each, so a service raises the same exception whichever surface called it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class MillmError(Exception):
+    code: ClassVar[str] = "INTERNAL_ERROR"
+    status: ClassVar[int] = 500
+
+    def __init__(self, message: str, *, details: dict[str, Any] | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = dict(details or {})
+        self.retry_after = retry_after
+
+
+class ValidationFailed(MillmError):
+    code, status = "VALIDATION_ERROR", 422
+
+
+class InvalidLocalPath(MillmError):
+    code, status = "INVALID_LOCAL_PATH", 400
+
+
+class ModelNotFound(MillmError):
+    code, status = "MODEL_NOT_FOUND", 404
+
+
+class ModelAlreadyExists(MillmError):
+    code, status = "MODEL_ALREADY_EXISTS", 409
+
+
+class ModelLocked(MillmError):
+    code, status = "MODEL_LOCKED", 409
+
+
+class ModelLoaded(MillmError):
+    code, status = "MODEL_LOADED", 409
+
+
+class ModelInvalid(MillmError):
+    """The files are there but are not a model we can read."""
+
+    code, status = "MODEL_INVALID", 400
+
+
+class SAENotFound(MillmError):
+    code, status = "SAE_NOT_FOUND", 404
+
+
+class SAEInvalid(MillmError):
+    code, status = "SAE_INVALID", 400
+
+
+class SAEAlreadyAttached(MillmError):
+    code, status = "SAE_ALREADY_ATTACHED", 409
+
+
+class JobNotFound(MillmError):
+    code, status = "JOB_NOT_FOUND", 404
+
+
+class JobFinished(MillmError):
+    code, status = "JOB_ALREADY_FINISHED", 409

@@ -1,0 +1,35 @@
+"""Print the effective configuration by topic (secrets redacted).
+
+Reaching this command at all means the configuration passed validation: a bad value stops
+``manage.py`` before any command runs, with one line naming the variable.
+"""
+
+import structlog
+from django.core.management.base import BaseCommand
+
+from millm_site.config import VARIABLES, get_config
+
+log = structlog.get_logger("millm.config")
+
+
+class Command(BaseCommand):
+    help = "Validate and print the configuration miLLM runs with."
+
+    def handle(self, *args, **options):
+        config = get_config()
+        topic = None
+        for var in VARIABLES:
+            if var.topic != topic:
+                topic = var.topic
+                self.stdout.write(f"\n[{topic}]")
+            value = config[var.name]
+            if var.secret and value:
+                value = "(set)"
+            elif isinstance(value, list):
+                value = ",".join(value)
+            elif value is None:
+                value = "(auto)"
+            self.stdout.write(f"{var.name}={value}")
+        mode = "embedded" if config.embedded else "distributed"
+        log.info("config_ok", mode=mode, database=config.database()["ENGINE"].rsplit(".", 1)[-1])
+        self.stdout.write(self.style.SUCCESS(f"\nConfiguration OK ({mode} mode)."))

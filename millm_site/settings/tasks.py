@@ -1,0 +1,16 @@
+"""Celery: Redis broker in distributed mode; in embedded mode tasks run on an in-process
+thread pool (millm_site.jobs) so a download never blocks a request."""
+
+from .core import CONFIG, EMBEDDED
+
+CELERY_BROKER_URL = CONFIG.REDIS_URL or "memory://"
+CELERY_RESULT_BACKEND = None
+CELERY_TASK_IGNORE_RESULT = True
+CELERY_TASK_DEFAULT_QUEUE = "maintenance"
+CELERY_TASK_ROUTES = {"registry.tasks.*": {"queue": "downloads"}}
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_TIME_LIMIT = int(CONFIG.DOWNLOAD_TIMEOUT) + 60
+CELERY_TASK_SOFT_TIME_LIMIT = int(CONFIG.DOWNLOAD_TIMEOUT)
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False
+MILLM_TASKS_IN_PROCESS = EMBEDDED

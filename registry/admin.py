@@ -1,0 +1,134 @@
+"""Admin pages for the registry. Actions call the same service functions as the API, so a
+refusal (a locked model, an attached SAE) reads the same here as anywhere else."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from django.contrib import admin, messages
+from django.template.defaultfilters import filesizeformat
+
+from millm_site.errors import MillmError
+from registry import services
+from registry.models import SAE, Job, Model
+
+
+def _run_each(modeladmin: admin.ModelAdmin, request, objects: Iterable, verb: str,
+              action: Callable) -> None:
+    done = 0
+    for obj in objects:
+        try:
+            action(obj)
+            done += 1
+        except MillmError as exc:
+            modeladmin.message_user(request, f"{obj}: {exc.message} ({exc.code})",
+                                    level=messages.ERROR)
+    if done:
+        modeladmin.message_user(request, f"{verb} {done} item(s).", level=messages.SUCCESS)
+
+
+@admin.register(Model)
+class ModelAdmin(admin.ModelAdmin):
+    list_display = ("name", "status", "source", "format", "architecture", "params_display",
+                    "disk_display", "locked", "updated_at")
+    list_filter = ("status", "source", "format", "quantization", "locked")
+    search_fields = ("name", "repo_id", "local_path", "architecture")
+    readonly_fields = ("status", "error_message", "architecture", "num_layers", "hidden_size",
+                       "context_length", "parameter_count", "disk_size_bytes",
+                       "estimated_memory_bytes", "locked", "loaded_at", "created_at",
+                       "updated_at")
+    fieldsets = (
+        (None, {"fields": ("name", "source", "repo_id", "revision", "local_path", "format",
+                           "gguf_file", "quantization", "trust_remote_code")}),
+        ("State", {"fields": ("status", "error_message", "locked", "loaded_at")}),
+        ("Checkpoint", {"fields": ("architecture", "num_layers", "hidden_size",
+                                   "context_length", "parameter_count", "disk_size_bytes",
+                                   "estimated_memory_bytes")}),
+        ("Timestamps", {"fields": ("created_at", "updated_at")}),
+    )
+    actions = ("lock_models", "unlock_models", "refresh_metadata", "delete_models")
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        # Django's bulk delete would bypass model_delete's lock/loaded checks.
+        actions.pop("delete_selected", None)
+        return actions
+
+    @admin.display(description="Parameters")
+    def params_display(self, obj: Model) -> str:
+        if not obj.parameter_count:
+            return "—"
+        count = obj.parameter_count
+        for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+            if count >= size:
+                return f"{count / size:.1f}{unit}"
+        return str(count)
+
+    @admin.display(description="Disk")
+    def disk_display(self, obj: Model) -> str:
+        return filesizeformat(obj.disk_size_bytes) if obj.disk_size_bytes else "—"
+
+    @admin.action(description="Lock selected models")
+    def lock_models(self, request, queryset):
+        _run_each(self, request, queryset, "Locked", lambda m: services.model_lock(model=m))
+
+    @admin.action(description="Unlock selected models")
+    def unlock_models(self, request, queryset):
+        _run_each(self, request, queryset, "Unlocked",
+                  lambda m: services.model_unlock(model=m))
+
+    @admin.action(description="Re-read metadata from the files")
+    def refresh_metadata(self, request, queryset):
+        _run_each(self, request, queryset, "Refreshed",
+                  lambda m: services.model_refresh_metadata(model=m))
+
+    @admin.action(description="Delete selected models (refused while loaded or locked)")
+    def delete_models(self, request, queryset):
+        _run_each(self, request, queryset, "Deleted", lambda m: services.model_delete(model=m))
+
+    def delete_model(self, request, obj):
+        services.model_delete(model=obj)
+
+
+@admin.register(SAE)
+class SAEAdmin(admin.ModelAdmin):
+    list_display = ("id", "name", "status", "format", "activation", "d_in", "d_sae",
+                    "trained_on_model", "trained_on_layer", "updated_at")
+    list_filter = ("status", "format", "activation")
+    search_fields = ("id", "name", "repository_id", "file_path", "trained_on_model",
+                     "hook_name")
+    readonly_fields = ("id", "status", "error_message", "format", "d_in", "d_sae", "width",
+                       "activation", "topk_k", "trained_on_model", "trained_on_layer",
+                       "hook_name", "created_at", "updated_at")
+    actions = ("delete_saes",)
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    @admin.action(description="Delete selected SAEs (refused while attached)")
+    def delete_saes(self, request, queryset):
+        _run_each(self, request, queryset, "Deleted", lambda s: services.sae_delete(sae=s))
+
+    def delete_model(self, request, obj):
+        services.sae_delete(sae=obj)
+
+
+@admin.register(Job)
+class JobAdmin(admin.ModelAdmin):
+    list_display = ("id", "kind", "target", "status", "progress", "stage", "created_at",
+                    "finished_at")
+    list_filter = ("kind", "status")
+    search_fields = ("target", "stage", "error")
+    readonly_fields = ("kind", "model", "sae", "target", "status", "progress", "stage",
+                       "bytes_done", "bytes_total", "error", "cancel_requested", "created_at",
+                       "started_at", "finished_at", "updated_at")
+    actions = ("cancel_jobs",)
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    @admin.action(description="Cancel selected jobs")
+    def cancel_jobs(self, request, queryset):
+        _run_each(self, request, queryset, "Cancelled", lambda j: services.job_cancel(job=j))

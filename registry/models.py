@@ -1,0 +1,188 @@
+"""The registry: models and SAEs known to the server, and the jobs that move them.
+
+Rows carry metadata only; weights stay on disk. Mutations go through ``services``.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+from django.db import models
+
+
+class Model(models.Model):
+    class Source(models.TextChoices):
+        HUGGINGFACE = "huggingface", "Hugging Face hub"
+        LOCAL = "local", "Local directory"
+
+    class Format(models.TextChoices):
+        TRANSFORMERS = "transformers", "transformers (safetensors)"
+        GGUF = "gguf", "GGUF"
+
+    class Quantization(models.TextChoices):
+        FP32 = "FP32", "FP32"
+        FP16 = "FP16", "FP16 / BF16"
+        Q8 = "Q8", "8-bit"
+        Q4 = "Q4", "4-bit"
+        Q2 = "Q2", "2-bit"
+
+    class Status(models.TextChoices):
+        DOWNLOADING = "downloading", "Downloading"
+        READY = "ready", "Ready"
+        LOADING = "loading", "Loading"
+        LOADED = "loaded", "Loaded"
+        ERROR = "error", "Error"
+
+    name = models.CharField(max_length=200, unique=True,
+                            help_text="The name clients use as `model` on /v1.")
+    source = models.CharField(max_length=16, choices=Source.choices)
+    repo_id = models.CharField(max_length=300, blank=True)
+    revision = models.CharField(max_length=100, blank=True, default="main")
+    local_path = models.CharField(max_length=1000, blank=True,
+                                  help_text="Directory (or GGUF file) holding the weights.")
+    format = models.CharField(max_length=16, choices=Format.choices,
+                              default=Format.TRANSFORMERS)
+    gguf_file = models.CharField(max_length=300, blank=True)
+    quantization = models.CharField(max_length=8, choices=Quantization.choices,
+                                    default=Quantization.FP32)
+    trust_remote_code = models.BooleanField(default=False)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY,
+                              db_index=True)
+    error_message = models.TextField(blank=True)
+    architecture = models.CharField(max_length=200, blank=True)
+    num_layers = models.PositiveIntegerField(null=True, blank=True)
+    hidden_size = models.PositiveIntegerField(null=True, blank=True)
+    context_length = models.PositiveIntegerField(null=True, blank=True)
+    parameter_count = models.BigIntegerField(null=True, blank=True)
+    disk_size_bytes = models.BigIntegerField(null=True, blank=True)
+    estimated_memory_bytes = models.BigIntegerField(null=True, blank=True)
+    locked = models.BooleanField(default=False)
+    loaded_at = models.DateTimeField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                name="model_hub_needs_repo",
+                condition=~models.Q(source="huggingface") | ~models.Q(repo_id=""),
+            ),
+            models.CheckConstraint(
+                name="model_local_needs_path",
+                condition=~models.Q(source="local") | ~models.Q(local_path=""),
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def _sae_id() -> str:
+    return f"sae_{secrets.token_hex(8)}"
+
+
+class SAE(models.Model):
+    class Format(models.TextChoices):
+        SAELENS = "saelens", "SAELens (cfg.json + safetensors)"
+        GEMMASCOPE = "gemmascope", "Gemma Scope (params.npz)"
+
+    class Activation(models.TextChoices):
+        RELU = "relu", "ReLU"
+        JUMPRELU = "jumprelu", "JumpReLU"
+        TOPK = "topk", "TopK"
+
+    class Status(models.TextChoices):
+        DOWNLOADING = "downloading", "Downloading"
+        READY = "ready", "Ready"
+        ATTACHED = "attached", "Attached"
+        ERROR = "error", "Error"
+
+    id = models.CharField(primary_key=True, max_length=40, default=_sae_id, editable=False)
+    name = models.CharField(max_length=200, blank=True)
+    repository_id = models.CharField(max_length=300, blank=True,
+                                     help_text="Hub repository, empty for a local SAE.")
+    revision = models.CharField(max_length=100, blank=True, default="main")
+    file_path = models.CharField(max_length=500, blank=True,
+                                 help_text="Path of the SAE inside the repository.")
+    local_path = models.CharField(max_length=1000, blank=True)
+    format = models.CharField(max_length=16, choices=Format.choices)
+    d_in = models.PositiveIntegerField(null=True, blank=True)
+    d_sae = models.PositiveIntegerField(null=True, blank=True)
+    trained_on_model = models.CharField(max_length=300, blank=True)
+    trained_on_layer = models.IntegerField(null=True, blank=True)
+    hook_name = models.CharField(max_length=200, blank=True)
+    activation = models.CharField(max_length=16, choices=Activation.choices,
+                                  default=Activation.RELU)
+    topk_k = models.PositiveIntegerField(null=True, blank=True)
+    width = models.PositiveIntegerField(null=True, blank=True,
+                                        help_text="Dictionary width (= d_sae).")
+    average_l0 = models.FloatField(null=True, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY,
+                              db_index=True)
+    error_message = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        verbose_name = "SAE"
+        ordering = ["name", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["repository_id", "revision", "file_path"],
+                condition=~models.Q(repository_id=""),
+                name="sae_unique_hub_file",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name or self.id
+
+
+class Job(models.Model):
+    class Kind(models.TextChoices):
+        MODEL_DOWNLOAD = "model_download", "Model download"
+        SAE_DOWNLOAD = "sae_download", "SAE download"
+        MODEL_LOAD = "model_load", "Model load"
+        MODEL_UNLOAD = "model_unload", "Model unload"
+        MAINTENANCE = "maintenance", "Maintenance"
+
+    class Status(models.TextChoices):
+        QUEUED = "queued", "Queued"
+        RUNNING = "running", "Running"
+        SUCCEEDED = "succeeded", "Succeeded"
+        FAILED = "failed", "Failed"
+        CANCELLED = "cancelled", "Cancelled"
+
+    FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+
+    kind = models.CharField(max_length=32, choices=Kind.choices)
+    model = models.ForeignKey(Model, null=True, blank=True, on_delete=models.SET_NULL,
+                              related_name="jobs")
+    sae = models.ForeignKey(SAE, null=True, blank=True, on_delete=models.SET_NULL,
+                            related_name="jobs")
+    target = models.CharField(max_length=500, blank=True,
+                              help_text="What the job acts on, kept after the row it names "
+                                        "is deleted.")
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED,
+                              db_index=True)
+    progress = models.PositiveSmallIntegerField(default=0)
+    stage = models.CharField(max_length=100, blank=True)
+    bytes_done = models.BigIntegerField(default=0)
+    bytes_total = models.BigIntegerField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    cancel_requested = models.BooleanField(default=False)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        constraints = [
+            models.CheckConstraint(name="job_progress_0_100",
+                                   condition=models.Q(progress__lte=100)),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.get_kind_display()} {self.target} ({self.status})"

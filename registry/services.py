@@ -1,0 +1,376 @@
+"""Registry mutations. Views, admin actions, commands, tasks and the engine bridge all
+call these functions; none of this logic lives in views, serializers or ``save()``."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import structlog
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from millm_site import events
+from millm_site.errors import (
+    InvalidLocalPath,
+    JobFinished,
+    ModelAlreadyExists,
+    ModelInvalid,
+    ModelLoaded,
+    ModelLocked,
+    SAEAlreadyAttached,
+    SAEInvalid,
+)
+from registry.models import SAE, Job, Model
+
+log = structlog.get_logger(__name__)
+
+# Registering one of these (or anything under them) as a model directory would let the
+# model loader and prune_cache walk system files; the original refused them too.
+SYSTEM_DIRECTORIES = (
+    "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
+    "/run", "/sbin", "/sys", "/usr/bin", "/usr/lib", "/usr/sbin", "/usr/include",
+    "/var/lib", "/var/log", "/var/run",
+)
+
+
+def _check_local_path(raw: str) -> Path:
+    if not raw or not raw.strip():
+        raise InvalidLocalPath("local_path is required for a local model",
+                               details={"local_path": raw})
+    path = Path(raw.strip())
+    if not path.is_absolute():
+        raise InvalidLocalPath("local_path must be an absolute path", details={"local_path": raw})
+    resolved = path.resolve()
+    if str(resolved) == "/" or any(
+            str(resolved) == d or str(resolved).startswith(d + "/") for d in SYSTEM_DIRECTORIES):
+        raise InvalidLocalPath(f"{resolved} is a system directory and cannot hold a model",
+                               details={"local_path": raw})
+    if not resolved.exists():
+        raise InvalidLocalPath(f"{resolved} does not exist", details={"local_path": raw})
+    return resolved
+
+
+def _dir_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _describe_transformers_dir(path: Path) -> dict[str, Any]:
+    from gpu_engine.errors import EngineError
+    from gpu_engine.inspect import inspect_model_dir
+
+    try:
+        info = inspect_model_dir(path)
+    except EngineError as exc:
+        raise ModelInvalid(f"{path} is not a readable transformers checkpoint: {exc.message}",
+                           details={"local_path": str(path)}) from exc
+    return {
+        "architecture": info.architecture_class,
+        "num_layers": info.num_layers,
+        "hidden_size": info.hidden_size,
+        "context_length": info.context_length,
+        "parameter_count": info.param_count,
+        "disk_size_bytes": info.disk_size_bytes,
+        "estimated_memory_bytes": info.estimated_memory_bytes,
+    }
+
+
+def _describe_gguf_file(path: Path) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as exc:  # noqa: BLE001 - gguf raises assorted errors on bad files
+        raise ModelInvalid(f"{path.name} is not a readable GGUF file: {exc}",
+                           details={"local_path": str(path)}) from exc
+
+    def field(name: str) -> Any:
+        item = reader.fields.get(name)
+        return item.contents() if item is not None else None
+
+    arch = field("general.architecture") or ""
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    size = path.stat().st_size
+    return {
+        "architecture": str(arch),
+        "num_layers": field(f"{arch}.block_count"),
+        "hidden_size": field(f"{arch}.embedding_length"),
+        "context_length": field(f"{arch}.context_length"),
+        "parameter_count": params,
+        "disk_size_bytes": size,
+        "estimated_memory_bytes": size,
+    }
+
+
+@transaction.atomic
+def model_register_local(*, local_path: str, name: str | None = None,
+                         quantization: str | None = None,
+                         trust_remote_code: bool = False) -> Model:
+    """Register a checkpoint already on disk: a transformers directory or a GGUF file."""
+    path = _check_local_path(local_path)
+    if path.is_file() and path.suffix == ".gguf":
+        fmt, gguf_file, meta = Model.Format.GGUF, path.name, _describe_gguf_file(path)
+    elif path.is_dir():
+        fmt, gguf_file, meta = Model.Format.TRANSFORMERS, "", _describe_transformers_dir(path)
+    else:
+        raise InvalidLocalPath(f"{path} is neither a model directory nor a .gguf file",
+                               details={"local_path": local_path})
+    name = (name or (path.stem if path.is_file() else path.name)).strip()
+    if Model.objects.filter(name=name).exists():
+        raise ModelAlreadyExists(f"A model named {name!r} is already registered",
+                                 details={"name": name})
+    model = Model.objects.create(
+        name=name, source=Model.Source.LOCAL, local_path=str(path), format=fmt,
+        gguf_file=gguf_file,
+        quantization=quantization or Model.Quantization.FP32,
+        trust_remote_code=trust_remote_code, status=Model.Status.READY, **meta,
+    )
+    log.info("model_registered", model_id=model.id, name=name, path=str(path))
+    return model
+
+
+def model_refresh_metadata(*, model: Model) -> Model:
+    """Re-read architecture and sizes from the files (after a manual copy, say)."""
+    if not model.local_path:
+        raise ModelInvalid(f"Model {model.name!r} has no files yet",
+                           details={"model_id": model.id})
+    path = Path(model.local_path)
+    meta = (_describe_gguf_file(path) if model.format == Model.Format.GGUF
+            else _describe_transformers_dir(path))
+    for key, value in meta.items():
+        setattr(model, key, value)
+    model.save(update_fields=[*meta.keys(), "updated_at"])
+    return model
+
+
+def model_set_status(*, model: Model, status: str, error: str = "") -> Model:
+    model.status = status
+    model.error_message = error
+    fields = ["status", "error_message", "updated_at"]
+    if status == Model.Status.LOADED:
+        model.loaded_at = timezone.now()
+        fields.append("loaded_at")
+    model.save(update_fields=fields)
+    return model
+
+
+def model_lock(*, model: Model) -> Model:
+    Model.objects.filter(pk=model.pk).update(locked=True, updated_at=timezone.now())
+    model.refresh_from_db()
+    return model
+
+
+def model_unlock(*, model: Model) -> Model:
+    Model.objects.filter(pk=model.pk).update(locked=False, updated_at=timezone.now())
+    model.refresh_from_db()
+    return model
+
+
+def _is_under(path: Path, root: Path) -> bool:
+    try:
+        path.resolve().relative_to(root.resolve())
+    except ValueError:
+        return False
+    return True
+
+
+@transaction.atomic
+def model_delete(*, model: Model) -> None:
+    """Delete the row, and the files when miLLM downloaded them into its cache.
+
+    A model registered from a user's own directory keeps its files: we only ever remove
+    what we put under MODEL_CACHE_DIR.
+    """
+    model = Model.objects.select_for_update().get(pk=model.pk)
+    if model.locked:
+        raise ModelLocked(f"Model {model.name!r} is locked; unlock it first",
+                          details={"model_id": model.id})
+    if model.status in (Model.Status.LOADED, Model.Status.LOADING):
+        raise ModelLoaded(f"Model {model.name!r} is {model.status}; unload it first",
+                          details={"model_id": model.id, "status": model.status})
+    files = Path(model.local_path) if model.local_path else None
+    model_id = model.id
+    model.delete()
+    if files is not None and _is_under(files, Path(settings.MODEL_CACHE_DIR)) and files.exists():
+        transaction.on_commit(lambda: _remove(files))
+    log.info("model_deleted", model_id=model_id)
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+# --- SAEs ------------------------------------------------------------------------------
+
+def _describe_sae(path: Path) -> dict[str, Any]:
+    from gpu_engine.errors import EngineError
+    from gpu_engine.sae import read_sae_metadata
+
+    try:
+        meta = read_sae_metadata(path)
+    except EngineError as exc:
+        raise SAEInvalid(f"{path} is not a readable SAE: {exc.message}",
+                         details={"local_path": str(path)}) from exc
+    return {
+        "format": meta.layout,
+        "d_in": meta.d_in,
+        "d_sae": meta.d_sae,
+        "width": meta.d_sae,
+        "activation": meta.activation,
+        "topk_k": meta.k,
+        "trained_on_model": meta.model_name or "",
+        "trained_on_layer": meta.layer,
+        "hook_name": meta.hook_name or "",
+    }
+
+
+@transaction.atomic
+def sae_register_local(*, local_path: str, name: str | None = None,
+                       repository_id: str = "", file_path: str = "",
+                       average_l0: float | None = None) -> SAE:
+    """Register an SAE directory (SAELens) or params.npz (Gemma Scope) already on disk."""
+    path = _check_local_path(local_path)
+    meta = _describe_sae(path)
+    if repository_id and SAE.objects.filter(repository_id=repository_id, revision="main",
+                                            file_path=file_path).exists():
+        raise SAEInvalid(f"SAE {repository_id}/{file_path} is already registered",
+                         details={"repository_id": repository_id, "file_path": file_path})
+    default_name = path.name if path.is_dir() else path.parent.name
+    sae = SAE.objects.create(
+        name=(name or default_name).strip(),
+        repository_id=repository_id, file_path=file_path, local_path=str(path),
+        average_l0=average_l0, status=SAE.Status.READY, **meta,
+    )
+    log.info("sae_registered", sae_id=sae.id, path=str(path))
+    return sae
+
+
+@transaction.atomic
+def sae_delete(*, sae: SAE) -> None:
+    sae = SAE.objects.select_for_update().get(pk=sae.pk)
+    if sae.status == SAE.Status.ATTACHED:
+        raise SAEAlreadyAttached(f"SAE {sae.id} is attached; detach it first",
+                                 details={"sae_id": sae.id})
+    files = Path(sae.local_path) if sae.local_path else None
+    sae.delete()
+    if files is not None and _is_under(files, Path(settings.SAE_CACHE_DIR)) and files.exists():
+        transaction.on_commit(lambda: _remove(files))
+
+
+# --- Jobs ------------------------------------------------------------------------------
+
+_JOB_EVENT_PREFIX = {
+    Job.Kind.MODEL_DOWNLOAD: "model:download",
+    Job.Kind.SAE_DOWNLOAD: "sae:download",
+    Job.Kind.MODEL_LOAD: "model:load",
+}
+
+
+def _job_payload(job: Job) -> dict[str, Any]:
+    return {"job_id": job.id, "kind": job.kind, "model_id": job.model_id, "sae_id": job.sae_id,
+            "status": job.status, "progress": job.progress, "stage": job.stage,
+            "bytes_done": job.bytes_done, "bytes_total": job.bytes_total}
+
+
+def job_create(*, kind: str, target: str, model: Model | None = None,
+               sae: SAE | None = None) -> Job:
+    return Job.objects.create(kind=kind, target=target, model=model, sae=sae)
+
+
+def job_start(*, job: Job, stage: str = "") -> Job:
+    job.status = Job.Status.RUNNING
+    job.started_at = timezone.now()
+    job.stage = stage
+    job.save(update_fields=["status", "started_at", "stage", "updated_at"])
+    return job
+
+
+def job_progress(*, job: Job, progress: int, stage: str | None = None,
+                 bytes_done: int | None = None, bytes_total: int | None = None) -> Job:
+    """Record progress on the row and push it to WebSocket listeners."""
+    job.progress = max(0, min(100, int(progress)))
+    fields = ["progress", "updated_at"]
+    if stage is not None:
+        job.stage = stage
+        fields.append("stage")
+    if bytes_done is not None:
+        job.bytes_done = bytes_done
+        fields.append("bytes_done")
+    if bytes_total is not None:
+        job.bytes_total = bytes_total
+        fields.append("bytes_total")
+    job.save(update_fields=fields)
+    prefix = _JOB_EVENT_PREFIX.get(job.kind)
+    if prefix:
+        events.publish(f"{prefix}:progress", _job_payload(job))
+    return job
+
+
+def job_finish(*, job: Job, status: str, error: str = "") -> Job:
+    if status not in Job.FINISHED:
+        raise ValueError(f"{status} is not a final job status")
+    job.status = status
+    job.error = error
+    job.finished_at = timezone.now()
+    if status == Job.Status.SUCCEEDED:
+        job.progress = 100
+    job.save(update_fields=["status", "error", "finished_at", "progress", "updated_at"])
+    prefix = _JOB_EVENT_PREFIX.get(job.kind)
+    if prefix:
+        suffix = "complete" if status == Job.Status.SUCCEEDED else "error"
+        events.publish(f"{prefix}:{suffix}", {**_job_payload(job), "error": error})
+    return job
+
+
+@transaction.atomic
+def job_cancel(*, job: Job) -> Job:
+    """Ask a running job to stop; a queued one is cancelled at once."""
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.status in Job.FINISHED:
+        raise JobFinished(f"Job {job.id} already {job.status}",
+                          details={"job_id": job.id, "status": job.status})
+    job.cancel_requested = True
+    if job.status == Job.Status.QUEUED:
+        job.status = Job.Status.CANCELLED
+        job.finished_at = timezone.now()
+    job.save(update_fields=["cancel_requested", "status", "finished_at", "updated_at"])
+    return job
+
+
+# --- Demo assets -----------------------------------------------------------------------
+
+def demo_assets_install(*, root: Path, seed: int = 0, include_demo: bool = True
+                        ) -> tuple[list[Model], list[SAE]]:
+    """Build the offline demo/test assets (cached) and register every one of them.
+
+    Idempotent: a model or SAE already registered at the same path is refreshed, not
+    duplicated, so the run command can call this on every start.
+    """
+    from gpu_engine.assets import ensure_assets
+
+    manifest = ensure_assets(Path(root), seed=seed, include_demo=include_demo)
+    models: list[Model] = []
+    for asset in manifest.models.values():
+        existing = Model.objects.filter(name=asset.name).first()
+        if existing is not None and existing.local_path == str(Path(asset.path).resolve()):
+            models.append(model_refresh_metadata(model=existing))
+            continue
+        if existing is not None:
+            raise ModelAlreadyExists(
+                f"A model named {asset.name!r} is registered at another path "
+                f"({existing.local_path}); delete it or rename it first",
+                details={"name": asset.name})
+        models.append(model_register_local(local_path=str(asset.path), name=asset.name))
+    saes: list[SAE] = []
+    for asset in manifest.saes.values():
+        path = str(Path(asset.path).resolve())
+        existing = SAE.objects.filter(local_path=path).first()
+        saes.append(existing or sae_register_local(local_path=path, name=asset.name))
+    return models, saes
