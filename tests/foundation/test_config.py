@@ -193,3 +193,11 @@ def test_cors_origins_reach_the_http_settings(tmp_path):
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == (
         "False ['http://localhost:3000', 'https://webui.example.com']")
+
+
+def test_configuration_reference_documents_every_variable():
+    from millm_site.config import BASE_DIR, VARIABLES
+
+    text = (BASE_DIR / "docs" / "configuration.md").read_text()
+    for var in VARIABLES:
+        assert f"| `{var.name}` |" in text, var.name
