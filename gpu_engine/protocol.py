@@ -586,7 +586,9 @@ class FinishEvent:
     usage: Usage
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
-    prompt_activations: list[ActivationRecord] = field(default_factory=list)
+    # records not delivered with a token event: prompt rows that produced no token, and
+    # the single record of ``positions="last"``
+    activations: list[ActivationRecord] = field(default_factory=list)
     steering_apply_count: list[SteeringCount] = field(default_factory=list)
     forward_passes: int = 0
 
@@ -594,7 +596,7 @@ class FinishEvent:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["type"] = self.type
         d["usage"] = self.usage.to_dict()
-        d["prompt_activations"] = [a.to_dict() for a in self.prompt_activations]
+        d["activations"] = [a.to_dict() for a in self.activations]
         d["steering_apply_count"] = [c.to_dict() for c in self.steering_apply_count]
         return d
 
@@ -602,7 +604,7 @@ class FinishEvent:
     def from_dict(cls, data: Mapping[str, Any]) -> "FinishEvent":
         d = {k: v for k, v in data.items() if k != "type"}
         d["usage"] = Usage.from_dict(d["usage"])
-        d["prompt_activations"] = [ActivationRecord.from_dict(a) for a in d.get("prompt_activations", [])]
+        d["activations"] = [ActivationRecord.from_dict(a) for a in d.get("activations", [])]
         d["steering_apply_count"] = [SteeringCount.from_dict(c) for c in d.get("steering_apply_count", [])]
         return cls(**d)
 
@@ -673,9 +675,10 @@ class GenerationResult:
             if isinstance(ev, TokenEvent):
                 tokens.append(ev)
             elif isinstance(ev, FinishEvent):
-                activations = list(ev.prompt_activations)
+                activations = list(ev.activations)
                 for t in tokens:
                     activations.extend(t.activations)
+                activations.sort(key=lambda a: (a.sae_id, a.layer, a.read_point, a.position))
                 return cls(
                     request_id=ev.request_id,
                     text=ev.text,

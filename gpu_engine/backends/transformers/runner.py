@@ -1,0 +1,184 @@
+"""Loads a local transformers checkpoint and runs forward passes — nothing else.
+
+Queueing, validation, admission and hook policy live in the engine (STYLE §10); the
+runner knows devices, dtypes, tokenisation and where the decoder blocks are.
+"""
+
+from __future__ import annotations
+
+import inspect as _inspect
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ...errors import InvalidParameter, ModelLoadFailed
+from ...inspect import ModelInfo, inspect_model_dir
+from ...protocol import EmbedJob, EmbedResult, LoadModelJob, LogprobEntry, ScoreJob, ScoreResult, Usage
+from .blocks import resolve_block, resolve_block_list
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadFailed("device 'cuda' requested but CUDA is not available", details={"device": device})
+    return torch.device(device)
+
+
+class TransformersRunner:
+    name = "transformers"
+
+    def __init__(self, job: LoadModelJob) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        path = Path(job.path)
+        self.job = job
+        self.info: ModelInfo = inspect_model_dir(path, job.dtype)
+        self.device = pick_device(job.device)
+        self.dtype = TORCH_DTYPES[job.dtype]
+        try:
+            # local files only, safetensors only: nothing is fetched, nothing unpickled
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path),
+                dtype=self.dtype,
+                local_files_only=True,
+                use_safetensors=True,
+                trust_remote_code=job.trust_remote_code,
+            )
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=job.trust_remote_code
+            )
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadFailed(f"Cannot load model from {path}: {exc}", details={"path": str(path)}) from exc
+        self.model = model.to(self.device).eval()
+        # fails now (naming the class) rather than at the first attach
+        blocks, self.blocks_path = resolve_block_list(self.model)
+        self.num_layers = len(blocks)
+        cfg = self.model.config
+        text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+        self.hidden_size = int(self.info.hidden_size or text_cfg.hidden_size)
+        window = self.info.context_length or int(getattr(self.tokenizer, "model_max_length", 0) or 2048)
+        if job.max_context_length:
+            window = min(window, int(job.max_context_length))
+        self.context_length = window
+        emb = self.model.get_input_embeddings()
+        self.vocab_size = int(emb.weight.shape[0])
+        self.eos_token_ids = self._eos_ids()
+        params = _inspect.signature(self.model.forward).parameters
+        self._has_logits_to_keep = "logits_to_keep" in params
+
+    # ------------------------------------------------------------------ structure
+
+    def block(self, layer: int) -> tuple[torch.nn.Module, str]:
+        return resolve_block(self.model, layer)
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        gen = getattr(self.model, "generation_config", None)
+        for src in (getattr(gen, "eos_token_id", None), self.model.config.eos_token_id, self.tokenizer.eos_token_id):
+            if src is None:
+                continue
+            ids.update(src if isinstance(src, (list, tuple)) else [src])
+        return {int(i) for i in ids}
+
+    # ------------------------------------------------------------------ tokens
+
+    def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def encode_messages(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidParameter("this model has no chat template; send a prompt instead", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+            )
+        except Exception as exc:  # jinja errors for malformed messages
+            raise InvalidParameter(f"cannot apply the chat template: {exc}", param="messages") from exc
+        # the template already holds BOS and friends
+        return self.encode_text(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(
+        self, input_ids: torch.Tensor, past: Any, *, cache_position: torch.Tensor, all_logits: bool = False
+    ) -> tuple[torch.Tensor, Any]:
+        """One forward over ``input_ids`` (1, T); returns (logits (T' , V), cache)."""
+        kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": past, "cache_position": cache_position}
+        if self._has_logits_to_keep and not all_logits:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids, **kwargs)
+        return out.logits[0], out.past_key_values
+
+    def last_hidden(self, ids: Sequence[int]) -> torch.Tensor:
+        """Final hidden states (T, d) after the final norm (what embeddings pool)."""
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        out = self.model.base_model(input_ids=input_ids, use_cache=False)
+        return out.last_hidden_state[0]
+
+    def full_logits(self, ids: Sequence[int]) -> torch.Tensor:
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
+        return self.model(input_ids=input_ids, use_cache=False).logits[0]
+
+    # ------------------------------------------------------------------ Backend protocol
+
+    def generate(self, **kwargs: Any) -> Any:
+        from .generation import run_generation
+
+        return run_generation(self, **kwargs)
+
+    def embed(self, job: EmbedJob, inputs: Sequence[list[int]]) -> EmbedResult:
+        vectors: list[list[float]] = []
+        total = 0
+        with torch.inference_mode():
+            for ids in inputs:
+                hidden = self.last_hidden(ids).float()
+                total += len(ids)
+                if job.pooling == "mean":
+                    vec = hidden.mean(dim=0)
+                elif job.pooling == "last":
+                    vec = hidden[-1]
+                else:  # cls: the first token
+                    vec = hidden[0]
+                if job.normalize:
+                    vec = torch.nn.functional.normalize(vec, dim=0)
+                vectors.append(vec.tolist())
+        return EmbedResult(job.request_id, vectors, Usage(total, 0, total))
+
+    def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:
+        with torch.inference_mode():
+            logits = self.full_logits(prompt_ids).float()
+            lsm = torch.log_softmax(logits[-1], dim=-1)
+            top: list[LogprobEntry] = []
+            allowed: list[LogprobEntry] = []
+            if job.allowed_token_ids is not None:
+                ids = list(job.allowed_token_ids)
+                vals = lsm[torch.tensor(ids, dtype=torch.long, device=lsm.device)].tolist()
+                allowed = [LogprobEntry(i, self.token_text(i), float(v)) for i, v in zip(ids, vals)]
+                if job.top_k:
+                    allowed_sorted = sorted(allowed, key=lambda e: -e.logprob)
+                    top = allowed_sorted[: job.top_k]
+            elif job.top_k:
+                vals_t, idx_t = torch.topk(lsm, min(job.top_k, lsm.shape[0]))
+                top = [LogprobEntry(int(i), self.token_text(int(i)), float(v)) for v, i in zip(vals_t.tolist(), idx_t.tolist())]
+            prompt_lp = None
+            if job.prompt_logprobs:
+                all_lsm = torch.log_softmax(logits[:-1], dim=-1)
+                target = torch.tensor(prompt_ids[1:], dtype=torch.long, device=all_lsm.device)
+                picked = all_lsm.gather(1, target.unsqueeze(1)).squeeze(1).tolist() if len(prompt_ids) > 1 else []
+                prompt_lp = [None, *[float(v) for v in picked]]
+        return ScoreResult(job.request_id, len(prompt_ids), top, allowed, prompt_lp)
+
+    def close(self) -> None:
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+__all__ = ["TORCH_DTYPES", "TransformersRunner", "pick_device"]

@@ -1,0 +1,573 @@
+"""The engine facade: one resident model, SAE attachments, per-request steering/monitoring.
+
+All model work (forward passes, hook installation, loads) runs on one worker thread, fed
+by a priority queue: control operations (load, unload, attach, detach) go ahead of queued
+work but wait for the generation in flight, which is how attach/detach "drain" before
+touching hooks.  Every wait a caller makes on the worker is bounded.  The web tier calls
+this object directly (embedded mode) or through a transport that carries the protocol
+dataclasses (``run_engine``); admission and backpressure are the caller's job.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import queue
+import threading
+from pathlib import Path
+from concurrent.futures import Future, TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+
+from .errors import (
+    ContextLengthExceeded,
+    EngineBusy,
+    EngineError,
+    EngineShutdown,
+    GenerationFailed,
+    InsufficientMemory,
+    InvalidParameter,
+    ModelNotLoaded,
+    SAENotAttached,
+)
+from .hooks import AttachmentPlan, AttachmentStats, HookManager, MonitorPlan, RequestHooks
+from .protocol import (
+    AttachmentKey,
+    AttachmentStatus,
+    AttachResult,
+    AttachSpec,
+    EmbedJob,
+    EmbedResult,
+    EngineEvent,
+    EngineStatus,
+    ErrorEvent,
+    FinishEvent,
+    GenerationEvent,
+    GenerationJob,
+    GenerationResult,
+    LoadModelJob,
+    ScoreJob,
+    ScoreResult,
+    Usage,
+)
+from .sae import CompatibilityReport, check_compatibility
+from .sae.layouts import detect_layout, get_layout
+from .sae.module import SAE
+
+log = logging.getLogger("gpu_engine")
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+_CONTROL, _WORK = 0, 1
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+
+
+@dataclass
+class Attachment:
+    sae_id: str
+    layer: int
+    layer_module_path: str
+    sae: SAE
+    module: Any
+    stats: AttachmentStats = field(default_factory=AttachmentStats)
+
+    @property
+    def key(self) -> AttachmentKey:
+        return (self.sae_id, self.layer)
+
+    def status(self) -> AttachmentStatus:
+        cfg = self.sae.cfg
+        return AttachmentStatus(
+            sae_id=self.sae_id, layer=self.layer, layer_module_path=self.layer_module_path,
+            d_in=cfg.d_in, d_sae=cfg.d_sae, activation=cfg.activation, layout=cfg.layout,
+            path=cfg.path, steering_apply_count=self.stats.steering_apply_count,
+        )
+
+
+class _Task:
+    __slots__ = ("fn", "future", "on_drop")
+
+    def __init__(self, fn: Callable[[], Any], on_drop: Callable[[], None] | None = None) -> None:
+        self.fn = fn
+        self.future: Future = Future()
+        self.on_drop = on_drop
+
+
+class GenerationStream:
+    """Events of one generation, produced on the engine's worker thread.
+
+    Iterate for ``TokenEvent``s ending with one ``FinishEvent`` or ``ErrorEvent``.
+    ``cancel()`` (or abandoning the iteration) stops the generation before its next
+    forward pass and frees the engine for the next request.
+    """
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancel = threading.Event()
+        self._done = False
+
+    def _put(self, event: GenerationEvent) -> None:
+        self._events.put(event)
+
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set()
+
+    def events(self, timeout_s: float | None = None) -> Iterator[GenerationEvent]:
+        """Yield events; ``timeout_s`` bounds the wait for each one (EngineBusy after)."""
+        try:
+            while not self._done:
+                try:
+                    event = self._events.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise EngineBusy(f"no event for request {self.request_id!r} within {timeout_s}s") from None
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    self._done = True
+                yield event
+        finally:
+            if not self._done:
+                self.cancel()
+
+    def __iter__(self) -> Iterator[GenerationEvent]:
+        return self.events()
+
+    def result(self, timeout_s: float | None = None) -> GenerationResult:
+        return GenerationResult.from_events(self.events(timeout_s))
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        on_event: Callable[[EngineEvent], None] | None = None,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+    ) -> None:
+        self.on_event = on_event
+        self.drain_timeout_s = drain_timeout_s
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._backend: Any = None
+        self._model_id: str | None = None
+        self._load_job: LoadModelJob | None = None
+        self._hooks = HookManager()
+        self._attachments: dict[AttachmentKey, Attachment] = {}
+        self._in_flight = 0
+        self._queued = 0
+        self._closed = False
+        self._thread = threading.Thread(target=self._worker, name="millm-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ worker
+
+    def _worker(self) -> None:
+        while True:
+            _, _, task = self._queue.get()
+            if task is None:
+                break
+            self._queued -= 1
+            if not task.future.set_running_or_notify_cancel():
+                if task.on_drop:
+                    task.on_drop()
+                continue
+            try:
+                task.future.set_result(task.fn())
+            except BaseException as exc:  # delivered to the caller, the worker lives on
+                task.future.set_exception(exc)
+        # drop whatever is left so no caller waits forever
+        while True:
+            try:
+                _, _, task = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None and task.future.cancel() and task.on_drop:
+                task.on_drop()
+
+    def _submit(self, fn: Callable[[], Any], priority: int, on_drop: Callable[[], None] | None = None) -> _Task:
+        if self._closed:
+            raise EngineShutdown("the engine is shut down")
+        task = _Task(fn, on_drop)
+        self._queued += 1
+        self._queue.put((priority, next(self._seq), task))
+        return task
+
+    def _call(self, fn: Callable[[], Any], *, priority: int = _CONTROL, timeout_s: float | None = None) -> Any:
+        """Run ``fn`` on the worker; wait at most ``timeout_s`` for it to *start*."""
+        task = self._submit(fn, priority)
+        try:
+            return task.future.result(timeout=self.drain_timeout_s if timeout_s is None else timeout_s)
+        except FutureTimeout:
+            if task.future.cancel():
+                raise EngineBusy(
+                    "timed out waiting for in-flight work to drain",
+                    details={"timeout_s": self.drain_timeout_s if timeout_s is None else timeout_s},
+                ) from None
+            return task.future.result()  # already running: a control op is short
+
+    def _emit(self, name: str, **data: Any) -> None:
+        if self.on_event is None:
+            return
+        try:
+            self.on_event(EngineEvent(name, data))
+        except Exception:  # a listener's bug must not break the engine
+            log.exception("engine event listener failed for %s", name)
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        if self._closed:
+            return
+        try:
+            self._call(self._unload, timeout_s=timeout_s)
+        except EngineError:
+            log.warning("engine shutdown: unload did not run within %ss", timeout_s)
+        self._closed = True
+        self._queue.put((-1, next(self._seq), None))
+        self._thread.join(timeout=timeout_s)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ------------------------------------------------------------------ model
+
+    def _require_backend(self) -> Any:
+        if self._backend is None:
+            raise ModelNotLoaded("no model is loaded")
+        return self._backend
+
+    def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None) -> EngineStatus:
+        def op() -> EngineStatus:
+            from .backends.transformers.runner import TransformersRunner
+
+            self._unload()
+            try:
+                backend = TransformersRunner(job)
+            except Exception as exc:
+                if is_out_of_memory(exc):
+                    gc.collect()
+                    raise InsufficientMemory(f"not enough memory to load {job.model_id}: {exc}") from exc
+                raise
+            self._backend, self._model_id, self._load_job = backend, job.model_id, job
+            self._emit("model:load:complete", model_id=job.model_id)
+            return self.status()
+
+        return self._call(op, timeout_s=timeout_s)
+
+    def _unload(self) -> None:
+        if self._backend is None:
+            return
+        self._detach_keys(list(self._attachments), reason="unload")
+        backend, model_id = self._backend, self._model_id
+        self._backend = self._model_id = self._load_job = None
+        backend.close()
+        gc.collect()
+        self._emit("model:unload:complete", model_id=model_id)
+
+    def unload_model(self, *, timeout_s: float | None = None) -> None:
+        self._call(self._unload, timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------ SAEs
+
+    def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> CompatibilityReport:
+        """Compatibility of an SAE with the loaded model, from its metadata only."""
+        from .sae import read_sae_metadata
+
+        backend = self._require_backend()
+        cfg = read_sae_metadata(path, layout)
+        return check_compatibility(
+            cfg, hidden_size=backend.hidden_size, num_layers=backend.num_layers, layer=layer, model_name=self._model_id
+        )
+
+    def _prepare_attachment(self, spec: AttachSpec) -> tuple[Attachment, list[str]]:
+        backend = self._require_backend()
+        if spec.layout is None:
+            layout, found = detect_layout(spec.path)
+        else:
+            layout = get_layout(spec.layout)
+            found = layout.detect(Path(spec.path))
+            if found is None:
+                from .errors import SAEFormatError
+
+                raise SAEFormatError(f"{spec.path} is not a {spec.layout} SAE", details={"path": spec.path})
+        cfg = layout.read_metadata(found)
+        report = check_compatibility(
+            cfg, hidden_size=backend.hidden_size, num_layers=backend.num_layers, layer=spec.layer, model_name=self._model_id
+        )
+        report.raise_for_errors(spec.sae_id)
+        module, path = backend.block(spec.layer)
+        try:
+            sae = SAE(cfg, layout.load_tensors(cfg), device=backend.device)
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                raise InsufficientMemory(f"not enough memory for SAE {spec.sae_id!r}: {exc}") from exc
+            raise
+        return Attachment(spec.sae_id, spec.layer, path, sae, module), list(report.warnings)
+
+    def attach_set(self, specs: Sequence[AttachSpec], *, timeout_s: float | None = None) -> list[AttachResult]:
+        """Attach several SAEs all-or-nothing (an existing (sae_id, layer) is replaced)."""
+        specs = list(specs)
+        keys = [(s.sae_id, s.layer) for s in specs]
+        if len(set(keys)) != len(keys):
+            raise InvalidParameter("the set names one (sae_id, layer) twice", param="attachments")
+
+        def op() -> list[AttachResult]:
+            prepared = [self._prepare_attachment(s) for s in specs]  # loads everything first
+            installed: list[AttachmentKey] = []
+            replaced: dict[AttachmentKey, Attachment] = {}
+            try:
+                for att, _ in prepared:
+                    old = self._attachments.pop(att.key, None)
+                    if old is not None:
+                        self._hooks.remove(att.key)
+                        replaced[att.key] = old
+                    self._hooks.install(att.key, att.module, att.stats)
+                    self._attachments[att.key] = att
+                    installed.append(att.key)
+            except BaseException:
+                for key in installed:
+                    self._hooks.remove(key)
+                    self._attachments.pop(key, None)
+                for key, old in replaced.items():
+                    self._hooks.install(key, old.module, old.stats)
+                    self._attachments[key] = old
+                raise
+            results = []
+            for att, warnings in prepared:
+                cfg = att.sae.cfg
+                results.append(
+                    AttachResult(att.sae_id, att.layer, att.layer_module_path, cfg.d_in, cfg.d_sae,
+                                 cfg.activation, cfg.layout, warnings)
+                )
+                self._emit("sae:attached", sae_id=att.sae_id, layer=att.layer, layer_module_path=att.layer_module_path)
+            return results
+
+        return self._call(op, timeout_s=timeout_s)
+
+    def attach(self, spec: AttachSpec, *, timeout_s: float | None = None) -> AttachResult:
+        return self.attach_set([spec], timeout_s=timeout_s)[0]
+
+    def _detach_keys(self, keys: list[AttachmentKey], *, reason: str) -> list[AttachmentKey]:
+        for key in keys:
+            self._hooks.remove(key)
+            self._attachments.pop(key, None)
+        if keys and self._backend is not None and self._backend.device.type == "cuda":
+            torch.cuda.empty_cache()
+        for sae_id, layer in keys:
+            self._emit("sae:detached", sae_id=sae_id, layer=layer, reason=reason)
+        return keys
+
+    def detach(self, sae_id: str | None = None, layer: int | None = None, *, timeout_s: float | None = None) -> list[AttachmentKey]:
+        """Detach matching attachments (``sae_id=None``: all).  Unknown → SAENotAttached."""
+
+        def op() -> list[AttachmentKey]:
+            keys = [k for k in self._attachments if (sae_id is None or k[0] == sae_id) and (layer is None or k[1] == layer)]
+            if not keys and sae_id is not None:
+                raise SAENotAttached(f"SAE {sae_id!r}{'' if layer is None else f' at layer {layer}'} is not attached",
+                                     details={"sae_id": sae_id, "layer": layer})
+            return self._detach_keys(keys, reason="detach")
+
+        return self._call(op, timeout_s=timeout_s)
+
+    def attachments(self) -> list[AttachmentStatus]:
+        return [a.status() for a in list(self._attachments.values())]
+
+    # ------------------------------------------------------------------ requests
+
+    def _validate_ids(self, ids: Sequence[int], param: str) -> list[int]:
+        vocab = self._backend.vocab_size
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+                raise InvalidParameter(f"token id {t!r} is outside the vocabulary (0..{vocab - 1})", param=param,
+                                       details={"token_id": t, "vocab_size": vocab})
+        return list(ids)
+
+    def _prompt_ids(self, job: GenerationJob) -> list[int]:
+        backend = self._backend
+        if job.prompt_token_ids is not None:
+            ids = self._validate_ids(job.prompt_token_ids, "prompt")
+        elif job.messages is not None:
+            ids = backend.encode_messages(job.messages, add_generation_prompt=job.add_generation_prompt, **job.chat_template_kwargs)
+        else:
+            ids = backend.encode_text(job.prompt or "", add_special_tokens=job.add_special_tokens)
+        if not ids:
+            raise InvalidParameter("the prompt is empty after tokenisation", param="prompt")
+        return ids
+
+    def _max_tokens(self, job: GenerationJob, n_prompt: int) -> int:
+        window = self._backend.context_length
+        asked = job.sampling.max_tokens
+        max_tokens = asked if asked is not None else max(window - n_prompt, 0)
+        if n_prompt + max(max_tokens, 1) > window:
+            raise ContextLengthExceeded(prompt_tokens=n_prompt, max_tokens=max_tokens, context_length=window)
+        return max_tokens
+
+    def _request_hooks(self, job: GenerationJob, n_prompt: int) -> RequestHooks | None:
+        plans: dict[AttachmentKey, AttachmentPlan] = {}
+
+        def attachment(key: AttachmentKey) -> Attachment:
+            att = self._attachments.get(key)
+            if att is None:
+                raise SAENotAttached(f"SAE {key[0]!r} is not attached at layer {key[1]}",
+                                     details={"sae_id": key[0], "layer": key[1]})
+            return att
+
+        backend = self._backend
+        for entry in job.steering.entries if job.steering else []:
+            if not entry.features:
+                continue
+            att = attachment(entry.key)
+            att.sae.check_indices(entry.sae_id, entry.features)
+            plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
+            plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype, device=backend.device)
+        for mon in job.monitor.entries if job.monitor else []:
+            att = attachment(mon.key)
+            att.sae.check_indices(mon.sae_id, mon.features)
+            plan = plans.setdefault(mon.key, AttachmentPlan(mon.key))
+            mp = MonitorPlan(mon, att.sae, prompt_len=n_prompt)
+            (plan.pre if mon.read_point == "pre_steering" else plan.post).append(mp)
+        return RequestHooks(job.request_id, plans) if plans else None
+
+    def _handle_oom(self, exc: BaseException) -> None:
+        keys = list(self._attachments)
+        log.error("out of memory during a forward pass (%s); detaching %d SAE(s)", exc, len(keys))
+        gc.collect()
+        if keys:
+            self._detach_keys(keys, reason="out_of_memory")
+        elif self._backend is not None and self._backend.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self._emit("engine:out_of_memory", detached=[{"sae_id": s, "layer": l} for s, l in keys])
+
+    def _run_generation(self, job: GenerationJob, stream: GenerationStream) -> None:
+        self._in_flight += 1
+        try:
+            if stream.cancelled:
+                stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
+                return
+            backend = self._require_backend()
+            prompt_ids = self._prompt_ids(job)
+            max_tokens = self._max_tokens(job, len(prompt_ids))
+            hooks = self._request_hooks(job, len(prompt_ids))
+            finish = backend.generate(
+                request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling, max_tokens=max_tokens,
+                hook_manager=self._hooks, request_hooks=hooks, should_stop=stream._cancel.is_set, emit=stream._put,
+            )
+            stream._put(finish)
+        except EngineError as exc:
+            stream._put(ErrorEvent(job.request_id, exc.code, exc.message, exc.details))
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                self._handle_oom(exc)
+                err: EngineError = InsufficientMemory(
+                    "out of memory during generation; attached SAEs were detached, the base model keeps serving"
+                )
+            else:
+                log.exception("generation %s failed", job.request_id)
+                err = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+            stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
+        finally:
+            self._in_flight -= 1
+
+    def generate(self, job: GenerationJob) -> GenerationStream:
+        """Queue a generation; returns at once with a stream of its events."""
+        stream = GenerationStream(job.request_id)
+
+        def dropped() -> None:
+            err = EngineShutdown("the engine shut down before the request ran")
+            stream._put(ErrorEvent(job.request_id, err.code, err.message, {}))
+
+        self._submit(lambda: self._run_generation(job, stream), _WORK, on_drop=dropped)
+        return stream
+
+    def generate_sync(self, job: GenerationJob, *, timeout_s: float | None = None) -> GenerationResult:
+        return self.generate(job).result(timeout_s)
+
+    def _work(self, fn: Callable[[], Any], timeout_s: float | None) -> Any:
+        task = self._submit(fn, _WORK)
+        try:
+            return task.future.result(timeout=timeout_s)
+        except FutureTimeout:
+            task.future.cancel()
+            raise EngineBusy("timed out waiting for the engine", details={"timeout_s": timeout_s}) from None
+
+    def _inputs(self, items: Sequence[Any], param: str, add_special_tokens: bool = True) -> list[list[int]]:
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                ids = self._backend.encode_text(item, add_special_tokens=add_special_tokens)
+            elif isinstance(item, (list, tuple)):
+                ids = self._validate_ids(list(item), param)
+            else:
+                raise InvalidParameter("each input must be a string or a list of token ids", param=param)
+            if not ids:
+                raise InvalidParameter("an input is empty", param=param)
+            if len(ids) > self._backend.context_length:
+                raise ContextLengthExceeded(prompt_tokens=len(ids), max_tokens=0, context_length=self._backend.context_length)
+            out.append(ids)
+        return out
+
+    def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
+        def op() -> EmbedResult:
+            backend = self._require_backend()
+            inputs = self._inputs(job.inputs, "input")
+            with self._hooks.suppressed():
+                return backend.embed(job, inputs)
+
+        return self._work(op, timeout_s)
+
+    def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
+        def op() -> ScoreResult:
+            backend = self._require_backend()
+            if job.prompt_token_ids is not None:
+                ids = self._inputs([list(job.prompt_token_ids)], "prompt")[0]
+            else:
+                ids = self._inputs([job.prompt], "prompt", job.add_special_tokens)[0]
+            if job.allowed_token_ids is not None:
+                self._validate_ids(job.allowed_token_ids, "allowed_token_ids")
+            with self._hooks.suppressed():
+                return backend.score(job, ids)
+
+        return self._work(op, timeout_s)
+
+    # ------------------------------------------------------------------ status
+
+    def drain(self, timeout_s: float | None = None) -> bool:
+        """Wait (bounded) until the generation in flight finishes; False on timeout."""
+        try:
+            self._call(lambda: None, timeout_s=timeout_s)
+            return True
+        except EngineBusy:
+            return False
+
+    def status(self) -> EngineStatus:
+        b = self._backend
+        if b is None:
+            return EngineStatus(state="empty", in_flight=self._in_flight, queued=max(self._queued, 0))
+        return EngineStatus(
+            state="ready", backend=b.name, model_id=self._model_id, model_path=str(self._load_job.path) if self._load_job else None,
+            dtype=self._load_job.dtype if self._load_job else None, device=str(b.device), context_length=b.context_length,
+            num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
+            attachments=self.attachments(), in_flight=self._in_flight, queued=max(self._queued, 0),
+        )
+
+    @property
+    def hook_manager(self) -> HookManager:
+        return self._hooks
+
+    @property
+    def backend(self) -> Any:
+        return self._backend
+
+
+__all__ = ["Attachment", "Engine", "GenerationStream", "is_out_of_memory"]

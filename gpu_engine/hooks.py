@@ -1,0 +1,288 @@
+"""Forward hooks for steering and monitoring, driven by a per-forward batch context.
+
+One hook is installed per attached (sae_id, layer), on the output of that decoder block
+(the residual stream after it).  The hook holds no request state: before each forward
+pass the runner publishes a ``BatchContext`` saying which token rows belong to which
+request and at which sequence position they start; the hook looks up that request's
+precomputed plan (steering delta, monitors) for its attachment.  With no context
+published (embeddings, scoring, an idle engine) the hook returns at once.
+
+The serial backend publishes one segment per forward; a batching scheduler publishes one
+per request in the batch, and the hook then adds a per-row delta table instead of one
+broadcast vector.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+
+from .protocol import ActivationRecord, AttachmentKey, FeatureActivation, MonitorEntry, PositionRange
+from .sae.module import SAE
+
+_INF = math.inf
+
+
+class MonitorPlan:
+    """Encodes the rows one monitor entry asks for; results stay on device until ``collect``."""
+
+    def __init__(self, entry: MonitorEntry, sae: SAE, *, prompt_len: int) -> None:
+        self.entry = entry
+        self.sae = sae
+        self.prompt_len = prompt_len
+        self.top_k = int(entry.top_k)
+        self.sel_idx = (
+            torch.tensor(entry.features, dtype=torch.long, device=sae.W_enc.device) if entry.features else None
+        )
+        self.last_only = entry.positions == "last"
+        pos = entry.positions
+        if pos == "prompt":
+            self.lo, self.hi = 0, prompt_len
+        elif pos == "completion":
+            self.lo, self.hi = prompt_len - 1, _INF
+        elif isinstance(pos, PositionRange):
+            self.lo, self.hi = pos.start, (pos.end if pos.end is not None else _INF)
+        else:  # "all" / "last"
+            self.lo, self.hi = 0, _INF
+        self.pending: list[tuple[int, int, Any, Any, Any]] = []
+
+    def observe(self, rows: torch.Tensor, start: int) -> None:
+        n = rows.shape[0]
+        if self.last_only:
+            lo, hi = start + n - 1, start + n
+            self.pending.clear()
+        else:
+            lo, hi = max(self.lo, start), min(self.hi, start + n)
+            if lo >= hi:
+                return
+        x = rows[lo - start : hi - start]
+        top_v = top_i = sel = None
+        if self.top_k:
+            acts = self.sae.encode(x)
+            top = torch.topk(acts, min(self.top_k, self.sae.d_sae), dim=-1)
+            top_v, top_i = top.values, top.indices
+            if self.sel_idx is not None:
+                sel = acts.index_select(-1, self.sel_idx)
+        elif self.sel_idx is not None:
+            sel = self.sae.encode_selected(x, self.sel_idx)
+        self.pending.append((int(lo), int(hi), top_v, top_i, sel))
+
+    def collect(self) -> list[ActivationRecord]:
+        """Move pending results to host as records (call after the step's token sync)."""
+        out: list[ActivationRecord] = []
+        e = self.entry
+        for lo, hi, top_v, top_i, sel in self.pending:
+            tv = top_v.tolist() if top_v is not None else None
+            ti = top_i.tolist() if top_i is not None else None
+            sv = sel.tolist() if sel is not None else None
+            for r, pos in enumerate(range(lo, hi)):
+                top = []
+                if tv is not None:
+                    top = [FeatureActivation(int(i), float(v)) for v, i in zip(tv[r], ti[r]) if v > 0.0]
+                feats = []
+                if sv is not None:
+                    feats = [FeatureActivation(int(i), float(v)) for i, v in zip(e.features, sv[r])]
+                tok = pos - (self.prompt_len - 1)
+                out.append(
+                    ActivationRecord(
+                        sae_id=e.sae_id, layer=e.layer, read_point=e.read_point, position=pos,
+                        token_index=tok if tok >= 0 else None, top_k=top, features=feats,
+                    )
+                )
+        self.pending.clear()
+        return out
+
+
+@dataclass
+class AttachmentPlan:
+    """One request's work at one attachment."""
+
+    key: AttachmentKey
+    delta: torch.Tensor | None = None
+    pre: list[MonitorPlan] = field(default_factory=list)
+    post: list[MonitorPlan] = field(default_factory=list)
+    count: int = 0
+
+
+@dataclass
+class RequestHooks:
+    """A request's plans, keyed by attachment; built once when the request starts."""
+
+    request_id: str
+    plans: dict[AttachmentKey, AttachmentPlan] = field(default_factory=dict)
+
+    def monitors(self) -> list[MonitorPlan]:
+        return [m for p in self.plans.values() for m in (*p.pre, *p.post)]
+
+    def collect(self) -> list[ActivationRecord]:
+        recs: list[ActivationRecord] = []
+        for m in self.monitors():
+            if m.pending and not m.last_only:
+                recs.extend(m.collect())
+        return recs
+
+    def collect_last(self) -> list[ActivationRecord]:
+        recs: list[ActivationRecord] = []
+        for m in self.monitors():
+            if m.last_only and m.pending:
+                recs.extend(m.collect())
+        return recs
+
+    def steering_counts(self) -> dict[AttachmentKey, int]:
+        return {k: p.count for k, p in self.plans.items() if p.delta is not None}
+
+
+@dataclass
+class Segment:
+    """Token rows ``[row_start, row_end)`` of the flattened hidden states belong to ``request``
+    and hold sequence positions ``start_position, start_position + 1, …``."""
+
+    request: RequestHooks
+    row_start: int
+    row_end: int
+    start_position: int
+
+
+@dataclass
+class BatchContext:
+    segments: list[Segment]
+    _delta_tables: dict[AttachmentKey, torch.Tensor | None] = field(default_factory=dict)
+
+    def delta_rows(self, key: AttachmentKey, n_rows: int, like: torch.Tensor) -> torch.Tensor | None:
+        """A (rows, d) table with each request's delta on its rows (batched case)."""
+        if key not in self._delta_tables:
+            table = None
+            for seg in self.segments:
+                plan = seg.request.plans.get(key)
+                if plan is None or plan.delta is None:
+                    continue
+                if table is None:
+                    table = torch.zeros((n_rows, like.shape[-1]), dtype=like.dtype, device=like.device)
+                table[seg.row_start : seg.row_end] = plan.delta
+            self._delta_tables[key] = table
+        return self._delta_tables[key]
+
+
+@dataclass
+class AttachmentStats:
+    steering_apply_count: int = 0
+
+
+class AttachmentHook:
+    """The forward hook for one (sae_id, layer); reads the manager's current context."""
+
+    def __init__(self, key: AttachmentKey, manager: "HookManager", stats: AttachmentStats) -> None:
+        self.key = key
+        self.manager = manager
+        self.stats = stats
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        ctx = self.manager.current
+        if ctx is None:
+            return None
+        is_tuple = isinstance(output, tuple)
+        hidden = output[0] if is_tuple else output
+        key = self.key
+        segs = ctx.segments
+        if len(segs) == 1 and segs[0].row_start == 0:
+            plan = segs[0].request.plans.get(key)
+            if plan is None:
+                return None
+            start = segs[0].start_position
+            if plan.pre:
+                rows = hidden.reshape(-1, hidden.shape[-1])
+                for m in plan.pre:
+                    m.observe(rows, start)
+            if plan.delta is None:
+                new = hidden
+            else:
+                new = hidden + plan.delta
+                plan.count += 1
+                self.stats.steering_apply_count += 1
+            if plan.post:
+                rows = new.reshape(-1, new.shape[-1])
+                for m in plan.post:
+                    m.observe(rows, start)
+        else:
+            new = self._batched(ctx, hidden)
+            if new is None:
+                return None
+        if new is hidden:
+            return None
+        return (new, *output[1:]) if is_tuple else new
+
+    def _batched(self, ctx: BatchContext, hidden: torch.Tensor) -> torch.Tensor | None:
+        key = self.key
+        d = hidden.shape[-1]
+        flat = hidden.reshape(-1, d)
+        active = [(s, s.request.plans[key]) for s in ctx.segments if key in s.request.plans]
+        if not active:
+            return None
+        for seg, plan in active:
+            for m in plan.pre:
+                m.observe(flat[seg.row_start : seg.row_end], seg.start_position)
+        table = ctx.delta_rows(key, flat.shape[0], flat)
+        if table is not None:
+            flat = flat + table
+            self.stats.steering_apply_count += 1
+            for _, plan in active:
+                if plan.delta is not None:
+                    plan.count += 1
+        for seg, plan in active:
+            for m in plan.post:
+                m.observe(flat[seg.row_start : seg.row_end], seg.start_position)
+        return flat.view_as(hidden) if table is not None else hidden
+
+
+class HookManager:
+    """Owns every installed hook handle; ``remove``/``remove_all`` are the only ways out."""
+
+    def __init__(self) -> None:
+        self.current: BatchContext | None = None
+        self._handles: dict[AttachmentKey, Any] = {}
+
+    def install(self, key: AttachmentKey, module: torch.nn.Module, stats: AttachmentStats) -> None:
+        if key in self._handles:
+            raise RuntimeError(f"a hook for {key} is already installed")
+        self._handles[key] = module.register_forward_hook(AttachmentHook(key, self, stats))
+
+    def remove(self, key: AttachmentKey) -> None:
+        handle = self._handles.pop(key, None)
+        if handle is not None:
+            handle.remove()
+
+    def remove_all(self) -> None:
+        for key in list(self._handles):
+            self.remove(key)
+
+    def installed(self) -> list[AttachmentKey]:
+        return list(self._handles)
+
+    @contextmanager
+    def active(self, ctx: BatchContext | None) -> Iterator[None]:
+        prev = self.current
+        self.current = ctx
+        try:
+            yield
+        finally:
+            self.current = prev
+
+    def suppressed(self):  # type: ignore[no-untyped-def]
+        """Hooks see no context: embeddings and scoring are never steered or monitored."""
+        return self.active(None)
+
+
+__all__ = [
+    "AttachmentHook",
+    "AttachmentPlan",
+    "AttachmentStats",
+    "BatchContext",
+    "HookManager",
+    "MonitorPlan",
+    "RequestHooks",
+    "Segment",
+]

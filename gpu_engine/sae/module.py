@@ -1,0 +1,142 @@
+"""The SAE as tensors: encode (ReLU / JumpReLU / TopK), decoder rows, steering deltas."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import torch
+
+from ..errors import InvalidFeatureIndex
+from .config import SAEConfig
+from .layouts import detect_layout, get_layout
+
+
+class SAE:
+    """Weights in canonical orientation: ``W_enc`` (d_in, d_sae), ``W_dec`` (d_sae, d_in).
+
+    The SAE keeps its own dtype (float32 by default) whatever the model's; inputs are cast
+    on the way in, so monitoring a bf16 model is still encoded in float32.
+    """
+
+    def __init__(
+        self,
+        cfg: SAEConfig,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.dtype = dtype
+
+        def put(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=self.device, dtype=dtype).contiguous()
+
+        self.W_enc = put(tensors["W_enc"])
+        self.W_dec = put(tensors["W_dec"])
+        self.b_enc = put(tensors["b_enc"])
+        self.b_dec = put(tensors["b_dec"])
+        self.threshold = put(tensors["threshold"]) if "threshold" in tensors else None
+
+    @property
+    def d_in(self) -> int:
+        return self.cfg.d_in
+
+    @property
+    def d_sae(self) -> int:
+        return self.cfg.d_sae
+
+    @property
+    def activation(self) -> str:
+        return self.cfg.activation
+
+    def nbytes(self) -> int:
+        ts = [self.W_enc, self.W_dec, self.b_enc, self.b_dec] + ([self.threshold] if self.threshold is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    # ------------------------------------------------------------------ encode
+
+    def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.to(self.dtype)
+        return x - self.b_dec if self.cfg.apply_b_dec_to_input else x
+
+    def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
+        return self._prepare(x) @ self.W_enc + self.b_enc
+
+    def _activate(self, pre: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
+        acts = torch.relu(pre)
+        if self.activation == "jumprelu":
+            acts = acts * (pre > threshold)
+        return acts
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Feature activations (..., d_sae)."""
+        pre = self.pre_activations(x)
+        if self.activation == "topk":
+            k = int(self.cfg.k or 0)
+            top = torch.topk(pre, k, dim=-1)
+            return torch.zeros_like(pre).scatter_(-1, top.indices, torch.relu(top.values))
+        return self._activate(pre, self.threshold)
+
+    def encode_selected(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        """Activations of ``indices`` only (..., len(indices)).
+
+        ReLU/JumpReLU features are independent, so only their encoder columns are used;
+        a TopK feature's value depends on all others, so TopK encodes fully.
+        """
+        if self.activation == "topk":
+            return self.encode(x).index_select(-1, indices)
+        pre = self._prepare(x) @ self.W_enc.index_select(1, indices) + self.b_enc.index_select(0, indices)
+        thr = self.threshold.index_select(0, indices) if self.threshold is not None else None
+        return self._activate(pre, thr)
+
+    def top_features(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(values, indices) of the ``k`` largest activations per row (zeros included)."""
+        if self.activation == "topk":
+            pre = self.pre_activations(x)
+            kk = min(k, int(self.cfg.k or 0))
+            top = torch.topk(pre, kk, dim=-1)
+            return torch.relu(top.values), top.indices
+        acts = self.encode(x)
+        top = torch.topk(acts, min(k, self.d_sae), dim=-1)
+        return top.values, top.indices
+
+    # ------------------------------------------------------------------ decode / steer
+
+    def check_indices(self, sae_id: str, indices: Iterable[int]) -> None:
+        for i in indices:
+            if not 0 <= int(i) < self.d_sae:
+                raise InvalidFeatureIndex(sae_id=sae_id, index=int(i), d_sae=self.d_sae)
+
+    def steering_delta(self, features: Mapping[int, float], *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """``Σ s_i · W_dec[i]`` (raw rows), summed in the SAE dtype and cast once."""
+        idx = torch.tensor(list(features.keys()), dtype=torch.long, device=self.W_dec.device)
+        strengths = torch.tensor(list(features.values()), dtype=self.dtype, device=self.W_dec.device)
+        delta = strengths @ self.W_dec.index_select(0, idx)
+        return delta.to(device=device, dtype=dtype)
+
+
+def load_sae(
+    path: str | Path,
+    *,
+    layout: str | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> SAE:
+    if layout is None:
+        found_layout, found = detect_layout(path)
+    else:
+        found_layout = get_layout(layout)
+        found = found_layout.detect(Path(path))
+        if found is None:
+            from ..errors import SAEFormatError
+
+            raise SAEFormatError(f"{path} is not a {layout} SAE", details={"path": str(path)})
+    cfg = found_layout.read_metadata(found)
+    tensors = found_layout.load_tensors(cfg)
+    return SAE(cfg, tensors, device=device, dtype=dtype)
+
+
+__all__ = ["SAE", "load_sae"]
