@@ -1,0 +1,103 @@
+"""Independent references for engine tests: SAE math in float64 numpy, capture hooks.
+
+Nothing here calls gpu_engine's SAE code: weights are read straight from the files and
+encoded with our own formulas, so a bug in the engine's loaders or encoders shows up.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+from safetensors.numpy import load_file
+
+
+class RefSAE:
+    def __init__(self, asset) -> None:
+        path = Path(asset.path)
+        if asset.layout == "saelens":
+            w = load_file(str(path / "sae_weights.safetensors"))
+            cfg = json.loads((path / "cfg.json").read_text())
+            self.apply_b_dec = bool(cfg["apply_b_dec_to_input"])
+        else:
+            with np.load(path / "params.npz", allow_pickle=False) as z:
+                w = {k: z[k] for k in z.files}
+            self.apply_b_dec = False
+        self.W_enc = w["W_enc"].astype(np.float64)
+        self.W_dec = w["W_dec"].astype(np.float64)
+        self.b_enc = w["b_enc"].astype(np.float64)
+        self.b_dec = w["b_dec"].astype(np.float64)
+        self.threshold = w["threshold"].astype(np.float64) if "threshold" in w else None
+        self.activation = asset.activation
+        self.k = asset.k
+
+    def encode(self, x: np.ndarray) -> np.ndarray:
+        x = np.asarray(x, dtype=np.float64)
+        if self.apply_b_dec:
+            x = x - self.b_dec
+        pre = x @ self.W_enc + self.b_enc
+        if self.activation == "relu":
+            return np.maximum(pre, 0.0)
+        if self.activation == "jumprelu":
+            return np.where(pre > self.threshold, np.maximum(pre, 0.0), 0.0)
+        out = np.zeros_like(pre)
+        idx = np.argsort(-pre, axis=-1)[..., : self.k]
+        np.put_along_axis(out, idx, np.maximum(np.take_along_axis(pre, idx, -1), 0.0), -1)
+        return out
+
+    def delta(self, features: dict[int, float]) -> np.ndarray:
+        return sum(s * self.W_dec[i] for i, s in features.items())
+
+
+def _hidden(output):
+    return output[0] if isinstance(output, tuple) else output
+
+
+@contextmanager
+def capture(module: torch.nn.Module, *, before_engine: bool = False) -> Iterator[list[np.ndarray]]:
+    """Record the block's output of every forward (before or after the engine's hook)."""
+    seen: list[np.ndarray] = []
+
+    def hook(mod, args, output):
+        seen.append(_hidden(output)[0].detach().double().cpu().numpy().copy())
+
+    handle = module.register_forward_hook(hook, prepend=before_engine)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def count_forwards(model: torch.nn.Module) -> Iterator[list[int]]:
+    n = [0]
+    handle = model.register_forward_pre_hook(lambda *a: n.__setitem__(0, n[0] + 1))
+    try:
+        yield n
+    finally:
+        handle.remove()
+
+
+@contextmanager
+def add_delta(module: torch.nn.Module, delta: np.ndarray) -> Iterator[None]:
+    """The test's own steering hook: output + delta, for reference runs."""
+    d = torch.tensor(delta, dtype=torch.float32)
+
+    def hook(mod, args, output):
+        if isinstance(output, tuple):
+            return (output[0] + d, *output[1:])
+        return output + d
+
+    handle = module.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def block(engine, asset, layer: int) -> torch.nn.Module:
+    return engine.backend.model.get_submodule(asset.layer_module_path(layer))

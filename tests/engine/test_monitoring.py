@@ -1,0 +1,131 @@
+"""Monitoring values against an independent float64 SAE encode of the captured residual."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gpu_engine.protocol import (
+    AttachSpec,
+    GenerationJob,
+    MonitorEntry,
+    MonitorSpec,
+    PositionRange,
+    SamplingParams,
+    SteeringSpec,
+)
+
+from .helpers import RefSAE, block, capture
+from .tolerances import ENCODE_ATOL, ENCODE_RTOL
+
+PROMPT = "a quick brown fox jumps over"
+TOP_K = 5
+REQUESTED = [0, 7, 100, 255]
+
+
+def job(request_id: str, monitor=None, steering=None, max_tokens: int = 5, **sampling) -> GenerationJob:
+    return GenerationJob(
+        request_id, prompt=PROMPT,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling),
+        monitor=monitor, steering=steering,
+    )
+
+
+def rows_by_position(captured: list[np.ndarray]) -> np.ndarray:
+    """Residual rows of all forwards in sequence order (prefill rows, then one per step)."""
+    return np.concatenate(captured, axis=0)
+
+
+def check_record(rec, ref_acts: np.ndarray) -> None:
+    # requested features: exact values (zeros included)
+    assert [f.feature_index for f in rec.features] == REQUESTED
+    np.testing.assert_allclose([f.activation for f in rec.features], ref_acts[REQUESTED], atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+    # top-k: each reported value is that feature's value, and the values are the k largest
+    got_idx = [f.feature_index for f in rec.top_k]
+    got_val = np.array([f.activation for f in rec.top_k])
+    np.testing.assert_allclose(got_val, ref_acts[got_idx], atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+    expected = np.sort(ref_acts[ref_acts > 0])[::-1][:TOP_K]
+    np.testing.assert_allclose(np.sort(got_val)[::-1], expected, atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+
+
+@pytest.mark.parametrize("sae_name", ["tiny-llama-L1-relu", "tiny-llama-L2-jumprelu", "tiny-llama-L2-topk"])
+@pytest.mark.parametrize("read_point", ["pre_steering", "post_steering"])
+def test_monitoring_equals_an_independent_encode(engine, tiny_assets, sae_name, read_point):
+    model = tiny_assets.models["tiny-llama"]
+    asset = tiny_assets.saes[sae_name]
+    ref = RefSAE(asset)
+    engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
+    steering = SteeringSpec.from_mapping({(asset.name, asset.layer): {5: 3.0, 9: -2.0}})
+    monitor = MonitorSpec([MonitorEntry(asset.name, asset.layer, top_k=TOP_K, features=REQUESTED,
+                                        read_point=read_point, positions="all")])
+    module = block(engine, model, asset.layer)
+    with capture(module, before_engine=True) as raw, capture(module) as post:
+        out = engine.generate_sync(job("m", monitor, steering))
+    rows = rows_by_position(raw if read_point == "pre_steering" else post)
+    n_prompt = out.usage.prompt_tokens
+    assert [r.position for r in out.activations] == list(range(n_prompt + len(out.token_ids) - 1))
+    ref_acts = ref.encode(rows)
+    fired = 0
+    for rec in out.activations:
+        assert rec.read_point == read_point
+        assert rec.token_index == (rec.position - (n_prompt - 1) if rec.position >= n_prompt - 1 else None)
+        check_record(rec, ref_acts[rec.position])
+        fired += len(rec.top_k)
+    assert fired > 0  # positive control: features do fire on this input
+    if asset.activation == "topk":
+        assert all(len(r.top_k) <= asset.k for r in out.activations)
+    # pre and post differ by the steer, so the two read points must disagree somewhere
+    other = ref.encode(rows_by_position(post if read_point == "pre_steering" else raw))
+    assert np.abs(other - ref_acts).max() > 1e-2
+
+
+def test_arming_monitoring_does_not_change_generation(engine, tiny_assets):
+    asset = tiny_assets.saes["tiny-llama-L2-topk"]
+    engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
+    kw = dict(max_tokens=10, logprobs=True, top_logprobs=3)
+    plain = engine.generate_sync(job("plain", **kw))
+    monitored = engine.generate_sync(job("mon", MonitorSpec([MonitorEntry(asset.name, 2, top_k=8, features=[1, 2])]), **kw))
+    assert monitored.token_ids == plain.token_ids
+    assert [lp.logprob for lp in monitored.logprobs] == [lp.logprob for lp in plain.logprobs]
+    assert monitored.activations and not plain.activations
+
+
+@pytest.mark.parametrize(
+    "positions, expected",
+    [
+        ("prompt", lambda p, n: list(range(p))),
+        ("completion", lambda p, n: list(range(p - 1, p - 1 + n))),
+        ("last", lambda p, n: [p + n - 2]),
+        ("all", lambda p, n: list(range(p + n - 1))),
+        (PositionRange(2, 4), lambda p, n: [2, 3]),
+    ],
+)
+def test_positions_select_residual_rows(engine, tiny_assets, positions, expected):
+    asset = tiny_assets.saes["tiny-llama-L1-relu"]
+    engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
+    spec = MonitorSpec([MonitorEntry(asset.name, 1, features=[3], positions=positions)])
+    stream = engine.generate(job("p", spec, max_tokens=4))
+    events = list(stream)
+    tokens = [e for e in events if e.type == "token"]
+    finish = events[-1]
+    assert finish.type == "finish"
+    n_prompt = finish.usage.prompt_tokens
+    got = sorted(r.position for e in events for r in (e.activations if e.type == "token" else finish.activations))
+    assert got == expected(n_prompt, len(tokens))
+    # a record that belongs to a completion token travels with that token's event
+    for e in tokens:
+        assert all(r.token_index == e.index for r in e.activations)
+
+
+def test_monitor_requests_only_what_it_asks(engine, tiny_assets):
+    """Features-only monitoring on a ReLU SAE still matches the reference (selected columns)."""
+    model = tiny_assets.models["tiny-llama"]
+    asset = tiny_assets.saes["tiny-llama-L1-relu"]
+    engine.attach(AttachSpec(asset.name, str(asset.path), 1))
+    with capture(block(engine, model, 1)) as post:
+        out = engine.generate_sync(job("f", MonitorSpec([MonitorEntry(asset.name, 1, features=REQUESTED)])))
+    ref_acts = RefSAE(asset).encode(rows_by_position(post))
+    for rec in out.activations:
+        assert rec.top_k == []
+        np.testing.assert_allclose([f.activation for f in rec.features], ref_acts[rec.position][REQUESTED],
+                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)

@@ -1,0 +1,107 @@
+"""Jobs, events and errors cross a process boundary as JSON and come back equal."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gpu_engine.errors import ContextLengthExceeded, EngineError, InvalidParameter, error_from_dict
+from gpu_engine.protocol import (
+    ActivationRecord,
+    AttachResult,
+    EmbedJob,
+    EngineStatus,
+    ErrorEvent,
+    FeatureActivation,
+    FinishEvent,
+    GenerationJob,
+    GenerationResult,
+    LoadModelJob,
+    MonitorEntry,
+    MonitorSpec,
+    PositionRange,
+    SamplingParams,
+    ScoreJob,
+    SteeringSpec,
+    TokenEvent,
+    TokenLogprob,
+    LogprobEntry,
+    Usage,
+    SteeringCount,
+    AttachmentStatus,
+    event_from_dict,
+)
+
+
+def roundtrip(obj):
+    return type(obj).from_dict(json.loads(json.dumps(obj.to_dict())))
+
+
+def test_generation_job_roundtrip_keeps_tuple_keyed_steering():
+    job = GenerationJob(
+        "r1", messages=[{"role": "user", "content": "hi"}],
+        sampling=SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop=["\n\n"], logprobs=True, top_logprobs=2),
+        steering=SteeringSpec.from_mapping({("sae-a", 3): {10: 2.5, 7: -1.0}, ("sae-b", 5): {}}),
+        monitor=MonitorSpec([MonitorEntry("sae-a", 3, top_k=5, positions=PositionRange(1, 9)),
+                             MonitorEntry("sae-a", 3, features=[1], read_point="pre_steering", positions="last")]),
+    )
+    wire = job.to_dict()
+    assert wire["steering"]["entries"][0] == {"sae_id": "sae-a", "layer": 3,
+                                              "features": [{"index": 10, "strength": 2.5}, {"index": 7, "strength": -1.0}]}
+    back = roundtrip(job)
+    assert back == job
+    assert back.steering.as_mapping() == {("sae-a", 3): {10: 2.5, 7: -1.0}, ("sae-b", 5): {}}
+
+
+def test_events_and_results_roundtrip():
+    rec = ActivationRecord("s", 1, "post_steering", 4, 0, [FeatureActivation(3, 1.5)], [FeatureActivation(9, 0.0)])
+    tok = TokenEvent("r", 0, 42, "hi", TokenLogprob(42, "hi", -0.1, [LogprobEntry(42, "hi", -0.1)]), [rec])
+    fin = FinishEvent("r", "stop", "hi", [42], Usage(3, 1, 4), [1, 2, 3], [None, -1.0, -2.0], [rec],
+                      [SteeringCount("s", 1, 1)], 1)
+    err = ErrorEvent("r", "context_length_exceeded", "too long", {"prompt_tokens": 9})
+    for ev in (tok, fin, err):
+        assert event_from_dict(json.loads(json.dumps(ev.to_dict()))) == ev
+    res = GenerationResult.from_events([tok, fin])
+    assert roundtrip(res) == res and res.activations == [rec, rec]
+    for obj in (EngineStatus("ready", attachments=[AttachmentStatus("s", 1, "model.layers.1", 64, 256, "relu", "saelens", "/p", 3)]),
+                AttachResult("s", 1, "model.layers.1", 64, 256, "relu", "saelens", ["w"]),
+                LoadModelJob("m", "/p", dtype="bfloat16"), EmbedJob("e", ["a", [1, 2]]),
+                ScoreJob("s", prompt_token_ids=[1, 2], allowed_token_ids=[3])):
+        assert roundtrip(obj) == obj
+
+
+def test_errors_roundtrip_by_code():
+    err = ContextLengthExceeded(prompt_tokens=10, max_tokens=5, context_length=12)
+    back = error_from_dict(json.loads(json.dumps(err.to_dict())))
+    assert type(back) is ContextLengthExceeded and back.details == err.details and str(back) == str(err)
+    bad = error_from_dict(ErrorEvent("r", "invalid_parameter", "m", {"param": "top_p"}).to_dict())
+    assert isinstance(bad, InvalidParameter) and bad.param == "top_p"
+    unknown = error_from_dict({"code": "from_the_future", "message": "?"})
+    assert isinstance(unknown, EngineError) and unknown.code == "from_the_future"
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"top_logprobs": 21}, "top_logprobs"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+    ],
+)
+def test_sampling_validation_names_the_parameter(kwargs, param):
+    with pytest.raises(InvalidParameter) as err:
+        SamplingParams(**kwargs)
+    assert err.value.param == param and err.value.code == "invalid_parameter"
+
+
+def test_job_needs_exactly_one_prompt_form():
+    with pytest.raises(InvalidParameter):
+        GenerationJob("r")
+    with pytest.raises(InvalidParameter):
+        GenerationJob("r", prompt="a", prompt_token_ids=[1])
+    with pytest.raises(InvalidParameter, match="asks for nothing"):
+        MonitorEntry("s", 1)

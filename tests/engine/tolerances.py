@@ -1,0 +1,19 @@
+"""Every numeric tolerance of the engine tests, in one place (all runs are float32).
+
+HOOK_*    block output after our hook vs (raw output + delta computed in the test):
+          one float32 add against a float64 delta rounded once; ~1 ulp of |h|+|delta|.
+ENCODE_*  monitored activations vs an independent float64 encode of the same residual:
+          a float32 matmul over d_in=64 terms (error ~ sqrt(64)·eps·|x||w|).
+LOGPROB_* engine logprobs vs log_softmax of the test's own forward.
+EMBED_*   pooled hidden states vs the test's own pooling.
+POSITIVE_CONTROL_MIN  a steer must move the block output at least this much (max-abs),
+          or a test that expects a change would pass vacuously.
+"""
+
+HOOK_ATOL = 2e-5
+HOOK_RTOL = 1e-5
+ENCODE_ATOL = 2e-4
+ENCODE_RTOL = 1e-4
+LOGPROB_ATOL = 1e-5
+EMBED_ATOL = 1e-5
+POSITIVE_CONTROL_MIN = 0.5
