@@ -45,7 +45,9 @@ def applies_b_dec_to_input(layout: str, activation: str) -> bool:
     return layout == "saelens" and activation != "jumprelu"
 
 
-def _validate(*, d_in: int, d_sae: int, layer: int, layout: str, activation: str, k: int | None) -> None:
+def _validate(
+    *, d_in: int, d_sae: int, layer: int, layout: str, activation: str, k: int | None
+) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown SAE layout {layout!r}; expected one of {LAYOUTS}")
     if activation not in ACTIVATIONS:
@@ -163,7 +165,9 @@ def save_npz_deterministic(path: Path, arrays: Mapping[str, np.ndarray]) -> None
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
         for name in sorted(arrays):
             buffer = io.BytesIO()
-            np.lib.format.write_array(buffer, np.ascontiguousarray(arrays[name]), allow_pickle=False)
+            np.lib.format.write_array(
+                buffer, np.ascontiguousarray(arrays[name]), allow_pickle=False
+            )
             info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
             archive.writestr(info, buffer.getvalue())
 
@@ -195,7 +199,10 @@ def write_sae(
             apply_b_dec_to_input=applies_b_dec_to_input(layout, activation),
         )
         (out_dir / SAELENS_CFG).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        save_file({name: np.ascontiguousarray(arr) for name, arr in weights.items()}, str(out_dir / SAELENS_WEIGHTS))
+        save_file(
+            {name: np.ascontiguousarray(arr) for name, arr in weights.items()},
+            str(out_dir / SAELENS_WEIGHTS),
+        )
     else:
         save_npz_deterministic(out_dir / GEMMASCOPE_PARAMS, weights)
     if feature_labels:
@@ -233,5 +240,11 @@ def build_sae(
         calibration=calibration,
     )
     return write_sae(
-        out_dir, weights, layer=layer, layout=layout, activation=activation, model_name=model_name, k=k
+        out_dir,
+        weights,
+        layer=layer,
+        layout=layout,
+        activation=activation,
+        model_name=model_name,
+        k=k,
     )
