@@ -28,7 +28,15 @@ _INF = math.inf
 
 
 class MonitorPlan:
-    """Encodes the rows one monitor entry asks for; results stay on device until ``collect``."""
+    """Encodes the rows one monitor entry asks for.
+
+    By default rows are only copied during decoding and encoded in one batch when the
+    request finishes: a top-k over all features needs every encoder column, and reading
+    W_enc once per token would cost a few percent of a small model's bandwidth, while one
+    batched matmul at the end costs next to nothing.  ``entry.stream`` encodes each step
+    instead (records then travel with their token events).  Results stay on device until
+    ``collect``, which runs after the step's token sync.
+    """
 
     def __init__(self, entry: MonitorEntry, sae: SAE, *, prompt_len: int) -> None:
         self.entry = entry
@@ -39,6 +47,7 @@ class MonitorPlan:
             torch.tensor(entry.features, dtype=torch.long, device=sae.W_enc.device) if entry.features else None
         )
         self.last_only = entry.positions == "last"
+        self.stream = bool(entry.stream) and not self.last_only
         pos = entry.positions
         if pos == "prompt":
             self.lo, self.hi = 0, prompt_len
@@ -48,18 +57,25 @@ class MonitorPlan:
             self.lo, self.hi = pos.start, (pos.end if pos.end is not None else _INF)
         else:  # "all" / "last"
             self.lo, self.hi = 0, _INF
-        self.pending: list[tuple[int, int, Any, Any, Any]] = []
+        self.buffer: list[tuple[int, torch.Tensor]] = []
+        self.pending: list[tuple[int, Any, Any, Any]] = []
 
     def observe(self, rows: torch.Tensor, start: int) -> None:
         n = rows.shape[0]
         if self.last_only:
             lo, hi = start + n - 1, start + n
-            self.pending.clear()
+            self.buffer.clear()
         else:
             lo, hi = max(self.lo, start), min(self.hi, start + n)
             if lo >= hi:
                 return
         x = rows[lo - start : hi - start]
+        if self.stream:
+            self._encode(int(lo), x)
+        else:
+            self.buffer.append((int(lo), x.clone()))
+
+    def _encode(self, lo: int, x: torch.Tensor) -> None:
         top_v = top_i = sel = None
         if self.top_k:
             acts = self.sae.encode(x)
@@ -68,18 +84,35 @@ class MonitorPlan:
             if self.sel_idx is not None:
                 sel = acts.index_select(-1, self.sel_idx)
         elif self.sel_idx is not None:
+            # only the requested encoder columns (all of them for a TopK SAE)
             sel = self.sae.encode_selected(x, self.sel_idx)
-        self.pending.append((int(lo), int(hi), top_v, top_i, sel))
+        self.pending.append((lo, top_v, top_i, sel))
+
+    def flush(self) -> None:
+        """Encode the buffered rows in one batch."""
+        if not self.buffer:
+            return
+        starts = [lo for lo, _ in self.buffer]
+        xs = [x for _, x in self.buffer]
+        self.buffer = []
+        contiguous = all(starts[i] + xs[i].shape[0] == starts[i + 1] for i in range(len(starts) - 1))
+        if contiguous:
+            self._encode(starts[0], torch.cat(xs, dim=0))
+        else:
+            for lo, x in zip(starts, xs):
+                self._encode(lo, x)
 
     def collect(self) -> list[ActivationRecord]:
-        """Move pending results to host as records (call after the step's token sync)."""
+        """Move pending results to host as records."""
         out: list[ActivationRecord] = []
         e = self.entry
-        for lo, hi, top_v, top_i, sel in self.pending:
+        for lo, top_v, top_i, sel in self.pending:
             tv = top_v.tolist() if top_v is not None else None
             ti = top_i.tolist() if top_i is not None else None
             sv = sel.tolist() if sel is not None else None
-            for r, pos in enumerate(range(lo, hi)):
+            n = len(tv) if tv is not None else len(sv)  # type: ignore[arg-type]
+            for r in range(n):
+                pos = lo + r
                 top = []
                 if tv is not None:
                     top = [FeatureActivation(int(i), float(v)) for v, i in zip(tv[r], ti[r]) if v > 0.0]
@@ -119,17 +152,19 @@ class RequestHooks:
         return [m for p in self.plans.values() for m in (*p.pre, *p.post)]
 
     def collect(self) -> list[ActivationRecord]:
+        """Records of streaming monitors encoded so far (call once per step)."""
         recs: list[ActivationRecord] = []
         for m in self.monitors():
-            if m.pending and not m.last_only:
+            if m.stream and m.pending:
                 recs.extend(m.collect())
         return recs
 
-    def collect_last(self) -> list[ActivationRecord]:
+    def finalize(self) -> list[ActivationRecord]:
+        """Encode every buffered row and return all remaining records."""
         recs: list[ActivationRecord] = []
         for m in self.monitors():
-            if m.last_only and m.pending:
-                recs.extend(m.collect())
+            m.flush()
+            recs.extend(m.collect())
         return recs
 
     def steering_counts(self) -> dict[AttachmentKey, int]:

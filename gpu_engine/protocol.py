@@ -214,6 +214,11 @@ class MonitorEntry:
     that token.  ``completion`` = those rows, ``last`` = the last row computed, ``all`` =
     every row computed.  ``top_k`` features are the largest non-zero activations;
     ``features`` are always reported (zero included).
+
+    ``stream=False`` (default): rows are encoded in one batch when the request ends and
+    every record arrives in the ``FinishEvent`` (cheapest: the encoder is read once).
+    ``stream=True``: each step is encoded as it runs and a completion row's record travels
+    with its ``TokenEvent`` (``positions="last"`` is always delivered at the end).
     """
 
     sae_id: str
@@ -222,6 +227,7 @@ class MonitorEntry:
     features: list[int] = field(default_factory=list)
     read_point: str = "post_steering"
     positions: Positions = "completion"
+    stream: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.sae_id, str) or not self.sae_id:

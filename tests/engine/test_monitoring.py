@@ -49,15 +49,15 @@ def check_record(rec, ref_acts: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("sae_name", ["tiny-llama-L1-relu", "tiny-llama-L2-jumprelu", "tiny-llama-L2-topk"])
-@pytest.mark.parametrize("read_point", ["pre_steering", "post_steering"])
-def test_monitoring_equals_an_independent_encode(engine, tiny_assets, sae_name, read_point):
+@pytest.mark.parametrize("read_point, stream", [("pre_steering", False), ("post_steering", False), ("post_steering", True)])
+def test_monitoring_equals_an_independent_encode(engine, tiny_assets, sae_name, read_point, stream):
     model = tiny_assets.models["tiny-llama"]
     asset = tiny_assets.saes[sae_name]
     ref = RefSAE(asset)
     engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
     steering = SteeringSpec.from_mapping({(asset.name, asset.layer): {5: 3.0, 9: -2.0}})
     monitor = MonitorSpec([MonitorEntry(asset.name, asset.layer, top_k=TOP_K, features=REQUESTED,
-                                        read_point=read_point, positions="all")])
+                                        read_point=read_point, positions="all", stream=stream)])
     module = block(engine, model, asset.layer)
     with capture(module, before_engine=True) as raw, capture(module) as post:
         out = engine.generate_sync(job("m", monitor, steering))
@@ -100,21 +100,26 @@ def test_arming_monitoring_does_not_change_generation(engine, tiny_assets):
         (PositionRange(2, 4), lambda p, n: [2, 3]),
     ],
 )
-def test_positions_select_residual_rows(engine, tiny_assets, positions, expected):
+@pytest.mark.parametrize("stream", [True, False])
+def test_positions_select_residual_rows(engine, tiny_assets, positions, expected, stream):
     asset = tiny_assets.saes["tiny-llama-L1-relu"]
     engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
-    spec = MonitorSpec([MonitorEntry(asset.name, 1, features=[3], positions=positions)])
-    stream = engine.generate(job("p", spec, max_tokens=4))
-    events = list(stream)
+    spec = MonitorSpec([MonitorEntry(asset.name, 1, features=[3], positions=positions, stream=stream)])
+    events = list(engine.generate(job("p", spec, max_tokens=4)))
     tokens = [e for e in events if e.type == "token"]
     finish = events[-1]
     assert finish.type == "finish"
     n_prompt = finish.usage.prompt_tokens
-    got = sorted(r.position for e in events for r in (e.activations if e.type == "token" else finish.activations))
+    on_tokens = [r for e in tokens for r in e.activations]
+    got = sorted(r.position for r in on_tokens + finish.activations)
     assert got == expected(n_prompt, len(tokens))
-    # a record that belongs to a completion token travels with that token's event
-    for e in tokens:
-        assert all(r.token_index == e.index for r in e.activations)
+    if stream and positions != "last":
+        # a completion row's record travels with that token's event
+        assert all(r.token_index is None for r in finish.activations)
+        for e in tokens:
+            assert all(r.token_index == e.index for r in e.activations)
+    else:
+        assert on_tokens == []
 
 
 def test_monitor_requests_only_what_it_asks(engine, tiny_assets):

@@ -60,6 +60,7 @@ def run_generation(
         end_ids |= runner.eos_token_ids
     want_lp = sampling.logprobs or sampling.top_logprobs > 0
     monitoring = request_hooks is not None and bool(request_hooks.monitors())
+    streaming_monitors = monitoring and any(m.stream for m in request_hooks.monitors())  # type: ignore[union-attr]
 
     segment = Segment(request_hooks, 0, n_prompt, 0) if request_hooks is not None else None
     ctx = BatchContext([segment]) if segment is not None else None
@@ -101,7 +102,7 @@ def run_generation(
             generated.append(token_id)
             lp = _logprob(runner, lsm, token_id, sampling.top_logprobs) if lsm is not None else None
             records: list[ActivationRecord] = []
-            if monitoring:
+            if streaming_monitors:
                 for rec in request_hooks.collect():  # type: ignore[union-attr]
                     (records if rec.token_index == i else extra_records).append(rec)
 
@@ -127,7 +128,8 @@ def run_generation(
                 break
 
     if monitoring:
-        extra_records.extend(request_hooks.collect_last())  # type: ignore[union-attr]
+        with torch.inference_mode():
+            extra_records.extend(request_hooks.finalize())  # type: ignore[union-attr]
     counts = request_hooks.steering_counts() if request_hooks is not None else {}
     return FinishEvent(
         request_id=request_id,

