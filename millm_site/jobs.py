@@ -15,7 +15,7 @@ from typing import Any
 
 import structlog
 from django.conf import settings
-from django.db import close_old_connections, transaction
+from django.db import close_old_connections, connections, transaction
 
 log = structlog.get_logger(__name__)
 
@@ -41,7 +41,9 @@ def _run_in_process(task: Any, args: tuple, kwargs: dict, future: Future) -> Non
         log.exception("in_process_task_failed", task=task.name)
         future.set_exception(exc)
     finally:
-        close_old_connections()
+        # Pool threads outlive the task: a connection left open here would pin a
+        # PostgreSQL session (and block dropping the test database).
+        connections.close_all()
 
 
 def enqueue(task: Any, *args: Any, **kwargs: Any) -> Future:

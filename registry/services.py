@@ -234,10 +234,20 @@ def _describe_sae(path: Path) -> dict[str, Any]:
 @transaction.atomic
 def sae_register_local(*, local_path: str, name: str | None = None,
                        repository_id: str = "", file_path: str = "",
-                       average_l0: float | None = None) -> SAE:
-    """Register an SAE directory (SAELens) or params.npz (Gemma Scope) already on disk."""
+                       average_l0: float | None = None,
+                       trained_on_model: str | None = None,
+                       trained_on_layer: int | None = None) -> SAE:
+    """Register an SAE directory (SAELens) or params.npz (Gemma Scope) already on disk.
+
+    What the files say about the model and layer the SAE was trained on wins; the hints
+    fill in what they do not say (a Gemma Scope params.npz names neither).
+    """
     path = _check_local_path(local_path)
     meta = _describe_sae(path)
+    if not meta["trained_on_model"] and trained_on_model:
+        meta["trained_on_model"] = trained_on_model
+    if meta["trained_on_layer"] is None and trained_on_layer is not None:
+        meta["trained_on_layer"] = trained_on_layer
     if repository_id and SAE.objects.filter(repository_id=repository_id, revision="main",
                                             file_path=file_path).exists():
         raise SAEInvalid(f"SAE {repository_id}/{file_path} is already registered",
@@ -372,5 +382,7 @@ def demo_assets_install(*, root: Path, seed: int = 0, include_demo: bool = True
     for asset in manifest.saes.values():
         path = str(Path(asset.path).resolve())
         existing = SAE.objects.filter(local_path=path).first()
-        saes.append(existing or sae_register_local(local_path=path, name=asset.name))
+        saes.append(existing or sae_register_local(
+            local_path=path, name=asset.name, trained_on_model=asset.model_name,
+            trained_on_layer=asset.layer))
     return models, saes

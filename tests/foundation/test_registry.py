@@ -134,7 +134,14 @@ def test_register_saes_in_both_layouts(tiny_assets):
             npz = path if path.suffix == ".npz" else path / "params.npz"
             w_dec = np.load(npz)["W_dec"]
             assert (row.d_sae, row.d_in) == w_dec.shape
-        assert row.trained_on_layer == asset.layer
+        if asset.layout == "saelens":
+            assert row.trained_on_layer == cfg["hook_layer"] == asset.layer
+        else:
+            # params.npz names no layer; what the operator knows fills the gap.
+            assert row.trained_on_layer is None
+            hinted = services.sae_register_local(local_path=str(asset.path),
+                                                 trained_on_layer=asset.layer)
+            assert SAE.objects.get(pk=hinted.pk).trained_on_layer == asset.layer
         assert row.width == row.d_sae
 
 
@@ -209,6 +216,9 @@ def test_demo_assets_are_registered_once(tiny_assets):
     names = set(Model.objects.values_list("name", flat=True))
     assert {"tiny-llama", "tiny-gemma2", "tiny-gpt2"} <= names
     assert SAE.objects.count() == len(tiny_assets.saes)
+    for asset in tiny_assets.saes.values():
+        row = SAE.objects.get(name=asset.name)
+        assert (row.trained_on_model, row.trained_on_layer) == (asset.model_name, asset.layer)
     call_command("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root))
     assert Model.objects.count() == len(names)
     assert SAE.objects.count() == len(tiny_assets.saes)
