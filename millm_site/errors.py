@@ -70,3 +70,63 @@ class JobNotFound(MillmError):
 
 class JobFinished(MillmError):
     code, status = "JOB_ALREADY_FINISHED", 409
+
+
+class ModelNotLoaded(MillmError):
+    code, status = "MODEL_NOT_LOADED", 400
+
+
+class ModelBusy(MillmError):
+    code, status = "MODEL_BUSY", 503
+
+
+class ModelLoadFailed(MillmError):
+    code, status = "MODEL_LOAD_FAILED", 500
+
+
+class UnsupportedModel(MillmError):
+    code, status = "UNSUPPORTED_MODEL", 400
+
+
+class InsufficientMemory(MillmError):
+    code, status = "INSUFFICIENT_MEMORY", 507
+
+
+class SAEIncompatible(MillmError):
+    code, status = "SAE_INCOMPATIBLE", 400
+
+
+class SAENotAttached(MillmError):
+    code, status = "SAE_NOT_ATTACHED", 400
+
+
+class InvalidFeatureIndex(MillmError):
+    code, status = "INVALID_FEATURE_INDEX", 400
+
+
+class EngineUnavailable(MillmError):
+    code, status = "ENGINE_UNAVAILABLE", 503
+
+
+# Engine error codes (gpu_engine.errors) -> the management contract's error classes.
+_ENGINE_CODES: dict[str, type[MillmError]] = {
+    "model_not_loaded": ModelNotLoaded,
+    "model_load_failed": ModelLoadFailed,
+    "unsupported_architecture": UnsupportedModel,
+    "sae_format_error": SAEInvalid,
+    "sae_incompatible": SAEIncompatible,
+    "sae_not_attached": SAENotAttached,
+    "invalid_feature_index": InvalidFeatureIndex,
+    "insufficient_memory": InsufficientMemory,
+    "engine_busy": ModelBusy,
+    "engine_shutdown": EngineUnavailable,
+    "invalid_parameter": ValidationFailed,
+}
+
+
+def from_engine_error(exc: Exception) -> MillmError:
+    """The domain error for an engine error (by its stable code); unknown codes are 500s."""
+    code = getattr(exc, "code", "engine_error")
+    cls = _ENGINE_CODES.get(code, MillmError)
+    details = dict(getattr(exc, "details", {}) or {})
+    return cls(getattr(exc, "message", str(exc)), details={"engine_code": code, **details})

@@ -186,3 +186,23 @@ class Job(models.Model):
 
     def __str__(self) -> str:
         return f"{self.get_kind_display()} {self.target} ({self.status})"
+
+
+class Attachment(models.Model):
+    """An SAE hooked into a layer of the loaded model. Recorded so that a restarted engine
+    can restore exactly what was attached."""
+
+    sae = models.ForeignKey(SAE, on_delete=models.CASCADE, related_name="attachments")
+    model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="attachments")
+    layer = models.PositiveIntegerField()
+    layer_module_path = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["layer", "sae_id"]
+        constraints = [
+            models.UniqueConstraint(fields=["sae", "layer"], name="attachment_unique_sae_layer"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.sae_id}@{self.layer_module_path}"

@@ -23,7 +23,7 @@ from millm_site.errors import (
     SAEAlreadyAttached,
     SAEInvalid,
 )
-from registry.models import SAE, Job, Model
+from registry.models import SAE, Attachment, Job, Model
 
 log = structlog.get_logger(__name__)
 
@@ -386,3 +386,166 @@ def demo_assets_install(*, root: Path, seed: int = 0, include_demo: bool = True
             local_path=path, name=asset.name, trained_on_model=asset.model_name,
             trained_on_layer=asset.layer))
     return models, saes
+
+
+# --- Engine operations -----------------------------------------------------------------
+# These are the only places that change what the engine holds; each call records the
+# outcome on the rows (status, attachments) so the database always says what is resident.
+
+def _engine():
+    from inference.engine_client import get_engine_client
+
+    return get_engine_client()
+
+
+def _engine_errors():
+    from gpu_engine.errors import EngineError
+
+    return EngineError
+
+
+def model_load(*, model: Model, job: Job | None = None) -> Model:
+    """Load ``model`` into the engine (replacing the resident one) and record it."""
+    from gpu_engine.protocol import LoadModelJob
+    from inference.engine_client import resolve_device_and_dtype
+    from millm_site.errors import (
+        ModelNotLoaded,  # noqa: F401 - re-exported for callers' except clauses
+        UnsupportedModel,
+        from_engine_error,
+    )
+
+    resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
+    if resident is not None and resident.locked:
+        raise ModelLocked(f"Model {resident.name!r} is resident and locked",
+                          details={"model_id": resident.id})
+    if model.format == Model.Format.GGUF:
+        raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
+                               "does not include", details={"model_id": model.id})
+    if model.status == Model.Status.DOWNLOADING or not model.local_path:
+        raise ModelInvalid(f"Model {model.name!r} has no files yet",
+                           details={"model_id": model.id})
+    device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
+                                             settings.MILLM_ENGINE_DTYPE)
+    job = job or job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
+    job_start(job=job, stage="loading weights")
+    model_set_status(model=model, status=Model.Status.LOADING)
+    events.publish("model:load:progress", {"model_id": model.id, "job_id": job.id,
+                                           "progress": 0, "stage": "loading weights"})
+    try:
+        _engine().load_model(LoadModelJob(
+            model_id=model.name, path=model.local_path, dtype=dtype, device=device,
+            trust_remote_code=model.trust_remote_code))
+    except _engine_errors() as exc:
+        error = from_engine_error(exc)
+        model_set_status(model=model, status=Model.Status.ERROR, error=error.message)
+        job_finish(job=job, status=Job.Status.FAILED, error=error.message)
+        raise error from exc
+    with transaction.atomic():
+        if resident is not None:
+            _forget_model_state(resident)
+        Attachment.objects.filter(model=model).delete()
+        model_set_status(model=model, status=Model.Status.LOADED)
+    job_finish(job=job, status=Job.Status.SUCCEEDED)
+    log.info("model_loaded", model_id=model.id, device=device, dtype=dtype)
+    return model
+
+
+def _forget_model_state(model: Model) -> None:
+    Attachment.objects.filter(model=model).delete()
+    SAE.objects.filter(status=SAE.Status.ATTACHED).exclude(attachments__isnull=False).update(
+        status=SAE.Status.READY)
+    Model.objects.filter(pk=model.pk).update(status=Model.Status.READY, locked=False,
+                                             updated_at=timezone.now())
+
+
+def model_unload(*, model: Model) -> Model:
+    """Unload the resident model after waiting (bounded) for running requests."""
+    from millm_site.errors import ModelNotLoaded, from_engine_error
+
+    model.refresh_from_db()
+    if model.status != Model.Status.LOADED:
+        raise ModelNotLoaded(f"Model {model.name!r} is not loaded",
+                             details={"model_id": model.id})
+    if model.locked:
+        raise ModelLocked(f"Model {model.name!r} is locked; unlock it first",
+                          details={"model_id": model.id})
+    try:
+        _engine().unload_model(timeout_s=settings.GRACEFUL_UNLOAD_TIMEOUT)
+    except _engine_errors() as exc:
+        raise from_engine_error(exc) from exc
+    with transaction.atomic():
+        _forget_model_state(model)
+    model.refresh_from_db()
+    events.publish("model:unload:complete", {"model_id": model.id})
+    return model
+
+
+def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
+    """Attach several (SAE, layer) pairs all-or-nothing; an existing pair is re-attached."""
+    from gpu_engine.protocol import AttachSpec
+    from millm_site.errors import ModelNotLoaded, from_engine_error
+
+    model = Model.objects.filter(status=Model.Status.LOADED).first()
+    if model is None:
+        raise ModelNotLoaded("No model is loaded; load one before attaching an SAE")
+    specs = [AttachSpec(sae_id=sae.id, path=sae.local_path, layer=int(layer),
+                        layout=sae.format or None) for sae, layer in items]
+    try:
+        results = _engine().attach_set(specs)
+    except _engine_errors() as exc:
+        raise from_engine_error(exc) from exc
+    with transaction.atomic():
+        for (sae, _), result in zip(items, results, strict=True):
+            Attachment.objects.update_or_create(
+                sae=sae, layer=result.layer,
+                defaults={"model": model, "layer_module_path": result.layer_module_path})
+            SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ATTACHED,
+                                                 updated_at=timezone.now())
+        # Attaching locks the model, so a steered session cannot be swapped out under it.
+        Model.objects.filter(pk=model.pk).update(locked=True, updated_at=timezone.now())
+    for result in results:
+        events.publish("sae:attached", {"sae_id": result.sae_id, "layer": result.layer,
+                                        "layer_module_path": result.layer_module_path,
+                                        "warnings": list(result.warnings)})
+    return results
+
+
+def sae_attach(*, sae: SAE, layer: int) -> Any:
+    return sae_attach_set(items=[(sae, layer)])[0]
+
+
+def sae_detach(*, sae: SAE, layer: int | None = None) -> list[tuple[str, int]]:
+    from millm_site.errors import SAENotAttached, from_engine_error
+
+    if not Attachment.objects.filter(sae=sae, **({} if layer is None else {"layer": layer})
+                                     ).exists():
+        raise SAENotAttached(f"SAE {sae.id} is not attached"
+                             + ("" if layer is None else f" at layer {layer}"),
+                             details={"sae_id": sae.id, "layer": layer})
+    try:
+        keys = _engine().detach(sae.id, layer)
+    except _engine_errors() as exc:
+        if getattr(exc, "code", "") != "sae_not_attached":
+            raise from_engine_error(exc) from exc
+        keys = []  # the engine already lost it (restart); the rows catch up below
+    for _, key_layer in keys or [(sae.id, layer)]:
+        attachment_forget(sae_id=sae.id, layer=key_layer)
+    for sae_id, key_layer in keys:
+        events.publish("sae:detached", {"sae_id": sae_id, "layer": key_layer,
+                                        "reason": "detach"})
+    return keys
+
+
+@transaction.atomic
+def attachment_forget(*, sae_id: str, layer: int | None) -> None:
+    """Record that an attachment is gone (detach, or the engine dropped it after an OOM)."""
+    qs = Attachment.objects.filter(sae_id=sae_id)
+    if layer is not None:
+        qs = qs.filter(layer=layer)
+    model_ids = set(qs.values_list("model_id", flat=True))
+    qs.delete()
+    if not Attachment.objects.filter(sae_id=sae_id).exists():
+        SAE.objects.filter(pk=sae_id).update(status=SAE.Status.READY, updated_at=timezone.now())
+    for model_id in model_ids:
+        if not Attachment.objects.filter(model_id=model_id).exists():
+            Model.objects.filter(pk=model_id).update(locked=False, updated_at=timezone.now())

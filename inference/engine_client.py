@@ -1,0 +1,235 @@
+"""The one interface through which the web tier reaches the engine.
+
+``EngineClient`` speaks only the protocol dataclasses of ``gpu_engine.protocol``; the
+embedded implementation below owns a ``gpu_engine.engine.Engine`` in this process (a
+worker thread), and the distributed one (Redis Streams to ``run_engine``) implements the
+same methods. Views, services and tasks call ``get_engine_client()`` and never import the
+engine itself, so the web tier stays free of torch in distributed mode.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from typing import Any
+
+import structlog
+from django.conf import settings
+
+from gpu_engine.protocol import (
+    AttachmentKey,
+    AttachmentStatus,
+    AttachResult,
+    AttachSpec,
+    EmbedJob,
+    EmbedResult,
+    EngineEvent,
+    EngineStatus,
+    ErrorEvent,
+    FinishEvent,
+    GenerationEvent,
+    GenerationJob,
+    LoadModelJob,
+    ScoreJob,
+    ScoreResult,
+)
+
+log = structlog.get_logger(__name__)
+
+
+class GenerationHandle(ABC):
+    """A running generation: iterate its events, or cancel it."""
+
+    request_id: str
+
+    @abstractmethod
+    def events(self, timeout_s: float | None = None) -> Iterator[GenerationEvent]: ...
+
+    @abstractmethod
+    def cancel(self) -> None: ...
+
+
+class EngineClient(ABC):
+    backend_name: str = "transformers"
+
+    @abstractmethod
+    def status(self) -> EngineStatus: ...
+
+    @abstractmethod
+    def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None
+                   ) -> EngineStatus: ...
+
+    @abstractmethod
+    def unload_model(self, *, timeout_s: float | None = None) -> None: ...
+
+    @abstractmethod
+    def attach_set(self, specs: Sequence[AttachSpec], *, timeout_s: float | None = None
+                   ) -> list[AttachResult]: ...
+
+    @abstractmethod
+    def detach(self, sae_id: str | None = None, layer: int | None = None, *,
+               timeout_s: float | None = None) -> list[AttachmentKey]: ...
+
+    @abstractmethod
+    def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> Any: ...
+
+    @abstractmethod
+    def attachments(self) -> list[AttachmentStatus]: ...
+
+    @abstractmethod
+    def generate(self, job: GenerationJob) -> GenerationHandle: ...
+
+    @abstractmethod
+    def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult: ...
+
+    @abstractmethod
+    def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult: ...
+
+    def shutdown(self) -> None:
+        """Release the engine (tests, process exit)."""
+
+    async def agenerate(self, job: GenerationJob) -> AsyncIterator[GenerationEvent]:
+        """Async view of ``generate``: events arrive on the caller's loop without blocking
+        it; leaving the iteration early (a client that disconnected) cancels the
+        generation, which stops before its next forward pass."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        handle = await asyncio.to_thread(self.generate, job)
+        done = threading.Event()
+
+        def pump() -> None:
+            try:
+                for event in handle.events():
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+                    if done.is_set():
+                        break
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                loop.call_soon_threadsafe(queue.put_nowait, exc)
+            finally:
+                loop.call_soon_threadsafe(queue.put_nowait, None)
+
+        thread = threading.Thread(target=pump, name=f"millm-stream-{job.request_id}",
+                                  daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, (FinishEvent, ErrorEvent)):
+                    return
+        finally:
+            done.set()
+            handle.cancel()
+
+
+class _EmbeddedHandle(GenerationHandle):
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.request_id = stream.request_id
+
+    def events(self, timeout_s: float | None = None) -> Iterator[GenerationEvent]:
+        return self._stream.events(timeout_s)
+
+    def cancel(self) -> None:
+        self._stream.cancel()
+
+
+class EmbeddedEngineClient(EngineClient):
+    """The engine in this process, on its own worker thread (embedded mode)."""
+
+    def __init__(self, *, on_event: Callable[[EngineEvent], None] | None = None,
+                 drain_timeout_s: float | None = None) -> None:
+        from gpu_engine.engine import Engine
+
+        self._engine = Engine(on_event=on_event,
+                              drain_timeout_s=drain_timeout_s or settings.GRACEFUL_UNLOAD_TIMEOUT)
+
+    @property
+    def engine(self) -> Any:
+        return self._engine
+
+    def status(self) -> EngineStatus:
+        return self._engine.status()
+
+    def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None) -> EngineStatus:
+        return self._engine.load_model(job, timeout_s=timeout_s)
+
+    def unload_model(self, *, timeout_s: float | None = None) -> None:
+        self._engine.unload_model(timeout_s=timeout_s)
+
+    def attach_set(self, specs: Sequence[AttachSpec], *, timeout_s: float | None = None
+                   ) -> list[AttachResult]:
+        return self._engine.attach_set(specs, timeout_s=timeout_s)
+
+    def detach(self, sae_id: str | None = None, layer: int | None = None, *,
+               timeout_s: float | None = None) -> list[AttachmentKey]:
+        return self._engine.detach(sae_id, layer, timeout_s=timeout_s)
+
+    def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> Any:
+        return self._engine.check_sae(path, layer, layout=layout)
+
+    def attachments(self) -> list[AttachmentStatus]:
+        return self._engine.attachments()
+
+    def generate(self, job: GenerationJob) -> GenerationHandle:
+        return _EmbeddedHandle(self._engine.generate(job))
+
+    def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
+        return self._engine.embed(job, timeout_s=timeout_s)
+
+    def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
+        return self._engine.score(job, timeout_s=timeout_s)
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+
+
+def resolve_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
+    """Turn ``auto`` settings into what the engine loads with (bf16 on CUDA, fp32 on CPU)."""
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    return device, dtype
+
+
+_client: EngineClient | None = None
+_client_lock = threading.Lock()
+
+
+def _forward_engine_event(event: EngineEvent) -> None:
+    from inference import engine_events
+
+    engine_events.handle(event)
+
+
+def get_engine_client() -> EngineClient:
+    """The process-wide client, created on first use."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            if not settings.EMBEDDED:
+                from millm_site.errors import EngineUnavailable
+
+                raise EngineUnavailable(
+                    "REDIS_URL is set, but this build has no Redis Streams transport to a "
+                    "run_engine process yet; unset REDIS_URL to run the engine in-process",
+                    retry_after=settings.RETRY_AFTER_NOT_LOADED_S)
+            _client = EmbeddedEngineClient(on_event=_forward_engine_event)
+        return _client
+
+
+def set_engine_client(client: EngineClient | None) -> EngineClient | None:
+    """Swap the process-wide client (tests); returns the previous one."""
+    global _client
+    with _client_lock:
+        previous, _client = _client, client
+        return previous

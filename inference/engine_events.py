@@ -1,0 +1,28 @@
+"""What the web tier does when the engine reports something on its own (not in answer to
+a call): today, an out-of-memory error that made it detach SAEs."""
+
+from __future__ import annotations
+
+import structlog
+from django.db import close_old_connections
+
+from gpu_engine.protocol import EngineEvent
+from millm_site import events
+
+log = structlog.get_logger(__name__)
+
+
+def handle(event: EngineEvent) -> None:
+    if event.name == "sae:detached" and event.data.get("reason") == "out_of_memory":
+        from registry import services
+
+        close_old_connections()
+        try:
+            services.attachment_forget(sae_id=event.data["sae_id"], layer=event.data["layer"])
+        finally:
+            close_old_connections()
+        events.publish("sae:detached", {"sae_id": event.data["sae_id"],
+                                        "layer": event.data["layer"],
+                                        "reason": "out_of_memory"})
+    elif event.name == "engine:out_of_memory":
+        log.error("engine_out_of_memory", detached=event.data.get("detached"))
