@@ -166,6 +166,9 @@ class Engine:
         self._in_flight = 0
         self._queued = 0
         self._closed = False
+        # guards the attachment table and the counters, which status readers on other
+        # threads look at while the worker changes them
+        self._state_lock = threading.Lock()
         self._thread = threading.Thread(target=self._worker, name="millm-engine", daemon=True)
         self._thread.start()
 
@@ -176,7 +179,8 @@ class Engine:
             _, _, task = self._queue.get()
             if task is None:
                 break
-            self._queued -= 1
+            with self._state_lock:
+                self._queued -= 1
             if not task.future.set_running_or_notify_cancel():
                 if task.on_drop:
                     task.on_drop()
@@ -198,7 +202,8 @@ class Engine:
         if self._closed:
             raise EngineShutdown("the engine is shut down")
         task = _Task(fn, on_drop)
-        self._queued += 1
+        with self._state_lock:
+            self._queued += 1
         self._queue.put((priority, next(self._seq), task))
         return task
 
@@ -328,20 +333,24 @@ class Engine:
             replaced: dict[AttachmentKey, Attachment] = {}
             try:
                 for att, _ in prepared:
-                    old = self._attachments.pop(att.key, None)
+                    with self._state_lock:
+                        old = self._attachments.pop(att.key, None)
                     if old is not None:
                         self._hooks.remove(att.key)
                         replaced[att.key] = old
                     self._hooks.install(att.key, att.module, att.stats)
-                    self._attachments[att.key] = att
+                    with self._state_lock:
+                        self._attachments[att.key] = att
                     installed.append(att.key)
             except BaseException:
                 for key in installed:
                     self._hooks.remove(key)
-                    self._attachments.pop(key, None)
+                    with self._state_lock:
+                        self._attachments.pop(key, None)
                 for key, old in replaced.items():
                     self._hooks.install(key, old.module, old.stats)
-                    self._attachments[key] = old
+                    with self._state_lock:
+                        self._attachments[key] = old
                 raise
             results = []
             for att, warnings in prepared:
@@ -361,7 +370,8 @@ class Engine:
     def _detach_keys(self, keys: list[AttachmentKey], *, reason: str) -> list[AttachmentKey]:
         for key in keys:
             self._hooks.remove(key)
-            self._attachments.pop(key, None)
+            with self._state_lock:
+                self._attachments.pop(key, None)
         if keys and self._backend is not None and self._backend.device.type == "cuda":
             torch.cuda.empty_cache()
         for sae_id, layer in keys:
@@ -381,7 +391,9 @@ class Engine:
         return self._call(op, timeout_s=timeout_s)
 
     def attachments(self) -> list[AttachmentStatus]:
-        return [a.status() for a in list(self._attachments.values())]
+        with self._state_lock:
+            current = list(self._attachments.values())
+        return [a.status() for a in current]
 
     # ------------------------------------------------------------------ requests
 
@@ -450,7 +462,8 @@ class Engine:
         self._emit("engine:out_of_memory", detached=[{"sae_id": s, "layer": l} for s, l in keys])
 
     def _run_generation(self, job: GenerationJob, stream: GenerationStream) -> None:
-        self._in_flight += 1
+        with self._state_lock:
+            self._in_flight += 1
         try:
             if stream.cancelled:
                 stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
@@ -477,7 +490,8 @@ class Engine:
                 err = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
             stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
         finally:
-            self._in_flight -= 1
+            with self._state_lock:
+                self._in_flight -= 1
 
     def generate(self, job: GenerationJob) -> GenerationStream:
         """Queue a generation; returns at once with a stream of its events."""
