@@ -67,3 +67,125 @@ def openai_error_response(error: OpenAIError) -> JsonResponse:
 def openai_error_frame(error: OpenAIError) -> bytes:
     """The SSE frames for an error after the stream started: the error, then [DONE]."""
     return (f"data: {json.dumps(error.body())}\n\n" "data: [DONE]\n\n").encode()
+
+
+# --------------------------------------------------------------------------------------
+# Mapping every error a /v1 request can meet onto the OpenAI shape. Domain errors
+# (millm_site.errors and the apps' subclasses) and engine errors (gpu_engine.errors) keep
+# their own codes; here is the only place that decides their /v1 status and code.
+
+# domain code -> (status, openai code, Retry-After setting or None)
+_DOMAIN: dict[str, tuple[int, str, str | None]] = {
+    "VALIDATION_ERROR": (400, "invalid_parameter", None),
+    "MODEL_NOT_FOUND": (404, "model_not_found", None),
+    "PROFILE_NOT_FOUND": (404, "profile_not_found", None),
+    "PROFILE_INCOMPATIBLE": (400, "profile_incompatible", None),
+    "SAE_NOT_ATTACHED": (400, "sae_not_attached", None),
+    "INVALID_FEATURE_INDEX": (400, "invalid_feature_index", None),
+    "SAE_ACTIVATIONS_REFUSED": (400, "sae_activations_refused", None),
+    "MODEL_LOCKED": (409, "model_locked", None),
+    "MODEL_NOT_RESIDENT": (409, "model_not_resident", None),
+    "MODEL_NOT_LOADED": (503, "model_not_loaded", "RETRY_AFTER_NOT_LOADED_S"),
+    "MODEL_LOADING": (503, "model_loading", "RETRY_AFTER_LOAD_S"),
+    "MODEL_BUSY": (503, "model_busy", "RETRY_AFTER_LOAD_S"),
+    "QUEUE_FULL": (503, "queue_full", "RETRY_AFTER_QUEUE_DEFAULT_S"),
+    "INSUFFICIENT_MEMORY": (503, "insufficient_memory", "RETRY_AFTER_MEMORY_S"),
+    "ENGINE_UNAVAILABLE": (503, "engine_unavailable", "RETRY_AFTER_NOT_LOADED_S"),
+    "MODEL_LOAD_FAILED": (500, "model_load_failed", None),
+    "MODEL_INVALID": (500, "model_load_failed", None),
+    "UNSUPPORTED_MODEL": (400, "unsupported_model", None),
+}
+
+# engine code -> (status, openai code, Retry-After setting or None)
+_ENGINE: dict[str, tuple[int, str, str | None]] = {
+    "invalid_parameter": (400, "invalid_parameter", None),
+    "context_length_exceeded": (400, "context_length_exceeded", None),
+    "sae_not_attached": (400, "sae_not_attached", None),
+    "invalid_feature_index": (400, "invalid_feature_index", None),
+    "sae_incompatible": (400, "sae_incompatible", None),
+    "sae_format_error": (400, "sae_format_error", None),
+    "unsupported_architecture": (400, "unsupported_model", None),
+    "model_not_loaded": (503, "model_not_loaded", "RETRY_AFTER_NOT_LOADED_S"),
+    "insufficient_memory": (503, "insufficient_memory", "RETRY_AFTER_MEMORY_S"),
+    "engine_busy": (503, "model_busy", "RETRY_AFTER_LOAD_S"),
+    "engine_shutdown": (503, "engine_unavailable", "RETRY_AFTER_NOT_LOADED_S"),
+    "model_load_failed": (500, "model_load_failed", None),
+    "generation_failed": (500, "generation_failed", None),
+}
+
+
+def _setting(name: str | None) -> int | None:
+    return None if name is None else int(getattr(settings, name))
+
+
+def _param_path(loc: tuple[Any, ...]) -> str | None:
+    """pydantic's ``('messages', 0, 'content')`` → ``messages[0].content``; union and
+    validator tags that are not field names are dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier():
+            out += f".{part}" if out else part
+    return out or None
+
+
+def openai_error_from_validation(exc: Any) -> OpenAIError:
+    """A pydantic ValidationError → 400 invalid_parameter naming the first bad field."""
+    errors = exc.errors(include_url=False, include_input=False)
+    first = errors[0] if errors else {"loc": (), "msg": str(exc)}
+    param = _param_path(tuple(first.get("loc", ())))
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if param:
+        message = f"{param}: {message}"
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
+    return OpenAIError(message, status=400, code="invalid_parameter", param=param)
+
+
+def openai_error_from_exception(exc: BaseException, *, param: str | None = None
+                                ) -> OpenAIError:
+    """The /v1 error for anything raised while serving a request. Unknown exceptions
+    become a 500 whose message says nothing of the internals (the log has them)."""
+    from gpu_engine.errors import EngineError
+    from millm_site.errors import MillmError
+
+    if isinstance(exc, OpenAIError):
+        return exc
+    if isinstance(exc, MillmError):
+        status, code, retry_setting = _DOMAIN.get(
+            exc.code, (400 if exc.status == 422 else exc.status, exc.code.lower(), None))
+        retry_after = exc.retry_after if exc.retry_after is not None else _setting(retry_setting)
+        details = exc.details or {}
+        return OpenAIError(exc.message, status=status, code=code,
+                           param=details.get("param") if isinstance(details.get("param"), str)
+                           else param,
+                           retry_after=retry_after if status == 503 else None)
+    if isinstance(exc, EngineError):
+        status, code, retry_setting = _ENGINE.get(exc.code, (500, exc.code, None))
+        details = exc.details or {}
+        engine_param = details.get("param")
+        if code == "context_length_exceeded":
+            engine_param = param
+        return OpenAIError(exc.message, status=status, code=code,
+                           param=engine_param if isinstance(engine_param, str) else None,
+                           retry_after=_setting(retry_setting))
+    try:
+        from pydantic import ValidationError
+    except ImportError:  # pragma: no cover - pydantic is a web requirement
+        ValidationError = ()  # type: ignore[assignment]
+    if isinstance(exc, ValidationError):
+        return openai_error_from_validation(exc)
+    log.error("v1_unhandled_error", error_type=type(exc).__name__,
+              exc_info=(type(exc), exc, exc.__traceback__))
+    return OpenAIError("The server had an error while processing your request.",
+                       status=500, code="internal_error", type="server_error")
+
+
+def openai_error_event(code: str, message: str, details: dict[str, Any] | None = None
+                       ) -> OpenAIError:
+    """The /v1 error for an engine ``ErrorEvent`` (code, message, details)."""
+    from gpu_engine.errors import error_from_dict
+
+    return openai_error_from_exception(
+        error_from_dict({"code": code, "message": message, "details": details or {}}))

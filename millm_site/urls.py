@@ -1,5 +1,5 @@
 from django.contrib import admin
-from django.urls import path
+from django.urls import include, path
 from django.views.generic import RedirectView
 
 admin.site.site_header = "miLLM administration"
@@ -7,5 +7,6 @@ admin.site.site_title = "miLLM admin"
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    path("v1/", include("inference.urls")),
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
 ]

@@ -1,0 +1,104 @@
+"""``return_sae_activations``: from the request field to the engine's ``MonitorSpec``,
+and from the engine's activation records to the ``millm.sae_activations`` object.
+
+Served per request by the engine's monitor hooks (SPEC §3): the records belong to this
+request only, read at ``post_steering`` by default (after this layer's steering delta).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from gpu_engine.protocol import (
+    ActivationRecord,
+    AttachmentStatus,
+    MonitorEntry,
+    MonitorSpec,
+    PositionRange,
+)
+from inference.protocol import MAX_ACTIVATION_ENTRIES, ReturnSaeActivations
+from inference.tokens import TokenTexts
+from millm_site.errors import MillmError
+from steering.selectors import attachment_choices, attachment_pick
+
+
+class SAEActivationsRefused(MillmError):
+    code, status = "SAE_ACTIVATIONS_REFUSED", 400
+
+
+def monitor_resolve(*, asked: ReturnSaeActivations, attachments: Sequence[AttachmentStatus],
+                    choices: int, max_tokens: int | None
+                    ) -> tuple[MonitorSpec, AttachmentStatus]:
+    """The monitor spec for a request's ``return_sae_activations``, or a refusal before
+    anything is generated."""
+    param = "return_sae_activations"
+    if choices > 1:
+        raise SAEActivationsRefused(
+            "return_sae_activations needs a single choice (n = 1 and one prompt): there is "
+            "no single position axis otherwise", details={"param": param})
+    try:
+        att = attachment_pick(attachments=attachments, sae_id=asked.sae_id,
+                              param=f"{param}.sae_id")
+    except MillmError as exc:
+        raise SAEActivationsRefused(exc.message, details={
+            "param": f"{param}.sae_id", "choices": attachment_choices(attachments)}) from exc
+    features = list(asked.features or [])
+    bad = [i for i in features if i >= att.d_sae]
+    if bad:
+        raise SAEActivationsRefused(
+            f"Feature index {bad[0]} is out of range for SAE {att.sae_id!r} "
+            f"(d_sae={att.d_sae})", details={"param": f"{param}.features",
+                                            "index": bad[0], "d_sae": att.d_sae})
+    positions: Any = asked.positions
+    rows: int | None = None
+    if isinstance(positions, str):
+        if positions == "last":
+            rows = 1
+        elif positions == "completion":
+            rows = max_tokens
+    else:
+        rows = positions.end - positions.start
+        positions = PositionRange(positions.start, positions.end)
+    per_row = asked.top_k + len(features)
+    if rows is not None and rows * per_row > MAX_ACTIVATION_ENTRIES:
+        raise SAEActivationsRefused(
+            f"return_sae_activations could return {rows * per_row} entries; the limit is "
+            f"{MAX_ACTIVATION_ENTRIES}", details={"param": param})
+    entry = MonitorEntry(sae_id=att.sae_id, layer=att.layer, top_k=asked.top_k,
+                         features=features, read_point=asked.read_point,
+                         positions=positions, stream=False)
+    return MonitorSpec([entry]), att
+
+
+def _pairs(items: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{"feature_index": a.feature_index, "activation": a.activation} for a in items]
+
+
+def activations_payload(*, records: Sequence[ActivationRecord], attachment: AttachmentStatus,
+                        read_point: str, prompt_ids: Sequence[int], token_ids: Sequence[int],
+                        texts: TokenTexts) -> dict[str, Any]:
+    """``millm.sae_activations``: one entry per position read, with the token at that
+    position (the one the residual row was computed for)."""
+    n_prompt = len(prompt_ids)
+    rows = []
+    for rec in sorted(records, key=lambda r: r.position):
+        if rec.sae_id != attachment.sae_id or rec.layer != attachment.layer:
+            continue
+        pos = rec.position
+        if pos < n_prompt:
+            token_id = prompt_ids[pos]
+        elif pos - n_prompt < len(token_ids):
+            token_id = token_ids[pos - n_prompt]
+        else:
+            token_id = None
+        rows.append({
+            "position": pos,
+            "token_id": token_id,
+            "token": None if token_id is None else texts.token(token_id),
+            "completion_token_index": rec.token_index,
+            "top_k": _pairs(rec.top_k),
+            "features": _pairs(rec.features),
+        })
+    return {"sae_id": attachment.sae_id, "layer": attachment.layer, "read_point": read_point,
+            "prompt_tokens": n_prompt, "positions": rows}

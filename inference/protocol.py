@@ -1,0 +1,393 @@
+"""The /v1 wire formats as pydantic models: requests validate themselves and convert to
+engine jobs; responses are built from engine results.
+
+Field names and ranges follow OpenAI's reference schema (CreateChatCompletionRequest,
+CreateCompletionRequest, CreateEmbeddingRequest); the miLLM extensions are ``profile``,
+``steering``, ``steering_intensity`` and ``return_sae_activations``. Unknown fields are
+ignored, as OpenAI's clients send fields of newer API versions; fields that would change
+the output and cannot be honoured (``tools``, ``logit_bias``, ``response_format`` other
+than text, ``suffix``) are refused rather than dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Union
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
+
+from gpu_engine.protocol import (
+    MAX_STEERING_STRENGTH,
+    MAX_STOP_SEQUENCES,
+    MAX_TOP_LOGPROBS,
+    SamplingParams,
+)
+
+MAX_N = 16
+MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_ACTIVATION_TOP_K = 64
+MAX_ACTIVATION_FEATURES = 256
+MAX_ACTIVATION_ENTRIES = 65_536
+MAX_EMBEDDING_INPUTS = 2048
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+
+class _Strict(BaseModel):
+    """Extension objects are ours: a misspelt key is refused, not ignored."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# --------------------------------------------------------------------------- extensions
+
+class SteeringFeature(_Strict):
+    index: int = Field(ge=0, le=2**31)
+    strength: float = Field(ge=-MAX_STEERING_STRENGTH, le=MAX_STEERING_STRENGTH)
+
+
+class InlineSteering(_Strict):
+    """``{sae_id?, features: [{index, strength}]}``; ``features: []`` = explicitly unsteered."""
+
+    sae_id: str | None = Field(default=None, min_length=1, max_length=200)
+    features: list[SteeringFeature] = Field(max_length=4096)
+
+
+class PositionRange(_Strict):
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "PositionRange":
+        if self.end <= self.start:
+            raise ValueError("positions.end must be greater than positions.start")
+        return self
+
+
+class ReturnSaeActivations(_Strict):
+    sae_id: str | None = Field(default=None, min_length=1, max_length=200)
+    features: list[int] | None = Field(default=None, max_length=MAX_ACTIVATION_FEATURES)
+    top_k: int = Field(default=0, ge=0, le=MAX_ACTIVATION_TOP_K)
+    positions: Union[Literal["last", "prompt", "completion", "all"], PositionRange] = "completion"
+    read_point: Literal["pre_steering", "post_steering"] = "post_steering"
+
+    @field_validator("features")
+    @classmethod
+    def _non_negative(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if any(i < 0 for i in value):
+                raise ValueError("feature indices must be >= 0")
+            if len(set(value)) != len(value):
+                raise ValueError("features names an index twice")
+        return value
+
+    @model_validator(mode="after")
+    def _asks_something(self) -> "ReturnSaeActivations":
+        if not self.top_k and not self.features:
+            raise ValueError("return_sae_activations asks for nothing: give top_k or features")
+        return self
+
+
+class StreamOptions(_Wire):
+    include_usage: bool = False
+
+
+def _intensity(value: Any) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if value.strip().lower() == "off":
+            return 0.0
+        raise ValueError('steering_intensity must be a number in [0, 2] or "off"')
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError('steering_intensity must be a number in [0, 2] or "off"')
+    if not math.isfinite(value) or not 0 <= value <= 2:
+        raise ValueError("steering_intensity must lie in [0, 2]")
+    return float(value)
+
+
+def _stop(value: Any) -> list[str]:
+    if value is None:
+        return []
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise ValueError("stop must be a string or a list of strings")
+    if len(value) > MAX_STOP_SEQUENCES:
+        raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences are allowed")
+    if any(not s for s in value):
+        raise ValueError("stop sequences must be non-empty")
+    return list(value)
+
+
+def _refuse_unless(value: Any, trivial: tuple[Any, ...], name: str) -> Any:
+    if value not in trivial:
+        raise ValueError(f"{name} is not supported by this server")
+    return value
+
+
+# --------------------------------------------------------------------------- requests
+
+class _GenerationRequest(_Wire):
+    model: str = Field(min_length=1, max_length=500)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    temperature: float | None = Field(default=None, ge=0, le=2)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: list[str] = Field(default_factory=list)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, Any] | None = None
+    user: str | None = None
+    # vLLM-style sampling extras the engine supports
+    top_k: int | None = Field(default=None, ge=-1, le=2**31)
+    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    ignore_eos: bool = False
+    # miLLM extensions
+    profile: str | None = Field(default=None, min_length=1, max_length=200)
+    steering: InlineSteering | None = None
+    steering_intensity: float | None = None
+    return_sae_activations: ReturnSaeActivations | None = None
+
+    _stop = field_validator("stop", mode="before")(classmethod(lambda cls, v: _stop(v)))
+    _intensity = field_validator("steering_intensity", mode="before")(
+        classmethod(lambda cls, v: _intensity(v)))
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        return _refuse_unless(value or None, (None,), "logit_bias")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def uses_extensions(self) -> bool:
+        return any(x is not None for x in (self.profile, self.steering,
+                                           self.steering_intensity,
+                                           self.return_sae_activations))
+
+    def _sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+                  prompt_logprobs: bool, choice: int) -> SamplingParams:
+        seed = self.seed
+        if seed is not None and choice:
+            # n > 1 with a seed: each choice gets its own (still reproducible) stream
+            seed = seed + choice if seed + choice <= SEED_MAX else seed - choice
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            seed=seed,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            stop=list(self.stop),
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+            prompt_logprobs=prompt_logprobs,
+        )
+
+
+class ChatMessage(_Wire):
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text(cls, value: Any) -> str | None:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            parts = []
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({type: text, text}) are "
+                                     "supported")
+                parts.append(part["text"])
+            return "".join(parts)
+        raise ValueError("content must be a string or a list of text parts")
+
+    def for_template(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.content or ""}
+        if self.name:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1, max_length=4096)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Any] | None = None
+    functions: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tools(cls, value: list[Any] | None, info: Any) -> list[Any] | None:
+        return _refuse_unless(value or None, (None,), info.field_name)
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and value.get("type") not in (None, "text"):
+            raise ValueError("response_format other than text is not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _logprobs(self) -> "ChatCompletionRequest":
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    @property
+    def effective_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def sampling(self, choice: int = 0) -> SamplingParams:
+        return self._sampling(max_tokens=self.effective_max_tokens, logprobs=self.logprobs,
+                              top_logprobs=self.top_logprobs or 0, prompt_logprobs=False,
+                              choice=choice)
+
+    def template_messages(self) -> list[dict[str, Any]]:
+        return [m.for_template() for m in self.messages]
+
+
+PromptItem = Union[str, list[int]]
+
+
+def _prompt(value: Any) -> list[PromptItem]:
+    """string | [string] | [int] | [[int]] → a list of prompts (text or token ids)."""
+    def ids(seq: list[Any]) -> list[int]:
+        if not seq:
+            raise ValueError("a token-id prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in seq):
+            raise ValueError("token ids must be integers")
+        if any(t < 0 or t > 2**31 for t in seq):
+            raise ValueError("token ids must be non-negative integers")
+        return list(seq)
+
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(x, str) for x in value):
+            return list(value)
+        if all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+            return [ids(value)]
+        if all(isinstance(x, list) for x in value):
+            return [ids(x) for x in value]
+    raise ValueError("prompt must be a string, a list of strings, a list of token ids or a "
+                     "list of token-id lists, and not empty")
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: list[PromptItem]
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
+    add_special_tokens: bool = True
+
+    _prompt = field_validator("prompt", mode="before")(classmethod(lambda cls, v: _prompt(v)))
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> str | None:
+        return _refuse_unless(value or None, (None,), "suffix")
+
+    @model_validator(mode="after")
+    def _best_of(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if len(self.prompt) * self.n > MAX_N * 4:
+            raise ValueError(f"at most {MAX_N * 4} choices (prompts × n) per request")
+        return self
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def sampling(self, choice: int = 0) -> SamplingParams:
+        return self._sampling(max_tokens=self.max_tokens if self.max_tokens is not None else 16,
+                              logprobs=self.wants_logprobs, top_logprobs=self.logprobs or 0,
+                              prompt_logprobs=self.echo and self.wants_logprobs,
+                              choice=choice)
+
+
+def _embedding_input(value: Any) -> list[PromptItem]:
+    items = _prompt(value)
+    if len(items) > MAX_EMBEDDING_INPUTS:
+        raise ValueError(f"at most {MAX_EMBEDDING_INPUTS} inputs per request")
+    if any(isinstance(x, str) and not x for x in items):
+        raise ValueError("an input is an empty string")
+    return items
+
+
+class EmbeddingRequest(_Wire):
+    model: str = Field(min_length=1, max_length=500)
+    input: list[PromptItem]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+    _input = field_validator("input", mode="before")(
+        classmethod(lambda cls, v: _embedding_input(v)))
+
+    @field_validator("dimensions")
+    @classmethod
+    def _no_dimensions(cls, value: int | None) -> int | None:
+        return _refuse_unless(value, (None,), "dimensions")
+
+
+# --------------------------------------------------------------------------- responses
+
+class UsageInfo(_Wire):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class ModelCard(_Wire):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(_Wire):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class EmbeddingData(_Wire):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str
+
+
+class EmbeddingResponse(_Wire):
+    object: Literal["list"] = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: UsageInfo

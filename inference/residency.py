@@ -1,0 +1,168 @@
+"""Which model the engine holds, from /v1's side: look-up by name, load on demand
+(single-flight), and a gate that keeps a load from swapping the model under requests
+that are generating on it.
+
+``registry.services.model_load`` is synchronous and slow, so it runs on its own thread;
+every request for the model being loaded awaits the same load. While a load runs, a
+request for another model is refused with ``model_busy`` (it must not start a second
+load); ``X-miLLM-Load-Policy: refuse`` turns the on-demand load off: 409
+``model_not_resident``, or 503 ``model_loading`` while a load of that model runs.
+
+Per process, like admission: loads started elsewhere (``/api``) are seen through the
+model row's status and the engine's own status.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import structlog
+from django.conf import settings
+from django.db import close_old_connections, connections
+
+from inference.engine_client import get_engine_client
+from millm_site.errors import MillmError, ModelBusy
+
+log = structlog.get_logger(__name__)
+
+LOAD_POLICIES = ("auto", "refuse")
+
+
+class ModelNotResident(MillmError):
+    code, status = "MODEL_NOT_RESIDENT", 409
+
+
+class ModelLoading(MillmError):
+    code, status = "MODEL_LOADING", 503
+
+
+@dataclass(frozen=True)
+class ModelRef:
+    """What /v1 needs of a registry row, read once per request."""
+
+    pk: int
+    name: str
+    status: str
+
+
+class Residency:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._loading: dict[str, Future] = {}
+        self._active: dict[str, int] = {}
+
+    def loading(self, name: str) -> bool:
+        with self._lock:
+            return name in self._loading
+
+    def active(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._active)
+
+    async def _resident_name(self) -> str | None:
+        status = await asyncio.to_thread(get_engine_client().status)
+        return status.model_id if status.state == "ready" else None
+
+    def check_policy(self, model: ModelRef, *, policy: str, resident: str | None) -> None:
+        """Refusals that must come before the request queues (refuse policy)."""
+        if resident == model.name:
+            return
+        if self.loading(model.name) or model.status == "loading":
+            if policy == "refuse" or not self.loading(model.name):
+                raise ModelLoading(f"Model {model.name!r} is loading; retry shortly",
+                                   details={"model": model.name},
+                                   retry_after=settings.RETRY_AFTER_LOAD_S)
+            return
+        if policy == "refuse":
+            raise ModelNotResident(
+                f"Model {model.name!r} is not loaded and X-miLLM-Load-Policy is refuse",
+                details={"model": model.name, "resident": resident})
+
+    async def acquire(self, model: ModelRef, *, policy: str) -> "Use":
+        """Make ``model`` resident (loading it if needed and allowed) and register a use
+        of it; the returned ``Use`` must be released when the request ends."""
+        for _ in range(3):
+            resident = await self._resident_name()
+            self.check_policy(model, policy=policy, resident=resident)
+            with self._lock:
+                other_load = next((n for n in self._loading if n != model.name), None)
+                if other_load is not None:
+                    raise ModelBusy(f"Model {other_load!r} is being loaded; retry shortly",
+                                    details={"model": model.name, "loading": other_load},
+                                    retry_after=settings.RETRY_AFTER_LOAD_S)
+                if resident == model.name and model.name not in self._loading:
+                    self._active[model.name] = self._active.get(model.name, 0) + 1
+                    return Use(self, model.name)
+                future = self._loading.get(model.name)
+                if future is None:
+                    future = Future()
+                    self._loading[model.name] = future
+                    starter = True
+                else:
+                    starter = False
+            if starter:
+                threading.Thread(target=self._load, args=(model, future),
+                                 name=f"millm-load-{model.name}", daemon=True).start()
+            await asyncio.wrap_future(future)
+        raise ModelBusy(f"Model {model.name!r} was swapped out while this request waited",
+                        details={"model": model.name}, retry_after=settings.RETRY_AFTER_LOAD_S)
+
+    def _load(self, model: ModelRef, future: Future) -> None:
+        from registry.models import Model
+        from registry.services import model_load
+
+        close_old_connections()
+        try:
+            # Requests generating on another model finish first (bounded): the engine
+            # would otherwise run their queued work on the new model.
+            deadline = time.monotonic() + settings.GRACEFUL_UNLOAD_TIMEOUT
+            while any(n != model.name and c for n, c in self.active().items()):
+                if time.monotonic() > deadline:
+                    raise ModelBusy("Requests on the resident model did not finish in time "
+                                    "for a load; retry shortly",
+                                    details={"model": model.name},
+                                    retry_after=settings.RETRY_AFTER_LOAD_S)
+                time.sleep(0.05)
+            log.info("v1_model_autoload", model=model.name)
+            model_load(model=Model.objects.get(pk=model.pk))
+            future.set_result(None)
+        except BaseException as exc:  # noqa: BLE001 - every waiter gets the same error
+            future.set_exception(exc)
+        finally:
+            with self._lock:
+                self._loading.pop(model.name, None)
+            # this thread ends here; its connection would pin a database session
+            connections.close_all()
+
+    def _release(self, name: str) -> None:
+        with self._lock:
+            count = self._active.get(name, 0) - 1
+            if count > 0:
+                self._active[name] = count
+            else:
+                self._active.pop(name, None)
+
+
+class Use:
+    __slots__ = ("_residency", "_name", "_released")
+
+    def __init__(self, residency: Residency, name: str) -> None:
+        self._residency = residency
+        self._name = name
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._residency._release(self._name)
+
+
+_residency = Residency()
+
+
+def get_residency() -> Residency:
+    return _residency

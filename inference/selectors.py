@@ -1,0 +1,45 @@
+"""Registry reads /v1 needs: a model by the name clients send, and the listed models."""
+
+from __future__ import annotations
+
+from django.db.models import QuerySet
+
+from inference.residency import ModelRef
+from millm_site.errors import ModelNotFound
+from registry.models import Model
+
+LISTED_STATUSES = (Model.Status.READY, Model.Status.LOADING, Model.Status.LOADED)
+
+
+def model_resolve(*, name: str) -> tuple[ModelRef, str | None, str | None]:
+    """``name`` or ``"<model>@<profile>"`` → (model, its local path, profile or None).
+
+    A registered name wins over the split, so a model whose name contains ``@`` is still
+    reachable by its full name.
+    """
+    profile = None
+    row = Model.objects.filter(name=name).first()
+    if row is None and "@" in name:
+        base, _, profile = name.rpartition("@")
+        row = Model.objects.filter(name=base).first() if base and profile else None
+    if row is None:
+        raise ModelNotFound(f"The model {name!r} does not exist",
+                            details={"model": name, "param": "model"})
+    return ModelRef(row.pk, row.name, row.status), row.local_path or None, profile
+
+
+def models_listed() -> QuerySet[Model]:
+    """What /v1/models shows: the servable models; only the locked one while a model is
+    locked for steering, so such a server presents one stable id."""
+    locked = Model.objects.filter(locked=True, status=Model.Status.LOADED)
+    if locked.exists():
+        return locked
+    return Model.objects.filter(status__in=LISTED_STATUSES).order_by("name")
+
+
+def model_listed(*, name: str) -> Model:
+    row = Model.objects.filter(name=name).first()
+    if row is None:
+        raise ModelNotFound(f"The model {name!r} does not exist",
+                            details={"model": name, "param": "model"})
+    return row

@@ -1,0 +1,533 @@
+"""Serving one /v1 generation request: admission, residency, steering and monitoring
+resolution, the engine jobs, and the response — a JSON body or an SSE stream.
+
+Views stay thin (``inference.views``); everything that decides what a request does is
+here or in the resolvers it calls (``steering.services``, ``inference.activations``).
+The engine is reached only through ``EngineClient`` (``agenerate`` for generation, other
+calls on a worker thread), so the event loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from asgiref.sync import sync_to_async
+from django.http import JsonResponse, StreamingHttpResponse
+
+from gpu_engine.protocol import (
+    AttachmentStatus,
+    ErrorEvent,
+    FinishEvent,
+    GenerationJob,
+    MonitorSpec,
+    ScoreJob,
+    SteeringCount,
+    TokenEvent,
+    TokenLogprob,
+)
+from inference.activations import activations_payload, monitor_resolve
+from inference.admission import Permit, get_admission
+from inference.engine_client import EngineClient, get_engine_client
+from inference.errors import (
+    OpenAIError,
+    openai_error_event,
+    openai_error_frame,
+    openai_error_from_exception,
+)
+from inference.protocol import ChatCompletionRequest, CompletionRequest
+from inference.residency import ModelRef, Use, get_residency
+from inference.tokens import TokenTexts
+from steering.services import ResolvedSteering, steering_resolve_request
+
+log = structlog.get_logger(__name__)
+
+# Echo with logprobs needs the top alternatives at every prompt position; the engine
+# reports only the prompt tokens' own log-probabilities, so the alternatives are scored
+# prefix by prefix (one forward each). Bounded, since that is quadratic in the prompt.
+ECHO_ALTERNATIVES_MAX_PROMPT = 512
+ENGINE_CALL_TIMEOUT_S = 300.0
+
+
+@dataclass
+class Choice:
+    index: int
+    job: GenerationJob
+    prompt_text: str | None = None  # completions: the prompt as text (for echo)
+
+
+@dataclass
+class Plan:
+    """Everything decided before the first token."""
+
+    kind: str  # "chat" | "completion"
+    request: ChatCompletionRequest | CompletionRequest
+    model: ModelRef
+    steering: ResolvedSteering
+    monitor: MonitorSpec | None
+    attachment: AttachmentStatus | None
+    choices: list[Choice]
+    texts: TokenTexts
+    backend: str
+    response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object_id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.response_id
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header}
+
+    @property
+    def wants_millm(self) -> bool:
+        return self.request.uses_extensions
+
+
+@dataclass
+class Outcome:
+    """One finished choice."""
+
+    choice: Choice
+    finish: FinishEvent
+    tokens: list[TokenEvent]
+
+
+# --------------------------------------------------------------------------- planning
+
+def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None
+                   ) -> dict[str, Any]:
+    inline = req.steering
+    return {
+        "inline_sae_id": inline.sae_id if inline is not None else None,
+        "inline_features": ([(f.index, f.strength) for f in inline.features]
+                            if inline is not None else None),
+        "profile": profile,
+        "intensity": req.steering_intensity,
+    }
+
+
+async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
+                          model: ModelRef, profile: str | None, client: EngineClient,
+                          model_path: str | None) -> Plan:
+    attachments = await asyncio.to_thread(client.attachments)
+    args = _steering_args(req, profile)
+    if args["profile"] is not None:  # only a profile needs the database
+        steering = await sync_to_async(steering_resolve_request)(
+            attachments=attachments, model_name=model.name, **args)
+    else:
+        steering = steering_resolve_request(attachments=attachments, model_name=model.name,
+                                            **args)
+    n_prompts = 1 if kind == "chat" else len(req.prompt)  # type: ignore[union-attr]
+    monitor = attachment = None
+    if req.return_sae_activations is not None:
+        max_tokens = (req.effective_max_tokens if isinstance(req, ChatCompletionRequest)
+                      else req.sampling().max_tokens)
+        monitor, attachment = monitor_resolve(
+            asked=req.return_sae_activations, attachments=attachments,
+            choices=n_prompts * req.n, max_tokens=max_tokens)
+    texts = TokenTexts(model_path)
+    choices: list[Choice] = []
+    if isinstance(req, ChatCompletionRequest):
+        messages = req.template_messages()
+        for i in range(req.n):
+            choices.append(Choice(i, GenerationJob(
+                request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
+                sampling=req.sampling(i), steering=steering.spec, monitor=monitor,
+                chat_template_kwargs=dict(req.chat_template_kwargs or {}))))
+    else:
+        if req.echo and req.wants_logprobs and req.stream:
+            raise OpenAIError("echo with logprobs is not available when streaming",
+                              status=400, code="invalid_parameter", param="echo")
+        if req.echo and (req.logprobs or 0) > 0 and steering.steered:
+            raise OpenAIError(
+                "echo with logprobs > 0 is not available on a steered request: the "
+                "alternatives at prompt positions would be scored unsteered",
+                status=400, code="invalid_parameter", param="logprobs")
+        for p, prompt in enumerate(req.prompt):
+            for i in range(req.n):
+                job_args: dict[str, Any] = (
+                    {"prompt": prompt, "add_special_tokens": req.add_special_tokens}
+                    if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
+                choices.append(Choice(p * req.n + i, GenerationJob(
+                    request_id=f"cmpl-{uuid.uuid4().hex}", sampling=req.sampling(i),
+                    steering=steering.spec, monitor=monitor, **job_args),
+                    prompt_text=prompt if isinstance(prompt, str) else None))
+    return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
+                attachment=attachment, choices=choices, texts=texts,
+                backend=client.backend_name)
+
+
+# --------------------------------------------------------------------------- shaping
+
+def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
+    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
+            "top_logprobs": [{"token": t.token, "logprob": t.logprob,
+                              "bytes": list(t.token.encode())} for t in lp.top_logprobs]}
+
+
+def _top_dict(lp: TokenLogprob) -> dict[str, float]:
+    # OpenAI's legacy shape; like vLLM, the chosen token is always among them
+    top = {t.token: t.logprob for t in lp.top_logprobs}
+    top.setdefault(lp.token, lp.logprob)
+    return top
+
+
+def _finish_reason(reason: str) -> str:
+    return "length" if reason == "length" else "stop"
+
+
+def _sum_counts(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    totals: dict[tuple[str, int], int] = {}
+    for out in outcomes:
+        for c in out.finish.steering_apply_count:
+            totals[(c.sae_id, c.layer)] = totals.get((c.sae_id, c.layer), 0) + c.count
+    return [SteeringCount(s, layer, n).to_dict() for (s, layer), n in totals.items()]
+
+
+def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
+    obj: dict[str, Any] = {
+        "steering": plan.steering.summary(),
+        "steering_apply_count": _sum_counts(outcomes),
+        "forward_passes": sum(o.finish.forward_passes for o in outcomes),
+    }
+    if plan.monitor is not None and plan.attachment is not None and outcomes:
+        out = outcomes[0]
+        records = list(out.finish.activations)
+        for t in out.tokens:
+            records.extend(t.activations)
+        obj["sae_activations"] = activations_payload(
+            records=records, attachment=plan.attachment,
+            read_point=plan.monitor.entries[0].read_point,
+            prompt_ids=out.finish.prompt_token_ids, token_ids=out.finish.token_ids,
+            texts=plan.texts)
+    return obj
+
+
+def usage_of(plan: Plan, outcomes: list[Outcome]) -> dict[str, int]:
+    prompt = 0
+    seen: set[int] = set()
+    n = plan.request.n
+    for out in outcomes:
+        group = out.choice.index // n  # choices of one prompt share their prompt tokens
+        if group not in seen:
+            seen.add(group)
+            prompt += out.finish.usage.prompt_tokens
+    completion = sum(o.finish.usage.completion_tokens for o in outcomes)
+    return {"prompt_tokens": prompt, "completion_tokens": completion,
+            "total_tokens": prompt + completion}
+
+
+async def _echo_alternatives(client: EngineClient, prompt_ids: list[int], k: int
+                             ) -> list[dict[str, float] | None]:
+    """Top-k log-probabilities at each prompt position (None at position 0)."""
+    if len(prompt_ids) > ECHO_ALTERNATIVES_MAX_PROMPT:
+        raise OpenAIError(
+            f"echo with logprobs > 0 is limited to prompts of "
+            f"{ECHO_ALTERNATIVES_MAX_PROMPT} tokens on this engine (got {len(prompt_ids)})",
+            status=400, code="invalid_parameter", param="logprobs")
+    out: list[dict[str, float] | None] = [None]
+    for end in range(1, len(prompt_ids)):
+        result = await asyncio.to_thread(
+            client.score, ScoreJob(request_id=f"echo-{uuid.uuid4().hex}",
+                                   prompt_token_ids=prompt_ids[:end], top_k=k),
+            timeout_s=ENGINE_CALL_TIMEOUT_S)
+        out.append({e.token: e.logprob for e in result.top})
+    return out
+
+
+async def _completion_logprobs(plan: Plan, out: Outcome, client: EngineClient
+                               ) -> dict[str, Any]:
+    req = plan.request
+    assert isinstance(req, CompletionRequest)
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top: list[dict[str, float] | None] = []
+    if req.echo:
+        prompt_ids = list(out.finish.prompt_token_ids)
+        tokens += [plan.texts.token(t) for t in prompt_ids]
+        token_logprobs += list(out.finish.prompt_logprobs or [None] * len(prompt_ids))
+        if req.logprobs:
+            alternatives = await _echo_alternatives(client, prompt_ids, req.logprobs)
+        else:
+            alternatives = [None] * len(prompt_ids)
+        for i, alt in enumerate(alternatives):
+            if i == 0:
+                top.append(None)
+                continue
+            alt = dict(alt or {})
+            lp = token_logprobs[i]
+            if lp is not None:
+                alt.setdefault(tokens[i], lp)
+            top.append(alt)
+    for t in out.tokens:
+        if t.logprob is None:
+            continue
+        tokens.append(t.logprob.token)
+        token_logprobs.append(t.logprob.logprob)
+        top.append(_top_dict(t.logprob))
+    offsets, pos = [], 0
+    for text in tokens:
+        offsets.append(pos)
+        pos += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+            "text_offset": offsets}
+
+
+async def build_body(plan: Plan, outcomes: list[Outcome], client: EngineClient
+                     ) -> dict[str, Any]:
+    choices = []
+    for out in outcomes:
+        if plan.kind == "chat":
+            req = plan.request
+            logprobs = ({"content": [_chat_logprob(t.logprob) for t in out.tokens
+                                     if t.logprob is not None]}
+                        if getattr(req, "logprobs", False) else None)
+            choices.append({"index": out.choice.index,
+                            "message": {"role": "assistant", "content": out.finish.text},
+                            "logprobs": logprobs,
+                            "finish_reason": _finish_reason(out.finish.finish_reason)})
+        else:
+            req = plan.request
+            assert isinstance(req, CompletionRequest)
+            text = out.finish.text
+            if req.echo:
+                text = (out.choice.prompt_text if out.choice.prompt_text is not None
+                        else plan.texts.text(list(out.finish.prompt_token_ids))) + text
+            logprobs = (await _completion_logprobs(plan, out, client)
+                        if req.wants_logprobs else None)
+            choices.append({"index": out.choice.index, "text": text, "logprobs": logprobs,
+                            "finish_reason": _finish_reason(out.finish.finish_reason)})
+    body: dict[str, Any] = {
+        "id": plan.object_id,
+        "object": "chat.completion" if plan.kind == "chat" else "text_completion",
+        "created": plan.created,
+        "model": plan.model.name,
+        "system_fingerprint": None,
+        "choices": choices,
+        "usage": usage_of(plan, outcomes),
+    }
+    if plan.wants_millm:
+        body["millm"] = millm_object(plan, outcomes)
+    return body
+
+
+# --------------------------------------------------------------------------- running
+
+async def run_choice(client: EngineClient, choice: Choice) -> Outcome:
+    tokens: list[TokenEvent] = []
+    async for event in client.agenerate(choice.job):
+        if isinstance(event, TokenEvent):
+            tokens.append(event)
+        elif isinstance(event, FinishEvent):
+            return Outcome(choice, event, tokens)
+        elif isinstance(event, ErrorEvent):
+            raise openai_error_event(event.code, event.message, event.details)
+    raise OpenAIError("the generation ended without a result", status=500,
+                      code="generation_failed", type="server_error")
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class SSEResponse(StreamingHttpResponse):
+    """An SSE stream whose resources (slot, model use, engine generation) are released
+    when Django closes the response, even if the stream was never iterated (a client
+    that left before the first byte)."""
+
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], None],
+                 headers: dict[str, str]) -> None:
+        super().__init__(content, content_type="text/event-stream", headers=headers)
+        self["Cache-Control"] = "no-cache"
+        self["X-Accel-Buffering"] = "no"
+        self._on_close = on_close
+
+    def close(self) -> None:
+        try:
+            self._on_close()
+        finally:
+            super().close()
+
+
+class _Resources:
+    """The slot and the model use a request holds, released exactly once."""
+
+    def __init__(self, permit: Permit, use: Use | None = None) -> None:
+        self.permit = permit
+        self.use = use
+        self.events: Any = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def release(self) -> None:
+        events, self.events = self.events, None
+        if events is not None and self.loop is not None and not self.loop.is_closed():
+            # Called from Django's response-closing thread: close the engine stream on
+            # its loop (cancels the generation); harmless if it already finished.
+            async def close() -> None:
+                try:
+                    await events.aclose()
+                except (RuntimeError, StopAsyncIteration):
+                    pass
+
+            try:
+                asyncio.run_coroutine_threadsafe(close(), self.loop)
+            except RuntimeError:
+                pass
+        if self.use is not None:
+            self.use.release()
+        self.permit.release()
+
+
+def _chunk(plan: Plan, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": plan.object_id,
+        "object": "chat.completion.chunk" if plan.kind == "chat" else "text_completion",
+        "created": plan.created,
+        "model": plan.model.name,
+        "system_fingerprint": None,
+        "choices": choices,
+    }
+    if plan.request.include_usage:
+        chunk["usage"] = None
+    chunk.update(extra)
+    return chunk
+
+
+def _token_choice(plan: Plan, choice: Choice, event: TokenEvent) -> dict[str, Any] | None:
+    if not event.text and event.logprob is None:
+        return None
+    if plan.kind == "chat":
+        logprobs = ({"content": [_chat_logprob(event.logprob)]}
+                    if event.logprob is not None and plan.request.logprobs else None)
+        return {"index": choice.index, "delta": {"content": event.text},
+                "logprobs": logprobs, "finish_reason": None}
+    logprobs = None
+    if event.logprob is not None:
+        logprobs = {"tokens": [event.logprob.token],
+                    "token_logprobs": [event.logprob.logprob],
+                    "top_logprobs": [_top_dict(event.logprob)], "text_offset": [0]}
+    return {"index": choice.index, "text": event.text, "logprobs": logprobs,
+            "finish_reason": None}
+
+
+def _finish_choice(plan: Plan, choice: Choice, finish: FinishEvent) -> dict[str, Any]:
+    reason = _finish_reason(finish.finish_reason)
+    if plan.kind == "chat":
+        return {"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason}
+    return {"index": choice.index, "text": "", "logprobs": None, "finish_reason": reason}
+
+
+def _opening(plan: Plan, choice: Choice, first_prompt_ids: list[int] | None
+             ) -> dict[str, Any] | None:
+    if plan.kind == "chat":
+        return {"index": choice.index, "delta": {"role": "assistant", "content": ""},
+                "logprobs": None, "finish_reason": None}
+    req = plan.request
+    if isinstance(req, CompletionRequest) and req.echo:
+        text = (choice.prompt_text if choice.prompt_text is not None
+                else plan.texts.text(first_prompt_ids or []))
+        return {"index": choice.index, "text": text, "logprobs": None,
+                "finish_reason": None}
+    return None
+
+
+async def _stream(plan: Plan, client: EngineClient, res: _Resources,
+                  first: TokenEvent | FinishEvent) -> AsyncIterator[bytes]:
+    outcomes: list[Outcome] = []
+    try:
+        for position, choice in enumerate(plan.choices):
+            if position == 0:
+                pending: TokenEvent | FinishEvent | ErrorEvent | None = first
+            else:
+                res.events = client.agenerate(choice.job)
+                pending = None
+            opened = False
+            tokens: list[TokenEvent] = []
+            while True:
+                if pending is None:
+                    try:
+                        event = await anext(res.events)
+                    except StopAsyncIteration:
+                        raise OpenAIError("the generation ended without a result",
+                                          status=500, code="generation_failed",
+                                          type="server_error") from None
+                else:
+                    event, pending = pending, None
+                if isinstance(event, ErrorEvent):
+                    yield openai_error_frame(openai_error_event(event.code, event.message,
+                                                                event.details))
+                    return
+                if not opened:
+                    opened = True
+                    prompt_ids = event.prompt_token_ids if isinstance(event, FinishEvent) \
+                        else None
+                    opening = _opening(plan, choice, prompt_ids)
+                    if opening is not None:
+                        yield _sse(_chunk(plan, [opening]))
+                if isinstance(event, TokenEvent):
+                    tokens.append(event)
+                    piece = _token_choice(plan, choice, event)
+                    if piece is not None:
+                        yield _sse(_chunk(plan, [piece]))
+                elif isinstance(event, FinishEvent):
+                    outcomes.append(Outcome(choice, event, tokens))
+                    yield _sse(_chunk(plan, [_finish_choice(plan, choice, event)]))
+                    break
+        if plan.request.include_usage:
+            yield _sse(_chunk(plan, [], usage=usage_of(plan, outcomes)))
+        if plan.wants_millm:
+            yield _sse(_chunk(plan, [], millm=millm_object(plan, outcomes)))
+        yield b"data: [DONE]\n\n"
+    except (asyncio.CancelledError, GeneratorExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - after the first byte an error is a frame
+        yield openai_error_frame(openai_error_from_exception(exc))
+    finally:
+        res.release()
+
+
+async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
+    """Run the plan: a JSON response, or an SSE response that owns ``res`` from here."""
+    if not plan.request.stream:
+        outcomes = [await run_choice(client, choice) for choice in plan.choices]
+        body = await build_body(plan, outcomes, client)
+        return JsonResponse(body, headers=plan.headers)
+    # Wait for the first event before answering, so a refusal the engine makes at the
+    # start (context length, a detached SAE) is a proper HTTP error, not a frame.
+    res.loop = asyncio.get_running_loop()
+    res.events = client.agenerate(plan.choices[0].job)
+    first = await anext(res.events)
+    if isinstance(first, ErrorEvent):
+        raise openai_error_event(first.code, first.message, first.details)
+    return SSEResponse(_stream(plan, client, res, first), on_close=res.release,
+                       headers=plan.headers)
+
+
+async def serve_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
+                           model: ModelRef, model_path: str | None, profile: str | None,
+                           policy: str) -> Any:
+    client = get_engine_client()
+    residency = get_residency()
+    resident = await residency._resident_name()
+    residency.check_policy(model, policy=policy, resident=resident)  # before queueing
+    permit = await get_admission().acquire()
+    res = _Resources(permit)
+    handed_over = False
+    try:
+        res.use = await residency.acquire(model, policy=policy)
+        plan = await plan_generation(kind=kind, req=req, model=model, profile=profile,
+                                     client=client, model_path=model_path)
+        response = await respond(plan, client, res)
+        handed_over = isinstance(response, SSEResponse)
+        return response
+    finally:
+        if not handed_over:
+            res.release()

@@ -1,0 +1,207 @@
+"""The /v1 endpoints: thin async views. Each parses and validates the body into its
+pydantic model and hands over to ``inference.serving``; every error, whatever raised it,
+leaves through ``openai_view`` in OpenAI's shape."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import functools
+import json
+import struct
+import uuid
+from typing import Any
+
+import structlog
+from asgiref.sync import sync_to_async
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpRequest, JsonResponse
+from django.views.decorators.csrf import csrf_exempt
+from pydantic import BaseModel, ValidationError
+
+from gpu_engine.protocol import EmbedJob
+from inference import selectors
+from inference.admission import get_admission
+from inference.engine_client import get_engine_client
+from inference.errors import (
+    OpenAIError,
+    openai_error_from_exception,
+    openai_error_from_validation,
+    openai_error_response,
+)
+from inference.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    ModelCard,
+    ModelList,
+    UsageInfo,
+)
+from inference.residency import LOAD_POLICIES, get_residency
+from inference.serving import ENGINE_CALL_TIMEOUT_S, serve_generation
+
+log = structlog.get_logger(__name__)
+
+MAX_HEADER_BYTES = 8192
+LOAD_POLICY_HEADER = "X-miLLM-Load-Policy"
+
+
+def openai_view(*methods: str):
+    """Make an async view answer every failure in OpenAI's shape: domain and engine
+    errors with their codes, validation errors as 400 ``invalid_parameter`` naming the
+    field, anything else as a 500 without internals (logged with its traceback)."""
+
+    def decorate(view):
+        @csrf_exempt
+        @functools.wraps(view)
+        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any):
+            try:
+                if request.method not in methods:
+                    raise OpenAIError(f"Method {request.method} is not allowed here; use "
+                                      f"{' or '.join(methods)}", status=405,
+                                      code="method_not_allowed")
+                size = sum(len(k) + len(str(v)) for k, v in request.headers.items())
+                if size > MAX_HEADER_BYTES:
+                    raise OpenAIError(f"Request headers are too large ({size} bytes; the "
+                                      f"limit is {MAX_HEADER_BYTES})", status=431,
+                                      code="request_header_fields_too_large")
+                return await view(request, *args, **kwargs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the one exit for /v1 errors
+                error = openai_error_from_exception(exc, param=_context_param(request))
+                return openai_error_response(error)
+
+        return wrapper
+
+    return decorate
+
+
+def _context_param(request: HttpRequest) -> str | None:
+    path = request.path
+    if path.endswith("/chat/completions"):
+        return "messages"
+    if path.endswith("/completions"):
+        return "prompt"
+    if path.endswith("/embeddings"):
+        return "input"
+    return None
+
+
+def _body(request: HttpRequest, schema: type[BaseModel]) -> Any:
+    content_type = (request.content_type or "").lower()
+    if content_type and content_type != "application/json" \
+            and not content_type.endswith("+json"):
+        raise OpenAIError(f"Content-Type must be application/json (got {content_type})",
+                          status=415, code="unsupported_media_type")
+    try:
+        raw = request.body
+    except RequestDataTooBig:
+        raise OpenAIError("The request body is too large", status=413,
+                          code="request_too_large") from None
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise OpenAIError(f"The body is not valid JSON: {type(exc).__name__}", status=400,
+                          code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise OpenAIError("The body must be a JSON object", status=400, code="invalid_json")
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise openai_error_from_validation(exc) from None
+    except RecursionError:
+        raise OpenAIError("The body is nested too deeply", status=400,
+                          code="invalid_json") from None
+
+
+def _load_policy(request: HttpRequest) -> str:
+    value = (request.headers.get(LOAD_POLICY_HEADER) or "auto").strip().lower()
+    if value not in LOAD_POLICIES:
+        raise OpenAIError(f"{LOAD_POLICY_HEADER} must be one of {', '.join(LOAD_POLICIES)}",
+                          status=400, code="invalid_parameter", param=LOAD_POLICY_HEADER)
+    return value
+
+
+async def _generation(request: HttpRequest, kind: str, schema: type[BaseModel]):
+    req = _body(request, schema)
+    policy = _load_policy(request)
+    model, path, profile = await sync_to_async(selectors.model_resolve)(name=req.model)
+    if profile is not None and req.profile is not None and profile != req.profile:
+        raise OpenAIError(f"The model name selects profile {profile!r} but the body names "
+                          f"{req.profile!r}", status=400, code="invalid_parameter",
+                          param="profile")
+    return await serve_generation(kind=kind, req=req, model=model, model_path=path,
+                                  profile=req.profile or profile, policy=policy)
+
+
+@openai_view("POST")
+async def chat_completions(request: HttpRequest):
+    return await _generation(request, "chat", ChatCompletionRequest)
+
+
+@openai_view("POST")
+async def completions(request: HttpRequest):
+    return await _generation(request, "completion", CompletionRequest)
+
+
+def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+
+
+@openai_view("POST")
+async def embeddings(request: HttpRequest):
+    req: EmbeddingRequest = _body(request, EmbeddingRequest)
+    policy = _load_policy(request)
+    model, _, _ = await sync_to_async(selectors.model_resolve)(name=req.model)
+    client = get_engine_client()
+    residency = get_residency()
+    residency.check_policy(model, policy=policy, resident=await residency._resident_name())
+    permit = await get_admission().acquire()
+    use = None
+    try:
+        use = await residency.acquire(model, policy=policy)
+        result = await asyncio.to_thread(
+            client.embed, EmbedJob(request_id=f"embd-{uuid.uuid4().hex}",
+                                   inputs=list(req.input), pooling="mean", normalize=True),
+            timeout_s=ENGINE_CALL_TIMEOUT_S)
+    finally:
+        if use is not None:
+            use.release()
+        permit.release()
+    body = EmbeddingResponse(
+        data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
+              for i, v in enumerate(result.embeddings)],
+        model=model.name,
+        usage=UsageInfo(prompt_tokens=result.usage.prompt_tokens,
+                        total_tokens=result.usage.total_tokens))
+    return JsonResponse(body.model_dump(exclude={"usage": {"completion_tokens"}}),
+                        headers={"X-miLLM-Backend": client.backend_name,
+                                 "X-miLLM-Steering": "none"})
+
+
+def _card(row: Any) -> ModelCard:
+    return ModelCard(id=row.name, created=int(row.created_at.timestamp()),
+                     owned_by=row.repo_id or "local")
+
+
+@openai_view("GET")
+async def models(request: HttpRequest):
+    rows = await sync_to_async(lambda: list(selectors.models_listed()))()
+    return JsonResponse(ModelList(data=[_card(r) for r in rows]).model_dump())
+
+
+@openai_view("GET")
+async def model_detail(request: HttpRequest, model_id: str):
+    row = await sync_to_async(selectors.model_listed)(name=model_id)
+    return JsonResponse(_card(row).model_dump())
+
+
+@openai_view("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
+async def not_found(request: HttpRequest, rest: str = ""):
+    raise OpenAIError(f"Unknown endpoint {request.method} {request.path}", status=404,
+                      code="unknown_url")

@@ -1,0 +1,209 @@
+"""Resolving a request's steering into the engine's per-request ``SteeringSpec``.
+
+``steering_resolve_request`` is the single place where a request's steering is decided:
+inline features, a saved profile scaled by an intensity dial, or nothing. Live steering,
+clusters and circuits (later issues) plug in here, so every surface that generates asks
+this function and the engine only ever sees the resolved spec.
+
+Rules (SPEC §3): values set directly must lie in [-200, 200] (refused otherwise, which the
+/v1 schema and ``SteeringEntry`` both check); values derived from a dial (profile × λ) are
+clamped to ±200 per feature.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+from django.db import transaction
+
+from gpu_engine.protocol import (
+    MAX_STEERING_STRENGTH,
+    AttachmentStatus,
+    SteeringEntry,
+    SteeringSpec,
+)
+from millm_site.errors import InvalidFeatureIndex
+from steering.errors import ProfileIncompatible, SteeringInvalid
+from steering.models import Profile
+from steering.selectors import attachment_choices, attachment_pick, profile_get_by_name
+
+MAX_INTENSITY = 2.0
+
+
+@dataclass(frozen=True)
+class ResolvedSteering:
+    """What a request will run with. ``spec=None`` means the request said nothing (the
+    engine runs it unsteered); an empty spec means explicitly unsteered."""
+
+    mode: str  # "none" | "inline" | "profile"
+    spec: SteeringSpec | None
+    header: str
+    profile: str | None = None
+    intensity: float | None = None
+    entries: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def steered(self) -> bool:
+        return self.spec is not None and not self.spec.is_empty()
+
+    def summary(self) -> dict[str, Any]:
+        """The ``millm.steering`` object of a /v1 response: what actually ran."""
+        return {"mode": self.mode, "description": self.header, "profile": self.profile,
+                "intensity": self.intensity, "entries": self.entries}
+
+
+NONE = ResolvedSteering(mode="none", spec=None, header="none")
+EXPLICITLY_UNSTEERED = ResolvedSteering(mode="none", spec=SteeringSpec([]), header="none")
+
+
+def _header_value(text: str) -> str:
+    # header values must be ASCII, and ';' / '=' separate our fields
+    return quote(text, safe="-_.~:@/")
+
+
+def _fmt(value: float) -> str:
+    return f"{value:g}"
+
+
+def _check_indices(att: AttachmentStatus, indices: Sequence[int], param: str) -> None:
+    for index in indices:
+        if index >= att.d_sae:
+            raise InvalidFeatureIndex(
+                f"Feature index {index} is out of range for SAE {att.sae_id!r} "
+                f"(d_sae={att.d_sae})",
+                details={"param": param, "sae_id": att.sae_id, "index": index,
+                         "d_sae": att.d_sae})
+
+
+def _dial(value: float, intensity: float) -> float:
+    return max(-MAX_STEERING_STRENGTH, min(MAX_STEERING_STRENGTH, value * intensity))
+
+
+def _resolved(mode: str, att: AttachmentStatus, features: dict[int, float], header: str,
+              *, profile: str | None = None, intensity: float | None = None
+              ) -> ResolvedSteering:
+    entry = SteeringEntry(att.sae_id, att.layer, features)
+    return ResolvedSteering(mode=mode, spec=SteeringSpec([entry]), header=header,
+                            profile=profile, intensity=intensity,
+                            entries=[entry.to_dict()])
+
+
+def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
+            features: Sequence[tuple[int, float]], intensity: float | None
+            ) -> ResolvedSteering:
+    if not features:
+        return EXPLICITLY_UNSTEERED
+    indices = [index for index, _ in features]
+    if len(set(indices)) != len(indices):
+        raise SteeringInvalid("steering.features names a feature index twice",
+                              details={"param": "steering.features"})
+    att = attachment_pick(attachments=attachments, sae_id=sae_id, param="steering.sae_id")
+    _check_indices(att, indices, "steering.features")
+    if intensity == 0:
+        return EXPLICITLY_UNSTEERED
+    values = {index: (strength if intensity is None else _dial(strength, intensity))
+              for index, strength in features}
+    header = (f"inline;sae={_header_value(att.sae_id)};layer={att.layer};"
+              f"features={len(values)}")
+    if intensity is not None:
+        header += f";intensity={_fmt(intensity)}"
+    return _resolved("inline", att, values, header, intensity=intensity)
+
+
+def _profile_values(profile: Profile) -> dict[int, float]:
+    raw = profile.steering
+    if not isinstance(raw, Mapping):
+        raise ProfileIncompatible(f"Profile {profile.name!r} has no steering map",
+                                  details={"profile": profile.name})
+    values: dict[int, float] = {}
+    for key, value in raw.items():
+        try:
+            index, strength = int(key), float(value)
+        except (TypeError, ValueError):
+            raise ProfileIncompatible(
+                f"Profile {profile.name!r} holds a value that is not index → strength: "
+                f"{key!r}: {value!r}", details={"profile": profile.name}) from None
+        if index < 0 or not math.isfinite(strength):
+            raise ProfileIncompatible(f"Profile {profile.name!r} holds an invalid entry "
+                                      f"{key!r}: {value!r}", details={"profile": profile.name})
+        values[index] = strength
+    return values
+
+
+def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: str | None,
+             intensity: float | None) -> ResolvedSteering:
+    profile = profile_get_by_name(name=name)
+    dial = 1.0 if intensity is None else intensity
+    if dial == 0:
+        return EXPLICITLY_UNSTEERED
+    if profile.model_name and model_name and profile.model_name != model_name:
+        raise ProfileIncompatible(
+            f"Profile {name!r} was made for model {profile.model_name!r}, not {model_name!r}",
+            details={"profile": name, "model": model_name,
+                     "profile_model": profile.model_name})
+    if not attachments:
+        # The documented contract: with no SAE attached a profile request runs unsteered
+        # (and says so in X-miLLM-Steering) rather than failing.
+        return NONE
+    att = next((a for a in attachments
+                if a.sae_id == profile.sae_id and a.layer == profile.layer), None)
+    if att is None:
+        raise ProfileIncompatible(
+            f"Profile {name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, "
+            f"which is not attached (attached: {', '.join(attachment_choices(attachments))})",
+            details={"profile": name, "sae_id": profile.sae_id, "layer": profile.layer,
+                     "choices": attachment_choices(attachments)})
+    values = _profile_values(profile)
+    _check_indices(att, list(values), "profile")
+    scaled = {index: _dial(strength, dial) for index, strength in values.items()}
+    header = f"profile;name={_header_value(name)};intensity={_fmt(dial)}"
+    return _resolved("profile", att, scaled, header, profile=name, intensity=dial)
+
+
+def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
+                             model_name: str | None = None,
+                             inline_sae_id: str | None = None,
+                             inline_features: Sequence[tuple[int, float]] | None = None,
+                             profile: str | None = None,
+                             intensity: float | None = None) -> ResolvedSteering:
+    """Resolve one request's steering against the attachments the engine holds now.
+
+    ``inline_features=None`` means the request sent no ``steering`` object; ``[]`` means
+    it asked to run unsteered. ``intensity`` (λ in [0, 2]) scales whichever base the
+    request names; 0 turns steering off for the request.
+    """
+    if intensity is not None and not (0 <= intensity <= MAX_INTENSITY):
+        raise SteeringInvalid(f"steering_intensity must lie in [0, {MAX_INTENSITY:g}]",
+                              details={"param": "steering_intensity"})
+    if inline_features is not None and profile is not None:
+        raise SteeringInvalid("Give either steering or a profile, not both",
+                              details={"param": "profile"})
+    if inline_features is not None:
+        return _inline(attachments=attachments, sae_id=inline_sae_id,
+                       features=inline_features, intensity=intensity)
+    if profile is not None:
+        return _profile(attachments=attachments, name=profile, model_name=model_name,
+                        intensity=intensity)
+    # Nothing asked for: live steering set by an operator (a later issue) resolves here.
+    return NONE
+
+
+@transaction.atomic
+def profile_create(*, name: str, sae_id: str, layer: int, steering: Mapping[Any, float],
+                   model_name: str = "", description: str = "") -> Profile:
+    """Save a profile; strengths are set directly, so they must lie in [-200, 200]."""
+    values: dict[str, float] = {}
+    for key, value in steering.items():
+        index, strength = int(key), float(value)
+        if index < 0 or not math.isfinite(strength) or abs(strength) > MAX_STEERING_STRENGTH:
+            raise SteeringInvalid(f"Invalid steering entry {key!r}: {value!r} (index >= 0, "
+                                  f"strength within ±{MAX_STEERING_STRENGTH:g})",
+                                  details={"param": "steering"})
+        values[str(index)] = strength
+    return Profile.objects.create(name=name.strip(), sae_id=sae_id, layer=int(layer),
+                                  steering=values, model_name=model_name,
+                                  description=description)

@@ -1,0 +1,153 @@
+"""Fixtures for the /v1 tests: daphne on a loopback port serving the real ASGI app, a
+fresh engine and admission controller for the session, the tiny models and SAEs
+registered (committed, so the server's threads see them), and the official client."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from tests.fixtures.assets import asset_cache_dir
+from tests.v1.live_server import live_server
+
+V1_DIR = __file__.rsplit("/", 1)[0]
+
+
+def pytest_collection_modifyitems(items):
+    # The server's threads must see what a test writes, so no test transaction wraps it;
+    # pytest-django truncates the tables after each test instead.
+    for item in items:
+        if str(item.path).startswith(V1_DIR):
+            item.add_marker(pytest.mark.django_db(transaction=True))
+
+
+@dataclass
+class V1Server:
+    url: str
+    client: Any  # the EmbeddedEngineClient the server uses
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def engine(self) -> Any:
+        return self.client.engine
+
+    def wait_idle(self, timeout_s: float = 10.0) -> None:
+        """Until no generation runs and every /v1 slot is free."""
+        from inference.admission import get_admission
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            status = self.engine.status()
+            stats = get_admission().stats()
+            if status.in_flight == 0 and stats.in_flight == 0 and stats.waiting == 0:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"not idle after {timeout_s}s: engine {self.engine.status()}, "
+                             f"admission {get_admission().stats()}")
+
+
+def _register_assets() -> None:
+    from registry.models import Model
+    from registry.services import demo_assets_install
+
+    if not Model.objects.filter(name="tiny-llama").exists():
+        demo_assets_install(root=asset_cache_dir(), include_demo=False)
+
+
+@pytest.fixture(scope="session")
+def v1_server(django_db_setup, django_db_blocker, tiny_assets) -> Any:
+    from django.db import connections
+
+    from inference.admission import AdmissionController, set_admission
+    from inference.engine_client import EmbeddedEngineClient, set_engine_client
+
+    client = EmbeddedEngineClient()
+    previous_client = set_engine_client(client)
+    previous_admission = set_admission(AdmissionController.from_settings())
+    with django_db_blocker.unblock():
+        _register_assets()
+    server = live_server()
+    yield V1Server(server.url, client)
+    server.stop()
+    set_engine_client(previous_client)
+    set_admission(previous_admission)
+    client.shutdown()
+    connections.close_all()
+
+
+@pytest.fixture(autouse=True)
+def _v1_db(v1_server, transactional_db):
+    """The registry rows every test expects (the previous test's were truncated)."""
+    _register_assets()
+
+
+def model_resident(server: V1Server, name: str) -> None:
+    """Make ``name`` the resident model with no SAE attached (through the registry, as
+    the management API would)."""
+    from registry.models import Model
+    from registry.services import model_load, sae_detach
+    from registry.models import SAE
+
+    status = server.engine.status()
+    if status.model_id != name:
+        model_load(model=Model.objects.get(name=name))
+    for sae in SAE.objects.filter(status=SAE.Status.ATTACHED):
+        sae_detach(sae=sae)
+    server.engine.detach(None)
+
+
+def attach(name: str, layer: int) -> Any:
+    from registry.models import SAE
+    from registry.services import sae_attach
+
+    sae = SAE.objects.get(name=name)
+    sae_attach(sae=sae, layer=layer)
+    return sae
+
+
+@pytest.fixture
+def llama(v1_server):
+    """tiny-llama resident, nothing attached, every slot free."""
+    model_resident(v1_server, "tiny-llama")
+    v1_server.wait_idle()
+    yield v1_server
+    v1_server.wait_idle()
+
+
+@pytest.fixture
+def openai_client(v1_server):
+    from openai import OpenAI
+
+    with OpenAI(base_url=v1_server.base_url, api_key="not-needed", max_retries=0,
+                timeout=60) as client:
+        yield client
+
+
+@pytest.fixture
+def admission(v1_server):
+    """Swap in a controller with other limits for one test: ``admission(slots, pending)``."""
+    from inference.admission import AdmissionController, set_admission
+
+    saved: list[Any] = []
+
+    def make(slots: int = 1, pending: int = 0, **kwargs: Any) -> AdmissionController:
+        controller = AdmissionController(slots=slots, max_pending=pending, **kwargs)
+        saved.append(set_admission(controller))
+        return controller
+
+    yield make
+    if saved:
+        set_admission(saved[0])
+
+
+def in_thread(fn, *args, **kwargs) -> threading.Thread:
+    thread = threading.Thread(target=fn, args=args, kwargs=kwargs, daemon=True)
+    thread.start()
+    return thread
