@@ -72,7 +72,9 @@ VARIABLES: tuple[Var, ...] = (
         "per-request token in an API call takes precedence and is never persisted.", secret=True),
     Var("HF_ENDPOINT", "Core", "str", "", "Hugging Face hub endpoint (mirror or stand-in "
         "hub); empty means huggingface_hub's default."),
-    Var("HOST", "Core", "str", "0.0.0.0", "Bind address of the HTTP server."),
+    Var("HOST", "Core", "str", "0.0.0.0", "Bind address of the HTTP server. When HOST is "
+        "not set and MILLM_API_KEYS is empty, the server binds to 127.0.0.1 instead and says "
+        "so at start-up: an unauthenticated server is not exposed by default."),
     Var("PORT", "Core", "int", 8000, "Bind port of the HTTP server.", minimum=1, maximum=65535),
     Var("DEBUG", "Core", "bool", False, "Django debug behaviour; never use in production."),
     Var("SECRET_KEY", "Core", "str", "", "Django secret key. Required when DEBUG is off and "
@@ -83,6 +85,23 @@ VARIABLES: tuple[Var, ...] = (
         "in-memory channel layer, tasks in-process). Set: distributed mode over Redis "
         "(redis://host:6379/0).", secret=True),
     Var("AUTO_LOAD_MODEL", "Core", "str", "", "Model id or name to load at start-up."),
+    # --- Access & hub ---------------------------------------------------------------
+    Var("MILLM_API_KEYS", "Access & hub", "list", [],
+        "Comma-separated API keys. Set: /v1, /api (except liveness and readiness) and "
+        "/ws/events require Authorization: Bearer <key>. Unset: no authentication, and with "
+        "HOST unset the server binds to 127.0.0.1 only.", secret=True),
+    Var("HF_CIRCUIT_FAIL_MAX", "Access & hub", "int", 5,
+        "Consecutive hub failures (connection errors, timeouts, 5xx) that open the hub "
+        "circuit breaker.", minimum=1),
+    Var("HF_CIRCUIT_RESET_TIMEOUT_S", "Access & hub", "int", 60,
+        "Seconds an open hub breaker refuses calls (503 HUB_UNAVAILABLE, Retry-After = the "
+        "time left) before it lets one trial call through.", minimum=1),
+    Var("HF_REQUEST_TIMEOUT_S", "Access & hub", "float", 10.0,
+        "Timeout of one hub metadata call (repository info, file metadata).", minimum=0.1),
+    Var("HF_RETRY_ATTEMPTS", "Access & hub", "int", 3,
+        "Attempts for a hub call that failed with a transient error (connection reset, "
+        "timeout, 502/503/504) before it counts as one breaker failure.", minimum=1,
+        maximum=10),
     # --- HTTP & logging -------------------------------------------------------------
     Var("CORS_ORIGINS", "HTTP & logging", "list", ["*"],
         "Comma-separated allowed origins, or * for any."),

@@ -1,17 +1,28 @@
-"""WebSocket consumer for ``/ws/events``: joins the event group and relays each event."""
+"""WebSocket consumer for ``/ws/events``: joins the event group and relays each event.
+
+Authentication happens before the consumer (``millm_site.auth.WebSocketApiKeyMiddleware``).
+The socket only sends; anything a client writes is ignored.
+"""
+
+import asyncio
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
+from millm_site import events
 from millm_site.events import GROUP
 
 
 class EventsConsumer(AsyncJsonWebsocketConsumer):
     async def connect(self) -> None:
+        events.bind_loop(asyncio.get_running_loop())
         await self.channel_layer.group_add(GROUP, self.channel_name)
         await self.accept()
 
     async def disconnect(self, code: int) -> None:
         await self.channel_layer.group_discard(GROUP, self.channel_name)
+
+    async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:
+        return None
 
     async def millm_event(self, message: dict) -> None:
         await self.send_json({"event": message["event"], "data": message["data"]})

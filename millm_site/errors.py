@@ -108,6 +108,62 @@ class EngineUnavailable(MillmError):
     code, status = "ENGINE_UNAVAILABLE", 503
 
 
+class ModelAlreadyLoaded(MillmError):
+    code, status = "MODEL_ALREADY_LOADED", 400
+
+
+class UnsupportedQuantization(MillmError):
+    code, status = "UNSUPPORTED_QUANTIZATION", 400
+
+
+# --- the hub and downloads --------------------------------------------------------------
+
+class RepoNotFound(MillmError):
+    code, status = "REPO_NOT_FOUND", 404
+
+
+class RevisionNotFound(MillmError):
+    code, status = "REVISION_NOT_FOUND", 404
+
+
+class FileNotFoundOnHub(MillmError):
+    code, status = "FILE_NOT_FOUND", 404
+
+
+class GatedModelNoToken(MillmError):
+    code, status = "GATED_MODEL_NO_TOKEN", 401
+
+
+class InvalidHFToken(MillmError):
+    code, status = "INVALID_HF_TOKEN", 401
+
+
+class HubUnavailable(MillmError):
+    """The hub cannot be reached, or its circuit breaker is open (Retry-After set)."""
+
+    code, status = "HUB_UNAVAILABLE", 503
+
+
+class DownloadFailed(MillmError):
+    code, status = "DOWNLOAD_FAILED", 502
+
+
+class DownloadCancelled(MillmError):
+    code, status = "DOWNLOAD_CANCELLED", 499
+
+
+class DownloadTimedOut(MillmError):
+    code, status = "DOWNLOAD_TIMEOUT", 504
+
+
+class CircuitNotFound(MillmError):
+    code, status = "CIRCUIT_NOT_FOUND", 404
+
+
+class NotReady(MillmError):
+    code, status = "NOT_READY", 503
+
+
 # Engine error codes (gpu_engine.errors) -> the management contract's error classes.
 _ENGINE_CODES: dict[str, type[MillmError]] = {
     "model_not_loaded": ModelNotLoaded,

@@ -2,19 +2,47 @@
 client of ``/ws/events`` through the Channels layer (in-memory embedded, Redis otherwise).
 
 Payload keys are snake_case and never carry prompt text.
+
+Embedded mode needs one extra step: the in-memory layer's queues belong to the server's
+event loop, and a worker thread (a download, a load) that wrote to them from its own loop
+would not wake that loop up, so an event could sit unseen until the next unrelated wake-up.
+The consumer therefore records the server's loop (``bind_loop``) and publishing from any
+other thread hands the send to that loop. Events from one thread keep their order.
 """
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from typing import Any
 
 import structlog
 from asgiref.sync import async_to_sync
-from channels.layers import get_channel_layer
+from channels.layers import InMemoryChannelLayer, get_channel_layer
 
 log = structlog.get_logger(__name__)
 
 GROUP = "millm.events"
+
+_loop: asyncio.AbstractEventLoop | None = None
+_loop_lock = threading.Lock()
+
+
+def bind_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Remember the loop that serves WebSocket consumers (called on every connect)."""
+    global _loop
+    with _loop_lock:
+        _loop = loop
+
+
+def _message(event: str, data: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "millm.event", "event": event, "data": data}
+
+
+def _log_failure(future: Any, event: str) -> None:
+    exc = future.exception()
+    if exc is not None:
+        log.warning("event_publish_failed", event_name=event, error=repr(exc))
 
 
 def publish(event: str, data: dict[str, Any]) -> None:
@@ -23,7 +51,19 @@ def publish(event: str, data: dict[str, Any]) -> None:
     if layer is None:
         return
     try:
-        async_to_sync(layer.group_send)(GROUP, {"type": "millm.event", "event": event,
-                                                "data": data})
+        loop = _loop
+        if isinstance(layer, InMemoryChannelLayer) and loop is not None and loop.is_running():
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            coro = layer.group_send(GROUP, _message(event, data))
+            if running is loop:
+                loop.create_task(coro).add_done_callback(lambda f: _log_failure(f, event))
+            else:
+                asyncio.run_coroutine_threadsafe(coro, loop).add_done_callback(
+                    lambda f: _log_failure(f, event))
+            return
+        async_to_sync(layer.group_send)(GROUP, _message(event, data))
     except Exception:  # noqa: BLE001 - an event must never break the operation it reports
         log.warning("event_publish_failed", event_name=event, exc_info=True)

@@ -1,8 +1,13 @@
-"""Dispatch of background tasks: Celery in distributed mode, an in-process pool embedded.
+"""Dispatch of background tasks: Celery in distributed mode, in-process pools embedded.
 
 Embedded mode has no broker, and ``task_always_eager`` would run a download inside the
-request that asked for it; a small thread pool keeps the request fast while still running
+request that asked for it; small thread pools keep the request fast while still running
 the very same Celery task function (``task.apply``) so both modes share one code path.
+There is one pool per queue, each sized from its setting: ``downloads``
+(MAX_DOWNLOAD_WORKERS), ``loads`` (MAX_LOAD_WORKERS; the engine lives in this process, so
+loads belong here) and ``maintenance``. In distributed mode the queue names route the task
+to the Celery workers that consume them.
+
 Dispatch always happens after the surrounding transaction commits, so a task never looks
 for a row that is not there yet.
 """
@@ -19,26 +24,39 @@ from django.db import close_old_connections, connections, transaction
 
 log = structlog.get_logger(__name__)
 
-_pool: ThreadPoolExecutor | None = None
+QUEUES = ("downloads", "loads", "maintenance")
+
+_pools: dict[str, ThreadPoolExecutor] = {}
 _pool_lock = threading.Lock()
 
 
-def _executor() -> ThreadPoolExecutor:
-    global _pool
+def _pool_size(queue: str) -> int:
+    if queue == "loads":
+        return int(settings.MAX_LOAD_WORKERS)
+    if queue == "downloads":
+        return int(settings.MAX_DOWNLOAD_WORKERS)
+    return 1
+
+
+def _executor(queue: str) -> ThreadPoolExecutor:
     with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=settings.MAX_DOWNLOAD_WORKERS,
-                                       thread_name_prefix="millm-task")
-        return _pool
+        pool = _pools.get(queue)
+        if pool is None:
+            pool = ThreadPoolExecutor(max_workers=_pool_size(queue),
+                                      thread_name_prefix=f"millm-{queue}")
+            _pools[queue] = pool
+        return pool
 
 
 def _run_in_process(task: Any, args: tuple, kwargs: dict, future: Future) -> None:
     close_old_connections()
     try:
         result = task.apply(args=args, kwargs=kwargs)
+        if result.failed():
+            raise result.result
         future.set_result(result.result)
     except BaseException as exc:  # noqa: BLE001 - surfaced through the future and the log
-        log.exception("in_process_task_failed", task=task.name)
+        log.error("in_process_task_failed", task=task.name, error=repr(exc))
         future.set_exception(exc)
     finally:
         # Pool threads outlive the task: a connection left open here would pin a
@@ -46,16 +64,37 @@ def _run_in_process(task: Any, args: tuple, kwargs: dict, future: Future) -> Non
         connections.close_all()
 
 
-def enqueue(task: Any, *args: Any, **kwargs: Any) -> Future:
-    """Run ``task(*args, **kwargs)`` in the background once the transaction commits."""
+def enqueue(task: Any, *args: Any, queue: str = "maintenance",
+            secret_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Future:
+    """Run ``task(*args, **kwargs)`` in the background once the transaction commits.
+
+    ``secret_kwargs`` (a per-request hub token) reach the task but never its logged or
+    inspected representation: in process they stay in memory, and Celery is told to show
+    them masked (``kwargsrepr``).
+    """
+    if queue not in QUEUES:
+        raise ValueError(f"unknown queue {queue!r}")
     future: Future = Future()
+    secrets = {k: v for k, v in (secret_kwargs or {}).items() if v is not None}
+    all_kwargs = {**kwargs, **secrets}
 
     def dispatch() -> None:
         if settings.MILLM_TASKS_IN_PROCESS:
-            _executor().submit(_run_in_process, task, args, kwargs, future)
+            _executor(queue).submit(_run_in_process, task, args, all_kwargs, future)
         else:
-            task.apply_async(args=args, kwargs=kwargs)
+            shown = {**kwargs, **{k: "***" for k in secrets}}
+            task.apply_async(args=args, kwargs=all_kwargs, queue=queue,
+                             argsrepr=repr(args), kwargsrepr=repr(shown))
             future.set_result(None)
 
     transaction.on_commit(dispatch)
     return future
+
+
+def shutdown(wait: bool = False) -> None:
+    """Stop the in-process pools (tests, process exit)."""
+    with _pool_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.shutdown(wait=wait, cancel_futures=True)

@@ -8,5 +8,7 @@ admin.site.site_title = "miLLM admin"
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("v1/", include("inference.urls")),
+    path("api/", include("millm_site.api_urls")),
+    path("api/", include("registry.urls")),
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
 ]

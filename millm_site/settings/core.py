@@ -42,6 +42,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "corsheaders",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "channels",
     "millm_site",
     "registry",
@@ -52,12 +54,18 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    # First, so it counts every answer (refusals of the middlewares below included) and
+    # gives any 503 that lacks one a Retry-After.
+    "millm_site.metrics.MetricsMiddleware",
+    # Unknown /api paths and exceptions outside DRF views still answer the envelope.
+    "millm_site.api.ApiFallbackMiddleware",
     "corsheaders.middleware.CorsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "millm_site.auth.ApiKeyMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]

@@ -1,4 +1,6 @@
-"""HTTP surface: CORS, DRF, Channels."""
+"""HTTP surface: CORS, DRF (the /api envelope and its schema), Channels, access control."""
+
+import os
 
 from .core import CONFIG, EMBEDDED
 
@@ -11,7 +13,32 @@ CORS_EXPOSE_HEADERS = ["Retry-After", "X-miLLM-Backend", "X-miLLM-Steering"]
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    # Access control is one middleware for /api and /v1 (millm_site.auth), so DRF itself
+    # authenticates nobody and never asks for a CSRF token.
+    "DEFAULT_AUTHENTICATION_CLASSES": [],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
     "UNAUTHENTICATED_USER": None,
+    "EXCEPTION_HANDLER": "millm_site.api.exception_handler",
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "miLLM API",
+    "DESCRIPTION": (
+        "Management API (/api): every response is the envelope "
+        "{success, data, error: {code, message, details}}; every 503 carries Retry-After. "
+        "With MILLM_API_KEYS set, send Authorization: Bearer <key>."),
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "SCHEMA_PATH_PREFIX": r"/(api|v1)",
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "millm_site.schema.add_bearer_auth",
+    ],
 }
 
 if EMBEDDED:
@@ -26,3 +53,7 @@ else:
 
 MILLM_HOST = CONFIG.HOST
 MILLM_PORT = CONFIG.PORT
+MILLM_API_KEYS = tuple(CONFIG.MILLM_API_KEYS)
+# Whether HOST was given (environment or .env) rather than defaulted: without API keys a
+# defaulted HOST binds to 127.0.0.1 only (millm_site.management.commands.serve).
+MILLM_HOST_EXPLICIT = bool(os.environ.get("HOST", "").strip())

@@ -1,11 +1,39 @@
-"""Run the ASGI server (daphne) on HOST:PORT from the configuration."""
+"""Run the ASGI server (daphne) on HOST:PORT from the configuration.
+
+Before serving: rows a previous process left mid-way are reconciled, and AUTO_LOAD_MODEL
+starts loading in the background (readiness answers 503 until it is resident). Without
+MILLM_API_KEYS the server is unauthenticated, so unless HOST is set explicitly it binds to
+127.0.0.1 only, and says so.
+"""
 
 import structlog
 from daphne.cli import CommandLineInterface
 from django.conf import settings
-from django.core.management.base import BaseCommand
+from django.core.management.base import BaseCommand, CommandError
+
+from millm_site.errors import MillmError
 
 log = structlog.get_logger("millm.serve")
+
+
+def bind_host(explicit: str | None = None) -> tuple[str, str]:
+    """(host, note): the address to bind and what to tell the operator about access."""
+    if explicit:
+        host = explicit
+    elif settings.MILLM_API_KEYS or settings.MILLM_HOST_EXPLICIT:
+        host = settings.MILLM_HOST
+    else:
+        host = "127.0.0.1"
+    if settings.MILLM_API_KEYS:
+        note = (f"API keys required on /api, /v1 and /ws/events "
+                f"({len(settings.MILLM_API_KEYS)} key(s) configured)")
+    elif host in ("127.0.0.1", "localhost", "::1"):
+        note = ("no MILLM_API_KEYS: authentication is off, so the server listens on "
+                f"{host} only (set MILLM_API_KEYS, or HOST explicitly, to listen elsewhere)")
+    else:
+        note = (f"WARNING: no MILLM_API_KEYS and HOST={host}: /api and /v1 are open to "
+                "anyone who can reach this address")
+    return host, note
 
 
 class Command(BaseCommand):
@@ -14,15 +42,28 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--host", default=None)
         parser.add_argument("--port", type=int, default=None)
+        parser.add_argument("--no-auto-load", action="store_true",
+                            help="Do not load AUTO_LOAD_MODEL at start-up.")
 
-    def handle(self, *args, host: str | None, port: int | None, **options):
-        host = host or settings.MILLM_HOST
+    def handle(self, *args, host: str | None, port: int | None, no_auto_load: bool,
+               **options):
+        from registry import maintenance
+
+        host, access = bind_host(host)
         port = port or settings.MILLM_PORT
         mode = "embedded" if settings.EMBEDDED else "distributed"
-        log.info("serving", host=host, port=port, mode=mode,
+        maintenance.startup_reconcile()
+        if settings.AUTO_LOAD_MODEL and not no_auto_load:
+            try:
+                maintenance.auto_load()
+            except MillmError as exc:
+                raise CommandError(f"AUTO_LOAD_MODEL={settings.AUTO_LOAD_MODEL}: "
+                                   f"{exc.code}: {exc.message}") from exc
+        log.info("serving", host=host, port=port, mode=mode, access=access,
                  database=settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1])
         self.stdout.write(f"miLLM listening on http://{host}:{port}/ ({mode} mode); "
-                          f"admin at /admin/")
+                          f"admin at /admin/, API docs at /api/docs")
+        self.stdout.write(f"Access: {access}")
         self.stdout.flush()
         CommandLineInterface().run(["-b", host, "-p", str(port), "--proxy-headers",
                                     "millm_site.asgi:application"])

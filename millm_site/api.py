@@ -1,0 +1,170 @@
+"""The /api envelope, built in one place: ``{success, data, error: {code, message, details}}``.
+
+Views return ``envelope(data)``; every refusal is an exception that ``exception_handler``
+(DRF's EXCEPTION_HANDLER) turns into the same shape: domain errors (``MillmError``),
+DRF's own (validation → 422 VALIDATION_ERROR with the field errors in ``details``, parse,
+not found, method not allowed) and anything unexpected (500 INTERNAL_ERROR, logged, no
+traceback in the body). Every 503 carries ``Retry-After``: the error's own value, else
+RETRY_AFTER_FALLBACK_S and a ``retry_after_defaulted`` log line.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from django.conf import settings
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.http import Http404
+from django.utils.deprecation import MiddlewareMixin
+from rest_framework import exceptions, status
+from rest_framework.response import Response
+
+from millm_site.errors import MillmError
+
+log = structlog.get_logger(__name__)
+
+# DRF exception classes -> the contract's codes (others fall back to their default_code).
+_DRF_CODES: dict[type[exceptions.APIException], str] = {
+    exceptions.NotFound: "NOT_FOUND",
+    exceptions.MethodNotAllowed: "METHOD_NOT_ALLOWED",
+    exceptions.NotAcceptable: "NOT_ACCEPTABLE",
+    exceptions.UnsupportedMediaType: "UNSUPPORTED_MEDIA_TYPE",
+    exceptions.NotAuthenticated: "UNAUTHORIZED",
+    exceptions.AuthenticationFailed: "UNAUTHORIZED",
+    exceptions.PermissionDenied: "FORBIDDEN",
+    exceptions.Throttled: "RATE_LIMITED",
+}
+
+
+def envelope(data: Any = None, *, status_code: int = status.HTTP_200_OK,
+             headers: dict[str, str] | None = None) -> Response:
+    """A success answer."""
+    return Response({"success": True, "data": data, "error": None}, status=status_code,
+                    headers=headers)
+
+
+def error_body(code: str, message: str, details: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+    return {"success": False, "data": None,
+            "error": {"code": code, "message": message, "details": details or {}}}
+
+
+def retry_after_value(status_code: int, retry_after: int | None, code: str) -> int | None:
+    """The Retry-After of an answer: required on 503 (defaulted and logged when missing)."""
+    if retry_after is not None:
+        return max(1, int(retry_after))
+    if status_code == 503:
+        log.warning("retry_after_defaulted", code=code)
+        return int(settings.RETRY_AFTER_FALLBACK_S)
+    return None
+
+
+def error_response(code: str, message: str, *, status_code: int,
+                   details: dict[str, Any] | None = None,
+                   retry_after: int | None = None) -> Response:
+    response = Response(error_body(code, message, details), status=status_code)
+    value = retry_after_value(status_code, retry_after, code)
+    if value is not None:
+        response["Retry-After"] = str(value)
+    return response
+
+
+def _field_errors(detail: Any) -> Any:
+    """DRF's error detail tree as plain JSON (lists of messages keyed by field)."""
+    if isinstance(detail, dict):
+        return {str(k): _field_errors(v) for k, v in detail.items()}
+    if isinstance(detail, list):
+        return [_field_errors(v) for v in detail]
+    return str(detail)
+
+
+def _validation_message(fields: Any) -> str:
+    if isinstance(fields, dict) and fields:
+        name, errors = next(iter(fields.items()))
+        first = errors[0] if isinstance(errors, list) and errors else errors
+        if isinstance(first, dict):
+            return f"Invalid request: {name} is invalid"
+        if name == "non_field_errors":
+            return f"Invalid request: {first}"
+        return f"Invalid request: {name}: {first}"
+    if isinstance(fields, list) and fields:
+        return f"Invalid request: {fields[0]}"
+    return "Invalid request"
+
+
+def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
+    """DRF's EXCEPTION_HANDLER for every /api view."""
+    if isinstance(exc, MillmError):
+        return error_response(exc.code, exc.message, status_code=exc.status,
+                              details=exc.details, retry_after=exc.retry_after)
+    if isinstance(exc, Http404):
+        exc = exceptions.NotFound()
+    elif isinstance(exc, DjangoPermissionDenied):
+        exc = exceptions.PermissionDenied()
+    if isinstance(exc, exceptions.ValidationError):
+        fields = _field_errors(exc.detail)
+        if not isinstance(fields, dict):
+            fields = {"non_field_errors": fields}
+        return error_response("VALIDATION_ERROR", _validation_message(fields),
+                              status_code=422, details={"fields": fields})
+    if isinstance(exc, exceptions.ParseError):
+        # A body that is not JSON fails validation like a body of the wrong shape does.
+        return error_response("VALIDATION_ERROR", f"Invalid request body: {exc.detail}",
+                              status_code=422, details={"fields": {"body": [str(exc.detail)]}})
+    if isinstance(exc, exceptions.APIException):
+        code = _DRF_CODES.get(type(exc), str(exc.default_code).upper())
+        retry_after = getattr(exc, "wait", None)
+        response = error_response(
+            code, str(exc.detail) if not isinstance(exc.detail, (dict, list)) else code,
+            status_code=exc.status_code,
+            retry_after=int(retry_after) + 1 if retry_after is not None else None)
+        auth_header = getattr(exc, "auth_header", None)
+        if auth_header:
+            response["WWW-Authenticate"] = auth_header
+        return response
+    view = context.get("view")
+    log.error("api_unhandled_exception", view=type(view).__name__ if view else None,
+              error_type=type(exc).__name__, exc_info=exc)
+    return error_response("INTERNAL_ERROR", "Internal server error; see the server log",
+                          status_code=500)
+
+
+class ApiFallbackMiddleware(MiddlewareMixin):
+    """/api answers the envelope even where no DRF view ran: an unknown path (Django's
+    resolver 404), or an exception escaping a plain Django view (500, logged)."""
+
+    def process_response(self, request, response):
+        if not _is_api(request.path) or response.status_code not in (404, 405):
+            return response
+        if response.get("Content-Type", "").startswith("application/json"):
+            return response
+        code = "NOT_FOUND" if response.status_code == 404 else "METHOD_NOT_ALLOWED"
+        message = (f"No API route at {request.path}" if response.status_code == 404
+                   else f"Method {request.method} not allowed")
+        return _json(error_body(code, message), response.status_code)
+
+    def process_exception(self, request, exception):
+        if not _is_api(request.path):
+            return None
+        if isinstance(exception, MillmError):
+            response = _json(error_body(exception.code, exception.message, exception.details),
+                             exception.status)
+            value = retry_after_value(exception.status, exception.retry_after, exception.code)
+            if value is not None:
+                response["Retry-After"] = str(value)
+            return response
+        log.error("api_unhandled_exception", path=request.path,
+                  error_type=type(exception).__name__, exc_info=exception)
+        return _json(error_body("INTERNAL_ERROR", "Internal server error; see the server log"),
+                     500)
+
+
+def _is_api(path: str) -> bool:
+    return path == "/api" or path.startswith("/api/")
+
+
+def _json(body: dict[str, Any], status_code: int):
+    from django.http import JsonResponse
+
+    return JsonResponse(body, status=status_code)

@@ -1,0 +1,360 @@
+"""/api/health: liveness, readiness, the detailed breakdown, inference backend, GPUs,
+metrics, circuit breakers, version.
+
+Readiness rule (documented in docs/api.md): the server is ready when
+1. the database answers a query,
+2. the engine answers ``status()``,
+3. no model load or unload is running (a swap in progress would answer 503 model_busy),
+4. the AUTO_LOAD_MODEL, when one is configured, is resident.
+Otherwise 503 NOT_READY with Retry-After RETRY_AFTER_READINESS_S and the failing checks in
+``details.checks``. Having no model loaded is not a failure by itself: /v1 loads a
+registered model on demand and the management API works without one.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+import tomllib
+from datetime import UTC, datetime
+from functools import cache
+from typing import Any
+
+import structlog
+from django.conf import settings
+from django.db import connection
+from drf_spectacular.utils import OpenApiResponse, extend_schema, inline_serializer
+from rest_framework import serializers
+from rest_framework.renderers import BaseRenderer, JSONRenderer
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from millm_site.api import envelope
+from millm_site.config import BASE_DIR
+from millm_site.errors import NotReady
+from millm_site.schema import enveloped
+
+log = structlog.get_logger(__name__)
+
+STARTED_AT = time.time()
+
+
+@cache
+def version() -> str:
+    try:
+        with open(BASE_DIR / "pyproject.toml", "rb") as fh:
+            return str(tomllib.load(fh)["project"]["version"])
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "unknown"
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat().replace("+00:00", "Z")
+
+
+# --- figures shared with metrics ---------------------------------------------------------
+
+def engine_snapshot() -> dict[str, Any]:
+    """The engine's own status as plain JSON, or ``state: unavailable`` and why."""
+    try:
+        from inference.engine_client import get_engine_client
+
+        status = get_engine_client().status()
+    except Exception as exc:  # noqa: BLE001 - health must answer whatever the engine does
+        return {"state": "unavailable", "error": getattr(exc, "message", str(exc)),
+                "attachments": []}
+    data = status.to_dict()
+    data.pop("model_path", None)
+    return data
+
+
+def inference_figures() -> dict[str, Any]:
+    """pending / in flight / waiting / estimated_wait_seconds from /v1's admission."""
+    try:
+        from inference.admission import queue_figures
+
+        figures = dict(queue_figures())
+    except Exception as exc:  # noqa: BLE001 - the /v1 tier may not be importable yet
+        log.warning("queue_figures_unavailable", error=repr(exc))
+        figures = {"slots": settings.MAX_CONCURRENT_REQUESTS,
+                   "max_pending": settings.MAX_PENDING_REQUESTS, "in_flight": None,
+                   "waiting": None, "pending": None, "estimated_wait_seconds": None}
+    return figures
+
+
+def _check_database() -> dict[str, Any]:
+    started = time.perf_counter()
+    try:
+        with connection.cursor() as cursor:
+            cursor.execute("SELECT 1")
+            cursor.fetchone()
+    except Exception as exc:  # noqa: BLE001
+        return {"name": "database", "status": "unhealthy", "message": type(exc).__name__}
+    return {"name": "database", "status": "healthy", "vendor": connection.vendor,
+            "latency_ms": round((time.perf_counter() - started) * 1000, 2)}
+
+
+def _check_engine(engine: dict[str, Any]) -> dict[str, Any]:
+    if engine["state"] == "unavailable":
+        return {"name": "engine", "status": "unhealthy", "message": engine.get("error")}
+    loaded = engine["state"] == "ready"
+    return {"name": "engine", "status": "healthy" if loaded else "degraded",
+            "message": f"model {engine.get('model_id')} resident" if loaded
+            else "no model loaded"}
+
+
+def _check_channel_layer() -> dict[str, Any]:
+    from channels.layers import get_channel_layer
+
+    layer = get_channel_layer()
+    if layer is None:
+        return {"name": "channel_layer", "status": "unhealthy", "message": "not configured"}
+    return {"name": "channel_layer", "status": "healthy", "backend": type(layer).__name__}
+
+
+def _model_transition() -> dict[str, Any] | None:
+    from registry.models import Job, Model
+
+    moving = Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)
+                                  ).values_list("name", "status").first()
+    if moving is not None:
+        return {"model": moving[0], "status": moving[1]}
+    job = Job.objects.filter(kind__in=(Job.Kind.MODEL_LOAD, Job.Kind.MODEL_UNLOAD),
+                             status=Job.Status.RUNNING).values_list("target", "kind").first()
+    if job is not None:
+        return {"model": job[0], "status": "loading" if job[1] == Job.Kind.MODEL_LOAD
+                else "unloading"}
+    return None
+
+
+def readiness() -> tuple[bool, dict[str, Any]]:
+    checks: dict[str, Any] = {}
+    database = _check_database()
+    checks["database"] = database["status"] == "healthy"
+    engine = engine_snapshot()
+    checks["engine"] = engine["state"] != "unavailable"
+    transition = _model_transition() if checks["database"] else None
+    checks["no_model_transition"] = transition is None
+    auto = settings.AUTO_LOAD_MODEL
+    if auto:
+        resident = engine.get("model_id")
+        checks["auto_load_model"] = resident is not None and (
+            resident == auto or _model_id_of(resident) == auto)
+    ready = all(checks.values())
+    data = {"ready": ready, "checks": checks, "model_loaded": engine.get("state") == "ready",
+            "model_name": engine.get("model_id"), "transition": transition,
+            "version": version(), "timestamp": _now()}
+    return ready, data
+
+
+def _model_id_of(name: str) -> str | None:
+    from registry.models import Model
+
+    pk = Model.objects.filter(name=name).values_list("pk", flat=True).first()
+    return None if pk is None else str(pk)
+
+
+# --- GPUs ---------------------------------------------------------------------------------
+
+def gpu_cards() -> tuple[list[dict[str, Any]], str | None]:
+    """Per-card memory, or no cards and the reason; never invented zeros."""
+    if not settings.EMBEDDED:
+        return [], ("distributed mode: the GPUs belong to the run_engine process; this web "
+                    "process does not use CUDA")
+    try:
+        import torch
+    except ImportError:
+        return [], "torch is not installed in this process"
+    if not torch.cuda.is_available():
+        return [], "no CUDA device is visible to this process (torch.cuda.is_available() is false)"
+    cards = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        # mem_get_info asks the driver (a CUDA context on that card), so what other
+        # processes hold is included, as nvidia-smi shows it.
+        free, total = torch.cuda.mem_get_info(index)
+        cards.append({
+            "index": index, "name": props.name,
+            "memory_total_mb": round(total / 2**20),
+            "memory_used_mb": round((total - free) / 2**20),
+            "memory_free_mb": round(free / 2**20),
+            "allocated_by_millm_mb": round(torch.cuda.memory_allocated(index) / 2**20),
+            "reserved_by_millm_mb": round(torch.cuda.memory_reserved(index) / 2**20),
+            "compute_capability": f"{props.major}.{props.minor}",
+        })
+    return cards, None
+
+
+# --- views --------------------------------------------------------------------------------
+
+_any = serializers.JSONField()
+
+
+class LivenessView(APIView):
+    @extend_schema(summary="Liveness: the process answers", tags=["health"],
+                   responses=enveloped(inline_serializer("Liveness", {
+                       "status": serializers.CharField(), "version": serializers.CharField(),
+                       "timestamp": serializers.CharField(),
+                       "uptime_seconds": serializers.FloatField()})))
+    def get(self, request) -> Response:
+        return envelope({"status": "healthy", "version": version(), "timestamp": _now(),
+                         "uptime_seconds": round(time.time() - STARTED_AT, 3)})
+
+
+class ReadinessView(APIView):
+    @extend_schema(summary="Readiness (503 + Retry-After while not ready)", tags=["health"],
+                   responses={200: enveloped(_any), 503: OpenApiResponse(
+                       description="Not ready: error NOT_READY, failing checks in details")})
+    def get(self, request) -> Response:
+        ready, data = readiness()
+        if not ready:
+            failing = sorted(k for k, ok in data["checks"].items() if not ok)
+            raise NotReady("Not ready: " + ", ".join(failing), details=data,
+                           retry_after=settings.RETRY_AFTER_READINESS_S)
+        return envelope(data)
+
+
+class DetailedHealthView(APIView):
+    @extend_schema(summary="Components, circuit breakers, inference queue, model and SAEs",
+                   tags=["health"], responses=enveloped(_any))
+    def get(self, request) -> Response:
+        from registry import hub, selectors
+
+        engine = engine_snapshot()
+        components = [_check_database(), _check_engine(engine), _check_channel_layer()]
+        circuits = hub.circuit_states()
+        for circuit in circuits:
+            components.append({"name": f"{circuit['name']}_circuit",
+                               "status": "degraded" if circuit["is_open"] else "healthy",
+                               "message": f"circuit {circuit['state']}"})
+        worst = ("unhealthy" if any(c["status"] == "unhealthy" for c in components)
+                 else "degraded" if any(c["status"] == "degraded" for c in components)
+                 else "healthy")
+        attachments = engine.get("attachments", [])
+        resident = selectors.model_loaded()
+        ready, ready_data = readiness()
+        return envelope({
+            "status": worst,
+            "ready": ready,
+            "readiness_checks": ready_data["checks"],
+            "version": version(),
+            "timestamp": _now(),
+            "uptime_seconds": round(time.time() - STARTED_AT, 3),
+            "mode": "embedded" if settings.EMBEDDED else "distributed",
+            "components": components,
+            "circuit_breakers": circuits,
+            "model_loaded": engine.get("state") == "ready",
+            "model_name": engine.get("model_id"),
+            "model_id": resident.pk if resident else None,
+            "device": engine.get("device"),
+            "dtype": engine.get("dtype"),
+            "sae_attached": bool(attachments),
+            "attachments": [{"sae_id": a["sae_id"], "layer": a["layer"],
+                             "layer_module_path": a["layer_module_path"],
+                             "steering_apply_count": a.get("steering_apply_count", 0)}
+                            for a in attachments],
+            "inference": {**inference_figures(),
+                          "backend": engine.get("backend"),
+                          "continuous_batching": settings.ENABLE_CONTINUOUS_BATCHING},
+            # Leases are a later part of the server: until they exist nothing holds one.
+            "lease": None,
+            "lease_note": "model leases are not implemented in this build",
+        })
+
+
+class InferenceHealthView(APIView):
+    @extend_schema(summary="Active inference backend and its capabilities", tags=["health"],
+                   responses=enveloped(_any))
+    def get(self, request) -> Response:
+        engine = engine_snapshot()
+        batching = bool(settings.ENABLE_CONTINUOUS_BATCHING)
+        return envelope({
+            "backend": engine.get("backend") or "transformers",
+            "mode": "continuous_batching" if batching else "serial",
+            "engine_state": engine["state"],
+            "model_name": engine.get("model_id"),
+            "max_concurrent_requests": settings.MAX_CONCURRENT_REQUESTS,
+            "max_pending_requests": settings.MAX_PENDING_REQUESTS,
+            "queue": inference_figures(),
+            "capabilities": {
+                "per_request_steering": True,
+                "per_request_monitoring": True,
+                "per_request_sampling": True,
+                "streaming": True,
+                "embeddings": True,
+                "scoring": True,
+                "continuous_batching": batching,
+                "speculative_decoding": False,
+            },
+            "limitations": [] if batching else [
+                "serial backend: one generation at a time, others wait in the queue"],
+        })
+
+
+class GpusView(APIView):
+    @extend_schema(summary="Per-card GPU memory (cards: [] with a reason where there is none)",
+                   tags=["health"], responses=enveloped(_any))
+    def get(self, request) -> Response:
+        cards, reason = gpu_cards()
+        return envelope({"cards": cards, "total": len(cards), "reason": reason})
+
+
+class MetricsView(APIView):
+    @extend_schema(summary="Metrics as JSON", tags=["health"], responses=enveloped(_any))
+    def get(self, request) -> Response:
+        from millm_site import metrics
+
+        return envelope(metrics.snapshot())
+
+
+class _PlainTextRenderer(BaseRenderer):
+    media_type = "text/plain"
+    format = "txt"
+
+    def render(self, data, accepted_media_type=None, renderer_context=None):
+        return data if isinstance(data, (bytes, str)) else json.dumps(data)
+
+
+class PrometheusView(APIView):
+    # Scrapers and curl ask for text/plain; JSON stays available for error answers.
+    renderer_classes = [_PlainTextRenderer, JSONRenderer]
+
+    @extend_schema(summary="Metrics in the Prometheus text format (not enveloped)",
+                   tags=["health"],
+                   responses={(200, "text/plain"): OpenApiResponse(description="exposition")})
+    def get(self, request):
+        from django.http import HttpResponse
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        from millm_site import metrics
+
+        return HttpResponse(metrics.prometheus_text(), content_type=CONTENT_TYPE_LATEST)
+
+
+class CircuitsView(APIView):
+    @extend_schema(summary="Circuit breakers (the hub's)", tags=["health"],
+                   responses=enveloped(_any))
+    def get(self, request) -> Response:
+        from registry import hub
+
+        circuits = hub.circuit_states()
+        return envelope({"circuits": circuits, "total": len(circuits)})
+
+
+class CircuitResetView(APIView):
+    @extend_schema(summary="Close a tripped circuit breaker", tags=["health"], request=None,
+                   responses=enveloped(_any))
+    def post(self, request, name: str) -> Response:
+        from registry import hub
+
+        return envelope(hub.circuit_reset(name=name))
+
+
+class VersionView(APIView):
+    @extend_schema(summary="Version", tags=["health"], responses=enveloped(_any))
+    def get(self, request) -> Response:
+        import django
+
+        return envelope({"app": "miLLM", "version": version(),
+                         "python": platform.python_version(), "django": django.get_version()})
