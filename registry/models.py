@@ -31,6 +31,9 @@ class Model(models.Model):
         READY = "ready", "Ready"
         LOADING = "loading", "Loading"
         LOADED = "loaded", "Loaded"
+        # Between an unload's start and the weights leaving: running requests finish,
+        # new ones are refused with 503 model_busy.
+        UNLOADING = "unloading", "Unloading"
         ERROR = "error", "Error"
 
     name = models.CharField(max_length=200, unique=True,
@@ -58,6 +61,10 @@ class Model(models.Model):
     estimated_memory_bytes = models.BigIntegerField(null=True, blank=True)
     locked = models.BooleanField(default=False)
     loaded_at = models.DateTimeField(null=True, blank=True)
+    device = models.CharField(max_length=32, blank=True,
+                              help_text="Where the resident weights are (set while loaded).")
+    dtype = models.CharField(max_length=16, blank=True,
+                             help_text="Dtype of the resident weights (set while loaded).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db.models import QuerySet
 
 from millm_site.errors import JobNotFound, ModelNotFound, SAENotFound
-from registry.models import SAE, Job, Model
+from registry.models import SAE, Attachment, Job, Model
 
 
 def model_list() -> QuerySet[Model]:
@@ -44,3 +44,50 @@ def job_get(*, job_id: int) -> Job:
         return Job.objects.get(pk=job_id)
     except Job.DoesNotExist:
         raise JobNotFound(f"Job {job_id} not found", details={"job_id": job_id}) from None
+
+
+def model_active_job(*, model: Model, kinds: tuple[str, ...] | None = None) -> Job | None:
+    qs = Job.objects.filter(model=model, status__in=(Job.Status.QUEUED, Job.Status.RUNNING))
+    if kinds:
+        qs = qs.filter(kind__in=kinds)
+    return qs.order_by("-created_at").first()
+
+
+def download_progress_by_model() -> dict[int, int]:
+    """Percent of each model's running download (list pages ask for all at once)."""
+    rows = (Job.objects.filter(kind=Job.Kind.MODEL_DOWNLOAD, model__isnull=False,
+                               status__in=(Job.Status.QUEUED, Job.Status.RUNNING))
+            .order_by("created_at").values_list("model_id", "progress"))
+    return dict(rows)
+
+
+def download_progress_by_sae() -> dict[str, int]:
+    rows = (Job.objects.filter(kind=Job.Kind.SAE_DOWNLOAD, sae__isnull=False,
+                               status__in=(Job.Status.QUEUED, Job.Status.RUNNING))
+            .order_by("created_at").values_list("sae_id", "progress"))
+    return dict(rows)
+
+
+def attachment_list() -> QuerySet[Attachment]:
+    return Attachment.objects.select_related("sae", "model").order_by("layer", "sae_id")
+
+
+def job_list(*, kind: str | None = None, status: str | None = None,
+             limit: int = 50) -> list[Job]:
+    qs = Job.objects.all()
+    if kind:
+        qs = qs.filter(kind=kind)
+    if status:
+        qs = qs.filter(status=status)
+    return list(qs.order_by("-created_at")[:limit])
+
+
+def engine_attachment_counts() -> dict[tuple[str, int], int]:
+    """steering_apply_count per (sae_id, layer), from the engine; empty when it is away."""
+    try:
+        from inference.engine_client import get_engine_client
+
+        return {(a.sae_id, a.layer): a.steering_apply_count
+                for a in get_engine_client().attachments()}
+    except Exception:  # noqa: BLE001 - a read must not fail because the engine is away
+        return {}

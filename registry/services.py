@@ -59,15 +59,23 @@ def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
-def _describe_transformers_dir(path: Path) -> dict[str, Any]:
+def _describe_transformers_dir(path: Path, quantization: str | None = None) -> dict[str, Any]:
+    import json
+
     from gpu_engine.errors import EngineError
     from gpu_engine.inspect import inspect_model_dir
+    from registry import sizing
 
     try:
         info = inspect_model_dir(path)
     except EngineError as exc:
         raise ModelInvalid(f"{path} is not a readable transformers checkpoint: {exc.message}",
                            details={"local_path": str(path)}) from exc
+    estimated = info.estimated_memory_bytes
+    if quantization and quantization != Model.Quantization.FP32:
+        config = json.loads((path / "config.json").read_text())
+        estimated = sizing.estimate_bytes(parameter_count=info.param_count, config=config,
+                                          quantization=quantization)
     return {
         "architecture": info.architecture_class,
         "num_layers": info.num_layers,
@@ -75,7 +83,7 @@ def _describe_transformers_dir(path: Path) -> dict[str, Any]:
         "context_length": info.context_length,
         "parameter_count": info.param_count,
         "disk_size_bytes": info.disk_size_bytes,
-        "estimated_memory_bytes": info.estimated_memory_bytes,
+        "estimated_memory_bytes": estimated,
     }
 
 
@@ -115,7 +123,8 @@ def model_register_local(*, local_path: str, name: str | None = None,
     if path.is_file() and path.suffix == ".gguf":
         fmt, gguf_file, meta = Model.Format.GGUF, path.name, _describe_gguf_file(path)
     elif path.is_dir():
-        fmt, gguf_file, meta = Model.Format.TRANSFORMERS, "", _describe_transformers_dir(path)
+        fmt, gguf_file, meta = (Model.Format.TRANSFORMERS, "",
+                                _describe_transformers_dir(path, quantization))
     else:
         raise InvalidLocalPath(f"{path} is neither a model directory nor a .gguf file",
                                details={"local_path": local_path})
@@ -140,20 +149,25 @@ def model_refresh_metadata(*, model: Model) -> Model:
                            details={"model_id": model.id})
     path = Path(model.local_path)
     meta = (_describe_gguf_file(path) if model.format == Model.Format.GGUF
-            else _describe_transformers_dir(path))
+            else _describe_transformers_dir(path, model.quantization))
     for key, value in meta.items():
         setattr(model, key, value)
     model.save(update_fields=[*meta.keys(), "updated_at"])
     return model
 
 
-def model_set_status(*, model: Model, status: str, error: str = "") -> Model:
+def model_set_status(*, model: Model, status: str, error: str = "", device: str = "",
+                     dtype: str = "") -> Model:
     model.status = status
     model.error_message = error
     fields = ["status", "error_message", "updated_at"]
     if status == Model.Status.LOADED:
         model.loaded_at = timezone.now()
-        fields.append("loaded_at")
+        model.device, model.dtype = device, dtype
+        fields += ["loaded_at", "device", "dtype"]
+    elif status not in (Model.Status.UNLOADING,):
+        model.device = model.dtype = ""
+        fields += ["device", "dtype"]
     model.save(update_fields=fields)
     return model
 
@@ -183,20 +197,28 @@ def model_delete(*, model: Model) -> None:
     """Delete the row, and the files when miLLM downloaded them into its cache.
 
     A model registered from a user's own directory keeps its files: we only ever remove
-    what we put under MODEL_CACHE_DIR.
+    what we put under MODEL_CACHE_DIR. A download in progress is cancelled first.
     """
+    from registry.downloads import model_target_dir
+
     model = Model.objects.select_for_update().get(pk=model.pk)
     if model.locked:
         raise ModelLocked(f"Model {model.name!r} is locked; unlock it first",
                           details={"model_id": model.id})
-    if model.status in (Model.Status.LOADED, Model.Status.LOADING):
+    if model.status in (Model.Status.LOADED, Model.Status.LOADING, Model.Status.UNLOADING):
         raise ModelLoaded(f"Model {model.name!r} is {model.status}; unload it first",
                           details={"model_id": model.id, "status": model.status})
-    files = Path(model.local_path) if model.local_path else None
+    Job.objects.filter(model=model, status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).update(
+        cancel_requested=True, updated_at=timezone.now())
+    cache = Path(settings.MODEL_CACHE_DIR)
+    candidates = [Path(model.local_path)] if model.local_path else []
+    if model.source == Model.Source.HUGGINGFACE:
+        candidates.append(model_target_dir(model))
     model_id = model.id
     model.delete()
-    if files is not None and _is_under(files, Path(settings.MODEL_CACHE_DIR)) and files.exists():
-        transaction.on_commit(lambda: _remove(files))
+    for files in candidates:
+        if _is_under(files, cache) and files.exists():
+            transaction.on_commit(lambda files=files: _remove(files))
     log.info("model_deleted", model_id=model_id)
 
 
@@ -264,14 +286,23 @@ def sae_register_local(*, local_path: str, name: str | None = None,
 
 @transaction.atomic
 def sae_delete(*, sae: SAE) -> None:
+    """Delete the row and, for a downloaded SAE, its files; refused while attached (409)."""
+    from registry.downloads import sae_target_dir
+
     sae = SAE.objects.select_for_update().get(pk=sae.pk)
-    if sae.status == SAE.Status.ATTACHED:
+    if sae.status == SAE.Status.ATTACHED or sae.attachments.exists():
         raise SAEAlreadyAttached(f"SAE {sae.id} is attached; detach it first",
                                  details={"sae_id": sae.id})
-    files = Path(sae.local_path) if sae.local_path else None
+    Job.objects.filter(sae=sae, status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).update(
+        cancel_requested=True, updated_at=timezone.now())
+    cache = Path(settings.SAE_CACHE_DIR)
+    candidates = [Path(sae.local_path)] if sae.local_path else []
+    if sae.repository_id:
+        candidates.append(sae_target_dir(sae))
     sae.delete()
-    if files is not None and _is_under(files, Path(settings.SAE_CACHE_DIR)) and files.exists():
-        transaction.on_commit(lambda: _remove(files))
+    for files in candidates:
+        if _is_under(files, cache) and files.exists():
+            transaction.on_commit(lambda files=files: _remove(files))
 
 
 # --- Jobs ------------------------------------------------------------------------------
@@ -285,8 +316,8 @@ _JOB_EVENT_PREFIX = {
 
 def _job_payload(job: Job) -> dict[str, Any]:
     return {"job_id": job.id, "kind": job.kind, "model_id": job.model_id, "sae_id": job.sae_id,
-            "status": job.status, "progress": job.progress, "stage": job.stage,
-            "bytes_done": job.bytes_done, "bytes_total": job.bytes_total}
+            "status": job.status, "progress": job.progress, "percent": job.progress,
+            "stage": job.stage, "bytes_done": job.bytes_done, "bytes_total": job.bytes_total}
 
 
 def job_create(*, kind: str, target: str, model: Model | None = None,
@@ -404,33 +435,83 @@ def _engine_errors():
     return EngineError
 
 
+def _check_free_memory(model: Model, device: str) -> None:
+    """Refuse a CUDA load whose estimate exceeds the card's free memory (507)."""
+    if not device.startswith("cuda") or not model.estimated_memory_bytes:
+        return
+    import torch
+
+    index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
+    free, _ = torch.cuda.mem_get_info(index)
+    resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
+    # the resident model's memory comes back before the new weights arrive
+    reclaim = (resident.estimated_memory_bytes or 0) if resident is not None else 0
+    if model.estimated_memory_bytes > free + reclaim:
+        from millm_site.errors import InsufficientMemory
+
+        raise InsufficientMemory(
+            f"Model {model.name!r} needs about {model.estimated_memory_bytes / 2**20:.0f} MB; "
+            f"{(free + reclaim) / 2**20:.0f} MB are free on {device}",
+            details={"model_id": model.id, "estimated_memory_mb":
+                     round(model.estimated_memory_bytes / 2**20),
+                     "free_mb": round((free + reclaim) / 2**20), "device": device})
+
+
+# Quantizations the transformers backend can apply at load: FP32 and FP16 load at the
+# engine's dtype (MILLM_ENGINE_DTYPE); 8/4/2-bit loads need bitsandbytes, not in this build.
+LOADABLE_QUANTIZATIONS = (Model.Quantization.FP32, Model.Quantization.FP16)
+
+
+def _check_quantization(model: Model) -> None:
+    from millm_site.errors import UnsupportedQuantization
+
+    if model.format == Model.Format.TRANSFORMERS and \
+            model.quantization not in LOADABLE_QUANTIZATIONS:
+        raise UnsupportedQuantization(
+            f"Model {model.name!r} is registered as {model.quantization}; this build loads "
+            "transformers checkpoints at FP32/FP16 only (no bitsandbytes)",
+            details={"model_id": model.id, "quantization": model.quantization,
+                     "supported": list(LOADABLE_QUANTIZATIONS)})
+
+
 def model_load(*, model: Model, job: Job | None = None) -> Model:
-    """Load ``model`` into the engine (replacing the resident one) and record it."""
+    """Load ``model`` into the engine (replacing the resident one) and record it.
+
+    Synchronous: the API runs it in a background job (``model_load_enqueue``), /v1 on its
+    own thread for an on-demand load. Progress goes on the job row and out as
+    ``model:load:progress`` events.
+    """
     from gpu_engine.protocol import LoadModelJob
     from inference.engine_client import resolve_device_and_dtype
-    from millm_site.errors import (
-        ModelNotLoaded,  # noqa: F401 - re-exported for callers' except clauses
-        UnsupportedModel,
-        from_engine_error,
-    )
+    from millm_site import metrics
+    from millm_site.errors import UnsupportedModel, from_engine_error
 
-    resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
-    if resident is not None and resident.locked:
-        raise ModelLocked(f"Model {resident.name!r} is resident and locked",
-                          details={"model_id": resident.id})
-    if model.format == Model.Format.GGUF:
-        raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
-                               "does not include", details={"model_id": model.id})
-    if model.status == Model.Status.DOWNLOADING or not model.local_path:
-        raise ModelInvalid(f"Model {model.name!r} has no files yet",
-                           details={"model_id": model.id})
-    device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
-                                             settings.MILLM_ENGINE_DTYPE)
     job = job or job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
-    job_start(job=job, stage="loading weights")
+    try:
+        model.refresh_from_db()
+        resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
+        if resident is not None and resident.locked:
+            raise ModelLocked(f"Model {resident.name!r} is resident and locked",
+                              details={"model_id": resident.id})
+        if model.format == Model.Format.GGUF:
+            raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
+                                   "does not include", details={"model_id": model.id})
+        if model.status == Model.Status.DOWNLOADING or not model.local_path:
+            raise ModelInvalid(f"Model {model.name!r} has no files yet",
+                               details={"model_id": model.id})
+        _check_quantization(model)
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
+                                                 settings.MILLM_ENGINE_DTYPE)
+        job_start(job=job, stage="preparing")
+        job_progress(job=job, progress=5, stage="checking memory")
+        _check_free_memory(model, device)
+    except Exception as exc:
+        if job.status not in Job.FINISHED:
+            job_finish(job=job, status=Job.Status.FAILED, error=getattr(exc, "message", str(exc)))
+        metrics.record_load(operation="load", outcome="refused")
+        raise
     model_set_status(model=model, status=Model.Status.LOADING)
-    events.publish("model:load:progress", {"model_id": model.id, "job_id": job.id,
-                                           "progress": 0, "stage": "loading weights"})
+    job_progress(job=job, progress=10, stage="loading weights")
     try:
         _engine().load_model(LoadModelJob(
             model_id=model.name, path=model.local_path, dtype=dtype, device=device,
@@ -439,13 +520,24 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
         error = from_engine_error(exc)
         model_set_status(model=model, status=Model.Status.ERROR, error=error.message)
         job_finish(job=job, status=Job.Status.FAILED, error=error.message)
+        metrics.record_load(operation="load", outcome="failed")
         raise error from exc
+    except BaseException as exc:
+        model_set_status(model=model, status=Model.Status.ERROR, error=str(exc)[:500])
+        job_finish(job=job, status=Job.Status.FAILED, error=type(exc).__name__)
+        metrics.record_load(operation="load", outcome="failed")
+        raise
     with transaction.atomic():
         if resident is not None:
             _forget_model_state(resident)
         Attachment.objects.filter(model=model).delete()
-        model_set_status(model=model, status=Model.Status.LOADED)
+        model_set_status(model=model, status=Model.Status.LOADED, device=device, dtype=dtype)
+    if resident is not None:
+        events.publish("model:unload:complete", {"model_id": resident.id,
+                                                 "reason": "replaced"})
+    job_progress(job=job, progress=95, stage="recorded")
     job_finish(job=job, status=Job.Status.SUCCEEDED)
+    metrics.record_load(operation="load", outcome="succeeded")
     log.info("model_loaded", model_id=model.id, device=device, dtype=dtype)
     return model
 
@@ -455,62 +547,213 @@ def _forget_model_state(model: Model) -> None:
     SAE.objects.filter(status=SAE.Status.ATTACHED).exclude(attachments__isnull=False).update(
         status=SAE.Status.READY)
     Model.objects.filter(pk=model.pk).update(status=Model.Status.READY, locked=False,
-                                             updated_at=timezone.now())
+                                             device="", dtype="", updated_at=timezone.now())
 
 
-def model_unload(*, model: Model) -> Model:
-    """Unload the resident model after waiting (bounded) for running requests."""
-    from millm_site.errors import ModelNotLoaded, from_engine_error
+def _uses_of(name: str) -> int:
+    """/v1 requests currently generating on ``name`` in this process."""
+    try:
+        from inference.residency import get_residency
+    except ImportError:
+        return 0
+    return int(get_residency().active().get(name, 0))
+
+
+def model_unload(*, model: Model, job: Job | None = None) -> Model:
+    """Unload the resident model: new /v1 requests are refused (the row says
+    ``unloading``: 503 model_busy), the running ones get up to GRACEFUL_UNLOAD_TIMEOUT to
+    finish, then the weights go."""
+    import time
+
+    from millm_site import metrics
+    from millm_site.errors import ModelBusy, ModelNotLoaded, from_engine_error
 
     model.refresh_from_db()
     if model.status != Model.Status.LOADED:
         raise ModelNotLoaded(f"Model {model.name!r} is not loaded",
-                             details={"model_id": model.id})
+                             details={"model_id": model.id, "status": model.status})
     if model.locked:
         raise ModelLocked(f"Model {model.name!r} is locked; unlock it first",
                           details={"model_id": model.id})
+    claimed = Model.objects.filter(pk=model.pk, status=Model.Status.LOADED, locked=False
+                                   ).update(status=Model.Status.UNLOADING,
+                                            updated_at=timezone.now())
+    if not claimed:
+        raise ModelBusy(f"Model {model.name!r} changed state; retry",
+                        details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)
+    if job is not None:
+        job_start(job=job, stage="waiting for running requests")
+    deadline = time.monotonic() + float(settings.GRACEFUL_UNLOAD_TIMEOUT)
+    while _uses_of(model.name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    remaining = max(1.0, deadline - time.monotonic())
+    engine = _engine()
     try:
-        _engine().unload_model(timeout_s=settings.GRACEFUL_UNLOAD_TIMEOUT)
+        try:
+            engine.unload_model(timeout_s=remaining)
+        except _engine_errors() as exc:
+            cancel_all = getattr(engine, "cancel_all", None)
+            if getattr(exc, "code", "") != "engine_busy" or cancel_all is None:
+                raise
+            # The running requests outlasted the grace period: they fail, the unload goes on.
+            cancel_all(reason="model_unload")
+            engine.unload_model(timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
     except _engine_errors() as exc:
-        raise from_engine_error(exc) from exc
+        Model.objects.filter(pk=model.pk, status=Model.Status.UNLOADING).update(
+            status=Model.Status.LOADED, updated_at=timezone.now())
+        error = from_engine_error(exc)
+        if isinstance(error, ModelBusy) and error.retry_after is None:
+            error.retry_after = settings.RETRY_AFTER_UNLOAD_S
+        if job is not None:
+            job_finish(job=job, status=Job.Status.FAILED, error=error.message)
+        metrics.record_load(operation="unload", outcome="failed")
+        raise error from exc
     with transaction.atomic():
         _forget_model_state(model)
     model.refresh_from_db()
-    events.publish("model:unload:complete", {"model_id": model.id})
+    events.publish("model:unload:complete", {"model_id": model.id, "reason": "unload"})
+    if job is not None:
+        job_finish(job=job, status=Job.Status.SUCCEEDED)
+    metrics.record_load(operation="unload", outcome="succeeded")
+    log.info("model_unloaded", model_id=model.id)
     return model
 
 
+def _active_job(*, model: Model, kinds: tuple[str, ...]) -> Job | None:
+    return Job.objects.filter(model=model, kind__in=kinds,
+                              status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).first()
+
+
+@transaction.atomic
+def model_load_enqueue(*, model: Model) -> Job:
+    """Start a background load (the API's route): the job row now, the load after commit.
+
+    Idempotent while a load of the same model is queued or running (its job is returned);
+    a load of another model queues behind it (MAX_LOAD_WORKERS at a time).
+    """
+    from millm_site import jobs
+    from millm_site.errors import ModelAlreadyLoaded, ModelBusy, UnsupportedModel
+    from registry import tasks
+
+    model = Model.objects.select_for_update().get(pk=model.pk)
+    existing = _active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,))
+    if existing is not None:
+        return existing
+    if model.status == Model.Status.LOADED:
+        raise ModelAlreadyLoaded(f"Model {model.name!r} is already loaded",
+                                 details={"model_id": model.id})
+    if model.status == Model.Status.UNLOADING:
+        raise ModelBusy(f"Model {model.name!r} is being unloaded",
+                        details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)
+    if model.status == Model.Status.DOWNLOADING or not model.local_path:
+        raise ModelInvalid(f"Model {model.name!r} has no files yet (status {model.status})",
+                           details={"model_id": model.id, "status": model.status})
+    if model.format == Model.Format.GGUF:
+        raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
+                               "does not include", details={"model_id": model.id})
+    _check_quantization(model)
+    resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
+    if resident is not None and resident.locked:
+        raise ModelLocked(f"Model {resident.name!r} is resident and locked; unlock it first",
+                          details={"model_id": resident.id})
+    job = job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
+    jobs.enqueue(tasks.model_load_task, job.id, queue="loads")
+    return job
+
+
+@transaction.atomic
+def model_unload_enqueue(*, model: Model) -> Job:
+    from millm_site import jobs
+    from millm_site.errors import ModelBusy, ModelNotLoaded
+    from registry import tasks
+
+    model = Model.objects.select_for_update().get(pk=model.pk)
+    existing = _active_job(model=model, kinds=(Job.Kind.MODEL_UNLOAD,))
+    if existing is not None:
+        return existing
+    if _active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,)) is not None or \
+            model.status == Model.Status.LOADING:
+        raise ModelBusy(f"Model {model.name!r} is being loaded; retry when it is",
+                        details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_LOAD_S)
+    if model.status != Model.Status.LOADED:
+        raise ModelNotLoaded(f"Model {model.name!r} is not loaded",
+                             details={"model_id": model.id, "status": model.status})
+    if model.locked:
+        raise ModelLocked(f"Model {model.name!r} is locked; unlock it (or detach its SAEs) "
+                          "first", details={"model_id": model.id})
+    job = job_create(kind=Job.Kind.MODEL_UNLOAD, target=model.name, model=model)
+    jobs.enqueue(tasks.model_unload_task, job.id, queue="loads")
+    return job
+
+
+def _check_sae_ready(sae: SAE) -> None:
+    if sae.status not in (SAE.Status.READY, SAE.Status.ATTACHED) or not sae.local_path:
+        raise SAEInvalid(f"SAE {sae.id} is not ready to attach (status {sae.status})",
+                         details={"sae_id": sae.id, "status": sae.status})
+
+
 def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
-    """Attach several (SAE, layer) pairs all-or-nothing; an existing pair is re-attached."""
-    from gpu_engine.protocol import AttachSpec
+    """Attach several (SAE, layer) pairs, all or nothing.
+
+    Idempotent per (sae_id, layer): a pair that is already attached is left as it is and
+    reported again; only the new pairs reach the engine, in one all-or-nothing call.
+    """
+    from gpu_engine.protocol import AttachResult, AttachSpec
     from millm_site.errors import ModelNotLoaded, from_engine_error
 
     model = Model.objects.filter(status=Model.Status.LOADED).first()
     if model is None:
         raise ModelNotLoaded("No model is loaded; load one before attaching an SAE")
-    specs = [AttachSpec(sae_id=sae.id, path=sae.local_path, layer=int(layer),
-                        layout=sae.format or None) for sae, layer in items]
+    ordered: list[tuple[SAE, int]] = []
+    seen: set[tuple[str, int]] = set()
+    for sae, layer in items:
+        if (sae.id, int(layer)) not in seen:
+            seen.add((sae.id, int(layer)))
+            ordered.append((sae, int(layer)))
+    for sae, _ in ordered:
+        _check_sae_ready(sae)
+    existing = {(a.sae_id, a.layer): a for a in Attachment.objects.filter(model=model)}
+    new = [(sae, layer) for sae, layer in ordered if (sae.id, layer) not in existing]
+    specs = [AttachSpec(sae_id=sae.id, path=sae.local_path, layer=layer,
+                        layout=sae.format or None) for sae, layer in new]
     try:
-        results = _engine().attach_set(specs)
+        fresh = _engine().attach_set(specs) if specs else []
     except _engine_errors() as exc:
         raise from_engine_error(exc) from exc
+    by_key = {(r.sae_id, r.layer): r for r in fresh}
     with transaction.atomic():
-        for (sae, _), result in zip(items, results, strict=True):
+        for (sae, _), result in zip(new, fresh, strict=True):
             Attachment.objects.update_or_create(
                 sae=sae, layer=result.layer,
                 defaults={"model": model, "layer_module_path": result.layer_module_path})
             SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ATTACHED,
                                                  updated_at=timezone.now())
         # Attaching locks the model, so a steered session cannot be swapped out under it.
-        Model.objects.filter(pk=model.pk).update(locked=True, updated_at=timezone.now())
-    for result in results:
+        if fresh:
+            Model.objects.filter(pk=model.pk).update(locked=True, updated_at=timezone.now())
+    for result in fresh:
         events.publish("sae:attached", {"sae_id": result.sae_id, "layer": result.layer,
                                         "layer_module_path": result.layer_module_path,
+                                        "model_id": model.id,
                                         "warnings": list(result.warnings)})
+    results = []
+    for sae, layer in ordered:
+        result = by_key.get((sae.id, layer))
+        if result is None:
+            row = existing[(sae.id, layer)]
+            result = AttachResult(sae_id=sae.id, layer=layer,
+                                  layer_module_path=row.layer_module_path, d_in=sae.d_in or 0,
+                                  d_sae=sae.d_sae or 0, activation=sae.activation,
+                                  layout=sae.format, warnings=[])
+        results.append(result)
     return results
 
 
 def sae_attach(*, sae: SAE, layer: int) -> Any:
+    """Attach one SAE at one layer; attaching the same pair again is refused (409)."""
+    if Attachment.objects.filter(sae=sae, layer=layer).exists():
+        raise SAEAlreadyAttached(f"SAE {sae.id} is already attached at layer {layer}",
+                                 details={"sae_id": sae.id, "layer": layer})
     return sae_attach_set(items=[(sae, layer)])[0]
 
 
@@ -549,3 +792,19 @@ def attachment_forget(*, sae_id: str, layer: int | None) -> None:
     for model_id in model_ids:
         if not Attachment.objects.filter(model_id=model_id).exists():
             Model.objects.filter(pk=model_id).update(locked=False, updated_at=timezone.now())
+
+
+def sae_check_compatibility(*, sae: SAE, layer: int) -> dict[str, Any]:
+    """Dry run of an attach: errors (refusals) and warnings, nothing changed."""
+    from millm_site.errors import ModelNotLoaded, from_engine_error
+
+    _check_sae_ready(sae)
+    if not Model.objects.filter(status=Model.Status.LOADED).exists():
+        raise ModelNotLoaded("No model is loaded; compatibility is judged against the "
+                             "loaded model")
+    try:
+        report = _engine().check_sae(sae.local_path, layer, layout=sae.format or None)
+    except _engine_errors() as exc:
+        raise from_engine_error(exc) from exc
+    return {"compatible": bool(report.compatible), "errors": list(report.errors),
+            "warnings": list(report.warnings)}

@@ -1,0 +1,592 @@
+"""Download services: models and SAEs from the hub into MODEL_CACHE_DIR / SAE_CACHE_DIR.
+
+Same style as ``registry.services`` (keyword-only ``<entity>_<verb>`` functions called by
+views, tasks and commands alike). A download is two halves:
+
+- ``*_download_start`` runs in the request: it asks the hub about the repository (so a
+  missing repository, a gated one without a token or a hub outage is answered at once,
+  with its code), creates the row (``downloading``) and a ``Job``, and enqueues the task
+  after commit. The per-request ``hf_token`` travels to the task as an argument only.
+- ``*_download_run`` is the task body: it downloads the selected files one by one with
+  huggingface_hub (``hf_hub_download``: resume after a dropped connection, revisions,
+  tokens, the endpoint), records bytes and percent on the job row and publishes progress
+  events, honours cancel (``Job.cancel_requested``) and DOWNLOAD_TIMEOUT, and only then
+  marks the row ready. A download that fails or is cancelled leaves no files behind and
+  nothing marked ready.
+
+Only safetensors, JSON, tokenizer and template files are fetched for a model (pickle
+formats are never downloaded, let alone loaded); ``.py`` files only with
+``trust_remote_code``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import structlog
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from millm_site import events, jobs, metrics
+from millm_site.errors import (
+    DownloadCancelled,
+    DownloadTimedOut,
+    GatedModelNoToken,
+    JobFinished,
+    MillmError,
+    ModelAlreadyExists,
+    ModelInvalid,
+    SAEInvalid,
+    UnsupportedModel,
+)
+from registry import hub, services, sizing
+from registry.models import SAE, Job, Model
+
+log = structlog.get_logger(__name__)
+
+MODEL_FILE_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".tiktoken")
+SAE_FILE_SUFFIXES = (".safetensors", ".json", ".npz")
+PROGRESS_INTERVAL_S = 0.25
+
+ProgressCallback = Callable[[int, int | None], None]
+
+
+# --- file selection --------------------------------------------------------------------
+
+def _sibling_files(info: Any) -> list[tuple[str, int]]:
+    return [(s.rfilename, int(s.size or 0)) for s in (info.siblings or [])]
+
+
+def select_model_files(files: list[tuple[str, int]], *, trust_remote_code: bool
+                       ) -> list[tuple[str, int]]:
+    """The files a transformers checkpoint needs, at the repository's root."""
+    chosen = []
+    for name, size in files:
+        if "/" in name:
+            continue  # variants and originals (onnx/, original/*.pth) live in folders
+        if name.endswith(MODEL_FILE_SUFFIXES) or (trust_remote_code and name.endswith(".py")):
+            chosen.append((name, size))
+    return chosen
+
+
+def _sae_dir_of(file_path: str) -> str:
+    """The repository folder that holds one SAE: the file's folder, or the folder named."""
+    path = PurePosixPath(file_path.strip("/"))
+    if path.suffix in SAE_FILE_SUFFIXES:
+        return str(path.parent) if str(path.parent) != "." else ""
+    return str(path)
+
+
+def select_sae_files(files: list[tuple[str, int]], file_path: str) -> list[tuple[str, int]]:
+    folder = _sae_dir_of(file_path) if file_path else ""
+    chosen = []
+    for name, size in files:
+        parent = str(PurePosixPath(name).parent)
+        parent = "" if parent == "." else parent
+        if folder and parent != folder:
+            continue
+        if not folder and parent:
+            continue
+        if name.endswith(SAE_FILE_SUFFIXES):
+            chosen.append((name, size))
+    return chosen
+
+
+_LAYER = re.compile(r"(?:layer[_-]?|blocks\.|\.layers?\.|^l)(\d+)", re.IGNORECASE)
+_WIDTH = re.compile(r"width[_-]?(\w+?)(?:/|$|_)", re.IGNORECASE)
+_L0 = re.compile(r"average_l0[_-]?(\d+)", re.IGNORECASE)
+
+
+def describe_sae_path(path: str) -> dict[str, Any]:
+    layer = _LAYER.search(path)
+    width = _WIDTH.search(path)
+    l0 = _L0.search(path)
+    return {"layer": int(layer.group(1)) if layer else None,
+            "width": width.group(1) if width else None,
+            "average_l0": int(l0.group(1)) if l0 else None}
+
+
+def _slug(repo_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", repo_id.replace("/", "--"))
+
+
+# --- progress ----------------------------------------------------------------------------
+
+class _Progress:
+    """Bytes of a whole download, written to the job row (throttled) and checked against
+    cancel and the deadline on every write."""
+
+    def __init__(self, job: Job, total: int, on_progress: ProgressCallback | None) -> None:
+        self.job = job
+        self.total = total or None
+        self.finished_bytes = 0
+        self.current = 0
+        self.filename = ""
+        self.deadline = time.monotonic() + float(settings.DOWNLOAD_TIMEOUT)
+        self.on_progress = on_progress
+        self._last_write = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def done(self) -> int:
+        return self.finished_bytes + max(0, self.current)
+
+    def percent(self) -> int:
+        if not self.total:
+            return 0
+        # 100 only when the job succeeds; a finished last file still has its check to go
+        return min(99, int(self.done * 100 / self.total))
+
+    def start_file(self, filename: str) -> None:
+        self.filename = filename
+        self.current = 0
+        self.check()
+        self.write(force=True)
+
+    def finish_file(self, size_on_disk: int) -> None:
+        self.finished_bytes += size_on_disk
+        self.current = 0
+        self.write(force=True)
+
+    def advance(self, n: float) -> None:
+        with self._lock:
+            self.current += int(n)
+        self.write()
+
+    def write(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_write < PROGRESS_INTERVAL_S:
+            return
+        self._last_write = now
+        services.job_progress(job=self.job, progress=self.percent(),
+                              stage=f"downloading {self.filename}"[:100],
+                              bytes_done=self.done, bytes_total=self.total)
+        if self.on_progress is not None:
+            self.on_progress(self.done, self.total)
+        self.check()
+
+    def check(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise DownloadTimedOut(
+                f"The download took longer than DOWNLOAD_TIMEOUT "
+                f"({settings.DOWNLOAD_TIMEOUT:g} s)",
+                details={"job_id": self.job.id, "timeout_s": settings.DOWNLOAD_TIMEOUT})
+        if Job.objects.filter(pk=self.job.pk, cancel_requested=True).exists():
+            raise DownloadCancelled("The download was cancelled", details={"job_id": self.job.id})
+
+
+class _Bar:
+    """What huggingface_hub's ``tqdm_class`` needs (constructor, update, context manager),
+    feeding ``_Progress``. Negative updates happen when a resumed transfer restarts."""
+
+    def __init__(self, progress: _Progress, **kwargs: Any) -> None:
+        self.progress = progress
+        self.n = int(kwargs.get("initial") or 0)
+        if self.n:
+            progress.advance(self.n)
+
+    def update(self, n: float = 1) -> None:
+        self.n += int(n)
+        self.progress.advance(n)
+
+    def close(self) -> None:
+        return None
+
+    def __enter__(self) -> _Bar:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _fetch(*, repo_id: str, files: list[tuple[str, int]], revision: str, target: Path,
+           token: str | bool, progress: _Progress) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    for name, _ in files:
+        progress.start_file(name)
+        path = hub.download_file(repo_id=repo_id, filename=name, revision=revision,
+                                 local_dir=target, token=token,
+                                 tqdm_class=partial(_Bar, progress))
+        progress.finish_file(path.stat().st_size)
+
+
+def _clean_target(target: Path, root: Path) -> None:
+    if target.exists() and services._is_under(target, root):
+        services._remove(target)
+
+
+# --- models ------------------------------------------------------------------------------
+
+def _model_repo_checks(*, repo_id: str, revision: str, token: str | bool,
+                       trust_remote_code: bool) -> tuple[Any, list[tuple[str, int]]]:
+    info = hub.model_info(repo_id=repo_id, revision=revision, token=token)
+    files = select_model_files(_sibling_files(info), trust_remote_code=trust_remote_code)
+    if info.gated and not token:
+        raise GatedModelNoToken(f"Repository {repo_id!r} is gated: accept its license on the "
+                                "hub and send an hf_token", details={"repo_id": repo_id})
+    if info.gated:
+        # the listing is public; whether this token may read the files is not
+        probe = next((n for n, _ in files if n == "config.json"), files[0][0] if files else None)
+        if probe:
+            hub.file_metadata(repo_id=repo_id, filename=probe, revision=info.sha or revision,
+                              token=token)
+    return info, files
+
+
+def model_preview(*, repo_id: str, revision: str = "main", hf_token: str | None = None
+                  ) -> dict[str, Any]:
+    """What a download would fetch, and what loading it would need, before any download."""
+    token = hub.resolve_token(hf_token)
+    info, files = _model_repo_checks(repo_id=repo_id, revision=revision, token=token,
+                                     trust_remote_code=True)
+    names = {n for n, _ in files}
+    config: dict[str, Any] = {}
+    if "config.json" in names:
+        try:
+            config = json.loads(hub.read_small_file(repo_id=repo_id, filename="config.json",
+                                                    revision=info.sha or revision,
+                                                    token=token))
+        except ValueError:
+            config = {}
+    elif isinstance(info.config, dict):
+        config = dict(info.config)
+    weights = [(n, s) for n, s in files if n.endswith(".safetensors")]
+    params = None
+    if info.safetensors is not None and getattr(info.safetensors, "total", None):
+        params = int(info.safetensors.total)
+    elif weights:
+        dtype_bytes = 4 if str(config.get("torch_dtype") or config.get("dtype")) == "float32" else 2
+        params = sum(s for _, s in weights) // dtype_bytes
+    requires_remote_code = bool(config.get("auto_map"))
+    download_files = [(n, s) for n, s in files
+                      if not n.endswith(".py") or requires_remote_code]
+    disk = sum(s for _, s in download_files)
+    card = getattr(info, "card_data", None)
+    return {
+        "name": repo_id.rsplit("/", 1)[-1],
+        "repo_id": repo_id,
+        "revision": revision,
+        "sha": info.sha,
+        "params": sizing.format_params(params),
+        "parameter_count": params,
+        "architecture": (config.get("architectures") or [None])[0],
+        "architectures": config.get("architectures") or [],
+        "model_type": config.get("model_type"),
+        "num_layers": sizing._first(sizing.text_config(config), sizing._LAYER_KEYS),
+        "hidden_size": sizing._first(sizing.text_config(config), sizing._HIDDEN_KEYS),
+        "context_length": sizing.context_length(config),
+        "requires_trust_remote_code": requires_remote_code,
+        "is_gated": bool(info.gated),
+        "has_safetensors": bool(weights),
+        "disk_size_mb": round(disk / 2**20, 3),
+        "estimated_sizes": {
+            quant: {"disk_mb": round(disk / 2**20, 3), "memory_mb": sizes["memory_mb"]}
+            for quant, sizes in sizing.estimates_by_quantization(
+                parameter_count=params or 0, config=config).items()} if params else None,
+        "files": [{"path": n, "size_bytes": s} for n, s in download_files],
+        "downloads": info.downloads or 0,
+        "likes": info.likes or 0,
+        "tags": info.tags or [],
+        "pipeline_tag": info.pipeline_tag,
+        "license": getattr(card, "license", None) if card is not None else None,
+    }
+
+
+def model_download_start(*, repo_id: str, revision: str = "main",
+                         quantization: str = Model.Quantization.FP16,
+                         trust_remote_code: bool = False, custom_name: str | None = None,
+                         hf_token: str | None = None) -> tuple[Model, Job]:
+    """Check the repository on the hub, create the row and its job, start the task."""
+    from registry import tasks
+
+    revision = revision or "main"
+    token = hub.resolve_token(hf_token)
+    info, files = _model_repo_checks(repo_id=repo_id, revision=revision, token=token,
+                                     trust_remote_code=trust_remote_code)
+    if not any(n.endswith(".safetensors") for n, _ in files):
+        raise ModelInvalid(f"Repository {repo_id!r} has no safetensors weights at its root "
+                           "(pickle checkpoints are never downloaded or loaded)",
+                           details={"repo_id": repo_id})
+    config = info.config if isinstance(info.config, dict) else {}
+    if config.get("auto_map") and not trust_remote_code:
+        raise UnsupportedModel(f"Repository {repo_id!r} ships its own model code; download it "
+                               "with trust_remote_code=true if you trust it",
+                               details={"repo_id": repo_id, "requires_trust_remote_code": True})
+    name = (custom_name or repo_id.rsplit("/", 1)[-1]).strip()
+    with transaction.atomic():
+        existing = (Model.objects.select_for_update()
+                    .filter(source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision,
+                            quantization=quantization).first())
+        if existing is not None and existing.status != Model.Status.ERROR:
+            raise ModelAlreadyExists(
+                f"{repo_id}@{revision} ({quantization}) is already registered as "
+                f"{existing.name!r}", details={"model_id": existing.id, "name": existing.name})
+        clash = Model.objects.filter(name=name).exclude(
+            pk=existing.pk if existing is not None else None).first()
+        if clash is not None:
+            raise ModelAlreadyExists(f"A model named {name!r} is already registered; choose "
+                                     "a custom_name", details={"name": name,
+                                                               "model_id": clash.id})
+        if existing is not None:  # a failed or cancelled download is started again
+            model = existing
+            model.name, model.trust_remote_code = name, trust_remote_code
+            model.status, model.error_message = Model.Status.DOWNLOADING, ""
+            model.save(update_fields=["name", "trust_remote_code", "status", "error_message",
+                                      "updated_at"])
+        else:
+            model = Model.objects.create(
+                name=name, source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision,
+                quantization=quantization, trust_remote_code=trust_remote_code,
+                status=Model.Status.DOWNLOADING,
+                architecture=(config.get("architectures") or [""])[0])
+        job = services.job_create(kind=Job.Kind.MODEL_DOWNLOAD, target=f"{repo_id}@{revision}",
+                                  model=model)
+        job.bytes_total = sum(s for _, s in files) or None
+        job.save(update_fields=["bytes_total", "updated_at"])
+        # hf_token only when the request brought one: HF_TOKEN is read by the task itself
+        jobs.enqueue(tasks.model_download_task, job.id, queue="downloads",
+                     commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
+    log.info("model_download_started", model_id=model.id, repo_id=repo_id, revision=revision,
+             job_id=job.id, files=len(files))
+    return model, job
+
+
+def model_target_dir(model: Model) -> Path:
+    return Path(settings.MODEL_CACHE_DIR) / f"{_slug(model.repo_id)}--m{model.id}"
+
+
+def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str | None = None,
+                       on_progress: ProgressCallback | None = None) -> Model | None:
+    """The task body; returns the ready model, or None when the job had already ended."""
+    job = Job.objects.select_related("model").get(pk=job_id)
+    if job.status in Job.FINISHED or job.model is None:
+        return None
+    model = job.model
+    target = model_target_dir(model)
+    token = hub.resolve_token(hf_token)
+    services.job_start(job=job, stage="listing files")
+    try:
+        info = hub.model_info(repo_id=model.repo_id, revision=commit or model.revision,
+                              token=token)
+        files = select_model_files(_sibling_files(info),
+                                   trust_remote_code=model.trust_remote_code)
+        progress = _Progress(job, sum(s for _, s in files), on_progress)
+        _fetch(repo_id=model.repo_id, files=files, revision=info.sha or commit or model.revision,
+               target=target, token=token, progress=progress)
+        # huggingface_hub's bookkeeping for local_dir downloads is not part of the model
+        if (target / ".cache").exists():
+            services._remove(target / ".cache")
+        meta = services._describe_transformers_dir(target, model.quantization)
+    except BaseException as exc:
+        _model_download_failed(job=job, model=model, target=target, exc=exc)
+        if isinstance(exc, MillmError):
+            return None
+        raise
+    with transaction.atomic():
+        Model.objects.filter(pk=model.pk).update(
+            local_path=str(target.resolve()), status=Model.Status.READY, error_message="",
+            updated_at=timezone.now(), **meta)
+        services.job_finish(job=job, status=Job.Status.SUCCEEDED)
+    metrics.record_download(kind="model", outcome="succeeded")
+    model.refresh_from_db()
+    log.info("model_download_finished", model_id=model.id, bytes=meta["disk_size_bytes"])
+    return model
+
+
+def _model_download_failed(*, job: Job, model: Model, target: Path, exc: BaseException) -> None:
+    cancelled = isinstance(exc, DownloadCancelled)
+    message = "Download cancelled" if cancelled else getattr(exc, "message", None) or \
+        f"Download failed: {type(exc).__name__}"
+    _clean_target(target, Path(settings.MODEL_CACHE_DIR))
+    Model.objects.filter(pk=model.pk).update(status=Model.Status.ERROR, error_message=message,
+                                             local_path="", updated_at=timezone.now())
+    job.refresh_from_db()
+    if job.status not in Job.FINISHED:
+        services.job_finish(job=job, status=Job.Status.CANCELLED if cancelled
+                            else Job.Status.FAILED, error=message)
+    metrics.record_download(kind="model", outcome="cancelled" if cancelled else "failed")
+    log.warning("model_download_failed", model_id=model.id, job_id=job.id,
+                code=getattr(exc, "code", type(exc).__name__))
+
+
+def _active_download(*, model: Model | None = None, sae: SAE | None = None) -> Job | None:
+    kind = Job.Kind.MODEL_DOWNLOAD if model is not None else Job.Kind.SAE_DOWNLOAD
+    filters = {"model": model} if model is not None else {"sae": sae}
+    return Job.objects.filter(kind=kind, status__in=(Job.Status.QUEUED, Job.Status.RUNNING),
+                              **filters).order_by("-created_at").first()
+
+
+def model_download_cancel(*, model: Model) -> Job:
+    """Ask the running download to stop (it stops within a moment and removes its files);
+    a queued one is cancelled at once."""
+    job = _active_download(model=model)
+    if job is None:
+        raise JobFinished(f"Model {model.name!r} has no download in progress",
+                          details={"model_id": model.id, "status": model.status})
+    job = services.job_cancel(job=job)
+    if job.status == Job.Status.CANCELLED:  # it never started
+        Model.objects.filter(pk=model.pk).update(status=Model.Status.ERROR,
+                                                 error_message="Download cancelled",
+                                                 updated_at=timezone.now())
+        events.publish("model:download:error", {"job_id": job.id, "model_id": model.id,
+                                                "error": "Download cancelled"})
+    return job
+
+
+# --- SAEs ----------------------------------------------------------------------------------
+
+def sae_preview(*, repository_id: str, revision: str = "main", hf_token: str | None = None
+                ) -> dict[str, Any]:
+    """The SAEs a repository offers (one entry per SAE file), without downloading."""
+    token = hub.resolve_token(hf_token)
+    info = hub.model_info(repo_id=repository_id, revision=revision, token=token)
+    files = []
+    for name, size in _sibling_files(info):
+        base = PurePosixPath(name).name
+        if base in ("params.npz", "sae_weights.safetensors"):
+            files.append({"path": name, "size_bytes": size, **describe_sae_path(name),
+                          "layout": "gemmascope" if base == "params.npz" else "saelens"})
+    return {"repository_id": repository_id, "revision": revision, "sha": info.sha,
+            "is_gated": bool(info.gated),
+            "model_id": repository_id.rsplit("/", 1)[-1], "files": files,
+            "total_files": len(files)}
+
+
+def sae_download_start(*, repository_id: str, file_path: str = "", revision: str = "main",
+                       hf_token: str | None = None) -> tuple[SAE, Job | None, str]:
+    """Idempotent per repository + revision + file path. Returns the row, the job (None
+    when nothing is downloaded) and the documented status: downloading, cached, attached
+    or already_downloading."""
+    from registry import tasks
+
+    revision = revision or "main"
+    file_path = (file_path or "").strip("/")
+    existing = SAE.objects.filter(repository_id=repository_id, revision=revision,
+                                  file_path=file_path).first()
+    if existing is not None and existing.status == SAE.Status.ATTACHED:
+        return existing, None, "attached"
+    if existing is not None and existing.status == SAE.Status.READY:
+        return existing, None, "cached"
+    if existing is not None and existing.status == SAE.Status.DOWNLOADING:
+        return existing, _active_download(sae=existing), "already_downloading"
+    token = hub.resolve_token(hf_token)
+    info = hub.model_info(repo_id=repository_id, revision=revision, token=token)
+    files = select_sae_files(_sibling_files(info), file_path)
+    if not files:
+        raise SAEInvalid(f"No SAE files (.json, .safetensors, .npz) at {file_path or 'the root'}"
+                         f" of {repository_id!r}",
+                         details={"repository_id": repository_id, "file_path": file_path})
+    if info.gated:
+        if not token:
+            raise GatedModelNoToken(f"Repository {repository_id!r} is gated: send an hf_token",
+                                    details={"repo_id": repository_id})
+        hub.file_metadata(repo_id=repository_id, filename=files[0][0],
+                          revision=info.sha or revision, token=token)
+    hints = describe_sae_path(file_path)
+    with transaction.atomic():
+        sae = (SAE.objects.select_for_update().filter(pk=existing.pk).first()
+               if existing is not None else None)
+        if sae is None:
+            sae = SAE.objects.create(
+                name=(PurePosixPath(_sae_dir_of(file_path)).name if file_path else
+                      repository_id.rsplit("/", 1)[-1]) or repository_id.rsplit("/", 1)[-1],
+                repository_id=repository_id, revision=revision, file_path=file_path,
+                status=SAE.Status.DOWNLOADING, trained_on_layer=hints["layer"],
+                average_l0=hints["average_l0"])
+        else:
+            sae.status, sae.error_message = SAE.Status.DOWNLOADING, ""
+            sae.save(update_fields=["status", "error_message", "updated_at"])
+        job = services.job_create(kind=Job.Kind.SAE_DOWNLOAD,
+                                  target=f"{repository_id}@{revision}:{file_path}"[:500],
+                                  sae=sae)
+        job.bytes_total = sum(s for _, s in files) or None
+        job.save(update_fields=["bytes_total", "updated_at"])
+        jobs.enqueue(tasks.sae_download_task, job.id, queue="downloads",
+                     commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
+    log.info("sae_download_started", sae_id=sae.id, repository_id=repository_id,
+             file_path=file_path, job_id=job.id)
+    return sae, job, "downloading"
+
+
+def sae_target_dir(sae: SAE) -> Path:
+    return Path(settings.SAE_CACHE_DIR) / _slug(sae.repository_id) / sae.id
+
+
+def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | None = None,
+                     on_progress: ProgressCallback | None = None) -> SAE | None:
+    job = Job.objects.select_related("sae").get(pk=job_id)
+    if job.status in Job.FINISHED or job.sae is None:
+        return None
+    sae = job.sae
+    target = sae_target_dir(sae)
+    token = hub.resolve_token(hf_token)
+    services.job_start(job=job, stage="listing files")
+    try:
+        info = hub.model_info(repo_id=sae.repository_id, revision=commit or sae.revision,
+                              token=token)
+        files = select_sae_files(_sibling_files(info), sae.file_path)
+        progress = _Progress(job, sum(s for _, s in files), on_progress)
+        _fetch(repo_id=sae.repository_id, files=files,
+               revision=info.sha or commit or sae.revision, target=target, token=token,
+               progress=progress)
+        if (target / ".cache").exists():
+            services._remove(target / ".cache")
+        folder = _sae_dir_of(sae.file_path) if sae.file_path else ""
+        sae_path = (target / folder) if folder else target
+        meta = services._describe_sae(sae_path)
+    except BaseException as exc:
+        _sae_download_failed(job=job, sae=sae, target=target, exc=exc)
+        if isinstance(exc, MillmError):
+            return None
+        raise
+    if not meta["trained_on_model"]:
+        meta["trained_on_model"] = sae.trained_on_model
+    if meta["trained_on_layer"] is None:
+        meta["trained_on_layer"] = sae.trained_on_layer
+    with transaction.atomic():
+        SAE.objects.filter(pk=sae.pk).update(local_path=str(sae_path.resolve()),
+                                             status=SAE.Status.READY, error_message="",
+                                             updated_at=timezone.now(), **meta)
+        services.job_finish(job=job, status=Job.Status.SUCCEEDED)
+    metrics.record_download(kind="sae", outcome="succeeded")
+    sae.refresh_from_db()
+    return sae
+
+
+def _sae_download_failed(*, job: Job, sae: SAE, target: Path, exc: BaseException) -> None:
+    cancelled = isinstance(exc, DownloadCancelled)
+    message = "Download cancelled" if cancelled else getattr(exc, "message", None) or \
+        f"Download failed: {type(exc).__name__}"
+    _clean_target(target, Path(settings.SAE_CACHE_DIR))
+    SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ERROR, error_message=message,
+                                         local_path="", updated_at=timezone.now())
+    job.refresh_from_db()
+    if job.status not in Job.FINISHED:
+        services.job_finish(job=job, status=Job.Status.CANCELLED if cancelled
+                            else Job.Status.FAILED, error=message)
+    metrics.record_download(kind="sae", outcome="cancelled" if cancelled else "failed")
+    log.warning("sae_download_failed", sae_id=sae.id, job_id=job.id,
+                code=getattr(exc, "code", type(exc).__name__))
+
+
+def sae_download_cancel(*, sae: SAE) -> Job:
+    job = _active_download(sae=sae)
+    if job is None:
+        raise JobFinished(f"SAE {sae.id} has no download in progress",
+                          details={"sae_id": sae.id, "status": sae.status})
+    job = services.job_cancel(job=job)
+    if job.status == Job.Status.CANCELLED:
+        SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ERROR,
+                                             error_message="Download cancelled",
+                                             updated_at=timezone.now())
+        events.publish("sae:download:error", {"job_id": job.id, "sae_id": sae.id,
+                                              "error": "Download cancelled"})
+    return job

@@ -1,0 +1,37 @@
+"""Routes of the registry under /api: models, SAEs (lifecycle and attachments) and jobs.
+
+SAE ids always start with ``sae_``, so ``/api/saes/steering…`` (the steering app's routes)
+never reads as an SAE id whatever order the routes are included in.
+"""
+
+from django.urls import path, re_path
+
+from registry import apis
+
+SAE_ID = r"(?P<sae_id>sae_[A-Za-z0-9_.-]{1,36})"
+
+urlpatterns = [
+    path("models", apis.ModelListCreateApi.as_view(), name="models"),
+    path("models/preview", apis.ModelPreviewApi.as_view(), name="model-preview"),
+    path("models/<int:model_id>", apis.ModelDetailApi.as_view(), name="model-detail"),
+    path("models/<int:model_id>/load", apis.ModelLoadApi.as_view(), name="model-load"),
+    path("models/<int:model_id>/unload", apis.ModelUnloadApi.as_view(), name="model-unload"),
+    path("models/<int:model_id>/lock", apis.ModelLockApi.as_view(), name="model-lock"),
+    path("models/<int:model_id>/unlock", apis.ModelUnlockApi.as_view(), name="model-unlock"),
+    path("models/<int:model_id>/cancel", apis.ModelCancelApi.as_view(), name="model-cancel"),
+    path("saes", apis.SAEListApi.as_view(), name="saes"),
+    path("saes/download", apis.SAEDownloadApi.as_view(), name="sae-download"),
+    path("saes/preview", apis.SAEPreviewApi.as_view(), name="sae-preview"),
+    path("saes/attachment", apis.AttachmentStatusApi.as_view(), name="sae-attachment"),
+    path("saes/attachments", apis.AttachmentListApi.as_view(), name="sae-attachments"),
+    path("saes/attach-set", apis.AttachSetApi.as_view(), name="sae-attach-set"),
+    re_path(rf"^saes/{SAE_ID}$", apis.SAEDetailApi.as_view(), name="sae-detail"),
+    re_path(rf"^saes/{SAE_ID}/compatibility$", apis.SAECompatibilityApi.as_view(),
+            name="sae-compatibility"),
+    re_path(rf"^saes/{SAE_ID}/attach$", apis.SAEAttachApi.as_view(), name="sae-attach"),
+    re_path(rf"^saes/{SAE_ID}/detach$", apis.SAEDetachApi.as_view(), name="sae-detach"),
+    re_path(rf"^saes/{SAE_ID}/cancel$", apis.SAECancelApi.as_view(), name="sae-cancel"),
+    path("jobs", apis.JobListApi.as_view(), name="jobs"),
+    path("jobs/<int:job_id>", apis.JobDetailApi.as_view(), name="job-detail"),
+    path("jobs/<int:job_id>/cancel", apis.JobCancelApi.as_view(), name="job-cancel"),
+]
