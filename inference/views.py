@@ -72,6 +72,8 @@ def openai_view(*methods: str):
                 raise
             except Exception as exc:  # noqa: BLE001 - the one exit for /v1 errors
                 error = openai_error_from_exception(exc, param=_context_param(request))
+                if error.code == "context_length_exceeded" and error.param is None:
+                    error.param = _context_param(request)
                 return openai_error_response(error)
 
         return wrapper

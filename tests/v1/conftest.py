@@ -92,12 +92,15 @@ def model_resident(server: V1Server, name: str) -> None:
     """Make ``name`` the resident model with no SAE attached (through the registry, as
     the management API would)."""
     from registry.models import Model
-    from registry.services import model_load, sae_detach
+    from registry.services import model_load, model_set_status, sae_detach
     from registry.models import SAE
 
-    status = server.engine.status()
-    if status.model_id != name:
-        model_load(model=Model.objects.get(name=name))
+    row = Model.objects.get(name=name)
+    if server.engine.status().model_id != name:
+        model_load(model=row)
+    elif row.status != Model.Status.LOADED:
+        # the engine kept it from an earlier test; this test's fresh row says so too
+        model_set_status(model=row, status=Model.Status.LOADED)
     for sae in SAE.objects.filter(status=SAE.Status.ATTACHED):
         sae_detach(sae=sae)
     server.engine.detach(None)

@@ -1,0 +1,187 @@
+"""Chat and text completions through the official client over a real socket, compared
+with independent references: the engine called directly with the same job, and Hugging
+Face transformers' own greedy decoding."""
+
+from __future__ import annotations
+
+import pytest
+
+from gpu_engine.protocol import GenerationJob, SamplingParams
+from tests.v1.helpers import request
+
+MESSAGES = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Tell me about the sea and the sky."}]
+
+
+def _direct(server, **job):
+    return server.engine.generate_sync(GenerationJob(request_id="ref", **job), timeout_s=60)
+
+
+def test_chat_equals_direct_engine_call_with_the_same_seed(llama, openai_client):
+    out = openai_client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=24, temperature=0.9, top_p=0.95,
+        seed=1234, presence_penalty=0.5)
+    ref = _direct(llama, messages=MESSAGES, sampling=SamplingParams(
+        max_tokens=24, temperature=0.9, top_p=0.95, seed=1234, presence_penalty=0.5))
+    choice = out.choices[0]
+    assert choice.message.role == "assistant"
+    assert choice.message.content == ref.text
+    assert choice.finish_reason == ("length" if ref.finish_reason == "length" else "stop")
+    assert out.usage.prompt_tokens == ref.usage.prompt_tokens
+    assert out.usage.completion_tokens == ref.usage.completion_tokens == len(ref.token_ids)
+    assert out.usage.total_tokens == ref.usage.total_tokens
+    assert out.model == "tiny-llama" and out.object == "chat.completion"
+    # positive control: another seed gives another text
+    other = openai_client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=24, temperature=0.9, top_p=0.95,
+        seed=99, presence_penalty=0.5)
+    assert other.choices[0].message.content != ref.text
+
+
+def test_greedy_chat_matches_transformers_generate(llama, openai_client, tiny_assets):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = tiny_assets.models["tiny-llama"].path
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    text = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        gen = model.generate(ids, max_new_tokens=20, do_sample=False, min_new_tokens=20,
+                             pad_token_id=tok.pad_token_id)
+    expected_ids = gen[0, ids.shape[1]:].tolist()
+    out = openai_client.completions.create(
+        model="tiny-llama", prompt=ids[0].tolist(), max_tokens=20, temperature=0,
+        extra_body={"ignore_eos": True})
+    decoded = tok.decode(expected_ids, skip_special_tokens=True,
+                         clean_up_tokenization_spaces=False)
+    assert out.choices[0].text == decoded
+    assert out.usage.completion_tokens == 20
+    chat = openai_client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=20, temperature=0)
+    eos = {tok.convert_tokens_to_ids("</s>"), tok.convert_tokens_to_ids("<|im_end|>")}
+    cut = next((i for i, t in enumerate(expected_ids) if t in eos), len(expected_ids))
+    assert chat.choices[0].message.content == tok.decode(
+        expected_ids[:cut], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    assert chat.usage.completion_tokens == min(cut + 1, 20)
+
+
+def test_stream_concatenates_to_the_plain_response(llama, openai_client):
+    kwargs = dict(model="tiny-llama", messages=MESSAGES, max_tokens=30, temperature=1.0,
+                  seed=7)
+    plain = openai_client.chat.completions.create(**kwargs)
+    chunks = list(openai_client.chat.completions.create(
+        **kwargs, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == plain.choices[0].message.content
+    reasons = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert reasons[-1] == plain.choices[0].finish_reason and set(reasons[:-1]) == {None}
+    usage_chunks = [c for c in chunks if c.usage is not None]
+    assert len(usage_chunks) == 1 and usage_chunks[0] is chunks[-1]
+    assert chunks[-1].choices == []
+    assert usage_chunks[0].usage.completion_tokens == plain.usage.completion_tokens
+    assert len({c.id for c in chunks}) == 1
+
+
+def test_raw_sse_framing(llama):
+    resp = request(llama.base_url, "POST", "/chat/completions", {
+        "model": "tiny-llama", "messages": MESSAGES, "max_tokens": 5, "stream": True})
+    assert resp.status == 200
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    assert resp.headers["x-millm-steering"] == "none"
+    assert resp.headers["x-millm-backend"] == "transformers"
+    events = resp.events()
+    assert events[-1] == "[DONE]"
+    assert events[0]["object"] == "chat.completion.chunk"
+    assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "usage" not in events[0]  # only when asked
+    assert resp.body.endswith(b"data: [DONE]\n\n")
+
+
+def test_stop_sequences_and_n_choices(llama, openai_client):
+    base = openai_client.completions.create(model="tiny-llama", prompt="the sea", max_tokens=40,
+                                            temperature=0, extra_body={"ignore_eos": True})
+    text = base.choices[0].text
+    assert len(text) > 6
+    stop = text[3:6]
+    cut = openai_client.completions.create(model="tiny-llama", prompt="the sea", max_tokens=40,
+                                           temperature=0, stop=[stop],
+                                           extra_body={"ignore_eos": True})
+    assert cut.choices[0].text == text[:text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    many = openai_client.chat.completions.create(model="tiny-llama", messages=MESSAGES,
+                                                 max_tokens=12, n=3, seed=5, temperature=1)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert len({c.message.content for c in many.choices}) > 1
+    refs = [_direct(llama, messages=MESSAGES, sampling=SamplingParams(
+        max_tokens=12, temperature=1, seed=5 + i)).text for i in range(3)]
+    assert [c.message.content for c in many.choices] == refs
+    assert many.usage.completion_tokens == sum(
+        len(_direct(llama, messages=MESSAGES, sampling=SamplingParams(
+            max_tokens=12, temperature=1, seed=5 + i)).token_ids) for i in range(3))
+
+
+def test_chat_logprobs(llama, openai_client):
+    out = openai_client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+        top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    ref = _direct(llama, messages=MESSAGES, sampling=SamplingParams(
+        max_tokens=6, temperature=0, logprobs=True, top_logprobs=3))
+    assert [c.token for c in content] == [lp.token for lp in ref.logprobs]
+    for got, exp in zip(content, ref.logprobs):
+        assert got.logprob == pytest.approx(exp.logprob, abs=1e-6)
+        assert len(got.top_logprobs) == 3
+        assert got.top_logprobs[0].logprob == pytest.approx(exp.logprob, abs=1e-6)  # greedy
+
+
+def test_completions_prompt_forms(llama, openai_client):
+    out = openai_client.completions.create(model="tiny-llama", prompt=["the sea", "a sky"],
+                                           max_tokens=8, temperature=0.7, seed=3, n=2)
+    assert [c.index for c in out.choices] == [0, 1, 2, 3]
+    for p, prompt in enumerate(["the sea", "a sky"]):
+        for i in range(2):
+            ref = _direct(llama, prompt=prompt, sampling=SamplingParams(
+                max_tokens=8, temperature=0.7, seed=3 + i))
+            assert out.choices[p * 2 + i].text == ref.text
+    prompt_ids = _direct(llama, prompt="the sea", sampling=SamplingParams(max_tokens=1))
+    ids = llama.engine.backend.encode_text("the sea")
+    by_ids = openai_client.completions.create(model="tiny-llama", prompt=ids, max_tokens=8,
+                                              temperature=0)
+    by_text = openai_client.completions.create(model="tiny-llama", prompt="the sea",
+                                               max_tokens=8, temperature=0)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_ids.usage.prompt_tokens == len(ids) == prompt_ids.usage.prompt_tokens
+    echoed = openai_client.completions.create(model="tiny-llama", prompt="the sea",
+                                              max_tokens=8, temperature=0, echo=True)
+    assert echoed.choices[0].text == "the sea" + by_text.choices[0].text
+
+
+def test_streaming_completions(llama, openai_client):
+    kwargs = dict(model="tiny-llama", prompt="the sky", max_tokens=20, temperature=1, seed=11)
+    plain = openai_client.completions.create(**kwargs)
+    chunks = list(openai_client.completions.create(**kwargs, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == plain.choices[0].finish_reason
+
+
+def test_echo_logprobs_equal_the_engine_prompt_scores(llama, openai_client):
+    from gpu_engine.protocol import ScoreJob
+
+    out = openai_client.completions.create(model="tiny-llama", prompt="the sea is wide",
+                                           max_tokens=1, temperature=0, echo=True, logprobs=2)
+    lp = out.choices[0].logprobs
+    score = llama.engine.score(ScoreJob("s", prompt="the sea is wide", prompt_logprobs=True,
+                                        top_k=2))
+    n_prompt = score.prompt_tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:n_prompt] == pytest.approx(score.prompt_logprobs[1:], abs=1e-5)
+    # the alternatives after the whole prompt are the engine's next-token top-2
+    last = lp.top_logprobs[n_prompt]
+    for entry in score.top:
+        assert last[entry.token] == pytest.approx(entry.logprob, abs=1e-5)
+    assert len(lp.tokens) == n_prompt + 1
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
