@@ -68,7 +68,14 @@ class Residency:
         return status.model_id if status.state == "ready" else None
 
     def check_policy(self, model: ModelRef, *, policy: str, resident: str | None) -> None:
-        """Refusals that must come before the request queues (refuse policy)."""
+        """Refusals that must come before the request queues: another model is loading,
+        or (refuse policy) this one is not resident."""
+        with self._lock:
+            other_load = next((n for n in self._loading if n != model.name), None)
+        if other_load is not None:
+            raise ModelBusy(f"Model {other_load!r} is being loaded; retry shortly",
+                            details={"model": model.name, "loading": other_load},
+                            retry_after=settings.RETRY_AFTER_LOAD_S)
         if resident == model.name:
             return
         if self.loading(model.name) or model.status == "loading":

@@ -1,0 +1,111 @@
+"""/v1/models, /v1/embeddings, and models loaded on demand (single-flight) or refused
+under ``X-miLLM-Load-Policy: refuse``."""
+
+from __future__ import annotations
+
+import base64
+import struct
+import threading
+import time
+
+import openai
+import pytest
+
+from gpu_engine.protocol import EmbedJob
+from inference.residency import get_residency
+from registry.models import Model
+from tests.v1.conftest import attach
+from tests.v1.helpers import assert_openai_error, request
+
+
+def test_models_list_and_detail(llama, openai_client):
+    ids = [m.id for m in openai_client.models.list().data]
+    assert {"tiny-llama", "tiny-gemma2", "tiny-gpt2"} <= set(ids)
+    card = openai_client.models.retrieve("tiny-llama")
+    assert card.id == "tiny-llama" and card.object == "model" and card.owned_by == "local"
+    assert card.created == int(Model.objects.get(name="tiny-llama").created_at.timestamp())
+    # a model locked for steering is the only one listed
+    attach("tiny-llama-L1-relu", 1)
+    assert [m.id for m in openai_client.models.list().data] == ["tiny-llama"]
+
+
+def test_embeddings_equal_the_engine_and_are_never_steered(llama, openai_client):
+    texts = ["the sea", "a sky full of stars"]
+    out = openai_client.embeddings.create(model="tiny-llama", input=texts)
+    ref = llama.engine.embed(EmbedJob("ref", inputs=texts))
+    assert [d.index for d in out.data] == [0, 1]
+    for got, exp in zip(out.data, ref.embeddings):
+        assert got.embedding == pytest.approx(exp, abs=1e-6)
+    assert out.usage.prompt_tokens == out.usage.total_tokens == ref.usage.prompt_tokens
+    raw = request(llama.base_url, "POST", "/embeddings", {
+        "model": "tiny-llama", "input": [[5, 6, 7]], "encoding_format": "base64"})
+    vector = base64.b64decode(raw.json()["data"][0]["embedding"])
+    floats = struct.unpack(f"<{len(vector) // 4}f", vector)
+    exp = llama.engine.embed(EmbedJob("ref", inputs=[[5, 6, 7]])).embeddings[0]
+    assert list(floats) == pytest.approx(exp, abs=1e-6)
+    assert raw.headers["x-millm-steering"] == "none"
+    attach("tiny-llama-L1-relu", 1)  # an attached SAE changes nothing
+    again = openai_client.embeddings.create(model="tiny-llama", input=texts)
+    assert again.data[0].embedding == pytest.approx(out.data[0].embedding, abs=1e-7)
+    assert_openai_error(request(llama.base_url, "POST", "/embeddings",
+                                {"model": "tiny-llama", "input": ""}), 400, "invalid_parameter")
+    assert_openai_error(request(llama.base_url, "POST", "/embeddings",
+                                {"model": "tiny-llama", "input": "x", "dimensions": 8}),
+                        400, "invalid_parameter", "dimensions")
+
+
+def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monkeypatch):
+    client = llama.client
+    calls: list[str] = []
+    real_load = client.load_model
+
+    def slow_load(job, **kwargs):
+        calls.append(job.model_id)
+        time.sleep(1.0)
+        return real_load(job, **kwargs)
+
+    monkeypatch.setattr(client, "load_model", slow_load)
+    refuse = {"X-miLLM-Load-Policy": "refuse"}
+    body = {"model": "tiny-gpt2", "prompt": "the sea", "max_tokens": 3}
+    resp = request(llama.base_url, "POST", "/completions", body, headers=refuse)
+    assert_openai_error(resp, 409, "model_not_resident")
+    with pytest.raises(openai.ConflictError):
+        openai_client.completions.create(**body, extra_headers=refuse)
+
+    from inference.admission import AdmissionController, set_admission
+
+    previous = set_admission(AdmissionController(slots=2, max_pending=4))
+    try:
+        results: list[int] = []
+        threads = [threading.Thread(target=lambda: results.append(
+            request(llama.base_url, "POST", "/completions", body).status)) for _ in range(2)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 10
+        while not get_residency().loading("tiny-gpt2") and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert get_residency().loading("tiny-gpt2")
+        during = request(llama.base_url, "POST", "/completions", body, headers=refuse)
+        assert_openai_error(during, 503, "model_loading")
+        assert during.headers["retry-after"] == "15"  # RETRY_AFTER_LOAD_S
+        other = request(llama.base_url, "POST", "/completions",
+                        {**body, "model": "tiny-gemma2"})
+        assert_openai_error(other, 503, "model_busy")
+        for t in threads:
+            t.join(60)
+    finally:
+        set_admission(previous)
+    assert results == [200, 200]
+    assert calls == ["tiny-gpt2"]  # one load for both requests
+    assert llama.engine.status().model_id == "tiny-gpt2"
+    assert Model.objects.get(name="tiny-gpt2").status == Model.Status.LOADED
+    ok = request(llama.base_url, "POST", "/completions", body, headers=refuse)
+    assert ok.status == 200
+
+
+def test_a_locked_model_is_not_swapped_by_a_request(llama):
+    attach("tiny-llama-L1-relu", 1)
+    resp = request(llama.base_url, "POST", "/completions",
+                   {"model": "tiny-gpt2", "prompt": "x", "max_tokens": 2})
+    assert_openai_error(resp, 409, "model_locked")
+    assert llama.engine.status().model_id == "tiny-llama"
