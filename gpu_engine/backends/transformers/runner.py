@@ -12,7 +12,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ...errors import InvalidParameter, ModelLoadFailed
+from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...inspect import ModelInfo, inspect_model_dir
 from ...protocol import EmbedJob, EmbedResult, LoadModelJob, LogprobEntry, ScoreJob, ScoreResult, Usage
 from .blocks import resolve_block, resolve_block_list
@@ -37,6 +37,9 @@ class TransformersRunner:
         path = Path(job.path)
         self.job = job
         self.info: ModelInfo = inspect_model_dir(path, job.dtype)
+        if not self.info.supported and not job.trust_remote_code:
+            # refuse before reading any weight; remote-code classes are checked after load
+            raise UnsupportedArchitecture(self.info.architecture_class or "<none in config.json>")
         self.device = pick_device(job.device)
         self.dtype = TORCH_DTYPES[job.dtype]
         try:
