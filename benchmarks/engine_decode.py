@@ -30,11 +30,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
+import torch
 
-from gpu_engine.assets import build_sae, ensure_assets  # noqa: E402
-from gpu_engine.engine import Engine  # noqa: E402
-from gpu_engine.protocol import (  # noqa: E402
+from gpu_engine.assets import build_sae, ensure_assets
+from gpu_engine.engine import Engine
+from gpu_engine.protocol import (
     AttachSpec,
     GenerationJob,
     LoadModelJob,

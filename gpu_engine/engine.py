@@ -15,10 +15,12 @@ import itertools
 import logging
 import queue
 import threading
-from pathlib import Path
-from concurrent.futures import Future, TimeoutError as FutureTimeout
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, Self
 
 import torch
 
@@ -187,7 +189,7 @@ class Engine:
                 continue
             try:
                 task.future.set_result(task.fn())
-            except BaseException as exc:  # delivered to the caller, the worker lives on
+            except BaseException as exc:  # noqa: BLE001 - delivered to the caller; the worker lives on
                 task.future.set_exception(exc)
         # drop whatever is left so no caller waits forever
         while True:
@@ -239,10 +241,10 @@ class Engine:
         self._queue.put((-1, next(self._seq), None))
         self._thread.join(timeout=timeout_s)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
     # ------------------------------------------------------------------ model

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-_REGISTRY: dict[str, type["EngineError"]] = {}
+_REGISTRY: dict[str, type[EngineError]] = {}
 
 
 class EngineError(Exception):

@@ -15,13 +15,20 @@ broadcast vector.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
-from .protocol import ActivationRecord, AttachmentKey, FeatureActivation, MonitorEntry, PositionRange
+from .protocol import (
+    ActivationRecord,
+    AttachmentKey,
+    FeatureActivation,
+    MonitorEntry,
+    PositionRange,
+)
 from .sae.module import SAE
 
 _INF = math.inf
@@ -210,7 +217,7 @@ class AttachmentStats:
 class AttachmentHook:
     """The forward hook for one (sae_id, layer); reads the manager's current context."""
 
-    def __init__(self, key: AttachmentKey, manager: "HookManager", stats: AttachmentStats) -> None:
+    def __init__(self, key: AttachmentKey, manager: HookManager, stats: AttachmentStats) -> None:
         self.key = key
         self.manager = manager
         self.stats = stats

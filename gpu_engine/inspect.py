@@ -61,7 +61,7 @@ class ModelInfo:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelInfo":
+    def from_dict(cls, data: dict[str, Any]) -> ModelInfo:
         known = {f for f in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
 

@@ -10,8 +10,9 @@ context window, d_sae) happen in the engine.  This module imports no torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar, Iterable, Mapping, Union
+from typing import Any, ClassVar
 
 from .errors import InvalidParameter
 
@@ -144,7 +145,7 @@ class SteeringEntry:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "SteeringEntry":
+    def from_dict(cls, data: Mapping[str, Any]) -> SteeringEntry:
         feats = data.get("features") or []
         if isinstance(feats, Mapping):
             features = dict(feats)
@@ -169,7 +170,7 @@ class SteeringSpec:
             seen.add(e.key)
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[AttachmentKey, Mapping[int, float]]) -> "SteeringSpec":
+    def from_mapping(cls, mapping: Mapping[AttachmentKey, Mapping[int, float]]) -> SteeringSpec:
         return cls([SteeringEntry(sae_id, layer, dict(f)) for (sae_id, layer), f in mapping.items()])
 
     def as_mapping(self) -> dict[AttachmentKey, dict[int, float]]:
@@ -182,7 +183,7 @@ class SteeringSpec:
         return {"entries": [e.to_dict() for e in self.entries]}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | list[Any]) -> "SteeringSpec":
+    def from_dict(cls, data: Mapping[str, Any] | list[Any]) -> SteeringSpec:
         entries = data if isinstance(data, list) else data.get("entries", [])
         return cls([SteeringEntry.from_dict(e) for e in entries])
 
@@ -202,7 +203,7 @@ class PositionRange:
             _int(self.end, "positions.end", lo=self.start)
 
 
-Positions = Union[str, PositionRange]
+Positions = str | PositionRange
 
 
 @dataclass
@@ -255,7 +256,7 @@ class MonitorEntry:
         return d
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "MonitorEntry":
+    def from_dict(cls, data: Mapping[str, Any]) -> MonitorEntry:
         return cls(**{k: v for k, v in data.items() if k in {f.name for f in fields(cls)}})
 
 
@@ -275,7 +276,7 @@ class MonitorSpec:
         return {"entries": [e.to_dict() for e in self.entries]}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | list[Any]) -> "MonitorSpec":
+    def from_dict(cls, data: Mapping[str, Any] | list[Any]) -> MonitorSpec:
         entries = data if isinstance(data, list) else data.get("entries", [])
         return cls([MonitorEntry.from_dict(e) for e in entries])
 
@@ -300,7 +301,7 @@ class ActivationRecord:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ActivationRecord":
+    def from_dict(cls, data: Mapping[str, Any]) -> ActivationRecord:
         d = dict(data)
         d["top_k"] = [FeatureActivation.from_dict(x) for x in d.get("top_k", [])]
         d["features"] = [FeatureActivation.from_dict(x) for x in d.get("features", [])]
@@ -354,7 +355,7 @@ class GenerationJob:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "GenerationJob":
+    def from_dict(cls, data: Mapping[str, Any]) -> GenerationJob:
         d = dict(data)
         d["sampling"] = SamplingParams.from_dict(d.get("sampling") or {})
         d["steering"] = SteeringSpec.from_dict(d["steering"]) if d.get("steering") is not None else None
@@ -450,7 +451,7 @@ class TokenLogprob:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TokenLogprob":
+    def from_dict(cls, data: Mapping[str, Any]) -> TokenLogprob:
         d = dict(data)
         d["top_logprobs"] = [LogprobEntry.from_dict(x) for x in d.get("top_logprobs", [])]
         return cls(**d)
@@ -508,7 +509,7 @@ class EngineStatus:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "EngineStatus":
+    def from_dict(cls, data: Mapping[str, Any]) -> EngineStatus:
         d = dict(data)
         d["attachments"] = [AttachmentStatus.from_dict(a) for a in d.get("attachments", [])]
         return cls(**d)
@@ -521,7 +522,7 @@ class EmbedResult(_Wire):
     usage: Usage
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "EmbedResult":
+    def from_dict(cls, data: Mapping[str, Any]) -> EmbedResult:
         return cls(data["request_id"], data["embeddings"], Usage.from_dict(data["usage"]))
 
 
@@ -537,7 +538,7 @@ class ScoreResult:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ScoreResult":
+    def from_dict(cls, data: Mapping[str, Any]) -> ScoreResult:
         d = dict(data)
         d["top"] = [LogprobEntry.from_dict(x) for x in d.get("top", [])]
         d["allowed"] = [LogprobEntry.from_dict(x) for x in d.get("allowed", [])]
@@ -569,7 +570,7 @@ class TokenEvent:
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "TokenEvent":
+    def from_dict(cls, data: Mapping[str, Any]) -> TokenEvent:
         return cls(
             request_id=data["request_id"],
             index=data["index"],
@@ -607,7 +608,7 @@ class FinishEvent:
         return d
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "FinishEvent":
+    def from_dict(cls, data: Mapping[str, Any]) -> FinishEvent:
         d = {k: v for k, v in data.items() if k != "type"}
         d["usage"] = Usage.from_dict(d["usage"])
         d["activations"] = [ActivationRecord.from_dict(a) for a in d.get("activations", [])]
@@ -628,7 +629,7 @@ class ErrorEvent:
                 "message": self.message, "details": self.details}
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "ErrorEvent":
+    def from_dict(cls, data: Mapping[str, Any]) -> ErrorEvent:
         return cls(data["request_id"], data["code"], data["message"], dict(data.get("details") or {}))
 
     def to_exception(self):  # type: ignore[no-untyped-def]
@@ -645,7 +646,7 @@ class EngineEvent(_Wire):
     data: dict[str, Any] = field(default_factory=dict)
 
 
-GenerationEvent = Union[TokenEvent, FinishEvent, ErrorEvent]
+GenerationEvent = TokenEvent | FinishEvent | ErrorEvent
 _EVENT_TYPES: dict[str, Any] = {"token": TokenEvent, "finish": FinishEvent, "error": ErrorEvent}
 
 
@@ -673,7 +674,7 @@ class GenerationResult:
     forward_passes: int = 0
 
     @classmethod
-    def from_events(cls, events: Iterable[GenerationEvent]) -> "GenerationResult":
+    def from_events(cls, events: Iterable[GenerationEvent]) -> GenerationResult:
         tokens: list[TokenEvent] = []
         for ev in events:
             if isinstance(ev, ErrorEvent):
@@ -703,7 +704,7 @@ class GenerationResult:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "GenerationResult":
+    def from_dict(cls, data: Mapping[str, Any]) -> GenerationResult:
         d = dict(data)
         d["usage"] = Usage.from_dict(d["usage"])
         d["logprobs"] = [TokenLogprob.from_dict(x) if x else None for x in d.get("logprobs", [])]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 # Prompt tokens decoded in front of the first generated token, so that a leading space
 # (SentencePiece "▁x") survives the detokeniser's start-of-text stripping.

@@ -8,7 +8,8 @@ block, publishing a ``BatchContext`` (rows → request) around each forward.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol, Sequence, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from ..hooks import HookManager, RequestHooks
 from ..inspect import ModelInfo

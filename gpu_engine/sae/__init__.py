@@ -10,7 +10,13 @@ from typing import Any
 
 from .compat import CompatibilityReport, check_compatibility
 from .config import ACTIVATIONS, SAEConfig
-from .layouts import SAELayout, detect_layout, read_sae_metadata, register_layout, registered_layouts
+from .layouts import (
+    SAELayout,
+    detect_layout,
+    read_sae_metadata,
+    register_layout,
+    registered_layouts,
+)
 
 _LAZY = {"SAE": "module", "load_sae": "module"}
 
@@ -25,8 +31,8 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "ACTIVATIONS",
-    "CompatibilityReport",
     "SAE",
+    "CompatibilityReport",
     "SAEConfig",
     "SAELayout",
     "check_compatibility",

@@ -43,12 +43,12 @@ class SAEConfig:
                 f"Unsupported SAE activation {self.activation!r}; supported: {', '.join(ACTIVATIONS)}",
                 details={"path": self.path, "activation": self.activation},
             )
-        if self.activation == "topk":
-            if isinstance(self.k, bool) or not isinstance(self.k, int) or not 0 < self.k <= self.d_sae:
-                raise SAEFormatError(
-                    f"TopK SAE needs 0 < k <= d_sae ({self.d_sae}), got k={self.k!r}",
-                    details={"path": self.path, "k": self.k},
-                )
+        bad_k = isinstance(self.k, bool) or not isinstance(self.k, int) or not 0 < self.k <= self.d_sae
+        if self.activation == "topk" and bad_k:
+            raise SAEFormatError(
+                f"TopK SAE needs 0 < k <= d_sae ({self.d_sae}), got k={self.k!r}",
+                details={"path": self.path, "k": self.k},
+            )
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0):
             raise SAEFormatError(f"SAE trained-on layer must be a non-negative integer, got {self.layer!r}", details={"path": self.path})
 
@@ -56,6 +56,6 @@ class SAEConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "SAEConfig":
+    def from_dict(cls, data: dict[str, Any]) -> SAEConfig:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})

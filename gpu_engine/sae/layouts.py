@@ -10,9 +10,10 @@ from __future__ import annotations
 import json
 import re
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -43,7 +44,7 @@ class SAELayout:
     name: str
     detect: Callable[[Path], Path | None]  # returns the SAE directory/file it recognises
     read_metadata: Callable[[Path], SAEConfig]
-    load_tensors: Callable[[SAEConfig], dict[str, "torch.Tensor"]]
+    load_tensors: Callable[[SAEConfig], dict[str, torch.Tensor]]
 
 
 _LAYOUTS: dict[str, SAELayout] = {}
@@ -164,7 +165,7 @@ def _check_shapes(cfg_dims: tuple[int, int], shapes: dict[str, tuple[int, ...]],
                 )
 
 
-def orient(name: str, tensor: "torch.Tensor", d_in: int, d_sae: int, tag: str) -> "torch.Tensor":
+def orient(name: str, tensor: torch.Tensor, d_in: int, d_sae: int, tag: str) -> torch.Tensor:
     """Return ``tensor`` as (d_in, d_sae) for W_enc and (d_sae, d_in) for W_dec."""
     target = (d_in, d_sae) if name == "W_enc" else (d_sae, d_in)
     shape = tuple(tensor.shape)
@@ -179,7 +180,7 @@ def orient(name: str, tensor: "torch.Tensor", d_in: int, d_sae: int, tag: str) -
     raise SAEFormatError(f"{name} has shape {list(shape)}, expected {list(target)}")
 
 
-def canonical_tensors(raw: dict[str, "torch.Tensor"], cfg: SAEConfig) -> dict[str, "torch.Tensor"]:
+def canonical_tensors(raw: dict[str, torch.Tensor], cfg: SAEConfig) -> dict[str, torch.Tensor]:
     import torch
 
     shapes = {k: tuple(v.shape) for k, v in raw.items()}
@@ -294,7 +295,7 @@ def _saelens_metadata(directory: Path) -> SAEConfig:
     )
 
 
-def _saelens_load(cfg: SAEConfig) -> dict[str, "torch.Tensor"]:
+def _saelens_load(cfg: SAEConfig) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     try:
@@ -378,7 +379,7 @@ def _gemmascope_metadata(npz: Path) -> SAEConfig:
     )
 
 
-def _gemmascope_load(cfg: SAEConfig) -> dict[str, "torch.Tensor"]:
+def _gemmascope_load(cfg: SAEConfig) -> dict[str, torch.Tensor]:
     import torch
 
     try:

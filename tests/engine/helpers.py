@@ -7,9 +7,9 @@ encoded with our own formulas, so a bug in the engine's loaders or encoders show
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import torch

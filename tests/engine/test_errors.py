@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from gpu_engine.assets import build_sae
-from gpu_engine.errors import EngineBusy, InsufficientMemory, SAEFormatError, SAEIncompatible, SAENotAttached, InvalidFeatureIndex
+from gpu_engine.errors import (
+    EngineBusy,
+    InsufficientMemory,
+    InvalidFeatureIndex,
+    SAEFormatError,
+    SAEIncompatible,
+    SAENotAttached,
+)
 from gpu_engine.protocol import AttachSpec, GenerationJob, SamplingParams, SteeringSpec
 
 PROMPT = "once upon a time"
@@ -125,7 +132,11 @@ def test_drain_wait_is_bounded(engine, tiny_assets):
     gate = threading.Event()
     stream = engine.generate(greedy("slow", max_tokens=200))
     module = engine.backend.model.get_submodule("model.layers.0")
-    handle = module.register_forward_hook(lambda *a: None if gate.wait(5) else None)
+
+    def stall(*args):
+        gate.wait(5)  # keeps the forward pass in flight; returns None, output unchanged
+
+    handle = module.register_forward_hook(stall)
     try:
         events = stream.events()
         next(events)

@@ -15,7 +15,13 @@ from safetensors.numpy import load_file, save_file
 
 from gpu_engine.errors import SAEFormatError, UnsupportedArchitecture
 from gpu_engine.inspect import inspect_model_dir
-from gpu_engine.sae import SAELayout, check_compatibility, load_sae, read_sae_metadata, register_layout
+from gpu_engine.sae import (
+    SAELayout,
+    check_compatibility,
+    load_sae,
+    read_sae_metadata,
+    register_layout,
+)
 
 
 def test_metadata_of_every_tiny_sae(tiny_assets):
@@ -142,9 +148,9 @@ def test_inspect_model_dir_counts_without_loading(tiny_assets):
         assert info.estimated_memory_bytes == info.weights_bytes + info.kv_cache_bytes_per_token * info.estimate_context_tokens
 
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-            num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0,
-            bos_token_id=1, eos_token_id=2)
+TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
+        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
 
 
 @pytest.mark.parametrize(
@@ -173,7 +179,14 @@ def test_block_resolver_per_architecture(config_cls, model_cls, path):
     module, got = resolve_block(model, 1)
     assert got == path and module is model.get_submodule(path)
     # the engine's hook handles whatever this block returns (tensor or tuple)
-    from gpu_engine.hooks import AttachmentPlan, AttachmentStats, BatchContext, HookManager, RequestHooks, Segment
+    from gpu_engine.hooks import (
+        AttachmentPlan,
+        AttachmentStats,
+        BatchContext,
+        HookManager,
+        RequestHooks,
+        Segment,
+    )
 
     manager, stats = HookManager(), AttachmentStats()
     manager.install(("s", 1), module, stats)

@@ -8,11 +8,11 @@ import torch
 
 from gpu_engine.errors import ContextLengthExceeded, InvalidParameter
 from gpu_engine.protocol import (
+    AttachSpec,
     EmbedJob,
     FinishEvent,
     GenerationJob,
     GenerationResult,
-    AttachSpec,
     SamplingParams,
     ScoreJob,
     SteeringSpec,
@@ -79,8 +79,8 @@ def test_eos_finishes_with_stop(engine):
 
 
 def test_seeded_sampling_is_reproducible_and_streaming_equals_non_streaming(engine):
-    params = dict(max_tokens=20, temperature=1.3, top_p=0.9, top_k=50, seed=1234, repetition_penalty=1.1,
-                  presence_penalty=0.3, frequency_penalty=0.2)
+    params = {"max_tokens": 20, "temperature": 1.3, "top_p": 0.9, "top_k": 50, "seed": 1234,
+              "repetition_penalty": 1.1, "presence_penalty": 0.3, "frequency_penalty": 0.2}
     a = engine.generate_sync(GenerationJob("a", prompt=PROMPT, sampling=sp(**params)))
     events = list(engine.generate(GenerationJob("b", prompt=PROMPT, sampling=sp(**params))))
     b = GenerationResult.from_events(events)

@@ -82,7 +82,7 @@ def test_monitoring_equals_an_independent_encode(engine, tiny_assets, sae_name, 
 def test_arming_monitoring_does_not_change_generation(engine, tiny_assets):
     asset = tiny_assets.saes["tiny-llama-L2-topk"]
     engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
-    kw = dict(max_tokens=10, logprobs=True, top_logprobs=3)
+    kw = {"max_tokens": 10, "logprobs": True, "top_logprobs": 3}
     plain = engine.generate_sync(job("plain", **kw))
     monitored = engine.generate_sync(job("mon", MonitorSpec([MonitorEntry(asset.name, 2, top_k=8, features=[1, 2])]), **kw))
     assert monitored.token_ids == plain.token_ids

@@ -9,6 +9,7 @@ import pytest
 from gpu_engine.errors import ContextLengthExceeded, EngineError, InvalidParameter, error_from_dict
 from gpu_engine.protocol import (
     ActivationRecord,
+    AttachmentStatus,
     AttachResult,
     EmbedJob,
     EngineStatus,
@@ -18,18 +19,17 @@ from gpu_engine.protocol import (
     GenerationJob,
     GenerationResult,
     LoadModelJob,
+    LogprobEntry,
     MonitorEntry,
     MonitorSpec,
     PositionRange,
     SamplingParams,
     ScoreJob,
+    SteeringCount,
     SteeringSpec,
     TokenEvent,
     TokenLogprob,
-    LogprobEntry,
     Usage,
-    SteeringCount,
-    AttachmentStatus,
     event_from_dict,
 )
 

@@ -7,7 +7,7 @@ streaming), and so that cancel and stop sequences take effect before the next fo
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

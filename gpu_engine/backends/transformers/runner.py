@@ -7,14 +7,23 @@ runner knows devices, dtypes, tokenisation and where the decoder blocks are.
 from __future__ import annotations
 
 import inspect as _inspect
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...inspect import ModelInfo, inspect_model_dir
-from ...protocol import EmbedJob, EmbedResult, LoadModelJob, LogprobEntry, ScoreJob, ScoreResult, Usage
+from ...protocol import (
+    EmbedJob,
+    EmbedResult,
+    LoadModelJob,
+    LogprobEntry,
+    ScoreJob,
+    ScoreResult,
+    Usage,
+)
 from .blocks import resolve_block, resolve_block_list
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
