@@ -32,6 +32,7 @@ from .protocol import (
 from .sae.module import SAE
 
 _INF = math.inf
+FLUSH_CHUNK_ROWS = 256
 
 
 class MonitorPlan:
@@ -103,11 +104,11 @@ class MonitorPlan:
         xs = [x for _, x in self.buffer]
         self.buffer = []
         contiguous = all(starts[i] + xs[i].shape[0] == starts[i + 1] for i in range(len(starts) - 1))
-        if contiguous:
-            self._encode(starts[0], torch.cat(xs, dim=0))
-        else:
-            for lo, x in zip(starts, xs):
-                self._encode(lo, x)
+        pieces = [(starts[0], torch.cat(xs, dim=0))] if contiguous else list(zip(starts, xs))
+        for lo, x in pieces:
+            # bounded chunks: a long prompt times d_sae activations must not spike memory
+            for off in range(0, x.shape[0], FLUSH_CHUNK_ROWS):
+                self._encode(lo + off, x[off : off + FLUSH_CHUNK_ROWS])
 
     def collect(self) -> list[ActivationRecord]:
         """Move pending results to host as records."""

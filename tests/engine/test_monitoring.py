@@ -134,3 +134,19 @@ def test_monitor_requests_only_what_it_asks(engine, tiny_assets):
         assert rec.top_k == []
         np.testing.assert_allclose([f.activation for f in rec.features], ref_acts[rec.position][REQUESTED],
                                    atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+
+
+def test_batched_encode_in_chunks_gives_the_same_records(engine, tiny_assets, monkeypatch):
+    import gpu_engine.hooks as hooks
+
+    asset = tiny_assets.saes["tiny-llama-L2-topk"]
+    engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
+    spec = MonitorSpec([MonitorEntry(asset.name, 2, top_k=TOP_K, features=REQUESTED, positions="all")])
+    whole = engine.generate_sync(job("w", spec, max_tokens=6)).activations
+    monkeypatch.setattr(hooks, "FLUSH_CHUNK_ROWS", 3)
+    chunked = engine.generate_sync(job("c", spec, max_tokens=6)).activations
+    assert [r.position for r in chunked] == [r.position for r in whole]
+    for a, b in zip(chunked, whole):
+        assert [f.feature_index for f in a.top_k] == [f.feature_index for f in b.top_k]
+        np.testing.assert_allclose([f.activation for f in a.features], [f.activation for f in b.features],
+                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
