@@ -137,7 +137,7 @@ def test_monitor_requests_only_what_it_asks(engine, tiny_assets):
 
 
 def test_batched_encode_in_chunks_gives_the_same_records(engine, tiny_assets, monkeypatch):
-    import gpu_engine.hooks as hooks
+    from gpu_engine import hooks
 
     asset = tiny_assets.saes["tiny-llama-L2-topk"]
     engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
