@@ -96,11 +96,16 @@ class EngineClient(ABC):
         generation, which stops before its next forward pass."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        handle = await asyncio.to_thread(self.generate, job)
         done = threading.Event()
+        holder: list[GenerationHandle] = []
 
         def pump() -> None:
+            # submitting and reading both happen on this thread: one hop per request
             try:
+                handle = self.generate(job)
+                holder.append(handle)
+                if done.is_set():  # the consumer left while we were submitting
+                    handle.cancel()
                 for event in handle.events():
                     loop.call_soon_threadsafe(queue.put_nowait, event)
                     if done.is_set():
@@ -125,7 +130,8 @@ class EngineClient(ABC):
                     return
         finally:
             done.set()
-            handle.cancel()
+            for handle in holder:
+                handle.cancel()
 
 
 class _EmbeddedHandle(GenerationHandle):

@@ -24,6 +24,7 @@ import structlog
 from django.conf import settings
 from django.db import close_old_connections, connections
 
+from gpu_engine.protocol import EngineStatus
 from inference.engine_client import get_engine_client
 from millm_site.errors import MillmError, ModelBusy
 
@@ -64,8 +65,7 @@ class Residency:
             return dict(self._active)
 
     async def _resident_name(self) -> str | None:
-        status = await asyncio.to_thread(get_engine_client().status)
-        return status.model_id if status.state == "ready" else None
+        return _resident(await asyncio.to_thread(get_engine_client().status))
 
     def check_policy(self, model: ModelRef, *, policy: str, resident: str | None) -> None:
         """Refusals that must come before the request queues: another model is loading,
@@ -76,8 +76,10 @@ class Residency:
             raise ModelBusy(f"Model {other_load!r} is being loaded; retry shortly",
                             details={"model": model.name, "loading": other_load},
                             retry_after=settings.RETRY_AFTER_LOAD_S)
-        if resident == model.name:
+        if resident == model.name and not self.loading(model.name):
             return
+        # model.status was read before any wait: a "loading" seen then may be over now,
+        # which the resident check above has already caught
         if self.loading(model.name) or model.status == "loading":
             if policy == "refuse" or not self.loading(model.name):
                 raise ModelLoading(f"Model {model.name!r} is loading; retry shortly",
@@ -93,7 +95,8 @@ class Residency:
         """Make ``model`` resident (loading it if needed and allowed) and register a use
         of it; the returned ``Use`` must be released when the request ends."""
         for _ in range(3):
-            resident = await self._resident_name()
+            status = await asyncio.to_thread(get_engine_client().status)
+            resident = _resident(status)
             self.check_policy(model, policy=policy, resident=resident)
             with self._lock:
                 other_load = next((n for n in self._loading if n != model.name), None)
@@ -103,7 +106,7 @@ class Residency:
                                     retry_after=settings.RETRY_AFTER_LOAD_S)
                 if resident == model.name and model.name not in self._loading:
                     self._active[model.name] = self._active.get(model.name, 0) + 1
-                    return Use(self, model.name)
+                    return Use(self, model.name, status)
                 future = self._loading.get(model.name)
                 if future is None:
                     future = Future()
@@ -154,13 +157,21 @@ class Residency:
                 self._active.pop(name, None)
 
 
-class Use:
-    __slots__ = ("_residency", "_name", "_released")
+def _resident(status: EngineStatus) -> str | None:
+    return status.model_id if status.state == "ready" else None
 
-    def __init__(self, residency: Residency, name: str) -> None:
+
+class Use:
+    """A request's use of the resident model; ``status`` is the engine's status read when
+    it was granted (its attachments are what the request resolves steering against)."""
+
+    __slots__ = ("_residency", "_name", "_released", "status")
+
+    def __init__(self, residency: Residency, name: str, status: EngineStatus) -> None:
         self._residency = residency
         self._name = name
         self._released = False
+        self.status = status
 
     def release(self) -> None:
         if not self._released:

@@ -116,8 +116,10 @@ def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str 
 
 async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
                           model: ModelRef, profile: str | None, client: EngineClient,
-                          model_path: str | None) -> Plan:
-    attachments = await asyncio.to_thread(client.attachments)
+                          model_path: str | None,
+                          attachments: list[AttachmentStatus] | None = None) -> Plan:
+    if attachments is None:
+        attachments = await asyncio.to_thread(client.attachments)
     args = _steering_args(req, profile)
     if args["profile"] is not None:  # only a profile needs the database
         steering = await sync_to_async(steering_resolve_request)(
@@ -524,7 +526,8 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
     try:
         res.use = await residency.acquire(model, policy=policy)
         plan = await plan_generation(kind=kind, req=req, model=model, profile=profile,
-                                     client=client, model_path=model_path)
+                                     client=client, model_path=model_path,
+                                     attachments=list(res.use.status.attachments))
         response = await respond(plan, client, res)
         handed_over = isinstance(response, SSEResponse)
         return response
