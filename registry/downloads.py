@@ -100,7 +100,8 @@ def select_sae_files(files: list[tuple[str, int]], file_path: str) -> list[tuple
     return chosen
 
 
-_LAYER = re.compile(r"(?:layer[_-]?|blocks\.|\.layers?\.|^l)(\d+)", re.IGNORECASE)
+_LAYER = re.compile(r"(?:layer[_-]?|blocks\.|\.layers?\.|(?:^|[/.-]|(?<!average)_)l)(\d+)"
+                    r"(?=[/_.-]|$)", re.IGNORECASE)
 _WIDTH = re.compile(r"width[_-]?(\w+?)(?:/|$|_)", re.IGNORECASE)
 _L0 = re.compile(r"average_l0[_-]?(\d+)", re.IGNORECASE)
 
@@ -372,7 +373,8 @@ def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str 
     model = job.model
     target = model_target_dir(model)
     token = hub.resolve_token(hf_token)
-    services.job_start(job=job, stage="listing files")
+    if not services.job_claim(job=job, stage="listing files"):
+        return None
     try:
         info = hub.model_info(repo_id=model.repo_id, revision=commit or model.revision,
                               token=token)
@@ -528,7 +530,8 @@ def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | 
     sae = job.sae
     target = sae_target_dir(sae)
     token = hub.resolve_token(hf_token)
-    services.job_start(job=job, stage="listing files")
+    if not services.job_claim(job=job, stage="listing files"):
+        return None
     try:
         info = hub.model_info(repo_id=sae.repository_id, revision=commit or sae.revision,
                               token=token)

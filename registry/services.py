@@ -325,6 +325,18 @@ def job_create(*, kind: str, target: str, model: Model | None = None,
     return Job.objects.create(kind=kind, target=target, model=model, sae=sae)
 
 
+def job_claim(*, job: Job, stage: str = "") -> bool:
+    """Move a queued job to running, atomically: False when another worker (a redelivered
+    task, a second dispatch) already has it or it has ended, and then nothing is run."""
+    now = timezone.now()
+    claimed = Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED,
+                                 cancel_requested=False).update(
+        status=Job.Status.RUNNING, started_at=now, stage=stage, updated_at=now)
+    if claimed:
+        job.status, job.started_at, job.stage = Job.Status.RUNNING, now, stage
+    return bool(claimed)
+
+
 def job_start(*, job: Job, stage: str = "") -> Job:
     job.status = Job.Status.RUNNING
     job.started_at = timezone.now()

@@ -61,13 +61,14 @@ def estimate_bytes(*, parameter_count: int, config: dict[str, Any], quantization
 
 
 def estimates_by_quantization(*, parameter_count: int, config: dict[str, Any]
-                              ) -> dict[str, dict[str, int]]:
+                              ) -> dict[str, dict[str, float]]:
     """Per quantization: weights on disk as published are not changed by the choice (the
     download stores the checkpoint as is); memory is what a load at that precision needs."""
     return {
         quant: {"memory_mb": round(estimate_bytes(parameter_count=parameter_count,
-                                                  config=config, quantization=quant) / 2**20),
-                "weights_mb": round(parameter_count * per_param / 2**20)}
+                                                  config=config, quantization=quant) / 2**20,
+                                   3),
+                "weights_mb": round(parameter_count * per_param / 2**20, 3)}
         for quant, per_param in WEIGHT_BYTES.items()
     }
 

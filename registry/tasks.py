@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import structlog
 from celery import shared_task
-from django.db import close_old_connections
 
 from millm_site.errors import MillmError
 from registry import downloads, services
@@ -33,7 +32,6 @@ def _finish_unexpected(job_id: int, exc: BaseException) -> None:
 @shared_task(name="registry.tasks.model_download_task")
 def model_download_task(job_id: int, hf_token: str | None = None, commit: str | None = None
                         ) -> str:
-    close_old_connections()
     try:
         model = downloads.model_download_run(job_id=job_id, hf_token=hf_token, commit=commit)
     except BaseException as exc:
@@ -45,7 +43,6 @@ def model_download_task(job_id: int, hf_token: str | None = None, commit: str | 
 @shared_task(name="registry.tasks.sae_download_task")
 def sae_download_task(job_id: int, hf_token: str | None = None, commit: str | None = None
                       ) -> str:
-    close_old_connections()
     try:
         sae = downloads.sae_download_run(job_id=job_id, hf_token=hf_token, commit=commit)
     except BaseException as exc:
@@ -56,13 +53,9 @@ def sae_download_task(job_id: int, hf_token: str | None = None, commit: str | No
 
 @shared_task(name="registry.tasks.model_load_task")
 def model_load_task(job_id: int) -> str:
-    close_old_connections()
     job = Job.objects.select_related("model").get(pk=job_id)
-    if job.status in Job.FINISHED or job.model is None:
+    if job.model is None or not services.job_claim(job=job, stage="starting"):
         return "skipped"
-    if job.cancel_requested:
-        services.job_finish(job=job, status=Job.Status.CANCELLED, error="cancelled")
-        return "cancelled"
     try:
         services.model_load(model=job.model, job=job)
     except MillmError as exc:
@@ -77,9 +70,8 @@ def model_load_task(job_id: int) -> str:
 
 @shared_task(name="registry.tasks.model_unload_task")
 def model_unload_task(job_id: int) -> str:
-    close_old_connections()
     job = Job.objects.select_related("model").get(pk=job_id)
-    if job.status in Job.FINISHED or job.model is None:
+    if job.model is None or not services.job_claim(job=job, stage="starting"):
         return "skipped"
     try:
         services.model_unload(model=job.model, job=job)

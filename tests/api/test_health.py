@@ -1,0 +1,156 @@
+"""/api/health: liveness, readiness (and its rule), detailed, inference, gpus, metrics
+(JSON and Prometheus), circuits, version."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from registry.models import Model
+from tests.api.conftest import ok, refused
+
+pytestmark = pytest.mark.django_db
+
+
+def test_liveness(api):
+    data = ok(api.get("/api/health"))
+    assert data["status"] == "healthy" and data["version"] == "0.1.0"
+    assert data["uptime_seconds"] >= 0 and data["timestamp"].endswith("Z")
+
+
+def test_ready_without_a_model(api, engine_client):
+    data = ok(api.get("/api/health/ready"))
+    assert data["ready"] is True and data["model_loaded"] is False
+    assert data["checks"] == {"database": True, "engine": True, "no_model_transition": True}
+
+
+def test_not_ready_until_the_auto_load_model_is_resident(api, engine_client, settings,
+                                                         tiny_llama):
+    from registry import services
+
+    settings.AUTO_LOAD_MODEL = "tiny-llama"
+    response = api.get("/api/health/ready")
+    error = refused(response, 503, "NOT_READY")
+    assert response["Retry-After"] == str(settings.RETRY_AFTER_READINESS_S)
+    assert error["details"]["checks"]["auto_load_model"] is False
+    assert "auto_load_model" in error["message"]
+    services.model_load(model=tiny_llama)
+    assert ok(api.get("/api/health/ready"))["checks"]["auto_load_model"] is True
+
+
+def test_not_ready_while_a_model_is_being_swapped(api, engine_client, tiny_llama):
+    Model.objects.filter(pk=tiny_llama.id).update(status="loading")
+    response = api.get("/api/health/ready")
+    error = refused(response, 503, "NOT_READY")
+    assert error["details"]["transition"] == {"model": "tiny-llama", "status": "loading"}
+    assert response["Retry-After"] == "5"
+
+
+def test_not_ready_when_the_engine_is_away(api, monkeypatch):
+    from inference import engine_client
+
+    def away():
+        from millm_site.errors import EngineUnavailable
+
+        raise EngineUnavailable("no engine")
+
+    monkeypatch.setattr(engine_client, "get_engine_client", away)
+    error = refused(api.get("/api/health/ready"), 503, "NOT_READY")
+    assert error["details"]["checks"]["engine"] is False
+    detailed = ok(api.get("/api/health/detailed"))
+    assert detailed["status"] == "unhealthy"
+    assert {c["name"]: c["status"] for c in detailed["components"]}["engine"] == "unhealthy"
+
+
+def test_detailed(api, engine_client, tiny_llama, llama_saes):
+    from registry import services
+
+    services.model_load(model=tiny_llama)
+    services.sae_attach(sae=llama_saes["tiny-llama-L1-relu"], layer=1)
+    data = ok(api.get("/api/health/detailed"))
+    names = {c["name"] for c in data["components"]}
+    assert {"database", "engine", "channel_layer", "huggingface_circuit"} <= names
+    assert data["model_loaded"] is True and data["model_name"] == "tiny-llama"
+    assert data["model_id"] == tiny_llama.id and data["device"] == "cpu"
+    assert data["sae_attached"] is True
+    assert data["attachments"][0]["layer_module_path"] == "model.layers.1"
+    inference = data["inference"]
+    for key in ("pending", "in_flight", "waiting", "estimated_wait_seconds", "slots",
+                "max_pending", "backend"):
+        assert key in inference, key
+    assert inference["in_flight"] == 0 and inference["waiting"] == 0
+    assert data["lease"] is None and data["lease_note"]
+    assert data["circuit_breakers"][0]["name"] == "huggingface"
+
+
+def test_inference(api, engine_client, settings):
+    data = ok(api.get("/api/health/inference"))
+    assert data["backend"] == "transformers" and data["mode"] == "serial"
+    assert data["capabilities"]["per_request_steering"] is True
+    assert data["max_concurrent_requests"] == settings.MAX_CONCURRENT_REQUESTS
+
+
+def test_gpus_without_a_gpu(api):
+    data = ok(api.get("/api/health/gpus"))
+    import torch
+
+    if torch.cuda.is_available():  # pragma: no cover - GPU hosts
+        assert data["cards"] and all(c["memory_total_mb"] > 0 for c in data["cards"])
+    else:
+        assert data["cards"] == [] and data["total"] == 0
+        assert "CUDA" in data["reason"]
+
+
+def test_gpus_in_distributed_mode(api, settings):
+    settings.EMBEDDED = False
+    data = ok(api.get("/api/health/gpus"))
+    assert data["cards"] == [] and "run_engine" in data["reason"]
+
+
+def test_metrics_json_and_prometheus(api, engine_client, tiny_llama, llama_saes):
+    from millm_site import metrics
+    from registry import services
+
+    services.model_load(model=tiny_llama)
+    sae = llama_saes["tiny-llama-L1-relu"]
+    services.sae_attach(sae=sae, layer=1)
+    metrics.record_tokens(model="tiny-llama", completion_tokens=7, prompt_tokens=3)
+    metrics.record_refusal("queue_full")
+    api.get("/api/models")
+    api.get("/api/models/999999")
+
+    data = ok(api.get("/api/health/metrics"))
+    assert data["tokens_generated"] >= 7
+    assert data["refusals"]["queue_full"] >= 1
+    assert data["requests"]["by_code"]["404"] >= 1
+    assert data["steering_apply_count"] == [{"sae_id": sae.id, "layer": 1,
+                                             "steering_apply_count": 0}]
+    assert data["model_loaded"] is True and "waiting" in data["queue"]
+
+    response = api.get("/api/health/metrics/prometheus", HTTP_ACCEPT="text/plain")
+    assert response.status_code == 200 and response["Content-Type"].startswith("text/plain")
+    text = response.content.decode()
+    assert re.search(r'millm_http_requests_total\{code="404",method="GET",'
+                     r'route="api/models/<int:model_id>",surface="api"\} \d', text)
+    assert re.search(r"millm_queue_depth \d", text)
+    assert re.search(r'millm_tokens_generated_total\{model="tiny-llama"\} \d', text)
+    assert re.search(r'millm_refusals_total\{reason="queue_full"\} \d', text)
+    assert f'millm_steering_apply_count{{layer="1",sae_id="{sae.id}"}} 0.0' in text
+    assert "millm_model_loaded 1.0" in text
+    assert 'millm_circuit_open{name="huggingface"} 0.0' in text
+
+
+def test_version(api):
+    data = ok(api.get("/api/health/version"))
+    assert data["app"] == "miLLM" and data["version"] == "0.1.0"
+
+
+def test_circuits(api, hub):
+    data = ok(api.get("/api/health/circuits"))
+    assert data["total"] == 1
+    circuit = data["circuits"][0]
+    assert circuit == {"name": "huggingface", "state": "closed", "is_open": False,
+                       "failure_count": 0, "fail_max": circuit["fail_max"],
+                       "reset_timeout_seconds": circuit["reset_timeout_seconds"],
+                       "opened_at": None, "retry_after_seconds": None}

@@ -1,0 +1,259 @@
+"""Load, unload, attach, detach, attach-set, attachments and the compatibility dry run,
+against the embedded engine on the tiny models (CPU, float32). The background jobs are run
+in the test's thread, where the test's transaction is visible."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from registry import tasks
+from registry.models import SAE, Attachment, Job, Model
+from tests.api.conftest import ok, refused, run_job
+
+pytestmark = pytest.mark.django_db
+
+
+def _load(api, model) -> dict:
+    data = ok(api.post(f"/api/models/{model.id}/load"), 202)
+    assert data["job"]["kind"] == "model_load" and data["job"]["status"] == "queued"
+    assert run_job(tasks.model_load_task, data["job"]["id"]) == "succeeded"
+    return data
+
+
+def test_load_and_unload_in_the_background(api, engine_client, tiny_llama, published):
+    data = _load(api, tiny_llama)
+    row = Model.objects.get(pk=tiny_llama.id)
+    assert (row.status, row.device, row.dtype) == ("loaded", "cpu", "float32")
+    assert row.loaded_at is not None
+    job = Job.objects.get(pk=data["job"]["id"])
+    assert (job.status, job.progress) == ("succeeded", 100)
+    assert engine_client.status().model_id == "tiny-llama"
+
+    load_events = [(n, d) for n, d in published if n.startswith("model:load:")]
+    assert [n for n, _ in load_events][-1] == "model:load:complete"
+    progress = [d["percent"] for n, d in load_events if n == "model:load:progress"]
+    assert len(progress) >= 2 and progress == sorted(progress)
+    detail = ok(api.get(f"/api/models/{tiny_llama.id}"))
+    assert (detail["status"], detail["device"], detail["dtype"]) == ("loaded", "cpu", "float32")
+    assert ok(api.get("/api/models"))["loaded_model_id"] == tiny_llama.id
+
+    refused(api.post(f"/api/models/{tiny_llama.id}/load"), 400, "MODEL_ALREADY_LOADED")
+    refused(api.delete(f"/api/models/{tiny_llama.id}"), 409, "MODEL_LOADED")
+
+    unload = ok(api.post(f"/api/models/{tiny_llama.id}/unload"), 202)
+    assert unload["job"]["kind"] == "model_unload"
+    assert tasks.model_unload_task(unload["job"]["id"]) == "succeeded"
+    row.refresh_from_db()
+    assert (row.status, row.device, row.dtype) == ("ready", "", "")
+    assert engine_client.status().state == "empty"
+    assert published[-1] == ("model:unload:complete", {"model_id": tiny_llama.id,
+                                                       "reason": "unload"})
+    refused(api.post(f"/api/models/{tiny_llama.id}/unload"), 400, "MODEL_NOT_LOADED")
+
+
+def test_load_is_idempotent_while_queued(api, engine_client, tiny_llama):
+    first = ok(api.post(f"/api/models/{tiny_llama.id}/load"), 202)
+    second = ok(api.post(f"/api/models/{tiny_llama.id}/load"), 202)
+    assert first["job"]["id"] == second["job"]["id"]
+    # an unload while the load is pending is refused with the load's Retry-After
+    Model.objects.filter(pk=tiny_llama.id).update(status="loaded")
+    response = api.post(f"/api/models/{tiny_llama.id}/unload")
+    refused(response, 503, "MODEL_BUSY")
+    assert response["Retry-After"] == "15"
+
+
+def test_load_refusals(api, engine_client, tiny_assets, tiny_llama):
+    from registry import services
+
+    refused(api.post("/api/models/31337/load"), 404, "MODEL_NOT_FOUND")
+    q4 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
+                                       name="gpt2-q4", quantization="Q4")
+    error = refused(api.post(f"/api/models/{q4.id}/load"), 400, "UNSUPPORTED_QUANTIZATION")
+    assert error["details"]["quantization"] == "Q4"
+    downloading = Model.objects.create(name="half", source="huggingface", repo_id="a/b",
+                                       status="downloading")
+    refused(api.post(f"/api/models/{downloading.id}/load"), 400, "MODEL_INVALID")
+    assert not Job.objects.filter(kind="model_load").exists()
+
+
+def test_loading_another_model_replaces_the_resident_one(api, engine_client, tiny_assets,
+                                                         tiny_llama, published):
+    from registry import services
+
+    gpt2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
+                                         name="tiny-gpt2")
+    _load(api, tiny_llama)
+    ok(api.post(f"/api/models/{tiny_llama.id}/lock"))
+    refused(api.post(f"/api/models/{gpt2.id}/load"), 409, "MODEL_LOCKED")
+    ok(api.post(f"/api/models/{tiny_llama.id}/unlock"))
+    _load(api, gpt2)
+    assert Model.objects.get(pk=tiny_llama.id).status == "ready"
+    assert Model.objects.get(pk=gpt2.id).status == "loaded"
+    assert ("model:unload:complete", {"model_id": tiny_llama.id, "reason": "replaced"}) \
+        in published
+
+
+def test_attach_detach_and_attachment_status(api, engine_client, tiny_llama, llama_saes,
+                                             published):
+    sae = llama_saes["tiny-llama-L1-relu"]
+    refused(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"),
+            400, "MODEL_NOT_LOADED")
+    _load(api, tiny_llama)
+    data = ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"))
+    assert data == {"status": "attached", "sae_id": sae.id, "layer": 1,
+                    "layer_module_path": "model.layers.1",
+                    "memory_usage_mb": data["memory_usage_mb"], "warnings": []}
+    assert data["memory_usage_mb"] > 0
+    row = Attachment.objects.get()
+    assert (row.sae_id, row.layer, row.layer_module_path) == (sae.id, 1, "model.layers.1")
+    assert SAE.objects.get(pk=sae.id).status == "attached"
+    assert Model.objects.get(pk=tiny_llama.id).locked  # attaching locks the model
+    assert published[-1][0] == "sae:attached"
+    refused(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"),
+            409, "SAE_ALREADY_ATTACHED")
+    refused(api.delete(f"/api/saes/{sae.id}"), 409, "SAE_ALREADY_ATTACHED")
+    refused(api.post(f"/api/models/{tiny_llama.id}/unload"), 409, "MODEL_LOCKED")
+
+    # a steered generation makes steering_apply_count visible
+    from gpu_engine.protocol import GenerationJob, SamplingParams, SteeringSpec
+
+    handle = engine_client.generate(GenerationJob(
+        request_id="r1", prompt="hello", sampling=SamplingParams(max_tokens=3, temperature=0),
+        steering=SteeringSpec.from_mapping({(sae.id, 1): {3: 5.0}})))
+    finish = list(handle.events(timeout_s=30))[-1]
+    passes = finish.forward_passes
+    status = ok(api.get("/api/saes/attachment"))
+    assert status["is_attached"] and status["sae_id"] == sae.id and status["layer"] == 1
+    assert status["steering_apply_count"] == passes > 0
+    listed = ok(api.get("/api/saes/attachments"))
+    assert listed["total"] == 1
+    assert listed["attachments"][0]["steering_apply_count"] == passes
+    assert listed["attachments"][0]["layer_module_path"] == "model.layers.1"
+    assert ok(api.get("/api/saes"))["attachment"]["steering_apply_count"] == passes
+    assert ok(api.get(f"/api/saes/{sae.id}"))["attached_layers"] == [1]
+
+    detached = ok(api.post(f"/api/saes/{sae.id}/detach", {}, format="json"))
+    assert (detached["status"], detached["layers"]) == ("detached", [1])
+    assert not Attachment.objects.exists()
+    assert SAE.objects.get(pk=sae.id).status == "ready"
+    assert not Model.objects.get(pk=tiny_llama.id).locked  # detaching the last unlocks
+    assert engine_client.attachments() == []
+    assert published[-1] == ("sae:detached", {"sae_id": sae.id, "layer": 1,
+                                              "reason": "detach"})
+    refused(api.post(f"/api/saes/{sae.id}/detach", {}, format="json"), 400, "SAE_NOT_ATTACHED")
+    assert ok(api.get("/api/saes/attachment"))["is_attached"] is False
+
+
+def test_attach_reports_warnings_and_refuses_incompatible(api, engine_client, tiny_llama,
+                                                          llama_saes, mismatched_sae):
+    _load(api, tiny_llama)
+    sae = llama_saes["tiny-llama-L1-relu"]
+    data = ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 2}, format="json"))
+    assert data["warnings"] and "layer" in " ".join(data["warnings"])
+    error = refused(api.post(f"/api/saes/{mismatched_sae.id}/attach", {"layer": 1},
+                             format="json"), 400, "SAE_INCOMPATIBLE")
+    assert error["details"]["errors"]
+    refused(api.post(f"/api/saes/{sae.id}/attach", {"layer": 9}, format="json"),
+            400, "SAE_INCOMPATIBLE")
+    assert list(Attachment.objects.values_list("sae_id", "layer")) == [(sae.id, 2)]
+
+
+def test_compatibility_dry_run(api, engine_client, tiny_llama, llama_saes, mismatched_sae):
+    sae = llama_saes["tiny-llama-L1-relu"]
+    refused(api.get(f"/api/saes/{sae.id}/compatibility?layer=1"), 400, "MODEL_NOT_LOADED")
+    _load(api, tiny_llama)
+    data = ok(api.get(f"/api/saes/{sae.id}/compatibility?layer=1"))
+    assert (data["compatible"], data["errors"], data["layer"]) == (True, [], 1)
+    assert data["model_id"] == tiny_llama.id
+    out_of_range = ok(api.get(f"/api/saes/{sae.id}/compatibility?layer=40"))
+    assert out_of_range["compatible"] is False and out_of_range["errors"]
+    mismatch = ok(api.get(f"/api/saes/{mismatched_sae.id}/compatibility?layer=1"))
+    assert mismatch["compatible"] is False and "d_in" in " ".join(mismatch["errors"])
+    refused(api.get(f"/api/saes/{sae.id}/compatibility"), 422, "VALIDATION_ERROR")
+    assert not Attachment.objects.exists()  # a dry run changes nothing
+    assert engine_client.attachments() == []
+
+
+def test_attach_set_is_all_or_nothing_and_idempotent(api, engine_client, tiny_llama,
+                                                     llama_saes, mismatched_sae):
+    _load(api, tiny_llama)
+    l1, l3 = llama_saes["tiny-llama-L1-relu"], llama_saes["tiny-llama-L3-relu"]
+    refused(api.post("/api/saes/attach-set", {"attachments": [
+        {"sae_id": l1.id, "layer": 1}, {"sae_id": mismatched_sae.id, "layer": 2}]},
+        format="json"),
+        400, "SAE_INCOMPATIBLE")
+    assert not Attachment.objects.exists() and engine_client.attachments() == []
+    refused(api.post("/api/saes/attach-set", {"attachments": [
+        {"sae_id": l1.id, "layer": 1}, {"sae_id": "sae_nope", "layer": 2}]}, format="json"),
+        404, "SAE_NOT_FOUND")
+
+    items = {"attachments": [{"sae_id": l1.id, "layer": 1}, {"sae_id": l3.id, "layer": 3}]}
+    data = ok(api.post("/api/saes/attach-set", items, format="json"))
+    assert [(a["sae_id"], a["layer"], a["status"], a["layer_module_path"])
+            for a in data["attachments"]] == [(l1.id, 1, "attached", "model.layers.1"),
+                                              (l3.id, 3, "attached", "model.layers.3")]
+    # the same set again changes nothing
+    again = ok(api.post("/api/saes/attach-set", items, format="json"))
+    assert [a["status"] for a in again["attachments"]] == ["already_attached"] * 2
+    assert Attachment.objects.count() == 2 and len(engine_client.attachments()) == 2
+    # one more pair next to the existing ones
+    more = ok(api.post("/api/saes/attach-set", {"attachments": [
+        {"sae_id": l1.id, "layer": 1}, {"sae_id": l1.id, "layer": 2}]}, format="json"))
+    assert [a["status"] for a in more["attachments"]] == ["already_attached", "attached"]
+    assert sorted(Attachment.objects.values_list("layer", flat=True)) == [1, 2, 3]
+    listed = ok(api.get("/api/saes/attachments"))
+    assert listed["total"] == 3
+    assert ok(api.get("/api/saes/attachment"))["attachments_count"] == 3
+    # detaching one layer keeps the others
+    assert ok(api.post(f"/api/saes/{l1.id}/detach", {"layer": 2}, format="json"))["layers"] \
+        == [2]
+    assert sorted(Attachment.objects.values_list("layer", flat=True)) == [1, 3]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_unload_waits_for_running_requests(api, engine_client, tiny_llama, settings):
+    """The row says 'unloading' (so /v1 refuses newcomers with model_busy) while the
+    requests already running get up to GRACEFUL_UNLOAD_TIMEOUT to finish."""
+    from inference.residency import get_residency
+
+    settings.GRACEFUL_UNLOAD_TIMEOUT = 10.0
+    _load(api, tiny_llama)
+    residency = get_residency()
+    with residency._lock:
+        residency._active["tiny-llama"] = 1  # one /v1 request generating on the model
+    job = ok(api.post(f"/api/models/{tiny_llama.id}/unload"), 202)["job"]  # runs on the pool
+    try:
+        deadline = time.monotonic() + 5
+        while Model.objects.get(pk=tiny_llama.id).status != "unloading":
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)
+        assert engine_client.status().state == "ready"  # still serving the running request
+        assert ok(api.get("/api/health/detailed"))["readiness_checks"][
+            "no_model_transition"] is False
+    finally:
+        residency._release("tiny-llama")
+    assert run_job(tasks.model_unload_task, job["id"]) == "succeeded"
+    assert Model.objects.get(pk=tiny_llama.id).status == "ready"
+    assert engine_client.status().state == "empty"
+
+
+def test_unload_goes_ahead_when_requests_outlast_the_grace_period(api, engine_client,
+                                                                  tiny_llama, settings):
+    from inference.residency import get_residency
+
+    settings.GRACEFUL_UNLOAD_TIMEOUT = 0.5
+    _load(api, tiny_llama)
+    residency = get_residency()
+    with residency._lock:
+        residency._active["tiny-llama"] = 1
+    try:
+        job = ok(api.post(f"/api/models/{tiny_llama.id}/unload"), 202)["job"]
+        started = time.monotonic()
+        assert tasks.model_unload_task(job["id"]) == "succeeded"
+        assert 0.5 <= time.monotonic() - started < 5
+    finally:
+        residency._release("tiny-llama")
+    assert engine_client.status().state == "empty"
