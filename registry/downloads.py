@@ -304,8 +304,10 @@ def model_preview(*, repo_id: str, revision: str = "main", hf_token: str | None 
 def model_download_start(*, repo_id: str, revision: str = "main",
                          quantization: str = Model.Quantization.FP16,
                          trust_remote_code: bool = False, custom_name: str | None = None,
-                         hf_token: str | None = None) -> tuple[Model, Job]:
-    """Check the repository on the hub, create the row and its job, start the task."""
+                         hf_token: str | None = None, dispatch: bool = True
+                         ) -> tuple[Model, Job]:
+    """Check the repository on the hub, create the row and its job, start the task
+    (``dispatch=False``: the caller runs ``model_download_run`` itself, as a command does)."""
     from registry import tasks
 
     revision = revision or "main"
@@ -353,8 +355,9 @@ def model_download_start(*, repo_id: str, revision: str = "main",
         job.bytes_total = sum(s for _, s in files) or None
         job.save(update_fields=["bytes_total", "updated_at"])
         # hf_token only when the request brought one: HF_TOKEN is read by the task itself
-        jobs.enqueue(tasks.model_download_task, job.id, queue="downloads",
-                     commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
+        if dispatch:
+            jobs.enqueue(tasks.model_download_task, job.id, queue="downloads",
+                         commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
     log.info("model_download_started", model_id=model.id, repo_id=repo_id, revision=revision,
              job_id=job.id, files=len(files))
     return model, job
@@ -463,7 +466,8 @@ def sae_preview(*, repository_id: str, revision: str = "main", hf_token: str | N
 
 
 def sae_download_start(*, repository_id: str, file_path: str = "", revision: str = "main",
-                       hf_token: str | None = None) -> tuple[SAE, Job | None, str]:
+                       hf_token: str | None = None, dispatch: bool = True
+                       ) -> tuple[SAE, Job | None, str]:
     """Idempotent per repository + revision + file path. Returns the row, the job (None
     when nothing is downloaded) and the documented status: downloading, cached, attached
     or already_downloading."""
@@ -511,8 +515,9 @@ def sae_download_start(*, repository_id: str, file_path: str = "", revision: str
                                   sae=sae)
         job.bytes_total = sum(s for _, s in files) or None
         job.save(update_fields=["bytes_total", "updated_at"])
-        jobs.enqueue(tasks.sae_download_task, job.id, queue="downloads",
-                     commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
+        if dispatch:
+            jobs.enqueue(tasks.sae_download_task, job.id, queue="downloads",
+                         commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
     log.info("sae_download_started", sae_id=sae.id, repository_id=repository_id,
              file_path=file_path, job_id=job.id)
     return sae, job, "downloading"

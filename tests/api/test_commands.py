@@ -1,0 +1,125 @@
+"""Maintenance commands call the same services as the API."""
+
+from __future__ import annotations
+
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from registry import downloads
+from registry.models import SAE, Job, Model
+from tests.api.conftest import MODEL_REPO, NPZ_PATH, SAE_REPO
+from tests.api.standin_hub import VALID_TOKEN
+
+pytestmark = pytest.mark.django_db
+
+
+def _run(*args) -> tuple[str, str]:
+    out, err = StringIO(), StringIO()
+    call_command(*args, stdout=out, stderr=err)
+    return out.getvalue(), err.getvalue()
+
+
+def test_download_model_with_a_progress_bar(hub):
+    out, err = _run("download_model", MODEL_REPO, "--quantization", "FP32", "--name", "cli")
+    row = Model.objects.get(name="cli")
+    assert row.status == "ready" and Path(row.local_path, "model.safetensors").is_file()
+    assert "Downloaded millm-test/tiny-llama@main as cli" in out
+    assert "100%" in err  # the tqdm bar
+    job = Job.objects.get(model=row)
+    assert job.status == "succeeded" and job.bytes_done == job.bytes_total
+    with pytest.raises(CommandError, match="MODEL_ALREADY_EXISTS"):
+        _run("download_model", MODEL_REPO, "--quantization", "FP32", "--name", "cli")
+
+
+def test_download_model_gated_token_from_the_environment(hub, monkeypatch):
+    with pytest.raises(CommandError, match="GATED_MODEL_NO_TOKEN"):
+        _run("download_model", "millm-test/gated-llama", "--quantization", "FP32")
+    monkeypatch.setenv("MY_HF", VALID_TOKEN)
+    out, _ = _run("download_model", "millm-test/gated-llama", "--quantization", "FP32",
+                  "--hf-token-env", "MY_HF")
+    assert Model.objects.get(repo_id="millm-test/gated-llama").status == "ready"
+    assert VALID_TOKEN not in out
+
+
+def test_download_model_local(tiny_assets):
+    out, _ = _run("download_model", "--local", str(tiny_assets.models["tiny-gpt2"].path),
+                  "--quantization", "FP32")
+    assert Model.objects.get(name="tiny-gpt2").source == "local"
+    with pytest.raises(CommandError, match="INVALID_LOCAL_PATH"):
+        _run("download_model", "--local", "/etc")
+    with pytest.raises(CommandError, match="one of them"):
+        _run("download_model")
+
+
+def test_download_sae(hub):
+    out, _ = _run("download_sae", SAE_REPO, NPZ_PATH)
+    sae = SAE.objects.get()
+    assert sae.status == "ready" and sae.format == "gemmascope" and sae.id in out
+    again, _ = _run("download_sae", SAE_REPO, NPZ_PATH)
+    assert again.strip() == f"{sae.id}: cached"
+
+
+def test_engine_commands_point_at_the_api_in_embedded_mode(tiny_llama):
+    for args in (("load_model", "tiny-llama"), ("unload_model", "tiny-llama"),
+                 ("attach_sae", "sae_x", "1"), ("detach_sae", "sae_x")):
+        with pytest.raises(CommandError, match="Embedded mode"):
+            _run(*args)
+    assert Model.objects.get(pk=tiny_llama.id).status == "ready"
+
+
+def test_engine_commands_call_the_services_where_the_engine_is_reachable(
+        settings, engine_client, tiny_llama, llama_saes):
+    settings.EMBEDDED = False  # as in distributed mode, where run_engine is reachable
+    out, _ = _run("load_model", "tiny-llama")
+    assert "Loaded tiny-llama on cpu" in out
+    sae = llama_saes["tiny-llama-L1-relu"]
+    out, _ = _run("attach_sae", sae.id, "1")
+    assert "model.layers.1" in out
+    with pytest.raises(CommandError, match="MODEL_LOCKED"):
+        _run("unload_model", "tiny-llama")
+    _run("detach_sae", sae.id)
+    _run("unload_model", str(tiny_llama.id))
+    assert Model.objects.get(pk=tiny_llama.id).status == "ready"
+    with pytest.raises(CommandError, match="MODEL_NOT_FOUND"):
+        _run("load_model", "nope")
+
+
+def test_prune_cache(hub, settings):
+    _run("download_model", MODEL_REPO, "--quantization", "FP32")
+    _run("download_sae", SAE_REPO, NPZ_PATH)
+    model = Model.objects.get()
+    sae = SAE.objects.get()
+    models_root, saes_root = Path(settings.MODEL_CACHE_DIR), Path(settings.SAE_CACHE_DIR)
+    orphan_model = models_root / "someone--old--m99"
+    orphan_model.mkdir()
+    (orphan_model / "model.safetensors").write_bytes(b"x" * 1000)
+    stray_file = models_root / "stray.bin"
+    stray_file.write_bytes(b"y" * 10)
+    repo_dir = downloads.sae_target_dir(sae).parent
+    orphan_sae = repo_dir / "sae_deadbeef"
+    orphan_sae.mkdir()
+    (orphan_sae / "params.npz").write_bytes(b"z" * 100)
+
+    out, _ = _run("prune_cache", "--dry-run")
+    assert "Dry run: 3 unreferenced item(s)" in out
+    assert orphan_model.exists() and stray_file.exists() and orphan_sae.exists()
+    for path in (orphan_model, stray_file, orphan_sae):
+        assert f"would remove {path}" in out
+
+    out, _ = _run("prune_cache")
+    assert "Pruned 3 unreferenced item(s)" in out
+    assert not orphan_model.exists() and not stray_file.exists() and not orphan_sae.exists()
+    # what the registry references is untouched
+    assert Path(model.local_path, "model.safetensors").is_file()
+    assert Path(sae.local_path, "params.npz").is_file()
+
+
+def test_check_config_lists_the_new_variables(run_manage, tmp_path):
+    result = run_manage("check_config", env={"MILLM_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    for name in ("MILLM_API_KEYS=", "HF_CIRCUIT_FAIL_MAX=5", "HF_CIRCUIT_RESET_TIMEOUT_S=60"):
+        assert name in result.stdout
