@@ -38,6 +38,7 @@ from huggingface_hub.errors import (
     EntryNotFoundError,
     GatedRepoError,
     HfHubHTTPError,
+    HFValidationError,
     LocalEntryNotFoundError,
     RepositoryNotFoundError,
     RevisionNotFoundError,
@@ -54,6 +55,7 @@ from millm_site.errors import (
     MillmError,
     RepoNotFound,
     RevisionNotFound,
+    ValidationFailed,
 )
 
 log = structlog.get_logger(__name__)
@@ -195,6 +197,9 @@ def translate(exc: BaseException, *, repo_id: str, revision: str | None = None,
         if token_given:
             return InvalidHFToken("The hub refused the token", details=details)
         return GatedModelNoToken(f"Repository {repo_id!r} needs a token", details=details)
+    if isinstance(exc, HFValidationError):
+        return ValidationFailed(f"The hub refuses this request: {str(exc).splitlines()[0]}",
+                                details=details)
     if is_transient(exc):
         return _unavailable(breaker(HUB), exc)
     return DownloadFailed(f"The hub call failed: {type(exc).__name__}",

@@ -14,6 +14,24 @@ from registry.models import SAE, Attachment, Job, Model
 REPO_ID = r"^[A-Za-z0-9][\w.-]*/[\w.-]+$"
 
 
+def _hub_repo_id(value: str) -> None:
+    """What the hub itself accepts (length, '--' and '..', leading/trailing marks)."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(value)
+    except HFValidationError as exc:
+        raise serializers.ValidationError(str(exc).split("\n")[0]) from None
+
+
+class RepoIdField(serializers.RegexField):
+    def __init__(self, **kwargs):
+        kwargs.setdefault("max_length", 96)
+        super().__init__(REPO_ID, **kwargs)
+        self.validators.append(_hub_repo_id)
+
+
 def _mb(value: int | None) -> float | None:
     return None if value is None else round(value / 2**20, 3)
 
@@ -30,15 +48,41 @@ class HubTokenField(serializers.CharField):
         kwargs.setdefault("trim_whitespace", True)
         kwargs.setdefault("help_text", "Hugging Face token for this call only; never stored")
         super().__init__(**kwargs)
+        self.validators.append(_header_safe)
+
+
+def _header_safe(value: str | None) -> None:
+    # it travels in an Authorization header: printable ASCII, no spaces (and the message
+    # never quotes it)
+    if value and not all(33 <= ord(c) <= 126 for c in value):
+        raise serializers.ValidationError("hf_token must be printable ASCII without spaces")
+
+
+class RevisionField(serializers.CharField):
+    """A branch, tag or commit: printable ASCII, no spaces."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("max_length", 100)
+        kwargs.setdefault("required", False)
+        kwargs.setdefault("allow_null", True)
+        kwargs.setdefault("allow_blank", True)
+        kwargs.setdefault("default", "main")
+        super().__init__(**kwargs)
+        self.validators.append(_revision_safe)
+
+
+def _revision_safe(value: str | None) -> None:
+    if value and (not all(33 <= ord(c) <= 126 for c in value) or ".." in value):
+        raise serializers.ValidationError("revision must be a branch, tag or commit name "
+                                          "(printable ASCII, no spaces, no '..')")
 
 
 # --- inputs ----------------------------------------------------------------------------
 
 class ModelCreateInput(serializers.Serializer):
     source = serializers.ChoiceField(choices=Model.Source.choices, default="huggingface")
-    repo_id = serializers.RegexField(REPO_ID, max_length=255, required=False, allow_null=True)
-    revision = serializers.CharField(max_length=100, required=False, allow_null=True,
-                                     allow_blank=True, default="main")
+    repo_id = RepoIdField(required=False, allow_null=True)
+    revision = RevisionField()
     local_path = serializers.CharField(max_length=1000, required=False, allow_null=True)
     quantization = serializers.ChoiceField(choices=Model.Quantization.choices, default="FP16")
     trust_remote_code = serializers.BooleanField(default=False)
@@ -57,18 +101,16 @@ class ModelCreateInput(serializers.Serializer):
 
 
 class ModelPreviewInput(serializers.Serializer):
-    repo_id = serializers.RegexField(REPO_ID, max_length=255)
-    revision = serializers.CharField(max_length=100, required=False, allow_null=True,
-                                     allow_blank=True, default="main")
+    repo_id = RepoIdField()
+    revision = RevisionField()
     hf_token = HubTokenField()
 
 
 class SAEDownloadInput(serializers.Serializer):
-    repository_id = serializers.RegexField(REPO_ID, max_length=255)
+    repository_id = RepoIdField()
     file_path = serializers.CharField(max_length=500, required=False, allow_null=True,
                                       allow_blank=True, default="")
-    revision = serializers.CharField(max_length=100, required=False, allow_null=True,
-                                     allow_blank=True, default="main")
+    revision = RevisionField()
     hf_token = HubTokenField()
 
     def validate_file_path(self, value: str | None) -> str:
@@ -80,9 +122,8 @@ class SAEDownloadInput(serializers.Serializer):
 
 
 class SAEPreviewInput(serializers.Serializer):
-    repository_id = serializers.RegexField(REPO_ID, max_length=255)
-    revision = serializers.CharField(max_length=100, required=False, allow_null=True,
-                                     allow_blank=True, default="main")
+    repository_id = RepoIdField()
+    revision = RevisionField()
     hf_token = HubTokenField()
 
 
