@@ -72,3 +72,71 @@ def add_bearer_auth(result: dict[str, Any], generator: Any, request: Any, public
                     "schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}},
             })
     return result
+
+
+_OPENAI_ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message", "type", "code"],
+                             "properties": {"message": {"type": "string"},
+                                            "type": {"type": "string"},
+                                            "param": {"type": ["string", "null"]},
+                                            "code": {"type": ["string", "null"]}}}},
+}
+
+
+def add_v1_paths(result: dict[str, Any], generator: Any, request: Any, public: bool
+                 ) -> dict[str, Any]:
+    """The /v1 routes are plain async Django views with pydantic wire models, which
+    drf-spectacular does not see; their operations are added from those models (JSON
+    Schema 2020-12, hence OpenAPI 3.1)."""
+    try:
+        from inference import protocol
+    except ImportError:  # the /v1 tier is not part of this build
+        return result
+    schemas = result.setdefault("components", {}).setdefault("schemas", {})
+    template = "#/components/schemas/{model}"
+
+    def ref(model: Any) -> dict[str, Any]:
+        schema = model.model_json_schema(ref_template=template, mode="validation")
+        for name, definition in schema.pop("$defs", {}).items():
+            schemas.setdefault(name, definition)
+        schemas[model.__name__] = schema
+        return {"$ref": template.format(model=model.__name__)}
+
+    schemas["OpenAIError"] = _OPENAI_ERROR
+    error = {"description": "OpenAI-shaped error; every 503 carries Retry-After",
+             "content": {"application/json": {"schema": {"$ref":
+                                                          "#/components/schemas/OpenAIError"}}}}
+
+    def post(model: Any, summary: str, response: dict[str, Any]) -> dict[str, Any]:
+        return {"post": {
+            "operationId": f"v1_{model.__name__}", "summary": summary, "tags": ["v1"],
+            "security": [{"bearerAuth": []}, {}],
+            "requestBody": {"required": True,
+                            "content": {"application/json": {"schema": ref(model)}}},
+            "responses": {"200": response, "default": error}}}
+
+    stream = {"description": "JSON, or text/event-stream with stream=true",
+              "content": {"application/json": {"schema": {"type": "object"}},
+                          "text/event-stream": {"schema": {"type": "string"}}}}
+    paths = result.setdefault("paths", {})
+    paths["/v1/chat/completions"] = post(protocol.ChatCompletionRequest,
+                                         "Chat completion (steering and monitoring extensions)",
+                                         stream)
+    paths["/v1/completions"] = post(protocol.CompletionRequest, "Text completion", stream)
+    paths["/v1/embeddings"] = post(protocol.EmbeddingRequest, "Embeddings (never steered)", {
+        "description": "Embeddings", "content": {"application/json": {
+            "schema": ref(protocol.EmbeddingResponse)}}})
+    paths["/v1/models"] = {"get": {
+        "operationId": "v1_models", "summary": "Registered models", "tags": ["v1"],
+        "security": [{"bearerAuth": []}, {}],
+        "responses": {"200": {"description": "Model list", "content": {"application/json": {
+            "schema": ref(protocol.ModelList)}}}, "default": error}}}
+    paths["/v1/models/{model}"] = {"get": {
+        "operationId": "v1_model", "summary": "One model", "tags": ["v1"],
+        "security": [{"bearerAuth": []}, {}],
+        "parameters": [{"name": "model", "in": "path", "required": True,
+                        "schema": {"type": "string"}}],
+        "responses": {"200": {"description": "Model", "content": {"application/json": {
+            "schema": ref(protocol.ModelCard)}}}, "default": error}}}
+    return result

@@ -35,9 +35,11 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
     "SCHEMA_PATH_PREFIX": r"/(api|v1)",
+    "OAS_VERSION": "3.1.0",
     "POSTPROCESSING_HOOKS": [
         "drf_spectacular.hooks.postprocess_schema_enums",
         "millm_site.schema.add_bearer_auth",
+        "millm_site.schema.add_v1_paths",
     ],
 }
 

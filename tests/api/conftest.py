@@ -157,29 +157,6 @@ def mismatched_sae(tmp_path):
     return services.sae_register_local(local_path=str(folder), name="d32")
 
 
-def in_thread(fn, *args, **kwargs):
-    """Start ``fn`` on a thread that closes its database connection when done (a leaked
-    connection would keep the test database from being dropped). Returns (thread, result
-    dict: ``value`` or ``error``)."""
-    import threading
-
-    from django.db import connections
-
-    result: dict = {}
-
-    def run() -> None:
-        try:
-            result["value"] = fn(*args, **kwargs)
-        except BaseException as exc:  # noqa: BLE001 - handed to the test
-            result["error"] = exc
-        finally:
-            connections.close_all()
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, result
-
-
 def run_job(task, job_id: int, timeout_s: float = 30.0, **kwargs) -> str:
     """Run a job's task the way the test can see it.
 

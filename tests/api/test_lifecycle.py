@@ -216,13 +216,9 @@ def test_attach_set_is_all_or_nothing_and_idempotent(api, engine_client, tiny_ll
 def test_unload_waits_for_running_requests(api, engine_client, tiny_llama, settings):
     """The row says 'unloading' (so /v1 refuses newcomers with model_busy) while the
     requests already running get up to GRACEFUL_UNLOAD_TIMEOUT to finish."""
-    from inference.residency import get_residency
-
     settings.GRACEFUL_UNLOAD_TIMEOUT = 10.0
     _load(api, tiny_llama)
-    residency = get_residency()
-    with residency._lock:
-        residency._active["tiny-llama"] = 1  # one /v1 request generating on the model
+    use = _v1_request_in_flight(tiny_llama)
     job = ok(api.post(f"/api/models/{tiny_llama.id}/unload"), 202)["job"]  # runs on the pool
     try:
         deadline = time.monotonic() + 5
@@ -234,7 +230,7 @@ def test_unload_waits_for_running_requests(api, engine_client, tiny_llama, setti
         assert ok(api.get("/api/health/detailed"))["readiness_checks"][
             "no_model_transition"] is False
     finally:
-        residency._release("tiny-llama")
+        use.release()
     assert run_job(tasks.model_unload_task, job["id"]) == "succeeded"
     assert Model.objects.get(pk=tiny_llama.id).status == "ready"
     assert engine_client.status().state == "empty"
@@ -242,18 +238,25 @@ def test_unload_waits_for_running_requests(api, engine_client, tiny_llama, setti
 
 def test_unload_goes_ahead_when_requests_outlast_the_grace_period(api, engine_client,
                                                                   tiny_llama, settings):
-    from inference.residency import get_residency
-
     settings.GRACEFUL_UNLOAD_TIMEOUT = 0.5
     _load(api, tiny_llama)
-    residency = get_residency()
-    with residency._lock:
-        residency._active["tiny-llama"] = 1
+    use = _v1_request_in_flight(tiny_llama)
     try:
         job = ok(api.post(f"/api/models/{tiny_llama.id}/unload"), 202)["job"]
         started = time.monotonic()
         assert tasks.model_unload_task(job["id"]) == "succeeded"
         assert 0.5 <= time.monotonic() - started < 5
     finally:
-        residency._release("tiny-llama")
+        use.release()
     assert engine_client.status().state == "empty"
+
+
+def _v1_request_in_flight(model):
+    """What a /v1 request holds while it generates on ``model``: a use of the resident
+    model in /v1's residency (released when the request ends)."""
+    from asgiref.sync import async_to_sync
+
+    from inference.residency import ModelRef, get_residency
+
+    return async_to_sync(get_residency().acquire)(
+        ModelRef(pk=model.pk, name=model.name, status="loaded"), policy="refuse")

@@ -21,10 +21,29 @@ def test_the_schema_documents_the_api():
     paths = set(schema.raw_schema["paths"])
     for path in ("/api/models", "/api/models/{model_id}/load", "/api/saes/attach-set",
                  "/api/saes/{sae_id}/compatibility", "/api/health/ready",
-                 "/api/health/circuits/{name}/reset", "/api/jobs/{job_id}"):
+                 "/api/health/circuits/{name}/reset", "/api/jobs/{job_id}",
+                 "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"):
         assert path in paths, path
     assert schema.raw_schema["components"]["securitySchemes"]["bearerAuth"]["scheme"] == \
         "bearer"
+    chat = schema.raw_schema["paths"]["/v1/chat/completions"]["post"]
+    body = chat["requestBody"]["content"]["application/json"]["schema"]
+    request = schema.raw_schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
+    assert {"messages", "steering", "return_sae_activations"} <= set(request["properties"])
+
+
+def test_browsable_docs(api_client_docs):
+    response = api_client_docs.get("/api/docs")
+    assert response.status_code == 200 and b"swagger-ui" in response.content.lower()
+    # served from the sidecar package, not a CDN: works with no network
+    assert b"cdn.jsdelivr" not in response.content
+
+
+@pytest.fixture
+def api_client_docs():
+    from django.test import Client
+
+    return Client()
 
 
 @pytest.fixture
