@@ -136,8 +136,8 @@ def main() -> None:
 
     # logprobs with 0 alternatives: the engine emits one event per token and /v1 one frame
     # per token, so both sides time the same tokens
-    sampling = dict(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True,
-                    logprobs=True)
+    sampling = {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
+                    "logprobs": True}
     job_args = {"prompt": PROMPT, "sampling": SamplingParams(**sampling)}
     body = {"model": args.model, "prompt": PROMPT, "max_tokens": args.max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 0}

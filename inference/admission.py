@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from django.conf import settings
 
@@ -60,12 +60,13 @@ class Permit:
     """A held slot; ``release()`` is idempotent and thread-safe (an SSE stream may be
     closed from Django's response-closing thread)."""
 
-    __slots__ = ("_controller", "_since", "_released")
+    __slots__ = ("_controller", "_released", "_since", "waited")
 
-    def __init__(self, controller: "AdmissionController") -> None:
+    def __init__(self, controller: AdmissionController, *, waited: bool = False) -> None:
         self._controller = controller
         self._since = time.monotonic()
         self._released = False
+        self.waited = waited  # queued before getting the slot
 
     @property
     def released(self) -> bool:
@@ -74,15 +75,15 @@ class Permit:
     def release(self) -> None:
         self._controller._release(self)
 
-    def __enter__(self) -> "Permit":
+    def __enter__(self) -> Self:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
 class _Waiter:
-    __slots__ = ("loop", "future")
+    __slots__ = ("future", "loop")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
@@ -106,7 +107,7 @@ class AdmissionController:
         self._admitted = 0
 
     @classmethod
-    def from_settings(cls) -> "AdmissionController":
+    def from_settings(cls) -> AdmissionController:
         return cls(slots=settings.MAX_CONCURRENT_REQUESTS,
                    max_pending=settings.MAX_PENDING_REQUESTS,
                    window=settings.QUEUE_DURATION_WINDOW,
@@ -176,7 +177,7 @@ class AdmissionController:
             if handed:
                 self._release_slot()
             raise
-        return Permit(self)
+        return Permit(self, waited=True)
 
     def _release(self, permit: Permit) -> None:
         with self._lock:

@@ -67,7 +67,7 @@ class PositionRange(_Strict):
     end: int = Field(gt=0)
 
     @model_validator(mode="after")
-    def _ordered(self) -> "PositionRange":
+    def _ordered(self) -> PositionRange:
         if self.end <= self.start:
             raise ValueError("positions.end must be greater than positions.start")
         return self
@@ -77,7 +77,7 @@ class ReturnSaeActivations(_Strict):
     sae_id: str | None = Field(default=None, min_length=1, max_length=200)
     features: list[int] | None = Field(default=None, max_length=MAX_ACTIVATION_FEATURES)
     top_k: int = Field(default=0, ge=0, le=MAX_ACTIVATION_TOP_K)
-    positions: Union[Literal["last", "prompt", "completion", "all"], PositionRange] = "completion"
+    positions: Literal["last", "prompt", "completion", "all"] | PositionRange = "completion"
     read_point: Literal["pre_steering", "post_steering"] = "post_steering"
 
     @field_validator("features")
@@ -91,7 +91,7 @@ class ReturnSaeActivations(_Strict):
         return value
 
     @model_validator(mode="after")
-    def _asks_something(self) -> "ReturnSaeActivations":
+    def _asks_something(self) -> ReturnSaeActivations:
         if not self.top_k and not self.features:
             raise ValueError("return_sae_activations asks for nothing: give top_k or features")
         return self
@@ -109,7 +109,8 @@ def _intensity(value: Any) -> float | None:
             return 0.0
         raise ValueError('steering_intensity must be a number in [0, 2] or "off"')
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError('steering_intensity must be a number in [0, 2] or "off"')
+        # pydantic reports ValueError as a validation error; a TypeError would escape
+        raise ValueError('steering_intensity must be a number in [0, 2] or "off"')  # noqa: TRY004
     if not math.isfinite(value) or not 0 <= value <= 2:
         raise ValueError("steering_intensity must lie in [0, 2]")
     return float(value)
@@ -255,7 +256,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return value
 
     @model_validator(mode="after")
-    def _logprobs(self) -> "ChatCompletionRequest":
+    def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
@@ -317,7 +318,7 @@ class CompletionRequest(_GenerationRequest):
         return _refuse_unless(value or None, (None,), "suffix")
 
     @model_validator(mode="after")
-    def _best_of(self) -> "CompletionRequest":
+    def _best_of(self) -> CompletionRequest:
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError("best_of other than n is not supported")
         if len(self.prompt) * self.n > MAX_N * 4:

@@ -45,7 +45,7 @@ class ModelLoading(MillmError):
 class ModelRef:
     """What /v1 needs of a registry row, read once per request."""
 
-    pk: int
+    pk: int | None  # None: answered from the engine (resident), never loaded by pk
     name: str
     status: str
 
@@ -65,7 +65,10 @@ class Residency:
             return dict(self._active)
 
     async def _resident_name(self) -> str | None:
-        return _resident(await asyncio.to_thread(get_engine_client().status))
+        return resident_model_id(await asyncio.to_thread(get_engine_client().status))
+
+    async def status(self) -> EngineStatus:
+        return await asyncio.to_thread(get_engine_client().status)
 
     def check_policy(self, model: ModelRef, *, policy: str, resident: str | None) -> None:
         """Refusals that must come before the request queues: another model is loading,
@@ -91,12 +94,15 @@ class Residency:
                 f"Model {model.name!r} is not loaded and X-miLLM-Load-Policy is refuse",
                 details={"model": model.name, "resident": resident})
 
-    async def acquire(self, model: ModelRef, *, policy: str) -> "Use":
+    async def acquire(self, model: ModelRef, *, policy: str,
+                      status: EngineStatus | None = None) -> Use:
         """Make ``model`` resident (loading it if needed and allowed) and register a use
-        of it; the returned ``Use`` must be released when the request ends."""
+        of it; the returned ``Use`` must be released when the request ends. ``status``:
+        an engine status the caller has just read (saves reading it again)."""
         for _ in range(3):
-            status = await asyncio.to_thread(get_engine_client().status)
-            resident = _resident(status)
+            if status is None:
+                status = await asyncio.to_thread(get_engine_client().status)
+            resident = resident_model_id(status)
             self.check_policy(model, policy=policy, resident=resident)
             with self._lock:
                 other_load = next((n for n in self._loading if n != model.name), None)
@@ -118,6 +124,7 @@ class Residency:
                 threading.Thread(target=self._load, args=(model, future),
                                  name=f"millm-load-{model.name}", daemon=True).start()
             await asyncio.wrap_future(future)
+            status = None
         raise ModelBusy(f"Model {model.name!r} was swapped out while this request waited",
                         details={"model": model.name}, retry_after=settings.RETRY_AFTER_LOAD_S)
 
@@ -138,7 +145,7 @@ class Residency:
                                     retry_after=settings.RETRY_AFTER_LOAD_S)
                 time.sleep(0.05)
             log.info("v1_model_autoload", model=model.name)
-            model_load(model=Model.objects.get(pk=model.pk))
+            model_load(model=Model.objects.get(name=model.name))
             future.set_result(None)
         except BaseException as exc:  # noqa: BLE001 - every waiter gets the same error
             future.set_exception(exc)
@@ -157,7 +164,7 @@ class Residency:
                 self._active.pop(name, None)
 
 
-def _resident(status: EngineStatus) -> str | None:
+def resident_model_id(status: EngineStatus) -> str | None:
     return status.model_id if status.state == "ready" else None
 
 
@@ -165,7 +172,7 @@ class Use:
     """A request's use of the resident model; ``status`` is the engine's status read when
     it was granted (its attachments are what the request resolves steering against)."""
 
-    __slots__ = ("_residency", "_name", "_released", "status")
+    __slots__ = ("_name", "_released", "_residency", "status")
 
     def __init__(self, residency: Residency, name: str, status: EngineStatus) -> None:
         self._residency = residency

@@ -23,6 +23,7 @@ from django.http import JsonResponse, StreamingHttpResponse
 
 from gpu_engine.protocol import (
     AttachmentStatus,
+    EngineStatus,
     ErrorEvent,
     FinishEvent,
     GenerationJob,
@@ -32,6 +33,7 @@ from gpu_engine.protocol import (
     TokenEvent,
     TokenLogprob,
 )
+from inference import selectors
 from inference.activations import activations_payload, monitor_resolve
 from inference.admission import Permit, get_admission
 from inference.engine_client import EngineClient, get_engine_client
@@ -42,7 +44,7 @@ from inference.errors import (
     openai_error_from_exception,
 )
 from inference.protocol import ChatCompletionRequest, CompletionRequest
-from inference.residency import ModelRef, Use, get_residency
+from inference.residency import ModelRef, Use, get_residency, resident_model_id
 from inference.tokens import TokenTexts
 from steering.services import ResolvedSteering, steering_resolve_request
 
@@ -514,19 +516,26 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
 
 
 async def serve_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
-                           model: ModelRef, model_path: str | None, profile: str | None,
                            policy: str) -> Any:
     client = get_engine_client()
     residency = get_residency()
-    resident = await residency._resident_name()
-    residency.check_policy(model, policy=policy, resident=resident)  # before queueing
+    status = await residency.status()
+    model, model_path, profile = await resolve_model(req.model, status)
+    if profile is not None and req.profile is not None and profile != req.profile:
+        raise OpenAIError(f"The model name selects profile {profile!r} but the body names "
+                          f"{req.profile!r}", status=400, code="invalid_parameter",
+                          param="profile")
+    residency.check_policy(model, policy=policy, resident=resident_model_id(status))  # before queueing
     permit = await get_admission().acquire()
     res = _Resources(permit)
     handed_over = False
     try:
-        res.use = await residency.acquire(model, policy=policy)
-        plan = await plan_generation(kind=kind, req=req, model=model, profile=profile,
-                                     client=client, model_path=model_path,
+        # a status read before a wait in the queue may be stale: read it again then
+        res.use = await residency.acquire(model, policy=policy,
+                                          status=None if permit.waited else status)
+        plan = await plan_generation(kind=kind, req=req, model=model,
+                                     profile=req.profile or profile, client=client,
+                                     model_path=model_path,
                                      attachments=list(res.use.status.attachments))
         response = await respond(plan, client, res)
         handed_over = isinstance(response, SSEResponse)
@@ -534,3 +543,13 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
     finally:
         if not handed_over:
             res.release()
+
+
+async def resolve_model(name: str, status: EngineStatus
+                        ) -> tuple[ModelRef, str | None, str | None]:
+    """The registry row a request names (and the profile of ``model@profile``). The
+    resident model is answered from the engine's status without a database query: it was
+    loaded from its row, and a loaded model's row cannot be deleted."""
+    if status.state == "ready" and status.model_id == name:
+        return ModelRef(None, name, "loaded"), status.model_path, None
+    return await sync_to_async(selectors.model_resolve)(name=name)

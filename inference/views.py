@@ -39,8 +39,8 @@ from inference.protocol import (
     ModelList,
     UsageInfo,
 )
-from inference.residency import LOAD_POLICIES, get_residency
-from inference.serving import ENGINE_CALL_TIMEOUT_S, serve_generation
+from inference.residency import LOAD_POLICIES, get_residency, resident_model_id
+from inference.serving import ENGINE_CALL_TIMEOUT_S, resolve_model, serve_generation
 
 log = structlog.get_logger(__name__)
 
@@ -129,14 +129,7 @@ def _load_policy(request: HttpRequest) -> str:
 
 async def _generation(request: HttpRequest, kind: str, schema: type[BaseModel]):
     req = _body(request, schema)
-    policy = _load_policy(request)
-    model, path, profile = await sync_to_async(selectors.model_resolve)(name=req.model)
-    if profile is not None and req.profile is not None and profile != req.profile:
-        raise OpenAIError(f"The model name selects profile {profile!r} but the body names "
-                          f"{req.profile!r}", status=400, code="invalid_parameter",
-                          param="profile")
-    return await serve_generation(kind=kind, req=req, model=model, model_path=path,
-                                  profile=req.profile or profile, policy=policy)
+    return await serve_generation(kind=kind, req=req, policy=_load_policy(request))
 
 
 @openai_view("POST")
@@ -159,14 +152,16 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 async def embeddings(request: HttpRequest):
     req: EmbeddingRequest = _body(request, EmbeddingRequest)
     policy = _load_policy(request)
-    model, _, _ = await sync_to_async(selectors.model_resolve)(name=req.model)
     client = get_engine_client()
     residency = get_residency()
-    residency.check_policy(model, policy=policy, resident=await residency._resident_name())
+    status = await residency.status()
+    model, _, _ = await resolve_model(req.model, status)
+    residency.check_policy(model, policy=policy, resident=resident_model_id(status))
     permit = await get_admission().acquire()
     use = None
     try:
-        use = await residency.acquire(model, policy=policy)
+        use = await residency.acquire(model, policy=policy,
+                                      status=None if permit.waited else status)
         result = await asyncio.to_thread(
             client.embed, EmbedJob(request_id=f"embd-{uuid.uuid4().hex}",
                                    inputs=list(req.input), pooling="mean", normalize=True),

@@ -91,9 +91,8 @@ def _v1_db(v1_server, transactional_db):
 def model_resident(server: V1Server, name: str) -> None:
     """Make ``name`` the resident model with no SAE attached (through the registry, as
     the management API would)."""
-    from registry.models import Model
+    from registry.models import SAE, Model
     from registry.services import model_load, model_set_status, sae_detach
-    from registry.models import SAE
 
     row = Model.objects.get(name=name)
     if server.engine.status().model_id != name:

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-_server: "LiveServer | None" = None
+_server: LiveServer | None = None
 _lock = threading.Lock()
 
 

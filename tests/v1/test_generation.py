@@ -68,8 +68,8 @@ def test_greedy_chat_matches_transformers_generate(llama, openai_client, tiny_as
 
 
 def test_stream_concatenates_to_the_plain_response(llama, openai_client):
-    kwargs = dict(model="tiny-llama", messages=MESSAGES, max_tokens=30, temperature=1.0,
-                  seed=7)
+    kwargs = {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 30, "temperature": 1.0,
+                  "seed": 7}
     plain = openai_client.chat.completions.create(**kwargs)
     chunks = list(openai_client.chat.completions.create(
         **kwargs, stream=True, stream_options={"include_usage": True}))
@@ -161,7 +161,7 @@ def test_completions_prompt_forms(llama, openai_client):
 
 
 def test_streaming_completions(llama, openai_client):
-    kwargs = dict(model="tiny-llama", prompt="the sky", max_tokens=20, temperature=1, seed=11)
+    kwargs = {"model": "tiny-llama", "prompt": "the sky", "max_tokens": 20, "temperature": 1, "seed": 11}
     plain = openai_client.completions.create(**kwargs)
     chunks = list(openai_client.completions.create(**kwargs, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == plain.choices[0].text

@@ -77,7 +77,7 @@ def test_lm_eval_local_completions(llama, lm_eval_env, tiny_assets):
     assert checked == 11
 
     for sample in results["samples"]["millm_tiny_generate"]:
-        context, gen_kwargs = sample["arguments"][0]
+        context, _gen_kwargs = sample["arguments"][0]
         ids = tok(context, add_special_tokens=False).input_ids
         ref = engine.generate_sync(GenerationJob(
             "ref", prompt_token_ids=ids, sampling=SamplingParams(

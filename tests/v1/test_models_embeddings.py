@@ -61,7 +61,7 @@ def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monke
 
     def slow_load(job, **kwargs):
         calls.append(job.model_id)
-        time.sleep(1.0)
+        time.sleep(2.0)  # long enough to ask questions while it runs, on a busy machine
         return real_load(job, **kwargs)
 
     monkeypatch.setattr(client, "load_model", slow_load)
