@@ -91,3 +91,16 @@ def engine_attachment_counts() -> dict[tuple[str, int], int]:
                 for a in get_engine_client().attachments()}
     except Exception:  # noqa: BLE001 - a read must not fail because the engine is away
         return {}
+
+
+def model_transition(*, name: str) -> str | None:
+    """``"unloading"`` or ``"loading"`` while the named model is being moved, else None.
+
+    /v1 refuses a request for a model that is unloading with 503 model_busy
+    (Retry-After RETRY_AFTER_UNLOAD_S): the unload is draining the requests already
+    running and must not see new ones arrive.
+    """
+    status = Model.objects.filter(name=name).values_list("status", flat=True).first()
+    if status in (Model.Status.UNLOADING, Model.Status.LOADING):
+        return status
+    return None

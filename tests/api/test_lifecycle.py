@@ -260,3 +260,27 @@ def _v1_request_in_flight(model):
 
     return async_to_sync(get_residency().acquire)(
         ModelRef(pk=model.pk, name=model.name, status="loaded"), policy="refuse")
+
+
+def test_pools_are_sized_from_the_settings(settings):
+    from millm_site import jobs
+
+    jobs.shutdown(wait=True)
+    settings.MAX_DOWNLOAD_WORKERS, settings.MAX_LOAD_WORKERS = 3, 1
+    try:
+        assert jobs._executor("downloads")._max_workers == 3
+        assert jobs._executor("loads")._max_workers == 1
+        assert jobs._executor("maintenance")._max_workers == 1
+        with pytest.raises(ValueError):
+            jobs.enqueue(tasks.model_load_task, 1, queue="nowhere")
+    finally:
+        jobs.shutdown(wait=True)
+
+
+def test_transition_selector_for_v1(tiny_llama):
+    from registry import selectors
+
+    assert selectors.model_transition(name="tiny-llama") is None
+    Model.objects.filter(pk=tiny_llama.id).update(status="unloading")
+    assert selectors.model_transition(name="tiny-llama") == "unloading"
+    assert selectors.model_transition(name="missing") is None
