@@ -2,7 +2,7 @@
 paths get the envelope's 404 from ``millm_site.api.ApiFallbackMiddleware``, so apps can
 add their own /api routes in any order."""
 
-from django.urls import path, re_path
+from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from millm_site import health

@@ -49,7 +49,7 @@ def bearer_token(header: str | None) -> str | None:
 def protected(path: str) -> bool:
     if path in OPEN_PATHS:
         return False
-    return path.startswith("/api/") or path == "/api" or path.startswith("/v1/") or path == "/v1"
+    return path.startswith(("/api/", "/v1/")) or path in ("/api", "/v1")
 
 
 def _unauthorized(path: str, reason: str) -> HttpResponse:

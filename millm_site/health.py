@@ -318,7 +318,7 @@ class _PlainTextRenderer(BaseRenderer):
 
 class PrometheusView(APIView):
     # Scrapers and curl ask for text/plain; JSON stays available for error answers.
-    renderer_classes = [_PlainTextRenderer, JSONRenderer]
+    renderer_classes = (_PlainTextRenderer, JSONRenderer)
 
     @extend_schema(summary="Metrics in the Prometheus text format (not enveloped)",
                    tags=["health"],

@@ -201,10 +201,10 @@ class _Bar:
     def close(self) -> None:
         return None
 
-    def __enter__(self) -> _Bar:
+    def __enter__(self) -> _Bar:  # noqa: PYI034 - a plain class, not subclassed
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 

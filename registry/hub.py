@@ -22,6 +22,7 @@ first and report their outcome to it.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import threading
 from collections.abc import Callable
@@ -81,10 +82,9 @@ def is_transient(exc: BaseException) -> bool:
         return True
     if isinstance(exc, HfHubHTTPError) and _status(exc) in TRANSIENT_STATUS:
         return True
-    if isinstance(exc, LocalEntryNotFoundError):
-        # hf_hub_download's wrapping of "could not reach the hub for the file's metadata"
-        return True
-    return False
+    # LocalEntryNotFoundError: hf_hub_download's wrapping of "could not reach the hub for
+    # the file's metadata"
+    return isinstance(exc, LocalEntryNotFoundError)
 
 
 def _is_request_error(exc: BaseException) -> bool:
@@ -242,10 +242,8 @@ def record_outcome(exc: BaseException | None) -> None:
         if exc is not None:
             raise exc
 
-    try:
+    with contextlib.suppress(BaseException):  # the caller already has the error
         breaker(HUB).call(outcome)
-    except BaseException:  # noqa: BLE001 - the caller already has the error
-        pass
 
 
 def resolve_token(request_token: str | None) -> str | bool:

@@ -92,11 +92,11 @@ class ModelCreateInput(serializers.Serializer):
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if attrs["source"] == Model.Source.HUGGINGFACE and not attrs.get("repo_id"):
-            raise serializers.ValidationError({"repo_id": ["repo_id is required for the "
-                                                           "huggingface source"]})
+            raise serializers.ValidationError(
+                {"repo_id": ["repo_id is required for the huggingface source"]})
         if attrs["source"] == Model.Source.LOCAL and not attrs.get("local_path"):
-            raise serializers.ValidationError({"local_path": ["local_path is required for "
-                                                              "the local source"]})
+            raise serializers.ValidationError(
+                {"local_path": ["local_path is required for the local source"]})
         return attrs
 
 
@@ -389,8 +389,8 @@ class CompatibilityOutput(serializers.Serializer):
 
 class SAEDownloadOutput(serializers.Serializer):
     sae_id = serializers.CharField()
-    status = serializers.CharField(help_text="downloading | cached | attached | "
-                                             "already_downloading")
+    status = serializers.CharField(help_text=("downloading | cached | attached | "
+                                              "already_downloading"))
     message = serializers.CharField()
     sae = SAEOutput()
     job = JobOutput(allow_null=True)

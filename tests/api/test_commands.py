@@ -48,7 +48,7 @@ def test_download_model_gated_token_from_the_environment(hub, monkeypatch):
 def test_download_model_local(tiny_assets):
     out, _ = _run("download_model", "--local", str(tiny_assets.models["tiny-gpt2"].path),
                   "--quantization", "FP32")
-    assert Model.objects.get(name="tiny-gpt2").source == "local"
+    assert Model.objects.get(name="tiny-gpt2").source == "local" and "Registered" in out
     with pytest.raises(CommandError, match="INVALID_LOCAL_PATH"):
         _run("download_model", "--local", "/etc")
     with pytest.raises(CommandError, match="one of them"):
@@ -93,7 +93,7 @@ def test_prune_cache(hub, settings):
     _run("download_sae", SAE_REPO, NPZ_PATH)
     model = Model.objects.get()
     sae = SAE.objects.get()
-    models_root, saes_root = Path(settings.MODEL_CACHE_DIR), Path(settings.SAE_CACHE_DIR)
+    models_root = Path(settings.MODEL_CACHE_DIR)
     orphan_model = models_root / "someone--old--m99"
     orphan_model.mkdir()
     (orphan_model / "model.safetensors").write_bytes(b"x" * 1000)
