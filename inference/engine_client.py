@@ -13,6 +13,7 @@ import asyncio
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -37,6 +38,26 @@ from gpu_engine.protocol import (
 )
 
 log = structlog.get_logger(__name__)
+
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+# Generous: a pump thread lives as long as its stream, and pumps are cheap (they block on
+# the engine's queue). Reused threads matter: starting a thread blocks the event loop
+# until the thread runs, which costs milliseconds of time-to-first-token on a busy host.
+STREAM_PUMP_THREADS = 256
+# Bounds a pump's wait for the next event (a stuck engine must not pin the thread, nor
+# keep the process from exiting); far above any one forward pass.
+STREAM_EVENT_TIMEOUT_S = 600.0
+
+
+def _stream_pool() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=STREAM_PUMP_THREADS,
+                                       thread_name_prefix="millm-stream")
+        return _pool
 
 
 class GenerationHandle(ABC):
@@ -106,7 +127,7 @@ class EngineClient(ABC):
                 holder.append(handle)
                 if done.is_set():  # the consumer left while we were submitting
                     handle.cancel()
-                for event in handle.events():
+                for event in handle.events(STREAM_EVENT_TIMEOUT_S):
                     loop.call_soon_threadsafe(queue.put_nowait, event)
                     if done.is_set():
                         break
@@ -115,9 +136,7 @@ class EngineClient(ABC):
             finally:
                 loop.call_soon_threadsafe(queue.put_nowait, None)
 
-        thread = threading.Thread(target=pump, name=f"millm-stream-{job.request_id}",
-                                  daemon=True)
-        thread.start()
+        _stream_pool().submit(pump)
         try:
             while True:
                 item = await queue.get()
