@@ -7,7 +7,13 @@ CELERY_BROKER_URL = CONFIG.REDIS_URL or "memory://"
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_DEFAULT_QUEUE = "maintenance"
-CELERY_TASK_ROUTES = {"registry.tasks.*": {"queue": "downloads"}}
+# millm_site.jobs.enqueue names the queue of every task; these routes say the same for a
+# task sent any other way. "loads" is consumed where the engine is reachable.
+CELERY_TASK_ROUTES = {
+    "registry.tasks.model_load_task": {"queue": "loads"},
+    "registry.tasks.model_unload_task": {"queue": "loads"},
+    "registry.tasks.*": {"queue": "downloads"},
+}
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_TIME_LIMIT = int(CONFIG.DOWNLOAD_TIMEOUT) + 60
