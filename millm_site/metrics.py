@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 from django.utils.deprecation import MiddlewareMixin
 from prometheus_client import REGISTRY, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 log = structlog.get_logger(__name__)
 
@@ -96,6 +96,14 @@ class _LiveCollector:
         in_flight = GaugeMetricFamily("millm_requests_in_flight", "Requests holding a slot")
         in_flight.add_metric([], figures.get("in_flight") or 0)
         yield in_flight
+        # the admission controller's own totals (queue_full refusals included)
+        for key, help_text in (("admitted_total", "Generation requests given a slot"),
+                               ("refused_total", "Generation requests refused: queue full")):
+            if figures.get(key) is not None:
+                family = CounterMetricFamily(f"millm_admission_{key.removesuffix('_total')}",
+                                             help_text)
+                family.add_metric([], figures[key])
+                yield family
 
         engine = health.engine_snapshot()
         loaded = GaugeMetricFamily("millm_model_loaded", "1 while a model is resident")

@@ -138,6 +138,7 @@ def test_metrics_json_and_prometheus(api, engine_client, tiny_llama, llama_saes)
     assert re.search(r'millm_refusals_total\{reason="queue_full"\} \d', text)
     assert f'millm_steering_apply_count{{layer="1",sae_id="{sae.id}"}} 0.0' in text
     assert "millm_model_loaded 1.0" in text
+    assert re.search(r"millm_admission_refused_total \d", text)
     assert 'millm_circuit_open{name="huggingface"} 0.0' in text
 
 
