@@ -1,0 +1,162 @@
+"""One request's decode state, shared by the serial loop and the batch scheduler.
+
+A ``Sequence`` owns everything that is per request and not a forward pass: its sampler
+(own ``torch.Generator``, penalties), incremental detokeniser, stop matcher, EOS set,
+logprobs, streaming monitor records, the events it emits and its ``FinishEvent``.  The
+serial loop and the batched runner both feed it one sampled token at a time through
+``accept``, so a request behaves the same — text, stops, holdback, events — whichever
+path ran it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ...hooks import RequestHooks
+from ...protocol import (
+    ActivationRecord,
+    FinishEvent,
+    LogprobEntry,
+    SamplingParams,
+    SteeringCount,
+    TokenEvent,
+    TokenLogprob,
+    Usage,
+)
+from ...text import IncrementalDetokenizer, StopMatcher
+from .sampling import Sampler
+
+Emit = Callable[[object], None]
+
+
+def token_logprob(runner, lsm: torch.Tensor, token_id: int, n_top: int) -> TokenLogprob:  # type: ignore[no-untyped-def]
+    top: list[LogprobEntry] = []
+    if n_top:
+        vals, idx = torch.topk(lsm, n_top)
+        top = [LogprobEntry(int(i), runner.token_text(int(i)), float(v)) for v, i in zip(vals.tolist(), idx.tolist())]
+    return TokenLogprob(token_id, runner.token_text(token_id), float(lsm[token_id]), top)
+
+
+class Sequence:
+    """Per-request decode state (see the module doc)."""
+
+    def __init__(
+        self,
+        runner,  # type: ignore[no-untyped-def]  # TransformersRunner (tokeniser, EOS ids, vocab)
+        *,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens: int,
+        request_hooks: RequestHooks | None,
+        emit: Emit,
+        should_stop: Callable[[], bool],
+        exclusive: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.request_id = request_id
+        self.prompt_ids = list(prompt_ids)
+        self.n_prompt = len(prompt_ids)
+        self.sampling = sampling
+        self.max_tokens = max_tokens
+        self.hooks = request_hooks
+        self.emit = emit
+        self.should_stop = should_stop
+        self.exclusive = exclusive
+        device = runner.device
+        self.prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+        self.sampler = Sampler(sampling, vocab_size=runner.vocab_size, device=device, prompt_ids=self.prompt)
+        self.detok = IncrementalDetokenizer(runner.tokenizer, prompt_ids)
+        self.stopper = StopMatcher(sampling.stop)
+        self.end_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            self.end_ids |= runner.eos_token_ids
+        self.want_lp = sampling.logprobs or sampling.top_logprobs > 0
+        monitors = request_hooks.monitors() if request_hooks is not None else []
+        self.monitoring = bool(monitors)
+        self.streaming_monitors = any(m.stream for m in monitors)
+        self.text = ""
+        self.emitted = 0
+        self.generated: list[int] = []
+        self.extra_records: list[ActivationRecord] = []
+        self.prompt_logprobs: list[float | None] | None = None
+        self.finish_reason = "length"
+        self.forwards = 0
+        self.done = False
+        # scheduler bookkeeping (batched path): delta-table slot, row in the batch cache
+        self.slot = -1
+
+    @property
+    def steered(self) -> bool:
+        return self.hooks is not None and any(p.delta is not None for p in self.hooks.plans.values())
+
+    @property
+    def last_token(self) -> int:
+        return self.generated[-1]
+
+    def echo_logprobs(self, logits: torch.Tensor) -> None:
+        """Prompt log-probabilities from the prefill's full logits (``prompt_logprobs``)."""
+        lsm_all = torch.log_softmax(logits[:-1].float(), dim=-1)
+        picked = lsm_all.gather(1, self.prompt[0, 1:].unsqueeze(1)).squeeze(1)
+        self.prompt_logprobs = [None, *[float(v) for v in picked.tolist()]]
+
+    def accept(self, token_id: int, lsm: torch.Tensor | None) -> bool:
+        """Take the token sampled for this request; emit its event.  True when finished."""
+        i = len(self.generated)
+        self.generated.append(token_id)
+        lp = token_logprob(self.runner, lsm, token_id, self.sampling.top_logprobs) if lsm is not None else None
+        records: list[ActivationRecord] = []
+        if self.streaming_monitors:
+            for rec in self.hooks.collect():  # type: ignore[union-attr]
+                (records if rec.token_index == i else self.extra_records).append(rec)
+        is_end = token_id in self.end_ids
+        delta = "" if is_end else self.detok.step(token_id)
+        text = self.text
+        if delta:
+            new_from = len(text)
+            text += delta
+            cut = self.stopper.find(text, new_from)
+            if cut != -1:
+                text = text[:cut]
+                is_end = True
+        if is_end:
+            self.finish_reason = "stop"
+        last_step = is_end or i + 1 == self.max_tokens
+        if last_step and not is_end:
+            text += self.detok.flush()
+        release = len(text) if last_step else len(text) - self.stopper.holdback(text)
+        piece = text[self.emitted : release] if release > self.emitted else ""
+        self.emitted = max(self.emitted, release)
+        self.text = text
+        self.emit(TokenEvent(self.request_id, i, token_id, piece, lp, records))
+        self.done = last_step
+        return last_step
+
+    def cancel(self) -> None:
+        self.finish_reason = "cancelled"
+        self.done = True
+
+    def finish(self) -> FinishEvent:
+        """Encode buffered monitor rows and build the ``FinishEvent``."""
+        if self.monitoring:
+            with torch.inference_mode():
+                self.extra_records.extend(self.hooks.finalize())  # type: ignore[union-attr]
+        counts = self.hooks.steering_counts() if self.hooks is not None else {}
+        n = len(self.generated)
+        return FinishEvent(
+            request_id=self.request_id,
+            finish_reason=self.finish_reason,
+            text=self.text,
+            token_ids=list(self.generated),
+            usage=Usage(self.n_prompt, n, self.n_prompt + n),
+            prompt_token_ids=list(self.prompt_ids),
+            prompt_logprobs=self.prompt_logprobs,
+            activations=self.extra_records,
+            steering_apply_count=[SteeringCount(k[0], k[1], c) for k, c in counts.items()],
+            forward_passes=self.forwards,
+        )
+
+
+__all__ = ["Sequence", "token_logprob"]
