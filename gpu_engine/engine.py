@@ -6,6 +6,12 @@ work but wait for the generation in flight, which is how attach/detach "drain" b
 touching hooks.  Every wait a caller makes on the worker is bounded.  The web tier calls
 this object directly (embedded mode) or through a transport that carries the protocol
 dataclasses (``run_engine``); admission and backpressure are the caller's job.
+
+With ``BatchingOptions(enabled=True)`` generations go to a ``BatchScheduler`` instead of
+running one by one: the worker alternates between the queue's tasks and one batch step
+at a time (blocking on the queue only when the batch is empty, so an idle batch costs
+nothing), and a control operation first drains the running batch — no admissions,
+bounded by the caller's wait — before it touches hooks or weights.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from .protocol import (
     AttachmentStatus,
     AttachResult,
     AttachSpec,
+    BatchingOptions,
     EmbedJob,
     EmbedResult,
     EngineEvent,
@@ -58,6 +65,7 @@ from .protocol import (
 from .sae import CompatibilityReport, check_compatibility
 from .sae.layouts import detect_layout, get_layout
 from .sae.module import SAE
+from .scheduler import BatchScheduler
 
 log = logging.getLogger("gpu_engine")
 
@@ -95,12 +103,14 @@ class Attachment:
 
 
 class _Task:
-    __slots__ = ("fn", "future", "on_drop")
+    __slots__ = ("control", "fn", "future", "on_drop")
 
-    def __init__(self, fn: Callable[[], Any], on_drop: Callable[[], None] | None = None) -> None:
+    def __init__(self, fn: Callable[[], Any], on_drop: Callable[[], None] | None = None, *, control: bool = False) -> None:
         self.fn = fn
         self.future: Future = Future()
         self.on_drop = on_drop
+        # control tasks (load, unload, attach, detach, drain) wait for the running batch
+        self.control = control
 
 
 class GenerationStream:
@@ -155,9 +165,14 @@ class Engine:
         *,
         on_event: Callable[[EngineEvent], None] | None = None,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        batching: BatchingOptions | None = None,
     ) -> None:
         self.on_event = on_event
         self.drain_timeout_s = drain_timeout_s
+        self.batching = batching or BatchingOptions()
+        self._scheduler: BatchScheduler | None = None
+        if self.batching.enabled:
+            self._scheduler = BatchScheduler(self.batching, make_sequence=self._make_sequence, classify=self._classify)
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._backend: Any = None
@@ -177,12 +192,26 @@ class Engine:
     # ------------------------------------------------------------------ worker
 
     def _worker(self) -> None:
+        sched = self._scheduler
         while True:
-            _, _, task = self._queue.get()
+            if sched is not None and sched.busy:
+                # a batch is running: take queued tasks between its steps, never block
+                try:
+                    _, _, task = self._queue.get_nowait()
+                except queue.Empty:
+                    self._batch_step(admit=True)
+                    continue
+            else:
+                _, _, task = self._queue.get()
             if task is None:
                 break
             with self._state_lock:
                 self._queued -= 1
+            if sched is not None and task.control:
+                # drain: let the running rows finish (admitting nobody) unless the caller
+                # stops waiting, in which case the task is withdrawn and batching resumes
+                while sched.running and not task.future.cancelled():
+                    self._batch_step(admit=False)
             if not task.future.set_running_or_notify_cancel():
                 if task.on_drop:
                     task.on_drop()
@@ -199,11 +228,20 @@ class Engine:
                 break
             if task is not None and task.future.cancel() and task.on_drop:
                 task.on_drop()
+        if sched is not None:
+            sched.abort_all(EngineShutdown("the engine shut down before the request finished"))
+
+    def _batch_step(self, *, admit: bool) -> None:
+        try:
+            with torch.inference_mode():
+                self._scheduler.step(admit=admit)  # type: ignore[union-attr]
+        except BaseException:  # the scheduler reports failures on streams; never kill the worker
+            log.exception("batch scheduler step failed")
 
     def _submit(self, fn: Callable[[], Any], priority: int, on_drop: Callable[[], None] | None = None) -> _Task:
         if self._closed:
             raise EngineShutdown("the engine is shut down")
-        task = _Task(fn, on_drop)
+        task = _Task(fn, on_drop, control=priority == _CONTROL)
         with self._state_lock:
             self._queued += 1
         self._queue.put((priority, next(self._seq), task))
@@ -267,6 +305,10 @@ class Engine:
                     raise InsufficientMemory(f"not enough memory to load {job.model_id}: {exc}") from exc
                 raise
             self._backend, self._model_id, self._load_job = backend, job.model_id, job
+            if self._scheduler is not None:
+                from .backends.transformers.batched import BatchedRunner
+
+                self._scheduler.set_backend(BatchedRunner(backend, self._hooks, max_rows=self.batching.max_batch_size))
             self._emit("model:load:complete", model_id=job.model_id)
             return self.status()
 
@@ -278,6 +320,8 @@ class Engine:
         self._detach_keys(list(self._attachments), reason="unload")
         backend, model_id = self._backend, self._model_id
         self._backend = self._model_id = self._load_job = None
+        if self._scheduler is not None:
+            self._scheduler.set_backend(None)
         backend.close()
         gc.collect()
         self._emit("model:unload:complete", model_id=model_id)
@@ -495,6 +539,32 @@ class Engine:
             with self._state_lock:
                 self._in_flight -= 1
 
+    def _make_sequence(self, job: GenerationJob, stream: GenerationStream) -> Any:
+        """Validate a job against the loaded model and build its decode state (batched path;
+        runs on the worker when the request gets a row, like the serial path's checks)."""
+        from .backends.transformers.sequence import Sequence
+
+        backend = self._require_backend()
+        prompt_ids = self._prompt_ids(job)
+        max_tokens = self._max_tokens(job, len(prompt_ids))
+        hooks = self._request_hooks(job, len(prompt_ids))
+        return Sequence(backend, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
+                        max_tokens=max_tokens, request_hooks=hooks, emit=stream._put, should_stop=stream._cancel.is_set)
+
+    def _classify(self, exc: BaseException) -> EngineError:
+        if is_out_of_memory(exc):
+            self._handle_oom(exc)
+            return InsufficientMemory(
+                "out of memory during generation; attached SAEs were detached, the base model keeps serving"
+            )
+        return GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+
+    def _enqueue(self, job: GenerationJob, stream: GenerationStream) -> None:
+        try:
+            self._scheduler.enqueue(job, stream)  # type: ignore[union-attr]
+        except EngineError as exc:
+            stream._put(ErrorEvent(job.request_id, exc.code, exc.message, exc.details))
+
     def generate(self, job: GenerationJob) -> GenerationStream:
         """Queue a generation; returns at once with a stream of its events."""
         stream = GenerationStream(job.request_id)
@@ -503,7 +573,10 @@ class Engine:
             err = EngineShutdown("the engine shut down before the request ran")
             stream._put(ErrorEvent(job.request_id, err.code, err.message, {}))
 
-        self._submit(lambda: self._run_generation(job, stream), _WORK, on_drop=dropped)
+        if self._scheduler is not None:
+            self._submit(lambda: self._enqueue(job, stream), _WORK, on_drop=dropped)
+        else:
+            self._submit(lambda: self._run_generation(job, stream), _WORK, on_drop=dropped)
         return stream
 
     def generate_sync(self, job: GenerationJob, *, timeout_s: float | None = None) -> GenerationResult:
@@ -566,15 +639,48 @@ class Engine:
         except EngineBusy:
             return False
 
+    def batching_status(self) -> dict[str, Any]:
+        """The generation backend's mode and what it can do per request (for health)."""
+        sched = self._scheduler
+        caps = {
+            "per_request_sampling": True,
+            "per_request_seeds": True,
+            "stop_sequences": True,
+            "cancellation": True,
+            "per_request_steering": True,
+            "per_request_monitoring": True,
+            "exact_monitoring_attribution": True,
+            "logprobs": True,
+            "prompt_logprobs": True,
+            "shared_forward_passes": sched is not None,
+            "serial_fallback": False,
+        }
+        data: dict[str, Any] = {
+            "enabled": sched is not None,
+            "mode": "continuous_batching" if sched is not None else "serial",
+            "capabilities": caps,
+        }
+        if sched is not None:
+            data.update(sched.status())
+        return data
+
+    def _in_flight_total(self) -> int:
+        sched = self._scheduler
+        # read without the worker's cooperation: a racy snapshot is fine for status
+        extra = len(sched.running) + len(sched.waiting) if sched is not None else 0
+        return self._in_flight + extra
+
     def status(self) -> EngineStatus:
         b = self._backend
         if b is None:
-            return EngineStatus(state="empty", in_flight=self._in_flight, queued=max(self._queued, 0))
+            return EngineStatus(state="empty", in_flight=self._in_flight_total(), queued=max(self._queued, 0),
+                                batching=self.batching_status())
         return EngineStatus(
             state="ready", backend=b.name, model_id=self._model_id, model_path=str(self._load_job.path) if self._load_job else None,
             dtype=self._load_job.dtype if self._load_job else None, device=str(b.device), context_length=b.context_length,
             num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
-            attachments=self.attachments(), in_flight=self._in_flight, queued=max(self._queued, 0),
+            attachments=self.attachments(), in_flight=self._in_flight_total(), queued=max(self._queued, 0),
+            batching=self.batching_status(),
         )
 
     @property

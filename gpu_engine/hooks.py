@@ -7,9 +7,12 @@ request and at which sequence position they start; the hook looks up that reques
 precomputed plan (steering delta, monitors) for its attachment.  With no context
 published (embeddings, scoring, an idle engine) the hook returns at once.
 
-The serial backend publishes one segment per forward; a batching scheduler publishes one
-per request in the batch, and the hook then adds a per-row delta table instead of one
-broadcast vector.
+The serial backend (and the batch scheduler's per-request prefill) publishes one segment
+per forward and the hook adds that request's delta as one broadcast vector.  A batched
+decode step publishes ``row_slots`` — the delta-table slot of every token row — and, per
+attachment, a table with each running request's delta in its slot (zeros for unsteered
+requests); the hook adds ``table[row_slots]`` (one gather, no loop over requests) and
+records that it did, and monitors read only the rows of the requests that asked.
 """
 
 from __future__ import annotations
@@ -192,22 +195,22 @@ class Segment:
 
 @dataclass
 class BatchContext:
-    segments: list[Segment]
-    _delta_tables: dict[AttachmentKey, torch.Tensor | None] = field(default_factory=dict)
+    """What the hooks need to know about the forward pass about to run.
 
-    def delta_rows(self, key: AttachmentKey, n_rows: int, like: torch.Tensor) -> torch.Tensor | None:
-        """A (rows, d) table with each request's delta on its rows (batched case)."""
-        if key not in self._delta_tables:
-            table = None
-            for seg in self.segments:
-                plan = seg.request.plans.get(key)
-                if plan is None or plan.delta is None:
-                    continue
-                if table is None:
-                    table = torch.zeros((n_rows, like.shape[-1]), dtype=like.dtype, device=like.device)
-                table[seg.row_start : seg.row_end] = plan.delta
-            self._delta_tables[key] = table
-        return self._delta_tables[key]
+    Single-request mode (``row_slots is None``): ``segments`` holds one segment covering
+    every row, and the hook applies that request's plan directly (counting it).
+
+    Batched mode: ``row_slots`` (n_rows,) maps each flattened token row to a slot of the
+    per-attachment ``delta_tables`` (slots, d); a table exists only for attachments that
+    at least one request in the batch steers.  ``segments`` lists only the requests that
+    monitor something, with their rows and positions.  The hook adds ``applied`` keys for
+    tables it really added; the scheduler turns that into per-request counts.
+    """
+
+    segments: list[Segment]
+    row_slots: torch.Tensor | None = None
+    delta_tables: dict[AttachmentKey, torch.Tensor] = field(default_factory=dict)
+    applied: set[AttachmentKey] = field(default_factory=set)
 
 
 @dataclass
@@ -231,7 +234,7 @@ class AttachmentHook:
         hidden = output[0] if is_tuple else output
         key = self.key
         segs = ctx.segments
-        if len(segs) == 1 and segs[0].row_start == 0:
+        if ctx.row_slots is None:
             plan = segs[0].request.plans.get(key)
             if plan is None:
                 return None
@@ -260,22 +263,20 @@ class AttachmentHook:
 
     def _batched(self, ctx: BatchContext, hidden: torch.Tensor) -> torch.Tensor | None:
         key = self.key
-        d = hidden.shape[-1]
-        flat = hidden.reshape(-1, d)
-        active = [(s, s.request.plans[key]) for s in ctx.segments if key in s.request.plans]
-        if not active:
+        table = ctx.delta_tables.get(key)
+        monitored = [(s, p) for s in ctx.segments if (p := s.request.plans.get(key)) is not None and (p.pre or p.post)]
+        if table is None and not monitored:
             return None
-        for seg, plan in active:
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        for seg, plan in monitored:
             for m in plan.pre:
                 m.observe(flat[seg.row_start : seg.row_end], seg.start_position)
-        table = ctx.delta_rows(key, flat.shape[0], flat)
         if table is not None:
-            flat = flat + table
+            # each row gets its own request's delta (zeros for unsteered requests)
+            flat = flat + table.index_select(0, ctx.row_slots)  # type: ignore[arg-type]
+            ctx.applied.add(key)
             self.stats.steering_apply_count += 1
-            for _, plan in active:
-                if plan.delta is not None:
-                    plan.count += 1
-        for seg, plan in active:
+        for seg, plan in monitored:
             for m in plan.post:
                 m.observe(flat[seg.row_start : seg.row_end], seg.start_position)
         return flat.view_as(hidden) if table is not None else hidden

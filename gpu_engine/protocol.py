@@ -412,6 +412,33 @@ class LoadModelJob(_Wire):
 
 
 @dataclass
+class BatchingOptions(_Wire):
+    """How the engine runs generations (an ``Engine`` constructor option).
+
+    ``enabled=False``: the serial backend, one generation at a time in arrival order.
+    ``enabled=True``: continuous batching — requests join the running batch between
+    decode steps (up to ``max_batch_size`` rows) and leave it when they finish, each with
+    its own sampling, seed, stops, steering and monitoring.  ``max_queue_size`` bounds the
+    requests waiting for a row (more are refused with ``engine_busy``).  Each scheduler
+    iteration prefills waiting requests until ``prefill_budget_tokens`` prompt tokens
+    have been spent (always at least one), so a burst of long prompts does not stall the
+    running rows for long.  ``force_serial_monitoring`` runs requests that monitor
+    anything alone (the old CBM_FORCE_SERIAL_MONITORING; attribution is exact either way).
+    """
+
+    enabled: bool = False
+    max_batch_size: int = 16
+    max_queue_size: int = 256
+    prefill_budget_tokens: int = 512
+    force_serial_monitoring: bool = False
+
+    def __post_init__(self) -> None:
+        _int(self.max_batch_size, "max_batch_size", lo=1, hi=4096)
+        _int(self.max_queue_size, "max_queue_size", lo=1)
+        _int(self.prefill_budget_tokens, "prefill_budget_tokens", lo=1)
+
+
+@dataclass
 class AttachSpec(_Wire):
     sae_id: str
     path: str
@@ -504,6 +531,8 @@ class EngineStatus:
     attachments: list[AttachmentStatus] = field(default_factory=list)
     in_flight: int = 0
     queued: int = 0
+    # the generation backend's mode and capabilities (``Engine.batching_status()``)
+    batching: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

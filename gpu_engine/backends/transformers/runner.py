@@ -128,6 +128,31 @@ class TransformersRunner:
         out = self.model(input_ids=input_ids, **kwargs)
         return out.logits[0], out.past_key_values
 
+    def prefill_full_cache(self, input_ids: torch.Tensor, *, all_logits: bool = False) -> tuple[torch.Tensor, Any]:
+        """A batch-1 prefill into a cache that keeps every position in every layer.
+
+        The model's own default cache trims sliding-window layers (Gemma 2) to the window;
+        the batch cache copies whole layers, so the prefill keeps them whole.  The
+        attention computed is the same either way (the window comes from the mask).
+        """
+        from transformers import DynamicCache
+
+        past = DynamicCache()
+        cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
+        return self.forward(input_ids, past, cache_position=cache_position, all_logits=all_logits)
+
+    def forward_rows(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor,
+                     attention_mask: torch.Tensor | None, past: Any) -> torch.Tensor:
+        """One decode step for every row of a batch cache: ``input_ids`` (rows, 1) at
+        per-row ``position_ids``, padding given by the 2-D ``attention_mask``; returns the
+        last-position logits (rows, V)."""
+        kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": past, "position_ids": position_ids,
+                                  "attention_mask": attention_mask}
+        if self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids, **kwargs)
+        return out.logits[:, -1]
+
     def last_hidden(self, ids: Sequence[int]) -> torch.Tensor:
         """Final hidden states (T, d) after the final norm (what embeddings pool)."""
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)

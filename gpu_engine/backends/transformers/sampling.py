@@ -19,6 +19,8 @@ class Sampler:
         self.greedy = params.temperature == 0.0 or params.top_k == 1
         self.rep = params.repetition_penalty != 1.0
         self.pres_freq = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+        # argmax of the raw logits: rows like this are sampled together in a batch
+        self.plain_greedy = self.greedy and not self.rep and not self.pres_freq
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         if self.rep:
@@ -72,4 +74,25 @@ class Sampler:
         return torch.multinomial(probs, 1, generator=self.generator)
 
 
-__all__ = ["Sampler"]
+def sample_rows(samplers: list[Sampler], logits: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` (rows, V), each with its own request's sampler.
+
+    Plain greedy rows share one argmax; the others go through their own ``Sampler`` (own
+    generator, penalties, top-k/top-p), so a seeded request draws the same numbers in a
+    batch as alone.  Returns a (rows,) long tensor, still on device.
+    """
+    n = len(samplers)
+    plain = [i for i, s in enumerate(samplers) if s.plain_greedy]
+    if len(plain) == n:
+        return torch.argmax(logits.float(), dim=-1)
+    out = torch.empty(n, dtype=torch.long, device=logits.device)
+    if plain:
+        idx = torch.tensor(plain, dtype=torch.long, device=logits.device)
+        out[idx] = torch.argmax(logits.index_select(0, idx).float(), dim=-1)
+    for i, s in enumerate(samplers):
+        if not s.plain_greedy:
+            out[i : i + 1] = s.sample(logits[i])
+    return out
+
+
+__all__ = ["Sampler", "sample_rows"]

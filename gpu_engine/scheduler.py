@@ -1,0 +1,227 @@
+"""Continuous-batching policy: who joins the batch, who leaves it, and when.
+
+The scheduler owns the requests waiting for a row and the sequences running in the
+batch; a backend's batched runner owns the forward passes (``start`` = one request's
+prefill and first token, ``step`` = one decode step for every row, ``remove``).  It runs
+on the engine's worker thread, one ``step`` at a time between the engine's other tasks,
+so nothing here needs a lock and an idle scheduler costs nothing (no thread of its own).
+
+One ``step``:
+
+1. requests whose caller cancelled leave: waiting ones end ``cancelled`` with no token,
+   running ones end ``cancelled`` with the tokens they have (within one decode step);
+2. admission (unless draining for attach/detach/load): waiting requests start in
+   arrival order while a row is free and the iteration's prefill budget lasts (the first
+   always starts); a request that must run alone (``force_serial_monitoring``) waits for
+   an empty batch and then holds it to itself;
+3. one decode step for every running row; finished rows leave at once, so their slot is
+   free for the next iteration's admissions.
+
+Failures: a request whose prefill fails ends with that error and the batch goes on; a
+failed decode step ends every running request with the error (the batch's state is
+unknown) and starts a fresh cache.  ``classify`` turns an exception into the engine
+error to report (and runs the engine's out-of-memory recovery).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from .errors import EngineBusy, EngineError
+from .protocol import BatchingOptions, ErrorEvent, FinishEvent, GenerationJob, Usage
+
+log = logging.getLogger("gpu_engine.scheduler")
+
+
+class BatchBackend(Protocol):
+    rows: list[Any]
+    steps: int
+
+    def start(self, seq: Any) -> bool: ...
+
+    def step(self) -> list[Any]: ...
+
+    def remove(self, seq: Any) -> None: ...
+
+    def reset(self) -> None: ...
+
+
+class _Stream(Protocol):
+    request_id: str
+
+    @property
+    def cancelled(self) -> bool: ...
+
+    def _put(self, event: Any) -> None: ...
+
+
+class BatchScheduler:
+    def __init__(
+        self,
+        options: BatchingOptions,
+        *,
+        make_sequence: Callable[[GenerationJob, Any], Any],
+        classify: Callable[[BaseException], EngineError],
+    ) -> None:
+        self.options = options
+        self.make_sequence = make_sequence
+        self.classify = classify
+        self.backend: BatchBackend | None = None
+        self.waiting: deque[tuple[GenerationJob, _Stream]] = deque()
+        self.running: list[Any] = []
+        self._exclusive = False
+        self.admitted_total = 0
+        self.refused_total = 0
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def set_backend(self, backend: BatchBackend | None) -> None:
+        """A new model (or none); only called with nothing running (control ops drain)."""
+        self.backend = backend
+        self.running = []
+        self._exclusive = False
+
+    def enqueue(self, job: GenerationJob, stream: _Stream) -> None:
+        """Accept a request for the batch, or refuse it at once (never wait).
+
+        Capacity is the free rows plus ``max_queue_size`` places: a burst that arrives
+        before the next step still fills the free rows rather than counting as queued.
+        """
+        free_rows = max(self.options.max_batch_size - len(self.running), 0)
+        if len(self.waiting) >= self.options.max_queue_size + free_rows:
+            self.refused_total += 1
+            raise EngineBusy(
+                f"the batch queue is full ({self.options.max_queue_size} requests waiting)",
+                details={"reason": "batch_queue_full", "max_queue_size": self.options.max_queue_size},
+            )
+        self.waiting.append((job, stream))
+
+    def _must_run_alone(self, job: GenerationJob) -> bool:
+        return self.options.force_serial_monitoring and job.monitor is not None and bool(job.monitor.entries)
+
+    # ------------------------------------------------------------------ step
+
+    def step(self, *, admit: bool = True) -> None:
+        self._reap_cancelled()
+        if admit:
+            self._admit()
+        if self.running:
+            self._decode()
+
+    def _reap_cancelled(self) -> None:
+        if self.waiting and any(stream.cancelled for _, stream in self.waiting):
+            keep: deque[tuple[GenerationJob, _Stream]] = deque()
+            for job, stream in self.waiting:
+                if stream.cancelled:
+                    stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
+                else:
+                    keep.append((job, stream))
+            self.waiting = keep
+        for seq in [s for s in self.running if s.should_stop()]:
+            seq.cancel()
+            self._retire(seq)
+
+    def _admit(self) -> None:
+        budget = self.options.prefill_budget_tokens
+        started = 0
+        while self.waiting and len(self.running) < self.options.max_batch_size and (budget > 0 or not started):
+            if self._exclusive:
+                return
+            job, stream = self.waiting[0]
+            alone = self._must_run_alone(job)
+            if alone and self.running:
+                return  # head of line waits for the batch to empty
+            self.waiting.popleft()
+            try:
+                if self.backend is None:
+                    from .errors import ModelNotLoaded
+
+                    raise ModelNotLoaded("no model is loaded")
+                seq = self.make_sequence(job, stream)
+            except Exception as exc:  # noqa: BLE001 - refusals (bad prompt, unknown SAE) end this request only
+                err = self._error(exc, job.request_id)
+                stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
+                continue
+            seq.exclusive = alone
+            started += 1
+            budget -= seq.n_prompt
+            self.admitted_total += 1
+            try:
+                finished = self.backend.start(seq)
+            except Exception as exc:  # noqa: BLE001 - reported on the request's stream
+                err = self._error(exc, job.request_id)
+                seq.emit(ErrorEvent(job.request_id, err.code, err.message, err.details))
+                if err.code == "insufficient_memory" or seq in self.backend.rows:
+                    # memory is short (SAEs were detached) or the batch state is unknown
+                    self._fail_running(err)
+                continue
+            if finished:
+                seq.emit(seq.finish())
+                continue
+            self.running.append(seq)
+            if alone:
+                self._exclusive = True
+                return
+
+    def _decode(self) -> None:
+        try:
+            finished = self.backend.step()  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - every running request gets the error
+            self._fail_running(self._error(exc, None))
+            return
+        for seq in finished:
+            self._retire(seq)
+
+    def _retire(self, seq: Any) -> None:
+        self.backend.remove(seq)  # type: ignore[union-attr]
+        self.running.remove(seq)
+        if seq.exclusive:
+            self._exclusive = False
+        seq.emit(seq.finish())
+
+    def _error(self, exc: BaseException, request_id: str | None) -> EngineError:
+        if not isinstance(exc, EngineError):
+            log.exception("batched generation failed (request %s)", request_id or "<batch step>", exc_info=exc)
+        return exc if isinstance(exc, EngineError) else self.classify(exc)
+
+    def _fail_running(self, err: EngineError) -> None:
+        for seq in self.running:
+            seq.emit(ErrorEvent(seq.request_id, err.code, err.message, err.details))
+        self.running = []
+        self._exclusive = False
+        if self.backend is not None:
+            self.backend.reset()
+
+    def abort_all(self, err: EngineError) -> None:
+        """End everything (engine shutdown)."""
+        for job, stream in self.waiting:
+            stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
+        self.waiting.clear()
+        self._fail_running(err)
+
+    # ------------------------------------------------------------------ status
+
+    def status(self) -> dict[str, Any]:
+        o = self.options
+        backend = self.backend
+        return {
+            "running": len(self.running),
+            "waiting": len(self.waiting),
+            "decode_steps": backend.steps if backend is not None else 0,
+            "admitted_total": self.admitted_total,
+            "refused_total": self.refused_total,
+            "max_batch_size": o.max_batch_size,
+            "max_queue_size": o.max_queue_size,
+            "prefill_budget_tokens": o.prefill_budget_tokens,
+            "force_serial_monitoring": o.force_serial_monitoring,
+        }
+
+
+__all__ = ["BatchBackend", "BatchScheduler"]
