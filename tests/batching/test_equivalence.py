@@ -28,6 +28,8 @@ from gpu_engine.protocol import (
 )
 from tests.engine.helpers import RefSAE, add_delta, capture
 from tests.engine.tolerances import (
+    BATCH_ENCODE_ATOL,
+    BATCH_ENCODE_RTOL,
     ENCODE_ATOL,
     ENCODE_RTOL,
     HOOK_ATOL,
@@ -85,10 +87,10 @@ def assert_same_records(got, want) -> None:
     for g, w in zip(got, want):
         assert [f.feature_index for f in g.features] == [f.feature_index for f in w.features] == FEATURES
         np.testing.assert_allclose([f.activation for f in g.features], [f.activation for f in w.features],
-                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+                                   atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
         assert [f.feature_index for f in g.top_k] == [f.feature_index for f in w.top_k]
         np.testing.assert_allclose([f.activation for f in g.top_k], [f.activation for f in w.top_k],
-                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+                                   atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
 
 
 def counts(result: GenerationResult) -> list[tuple[str, int, int]]:

@@ -26,7 +26,7 @@ from gpu_engine.protocol import (
     SteeringSpec,
     TokenEvent,
 )
-from tests.engine.tolerances import ENCODE_ATOL, ENCODE_RTOL, LOGPROB_ATOL
+from tests.engine.tolerances import BATCH_ENCODE_ATOL, BATCH_ENCODE_RTOL, BATCH_LOGPROB_ATOL
 
 from .conftest import MODEL_SAE, Choreography, load
 
@@ -89,10 +89,10 @@ def test_logprobs_in_a_batch_equal_the_solo_run(llama):
         assert res.token_ids == alone.token_ids
         for got, want in zip(res.logprobs, alone.logprobs):
             assert got.token_id == want.token_id
-            np.testing.assert_allclose(got.logprob, want.logprob, atol=LOGPROB_ATOL)
+            np.testing.assert_allclose(got.logprob, want.logprob, atol=BATCH_LOGPROB_ATOL)
             assert [e.token_id for e in got.top_logprobs] == [e.token_id for e in want.top_logprobs]
         if alone.prompt_logprobs is not None:
-            np.testing.assert_allclose(res.prompt_logprobs[1:], alone.prompt_logprobs[1:], atol=LOGPROB_ATOL)
+            np.testing.assert_allclose(res.prompt_logprobs[1:], alone.prompt_logprobs[1:], atol=BATCH_LOGPROB_ATOL)
 
 
 def test_streaming_monitor_records_travel_with_their_tokens(llama):
@@ -112,7 +112,7 @@ def test_streaming_monitor_records_travel_with_their_tokens(llama):
         assert [r.token_index for r in t.activations] == [r.token_index for r in s.activations] == [t.index]
         for a, b in zip(t.activations, s.activations):
             np.testing.assert_allclose([f.activation for f in a.features], [f.activation for f in b.features],
-                                       atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+                                       atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
 
 
 def test_detach_drains_the_running_batch_and_a_short_wait_is_refused(llama, tiny_assets):
