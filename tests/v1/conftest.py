@@ -63,11 +63,15 @@ def _register_assets() -> None:
 
 @pytest.fixture(scope="session")
 def v1_server(django_db_setup, django_db_blocker, tiny_assets) -> Any:
+    from django.conf import settings
     from django.db import connections
 
     from inference.admission import AdmissionController, set_admission
     from inference.engine_client import EmbeddedEngineClient, set_engine_client
 
+    # float32 on CPU whatever the machine: references are computed in float32
+    saved = settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE
+    settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = "cpu", "float32"
     client = EmbeddedEngineClient()
     previous_client = set_engine_client(client)
     previous_admission = set_admission(AdmissionController.from_settings())
@@ -79,6 +83,7 @@ def v1_server(django_db_setup, django_db_blocker, tiny_assets) -> Any:
     set_engine_client(previous_client)
     set_admission(previous_admission)
     client.shutdown()
+    settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = saved
     connections.close_all()
 
 
