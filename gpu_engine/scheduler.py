@@ -1,8 +1,8 @@
 """Continuous-batching policy: who joins the batch, who leaves it, and when.
 
 The scheduler owns the requests waiting for a row and the sequences running in the
-batch; a backend's batched runner owns the forward passes (``start`` = one request's
-prefill and first token, ``step`` = one decode step for every row, ``remove``).  It runs
+batch; a backend's batched runner owns the forward passes (``start`` = the admitted
+requests' prefill and first tokens, ``step`` = one decode step for every row, ``remove``).  It runs
 on the engine's worker thread, one ``step`` at a time between the engine's other tasks,
 so nothing here needs a lock and an idle scheduler costs nothing (no thread of its own).
 
@@ -40,7 +40,7 @@ class BatchBackend(Protocol):
     rows: list[Any]
     steps: int
 
-    def start(self, seq: Any) -> bool: ...
+    def start(self, seqs: list[Any]) -> list[Any]: ...
 
     def step(self) -> list[Any]: ...
 
@@ -130,14 +130,15 @@ class BatchScheduler:
 
     def _admit(self) -> None:
         budget = self.options.prefill_budget_tokens
-        started = 0
-        while self.waiting and len(self.running) < self.options.max_batch_size and (budget > 0 or not started):
+        admitted: list[Any] = []
+        while self.waiting and len(self.running) + len(admitted) < self.options.max_batch_size and (
+                budget > 0 or not admitted):
             if self._exclusive:
-                return
+                break
             job, stream = self.waiting[0]
             alone = self._must_run_alone(job)
-            if alone and self.running:
-                return  # head of line waits for the batch to empty
+            if alone and (self.running or admitted):
+                break  # head of line waits for the batch to empty
             self.waiting.popleft()
             try:
                 if self.backend is None:
@@ -150,25 +151,32 @@ class BatchScheduler:
                 stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
                 continue
             seq.exclusive = alone
-            started += 1
+            admitted.append(seq)
             budget -= seq.n_prompt
             self.admitted_total += 1
-            try:
-                finished = self.backend.start(seq)
-            except Exception as exc:  # noqa: BLE001 - reported on the request's stream
-                err = self._error(exc, job.request_id)
-                seq.emit(ErrorEvent(job.request_id, err.code, err.message, err.details))
-                if err.code == "insufficient_memory" or seq in self.backend.rows:
-                    # memory is short (SAEs were detached) or the batch state is unknown
-                    self._fail_running(err)
-                continue
-            if finished:
-                seq.emit(seq.finish())
-                continue
-            self.running.append(seq)
             if alone:
                 self._exclusive = True
-                return
+                break
+        if not admitted:
+            return
+        try:
+            finished = self.backend.start(admitted)  # type: ignore[union-attr]
+        except Exception as exc:  # noqa: BLE001 - reported on the requests' streams
+            err = self._error(exc, admitted[0].request_id)
+            for seq in admitted:
+                seq.emit(ErrorEvent(seq.request_id, err.code, err.message, err.details))
+            if err.code == "insufficient_memory" or any(s in self.backend.rows for s in admitted):  # type: ignore[union-attr]
+                # memory is short (SAEs were detached) or the batch state is unknown
+                self._fail_running(err)
+            self._exclusive = any(s.exclusive for s in self.running)
+            return
+        for seq in admitted:
+            if seq in finished:
+                if seq.exclusive:
+                    self._exclusive = False
+                seq.emit(seq.finish())
+            else:
+                self.running.append(seq)
 
     def _decode(self) -> None:
         try:

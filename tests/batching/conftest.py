@@ -52,7 +52,7 @@ def engines(tiny_assets):
 
 class Choreography:
     """Runs actions on the engine's worker at chosen forward passes, and records the batch
-    size of every forward: ``at[n]`` runs just before forward ``n`` (1-based) starts, so a
+    size (and input shape) of every forward: ``at[n]`` runs just before forward ``n`` (1-based) starts, so a
     request submitted there is admitted between that step and the next — the join step is
     exact, not a race with the test thread."""
 
@@ -60,6 +60,7 @@ class Choreography:
         self.model = model
         self.at: dict[int, list[Callable[[], None]]] = {}
         self.batch_sizes: list[int] = []
+        self.shapes: list[tuple[int, int]] = []
         self.lock = threading.Lock()
 
     def on(self, n: int, action: Callable[[], None]) -> None:
@@ -69,6 +70,7 @@ class Choreography:
         ids = kwargs.get("input_ids", args[0] if args else None)
         with self.lock:
             self.batch_sizes.append(int(ids.shape[0]))
+            self.shapes.append((int(ids.shape[0]), int(ids.shape[1])))
             n = len(self.batch_sizes)
         for action in self.at.pop(n, []):
             action()

@@ -43,6 +43,8 @@ SHORT = "the cat sat on the mat and"
 LONG = "the cat sat on the mat and the dog ran over the hills " * 10  # > 128 tokens (Gemma 2's window)
 MEDIUM = "a quick brown fox jumps over the lazy dog while the sun"
 TINY = "hello"
+# two prompts of nearly the same length, admitted together: one left-padded prefill
+PAIR = ("the dog ran over the hills and the cat sat on the mat", "one two three four five six seven eight nine ten")
 FEATURES = [0, 7, 100]
 
 
@@ -78,6 +80,11 @@ def scenario(sae) -> dict[str, GenerationJob]:
         "F": GenerationJob("F", prompt=SHORT + " then", steering=steer(sae, {17: 6.0}), sampling=SamplingParams(
             max_tokens=20, temperature=1.1, top_p=0.9, top_k=40, seed=1234, repetition_penalty=1.1,
             presence_penalty=0.3, frequency_penalty=0.2, ignore_eos=True)),
+        # joining together and prefilled in one padded forward: steered + monitored prompt rows,
+        # and unsteered + monitored pre-steering
+        "G": GenerationJob("G", prompt=PAIR[0], sampling=greedy(18), steering=steer(sae, {5: 7.0}),
+                           monitor=monitor(sae, "post_steering", "prompt")),
+        "H": GenerationJob("H", prompt=PAIR[1], sampling=greedy(22), monitor=monitor(sae, "pre_steering", "all")),
     }
 
 
@@ -97,7 +104,7 @@ def counts(result: GenerationResult) -> list[tuple[str, int, int]]:
     return [(c.sae_id, c.layer, c.count) for c in result.steering_apply_count]
 
 
-def run_mixed_batch(batched, jobs: dict[str, GenerationJob]) -> tuple[dict[str, GenerationResult], list[int]]:
+def run_mixed_batch(batched, jobs: dict[str, GenerationJob]) -> tuple[dict[str, GenerationResult], Choreography]:
     choreo = Choreography(batched.backend.model)
     streams = {}
 
@@ -108,6 +115,8 @@ def run_mixed_batch(batched, jobs: dict[str, GenerationJob]) -> tuple[dict[str, 
     choreo.on(6, lambda: submit("C"))
     choreo.on(6, lambda: submit("D"))
     choreo.on(10, lambda: submit("F"))
+    choreo.on(12, lambda: submit("G"))
+    choreo.on(12, lambda: submit("H"))
     choreo.on(15, lambda: streams["E"].cancel())
     with choreo.installed():
         submit("A")
@@ -116,7 +125,7 @@ def run_mixed_batch(batched, jobs: dict[str, GenerationJob]) -> tuple[dict[str, 
         while len(streams) < len(jobs) and time.monotonic() < deadline:
             time.sleep(0.005)
         results = {name: streams[name].result(timeout_s=60) for name in jobs}
-    return results, choreo.batch_sizes
+    return results, choreo
 
 
 @pytest.mark.parametrize("model_name", list(MODEL_SAE))
@@ -127,13 +136,16 @@ def test_every_request_in_a_mixed_batch_equals_its_solo_run(engines, tiny_assets
     if model_name == "tiny-gemma2":
         assert len(batched.backend.encode_text(LONG)) > batched.backend.model.config.sliding_window
 
-    mixed, batch_sizes = run_mixed_batch(batched, jobs)
+    mixed, choreo = run_mixed_batch(batched, jobs)
+    batch_sizes = choreo.batch_sizes
     solo = {name: batched.generate_sync(job, timeout_s=60) for name, job in jobs.items() if name != "E"}
     serial_runs = {name: serial.generate_sync(job, timeout_s=60) for name, job in jobs.items() if name != "E"}
 
-    # they really shared forward passes: six requests in flight at once
-    assert max(batch_sizes) >= 5
+    # they really shared forward passes (up to seven requests in one step), and G and H
+    # were prefilled together in one left-padded forward
+    assert max(batch_sizes) >= 6
     assert len(batch_sizes) < sum(r.forward_passes for r in mixed.values())
+    assert (2, max(len(batched.backend.encode_text(p)) for p in PAIR)) in choreo.shapes
 
     for name, res in mixed.items():
         if name == "E":
@@ -144,7 +156,7 @@ def test_every_request_in_a_mixed_batch_equals_its_solo_run(engines, tiny_assets
         steered = jobs[name].steering is not None and not jobs[name].steering.is_empty()
         assert counts(res) == ([(sae.name, sae.layer, res.forward_passes)] if steered else []), name
         assert counts(res) == counts(solo[name])
-    for name in ("A", "B"):
+    for name in ("A", "B", "G", "H"):
         assert_same_records(mixed[name].activations, solo[name].activations)
         assert_same_records(mixed[name].activations, serial_runs[name].activations)
 
@@ -169,8 +181,8 @@ def test_a_batched_request_matches_hf_generate_with_the_tests_own_hook(engines, 
     model_asset = tiny_assets.models["tiny-llama"]
     sae = tiny_assets.saes[MODEL_SAE["tiny-llama"]]
     jobs = scenario(sae)
-    mixed, batch_sizes = run_mixed_batch(batched, jobs)
-    assert max(batch_sizes) >= 5
+    mixed, choreo = run_mixed_batch(batched, jobs)
+    assert max(choreo.batch_sizes) >= 6
     a = mixed["A"]
 
     model = batched.backend.model

@@ -3,9 +3,10 @@
 The scheduler (``gpu_engine.scheduler``) decides who runs; this class only runs forward
 passes and samples each row with its own request's sampler (STYLE §10):
 
-- ``start(seq)``: the request's prefill, alone and unpadded (so it is the very forward
-  the serial path runs), with its own hooks; samples its first token, then copies its
-  KV into the batch cache as a new row unless it already finished.
+- ``start(seqs)``: the newly admitted requests' prefill — one alone and unpadded (the
+  very forward the serial path runs), several of similar length in one left-padded
+  forward — with their own hooks; samples their first tokens, then copies each one's KV
+  into the batch cache as a new row unless it already finished.
 - ``step()``: one decode forward for every running row, with per-row positions, a
   padding mask, and a ``BatchContext`` whose per-attachment delta tables hold each
   request's steering delta in the request's slot; samples every row; one host sync.
@@ -22,10 +23,39 @@ import torch
 
 from ...hooks import BatchContext, HookManager, Segment
 from ...protocol import AttachmentKey
+from .attention import use_grouped_sdpa
 from .kv_cache import BatchKVCache
 from .runner import TransformersRunner
 from .sampling import sample_rows
 from .sequence import Sequence
+
+# a padded prefill group may waste at most this share of its (rows × longest prompt) area
+MAX_PREFILL_PADDING = 0.25
+
+
+def prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """Split newly admitted requests into prefill forwards.
+
+    Shortest first, a group grows while its left padding stays under
+    ``MAX_PREFILL_PADDING`` of the padded area; a request asking for prompt logprobs
+    prefills alone (it needs every position's logits).  On CPU one padded forward of 16
+    ~20-token prompts took 0.31 s against 0.96 s for 16 separate ones (SmolLM2, fp32).
+    """
+    groups: list[list[Sequence]] = []
+    current: list[Sequence] = []
+    for s in sorted(seqs, key=lambda s: s.n_prompt):
+        if s.sampling.prompt_logprobs:
+            groups.append([s])
+            continue
+        width = s.n_prompt  # sorted: the newcomer is the longest
+        total = sum(x.n_prompt for x in current) + s.n_prompt
+        if current and (width * (len(current) + 1) - total) > MAX_PREFILL_PADDING * width * (len(current) + 1):
+            groups.append(current)
+            current = []
+        current.append(s)
+    if current:
+        groups.append(current)
+    return groups
 
 
 class BatchedRunner:
@@ -34,6 +64,7 @@ class BatchedRunner:
         self.hooks = hooks
         self.max_rows = max_rows
         self.device = runner.device
+        self.grouped_attention = use_grouped_sdpa(runner.model)
         self.cache = BatchKVCache(runner.num_layers, device=runner.device, dtype=runner.dtype)
         self.rows: list[Sequence] = []
         self._free_slots = list(range(max_rows - 1, -1, -1))
@@ -44,32 +75,79 @@ class BatchedRunner:
 
     # ------------------------------------------------------------------ rows
 
-    def start(self, seq: Sequence) -> bool:
-        """Prefill ``seq`` and take its first token; True when that already finished it."""
-        runner = self.runner
+    def start(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Prefill newly admitted requests and take their first tokens; the ones not yet
+        finished join the batch.  Returns the ones that finished already."""
+        finished: list[Sequence] = []
+        for group in prefill_groups(seqs):
+            finished.extend(self._prefill(group))
+        return finished
+
+    def _prefill(self, group: list[Sequence]) -> list[Sequence]:
+        for seq in group:
+            self._register(seq)
+        try:
+            if len(group) == 1:
+                logits, past, skips = self._prefill_one(group[0])
+            else:
+                logits, past, skips = self._prefill_padded(group)
+        except BaseException:
+            for seq in group:
+                self._unregister(seq)
+            raise
+        tokens = sample_rows([s.sampler for s in group], logits)
+        lsm = torch.log_softmax(logits.float(), dim=-1) if any(s.want_lp for s in group) else None
+        for i, s in enumerate(group):
+            if not s.sampler.plain_greedy:
+                s.sampler.observe(tokens[i : i + 1])
+        ids = tokens.tolist()
+        finished = []
+        for i, seq in enumerate(group):
+            seq.forwards += 1
+            if seq.accept(ids[i], lsm[i] if lsm is not None and seq.want_lp else None):
+                self._unregister(seq)
+                finished.append(seq)
+            else:
+                self.cache.merge(past, row=i, skip=skips[i])
+                self.rows.append(seq)
+                self._row_slots = None
+        return finished
+
+    def _prefill_one(self, seq: Sequence) -> tuple[torch.Tensor, object, list[int]]:
+        """Alone and unpadded: the very forward the serial path runs (hooks count it)."""
         ctx = BatchContext([Segment(seq.hooks, 0, seq.n_prompt, 0)]) if seq.hooks is not None else None
         echo = seq.sampling.prompt_logprobs
         with self.hooks.active(ctx):
-            logits, past = runner.prefill_full_cache(seq.prompt, all_logits=echo)
-        seq.forwards += 1
+            logits, past = self.runner.prefill_full_cache(seq.prompt, all_logits=echo)
         if echo:
             seq.echo_logprobs(logits)
-        last = logits[-1]
-        token = seq.sampler.sample(last)
-        seq.sampler.observe(token)
-        lsm = torch.log_softmax(last.float(), dim=-1) if seq.want_lp else None
-        if seq.accept(int(token), lsm):
-            return True
-        self._add(seq, past)
-        return False
+        return logits[-1:], past, [0]
 
-    def _add(self, seq: Sequence, past: object) -> None:
-        if len(self.rows) >= self.max_rows:
+    def _prefill_padded(self, group: list[Sequence]) -> tuple[torch.Tensor, object, list[int]]:
+        """Several prompts in one left-padded forward: one weight read for all of them."""
+        width = max(s.n_prompt for s in group)
+        skips = [width - s.n_prompt for s in group]
+        input_ids = torch.zeros((len(group), width), dtype=torch.long, device=self.device)
+        mask = torch.zeros((len(group), width), dtype=torch.long, device=self.device)
+        segments = []
+        for i, (s, pad) in enumerate(zip(group, skips)):
+            input_ids[i, pad:] = s.prompt[0]
+            mask[i, pad:] = 1
+            if s.monitoring:
+                segments.append(Segment(s.hooks, i * width + pad, (i + 1) * width, 0))  # type: ignore[arg-type]
+        slots = torch.tensor([s.slot for s in group], dtype=torch.long, device=self.device)
+        ctx = BatchContext(segments, row_slots=slots.repeat_interleave(width), delta_tables=self._tables)
+        with self.hooks.active(ctx):
+            logits, past = self.runner.prefill_rows(input_ids, mask)
+        self._count(group, ctx)
+        return logits, past, skips
+
+    def _register(self, seq: Sequence) -> None:
+        """A delta-table slot for ``seq`` and its deltas in the tables it steers."""
+        if len(self.rows) >= self.max_rows or not self._free_slots:
             raise RuntimeError("the batch is full")  # the scheduler never lets this happen
-        self.cache.merge(past)
         seq.slot = self._free_slots.pop()
-        self.rows.append(seq)
-        self._row_slots = None
+        seq.steered_keys = []
         for key, plan in (seq.hooks.plans.items() if seq.hooks is not None else ()):
             if plan.delta is None:
                 continue
@@ -80,6 +158,30 @@ class BatchedRunner:
                 self._steered[key] = []
             table[seq.slot] = plan.delta
             self._steered[key].append(seq)
+            seq.steered_keys.append(key)
+
+    def _unregister(self, seq: Sequence) -> None:
+        for key in seq.steered_keys:
+            seqs = self._steered[key]
+            seqs.remove(seq)
+            if seqs:
+                self._tables[key][seq.slot].zero_()
+            else:  # nobody steers here any more: the hook skips the add entirely
+                del self._steered[key], self._tables[key]
+        seq.steered_keys = []
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+            seq.slot = -1
+
+    @staticmethod
+    def _count(seqs: list[Sequence], ctx: BatchContext) -> None:
+        """+1 for each request whose delta the hook really added in this forward."""
+        if not ctx.applied:
+            return
+        for s in seqs:
+            for key in s.steered_keys:
+                if key in ctx.applied:
+                    s.hooks.plans[key].count += 1  # type: ignore[union-attr]
 
     def remove(self, seq: Sequence) -> None:
         row = self.rows.index(seq)
@@ -88,21 +190,14 @@ class BatchedRunner:
             self.rows[row] = self.rows[moved]
         self.rows.pop()
         self._row_slots = None
-        for key in [k for k, seqs in self._steered.items() if seq in seqs]:
-            seqs = self._steered[key]
-            seqs.remove(seq)
-            if seqs:
-                self._tables[key][seq.slot].zero_()
-            else:  # nobody steers here any more: the hook skips the add entirely
-                del self._steered[key], self._tables[key]
-        self._free_slots.append(seq.slot)
-        seq.slot = -1
+        self._unregister(seq)
 
     def reset(self) -> None:
         """Forget every row (after a failed step); frees the cache."""
         for seq in self.rows:
-            self._free_slots.append(seq.slot)
             seq.slot = -1
+            seq.steered_keys = []
+        self._free_slots = list(range(self.max_rows - 1, -1, -1))
         self.rows = []
         self._tables.clear()
         self._steered.clear()
@@ -130,9 +225,7 @@ class BatchedRunner:
             logits = self.runner.forward_rows(input_ids, position_ids=position_ids, attention_mask=mask, past=cache)
         cache.advance(1)
         self.steps += 1
-        for key in ctx.applied:
-            for s in self._steered.get(key, ()):
-                s.hooks.plans[key].count += 1  # type: ignore[union-attr]
+        self._count(rows, ctx)
         tokens = sample_rows([s.sampler for s in rows], logits)
         lsm = None
         if any(s.want_lp for s in rows):

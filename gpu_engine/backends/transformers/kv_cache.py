@@ -130,9 +130,10 @@ class BatchKVCache(Cache):
 
     # ------------------------------------------------------------------ rows
 
-    def merge(self, past: Any) -> int:
-        """Append one prefilled sequence (a batch-1 cache with P tokens); returns its row."""
-        per_layer = [(layer.keys, layer.values) for layer in past.layers]
+    def merge(self, past: Any, *, row: int = 0, skip: int = 0) -> int:
+        """Append one prefilled sequence — row ``row`` of a prefill cache, without its first
+        ``skip`` (left-padding) positions; returns its row here."""
+        per_layer = [(layer.keys[row : row + 1, :, skip:], layer.values[row : row + 1, :, skip:]) for layer in past.layers]
         if len(per_layer) != len(self.layers):
             raise RuntimeError(f"prefill cache has {len(per_layer)} layers, the batch cache {len(self.layers)}")
         p = int(per_layer[0][0].shape[-2])
@@ -150,16 +151,16 @@ class BatchKVCache(Cache):
         if shift:
             self.start = [s + shift for s in self.start]
             self.length += shift
-        row = self.rows
+        new_row = self.rows
         lo = self.length - p
         for layer, (k, v) in zip(self.layers, per_layer):
-            layer.k_buf[row, :, :lo].zero_()
-            layer.v_buf[row, :, :lo].zero_()
-            layer.k_buf[row, :, lo : self.length] = k[0]
-            layer.v_buf[row, :, lo : self.length] = v[0]
+            layer.k_buf[new_row, :, :lo].zero_()
+            layer.v_buf[new_row, :, :lo].zero_()
+            layer.k_buf[new_row, :, lo : self.length] = k[0]
+            layer.v_buf[new_row, :, lo : self.length] = v[0]
         self.start.append(lo)
         self.rows += 1
-        return row
+        return new_row
 
     def remove(self, row: int) -> int | None:
         """Drop ``row``; the last row moves into its place.  Returns the moved row's old

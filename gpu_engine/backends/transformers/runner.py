@@ -141,6 +141,19 @@ class TransformersRunner:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.forward(input_ids, past, cache_position=cache_position, all_logits=all_logits)
 
+    def prefill_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """A prefill of several left-padded prompts (rows, T) at once into a full cache;
+        returns the last position's logits (rows, V) and the cache."""
+        from transformers import DynamicCache
+
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": DynamicCache(), "position_ids": position_ids,
+                                  "attention_mask": attention_mask}
+        if self._has_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids, **kwargs)
+        return out.logits[:, -1], out.past_key_values
+
     def forward_rows(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor,
                      attention_mask: torch.Tensor | None, past: Any) -> torch.Tensor:
         """One decode step for every row of a batch cache: ``input_ids`` (rows, 1) at

@@ -85,8 +85,9 @@ class Sequence:
         self.finish_reason = "length"
         self.forwards = 0
         self.done = False
-        # scheduler bookkeeping (batched path): delta-table slot, row in the batch cache
+        # batched path: delta-table slot and the attachments this request steers
         self.slot = -1
+        self.steered_keys: list = []
 
     @property
     def steered(self) -> bool:

@@ -1,0 +1,272 @@
+"""Continuous batching inside the engine: throughput against the serial path and the
+alternatives we could have built on (a benchmark, not a test).
+
+Measured in one process, interleaved round by round (order rotated each round) so drift
+from other load hits every mode alike; greedy, ``--tokens`` new tokens per request
+(``ignore_eos``), prompts of ~20 tokens that differ per request.
+
+  serial          the serial engine; requests run one after another (its throughput does
+                  not depend on how many are queued, so ``--serial-requests`` of them are run)
+  engine          the continuous-batching engine, all requests submitted at once
+  engine_mixed    the same with an SAE attached and mixed per-request steering: a third
+                  unsteered, the others steered with different features (8 each)
+  raw_slab        our decode loop over the slab cache (``BatchKVCache``) without scheduler,
+                  hooks or events: what the engine's bookkeeping costs
+  raw_dynamic     the same loop over transformers' ``DynamicCache``, left-padded once and
+                  grown by ``torch.cat`` every step (the layout we did not pick)
+  hf_static       ``model.generate`` on a left-padded static batch (SPEC §7: 7.5× at 16, fp32)
+  hf_generate_batch  transformers' continuous batching (``generate_batch``; SPEC §7: 4.9×)
+
+``--idle`` also measures a single serial request with and without a continuous-batching
+engine (its own model copy) idle in the same process, and with transformers' own
+``ContinuousBatchingManager`` idle (SPEC §7: 0.94× fp32).  Usage:
+
+    .venv/bin/python benchmarks/batching_engine.py --batch 1 --batch 4 --batch 8 --batch 16 --rounds 3 --idle
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch
+
+from benchmarks.engine_decode import bench_sae
+from gpu_engine.assets import ensure_assets
+from gpu_engine.engine import Engine
+from gpu_engine.protocol import (
+    AttachSpec,
+    BatchingOptions,
+    GenerationJob,
+    LoadModelJob,
+    SamplingParams,
+    SteeringSpec,
+)
+
+TOPICS = ["a lighthouse keeper", "a lost robot", "two rival bakers", "a talking cat", "an old map",
+          "a desert caravan", "a violin maker", "a snowed-in village", "a deep-sea diver", "a chess prodigy",
+          "a forgotten library", "a runaway balloon", "a night train", "a garden gnome", "a jazz drummer",
+          "a retired astronaut"]
+
+
+def prompt(i: int) -> str:
+    return f"Write a short story about {TOPICS[i % len(TOPICS)]} who finds a message in a bottle."
+
+
+def asset_root() -> Path:
+    return Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets")
+
+
+def steering_for(i: int, sae_id: str, layer: int) -> SteeringSpec | None:
+    if i % 3 == 0:
+        return None
+    return SteeringSpec.from_mapping({(sae_id, layer): {(i * 131 + j * 97) % 16384: 4.0 for j in range(8)}})
+
+
+def jobs(n: int, tokens: int, steer: tuple[str, int] | None = None) -> list[GenerationJob]:
+    return [GenerationJob(f"b{i}", prompt=prompt(i),
+                          steering=steering_for(i, *steer) if steer else None,
+                          sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+            for i in range(n)]
+
+
+def run_engine(engine: Engine, batch: list[GenerationJob]) -> float:
+    t0 = time.perf_counter()
+    streams = [engine.generate(j) for j in batch]
+    total = sum(s.result(timeout_s=1200).usage.completion_tokens for s in streams)
+    return total / (time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- raw loops
+
+
+def raw_loop(runner, ids: list[list[int]], tokens: int, layout: str) -> float:
+    from transformers import DynamicCache
+
+    from gpu_engine.backends.transformers.kv_cache import BatchKVCache
+
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        firsts, pasts = [], []
+        for p in ids:
+            logits, past = runner.prefill_full_cache(torch.tensor([p]))
+            firsts.append(int(logits[-1].argmax()))
+            pasts.append(past)
+        nxt = firsts
+        if layout == "slab":
+            cache = BatchKVCache(runner.num_layers, device=runner.device, dtype=runner.dtype)
+            for past in pasts:
+                cache.merge(past)
+            for _ in range(tokens - 1):
+                cache.reserve(1)
+                pos, mask = cache.step_inputs()
+                logits = runner.forward_rows(torch.tensor([[t] for t in nxt]), position_ids=pos,
+                                             attention_mask=mask, past=cache)
+                cache.advance(1)
+                nxt = logits.argmax(-1).tolist()
+        else:
+            longest = max(len(p) for p in ids)
+            cache = DynamicCache()
+            for layer in range(runner.num_layers):
+                ks, vs = [], []
+                for past, p in zip(pasts, ids):
+                    pad = longest - len(p)
+                    ks.append(torch.nn.functional.pad(past.layers[layer].keys, (0, 0, pad, 0)))
+                    vs.append(torch.nn.functional.pad(past.layers[layer].values, (0, 0, pad, 0)))
+                cache.update(torch.cat(ks), torch.cat(vs), layer)
+            starts = torch.tensor([longest - len(p) for p in ids])
+            length = longest
+            for _ in range(tokens - 1):
+                pos = (length - starts).unsqueeze(1)
+                mask = (torch.arange(length + 1).unsqueeze(0) >= starts.unsqueeze(1)).long()
+                logits = runner.forward_rows(torch.tensor([[t] for t in nxt]), position_ids=pos,
+                                             attention_mask=mask, past=cache)
+                length += 1
+                nxt = logits.argmax(-1).tolist()
+    return len(ids) * tokens / (time.perf_counter() - t0)
+
+
+def hf_static(runner, texts: list[str], tokens: int) -> float:
+    tok = runner.tokenizer
+    tok.padding_side = "left"
+    enc = tok(texts, return_tensors="pt", padding=True)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = runner.model.generate(**enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                    pad_token_id=tok.pad_token_id)
+    assert out.shape[1] - enc["input_ids"].shape[1] == tokens
+    return len(texts) * tokens / (time.perf_counter() - t0)
+
+
+def hf_generate_batch(model, ids: list[list[int]], tokens: int) -> float:
+    from transformers import GenerationConfig
+
+    cfg = GenerationConfig(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=-1,
+                           pad_token_id=0)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate_batch(ids, generation_config=cfg, warmup=False)
+    n = sum(len(o.generated_tokens) for o in out.values())
+    return n / (time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    ap.add_argument("--batch", type=int, action="append")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--serial-requests", type=int, default=3)
+    ap.add_argument("--modes", default="serial,engine,engine_mixed,raw_slab,raw_dynamic,hf_static,hf_generate_batch")
+    ap.add_argument("--idle", action="store_true", help="also measure the serial path beside idle batching")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    batches = args.batch or [1, 4, 8, 16]
+    modes = args.modes.split(",")
+
+    manifest = ensure_assets(asset_root(), include_demo="smollm" in args.model)
+    path = manifest.models[args.model].path
+    load = LoadModelJob(args.model, str(path), dtype=args.dtype, device="cpu")
+    serial = Engine()
+    serial.load_model(load)
+    batched = Engine(batching=BatchingOptions(enabled=True, max_batch_size=max(batches)))
+    batched.load_model(load)
+    runner = batched.backend
+    layer = runner.num_layers // 2
+    sae_path = bench_sae(args.model, runner.hidden_size, 16384, layer)
+    hf_cb_model = None
+    if "hf_generate_batch" in modes:
+        from transformers import AutoModelForCausalLM
+
+        hf_cb_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=runner.dtype).eval()
+
+    def measure(mode: str, n: int) -> float:
+        ids = [runner.encode_text(prompt(i)) for i in range(n)]
+        if mode == "serial":
+            return run_engine(serial, jobs(min(n, args.serial_requests), args.tokens))
+        if mode == "engine":
+            batched.detach(None)
+            return run_engine(batched, jobs(n, args.tokens))
+        if mode == "engine_mixed":
+            if not batched.attachments():
+                batched.attach(AttachSpec("bench", str(sae_path), layer))
+            return run_engine(batched, jobs(n, args.tokens, ("bench", layer)))
+        if mode.startswith("raw_"):
+            return raw_loop(runner, ids, args.tokens, mode[4:])
+        if mode == "hf_static":
+            return hf_static(runner, [prompt(i) for i in range(n)], args.tokens)
+        if mode == "hf_generate_batch":
+            return hf_generate_batch(hf_cb_model, ids, args.tokens)
+        raise ValueError(mode)
+
+    for n in batches:  # warm-up: allocator, kernels, first-call overheads
+        for mode in modes:
+            if mode != "serial":
+                measure(mode, min(n, 2))
+    samples: dict[str, dict[int, list[float]]] = {m: {n: [] for n in batches} for m in modes}
+    idle: dict[str, list[float]] = {"alone": [], "beside_idle_engine": [], "beside_idle_hf_manager": []}
+    for r in range(args.rounds):
+        for n in batches:
+            k = r % len(modes)
+            for mode in modes[k:] + modes[:k]:
+                if mode == "serial" and n != batches[0]:
+                    # one serial figure per round serves every batch size
+                    samples["serial"][n].append(samples["serial"][batches[0]][-1])
+                    continue
+                samples[mode][n].append(measure(mode, n))
+                print(f"round {r} n={n} {mode}: {samples[mode][n][-1]:.1f} tok/s", file=sys.stderr)
+        if args.idle:
+            one = jobs(1, args.tokens)
+            batched.unload_model()
+            idle["alone"].append(run_engine(serial, one))
+            batched.load_model(load)  # loaded and idle: its worker blocks on its queue
+            idle["beside_idle_engine"].append(run_engine(serial, one))
+            if hf_cb_model is not None:
+                manager = hf_cb_model.init_continuous_batching()
+                manager.start()
+                try:
+                    idle["beside_idle_hf_manager"].append(run_engine(serial, one))
+                finally:
+                    manager.stop(block=True)
+    serial.shutdown()
+    batched.shutdown()
+
+    med = {m: {n: statistics.median(v) for n, v in per.items() if v} for m, per in samples.items()}
+    best = {m: {n: max(v) for n, v in per.items() if v} for m, per in samples.items()}
+    print(f"\n{args.model} dtype={args.dtype} tokens={args.tokens} rounds={args.rounds} "
+          f"threads={torch.get_num_threads()}  (tok/s median | best; ratio = / serial of the same statistic)")
+    print(f"  {'mode':<18}" + "".join(f"{'n=' + str(n):>26}" for n in batches))
+    for m in modes:
+        cells = []
+        for n in batches:
+            ms, bs = med[m][n], best[m][n]
+            cells.append(f"{ms:7.1f}|{bs:6.1f} ({ms / med['serial'][n]:4.2f}×|{bs / best['serial'][n]:4.2f}×)")
+        print(f"  {m:<18}" + "".join(f"{c:>26}" for c in cells))
+    if "engine_mixed" in modes and "engine" in modes:
+        print("  mixed steering / unsteered batch: " + ", ".join(
+            f"n={n}: {med['engine_mixed'][n] / med['engine'][n]:.3f} (best {best['engine_mixed'][n] / best['engine'][n]:.3f})"
+            for n in batches))
+    result = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens, "rounds": args.rounds,
+              "samples": samples, "median": med, "best": best}
+    if args.idle:
+        im = {k: statistics.median(v) for k, v in idle.items() if v}
+        print("  serial single request: " + ", ".join(f"{k} {v:.1f} tok/s ({v / im['alone']:.3f}×)" for k, v in im.items()))
+        result["idle"] = idle
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
