@@ -24,6 +24,7 @@ from gpu_engine.protocol import (
     AttachmentStatus,
     AttachResult,
     AttachSpec,
+    BatchingOptions,
     EmbedJob,
     EmbedResult,
     EngineEvent,
@@ -173,7 +174,8 @@ class EmbeddedEngineClient(EngineClient):
         from gpu_engine.engine import Engine
 
         self._engine = Engine(on_event=on_event,
-                              drain_timeout_s=drain_timeout_s or settings.GRACEFUL_UNLOAD_TIMEOUT)
+                              drain_timeout_s=drain_timeout_s or settings.GRACEFUL_UNLOAD_TIMEOUT,
+                              batching=batching_options())
 
     @property
     def engine(self) -> Any:
@@ -213,6 +215,18 @@ class EmbeddedEngineClient(EngineClient):
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+
+def batching_options() -> BatchingOptions:
+    """The engine's generation mode from settings.  With batching on, the admission slots
+    (MAX_CONCURRENT_REQUESTS) are the batch's rows: every admitted request shares the
+    decode steps, each with its own steering, sampling and monitoring."""
+    return BatchingOptions(
+        enabled=bool(settings.ENABLE_CONTINUOUS_BATCHING),
+        max_batch_size=max(int(settings.MAX_CONCURRENT_REQUESTS), 1),
+        max_queue_size=int(settings.CBM_MAX_QUEUE_SIZE),
+        force_serial_monitoring=bool(settings.CBM_FORCE_SERIAL_MONITORING),
+    )
 
 
 def resolve_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:

@@ -454,6 +454,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                 res.events = client.agenerate(choice.job)
                 pending = None
             opened = False
+            held = b""
             tokens: list[TokenEvent] = []
             while True:
                 if pending is None:
@@ -466,24 +467,26 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                 else:
                     event, pending = pending, None
                 if isinstance(event, ErrorEvent):
-                    yield openai_error_frame(openai_error_event(event.code, event.message,
-                                                                event.details))
+                    yield held + openai_error_frame(openai_error_event(
+                        event.code, event.message, event.details))
                     return
                 if not opened:
                     opened = True
                     prompt_ids = event.prompt_token_ids if isinstance(event, FinishEvent) \
                         else None
                     opening = _opening(plan, choice, prompt_ids)
-                    if opening is not None:
-                        yield _sse(_chunk(plan, [opening]))
+                    # sent with the first token, in one write
+                    held = _sse(_chunk(plan, [opening])) if opening is not None else b""
                 if isinstance(event, TokenEvent):
                     tokens.append(event)
                     piece = _token_choice(plan, choice, event)
                     if piece is not None:
-                        yield _sse(_chunk(plan, [piece]))
+                        yield held + _sse(_chunk(plan, [piece]))
+                        held = b""
                 elif isinstance(event, FinishEvent):
                     outcomes.append(Outcome(choice, event, tokens))
-                    yield _sse(_chunk(plan, [_finish_choice(plan, choice, event)]))
+                    yield held + _sse(_chunk(plan, [_finish_choice(plan, choice, event)]))
+                    held = b""
                     break
         if plan.request.include_usage:
             yield _sse(_chunk(plan, [], usage=usage_of(plan, outcomes)))
