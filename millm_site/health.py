@@ -268,10 +268,13 @@ class InferenceHealthView(APIView):
                    responses=enveloped(_any))
     def get(self, request) -> Response:
         engine = engine_snapshot()
-        batching = bool(settings.ENABLE_CONTINUOUS_BATCHING)
+        # what the engine actually runs (its own report), else what the settings ask for
+        engine_batching = engine.get("batching") or {}
+        batching = bool(engine_batching.get("enabled", settings.ENABLE_CONTINUOUS_BATCHING))
         return envelope({
             "backend": engine.get("backend") or "transformers",
-            "mode": "continuous_batching" if batching else "serial",
+            "mode": engine_batching.get("mode") or ("continuous_batching" if batching else "serial"),
+            "batching": engine_batching,
             "engine_state": engine["state"],
             "model_name": engine.get("model_id"),
             "max_concurrent_requests": settings.MAX_CONCURRENT_REQUESTS,
@@ -286,6 +289,7 @@ class InferenceHealthView(APIView):
                 "scoring": True,
                 "continuous_batching": batching,
                 "speculative_decoding": False,
+                **engine_batching.get("capabilities", {}),
             },
             "limitations": [] if batching else [
                 "serial backend: one generation at a time, others wait in the queue"],

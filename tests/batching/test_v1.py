@@ -1,0 +1,119 @@
+"""Continuous batching behind /v1 (daphne on a loopback socket, the real ASGI app):
+concurrent requests with inline steering, a profile with an intensity dial,
+``model@profile``, ``return_sae_activations`` and no steering share forward passes — no
+serial fallback — and each answers exactly what it answers alone; /api/health/inference
+reports the batching backend."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from steering.services import profile_create
+from tests.engine.tolerances import BATCH_ENCODE_ATOL
+from tests.v1.conftest import V1Server, _v1_db, attach, model_resident, v1_server  # noqa: F401 - fixtures
+from tests.v1.helpers import request
+
+from .conftest import Choreography
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+PROMPT = "the sea and the sky"
+
+
+@pytest.fixture
+def batching_server(v1_server, settings):  # noqa: F811 - the imported fixture
+    """The session's daphne, served by a continuous-batching engine with 8 slots."""
+    from inference.admission import AdmissionController, set_admission
+    from inference.engine_client import EmbeddedEngineClient, set_engine_client
+
+    settings.ENABLE_CONTINUOUS_BATCHING = True
+    settings.MAX_CONCURRENT_REQUESTS = 8
+    client = EmbeddedEngineClient()
+    previous_client = set_engine_client(client)
+    previous_admission = set_admission(AdmissionController.from_settings())
+    server = V1Server(v1_server.url, client)
+    try:
+        model_resident(server, "tiny-llama")
+        yield server
+        server.wait_idle()
+    finally:
+        set_engine_client(previous_client)
+        set_admission(previous_admission)
+        client.shutdown()
+
+
+def _bodies(sae_id: str) -> dict[str, dict]:
+    base = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    return {
+        "inline": {**base, "steering": {"features": [{"index": 3, "strength": 12.0}]}},
+        "profile": {**base, "profile": "sea-lover", "steering_intensity": 0.5},
+        "at_profile": {**base, "model": "tiny-llama@sea-lover", "prompt": PROMPT + " and"},
+        "activations": {**base, "steering": {"features": [{"index": 40, "strength": -6.0}]},
+                        "return_sae_activations": {"top_k": 4, "features": [3, 7], "positions": "all"}},
+        "plain": {**base, "prompt": "a quick brown fox"},
+        "empty": {**base, "steering": {"features": []}},
+    }
+
+
+def test_mixed_v1_requests_share_steps_and_answer_as_alone(batching_server):
+    server = batching_server
+    sae = attach("tiny-llama-L1-relu", 1)
+    profile_create(name="sea-lover", sae_id=sae.id, layer=1, steering={"3": 150.0, "40": -20.0},
+                   model_name="tiny-llama")
+    bodies = _bodies(sae.id)
+
+    alone = {}
+    for name, body in bodies.items():
+        resp = request(server.base_url, "POST", "/completions", body)
+        assert resp.status == 200, resp.body[:300]
+        alone[name] = resp.json()
+
+    choreo = Choreography(server.engine.backend.model)
+    together: dict[str, dict] = {}
+    start = threading.Barrier(len(bodies))
+
+    def send(name: str) -> None:
+        start.wait()
+        resp = request(server.base_url, "POST", "/completions", bodies[name])
+        together[name] = {"status": resp.status, "body": resp.json(), "steering": resp.headers["x-millm-steering"]}
+
+    threads = [threading.Thread(target=send, args=(name,)) for name in bodies]
+    with choreo.installed():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert max(choreo.batch_sizes) >= 4, choreo.batch_sizes  # they shared decode steps
+
+    for name, want in alone.items():
+        got = together[name]
+        assert got["status"] == 200, got
+        assert got["body"]["choices"][0]["text"] == want["choices"][0]["text"], name
+        if "millm" in want:
+            assert got["body"]["millm"]["steering"] == want["millm"]["steering"]
+            assert got["body"]["millm"]["steering_apply_count"] == want["millm"]["steering_apply_count"]
+    # positive control: steering changes the text
+    assert alone["inline"]["choices"][0]["text"] != alone["empty"]["choices"][0]["text"]
+    assert together["profile"]["steering"] == "profile;name=sea-lover;intensity=0.5"
+    got = together["activations"]["body"]["millm"]["sae_activations"]["positions"]
+    want = alone["activations"]["millm"]["sae_activations"]["positions"]
+    assert [r["position"] for r in got] == [r["position"] for r in want] and got
+    for g, w in zip(got, want):
+        assert [a["feature_index"] for a in g["top_k"]] == [a["feature_index"] for a in w["top_k"]]
+        for a, b in zip(g["top_k"] + g["features"], w["top_k"] + w["features"]):
+            assert a["activation"] == pytest.approx(b["activation"], abs=BATCH_ENCODE_ATOL)
+
+
+def test_health_inference_reports_the_batching_backend(batching_server):
+    resp = request(batching_server.url + "/api", "GET", "/health/inference")
+    assert resp.status == 200
+    data = resp.json()["data"]
+    assert data["mode"] == "continuous_batching"
+    assert data["capabilities"]["continuous_batching"] is True
+    assert data["capabilities"]["per_request_steering"] and data["capabilities"]["exact_monitoring_attribution"]
+    assert data["capabilities"]["serial_fallback"] is False
+    batching = data["batching"]
+    assert batching["enabled"] is True and batching["max_batch_size"] == 8
+    assert batching["running"] == 0 and batching["waiting"] == 0
