@@ -112,8 +112,11 @@ VARIABLES: tuple[Var, ...] = (
         choices=("console", "json")),
     # --- Concurrency & timeouts -----------------------------------------------------
     Var("MAX_CONCURRENT_REQUESTS", "Concurrency & timeouts", "int", 1,
-        "Generation slots. With the serial backend requests beyond 1 wait in the queue; "
-        "per-request steering makes values above 1 safe once batching is on.", minimum=1),
+        "Generation slots of /v1. Every request carries its own steering and monitoring, "
+        "so any value is correct. Serial backend: admitted requests run one at a time in "
+        "arrival order. Continuous batching: the batch's rows, up to this many requests "
+        "share every forward pass (a request with n choices brings n rows; extra rows wait "
+        "in the engine).", minimum=1),
     Var("MAX_PENDING_REQUESTS", "Concurrency & timeouts", "int", 10,
         "Queue depth beyond the concurrent slots; overflow is refused with 503 queue_full.",
         minimum=0),
@@ -176,18 +179,27 @@ VARIABLES: tuple[Var, ...] = (
         choices=("auto", "float32", "bfloat16", "float16")),
     # --- Continuous batching --------------------------------------------------------
     Var("ENABLE_CONTINUOUS_BATCHING", "Continuous batching", "bool", False,
-        "Batch concurrent requests into shared forward passes."),
+        "Run generations through the engine's continuous-batching scheduler: requests join "
+        "and leave the running batch between decode steps and share forward passes, each "
+        "keeping its own sampling, seed, stops, steering and exact monitoring (no serial "
+        "fallback). Off: one generation at a time."),
     Var("CBM_MAX_QUEUE_SIZE", "Continuous batching", "int", 256,
-        "Scheduler queue size.", minimum=1),
+        "With batching: sequences the engine holds beyond its free rows, waiting for one; "
+        "more are refused at once (503 model_busy).", minimum=1),
     Var("CBM_DEFAULT_TEMPERATURE", "Continuous batching", "float", 0.7,
-        "Default sampling temperature of batched requests that bring none.",
+        "Not applied: batched requests keep their own temperature (1 when they send none), "
+        "so there is no batch-wide value. Accepted so existing .env files still validate.",
         minimum=0, maximum=2),
     Var("CBM_DEFAULT_TOP_P", "Continuous batching", "float", 0.95,
-        "Default top-p of batched requests that bring none.", minimum=0, maximum=1),
+        "Not applied: batched requests keep their own top-p. Accepted so existing .env "
+        "files still validate.", minimum=0, maximum=1),
     Var("CBM_DEFAULT_MAX_TOKENS", "Continuous batching", "int", 512,
-        "Default generation length of batched requests.", minimum=1),
+        "Not applied: batched requests keep their own max_tokens (the /v1 default when they "
+        "send none). Accepted so existing .env files still validate.", minimum=1),
     Var("CBM_FORCE_SERIAL_MONITORING", "Continuous batching", "bool", False,
-        "Route monitored requests to the serial path."),
+        "With batching: a request that monitors SAE features runs alone (the batch drains "
+        "first, others wait for it). Attribution is exact in the batch either way; this "
+        "only trades throughput for isolation."),
     # --- Transformers models --------------------------------------------------------
     Var("TRANSFORMERS_MIN_CONTEXT", "Transformers models", "int", 4096,
         "Context whose KV cache every card a model uses must have room for (or the model's "
