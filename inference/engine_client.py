@@ -2,9 +2,10 @@
 
 ``EngineClient`` speaks only the protocol dataclasses of ``gpu_engine.protocol``; the
 embedded implementation below owns a ``gpu_engine.engine.Engine`` in this process (a
-worker thread), and the distributed one (Redis Streams to ``run_engine``) implements the
-same methods. Views, services and tasks call ``get_engine_client()`` and never import the
-engine itself, so the web tier stays free of torch in distributed mode.
+worker thread), and the distributed one (``inference.engine_client_redis``: Redis Streams
+to ``run_engine``) implements the same methods. Views, services and tasks call
+``get_engine_client()`` and never import the engine itself, so the web tier stays free of
+torch in distributed mode.
 """
 
 from __future__ import annotations
@@ -111,6 +112,20 @@ class EngineClient(ABC):
 
     def shutdown(self) -> None:
         """Release the engine (tests, process exit)."""
+
+    def resolve_device_and_dtype(self, device: str, dtype: str) -> tuple[str, str]:
+        """What ``auto`` means where this client's engine runs (here: this process)."""
+        return _resolve_here(device, dtype)
+
+    def free_memory(self, device: str) -> int | None:
+        """Free bytes on a CUDA ``device`` of the engine's host; None when unknown."""
+        if not device.startswith("cuda"):
+            return None
+        import torch
+
+        index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
+        free, _ = torch.cuda.mem_get_info(index)
+        return int(free)
 
     async def agenerate(self, job: GenerationJob) -> AsyncIterator[GenerationEvent]:
         """Async view of ``generate``: events arrive on the caller's loop without blocking
@@ -230,7 +245,18 @@ def batching_options() -> BatchingOptions:
 
 
 def resolve_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
-    """Turn ``auto`` settings into what the engine loads with (bf16 on CUDA, fp32 on CPU)."""
+    """Turn ``auto`` settings into what the engine loads with (bf16 on CUDA, fp32 on CPU).
+
+    In distributed mode ``auto`` is decided on the engine's host (its heartbeat reports
+    it), so the web tier never imports torch to answer it."""
+    if device != "auto" and dtype != "auto":
+        return device, dtype
+    if not settings.EMBEDDED:
+        return get_engine_client().resolve_device_and_dtype(device, dtype)
+    return _resolve_here(device, dtype)
+
+
+def _resolve_here(device: str, dtype: str) -> tuple[str, str]:
     import torch
 
     if device == "auto":
@@ -256,13 +282,13 @@ def get_engine_client() -> EngineClient:
     with _client_lock:
         if _client is None:
             if not settings.EMBEDDED:
-                from millm_site.errors import EngineUnavailable
+                # REDIS_URL set: the engine is a run_engine process reached over Redis
+                # Streams; nothing here imports torch
+                from inference.engine_client_redis import RedisEngineClient
 
-                raise EngineUnavailable(
-                    "REDIS_URL is set, but this build has no Redis Streams transport to a "
-                    "run_engine process yet; unset REDIS_URL to run the engine in-process",
-                    retry_after=settings.RETRY_AFTER_NOT_LOADED_S)
-            _client = EmbeddedEngineClient(on_event=_forward_engine_event)
+                _client = RedisEngineClient.from_settings()
+            else:
+                _client = EmbeddedEngineClient(on_event=_forward_engine_event)
         return _client
 
 

@@ -177,6 +177,36 @@ VARIABLES: tuple[Var, ...] = (
     Var("MILLM_ENGINE_DTYPE", "Performance", "str", "auto",
         "Model dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on CPU).",
         choices=("auto", "float32", "bfloat16", "float16")),
+    # --- Distributed engine ---------------------------------------------------------
+    Var("ENGINE_STREAM_PREFIX", "Distributed engine", "str", "millm",
+        "Prefix of every Redis key and stream the web tier and run_engine share (command "
+        "and request streams, heartbeat, per-request streams). One prefix is one engine; "
+        "give each engine of a multi-engine deployment its own."),
+    Var("ENGINE_HEARTBEAT_S", "Distributed engine", "float", 1.0,
+        "How often run_engine rewrites its heartbeat (its status: model, attachments, "
+        "requests in flight) and renews its claim on the work it holds.", minimum=0.05),
+    Var("ENGINE_DEAD_AFTER_S", "Distributed engine", "float", 5.0,
+        "Seconds without a heartbeat after which the engine counts as dead: waiting clients "
+        "get an error (SSE error frame or 503 with Retry-After), new requests get "
+        "model_not_loaded, and the work it held can be reclaimed by the next engine. At "
+        "least twice ENGINE_HEARTBEAT_S.", minimum=0.5),
+    Var("ENGINE_MAX_DELIVERIES", "Distributed engine", "int", 3,
+        "Deliveries of one job or command after which it goes to the dead-letter stream "
+        "(its client gets an error) instead of to another engine.", minimum=1, maximum=100),
+    Var("ENGINE_MAX_IN_FLIGHT", "Distributed engine", "int", 0,
+        "Jobs run_engine takes from the request stream at once; 0 = MAX_CONCURRENT_REQUESTS "
+        "(the engine's batch rows). Jobs beyond it wait in the stream, where another engine "
+        "could take them.", minimum=0),
+    Var("ENGINE_COMMAND_TIMEOUT_S", "Distributed engine", "float", 900.0,
+        "Longest a web process or worker waits for run_engine to answer a command (a model "
+        "load) or a request, beyond the drain wait; a dead engine ends the wait sooner.",
+        minimum=1),
+    Var("ENGINE_RESULT_TTL_S", "Distributed engine", "int", 600,
+        "Seconds a request's event stream and started marker stay in Redis after the last "
+        "write.", minimum=10),
+    Var("ENGINE_SHUTDOWN_GRACE_S", "Distributed engine", "float", 30.0,
+        "On SIGTERM, seconds run_engine lets running requests finish before it stops them "
+        "(their clients get engine_unavailable).", minimum=0),
     # --- Continuous batching --------------------------------------------------------
     Var("ENABLE_CONTINUOUS_BATCHING", "Continuous batching", "bool", False,
         "Run generations through the engine's continuous-batching scheduler: requests join "
@@ -338,6 +368,14 @@ def _check_combinations(v: dict[str, Any]) -> None:
     if device not in ("auto", "cpu", "cuda") and not (
             device.startswith("cuda:") and device[5:].isdigit()):
         raise ConfigError("MILLM_ENGINE_DEVICE", "must be auto, cpu, cuda or cuda:N", device)
+    if v["ENGINE_DEAD_AFTER_S"] < 2 * v["ENGINE_HEARTBEAT_S"]:
+        raise ConfigError("ENGINE_DEAD_AFTER_S",
+                          f"must be at least twice ENGINE_HEARTBEAT_S ({v['ENGINE_HEARTBEAT_S']:g})",
+                          v["ENGINE_DEAD_AFTER_S"])
+    if not all(c.isalnum() or c in "_-." for c in v["ENGINE_STREAM_PREFIX"]) or \
+            not v["ENGINE_STREAM_PREFIX"]:
+        raise ConfigError("ENGINE_STREAM_PREFIX", "must be non-empty letters, digits, _ - .",
+                          v["ENGINE_STREAM_PREFIX"])
     url = v["DATABASE_URL"]
     if url:
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""

@@ -25,21 +25,25 @@ def startup_reconcile() -> dict[str, int]:
 
     In embedded mode the engine lives in the web process, so after a restart nothing is
     resident: jobs that were queued or running died with the process, and rows that said
-    loaded, loading or downloading are no longer true. (A restarted run_engine restoring
-    the recorded model and attachments is the distributed mode's business.)
+    loaded, loading or downloading are no longer true.
+
+    In distributed mode a web process owns none of that: jobs and downloads run on Celery
+    workers that outlive it (a second web worker starting must not fail their rows), and
+    a restarted run_engine restores the recorded model and attachments. Nothing changes.
     """
     now = timezone.now()
-    interrupted = Job.objects.filter(status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).update(
-        status=Job.Status.FAILED, error="Interrupted by a server restart", finished_at=now,
-        updated_at=now)
-    downloads = Model.objects.filter(status=Model.Status.DOWNLOADING).update(
-        status=Model.Status.ERROR, error_message="Download interrupted by a server restart",
-        updated_at=now)
-    downloads += SAE.objects.filter(status=SAE.Status.DOWNLOADING).update(
-        status=SAE.Status.ERROR, error_message="Download interrupted by a server restart",
-        updated_at=now)
-    resident = 0
+    interrupted = downloads = resident = 0
     if settings.EMBEDDED:
+        interrupted = Job.objects.filter(
+            status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).update(
+            status=Job.Status.FAILED, error="Interrupted by a server restart", finished_at=now,
+            updated_at=now)
+        downloads = Model.objects.filter(status=Model.Status.DOWNLOADING).update(
+            status=Model.Status.ERROR, error_message="Download interrupted by a server restart",
+            updated_at=now)
+        downloads += SAE.objects.filter(status=SAE.Status.DOWNLOADING).update(
+            status=SAE.Status.ERROR, error_message="Download interrupted by a server restart",
+            updated_at=now)
         Attachment.objects.all().delete()
         SAE.objects.filter(status=SAE.Status.ATTACHED).update(status=SAE.Status.READY,
                                                               updated_at=now)

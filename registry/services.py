@@ -451,10 +451,10 @@ def _check_free_memory(model: Model, device: str) -> None:
     """Refuse a CUDA load whose estimate exceeds the card's free memory (507)."""
     if not device.startswith("cuda") or not model.estimated_memory_bytes:
         return
-    import torch
-
-    index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
-    free, _ = torch.cuda.mem_get_info(index)
+    # asked of the engine's host (its heartbeat, in distributed mode): no torch here
+    free = _engine().free_memory(device)
+    if free is None:
+        return
     resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
     # the resident model's memory comes back before the new weights arrive
     reclaim = (resident.estimated_memory_bytes or 0) if resident is not None else 0

@@ -1,0 +1,19 @@
+"""The engine process and its Redis Streams transport (distributed mode).
+
+Framework-free: redis-py and the protocol dataclasses only, no Django and no torch at
+import time (the web tier imports ``keys`` and ``wire`` to talk to the engine).
+
+- ``keys``: every Redis key and stream name, under one prefix.
+- ``wire``: the JSON envelopes that travel on the streams (never pickle).
+- ``server``: ``EngineServer``, the main loop that a ``run_engine`` process runs around
+  an ``Engine``: consumer-group reads with bounded concurrency, acknowledgement only once
+  the result is stored, "started" markers so nothing is generated twice, reclaiming and
+  dead-lettering the work of a dead engine, heartbeat, cancellation and clean shutdown.
+
+docs/deploy.md describes the delivery semantics in full.
+"""
+
+from .keys import Keys
+from .wire import CommandEnvelope, RequestEnvelope, decode_event, encode_event
+
+__all__ = ["CommandEnvelope", "Keys", "RequestEnvelope", "decode_event", "encode_event"]

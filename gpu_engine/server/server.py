@@ -1,0 +1,722 @@
+"""The engine process's main loop over Redis Streams (consumer group ``engines``).
+
+Delivery semantics (docs/deploy.md has the long form):
+
+- A job is read with XREADGROUP only when the engine has room for it (at most
+  ``max_in_flight`` jobs at once), so a job waiting for room stays in the stream, where
+  the next engine can read it if this one dies.
+- Before a job reaches the model the engine records ``started:<request_id>`` with SET NX.
+  A job whose marker already exists is never run again: its client gets an error and
+  the entry goes to the dead-letter stream. No request is generated twice.
+- Tokens go to the request's own stream as they come; the job is acknowledged (XACK, and
+  XDEL from the request stream) in the same MULTI as the final result, so a job is
+  acknowledged only once its result is stored.
+- Entries a dead engine read but never acknowledged are reclaimed with XAUTOCLAIM once
+  idle for ENGINE_DEAD_AFTER_S. A live engine keeps the idle time of the entries it is
+  working on near zero (XCLAIM JUSTID to itself on every heartbeat), so only a dead
+  engine's entries are ever reclaimed. An entry delivered more than ``max_deliveries``
+  times goes to the dead-letter stream and its client gets an error.
+- The heartbeat (a key with a TTL of ENGINE_DEAD_AFTER_S, rewritten every
+  ENGINE_HEARTBEAT_S) holds the engine's status; the web tier reads it to answer at once
+  and to notice a dead engine while it waits for tokens.
+- A client keeps ``live:<request_id>`` alive while it waits; the engine checks those keys
+  every ``cancel_poll_s`` and cancels the generations whose client left (a disconnect, a
+  killed web worker), which then stop before their next decode step.
+
+Framework-free: no Django, and no torch import here (the caller builds the ``Engine``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from ..errors import (
+    EngineBusy,
+    EngineError,
+    EngineShutdown,
+    GenerationFailed,
+    InvalidParameter,
+)
+from ..protocol import AttachSpec, ErrorEvent, FinishEvent, LoadModelJob
+from .keys import Keys
+from .wire import (
+    CommandEnvelope,
+    RequestEnvelope,
+    encode_event,
+    error_payload,
+    job_error,
+    result_payload,
+)
+
+log = logging.getLogger("gpu_engine.server")
+
+DEAD_LETTER_MAXLEN = 10_000
+READ_BLOCK_MS = 500
+
+# Owner refresh and heartbeat write in one step: an engine that lost the prefix to
+# another (it stalled past ENGINE_DEAD_AFTER_S) must not overwrite the new one's status.
+_HEARTBEAT_LUA = """
+local owner = redis.call('GET', KEYS[1])
+if owner == ARGV[1] then
+  redis.call('PEXPIRE', KEYS[1], ARGV[2])
+elseif not owner then
+  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+else
+  return 0
+end
+redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
+return 1
+"""
+_RELEASE_LUA = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  redis.call('DEL', KEYS[2])
+  return 1
+end
+return 0
+"""
+
+
+class EngineAlreadyRunning(RuntimeError):
+    """Another live engine serves this prefix."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    prefix: str = "millm"
+    heartbeat_s: float = 1.0
+    dead_after_s: float = 5.0
+    max_deliveries: int = 3
+    max_in_flight: int = 1
+    result_ttl_s: int = 600
+    shutdown_grace_s: float = 30.0
+    cancel_poll_s: float = 0.2
+    # bounds the wait for a generation's next event, and an embed/score call
+    event_timeout_s: float = 600.0
+    # approximate cap of one request's event stream (tokens + final)
+    stream_maxlen: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_s <= 0 or self.dead_after_s < 2 * self.heartbeat_s:
+            raise ValueError("dead_after_s must be at least twice heartbeat_s (and > 0)")
+        if self.max_deliveries < 1 or self.max_in_flight < 1:
+            raise ValueError("max_deliveries and max_in_flight must be >= 1")
+
+    @property
+    def dead_after_ms(self) -> int:
+        return max(int(self.dead_after_s * 1000), 1)
+
+
+@dataclass
+class _InFlight:
+    msg_id: str
+    stream: str  # the stream the entry came from (requests or commands)
+    request_id: str
+    kind: str
+    handle: Any = None  # GenerationStream for generations
+    fail_with: EngineError | None = None  # shutdown / cancel_all: the error to send
+    cancel_sent: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+
+
+def _entries(response: Any) -> list[tuple[str, list[tuple[str, Any]]]]:
+    """XREADGROUP's answer as [(stream, [(id, fields)])] under RESP2 and RESP3."""
+    if not response:
+        return []
+    if isinstance(response, dict):
+        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in response.items()]
+    return [(stream, entries) for stream, entries in response]
+
+
+class EngineServer:
+    """Serve one ``Engine`` to the web tier over Redis Streams (see the module doc)."""
+
+    def __init__(self, engine: Any, client: redis.Redis, config: ServerConfig | None = None,
+                 *, engine_id: str | None = None,
+                 describe: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.engine = engine
+        self.redis = client
+        self.config = config or ServerConfig()
+        self.keys = Keys(self.config.prefix)
+        self.engine_id = engine_id or (
+            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        self.describe = describe or dict
+        self.phase = "starting"
+        self.started_at = time.time()
+        self.lost_ownership = False
+        self._stopping = threading.Event()  # no new work
+        self._closed = threading.Event()  # helpers (heartbeat, watcher) end
+        self._lock = threading.Lock()
+        self._room = threading.Condition(self._lock)
+        self._inflight: dict[str, _InFlight] = {}
+        self._command: _InFlight | None = None
+        self._pool = ThreadPoolExecutor(max_workers=self.config.max_in_flight,
+                                        thread_name_prefix="millm-job")
+        self._threads: list[threading.Thread] = []
+        self._heartbeat_thread: threading.Thread | None = None
+        self._heartbeat = client.register_script(_HEARTBEAT_LUA)
+        self._release = client.register_script(_RELEASE_LUA)
+        self._commands: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "load_model": self._cmd_load_model,
+            "unload_model": self._cmd_unload_model,
+            "attach_set": self._cmd_attach_set,
+            "detach": self._cmd_detach,
+            "check_sae": self._cmd_check_sae,
+            "cancel_all": self._cmd_cancel_all,
+            "status": lambda args: self.engine.status().to_dict(),
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def register_command(self, kind: str, handler: Callable[[dict[str, Any]], Any]) -> None:
+        """Add a command (e.g. a steering change): ``handler(args) -> JSON-safe result``;
+        an ``EngineError`` it raises reaches the caller with its code."""
+        if kind in self._commands:
+            raise ValueError(f"command {kind!r} is already registered")
+        self._commands[kind] = handler
+
+    def acquire_ownership(self, wait_s: float | None = None) -> None:
+        """Become the one engine of this prefix, waiting (bounded) for a dead one's claim
+        to expire; raise EngineAlreadyRunning if another engine is still alive."""
+        wait_s = self.config.dead_after_s * 2 if wait_s is None else wait_s
+        deadline = time.monotonic() + wait_s
+        while True:
+            if self.redis.set(self.keys.owner, self.engine_id, nx=True,
+                              px=self.config.dead_after_ms):
+                return
+            holder = self.redis.get(self.keys.owner)
+            if time.monotonic() >= deadline:
+                raise EngineAlreadyRunning(
+                    f"engine {holder!r} is serving the prefix {self.config.prefix!r}; one "
+                    "engine per prefix (set ENGINE_STREAM_PREFIX to run another)")
+            time.sleep(min(0.2, self.config.heartbeat_s))
+
+    def ensure_groups(self) -> None:
+        for stream in (self.keys.commands, self.keys.requests):
+            try:
+                # "0": entries queued before any engine ever ran are read too
+                self.redis.xgroup_create(stream, self.keys.group, id="0", mkstream=True)
+            except redis.ResponseError as exc:
+                if "BUSYGROUP" not in str(exc):
+                    raise
+
+    def start_heartbeat(self, phase: str = "restoring") -> None:
+        self.phase = phase
+        self.heartbeat_once()
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop,
+                                                  name="millm-heartbeat", daemon=True)
+        self._heartbeat_thread.start()
+
+    def begin_restore(self) -> int:
+        """Count a start-up that begins restoring state; the count survives a crash, so a
+        state that kills the engine is noticed instead of retried for ever."""
+        pipe = self.redis.pipeline()
+        pipe.incr(self.keys.restore_attempts)
+        pipe.expire(self.keys.restore_attempts, 3600)
+        return int(pipe.execute()[0])
+
+    def end_restore(self) -> None:
+        self.redis.delete(self.keys.restore_attempts)
+
+    def run(self, stop: threading.Event, *, restore: Callable[[], None] | None = None,
+            ownership_wait_s: float | None = None) -> None:
+        """Own the prefix, restore (``restore()``, with the heartbeat saying so), serve
+        until ``stop`` is set (or ownership is lost), then shut down cleanly."""
+        self.acquire_ownership(ownership_wait_s)
+        self.ensure_groups()
+        self.start_heartbeat("restoring")
+        try:
+            if restore is not None:
+                restore()
+            self.serve(stop)
+        finally:
+            self.close()
+
+    def serve(self, stop: threading.Event) -> None:
+        self.ensure_groups()
+        self.phase = "serving"
+        self.heartbeat_once()
+        for target, name in ((self._request_loop, "millm-requests"),
+                             (self._command_loop, "millm-commands"),
+                             (self._watch_loop, "millm-cancel-watch")):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        log.info("engine_serving engine_id=%s prefix=%s max_in_flight=%d", self.engine_id,
+                 self.config.prefix, self.config.max_in_flight)
+        while not stop.is_set() and not self._stopping.is_set():
+            stop.wait(0.25)
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop reading; let in-flight work finish within shutdown_grace_s, then fail the
+        rest with engine_shutdown (their clients get that error, the entries are acked)."""
+        if self.phase == "stopped":
+            return
+        self.phase = "stopping"
+        self._stopping.set()
+        self._safe_heartbeat()
+        for thread in self._threads:
+            if thread.name != "millm-cancel-watch":
+                thread.join(timeout=READ_BLOCK_MS / 1000 + 2)
+        deadline = time.monotonic() + self.config.shutdown_grace_s
+        while self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        leftover = self._fail_all(EngineShutdown(
+            "the engine process is shutting down; the request was stopped and will not be "
+            "run again"))
+        if leftover:
+            log.warning("engine_shutdown_failed_requests count=%d", leftover)
+        deadline = time.monotonic() + 10.0
+        while self.in_flight() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.phase = "stopped"
+
+    def close(self) -> None:
+        """End the helpers and give the prefix back (heartbeat and owner keys)."""
+        if self.phase not in ("stopped",):
+            self.shutdown()
+        self._closed.set()
+        if self._heartbeat_thread is not None:
+            self._heartbeat_thread.join(timeout=self.config.heartbeat_s + 2)
+        for thread in self._threads:
+            thread.join(timeout=2)
+        try:
+            self._release(keys=[self.keys.owner, self.keys.heartbeat], args=[self.engine_id])
+        except redis.RedisError as exc:
+            log.warning("engine_release_failed error=%r", exc)
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return len(self._inflight) + (1 if self._command is not None else 0)
+
+    # ------------------------------------------------------------------ heartbeat
+
+    def heartbeat_payload(self) -> dict[str, Any]:
+        with self._lock:
+            jobs = len(self._inflight)
+        return {
+            "engine_id": self.engine_id,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "phase": self.phase,
+            "started_at": self.started_at,
+            "time": time.time(),
+            "in_flight_jobs": jobs,
+            "max_in_flight": self.config.max_in_flight,
+            "heartbeat_s": self.config.heartbeat_s,
+            "status": self.engine.status().to_dict(),
+            **self.describe(),
+        }
+
+    def heartbeat_once(self) -> None:
+        payload = json.dumps(self.heartbeat_payload(), separators=(",", ":"))
+        ok = self._heartbeat(keys=[self.keys.owner, self.keys.heartbeat],
+                             args=[self.engine_id, self.config.dead_after_ms, payload])
+        if not ok:
+            if not self.lost_ownership:
+                log.critical("engine_ownership_lost engine_id=%s: another engine took the "
+                             "prefix %r while this one stalled; stopping", self.engine_id,
+                             self.config.prefix)
+            self.lost_ownership = True
+            self._stopping.set()
+            return
+        # keep the entries this engine works on from looking abandoned
+        with self._lock:
+            held = [(e.stream, e.msg_id) for e in self._inflight.values()]
+            if self._command is not None:
+                held.append((self._command.stream, self._command.msg_id))
+        if held:
+            pipe = self.redis.pipeline(transaction=False)
+            for stream, msg_id in held:
+                pipe.xclaim(stream, self.keys.group, self.engine_id, 0, [msg_id], justid=True)
+            pipe.execute()
+
+    def _safe_heartbeat(self) -> bool:
+        try:
+            self.heartbeat_once()
+            return True
+        except redis.RedisError as exc:
+            log.warning("engine_heartbeat_failed error=%r", exc)
+        except Exception:  # noqa: BLE001 - a status read must not end the heartbeat
+            log.exception("engine_heartbeat_failed")
+        return False
+
+    def _heartbeat_loop(self) -> None:
+        while not self._closed.wait(self.config.heartbeat_s):
+            if self.phase != "stopped":
+                self._safe_heartbeat()
+
+    # ------------------------------------------------------------------ reading
+
+    def _room_left(self, timeout_s: float) -> int:
+        with self._room:
+            if len(self._inflight) >= self.config.max_in_flight:
+                self._room.wait(timeout_s)
+            return self.config.max_in_flight - len(self._inflight)
+
+    def _guarded(self, loop_name: str, step: Callable[[], None]) -> None:
+        """Run ``step`` until stopping; Redis outages are retried with backoff and every
+        failure is logged (an engine never spins or dies silently)."""
+        backoff = 0.1
+        while not self._stopping.is_set():
+            try:
+                step()
+                backoff = 0.1
+            except redis.ResponseError as exc:
+                if "NOGROUP" in str(exc):
+                    log.warning("engine_group_missing loop=%s: recreating", loop_name)
+                    self._retry(self.ensure_groups)
+                else:
+                    log.error("engine_redis_error loop=%s error=%r", loop_name, exc)
+                    time.sleep(backoff)
+            except redis.RedisError as exc:
+                log.warning("engine_redis_unavailable loop=%s error=%r retry_in=%.1fs",
+                            loop_name, exc, backoff)
+                self._stopping.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except Exception:  # noqa: BLE001 - logged; the loop keeps serving
+                log.exception("engine_loop_error loop=%s", loop_name)
+                self._stopping.wait(1.0)
+
+    def _retry(self, fn: Callable[[], Any]) -> None:
+        try:
+            fn()
+        except redis.RedisError as exc:
+            log.warning("engine_retry_failed error=%r", exc)
+
+    def _request_loop(self) -> None:
+        next_reclaim = [0.0]
+
+        def step() -> None:
+            now = time.monotonic()
+            if now >= next_reclaim[0]:
+                next_reclaim[0] = now + max(self.config.heartbeat_s, self.config.dead_after_s / 2)
+                self._reclaim(self.keys.requests, self._accept_request)
+            room = self._room_left(0.5)
+            if room <= 0 or self._stopping.is_set():
+                return
+            response = self.redis.xreadgroup(self.keys.group, self.engine_id,
+                                             {self.keys.requests: ">"}, count=room,
+                                             block=READ_BLOCK_MS)
+            for _, entries in _entries(response):
+                for msg_id, fields in entries:
+                    self._accept_request(msg_id, fields, 1)
+
+        self._guarded("requests", step)
+
+    def _command_loop(self) -> None:
+        next_reclaim = [0.0]
+
+        def step() -> None:
+            now = time.monotonic()
+            if now >= next_reclaim[0]:
+                next_reclaim[0] = now + max(self.config.heartbeat_s, self.config.dead_after_s / 2)
+                self._reclaim(self.keys.commands, self._accept_command, room=1)
+            response = self.redis.xreadgroup(self.keys.group, self.engine_id,
+                                             {self.keys.commands: ">"}, count=1,
+                                             block=READ_BLOCK_MS)
+            for _, entries in _entries(response):
+                for msg_id, fields in entries:
+                    self._accept_command(msg_id, fields, 1)
+
+        self._guarded("commands", step)
+
+    def _reclaim(self, stream: str, accept: Callable[[str, Any, int], None], *,
+                 room: int | None = None) -> None:
+        """Take over entries a dead engine read and never acknowledged."""
+        start = "0-0"
+        for _ in range(100):  # bounded: at most 100 pages per pass
+            count = room if room is not None else max(
+                self.config.max_in_flight - self.in_flight(), 0)
+            if count <= 0 or self._stopping.is_set():
+                return
+            result = self.redis.xautoclaim(stream, self.keys.group, self.engine_id,
+                                           min_idle_time=self.config.dead_after_ms,
+                                           start_id=start, count=count)
+            start, claimed = result[0], result[1]
+            deleted = result[2] if len(result) > 2 else []
+            if deleted:
+                self.redis.xack(stream, self.keys.group, *deleted)
+            for msg_id, fields in claimed:
+                if not fields:  # deleted from the stream meanwhile
+                    self.redis.xack(stream, self.keys.group, msg_id)
+                    continue
+                info = self.redis.xpending_range(stream, self.keys.group, msg_id, msg_id, 1)
+                delivered = int(info[0]["times_delivered"]) if info else 1
+                log.warning("engine_reclaimed stream=%s id=%s deliveries=%d", stream, msg_id,
+                            delivered)
+                accept(msg_id, fields, delivered)
+            if start in ("0-0", b"0-0"):
+                return
+
+    # ------------------------------------------------------------------ requests
+
+    def _claim_start(self, stream: str, msg_id: str, fields: Any, request_id: str,
+                     delivered: int, deadline: float) -> bool:
+        """The checks before work starts; False when the entry was settled here."""
+        if delivered > self.config.max_deliveries:
+            self._give_up(stream, msg_id, fields, request_id, "max_deliveries", GenerationFailed(
+                f"the job was delivered {delivered} times without finishing (each time the "
+                "engine stopped while holding it); it was moved to the dead-letter stream",
+                details={"deliveries": delivered}))
+            return False
+        if time.time() > deadline or not self.redis.exists(self.keys.live(request_id)):
+            # nobody waits for it any more (the client left or gave up): drop it unrun
+            log.info("engine_dropped_abandoned id=%s request_id=%s", msg_id, request_id)
+            self._store_final(stream, msg_id, request_id, error_payload(
+                request_id, EngineBusy("the client stopped waiting before the job started")))
+            return False
+        if not self.redis.set(self.keys.started(request_id), self.engine_id, nx=True,
+                              ex=self.config.result_ttl_s):
+            starter = self.redis.get(self.keys.started(request_id))
+            self._give_up(stream, msg_id, fields, request_id, "engine_died_while_running",
+                          EngineShutdown(
+                              f"the engine process running this job ({starter}) stopped "
+                              "before it finished; it is not run again",
+                              details={"started_by": starter}))
+            return False
+        return True
+
+    def _accept_request(self, msg_id: str, fields: Any, delivered: int) -> None:
+        try:
+            env = RequestEnvelope.decode(fields)
+        except Exception as exc:  # noqa: BLE001 - a malformed entry is dead-lettered
+            self._dead_letter(self.keys.requests, msg_id, fields, "undecodable", repr(exc))
+            self.redis.xack(self.keys.requests, self.keys.group, msg_id)
+            self.redis.xdel(self.keys.requests, msg_id)
+            return
+        rid = env.request_id
+        if not self._claim_start(self.keys.requests, msg_id, fields, rid, delivered,
+                                 env.deadline):
+            return
+        entry = _InFlight(msg_id, self.keys.requests, rid, env.kind)
+        with self._lock:
+            self._inflight[rid] = entry
+        try:
+            job = env.build_job()
+            if env.kind == "generate":
+                entry.handle = self.engine.generate(job)
+                self._pool.submit(self._pump, entry)
+            else:
+                self._pool.submit(self._call, entry, job)
+        except Exception as exc:  # noqa: BLE001 - the client gets it as an error event
+            self._finish(entry, error_payload(rid, job_error(exc)))
+            self._done(entry)
+
+    def _pump(self, entry: _InFlight) -> None:
+        rid = entry.request_id
+        final: dict[str, Any] | None = None
+        try:
+            for event in entry.handle.events(self.config.event_timeout_s):
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    final = event.to_dict()
+                    break
+                self._emit(rid, event.to_dict())
+        except EngineError as exc:
+            final = error_payload(rid, exc)
+        except redis.RedisError as exc:
+            # tokens cannot be delivered: stop the generation; the entry stays pending and
+            # is settled (error to the client) when it is reclaimed
+            log.error("engine_stream_write_failed request_id=%s error=%r", rid, exc)
+            entry.handle.cancel()
+            self._done(entry)
+            return
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine_pump_failed request_id=%s", rid)
+            final = error_payload(rid, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+        if final is None:
+            final = error_payload(rid, GenerationFailed("the generation ended without a result"))
+        if entry.fail_with is not None and not (
+                final.get("type") == "finish" and final.get("finish_reason") != "cancelled"):
+            final = error_payload(rid, entry.fail_with)
+        self._finish(entry, final)
+        self._done(entry)
+
+    def _call(self, entry: _InFlight, job: Any) -> None:
+        rid = entry.request_id
+        try:
+            method = self.engine.embed if entry.kind == "embed" else self.engine.score
+            payload = result_payload(rid, method(job, timeout_s=self.config.event_timeout_s)
+                                     .to_dict())
+        except EngineError as exc:
+            payload = error_payload(rid, exc)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine_call_failed request_id=%s", rid)
+            payload = error_payload(rid, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+        self._finish(entry, payload)
+        self._done(entry)
+
+    def _done(self, entry: _InFlight) -> None:
+        with self._room:
+            self._inflight.pop(entry.request_id, None)
+            self._room.notify_all()
+
+    def _emit(self, request_id: str, payload: dict[str, Any]) -> None:
+        key = self.keys.events(request_id)
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xadd(key, encode_event(payload), maxlen=self.config.stream_maxlen, approximate=True)
+        pipe.expire(key, self.config.result_ttl_s)
+        pipe.execute()
+
+    def _store_final(self, stream: str, msg_id: str, request_id: str,
+                     payload: dict[str, Any], dead: dict[str, Any] | None = None) -> None:
+        """The final event, the acknowledgement and (optionally) a dead-letter record in
+        one MULTI: the entry is acked exactly when its result is stored."""
+        key = self.keys.events(request_id)
+        delay = 0.05
+        for attempt in range(5):
+            try:
+                pipe = self.redis.pipeline(transaction=True)
+                if dead is not None:
+                    pipe.xadd(self.keys.dead_letter, {"data": json.dumps(dead, default=str)},
+                              maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+                pipe.xadd(key, encode_event(payload), maxlen=self.config.stream_maxlen,
+                          approximate=True)
+                pipe.expire(key, self.config.result_ttl_s)
+                pipe.xack(stream, self.keys.group, msg_id)
+                pipe.xdel(stream, msg_id)
+                pipe.execute()
+                return
+            except redis.RedisError as exc:
+                if attempt == 4:
+                    # left pending: reclaimed later, its client told then
+                    log.error("engine_result_not_stored request_id=%s error=%r", request_id, exc)
+                    return
+                time.sleep(delay)
+                delay *= 2
+
+    def _finish(self, entry: _InFlight, payload: dict[str, Any]) -> None:
+        self._store_final(entry.stream, entry.msg_id, entry.request_id, payload)
+
+    def _dead_record(self, stream: str, msg_id: str, fields: Any, reason: str,
+                     error: str) -> dict[str, Any]:
+        raw = fields.get("data") if isinstance(fields, dict) else None
+        return {"reason": reason, "stream": stream, "id": msg_id, "entry": raw,
+                "engine_id": self.engine_id, "time": time.time(), "error": error}
+
+    def _dead_letter(self, stream: str, msg_id: str, fields: Any, reason: str,
+                     error: str) -> None:
+        log.error("engine_dead_letter stream=%s id=%s reason=%s", stream, msg_id, reason)
+        self.redis.xadd(self.keys.dead_letter,
+                        {"data": json.dumps(self._dead_record(stream, msg_id, fields, reason,
+                                                              error), default=str)},
+                        maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+
+    def _give_up(self, stream: str, msg_id: str, fields: Any, request_id: str, reason: str,
+                 error: EngineError) -> None:
+        log.error("engine_dead_letter stream=%s id=%s request_id=%s reason=%s", stream, msg_id,
+                  request_id, reason)
+        self._store_final(stream, msg_id, request_id, error_payload(request_id, error),
+                          dead=self._dead_record(stream, msg_id, fields, reason, error.message))
+
+    # ------------------------------------------------------------------ cancellation
+
+    def _watch_loop(self) -> None:
+        while not self._closed.wait(self.config.cancel_poll_s):
+            with self._lock:
+                watched = [e for e in self._inflight.values()
+                           if e.handle is not None and not e.cancel_sent]
+            if not watched:
+                continue
+            try:
+                pipe = self.redis.pipeline(transaction=False)
+                for e in watched:
+                    pipe.exists(self.keys.live(e.request_id))
+                alive = pipe.execute()
+            except redis.RedisError as exc:
+                log.warning("engine_cancel_watch_failed error=%r", exc)
+                continue
+            for e, live in zip(watched, alive, strict=True):
+                if not live:
+                    log.info("engine_cancelled_by_client request_id=%s", e.request_id)
+                    e.cancel_sent = True
+                    e.handle.cancel()
+
+    def _fail_all(self, error: EngineError) -> int:
+        with self._lock:
+            entries = [e for e in self._inflight.values() if e.handle is not None]
+        for e in entries:
+            e.fail_with = error
+            e.cancel_sent = True
+            e.handle.cancel()
+        return len(entries)
+
+    def cancel_all(self, reason: str = "cancel_all") -> int:
+        """Stop every running generation; their clients get ``engine_busy``."""
+        return self._fail_all(EngineBusy(f"the request was stopped by the server ({reason})",
+                                         details={"reason": reason}))
+
+    # ------------------------------------------------------------------ commands
+
+    def _accept_command(self, msg_id: str, fields: Any, delivered: int) -> None:
+        try:
+            env = CommandEnvelope.decode(fields)
+        except Exception as exc:  # noqa: BLE001
+            self._dead_letter(self.keys.commands, msg_id, fields, "undecodable", repr(exc))
+            self.redis.xack(self.keys.commands, self.keys.group, msg_id)
+            self.redis.xdel(self.keys.commands, msg_id)
+            return
+        cid = env.command_id
+        if not self._claim_start(self.keys.commands, msg_id, fields, cid, delivered,
+                                 env.deadline):
+            return
+        entry = _InFlight(msg_id, self.keys.commands, cid, env.kind)
+        with self._lock:
+            self._command = entry
+        try:
+            handler = self._commands.get(env.kind)
+            if handler is None:
+                raise InvalidParameter(f"unknown engine command {env.kind!r}", param="kind")
+            log.info("engine_command kind=%s command_id=%s", env.kind, cid)
+            payload = result_payload(cid, handler(env.args))
+        except EngineError as exc:
+            payload = error_payload(cid, exc)
+        except Exception as exc:  # noqa: BLE001
+            log.exception("engine_command_failed kind=%s", env.kind)
+            payload = error_payload(cid, GenerationFailed(
+                f"command {env.kind} failed: {type(exc).__name__}: {exc}"))
+        # the status clients read next must already show what the command changed
+        self._safe_heartbeat()
+        self._finish(entry, payload)
+        with self._lock:
+            self._command = None
+
+    def _cmd_load_model(self, args: dict[str, Any]) -> Any:
+        job = LoadModelJob.from_dict(args["job"])
+        return self.engine.load_model(job, timeout_s=args.get("timeout_s")).to_dict()
+
+    def _cmd_unload_model(self, args: dict[str, Any]) -> None:
+        self.engine.unload_model(timeout_s=args.get("timeout_s"))
+
+    def _cmd_attach_set(self, args: dict[str, Any]) -> list[dict[str, Any]]:
+        specs = [AttachSpec.from_dict(s) for s in args.get("specs") or []]
+        return [r.to_dict() for r in self.engine.attach_set(specs, timeout_s=args.get("timeout_s"))]
+
+    def _cmd_detach(self, args: dict[str, Any]) -> list[list[Any]]:
+        keys = self.engine.detach(args.get("sae_id"), args.get("layer"),
+                                  timeout_s=args.get("timeout_s"))
+        return [[sae_id, layer] for sae_id, layer in keys]
+
+    def _cmd_check_sae(self, args: dict[str, Any]) -> dict[str, Any]:
+        return self.engine.check_sae(args["path"], int(args["layer"]),
+                                     layout=args.get("layout")).to_dict()
+
+    def _cmd_cancel_all(self, args: dict[str, Any]) -> int:
+        return self.cancel_all(str(args.get("reason") or "cancel_all"))
+
+
+__all__ = ["EngineAlreadyRunning", "EngineServer", "ServerConfig"]

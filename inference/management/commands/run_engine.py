@@ -1,0 +1,242 @@
+"""Run the engine as its own process (distributed mode: REDIS_URL set).
+
+The process owns the weights, the hooks and the GPU; web workers, Celery workers and
+maintenance commands reach it only over Redis Streams (``gpu_engine.server``). On start it
+restores what the database records as resident — the loaded model, its SAE attachments
+and (once the steering documents keep any) live steering — then serves until SIGTERM,
+when running requests get ENGINE_SHUTDOWN_GRACE_S to finish and the rest fail cleanly.
+
+Exit status: 0 after a clean shutdown, 1 on a fatal error (logged), 3 when another
+engine took this engine's prefix while it stalled. A supervisor (systemd, Kubernetes)
+restarts it; a recorded state that keeps killing the engine is given up after
+ENGINE_MAX_DELIVERIES attempts (the model row says so) instead of crash-looping.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import structlog
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+from django.db import close_old_connections, connections
+
+log = structlog.get_logger("millm.engine")
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass
+class RecordedState:
+    """What the database says the engine should hold."""
+
+    model: Any = None  # registry.models.Model with status loaded, or None
+    attachments: list[Any] = field(default_factory=list)  # its Attachment rows
+
+
+def recorded_state() -> RecordedState:
+    from registry.models import Attachment, Model
+
+    model = Model.objects.filter(status=Model.Status.LOADED).order_by("-loaded_at").first()
+    if model is None:
+        return RecordedState()
+    rows = list(Attachment.objects.filter(model=model).select_related("sae").order_by("pk"))
+    return RecordedState(model=model, attachments=rows)
+
+
+def live_steering_restore(*, engine: Any, model: Any) -> None:
+    """Restore operator-set live steering on a restarted engine.
+
+    Today there is nothing to push: the engine holds no steering state — live steering is
+    read from the database by the web tier and resolved into each request's own spec
+    (docs/engine.md), so it survives an engine restart untouched. If live steering ever
+    becomes engine-held state, read it here through a steering selector and send it to
+    ``engine`` (and register the matching command on the server for live changes).
+    """
+
+
+def _forget(state: RecordedState, message: str) -> None:
+    from registry import services
+    from registry.models import Model
+
+    for row in state.attachments:
+        services.attachment_forget(sae_id=row.sae_id, layer=row.layer)
+    services.model_set_status(model=state.model, status=Model.Status.ERROR, error=message)
+
+
+def restore_recorded_state(*, engine: Any, server: Any) -> None:
+    """Load the recorded model and attach its SAEs; what cannot be restored is recorded
+    as such on the rows (and logged), never retried for ever."""
+    from gpu_engine.errors import EngineError
+    from gpu_engine.protocol import AttachSpec, LoadModelJob
+    from inference.engine_client import _resolve_here
+    from registry import services
+
+    state = recorded_state()
+    if state.model is None:
+        log.info("engine_restore_nothing_recorded")
+        return
+    model = state.model
+    attempts = server.begin_restore()
+    if attempts > settings.ENGINE_MAX_DELIVERIES:
+        message = (f"not restored: the engine stopped {attempts - 1} times while restoring "
+                   "this model; load it again to retry")
+        log.critical("engine_restore_given_up", model=model.name, attempts=attempts - 1)
+        _forget(state, message)
+        server.end_restore()
+        return
+    device, dtype = _resolve_here(model.device or settings.MILLM_ENGINE_DEVICE,
+                                  model.dtype or settings.MILLM_ENGINE_DTYPE)
+    log.info("engine_restoring", model=model.name, device=device, dtype=dtype,
+             attachments=[f"{a.sae_id}@{a.layer}" for a in state.attachments])
+    try:
+        engine.load_model(LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype,
+                                       device=device,
+                                       trust_remote_code=model.trust_remote_code),
+                          timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S)
+    except EngineError as exc:
+        log.error("engine_restore_failed", model=model.name, code=exc.code, message=exc.message)
+        _forget(state, f"not restored after an engine restart: {exc.code}: {exc.message}")
+        server.end_restore()
+        return
+    specs = [AttachSpec(sae_id=a.sae_id, path=a.sae.local_path, layer=a.layer,
+                        layout=a.sae.format or None) for a in state.attachments]
+    if specs:
+        try:
+            engine.attach_set(specs)
+        except EngineError:
+            # all-or-nothing failed: keep what attaches on its own, forget the rest
+            for spec in specs:
+                try:
+                    engine.attach_set([spec])
+                except EngineError as exc:
+                    log.error("engine_restore_attach_failed", sae_id=spec.sae_id,
+                              layer=spec.layer, code=exc.code, message=exc.message)
+                    services.attachment_forget(sae_id=spec.sae_id, layer=spec.layer)
+    live_steering_restore(engine=engine, model=model)
+    server.end_restore()
+    log.info("engine_restored", model=model.name,
+             attachments=[f"{a.sae_id}@{a.layer}" for a in engine.attachments()])
+
+
+# --------------------------------------------------------------------------- process
+
+
+def server_config() -> Any:
+    from gpu_engine.server.server import ServerConfig
+
+    return ServerConfig(
+        prefix=settings.ENGINE_STREAM_PREFIX,
+        heartbeat_s=settings.ENGINE_HEARTBEAT_S,
+        dead_after_s=settings.ENGINE_DEAD_AFTER_S,
+        max_deliveries=settings.ENGINE_MAX_DELIVERIES,
+        max_in_flight=settings.ENGINE_MAX_IN_FLIGHT or settings.MAX_CONCURRENT_REQUESTS,
+        result_ttl_s=settings.ENGINE_RESULT_TTL_S,
+        shutdown_grace_s=settings.ENGINE_SHUTDOWN_GRACE_S,
+    )
+
+
+def host_description() -> Any:
+    """The heartbeat's extra fields: what ``auto`` device/dtype mean on this host (the web
+    tier asks, having no torch) and the free memory of each CUDA device."""
+    import torch
+
+    from inference.engine_client import _resolve_here
+
+    device, dtype = _resolve_here(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
+    cuda = torch.cuda.is_available()
+
+    def describe() -> dict[str, Any]:
+        memory: dict[str, Any] = {}
+        if cuda:
+            for index in range(torch.cuda.device_count()):
+                free, total = torch.cuda.mem_get_info(index)
+                memory[f"cuda:{index}"] = {"free": int(free), "total": int(total)}
+            memory["cuda"] = memory.get(f"cuda:{torch.cuda.current_device()}")
+        return {"defaults": {"device": device, "dtype": dtype}, "memory": memory}
+
+    return describe
+
+
+def _on_engine_event(event: Any) -> None:
+    from inference import engine_events
+
+    try:
+        engine_events.handle(event)
+    except Exception:  # noqa: BLE001 - an event must not break the engine's worker
+        log.exception("engine_event_failed", event_name=event.name)
+
+
+class Command(BaseCommand):
+    help = ("Run the engine process: serve web workers over Redis Streams (needs REDIS_URL), "
+            "restoring the model and SAEs the database records as resident.")
+
+    def add_arguments(self, parser):
+        parser.add_argument("--no-restore", action="store_true",
+                            help="Start empty instead of restoring the recorded state.")
+        parser.add_argument("--engine-id", default=None,
+                            help="Consumer name on the streams (default: host-pid-random).")
+
+    def handle(self, *args, no_restore: bool, engine_id: str | None, **options):
+        if settings.EMBEDDED:
+            raise CommandError("run_engine needs REDIS_URL: without it the engine runs inside "
+                               "`manage.py serve` (embedded mode)")
+        import redis
+
+        from gpu_engine.engine import Engine
+        from gpu_engine.server.server import EngineAlreadyRunning, EngineServer
+        from inference.engine_client import batching_options
+
+        stop = threading.Event()
+
+        def on_signal(signum, frame):  # noqa: ARG001
+            if stop.is_set():
+                log.warning("engine_second_signal_ignored", signal=signum,
+                            note="in-flight requests are being finished or failed")
+                return
+            log.info("engine_stopping", signal=signal.Signals(signum).name)
+            stop.set()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+        config = server_config()
+        client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True,
+                                      socket_timeout=15, socket_connect_timeout=5,
+                                      health_check_interval=30)
+        engine = Engine(on_event=_on_engine_event,
+                        drain_timeout_s=settings.GRACEFUL_UNLOAD_TIMEOUT,
+                        batching=batching_options())
+        server = EngineServer(engine, client, config, engine_id=engine_id,
+                              describe=host_description())
+        log.info("engine_starting", engine_id=server.engine_id, prefix=config.prefix,
+                 max_in_flight=config.max_in_flight, batching=engine.batching.enabled)
+
+        def restore() -> None:
+            if no_restore:
+                return
+            try:
+                restore_recorded_state(engine=engine, server=server)
+            finally:
+                # the restore's connections must not linger through the serving life
+                close_old_connections()
+                connections.close_all()
+
+        try:
+            server.run(stop, restore=restore)
+        except EngineAlreadyRunning as exc:
+            engine.shutdown()
+            raise CommandError(str(exc)) from exc
+        except Exception:
+            log.exception("engine_fatal_error", engine_id=server.engine_id)
+            engine.shutdown()
+            raise SystemExit(1) from None
+        engine.shutdown()
+        client.close()
+        if server.lost_ownership:
+            raise SystemExit(3)
+        log.info("engine_stopped", engine_id=server.engine_id)
