@@ -235,8 +235,9 @@ class Engine:
         try:
             with torch.inference_mode():
                 self._scheduler.step(admit=admit)  # type: ignore[union-attr]
-        except BaseException:  # the scheduler reports failures on streams; never kill the worker
+        except BaseException as exc:  # a scheduler bug: end everything rather than spin on it
             log.exception("batch scheduler step failed")
+            self._scheduler.abort_all(GenerationFailed(f"batch scheduler failed: {type(exc).__name__}: {exc}"))  # type: ignore[union-attr]
 
     def _submit(self, fn: Callable[[], Any], priority: int, on_drop: Callable[[], None] | None = None) -> _Task:
         if self._closed:
