@@ -474,22 +474,23 @@ class EngineServer:
                 "engine stopped while holding it); it was moved to the dead-letter stream",
                 details={"deliveries": delivered}))
             return False
-        if time.time() > deadline or not self.redis.exists(self.keys.live(request_id)):
-            # nobody waits for it any more (the client left or gave up): drop it unrun
-            log.info("engine_dropped_abandoned id=%s request_id=%s", msg_id, request_id)
-            self._store_final(stream, msg_id, request_id, error_payload(
-                request_id, EngineBusy("the client stopped waiting before the job started")))
-            return False
-        if not self.redis.set(self.keys.started(request_id), self.engine_id, nx=True,
-                              ex=self.config.result_ttl_s):
-            starter = self.redis.get(self.keys.started(request_id))
-            self._give_up(stream, msg_id, fields, request_id, "engine_died_while_running",
-                          EngineShutdown(
-                              f"the engine process running this job ({starter}) stopped "
-                              "before it finished; it is not run again",
-                              details={"started_by": starter}))
-            return False
-        return True
+        started_key = self.keys.started(request_id)
+        starter = self.redis.get(started_key)
+        if starter is None:
+            if time.time() > deadline or not self.redis.exists(self.keys.live(request_id)):
+                # nobody waits for it any more (the client left or gave up): drop it unrun
+                log.info("engine_dropped_abandoned id=%s request_id=%s", msg_id, request_id)
+                self._store_final(stream, msg_id, request_id, error_payload(
+                    request_id, EngineBusy("the client stopped waiting before the job started")))
+                return False
+            if self.redis.set(started_key, self.engine_id, nx=True, ex=self.config.result_ttl_s):
+                return True
+            starter = self.redis.get(started_key)
+        self._give_up(stream, msg_id, fields, request_id, "engine_died_while_running",
+                      EngineShutdown(
+                          f"the engine process running this job ({starter}) stopped before it "
+                          "finished; it is not run again", details={"started_by": starter}))
+        return False
 
     def _accept_request(self, msg_id: str, fields: Any, delivered: int) -> None:
         try:

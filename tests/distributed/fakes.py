@@ -1,0 +1,212 @@
+"""A stand-in engine for transport tests: the same methods as ``gpu_engine.engine.Engine``,
+token timing under the test's control, and a record of what it was asked to run."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+
+from gpu_engine.errors import EngineBusy, SAENotAttached
+from gpu_engine.protocol import (
+    AttachmentStatus,
+    AttachResult,
+    EmbedResult,
+    EngineStatus,
+    ErrorEvent,
+    FinishEvent,
+    LogprobEntry,
+    ScoreResult,
+    TokenEvent,
+    Usage,
+)
+from gpu_engine.sae.compat import CompatibilityReport
+from gpu_engine.server.keys import Keys
+from gpu_engine.server.server import EngineServer, ServerConfig
+
+
+class FakeStream:
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        self._cancel = threading.Event()
+        self.cancelled_at: float | None = None
+
+    def cancel(self) -> None:
+        if not self._cancel.is_set():
+            self.cancelled_at = time.monotonic()
+        self._cancel.set()
+
+    def events(self, timeout_s: float | None = None) -> Iterator[Any]:
+        done = False
+        try:
+            while True:
+                try:
+                    event = self._events.get(timeout=timeout_s)
+                except queue.Empty:
+                    raise EngineBusy("no event") from None
+                if isinstance(event, (FinishEvent, ErrorEvent)):
+                    done = True
+                yield event
+                if done:
+                    return
+        finally:
+            if not done:
+                self.cancel()
+
+
+class FakeEngine:
+    """Token ``i`` is the text ``t<i> `` every ``step_s``; a prompt ``"hang"`` produces
+    nothing until cancelled. Cancellation is checked before every step, as the real
+    engine does before every forward pass."""
+
+    def __init__(self, *, step_s: float = 0.01) -> None:
+        self.step_s = step_s
+        self.model_id: str | None = None
+        self.attached: dict[tuple[str, int], str] = {}
+        self.generated: list[str] = []
+        self.streams: dict[str, FakeStream] = {}
+        self.embedded: list[str] = []
+
+    def status(self) -> EngineStatus:
+        return EngineStatus(
+            state="ready" if self.model_id else "empty", backend="fake",
+            model_id=self.model_id, attachments=self.attachments(),
+            in_flight=sum(1 for s in self.streams.values() if s.cancelled_at is None))
+
+    def attachments(self) -> list[AttachmentStatus]:
+        return [AttachmentStatus(sae_id=s, layer=l, layer_module_path=f"model.layers.{l}",
+                                 d_in=8, d_sae=16, activation="relu", layout="saelens",
+                                 path=p) for (s, l), p in self.attached.items()]
+
+    def load_model(self, job: Any, *, timeout_s: float | None = None) -> EngineStatus:
+        self.model_id = job.model_id
+        self.attached.clear()
+        return self.status()
+
+    def unload_model(self, *, timeout_s: float | None = None) -> None:
+        self.model_id = None
+        self.attached.clear()
+
+    def attach_set(self, specs: Any, *, timeout_s: float | None = None) -> list[AttachResult]:
+        out = []
+        for spec in specs:
+            self.attached[(spec.sae_id, spec.layer)] = spec.path
+            out.append(AttachResult(spec.sae_id, spec.layer, f"model.layers.{spec.layer}", 8, 16,
+                                    "relu", "saelens"))
+        return out
+
+    def detach(self, sae_id: str | None = None, layer: int | None = None, *,
+               timeout_s: float | None = None) -> list[tuple[str, int]]:
+        keys = [k for k in self.attached
+                if (sae_id is None or k[0] == sae_id) and (layer is None or k[1] == layer)]
+        if not keys and sae_id is not None:
+            raise SAENotAttached(f"SAE {sae_id!r} is not attached",
+                                 details={"sae_id": sae_id, "layer": layer})
+        for k in keys:
+            del self.attached[k]
+        return keys
+
+    def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> Any:
+        return CompatibilityReport(compatible=layer < 4, errors=[] if layer < 4 else ["range"],
+                                   warnings=["trained elsewhere"])
+
+    def generate(self, job: Any) -> FakeStream:
+        self.generated.append(job.request_id)
+        stream = FakeStream(job.request_id)
+        self.streams[job.request_id] = stream
+        threading.Thread(target=self._run, args=(job, stream), daemon=True).start()
+        return stream
+
+    def _run(self, job: Any, stream: FakeStream) -> None:
+        n = job.sampling.max_tokens or 16
+        text = ""
+        i = 0
+        while i < n:
+            if stream._cancel.is_set():
+                stream._events.put(FinishEvent(job.request_id, "cancelled", text,
+                                               list(range(i)), Usage(3, i, 3 + i)))
+                return
+            if job.prompt == "hang":
+                time.sleep(0.01)
+                continue
+            time.sleep(self.step_s)
+            piece = f"t{i} "
+            text += piece
+            stream._events.put(TokenEvent(job.request_id, i, i, piece))
+            i += 1
+        stream._events.put(FinishEvent(job.request_id, "length", text, list(range(n)),
+                                       Usage(3, n, 3 + n), forward_passes=n))
+
+    def embed(self, job: Any, *, timeout_s: float | None = None) -> EmbedResult:
+        self.embedded.append(job.request_id)
+        return EmbedResult(job.request_id, [[1.0, 0.0]] * len(job.inputs),
+                           Usage(len(job.inputs), 0, len(job.inputs)))
+
+    def score(self, job: Any, *, timeout_s: float | None = None) -> ScoreResult:
+        return ScoreResult(job.request_id, 3, top=[LogprobEntry(1, "a", -0.5)])
+
+
+FAST = {"heartbeat_s": 0.1, "dead_after_s": 0.6, "cancel_poll_s": 0.05}
+
+
+@contextmanager
+def running_server(url: str, engine: Any, prefix: str, **overrides: Any
+                   ) -> Iterator[EngineServer]:
+    """An EngineServer serving ``engine`` on a thread until the block ends."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    config = ServerConfig(prefix=prefix, **{**FAST, **overrides})
+    server = EngineServer(engine, client, config,
+                          describe=lambda: {"defaults": {"device": "cpu", "dtype": "float32"}})
+    stop = threading.Event()
+    thread = threading.Thread(target=server.run, args=(stop,), daemon=True)
+    thread.start()
+    keys = Keys(prefix)
+    deadline = time.monotonic() + 10
+    while True:
+        raw = client.get(keys.heartbeat)
+        if raw and json.loads(raw).get("phase") == "serving":
+            break
+        assert time.monotonic() < deadline, "the server did not start serving"
+        time.sleep(0.02)
+    try:
+        yield server
+    finally:
+        stop.set()
+        thread.join(timeout=20)
+        assert not thread.is_alive(), "the server did not stop"
+        client.close()
+
+
+@contextmanager
+def fake_heartbeat(url: str, prefix: str, engine_id: str, *, ttl_ms: int = 600,
+                   every_s: float = 0.1) -> Iterator[threading.Event]:
+    """A heartbeat as a serving engine would write it, until the returned event is set
+    (then it simply stops, as a killed engine's does)."""
+    client = redis.Redis.from_url(url, decode_responses=True)
+    keys = Keys(prefix)
+    stop = threading.Event()
+    payload = json.dumps({"engine_id": engine_id, "phase": "serving",
+                          "status": EngineStatus(state="ready", model_id="fake").to_dict(),
+                          "defaults": {"device": "cpu", "dtype": "float32"}})
+
+    def beat() -> None:
+        while not stop.is_set():
+            client.set(keys.heartbeat, payload, px=ttl_ms)
+            stop.wait(every_s)
+
+    client.set(keys.heartbeat, payload, px=ttl_ms)
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield stop
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        client.close()
