@@ -127,6 +127,7 @@ class Proc:
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.popen = subprocess.Popen(args, env=env, cwd=REPO, stdout=self._log,
                                       stderr=subprocess.STDOUT, start_new_session=True)
+        self.stopped_on_purpose = False
 
     @property
     def pid(self) -> int:
@@ -142,11 +143,13 @@ class Proc:
             pass
 
     def kill9(self) -> None:
+        self.stopped_on_purpose = True
         self._signal(signal.SIGKILL)
         self.popen.wait(timeout=10)
 
     def terminate(self, timeout_s: float = 30) -> int | None:
         """SIGTERM, then SIGKILL after ``timeout_s``; the exit status of the SIGTERM."""
+        self.stopped_on_purpose = True
         self._signal(signal.SIGTERM)
         try:
             return self.popen.wait(timeout=timeout_s)

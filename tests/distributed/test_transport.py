@@ -32,7 +32,6 @@ from inference.engine_client_redis import RedisEngineClient
 from tests.distributed.fakes import FAST, FakeEngine, fake_heartbeat, running_server
 
 
-
 @pytest.fixture
 def prefix() -> str:
     return f"t{secrets.token_hex(4)}"
