@@ -1,0 +1,122 @@
+"""The deployment files parse and agree with the code: Docker and Kubernetes are not
+runnable here, so this checks their structure — the services and containers exist, the
+engine asks for a GPU, every miLLM variable they set is one the configuration knows, and
+the commands are the ones this project ships."""
+
+from __future__ import annotations
+
+import configparser
+from pathlib import Path
+
+import pytest
+import yaml
+
+from millm_site.config import VARIABLES_BY_NAME
+
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+# set in the files for the images themselves, not read by miLLM's configuration
+FOREIGN = {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "PGDATA",
+           "DJANGO_SETTINGS_MODULE", "CUDA_VISIBLE_DEVICES"}
+
+
+def _known(name: str) -> bool:
+    return name in VARIABLES_BY_NAME or name in FOREIGN
+
+
+def _k8s() -> list[dict]:
+    docs = []
+    for path in sorted((DEPLOY / "k8s").glob("*.yaml")):
+        if path.name == "kustomization.yaml":
+            continue
+        docs += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return docs
+
+
+def test_compose_has_the_topology():
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert {"web", "worker", "loader", "engine", "postgres", "redis", "migrate"} <= set(services)
+    gpu = services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert gpu["capabilities"] == ["gpu"] and gpu["count"] == 1
+    assert services["engine"]["command"][-1] == "run_engine"
+    assert services["web"]["command"][:3] == ["python", "manage.py", "serve"]
+    worker = services["worker"]["command"]
+    assert worker[:4] == ["celery", "-A", "millm_site", "worker"]
+    assert worker[worker.index("-Q") + 1] == "downloads,maintenance"
+    loader = services["loader"]["command"]
+    assert loader[loader.index("-Q") + 1] == "loads"
+    for name in ("web", "worker", "loader", "engine", "migrate"):
+        env = services[name]["environment"]
+        assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY"} <= set(env), name
+        unknown = [k for k in env if not _known(k)]
+        assert not unknown, (name, unknown)
+    # downloads (worker) and loads (engine) see the same files
+    assert "cache:/app" in services["worker"]["volumes"]
+    assert "cache:/app" in services["engine"]["volumes"]
+
+
+def test_kubernetes_manifests():
+    docs = _k8s()
+    by_kind: dict[str, dict[str, dict]] = {}
+    for d in docs:
+        assert d.get("apiVersion") and d.get("kind"), d
+        by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
+    deployments = by_kind["Deployment"]
+    assert {"millm-web", "millm-worker", "millm-loader", "millm-engine"} <= set(deployments)
+    assert {"millm-postgres", "millm-redis"} <= set(by_kind["StatefulSet"])
+    assert {"millm-web", "millm-postgres", "millm-redis"} <= set(by_kind["Service"])
+    engine = deployments["millm-engine"]["spec"]
+    assert engine["replicas"] == 1 and engine["strategy"]["type"] == "Recreate"
+    [container] = engine["template"]["spec"]["containers"]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["command"][-1] == "run_engine"
+    grace = int(by_kind["ConfigMap"]["millm-config"]["data"]["ENGINE_SHUTDOWN_GRACE_S"])
+    assert engine["template"]["spec"]["terminationGracePeriodSeconds"] > grace
+    # selectors match their pod labels
+    for d in [*deployments.values(), *by_kind["StatefulSet"].values()]:
+        assert d["spec"]["selector"]["matchLabels"].items() <= \
+            d["spec"]["template"]["metadata"]["labels"].items()
+    for name in ("millm-config",):
+        unknown = [k for k in by_kind["ConfigMap"][name]["data"] if not _known(k)]
+        assert not unknown, unknown
+    secret = by_kind["Secret"]["millm-secrets"]["stringData"]
+    assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY"} <= set(secret)
+    assert not [k for k in secret if not _known(k)]
+    for d in deployments.values():
+        for c in d["spec"]["template"]["spec"]["containers"]:
+            refs = {e.get("configMapRef", e.get("secretRef", {})).get("name")
+                    for e in c.get("envFrom", [])}
+            assert refs == {"millm-config", "millm-secrets"}, d["metadata"]["name"]
+            assert not [e["name"] for e in c.get("env", []) if not _known(e["name"])]
+    kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
+    listed = set(kustomization["resources"])
+    assert listed == {p.name for p in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
+
+
+@pytest.mark.parametrize("unit, command", [
+    ("millm-web@.service", "manage.py serve"),
+    ("millm-worker.service", "celery -A millm_site worker"),
+    ("millm-engine.service", "manage.py run_engine"),
+])
+def test_systemd_units(unit, command):
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str  # systemd keys are case-sensitive
+    parser.read(DEPLOY / "systemd" / unit)
+    service = parser["Service"]
+    assert command in service["ExecStart"]
+    assert service["EnvironmentFile"] == "/etc/millm/millm.env"
+    assert service["KillSignal"] == "SIGTERM" and service["Restart"] == "on-failure"
+    assert parser["Install"]["WantedBy"] == "multi-user.target"
+    env = DEPLOY / "systemd" / "millm.env.example"
+    names = [line.split("=", 1)[0] for line in env.read_text().splitlines()
+             if line and not line.startswith("#")]
+    assert all(_known(n) for n in names), names
+
+
+def test_engine_unit_outlasts_the_shutdown_grace():
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str
+    parser.read(DEPLOY / "systemd" / "millm-engine.service")
+    assert int(parser["Service"]["TimeoutStopSec"]) > \
+        VARIABLES_BY_NAME["ENGINE_SHUTDOWN_GRACE_S"].default
+    assert parser["Service"]["RestartPreventExitStatus"] == "3"
