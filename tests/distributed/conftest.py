@@ -163,6 +163,28 @@ class Proc:
         self._signal(signal.SIGKILL)  # leftovers of the group
         self._log.close()
 
+    def group_pids(self) -> list[int]:
+        """This process and its children (same process group), from /proc."""
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[2]) == self.popen.pid:  # pgrp
+                pids.append(int(stat.parent.name))
+        return pids
+
+    def maps_library(self, name: str) -> bool:
+        """Whether any process of the group has ``name`` (a shared library) mapped."""
+        for pid in self.group_pids():
+            try:
+                if name in Path(f"/proc/{pid}/maps").read_text():
+                    return True
+            except OSError:
+                continue
+        return False
+
     def tail(self, lines: int = 40) -> str:
         try:
             text = self.log_path.read_text(errors="replace")

@@ -232,6 +232,11 @@ def test_engine_and_web_crashes(cluster: Cluster, procs: list[Proc]):
     assert report["statuses"] == [200, 200, 200, 200], report
     assert report["torch"] is False and report["transformers"] is False, report
 
+    # ... nor do the running web servers and the Celery worker (and its forked child),
+    # which have served requests and run a load by now; the engine does
+    for proc in procs:
+        assert proc.maps_library("libtorch") == (proc.name == "engine"), proc.name
+
     # --- kill -9 the engine while several clients stream
     outcomes = [Outcome() for _ in range(6)]
     threads = [threading.Thread(target=stream_chat, args=(
