@@ -351,7 +351,7 @@ class EngineServer:
             return True
         except redis.RedisError as exc:
             log.warning("engine_heartbeat_failed error=%r", exc)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a status read must not end the heartbeat
             log.exception("engine_heartbeat_failed")
         return False
 
@@ -388,7 +388,7 @@ class EngineServer:
                             loop_name, exc, backoff)
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
-            except Exception:
+            except Exception:  # noqa: BLE001 - logged; the loop keeps serving
                 log.exception("engine_loop_error loop=%s", loop_name)
                 self._stopping.wait(1.0)
 
@@ -536,7 +536,7 @@ class EngineServer:
             entry.handle.cancel()
             self._done(entry)
             return
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the client gets it as an error event
             log.exception("engine_pump_failed request_id=%s", rid)
             final = error_payload(rid, GenerationFailed(f"{type(exc).__name__}: {exc}"))
         if final is None:
@@ -555,7 +555,7 @@ class EngineServer:
                                      .to_dict())
         except EngineError as exc:
             payload = error_payload(rid, exc)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the client gets it as an error event
             log.exception("engine_call_failed request_id=%s", rid)
             payload = error_payload(rid, GenerationFailed(f"{type(exc).__name__}: {exc}"))
         self._finish(entry, payload)
@@ -686,7 +686,7 @@ class EngineServer:
             payload = result_payload(cid, handler(env.args))
         except EngineError as exc:
             payload = error_payload(cid, exc)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the caller gets it as an error reply
             log.exception("engine_command_failed kind=%s", env.kind)
             payload = error_payload(cid, GenerationFailed(
                 f"command {env.kind} failed: {type(exc).__name__}: {exc}"))

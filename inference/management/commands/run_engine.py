@@ -167,7 +167,7 @@ def _on_engine_event(event: Any) -> None:
 
     try:
         engine_events.handle(event)
-    except Exception:
+    except Exception:  # noqa: BLE001 - an event must not break the engine's worker
         log.exception("engine_event_failed", event_name=event.name)
 
 
@@ -193,7 +193,7 @@ class Command(BaseCommand):
 
         stop = threading.Event()
 
-        def on_signal(signum, frame):
+        def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
             if stop.is_set():
                 log.warning("engine_second_signal_ignored", signal=signum,
                             note="in-flight requests are being finished or failed")
