@@ -92,5 +92,6 @@ def test_resolver_profile_rules():
     with pytest.raises(SteeringInvalid):
         steering_resolve_request(attachments=[_att()], profile="caf\u00e9; x=1",
                                  inline_features=[(1, 1.0)])
-    with pytest.raises(SteeringInvalid):
+    with pytest.raises(domain.MillmError) as err:  # values set directly are checked
         profile_create(name="too-strong", sae_id="sae_a", layer=1, steering={"1": 201})
+    assert err.value.code == "VALIDATION_ERROR"
