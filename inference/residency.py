@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import structlog
+from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, connections
 
@@ -95,15 +96,18 @@ class Residency:
                 details={"model": model.name, "resident": resident})
 
     async def acquire(self, model: ModelRef, *, policy: str,
-                      status: EngineStatus | None = None) -> Use:
+                      status: EngineStatus | None = None, lease: str | None = None) -> Use:
         """Make ``model`` resident (loading it if needed and allowed) and register a use
         of it; the returned ``Use`` must be released when the request ends. ``status``:
-        an engine status the caller has just read (saves reading it again)."""
+        an engine status the caller has just read (saves reading it again). ``lease``:
+        the request's ``X-miLLM-Lease``, needed to load over a leased model."""
         for _ in range(3):
             if status is None:
                 status = await asyncio.to_thread(get_engine_client().status)
             resident = resident_model_id(status)
             self.check_policy(model, policy=policy, resident=resident)
+            if resident != model.name and not self.loading(model.name):
+                await sync_to_async(_check_lease)(model, lease)  # 409 model_leased
             with self._lock:
                 other_load = next((n for n in self._loading if n != model.name), None)
                 if other_load is not None:
@@ -162,6 +166,13 @@ class Residency:
                 self._active[name] = count
             else:
                 self._active.pop(name, None)
+
+
+def _check_lease(model: ModelRef, lease: str | None) -> None:
+    """An auto-load would swap out a leased model: only its holder may."""
+    from leases.services import lease_check_change
+
+    lease_check_change(operation="load", target_model=None, lease_id=lease)
 
 
 def resident_model_id(status: EngineStatus) -> str | None:

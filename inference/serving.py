@@ -27,6 +27,7 @@ from gpu_engine.protocol import (
     ErrorEvent,
     FinishEvent,
     GenerationJob,
+    MonitorEntry,
     MonitorSpec,
     ScoreJob,
     SteeringCount,
@@ -46,6 +47,12 @@ from inference.errors import (
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.residency import ModelRef, Use, get_residency, resident_model_id
 from inference.tokens import TokenTexts
+from monitoring.services import (
+    monitoring_merge,
+    monitoring_record,
+    monitoring_request_entry,
+    monitoring_take_records,
+)
 from steering.services import ResolvedSteering, steering_resolve_request
 
 log = structlog.get_logger(__name__)
@@ -77,6 +84,7 @@ class Plan:
     choices: list[Choice]
     texts: TokenTexts
     backend: str
+    monitoring: MonitorEntry | None = None  # /api/monitoring's entry, recorded apart
     response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -123,14 +131,15 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     if attachments is None:
         attachments = await asyncio.to_thread(client.attachments)
     args = _steering_args(req, profile)
-    if args["inline_features"] is None:
-        # a profile, or the live steering a request without its own falls back to, is
-        # read from the database
-        steering = await sync_to_async(steering_resolve_request)(
-            attachments=attachments, model_name=model.name, **args)
-    else:
-        steering = steering_resolve_request(attachments=attachments, model_name=model.name,
-                                            **args)
+
+    def resolve() -> tuple[ResolvedSteering, MonitorEntry | None]:
+        # both read the database: a profile or the live steering a request without its
+        # own falls back to, and /api/monitoring's configuration
+        return (steering_resolve_request(attachments=attachments, model_name=model.name,
+                                         **args),
+                monitoring_request_entry(attachments=attachments))
+
+    steering, monitored = await sync_to_async(resolve)()
     n_prompts = 1 if kind == "chat" else len(req.prompt)  # type: ignore[union-attr]
     monitor = attachment = None
     if req.return_sae_activations is not None:
@@ -139,6 +148,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
         monitor, attachment = monitor_resolve(
             asked=req.return_sae_activations, attachments=attachments,
             choices=n_prompts * req.n, max_tokens=max_tokens)
+    monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
     texts = TokenTexts(model_path)
     choices: list[Choice] = []
     if isinstance(req, ChatCompletionRequest):
@@ -168,7 +178,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                     prompt_text=prompt if isinstance(prompt, str) else None))
     return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
                 attachment=attachment, choices=choices, texts=texts,
-                backend=client.backend_name)
+                backend=client.backend_name, monitoring=monitored)
 
 
 # --------------------------------------------------------------------------- shaping
@@ -326,6 +336,17 @@ async def build_body(plan: Plan, outcomes: list[Outcome], client: EngineClient
 
 
 # --------------------------------------------------------------------------- running
+
+async def record_monitoring(plan: Plan, outcome: Outcome) -> None:
+    """Hand /api/monitoring's records of a finished choice to the monitoring history
+    (taken out of the outcome, so return_sae_activations never sees them)."""
+    if plan.monitoring is None:
+        return
+    records = monitoring_take_records(entry=plan.monitoring, finish=outcome.finish,
+                                      tokens=outcome.tokens)
+    await sync_to_async(monitoring_record)(request_id=plan.object_id,
+                                           entry=plan.monitoring, records=records)
+
 
 async def run_choice(client: EngineClient, choice: Choice) -> Outcome:
     tokens: list[TokenEvent] = []
@@ -487,6 +508,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                         held = b""
                 elif isinstance(event, FinishEvent):
                     outcomes.append(Outcome(choice, event, tokens))
+                    await record_monitoring(plan, outcomes[-1])
                     yield held + _sse(_chunk(plan, [_finish_choice(plan, choice, event)]))
                     held = b""
                     break
@@ -507,6 +529,8 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
     """Run the plan: a JSON response, or an SSE response that owns ``res`` from here."""
     if not plan.request.stream:
         outcomes = [await run_choice(client, choice) for choice in plan.choices]
+        for outcome in outcomes:
+            await record_monitoring(plan, outcome)
         body = await build_body(plan, outcomes, client)
         return JsonResponse(body, headers=plan.headers)
     # Wait for the first event before answering, so a refusal the engine makes at the
@@ -521,7 +545,7 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
 
 
 async def serve_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
-                           policy: str) -> Any:
+                           policy: str, lease: str | None = None) -> Any:
     client = get_engine_client()
     residency = get_residency()
     status = await residency.status()
@@ -537,7 +561,8 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
     try:
         # a status read before a wait in the queue may be stale: read it again then
         res.use = await residency.acquire(model, policy=policy,
-                                          status=None if permit.waited else status)
+                                          status=None if permit.waited else status,
+                                          lease=lease)
         plan = await plan_generation(kind=kind, req=req, model=model,
                                      profile=req.profile or profile, client=client,
                                      model_path=model_path,

@@ -46,6 +46,7 @@ log = structlog.get_logger(__name__)
 
 MAX_HEADER_BYTES = 8192
 LOAD_POLICY_HEADER = "X-miLLM-Load-Policy"
+LEASE_HEADER = "X-miLLM-Lease"
 
 
 def openai_view(*methods: str):
@@ -129,7 +130,8 @@ def _load_policy(request: HttpRequest) -> str:
 
 async def _generation(request: HttpRequest, kind: str, schema: type[BaseModel]):
     req = _body(request, schema)
-    return await serve_generation(kind=kind, req=req, policy=_load_policy(request))
+    return await serve_generation(kind=kind, req=req, policy=_load_policy(request),
+                                  lease=request.headers.get(LEASE_HEADER))
 
 
 @openai_view("POST")
@@ -161,7 +163,8 @@ async def embeddings(request: HttpRequest):
     use = None
     try:
         use = await residency.acquire(model, policy=policy,
-                                      status=None if permit.waited else status)
+                                      status=None if permit.waited else status,
+                                      lease=request.headers.get(LEASE_HEADER))
         result = await asyncio.to_thread(
             client.embed, EmbedJob(request_id=f"embd-{uuid.uuid4().hex}",
                                    inputs=list(req.input), pooling="mean", normalize=True),

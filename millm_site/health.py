@@ -257,10 +257,16 @@ class DetailedHealthView(APIView):
             "inference": {**inference_figures(),
                           "backend": engine.get("backend"),
                           "continuous_batching": settings.ENABLE_CONTINUOUS_BATCHING},
-            # Leases are a later part of the server: until they exist nothing holds one.
-            "lease": None,
-            "lease_note": "model leases are not implemented in this build",
+            "lease": _lease_block(),
         })
+
+
+def _lease_block() -> dict[str, Any] | None:
+    """The live lease, without its id (which is shown once, to its holder)."""
+    from leases.selectors import lease_live, lease_out
+
+    lease = lease_live()
+    return lease_out(lease) if lease is not None else None
 
 
 class InferenceHealthView(APIView):

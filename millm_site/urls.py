@@ -10,5 +10,8 @@ urlpatterns = [
     path("v1/", include("inference.urls")),
     path("api/", include("millm_site.api_urls")),
     path("api/", include("registry.urls")),
+    path("api/", include("steering.urls")),
+    path("api/", include("monitoring.urls")),
+    path("api/", include("leases.urls")),
     path("", RedirectView.as_view(url="/admin/", permanent=False)),
 ]

@@ -97,7 +97,8 @@ class ModelLoadApi(APIView):
                        io.ModelJobOutput)})
     def post(self, request, model_id: int) -> Response:
         model = selectors.model_get(model_id=model_id)
-        job = services.model_load_enqueue(model=model)
+        job = services.model_load_enqueue(model=model,
+                                          lease_id=request.headers.get("X-miLLM-Lease"))
         model.refresh_from_db()
         return envelope({"model": _model_data(model), "job": io.job_out(job)},
                         status_code=status.HTTP_202_ACCEPTED)
@@ -109,7 +110,8 @@ class ModelUnloadApi(APIView):
                    responses={202: enveloped(io.ModelJobOutput)})
     def post(self, request, model_id: int) -> Response:
         model = selectors.model_get(model_id=model_id)
-        job = services.model_unload_enqueue(model=model)
+        job = services.model_unload_enqueue(model=model,
+                                            lease_id=request.headers.get("X-miLLM-Lease"))
         model.refresh_from_db()
         return envelope({"model": _model_data(model), "job": io.job_out(job)},
                         status_code=status.HTTP_202_ACCEPTED)
@@ -201,13 +203,29 @@ class SAEPreviewApi(APIView):
                                               hf_token=data.get("hf_token") or None))
 
 
+def _with_live_state(status: dict) -> dict:
+    """The first attachment's live steering and monitoring flags, from their apps."""
+    if not status.get("is_attached"):
+        return status
+    from monitoring.services import monitoring_state
+    from steering.live import live_state
+
+    row = Attachment.objects.select_related("sae").get(sae_id=status["sae_id"],
+                                                       layer=status["layer"])
+    monitoring = monitoring_state()
+    return {**status, "steering_enabled": live_state(attachment=row)["enabled"],
+            "monitoring_enabled": bool(monitoring["enabled"]
+                                       and monitoring["sae_id"] == row.sae_id
+                                       and monitoring["layer"] == row.layer)}
+
+
 class AttachmentStatusApi(APIView):
     @extend_schema(tags=SAES, summary="Attachment status (with steering_apply_count)",
                    responses=enveloped(io.AttachmentStatusOutput))
     def get(self, request) -> Response:
         rows = list(selectors.attachment_list())
-        return envelope(io.attachment_status(rows, selectors.engine_attachment_counts()
-                                             if rows else {}))
+        return envelope(_with_live_state(io.attachment_status(
+            rows, selectors.engine_attachment_counts() if rows else {})))
 
 
 class AttachmentListApi(APIView):

@@ -555,6 +555,11 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
 
 
 def _forget_model_state(model: Model) -> None:
+    from leases.services import lease_end_for_model
+    from steering.live import live_forget
+
+    live_forget(attachments=Attachment.objects.filter(model=model))
+    lease_end_for_model(model_id=model.pk)  # a lease ends with its model's residency
     Attachment.objects.filter(model=model).delete()
     SAE.objects.filter(status=SAE.Status.ATTACHED).exclude(attachments__isnull=False).update(
         status=SAE.Status.READY)
@@ -637,7 +642,7 @@ def _active_job(*, model: Model, kinds: tuple[str, ...]) -> Job | None:
 
 
 @transaction.atomic
-def model_load_enqueue(*, model: Model) -> Job:
+def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     """Start a background load (the API's route): the job row now, the load after commit.
 
     Idempotent while a load of the same model is queued or running (its job is returned);
@@ -651,6 +656,10 @@ def model_load_enqueue(*, model: Model) -> Job:
     existing = _active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,))
     if existing is not None:
         return existing
+    if Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).exists():
+        from leases.services import lease_check_change
+
+        lease_check_change(operation="load", target_model=model, lease_id=lease_id)
     if model.status == Model.Status.LOADED:
         raise ModelAlreadyLoaded(f"Model {model.name!r} is already loaded",
                                  details={"model_id": model.id})
@@ -674,7 +683,7 @@ def model_load_enqueue(*, model: Model) -> Job:
 
 
 @transaction.atomic
-def model_unload_enqueue(*, model: Model) -> Job:
+def model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     from millm_site import jobs
     from millm_site.errors import ModelBusy, ModelNotLoaded
     from registry import tasks
@@ -683,6 +692,10 @@ def model_unload_enqueue(*, model: Model) -> Job:
     existing = _active_job(model=model, kinds=(Job.Kind.MODEL_UNLOAD,))
     if existing is not None:
         return existing
+    if model.status == Model.Status.LOADED:
+        from leases.services import lease_check_change
+
+        lease_check_change(operation="unload", target_model=model, lease_id=lease_id)
     if _active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,)) is not None or \
             model.status == Model.Status.LOADING:
         raise ModelBusy(f"Model {model.name!r} is being loaded; retry when it is",
@@ -794,10 +807,13 @@ def sae_detach(*, sae: SAE, layer: int | None = None) -> list[tuple[str, int]]:
 @transaction.atomic
 def attachment_forget(*, sae_id: str, layer: int | None) -> None:
     """Record that an attachment is gone (detach, or the engine dropped it after an OOM)."""
+    from steering.live import live_forget
+
     qs = Attachment.objects.filter(sae_id=sae_id)
     if layer is not None:
         qs = qs.filter(layer=layer)
     model_ids = set(qs.values_list("model_id", flat=True))
+    live_forget(attachments=qs)  # detaching clears the attachment's live steering
     qs.delete()
     if not Attachment.objects.filter(sae_id=sae_id).exists():
         SAE.objects.filter(pk=sae_id).update(status=SAE.Status.READY, updated_at=timezone.now())

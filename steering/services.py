@@ -1,9 +1,14 @@
 """Resolving a request's steering into the engine's per-request ``SteeringSpec``.
 
 ``steering_resolve_request`` is the single place where a request's steering is decided:
-inline features, a saved profile scaled by an intensity dial, or nothing. Live steering,
-clusters and circuits (later issues) plug in here, so every surface that generates asks
-this function and the engine only ever sees the resolved spec.
+inline features, a saved profile (or cluster) scaled by an intensity dial, or — when the
+request brings none — the live steering set through /api (profiles, clusters and circuits
+activate into it). Every surface that generates asks this function and the engine only
+ever sees the resolved spec.
+
+The mutations of the steering documents live in ``steering.live``, ``steering.profiles``,
+``steering.clusters`` and ``steering.circuits``; they are re-exported here, so callers
+have one namespace.
 
 Rules (SPEC §3): values set directly must lie in [-200, 200] (refused otherwise, which the
 /v1 schema and ``SteeringEntry`` both check); values derived from a dial (profile × λ) are
@@ -18,8 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from django.db import transaction
-
 from gpu_engine.protocol import (
     MAX_STEERING_STRENGTH,
     AttachmentStatus,
@@ -27,8 +30,9 @@ from gpu_engine.protocol import (
     SteeringSpec,
 )
 from millm_site.errors import InvalidFeatureIndex
-from steering.errors import ProfileIncompatible, SteeringInvalid
-from steering.models import Profile
+from steering import live
+from steering.errors import ProfileIncompatible, ProfileNotFound, SteeringInvalid
+from steering.models import Cluster, Profile
 from steering.selectors import attachment_choices, attachment_pick, profile_get_by_name
 
 MAX_INTENSITY = 2.0
@@ -39,7 +43,7 @@ class ResolvedSteering:
     """What a request will run with. ``spec=None`` means the request said nothing (the
     engine runs it unsteered); an empty spec means explicitly unsteered."""
 
-    mode: str  # "none" | "inline" | "profile"
+    mode: str  # "none" | "inline" | "profile" | "live"
     spec: SteeringSpec | None
     header: str
     profile: str | None = None
@@ -134,10 +138,30 @@ def _profile_values(profile: Profile) -> dict[int, float]:
     return values
 
 
+def _cluster_as_profile(name: str) -> Profile | None:
+    """A cluster named where a profile is expected (``profile`` on /v1): its members by
+    the sign rule at λ = 1, on the attachment it is bound to; the dial scales them."""
+    cluster = Cluster.objects.filter(name=name).first()
+    if cluster is None:
+        return None
+    from steering.clusters import cluster_values
+
+    values = cluster_values(cluster, 1.0)
+    return Profile(name=name, sae_id=cluster.sae_id, layer=cluster.layer,
+                   steering={str(k): v for k, v in values.items()},
+                   intensity=cluster.intensity, model_name="")
+
+
 def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: str | None,
              intensity: float | None) -> ResolvedSteering:
-    profile = profile_get_by_name(name=name)
-    dial = 1.0 if intensity is None else intensity
+    try:
+        profile = profile_get_by_name(name=name)
+    except ProfileNotFound:
+        profile = _cluster_as_profile(name)
+        if profile is None:
+            raise
+    # the request's λ, else the document's own (a profile's or cluster's stored dial)
+    dial = float(profile.intensity) if intensity is None else intensity
     if dial == 0:
         return EXPLICITLY_UNSTEERED
     if profile.model_name and model_name and profile.model_name != model_name:
@@ -145,10 +169,16 @@ def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: 
             f"Profile {name!r} was made for model {profile.model_name!r}, not {model_name!r}",
             details={"profile": name, "model": model_name,
                      "profile_model": profile.model_name})
+    values = _profile_values(profile)
+    if not values:
+        return EXPLICITLY_UNSTEERED
     if not attachments:
         # The documented contract: with no SAE attached a profile request runs unsteered
         # (and says so in X-miLLM-Steering) rather than failing.
         return NONE
+    if not profile.sae_id:
+        raise ProfileIncompatible(f"{name!r} is not bound to an SAE attachment (a cluster "
+                                  "binds when it is activated)", details={"profile": name})
     att = next((a for a in attachments
                 if a.sae_id == profile.sae_id and a.layer == profile.layer), None)
     if att is None:
@@ -157,11 +187,39 @@ def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: 
             f"which is not attached (attached: {', '.join(attachment_choices(attachments))})",
             details={"profile": name, "sae_id": profile.sae_id, "layer": profile.layer,
                      "choices": attachment_choices(attachments)})
-    values = _profile_values(profile)
     _check_indices(att, list(values), "profile")
     scaled = {index: _dial(strength, dial) for index, strength in values.items()}
     header = f"profile;name={_header_value(name)};intensity={_fmt(dial)}"
     return _resolved("profile", att, scaled, header, profile=name, intensity=dial)
+
+
+def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None
+          ) -> ResolvedSteering:
+    """The live steering of the attachments the engine holds (rows for attachments it
+    does not hold, e.g. during a detach, are skipped), dialled by the request's λ."""
+    held = {(a.sae_id, a.layer) for a in attachments}
+    rows = [r for r in live.live_rows()
+            if (r.attachment.sae_id, r.attachment.layer) in held]
+    if not rows:
+        return NONE
+    if intensity == 0:
+        return EXPLICITLY_UNSTEERED
+    entries = []
+    for row in rows:
+        values = {int(k): float(v) for k, v in row.values.items()}
+        if intensity is not None:
+            values = {k: _dial(v, intensity) for k, v in values.items()}
+        entries.append(SteeringEntry(row.attachment.sae_id, row.attachment.layer, values))
+    count = sum(len(e.features) for e in entries)
+    if len(entries) == 1:
+        header = (f"live;sae={_header_value(entries[0].sae_id)};layer={entries[0].layer};"
+                  f"features={count}")
+    else:
+        header = f"live;attachments={len(entries)};features={count}"
+    if intensity is not None:
+        header += f";intensity={_fmt(intensity)}"
+    return ResolvedSteering(mode="live", spec=SteeringSpec(entries), header=header,
+                            intensity=intensity, entries=[e.to_dict() for e in entries])
 
 
 def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
@@ -188,22 +246,65 @@ def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
     if profile is not None:
         return _profile(attachments=attachments, name=profile, model_name=model_name,
                         intensity=intensity)
-    # Nothing asked for: live steering set by an operator (a later issue) resolves here.
-    return NONE
+    # Nothing asked for: the live steering set through /api (needs the database).
+    return _live(attachments=attachments, intensity=intensity)
 
 
-@transaction.atomic
-def profile_create(*, name: str, sae_id: str, layer: int, steering: Mapping[Any, float],
-                   model_name: str = "", description: str = "") -> Profile:
-    """Save a profile; strengths are set directly, so they must lie in [-200, 200]."""
-    values: dict[str, float] = {}
-    for key, value in steering.items():
-        index, strength = int(key), float(value)
-        if index < 0 or not math.isfinite(strength) or abs(strength) > MAX_STEERING_STRENGTH:
-            raise SteeringInvalid(f"Invalid steering entry {key!r}: {value!r} (index >= 0, "
-                                  f"strength within ±{MAX_STEERING_STRENGTH:g})",
-                                  details={"param": "steering"})
-        values[str(index)] = strength
-    return Profile.objects.create(name=name.strip(), sae_id=sae_id, layer=int(layer),
-                                  steering=values, model_name=model_name,
-                                  description=description)
+# --------------------------------------------------------------------------- re-exports
+# One namespace for the steering mutations (views, admin, commands and tests import these).
+
+from steering.circuits import (
+    circuit_activate,
+    circuit_claims,
+    circuit_deactivate,
+    circuit_delete,
+    circuit_get,
+    circuit_import,
+    circuit_set_active_intensity,
+    circuit_set_intensity,
+    circuits_active,
+)
+from steering.clusters import (
+    cluster_activate,
+    cluster_active,
+    cluster_deactivate,
+    cluster_delete,
+    cluster_get,
+    cluster_import,
+    cluster_set_active_intensity,
+    cluster_set_intensity,
+    cluster_update,
+)
+from steering.live import (
+    attachment_choose,
+    live_clear,
+    live_enable,
+    live_forget,
+    live_remove,
+    live_set,
+    live_state,
+    live_steering_spec,
+)
+from steering.profiles import (
+    profile_activate,
+    profile_create,
+    profile_deactivate,
+    profile_delete,
+    profile_export,
+    profile_get,
+    profile_import,
+    profile_save_current,
+    profile_update,
+)
+
+__all__ = [
+    "EXPLICITLY_UNSTEERED", "NONE", "ResolvedSteering", "attachment_choose",
+    "circuit_activate", "circuit_claims", "circuit_deactivate", "circuit_delete",
+    "circuit_get", "circuit_import", "circuit_set_active_intensity", "circuit_set_intensity",
+    "circuits_active", "cluster_activate", "cluster_active", "cluster_deactivate",
+    "cluster_delete", "cluster_get", "cluster_import", "cluster_set_active_intensity",
+    "cluster_set_intensity", "cluster_update", "live_clear", "live_enable", "live_forget",
+    "live_remove", "live_set", "live_state", "live_steering_spec", "profile_activate",
+    "profile_create", "profile_deactivate", "profile_delete", "profile_export", "profile_get",
+    "profile_import", "profile_save_current", "profile_update", "steering_resolve_request",
+]

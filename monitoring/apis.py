@@ -1,0 +1,124 @@
+"""/api/monitoring: state, configure, enable, history, statistics. Thin views."""
+
+from __future__ import annotations
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from millm_site.api import envelope
+from millm_site.schema import enveloped
+from monitoring import selectors, services
+from monitoring.models import MonitoringConfig
+
+MONITORING = ["monitoring"]
+_ANY = enveloped(OpenApiTypes.OBJECT)
+
+
+class ConfigureInput(serializers.Serializer):
+    enabled = serializers.BooleanField(required=False, default=True)
+    features = serializers.ListField(child=serializers.IntegerField(min_value=0),
+                                     required=False, allow_null=True, default=None,
+                                     max_length=services.MAX_FEATURES,
+                                     help_text="null: all features (recorded as the top-k)")
+    history_size = serializers.IntegerField(required=False, default=100, min_value=1,
+                                            max_value=services.MAX_HISTORY)
+    top_k = serializers.IntegerField(required=False, default=10, min_value=1,
+                                     max_value=services.MAX_TOP_K)
+    positions = serializers.ChoiceField(choices=MonitoringConfig.Positions.values,
+                                        required=False, default="last")
+    sae_id = serializers.CharField(required=False, allow_null=True, max_length=40)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+
+
+class EnableInput(serializers.Serializer):
+    enabled = serializers.BooleanField()
+
+
+class HistoryQuery(serializers.Serializer):
+    limit = serializers.IntegerField(required=False, default=50, min_value=1, max_value=1000)
+    request_id = serializers.CharField(required=False, max_length=100)
+
+
+class StatisticsQuery(serializers.Serializer):
+    features = serializers.RegexField(r"^\d+(,\d+)*$", required=False,
+                                      help_text="Comma-separated feature indices")
+
+
+class TopInput(serializers.Serializer):
+    k = serializers.IntegerField(required=False, default=10, min_value=1, max_value=1000)
+    metric = serializers.ChoiceField(choices=selectors.METRICS, required=False,
+                                     default="mean")
+
+
+def _valid(serializer_cls, data) -> dict:
+    serializer = serializer_cls(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
+class MonitoringApi(APIView):
+    @extend_schema(tags=MONITORING, summary="Monitoring state", responses=_ANY)
+    def get(self, request) -> Response:
+        return envelope(services.monitoring_state())
+
+
+class MonitoringConfigureApi(APIView):
+    @extend_schema(tags=MONITORING, summary="Configure what /v1 generations record "
+                   "(features or all, history_size, top_k)", request=ConfigureInput,
+                   responses=_ANY)
+    def post(self, request) -> Response:
+        data = _valid(ConfigureInput, request.data or {})
+        return envelope(services.monitoring_configure(
+            enabled=data["enabled"], features=data["features"],
+            history_size=data["history_size"], top_k=data["top_k"],
+            positions=data["positions"], sae_id=data.get("sae_id"), layer=data.get("layer")))
+
+
+class MonitoringEnableApi(APIView):
+    @extend_schema(tags=MONITORING, summary="Toggle without reconfiguring",
+                   request=EnableInput, responses=_ANY)
+    def post(self, request) -> Response:
+        data = _valid(EnableInput, request.data or {})
+        return envelope(services.monitoring_enable(enabled=data["enabled"]))
+
+
+class HistoryApi(APIView):
+    @extend_schema(tags=MONITORING, summary="Recorded activations, newest first",
+                   parameters=[OpenApiParameter("limit", int, required=False),
+                               OpenApiParameter("request_id", str, required=False)],
+                   responses=_ANY)
+    def get(self, request) -> Response:
+        query = _valid(HistoryQuery, request.query_params)
+        return envelope(selectors.history(limit=query["limit"],
+                                          request_id=query.get("request_id")))
+
+    @extend_schema(tags=MONITORING, summary="Clear the history", responses=_ANY)
+    def delete(self, request) -> Response:
+        return envelope({"deleted": services.monitoring_history_clear()})
+
+
+class StatisticsApi(APIView):
+    @extend_schema(tags=MONITORING, summary="Per-feature statistics over the history",
+                   parameters=[OpenApiParameter("features", str, required=False)],
+                   responses=_ANY)
+    def get(self, request) -> Response:
+        query = _valid(StatisticsQuery, request.query_params)
+        features = ([int(f) for f in query["features"].split(",")]
+                    if query.get("features") else None)
+        return envelope(selectors.statistics(features=features))
+
+    @extend_schema(tags=MONITORING, summary="Reset: statistics count from now",
+                   responses=_ANY)
+    def delete(self, request) -> Response:
+        return envelope(services.monitoring_statistics_reset())
+
+
+class StatisticsTopApi(APIView):
+    @extend_schema(tags=MONITORING, summary="Top features by mean, max, active_ratio or count",
+                   request=TopInput, responses=_ANY)
+    def post(self, request) -> Response:
+        data = _valid(TopInput, request.data or {})
+        return envelope(selectors.statistics_top(k=data["k"], metric=data["metric"]))

@@ -1,0 +1,65 @@
+"""Monitoring reads: the history (newest first) and statistics computed over it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from monitoring.models import ActivationRecord
+from monitoring.services import monitoring_config, record_out
+
+METRICS = ("mean", "max", "active_ratio", "count")
+
+
+def history(*, limit: int = 50, request_id: str | None = None) -> dict[str, Any]:
+    qs = ActivationRecord.objects.order_by("-id")
+    if request_id:
+        qs = qs.filter(request_id=request_id)
+    total = qs.count()
+    return {"records": [record_out(r) for r in qs[:limit]], "total": total}
+
+
+def _window():
+    config = monitoring_config()
+    qs = ActivationRecord.objects.order_by("id")
+    if config.statistics_since is not None:
+        qs = qs.filter(timestamp__gte=config.statistics_since)
+    return qs, config
+
+
+def statistics(*, features: list[int] | None = None) -> dict[str, Any]:
+    """Per feature over the history since the last reset: its value in each record that
+    reports it (every record when monitoring named the features; the records where it made
+    the top-k when monitoring all) — ``count``, ``mean``, ``std`` (population), ``min``,
+    ``max`` and ``active_ratio`` (the share of those values above zero)."""
+    qs, config = _window()
+    values: dict[int, list[float]] = {}
+    total = 0
+    for activations in qs.values_list("activations", flat=True).iterator():
+        total += 1
+        for pair in activations:
+            values.setdefault(int(pair["feature_index"]), []).append(float(pair["activation"]))
+    wanted = sorted(values) if features is None else sorted(set(features))
+    rows = []
+    for index in wanted:
+        seen = values.get(index, [])
+        if not seen:
+            rows.append({"feature_idx": index, "count": 0, "mean": None, "std": None,
+                         "min": None, "max": None, "active_ratio": None})
+            continue
+        mean = sum(seen) / len(seen)
+        std = math.sqrt(sum((v - mean) ** 2 for v in seen) / len(seen))
+        rows.append({"feature_idx": index, "count": len(seen), "mean": mean, "std": std,
+                     "min": min(seen), "max": max(seen),
+                     "active_ratio": sum(v > 0 for v in seen) / len(seen)})
+    since = config.statistics_since
+    return {"features": rows, "total_activations": total,
+            "since": since.isoformat().replace("+00:00", "Z") if since else None}
+
+
+def statistics_top(*, k: int = 10, metric: str = "mean") -> dict[str, Any]:
+    stats = statistics()
+    rows = [r for r in stats["features"] if r["count"]]
+    rows.sort(key=lambda r: (-r[metric], r["feature_idx"]))
+    return {"features": rows[:k], "metric": metric, "k": k,
+            "total_activations": stats["total_activations"], "since": stats["since"]}

@@ -1,0 +1,257 @@
+"""Monitoring services: the configuration, the entry /v1 requests carry, and the history
+the generations feed.
+
+How records arrive: while monitoring is enabled, ``monitoring_request_entry`` gives every
+/v1 generation a ``pre_steering`` ``MonitorEntry`` on the monitored attachment (the engine
+reads it per request, so a record belongs to exactly the request whose tokens made it,
+also inside a shared batch). When the generation finishes, ``monitoring_take_records``
+takes those records out of the engine's result (the request's own
+``return_sae_activations`` never sees them) and ``monitoring_record`` stores them under
+the request's response id and publishes ``monitoring:activation``.
+
+``monitoring:activation`` is rate-capped per web process: at most
+``EVENTS_PER_SECOND`` (10) events a second, one per recorded generation (its last
+record); the history keeps every record whether or not its event was sent.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import structlog
+from django.db import transaction
+from django.utils import timezone
+
+from gpu_engine.protocol import (
+    ActivationRecord as EngineRecord,
+)
+from gpu_engine.protocol import (
+    AttachmentStatus,
+    FinishEvent,
+    MonitorEntry,
+    MonitorSpec,
+    TokenEvent,
+)
+from millm_site import events
+from millm_site.errors import ValidationFailed
+from monitoring.models import ActivationRecord, MonitoringConfig
+
+log = structlog.get_logger(__name__)
+
+READ_POINT = "pre_steering"
+EVENTS_PER_SECOND = 10
+MAX_HISTORY = 10_000
+MAX_TOP_K = 1000
+MAX_FEATURES = 1024
+
+
+def monitoring_config() -> MonitoringConfig:
+    config, _ = MonitoringConfig.objects.get_or_create(pk=1)
+    return config
+
+
+def _pairs(items: Sequence[Any]) -> list[dict[str, Any]]:
+    return [{"feature_index": int(a.feature_index), "activation": float(a.activation)}
+            for a in items]
+
+
+def monitoring_state() -> dict[str, Any]:
+    from registry.models import Attachment
+
+    config = monitoring_config()
+    attached = list(Attachment.objects.all())
+    target = None
+    if config.sae_id:
+        target = next((a for a in attached if a.sae_id == config.sae_id
+                       and (config.layer is None or a.layer == config.layer)), None)
+    elif len(attached) == 1:
+        target = attached[0]
+    return {"enabled": config.enabled, "sae_attached": bool(attached),
+            "sae_id": target.sae_id if target else (config.sae_id or None),
+            "layer": target.layer if target else config.layer,
+            "monitored_features": config.features, "history_size": config.history_size,
+            "history_count": ActivationRecord.objects.count(), "top_k": config.top_k,
+            "positions": config.positions, "read_point": READ_POINT,
+            "statistics_since": config.statistics_since.isoformat().replace("+00:00", "Z")
+            if config.statistics_since else None}
+
+
+def _publish_state() -> None:
+    transaction.on_commit(lambda: events.publish("monitoring:state", monitoring_state()))
+
+
+def _prune(history_size: int) -> None:
+    cutoff = list(ActivationRecord.objects.order_by("-id").values_list("id", flat=True)
+                  [history_size:history_size + 1])
+    if cutoff:
+        ActivationRecord.objects.filter(id__lte=cutoff[0]).delete()
+
+
+@transaction.atomic
+def monitoring_configure(*, enabled: bool = True, features: list[int] | None = None,
+                         history_size: int = 100, top_k: int = 10, positions: str = "last",
+                         sae_id: str | None = None, layer: int | None = None
+                         ) -> dict[str, Any]:
+    """Choose what /v1 requests record. Needs an attached SAE (the one named, else the
+    only one); feature indices are checked against its d_sae. Shrinking the history keeps
+    the newest records."""
+    from steering.live import attachment_choose, check_indices
+
+    if not 1 <= history_size <= MAX_HISTORY or not 1 <= top_k <= MAX_TOP_K \
+            or positions not in MonitoringConfig.Positions.values:
+        raise ValidationFailed("history_size 1-10000, top_k 1-1000, positions last, "
+                               "completion or all", details={"fields": {"monitoring": [
+                                   "out of range"]}})
+    attachment = attachment_choose(sae_id=sae_id, layer=layer)
+    if features is not None:
+        features = sorted({int(f) for f in features})
+        if len(features) > MAX_FEATURES:
+            raise ValidationFailed(f"At most {MAX_FEATURES} features",
+                                   details={"fields": {"features": [f"at most {MAX_FEATURES}"]}})
+        check_indices(attachment=attachment, indices=features, param="features")
+    config = MonitoringConfig.objects.select_for_update().get_or_create(pk=1)[0]
+    several = sae_id is not None or layer is not None
+    config.enabled = bool(enabled)
+    config.sae_id = attachment.sae_id if several else ""
+    config.layer = attachment.layer if several else None
+    config.features = features
+    config.history_size, config.top_k, config.positions = history_size, top_k, positions
+    config.save()
+    _prune(history_size)
+    _publish_state()
+    return monitoring_state()
+
+
+@transaction.atomic
+def monitoring_enable(*, enabled: bool) -> dict[str, Any]:
+    """Toggle without reconfiguring (the watched features and top-k are kept)."""
+    config = MonitoringConfig.objects.select_for_update().get_or_create(pk=1)[0]
+    config.enabled = bool(enabled)
+    config.save(update_fields=["enabled", "updated_at"])
+    _publish_state()
+    return monitoring_state()
+
+
+def monitoring_history_clear() -> int:
+    deleted, _ = ActivationRecord.objects.all().delete()
+    return deleted
+
+
+def monitoring_statistics_reset() -> dict[str, Any]:
+    """Statistics start again from now (the history itself is kept)."""
+    config = monitoring_config()
+    config.statistics_since = timezone.now()
+    config.save(update_fields=["statistics_since", "updated_at"])
+    return monitoring_state()
+
+
+# --------------------------------------------------------------------------- the /v1 hook
+
+def monitoring_request_entry(*, attachments: Sequence[AttachmentStatus]) -> MonitorEntry | None:
+    """The entry a /v1 generation carries while monitoring is on (None when it is off or
+    the monitored attachment is not held by the engine)."""
+    config = MonitoringConfig.objects.filter(pk=1, enabled=True).first()
+    if config is None:
+        return None
+    if config.sae_id:
+        att = next((a for a in attachments if a.sae_id == config.sae_id
+                    and (config.layer is None or a.layer == config.layer)), None)
+    else:
+        att = attachments[0] if len(attachments) == 1 else None
+    if att is None:
+        return None
+    features = [f for f in (config.features or []) if f < att.d_sae]
+    if config.features is not None and not features:
+        return None
+    return MonitorEntry(sae_id=att.sae_id, layer=att.layer, top_k=config.top_k,
+                        features=features, read_point=READ_POINT, positions=config.positions,
+                        stream=False)
+
+
+def monitoring_merge(spec: MonitorSpec | None, entry: MonitorEntry | None
+                     ) -> tuple[MonitorSpec | None, MonitorEntry | None]:
+    """Add the monitoring entry to a request's own spec. If the request itself reads the
+    same attachment ``pre_steering`` the two cannot be told apart, so that request is not
+    recorded (returns the entry None)."""
+    if entry is None:
+        return spec, None
+    own = list(spec.entries) if spec is not None else []
+    if any(e.key == entry.key and e.read_point == entry.read_point for e in own):
+        return spec, None
+    return MonitorSpec([*own, entry]), entry
+
+
+def _ours(record: EngineRecord, entry: MonitorEntry) -> bool:
+    return (record.sae_id, record.layer, record.read_point) == (
+        entry.sae_id, entry.layer, entry.read_point)
+
+
+def monitoring_take_records(*, entry: MonitorEntry, finish: FinishEvent,
+                            tokens: Sequence[TokenEvent] = ()) -> list[EngineRecord]:
+    """Remove the monitoring entry's records from a finished generation and return them."""
+    taken = [r for r in finish.activations if _ours(r, entry)]
+    finish.activations = [r for r in finish.activations if not _ours(r, entry)]
+    for token in tokens:
+        if token.activations:
+            taken += [r for r in token.activations if _ours(r, entry)]
+            token.activations = [r for r in token.activations if not _ours(r, entry)]
+    return sorted(taken, key=lambda r: r.position)
+
+
+class _RateCap:
+    """At most ``rate`` events a second (per process), dropping the rest."""
+
+    def __init__(self, rate: float) -> None:
+        self.interval = 1.0 / rate
+        self._next = 0.0
+        self._lock = threading.Lock()
+
+    def allow(self) -> bool:
+        with self._lock:
+            now = time.monotonic()
+            if now < self._next:
+                return False
+            self._next = now + self.interval
+            return True
+
+
+event_cap = _RateCap(EVENTS_PER_SECOND)
+
+
+def record_out(row: ActivationRecord) -> dict[str, Any]:
+    return {"timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
+            "request_id": row.request_id, "token_position": row.token_position,
+            "activations": row.activations, "top_k": row.top_k, "sae_id": row.sae_id,
+            "layer": row.layer, "completion_token_index": row.completion_token_index}
+
+
+def monitoring_record(*, request_id: str, entry: MonitorEntry,
+                      records: Sequence[EngineRecord]) -> int:
+    """Store one generation's records and publish its event; never raises into the
+    request that produced them (a failure is logged)."""
+    if not records:
+        return 0
+    try:
+        now = timezone.now()
+        rows = [ActivationRecord(
+            timestamp=now, request_id=request_id, sae_id=r.sae_id, layer=r.layer,
+            token_position=r.position, completion_token_index=r.token_index,
+            activations=_pairs(r.features) if entry.features else _pairs(r.top_k),
+            top_k=_pairs(r.top_k)) for r in records]
+        with transaction.atomic():
+            ActivationRecord.objects.bulk_create(rows)
+            _prune(monitoring_config().history_size)
+        if event_cap.allow():
+            last = rows[-1]
+            events.publish("monitoring:activation", {
+                "timestamp": now.isoformat().replace("+00:00", "Z"), "request_id": request_id,
+                "sae_id": last.sae_id, "layer": last.layer,
+                "token_position": last.token_position, "top_k": last.top_k,
+                "records": len(rows)})
+        return len(rows)
+    except Exception:  # noqa: BLE001 - monitoring must never fail the generation it watched
+        log.warning("monitoring_record_failed", request_id=request_id, exc_info=True)
+        return 0

@@ -1,0 +1,243 @@
+"""/api/saes/steering* (live steering) and /api/profiles: thin views, one per action.
+Each validates its input, calls one service or selector and answers the envelope."""
+
+from __future__ import annotations
+
+import json
+
+from django.core.exceptions import RequestDataTooBig
+from django.http import HttpResponse
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from millm_site.api import envelope
+from millm_site.errors import SAENotAttached, ValidationFailed
+from millm_site.schema import enveloped
+from steering import serializers as io
+from steering import services
+from steering.documents import load_document
+from steering.errors import PayloadTooLarge
+from steering.models import Profile
+from steering.profiles import steering_map
+
+STEERING, PROFILES = ["steering"], ["profiles"]
+TARGET = [OpenApiParameter("sae_id", str, required=False),
+          OpenApiParameter("layer", int, required=False)]
+
+
+def valid(serializer_cls, data) -> dict:
+    serializer = serializer_cls(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
+def _data(request) -> dict:
+    data = request.data if request.data is not None else {}
+    if not isinstance(data, dict):
+        raise ValidationFailed("The body must be a JSON object",
+                               details={"fields": {"body": ["not an object"]}})
+    return data
+
+
+def _target(request) -> dict:
+    """sae_id / layer from the body, else the query."""
+    data = {k: v for k, v in request.query_params.items() if k in ("sae_id", "layer")}
+    data.update({k: v for k, v in _data(request).items() if k in ("sae_id", "layer")})
+    target = valid(io.TargetInput, data)
+    return {"sae_id": target.get("sae_id"), "layer": target.get("layer")}
+
+
+def raw_document(request) -> tuple[dict, str | None]:
+    """An import body, with its exact text (the export gives it back unchanged)."""
+    try:
+        body = request.body
+    except RequestDataTooBig:
+        raise PayloadTooLarge("The document is larger than the server accepts",
+                              details={}) from None
+    data, text = load_document(body)
+    if set(data) >= {"success", "data"} and isinstance(data.get("data"), dict):
+        data, text = data["data"], None  # an answer of ours, saved with its envelope
+    return data, text
+
+
+def raw_json(text: str, filename: str) -> HttpResponse:
+    response = HttpResponse(text, content_type="application/json")
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    return response
+
+
+# --------------------------------------------------------------------------- live steering
+
+class SteeringApi(APIView):
+    @extend_schema(tags=STEERING, summary="Live steering of one attachment (the named one, "
+                   "else the only one)", parameters=TARGET,
+                   responses=enveloped(io.SteeringStateOutput))
+    def get(self, request) -> Response:
+        target = _target(request)
+        try:
+            attachment = services.attachment_choose(**target)
+        except SAENotAttached:
+            if target["sae_id"] is not None or target["layer"] is not None:
+                raise
+            return envelope({"sae_id": None, "layer": None, "enabled": False, "values": {},
+                             "active_count": 0, "source": "manual"})
+        return envelope(services.live_state(attachment=attachment))
+
+    @extend_schema(tags=STEERING, summary="Set one feature's value (enables steering)",
+                   request=io.SteeringSetInput, responses=enveloped(io.SteeringStateOutput))
+    def post(self, request) -> Response:
+        data = valid(io.SteeringSetInput, _data(request))
+        attachment = services.attachment_choose(**_target(request))
+        return envelope(services.live_set(attachment=attachment,
+                                          values={data["feature_idx"]: data["value"]}))
+
+    @extend_schema(tags=STEERING, summary="Clear every value and disable", parameters=TARGET,
+                   request=None, responses=enveloped(io.SteeringStateOutput))
+    def delete(self, request) -> Response:
+        attachment = services.attachment_choose(**_target(request))
+        return envelope(services.live_clear(attachment=attachment))
+
+
+class SteeringBatchApi(APIView):
+    @extend_schema(tags=STEERING, summary="Set up to 1000 values, all or nothing",
+                   request=io.SteeringBatchInput, responses=enveloped(io.SteeringStateOutput))
+    def post(self, request) -> Response:
+        data = valid(io.SteeringBatchInput, _data(request))
+        values = steering_map(data["steering"])
+        attachment = services.attachment_choose(**_target(request))
+        return envelope(services.live_set(attachment=attachment, values=values))
+
+
+class SteeringEnableApi(APIView):
+    enabled = True
+
+    @extend_schema(tags=STEERING, summary="Apply (or stop applying) the configured values",
+                   request=io.TargetInput, responses=enveloped(io.SteeringStateOutput))
+    def post(self, request) -> Response:
+        attachment = services.attachment_choose(**_target(request))
+        return envelope(services.live_enable(attachment=attachment, enabled=self.enabled))
+
+
+class SteeringDisableApi(SteeringEnableApi):
+    enabled = False
+
+
+class SteeringFeatureApi(APIView):
+    @extend_schema(tags=STEERING, summary="Remove one feature (the last one disables)",
+                   parameters=TARGET, request=None,
+                   responses=enveloped(io.SteeringStateOutput))
+    def delete(self, request, feature_idx: int) -> Response:
+        attachment = services.attachment_choose(**_target(request))
+        return envelope(services.live_remove(attachment=attachment, index=feature_idx))
+
+
+# --------------------------------------------------------------------------- profiles
+
+class ProfileListApi(APIView):
+    @extend_schema(tags=PROFILES, summary="List profiles", operation_id="profiles_list",
+                   responses=enveloped(OpenApiTypes.OBJECT))
+    def get(self, request) -> Response:
+        rows = [io.profile_out(p) for p in Profile.objects.all()]
+        return envelope({"profiles": rows, "total": len(rows)})
+
+    @extend_schema(tags=PROFILES, summary="Create a profile (unique name)",
+                   request=io.ProfileInput, responses={201: enveloped(OpenApiTypes.OBJECT)})
+    def post(self, request) -> Response:
+        data = valid(io.ProfileInput, _data(request))
+        profile = services.profile_create(
+            name=data["name"], steering=data.get("steering") or {},
+            sae_id=data.get("sae_id") or None, layer=data.get("layer"),
+            model_name=data.get("model_id") or "", description=data.get("description") or "",
+            intensity=data.get("intensity", 1.0))
+        return envelope(io.profile_out(profile), status_code=status.HTTP_201_CREATED)
+
+
+class ProfileSaveCurrentApi(APIView):
+    @extend_schema(tags=PROFILES, summary="Save the live steering of one attachment as a "
+                   "profile", request=io.SaveCurrentInput,
+                   responses={201: enveloped(OpenApiTypes.OBJECT)})
+    def post(self, request) -> Response:
+        data = valid(io.SaveCurrentInput, _data(request))
+        profile = services.profile_save_current(
+            name=data["name"], description=data.get("description") or "",
+            sae_id=data.get("sae_id"), layer=data.get("layer"))
+        return envelope(io.profile_out(profile), status_code=status.HTTP_201_CREATED)
+
+
+class ProfileActiveApi(APIView):
+    @extend_schema(tags=PROFILES, summary="The active profile (or null)",
+                   responses=enveloped(OpenApiTypes.OBJECT))
+    def get(self, request) -> Response:
+        profile = Profile.objects.filter(is_active=True).first()
+        return envelope(io.profile_out(profile) if profile else None)
+
+
+class ProfileImportApi(APIView):
+    @extend_schema(tags=PROFILES, summary="Import a profile export (also the features form)",
+                   parameters=[OpenApiParameter("on_conflict", str, required=False,
+                                                enum=["fail", "rename"])],
+                   request=OpenApiTypes.OBJECT, responses={201: enveloped(OpenApiTypes.OBJECT)})
+    def post(self, request) -> Response:
+        query = valid(io.ImportQuery, request.query_params)
+        data, _ = raw_document(request)
+        profile = services.profile_import(document=data,
+                                          on_conflict=query.get("on_conflict") or "fail")
+        return envelope(io.profile_out(profile), status_code=status.HTTP_201_CREATED)
+
+
+class ProfileDetailApi(APIView):
+    @extend_schema(tags=PROFILES, summary="One profile (by id or name)",
+                   responses=enveloped(OpenApiTypes.OBJECT))
+    def get(self, request, profile_id: str) -> Response:
+        return envelope(io.profile_out(services.profile_get(profile_id=profile_id)))
+
+    @extend_schema(tags=PROFILES, summary="Update (steering, when given, replaces the map)",
+                   request=io.ProfileUpdateInput, responses=enveloped(OpenApiTypes.OBJECT))
+    def patch(self, request, profile_id: str) -> Response:
+        profile = services.profile_get(profile_id=profile_id)
+        data = valid(io.ProfileUpdateInput, _data(request))
+        return envelope(io.profile_out(services.profile_update(profile=profile, data=data)))
+
+    put = patch
+
+    @extend_schema(tags=PROFILES, summary="Delete (an active profile is deactivated first)",
+                   responses=enveloped(OpenApiTypes.OBJECT))
+    def delete(self, request, profile_id: str) -> Response:
+        profile = services.profile_get(profile_id=profile_id)
+        services.profile_delete(profile=profile)
+        return envelope({"status": "deleted", "id": profile.pk})
+
+
+class ProfileActivateApi(APIView):
+    @extend_schema(tags=PROFILES, summary="Activate: replaces the live steering (validated "
+                   "first; values × λ, each clamped to ±200)", request=io.IntensityInput,
+                   responses=enveloped(OpenApiTypes.OBJECT))
+    def post(self, request, profile_id: str) -> Response:
+        profile = services.profile_get(profile_id=profile_id)
+        data = valid(io.IntensityInput, {**request.query_params.dict(), **_data(request)})
+        profile = services.profile_activate(profile=profile, intensity=data.get("intensity"))
+        return envelope(io.profile_out(profile))
+
+
+class ProfileDeactivateApi(APIView):
+    @extend_schema(tags=PROFILES, summary="Deactivate (clears the live steering unless "
+                   "clear_steering=false)", parameters=[OpenApiParameter(
+                       "clear_steering", bool, required=False)], request=None,
+                   responses=enveloped(OpenApiTypes.OBJECT))
+    def post(self, request, profile_id: str) -> Response:
+        profile = services.profile_get(profile_id=profile_id)
+        clear = str(request.query_params.get("clear_steering", "true")).lower() != "false"
+        profile = services.profile_deactivate(profile=profile, clear_steering=clear)
+        return envelope(io.profile_out(profile))
+
+
+class ProfileExportApi(APIView):
+    @extend_schema(tags=PROFILES, summary="Export as versioned JSON (the document itself, "
+                   "ready for import)", responses={(200, "application/json"): OpenApiTypes.OBJECT})
+    def get(self, request, profile_id: str) -> HttpResponse:
+        profile = services.profile_get(profile_id=profile_id)
+        return raw_json(json.dumps(services.profile_export(profile=profile), indent=2),
+                        f"{profile.name}.profile.json")

@@ -1,0 +1,386 @@
+"""Circuit services: import (``mistudio.circuit-definition/v1``), activation across several
+SAE attachments, the layer claims that keep circuits from silently summing on one layer,
+one intensity λ across layers, export.
+
+Activation, in order, with nothing changed until every check passed:
+1. the evidence gate: a circuit below rung 2 (``causally validated (edge)``) activates only
+   with ``acknowledge_unvalidated`` (else UNVALIDATED_CIRCUIT);
+2. every referenced SAE must be registered and ready, its declared feature space must
+   match and member indices fit (SAE_SET_INCOMPLETE / INCOMPATIBLE_FEATURE_SPACE /
+   INVALID_FEATURE_INDEX);
+3. layer claims: an active circuit already steering one of these layers refuses the
+   activation with CIRCUIT_LAYER_CONTENTION — overridable with ``allow_layer_overlap``
+   when the features differ, never when the same (layer, feature) would be steered twice;
+4. ``registry.services.sae_attach_set`` attaches every member SAE, all or nothing;
+5. one locked transaction makes the live steering the union of the active circuits.
+
+A circuit's layers are claimed while it is active; the claims are derived from the active
+circuits, so none can outlive a deactivation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from millm_site.errors import (
+    InvalidFeatureIndex,
+    MillmError,
+    ModelNotLoaded,
+    SAEInvalid,
+    SAENotFound,
+    ValidationFailed,
+)
+from registry.models import SAE, Attachment, Model
+from steering import live
+from steering.clusters import check_intensity
+from steering.documents import (
+    RUNG_LANGUAGE,
+    VALIDATED_RUNG,
+    Member,
+    circuit_rung,
+    document_text,
+    validate_circuit,
+)
+from steering.errors import (
+    AmbiguousActiveCircuit,
+    CircuitLayerContention,
+    DocumentNotFound,
+    IncompatibleFeatureSpace,
+    NoActiveCircuit,
+    SAESetIncomplete,
+    UnvalidatedCircuit,
+)
+from steering.models import Circuit, LiveSteering
+
+log = structlog.get_logger(__name__)
+
+HAZARD = {"note": "Deltas on one layer add up (x + Σ sᵢ·W_dec[i]); the ±200 clamp bounds "
+                  "each member, nothing bounds the sum. Two circuits composed on one layer "
+                  "can push the residual stream further than either was validated for."}
+
+
+class CircuitAlreadyExists(MillmError):
+    code, status = "CIRCUIT_ALREADY_EXISTS", 409
+
+
+def circuit_get(*, circuit_id: int | str) -> Circuit:
+    try:
+        if isinstance(circuit_id, int) or str(circuit_id).isdigit():
+            return Circuit.objects.get(pk=int(circuit_id))
+        return Circuit.objects.get(name=str(circuit_id))
+    except Circuit.DoesNotExist:
+        raise DocumentNotFound(f"Circuit {circuit_id!r} not found",
+                               details={"circuit_id": circuit_id}) from None
+
+
+def rung_language(rung: int) -> str:
+    return RUNG_LANGUAGE[rung]
+
+
+def layer_members(circuit: Circuit) -> dict[int, list[Member]]:
+    return {int(layer): [Member.model_validate(m) for m in members]
+            for layer, members in circuit.members.items()}
+
+
+def layer_values(circuit: Circuit, intensity: float | None = None) -> dict[int, dict[int, float]]:
+    """Per layer, what the circuit steers at λ (one λ for every layer; sign rule; each
+    value clamped to ±200)."""
+    lam = circuit.intensity if intensity is None else intensity
+    return {layer: {m.feature_idx: live.dial(m.signed(), lam) for m in members}
+            for layer, members in layer_members(circuit).items()}
+
+
+# --------------------------------------------------------------------------- import
+
+def _free_name(name: str) -> str:
+    base, n = name, 2
+    while Circuit.objects.filter(name=name).exists():
+        name, n = f"{base} ({n})", n + 1
+    return name
+
+
+def circuit_import(*, document: dict[str, Any], text: str | None = None,
+                   on_conflict: str = "rename") -> Circuit:
+    """Store a circuit definition. Import never activates: the evidence gate is always a
+    separate, explicit step."""
+    if on_conflict not in ("rename", "fail"):
+        raise ValidationFailed("on_conflict must be rename or fail",
+                               details={"fields": {"on_conflict": ["rename", "fail"]}})
+    definition, layers = validate_circuit(document)
+    name = definition.name.strip()
+    if Circuit.objects.filter(name=name).exists():
+        if on_conflict == "fail":
+            raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
+                                       details={"name": name})
+        name = _free_name(name)
+    budget = definition.budget
+    try:
+        with transaction.atomic():
+            circuit = Circuit.objects.create(
+                name=name, narrative=definition.narrative or "",
+                document=text if text is not None else document_text(document),
+                saes=[s.row() for s in definition.saes],
+                members={str(layer): [m.row() for m in members]
+                         for layer, members in sorted(layers.items())},
+                edges_count=len(definition.edges), rung=circuit_rung(definition),
+                intensity=budget.intensity if budget else 1.0,
+                intensity_range=budget.intensity_range if budget else None)
+    except IntegrityError:
+        raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
+                                   details={"name": name}) from None
+    log.info("circuit_imported", circuit=circuit.name, rung=circuit.rung)
+    return circuit
+
+
+# --------------------------------------------------------------------------- activation
+
+def _resolve_sae(ref: dict[str, Any]) -> SAE | None:
+    """The registered SAE a definition's reference names: its id here (or its name), or
+    ``source_hint: "hf:<repo>/<path>"`` matching a downloaded SAE."""
+    name = ref.get("ref")
+    if name:
+        sae = SAE.objects.filter(pk=name).first() or SAE.objects.filter(name=name).first()
+        if sae is not None:
+            return sae
+    hint = (ref.get("source_hint") or "").strip()
+    if hint.startswith("hf:"):
+        parts = hint[3:].strip("/").split("/")
+        if len(parts) >= 2:
+            repo, path = "/".join(parts[:2]), "/".join(parts[2:])
+            return SAE.objects.filter(repository_id=repo, file_path__in=(path, path + "/")
+                                      ).first()
+    return None
+
+
+def _member_saes(circuit: Circuit) -> list[tuple[SAE, int]]:
+    members = layer_members(circuit)
+    offenders: list[dict[str, Any]] = []
+    items: list[tuple[SAE, int]] = []
+    for ref in circuit.saes:
+        layer = int(ref["layer"])
+        features = members.get(layer, [])
+        sae = _resolve_sae(ref)
+        reason = None
+        if sae is None:
+            reason = "not registered on this server"
+        elif sae.status not in (SAE.Status.READY, SAE.Status.ATTACHED) or not sae.local_path:
+            reason = f"not ready to attach (status {sae.status})"
+        if reason:
+            offenders += [{"feature_idx": m.feature_idx, "layer": layer,
+                           "sae_id": ref.get("ref"), "reason": reason} for m in features] \
+                or [{"feature_idx": None, "layer": layer, "sae_id": ref.get("ref"),
+                     "reason": reason}]
+            continue
+        if ref.get("n_features") and sae.d_sae and ref["n_features"] != sae.d_sae:
+            raise IncompatibleFeatureSpace(
+                f"Layer {layer}: the circuit declares {ref['n_features']} features; SAE "
+                f"{sae.id} has {sae.d_sae}", details={"layer": layer, "sae_id": sae.id,
+                                                       "n_features": ref["n_features"],
+                                                       "d_sae": sae.d_sae})
+        bad = [m.feature_idx for m in features if sae.d_sae and m.feature_idx >= sae.d_sae]
+        if bad:
+            raise InvalidFeatureIndex(
+                f"Layer {layer}: feature {bad[0]} is out of range for SAE {sae.id} "
+                f"(d_sae={sae.d_sae})", details={"layer": layer, "feature_idx": bad[0],
+                                                  "sae_id": sae.id, "d_sae": sae.d_sae})
+        items.append((sae, layer))
+    if offenders:
+        raise SAESetIncomplete(
+            f"{len({o['layer'] for o in offenders})} of the circuit's SAEs cannot be "
+            "attached; the circuit is not served", details={"offenders": offenders})
+    return items
+
+
+def _contention(circuit: Circuit, allow_layer_overlap: bool) -> list[int]:
+    """Refuse a claim on a layer another active circuit steers; the composed layers when
+    the override is given."""
+    mine = {layer: set(values) for layer, values in layer_values(circuit).items()}
+    incumbents, colliding, shared = [], [], set()
+    for other in Circuit.objects.filter(is_active=True).exclude(pk=circuit.pk):
+        theirs = {layer: set(values) for layer, values in layer_values(other).items()}
+        layers = sorted(set(mine) & set(theirs))
+        if not layers:
+            continue
+        shared.update(layers)
+        incumbents.append({"circuit_id": other.pk, "circuit_name": other.name,
+                           "layers": layers})
+        colliding += [{"layer": layer, "feature_idx": idx, "circuit_id": other.pk}
+                      for layer in layers for idx in sorted(mine[layer] & theirs[layer])]
+    if colliding:
+        raise CircuitLayerContention(
+            "The circuit would steer a (layer, feature) another active circuit steers; one "
+            "strength would overwrite the other. This cannot be overridden.",
+            details={"overridable": False, "incumbents": incumbents,
+                     "colliding_keys": colliding})
+    if incumbents and not allow_layer_overlap:
+        raise CircuitLayerContention(
+            f"Layers {sorted(shared)} are steered by another active circuit; re-send with "
+            "allow_layer_overlap=true to compose onto them",
+            details={"overridable": True, "override_param": "allow_layer_overlap",
+                     "incumbents": incumbents, "layers": sorted(shared),
+                     "measured_hazard": HAZARD})
+    return sorted(shared)
+
+
+def _attachments(serving: dict[str, str]) -> dict[int, Attachment]:
+    rows = {(a.sae_id, a.layer): a for a in Attachment.objects.select_related("sae")}
+    return {int(layer): rows[(sae_id, int(layer))] for layer, sae_id in serving.items()
+            if (sae_id, int(layer)) in rows}
+
+
+def _union(circuits: list[Circuit]) -> dict[Attachment, dict[int, float]]:
+    entries: dict[Attachment, dict[int, float]] = {}
+    for c in circuits:
+        values = layer_values(c)
+        for layer, attachment in _attachments(c.serving).items():
+            entries.setdefault(attachment, {}).update(values.get(layer, {}))
+    return entries
+
+
+def _gate(circuit: Circuit, acknowledge_unvalidated: bool) -> None:
+    if circuit.rung < VALIDATED_RUNG and not acknowledge_unvalidated:
+        raise UnvalidatedCircuit(
+            f"Circuit {circuit.name!r} is at rung {circuit.rung} "
+            f"({rung_language(circuit.rung)}); activating it needs "
+            "acknowledge_unvalidated=true",
+            details={"rung": circuit.rung, "rung_language": rung_language(circuit.rung),
+                     "param": "acknowledge_unvalidated"})
+
+
+def circuit_activate(*, circuit: Circuit, acknowledge_unvalidated: bool = False,
+                     allow_layer_overlap: bool = False, intensity: Any = None) -> Circuit:
+    from registry.services import sae_attach_set
+
+    _gate(circuit, acknowledge_unvalidated)
+    lam = circuit.intensity if intensity is None else check_intensity(
+        intensity, circuit.intensity_range)
+    if not Model.objects.filter(status=Model.Status.LOADED).exists():
+        raise ModelNotLoaded("No model is loaded; a circuit steers the loaded model")
+    items = _member_saes(circuit)
+    _contention(circuit, allow_layer_overlap)
+    try:
+        sae_attach_set(items=items)
+    except (SAEInvalid, SAENotFound) as exc:
+        raise SAESetIncomplete(f"The circuit's SAEs could not all be attached: {exc.message}",
+                               details={"offenders": [{"layer": layer, "sae_id": sae.id,
+                                                       "reason": exc.message}
+                                                      for sae, layer in items]}) from exc
+    serving = {str(layer): sae.id for sae, layer in items}
+    with transaction.atomic():
+        live.steering_lock()
+        composed = _contention(circuit, allow_layer_overlap)  # again, under the lock
+        live.documents_deactivate(keep_circuits=True)
+        Circuit.objects.filter(pk=circuit.pk).update(
+            is_active=True, serving=serving, composed_layers=composed, intensity=lam,
+            updated_at=timezone.now())
+        for other in Circuit.objects.filter(is_active=True).exclude(pk=circuit.pk):
+            shared = sorted(set(other.composed_layers) | (
+                {int(k) for k in other.serving} & set(composed)))
+            Circuit.objects.filter(pk=other.pk).update(composed_layers=shared)
+        active = list(Circuit.objects.filter(is_active=True))
+        live.live_replace_all(entries=_union(active), source=LiveSteering.Source.CIRCUIT)
+    circuit.refresh_from_db()
+    log.info("circuit_activated", circuit=circuit.name, rung=circuit.rung, intensity=lam,
+             composed_layers=composed)
+    return circuit
+
+
+def _reapply(circuit_attachments: dict[int, Attachment]) -> None:
+    """Set the live steering of these attachments to what the active circuits steer there
+    (nothing, if none). Inside the locked transaction."""
+    union = _union(list(Circuit.objects.filter(is_active=True)))
+    for attachment in circuit_attachments.values():
+        values = union.get(attachment, {})
+        existing = LiveSteering.objects.filter(attachment=attachment)
+        if values:
+            live._save(attachment, values, enabled=True, source=LiveSteering.Source.CIRCUIT)
+        else:
+            existing.delete()
+        live._on_commit_publish(attachment, reason="circuit")
+
+
+def circuit_deactivate(*, circuit: Circuit) -> Circuit:
+    """Stop serving: release the layer claims and remove the circuit's values from the
+    live steering (other circuits on the same layers keep theirs)."""
+    with transaction.atomic():
+        live.steering_lock()
+        circuit = Circuit.objects.get(pk=circuit.pk)
+        if circuit.is_active:
+            attachments = _attachments(circuit.serving)
+            Circuit.objects.filter(pk=circuit.pk).update(is_active=False, serving={},
+                                                         composed_layers=[])
+            for other in Circuit.objects.filter(is_active=True):
+                still = sorted(set(other.composed_layers) & set(_shared_with_others(other)))
+                Circuit.objects.filter(pk=other.pk).update(composed_layers=still)
+            _reapply(attachments)
+    circuit.refresh_from_db()
+    return circuit
+
+
+def _shared_with_others(circuit: Circuit) -> list[int]:
+    mine = {int(k) for k in circuit.serving}
+    others = set()
+    for other in Circuit.objects.filter(is_active=True).exclude(pk=circuit.pk):
+        others |= {int(k) for k in other.serving}
+    return sorted(mine & others)
+
+
+def circuit_set_intensity(*, circuit: Circuit, intensity: Any, reapply: bool = True,
+                          acknowledge_unvalidated: bool = False) -> tuple[Circuit, bool]:
+    """One λ for every layer. An active circuit re-applies at once — and re-passes the
+    evidence gate, since a stronger dial is a new decision to serve it."""
+    lam = check_intensity(intensity, circuit.intensity_range)
+    if circuit.is_active and reapply:
+        _gate(circuit, acknowledge_unvalidated)
+    with transaction.atomic():
+        live.steering_lock()
+        circuit = Circuit.objects.get(pk=circuit.pk)
+        Circuit.objects.filter(pk=circuit.pk).update(intensity=lam, updated_at=timezone.now())
+        reapplied = False
+        if circuit.is_active and reapply:
+            _reapply(_attachments(circuit.serving))
+            reapplied = True
+    circuit.refresh_from_db()
+    return circuit, reapplied
+
+
+def circuits_active() -> list[Circuit]:
+    return list(Circuit.objects.filter(is_active=True).order_by("name"))
+
+
+def circuit_set_active_intensity(*, intensity: Any, reapply: bool = True,
+                                 acknowledge_unvalidated: bool = False
+                                 ) -> tuple[Circuit, bool]:
+    active = circuits_active()
+    if not active:
+        raise NoActiveCircuit("No circuit is active", details={})
+    if len(active) > 1:
+        raise AmbiguousActiveCircuit(
+            "Several circuits are serving, so there is no single active circuit to dial",
+            details={"active_circuits": [{"id": c.pk, "name": c.name} for c in active]})
+    return circuit_set_intensity(circuit=active[0], intensity=intensity, reapply=reapply,
+                                 acknowledge_unvalidated=acknowledge_unvalidated)
+
+
+def circuit_claims() -> list[dict[str, Any]]:
+    """Who holds which layer: one row per (layer, active circuit)."""
+    rows = []
+    for circuit in circuits_active():
+        values = layer_values(circuit)
+        for layer in sorted(int(k) for k in circuit.serving):
+            rows.append({"layer": layer, "circuit_id": circuit.pk,
+                         "circuit_name": circuit.name,
+                         "sae_id": circuit.serving[str(layer)],
+                         "composed": layer in circuit.composed_layers,
+                         "steering_keys": sorted(values.get(layer, {}))})
+    return sorted(rows, key=lambda r: (r["layer"], r["circuit_id"]))
+
+
+def circuit_delete(*, circuit: Circuit) -> None:
+    if circuit.is_active:
+        circuit_deactivate(circuit=circuit)
+    Circuit.objects.filter(pk=circuit.pk).delete()

@@ -1,0 +1,328 @@
+"""Profile services: CRUD (unique names), save-current, activate/deactivate, export and
+import in a versioned JSON that round-trips losslessly.
+
+Activation replaces the whole live steering with the profile's values, scaled by its
+intensity λ and clamped to ±200 per value; everything is validated (attachment present,
+indices within d_sae, model) before anything changes, then one locked transaction makes
+the change. An empty profile is a supported way back to a clean, unsteered state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from typing import Any
+
+import structlog
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+from django.utils.dateparse import parse_datetime
+
+from gpu_engine.protocol import MAX_STEERING_STRENGTH
+from millm_site.errors import SAENotAttached, ValidationFailed
+from registry.models import Attachment
+from steering import live
+from steering.documents import PROFILE_VERSION, refuse_cluster_as_profile
+from steering.errors import ProfileAlreadyExists, ProfileIncompatible, ProfileNotFound
+from steering.models import LiveSteering, Profile
+
+log = structlog.get_logger(__name__)
+
+MAX_INTENSITY = 2.0
+
+
+def profile_get(*, profile_id: int | str) -> Profile:
+    """By id or by name."""
+    qs = Profile.objects.all()
+    try:
+        if isinstance(profile_id, int) or str(profile_id).isdigit():
+            return qs.get(pk=int(profile_id))
+        return qs.get(name=str(profile_id))
+    except Profile.DoesNotExist:
+        raise ProfileNotFound(f"Profile {profile_id!r} not found",
+                              details={"profile_id": profile_id}) from None
+
+
+def steering_map(raw: Any, *, param: str = "steering") -> dict[int, float]:
+    """``{"<index>": strength}`` (or ``[{index, strength}]``) → ints and floats, every value
+    set directly so within ±200; VALIDATION_ERROR naming the bad keys otherwise."""
+    if isinstance(raw, list):
+        pairs, bad = [], []
+        for i, item in enumerate(raw):
+            if isinstance(item, Mapping) and "index" in item and "strength" in item:
+                pairs.append((item["index"], item["strength"]))
+            else:
+                bad.append(str(i))
+        if bad:
+            raise ValidationFailed(f"{param}: entries {', '.join(bad)} are not "
+                                   "{index, strength}", details={"invalid_keys": bad,
+                                                                 "fields": {param: bad}})
+    elif isinstance(raw, Mapping):
+        pairs = list(raw.items())
+    else:
+        raise ValidationFailed(f"{param} must be an object of index → strength",
+                               details={"fields": {param: ["not an object"]}})
+    values: dict[int, float] = {}
+    bad: list[str] = []
+    for key, value in pairs:
+        try:
+            if isinstance(key, bool) or isinstance(value, bool):
+                raise ValueError
+            index = int(key)
+            if str(index) != str(key).strip() and not isinstance(key, int):
+                raise ValueError
+            strength = float(value)
+        except (TypeError, ValueError):
+            bad.append(str(key))
+            continue
+        if index < 0 or not math.isfinite(strength) or abs(strength) > MAX_STEERING_STRENGTH:
+            bad.append(str(key))
+            continue
+        values[index] = strength
+    if bad:
+        raise ValidationFailed(
+            f"{param}: entries that are not index → strength within ±"
+            f"{MAX_STEERING_STRENGTH:g}: {', '.join(bad)}",
+            details={"invalid_keys": bad, "fields": {param: [f"invalid keys: {bad}"]}})
+    return values
+
+
+def _intensity(value: Any) -> float:
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        out = float("nan")
+    if not (0 <= out <= MAX_INTENSITY):
+        raise ValidationFailed(f"intensity must lie in [0, {MAX_INTENSITY:g}]",
+                               details={"fields": {"intensity": [f"0..{MAX_INTENSITY:g}"]}})
+    return out
+
+
+def _stored(values: Mapping[int, float]) -> dict[str, float]:
+    return {str(k): float(v) for k, v in sorted(values.items())}
+
+
+def _binding(sae_id: str | None, layer: int | None, values: Mapping[int, float]
+             ) -> tuple[str, int | None]:
+    """Where a profile's values apply: as given, else the only attachment (a profile with
+    values must name one; an empty profile may stay unbound)."""
+    if sae_id:
+        if layer is None:
+            rows = list(Attachment.objects.filter(sae_id=sae_id))
+            if len(rows) == 1:
+                layer = rows[0].layer
+            else:
+                raise ValidationFailed("layer is required with sae_id (the SAE is not "
+                                       "attached at exactly one layer)",
+                                       details={"fields": {"layer": ["required"]}})
+        return sae_id, int(layer)
+    if not values:
+        return "", None
+    attachment = live.attachment_choose(layer=layer)
+    return attachment.sae_id, attachment.layer
+
+
+def _unique_name(name: str, *, exclude: int | None = None) -> str:
+    name = (name or "").strip()
+    if not name or len(name) > 200:
+        raise ValidationFailed("name must be 1-200 characters",
+                               details={"fields": {"name": ["1-200 characters"]}})
+    if Profile.objects.filter(name=name).exclude(pk=exclude).exists():
+        raise ProfileAlreadyExists(f"A profile named {name!r} already exists",
+                                   details={"name": name})
+    return name
+
+
+@transaction.atomic
+def profile_create(*, name: str, steering: Any, sae_id: str | None = None,
+                   layer: int | None = None, model_name: str = "", description: str = "",
+                   intensity: float = 1.0) -> Profile:
+    """Save a profile; strengths are set directly, so they must lie in [-200, 200]."""
+    values = steering_map(steering)
+    sae_id, layer = _binding(sae_id, layer, values)
+    try:
+        with transaction.atomic():
+            return Profile.objects.create(
+                name=_unique_name(name), sae_id=sae_id, layer=layer, steering=_stored(values),
+                model_name=model_name or "", description=description or "",
+                intensity=_intensity(intensity))
+    except IntegrityError:
+        raise ProfileAlreadyExists(f"A profile named {name!r} already exists",
+                                   details={"name": name}) from None
+
+
+@transaction.atomic
+def profile_update(*, profile: Profile, data: Mapping[str, Any]) -> Profile:
+    """Partial update; ``steering``, when given, replaces the map. The live steering of an
+    active profile is not changed: activate it again to apply."""
+    profile = Profile.objects.select_for_update().get(pk=profile.pk)
+    if "name" in data:
+        profile.name = _unique_name(data["name"], exclude=profile.pk)
+    if "description" in data:
+        profile.description = data["description"] or ""
+    if "model_id" in data or "model_name" in data:
+        profile.model_name = data.get("model_id", data.get("model_name")) or ""
+    if "intensity" in data:
+        profile.intensity = _intensity(data["intensity"])
+    values = {int(k): float(v) for k, v in profile.steering.items()}
+    if "steering" in data:
+        values = steering_map(data["steering"])
+        profile.steering = _stored(values)
+    if "sae_id" in data or "layer" in data or ("steering" in data and not profile.sae_id):
+        profile.sae_id, profile.layer = _binding(data.get("sae_id", profile.sae_id),
+                                                 data.get("layer", profile.layer), values)
+    profile.save()
+    return profile
+
+
+@transaction.atomic
+def profile_save_current(*, name: str, description: str = "", sae_id: str | None = None,
+                         layer: int | None = None) -> Profile:
+    """The live steering of one attachment, saved as a profile (with its SAE, layer and
+    the loaded model)."""
+    attachment = live.attachment_choose(sae_id=sae_id, layer=layer)
+    state = live.live_state(attachment=attachment)
+    return profile_create(name=name, steering=state["values"], sae_id=attachment.sae_id,
+                          layer=attachment.layer, model_name=attachment.model.name,
+                          description=description)
+
+
+def _profile_values(profile: Profile) -> dict[int, float]:
+    try:
+        return steering_map(profile.steering)
+    except ValidationFailed as exc:
+        raise ProfileIncompatible(f"Profile {profile.name!r} holds invalid steering: "
+                                  f"{exc.message}", details={"profile": profile.name}) from None
+
+
+def profile_activate(*, profile: Profile, intensity: float | None = None) -> Profile:
+    """Make the profile the live steering (replacing all of it), validated first."""
+    lam = profile.intensity if intensity is None else _intensity(intensity)
+    values = _profile_values(profile)
+    entries: dict[Attachment, dict[int, float]] = {}
+    if values:
+        attachment = Attachment.objects.select_related("sae", "model").filter(
+            sae_id=profile.sae_id, layer=profile.layer).first()
+        if attachment is None:
+            raise SAENotAttached(
+                f"Profile {profile.name!r} steers SAE {profile.sae_id!r} at layer "
+                f"{profile.layer}, which is not attached",
+                details={"profile": profile.name, "sae_id": profile.sae_id,
+                         "layer": profile.layer,
+                         "choices": live.attachment_choices(Attachment.objects.all())})
+        if profile.model_name and attachment.model.name != profile.model_name:
+            raise ProfileIncompatible(
+                f"Profile {profile.name!r} was made for model {profile.model_name!r}, not "
+                f"{attachment.model.name!r}", details={"profile": profile.name,
+                                                       "model": attachment.model.name})
+        live.check_indices(attachment=attachment, indices=values, param="steering")
+        entries[attachment] = {i: live.dial(v, lam) for i, v in values.items()}
+    with transaction.atomic():
+        live.steering_lock()
+        live.documents_deactivate(keep_profile=profile)
+        live.live_replace_all(entries=entries, source=LiveSteering.Source.PROFILE)
+        Profile.objects.filter(pk=profile.pk).update(is_active=True, intensity=lam,
+                                                     updated_at=timezone.now())
+    profile.refresh_from_db()
+    log.info("profile_activated", profile=profile.name, intensity=lam)
+    return profile
+
+
+def profile_deactivate(*, profile: Profile, clear_steering: bool = True) -> Profile:
+    with transaction.atomic():
+        live.steering_lock()
+        was_active = Profile.objects.filter(pk=profile.pk, is_active=True).update(
+            is_active=False)
+        if was_active and clear_steering:
+            live.live_replace_all(entries={}, source=LiveSteering.Source.MANUAL)
+    profile.refresh_from_db()
+    return profile
+
+
+def profile_delete(*, profile: Profile) -> None:
+    if profile.is_active:
+        profile_deactivate(profile=profile)
+    Profile.objects.filter(pk=profile.pk).delete()
+
+
+# --------------------------------------------------------------------------- export/import
+
+def _iso(value: datetime) -> str:
+    return value.isoformat().replace("+00:00", "Z")
+
+
+def profile_export(*, profile: Profile) -> dict[str, Any]:
+    return {"version": PROFILE_VERSION, "name": profile.name,
+            "description": profile.description, "model_id": profile.model_name or None,
+            "sae_id": profile.sae_id or None, "layer": profile.layer,
+            "steering": {str(k): float(v) for k, v in sorted(
+                profile.steering.items(), key=lambda kv: int(kv[0]))},
+            "intensity": profile.intensity,
+            "created_at": _iso(profile.created_at), "updated_at": _iso(profile.updated_at)}
+
+
+def _time(value: Any, param: str) -> datetime | None:
+    if value in (None, ""):
+        return None
+    parsed = parse_datetime(str(value)) if isinstance(value, str) else None
+    if parsed is None:
+        raise ValidationFailed(f"{param} is not an ISO-8601 time",
+                               details={"fields": {param: ["not an ISO-8601 time"]}})
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
+
+
+def _free_name(name: str) -> str:
+    base, n = name, 2
+    while Profile.objects.filter(name=name).exists():
+        name, n = f"{base} ({n})", n + 1
+    return name
+
+
+@transaction.atomic
+def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") -> Profile:
+    """A profile from its export (or the ``features: [{index, strength}]`` form, or the
+    original's ``model``/``sae`` objects). Times are kept, so export → import → export
+    gives the same document."""
+    data = dict(document)
+    refuse_cluster_as_profile(data)
+    version = data.get("version", PROFILE_VERSION)
+    if str(version) not in ("1", "1.0"):
+        raise ValidationFailed(f"Unsupported profile version {version!r} (this server reads "
+                               f"{PROFILE_VERSION})", details={"fields": {"version": [
+                                   "unsupported"]}})
+    if "steering" in data and data["steering"] is not None:
+        values = steering_map(data["steering"])
+    elif "features" in data:
+        values = steering_map(data["features"], param="features")
+    else:
+        values = {}
+    sae = data.get("sae") if isinstance(data.get("sae"), Mapping) else {}
+    model = data.get("model") if isinstance(data.get("model"), Mapping) else {}
+    sae_id = data.get("sae_id") or sae.get("sae_id") or None
+    layer = data.get("layer", sae.get("layer"))
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
+                              or layer < 0):
+        raise ValidationFailed("layer must be a non-negative integer",
+                               details={"fields": {"layer": ["non-negative integer"]}})
+    name = data.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ValidationFailed("name is required", details={"fields": {"name": ["required"]}})
+    if on_conflict == "rename":
+        name = _free_name(name.strip())
+    if values and not sae_id:
+        raise ValidationFailed("A profile with steering values must name its sae_id",
+                               details={"fields": {"sae_id": ["required"]}})
+    created, updated = _time(data.get("created_at"), "created_at"), _time(
+        data.get("updated_at"), "updated_at")
+    profile = profile_create(
+        name=name, steering=values, sae_id=sae_id, layer=layer if sae_id else None,
+        model_name=data.get("model_id") or model.get("repo_id") or model.get("name") or "",
+        description=data.get("description") or "",
+        intensity=data.get("intensity", 1.0) if data.get("intensity") is not None else 1.0)
+    stamps = {k: v for k, v in (("created_at", created), ("updated_at", updated)) if v}
+    if stamps:
+        # update() skips auto_now, so the document's own times are what the row keeps
+        Profile.objects.filter(pk=profile.pk).update(**stamps)
+        profile.refresh_from_db()
+    return profile

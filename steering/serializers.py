@@ -1,0 +1,152 @@
+"""Wire shapes of the steering routes: input validation and the output fields. No logic:
+views call services and selectors, ``*_out`` functions only arrange what they return."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rest_framework import serializers
+
+from gpu_engine.protocol import MAX_STEERING_STRENGTH
+from steering.documents import RUNG_LANGUAGE
+from steering.models import Circuit, Cluster, Profile
+
+
+def _iso(value) -> str | None:
+    return None if value is None else value.isoformat().replace("+00:00", "Z")
+
+
+class TargetInput(serializers.Serializer):
+    """The attachment a live-steering call acts on (else the only one attached)."""
+
+    sae_id = serializers.CharField(required=False, allow_null=True, max_length=40)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+
+
+class SteeringSetInput(TargetInput):
+    feature_idx = serializers.IntegerField(min_value=0)
+    value = serializers.FloatField(min_value=-MAX_STEERING_STRENGTH,
+                                   max_value=MAX_STEERING_STRENGTH)
+
+
+class SteeringBatchInput(TargetInput):
+    steering = serializers.DictField(child=serializers.JSONField(),
+                                     help_text='{"<index>": value}, at most 1000, all or none')
+
+
+class SteeringEnableInput(TargetInput):
+    enabled = serializers.BooleanField(required=False, default=True)
+
+
+class SteeringStateOutput(serializers.Serializer):
+    sae_id = serializers.CharField(allow_null=True)
+    layer = serializers.IntegerField(allow_null=True)
+    enabled = serializers.BooleanField()
+    values = serializers.DictField(child=serializers.FloatField())
+    active_count = serializers.IntegerField()
+    source = serializers.CharField()
+
+
+class ProfileInput(serializers.Serializer):
+    name = serializers.CharField(max_length=200)
+    description = serializers.CharField(required=False, allow_blank=True, allow_null=True)
+    steering = serializers.JSONField(required=False, default=dict)
+    sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
+                                   max_length=40)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
+                                     max_length=200)
+    intensity = serializers.FloatField(required=False, min_value=0, max_value=2, default=1.0)
+
+
+class ProfileUpdateInput(serializers.Serializer):
+    name = serializers.CharField(required=False, max_length=200)
+    description = serializers.CharField(required=False, allow_blank=True, allow_null=True)
+    steering = serializers.JSONField(required=False)
+    sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
+                                   max_length=40)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
+                                     max_length=200)
+    intensity = serializers.FloatField(required=False, min_value=0, max_value=2)
+
+
+class SaveCurrentInput(TargetInput):
+    name = serializers.CharField(max_length=200)
+    description = serializers.CharField(required=False, allow_blank=True, default="")
+
+
+class IntensityInput(serializers.Serializer):
+    intensity = serializers.FloatField(required=False, allow_null=True)
+
+
+class ActivateInput(IntensityInput):
+    sae_id = serializers.CharField(required=False, allow_null=True, max_length=40)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+
+
+class DialInput(serializers.Serializer):
+    intensity = serializers.FloatField()
+    reapply = serializers.BooleanField(required=False, default=True)
+    acknowledge_unvalidated = serializers.BooleanField(required=False, default=False)
+
+
+class CircuitActivateInput(IntensityInput):
+    acknowledge_unvalidated = serializers.BooleanField(required=False, default=False)
+    allow_layer_overlap = serializers.BooleanField(required=False, default=False)
+
+
+class ImportQuery(serializers.Serializer):
+    on_conflict = serializers.ChoiceField(choices=["rename", "fail"], required=False)
+    activate = serializers.BooleanField(required=False, default=False)
+
+
+class ClusterUpdateInput(serializers.Serializer):
+    name = serializers.CharField(required=False, max_length=200)
+    narrative = serializers.CharField(required=False, allow_blank=True)
+
+
+def profile_out(profile: Profile) -> dict[str, Any]:
+    return {"id": profile.pk, "name": profile.name, "description": profile.description,
+            "model_id": profile.model_name or None, "sae_id": profile.sae_id or None,
+            "layer": profile.layer,
+            "steering": {str(k): float(v) for k, v in sorted(profile.steering.items(),
+                                                              key=lambda kv: int(kv[0]))},
+            "intensity": profile.intensity, "is_active": profile.is_active,
+            "source_kind": "manual",
+            "created_at": _iso(profile.created_at), "updated_at": _iso(profile.updated_at)}
+
+
+def cluster_out(cluster: Cluster, *, full: bool = False) -> dict[str, Any]:
+    out = {"id": cluster.pk, "name": cluster.name, "narrative": cluster.narrative,
+           "source_kind": "cluster", "model_ref": cluster.model_ref or None,
+           "declared_sae": cluster.sae_ref, "n_features": cluster.n_features,
+           "bound": bool(cluster.sae_id), "sae_id": cluster.sae_id or None,
+           "layer": cluster.layer, "unbound_reason": cluster.unbound_reason or None,
+           "warnings": cluster.warnings, "intensity": cluster.intensity,
+           "intensity_range": cluster.intensity_range, "is_active": cluster.is_active,
+           "member_count": len(cluster.members),
+           "members": [[m["feature_idx"], m.get("label"), m["strength"]]
+                       for m in cluster.members[:20]],
+           "created_at": _iso(cluster.created_at), "updated_at": _iso(cluster.updated_at)}
+    if full:
+        out["member_details"] = cluster.members
+    return out
+
+
+def circuit_out(circuit: Circuit, *, full: bool = False) -> dict[str, Any]:
+    layers = sorted(int(k) for k in circuit.members)
+    out = {"id": circuit.pk, "name": circuit.name, "narrative": circuit.narrative,
+           "rung": circuit.rung, "rung_language": RUNG_LANGUAGE[circuit.rung],
+           "layers": layers, "saes": circuit.saes, "edge_count": circuit.edges_count,
+           "member_count": sum(len(v) for v in circuit.members.values()),
+           "intensity": circuit.intensity, "intensity_range": circuit.intensity_range,
+           "is_active": circuit.is_active,
+           "serving_mode": "full" if circuit.is_active else None,
+           "serving": {str(k): v for k, v in sorted(circuit.serving.items(),
+                                                    key=lambda kv: int(kv[0]))},
+           "composed_layers": circuit.composed_layers,
+           "created_at": _iso(circuit.created_at), "updated_at": _iso(circuit.updated_at)}
+    if full:
+        out["members"] = circuit.members
+    return out

@@ -1,0 +1,157 @@
+"""/api/profiles: CRUD with unique names, save-current, activate (replacing the live
+steering, validated before anything changes, λ-scaled and clamped), deactivate, and the
+versioned export that round-trips through import."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from steering.models import LiveSteering, Profile
+from tests.documents.conftest import body, ok, refused
+
+pytestmark = pytest.mark.django_db
+
+
+def _live(sae, layer):
+    row = LiveSteering.objects.filter(attachment__sae_id=sae.id, attachment__layer=layer).first()
+    return (row.enabled, row.values) if row else None
+
+
+def test_crud_and_unique_names(api, relu):
+    created = ok(api.post("/api/profiles", {
+        "name": "dogs-40", "description": "a dog feature", "steering": {"12": 40, "4": -10},
+        "model_id": "tiny-llama"}, format="json"), 201)
+    assert created["sae_id"] == relu.id and created["layer"] == 1  # the only attachment
+    assert created["steering"] == {"4": -10.0, "12": 40.0} and created["is_active"] is False
+    row = Profile.objects.get(name="dogs-40")
+    assert (row.sae_id, row.layer, row.steering, row.model_name) == (
+        relu.id, 1, {"4": -10.0, "12": 40.0}, "tiny-llama")
+    refused(api.post("/api/profiles", {"name": "dogs-40", "steering": {}}, format="json"),
+            409, "PROFILE_ALREADY_EXISTS")
+    refused(api.post("/api/profiles", {"name": "bad", "steering": {"1": 250}}, format="json"),
+            422, "VALIDATION_ERROR")
+    assert ok(api.get(f"/api/profiles/{row.id}"))["name"] == "dogs-40"
+    assert ok(api.get("/api/profiles/dogs-40"))["id"] == row.id
+    listed = ok(api.get("/api/profiles"))
+    assert listed["total"] == 1 and listed["profiles"][0]["name"] == "dogs-40"
+
+    patched = ok(api.patch(f"/api/profiles/{row.id}", {"steering": {"7": 55}}, format="json"))
+    assert patched["steering"] == {"7": 55.0}  # replaces the map
+    ok(api.post("/api/profiles", {"name": "other", "steering": {}}, format="json"), 201)
+    refused(api.patch(f"/api/profiles/{row.id}", {"name": "other"}, format="json"), 409,
+            "PROFILE_ALREADY_EXISTS")
+    ok(api.delete(f"/api/profiles/{row.id}"))
+    assert not Profile.objects.filter(name="dogs-40").exists()
+    refused(api.get(f"/api/profiles/{row.id}"), 404, "PROFILE_NOT_FOUND")
+
+
+def test_activate_replaces_live_steering_scaled_and_clamped(api, llama):
+    relu = llama.attach("tiny-llama-L1-relu", 1)
+    topk = llama.attach("tiny-llama-L2-topk", 2)
+    ok(api.post("/api/saes/steering", {"feature_idx": 9, "value": 3, "sae_id": topk.id},
+                format="json"))
+    profile = ok(api.post("/api/profiles", {"name": "p", "sae_id": relu.id, "layer": 1,
+                                            "steering": {"1": 150, "2": -20, "3": -190}},
+                          format="json"), 201)
+    active = ok(api.post(f"/api/profiles/{profile['id']}/activate", {"intensity": 1.5},
+                         format="json"))
+    assert active["is_active"] is True and active["intensity"] == 1.5
+    # 150 × 1.5 = 225 → 200; -20 × 1.5 = -30; -190 × 1.5 = -285 → -200
+    assert _live(relu, 1) == (True, {"1": 200.0, "2": -30.0, "3": -200.0})
+    assert _live(topk, 2) is None  # replaced: the other attachment's steering is gone
+    assert LiveSteering.objects.get(attachment__sae_id=relu.id).source == "profile"
+    assert ok(api.get("/api/profiles/active"))["name"] == "p"
+    assert Profile.objects.get(name="p").is_active
+
+    empty = ok(api.post("/api/profiles", {"name": "clean", "steering": {}}, format="json"), 201)
+    ok(api.post(f"/api/profiles/{empty['id']}/activate"))
+    assert _live(relu, 1) is None  # an empty profile is the way back to unsteered
+    assert list(Profile.objects.filter(is_active=True).values_list("name", flat=True)) == [
+        "clean"]
+    ok(api.post(f"/api/profiles/{empty['id']}/deactivate"))
+    assert ok(api.get("/api/profiles/active")) is None
+
+
+def test_activation_is_validated_before_anything_changes(api, llama):
+    relu = llama.attach("tiny-llama-L1-relu", 1)
+    ok(api.post("/api/saes/steering", {"feature_idx": 5, "value": 7}, format="json"))
+    out_of_range = Profile.objects.create(name="wide", sae_id=relu.id, layer=1,
+                                          steering={"1": 3.0, "300": 2.0})
+    refused(api.post(f"/api/profiles/{out_of_range.id}/activate"), 400,
+            "INVALID_FEATURE_INDEX")
+    elsewhere = Profile.objects.create(name="elsewhere", sae_id=relu.id, layer=3,
+                                       steering={"1": 3.0})
+    refused(api.post(f"/api/profiles/{elsewhere.id}/activate"), 400, "SAE_NOT_ATTACHED")
+    other_model = Profile.objects.create(name="gpt", sae_id=relu.id, layer=1,
+                                         model_name="tiny-gpt2", steering={"1": 3.0})
+    refused(api.post(f"/api/profiles/{other_model.id}/activate"), 400,
+            "PROFILE_INCOMPATIBLE")
+    refused(api.post(f"/api/profiles/{elsewhere.id}/activate", {"intensity": 3},
+                     format="json"), 422, "VALIDATION_ERROR")
+    assert _live(relu, 1) == (True, {"5": 7.0})  # untouched by every refusal
+    assert not Profile.objects.filter(is_active=True).exists()
+
+
+def test_save_current_and_deactivate_keeping_values(api, relu):
+    refused(api.post("/api/profiles/save-current", {"name": "x", "layer": 3}, format="json"),
+            400, "SAE_NOT_ATTACHED")
+    ok(api.post("/api/saes/steering/batch", {"steering": {"10": 12.5, "11": -3}},
+                format="json"))
+    saved = ok(api.post("/api/profiles/save-current", {"name": "session",
+                                                       "description": "now"},
+                        format="json"), 201)
+    assert (saved["sae_id"], saved["layer"], saved["model_id"]) == (relu.id, 1, "tiny-llama")
+    assert saved["steering"] == {"10": 12.5, "11": -3.0}
+    ok(api.post(f"/api/profiles/{saved['id']}/activate"))
+    ok(api.post(f"/api/profiles/{saved['id']}/deactivate?clear_steering=false"))
+    assert _live(relu, 1) == (True, {"10": 12.5, "11": -3.0})
+    ok(api.post(f"/api/profiles/{saved['id']}/activate"))
+    ok(api.delete(f"/api/profiles/{saved['id']}"))  # deleting the active one deactivates
+    assert _live(relu, 1) is None
+
+
+def test_export_import_round_trip_is_lossless(api, relu):
+    made = ok(api.post("/api/profiles", {"name": "round", "description": "trip",
+                                         "steering": {"3": 1.25, "17": -0.5},
+                                         "model_id": "tiny-llama", "intensity": 0.75},
+                       format="json"), 201)
+    response = api.get(f"/api/profiles/{made['id']}/export")
+    assert response.status_code == 200 and response["Content-Type"] == "application/json"
+    exported = json.loads(response.content)
+    assert exported == {"version": "1.0", "name": "round", "description": "trip",
+                        "model_id": "tiny-llama", "sae_id": relu.id, "layer": 1,
+                        "steering": {"3": 1.25, "17": -0.5}, "intensity": 0.75,
+                        "created_at": made["created_at"], "updated_at": made["updated_at"]}
+    refused(api.post("/api/profiles/import", exported, format="json"), 409,
+            "PROFILE_ALREADY_EXISTS")
+    ok(api.delete(f"/api/profiles/{made['id']}"))
+    imported = ok(api.post("/api/profiles/import", response.content,
+                           content_type="application/json"), 201)
+    again = json.loads(api.get(f"/api/profiles/{imported['id']}/export").content)
+    assert again == exported
+    renamed = ok(api.post("/api/profiles/import?on_conflict=rename", exported, format="json"),
+                 201)
+    assert renamed["name"] == "round (2)"
+
+
+def test_import_forms_and_refusals(api, relu):
+    features = ok(api.post("/api/profiles/import", {
+        "version": "1.0", "name": "listed", "sae_id": relu.id, "layer": 1,
+        "features": [{"index": 11859, "strength": 22.8}, {"index": 3, "strength": 15}]},
+        format="json"), 201)
+    assert features["steering"] == {"3": 15.0, "11859": 22.8}
+    error = refused(api.post("/api/profiles/import", {
+        "name": "bad", "sae_id": relu.id, "layer": 1,
+        "steering": {"1": 2, "one": 3, "2": "x", "-4": 1}}, format="json"),
+        422, "VALIDATION_ERROR")
+    assert set(error["details"]["invalid_keys"]) == {"one", "2", "-4"}
+    cluster = {"kind": "mistudio.cluster-definition", "schema_version": "1", "name": "c",
+               "members": [{"feature_idx": 1, "strength": 2}]}
+    response = api.post("/api/profiles/import", cluster, format="json")
+    assert response.status_code == 200  # a decision about a well-formed body
+    assert body(response)["error"]["code"] == "IS_CLUSTER_DOCUMENT"
+    refused(api.post("/api/profiles/import", {"version": "2", "name": "v2"}, format="json"),
+            422, "VALIDATION_ERROR")
+    assert set(Profile.objects.values_list("name", flat=True)) == {"listed"}
