@@ -85,6 +85,9 @@ VARIABLES: tuple[Var, ...] = (
         "in-memory channel layer, tasks in-process). Set: distributed mode over Redis "
         "(redis://host:6379/0).", secret=True),
     Var("AUTO_LOAD_MODEL", "Core", "str", "", "Model id or name to load at start-up."),
+    Var("AUTO_ATTACH_SAES", "Core", "list", [],
+        "SAEs to attach once AUTO_LOAD_MODEL is resident: comma-separated <sae name or id>"
+        "[@<layer>] (the layer defaults to the one the SAE was trained on)."),
     # --- Access & hub ---------------------------------------------------------------
     Var("MILLM_API_KEYS", "Access & hub", "list", [],
         "Comma-separated API keys. Set: /v1, /api (except liveness and readiness) and "
@@ -364,6 +367,14 @@ def _check_combinations(v: dict[str, Any]) -> None:
         if not share > 0:
             raise ConfigError("GGUF_TENSOR_SPLIT", "every proportion must be > 0",
                               ",".join(v["GGUF_TENSOR_SPLIT"]))
+    for item in v["AUTO_ATTACH_SAES"]:
+        name, _, layer = item.partition("@")
+        if not name or (layer and not layer.isdigit()):
+            raise ConfigError("AUTO_ATTACH_SAES", "entries must be <sae name or id>[@<layer>]",
+                              item)
+    if v["AUTO_ATTACH_SAES"] and not v["AUTO_LOAD_MODEL"]:
+        raise ConfigError("AUTO_ATTACH_SAES", "needs AUTO_LOAD_MODEL (SAEs attach to the "
+                          "model loaded at start-up)", ",".join(v["AUTO_ATTACH_SAES"]))
     device = v["MILLM_ENGINE_DEVICE"]
     if device not in ("auto", "cpu", "cuda") and not (
             device.startswith("cuda:") and device[5:].isdigit()):

@@ -85,3 +85,18 @@ def model_unload_task(job_id: int) -> str:
         _finish_unexpected(job_id, exc)
         raise
     return "succeeded"
+
+
+@shared_task(name="registry.tasks.auto_attach_task")
+def auto_attach_task(load_job_id: int | None) -> str:
+    from django.conf import settings
+
+    from registry import maintenance
+
+    try:
+        results = maintenance.auto_attach(load_job_id=load_job_id,
+                                          timeout_s=settings.DOWNLOAD_TIMEOUT)
+    except MillmError as exc:
+        log.warning("auto_attach_failed", code=exc.code, message=exc.message)
+        return "failed"
+    return "attached" if results else "skipped"

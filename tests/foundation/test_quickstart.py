@@ -1,0 +1,118 @@
+"""The quick start as a new user runs it: an SQLite data directory, the demo assets, the
+server started with the demo model loaded and its SAE attached (AUTO_LOAD_MODEL,
+AUTO_ATTACH_SAES), then the README's steered chat completion."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from tests.conftest import REPO, manage
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _get(url: str) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+    except OSError:
+        return 0, {}
+
+
+@pytest.fixture(scope="module")
+def quickstart_server(tiny_assets, tmp_path_factory):
+    data = tmp_path_factory.mktemp("quickstart-data")
+    env = {"MILLM_DATA_DIR": str(data), "MILLM_ENGINE_DEVICE": "cpu",
+           "MILLM_ENGINE_DTYPE": "float32"}
+    for args in (("migrate", "--noinput"),
+                 ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root))):
+        result = manage(*args, env=env, timeout=300)
+        assert result.returncode == 0, result.stderr
+    port = _free_port()
+    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
+    log = (data / "serve.log").open("w")
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "manage.py"), "serve", "--port", str(port)],
+        env={**base, **env, "MILLM_ENV_FILE": "/nonexistent/.env",
+             "AUTO_LOAD_MODEL": "tiny-llama", "AUTO_ATTACH_SAES": "tiny-llama-L1-relu"},
+        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        attachments: list = []
+        while time.monotonic() < deadline:
+            assert process.poll() is None, (data / "serve.log").read_text()
+            status, body = _get(url + "/api/saes/attachments")
+            if status == 200:
+                attachments = body["data"]["attachments"]
+                if attachments:
+                    break
+            time.sleep(0.5)
+        assert attachments, (data / "serve.log").read_text()
+        yield url, attachments
+    finally:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+        log.close()
+
+
+def test_server_starts_with_the_demo_model_loaded_and_its_sae_attached(quickstart_server,
+                                                                       tiny_assets):
+    url, attachments = quickstart_server
+    sae = tiny_assets.saes["tiny-llama-L1-relu"]
+    assert [(a["layer"], a["layer_module_path"]) for a in attachments] == [
+        (sae.layer, "model.layers.1")]
+    status, models = _get(url + "/api/models")
+    loaded = [m["name"] for m in models["data"]["models"] if m["status"] == "loaded"]
+    assert loaded == ["tiny-llama"]
+
+
+def test_readme_steered_chat_completion_works(quickstart_server):
+    url, _ = quickstart_server
+
+    def chat(steering: dict):
+        body = {"model": "tiny-llama", "max_tokens": 8, "temperature": 0,
+                "messages": [{"role": "user", "content": "Tell me about your weekend."}],
+                "steering": steering,
+                "return_sae_activations": {"top_k": 5, "positions": "last"}}
+        request = urllib.request.Request(url + "/v1/chat/completions",
+                                         data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return json.loads(response.read()), response.headers
+
+    steered, headers = chat({"features": [{"index": 0, "strength": 60}]})
+    assert headers["X-miLLM-Steering"].startswith("inline;")
+    assert steered["choices"][0]["message"]["role"] == "assistant"
+    assert steered["usage"]["completion_tokens"] > 0
+    assert steered["millm"]
+    plain, plain_headers = chat({"features": []})
+    assert plain_headers["X-miLLM-Steering"] == "none"
+    # positive control: the steer changed the greedy answer
+    assert steered["choices"][0]["message"]["content"] != plain["choices"][0]["message"]["content"]
+
+
+def test_auto_attach_names_must_exist(tmp_path):
+    result = manage("check", env={"MILLM_DATA_DIR": str(tmp_path),
+                                  "AUTO_ATTACH_SAES": "x@1"})
+    assert result.returncode == 2
+    assert "AUTO_ATTACH_SAES: needs AUTO_LOAD_MODEL" in result.stderr
