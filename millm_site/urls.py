@@ -1,6 +1,5 @@
 from django.contrib import admin
 from django.urls import include, path
-from django.views.generic import RedirectView
 
 admin.site.site_header = "miLLM administration"
 admin.site.site_title = "miLLM admin"
@@ -13,5 +12,6 @@ urlpatterns = [
     path("api/", include("steering.urls")),
     path("api/", include("monitoring.urls")),
     path("api/", include("leases.urls")),
-    path("", RedirectView.as_view(url="/admin/", permanent=False)),
+    # the browser UI: the dashboard at the root, the other pages and /static beside it
+    path("", include("ui.urls")),
 ]

@@ -51,6 +51,7 @@ INSTALLED_APPS = [
     "inference",
     "monitoring",
     "leases",
+    "ui",
 ]
 
 MIDDLEWARE = [

@@ -89,5 +89,9 @@ def test_cancel_job_action(staff_client, registered):
     assert Job.objects.get(pk=job.pk).status == "cancelled"
 
 
-def test_root_redirects_to_the_admin(client):
-    assert client.get("/")["Location"] == "/admin/"
+def test_root_is_the_dashboard_and_links_to_the_admin(client):
+    response = client.get("/")
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "<h1>Dashboard</h1>" in page
+    assert 'href="/admin/"' in page

@@ -1,0 +1,122 @@
+// Calls to /api (the envelope), /v1 (OpenAI errors, SSE streams) and the UI's own support
+// routes. With MILLM_API_KEYS set the key the user typed (sessionStorage, this tab only)
+// goes along as Authorization: Bearer.
+
+const KEY_STORE = "millm.apiKey";
+const listeners = new Set();
+
+export function apiKey() {
+  try { return sessionStorage.getItem(KEY_STORE) || ""; } catch { return ""; }
+}
+
+export function setApiKey(key) {
+  try {
+    if (key) sessionStorage.setItem(KEY_STORE, key); else sessionStorage.removeItem(KEY_STORE);
+  } catch { /* storage disabled: the key lives until the page is left */ }
+}
+
+/** Called with the error whenever the server refuses for want of a key (401). */
+export function onUnauthorized(fn) { listeners.add(fn); return () => listeners.delete(fn); }
+
+export class ApiError extends Error {
+  constructor(status, code, message, details = {}, retryAfter = null) {
+    super(message || code || `HTTP ${status}`);
+    this.status = status;
+    this.code = code;
+    this.details = details || {};
+    this.retryAfter = retryAfter;
+  }
+}
+
+function headers(extra = {}) {
+  const out = { Accept: "application/json", ...extra };
+  const key = apiKey();
+  if (key) out.Authorization = `Bearer ${key}`;
+  return out;
+}
+
+async function parse(response) {
+  const text = await response.text();
+  if (!text) return null;
+  try { return JSON.parse(text); } catch { return { raw: text }; }
+}
+
+function refusal(response, body) {
+  const retry = response.headers.get("Retry-After");
+  let error;
+  if (body && body.error && typeof body.error === "object") {
+    // /api: {code, message, details}; /v1: {message, type, param, code}
+    const e = body.error;
+    error = new ApiError(response.status, e.code || e.type, e.message,
+      e.details || (e.param ? { param: e.param } : {}), retry);
+  } else {
+    error = new ApiError(response.status, `HTTP_${response.status}`,
+      (body && (body.error || body.detail || body.raw)) || response.statusText, {}, retry);
+  }
+  if (response.status === 401) listeners.forEach((fn) => fn(error));
+  return error;
+}
+
+/** An /api call: resolves to the envelope's `data`, rejects with ApiError. */
+export async function api(method, path, body, { signal } = {}) {
+  const init = { method, headers: headers(), signal };
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const response = await fetch(path, init);
+  const data = await parse(response);
+  if (!response.ok || (data && data.success === false)) throw refusal(response, data);
+  return data && "success" in data ? data.data : data;
+}
+
+export const get = (path, opts) => api("GET", path, undefined, opts);
+export const post = (path, body, opts) => api("POST", path, body === undefined ? {} : body, opts);
+export const put = (path, body, opts) => api("PUT", path, body, opts);
+export const patch = (path, body, opts) => api("PATCH", path, body, opts);
+export const del = (path, opts) => api("DELETE", path, undefined, opts);
+
+/** Plain JSON GET of a non-envelope route (the UI's support routes). */
+export async function getJSON(path) {
+  const response = await fetch(path, { headers: headers() });
+  const data = await parse(response);
+  if (!response.ok) throw refusal(response, data);
+  return data;
+}
+
+/**
+ * POST to a /v1 route with `stream: true` and hand each SSE `data:` payload to onChunk.
+ * Resolves with {headers} when `[DONE]` arrives; an error frame rejects with ApiError.
+ */
+export async function streamV1(path, body, { onChunk, signal } = {}) {
+  const response = await fetch(path, {
+    method: "POST", signal,
+    headers: headers({ "Content-Type": "application/json", Accept: "text/event-stream" }),
+    body: JSON.stringify({ ...body, stream: true }),
+  });
+  if (!response.ok) throw refusal(response, await parse(response));
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffer = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buffer += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffer.indexOf("\n\n")) >= 0) {
+      const frame = buffer.slice(0, cut);
+      buffer = buffer.slice(cut + 2);
+      const data = frame.split("\n").filter((l) => l.startsWith("data:"))
+        .map((l) => l.slice(5).trimStart()).join("\n");
+      if (!data) continue;
+      if (data === "[DONE]") return { headers: response.headers };
+      const chunk = JSON.parse(data);
+      if (chunk.error) {
+        throw new ApiError(response.status, chunk.error.code || chunk.error.type,
+          chunk.error.message, { param: chunk.error.param });
+      }
+      onChunk?.(chunk);
+    }
+  }
+  return { headers: response.headers };
+}

@@ -1,0 +1,189 @@
+// SAEs: list with download progress, attach (layer picker + compatibility check first),
+// detach, download from the hub.
+
+import { del, get, post } from "../api.js";
+import { $, badge, boot, busy, describeError, el, fillRows, fmtMB, notice, showError, statusBadge } from "../dom.js";
+import * as events from "../events.js";
+import { describeJob, pollRunning, progressCell, updateProgress } from "../jobs.js";
+
+boot();
+
+let saes = [];
+let resident = null;          // the loaded model row, or null
+const progress = new Map();
+
+async function refresh() {
+  try {
+    const [list, models] = await Promise.all([get("/api/saes"), get("/api/models")]);
+    saes = list.saes;
+    resident = models.models.find((m) => m.id === models.loaded_model_id) || null;
+    render();
+    renderAttachForm();
+  } catch (err) { showError(err, "SAEs"); }
+}
+
+function detachButton(sae, layer) {
+  return el("button", {
+    type: "button", class: "secondary small", "aria-label": `Detach ${sae.name} from layer ${layer}`,
+    onclick: (ev) => busy(ev.currentTarget, async () => {
+      await post(`/api/saes/${sae.id}/detach`, { layer });
+      notice(`Detached ${sae.name} from layer ${layer}`, "ok");
+      await refresh();
+    }, "Detach"),
+  }, `L${layer} ×`);
+}
+
+function render() {
+  fillRows($("#saes"), saes.map((s) => {
+    const status = [statusBadge(s.status)];
+    if (s.status === "downloading") {
+      status.push(progressCell(`sae-${s.id}`, `Download of ${s.name}`,
+        describeJob(progress.get(s.id) || { percent: s.download_progress ?? 0 })));
+    }
+    if (s.error_message) status.push(el("div", { class: "small status-text bad" }, s.error_message));
+    const attached = s.attached_layers.length
+      ? el("div", { class: "actions" }, s.attached_layers.map((l) => detachButton(s, l)))
+      : el("span", { class: "muted small" }, "—");
+    return el("tr", { dataset: { saeId: s.id } },
+      el("th", { scope: "row" }, el("div", {}, s.name), el("div", { class: "mono small muted" }, s.id)),
+      el("td", { class: "small" }, `${s.format || "?"} · ${s.activation}${s.topk_k ? " k=" + s.topk_k : ""}`),
+      el("td", { class: "num small" }, `${s.d_in ?? "?"} × ${s.d_sae ?? "?"}`, el("div", { class: "muted" }, fmtMB(s.memory_usage_mb))),
+      el("td", { class: "num" }, s.trained_layer ?? "—"),
+      el("td", {}, status),
+      el("td", {}, attached),
+      el("td", {}, el("div", { class: "actions" },
+        ["ready", "attached"].includes(s.status) ? el("button", { type: "button", class: "small", "aria-label": `Attach ${s.name}…`,
+          onclick: () => { $("#attach-sae").value = s.id; onSaeChange(); $("#attach-layer").focus(); } }, "Attach…") : null,
+        s.status === "downloading" ? el("button", { type: "button", class: "secondary small",
+          onclick: (ev) => busy(ev.currentTarget, async () => { await post(`/api/saes/${s.id}/cancel`); await refresh(); }, "Cancel") }, "Cancel") : null,
+        !s.attached_layers.length && s.status !== "downloading" ? el("button", { type: "button", class: "danger small", "aria-label": `Delete ${s.name}`,
+          onclick: (ev) => busy(ev.currentTarget, async () => {
+            if (!window.confirm(`Delete SAE ${s.name}?`)) return;
+            await del(`/api/saes/${s.id}`);
+            await refresh();
+          }, "Delete") }, "Delete") : null)));
+  }), "No SAEs registered yet: download one.", 7);
+}
+
+function renderAttachForm() {
+  const select = $("#attach-sae");
+  const keep = select.value;
+  const ready = saes.filter((s) => ["ready", "attached"].includes(s.status));
+  select.replaceChildren(...ready.map((s) => el("option", { value: s.id },
+    `${s.name} (d_in ${s.d_in}${s.trained_layer !== null ? ", trained at L" + s.trained_layer : ""})`)));
+  if (ready.some((s) => s.id === keep)) select.value = keep;
+  $("#attach-model").textContent = resident
+    ? `Resident model: ${resident.name} (${resident.num_layers} layers, hidden size ${resident.hidden_size})`
+    : "No model is loaded: load one on the Models page to attach an SAE.";
+  const layers = $("#attach-layer");
+  const previous = layers.value;
+  layers.replaceChildren(...Array.from({ length: resident?.num_layers || 0 }, (_, i) => el("option", { value: i }, `Layer ${i}`)));
+  if (previous && Number(previous) < (resident?.num_layers || 0)) layers.value = previous;
+  const disabled = !resident || !ready.length;
+  for (const node of [select, layers, $("#check-button"), $("#attach-button")]) node.disabled = disabled;
+  if (!disabled && !previous) onSaeChange();
+}
+
+function onSaeChange() {
+  const sae = saes.find((s) => s.id === $("#attach-sae").value);
+  if (sae && sae.trained_layer !== null && resident && sae.trained_layer < resident.num_layers) {
+    $("#attach-layer").value = String(sae.trained_layer);
+  }
+  check();
+}
+
+let checkSeq = 0;
+async function check() {
+  const saeId = $("#attach-sae").value;
+  const layer = $("#attach-layer").value;
+  const out = $("#compat");
+  if (!saeId || layer === "") { out.textContent = ""; return null; }
+  const seq = ++checkSeq;
+  out.textContent = "Checking…";
+  try {
+    const report = await get(`/api/saes/${saeId}/compatibility?layer=${layer}`);
+    if (seq !== checkSeq) return report;
+    out.replaceChildren(
+      report.compatible ? badge("compatible", "ok") : badge("incompatible", "bad"),
+      ...report.errors.map((e) => el("div", { class: "status-text bad" }, e)),
+      ...report.warnings.map((w) => el("div", { class: "status-text warn" }, `Warning: ${w}`)));
+    $("#attach-button").disabled = !report.compatible;
+    return report;
+  } catch (err) {
+    if (seq === checkSeq) out.replaceChildren(el("span", { class: "status-text bad" }, describeError(err)));
+    return null;
+  }
+}
+
+$("#attach-sae").addEventListener("change", onSaeChange);
+$("#attach-layer").addEventListener("change", check);
+$("#check-button").addEventListener("click", check);
+$("#attach-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  busy($("#attach-button"), async () => {
+    const report = await check();
+    if (!report || !report.compatible) return;
+    const saeId = $("#attach-sae").value;
+    const layer = Number($("#attach-layer").value);
+    const out = await post(`/api/saes/${saeId}/attach`, { layer });
+    notice(`Attached ${saeId} at layer ${out.layer} (${out.layer_module_path})`, "ok");
+    for (const w of out.warnings || []) notice(`Warning: ${w}`);
+    await refresh();
+  }, "Attach");
+});
+
+function onProgress(data) {
+  if (!data.sae_id) return;
+  progress.set(data.sae_id, data);
+  if (!updateProgress(`sae-${data.sae_id}`, data)) refreshSoon();
+}
+let timer = null;
+function refreshSoon() { clearTimeout(timer); timer = setTimeout(refresh, 200); }
+
+events.on("sae:download:progress", onProgress);
+events.on("sae:download:complete", refreshSoon);
+events.on("sae:download:error", (d) => { notice(`SAE download failed: ${d.error || ""}`, "error"); refreshSoon(); });
+events.on("sae:attached", refreshSoon);
+events.on("sae:detached", (d) => {
+  if (d.reason === "out_of_memory") notice(`SAE ${d.sae_id} was detached from layer ${d.layer}: out of memory`, "error");
+  refreshSoon();
+});
+events.on("model:", (d, name) => { if (!name.endsWith(":progress")) refreshSoon(); });
+events.onReconnect(refresh);
+pollRunning((job) => { if (job.sae_id && job.kind === "sae_download") onProgress(job); },
+  () => saes.some((s) => s.status === "downloading"));
+
+function formBody(form) {
+  const data = Object.fromEntries(new FormData(form).entries());
+  for (const [k, v] of Object.entries(data)) if (v === "") delete data[k];
+  return data;
+}
+
+$("#sae-download-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const form = ev.currentTarget;
+  busy(form.querySelector("button[type=submit]"), async () => {
+    const out = await post("/api/saes/download", formBody(form));
+    notice(`${out.sae_id}: ${out.message}`, "ok");
+    $("#sd-token").value = "";
+    await refresh();
+  }, "Download");
+});
+
+$("#sd-preview").addEventListener("click", (ev) => {
+  const body = formBody($("#sae-download-form"));
+  if (!body.repository_id) { $("#sd-repo").focus(); return; }
+  busy(ev.currentTarget, async () => {
+    const p = await post("/api/saes/preview", { repository_id: body.repository_id, revision: body.revision, hf_token: body.hf_token });
+    $("#sae-preview").replaceChildren(p.files.length ? el("table", {},
+      el("caption", {}, `${p.total_files} SAE file(s) in ${p.repository_id}`),
+      el("thead", {}, el("tr", {}, el("th", { scope: "col" }, "Path"), el("th", { scope: "col" }, "Layer"), el("th", { scope: "col" }, "Width"), el("th", { scope: "col" }, ""))),
+      el("tbody", {}, p.files.map((f) => el("tr", {},
+        el("td", { class: "mono small" }, f.path), el("td", {}, f.layer ?? "—"), el("td", {}, f.width ?? "—"),
+        el("td", {}, el("button", { type: "button", class: "secondary small", "aria-label": `Use ${f.path}`,
+          onclick: () => { $("#sd-path").value = f.path.replace(/\/[^/]+$/, ""); $("#sd-path").focus(); } }, "Use"))))))
+      : el("p", { class: "muted" }, "No SAE files (params.npz or sae_weights.safetensors) in that repository."));
+  }, "Preview");
+});
+
+refresh();

@@ -1,0 +1,122 @@
+"""The browser UI: server-rendered page shells whose ES modules (static/ui/js) talk to
+/api, /v1 and /ws/events from the browser. The pages hold no data of their own, so they
+stay open like the APIs; with MILLM_API_KEYS set, the data needs the key, which the page
+asks for once and keeps in sessionStorage (see docs/ui.md).
+
+Also here: the static files under daphne (``manage.py serve`` runs the bare ASGI app, which
+serves no static files) and the feature labels an SAE folder may ship.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.contrib.staticfiles.views import serve
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.views.decorators.http import require_GET
+from django.views.generic import TemplateView
+
+from gpu_engine.protocol import MAX_STEERING_STRENGTH
+from millm_site.auth import bearer_token, key_is_valid
+
+LABELS_FILE = "feature_labels.json"
+# A labels file is one short string per feature; anything bigger is not one.
+MAX_LABELS_BYTES = 16 * 2**20
+
+NAV = [
+    ("dashboard", "/", "Dashboard"),
+    ("models", "/models/", "Models"),
+    ("saes", "/saes/", "SAEs"),
+    ("steering", "/steering/", "Steering"),
+    ("profiles", "/profiles/", "Profiles"),
+    ("clusters", "/clusters/", "Clusters"),
+    ("circuits", "/circuits/", "Circuits"),
+    ("playground", "/playground/", "Playground"),
+    ("monitoring", "/monitoring/", "Monitoring"),
+]
+
+
+class Page(TemplateView):
+    """One page shell: the layout, its title, and what its module needs to know."""
+
+    page: str = ""
+    title: str = ""
+
+    def get_template_names(self) -> list[str]:
+        return [f"ui/{self.page}.html"]
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context = super().get_context_data(**kwargs)
+        context.update({
+            "page": self.page, "title": self.title, "nav": NAV,
+            "ui_config": {
+                "page": self.page,
+                "api_keys_required": bool(settings.MILLM_API_KEYS),
+                "max_strength": MAX_STEERING_STRENGTH,
+                **self.page_config(),
+            },
+        })
+        return context
+
+    def page_config(self) -> dict[str, Any]:
+        return {}
+
+
+def page(name: str, title: str, **config: Any):
+    return type(f"{name.title()}Page", (Page,), {
+        "page": name, "title": title, "page_config": lambda self: dict(config)}).as_view()
+
+
+def static(request: HttpRequest, path: str) -> HttpResponse:
+    """Static files through the finders (static/, the apps' and packages' own: the admin,
+    Swagger UI's sidecar). daphne has no static handler and the UI must work from a plain
+    ``manage.py serve`` with no reverse proxy in front; a deployment that has one can
+    serve ``collectstatic``'s STATIC_ROOT there instead."""
+    response = serve(request, path, insecure=True)
+    response["Cache-Control"] = "no-cache"  # revalidate (Last-Modified): code changes show
+    return response
+
+
+def _authorized(request: HttpRequest) -> bool:
+    if not settings.MILLM_API_KEYS:
+        return True
+    return key_is_valid(bearer_token(request.headers.get("Authorization")))
+
+
+@require_GET
+def feature_labels(request: HttpRequest, sae_id: str) -> JsonResponse:
+    """``{sae_id, labels: {"<index>": label}}`` from the SAE folder's feature_labels.json
+    (the demo SAE ships one); ``labels: {}`` when there is none. The registry API does not
+    carry labels, and the steering page needs them to find a feature by name."""
+    from registry.models import SAE
+
+    if not _authorized(request):
+        response = JsonResponse({"error": "Missing or invalid API key"}, status=401)
+        response["WWW-Authenticate"] = 'Bearer realm="miLLM"'
+        return response
+    sae = SAE.objects.filter(pk=sae_id).first()
+    if sae is None:
+        return JsonResponse({"error": f"No SAE {sae_id}"}, status=404)
+    return JsonResponse({"sae_id": sae.id, "labels": _read_labels(sae.local_path)})
+
+
+def _read_labels(local_path: str) -> dict[str, str]:
+    if not local_path:
+        return {}
+    folder = Path(local_path)
+    if folder.is_file():
+        folder = folder.parent
+    path = folder / LABELS_FILE
+    try:
+        if not path.is_file() or path.stat().st_size > MAX_LABELS_BYTES:
+            return {}
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(raw, dict):
+        return {}
+    return {str(int(k)): str(v) for k, v in raw.items()
+            if str(k).isdigit() and isinstance(v, str)}
