@@ -150,14 +150,19 @@ class Residency:
                 time.sleep(0.05)
             log.info("v1_model_autoload", model=model.name)
             model_load(model=Model.objects.get(name=model.name))
-            future.set_result(None)
+            error: BaseException | None = None
         except BaseException as exc:  # noqa: BLE001 - every waiter gets the same error
-            future.set_exception(exc)
-        finally:
-            with self._lock:
-                self._loading.pop(model.name, None)
-            # this thread ends here; its connection would pin a database session
-            connections.close_all()
+            error = exc
+        # Off the table before the waiters wake, or a woken waiter finds the load still
+        # "running" and waits on it again.
+        with self._lock:
+            self._loading.pop(model.name, None)
+        # this thread ends here; its connection would pin a database session
+        connections.close_all()
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
 
     def _release(self, name: str) -> None:
         with self._lock:

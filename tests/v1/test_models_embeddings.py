@@ -77,8 +77,14 @@ def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monke
     previous = set_admission(AdmissionController(slots=2, max_pending=4))
     try:
         results: list[int] = []
-        threads = [threading.Thread(target=lambda: results.append(
-            request(llama.base_url, "POST", "/completions", body).status)) for _ in range(2)]
+        bodies: list[bytes] = []
+
+        def call() -> None:
+            resp = request(llama.base_url, "POST", "/completions", body)
+            results.append(resp.status)
+            bodies.append(resp.body)
+
+        threads = [threading.Thread(target=call) for _ in range(2)]
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
@@ -95,7 +101,7 @@ def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monke
             t.join(60)
     finally:
         set_admission(previous)
-    assert results == [200, 200]
+    assert results == [200, 200], bodies
     assert calls == ["tiny-gpt2"]  # one load for both requests
     assert llama.engine.status().model_id == "tiny-gpt2"
     assert Model.objects.get(name="tiny-gpt2").status == Model.Status.LOADED
