@@ -120,3 +120,25 @@ export async function streamV1(path, body, { onChunk, signal } = {}) {
   }
   return { headers: response.headers };
 }
+
+/** POST a JSON document as the exact text the user gave (imports keep it verbatim). */
+export async function postText(path, text) {
+  const response = await fetch(path, {
+    method: "POST", headers: headers({ "Content-Type": "application/json" }), body: text,
+  });
+  const data = await parse(response);
+  if (!response.ok || (data && data.success === false)) throw refusal(response, data);
+  return data && "success" in data ? data.data : data;
+}
+
+/** GET a route that answers plain text (the documents' exports). */
+export async function getText(path) {
+  const response = await fetch(path, { headers: headers() });
+  const text = await response.text();
+  if (!response.ok) {
+    let body = null;
+    try { body = JSON.parse(text); } catch { /* not JSON */ }
+    throw refusal(response, body);
+  }
+  return text;
+}
