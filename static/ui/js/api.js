@@ -28,6 +28,19 @@ export class ApiError extends Error {
   }
 }
 
+/** Whether the server wants a key this tab does not have (then nothing is sent). */
+export function keyMissing() {
+  const node = document.getElementById("ui-config");
+  const required = node ? JSON.parse(node.textContent).api_keys_required : false;
+  return Boolean(required) && !apiKey();
+}
+
+function noKey() {
+  const error = new ApiError(401, "UNAUTHORIZED", "This server requires an API key: enter it with the API key button");
+  listeners.forEach((fn) => fn(error));
+  return error;
+}
+
 function headers(extra = {}) {
   const out = { Accept: "application/json", ...extra };
   const key = apiKey();
@@ -59,6 +72,7 @@ function refusal(response, body) {
 
 /** An /api call: resolves to the envelope's `data`, rejects with ApiError. */
 export async function api(method, path, body, { signal } = {}) {
+  if (keyMissing()) throw noKey();
   const init = { method, headers: headers(), signal };
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
@@ -78,6 +92,7 @@ export const del = (path, opts) => api("DELETE", path, undefined, opts);
 
 /** Plain JSON GET of a non-envelope route (the UI's support routes). */
 export async function getJSON(path) {
+  if (keyMissing()) throw noKey();
   const response = await fetch(path, { headers: headers() });
   const data = await parse(response);
   if (!response.ok) throw refusal(response, data);
@@ -89,6 +104,7 @@ export async function getJSON(path) {
  * Resolves with {headers} when `[DONE]` arrives; an error frame rejects with ApiError.
  */
 export async function streamV1(path, body, { onChunk, signal } = {}) {
+  if (keyMissing()) throw noKey();
   const response = await fetch(path, {
     method: "POST", signal,
     headers: headers({ "Content-Type": "application/json", Accept: "text/event-stream" }),
@@ -123,6 +139,7 @@ export async function streamV1(path, body, { onChunk, signal } = {}) {
 
 /** POST a JSON document as the exact text the user gave (imports keep it verbatim). */
 export async function postText(path, text) {
+  if (keyMissing()) throw noKey();
   const response = await fetch(path, {
     method: "POST", headers: headers({ "Content-Type": "application/json" }), body: text,
   });
@@ -133,6 +150,7 @@ export async function postText(path, text) {
 
 /** GET a route that answers plain text (the documents' exports). */
 export async function getText(path) {
+  if (keyMissing()) throw noKey();
   const response = await fetch(path, { headers: headers() });
   const text = await response.text();
   if (!response.ok) {

@@ -3,7 +3,7 @@
 // deltas: after a reconnect, pages read their state back from the REST routes
 // (onReconnect).
 
-import { apiKey } from "./api.js";
+import { apiKey, keyMissing } from "./api.js";
 
 const handlers = [];
 const reconnectHandlers = new Set();
@@ -38,6 +38,7 @@ function dispatch(message) {
 export function connect(el) {
   statusEl = el || statusEl;
   if (socket && socket.readyState <= 1) return;
+  if (keyMissing()) { setStatus("API key needed", "bad"); return; }
   const scheme = location.protocol === "https:" ? "wss" : "ws";
   const key = apiKey();
   const query = key ? `?api_key=${encodeURIComponent(key)}` : "";
