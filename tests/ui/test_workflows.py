@@ -44,6 +44,29 @@ def test_download_progress_bar_moves(server, page):
     page.console.assert_clean()
 
 
+def test_lease_taken_renewed_and_released_from_the_models_page(server, page):
+    resident = next(m for m in server.api("GET", "/api/models")["models"]
+                    if m["status"] == "loaded")
+    page.goto(server.url + "/models/")
+    page.wait_for_selector("#lease-badge .badge")
+    page.fill("#lease-holder", "ui-test")
+    page.fill("#lease-reason", "checking the lease form")
+    page.fill("#lease-ttl", "5")
+    page.click("#lease-take")
+    page.wait_for_selector("#lease-badge .badge:text-is('leased')")
+    lease = server.api("GET", f"/api/models/{resident['id']}/lease")["lease"]
+    assert lease["holder"] == "ui-test" and lease["ttl_seconds"] == 300
+    assert page.input_value("#lease-id").startswith("lease_")
+    page.fill("#lease-ttl", "10")
+    page.click("#lease-renew")
+    page.wait_for_selector(".notice.ok:has-text('renewed')")
+    assert server.api("GET", f"/api/models/{resident['id']}/lease")["lease"]["ttl_seconds"] == 600
+    page.click("#lease-release")
+    page.wait_for_selector("#lease-badge .badge:text-is('not leased')")
+    assert server.api("GET", f"/api/models/{resident['id']}/lease")["lease"] is None
+    page.console.assert_clean()
+
+
 def test_slider_and_number_change_the_live_steering(server, page):
     server.api("DELETE", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")
     page.goto(server.url + "/steering/")

@@ -71,9 +71,9 @@ function refusal(response, body) {
 }
 
 /** An /api call: resolves to the envelope's `data`, rejects with ApiError. */
-export async function api(method, path, body, { signal } = {}) {
+export async function api(method, path, body, { signal, extraHeaders } = {}) {
   if (keyMissing()) throw noKey();
-  const init = { method, headers: headers(), signal };
+  const init = { method, headers: headers(extraHeaders), signal };
   if (body !== undefined) {
     init.headers["Content-Type"] = "application/json";
     init.body = JSON.stringify(body);
@@ -89,6 +89,22 @@ export const post = (path, body, opts) => api("POST", path, body === undefined ?
 export const put = (path, body, opts) => api("PUT", path, body, opts);
 export const patch = (path, body, opts) => api("PATCH", path, body, opts);
 export const del = (path, opts) => api("DELETE", path, undefined, opts);
+
+/** Lease ids this tab took or was given, per model (sessionStorage; shown once by the server). */
+export function leaseId(modelId) {
+  try { return sessionStorage.getItem(`millm.lease.${modelId}`) || ""; } catch { return ""; }
+}
+export function setLeaseId(modelId, id) {
+  try {
+    if (id) sessionStorage.setItem(`millm.lease.${modelId}`, id);
+    else sessionStorage.removeItem(`millm.lease.${modelId}`);
+  } catch { /* storage disabled */ }
+}
+/** The X-miLLM-Lease header for a model, when this tab holds its lease. */
+export function leaseHeaders(modelId) {
+  const id = modelId === null || modelId === undefined ? "" : leaseId(modelId);
+  return id ? { "X-miLLM-Lease": id } : {};
+}
 
 /** Plain JSON GET of a non-envelope route (the UI's support routes). */
 export async function getJSON(path) {

@@ -37,7 +37,9 @@ export function describeError(err) {
     const fields = err.details && err.details.fields
       ? ": " + Object.entries(err.details.fields).map(([k, v]) => `${k} ${[].concat(v).join(" ")}`).join("; ")
       : "";
-    return `${err.code ? err.code + ": " : ""}${err.message}${fields}${retry}`;
+    const lease = err.details && err.details.holder
+      ? ` (leased by ${err.details.holder} until ${new Date(err.details.expires_at).toLocaleString()})` : "";
+    return `${err.code ? err.code + ": " : ""}${err.message}${fields}${lease}${retry}`;
   }
   return err && err.message ? err.message : String(err);
 }

@@ -57,7 +57,8 @@ async function modelFigures(detailed) {
   set("model-arch", m?.architecture || "—");
   set("model-layers", m?.num_layers ?? "—");
   $("#model-status").replaceChildren(statusBadge("loaded"), m?.locked ? " " : "", m?.locked ? badge("locked", "accent") : "");
-  $("#model-note").textContent = m ? `${m.params || ""} parameters · hidden size ${m.hidden_size ?? "?"} · context ${fmtNumber(m.context_length)}` : "";
+  const lease = detailed.lease ? ` · leased by ${detailed.lease.holder} until ${new Date(detailed.lease.expires_at).toLocaleTimeString()}` : "";
+  $("#model-note").textContent = (m ? `${m.params || ""} parameters · hidden size ${m.hidden_size ?? "?"} · context ${fmtNumber(m.context_length)}` : "") + lease;
 }
 
 async function attachments(rows) {

@@ -1,6 +1,6 @@
 // Models: list with live progress bars, download / register, load, unload, lock, delete.
 
-import { del, get, post } from "../api.js";
+import { del, get, leaseHeaders, leaseId, post, setLeaseId } from "../api.js";
 import { $, badge, boot, busy, el, fillRows, fmtMB, fmtNumber, notice, showError, statusBadge } from "../dom.js";
 import * as events from "../events.js";
 import { describeJob, jobRow, pollRunning, progressCell, updateProgress } from "../jobs.js";
@@ -18,8 +18,10 @@ function actions(m) {
     onclick: (ev) => busy(ev.currentTarget, fn, `${label} ${m.name}`),
   }, label);
   const out = [];
-  if (m.status === "ready") out.push(act("Load", async () => { await post(`/api/models/${m.id}/load`); notice(`Loading ${m.name}…`); await refresh(); }, "small"));
-  if (m.status === "loaded") out.push(act("Unload", async () => { await post(`/api/models/${m.id}/unload`); notice(`Unloading ${m.name}…`); await refresh(); }));
+  const resident = models.find((x) => x.status === "loaded");
+  const lease = { extraHeaders: leaseHeaders(resident?.id) };
+  if (m.status === "ready") out.push(act("Load", async () => { await post(`/api/models/${m.id}/load`, undefined, lease); notice(`Loading ${m.name}…`); await refresh(); }, "small"));
+  if (m.status === "loaded") out.push(act("Unload", async () => { await post(`/api/models/${m.id}/unload`, undefined, lease); notice(`Unloading ${m.name}…`); await refresh(); }));
   if (m.status === "downloading") out.push(act("Cancel", async () => { await post(`/api/models/${m.id}/cancel`); await refresh(); }));
   if (["ready", "loaded"].includes(m.status)) {
     out.push(m.locked
@@ -76,7 +78,67 @@ async function refresh() {
     render();
   } catch (err) { showError(err, "Models"); }
   refreshJobs();
+  refreshLease();
 }
+
+// --- the lease of the resident model ------------------------------------------------------
+
+const residentModel = () => models.find((m) => m.status === "loaded") || null;
+
+async function refreshLease() {
+  const m = residentModel();
+  const controls = ["#lease-holder", "#lease-reason", "#lease-ttl", "#lease-take", "#lease-id", "#lease-renew", "#lease-release"];
+  for (const sel of controls) $(sel).disabled = !m;
+  if (!m) { $("#lease-state").textContent = "No model is resident: only the resident model can be leased."; $("#lease-badge").replaceChildren(); return; }
+  if (document.activeElement?.id !== "lease-id") $("#lease-id").value = leaseId(m.id);
+  try {
+    const out = await get(`/api/models/${m.id}/lease`);
+    const l = out.lease;
+    if (l) {
+      $("#lease-badge").replaceChildren(badge("leased", "warn"));
+      $("#lease-state").textContent = `${m.name} is leased by “${l.holder}” (${l.reason}) until ${new Date(l.expires_at).toLocaleString()} · ${Math.round(l.seconds_remaining / 60)} min left.${leaseId(m.id) ? " This tab holds its id." : ""}`;
+    } else {
+      $("#lease-badge").replaceChildren(badge("not leased"));
+      const ended = out.last_ended ? ` The last lease (${out.last_ended.holder}) ended: ${out.last_ended.end_reason}.` : "";
+      $("#lease-state").textContent = `${m.name} is not leased.${ended}`;
+    }
+  } catch (err) { showError(err, "Lease"); }
+}
+
+$("#lease-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  const m = residentModel();
+  if (!m) return;
+  busy($("#lease-take"), async () => {
+    const l = await post(`/api/models/${m.id}/lease`, { holder: $("#lease-holder").value.trim(),
+      reason: $("#lease-reason").value.trim(), ttl_seconds: 60 * Number($("#lease-ttl").value || 60) });
+    setLeaseId(m.id, l.lease_id);
+    $("#lease-id").value = l.lease_id;
+    notice(`Leased ${m.name} until ${new Date(l.expires_at).toLocaleTimeString()}; this tab keeps the lease id.`, "ok");
+    await refreshLease();
+  }, "Lease");
+});
+$("#lease-id").addEventListener("change", () => { const m = residentModel(); if (m) setLeaseId(m.id, $("#lease-id").value.trim()); refreshLease(); });
+$("#lease-renew").addEventListener("click", (ev) => {
+  const m = residentModel();
+  if (!m || !leaseId(m.id)) { notice("This tab holds no lease id for the resident model: paste it first.", "error"); return; }
+  busy(ev.currentTarget, async () => {
+    await post(`/api/models/${m.id}/lease/renew`, { ttl_seconds: 60 * Number($("#lease-ttl").value || 60) }, { extraHeaders: leaseHeaders(m.id) });
+    notice("Lease renewed", "ok");
+    await refreshLease();
+  }, "Renew");
+});
+$("#lease-release").addEventListener("click", (ev) => {
+  const m = residentModel();
+  if (!m || !leaseId(m.id)) { notice("This tab holds no lease id for the resident model: paste it first.", "error"); return; }
+  busy(ev.currentTarget, async () => {
+    await del(`/api/models/${m.id}/lease`, { extraHeaders: leaseHeaders(m.id) });
+    setLeaseId(m.id, "");
+    $("#lease-id").value = "";
+    notice("Lease released", "ok");
+    await refreshLease();
+  }, "Release");
+});
 
 function onProgress(data) {
   if (data.model_id === undefined || data.model_id === null) return;
