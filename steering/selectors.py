@@ -51,3 +51,12 @@ def attachment_pick(*, attachments: Sequence[AttachmentStatus], sae_id: str | No
             f"({', '.join(attachment_choices(matches))}); this request cannot choose",
             details={"param": param, "choices": attachment_choices(matches)})
     return matches[0]
+
+
+def live_steering_spec():
+    """The live steering (every enabled attachment's values) as one ``SteeringSpec`` — for
+    whoever restores or shows the state after an engine restart. Requests resolve their own
+    spec per request, so a restarted engine needs nothing pushed to it."""
+    from steering.live import live_steering_spec as spec
+
+    return spec()
