@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 
+from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
 from tests.ui.conftest import SLOW_REPO, screenshot
 
 
@@ -25,9 +27,10 @@ def test_download_progress_bar_moves(server, page):
     seen: list[float] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        if bar.count() == 0:  # the row re-rendered as ready: the bar is gone
+        try:
+            value = float(bar.get_attribute("value", timeout=1000) or 0)
+        except PlaywrightTimeout:  # the row re-rendered as ready: the bar is gone
             break
-        value = float(bar.get_attribute("value") or 0)
         if not seen or value != seen[-1]:
             seen.append(value)
         if len(seen) == 3:
