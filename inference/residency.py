@@ -107,7 +107,8 @@ class Residency:
             resident = resident_model_id(status)
             self.check_policy(model, policy=policy, resident=resident)
             if resident != model.name and not self.loading(model.name):
-                await sync_to_async(_check_lease)(model, lease)  # 409 model_leased
+                await sync_to_async(_check_lease, thread_sensitive=False)(
+                    model, lease)  # 409 model_leased
             with self._lock:
                 other_load = next((n for n in self._loading if n != model.name), None)
                 if other_load is not None:
@@ -177,6 +178,7 @@ def _check_lease(model: ModelRef, lease: str | None) -> None:
     """An auto-load would swap out a leased model: only its holder may."""
     from leases.services import lease_check_change
 
+    close_old_connections()  # a pool thread's connection, checked like a request's
     lease_check_change(operation="load", target_model=None, lease_id=lease)
 
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import structlog
 from asgiref.sync import sync_to_async
+from django.db import close_old_connections
 from django.http import JsonResponse, StreamingHttpResponse
 
 from gpu_engine.protocol import (
@@ -112,6 +113,19 @@ class Outcome:
 
 # --------------------------------------------------------------------------- planning
 
+def off_view_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (database work) on a pool thread rather than the one thread that runs sync
+    views: a slow view (an attach draining the generations) must not hold up planning,
+    nor the monitoring write a generation makes as it finishes. The thread's connection
+    is checked as a request's would be."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        close_old_connections()
+        return fn(*args, **kwargs)
+
+    return sync_to_async(run, thread_sensitive=False)
+
+
 def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None
                    ) -> dict[str, Any]:
     inline = req.steering
@@ -139,7 +153,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                                          **args),
                 monitoring_request_entry(attachments=attachments))
 
-    steering, monitored = await sync_to_async(resolve)()
+    steering, monitored = await off_view_thread(resolve)()
     n_prompts = 1 if kind == "chat" else len(req.prompt)  # type: ignore[union-attr]
     monitor = attachment = None
     if req.return_sae_activations is not None:
@@ -344,8 +358,8 @@ async def record_monitoring(plan: Plan, outcome: Outcome) -> None:
         return
     records = monitoring_take_records(entry=plan.monitoring, finish=outcome.finish,
                                       tokens=outcome.tokens)
-    await sync_to_async(monitoring_record)(request_id=plan.object_id,
-                                           entry=plan.monitoring, records=records)
+    await off_view_thread(monitoring_record)(request_id=plan.object_id,
+                                             entry=plan.monitoring, records=records)
 
 
 async def run_choice(client: EngineClient, choice: Choice) -> Outcome:

@@ -258,7 +258,20 @@ class DetailedHealthView(APIView):
                           "backend": engine.get("backend"),
                           "continuous_batching": settings.ENABLE_CONTINUOUS_BATCHING},
             "lease": _lease_block(),
+            "active_profile": _active_profile(),
         })
+
+
+def _active_profile() -> dict[str, Any] | None:
+    """The active profile or cluster (one at a time): ``{id, name, source_kind, intensity}``."""
+    from steering.models import Cluster, Profile
+
+    for model, kind in ((Profile, "manual"), (Cluster, "cluster")):
+        row = model.objects.filter(is_active=True).first()
+        if row is not None:
+            return {"id": row.pk, "name": row.name, "source_kind": kind,
+                    "intensity": row.intensity}
+    return None
 
 
 def _lease_block() -> dict[str, Any] | None:

@@ -57,9 +57,9 @@ class ImportMixin:
     import_help = ""
 
     def get_urls(self):
-        info = self.model._meta.app_label, self.model._meta.model_name
+        opts = self.model._meta
         return [path("import/", self.admin_site.admin_view(self.import_view),
-                     name="%s_%s_import" % info), *super().get_urls()]
+                     name=f"{opts.app_label}_{opts.model_name}_import"), *super().get_urls()]
 
     def do_import(self, data: dict, text: str | None) -> str:
         raise NotImplementedError
@@ -70,8 +70,9 @@ class ImportMixin:
             try:
                 data, text = load_document(form.text())
                 self.message_user(request, self.do_import(data, text), level=messages.SUCCESS)
-                info = self.model._meta.app_label, self.model._meta.model_name
-                return HttpResponseRedirect(reverse("admin:%s_%s_changelist" % info))
+                opts = self.model._meta
+                return HttpResponseRedirect(
+                    reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist"))
             except MillmError as exc:
                 self.message_user(request, f"{exc.message} ({exc.code})", level=messages.ERROR)
         context = {**self.admin_site.each_context(request), "opts": self.model._meta,

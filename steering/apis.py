@@ -127,7 +127,7 @@ class SteeringDisableApi(SteeringEnableApi):
 
 class SteeringFeatureApi(APIView):
     @extend_schema(tags=STEERING, summary="Remove one feature (the last one disables)",
-                   parameters=TARGET, request=None,
+                   operation_id="saes_steering_feature_destroy", parameters=TARGET, request=None,
                    responses=enveloped(io.SteeringStateOutput))
     def delete(self, request, feature_idx: int) -> Response:
         attachment = services.attachment_choose(**_target(request))

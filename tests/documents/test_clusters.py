@@ -57,6 +57,8 @@ def test_import_bound_activate_with_sign_rule_and_clamp(api, relu):
     # member 3: +120 × 1.5 = 180
     assert _live(relu) == (True, {"1": -200.0, "2": -45.0, "3": 180.0})
     assert ok(api.get("/api/clusters/active"))["id"] == row.id
+    assert ok(api.get("/api/health/detailed"))["active_profile"] == {
+        "id": row.id, "name": "fear", "source_kind": "cluster", "intensity": 1.5}
 
     # the dial re-applies at once; outside the declared range is refused (0 always allowed)
     dialled = ok(api.put("/api/clusters/active/intensity", {"intensity": 0.5}, format="json"))

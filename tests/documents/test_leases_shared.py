@@ -64,7 +64,7 @@ def test_two_racing_clients_get_exactly_one_lease(resident):
 
 
 def test_another_process_sees_and_enforces_the_lease(resident, tmp_path):
-    lease, lease_id = lease_grant(model=resident, holder="worker-1", reason="shared")
+    _, lease_id = lease_grant(model=resident, holder="worker-1", reason="shared")
     db = connection.settings_dict
     url = f"postgresql://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}" \
         if connection.vendor == "postgresql" else None

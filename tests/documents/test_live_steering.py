@@ -91,7 +91,7 @@ def test_the_attachment_is_named_or_the_only_one(api, llama):
     refused(api.get("/api/saes/steering"), 400, "AMBIGUOUS_SAE")
     ok(api.post("/api/saes/steering", {"feature_idx": 1, "value": 2, "sae_id": topk.id},
                 format="json"))
-    ok(api.post(f"/api/saes/steering/batch?layer=1", {"steering": {"7": 3}}, format="json"))
+    ok(api.post("/api/saes/steering/batch?layer=1", {"steering": {"7": 3}}, format="json"))
     assert ok(api.get(f"/api/saes/steering?sae_id={topk.id}"))["values"] == {"1": 2.0}
     assert ok(api.get("/api/saes/steering?layer=1"))["values"] == {"7": 3.0}
     refused(api.get("/api/saes/steering?layer=3"), 400, "SAE_NOT_ATTACHED")
