@@ -16,11 +16,11 @@ import structlog
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.http import Http404
-from django.utils.deprecation import MiddlewareMixin
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
 from millm_site.errors import MillmError
+from millm_site.middleware import LoopMiddleware
 
 log = structlog.get_logger(__name__)
 
@@ -130,7 +130,7 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
                           status_code=500)
 
 
-class ApiFallbackMiddleware(MiddlewareMixin):
+class ApiFallbackMiddleware(LoopMiddleware):
     """/api answers the envelope even where no DRF view ran: an unknown path (Django's
     resolver 404), or an exception escaping a plain Django view (500, logged)."""
 

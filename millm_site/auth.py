@@ -18,7 +18,8 @@ from urllib.parse import parse_qs
 import structlog
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.utils.deprecation import MiddlewareMixin
+
+from millm_site.middleware import LoopMiddleware
 
 log = structlog.get_logger(__name__)
 
@@ -66,8 +67,8 @@ def _unauthorized(path: str, reason: str) -> HttpResponse:
     return response
 
 
-class ApiKeyMiddleware(MiddlewareMixin):
-    """Sync and async capable (MiddlewareMixin), so /v1 streams stay on the event loop."""
+class ApiKeyMiddleware(LoopMiddleware):
+    """Runs on the event loop (LoopMiddleware): no thread hop before a /v1 stream."""
 
     def process_request(self, request: HttpRequest) -> HttpResponse | None:
         if settings.MILLM_API_KEYS and protected(request.path) and request.method != "OPTIONS":

@@ -13,9 +13,10 @@ import time
 from typing import Any
 
 import structlog
-from django.utils.deprecation import MiddlewareMixin
 from prometheus_client import REGISTRY, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from millm_site.middleware import LoopMiddleware
 
 log = structlog.get_logger(__name__)
 
@@ -174,12 +175,12 @@ def _surface(path: str) -> str:
     return "other"
 
 
-class MetricsMiddleware(MiddlewareMixin):
+class MetricsMiddleware(LoopMiddleware):
     """Counts every answer by route pattern (bounded label values) and status, and makes
     sure no 503 leaves without Retry-After (RETRY_AFTER_FALLBACK_S, logged).
 
-    A MiddlewareMixin so it runs on the async path too: /v1 streams must not be pushed
-    through a thread by a sync-only middleware."""
+    A LoopMiddleware: its hooks run on the event loop, so a /v1 stream pays no thread hop
+    for them."""
 
     def process_request(self, request):
         request._millm_started = time.perf_counter()
@@ -200,6 +201,6 @@ class MetricsMiddleware(MiddlewareMixin):
                 REQUEST_SECONDS.labels(surface=surface).observe(time.perf_counter() - started)
             if response.status_code == 401 and surface in ("api", "v1"):
                 record_refusal("unauthorized")
-        except Exception:  # noqa: BLE001 - metrics never break a response
+        except Exception:
             log.warning("metrics_record_failed", exc_info=True)
         return response

@@ -71,6 +71,14 @@ MIDDLEWARE = [
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
 
+# /v1 is served by its own handler (millm_site/asgi.py) with only what it uses: metrics
+# and the Retry-After guarantee, CORS for browser clients, and API keys.
+V1_MIDDLEWARE = [
+    "millm_site.metrics.MetricsMiddleware",
+    "corsheaders.middleware.CorsMiddleware",
+    "millm_site.auth.ApiKeyMiddleware",
+]
+
 ROOT_URLCONF = "millm_site.urls"
 WSGI_APPLICATION = None
 ASGI_APPLICATION = "millm_site.asgi.application"
