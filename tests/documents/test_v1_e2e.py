@@ -176,6 +176,14 @@ def test_monitoring_records_come_from_v1_attributed_per_request(served, relu):
     assert len(positions) == 16 and mixed.json()["millm"]["sae_activations"][
         "read_point"] == "post_steering"
     assert ActivationRecord.objects.filter(request_id=mixed.json()["id"]).count() == 16
+    # streamed: recorded before the last chunk leaves, under the chunks' id
+    streamed = served.v1({"stream": True})
+    events = streamed.events()
+    assert events[-1] == "[DONE]"
+    stream_id = events[0]["id"]
+    assert "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"]) == \
+        unmonitored[0]
+    assert ActivationRecord.objects.filter(request_id=stream_id).count() == 16
 
 
 def test_a_lease_blocks_v1_auto_load_for_others(served, tiny_assets):
