@@ -192,6 +192,9 @@ def server(tiny_assets, slow_hub, tmp_path_factory):
         for path, doc in (("/api/clusters/import", documents.CLUSTER),
                           ("/api/circuits/import", documents.CIRCUIT)):
             srv.api("POST", path, doc)
+        srv.api("POST", "/api/profiles", {"name": "gentle", "description": "Two features",
+                                          "sae_id": srv.sae_id, "layer": 1,
+                                          "steering": {"1": 6, "2": -4}})
         srv.api("POST", "/api/monitoring/configure",
                 {"enabled": True, "top_k": 5, "positions": "completion",
                  "sae_id": srv.sae_id, "layer": 1})

@@ -5,10 +5,12 @@ gate only with the acknowledgement."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
+from tests.ui import documents
 from tests.ui.conftest import SLOW_REPO, screenshot
 
 
@@ -115,6 +117,33 @@ def test_slider_and_number_change_the_live_steering(server, page):
     # the refused 250 left one error notice but no console error
     page.console.assert_clean()
     server.api("DELETE", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")
+
+
+def test_profile_imported_activated_and_dialled(server, page):
+    page.goto(server.url + "/profiles/")
+    page.wait_for_selector("tr[data-profile-id]")
+    document = {**documents.PROFILE, "sae_id": server.sae_id}
+    page.fill("#import-text", json.dumps(document))
+    page.click("#import-form button[type=submit]")
+    row = page.locator("tr:has(th:has-text('imported-profile'))")
+    row.wait_for()
+    profile = next(p for p in server.api("GET", "/api/profiles")["profiles"]
+                   if p["name"] == "imported-profile")
+    assert profile["steering"] == {"4": 9.5, "9": -3.0} and profile["layer"] == 1
+    row.locator("button:text-is('Activate')").click()
+    server.wait_for("the profile to be live", lambda: _steering(server)["values"] == {
+        "4": 9.5, "9": -3.0}, timeout=10, interval=0.1)
+    # the dial re-applies an active profile: values × λ
+    row = page.locator("tr:has(th:has-text('imported-profile'))")
+    row.locator(".badge:text-is('active')").wait_for()
+    row.locator("input[type=number]").fill("2")
+    row.locator("input[type=number]").press("Enter")
+    server.wait_for("the profile at λ 2", lambda: _steering(server)["values"] == {
+        "4": 19.0, "9": -6.0}, timeout=10, interval=0.1)
+    screenshot(page, "profiles-active")
+    page.locator("tr:has(th:has-text('imported-profile')) button:text-is('Deactivate')").click()
+    server.wait_for("the profile to end", lambda: not _steering(server)["enabled"], timeout=10)
+    page.console.assert_clean()
 
 
 RECORD_LENGTHS = """() => {

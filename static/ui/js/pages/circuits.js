@@ -181,7 +181,7 @@ async function show(id, focus) {
     el("td", { class: "mono small" }, `L${e.down.layer} #${e.down.feature_idx ?? "*"}`),
     el("td", {}, rungBadge(e.rung ?? 0), e.tested_and_failed?.length ? el("div", { class: "small status-text bad" }, `failed at rung ${e.tested_and_failed.join(", ")}`) : null),
     el("td", { class: "small" }, e.type || "computed"))), "No edges: the circuit's rung is 0.", 4);
-  $("#d-dial").replaceChildren(dial({
+  if (!$("#d-dial").contains(document.activeElement)) $("#d-dial").replaceChildren(dial({
     id: "circuit-lambda", label: `Intensity of ${c.name}`, value: c.intensity, range: c.intensity_range,
     onCommit: async (v) => {
       drawMembers(v);

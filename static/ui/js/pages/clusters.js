@@ -72,7 +72,7 @@ async function show(id, focus) {
     el("td", { class: "num" }, m.sign ?? 1),
     el("td", { class: "num" }, steered(m, lam).toFixed(2)))), "No members.", 5);
   drawMembers(c.intensity);
-  $("#c-dial").replaceChildren(dial({
+  if (!$("#c-dial").contains(document.activeElement)) $("#c-dial").replaceChildren(dial({
     id: "cluster-lambda", label: `Intensity of ${c.name}`, value: c.intensity, range: c.intensity_range,
     onCommit: async (v) => {
       drawMembers(v);

@@ -19,7 +19,15 @@ async function refresh() {
   } catch (err) { showError(err, "Profiles"); }
 }
 
+// A re-render while the user types into a row's dial would swap the input under them:
+// wait until focus leaves the table.
+let renderDeferred = false;
+$("#profiles").addEventListener("focusout", () => {
+  if (renderDeferred) { renderDeferred = false; setTimeout(render, 0); }
+});
+
 function render() {
+  if ($("#profiles").contains(document.activeElement)) { renderDeferred = true; return; }
   const active = profiles.find((p) => p.is_active);
   $("#active-profile").replaceChildren(active ? badge(`active: ${active.name}`, "ok") : badge("none active"));
   fillRows($("#profiles"), profiles.map((p) => {
