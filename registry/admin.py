@@ -3,28 +3,12 @@ refusal (a locked model, an attached SAE) reads the same here as anywhere else."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-
-from django.contrib import admin, messages
+from django.contrib import admin
 from django.template.defaultfilters import filesizeformat
 
-from millm_site.errors import MillmError
+from millm_site.admin_actions import run_each
 from registry import services
 from registry.models import SAE, Job, Model
-
-
-def _run_each(modeladmin: admin.ModelAdmin, request, objects: Iterable, verb: str,
-              action: Callable) -> None:
-    done = 0
-    for obj in objects:
-        try:
-            action(obj)
-            done += 1
-        except MillmError as exc:
-            modeladmin.message_user(request, f"{obj}: {exc.message} ({exc.code})",
-                                    level=messages.ERROR)
-    if done:
-        modeladmin.message_user(request, f"{verb} {done} item(s).", level=messages.SUCCESS)
 
 
 @admin.register(Model)
@@ -70,21 +54,21 @@ class ModelAdmin(admin.ModelAdmin):
 
     @admin.action(description="Lock selected models")
     def lock_models(self, request, queryset):
-        _run_each(self, request, queryset, "Locked", lambda m: services.model_lock(model=m))
+        run_each(self, request, queryset, "Locked", lambda m: services.model_lock(model=m))
 
     @admin.action(description="Unlock selected models")
     def unlock_models(self, request, queryset):
-        _run_each(self, request, queryset, "Unlocked",
+        run_each(self, request, queryset, "Unlocked",
                   lambda m: services.model_unlock(model=m))
 
     @admin.action(description="Re-read metadata from the files")
     def refresh_metadata(self, request, queryset):
-        _run_each(self, request, queryset, "Refreshed",
+        run_each(self, request, queryset, "Refreshed",
                   lambda m: services.model_refresh_metadata(model=m))
 
     @admin.action(description="Delete selected models (refused while loaded or locked)")
     def delete_models(self, request, queryset):
-        _run_each(self, request, queryset, "Deleted", lambda m: services.model_delete(model=m))
+        run_each(self, request, queryset, "Deleted", lambda m: services.model_delete(model=m))
 
     def delete_model(self, request, obj):
         services.model_delete(model=obj)
@@ -109,7 +93,7 @@ class SAEAdmin(admin.ModelAdmin):
 
     @admin.action(description="Delete selected SAEs (refused while attached)")
     def delete_saes(self, request, queryset):
-        _run_each(self, request, queryset, "Deleted", lambda s: services.sae_delete(sae=s))
+        run_each(self, request, queryset, "Deleted", lambda s: services.sae_delete(sae=s))
 
     def delete_model(self, request, obj):
         services.sae_delete(sae=obj)
@@ -131,4 +115,4 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Cancel selected jobs")
     def cancel_jobs(self, request, queryset):
-        _run_each(self, request, queryset, "Cancelled", lambda j: services.job_cancel(job=j))
+        run_each(self, request, queryset, "Cancelled", lambda j: services.job_cancel(job=j))

@@ -5,7 +5,6 @@ reads the same here; imports and exports are an admin view and an action."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterable
 
 from django import forms
 from django.contrib import admin, messages
@@ -13,25 +12,12 @@ from django.http import HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
+from millm_site.admin_actions import run_each
 from millm_site.errors import MillmError
 from steering import services
 from steering.documents import load_document
 from steering.models import Circuit, Cluster, LiveSteering, Profile
 from steering.profiles import steering_map
-
-
-def _run_each(modeladmin: admin.ModelAdmin, request, objects: Iterable, verb: str,
-              action: Callable) -> None:
-    done = 0
-    for obj in objects:
-        try:
-            action(obj)
-            done += 1
-        except MillmError as exc:
-            modeladmin.message_user(request, f"{obj}: {exc.message} ({exc.code})",
-                                    level=messages.ERROR)
-    if done:
-        modeladmin.message_user(request, f"{verb} {done} item(s).", level=messages.SUCCESS)
 
 
 def _download(payload: str, filename: str) -> HttpResponse:
@@ -147,12 +133,12 @@ class ProfileAdmin(ImportMixin, admin.ModelAdmin):
 
     @admin.action(description="Activate (replaces the live steering)")
     def activate(self, request, queryset):
-        _run_each(self, request, queryset[:1], "Activated",
+        run_each(self, request, queryset[:1], "Activated",
                   lambda p: services.profile_activate(profile=p))
 
     @admin.action(description="Deactivate")
     def deactivate(self, request, queryset):
-        _run_each(self, request, queryset, "Deactivated",
+        run_each(self, request, queryset, "Deactivated",
                   lambda p: services.profile_deactivate(profile=p))
 
     @admin.action(description="Export selected (JSON)")
@@ -164,7 +150,7 @@ class ProfileAdmin(ImportMixin, admin.ModelAdmin):
 
     @admin.action(description="Delete selected profiles")
     def delete_profiles(self, request, queryset):
-        _run_each(self, request, queryset, "Deleted", lambda p: services.profile_delete(
+        run_each(self, request, queryset, "Deleted", lambda p: services.profile_delete(
             profile=p))
 
 
@@ -213,12 +199,12 @@ class ClusterAdmin(DocumentAdmin):
 
     @admin.action(description="Activate (replaces the live steering)")
     def activate(self, request, queryset):
-        _run_each(self, request, queryset[:1], "Activated",
+        run_each(self, request, queryset[:1], "Activated",
                   lambda c: services.cluster_activate(cluster=c))
 
     @admin.action(description="Deactivate")
     def deactivate(self, request, queryset):
-        _run_each(self, request, queryset, "Deactivated",
+        run_each(self, request, queryset, "Deactivated",
                   lambda c: services.cluster_deactivate(cluster=c))
 
     @admin.action(description="Export selected (the documents as imported)")
@@ -233,7 +219,7 @@ class ClusterAdmin(DocumentAdmin):
 
     @admin.action(description="Delete selected clusters")
     def delete_clusters(self, request, queryset):
-        _run_each(self, request, queryset, "Deleted",
+        run_each(self, request, queryset, "Deleted",
                   lambda c: services.cluster_delete(cluster=c))
 
 
@@ -264,12 +250,12 @@ class CircuitAdmin(DocumentAdmin):
 
     @admin.action(description="Activate (acknowledging a rung below 2)")
     def activate_acknowledged(self, request, queryset):
-        _run_each(self, request, queryset, "Activated",
+        run_each(self, request, queryset, "Activated",
                   lambda c: services.circuit_activate(circuit=c, acknowledge_unvalidated=True))
 
     @admin.action(description="Deactivate")
     def deactivate(self, request, queryset):
-        _run_each(self, request, queryset, "Deactivated",
+        run_each(self, request, queryset, "Deactivated",
                   lambda c: services.circuit_deactivate(circuit=c))
 
     @admin.action(description="Export selected (the document as imported)")
@@ -279,7 +265,7 @@ class CircuitAdmin(DocumentAdmin):
 
     @admin.action(description="Delete selected circuits")
     def delete_circuits(self, request, queryset):
-        _run_each(self, request, queryset, "Deleted",
+        run_each(self, request, queryset, "Deleted",
                   lambda c: services.circuit_delete(circuit=c))
 
 
@@ -297,5 +283,5 @@ class LiveSteeringAdmin(admin.ModelAdmin):
 
     @admin.action(description="Clear (and disable)")
     def clear(self, request, queryset):
-        _run_each(self, request, queryset, "Cleared",
+        run_each(self, request, queryset, "Cleared",
                   lambda r: services.live_clear(attachment=r.attachment))

@@ -10,6 +10,7 @@ import pytest
 from rest_framework.test import APIClient
 
 from tests.api.standin_hub import Repo, StandInHub
+from tests.envelope import body, ok, refused  # noqa: F401 - re-exported to the tests
 
 MODEL_REPO = "millm-test/tiny-llama"
 GATED_REPO = "millm-test/gated-llama"
@@ -114,26 +115,6 @@ def llama_saes(tiny_assets):
 
     return {a.name: services.sae_register_local(local_path=str(a.path), name=a.name)
             for a in tiny_assets.saes_for("tiny-llama")}
-
-
-def body(response) -> dict:
-    return json.loads(response.content)
-
-
-def ok(response, status: int = 200) -> dict:
-    data = body(response)
-    assert response.status_code == status, data
-    assert data["success"] is True and data["error"] is None, data
-    return data["data"]
-
-
-def refused(response, status: int, code: str) -> dict:
-    data = body(response)
-    assert response.status_code == status, data
-    assert data["success"] is False and data["data"] is None, data
-    assert data["error"]["code"] == code, data
-    assert set(data["error"]) == {"code", "message", "details"}
-    return data["error"]
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
+from tests.envelope import body, ok, refused  # noqa: F401 - re-exported to the tests
+
 
 @pytest.fixture(scope="session")
 def doc_engine():
@@ -109,21 +111,3 @@ def published(monkeypatch):
     return seen
 
 
-def body(response) -> dict:
-    return json.loads(response.content)
-
-
-def ok(response, status: int = 200) -> Any:
-    data = body(response)
-    assert response.status_code == status, data
-    assert data["success"] is True and data["error"] is None, data
-    return data["data"]
-
-
-def refused(response, status: int, code: str) -> dict:
-    data = body(response)
-    assert response.status_code == status, data
-    assert data["success"] is False and data["data"] is None, data
-    assert data["error"]["code"] == code, data
-    assert set(data["error"]) == {"code", "message", "details"}
-    return data["error"]
