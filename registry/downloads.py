@@ -391,7 +391,7 @@ def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str 
             services._remove(target / ".cache")
         meta = services._describe_transformers_dir(target, model.quantization)
     except BaseException as exc:
-        _model_download_failed(job=job, model=model, target=target, exc=exc)
+        _download_failed(job=job, row=model, target=target, exc=exc)
         if isinstance(exc, MillmError):
             return None
         raise
@@ -406,19 +406,22 @@ def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str 
     return model
 
 
-def _model_download_failed(*, job: Job, model: Model, target: Path, exc: BaseException) -> None:
+def _download_failed(*, job: Job, row: Model | SAE, target: Path, exc: BaseException) -> None:
+    """A failed or cancelled download leaves no files and no row that says ready."""
+    kind = "model" if isinstance(row, Model) else "sae"
+    cache = settings.MODEL_CACHE_DIR if kind == "model" else settings.SAE_CACHE_DIR
     cancelled = isinstance(exc, DownloadCancelled)
     message = "Download cancelled" if cancelled else getattr(exc, "message", None) or \
         f"Download failed: {type(exc).__name__}"
-    _clean_target(target, Path(settings.MODEL_CACHE_DIR))
-    Model.objects.filter(pk=model.pk).update(status=Model.Status.ERROR, error_message=message,
-                                             local_path="", updated_at=timezone.now())
+    _clean_target(target, Path(cache))
+    type(row).objects.filter(pk=row.pk).update(status=row.Status.ERROR, error_message=message,
+                                               local_path="", updated_at=timezone.now())
     job.refresh_from_db()
     if job.status not in Job.FINISHED:
         services.job_finish(job=job, status=Job.Status.CANCELLED if cancelled
                             else Job.Status.FAILED, error=message)
-    metrics.record_download(kind="model", outcome="cancelled" if cancelled else "failed")
-    log.warning("model_download_failed", model_id=model.id, job_id=job.id,
+    metrics.record_download(kind=kind, outcome="cancelled" if cancelled else "failed")
+    log.warning(f"{kind}_download_failed", **{f"{kind}_id": row.pk}, job_id=job.id,
                 code=getattr(exc, "code", type(exc).__name__))
 
 
@@ -551,7 +554,7 @@ def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | 
         sae_path = (target / folder) if folder else target
         meta = services._describe_sae(sae_path)
     except BaseException as exc:
-        _sae_download_failed(job=job, sae=sae, target=target, exc=exc)
+        _download_failed(job=job, row=sae, target=target, exc=exc)
         if isinstance(exc, MillmError):
             return None
         raise
@@ -567,22 +570,6 @@ def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | 
     metrics.record_download(kind="sae", outcome="succeeded")
     sae.refresh_from_db()
     return sae
-
-
-def _sae_download_failed(*, job: Job, sae: SAE, target: Path, exc: BaseException) -> None:
-    cancelled = isinstance(exc, DownloadCancelled)
-    message = "Download cancelled" if cancelled else getattr(exc, "message", None) or \
-        f"Download failed: {type(exc).__name__}"
-    _clean_target(target, Path(settings.SAE_CACHE_DIR))
-    SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ERROR, error_message=message,
-                                         local_path="", updated_at=timezone.now())
-    job.refresh_from_db()
-    if job.status not in Job.FINISHED:
-        services.job_finish(job=job, status=Job.Status.CANCELLED if cancelled
-                            else Job.Status.FAILED, error=message)
-    metrics.record_download(kind="sae", outcome="cancelled" if cancelled else "failed")
-    log.warning("sae_download_failed", sae_id=sae.id, job_id=job.id,
-                code=getattr(exc, "code", type(exc).__name__))
 
 
 def sae_download_cancel(*, sae: SAE) -> Job:
