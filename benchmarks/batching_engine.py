@@ -196,6 +196,7 @@ def main() -> None:
         hf_cb_model = AutoModelForCausalLM.from_pretrained(str(path), dtype=runner.dtype).eval()
 
     def measure(mode: str, n: int) -> float:
+        runner = batched.backend  # reloaded by the --idle phase
         ids = [runner.encode_text(prompt(i)) for i in range(n)]
         if mode == "serial":
             return run_engine(serial, jobs(min(n, args.serial_requests), args.tokens))
@@ -241,7 +242,7 @@ def main() -> None:
         # manager keeps a thread that would disturb the other modes (SPEC §7)
         samples["hf_generate_batch"] = {n: [] for n in batches}
         for n in batches:
-            ids = [runner.encode_text(prompt(i)) for i in range(n)]
+            ids = [batched.backend.encode_text(prompt(i)) for i in range(n)]
             hf_generate_batch(hf_cb_model, ids, args.tokens)  # creates and sizes the manager
             for r in range(args.rounds):
                 samples["hf_generate_batch"][n].append(hf_generate_batch(hf_cb_model, ids, args.tokens))

@@ -1,13 +1,15 @@
 """Concurrent streaming clients through /v1: serial engine vs continuous batching
 (a benchmark, not a test).
 
-For each server mode (``ENABLE_CONTINUOUS_BATCHING`` false / true) a real server is
-started as its own process — ``manage.py serve`` (daphne) on a free loopback port, a
+Two real servers run side by side, one per mode (``ENABLE_CONTINUOUS_BATCHING`` false /
+true), each its own process — ``manage.py serve`` (daphne) on a free loopback port, a
 throw-away SQLite data directory, the demo assets registered with ``create_demo_assets``,
 ``AUTO_LOAD_MODEL`` (SmolLM2-135M, float32, CPU), ``MAX_CONCURRENT_REQUESTS=16`` — and the
 demo SAE is attached at its layer through /api.  Then, round after round, N concurrent
 clients (threads in this process, one HTTP connection each) each stream one greedy
-completion of ``--tokens`` tokens (``ignore_eos``), all-unsteered or with mixed steering:
+completion of ``--tokens`` tokens (``ignore_eos``), all-unsteered or with mixed steering,
+against the serial server and then the batching one (order alternating), so every
+batched/serial ratio is a pair measured under the same outside load:
 
     client i % 4 == 0   no steering
     client i % 4 == 1   inline steering, 4 features
@@ -234,28 +236,40 @@ def main() -> None:
 
     samples: dict = {m: {s: {n: {"throughput": [], "ttft": [], "tpot": []} for n in clients} for s in STEERINGS}
                      for m in MODES}
+    paired: dict = {s: {n: [] for n in clients} for s in STEERINGS}  # batched / serial, same round
     loads: list[float] = []
-    for r in range(args.rounds):
-        for mode in (MODES if r % 2 == 0 else MODES[::-1]):
-            server = Server(batching=mode == "batched", model=args.model, asset_root=asset_root,
-                            clients=max(clients))
-            try:
-                _, d_sae = setup_steering(server, args.model)
-                kw = {"model": args.model, "tokens": args.tokens, "d_sae": d_sae}
-                run_clients(server, 2, steering="mixed", **kw)  # warm-up
-                for n in clients:
-                    for steering in (STEERINGS if (r + n) % 2 == 0 else STEERINGS[::-1]):
-                        res = run_clients(server, n, steering=steering, **kw)
+    # both servers run for the whole benchmark; the one not being measured sits idle, which
+    # costs nothing (no thread of either engine runs without work), and measuring the two
+    # back to back makes each ratio a pair taken under the same outside load
+    servers = {mode: Server(batching=mode == "batched", model=args.model, asset_root=asset_root,
+                            clients=max(clients)) for mode in MODES}
+    try:
+        d_sae = 0
+        for server in servers.values():
+            _, d_sae = setup_steering(server, args.model)
+        kw = {"model": args.model, "tokens": args.tokens, "d_sae": d_sae}
+        for server in servers.values():
+            run_clients(server, 2, steering="mixed", **kw)  # warm-up
+        for r in range(args.rounds):
+            for n in clients:
+                for steering in (STEERINGS if (r + n) % 2 == 0 else STEERINGS[::-1]):
+                    pair = {}
+                    for mode in (MODES if (r + n) % 2 == 0 else MODES[::-1]):
+                        res = run_clients(servers[mode], n, steering=steering, **kw)
                         cell = samples[mode][steering][n]
                         cell["throughput"].append(res["throughput"])
                         cell["ttft"].extend(res["ttft"])
                         cell["tpot"].extend(res["tpot"])
+                        pair[mode] = res["throughput"]
                         loads.append(os.getloadavg()[0])
                         print(f"round {r} {mode:<7} {steering:<9} n={n:<2} {res['throughput']:7.1f} tok/s  "
                               f"TTFT {statistics.median(res['ttft']) * 1000:8.0f} ms  "
-                              f"TPOT {statistics.median(res['tpot']) * 1000:6.1f} ms", file=sys.stderr)
-            finally:
-                server.stop()
+                              f"TPOT {statistics.median(res['tpot']) * 1000:6.1f} ms  load {loads[-1]:.1f}",
+                              file=sys.stderr)
+                    paired[steering][n].append(pair["batched"] / pair["serial"])
+    finally:
+        for server in servers.values():
+            server.stop()
 
     figures = {m: {s: {n: {
         "throughput": statistics.median(c["throughput"]),
@@ -273,18 +287,16 @@ def main() -> None:
                 f = figures[m][s][n]
                 print(f"{m:<8} {s:<10} {n:>3} {f['throughput']:8.1f} {f['throughput_best']:8.1f} "
                       f"{f['ttft_ms']:9.0f} {f['tpot_ms']:8.1f}")
-    print("\nratios (medians; best-of-rounds in brackets)")
+    print("\nratios (median of the rounds' paired ratios; ratio of medians in brackets)")
     for s in STEERINGS:
         print(f"  batched / serial throughput, {s}: " + ", ".join(
-            f"N={n} {figures['batched'][s][n]['throughput'] / figures['serial'][s][n]['throughput']:.2f}× "
-            f"[{figures['batched'][s][n]['throughput_best'] / figures['serial'][s][n]['throughput_best']:.2f}×]"
+            f"N={n} {statistics.median(paired[s][n]):.2f}× "
+            f"[{figures['batched'][s][n]['throughput'] / figures['serial'][s][n]['throughput']:.2f}×]"
             for n in clients))
-    print("  mixed / unsteered, batched throughput: " + ", ".join(
-        f"N={n} {figures['batched']['mixed'][n]['throughput'] / figures['batched']['unsteered'][n]['throughput']:.3f}"
-        for n in clients))
-    print("  mixed / unsteered, serial throughput:  " + ", ".join(
-        f"N={n} {figures['serial']['mixed'][n]['throughput'] / figures['serial']['unsteered'][n]['throughput']:.3f}"
-        for n in clients))
+    for m in MODES:
+        print(f"  mixed / unsteered, {m} throughput: " + ", ".join(
+            f"N={n} {statistics.median(x / y for x, y in zip(samples[m]['mixed'][n]['throughput'], samples[m]['unsteered'][n]['throughput'])):.3f}"
+            for n in clients))
     n1 = clients[0]
     for s in STEERINGS:
         b, se = figures["batched"][s][n1], figures["serial"][s][n1]
@@ -299,7 +311,8 @@ def main() -> None:
              f"per client, /v1 streaming, medians of {args.rounds} rounds")
         print(f"plot: {args.plot}")
     if args.json:
-        args.json.write_text(json.dumps({"figures": figures, "samples": samples, "loads": loads}, indent=2))
+        args.json.write_text(json.dumps({"figures": figures, "samples": samples, "paired": paired,
+                                         "loads": loads}, indent=2))
 
 
 if __name__ == "__main__":
