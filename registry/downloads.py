@@ -363,6 +363,18 @@ def model_download_start(*, repo_id: str, revision: str = "main",
     return model, job
 
 
+def _claim_download(job_id: int, relation: str) -> tuple[Job, Model | SAE] | None:
+    """The job and its row, claimed for this worker; None when it already ended, its row
+    is gone, or another worker claimed it (a redelivered task never downloads twice)."""
+    job = Job.objects.select_related(relation).get(pk=job_id)
+    row = getattr(job, relation)
+    if job.status in Job.FINISHED or row is None:
+        return None
+    if not services.job_claim(job=job, stage="listing files"):
+        return None
+    return job, row
+
+
 def model_target_dir(model: Model) -> Path:
     return Path(settings.MODEL_CACHE_DIR) / f"{_slug(model.repo_id)}--m{model.id}"
 
@@ -370,14 +382,12 @@ def model_target_dir(model: Model) -> Path:
 def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str | None = None,
                        on_progress: ProgressCallback | None = None) -> Model | None:
     """The task body; returns the ready model, or None when the job had already ended."""
-    job = Job.objects.select_related("model").get(pk=job_id)
-    if job.status in Job.FINISHED or job.model is None:
+    claimed = _claim_download(job_id, "model")
+    if claimed is None:
         return None
-    model = job.model
+    job, model = claimed
     target = model_target_dir(model)
     token = hub.resolve_token(hf_token)
-    if not services.job_claim(job=job, stage="listing files"):
-        return None
     try:
         info = hub.model_info(repo_id=model.repo_id, revision=commit or model.revision,
                               token=token)
@@ -532,14 +542,12 @@ def sae_target_dir(sae: SAE) -> Path:
 
 def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | None = None,
                      on_progress: ProgressCallback | None = None) -> SAE | None:
-    job = Job.objects.select_related("sae").get(pk=job_id)
-    if job.status in Job.FINISHED or job.sae is None:
+    claimed = _claim_download(job_id, "sae")
+    if claimed is None:
         return None
-    sae = job.sae
+    job, sae = claimed
     target = sae_target_dir(sae)
     token = hub.resolve_token(hf_token)
-    if not services.job_claim(job=job, stage="listing files"):
-        return None
     try:
         info = hub.model_info(repo_id=sae.repository_id, revision=commit or sae.revision,
                               token=token)
