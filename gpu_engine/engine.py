@@ -681,7 +681,7 @@ class Engine:
             dtype=self._load_job.dtype if self._load_job else None, device=str(b.device), context_length=b.context_length,
             num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
             attachments=self.attachments(), in_flight=self._in_flight_total(), queued=max(self._queued, 0),
-            batching=self.batching_status(),
+            batching=self.batching_status(), kernels=getattr(b, "kernels", None),
         )
 
     @property

@@ -403,6 +403,8 @@ class LoadModelJob(_Wire):
     device: str = "auto"
     trust_remote_code: bool = False
     max_context_length: int | None = None
+    # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py)
+    pack_cpu_weights: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -533,6 +535,9 @@ class EngineStatus:
     queued: int = 0
     # the generation backend's mode and capabilities (``Engine.batching_status()``)
     batching: dict[str, Any] = field(default_factory=dict)
+    # which matmul kernels the model runs on: "onednn_packed" (CPU float32, weights
+    # prepacked at load) or "default" (PyTorch's own); None while no model is loaded
+    kernels: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

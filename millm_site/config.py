@@ -180,6 +180,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("MILLM_ENGINE_DTYPE", "Performance", "str", "auto",
         "Model dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on CPU).",
         choices=("auto", "float32", "bfloat16", "float16")),
+    Var("MILLM_ENGINE_PACK_WEIGHTS", "Performance", "bool", True,
+        "On CPU in float32, repack every linear layer's weight into oneDNN's blocked layout "
+        "when a model loads (a 16-row decode step 1.4x faster, a single row faster too; a "
+        "tied output embedding costs one extra copy of itself)."),
     # --- Distributed engine ---------------------------------------------------------
     Var("ENGINE_STREAM_PREFIX", "Distributed engine", "str", "millm",
         "Prefix of every Redis key and stream the web tier and run_engine share (command "

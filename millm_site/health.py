@@ -294,6 +294,7 @@ class InferenceHealthView(APIView):
             "backend": engine.get("backend") or "transformers",
             "mode": engine_batching.get("mode") or ("continuous_batching" if batching else "serial"),
             "batching": engine_batching,
+            "kernels": engine.get("kernels"),
             "engine_state": engine["state"],
             "model_name": engine.get("model_id"),
             "max_concurrent_requests": settings.MAX_CONCURRENT_REQUESTS,

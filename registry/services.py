@@ -527,7 +527,8 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
     try:
         _engine().load_model(LoadModelJob(
             model_id=model.name, path=model.local_path, dtype=dtype, device=device,
-            trust_remote_code=model.trust_remote_code))
+            trust_remote_code=model.trust_remote_code,
+            pack_cpu_weights=settings.MILLM_ENGINE_PACK_WEIGHTS))
     except _engine_errors() as exc:
         error = from_engine_error(exc)
         model_set_status(model=model, status=Model.Status.ERROR, error=error.message)

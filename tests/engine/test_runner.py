@@ -54,3 +54,40 @@ def test_requests_without_a_model_and_bad_directories(tmp_path, tiny_assets):
         assert eng.status().state == "ready"
         eng.unload_model()
         assert eng.status().state == "empty"
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this torch build has no oneDNN")
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-gemma2"])
+def test_cpu_float32_weights_are_packed_and_give_the_plain_models_results(tiny_assets, model_name):
+    """MILLM_ENGINE_PACK_WEIGHTS' engine side: every nn.Linear becomes a prepacked oneDNN
+    linear; its logits equal an independently loaded plain model's within float32
+    rounding and greedy decoding picks the same tokens; pack_cpu_weights=False keeps
+    PyTorch's own modules."""
+    from transformers import AutoModelForCausalLM
+
+    from gpu_engine.backends.transformers.cpu_kernels import PackedLinear
+
+    asset = tiny_assets.models[model_name]
+    plain = AutoModelForCausalLM.from_pretrained(str(asset.path), dtype=torch.float32).eval()
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
+    ids = torch.tensor([[1, 17, 42, 99, 311, 7, 256, 64]])
+    with Engine() as packed, Engine() as unpacked:
+        packed.load_model(LoadModelJob("m", str(asset.path), device="cpu"))
+        unpacked.load_model(LoadModelJob("m", str(asset.path), device="cpu", pack_cpu_weights=False))
+        assert packed.status().kernels == "onednn_packed" and unpacked.status().kernels == "default"
+        model = packed.backend.model
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
+        assert sum(isinstance(m, PackedLinear) for m in model.modules()) == n_linear
+        assert sum(isinstance(m, torch.nn.Linear) for m in unpacked.backend.model.modules()) == n_linear
+        with torch.inference_mode():
+            want = plain(ids).logits
+            got = model(ids).logits
+        assert got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        prompt = packed.backend.encode_text("the cat")
+        with torch.inference_mode():
+            ref = plain.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                 max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+        job = GenerationJob("g", prompt="the cat", sampling=SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+        assert packed.generate_sync(job).token_ids == ref
+        assert unpacked.generate_sync(job).token_ids == ref

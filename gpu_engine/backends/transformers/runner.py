@@ -25,6 +25,7 @@ from ...protocol import (
     Usage,
 )
 from .blocks import resolve_block, resolve_block_list
+from .cpu_kernels import pack_linears, packing_available
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -66,6 +67,10 @@ class TransformersRunner:
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadFailed(f"Cannot load model from {path}: {exc}", details={"path": str(path)}) from exc
         self.model = model.to(self.device).eval()
+        self.packed_linears = 0
+        if job.pack_cpu_weights and packing_available(self.device, self.dtype):
+            self.packed_linears = pack_linears(self.model)
+        self.kernels = "onednn_packed" if self.packed_linears else "default"
         # fails now (naming the class) rather than at the first attach
         blocks, self.blocks_path = resolve_block_list(self.model)
         self.num_layers = len(blocks)

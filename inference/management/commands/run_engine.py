@@ -96,7 +96,8 @@ def restore_recorded_state(*, engine: Any, server: Any) -> None:
     try:
         engine.load_model(LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype,
                                        device=device,
-                                       trust_remote_code=model.trust_remote_code),
+                                       trust_remote_code=model.trust_remote_code,
+                                       pack_cpu_weights=settings.MILLM_ENGINE_PACK_WEIGHTS),
                           timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S)
     except EngineError as exc:
         log.error("engine_restore_failed", model=model.name, code=exc.code, message=exc.message)
