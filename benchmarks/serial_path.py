@@ -15,6 +15,9 @@ two checkouts to compare them, e.g. the commit before batching existed:
       .venv/bin/python benchmarks/serial_path.py --via-batching --concurrent 16
     done
 
+``--no-pack`` measures the same with PyTorch's default CPU kernels instead of the
+prepacked oneDNN weights (``MILLM_ENGINE_PACK_WEIGHTS=false``).
+
 Each variant runs in its own process with the engine's worker as the only thread doing
 torch work: with GNU OpenMP a second thread that runs torch ops gets its own thread team,
 and once teams outnumber the cores libgomp throttles their spin-waiting — every op of the
@@ -42,6 +45,8 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--beside-idle-batching", action="store_true")
     ap.add_argument("--via-batching", action="store_true")
+    ap.add_argument("--no-pack", action="store_true",
+                    help="keep PyTorch's default CPU kernels (MILLM_ENGINE_PACK_WEIGHTS=false)")
     ap.add_argument("--concurrent", type=int, default=1,
                     help="with --via-batching: submit this many requests at once (throughput of all)")
     args = ap.parse_args()
@@ -52,6 +57,8 @@ def main() -> None:
 
     root = Path(os.environ.get("MILLM_TEST_ASSET_DIR") or HERE / ".cache" / "test-assets")
     load = LoadModelJob(args.model, str(root / "models" / args.model), dtype="float32", device="cpu")
+    if args.no_pack:  # a checkout from before packing existed has no such field
+        load = LoadModelJob(args.model, load.path, dtype="float32", device="cpu", pack_cpu_weights=False)
     extra = None
     if args.via_batching or args.beside_idle_batching:
         from gpu_engine.protocol import BatchingOptions
@@ -78,7 +85,8 @@ def main() -> None:
         tokens = sum(s.result(timeout_s=600).usage.completion_tokens for s in streams)
         rates.append(tokens / (time.perf_counter() - t0))
     label = (f"via_batching_x{n}" if args.via_batching else "beside_idle_batching" if args.beside_idle_batching
-             else "serial") + ("" if args.repo.resolve() == HERE else f"@{args.repo}")
+             else "serial") + ("" if args.repo.resolve() == HERE else f"@{args.repo}") + (
+                 "_unpacked" if args.no_pack else "")
     print(json.dumps({"variant": label, "median_tok_s": statistics.median(rates), "best_tok_s": max(rates),
                       "samples": rates, "load": os.getloadavg()[0]}))
     os._exit(0)
