@@ -2,7 +2,9 @@
 
 Measures, in one process and interleaved round by round so drift hits every mode alike:
 
-  hf_generate     plain ``model.generate`` (greedy, same tokens) — the baseline of SPEC §7
+  hf_generate     ``model.generate`` on the engine's own model object (greedy, same tokens)
+  hf_generate_plain  ``model.generate`` on a separately loaded, unmodified transformers
+                  model (PyTorch's default CPU kernels) — the baseline of SPEC §7
   no_sae          the engine with nothing attached
   sae_idle        an SAE attached, the request brings no steering/monitoring
   steer           8 features steered
@@ -45,7 +47,7 @@ from gpu_engine.protocol import (
 )
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-MODES = ("hf_generate", "no_sae", "sae_idle", "steer", "steer_monitor", "steer_monitor_stream")
+MODES = ("hf_generate", "hf_generate_plain", "no_sae", "sae_idle", "steer", "steer_monitor", "steer_monitor_stream")
 
 
 def asset_root() -> Path:
@@ -80,12 +82,16 @@ def run_model(path: Path, name: str, *, dtype: str, device: str, tokens: int, ro
     sae_path = bench_sae(name, backend.hidden_size, d_sae, layer)
     spec = AttachSpec("bench", str(sae_path), layer)
     ids = torch.tensor([backend.encode_text(PROMPT)], device=backend.device)
+    from transformers import AutoModelForCausalLM
+
+    plain = AutoModelForCausalLM.from_pretrained(str(path), dtype=backend.dtype).to(backend.device).eval()
 
     def timed(mode: str) -> float:
-        if mode == "hf_generate":
+        if mode in ("hf_generate", "hf_generate_plain"):
+            model = backend.model if mode == "hf_generate" else plain
             with torch.inference_mode():
                 t0 = time.perf_counter()
-                out = backend.model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
                                              pad_token_id=backend.tokenizer.pad_token_id or 0)
                 if backend.device.type == "cuda":
                     torch.cuda.synchronize()
@@ -100,12 +106,14 @@ def run_model(path: Path, name: str, *, dtype: str, device: str, tokens: int, ro
             assert res.steering_apply_count[0].count == tokens
         return tokens / dt
 
-    detached, attached = ["hf_generate", "no_sae"], [m for m in MODES if m not in ("hf_generate", "no_sae")]
+    detached = ["hf_generate", "hf_generate_plain", "no_sae"]
+    attached = [m for m in MODES if m not in detached]
 
     def run_round(samples: dict[str, list[float]] | None, r: int) -> None:
         # rotate the order each round so that no mode always runs first after an attach
         engine.detach(None)
-        for mode in detached[r % 2 :] + detached[: r % 2]:
+        k = r % len(detached)
+        for mode in detached[k:] + detached[:k]:
             v = timed(mode)
             if samples is not None:
                 samples[mode].append(v)
@@ -131,6 +139,8 @@ def run_model(path: Path, name: str, *, dtype: str, device: str, tokens: int, ro
         "best_tok_s": best, "best_ratio_to_no_sae": {m: best[m] / best["no_sae"] for m in MODES},
         "engine_vs_hf_generate": med["no_sae"] / med["hf_generate"],
         "best_engine_vs_hf_generate": best["no_sae"] / best["hf_generate"],
+        "engine_vs_plain_hf_generate": med["no_sae"] / med["hf_generate_plain"],
+        "best_engine_vs_plain_hf_generate": best["no_sae"] / best["hf_generate_plain"],
         "samples": samples,
     }
 
@@ -169,6 +179,8 @@ def main() -> None:
                   f" {r['best_tok_s'][mode]:>11.1f} {r['best_ratio_to_no_sae'][mode]:>10.3f}")
         print(f"  engine no_sae / hf_generate = {r['engine_vs_hf_generate']:.3f} (median), "
               f"{r['best_engine_vs_hf_generate']:.3f} (best)")
+        print(f"  engine no_sae / hf_generate_plain = {r['engine_vs_plain_hf_generate']:.3f} (median), "
+              f"{r['best_engine_vs_plain_hf_generate']:.3f} (best)")
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

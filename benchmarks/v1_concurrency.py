@@ -24,6 +24,10 @@ each N, mixed ÷ unsteered batch, and batched ÷ serial at N = 1 (the path a lon
 takes).  A PNG plot goes to ``--plot``.  Usage:
 
     .venv/bin/python benchmarks/v1_concurrency.py --rounds 2 --plot docs/img/v1_concurrency.png
+
+``--batched-only --clients 16 --rounds 6`` skips the serial server, so the batch's mixed and
+unsteered runs alternate back to back (the pairs that the mixed ÷ unsteered ratio needs;
+with the serial runs in between, minutes separate them).
 """
 
 from __future__ import annotations
@@ -230,7 +234,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "v1_concurrency.png")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--batched-only", action="store_true",
+                    help="skip the serial server: only the batch's mixed/unsteered pairs, back to back")
     args = ap.parse_args()
+    modes = ("batched",) if args.batched_only else MODES
     clients = args.clients or [1, 4, 8, 16]
     asset_root = Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets")
 
@@ -242,7 +249,7 @@ def main() -> None:
     # costs nothing (no thread of either engine runs without work), and measuring the two
     # back to back makes each ratio a pair taken under the same outside load
     servers = {mode: Server(batching=mode == "batched", model=args.model, asset_root=asset_root,
-                            clients=max(clients)) for mode in MODES}
+                            clients=max(clients)) for mode in modes}
     try:
         d_sae = 0
         for server in servers.values():
@@ -254,7 +261,7 @@ def main() -> None:
             for n in clients:
                 for steering in (STEERINGS if (r + n) % 2 == 0 else STEERINGS[::-1]):
                     pair = {}
-                    for mode in (MODES if (r + n) % 2 == 0 else MODES[::-1]):
+                    for mode in (modes if (r + n) % 2 == 0 else modes[::-1]):
                         res = run_clients(servers[mode], n, steering=steering, **kw)
                         cell = samples[mode][steering][n]
                         cell["throughput"].append(res["throughput"])
@@ -266,7 +273,8 @@ def main() -> None:
                               f"TTFT {statistics.median(res['ttft']) * 1000:8.0f} ms  "
                               f"TPOT {statistics.median(res['tpot']) * 1000:6.1f} ms  load {loads[-1]:.1f}",
                               file=sys.stderr)
-                    paired[steering][n].append(pair["batched"] / pair["serial"])
+                    if "serial" in pair:
+                        paired[steering][n].append(pair["batched"] / pair["serial"])
     finally:
         for server in servers.values():
             server.stop()
@@ -276,36 +284,44 @@ def main() -> None:
         "throughput_best": max(c["throughput"]),
         "ttft_ms": statistics.median(c["ttft"]) * 1000,
         "tpot_ms": statistics.median(c["tpot"]) * 1000,
-    } for n, c in per_s.items()} for s, per_s in per_m.items()} for m, per_m in samples.items()}
+    } for n, c in per_s.items()} for s, per_s in per_m.items()} for m, per_m in samples.items() if m in modes}
 
     print(f"\n{args.model} fp32, {args.tokens} tokens per client, {args.rounds} rounds, "
           f"load average during runs {min(loads):.1f}–{max(loads):.1f}")
     print(f"{'mode':<8} {'steering':<10} {'N':>3} {'tok/s':>8} {'best':>8} {'TTFT ms':>9} {'TPOT ms':>8}")
-    for m in MODES:
+    for m in modes:
         for s in STEERINGS:
             for n in clients:
                 f = figures[m][s][n]
                 print(f"{m:<8} {s:<10} {n:>3} {f['throughput']:8.1f} {f['throughput_best']:8.1f} "
                       f"{f['ttft_ms']:9.0f} {f['tpot_ms']:8.1f}")
     print("\nratios (median of the rounds' paired ratios; ratio of medians in brackets)")
-    for s in STEERINGS:
+    if args.batched_only:
+        print("  mixed / unsteered, batched throughput, each round's pair: " + "; ".join(
+            f"N={n} " + ", ".join(f"{x / y:.3f}" for x, y in zip(samples["batched"]["mixed"][n]["throughput"],
+                                                                  samples["batched"]["unsteered"][n]["throughput"]))
+            for n in clients))
+    for s in (STEERINGS if not args.batched_only else ()):
         print(f"  batched / serial throughput, {s}: " + ", ".join(
             f"N={n} {statistics.median(paired[s][n]):.2f}× "
             f"[{figures['batched'][s][n]['throughput'] / figures['serial'][s][n]['throughput']:.2f}×]"
             for n in clients))
-    for m in MODES:
+    for m in modes:
         print(f"  mixed / unsteered, {m} throughput: " + ", ".join(
             f"N={n} {statistics.median(x / y for x, y in zip(samples[m]['mixed'][n]['throughput'], samples[m]['unsteered'][n]['throughput'])):.3f}"
             for n in clients))
     n1 = clients[0]
-    for s in STEERINGS:
+    for s in (STEERINGS if not args.batched_only else ()):
         b, se = figures["batched"][s][n1], figures["serial"][s][n1]
         print(f"  N={n1} ({s}) batched / serial: throughput {b['throughput'] / se['throughput']:.3f}, "
               f"TTFT {b['ttft_ms'] / se['ttft_ms']:.3f}, TPOT {b['tpot_ms'] / se['tpot_ms']:.3f}")
     nmax = clients[-1]
-    print(f"  N={nmax} TTFT batched / serial: unsteered "
-          f"{figures['batched']['unsteered'][nmax]['ttft_ms'] / figures['serial']['unsteered'][nmax]['ttft_ms']:.3f}, "
-          f"TPOT batched / serial: {figures['batched']['unsteered'][nmax]['tpot_ms'] / figures['serial']['unsteered'][nmax]['tpot_ms']:.2f}")
+    if args.batched_only:
+        args.plot = None
+    else:
+        print(f"  N={nmax} TTFT batched / serial: unsteered "
+              f"{figures['batched']['unsteered'][nmax]['ttft_ms'] / figures['serial']['unsteered'][nmax]['ttft_ms']:.3f}, "
+              f"TPOT batched / serial: {figures['batched']['unsteered'][nmax]['tpot_ms'] / figures['serial']['unsteered'][nmax]['tpot_ms']:.2f}")
     if args.plot:
         plot(figures, clients, args.plot, f"{args.model} fp32 on {os.cpu_count()} CPU cores, {args.tokens} tokens "
              f"per client, /v1 streaming, medians of {args.rounds} rounds")
