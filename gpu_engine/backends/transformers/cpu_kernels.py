@@ -17,8 +17,9 @@ Measured on the development machine (2 vCPUs, AVX2, SmolLM2-135M, float32):
 The results differ from MKL's in the last bits (≤ 2e-4 absolute on SmolLM2's logits), as
 any change of kernel or blocking does; every forward in the engine goes through the same
 packed modules, so the serial and batched paths and ``model.generate`` stay identical to
-one another.  Only float32 is packed: oneDNN's bf16/fp16 paths need CPU instructions most
-machines lack, and then run slower than the plain layout.
+one another.  Only float32 is packed, the dtype these figures were measured in; bf16 and
+fp16 (whose oneDNN speed depends on CPU instructions this machine lacks) and every CUDA
+load keep PyTorch's own kernels.
 
 Memory: an untied layer's original weight is released (the packed copy replaces it); an
 output projection tied to the input embeddings keeps the embedding table and adds one
