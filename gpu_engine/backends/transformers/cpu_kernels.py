@@ -15,9 +15,9 @@ Measured on the development machine (2 vCPUs, AVX2, SmolLM2-135M, float32):
   cost grows with the rows, a prepacked weight does not repack at all).
 
 The results differ from MKL's in the last bits (≤ 2e-4 absolute on SmolLM2's logits), as
-any change of kernel or blocking does; every forward in the engine goes through the same
-packed modules, so the serial and batched paths and ``model.generate`` stay identical to
-one another.  Only float32 is packed, the dtype these figures were measured in; bf16 and
+any change of kernel or blocking does.  Every forward in the engine goes through the same
+packed modules (serial, batched, ``model.generate``), and the batch-versus-solo equivalence
+tests (identical greedy tokens in float32) hold as before.  Only float32 is packed, the dtype these figures were measured in; bf16 and
 fp16 (whose oneDNN speed depends on CPU instructions this machine lacks) and every CUDA
 load keep PyTorch's own kernels.
 
