@@ -46,6 +46,10 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.sse import sse_events  # noqa: E402
+
 TOPICS = ["a lighthouse keeper", "a lost robot", "two rival bakers", "a talking cat", "an old map",
           "a desert caravan", "a violin maker", "a snowed-in village", "a deep-sea diver", "a chess prodigy",
           "a forgotten library", "a runaway balloon", "a night train", "a garden gnome", "a jazz drummer",
@@ -156,16 +160,7 @@ def stream_one(port: int, payload: dict, out: list, barrier: threading.Barrier) 
         return
     frames: list[float] = []
     tokens = 0
-    while True:
-        line = resp.readline()
-        if not line:
-            break
-        if not line.startswith(b"data: "):
-            continue
-        raw = line[6:].strip()
-        if raw == b"[DONE]":
-            break
-        event = json.loads(raw)
+    for event in sse_events(resp):
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
         choices = event.get("choices") or []

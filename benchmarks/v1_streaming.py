@@ -31,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.sse import sse_events  # noqa: E402
+
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -87,16 +89,7 @@ def run_v1(host: str, port: int, body: dict) -> tuple[float, list[float]]:
     if resp.status != 200:
         raise RuntimeError(f"/v1 answered {resp.status}: {resp.read()[:300]!r}")
     stamps: list[float] = []
-    while True:
-        line = resp.readline()
-        if not line:
-            break
-        if not line.startswith(b"data: "):
-            continue
-        payload = line[6:].strip()
-        if payload == b"[DONE]":
-            break
-        event = json.loads(payload)
+    for event in sse_events(resp):
         choices = event.get("choices") or []
         if choices and choices[0].get("logprobs"):
             stamps.append(time.perf_counter())  # one frame per token (logprobs=0 forces it)
