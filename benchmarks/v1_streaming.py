@@ -119,15 +119,16 @@ def main() -> None:
 
     data_dir = tempfile.mkdtemp(prefix="millm-bench-v1-")
     setup_django(data_dir)
+    from core.runtime import runtime
     from gpu_engine.protocol import SamplingParams
-    from inference.engine_client import get_engine_client
+    from orchestration.services import model_load
     from registry.models import Model
-    from registry.services import demo_assets_install, model_load
+    from registry.services import demo_assets_install
 
     root = Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets")
     demo_assets_install(root=root, include_demo=args.model == "smollm2-135m")
     model_load(model=Model.objects.get(name=args.model))
-    engine = get_engine_client().engine
+    engine = runtime().engine.engine
     host, port = start_daphne()
 
     # logprobs with 0 alternatives: the engine emits one event per token and /v1 one frame

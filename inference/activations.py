@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from core.errors import MillmError
 from gpu_engine.protocol import (
     ActivationRecord,
     AttachmentStatus,
@@ -19,7 +20,6 @@ from gpu_engine.protocol import (
 )
 from inference.protocol import MAX_ACTIVATION_ENTRIES, ReturnSaeActivations
 from inference.tokens import TokenTexts
-from millm_site.errors import MillmError
 from steering.selectors import attachment_choices, attachment_pick
 
 

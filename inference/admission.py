@@ -29,7 +29,8 @@ from typing import Any, Self
 
 from django.conf import settings
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
+from core.runtime import runtime
 
 
 class QueueFull(MillmError):
@@ -350,7 +351,7 @@ class SharedAdmissionController:
                 keys=self._keys, args=[int(time.time() * 1000), member, self.slots,
                                        self.max_pending, self.lease_ms, mode])
         except redis.RedisError as exc:
-            from millm_site.errors import EngineUnavailable
+            from core.errors import EngineUnavailable
 
             raise EngineUnavailable(f"Redis is unreachable: {exc}",
                                     retry_after=settings.RETRY_AFTER_NOT_LOADED_S) from exc
@@ -498,31 +499,14 @@ class SharedAdmissionController:
         self._closed.set()
 
 
-_controller: AdmissionController | SharedAdmissionController | None = None
-_controller_lock = threading.Lock()
-
-
-def get_admission() -> AdmissionController:
-    """The process-wide controller (the health endpoints read ``stats()`` from it):
-    in this process embedded, shared through Redis in distributed mode."""
-    global _controller
-    with _controller_lock:
-        if _controller is None:
-            if settings.EMBEDDED:
-                _controller = AdmissionController.from_settings()
-            else:
-                _controller = SharedAdmissionController.from_settings()
-        return _controller  # type: ignore[return-value]
-
-
-def set_admission(controller: AdmissionController | None) -> AdmissionController | None:
-    """Swap the process-wide controller (tests); returns the previous one."""
-    global _controller
-    with _controller_lock:
-        previous, _controller = _controller, controller
-        return previous
+def build_admission() -> AdmissionController | SharedAdmissionController:
+    """The controller this process's settings call for (the runtime builds it once): in
+    this process embedded, shared through Redis in distributed mode."""
+    if settings.EMBEDDED:
+        return AdmissionController.from_settings()
+    return SharedAdmissionController.from_settings()
 
 
 def queue_figures() -> dict[str, Any]:
     """pending, in flight, waiting and estimated_wait_seconds for the health endpoints."""
-    return get_admission().stats().to_dict()
+    return runtime().admission.stats().to_dict()

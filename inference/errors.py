@@ -1,77 +1,27 @@
-"""The one place that builds OpenAI-shaped errors for ``/v1``:
-``{"error": {"message", "type", "param", "code"}}`` — also inside an SSE stream, where the
-same object is sent as a data frame followed by ``[DONE]``.
-
-Every 503 carries ``Retry-After``; a 503 that reaches here without one gets
-RETRY_AFTER_FALLBACK_S and a ``retry_after_defaulted`` log line, so a missing value is
-visible instead of silent.
+"""The one place that decides which /v1 status and code every error a request can meet
+gets. The shape itself (``OpenAIError``, its response and SSE frame) is
+``core.openai_errors``; every 503 carries ``Retry-After`` (``core.api.retry_after_value``).
 """
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import structlog
 from django.conf import settings
-from django.http import JsonResponse
+
+from core.openai_errors import (  # noqa: F401 - the /v1 code imports them from here
+    OpenAIError,
+    openai_error_frame,
+    openai_error_response,
+)
 
 log = structlog.get_logger(__name__)
-
-_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-          403: "permission_error", 404: "invalid_request_error", 409: "invalid_request_error",
-          413: "invalid_request_error", 415: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-          503: "service_unavailable", 507: "server_error"}
-
-
-class OpenAIError(Exception):
-    """An error answered on /v1; ``code`` is the documented lower-case code."""
-
-    def __init__(self, message: str, *, status: int, code: str, param: str | None = None,
-                 type: str | None = None, retry_after: int | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.code = code
-        self.param = param
-        self.type = type or _TYPES.get(status, "invalid_request_error")
-        self.retry_after = retry_after
-        self.extra = dict(extra or {})
-
-    def body(self) -> dict[str, Any]:
-        error = {"message": self.message, "type": self.type, "param": self.param,
-                 "code": self.code}
-        error.update(self.extra)
-        return {"error": error}
-
-
-def _retry_after(status: int, retry_after: int | None, code: str) -> int | None:
-    if status != 503:
-        return retry_after
-    if retry_after is None:
-        log.warning("retry_after_defaulted", code=code)
-        return int(settings.RETRY_AFTER_FALLBACK_S)
-    return int(retry_after)
-
-
-def openai_error_response(error: OpenAIError) -> JsonResponse:
-    response = JsonResponse(error.body(), status=error.status)
-    retry_after = _retry_after(error.status, error.retry_after, error.code)
-    if retry_after is not None:
-        response["Retry-After"] = str(retry_after)
-    return response
-
-
-def openai_error_frame(error: OpenAIError) -> bytes:
-    """The SSE frames for an error after the stream started: the error, then [DONE]."""
-    return (f"data: {json.dumps(error.body())}\n\n" "data: [DONE]\n\n").encode()
 
 
 # --------------------------------------------------------------------------------------
 # Mapping every error a /v1 request can meet onto the OpenAI shape. Domain errors
-# (millm_site.errors and the apps' subclasses) and engine errors (gpu_engine.errors) keep
+# (core.errors and the apps' subclasses) and engine errors (gpu_engine.errors) keep
 # their own codes; here is the only place that decides their /v1 status and code.
 
 # domain code -> (status, openai code, Retry-After setting or None)
@@ -147,8 +97,8 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
                                 ) -> OpenAIError:
     """The /v1 error for anything raised while serving a request. Unknown exceptions
     become a 500 whose message says nothing of the internals (the log has them)."""
+    from core.errors import MillmError
     from gpu_engine.errors import EngineError
-    from millm_site.errors import MillmError
 
     if isinstance(exc, OpenAIError):
         return exc

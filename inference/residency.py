@@ -2,7 +2,7 @@
 (single-flight), and a gate that keeps a load from swapping the model under requests
 that are generating on it.
 
-``registry.services.model_load`` is synchronous and slow, so it runs on its own thread;
+``orchestration.services.model_load`` is synchronous and slow, so it runs on its own thread;
 every request for the model being loaded awaits the same load. While a load runs, a
 request for another model is refused with ``model_busy`` (it must not start a second
 load); ``X-miLLM-Load-Policy: refuse`` turns the on-demand load off: 409
@@ -25,9 +25,9 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, connections
 
+from core.errors import MillmError, ModelBusy
+from core.runtime import runtime
 from gpu_engine.protocol import EngineStatus
-from inference.engine_client import get_engine_client
-from millm_site.errors import MillmError, ModelBusy
 
 log = structlog.get_logger(__name__)
 
@@ -66,10 +66,10 @@ class Residency:
             return dict(self._active)
 
     async def _resident_name(self) -> str | None:
-        return resident_model_id(await asyncio.to_thread(get_engine_client().status))
+        return resident_model_id(await asyncio.to_thread(runtime().engine.status))
 
     async def status(self) -> EngineStatus:
-        return await asyncio.to_thread(get_engine_client().status)
+        return await asyncio.to_thread(runtime().engine.status)
 
     def check_policy(self, model: ModelRef, *, policy: str, resident: str | None) -> None:
         """Refusals that must come before the request queues: another model is loading,
@@ -103,7 +103,7 @@ class Residency:
         the request's ``X-miLLM-Lease``, needed to load over a leased model."""
         for _ in range(3):
             if status is None:
-                status = await asyncio.to_thread(get_engine_client().status)
+                status = await asyncio.to_thread(runtime().engine.status)
             resident = resident_model_id(status)
             self.check_policy(model, policy=policy, resident=resident)
             if resident != model.name and not self.loading(model.name):
@@ -134,8 +134,8 @@ class Residency:
                         details={"model": model.name}, retry_after=settings.RETRY_AFTER_LOAD_S)
 
     def _load(self, model: ModelRef, future: Future) -> None:
+        from orchestration.services import model_load
         from registry.models import Model
-        from registry.services import model_load
 
         close_old_connections()
         try:
@@ -202,10 +202,3 @@ class Use:
         if not self._released:
             self._released = True
             self._residency._release(self._name)
-
-
-_residency = Residency()
-
-
-def get_residency() -> Residency:
-    return _residency

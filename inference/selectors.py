@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.db.models import QuerySet
 
 from inference.residency import ModelRef
-from millm_site.errors import ModelNotFound
+from registry.errors import ModelNotFound
 from registry.models import Model
 
 LISTED_STATUSES = (Model.Status.READY, Model.Status.LOADING, Model.Status.LOADED)

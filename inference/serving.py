@@ -22,6 +22,8 @@ from asgiref.sync import sync_to_async
 from django.db import close_old_connections
 from django.http import JsonResponse, StreamingHttpResponse
 
+from core.engine_client import EngineClient
+from core.runtime import runtime
 from gpu_engine.protocol import (
     AttachmentStatus,
     EngineStatus,
@@ -37,8 +39,7 @@ from gpu_engine.protocol import (
 )
 from inference import selectors
 from inference.activations import activations_payload, monitor_resolve
-from inference.admission import Permit, get_admission
-from inference.engine_client import EngineClient, get_engine_client
+from inference.admission import Permit
 from inference.errors import (
     OpenAIError,
     openai_error_event,
@@ -46,7 +47,7 @@ from inference.errors import (
     openai_error_from_exception,
 )
 from inference.protocol import ChatCompletionRequest, CompletionRequest
-from inference.residency import ModelRef, Use, get_residency, resident_model_id
+from inference.residency import ModelRef, Use, resident_model_id
 from inference.tokens import TokenTexts
 from monitoring.services import (
     monitoring_merge,
@@ -560,16 +561,17 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
 
 async def serve_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
                            policy: str, lease: str | None = None) -> Any:
-    client = get_engine_client()
-    residency = get_residency()
+    client = runtime().engine
+    residency = runtime().residency
     status = await residency.status()
     model, model_path, profile = await resolve_model(req.model, status)
     if profile is not None and req.profile is not None and profile != req.profile:
         raise OpenAIError(f"The model name selects profile {profile!r} but the body names "
                           f"{req.profile!r}", status=400, code="invalid_parameter",
                           param="profile")
-    residency.check_policy(model, policy=policy, resident=resident_model_id(status))  # before queueing
-    permit = await get_admission().acquire()
+    # before queueing
+    residency.check_policy(model, policy=policy, resident=resident_model_id(status))
+    permit = await runtime().admission.acquire()
     res = _Resources(permit)
     handed_over = False
     try:

@@ -19,10 +19,9 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ValidationError
 
+from core.runtime import runtime
 from gpu_engine.protocol import EmbedJob
 from inference import selectors
-from inference.admission import get_admission
-from inference.engine_client import get_engine_client
 from inference.errors import (
     OpenAIError,
     openai_error_from_exception,
@@ -39,7 +38,7 @@ from inference.protocol import (
     ModelList,
     UsageInfo,
 )
-from inference.residency import LOAD_POLICIES, get_residency, resident_model_id
+from inference.residency import LOAD_POLICIES, resident_model_id
 from inference.serving import ENGINE_CALL_TIMEOUT_S, resolve_model, serve_generation
 
 log = structlog.get_logger(__name__)
@@ -154,12 +153,12 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 async def embeddings(request: HttpRequest):
     req: EmbeddingRequest = _body(request, EmbeddingRequest)
     policy = _load_policy(request)
-    client = get_engine_client()
-    residency = get_residency()
+    client = runtime().engine
+    residency = runtime().residency
     status = await residency.status()
     model, _, _ = await resolve_model(req.model, status)
     residency.check_policy(model, policy=policy, resident=resident_model_id(status))
-    permit = await get_admission().acquire()
+    permit = await runtime().admission.acquire()
     use = None
     try:
         use = await residency.acquire(model, policy=policy,

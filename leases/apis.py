@@ -9,10 +9,10 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from core.api import envelope
+from core.schema import enveloped
 from leases import selectors, services
 from leases.errors import LEASE_HEADER, InvalidLeaseRequest
-from millm_site.api import envelope
-from millm_site.schema import enveloped
 from registry.selectors import model_get
 
 LEASES = ["leases"]

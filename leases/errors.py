@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 
 LEASE_HEADER = "X-miLLM-Lease"
 

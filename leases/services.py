@@ -23,6 +23,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from core.errors import ModelBusy
 from leases.errors import (
     LEASE_HEADER,
     InvalidLeaseRequest,
@@ -32,7 +33,6 @@ from leases.errors import (
     ModelNotResident,
 )
 from leases.models import Lease
-from millm_site.errors import ModelBusy
 from registry.models import Job, Model
 
 log = structlog.get_logger(__name__)

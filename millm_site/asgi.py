@@ -41,7 +41,7 @@ async def http_application(scope, receive, send):
     await app(scope, receive, send)
 
 
-from millm_site.auth import WebSocketApiKeyMiddleware  # noqa: E402
+from core.auth import WebSocketApiKeyMiddleware  # noqa: E402
 from millm_site.routing import websocket_urlpatterns  # noqa: E402
 
 application = ProtocolTypeRouter({

@@ -1,6 +1,6 @@
 """WebSocket consumer for ``/ws/events``: joins the event group and relays each event.
 
-Authentication happens before the consumer (``millm_site.auth.WebSocketApiKeyMiddleware``).
+Authentication happens before the consumer (``core.auth.WebSocketApiKeyMiddleware``).
 The socket only sends; anything a client writes is ignored.
 """
 
@@ -8,8 +8,8 @@ import asyncio
 
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
-from millm_site import events
-from millm_site.events import GROUP
+from core import events
+from core.events import GROUP
 
 
 class EventsConsumer(AsyncJsonWebsocketConsumer):

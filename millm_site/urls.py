@@ -7,8 +7,9 @@ admin.site.site_title = "miLLM admin"
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("v1/", include("inference.urls")),
-    path("api/", include("millm_site.api_urls")),
+    path("api/", include("system.urls")),
     path("api/", include("registry.urls")),
+    path("api/", include("orchestration.urls")),
     path("api/", include("steering.urls")),
     path("api/", include("monitoring.urls")),
     path("api/", include("leases.urls")),

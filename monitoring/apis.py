@@ -8,8 +8,8 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from millm_site.api import envelope
-from millm_site.schema import enveloped
+from core.api import envelope, validated
+from core.schema import enveloped
 from monitoring import selectors, services
 from monitoring.models import MonitoringConfig
 
@@ -53,12 +53,6 @@ class TopInput(serializers.Serializer):
                                      default="mean")
 
 
-def _valid(serializer_cls, data) -> dict:
-    serializer = serializer_cls(data=data)
-    serializer.is_valid(raise_exception=True)
-    return serializer.validated_data
-
-
 class MonitoringApi(APIView):
     @extend_schema(tags=MONITORING, summary="Monitoring state", responses=_ANY)
     def get(self, request) -> Response:
@@ -70,7 +64,7 @@ class MonitoringConfigureApi(APIView):
                    "(features or all, history_size, top_k)", request=ConfigureInput,
                    responses=_ANY)
     def post(self, request) -> Response:
-        data = _valid(ConfigureInput, request.data or {})
+        data = validated(ConfigureInput, request.data or {})
         return envelope(services.monitoring_configure(
             enabled=data["enabled"], features=data["features"],
             history_size=data["history_size"], top_k=data["top_k"],
@@ -81,7 +75,7 @@ class MonitoringEnableApi(APIView):
     @extend_schema(tags=MONITORING, summary="Toggle without reconfiguring",
                    request=EnableInput, responses=_ANY)
     def post(self, request) -> Response:
-        data = _valid(EnableInput, request.data or {})
+        data = validated(EnableInput, request.data or {})
         return envelope(services.monitoring_enable(enabled=data["enabled"]))
 
 
@@ -91,7 +85,7 @@ class HistoryApi(APIView):
                                OpenApiParameter("request_id", str, required=False)],
                    responses=_ANY)
     def get(self, request) -> Response:
-        query = _valid(HistoryQuery, request.query_params)
+        query = validated(HistoryQuery, request.query_params)
         return envelope(selectors.history(limit=query["limit"],
                                           request_id=query.get("request_id")))
 
@@ -105,7 +99,7 @@ class StatisticsApi(APIView):
                    parameters=[OpenApiParameter("features", str, required=False)],
                    responses=_ANY)
     def get(self, request) -> Response:
-        query = _valid(StatisticsQuery, request.query_params)
+        query = validated(StatisticsQuery, request.query_params)
         features = ([int(f) for f in query["features"].split(",")]
                     if query.get("features") else None)
         return envelope(selectors.statistics(features=features))
@@ -120,5 +114,5 @@ class StatisticsTopApi(APIView):
     @extend_schema(tags=MONITORING, summary="Top features by mean, max, active_ratio or count",
                    request=TopInput, responses=_ANY)
     def post(self, request) -> Response:
-        data = _valid(TopInput, request.data or {})
+        data = validated(TopInput, request.data or {})
         return envelope(selectors.statistics_top(k=data["k"], metric=data["metric"]))

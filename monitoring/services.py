@@ -25,6 +25,8 @@ import structlog
 from django.db import transaction
 from django.utils import timezone
 
+from core import events
+from core.errors import ValidationFailed
 from gpu_engine.protocol import (
     ActivationRecord as EngineRecord,
 )
@@ -35,8 +37,6 @@ from gpu_engine.protocol import (
     MonitorSpec,
     TokenEvent,
 )
-from millm_site import events
-from millm_site.errors import ValidationFailed
 from monitoring.models import ActivationRecord, MonitoringConfig
 
 log = structlog.get_logger(__name__)

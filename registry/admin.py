@@ -6,7 +6,7 @@ from __future__ import annotations
 from django.contrib import admin
 from django.template.defaultfilters import filesizeformat
 
-from millm_site.admin_actions import run_each
+from core.admin_actions import run_each
 from registry import services
 from registry.models import SAE, Job, Model
 

@@ -6,29 +6,18 @@ from __future__ import annotations
 
 from django.db import transaction
 from drf_spectacular.types import OpenApiTypes
-from drf_spectacular.utils import OpenApiParameter, extend_schema
+from drf_spectacular.utils import extend_schema
 from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from millm_site.api import envelope
-from millm_site.schema import enveloped
-from registry import downloads, selectors, services
+from core.api import envelope, validated
+from core.schema import enveloped
+from registry import describe, downloads, selectors, services
 from registry import serializers as io
 from registry.models import Attachment, Model
 
 MODELS, SAES, JOBS = ["models"], ["saes"], ["jobs"]
-
-
-def _valid(serializer_cls, data) -> dict:
-    serializer = serializer_cls(data=data)
-    serializer.is_valid(raise_exception=True)
-    return serializer.validated_data
-
-
-def _model_data(model: Model) -> dict:
-    progress = selectors.download_progress_by_model().get(model.id)
-    return io.model_out(model, download_progress=progress)
 
 
 # --- models --------------------------------------------------------------------------------
@@ -49,19 +38,19 @@ class ModelListCreateApi(APIView):
                    responses={201: enveloped(io.ModelJobOutput),
                               202: enveloped(io.ModelJobOutput)})
     def post(self, request) -> Response:
-        data = _valid(io.ModelCreateInput, request.data)
+        data = validated(io.ModelCreateInput, request.data)
         if data["source"] == Model.Source.LOCAL:
             model = services.model_register_local(
                 local_path=data["local_path"], name=data.get("custom_name") or None,
                 quantization=data["quantization"],
                 trust_remote_code=data["trust_remote_code"])
-            return envelope({"model": _model_data(model), "job": None},
+            return envelope({"model": io.model_view(model), "job": None},
                             status_code=status.HTTP_201_CREATED)
         model, job = downloads.model_download_start(
             repo_id=data["repo_id"], revision=data.get("revision") or "main",
             quantization=data["quantization"], trust_remote_code=data["trust_remote_code"],
             custom_name=data.get("custom_name") or None, hf_token=data.get("hf_token") or None)
-        return envelope({"model": _model_data(model), "job": io.job_out(job)},
+        return envelope({"model": io.model_view(model), "job": io.job_out(job)},
                         status_code=status.HTTP_202_ACCEPTED)
 
 
@@ -70,7 +59,7 @@ class ModelPreviewApi(APIView):
                    "estimates per quantization", request=io.ModelPreviewInput,
                    responses=enveloped(OpenApiTypes.OBJECT))
     def post(self, request) -> Response:
-        data = _valid(io.ModelPreviewInput, request.data)
+        data = validated(io.ModelPreviewInput, request.data)
         return envelope(downloads.model_preview(repo_id=data["repo_id"],
                                                 revision=data.get("revision") or "main",
                                                 hf_token=data.get("hf_token") or None))
@@ -79,7 +68,7 @@ class ModelPreviewApi(APIView):
 class ModelDetailApi(APIView):
     @extend_schema(tags=MODELS, summary="Model details", responses=enveloped(io.ModelOutput))
     def get(self, request, model_id: int) -> Response:
-        return envelope(_model_data(selectors.model_get(model_id=model_id)))
+        return envelope(io.model_view(selectors.model_get(model_id=model_id)))
 
     @extend_schema(tags=MODELS, summary="Delete a model (files and row); refused while "
                    "loaded or locked", responses=enveloped(io.DeleteOutput))
@@ -91,38 +80,12 @@ class ModelDetailApi(APIView):
                          "freed_disk_mb": None if size is None else round(size / 2**20, 3)})
 
 
-class ModelLoadApi(APIView):
-    @extend_schema(tags=MODELS, summary="Load a model in the background (202 + job; "
-                   "model:load:* events)", request=None, responses={202: enveloped(
-                       io.ModelJobOutput)})
-    def post(self, request, model_id: int) -> Response:
-        model = selectors.model_get(model_id=model_id)
-        job = services.model_load_enqueue(model=model,
-                                          lease_id=request.headers.get("X-miLLM-Lease"))
-        model.refresh_from_db()
-        return envelope({"model": _model_data(model), "job": io.job_out(job)},
-                        status_code=status.HTTP_202_ACCEPTED)
-
-
-class ModelUnloadApi(APIView):
-    @extend_schema(tags=MODELS, summary="Unload the model in the background after running "
-                   "requests finish (GRACEFUL_UNLOAD_TIMEOUT)", request=None,
-                   responses={202: enveloped(io.ModelJobOutput)})
-    def post(self, request, model_id: int) -> Response:
-        model = selectors.model_get(model_id=model_id)
-        job = services.model_unload_enqueue(model=model,
-                                            lease_id=request.headers.get("X-miLLM-Lease"))
-        model.refresh_from_db()
-        return envelope({"model": _model_data(model), "job": io.job_out(job)},
-                        status_code=status.HTTP_202_ACCEPTED)
-
-
 class ModelLockApi(APIView):
     @extend_schema(tags=MODELS, summary="Lock: refuse unload, delete and swaps", request=None,
                    responses=enveloped(io.ModelOutput))
     def post(self, request, model_id: int) -> Response:
         model = services.model_lock(model=selectors.model_get(model_id=model_id))
-        return envelope(_model_data(model))
+        return envelope(io.model_view(model))
 
 
 class ModelUnlockApi(APIView):
@@ -130,7 +93,7 @@ class ModelUnlockApi(APIView):
                    responses=enveloped(io.ModelOutput))
     def post(self, request, model_id: int) -> Response:
         model = services.model_unlock(model=selectors.model_get(model_id=model_id))
-        return envelope(_model_data(model))
+        return envelope(io.model_view(model))
 
 
 class ModelCancelApi(APIView):
@@ -140,7 +103,7 @@ class ModelCancelApi(APIView):
         model = selectors.model_get(model_id=model_id)
         job = downloads.model_download_cancel(model=model)
         model.refresh_from_db()
-        return envelope({"model": _model_data(model), "job": io.job_out(job)})
+        return envelope({"model": io.model_view(model), "job": io.job_out(job)})
 
 
 # --- SAEs ------------------------------------------------------------------------------------
@@ -181,7 +144,7 @@ class SAEDownloadApi(APIView):
                    "and file path)", request=io.SAEDownloadInput,
                    responses={202: enveloped(io.SAEDownloadOutput)})
     def post(self, request) -> Response:
-        data = _valid(io.SAEDownloadInput, request.data)
+        data = validated(io.SAEDownloadInput, request.data)
         sae, job, state = downloads.sae_download_start(
             repository_id=data["repository_id"], file_path=data.get("file_path") or "",
             revision=data.get("revision") or "main", hf_token=data.get("hf_token") or None)
@@ -197,35 +160,10 @@ class SAEPreviewApi(APIView):
     @extend_schema(tags=SAES, summary="List the SAE files of a hub repository",
                    request=io.SAEPreviewInput, responses=enveloped(OpenApiTypes.OBJECT))
     def post(self, request) -> Response:
-        data = _valid(io.SAEPreviewInput, request.data)
+        data = validated(io.SAEPreviewInput, request.data)
         return envelope(downloads.sae_preview(repository_id=data["repository_id"],
                                               revision=data.get("revision") or "main",
                                               hf_token=data.get("hf_token") or None))
-
-
-def _with_live_state(status: dict) -> dict:
-    """The first attachment's live steering and monitoring flags, from their apps."""
-    if not status.get("is_attached"):
-        return status
-    from monitoring.services import monitoring_state
-    from steering.live import live_state
-
-    row = Attachment.objects.select_related("sae").get(sae_id=status["sae_id"],
-                                                       layer=status["layer"])
-    monitoring = monitoring_state()
-    return {**status, "steering_enabled": live_state(attachment=row)["enabled"],
-            "monitoring_enabled": bool(monitoring["enabled"]
-                                       and monitoring["sae_id"] == row.sae_id
-                                       and monitoring["layer"] == row.layer)}
-
-
-class AttachmentStatusApi(APIView):
-    @extend_schema(tags=SAES, summary="Attachment status (with steering_apply_count)",
-                   responses=enveloped(io.AttachmentStatusOutput))
-    def get(self, request) -> Response:
-        rows = list(selectors.attachment_list())
-        return envelope(_with_live_state(io.attachment_status(
-            rows, selectors.engine_attachment_counts() if rows else {})))
 
 
 class AttachmentListApi(APIView):
@@ -236,29 +174,6 @@ class AttachmentListApi(APIView):
         counts = selectors.engine_attachment_counts() if rows else {}
         return envelope({"attachments": [io.attachment_out(r, counts) for r in rows],
                          "total": len(rows)})
-
-
-def _attach_data(result, sae, state: str) -> dict:
-    return {"status": state, "sae_id": result.sae_id, "layer": result.layer,
-            "layer_module_path": result.layer_module_path,
-            "memory_usage_mb": io.sae_out(sae)["memory_usage_mb"],
-            "warnings": list(result.warnings)}
-
-
-class AttachSetApi(APIView):
-    @extend_schema(tags=SAES, summary="Attach several SAEs at once, all or nothing "
-                   "(idempotent per sae_id and layer)", request=io.AttachSetInput,
-                   responses=enveloped(io.AttachSetOutput))
-    def post(self, request) -> Response:
-        data = _valid(io.AttachSetInput, request.data)
-        saes = {item["sae_id"]: selectors.sae_get(sae_id=item["sae_id"])
-                for item in data["attachments"]}
-        before = set(Attachment.objects.values_list("sae_id", "layer"))
-        results = services.sae_attach_set(items=[(saes[i["sae_id"]], i["layer"])
-                                                 for i in data["attachments"]])
-        out = [_attach_data(r, saes[r.sae_id], "already_attached"
-                            if (r.sae_id, r.layer) in before else "attached") for r in results]
-        return envelope({"attachments": out, "total": len(out)})
 
 
 class SAEDetailApi(APIView):
@@ -274,48 +189,11 @@ class SAEDetailApi(APIView):
         if sae.repository_id and sae.local_path:
             from pathlib import Path
 
-            size = services._dir_size(Path(sae.local_path)) if Path(sae.local_path).exists() \
+            size = describe.dir_size(Path(sae.local_path)) if Path(sae.local_path).exists() \
                 else None
         services.sae_delete(sae=sae)
         return envelope({"status": "deleted", "id": sae_id,
                          "freed_disk_mb": None if size is None else round(size / 2**20, 3)})
-
-
-class SAECompatibilityApi(APIView):
-    @extend_schema(tags=SAES, summary="Dry-run compatibility with the loaded model",
-                   parameters=[OpenApiParameter("layer", int, required=True)],
-                   responses=enveloped(io.CompatibilityOutput))
-    def get(self, request, sae_id: str) -> Response:
-        query = _valid(io.CompatibilityQuery, request.query_params)
-        sae = selectors.sae_get(sae_id=sae_id)
-        report = services.sae_check_compatibility(sae=sae, layer=query["layer"])
-        resident = selectors.model_loaded()
-        return envelope({**report, "sae_id": sae.id, "layer": query["layer"],
-                         "model_id": resident.id if resident else None})
-
-
-class SAEAttachApi(APIView):
-    @extend_schema(tags=SAES, summary="Attach to the loaded model at a layer",
-                   request=io.AttachInput, responses=enveloped(io.AttachOutput))
-    def post(self, request, sae_id: str) -> Response:
-        data = _valid(io.AttachInput, request.data)
-        sae = selectors.sae_get(sae_id=sae_id)
-        result = services.sae_attach(sae=sae, layer=data["layer"])
-        return envelope(_attach_data(result, sae, "attached"))
-
-
-class SAEDetachApi(APIView):
-    @extend_schema(tags=SAES, summary="Detach (one layer, or every layer of this SAE)",
-                   request=io.DetachInput, responses=enveloped(io.DetachOutput))
-    def post(self, request, sae_id: str) -> Response:
-        data = _valid(io.DetachInput, request.data or {})
-        sae = selectors.sae_get(sae_id=sae_id)
-        keys = services.sae_detach(sae=sae, layer=data.get("layer"))
-        layers = sorted({layer for _, layer in keys}) or (
-            [data["layer"]] if data.get("layer") is not None else [])
-        memory = io.sae_out(sae)["memory_usage_mb"]
-        return envelope({"status": "detached", "sae_id": sae.id, "layers": layers,
-                         "memory_freed_mb": memory})
 
 
 class SAECancelApi(APIView):
@@ -337,7 +215,7 @@ class JobListApi(APIView):
                    operation_id="jobs_list",
                    parameters=[io.JobListQuery], responses=enveloped(io.JobListOutput))
     def get(self, request) -> Response:
-        query = _valid(io.JobListQuery, request.query_params)
+        query = validated(io.JobListQuery, request.query_params)
         rows = selectors.job_list(kind=query.get("kind"), status=query.get("status"),
                                   limit=query["limit"])
         return envelope({"jobs": [io.job_out(j) for j in rows], "total": len(rows)})

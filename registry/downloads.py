@@ -35,19 +35,17 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from millm_site import events, jobs, metrics
-from millm_site.errors import (
+from core import events, jobs, metrics
+from core.errors import MillmError, SAEInvalid, UnsupportedModel
+from registry import describe, hub, services, sizing
+from registry.errors import (
     DownloadCancelled,
     DownloadTimedOut,
     GatedModelNoToken,
     JobFinished,
-    MillmError,
     ModelAlreadyExists,
     ModelInvalid,
-    SAEInvalid,
-    UnsupportedModel,
 )
-from registry import hub, services, sizing
 from registry.models import SAE, Job, Model
 
 log = structlog.get_logger(__name__)
@@ -221,7 +219,7 @@ def _fetch(*, repo_id: str, files: list[tuple[str, int]], revision: str, target:
 
 def _clean_target(target: Path, root: Path) -> None:
     if target.exists() and services._is_under(target, root):
-        services._remove(target)
+        services.remove_files(target)
 
 
 # --- models ------------------------------------------------------------------------------
@@ -398,8 +396,8 @@ def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str 
                target=target, token=token, progress=progress)
         # huggingface_hub's bookkeeping for local_dir downloads is not part of the model
         if (target / ".cache").exists():
-            services._remove(target / ".cache")
-        meta = services._describe_transformers_dir(target, model.quantization)
+            services.remove_files(target / ".cache")
+        meta = describe.describe_transformers_dir(target, model.quantization)
     except BaseException as exc:
         _download_failed(job=job, row=model, target=target, exc=exc)
         if isinstance(exc, MillmError):
@@ -557,10 +555,10 @@ def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | 
                revision=info.sha or commit or sae.revision, target=target, token=token,
                progress=progress)
         if (target / ".cache").exists():
-            services._remove(target / ".cache")
+            services.remove_files(target / ".cache")
         folder = _sae_dir_of(sae.file_path) if sae.file_path else ""
         sae_path = (target / folder) if folder else target
-        meta = services._describe_sae(sae_path)
+        meta = describe.describe_sae(sae_path)
     except BaseException as exc:
         _download_failed(job=job, row=sae, target=target, exc=exc)
         if isinstance(exc, MillmError):

@@ -46,17 +46,16 @@ from huggingface_hub.errors import (
 )
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
-from millm_site.errors import (
+from core.errors import MillmError, ValidationFailed
+from registry.errors import (
     CircuitNotFound,
     DownloadFailed,
     FileNotFoundOnHub,
     GatedModelNoToken,
     HubUnavailable,
     InvalidHFToken,
-    MillmError,
     RepoNotFound,
     RevisionNotFound,
-    ValidationFailed,
 )
 
 log = structlog.get_logger(__name__)

@@ -12,9 +12,9 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from millm_site.errors import ModelNotFound
-from registry import services
+from registry.errors import ModelNotFound
 from registry.models import SAE, Attachment, Job, Model
+from registry.services import remove_files
 
 log = structlog.get_logger(__name__)
 
@@ -63,67 +63,6 @@ def model_by_name_or_id(value: str) -> Model:
     if model is None:
         raise ModelNotFound(f"Model {value!r} is not registered", details={"model": value})
     return model
-
-
-def auto_load() -> Job | None:
-    """Start loading AUTO_LOAD_MODEL in the background (readiness waits for it)."""
-    name = settings.AUTO_LOAD_MODEL
-    if not name:
-        return None
-    model = model_by_name_or_id(name)
-    targets = auto_attach_targets()  # a typo fails the start-up, not a background task
-    job = None
-    if model.status != Model.Status.LOADED:
-        job = services.model_load_enqueue(model=model)
-        log.info("auto_load_started", model=model.name, job_id=job.id)
-    if targets:
-        from millm_site import jobs
-        from registry import tasks
-
-        jobs.enqueue(tasks.auto_attach_task, job.id if job else None, queue="maintenance")
-    return job
-
-
-def auto_attach_targets() -> list[tuple[SAE, int]]:
-    """The (SAE, layer) pairs AUTO_ATTACH_SAES names; unknown names are errors."""
-    from millm_site.errors import SAENotFound, ValidationFailed
-
-    targets: list[tuple[SAE, int]] = []
-    for entry in settings.AUTO_ATTACH_SAES:
-        name, _, layer = entry.partition("@")
-        sae = SAE.objects.filter(Q(pk=name) | Q(name=name)).first()
-        if sae is None:
-            raise SAENotFound(f"AUTO_ATTACH_SAES names {name!r}, which is not registered",
-                              details={"sae": name})
-        chosen = int(layer) if layer else sae.trained_on_layer
-        if chosen is None:
-            raise ValidationFailed(f"SAE {name!r} does not say which layer it was trained on; "
-                                   f"write {name}@<layer>", details={"sae": name})
-        targets.append((sae, chosen))
-    return targets
-
-
-def auto_attach(*, load_job_id: int | None, timeout_s: float) -> list:
-    """Attach AUTO_ATTACH_SAES once the start-up load has finished (bounded wait)."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while load_job_id is not None:
-        job = Job.objects.get(pk=load_job_id)
-        if job.status in Job.FINISHED:
-            if job.status != Job.Status.SUCCEEDED:
-                log.warning("auto_attach_skipped", reason=f"start-up load {job.status}",
-                            error=job.error)
-                return []
-            break
-        if time.monotonic() > deadline:
-            log.warning("auto_attach_skipped", reason="start-up load still running",
-                        timeout_s=timeout_s)
-            return []
-        time.sleep(0.25)
-    results = services.sae_attach_set(items=auto_attach_targets())
-    log.info("auto_attached", attachments=[f"{r.sae_id}@{r.layer}" for r in results])
-    return results
 
 
 @dataclass
@@ -186,7 +125,7 @@ def cache_prune(*, dry_run: bool = True) -> PruneReport:
                 report.bytes_freed += _size(candidate)
                 report.removed.append(candidate)
                 if not dry_run:
-                    services._remove(candidate)
+                    remove_files(candidate)
     if not dry_run and report.removed:
         log.info("cache_pruned", removed=len(report.removed), bytes_freed=report.bytes_freed)
     return report

@@ -208,6 +208,13 @@ class ModelOutput(serializers.Serializer):
     updated_at = serializers.DateTimeField()
 
 
+def model_view(model: Model) -> dict[str, Any]:
+    """``model_out`` with the download progress of the model's running download."""
+    from registry.selectors import download_progress_by_model
+
+    return model_out(model, download_progress=download_progress_by_model().get(model.id))
+
+
 def model_out(model: Model, *, download_progress: int | None = None) -> dict[str, Any]:
     return ModelOutput({
         "id": model.id, "name": model.name, "source": model.source,

@@ -13,8 +13,8 @@ from django.http import HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
-from millm_site.admin_actions import run_each
-from millm_site.errors import MillmError
+from core.admin_actions import run_each
+from core.errors import MillmError
 from steering import services
 from steering.documents import load_document
 from steering.models import Circuit, Cluster, LiveSteering, Profile
@@ -234,7 +234,8 @@ class CircuitAdmin(DocumentAdmin):
               "edges_count", "is_active", "serving", "composed_layers", "document",
               "created_at", "updated_at")
     readonly_fields = fields
-    actions = ("activate_acknowledged", "deactivate", "export", "delete_circuits")
+    # "Activate" attaches SAEs, so orchestration.admin adds it
+    actions = ("deactivate", "export", "delete_circuits")
     import_help = ("A mistudio.circuit-definition/v1 document (≤ 16 SAEs, ≤ 20 members per "
                    "layer, ≤ 200 edges). Import never activates.")
 
@@ -248,11 +249,6 @@ class CircuitAdmin(DocumentAdmin):
     def do_import(self, data, text):
         circuit = services.circuit_import(document=data, text=text)
         return f"Imported circuit {circuit.name!r} (rung {circuit.rung})."
-
-    @admin.action(description="Activate (acknowledging a rung below 2)")
-    def activate_acknowledged(self, request, queryset):
-        run_each(self, request, queryset, "Activated",
-                  lambda c: services.circuit_activate(circuit=c, acknowledge_unvalidated=True))
 
     @admin.action(description="Deactivate")
     def deactivate(self, request, queryset):

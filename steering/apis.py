@@ -13,9 +13,9 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from millm_site.api import envelope
-from millm_site.errors import SAENotAttached, ValidationFailed
-from millm_site.schema import enveloped
+from core.api import body_object, envelope, validated
+from core.errors import SAENotAttached
+from core.schema import enveloped
 from steering import serializers as io
 from steering import services
 from steering.documents import load_document
@@ -28,25 +28,11 @@ TARGET = [OpenApiParameter("sae_id", str, required=False),
           OpenApiParameter("layer", int, required=False)]
 
 
-def valid(serializer_cls, data) -> dict:
-    serializer = serializer_cls(data=data)
-    serializer.is_valid(raise_exception=True)
-    return serializer.validated_data
-
-
-def _data(request) -> dict:
-    data = request.data if request.data is not None else {}
-    if not isinstance(data, dict):
-        raise ValidationFailed("The body must be a JSON object",
-                               details={"fields": {"body": ["not an object"]}})
-    return data
-
-
 def _target(request) -> dict:
     """sae_id / layer from the body, else the query."""
     data = {k: v for k, v in request.query_params.items() if k in ("sae_id", "layer")}
-    data.update({k: v for k, v in _data(request).items() if k in ("sae_id", "layer")})
-    target = valid(io.TargetInput, data)
+    data.update({k: v for k, v in body_object(request).items() if k in ("sae_id", "layer")})
+    target = validated(io.TargetInput, data)
     return {"sae_id": target.get("sae_id"), "layer": target.get("layer")}
 
 
@@ -89,7 +75,7 @@ class SteeringApi(APIView):
     @extend_schema(tags=STEERING, summary="Set one feature's value (enables steering)",
                    request=io.SteeringSetInput, responses=enveloped(io.SteeringStateOutput))
     def post(self, request) -> Response:
-        data = valid(io.SteeringSetInput, _data(request))
+        data = validated(io.SteeringSetInput, body_object(request))
         attachment = services.attachment_choose(**_target(request))
         return envelope(services.live_set(attachment=attachment,
                                           values={data["feature_idx"]: data["value"]}))
@@ -105,7 +91,7 @@ class SteeringBatchApi(APIView):
     @extend_schema(tags=STEERING, summary="Set up to 1000 values, all or nothing",
                    request=io.SteeringBatchInput, responses=enveloped(io.SteeringStateOutput))
     def post(self, request) -> Response:
-        data = valid(io.SteeringBatchInput, _data(request))
+        data = validated(io.SteeringBatchInput, body_object(request))
         values = steering_map(data["steering"])
         attachment = services.attachment_choose(**_target(request))
         return envelope(services.live_set(attachment=attachment, values=values))
@@ -146,7 +132,7 @@ class ProfileListApi(APIView):
     @extend_schema(tags=PROFILES, summary="Create a profile (unique name)",
                    request=io.ProfileInput, responses={201: enveloped(OpenApiTypes.OBJECT)})
     def post(self, request) -> Response:
-        data = valid(io.ProfileInput, _data(request))
+        data = validated(io.ProfileInput, body_object(request))
         profile = services.profile_create(
             name=data["name"], steering=data.get("steering") or {},
             sae_id=data.get("sae_id") or None, layer=data.get("layer"),
@@ -160,7 +146,7 @@ class ProfileSaveCurrentApi(APIView):
                    "profile", request=io.SaveCurrentInput,
                    responses={201: enveloped(OpenApiTypes.OBJECT)})
     def post(self, request) -> Response:
-        data = valid(io.SaveCurrentInput, _data(request))
+        data = validated(io.SaveCurrentInput, body_object(request))
         profile = services.profile_save_current(
             name=data["name"], description=data.get("description") or "",
             sae_id=data.get("sae_id"), layer=data.get("layer"))
@@ -181,7 +167,7 @@ class ProfileImportApi(APIView):
                                                 enum=["fail", "rename"])],
                    request=OpenApiTypes.OBJECT, responses={201: enveloped(OpenApiTypes.OBJECT)})
     def post(self, request) -> Response:
-        query = valid(io.ImportQuery, request.query_params)
+        query = validated(io.ImportQuery, request.query_params)
         data, _ = raw_document(request)
         profile = services.profile_import(document=data,
                                           on_conflict=query.get("on_conflict") or "fail")
@@ -198,7 +184,7 @@ class ProfileDetailApi(APIView):
                    request=io.ProfileUpdateInput, responses=enveloped(OpenApiTypes.OBJECT))
     def patch(self, request, profile_id: str) -> Response:
         profile = services.profile_get(profile_id=profile_id)
-        data = valid(io.ProfileUpdateInput, _data(request))
+        data = validated(io.ProfileUpdateInput, body_object(request))
         return envelope(io.profile_out(services.profile_update(profile=profile, data=data)))
 
     put = patch
@@ -217,7 +203,7 @@ class ProfileActivateApi(APIView):
                    responses=enveloped(OpenApiTypes.OBJECT))
     def post(self, request, profile_id: str) -> Response:
         profile = services.profile_get(profile_id=profile_id)
-        data = valid(io.IntensityInput, {**request.query_params.dict(), **_data(request)})
+        data = validated(io.IntensityInput, {**request.query_params.dict(), **body_object(request)})
         profile = services.profile_activate(profile=profile, intensity=data.get("intensity"))
         return envelope(io.profile_out(profile))
 

@@ -11,7 +11,7 @@ Activation, in order, with nothing changed until every check passed:
 3. layer claims: an active circuit already steering one of these layers refuses the
    activation with CIRCUIT_LAYER_CONTENTION — overridable with ``allow_layer_overlap``
    when the features differ, never when the same (layer, feature) would be steered twice;
-4. ``registry.services.sae_attach_set`` attaches every member SAE, all or nothing;
+4. ``orchestration.services.sae_attach_set`` attaches every member SAE, all or nothing;
 5. one locked transaction makes the live steering the union of the active circuits.
 
 A circuit's layers are claimed while it is active; the claims are derived from the active
@@ -26,12 +26,10 @@ import structlog
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from millm_site.errors import (
+from core.errors import (
     InvalidFeatureIndex,
     MillmError,
     ModelNotLoaded,
-    SAEInvalid,
-    SAENotFound,
     ValidationFailed,
 )
 from registry.models import SAE, Attachment, Model
@@ -251,10 +249,12 @@ def _gate(circuit: Circuit, acknowledge_unvalidated: bool) -> None:
                      "param": "acknowledge_unvalidated"})
 
 
-def circuit_activate(*, circuit: Circuit, acknowledge_unvalidated: bool = False,
-                     allow_layer_overlap: bool = False, intensity: Any = None) -> Circuit:
-    from registry.services import sae_attach_set
-
+def circuit_activation_plan(*, circuit: Circuit, acknowledge_unvalidated: bool = False,
+                            allow_layer_overlap: bool = False, intensity: Any = None
+                            ) -> tuple[list[tuple[SAE, int]], float]:
+    """Checks 1–3 of an activation, nothing changed: the (SAE, layer) pairs to attach and
+    the intensity λ. ``orchestration.services.circuit_activate`` attaches them and then
+    calls ``circuit_mark_active``."""
     _gate(circuit, acknowledge_unvalidated)
     lam = circuit.intensity if intensity is None else check_intensity(
         intensity, circuit.intensity_range)
@@ -262,13 +262,22 @@ def circuit_activate(*, circuit: Circuit, acknowledge_unvalidated: bool = False,
         raise ModelNotLoaded("No model is loaded; a circuit steers the loaded model")
     items = _member_saes(circuit)
     _contention(circuit, allow_layer_overlap)
-    try:
-        sae_attach_set(items=items)
-    except (SAEInvalid, SAENotFound) as exc:
-        raise SAESetIncomplete(f"The circuit's SAEs could not all be attached: {exc.message}",
-                               details={"offenders": [{"layer": layer, "sae_id": sae.id,
-                                                       "reason": exc.message}
-                                                      for sae, layer in items]}) from exc
+    return items, lam
+
+
+def circuit_set_incomplete(items: list[tuple[SAE, int]], exc: MillmError) -> SAESetIncomplete:
+    """The refusal when the member SAEs could not all be attached."""
+    return SAESetIncomplete(f"The circuit's SAEs could not all be attached: {exc.message}",
+                            details={"offenders": [{"layer": layer, "sae_id": sae.id,
+                                                    "reason": exc.message}
+                                                   for sae, layer in items]})
+
+
+def circuit_mark_active(*, circuit: Circuit, items: list[tuple[SAE, int]], intensity: float,
+                        allow_layer_overlap: bool = False) -> Circuit:
+    """Step 5, once the member SAEs are attached: the circuit is active and the live
+    steering is the union of the active circuits, in one locked transaction."""
+    lam = intensity
     serving = {str(layer): sae.id for sae, layer in items}
     with transaction.atomic():
         live.steering_lock()

@@ -19,7 +19,7 @@ import structlog
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from millm_site.errors import InvalidFeatureIndex, MillmError, SAENotAttached, ValidationFailed
+from core.errors import InvalidFeatureIndex, MillmError, SAENotAttached, ValidationFailed
 from registry.models import Attachment
 from steering import live
 from steering.documents import (

@@ -10,11 +10,11 @@ from rest_framework import status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from millm_site.api import envelope
-from millm_site.schema import enveloped
+from core.api import body_object, envelope, validated
+from core.schema import enveloped
 from steering import serializers as io
 from steering import services
-from steering.apis import _data, raw_document, raw_json, valid
+from steering.apis import raw_document, raw_json
 from steering.models import Circuit, Cluster
 
 CLUSTERS, CIRCUITS = ["clusters"], ["circuits"]
@@ -25,7 +25,7 @@ _IMPORT_PARAMS = [OpenApiParameter("on_conflict", str, required=False,
 
 
 def _merged(request) -> dict:
-    return {**request.query_params.dict(), **_data(request)}
+    return {**request.query_params.dict(), **body_object(request)}
 
 
 # --------------------------------------------------------------------------- clusters
@@ -44,7 +44,7 @@ class ClusterImportApi(APIView):
                    parameters=_IMPORT_PARAMS, request=OpenApiTypes.OBJECT,
                    responses={201: _ANY})
     def post(self, request) -> Response:
-        query = valid(io.ImportQuery, request.query_params)
+        query = validated(io.ImportQuery, request.query_params)
         data, text = raw_document(request)
         out = services.cluster_import(document=data, text=text,
                                       on_conflict=query.get("on_conflict") or "rename",
@@ -69,7 +69,7 @@ class ClusterActiveIntensityApi(APIView):
     @extend_schema(tags=CLUSTERS, summary="Dial the active cluster's λ (NO_ACTIVE_CLUSTER "
                    "without one)", request=io.DialInput, responses=_ANY)
     def put(self, request) -> Response:
-        data = valid(io.DialInput, _data(request))
+        data = validated(io.DialInput, body_object(request))
         cluster, reapplied = services.cluster_set_active_intensity(
             intensity=data["intensity"], reapply=data["reapply"])
         return envelope({**io.cluster_out(cluster), "reapplied": reapplied})
@@ -84,7 +84,7 @@ class ClusterDetailApi(APIView):
                    "document's)", request=io.ClusterUpdateInput, responses=_ANY)
     def patch(self, request, cluster_id: str) -> Response:
         cluster = services.cluster_get(cluster_id=cluster_id)
-        data = valid(io.ClusterUpdateInput, _data(request))
+        data = validated(io.ClusterUpdateInput, body_object(request))
         return envelope(io.cluster_out(services.cluster_update(
             cluster=cluster, name=data.get("name"), narrative=data.get("narrative"))))
 
@@ -102,7 +102,7 @@ class ClusterActivateApi(APIView):
                    request=io.ActivateInput, responses=_ANY)
     def post(self, request, cluster_id: str) -> Response:
         cluster = services.cluster_get(cluster_id=cluster_id)
-        data = valid(io.ActivateInput, _merged(request))
+        data = validated(io.ActivateInput, _merged(request))
         cluster = services.cluster_activate(cluster=cluster, intensity=data.get("intensity"),
                                             sae_id=data.get("sae_id"), layer=data.get("layer"))
         return envelope(io.cluster_out(cluster))
@@ -122,7 +122,7 @@ class ClusterIntensityApi(APIView):
                    request=io.DialInput, responses=_ANY)
     def put(self, request, cluster_id: str) -> Response:
         cluster = services.cluster_get(cluster_id=cluster_id)
-        data = valid(io.DialInput, _data(request))
+        data = validated(io.DialInput, body_object(request))
         cluster, reapplied = services.cluster_set_intensity(
             cluster=cluster, intensity=data["intensity"], reapply=data["reapply"])
         return envelope({**io.cluster_out(cluster), "reapplied": reapplied})
@@ -157,7 +157,7 @@ class CircuitImportApi(APIView):
                    "(never activates)", parameters=_IMPORT_PARAMS[:1],
                    request=OpenApiTypes.OBJECT, responses={201: _ANY})
     def post(self, request) -> Response:
-        query = valid(io.ImportQuery, request.query_params)
+        query = validated(io.ImportQuery, request.query_params)
         data, text = raw_document(request)
         circuit = services.circuit_import(document=data, text=text,
                                           on_conflict=query.get("on_conflict") or "rename")
@@ -180,7 +180,7 @@ class CircuitActiveIntensityApi(APIView):
     @extend_schema(tags=CIRCUITS, summary="Dial the one serving circuit's λ",
                    request=io.DialInput, responses=_ANY)
     def put(self, request) -> Response:
-        data = valid(io.DialInput, _data(request))
+        data = validated(io.DialInput, body_object(request))
         circuit, reapplied = services.circuit_set_active_intensity(
             intensity=data["intensity"], reapply=data["reapply"],
             acknowledge_unvalidated=data["acknowledge_unvalidated"])
@@ -208,24 +208,6 @@ class CircuitDetailApi(APIView):
         return envelope({"status": "deleted", "id": circuit.pk})
 
 
-class CircuitActivateApi(APIView):
-    @extend_schema(tags=CIRCUITS, summary="Activate: attach every member SAE and steer every "
-                   "layer under one λ", request=io.CircuitActivateInput,
-                   parameters=[OpenApiParameter("acknowledge_unvalidated", bool, required=False),
-                               OpenApiParameter("allow_layer_overlap", bool, required=False)],
-                   responses=_ANY)
-    def post(self, request, circuit_id: str) -> Response:
-        circuit = services.circuit_get(circuit_id=circuit_id)
-        data = valid(io.CircuitActivateInput, _merged(request))
-        circuit = services.circuit_activate(
-            circuit=circuit, acknowledge_unvalidated=data["acknowledge_unvalidated"],
-            allow_layer_overlap=data["allow_layer_overlap"], intensity=data.get("intensity"))
-        out = io.circuit_out(circuit)
-        if data["allow_layer_overlap"]:
-            out["allowed_layer_overlap"] = True
-        return envelope(out)
-
-
 class CircuitDeactivateApi(APIView):
     @extend_schema(tags=CIRCUITS, summary="Deactivate (releases its layers)", request=None,
                    responses=_ANY)
@@ -241,7 +223,7 @@ class CircuitIntensityApi(APIView):
                    responses=_ANY)
     def put(self, request, circuit_id: str) -> Response:
         circuit = services.circuit_get(circuit_id=circuit_id)
-        data = valid(io.DialInput, _data(request))
+        data = validated(io.DialInput, body_object(request))
         circuit, reapplied = services.circuit_set_intensity(
             circuit=circuit, intensity=data["intensity"], reapply=data["reapply"],
             acknowledge_unvalidated=data["acknowledge_unvalidated"])

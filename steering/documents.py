@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from millm_site.errors import ValidationFailed
+from core.errors import ValidationFailed
 from steering.errors import IsClusterDocument, PayloadTooLarge, UnknownKind
 
 MAX_DOCUMENT_BYTES = 1_000_000

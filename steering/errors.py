@@ -3,7 +3,7 @@ answered by each surface in its own shape: /api's envelope, /v1's OpenAI error."
 
 from __future__ import annotations
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 
 
 class ProfileNotFound(MillmError):

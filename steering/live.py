@@ -22,9 +22,9 @@ from typing import Any
 import structlog
 from django.db import transaction
 
+from core import events
+from core.errors import InvalidFeatureIndex, SAENotAttached, ValidationFailed
 from gpu_engine.protocol import MAX_STEERING_STRENGTH, SteeringEntry, SteeringSpec
-from millm_site import events
-from millm_site.errors import InvalidFeatureIndex, SAENotAttached, ValidationFailed
 from registry.models import Attachment
 from steering.errors import AmbiguousSAE
 from steering.models import Circuit, Cluster, LiveSteering, Profile, SteeringState

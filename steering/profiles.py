@@ -19,8 +19,8 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from core.errors import SAENotAttached, ValidationFailed
 from gpu_engine.protocol import MAX_STEERING_STRENGTH
-from millm_site.errors import SAENotAttached, ValidationFailed
 from registry.models import Attachment
 from steering import live
 from steering.documents import PROFILE_VERSION, refuse_cluster_as_profile

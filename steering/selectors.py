@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from core.errors import SAENotAttached
 from gpu_engine.protocol import AttachmentStatus
-from millm_site.errors import SAENotAttached
 from steering.errors import ProfileNotFound, SteeringInvalid
 from steering.models import Profile
 

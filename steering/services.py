@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
+from core.errors import InvalidFeatureIndex
 from gpu_engine.protocol import (
     MAX_STEERING_STRENGTH,
     AttachmentStatus,
     SteeringEntry,
     SteeringSpec,
 )
-from millm_site.errors import InvalidFeatureIndex
 from steering import live
 from steering.errors import ProfileIncompatible, ProfileNotFound, SteeringInvalid
 from steering.models import Cluster, Profile
@@ -254,7 +254,6 @@ def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
 # One namespace for the steering mutations (views, admin, commands and tests import these).
 
 from steering.circuits import (
-    circuit_activate,
     circuit_claims,
     circuit_deactivate,
     circuit_delete,
@@ -299,7 +298,7 @@ from steering.profiles import (
 
 __all__ = [
     "EXPLICITLY_UNSTEERED", "NONE", "ResolvedSteering", "attachment_choose",
-    "circuit_activate", "circuit_claims", "circuit_deactivate", "circuit_delete",
+    "circuit_claims", "circuit_deactivate", "circuit_delete",
     "circuit_get", "circuit_import", "circuit_set_active_intensity", "circuit_set_intensity",
     "circuits_active", "cluster_activate", "cluster_active", "cluster_deactivate",
     "cluster_delete", "cluster_get", "cluster_import", "cluster_set_active_intensity",

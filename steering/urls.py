@@ -47,8 +47,6 @@ urlpatterns = [
     path("circuits/claims", document_apis.CircuitClaimsApi.as_view(), name="circuit-claims"),
     path("circuits/<str:circuit_id>", document_apis.CircuitDetailApi.as_view(),
          name="circuit-detail"),
-    path("circuits/<str:circuit_id>/activate", document_apis.CircuitActivateApi.as_view(),
-         name="circuit-activate"),
     path("circuits/<str:circuit_id>/deactivate", document_apis.CircuitDeactivateApi.as_view(),
          name="circuit-deactivate"),
     path("circuits/<str:circuit_id>/intensity", document_apis.CircuitIntensityApi.as_view(),

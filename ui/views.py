@@ -19,8 +19,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 from django.views.generic import TemplateView
 
+from core.auth import bearer_token, key_is_valid
 from gpu_engine.protocol import MAX_STEERING_STRENGTH
-from millm_site.auth import bearer_token, key_is_valid
 
 LABELS_FILE = "feature_labels.json"
 # A labels file is one short string per feature; anything bigger is not one.

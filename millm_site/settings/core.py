@@ -51,22 +51,24 @@ INSTALLED_APPS = [
     "inference",
     "monitoring",
     "leases",
+    "orchestration",
     "ui",
+    "system",
 ]
 
 MIDDLEWARE = [
     # First, so it counts every answer (refusals of the middlewares below included) and
     # gives any 503 that lacks one a Retry-After.
-    "millm_site.metrics.MetricsMiddleware",
+    "core.metrics.MetricsMiddleware",
     # Unknown /api paths and exceptions outside DRF views still answer the envelope.
-    "millm_site.api.ApiFallbackMiddleware",
+    "core.api.ApiFallbackMiddleware",
     "corsheaders.middleware.CorsMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
-    "millm_site.auth.ApiKeyMiddleware",
+    "core.auth.ApiKeyMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -74,9 +76,9 @@ MIDDLEWARE = [
 # /v1 is served by its own handler (millm_site/asgi.py) with only what it uses: metrics
 # and the Retry-After guarantee, CORS for browser clients, and API keys.
 V1_MIDDLEWARE = [
-    "millm_site.metrics.MetricsMiddleware",
+    "core.metrics.MetricsMiddleware",
     "corsheaders.middleware.CorsMiddleware",
-    "millm_site.auth.ApiKeyMiddleware",
+    "core.auth.ApiKeyMiddleware",
 ]
 
 ROOT_URLCONF = "millm_site.urls"

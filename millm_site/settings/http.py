@@ -13,12 +13,12 @@ CORS_EXPOSE_HEADERS = ["Retry-After", "X-miLLM-Backend", "X-miLLM-Steering"]
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
-    # Access control is one middleware for /api and /v1 (millm_site.auth), so DRF itself
+    # Access control is one middleware for /api and /v1 (core.auth), so DRF itself
     # authenticates nobody and never asks for a CSRF token.
     "DEFAULT_AUTHENTICATION_CLASSES": [],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.AllowAny"],
     "UNAUTHENTICATED_USER": None,
-    "EXCEPTION_HANDLER": "millm_site.api.exception_handler",
+    "EXCEPTION_HANDLER": "core.api.exception_handler",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
 }
 

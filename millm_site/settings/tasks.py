@@ -1,5 +1,5 @@
 """Celery: Redis broker in distributed mode; in embedded mode tasks run on an in-process
-thread pool (millm_site.jobs) so a download never blocks a request."""
+thread pool (core.jobs) so a download never blocks a request."""
 
 from .core import CONFIG, EMBEDDED
 
@@ -7,11 +7,12 @@ CELERY_BROKER_URL = CONFIG.REDIS_URL or "memory://"
 CELERY_RESULT_BACKEND = None
 CELERY_TASK_IGNORE_RESULT = True
 CELERY_TASK_DEFAULT_QUEUE = "maintenance"
-# millm_site.jobs.enqueue names the queue of every task; these routes say the same for a
+# core.jobs.enqueue names the queue of every task; these routes say the same for a
 # task sent any other way. "loads" is consumed where the engine is reachable.
 CELERY_TASK_ROUTES = {
-    "registry.tasks.model_load_task": {"queue": "loads"},
-    "registry.tasks.model_unload_task": {"queue": "loads"},
+    "orchestration.tasks.model_load_task": {"queue": "loads"},
+    "orchestration.tasks.model_unload_task": {"queue": "loads"},
+    "orchestration.tasks.*": {"queue": "maintenance"},
     "registry.tasks.*": {"queue": "downloads"},
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

@@ -75,7 +75,7 @@ def api():
 @pytest.fixture
 def published(monkeypatch):
     """Every event published, in order, as (name, data)."""
-    from millm_site import events
+    from core import events
 
     seen: list[tuple[str, dict]] = []
     real = events.publish
@@ -90,14 +90,14 @@ def published(monkeypatch):
 
 @pytest.fixture
 def engine_client(settings):
-    from inference.engine_client import EmbeddedEngineClient, set_engine_client
+    from core.engine_client import EmbeddedEngineClient
+    from core.runtime import runtime
 
     settings.MILLM_ENGINE_DEVICE = "cpu"
     settings.MILLM_ENGINE_DTYPE = "float32"
     client = EmbeddedEngineClient()
-    previous = set_engine_client(client)
-    yield client
-    set_engine_client(previous)
+    with runtime().replaced(engine=client):
+        yield client
     client.shutdown()
 
 

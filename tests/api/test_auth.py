@@ -93,7 +93,7 @@ def test_websocket_needs_the_key(keys):
 
 
 def test_websocket_relays_events_without_keys():
-    from millm_site import events
+    from core import events
 
     async def scenario():
         communicator = _ws("/ws/events")

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from millm_site.errors import EngineUnavailable, ModelBusy
+from core.errors import EngineUnavailable, ModelBusy
 from tests.api.conftest import body, ok, refused
 
 pytestmark = pytest.mark.django_db

@@ -7,6 +7,7 @@ import re
 
 import pytest
 
+from orchestration import services as orchestration_services
 from registry.models import Model
 from tests.api.conftest import ok, refused
 
@@ -27,7 +28,6 @@ def test_ready_without_a_model(api, engine_client):
 
 def test_not_ready_until_the_auto_load_model_is_resident(api, engine_client, settings,
                                                          tiny_llama):
-    from registry import services
 
     settings.AUTO_LOAD_MODEL = "tiny-llama"
     response = api.get("/api/health/ready")
@@ -35,7 +35,7 @@ def test_not_ready_until_the_auto_load_model_is_resident(api, engine_client, set
     assert response["Retry-After"] == str(settings.RETRY_AFTER_READINESS_S)
     assert error["details"]["checks"]["auto_load_model"] is False
     assert "auto_load_model" in error["message"]
-    services.model_load(model=tiny_llama)
+    orchestration_services.model_load(model=tiny_llama)
     assert ok(api.get("/api/health/ready"))["checks"]["auto_load_model"] is True
 
 
@@ -47,27 +47,26 @@ def test_not_ready_while_a_model_is_being_swapped(api, engine_client, tiny_llama
     assert response["Retry-After"] == "5"
 
 
-def test_not_ready_when_the_engine_is_away(api, monkeypatch):
-    from inference import engine_client
+def test_not_ready_when_the_engine_is_away(api):
+    from core.errors import EngineUnavailable
+    from core.runtime import runtime
 
-    def away():
-        from millm_site.errors import EngineUnavailable
+    class Away:
+        def status(self):
+            raise EngineUnavailable("no engine")
 
-        raise EngineUnavailable("no engine")
-
-    monkeypatch.setattr(engine_client, "get_engine_client", away)
-    error = refused(api.get("/api/health/ready"), 503, "NOT_READY")
+    with runtime().replaced(engine=Away()):
+        error = refused(api.get("/api/health/ready"), 503, "NOT_READY")
+        detailed = ok(api.get("/api/health/detailed"))
     assert error["details"]["checks"]["engine"] is False
-    detailed = ok(api.get("/api/health/detailed"))
     assert detailed["status"] == "unhealthy"
     assert {c["name"]: c["status"] for c in detailed["components"]}["engine"] == "unhealthy"
 
 
 def test_detailed(api, engine_client, tiny_llama, llama_saes):
-    from registry import services
 
-    services.model_load(model=tiny_llama)
-    services.sae_attach(sae=llama_saes["tiny-llama-L1-relu"], layer=1)
+    orchestration_services.model_load(model=tiny_llama)
+    orchestration_services.sae_attach(sae=llama_saes["tiny-llama-L1-relu"], layer=1)
     data = ok(api.get("/api/health/detailed"))
     names = {c["name"] for c in data["components"]}
     assert {"database", "engine", "channel_layer", "huggingface_circuit"} <= names
@@ -94,11 +93,10 @@ def test_inference(api, engine_client, settings):
 @pytest.mark.parametrize("pack, kernels", [(True, "onednn_packed"), (False, "default")])
 def test_inference_reports_the_kernels_the_pack_setting_chose(api, engine_client, tiny_llama, settings,
                                                               pack, kernels):
-    from registry import services
 
     assert ok(api.get("/api/health/inference"))["kernels"] is None  # nothing loaded yet
     settings.MILLM_ENGINE_PACK_WEIGHTS = pack
-    services.model_load(model=tiny_llama)
+    orchestration_services.model_load(model=tiny_llama)
     assert ok(api.get("/api/health/inference"))["kernels"] == kernels
 
 
@@ -120,12 +118,11 @@ def test_gpus_in_distributed_mode(api, settings):
 
 
 def test_metrics_json_and_prometheus(api, engine_client, tiny_llama, llama_saes):
-    from millm_site import metrics
-    from registry import services
+    from core import metrics
 
-    services.model_load(model=tiny_llama)
+    orchestration_services.model_load(model=tiny_llama)
     sae = llama_saes["tiny-llama-L1-relu"]
-    services.sae_attach(sae=sae, layer=1)
+    orchestration_services.sae_attach(sae=sae, layer=1)
     metrics.record_tokens(model="tiny-llama", completion_tokens=7, prompt_tokens=3)
     metrics.record_refusal("queue_full")
     api.get("/api/models")

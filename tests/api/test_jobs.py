@@ -34,7 +34,7 @@ def test_list_detail_and_cancel(api, hub, tiny_llama):
     assert Model.objects.get(pk=download["model"]["id"]).status == "error"
     # a queued load is cancelled at once and never runs
     assert ok(api.post(f"/api/jobs/{load['job']['id']}/cancel"))["status"] == "cancelled"
-    from registry import tasks
+    from orchestration import tasks
 
     assert tasks.model_load_task(load["job"]["id"]) == "skipped"
     assert Model.objects.get(pk=tiny_llama.id).status == "ready"

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from registry import tasks
+from orchestration import tasks
 from registry.models import SAE, Attachment, Job, Model
 from tests.api.conftest import ok, refused, run_job
 
@@ -256,14 +256,15 @@ def _v1_request_in_flight(model):
     model in /v1's residency (released when the request ends)."""
     from asgiref.sync import async_to_sync
 
-    from inference.residency import ModelRef, get_residency
+    from core.runtime import runtime
+    from inference.residency import ModelRef
 
-    return async_to_sync(get_residency().acquire)(
+    return async_to_sync(runtime().residency.acquire)(
         ModelRef(pk=model.pk, name=model.name, status="loaded"), policy="refuse")
 
 
 def test_pools_are_sized_from_the_settings(settings):
-    from millm_site import jobs
+    from core import jobs
 
     jobs.shutdown(wait=True)
     settings.MAX_DOWNLOAD_WORKERS, settings.MAX_LOAD_WORKERS = 3, 1

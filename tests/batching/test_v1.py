@@ -25,22 +25,20 @@ PROMPT = "the sea and the sky"
 @pytest.fixture
 def batching_server(v1_server, settings):  # noqa: F811 - the imported fixture
     """The session's daphne, served by a continuous-batching engine with 8 slots."""
-    from inference.admission import AdmissionController, set_admission
-    from inference.engine_client import EmbeddedEngineClient, set_engine_client
+    from core.engine_client import EmbeddedEngineClient
+    from core.runtime import runtime
+    from inference.admission import AdmissionController
 
     settings.ENABLE_CONTINUOUS_BATCHING = True
     settings.MAX_CONCURRENT_REQUESTS = 8
     client = EmbeddedEngineClient()
-    previous_client = set_engine_client(client)
-    previous_admission = set_admission(AdmissionController.from_settings())
     server = V1Server(v1_server.url, client)
     try:
-        model_resident(server, "tiny-llama")
-        yield server
-        server.wait_idle()
+        with runtime().replaced(engine=client, admission=AdmissionController.from_settings()):
+            model_resident(server, "tiny-llama")
+            yield server
+            server.wait_idle()
     finally:
-        set_engine_client(previous_client)
-        set_admission(previous_admission)
         client.shutdown()
 
 

@@ -1,5 +1,5 @@
 """The Redis Streams transport against a real redis-server: the delivery semantics of
-``gpu_engine.server`` and ``inference.engine_client_redis``, with a stand-in engine whose
+``gpu_engine.server`` and ``core.engine_client_redis``, with a stand-in engine whose
 timing the tests control (and one parity check with the real engine)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import time
 import pytest
 import redis
 
+from core.engine_client_redis import RedisEngineClient
 from gpu_engine.errors import EngineShutdown, ModelNotLoaded, SAENotAttached
 from gpu_engine.protocol import (
     AttachSpec,
@@ -28,7 +29,6 @@ from gpu_engine.protocol import (
 from gpu_engine.server.keys import Keys
 from gpu_engine.server.server import EngineAlreadyRunning, EngineServer, ServerConfig
 from gpu_engine.server.wire import RequestEnvelope
-from inference.engine_client_redis import RedisEngineClient
 from tests.distributed.fakes import FAST, FakeEngine, fake_heartbeat, running_server
 
 

@@ -16,7 +16,7 @@ from tests.envelope import body, ok, refused  # noqa: F401 - re-exported to the 
 
 @pytest.fixture(scope="session")
 def doc_engine():
-    from inference.engine_client import EmbeddedEngineClient
+    from core.engine_client import EmbeddedEngineClient
 
     client = EmbeddedEngineClient()
     yield client
@@ -26,7 +26,7 @@ def doc_engine():
 @pytest.fixture
 def engine(doc_engine, settings):
     """The session's engine, installed as the server's engine client for this test."""
-    from inference.engine_client import set_engine_client
+    from core.engine_client import set_engine_client
 
     settings.MILLM_ENGINE_DEVICE = "cpu"
     settings.MILLM_ENGINE_DTYPE = "float32"
@@ -45,7 +45,7 @@ class Llama:
         return self.saes[name]
 
     def attach(self, name: str, layer: int) -> Any:
-        from registry.services import sae_attach
+        from orchestration.services import sae_attach
 
         sae = self.saes[name]
         sae_attach(sae=sae, layer=layer)
@@ -67,8 +67,9 @@ def register_llama(tiny_assets) -> tuple[Any, dict[str, Any]]:
 
 def make_resident(engine, model) -> None:
     """tiny-llama resident in the engine and recorded as loaded, nothing attached."""
+    from orchestration.services import model_load
     from registry.models import Model
-    from registry.services import model_load, model_set_status
+    from registry.services import model_set_status
 
     if engine.status().model_id != model.name:
         model_load(model=model)
@@ -100,7 +101,7 @@ def api():
 @pytest.fixture
 def published(monkeypatch):
     """Every event published, in order, as (name, data)."""
-    from millm_site import events
+    from core import events
 
     seen: list[tuple[str, dict]] = []
 

@@ -6,6 +6,6 @@ from typing import Any
 
 
 def engine_attachments() -> list[Any]:
-    from inference.engine_client import get_engine_client
+    from core.runtime import runtime
 
-    return list(get_engine_client().attachments())
+    return list(runtime().engine.attachments())

@@ -12,6 +12,7 @@ import pytest
 from django.utils import timezone
 
 from leases.models import Lease
+from orchestration import services as orchestration_services
 from registry import services as registry_services
 from registry.models import Job, Model
 from tests.documents.conftest import ok, refused
@@ -170,14 +171,14 @@ def test_a_lease_blocks_model_changes_for_others_only(api, llama, gpt2):
 def test_the_lease_ends_with_the_model(api, llama):
     model = llama.model
     lease = _grant(api, model)
-    registry_services.model_unload(model=Model.objects.get(pk=model.id))
+    orchestration_services.model_unload(model=Model.objects.get(pk=model.id))
     row = Lease.objects.get()
     assert row.end_reason == "model_unloaded" and row.ended_at is not None
     error = refused(api.post(f"/api/models/{model.id}/lease/renew", {}, format="json",
                              HTTP_X_MILLM_LEASE=lease["lease_id"]), 409, "LEASE_EXPIRED")
     assert error["details"]["end_reason"] == "model_unloaded"
     # a row that stopped saying "loaded" (an engine restart recorded elsewhere) ends it too
-    registry_services.model_load(model=Model.objects.get(pk=model.id))
+    orchestration_services.model_load(model=Model.objects.get(pk=model.id))
     _grant(api, model)
     Model.objects.filter(pk=model.id).update(status=Model.Status.READY)
     assert ok(api.get(f"/api/models/{model.id}/lease"))["lease"] is None

@@ -10,9 +10,9 @@ import time
 import pytest
 from django.db import connection, connections, transaction
 
+from core.errors import MillmError
 from leases.models import Lease
 from leases.services import lease_grant, lease_hash
-from millm_site.errors import MillmError
 from registry.models import Model
 from tests.conftest import manage
 

@@ -69,7 +69,7 @@ def served(engine, tiny_assets, transactional_db):
 
 @pytest.fixture
 def relu(served):
-    from registry.services import sae_attach
+    from orchestration.services import sae_attach
 
     sae = served.saes["tiny-llama-L1-relu"]
     sae_attach(sae=sae, layer=1)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from inference.engine_client import EmbeddedEngineClient, set_engine_client
-from millm_site.errors import ModelLocked, ModelNotLoaded, SAEIncompatible, SAENotAttached
+from core.engine_client import EmbeddedEngineClient
+from core.errors import ModelNotLoaded, SAEIncompatible, SAENotAttached
+from core.runtime import runtime
+from orchestration import services as orchestration_services
 from registry import services
+from registry.errors import ModelLocked
 from registry.models import SAE, Attachment, Model
 
 pytestmark = pytest.mark.django_db
@@ -18,9 +21,8 @@ def engine_client(settings):
     settings.MILLM_ENGINE_DEVICE = "cpu"
     settings.MILLM_ENGINE_DTYPE = "float32"
     client = EmbeddedEngineClient()
-    previous = set_engine_client(client)
-    yield client
-    set_engine_client(previous)
+    with runtime().replaced(engine=client):
+        yield client
     client.shutdown()
 
 
@@ -38,13 +40,13 @@ def llama(tiny_assets):
 def test_load_attach_detach_unload(engine_client, llama):
     model, saes = llama
     with pytest.raises(ModelNotLoaded):
-        services.sae_attach(sae=saes["tiny-llama-L1-relu"], layer=1)
-    services.model_load(model=model)
+        orchestration_services.sae_attach(sae=saes["tiny-llama-L1-relu"], layer=1)
+    orchestration_services.model_load(model=model)
     assert Model.objects.get(pk=model.pk).status == "loaded"
     status = engine_client.status()
     assert status.state == "ready" and status.model_id == "tiny-llama"
 
-    result = services.sae_attach(sae=saes["tiny-llama-L1-relu"], layer=1)
+    result = orchestration_services.sae_attach(sae=saes["tiny-llama-L1-relu"], layer=1)
     assert result.layer_module_path == "model.layers.1"
     row = Attachment.objects.get()
     assert (row.sae_id, row.layer, row.layer_module_path) == (
@@ -54,29 +56,29 @@ def test_load_attach_detach_unload(engine_client, llama):
     assert [(a.sae_id, a.layer) for a in engine_client.attachments()] == [(row.sae_id, 1)]
 
     with pytest.raises(ModelLocked):
-        services.model_unload(model=model)
-    services.sae_detach(sae=saes["tiny-llama-L1-relu"])
+        orchestration_services.model_unload(model=model)
+    orchestration_services.sae_detach(sae=saes["tiny-llama-L1-relu"])
     assert not Attachment.objects.exists()
     assert not Model.objects.get(pk=model.pk).locked
     assert engine_client.attachments() == []
     with pytest.raises(SAENotAttached):
-        services.sae_detach(sae=saes["tiny-llama-L1-relu"])
+        orchestration_services.sae_detach(sae=saes["tiny-llama-L1-relu"])
 
-    services.model_unload(model=model)
+    orchestration_services.model_unload(model=model)
     assert Model.objects.get(pk=model.pk).status == "ready"
     assert engine_client.status().state == "empty"
 
 
 def test_attach_set_is_all_or_nothing(engine_client, llama):
     model, saes = llama
-    services.model_load(model=model)
+    orchestration_services.model_load(model=model)
     with pytest.raises(SAEIncompatible):
         # the GPT-2 SAE's d_in equals the llama hidden size, but layer 9 is out of range
-        services.sae_attach_set(items=[(saes["tiny-llama-L1-relu"], 1), (saes["gpt2"], 9)])
+        orchestration_services.sae_attach_set(items=[(saes["tiny-llama-L1-relu"], 1), (saes["gpt2"], 9)])
     assert not Attachment.objects.exists()
     assert engine_client.attachments() == []
     assert SAE.objects.filter(status="attached").count() == 0
-    services.sae_attach_set(items=[(saes["tiny-llama-L1-relu"], 1),
+    orchestration_services.sae_attach_set(items=[(saes["tiny-llama-L1-relu"], 1),
                                    (saes["tiny-llama-L3-relu"], 3)])
     assert sorted(Attachment.objects.values_list("layer", flat=True)) == [1, 3]
     assert len(engine_client.attachments()) == 2

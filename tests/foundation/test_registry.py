@@ -16,8 +16,9 @@ from django.conf import settings
 from django.core.management import call_command
 from safetensors import safe_open
 
-from millm_site import events, jobs
-from millm_site.errors import (
+from core import events, jobs
+from registry import selectors, services
+from registry.errors import (
     InvalidLocalPath,
     JobFinished,
     ModelAlreadyExists,
@@ -26,7 +27,6 @@ from millm_site.errors import (
     ModelLocked,
     SAEAlreadyAttached,
 )
-from registry import selectors, services
 from registry.models import SAE, Job, Model
 
 pytestmark = pytest.mark.django_db

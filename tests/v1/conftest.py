@@ -40,17 +40,17 @@ class V1Server:
 
     def wait_idle(self, timeout_s: float = 10.0) -> None:
         """Until no generation runs and every /v1 slot is free."""
-        from inference.admission import get_admission
+        from core.runtime import runtime
 
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             status = self.engine.status()
-            stats = get_admission().stats()
+            stats = runtime().admission.stats()
             if status.in_flight == 0 and stats.in_flight == 0 and stats.waiting == 0:
                 return
             time.sleep(0.02)
         raise AssertionError(f"not idle after {timeout_s}s: engine {self.engine.status()}, "
-                             f"admission {get_admission().stats()}")
+                             f"admission {runtime().admission.stats()}")
 
 
 def _register_assets() -> None:
@@ -66,22 +66,20 @@ def v1_server(django_db_setup, django_db_blocker, tiny_assets) -> Any:
     from django.conf import settings
     from django.db import connections
 
-    from inference.admission import AdmissionController, set_admission
-    from inference.engine_client import EmbeddedEngineClient, set_engine_client
+    from core.engine_client import EmbeddedEngineClient
+    from core.runtime import runtime
+    from inference.admission import AdmissionController
 
     # float32 on CPU whatever the machine: references are computed in float32
     saved = settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE
     settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = "cpu", "float32"
     client = EmbeddedEngineClient()
-    previous_client = set_engine_client(client)
-    previous_admission = set_admission(AdmissionController.from_settings())
-    with django_db_blocker.unblock():
-        _register_assets()
-    server = live_server()
-    yield V1Server(server.url, client)
-    server.stop()
-    set_engine_client(previous_client)
-    set_admission(previous_admission)
+    with runtime().replaced(engine=client, admission=AdmissionController.from_settings()):
+        with django_db_blocker.unblock():
+            _register_assets()
+        server = live_server()
+        yield V1Server(server.url, client)
+        server.stop()
     client.shutdown()
     settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = saved
     connections.close_all()
@@ -96,8 +94,9 @@ def _v1_db(v1_server, transactional_db):
 def model_resident(server: V1Server, name: str) -> None:
     """Make ``name`` the resident model with no SAE attached (through the registry, as
     the management API would)."""
+    from orchestration.services import model_load, sae_detach
     from registry.models import SAE, Model
-    from registry.services import model_load, model_set_status, sae_detach
+    from registry.services import model_set_status
 
     row = Model.objects.get(name=name)
     if server.engine.status().model_id != name:
@@ -111,8 +110,8 @@ def model_resident(server: V1Server, name: str) -> None:
 
 
 def attach(name: str, layer: int) -> Any:
+    from orchestration.services import sae_attach
     from registry.models import SAE
-    from registry.services import sae_attach
 
     sae = SAE.objects.get(name=name)
     sae_attach(sae=sae, layer=layer)
@@ -140,18 +139,18 @@ def openai_client(v1_server):
 @pytest.fixture
 def admission(v1_server):
     """Swap in a controller with other limits for one test: ``admission(slots, pending)``."""
-    from inference.admission import AdmissionController, set_admission
+    from contextlib import ExitStack
 
-    saved: list[Any] = []
+    from core.runtime import runtime
+    from inference.admission import AdmissionController
 
-    def make(slots: int = 1, pending: int = 0, **kwargs: Any) -> AdmissionController:
-        controller = AdmissionController(slots=slots, max_pending=pending, **kwargs)
-        saved.append(set_admission(controller))
-        return controller
+    with ExitStack() as stack:
+        def make(slots: int = 1, pending: int = 0, **kwargs: Any) -> AdmissionController:
+            controller = AdmissionController(slots=slots, max_pending=pending, **kwargs)
+            stack.enter_context(runtime().replaced(admission=controller))
+            return controller
 
-    yield make
-    if saved:
-        set_admission(saved[0])
+        yield make
 
 
 def in_thread(fn, *args, **kwargs) -> threading.Thread:

@@ -152,22 +152,22 @@ def test_waiting_requests_are_served_in_turn(llama, admission):
 
 
 def test_a_client_that_hangs_up_frees_its_slot_and_stops_generating(llama):
-    from inference.admission import get_admission
+    from core.runtime import runtime
 
     body = {"model": "tiny-llama", "prompt": "the sea", "max_tokens": 400, "stream": True,
             "ignore_eos": True, "temperature": 0}
     sock, first = open_stream(llama.base_url, "/completions", body)
     assert b" 200 " in first.split(b"\r\n", 1)[0]
-    assert get_admission().stats().in_flight == 1
+    assert runtime().admission.stats().in_flight == 1
     before = llama.engine.status()
     assert before.in_flight == 1
     sock.close()
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and (llama.engine.status().in_flight
-                                           or get_admission().stats().in_flight):
+                                           or runtime().admission.stats().in_flight):
         time.sleep(0.01)
     assert llama.engine.status().in_flight == 0
-    assert get_admission().stats().in_flight == 0
+    assert runtime().admission.stats().in_flight == 0
     # it stopped well before max_tokens: a following request is served at once
     started = time.monotonic()
     resp = request(llama.base_url, "POST", "/completions",
@@ -181,7 +181,7 @@ def test_a_non_streaming_client_that_hangs_up_stops_its_generation(llama):
     import socket
     from urllib.parse import urlparse
 
-    from inference.admission import get_admission
+    from core.runtime import runtime
 
     url = urlparse(llama.base_url)
     data = json.dumps({"model": "tiny-llama", "prompt": "the sea", "max_tokens": 480,
@@ -195,4 +195,4 @@ def test_a_non_streaming_client_that_hangs_up_stops_its_generation(llama):
     assert llama.engine.status().in_flight == 1
     sock.close()
     llama.wait_idle(timeout_s=5)
-    assert get_admission().stats().in_flight == 0
+    assert runtime().admission.stats().in_flight == 0

@@ -11,8 +11,8 @@ import time
 import openai
 import pytest
 
+from core.runtime import runtime
 from gpu_engine.protocol import EmbedJob
-from inference.residency import get_residency
 from registry.models import Model
 from tests.v1.conftest import attach
 from tests.v1.helpers import assert_openai_error, request
@@ -72,10 +72,9 @@ def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monke
     with pytest.raises(openai.ConflictError):
         openai_client.completions.create(**body, extra_headers=refuse)
 
-    from inference.admission import AdmissionController, set_admission
+    from inference.admission import AdmissionController
 
-    previous = set_admission(AdmissionController(slots=2, max_pending=4))
-    try:
+    with runtime().replaced(admission=AdmissionController(slots=2, max_pending=4)):
         results: list[int] = []
         bodies: list[bytes] = []
 
@@ -88,9 +87,9 @@ def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monke
         for t in threads:
             t.start()
         deadline = time.monotonic() + 10
-        while not get_residency().loading("tiny-gpt2") and time.monotonic() < deadline:
+        while not runtime().residency.loading("tiny-gpt2") and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert get_residency().loading("tiny-gpt2")
+        assert runtime().residency.loading("tiny-gpt2")
         during = request(llama.base_url, "POST", "/completions", body, headers=refuse)
         assert_openai_error(during, 503, "model_loading")
         assert during.headers["retry-after"] == "15"  # RETRY_AFTER_LOAD_S
@@ -99,8 +98,6 @@ def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monke
         assert_openai_error(other, 503, "model_busy")
         for t in threads:
             t.join(60)
-    finally:
-        set_admission(previous)
     assert results == [200, 200], bodies
     assert calls == ["tiny-gpt2"]  # one load for both requests
     assert llama.engine.status().model_id == "tiny-gpt2"

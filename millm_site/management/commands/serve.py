@@ -11,7 +11,7 @@ from daphne.cli import CommandLineInterface
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 
 log = structlog.get_logger("millm.serve")
 
@@ -47,6 +47,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, host: str | None, port: int | None, no_auto_load: bool,
                **options):
+        from orchestration import startup
         from registry import maintenance
 
         host, access = bind_host(host)
@@ -55,7 +56,7 @@ class Command(BaseCommand):
         maintenance.startup_reconcile()
         if settings.AUTO_LOAD_MODEL and not no_auto_load:
             try:
-                maintenance.auto_load()
+                startup.auto_load()
             except MillmError as exc:
                 raise CommandError(f"AUTO_LOAD_MODEL={settings.AUTO_LOAD_MODEL}: "
                                    f"{exc.code}: {exc.message}") from exc

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.core.management.base import CommandError
 from tqdm import tqdm
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 
 
 @contextmanager

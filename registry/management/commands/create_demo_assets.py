@@ -5,7 +5,7 @@ from pathlib import Path
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 from registry import services
 
 

@@ -3,7 +3,7 @@ progress bar. The same services as POST /api/models."""
 
 from django.core.management.base import BaseCommand, CommandError
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 from registry import downloads, services
 from registry.management.commands._progress import byte_bar, fail, token_from_env
 from registry.models import Model

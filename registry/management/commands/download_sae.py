@@ -3,7 +3,7 @@ as POST /api/saes/download (idempotent per repository, revision and file path)."
 
 from django.core.management.base import BaseCommand, CommandError
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 from registry import downloads
 from registry.management.commands._progress import byte_bar, fail, token_from_env
 

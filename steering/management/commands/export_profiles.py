@@ -7,7 +7,7 @@ from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 from steering import services
 from steering.models import Profile
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 from django.db import transaction
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 from steering import services
 
 

@@ -1,6 +1,6 @@
 """The engine client of the distributed topology: Redis Streams to a ``run_engine`` process.
 
-Same interface as ``EmbeddedEngineClient`` (``inference.engine_client.EngineClient``), the
+Same interface as ``EmbeddedEngineClient`` (``core.engine_client.EngineClient``), the
 same protocol dataclasses on the wire (as JSON), and no torch: this module, and what it
 imports, is all a web process needs to reach the engine.
 
@@ -29,6 +29,7 @@ from typing import Any
 import redis
 import structlog
 
+from core.engine_client import EngineClient, GenerationHandle
 from gpu_engine.errors import (
     EngineBusy,
     EngineError,
@@ -55,7 +56,6 @@ from gpu_engine.protocol import (
 from gpu_engine.sae.compat import CompatibilityReport
 from gpu_engine.server.keys import Keys
 from gpu_engine.server.wire import CommandEnvelope, RequestEnvelope, decode_event
-from inference.engine_client import EngineClient, GenerationHandle
 
 log = structlog.get_logger(__name__)
 

@@ -26,50 +26,8 @@ class ValidationFailed(MillmError):
     code, status = "VALIDATION_ERROR", 422
 
 
-class InvalidLocalPath(MillmError):
-    code, status = "INVALID_LOCAL_PATH", 400
-
-
-class ModelNotFound(MillmError):
-    code, status = "MODEL_NOT_FOUND", 404
-
-
-class ModelAlreadyExists(MillmError):
-    code, status = "MODEL_ALREADY_EXISTS", 409
-
-
-class ModelLocked(MillmError):
-    code, status = "MODEL_LOCKED", 409
-
-
-class ModelLoaded(MillmError):
-    code, status = "MODEL_LOADED", 409
-
-
-class ModelInvalid(MillmError):
-    """The files are there but are not a model we can read."""
-
-    code, status = "MODEL_INVALID", 400
-
-
-class SAENotFound(MillmError):
-    code, status = "SAE_NOT_FOUND", 404
-
-
 class SAEInvalid(MillmError):
     code, status = "SAE_INVALID", 400
-
-
-class SAEAlreadyAttached(MillmError):
-    code, status = "SAE_ALREADY_ATTACHED", 409
-
-
-class JobNotFound(MillmError):
-    code, status = "JOB_NOT_FOUND", 404
-
-
-class JobFinished(MillmError):
-    code, status = "JOB_ALREADY_FINISHED", 409
 
 
 class ModelNotLoaded(MillmError):
@@ -106,58 +64,6 @@ class InvalidFeatureIndex(MillmError):
 
 class EngineUnavailable(MillmError):
     code, status = "ENGINE_UNAVAILABLE", 503
-
-
-class ModelAlreadyLoaded(MillmError):
-    code, status = "MODEL_ALREADY_LOADED", 400
-
-
-class UnsupportedQuantization(MillmError):
-    code, status = "UNSUPPORTED_QUANTIZATION", 400
-
-
-# --- the hub and downloads --------------------------------------------------------------
-
-class RepoNotFound(MillmError):
-    code, status = "REPO_NOT_FOUND", 404
-
-
-class RevisionNotFound(MillmError):
-    code, status = "REVISION_NOT_FOUND", 404
-
-
-class FileNotFoundOnHub(MillmError):
-    code, status = "FILE_NOT_FOUND", 404
-
-
-class GatedModelNoToken(MillmError):
-    code, status = "GATED_MODEL_NO_TOKEN", 401
-
-
-class InvalidHFToken(MillmError):
-    code, status = "INVALID_HF_TOKEN", 401
-
-
-class HubUnavailable(MillmError):
-    """The hub cannot be reached, or its circuit breaker is open (Retry-After set)."""
-
-    code, status = "HUB_UNAVAILABLE", 503
-
-
-class DownloadFailed(MillmError):
-    code, status = "DOWNLOAD_FAILED", 502
-
-
-class DownloadCancelled(MillmError):
-    code, status = "DOWNLOAD_CANCELLED", 499
-
-
-class DownloadTimedOut(MillmError):
-    code, status = "DOWNLOAD_TIMEOUT", 504
-
-
-class CircuitNotFound(MillmError):
-    code, status = "CIRCUIT_NOT_FOUND", 404
 
 
 class NotReady(MillmError):

@@ -1,11 +1,11 @@
 """Everything under /api owned by the site itself: health, schema and docs. Unknown /api
-paths get the envelope's 404 from ``millm_site.api.ApiFallbackMiddleware``, so apps can
+paths get the envelope's 404 from ``core.api.ApiFallbackMiddleware``, so apps can
 add their own /api routes in any order."""
 
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-from millm_site import health
+from system import health
 
 urlpatterns = [
     path("health", health.LivenessView.as_view(), name="health"),

@@ -19,8 +19,8 @@ from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
-from millm_site.errors import MillmError
-from millm_site.middleware import LoopMiddleware
+from core.errors import MillmError
+from core.middleware import LoopMiddleware
 
 log = structlog.get_logger(__name__)
 
@@ -42,6 +42,25 @@ def envelope(data: Any = None, *, status_code: int = status.HTTP_200_OK,
     """A success answer."""
     return Response({"success": True, "data": data, "error": None}, status=status_code,
                     headers=headers)
+
+
+def validated(serializer_cls: Any, data: Any) -> Any:
+    """A view's input through its serializer; a refusal is the 422 VALIDATION_ERROR
+    envelope (the exception handler builds it)."""
+    serializer = serializer_cls(data=data)
+    serializer.is_valid(raise_exception=True)
+    return serializer.validated_data
+
+
+def body_object(request: Any) -> dict[str, Any]:
+    """The request's JSON body, which must be an object (an empty body is ``{}``)."""
+    from core.errors import ValidationFailed
+
+    data = request.data if request.data is not None else {}
+    if not isinstance(data, dict):
+        raise ValidationFailed("The body must be a JSON object",
+                               details={"fields": {"body": ["not an object"]}})
+    return data
 
 
 def error_body(code: str, message: str, details: dict[str, Any] | None = None

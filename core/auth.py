@@ -19,7 +19,7 @@ import structlog
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 
-from millm_site.middleware import LoopMiddleware
+from core.middleware import LoopMiddleware
 
 log = structlog.get_logger(__name__)
 
@@ -55,12 +55,12 @@ def protected(path: str) -> bool:
 
 def _unauthorized(path: str, reason: str) -> HttpResponse:
     if path.startswith("/v1"):
-        from inference.errors import OpenAIError, openai_error_response
+        from core.openai_errors import OpenAIError, openai_error_response
 
         response = openai_error_response(OpenAIError(
             reason, status=401, code="invalid_api_key", type="authentication_error"))
     else:
-        from millm_site.api import error_body
+        from core.api import error_body
 
         response = JsonResponse(error_body("UNAUTHORIZED", reason), status=401)
     response["WWW-Authenticate"] = 'Bearer realm="miLLM"'

@@ -6,15 +6,15 @@ from __future__ import annotations
 import structlog
 from django.db import close_old_connections
 
+from core import events
 from gpu_engine.protocol import EngineEvent
-from millm_site import events
 
 log = structlog.get_logger(__name__)
 
 
 def handle(event: EngineEvent) -> None:
     if event.name == "sae:detached" and event.data.get("reason") == "out_of_memory":
-        from registry import services
+        from orchestration import services
 
         close_old_connections()
         try:

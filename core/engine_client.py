@@ -2,10 +2,10 @@
 
 ``EngineClient`` speaks only the protocol dataclasses of ``gpu_engine.protocol``; the
 embedded implementation below owns a ``gpu_engine.engine.Engine`` in this process (a
-worker thread), and the distributed one (``inference.engine_client_redis``: Redis Streams
-to ``run_engine``) implements the same methods. Views, services and tasks call
-``get_engine_client()`` and never import the engine itself, so the web tier stays free of
-torch in distributed mode.
+worker thread), and the distributed one (``core.engine_client_redis``: Redis Streams
+to ``run_engine``) implements the same methods. Views, services and tasks reach it as
+``core.runtime.runtime().engine`` and never import the engine itself, so the web tier
+stays free of torch in distributed mode.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import structlog
 from django.conf import settings
 
+from core.runtime import runtime
 from gpu_engine.protocol import (
     AttachmentKey,
     AttachmentStatus,
@@ -252,7 +253,7 @@ def resolve_device_and_dtype(device: str, dtype: str) -> tuple[str, str]:
     if device != "auto" and dtype != "auto":
         return device, dtype
     if not settings.EMBEDDED:
-        return get_engine_client().resolve_device_and_dtype(device, dtype)
+        return runtime().engine.resolve_device_and_dtype(device, dtype)
     return _resolve_here(device, dtype)
 
 
@@ -266,35 +267,13 @@ def _resolve_here(device: str, dtype: str) -> tuple[str, str]:
     return device, dtype
 
 
-_client: EngineClient | None = None
-_client_lock = threading.Lock()
+def build_engine_client(*, on_event: Callable[[EngineEvent], None] | None = None
+                        ) -> EngineClient:
+    """The engine client this process's settings call for (the runtime builds it once):
+    the engine in this process when embedded; with REDIS_URL set, the run_engine process
+    over Redis Streams, and nothing here imports torch."""
+    if not settings.EMBEDDED:
+        from core.engine_client_redis import RedisEngineClient
 
-
-def _forward_engine_event(event: EngineEvent) -> None:
-    from inference import engine_events
-
-    engine_events.handle(event)
-
-
-def get_engine_client() -> EngineClient:
-    """The process-wide client, created on first use."""
-    global _client
-    with _client_lock:
-        if _client is None:
-            if not settings.EMBEDDED:
-                # REDIS_URL set: the engine is a run_engine process reached over Redis
-                # Streams; nothing here imports torch
-                from inference.engine_client_redis import RedisEngineClient
-
-                _client = RedisEngineClient.from_settings()
-            else:
-                _client = EmbeddedEngineClient(on_event=_forward_engine_event)
-        return _client
-
-
-def set_engine_client(client: EngineClient | None) -> EngineClient | None:
-    """Swap the process-wide client (tests); returns the previous one."""
-    global _client
-    with _client_lock:
-        previous, _client = _client, client
-        return previous
+        return RedisEngineClient.from_settings()
+    return EmbeddedEngineClient(on_event=on_event)

@@ -60,21 +60,22 @@ def live_steering_restore(*, engine: Any, model: Any) -> None:
 
 
 def _forget(state: RecordedState, message: str) -> None:
-    from registry import services
+    from orchestration import services
     from registry.models import Model
+    from registry.services import model_set_status
 
     for row in state.attachments:
         services.attachment_forget(sae_id=row.sae_id, layer=row.layer)
-    services.model_set_status(model=state.model, status=Model.Status.ERROR, error=message)
+    model_set_status(model=state.model, status=Model.Status.ERROR, error=message)
 
 
 def restore_recorded_state(*, engine: Any, server: Any) -> None:
     """Load the recorded model and attach its SAEs; what cannot be restored is recorded
     as such on the rows (and logged), never retried for ever."""
+    from core.engine_client import _resolve_here
     from gpu_engine.errors import EngineError
     from gpu_engine.protocol import AttachSpec, LoadModelJob
-    from inference.engine_client import _resolve_here
-    from registry import services
+    from orchestration import services
 
     state = recorded_state()
     if state.model is None:
@@ -146,7 +147,7 @@ def host_description() -> Any:
     tier asks, having no torch) and the free memory of each CUDA device."""
     import torch
 
-    from inference.engine_client import _resolve_here
+    from core.engine_client import _resolve_here
 
     device, dtype = _resolve_here(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
     cuda = torch.cuda.is_available()
@@ -164,7 +165,7 @@ def host_description() -> Any:
 
 
 def _on_engine_event(event: Any) -> None:
-    from inference import engine_events
+    from orchestration import engine_events
 
     try:
         engine_events.handle(event)
@@ -188,9 +189,9 @@ class Command(BaseCommand):
                                "`manage.py serve` (embedded mode)")
         import redis
 
+        from core.engine_client import batching_options
         from gpu_engine.engine import Engine
         from gpu_engine.server.server import EngineAlreadyRunning, EngineServer
-        from inference.engine_client import batching_options
 
         stop = threading.Event()
 

@@ -2,8 +2,9 @@
 
 from django.core.management.base import BaseCommand
 
-from millm_site.errors import MillmError
-from registry import selectors, services
+from core.errors import MillmError
+from orchestration import services
+from registry import selectors
 from registry.management.commands._progress import fail, require_engine
 
 

@@ -30,10 +30,9 @@ from rest_framework.renderers import BaseRenderer, JSONRenderer
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from millm_site.api import envelope
-from millm_site.config import BASE_DIR
-from millm_site.errors import NotReady
-from millm_site.schema import enveloped
+from core.api import envelope
+from core.errors import NotReady
+from core.schema import enveloped
 
 log = structlog.get_logger(__name__)
 
@@ -43,7 +42,7 @@ STARTED_AT = time.time()
 @cache
 def version() -> str:
     try:
-        with open(BASE_DIR / "pyproject.toml", "rb") as fh:
+        with open(settings.BASE_DIR / "pyproject.toml", "rb") as fh:
             return str(tomllib.load(fh)["project"]["version"])
     except (OSError, KeyError, tomllib.TOMLDecodeError):
         return "unknown"
@@ -58,9 +57,9 @@ def _now() -> str:
 def engine_snapshot() -> dict[str, Any]:
     """The engine's own status as plain JSON, or ``state: unavailable`` and why."""
     try:
-        from inference.engine_client import get_engine_client
+        from core.runtime import runtime
 
-        status = get_engine_client().status()
+        status = runtime().engine.status()
     except Exception as exc:  # noqa: BLE001 - health must answer whatever the engine does
         return {"state": "unavailable", "error": getattr(exc, "message", str(exc)),
                 "attachments": []}
@@ -327,7 +326,7 @@ class GpusView(APIView):
 class MetricsView(APIView):
     @extend_schema(summary="Metrics as JSON", tags=["health"], responses=enveloped(_any))
     def get(self, request) -> Response:
-        from millm_site import metrics
+        from system import metrics
 
         return envelope(metrics.snapshot())
 
@@ -351,7 +350,7 @@ class PrometheusView(APIView):
         from django.http import HttpResponse
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        from millm_site import metrics
+        from system import metrics
 
         return HttpResponse(metrics.prometheus_text(), content_type=CONTENT_TYPE_LATEST)
 

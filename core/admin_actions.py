@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterable
 
 from django.contrib import admin, messages
 
-from millm_site.errors import MillmError
+from core.errors import MillmError
 
 
 def run_each(modeladmin: admin.ModelAdmin, request, objects: Iterable, verb: str,

@@ -1,0 +1,434 @@
+"""Engine orchestration: the only places that change what the engine holds — load,
+unload, attach, detach — and what each means for the rows, leases and live steering.
+Each call records the outcome on the rows (status, attachments) so the database always
+says what is resident. Views, admin actions, commands and tasks all call these."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import structlog
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from core import events, jobs, metrics
+from core.errors import (
+    InsufficientMemory,
+    ModelBusy,
+    ModelNotLoaded,
+    SAEInvalid,
+    SAENotAttached,
+    UnsupportedModel,
+    from_engine_error,
+)
+from core.runtime import runtime
+from gpu_engine.errors import EngineError
+from gpu_engine.protocol import AttachResult, AttachSpec, LoadModelJob
+from leases.services import lease_check_change, lease_end_for_model
+from registry.errors import (
+    ModelAlreadyLoaded,
+    ModelInvalid,
+    ModelLocked,
+    SAEAlreadyAttached,
+    SAENotFound,
+    UnsupportedQuantization,
+)
+from registry.models import SAE, Attachment, Job, Model
+from registry.services import job_create, job_finish, job_progress, job_start, model_set_status
+from steering.circuits import (
+    circuit_activation_plan,
+    circuit_mark_active,
+    circuit_set_incomplete,
+)
+from steering.live import live_forget
+
+log = structlog.get_logger(__name__)
+
+
+
+def _engine():
+    return runtime().engine
+
+
+def _check_free_memory(model: Model, device: str) -> None:
+    """Refuse a CUDA load whose estimate exceeds the card's free memory (507)."""
+    if not device.startswith("cuda") or not model.estimated_memory_bytes:
+        return
+    # asked of the engine's host (its heartbeat, in distributed mode): no torch here
+    free = _engine().free_memory(device)
+    if free is None:
+        return
+    resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
+    # the resident model's memory comes back before the new weights arrive
+    reclaim = (resident.estimated_memory_bytes or 0) if resident is not None else 0
+    if model.estimated_memory_bytes > free + reclaim:
+
+        raise InsufficientMemory(
+            f"Model {model.name!r} needs about {model.estimated_memory_bytes / 2**20:.0f} MB; "
+            f"{(free + reclaim) / 2**20:.0f} MB are free on {device}",
+            details={"model_id": model.id, "estimated_memory_mb":
+                     round(model.estimated_memory_bytes / 2**20),
+                     "free_mb": round((free + reclaim) / 2**20), "device": device})
+
+
+# Quantizations the transformers backend can apply at load: FP32 and FP16 load at the
+# engine's dtype (MILLM_ENGINE_DTYPE); 8/4/2-bit loads need bitsandbytes, not in this build.
+LOADABLE_QUANTIZATIONS = (Model.Quantization.FP32, Model.Quantization.FP16)
+
+
+def _check_quantization(model: Model) -> None:
+
+    if model.format == Model.Format.TRANSFORMERS and \
+            model.quantization not in LOADABLE_QUANTIZATIONS:
+        raise UnsupportedQuantization(
+            f"Model {model.name!r} is registered as {model.quantization}; this build loads "
+            "transformers checkpoints at FP32/FP16 only (no bitsandbytes)",
+            details={"model_id": model.id, "quantization": model.quantization,
+                     "supported": list(LOADABLE_QUANTIZATIONS)})
+
+
+def model_load(*, model: Model, job: Job | None = None) -> Model:
+    """Load ``model`` into the engine (replacing the resident one) and record it.
+
+    Synchronous: the API runs it in a background job (``model_load_enqueue``), /v1 on its
+    own thread for an on-demand load. Progress goes on the job row and out as
+    ``model:load:progress`` events.
+    """
+    from core.engine_client import resolve_device_and_dtype
+
+    job = job or job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
+    try:
+        model.refresh_from_db()
+        resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
+        if resident is not None and resident.locked:
+            raise ModelLocked(f"Model {resident.name!r} is resident and locked",
+                              details={"model_id": resident.id})
+        if model.format == Model.Format.GGUF:
+            raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
+                                   "does not include", details={"model_id": model.id})
+        if model.status == Model.Status.DOWNLOADING or not model.local_path:
+            raise ModelInvalid(f"Model {model.name!r} has no files yet",
+                               details={"model_id": model.id})
+        _check_quantization(model)
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
+                                                 settings.MILLM_ENGINE_DTYPE)
+        job_start(job=job, stage="preparing")
+        job_progress(job=job, progress=5, stage="checking memory")
+        _check_free_memory(model, device)
+    except Exception as exc:
+        if job.status not in Job.FINISHED:
+            job_finish(job=job, status=Job.Status.FAILED, error=getattr(exc, "message", str(exc)))
+        metrics.record_load(operation="load", outcome="refused")
+        raise
+    model_set_status(model=model, status=Model.Status.LOADING)
+    job_progress(job=job, progress=10, stage="loading weights")
+    try:
+        _engine().load_model(LoadModelJob(
+            model_id=model.name, path=model.local_path, dtype=dtype, device=device,
+            trust_remote_code=model.trust_remote_code,
+            pack_cpu_weights=settings.MILLM_ENGINE_PACK_WEIGHTS))
+    except EngineError as exc:
+        error = from_engine_error(exc)
+        model_set_status(model=model, status=Model.Status.ERROR, error=error.message)
+        job_finish(job=job, status=Job.Status.FAILED, error=error.message)
+        metrics.record_load(operation="load", outcome="failed")
+        raise error from exc
+    except BaseException as exc:
+        model_set_status(model=model, status=Model.Status.ERROR, error=str(exc)[:500])
+        job_finish(job=job, status=Job.Status.FAILED, error=type(exc).__name__)
+        metrics.record_load(operation="load", outcome="failed")
+        raise
+    with transaction.atomic():
+        if resident is not None:
+            _forget_model_state(resident)
+        Attachment.objects.filter(model=model).delete()
+        model_set_status(model=model, status=Model.Status.LOADED, device=device, dtype=dtype)
+    if resident is not None:
+        events.publish("model:unload:complete", {"model_id": resident.id,
+                                                 "reason": "replaced"})
+    job_progress(job=job, progress=95, stage="recorded")
+    job_finish(job=job, status=Job.Status.SUCCEEDED)
+    metrics.record_load(operation="load", outcome="succeeded")
+    log.info("model_loaded", model_id=model.id, device=device, dtype=dtype)
+    return model
+
+
+def _forget_model_state(model: Model) -> None:
+
+    live_forget(attachments=Attachment.objects.filter(model=model))
+    lease_end_for_model(model_id=model.pk)  # a lease ends with its model's residency
+    Attachment.objects.filter(model=model).delete()
+    SAE.objects.filter(status=SAE.Status.ATTACHED).exclude(attachments__isnull=False).update(
+        status=SAE.Status.READY)
+    Model.objects.filter(pk=model.pk).update(status=Model.Status.READY, locked=False,
+                                             device="", dtype="", updated_at=timezone.now())
+
+
+def _uses_of(name: str) -> int:
+    """/v1 requests currently generating on ``name`` in this process."""
+    return int(runtime().residency.active().get(name, 0))
+
+
+def model_unload(*, model: Model, job: Job | None = None) -> Model:
+    """Unload the resident model: new /v1 requests are refused (the row says
+    ``unloading``: 503 model_busy), the running ones get up to GRACEFUL_UNLOAD_TIMEOUT to
+    finish, then the weights go."""
+
+
+    model.refresh_from_db()
+    if model.status != Model.Status.LOADED:
+        raise ModelNotLoaded(f"Model {model.name!r} is not loaded",
+                             details={"model_id": model.id, "status": model.status})
+    if model.locked:
+        raise ModelLocked(f"Model {model.name!r} is locked; unlock it first",
+                          details={"model_id": model.id})
+    claimed = Model.objects.filter(pk=model.pk, status=Model.Status.LOADED, locked=False
+                                   ).update(status=Model.Status.UNLOADING,
+                                            updated_at=timezone.now())
+    if not claimed:
+        raise ModelBusy(f"Model {model.name!r} changed state; retry",
+                        details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)
+    if job is not None:
+        job_start(job=job, stage="waiting for running requests")
+    deadline = time.monotonic() + float(settings.GRACEFUL_UNLOAD_TIMEOUT)
+    while _uses_of(model.name) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    remaining = max(1.0, deadline - time.monotonic())
+    engine = _engine()
+    try:
+        try:
+            engine.unload_model(timeout_s=remaining)
+        except EngineError as exc:
+            cancel_all = getattr(engine, "cancel_all", None)
+            if getattr(exc, "code", "") != "engine_busy" or cancel_all is None:
+                raise
+            # The running requests outlasted the grace period: they fail, the unload goes on.
+            cancel_all(reason="model_unload")
+            engine.unload_model(timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
+    except EngineError as exc:
+        Model.objects.filter(pk=model.pk, status=Model.Status.UNLOADING).update(
+            status=Model.Status.LOADED, updated_at=timezone.now())
+        error = from_engine_error(exc)
+        if isinstance(error, ModelBusy) and error.retry_after is None:
+            error.retry_after = settings.RETRY_AFTER_UNLOAD_S
+        if job is not None:
+            job_finish(job=job, status=Job.Status.FAILED, error=error.message)
+        metrics.record_load(operation="unload", outcome="failed")
+        raise error from exc
+    with transaction.atomic():
+        _forget_model_state(model)
+    model.refresh_from_db()
+    events.publish("model:unload:complete", {"model_id": model.id, "reason": "unload"})
+    if job is not None:
+        job_finish(job=job, status=Job.Status.SUCCEEDED)
+    metrics.record_load(operation="unload", outcome="succeeded")
+    log.info("model_unloaded", model_id=model.id)
+    return model
+
+
+def _active_job(*, model: Model, kinds: tuple[str, ...]) -> Job | None:
+    return Job.objects.filter(model=model, kind__in=kinds,
+                              status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).first()
+
+
+@transaction.atomic
+def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
+    """Start a background load (the API's route): the job row now, the load after commit.
+
+    Idempotent while a load of the same model is queued or running (its job is returned);
+    a load of another model queues behind it (MAX_LOAD_WORKERS at a time).
+    """
+    from orchestration import tasks
+
+    model = Model.objects.select_for_update().get(pk=model.pk)
+    existing = _active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,))
+    if existing is not None:
+        return existing
+    if Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).exists():
+
+        lease_check_change(operation="load", target_model=model, lease_id=lease_id)
+    if model.status == Model.Status.LOADED:
+        raise ModelAlreadyLoaded(f"Model {model.name!r} is already loaded",
+                                 details={"model_id": model.id})
+    if model.status == Model.Status.UNLOADING:
+        raise ModelBusy(f"Model {model.name!r} is being unloaded",
+                        details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)
+    if model.status == Model.Status.DOWNLOADING or not model.local_path:
+        raise ModelInvalid(f"Model {model.name!r} has no files yet (status {model.status})",
+                           details={"model_id": model.id, "status": model.status})
+    if model.format == Model.Format.GGUF:
+        raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
+                               "does not include", details={"model_id": model.id})
+    _check_quantization(model)
+    resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
+    if resident is not None and resident.locked:
+        raise ModelLocked(f"Model {resident.name!r} is resident and locked; unlock it first",
+                          details={"model_id": resident.id})
+    job = job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
+    jobs.enqueue(tasks.model_load_task, job.id, queue="loads")
+    return job
+
+
+@transaction.atomic
+def model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
+    from orchestration import tasks
+
+    model = Model.objects.select_for_update().get(pk=model.pk)
+    existing = _active_job(model=model, kinds=(Job.Kind.MODEL_UNLOAD,))
+    if existing is not None:
+        return existing
+    if model.status == Model.Status.LOADED:
+
+        lease_check_change(operation="unload", target_model=model, lease_id=lease_id)
+    if _active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,)) is not None or \
+            model.status == Model.Status.LOADING:
+        raise ModelBusy(f"Model {model.name!r} is being loaded; retry when it is",
+                        details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_LOAD_S)
+    if model.status != Model.Status.LOADED:
+        raise ModelNotLoaded(f"Model {model.name!r} is not loaded",
+                             details={"model_id": model.id, "status": model.status})
+    if model.locked:
+        raise ModelLocked(f"Model {model.name!r} is locked; unlock it (or detach its SAEs) "
+                          "first", details={"model_id": model.id})
+    job = job_create(kind=Job.Kind.MODEL_UNLOAD, target=model.name, model=model)
+    jobs.enqueue(tasks.model_unload_task, job.id, queue="loads")
+    return job
+
+
+def _check_sae_ready(sae: SAE) -> None:
+    if sae.status not in (SAE.Status.READY, SAE.Status.ATTACHED) or not sae.local_path:
+        raise SAEInvalid(f"SAE {sae.id} is not ready to attach (status {sae.status})",
+                         details={"sae_id": sae.id, "status": sae.status})
+
+
+def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
+    """Attach several (SAE, layer) pairs, all or nothing.
+
+    Idempotent per (sae_id, layer): a pair that is already attached is left as it is and
+    reported again; only the new pairs reach the engine, in one all-or-nothing call.
+    """
+
+    model = Model.objects.filter(status=Model.Status.LOADED).first()
+    if model is None:
+        raise ModelNotLoaded("No model is loaded; load one before attaching an SAE")
+    ordered: list[tuple[SAE, int]] = []
+    seen: set[tuple[str, int]] = set()
+    for sae, layer in items:
+        if (sae.id, int(layer)) not in seen:
+            seen.add((sae.id, int(layer)))
+            ordered.append((sae, int(layer)))
+    for sae, _ in ordered:
+        _check_sae_ready(sae)
+    existing = {(a.sae_id, a.layer): a for a in Attachment.objects.filter(model=model)}
+    new = [(sae, layer) for sae, layer in ordered if (sae.id, layer) not in existing]
+    specs = [AttachSpec(sae_id=sae.id, path=sae.local_path, layer=layer,
+                        layout=sae.format or None) for sae, layer in new]
+    try:
+        fresh = _engine().attach_set(specs) if specs else []
+    except EngineError as exc:
+        raise from_engine_error(exc) from exc
+    by_key = {(r.sae_id, r.layer): r for r in fresh}
+    with transaction.atomic():
+        for (sae, _), result in zip(new, fresh, strict=True):
+            Attachment.objects.update_or_create(
+                sae=sae, layer=result.layer,
+                defaults={"model": model, "layer_module_path": result.layer_module_path})
+            SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ATTACHED,
+                                                 updated_at=timezone.now())
+        # Attaching locks the model, so a steered session cannot be swapped out under it.
+        if fresh:
+            Model.objects.filter(pk=model.pk).update(locked=True, updated_at=timezone.now())
+    for result in fresh:
+        events.publish("sae:attached", {"sae_id": result.sae_id, "layer": result.layer,
+                                        "layer_module_path": result.layer_module_path,
+                                        "model_id": model.id,
+                                        "warnings": list(result.warnings)})
+    results = []
+    for sae, layer in ordered:
+        result = by_key.get((sae.id, layer))
+        if result is None:
+            row = existing[(sae.id, layer)]
+            result = AttachResult(sae_id=sae.id, layer=layer,
+                                  layer_module_path=row.layer_module_path, d_in=sae.d_in or 0,
+                                  d_sae=sae.d_sae or 0, activation=sae.activation,
+                                  layout=sae.format, warnings=[])
+        results.append(result)
+    return results
+
+
+def sae_attach(*, sae: SAE, layer: int) -> Any:
+    """Attach one SAE at one layer; attaching the same pair again is refused (409)."""
+    if Attachment.objects.filter(sae=sae, layer=layer).exists():
+        raise SAEAlreadyAttached(f"SAE {sae.id} is already attached at layer {layer}",
+                                 details={"sae_id": sae.id, "layer": layer})
+    return sae_attach_set(items=[(sae, layer)])[0]
+
+
+def sae_detach(*, sae: SAE, layer: int | None = None) -> list[tuple[str, int]]:
+
+    if not Attachment.objects.filter(sae=sae, **({} if layer is None else {"layer": layer})
+                                     ).exists():
+        raise SAENotAttached(f"SAE {sae.id} is not attached"
+                             + ("" if layer is None else f" at layer {layer}"),
+                             details={"sae_id": sae.id, "layer": layer})
+    try:
+        keys = _engine().detach(sae.id, layer)
+    except EngineError as exc:
+        if getattr(exc, "code", "") != "sae_not_attached":
+            raise from_engine_error(exc) from exc
+        keys = []  # the engine already lost it (restart); the rows catch up below
+    for _, key_layer in keys or [(sae.id, layer)]:
+        attachment_forget(sae_id=sae.id, layer=key_layer)
+    for sae_id, key_layer in keys:
+        events.publish("sae:detached", {"sae_id": sae_id, "layer": key_layer,
+                                        "reason": "detach"})
+    return keys
+
+
+@transaction.atomic
+def attachment_forget(*, sae_id: str, layer: int | None) -> None:
+    """Record that an attachment is gone (detach, or the engine dropped it after an OOM)."""
+
+    qs = Attachment.objects.filter(sae_id=sae_id)
+    if layer is not None:
+        qs = qs.filter(layer=layer)
+    model_ids = set(qs.values_list("model_id", flat=True))
+    live_forget(attachments=qs)  # detaching clears the attachment's live steering
+    qs.delete()
+    if not Attachment.objects.filter(sae_id=sae_id).exists():
+        SAE.objects.filter(pk=sae_id).update(status=SAE.Status.READY, updated_at=timezone.now())
+    for model_id in model_ids:
+        if not Attachment.objects.filter(model_id=model_id).exists():
+            Model.objects.filter(pk=model_id).update(locked=False, updated_at=timezone.now())
+
+
+def sae_check_compatibility(*, sae: SAE, layer: int) -> dict[str, Any]:
+    """Dry run of an attach: errors (refusals) and warnings, nothing changed."""
+
+    _check_sae_ready(sae)
+    if not Model.objects.filter(status=Model.Status.LOADED).exists():
+        raise ModelNotLoaded("No model is loaded; compatibility is judged against the "
+                             "loaded model")
+    try:
+        report = _engine().check_sae(sae.local_path, layer, layout=sae.format or None)
+    except EngineError as exc:
+        raise from_engine_error(exc) from exc
+    return {"compatible": bool(report.compatible), "errors": list(report.errors),
+            "warnings": list(report.warnings)}
+
+
+def circuit_activate(*, circuit: Any, acknowledge_unvalidated: bool = False,
+                     allow_layer_overlap: bool = False, intensity: Any = None) -> Any:
+    """Activate a circuit: its checks (steering), every member SAE attached all or nothing,
+    then its live steering (steering again). Nothing changes unless every check passed."""
+    items, lam = circuit_activation_plan(
+        circuit=circuit, acknowledge_unvalidated=acknowledge_unvalidated,
+        allow_layer_overlap=allow_layer_overlap, intensity=intensity)
+    try:
+        sae_attach_set(items=items)
+    except (SAEInvalid, SAENotFound) as exc:
+        raise circuit_set_incomplete(items, exc) from exc
+    return circuit_mark_active(circuit=circuit, items=items, intensity=lam,
+                               allow_layer_overlap=allow_layer_overlap)

@@ -1,0 +1,76 @@
+"""What a start-up asks of the engine: AUTO_LOAD_MODEL loaded in the background and
+AUTO_ATTACH_SAES attached once that load has finished."""
+
+from __future__ import annotations
+
+import time
+
+import structlog
+from django.conf import settings
+from django.db.models import Q
+
+from core import jobs
+from core.errors import ValidationFailed
+from orchestration import services
+from registry.errors import SAENotFound
+from registry.maintenance import model_by_name_or_id
+from registry.models import SAE, Job, Model
+
+log = structlog.get_logger(__name__)
+
+
+def auto_load() -> Job | None:
+    """Start loading AUTO_LOAD_MODEL in the background (readiness waits for it)."""
+    name = settings.AUTO_LOAD_MODEL
+    if not name:
+        return None
+    model = model_by_name_or_id(name)
+    targets = auto_attach_targets()  # a typo fails the start-up, not a background task
+    job = None
+    if model.status != Model.Status.LOADED:
+        job = services.model_load_enqueue(model=model)
+        log.info("auto_load_started", model=model.name, job_id=job.id)
+    if targets:
+        from orchestration import tasks
+
+        jobs.enqueue(tasks.auto_attach_task, job.id if job else None, queue="maintenance")
+    return job
+
+
+def auto_attach_targets() -> list[tuple[SAE, int]]:
+    """The (SAE, layer) pairs AUTO_ATTACH_SAES names; unknown names are errors."""
+
+    targets: list[tuple[SAE, int]] = []
+    for entry in settings.AUTO_ATTACH_SAES:
+        name, _, layer = entry.partition("@")
+        sae = SAE.objects.filter(Q(pk=name) | Q(name=name)).first()
+        if sae is None:
+            raise SAENotFound(f"AUTO_ATTACH_SAES names {name!r}, which is not registered",
+                              details={"sae": name})
+        chosen = int(layer) if layer else sae.trained_on_layer
+        if chosen is None:
+            raise ValidationFailed(f"SAE {name!r} does not say which layer it was trained on; "
+                                   f"write {name}@<layer>", details={"sae": name})
+        targets.append((sae, chosen))
+    return targets
+
+
+def auto_attach(*, load_job_id: int | None, timeout_s: float) -> list:
+    """Attach AUTO_ATTACH_SAES once the start-up load has finished (bounded wait)."""
+    deadline = time.monotonic() + timeout_s
+    while load_job_id is not None:
+        job = Job.objects.get(pk=load_job_id)
+        if job.status in Job.FINISHED:
+            if job.status != Job.Status.SUCCEEDED:
+                log.warning("auto_attach_skipped", reason=f"start-up load {job.status}",
+                            error=job.error)
+                return []
+            break
+        if time.monotonic() > deadline:
+            log.warning("auto_attach_skipped", reason="start-up load still running",
+                        timeout_s=timeout_s)
+            return []
+        time.sleep(0.25)
+    results = services.sae_attach_set(items=auto_attach_targets())
+    log.info("auto_attached", attachments=[f"{r.sae_id}@{r.layer}" for r in results])
+    return results

@@ -1,0 +1,69 @@
+"""Background tasks that change what the engine holds: load, unload, and the start-up
+attach. Each takes ids, records its outcome on its ``Job`` row and calls the same
+orchestration services the API and commands call.
+
+Loads run where the engine is reached from: in embedded mode the in-process ``loads``
+pool is in the engine's process; in distributed mode a Celery worker on the ``loads``
+queue sends the command to the engine over Redis.
+"""
+
+from __future__ import annotations
+
+import structlog
+from celery import shared_task
+from django.conf import settings
+
+from core.errors import MillmError
+from orchestration import services, startup
+from registry.models import Job
+from registry.services import job_claim, job_finish
+from registry.tasks import finish_unexpected
+
+log = structlog.get_logger(__name__)
+
+
+@shared_task(name="orchestration.tasks.model_load_task")
+def model_load_task(job_id: int) -> str:
+    job = Job.objects.select_related("model").get(pk=job_id)
+    if job.model is None or not job_claim(job=job, stage="starting"):
+        return "skipped"
+    try:
+        services.model_load(model=job.model, job=job)
+    except MillmError as exc:
+        # recorded on the job and the row by the service; nothing to retry
+        log.warning("model_load_failed", job_id=job_id, code=exc.code, message=exc.message)
+        return "failed"
+    except BaseException as exc:
+        finish_unexpected(job_id, exc)
+        raise
+    return "succeeded"
+
+
+@shared_task(name="orchestration.tasks.model_unload_task")
+def model_unload_task(job_id: int) -> str:
+    job = Job.objects.select_related("model").get(pk=job_id)
+    if job.model is None or not job_claim(job=job, stage="starting"):
+        return "skipped"
+    try:
+        services.model_unload(model=job.model, job=job)
+    except MillmError as exc:
+        job.refresh_from_db()
+        if job.status not in Job.FINISHED:
+            job_finish(job=job, status=Job.Status.FAILED, error=exc.message)
+        log.warning("model_unload_failed", job_id=job_id, code=exc.code, message=exc.message)
+        return "failed"
+    except BaseException as exc:
+        finish_unexpected(job_id, exc)
+        raise
+    return "succeeded"
+
+
+@shared_task(name="orchestration.tasks.auto_attach_task")
+def auto_attach_task(load_job_id: int | None) -> str:
+    try:
+        results = startup.auto_attach(load_job_id=load_job_id,
+                                          timeout_s=settings.DOWNLOAD_TIMEOUT)
+    except MillmError as exc:
+        log.warning("auto_attach_failed", code=exc.code, message=exc.message)
+        return "failed"
+    return "attached" if results else "skipped"

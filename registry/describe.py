@@ -1,0 +1,121 @@
+"""What the files on disk say: the checks on a local path and the description of a
+transformers checkpoint, a GGUF file or an SAE (architecture, sizes, layout). Registering
+and downloading both read files through these."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from core.errors import SAEInvalid
+from registry.errors import InvalidLocalPath, ModelInvalid
+from registry.models import Model
+
+# Registering one of these (or anything under them) as a model directory would let the
+# model loader and prune_cache walk system files; the original refused them too.
+SYSTEM_DIRECTORIES = (
+    "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
+    "/run", "/sbin", "/sys", "/usr/bin", "/usr/lib", "/usr/sbin", "/usr/include",
+    "/var/lib", "/var/log", "/var/run",
+)
+
+
+def check_local_path(raw: str) -> Path:
+    if not raw or not raw.strip():
+        raise InvalidLocalPath("local_path is required for a local model",
+                               details={"local_path": raw})
+    path = Path(raw.strip())
+    if not path.is_absolute():
+        raise InvalidLocalPath("local_path must be an absolute path", details={"local_path": raw})
+    resolved = path.resolve()
+    if str(resolved) == "/" or any(
+            str(resolved) == d or str(resolved).startswith(d + "/") for d in SYSTEM_DIRECTORIES):
+        raise InvalidLocalPath(f"{resolved} is a system directory and cannot hold a model",
+                               details={"local_path": raw})
+    if not resolved.exists():
+        raise InvalidLocalPath(f"{resolved} does not exist", details={"local_path": raw})
+    return resolved
+
+
+def dir_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def describe_transformers_dir(path: Path, quantization: str | None = None) -> dict[str, Any]:
+    import json
+
+    from gpu_engine.errors import EngineError
+    from gpu_engine.inspect import inspect_model_dir
+    from registry import sizing
+
+    try:
+        info = inspect_model_dir(path)
+    except EngineError as exc:
+        raise ModelInvalid(f"{path} is not a readable transformers checkpoint: {exc.message}",
+                           details={"local_path": str(path)}) from exc
+    estimated = info.estimated_memory_bytes
+    if quantization and quantization != Model.Quantization.FP32:
+        config = json.loads((path / "config.json").read_text())
+        estimated = sizing.estimate_bytes(parameter_count=info.param_count, config=config,
+                                          quantization=quantization)
+    return {
+        "architecture": info.architecture_class,
+        "num_layers": info.num_layers,
+        "hidden_size": info.hidden_size,
+        "context_length": info.context_length,
+        "parameter_count": info.param_count,
+        "disk_size_bytes": info.disk_size_bytes,
+        "estimated_memory_bytes": estimated,
+    }
+
+
+def describe_gguf_file(path: Path) -> dict[str, Any]:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path), "r")
+    except Exception as exc:  # noqa: BLE001 - gguf raises assorted errors on bad files
+        raise ModelInvalid(f"{path.name} is not a readable GGUF file: {exc}",
+                           details={"local_path": str(path)}) from exc
+
+    def field(name: str) -> Any:
+        item = reader.fields.get(name)
+        return item.contents() if item is not None else None
+
+    arch = field("general.architecture") or ""
+    params = sum(int(t.n_elements) for t in reader.tensors)
+    size = path.stat().st_size
+    return {
+        "architecture": str(arch),
+        "num_layers": field(f"{arch}.block_count"),
+        "hidden_size": field(f"{arch}.embedding_length"),
+        "context_length": field(f"{arch}.context_length"),
+        "parameter_count": params,
+        "disk_size_bytes": size,
+        "estimated_memory_bytes": size,
+    }
+
+
+
+def describe_sae(path: Path) -> dict[str, Any]:
+    from gpu_engine.errors import EngineError
+    from gpu_engine.sae import read_sae_metadata
+
+    try:
+        meta = read_sae_metadata(path)
+    except EngineError as exc:
+        raise SAEInvalid(f"{path} is not a readable SAE: {exc.message}",
+                         details={"local_path": str(path)}) from exc
+    return {
+        "format": meta.layout,
+        "d_in": meta.d_in,
+        "d_sae": meta.d_sae,
+        "width": meta.d_sae,
+        "activation": meta.activation,
+        "topk_k": meta.k,
+        "trained_on_model": meta.model_name or "",
+        "trained_on_layer": meta.layer,
+        "hook_name": meta.hook_name or "",
+    }
