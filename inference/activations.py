@@ -20,6 +20,7 @@ from gpu_engine.protocol import (
 )
 from inference.protocol import MAX_ACTIVATION_ENTRIES, ReturnSaeActivations
 from inference.tokens import TokenTexts
+from steering.rules import check_indices
 from steering.selectors import attachment_choices, attachment_pick
 
 
@@ -44,12 +45,11 @@ def monitor_resolve(*, asked: ReturnSaeActivations, attachments: Sequence[Attach
         raise SAEActivationsRefused(exc.message, details={
             "param": f"{param}.sae_id", "choices": attachment_choices(attachments)}) from exc
     features = list(asked.features or [])
-    bad = [i for i in features if i >= att.d_sae]
-    if bad:
-        raise SAEActivationsRefused(
-            f"Feature index {bad[0]} is out of range for SAE {att.sae_id!r} "
-            f"(d_sae={att.d_sae})", details={"param": f"{param}.features",
-                                            "index": bad[0], "d_sae": att.d_sae})
+    try:
+        check_indices(sae_id=att.sae_id, d_sae=att.d_sae, indices=features,
+                      param=f"{param}.features")
+    except MillmError as exc:  # the same rule, answered as this field's refusal
+        raise SAEActivationsRefused(exc.message, details=exc.details) from exc
     positions: Any = asked.positions
     rows: int | None = None
     if isinstance(positions, str):

@@ -31,6 +31,7 @@ _DOMAIN: dict[str, tuple[int, str, str | None]] = {
     "PROFILE_NOT_FOUND": (404, "profile_not_found", None),
     "PROFILE_INCOMPATIBLE": (400, "profile_incompatible", None),
     "SAE_NOT_ATTACHED": (400, "sae_not_attached", None),
+    "AMBIGUOUS_SAE": (400, "ambiguous_sae", None),
     "INVALID_FEATURE_INDEX": (400, "invalid_feature_index", None),
     "SAE_ACTIVATIONS_REFUSED": (400, "sae_activations_refused", None),
     "MODEL_LOCKED": (409, "model_locked", None),

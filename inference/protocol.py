@@ -23,11 +23,11 @@ from pydantic import (
 )
 
 from gpu_engine.protocol import (
-    MAX_STEERING_STRENGTH,
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,
     SamplingParams,
 )
+from steering.rules import check_strength
 
 MAX_N = 16
 MAX_TOKENS_LIMIT = 2**31 - 1
@@ -52,7 +52,12 @@ class _Strict(BaseModel):
 
 class SteeringFeature(_Strict):
     index: int = Field(ge=0, le=2**31)
-    strength: float = Field(ge=-MAX_STEERING_STRENGTH, le=MAX_STEERING_STRENGTH)
+    strength: float
+
+    @field_validator("strength")
+    @classmethod
+    def _strength(cls, value: float) -> float:
+        return check_strength(value)  # the one rule (steering.rules)
 
 
 class InlineSteering(_Strict):

@@ -36,6 +36,7 @@ from registry.errors import (
     UnsupportedQuantization,
 )
 from registry.models import SAE, Attachment, Job, Model
+from registry.selectors import active_job
 from registry.services import job_create, job_finish, job_progress, job_start, model_set_status
 from steering.circuits import (
     circuit_activation_plan,
@@ -228,11 +229,6 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
     return model
 
 
-def _active_job(*, model: Model, kinds: tuple[str, ...]) -> Job | None:
-    return Job.objects.filter(model=model, kind__in=kinds,
-                              status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).first()
-
-
 @transaction.atomic
 def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     """Start a background load (the API's route): the job row now, the load after commit.
@@ -243,7 +239,7 @@ def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     from orchestration import tasks
 
     model = Model.objects.select_for_update().get(pk=model.pk)
-    existing = _active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,))
+    existing = active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,))
     if existing is not None:
         return existing
     if Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).exists():
@@ -276,13 +272,13 @@ def model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     from orchestration import tasks
 
     model = Model.objects.select_for_update().get(pk=model.pk)
-    existing = _active_job(model=model, kinds=(Job.Kind.MODEL_UNLOAD,))
+    existing = active_job(model=model, kinds=(Job.Kind.MODEL_UNLOAD,))
     if existing is not None:
         return existing
     if model.status == Model.Status.LOADED:
 
         lease_check_change(operation="unload", target_model=model, lease_id=lease_id)
-    if _active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,)) is not None or \
+    if active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,)) is not None or \
             model.status == Model.Status.LOADING:
         raise ModelBusy(f"Model {model.name!r} is being loaded; retry when it is",
                         details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_LOAD_S)

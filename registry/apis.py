@@ -101,7 +101,7 @@ class ModelCancelApi(APIView):
                    request=None, responses=enveloped(io.ModelJobOutput))
     def post(self, request, model_id: int) -> Response:
         model = selectors.model_get(model_id=model_id)
-        job = downloads.model_download_cancel(model=model)
+        job = downloads.download_cancel(row=model)
         model.refresh_from_db()
         return envelope({"model": io.model_view(model), "job": io.job_out(job)})
 
@@ -201,7 +201,7 @@ class SAECancelApi(APIView):
                    responses=enveloped(io.SAEDownloadOutput))
     def post(self, request, sae_id: str) -> Response:
         sae = selectors.sae_get(sae_id=sae_id)
-        job = downloads.sae_download_cancel(sae=sae)
+        job = downloads.download_cancel(row=sae)
         sae.refresh_from_db()
         return envelope({"sae_id": sae.id, "status": sae.status,
                          "message": "Download cancelled", "sae": _sae_data(sae),
@@ -234,9 +234,9 @@ class JobCancelApi(APIView):
         with transaction.atomic():
             job = selectors.job_get(job_id=job_id)
             if job.model_id and job.kind == "model_download":
-                job = downloads.model_download_cancel(model=job.model)
+                job = downloads.download_cancel(row=job.model)
             elif job.sae_id and job.kind == "sae_download":
-                job = downloads.sae_download_cancel(sae=job.sae)
+                job = downloads.download_cancel(row=job.sae)
             else:
                 job = services.job_cancel(job=job)
         return envelope(io.job_out(job))

@@ -37,7 +37,7 @@ from django.utils import timezone
 
 from core import events, jobs, metrics
 from core.errors import MillmError, SAEInvalid, UnsupportedModel
-from registry import describe, hub, services, sizing
+from registry import describe, hub, selectors, services, sizing
 from registry.errors import (
     DownloadCancelled,
     DownloadTimedOut,
@@ -380,38 +380,57 @@ def model_target_dir(model: Model) -> Path:
 def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str | None = None,
                        on_progress: ProgressCallback | None = None) -> Model | None:
     """The task body; returns the ready model, or None when the job had already ended."""
-    claimed = _claim_download(job_id, "model")
+    def files(model: Model, info: Any) -> list[tuple[str, int]]:
+        return select_model_files(_sibling_files(info), trust_remote_code=model.trust_remote_code)
+
+    def describe_at(model: Model, target: Path) -> tuple[Path, dict[str, Any]]:
+        return target, describe.describe_transformers_dir(target, model.quantization)
+
+    return _download_run(job_id=job_id, relation="model", target_of=model_target_dir,
+                         files_of=files, describe_at=describe_at, hf_token=hf_token,
+                         commit=commit, on_progress=on_progress)
+
+
+def _download_run(*, job_id: int, relation: str, target_of: Callable[[Any], Path],
+                  files_of: Callable[[Any, Any], list[tuple[str, int]]],
+                  describe_at: Callable[[Any, Path], tuple[Path, dict[str, Any]]],
+                  hf_token: str | None, commit: str | None,
+                  on_progress: ProgressCallback | None) -> Model | SAE | None:
+    """One download, model or SAE: claim the job, fetch the chosen files of the repository
+    at the revision, describe what arrived, and record it on the row (or record the failure
+    and leave no files)."""
+    claimed = _claim_download(job_id, relation)
     if claimed is None:
         return None
-    job, model = claimed
-    target = model_target_dir(model)
+    job, row = claimed
+    repo_id = row.repo_id if relation == "model" else row.repository_id
+    target = target_of(row)
     token = hub.resolve_token(hf_token)
     try:
-        info = hub.model_info(repo_id=model.repo_id, revision=commit or model.revision,
-                              token=token)
-        files = select_model_files(_sibling_files(info),
-                                   trust_remote_code=model.trust_remote_code)
+        info = hub.model_info(repo_id=repo_id, revision=commit or row.revision, token=token)
+        files = files_of(row, info)
         progress = _Progress(job, sum(s for _, s in files), on_progress)
-        _fetch(repo_id=model.repo_id, files=files, revision=info.sha or commit or model.revision,
+        _fetch(repo_id=repo_id, files=files, revision=info.sha or commit or row.revision,
                target=target, token=token, progress=progress)
-        # huggingface_hub's bookkeeping for local_dir downloads is not part of the model
+        # huggingface_hub's bookkeeping for local_dir downloads is not part of the files
         if (target / ".cache").exists():
             services.remove_files(target / ".cache")
-        meta = describe.describe_transformers_dir(target, model.quantization)
+        path, meta = describe_at(row, target)
     except BaseException as exc:
-        _download_failed(job=job, row=model, target=target, exc=exc)
+        _download_failed(job=job, row=row, target=target, exc=exc)
         if isinstance(exc, MillmError):
             return None
         raise
     with transaction.atomic():
-        Model.objects.filter(pk=model.pk).update(
-            local_path=str(target.resolve()), status=Model.Status.READY, error_message="",
+        type(row).objects.filter(pk=row.pk).update(
+            local_path=str(path.resolve()), status=row.Status.READY, error_message="",
             updated_at=timezone.now(), **meta)
         services.job_finish(job=job, status=Job.Status.SUCCEEDED)
-    metrics.record_download(kind="model", outcome="succeeded")
-    model.refresh_from_db()
-    log.info("model_download_finished", model_id=model.id, bytes=meta["disk_size_bytes"])
-    return model
+    metrics.record_download(kind=relation, outcome="succeeded")
+    row.refresh_from_db()
+    log.info(f"{relation}_download_finished", **{f"{relation}_id": row.pk},
+             bytes=meta.get("disk_size_bytes"))
+    return row
 
 
 def _download_failed(*, job: Job, row: Model | SAE, target: Path, exc: BaseException) -> None:
@@ -433,27 +452,24 @@ def _download_failed(*, job: Job, row: Model | SAE, target: Path, exc: BaseExcep
                 code=getattr(exc, "code", type(exc).__name__))
 
 
-def _active_download(*, model: Model | None = None, sae: SAE | None = None) -> Job | None:
-    kind = Job.Kind.MODEL_DOWNLOAD if model is not None else Job.Kind.SAE_DOWNLOAD
-    filters = {"model": model} if model is not None else {"sae": sae}
-    return Job.objects.filter(kind=kind, status__in=(Job.Status.QUEUED, Job.Status.RUNNING),
-                              **filters).order_by("-created_at").first()
-
-
-def model_download_cancel(*, model: Model) -> Job:
-    """Ask the running download to stop (it stops within a moment and removes its files);
-    a queued one is cancelled at once."""
-    job = _active_download(model=model)
+def download_cancel(*, row: Model | SAE) -> Job:
+    """Ask the row's running download to stop (it stops within a moment and removes its
+    files); a queued one is cancelled at once."""
+    relation = "model" if isinstance(row, Model) else "sae"
+    kind = Job.Kind.MODEL_DOWNLOAD if relation == "model" else Job.Kind.SAE_DOWNLOAD
+    job = selectors.active_job(kinds=(kind,), **{relation: row})
+    label = f"Model {row.name!r}" if relation == "model" else f"SAE {row.pk}"
     if job is None:
-        raise JobFinished(f"Model {model.name!r} has no download in progress",
-                          details={"model_id": model.id, "status": model.status})
+        raise JobFinished(f"{label} has no download in progress",
+                          details={f"{relation}_id": row.pk, "status": row.status})
     job = services.job_cancel(job=job)
     if job.status == Job.Status.CANCELLED:  # it never started
-        Model.objects.filter(pk=model.pk).update(status=Model.Status.ERROR,
-                                                 error_message="Download cancelled",
-                                                 updated_at=timezone.now())
-        events.publish("model:download:error", {"job_id": job.id, "model_id": model.id,
-                                                "error": "Download cancelled"})
+        type(row).objects.filter(pk=row.pk).update(status=row.Status.ERROR,
+                                                   error_message="Download cancelled",
+                                                   updated_at=timezone.now())
+        events.publish(f"{relation}:download:error", {"job_id": job.id,
+                                                      f"{relation}_id": row.pk,
+                                                      "error": "Download cancelled"})
     return job
 
 
@@ -493,7 +509,8 @@ def sae_download_start(*, repository_id: str, file_path: str = "", revision: str
     if existing is not None and existing.status == SAE.Status.READY:
         return existing, None, "cached"
     if existing is not None and existing.status == SAE.Status.DOWNLOADING:
-        return existing, _active_download(sae=existing), "already_downloading"
+        job = selectors.active_job(kinds=(Job.Kind.SAE_DOWNLOAD,), sae=existing)
+        return existing, job, "already_downloading"
     token = hub.resolve_token(hf_token)
     info = hub.model_info(repo_id=repository_id, revision=revision, token=token)
     files = select_sae_files(_sibling_files(info), file_path)
@@ -540,54 +557,19 @@ def sae_target_dir(sae: SAE) -> Path:
 
 def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | None = None,
                      on_progress: ProgressCallback | None = None) -> SAE | None:
-    claimed = _claim_download(job_id, "sae")
-    if claimed is None:
-        return None
-    job, sae = claimed
-    target = sae_target_dir(sae)
-    token = hub.resolve_token(hf_token)
-    try:
-        info = hub.model_info(repo_id=sae.repository_id, revision=commit or sae.revision,
-                              token=token)
-        files = select_sae_files(_sibling_files(info), sae.file_path)
-        progress = _Progress(job, sum(s for _, s in files), on_progress)
-        _fetch(repo_id=sae.repository_id, files=files,
-               revision=info.sha or commit or sae.revision, target=target, token=token,
-               progress=progress)
-        if (target / ".cache").exists():
-            services.remove_files(target / ".cache")
+    def describe_at(sae: SAE, target: Path) -> tuple[Path, dict[str, Any]]:
         folder = _sae_dir_of(sae.file_path) if sae.file_path else ""
-        sae_path = (target / folder) if folder else target
-        meta = describe.describe_sae(sae_path)
-    except BaseException as exc:
-        _download_failed(job=job, row=sae, target=target, exc=exc)
-        if isinstance(exc, MillmError):
-            return None
-        raise
-    if not meta["trained_on_model"]:
-        meta["trained_on_model"] = sae.trained_on_model
-    if meta["trained_on_layer"] is None:
-        meta["trained_on_layer"] = sae.trained_on_layer
-    with transaction.atomic():
-        SAE.objects.filter(pk=sae.pk).update(local_path=str(sae_path.resolve()),
-                                             status=SAE.Status.READY, error_message="",
-                                             updated_at=timezone.now(), **meta)
-        services.job_finish(job=job, status=Job.Status.SUCCEEDED)
-    metrics.record_download(kind="sae", outcome="succeeded")
-    sae.refresh_from_db()
-    return sae
+        path = (target / folder) if folder else target
+        meta = describe.describe_sae(path)
+        # what the files do not say, the registration's hints do
+        if not meta["trained_on_model"]:
+            meta["trained_on_model"] = sae.trained_on_model
+        if meta["trained_on_layer"] is None:
+            meta["trained_on_layer"] = sae.trained_on_layer
+        return path, meta
 
-
-def sae_download_cancel(*, sae: SAE) -> Job:
-    job = _active_download(sae=sae)
-    if job is None:
-        raise JobFinished(f"SAE {sae.id} has no download in progress",
-                          details={"sae_id": sae.id, "status": sae.status})
-    job = services.job_cancel(job=job)
-    if job.status == Job.Status.CANCELLED:
-        SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ERROR,
-                                             error_message="Download cancelled",
-                                             updated_at=timezone.now())
-        events.publish("sae:download:error", {"job_id": job.id, "sae_id": sae.id,
-                                              "error": "Download cancelled"})
-    return job
+    return _download_run(job_id=job_id, relation="sae", target_of=sae_target_dir,
+                         files_of=lambda sae, info: select_sae_files(_sibling_files(info),
+                                                                     sae.file_path),
+                         describe_at=describe_at, hf_token=hf_token, commit=commit,
+                         on_progress=on_progress)

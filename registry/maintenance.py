@@ -35,7 +35,7 @@ def startup_reconcile() -> dict[str, int]:
     interrupted = downloads = resident = 0
     if settings.EMBEDDED:
         interrupted = Job.objects.filter(
-            status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).update(
+            status__in=Job.ACTIVE).update(
             status=Job.Status.FAILED, error="Interrupted by a server restart", finished_at=now,
             updated_at=now)
         downloads = Model.objects.filter(status=Model.Status.DOWNLOADING).update(

@@ -162,6 +162,7 @@ class Job(models.Model):
         CANCELLED = "cancelled", "Cancelled"
 
     FINISHED = (Status.SUCCEEDED, Status.FAILED, Status.CANCELLED)
+    ACTIVE = (Status.QUEUED, Status.RUNNING)
 
     kind = models.CharField(max_length=32, choices=Kind.choices)
     model = models.ForeignKey(Model, null=True, blank=True, on_delete=models.SET_NULL,

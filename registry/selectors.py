@@ -46,24 +46,25 @@ def job_get(*, job_id: int) -> Job:
         raise JobNotFound(f"Job {job_id} not found", details={"job_id": job_id}) from None
 
 
-def model_active_job(*, model: Model, kinds: tuple[str, ...] | None = None) -> Job | None:
-    qs = Job.objects.filter(model=model, status__in=(Job.Status.QUEUED, Job.Status.RUNNING))
-    if kinds:
-        qs = qs.filter(kind__in=kinds)
-    return qs.order_by("-created_at").first()
+def active_job(*, kinds: tuple[str, ...], model: Model | None = None, sae: SAE | None = None
+               ) -> Job | None:
+    """The newest queued or running job of these kinds on the model or SAE."""
+    target = {"model": model} if model is not None else {"sae": sae}
+    return (Job.objects.filter(kind__in=kinds, status__in=Job.ACTIVE, **target)
+            .order_by("-created_at").first())
 
 
 def download_progress_by_model() -> dict[int, int]:
     """Percent of each model's running download (list pages ask for all at once)."""
     rows = (Job.objects.filter(kind=Job.Kind.MODEL_DOWNLOAD, model__isnull=False,
-                               status__in=(Job.Status.QUEUED, Job.Status.RUNNING))
+                               status__in=Job.ACTIVE)
             .order_by("created_at").values_list("model_id", "progress"))
     return dict(rows)
 
 
 def download_progress_by_sae() -> dict[str, int]:
     rows = (Job.objects.filter(kind=Job.Kind.SAE_DOWNLOAD, sae__isnull=False,
-                               status__in=(Job.Status.QUEUED, Job.Status.RUNNING))
+                               status__in=Job.ACTIVE)
             .order_by("created_at").values_list("sae_id", "progress"))
     return dict(rows)
 

@@ -122,7 +122,7 @@ def model_delete(*, model: Model) -> None:
     if model.status in (Model.Status.LOADED, Model.Status.LOADING, Model.Status.UNLOADING):
         raise ModelLoaded(f"Model {model.name!r} is {model.status}; unload it first",
                           details={"model_id": model.id, "status": model.status})
-    Job.objects.filter(model=model, status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).update(
+    Job.objects.filter(model=model, status__in=Job.ACTIVE).update(
         cancel_requested=True, updated_at=timezone.now())
     cache = Path(settings.MODEL_CACHE_DIR)
     candidates = [Path(model.local_path)] if model.local_path else []
@@ -185,7 +185,7 @@ def sae_delete(*, sae: SAE) -> None:
     if sae.status == SAE.Status.ATTACHED or sae.attachments.exists():
         raise SAEAlreadyAttached(f"SAE {sae.id} is attached; detach it first",
                                  details={"sae_id": sae.id})
-    Job.objects.filter(sae=sae, status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).update(
+    Job.objects.filter(sae=sae, status__in=Job.ACTIVE).update(
         cancel_requested=True, updated_at=timezone.now())
     cache = Path(settings.SAE_CACHE_DIR)
     candidates = [Path(sae.local_path)] if sae.local_path else []

@@ -27,13 +27,12 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from core.errors import (
-    InvalidFeatureIndex,
     MillmError,
     ModelNotLoaded,
     ValidationFailed,
 )
 from registry.models import SAE, Attachment, Model
-from steering import live
+from steering import live, rules
 from steering.clusters import check_intensity
 from steering.documents import (
     RUNG_LANGUAGE,
@@ -88,7 +87,7 @@ def layer_values(circuit: Circuit, intensity: float | None = None) -> dict[int, 
     """Per layer, what the circuit steers at λ (one λ for every layer; sign rule; each
     value clamped to ±200)."""
     lam = circuit.intensity if intensity is None else intensity
-    return {layer: {m.feature_idx: live.dial(m.signed(), lam) for m in members}
+    return {layer: {m.feature_idx: rules.dial(m.signed(), lam) for m in members}
             for layer, members in layer_members(circuit).items()}
 
 
@@ -179,12 +178,8 @@ def _member_saes(circuit: Circuit) -> list[tuple[SAE, int]]:
                 f"{sae.id} has {sae.d_sae}", details={"layer": layer, "sae_id": sae.id,
                                                        "n_features": ref["n_features"],
                                                        "d_sae": sae.d_sae})
-        bad = [m.feature_idx for m in features if sae.d_sae and m.feature_idx >= sae.d_sae]
-        if bad:
-            raise InvalidFeatureIndex(
-                f"Layer {layer}: feature {bad[0]} is out of range for SAE {sae.id} "
-                f"(d_sae={sae.d_sae})", details={"layer": layer, "feature_idx": bad[0],
-                                                  "sae_id": sae.id, "d_sae": sae.d_sae})
+        rules.check_indices(sae_id=sae.id, d_sae=sae.d_sae, param=f"layers.{layer}",
+                            indices=[m.feature_idx for m in features])
         items.append((sae, layer))
     if offenders:
         raise SAESetIncomplete(

@@ -19,9 +19,9 @@ import structlog
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from core.errors import InvalidFeatureIndex, MillmError, SAENotAttached, ValidationFailed
+from core.errors import MillmError, SAENotAttached, ValidationFailed
 from registry.models import Attachment
-from steering import live
+from steering import live, rules
 from steering.documents import (
     ClusterDefinition,
     Member,
@@ -36,6 +36,7 @@ from steering.errors import (
     NoActiveCluster,
 )
 from steering.models import Cluster, LiveSteering
+from steering.selectors import attachment_choices
 
 log = structlog.get_logger(__name__)
 
@@ -63,7 +64,7 @@ def cluster_members(cluster: Cluster) -> list[Member]:
 def cluster_values(cluster: Cluster, intensity: float | None = None) -> dict[int, float]:
     """What the cluster steers at λ: the sign rule, scaled, each clamped to ±200."""
     lam = cluster.intensity if intensity is None else intensity
-    return {m.feature_idx: live.dial(m.signed(), lam) for m in cluster_members(cluster)}
+    return {m.feature_idx: rules.dial(m.signed(), lam) for m in cluster_members(cluster)}
 
 
 def check_intensity(value: Any, intensity_range: list[float] | None) -> float:
@@ -96,7 +97,7 @@ def _fit(*, sae_ref: dict[str, Any], n_features: int | None, indices: list[int],
                       and (layer is None or a.layer == layer)]
         if not candidates:
             raise SAENotAttached(f"No attachment matches sae_id={sae_id!r} layer={layer!r}",
-                                 details={"choices": live.attachment_choices(rows)})
+                                 details={"choices": attachment_choices(rows)})
     else:
         if ref and any(a.sae_id == ref for a in candidates):
             candidates = [a for a in candidates if a.sae_id == ref]
@@ -104,8 +105,8 @@ def _fit(*, sae_ref: dict[str, Any], n_features: int | None, indices: list[int],
             candidates = [a for a in candidates if a.layer == declared_layer]
     if len(candidates) > 1:
         raise AmbiguousSAE(f"Several SAEs could serve the cluster; name one with sae_id and "
-                           f"layer: {', '.join(live.attachment_choices(candidates))}",
-                           details={"choices": live.attachment_choices(candidates)})
+                           f"layer: {', '.join(attachment_choices(candidates))}",
+                           details={"choices": attachment_choices(candidates)})
     att = candidates[0]
     d_sae = att.sae.d_sae
     if n_features is not None and d_sae is not None and n_features != d_sae:
@@ -114,11 +115,7 @@ def _fit(*, sae_ref: dict[str, Any], n_features: int | None, indices: list[int],
             f"{att.layer} has {d_sae}, so its indices name other features",
             details={"n_features": n_features, "d_sae": d_sae, "sae_id": att.sae_id,
                      "layer": att.layer})
-    bad = [i for i in indices if d_sae is not None and i >= d_sae]
-    if bad:
-        raise InvalidFeatureIndex(
-            f"Member feature {bad[0]} is out of range for SAE {att.sae_id} (d_sae={d_sae})",
-            details={"feature_idx": bad[0], "d_sae": d_sae, "sae_id": att.sae_id})
+    rules.check_indices(sae_id=att.sae_id, d_sae=d_sae, indices=indices, param="members")
     warnings = []
     if declared_layer is not None and declared_layer != att.layer:
         warnings.append(f"the definition was made at layer {declared_layer}; bound to "
@@ -226,7 +223,7 @@ def cluster_activate(*, cluster: Cluster, intensity: Any = None, sae_id: str | N
         bound, warnings = _fit(sae_ref=cluster.sae_ref, n_features=cluster.n_features,
                                indices=[m.feature_idx for m in members],
                                model_ref=cluster.model_ref, sae_id=sae_id, layer=layer)
-    values = {m.feature_idx: live.dial(m.signed(), lam) for m in members}
+    values = {m.feature_idx: rules.dial(m.signed(), lam) for m in members}
     with transaction.atomic():
         live.steering_lock()
         live.documents_deactivate(keep_cluster=cluster)

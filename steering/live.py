@@ -15,7 +15,6 @@ or clearing disables it, so the reported ``enabled`` is what runs.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -23,11 +22,11 @@ import structlog
 from django.db import transaction
 
 from core import events
-from core.errors import InvalidFeatureIndex, SAENotAttached, ValidationFailed
-from gpu_engine.protocol import MAX_STEERING_STRENGTH, SteeringEntry, SteeringSpec
+from core.errors import ValidationFailed
 from registry.models import Attachment
-from steering.errors import AmbiguousSAE
+from steering import rules
 from steering.models import Circuit, Cluster, LiveSteering, Profile, SteeringState
+from steering.selectors import attachment_pick
 
 log = structlog.get_logger(__name__)
 
@@ -36,31 +35,11 @@ MAX_BATCH = 1000
 
 # --------------------------------------------------------------------------- reads
 
-def attachment_choices(rows: Iterable[Attachment]) -> list[str]:
-    return [f"{a.sae_id}@{a.layer}" for a in rows]
-
-
 def attachment_choose(*, sae_id: str | None = None, layer: int | None = None,
                       param: str = "sae_id") -> Attachment:
-    """The attachment a management call acts on: the one named by ``sae_id`` (and
-    ``layer``), else the only one attached, else 400 naming the choices."""
+    """The attachment row a management call acts on (``attachment_pick``'s rule)."""
     rows = list(Attachment.objects.select_related("sae", "model").order_by("layer", "sae_id"))
-    if not rows:
-        raise SAENotAttached("No SAE is attached; attach one first", details={"param": param})
-    matches = [a for a in rows if (sae_id is None or a.sae_id == sae_id)
-               and (layer is None or a.layer == layer)]
-    if not matches:
-        raise SAENotAttached(
-            f"No attachment matches sae_id={sae_id!r} layer={layer!r}; attached: "
-            f"{', '.join(attachment_choices(rows))}",
-            details={"param": param, "sae_id": sae_id, "layer": layer,
-                     "choices": attachment_choices(rows)})
-    if len(matches) > 1:
-        raise AmbiguousSAE(
-            f"Several SAEs are attached; name one with sae_id (and layer): "
-            f"{', '.join(attachment_choices(matches))}",
-            details={"param": param, "choices": attachment_choices(matches)})
-    return matches[0]
+    return attachment_pick(attachments=rows, sae_id=sae_id, layer=layer, param=param)
 
 
 def values_out(values: Mapping[str, float]) -> dict[str, float]:
@@ -82,46 +61,13 @@ def live_rows() -> list[LiveSteering]:
             .order_by("attachment__layer", "attachment__sae_id") if r.values]
 
 
-def live_steering_spec() -> SteeringSpec:
-    """The live steering as one spec over every attachment recorded in the database (what
-    a request that brings nothing runs). For whoever restores an engine: nothing needs
-    pushing, since each request carries its own resolved spec, but this is the state."""
-    return SteeringSpec([SteeringEntry(r.attachment.sae_id, r.attachment.layer,
-                                       {int(k): float(v) for k, v in r.values.items()})
-                         for r in live_rows()])
-
-
 # --------------------------------------------------------------------------- checks
 
 def check_indices(*, attachment: Attachment, indices: Iterable[int], param: str) -> None:
-    d_sae = attachment.sae.d_sae
-    for index in indices:
-        if index < 0 or (d_sae is not None and index >= d_sae):
-            raise InvalidFeatureIndex(
-                f"Feature index {index} is out of range for SAE {attachment.sae_id!r} "
-                f"(d_sae={d_sae})", details={"param": param, "feature_idx": index,
-                                             "sae_id": attachment.sae_id, "d_sae": d_sae})
+    """``rules.check_indices`` against an attachment row's SAE."""
+    rules.check_indices(sae_id=attachment.sae_id, d_sae=attachment.sae.d_sae, indices=indices,
+                        param=param)
 
-
-def check_direct(values: Mapping[int, float], param: str) -> dict[int, float]:
-    """Values set directly: finite and within ±200, refused otherwise (never clamped)."""
-    out: dict[int, float] = {}
-    limit = f"{MAX_STEERING_STRENGTH:g}"
-    for index, value in values.items():
-        value = float(value)
-        if not math.isfinite(value) or abs(value) > MAX_STEERING_STRENGTH:
-            raise ValidationFailed(
-                f"Steering value {value!r} for feature {index} is outside "
-                f"[-{MAX_STEERING_STRENGTH:g}, {MAX_STEERING_STRENGTH:g}]",
-                details={"fields": {param: [
-                    f"feature {index}: value must lie in [-{limit}, {limit}]"]}})
-        out[int(index)] = value
-    return out
-
-
-def dial(value: float, intensity: float) -> float:
-    """A value derived from a dial: scaled, then clamped to ±200."""
-    return max(-MAX_STEERING_STRENGTH, min(MAX_STEERING_STRENGTH, value * intensity))
 
 
 # --------------------------------------------------------------------------- writes
@@ -167,7 +113,7 @@ def live_set(*, attachment: Attachment, values: Mapping[int, float],
     if len(values) > MAX_BATCH:
         raise ValidationFailed(f"At most {MAX_BATCH} features per call (got {len(values)})",
                                details={"fields": {"steering": [f"at most {MAX_BATCH}"]}})
-    values = check_direct(values, "steering")
+    values = rules.check_direct(values, "steering")
     check_indices(attachment=attachment, indices=values, param="feature_idx")
     steering_lock()
     row = LiveSteering.objects.filter(attachment=attachment).first()

@@ -22,10 +22,11 @@ from django.utils.dateparse import parse_datetime
 from core.errors import SAENotAttached, ValidationFailed
 from gpu_engine.protocol import MAX_STEERING_STRENGTH
 from registry.models import Attachment
-from steering import live
+from steering import live, rules
 from steering.documents import PROFILE_VERSION, refuse_cluster_as_profile
 from steering.errors import ProfileAlreadyExists, ProfileIncompatible, ProfileNotFound
 from steering.models import LiveSteering, Profile
+from steering.selectors import attachment_choices
 
 log = structlog.get_logger(__name__)
 
@@ -210,14 +211,14 @@ def profile_activate(*, profile: Profile, intensity: float | None = None) -> Pro
                 f"{profile.layer}, which is not attached",
                 details={"profile": profile.name, "sae_id": profile.sae_id,
                          "layer": profile.layer,
-                         "choices": live.attachment_choices(Attachment.objects.all())})
+                         "choices": attachment_choices(Attachment.objects.all())})
         if profile.model_name and attachment.model.name != profile.model_name:
             raise ProfileIncompatible(
                 f"Profile {profile.name!r} was made for model {profile.model_name!r}, not "
                 f"{attachment.model.name!r}", details={"profile": profile.name,
                                                        "model": attachment.model.name})
         live.check_indices(attachment=attachment, indices=values, param="steering")
-        entries[attachment] = {i: live.dial(v, lam) for i, v in values.items()}
+        entries[attachment] = {i: rules.dial(v, lam) for i, v in values.items()}
     with transaction.atomic():
         live.steering_lock()
         live.documents_deactivate(keep_profile=profile)

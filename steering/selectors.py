@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from core.errors import SAENotAttached
-from gpu_engine.protocol import AttachmentStatus
-from steering.errors import ProfileNotFound, SteeringInvalid
+from steering.errors import AmbiguousSAE, ProfileNotFound
 from steering.models import Profile
 
 
@@ -17,46 +17,35 @@ def profile_get_by_name(*, name: str) -> Profile:
         raise ProfileNotFound(f"Profile {name!r} not found", details={"profile": name}) from None
 
 
-def attachment_choices(attachments: Sequence[AttachmentStatus]) -> list[str]:
+def attachment_choices(attachments: Iterable[Any]) -> list[str]:
     return [f"{a.sae_id}@{a.layer}" for a in attachments]
 
 
-def attachment_pick(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
-                    param: str) -> AttachmentStatus:
-    """The attachment a request names by ``sae_id``, or the only one when it names none.
+def attachment_pick(*, attachments: Sequence[Any], sae_id: str | None = None,
+                    layer: int | None = None, param: str = "sae_id") -> Any:
+    """The one rule for which attachment a call means, for every surface: the one named by
+    ``sae_id`` (and ``layer``), else the only one attached. ``attachments`` are registry
+    rows or the engine's ``AttachmentStatus`` (anything with ``sae_id`` and ``layer``).
 
-    An SAE attached at several layers is ambiguous without a layer, so it is refused the
-    same way as several SAEs, naming the choices (``sae_id@layer``).
+    None attached, or none matching, is ``SAE_NOT_ATTACHED``; several matching (several
+    SAEs and none named, or one SAE at several layers and no layer) is ``AMBIGUOUS_SAE``;
+    both name the choices as ``sae_id@layer``.
     """
-    if sae_id is None:
-        if len(attachments) == 1:
-            return attachments[0]
-        if not attachments:
-            raise SAENotAttached("No SAE is attached", details={"param": param})
-        raise SteeringInvalid(
-            f"Several SAEs are attached; name one with {param}: "
-            f"{', '.join(attachment_choices(attachments))}",
-            details={"param": param, "choices": attachment_choices(attachments)})
-    matches = [a for a in attachments if a.sae_id == sae_id]
+    if not attachments:
+        raise SAENotAttached("No SAE is attached; attach one first", details={"param": param})
+    matches = [a for a in attachments if (sae_id is None or a.sae_id == sae_id)
+               and (layer is None or a.layer == layer)]
     if not matches:
+        named = f"sae_id={sae_id!r}" + ("" if layer is None else f" layer={layer}")
         raise SAENotAttached(
-            f"SAE {sae_id!r} is not attached"
-            + (f"; attached: {', '.join(attachment_choices(attachments))}" if attachments
-               else "; no SAE is attached"),
-            details={"param": param, "sae_id": sae_id,
+            f"No attachment matches {named}; attached: "
+            f"{', '.join(attachment_choices(attachments))}",
+            details={"param": param, "sae_id": sae_id, "layer": layer,
                      "choices": attachment_choices(attachments)})
     if len(matches) > 1:
-        raise SteeringInvalid(
-            f"SAE {sae_id!r} is attached at several layers "
-            f"({', '.join(attachment_choices(matches))}); this request cannot choose",
+        raise AmbiguousSAE(
+            f"Several attachments match; name one with {param}"
+            + ("" if param.endswith("layer") else " (and layer)") + ": "
+            f"{', '.join(attachment_choices(matches))}",
             details={"param": param, "choices": attachment_choices(matches)})
     return matches[0]
-
-
-def live_steering_spec():
-    """The live steering (every enabled attachment's values) as one ``SteeringSpec`` — for
-    whoever restores or shows the state after an engine restart. Requests resolve their own
-    spec per request, so a restarted engine needs nothing pushed to it."""
-    from steering.live import live_steering_spec as spec
-
-    return spec()

@@ -7,9 +7,9 @@ from typing import Any
 
 from rest_framework import serializers
 
-from gpu_engine.protocol import MAX_STEERING_STRENGTH
 from steering.documents import RUNG_LANGUAGE
 from steering.models import Circuit, Cluster, Profile
+from steering.rules import strength_problem
 
 
 def _iso(value) -> str | None:
@@ -23,19 +23,21 @@ class TargetInput(serializers.Serializer):
     layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
 
 
+def _strength(value: float) -> None:
+    """The one rule for values set directly (steering.rules)."""
+    problem = strength_problem(value)
+    if problem:
+        raise serializers.ValidationError(problem)
+
+
 class SteeringSetInput(TargetInput):
     feature_idx = serializers.IntegerField(min_value=0)
-    value = serializers.FloatField(min_value=-MAX_STEERING_STRENGTH,
-                                   max_value=MAX_STEERING_STRENGTH)
+    value = serializers.FloatField(validators=[_strength])
 
 
 class SteeringBatchInput(TargetInput):
     steering = serializers.DictField(child=serializers.JSONField(),
                                      help_text='{"<index>": value}, at most 1000, all or none')
-
-
-class SteeringEnableInput(TargetInput):
-    enabled = serializers.BooleanField(required=False, default=True)
 
 
 class SteeringStateOutput(serializers.Serializer):

@@ -23,14 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from core.errors import InvalidFeatureIndex
 from gpu_engine.protocol import (
-    MAX_STEERING_STRENGTH,
     AttachmentStatus,
     SteeringEntry,
     SteeringSpec,
 )
-from steering import live
+from steering import live, rules
 from steering.errors import ProfileIncompatible, ProfileNotFound, SteeringInvalid
 from steering.models import Cluster, Profile
 from steering.selectors import attachment_choices, attachment_pick, profile_get_by_name
@@ -74,17 +72,7 @@ def _fmt(value: float) -> str:
 
 
 def _check_indices(att: AttachmentStatus, indices: Sequence[int], param: str) -> None:
-    for index in indices:
-        if index >= att.d_sae:
-            raise InvalidFeatureIndex(
-                f"Feature index {index} is out of range for SAE {att.sae_id!r} "
-                f"(d_sae={att.d_sae})",
-                details={"param": param, "sae_id": att.sae_id, "index": index,
-                         "d_sae": att.d_sae})
-
-
-def _dial(value: float, intensity: float) -> float:
-    return max(-MAX_STEERING_STRENGTH, min(MAX_STEERING_STRENGTH, value * intensity))
+    rules.check_indices(sae_id=att.sae_id, d_sae=att.d_sae, indices=indices, param=param)
 
 
 def _resolved(mode: str, att: AttachmentStatus, features: dict[int, float], header: str,
@@ -109,7 +97,7 @@ def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
     _check_indices(att, indices, "steering.features")
     if intensity == 0:
         return EXPLICITLY_UNSTEERED
-    values = {index: (strength if intensity is None else _dial(strength, intensity))
+    values = {index: (strength if intensity is None else rules.dial(strength, intensity))
               for index, strength in features}
     header = (f"inline;sae={_header_value(att.sae_id)};layer={att.layer};"
               f"features={len(values)}")
@@ -188,7 +176,7 @@ def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: 
             details={"profile": name, "sae_id": profile.sae_id, "layer": profile.layer,
                      "choices": attachment_choices(attachments)})
     _check_indices(att, list(values), "profile")
-    scaled = {index: _dial(strength, dial) for index, strength in values.items()}
+    scaled = {index: rules.dial(strength, dial) for index, strength in values.items()}
     header = f"profile;name={_header_value(name)};intensity={_fmt(dial)}"
     return _resolved("profile", att, scaled, header, profile=name, intensity=dial)
 
@@ -208,7 +196,7 @@ def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None
     for row in rows:
         values = {int(k): float(v) for k, v in row.values.items()}
         if intensity is not None:
-            values = {k: _dial(v, intensity) for k, v in values.items()}
+            values = {k: rules.dial(v, intensity) for k, v in values.items()}
         entries.append(SteeringEntry(row.attachment.sae_id, row.attachment.layer, values))
     count = sum(len(e.features) for e in entries)
     if len(entries) == 1:
@@ -282,7 +270,6 @@ from steering.live import (
     live_remove,
     live_set,
     live_state,
-    live_steering_spec,
 )
 from steering.profiles import (
     profile_activate,
@@ -303,7 +290,7 @@ __all__ = [
     "circuits_active", "cluster_activate", "cluster_active", "cluster_deactivate",
     "cluster_delete", "cluster_get", "cluster_import", "cluster_set_active_intensity",
     "cluster_set_intensity", "cluster_update", "live_clear", "live_enable", "live_forget",
-    "live_remove", "live_set", "live_state", "live_steering_spec", "profile_activate",
+    "live_remove", "live_set", "live_state", "profile_activate",
     "profile_create", "profile_deactivate", "profile_delete", "profile_export", "profile_get",
     "profile_import", "profile_save_current", "profile_update", "steering_resolve_request",
 ]

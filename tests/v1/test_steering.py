@@ -119,7 +119,7 @@ def test_steering_refusals(relu, llama, openai_client):
     attach("tiny-llama-L3-relu", 3)
     error = assert_openai_error(
         _complete(llama, steering={"features": [{"index": 1, "strength": 1}]}),
-        400, "invalid_parameter", "steering.sae_id")
+        400, "ambiguous_sae", "steering.sae_id")  # the same rule and code as /api's
     assert f"{relu.id}@1" in error["message"]  # names the choices
     profile_create(name="elsewhere", sae_id=relu.id, layer=2, steering={"1": 1.0})
     assert_openai_error(_complete(llama, profile="elsewhere"), 400, "profile_incompatible")

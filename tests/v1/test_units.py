@@ -13,7 +13,7 @@ from gpu_engine.protocol import AttachmentStatus
 from inference.admission import QueueFull
 from inference.errors import openai_error_from_exception, openai_error_response
 from inference.residency import ModelLoading, ModelNotResident
-from steering.errors import ProfileNotFound, SteeringInvalid
+from steering.errors import AmbiguousSAE, ProfileNotFound, SteeringInvalid
 from steering.services import profile_create, steering_resolve_request
 
 CASES = [
@@ -68,7 +68,7 @@ def test_resolver_inline_rules():
     assert dialled.header.endswith(";intensity=2")
     assert steering_resolve_request(attachments=one, inline_features=[]).spec.is_empty()
     assert steering_resolve_request(attachments=one).spec is None  # nothing asked
-    with pytest.raises(SteeringInvalid):
+    with pytest.raises(AmbiguousSAE):  # one rule for every surface: AMBIGUOUS_SAE
         steering_resolve_request(attachments=[_att(), _att("sae_b", 2)],
                                  inline_features=[(1, 1.0)])
     with pytest.raises(domain.InvalidFeatureIndex):
