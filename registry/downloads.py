@@ -46,71 +46,20 @@ from registry.errors import (
     ModelAlreadyExists,
     ModelInvalid,
 )
+from registry.hub_files import (
+    describe_sae_path,
+    sae_dir_of,
+    select_model_files,
+    select_sae_files,
+    sibling_files,
+)
 from registry.models import SAE, Job, Model
 
 log = structlog.get_logger(__name__)
 
-MODEL_FILE_SUFFIXES = (".safetensors", ".json", ".txt", ".model", ".jinja", ".tiktoken")
-SAE_FILE_SUFFIXES = (".safetensors", ".json", ".npz")
 PROGRESS_INTERVAL_S = 0.25
 
 ProgressCallback = Callable[[int, int | None], None]
-
-
-# --- file selection --------------------------------------------------------------------
-
-def _sibling_files(info: Any) -> list[tuple[str, int]]:
-    return [(s.rfilename, int(s.size or 0)) for s in (info.siblings or [])]
-
-
-def select_model_files(files: list[tuple[str, int]], *, trust_remote_code: bool
-                       ) -> list[tuple[str, int]]:
-    """The files a transformers checkpoint needs, at the repository's root."""
-    chosen = []
-    for name, size in files:
-        if "/" in name:
-            continue  # variants and originals (onnx/, original/*.pth) live in folders
-        if name.endswith(MODEL_FILE_SUFFIXES) or (trust_remote_code and name.endswith(".py")):
-            chosen.append((name, size))
-    return chosen
-
-
-def _sae_dir_of(file_path: str) -> str:
-    """The repository folder that holds one SAE: the file's folder, or the folder named."""
-    path = PurePosixPath(file_path.strip("/"))
-    if path.suffix in SAE_FILE_SUFFIXES:
-        return str(path.parent) if str(path.parent) != "." else ""
-    return str(path)
-
-
-def select_sae_files(files: list[tuple[str, int]], file_path: str) -> list[tuple[str, int]]:
-    folder = _sae_dir_of(file_path) if file_path else ""
-    chosen = []
-    for name, size in files:
-        parent = str(PurePosixPath(name).parent)
-        parent = "" if parent == "." else parent
-        if folder and parent != folder:
-            continue
-        if not folder and parent:
-            continue
-        if name.endswith(SAE_FILE_SUFFIXES):
-            chosen.append((name, size))
-    return chosen
-
-
-_LAYER = re.compile(r"(?:layer[_-]?|blocks\.|\.layers?\.|(?:^|[/.-]|(?<!average)_)l)(\d+)"
-                    r"(?=[/_.-]|$)", re.IGNORECASE)
-_WIDTH = re.compile(r"width[_-]?(\w+?)(?:/|$|_)", re.IGNORECASE)
-_L0 = re.compile(r"average_l0[_-]?(\d+)", re.IGNORECASE)
-
-
-def describe_sae_path(path: str) -> dict[str, Any]:
-    layer = _LAYER.search(path)
-    width = _WIDTH.search(path)
-    l0 = _L0.search(path)
-    return {"layer": int(layer.group(1)) if layer else None,
-            "width": width.group(1) if width else None,
-            "average_l0": int(l0.group(1)) if l0 else None}
 
 
 def _slug(repo_id: str) -> str:
@@ -227,7 +176,7 @@ def _clean_target(target: Path, root: Path) -> None:
 def _model_repo_checks(*, repo_id: str, revision: str, token: str | bool,
                        trust_remote_code: bool) -> tuple[Any, list[tuple[str, int]]]:
     info = hub.model_info(repo_id=repo_id, revision=revision, token=token)
-    files = select_model_files(_sibling_files(info), trust_remote_code=trust_remote_code)
+    files = select_model_files(sibling_files(info), trust_remote_code=trust_remote_code)
     if info.gated and not token:
         raise GatedModelNoToken(f"Repository {repo_id!r} is gated: accept its license on the "
                                 "hub and send an hf_token", details={"repo_id": repo_id})
@@ -381,7 +330,7 @@ def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str 
                        on_progress: ProgressCallback | None = None) -> Model | None:
     """The task body; returns the ready model, or None when the job had already ended."""
     def files(model: Model, info: Any) -> list[tuple[str, int]]:
-        return select_model_files(_sibling_files(info), trust_remote_code=model.trust_remote_code)
+        return select_model_files(sibling_files(info), trust_remote_code=model.trust_remote_code)
 
     def describe_at(model: Model, target: Path) -> tuple[Path, dict[str, Any]]:
         return target, describe.describe_transformers_dir(target, model.quantization)
@@ -481,7 +430,7 @@ def sae_preview(*, repository_id: str, revision: str = "main", hf_token: str | N
     token = hub.resolve_token(hf_token)
     info = hub.model_info(repo_id=repository_id, revision=revision, token=token)
     files = []
-    for name, size in _sibling_files(info):
+    for name, size in sibling_files(info):
         base = PurePosixPath(name).name
         if base in ("params.npz", "sae_weights.safetensors"):
             files.append({"path": name, "size_bytes": size, **describe_sae_path(name),
@@ -513,7 +462,7 @@ def sae_download_start(*, repository_id: str, file_path: str = "", revision: str
         return existing, job, "already_downloading"
     token = hub.resolve_token(hf_token)
     info = hub.model_info(repo_id=repository_id, revision=revision, token=token)
-    files = select_sae_files(_sibling_files(info), file_path)
+    files = select_sae_files(sibling_files(info), file_path)
     if not files:
         raise SAEInvalid(f"No SAE files (.json, .safetensors, .npz) at {file_path or 'the root'}"
                          f" of {repository_id!r}",
@@ -530,7 +479,7 @@ def sae_download_start(*, repository_id: str, file_path: str = "", revision: str
                if existing is not None else None)
         if sae is None:
             sae = SAE.objects.create(
-                name=(PurePosixPath(_sae_dir_of(file_path)).name if file_path else
+                name=(PurePosixPath(sae_dir_of(file_path)).name if file_path else
                       repository_id.rsplit("/", 1)[-1]) or repository_id.rsplit("/", 1)[-1],
                 repository_id=repository_id, revision=revision, file_path=file_path,
                 status=SAE.Status.DOWNLOADING, trained_on_layer=hints["layer"],
@@ -558,7 +507,7 @@ def sae_target_dir(sae: SAE) -> Path:
 def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | None = None,
                      on_progress: ProgressCallback | None = None) -> SAE | None:
     def describe_at(sae: SAE, target: Path) -> tuple[Path, dict[str, Any]]:
-        folder = _sae_dir_of(sae.file_path) if sae.file_path else ""
+        folder = sae_dir_of(sae.file_path) if sae.file_path else ""
         path = (target / folder) if folder else target
         meta = describe.describe_sae(path)
         # what the files do not say, the registration's hints do
@@ -569,7 +518,7 @@ def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | 
         return path, meta
 
     return _download_run(job_id=job_id, relation="sae", target_of=sae_target_dir,
-                         files_of=lambda sae, info: select_sae_files(_sibling_files(info),
+                         files_of=lambda sae, info: select_sae_files(sibling_files(info),
                                                                      sae.file_path),
                          describe_at=describe_at, hf_token=hf_token, commit=commit,
                          on_progress=on_progress)
