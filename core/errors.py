@@ -70,7 +70,17 @@ class NotReady(MillmError):
     code, status = "NOT_READY", 503
 
 
-# Engine error codes (gpu_engine.errors) -> the management contract's error classes.
+class ContextLengthExceeded(MillmError):
+    code, status = "CONTEXT_LENGTH_EXCEEDED", 400
+
+
+class GenerationFailed(MillmError):
+    code, status = "GENERATION_FAILED", 500
+
+
+# Engine error codes (gpu_engine.errors) -> the domain error classes: the one table every
+# surface goes through (/api answers the class's code; /v1 maps that code in
+# inference.errors).
 _ENGINE_CODES: dict[str, type[MillmError]] = {
     "model_not_loaded": ModelNotLoaded,
     "model_load_failed": ModelLoadFailed,
@@ -83,12 +93,19 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
     "engine_busy": ModelBusy,
     "engine_shutdown": EngineUnavailable,
     "invalid_parameter": ValidationFailed,
+    "context_length_exceeded": ContextLengthExceeded,
+    "generation_failed": GenerationFailed,
 }
 
 
 def from_engine_error(exc: Exception) -> MillmError:
-    """The domain error for an engine error (by its stable code); unknown codes are 500s."""
+    """The domain error for an engine error (by its stable code); an unknown code is a 500
+    that keeps the engine's code, upper-cased."""
     code = getattr(exc, "code", "engine_error")
-    cls = _ENGINE_CODES.get(code, MillmError)
     details = dict(getattr(exc, "details", {}) or {})
-    return cls(getattr(exc, "message", str(exc)), details={"engine_code": code, **details})
+    cls = _ENGINE_CODES.get(code)
+    error = (cls or MillmError)(getattr(exc, "message", str(exc)),
+                                details={"engine_code": code, **details})
+    if cls is None:
+        error.code = code.upper()  # type: ignore[misc]
+    return error

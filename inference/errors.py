@@ -20,9 +20,10 @@ log = structlog.get_logger(__name__)
 
 
 # --------------------------------------------------------------------------------------
-# Mapping every error a /v1 request can meet onto the OpenAI shape. Domain errors
-# (core.errors and the apps' subclasses) and engine errors (gpu_engine.errors) keep
-# their own codes; here is the only place that decides their /v1 status and code.
+# Mapping every error a /v1 request can meet onto the OpenAI shape. An engine error
+# (gpu_engine.errors) first becomes its domain error through core.errors' one engine
+# table, as on /api; this table is the only place that decides a domain code's /v1
+# status and code.
 
 # domain code -> (status, openai code, Retry-After setting or None)
 _DOMAIN: dict[str, tuple[int, str, str | None]] = {
@@ -45,25 +46,10 @@ _DOMAIN: dict[str, tuple[int, str, str | None]] = {
     "MODEL_LOAD_FAILED": (500, "model_load_failed", None),
     "MODEL_INVALID": (500, "model_load_failed", None),
     "UNSUPPORTED_MODEL": (400, "unsupported_model", None),
+    "SAE_INVALID": (400, "sae_format_error", None),
+    "CONTEXT_LENGTH_EXCEEDED": (400, "context_length_exceeded", None),
+    "GENERATION_FAILED": (500, "generation_failed", None),
 }
-
-# engine code -> (status, openai code, Retry-After setting or None)
-_ENGINE: dict[str, tuple[int, str, str | None]] = {
-    "invalid_parameter": (400, "invalid_parameter", None),
-    "context_length_exceeded": (400, "context_length_exceeded", None),
-    "sae_not_attached": (400, "sae_not_attached", None),
-    "invalid_feature_index": (400, "invalid_feature_index", None),
-    "sae_incompatible": (400, "sae_incompatible", None),
-    "sae_format_error": (400, "sae_format_error", None),
-    "unsupported_architecture": (400, "unsupported_model", None),
-    "model_not_loaded": (503, "model_not_loaded", "RETRY_AFTER_NOT_LOADED_S"),
-    "insufficient_memory": (503, "insufficient_memory", "RETRY_AFTER_MEMORY_S"),
-    "engine_busy": (503, "model_busy", "RETRY_AFTER_LOAD_S"),
-    "engine_shutdown": (503, "engine_unavailable", "RETRY_AFTER_NOT_LOADED_S"),
-    "model_load_failed": (500, "model_load_failed", None),
-    "generation_failed": (500, "generation_failed", None),
-}
-
 
 def _setting(name: str | None) -> int | None:
     return None if name is None else int(getattr(settings, name))
@@ -98,11 +84,13 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
                                 ) -> OpenAIError:
     """The /v1 error for anything raised while serving a request. Unknown exceptions
     become a 500 whose message says nothing of the internals (the log has them)."""
-    from core.errors import MillmError
+    from core.errors import MillmError, from_engine_error
     from gpu_engine.errors import EngineError
 
     if isinstance(exc, OpenAIError):
         return exc
+    if isinstance(exc, EngineError):  # one engine table for every surface (core.errors)
+        exc = from_engine_error(exc)
     if isinstance(exc, MillmError):
         status, code, retry_setting = _DOMAIN.get(
             exc.code, (400 if exc.status == 422 else exc.status, exc.code.lower(), None))
@@ -112,15 +100,6 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
                            param=details.get("param") if isinstance(details.get("param"), str)
                            else param,
                            retry_after=retry_after if status == 503 else None)
-    if isinstance(exc, EngineError):
-        status, code, retry_setting = _ENGINE.get(exc.code, (500, exc.code, None))
-        details = exc.details or {}
-        engine_param = details.get("param")
-        if code == "context_length_exceeded":
-            engine_param = param
-        return OpenAIError(exc.message, status=status, code=code,
-                           param=engine_param if isinstance(engine_param, str) else None,
-                           retry_after=_setting(retry_setting))
     try:
         from pydantic import ValidationError
     except ImportError:  # pragma: no cover - pydantic is a web requirement
