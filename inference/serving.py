@@ -24,6 +24,7 @@ from django.http import JsonResponse, StreamingHttpResponse
 
 from core.engine_client import EngineClient
 from core.runtime import runtime
+from core.version import version
 from gpu_engine.protocol import (
     AttachmentStatus,
     EngineStatus,
@@ -37,7 +38,7 @@ from gpu_engine.protocol import (
     TokenEvent,
     TokenLogprob,
 )
-from inference import selectors
+from inference import selectors, wire
 from inference.activations import activations_payload, monitor_resolve
 from inference.admission import Permit
 from inference.errors import (
@@ -87,6 +88,7 @@ class Plan:
     texts: TokenTexts
     backend: str
     monitoring: MonitorEntry | None = None  # /api/monitoring's entry, recorded apart
+    fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
     response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -142,7 +144,8 @@ def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str 
 async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
                           model: ModelRef, profile: str | None, client: EngineClient,
                           model_path: str | None,
-                          attachments: list[AttachmentStatus] | None = None) -> Plan:
+                          attachments: list[AttachmentStatus] | None = None,
+                          status: EngineStatus | None = None) -> Plan:
     if attachments is None:
         attachments = await asyncio.to_thread(client.attachments)
     args = _steering_args(req, profile)
@@ -193,26 +196,17 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                     prompt_text=prompt if isinstance(prompt, str) else None))
     return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
                 attachment=attachment, choices=choices, texts=texts,
-                backend=client.backend_name, monitoring=monitored)
+                backend=client.backend_name, monitoring=monitored,
+                fingerprint=wire.fingerprint(status, version()))
 
 
 # --------------------------------------------------------------------------- shaping
-
-def _chat_logprob(lp: TokenLogprob) -> dict[str, Any]:
-    return {"token": lp.token, "logprob": lp.logprob, "bytes": list(lp.token.encode()),
-            "top_logprobs": [{"token": t.token, "logprob": t.logprob,
-                              "bytes": list(t.token.encode())} for t in lp.top_logprobs]}
-
 
 def _top_dict(lp: TokenLogprob) -> dict[str, float]:
     # OpenAI's legacy shape; like vLLM, the chosen token is always among them
     top = {t.token: t.logprob for t in lp.top_logprobs}
     top.setdefault(lp.token, lp.logprob)
     return top
-
-
-def _finish_reason(reason: str) -> str:
-    return "length" if reason == "length" else "stop"
 
 
 def _sum_counts(outcomes: list[Outcome]) -> list[dict[str, Any]]:
@@ -242,7 +236,7 @@ def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
     return obj
 
 
-def usage_of(plan: Plan, outcomes: list[Outcome]) -> dict[str, int]:
+def usage_of(plan: Plan, outcomes: list[Outcome]) -> wire.Usage:
     prompt = 0
     seen: set[int] = set()
     n = plan.request.n
@@ -252,8 +246,8 @@ def usage_of(plan: Plan, outcomes: list[Outcome]) -> dict[str, int]:
             seen.add(group)
             prompt += out.finish.usage.prompt_tokens
     completion = sum(o.finish.usage.completion_tokens for o in outcomes)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+    return wire.Usage(prompt_tokens=prompt, completion_tokens=completion,
+                      total_tokens=prompt + completion)
 
 
 async def _echo_alternatives(client: EngineClient, prompt_ids: list[int], k: int
@@ -275,7 +269,7 @@ async def _echo_alternatives(client: EngineClient, prompt_ids: list[int], k: int
 
 
 async def _completion_logprobs(plan: Plan, out: Outcome, client: EngineClient
-                               ) -> dict[str, Any]:
+                               ) -> wire.CompletionLogprobs:
     req = plan.request
     assert isinstance(req, CompletionRequest)
     tokens: list[str] = []
@@ -308,46 +302,40 @@ async def _completion_logprobs(plan: Plan, out: Outcome, client: EngineClient
     for text in tokens:
         offsets.append(pos)
         pos += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
-            "text_offset": offsets}
+    return wire.CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs,
+                                   top_logprobs=top, text_offset=offsets)
 
 
 async def build_body(plan: Plan, outcomes: list[Outcome], client: EngineClient
                      ) -> dict[str, Any]:
+    millm = millm_object(plan, outcomes) if plan.wants_millm else None
+    common = {"id": plan.object_id, "created": plan.created, "model": plan.model.name,
+              "system_fingerprint": plan.fingerprint, "usage": usage_of(plan, outcomes),
+              "millm": millm}
+    if plan.kind == "chat":
+        wants = bool(getattr(plan.request, "logprobs", False))
+        return wire.ChatCompletion(**common, choices=[wire.ChatChoice(
+            index=out.choice.index,
+            message=wire.ChatMessage(content=out.finish.text),
+            logprobs=wire.ChatLogprobs(content=[wire.ChatTokenLogprob.of(t.logprob)
+                                                for t in out.tokens
+                                                if t.logprob is not None]) if wants else None,
+            finish_reason=wire.finish_reason(out.finish.finish_reason))
+            for out in outcomes]).dump()
+    req = plan.request
+    assert isinstance(req, CompletionRequest)
     choices = []
     for out in outcomes:
-        if plan.kind == "chat":
-            req = plan.request
-            logprobs = ({"content": [_chat_logprob(t.logprob) for t in out.tokens
-                                     if t.logprob is not None]}
-                        if getattr(req, "logprobs", False) else None)
-            choices.append({"index": out.choice.index,
-                            "message": {"role": "assistant", "content": out.finish.text},
-                            "logprobs": logprobs,
-                            "finish_reason": _finish_reason(out.finish.finish_reason)})
-        else:
-            req = plan.request
-            assert isinstance(req, CompletionRequest)
-            text = out.finish.text
-            if req.echo:
-                text = (out.choice.prompt_text if out.choice.prompt_text is not None
-                        else plan.texts.text(list(out.finish.prompt_token_ids))) + text
-            logprobs = (await _completion_logprobs(plan, out, client)
-                        if req.wants_logprobs else None)
-            choices.append({"index": out.choice.index, "text": text, "logprobs": logprobs,
-                            "finish_reason": _finish_reason(out.finish.finish_reason)})
-    body: dict[str, Any] = {
-        "id": plan.object_id,
-        "object": "chat.completion" if plan.kind == "chat" else "text_completion",
-        "created": plan.created,
-        "model": plan.model.name,
-        "system_fingerprint": None,
-        "choices": choices,
-        "usage": usage_of(plan, outcomes),
-    }
-    if plan.wants_millm:
-        body["millm"] = millm_object(plan, outcomes)
-    return body
+        text = out.finish.text
+        if req.echo:
+            text = (out.choice.prompt_text if out.choice.prompt_text is not None
+                    else plan.texts.text(list(out.finish.prompt_token_ids))) + text
+        choices.append(wire.CompletionChoice(
+            index=out.choice.index, text=text,
+            logprobs=(await _completion_logprobs(plan, out, client)
+                      if req.wants_logprobs else None),
+            finish_reason=wire.finish_reason(out.finish.finish_reason)))
+    return wire.Completion(**common, choices=choices).dump()
 
 
 # --------------------------------------------------------------------------- running
@@ -428,56 +416,56 @@ class _Resources:
         self.permit.release()
 
 
-def _chunk(plan: Plan, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-    chunk: dict[str, Any] = {
-        "id": plan.object_id,
-        "object": "chat.completion.chunk" if plan.kind == "chat" else "text_completion",
-        "created": plan.created,
-        "model": plan.model.name,
-        "system_fingerprint": None,
-        "choices": choices,
-    }
+def _chunk(plan: Plan, choices: list[Any], *, usage: wire.Usage | None = None,
+           millm: dict[str, Any] | None = None) -> dict[str, Any]:
+    model = wire.ChatCompletionChunk if plan.kind == "chat" else wire.Completion
+    data = model(id=plan.object_id, created=plan.created, model=plan.model.name,
+                 system_fingerprint=plan.fingerprint, choices=choices, usage=usage,
+                 millm=millm).dump()
     if plan.request.include_usage:
-        chunk["usage"] = None
-    chunk.update(extra)
-    return chunk
+        data.setdefault("usage", None)  # null on every chunk but the usage one
+    else:
+        data.pop("usage", None)
+    return data
 
 
-def _token_choice(plan: Plan, choice: Choice, event: TokenEvent) -> dict[str, Any] | None:
+def _token_choice(plan: Plan, choice: Choice, event: TokenEvent) -> Any:
     if not event.text and event.logprob is None:
         return None
     if plan.kind == "chat":
-        logprobs = ({"content": [_chat_logprob(event.logprob)]}
+        logprobs = (wire.ChatLogprobs(content=[wire.ChatTokenLogprob.of(event.logprob)])
                     if event.logprob is not None and plan.request.logprobs else None)
-        return {"index": choice.index, "delta": {"content": event.text},
-                "logprobs": logprobs, "finish_reason": None}
+        return wire.ChatChunkChoice(index=choice.index,
+                                    delta=wire.ChatDelta(content=event.text),
+                                    logprobs=logprobs)
     logprobs = None
     if event.logprob is not None:
-        logprobs = {"tokens": [event.logprob.token],
-                    "token_logprobs": [event.logprob.logprob],
-                    "top_logprobs": [_top_dict(event.logprob)], "text_offset": [0]}
-    return {"index": choice.index, "text": event.text, "logprobs": logprobs,
-            "finish_reason": None}
+        logprobs = wire.CompletionLogprobs(
+            tokens=[event.logprob.token], token_logprobs=[event.logprob.logprob],
+            top_logprobs=[_top_dict(event.logprob)], text_offset=[0])
+    return wire.CompletionChoice(index=choice.index, text=event.text, logprobs=logprobs,
+                                 finish_reason=None)
 
 
-def _finish_choice(plan: Plan, choice: Choice, finish: FinishEvent) -> dict[str, Any]:
-    reason = _finish_reason(finish.finish_reason)
+def _finish_choice(plan: Plan, choice: Choice, finish: FinishEvent) -> Any:
+    reason = wire.finish_reason(finish.finish_reason)
     if plan.kind == "chat":
-        return {"index": choice.index, "delta": {}, "logprobs": None, "finish_reason": reason}
-    return {"index": choice.index, "text": "", "logprobs": None, "finish_reason": reason}
+        return wire.ChatChunkChoice(index=choice.index, delta=wire.ChatDelta(),
+                                    finish_reason=reason)
+    return wire.CompletionChoice(index=choice.index, text="", logprobs=None,
+                                 finish_reason=reason)
 
 
-def _opening(plan: Plan, choice: Choice, first_prompt_ids: list[int] | None
-             ) -> dict[str, Any] | None:
+def _opening(plan: Plan, choice: Choice, first_prompt_ids: list[int] | None) -> Any:
     if plan.kind == "chat":
-        return {"index": choice.index, "delta": {"role": "assistant", "content": ""},
-                "logprobs": None, "finish_reason": None}
+        return wire.ChatChunkChoice(index=choice.index,
+                                    delta=wire.ChatDelta(role="assistant", content=""))
     req = plan.request
     if isinstance(req, CompletionRequest) and req.echo:
         text = (choice.prompt_text if choice.prompt_text is not None
                 else plan.texts.text(first_prompt_ids or []))
-        return {"index": choice.index, "text": text, "logprobs": None,
-                "finish_reason": None}
+        return wire.CompletionChoice(index=choice.index, text=text, logprobs=None,
+                                     finish_reason=None)
     return None
 
 
@@ -582,7 +570,8 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
         plan = await plan_generation(kind=kind, req=req, model=model,
                                      profile=req.profile or profile, client=client,
                                      model_path=model_path,
-                                     attachments=list(res.use.status.attachments))
+                                     attachments=list(res.use.status.attachments),
+                                     status=res.use.status)
         response = await respond(plan, client, res)
         handed_over = isinstance(response, SSEResponse)
         return response

@@ -16,9 +16,7 @@ from __future__ import annotations
 import json
 import platform
 import time
-import tomllib
 from datetime import UTC, datetime
-from functools import cache
 from typing import Any
 
 import structlog
@@ -33,19 +31,12 @@ from rest_framework.views import APIView
 from core.api import envelope
 from core.errors import NotReady
 from core.schema import enveloped
+from core.version import version
 
 log = structlog.get_logger(__name__)
 
 STARTED_AT = time.time()
 
-
-@cache
-def version() -> str:
-    try:
-        with open(settings.BASE_DIR / "pyproject.toml", "rb") as fh:
-            return str(tomllib.load(fh)["project"]["version"])
-    except (OSError, KeyError, tomllib.TOMLDecodeError):
-        return "unknown"
 
 
 def _now() -> str:
@@ -291,7 +282,8 @@ class InferenceHealthView(APIView):
         batching = bool(engine_batching.get("enabled", settings.ENABLE_CONTINUOUS_BATCHING))
         return envelope({
             "backend": engine.get("backend") or "transformers",
-            "mode": engine_batching.get("mode") or ("continuous_batching" if batching else "serial"),
+            "mode": engine_batching.get("mode") or ("continuous_batching" if batching
+                                                    else "serial"),
             "batching": engine_batching,
             "kernels": engine.get("kernels"),
             "engine_state": engine["state"],
