@@ -20,6 +20,7 @@ from rest_framework import exceptions, status
 from rest_framework.response import Response
 
 from core.errors import MillmError
+from core.metrics import mark_error
 from core.middleware import LoopMiddleware
 
 log = structlog.get_logger(__name__)
@@ -86,7 +87,19 @@ def error_response(code: str, message: str, *, status_code: int,
     value = retry_after_value(status_code, retry_after, code)
     if value is not None:
         response["Retry-After"] = str(value)
-    return response
+    return mark_error(response, code)
+
+
+def error_json(code: str, message: str, *, status_code: int,
+               details: dict[str, Any] | None = None, retry_after: int | None = None):
+    """``error_response`` for code outside DRF (middlewares): a plain JsonResponse."""
+    from django.http import JsonResponse
+
+    response = JsonResponse(error_body(code, message, details), status=status_code)
+    value = retry_after_value(status_code, retry_after, code)
+    if value is not None:
+        response["Retry-After"] = str(value)
+    return mark_error(response, code)
 
 
 def _field_errors(detail: Any) -> Any:
@@ -161,29 +174,19 @@ class ApiFallbackMiddleware(LoopMiddleware):
         code = "NOT_FOUND" if response.status_code == 404 else "METHOD_NOT_ALLOWED"
         message = (f"No API route at {request.path}" if response.status_code == 404
                    else f"Method {request.method} not allowed")
-        return _json(error_body(code, message), response.status_code)
+        return error_json(code, message, status_code=response.status_code)
 
     def process_exception(self, request, exception):
         if not _is_api(request.path):
             return None
         if isinstance(exception, MillmError):
-            response = _json(error_body(exception.code, exception.message, exception.details),
-                             exception.status)
-            value = retry_after_value(exception.status, exception.retry_after, exception.code)
-            if value is not None:
-                response["Retry-After"] = str(value)
-            return response
+            return error_json(exception.code, exception.message, status_code=exception.status,
+                              details=exception.details, retry_after=exception.retry_after)
         log.error("api_unhandled_exception", path=request.path,
                   error_type=type(exception).__name__, exc_info=exception)
-        return _json(error_body("INTERNAL_ERROR", "Internal server error; see the server log"),
-                     500)
+        return error_json("INTERNAL_ERROR", "Internal server error; see the server log",
+                          status_code=500)
 
 
 def _is_api(path: str) -> bool:
     return path == "/api" or path.startswith("/api/")
-
-
-def _json(body: dict[str, Any], status_code: int):
-    from django.http import JsonResponse
-
-    return JsonResponse(body, status=status_code)

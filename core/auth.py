@@ -17,7 +17,7 @@ from urllib.parse import parse_qs
 
 import structlog
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, HttpResponse
 
 from core.middleware import LoopMiddleware
 
@@ -60,9 +60,9 @@ def _unauthorized(path: str, reason: str) -> HttpResponse:
         response = openai_error_response(OpenAIError(
             reason, status=401, code="invalid_api_key", type="authentication_error"))
     else:
-        from core.api import error_body
+        from core.api import error_json
 
-        response = JsonResponse(error_body("UNAUTHORIZED", reason), status=401)
+        response = error_json("UNAUTHORIZED", reason, status_code=401)
     response["WWW-Authenticate"] = 'Bearer realm="miLLM"'
     return response
 

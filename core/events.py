@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import structlog
@@ -37,6 +38,19 @@ def bind_loop(loop: asyncio.AbstractEventLoop) -> None:
 
 def _message(event: str, data: dict[str, Any]) -> dict[str, Any]:
     return {"type": "millm.event", "event": event, "data": data}
+
+
+async def send_to(channel_names: Iterable[str], event: str, data: dict[str, Any]) -> None:
+    """Send one event to some consumers only, from the loop that serves them (the
+    metrics push, whose figures belong to this process). Failures are logged."""
+    layer = get_channel_layer()
+    if layer is None:
+        return
+    for name in channel_names:
+        try:
+            await layer.send(name, _message(event, data))
+        except Exception:
+            log.warning("event_send_failed", event_name=event, exc_info=True)
 
 
 def _log_failure(future: Any, event: str) -> None:

@@ -10,6 +10,7 @@ scrape time by a collector instead of being copied into gauges.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import structlog
 from prometheus_client import Counter, Histogram
@@ -27,8 +28,10 @@ REQUEST_SECONDS = Histogram("millm_http_request_duration_seconds",
                                      30, 60))
 TOKENS = Counter("millm_tokens_generated", "Completion tokens generated", ["model"])
 PROMPT_TOKENS = Counter("millm_prompt_tokens", "Prompt tokens processed", ["model"])
-REFUSALS = Counter("millm_refusals", "Requests refused before generation, by reason "
-                   "(queue_full, model_busy, model_not_loaded, unauthorized, …)", ["reason"])
+REFUSALS = Counter("millm_refusals", "/api and /v1 requests refused for the server's state "
+                   "or the caller's credentials, by reason (queue_full, model_busy, "
+                   "model_loading, model_not_loaded, model_leased, unauthorized, …)",
+                   ["reason"])
 DOWNLOADS = Counter("millm_downloads", "Finished downloads by kind and outcome",
                     ["kind", "outcome"])
 LOADS = Counter("millm_model_loads", "Finished model loads and unloads by outcome",
@@ -46,6 +49,46 @@ def record_tokens(*, model: str, completion_tokens: int, prompt_tokens: int = 0)
 
 def record_refusal(reason: str) -> None:
     REFUSALS.labels(reason=reason).inc()
+
+
+# --------------------------------------------------------------------------- refusals
+# A refusal is an answer that says "not now" or "not you" to a well-formed request: the
+# queue is full, the model is loading, busy, leased, locked or not resident, the engine or
+# hub is unavailable, the key is wrong. A request that is itself wrong (400, 404, 422) is
+# not one; requests.by_code counts those. Each error response is built by one function
+# per surface (core.api, core.openai_errors), which marks it with its code; the metrics
+# middleware, which sees every answer once, counts the marked refusals.
+
+ERROR_CODE_ATTR = "millm_error_code"
+
+# 409s and the /api 400 of model_not_loaded are refusals by code; every 429 and 503 is one
+# by status, except the readiness probe, whose 503 is its answer, not a refusal.
+_REFUSAL_CODES = frozenset({"model_locked", "model_leased", "model_not_resident",
+                            "lease_expired", "model_busy", "model_not_loaded",
+                            "insufficient_memory"})
+_NOT_REFUSALS = frozenset({"not_ready"})
+
+
+def mark_error(response: Any, code: str) -> Any:
+    """Name the error code an error response answers (for ``refusal_reason``)."""
+    setattr(response, ERROR_CODE_ATTR, code)
+    return response
+
+
+def refusal_reason(status: int, code: str | None) -> str | None:
+    """The refusals label of an answer, or None when it is not a refusal. Both surfaces
+    share the labels: /api's ``QUEUE_FULL`` and /v1's ``queue_full`` are ``queue_full``;
+    /v1's ``invalid_api_key`` and /api's ``UNAUTHORIZED`` are ``unauthorized``."""
+    if status == 401:
+        return "unauthorized"
+    if code is None:
+        return None
+    reason = code.lower()
+    if reason in _NOT_REFUSALS:
+        return None
+    if status in (403, 429, 503) or reason in _REFUSAL_CODES:
+        return reason
+    return None
 
 
 def record_download(*, kind: str, outcome: str) -> None:
@@ -88,8 +131,9 @@ def _surface(path: str) -> str:
 
 
 class MetricsMiddleware(LoopMiddleware):
-    """Counts every answer by route pattern (bounded label values) and status, and makes
-    sure no 503 leaves without Retry-After (RETRY_AFTER_FALLBACK_S, logged).
+    """Counts every answer by route pattern (bounded label values) and status, and every
+    refusal by reason (``refusal_reason``), and makes sure no 503 leaves without
+    Retry-After (RETRY_AFTER_FALLBACK_S, logged).
 
     A LoopMiddleware: its hooks run on the event loop, so a /v1 stream pays no thread hop
     for them."""
@@ -111,8 +155,11 @@ class MetricsMiddleware(LoopMiddleware):
             started = getattr(request, "_millm_started", None)
             if started is not None:
                 REQUEST_SECONDS.labels(surface=surface).observe(time.perf_counter() - started)
-            if response.status_code == 401 and surface in ("api", "v1"):
-                record_refusal("unauthorized")
+            if response.status_code >= 400 and surface in ("api", "v1"):
+                reason = refusal_reason(response.status_code,
+                                        getattr(response, ERROR_CODE_ATTR, None))
+                if reason is not None:
+                    record_refusal(reason)
         except Exception:
             log.warning("metrics_record_failed", exc_info=True)
         return response

@@ -11,6 +11,7 @@ from typing import Any
 from django.http import JsonResponse
 
 from core.api import retry_after_value
+from core.metrics import mark_error
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error",
           403: "permission_error", 404: "invalid_request_error", 409: "invalid_request_error",
@@ -46,7 +47,7 @@ def openai_error_response(error: OpenAIError) -> JsonResponse:
     retry_after = retry_after_value(error.status, error.retry_after, error.code)
     if retry_after is not None:
         response["Retry-After"] = str(retry_after)
-    return response
+    return mark_error(response, error.code)
 
 
 def openai_error_frame(error: OpenAIError) -> bytes:

@@ -1,6 +1,6 @@
 """The process's runtime: the long-lived objects that every layer reaches — the engine
-client, the admission controller, residency — held by one object instead of module
-globals.
+client, the admission controller, residency, the metrics push — held by one object
+instead of module globals.
 
 Each part is built once, on first use, from a builder the site installs when Django is
 ready (``millm_site.apps``): the site is the one layer that may import every app, so it
@@ -21,13 +21,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the types only: the web tier never imports the engine
     from core.engine_client import EngineClient
 
-PARTS = ("engine", "admission", "residency")
+PARTS = ("engine", "admission", "residency", "metrics_push")
 
 
 class Runtime:
     engine: EngineClient
     admission: Any  # inference.admission.AdmissionController or its shared twin
     residency: Any  # inference.residency.Residency
+    metrics_push: Any  # system.metrics.MetricsPush
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

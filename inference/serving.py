@@ -23,6 +23,7 @@ from django.db import close_old_connections
 from django.http import JsonResponse, StreamingHttpResponse
 
 from core.engine_client import EngineClient
+from core.metrics import record_tokens
 from core.runtime import runtime
 from core.version import version
 from gpu_engine.protocol import (
@@ -250,6 +251,14 @@ def usage_of(plan: Plan, outcomes: list[Outcome]) -> wire.Usage:
                       total_tokens=prompt + completion)
 
 
+def count_usage(plan: Plan, usage: dict[str, int], *, unfinished: int = 0) -> None:
+    """Advance the token counters once per answered request, by the usage it reports
+    (plus the tokens a stream sent for a choice that never finished)."""
+    record_tokens(model=plan.model.name,
+                  completion_tokens=usage["completion_tokens"] + unfinished,
+                  prompt_tokens=usage["prompt_tokens"])
+
+
 async def _echo_alternatives(client: EngineClient, prompt_ids: list[int], k: int
                              ) -> list[dict[str, float] | None]:
     """Top-k log-probabilities at each prompt position (None at position 0)."""
@@ -472,6 +481,7 @@ def _opening(plan: Plan, choice: Choice, first_prompt_ids: list[int] | None) -> 
 async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                   first: TokenEvent | FinishEvent) -> AsyncIterator[bytes]:
     outcomes: list[Outcome] = []
+    under_way: list[TokenEvent] = []  # the tokens sent of a choice not finished yet
     try:
         for position, choice in enumerate(plan.choices):
             if position == 0:
@@ -482,6 +492,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
             opened = False
             held = b""
             tokens: list[TokenEvent] = []
+            under_way = tokens
             while True:
                 if pending is None:
                     try:
@@ -511,6 +522,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                         held = b""
                 elif isinstance(event, FinishEvent):
                     outcomes.append(Outcome(choice, event, tokens))
+                    under_way = []
                     await record_monitoring(plan, outcomes[-1])
                     yield held + _sse(_chunk(plan, [_finish_choice(plan, choice, event)]))
                     held = b""
@@ -525,7 +537,12 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
     except Exception as exc:  # noqa: BLE001 - after the first byte an error is a frame
         yield openai_error_frame(openai_error_from_exception(exc))
     finally:
-        res.release()
+        try:
+            # counted however the stream ended (a client that hung up was sent tokens
+            # too), and before the slot is freed: an idle server has counted everything
+            count_usage(plan, usage_of(plan, outcomes), unfinished=len(under_way))
+        finally:
+            res.release()
 
 
 async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
@@ -535,6 +552,7 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
         for outcome in outcomes:
             await record_monitoring(plan, outcome)
         body = await build_body(plan, outcomes, client)
+        count_usage(plan, body["usage"])
         return JsonResponse(body, headers=plan.headers)
     # Wait for the first event before answering, so a refusal the engine makes at the
     # start (context length, a detached SAE) is a proper HTTP error, not a frame.

@@ -19,6 +19,7 @@ from django.http import HttpRequest, JsonResponse
 from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ValidationError
 
+from core.metrics import record_tokens
 from core.runtime import runtime
 from gpu_engine.protocol import EmbedJob
 from inference import selectors
@@ -172,6 +173,8 @@ async def embeddings(request: HttpRequest):
         if use is not None:
             use.release()
         permit.release()
+    record_tokens(model=model.name, completion_tokens=0,
+                  prompt_tokens=result.usage.prompt_tokens)
     body = EmbeddingResponse(
         data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
               for i, v in enumerate(result.embeddings)],

@@ -13,9 +13,11 @@ class MillmSiteConfig(AppConfig):
         from inference.admission import build_admission
         from inference.residency import Residency
         from orchestration.engine_events import handle as on_engine_event
+        from system.metrics import MetricsPush
 
         runtime().install(
             engine=lambda: build_engine_client(on_event=on_engine_event),
             admission=build_admission,
             residency=Residency,
+            metrics_push=MetricsPush,
         )

@@ -113,6 +113,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("LOG_FORMAT", "HTTP & logging", "str", "console",
         "console for humans, json (one object per line) for log pipelines.",
         choices=("console", "json")),
+    Var("METRICS_PUSH_INTERVAL_S", "HTTP & logging", "float", 2.0,
+        "Seconds between the system:metrics events each web process sends its /ws/events "
+        "clients while at least one is connected (the dashboard's figures); 0 turns the "
+        "push off and the dashboard polls GET /api/health/metrics instead.", minimum=0),
     # --- Concurrency & timeouts -----------------------------------------------------
     Var("MAX_CONCURRENT_REQUESTS", "Concurrency & timeouts", "int", 1,
         "Generation slots of /v1. Every request carries its own steering and monitoring, "

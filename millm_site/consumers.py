@@ -1,4 +1,5 @@
-"""WebSocket consumer for ``/ws/events``: joins the event group and relays each event.
+"""WebSocket consumer for ``/ws/events``: joins the event group and relays each event,
+and while connected receives this process's ``system:metrics`` (``MetricsPush``).
 
 Authentication happens before the consumer (``core.auth.WebSocketApiKeyMiddleware``).
 The socket only sends; anything a client writes is ignored.
@@ -10,6 +11,7 @@ from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from core import events
 from core.events import GROUP
+from core.runtime import runtime
 
 
 class EventsConsumer(AsyncJsonWebsocketConsumer):
@@ -17,8 +19,10 @@ class EventsConsumer(AsyncJsonWebsocketConsumer):
         events.bind_loop(asyncio.get_running_loop())
         await self.channel_layer.group_add(GROUP, self.channel_name)
         await self.accept()
+        runtime().metrics_push.join(self.channel_name)
 
     async def disconnect(self, code: int) -> None:
+        runtime().metrics_push.leave(self.channel_name)
         await self.channel_layer.group_discard(GROUP, self.channel_name)
 
     async def receive(self, text_data=None, bytes_data=None, **kwargs) -> None:

@@ -1,15 +1,20 @@
 """What /api/health/metrics and the Prometheus scrape show: the counters of
 ``core.metrics`` plus figures read at scrape time from where they live (the admission
-queue, the engine's per-attachment ``steering_apply_count``, the hub breakers)."""
+queue, the engine's per-attachment ``steering_apply_count``, the hub breakers) — and the
+``system:metrics`` event that brings the main figures to /ws/events clients."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
+import structlog
+from django.conf import settings
 from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from core.events import send_to
 from core.metrics import (
     DOWNLOADS,
     LOADS,
@@ -21,6 +26,13 @@ from core.metrics import (
     _by_label,
     _sum,
 )
+
+log = structlog.get_logger(__name__)
+
+EVENT = "system:metrics"
+# the figures a dashboard shows; the rest of /api/health/metrics stays a request away
+PUSHED_KEYS = ("uptime_seconds", "requests", "queue", "tokens_generated", "prompt_tokens",
+               "refusals", "model_loaded", "model_name")
 
 
 class _LiveCollector:
@@ -109,3 +121,87 @@ def snapshot() -> dict[str, Any]:
     }
 
 
+def pushed_snapshot() -> dict[str, Any]:
+    """The data of a ``system:metrics`` event: the main figures of ``snapshot()``, with
+    the same keys and values (counters, no request content)."""
+    full = snapshot()
+    return {key: full[key] for key in PUSHED_KEYS}
+
+
+class MetricsPush:
+    """Sends ``system:metrics`` to this process's /ws/events clients every
+    METRICS_PUSH_INTERVAL_S seconds while at least one is connected: one task per process,
+    on the loop that serves the sockets, started by the first client's connect and ended
+    when the last one leaves. A client that joins gets the figures at once.
+
+    The figures go to this process's own consumers, not to the event group: the counters
+    are per process, and with several web processes (distributed mode) a group send would
+    interleave all their figures on every socket. The consumers call ``join``/``leave``
+    on their loop, so no lock is needed."""
+
+    def __init__(self) -> None:
+        self._channels: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._wake: asyncio.Event | None = None
+
+    @staticmethod
+    def interval() -> float:
+        return float(settings.METRICS_PUSH_INTERVAL_S)
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    def join(self, channel_name: str) -> None:
+        loop = asyncio.get_running_loop()
+        if self._task is not None and self._task.get_loop() is not loop:
+            # a server on another loop (tests run several): its clients went with it
+            self._stop()
+            self._channels.clear()
+        self._channels.add(channel_name)
+        if self.interval() <= 0:
+            return
+        if not self.running:
+            self._wake = asyncio.Event()
+            self._task = loop.create_task(self._run(), name="metrics-push")
+        assert self._wake is not None
+        self._wake.set()
+
+    def leave(self, channel_name: str) -> None:
+        self._channels.discard(channel_name)
+        if not self._channels:
+            self._stop()
+
+    def _stop(self) -> None:
+        task, self._task = self._task, None
+        if task is None or task.done():
+            return
+        loop = task.get_loop()
+        try:
+            if loop.is_closed():
+                return
+            loop.call_soon_threadsafe(task.cancel)
+        except RuntimeError:  # the loop closed meanwhile
+            pass
+
+    close = _stop  # Runtime.shutdown
+
+    async def _run(self) -> None:
+        wake = self._wake
+        assert wake is not None
+        while self._channels:
+            interval = self.interval()
+            if interval <= 0:
+                break
+            wake.clear()
+            try:
+                # the engine's status may be a Redis round trip (distributed mode)
+                data = await asyncio.to_thread(pushed_snapshot)
+            except Exception:
+                log.warning("metrics_push_failed", exc_info=True)
+            else:
+                await send_to(list(self._channels), EVENT, data)
+            try:
+                await asyncio.wait_for(wake.wait(), interval)
+            except TimeoutError:
+                pass

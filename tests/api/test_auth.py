@@ -92,8 +92,10 @@ def test_websocket_needs_the_key(keys):
     assert async_to_sync(attempt)(f"/ws/events?api_key={KEY}")[0] is True
 
 
-def test_websocket_relays_events_without_keys():
+def test_websocket_relays_events_without_keys(settings):
     from core import events
+
+    settings.METRICS_PUSH_INTERVAL_S = 0  # only the event sent here (tests/v1 has the push)
 
     async def scenario():
         communicator = _ws("/ws/events")

@@ -117,21 +117,26 @@ def test_gpus_in_distributed_mode(api, settings):
     assert data["cards"] == [] and "run_engine" in data["reason"]
 
 
-def test_metrics_json_and_prometheus(api, engine_client, tiny_llama, llama_saes):
-    from core import metrics
+def _metrics(api) -> dict:
+    return ok(api.get("/api/health/metrics"))
 
+
+def _grown(before: dict, after: dict) -> dict:
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
+def test_metrics_json_and_prometheus(api, engine_client, tiny_llama, llama_saes):
     orchestration_services.model_load(model=tiny_llama)
     sae = llama_saes["tiny-llama-L1-relu"]
-    orchestration_services.sae_attach(sae=sae, layer=1)
-    metrics.record_tokens(model="tiny-llama", completion_tokens=7, prompt_tokens=3)
-    metrics.record_refusal("queue_full")
-    api.get("/api/models")
-    api.get("/api/models/999999")
+    orchestration_services.sae_attach(sae=sae, layer=1)  # which locks the model
+    before = _metrics(api)
+    refused(api.post(f"/api/models/{tiny_llama.id}/unload"), 409, "MODEL_LOCKED")
+    refused(api.get("/api/models/999999"), 404, "MODEL_NOT_FOUND")  # wrong, not refused
 
-    data = ok(api.get("/api/health/metrics"))
-    assert data["tokens_generated"] >= 7
-    assert data["refusals"]["queue_full"] >= 1
+    data = _metrics(api)
+    assert _grown(before["refusals"], data["refusals"]) == {"model_locked": 1}
     assert data["requests"]["by_code"]["404"] >= 1
+    assert data["requests"]["total"] == before["requests"]["total"] + 3  # + the first read
     assert data["steering_apply_count"] == [{"sae_id": sae.id, "layer": 1,
                                              "steering_apply_count": 0}]
     assert data["model_loaded"] is True and "waiting" in data["queue"]
@@ -142,12 +147,34 @@ def test_metrics_json_and_prometheus(api, engine_client, tiny_llama, llama_saes)
     assert re.search(r'millm_http_requests_total\{code="404",method="GET",'
                      r'route="api/models/<int:model_id>",surface="api"\} \d', text)
     assert re.search(r"millm_queue_depth \d", text)
-    assert re.search(r'millm_tokens_generated_total\{model="tiny-llama"\} \d', text)
-    assert re.search(r'millm_refusals_total\{reason="queue_full"\} \d', text)
+    assert re.search(r'millm_refusals_total\{reason="model_locked"\} \d', text)
     assert f'millm_steering_apply_count{{layer="1",sae_id="{sae.id}"}} 0.0' in text
     assert "millm_model_loaded 1.0" in text
     assert re.search(r"millm_admission_refused_total \d", text)
     assert 'millm_circuit_open{name="huggingface"} 0.0' in text
+
+
+def test_refusals_count_each_refused_answer_once(api, engine_client, settings, monkeypatch,
+                                                 tiny_llama):
+    from core.errors import ModelBusy
+    from registry import selectors
+
+    before = _metrics(api)["refusals"]
+    settings.AUTO_LOAD_MODEL = "tiny-llama"
+    refused(api.get("/api/health/ready"), 503, "NOT_READY")  # an answer, not a refusal
+    settings.MILLM_API_KEYS = ("metrics-test-key",)
+    assert api.get("/api/models").status_code == 401
+    assert api.get("/v1/models").status_code == 401
+    settings.MILLM_API_KEYS = ()
+
+    def busy():
+        raise ModelBusy("busy", retry_after=3)
+
+    monkeypatch.setattr(selectors, "model_list", busy)
+    refused(api.get("/api/models"), 503, "MODEL_BUSY")
+    refused(api.post("/api/saes/attach-set", {"attachments": []}, format="json"), 422,
+            "VALIDATION_ERROR")
+    assert _grown(before, _metrics(api)["refusals"]) == {"unauthorized": 2, "model_busy": 1}
 
 
 def test_version(api):

@@ -68,6 +68,10 @@ def test_mixed_v1_requests_share_steps_and_answer_as_alone(batching_server):
         assert resp.status == 200, resp.body[:300]
         alone[name] = resp.json()
 
+    def tokens_generated() -> int:
+        return request(server.url, "GET", "/api/health/metrics").json()["data"]["tokens_generated"]
+
+    counted = tokens_generated()
     choreo = Choreography(server.engine.backend.model)
     together: dict[str, dict] = {}
     start = threading.Barrier(len(bodies))
@@ -84,6 +88,9 @@ def test_mixed_v1_requests_share_steps_and_answer_as_alone(batching_server):
         for t in threads:
             t.join(120)
     assert max(choreo.batch_sizes) >= 4, choreo.batch_sizes  # they shared decode steps
+    # batched requests count their tokens as served ones do: each by the usage it reports
+    assert tokens_generated() - counted == sum(
+        r["body"]["usage"]["completion_tokens"] for r in together.values()) == 24 * len(bodies)
 
     for name, want in alone.items():
         got = together[name]

@@ -82,6 +82,7 @@ REFUSALS = [
     ({"MAX_CONCURRENT_REQUESTS": "0"}, "MAX_CONCURRENT_REQUESTS", "must be >= 1"),
     ({"PORT": "eighty"}, "PORT", "must be an integer"),
     ({"PORT": "70000"}, "PORT", "must be <= 65535"),
+    ({"METRICS_PUSH_INTERVAL_S": "-1"}, "METRICS_PUSH_INTERVAL_S", "must be >= 0"),
     ({"GRACEFUL_UNLOAD_TIMEOUT": "nan"}, "GRACEFUL_UNLOAD_TIMEOUT", "finite"),
     ({"DEBUG": "maybe"}, "DEBUG", "must be true/false"),
     ({"LOG_FORMAT": "xml"}, "LOG_FORMAT", "must be one of console, json"),

@@ -10,6 +10,7 @@ const reconnectHandlers = new Set();
 let socket = null;
 let attempts = 0;
 let everOpened = false;
+let openedAt = null;
 let statusEl = null;
 let stopped = false;
 
@@ -25,6 +26,11 @@ export function on(pattern, fn) {
 }
 
 export function onReconnect(fn) { reconnectHandlers.add(fn); }
+
+/** When the socket opened (ms since the epoch), or null while it is not open. */
+export function openSince() {
+  return socket && socket.readyState === WebSocket.OPEN ? openedAt : null;
+}
 
 function dispatch(message) {
   for (const { pattern, fn } of handlers.slice()) {
@@ -45,6 +51,7 @@ export function connect(el) {
   setStatus("connecting", "warn");
   socket = new WebSocket(`${scheme}://${location.host}/ws/events${query}`);
   socket.addEventListener("open", () => {
+    openedAt = Date.now();
     setStatus("live", "ok");
     if (everOpened) reconnectHandlers.forEach((fn) => fn());
     everOpened = true;

@@ -1,6 +1,8 @@
 // Dashboard: resident model, attachments per layer, queue, tokens/s, recent events.
-// Events trigger a re-read of the state they change; the figures come from system:metrics
-// events, or from polling /api/health/metrics while no such event arrives.
+// Events trigger a re-read of the state they change. The figures come from the
+// system:metrics events the server pushes on the open socket; /api/health/metrics is
+// polled only while the socket is not open, or when it has been open a while without
+// one (the push is off: METRICS_PUSH_INTERVAL_S=0).
 
 import { get } from "../api.js";
 import { $, badge, boot, el, fillRows, fmtNumber, showError, statusBadge } from "../dom.js";
@@ -10,6 +12,8 @@ boot();
 
 const MAX_EVENTS = 60;
 const RATE_WINDOW_MS = 10000;
+const POLL_MS = 2000;
+const PUSH_SILENCE_MS = 10000; // open, but no system:metrics for this long: poll
 const samples = [];          // [time ms, tokens_generated]
 let lastMetricsEvent = 0;
 let modelCache = { id: null, data: null };
@@ -108,8 +112,13 @@ function metricsFigures(m) {
   if (m.requests) set("req-total", `${fmtNumber(m.requests.total)} (${fmtNumber(m.requests.errors)})`);
 }
 
+function pushing() {
+  const since = events.openSince();
+  return since !== null && Date.now() - Math.max(since, lastMetricsEvent) < PUSH_SILENCE_MS;
+}
+
 async function pollMetrics() {
-  if (Date.now() - lastMetricsEvent < 5000 || document.hidden) return;
+  if (pushing() || document.hidden) return;
   try { metricsFigures(await get("/api/health/metrics")); } catch { /* shown by health */ }
 }
 
@@ -149,5 +158,5 @@ events.onReconnect(refreshHealth);
 
 refreshHealth();
 pollMetrics();
-setInterval(pollMetrics, 2000);
+setInterval(pollMetrics, POLL_MS);
 setInterval(() => { if (!document.hidden) refreshHealth(); }, 15000);
