@@ -251,12 +251,12 @@ def usage_of(plan: Plan, outcomes: list[Outcome]) -> wire.Usage:
                       total_tokens=prompt + completion)
 
 
-def count_usage(plan: Plan, usage: dict[str, int], *, unfinished: int = 0) -> None:
+def count_usage(plan: Plan, usage: wire.Usage, *, unfinished: int = 0) -> None:
     """Advance the token counters once per answered request, by the usage it reports
     (plus the tokens a stream sent for a choice that never finished)."""
     record_tokens(model=plan.model.name,
-                  completion_tokens=usage["completion_tokens"] + unfinished,
-                  prompt_tokens=usage["prompt_tokens"])
+                  completion_tokens=usage.completion_tokens + unfinished,
+                  prompt_tokens=usage.prompt_tokens)
 
 
 async def _echo_alternatives(client: EngineClient, prompt_ids: list[int], k: int
@@ -552,7 +552,7 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
         for outcome in outcomes:
             await record_monitoring(plan, outcome)
         body = await build_body(plan, outcomes, client)
-        count_usage(plan, body["usage"])
+        count_usage(plan, usage_of(plan, outcomes))
         return JsonResponse(body, headers=plan.headers)
     # Wait for the first event before answering, so a refusal the engine makes at the
     # start (context length, a detached SAE) is a proper HTTP error, not a frame.
