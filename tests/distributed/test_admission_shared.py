@@ -337,3 +337,79 @@ def test_a_waiter_takes_a_slot_that_comes_back_by_lease_expiry(make):
         permit.release()
 
     asyncio.run(scenario())
+
+
+# ---------------------------------------------------------------- one owner of the queue
+
+def test_the_engine_takes_every_job_admission_can_have_let_in(redis_url, settings):
+    """Admission decides the queue. run_engine, configured from the same settings, reads
+    every job that MAX_CONCURRENT_REQUESTS slots + MAX_PENDING_REQUESTS places can have let
+    in (a request has one job at the engine at a time) rather than leaving admitted work
+    waiting in the stream behind its own, second queue."""
+    from gpu_engine.protocol import GenerationJob, SamplingParams
+    from inference.engine_client_redis import RedisEngineClient
+    from inference.management.commands.run_engine import server_config
+    from tests.distributed.fakes import FAST, FakeEngine, running_server
+
+    settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS = 1, 2
+    settings.ENGINE_MAX_IN_FLIGHT = 0
+    admitted_at_most = 1 + 2
+    prefix = f"one{secrets.token_hex(3)}"
+    engine = FakeEngine()
+    with running_server(redis_url, engine, prefix,
+                        max_in_flight=server_config().max_in_flight):
+        client = RedisEngineClient(url=redis_url, prefix=prefix, heartbeat_s=FAST["heartbeat_s"],
+                                   dead_after_s=FAST["dead_after_s"], command_timeout_s=10)
+        handles = [client.generate(GenerationJob(
+            request_id=f"req-{i}", prompt="hang", sampling=SamplingParams(max_tokens=5)))
+            for i in range(admitted_at_most)]
+        try:
+            deadline = time.monotonic() + 3
+            while len(engine.generated) < admitted_at_most:
+                assert time.monotonic() < deadline, (
+                    f"the engine started {len(engine.generated)} of {admitted_at_most} "
+                    "admitted jobs; the rest wait in the stream")
+                time.sleep(0.02)
+        finally:
+            for handle in handles:
+                handle.cancel()
+
+
+@pytest.mark.parametrize(("slots", "pending", "cbm_queue"), [(1, 3, 1), (4, 8, 2), (2, 0, 256)])
+def test_the_batch_queue_never_refuses_what_admission_let_in(settings, slots, pending,
+                                                            cbm_queue):
+    """Even with CBM_MAX_QUEUE_SIZE below the admission queue, the engine's batch scheduler
+    built from the settings accepts every job admission can have let in at once (all of
+    them arriving before its next step); only work beyond that meets its own bound."""
+    from gpu_engine.errors import EngineBusy
+    from gpu_engine.protocol import GenerationJob, SamplingParams
+    from gpu_engine.scheduler import BatchScheduler
+    from inference.engine_client import batching_options
+
+    settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS = slots, pending
+    settings.CBM_MAX_QUEUE_SIZE, settings.ENGINE_MAX_IN_FLIGHT = cbm_queue, 0
+    settings.ENABLE_CONTINUOUS_BATCHING = True
+
+    class Stream:
+        cancelled = False
+
+        def __init__(self, request_id: str) -> None:
+            self.request_id = request_id
+
+        def _put(self, event) -> None:
+            pass
+
+    scheduler = BatchScheduler(batching_options(), make_sequence=lambda *a: None,
+                               classify=lambda exc: exc)
+
+    def enqueue(i: int) -> None:
+        scheduler.enqueue(GenerationJob(f"r{i}", prompt="hi",
+                                        sampling=SamplingParams(max_tokens=1)), Stream(f"r{i}"))
+
+    for i in range(slots + pending):
+        enqueue(i)
+    capacity = slots + max(cbm_queue, pending)
+    for i in range(slots + pending, capacity):
+        enqueue(i)
+    with pytest.raises(EngineBusy):  # the safety net is still there
+        enqueue(capacity)
