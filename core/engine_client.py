@@ -236,11 +236,14 @@ class EmbeddedEngineClient(EngineClient):
 def batching_options() -> BatchingOptions:
     """The engine's generation mode from settings.  With batching on, the admission slots
     (MAX_CONCURRENT_REQUESTS) are the batch's rows: every admitted request shares the
-    decode steps, each with its own steering, sampling and monitoring."""
+    decode steps, each with its own steering, sampling and monitoring.  The queue beyond
+    the rows is sized by admission (``engine_bounds``) so it never refuses admitted work."""
+    from inference.admission import engine_bounds
+
     return BatchingOptions(
         enabled=bool(settings.ENABLE_CONTINUOUS_BATCHING),
         max_batch_size=max(int(settings.MAX_CONCURRENT_REQUESTS), 1),
-        max_queue_size=int(settings.CBM_MAX_QUEUE_SIZE),
+        max_queue_size=engine_bounds().max_queue_size,
         force_serial_monitoring=bool(settings.CBM_FORCE_SERIAL_MONITORING),
     )
 

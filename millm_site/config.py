@@ -205,9 +205,10 @@ VARIABLES: tuple[Var, ...] = (
         "Deliveries of one job or command after which it goes to the dead-letter stream "
         "(its client gets an error) instead of to another engine.", minimum=1, maximum=100),
     Var("ENGINE_MAX_IN_FLIGHT", "Distributed engine", "int", 0,
-        "Jobs run_engine takes from the request stream at once; 0 = MAX_CONCURRENT_REQUESTS "
-        "(the engine's batch rows). Jobs beyond it wait in the stream, where another engine "
-        "could take them.", minimum=0),
+        "Jobs run_engine takes from the request stream at once, a safety net behind /v1's "
+        "admission (which decides the queue); 0 = MAX_CONCURRENT_REQUESTS + "
+        "MAX_PENDING_REQUESTS, so no admitted job waits in the stream. Otherwise at least "
+        "MAX_CONCURRENT_REQUESTS.", minimum=0),
     Var("ENGINE_COMMAND_TIMEOUT_S", "Distributed engine", "float", 900.0,
         "Longest a web process or worker waits for run_engine to answer a command (a model "
         "load) or a request, beyond the drain wait; a dead engine ends the wait sooner.",
@@ -226,7 +227,9 @@ VARIABLES: tuple[Var, ...] = (
         "fallback). Off: one generation at a time."),
     Var("CBM_MAX_QUEUE_SIZE", "Continuous batching", "int", 256,
         "With batching: sequences the engine holds beyond its free rows, waiting for one; "
-        "more are refused at once (503 model_busy).", minimum=1),
+        "more are refused at once (503 model_busy). A safety net behind /v1's admission: "
+        "never less than the jobs run_engine takes beyond the rows (ENGINE_MAX_IN_FLIGHT - "
+        "MAX_CONCURRENT_REQUESTS), so admitted work is never refused.", minimum=1),
     Var("CBM_DEFAULT_TEMPERATURE", "Continuous batching", "float", 0.7,
         "Not applied: batched requests keep their own temperature (1 when they send none), "
         "so there is no batch-wide value. Accepted so existing .env files still validate.",
@@ -387,6 +390,11 @@ def _check_combinations(v: dict[str, Any]) -> None:
     if device not in ("auto", "cpu", "cuda") and not (
             device.startswith("cuda:") and device[5:].isdigit()):
         raise ConfigError("MILLM_ENGINE_DEVICE", "must be auto, cpu, cuda or cuda:N", device)
+    if 0 < v["ENGINE_MAX_IN_FLIGHT"] < v["MAX_CONCURRENT_REQUESTS"]:
+        raise ConfigError("ENGINE_MAX_IN_FLIGHT",
+                          f"must be 0 or at least MAX_CONCURRENT_REQUESTS "
+                          f"({v['MAX_CONCURRENT_REQUESTS']}): admitted requests would wait "
+                          "in the engine's stream", v["ENGINE_MAX_IN_FLIGHT"])
     if v["ENGINE_DEAD_AFTER_S"] < 2 * v["ENGINE_HEARTBEAT_S"]:
         raise ConfigError("ENGINE_DEAD_AFTER_S",
                           f"must be at least twice ENGINE_HEARTBEAT_S ({v['ENGINE_HEARTBEAT_S']:g})",

@@ -96,6 +96,8 @@ REFUSALS = [
     ({"CBM_DEFAULT_TOP_P": "1.5"}, "CBM_DEFAULT_TOP_P", "must be <= 1"),
     ({"RETRY_AFTER_QUEUE_DEFAULT_S": "90"}, "RETRY_AFTER_QUEUE_DEFAULT_S",
      "must not exceed RETRY_AFTER_MAX_S"),
+    ({"ENGINE_MAX_IN_FLIGHT": "2", "MAX_CONCURRENT_REQUESTS": "4"}, "ENGINE_MAX_IN_FLIGHT",
+     "at least MAX_CONCURRENT_REQUESTS (4)"),
     ({"MILLM_ENGINE_DEVICE": "tpu"}, "MILLM_ENGINE_DEVICE", "auto, cpu, cuda or cuda:N"),
     ({"DATABASE_URL": "mysql://root@localhost/millm", "SECRET_KEY": "x" * 40},
      "DATABASE_URL", "must be a PostgreSQL URL"),

@@ -130,13 +130,14 @@ def restore_recorded_state(*, engine: Any, server: Any) -> None:
 
 def server_config() -> Any:
     from gpu_engine.server.server import ServerConfig
+    from inference.admission import engine_bounds
 
     return ServerConfig(
         prefix=settings.ENGINE_STREAM_PREFIX,
         heartbeat_s=settings.ENGINE_HEARTBEAT_S,
         dead_after_s=settings.ENGINE_DEAD_AFTER_S,
         max_deliveries=settings.ENGINE_MAX_DELIVERIES,
-        max_in_flight=settings.ENGINE_MAX_IN_FLIGHT or settings.MAX_CONCURRENT_REQUESTS,
+        max_in_flight=engine_bounds().max_in_flight,  # admission decides; this is a net
         result_ttl_s=settings.ENGINE_RESULT_TTL_S,
         shutdown_grace_s=settings.ENGINE_SHUTDOWN_GRACE_S,
     )
