@@ -346,9 +346,9 @@ def test_the_engine_takes_every_job_admission_can_have_let_in(redis_url, setting
     every job that MAX_CONCURRENT_REQUESTS slots + MAX_PENDING_REQUESTS places can have let
     in (a request has one job at the engine at a time) rather than leaving admitted work
     waiting in the stream behind its own, second queue."""
-    from gpu_engine.protocol import GenerationJob, SamplingParams
     from core.engine_client_redis import RedisEngineClient
-    from inference.management.commands.run_engine import server_config
+    from gpu_engine.protocol import GenerationJob, SamplingParams
+    from orchestration.management.commands.run_engine import server_config
     from tests.distributed.fakes import FAST, FakeEngine, running_server
 
     settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS = 1, 2
@@ -381,10 +381,10 @@ def test_the_batch_queue_never_refuses_what_admission_let_in(settings, slots, pe
     """Even with CBM_MAX_QUEUE_SIZE below the admission queue, the engine's batch scheduler
     built from the settings accepts every job admission can have let in at once (all of
     them arriving before its next step); only work beyond that meets its own bound."""
+    from core.engine_client import batching_options
     from gpu_engine.errors import EngineBusy
     from gpu_engine.protocol import GenerationJob, SamplingParams
     from gpu_engine.scheduler import BatchScheduler
-    from core.engine_client import batching_options
 
     settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS = slots, pending
     settings.CBM_MAX_QUEUE_SIZE, settings.ENGINE_MAX_IN_FLIGHT = cbm_queue, 0
