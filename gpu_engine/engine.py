@@ -30,6 +30,7 @@ from typing import Any, Self
 
 import torch
 
+from .commands import check_implements
 from .errors import (
     ContextLengthExceeded,
     EngineBusy,
@@ -726,5 +727,8 @@ class Engine:
     def backend(self) -> Any:
         return self._backend
 
+
+# every command of the protocol table is an Engine method with the declared arguments
+check_implements(Engine)
 
 __all__ = ["Attachment", "Engine", "GenerationStream", "is_out_of_memory"]
