@@ -145,19 +145,20 @@ class RedisEngineClient(EngineClient):
             return from_builtins(self._serving()[command.name], command.result)
         if command.lane is Lane.STREAM:
             return _RedisHandle(self, command, args)
+        given = getattr(args, "timeout_s", None)
         if command.lane is Lane.WORK:
             self._serving()
-            wait_s = getattr(args, "timeout_s", None) or self.command_timeout_s
+            # the engine gives up waiting for its worker when the caller stops waiting
+            wait_s = self.command_timeout_s if given is None else given
             args = command.with_timeout(args, wait_s)
             request_id = command.request_id(args)
             stream = self.keys.requests
         else:
-            hb = self.heartbeat()
-            if hb is None:
+            if self.heartbeat() is None:
                 raise EngineShutdown("No engine process is running; start `manage.py run_engine`",
                                      details={"engine": "unavailable"})
-            drain = getattr(args, "timeout_s", None)
-            drain = self.drain_timeout_s if drain is None else drain
+            # the engine's drain bound, then the command's own time
+            drain = self.drain_timeout_s if given is None else given
             args = command.with_timeout(args, drain)
             wait_s = drain + self.command_timeout_s
             request_id = f"cmd-{uuid.uuid4().hex}"

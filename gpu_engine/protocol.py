@@ -89,6 +89,7 @@ def to_builtins(obj: Any) -> Any:
 def from_builtins(data: Any, type_: type[T] | Any) -> T:
     """The typed value ``type_`` from JSON-native Python values (``json.loads`` output)."""
     try:
+        # not strict: after json.loads, integer dict keys (feature indices) are strings
         return msgspec.convert(data, type_, strict=False)
     except msgspec.ValidationError as exc:
         raise _invalid(exc) from None
