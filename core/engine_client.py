@@ -98,6 +98,15 @@ class GenerationHandle(ABC):
 class EngineClient(ABC):
     backend_name: str = "transformers"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a transport that answered a command itself could drift from the table
+        overridden = sorted(name for name in COMMANDS if name in vars(cls))
+        if overridden:
+            raise TypeError(f"{cls.__qualname__} overrides {overridden}: a transport "
+                            "implements invoke() only, so every command goes through "
+                            "gpu_engine.commands")
+
     @abstractmethod
     def invoke(self, command: Command, args: Any) -> Any:
         """Run one command of the table with its argument struct; the declared result

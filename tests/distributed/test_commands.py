@@ -231,6 +231,15 @@ def test_a_class_missing_a_command_is_refused():
     check_implements(FakeEngine)  # the transport tests' stand-in speaks the same protocol
 
 
+def test_a_transport_cannot_answer_a_command_itself():
+    """Transports implement invoke() only: a client class that answers a command on its
+    own (and could drift from the table) is refused when it is defined."""
+    with pytest.raises(TypeError, match=r"overrides \['cancel_all', 'status'\]"):
+        class Drifting(EmbeddedEngineClient):
+            def status(self): ...
+            def cancel_all(self, *, reason="x"): ...
+
+
 def test_an_unknown_or_misrouted_command_is_answered_not_dropped(redis_url):
     """A command this engine does not know (a newer web tier) gets an error reply at once,
     as does one sent on the wrong stream; neither waits for a timeout."""
