@@ -1,11 +1,14 @@
 """The one interface through which the web tier reaches the engine.
 
-``EngineClient`` speaks only the protocol dataclasses of ``gpu_engine.protocol``; the
-embedded implementation below owns a ``gpu_engine.engine.Engine`` in this process (a
-worker thread), and the distributed one (``core.engine_client_redis``: Redis Streams
-to ``run_engine``) implements the same methods. Views, services and tasks reach it as
-``core.runtime.runtime().engine`` and never import the engine itself, so the web tier
-stays free of torch in distributed mode.
+``EngineClient`` has one method per command of ``gpu_engine.commands.COMMANDS`` (checked
+at import: a command of the table without its method here fails at once), each of which
+builds the command's argument struct and hands it to the transport's ``invoke``. A
+transport implements ``invoke`` only, so it carries every command or none: the embedded
+one below runs ``command.call`` on a ``gpu_engine.engine.Engine`` in this process (a
+worker thread); the distributed one (``core.engine_client_redis``: Redis Streams to
+``run_engine``) sends the command by name and decodes its declared result type. Views,
+services and tasks reach it as ``core.runtime.runtime().engine`` and never import the
+engine itself, so the web tier stays free of torch in distributed mode.
 """
 
 from __future__ import annotations
@@ -21,6 +24,22 @@ import structlog
 from django.conf import settings
 
 from core.runtime import runtime
+from gpu_engine.commands import (
+    COMMANDS,
+    AttachSetArgs,
+    CancelAllArgs,
+    CheckSaeArgs,
+    Command,
+    DetachArgs,
+    EmbedArgs,
+    GenerateArgs,
+    Lane,
+    LoadModelArgs,
+    ScoreArgs,
+    StatusArgs,
+    UnloadModelArgs,
+    check_implements,
+)
 from gpu_engine.protocol import (
     AttachmentKey,
     AttachmentStatus,
@@ -39,6 +58,7 @@ from gpu_engine.protocol import (
     ScoreJob,
     ScoreResult,
 )
+from gpu_engine.sae.compat import CompatibilityReport
 
 log = structlog.get_logger(__name__)
 
@@ -78,38 +98,59 @@ class GenerationHandle(ABC):
 class EngineClient(ABC):
     backend_name: str = "transformers"
 
-    @abstractmethod
-    def status(self) -> EngineStatus: ...
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a transport that answered a command itself could drift from the table
+        overridden = sorted(name for name in COMMANDS if name in vars(cls))
+        if overridden:
+            raise TypeError(f"{cls.__qualname__} overrides {overridden}: a transport "
+                            "implements invoke() only, so every command goes through "
+                            "gpu_engine.commands")
 
     @abstractmethod
+    def invoke(self, command: Command, args: Any) -> Any:
+        """Run one command of the table with its argument struct; the declared result
+        (a ``GenerationHandle`` for the ``stream`` command)."""
+
+    # one method per command of gpu_engine.commands, in the table's order
+
+    def status(self) -> EngineStatus:
+        return self.invoke(COMMANDS["status"], StatusArgs())
+
     def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None
-                   ) -> EngineStatus: ...
+                   ) -> EngineStatus:
+        return self.invoke(COMMANDS["load_model"], LoadModelArgs(job, timeout_s))
 
-    @abstractmethod
-    def unload_model(self, *, timeout_s: float | None = None) -> None: ...
+    def unload_model(self, *, timeout_s: float | None = None) -> None:
+        self.invoke(COMMANDS["unload_model"], UnloadModelArgs(timeout_s))
 
-    @abstractmethod
     def attach_set(self, specs: Sequence[AttachSpec], *, timeout_s: float | None = None
-                   ) -> list[AttachResult]: ...
+                   ) -> list[AttachResult]:
+        return self.invoke(COMMANDS["attach_set"], AttachSetArgs(list(specs), timeout_s))
 
-    @abstractmethod
     def detach(self, sae_id: str | None = None, layer: int | None = None, *,
-               timeout_s: float | None = None) -> list[AttachmentKey]: ...
+               timeout_s: float | None = None) -> list[AttachmentKey]:
+        return self.invoke(COMMANDS["detach"], DetachArgs(sae_id, layer, timeout_s))
 
-    @abstractmethod
-    def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> Any: ...
+    def check_sae(self, path: str, layer: int, *, layout: str | None = None
+                  ) -> CompatibilityReport:
+        return self.invoke(COMMANDS["check_sae"], CheckSaeArgs(path, layer, layout))
 
-    @abstractmethod
-    def attachments(self) -> list[AttachmentStatus]: ...
+    def cancel_all(self, *, reason: str = "cancel_all") -> int:
+        """Stop every queued and running generation (each ends with engine_busy)."""
+        return self.invoke(COMMANDS["cancel_all"], CancelAllArgs(reason))
 
-    @abstractmethod
-    def generate(self, job: GenerationJob) -> GenerationHandle: ...
+    def generate(self, job: GenerationJob) -> GenerationHandle:
+        return self.invoke(COMMANDS["generate"], GenerateArgs(job))
 
-    @abstractmethod
-    def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult: ...
+    def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
+        return self.invoke(COMMANDS["embed"], EmbedArgs(job, timeout_s))
 
-    @abstractmethod
-    def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult: ...
+    def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
+        return self.invoke(COMMANDS["score"], ScoreArgs(job, timeout_s))
+
+    def attachments(self) -> list[AttachmentStatus]:
+        return list(self.status().attachments)
 
     def shutdown(self) -> None:
         """Release the engine (tests, process exit)."""
@@ -197,40 +238,15 @@ class EmbeddedEngineClient(EngineClient):
     def engine(self) -> Any:
         return self._engine
 
-    def status(self) -> EngineStatus:
-        return self._engine.status()
-
-    def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None) -> EngineStatus:
-        return self._engine.load_model(job, timeout_s=timeout_s)
-
-    def unload_model(self, *, timeout_s: float | None = None) -> None:
-        self._engine.unload_model(timeout_s=timeout_s)
-
-    def attach_set(self, specs: Sequence[AttachSpec], *, timeout_s: float | None = None
-                   ) -> list[AttachResult]:
-        return self._engine.attach_set(specs, timeout_s=timeout_s)
-
-    def detach(self, sae_id: str | None = None, layer: int | None = None, *,
-               timeout_s: float | None = None) -> list[AttachmentKey]:
-        return self._engine.detach(sae_id, layer, timeout_s=timeout_s)
-
-    def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> Any:
-        return self._engine.check_sae(path, layer, layout=layout)
-
-    def attachments(self) -> list[AttachmentStatus]:
-        return self._engine.attachments()
-
-    def generate(self, job: GenerationJob) -> GenerationHandle:
-        return _EmbeddedHandle(self._engine.generate(job))
-
-    def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
-        return self._engine.embed(job, timeout_s=timeout_s)
-
-    def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
-        return self._engine.score(job, timeout_s=timeout_s)
+    def invoke(self, command: Command, args: Any) -> Any:
+        result = command.call(self._engine, args)
+        return _EmbeddedHandle(result) if command.lane is Lane.STREAM else result
 
     def shutdown(self) -> None:
         self._engine.shutdown()
+
+
+check_implements(EngineClient, where="core.engine_client.EngineClient")
 
 
 def batching_options() -> BatchingOptions:

@@ -1,18 +1,21 @@
 """The engine client of the distributed topology: Redis Streams to a ``run_engine`` process.
 
-Same interface as ``EmbeddedEngineClient`` (``core.engine_client.EngineClient``), the
-same protocol dataclasses on the wire (as JSON), and no torch: this module, and what it
-imports, is all a web process needs to reach the engine.
+Same interface as ``EmbeddedEngineClient`` (``core.engine_client.EngineClient``): every
+method goes through ``invoke``, which sends a command of ``gpu_engine.commands.COMMANDS``
+by name with its argument struct as JSON and decodes the command's declared result type.
+No torch: this module, and what it imports, is all a web process needs to reach the engine.
+How a command travels is its lane:
 
-- ``status()`` / ``attachments()`` read the engine's heartbeat (one GET). No heartbeat
-  means no engine: ``model_not_loaded`` (503 with Retry-After on /v1) until one is back.
-- Commands (load, unload, attach, detach, checks) go on the command stream and wait,
-  bounded, for the reply on their own stream.
-- Generations, embeddings and scores go on the request stream; events come back on the
-  request's own stream. While waiting, the client keeps the request's ``live`` key alive
-  (cancelling = deleting it) and checks the heartbeat whenever nothing arrives for a
-  heartbeat period: a dead engine ends the wait with ``engine_shutdown`` within
-  ENGINE_DEAD_AFTER_S.
+- ``state`` (``status()``, and ``attachments()`` from it): read from the engine's
+  heartbeat (one GET). No heartbeat means no engine: ``model_not_loaded`` (503 with
+  Retry-After on /v1) until one is back.
+- ``control`` (load, unload, attach, detach, checks, cancel_all): the command stream;
+  the caller waits, bounded, for the reply on the command's own stream.
+- ``work`` / ``stream`` (embeddings and scores / generations): the request stream;
+  events come back on the request's own stream. While waiting, the client keeps the
+  request's ``live`` key alive (cancelling = deleting it) and checks the heartbeat
+  whenever nothing arrives for a heartbeat period: a dead engine ends the wait with
+  ``engine_shutdown`` within ENGINE_DEAD_AFTER_S.
 
 Delivery semantics are the server's (``gpu_engine.server.server``); docs/deploy.md.
 """
@@ -23,39 +26,30 @@ import json
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import redis
 import structlog
 
 from core.engine_client import EngineClient, GenerationHandle
+from gpu_engine.commands import Command, Lane
 from gpu_engine.errors import (
     EngineBusy,
     EngineError,
     EngineShutdown,
     ModelNotLoaded,
-    error_from_dict,
 )
 from gpu_engine.protocol import (
-    AttachmentKey,
-    AttachmentStatus,
-    AttachResult,
-    AttachSpec,
-    EmbedJob,
-    EmbedResult,
-    EngineStatus,
     ErrorEvent,
-    FinishEvent,
     GenerationEvent,
-    GenerationJob,
-    LoadModelJob,
-    ScoreJob,
-    ScoreResult,
+    ResultEvent,
+    StreamEvent,
+    from_builtins,
+    from_json,
 )
-from gpu_engine.sae.compat import CompatibilityReport
 from gpu_engine.server.keys import Keys
-from gpu_engine.server.wire import CommandEnvelope, RequestEnvelope, decode_event
+from gpu_engine.server.wire import Envelope, decode_event, is_final
 
 log = structlog.get_logger(__name__)
 
@@ -129,12 +123,6 @@ class RedisEngineClient(EngineClient):
             last = self._last
         return str(((last or {}).get("status") or {}).get("backend") or "transformers")
 
-    def status(self) -> EngineStatus:
-        return EngineStatus.from_dict(self._serving()["status"])
-
-    def attachments(self) -> list[AttachmentStatus]:
-        return list(self.status().attachments)
-
     def resolve_device_and_dtype(self, device: str, dtype: str) -> tuple[str, str]:
         """``auto`` means what it means on the engine's host (its heartbeat says)."""
         defaults = self._serving().get("defaults") or {}
@@ -151,87 +139,42 @@ class RedisEngineClient(EngineClient):
 
     # ------------------------------------------------------------------ commands
 
-    def _command(self, kind: str, args: dict[str, Any], *, timeout_s: float | None) -> Any:
-        hb = self.heartbeat()
-        if hb is None:
-            raise EngineShutdown("No engine process is running; start `manage.py run_engine`",
-                                 details={"engine": "unavailable"})
-        drain = self.drain_timeout_s if timeout_s is None else timeout_s
-        wait_s = drain + self.command_timeout_s
-        command_id = f"cmd-{uuid.uuid4().hex}"
-        env = CommandEnvelope.new(kind, command_id, {**args, "timeout_s": drain}, wait_s=wait_s)
-        wait = _Wait(self, command_id)
+    def invoke(self, command: Command, args: Any) -> Any:
+        if command.lane is Lane.STATE:
+            # the heartbeat holds the latest result under the command's name
+            return from_builtins(self._serving()[command.name], command.result)
+        if command.lane is Lane.STREAM:
+            return _RedisHandle(self, command, args)
+        given = getattr(args, "timeout_s", None)
+        if command.lane is Lane.WORK:
+            self._serving()
+            # the engine gives up waiting for its worker when the caller stops waiting
+            wait_s = self.command_timeout_s if given is None else given
+            args = command.with_timeout(args, wait_s)
+            request_id = command.request_id(args)
+            stream = self.keys.requests
+        else:
+            if self.heartbeat() is None:
+                raise EngineShutdown("No engine process is running; start `manage.py run_engine`",
+                                     details={"engine": "unavailable"})
+            # the engine's drain bound, then the command's own time
+            drain = self.drain_timeout_s if given is None else given
+            args = command.with_timeout(args, drain)
+            wait_s = drain + self.command_timeout_s
+            request_id = f"cmd-{uuid.uuid4().hex}"
+            stream = self.keys.commands
+        wait = _Wait(self, request_id)
         try:
-            wait.submit(self.keys.commands, env.encode())
+            wait.submit(stream, Envelope.new(command, request_id, args, wait_s=wait_s).encode())
             for item in wait.items(overall_s=wait_s, idle_s=None):
                 if isinstance(item, ErrorEvent):
                     raise item.to_exception()
-                if isinstance(item, dict) and item.get("type") == "result":
-                    return item.get("result")
+                if isinstance(item, ResultEvent):
+                    return from_json(item.result, command.result)
         finally:
             wait.close()
-        raise EngineBusy(f"the engine did not answer {kind} within {wait_s:g}s",
+        raise EngineBusy(f"the engine did not answer {command.name} within {wait_s:g}s",
                          details={"timeout_s": wait_s})
-
-    def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None) -> EngineStatus:
-        return EngineStatus.from_dict(self._command("load_model", {"job": job.to_dict()},
-                                                    timeout_s=timeout_s))
-
-    def unload_model(self, *, timeout_s: float | None = None) -> None:
-        self._command("unload_model", {}, timeout_s=timeout_s)
-
-    def attach_set(self, specs: Sequence[AttachSpec], *, timeout_s: float | None = None
-                   ) -> list[AttachResult]:
-        result = self._command("attach_set", {"specs": [s.to_dict() for s in specs]},
-                               timeout_s=timeout_s)
-        return [AttachResult.from_dict(r) for r in result]
-
-    def detach(self, sae_id: str | None = None, layer: int | None = None, *,
-               timeout_s: float | None = None) -> list[AttachmentKey]:
-        result = self._command("detach", {"sae_id": sae_id, "layer": layer},
-                               timeout_s=timeout_s)
-        return [(str(s), int(l)) for s, l in result]
-
-    def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> Any:
-        result = self._command("check_sae", {"path": path, "layer": layer, "layout": layout},
-                               timeout_s=None)
-        return CompatibilityReport(**result)
-
-    def cancel_all(self, *, reason: str = "cancel_all") -> int:
-        """Stop every running generation (their clients get engine_busy)."""
-        return int(self._command("cancel_all", {"reason": reason}, timeout_s=None) or 0)
-
-    def command(self, kind: str, args: dict[str, Any] | None = None, *,
-                timeout_s: float | None = None) -> Any:
-        """A command registered on the server (``EngineServer.register_command``)."""
-        return self._command(kind, dict(args or {}), timeout_s=timeout_s)
-
-    # ------------------------------------------------------------------ requests
-
-    def generate(self, job: GenerationJob) -> GenerationHandle:
-        return _RedisHandle(self, job)
-
-    def _request(self, kind: str, job: EmbedJob | ScoreJob, timeout_s: float | None) -> Any:
-        self._serving()
-        wait_s = timeout_s if timeout_s is not None else self.command_timeout_s
-        wait = _Wait(self, job.request_id)
-        try:
-            wait.submit(self.keys.requests,
-                        RequestEnvelope.for_job(kind, job, wait_s=wait_s).encode())
-            for item in wait.items(overall_s=wait_s, idle_s=None):
-                if isinstance(item, ErrorEvent):
-                    raise item.to_exception()
-                if isinstance(item, dict) and item.get("type") == "result":
-                    return item["result"]
-        finally:
-            wait.close()
-        raise EngineBusy(f"no {kind} result within {wait_s:g}s", details={"timeout_s": wait_s})
-
-    def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
-        return EmbedResult.from_dict(self._request("embed", job, timeout_s))
-
-    def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
-        return ScoreResult.from_dict(self._request("score", job, timeout_s))
 
     def shutdown(self) -> None:
         self.redis.close()
@@ -280,7 +223,7 @@ class _Wait:
         return None
 
     def items(self, *, overall_s: float | None, idle_s: float | None
-              ) -> Iterator[GenerationEvent | dict[str, Any]]:
+              ) -> Iterator[StreamEvent]:
         """Entries of the event stream in order. ``idle_s`` bounds the wait for each
         entry (EngineBusy after, like the embedded stream); ``overall_s`` the whole wait."""
         client = self.client
@@ -310,8 +253,7 @@ class _Wait:
                     last_id = entry_id
                     got = True
                     item = decode_event(fields)
-                    final = (isinstance(item, (FinishEvent, ErrorEvent))
-                             or (isinstance(item, dict) and item.get("type") == "result"))
+                    final = is_final(item)
                     if final:
                         self.done = True
                     yield item
@@ -360,17 +302,16 @@ class _Wait:
 
 
 class _RedisHandle(GenerationHandle):
-    def __init__(self, client: RedisEngineClient, job: GenerationJob) -> None:
-        self.request_id = job.request_id
+    def __init__(self, client: RedisEngineClient, command: Command, args: Any) -> None:
+        self.request_id = command.request_id(args)
         self._client = client
-        self._job = job
-        self._wait = _Wait(client, job.request_id)
+        self._wait = _Wait(client, self.request_id)
         self._cancelled = False
         self._error: EngineError | None = None
         try:
             client._serving()
-            self._wait.submit(client.keys.requests, RequestEnvelope.for_job(
-                "generate", job, wait_s=client.command_timeout_s).encode())
+            self._wait.submit(client.keys.requests, Envelope.new(
+                command, self.request_id, args, wait_s=client.command_timeout_s).encode())
         except EngineError as exc:
             self._error = exc
 
@@ -381,10 +322,9 @@ class _RedisHandle(GenerationHandle):
                 yield ErrorEvent(self.request_id, err.code, err.message, err.details)
                 return
             for item in self._wait.items(overall_s=None, idle_s=timeout_s):
-                if isinstance(item, dict):  # a one-shot result cannot answer a generation
-                    err = error_from_dict({"code": "generation_failed",
-                                           "message": "unexpected result entry"})
-                    yield ErrorEvent(self.request_id, err.code, err.message, {})
+                if isinstance(item, ResultEvent):  # a one-shot result cannot answer a generation
+                    yield ErrorEvent(self.request_id, "generation_failed",
+                                     "unexpected result entry", {})
                     return
                 yield item
         finally:

@@ -30,6 +30,7 @@ from typing import Any, Self
 
 import torch
 
+from .commands import check_implements
 from .errors import (
     ContextLengthExceeded,
     EngineBusy,
@@ -121,16 +122,29 @@ class GenerationStream:
     forward pass and frees the engine for the next request.
     """
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, on_final: Callable[[GenerationStream], None] | None = None) -> None:
         self.request_id = request_id
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = threading.Event()
         self._done = False
+        self._fail_with: EngineError | None = None
+        self._on_final = on_final
 
     def _put(self, event: GenerationEvent) -> None:
+        if isinstance(event, (FinishEvent, ErrorEvent)):
+            err = self._fail_with
+            if err is not None and isinstance(event, FinishEvent) and event.finish_reason == "cancelled":
+                event = ErrorEvent(event.request_id, err.code, err.message, err.details)
+            if self._on_final is not None:
+                self._on_final(self)
         self._events.put(event)
 
     def cancel(self) -> None:
+        self._cancel.set()
+
+    def fail(self, error: EngineError) -> None:
+        """Stop the generation; unless it finished first, its last event is ``error``."""
+        self._fail_with = error
         self._cancel.set()
 
     @property
@@ -182,6 +196,8 @@ class Engine:
         self._attachments: dict[AttachmentKey, Attachment] = {}
         self._in_flight = 0
         self._queued = 0
+        # generations queued or running (cancel_all stops them)
+        self._live: set[GenerationStream] = set()
         self._closed = False
         # guards the attachment table and the counters, which status readers on other
         # threads look at while the worker changes them
@@ -568,7 +584,9 @@ class Engine:
 
     def generate(self, job: GenerationJob) -> GenerationStream:
         """Queue a generation; returns at once with a stream of its events."""
-        stream = GenerationStream(job.request_id)
+        stream = GenerationStream(job.request_id, on_final=self._forget_stream)
+        with self._state_lock:
+            self._live.add(stream)
 
         def dropped() -> None:
             err = EngineShutdown("the engine shut down before the request ran")
@@ -579,6 +597,23 @@ class Engine:
         else:
             self._submit(lambda: self._run_generation(job, stream), _WORK, on_drop=dropped)
         return stream
+
+    def _forget_stream(self, stream: GenerationStream) -> None:
+        with self._state_lock:
+            self._live.discard(stream)
+
+    def cancel_all(self, reason: str = "cancel_all") -> int:
+        """Stop every queued and running generation (an unload that must not wait for them):
+        each ends with ``engine_busy`` before its next forward pass, unless it finished
+        first. Returns how many were stopped."""
+        with self._state_lock:
+            live = list(self._live)
+        error = EngineBusy(f"the request was stopped by the server ({reason})", details={"reason": reason})
+        for stream in live:
+            stream.fail(error)
+        if live:
+            log.warning("cancel_all stopped %d generation(s): %s", len(live), reason)
+        return len(live)
 
     def generate_sync(self, job: GenerationJob, *, timeout_s: float | None = None) -> GenerationResult:
         return self.generate(job).result(timeout_s)
@@ -692,5 +727,8 @@ class Engine:
     def backend(self) -> Any:
         return self._backend
 
+
+# every command of the protocol table is an Engine method with the declared arguments
+check_implements(Engine)
 
 __all__ = ["Attachment", "Engine", "GenerationStream", "is_out_of_memory"]

@@ -1,20 +1,26 @@
-"""Jobs, results and events exchanged with the engine — plain dataclasses, JSON-safe.
+"""Jobs, results and events exchanged with the engine: typed ``msgspec`` structs.
 
-Every type round-trips through ``to_dict()``/``from_dict()`` with JSON-native values only
-(no tuple keys, no tensors), so the same objects travel in-process or over Redis Streams.
-Value validation (ranges, types) happens in ``__post_init__`` and raises
-``InvalidParameter`` naming the offending field; checks that need the loaded model (vocab,
-context window, d_sae) happen in the engine.  This module imports no torch.
+The same objects travel in-process (embedded) or as JSON over Redis Streams; their
+serialisation is msgspec's own (``to_json`` / ``from_json`` here, typed by the declared
+field types), never hand-written. Value validation (ranges, cross-field rules) happens in
+``__post_init__`` — which runs on construction and on decoding alike — and raises
+``InvalidParameter`` naming the offending field; a decoded value of the wrong type is
+refused as ``InvalidParameter`` too. Checks that need the loaded model (vocab, context
+window, d_sae) happen in the engine. This module imports no torch.
 """
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
+
+import msgspec
 
 from .errors import InvalidParameter
+
+T = TypeVar("T")
 
 MAX_STEERING_STRENGTH = 200.0
 MAX_STOP_SEQUENCES = 4
@@ -45,22 +51,58 @@ def _int(value: Any, param: str, *, lo: int | None = None, hi: int | None = None
     return value
 
 
-class _Wire:
-    """asdict-based serialisation; classes with nested or non-JSON fields override."""
+# --------------------------------------------------------------------------- serialisation
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)  # type: ignore[call-overload]
+def _enc_hook(value: Any) -> Any:
+    # numpy / torch scalars (np.float64 and friends) that slip into a result: their value
+    if hasattr(value, "item") and callable(value.item):
+        return value.item()
+    raise NotImplementedError(f"{type(value).__name__} is not a protocol value")
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]):  # type: ignore[no-untyped-def]
-        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
-        return cls(**{k: v for k, v in data.items() if k in names})
+
+_ENCODER = msgspec.json.Encoder(enc_hook=_enc_hook)
+_PATH = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+
+
+def to_json(obj: Any) -> bytes:
+    """JSON bytes of a protocol value (a struct, a list of them, a builtin)."""
+    return _ENCODER.encode(obj)
+
+
+def from_json(data: bytes | str, type_: type[T] | Any) -> T:
+    """The typed value ``type_`` decoded from JSON; unknown fields are ignored (a web
+    process and an engine of another build can still talk). A value of the wrong shape
+    is refused as ``InvalidParameter`` naming where it is (``sampling.top_p``)."""
+    try:
+        return msgspec.json.decode(data, type=type_)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc) from None
+    except msgspec.DecodeError as exc:
+        raise InvalidParameter(f"not valid JSON: {exc}", param="json") from None
+
+
+def to_builtins(obj: Any) -> Any:
+    """A protocol value as JSON-native Python values (dicts, lists, str, numbers)."""
+    return msgspec.to_builtins(obj, enc_hook=_enc_hook)
+
+
+def from_builtins(data: Any, type_: type[T] | Any) -> T:
+    """The typed value ``type_`` from JSON-native Python values (``json.loads`` output)."""
+    try:
+        # not strict: after json.loads, integer dict keys (feature indices) are strings
+        return msgspec.convert(data, type_, strict=False)
+    except msgspec.ValidationError as exc:
+        raise _invalid(exc) from None
+
+
+def _invalid(exc: msgspec.ValidationError) -> InvalidParameter:
+    match = _PATH.search(str(exc))
+    return InvalidParameter(str(exc), param=(match.group("path") if match else "") or "job")
 
 
 # --------------------------------------------------------------------------- sampling
 
-@dataclass
-class SamplingParams(_Wire):
+class SamplingParams(msgspec.Struct):
     """Per-request decoding parameters (OpenAI/vLLM semantics).
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k.  Presence/frequency
@@ -76,8 +118,8 @@ class SamplingParams(_Wire):
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = msgspec.field(default_factory=list)
+    stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
     logprobs: bool = False
     top_logprobs: int = 0
@@ -111,13 +153,15 @@ class SamplingParams(_Wire):
 AttachmentKey = tuple[str, int]
 
 
-@dataclass
-class SteeringEntry:
-    """Feature strengths for one attachment: ``delta = Σ strength · W_dec[index]``."""
+class SteeringEntry(msgspec.Struct):
+    """Feature strengths for one attachment: ``delta = Σ strength · W_dec[index]``.
+
+    On the wire ``features`` is a JSON object keyed by the feature index (``{"3": 5.0}``).
+    """
 
     sae_id: str
     layer: int
-    features: dict[int, float] = field(default_factory=dict)
+    features: dict[int, float] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sae_id, str) or not self.sae_id:
@@ -137,30 +181,11 @@ class SteeringEntry:
     def key(self) -> AttachmentKey:
         return (self.sae_id, self.layer)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "sae_id": self.sae_id,
-            "layer": self.layer,
-            "features": [{"index": i, "strength": s} for i, s in self.features.items()],
-        }
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> SteeringEntry:
-        feats = data.get("features") or []
-        if isinstance(feats, Mapping):
-            features = dict(feats)
-        else:
-            features = {}
-            for f in feats:
-                features[f["index"]] = f["strength"]
-        return cls(sae_id=data["sae_id"], layer=data["layer"], features=features)
-
-
-@dataclass
-class SteeringSpec:
+class SteeringSpec(msgspec.Struct):
     """A request's resolved steering.  Empty means explicitly unsteered."""
 
-    entries: list[SteeringEntry] = field(default_factory=list)
+    entries: list[SteeringEntry] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         seen: set[AttachmentKey] = set()
@@ -179,19 +204,10 @@ class SteeringSpec:
     def is_empty(self) -> bool:
         return not any(e.features for e in self.entries)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"entries": [e.to_dict() for e in self.entries]}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | list[Any]) -> SteeringSpec:
-        entries = data if isinstance(data, list) else data.get("entries", [])
-        return cls([SteeringEntry.from_dict(e) for e in entries])
-
 
 # --------------------------------------------------------------------------- monitoring
 
-@dataclass(frozen=True)
-class PositionRange:
+class PositionRange(msgspec.Struct, frozen=True):
     """Residual rows ``start <= position < end`` (``end=None``: to the last row)."""
 
     start: int = 0
@@ -206,8 +222,7 @@ class PositionRange:
 Positions = str | PositionRange
 
 
-@dataclass
-class MonitorEntry:
+class MonitorEntry(msgspec.Struct):
     """What to read from one attachment.
 
     Positions index *residual rows* of the full sequence: rows ``0..P-1`` are the prompt;
@@ -225,7 +240,7 @@ class MonitorEntry:
     sae_id: str
     layer: int
     top_k: int = 0
-    features: list[int] = field(default_factory=list)
+    features: list[int] = msgspec.field(default_factory=list)
     read_point: str = "post_steering"
     positions: Positions = "completion"
     stream: bool = False
@@ -249,20 +264,9 @@ class MonitorEntry:
     def key(self) -> AttachmentKey:
         return (self.sae_id, self.layer)
 
-    def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        if isinstance(self.positions, PositionRange):
-            d["positions"] = {"start": self.positions.start, "end": self.positions.end}
-        return d
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> MonitorEntry:
-        return cls(**{k: v for k, v in data.items() if k in {f.name for f in fields(cls)}})
-
-
-@dataclass
-class MonitorSpec:
-    entries: list[MonitorEntry] = field(default_factory=list)
+class MonitorSpec(msgspec.Struct):
+    entries: list[MonitorEntry] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         seen: set[tuple[str, int, str]] = set()
@@ -272,46 +276,25 @@ class MonitorSpec:
                 raise InvalidParameter(f"duplicate monitor entry for {k}", param="monitor")
             seen.add(k)
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"entries": [e.to_dict() for e in self.entries]}
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | list[Any]) -> MonitorSpec:
-        entries = data if isinstance(data, list) else data.get("entries", [])
-        return cls([MonitorEntry.from_dict(e) for e in entries])
-
-
-@dataclass
-class FeatureActivation(_Wire):
+class FeatureActivation(msgspec.Struct):
     feature_index: int
     activation: float
 
 
-@dataclass
-class ActivationRecord:
+class ActivationRecord(msgspec.Struct):
     sae_id: str
     layer: int
     read_point: str
     position: int
     token_index: int | None = None  # completion token index, None for prompt-only rows
-    top_k: list[FeatureActivation] = field(default_factory=list)
-    features: list[FeatureActivation] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ActivationRecord:
-        d = dict(data)
-        d["top_k"] = [FeatureActivation.from_dict(x) for x in d.get("top_k", [])]
-        d["features"] = [FeatureActivation.from_dict(x) for x in d.get("features", [])]
-        return cls(**d)
+    top_k: list[FeatureActivation] = msgspec.field(default_factory=list)
+    features: list[FeatureActivation] = msgspec.field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- jobs
 
-@dataclass
-class GenerationJob:
+class GenerationJob(msgspec.Struct):
     """One generation request.  Exactly one of prompt / prompt_token_ids / messages.
 
     ``steering=None`` and an empty spec both mean unsteered: live steering set by an
@@ -322,12 +305,12 @@ class GenerationJob:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
-    sampling: SamplingParams = field(default_factory=SamplingParams)
+    sampling: SamplingParams = msgspec.field(default_factory=SamplingParams)
     steering: SteeringSpec | None = None
     monitor: MonitorSpec | None = None
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
-    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -340,33 +323,10 @@ class GenerationJob:
         if self.messages is not None and not self.messages:
             raise InvalidParameter("messages is empty", param="messages")
 
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_id": self.request_id,
-            "prompt": self.prompt,
-            "prompt_token_ids": self.prompt_token_ids,
-            "messages": self.messages,
-            "sampling": self.sampling.to_dict(),
-            "steering": self.steering.to_dict() if self.steering is not None else None,
-            "monitor": self.monitor.to_dict() if self.monitor is not None else None,
-            "add_generation_prompt": self.add_generation_prompt,
-            "add_special_tokens": self.add_special_tokens,
-            "chat_template_kwargs": self.chat_template_kwargs,
-        }
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> GenerationJob:
-        d = dict(data)
-        d["sampling"] = SamplingParams.from_dict(d.get("sampling") or {})
-        d["steering"] = SteeringSpec.from_dict(d["steering"]) if d.get("steering") is not None else None
-        d["monitor"] = MonitorSpec.from_dict(d["monitor"]) if d.get("monitor") is not None else None
-        return cls(**{k: v for k, v in d.items() if k in {f.name for f in fields(cls)}})
-
-
-@dataclass
-class EmbedJob(_Wire):
+class EmbedJob(msgspec.Struct):
     request_id: str
-    inputs: list[Any] = field(default_factory=list)  # str or list[int] each
+    inputs: list[str | list[int]] = msgspec.field(default_factory=list)  # text or token ids
     pooling: str = "mean"
     normalize: bool = True
 
@@ -377,8 +337,7 @@ class EmbedJob(_Wire):
             raise InvalidParameter(f"pooling must be one of {POOLINGS}", param="pooling")
 
 
-@dataclass
-class ScoreJob(_Wire):
+class ScoreJob(msgspec.Struct):
     """Next-token log-probabilities after a prompt (never steered or monitored)."""
 
     request_id: str
@@ -395,8 +354,7 @@ class ScoreJob(_Wire):
         _int(self.top_k, "top_k", lo=0)
 
 
-@dataclass
-class LoadModelJob(_Wire):
+class LoadModelJob(msgspec.Struct):
     model_id: str
     path: str
     dtype: str = "float32"
@@ -413,8 +371,7 @@ class LoadModelJob(_Wire):
             raise InvalidParameter("device must be cpu, cuda, cuda:N or auto", param="device")
 
 
-@dataclass
-class BatchingOptions(_Wire):
+class BatchingOptions(msgspec.Struct):
     """How the engine runs generations (an ``Engine`` constructor option).
 
     ``enabled=False``: the serial backend, one generation at a time in arrival order.
@@ -440,8 +397,7 @@ class BatchingOptions(_Wire):
         _int(self.prefill_budget_tokens, "prefill_budget_tokens", lo=1)
 
 
-@dataclass
-class AttachSpec(_Wire):
+class AttachSpec(msgspec.Struct):
     sae_id: str
     path: str
     layer: int
@@ -455,46 +411,32 @@ class AttachSpec(_Wire):
 
 # --------------------------------------------------------------------------- results & events
 
-@dataclass
-class Usage(_Wire):
+class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
 
 
-@dataclass
-class LogprobEntry(_Wire):
+class LogprobEntry(msgspec.Struct):
     token_id: int
     token: str
     logprob: float
 
 
-@dataclass
-class TokenLogprob:
+class TokenLogprob(msgspec.Struct):
     token_id: int
     token: str
     logprob: float
-    top_logprobs: list[LogprobEntry] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TokenLogprob:
-        d = dict(data)
-        d["top_logprobs"] = [LogprobEntry.from_dict(x) for x in d.get("top_logprobs", [])]
-        return cls(**d)
+    top_logprobs: list[LogprobEntry] = msgspec.field(default_factory=list)
 
 
-@dataclass
-class SteeringCount(_Wire):
+class SteeringCount(msgspec.Struct):
     sae_id: str
     layer: int
     count: int
 
 
-@dataclass
-class AttachResult(_Wire):
+class AttachResult(msgspec.Struct):
     sae_id: str
     layer: int
     layer_module_path: str
@@ -502,11 +444,10 @@ class AttachResult(_Wire):
     d_sae: int
     activation: str
     layout: str
-    warnings: list[str] = field(default_factory=list)
+    warnings: list[str] = msgspec.field(default_factory=list)
 
 
-@dataclass
-class AttachmentStatus(_Wire):
+class AttachmentStatus(msgspec.Struct):
     sae_id: str
     layer: int
     layer_module_path: str
@@ -518,8 +459,7 @@ class AttachmentStatus(_Wire):
     steering_apply_count: int = 0
 
 
-@dataclass
-class EngineStatus:
+class EngineStatus(msgspec.Struct):
     state: str  # "empty" | "ready"
     backend: str = "transformers"
     model_id: str | None = None
@@ -530,57 +470,31 @@ class EngineStatus:
     num_layers: int | None = None
     hidden_size: int | None = None
     vocab_size: int | None = None
-    attachments: list[AttachmentStatus] = field(default_factory=list)
+    attachments: list[AttachmentStatus] = msgspec.field(default_factory=list)
     in_flight: int = 0
     queued: int = 0
     # the generation backend's mode and capabilities (``Engine.batching_status()``)
-    batching: dict[str, Any] = field(default_factory=dict)
+    batching: dict[str, Any] = msgspec.field(default_factory=dict)
     # which matmul kernels the model runs on: "onednn_packed" (CPU float32, weights
     # prepacked at load) or "default" (PyTorch's own); None while no model is loaded
     kernels: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EngineStatus:
-        d = dict(data)
-        d["attachments"] = [AttachmentStatus.from_dict(a) for a in d.get("attachments", [])]
-        return cls(**d)
-
-
-@dataclass
-class EmbedResult(_Wire):
+class EmbedResult(msgspec.Struct):
     request_id: str
     embeddings: list[list[float]]
     usage: Usage
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> EmbedResult:
-        return cls(data["request_id"], data["embeddings"], Usage.from_dict(data["usage"]))
 
-
-@dataclass
-class ScoreResult:
+class ScoreResult(msgspec.Struct):
     request_id: str
     prompt_tokens: int
-    top: list[LogprobEntry] = field(default_factory=list)
-    allowed: list[LogprobEntry] = field(default_factory=list)
+    top: list[LogprobEntry] = msgspec.field(default_factory=list)
+    allowed: list[LogprobEntry] = msgspec.field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
 
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ScoreResult:
-        d = dict(data)
-        d["top"] = [LogprobEntry.from_dict(x) for x in d.get("top", [])]
-        d["allowed"] = [LogprobEntry.from_dict(x) for x in d.get("allowed", [])]
-        return cls(**d)
-
-
-@dataclass
-class TokenEvent:
+class TokenEvent(msgspec.Struct, tag="token", tag_field="type"):
     """One generated token; ``text`` is the text delta it releases (may be empty while a
     multi-byte character or a possible stop-sequence prefix is held back)."""
 
@@ -590,33 +504,10 @@ class TokenEvent:
     token_id: int
     text: str
     logprob: TokenLogprob | None = None
-    activations: list[ActivationRecord] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "type": self.type,
-            "request_id": self.request_id,
-            "index": self.index,
-            "token_id": self.token_id,
-            "text": self.text,
-            "logprob": self.logprob.to_dict() if self.logprob else None,
-            "activations": [a.to_dict() for a in self.activations],
-        }
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> TokenEvent:
-        return cls(
-            request_id=data["request_id"],
-            index=data["index"],
-            token_id=data["token_id"],
-            text=data["text"],
-            logprob=TokenLogprob.from_dict(data["logprob"]) if data.get("logprob") else None,
-            activations=[ActivationRecord.from_dict(a) for a in data.get("activations", [])],
-        )
+    activations: list[ActivationRecord] = msgspec.field(default_factory=list)
 
 
-@dataclass
-class FinishEvent:
+class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
     """Last event of a successful (or cancelled) generation."""
 
     type: ClassVar[str] = "finish"
@@ -625,46 +516,21 @@ class FinishEvent:
     text: str
     token_ids: list[int]
     usage: Usage
-    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = msgspec.field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
     # records not delivered with a token event: prompt rows that produced no token, and
     # the single record of ``positions="last"``
-    activations: list[ActivationRecord] = field(default_factory=list)
-    steering_apply_count: list[SteeringCount] = field(default_factory=list)
+    activations: list[ActivationRecord] = msgspec.field(default_factory=list)
+    steering_apply_count: list[SteeringCount] = msgspec.field(default_factory=list)
     forward_passes: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in fields(self)}
-        d["type"] = self.type
-        d["usage"] = self.usage.to_dict()
-        d["activations"] = [a.to_dict() for a in self.activations]
-        d["steering_apply_count"] = [c.to_dict() for c in self.steering_apply_count]
-        return d
 
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> FinishEvent:
-        d = {k: v for k, v in data.items() if k != "type"}
-        d["usage"] = Usage.from_dict(d["usage"])
-        d["activations"] = [ActivationRecord.from_dict(a) for a in d.get("activations", [])]
-        d["steering_apply_count"] = [SteeringCount.from_dict(c) for c in d.get("steering_apply_count", [])]
-        return cls(**d)
-
-
-@dataclass
-class ErrorEvent:
+class ErrorEvent(msgspec.Struct, tag="error", tag_field="type"):
     type: ClassVar[str] = "error"
     request_id: str
     code: str
     message: str
-    details: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": self.type, "request_id": self.request_id, "code": self.code,
-                "message": self.message, "details": self.details}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> ErrorEvent:
-        return cls(data["request_id"], data["code"], data["message"], dict(data.get("details") or {}))
+    details: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def to_exception(self):  # type: ignore[no-untyped-def]
         from .errors import error_from_dict
@@ -672,28 +538,29 @@ class ErrorEvent:
         return error_from_dict({"code": self.code, "message": self.message, "details": self.details})
 
 
-@dataclass
-class EngineEvent(_Wire):
+class EngineEvent(msgspec.Struct):
     """Something operators should hear about (``sae:detached`` after an OOM, …)."""
 
     name: str
-    data: dict[str, Any] = field(default_factory=dict)
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ResultEvent(msgspec.Struct, tag="result", tag_field="type"):
+    """The one reply to a command that is not a generation (load, attach, embed, ...):
+    ``result`` is the command's declared result type as JSON, decoded by the caller who
+    knows that type (``gpu_engine.commands``)."""
+
+    type: ClassVar[str] = "result"
+    request_id: str
+    result: msgspec.Raw = msgspec.Raw(b"null")
 
 
 GenerationEvent = TokenEvent | FinishEvent | ErrorEvent
-_EVENT_TYPES: dict[str, Any] = {"token": TokenEvent, "finish": FinishEvent, "error": ErrorEvent}
+# what a request's (or command's) own stream carries
+StreamEvent = TokenEvent | FinishEvent | ErrorEvent | ResultEvent
 
 
-def event_from_dict(data: Mapping[str, Any]) -> GenerationEvent:
-    try:
-        cls = _EVENT_TYPES[data["type"]]
-    except KeyError:
-        raise ValueError(f"unknown generation event type {data.get('type')!r}") from None
-    return cls.from_dict(data)
-
-
-@dataclass
-class GenerationResult:
+class GenerationResult(msgspec.Struct):
     """A whole generation, gathered from its events (what a non-streaming caller wants)."""
 
     request_id: str
@@ -701,10 +568,10 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     usage: Usage
-    logprobs: list[TokenLogprob | None] = field(default_factory=list)
-    activations: list[ActivationRecord] = field(default_factory=list)
+    logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
+    activations: list[ActivationRecord] = msgspec.field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
-    steering_apply_count: list[SteeringCount] = field(default_factory=list)
+    steering_apply_count: list[SteeringCount] = msgspec.field(default_factory=list)
     forward_passes: int = 0
 
     @classmethod
@@ -733,15 +600,3 @@ class GenerationResult:
                     forward_passes=ev.forward_passes,
                 )
         raise RuntimeError("generation ended without a finish event")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> GenerationResult:
-        d = dict(data)
-        d["usage"] = Usage.from_dict(d["usage"])
-        d["logprobs"] = [TokenLogprob.from_dict(x) if x else None for x in d.get("logprobs", [])]
-        d["activations"] = [ActivationRecord.from_dict(a) for a in d.get("activations", [])]
-        d["steering_apply_count"] = [SteeringCount.from_dict(c) for c in d.get("steering_apply_count", [])]
-        return cls(**d)

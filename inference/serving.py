@@ -38,6 +38,7 @@ from gpu_engine.protocol import (
     SteeringCount,
     TokenEvent,
     TokenLogprob,
+    to_builtins,
 )
 from inference import selectors, wire
 from inference.activations import activations_payload, monitor_resolve
@@ -215,7 +216,7 @@ def _sum_counts(outcomes: list[Outcome]) -> list[dict[str, Any]]:
     for out in outcomes:
         for c in out.finish.steering_apply_count:
             totals[(c.sae_id, c.layer)] = totals.get((c.sae_id, c.layer), 0) + c.count
-    return [SteeringCount(s, layer, n).to_dict() for (s, layer), n in totals.items()]
+    return to_builtins([SteeringCount(s, layer, n) for (s, layer), n in totals.items()])
 
 
 def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:

@@ -202,11 +202,10 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
         try:
             engine.unload_model(timeout_s=remaining)
         except EngineError as exc:
-            cancel_all = getattr(engine, "cancel_all", None)
-            if getattr(exc, "code", "") != "engine_busy" or cancel_all is None:
+            if exc.code != "engine_busy":
                 raise
             # The running requests outlasted the grace period: they fail, the unload goes on.
-            cancel_all(reason="model_unload")
+            engine.cancel_all(reason="model_unload")
             engine.unload_model(timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
     except EngineError as exc:
         Model.objects.filter(pk=model.pk, status=Model.Status.UNLOADING).update(

@@ -81,7 +81,13 @@ def _resolved(mode: str, att: AttachmentStatus, features: dict[int, float], head
     entry = SteeringEntry(att.sae_id, att.layer, features)
     return ResolvedSteering(mode=mode, spec=SteeringSpec([entry]), header=header,
                             profile=profile, intensity=intensity,
-                            entries=[entry.to_dict()])
+                            entries=[_entry_summary(entry)])
+
+
+def _entry_summary(entry: SteeringEntry) -> dict[str, Any]:
+    """An entry as /v1 requests write it (``features: [{index, strength}]``)."""
+    return {"sae_id": entry.sae_id, "layer": entry.layer,
+            "features": [{"index": i, "strength": s} for i, s in entry.features.items()]}
 
 
 def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
@@ -207,7 +213,7 @@ def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None
     if intensity is not None:
         header += f";intensity={_fmt(intensity)}"
     return ResolvedSteering(mode="live", spec=SteeringSpec(entries), header=header,
-                            intensity=intensity, entries=[e.to_dict() for e in entries])
+                            intensity=intensity, entries=[_entry_summary(e) for e in entries])
 
 
 def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],

@@ -32,11 +32,11 @@ from core.api import envelope
 from core.errors import NotReady
 from core.schema import enveloped
 from core.version import version
+from gpu_engine.protocol import to_builtins
 
 log = structlog.get_logger(__name__)
 
 STARTED_AT = time.time()
-
 
 
 def _now() -> str:
@@ -54,7 +54,7 @@ def engine_snapshot() -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - health must answer whatever the engine does
         return {"state": "unavailable", "error": getattr(exc, "message", str(exc)),
                 "attachments": []}
-    data = status.to_dict()
+    data = to_builtins(status)
     data.pop("model_path", None)
     return data
 

@@ -1,1 +1,1 @@
-"""Inference backends. ``base`` defines the protocol; implementations import torch lazily."""
+"""Inference backends; implementations import torch lazily."""

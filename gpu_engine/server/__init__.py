@@ -1,10 +1,11 @@
 """The engine process and its Redis Streams transport (distributed mode).
 
-Framework-free: redis-py and the protocol dataclasses only, no Django and no torch at
+Framework-free: redis-py and the protocol structs only, no Django and no torch at
 import time (the web tier imports ``keys`` and ``wire`` to talk to the engine).
 
 - ``keys``: every Redis key and stream name, under one prefix.
-- ``wire``: the JSON envelopes that travel on the streams (never pickle).
+- ``wire``: the JSON envelope (a command of ``gpu_engine.commands`` by name, its
+  arguments, its deadline) and the events that travel on the streams (never pickle).
 - ``server``: ``EngineServer``, the main loop that a ``run_engine`` process runs around
   an ``Engine``: consumer-group reads with bounded concurrency, acknowledgement only once
   the result is stored, "started" markers so nothing is generated twice, reclaiming and
@@ -14,6 +15,6 @@ docs/deploy.md describes the delivery semantics in full.
 """
 
 from .keys import Keys
-from .wire import CommandEnvelope, RequestEnvelope, decode_event, encode_event
+from .wire import Envelope, decode_event, encode_event
 
-__all__ = ["CommandEnvelope", "Keys", "RequestEnvelope", "decode_event", "encode_event"]
+__all__ = ["Envelope", "Keys", "decode_event", "encode_event"]

@@ -23,6 +23,12 @@ Delivery semantics (docs/deploy.md has the long form):
   every ``cancel_poll_s`` and cancels the generations whose client left (a disconnect, a
   killed web worker), which then stop before their next decode step.
 
+Commands are dispatched from the one table ``gpu_engine.commands.COMMANDS``: an entry
+names a command, its arguments are decoded into the declared struct and the same
+``Command.call`` the embedded client uses runs them on the engine; the result goes back
+as JSON of the declared result type. ``state`` commands (``status``) are not sent at all:
+the heartbeat carries their latest results under their names.
+
 Framework-free: no Django, and no torch import here (the caller builds the ``Engine``).
 """
 
@@ -42,6 +48,7 @@ from typing import Any
 
 import redis
 
+from ..commands import COMMANDS, Command, Lane
 from ..errors import (
     EngineBusy,
     EngineError,
@@ -49,16 +56,9 @@ from ..errors import (
     GenerationFailed,
     InvalidParameter,
 )
-from ..protocol import AttachSpec, ErrorEvent, FinishEvent, LoadModelJob
+from ..protocol import ErrorEvent, FinishEvent, StreamEvent, to_builtins
 from .keys import Keys
-from .wire import (
-    CommandEnvelope,
-    RequestEnvelope,
-    encode_event,
-    error_payload,
-    job_error,
-    result_payload,
-)
+from .wire import Envelope, encode_event, error_event, job_error, result_event
 
 log = logging.getLogger("gpu_engine.server")
 
@@ -126,7 +126,7 @@ class _InFlight:
     request_id: str
     kind: str
     handle: Any = None  # GenerationStream for generations
-    fail_with: EngineError | None = None  # shutdown / cancel_all: the error to send
+    fail_with: EngineError | None = None  # shutdown: the error to send
     cancel_sent: bool = False
     started_at: float = field(default_factory=time.monotonic)
 
@@ -168,24 +168,8 @@ class EngineServer:
         self._heartbeat_thread: threading.Thread | None = None
         self._heartbeat = client.register_script(_HEARTBEAT_LUA)
         self._release = client.register_script(_RELEASE_LUA)
-        self._commands: dict[str, Callable[[dict[str, Any]], Any]] = {
-            "load_model": self._cmd_load_model,
-            "unload_model": self._cmd_unload_model,
-            "attach_set": self._cmd_attach_set,
-            "detach": self._cmd_detach,
-            "check_sae": self._cmd_check_sae,
-            "cancel_all": self._cmd_cancel_all,
-            "status": lambda args: self.engine.status().to_dict(),
-        }
 
     # ------------------------------------------------------------------ lifecycle
-
-    def register_command(self, kind: str, handler: Callable[[dict[str, Any]], Any]) -> None:
-        """Add a command (e.g. a steering change): ``handler(args) -> JSON-safe result``;
-        an ``EngineError`` it raises reaches the caller with its code."""
-        if kind in self._commands:
-            raise ValueError(f"command {kind!r} is already registered")
-        self._commands[kind] = handler
 
     def acquire_ownership(self, wait_s: float | None = None) -> None:
         """Become the one engine of this prefix, waiting (bounded) for a dead one's claim
@@ -318,7 +302,9 @@ class EngineServer:
             "in_flight_jobs": jobs,
             "max_in_flight": self.config.max_in_flight,
             "heartbeat_s": self.config.heartbeat_s,
-            "status": self.engine.status().to_dict(),
+            # the ``state`` commands' latest results, under their names (``status``)
+            **{c.name: to_builtins(c.call(self.engine, c.args())) for c in COMMANDS.values()
+               if c.lane is Lane.STATE},
             **self.describe(),
         }
 
@@ -480,7 +466,7 @@ class EngineServer:
             if time.time() > deadline or not self.redis.exists(self.keys.live(request_id)):
                 # nobody waits for it any more (the client left or gave up): drop it unrun
                 log.info("engine_dropped_abandoned id=%s request_id=%s", msg_id, request_id)
-                self._store_final(stream, msg_id, request_id, error_payload(
+                self._store_final(stream, msg_id, request_id, error_event(
                     request_id, EngineBusy("the client stopped waiting before the job started")))
                 return False
             if self.redis.set(started_key, self.engine_id, nx=True, ex=self.config.result_ttl_s):
@@ -492,13 +478,20 @@ class EngineServer:
                           "finished; it is not run again", details={"started_by": starter}))
         return False
 
-    def _accept_request(self, msg_id: str, fields: Any, delivered: int) -> None:
+    def _decode(self, stream: str, msg_id: str, fields: Any) -> Envelope | None:
+        """The entry's envelope, or None once a malformed entry (it names no reply
+        stream, so it cannot be answered) was dead-lettered."""
         try:
-            env = RequestEnvelope.decode(fields)
+            return Envelope.decode(fields)
         except Exception as exc:  # noqa: BLE001 - a malformed entry is dead-lettered
-            self._dead_letter(self.keys.requests, msg_id, fields, "undecodable", repr(exc))
-            self.redis.xack(self.keys.requests, self.keys.group, msg_id)
-            self.redis.xdel(self.keys.requests, msg_id)
+            self._dead_letter(stream, msg_id, fields, "undecodable", repr(exc))
+            self.redis.xack(stream, self.keys.group, msg_id)
+            self.redis.xdel(stream, msg_id)
+            return None
+
+    def _accept_request(self, msg_id: str, fields: Any, delivered: int) -> None:
+        env = self._decode(self.keys.requests, msg_id, fields)
+        if env is None:
             return
         rid = env.request_id
         if not self._claim_start(self.keys.requests, msg_id, fields, rid, delivered,
@@ -508,27 +501,28 @@ class EngineServer:
         with self._lock:
             self._inflight[rid] = entry
         try:
-            job = env.build_job()
-            if env.kind == "generate":
-                entry.handle = self.engine.generate(job)
+            cmd = _on_lane(env, Lane.WORK, Lane.STREAM)
+            args = cmd.with_timeout(env.build_args(), self.config.event_timeout_s)
+            if cmd.lane is Lane.STREAM:
+                entry.handle = cmd.call(self.engine, args)
                 self._pool.submit(self._pump, entry)
             else:
-                self._pool.submit(self._call, entry, job)
+                self._pool.submit(self._call, entry, cmd, args)
         except Exception as exc:  # noqa: BLE001 - the client gets it as an error event
-            self._finish(entry, error_payload(rid, job_error(exc)))
+            self._finish(entry, error_event(rid, job_error(exc)))
             self._done(entry)
 
     def _pump(self, entry: _InFlight) -> None:
         rid = entry.request_id
-        final: dict[str, Any] | None = None
+        final: StreamEvent | None = None
         try:
             for event in entry.handle.events(self.config.event_timeout_s):
                 if isinstance(event, (FinishEvent, ErrorEvent)):
-                    final = event.to_dict()
+                    final = event
                     break
-                self._emit(rid, event.to_dict())
+                self._emit(rid, event)
         except EngineError as exc:
-            final = error_payload(rid, exc)
+            final = error_event(rid, exc)
         except redis.RedisError as exc:
             # tokens cannot be delivered: stop the generation; the entry stays pending and
             # is settled (error to the client) when it is reclaimed
@@ -538,26 +532,25 @@ class EngineServer:
             return
         except Exception as exc:  # noqa: BLE001 - the client gets it as an error event
             log.exception("engine_pump_failed request_id=%s", rid)
-            final = error_payload(rid, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+            final = error_event(rid, GenerationFailed(f"{type(exc).__name__}: {exc}"))
         if final is None:
-            final = error_payload(rid, GenerationFailed("the generation ended without a result"))
+            final = error_event(rid, GenerationFailed("the generation ended without a result"))
         if entry.fail_with is not None and not (
-                final.get("type") == "finish" and final.get("finish_reason") != "cancelled"):
-            final = error_payload(rid, entry.fail_with)
+                isinstance(final, FinishEvent) and final.finish_reason != "cancelled"):
+            final = error_event(rid, entry.fail_with)
         self._finish(entry, final)
         self._done(entry)
 
-    def _call(self, entry: _InFlight, job: Any) -> None:
+    def _call(self, entry: _InFlight, cmd: Command, args: Any) -> None:
         rid = entry.request_id
+        payload: StreamEvent
         try:
-            method = self.engine.embed if entry.kind == "embed" else self.engine.score
-            payload = result_payload(rid, method(job, timeout_s=self.config.event_timeout_s)
-                                     .to_dict())
+            payload = result_event(rid, cmd.call(self.engine, args))
         except EngineError as exc:
-            payload = error_payload(rid, exc)
+            payload = error_event(rid, exc)
         except Exception as exc:  # noqa: BLE001 - the client gets it as an error event
             log.exception("engine_call_failed request_id=%s", rid)
-            payload = error_payload(rid, GenerationFailed(f"{type(exc).__name__}: {exc}"))
+            payload = error_event(rid, GenerationFailed(f"{type(exc).__name__}: {exc}"))
         self._finish(entry, payload)
         self._done(entry)
 
@@ -566,7 +559,7 @@ class EngineServer:
             self._inflight.pop(entry.request_id, None)
             self._room.notify_all()
 
-    def _emit(self, request_id: str, payload: dict[str, Any]) -> None:
+    def _emit(self, request_id: str, payload: StreamEvent) -> None:
         key = self.keys.events(request_id)
         pipe = self.redis.pipeline(transaction=False)
         pipe.xadd(key, encode_event(payload), maxlen=self.config.stream_maxlen, approximate=True)
@@ -574,7 +567,7 @@ class EngineServer:
         pipe.execute()
 
     def _store_final(self, stream: str, msg_id: str, request_id: str,
-                     payload: dict[str, Any], dead: dict[str, Any] | None = None) -> None:
+                     payload: StreamEvent, dead: dict[str, Any] | None = None) -> None:
         """The final event, the acknowledgement and (optionally) a dead-letter record in
         one MULTI: the entry is acked exactly when its result is stored."""
         key = self.keys.events(request_id)
@@ -600,7 +593,7 @@ class EngineServer:
                 time.sleep(delay)
                 delay *= 2
 
-    def _finish(self, entry: _InFlight, payload: dict[str, Any]) -> None:
+    def _finish(self, entry: _InFlight, payload: StreamEvent) -> None:
         self._store_final(entry.stream, entry.msg_id, entry.request_id, payload)
 
     def _dead_record(self, stream: str, msg_id: str, fields: Any, reason: str,
@@ -621,7 +614,7 @@ class EngineServer:
                  error: EngineError) -> None:
         log.error("engine_dead_letter stream=%s id=%s request_id=%s reason=%s", stream, msg_id,
                   request_id, reason)
-        self._store_final(stream, msg_id, request_id, error_payload(request_id, error),
+        self._store_final(stream, msg_id, request_id, error_event(request_id, error),
                           dead=self._dead_record(stream, msg_id, fields, reason, error.message))
 
     # ------------------------------------------------------------------ cancellation
@@ -656,39 +649,30 @@ class EngineServer:
             e.handle.cancel()
         return len(entries)
 
-    def cancel_all(self, reason: str = "cancel_all") -> int:
-        """Stop every running generation; their clients get ``engine_busy``."""
-        return self._fail_all(EngineBusy(f"the request was stopped by the server ({reason})",
-                                         details={"reason": reason}))
-
     # ------------------------------------------------------------------ commands
 
     def _accept_command(self, msg_id: str, fields: Any, delivered: int) -> None:
-        try:
-            env = CommandEnvelope.decode(fields)
-        except Exception as exc:  # noqa: BLE001
-            self._dead_letter(self.keys.commands, msg_id, fields, "undecodable", repr(exc))
-            self.redis.xack(self.keys.commands, self.keys.group, msg_id)
-            self.redis.xdel(self.keys.commands, msg_id)
+        env = self._decode(self.keys.commands, msg_id, fields)
+        if env is None:
             return
-        cid = env.command_id
+        cid = env.request_id
         if not self._claim_start(self.keys.commands, msg_id, fields, cid, delivered,
                                  env.deadline):
             return
         entry = _InFlight(msg_id, self.keys.commands, cid, env.kind)
         with self._lock:
             self._command = entry
+        payload: StreamEvent
         try:
-            handler = self._commands.get(env.kind)
-            if handler is None:
-                raise InvalidParameter(f"unknown engine command {env.kind!r}", param="kind")
+            cmd = _on_lane(env, Lane.CONTROL)
+            args = env.build_args()
             log.info("engine_command kind=%s command_id=%s", env.kind, cid)
-            payload = result_payload(cid, handler(env.args))
+            payload = result_event(cid, cmd.call(self.engine, args))
         except EngineError as exc:
-            payload = error_payload(cid, exc)
+            payload = error_event(cid, exc)
         except Exception as exc:  # noqa: BLE001 - the caller gets it as an error reply
             log.exception("engine_command_failed kind=%s", env.kind)
-            payload = error_payload(cid, GenerationFailed(
+            payload = error_event(cid, GenerationFailed(
                 f"command {env.kind} failed: {type(exc).__name__}: {exc}"))
         # the status clients read next must already show what the command changed
         self._safe_heartbeat()
@@ -696,28 +680,15 @@ class EngineServer:
         with self._lock:
             self._command = None
 
-    def _cmd_load_model(self, args: dict[str, Any]) -> Any:
-        job = LoadModelJob.from_dict(args["job"])
-        return self.engine.load_model(job, timeout_s=args.get("timeout_s")).to_dict()
 
-    def _cmd_unload_model(self, args: dict[str, Any]) -> None:
-        self.engine.unload_model(timeout_s=args.get("timeout_s"))
-
-    def _cmd_attach_set(self, args: dict[str, Any]) -> list[dict[str, Any]]:
-        specs = [AttachSpec.from_dict(s) for s in args.get("specs") or []]
-        return [r.to_dict() for r in self.engine.attach_set(specs, timeout_s=args.get("timeout_s"))]
-
-    def _cmd_detach(self, args: dict[str, Any]) -> list[list[Any]]:
-        keys = self.engine.detach(args.get("sae_id"), args.get("layer"),
-                                  timeout_s=args.get("timeout_s"))
-        return [[sae_id, layer] for sae_id, layer in keys]
-
-    def _cmd_check_sae(self, args: dict[str, Any]) -> dict[str, Any]:
-        return self.engine.check_sae(args["path"], int(args["layer"]),
-                                     layout=args.get("layout")).to_dict()
-
-    def _cmd_cancel_all(self, args: dict[str, Any]) -> int:
-        return self.cancel_all(str(args.get("reason") or "cancel_all"))
+def _on_lane(env: Envelope, *lanes: Lane) -> Command:
+    """The envelope's command, refused (to its caller) when it is unknown here or does
+    not travel on this stream."""
+    cmd = env.command
+    if cmd.lane not in lanes:
+        raise InvalidParameter(f"engine command {cmd.name!r} travels on the {cmd.lane} lane",
+                               param="kind")
+    return cmd
 
 
 __all__ = ["EngineAlreadyRunning", "EngineServer", "ServerConfig"]

@@ -3,7 +3,6 @@ errors that stay with their request, out-of-memory recovery, status."""
 
 from __future__ import annotations
 
-import json
 import time
 
 import numpy as np
@@ -25,6 +24,8 @@ from gpu_engine.protocol import (
     ScoreJob,
     SteeringSpec,
     TokenEvent,
+    from_json,
+    to_json,
 )
 from tests.engine.tolerances import BATCH_ENCODE_ATOL, BATCH_ENCODE_RTOL, BATCH_LOGPROB_ATOL
 
@@ -244,7 +245,7 @@ def test_status_reports_the_batching_backend(llama, engines):
     assert b["capabilities"]["per_request_steering"] and b["capabilities"]["exact_monitoring_attribution"]
     assert b["capabilities"]["serial_fallback"] is False
     assert status.in_flight == 4
-    assert EngineStatus.from_dict(json.loads(json.dumps(status.to_dict()))) == status
+    assert from_json(to_json(status), EngineStatus) == status
     assert serial.status().batching["mode"] == "serial"
     for s in streams:
         s.cancel()

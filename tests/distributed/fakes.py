@@ -25,6 +25,7 @@ from gpu_engine.protocol import (
     ScoreResult,
     TokenEvent,
     Usage,
+    to_builtins,
 )
 from gpu_engine.sae.compat import CompatibilityReport
 from gpu_engine.server.keys import Keys
@@ -37,6 +38,8 @@ class FakeStream:
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = threading.Event()
         self.cancelled_at: float | None = None
+        self.fail_with: Any = None  # cancel_all: the error the generation ends with
+        self.finished = False
 
     def cancel(self) -> None:
         if not self._cancel.is_set():
@@ -130,8 +133,12 @@ class FakeEngine:
         i = 0
         while i < n:
             if stream._cancel.is_set():
-                stream._events.put(FinishEvent(job.request_id, "cancelled", text,
-                                               list(range(i)), Usage(3, i, 3 + i)))
+                err = stream.fail_with
+                stream._events.put(
+                    FinishEvent(job.request_id, "cancelled", text, list(range(i)),
+                                Usage(3, i, 3 + i)) if err is None else
+                    ErrorEvent(job.request_id, err.code, err.message, err.details))
+                stream.finished = True
                 return
             if job.prompt == "hang":
                 time.sleep(0.01)
@@ -143,6 +150,14 @@ class FakeEngine:
             i += 1
         stream._events.put(FinishEvent(job.request_id, "length", text, list(range(n)),
                                        Usage(3, n, 3 + n), forward_passes=n))
+        stream.finished = True
+
+    def cancel_all(self, reason: str = "cancel_all") -> int:
+        live = [s for s in self.streams.values() if not s.finished and s.cancelled_at is None]
+        for stream in live:
+            stream.fail_with = EngineBusy(f"stopped ({reason})", details={"reason": reason})
+            stream.cancel()
+        return len(live)
 
     def embed(self, job: Any, *, timeout_s: float | None = None) -> EmbedResult:
         self.embedded.append(job.request_id)
@@ -193,7 +208,7 @@ def fake_heartbeat(url: str, prefix: str, engine_id: str, *, ttl_ms: int = 600,
     keys = Keys(prefix)
     stop = threading.Event()
     payload = json.dumps({"engine_id": engine_id, "phase": "serving",
-                          "status": EngineStatus(state="ready", model_id="fake").to_dict(),
+                          "status": to_builtins(EngineStatus(state="ready", model_id="fake")),
                           "defaults": {"device": "cpu", "dtype": "float32"}})
 
     def beat() -> None:

@@ -14,6 +14,7 @@ import pytest
 import redis
 
 from core.engine_client_redis import RedisEngineClient
+from gpu_engine.commands import COMMANDS, GenerateArgs
 from gpu_engine.errors import EngineShutdown, ModelNotLoaded, SAENotAttached
 from gpu_engine.protocol import (
     AttachSpec,
@@ -25,10 +26,11 @@ from gpu_engine.protocol import (
     SamplingParams,
     ScoreJob,
     TokenEvent,
+    to_builtins,
 )
 from gpu_engine.server.keys import Keys
 from gpu_engine.server.server import EngineAlreadyRunning, EngineServer, ServerConfig
-from gpu_engine.server.wire import RequestEnvelope
+from gpu_engine.server.wire import Envelope
 from tests.distributed.fakes import FAST, FakeEngine, fake_heartbeat, running_server
 
 
@@ -254,7 +256,8 @@ def test_a_job_nobody_waits_for_any_more_is_never_run(redis_url, r, prefix):
     with running_server(redis_url, engine, prefix):
         # queued by a client that then went away (its live key is gone)
         job = gen_job()
-        r.xadd(keys.requests, RequestEnvelope.for_job("generate", job, wait_s=60).encode())
+        r.xadd(keys.requests, Envelope.new(COMMANDS["generate"], job.request_id,
+                                           GenerateArgs(job), wait_s=60).encode())
         deadline = time.monotonic() + 5
         while r.xlen(keys.requests) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -314,8 +317,8 @@ def test_tokens_over_redis_equal_the_engine_in_process(redis_url, prefix, tiny_a
 
             remote = list(client.generate(job("over-redis")).events(30))
             local = list(engine.generate(job("in-process")).events(30))
-        assert [e.to_dict() | {"request_id": ""} for e in remote] == \
-            [e.to_dict() | {"request_id": ""} for e in local]
+        assert [to_builtins(e) | {"request_id": ""} for e in remote] == \
+            [to_builtins(e) | {"request_id": ""} for e in local]
         assert remote[-1].steering_apply_count[0].count == remote[-1].forward_passes > 0
     finally:
         engine.shutdown()

@@ -27,15 +27,20 @@ from gpu_engine.protocol import (
     ScoreJob,
     SteeringCount,
     SteeringSpec,
+    StreamEvent,
     TokenEvent,
     TokenLogprob,
     Usage,
-    event_from_dict,
+    from_builtins,
+    from_json,
+    to_builtins,
+    to_json,
 )
 
 
 def roundtrip(obj):
-    return type(obj).from_dict(json.loads(json.dumps(obj.to_dict())))
+    """Through JSON text, as the Redis transport carries it."""
+    return from_json(json.dumps(json.loads(to_json(obj))), type(obj))
 
 
 def test_generation_job_roundtrip_keeps_tuple_keyed_steering():
@@ -46,9 +51,11 @@ def test_generation_job_roundtrip_keeps_tuple_keyed_steering():
         monitor=MonitorSpec([MonitorEntry("sae-a", 3, top_k=5, positions=PositionRange(1, 9)),
                              MonitorEntry("sae-a", 3, features=[1], read_point="pre_steering", positions="last")]),
     )
-    wire = job.to_dict()
+    wire = json.loads(to_json(job))
     assert wire["steering"]["entries"][0] == {"sae_id": "sae-a", "layer": 3,
-                                              "features": [{"index": 10, "strength": 2.5}, {"index": 7, "strength": -1.0}]}
+                                              "features": {"10": 2.5, "7": -1.0}}
+    assert wire["monitor"]["entries"][0]["positions"] == {"start": 1, "end": 9}
+    assert wire["monitor"]["entries"][1]["positions"] == "last"
     back = roundtrip(job)
     assert back == job
     assert back.steering.as_mapping() == {("sae-a", 3): {10: 2.5, 7: -1.0}, ("sae-b", 5): {}}
@@ -60,8 +67,9 @@ def test_events_and_results_roundtrip():
     fin = FinishEvent("r", "stop", "hi", [42], Usage(3, 1, 4), [1, 2, 3], [None, -1.0, -2.0], [rec],
                       [SteeringCount("s", 1, 1)], 1)
     err = ErrorEvent("r", "context_length_exceeded", "too long", {"prompt_tokens": 9})
-    for ev in (tok, fin, err):
-        assert event_from_dict(json.loads(json.dumps(ev.to_dict()))) == ev
+    for ev, tag in ((tok, "token"), (fin, "finish"), (err, "error")):
+        assert json.loads(to_json(ev))["type"] == tag
+        assert from_json(to_json(ev), StreamEvent) == ev
     res = GenerationResult.from_events([tok, fin])
     assert roundtrip(res) == res and res.activations == [rec, rec]
     for obj in (EngineStatus("ready", attachments=[AttachmentStatus("s", 1, "model.layers.1", 64, 256, "relu", "saelens", "/p", 3)]),
@@ -69,13 +77,31 @@ def test_events_and_results_roundtrip():
                 LoadModelJob("m", "/p", dtype="bfloat16"), EmbedJob("e", ["a", [1, 2]]),
                 ScoreJob("s", prompt_token_ids=[1, 2], allowed_token_ids=[3])):
         assert roundtrip(obj) == obj
+        assert from_builtins(json.loads(json.dumps(to_builtins(obj))), type(obj)) == obj
+
+
+def test_decoding_validates_like_constructing():
+    """A job decoded from JSON is checked by the same rules as one built in Python, and a
+    value of the wrong type is refused naming where it is."""
+    good = json.loads(to_json(GenerationJob("r", prompt="x", sampling=SamplingParams(top_p=0.5))))
+    good["sampling"]["top_p"] = 0
+    with pytest.raises(InvalidParameter) as err:
+        from_json(json.dumps(good), GenerationJob)
+    assert err.value.param == "top_p"
+    good["sampling"]["top_p"] = "high"
+    with pytest.raises(InvalidParameter) as err:
+        from_json(json.dumps(good), GenerationJob)
+    assert err.value.param == "sampling.top_p"
+    good["sampling"]["top_p"] = 0.5
+    good["from_a_newer_build"] = True  # unknown fields are ignored
+    assert from_json(json.dumps(good), GenerationJob).sampling.top_p == 0.5
 
 
 def test_errors_roundtrip_by_code():
     err = ContextLengthExceeded(prompt_tokens=10, max_tokens=5, context_length=12)
     back = error_from_dict(json.loads(json.dumps(err.to_dict())))
     assert type(back) is ContextLengthExceeded and back.details == err.details and str(back) == str(err)
-    bad = error_from_dict(ErrorEvent("r", "invalid_parameter", "m", {"param": "top_p"}).to_dict())
+    bad = ErrorEvent("r", "invalid_parameter", "m", {"param": "top_p"}).to_exception()
     assert isinstance(bad, InvalidParameter) and bad.param == "top_p"
     unknown = error_from_dict({"code": "from_the_future", "message": "?"})
     assert isinstance(unknown, EngineError) and unknown.code == "from_the_future"

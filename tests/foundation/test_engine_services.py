@@ -8,6 +8,7 @@ import pytest
 from core.engine_client import EmbeddedEngineClient
 from core.errors import ModelNotLoaded, SAEIncompatible, SAENotAttached
 from core.runtime import runtime
+from gpu_engine.protocol import ErrorEvent, GenerationJob, SamplingParams, TokenEvent
 from orchestration import services as orchestration_services
 from registry import services
 from registry.errors import ModelLocked
@@ -65,6 +66,27 @@ def test_load_attach_detach_unload(engine_client, llama):
         orchestration_services.sae_detach(sae=saes["tiny-llama-L1-relu"])
 
     orchestration_services.model_unload(model=model)
+    assert Model.objects.get(pk=model.pk).status == "ready"
+    assert engine_client.status().state == "empty"
+
+
+def test_an_unload_past_its_grace_period_stops_the_running_requests(engine_client, llama,
+                                                                   settings):
+    """In embedded mode too: a generation that outlasts GRACEFUL_UNLOAD_TIMEOUT ends with
+    engine_busy (it would run for seconds more) and the model is unloaded."""
+    model, _ = llama
+    settings.GRACEFUL_UNLOAD_TIMEOUT = 1
+    orchestration_services.model_load(model=model)
+    events = engine_client.generate(GenerationJob("long", prompt_token_ids=[5, 17, 42],
+                                                  sampling=SamplingParams(
+                                                      max_tokens=480, temperature=0,
+                                                      ignore_eos=True))).events(30)
+    assert isinstance(next(events), TokenEvent)
+    orchestration_services.model_unload(model=model)
+    rest = list(events)
+    assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == "engine_busy"
+    assert rest[-1].details == {"reason": "model_unload"}
+    assert len(rest) - 1 < 479
     assert Model.objects.get(pk=model.pk).status == "ready"
     assert engine_client.status().state == "empty"
 

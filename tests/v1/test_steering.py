@@ -53,7 +53,7 @@ def test_inline_steering_runs_exactly_the_requested_spec(relu, llama):
     assert resp.headers["x-millm-steering"] == f"inline;sae={relu.id};layer=1;features=2"
     millm = body["millm"]
     assert millm["steering"]["mode"] == "inline"
-    assert millm["steering"]["entries"] == [spec.entries[0].to_dict()]
+    assert millm["steering"]["entries"] == [{"sae_id": relu.id, "layer": 1, "features": features}]
     assert millm["steering_apply_count"] == [{"sae_id": relu.id, "layer": 1,
                                               "count": steered.forward_passes}]
 

@@ -181,7 +181,7 @@ class TransformersRunner:
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.device)
         return self.model(input_ids=input_ids, use_cache=False).logits[0]
 
-    # ------------------------------------------------------------------ Backend protocol
+    # ------------------------------------------------------------------ what the engine calls
 
     def generate(self, **kwargs: Any) -> Any:
         from .generation import run_generation

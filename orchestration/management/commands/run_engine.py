@@ -55,7 +55,7 @@ def live_steering_restore(*, engine: Any, model: Any) -> None:
     read from the database by the web tier and resolved into each request's own spec
     (docs/engine.md), so it survives an engine restart untouched. If live steering ever
     becomes engine-held state, read it here through a steering selector and send it to
-    ``engine`` (and register the matching command on the server for live changes).
+    ``engine`` (live changes would be a new command in ``gpu_engine.commands``).
     """
 
 

@@ -1,0 +1,270 @@
+"""Every command of the engine protocol (``gpu_engine.commands.COMMANDS``), through both
+transports — the engine in this process and the engine behind a real redis-server — with
+a real engine on the tiny Llama: what the caller sees is right, and the same both ways.
+
+Expectations come from outside the engine: greedy tokens and the next-token distribution
+from transformers itself, sizes from the asset manifest."""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import msgspec
+import pytest
+import redis
+import torch
+from transformers import AutoModelForCausalLM
+
+from core.engine_client import EmbeddedEngineClient, EngineClient
+from gpu_engine.commands import COMMANDS, check_implements
+from gpu_engine.engine import Engine
+from gpu_engine.errors import EngineBusy
+from gpu_engine.protocol import (
+    AttachSpec,
+    EmbedJob,
+    ErrorEvent,
+    GenerationJob,
+    LoadModelJob,
+    SamplingParams,
+    ScoreJob,
+    TokenEvent,
+    from_json,
+)
+from gpu_engine.server.keys import Keys
+from gpu_engine.server.wire import Envelope, decode_event
+from tests.distributed.fakes import FakeEngine, running_server
+from tests.distributed.test_transport import make_client
+
+PROMPT_IDS = [5, 17, 42, 9, 33, 8]
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_assets) -> dict[str, Any]:
+    """Greedy tokens and next-token log-probabilities of PROMPT_IDS, from transformers."""
+    asset = tiny_assets.models["tiny-llama"]
+    model = AutoModelForCausalLM.from_pretrained(str(asset.path), torch_dtype=torch.float32)
+    model.eval()
+    ids = torch.tensor([PROMPT_IDS])
+    with torch.inference_mode():
+        greedy = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                do_sample=False, pad_token_id=0)[0, len(PROMPT_IDS):].tolist()
+        logprobs = torch.log_softmax(model(ids).logits[0, -1].double(), -1)
+    top = torch.topk(logprobs, 3)
+    return {"greedy": greedy, "top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist()}
+
+
+@contextmanager
+def embedded(url: str, prefix: str) -> Iterator[EngineClient]:
+    client = EmbeddedEngineClient(drain_timeout_s=30)
+    try:
+        yield client
+    finally:
+        client.shutdown()
+
+
+@contextmanager
+def over_redis(url: str, prefix: str) -> Iterator[EngineClient]:
+    engine = Engine(drain_timeout_s=30)
+    try:
+        with running_server(url, engine, prefix):
+            client = make_client(url, prefix)
+            try:
+                yield client
+            finally:
+                client.shutdown()
+    finally:
+        engine.shutdown()
+
+
+def _long_generation(client: EngineClient, rid: str) -> Iterator[Any]:
+    """A greedy generation far longer than the test lets it run; its first token seen."""
+    job = GenerationJob(rid, prompt_token_ids=PROMPT_IDS, sampling=SamplingParams(
+        max_tokens=480, temperature=0, ignore_eos=True))
+    events = client.generate(job).events(30)
+    assert isinstance(next(events), TokenEvent)
+    return events
+
+
+# One step per command, in an order that makes each meaningful; each returns what the
+# caller saw (compared across transports) after asserting it against the reference.
+Step = Callable[[EngineClient, Any, dict[str, Any]], Any]
+
+
+def step_status(client, assets, ref):
+    status = client.status()
+    assert (status.state, status.model_id, status.attachments) == ("empty", None, [])
+    return status.state
+
+
+def step_load_model(client, assets, ref):
+    model = assets.models["tiny-llama"]
+    status = client.load_model(LoadModelJob("tiny-llama", str(model.path), dtype="float32",
+                                            device="cpu"))
+    assert (status.state, status.model_id) == ("ready", "tiny-llama")
+    assert (status.num_layers, status.hidden_size, status.vocab_size) == (
+        model.num_layers, model.hidden_size, model.vocab_size)
+    assert client.status().model_id == "tiny-llama"
+    return [status.state, status.num_layers, status.hidden_size, status.vocab_size]
+
+
+def step_check_sae(client, assets, ref):
+    sae = assets.saes["tiny-llama-L1-relu"]
+    fits = client.check_sae(str(sae.path), 1)
+    beyond = client.check_sae(str(sae.path), 99)
+    assert fits.compatible and not fits.errors
+    assert not beyond.compatible and beyond.errors
+    return [fits.compatible, beyond.compatible, len(beyond.errors)]
+
+
+def step_attach_set(client, assets, ref):
+    sae = assets.saes["tiny-llama-L1-relu"]
+    [result] = client.attach_set([AttachSpec("sae_t", str(sae.path), 1)])
+    assert (result.sae_id, result.layer, result.layer_module_path) == (
+        "sae_t", 1, assets.models["tiny-llama"].layer_module_path(1))
+    assert (result.d_in, result.d_sae) == (sae.d_in, sae.d_sae)
+    assert [(a.sae_id, a.layer) for a in client.attachments()] == [("sae_t", 1)]
+    return [result.layer_module_path, result.d_in, result.d_sae]
+
+
+def step_generate(client, assets, ref):
+    job = GenerationJob(f"gen-{secrets.token_hex(4)}", prompt_token_ids=PROMPT_IDS,
+                        sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
+                                                ignore_eos=True))
+    events = list(client.generate(job).events(30))
+    finish = events[-1]
+    assert [type(e).__name__ for e in events] == ["TokenEvent"] * NEW_TOKENS + ["FinishEvent"]
+    assert [e.token_id for e in events[:-1]] == finish.token_ids == ref["greedy"]
+    assert (finish.finish_reason, finish.usage.prompt_tokens, finish.usage.completion_tokens) \
+        == ("length", len(PROMPT_IDS), NEW_TOKENS)
+    return [finish.token_ids, finish.text]
+
+
+def step_embed(client, assets, ref):
+    hidden = assets.models["tiny-llama"].hidden_size
+    result = client.embed(EmbedJob(f"emb-{secrets.token_hex(4)}", [PROMPT_IDS, PROMPT_IDS[:3]]))
+    assert [len(v) for v in result.embeddings] == [hidden, hidden]
+    for vector in result.embeddings:  # normalize=True
+        assert sum(x * x for x in vector) == pytest.approx(1.0, abs=1e-5)
+    assert result.usage.prompt_tokens == len(PROMPT_IDS) + 3
+    return result.embeddings
+
+
+def step_score(client, assets, ref):
+    result = client.score(ScoreJob(f"score-{secrets.token_hex(4)}",
+                                   prompt_token_ids=PROMPT_IDS, top_k=3))
+    assert [e.token_id for e in result.top] == ref["top_ids"]
+    assert [e.logprob for e in result.top] == pytest.approx(ref["top_logprobs"], abs=1e-4)
+    return [[e.token_id, round(e.logprob, 4)] for e in result.top]
+
+
+def step_cancel_all(client, assets, ref):
+    assert client.cancel_all(reason="test") == 0  # nothing running
+    events = _long_generation(client, f"long-{secrets.token_hex(4)}")
+    assert client.cancel_all(reason="test") == 1
+    rest = list(events)
+    assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == EngineBusy.code
+    assert rest[-1].details == {"reason": "test"}
+    assert len(rest) - 1 < 470  # stopped long before its end
+    return [rest[-1].code, rest[-1].details]
+
+
+def step_detach(client, assets, ref):
+    assert client.detach("sae_t", 1) == [("sae_t", 1)]
+    assert client.attachments() == []
+    return client.detach() == []
+
+
+def step_unload_model(client, assets, ref):
+    assert client.unload_model() is None
+    assert client.status().state == "empty"
+    return client.status().model_id
+
+
+STEPS: dict[str, Step] = {
+    "status": step_status,
+    "load_model": step_load_model,
+    "check_sae": step_check_sae,
+    "attach_set": step_attach_set,
+    "generate": step_generate,
+    "embed": step_embed,
+    "score": step_score,
+    "cancel_all": step_cancel_all,
+    "detach": step_detach,
+    "unload_model": step_unload_model,
+}
+
+
+def test_every_command_is_exercised_here():
+    """A command added to the table without a step below fails here."""
+    assert sorted(STEPS) == sorted(COMMANDS)
+
+
+def test_every_command_through_both_transports(redis_url, tiny_assets, reference):
+    seen: dict[str, dict[str, Any]] = {}
+    for name, transport in (("embedded", embedded), ("redis", over_redis)):
+        with transport(redis_url, f"t{secrets.token_hex(4)}") as client:
+            seen[name] = {cmd: json.loads(msgspec.json.encode(step(client, tiny_assets, reference)))
+                          for cmd, step in STEPS.items()}
+    assert seen["redis"] == seen["embedded"]
+
+
+def test_a_class_missing_a_command_is_refused():
+    class Partial:
+        def status(self): ...
+        def load_model(self, job, *, timeout_s=None): ...
+        def detach(self, layer, sae_id, *, timeout_s=None): ...
+
+    with pytest.raises(TypeError) as err:
+        check_implements(Partial)
+    message = str(err.value)
+    assert "cancel_all: missing" in message and "generate: missing" in message
+    assert "detach('layer', 'sae_id', 'timeout_s')" in message
+    assert not re.search(r"\b(load_model|status)\b", message)  # those two are right
+    check_implements(Engine)
+    check_implements(FakeEngine)  # the transport tests' stand-in speaks the same protocol
+
+
+def test_a_transport_cannot_answer_a_command_itself():
+    """Transports implement invoke() only: a client class that answers a command on its
+    own (and could drift from the table) is refused when it is defined."""
+    with pytest.raises(TypeError, match=r"overrides \['cancel_all', 'status'\]"):
+        class Drifting(EmbeddedEngineClient):
+            def status(self): ...
+            def cancel_all(self, *, reason="x"): ...
+
+
+def test_an_unknown_or_misrouted_command_is_answered_not_dropped(redis_url):
+    """A command this engine does not know (a newer web tier) gets an error reply at once,
+    as does one sent on the wrong stream; neither waits for a timeout."""
+    prefix = f"t{secrets.token_hex(4)}"
+    keys = Keys(prefix)
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        with running_server(redis_url, FakeEngine(), prefix):
+            for stream, kind in ((keys.commands, "reticulate_splines"),
+                                 (keys.commands, "generate"), (keys.requests, "load_model")):
+                rid = f"cmd-{secrets.token_hex(4)}"
+                r.set(keys.live(rid), "1", px=5000)
+                env = Envelope(kind, rid, msgspec.Raw(b"{}"), time.time() + 30, time.time())
+                r.xadd(stream, env.encode())
+                reply = r.xread({keys.events(rid): "0-0"}, count=1, block=5000)
+                assert reply, f"no reply to {kind} on {stream}"
+                event = decode_event(reply[0][1][0][1])
+                assert isinstance(event, ErrorEvent) and event.code == "invalid_parameter"
+                assert event.details == {"param": "kind"} and kind in event.message
+    finally:
+        r.close()
+
+
+def test_results_decode_into_their_declared_types():
+    """The table's result types are what msgspec decodes a reply into (no hand-written
+    from_dict): a detach reply is a list of (sae_id, layer) tuples."""
+    assert from_json(b'[["a",1],["b",2]]', COMMANDS["detach"].result) == [("a", 1), ("b", 2)]
+    assert from_json(b"null", COMMANDS["unload_model"].result) is None
