@@ -18,6 +18,7 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -249,12 +250,35 @@ class EmbeddedEngineClient(EngineClient):
 check_implements(EngineClient, where="core.engine_client.EngineClient")
 
 
+@dataclass(frozen=True)
+class EngineBounds:
+    max_in_flight: int  # jobs run_engine takes from the request stream at once
+    max_queue_size: int  # with batching: sequences waiting beyond the batch's free rows
+
+
+def engine_bounds() -> EngineBounds:
+    """The engine's own limits, sized from admission's so that they are safety nets only.
+
+    Admission lets at most MAX_CONCURRENT_REQUESTS requests hold a slot, each with one job
+    at the engine at a time (the choices of a request run one after another). A job can
+    outlive its slot for a moment (a client that left: the engine stops it at its next
+    cancellation check), so run_engine takes up to MAX_CONCURRENT_REQUESTS +
+    MAX_PENDING_REQUESTS jobs: everything admission can have let in, so an admitted job
+    never waits in the stream. The batch scheduler holds at least as many beyond its rows
+    (MAX_CONCURRENT_REQUESTS) as that can bring, so it never refuses one with
+    ``model_busy``; CBM_MAX_QUEUE_SIZE only raises that.
+    """
+    slots = int(settings.MAX_CONCURRENT_REQUESTS)
+    in_flight = int(settings.ENGINE_MAX_IN_FLIGHT) or slots + int(settings.MAX_PENDING_REQUESTS)
+    return EngineBounds(max_in_flight=in_flight,
+                        max_queue_size=max(int(settings.CBM_MAX_QUEUE_SIZE), in_flight - slots, 1))
+
+
 def batching_options() -> BatchingOptions:
     """The engine's generation mode from settings.  With batching on, the admission slots
     (MAX_CONCURRENT_REQUESTS) are the batch's rows: every admitted request shares the
     decode steps, each with its own steering, sampling and monitoring.  The queue beyond
     the rows is sized by admission (``engine_bounds``) so it never refuses admitted work."""
-    from inference.admission import engine_bounds
 
     return BatchingOptions(
         enabled=bool(settings.ENABLE_CONTINUOUS_BATCHING),

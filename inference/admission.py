@@ -17,8 +17,8 @@ the queue are the engine's, whichever process a request arrived at; its ``acquir
 
 This admission is the one queue of the deployment: the engine's own bounds (run_engine's
 jobs in flight, the batch scheduler's queue) are derived from the same settings so that
-they never queue or refuse what was admitted (``engine_bounds``; docs/api-v1.md, "Who
-decides the queue").
+they never queue or refuse what was admitted (``core.engine_client.engine_bounds``;
+docs/api-v1.md, "Who decides the queue").
 """
 
 from __future__ import annotations
@@ -655,30 +655,6 @@ def build_admission() -> AdmissionController | SharedAdmissionController:
     if settings.EMBEDDED:
         return AdmissionController.from_settings()
     return SharedAdmissionController.from_settings()
-
-
-@dataclass(frozen=True)
-class EngineBounds:
-    max_in_flight: int  # jobs run_engine takes from the request stream at once
-    max_queue_size: int  # with batching: sequences waiting beyond the batch's free rows
-
-
-def engine_bounds() -> EngineBounds:
-    """The engine's own limits, sized from admission's so that they are safety nets only.
-
-    Admission lets at most MAX_CONCURRENT_REQUESTS requests hold a slot, each with one job
-    at the engine at a time (the choices of a request run one after another). A job can
-    outlive its slot for a moment (a client that left: the engine stops it at its next
-    cancellation check), so run_engine takes up to MAX_CONCURRENT_REQUESTS +
-    MAX_PENDING_REQUESTS jobs: everything admission can have let in, so an admitted job
-    never waits in the stream. The batch scheduler holds at least as many beyond its rows
-    (MAX_CONCURRENT_REQUESTS) as that can bring, so it never refuses one with
-    ``model_busy``; CBM_MAX_QUEUE_SIZE only raises that.
-    """
-    slots = int(settings.MAX_CONCURRENT_REQUESTS)
-    in_flight = int(settings.ENGINE_MAX_IN_FLIGHT) or slots + int(settings.MAX_PENDING_REQUESTS)
-    return EngineBounds(max_in_flight=in_flight,
-                        max_queue_size=max(int(settings.CBM_MAX_QUEUE_SIZE), in_flight - slots, 1))
 
 
 def queue_figures() -> dict[str, Any]:

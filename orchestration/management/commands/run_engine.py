@@ -129,8 +129,8 @@ def restore_recorded_state(*, engine: Any, server: Any) -> None:
 
 
 def server_config() -> Any:
+    from core.engine_client import engine_bounds
     from gpu_engine.server.server import ServerConfig
-    from inference.admission import engine_bounds
 
     return ServerConfig(
         prefix=settings.ENGINE_STREAM_PREFIX,
