@@ -9,6 +9,11 @@ from typing import Any
 from drf_spectacular.utils import inline_serializer
 from rest_framework import serializers
 
+# The largest feature index any input may name (the database's integer column: a bigger
+# one would reach PostgreSQL as "integer out of range", a 500), and the largest layer.
+MAX_INDEX = 2**31 - 1
+MAX_LAYER = 10_000
+
 
 class ErrorSerializer(serializers.Serializer):
     code = serializers.CharField(help_text="Stable, machine-readable (MODEL_NOT_FOUND, …)")

@@ -9,7 +9,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import envelope, validated
-from core.schema import enveloped
+from core.schema import MAX_INDEX, MAX_LAYER, enveloped
 from monitoring import selectors, services
 from monitoring.models import MonitoringConfig
 
@@ -19,7 +19,8 @@ _ANY = enveloped(OpenApiTypes.OBJECT)
 
 class ConfigureInput(serializers.Serializer):
     enabled = serializers.BooleanField(required=False, default=True)
-    features = serializers.ListField(child=serializers.IntegerField(min_value=0),
+    features = serializers.ListField(child=serializers.IntegerField(
+                                         min_value=0, max_value=MAX_INDEX),
                                      required=False, allow_null=True, default=None,
                                      max_length=services.MAX_FEATURES,
                                      help_text="null: all features (recorded as the top-k)")
@@ -30,7 +31,8 @@ class ConfigureInput(serializers.Serializer):
     positions = serializers.ChoiceField(choices=MonitoringConfig.Positions.values,
                                         required=False, default="last")
     sae_id = serializers.CharField(required=False, allow_null=True, max_length=40)
-    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
+                                     max_value=MAX_LAYER)
 
 
 class EnableInput(serializers.Serializer):

@@ -8,6 +8,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from core.schema import MAX_LAYER
 from registry import sizing
 from registry.models import SAE, Attachment, Job, Model
 
@@ -128,17 +129,17 @@ class SAEPreviewInput(serializers.Serializer):
 
 
 class AttachInput(serializers.Serializer):
-    layer = serializers.IntegerField(min_value=0, max_value=10_000)
+    layer = serializers.IntegerField(min_value=0, max_value=MAX_LAYER)
 
 
 class DetachInput(serializers.Serializer):
-    layer = serializers.IntegerField(min_value=0, max_value=10_000, required=False,
+    layer = serializers.IntegerField(min_value=0, max_value=MAX_LAYER, required=False,
                                      allow_null=True)
 
 
 class AttachSetItem(serializers.Serializer):
     sae_id = serializers.CharField(max_length=40)
-    layer = serializers.IntegerField(min_value=0, max_value=10_000)
+    layer = serializers.IntegerField(min_value=0, max_value=MAX_LAYER)
 
 
 class AttachSetInput(serializers.Serializer):
@@ -146,7 +147,7 @@ class AttachSetInput(serializers.Serializer):
 
 
 class CompatibilityQuery(serializers.Serializer):
-    layer = serializers.IntegerField(min_value=0, max_value=10_000)
+    layer = serializers.IntegerField(min_value=0, max_value=MAX_LAYER)
 
 
 class JobListQuery(serializers.Serializer):

@@ -7,6 +7,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from core.schema import MAX_INDEX, MAX_LAYER
 from steering.documents import RUNG_LANGUAGE
 from steering.models import Circuit, Cluster, Profile
 from steering.rules import strength_problem
@@ -20,7 +21,8 @@ class TargetInput(serializers.Serializer):
     """The attachment a live-steering call acts on (else the only one attached)."""
 
     sae_id = serializers.CharField(required=False, allow_null=True, max_length=40)
-    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
+                                     max_value=MAX_LAYER)
 
 
 def _strength(value: float) -> None:
@@ -31,7 +33,7 @@ def _strength(value: float) -> None:
 
 
 class SteeringSetInput(TargetInput):
-    feature_idx = serializers.IntegerField(min_value=0)
+    feature_idx = serializers.IntegerField(min_value=0, max_value=MAX_INDEX)
     value = serializers.FloatField(validators=[_strength])
 
 
@@ -55,7 +57,8 @@ class ProfileInput(serializers.Serializer):
     steering = serializers.JSONField(required=False, default=dict)
     sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                    max_length=40)
-    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
+                                     max_value=MAX_LAYER)
     model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                      max_length=200)
     intensity = serializers.FloatField(required=False, min_value=0, max_value=2, default=1.0)
@@ -67,7 +70,8 @@ class ProfileUpdateInput(serializers.Serializer):
     steering = serializers.JSONField(required=False)
     sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                    max_length=40)
-    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
+                                     max_value=MAX_LAYER)
     model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                      max_length=200)
     intensity = serializers.FloatField(required=False, min_value=0, max_value=2)
@@ -84,7 +88,8 @@ class IntensityInput(serializers.Serializer):
 
 class ActivateInput(IntensityInput):
     sae_id = serializers.CharField(required=False, allow_null=True, max_length=40)
-    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
+                                     max_value=MAX_LAYER)
 
 
 class DialInput(serializers.Serializer):
