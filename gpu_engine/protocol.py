@@ -124,6 +124,10 @@ class SamplingParams(msgspec.Struct):
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
+    # the text of every prompt and completion token (FinishEvent.prompt_tokens/tokens)
+    # and of the whole prompt (TokenEvent.prompt_text on the first token, and
+    # FinishEvent.prompt_text): the tokenizer is the engine's, never the web tier's
+    token_texts: bool = False
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
@@ -505,6 +509,7 @@ class TokenEvent(msgspec.Struct, tag="token", tag_field="type"):
     text: str
     logprob: TokenLogprob | None = None
     activations: list[ActivationRecord] = msgspec.field(default_factory=list)
+    prompt_text: str | None = None  # on the first token, with ``sampling.token_texts``
 
 
 class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
@@ -523,6 +528,10 @@ class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
     activations: list[ActivationRecord] = msgspec.field(default_factory=list)
     steering_apply_count: list[SteeringCount] = msgspec.field(default_factory=list)
     forward_passes: int = 0
+    # with ``sampling.token_texts``: the prompt's text and each token's own text
+    prompt_text: str | None = None
+    prompt_tokens: list[str] = msgspec.field(default_factory=list)
+    tokens: list[str] = msgspec.field(default_factory=list)
 
 
 class ErrorEvent(msgspec.Struct, tag="error", tag_field="type"):

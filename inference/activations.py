@@ -19,7 +19,6 @@ from gpu_engine.protocol import (
     PositionRange,
 )
 from inference.protocol import MAX_ACTIVATION_ENTRIES, ReturnSaeActivations
-from inference.tokens import TokenTexts
 from steering.rules import check_indices
 from steering.selectors import attachment_choices, attachment_pick
 
@@ -77,9 +76,12 @@ def _pairs(items: Sequence[Any]) -> list[dict[str, Any]]:
 
 def activations_payload(*, records: Sequence[ActivationRecord], attachment: AttachmentStatus,
                         read_point: str, prompt_ids: Sequence[int], token_ids: Sequence[int],
-                        texts: TokenTexts) -> dict[str, Any]:
+                        prompt_tokens: Sequence[str], tokens: Sequence[str]
+                        ) -> dict[str, Any]:
     """``millm.sae_activations``: one entry per position read, with the token at that
-    position (the one the residual row was computed for)."""
+    position (the one the residual row was computed for) and its text, as the engine's
+    tokenizer reads it."""
+    texts = [*prompt_tokens, *tokens]
     n_prompt = len(prompt_ids)
     rows = []
     for rec in sorted(records, key=lambda r: r.position):
@@ -95,7 +97,7 @@ def activations_payload(*, records: Sequence[ActivationRecord], attachment: Atta
         rows.append({
             "position": pos,
             "token_id": token_id,
-            "token": None if token_id is None else texts.token(token_id),
+            "token": texts[pos] if token_id is not None and pos < len(texts) else None,
             "completion_token_index": rec.token_index,
             "top_k": _pairs(rec.top_k),
             "features": _pairs(rec.features),

@@ -206,7 +206,13 @@ class _GenerationRequest(_Wire):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
+            # token texts come from the engine's tokenizer (the web tier holds none): asked
+            # for where the answer shows tokens that no token event carries
+            token_texts=self._needs_token_texts(),
         )
+
+    def _needs_token_texts(self) -> bool:
+        return self.return_sae_activations is not None
 
 
 class ChatMessage(_Wire):
@@ -333,6 +339,10 @@ class CompletionRequest(_GenerationRequest):
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
+
+    def _needs_token_texts(self) -> bool:
+        # echo shows the prompt (and its tokens, with logprobs)
+        return self.echo or self.return_sae_activations is not None
 
     def sampling(self, choice: int = 0) -> SamplingParams:
         return self._sampling(max_tokens=self.max_tokens if self.max_tokens is not None else 16,

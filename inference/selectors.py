@@ -11,8 +11,8 @@ from registry.models import Model
 LISTED_STATUSES = (Model.Status.READY, Model.Status.LOADING, Model.Status.LOADED)
 
 
-def model_resolve(*, name: str) -> tuple[ModelRef, str | None, str | None]:
-    """``name`` or ``"<model>@<profile>"`` → (model, its local path, profile or None).
+def model_resolve(*, name: str) -> tuple[ModelRef, str | None]:
+    """``name`` or ``"<model>@<profile>"`` → (model, profile or None).
 
     A registered name wins over the split, so a model whose name contains ``@`` is still
     reachable by its full name.
@@ -25,7 +25,7 @@ def model_resolve(*, name: str) -> tuple[ModelRef, str | None, str | None]:
     if row is None:
         raise ModelNotFound(f"The model {name!r} does not exist",
                             details={"model": name, "param": "model"})
-    return ModelRef(row.pk, row.name, row.status), row.local_path or None, profile
+    return ModelRef(row.pk, row.name, row.status), profile
 
 
 def models_listed() -> QuerySet[Model]:

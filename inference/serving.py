@@ -51,7 +51,6 @@ from inference.errors import (
 )
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.residency import ModelRef, Use, resident_model_id
-from inference.tokens import TokenTexts
 from monitoring.services import (
     monitoring_merge,
     monitoring_record,
@@ -87,7 +86,6 @@ class Plan:
     monitor: MonitorSpec | None
     attachment: AttachmentStatus | None
     choices: list[Choice]
-    texts: TokenTexts
     backend: str
     monitoring: MonitorEntry | None = None  # /api/monitoring's entry, recorded apart
     fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
@@ -145,7 +143,6 @@ def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str 
 
 async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
                           model: ModelRef, profile: str | None, client: EngineClient,
-                          model_path: str | None,
                           attachments: list[AttachmentStatus] | None = None,
                           status: EngineStatus | None = None) -> Plan:
     if attachments is None:
@@ -169,7 +166,6 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
             asked=req.return_sae_activations, attachments=attachments,
             choices=n_prompts * req.n, max_tokens=max_tokens)
     monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
-    texts = TokenTexts(model_path)
     choices: list[Choice] = []
     if isinstance(req, ChatCompletionRequest):
         messages = req.template_messages()
@@ -197,7 +193,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                     steering=steering.spec, monitor=monitor, **job_args),
                     prompt_text=prompt if isinstance(prompt, str) else None))
     return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
-                attachment=attachment, choices=choices, texts=texts,
+                attachment=attachment, choices=choices,
                 backend=client.backend_name, monitoring=monitored,
                 fingerprint=wire.fingerprint(status, version()))
 
@@ -234,7 +230,7 @@ def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
             records=records, attachment=plan.attachment,
             read_point=plan.monitor.entries[0].read_point,
             prompt_ids=out.finish.prompt_token_ids, token_ids=out.finish.token_ids,
-            texts=plan.texts)
+            prompt_tokens=out.finish.prompt_tokens, tokens=out.finish.tokens)
     return obj
 
 
@@ -287,7 +283,7 @@ async def _completion_logprobs(plan: Plan, out: Outcome, client: EngineClient
     top: list[dict[str, float] | None] = []
     if req.echo:
         prompt_ids = list(out.finish.prompt_token_ids)
-        tokens += [plan.texts.token(t) for t in prompt_ids]
+        tokens += list(out.finish.prompt_tokens)
         token_logprobs += list(out.finish.prompt_logprobs or [None] * len(prompt_ids))
         if req.logprobs:
             alternatives = await _echo_alternatives(client, prompt_ids, req.logprobs)
@@ -339,7 +335,7 @@ async def build_body(plan: Plan, outcomes: list[Outcome], client: EngineClient
         text = out.finish.text
         if req.echo:
             text = (out.choice.prompt_text if out.choice.prompt_text is not None
-                    else plan.texts.text(list(out.finish.prompt_token_ids))) + text
+                    else out.finish.prompt_text or "") + text
         choices.append(wire.CompletionChoice(
             index=out.choice.index, text=text,
             logprobs=(await _completion_logprobs(plan, out, client)
@@ -466,14 +462,14 @@ def _finish_choice(plan: Plan, choice: Choice, finish: FinishEvent) -> Any:
                                  finish_reason=reason)
 
 
-def _opening(plan: Plan, choice: Choice, first_prompt_ids: list[int] | None) -> Any:
+def _opening(plan: Plan, choice: Choice, first_prompt_text: str | None) -> Any:
     if plan.kind == "chat":
         return wire.ChatChunkChoice(index=choice.index,
                                     delta=wire.ChatDelta(role="assistant", content=""))
     req = plan.request
     if isinstance(req, CompletionRequest) and req.echo:
         text = (choice.prompt_text if choice.prompt_text is not None
-                else plan.texts.text(first_prompt_ids or []))
+                else first_prompt_text or "")
         return wire.CompletionChoice(index=choice.index, text=text, logprobs=None,
                                      finish_reason=None)
     return None
@@ -510,9 +506,9 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                     return
                 if not opened:
                     opened = True
-                    prompt_ids = event.prompt_token_ids if isinstance(event, FinishEvent) \
-                        else None
-                    opening = _opening(plan, choice, prompt_ids)
+                    # the engine sends the prompt's text with the first token (or at the
+                    # finish of a generation that made none) when echo asked for it
+                    opening = _opening(plan, choice, event.prompt_text)
                     # sent with the first token, in one write
                     held = _sse(_chunk(plan, [opening])) if opening is not None else b""
                 if isinstance(event, TokenEvent):
@@ -571,7 +567,7 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
     client = runtime().engine
     residency = runtime().residency
     status = await residency.status()
-    model, model_path, profile = await resolve_model(req.model, status)
+    model, profile = await resolve_model(req.model, status)
     if profile is not None and req.profile is not None and profile != req.profile:
         raise OpenAIError(f"The model name selects profile {profile!r} but the body names "
                           f"{req.profile!r}", status=400, code="invalid_parameter",
@@ -588,7 +584,6 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
                                           lease=lease)
         plan = await plan_generation(kind=kind, req=req, model=model,
                                      profile=req.profile or profile, client=client,
-                                     model_path=model_path,
                                      attachments=list(res.use.status.attachments),
                                      status=res.use.status)
         response = await respond(plan, client, res)
@@ -599,11 +594,10 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
             res.release()
 
 
-async def resolve_model(name: str, status: EngineStatus
-                        ) -> tuple[ModelRef, str | None, str | None]:
+async def resolve_model(name: str, status: EngineStatus) -> tuple[ModelRef, str | None]:
     """The registry row a request names (and the profile of ``model@profile``). The
     resident model is answered from the engine's status without a database query: it was
     loaded from its row, and a loaded model's row cannot be deleted."""
     if status.state == "ready" and status.model_id == name:
-        return ModelRef(None, name, "loaded"), status.model_path, None
+        return ModelRef(None, name, "loaded"), None
     return await sync_to_async(selectors.model_resolve)(name=name)

@@ -157,7 +157,7 @@ async def embeddings(request: HttpRequest):
     client = runtime().engine
     residency = runtime().residency
     status = await residency.status()
-    model, _, _ = await resolve_model(req.model, status)
+    model, _ = await resolve_model(req.model, status)
     residency.check_policy(model, policy=policy, resident=resident_model_id(status))
     permit = await runtime().admission.acquire()
     use = None

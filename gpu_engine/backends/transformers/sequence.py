@@ -131,9 +131,14 @@ class Sequence:
         piece = text[self.emitted : release] if release > self.emitted else ""
         self.emitted = max(self.emitted, release)
         self.text = text
-        self.emit(TokenEvent(self.request_id, i, token_id, piece, lp, records))
+        prompt_text = self.prompt_text() if i == 0 and self.sampling.token_texts else None
+        self.emit(TokenEvent(self.request_id, i, token_id, piece, lp, records, prompt_text))
         self.done = last_step
         return last_step
+
+    def prompt_text(self) -> str:
+        return self.runner.tokenizer.decode(self.prompt_ids, skip_special_tokens=False,
+                                            clean_up_tokenization_spaces=False)
 
     def cancel(self) -> None:
         self.finish_reason = "cancelled"
@@ -146,6 +151,7 @@ class Sequence:
                 self.extra_records.extend(self.hooks.finalize())  # type: ignore[union-attr]
         counts = self.hooks.steering_counts() if self.hooks is not None else {}
         n = len(self.generated)
+        texts = self.sampling.token_texts
         return FinishEvent(
             request_id=self.request_id,
             finish_reason=self.finish_reason,
@@ -157,6 +163,9 @@ class Sequence:
             activations=self.extra_records,
             steering_apply_count=[SteeringCount(k[0], k[1], c) for k, c in counts.items()],
             forward_passes=self.forwards,
+            prompt_text=self.prompt_text() if texts else None,
+            prompt_tokens=[self.runner.token_text(t) for t in self.prompt_ids] if texts else [],
+            tokens=[self.runner.token_text(t) for t in self.generated] if texts else [],
         )
 
 
