@@ -229,6 +229,10 @@ class EmbeddedEngineClient(EngineClient):
     def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
         return self._engine.score(job, timeout_s=timeout_s)
 
+    def cancel_all(self, *, reason: str = "cancel_all") -> int:
+        """Stop every running generation (their clients get engine_busy)."""
+        return self._engine.cancel_all(reason)
+
     def shutdown(self) -> None:
         self._engine.shutdown()
 
