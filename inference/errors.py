@@ -117,6 +117,8 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
         engine_param = details.get("param")
         if code == "context_length_exceeded":
             engine_param = param
+        if exc.code == "engine_busy" and details.get("reason") == "unloading":
+            retry_setting = "RETRY_AFTER_UNLOAD_S"  # the engine refused or stopped it
         return OpenAIError(exc.message, status=status, code=code,
                            param=engine_param if isinstance(engine_param, str) else None,
                            retry_after=_setting(retry_setting))

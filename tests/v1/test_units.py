@@ -12,6 +12,7 @@ from gpu_engine.protocol import AttachmentStatus
 from inference.admission import QueueFull
 from inference.errors import openai_error_from_exception, openai_error_response
 from inference.residency import ModelLoading, ModelNotResident
+from registry import errors as registry_errors
 from steering.errors import ProfileNotFound, SteeringInvalid
 from steering.services import profile_create, steering_resolve_request
 
@@ -28,10 +29,10 @@ CASES = [
     (engine_errors.InvalidParameter("x", param="top_p"), 400, "invalid_parameter", None),
     (engine_errors.InvalidFeatureIndex(sae_id="s", index=9, d_sae=4), 400,
      "invalid_feature_index", None),
-    (domain.ModelNotFound("x"), 404, "model_not_found", None),
+    (registry_errors.ModelNotFound("x"), 404, "model_not_found", None),
     (ProfileNotFound("x"), 404, "profile_not_found", None),
     (ModelNotResident("x"), 409, "model_not_resident", None),
-    (domain.ModelLocked("x"), 409, "model_locked", None),
+    (registry_errors.ModelLocked("x"), 409, "model_locked", None),
     (SteeringInvalid("x", details={"param": "steering.sae_id"}), 400, "invalid_parameter", None),
     (RuntimeError("secret internals"), 500, "internal_error", None),
 ]
