@@ -1,7 +1,10 @@
 """Run the ASGI server (daphne) on HOST:PORT from the configuration.
 
-Before serving: rows a previous process left mid-way are reconciled, and AUTO_LOAD_MODEL
-starts loading in the background (readiness answers 503 until it is resident). Without
+Before serving: rows a previous process left mid-way are reconciled and, in embedded
+mode, the recorded model and SAEs are restored (``orchestration.startup.application_start``,
+which the ASGI module also runs, so a server started otherwise does the same); then
+AUTO_LOAD_MODEL starts loading in the background (readiness answers 503 until it is
+resident). Without
 MILLM_API_KEYS the server is unauthenticated, so unless HOST is set explicitly it binds to
 127.0.0.1 only, and says so.
 """
@@ -48,12 +51,11 @@ class Command(BaseCommand):
     def handle(self, *args, host: str | None, port: int | None, no_auto_load: bool,
                **options):
         from orchestration import startup
-        from registry import maintenance
 
         host, access = bind_host(host)
         port = port or settings.MILLM_PORT
         mode = "embedded" if settings.EMBEDDED else "distributed"
-        maintenance.startup_reconcile()
+        startup.application_start()
         if settings.AUTO_LOAD_MODEL and not no_auto_load:
             try:
                 startup.auto_load()
