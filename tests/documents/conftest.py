@@ -26,13 +26,12 @@ def doc_engine():
 @pytest.fixture
 def engine(doc_engine, settings):
     """The session's engine, installed as the server's engine client for this test."""
-    from core.engine_client import set_engine_client
+    from core.runtime import runtime
 
     settings.MILLM_ENGINE_DEVICE = "cpu"
     settings.MILLM_ENGINE_DTYPE = "float32"
-    previous = set_engine_client(doc_engine)
-    yield doc_engine
-    set_engine_client(previous)
+    with runtime().replaced(engine=doc_engine):
+        yield doc_engine
 
 
 @dataclass
