@@ -219,6 +219,7 @@ class Engine:
         self._streams: set[GenerationStream] = set()
         self._calls = 0
         self._draining: str | None = None
+        self._draining_model: str | None = None
         self._thread = threading.Thread(target=self._worker, name="millm-engine", daemon=True)
         self._thread.start()
 
@@ -336,8 +337,8 @@ class Engine:
         with self._work_cv:
             if self._draining is not None:
                 return EngineBusy(
-                    f"model {self._model_id!r} is {self._draining}; retry shortly",
-                    details={"reason": self._draining, "model_id": self._model_id})
+                    f"the engine is {self._draining} model {self._draining_model!r}; retry shortly",
+                    details={"reason": self._draining, "model_id": self._draining_model})
             if stream is None:
                 self._calls += 1
             else:
@@ -362,7 +363,8 @@ class Engine:
                 self._work_cv.wait(left)
             return True
 
-    def _drained(self, reason: str, timeout_s: float | None, *, stop_after: bool, op: Callable[[], Any]) -> Any:
+    def _drained(self, reason: str, model_id: str | None, timeout_s: float | None, *, stop_after: bool,
+                 op: Callable[[], Any]) -> Any:
         """Run control ``op`` once the work already accepted has finished: new work is
         refused from now on; what is still running after ``timeout_s`` is stopped (its
         clients get engine_busy) when ``stop_after``, else the operation is refused with
@@ -370,9 +372,9 @@ class Engine:
         timeout = self.drain_timeout_s if timeout_s is None else float(timeout_s)
         with self._work_cv:
             if self._draining is not None:
-                raise EngineBusy(f"model {self._model_id!r} is already {self._draining}",
+                raise EngineBusy(f"the engine is already {self._draining} model {self._draining_model!r}",
                                  details={"reason": self._draining})
-            self._draining = reason
+            self._draining, self._draining_model = reason, model_id
         try:
             if not self._wait_for_work(time.monotonic() + timeout):
                 if not stop_after:
@@ -382,7 +384,7 @@ class Engine:
                     streams = list(self._streams)
                 log.warning("%s: %d request(s) outlasted the %.1fs grace period; stopping them",
                             reason, len(streams), timeout)
-                error = EngineBusy(f"the request was stopped: model {self._model_id!r} is {reason} "
+                error = EngineBusy(f"the request was stopped: the engine is {reason} model {model_id!r} "
                                    f"and the {timeout:g}s grace period ran out",
                                    details={"reason": reason})
                 for stream in streams:
@@ -392,7 +394,7 @@ class Engine:
             return self._call(op, timeout_s=max(timeout, STOP_WAIT_S))
         finally:
             with self._work_cv:
-                self._draining = None
+                self._draining = self._draining_model = None
 
     def cancel_all(self, reason: str = "cancel_all") -> int:
         """Stop every running generation; their clients get ``engine_busy``."""
@@ -428,7 +430,7 @@ class Engine:
             self._emit("model:load:complete", model_id=job.model_id)
             return self.status()
 
-        return self._drained("loading", timeout_s, stop_after=False, op=op)
+        return self._drained("loading", job.model_id, timeout_s, stop_after=False, op=op)
 
     def _unload(self) -> None:
         if self._backend is None:
@@ -448,7 +450,7 @@ class Engine:
         is stopped and the unload goes ahead."""
         if self._backend is None:
             return
-        self._drained("unloading", timeout_s, stop_after=True, op=self._unload)
+        self._drained("unloading", self._model_id, timeout_s, stop_after=True, op=self._unload)
 
     # ------------------------------------------------------------------ SAEs
 

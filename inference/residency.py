@@ -152,6 +152,7 @@ class Residency:
     def _load(self, model: ModelRef, future: Future) -> None:
         from orchestration.errors import LoadInProgress
         from orchestration.services import model_load, model_load_wait
+        from registry.errors import ModelAlreadyLoaded
         from registry.models import Model
 
         close_old_connections()
@@ -164,6 +165,8 @@ class Residency:
             except LoadInProgress:
                 # another process (a web worker, a Celery load) claimed it first
                 model_load_wait(name=model.name, timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S)
+            except ModelAlreadyLoaded:
+                pass  # another process's load finished first: the waiters find it resident
             error: BaseException | None = None
         except BaseException as exc:  # noqa: BLE001 - every waiter gets the same error
             error = exc

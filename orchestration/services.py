@@ -112,6 +112,13 @@ def _model_in_transition(*, exclude_pk: int) -> Model | None:
                                 ).exclude(pk=exclude_pk).first()
 
 
+def _engine_holds(name: str) -> bool:
+    try:
+        return _engine().status().model_id == name
+    except EngineError:  # no engine to ask (distributed, engine down): it holds nothing
+        return False
+
+
 def _claim_load(model: Model) -> str:
     """Mark ``model`` as loading unless a load or an unload is under way anywhere; the
     status it had before (a refused load puts it back). One conditional change of the
@@ -132,7 +139,7 @@ def _claim_load(model: Model) -> str:
             raise ModelBusy(f"Model {other.name!r} is {other.status}; retry shortly",
                             details={"model_id": row.id, other.status: other.name},
                             retry_after=settings.RETRY_AFTER_LOAD_S)
-        if row.status == Model.Status.LOADED and _engine().status().model_id == row.name:
+        if row.status == Model.Status.LOADED and _engine_holds(row.name):
             raise ModelAlreadyLoaded(f"Model {row.name!r} is already loaded",
                                      details={"model_id": row.id})
         if row.status not in _LOADABLE or not row.local_path:
@@ -282,6 +289,10 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
         claimed = other is None and Model.objects.filter(
             pk=model.pk, status=Model.Status.LOADED, locked=False).update(
             status=Model.Status.UNLOADING, updated_at=timezone.now())
+    if other is not None:
+        raise ModelBusy(f"Model {other.name!r} is {other.status}; retry shortly",
+                        details={"model_id": model.id, other.status: other.name},
+                        retry_after=settings.RETRY_AFTER_LOAD_S)
     if not claimed:
         raise ModelBusy(f"Model {model.name!r} changed state; retry",
                         details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)

@@ -44,7 +44,7 @@ class _RestoreAttempts:
         self.path.unlink(missing_ok=True)
 
 
-def application_start() -> None:
+def application_start(*, auto_load_model: bool = True) -> None:
     """Once per process that serves the application, before it serves (the ASGI module
     calls it on import, so it runs under ``manage.py serve``, ``daphne`` or any other
     ASGI server alike):
@@ -53,7 +53,9 @@ def application_start() -> None:
     - in embedded mode, the model and SAE attachments the registry records are loaded
       into this process's engine again, as run_engine does in distributed mode, so the
       rows and the engine agree before the first request. What cannot be restored is
-      recorded on the rows (status ``error`` with the reason; attachments dropped).
+      recorded on the rows (status ``error`` with the reason; attachments dropped);
+    - AUTO_LOAD_MODEL starts loading (unless ``auto_load_model`` is False: ``serve
+      --no-auto-load``); a name that is not registered raises.
     """
     global _started
     with _start_lock:
@@ -69,6 +71,8 @@ def application_start() -> None:
         attempts = _RestoreAttempts(Path(settings.DATA_DIR) / "restore_attempts")
         restore_recorded_state(engine=runtime().engine, begin_restore=attempts.begin,
                                end_restore=attempts.end)
+    if settings.AUTO_LOAD_MODEL and auto_load_model:
+        auto_load()
 
 
 def auto_load() -> Job | None:
