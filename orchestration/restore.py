@@ -76,6 +76,12 @@ def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int],
         log.info("engine_restore_nothing_recorded")
         return
     model = state.model
+    held = engine.status()
+    if held.state == "ready" and held.model_id == model.name:
+        # this process loaded it already (a script that serves the application after
+        # loading through the services): nothing was lost
+        log.info("engine_restore_not_needed", model=model.name)
+        return
     attempts = begin_restore()
     if attempts > settings.ENGINE_MAX_DELIVERIES:
         message = (f"not restored: the engine stopped {attempts - 1} times while restoring "
