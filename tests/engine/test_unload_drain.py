@@ -111,3 +111,13 @@ def test_a_swap_gives_up_when_running_work_outlasts_its_wait(engine, tiny_assets
     assert next(events).type == "token"
     after = engine.generate(job("after", 3)).result(30)
     assert after.finish_reason == "length" and len(after.token_ids) == 3
+
+
+def test_cancel_all_stops_running_work_with_engine_busy(engine):
+    events = _first_token(engine.generate(job("long", 400)))
+    assert engine.cancel_all(reason="operator") == 1
+    rest = list(events)
+    assert rest[-1].type == "error" and rest[-1].code == "engine_busy", rest[-1]
+    assert rest[-1].details["reason"] == "operator"
+    after = engine.generate(job("after", 3)).result(30)  # the engine serves on
+    assert after.finish_reason == "length" and len(after.token_ids) == 3
