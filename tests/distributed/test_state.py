@@ -7,10 +7,14 @@ Celery worker and ``manage.py run_engine`` on PostgreSQL and Redis of their own.
 - While a stream runs on worker A, an unload asked through worker B (run by Celery) waits
   for it: the stream finishes in full before the unload does, and meanwhile new /v1
   requests on either worker get 503 model_busy with Retry-After and start no load.
+- An unload run from yet another process (the service the Celery task calls, with
+  GRACEFUL_UNLOAD_TIMEOUT=1) stops a stream that outlasts its grace period (an error
+  frame, model_busy) and goes ahead.
 """
 
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
 from datetime import datetime
@@ -18,7 +22,7 @@ from datetime import datetime
 import httpx2 as httpx
 import pytest
 
-from tests.distributed.conftest import Proc
+from tests.distributed.conftest import PYTHON, REPO, Proc
 from tests.distributed.test_processes import (  # noqa: F401 - the cluster fixture
     Cluster,
     Outcome,
@@ -122,3 +126,50 @@ def test_loads_race_once_and_unloads_hold_across_workers(cluster: Cluster,  # no
     assert _model(c, "web-b", "tiny-llama")["status"] == "ready"
     assert c.serving()["status"]["state"] == "empty"
     assert [j["status"] for j in _load_jobs(c)] == ["succeeded"]
+
+    # --- an unload from another process, whose grace period a stream outlasts
+    resp = c.api("web-b", "POST", "/v1/chat/completions", json=chat_body(4))  # loads again
+    assert resp.status_code == 200, resp.text
+    trigger, ready = c.tmp / "unload-now", c.tmp / "unloader-ready"
+    # the service a Celery task calls, in a process of its own, set up before the stream
+    unloader = subprocess.Popen(
+        [PYTHON, str(REPO / "manage.py"), "shell", "-c", UNLOADER.format(
+            trigger=str(trigger), ready=str(ready))],
+        env={**c.env, "GRACEFUL_UNLOAD_TIMEOUT": "1"}, cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_for("the unloader process", ready.exists, 120, procs)
+        cut = Outcome()
+        streamer = threading.Thread(target=stream_chat, args=(
+            c.webs["web-b"], chat_body(LONG), cut, 180))
+        streamer.start()
+        wait_for("a stream on web-b", cut.first_token.is_set, 60, procs, every_s=0.01)
+        started = time.monotonic()
+        trigger.touch()
+        output, _ = unloader.communicate(timeout=120)
+        streamer.join(60)
+    finally:
+        if unloader.poll() is None:
+            unloader.kill()
+    assert unloader.returncode == 0, output[-3000:]
+    assert "unloaded: ready" in output, output[-3000:]
+    assert cut.status == 200 and cut.done and not cut.finished, cut
+    assert cut.error is not None and cut.error["code"] == "model_busy", cut
+    assert cut.ended_at - started >= 1.0, (cut, started)
+    assert _model(c, "web-a", "tiny-llama")["status"] == "ready"
+    assert c.serving()["status"]["state"] == "empty"
+
+
+UNLOADER = """
+import pathlib, time
+from core.runtime import runtime
+from orchestration.services import model_unload
+from registry.models import Model
+runtime().engine.status()
+pathlib.Path({ready!r}).touch()
+deadline = time.monotonic() + 120
+while not pathlib.Path({trigger!r}).exists() and time.monotonic() < deadline:
+    time.sleep(0.01)
+row = model_unload(model=Model.objects.get(name="tiny-llama"))
+print("unloaded:", row.status)
+"""
