@@ -54,6 +54,6 @@ application = ProtocolTypeRouter({
 # resident loaded into this process's engine again. Once per process; the test suite turns
 # it off (its own fixtures say what is resident).
 if settings.MILLM_APPLICATION_START:
-    from orchestration.startup import application_start  # noqa: E402
+    from orchestration.startup import application_start
 
     application_start()
