@@ -108,4 +108,8 @@ def from_engine_error(exc: Exception) -> MillmError:
                                 details={"engine_code": code, **details})
     if cls is None:
         error.code = code.upper()  # type: ignore[misc]
+    if code == "engine_busy" and details.get("reason") == "unloading":
+        from django.conf import settings
+
+        error.retry_after = int(settings.RETRY_AFTER_UNLOAD_S)  # refused or stopped by it
     return error

@@ -21,6 +21,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -71,6 +72,9 @@ from .scheduler import BatchScheduler
 log = logging.getLogger("gpu_engine")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# How long stopped generations get to end (they stop before their next forward pass) and a
+# control operation gets to start after a drain, at least.
+STOP_WAIT_S = 10.0
 _CONTROL, _WORK = 0, 1
 
 
@@ -122,29 +126,37 @@ class GenerationStream:
     forward pass and frees the engine for the next request.
     """
 
-    def __init__(self, request_id: str, on_final: Callable[[GenerationStream], None] | None = None) -> None:
+    def __init__(self, request_id: str, on_end: Callable[[GenerationStream], None] | None = None) -> None:
         self.request_id = request_id
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         self._cancel = threading.Event()
         self._done = False
-        self._fail_with: EngineError | None = None
-        self._on_final = on_final
+        self._ended = False
+        self._on_end = on_end
+        # set when the engine (not the client) stops the generation: its client gets this
+        # error instead of a "cancelled" finish it never asked for
+        self._stopped_with: EngineError | None = None
 
     def _put(self, event: GenerationEvent) -> None:
-        if isinstance(event, (FinishEvent, ErrorEvent)):
-            err = self._fail_with
-            if err is not None and isinstance(event, FinishEvent) and event.finish_reason == "cancelled":
-                event = ErrorEvent(event.request_id, err.code, err.message, err.details)
-            if self._on_final is not None:
-                self._on_final(self)
+        if not isinstance(event, (FinishEvent, ErrorEvent)):
+            self._events.put(event)
+            return
+        if self._ended:
+            return
+        self._ended = True
+        err = self._stopped_with
+        if err is not None and isinstance(event, FinishEvent) and event.finish_reason == "cancelled":
+            event = ErrorEvent(self.request_id, err.code, err.message, err.details)
         self._events.put(event)
+        if self._on_end is not None:
+            self._on_end(self)
 
     def cancel(self) -> None:
         self._cancel.set()
 
-    def fail(self, error: EngineError) -> None:
-        """Stop the generation; unless it finished first, its last event is ``error``."""
-        self._fail_with = error
+    def _stop(self, error: EngineError) -> None:
+        """Stop the generation on the engine's behalf (an unload past its grace period)."""
+        self._stopped_with = error
         self._cancel.set()
 
     @property
@@ -196,12 +208,19 @@ class Engine:
         self._attachments: dict[AttachmentKey, Attachment] = {}
         self._in_flight = 0
         self._queued = 0
-        # generations queued or running (cancel_all stops them)
-        self._live: set[GenerationStream] = set()
         self._closed = False
         # guards the attachment table and the counters, which status readers on other
         # threads look at while the worker changes them
         self._state_lock = threading.Lock()
+        # Work accepted and not finished (generations until their last event, embeddings
+        # and scores until answered), whoever sent it: an unload or a model swap waits
+        # for these, wherever it was asked from. While ``_draining`` names such an
+        # operation, new work is refused with engine_busy (503 model_busy on /v1).
+        self._work_cv = threading.Condition()
+        self._streams: set[GenerationStream] = set()
+        self._calls = 0
+        self._draining: str | None = None
+        self._draining_model: str | None = None
         self._thread = threading.Thread(target=self._worker, name="millm-engine", daemon=True)
         self._thread.start()
 
@@ -309,7 +328,92 @@ class Engine:
             raise ModelNotLoaded("no model is loaded")
         return self._backend
 
+    # ------------------------------------------------------------------ draining
+
+    def _live_work(self) -> int:
+        return len(self._streams) + self._calls
+
+    def _admit_work(self, stream: GenerationStream | None = None) -> EngineBusy | None:
+        """Count new work in, or say why it is refused (a drain is under way)."""
+        with self._work_cv:
+            if self._draining is not None:
+                return EngineBusy(
+                    f"the engine is {self._draining} model {self._draining_model!r}; retry shortly",
+                    details={"reason": self._draining, "model_id": self._draining_model})
+            if stream is None:
+                self._calls += 1
+            else:
+                self._streams.add(stream)
+            return None
+
+    def _work_ended(self, stream: GenerationStream | None = None) -> None:
+        with self._work_cv:
+            if stream is None:
+                self._calls -= 1
+            else:
+                self._streams.discard(stream)
+            self._work_cv.notify_all()
+
+    def _wait_for_work(self, deadline: float) -> bool:
+        """Wait until no accepted work is left, or ``deadline``; True when none is left."""
+        with self._work_cv:
+            while self._live_work():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._work_cv.wait(left)
+            return True
+
+    def _drained(self, reason: str, model_id: str | None, timeout_s: float | None, *, stop_after: bool,
+                 op: Callable[[], Any]) -> Any:
+        """Run control ``op`` once the work already accepted has finished: new work is
+        refused from now on; what is still running after ``timeout_s`` is stopped (its
+        clients get engine_busy) when ``stop_after``, else the operation is refused with
+        engine_busy and serving resumes."""
+        timeout = self.drain_timeout_s if timeout_s is None else float(timeout_s)
+        with self._work_cv:
+            if self._draining is not None:
+                raise EngineBusy(f"the engine is already {self._draining} model {self._draining_model!r}",
+                                 details={"reason": self._draining})
+            self._draining, self._draining_model = reason, model_id
+        try:
+            if not self._wait_for_work(time.monotonic() + timeout):
+                if not stop_after:
+                    raise EngineBusy("timed out waiting for in-flight work to drain",
+                                     details={"timeout_s": timeout, "in_flight": self._live_work()})
+                with self._work_cv:
+                    streams = list(self._streams)
+                log.warning("%s: %d request(s) outlasted the %.1fs grace period; stopping them",
+                            reason, len(streams), timeout)
+                error = EngineBusy(f"the request was stopped: the engine is {reason} model {model_id!r} "
+                                   f"and the {timeout:g}s grace period ran out",
+                                   details={"reason": reason})
+                for stream in streams:
+                    stream._stop(error)
+                # a stopped generation ends before its next forward pass
+                self._wait_for_work(time.monotonic() + max(timeout, STOP_WAIT_S))
+            return self._call(op, timeout_s=max(timeout, STOP_WAIT_S))
+        finally:
+            with self._work_cv:
+                self._draining = self._draining_model = None
+
+    def cancel_all(self, reason: str = "cancel_all") -> int:
+        """Stop every running generation; their clients get ``engine_busy``."""
+        with self._work_cv:
+            streams = list(self._streams)
+        error = EngineBusy(f"the request was stopped by the server ({reason})", details={"reason": reason})
+        for stream in streams:
+            stream._stop(error)
+        if streams:
+            log.warning("cancel_all stopped %d generation(s): %s", len(streams), reason)
+        return len(streams)
+
+    # ------------------------------------------------------------------ model
+
     def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None) -> EngineStatus:
+        """Load ``job``'s model, replacing the resident one once the work running on it
+        has finished (bounded by ``timeout_s``: engine_busy after, nothing replaced)."""
+
         def op() -> EngineStatus:
             from .backends.transformers.runner import TransformersRunner
 
@@ -329,7 +433,7 @@ class Engine:
             self._emit("model:load:complete", model_id=job.model_id)
             return self.status()
 
-        return self._call(op, timeout_s=timeout_s)
+        return self._drained("loading", job.model_id, timeout_s, stop_after=False, op=op)
 
     def _unload(self) -> None:
         if self._backend is None:
@@ -344,7 +448,12 @@ class Engine:
         self._emit("model:unload:complete", model_id=model_id)
 
     def unload_model(self, *, timeout_s: float | None = None) -> None:
-        self._call(self._unload, timeout_s=timeout_s)
+        """Unload the resident model. New work is refused at once (engine_busy); work
+        already accepted gets ``timeout_s`` (GRACEFUL_UNLOAD_TIMEOUT) to finish, then it
+        is stopped and the unload goes ahead."""
+        if self._backend is None:
+            return
+        self._drained("unloading", self._model_id, timeout_s, stop_after=True, op=self._unload)
 
     # ------------------------------------------------------------------ SAEs
 
@@ -584,9 +693,11 @@ class Engine:
 
     def generate(self, job: GenerationJob) -> GenerationStream:
         """Queue a generation; returns at once with a stream of its events."""
-        stream = GenerationStream(job.request_id, on_final=self._forget_stream)
-        with self._state_lock:
-            self._live.add(stream)
+        stream = GenerationStream(job.request_id, on_end=self._work_ended)
+        refused = self._admit_work(stream)
+        if refused is not None:
+            stream._put(ErrorEvent(job.request_id, refused.code, refused.message, refused.details))
+            return stream
 
         def dropped() -> None:
             err = EngineShutdown("the engine shut down before the request ran")
@@ -598,33 +709,22 @@ class Engine:
             self._submit(lambda: self._run_generation(job, stream), _WORK, on_drop=dropped)
         return stream
 
-    def _forget_stream(self, stream: GenerationStream) -> None:
-        with self._state_lock:
-            self._live.discard(stream)
-
-    def cancel_all(self, reason: str = "cancel_all") -> int:
-        """Stop every queued and running generation (an unload that must not wait for them):
-        each ends with ``engine_busy`` before its next forward pass, unless it finished
-        first. Returns how many were stopped."""
-        with self._state_lock:
-            live = list(self._live)
-        error = EngineBusy(f"the request was stopped by the server ({reason})", details={"reason": reason})
-        for stream in live:
-            stream.fail(error)
-        if live:
-            log.warning("cancel_all stopped %d generation(s): %s", len(live), reason)
-        return len(live)
-
     def generate_sync(self, job: GenerationJob, *, timeout_s: float | None = None) -> GenerationResult:
         return self.generate(job).result(timeout_s)
 
     def _work(self, fn: Callable[[], Any], timeout_s: float | None) -> Any:
-        task = self._submit(fn, _WORK)
+        refused = self._admit_work()
+        if refused is not None:
+            raise refused
         try:
-            return task.future.result(timeout=timeout_s)
-        except FutureTimeout:
-            task.future.cancel()
-            raise EngineBusy("timed out waiting for the engine", details={"timeout_s": timeout_s}) from None
+            task = self._submit(fn, _WORK)
+            try:
+                return task.future.result(timeout=timeout_s)
+            except FutureTimeout:
+                task.future.cancel()
+                raise EngineBusy("timed out waiting for the engine", details={"timeout_s": timeout_s}) from None
+        finally:
+            self._work_ended()
 
     def _inputs(self, items: Sequence[Any], param: str, add_special_tokens: bool = True) -> list[list[int]]:
         out = []
@@ -710,9 +810,9 @@ class Engine:
         b = self._backend
         if b is None:
             return EngineStatus(state="empty", in_flight=self._in_flight_total(), queued=max(self._queued, 0),
-                                batching=self.batching_status())
+                                batching=self.batching_status(), draining=self._draining)
         return EngineStatus(
-            state="ready", backend=b.name, model_id=self._model_id, model_path=str(self._load_job.path) if self._load_job else None,
+            state="ready", draining=self._draining, backend=b.name, model_id=self._model_id, model_path=str(self._load_job.path) if self._load_job else None,
             dtype=self._load_job.dtype if self._load_job else None, device=str(b.device), context_length=b.context_length,
             num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
             attachments=self.attachments(), in_flight=self._in_flight_total(), queued=max(self._queued, 0),

@@ -482,6 +482,9 @@ class EngineStatus(msgspec.Struct):
     # which matmul kernels the model runs on: "onednn_packed" (CPU float32, weights
     # prepacked at load) or "default" (PyTorch's own); None while no model is loaded
     kernels: str | None = None
+    # "unloading" or "loading" while the engine drains the work already accepted before
+    # it changes the model: new work is refused (engine_busy) until it is done
+    draining: str | None = None
 
 
 class EmbedResult(msgspec.Struct):

@@ -1,6 +1,5 @@
 """Which model the engine holds, from /v1's side: look-up by name, load on demand
-(single-flight), and a gate that keeps a load from swapping the model under requests
-that are generating on it.
+(single-flight), and refusals while the model changes.
 
 ``orchestration.services.model_load`` is synchronous and slow, so it runs on its own thread;
 every request for the model being loaded awaits the same load. While a load runs, a
@@ -8,15 +7,22 @@ request for another model is refused with ``model_busy`` (it must not start a se
 load); ``X-miLLM-Load-Policy: refuse`` turns the on-demand load off: 409
 ``model_not_resident``, or 503 ``model_loading`` while a load of that model runs.
 
-Per process, like admission: loads started elsewhere (``/api``) are seen through the
-model row's status and the engine's own status.
+Across processes (several web workers, Celery, the engine process) the shared state
+decides, not this process's memory:
+
+- a load is claimed on the model row (``model_load``'s conditional update): a worker that
+  loses the claim waits for the load another process runs instead of starting a second;
+- a row that says ``unloading``, or an engine that is draining for an unload or a model
+  swap (its status says so), gets 503 ``model_busy`` here, before any auto-load;
+- the engine itself counts the requests running on it and makes an unload or a swap
+  wait for them (GRACEFUL_UNLOAD_TIMEOUT), wherever the unload was asked from.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
-import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -55,15 +61,10 @@ class Residency:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loading: dict[str, Future] = {}
-        self._active: dict[str, int] = {}
 
     def loading(self, name: str) -> bool:
         with self._lock:
             return name in self._loading
-
-    def active(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._active)
 
     async def _resident_name(self) -> str | None:
         return resident_model_id(await asyncio.to_thread(runtime().engine.status))
@@ -71,21 +72,34 @@ class Residency:
     async def status(self) -> EngineStatus:
         return await asyncio.to_thread(runtime().engine.status)
 
-    def check_policy(self, model: ModelRef, *, policy: str, resident: str | None) -> None:
-        """Refusals that must come before the request queues: another model is loading,
-        or (refuse policy) this one is not resident."""
+    def check_policy(self, model: ModelRef, *, policy: str, resident: str | None,
+                     draining: str | None = None) -> None:
+        """Refusals that must come before the request queues: the model is being unloaded
+        (its row, or the engine draining for it), another model is loading, or (refuse
+        policy) this one is not resident. ``draining``: the engine status's."""
+        if model.status == "unloading" or (draining == "unloading" and resident == model.name):
+            raise ModelBusy(f"Model {model.name!r} is being unloaded; retry shortly",
+                            details={"model": model.name, "state": "unloading"},
+                            retry_after=settings.RETRY_AFTER_UNLOAD_S)
         with self._lock:
             other_load = next((n for n in self._loading if n != model.name), None)
         if other_load is not None:
             raise ModelBusy(f"Model {other_load!r} is being loaded; retry shortly",
                             details={"model": model.name, "loading": other_load},
                             retry_after=settings.RETRY_AFTER_LOAD_S)
-        if resident == model.name and not self.loading(model.name):
+        loading_here = self.loading(model.name)
+        if draining is not None and not loading_here and model.status != "loading":
+            # the engine is swapping the model under this request's: it would be refused
+            raise ModelBusy(f"The engine is {draining} a model; retry shortly",
+                            details={"model": model.name, "state": draining},
+                            retry_after=settings.RETRY_AFTER_LOAD_S)
+        if resident == model.name and not loading_here:
             return
         # model.status was read before any wait: a "loading" seen then may be over now,
-        # which the resident check above has already caught
-        if self.loading(model.name) or model.status == "loading":
-            if policy == "refuse" or not self.loading(model.name):
+        # which the resident check above has already caught. A load running in another
+        # process is awaited like one running here.
+        if loading_here or model.status == "loading":
+            if policy == "refuse":
                 raise ModelLoading(f"Model {model.name!r} is loading; retry shortly",
                                    details={"model": model.name},
                                    retry_after=settings.RETRY_AFTER_LOAD_S)
@@ -105,7 +119,8 @@ class Residency:
             if status is None:
                 status = await asyncio.to_thread(runtime().engine.status)
             resident = resident_model_id(status)
-            self.check_policy(model, policy=policy, resident=resident)
+            self.check_policy(model, policy=policy, resident=resident,
+                              draining=status.draining)
             if resident != model.name and not self.loading(model.name):
                 await sync_to_async(_check_lease, thread_sensitive=False)(
                     model, lease)  # 409 model_leased
@@ -116,8 +131,7 @@ class Residency:
                                     details={"model": model.name, "loading": other_load},
                                     retry_after=settings.RETRY_AFTER_LOAD_S)
                 if resident == model.name and model.name not in self._loading:
-                    self._active[model.name] = self._active.get(model.name, 0) + 1
-                    return Use(self, model.name, status)
+                    return Use(status)
                 future = self._loading.get(model.name)
                 if future is None:
                     future = Future()
@@ -130,27 +144,29 @@ class Residency:
                                  name=f"millm-load-{model.name}", daemon=True).start()
             await asyncio.wrap_future(future)
             status = None
+            # what the wait changed is read again: a row that said "loading" then
+            model = dataclasses.replace(model, status="unknown")
         raise ModelBusy(f"Model {model.name!r} was swapped out while this request waited",
                         details={"model": model.name}, retry_after=settings.RETRY_AFTER_LOAD_S)
 
     def _load(self, model: ModelRef, future: Future) -> None:
-        from orchestration.services import model_load
+        from orchestration.errors import LoadInProgress
+        from orchestration.services import model_load, model_load_wait
+        from registry.errors import ModelAlreadyLoaded
         from registry.models import Model
 
         close_old_connections()
         try:
-            # Requests generating on another model finish first (bounded): the engine
-            # would otherwise run their queued work on the new model.
-            deadline = time.monotonic() + settings.GRACEFUL_UNLOAD_TIMEOUT
-            while any(n != model.name and c for n, c in self.active().items()):
-                if time.monotonic() > deadline:
-                    raise ModelBusy("Requests on the resident model did not finish in time "
-                                    "for a load; retry shortly",
-                                    details={"model": model.name},
-                                    retry_after=settings.RETRY_AFTER_LOAD_S)
-                time.sleep(0.05)
+            # Requests running on the resident model finish first: the engine drains
+            # them (bounded) before it swaps the weights, and refuses new ones meanwhile.
             log.info("v1_model_autoload", model=model.name)
-            model_load(model=Model.objects.get(name=model.name))
+            try:
+                model_load(model=Model.objects.get(name=model.name))
+            except LoadInProgress:
+                # another process (a web worker, a Celery load) claimed it first
+                model_load_wait(name=model.name, timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S)
+            except ModelAlreadyLoaded:
+                pass  # another process's load finished first: the waiters find it resident
             error: BaseException | None = None
         except BaseException as exc:  # noqa: BLE001 - every waiter gets the same error
             error = exc
@@ -164,14 +180,6 @@ class Residency:
             future.set_result(None)
         else:
             future.set_exception(error)
-
-    def _release(self, name: str) -> None:
-        with self._lock:
-            count = self._active.get(name, 0) - 1
-            if count > 0:
-                self._active[name] = count
-            else:
-                self._active.pop(name, None)
 
 
 def _check_lease(model: ModelRef, lease: str | None) -> None:
@@ -187,18 +195,15 @@ def resident_model_id(status: EngineStatus) -> str | None:
 
 
 class Use:
-    """A request's use of the resident model; ``status`` is the engine's status read when
-    it was granted (its attachments are what the request resolves steering against)."""
+    """A request's grant to run on the resident model; ``status`` is the engine's status
+    read when it was granted (its attachments are what the request resolves steering
+    against). The engine counts the running work itself, so there is nothing to give
+    back here; ``release`` stays for the callers' symmetry."""
 
-    __slots__ = ("_name", "_released", "_residency", "status")
+    __slots__ = ("status",)
 
-    def __init__(self, residency: Residency, name: str, status: EngineStatus) -> None:
-        self._residency = residency
-        self._name = name
-        self._released = False
+    def __init__(self, status: EngineStatus) -> None:
         self.status = status
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._residency._release(self._name)
+        """Nothing to do: the engine's own count ends with the request's last event."""

@@ -573,7 +573,8 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
                           f"{req.profile!r}", status=400, code="invalid_parameter",
                           param="profile")
     # before queueing
-    residency.check_policy(model, policy=policy, resident=resident_model_id(status))
+    residency.check_policy(model, policy=policy, resident=resident_model_id(status),
+                           draining=status.draining)
     permit = await runtime().admission.acquire()
     res = _Resources(permit)
     handed_over = False

@@ -158,7 +158,8 @@ async def embeddings(request: HttpRequest):
     residency = runtime().residency
     status = await residency.status()
     model, _ = await resolve_model(req.model, status)
-    residency.check_policy(model, policy=policy, resident=resident_model_id(status))
+    residency.check_policy(model, policy=policy, resident=resident_model_id(status),
+                           draining=status.draining)
     permit = await runtime().admission.acquire()
     use = None
     try:

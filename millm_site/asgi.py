@@ -48,3 +48,12 @@ application = ProtocolTypeRouter({
     "http": http_application,
     "websocket": WebSocketApiKeyMiddleware(URLRouter(websocket_urlpatterns)),
 })
+
+# Whatever server runs this module (manage.py serve, daphne, uvicorn), the registry is put
+# right before the first request: reconciled, in embedded mode what it records as resident
+# loaded into this process's engine again, and AUTO_LOAD_MODEL started. Once per process;
+# the test suite turns it off (its own fixtures say what is resident).
+if settings.MILLM_APPLICATION_START:
+    from orchestration.startup import application_start
+
+    application_start()

@@ -18,3 +18,5 @@ os.environ["MILLM_ENV_FILE"] = "/nonexistent/.env"
 from millm_site.settings import *  # noqa: E402,F401,F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+# Tests import the ASGI application; what is resident is their fixtures' business.
+MILLM_APPLICATION_START = False

@@ -5,6 +5,7 @@ says what is resident. Views, admin actions, commands and tasks all call these."
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -17,6 +18,7 @@ from core import events, jobs, metrics
 from core.errors import (
     InsufficientMemory,
     ModelBusy,
+    ModelLoadFailed,
     ModelNotLoaded,
     SAEInvalid,
     SAENotAttached,
@@ -27,6 +29,7 @@ from core.runtime import runtime
 from gpu_engine.errors import EngineError
 from gpu_engine.protocol import AttachResult, AttachSpec, LoadModelJob
 from leases.services import lease_check_change, lease_end_for_model
+from orchestration.errors import LoadInProgress
 from registry.errors import (
     ModelAlreadyLoaded,
     ModelInvalid,
@@ -90,22 +93,82 @@ def _check_quantization(model: Model) -> None:
                      "supported": list(LOADABLE_QUANTIZATIONS)})
 
 
+# Claims serialise here within a process (SQLite has no row locks: embedded mode is one
+# process) and through row locks across processes (PostgreSQL, distributed mode).
+_CLAIM_LOCK = threading.Lock()
+
+# Statuses a load may start from; LOADED reloads a row the engine does not hold.
+_LOADABLE = (Model.Status.READY, Model.Status.ERROR, Model.Status.LOADED)
+
+
+def _lock_model_rows() -> None:
+    """Lock every model row for the transaction: a claim reads the other rows (is any
+    load or unload running?), and a lock on its own row alone would let two claims for
+    two different models both pass. The table holds a handful of rows."""
+    list(Model.objects.select_for_update().order_by("pk").values_list("pk", flat=True))
+
+
+def _model_in_transition(*, exclude_pk: int) -> Model | None:
+    return Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)
+                                ).exclude(pk=exclude_pk).first()
+
+
+def _engine_holds(name: str) -> bool:
+    try:
+        return _engine().status().model_id == name
+    except EngineError:  # no engine to ask (distributed, engine down): it holds nothing
+        return False
+
+
+def _claim_load(model: Model) -> str:
+    """Mark ``model`` as loading unless a load or an unload is under way anywhere; the
+    status it had before (a refused load puts it back). One conditional change of the
+    rows, so of two processes starting the same load at once exactly one goes ahead."""
+    with _CLAIM_LOCK, transaction.atomic():
+        _lock_model_rows()
+        row = Model.objects.get(pk=model.pk)
+        if row.status == Model.Status.LOADING:
+            raise LoadInProgress(f"Model {row.name!r} is being loaded; retry shortly",
+                                 details={"model_id": row.id, "loading": row.name},
+                                 retry_after=settings.RETRY_AFTER_LOAD_S)
+        if row.status == Model.Status.UNLOADING:
+            raise ModelBusy(f"Model {row.name!r} is being unloaded; retry shortly",
+                            details={"model_id": row.id, "state": "unloading"},
+                            retry_after=settings.RETRY_AFTER_UNLOAD_S)
+        other = _model_in_transition(exclude_pk=row.pk)
+        if other is not None:
+            raise ModelBusy(f"Model {other.name!r} is {other.status}; retry shortly",
+                            details={"model_id": row.id, other.status: other.name},
+                            retry_after=settings.RETRY_AFTER_LOAD_S)
+        if row.status == Model.Status.LOADED and _engine_holds(row.name):
+            raise ModelAlreadyLoaded(f"Model {row.name!r} is already loaded",
+                                     details={"model_id": row.id})
+        if row.status not in _LOADABLE or not row.local_path:
+            raise ModelInvalid(f"Model {row.name!r} has no files yet (status {row.status})",
+                               details={"model_id": row.id, "status": row.status})
+        Model.objects.filter(pk=row.pk).update(status=Model.Status.LOADING, error_message="",
+                                               updated_at=timezone.now())
+        return row.status
+
+
+def _unclaim_load(model: Model, previous: str) -> None:
+    Model.objects.filter(pk=model.pk, status=Model.Status.LOADING).update(
+        status=previous, updated_at=timezone.now())
+
+
 def model_load(*, model: Model, job: Job | None = None) -> Model:
     """Load ``model`` into the engine (replacing the resident one) and record it.
 
     Synchronous: the API runs it in a background job (``model_load_enqueue``), /v1 on its
     own thread for an on-demand load. Progress goes on the job row and out as
-    ``model:load:progress`` events.
+    ``model:load:progress`` events. Single-flight across processes: the row is claimed
+    first (``_claim_load``); a caller that loses the claim gets ``LoadInProgress`` (or
+    model_busy while something else moves) and no job row of its own.
     """
     from core.engine_client import resolve_device_and_dtype
 
-    job = job or job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
     try:
         model.refresh_from_db()
-        resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
-        if resident is not None and resident.locked:
-            raise ModelLocked(f"Model {resident.name!r} is resident and locked",
-                              details={"model_id": resident.id})
         if model.format == Model.Format.GGUF:
             raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
                                    "does not include", details={"model_id": model.id})
@@ -113,26 +176,46 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
             raise ModelInvalid(f"Model {model.name!r} has no files yet",
                                details={"model_id": model.id})
         _check_quantization(model)
+        resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
+        if resident is not None and resident.locked:
+            raise ModelLocked(f"Model {resident.name!r} is resident and locked",
+                              details={"model_id": resident.id})
+        previous = _claim_load(model)
+    except Exception as exc:
+        if job is not None and job.status not in Job.FINISHED:
+            job_finish(job=job, status=Job.Status.FAILED, error=getattr(exc, "message", str(exc)))
+        metrics.record_load(operation="load", outcome="refused")
+        raise
+    job = job or job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
+    try:
         device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
                                                  settings.MILLM_ENGINE_DTYPE)
         job_start(job=job, stage="preparing")
         job_progress(job=job, progress=5, stage="checking memory")
         _check_free_memory(model, device)
     except Exception as exc:
+        _unclaim_load(model, previous)
         if job.status not in Job.FINISHED:
             job_finish(job=job, status=Job.Status.FAILED, error=getattr(exc, "message", str(exc)))
         metrics.record_load(operation="load", outcome="refused")
         raise
-    model_set_status(model=model, status=Model.Status.LOADING)
+    model.refresh_from_db()
     job_progress(job=job, progress=10, stage="loading weights")
     try:
         _engine().load_model(LoadModelJob(
             model_id=model.name, path=model.local_path, dtype=dtype, device=device,
             trust_remote_code=model.trust_remote_code,
-            pack_cpu_weights=settings.MILLM_ENGINE_PACK_WEIGHTS))
+            pack_cpu_weights=settings.MILLM_ENGINE_PACK_WEIGHTS),
+            timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
     except EngineError as exc:
         error = from_engine_error(exc)
-        model_set_status(model=model, status=Model.Status.ERROR, error=error.message)
+        if exc.code == "engine_busy":
+            # the resident model's requests outlasted the grace period: nothing changed
+            _unclaim_load(model, previous)
+            if isinstance(error, ModelBusy) and error.retry_after is None:
+                error.retry_after = settings.RETRY_AFTER_LOAD_S
+        else:
+            model_set_status(model=model, status=Model.Status.ERROR, error=error.message)
         job_finish(job=job, status=Job.Status.FAILED, error=error.message)
         metrics.record_load(operation="load", outcome="failed")
         raise error from exc
@@ -156,6 +239,25 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
     return model
 
 
+def model_load_wait(*, name: str, timeout_s: float) -> Model:
+    """Wait (bounded) for a load another process claimed to end; the row then. A load
+    that failed raises its error here too, so every waiter learns it."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        row = Model.objects.get(name=name)
+        if row.status != Model.Status.LOADING:
+            break
+        if time.monotonic() > deadline:
+            raise ModelBusy(f"Model {name!r} is still loading; retry shortly",
+                            details={"model_id": row.id},
+                            retry_after=settings.RETRY_AFTER_LOAD_S)
+        time.sleep(0.1)
+    if row.status == Model.Status.ERROR:
+        raise ModelLoadFailed(f"Loading model {name!r} failed: {row.error_message}",
+                              details={"model_id": row.id})
+    return row
+
+
 def _forget_model_state(model: Model) -> None:
 
     live_forget(attachments=Attachment.objects.filter(model=model))
@@ -167,17 +269,14 @@ def _forget_model_state(model: Model) -> None:
                                              device="", dtype="", updated_at=timezone.now())
 
 
-def _uses_of(name: str) -> int:
-    """/v1 requests currently generating on ``name`` in this process."""
-    return int(runtime().residency.active().get(name, 0))
-
-
 def model_unload(*, model: Model, job: Job | None = None) -> Model:
     """Unload the resident model: new /v1 requests are refused (the row says
-    ``unloading``: 503 model_busy), the running ones get up to GRACEFUL_UNLOAD_TIMEOUT to
-    finish, then the weights go."""
+    ``unloading``, then the engine drains: 503 model_busy), the running ones get up to
+    GRACEFUL_UNLOAD_TIMEOUT to finish, then they are stopped and the weights go.
 
-
+    The engine does the waiting: it counts every request running on it, whichever web
+    process sent it, so the grace period holds wherever this runs (a web worker, a
+    Celery worker, a management command)."""
     model.refresh_from_db()
     if model.status != Model.Status.LOADED:
         raise ModelNotLoaded(f"Model {model.name!r} is not loaded",
@@ -185,28 +284,23 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
     if model.locked:
         raise ModelLocked(f"Model {model.name!r} is locked; unlock it first",
                           details={"model_id": model.id})
-    claimed = Model.objects.filter(pk=model.pk, status=Model.Status.LOADED, locked=False
-                                   ).update(status=Model.Status.UNLOADING,
-                                            updated_at=timezone.now())
+    with _CLAIM_LOCK, transaction.atomic():
+        _lock_model_rows()
+        other = _model_in_transition(exclude_pk=model.pk)
+        claimed = other is None and Model.objects.filter(
+            pk=model.pk, status=Model.Status.LOADED, locked=False).update(
+            status=Model.Status.UNLOADING, updated_at=timezone.now())
+    if other is not None:
+        raise ModelBusy(f"Model {other.name!r} is {other.status}; retry shortly",
+                        details={"model_id": model.id, other.status: other.name},
+                        retry_after=settings.RETRY_AFTER_LOAD_S)
     if not claimed:
         raise ModelBusy(f"Model {model.name!r} changed state; retry",
                         details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)
     if job is not None:
         job_start(job=job, stage="waiting for running requests")
-    deadline = time.monotonic() + float(settings.GRACEFUL_UNLOAD_TIMEOUT)
-    while _uses_of(model.name) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    remaining = max(1.0, deadline - time.monotonic())
-    engine = _engine()
     try:
-        try:
-            engine.unload_model(timeout_s=remaining)
-        except EngineError as exc:
-            if exc.code != "engine_busy":
-                raise
-            # The running requests outlasted the grace period: they fail, the unload goes on.
-            engine.cancel_all(reason="model_unload")
-            engine.unload_model(timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
+        _engine().unload_model(timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
     except EngineError as exc:
         Model.objects.filter(pk=model.pk, status=Model.Status.UNLOADING).update(
             status=Model.Status.LOADED, updated_at=timezone.now())

@@ -1,9 +1,12 @@
-"""What a start-up asks of the engine: AUTO_LOAD_MODEL loaded in the background and
-AUTO_ATTACH_SAES attached once that load has finished."""
+"""What a start-up asks of the engine: the registry reconciled and (embedded mode) what it
+records as resident restored, whatever server runs the application; AUTO_LOAD_MODEL
+loaded in the background and AUTO_ATTACH_SAES attached once that load has finished."""
 
 from __future__ import annotations
 
+import threading
 import time
+from pathlib import Path
 
 import structlog
 from django.conf import settings
@@ -17,6 +20,59 @@ from registry.maintenance import model_by_name_or_id
 from registry.models import SAE, Job, Model
 
 log = structlog.get_logger(__name__)
+
+_start_lock = threading.Lock()
+_started = False
+
+
+class _RestoreAttempts:
+    """The embedded restore's attempt count, in a file of MILLM_DATA_DIR: it must survive
+    the crash of the process that restores (run_engine keeps its count in Redis)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def begin(self) -> int:
+        try:
+            count = int(self.path.read_text().strip() or 0) + 1
+        except (OSError, ValueError):
+            count = 1
+        self.path.write_text(str(count))
+        return count
+
+    def end(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def application_start(*, auto_load_model: bool = True) -> None:
+    """Once per process that serves the application, before it serves (the ASGI module
+    calls it on import, so it runs under ``manage.py serve``, ``daphne`` or any other
+    ASGI server alike):
+
+    - rows a previous process left mid-way are reconciled (``startup_reconcile``);
+    - in embedded mode, the model and SAE attachments the registry records are loaded
+      into this process's engine again, as run_engine does in distributed mode, so the
+      rows and the engine agree before the first request. What cannot be restored is
+      recorded on the rows (status ``error`` with the reason; attachments dropped);
+    - AUTO_LOAD_MODEL starts loading (unless ``auto_load_model`` is False: ``serve
+      --no-auto-load``); a name that is not registered raises.
+    """
+    global _started
+    with _start_lock:
+        if _started:
+            return
+        _started = True
+    from core.runtime import runtime
+    from orchestration.restore import restore_recorded_state
+    from registry.maintenance import startup_reconcile
+
+    startup_reconcile()
+    if settings.EMBEDDED:
+        attempts = _RestoreAttempts(Path(settings.DATA_DIR) / "restore_attempts")
+        restore_recorded_state(engine=runtime().engine, begin_restore=attempts.begin,
+                               end_restore=attempts.end)
+    if settings.AUTO_LOAD_MODEL and auto_load_model:
+        auto_load()
 
 
 def auto_load() -> Job | None:

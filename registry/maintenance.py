@@ -23,9 +23,12 @@ log = structlog.get_logger(__name__)
 def startup_reconcile() -> dict[str, int]:
     """Rows a previous process left mid-way are put in a state that says so.
 
-    In embedded mode the engine lives in the web process, so after a restart nothing is
-    resident: jobs that were queued or running died with the process, and rows that said
-    loaded, loading or downloading are no longer true.
+    In embedded mode the engine lives in the web process, so after a restart its work
+    died with it: jobs that were queued or running, downloads, and loads or unloads under
+    way (their rows go back to ``ready``, an interrupted unload having had its effect).
+    Rows that say ``loaded`` stay, with their attachments and lock: the start-up restores
+    them into the new engine (``orchestration.restore``), as run_engine does, and records
+    on the rows whatever it cannot restore.
 
     In distributed mode a web process owns none of that: jobs and downloads run on Celery
     workers that outlive it (a second web worker starting must not fail their rows), and
@@ -44,12 +47,15 @@ def startup_reconcile() -> dict[str, int]:
         downloads += SAE.objects.filter(status=SAE.Status.DOWNLOADING).update(
             status=SAE.Status.ERROR, error_message="Download interrupted by a server restart",
             updated_at=now)
-        Attachment.objects.all().delete()
-        SAE.objects.filter(status=SAE.Status.ATTACHED).update(status=SAE.Status.READY,
-                                                              updated_at=now)
-        resident = Model.objects.filter(status__in=(
-            Model.Status.LOADED, Model.Status.LOADING, Model.Status.UNLOADING)).update(
-            status=Model.Status.READY, locked=False, device="", dtype="", updated_at=now)
+        moving = Model.objects.filter(status__in=(Model.Status.LOADING,
+                                                  Model.Status.UNLOADING))
+        Attachment.objects.filter(model__in=moving).delete()
+        resident = moving.update(status=Model.Status.READY, locked=False, device="", dtype="",
+                                 updated_at=now)
+        # attachments belong to a loaded model; anything else is left over
+        Attachment.objects.exclude(model__status=Model.Status.LOADED).delete()
+        SAE.objects.filter(status=SAE.Status.ATTACHED, attachments__isnull=True).update(
+            status=SAE.Status.READY, updated_at=now)
     summary = {"jobs_interrupted": interrupted, "downloads_interrupted": downloads,
                "models_reset": resident}
     if any(summary.values()):

@@ -84,6 +84,9 @@ V1_MIDDLEWARE = [
 ROOT_URLCONF = "millm_site.urls"
 WSGI_APPLICATION = None
 ASGI_APPLICATION = "millm_site.asgi.application"
+# Reconcile the registry (and, embedded, restore the recorded model) when the ASGI module
+# is imported by a server; not an environment variable: only the test suite turns it off.
+MILLM_APPLICATION_START = True
 
 TEMPLATES = [
     {

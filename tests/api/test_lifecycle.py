@@ -214,23 +214,26 @@ def test_attach_set_is_all_or_nothing_and_idempotent(api, engine_client, tiny_ll
 
 @pytest.mark.django_db(transaction=True)
 def test_unload_waits_for_running_requests(api, engine_client, tiny_llama, settings):
-    """The row says 'unloading' (so /v1 refuses newcomers with model_busy) while the
-    requests already running get up to GRACEFUL_UNLOAD_TIMEOUT to finish."""
-    settings.GRACEFUL_UNLOAD_TIMEOUT = 10.0
+    """The row says 'unloading' and the engine refuses newcomers (engine_busy, which /v1
+    answers as 503 model_busy) while the generation already running finishes in full,
+    within GRACEFUL_UNLOAD_TIMEOUT."""
+    settings.GRACEFUL_UNLOAD_TIMEOUT = 30.0
     _load(api, tiny_llama)
-    use = _v1_request_in_flight(tiny_llama)
-    job = ok(api.post(f"/api/models/{tiny_llama.id}/unload"), 202)["job"]  # runs on the pool
-    try:
+    with _slowed(engine_client):
+        events = _generation_in_flight(engine_client, "running", max_tokens=40)
+        job = ok(api.post(f"/api/models/{tiny_llama.id}/unload"), 202)["job"]  # on the pool
         deadline = time.monotonic() + 5
-        while Model.objects.get(pk=tiny_llama.id).status != "unloading":
+        while engine_client.status().draining != "unloading":
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        time.sleep(0.3)
+        assert Model.objects.get(pk=tiny_llama.id).status == "unloading"
         assert engine_client.status().state == "ready"  # still serving the running request
+        late = list(engine_client.generate(_job("late", 4)).events(10))
+        assert [(e.type, e.code) for e in late] == [("error", "engine_busy")]
         assert ok(api.get("/api/health/detailed"))["readiness_checks"][
             "no_model_transition"] is False
-    finally:
-        use.release()
+        rest = list(events)
+    assert rest[-1].type == "finish" and len(rest[-1].token_ids) == 40  # not cut short
     assert run_job(tasks.model_unload_task, job["id"]) == "succeeded"
     assert Model.objects.get(pk=tiny_llama.id).status == "ready"
     assert engine_client.status().state == "empty"
@@ -238,29 +241,52 @@ def test_unload_waits_for_running_requests(api, engine_client, tiny_llama, setti
 
 def test_unload_goes_ahead_when_requests_outlast_the_grace_period(api, engine_client,
                                                                   tiny_llama, settings):
+    """Past GRACEFUL_UNLOAD_TIMEOUT the running generation is stopped (its client gets
+    engine_busy: 503 model_busy / an SSE error frame on /v1) and the unload goes ahead."""
     settings.GRACEFUL_UNLOAD_TIMEOUT = 0.5
     _load(api, tiny_llama)
-    use = _v1_request_in_flight(tiny_llama)
-    try:
+    with _slowed(engine_client):
+        events = _generation_in_flight(engine_client, "long", max_tokens=400)  # ~20 s
         job = ok(api.post(f"/api/models/{tiny_llama.id}/unload"), 202)["job"]
         started = time.monotonic()
         assert tasks.model_unload_task(job["id"]) == "succeeded"
-        assert 0.5 <= time.monotonic() - started < 5
-    finally:
-        use.release()
+        took = time.monotonic() - started
+        rest = list(events)
+    assert 0.5 <= took < 10
+    assert rest[-1].type == "error" and rest[-1].code == "engine_busy", rest[-1]
+    assert len([e for e in rest if e.type == "token"]) < 200
+    assert Model.objects.get(pk=tiny_llama.id).status == "ready"
     assert engine_client.status().state == "empty"
 
 
-def _v1_request_in_flight(model):
-    """What a /v1 request holds while it generates on ``model``: a use of the resident
-    model in /v1's residency (released when the request ends)."""
-    from asgiref.sync import async_to_sync
+def _job(rid: str, max_tokens: int):
+    from gpu_engine.protocol import GenerationJob, SamplingParams
 
-    from core.runtime import runtime
-    from inference.residency import ModelRef
+    return GenerationJob(rid, prompt="once upon a time", sampling=SamplingParams(
+        max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
 
-    return async_to_sync(runtime().residency.acquire)(
-        ModelRef(pk=model.pk, name=model.name, status="loaded"), policy="refuse")
+
+def _generation_in_flight(engine_client, rid: str, *, max_tokens: int):
+    """A generation running in the engine (what a /v1 request is there), its first token
+    read; the rest of its events to iterate."""
+    events = engine_client.generate(_job(rid, max_tokens)).events(30)
+    assert next(events).type == "token"
+    return events
+
+
+class _slowed:
+    """Every forward pass of the loaded model takes at least 50 ms, so a generation's
+    length is known (a hook on the first decoder block, removed on exit)."""
+
+    def __init__(self, engine_client) -> None:
+        self.module = engine_client.engine.backend.model.get_submodule("model.layers.0")
+
+    def __enter__(self):
+        self.handle = self.module.register_forward_hook(lambda *args: time.sleep(0.05))
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
 
 
 def test_pools_are_sized_from_the_settings(settings):

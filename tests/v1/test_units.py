@@ -7,12 +7,12 @@ import pytest
 from django.conf import settings
 
 from core import errors as domain
-from registry import errors as registry_errors
 from gpu_engine import errors as engine_errors
 from gpu_engine.protocol import AttachmentStatus
 from inference.admission import QueueFull
 from inference.errors import openai_error_from_exception, openai_error_response
 from inference.residency import ModelLoading, ModelNotResident
+from registry import errors as registry_errors
 from steering.errors import AmbiguousSAE, ProfileNotFound, SteeringInvalid
 from steering.services import profile_create, steering_resolve_request
 

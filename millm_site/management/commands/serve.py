@@ -1,7 +1,10 @@
 """Run the ASGI server (daphne) on HOST:PORT from the configuration.
 
-Before serving: rows a previous process left mid-way are reconciled, and AUTO_LOAD_MODEL
-starts loading in the background (readiness answers 503 until it is resident). Without
+Before serving (``orchestration.startup.application_start``, which the ASGI module also
+runs, so a server started otherwise does the same): rows a previous process left mid-way
+are reconciled, in embedded mode the recorded model and SAEs are restored, and
+AUTO_LOAD_MODEL starts loading in the background (readiness answers 503 until it is
+resident). Without
 MILLM_API_KEYS the server is unauthenticated, so unless HOST is set explicitly it binds to
 127.0.0.1 only, and says so.
 """
@@ -48,18 +51,15 @@ class Command(BaseCommand):
     def handle(self, *args, host: str | None, port: int | None, no_auto_load: bool,
                **options):
         from orchestration import startup
-        from registry import maintenance
 
         host, access = bind_host(host)
         port = port or settings.MILLM_PORT
         mode = "embedded" if settings.EMBEDDED else "distributed"
-        maintenance.startup_reconcile()
-        if settings.AUTO_LOAD_MODEL and not no_auto_load:
-            try:
-                startup.auto_load()
-            except MillmError as exc:
-                raise CommandError(f"AUTO_LOAD_MODEL={settings.AUTO_LOAD_MODEL}: "
-                                   f"{exc.code}: {exc.message}") from exc
+        try:
+            startup.application_start(auto_load_model=not no_auto_load)
+        except MillmError as exc:
+            raise CommandError(f"AUTO_LOAD_MODEL={settings.AUTO_LOAD_MODEL}: "
+                               f"{exc.code}: {exc.message}") from exc
         log.info("serving", host=host, port=port, mode=mode, access=access,
                  database=settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1])
         self.stdout.write(f"miLLM listening on http://{host}:{port}/ ({mode} mode); "

@@ -3,7 +3,8 @@
 The process owns the weights, the hooks and the GPU; web workers, Celery workers and
 maintenance commands reach it only over Redis Streams (``gpu_engine.server``). On start it
 restores what the database records as resident — the loaded model, its SAE attachments
-and (once the steering documents keep any) live steering — then serves until SIGTERM,
+and (once the steering documents keep any) live steering; ``orchestration.restore``,
+which the embedded mode's start-up shares — then serves until SIGTERM,
 when running requests get ENGINE_SHUTDOWN_GRACE_S to finish and the rest fail cleanly.
 
 Exit status: 0 after a clean shutdown, 1 on a fatal error (logged), 3 when another
@@ -16,7 +17,6 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -25,104 +25,6 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import close_old_connections, connections
 
 log = structlog.get_logger("millm.engine")
-
-
-# --------------------------------------------------------------------------- state
-
-
-@dataclass
-class RecordedState:
-    """What the database says the engine should hold."""
-
-    model: Any = None  # registry.models.Model with status loaded, or None
-    attachments: list[Any] = field(default_factory=list)  # its Attachment rows
-
-
-def recorded_state() -> RecordedState:
-    from registry.models import Attachment, Model
-
-    model = Model.objects.filter(status=Model.Status.LOADED).order_by("-loaded_at").first()
-    if model is None:
-        return RecordedState()
-    rows = list(Attachment.objects.filter(model=model).select_related("sae").order_by("pk"))
-    return RecordedState(model=model, attachments=rows)
-
-
-def live_steering_restore(*, engine: Any, model: Any) -> None:
-    """Restore operator-set live steering on a restarted engine.
-
-    Today there is nothing to push: the engine holds no steering state — live steering is
-    read from the database by the web tier and resolved into each request's own spec
-    (docs/engine.md), so it survives an engine restart untouched. If live steering ever
-    becomes engine-held state, read it here through a steering selector and send it to
-    ``engine`` (live changes would be a new command in ``gpu_engine.commands``).
-    """
-
-
-def _forget(state: RecordedState, message: str) -> None:
-    from orchestration import services
-    from registry.models import Model
-    from registry.services import model_set_status
-
-    for row in state.attachments:
-        services.attachment_forget(sae_id=row.sae_id, layer=row.layer)
-    model_set_status(model=state.model, status=Model.Status.ERROR, error=message)
-
-
-def restore_recorded_state(*, engine: Any, server: Any) -> None:
-    """Load the recorded model and attach its SAEs; what cannot be restored is recorded
-    as such on the rows (and logged), never retried for ever."""
-    from core.engine_client import _resolve_here
-    from gpu_engine.errors import EngineError
-    from gpu_engine.protocol import AttachSpec, LoadModelJob
-    from orchestration import services
-
-    state = recorded_state()
-    if state.model is None:
-        log.info("engine_restore_nothing_recorded")
-        return
-    model = state.model
-    attempts = server.begin_restore()
-    if attempts > settings.ENGINE_MAX_DELIVERIES:
-        message = (f"not restored: the engine stopped {attempts - 1} times while restoring "
-                   "this model; load it again to retry")
-        log.critical("engine_restore_given_up", model=model.name, attempts=attempts - 1)
-        _forget(state, message)
-        server.end_restore()
-        return
-    device, dtype = _resolve_here(model.device or settings.MILLM_ENGINE_DEVICE,
-                                  model.dtype or settings.MILLM_ENGINE_DTYPE)
-    log.info("engine_restoring", model=model.name, device=device, dtype=dtype,
-             attachments=[f"{a.sae_id}@{a.layer}" for a in state.attachments])
-    try:
-        engine.load_model(LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype,
-                                       device=device,
-                                       trust_remote_code=model.trust_remote_code,
-                                       pack_cpu_weights=settings.MILLM_ENGINE_PACK_WEIGHTS),
-                          timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S)
-    except EngineError as exc:
-        log.error("engine_restore_failed", model=model.name, code=exc.code, message=exc.message)
-        _forget(state, f"not restored after an engine restart: {exc.code}: {exc.message}")
-        server.end_restore()
-        return
-    specs = [AttachSpec(sae_id=a.sae_id, path=a.sae.local_path, layer=a.layer,
-                        layout=a.sae.format or None) for a in state.attachments]
-    if specs:
-        try:
-            engine.attach_set(specs)
-        except EngineError:
-            # all-or-nothing failed: keep what attaches on its own, forget the rest
-            for spec in specs:
-                try:
-                    engine.attach_set([spec])
-                except EngineError as exc:
-                    log.error("engine_restore_attach_failed", sae_id=spec.sae_id,
-                              layer=spec.layer, code=exc.code, message=exc.message)
-                    services.attachment_forget(sae_id=spec.sae_id, layer=spec.layer)
-    live_steering_restore(engine=engine, model=model)
-    server.end_restore()
-    log.info("engine_restored", model=model.name,
-             attachments=[f"{a.sae_id}@{a.layer}" for a in engine.attachments()])
 
 
 # --------------------------------------------------------------------------- process
@@ -222,8 +124,11 @@ class Command(BaseCommand):
         def restore() -> None:
             if no_restore:
                 return
+            from orchestration.restore import restore_recorded_state
+
             try:
-                restore_recorded_state(engine=engine, server=server)
+                restore_recorded_state(engine=engine, begin_restore=server.begin_restore,
+                                       end_restore=server.end_restore)
             finally:
                 # the restore's connections must not linger through the serving life
                 close_old_connections()
