@@ -41,6 +41,7 @@ from gpu_engine.commands import (
     UnloadModelArgs,
     check_implements,
 )
+from gpu_engine.errors import EngineBusy
 from gpu_engine.protocol import (
     AttachmentKey,
     AttachmentStatus,
@@ -98,6 +99,8 @@ class GenerationHandle(ABC):
 
 class EngineClient(ABC):
     backend_name: str = "transformers"
+    # whether ``status()`` waits on I/O (a Redis read) and so must leave the event loop
+    status_blocks: bool = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -217,6 +220,10 @@ class _EmbeddedHandle(GenerationHandle):
         self._stream = stream
         self.request_id = stream.request_id
 
+    @property
+    def stream(self) -> Any:
+        return self._stream
+
     def events(self, timeout_s: float | None = None) -> Iterator[GenerationEvent]:
         return self._stream.events(timeout_s)
 
@@ -239,9 +246,38 @@ class EmbeddedEngineClient(EngineClient):
     def engine(self) -> Any:
         return self._engine
 
+    # the engine's status is read from its memory under a short lock: no I/O
+    status_blocks = False
+
     def invoke(self, command: Command, args: Any) -> Any:
         result = command.call(self._engine, args)
         return _EmbeddedHandle(result) if command.lane is Lane.STREAM else result
+
+    async def agenerate(self, job: GenerationJob) -> AsyncIterator[GenerationEvent]:
+        """One hop per event and none before the first forward pass: submitting only
+        queues the job on the engine's thread, and the engine hands each event to this
+        loop as it produces it (no pump thread waiting on the stream)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        handle = self.generate(job)
+        handle.stream.deliver_to(lambda event: loop.call_soon_threadsafe(queue.put_nowait,
+                                                                         event))
+        ended = False
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(STREAM_EVENT_TIMEOUT_S):
+                        event = await queue.get()
+                except TimeoutError:
+                    raise EngineBusy(f"no event for request {job.request_id!r} within "
+                                     f"{STREAM_EVENT_TIMEOUT_S}s") from None
+                ended = isinstance(event, (FinishEvent, ErrorEvent))
+                yield event
+                if ended:
+                    return
+        finally:
+            if not ended:
+                handle.cancel()
 
     def shutdown(self) -> None:
         self._engine.shutdown()

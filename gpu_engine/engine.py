@@ -136,10 +136,20 @@ class GenerationStream:
         # set when the engine (not the client) stops the generation: its client gets this
         # error instead of a "cancelled" finish it never asked for
         self._stopped_with: EngineError | None = None
+        # ``deliver_to``: events handed to a callback on the engine's thread, not queued
+        self._deliver: Callable[[GenerationEvent], None] | None = None
+        self._deliver_lock = threading.Lock()
+
+    def _hand_over(self, event: GenerationEvent) -> None:
+        with self._deliver_lock:
+            if self._deliver is not None:
+                self._deliver(event)
+            else:
+                self._events.put(event)
 
     def _put(self, event: GenerationEvent) -> None:
         if not isinstance(event, (FinishEvent, ErrorEvent)):
-            self._events.put(event)
+            self._hand_over(event)
             return
         if self._ended:
             return
@@ -147,9 +157,22 @@ class GenerationStream:
         err = self._stopped_with
         if err is not None and isinstance(event, FinishEvent) and event.finish_reason == "cancelled":
             event = ErrorEvent(self.request_id, err.code, err.message, err.details)
-        self._events.put(event)
+        self._hand_over(event)
         if self._on_end is not None:
             self._on_end(self)
+
+    def deliver_to(self, deliver: Callable[[GenerationEvent], None]) -> None:
+        """Hand every event to ``deliver`` as it is produced (on the engine's thread; it
+        must not block), those already produced first — instead of ``events()``. An
+        asyncio consumer passes ``loop.call_soon_threadsafe``: one hop per event, and no
+        thread of its own waiting on the queue."""
+        with self._deliver_lock:
+            while True:
+                try:
+                    deliver(self._events.get_nowait())
+                except queue.Empty:
+                    break
+            self._deliver = deliver
 
     def cancel(self) -> None:
         self._cancel.set()

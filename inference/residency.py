@@ -66,11 +66,13 @@ class Residency:
         with self._lock:
             return name in self._loading
 
-    async def _resident_name(self) -> str | None:
-        return resident_model_id(await asyncio.to_thread(runtime().engine.status))
-
     async def status(self) -> EngineStatus:
-        return await asyncio.to_thread(runtime().engine.status)
+        """The engine's status: read on the loop when that needs no I/O (the engine in this
+        process), else on a thread (a Redis read)."""
+        engine = runtime().engine
+        if not engine.status_blocks:
+            return engine.status()
+        return await asyncio.to_thread(engine.status)
 
     def check_policy(self, model: ModelRef, *, policy: str, resident: str | None,
                      draining: str | None = None) -> None:
@@ -117,7 +119,7 @@ class Residency:
         the request's ``X-miLLM-Lease``, needed to load over a leased model."""
         for _ in range(3):
             if status is None:
-                status = await asyncio.to_thread(runtime().engine.status)
+                status = await self.status()
             resident = resident_model_id(status)
             self.check_policy(model, policy=policy, resident=resident,
                               draining=status.draining)

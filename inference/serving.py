@@ -54,6 +54,7 @@ from inference.residency import ModelRef, Use, resident_model_id
 from monitoring.services import (
     monitoring_merge,
     monitoring_record,
+    monitoring_request_config,
     monitoring_request_entry,
     monitoring_take_records,
 )
@@ -150,13 +151,21 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     args = _steering_args(req, profile)
 
     def resolve() -> tuple[ResolvedSteering, MonitorEntry | None]:
-        # both read the database: a profile or the live steering a request without its
-        # own falls back to, and /api/monitoring's configuration
+        # a profile or the live steering a request without its own falls back to, and
+        # /api/monitoring's configuration when this process's copy is old: the database
         return (steering_resolve_request(attachments=attachments, model_name=model.name,
                                          **args),
                 monitoring_request_entry(attachments=attachments))
 
-    steering, monitored = await off_view_thread(resolve)()
+    config = monitoring_request_config()
+    if args["inline_features"] is not None and config is not None:
+        # inline steering and a fresh monitoring configuration: nothing to read, so no
+        # thread hop before the first forward pass
+        steering = steering_resolve_request(attachments=attachments, model_name=model.name,
+                                            **args)
+        monitored = monitoring_request_entry(attachments=attachments, config=config)
+    else:
+        steering, monitored = await off_view_thread(resolve)()
     n_prompts = 1 if kind == "chat" else len(req.prompt)  # type: ignore[union-attr]
     monitor = attachment = None
     if req.return_sae_activations is not None:

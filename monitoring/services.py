@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import structlog
@@ -120,6 +121,7 @@ def monitoring_configure(*, enabled: bool = True, features: list[int] | None = N
     config.features = features
     config.history_size, config.top_k, config.positions = history_size, top_k, positions
     config.save()
+    transaction.on_commit(request_config.invalidate)
     _prune(history_size)
     _publish_state()
     return monitoring_state()
@@ -131,6 +133,7 @@ def monitoring_enable(*, enabled: bool) -> dict[str, Any]:
     config = MonitoringConfig.objects.select_for_update().get_or_create(pk=1)[0]
     config.enabled = bool(enabled)
     config.save(update_fields=["enabled", "updated_at"])
+    transaction.on_commit(request_config.invalidate)
     _publish_state()
     return monitoring_state()
 
@@ -150,11 +153,67 @@ def monitoring_statistics_reset() -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- the /v1 hook
 
-def monitoring_request_entry(*, attachments: Sequence[AttachmentStatus]) -> MonitorEntry | None:
+@dataclass(frozen=True)
+class RequestConfig:
+    """What a /v1 request needs of the monitoring configuration."""
+
+    enabled: bool
+    sae_id: str
+    layer: int | None
+    features: list[int] | None
+    top_k: int
+    positions: str
+
+
+class _ConfigCache:
+    """The configuration /v1 requests read, kept in this process so a request reads no
+    database for it: dropped at once when this process changes it, and read again at most
+    CONFIG_FRESH_S after the last read — so a change made through another web worker
+    reaches this one within that time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value: RequestConfig | None = None
+        self._read_at = float("-inf")
+
+    def fresh(self) -> RequestConfig | None:
+        with self._lock:
+            if time.monotonic() - self._read_at < CONFIG_FRESH_S:
+                return self._value
+            return None
+
+    def load(self) -> RequestConfig:
+        row = MonitoringConfig.objects.filter(pk=1).first()
+        value = RequestConfig(False, "", None, None, 0, "last") if row is None else \
+            RequestConfig(row.enabled, row.sae_id, row.layer, row.features, row.top_k,
+                          row.positions)
+        with self._lock:
+            self._value, self._read_at = value, time.monotonic()
+        return value
+
+    def invalidate(self) -> None:
+        with self._lock:
+            self._value, self._read_at = None, float("-inf")
+
+
+CONFIG_FRESH_S = 1.0
+request_config = _ConfigCache()
+
+
+def monitoring_request_config() -> RequestConfig | None:
+    """The configuration as this process last read it, or None when that is too old and
+    the database must be read (``monitoring_request_entry`` does)."""
+    return request_config.fresh()
+
+
+def monitoring_request_entry(*, attachments: Sequence[AttachmentStatus],
+                             config: RequestConfig | None = None) -> MonitorEntry | None:
     """The entry a /v1 generation carries while monitoring is on (None when it is off or
-    the monitored attachment is not held by the engine)."""
-    config = MonitoringConfig.objects.filter(pk=1, enabled=True).first()
+    the monitored attachment is not held by the engine). Without ``config`` the database
+    is read."""
     if config is None:
+        config = request_config.load()
+    if not config.enabled:
         return None
     if config.sae_id:
         att = next((a for a in attachments if a.sae_id == config.sae_id

@@ -33,3 +33,14 @@ def manage(*args: str, env: dict[str, str] | None = None,
 @pytest.fixture
 def run_manage():
     return manage
+
+
+@pytest.fixture(autouse=True)
+def _fresh_monitoring_config():
+    """Each test's database starts empty: no monitoring configuration a previous test's
+    process-local copy (monitoring.services.request_config) could still remember."""
+    from monitoring.services import request_config
+
+    request_config.invalidate()
+    yield
+    request_config.invalidate()

@@ -47,7 +47,15 @@ def test_configure_enable_and_the_request_entry(api, llama, published,
     entry = services.monitoring_request_entry(attachments=engine_attachments())
     assert entry == MonitorEntry(sae_id=relu.id, layer=1, top_k=4, features=[3, 5],
                                  read_point="pre_steering", positions="last", stream=False)
-    ok(api.post("/api/monitoring/enable", {"enabled": False}, format="json"))
+    # what /v1 uses without reading the database: this process's copy, which the read
+    # above refreshed and which a change made here drops at once
+    cached = services.monitoring_request_config()
+    assert cached is not None and (cached.enabled, cached.features) == (True, [3, 5])
+    assert services.monitoring_request_entry(attachments=engine_attachments(),
+                                             config=cached) == entry
+    with django_capture_on_commit_callbacks(execute=True):
+        ok(api.post("/api/monitoring/enable", {"enabled": False}, format="json"))
+    assert services.monitoring_request_config() is None
     assert services.monitoring_request_entry(attachments=engine_attachments()) is None
     assert MonitoringConfig.objects.get().features == [3, 5]  # kept while disabled
     assert ok(api.get("/api/monitoring"))["enabled"] is False

@@ -90,6 +90,53 @@ def test_seeded_sampling_is_reproducible_and_streaming_equals_non_streaming(engi
     assert c.token_ids != a.token_ids  # positive control: the seed matters
 
 
+def test_delivered_events_equal_the_iterated_ones(engine):
+    """``deliver_to`` (how an asyncio consumer takes events without a thread of its own):
+    the same events in the same order as iterating, those produced before it first."""
+    job = dict(prompt=PROMPT, sampling=sp(max_tokens=12, logprobs=True, top_logprobs=2))
+    iterated = list(engine.generate(GenerationJob("it", **job)))
+    stream = engine.generate(GenerationJob("push", **job))
+    import threading
+    import time
+
+    got: list = []
+    done = threading.Event()
+
+    def deliver(event):
+        got.append(event)
+        if isinstance(event, FinishEvent):
+            done.set()
+
+    deadline = time.monotonic() + 30
+    while stream._events.empty() and time.monotonic() < deadline:
+        time.sleep(0.001)  # at least one event produced before delivery starts
+    stream.deliver_to(deliver)
+    assert done.wait(30)
+    assert [type(e) for e in got] == [type(e) for e in iterated]
+    assert [(e.token_id, e.text) for e in got if isinstance(e, TokenEvent)] == [
+        (e.token_id, e.text) for e in iterated if isinstance(e, TokenEvent)]
+    assert got[-1].text == iterated[-1].text and got[-1].token_ids == iterated[-1].token_ids
+
+
+def test_token_texts_come_from_the_engine_when_asked(engine, tiny_assets):
+    """The prompt's text and each token's text, as the model's own tokenizer reads them
+    (the web tier has no tokenizer)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tiny_assets.models["tiny-llama"].path / "tokenizer.json"))
+    events = list(engine.generate(GenerationJob("t", prompt=PROMPT,
+                                                sampling=sp(max_tokens=5, token_texts=True))))
+    finish = events[-1]
+    assert events[0].prompt_text == finish.prompt_text == tok.decode(
+        finish.prompt_token_ids, skip_special_tokens=False)
+    assert finish.prompt_tokens == [tok.decode([t], skip_special_tokens=False)
+                                    for t in finish.prompt_token_ids]
+    assert finish.tokens == [tok.decode([t], skip_special_tokens=False)
+                             for t in finish.token_ids]
+    plain = engine.generate_sync(GenerationJob("p", prompt=PROMPT, sampling=sp(max_tokens=5)))
+    assert plain.token_ids == finish.token_ids  # asking for texts changes no token
+
+
 def test_cancel_stops_within_one_step_and_frees_the_engine(engine):
     got = []
     with count_forwards(engine.backend.model) as n:
