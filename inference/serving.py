@@ -58,6 +58,7 @@ from monitoring.services import (
     monitoring_request_entry,
     monitoring_take_records,
 )
+from steering.live import live_copy
 from steering.services import ResolvedSteering, steering_resolve_request
 
 log = structlog.get_logger(__name__)
@@ -158,11 +159,13 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 monitoring_request_entry(attachments=attachments))
 
     config = monitoring_request_config()
-    if args["inline_features"] is not None and config is not None:
-        # inline steering and a fresh monitoring configuration: nothing to read, so no
-        # thread hop before the first forward pass
+    live = live_copy.fresh() if args["inline_features"] is None else None
+    if config is not None and (args["inline_features"] is not None
+                               or (args["profile"] is None and live is not None)):
+        # inline steering, or the live steering and the monitoring configuration as this
+        # process holds them: nothing to read, so no thread hop before the first forward
         steering = steering_resolve_request(attachments=attachments, model_name=model.name,
-                                            **args)
+                                            live_values=live, **args)
         monitored = monitoring_request_entry(attachments=attachments, config=config)
     else:
         steering, monitored = await off_view_thread(resolve)()

@@ -28,6 +28,7 @@ from django.utils import timezone
 
 from core import events
 from core.errors import ValidationFailed
+from core.process_copy import ProcessCopy
 from gpu_engine.protocol import (
     ActivationRecord as EngineRecord,
 )
@@ -165,39 +166,16 @@ class RequestConfig:
     positions: str
 
 
-class _ConfigCache:
-    """The configuration /v1 requests read, kept in this process so a request reads no
-    database for it: dropped at once when this process changes it, and read again at most
-    CONFIG_FRESH_S after the last read — so a change made through another web worker
-    reaches this one within that time."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._value: RequestConfig | None = None
-        self._read_at = float("-inf")
-
-    def fresh(self) -> RequestConfig | None:
-        with self._lock:
-            if time.monotonic() - self._read_at < CONFIG_FRESH_S:
-                return self._value
-            return None
-
-    def load(self) -> RequestConfig:
-        row = MonitoringConfig.objects.filter(pk=1).first()
-        value = RequestConfig(False, "", None, None, 0, "last") if row is None else \
-            RequestConfig(row.enabled, row.sae_id, row.layer, row.features, row.top_k,
-                          row.positions)
-        with self._lock:
-            self._value, self._read_at = value, time.monotonic()
-        return value
-
-    def invalidate(self) -> None:
-        with self._lock:
-            self._value, self._read_at = None, float("-inf")
+# the configuration every /v1 request reads, kept in this process (core.process_copy)
+request_config: ProcessCopy[RequestConfig] = ProcessCopy()
 
 
-CONFIG_FRESH_S = 1.0
-request_config = _ConfigCache()
+def _read_request_config() -> RequestConfig:
+    row = MonitoringConfig.objects.filter(pk=1).first()
+    return request_config.keep(
+        RequestConfig(False, "", None, None, 0, "last") if row is None else
+        RequestConfig(row.enabled, row.sae_id, row.layer, row.features, row.top_k,
+                      row.positions))
 
 
 def monitoring_request_config() -> RequestConfig | None:
@@ -212,7 +190,7 @@ def monitoring_request_entry(*, attachments: Sequence[AttachmentStatus],
     the monitored attachment is not held by the engine). Without ``config`` the database
     is read."""
     if config is None:
-        config = request_config.load()
+        config = _read_request_config()
     if not config.enabled:
         return None
     if config.sae_id:

@@ -23,6 +23,8 @@ from django.db import transaction
 
 from core import events
 from core.errors import ValidationFailed
+from core.process_copy import ProcessCopy
+from gpu_engine.protocol import AttachmentKey
 from registry.models import Attachment
 from steering import rules
 from steering.models import Circuit, Cluster, LiveSteering, Profile, SteeringState
@@ -61,6 +63,19 @@ def live_rows() -> list[LiveSteering]:
             .order_by("attachment__layer", "attachment__sae_id") if r.values]
 
 
+# The live steering every /v1 request without its own runs, as ((sae_id, layer), values)
+# pairs, kept in this process (core.process_copy): every change takes steering_lock(),
+# which drops the copy when its transaction commits.
+live_copy: ProcessCopy[list[tuple[AttachmentKey, dict[int, float]]]] = ProcessCopy()
+
+
+def live_values() -> list[tuple[AttachmentKey, dict[int, float]]]:
+    """The live steering that runs, read from the database (and kept in ``live_copy``)."""
+    return live_copy.keep([((r.attachment.sae_id, r.attachment.layer),
+                            {int(k): float(v) for k, v in r.values.items()})
+                           for r in live_rows()])
+
+
 # --------------------------------------------------------------------------- checks
 
 def check_indices(*, attachment: Attachment, indices: Iterable[int], param: str) -> None:
@@ -76,6 +91,7 @@ def steering_lock() -> SteeringState:
     """Serialise live-steering changes across workers (call inside a transaction)."""
     state, _ = SteeringState.objects.select_for_update().get_or_create(pk=1)
     SteeringState.objects.filter(pk=1).update(version=state.version + 1)
+    transaction.on_commit(live_copy.invalidate)
     return state
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from urllib.parse import quote
 
 from gpu_engine.protocol import (
+    AttachmentKey,
     AttachmentStatus,
     SteeringEntry,
     SteeringSpec,
@@ -187,23 +188,24 @@ def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: 
     return _resolved("profile", att, scaled, header, profile=name, intensity=dial)
 
 
-def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None
-          ) -> ResolvedSteering:
+def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None,
+          values: list[tuple[AttachmentKey, dict[int, float]]] | None) -> ResolvedSteering:
     """The live steering of the attachments the engine holds (rows for attachments it
-    does not hold, e.g. during a detach, are skipped), dialled by the request's λ."""
+    does not hold, e.g. during a detach, are skipped), dialled by the request's λ.
+    ``values``: this process's copy (``live.live_copy``); None reads the database."""
     held = {(a.sae_id, a.layer) for a in attachments}
-    rows = [r for r in live.live_rows()
-            if (r.attachment.sae_id, r.attachment.layer) in held]
+    rows = [(key, v) for key, v in (live.live_values() if values is None else values)
+            if key in held]
     if not rows:
         return NONE
     if intensity == 0:
         return EXPLICITLY_UNSTEERED
     entries = []
-    for row in rows:
-        values = {int(k): float(v) for k, v in row.values.items()}
+    for (sae_id, layer), row_values in rows:
+        scaled = dict(row_values)
         if intensity is not None:
-            values = {k: rules.dial(v, intensity) for k, v in values.items()}
-        entries.append(SteeringEntry(row.attachment.sae_id, row.attachment.layer, values))
+            scaled = {k: rules.dial(v, intensity) for k, v in scaled.items()}
+        entries.append(SteeringEntry(sae_id, layer, scaled))
     count = sum(len(e.features) for e in entries)
     if len(entries) == 1:
         header = (f"live;sae={_header_value(entries[0].sae_id)};layer={entries[0].layer};"
@@ -221,12 +223,16 @@ def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
                              inline_sae_id: str | None = None,
                              inline_features: Sequence[tuple[int, float]] | None = None,
                              profile: str | None = None,
-                             intensity: float | None = None) -> ResolvedSteering:
+                             intensity: float | None = None,
+                             live_values: list[tuple[AttachmentKey, dict[int, float]]]
+                             | None = None) -> ResolvedSteering:
     """Resolve one request's steering against the attachments the engine holds now.
 
     ``inline_features=None`` means the request sent no ``steering`` object; ``[]`` means
     it asked to run unsteered. ``intensity`` (λ in [0, 2]) scales whichever base the
-    request names; 0 turns steering off for the request.
+    request names; 0 turns steering off for the request. ``live_values``: the live
+    steering as this process holds it (``steering.live.live_copy``), so that a request
+    without steering of its own reads no database; None reads it.
     """
     if intensity is not None and not (0 <= intensity <= MAX_INTENSITY):
         raise SteeringInvalid(f"steering_intensity must lie in [0, {MAX_INTENSITY:g}]",
@@ -240,8 +246,8 @@ def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
     if profile is not None:
         return _profile(attachments=attachments, name=profile, model_name=model_name,
                         intensity=intensity)
-    # Nothing asked for: the live steering set through /api (needs the database).
-    return _live(attachments=attachments, intensity=intensity)
+    # Nothing asked for: the live steering set through /api.
+    return _live(attachments=attachments, intensity=intensity, values=live_values)
 
 
 # --------------------------------------------------------------------------- re-exports

@@ -36,11 +36,14 @@ def run_manage():
 
 
 @pytest.fixture(autouse=True)
-def _fresh_monitoring_config():
-    """Each test's database starts empty: no monitoring configuration a previous test's
-    process-local copy (monitoring.services.request_config) could still remember."""
+def _no_process_copies():
+    """Each test's database starts empty: no monitoring configuration or live steering
+    that a previous test's process-local copy (core.process_copy) could still hold."""
     from monitoring.services import request_config
+    from steering.live import live_copy
 
-    request_config.invalidate()
+    for copy in (request_config, live_copy):
+        copy.invalidate()
     yield
-    request_config.invalidate()
+    for copy in (request_config, live_copy):
+        copy.invalidate()
