@@ -21,19 +21,31 @@ import structlog
 from asgiref.sync import async_to_sync
 from channels.layers import InMemoryChannelLayer, get_channel_layer
 
+from core.runtime import runtime
+
 log = structlog.get_logger(__name__)
 
 GROUP = "millm.events"
 
-_loop: asyncio.AbstractEventLoop | None = None
-_loop_lock = threading.Lock()
+class EventBus:
+    """The process's publisher (a runtime part: ``runtime().events``), which remembers the
+    loop that serves WebSocket consumers."""
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._lock = threading.Lock()
+
+    def bind_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._lock:
+            self._loop = loop
+
+    def publish(self, event: str, data: dict[str, Any]) -> None:
+        _publish(self._loop, event, data)
 
 
 def bind_loop(loop: asyncio.AbstractEventLoop) -> None:
     """Remember the loop that serves WebSocket consumers (called on every connect)."""
-    global _loop
-    with _loop_lock:
-        _loop = loop
+    runtime().events.bind_loop(loop)
 
 
 def _message(event: str, data: dict[str, Any]) -> dict[str, Any]:
@@ -61,11 +73,14 @@ def _log_failure(future: Any, event: str) -> None:
 
 def publish(event: str, data: dict[str, Any]) -> None:
     """Send one event; a failing channel layer is logged, never raised into the caller."""
+    runtime().events.publish(event, data)
+
+
+def _publish(loop: asyncio.AbstractEventLoop | None, event: str, data: dict[str, Any]) -> None:
     layer = get_channel_layer()
     if layer is None:
         return
     try:
-        loop = _loop
         if isinstance(layer, InMemoryChannelLayer) and loop is not None and loop.is_running():
             try:
                 running = asyncio.get_running_loop()

@@ -22,13 +22,11 @@ import structlog
 from django.conf import settings
 from django.db import close_old_connections, connections, transaction
 
+from core.runtime import runtime
+
 log = structlog.get_logger(__name__)
 
 QUEUES = ("downloads", "loads", "maintenance")
-
-_pools: dict[str, ThreadPoolExecutor] = {}
-_pool_lock = threading.Lock()
-
 
 def _pool_size(queue: str) -> int:
     if queue == "loads":
@@ -36,16 +34,6 @@ def _pool_size(queue: str) -> int:
     if queue == "downloads":
         return int(settings.MAX_DOWNLOAD_WORKERS)
     return 1
-
-
-def _executor(queue: str) -> ThreadPoolExecutor:
-    with _pool_lock:
-        pool = _pools.get(queue)
-        if pool is None:
-            pool = ThreadPoolExecutor(max_workers=_pool_size(queue),
-                                      thread_name_prefix=f"millm-{queue}")
-            _pools[queue] = pool
-        return pool
 
 
 def _run_in_process(task: Any, args: tuple, kwargs: dict, future: Future) -> None:
@@ -64,37 +52,67 @@ def _run_in_process(task: Any, args: tuple, kwargs: dict, future: Future) -> Non
         connections.close_all()
 
 
+class JobDispatch:
+    """The process's task dispatch (a runtime part: ``runtime().jobs``): Celery in
+    distributed mode, one in-process pool per queue embedded, created on first use."""
+
+    def __init__(self) -> None:
+        self._pools: dict[str, ThreadPoolExecutor] = {}
+        self._lock = threading.Lock()
+
+    def executor(self, queue: str) -> ThreadPoolExecutor:
+        with self._lock:
+            pool = self._pools.get(queue)
+            if pool is None:
+                pool = ThreadPoolExecutor(max_workers=_pool_size(queue),
+                                          thread_name_prefix=f"millm-{queue}")
+                self._pools[queue] = pool
+            return pool
+
+    def enqueue(self, task: Any, *args: Any, queue: str = "maintenance",
+                secret_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Future:
+        """Run ``task(*args, **kwargs)`` in the background once the transaction commits.
+
+        ``secret_kwargs`` (a per-request hub token) reach the task but never its logged or
+        inspected representation: in process they stay in memory, and Celery is told to
+        show them masked (``kwargsrepr``).
+        """
+        if queue not in QUEUES:
+            raise ValueError(f"unknown queue {queue!r}")
+        future: Future = Future()
+        secrets = {k: v for k, v in (secret_kwargs or {}).items() if v is not None}
+        all_kwargs = {**kwargs, **secrets}
+
+        def dispatch() -> None:
+            if settings.MILLM_TASKS_IN_PROCESS:
+                self.executor(queue).submit(_run_in_process, task, args, all_kwargs, future)
+            else:
+                shown = {**kwargs, **{k: "***" for k in secrets}}
+                task.apply_async(args=args, kwargs=all_kwargs, queue=queue,
+                                 argsrepr=repr(args), kwargsrepr=repr(shown))
+                future.set_result(None)
+
+        transaction.on_commit(dispatch)
+        return future
+
+    def shutdown(self, wait: bool = False) -> None:
+        """Stop the in-process pools (tests, process exit)."""
+        with self._lock:
+            pools = list(self._pools.values())
+            self._pools.clear()
+        for pool in pools:
+            pool.shutdown(wait=wait, cancel_futures=True)
+
+
 def enqueue(task: Any, *args: Any, queue: str = "maintenance",
             secret_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Future:
-    """Run ``task(*args, **kwargs)`` in the background once the transaction commits.
-
-    ``secret_kwargs`` (a per-request hub token) reach the task but never its logged or
-    inspected representation: in process they stay in memory, and Celery is told to show
-    them masked (``kwargsrepr``).
-    """
-    if queue not in QUEUES:
-        raise ValueError(f"unknown queue {queue!r}")
-    future: Future = Future()
-    secrets = {k: v for k, v in (secret_kwargs or {}).items() if v is not None}
-    all_kwargs = {**kwargs, **secrets}
-
-    def dispatch() -> None:
-        if settings.MILLM_TASKS_IN_PROCESS:
-            _executor(queue).submit(_run_in_process, task, args, all_kwargs, future)
-        else:
-            shown = {**kwargs, **{k: "***" for k in secrets}}
-            task.apply_async(args=args, kwargs=all_kwargs, queue=queue,
-                             argsrepr=repr(args), kwargsrepr=repr(shown))
-            future.set_result(None)
-
-    transaction.on_commit(dispatch)
-    return future
+    """``runtime().jobs.enqueue``: ``task`` in the background once the transaction commits."""
+    return runtime().jobs.enqueue(task, *args, queue=queue, secret_kwargs=secret_kwargs,
+                                  **kwargs)
 
 
 def shutdown(wait: bool = False) -> None:
-    """Stop the in-process pools (tests, process exit)."""
-    with _pool_lock:
-        pools = list(_pools.values())
-        _pools.clear()
-    for pool in pools:
-        pool.shutdown(wait=wait, cancel_futures=True)
+    """Stop the in-process pools of this process's dispatch, if it has one yet."""
+    dispatch = runtime().built("jobs")
+    if dispatch is not None:
+        dispatch.shutdown(wait=wait)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the types only: the web tier never imports the engine
     from core.engine_client import EngineClient
 
-PARTS = ("engine", "admission", "residency", "metrics_push")
+PARTS = ("engine", "admission", "residency", "metrics_push", "events", "jobs", "hub")
 
 
 class Runtime:
@@ -29,6 +29,9 @@ class Runtime:
     admission: Any  # inference.admission.AdmissionController or its shared twin
     residency: Any  # inference.residency.Residency
     metrics_push: Any  # system.metrics.MetricsPush
+    events: Any  # core.events.EventBus
+    jobs: Any  # core.jobs.JobDispatch
+    hub: Any  # registry.hub.HubBreakers
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

@@ -47,6 +47,7 @@ from huggingface_hub.errors import (
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential
 
 from core.errors import MillmError, ValidationFailed
+from core.runtime import runtime
 from registry.errors import (
     CircuitNotFound,
     DownloadFailed,
@@ -91,23 +92,31 @@ def _is_request_error(exc: BaseException) -> bool:
     return not is_transient(exc)
 
 
-_breakers: dict[str, pybreaker.CircuitBreaker] = {}
-_breakers_lock = threading.Lock()
+class HubBreakers:
+    """The process's circuit breakers (a runtime part: ``runtime().hub``), one per name,
+    created on first use from the HF_CIRCUIT_* settings."""
+
+    def __init__(self) -> None:
+        self._breakers: dict[str, pybreaker.CircuitBreaker] = {}
+        self._lock = threading.Lock()
+
+    def get(self, name: str = HUB) -> pybreaker.CircuitBreaker:
+        with self._lock:
+            found = self._breakers.get(name)
+            if found is None:
+                if name != HUB:
+                    raise CircuitNotFound(f"No circuit breaker named {name!r}",
+                                          details={"name": name, "known": [HUB]})
+                found = pybreaker.CircuitBreaker(
+                    fail_max=settings.HF_CIRCUIT_FAIL_MAX,
+                    reset_timeout=settings.HF_CIRCUIT_RESET_TIMEOUT_S,
+                    exclude=[_is_request_error], name=name, throw_new_error_on_trip=False)
+                self._breakers[name] = found
+            return found
 
 
 def breaker(name: str = HUB) -> pybreaker.CircuitBreaker:
-    with _breakers_lock:
-        found = _breakers.get(name)
-        if found is None:
-            if name != HUB:
-                raise CircuitNotFound(f"No circuit breaker named {name!r}",
-                                      details={"name": name, "known": [HUB]})
-            found = pybreaker.CircuitBreaker(
-                fail_max=settings.HF_CIRCUIT_FAIL_MAX,
-                reset_timeout=settings.HF_CIRCUIT_RESET_TIMEOUT_S,
-                exclude=[_is_request_error], name=name, throw_new_error_on_trip=False)
-            _breakers[name] = found
-        return found
+    return runtime().hub.get(name)
 
 
 def _seconds_left(cb: pybreaker.CircuitBreaker) -> int:
@@ -143,12 +152,6 @@ def circuit_reset(*, name: str) -> dict[str, Any]:
     cb.close()
     log.info("circuit_breaker_reset", name=name)
     return circuit_state(cb)
-
-
-def reset_all() -> None:
-    """Forget every breaker (tests; a settings change)."""
-    with _breakers_lock:
-        _breakers.clear()
 
 
 def _unavailable(cb: pybreaker.CircuitBreaker, cause: BaseException | None = None

@@ -50,6 +50,7 @@ def standin_hub(tiny_assets):
 @pytest.fixture
 def hub(standin_hub, settings, tmp_path):
     """The stand-in hub, reset, with the server's hub settings pointing at it."""
+    from core.runtime import runtime
     from registry import hub as hub_client
 
     standin_hub.reset()
@@ -61,10 +62,9 @@ def hub(standin_hub, settings, tmp_path):
     settings.HF_REQUEST_TIMEOUT_S = 5.0
     settings.MODEL_CACHE_DIR = str(tmp_path / "model_cache")
     settings.SAE_CACHE_DIR = str(tmp_path / "sae_cache")
-    hub_client.reset_all()
-    yield standin_hub
+    with runtime().replaced(hub=hub_client.HubBreakers()):  # breakers of these settings
+        yield standin_hub
     standin_hub.reset()
-    hub_client.reset_all()
 
 
 @pytest.fixture

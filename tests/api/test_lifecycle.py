@@ -291,17 +291,19 @@ class _slowed:
 
 def test_pools_are_sized_from_the_settings(settings):
     from core import jobs
+    from core.runtime import runtime
 
-    jobs.shutdown(wait=True)
     settings.MAX_DOWNLOAD_WORKERS, settings.MAX_LOAD_WORKERS = 3, 1
-    try:
-        assert jobs._executor("downloads")._max_workers == 3
-        assert jobs._executor("loads")._max_workers == 1
-        assert jobs._executor("maintenance")._max_workers == 1
-        with pytest.raises(ValueError):
-            jobs.enqueue(tasks.model_load_task, 1, queue="nowhere")
-    finally:
-        jobs.shutdown(wait=True)
+    dispatch = jobs.JobDispatch()
+    with runtime().replaced(jobs=dispatch):
+        try:
+            assert dispatch.executor("downloads")._max_workers == 3
+            assert dispatch.executor("loads")._max_workers == 1
+            assert dispatch.executor("maintenance")._max_workers == 1
+            with pytest.raises(ValueError):
+                jobs.enqueue(tasks.model_load_task, 1, queue="nowhere")
+        finally:
+            dispatch.shutdown(wait=True)
 
 
 def test_transition_selector_for_v1(tiny_llama):
