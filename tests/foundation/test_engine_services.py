@@ -85,7 +85,7 @@ def test_an_unload_past_its_grace_period_stops_the_running_requests(engine_clien
     orchestration_services.model_unload(model=model)
     rest = list(events)
     assert isinstance(rest[-1], ErrorEvent) and rest[-1].code == "engine_busy"
-    assert rest[-1].details == {"reason": "model_unload"}
+    assert rest[-1].details == {"reason": "unloading"}  # the engine stopped it, draining
     assert len(rest) - 1 < 479
     assert Model.objects.get(pk=model.pk).status == "ready"
     assert engine_client.status().state == "empty"
