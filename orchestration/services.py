@@ -39,7 +39,7 @@ from registry.errors import (
     UnsupportedQuantization,
 )
 from registry.models import SAE, Attachment, Job, Model
-from registry.selectors import active_job
+from registry.selectors import active_job, model_loaded
 from registry.services import job_create, job_finish, job_progress, job_start, model_set_status
 from steering.circuits import (
     circuit_activation_plan,
@@ -64,7 +64,7 @@ def _check_free_memory(model: Model, device: str) -> None:
     free = _engine().free_memory(device)
     if free is None:
         return
-    resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
+    resident = model_loaded(other_than=model)
     # the resident model's memory comes back before the new weights arrive
     reclaim = (resident.estimated_memory_bytes or 0) if resident is not None else 0
     if model.estimated_memory_bytes > free + reclaim:
@@ -83,7 +83,6 @@ LOADABLE_QUANTIZATIONS = (Model.Quantization.FP32, Model.Quantization.FP16)
 
 
 def _check_quantization(model: Model) -> None:
-
     if model.format == Model.Format.TRANSFORMERS and \
             model.quantization not in LOADABLE_QUANTIZATIONS:
         raise UnsupportedQuantization(
@@ -91,6 +90,24 @@ def _check_quantization(model: Model) -> None:
             "transformers checkpoints at FP32/FP16 only (no bitsandbytes)",
             details={"model_id": model.id, "quantization": model.quantization,
                      "supported": list(LOADABLE_QUANTIZATIONS)})
+
+
+def _check_loadable(model: Model) -> Model | None:
+    """The refusals a load shares with its enqueueing (the API's route checks them before
+    the job row, the load itself again when it runs): no files yet, GGUF, a quantization
+    this build cannot apply, a locked resident model. The resident model it would replace."""
+    if model.status == Model.Status.DOWNLOADING or not model.local_path:
+        raise ModelInvalid(f"Model {model.name!r} has no files yet (status {model.status})",
+                           details={"model_id": model.id, "status": model.status})
+    if model.format == Model.Format.GGUF:
+        raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
+                               "does not include", details={"model_id": model.id})
+    _check_quantization(model)
+    resident = model_loaded(other_than=model)
+    if resident is not None and resident.locked:
+        raise ModelLocked(f"Model {resident.name!r} is resident and locked; unlock it first",
+                          details={"model_id": resident.id})
+    return resident
 
 
 # Claims serialise here within a process (SQLite has no row locks: embedded mode is one
@@ -169,17 +186,7 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
 
     try:
         model.refresh_from_db()
-        if model.format == Model.Format.GGUF:
-            raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
-                                   "does not include", details={"model_id": model.id})
-        if model.status == Model.Status.DOWNLOADING or not model.local_path:
-            raise ModelInvalid(f"Model {model.name!r} has no files yet",
-                               details={"model_id": model.id})
-        _check_quantization(model)
-        resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
-        if resident is not None and resident.locked:
-            raise ModelLocked(f"Model {resident.name!r} is resident and locked",
-                              details={"model_id": resident.id})
+        resident = _check_loadable(model)
         previous = _claim_load(model)
     except Exception as exc:
         if job is not None and job.status not in Job.FINISHED:
@@ -335,8 +342,7 @@ def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     existing = active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,))
     if existing is not None:
         return existing
-    if Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).exists():
-
+    if model_loaded(other_than=model) is not None:
         lease_check_change(operation="load", target_model=model, lease_id=lease_id)
     if model.status == Model.Status.LOADED:
         raise ModelAlreadyLoaded(f"Model {model.name!r} is already loaded",
@@ -344,17 +350,7 @@ def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     if model.status == Model.Status.UNLOADING:
         raise ModelBusy(f"Model {model.name!r} is being unloaded",
                         details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)
-    if model.status == Model.Status.DOWNLOADING or not model.local_path:
-        raise ModelInvalid(f"Model {model.name!r} has no files yet (status {model.status})",
-                           details={"model_id": model.id, "status": model.status})
-    if model.format == Model.Format.GGUF:
-        raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
-                               "does not include", details={"model_id": model.id})
-    _check_quantization(model)
-    resident = Model.objects.filter(status=Model.Status.LOADED).exclude(pk=model.pk).first()
-    if resident is not None and resident.locked:
-        raise ModelLocked(f"Model {resident.name!r} is resident and locked; unlock it first",
-                          details={"model_id": resident.id})
+    _check_loadable(model)
     job = job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
     jobs.enqueue(tasks.model_load_task, job.id, queue="loads")
     return job
@@ -399,7 +395,7 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
     reported again; only the new pairs reach the engine, in one all-or-nothing call.
     """
 
-    model = Model.objects.filter(status=Model.Status.LOADED).first()
+    model = model_loaded()
     if model is None:
         raise ModelNotLoaded("No model is loaded; load one before attaching an SAE")
     ordered: list[tuple[SAE, int]] = []
@@ -497,7 +493,7 @@ def sae_check_compatibility(*, sae: SAE, layer: int) -> dict[str, Any]:
     """Dry run of an attach: errors (refusals) and warnings, nothing changed."""
 
     _check_sae_ready(sae)
-    if not Model.objects.filter(status=Model.Status.LOADED).exists():
+    if model_loaded() is None:
         raise ModelNotLoaded("No model is loaded; compatibility is judged against the "
                              "loaded model")
     try:

@@ -24,8 +24,13 @@ def model_get(*, model_id: int | str) -> Model:
                             details={"model_id": model_id}) from None
 
 
-def model_loaded() -> Model | None:
-    return Model.objects.filter(status=Model.Status.LOADED).first()
+def model_loaded(*, other_than: Model | None = None) -> Model | None:
+    """The resident model (the row that says ``loaded``); with ``other_than``, the one a
+    load of that model would replace."""
+    qs = Model.objects.filter(status=Model.Status.LOADED)
+    if other_than is not None:
+        qs = qs.exclude(pk=other_than.pk)
+    return qs.first()
 
 
 def sae_list() -> QuerySet[SAE]:

@@ -78,6 +78,53 @@ def test_load_refusals(api, engine_client, tiny_assets, tiny_llama):
     assert not Job.objects.filter(kind="model_load").exists()
 
 
+def test_a_load_refuses_as_the_api_route_does(api, engine_client, tiny_assets, tiny_llama):
+    """The /v1 on-demand load and the Celery task call the service directly: each refusal
+    the API gives before queueing a job, the service gives with the same code, status and
+    details."""
+    from core.errors import MillmError
+    from orchestration.services import model_load
+    from registry import services
+
+    def both(model) -> tuple[tuple, tuple]:
+        response = api.post(f"/api/models/{model.id}/load")
+        error = refused(response, response.status_code, response.json()["error"]["code"])
+        with pytest.raises(MillmError) as exc:
+            model_load(model=model)
+        direct = exc.value
+        return ((response.status_code, error["code"], error["details"]),
+                (direct.status, direct.code, direct.details))
+
+    downloading = Model.objects.create(name="half", source="huggingface", repo_id="a/b",
+                                       status="downloading")
+    gguf = Model.objects.create(name="g", source="local", format="gguf", status="ready",
+                                local_path=str(tiny_assets.models["tiny-gpt2"].path))
+    q4 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
+                                       name="gpt2-q4", quantization="Q4")
+    expected = {
+        downloading.id: (400, "MODEL_INVALID", {"model_id": downloading.id,
+                                                "status": "downloading"}),
+        gguf.id: (400, "UNSUPPORTED_MODEL", {"model_id": gguf.id}),
+        q4.id: (400, "UNSUPPORTED_QUANTIZATION", {"model_id": q4.id, "quantization": "Q4",
+                                                  "supported": ["FP32", "FP16"]}),
+    }
+    for model in (downloading, gguf, q4):
+        via_api, direct = both(model)
+        assert via_api == expected[model.id], via_api
+        assert direct == expected[model.id], direct
+    # a locked resident model: refused on both routes, naming the resident one
+    _load(api, tiny_llama)
+    ok(api.post(f"/api/models/{tiny_llama.id}/lock"))
+    gpt2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
+                                         name="tiny-gpt2")
+    via_api, direct = both(gpt2)
+    assert via_api == direct == (409, "MODEL_LOCKED", {"model_id": tiny_llama.id})
+    assert not Job.objects.filter(kind="model_load", model__in=[downloading, gguf, q4, gpt2]
+                                  ).exists()
+    assert Model.objects.get(pk=gpt2.id).status == "ready"
+    assert engine_client.status().model_id == "tiny-llama"
+
+
 def test_loading_another_model_replaces_the_resident_one(api, engine_client, tiny_assets,
                                                          tiny_llama, published):
     from registry import services
