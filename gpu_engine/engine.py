@@ -12,6 +12,10 @@ running one by one: the worker alternates between the queue's tasks and one batc
 at a time (blocking on the queue only when the batch is empty, so an idle batch costs
 nothing), and a control operation first drains the running batch — no admissions,
 bounded by the caller's wait — before it touches hooks or weights.
+
+Apart from the facade and its worker: the ledger of accepted work and draining it
+(``drain``), preparing a request for the model (``requests``), and an attached SAE
+(``attachments``).
 """
 
 from __future__ import annotations
@@ -21,19 +25,18 @@ import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Self
 
 import torch
 
+from . import requests
+from .attachments import Attachment, is_out_of_memory, prepare_attachment
 from .commands import check_implements
+from .drain import STOP_WAIT_S, WorkLedger
 from .errors import (
-    ContextLengthExceeded,
     EngineBusy,
     EngineError,
     EngineShutdown,
@@ -43,7 +46,7 @@ from .errors import (
     ModelNotLoaded,
     SAENotAttached,
 )
-from .hooks import AttachmentPlan, AttachmentStats, HookManager, MonitorPlan, RequestHooks
+from .hooks import HookManager
 from .protocol import (
     AttachmentKey,
     AttachmentStatus,
@@ -64,47 +67,13 @@ from .protocol import (
     Usage,
 )
 from .sae import CompatibilityReport, check_compatibility
-from .sae.layouts import detect_layout, get_layout
-from .sae.module import SAE
 from .scheduler import BatchScheduler
 from .stream import GenerationStream
 
 log = logging.getLogger("gpu_engine")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-# How long stopped generations get to end (they stop before their next forward pass) and a
-# control operation gets to start after a drain, at least.
-STOP_WAIT_S = 10.0
 _CONTROL, _WORK = 0, 1
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
-
-
-@dataclass
-class Attachment:
-    sae_id: str
-    layer: int
-    layer_module_path: str
-    sae: SAE
-    module: Any
-    stats: AttachmentStats = field(default_factory=AttachmentStats)
-
-    @property
-    def key(self) -> AttachmentKey:
-        return (self.sae_id, self.layer)
-
-    def status(self) -> AttachmentStatus:
-        cfg = self.sae.cfg
-        return AttachmentStatus(
-            sae_id=self.sae_id, layer=self.layer, layer_module_path=self.layer_module_path,
-            d_in=cfg.d_in, d_sae=cfg.d_sae, activation=cfg.activation, layout=cfg.layout,
-            path=cfg.path, steering_apply_count=self.stats.steering_apply_count,
-        )
 
 
 class _Task:
@@ -145,15 +114,9 @@ class Engine:
         # guards the attachment table and the counters, which status readers on other
         # threads look at while the worker changes them
         self._state_lock = threading.Lock()
-        # Work accepted and not finished (generations until their last event, embeddings
-        # and scores until answered), whoever sent it: an unload or a model swap waits
-        # for these, wherever it was asked from. While ``_draining`` names such an
-        # operation, new work is refused with engine_busy (503 model_busy on /v1).
-        self._work_cv = threading.Condition()
-        self._streams: set[GenerationStream] = set()
-        self._calls = 0
-        self._draining: str | None = None
-        self._draining_model: str | None = None
+        # Work accepted and not finished, whoever sent it: an unload or a model swap
+        # drains it first (gpu_engine/drain.py)
+        self._ledger = WorkLedger()
         self._thread = threading.Thread(target=self._worker, name="millm-engine", daemon=True)
         self._thread.start()
 
@@ -263,83 +226,16 @@ class Engine:
 
     # ------------------------------------------------------------------ draining
 
-    def _live_work(self) -> int:
-        return len(self._streams) + self._calls
-
-    def _admit_work(self, stream: GenerationStream | None = None) -> EngineBusy | None:
-        """Count new work in, or say why it is refused (a drain is under way)."""
-        with self._work_cv:
-            if self._draining is not None:
-                return EngineBusy(
-                    f"the engine is {self._draining} model {self._draining_model!r}; retry shortly",
-                    details={"reason": self._draining, "model_id": self._draining_model})
-            if stream is None:
-                self._calls += 1
-            else:
-                self._streams.add(stream)
-            return None
-
-    def _work_ended(self, stream: GenerationStream | None = None) -> None:
-        with self._work_cv:
-            if stream is None:
-                self._calls -= 1
-            else:
-                self._streams.discard(stream)
-            self._work_cv.notify_all()
-
-    def _wait_for_work(self, deadline: float) -> bool:
-        """Wait until no accepted work is left, or ``deadline``; True when none is left."""
-        with self._work_cv:
-            while self._live_work():
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    return False
-                self._work_cv.wait(left)
-            return True
-
     def _drained(self, reason: str, model_id: str | None, timeout_s: float | None, *, stop_after: bool,
                  op: Callable[[], Any]) -> Any:
-        """Run control ``op`` once the work already accepted has finished: new work is
-        refused from now on; what is still running after ``timeout_s`` is stopped (its
-        clients get engine_busy) when ``stop_after``, else the operation is refused with
-        engine_busy and serving resumes."""
+        """Run control ``op`` once the work already accepted has finished (``WorkLedger.drained``)."""
         timeout = self.drain_timeout_s if timeout_s is None else float(timeout_s)
-        with self._work_cv:
-            if self._draining is not None:
-                raise EngineBusy(f"the engine is already {self._draining} model {self._draining_model!r}",
-                                 details={"reason": self._draining})
-            self._draining, self._draining_model = reason, model_id
-        try:
-            if not self._wait_for_work(time.monotonic() + timeout):
-                if not stop_after:
-                    raise EngineBusy("timed out waiting for in-flight work to drain",
-                                     details={"timeout_s": timeout, "in_flight": self._live_work()})
-                with self._work_cv:
-                    streams = list(self._streams)
-                log.warning("%s: %d request(s) outlasted the %.1fs grace period; stopping them",
-                            reason, len(streams), timeout)
-                error = EngineBusy(f"the request was stopped: the engine is {reason} model {model_id!r} "
-                                   f"and the {timeout:g}s grace period ran out",
-                                   details={"reason": reason})
-                for stream in streams:
-                    stream._stop(error)
-                # a stopped generation ends before its next forward pass
-                self._wait_for_work(time.monotonic() + max(timeout, STOP_WAIT_S))
-            return self._call(op, timeout_s=max(timeout, STOP_WAIT_S))
-        finally:
-            with self._work_cv:
-                self._draining = self._draining_model = None
+        return self._ledger.drained(reason, model_id, timeout, stop_after=stop_after,
+                                    run=lambda: self._call(op, timeout_s=max(timeout, STOP_WAIT_S)))
 
     def cancel_all(self, reason: str = "cancel_all") -> int:
         """Stop every running generation; their clients get ``engine_busy``."""
-        with self._work_cv:
-            streams = list(self._streams)
-        error = EngineBusy(f"the request was stopped by the server ({reason})", details={"reason": reason})
-        for stream in streams:
-            stream._stop(error)
-        if streams:
-            log.warning("cancel_all stopped %d generation(s): %s", len(streams), reason)
-        return len(streams)
+        return self._ledger.cancel_all(reason)
 
     # ------------------------------------------------------------------ model
 
@@ -400,31 +296,6 @@ class Engine:
             cfg, hidden_size=backend.hidden_size, num_layers=backend.num_layers, layer=layer, model_name=self._model_id
         )
 
-    def _prepare_attachment(self, spec: AttachSpec) -> tuple[Attachment, list[str]]:
-        backend = self._require_backend()
-        if spec.layout is None:
-            layout, found = detect_layout(spec.path)
-        else:
-            layout = get_layout(spec.layout)
-            found = layout.detect(Path(spec.path))
-            if found is None:
-                from .errors import SAEFormatError
-
-                raise SAEFormatError(f"{spec.path} is not a {spec.layout} SAE", details={"path": spec.path})
-        cfg = layout.read_metadata(found)
-        report = check_compatibility(
-            cfg, hidden_size=backend.hidden_size, num_layers=backend.num_layers, layer=spec.layer, model_name=self._model_id
-        )
-        report.raise_for_errors(spec.sae_id)
-        module, path = backend.block(spec.layer)
-        try:
-            sae = SAE(cfg, layout.load_tensors(cfg), device=backend.device)
-        except Exception as exc:
-            if is_out_of_memory(exc):
-                raise InsufficientMemory(f"not enough memory for SAE {spec.sae_id!r}: {exc}") from exc
-            raise
-        return Attachment(spec.sae_id, spec.layer, path, sae, module), list(report.warnings)
-
     def attach_set(self, specs: Sequence[AttachSpec], *, timeout_s: float | None = None) -> list[AttachResult]:
         """Attach several SAEs all-or-nothing (an existing (sae_id, layer) is replaced)."""
         specs = list(specs)
@@ -433,7 +304,7 @@ class Engine:
             raise InvalidParameter("the set names one (sae_id, layer) twice", param="attachments")
 
         def op() -> list[AttachResult]:
-            prepared = [self._prepare_attachment(s) for s in specs]  # loads everything first
+            prepared = [prepare_attachment(self._require_backend(), s, self._model_id) for s in specs]  # loads everything first
             installed: list[AttachmentKey] = []
             replaced: dict[AttachmentKey, Attachment] = {}
             try:
@@ -502,60 +373,6 @@ class Engine:
 
     # ------------------------------------------------------------------ requests
 
-    def _validate_ids(self, ids: Sequence[int], param: str) -> list[int]:
-        vocab = self._backend.vocab_size
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-                raise InvalidParameter(f"token id {t!r} is outside the vocabulary (0..{vocab - 1})", param=param,
-                                       details={"token_id": t, "vocab_size": vocab})
-        return list(ids)
-
-    def _prompt_ids(self, job: GenerationJob) -> list[int]:
-        backend = self._backend
-        if job.prompt_token_ids is not None:
-            ids = self._validate_ids(job.prompt_token_ids, "prompt")
-        elif job.messages is not None:
-            ids = backend.encode_messages(job.messages, add_generation_prompt=job.add_generation_prompt, **job.chat_template_kwargs)
-        else:
-            ids = backend.encode_text(job.prompt or "", add_special_tokens=job.add_special_tokens)
-        if not ids:
-            raise InvalidParameter("the prompt is empty after tokenisation", param="prompt")
-        return ids
-
-    def _max_tokens(self, job: GenerationJob, n_prompt: int) -> int:
-        window = self._backend.context_length
-        asked = job.sampling.max_tokens
-        max_tokens = asked if asked is not None else max(window - n_prompt, 0)
-        if n_prompt + max(max_tokens, 1) > window:
-            raise ContextLengthExceeded(prompt_tokens=n_prompt, max_tokens=max_tokens, context_length=window)
-        return max_tokens
-
-    def _request_hooks(self, job: GenerationJob, n_prompt: int) -> RequestHooks | None:
-        plans: dict[AttachmentKey, AttachmentPlan] = {}
-
-        def attachment(key: AttachmentKey) -> Attachment:
-            att = self._attachments.get(key)
-            if att is None:
-                raise SAENotAttached(f"SAE {key[0]!r} is not attached at layer {key[1]}",
-                                     details={"sae_id": key[0], "layer": key[1]})
-            return att
-
-        backend = self._backend
-        for entry in job.steering.entries if job.steering else []:
-            if not entry.features:
-                continue
-            att = attachment(entry.key)
-            att.sae.check_indices(entry.sae_id, entry.features)
-            plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
-            plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype, device=backend.device)
-        for mon in job.monitor.entries if job.monitor else []:
-            att = attachment(mon.key)
-            att.sae.check_indices(mon.sae_id, mon.features)
-            plan = plans.setdefault(mon.key, AttachmentPlan(mon.key))
-            mp = MonitorPlan(mon, att.sae, prompt_len=n_prompt)
-            (plan.pre if mon.read_point == "pre_steering" else plan.post).append(mp)
-        return RequestHooks(job.request_id, plans) if plans else None
-
     def _handle_oom(self, exc: BaseException) -> None:
         keys = list(self._attachments)
         log.error("out of memory during a forward pass (%s); detaching %d SAE(s)", exc, len(keys))
@@ -574,9 +391,9 @@ class Engine:
                 stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
                 return
             backend = self._require_backend()
-            prompt_ids = self._prompt_ids(job)
-            max_tokens = self._max_tokens(job, len(prompt_ids))
-            hooks = self._request_hooks(job, len(prompt_ids))
+            prompt_ids = requests.prompt_ids(backend, job)
+            max_tokens = requests.token_budget(backend, job, len(prompt_ids))
+            hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
             finish = backend.generate(
                 request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling, max_tokens=max_tokens,
                 hook_manager=self._hooks, request_hooks=hooks, should_stop=stream._cancel.is_set, emit=stream._put,
@@ -604,9 +421,9 @@ class Engine:
         from .backends.transformers.sequence import Sequence
 
         backend = self._require_backend()
-        prompt_ids = self._prompt_ids(job)
-        max_tokens = self._max_tokens(job, len(prompt_ids))
-        hooks = self._request_hooks(job, len(prompt_ids))
+        prompt_ids = requests.prompt_ids(backend, job)
+        max_tokens = requests.token_budget(backend, job, len(prompt_ids))
+        hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
         return Sequence(backend, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
                         max_tokens=max_tokens, request_hooks=hooks, emit=stream._put, should_stop=stream._cancel.is_set)
 
@@ -626,8 +443,8 @@ class Engine:
 
     def generate(self, job: GenerationJob) -> GenerationStream:
         """Queue a generation; returns at once with a stream of its events."""
-        stream = GenerationStream(job.request_id, on_end=self._work_ended)
-        refused = self._admit_work(stream)
+        stream = GenerationStream(job.request_id, on_end=self._ledger.ended)
+        refused = self._ledger.admit(stream)
         if refused is not None:
             stream._put(ErrorEvent(job.request_id, refused.code, refused.message, refused.details))
             return stream
@@ -646,7 +463,7 @@ class Engine:
         return self.generate(job).result(timeout_s)
 
     def _work(self, fn: Callable[[], Any], timeout_s: float | None) -> Any:
-        refused = self._admit_work()
+        refused = self._ledger.admit()
         if refused is not None:
             raise refused
         try:
@@ -657,28 +474,12 @@ class Engine:
                 task.future.cancel()
                 raise EngineBusy("timed out waiting for the engine", details={"timeout_s": timeout_s}) from None
         finally:
-            self._work_ended()
-
-    def _inputs(self, items: Sequence[Any], param: str, add_special_tokens: bool = True) -> list[list[int]]:
-        out = []
-        for item in items:
-            if isinstance(item, str):
-                ids = self._backend.encode_text(item, add_special_tokens=add_special_tokens)
-            elif isinstance(item, (list, tuple)):
-                ids = self._validate_ids(list(item), param)
-            else:
-                raise InvalidParameter("each input must be a string or a list of token ids", param=param)
-            if not ids:
-                raise InvalidParameter("an input is empty", param=param)
-            if len(ids) > self._backend.context_length:
-                raise ContextLengthExceeded(prompt_tokens=len(ids), max_tokens=0, context_length=self._backend.context_length)
-            out.append(ids)
-        return out
+            self._ledger.ended()
 
     def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
         def op() -> EmbedResult:
             backend = self._require_backend()
-            inputs = self._inputs(job.inputs, "input")
+            inputs = requests.encode_inputs(backend, job.inputs, "input")
             with self._hooks.suppressed():
                 return backend.embed(job, inputs)
 
@@ -688,11 +489,11 @@ class Engine:
         def op() -> ScoreResult:
             backend = self._require_backend()
             if job.prompt_token_ids is not None:
-                ids = self._inputs([list(job.prompt_token_ids)], "prompt")[0]
+                ids = requests.encode_inputs(backend, [list(job.prompt_token_ids)], "prompt")[0]
             else:
-                ids = self._inputs([job.prompt], "prompt", job.add_special_tokens)[0]
+                ids = requests.encode_inputs(backend, [job.prompt], "prompt", job.add_special_tokens)[0]
             if job.allowed_token_ids is not None:
-                self._validate_ids(job.allowed_token_ids, "allowed_token_ids")
+                requests.validate_ids(backend, job.allowed_token_ids, "allowed_token_ids")
             with self._hooks.suppressed():
                 return backend.score(job, ids)
 
@@ -743,9 +544,9 @@ class Engine:
         b = self._backend
         if b is None:
             return EngineStatus(state="empty", in_flight=self._in_flight_total(), queued=max(self._queued, 0),
-                                batching=self.batching_status(), draining=self._draining)
+                                batching=self.batching_status(), draining=self._ledger.draining)
         return EngineStatus(
-            state="ready", draining=self._draining, backend=b.name, model_id=self._model_id, model_path=str(self._load_job.path) if self._load_job else None,
+            state="ready", draining=self._ledger.draining, backend=b.name, model_id=self._model_id, model_path=str(self._load_job.path) if self._load_job else None,
             dtype=self._load_job.dtype if self._load_job else None, device=str(b.device), context_length=b.context_length,
             num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
             attachments=self.attachments(), in_flight=self._in_flight_total(), queued=max(self._queued, 0),

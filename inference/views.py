@@ -29,6 +29,7 @@ from inference.errors import (
     openai_error_from_validation,
     openai_error_response,
 )
+from inference.planning import resolve_model
 from inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -40,7 +41,7 @@ from inference.protocol import (
     UsageInfo,
 )
 from inference.residency import LOAD_POLICIES, resident_model_id
-from inference.serving import ENGINE_CALL_TIMEOUT_S, resolve_model, serve_generation
+from inference.serving import ENGINE_CALL_TIMEOUT_S, serve_generation
 
 log = structlog.get_logger(__name__)
 

@@ -10,6 +10,10 @@ import time (the web tier imports ``keys`` and ``wire`` to talk to the engine).
   an ``Engine``: consumer-group reads with bounded concurrency, acknowledgement only once
   the result is stored, "started" markers so nothing is generated twice, reclaiming and
   dead-lettering the work of a dead engine, heartbeat, cancellation and clean shutdown.
+- ``results``: what the engine writes back (a request's events, its final result stored
+  with the job's acknowledgement in one MULTI, dead-letter records).
+- ``ownership``: one engine per prefix (the owner key, refreshed with the heartbeat in
+  one step, given back on close).
 
 docs/deploy.md describes the delivery semantics in full.
 """

@@ -58,39 +58,13 @@ from ..errors import (
 )
 from ..protocol import ErrorEvent, FinishEvent, StreamEvent, to_builtins
 from .keys import Keys
-from .wire import Envelope, encode_event, error_event, job_error, result_event
+from .ownership import EngineAlreadyRunning, PrefixOwnership
+from .results import ResultWriter
+from .wire import Envelope, error_event, job_error, result_event
 
 log = logging.getLogger("gpu_engine.server")
 
-DEAD_LETTER_MAXLEN = 10_000
 READ_BLOCK_MS = 500
-
-# Owner refresh and heartbeat write in one step: an engine that lost the prefix to
-# another (it stalled past ENGINE_DEAD_AFTER_S) must not overwrite the new one's status.
-_HEARTBEAT_LUA = """
-local owner = redis.call('GET', KEYS[1])
-if owner == ARGV[1] then
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-elseif not owner then
-  redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
-else
-  return 0
-end
-redis.call('SET', KEYS[2], ARGV[3], 'PX', ARGV[2])
-return 1
-"""
-_RELEASE_LUA = """
-if redis.call('GET', KEYS[1]) == ARGV[1] then
-  redis.call('DEL', KEYS[1])
-  redis.call('DEL', KEYS[2])
-  return 1
-end
-return 0
-"""
-
-
-class EngineAlreadyRunning(RuntimeError):
-    """Another live engine serves this prefix."""
 
 
 @dataclass(frozen=True)
@@ -166,8 +140,9 @@ class EngineServer:
                                         thread_name_prefix="millm-job")
         self._threads: list[threading.Thread] = []
         self._heartbeat_thread: threading.Thread | None = None
-        self._heartbeat = client.register_script(_HEARTBEAT_LUA)
-        self._release = client.register_script(_RELEASE_LUA)
+        self._results = ResultWriter(client, self.keys, self.config, self.engine_id)
+        self._owner = PrefixOwnership(client, self.keys, self.engine_id,
+                                      dead_after_ms=self.config.dead_after_ms)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -175,17 +150,7 @@ class EngineServer:
         """Become the one engine of this prefix, waiting (bounded) for a dead one's claim
         to expire; raise EngineAlreadyRunning if another engine is still alive."""
         wait_s = self.config.dead_after_s * 2 if wait_s is None else wait_s
-        deadline = time.monotonic() + wait_s
-        while True:
-            if self.redis.set(self.keys.owner, self.engine_id, nx=True,
-                              px=self.config.dead_after_ms):
-                return
-            holder = self.redis.get(self.keys.owner)
-            if time.monotonic() >= deadline:
-                raise EngineAlreadyRunning(
-                    f"engine {holder!r} is serving the prefix {self.config.prefix!r}; one "
-                    "engine per prefix (set ENGINE_STREAM_PREFIX to run another)")
-            time.sleep(min(0.2, self.config.heartbeat_s))
+        self._owner.acquire(wait_s, poll_s=min(0.2, self.config.heartbeat_s))
 
     def ensure_groups(self) -> None:
         for stream in (self.keys.commands, self.keys.requests):
@@ -279,7 +244,7 @@ class EngineServer:
         for thread in self._threads:
             thread.join(timeout=2)
         try:
-            self._release(keys=[self.keys.owner, self.keys.heartbeat], args=[self.engine_id])
+            self._owner.release()
         except redis.RedisError as exc:
             log.warning("engine_release_failed error=%r", exc)
 
@@ -310,9 +275,7 @@ class EngineServer:
 
     def heartbeat_once(self) -> None:
         payload = json.dumps(self.heartbeat_payload(), separators=(",", ":"))
-        ok = self._heartbeat(keys=[self.keys.owner, self.keys.heartbeat],
-                             args=[self.engine_id, self.config.dead_after_ms, payload])
-        if not ok:
+        if not self._owner.beat(payload):
             if not self.lost_ownership:
                 log.critical("engine_ownership_lost engine_id=%s: another engine took the "
                              "prefix %r while this one stalled; stopping", self.engine_id,
@@ -455,7 +418,7 @@ class EngineServer:
                      delivered: int, deadline: float) -> bool:
         """The checks before work starts; False when the entry was settled here."""
         if delivered > self.config.max_deliveries:
-            self._give_up(stream, msg_id, fields, request_id, "max_deliveries", GenerationFailed(
+            self._results.give_up(stream, msg_id, fields, request_id, "max_deliveries", GenerationFailed(
                 f"the job was delivered {delivered} times without finishing (each time the "
                 "engine stopped while holding it); it was moved to the dead-letter stream",
                 details={"deliveries": delivered}))
@@ -466,13 +429,13 @@ class EngineServer:
             if time.time() > deadline or not self.redis.exists(self.keys.live(request_id)):
                 # nobody waits for it any more (the client left or gave up): drop it unrun
                 log.info("engine_dropped_abandoned id=%s request_id=%s", msg_id, request_id)
-                self._store_final(stream, msg_id, request_id, error_event(
+                self._results.store_final(stream, msg_id, request_id, error_event(
                     request_id, EngineBusy("the client stopped waiting before the job started")))
                 return False
             if self.redis.set(started_key, self.engine_id, nx=True, ex=self.config.result_ttl_s):
                 return True
             starter = self.redis.get(started_key)
-        self._give_up(stream, msg_id, fields, request_id, "engine_died_while_running",
+        self._results.give_up(stream, msg_id, fields, request_id, "engine_died_while_running",
                       EngineShutdown(
                           f"the engine process running this job ({starter}) stopped before it "
                           "finished; it is not run again", details={"started_by": starter}))
@@ -484,7 +447,7 @@ class EngineServer:
         try:
             return Envelope.decode(fields)
         except Exception as exc:  # noqa: BLE001 - a malformed entry is dead-lettered
-            self._dead_letter(stream, msg_id, fields, "undecodable", repr(exc))
+            self._results.dead_letter(stream, msg_id, fields, "undecodable", repr(exc))
             self.redis.xack(stream, self.keys.group, msg_id)
             self.redis.xdel(stream, msg_id)
             return None
@@ -520,7 +483,7 @@ class EngineServer:
                 if isinstance(event, (FinishEvent, ErrorEvent)):
                     final = event
                     break
-                self._emit(rid, event)
+                self._results.emit(rid, event)
         except EngineError as exc:
             final = error_event(rid, exc)
         except redis.RedisError as exc:
@@ -559,63 +522,8 @@ class EngineServer:
             self._inflight.pop(entry.request_id, None)
             self._room.notify_all()
 
-    def _emit(self, request_id: str, payload: StreamEvent) -> None:
-        key = self.keys.events(request_id)
-        pipe = self.redis.pipeline(transaction=False)
-        pipe.xadd(key, encode_event(payload), maxlen=self.config.stream_maxlen, approximate=True)
-        pipe.expire(key, self.config.result_ttl_s)
-        pipe.execute()
-
-    def _store_final(self, stream: str, msg_id: str, request_id: str,
-                     payload: StreamEvent, dead: dict[str, Any] | None = None) -> None:
-        """The final event, the acknowledgement and (optionally) a dead-letter record in
-        one MULTI: the entry is acked exactly when its result is stored."""
-        key = self.keys.events(request_id)
-        delay = 0.05
-        for attempt in range(5):
-            try:
-                pipe = self.redis.pipeline(transaction=True)
-                if dead is not None:
-                    pipe.xadd(self.keys.dead_letter, {"data": json.dumps(dead, default=str)},
-                              maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-                pipe.xadd(key, encode_event(payload), maxlen=self.config.stream_maxlen,
-                          approximate=True)
-                pipe.expire(key, self.config.result_ttl_s)
-                pipe.xack(stream, self.keys.group, msg_id)
-                pipe.xdel(stream, msg_id)
-                pipe.execute()
-                return
-            except redis.RedisError as exc:
-                if attempt == 4:
-                    # left pending: reclaimed later, its client told then
-                    log.error("engine_result_not_stored request_id=%s error=%r", request_id, exc)
-                    return
-                time.sleep(delay)
-                delay *= 2
-
     def _finish(self, entry: _InFlight, payload: StreamEvent) -> None:
-        self._store_final(entry.stream, entry.msg_id, entry.request_id, payload)
-
-    def _dead_record(self, stream: str, msg_id: str, fields: Any, reason: str,
-                     error: str) -> dict[str, Any]:
-        raw = fields.get("data") if isinstance(fields, dict) else None
-        return {"reason": reason, "stream": stream, "id": msg_id, "entry": raw,
-                "engine_id": self.engine_id, "time": time.time(), "error": error}
-
-    def _dead_letter(self, stream: str, msg_id: str, fields: Any, reason: str,
-                     error: str) -> None:
-        log.error("engine_dead_letter stream=%s id=%s reason=%s", stream, msg_id, reason)
-        self.redis.xadd(self.keys.dead_letter,
-                        {"data": json.dumps(self._dead_record(stream, msg_id, fields, reason,
-                                                              error), default=str)},
-                        maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-
-    def _give_up(self, stream: str, msg_id: str, fields: Any, request_id: str, reason: str,
-                 error: EngineError) -> None:
-        log.error("engine_dead_letter stream=%s id=%s request_id=%s reason=%s", stream, msg_id,
-                  request_id, reason)
-        self._store_final(stream, msg_id, request_id, error_event(request_id, error),
-                          dead=self._dead_record(stream, msg_id, fields, reason, error.message))
+        self._results.store_final(entry.stream, entry.msg_id, entry.request_id, payload)
 
     # ------------------------------------------------------------------ cancellation
 

@@ -16,7 +16,8 @@ from contextlib import contextmanager
 
 import pytest
 
-from inference.admission import QueueFull, SharedAdmissionController
+from inference.admission import QueueFull
+from inference.admission_shared import SharedAdmissionController
 from tests.distributed.conftest import REPO
 
 
@@ -266,7 +267,7 @@ def test_an_unreachable_redis_is_a_quick_503_without_stalling_the_loop(server):
 HOLDER = """
 import os, sys
 os.environ["DJANGO_SETTINGS_MODULE"] = "millm_site.test_settings"
-from inference.admission import SharedAdmissionController
+from inference.admission_shared import SharedAdmissionController
 ctl = SharedAdmissionController(url=sys.argv[1], prefix=sys.argv[2], slots=1, max_pending=1)
 permit = ctl.try_acquire()
 print("held", flush=True)

@@ -1,0 +1,93 @@
+"""Preparing a request for the loaded model: its token ids checked or encoded, its token
+budget against the context window, and the per-request hooks its steering and
+monitoring need. Functions of what they read (the backend, the attachment table); the
+engine calls them on its worker thread."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from .attachments import Attachment
+from .errors import ContextLengthExceeded, InvalidParameter, SAENotAttached
+from .hooks import AttachmentPlan, MonitorPlan, RequestHooks
+from .protocol import AttachmentKey, GenerationJob
+
+
+def validate_ids(backend: Any, ids: Sequence[int], param: str) -> list[int]:
+    vocab = backend.vocab_size
+    for t in ids:
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise InvalidParameter(f"token id {t!r} is outside the vocabulary (0..{vocab - 1})", param=param,
+                                   details={"token_id": t, "vocab_size": vocab})
+    return list(ids)
+
+
+def prompt_ids(backend: Any, job: GenerationJob) -> list[int]:
+    if job.prompt_token_ids is not None:
+        ids = validate_ids(backend, job.prompt_token_ids, "prompt")
+    elif job.messages is not None:
+        ids = backend.encode_messages(job.messages, add_generation_prompt=job.add_generation_prompt, **job.chat_template_kwargs)
+    else:
+        ids = backend.encode_text(job.prompt or "", add_special_tokens=job.add_special_tokens)
+    if not ids:
+        raise InvalidParameter("the prompt is empty after tokenisation", param="prompt")
+    return ids
+
+
+def token_budget(backend: Any, job: GenerationJob, n_prompt: int) -> int:
+    """The generation's max_tokens (the rest of the context window when not asked)."""
+    window = backend.context_length
+    asked = job.sampling.max_tokens
+    max_tokens = asked if asked is not None else max(window - n_prompt, 0)
+    if n_prompt + max(max_tokens, 1) > window:
+        raise ContextLengthExceeded(prompt_tokens=n_prompt, max_tokens=max_tokens, context_length=window)
+    return max_tokens
+
+
+def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, Attachment], job: GenerationJob,
+                  n_prompt: int) -> RequestHooks | None:
+    plans: dict[AttachmentKey, AttachmentPlan] = {}
+
+    def attachment(key: AttachmentKey) -> Attachment:
+        att = attachments.get(key)
+        if att is None:
+            raise SAENotAttached(f"SAE {key[0]!r} is not attached at layer {key[1]}",
+                                 details={"sae_id": key[0], "layer": key[1]})
+        return att
+
+    for entry in job.steering.entries if job.steering else []:
+        if not entry.features:
+            continue
+        att = attachment(entry.key)
+        att.sae.check_indices(entry.sae_id, entry.features)
+        plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
+        plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype, device=backend.device)
+    for mon in job.monitor.entries if job.monitor else []:
+        att = attachment(mon.key)
+        att.sae.check_indices(mon.sae_id, mon.features)
+        plan = plans.setdefault(mon.key, AttachmentPlan(mon.key))
+        mp = MonitorPlan(mon, att.sae, prompt_len=n_prompt)
+        (plan.pre if mon.read_point == "pre_steering" else plan.post).append(mp)
+    return RequestHooks(job.request_id, plans) if plans else None
+
+
+def encode_inputs(backend: Any, items: Sequence[Any], param: str, add_special_tokens: bool = True) -> list[list[int]]:
+    """Embedding or scoring inputs (texts or token-id lists) as checked token ids."""
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            ids = backend.encode_text(item, add_special_tokens=add_special_tokens)
+        elif isinstance(item, (list, tuple)):
+            ids = validate_ids(backend, list(item), param)
+        else:
+            raise InvalidParameter("each input must be a string or a list of token ids", param=param)
+        if not ids:
+            raise InvalidParameter("an input is empty", param=param)
+        if len(ids) > backend.context_length:
+            raise ContextLengthExceeded(prompt_tokens=len(ids), max_tokens=0, context_length=backend.context_length)
+        out.append(ids)
+    return out
+
+
+__all__ = ["encode_inputs", "prompt_ids", "request_hooks", "token_budget", "validate_ids"]

@@ -1,0 +1,182 @@
+"""Planning one /v1 generation request: which registry row it names, the steering and
+monitoring it resolves to, and the engine jobs of its choices — everything decided before
+the first token (``Plan``).
+
+``inference.serving`` runs the plan (admission, residency, the engine jobs, the JSON body
+or SSE stream); this module reads the database only through ``off_view_thread`` (or not at
+all, when this process's copies of the live steering and the monitoring configuration are
+fresh).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from asgiref.sync import sync_to_async
+from django.db import close_old_connections
+
+from core.engine_client import EngineClient
+from core.version import version
+from gpu_engine.protocol import (
+    AttachmentStatus,
+    EngineStatus,
+    GenerationJob,
+    MonitorEntry,
+    MonitorSpec,
+)
+from inference import selectors, wire
+from inference.activations import monitor_resolve
+from inference.errors import OpenAIError
+from inference.protocol import ChatCompletionRequest, CompletionRequest
+from inference.residency import ModelRef
+from monitoring.services import (
+    monitoring_merge,
+    monitoring_request_config,
+    monitoring_request_entry,
+)
+from steering.live import live_copy
+from steering.services import ResolvedSteering, steering_resolve_request
+
+
+@dataclass
+class Choice:
+    index: int
+    job: GenerationJob
+    prompt_text: str | None = None  # completions: the prompt as text (for echo)
+
+
+@dataclass
+class Plan:
+    """Everything decided before the first token."""
+
+    kind: str  # "chat" | "completion"
+    request: ChatCompletionRequest | CompletionRequest
+    model: ModelRef
+    steering: ResolvedSteering
+    monitor: MonitorSpec | None
+    attachment: AttachmentStatus | None
+    choices: list[Choice]
+    backend: str
+    monitoring: MonitorEntry | None = None  # /api/monitoring's entry, recorded apart
+    fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
+    response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def object_id(self) -> str:
+        return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.response_id
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header}
+
+    @property
+    def wants_millm(self) -> bool:
+        return self.request.uses_extensions
+
+
+
+def off_view_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` (database work) on a pool thread rather than the one thread that runs sync
+    views: a slow view (an attach draining the generations) must not hold up planning,
+    nor the monitoring write a generation makes as it finishes. The thread's connection
+    is checked as a request's would be."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        close_old_connections()
+        return fn(*args, **kwargs)
+
+    return sync_to_async(run, thread_sensitive=False)
+
+
+def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None
+                   ) -> dict[str, Any]:
+    inline = req.steering
+    return {
+        "inline_sae_id": inline.sae_id if inline is not None else None,
+        "inline_features": ([(f.index, f.strength) for f in inline.features]
+                            if inline is not None else None),
+        "profile": profile,
+        "intensity": req.steering_intensity,
+    }
+
+
+async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
+                          model: ModelRef, profile: str | None, client: EngineClient,
+                          attachments: list[AttachmentStatus] | None = None,
+                          status: EngineStatus | None = None) -> Plan:
+    if attachments is None:
+        attachments = await asyncio.to_thread(client.attachments)
+    args = _steering_args(req, profile)
+
+    def resolve() -> tuple[ResolvedSteering, MonitorEntry | None]:
+        # a profile or the live steering a request without its own falls back to, and
+        # /api/monitoring's configuration when this process's copy is old: the database
+        return (steering_resolve_request(attachments=attachments, model_name=model.name,
+                                         **args),
+                monitoring_request_entry(attachments=attachments))
+
+    config = monitoring_request_config()
+    live = live_copy.fresh() if args["inline_features"] is None else None
+    if config is not None and (args["inline_features"] is not None
+                               or (args["profile"] is None and live is not None)):
+        # inline steering, or the live steering and the monitoring configuration as this
+        # process holds them: nothing to read, so no thread hop before the first forward
+        steering = steering_resolve_request(attachments=attachments, model_name=model.name,
+                                            live_values=live, **args)
+        monitored = monitoring_request_entry(attachments=attachments, config=config)
+    else:
+        steering, monitored = await off_view_thread(resolve)()
+    n_prompts = 1 if kind == "chat" else len(req.prompt)  # type: ignore[union-attr]
+    monitor = attachment = None
+    if req.return_sae_activations is not None:
+        max_tokens = (req.effective_max_tokens if isinstance(req, ChatCompletionRequest)
+                      else req.sampling().max_tokens)
+        monitor, attachment = monitor_resolve(
+            asked=req.return_sae_activations, attachments=attachments,
+            choices=n_prompts * req.n, max_tokens=max_tokens)
+    monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
+    choices: list[Choice] = []
+    if isinstance(req, ChatCompletionRequest):
+        messages = req.template_messages()
+        for i in range(req.n):
+            choices.append(Choice(i, GenerationJob(
+                request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
+                sampling=req.sampling(i), steering=steering.spec, monitor=monitor,
+                chat_template_kwargs=dict(req.chat_template_kwargs or {}))))
+    else:
+        if req.echo and req.wants_logprobs and req.stream:
+            raise OpenAIError("echo with logprobs is not available when streaming",
+                              status=400, code="invalid_parameter", param="echo")
+        if req.echo and (req.logprobs or 0) > 0 and steering.steered:
+            raise OpenAIError(
+                "echo with logprobs > 0 is not available on a steered request: the "
+                "alternatives at prompt positions would be scored unsteered",
+                status=400, code="invalid_parameter", param="logprobs")
+        for p, prompt in enumerate(req.prompt):
+            for i in range(req.n):
+                job_args: dict[str, Any] = (
+                    {"prompt": prompt, "add_special_tokens": req.add_special_tokens}
+                    if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
+                choices.append(Choice(p * req.n + i, GenerationJob(
+                    request_id=f"cmpl-{uuid.uuid4().hex}", sampling=req.sampling(i),
+                    steering=steering.spec, monitor=monitor, **job_args),
+                    prompt_text=prompt if isinstance(prompt, str) else None))
+    return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
+                attachment=attachment, choices=choices,
+                backend=client.backend_name, monitoring=monitored,
+                fingerprint=wire.fingerprint(status, version()))
+
+
+async def resolve_model(name: str, status: EngineStatus) -> tuple[ModelRef, str | None]:
+    """The registry row a request names (and the profile of ``model@profile``). The
+    resident model is answered from the engine's status without a database query: it was
+    loaded from its row, and a loaded model's row cannot be deleted."""
+    if status.state == "ready" and status.model_id == name:
+        return ModelRef(None, name, "loaded"), None
+    return await sync_to_async(selectors.model_resolve)(name=name)
