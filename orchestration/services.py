@@ -38,9 +38,10 @@ from registry.errors import (
     SAENotFound,
     UnsupportedQuantization,
 )
+from registry.job_lifecycle import job_create, job_finish, job_progress, job_start
 from registry.models import SAE, Attachment, Job, Model
 from registry.selectors import active_job, model_loaded
-from registry.services import job_create, job_finish, job_progress, job_start, model_set_status
+from registry.services import model_set_status
 from steering.circuits import (
     circuit_activation_plan,
     circuit_mark_active,

@@ -15,8 +15,8 @@ from django.conf import settings
 
 from core.errors import MillmError
 from orchestration import services, startup
+from registry.job_lifecycle import job_claim, job_finish
 from registry.models import Job
-from registry.services import job_claim, job_finish
 from registry.tasks import finish_unexpected
 
 log = structlog.get_logger(__name__)

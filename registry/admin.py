@@ -7,7 +7,7 @@ from django.contrib import admin
 from django.template.defaultfilters import filesizeformat
 
 from core.admin_actions import run_each
-from registry import services
+from registry import job_lifecycle, services
 from registry.models import SAE, Job, Model
 
 
@@ -115,4 +115,4 @@ class JobAdmin(admin.ModelAdmin):
 
     @admin.action(description="Cancel selected jobs")
     def cancel_jobs(self, request, queryset):
-        run_each(self, request, queryset, "Cancelled", lambda j: services.job_cancel(job=j))
+        run_each(self, request, queryset, "Cancelled", lambda j: job_lifecycle.job_cancel(job=j))

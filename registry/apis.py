@@ -13,7 +13,7 @@ from rest_framework.views import APIView
 
 from core.api import envelope, validated
 from core.schema import enveloped
-from registry import describe, downloads, selectors, services
+from registry import describe, downloads, job_lifecycle, selectors, services
 from registry import serializers as io
 from registry.models import Attachment, Model
 
@@ -238,5 +238,5 @@ class JobCancelApi(APIView):
             elif job.sae_id and job.kind == "sae_download":
                 job = downloads.download_cancel(row=job.sae)
             else:
-                job = services.job_cancel(job=job)
+                job = job_lifecycle.job_cancel(job=job)
         return envelope(io.job_out(job))

@@ -37,7 +37,7 @@ from django.utils import timezone
 
 from core import events, jobs, metrics
 from core.errors import MillmError, SAEInvalid, UnsupportedModel
-from registry import describe, hub, selectors, services, sizing
+from registry import describe, hub, job_lifecycle, selectors, services, sizing
 from registry.errors import (
     DownloadCancelled,
     DownloadTimedOut,
@@ -114,7 +114,7 @@ class _Progress:
         if not force and now - self._last_write < PROGRESS_INTERVAL_S:
             return
         self._last_write = now
-        services.job_progress(job=self.job, progress=self.percent(),
+        job_lifecycle.job_progress(job=self.job, progress=self.percent(),
                               stage=f"downloading {self.filename}"[:100],
                               bytes_done=self.done, bytes_total=self.total)
         if self.on_progress is not None:
@@ -297,7 +297,7 @@ def model_download_start(*, repo_id: str, revision: str = "main",
                 quantization=quantization, trust_remote_code=trust_remote_code,
                 status=Model.Status.DOWNLOADING,
                 architecture=(config.get("architectures") or [""])[0])
-        job = services.job_create(kind=Job.Kind.MODEL_DOWNLOAD, target=f"{repo_id}@{revision}",
+        job = job_lifecycle.job_create(kind=Job.Kind.MODEL_DOWNLOAD, target=f"{repo_id}@{revision}",
                                   model=model)
         job.bytes_total = sum(s for _, s in files) or None
         job.save(update_fields=["bytes_total", "updated_at"])
@@ -317,7 +317,7 @@ def _claim_download(job_id: int, relation: str) -> tuple[Job, Model | SAE] | Non
     row = getattr(job, relation)
     if job.status in Job.FINISHED or row is None:
         return None
-    if not services.job_claim(job=job, stage="listing files"):
+    if not job_lifecycle.job_claim(job=job, stage="listing files"):
         return None
     return job, row
 
@@ -374,7 +374,7 @@ def _download_run(*, job_id: int, relation: str, target_of: Callable[[Any], Path
         type(row).objects.filter(pk=row.pk).update(
             local_path=str(path.resolve()), status=row.Status.READY, error_message="",
             updated_at=timezone.now(), **meta)
-        services.job_finish(job=job, status=Job.Status.SUCCEEDED)
+        job_lifecycle.job_finish(job=job, status=Job.Status.SUCCEEDED)
     metrics.record_download(kind=relation, outcome="succeeded")
     row.refresh_from_db()
     log.info(f"{relation}_download_finished", **{f"{relation}_id": row.pk},
@@ -394,7 +394,7 @@ def _download_failed(*, job: Job, row: Model | SAE, target: Path, exc: BaseExcep
                                                local_path="", updated_at=timezone.now())
     job.refresh_from_db()
     if job.status not in Job.FINISHED:
-        services.job_finish(job=job, status=Job.Status.CANCELLED if cancelled
+        job_lifecycle.job_finish(job=job, status=Job.Status.CANCELLED if cancelled
                             else Job.Status.FAILED, error=message)
     metrics.record_download(kind=kind, outcome="cancelled" if cancelled else "failed")
     log.warning(f"{kind}_download_failed", **{f"{kind}_id": row.pk}, job_id=job.id,
@@ -411,7 +411,7 @@ def download_cancel(*, row: Model | SAE) -> Job:
     if job is None:
         raise JobFinished(f"{label} has no download in progress",
                           details={f"{relation}_id": row.pk, "status": row.status})
-    job = services.job_cancel(job=job)
+    job = job_lifecycle.job_cancel(job=job)
     if job.status == Job.Status.CANCELLED:  # it never started
         type(row).objects.filter(pk=row.pk).update(status=row.Status.ERROR,
                                                    error_message="Download cancelled",
@@ -487,7 +487,7 @@ def sae_download_start(*, repository_id: str, file_path: str = "", revision: str
         else:
             sae.status, sae.error_message = SAE.Status.DOWNLOADING, ""
             sae.save(update_fields=["status", "error_message", "updated_at"])
-        job = services.job_create(kind=Job.Kind.SAE_DOWNLOAD,
+        job = job_lifecycle.job_create(kind=Job.Kind.SAE_DOWNLOAD,
                                   target=f"{repository_id}@{revision}:{file_path}"[:500],
                                   sae=sae)
         job.bytes_total = sum(s for _, s in files) or None

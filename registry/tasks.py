@@ -12,7 +12,7 @@ from __future__ import annotations
 import structlog
 from celery import shared_task
 
-from registry import downloads, services
+from registry import downloads, job_lifecycle
 from registry.models import Job
 
 log = structlog.get_logger(__name__)
@@ -21,7 +21,7 @@ log = structlog.get_logger(__name__)
 def finish_unexpected(job_id: int, exc: BaseException) -> None:
     job = Job.objects.filter(pk=job_id).first()
     if job is not None and job.status not in Job.FINISHED:
-        services.job_finish(job=job, status=Job.Status.FAILED,
+        job_lifecycle.job_finish(job=job, status=Job.Status.FAILED,
                             error=f"Unexpected error: {type(exc).__name__}")
 
 

@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from leases.models import Lease
 from orchestration import services as orchestration_services
+from registry import job_lifecycle
 from registry import services as registry_services
 from registry.models import Job, Model
 from tests.documents.conftest import ok, refused
@@ -163,7 +164,7 @@ def test_a_lease_blocks_model_changes_for_others_only(api, llama, gpt2):
     Job.objects.all().delete()
     # a grant while a load or unload is in progress waits for it
     Lease.objects.all().delete()
-    registry_services.job_create(kind=Job.Kind.MODEL_LOAD, target="tiny-gpt2", model=gpt2)
+    job_lifecycle.job_create(kind=Job.Kind.MODEL_LOAD, target="tiny-gpt2", model=gpt2)
     refused(api.post(f"/api/models/{model.id}/lease", GRANT, format="json"), 503,
             "MODEL_BUSY")
 

@@ -7,7 +7,7 @@ import pytest
 from django.contrib.auth import get_user_model
 from django.test import Client
 
-from registry import services
+from registry import job_lifecycle, services
 from registry.models import Job, Model
 
 pytestmark = pytest.mark.django_db
@@ -31,7 +31,7 @@ def registered(tiny_assets):
               for a in tiny_assets.models.values()]
     saes = [services.sae_register_local(local_path=str(a.path), name=a.name)
             for a in tiny_assets.saes.values()]
-    job = services.job_create(kind=Job.Kind.MODEL_LOAD, target="tiny-llama", model=models[0])
+    job = job_lifecycle.job_create(kind=Job.Kind.MODEL_LOAD, target="tiny-llama", model=models[0])
     return models, saes, job
 
 

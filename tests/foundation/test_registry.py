@@ -17,7 +17,7 @@ from django.core.management import call_command
 from safetensors import safe_open
 
 from core import events, jobs
-from registry import selectors, services
+from registry import job_lifecycle, selectors, services
 from registry.errors import (
     InvalidLocalPath,
     JobFinished,
@@ -163,11 +163,11 @@ def _listen():
 
 def test_job_progress_is_stored_and_published_in_order():
     layer, channel = _listen()
-    job = services.job_create(kind=Job.Kind.MODEL_DOWNLOAD, target="org/repo")
-    services.job_start(job=job, stage="downloading")
+    job = job_lifecycle.job_create(kind=Job.Kind.MODEL_DOWNLOAD, target="org/repo")
+    job_lifecycle.job_start(job=job, stage="downloading")
     for done in (25, 50, 75):
-        services.job_progress(job=job, progress=done, bytes_done=done * 10, bytes_total=1000)
-    services.job_finish(job=job, status=Job.Status.SUCCEEDED)
+        job_lifecycle.job_progress(job=job, progress=done, bytes_done=done * 10, bytes_total=1000)
+    job_lifecycle.job_finish(job=job, status=Job.Status.SUCCEEDED)
     row = Job.objects.get(pk=job.pk)
     assert (row.status, row.progress, row.bytes_done, row.bytes_total) == (
         "succeeded", 100, 750, 1000)
@@ -180,21 +180,21 @@ def test_job_progress_is_stored_and_published_in_order():
 
 
 def test_cancel_queued_job_and_refuse_a_finished_one():
-    queued = services.job_create(kind=Job.Kind.SAE_DOWNLOAD, target="org/sae")
-    services.job_cancel(job=queued)
+    queued = job_lifecycle.job_create(kind=Job.Kind.SAE_DOWNLOAD, target="org/sae")
+    job_lifecycle.job_cancel(job=queued)
     assert Job.objects.get(pk=queued.pk).status == "cancelled"
-    running = services.job_start(job=services.job_create(kind="sae_download", target="x"))
-    services.job_cancel(job=running)
+    running = job_lifecycle.job_start(job=job_lifecycle.job_create(kind="sae_download", target="x"))
+    job_lifecycle.job_cancel(job=running)
     row = Job.objects.get(pk=running.pk)
     assert row.status == "running" and row.cancel_requested
     with pytest.raises(JobFinished):
-        services.job_cancel(job=queued)
+        job_lifecycle.job_cancel(job=queued)
 
 
 @shared_task(name="tests.mark_job")
 def mark_job(job_id: int, stage: str) -> str:
     job = Job.objects.get(pk=job_id)
-    services.job_start(job=job, stage=stage)
+    job_lifecycle.job_start(job=job, stage=stage)
     return stage
 
 
@@ -202,7 +202,7 @@ def mark_job(job_id: int, stage: str) -> str:
 def test_embedded_tasks_run_in_process_after_commit():
     from django.db import transaction
 
-    job = services.job_create(kind=Job.Kind.MAINTENANCE, target="t")
+    job = job_lifecycle.job_create(kind=Job.Kind.MAINTENANCE, target="t")
     with transaction.atomic():
         future = jobs.enqueue(mark_job, job.pk, "ran-in-thread")
         # Not dispatched before the transaction commits.
