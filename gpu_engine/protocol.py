@@ -57,7 +57,8 @@ def _enc_hook(value: Any) -> Any:
     # numpy / torch scalars (np.float64 and friends) that slip into a result: their value
     if hasattr(value, "item") and callable(value.item):
         return value.item()
-    raise NotImplementedError(f"{type(value).__name__} is not a protocol value")
+    # anything else in a message is a programming error, named as such
+    raise TypeError(f"{type(value).__name__} is not a protocol value")
 
 
 _ENCODER = msgspec.json.Encoder(enc_hook=_enc_hook)
