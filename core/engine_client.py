@@ -260,8 +260,14 @@ class EmbeddedEngineClient(EngineClient):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         handle = self.generate(job)
-        handle.stream.deliver_to(lambda event: loop.call_soon_threadsafe(queue.put_nowait,
-                                                                         event))
+
+        def deliver(event: GenerationEvent) -> None:  # on the engine's thread
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, event)
+            except RuntimeError:  # the consumer's loop is closed: nobody is left to tell
+                handle.cancel()
+
+        handle.stream.deliver_to(deliver)
         ended = False
         try:
             while True:
