@@ -20,3 +20,6 @@ from millm_site.settings import *  # noqa: E402,F401,F403
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 # Tests import the ASGI application; what is resident is their fixtures' business.
 MILLM_APPLICATION_START = False
+# A refresher thread reads through its own connection, which cannot see the rows a
+# non-transactional test writes; tests/documents/test_monitoring.py turns it on itself.
+MILLM_PROCESS_COPY_REFRESH = False

@@ -166,16 +166,16 @@ class RequestConfig:
     positions: str
 
 
-# the configuration every /v1 request reads, kept in this process (core.process_copy)
-request_config: ProcessCopy[RequestConfig] = ProcessCopy()
-
-
 def _read_request_config() -> RequestConfig:
     row = MonitoringConfig.objects.filter(pk=1).first()
-    return request_config.keep(
-        RequestConfig(False, "", None, None, 0, "last") if row is None else
-        RequestConfig(row.enabled, row.sae_id, row.layer, row.features, row.top_k,
-                      row.positions))
+    if row is None:
+        return RequestConfig(False, "", None, None, 0, "last")
+    return RequestConfig(row.enabled, row.sae_id, row.layer, row.features, row.top_k,
+                         row.positions)
+
+
+# the configuration every /v1 request reads, kept in this process (core.process_copy)
+request_config: ProcessCopy[RequestConfig] = ProcessCopy(_read_request_config)
 
 
 def monitoring_request_config() -> RequestConfig | None:
@@ -190,7 +190,7 @@ def monitoring_request_entry(*, attachments: Sequence[AttachmentStatus],
     the monitored attachment is not held by the engine). Without ``config`` the database
     is read."""
     if config is None:
-        config = _read_request_config()
+        config = request_config.read()
     if not config.enabled:
         return None
     if config.sae_id:

@@ -63,17 +63,21 @@ def live_rows() -> list[LiveSteering]:
             .order_by("attachment__layer", "attachment__sae_id") if r.values]
 
 
+def _read_live_values() -> list[tuple[AttachmentKey, dict[int, float]]]:
+    return [((r.attachment.sae_id, r.attachment.layer),
+             {int(k): float(v) for k, v in r.values.items()}) for r in live_rows()]
+
+
 # The live steering every /v1 request without its own runs, as ((sae_id, layer), values)
 # pairs, kept in this process (core.process_copy): every change takes steering_lock(),
 # which drops the copy when its transaction commits.
-live_copy: ProcessCopy[list[tuple[AttachmentKey, dict[int, float]]]] = ProcessCopy()
+live_copy: ProcessCopy[list[tuple[AttachmentKey, dict[int, float]]]] = ProcessCopy(
+    _read_live_values)
 
 
 def live_values() -> list[tuple[AttachmentKey, dict[int, float]]]:
     """The live steering that runs, read from the database (and kept in ``live_copy``)."""
-    return live_copy.keep([((r.attachment.sae_id, r.attachment.layer),
-                            {int(k): float(v) for k, v in r.values.items()})
-                           for r in live_rows()])
+    return live_copy.read()
 
 
 # --------------------------------------------------------------------------- checks

@@ -87,6 +87,10 @@ ASGI_APPLICATION = "millm_site.asgi.application"
 # Reconcile the registry (and, embedded, restore the recorded model) when the ASGI module
 # is imported by a server; not an environment variable: only the test suite turns it off.
 MILLM_APPLICATION_START = True
+# Keep the process copies /v1 requests read (core.process_copy) fresh from a background
+# thread while requests use them; not an environment variable: the test suite turns it
+# off, whose non-transactional tests hold rows another connection cannot see.
+MILLM_PROCESS_COPY_REFRESH = True
 
 TEMPLATES = [
     {

@@ -156,3 +156,38 @@ def test_activation_events_are_rate_capped(relu, published, monkeypatch):
                                records=[rec(relu.id, 1, {1: 1.0})])
     assert [d for n, d in published if n == "monitoring:activation"][-1]["request_id"] == \
         "later"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_change_made_elsewhere_reaches_the_copy_in_the_background(settings):
+    """With several processes (distributed), what another web worker changes reaches this
+    process's copy within its freshness bound, read by the background refresher: a
+    request keeps finding the copy fresh and never reads the database itself."""
+    import time
+
+    from core.process_copy import refresher
+
+    settings.EMBEDDED = False
+    settings.MILLM_PROCESS_COPY_REFRESH = True
+    copy = services.request_config
+    copy.read()
+    assert copy.fresh() is not None and copy.fresh().enabled is False
+    # another process's change: the row alone, nothing in this process invalidated
+    MonitoringConfig.objects.update_or_create(pk=1, defaults={"enabled": True, "top_k": 7})
+    deadline = time.monotonic() + copy.fresh_s + 2
+    seen = None
+    while time.monotonic() < deadline:
+        seen = copy.fresh()
+        assert seen is not None  # kept fresh in the background all along
+        if seen.enabled:
+            break
+        time.sleep(0.05)
+    settings.MILLM_PROCESS_COPY_REFRESH = False
+    assert refresher.join(5)
+    # embedded, no other process changes it: the copy is this process's word until it
+    # drops it itself
+    settings.EMBEDDED = True
+    MonitoringConfig.objects.filter(pk=1).update(top_k=9)
+    time.sleep(copy.fresh_s + 0.1)
+    assert copy.fresh().top_k == 7  # stopped, its connection closed, before the database goes
+    assert seen is not None and (seen.enabled, seen.top_k) == (True, 7)
