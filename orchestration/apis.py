@@ -25,17 +25,22 @@ from steering.live import live_state
 MODELS, SAES = ["models"], ["saes"]
 
 
+def _enqueued(request, model_id: int, enqueue) -> Response:
+    """202 with the model as it now stands and the load or unload job (the request's
+    ``X-miLLM-Lease`` decides over a leased model)."""
+    model = selectors.model_get(model_id=model_id)
+    job = enqueue(model=model, lease_id=request.headers.get("X-miLLM-Lease"))
+    model.refresh_from_db()
+    return envelope({"model": io.model_view(model), "job": io.job_out(job)},
+                    status_code=status.HTTP_202_ACCEPTED)
+
+
 class ModelLoadApi(APIView):
     @extend_schema(tags=MODELS, summary="Load a model in the background (202 + job; "
                    "model:load:* events)", request=None, responses={202: enveloped(
                        io.ModelJobOutput)})
     def post(self, request, model_id: int) -> Response:
-        model = selectors.model_get(model_id=model_id)
-        job = services.model_load_enqueue(model=model,
-                                          lease_id=request.headers.get("X-miLLM-Lease"))
-        model.refresh_from_db()
-        return envelope({"model": io.model_view(model), "job": io.job_out(job)},
-                        status_code=status.HTTP_202_ACCEPTED)
+        return _enqueued(request, model_id, services.model_load_enqueue)
 
 
 class ModelUnloadApi(APIView):
@@ -43,12 +48,7 @@ class ModelUnloadApi(APIView):
                    "requests finish (GRACEFUL_UNLOAD_TIMEOUT)", request=None,
                    responses={202: enveloped(io.ModelJobOutput)})
     def post(self, request, model_id: int) -> Response:
-        model = selectors.model_get(model_id=model_id)
-        job = services.model_unload_enqueue(model=model,
-                                            lease_id=request.headers.get("X-miLLM-Lease"))
-        model.refresh_from_db()
-        return envelope({"model": io.model_view(model), "job": io.job_out(job)},
-                        status_code=status.HTTP_202_ACCEPTED)
+        return _enqueued(request, model_id, services.model_unload_enqueue)
 
 
 def _with_live_state(status: dict) -> dict:

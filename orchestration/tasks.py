@@ -9,6 +9,8 @@ queue sends the command to the engine over Redis.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import structlog
 from celery import shared_task
 from django.conf import settings
@@ -22,40 +24,34 @@ from registry.tasks import finish_unexpected
 log = structlog.get_logger(__name__)
 
 
-@shared_task(name="orchestration.tasks.model_load_task")
-def model_load_task(job_id: int) -> str:
+def _run_model_job(job_id: int, operation: Callable[..., object], name: str) -> str:
+    """A load or unload job: claimed by exactly one worker, its outcome on the job row
+    (the service records it; a refusal it did not record is recorded here)."""
     job = Job.objects.select_related("model").get(pk=job_id)
     if job.model is None or not job_claim(job=job, stage="starting"):
         return "skipped"
     try:
-        services.model_load(model=job.model, job=job)
-    except MillmError as exc:
-        # recorded on the job and the row by the service; nothing to retry
-        log.warning("model_load_failed", job_id=job_id, code=exc.code, message=exc.message)
+        operation(model=job.model, job=job)
+    except MillmError as exc:  # a named refusal: nothing to retry
+        job.refresh_from_db()
+        if job.status not in Job.FINISHED:
+            job_finish(job=job, status=Job.Status.FAILED, error=exc.message)
+        log.warning(f"{name}_failed", job_id=job_id, code=exc.code, message=exc.message)
         return "failed"
     except BaseException as exc:
         finish_unexpected(job_id, exc)
         raise
     return "succeeded"
+
+
+@shared_task(name="orchestration.tasks.model_load_task")
+def model_load_task(job_id: int) -> str:
+    return _run_model_job(job_id, services.model_load, "model_load")
 
 
 @shared_task(name="orchestration.tasks.model_unload_task")
 def model_unload_task(job_id: int) -> str:
-    job = Job.objects.select_related("model").get(pk=job_id)
-    if job.model is None or not job_claim(job=job, stage="starting"):
-        return "skipped"
-    try:
-        services.model_unload(model=job.model, job=job)
-    except MillmError as exc:
-        job.refresh_from_db()
-        if job.status not in Job.FINISHED:
-            job_finish(job=job, status=Job.Status.FAILED, error=exc.message)
-        log.warning("model_unload_failed", job_id=job_id, code=exc.code, message=exc.message)
-        return "failed"
-    except BaseException as exc:
-        finish_unexpected(job_id, exc)
-        raise
-    return "succeeded"
+    return _run_model_job(job_id, services.model_unload, "model_unload")
 
 
 @shared_task(name="orchestration.tasks.auto_attach_task")
