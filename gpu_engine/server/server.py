@@ -133,6 +133,7 @@ class EngineServer:
         self._stopping = threading.Event()  # no new work
         self._closed = threading.Event()  # helpers (heartbeat, watcher) end
         self._lock = threading.Lock()
+        self._beat_lock = threading.Lock()
         self._room = threading.Condition(self._lock)
         self._inflight: dict[str, _InFlight] = {}
         self._command: _InFlight | None = None
@@ -274,8 +275,13 @@ class EngineServer:
         }
 
     def heartbeat_once(self) -> None:
-        payload = json.dumps(self.heartbeat_payload(), separators=(",", ":"))
-        if not self._owner.beat(payload):
+        # reading the status and writing it happen under one lock: the loop's beat, read
+        # during a drain, must not land after the beat a finished command wrote (clients
+        # would see "draining" for a heartbeat period after the unload ended)
+        with self._beat_lock:
+            payload = json.dumps(self.heartbeat_payload(), separators=(",", ":"))
+            owned = self._owner.beat(payload)
+        if not owned:
             if not self.lost_ownership:
                 log.critical("engine_ownership_lost engine_id=%s: another engine took the "
                              "prefix %r while this one stalled; stopping", self.engine_id,
