@@ -168,7 +168,10 @@ class FakeEngine:
         return ScoreResult(job.request_id, 3, top=[LogprobEntry(1, "a", -0.5)])
 
 
-FAST = {"heartbeat_s": 0.1, "dead_after_s": 0.6, "cancel_poll_s": 0.05}
+# The in-process servers share the pytest process's heap: the engine's gc.collect() after an
+# unload holds the GIL for as long as a collection of everything the suite has built takes
+# (over 0.6 s on a loaded 2-core machine), so "dead" waits for 2 s of silence.
+FAST = {"heartbeat_s": 0.1, "dead_after_s": 2.0, "cancel_poll_s": 0.05}
 
 
 @contextmanager
