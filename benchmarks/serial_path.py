@@ -58,7 +58,7 @@ def main() -> None:
     root = Path(os.environ.get("MILLM_TEST_ASSET_DIR") or HERE / ".cache" / "test-assets")
     load = LoadModelJob(args.model, str(root / "models" / args.model), dtype="float32", device="cpu")
     if args.no_pack:  # a checkout from before packing existed has no such field
-        load = LoadModelJob(args.model, load.path, dtype="float32", device="cpu", pack_cpu_weights=False)
+        load = LoadModelJob(args.model, load.path, dtype="float32", device="cpu", options={"pack_cpu_weights": False})
     extra = None
     if args.via_batching or args.beside_idle_batching:
         from gpu_engine.protocol import BatchingOptions

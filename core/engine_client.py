@@ -98,7 +98,11 @@ class GenerationHandle(ABC):
 
 
 class EngineClient(ABC):
-    backend_name: str = "transformers"
+    @property
+    def backend_name(self) -> str:
+        """The loaded model's backend ("none" while no model is loaded)."""
+        return self.status().backend or "none"
+
     # whether ``status()`` waits on I/O (a Redis read) and so must leave the event loop
     status_blocks: bool = True
 
@@ -248,6 +252,10 @@ class EmbeddedEngineClient(EngineClient):
 
     # the engine's status is read from its memory under a short lock: no I/O
     status_blocks = False
+
+    @property
+    def backend_name(self) -> str:  # type: ignore[override]
+        return self._engine.backend_name or "none"
 
     def invoke(self, command: Command, args: Any) -> Any:
         result = command.call(self._engine, args)

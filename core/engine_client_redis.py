@@ -121,7 +121,7 @@ class RedisEngineClient(EngineClient):
     def backend_name(self) -> str:  # type: ignore[override]
         with self._lock:
             last = self._last
-        return str(((last or {}).get("status") or {}).get("backend") or "transformers")
+        return str(((last or {}).get("status") or {}).get("backend") or "none")
 
     def resolve_device_and_dtype(self, device: str, dtype: str) -> tuple[str, str]:
         """``auto`` means what it means on the engine's host (its heartbeat says)."""

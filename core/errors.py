@@ -78,6 +78,12 @@ class GenerationFailed(MillmError):
     code, status = "GENERATION_FAILED", 500
 
 
+class BackendUnavailable(MillmError):
+    """The model's backend is not installed on the engine's host (details: install)."""
+
+    code, status = "BACKEND_UNAVAILABLE", 400
+
+
 # Engine error codes (gpu_engine.errors) -> the domain error classes: the one table every
 # surface goes through (/api answers the class's code; /v1 maps that code in
 # inference.errors).
@@ -95,6 +101,7 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
     "invalid_parameter": ValidationFailed,
     "context_length_exceeded": ContextLengthExceeded,
     "generation_failed": GenerationFailed,
+    "backend_unavailable": BackendUnavailable,
 }
 
 

@@ -31,7 +31,6 @@ class Attachment:
     layer: int
     layer_module_path: str
     sae: SAE
-    module: Any
     stats: AttachmentStats = field(default_factory=AttachmentStats)
 
     @property
@@ -64,14 +63,14 @@ def prepare_attachment(backend: Any, spec: AttachSpec, model_id: str | None) -> 
         cfg, hidden_size=backend.hidden_size, num_layers=backend.num_layers, layer=spec.layer, model_name=model_id
     )
     report.raise_for_errors(spec.sae_id)
-    module, path = backend.block(spec.layer)
+    path = backend.layer_module_path(spec.layer)
     try:
         sae = SAE(cfg, layout.load_tensors(cfg), device=backend.device)
     except Exception as exc:
         if is_out_of_memory(exc):
             raise InsufficientMemory(f"not enough memory for SAE {spec.sae_id!r}: {exc}") from exc
         raise
-    return Attachment(spec.sae_id, spec.layer, path, sae, module), list(report.warnings)
+    return Attachment(spec.sae_id, spec.layer, path, sae), list(report.warnings)
 
 
 __all__ = ["Attachment", "is_out_of_memory", "prepare_attachment"]

@@ -34,6 +34,8 @@ import torch
 
 from . import requests
 from .attachments import Attachment, is_out_of_memory, prepare_attachment
+from .backends import backends_report, get_backend
+from .backends.base import missing_members
 from .commands import check_implements
 from .drain import STOP_WAIT_S, WorkLedger
 from .errors import (
@@ -43,6 +45,7 @@ from .errors import (
     GenerationFailed,
     InsufficientMemory,
     InvalidParameter,
+    ModelLoadFailed,
     ModelNotLoaded,
     SAENotAttached,
 )
@@ -243,22 +246,27 @@ class Engine:
         """Load ``job``'s model, replacing the resident one once the work running on it
         has finished (bounded by ``timeout_s``: engine_busy after, nothing replaced)."""
 
-        def op() -> EngineStatus:
-            from .backends.transformers.runner import TransformersRunner
+        entry = get_backend(job.backend)
+        entry.require()  # refused before anything drains
+        entry.check_options(job.options)
 
+        def op() -> EngineStatus:
             self._unload()
             try:
-                backend = TransformersRunner(job)
+                backend = entry.load(job, hooks=self._hooks)
             except Exception as exc:
                 if is_out_of_memory(exc):
                     gc.collect()
                     raise InsufficientMemory(f"not enough memory to load {job.model_id}: {exc}") from exc
                 raise
+            missing = missing_members(backend)
+            if missing:
+                if callable(getattr(backend, "close", None)):
+                    backend.close()
+                raise ModelLoadFailed(f"the {entry.name} backend broke its contract (missing: {', '.join(missing)})")
             self._backend, self._model_id, self._load_job = backend, job.model_id, job
             if self._scheduler is not None:
-                from .backends.transformers.batched import BatchedRunner
-
-                self._scheduler.set_backend(BatchedRunner(backend, self._hooks, max_rows=self.batching.max_batch_size))
+                self._scheduler.set_backend(backend.batch_runner(max_rows=self.batching.max_batch_size))
             self._emit("model:load:complete", model_id=job.model_id)
             return self.status()
 
@@ -304,7 +312,8 @@ class Engine:
             raise InvalidParameter("the set names one (sae_id, layer) twice", param="attachments")
 
         def op() -> list[AttachResult]:
-            prepared = [prepare_attachment(self._require_backend(), s, self._model_id) for s in specs]  # loads everything first
+            backend = self._require_backend()
+            prepared = [prepare_attachment(backend, s, self._model_id) for s in specs]  # loads everything first
             installed: list[AttachmentKey] = []
             replaced: dict[AttachmentKey, Attachment] = {}
             try:
@@ -312,19 +321,19 @@ class Engine:
                     with self._state_lock:
                         old = self._attachments.pop(att.key, None)
                     if old is not None:
-                        self._hooks.remove(att.key)
+                        backend.detach(att.key)
                         replaced[att.key] = old
-                    self._hooks.install(att.key, att.module, att.stats)
+                    backend.attach(att)
                     with self._state_lock:
                         self._attachments[att.key] = att
                     installed.append(att.key)
             except BaseException:
                 for key in installed:
-                    self._hooks.remove(key)
+                    backend.detach(key)
                     with self._state_lock:
                         self._attachments.pop(key, None)
                 for key, old in replaced.items():
-                    self._hooks.install(key, old.module, old.stats)
+                    backend.attach(old)
                     with self._state_lock:
                         self._attachments[key] = old
                 raise
@@ -345,7 +354,8 @@ class Engine:
 
     def _detach_keys(self, keys: list[AttachmentKey], *, reason: str) -> list[AttachmentKey]:
         for key in keys:
-            self._hooks.remove(key)
+            if self._backend is not None:
+                self._backend.detach(key)
             with self._state_lock:
                 self._attachments.pop(key, None)
         if keys and self._backend is not None and self._backend.device.type == "cuda":
@@ -396,7 +406,7 @@ class Engine:
             hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
             finish = backend.generate(
                 request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling, max_tokens=max_tokens,
-                hook_manager=self._hooks, request_hooks=hooks, should_stop=stream._cancel.is_set, emit=stream._put,
+                request_hooks=hooks, should_stop=stream._cancel.is_set, emit=stream._put,
             )
             stream._put(finish)
         except EngineError as exc:
@@ -418,14 +428,12 @@ class Engine:
     def _make_sequence(self, job: GenerationJob, stream: GenerationStream) -> Any:
         """Validate a job against the loaded model and build its decode state (batched path;
         runs on the worker when the request gets a row, like the serial path's checks)."""
-        from .backends.transformers.sequence import Sequence
-
         backend = self._require_backend()
         prompt_ids = requests.prompt_ids(backend, job)
         max_tokens = requests.token_budget(backend, job, len(prompt_ids))
         hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
-        return Sequence(backend, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
-                        max_tokens=max_tokens, request_hooks=hooks, emit=stream._put, should_stop=stream._cancel.is_set)
+        return backend.new_sequence(job, prompt_ids=prompt_ids, max_tokens=max_tokens, request_hooks=hooks,
+                                    emit=stream._put, should_stop=stream._cancel.is_set)
 
     def _classify(self, exc: BaseException) -> EngineError:
         if is_out_of_memory(exc):
@@ -480,8 +488,7 @@ class Engine:
         def op() -> EmbedResult:
             backend = self._require_backend()
             inputs = requests.encode_inputs(backend, job.inputs, "input")
-            with self._hooks.suppressed():
-                return backend.embed(job, inputs)
+            return backend.embed(job, inputs)
 
         return self._work(op, timeout_s)
 
@@ -494,8 +501,7 @@ class Engine:
                 ids = requests.encode_inputs(backend, [job.prompt], "prompt", job.add_special_tokens)[0]
             if job.allowed_token_ids is not None:
                 requests.validate_ids(backend, job.allowed_token_ids, "allowed_token_ids")
-            with self._hooks.suppressed():
-                return backend.score(job, ids)
+            return backend.score(job, ids)
 
         return self._work(op, timeout_s)
 
@@ -510,21 +516,14 @@ class Engine:
             return False
 
     def batching_status(self) -> dict[str, Any]:
-        """The generation backend's mode and what it can do per request (for health)."""
+        """The generation mode and what the loaded backend can do per request, as the
+        backend reports it (empty while no model is loaded)."""
         sched = self._scheduler
-        caps = {
-            "per_request_sampling": True,
-            "per_request_seeds": True,
-            "stop_sequences": True,
-            "cancellation": True,
-            "per_request_steering": True,
-            "per_request_monitoring": True,
-            "exact_monitoring_attribution": True,
-            "logprobs": True,
-            "prompt_logprobs": True,
-            "shared_forward_passes": sched is not None,
-            "serial_fallback": False,
-        }
+        backend = self._backend
+        caps: dict[str, Any] = dict(backend.capabilities()) if backend is not None else {}
+        if backend is not None:
+            caps["shared_forward_passes"] = sched is not None
+            caps["serial_fallback"] = False
         data: dict[str, Any] = {
             "enabled": sched is not None,
             "mode": "continuous_batching" if sched is not None else "serial",
@@ -544,13 +543,14 @@ class Engine:
         b = self._backend
         if b is None:
             return EngineStatus(state="empty", in_flight=self._in_flight_total(), queued=max(self._queued, 0),
-                                batching=self.batching_status(), draining=self._ledger.draining)
+                                batching=self.batching_status(), draining=self._ledger.draining,
+                                backends=backends_report())
         return EngineStatus(
             state="ready", draining=self._ledger.draining, backend=b.name, model_id=self._model_id, model_path=str(self._load_job.path) if self._load_job else None,
             dtype=self._load_job.dtype if self._load_job else None, device=str(b.device), context_length=b.context_length,
             num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
             attachments=self.attachments(), in_flight=self._in_flight_total(), queued=max(self._queued, 0),
-            batching=self.batching_status(), kernels=getattr(b, "kernels", None),
+            batching=self.batching_status(), kernels=b.kernels, backends=backends_report(),
         )
 
     @property
@@ -560,6 +560,11 @@ class Engine:
     @property
     def backend(self) -> Any:
         return self._backend
+
+    @property
+    def backend_name(self) -> str | None:
+        backend = self._backend
+        return backend.name if backend is not None else None
 
 
 # every command of the protocol table is an Engine method with the declared arguments

@@ -92,6 +92,12 @@ class ModelLoadFailed(EngineError):
     code = "model_load_failed"
 
 
+class BackendUnavailable(EngineError):
+    """The model's backend cannot run here (its packages are not installed)."""
+
+    code = "backend_unavailable"
+
+
 class UnsupportedArchitecture(EngineError):
     code = "unsupported_architecture"
 
@@ -152,6 +158,7 @@ class GenerationFailed(EngineError):
 
 
 __all__ = [
+    "BackendUnavailable",
     "ContextLengthExceeded",
     "EngineBusy",
     "EngineError",

@@ -366,8 +366,10 @@ class LoadModelJob(msgspec.Struct):
     device: str = "auto"
     trust_remote_code: bool = False
     max_context_length: int | None = None
-    # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py)
-    pack_cpu_weights: bool = True
+    # the registered backend that loads and runs it (``gpu_engine.backends``)
+    backend: str = "transformers"
+    # that backend's own load options, checked against its registry entry at load
+    options: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -466,7 +468,8 @@ class AttachmentStatus(msgspec.Struct):
 
 class EngineStatus(msgspec.Struct):
     state: str  # "empty" | "ready"
-    backend: str = "transformers"
+    # the loaded model's backend (None while empty)
+    backend: str | None = None
     model_id: str | None = None
     model_path: str | None = None
     dtype: str | None = None
@@ -486,6 +489,9 @@ class EngineStatus(msgspec.Struct):
     # "unloading" or "loading" while the engine drains the work already accepted before
     # it changes the model: new work is refused (engine_busy) until it is done
     draining: str | None = None
+    # every registered backend: whether it can load on this engine's host, and how to
+    # install it (``gpu_engine.backends.backends_report``)
+    backends: list[dict[str, Any]] = msgspec.field(default_factory=list)
 
 
 class EmbedResult(msgspec.Struct):

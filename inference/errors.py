@@ -49,6 +49,7 @@ _DOMAIN: dict[str, tuple[int, str, str | None]] = {
     "SAE_INVALID": (400, "sae_format_error", None),
     "CONTEXT_LENGTH_EXCEEDED": (400, "context_length_exceeded", None),
     "GENERATION_FAILED": (500, "generation_failed", None),
+    "BACKEND_UNAVAILABLE": (400, "backend_unavailable", None),
 }
 
 def _setting(name: str | None) -> int | None:

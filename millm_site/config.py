@@ -20,6 +20,10 @@ from urllib.parse import urlparse
 
 import environ
 
+from gpu_engine.backends import backend_names
+
+_BACKENDS = backend_names()
+
 BASE_DIR = Path(__file__).resolve().parent.parent
 
 UNSET = object()
@@ -179,6 +183,11 @@ VARIABLES: tuple[Var, ...] = (
         "Small draft model for speculative decoding (unset = off)."),
     Var("SPECULATIVE_NUM_TOKENS", "Performance", "int", 5,
         "Tokens the draft proposes per step.", minimum=1, maximum=64),
+    Var("MILLM_BACKEND", "Performance", "str", "transformers",
+        "The engine backend a model loads on when its record names none (a model's own "
+        "`backend` field, set in the admin, /api/models or `load_model --backend`, wins). "
+        "/api/health/inference lists the backends and whether each is installed.",
+        choices=_BACKENDS),
     Var("MILLM_ENGINE_DEVICE", "Performance", "str", "auto",
         "Where the engine puts the model: cpu, cuda, cuda:N or auto (cuda when present).",),
     Var("MILLM_ENGINE_DTYPE", "Performance", "str", "auto",

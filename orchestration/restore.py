@@ -57,7 +57,7 @@ def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int],
     survive a crash of this process); ``end_restore`` clears it."""
     from core.engine_client import _resolve_here
     from gpu_engine.errors import EngineError
-    from gpu_engine.protocol import AttachSpec, LoadModelJob
+    from gpu_engine.protocol import AttachSpec
     from orchestration import services
 
     state = recorded_state()
@@ -84,10 +84,7 @@ def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int],
     log.info("engine_restoring", model=model.name, device=device, dtype=dtype,
              attachments=[f"{a.sae_id}@{a.layer}" for a in state.attachments])
     try:
-        engine.load_model(LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype,
-                                       device=device,
-                                       trust_remote_code=model.trust_remote_code,
-                                       pack_cpu_weights=settings.MILLM_ENGINE_PACK_WEIGHTS),
+        engine.load_model(services.load_job(model, device=device, dtype=dtype),
                           timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S)
     except EngineError as exc:
         log.error("engine_restore_failed", model=model.name, code=exc.code, message=exc.message)

@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from core import events, jobs, metrics
 from core.errors import (
+    BackendUnavailable,
     InsufficientMemory,
     ModelBusy,
     ModelLoadFailed,
@@ -93,6 +94,42 @@ def _check_quantization(model: Model) -> None:
                      "supported": list(LOADABLE_QUANTIZATIONS)})
 
 
+# The site settings each backend's load options come from (LoadModelJob.options).
+BACKEND_OPTION_SETTINGS: dict[str, dict[str, str]] = {
+    "transformers": {"pack_cpu_weights": "MILLM_ENGINE_PACK_WEIGHTS"},
+}
+
+
+def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
+    """What the engine is asked to load for ``model``: its files, its backend (the row's,
+    else MILLM_BACKEND) and that backend's options from the settings."""
+    backend = model.effective_backend()
+    options = {option: getattr(settings, name)
+               for option, name in BACKEND_OPTION_SETTINGS.get(backend, {}).items()}
+    return LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype, device=device,
+                        trust_remote_code=model.trust_remote_code, backend=backend,
+                        options=options)
+
+
+def _check_backend(model: Model) -> None:
+    """Refuse at once (400 backend_unavailable, with the install command) a load on a
+    backend the engine's host does not have; the engine refuses it too, this only saves
+    a 202 and a failed job. An engine that does not answer is left to the load itself."""
+    backend = model.effective_backend()
+    try:
+        report = _engine().status().backends
+    except EngineError:
+        return
+    entry = next((b for b in report if b.get("name") == backend), None)
+    if entry is None or entry.get("available"):
+        return
+    raise BackendUnavailable(
+        f"Model {model.name!r} runs on the {backend} backend, which is not installed on the "
+        f"engine's host; install it with `{entry.get('install')}`",
+        details={"model_id": model.id, "backend": backend, "missing": entry.get("missing"),
+                 "install": entry.get("install")})
+
+
 def _check_loadable(model: Model) -> Model | None:
     """The refusals a load shares with its enqueueing (the API's route checks them before
     the job row, the load itself again when it runs): no files yet, GGUF, a quantization
@@ -104,6 +141,7 @@ def _check_loadable(model: Model) -> Model | None:
         raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
                                "does not include", details={"model_id": model.id})
     _check_quantization(model)
+    _check_backend(model)
     resident = model_loaded(other_than=model)
     if resident is not None and resident.locked:
         raise ModelLocked(f"Model {resident.name!r} is resident and locked; unlock it first",
@@ -210,11 +248,8 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
     model.refresh_from_db()
     job_progress(job=job, progress=10, stage="loading weights")
     try:
-        _engine().load_model(LoadModelJob(
-            model_id=model.name, path=model.local_path, dtype=dtype, device=device,
-            trust_remote_code=model.trust_remote_code,
-            pack_cpu_weights=settings.MILLM_ENGINE_PACK_WEIGHTS),
-            timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
+        _engine().load_model(load_job(model, device=device, dtype=dtype),
+                             timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
     except EngineError as exc:
         error = from_engine_error(exc)
         if exc.code == "engine_busy":

@@ -13,9 +13,10 @@ from registry.models import SAE, Job, Model
 
 @admin.register(Model)
 class ModelAdmin(admin.ModelAdmin):
-    list_display = ("name", "status", "source", "format", "architecture", "params_display",
+    list_display = ("name", "status", "source", "format", "backend_display", "architecture",
+                    "params_display",
                     "disk_display", "locked", "updated_at")
-    list_filter = ("status", "source", "format", "quantization", "locked")
+    list_filter = ("status", "source", "format", "backend", "quantization", "locked")
     search_fields = ("name", "repo_id", "local_path", "architecture")
     readonly_fields = ("status", "error_message", "architecture", "num_layers", "hidden_size",
                        "context_length", "parameter_count", "disk_size_bytes",
@@ -23,7 +24,7 @@ class ModelAdmin(admin.ModelAdmin):
                        "updated_at")
     fieldsets = (
         (None, {"fields": ("name", "source", "repo_id", "revision", "local_path", "format",
-                           "gguf_file", "quantization", "trust_remote_code")}),
+                           "gguf_file", "quantization", "trust_remote_code", "backend")}),
         ("State", {"fields": ("status", "error_message", "locked", "loaded_at")}),
         ("Checkpoint", {"fields": ("architecture", "num_layers", "hidden_size",
                                    "context_length", "parameter_count", "disk_size_bytes",
@@ -47,6 +48,19 @@ class ModelAdmin(admin.ModelAdmin):
             if count >= size:
                 return f"{count / size:.1f}{unit}"
         return str(count)
+
+    @admin.display(description="Backend", ordering="backend")
+    def backend_display(self, obj: Model) -> str:
+        # blank follows the site setting: show which one it is
+        return obj.backend or f"{obj.effective_backend()} (MILLM_BACKEND)"
+
+    def get_readonly_fields(self, request, obj=None):
+        fields = tuple(super().get_readonly_fields(request, obj))
+        if obj is not None and obj.status in (Model.Status.LOADED, Model.Status.LOADING,
+                                              Model.Status.UNLOADING):
+            # the engine holds it on the backend it was loaded with
+            fields += ("backend",)
+        return fields
 
     @admin.display(description="Disk")
     def disk_display(self, obj: Model) -> str:

@@ -43,13 +43,16 @@ class ModelListCreateApi(APIView):
             model = services.model_register_local(
                 local_path=data["local_path"], name=data.get("custom_name") or None,
                 quantization=data["quantization"],
-                trust_remote_code=data["trust_remote_code"])
+                trust_remote_code=data["trust_remote_code"], backend=data["backend"])
             return envelope({"model": io.model_view(model), "job": None},
                             status_code=status.HTTP_201_CREATED)
+        services.check_backend_name(data["backend"])  # before anything starts
         model, job = downloads.model_download_start(
             repo_id=data["repo_id"], revision=data.get("revision") or "main",
             quantization=data["quantization"], trust_remote_code=data["trust_remote_code"],
             custom_name=data.get("custom_name") or None, hf_token=data.get("hf_token") or None)
+        if data["backend"]:
+            model = services.model_set_backend(model=model, backend=data["backend"])
         return envelope({"model": io.model_view(model), "job": io.job_out(job)},
                         status_code=status.HTTP_202_ACCEPTED)
 
@@ -69,6 +72,15 @@ class ModelDetailApi(APIView):
     @extend_schema(tags=MODELS, summary="Model details", responses=enveloped(io.ModelOutput))
     def get(self, request, model_id: int) -> Response:
         return envelope(io.model_view(selectors.model_get(model_id=model_id)))
+
+    @extend_schema(tags=MODELS, summary="Change a model's settings (its backend); refused "
+                   "while it is loaded", request=io.ModelUpdateInput,
+                   responses=enveloped(io.ModelOutput))
+    def patch(self, request, model_id: int) -> Response:
+        data = validated(io.ModelUpdateInput, request.data)
+        model = services.model_set_backend(model=selectors.model_get(model_id=model_id),
+                                           backend=data["backend"])
+        return envelope(io.model_view(model))
 
     @extend_schema(tags=MODELS, summary="Delete a model (files and row); refused while "
                    "loaded or locked", responses=enveloped(io.DeleteOutput))

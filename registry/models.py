@@ -7,7 +7,15 @@ from __future__ import annotations
 
 import secrets
 
+from django.core.exceptions import ValidationError
 from django.db import models
+
+from gpu_engine.backends import backend_names
+
+
+def validate_backend(value: str) -> None:
+    if value and value not in backend_names():
+        raise ValidationError(f"unknown backend {value!r}; known: {', '.join(backend_names())}")
 
 
 class Model(models.Model):
@@ -49,6 +57,10 @@ class Model(models.Model):
     quantization = models.CharField(max_length=8, choices=Quantization.choices,
                                     default=Quantization.FP32)
     trust_remote_code = models.BooleanField(default=False)
+    backend = models.CharField(
+        max_length=32, blank=True, default="", validators=[validate_backend],
+        help_text="The engine backend that loads and runs it (transformers, vllm, llamacpp); "
+                  "blank: the site's MILLM_BACKEND.")
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY,
                               db_index=True)
     error_message = models.TextField(blank=True)
@@ -67,6 +79,12 @@ class Model(models.Model):
                              help_text="Dtype of the resident weights (set while loaded).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    def effective_backend(self) -> str:
+        """The backend a load uses: the row's own, else the site's ``MILLM_BACKEND``."""
+        from django.conf import settings
+
+        return self.backend or settings.MILLM_BACKEND
 
     class Meta:
         ordering = ["name"]

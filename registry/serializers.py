@@ -87,6 +87,8 @@ class ModelCreateInput(serializers.Serializer):
     local_path = serializers.CharField(max_length=1000, required=False, allow_null=True)
     quantization = serializers.ChoiceField(choices=Model.Quantization.choices, default="FP16")
     trust_remote_code = serializers.BooleanField(default=False)
+    backend = serializers.CharField(max_length=32, required=False, allow_blank=True, default="",
+                                    help_text="transformers, vllm or llamacpp; blank: MILLM_BACKEND")
     custom_name = serializers.CharField(max_length=100, required=False, allow_null=True,
                                         allow_blank=True)
     hf_token = HubTokenField()
@@ -99,6 +101,11 @@ class ModelCreateInput(serializers.Serializer):
             raise serializers.ValidationError(
                 {"local_path": ["local_path is required for the local source"]})
         return attrs
+
+
+class ModelUpdateInput(serializers.Serializer):
+    backend = serializers.CharField(max_length=32, allow_blank=True,
+                                    help_text="transformers, vllm or llamacpp; blank: MILLM_BACKEND")
 
 
 class ModelPreviewInput(serializers.Serializer):
@@ -190,6 +197,9 @@ class ModelOutput(serializers.Serializer):
     format = serializers.CharField()
     quantization = serializers.CharField()
     trust_remote_code = serializers.BooleanField()
+    backend = serializers.CharField(allow_null=True, help_text="the row's own choice; null: "
+                                    "MILLM_BACKEND")
+    effective_backend = serializers.CharField(help_text="the backend a load uses")
     params = serializers.CharField(allow_null=True, help_text='e.g. "2.6B"')
     parameter_count = serializers.IntegerField(allow_null=True)
     architecture = serializers.CharField(allow_null=True)
@@ -222,6 +232,7 @@ def model_out(model: Model, *, download_progress: int | None = None) -> dict[str
         "repo_id": model.repo_id or None, "revision": model.revision or None,
         "local_path": model.local_path or None, "format": model.format,
         "quantization": model.quantization, "trust_remote_code": model.trust_remote_code,
+        "backend": model.backend or None, "effective_backend": model.effective_backend(),
         "params": sizing.format_params(model.parameter_count),
         "parameter_count": model.parameter_count, "architecture": model.architecture or None,
         "num_layers": model.num_layers, "hidden_size": model.hidden_size,

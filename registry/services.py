@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from core.errors import SAEInvalid
+from core.errors import SAEInvalid, ValidationFailed
 from registry import describe
 from registry.errors import (
     InvalidLocalPath,
@@ -28,8 +28,9 @@ log = structlog.get_logger(__name__)
 @transaction.atomic
 def model_register_local(*, local_path: str, name: str | None = None,
                          quantization: str | None = None,
-                         trust_remote_code: bool = False) -> Model:
+                         trust_remote_code: bool = False, backend: str = "") -> Model:
     """Register a checkpoint already on disk: a transformers directory or a GGUF file."""
+    check_backend_name(backend)
     path = describe.check_local_path(local_path)
     if path.is_file() and path.suffix == ".gguf":
         fmt, gguf_file, meta = Model.Format.GGUF, path.name, describe.describe_gguf_file(path)
@@ -47,9 +48,32 @@ def model_register_local(*, local_path: str, name: str | None = None,
         name=name, source=Model.Source.LOCAL, local_path=str(path), format=fmt,
         gguf_file=gguf_file,
         quantization=quantization or Model.Quantization.FP32,
-        trust_remote_code=trust_remote_code, status=Model.Status.READY, **meta,
+        trust_remote_code=trust_remote_code, backend=backend, status=Model.Status.READY, **meta,
     )
     log.info("model_registered", model_id=model.id, name=name, path=str(path))
+    return model
+
+
+def check_backend_name(backend: str) -> None:
+    from gpu_engine.backends import backend_names
+
+    if backend and backend not in backend_names():
+        raise ValidationFailed(f"unknown backend {backend!r}; known: {', '.join(backend_names())}",
+                               details={"backend": backend, "known": list(backend_names())})
+
+
+@transaction.atomic
+def model_set_backend(*, model: Model, backend: str) -> Model:
+    """Choose the backend the model loads on (blank: MILLM_BACKEND). Refused while the
+    model is resident or moving: the engine holds it on the backend it was loaded with."""
+    check_backend_name(backend)
+    model = Model.objects.select_for_update().get(pk=model.pk)
+    if model.status in (Model.Status.LOADED, Model.Status.LOADING, Model.Status.UNLOADING):
+        raise ModelLoaded(f"Model {model.name!r} is {model.status}; unload it before changing "
+                          "its backend", details={"model_id": model.id, "status": model.status})
+    model.backend = backend
+    model.save(update_fields=["backend", "updated_at"])
+    log.info("model_backend_set", model_id=model.id, backend=backend or None)
     return model
 
 

@@ -281,7 +281,11 @@ class InferenceHealthView(APIView):
         engine_batching = engine.get("batching") or {}
         batching = bool(engine_batching.get("enabled", settings.ENABLE_CONTINUOUS_BATCHING))
         return envelope({
-            "backend": engine.get("backend") or "transformers",
+            # the loaded model's backend (None while nothing is loaded), the one a model
+            # without its own choice loads on, and every backend the engine's host knows
+            "backend": engine.get("backend"),
+            "default_backend": settings.MILLM_BACKEND,
+            "backends": engine.get("backends") or [],
             "mode": engine_batching.get("mode") or ("continuous_batching" if batching
                                                     else "serial"),
             "batching": engine_batching,
@@ -291,16 +295,13 @@ class InferenceHealthView(APIView):
             "max_concurrent_requests": settings.MAX_CONCURRENT_REQUESTS,
             "max_pending_requests": settings.MAX_PENDING_REQUESTS,
             "queue": inference_figures(),
+            # as the loaded backend reports them (empty while nothing is loaded), plus
+            # what the web tier itself provides
             "capabilities": {
-                "per_request_steering": True,
-                "per_request_monitoring": True,
-                "per_request_sampling": True,
                 "streaming": True,
-                "embeddings": True,
-                "scoring": True,
-                "continuous_batching": batching,
                 "speculative_decoding": False,
                 **engine_batching.get("capabilities", {}),
+                "continuous_batching": batching,
             },
             "limitations": [] if batching else [
                 "serial backend: one generation at a time, others wait in the queue"],

@@ -1,1 +1,115 @@
-"""Inference backends; implementations import torch lazily."""
+"""Inference backends, registered by name (``transformers``, ``vllm``, ``llamacpp``), in the
+style of the SAE layout registry (``gpu_engine.sae.layouts``).
+
+An entry names what the backend needs installed, the command that installs it, the
+load options it takes, and where its loader lives; the loader module is imported only
+when a model is loaded on it, so a backend whose packages are missing costs nothing and
+reports itself unavailable (``backends_report``) instead of failing at import.  Loading a
+model on an unavailable backend raises ``BackendUnavailable`` (``backend_unavailable``,
+400 on every surface) with the install command in its details.
+
+What a loaded backend must do is ``gpu_engine.backends.base.ModelBackend``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import BackendUnavailable, InvalidParameter
+
+DEFAULT_BACKEND = "transformers"
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    name: str
+    summary: str
+    # importable top-level packages the backend needs (checked without importing them)
+    requires: tuple[str, ...]
+    # the command that installs them (shown when they are missing)
+    install: str
+    # "module:function" of the loader: function(job, **context) -> ModelBackend
+    loader: str
+    # load options (``LoadModelJob.options``) and their types; anything else is refused
+    options: Mapping[str, type] = field(default_factory=dict)
+
+    def missing(self) -> list[str]:
+        return [name for name in self.requires if importlib.util.find_spec(name) is None]
+
+    @property
+    def available(self) -> bool:
+        return not self.missing()
+
+    def check_options(self, options: Mapping[str, Any]) -> None:
+        for key, value in options.items():
+            kind = self.options.get(key)
+            if kind is None:
+                known = ", ".join(sorted(self.options)) or "none"
+                raise InvalidParameter(f"the {self.name} backend takes no load option {key!r} (it takes: {known})",
+                                       param=f"options.{key}")
+            if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                raise InvalidParameter(f"load option {key!r} of the {self.name} backend must be a {kind.__name__}",
+                                       param=f"options.{key}")
+
+    def require(self) -> None:
+        missing = self.missing()
+        if missing:
+            raise BackendUnavailable(
+                f"The {self.name} backend is not installed here (missing: {', '.join(missing)}); "
+                f"install it with `{self.install}`",
+                details={"backend": self.name, "missing": missing, "install": self.install})
+
+    def load(self, job: Any, **context: Any) -> Any:
+        """The loaded model (a ``ModelBackend``) for ``job``."""
+        self.require()
+        self.check_options(job.options)
+        module_name, _, func = self.loader.partition(":")
+        return getattr(importlib.import_module(module_name), func)(job, **context)
+
+    def report(self) -> dict[str, Any]:
+        missing = self.missing()
+        return {"name": self.name, "summary": self.summary, "available": not missing,
+                "missing": missing, "install": self.install, "options": sorted(self.options)}
+
+
+_BACKENDS: dict[str, BackendEntry] = {}
+
+
+def register_backend(entry: BackendEntry) -> None:
+    if entry.name in _BACKENDS:
+        raise ValueError(f"backend {entry.name!r} is already registered")
+    _BACKENDS[entry.name] = entry
+
+
+def backend_names() -> tuple[str, ...]:
+    return tuple(_BACKENDS)
+
+
+def get_backend(name: str) -> BackendEntry:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise InvalidParameter(f"unknown backend {name!r}; known: {', '.join(_BACKENDS)}", param="backend",
+                               details={"backend": name, "known": list(_BACKENDS)}) from None
+
+
+def backends_report() -> list[dict[str, Any]]:
+    """Every registered backend, whether it can load here, and how to install it."""
+    return [entry.report() for entry in _BACKENDS.values()]
+
+
+register_backend(BackendEntry(
+    name="transformers",
+    summary="PyTorch through Hugging Face transformers: safetensors checkpoints, our own continuous batching",
+    requires=("torch", "transformers"),
+    install="scripts/setup test",
+    loader="gpu_engine.backends.transformers:load",
+    # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py)
+    options={"pack_cpu_weights": bool},
+))
+
+__all__ = ["DEFAULT_BACKEND", "BackendEntry", "backend_names", "backends_report", "get_backend", "register_backend"]

@@ -85,8 +85,11 @@ def test_detailed(api, engine_client, tiny_llama, llama_saes):
 
 def test_inference(api, engine_client, settings):
     data = ok(api.get("/api/health/inference"))
-    assert data["backend"] == "transformers" and data["mode"] == "serial"
-    assert data["capabilities"]["per_request_steering"] is True
+    # nothing loaded: no active backend, capabilities only once one reports them
+    assert data["backend"] is None and data["mode"] == "serial"
+    assert data["default_backend"] == "transformers"
+    assert "per_request_steering" not in data["capabilities"]
+    assert {b["name"]: b["available"] for b in data["backends"]}["transformers"] is True
     assert data["max_concurrent_requests"] == settings.MAX_CONCURRENT_REQUESTS
 
 
@@ -97,7 +100,11 @@ def test_inference_reports_the_kernels_the_pack_setting_chose(api, engine_client
     assert ok(api.get("/api/health/inference"))["kernels"] is None  # nothing loaded yet
     settings.MILLM_ENGINE_PACK_WEIGHTS = pack
     orchestration_services.model_load(model=tiny_llama)
-    assert ok(api.get("/api/health/inference"))["kernels"] == kernels
+    data = ok(api.get("/api/health/inference"))
+    assert data["kernels"] == kernels
+    # the loaded backend names itself and reports what it can do
+    assert data["backend"] == "transformers"
+    assert data["capabilities"]["per_request_steering"] is True
 
 
 def test_gpus_without_a_gpu(api):

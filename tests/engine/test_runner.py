@@ -73,7 +73,7 @@ def test_cpu_float32_weights_are_packed_and_give_the_plain_models_results(tiny_a
     ids = torch.tensor([[1, 17, 42, 99, 311, 7, 256, 64]])
     with Engine() as packed, Engine() as unpacked:
         packed.load_model(LoadModelJob("m", str(asset.path), device="cpu"))
-        unpacked.load_model(LoadModelJob("m", str(asset.path), device="cpu", pack_cpu_weights=False))
+        unpacked.load_model(LoadModelJob("m", str(asset.path), device="cpu", options={"pack_cpu_weights": False}))
         assert packed.status().kernels == "onednn_packed" and unpacked.status().kernels == "default"
         model = packed.backend.model
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())

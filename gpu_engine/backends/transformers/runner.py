@@ -14,10 +14,13 @@ from typing import Any
 import torch
 
 from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
+from ...hooks import HookManager
 from ...inspect import ModelInfo, inspect_model_dir
 from ...protocol import (
+    AttachmentKey,
     EmbedJob,
     EmbedResult,
+    GenerationJob,
     LoadModelJob,
     LogprobEntry,
     ScoreJob,
@@ -39,13 +42,18 @@ def pick_device(device: str) -> torch.device:
 
 
 class TransformersRunner:
+    """The transformers backend (``gpu_engine.backends.base.ModelBackend``): the model runs
+    in this process; steering and monitoring are forward hooks (``HookManager``) on the
+    output of each attached decoder block."""
+
     name = "transformers"
 
-    def __init__(self, job: LoadModelJob) -> None:
+    def __init__(self, job: LoadModelJob, hooks: HookManager | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = Path(job.path)
         self.job = job
+        self.hooks = hooks if hooks is not None else HookManager()
         self.info: ModelInfo = inspect_model_dir(path, job.dtype)
         if not self.info.supported and not job.trust_remote_code:
             # refuse before reading any weight; remote-code classes are checked after load
@@ -68,7 +76,7 @@ class TransformersRunner:
             raise ModelLoadFailed(f"Cannot load model from {path}: {exc}", details={"path": str(path)}) from exc
         self.model = model.to(self.device).eval()
         self.packed_linears = 0
-        if job.pack_cpu_weights and packing_available(self.device, self.dtype):
+        if job.options.get("pack_cpu_weights", True) and packing_available(self.device, self.dtype):
             self.packed_linears = pack_linears(self.model)
         self.kernels = "onednn_packed" if self.packed_linears else "default"
         # fails now (naming the class) rather than at the first attach
@@ -91,6 +99,32 @@ class TransformersRunner:
 
     def block(self, layer: int) -> tuple[torch.nn.Module, str]:
         return resolve_block(self.model, layer)
+
+    def layer_module_path(self, layer: int) -> str:
+        return self.block(layer)[1]
+
+    def attach(self, attachment: Any) -> None:
+        self.hooks.install(attachment.key, self.block(attachment.layer)[0], attachment.stats)
+
+    def detach(self, key: AttachmentKey) -> None:
+        self.hooks.remove(key)
+
+    def capabilities(self) -> dict[str, bool]:
+        return {
+            "per_request_sampling": True,
+            "per_request_seeds": True,
+            "stop_sequences": True,
+            "cancellation": True,
+            "per_request_steering": True,
+            "per_request_monitoring": True,
+            "exact_monitoring_attribution": True,
+            "logprobs": True,
+            "prompt_logprobs": True,
+            "embeddings": True,
+            "scoring": True,
+            "serial_mode": True,
+            "batched_mode": True,
+        }
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -186,12 +220,25 @@ class TransformersRunner:
     def generate(self, **kwargs: Any) -> Any:
         from .generation import run_generation
 
-        return run_generation(self, **kwargs)
+        return run_generation(self, hook_manager=self.hooks, **kwargs)
+
+    def batch_runner(self, *, max_rows: int) -> Any:
+        from .batched import BatchedRunner
+
+        return BatchedRunner(self, self.hooks, max_rows=max_rows)
+
+    def new_sequence(self, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int, request_hooks: Any,
+                     emit: Any, should_stop: Any) -> Any:
+        from .sequence import Sequence as DecodeState
+
+        return DecodeState(self, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
+                           max_tokens=max_tokens, request_hooks=request_hooks, emit=emit, should_stop=should_stop)
 
     def embed(self, job: EmbedJob, inputs: Sequence[list[int]]) -> EmbedResult:
         vectors: list[list[float]] = []
         total = 0
-        with torch.inference_mode():
+        # embeddings and scores read the unsteered model
+        with torch.inference_mode(), self.hooks.suppressed():
             for ids in inputs:
                 hidden = self.last_hidden(ids).float()
                 total += len(ids)
@@ -207,7 +254,7 @@ class TransformersRunner:
         return EmbedResult(job.request_id, vectors, Usage(total, 0, total))
 
     def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:
-        with torch.inference_mode():
+        with torch.inference_mode(), self.hooks.suppressed():
             logits = self.full_logits(prompt_ids).float()
             lsm = torch.log_softmax(logits[-1], dim=-1)
             top: list[LogprobEntry] = []
