@@ -17,7 +17,13 @@ from gpu_engine.backends.base import CAPABILITY_KEYS
 from gpu_engine.backends.transformers.runner import TransformersRunner
 from gpu_engine.engine import Engine
 from gpu_engine.errors import BackendUnavailable, InvalidParameter, ModelLoadFailed
-from gpu_engine.protocol import AttachSpec, GenerationJob, LoadModelJob, SamplingParams, SteeringSpec
+from gpu_engine.protocol import (
+    AttachSpec,
+    GenerationJob,
+    LoadModelJob,
+    SamplingParams,
+    SteeringSpec,
+)
 
 PROMPT = "the cat sat on the mat and"
 
