@@ -15,8 +15,9 @@ silently dropped.
   ``unused_fields_refused``.
 
 "Nothing reads" is decided against the parsed request: a key its wire model does not
-declare, or a declared field the request itself says is unread (``unread_fields``: e.g.
-``max_tokens`` beside ``max_completion_tokens``, which wins).
+declare (whatever its value, null included), or a declared field sent with a value that the
+request itself says it leaves unread (``unread_fields``: e.g. ``max_tokens`` beside
+``max_completion_tokens``, which wins).
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def _walk(raw: dict[str, Any], parsed: BaseModel, path: str, checked: frozenset[
         if name in checked:
             continue
         location = f"{path}.{_key(name)}" if path else _key(name)
-        if name not in fields or name in unread:
+        if name not in fields or (name in unread and value is not None):
+            # (a declared field's null is "not given", unread or not)
             out.append(location)
         else:
             _descend(value, getattr(parsed, name), location, out)

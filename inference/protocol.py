@@ -43,6 +43,17 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # OpenAI marks most optional fields nullable (n, stream, logprobs, echo, …), and
+        # clients send null for "not given": an optional field's null is its default
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
     def unread_fields(self) -> frozenset[str]:
         """Declared fields that this request leaves unread (``inference.policy`` names
         them as ignored when the request sends them)."""

@@ -230,9 +230,21 @@ def test_neutral_values_change_nothing_and_pass(llama, openai_client):
         temperature=0, extra_headers={STRICT: "true"})
     assert len(out.choices) == 2
     emb = request(llama.base_url, "POST", "/embeddings",
-                  {"model": "tiny-llama", "input": "x", "dimensions": None},
-                  headers={STRICT: "true"})
+                  {"model": "tiny-llama", "input": "x", "dimensions": None,
+                   "encoding_format": None}, headers={STRICT: "true"})
     assert emb.status == 200
+    # null is "not given" for every optional field OpenAI declares
+    nulls = dict.fromkeys(("n", "stream", "logprobs", "top_logprobs", "stop", "seed",
+                           "stream_options", "logit_bias", "tools", "ignore_eos"))
+    resp = request(llama.base_url, "POST", "/chat/completions", {**CHAT, **nulls},
+                   headers={STRICT: "true"})
+    assert resp.status == 200, resp.body[:300]
+    assert resp.json()["choices"] == plain.json()["choices"]
+    resp = request(llama.base_url, "POST", "/completions",
+                   {"model": "tiny-llama", "prompt": "x", "max_tokens": 1, "echo": None,
+                    "best_of": None, "suffix": None, "add_special_tokens": None},
+                   headers={STRICT: "true"})
+    assert resp.status == 200, resp.body[:300]
 
 
 # --------------------------------------------------------------------------- logit_bias
