@@ -122,7 +122,7 @@ register_backend(BackendEntry(
     # the site's VLLM_* settings (orchestration.services.BACKEND_OPTION_SETTINGS)
     options={"tensor_parallel_size": int, "pipeline_parallel_size": int, "distributed_executor_backend": str,
              "gpu_memory_utilization": float, "max_model_len": int, "max_num_seqs": int,
-             "enforce_eager": bool, "multiprocessing": bool},
+             "enforce_eager": bool},
 ))
 
 __all__ = ["DEFAULT_BACKEND", "BackendEntry", "backend_names", "backends_report", "get_backend", "register_backend"]

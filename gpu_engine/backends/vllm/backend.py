@@ -44,15 +44,16 @@ WORKER_EXTENSION = "gpu_engine.backends.vllm.worker.MillmWorkerExtension"
 def _prepare_env(options: dict[str, Any]) -> None:
     """vLLM reads its environment at import: caches and sockets in a private temp dir, a
     modest CPU KV cache unless the operator set one, and whether the engine core runs in
-    this process (``multiprocessing=False``) or its own."""
+    this process (executor ``uni``) or its own."""
     scratch = tempfile.mkdtemp(prefix="millm-vllm-")
     os.environ.setdefault("VLLM_CACHE_ROOT", scratch)
     os.environ.setdefault("VLLM_RPC_BASE_PATH", scratch)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
-    if "multiprocessing" in options:
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if options["multiprocessing"] else "0"
+    # "uni": the engine core and its one worker run in this process (no extra start-up)
+    in_process = options.get("distributed_executor_backend") == "uni"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
 
 
 class VllmBackend:
@@ -76,13 +77,14 @@ class VllmBackend:
         self.pp = int(opts.get("pipeline_parallel_size", 1))
         executor = opts.get("distributed_executor_backend") or None
         if executor == "uni" and self.tp * self.pp > 1:
-            executor = None
+            raise InvalidParameter("the uni executor runs one worker: tensor or pipeline parallelism needs mp or ray",
+                                   param="options.distributed_executor_backend")
         max_len = opts.get("max_model_len") or job.max_context_length or self.info.context_length or None
         args: dict[str, Any] = dict(
             model=str(path), tokenizer=str(path), dtype=job.dtype, seed=0,
             trust_remote_code=job.trust_remote_code,
             max_model_len=max_len,
-            max_num_seqs=int(opts.get("max_num_seqs", 16)),
+            max_num_seqs=int(opts.get("max_num_seqs") or 16),
             tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
             distributed_executor_backend=executor,
             # Python hooks do not run inside captured CUDA graphs or compiled graphs:
