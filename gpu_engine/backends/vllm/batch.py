@@ -17,6 +17,7 @@ so could not be read.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 from ...errors import InvalidParameter
@@ -113,6 +114,8 @@ class VllmBatch:
         self.rows: list[VllmSequence] = []
         self.by_id: dict[str, VllmSequence] = {}
         self.steps = 0
+        # prompt tokens each recent request found in vLLM's prefix cache (status, tests)
+        self.cached_tokens: OrderedDict[str, int] = OrderedDict()
 
     @property
     def engine(self) -> Any:
@@ -136,6 +139,10 @@ class VllmBatch:
                 continue
             if out.finished:
                 seq.vllm_done = True
+            if out.num_cached_tokens is not None and seq.request_id not in self.cached_tokens:
+                self.cached_tokens[seq.request_id] = int(out.num_cached_tokens)
+                while len(self.cached_tokens) > 256:
+                    self.cached_tokens.popitem(last=False)
             if seq.sampling.prompt_logprobs and seq.prompt_logprobs is None and out.prompt_logprobs:
                 ids = seq.prompt_ids
                 seq.prompt_logprobs = [None] + [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
