@@ -151,3 +151,16 @@ def test_a_loader_that_breaks_the_contract_fails_the_load_by_name(tiny_assets, r
         eng.load_model(_job(tiny_assets.models["tiny-llama"], backend="broken"))
     assert "attach" in err.value.message and "batch_runner" in err.value.message
     assert eng.status().state == "empty"
+
+
+def test_vllm_is_registered_and_without_vllm_refuses_with_its_install_command(tiny_assets, monkeypatch):
+    entry = get_backend("vllm")
+    assert entry.requires == ("vllm",) and entry.install == "scripts/setup vllm"
+    assert entry.loader == "gpu_engine.backends.vllm:load"
+    real = backends.importlib.util.find_spec
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))
+    report = {b["name"]: b for b in backends_report()}
+    assert report["vllm"]["available"] is False and report["vllm"]["install"] == "scripts/setup vllm"
+    with Engine() as eng, pytest.raises(BackendUnavailable) as err:
+        eng.load_model(_job(tiny_assets.models["tiny-llama"], backend="vllm"))
+    assert err.value.code == "backend_unavailable" and "scripts/setup vllm" in err.value.message
