@@ -312,14 +312,19 @@ class MillmWorkerExtension:
                 "dtype": str(s.dtype).replace("torch.", ""), "monitor_rank": s.monitor_rank,
                 "hidden_size": int(getattr(s.runner.model_config.hf_text_config, "hidden_size", 0))}
 
+    # the tables are made and written under the forward's inference mode; an RPC that
+    # writes them (a released slot zeroed) must run under it too (worker processes)
     def millm_attach(self, sae_id: str, layer: int, path: str, layout: str) -> bool:
-        return self._millm().attach(sae_id, layer, path, layout)
+        with torch.inference_mode():
+            return self._millm().attach(sae_id, layer, path, layout)
 
     def millm_detach(self, sae_id: str, layer: int) -> None:
-        self._millm().detach(sae_id, layer)
+        with torch.inference_mode():
+            self._millm().detach(sae_id, layer)
 
     def millm_collect(self, request_ids: list[str], final: bool) -> dict[str, Any]:
-        return self._millm().collect(list(request_ids), bool(final))
+        with torch.inference_mode():
+            return self._millm().collect(list(request_ids), bool(final))
 
     def millm_close(self) -> None:
         state = getattr(self, "_millm_state", None)
