@@ -416,6 +416,7 @@ class Engine:
                 stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
                 return
             backend = self._require_backend()
+            requests.check_capabilities(backend, job)
             prompt_ids = requests.prompt_ids(backend, job)
             max_tokens = requests.token_budget(backend, job, len(prompt_ids))
             hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
@@ -444,6 +445,7 @@ class Engine:
         """Validate a job against the loaded model and build its decode state (batched path;
         runs on the worker when the request gets a row, like the serial path's checks)."""
         backend = self._require_backend()
+        requests.check_capabilities(backend, job)
         prompt_ids = requests.prompt_ids(backend, job)
         max_tokens = requests.token_budget(backend, job, len(prompt_ids))
         hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
@@ -502,6 +504,9 @@ class Engine:
     def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
         def op() -> EmbedResult:
             backend = self._require_backend()
+            if not backend.capabilities().get("embeddings", False):
+                raise InvalidParameter(f"the {backend.name} backend does not compute embeddings", param="input",
+                                       details={"backend": backend.name, "capability": "embeddings"})
             inputs = requests.encode_inputs(backend, job.inputs, "input")
             return backend.embed(job, inputs)
 
@@ -510,6 +515,9 @@ class Engine:
     def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
         def op() -> ScoreResult:
             backend = self._require_backend()
+            if not backend.capabilities().get("scoring", False):
+                raise InvalidParameter(f"the {backend.name} backend does not score prompts", param="prompt",
+                                       details={"backend": backend.name, "capability": "scoring"})
             if job.prompt_token_ids is not None:
                 ids = requests.encode_inputs(backend, [list(job.prompt_token_ids)], "prompt")[0]
             else:
