@@ -27,7 +27,8 @@ from .conftest import SAES
 L1, L2, L3 = ((name, layer) for name, layer in zip(SAES, (1, 2, 3)))
 # monitored activations, vLLM vs transformers: vLLM's CPU kernels (its own attention, fused
 # add-RMSNorm, a different matmul blocking) change float32 results in the last bits, which
-# grow through the layers; measured ≤ 2e-5 on tiny-llama, the bound leaves 10x room
+# grow through the layers. 2e-4 is the bound these tests hold (the largest difference was
+# not measured yet); vLLM against itself in a batch holds 2e-5 (the mixed-batch test)
 VLLM_ACT_ATOL = 2e-4
 PROMPTS = ("the cat sat on the mat and", "a quick brown fox", "the sea and the sky are")
 
