@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Self
 
+import msgspec
 import torch
 
 from . import requests
@@ -102,6 +103,8 @@ class Engine:
         self.drain_timeout_s = drain_timeout_s
         self.batching = batching or BatchingOptions()
         self._scheduler: BatchScheduler | None = None
+        # True while the scheduler exists only for a batch-only backend (serial engine)
+        self._backend_scheduler = False
         if self.batching.enabled:
             self._scheduler = BatchScheduler(self.batching, make_sequence=self._make_sequence, classify=self._classify)
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
@@ -126,8 +129,9 @@ class Engine:
     # ------------------------------------------------------------------ worker
 
     def _worker(self) -> None:
-        sched = self._scheduler
         while True:
+            # read each turn: a batch-only backend brings its own scheduler (load_model)
+            sched = self._scheduler
             if sched is not None and sched.busy:
                 # a batch is running: take queued tasks between its steps, never block
                 try:
@@ -162,8 +166,8 @@ class Engine:
                 break
             if task is not None and task.future.cancel() and task.on_drop:
                 task.on_drop()
-        if sched is not None:
-            sched.abort_all(EngineShutdown("the engine shut down before the request finished"))
+        if self._scheduler is not None:
+            self._scheduler.abort_all(EngineShutdown("the engine shut down before the request finished"))
 
     def _batch_step(self, *, admit: bool) -> None:
         try:
@@ -265,6 +269,12 @@ class Engine:
                     backend.close()
                 raise ModelLoadFailed(f"the {entry.name} backend broke its contract (missing: {', '.join(missing)})")
             self._backend, self._model_id, self._load_job = backend, job.model_id, job
+            if self._scheduler is None and not backend.capabilities().get("serial_mode", True):
+                # a backend that only batches (vLLM) runs every generation through a batch
+                # scheduler even on a serial engine; it goes with the backend (_unload)
+                self._scheduler = BatchScheduler(msgspec.structs.replace(self.batching, enabled=True),
+                                                 make_sequence=self._make_sequence, classify=self._classify)
+                self._backend_scheduler = True
             if self._scheduler is not None:
                 self._scheduler.set_backend(backend.batch_runner(max_rows=self.batching.max_batch_size))
             self._emit("model:load:complete", model_id=job.model_id)
@@ -280,6 +290,8 @@ class Engine:
         self._backend = self._model_id = self._load_job = None
         if self._scheduler is not None:
             self._scheduler.set_backend(None)
+        if self._backend_scheduler:
+            self._scheduler, self._backend_scheduler = None, False
         backend.close()
         gc.collect()
         self._emit("model:unload:complete", model_id=model_id)
@@ -394,6 +406,9 @@ class Engine:
         self._emit("engine:out_of_memory", detached=[{"sae_id": s, "layer": l} for s, l in keys])
 
     def _run_generation(self, job: GenerationJob, stream: GenerationStream) -> None:
+        if self._scheduler is not None:  # queued before a batch-only backend was loaded
+            self._enqueue(job, stream)
+            return
         with self._state_lock:
             self._in_flight += 1
         try:
@@ -401,6 +416,7 @@ class Engine:
                 stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
                 return
             backend = self._require_backend()
+            requests.check_capabilities(backend, job)
             prompt_ids = requests.prompt_ids(backend, job)
             max_tokens = requests.token_budget(backend, job, len(prompt_ids))
             hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
@@ -429,6 +445,7 @@ class Engine:
         """Validate a job against the loaded model and build its decode state (batched path;
         runs on the worker when the request gets a row, like the serial path's checks)."""
         backend = self._require_backend()
+        requests.check_capabilities(backend, job)
         prompt_ids = requests.prompt_ids(backend, job)
         max_tokens = requests.token_budget(backend, job, len(prompt_ids))
         hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
@@ -487,6 +504,9 @@ class Engine:
     def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
         def op() -> EmbedResult:
             backend = self._require_backend()
+            if not backend.capabilities().get("embeddings", False):
+                raise InvalidParameter(f"the {backend.name} backend does not compute embeddings", param="input",
+                                       details={"backend": backend.name, "capability": "embeddings"})
             inputs = requests.encode_inputs(backend, job.inputs, "input")
             return backend.embed(job, inputs)
 
@@ -495,6 +515,9 @@ class Engine:
     def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
         def op() -> ScoreResult:
             backend = self._require_backend()
+            if not backend.capabilities().get("scoring", False):
+                raise InvalidParameter(f"the {backend.name} backend does not score prompts", param="prompt",
+                                       details={"backend": backend.name, "capability": "scoring"})
             if job.prompt_token_ids is not None:
                 ids = requests.encode_inputs(backend, [list(job.prompt_token_ids)], "prompt")[0]
             else:

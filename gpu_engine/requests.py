@@ -23,6 +23,25 @@ def validate_ids(backend: Any, ids: Sequence[int], param: str) -> list[int]:
     return list(ids)
 
 
+def check_capabilities(backend: Any, job: GenerationJob) -> None:
+    """Refuse, before anything runs, a request asking for what the loaded backend reports
+    it cannot do (``capabilities()``): never ignore it."""
+    caps = backend.capabilities()
+    needs = []
+    if job.steering is not None and any(e.features for e in job.steering.entries):
+        needs.append(("per_request_steering", "steering"))
+    if job.monitor is not None and job.monitor.entries:
+        needs.append(("per_request_monitoring", "monitor"))
+    if job.sampling.logprobs or job.sampling.top_logprobs:
+        needs.append(("logprobs", "logprobs"))
+    if job.sampling.prompt_logprobs:
+        needs.append(("prompt_logprobs", "prompt_logprobs"))
+    for capability, param in needs:
+        if not caps.get(capability, False):
+            raise InvalidParameter(f"the {backend.name} backend cannot honour {param} ({capability} is off)",
+                                   param=param, details={"backend": backend.name, "capability": capability})
+
+
 def prompt_ids(backend: Any, job: GenerationJob) -> list[int]:
     if job.prompt_token_ids is not None:
         ids = validate_ids(backend, job.prompt_token_ids, "prompt")
@@ -62,7 +81,8 @@ def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, Attachment],
         att = attachment(entry.key)
         att.sae.check_indices(entry.sae_id, entry.features)
         plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
-        plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype, device=backend.device)
+        plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype,
+                                            device=getattr(backend, "sae_device", backend.device))
     for mon in job.monitor.entries if job.monitor else []:
         att = attachment(mon.key)
         att.sae.check_indices(mon.sae_id, mon.features)
@@ -90,4 +110,4 @@ def encode_inputs(backend: Any, items: Sequence[Any], param: str, add_special_to
     return out
 
 
-__all__ = ["encode_inputs", "prompt_ids", "request_hooks", "token_budget", "validate_ids"]
+__all__ = ["check_capabilities", "encode_inputs", "prompt_ids", "request_hooks", "token_budget", "validate_ids"]

@@ -88,7 +88,7 @@ class ModelCreateInput(serializers.Serializer):
     quantization = serializers.ChoiceField(choices=Model.Quantization.choices, default="FP16")
     trust_remote_code = serializers.BooleanField(default=False)
     backend = serializers.CharField(max_length=32, required=False, allow_blank=True, default="",
-                                    help_text="transformers, vllm or llamacpp; blank: MILLM_BACKEND")
+                                    help_text="a registered backend; blank: MILLM_BACKEND")
     custom_name = serializers.CharField(max_length=100, required=False, allow_null=True,
                                         allow_blank=True)
     hf_token = HubTokenField()
@@ -105,7 +105,7 @@ class ModelCreateInput(serializers.Serializer):
 
 class ModelUpdateInput(serializers.Serializer):
     backend = serializers.CharField(max_length=32, allow_blank=True,
-                                    help_text="transformers, vllm or llamacpp; blank: MILLM_BACKEND")
+                                    help_text="a registered backend; blank: MILLM_BACKEND")
 
 
 class ModelPreviewInput(serializers.Serializer):

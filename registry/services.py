@@ -58,8 +58,9 @@ def check_backend_name(backend: str) -> None:
     from gpu_engine.backends import backend_names
 
     if backend and backend not in backend_names():
-        raise ValidationFailed(f"unknown backend {backend!r}; known: {', '.join(backend_names())}",
-                               details={"backend": backend, "known": list(backend_names())})
+        message = f"unknown backend {backend!r}; known: {', '.join(backend_names())}"
+        raise ValidationFailed(message, details={"fields": {"backend": [message]},
+                                                 "known": list(backend_names())})
 
 
 @transaction.atomic

@@ -124,6 +124,19 @@ register_backend(BackendEntry(
 ))
 
 register_backend(BackendEntry(
+    name="vllm",
+    summary="vLLM's V1 engine: its scheduling, continuous batching and paged KV cache; tensor and "
+            "pipeline parallelism over processes or a Ray cluster; steering and monitoring in its workers",
+    requires=("vllm",),
+    install="scripts/setup vllm",
+    loader="gpu_engine.backends.vllm:load",
+    # the site's VLLM_* settings (orchestration.services.BACKEND_OPTION_SETTINGS)
+    options={"tensor_parallel_size": int, "pipeline_parallel_size": int, "distributed_executor_backend": str,
+             "gpu_memory_utilization": float, "max_model_len": int, "max_num_seqs": int,
+             "enforce_eager": bool},
+))
+
+register_backend(BackendEntry(
     name="llamacpp",
     summary="GGUF models through llama.cpp (llama-cpp-python): control vectors and the "
             "eval callback for steering and monitoring, multi-sequence batches",

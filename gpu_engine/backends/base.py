@@ -38,7 +38,9 @@ if TYPE_CHECKING:
     from ..scheduler import BatchBackend
 
 # What every backend reports, each True or False (``capabilities()``); a backend may add
-# its own keys.  The web tier refuses a request needing a capability the backend lacks.
+# its own keys.  The engine refuses (``invalid_parameter`` naming the field, before
+# anything runs) a request needing a capability the backend lacks
+# (``requests.check_capabilities``; embeddings and scoring in ``Engine.embed``/``score``).
 CAPABILITY_KEYS = (
     "per_request_sampling",
     "per_request_seeds",

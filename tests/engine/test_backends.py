@@ -17,7 +17,13 @@ from gpu_engine.backends.base import CAPABILITY_KEYS
 from gpu_engine.backends.transformers.runner import TransformersRunner
 from gpu_engine.engine import Engine
 from gpu_engine.errors import BackendUnavailable, InvalidParameter, ModelLoadFailed
-from gpu_engine.protocol import AttachSpec, GenerationJob, LoadModelJob, SamplingParams, SteeringSpec
+from gpu_engine.protocol import (
+    AttachSpec,
+    GenerationJob,
+    LoadModelJob,
+    SamplingParams,
+    SteeringSpec,
+)
 
 PROMPT = "the cat sat on the mat and"
 
@@ -151,3 +157,53 @@ def test_a_loader_that_breaks_the_contract_fails_the_load_by_name(tiny_assets, r
         eng.load_model(_job(tiny_assets.models["tiny-llama"], backend="broken"))
     assert "attach" in err.value.message and "batch_runner" in err.value.message
     assert eng.status().state == "empty"
+
+
+class _Mute(_Plugged):
+    """Reports that it cannot monitor, return logprobs or embed."""
+
+    name = "mute"
+
+    def capabilities(self) -> dict[str, bool]:
+        return {**super().capabilities(), "per_request_monitoring": False, "logprobs": False, "embeddings": False}
+
+
+def load_mute(job, *, hooks):
+    return _Mute(job, hooks)
+
+
+@pytest.mark.parametrize("batched", [False, True], ids=["serial", "batched"])
+def test_what_the_backend_cannot_do_is_refused_by_name_never_ignored(tiny_assets, registered, batched):
+    from gpu_engine.protocol import BatchingOptions, EmbedJob, MonitorEntry, MonitorSpec
+
+    registered("mute", "tests.engine.test_backends:load_mute")
+    sae = tiny_assets.saes["tiny-llama-L1-relu"]
+    with Engine(batching=BatchingOptions(enabled=batched)) as eng:
+        eng.load_model(_job(tiny_assets.models["tiny-llama"], backend="mute"))
+        eng.attach(AttachSpec(sae.name, str(sae.path), 1))
+        monitored = GenerationJob("mon", prompt=PROMPT, sampling=SamplingParams(max_tokens=4),
+                                  monitor=MonitorSpec([MonitorEntry(sae.name, 1, top_k=3)]))
+        events = list(eng.generate(monitored).events(30))
+        assert len(events) == 1 and events[0].code == "invalid_parameter"
+        assert events[0].details["param"] == "monitor" and "mute" in events[0].message
+        with_logprobs = GenerationJob("lp", prompt=PROMPT, sampling=SamplingParams(max_tokens=4, logprobs=True))
+        [error] = list(eng.generate(with_logprobs).events(30))
+        assert error.details["param"] == "logprobs"
+        with pytest.raises(InvalidParameter) as err:
+            eng.embed(EmbedJob("e", [PROMPT]))
+        assert err.value.details["capability"] == "embeddings"
+        # what it can do still runs: steering is on
+        steering = SteeringSpec.from_mapping({(sae.name, 1): {3: 8.0}})
+        assert len(eng.generate_sync(_greedy("ok", steering)).token_ids) == 8
+
+def test_vllm_is_registered_and_without_vllm_refuses_with_its_install_command(tiny_assets, monkeypatch):
+    entry = get_backend("vllm")
+    assert entry.requires == ("vllm",) and entry.install == "scripts/setup vllm"
+    assert entry.loader == "gpu_engine.backends.vllm:load"
+    real = backends.importlib.util.find_spec
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))
+    report = {b["name"]: b for b in backends_report()}
+    assert report["vllm"]["available"] is False and report["vllm"]["install"] == "scripts/setup vllm"
+    with Engine() as eng, pytest.raises(BackendUnavailable) as err:
+        eng.load_model(_job(tiny_assets.models["tiny-llama"], backend="vllm"))
+    assert err.value.code == "backend_unavailable" and "scripts/setup vllm" in err.value.message

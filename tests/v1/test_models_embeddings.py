@@ -51,7 +51,7 @@ def test_embeddings_equal_the_engine_and_are_never_steered(llama, openai_client)
                                 {"model": "tiny-llama", "input": ""}), 400, "invalid_parameter")
     assert_openai_error(request(llama.base_url, "POST", "/embeddings",
                                 {"model": "tiny-llama", "input": "x", "dimensions": 8}),
-                        400, "invalid_parameter", "dimensions")
+                        400, "field_not_honoured", "dimensions")
 
 
 def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monkeypatch):
