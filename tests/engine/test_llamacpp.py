@@ -363,7 +363,7 @@ def test_load_options_do_what_the_configuration_says(tiny_gguf):
         assert eng.status().batching["capabilities"]["embeddings"] is False
         with pytest.raises(InvalidParameter) as exc:
             eng.embed(EmbedJob("e", inputs=["x"]))
-        assert "GGUF_ENABLE_EMBEDDINGS" in exc.value.message
+        assert exc.value.details["capability"] == "embeddings"
         refusals = [
             ({"kv_cache_type": "q8_0", "flash_attention": False}, "options.flash_attention"),
             ({"kv_cache_type": "q3_k"}, "options.kv_cache_type"),
