@@ -17,7 +17,7 @@ from pathlib import Path
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
-from ...errors import InvalidParameter, ModelLoadFailed
+from ...errors import InsufficientMemory, InvalidParameter, ModelLoadFailed
 
 
 # ggml.h: GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10, GGML_MAX_NAME 64
@@ -300,7 +300,7 @@ class NativeContext:
         rc = lc.llama_decode(self.ptr, b)
         if rc != 0:
             if rc == 1:
-                raise MemoryError(
+                raise InsufficientMemory(
                     "llama.cpp: no room left in the KV cache for this batch "
                     "(out of memory); lower the batch size or GGUF_CONTEXT_LENGTH"
                 )
