@@ -76,7 +76,10 @@ def _cache_dir() -> Path:
 
 
 def load_filter() -> ctypes.CDLL | None:
-    """The compiled filter library, building it once; None without a C compiler."""
+    """The compiled filter library, building it once; None without a C compiler (or with
+    ``MILLM_LLAMACPP_PYTHON_CALLBACK=1``, which the benchmark uses to measure the filter)."""
+    if os.environ.get("MILLM_LLAMACPP_PYTHON_CALLBACK") == "1":
+        return None
     digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
     target = _cache_dir() / f"millm-eval-filter-{digest}.so"
     if not target.exists():
