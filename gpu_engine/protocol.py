@@ -11,8 +11,10 @@ window, d_sae) happen in the engine. This module imports no torch.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+import struct
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -215,6 +217,26 @@ class SteeringSpec(msgspec.Struct):
 
     def is_empty(self) -> bool:
         return not any(e.features for e in self.entries)
+
+    def canonical_text(self) -> str:
+        """The applied set, one line per non-zero feature, in a form every language can
+        write exactly (docs/steering.md, "The steering hash"):
+        ``<sae_id>\t<layer>\t<index>\t<strength as 16 hex digits of its IEEE-754 binary64
+        bits, big-endian>\n``, lines sorted by (sae_id as UTF-8 bytes, layer, index).  A
+        strength of 0 changes nothing and writes no line; -0.0 is 0."""
+        lines = []
+        for e in self.entries:
+            for index, strength in e.features.items():
+                if strength == 0:
+                    continue
+                bits = struct.pack(">d", float(strength)).hex()
+                lines.append((e.sae_id.encode(), e.layer, index, f"{e.sae_id}\t{e.layer}\t{index}\t{bits}\n"))
+        return "".join(line for *_, line in sorted(lines))
+
+    def canonical_hash(self) -> str:
+        """``sha256:<hex>`` of ``canonical_text()`` (UTF-8): equal for two specs that add the
+        same deltas, whatever their order or spelling; an empty set hashes the empty text."""
+        return "sha256:" + hashlib.sha256(self.canonical_text().encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- monitoring

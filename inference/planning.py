@@ -75,7 +75,7 @@ class Plan:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header,
+        return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header_value,
                 **ignored_headers(self.ignored_fields)}
 
     @property
