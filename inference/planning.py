@@ -76,7 +76,18 @@ class Plan:
     @property
     def headers(self) -> dict[str, str]:
         return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header_value,
-                **ignored_headers(self.ignored_fields)}
+                **self.seed_header, **ignored_headers(self.ignored_fields)}
+
+    @property
+    def seed_header(self) -> dict[str, str]:
+        """``X-miLLM-Seed`` when the request sent a seed: ``<seed>;scope=request`` (each
+        choice draws from its own generator, seeded by the request alone, so neighbours
+        in a batch change nothing), with ``;choices=<n>`` when choice *i* used seed + i."""
+        seed = self.request.seed
+        if seed is None:
+            return {}
+        n = self.request.n
+        return {"X-miLLM-Seed": f"{seed};scope=request" + (f";choices={n}" if n > 1 else "")}
 
     @property
     def wants_millm(self) -> bool:
