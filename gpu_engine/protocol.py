@@ -113,7 +113,9 @@ class SamplingParams(msgspec.Struct):
     penalties act on generated tokens, the repetition penalty on prompt + generated tokens
     (as vLLM does).  ``logit_bias`` (token id -> bias in [-100, 100]) is added to the
     model's logits before the penalties and before any token is chosen, greedy included.
-    ``max_tokens=None`` means "up to the context window".
+    ``max_tokens=None`` means "up to the context window", or up to ``max_tokens_default``
+    when that is set and smaller (a server default that never refuses a request: a long
+    prompt gets what room is left).
     """
 
     max_tokens: int | None = 16
@@ -136,10 +138,13 @@ class SamplingParams(msgspec.Struct):
     # and of the whole prompt (TokenEvent.prompt_text on the first token, and
     # FinishEvent.prompt_text): the tokenizer is the engine's, never the web tier's
     token_texts: bool = False
+    max_tokens_default: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
             _int(self.max_tokens, "max_tokens", lo=1)
+        if self.max_tokens_default is not None:
+            _int(self.max_tokens_default, "max_tokens_default", lo=1)
         self.temperature = _num(self.temperature, "temperature", lo=0.0, hi=100.0)
         self.top_p = _num(self.top_p, "top_p", lo=0.0, hi=1.0, lo_open=True)
         _int(self.top_k, "top_k", lo=-1)
