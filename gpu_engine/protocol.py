@@ -11,8 +11,10 @@ window, d_sae) happen in the engine. This module imports no torch.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+import struct
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -111,7 +113,9 @@ class SamplingParams(msgspec.Struct):
     penalties act on generated tokens, the repetition penalty on prompt + generated tokens
     (as vLLM does).  ``logit_bias`` (token id -> bias in [-100, 100]) is added to the
     model's logits before the penalties and before any token is chosen, greedy included.
-    ``max_tokens=None`` means "up to the context window".
+    ``max_tokens=None`` means "up to the context window", or up to ``max_tokens_default``
+    when that is set and smaller (a server default that never refuses a request: a long
+    prompt gets what room is left).
     """
 
     max_tokens: int | None = 16
@@ -134,10 +138,13 @@ class SamplingParams(msgspec.Struct):
     # and of the whole prompt (TokenEvent.prompt_text on the first token, and
     # FinishEvent.prompt_text): the tokenizer is the engine's, never the web tier's
     token_texts: bool = False
+    max_tokens_default: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
             _int(self.max_tokens, "max_tokens", lo=1)
+        if self.max_tokens_default is not None:
+            _int(self.max_tokens_default, "max_tokens_default", lo=1)
         self.temperature = _num(self.temperature, "temperature", lo=0.0, hi=100.0)
         self.top_p = _num(self.top_p, "top_p", lo=0.0, hi=1.0, lo_open=True)
         _int(self.top_k, "top_k", lo=-1)
@@ -215,6 +222,26 @@ class SteeringSpec(msgspec.Struct):
 
     def is_empty(self) -> bool:
         return not any(e.features for e in self.entries)
+
+    def canonical_text(self) -> str:
+        """The applied set, one line per non-zero feature, in a form every language can
+        write exactly (docs/steering.md, "The steering hash"):
+        ``<sae_id>\t<layer>\t<index>\t<strength as 16 hex digits of its IEEE-754 binary64
+        bits, big-endian>\n``, lines sorted by (sae_id as UTF-8 bytes, layer, index).  A
+        strength of 0 changes nothing and writes no line; -0.0 is 0."""
+        lines = []
+        for e in self.entries:
+            for index, strength in e.features.items():
+                if strength == 0:
+                    continue
+                bits = struct.pack(">d", float(strength)).hex()
+                lines.append((e.sae_id.encode(), e.layer, index, f"{e.sae_id}\t{e.layer}\t{index}\t{bits}\n"))
+        return "".join(line for *_, line in sorted(lines))
+
+    def canonical_hash(self) -> str:
+        """``sha256:<hex>`` of ``canonical_text()`` (UTF-8): equal for two specs that add the
+        same deltas, whatever their order or spelling; an empty set hashes the empty text."""
+        return "sha256:" + hashlib.sha256(self.canonical_text().encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- monitoring

@@ -240,15 +240,15 @@ VARIABLES: tuple[Var, ...] = (
         "never less than the jobs run_engine takes beyond the rows (ENGINE_MAX_IN_FLIGHT - "
         "MAX_CONCURRENT_REQUESTS), so admitted work is never refused.", minimum=1),
     Var("CBM_DEFAULT_TEMPERATURE", "Continuous batching", "float", 0.7,
-        "Not applied: batched requests keep their own temperature (1 when they send none), "
-        "so there is no batch-wide value. Accepted so existing .env files still validate.",
+        "On an engine that batches, the temperature of a /v1 request that sends none "
+        "(1 on a serial engine); a request's own value always wins.",
         minimum=0, maximum=2),
     Var("CBM_DEFAULT_TOP_P", "Continuous batching", "float", 0.95,
-        "Not applied: batched requests keep their own top-p. Accepted so existing .env "
-        "files still validate.", minimum=0, maximum=1),
+        "On an engine that batches, the top-p of a /v1 request that sends none (1 on a "
+        "serial engine).", minimum=0, maximum=1),
     Var("CBM_DEFAULT_MAX_TOKENS", "Continuous batching", "int", 512,
-        "Not applied: batched requests keep their own max_tokens (the /v1 default when they "
-        "send none). Accepted so existing .env files still validate.", minimum=1),
+        "On an engine that batches, the token budget of a /v1 request that sends no "
+        "max_tokens: a ceiling a long prompt shrinks, never a refusal.", minimum=1),
     Var("CBM_FORCE_SERIAL_MONITORING", "Continuous batching", "bool", False,
         "With batching: a request that monitors SAE features runs alone (the batch drains "
         "first, others wait for it). Attribution is exact in the batch either way; this "
