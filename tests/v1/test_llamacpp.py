@@ -39,7 +39,7 @@ def smollm2_gguf(v1_server, demo_assets, llamacpp):
     v1_server.wait_idle()
 
 
-def _direct(server, steering=None, max_tokens=24):
+def _direct(server, steering=None, max_tokens=16):
     return server.engine.generate_sync(
         GenerationJob(
             request_id="ref",
@@ -56,14 +56,14 @@ def test_smollm2_gguf_loads_chats_and_steers_through_v1(smollm2_gguf, openai_cli
     status = server.engine.status()
     assert (status.backend, status.num_layers, status.hidden_size) == ("llamacpp", 30, 576)
     plain = openai_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=24, temperature=0
+        model=NAME, messages=MESSAGES, max_tokens=16, temperature=0
     )
     text = plain.choices[0].message.content
     assert text and text == _direct(server).text
     assert plain.usage.completion_tokens == len(_direct(server).token_ids)
     # streaming gives the same text
     chunks = openai_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=24, temperature=0, stream=True
+        model=NAME, messages=MESSAGES, max_tokens=16, temperature=0, stream=True
     )
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
     # steered by the demo SAE's first feature at the recommended strength
@@ -71,7 +71,7 @@ def test_smollm2_gguf_loads_chats_and_steers_through_v1(smollm2_gguf, openai_cli
     steered = openai_client.chat.completions.create(
         model=NAME,
         messages=MESSAGES,
-        max_tokens=24,
+        max_tokens=16,
         temperature=0,
         extra_body={"steering": {"features": [{"index": 0, "strength": strength}]}},
     )
