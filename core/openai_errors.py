@@ -25,7 +25,8 @@ class OpenAIError(Exception):
 
     def __init__(self, message: str, *, status: int, code: str, param: str | None = None,
                  type: str | None = None, retry_after: int | None = None,
-                 extra: dict[str, Any] | None = None) -> None:
+                 extra: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -34,6 +35,7 @@ class OpenAIError(Exception):
         self.type = type or _TYPES.get(status, "invalid_request_error")
         self.retry_after = retry_after
         self.extra = dict(extra or {})
+        self.headers = dict(headers or {})  # response headers beside Retry-After
 
     def body(self) -> dict[str, Any]:
         error = {"message": self.message, "type": self.type, "param": self.param,
@@ -43,7 +45,7 @@ class OpenAIError(Exception):
 
 
 def openai_error_response(error: OpenAIError) -> JsonResponse:
-    response = JsonResponse(error.body(), status=error.status)
+    response = JsonResponse(error.body(), status=error.status, headers=error.headers)
     retry_after = retry_after_value(error.status, error.retry_after, error.code)
     if retry_after is not None:
         response["Retry-After"] = str(retry_after)

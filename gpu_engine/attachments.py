@@ -65,7 +65,9 @@ def prepare_attachment(backend: Any, spec: AttachSpec, model_id: str | None) -> 
     report.raise_for_errors(spec.sae_id)
     path = backend.layer_module_path(spec.layer)
     try:
-        sae = SAE(cfg, layout.load_tensors(cfg), device=backend.device)
+        # a backend whose model lives in other processes keeps its own copy there and the
+        # engine's on the host (``sae_device``)
+        sae = SAE(cfg, layout.load_tensors(cfg), device=getattr(backend, "sae_device", backend.device))
     except Exception as exc:
         if is_out_of_memory(exc):
             raise InsufficientMemory(f"not enough memory for SAE {spec.sae_id!r}: {exc}") from exc

@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Self
 
+import msgspec
 import torch
 
 from . import requests
@@ -108,6 +109,8 @@ class Engine:
         self.drain_timeout_s = drain_timeout_s
         self.batching = batching or BatchingOptions()
         self._scheduler: BatchScheduler | None = None
+        # True while the scheduler exists only for a batch-only backend (serial engine)
+        self._backend_scheduler = False
         if self.batching.enabled:
             self._scheduler = BatchScheduler(self.batching, make_sequence=self._make_sequence, classify=self._classify)
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
@@ -132,8 +135,9 @@ class Engine:
     # ------------------------------------------------------------------ worker
 
     def _worker(self) -> None:
-        sched = self._scheduler
         while True:
+            # read each turn: a batch-only backend brings its own scheduler (load_model)
+            sched = self._scheduler
             if sched is not None and sched.busy:
                 # a batch is running: take queued tasks between its steps, never block
                 try:
@@ -168,8 +172,8 @@ class Engine:
                 break
             if task is not None and task.future.cancel() and task.on_drop:
                 task.on_drop()
-        if sched is not None:
-            sched.abort_all(EngineShutdown("the engine shut down before the request finished"))
+        if self._scheduler is not None:
+            self._scheduler.abort_all(EngineShutdown("the engine shut down before the request finished"))
 
     def _batch_step(self, *, admit: bool) -> None:
         try:
@@ -271,6 +275,12 @@ class Engine:
                     backend.close()
                 raise ModelLoadFailed(f"the {entry.name} backend broke its contract (missing: {', '.join(missing)})")
             self._backend, self._model_id, self._load_job = backend, job.model_id, job
+            if self._scheduler is None and not backend.capabilities().get("serial_mode", True):
+                # a backend that only batches (vLLM) runs every generation through a batch
+                # scheduler even on a serial engine; it goes with the backend (_unload)
+                self._scheduler = BatchScheduler(msgspec.structs.replace(self.batching, enabled=True),
+                                                 make_sequence=self._make_sequence, classify=self._classify)
+                self._backend_scheduler = True
             if self._scheduler is not None:
                 self._scheduler.set_backend(backend.batch_runner(
                     max_rows=self.batching.max_batch_size + self.batching.batch_rows))
@@ -287,6 +297,8 @@ class Engine:
         self._backend = self._model_id = self._load_job = None
         if self._scheduler is not None:
             self._scheduler.set_backend(None)
+        if self._backend_scheduler:
+            self._scheduler, self._backend_scheduler = None, False
         backend.close()
         gc.collect()
         self._emit("model:unload:complete", model_id=model_id)
@@ -401,6 +413,9 @@ class Engine:
         self._emit("engine:out_of_memory", detached=[{"sae_id": s, "layer": l} for s, l in keys])
 
     def _run_generation(self, job: GenerationJob, stream: GenerationStream) -> None:
+        if self._scheduler is not None:  # queued before a batch-only backend was loaded
+            self._enqueue(job, stream)
+            return
         with self._state_lock:
             self._in_flight += 1
         try:

@@ -13,6 +13,11 @@ decode step publishes ``row_slots`` — the delta-table slot of every token row 
 attachment, a table with each running request's delta in its slot (zeros for unsteered
 requests); the hook adds ``table[row_slots]`` (one gather, no loop over requests) and
 records that it did, and monitors read only the rows of the requests that asked.
+
+Blocks that return ``(hidden, residual)`` (vLLM's decoder layers, which defer the residual
+add to the next layer's fused norm) are installed with ``residual_pair=True``: the
+residual stream a user means is ``hidden + residual``, so monitors read that sum and the
+delta is added to ``hidden`` only, changing the sum exactly once.
 """
 
 from __future__ import annotations
@@ -221,10 +226,12 @@ class AttachmentStats:
 class AttachmentHook:
     """The forward hook for one (sae_id, layer); reads the manager's current context."""
 
-    def __init__(self, key: AttachmentKey, manager: HookManager, stats: AttachmentStats) -> None:
+    def __init__(self, key: AttachmentKey, manager: HookManager, stats: AttachmentStats, *,
+                 residual_pair: bool = False) -> None:
         self.key = key
         self.manager = manager
         self.stats = stats
+        self.residual_pair = residual_pair
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         ctx = self.manager.current
@@ -232,6 +239,8 @@ class AttachmentHook:
             return None
         is_tuple = isinstance(output, tuple)
         hidden = output[0] if is_tuple else output
+        if self.residual_pair:
+            return self._pair(ctx, hidden, output[1], output)
         key = self.key
         segs = ctx.segments
         if ctx.row_slots is None:
@@ -282,6 +291,35 @@ class AttachmentHook:
         return flat.view_as(hidden) if table is not None else hidden
 
 
+    def _pair(self, ctx: BatchContext, hidden: torch.Tensor, residual: torch.Tensor, output: tuple) -> Any:
+        """Batched mode for a block returning ``(hidden, residual)``: monitors read the sum,
+        the delta goes into ``hidden`` alone (the sum changes once)."""
+        key = self.key
+        table = ctx.delta_tables.get(key)
+        monitored = [(s, p) for s in ctx.segments if (p := s.request.plans.get(key)) is not None and (p.pre or p.post)]
+        if table is None and not monitored:
+            return None
+        n = ctx.row_slots.shape[0] if ctx.row_slots is not None else hidden.shape[0]
+        if any(p.pre for _, p in monitored):
+            stream = hidden + residual
+            for seg, plan in monitored:
+                for m in plan.pre:
+                    m.observe(stream[seg.row_start : seg.row_end], seg.start_position)
+        new = hidden
+        if table is not None:
+            # rows past the batch's tokens (padding) keep their values: only n rows are added
+            gathered = table.index_select(0, ctx.row_slots)  # type: ignore[arg-type]
+            new = torch.cat([hidden[:n] + gathered, hidden[n:]]) if hidden.shape[0] > n else hidden + gathered
+            ctx.applied.add(key)
+            self.stats.steering_apply_count += 1
+        if any(p.post for _, p in monitored):
+            stream = new + residual
+            for seg, plan in monitored:
+                for m in plan.post:
+                    m.observe(stream[seg.row_start : seg.row_end], seg.start_position)
+        return None if new is hidden else (new, *output[1:])
+
+
 class HookManager:
     """Owns every installed hook handle; ``remove``/``remove_all`` are the only ways out."""
 
@@ -289,10 +327,12 @@ class HookManager:
         self.current: BatchContext | None = None
         self._handles: dict[AttachmentKey, Any] = {}
 
-    def install(self, key: AttachmentKey, module: torch.nn.Module, stats: AttachmentStats) -> None:
+    def install(self, key: AttachmentKey, module: torch.nn.Module, stats: AttachmentStats, *,
+                residual_pair: bool = False) -> None:
         if key in self._handles:
             raise RuntimeError(f"a hook for {key} is already installed")
-        self._handles[key] = module.register_forward_hook(AttachmentHook(key, self, stats))
+        hook = AttachmentHook(key, self, stats, residual_pair=residual_pair)
+        self._handles[key] = module.register_forward_hook(hook)
 
     def remove(self, key: AttachmentKey) -> None:
         handle = self._handles.pop(key, None)

@@ -25,6 +25,7 @@ T = TypeVar("T")
 MAX_STEERING_STRENGTH = 200.0
 MAX_STOP_SEQUENCES = 4
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: a bias lies in [-100, 100]
 READ_POINTS = ("pre_steering", "post_steering")
 POSITION_KEYWORDS = ("last", "prompt", "completion", "all")
 POOLINGS = ("mean", "last", "cls")
@@ -111,7 +112,9 @@ class SamplingParams(msgspec.Struct):
 
     ``temperature == 0`` is greedy. ``top_k <= 0`` disables top-k.  Presence/frequency
     penalties act on generated tokens, the repetition penalty on prompt + generated tokens
-    (as vLLM does).  ``max_tokens=None`` means "up to the context window".
+    (as vLLM does).  ``logit_bias`` (token id -> bias in [-100, 100]) is added to the
+    model's logits before the penalties and before any token is chosen, greedy included.
+    ``max_tokens=None`` means "up to the context window".
     """
 
     max_tokens: int | None = 16
@@ -125,6 +128,8 @@ class SamplingParams(msgspec.Struct):
     stop: list[str] = msgspec.field(default_factory=list)
     stop_token_ids: list[int] = msgspec.field(default_factory=list)
     ignore_eos: bool = False
+    # on the JSON wire the ids are object keys ("5"); the vocabulary is checked by the engine
+    logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
     prompt_logprobs: bool = False
@@ -153,6 +158,8 @@ class SamplingParams(msgspec.Struct):
             if not isinstance(s, str) or not s:
                 raise InvalidParameter("stop sequences must be non-empty strings", param="stop")
         self.stop_token_ids = [_int(t, "stop_token_ids", lo=0) for t in (self.stop_token_ids or [])]
+        self.logit_bias = {_int(t, "logit_bias", lo=0): _num(b, "logit_bias", lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
+                           for t, b in (self.logit_bias or {}).items()}
         _int(self.top_logprobs, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
 
 

@@ -81,7 +81,8 @@ def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, Attachment],
         att = attachment(entry.key)
         att.sae.check_indices(entry.sae_id, entry.features)
         plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
-        plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype, device=backend.device)
+        plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype,
+                                            device=getattr(backend, "sae_device", backend.device))
     for mon in job.monitor.entries if job.monitor else []:
         att = attachment(mon.key)
         att.sae.check_indices(mon.sae_id, mon.features)

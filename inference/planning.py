@@ -32,6 +32,7 @@ from gpu_engine.protocol import (
 from inference import selectors, wire
 from inference.activations import monitor_resolve
 from inference.errors import OpenAIError
+from inference.policy import ignored_headers
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.residency import ModelRef
 from monitoring.services import (
@@ -63,6 +64,7 @@ class Plan:
     choices: list[Choice]
     backend: str
     monitoring: MonitorEntry | None = None  # /api/monitoring's entry, recorded apart
+    ignored_fields: list[str] = field(default_factory=list)  # sent, read by nothing
     fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
     response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
@@ -73,7 +75,8 @@ class Plan:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header}
+        return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header,
+                **ignored_headers(self.ignored_fields)}
 
     @property
     def wants_millm(self) -> bool:
@@ -109,7 +112,8 @@ def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str 
 async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
                           model: ModelRef, profile: str | None, client: EngineClient,
                           attachments: list[AttachmentStatus] | None = None,
-                          status: EngineStatus | None = None) -> Plan:
+                          status: EngineStatus | None = None,
+                          ignored_fields: list[str] | None = None) -> Plan:
     if attachments is None:
         attachments = await asyncio.to_thread(client.attachments)
     args = _steering_args(req, profile)
@@ -170,6 +174,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
                 attachment=attachment, choices=choices,
                 backend=client.backend_name, monitoring=monitored,
+                ignored_fields=list(ignored_fields or ()),
                 fingerprint=wire.fingerprint(status, version()))
 
 

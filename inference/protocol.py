@@ -3,10 +3,11 @@ engine jobs; responses are built from engine results.
 
 Field names and ranges follow OpenAI's reference schema (CreateChatCompletionRequest,
 CreateCompletionRequest, CreateEmbeddingRequest); the miLLM extensions are ``profile``,
-``steering``, ``steering_intensity`` and ``return_sae_activations``. Unknown fields are
-ignored, as OpenAI's clients send fields of newer API versions; fields that would change
-the output and cannot be honoured (``tools``, ``logit_bias``, ``response_format`` other
-than text, ``suffix``) are refused rather than dropped.
+``steering``, ``steering_intensity`` and ``return_sae_activations``. A model declares
+exactly the fields the server reads: any other key a request sends is named in the
+``X-miLLM-Ignored-Fields`` response header (or refused under ``X-miLLM-Strict``), and the
+output-changing fields it cannot honour (``tools``, ``response_format`` other than text,
+``suffix``, …) are refused — both in ``inference.policy``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pydantic import (
 )
 
 from gpu_engine.protocol import (
+    MAX_LOGIT_BIAS,
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,
     SamplingParams,
@@ -40,6 +42,22 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        # OpenAI marks most optional fields nullable (n, stream, logprobs, echo, …), and
+        # clients send null for "not given": an optional field's null is its default
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items()
+                    if v is not None or k not in fields or fields[k].is_required()}
+        return data
+
+    def unread_fields(self) -> frozenset[str]:
+        """Declared fields that this request leaves unread (``inference.policy`` names
+        them as ignored when the request sends them)."""
+        return frozenset()
 
 
 class _Strict(BaseModel):
@@ -135,10 +153,24 @@ def _stop(value: Any) -> list[str]:
     return list(value)
 
 
-def _refuse_unless(value: Any, trivial: tuple[Any, ...], name: str) -> Any:
-    if value not in trivial:
-        raise ValueError(f"{name} is not supported by this server")
-    return value
+def _logit_bias(value: Any) -> dict[str, float] | None:
+    """OpenAI's ``{"<token id>": bias}``, bias in [-100, 100]; the vocabulary is the
+    engine's to check (the web tier holds no tokenizer)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ValueError("logit_bias must be an object mapping token ids to biases")
+    out: dict[str, float] = {}
+    for key, bias in value.items():
+        if not (key.isascii() and key.isdigit()) or str(int(key)) != key \
+                or int(key) > 2**31:
+            raise ValueError(f"logit_bias keys must be token ids (got {key!r})")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                             f"{MAX_LOGIT_BIAS:g}] (got {bias!r} for {key})")
+        out[key] = float(bias)
+    return out
 
 
 # --------------------------------------------------------------------------- requests
@@ -155,8 +187,7 @@ class _GenerationRequest(_Wire):
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
-    logit_bias: dict[str, Any] | None = None
-    user: str | None = None
+    logit_bias: dict[str, float] | None = None
     # vLLM-style sampling extras the engine supports
     top_k: int | None = Field(default=None, ge=-1, le=2**31)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
@@ -170,11 +201,12 @@ class _GenerationRequest(_Wire):
     _stop = field_validator("stop", mode="before")(classmethod(lambda cls, v: _stop(v)))
     _intensity = field_validator("steering_intensity", mode="before")(
         classmethod(lambda cls, v: _intensity(v)))
+    _logit_bias = field_validator("logit_bias", mode="before")(
+        classmethod(lambda cls, v: _logit_bias(v)))
 
-    @field_validator("logit_bias")
-    @classmethod
-    def _no_logit_bias(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        return _refuse_unless(value or None, (None,), "logit_bias")
+    def unread_fields(self) -> frozenset[str]:
+        # OpenAI: "only set this when you set stream: true"
+        return frozenset() if self.stream else frozenset({"stream_options"})
 
     @property
     def include_usage(self) -> bool:
@@ -203,6 +235,7 @@ class _GenerationRequest(_Wire):
             frequency_penalty=self.frequency_penalty or 0.0,
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,
+            logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
@@ -215,33 +248,41 @@ class _GenerationRequest(_Wire):
         return self.return_sae_activations is not None
 
 
+class TextPart(_Wire):
+    type: Literal["text"]
+    text: str
+
+
 class ChatMessage(_Wire):
+    """A message as the chat template receives it: its role and its text. Nothing else a
+    message carries (``name``, ``tool_calls``, ``tool_call_id``, …) reaches the model."""
+
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | None = None
-    name: str | None = None
+    content: str | list[TextPart] | None = None
 
     @field_validator("content", mode="before")
     @classmethod
-    def _text(cls, value: Any) -> str | None:
+    def _text(cls, value: Any) -> Any:
         if value is None or isinstance(value, str):
             return value
         if isinstance(value, list):
-            parts = []
             for part in value:
                 if not isinstance(part, dict) or part.get("type") != "text" \
                         or not isinstance(part.get("text"), str):
                     raise ValueError("only text content parts ({type: text, text}) are "
                                      "supported")
-                parts.append(part["text"])
-            return "".join(parts)
+            return value
         raise ValueError("content must be a string or a list of text parts")
 
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
     def for_template(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": self.content or ""}
-        if self.name:
-            message["name"] = self.name
-        return message
+        return {"role": "system" if self.role == "developer" else self.role,
+                "content": self.text}
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -249,28 +290,18 @@ class ChatCompletionRequest(_GenerationRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = None
-    functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tools(cls, value: list[Any] | None, info: Any) -> list[Any] | None:
-        return _refuse_unless(value or None, (None,), info.field_name)
-
-    @field_validator("response_format")
-    @classmethod
-    def _text_only(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None and value.get("type") not in (None, "text"):
-            raise ValueError("response_format other than text is not supported")
-        return value
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
         return self
+
+    def unread_fields(self) -> frozenset[str]:
+        unread = super().unread_fields()
+        # max_completion_tokens wins
+        return unread | {"max_tokens"} if self.max_completion_tokens is not None else unread
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -317,21 +348,12 @@ class CompletionRequest(_GenerationRequest):
     prompt: list[PromptItem]
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
     add_special_tokens: bool = True
 
     _prompt = field_validator("prompt", mode="before")(classmethod(lambda cls, v: _prompt(v)))
 
-    @field_validator("suffix")
-    @classmethod
-    def _no_suffix(cls, value: str | None) -> str | None:
-        return _refuse_unless(value or None, (None,), "suffix")
-
     @model_validator(mode="after")
-    def _best_of(self) -> CompletionRequest:
-        if self.best_of is not None and self.best_of != self.n:
-            raise ValueError("best_of other than n is not supported")
+    def _choices(self) -> CompletionRequest:
         if len(self.prompt) * self.n > MAX_N * 4:
             raise ValueError(f"at most {MAX_N * 4} choices (prompts × n) per request")
         return self
@@ -364,16 +386,9 @@ class EmbeddingRequest(_Wire):
     model: str = Field(min_length=1, max_length=500)
     input: list[PromptItem]
     encoding_format: Literal["float", "base64"] = "float"
-    dimensions: int | None = None
-    user: str | None = None
 
     _input = field_validator("input", mode="before")(
         classmethod(lambda cls, v: _embedding_input(v)))
-
-    @field_validator("dimensions")
-    @classmethod
-    def _no_dimensions(cls, value: int | None) -> int | None:
-        return _refuse_unless(value, (None,), "dimensions")
 
 
 # --------------------------------------------------------------------------- responses

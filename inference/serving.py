@@ -431,7 +431,8 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
 
 
 async def serve_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
-                           policy: str, lease: str | None = None) -> Any:
+                           policy: str, lease: str | None = None,
+                           ignored: list[str] | None = None) -> Any:
     client = runtime().engine
     residency = runtime().residency
     status = await residency.status()
@@ -454,7 +455,7 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
         plan = await plan_generation(kind=kind, req=req, model=model,
                                      profile=req.profile or profile, client=client,
                                      attachments=list(res.use.status.attachments),
-                                     status=res.use.status)
+                                     status=res.use.status, ignored_fields=ignored)
         response = await respond(plan, client, res)
         handed_over = isinstance(response, SSEResponse)
         return response

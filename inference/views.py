@@ -1,6 +1,7 @@
 """The /v1 endpoints: thin async views. Each parses and validates the body into its
-pydantic model and hands over to ``inference.serving``; every error, whatever raised it,
-leaves through ``openai_view`` in OpenAI's shape."""
+pydantic model, applies the request policy to the fields it sent (``inference.policy``)
+and hands over to ``inference.serving``; every error, whatever raised it, leaves through
+``openai_view`` in OpenAI's shape."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from inference.errors import (
     openai_error_response,
 )
 from inference.planning import resolve_model
+from inference.policy import STRICT_HEADER, check_fields, ignored_headers, strict_mode
 from inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -94,7 +96,10 @@ def _context_param(request: HttpRequest) -> str | None:
     return None
 
 
-def _body(request: HttpRequest, schema: type[BaseModel]) -> Any:
+def _body(request: HttpRequest, schema: type[BaseModel]) -> tuple[Any, list[str]]:
+    """The validated body and the locations of the fields it sent that nothing reads
+    (refused under ``X-miLLM-Strict``, as are fields that cannot be honoured)."""
+    strict = strict_mode(request.headers.get(STRICT_HEADER))
     content_type = (request.content_type or "").lower()
     if content_type and content_type != "application/json" \
             and not content_type.endswith("+json"):
@@ -113,12 +118,13 @@ def _body(request: HttpRequest, schema: type[BaseModel]) -> Any:
     if not isinstance(data, dict):
         raise OpenAIError("The body must be a JSON object", status=400, code="invalid_json")
     try:
-        return schema.model_validate(data)
+        req = schema.model_validate(data)
     except ValidationError as exc:
         raise openai_error_from_validation(exc) from None
     except RecursionError:
         raise OpenAIError("The body is nested too deeply", status=400,
                           code="invalid_json") from None
+    return req, check_fields(data=data, req=req, strict=strict)
 
 
 def _load_policy(request: HttpRequest) -> str:
@@ -130,9 +136,9 @@ def _load_policy(request: HttpRequest) -> str:
 
 
 async def _generation(request: HttpRequest, kind: str, schema: type[BaseModel]):
-    req = _body(request, schema)
+    req, ignored = _body(request, schema)
     return await serve_generation(kind=kind, req=req, policy=_load_policy(request),
-                                  lease=request.headers.get(LEASE_HEADER))
+                                  lease=request.headers.get(LEASE_HEADER), ignored=ignored)
 
 
 @openai_view("POST")
@@ -153,7 +159,8 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
 
 @openai_view("POST")
 async def embeddings(request: HttpRequest):
-    req: EmbeddingRequest = _body(request, EmbeddingRequest)
+    req: EmbeddingRequest
+    req, ignored = _body(request, EmbeddingRequest)
     policy = _load_policy(request)
     client = runtime().engine
     residency = runtime().residency
@@ -185,24 +192,25 @@ async def embeddings(request: HttpRequest):
                         total_tokens=result.usage.total_tokens))
     return JsonResponse(body.model_dump(exclude={"usage": {"completion_tokens"}}),
                         headers={"X-miLLM-Backend": client.backend_name,
-                                 "X-miLLM-Steering": "none"})
+                                 "X-miLLM-Steering": "none",
+                                 **ignored_headers(ignored)})
 
 
-def _card(row: Any) -> ModelCard:
-    return ModelCard(id=row.name, created=int(row.created_at.timestamp()),
+def _card(row: Any, model_id: str | None = None) -> ModelCard:
+    return ModelCard(id=model_id or row.name, created=int(row.created_at.timestamp()),
                      owned_by=row.repo_id or "local")
 
 
 @openai_view("GET")
 async def models(request: HttpRequest):
-    rows = await sync_to_async(lambda: list(selectors.models_listed()))()
-    return JsonResponse(ModelList(data=[_card(r) for r in rows]).model_dump())
+    listed = await sync_to_async(selectors.model_ids_listed)()
+    return JsonResponse(ModelList(data=[_card(row, mid) for row, mid in listed]).model_dump())
 
 
 @openai_view("GET")
 async def model_detail(request: HttpRequest, model_id: str):
     row = await sync_to_async(selectors.model_listed)(name=model_id)
-    return JsonResponse(_card(row).model_dump())
+    return JsonResponse(_card(row, model_id).model_dump())
 
 
 @openai_view("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")

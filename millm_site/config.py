@@ -293,6 +293,32 @@ VARIABLES: tuple[Var, ...] = (
         "Flash attention; required by a quantized KV cache."),
     Var("GGUF_ENABLE_EMBEDDINGS", "GGUF models", "bool", True,
         "Load GGUF models with embedding output so /v1/embeddings works."),
+    # --- vLLM models ----------------------------------------------------------------
+    Var("VLLM_TENSOR_PARALLEL_SIZE", "vLLM models", "int", 1,
+        "GPUs each pipeline stage of a model on the vllm backend is split over (tensor "
+        "parallelism; every rank holds the full hidden state after its all-reduce, so "
+        "steering and monitoring are unchanged).", minimum=1, maximum=64),
+    Var("VLLM_PIPELINE_PARALLEL_SIZE", "vLLM models", "int", 1,
+        "Pipeline stages (groups of layers) a model on the vllm backend is split over; "
+        "with more than one node, stages run on other nodes through Ray.",
+        minimum=1, maximum=64),
+    Var("VLLM_DISTRIBUTED_EXECUTOR", "vLLM models", "str", "mp",
+        "How vLLM runs its workers: mp (processes on this host), ray (a Ray cluster, "
+        "for more than one node), uni (engine core and the one worker inside the engine "
+        "process: one device only, the cheapest start).", choices=("mp", "ray", "uni")),
+    Var("VLLM_GPU_MEMORY_UTILIZATION", "vLLM models", "float", 0.9,
+        "Share of each GPU's memory vLLM may take for weights, activations and its paged "
+        "KV cache (ignored on CPU, where VLLM_CPU_KVCACHE_SPACE in GiB sizes the cache).",
+        minimum=0.05, maximum=1.0),
+    Var("VLLM_MAX_MODEL_LEN", "vLLM models", "int", 0,
+        "Context window vLLM serves; 0 = the model's own.", minimum=0),
+    Var("VLLM_MAX_NUM_SEQS", "vLLM models", "int", 16,
+        "Requests vLLM runs in one batch at most (its continuous batch's rows).",
+        minimum=1, maximum=4096),
+    Var("VLLM_ENFORCE_EAGER", "vLLM models", "bool", True,
+        "Run vLLM eagerly (no CUDA graphs, no torch.compile). Graphs skip the Python hooks "
+        "that steer and monitor, so with false every steered or monitored request is "
+        "refused (400 invalid_parameter) and the capabilities say cuda_graphs."),
 )
 
 VARIABLES_BY_NAME = {v.name: v for v in VARIABLES}
@@ -398,6 +424,11 @@ def _check_combinations(v: dict[str, Any]) -> None:
                           f"must be true when GGUF_KV_CACHE_TYPE is quantized "
                           f"({v['GGUF_KV_CACHE_TYPE']}); use f16 to turn flash attention off",
                           False)
+    if v["VLLM_DISTRIBUTED_EXECUTOR"] == "uni" and \
+            v["VLLM_TENSOR_PARALLEL_SIZE"] * v["VLLM_PIPELINE_PARALLEL_SIZE"] > 1:
+        raise ConfigError("VLLM_DISTRIBUTED_EXECUTOR",
+                          "uni runs one worker; tensor or pipeline parallelism needs mp or ray",
+                          "uni")
     for item in v["GGUF_TENSOR_SPLIT"]:
         try:
             share = float(item)

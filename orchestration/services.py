@@ -97,6 +97,12 @@ def _check_quantization(model: Model) -> None:
 # The site settings each backend's load options come from (LoadModelJob.options).
 BACKEND_OPTION_SETTINGS: dict[str, dict[str, str]] = {
     "transformers": {"pack_cpu_weights": "MILLM_ENGINE_PACK_WEIGHTS"},
+    "vllm": {"tensor_parallel_size": "VLLM_TENSOR_PARALLEL_SIZE",
+             "pipeline_parallel_size": "VLLM_PIPELINE_PARALLEL_SIZE",
+             "distributed_executor_backend": "VLLM_DISTRIBUTED_EXECUTOR",
+             "gpu_memory_utilization": "VLLM_GPU_MEMORY_UTILIZATION",
+             "max_model_len": "VLLM_MAX_MODEL_LEN", "max_num_seqs": "VLLM_MAX_NUM_SEQS",
+             "enforce_eager": "VLLM_ENFORCE_EAGER"},
 }
 
 

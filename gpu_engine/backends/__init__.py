@@ -112,4 +112,17 @@ register_backend(BackendEntry(
     options={"pack_cpu_weights": bool},
 ))
 
+register_backend(BackendEntry(
+    name="vllm",
+    summary="vLLM's V1 engine: its scheduling, continuous batching and paged KV cache; tensor and "
+            "pipeline parallelism over processes or a Ray cluster; steering and monitoring in its workers",
+    requires=("vllm",),
+    install="scripts/setup vllm",
+    loader="gpu_engine.backends.vllm:load",
+    # the site's VLLM_* settings (orchestration.services.BACKEND_OPTION_SETTINGS)
+    options={"tensor_parallel_size": int, "pipeline_parallel_size": int, "distributed_executor_backend": str,
+             "gpu_memory_utilization": float, "max_model_len": int, "max_num_seqs": int,
+             "enforce_eager": bool},
+))
+
 __all__ = ["DEFAULT_BACKEND", "BackendEntry", "backend_names", "backends_report", "get_backend", "register_backend"]

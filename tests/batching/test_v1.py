@@ -10,6 +10,7 @@ import threading
 
 import pytest
 
+from gpu_engine.protocol import GenerationJob, SamplingParams
 from steering.services import profile_create
 from tests.engine.tolerances import BATCH_ENCODE_ATOL
 from tests.v1.conftest import V1Server, _v1_db, attach, model_resident, v1_server  # noqa: F401 - fixtures
@@ -122,3 +123,54 @@ def test_health_inference_reports_the_batching_backend(batching_server):
     batching = data["batching"]
     assert batching["enabled"] is True and batching["max_batch_size"] == 8
     assert batching["running"] == 0 and batching["waiting"] == 0
+
+
+def test_each_row_of_a_batch_keeps_its_own_logit_bias(batching_server, tiny_assets):
+    """Two requests with different logit_bias and one without share decode steps; each
+    answers what it answers alone, and each bias did what it says."""
+    from transformers import AutoTokenizer
+
+    server = batching_server
+    tok = AutoTokenizer.from_pretrained(tiny_assets.models["tiny-llama"].path)
+    base = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
+            "ignore_eos": True}
+    plain = request(server.base_url, "POST", "/completions", base)
+    assert plain.status == 200, plain.body[:300]
+    ids = tok.encode(PROMPT, add_special_tokens=False)
+    # the greedy first token, found without the server: the model's own argmax
+    first = server.engine.generate_sync(GenerationJob("ref", prompt=PROMPT, sampling=SamplingParams(
+        max_tokens=1, temperature=0, ignore_eos=True))).token_ids[0]
+    target = tok.encode(" lighthouse", add_special_tokens=False)[0]
+    bodies = {
+        "plain": base,
+        "ban": {**base, "logit_bias": {str(first): -100}},
+        "force": {**base, "prompt": ids, "logit_bias": {str(target): 100}},
+    }
+    alone = {}
+    for name, body in bodies.items():
+        resp = request(server.base_url, "POST", "/completions", body)
+        assert resp.status == 200, resp.body[:300]
+        alone[name] = resp.json()["choices"][0]["text"]
+    assert alone["plain"] == plain.json()["choices"][0]["text"]
+    assert alone["force"] == tok.decode([target] * 16, skip_special_tokens=True,
+                                        clean_up_tokenization_spaces=False)
+    assert alone["ban"] != alone["plain"] and not alone["ban"].startswith(
+        tok.decode([first], skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
+    choreo = Choreography(server.engine.backend.model)
+    together: dict[str, str] = {}
+    start = threading.Barrier(len(bodies))
+
+    def send(name: str) -> None:
+        start.wait()
+        resp = request(server.base_url, "POST", "/completions", bodies[name])
+        together[name] = resp.json()["choices"][0]["text"] if resp.status == 200 else resp.body
+
+    threads = [threading.Thread(target=send, args=(name,)) for name in bodies]
+    with choreo.installed():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert max(choreo.batch_sizes) == len(bodies), choreo.batch_sizes  # all in one step
+    assert together == alone

@@ -195,3 +195,15 @@ def test_what_the_backend_cannot_do_is_refused_by_name_never_ignored(tiny_assets
         # what it can do still runs: steering is on
         steering = SteeringSpec.from_mapping({(sae.name, 1): {3: 8.0}})
         assert len(eng.generate_sync(_greedy("ok", steering)).token_ids) == 8
+
+def test_vllm_is_registered_and_without_vllm_refuses_with_its_install_command(tiny_assets, monkeypatch):
+    entry = get_backend("vllm")
+    assert entry.requires == ("vllm",) and entry.install == "scripts/setup vllm"
+    assert entry.loader == "gpu_engine.backends.vllm:load"
+    real = backends.importlib.util.find_spec
+    monkeypatch.setattr(backends.importlib.util, "find_spec", lambda name: None if name == "vllm" else real(name))
+    report = {b["name"]: b for b in backends_report()}
+    assert report["vllm"]["available"] is False and report["vllm"]["install"] == "scripts/setup vllm"
+    with Engine() as eng, pytest.raises(BackendUnavailable) as err:
+        eng.load_model(_job(tiny_assets.models["tiny-llama"], backend="vllm"))
+    assert err.value.code == "backend_unavailable" and "scripts/setup vllm" in err.value.message

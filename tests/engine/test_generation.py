@@ -197,6 +197,31 @@ def test_chat_messages_use_the_chat_template(engine):
     assert out.token_ids == by_ids.token_ids
 
 
+def test_logit_bias_is_added_to_the_logits_before_the_greedy_choice(engine):
+    """Greedy with a bias equals the argmax of the model's own logits plus that bias,
+    step by step (the reference runs the HF model itself, without the engine)."""
+    ids = engine.backend.encode_text(PROMPT)
+    plain = engine.generate_sync(GenerationJob("p", prompt_token_ids=ids, sampling=sp(max_tokens=8)))
+    first = _own_logits(engine, ids)[-1]
+    top2 = torch.topk(first, 2).indices.tolist()
+    # just enough to lift the runner-up over the greedy token, and a ban on a later token
+    bias = {top2[1]: float(first[top2[0]] - first[top2[1]]) + 0.25, plain.token_ids[3]: -100.0}
+    out = engine.generate_sync(GenerationJob("b", prompt_token_ids=ids, sampling=sp(max_tokens=8, logit_bias=bias)))
+    dense = torch.zeros(first.shape[-1], dtype=torch.float64)
+    for t, b in bias.items():
+        dense[t] = b
+    ref = list(ids)
+    for _ in range(8):
+        ref.append(int(torch.argmax(_own_logits(engine, ref)[-1] + dense)))
+    assert out.token_ids == ref[len(ids):]
+    assert out.token_ids != plain.token_ids and out.token_ids[0] == top2[1]
+    vocab = engine.backend.vocab_size
+    with pytest.raises(InvalidParameter) as err:
+        engine.generate_sync(GenerationJob("v", prompt_token_ids=ids,
+                                           sampling=sp(max_tokens=2, logit_bias={vocab: 1.0})))
+    assert err.value.param == "logit_bias" and err.value.details["vocab_size"] == vocab
+
+
 def _own_logits(engine, ids):
     with torch.inference_mode():
         return engine.backend.model(torch.tensor([ids])).logits[0].double()

@@ -46,7 +46,8 @@ def roundtrip(obj):
 def test_generation_job_roundtrip_keeps_tuple_keyed_steering():
     job = GenerationJob(
         "r1", messages=[{"role": "user", "content": "hi"}],
-        sampling=SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop=["\n\n"], logprobs=True, top_logprobs=2),
+        sampling=SamplingParams(max_tokens=7, temperature=0.5, seed=3, stop=["\n\n"], logprobs=True, top_logprobs=2,
+                                logit_bias={5: 100.0, 17: -2.5}),
         steering=SteeringSpec.from_mapping({("sae-a", 3): {10: 2.5, 7: -1.0}, ("sae-b", 5): {}}),
         monitor=MonitorSpec([MonitorEntry("sae-a", 3, top_k=5, positions=PositionRange(1, 9)),
                              MonitorEntry("sae-a", 3, features=[1], read_point="pre_steering", positions="last")]),
@@ -56,6 +57,7 @@ def test_generation_job_roundtrip_keeps_tuple_keyed_steering():
                                               "features": {"10": 2.5, "7": -1.0}}
     assert wire["monitor"]["entries"][0]["positions"] == {"start": 1, "end": 9}
     assert wire["monitor"]["entries"][1]["positions"] == "last"
+    assert wire["sampling"]["logit_bias"] == {"5": 100.0, "17": -2.5}
     back = roundtrip(job)
     assert back == job
     assert back.steering.as_mapping() == {("sae-a", 3): {10: 2.5, 7: -1.0}, ("sae-b", 5): {}}
@@ -116,6 +118,9 @@ def test_errors_roundtrip_by_code():
         ({"max_tokens": 0}, "max_tokens"),
         ({"top_logprobs": 21}, "top_logprobs"),
         ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+        ({"logit_bias": {5: float("nan")}}, "logit_bias"),
     ],
 )
 def test_sampling_validation_names_the_parameter(kwargs, param):

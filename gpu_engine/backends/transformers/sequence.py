@@ -105,13 +105,23 @@ class Sequence:
 
     def accept(self, token_id: int, lsm: torch.Tensor | None) -> bool:
         """Take the token sampled for this request; emit its event.  True when finished."""
-        i = len(self.generated)
-        self.generated.append(token_id)
         lp = token_logprob(self.runner, lsm, token_id, self.sampling.top_logprobs) if lsm is not None else None
+        return self.accept_token(token_id, lp)
+
+    def step_records(self, i: int) -> list[ActivationRecord]:
+        """The streaming monitor records that travel with token ``i`` (others wait for the end)."""
         records: list[ActivationRecord] = []
         if self.streaming_monitors:
             for rec in self.hooks.collect():  # type: ignore[union-attr]
                 (records if rec.token_index == i else self.extra_records).append(rec)
+        return records
+
+    def accept_token(self, token_id: int, lp: TokenLogprob | None) -> bool:
+        """``accept`` with the token's logprob entry already built (a backend whose
+        sampler runs elsewhere reports it).  True when finished."""
+        i = len(self.generated)
+        self.generated.append(token_id)
+        records = self.step_records(i)
         is_end = token_id in self.end_ids
         delta = "" if is_end else self.detok.step(token_id)
         text = self.text

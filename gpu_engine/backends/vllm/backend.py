@@ -1,0 +1,319 @@
+"""The vLLM backend's driver: vLLM's V1 engine (``LLMEngine``) in the engine process, with
+vLLM's own scheduling, continuous batching and paged KV cache.  The model runs in vLLM's
+workers (this process, worker processes, or a Ray cluster); steering and monitoring reach
+them through the worker extension (``worker.MillmWorkerExtension``) and ride with each
+request (``wire``).
+
+What vLLM cannot honour is refused before generation with a clear code, never ignored:
+embeddings (a generation engine has no pooling runner here), scores restricted to
+``allowed_token_ids``, and — when CUDA graphs / torch.compile are on
+(``enforce_eager=False``), where Python hooks do not run — any steered or monitored
+request.  Serial mode does not exist: the engine drives this backend through its batch
+scheduler (``capabilities()["serial_mode"] is False``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
+from ...hooks import HookManager
+from ...inspect import inspect_model_dir
+from ...protocol import (
+    AttachmentKey,
+    EmbedJob,
+    EmbedResult,
+    GenerationJob,
+    LoadModelJob,
+    LogprobEntry,
+    ScoreJob,
+    ScoreResult,
+)
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+WORKER_EXTENSION = "gpu_engine.backends.vllm.worker.MillmWorkerExtension"
+
+
+def _prepare_env(options: dict[str, Any]) -> None:
+    """vLLM reads its environment at import: caches and sockets in a private temp dir, a
+    modest CPU KV cache unless the operator set one, and whether the engine core runs in
+    this process (executor ``uni``) or its own."""
+    scratch = tempfile.mkdtemp(prefix="millm-vllm-")
+    os.environ.setdefault("VLLM_CACHE_ROOT", scratch)
+    os.environ.setdefault("VLLM_RPC_BASE_PATH", scratch)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
+    # "uni": the engine core and its one worker run in this process (no extra start-up)
+    in_process = options.get("distributed_executor_backend") == "uni"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+
+
+class VllmBackend:
+    """``gpu_engine.backends.base.ModelBackend`` on vLLM (see the module doc)."""
+
+    name = "vllm"
+
+    def __init__(self, job: LoadModelJob, hooks: HookManager | None = None) -> None:
+        opts = dict(job.options)
+        path = Path(job.path)
+        self.job = job
+        self.info = inspect_model_dir(path, job.dtype)
+        if not self.info.supported and not job.trust_remote_code:
+            raise UnsupportedArchitecture(self.info.architecture_class or "<none in config.json>")
+        _prepare_env(opts)
+        from transformers import AutoTokenizer
+        from vllm import EngineArgs, LLMEngine
+
+        self.enforce_eager = bool(opts.get("enforce_eager", True))
+        self.tp = int(opts.get("tensor_parallel_size", 1))
+        self.pp = int(opts.get("pipeline_parallel_size", 1))
+        executor = opts.get("distributed_executor_backend") or None
+        if executor == "uni" and self.tp * self.pp > 1:
+            raise InvalidParameter("the uni executor runs one worker: tensor or pipeline parallelism needs mp or ray",
+                                   param="options.distributed_executor_backend")
+        max_len = opts.get("max_model_len") or job.max_context_length or self.info.context_length or None
+        args: dict[str, Any] = dict(
+            model=str(path), tokenizer=str(path), dtype=job.dtype, seed=0,
+            trust_remote_code=job.trust_remote_code,
+            max_model_len=max_len,
+            max_num_seqs=int(opts.get("max_num_seqs") or 16),
+            tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
+            distributed_executor_backend=executor,
+            # Python hooks do not run inside captured CUDA graphs or compiled graphs:
+            # eager keeps steering on (capabilities report it; steer counts prove it)
+            enforce_eager=self.enforce_eager,
+            enable_prefix_caching=True,
+            # positions come from the runner's num_computed_tokens, exact only when the
+            # scheduler does not run a step ahead of the outputs
+            async_scheduling=False,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        if "gpu_memory_utilization" in opts:
+            args["gpu_memory_utilization"] = float(opts["gpu_memory_utilization"])
+        if self.enforce_eager:
+            args["compilation_config"] = {"mode": 0}
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
+                                                           trust_remote_code=job.trust_remote_code)
+            self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
+        except (OSError, ValueError, KeyError, RuntimeError) as exc:
+            raise ModelLoadFailed(f"vLLM cannot load {path}: {exc}", details={"path": str(path)}) from exc
+        described = self.engine.collective_rpc("millm_describe")
+        first = described[0]
+        self.layers_path = first["layers_path"]
+        self.num_layers = int(first["num_layers"])
+        self.worker_device = first["device"]
+        # the engine keeps its SAE copy (validation, driver-side plans) on the host: the
+        # model's device belongs to vLLM's workers, which load their own copy
+        self.device = torch.device("cpu")
+        self.sae_device = self.device
+        self.dtype = TORCH_DTYPES[job.dtype]
+        self.hidden_size = int(self.info.hidden_size or first["hidden_size"])
+        self.context_length = int(self.engine.model_config.max_model_len)
+        self.vocab_size = int(self.info.vocab_size or len(self.tokenizer))
+        self.eos_token_ids = self._eos_ids(path)
+        self.kernels = f"vllm:{'eager' if self.enforce_eager else 'graphs'}"
+        self._attachments: dict[AttachmentKey, Any] = {}
+        self._generation: dict[AttachmentKey, str] = {}
+        self._attach_counter = itertools.count(1)
+        self._ids = itertools.count(1)
+
+    def _eos_ids(self, path: Path) -> set[int]:
+        import json
+
+        ids: set[int] = set()
+        sources: list[Any] = [self.tokenizer.eos_token_id]
+        for name in ("generation_config.json", "config.json"):
+            f = path / name
+            if f.is_file():
+                sources.append(json.loads(f.read_text()).get("eos_token_id"))
+        for src in sources:
+            if src is None:
+                continue
+            ids.update(src if isinstance(src, (list, tuple)) else [src])
+        return {int(i) for i in ids}
+
+    def capabilities(self) -> dict[str, bool]:
+        hooks_live = self.enforce_eager
+        return {
+            "per_request_sampling": True,
+            "per_request_seeds": True,
+            "stop_sequences": True,
+            "cancellation": True,
+            "per_request_steering": hooks_live,
+            "per_request_monitoring": hooks_live,
+            "exact_monitoring_attribution": hooks_live,
+            "logprobs": True,
+            "prompt_logprobs": True,
+            "embeddings": False,
+            "scoring": True,
+            "serial_mode": False,
+            "batched_mode": True,
+            # item 4: CUDA graphs and torch.compile skip Python hooks, so they are off
+            # whenever steering is possible; steering_apply_count proves the hooks ran
+            "cuda_graphs": not self.enforce_eager,
+            "torch_compile": not self.enforce_eager,
+            "prefix_caching": True,
+            "steered_prefix_cache_keyed_by_steering": True,
+        }
+
+    # ------------------------------------------------------------------ tokens
+
+    def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def encode_messages(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidParameter("this model has no chat template; send a prompt instead", param="messages")
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **kwargs)
+        except Exception as exc:  # jinja errors for malformed messages
+            raise InvalidParameter(f"cannot apply the chat template: {exc}", param="messages") from exc
+        return self.encode_text(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    # ------------------------------------------------------------------ attachments
+
+    def layer_module_path(self, layer: int) -> str:
+        if not 0 <= layer < self.num_layers:
+            raise InvalidParameter(f"layer {layer} is outside 0..{self.num_layers - 1}", param="layer")
+        return f"{self.layers_path}.{layer}"
+
+    def attach(self, attachment: Any) -> None:
+        cfg = attachment.sae.cfg
+        done = self.engine.collective_rpc("millm_attach", args=(attachment.sae_id, attachment.layer,
+                                                                str(cfg.path), cfg.layout))
+        if not any(done):
+            raise ModelLoadFailed(f"no vLLM worker holds layer {attachment.layer}")
+        self._attachments[attachment.key] = attachment
+        # a re-attached key is another SAE: cached KV of the old one must not be reused
+        self._generation[attachment.key] = f"{cfg.path}#{next(self._attach_counter)}"
+
+    def detach(self, key: AttachmentKey) -> None:
+        self.engine.collective_rpc("millm_detach", args=(key[0], key[1]))
+        self._attachments.pop(key, None)
+        self._generation.pop(key, None)
+
+    # ------------------------------------------------------------------ generation
+
+    def generate(self, **kwargs: Any) -> Any:
+        raise InvalidParameter("the vLLM backend runs generations in its batch only (serial_mode is False)",
+                               param="batching")
+
+    def batch_runner(self, *, max_rows: int) -> Any:
+        from .batch import VllmBatch
+
+        return VllmBatch(self, max_rows=max_rows)
+
+    def new_sequence(self, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int, request_hooks: Any,
+                     emit: Any, should_stop: Any) -> Any:
+        from .batch import VllmSequence
+
+        if request_hooks is not None and not self.enforce_eager:
+            raise InvalidParameter(
+                "steering and monitoring need eager execution on the vLLM backend (CUDA graphs and "
+                "torch.compile skip hooks); load the model with VLLM_ENFORCE_EAGER=true",
+                param="steering", details={"backend": self.name, "cuda_graphs": True})
+        return VllmSequence(self, job, prompt_ids=prompt_ids, max_tokens=max_tokens, request_hooks=request_hooks,
+                            emit=emit, should_stop=should_stop)
+
+    def next_request_id(self, request_id: str) -> str:
+        # vLLM needs unique ids among its live requests; ours may repeat
+        return f"{request_id}#{next(self._ids)}"
+
+    # ------------------------------------------------------------------ one-shot work
+
+    def embed(self, job: EmbedJob, inputs: Sequence[list[int]]) -> EmbedResult:
+        raise InvalidParameter("the vLLM backend serves generation models only: embeddings are not available "
+                               "(load the model on the transformers backend for /v1/embeddings)",
+                               param="model", details={"backend": self.name, "capability": "embeddings"})
+
+    def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:
+        """Next-token log-probabilities (top-k) and prompt log-probabilities, from one
+        one-token vLLM request (unsteered: scores read the plain model)."""
+        from vllm import SamplingParams as VllmSampling
+
+        if job.allowed_token_ids is not None:
+            raise InvalidParameter("the vLLM backend cannot score restricted to allowed_token_ids",
+                                   param="allowed_token_ids", details={"backend": self.name})
+        top_k = int(job.top_k or 0)
+        params = VllmSampling(max_tokens=1, temperature=0.0, logprobs=top_k or None,
+                              prompt_logprobs=0 if job.prompt_logprobs else None, ignore_eos=True)
+        rid = self.next_request_id(job.request_id)
+        worker_rid = self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params)
+        final = None
+        try:
+            while final is None:
+                for out in self.engine.step():
+                    if out.request_id == rid and out.finished:
+                        final = out
+        except BaseException:
+            self.engine.abort_request([rid])
+            raise
+        finally:
+            # a score runs unsteered, but the workers saw it pass: forget it there
+            self.collect([worker_rid], final=True)
+        top: list[LogprobEntry] = []
+        comp = final.outputs[0]
+        if top_k and comp.logprobs:
+            entries = sorted(comp.logprobs[0].items(), key=lambda kv: kv[1].rank)
+            top = [LogprobEntry(int(t), self.token_text(int(t)), float(lp.logprob))
+                   for t, lp in entries if lp.rank <= top_k][:top_k]
+        prompt_lp = None
+        if job.prompt_logprobs:
+            prompt_lp = [None] + [float(d[t].logprob) for d, t in zip(final.prompt_logprobs[1:], prompt_ids[1:])]
+        return ScoreResult(job.request_id, len(prompt_ids), top, [], prompt_lp)
+
+    def collect(self, request_ids: list[str], *, final: bool) -> dict[str, Any]:
+        """Counts and monitor records from the workers, merged over ranks: the first rank
+        that reports a request's record wins (TP ranks compute the same; only TP rank 0
+        encodes), steering counts are the largest any rank saw (pipeline stages hold
+        different layers)."""
+        merged: dict[str, Any] = {}
+        stats: dict[AttachmentKey, int] = {}
+        for part in self.engine.collective_rpc("millm_collect", args=(list(request_ids), final)):
+            for sae_id, layer, n in part["stats"]:
+                stats[(sae_id, int(layer))] = max(stats.get((sae_id, int(layer)), 0), int(n))
+            for rid, got in part["requests"].items():
+                cur = merged.setdefault(rid, {"forwards": 0, "applied": {}, "records": []})
+                cur["forwards"] = max(cur["forwards"], got["forwards"])
+                for sae_id, layer, n in got["applied"]:
+                    key = (sae_id, int(layer))
+                    cur["applied"][key] = max(cur["applied"].get(key, 0), int(n))
+                cur["records"].extend(got["records"])
+        self._stats = stats
+        return merged
+
+    def refresh_stats(self) -> None:
+        """Each attachment's cumulative steering_apply_count as the workers last reported it."""
+        for key, n in getattr(self, "_stats", {}).items():
+            att = self._attachments.get(key)
+            if att is not None:
+                att.stats.steering_apply_count = n
+
+    def close(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is None:
+            return
+        self.engine = None  # type: ignore[assignment]
+        try:
+            engine.collective_rpc("millm_close")
+        except Exception:  # noqa: BLE001 - the workers are going away anyway
+            pass
+        shutdown = getattr(engine, "shutdown", None) or getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+
+
+__all__ = ["VllmBackend", "WORKER_EXTENSION"]

@@ -1,0 +1,201 @@
+"""The engine's batch scheduler on vLLM: ``start`` hands admitted requests to vLLM's engine
+(``add_request``, the request's steering and monitors in its ``extra_args``), ``step`` runs
+one ``LLMEngine.step()`` and feeds each request's new tokens to its own decode state,
+``remove`` aborts a request vLLM still runs.  vLLM schedules, batches and pages the KV
+cache; this module only routes.
+
+Per request the decode state is the transformers backend's ``Sequence`` (text, stop
+strings, holdback, events, ``FinishEvent``), fed tokens vLLM sampled: vLLM is told to stop
+on the same token ids (EOS unless ``ignore_eos``, ``stop_token_ids``) and at the same
+``max_tokens``; a stop *string* ends the request here and aborts it in vLLM.
+
+Prefix caching: a steered request's blocks are salted with its canonical steering hash
+(``wire.steering_salt``), so it reuses KV only from requests steered identically; a
+monitored request gets a salt of its own, since a cached prompt row is never computed and
+so could not be read.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+from ...errors import InvalidParameter
+from ...protocol import ActivationRecord, GenerationJob, LogprobEntry, TokenLogprob
+from ..transformers.sequence import Sequence
+from . import wire
+
+
+class VllmSequence(Sequence):
+    def __init__(self, backend: Any, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int,
+                 request_hooks: Any, emit: Any, should_stop: Any) -> None:
+        super().__init__(backend, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
+                         max_tokens=max_tokens, request_hooks=request_hooks, emit=emit, should_stop=should_stop)
+        self.backend = backend
+        self.vllm_id = backend.next_request_id(job.request_id)
+        extra = wire.request_args(job) if request_hooks is not None else None
+        if extra and extra["monitor"]:
+            self.cache_salt: str | None = f"millm-monitor-{self.vllm_id}"
+        else:
+            self.cache_salt = wire.steering_salt(extra, backend._generation)
+        self.params = self._vllm_params(extra)
+        self.pending: dict[int, list[ActivationRecord]] = {}
+        self.worker_id = self.vllm_id
+        self.seen = 0  # tokens of vLLM's output already fed to accept
+        self.vllm_done = False
+        self.collected = False
+
+    def _vllm_params(self, extra: dict[str, Any] | None) -> Any:
+        from vllm import SamplingParams as VllmSampling
+
+        p = self.sampling
+        try:
+            return VllmSampling(
+                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
+                seed=None if p.seed is None else p.seed % (2**63),
+                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty, max_tokens=self.max_tokens,
+                # the same end tokens as our own decode state; stop strings are matched here
+                ignore_eos=True, stop_token_ids=sorted(self.end_ids),
+                logprobs=p.top_logprobs if self.want_lp else None,
+                prompt_logprobs=0 if p.prompt_logprobs else None,
+                detokenize=False,
+                extra_args={wire.EXTRA_KEY: extra} if extra else None,
+            )
+        except (ValueError, TypeError) as exc:
+            raise InvalidParameter(f"vLLM refuses these sampling parameters: {exc}", param="sampling",
+                                   details={"backend": "vllm"}) from exc
+
+    def vllm_prompt(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"prompt_token_ids": list(self.prompt_ids)}
+        if self.cache_salt is not None:
+            out["cache_salt"] = self.cache_salt
+        return out
+
+    def step_records(self, i: int) -> list[ActivationRecord]:
+        return self.pending.pop(i, [])
+
+    def take(self, result: dict[str, Any], *, final: bool) -> None:
+        """Records and counts the workers reported for this request."""
+        for rec in wire.records_from(result["records"]):
+            if not final and rec.token_index is not None and rec.token_index >= len(self.generated):
+                self.pending.setdefault(rec.token_index, []).append(rec)
+            else:
+                self.extra_records.append(rec)
+        if final:
+            for recs in self.pending.values():
+                self.extra_records.extend(recs)
+            self.pending.clear()
+            self.forwards = int(result["forwards"])
+            if self.hooks is not None:
+                for key, n in result["applied"].items():
+                    plan = self.hooks.plans.get(key)
+                    if plan is not None:
+                        plan.count = n
+            self.collected = True
+
+    def logprob(self, entries: dict[int, Any] | None, token_id: int) -> TokenLogprob | None:
+        if not self.want_lp or not entries:
+            return None
+        n = self.sampling.top_logprobs
+        top = sorted(((int(t), lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= n),
+                     key=lambda kv: kv[1].rank)[:n] if n else []
+        text = self.backend.token_text
+        return TokenLogprob(token_id, text(token_id), float(entries[token_id].logprob),
+                            [LogprobEntry(t, text(t), float(lp.logprob)) for t, lp in top])
+
+
+class VllmBatch:
+    """``gpu_engine.scheduler.BatchBackend`` on vLLM's ``LLMEngine``."""
+
+    def __init__(self, backend: Any, *, max_rows: int) -> None:
+        self.backend = backend
+        self.max_rows = max_rows
+        self.rows: list[VllmSequence] = []
+        self.by_id: dict[str, VllmSequence] = {}
+        self.steps = 0
+        # prompt tokens each recent request found in vLLM's prefix cache (status, tests)
+        self.cached_tokens: OrderedDict[str, int] = OrderedDict()
+
+    @property
+    def engine(self) -> Any:
+        return self.backend.engine
+
+    def start(self, seqs: list[VllmSequence]) -> list[VllmSequence]:
+        for seq in seqs:
+            # vLLM suffixes the id it runs the request under (the workers see that one)
+            seq.worker_id = self.engine.add_request(seq.vllm_id, seq.vllm_prompt(), seq.params)
+            self.rows.append(seq)
+            self.by_id[seq.vllm_id] = seq
+        return []  # their first tokens come from the next step
+
+    def step(self) -> list[VllmSequence]:
+        outputs = self.engine.step()
+        self.steps += 1
+        fresh: list[tuple[VllmSequence, Any]] = []
+        for out in outputs:
+            seq = self.by_id.get(out.request_id)
+            if seq is None or seq.done:
+                continue
+            if out.finished:
+                seq.vllm_done = True
+            if out.num_cached_tokens is not None and seq.request_id not in self.cached_tokens:
+                self.cached_tokens[seq.request_id] = int(out.num_cached_tokens)
+                while len(self.cached_tokens) > 256:
+                    self.cached_tokens.popitem(last=False)
+            if seq.sampling.prompt_logprobs and seq.prompt_logprobs is None and out.prompt_logprobs:
+                ids = seq.prompt_ids
+                seq.prompt_logprobs = [None] + [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
+            fresh.append((seq, out.outputs[0]))
+        streaming = [s for s, _ in fresh if s.streaming_monitors]
+        if streaming:
+            self._collect(streaming, final=False)
+        finished: list[VllmSequence] = []
+        for seq, comp in fresh:
+            tokens = list(comp.token_ids)
+            for j in range(seq.seen, len(tokens)):
+                lp = seq.logprob(comp.logprobs[j] if comp.logprobs else None, tokens[j])
+                if seq.accept_token(int(tokens[j]), lp):
+                    finished.append(seq)
+                    break
+            seq.seen = len(tokens)
+            if not seq.done and seq.vllm_done:
+                # vLLM ended it (it cannot without us, but never leave a row hanging)
+                seq.done = True
+                finished.append(seq)
+        if finished:
+            to_abort = [s.vllm_id for s in finished if not s.vllm_done]
+            if to_abort:
+                self.engine.abort_request(to_abort)
+                for s in finished:
+                    s.vllm_done = True
+            self._collect(finished, final=True)
+        return finished
+
+    def _collect(self, seqs: list[VllmSequence], *, final: bool) -> None:
+        results = self.backend.collect([s.worker_id for s in seqs], final=final)
+        empty = {"forwards": 0, "applied": {}, "records": []}
+        for s in seqs:
+            s.take(results.get(s.worker_id, empty), final=final)
+        if final:
+            self.backend.refresh_stats()
+
+    def remove(self, seq: VllmSequence) -> None:
+        if seq in self.rows:
+            self.rows.remove(seq)
+        self.by_id.pop(seq.vllm_id, None)
+        if not seq.vllm_done:
+            self.engine.abort_request([seq.vllm_id])
+            seq.vllm_done = True
+        if not seq.collected:
+            self._collect([seq], final=True)
+
+    def reset(self) -> None:
+        ids = [s.vllm_id for s in self.rows if not s.vllm_done]
+        if ids and self.engine is not None:
+            self.engine.abort_request(ids)
+        self.rows = []
+        self.by_id = {}
+
+
+__all__ = ["VllmBatch", "VllmSequence"]

@@ -1,0 +1,62 @@
+"""What travels between the vLLM backend's driver (the engine process) and vLLM's workers.
+
+A request's steering and monitoring ride in its own ``SamplingParams.extra_args`` under
+``"millm"`` — never in process-global state — so a worker reads them from the request it
+is running, whichever process or rank it is.  Records and counts come back through the
+worker extension's ``collective_rpc`` calls as plain builtins (msgspec's own
+``to_builtins``/``from_builtins``: nothing is pickled by us).  Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from ...protocol import (
+    ActivationRecord,
+    AttachmentKey,
+    GenerationJob,
+    MonitorEntry,
+    from_builtins,
+    to_builtins,
+)
+
+EXTRA_KEY = "millm"
+
+
+def request_args(job: GenerationJob) -> dict[str, Any] | None:
+    """The ``extra_args`` entry for ``job``: steering as ``[sae_id, layer, [[index, strength], ...]]``
+    entries (only those with features) and the monitor entries; None when it has neither."""
+    steering = [[e.sae_id, e.layer, [[int(i), float(s)] for i, s in sorted(e.features.items())]]
+                for e in (job.steering.entries if job.steering else []) if e.features]
+    monitor = [to_builtins(m) for m in (job.monitor.entries if job.monitor else [])]
+    if not steering and not monitor:
+        return None
+    return {"steering": steering, "monitor": monitor}
+
+
+def decode_args(args: dict[str, Any]) -> tuple[dict[AttachmentKey, dict[int, float]], list[MonitorEntry]]:
+    steering = {(str(sae_id), int(layer)): {int(i): float(s) for i, s in feats}
+                for sae_id, layer, feats in args.get("steering", [])}
+    monitor = [from_builtins(m, MonitorEntry) for m in args.get("monitor", [])]
+    return steering, monitor
+
+
+def steering_salt(args: dict[str, Any] | None, generations: dict[AttachmentKey, str]) -> str | None:
+    """The prefix-cache salt of a steered request: a hash of its canonical steering (entries
+    sorted, strengths as floats) and of which SAE files the attachments it names hold
+    (``generations``: the key's attachment identity), so KV computed under one steering is
+    only ever reused by a request under the same steering.  None when unsteered."""
+    if not args or not args["steering"]:
+        return None
+    canon = sorted([sae_id, layer, feats, generations.get((sae_id, layer), "")]
+                   for sae_id, layer, feats in args["steering"])
+    return "millm-steer-" + hashlib.sha256(json.dumps(canon).encode()).hexdigest()[:32]
+
+
+def records_from(raw: list[Any]) -> list[ActivationRecord]:
+    return [from_builtins(r, ActivationRecord) for r in raw]
+
+
+__all__ = ["EXTRA_KEY", "decode_args", "records_from", "request_args", "steering_salt"]

@@ -1,0 +1,197 @@
+"""Request policy on /v1: every field a request sends is honoured or refused, never
+silently dropped.
+
+- A field that would change the output and that this server cannot honour (``tools``,
+  ``response_format`` other than text, ``audio``, …; the table ``UNHONOURED``) is refused
+  with 400 ``field_not_honoured`` naming it, before anything is loaded or generated. Its
+  neutral values (``null``, ``tools: []``, ``response_format: {"type": "text"}``, …) ask
+  for what the server does anyway and pass.
+- Every other field that nothing reads (``user``, ``metadata``, an unknown key, a key of a
+  message the chat template never receives) is named in the response header
+  ``X-miLLM-Ignored-Fields``, an RFC 8941 list of strings of locations
+  (``"user", "messages[2].name"``), capped at ``IGNORED_HEADER_MAX_BYTES`` with a final
+  ``"+N more"`` item.
+- The request header ``X-miLLM-Strict: true`` (or ``1``) turns that list into 400
+  ``unused_fields_refused``.
+
+"Nothing reads" is decided against the parsed request: a key its wire model does not
+declare (whatever its value, null included), or a declared field sent with a value that the
+request itself says it leaves unread (``unread_fields``: e.g. ``max_tokens`` beside
+``max_completion_tokens``, which wins).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from inference.errors import OpenAIError
+from inference.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+
+STRICT_HEADER = "X-miLLM-Strict"
+IGNORED_HEADER = "X-miLLM-Ignored-Fields"
+IGNORED_HEADER_MAX_BYTES = 1024
+_STRICT_VALUES = {"true": True, "1": True, "false": False, "0": False}
+
+
+def strict_mode(value: str | None) -> bool:
+    """The ``X-miLLM-Strict`` request header: true/1 or false/0 (any case); absent = off."""
+    if value is None:
+        return False
+    strict = _STRICT_VALUES.get(value.strip().lower())
+    if strict is None:
+        raise OpenAIError(f"{STRICT_HEADER} must be true, 1, false or 0 (got {value!r})",
+                          status=400, code="invalid_parameter", param=STRICT_HEADER)
+    return strict
+
+
+# --------------------------------------------------------------------------- refusals
+
+@dataclass(frozen=True)
+class Unhonoured:
+    """An output-changing field this server cannot honour, and its values that change
+    nothing (``neutral(value, request)``)."""
+
+    name: str
+    why: str
+    neutral: Callable[[Any, Any], bool]
+
+
+def _one_of(*values: Any) -> Callable[[Any, Any], bool]:
+    # equal and of the same type: ``0`` is not ``false``, ``[]`` is not ``{}``
+    return lambda v, req: v is None or any(type(v) is type(x) and v == x for x in values)
+
+
+def _text_format(value: Any, req: Any) -> bool:
+    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+
+
+def _best_of_n(value: Any, req: Any) -> bool:
+    # best_of candidates of which the best n are returned: all of them when best_of == n
+    return value is None or (type(value) is int and value == req.n)
+
+
+_TOOLS = "tool and function calling are not available on this server"
+UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
+    ChatCompletionRequest: (
+        Unhonoured("tools", _TOOLS, _one_of([])),
+        Unhonoured("functions", _TOOLS, _one_of([])),
+        # without tools, "none" and "auto" call nothing: the message is generated as asked
+        Unhonoured("tool_choice", _TOOLS, _one_of("none", "auto")),
+        Unhonoured("function_call", _TOOLS, _one_of("none", "auto")),
+        Unhonoured("response_format", "structured output (JSON object or JSON schema) is "
+                   "not available; only {\"type\": \"text\"}", _text_format),
+        Unhonoured("audio", "audio output is not available", _one_of()),
+        Unhonoured("modalities", "only text output is available", _one_of(["text"])),
+        Unhonoured("prediction", "predicted outputs (and the accepted/rejected prediction "
+                   "token counts they report) are not available", _one_of()),
+        Unhonoured("web_search_options", "web search is not available", _one_of()),
+        Unhonoured("moderation", "moderation of the input and output is not available",
+                   _one_of()),
+        Unhonoured("reasoning_effort", "the served model has no reasoning-effort control; "
+                   "only \"none\" is honoured", _one_of("none")),
+        Unhonoured("verbosity", "verbosity control is not available; \"medium\" (the "
+                   "model's own) is honoured", _one_of("medium")),
+    ),
+    CompletionRequest: (
+        Unhonoured("suffix", "insertion (text after the completion) is not available",
+                   _one_of("")),
+        Unhonoured("best_of", "ranking best_of candidates is not available; best_of must "
+                   "equal n", _best_of_n),
+    ),
+    EmbeddingRequest: (
+        Unhonoured("dimensions", "embeddings have the model's hidden size; shortening them "
+                   "(dimensions) is not available", _one_of()),
+    ),
+}
+
+
+def refuse_unhonoured(data: dict[str, Any], req: BaseModel) -> None:
+    """400 ``field_not_honoured`` for the first output-changing field ``data`` sends with a
+    value this server cannot honour."""
+    for rule in UNHONOURED.get(type(req), ()):
+        if rule.name in data and not rule.neutral(data[rule.name], req):
+            raise OpenAIError(f"{rule.name} cannot be honoured: {rule.why}", status=400,
+                              code="field_not_honoured", param=rule.name)
+
+
+# --------------------------------------------------------------------------- unused
+
+def _key(name: str) -> str:
+    # printable ASCII as is; anything else JSON-escaped, so a location is plain ASCII
+    # (an RFC 8941 string allows nothing else)
+    return "".join(c if " " <= c <= "~" else json.dumps(c)[1:-1] for c in name)
+
+
+def _walk(raw: dict[str, Any], parsed: BaseModel, path: str, checked: frozenset[str],
+          out: list[str]) -> None:
+    fields = type(parsed).model_fields
+    unread = parsed.unread_fields() if hasattr(parsed, "unread_fields") else frozenset()
+    for name, value in raw.items():
+        if name in checked:
+            continue
+        location = f"{path}.{_key(name)}" if path else _key(name)
+        if name not in fields or (name in unread and value is not None):
+            # (a declared field's null is "not given", unread or not)
+            out.append(location)
+        else:
+            _descend(value, getattr(parsed, name), location, out)
+
+
+def _descend(raw: Any, parsed: Any, location: str, out: list[str]) -> None:
+    if isinstance(parsed, BaseModel) and isinstance(raw, dict):
+        _walk(raw, parsed, location, frozenset(), out)
+    elif isinstance(parsed, list) and isinstance(raw, list) and len(parsed) == len(raw):
+        for i, (r, p) in enumerate(zip(raw, parsed, strict=True)):
+            _descend(r, p, f"{location}[{i}]", out)
+
+
+def unused_fields(data: dict[str, Any], req: BaseModel) -> list[str]:
+    """The locations of the fields ``data`` sends that nothing reads, in body order."""
+    out: list[str] = []
+    checked = frozenset(rule.name for rule in UNHONOURED.get(type(req), ()))
+    _walk(data, req, "", checked, out)
+    return out
+
+
+def _sf_string(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def ignored_header_value(fields: Sequence[str],
+                         limit: int = IGNORED_HEADER_MAX_BYTES) -> str:
+    """``fields`` as an RFC 8941 list of strings of at most ``limit`` bytes: as many as
+    fit, then ``"+N more"`` for the rest."""
+    items = [_sf_string(f) for f in fields]
+    if sum(map(len, items)) + 2 * max(len(items) - 1, 0) <= limit:
+        return ", ".join(items)
+    prefix = [0]  # prefix[k]: bytes of the first k items joined with ", "
+    for item in items:
+        prefix.append(prefix[-1] + len(item) + (2 if len(prefix) > 1 else 0))
+    for k in range(len(items) - 1, -1, -1):
+        more = _sf_string(f"+{len(items) - k} more")
+        if prefix[k] + (2 if k else 0) + len(more) <= limit:
+            return ", ".join([*items[:k], more])
+    raise AssertionError("the limit cannot hold even the \"+N more\" item")
+
+
+def ignored_headers(fields: Sequence[str]) -> dict[str, str]:
+    """The response header naming ``fields``, or none when there are none."""
+    return {IGNORED_HEADER: ignored_header_value(fields)} if fields else {}
+
+
+def check_fields(*, data: dict[str, Any], req: BaseModel, strict: bool) -> list[str]:
+    """The request's field policy, before anything runs: refuses what cannot be honoured,
+    and under ``strict`` what nothing reads; returns the unused locations otherwise."""
+    refuse_unhonoured(data, req)
+    unused = unused_fields(data, req)
+    if strict and unused:
+        listed = ignored_header_value(unused)
+        raise OpenAIError(f"{STRICT_HEADER} refuses fields this server does not read: "
+                          f"{listed}", status=400, code="unused_fields_refused",
+                          param=unused[0], headers=ignored_headers(unused))
+    return unused
