@@ -67,7 +67,8 @@ def free_port() -> int:
 class Server:
     """One ``manage.py serve`` process in its own data directory."""
 
-    def __init__(self, *, batching: bool, model: str, asset_root: Path, clients: int) -> None:
+    def __init__(self, *, batching: bool, model: str, asset_root: Path, clients: int,
+                 extra_env: dict[str, str] | None = None) -> None:
         self.data = tempfile.mkdtemp(prefix="millm-bench-conc-")
         self.port = free_port()
         self.env = {
@@ -77,6 +78,7 @@ class Server:
             "MAX_CONCURRENT_REQUESTS": str(clients), "MAX_PENDING_REQUESTS": str(clients),
             "ENABLE_CONTINUOUS_BATCHING": "true" if batching else "false",
             "MILLM_TEST_ASSET_DIR": str(asset_root),
+            **(extra_env or {}),
         }
         manage = [sys.executable, str(REPO / "manage.py")]
         # the profile is written straight into the fresh database: the server reads it per request
