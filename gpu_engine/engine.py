@@ -258,7 +258,7 @@ class Engine:
 
         entry = get_backend(job.backend)
         entry.require()  # refused before anything drains
-        entry.check_options(job.options)
+        entry.check_job(job)
 
         def op() -> EngineStatus:
             self._unload()
