@@ -37,8 +37,30 @@ def models_listed() -> QuerySet[Model]:
     return Model.objects.filter(status__in=LISTED_STATUSES).order_by("name")
 
 
+def model_ids_listed() -> list[tuple[Model, str]]:
+    """What /v1/models lists: each servable model under its name, then once per steering
+    profile made for it (or for any model) as ``<model>@<profile>``, the form requests
+    already accept, so a chat client can pick a profile from its model menu."""
+    from steering.selectors import profiles_for_model
+
+    out: list[tuple[Model, str]] = []
+    for row in models_listed():
+        out.append((row, row.name))
+        out.extend((row, f"{row.name}@{p.name}") for p in profiles_for_model(model_name=row.name))
+    return out
+
+
 def model_listed(*, name: str) -> Model:
+    """A model by a listed id: its name, or ``<model>@<profile>`` with a profile made for it."""
+    from steering.selectors import profiles_for_model
+
     row = Model.objects.filter(name=name).first()
+    if row is None and "@" in name:
+        base, _, profile = name.rpartition("@")
+        candidate = Model.objects.filter(name=base).first() if base and profile else None
+        if candidate is not None and any(
+                p.name == profile for p in profiles_for_model(model_name=candidate.name)):
+            row = candidate
     if row is None:
         raise ModelNotFound(f"The model {name!r} does not exist",
                             details={"model": name, "param": "model"})

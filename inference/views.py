@@ -196,21 +196,21 @@ async def embeddings(request: HttpRequest):
                                  **ignored_headers(ignored)})
 
 
-def _card(row: Any) -> ModelCard:
-    return ModelCard(id=row.name, created=int(row.created_at.timestamp()),
+def _card(row: Any, model_id: str | None = None) -> ModelCard:
+    return ModelCard(id=model_id or row.name, created=int(row.created_at.timestamp()),
                      owned_by=row.repo_id or "local")
 
 
 @openai_view("GET")
 async def models(request: HttpRequest):
-    rows = await sync_to_async(lambda: list(selectors.models_listed()))()
-    return JsonResponse(ModelList(data=[_card(r) for r in rows]).model_dump())
+    listed = await sync_to_async(selectors.model_ids_listed)()
+    return JsonResponse(ModelList(data=[_card(row, mid) for row, mid in listed]).model_dump())
 
 
 @openai_view("GET")
 async def model_detail(request: HttpRequest, model_id: str):
     row = await sync_to_async(selectors.model_listed)(name=model_id)
-    return JsonResponse(_card(row).model_dump())
+    return JsonResponse(_card(row, model_id).model_dump())
 
 
 @openai_view("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")

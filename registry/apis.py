@@ -179,13 +179,13 @@ class SAEPreviewApi(APIView):
 
 
 class AttachmentListApi(APIView):
-    @extend_schema(tags=SAES, summary="Every attachment (one per sae_id and layer)",
+    @extend_schema(tags=SAES, summary="Every attachment (one per sae_id and layer): "
+                   "is_attached, count, entries, total_memory_usage_mb",
                    responses=enveloped(io.AttachmentsOutput))
     def get(self, request) -> Response:
         rows = list(selectors.attachment_list())
         counts = selectors.engine_attachment_counts() if rows else {}
-        return envelope({"attachments": [io.attachment_out(r, counts) for r in rows],
-                         "total": len(rows)})
+        return envelope(io.attachments_out(rows, counts))
 
 
 class SAEDetailApi(APIView):

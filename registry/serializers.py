@@ -150,7 +150,17 @@ class AttachSetItem(serializers.Serializer):
 
 
 class AttachSetInput(serializers.Serializer):
-    attachments = AttachSetItem(many=True, allow_empty=False, max_length=64)
+    attachments = AttachSetItem(many=True, allow_empty=False, max_length=64, required=False)
+    # the original's clients send the set as ``saes``
+    saes = AttachSetItem(many=True, allow_empty=False, max_length=64, required=False,
+                         help_text="the same list under the original's key")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        given = [key for key in ("attachments", "saes") if key in attrs]
+        if len(given) != 1:
+            raise serializers.ValidationError(
+                {"attachments": ["give the set as attachments (or saes), once"]})
+        return {"attachments": attrs[given[0]]}
 
 
 class CompatibilityQuery(serializers.Serializer):
@@ -393,8 +403,21 @@ class DetachOutput(serializers.Serializer):
 
 
 class AttachmentsOutput(serializers.Serializer):
-    attachments = AttachmentOutput(many=True)
-    total = serializers.IntegerField()
+    """Every attachment, as the original's ``GET /api/saes/attachments`` answers."""
+
+    is_attached = serializers.BooleanField()
+    count = serializers.IntegerField()
+    entries = AttachmentOutput(many=True)
+    total_memory_usage_mb = serializers.FloatField()
+
+
+def attachments_out(rows: list[Attachment], counts: dict[tuple[str, int], int]
+                    ) -> dict[str, Any]:
+    entries = [attachment_out(row, counts) for row in rows]
+    return AttachmentsOutput({
+        "is_attached": bool(rows), "count": len(rows), "entries": entries,
+        "total_memory_usage_mb": round(sum(e["memory_usage_mb"] or 0.0 for e in entries), 3),
+    }).data
 
 
 class CompatibilityOutput(serializers.Serializer):

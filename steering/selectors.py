@@ -17,6 +17,12 @@ def profile_get_by_name(*, name: str) -> Profile:
         raise ProfileNotFound(f"Profile {name!r} not found", details={"profile": name}) from None
 
 
+def profiles_for_model(*, model_name: str) -> list[Profile]:
+    """The profiles a client may name as ``<model>@<profile>``: those made for this model
+    and those made for any (an empty ``model_name``)."""
+    return list(Profile.objects.filter(model_name__in=("", model_name)).order_by("name"))
+
+
 def attachment_choices(attachments: Iterable[Any]) -> list[str]:
     return [f"{a.sae_id}@{a.layer}" for a in attachments]
 

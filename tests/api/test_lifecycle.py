@@ -174,10 +174,12 @@ def test_attach_detach_and_attachment_status(api, engine_client, tiny_llama, lla
     status = ok(api.get("/api/saes/attachment"))
     assert status["is_attached"] and status["sae_id"] == sae.id and status["layer"] == 1
     assert status["steering_apply_count"] == passes > 0
+    # the original's shape: is_attached, count, entries, total_memory_usage_mb
     listed = ok(api.get("/api/saes/attachments"))
-    assert listed["total"] == 1
-    assert listed["attachments"][0]["steering_apply_count"] == passes
-    assert listed["attachments"][0]["layer_module_path"] == "model.layers.1"
+    assert (listed["is_attached"], listed["count"]) == (True, 1)
+    assert listed["entries"][0]["steering_apply_count"] == passes
+    assert listed["entries"][0]["layer_module_path"] == "model.layers.1"
+    assert listed["total_memory_usage_mb"] == listed["entries"][0]["memory_usage_mb"] > 0
     assert ok(api.get("/api/saes"))["attachment"]["steering_apply_count"] == passes
     assert ok(api.get(f"/api/saes/{sae.id}"))["attached_layers"] == [1]
 
@@ -191,6 +193,8 @@ def test_attach_detach_and_attachment_status(api, engine_client, tiny_llama, lla
                                               "reason": "detach"})
     refused(api.post(f"/api/saes/{sae.id}/detach", {}, format="json"), 400, "SAE_NOT_ATTACHED")
     assert ok(api.get("/api/saes/attachment"))["is_attached"] is False
+    assert ok(api.get("/api/saes/attachments")) == {
+        "is_attached": False, "count": 0, "entries": [], "total_memory_usage_mb": 0.0}
 
 
 def test_attach_reports_warnings_and_refuses_incompatible(api, engine_client, tiny_llama,
@@ -236,7 +240,12 @@ def test_attach_set_is_all_or_nothing_and_idempotent(api, engine_client, tiny_ll
         {"sae_id": l1.id, "layer": 1}, {"sae_id": "sae_nope", "layer": 2}]}, format="json"),
         404, "SAE_NOT_FOUND")
 
-    items = {"attachments": [{"sae_id": l1.id, "layer": 1}, {"sae_id": l3.id, "layer": 3}]}
+    refused(api.post("/api/saes/attach-set", {"attachments": [{"sae_id": l1.id, "layer": 1}],
+                                              "saes": [{"sae_id": l3.id, "layer": 3}]},
+                     format="json"), 422, "VALIDATION_ERROR")
+    refused(api.post("/api/saes/attach-set", {}, format="json"), 422, "VALIDATION_ERROR")
+    # the original's clients send the set as "saes"
+    items = {"saes": [{"sae_id": l1.id, "layer": 1}, {"sae_id": l3.id, "layer": 3}]}
     data = ok(api.post("/api/saes/attach-set", items, format="json"))
     assert [(a["sae_id"], a["layer"], a["status"], a["layer_module_path"])
             for a in data["attachments"]] == [(l1.id, 1, "attached", "model.layers.1"),
@@ -251,7 +260,9 @@ def test_attach_set_is_all_or_nothing_and_idempotent(api, engine_client, tiny_ll
     assert [a["status"] for a in more["attachments"]] == ["already_attached", "attached"]
     assert sorted(Attachment.objects.values_list("layer", flat=True)) == [1, 2, 3]
     listed = ok(api.get("/api/saes/attachments"))
-    assert listed["total"] == 3
+    assert listed["count"] == 3
+    assert listed["total_memory_usage_mb"] == pytest.approx(
+        sum(e["memory_usage_mb"] for e in listed["entries"]), abs=0.01)
     assert ok(api.get("/api/saes/attachment"))["attachments_count"] == 3
     # detaching one layer keeps the others
     assert ok(api.post(f"/api/saes/{l1.id}/detach", {"layer": 2}, format="json"))["layers"] \

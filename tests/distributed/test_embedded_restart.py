@@ -77,7 +77,7 @@ class Embedded:
         return next(m for m in self.data("GET", "/api/models")["models"] if m["name"] == name)
 
     def attachments(self) -> list[tuple[str, int]]:
-        rows = self.data("GET", "/api/saes/attachments")["attachments"]
+        rows = self.data("GET", "/api/saes/attachments")["entries"]
         return [(a["sae_id"], a["layer"]) for a in rows]
 
     def steer(self) -> httpx.Response:

@@ -275,7 +275,7 @@ def test_engine_and_web_crashes(cluster: Cluster, procs: list[Proc]):
         resp = c.api(web, "POST", "/v1/chat/completions", json=chat_body(6, **steer))
         assert resp.status_code == 200, resp.text
         assert resp.json()["millm"]["steering_apply_count"][0]["count"] > 0
-    rows = c.api("web-a", "GET", "/api/saes/attachments").json()["data"]["attachments"]
+    rows = c.api("web-a", "GET", "/api/saes/attachments").json()["data"]["entries"]
     assert [(a["sae_id"], a["layer"]) for a in rows] == [(sae_id, 1)]
     # the interrupted generations were given up (dead-letter stream), never run again
     dead = wait_for("the dead-letter records", lambda: [

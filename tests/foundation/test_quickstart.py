@@ -60,7 +60,7 @@ def quickstart_server(tiny_assets, tmp_path_factory):
             assert process.poll() is None, (data / "serve.log").read_text()
             status, body = _get(url + "/api/saes/attachments")
             if status == 200:
-                attachments = body["data"]["attachments"]
+                attachments = body["data"]["entries"]
                 if attachments:
                     break
             time.sleep(0.5)

@@ -29,6 +29,28 @@ def test_models_list_and_detail(llama, openai_client):
     assert [m.id for m in openai_client.models.list().data] == ["tiny-llama"]
 
 
+def test_models_list_each_profile_as_a_model_variant(llama, openai_client):
+    """Chat clients that only pick a model (Open WebUI) pick a profile as <model>@<profile>."""
+    from steering.models import Profile
+
+    Profile.objects.create(name="sea", model_name="tiny-llama")
+    Profile.objects.create(name="anywhere")  # made for any model
+    Profile.objects.create(name="gemma-only", model_name="tiny-gemma2")
+    ids = [m.id for m in openai_client.models.list().data]
+    assert ids[ids.index("tiny-llama") + 1: ids.index("tiny-llama") + 3] == [
+        "tiny-llama@anywhere", "tiny-llama@sea"]
+    assert "tiny-gemma2@gemma-only" in ids and "tiny-llama@gemma-only" not in ids
+    card = openai_client.models.retrieve("tiny-llama@sea")
+    assert card.id == "tiny-llama@sea" and card.owned_by == "local"
+    with pytest.raises(openai.NotFoundError):
+        openai_client.models.retrieve("tiny-llama@gemma-only")
+    # a listed variant is servable as it is listed (an empty profile steers nothing)
+    out = openai_client.chat.completions.with_raw_response.create(
+        model="tiny-llama@anywhere", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert out.status_code == 200 and out.parse().model == "tiny-llama"
+    assert out.headers["x-millm-steering"] == "none"
+
+
 def test_embeddings_equal_the_engine_and_are_never_steered(llama, openai_client):
     texts = ["the sea", "a sky full of stars"]
     out = openai_client.embeddings.create(model="tiny-llama", input=texts)

@@ -29,8 +29,8 @@ async function loadState() {
     $("#mon-state").replaceChildren(state.enabled ? badge("recording", "ok") : badge("off"));
     $("#m-enabled").checked = state.enabled;
     const sel = $("#m-target");
-    sel.replaceChildren(...(atts.attachments.length
-      ? atts.attachments.map((a) => el("option", { value: `${a.sae_id}@${a.layer}` }, `${a.sae_id} @ layer ${a.layer}`))
+    sel.replaceChildren(...(atts.entries.length
+      ? atts.entries.map((a) => el("option", { value: `${a.sae_id}@${a.layer}` }, `${a.sae_id} @ layer ${a.layer}`))
       : [el("option", { value: "" }, "no SAE attached")]));
     if (state.sae_id) sel.value = `${state.sae_id}@${state.layer}`;
     $("#m-features").value = (state.monitored_features || []).join(", ");

@@ -197,7 +197,7 @@ async function loadChoices() {
     const loaded = await get("/api/models").then((d) => d.models.find((m) => m.id === d.loaded_model_id)).catch(() => null);
     if (keep && models.data.some((m) => m.id === keep)) modelSel.value = keep;
     else if (loaded) modelSel.value = loaded.name;
-    attachments = atts.attachments;
+    attachments = atts.entries;
     const saeSel = $("#heat-sae");
     const keepSae = saeSel.value;
     saeSel.replaceChildren(...(attachments.length

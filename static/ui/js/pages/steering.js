@@ -165,7 +165,7 @@ $("#browse-next").addEventListener("click", () => browse(browsePage + 1));
 
 async function loadAttachments() {
   try {
-    attachments = (await get("/api/saes/attachments")).attachments;
+    attachments = (await get("/api/saes/attachments")).entries;
   } catch (err) { showError(err, "Attachments"); return; }
   const select = $("#attachment");
   const keep = select.value;
