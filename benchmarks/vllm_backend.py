@@ -123,6 +123,7 @@ def run_server(server: Server, n: int, steering: str, **kw) -> dict:
 
 
 def plot(figures: dict, clients: list[int], path: Path, title: str) -> None:
+    names = [s for s in SERVERS if s in figures]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,7 +134,7 @@ def plot(figures: dict, clients: list[int], path: Path, title: str) -> None:
             label="plain vLLM (LLM.generate)")
     colors = {"vllm": "tab:blue", "transformers": "tab:orange"}
     styles = {"unsteered": "-", "mixed": "--", "monitored": ":"}
-    for name in SERVERS:
+    for name in names:
         for steering in STEERINGS:
             ax.plot(clients, [figures[name][steering][n]["throughput"] for n in clients], marker="o",
                     color=colors[name], linestyle=styles[steering], label=f"/v1 {name} backend, {steering}")
@@ -153,6 +154,8 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--transformers-dtype", default="float32")
+    ap.add_argument("--servers", default=",".join(SERVERS),
+                    help="which /v1 servers to run beside plain vLLM (vllm,transformers)")
     ap.add_argument("--clients", type=int, action="append")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
@@ -164,6 +167,8 @@ def main() -> None:
         plain_worker(args.plain_worker, args.dtype)
         return
     clients = args.clients or [1, 4, 8, 16]
+    names = [s for s in args.servers.split(",") if s]
+    assert names and set(names) <= set(SERVERS), names
     assert max(clients) <= MAX_NUM_SEQS and max(clients) <= len(TOPICS)
     asset_root = Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets")
     model_path = asset_root / "models" / args.model
@@ -175,11 +180,11 @@ def main() -> None:
     print(f"plain vLLM ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
     servers: dict[str, Server] = {}
     samples: dict = {"plain": {n: [] for n in clients}}
-    samples.update({s: {st: {n: [] for n in clients} for st in STEERINGS} for s in SERVERS})
-    paired: dict = {s: {st: {n: [] for n in clients} for st in STEERINGS} for s in SERVERS}
+    samples.update({s: {st: {n: [] for n in clients} for st in STEERINGS} for s in names})
+    paired: dict = {s: {st: {n: [] for n in clients} for st in STEERINGS} for s in names}
     loads: list[float] = []
     try:
-        for name in SERVERS:
+        for name in names:
             t0 = time.monotonic()
             extra = {"MILLM_BACKEND": name}
             if name == "vllm":
@@ -198,7 +203,7 @@ def main() -> None:
             run_server(server, 2, "monitored", **kw)
         for r in range(args.rounds):
             for n in clients:
-                order = ["plain"] + [(s, st) for s in SERVERS for st in STEERINGS]
+                order = ["plain"] + [(s, st) for s in names for st in STEERINGS]
                 if (r + n) % 2:
                     order.reverse()
                 base = None
@@ -226,7 +231,7 @@ def main() -> None:
             server.stop()
 
     figures: dict = {"plain": {n: statistics.median(v) for n, v in samples["plain"].items()}}
-    for name in SERVERS:
+    for name in names:
         figures[name] = {st: {n: {
             "throughput": statistics.median(x["throughput"] for x in per_n),
             "ttft_ms": statistics.median(t for x in per_n for t in x["ttft"]) * 1000,
@@ -242,7 +247,7 @@ def main() -> None:
           f"{os.cpu_count()} CPUs, load average during runs {min(loads):.1f}–{max(loads):.1f}")
     print(f"{'':<14} {'steering':<10} " + " ".join(f"{'N=' + str(n):>16}" for n in clients))
     print(f"{'plain vLLM':<14} {'-':<10} " + " ".join(f"{figures['plain'][n]:10.1f} tok/s" for n in clients))
-    for name in SERVERS:
+    for name in names:
         for st in STEERINGS:
             print(f"{name:<14} {st:<10} " + " ".join(
                 f"{figures[name][st][n]['throughput']:7.1f} {figures[name][st][n]['vs_plain']:5.2f}x"
