@@ -264,7 +264,7 @@ def main() -> None:
                                          "rounds": args.rounds, "cpu": cpu, "cpus": os.cpu_count(),
                                          "figures": figures, "paired": paired, "samples": samples,
                                          "loads": loads}, indent=2))
-    if args.plot:
+    if args.plot and str(args.plot) not in (".", "none"):  # --plot none: no plot
         try:
             plot(figures, clients, args.plot, f"{args.model} {args.dtype} (transformers {args.transformers_dtype}) on {os.cpu_count()} CPU cores ({cpu}), "
                  f"{args.tokens} tokens per client, medians of {args.rounds} rounds")
