@@ -256,8 +256,9 @@ def main() -> None:
     v = figures["vllm"]
     print(f"\nratios to plain vLLM at N={nmax} (median of paired rounds): "
           f"unsteered {v['unsteered'][nmax]['vs_plain']:.3f}, mixed {v['mixed'][nmax]['vs_plain']:.3f} "
-          f"(target >= 0.95), monitored {v['monitored'][nmax]['vs_plain']:.3f} (target >= 0.90); "
-          f"transformers mixed {figures['transformers']['mixed'][nmax]['vs_plain']:.3f}")
+          f"(target >= 0.95), monitored {v['monitored'][nmax]['vs_plain']:.3f} (target >= 0.90)"
+          + (f"; transformers mixed {figures['transformers']['mixed'][nmax]['vs_plain']:.3f}"
+             if "transformers" in names else ""))
     if args.json:
         args.json.write_text(json.dumps({"model": args.model, "dtype": args.dtype,
                                          "transformers_dtype": args.transformers_dtype, "tokens": args.tokens,
@@ -266,7 +267,7 @@ def main() -> None:
                                          "loads": loads}, indent=2))
     if args.plot and str(args.plot) not in (".", "none"):  # --plot none: no plot
         try:
-            plot(figures, clients, args.plot, f"{args.model} {args.dtype} (transformers {args.transformers_dtype}) on {os.cpu_count()} CPU cores ({cpu}), "
+            plot(figures, clients, args.plot, f"{args.model} {args.dtype} (transformers {args.transformers_dtype}) on {os.cpu_count()} CPU cores ({cpu}),\n"
                  f"{args.tokens} tokens per client, medians of {args.rounds} rounds")
             print(f"plot: {args.plot}")
         except ImportError:
