@@ -67,16 +67,18 @@ def free_port() -> int:
 class Server:
     """One ``manage.py serve`` process in its own data directory."""
 
-    def __init__(self, *, batching: bool, model: str, asset_root: Path, clients: int) -> None:
+    def __init__(self, *, batching: bool, model: str, asset_root: Path, clients: int,
+                 dtype: str = "float32", extra_env: dict[str, str] | None = None) -> None:
         self.data = tempfile.mkdtemp(prefix="millm-bench-conc-")
         self.port = free_port()
         self.env = {
             **{k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH")},
             "MILLM_ENV_FILE": "/nonexistent/.env", "MILLM_DATA_DIR": self.data, "LOG_LEVEL": "WARNING",
-            "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32", "AUTO_LOAD_MODEL": model,
+            "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": dtype, "AUTO_LOAD_MODEL": model,
             "MAX_CONCURRENT_REQUESTS": str(clients), "MAX_PENDING_REQUESTS": str(clients),
             "ENABLE_CONTINUOUS_BATCHING": "true" if batching else "false",
             "MILLM_TEST_ASSET_DIR": str(asset_root),
+            **(extra_env or {}),
         }
         manage = [sys.executable, str(REPO / "manage.py")]
         # the profile is written straight into the fresh database: the server reads it per request
@@ -171,10 +173,11 @@ def stream_one(port: int, payload: dict, out: list, barrier: threading.Barrier) 
     out.append({"sent": sent, "frames": frames, "end": end, "tokens": tokens})
 
 
-def run_clients(server: Server, n: int, **kw) -> dict:
+def run_clients(server: Server, n: int, *, make_body=None, **kw) -> dict:
     results: list[dict] = []
     barrier = threading.Barrier(n)
-    threads = [threading.Thread(target=stream_one, args=(server.port, body(i, **kw), results, barrier))
+    make = make_body or body
+    threads = [threading.Thread(target=stream_one, args=(server.port, make(i, **kw), results, barrier))
                for i in range(n)]
     for t in threads:
         t.start()

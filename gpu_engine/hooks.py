@@ -75,6 +75,10 @@ class MonitorPlan:
             self.lo, self.hi = 0, _INF
         self.buffer: list[tuple[int, torch.Tensor]] = []
         self.pending: list[tuple[int, Any, Any, Any]] = []
+        # positions below this were observed already: a forward that computes them again
+        # (vLLM recomputes a preempted request from position 0, or from its cached prefix)
+        # must not record them twice
+        self.observed_to = 0
 
     def observe(self, rows: torch.Tensor, start: int) -> None:
         n = rows.shape[0]
@@ -82,9 +86,10 @@ class MonitorPlan:
             lo, hi = start + n - 1, start + n
             self.buffer.clear()
         else:
-            lo, hi = max(self.lo, start), min(self.hi, start + n)
+            lo, hi = max(self.lo, start, self.observed_to), min(self.hi, start + n)
             if lo >= hi:
                 return
+            self.observed_to = hi
         x = rows[lo - start : hi - start]
         if self.stream:
             self._encode(int(lo), x)

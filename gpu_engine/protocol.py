@@ -32,6 +32,9 @@ READ_POINTS = ("pre_steering", "post_steering")
 POSITION_KEYWORDS = ("last", "prompt", "completion", "all")
 POOLINGS = ("mean", "last", "cls")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# "interactive": a /v1 request someone waits on; "batch": a Batch API line, admitted only
+# when no interactive request waits and only into the rows batch work may hold
+PRIORITIES = ("interactive", "batch")
 
 
 def _num(value: Any, param: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float:
@@ -350,8 +353,11 @@ class GenerationJob(msgspec.Struct):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    priority: str = "interactive"  # PRIORITIES
 
     def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise InvalidParameter(f"priority must be one of {PRIORITIES}", param="priority")
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise InvalidParameter("give exactly one of prompt, prompt_token_ids, messages", param="prompt")
@@ -368,8 +374,11 @@ class EmbedJob(msgspec.Struct):
     inputs: list[str | list[int]] = msgspec.field(default_factory=list)  # text or token ids
     pooling: str = "mean"
     normalize: bool = True
+    priority: str = "interactive"  # PRIORITIES: batch embeddings wait behind interactive work
 
     def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise InvalidParameter(f"priority must be one of {PRIORITIES}", param="priority")
         if not self.inputs:
             raise InvalidParameter("inputs is empty", param="input")
         if self.pooling not in POOLINGS:
@@ -424,6 +433,11 @@ class BatchingOptions(msgspec.Struct):
     have been spent (always at least one), so a burst of long prompts does not stall the
     running rows for long.  ``force_serial_monitoring`` runs requests that monitor
     anything alone (the old CBM_FORCE_SERIAL_MONITORING; attribution is exact either way).
+
+    ``batch_rows``: rows beyond ``max_batch_size`` that only ``priority="batch"`` work may
+    hold (Batch API lines), so interactive requests always find one of their own
+    ``max_batch_size`` rows free; 0 lets batch work take free interactive rows instead.
+    Batch work is admitted only in an iteration where no interactive request waits.
     """
 
     enabled: bool = False
@@ -431,9 +445,11 @@ class BatchingOptions(msgspec.Struct):
     max_queue_size: int = 256
     prefill_budget_tokens: int = 512
     force_serial_monitoring: bool = False
+    batch_rows: int = 0
 
     def __post_init__(self) -> None:
         _int(self.max_batch_size, "max_batch_size", lo=1, hi=4096)
+        _int(self.batch_rows, "batch_rows", lo=0, hi=4096)
         _int(self.max_queue_size, "max_queue_size", lo=1)
         _int(self.prefill_budget_tokens, "prefill_budget_tokens", lo=1)
 

@@ -216,7 +216,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("ENGINE_MAX_IN_FLIGHT", "Distributed engine", "int", 0,
         "Jobs run_engine takes from the request stream at once, a safety net behind /v1's "
         "admission (which decides the queue); 0 = MAX_CONCURRENT_REQUESTS + "
-        "MAX_PENDING_REQUESTS, so no admitted job waits in the stream. Otherwise at least "
+        "MAX_PENDING_REQUESTS + BATCH_ENGINE_ROWS, so no admitted job waits in the stream "
+        "behind batch lines. Otherwise at least "
         "MAX_CONCURRENT_REQUESTS.", minimum=0),
     Var("ENGINE_COMMAND_TIMEOUT_S", "Distributed engine", "float", 900.0,
         "Longest a web process or worker waits for run_engine to answer a command (a model "
@@ -253,6 +254,25 @@ VARIABLES: tuple[Var, ...] = (
         "With batching: a request that monitors SAE features runs alone (the batch drains "
         "first, others wait for it). Attribution is exact in the batch either way; this "
         "only trades throughput for isolation."),
+    # --- Batch API --------------------------------------------------------------------
+    Var("BATCH_ENGINE_ROWS", "Batch API", "int", 4,
+        "Batch API lines one batch runner keeps at the engine at once. With continuous "
+        "batching these are extra rows beyond MAX_CONCURRENT_REQUESTS that only batch lines "
+        "use, so interactive requests keep their own rows (and their time to first token); "
+        "batch lines start only when no interactive request waits. Serial backend: batch "
+        "lines queue behind every interactive request.", minimum=1, maximum=256),
+    Var("BATCH_MAX_FILE_LINES", "Batch API", "int", 50000,
+        "Most requests (lines) one batch input file may hold; more is refused at upload "
+        "with 400.", minimum=1),
+    Var("BATCH_MAX_FILE_BYTES", "Batch API", "int", 200 * 1024 * 1024,
+        "Largest batch input file accepted by POST /v1/files, in bytes (200 MiB).",
+        minimum=1),
+    Var("BATCH_MAX_LINE_BYTES", "Batch API", "int", 1024 * 1024,
+        "Largest single line of a batch input file, in bytes (1 MiB).", minimum=1),
+    Var("BATCH_RUNNER_STALE_S", "Batch API", "float", 30.0,
+        "Seconds without a heartbeat after which a batch's runner (a Celery worker, or the "
+        "embedded process) counts as gone: the next start-up or worker takes the batch over "
+        "and re-runs the lines that were running but not answered.", minimum=1),
     # --- Transformers models --------------------------------------------------------
     Var("TRANSFORMERS_MIN_CONTEXT", "Transformers models", "int", 4096,
         "Context whose KV cache every card a model uses must have room for (or the model's "

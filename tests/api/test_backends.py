@@ -118,3 +118,15 @@ def test_the_admin_sets_the_backend_and_refuses_unknown_ones(admin_client: Clien
     assert Model.objects.get(pk=tiny_llama.id).backend == "transformers"
     listing = admin_client.get("/admin/registry/model/")
     assert b"transformers" in listing.content
+
+
+def test_a_vllm_model_is_loaded_with_the_vllm_settings_as_its_options(tiny_llama, settings):
+    tiny_llama.backend = "vllm"
+    settings.VLLM_DISTRIBUTED_EXECUTOR = "uni"
+    settings.VLLM_MAX_NUM_SEQS = 8
+    job = orchestration_services.load_job(tiny_llama, device="cpu", dtype="float32")
+    assert job.backend == "vllm"
+    assert job.options == {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                           "distributed_executor_backend": "uni",
+                           "gpu_memory_utilization": 0.9, "max_model_len": 0,
+                           "max_num_seqs": 8, "enforce_eager": True}

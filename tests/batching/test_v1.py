@@ -102,7 +102,9 @@ def test_mixed_v1_requests_share_steps_and_answer_as_alone(batching_server):
             assert got["body"]["millm"]["steering_apply_count"] == want["millm"]["steering_apply_count"]
     # positive control: steering changes the text
     assert alone["inline"]["choices"][0]["text"] != alone["empty"]["choices"][0]["text"]
-    assert together["profile"]["steering"] == "profile;name=sea-lover;intensity=0.5"
+    assert together["profile"]["steering"] == (
+        "profile;name=sea-lover;intensity=0.5;"
+        f'hash="{together["profile"]["body"]["millm"]["steering"]["hash"]}"')
     got = together["activations"]["body"]["millm"]["sae_activations"]["positions"]
     want = alone["activations"]["millm"]["sae_activations"]["positions"]
     assert [r["position"] for r in got] == [r["position"] for r in want] and got

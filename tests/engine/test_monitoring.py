@@ -150,3 +150,37 @@ def test_batched_encode_in_chunks_gives_the_same_records(engine, tiny_assets, mo
         assert [f.feature_index for f in a.top_k] == [f.feature_index for f in b.top_k]
         np.testing.assert_allclose([f.activation for f in a.features], [f.activation for f in b.features],
                                    atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+
+
+def test_rows_computed_again_are_recorded_once(tiny_assets):
+    """A preempted vLLM request is recomputed from position 0 (or from its cached prefix):
+    the monitor sees positions it has seen before and must not record them twice."""
+    import torch
+
+    from gpu_engine import hooks
+    from gpu_engine.sae.layouts import get_layout
+    from gpu_engine.sae.module import SAE
+
+    asset = tiny_assets.saes["tiny-llama-L1-relu"]
+    lay = get_layout("saelens")
+    cfg = lay.read_metadata(lay.detect(asset.path) or asset.path)
+    sae = SAE(cfg, lay.load_tensors(cfg), device=torch.device("cpu"))
+    rows = torch.randn(12, sae.d_in)
+    entry = MonitorEntry(asset.name, 1, top_k=TOP_K, features=REQUESTED, positions="all")
+    once, again = (hooks.MonitorPlan(entry, sae, prompt_len=6) for _ in range(2))
+    once.observe(rows[:6], 0)
+    once.observe(rows[6:9], 6)
+    once.observe(rows[9:], 9)
+    # the same request preempted after position 8 and recomputed from 0, then from 4
+    again.observe(rows[:6], 0)
+    again.observe(rows[6:9], 6)
+    again.observe(rows[:9], 0)
+    again.observe(rows[4:10], 4)
+    again.observe(rows[10:], 10)
+    want, got = [], []
+    for plan, out in ((once, want), (again, got)):
+        plan.flush()
+        out.extend(plan.collect())
+    assert [r.position for r in got] == [r.position for r in want] == list(range(12))
+    for a, b in zip(got, want):
+        assert [f.activation for f in a.features] == [f.activation for f in b.features]

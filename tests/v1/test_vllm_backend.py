@@ -1,0 +1,252 @@
+"""/v1 and /api end to end with the model on the vLLM backend: the tiny Llama is registered,
+switched to ``backend=vllm`` and loaded through /api (one vLLM engine for the module, in
+the session's one real server), an SAE attached through /api, and then the official
+``openai`` client: greedy and steered output equal the transformers backend's on the same
+weights and the same resolved spec, ``return_sae_activations`` and /api monitoring return
+records, profiles (``model@profile``) and live steering steer, the backend names itself
+(X-miLLM-Backend, /api/health/inference), and what vLLM cannot do is a 400 before anything
+runs.  Like tests/vllm, this fails instead of skipping when ``MILLM_REQUIRE_VLLM=1``."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from gpu_engine.engine import Engine
+from gpu_engine.protocol import (
+    AttachSpec,
+    GenerationJob,
+    LoadModelJob,
+    MonitorEntry,
+    MonitorSpec,
+    SamplingParams,
+    SteeringEntry,
+    SteeringSpec,
+)
+from tests.v1.conftest import _register_assets, model_resident
+from tests.v1.helpers import assert_openai_error, request
+from tests.vllm.conftest import require_vllm
+from tests.vllm.test_vllm_engine import VLLM_ACT_ATOL
+
+PROMPT = "the sea and the sky"
+TOKENS = 16
+FEATURES = {3: 12.0, 40: -6.5}
+
+
+def _call(server, method: str, path: str, body=None):
+    resp = request(server.url, method, "/api" + path, body, timeout=300)
+    assert resp.status < 300, (method, path, resp.status, resp.body[:500])
+    return resp.json()["data"]
+
+
+def _wait_job(server, job_id: int, timeout_s: float = 300.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        job = _call(server, "GET", f"/jobs/{job_id}")
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} still {job['status']}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def on_vllm(v1_server, django_db_blocker, tiny_assets):
+    """tiny-llama loaded on vLLM through /api: PATCH backend=vllm, POST load, the job
+    followed to its end. The transformers backend on the same weights is the reference
+    (``ref``). Every test's rows are truncated after it: MILLM_BACKEND=vllm then keeps the
+    re-registered row's effective backend what the engine runs."""
+    require_vllm()
+    from django.conf import settings
+
+    from registry.models import Model
+
+    names = ("MILLM_BACKEND", "VLLM_DISTRIBUTED_EXECUTOR", "VLLM_MAX_NUM_SEQS")
+    saved = {name: getattr(settings, name) for name in names}
+    # one process: vLLM's engine core and its worker run in the server's (start-up ~40 s)
+    settings.VLLM_DISTRIBUTED_EXECUTOR = "uni"
+    settings.VLLM_MAX_NUM_SEQS = 8
+    v1_server.engine.unload_model()
+    with django_db_blocker.unblock():
+        _register_assets()
+        model = Model.objects.get(name="tiny-llama")
+        assert model.effective_backend() == "transformers"
+        detail = _call(v1_server, "PATCH", f"/models/{model.id}", {"backend": "vllm"})
+        assert (detail["backend"], detail["effective_backend"]) == ("vllm", "vllm")
+        started = _call(v1_server, "POST", f"/models/{model.id}/load")
+        job = _wait_job(v1_server, started["job"]["id"])
+        assert job["status"] == "succeeded", job
+        assert Model.objects.get(pk=model.id).status == "loaded"
+    settings.MILLM_BACKEND = "vllm"
+    hf = Engine()
+    hf.load_model(LoadModelJob("tiny-llama", str(tiny_assets.models["tiny-llama"].path),
+                               dtype="float32", device="cpu"))
+    yield hf
+    hf.shutdown()
+    # the next module's tests get the transformers backend again
+    v1_server.engine.unload_model()
+    for name, value in saved.items():
+        setattr(settings, name, value)
+
+
+@pytest.fixture
+def vllm_llama(on_vllm, v1_server):
+    """The vLLM-resident model, the L1 SAE attached through /api; yields (server, relu)."""
+    from registry.models import SAE
+
+    model_resident(v1_server, "tiny-llama")
+    assert v1_server.engine.status().backend == "vllm"
+    relu = SAE.objects.get(name="tiny-llama-L1-relu")
+    _call(v1_server, "POST", f"/saes/{relu.id}/attach", {"layer": 1})
+    v1_server.wait_idle()
+    yield v1_server, relu
+    v1_server.wait_idle()
+
+
+def ref(hf: Engine, relu, *, steering: dict[int, float] | None = None, monitor=None,
+        prompt: str = PROMPT):
+    """The transformers backend's greedy run of ``prompt`` under the same spec (the SAE
+    attached under this test's id: each test registers its rows afresh)."""
+    hf.detach(None)
+    hf.attach(AttachSpec(relu.id, relu.local_path, 1, layout=relu.format or None))
+    spec = SteeringSpec([SteeringEntry(relu.id, 1, steering)]) if steering else None
+    return hf.generate_sync(GenerationJob(
+        request_id="ref", prompt=prompt, steering=spec,
+        monitor=MonitorSpec(monitor) if monitor else None,
+        sampling=SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)), timeout_s=60)
+
+
+def complete(client, **extra):
+    body = {k: extra.pop(k) for k in ("steering", "return_sae_activations", "steering_intensity",
+                                      "profile") if k in extra}
+    return client.completions.with_raw_response.create(
+        model=extra.pop("model", "tiny-llama"), prompt=extra.pop("prompt", PROMPT),
+        max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True, **body}, **extra)
+
+
+def test_the_api_shows_the_vllm_backend_and_greedy_equals_transformers(vllm_llama, on_vllm,
+                                                                       openai_client):
+    server, relu = vllm_llama
+    health = _call(server, "GET", "/health/inference")
+    assert health["backend"] == "vllm"
+    caps = health["capabilities"]
+    assert caps["per_request_steering"] and caps["per_request_monitoring"]
+    assert caps["serial_mode"] is False and caps["batched_mode"] is True
+    assert caps["embeddings"] is False and caps["cuda_graphs"] is False
+    assert {b["name"]: b["available"] for b in health["backends"]}["vllm"] is True
+
+    want = ref(on_vllm, relu)
+    raw = complete(openai_client)
+    assert raw.headers["x-millm-backend"] == "vllm"
+    assert raw.headers["x-millm-steering"] == "none"
+    out = raw.parse()
+    assert out.choices[0].text == want.text
+    assert out.usage.completion_tokens == len(want.token_ids) == TOKENS
+    # streamed, the same text
+    chunks = list(openai_client.completions.create(
+        model="tiny-llama", prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+    # the engine ran it on vLLM: the batch stepped
+    assert server.engine._scheduler.backend.steps > 0
+
+
+def test_inline_steering_equals_transformers_and_changes_the_output(vllm_llama, on_vllm,
+                                                                    openai_client):
+    server, relu = vllm_llama
+    features = [{"index": k, "strength": v} for k, v in FEATURES.items()]
+    raw = complete(openai_client, steering={"features": features})
+    assert raw.headers["x-millm-steering"] == f"inline;sae={relu.id};layer=1;features=2"
+    assert raw.headers["x-millm-backend"] == "vllm"
+    body = raw.parse()
+    steered = ref(on_vllm, relu, steering=FEATURES)
+    assert steered.text != ref(on_vllm, relu).text  # positive control on the reference
+    assert body.choices[0].text == steered.text
+    # the delta was added in every forward pass (a hook that did not run reports fewer)
+    millm = body.model_extra["millm"]
+    assert millm["steering_apply_count"] == [{"sae_id": relu.id, "layer": 1,
+                                              "count": steered.forward_passes}]
+    # a steered and an unsteered request, concurrently in one vLLM batch, each its own
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        plain = pool.submit(complete, openai_client)
+        again = pool.submit(complete, openai_client, steering={"features": features})
+        assert plain.result().parse().choices[0].text == ref(on_vllm, relu).text
+        assert again.result().parse().choices[0].text == steered.text
+
+
+def test_sae_activations_and_monitoring_records(vllm_llama, on_vllm, openai_client):
+    from monitoring.models import ActivationRecord
+
+    server, relu = vllm_llama
+    asked = {"top_k": 4, "features": [3, 7], "positions": "all"}
+    raw = complete(openai_client, steering={"features": [{"index": 3, "strength": 8.0}]},
+                   return_sae_activations=asked)
+    acts = raw.parse().model_extra["millm"]["sae_activations"]
+    want = ref(on_vllm, relu, steering={3: 8.0},
+               monitor=[MonitorEntry(relu.id, 1, top_k=4, features=[3, 7], positions="all")])
+    assert (acts["sae_id"], acts["layer"], acts["read_point"]) == (relu.id, 1, "post_steering")
+    got = {row["position"]: row for row in acts["positions"]}
+    assert sorted(got) == [r.position for r in want.activations]  # one record per position
+    for rec in want.activations:
+        row = got[rec.position]
+        assert [a["feature_index"] for a in row["features"]] == [3, 7]
+        assert [a["activation"] for a in row["features"]] == pytest.approx(
+            [a.activation for a in rec.features], abs=VLLM_ACT_ATOL)
+        assert sorted(a["activation"] for a in row["top_k"]) == pytest.approx(
+            sorted(a.activation for a in rec.top_k), abs=VLLM_ACT_ATOL)
+
+    # monitoring armed through /api: records of /v1 generations, per request, in the database
+    _call(server, "POST", "/monitoring/configure",
+          {"features": [3, 17, 40], "top_k": 4, "history_size": 500, "positions": "completion"})
+    out = complete(openai_client).parse()
+    assert out.choices[0].text == ref(on_vllm, relu).text  # monitoring changes no token
+    want = ref(on_vllm, relu, monitor=[MonitorEntry(relu.id, 1, top_k=4, features=[3, 17, 40],
+                                                    read_point="pre_steering",
+                                                    positions="completion")])
+    rows = list(ActivationRecord.objects.filter(request_id=out.id).order_by("token_position"))
+    assert [r.token_position for r in rows] == [r.position for r in want.activations]
+    for row, expected in zip(rows, want.activations, strict=True):
+        assert [p["feature_index"] for p in row.activations] == [3, 17, 40]
+        assert [p["activation"] for p in row.activations] == pytest.approx(
+            [a.activation for a in expected.features], abs=VLLM_ACT_ATOL)
+
+
+def test_a_profile_and_live_steering_steer_on_vllm(vllm_llama, on_vllm, openai_client):
+    from steering.services import profile_create
+
+    server, relu = vllm_llama
+    profile_create(name="sea-lover", sae_id=relu.id, layer=1,
+                   steering={str(k): v for k, v in FEATURES.items()}, model_name="tiny-llama")
+    raw = complete(openai_client, model="tiny-llama@sea-lover")
+    assert raw.headers["x-millm-steering"] == "profile;name=sea-lover;intensity=1"
+    want = ref(on_vllm, relu, steering=FEATURES)
+    assert raw.parse().choices[0].text == want.text
+    half = complete(openai_client, profile="sea-lover", steering_intensity=0.5).parse()
+    assert half.choices[0].text == ref(
+        on_vllm, relu, steering={k: v * 0.5 for k, v in FEATURES.items()}).text
+
+    _call(server, "POST", "/saes/steering/batch", {"steering": {"3": 12, "40": -6.5}})
+    live = complete(openai_client)
+    assert live.headers["x-millm-steering"] == f"live;sae={relu.id};layer=1;features=2"
+    assert live.parse().choices[0].text == want.text
+    opted_out = complete(openai_client, steering={"features": []}).parse()
+    assert opted_out.choices[0].text == ref(on_vllm, relu).text != want.text
+    _call(server, "POST", "/saes/steering/disable")
+    assert complete(openai_client).parse().choices[0].text == ref(on_vllm, relu).text
+
+
+def test_what_vllm_cannot_do_is_a_400_before_anything_runs(vllm_llama, openai_client):
+    server, _ = vllm_llama
+    batch = server.engine._scheduler.backend
+    steps = batch.steps
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.embeddings.create(model="tiny-llama", input=["the sea"])
+    assert err.value.status_code == 400
+    assert err.value.code == "invalid_parameter"
+    assert "vllm" in err.value.message
+    raw = request(server.base_url, "POST", "/embeddings", {"model": "tiny-llama", "input": "x"})
+    assert_openai_error(raw, 400, "invalid_parameter")
+    assert batch.steps == steps and server.engine.status().in_flight == 0
