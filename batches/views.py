@@ -7,8 +7,6 @@ answers OpenAI's object shapes; every failure leaves in OpenAI's error shape.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import json
 from datetime import datetime
 from typing import Any
@@ -16,39 +14,14 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, HttpResponse, JsonResponse
-from django.views.decorators.csrf import csrf_exempt
 
 from batches import selectors, services
 from batches.errors import FileTooLarge
 from batches.models import Batch, File
-from inference.errors import OpenAIError, openai_error_from_exception, openai_error_response
+from inference.errors import OpenAIError, openai_view
 from inference.planning import off_view_thread
 
 MULTIPART_SLACK_BYTES = 64 * 1024  # the form's own bytes around the file
-
-
-def v1_view(*methods: str):
-    """OpenAI's error shape for every failure of these views (like inference's
-    ``openai_view``, which other apps may not import)."""
-
-    def decorate(view):
-        @csrf_exempt
-        @functools.wraps(view)
-        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any):
-            try:
-                if request.method not in methods:
-                    raise OpenAIError(f"Method {request.method} is not allowed here; use "
-                                      f"{' or '.join(methods)}", status=405,
-                                      code="method_not_allowed")
-                return await view(request, *args, **kwargs)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the one exit for these routes' errors
-                return openai_error_response(openai_error_from_exception(exc))
-
-        return wrapper
-
-    return decorate
 
 
 def _ts(value: datetime | None) -> int | None:
@@ -140,7 +113,7 @@ def _upload(request: HttpRequest) -> tuple[str, str, bytes]:
     return upload.name or "upload.jsonl", purpose, upload.read()
 
 
-@v1_view("GET", "POST")
+@openai_view("GET", "POST")
 async def files(request: HttpRequest):
     if request.method == "POST":
         def create() -> File:
@@ -158,7 +131,7 @@ async def files(request: HttpRequest):
     return _list([file_object(f) for f in rows], more)
 
 
-@v1_view("GET", "DELETE")
+@openai_view("GET", "DELETE")
 async def file_detail(request: HttpRequest, file_id: str):
     file = await off_view_thread(selectors.file_get)(file_id=file_id)
     if request.method == "DELETE":
@@ -167,13 +140,13 @@ async def file_detail(request: HttpRequest, file_id: str):
     return JsonResponse(file_object(file))
 
 
-@v1_view("GET")
+@openai_view("GET")
 async def file_content(request: HttpRequest, file_id: str):
     content = await off_view_thread(selectors.file_content)(file_id=file_id)
     return HttpResponse(content, content_type="application/octet-stream")
 
 
-@v1_view("GET", "POST")
+@openai_view("GET", "POST")
 async def batches(request: HttpRequest):
     if request.method == "POST":
         data = _json(request)
@@ -190,13 +163,13 @@ async def batches(request: HttpRequest):
     return _list([batch_object(b) for b in rows], more)
 
 
-@v1_view("GET")
+@openai_view("GET")
 async def batch_detail(request: HttpRequest, batch_id: str):
     return JsonResponse(batch_object(await off_view_thread(selectors.batch_get)(
         batch_id=batch_id)))
 
 
-@v1_view("POST")
+@openai_view("POST")
 async def batch_cancel(request: HttpRequest, batch_id: str):
     await off_view_thread(selectors.batch_get)(batch_id=batch_id)
     return JsonResponse(batch_object(await off_view_thread(services.batch_cancel)(
