@@ -60,6 +60,12 @@ CAPABILITY_KEYS = (
 )
 
 
+def all_capabilities(**overrides: Any) -> dict[str, Any]:
+    """Every ``CAPABILITY_KEYS`` True, then a backend's ``overrides`` (what it lacks, and
+    keys of its own): what a backend's ``capabilities()`` starts from."""
+    return {**dict.fromkeys(CAPABILITY_KEYS, True), **overrides}
+
+
 @runtime_checkable
 class ModelBackend(Protocol):
     name: str
@@ -122,4 +128,4 @@ def missing_members(backend: object) -> list[str]:
     return sorted(n for n in set(names) if not hasattr(backend, n))
 
 
-__all__ = ["CAPABILITY_KEYS", "ModelBackend", "missing_members"]
+__all__ = ["CAPABILITY_KEYS", "ModelBackend", "all_capabilities", "missing_members"]

@@ -37,6 +37,7 @@ from ...protocol import (
     ScoreResult,
     Usage,
 )
+from ..base import all_capabilities
 from ..transformers.sequence import Sequence
 from .batched import LlamaBatchRunner, run_serial
 from .native import (
@@ -223,26 +224,14 @@ class LlamaCppBackend:
     # ------------------------------------------------------------------ contract
 
     def capabilities(self) -> dict[str, Any]:
-        return {
-            "per_request_sampling": True,
-            "per_request_seeds": True,
-            "stop_sequences": True,
-            "cancellation": True,
-            "per_request_steering": True,
-            "per_request_monitoring": True,
-            "exact_monitoring_attribution": True,
-            "logprobs": True,
-            "prompt_logprobs": True,
-            "embeddings": self.opts["embeddings"],
-            "scoring": True,
-            "serial_mode": True,
-            "batched_mode": True,
+        return all_capabilities(
+            embeddings=self.opts["embeddings"],
             # how requests with different steering share a batch: each row's delta added in
             # the eval callback; rows steered alike use a control vector
-            "steering_mode": "eval_callback_per_row",
-            "control_vectors": True,
-            "native_eval_filter": self.taps.native_filter,
-        }
+            steering_mode="eval_callback_per_row",
+            control_vectors=True,
+            native_eval_filter=self.taps.native_filter,
+        )
 
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.native.tokenize(text, add_special=add_special_tokens)

@@ -27,6 +27,7 @@ from ...protocol import (
     ScoreResult,
     Usage,
 )
+from ..base import all_capabilities
 from .blocks import resolve_block, resolve_block_list
 from .cpu_kernels import pack_linears, packing_available
 
@@ -110,21 +111,7 @@ class TransformersRunner:
         self.hooks.remove(key)
 
     def capabilities(self) -> dict[str, bool]:
-        return {
-            "per_request_sampling": True,
-            "per_request_seeds": True,
-            "stop_sequences": True,
-            "cancellation": True,
-            "per_request_steering": True,
-            "per_request_monitoring": True,
-            "exact_monitoring_attribution": True,
-            "logprobs": True,
-            "prompt_logprobs": True,
-            "embeddings": True,
-            "scoring": True,
-            "serial_mode": True,
-            "batched_mode": True,
-        }
+        return all_capabilities()
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -36,6 +36,7 @@ from ...protocol import (
     ScoreJob,
     ScoreResult,
 )
+from ..base import all_capabilities
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKER_EXTENSION = "gpu_engine.backends.vllm.worker.MillmWorkerExtension"
@@ -143,27 +144,19 @@ class VllmBackend:
 
     def capabilities(self) -> dict[str, bool]:
         hooks_live = self.enforce_eager
-        return {
-            "per_request_sampling": True,
-            "per_request_seeds": True,
-            "stop_sequences": True,
-            "cancellation": True,
-            "per_request_steering": hooks_live,
-            "per_request_monitoring": hooks_live,
-            "exact_monitoring_attribution": hooks_live,
-            "logprobs": True,
-            "prompt_logprobs": True,
-            "embeddings": False,
-            "scoring": True,
-            "serial_mode": False,
-            "batched_mode": True,
+        return all_capabilities(
+            per_request_steering=hooks_live,
+            per_request_monitoring=hooks_live,
+            exact_monitoring_attribution=hooks_live,
+            embeddings=False,
+            serial_mode=False,
             # item 4: CUDA graphs and torch.compile skip Python hooks, so they are off
             # whenever steering is possible; steering_apply_count proves the hooks ran
-            "cuda_graphs": not self.enforce_eager,
-            "torch_compile": not self.enforce_eager,
-            "prefix_caching": True,
-            "steered_prefix_cache_keyed_by_steering": True,
-        }
+            cuda_graphs=not self.enforce_eager,
+            torch_compile=not self.enforce_eager,
+            prefix_caching=True,
+            steered_prefix_cache_keyed_by_steering=True,
+        )
 
     # ------------------------------------------------------------------ tokens
 
