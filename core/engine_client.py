@@ -316,10 +316,13 @@ def engine_bounds() -> EngineBounds:
     MAX_PENDING_REQUESTS jobs: everything admission can have let in, so an admitted job
     never waits in the stream. The batch scheduler holds at least as many beyond its rows
     (MAX_CONCURRENT_REQUESTS) as that can bring, so it never refuses one with
-    ``model_busy``; CBM_MAX_QUEUE_SIZE only raises that.
+    ``model_busy``; CBM_MAX_QUEUE_SIZE only raises that. A batch runner keeps
+    BATCH_ENGINE_ROWS Batch API lines at the engine besides, outside admission: run_engine
+    takes those too, so they never hold an admitted job in the stream.
     """
     slots = int(settings.MAX_CONCURRENT_REQUESTS)
-    in_flight = int(settings.ENGINE_MAX_IN_FLIGHT) or slots + int(settings.MAX_PENDING_REQUESTS)
+    in_flight = int(settings.ENGINE_MAX_IN_FLIGHT) or (
+        slots + int(settings.MAX_PENDING_REQUESTS) + int(settings.BATCH_ENGINE_ROWS))
     return EngineBounds(max_in_flight=in_flight,
                         max_queue_size=max(int(settings.CBM_MAX_QUEUE_SIZE), in_flight - slots, 1))
 
@@ -335,6 +338,8 @@ def batching_options() -> BatchingOptions:
         max_batch_size=max(int(settings.MAX_CONCURRENT_REQUESTS), 1),
         max_queue_size=engine_bounds().max_queue_size,
         force_serial_monitoring=bool(settings.CBM_FORCE_SERIAL_MONITORING),
+        # Batch API lines get rows of their own beyond the interactive ones
+        batch_rows=int(settings.BATCH_ENGINE_ROWS),
     )
 
 

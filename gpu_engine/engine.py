@@ -77,7 +77,9 @@ from .stream import GenerationStream
 log = logging.getLogger("gpu_engine")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
-_CONTROL, _WORK = 0, 1
+# the worker's queue order: commands, then interactive work, then Batch API work (the
+# serial path's priority; the batch scheduler keeps its own order, scheduler.py)
+_CONTROL, _WORK, _BATCH_WORK = 0, 1, 2
 
 
 class _Task:
@@ -89,6 +91,10 @@ class _Task:
         self.on_drop = on_drop
         # control tasks (load, unload, attach, detach, drain) wait for the running batch
         self.control = control
+
+
+def _priority(name: str) -> int:
+    return _BATCH_WORK if name == "batch" else _WORK
 
 
 class Engine:
@@ -252,7 +258,7 @@ class Engine:
 
         entry = get_backend(job.backend)
         entry.require()  # refused before anything drains
-        entry.check_options(job.options)
+        entry.check_job(job)
 
         def op() -> EngineStatus:
             self._unload()
@@ -276,7 +282,8 @@ class Engine:
                                                  make_sequence=self._make_sequence, classify=self._classify)
                 self._backend_scheduler = True
             if self._scheduler is not None:
-                self._scheduler.set_backend(backend.batch_runner(max_rows=self.batching.max_batch_size))
+                self._scheduler.set_backend(backend.batch_runner(
+                    max_rows=self.batching.max_batch_size + self.batching.batch_rows))
             self._emit("model:load:complete", model_id=job.model_id)
             return self.status()
 
@@ -481,18 +488,18 @@ class Engine:
         if self._scheduler is not None:
             self._submit(lambda: self._enqueue(job, stream), _WORK, on_drop=dropped)
         else:
-            self._submit(lambda: self._run_generation(job, stream), _WORK, on_drop=dropped)
+            self._submit(lambda: self._run_generation(job, stream), _priority(job.priority), on_drop=dropped)
         return stream
 
     def generate_sync(self, job: GenerationJob, *, timeout_s: float | None = None) -> GenerationResult:
         return self.generate(job).result(timeout_s)
 
-    def _work(self, fn: Callable[[], Any], timeout_s: float | None) -> Any:
+    def _work(self, fn: Callable[[], Any], timeout_s: float | None, priority: str = "interactive") -> Any:
         refused = self._ledger.admit()
         if refused is not None:
             raise refused
         try:
-            task = self._submit(fn, _WORK)
+            task = self._submit(fn, _priority(priority))
             try:
                 return task.future.result(timeout=timeout_s)
             except FutureTimeout:
@@ -510,7 +517,7 @@ class Engine:
             inputs = requests.encode_inputs(backend, job.inputs, "input")
             return backend.embed(job, inputs)
 
-        return self._work(op, timeout_s)
+        return self._work(op, timeout_s, job.priority)
 
     def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
         def op() -> ScoreResult:

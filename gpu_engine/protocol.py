@@ -11,8 +11,10 @@ window, d_sae) happen in the engine. This module imports no torch.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
+import struct
 from collections.abc import Iterable, Mapping
 from typing import Any, ClassVar, TypeVar
 
@@ -30,6 +32,9 @@ READ_POINTS = ("pre_steering", "post_steering")
 POSITION_KEYWORDS = ("last", "prompt", "completion", "all")
 POOLINGS = ("mean", "last", "cls")
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# "interactive": a /v1 request someone waits on; "batch": a Batch API line, admitted only
+# when no interactive request waits and only into the rows batch work may hold
+PRIORITIES = ("interactive", "batch")
 
 
 def _num(value: Any, param: str, *, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float:
@@ -111,7 +116,9 @@ class SamplingParams(msgspec.Struct):
     penalties act on generated tokens, the repetition penalty on prompt + generated tokens
     (as vLLM does).  ``logit_bias`` (token id -> bias in [-100, 100]) is added to the
     model's logits before the penalties and before any token is chosen, greedy included.
-    ``max_tokens=None`` means "up to the context window".
+    ``max_tokens=None`` means "up to the context window", or up to ``max_tokens_default``
+    when that is set and smaller (a server default that never refuses a request: a long
+    prompt gets what room is left).
     """
 
     max_tokens: int | None = 16
@@ -134,10 +141,13 @@ class SamplingParams(msgspec.Struct):
     # and of the whole prompt (TokenEvent.prompt_text on the first token, and
     # FinishEvent.prompt_text): the tokenizer is the engine's, never the web tier's
     token_texts: bool = False
+    max_tokens_default: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:
             _int(self.max_tokens, "max_tokens", lo=1)
+        if self.max_tokens_default is not None:
+            _int(self.max_tokens_default, "max_tokens_default", lo=1)
         self.temperature = _num(self.temperature, "temperature", lo=0.0, hi=100.0)
         self.top_p = _num(self.top_p, "top_p", lo=0.0, hi=1.0, lo_open=True)
         _int(self.top_k, "top_k", lo=-1)
@@ -215,6 +225,26 @@ class SteeringSpec(msgspec.Struct):
 
     def is_empty(self) -> bool:
         return not any(e.features for e in self.entries)
+
+    def canonical_text(self) -> str:
+        """The applied set, one line per non-zero feature, in a form every language can
+        write exactly (docs/steering.md, "The steering hash"):
+        ``<sae_id>\t<layer>\t<index>\t<strength as 16 hex digits of its IEEE-754 binary64
+        bits, big-endian>\n``, lines sorted by (sae_id as UTF-8 bytes, layer, index).  A
+        strength of 0 changes nothing and writes no line; -0.0 is 0."""
+        lines = []
+        for e in self.entries:
+            for index, strength in e.features.items():
+                if strength == 0:
+                    continue
+                bits = struct.pack(">d", float(strength)).hex()
+                lines.append((e.sae_id.encode(), e.layer, index, f"{e.sae_id}\t{e.layer}\t{index}\t{bits}\n"))
+        return "".join(line for *_, line in sorted(lines))
+
+    def canonical_hash(self) -> str:
+        """``sha256:<hex>`` of ``canonical_text()`` (UTF-8): equal for two specs that add the
+        same deltas, whatever their order or spelling; an empty set hashes the empty text."""
+        return "sha256:" + hashlib.sha256(self.canonical_text().encode()).hexdigest()
 
 
 # --------------------------------------------------------------------------- monitoring
@@ -323,8 +353,11 @@ class GenerationJob(msgspec.Struct):
     add_generation_prompt: bool = True
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+    priority: str = "interactive"  # PRIORITIES
 
     def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise InvalidParameter(f"priority must be one of {PRIORITIES}", param="priority")
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
         if sum(given) != 1:
             raise InvalidParameter("give exactly one of prompt, prompt_token_ids, messages", param="prompt")
@@ -341,8 +374,11 @@ class EmbedJob(msgspec.Struct):
     inputs: list[str | list[int]] = msgspec.field(default_factory=list)  # text or token ids
     pooling: str = "mean"
     normalize: bool = True
+    priority: str = "interactive"  # PRIORITIES: batch embeddings wait behind interactive work
 
     def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise InvalidParameter(f"priority must be one of {PRIORITIES}", param="priority")
         if not self.inputs:
             raise InvalidParameter("inputs is empty", param="input")
         if self.pooling not in POOLINGS:
@@ -397,6 +433,11 @@ class BatchingOptions(msgspec.Struct):
     have been spent (always at least one), so a burst of long prompts does not stall the
     running rows for long.  ``force_serial_monitoring`` runs requests that monitor
     anything alone (the old CBM_FORCE_SERIAL_MONITORING; attribution is exact either way).
+
+    ``batch_rows``: rows beyond ``max_batch_size`` that only ``priority="batch"`` work may
+    hold (Batch API lines), so interactive requests always find one of their own
+    ``max_batch_size`` rows free; 0 lets batch work take free interactive rows instead.
+    Batch work is admitted only in an iteration where no interactive request waits.
     """
 
     enabled: bool = False
@@ -404,9 +445,11 @@ class BatchingOptions(msgspec.Struct):
     max_queue_size: int = 256
     prefill_budget_tokens: int = 512
     force_serial_monitoring: bool = False
+    batch_rows: int = 0
 
     def __post_init__(self) -> None:
         _int(self.max_batch_size, "max_batch_size", lo=1, hi=4096)
+        _int(self.batch_rows, "batch_rows", lo=0, hi=4096)
         _int(self.max_queue_size, "max_queue_size", lo=1)
         _int(self.prefill_budget_tokens, "prefill_budget_tokens", lo=1)
 

@@ -58,7 +58,9 @@ def token_budget(backend: Any, job: GenerationJob, n_prompt: int) -> int:
     """The generation's max_tokens (the rest of the context window when not asked)."""
     window = backend.context_length
     asked = job.sampling.max_tokens
-    max_tokens = asked if asked is not None else max(window - n_prompt, 0)
+    room = max(window - n_prompt, 0)
+    default = job.sampling.max_tokens_default
+    max_tokens = asked if asked is not None else (room if default is None else min(default, room))
     if n_prompt + max(max_tokens, 1) > window:
         raise ContextLengthExceeded(prompt_tokens=n_prompt, max_tokens=max_tokens, context_length=window)
     return max_tokens

@@ -13,7 +13,11 @@ One ``step``:
 2. admission (unless draining for attach/detach/load): waiting requests start in
    arrival order while a row is free and the iteration's prefill budget lasts (the first
    always starts); a request that must run alone (``force_serial_monitoring``) waits for
-   an empty batch and then holds it to itself;
+   an empty batch and then holds it to itself. Interactive requests come first: batch
+   work (``GenerationJob.priority == "batch"``, Batch API lines) waits in its own queue
+   and starts only in an iteration where no interactive request waits or starts (so an
+   interactive prefill never shares its step with batch prefills), only into the rows
+   batch work may hold (``BatchingOptions.batch_rows`` beyond ``max_batch_size``);
 3. one decode step for every running row; finished rows leave at once, so their slot is
    free for the next iteration's admissions.
 
@@ -71,6 +75,7 @@ class BatchScheduler:
         self.classify = classify
         self.backend: BatchBackend | None = None
         self.waiting: deque[tuple[GenerationJob, _Stream]] = deque()
+        self.waiting_batch: deque[tuple[GenerationJob, _Stream]] = deque()
         self.running: list[Any] = []
         self._exclusive = False
         self.admitted_total = 0
@@ -80,7 +85,7 @@ class BatchScheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.waiting_batch or self.running)
 
     def set_backend(self, backend: BatchBackend | None) -> None:
         """A new model (or none); only called with nothing running (control ops drain)."""
@@ -94,14 +99,25 @@ class BatchScheduler:
         Capacity is the free rows plus ``max_queue_size`` places: a burst that arrives
         before the next step still fills the free rows rather than counting as queued.
         """
-        free_rows = max(self.options.max_batch_size - len(self.running), 0)
-        if len(self.waiting) >= self.options.max_queue_size + free_rows:
+        batch = job.priority == "batch"
+        queue = self.waiting_batch if batch else self.waiting
+        free_rows = max(self._row_limit(batch) - self._running_of(batch), 0)
+        if len(queue) >= self.options.max_queue_size + free_rows:
             self.refused_total += 1
             raise EngineBusy(
                 f"the batch queue is full ({self.options.max_queue_size} requests waiting)",
                 details={"reason": "batch_queue_full", "max_queue_size": self.options.max_queue_size},
             )
-        self.waiting.append((job, stream))
+        queue.append((job, stream))
+
+    def _row_limit(self, batch: bool) -> int:
+        o = self.options
+        if batch:
+            return o.batch_rows or o.max_batch_size
+        return o.max_batch_size
+
+    def _running_of(self, batch: bool) -> int:
+        return sum(1 for s in self.running if getattr(s, "batch", False) == batch)
 
     def _must_run_alone(self, job: GenerationJob) -> bool:
         return self.options.force_serial_monitoring and job.monitor is not None and bool(job.monitor.entries)
@@ -116,30 +132,50 @@ class BatchScheduler:
             self._decode()
 
     def _reap_cancelled(self) -> None:
-        if self.waiting and any(stream.cancelled for _, stream in self.waiting):
-            keep: deque[tuple[GenerationJob, _Stream]] = deque()
-            for job, stream in self.waiting:
-                if stream.cancelled:
-                    stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
-                else:
-                    keep.append((job, stream))
-            self.waiting = keep
+        self.waiting = self._reap_waiting(self.waiting)
+        self.waiting_batch = self._reap_waiting(self.waiting_batch)
         for seq in [s for s in self.running if s.should_stop()]:
             seq.cancel()
             self._retire(seq)
 
+    @staticmethod
+    def _reap_waiting(waiting: deque[tuple[GenerationJob, _Stream]]) -> deque[tuple[GenerationJob, _Stream]]:
+        if not waiting or not any(stream.cancelled for _, stream in waiting):
+            return waiting
+        keep: deque[tuple[GenerationJob, _Stream]] = deque()
+        for job, stream in waiting:
+            if stream.cancelled:
+                stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
+            else:
+                keep.append((job, stream))
+        return keep
+
     def _admit(self) -> None:
-        budget = self.options.prefill_budget_tokens
         admitted: list[Any] = []
-        while self.waiting and len(self.running) + len(admitted) < self.options.max_batch_size and (
+        budget = self._admit_from(self.waiting, False, admitted, self.options.prefill_budget_tokens)
+        if not admitted and not self.waiting:
+            # batch work only fills rows no interactive request waits for, and never joins
+            # an interactive request's prefill step (its time to first token)
+            self._admit_from(self.waiting_batch, True, admitted, budget)
+        if not admitted:
+            return
+        self._start(admitted)
+
+    def _admit_from(self, waiting: deque[tuple[GenerationJob, _Stream]], batch: bool, admitted: list[Any],
+                    budget: int) -> int:
+        o = self.options
+        total_rows = o.max_batch_size + o.batch_rows
+        limit = self._row_limit(batch)
+        running_here = self._running_of(batch)
+        while waiting and len(self.running) + len(admitted) < total_rows and running_here < limit and (
                 budget > 0 or not admitted):
             if self._exclusive:
                 break
-            job, stream = self.waiting[0]
+            job, stream = waiting[0]
             alone = self._must_run_alone(job)
             if alone and (self.running or admitted):
                 break  # head of line waits for the batch to empty
-            self.waiting.popleft()
+            waiting.popleft()
             try:
                 if self.backend is None:
                     from .errors import ModelNotLoaded
@@ -151,14 +187,17 @@ class BatchScheduler:
                 stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
                 continue
             seq.exclusive = alone
+            seq.batch = batch
             admitted.append(seq)
+            running_here += 1
             budget -= seq.n_prompt
             self.admitted_total += 1
             if alone:
                 self._exclusive = True
                 break
-        if not admitted:
-            return
+        return budget
+
+    def _start(self, admitted: list[Any]) -> None:
         try:
             finished = self.backend.start(admitted)  # type: ignore[union-attr]
         except Exception as exc:  # noqa: BLE001 - reported on the requests' streams
@@ -209,9 +248,10 @@ class BatchScheduler:
 
     def abort_all(self, err: EngineError) -> None:
         """End everything (engine shutdown)."""
-        for job, stream in self.waiting:
+        for job, stream in [*self.waiting, *self.waiting_batch]:
             stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
         self.waiting.clear()
+        self.waiting_batch.clear()
         self._fail_running(err)
 
     # ------------------------------------------------------------------ status
@@ -222,6 +262,9 @@ class BatchScheduler:
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
+            "running_batch": self._running_of(True),
+            "waiting_batch": len(self.waiting_batch),
+            "batch_rows": o.batch_rows,
             "decode_steps": backend.steps if backend is not None else 0,
             "admitted_total": self.admitted_total,
             "refused_total": self.refused_total,

@@ -1,14 +1,19 @@
 """The one place that decides which /v1 status and code every error a request can meet
-gets. The shape itself (``OpenAIError``, its response and SSE frame) is
+gets, and ``openai_view``, the decorator every /v1 route (inference's and the Batch API's)
+answers its failures through. The shape itself (``OpenAIError``, its response and SSE frame) is
 ``core.openai_errors``; every 503 carries ``Retry-After`` (``core.api.retry_after_value``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import functools
 from typing import Any
 
 import structlog
 from django.conf import settings
+from django.http import HttpRequest
+from django.views.decorators.csrf import csrf_exempt
 
 from core.openai_errors import (  # noqa: F401 - the /v1 code imports them from here
     OpenAIError,
@@ -120,3 +125,51 @@ def openai_error_event(code: str, message: str, details: dict[str, Any] | None =
 
     return openai_error_from_exception(
         error_from_dict({"code": code, "message": message, "details": details or {}}))
+
+
+# the limit on a /v1 request's headers (431 above it)
+MAX_HEADER_BYTES = 8192
+
+
+def openai_view(*methods: str):
+    """Make an async view answer every failure in OpenAI's shape: domain and engine
+    errors with their codes, validation errors as 400 ``invalid_parameter`` naming the
+    field, anything else as a 500 without internals (logged with its traceback)."""
+
+    def decorate(view):
+        @csrf_exempt
+        @functools.wraps(view)
+        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any):
+            try:
+                if request.method not in methods:
+                    raise OpenAIError(f"Method {request.method} is not allowed here; use "
+                                      f"{' or '.join(methods)}", status=405,
+                                      code="method_not_allowed")
+                size = sum(len(k) + len(str(v)) for k, v in request.headers.items())
+                if size > MAX_HEADER_BYTES:
+                    raise OpenAIError(f"Request headers are too large ({size} bytes; the "
+                                      f"limit is {MAX_HEADER_BYTES})", status=431,
+                                      code="request_header_fields_too_large")
+                return await view(request, *args, **kwargs)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the one exit for /v1 errors
+                error = openai_error_from_exception(exc, param=_context_param(request))
+                if error.code == "context_length_exceeded" and error.param is None:
+                    error.param = _context_param(request)
+                return openai_error_response(error)
+
+        return wrapper
+
+    return decorate
+
+
+def _context_param(request: HttpRequest) -> str | None:
+    path = request.path
+    if path.endswith("/chat/completions"):
+        return "messages"
+    if path.endswith("/completions"):
+        return "prompt"
+    if path.endswith("/embeddings"):
+        return "input"
+    return None

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from asgiref.sync import sync_to_async
+from django.conf import settings
 from django.db import close_old_connections
 
 from core.engine_client import EngineClient
@@ -33,7 +34,12 @@ from inference import selectors, wire
 from inference.activations import monitor_resolve
 from inference.errors import OpenAIError
 from inference.policy import ignored_headers
-from inference.protocol import ChatCompletionRequest, CompletionRequest
+from inference.protocol import (
+    OPENAI_DEFAULTS,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingDefaults,
+)
 from inference.residency import ModelRef
 from monitoring.services import (
     monitoring_merge,
@@ -75,8 +81,19 @@ class Plan:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header,
-                **ignored_headers(self.ignored_fields)}
+        return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header_value,
+                **self.seed_header, **ignored_headers(self.ignored_fields)}
+
+    @property
+    def seed_header(self) -> dict[str, str]:
+        """``X-miLLM-Seed`` when the request sent a seed: ``<seed>;scope=request`` (each
+        choice draws from its own generator, seeded by the request alone, so neighbours
+        in a batch change nothing), with ``;choices=<n>`` when choice *i* used seed + i."""
+        seed = self.request.seed
+        if seed is None:
+            return {}
+        n = self.request.n
+        return {"X-miLLM-Seed": f"{seed};scope=request" + (f";choices={n}" if n > 1 else "")}
 
     @property
     def wants_millm(self) -> bool:
@@ -137,10 +154,12 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     else:
         steering, monitored = await off_view_thread(resolve)()
     n_prompts = 1 if kind == "chat" else len(req.prompt)  # type: ignore[union-attr]
+    defaults = sampling_defaults(status)
     monitor = attachment = None
     if req.return_sae_activations is not None:
-        max_tokens = (req.effective_max_tokens if isinstance(req, ChatCompletionRequest)
-                      else req.sampling().max_tokens)
+        first = req.sampling(0, defaults)
+        max_tokens = first.max_tokens if first.max_tokens is not None \
+            else first.max_tokens_default
         monitor, attachment = monitor_resolve(
             asked=req.return_sae_activations, attachments=attachments,
             choices=n_prompts * req.n, max_tokens=max_tokens)
@@ -151,7 +170,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
         for i in range(req.n):
             choices.append(Choice(i, GenerationJob(
                 request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
-                sampling=req.sampling(i), steering=steering.spec, monitor=monitor,
+                sampling=req.sampling(i, defaults), steering=steering.spec, monitor=monitor,
                 chat_template_kwargs=dict(req.chat_template_kwargs or {}))))
     else:
         if req.echo and req.wants_logprobs and req.stream:
@@ -168,7 +187,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                     {"prompt": prompt, "add_special_tokens": req.add_special_tokens}
                     if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
                 choices.append(Choice(p * req.n + i, GenerationJob(
-                    request_id=f"cmpl-{uuid.uuid4().hex}", sampling=req.sampling(i),
+                    request_id=f"cmpl-{uuid.uuid4().hex}", sampling=req.sampling(i, defaults),
                     steering=steering.spec, monitor=monitor, **job_args),
                     prompt_text=prompt if isinstance(prompt, str) else None))
     return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
@@ -176,6 +195,17 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 backend=client.backend_name, monitoring=monitored,
                 ignored_fields=list(ignored_fields or ()),
                 fingerprint=wire.fingerprint(status, version()))
+
+
+def sampling_defaults(status: EngineStatus) -> SamplingDefaults:
+    """What a request that sends no temperature, top_p or max_tokens gets: on an engine
+    that batches, the CBM_DEFAULT_* settings (max_tokens a ceiling that a long prompt
+    shrinks, never a refusal); else OpenAI's defaults."""
+    if not (status.batching or {}).get("enabled"):
+        return OPENAI_DEFAULTS
+    return SamplingDefaults(temperature=float(settings.CBM_DEFAULT_TEMPERATURE),
+                            top_p=float(settings.CBM_DEFAULT_TOP_P),
+                            max_tokens=int(settings.CBM_DEFAULT_MAX_TOKENS))
 
 
 async def resolve_model(name: str, status: EngineStatus) -> tuple[ModelRef, str | None]:

@@ -13,6 +13,7 @@ output-changing fields it cannot honour (``tools``, ``response_format`` other th
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal, Union
 
 from pydantic import (
@@ -175,6 +176,21 @@ def _logit_bias(value: Any) -> dict[str, float] | None:
 
 # --------------------------------------------------------------------------- requests
 
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that sends no temperature, top_p or max_tokens gets: OpenAI's
+    defaults, or the CBM_DEFAULT_* settings on a batching engine (``planning``)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # None: the endpoint's own (chat fills the context window, completions 16); a number
+    # is a ceiling that shrinks to the room a long prompt leaves, never a refusal
+    max_tokens: int | None = None
+
+
+OPENAI_DEFAULTS = SamplingDefaults()
+
+
 class _GenerationRequest(_Wire):
     model: str = Field(min_length=1, max_length=500)
     stream: bool = False
@@ -219,15 +235,17 @@ class _GenerationRequest(_Wire):
                                            self.return_sae_activations))
 
     def _sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-                  prompt_logprobs: bool, choice: int) -> SamplingParams:
+                  prompt_logprobs: bool, choice: int, defaults: SamplingDefaults,
+                  max_tokens_default: int | None = None) -> SamplingParams:
         seed = self.seed
         if seed is not None and choice:
             # n > 1 with a seed: each choice gets its own (still reproducible) stream
             seed = seed + choice if seed + choice <= SEED_MAX else seed - choice
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            max_tokens_default=max_tokens_default,
+            temperature=defaults.temperature if self.temperature is None else self.temperature,
+            top_p=defaults.top_p if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             seed=seed,
             repetition_penalty=self.repetition_penalty or 1.0,
@@ -308,10 +326,12 @@ class ChatCompletionRequest(_GenerationRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def sampling(self, choice: int = 0) -> SamplingParams:
+    def sampling(self, choice: int = 0, defaults: SamplingDefaults = OPENAI_DEFAULTS
+                 ) -> SamplingParams:
         return self._sampling(max_tokens=self.effective_max_tokens, logprobs=self.logprobs,
                               top_logprobs=self.top_logprobs or 0, prompt_logprobs=False,
-                              choice=choice)
+                              choice=choice, defaults=defaults,
+                              max_tokens_default=defaults.max_tokens)
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
@@ -366,11 +386,18 @@ class CompletionRequest(_GenerationRequest):
         # echo shows the prompt (and its tokens, with logprobs)
         return self.echo or self.return_sae_activations is not None
 
-    def sampling(self, choice: int = 0) -> SamplingParams:
-        return self._sampling(max_tokens=self.max_tokens if self.max_tokens is not None else 16,
+    def sampling(self, choice: int = 0, defaults: SamplingDefaults = OPENAI_DEFAULTS
+                 ) -> SamplingParams:
+        if self.max_tokens is not None:
+            max_tokens, ceiling = self.max_tokens, None
+        elif defaults.max_tokens is None:
+            max_tokens, ceiling = 16, None  # OpenAI's legacy default
+        else:
+            max_tokens, ceiling = None, defaults.max_tokens
+        return self._sampling(max_tokens=max_tokens, max_tokens_default=ceiling,
                               logprobs=self.wants_logprobs, top_logprobs=self.logprobs or 0,
                               prompt_logprobs=self.echo and self.wants_logprobs,
-                              choice=choice)
+                              choice=choice, defaults=defaults)
 
 
 def _embedding_input(value: Any) -> list[PromptItem]:

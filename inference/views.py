@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import functools
 import json
 import struct
 import uuid
@@ -17,7 +16,6 @@ import structlog
 from asgiref.sync import sync_to_async
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse
-from django.views.decorators.csrf import csrf_exempt
 from pydantic import BaseModel, ValidationError
 
 from core.metrics import record_tokens
@@ -26,9 +24,8 @@ from gpu_engine.protocol import EmbedJob
 from inference import selectors
 from inference.errors import (
     OpenAIError,
-    openai_error_from_exception,
     openai_error_from_validation,
-    openai_error_response,
+    openai_view,
 )
 from inference.planning import resolve_model
 from inference.policy import STRICT_HEADER, check_fields, ignored_headers, strict_mode
@@ -47,53 +44,8 @@ from inference.serving import ENGINE_CALL_TIMEOUT_S, serve_generation
 
 log = structlog.get_logger(__name__)
 
-MAX_HEADER_BYTES = 8192
 LOAD_POLICY_HEADER = "X-miLLM-Load-Policy"
 LEASE_HEADER = "X-miLLM-Lease"
-
-
-def openai_view(*methods: str):
-    """Make an async view answer every failure in OpenAI's shape: domain and engine
-    errors with their codes, validation errors as 400 ``invalid_parameter`` naming the
-    field, anything else as a 500 without internals (logged with its traceback)."""
-
-    def decorate(view):
-        @csrf_exempt
-        @functools.wraps(view)
-        async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any):
-            try:
-                if request.method not in methods:
-                    raise OpenAIError(f"Method {request.method} is not allowed here; use "
-                                      f"{' or '.join(methods)}", status=405,
-                                      code="method_not_allowed")
-                size = sum(len(k) + len(str(v)) for k, v in request.headers.items())
-                if size > MAX_HEADER_BYTES:
-                    raise OpenAIError(f"Request headers are too large ({size} bytes; the "
-                                      f"limit is {MAX_HEADER_BYTES})", status=431,
-                                      code="request_header_fields_too_large")
-                return await view(request, *args, **kwargs)
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # noqa: BLE001 - the one exit for /v1 errors
-                error = openai_error_from_exception(exc, param=_context_param(request))
-                if error.code == "context_length_exceeded" and error.param is None:
-                    error.param = _context_param(request)
-                return openai_error_response(error)
-
-        return wrapper
-
-    return decorate
-
-
-def _context_param(request: HttpRequest) -> str | None:
-    path = request.path
-    if path.endswith("/chat/completions"):
-        return "messages"
-    if path.endswith("/completions"):
-        return "prompt"
-    if path.endswith("/embeddings"):
-        return "input"
-    return None
 
 
 def _body(request: HttpRequest, schema: type[BaseModel]) -> tuple[Any, list[str]]:

@@ -57,3 +57,9 @@ if settings.MILLM_APPLICATION_START:
     from orchestration.startup import application_start
 
     application_start()
+    if settings.EMBEDDED:
+        # this process was the only batch runner there is: take its batches back now
+        # (distributed: a starting Celery worker does, batches/tasks.py)
+        from batches.runner import batches_resume
+
+        batches_resume(force=True)

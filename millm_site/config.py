@@ -216,7 +216,8 @@ VARIABLES: tuple[Var, ...] = (
     Var("ENGINE_MAX_IN_FLIGHT", "Distributed engine", "int", 0,
         "Jobs run_engine takes from the request stream at once, a safety net behind /v1's "
         "admission (which decides the queue); 0 = MAX_CONCURRENT_REQUESTS + "
-        "MAX_PENDING_REQUESTS, so no admitted job waits in the stream. Otherwise at least "
+        "MAX_PENDING_REQUESTS + BATCH_ENGINE_ROWS, so no admitted job waits in the stream "
+        "behind batch lines. Otherwise at least "
         "MAX_CONCURRENT_REQUESTS.", minimum=0),
     Var("ENGINE_COMMAND_TIMEOUT_S", "Distributed engine", "float", 900.0,
         "Longest a web process or worker waits for run_engine to answer a command (a model "
@@ -240,19 +241,38 @@ VARIABLES: tuple[Var, ...] = (
         "never less than the jobs run_engine takes beyond the rows (ENGINE_MAX_IN_FLIGHT - "
         "MAX_CONCURRENT_REQUESTS), so admitted work is never refused.", minimum=1),
     Var("CBM_DEFAULT_TEMPERATURE", "Continuous batching", "float", 0.7,
-        "Not applied: batched requests keep their own temperature (1 when they send none), "
-        "so there is no batch-wide value. Accepted so existing .env files still validate.",
+        "On an engine that batches, the temperature of a /v1 request that sends none "
+        "(1 on a serial engine); a request's own value always wins.",
         minimum=0, maximum=2),
     Var("CBM_DEFAULT_TOP_P", "Continuous batching", "float", 0.95,
-        "Not applied: batched requests keep their own top-p. Accepted so existing .env "
-        "files still validate.", minimum=0, maximum=1),
+        "On an engine that batches, the top-p of a /v1 request that sends none (1 on a "
+        "serial engine).", minimum=0, maximum=1),
     Var("CBM_DEFAULT_MAX_TOKENS", "Continuous batching", "int", 512,
-        "Not applied: batched requests keep their own max_tokens (the /v1 default when they "
-        "send none). Accepted so existing .env files still validate.", minimum=1),
+        "On an engine that batches, the token budget of a /v1 request that sends no "
+        "max_tokens: a ceiling a long prompt shrinks, never a refusal.", minimum=1),
     Var("CBM_FORCE_SERIAL_MONITORING", "Continuous batching", "bool", False,
         "With batching: a request that monitors SAE features runs alone (the batch drains "
         "first, others wait for it). Attribution is exact in the batch either way; this "
         "only trades throughput for isolation."),
+    # --- Batch API --------------------------------------------------------------------
+    Var("BATCH_ENGINE_ROWS", "Batch API", "int", 4,
+        "Batch API lines one batch runner keeps at the engine at once. With continuous "
+        "batching these are extra rows beyond MAX_CONCURRENT_REQUESTS that only batch lines "
+        "use, so interactive requests keep their own rows (and their time to first token); "
+        "batch lines start only when no interactive request waits. Serial backend: batch "
+        "lines queue behind every interactive request.", minimum=1, maximum=256),
+    Var("BATCH_MAX_FILE_LINES", "Batch API", "int", 50000,
+        "Most requests (lines) one batch input file may hold; more is refused at upload "
+        "with 400.", minimum=1),
+    Var("BATCH_MAX_FILE_BYTES", "Batch API", "int", 200 * 1024 * 1024,
+        "Largest batch input file accepted by POST /v1/files, in bytes (200 MiB).",
+        minimum=1),
+    Var("BATCH_MAX_LINE_BYTES", "Batch API", "int", 1024 * 1024,
+        "Largest single line of a batch input file, in bytes (1 MiB).", minimum=1),
+    Var("BATCH_RUNNER_STALE_S", "Batch API", "float", 30.0,
+        "Seconds without a heartbeat after which a batch's runner (a Celery worker, or the "
+        "embedded process) counts as gone: the next start-up or worker takes the batch over "
+        "and re-runs the lines that were running but not answered.", minimum=1),
     # --- Transformers models --------------------------------------------------------
     Var("TRANSFORMERS_MIN_CONTEXT", "Transformers models", "int", 4096,
         "Context whose KV cache every card a model uses must have room for (or the model's "

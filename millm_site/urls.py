@@ -6,6 +6,8 @@ admin.site.site_title = "miLLM admin"
 
 urlpatterns = [
     path("admin/", admin.site.urls),
+    # the Files and Batch API first: inference's last route answers every unknown /v1 path
+    path("v1/", include("batches.urls")),
     path("v1/", include("inference.urls")),
     path("api/", include("system.urls")),
     path("api/", include("registry.urls")),

@@ -103,6 +103,9 @@ BACKEND_OPTION_SETTINGS: dict[str, dict[str, str]] = {
              "gpu_memory_utilization": "VLLM_GPU_MEMORY_UTILIZATION",
              "max_model_len": "VLLM_MAX_MODEL_LEN", "max_num_seqs": "VLLM_MAX_NUM_SEQS",
              "enforce_eager": "VLLM_ENFORCE_EAGER"},
+    "llamacpp": {"context_length": "GGUF_CONTEXT_LENGTH", "kv_cache_type": "GGUF_KV_CACHE_TYPE",
+                 "flash_attention": "GGUF_FLASH_ATTENTION", "tensor_split": "GGUF_TENSOR_SPLIT",
+                 "enable_embeddings": "GGUF_ENABLE_EMBEDDINGS"},
 }
 
 
@@ -112,6 +115,9 @@ def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
     backend = model.effective_backend()
     options = {option: getattr(settings, name)
                for option, name in BACKEND_OPTION_SETTINGS.get(backend, {}).items()}
+    if model.format == Model.Format.GGUF and model.gguf_file:
+        # a directory holding the file (hub downloads): which GGUF in it
+        options["gguf_file"] = model.gguf_file
     return LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype, device=device,
                         trust_remote_code=model.trust_remote_code, backend=backend,
                         options=options)
@@ -136,6 +142,10 @@ def _check_backend(model: Model) -> None:
                  "install": entry.get("install")})
 
 
+# the backend that loads GGUF files (a GGUF model with no backend of its own uses it)
+GGUF_BACKEND = "llamacpp"
+
+
 def _check_loadable(model: Model) -> Model | None:
     """The refusals a load shares with its enqueueing (the API's route checks them before
     the job row, the load itself again when it runs): no files yet, GGUF, a quantization
@@ -143,9 +153,13 @@ def _check_loadable(model: Model) -> Model | None:
     if model.status == Model.Status.DOWNLOADING or not model.local_path:
         raise ModelInvalid(f"Model {model.name!r} has no files yet (status {model.status})",
                            details={"model_id": model.id, "status": model.status})
-    if model.format == Model.Format.GGUF:
-        raise UnsupportedModel("GGUF models need the llama.cpp backend, which this build "
-                               "does not include", details={"model_id": model.id})
+    backend = model.effective_backend()
+    if (model.format == Model.Format.GGUF) != (backend == GGUF_BACKEND):
+        raise UnsupportedModel(
+            f"Model {model.name!r} is a {model.format} model; "
+            + ("GGUF models load on the llamacpp backend only" if model.format == Model.Format.GGUF
+               else f"the {GGUF_BACKEND} backend loads GGUF models only") + f", not on {backend}",
+            details={"model_id": model.id, "format": model.format, "backend": backend})
     _check_quantization(model)
     _check_backend(model)
     resident = model_loaded(other_than=model)

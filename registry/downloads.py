@@ -39,6 +39,7 @@ from core import events, jobs, metrics
 from core.errors import MillmError, SAEInvalid, UnsupportedModel
 from registry import describe, hub, job_lifecycle, selectors, services, sizing
 from registry.errors import (
+    AmbiguousModelName,
     DownloadCancelled,
     DownloadTimedOut,
     GatedModelNoToken,
@@ -48,10 +49,14 @@ from registry.errors import (
 )
 from registry.hub_files import (
     describe_sae_path,
+    gguf_quant,
+    gguf_quantization,
+    gguf_quants,
     sae_dir_of,
     select_model_files,
     select_sae_files,
     sibling_files,
+    split_repo_quant,
 )
 from registry.models import SAE, Job, Model
 
@@ -259,8 +264,14 @@ def model_download_start(*, repo_id: str, revision: str = "main",
 
     revision = revision or "main"
     token = hub.resolve_token(hf_token)
+    repo_id, quant = split_repo_quant(repo_id)
     info, files = _model_repo_checks(repo_id=repo_id, revision=revision, token=token,
                                      trust_remote_code=trust_remote_code)
+    ggufs = gguf_quants(sibling_files(info))
+    if quant is not None or (ggufs and not any(n.endswith(".safetensors") for n, _ in files)):
+        return _gguf_download_start(repo_id=repo_id, quant=quant, ggufs=ggufs, info=info,
+                                    revision=revision, custom_name=custom_name,
+                                    hf_token=hf_token, dispatch=dispatch)
     if not any(n.endswith(".safetensors") for n, _ in files):
         raise ModelInvalid(f"Repository {repo_id!r} has no safetensors weights at its root "
                            "(pickle checkpoints are never downloaded or loaded)",
@@ -310,6 +321,65 @@ def model_download_start(*, repo_id: str, revision: str = "main",
     return model, job
 
 
+def _gguf_download_start(*, repo_id: str, quant: str | None,
+                         ggufs: dict[str, list[tuple[str, int]]], info: Any, revision: str,
+                         custom_name: str | None, hf_token: str | None, dispatch: bool
+                         ) -> tuple[Model, Job]:
+    """A GGUF repository: the quantization named (``repo:QUANT``), or the only one there;
+    a bare name over several is ambiguous. The row is a GGUF model (the llamacpp backend)
+    named ``repo:QUANT`` unless a custom name is given."""
+    from registry import tasks
+
+    available = sorted(ggufs)
+    if quant is None:
+        if len(available) != 1:
+            raise AmbiguousModelName(
+                f"Repository {repo_id!r} holds {len(available)} GGUF quantizations; name one as "
+                f"{repo_id}:QUANT ({', '.join(available)})",
+                details={"repo_id": repo_id, "quantizations": available})
+        quant = available[0]
+    if quant not in ggufs:
+        raise ModelInvalid(f"Repository {repo_id!r} has no {quant} GGUF file"
+                           + (f" (it has {', '.join(available)})" if available else ""),
+                           details={"repo_id": repo_id, "quantization": quant,
+                                    "quantizations": available})
+    files = ggufs[quant]
+    first = files[0][0]
+    name = (custom_name or f"{repo_id.rsplit('/', 1)[-1]}:{quant}").strip()
+    with transaction.atomic():
+        existing = (Model.objects.select_for_update()
+                    .filter(source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision,
+                            format=Model.Format.GGUF, gguf_file=first).first())
+        if existing is not None and existing.status != Model.Status.ERROR:
+            raise ModelAlreadyExists(f"{repo_id}@{revision} ({quant}) is already registered as "
+                                     f"{existing.name!r}",
+                                     details={"model_id": existing.id, "name": existing.name})
+        clash = Model.objects.filter(name=name).exclude(
+            pk=existing.pk if existing is not None else None).first()
+        if clash is not None:
+            raise ModelAlreadyExists(f"A model named {name!r} is already registered; choose "
+                                     "a custom_name", details={"name": name, "model_id": clash.id})
+        if existing is not None:
+            model = existing
+            model.name, model.status, model.error_message = name, Model.Status.DOWNLOADING, ""
+            model.save(update_fields=["name", "status", "error_message", "updated_at"])
+        else:
+            model = Model.objects.create(
+                name=name, source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision,
+                format=Model.Format.GGUF, gguf_file=first,
+                quantization=gguf_quantization(quant), status=Model.Status.DOWNLOADING)
+        job = job_lifecycle.job_create(kind=Job.Kind.MODEL_DOWNLOAD,
+                                       target=f"{repo_id}:{quant}@{revision}", model=model)
+        job.bytes_total = sum(s for _, s in files) or None
+        job.save(update_fields=["bytes_total", "updated_at"])
+        if dispatch:
+            jobs.enqueue(tasks.model_download_task, job.id, queue="downloads",
+                         commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
+    log.info("model_download_started", model_id=model.id, repo_id=repo_id, quantization=quant,
+             revision=revision, job_id=job.id, files=len(files))
+    return model, job
+
+
 def _claim_download(job_id: int, relation: str) -> tuple[Job, Model | SAE] | None:
     """The job and its row, claimed for this worker; None when it already ended, its row
     is gone, or another worker claimed it (a redelivered task never downloads twice)."""
@@ -330,9 +400,13 @@ def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str 
                        on_progress: ProgressCallback | None = None) -> Model | None:
     """The task body; returns the ready model, or None when the job had already ended."""
     def files(model: Model, info: Any) -> list[tuple[str, int]]:
+        if model.format == Model.Format.GGUF:  # the chosen quantization's file(s) only
+            return gguf_quants(sibling_files(info)).get(gguf_quant(model.gguf_file) or "", [])
         return select_model_files(sibling_files(info), trust_remote_code=model.trust_remote_code)
 
     def describe_at(model: Model, target: Path) -> tuple[Path, dict[str, Any]]:
+        if model.format == Model.Format.GGUF:
+            return target / model.gguf_file, describe.describe_gguf_file(target / model.gguf_file)
         return target, describe.describe_transformers_dir(target, model.quantization)
 
     return _download_run(job_id=job_id, relation="model", target_of=model_target_dir,

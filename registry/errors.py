@@ -31,6 +31,12 @@ class ModelInvalid(MillmError):
     code, status = "MODEL_INVALID", 400
 
 
+class AmbiguousModelName(MillmError):
+    """A hub repository holds several GGUF quantizations and the name chose none."""
+
+    code, status = "AMBIGUOUS_MODEL_NAME", 400
+
+
 class SAENotFound(MillmError):
     code, status = "SAE_NOT_FOUND", 404
 

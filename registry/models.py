@@ -81,10 +81,13 @@ class Model(models.Model):
     updated_at = models.DateTimeField(auto_now=True)
 
     def effective_backend(self) -> str:
-        """The backend a load uses: the row's own, else the site's ``MILLM_BACKEND``."""
+        """The backend a load uses: the row's own, else ``llamacpp`` for a GGUF file (the
+        only backend that reads one), else the site's ``MILLM_BACKEND``."""
         from django.conf import settings
 
-        return self.backend or settings.MILLM_BACKEND
+        if self.backend:
+            return self.backend
+        return "llamacpp" if self.format == self.Format.GGUF else settings.MILLM_BACKEND
 
     class Meta:
         ordering = ["name"]

@@ -12,7 +12,8 @@ from core.schema import MAX_LAYER
 from registry import sizing
 from registry.models import SAE, Attachment, Job, Model
 
-REPO_ID = r"^[A-Za-z0-9][\w.-]*/[\w.-]+$"
+# a hub repository, optionally with the GGUF quantization to fetch (``org/repo:Q4_K_M``)
+REPO_ID = r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[A-Za-z0-9_]+)?$"
 
 
 def _hub_repo_id(value: str) -> None:
@@ -21,7 +22,7 @@ def _hub_repo_id(value: str) -> None:
     from huggingface_hub.utils import validate_repo_id
 
     try:
-        validate_repo_id(value)
+        validate_repo_id(value.partition(":")[0])
     except HFValidationError as exc:
         raise serializers.ValidationError(str(exc).split("\n")[0]) from None
 

@@ -53,10 +53,22 @@ class ResolvedSteering:
     def steered(self) -> bool:
         return self.spec is not None and not self.spec.is_empty()
 
+    @property
+    def hash(self) -> str | None:
+        """The canonical hash of the set that runs (``SteeringSpec.canonical_hash``; None
+        when nothing is steered)."""
+        return self.spec.canonical_hash() if self.steered else None  # type: ignore[union-attr]
+
+    @property
+    def header_value(self) -> str:
+        """``X-miLLM-Steering``: the description, with ``hash="sha256:…"`` when steered."""
+        digest = self.hash
+        return self.header if digest is None else f'{self.header};hash="{digest}"'
+
     def summary(self) -> dict[str, Any]:
         """The ``millm.steering`` object of a /v1 response: what actually ran."""
         return {"mode": self.mode, "description": self.header, "profile": self.profile,
-                "intensity": self.intensity, "entries": self.entries}
+                "intensity": self.intensity, "entries": self.entries, "hash": self.hash}
 
 
 NONE = ResolvedSteering(mode="none", spec=None, header="none")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["tests.fixtures.assets"]
+pytest_plugins = ["tests.fixtures.assets", "tests.fixtures.llamacpp"]
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -36,6 +36,9 @@ class BackendEntry:
     loader: str
     # load options (``LoadModelJob.options``) and their types; anything else is refused
     options: Mapping[str, type] = field(default_factory=dict)
+    # optional "module:function(job)" refusing what the backend cannot honour in a load
+    # job (values, combinations, the device) before anything drains or unloads
+    validator: str = ""
 
     def missing(self) -> list[str]:
         return [name for name in self.requires if importlib.util.find_spec(name) is None]
@@ -55,6 +58,14 @@ class BackendEntry:
                 raise InvalidParameter(f"load option {key!r} of the {self.name} backend must be a {kind.__name__}",
                                        param=f"options.{key}")
 
+    def check_job(self, job: Any) -> None:
+        """Refuse ``job`` before anything drains: unknown options, wrong types, and what
+        the backend's validator says it cannot honour (its packages must be installed)."""
+        self.check_options(job.options)
+        if self.validator:
+            module_name, _, func = self.validator.partition(":")
+            getattr(importlib.import_module(module_name), func)(job)
+
     def require(self) -> None:
         missing = self.missing()
         if missing:
@@ -66,7 +77,7 @@ class BackendEntry:
     def load(self, job: Any, **context: Any) -> Any:
         """The loaded model (a ``ModelBackend``) for ``job``."""
         self.require()
-        self.check_options(job.options)
+        self.check_job(job)
         module_name, _, func = self.loader.partition(":")
         return getattr(importlib.import_module(module_name), func)(job, **context)
 
@@ -123,6 +134,19 @@ register_backend(BackendEntry(
     options={"tensor_parallel_size": int, "pipeline_parallel_size": int, "distributed_executor_backend": str,
              "gpu_memory_utilization": float, "max_model_len": int, "max_num_seqs": int,
              "enforce_eager": bool},
+))
+
+register_backend(BackendEntry(
+    name="llamacpp",
+    summary="GGUF models through llama.cpp (llama-cpp-python): control vectors and the "
+            "eval callback for steering and monitoring, multi-sequence batches",
+    requires=("llama_cpp",),
+    install="scripts/setup llamacpp",
+    loader="gpu_engine.backends.llamacpp:load",
+    validator="gpu_engine.backends.llamacpp:check_job",
+    # the site's GGUF_* settings (backends/llamacpp/backend.py says what each does)
+    options={"context_length": int, "kv_cache_type": str, "flash_attention": bool,
+             "tensor_split": list, "enable_embeddings": bool, "gguf_file": str},
 ))
 
 __all__ = ["DEFAULT_BACKEND", "BackendEntry", "backend_names", "backends_report", "get_backend", "register_backend"]

@@ -49,6 +49,7 @@ INSTALLED_APPS = [
     "registry",
     "steering",
     "inference",
+    "batches",
     "monitoring",
     "leases",
     "orchestration",

@@ -8,7 +8,7 @@ if CONFIG.CORS_ORIGINS == ["*"]:
     CORS_ALLOW_ALL_ORIGINS = True
 else:
     CORS_ALLOWED_ORIGINS = CONFIG.CORS_ORIGINS
-CORS_EXPOSE_HEADERS = ["Retry-After", "X-miLLM-Backend", "X-miLLM-Steering",
+CORS_EXPOSE_HEADERS = ["Retry-After", "X-miLLM-Backend", "X-miLLM-Steering", "X-miLLM-Seed",
                         "X-miLLM-Ignored-Fields"]
 
 REST_FRAMEWORK = {

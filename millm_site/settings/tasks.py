@@ -14,6 +14,7 @@ CELERY_TASK_ROUTES = {
     "orchestration.tasks.model_unload_task": {"queue": "loads"},
     "orchestration.tasks.*": {"queue": "maintenance"},
     "registry.tasks.*": {"queue": "downloads"},
+    "batches.tasks.*": {"queue": "batches"},
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ACKS_LATE = True

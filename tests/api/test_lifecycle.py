@@ -97,14 +97,17 @@ def test_a_load_refuses_as_the_api_route_does(api, engine_client, tiny_assets, t
 
     downloading = Model.objects.create(name="half", source="huggingface", repo_id="a/b",
                                        status="downloading")
+    # a GGUF file pinned to the transformers backend (GGUF loads on llamacpp only)
     gguf = Model.objects.create(name="g", source="local", format="gguf", status="ready",
+                                backend="transformers",
                                 local_path=str(tiny_assets.models["tiny-gpt2"].path))
     q4 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
                                        name="gpt2-q4", quantization="Q4")
     expected = {
         downloading.id: (400, "MODEL_INVALID", {"model_id": downloading.id,
                                                 "status": "downloading"}),
-        gguf.id: (400, "UNSUPPORTED_MODEL", {"model_id": gguf.id}),
+        gguf.id: (400, "UNSUPPORTED_MODEL", {"model_id": gguf.id, "format": "gguf",
+                                             "backend": "transformers"}),
         q4.id: (400, "UNSUPPORTED_QUANTIZATION", {"model_id": q4.id, "quantization": "Q4",
                                                   "supported": ["FP32", "FP16"]}),
     }

@@ -102,7 +102,9 @@ def test_mixed_v1_requests_share_steps_and_answer_as_alone(batching_server):
             assert got["body"]["millm"]["steering_apply_count"] == want["millm"]["steering_apply_count"]
     # positive control: steering changes the text
     assert alone["inline"]["choices"][0]["text"] != alone["empty"]["choices"][0]["text"]
-    assert together["profile"]["steering"] == "profile;name=sea-lover;intensity=0.5"
+    assert together["profile"]["steering"] == (
+        "profile;name=sea-lover;intensity=0.5;"
+        f'hash="{together["profile"]["body"]["millm"]["steering"]["hash"]}"')
     got = together["activations"]["body"]["millm"]["sae_activations"]["positions"]
     want = alone["activations"]["millm"]["sae_activations"]["positions"]
     assert [r["position"] for r in got] == [r["position"] for r in want] and got
@@ -174,3 +176,37 @@ def test_each_row_of_a_batch_keeps_its_own_logit_bias(batching_server, tiny_asse
             t.join(120)
     assert max(choreo.batch_sizes) == len(bodies), choreo.batch_sizes  # all in one step
     assert together == alone
+
+
+def test_a_request_that_sends_no_sampling_gets_the_cbm_defaults(batching_server, settings):
+    """CBM_DEFAULT_* are what a batched request that sends none gets; its own values win;
+    the max_tokens default is a ceiling, never a refusal."""
+    server = batching_server
+    settings.CBM_DEFAULT_TEMPERATURE, settings.CBM_DEFAULT_TOP_P = 1.3, 0.5
+    settings.CBM_DEFAULT_MAX_TOKENS = 7
+
+    def engine_text(**sampling) -> str:
+        return server.engine.generate_sync(GenerationJob("ref", prompt=PROMPT, sampling=SamplingParams(
+            ignore_eos=True, seed=5, **sampling))).text
+
+    resp = request(server.base_url, "POST", "/completions",
+                   {"model": "tiny-llama", "prompt": PROMPT, "seed": 5, "ignore_eos": True})
+    assert resp.status == 200, resp.body[:300]
+    body = resp.json()
+    assert body["usage"]["completion_tokens"] == 7
+    assert body["choices"][0]["text"] == engine_text(max_tokens=7, temperature=1.3, top_p=0.5)
+    # positive control: OpenAI's defaults would have drawn another text
+    assert body["choices"][0]["text"] != engine_text(max_tokens=7, temperature=1.0, top_p=1.0)
+    own = request(server.base_url, "POST", "/completions", {
+        "model": "tiny-llama", "prompt": PROMPT, "seed": 5, "ignore_eos": True,
+        "temperature": 1.0, "top_p": 1.0, "max_tokens": 3}).json()
+    assert own["choices"][0]["text"] == engine_text(max_tokens=3, temperature=1.0, top_p=1.0)
+    # a prompt that leaves less room than the default: the room, not context_length_exceeded
+    window = server.engine.backend.context_length
+    settings.CBM_DEFAULT_MAX_TOKENS = 512
+    long = request(server.base_url, "POST", "/completions", {
+        "model": "tiny-llama", "prompt": [5] * (window - 6), "temperature": 0,
+        "ignore_eos": True})
+    assert long.status == 200, long.body[:300]
+    assert long.json()["usage"]["completion_tokens"] == 6
+    assert long.json()["choices"][0]["finish_reason"] == "length"

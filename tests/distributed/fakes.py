@@ -203,10 +203,12 @@ def running_server(url: str, engine: Any, prefix: str, **overrides: Any
 
 
 @contextmanager
-def fake_heartbeat(url: str, prefix: str, engine_id: str, *, ttl_ms: int = 600,
+def fake_heartbeat(url: str, prefix: str, engine_id: str, *,
+                   ttl_ms: int = int(FAST["dead_after_s"] * 1000),
                    every_s: float = 0.1) -> Iterator[threading.Event]:
-    """A heartbeat as a serving engine would write it, until the returned event is set
-    (then it simply stops, as a killed engine's does)."""
+    """A heartbeat as a serving engine would write it (expiring ``dead_after`` after its
+    last beat), until the returned event is set (then it simply stops, as a killed
+    engine's does)."""
     client = redis.Redis.from_url(url, decode_responses=True)
     keys = Keys(prefix)
     stop = threading.Event()

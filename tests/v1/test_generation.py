@@ -38,6 +38,20 @@ def test_chat_equals_direct_engine_call_with_the_same_seed(llama, openai_client)
     assert other.choices[0].message.content != ref.text
 
 
+def test_the_seed_header_says_its_scope_and_the_choices_follow_it(llama, openai_client):
+    kw = dict(model="tiny-llama", messages=MESSAGES, max_tokens=8, temperature=1.0)
+    raw = openai_client.chat.completions.with_raw_response.create(seed=7, n=2, **kw)
+    assert raw.headers["x-millm-seed"] == "7;scope=request;choices=2"
+    got = [c.message.content for c in raw.parse().choices]
+    # choice i drew from seed + i, as the header says
+    assert got == [_direct(llama, messages=MESSAGES, sampling=SamplingParams(
+        max_tokens=8, temperature=1.0, seed=7 + i)).text for i in range(2)]
+    one = openai_client.chat.completions.with_raw_response.create(seed=7, **kw)
+    assert one.headers["x-millm-seed"] == "7;scope=request"
+    assert "x-millm-seed" not in openai_client.chat.completions.with_raw_response.create(
+        **kw).headers
+
+
 def test_greedy_chat_matches_transformers_generate(llama, openai_client, tiny_assets):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

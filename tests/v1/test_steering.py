@@ -50,7 +50,9 @@ def test_inline_steering_runs_exactly_the_requested_spec(relu, llama):
     assert steered.text != plain.text  # positive control: the steer changes the output
     body = resp.json()
     assert body["choices"][0]["text"] == steered.text
-    assert resp.headers["x-millm-steering"] == f"inline;sae={relu.id};layer=1;features=2"
+    assert resp.headers["x-millm-steering"] == (f"inline;sae={relu.id};layer=1;features=2;"
+                                                f'hash="{spec.canonical_hash()}"')
+    assert resp.json()["millm"]["steering"]["hash"] == spec.canonical_hash()
     millm = body["millm"]
     assert millm["steering"]["mode"] == "inline"
     assert millm["steering"]["entries"] == [{"sae_id": relu.id, "layer": 1, "features": features}]
@@ -89,13 +91,17 @@ def test_profile_with_intensity_is_scaled_and_clamped(relu, llama, openai_client
     assert clamped != pytest.approx(unit, abs=1e-4)  # positive control
     got = resp.json()["choices"][0]["logprobs"]["token_logprobs"]
     assert got == pytest.approx(clamped, abs=1e-5)
-    assert resp.headers["x-millm-steering"] == "profile;name=sea-lover;intensity=1.5"
+    clamped_spec = SteeringSpec([SteeringEntry(relu.id, 1, {3: 200.0, 40: -30.0})])
+    assert resp.headers["x-millm-steering"] == ("profile;name=sea-lover;intensity=1.5;"
+                                                f'hash="{clamped_spec.canonical_hash()}"')
     # "<model>@<profile>" for clients that cannot send extra fields: intensity 1
     out = openai_client.completions.with_raw_response.create(
         model="tiny-llama@sea-lover", prompt=PROMPT, max_tokens=16, temperature=0,
         logprobs=0, extra_body={"ignore_eos": True})
     assert out.parse().choices[0].logprobs.token_logprobs == pytest.approx(unit, abs=1e-5)
-    assert out.headers["x-millm-steering"] == "profile;name=sea-lover;intensity=1"
+    unit_spec = SteeringSpec([SteeringEntry(relu.id, 1, {3: 150.0, 40: -20.0})])
+    assert out.headers["x-millm-steering"] == ("profile;name=sea-lover;intensity=1;"
+                                               f'hash="{unit_spec.canonical_hash()}"')
     off = _complete(llama, profile="sea-lover", steering_intensity="off")
     assert off.json()["choices"][0]["text"] == _direct(llama).text
     assert off.headers["x-millm-steering"] == "none"

@@ -1,0 +1,168 @@
+"""Answering one batch line as the synchronous route would, through the same engine.
+
+The planning, the engine jobs and the response body are the synchronous route's own
+(``inference.planning``, ``inference.serving``), so a line's body is what
+``POST /v1/chat/completions`` (or ``/v1/completions``, ``/v1/embeddings``) would answer,
+and its headers are the X-miLLM-* values that route would set. What differs:
+
+- no admission slot: batch lines never take an interactive slot; the runner bounds how
+  many are at the engine (BATCH_ENGINE_ROWS), and every job is marked
+  ``priority="batch"``, so the engine admits interactive work first and gives batch lines
+  only the rows kept for them (gpu_engine/scheduler.py);
+- never a load: the residency policy is ``refuse``, so a batch cannot swap out a model —
+  nor a leased one; it runs on the resident model or waits for it (``Unavailable``);
+- no stream.
+
+Scoring lines: /v1 has no scoring endpoint, so a batch has none either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import struct
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from core.metrics import record_tokens
+from core.runtime import runtime
+from gpu_engine.protocol import EmbedJob
+from inference.errors import OpenAIError, openai_error_from_exception
+from inference.planning import plan_generation, resolve_model
+from inference.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    EmbeddingData,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    UsageInfo,
+)
+from inference.residency import resident_model_id
+from inference.serving import (
+    ENGINE_CALL_TIMEOUT_S,
+    build_body,
+    count_usage,
+    record_monitoring,
+    run_choice,
+    usage_of,
+)
+
+POLICY = "refuse"  # a batch never loads a model (docs/api-v1.md, "Batches")
+# Refusals that say "not now" rather than "never": the line goes back in the queue and the
+# batch waits (until its completion window ends) instead of failing it.
+WAIT_CODES = frozenset({"model_not_resident", "model_not_loaded", "model_loading",
+                        "model_busy", "queue_full", "engine_unavailable", "engine_busy",
+                        "engine_shutdown", "insufficient_memory", "request_cancelled"})
+DEFAULT_WAIT_S = 5
+
+
+class Unavailable(Exception):
+    """The engine cannot take the line now; retry after ``retry_after`` seconds."""
+
+    def __init__(self, error: OpenAIError) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.retry_after = error.retry_after or DEFAULT_WAIT_S
+
+
+@dataclass
+class Answer:
+    status_code: int
+    body: dict[str, Any]
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+async def answer_line(endpoint: str, body: dict[str, Any]) -> Answer:
+    """The line's answer (2xx or an OpenAI-shaped error), or ``Unavailable``."""
+    try:
+        if endpoint == "/v1/embeddings":
+            return await _embeddings(body)
+        kind, schema = (("chat", ChatCompletionRequest) if endpoint == "/v1/chat/completions"
+                        else ("completion", CompletionRequest))
+        return await _generation(kind, schema, body)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure is the line's answer
+        error = openai_error_from_exception(exc)
+        if error.status == 503 or error.code in WAIT_CODES:
+            raise Unavailable(error) from None
+        return Answer(error.status, error.body())
+
+
+def _validate(schema: type, body: dict[str, Any]) -> Any:
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        from inference.errors import openai_error_from_validation
+
+        raise openai_error_from_validation(exc) from None
+
+
+async def _resident(name: str) -> tuple[Any, Any, str | None]:
+    residency = runtime().residency
+    status = await residency.status()
+    model, profile = await resolve_model(name, status)
+    residency.check_policy(model, policy=POLICY, resident=resident_model_id(status),
+                           draining=status.draining)
+    use = await residency.acquire(model, policy=POLICY, status=status)
+    return model, use, profile
+
+
+async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
+    req = _validate(schema, body)
+    if req.stream:
+        raise OpenAIError("stream is not available in a batch", status=400,
+                          code="invalid_parameter", param="stream")
+    model, use, profile = await _resident(req.model)
+    try:
+        if profile is not None and req.profile is not None and profile != req.profile:
+            raise OpenAIError(f"The model name selects profile {profile!r} but the body "
+                              f"names {req.profile!r}", status=400,
+                              code="invalid_parameter", param="profile")
+        client = runtime().engine
+        plan = await plan_generation(kind=kind, req=req, model=model,
+                                     profile=req.profile or profile, client=client,
+                                     attachments=list(use.status.attachments),
+                                     status=use.status)
+        for choice in plan.choices:
+            choice.job.priority = "batch"
+        outcomes = [await run_choice(client, choice) for choice in plan.choices]
+        for outcome in outcomes:
+            await record_monitoring(plan, outcome)
+        result = await build_body(plan, outcomes, client)
+        count_usage(plan, usage_of(plan, outcomes))
+        return Answer(200, result, dict(plan.headers))
+    finally:
+        use.release()
+
+
+async def _embeddings(body: dict[str, Any]) -> Answer:
+    req: EmbeddingRequest = _validate(EmbeddingRequest, body)
+    model, use, _ = await _resident(req.model)
+    client = runtime().engine
+    try:
+        result = await asyncio.to_thread(
+            client.embed, EmbedJob(request_id=f"embd-{uuid.uuid4().hex}",
+                                   inputs=list(req.input), pooling="mean", normalize=True,
+                                   priority="batch"),
+            timeout_s=ENGINE_CALL_TIMEOUT_S)
+    finally:
+        use.release()
+    record_tokens(model=model.name, completion_tokens=0,
+                  prompt_tokens=result.usage.prompt_tokens)
+    # the synchronous route's body (inference.views.embeddings, which no app may import)
+    data = [EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
+            for i, v in enumerate(result.embeddings)]
+    response = EmbeddingResponse(data=data, model=model.name, usage=UsageInfo(
+        prompt_tokens=result.usage.prompt_tokens, total_tokens=result.usage.total_tokens))
+    return Answer(200, response.model_dump(exclude={"usage": {"completion_tokens"}}),
+                  {"X-miLLM-Backend": client.backend_name, "X-miLLM-Steering": "none"})
+
+
+def _encode(vector: list[float], fmt: str) -> list[float] | str:
+    if fmt == "float":
+        return vector
+    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()

@@ -1,0 +1,411 @@
+"""The llama.cpp backend (``ModelBackend``): GGUF models through llama-cpp-python.
+
+The model runs in this process on llama.cpp's own kernels; sampling, text and monitor
+encoding run on the host in torch, with the same code as the transformers backend.
+Steering is a control vector when every row of a forward is steered alike and the eval
+callback otherwise (``batched.py``); monitoring is the eval callback (``taps.py``).
+
+Load options (``LoadModelJob.options``, from the site's GGUF_* settings):
+
+- ``context_length`` (GGUF_CONTEXT_LENGTH): a ceiling on the window, over what the file
+  declares and what fits in memory; 0 = what the file declares.
+- ``kv_cache_type`` (GGUF_KV_CACHE_TYPE) and ``flash_attention`` (GGUF_FLASH_ATTENTION):
+  a quantized KV cache needs flash attention, refused otherwise before loading.
+- ``tensor_split`` (GGUF_TENSOR_SPLIT): per-card proportions, one per card used.
+- ``enable_embeddings`` (GGUF_ENABLE_EMBEDDINGS): /v1/embeddings on this model.
+- ``gguf_file``: which file of a directory holding several.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from ...errors import InvalidParameter, ModelLoadFailed
+from ...hooks import AttachmentStats, HookManager
+from ...protocol import (
+    AttachmentKey,
+    EmbedJob,
+    EmbedResult,
+    GenerationJob,
+    LoadModelJob,
+    LogprobEntry,
+    ScoreJob,
+    ScoreResult,
+    Usage,
+)
+from ..transformers.sequence import Sequence
+from .batched import LlamaBatchRunner, run_serial
+from .native import (
+    UNQUANTIZED_KV,
+    ContextSettings,
+    NativeContext,
+    NativeModel,
+    check_tensor_split,
+    gpu_device_count,
+    resolve_gguf,
+)
+from .taps import EvalTaps
+from .tokens import ChatTemplate, LlamaTokenizer
+
+DEFAULT_N_BATCH = 512
+# bytes per KV element for each GGUF_KV_CACHE_TYPE (block size / elements per block)
+_KV_BYTES = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "q4_1": 20 / 32,
+    "q4_0": 18 / 32,
+    "iq4_nl": 18 / 32,
+}
+# share of the host's available memory the KV cache may take
+KV_MEMORY_SHARE = 0.5
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30
+
+
+def check_options(job: LoadModelJob) -> dict[str, Any]:
+    """The load options made whole and checked, before anything is read: what llama.cpp
+    cannot honour is refused by name."""
+    o = job.options
+    kv = o.get("kv_cache_type", "f16")
+    if kv not in _KV_BYTES:
+        raise InvalidParameter(
+            f"GGUF_KV_CACHE_TYPE {kv!r} is not one of {', '.join(_KV_BYTES)}",
+            param="options.kv_cache_type",
+        )
+    fa = o.get("flash_attention", True)
+    if not fa and kv not in UNQUANTIZED_KV:
+        raise InvalidParameter(
+            f"GGUF_FLASH_ATTENTION=false cannot run a quantized KV cache ({kv}); "
+            "use f16 or turn flash attention on",
+            param="options.flash_attention",
+            details={"kv_cache_type": kv},
+        )
+    ctx = o.get("context_length", 0)
+    if ctx < 0:
+        raise InvalidParameter("GGUF_CONTEXT_LENGTH must be >= 0", param="options.context_length")
+    if job.trust_remote_code:
+        raise InvalidParameter(
+            "trust_remote_code has no meaning for a GGUF model", param="trust_remote_code"
+        )
+    n_gpu = gpu_device_count()
+    if job.device.startswith("cuda") and n_gpu == 0:
+        raise ModelLoadFailed(
+            "device 'cuda' requested but this llama.cpp build has no GPU offload",
+            details={"device": job.device},
+        )
+    offload = n_gpu > 0 and job.device != "cpu"
+    split = [float(x) for x in o.get("tensor_split", [])]
+    if split:
+        if not offload:
+            raise InvalidParameter(
+                "GGUF_TENSOR_SPLIT needs GPU offload; this load runs on the CPU",
+                param="options.tensor_split",
+            )
+        split = check_tensor_split(split, n_gpu)
+    return {
+        "kv": kv,
+        "flash_attention": bool(fa),
+        "context_length": int(ctx),
+        "offload": offload,
+        "tensor_split": split,
+        "embeddings": bool(o.get("enable_embeddings", True)),
+        "gguf_file": o.get("gguf_file") or None,
+    }
+
+
+class LlamaCppBackend:
+    name = "llamacpp"
+
+    def __init__(self, job: LoadModelJob, hooks: HookManager | None = None) -> None:
+        opts = check_options(job)
+        self.job = job
+        self.opts = opts
+        self.gguf = resolve_gguf(job.path, opts["gguf_file"])
+        self.native = NativeModel(
+            self.gguf,
+            gpu_layers=-1 if opts["offload"] else 0,
+            tensor_split=opts["tensor_split"] or None,
+        )
+        try:
+            if not self.native.has_decoder or self.native.n_layer < 1:
+                raise ModelLoadFailed(f"{self.gguf.name} is not a decoder language model")
+            self.num_layers = self.native.n_layer
+            self.hidden_size = self.native.n_embd
+            self.vocab_size = self.native.n_vocab
+            # torch tensors (SAEs, deltas, sampling) live on the host whatever llama.cpp offloads
+            self.device = torch.device("cpu")
+            self.dtype = torch.float32
+            self.tokenizer = LlamaTokenizer(self.native)
+            self.chat = ChatTemplate.from_model(self.native, self.tokenizer)
+            self.eos_token_ids = self.native.eog_ids()
+            self.file_type = self.native.meta("general.file_type")
+            self.kernels = f"llama.cpp ({'gpu offload' if opts['offload'] else 'cpu'})"
+            self.context_length = self._window()
+            self.attachment_stats: dict[AttachmentKey, AttachmentStats] = {}
+            self.taps = EvalTaps(self.num_layers)
+            # steered forwards by path (control vector / per row in the eval callback)
+            self.steering_forwards = {"control_vector": 0, "eval_callback": 0}
+            self.context: NativeContext | None = None
+            self._rows = 0
+            self._open_context(1)
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ context
+
+    def _kv_bytes_per_token(self) -> float:
+        from llama_cpp import llama_cpp as lc
+
+        n_head = max(lc.llama_model_n_head(self.native.ptr), 1)
+        n_head_kv = max(lc.llama_model_n_head_kv(self.native.ptr), 1)
+        kv_dim = self.hidden_size * n_head_kv / n_head
+        return self.num_layers * 2 * kv_dim * _KV_BYTES[self.opts["kv"]]
+
+    def _window(self) -> int:
+        """The per-request window: the file's, under GGUF_CONTEXT_LENGTH (0: the file's)
+        and the job's ceiling, and what fits in memory."""
+        declared = self.native.n_ctx_train or 4096
+        window = declared
+        if self.opts["context_length"]:
+            window = min(window, self.opts["context_length"])
+        if self.job.max_context_length:
+            window = min(window, int(self.job.max_context_length))
+        fits = int(_available_memory() * KV_MEMORY_SHARE / self._kv_bytes_per_token())
+        if fits < 16:
+            raise ModelLoadFailed("not enough memory for a KV cache", details={"fits_tokens": fits})
+        return max(min(window, fits), 16)
+
+    def _open_context(self, rows: int) -> None:
+        """A context for ``rows`` batch rows plus one scratch sequence (serial generation,
+        embeddings, scores); the KV cache holds a full window per sequence while memory
+        allows, else what fits."""
+        n_seq = rows + 1
+        budget = int(_available_memory() * KV_MEMORY_SHARE / self._kv_bytes_per_token())
+        n_ctx = max(min(self.context_length * n_seq, budget), self.context_length)
+        settings = ContextSettings(
+            n_ctx=n_ctx,
+            n_seq=n_seq,
+            n_batch=DEFAULT_N_BATCH,
+            kv_type=self.opts["kv"],
+            flash_attention=self.opts["flash_attention"],
+            n_threads=len(os.sched_getaffinity(0)),
+        )
+        old = self.context
+        self.context = None
+        if old is not None:
+            old.close()
+        self.context = NativeContext(self.native, settings, self.taps.callback,
+                                     self.taps.user_data)
+        self._rows = rows
+
+    @property
+    def scratch_seq(self) -> int:
+        return self._rows
+
+    # ------------------------------------------------------------------ contract
+
+    def capabilities(self) -> dict[str, Any]:
+        return {
+            "per_request_sampling": True,
+            "per_request_seeds": True,
+            "stop_sequences": True,
+            "cancellation": True,
+            "per_request_steering": True,
+            "per_request_monitoring": True,
+            "exact_monitoring_attribution": True,
+            "logprobs": True,
+            "prompt_logprobs": True,
+            "embeddings": self.opts["embeddings"],
+            "scoring": True,
+            "serial_mode": True,
+            "batched_mode": True,
+            # how requests with different steering share a batch: each row's delta added in
+            # the eval callback; rows steered alike use a control vector
+            "steering_mode": "eval_callback_per_row",
+            "control_vectors": True,
+            "native_eval_filter": self.taps.native_filter,
+        }
+
+    def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        return self.native.tokenize(text, add_special=add_special_tokens)
+
+    def encode_messages(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any
+    ) -> list[int]:
+        text = self.chat.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode_text(text, add_special_tokens=False)
+
+    def token_text(self, token_id: int) -> str:
+        return self.native.detokenize([token_id], skip_special=False)
+
+    def layer_module_path(self, layer: int) -> str:
+        return f"l_out-{layer}"
+
+    def attach(self, attachment: Any) -> None:
+        self.attachment_stats[attachment.key] = attachment.stats
+
+    def detach(self, key: AttachmentKey) -> None:
+        self.attachment_stats.pop(key, None)
+
+    # ------------------------------------------------------------------ generation
+
+    def new_sequence(
+        self,
+        job: GenerationJob,
+        *,
+        prompt_ids: list[int],
+        max_tokens: int,
+        request_hooks: Any,
+        emit: Any,
+        should_stop: Any,
+    ) -> Sequence:
+        return Sequence(
+            self,
+            request_id=job.request_id,
+            prompt_ids=prompt_ids,
+            sampling=job.sampling,
+            max_tokens=max_tokens,
+            request_hooks=request_hooks,
+            emit=emit,
+            should_stop=should_stop,
+        )
+
+    def batch_runner(self, *, max_rows: int) -> LlamaBatchRunner:
+        if max_rows != self._rows:
+            self._open_context(max_rows)
+        return LlamaBatchRunner(self, max_rows=max_rows)
+
+    def generate(
+        self,
+        *,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: Any,
+        max_tokens: int,
+        request_hooks: Any,
+        should_stop: Any,
+        emit: Any,
+    ) -> Any:
+        seq = Sequence(
+            self,
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            request_hooks=request_hooks,
+            emit=emit,
+            should_stop=should_stop,
+        )
+        runner = LlamaBatchRunner(self, max_rows=1, seq_ids=[self.scratch_seq])
+        with torch.inference_mode():
+            run_serial(runner, seq, should_stop)
+        return seq.finish()
+
+    # ------------------------------------------------------------------ one-shot work
+
+    def _scratch_forward(self, ids: list[int], *, embeddings: bool) -> Any:
+        """Every position of ``ids`` through the unsteered model on the scratch sequence:
+        (T, V) logits, or (T, d) final hidden states (after the output norm)."""
+        ctx = self.context
+        sid = self.scratch_seq
+        n_batch = ctx.settings.n_batch
+        ctx.set_cvec(None, None)
+        ctx.seq_clear(sid)
+        if embeddings:
+            ctx.set_embeddings(True)
+        chunks = []
+        try:
+            for off in range(0, len(ids), n_batch):
+                part = ids[off : off + n_batch]
+                toks = [(t, off + i, sid, True) for i, t in enumerate(part)]
+                self.taps.run(None, lambda toks=toks: ctx.decode(toks))
+                rows = list(range(len(part)))
+                chunks.append(ctx.embeddings_rows(rows) if embeddings else ctx.logits_rows(rows))
+        finally:
+            if embeddings:
+                ctx.set_embeddings(False)
+            ctx.seq_clear(sid)
+        import numpy as np
+
+        return torch.from_numpy(np.concatenate(chunks, axis=0))
+
+    def embed(self, job: EmbedJob, inputs: Seq[list[int]]) -> EmbedResult:
+        if not self.opts["embeddings"]:
+            raise InvalidParameter(
+                "embeddings are off for GGUF models here (GGUF_ENABLE_EMBEDDINGS=false)",
+                param="input",
+            )
+        vectors: list[list[float]] = []
+        total = 0
+        for ids in inputs:
+            hidden = self._scratch_forward(list(ids), embeddings=True)
+            total += len(ids)
+            if job.pooling == "mean":
+                vec = hidden.mean(dim=0)
+            elif job.pooling == "last":
+                vec = hidden[-1]
+            else:
+                vec = hidden[0]
+            if job.normalize:
+                vec = torch.nn.functional.normalize(vec, dim=0)
+            vectors.append(vec.tolist())
+        return EmbedResult(job.request_id, vectors, Usage(total, 0, total))
+
+    def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:
+        logits = self._scratch_forward(list(prompt_ids), embeddings=False)
+        lsm = torch.log_softmax(logits[-1], dim=-1)
+        top: list[LogprobEntry] = []
+        allowed: list[LogprobEntry] = []
+        if job.allowed_token_ids is not None:
+            ids = list(job.allowed_token_ids)
+            vals = lsm[torch.tensor(ids, dtype=torch.long)].tolist()
+            allowed = [LogprobEntry(i, self.token_text(i), float(v)) for i, v in zip(ids, vals)]
+            if job.top_k:
+                top = sorted(allowed, key=lambda e: -e.logprob)[: job.top_k]
+        elif job.top_k:
+            vals_t, idx_t = torch.topk(lsm, min(job.top_k, lsm.shape[0]))
+            top = [
+                LogprobEntry(int(i), self.token_text(int(i)), float(v))
+                for v, i in zip(vals_t.tolist(), idx_t.tolist())
+            ]
+        prompt_lp = None
+        if job.prompt_logprobs:
+            all_lsm = torch.log_softmax(logits[:-1], dim=-1)
+            target = torch.tensor(prompt_ids[1:], dtype=torch.long)
+            picked = (
+                all_lsm.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
+                if len(prompt_ids) > 1
+                else []
+            )
+            prompt_lp = [None, *[float(v) for v in picked]]
+        return ScoreResult(job.request_id, len(prompt_ids), top, allowed, prompt_lp)
+
+    def close(self) -> None:
+        ctx = getattr(self, "context", None)
+        if ctx is not None:
+            ctx.close()
+            self.context = None
+        native = getattr(self, "native", None)
+        if native is not None:
+            native.close()
+
+
+__all__ = ["LlamaCppBackend", "check_options"]

@@ -1,0 +1,274 @@
+"""Rows of the engine's continuous batch on one llama.cpp context (``BatchBackend``).
+
+Every running request is a llama.cpp sequence (its own ``seq_id`` in one unified KV
+cache); a decode step is one ``llama_decode`` holding one token per row.  Sampling,
+text, stops and events are the transformers backend's ``Sequence`` and ``sample_rows``
+(torch on the host, each request with its own generator), so a request behaves the same
+on both backends.
+
+Steering, per forward:
+
+- every row steered alike (a batch of one, or requests sharing one steering): the
+  summed delta per layer becomes llama.cpp's control vector (``llama_set_adapter_cvec``,
+  kept while the steering stays the same) — no Python in the forward at all;
+- rows steered differently: the control vector is cleared and the eval callback adds
+  each row's own delta to the layer's output (``taps.py``), so requests with different
+  steering share one multi-sequence decode.
+
+A control vector cannot reach layer 0 (llama.cpp has no tensor there) and would hide the
+pre-steering value from a monitor, so steering at layer 0 or next to a pre-steering
+monitor always goes through the callback.  Monitoring always does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..transformers.sampling import sample_rows
+from ..transformers.sequence import Sequence
+from .taps import ForwardPlan, LayerPlan, MonitorSegment
+
+
+def steering_signature(seq: Sequence) -> tuple:
+    """What a request adds where, comparable between requests (cached on the sequence)."""
+    sig = getattr(seq, "_steer_sig", None)
+    if sig is None:
+        items = []
+        if seq.hooks is not None:
+            for key, plan in sorted(seq.hooks.plans.items()):
+                if plan.delta is not None:
+                    items.append(
+                        (key, plan.delta.detach().to(torch.float32).cpu().numpy().tobytes())
+                    )
+        sig = tuple(items)
+        seq._steer_sig = sig  # type: ignore[attr-defined]
+    return sig
+
+
+class LlamaBatchRunner:
+    def __init__(self, backend: Any, *, max_rows: int, seq_ids: list[int] | None = None) -> None:
+        self.backend = backend
+        self.max_rows = max_rows
+        self.rows: list[Sequence] = []
+        self.steps = 0
+        self._all_ids = list(seq_ids if seq_ids is not None else range(max_rows))
+        self._free_ids = list(reversed(self._all_ids))
+
+    @property
+    def ctx(self):  # type: ignore[no-untyped-def]
+        return self.backend.context
+
+    # ------------------------------------------------------------------ plans
+
+    def _forward(
+        self, parts: list[tuple[Sequence, int, int, int]], tokens: list[tuple[int, int, int, bool]]
+    ) -> None:
+        """One ``llama_decode`` of ``tokens``; ``parts``: (sequence, first batch index,
+        end batch index, position of the first) for each request in it."""
+        backend = self.backend
+        n_layer = backend.num_layers
+        layers: dict[int, LayerPlan] = {}
+        sigs = [steering_signature(s) for s, *_ in parts]
+        uniform = all(sig == sigs[0] for sig in sigs)
+        pre_layers = set()
+        for seq, a, b, pos in parts:
+            if seq.hooks is None:
+                continue
+            for key, plan in seq.hooks.plans.items():
+                for pre, monitors in ((True, plan.pre), (False, plan.post)):
+                    if monitors:
+                        layers.setdefault(key[1], LayerPlan()).segments.append(
+                            MonitorSegment(list(monitors), a, b, pos, pre)
+                        )
+                        if pre:
+                            pre_layers.add(key[1])
+        steered_layers = {key[1] for key, _ in sigs[0]} if uniform else set()
+        use_cvec = (
+            uniform
+            and bool(sigs[0])
+            and all(il >= 1 and il not in pre_layers for il in steered_layers)
+        )
+        applied: set = set()
+        if use_cvec:
+            seq0 = parts[0][0]
+            data = np.zeros((n_layer - 1, backend.hidden_size), dtype=np.float32)
+            for key, plan in seq0.hooks.plans.items():  # type: ignore[union-attr]
+                if plan.delta is not None:
+                    data[key[1] - 1] += plan.delta.detach().to(torch.float32).cpu().numpy()
+                    applied.add(key)
+            self.ctx.set_cvec(sigs[0], data)
+            backend.steering_forwards["control_vector"] += 1
+        else:
+            self.ctx.set_cvec(None, None)
+            n = len(tokens)
+            for (seq, a, b, _), sig in zip(parts, sigs):
+                if not sig:
+                    continue
+                for key, plan in seq.hooks.plans.items():  # type: ignore[union-attr]
+                    if plan.delta is None:
+                        continue
+                    lp = layers.setdefault(key[1], LayerPlan())
+                    if lp.deltas is None:
+                        lp.deltas = torch.zeros((n, backend.hidden_size), dtype=torch.float32)
+                    lp.deltas[a:b] += plan.delta.to(torch.float32)
+                    lp.keys.add(key)
+            if any(lp.deltas is not None for lp in layers.values()):
+                backend.steering_forwards["eval_callback"] += 1
+        outputs = [i for i, t in enumerate(tokens) if t[3]]
+        fplan = ForwardPlan(layers, len(tokens), outputs) if layers else None
+        backend.taps.run(fplan, lambda: self.ctx.decode(tokens))
+        if fplan is not None:
+            applied |= fplan.applied
+        if applied:
+            for key in applied:
+                stats = backend.attachment_stats.get(key)
+                if stats is not None:
+                    stats.steering_apply_count += 1
+            for seq, *_ in parts:
+                if seq.hooks is None:
+                    continue
+                for key in applied:
+                    plan = seq.hooks.plans.get(key)
+                    if plan is not None and plan.delta is not None:
+                        plan.count += 1
+
+    # ------------------------------------------------------------------ rows
+
+    def start(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Prefill newly admitted requests (several per decode, up to n_batch tokens) and
+        take their first tokens; returns the ones that finished already."""
+        n_batch = self.ctx.settings.n_batch
+        last_layer = self.backend.num_layers - 1
+        logits: dict[int, torch.Tensor] = {}
+        echo: dict[int, list[np.ndarray]] = {}
+        for seq in seqs:
+            if not self._free_ids:
+                raise RuntimeError("the batch is full")  # the scheduler never lets this happen
+            seq.seq_id = self._free_ids.pop()  # type: ignore[attr-defined]
+            self.ctx.seq_clear(seq.seq_id)  # type: ignore[attr-defined]
+        try:
+            # (sequence, offset into its prompt) still to prefill, in order
+            queue = [(s, 0) for s in seqs]
+            while queue:
+                tokens: list[tuple[int, int, int, bool]] = []
+                parts: list[tuple[Sequence, int, int, int]] = []
+                ends: list[tuple[Sequence, int, bool]] = []
+                while queue and len(tokens) < n_batch:
+                    seq, off = queue.pop(0)
+                    take = min(seq.n_prompt - off, n_batch - len(tokens))
+                    all_out = seq.sampling.prompt_logprobs or self._monitors_layer(seq, last_layer)
+                    a = len(tokens)
+                    for p in range(off, off + take):
+                        last = p == seq.n_prompt - 1
+                        tokens.append((seq.prompt_ids[p], p, seq.seq_id, bool(all_out or last)))  # type: ignore[attr-defined]
+                    parts.append((seq, a, a + take, off))
+                    ends.append((seq, a, off + take == seq.n_prompt))
+                    if off + take < seq.n_prompt:
+                        queue.insert(0, (seq, off + take))
+                self._forward(parts, tokens)
+                for seq, a, b, off in parts:
+                    seq.forwards += 1
+                    if seq.sampling.prompt_logprobs:
+                        echo.setdefault(id(seq), []).append(self.ctx.logits_rows(list(range(a, b))))
+                for seq, a, done in ends:
+                    if done:
+                        b = next(p[2] for p in parts if p[0] is seq)
+                        logits[id(seq)] = torch.from_numpy(self.ctx.logits(b - 1))
+        except BaseException:
+            for seq in seqs:
+                self._release(seq)
+            raise
+        for seq in seqs:
+            if seq.sampling.prompt_logprobs:
+                seq.echo_logprobs(torch.from_numpy(np.concatenate(echo[id(seq)], axis=0)))
+        stacked = torch.stack([logits[id(s)] for s in seqs])
+        finished = []
+        for seq, done in zip(seqs, self._sample(seqs, stacked)):
+            if done:
+                self._release(seq)
+                finished.append(seq)
+            else:
+                self.rows.append(seq)
+        return finished
+
+    @staticmethod
+    def _monitors_layer(seq: Sequence, layer: int) -> bool:
+        return seq.hooks is not None and any(
+            key[1] == layer and (p.pre or p.post) for key, p in seq.hooks.plans.items()
+        )
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[bool]:
+        tokens = sample_rows([s.sampler for s in seqs], logits)
+        lsm = torch.log_softmax(logits.float(), dim=-1) if any(s.want_lp for s in seqs) else None
+        for i, s in enumerate(seqs):
+            if not s.sampler.plain_greedy:
+                s.sampler.observe(tokens[i : i + 1])
+        ids = tokens.tolist()
+        return [
+            s.accept(ids[i], lsm[i] if lsm is not None and s.want_lp else None)
+            for i, s in enumerate(seqs)
+        ]
+
+    def step(self) -> list[Sequence]:
+        """One decode forward for every row; returns the sequences that finished."""
+        rows = self.rows
+        tokens = []
+        parts = []
+        for i, s in enumerate(rows):
+            pos = s.n_prompt + len(s.generated) - 1
+            tokens.append((s.last_token, pos, s.seq_id, True))  # type: ignore[attr-defined]
+            parts.append((s, i, i + 1, pos))
+        self._forward(parts, tokens)
+        self.steps += 1
+        logits = torch.from_numpy(self.ctx.logits_rows(list(range(len(rows)))))
+        finished = []
+        for s, done in zip(rows, self._sample(rows, logits)):
+            s.forwards += 1
+            if done:
+                finished.append(s)
+        return finished
+
+    def _release(self, seq: Sequence) -> None:
+        sid = getattr(seq, "seq_id", -1)
+        if sid >= 0:
+            self.ctx.seq_clear(sid)
+            self._free_ids.append(sid)
+            seq.seq_id = -1  # type: ignore[attr-defined]
+
+    def remove(self, seq: Sequence) -> None:
+        self.rows.remove(seq)
+        self._release(seq)
+
+    def reset(self) -> None:
+        for sid in self._all_ids:
+            self.ctx.seq_clear(sid)
+        for seq in self.rows:
+            seq.seq_id = -1  # type: ignore[attr-defined]
+        self.rows = []
+        self._free_ids = list(reversed(self._all_ids))
+
+
+def run_serial(runner: LlamaBatchRunner, seq: Sequence, should_stop: Callable[[], bool]) -> None:
+    """One request to its end on ``runner`` (the serial path)."""
+    try:
+        if should_stop():
+            seq.cancel()
+            return
+        if runner.start([seq]):
+            return
+        while True:
+            if should_stop():
+                seq.cancel()
+                break
+            if runner.step():
+                break
+    finally:
+        if seq in runner.rows:
+            runner.remove(seq)
+
+
+__all__ = ["LlamaBatchRunner", "run_serial", "steering_signature"]

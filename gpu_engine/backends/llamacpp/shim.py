@@ -1,0 +1,108 @@
+"""The eval callback's filter in C, compiled on first use.
+
+llama.cpp asks the eval callback about every node of every graph (several hundred per
+token for a 30-layer model) before computing it.  A Python callback pays a ctypes
+round trip for each — about a millisecond per token, a sizeable share of a 135M model's
+7 ms decode step — even when nothing is hooked.  This filter answers those questions in
+C: nothing while no plan is published, and only ``l_out-{il}`` of the layers the plan
+names; the Python side (``taps.EvalTaps``) runs once per hooked layer.
+
+It is compiled with the system C compiler (the one that built llama-cpp-python) into
+``$MILLM_WHEEL_CACHE`` (default ``~/.cache/millm-wheels``), keyed by its source, and
+loaded with ctypes.  Where no compiler is found the backend keeps the Python callback
+(``EvalTaps.native_filter`` is False) — the same results, slower.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+SOURCE = r"""
+#include <stdbool.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef bool (*tap_fn)(void * tensor, int layer);
+
+struct millm_filter {
+    int active;                 /* 0: claim nothing */
+    int n_layer;
+    unsigned long name_offset;  /* offsetof(struct ggml_tensor, name) */
+    tap_fn tap;                 /* called with each claimed layer output */
+    unsigned char wanted[4096];
+};
+
+bool millm_eval_filter(void * tensor, bool ask, void * user_data) {
+    struct millm_filter * f = (struct millm_filter *) user_data;
+    if (!f->active) {
+        return false;
+    }
+    const char * name = (const char *) tensor + f->name_offset;
+    if (strncmp(name, "l_out-", 6) != 0) {
+        return false;
+    }
+    int il = atoi(name + 6);
+    if (il < 0 || il >= f->n_layer || il >= 4096 || !f->wanted[il]) {
+        return false;
+    }
+    if (ask) {
+        return true;
+    }
+    return f->tap(tensor, il);
+}
+"""
+
+TAP_FN = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_int)
+
+
+class Filter(ctypes.Structure):
+    _fields_ = [
+        ("active", ctypes.c_int),
+        ("n_layer", ctypes.c_int),
+        ("name_offset", ctypes.c_ulong),
+        ("tap", TAP_FN),
+        ("wanted", ctypes.c_ubyte * 4096),
+    ]
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("MILLM_WHEEL_CACHE") or Path.home() / ".cache" / "millm-wheels")
+
+
+def load_filter() -> ctypes.CDLL | None:
+    """The compiled filter library, building it once; None without a C compiler (or with
+    ``MILLM_LLAMACPP_PYTHON_CALLBACK=1``, which the benchmark uses to measure the filter)."""
+    if os.environ.get("MILLM_LLAMACPP_PYTHON_CALLBACK") == "1":
+        return None
+    digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
+    target = _cache_dir() / f"millm-eval-filter-{digest}.so"
+    if not target.exists():
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+        if cc is None:
+            return None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / "filter.c"
+            src.write_text(SOURCE)
+            out = Path(tmp) / "filter.so"
+            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
+                                  capture_output=True, timeout=120)
+            if done.returncode != 0:
+                return None
+            os.replace(out, target)  # atomic: a parallel build leaves one whole file
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError:
+        return None
+    lib.millm_eval_filter.argtypes = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_void_p]
+    lib.millm_eval_filter.restype = ctypes.c_bool
+    return lib
+
+
+__all__ = ["TAP_FN", "Filter", "load_filter"]
