@@ -117,6 +117,12 @@ def ref(hf: Engine, relu, *, steering: dict[int, float] | None = None, monitor=N
         sampling=SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)), timeout_s=60)
 
 
+def steered_header(description: str, relu, features: dict[int, float]) -> str:
+    """X-miLLM-Steering of a steered answer: its description and the canonical hash."""
+    spec = SteeringSpec([SteeringEntry(relu.id, 1, features)])
+    return f'{description};hash="{spec.canonical_hash()}"'
+
+
 def complete(client, **extra):
     body = {k: extra.pop(k) for k in ("steering", "return_sae_activations", "steering_intensity",
                                       "profile") if k in extra}
@@ -157,7 +163,8 @@ def test_inline_steering_equals_transformers_and_changes_the_output(vllm_llama, 
     server, relu = vllm_llama
     features = [{"index": k, "strength": v} for k, v in FEATURES.items()]
     raw = complete(openai_client, steering={"features": features})
-    assert raw.headers["x-millm-steering"] == f"inline;sae={relu.id};layer=1;features=2"
+    assert raw.headers["x-millm-steering"] == steered_header(
+        f"inline;sae={relu.id};layer=1;features=2", relu, FEATURES)
     assert raw.headers["x-millm-backend"] == "vllm"
     body = raw.parse()
     steered = ref(on_vllm, relu, steering=FEATURES)
@@ -221,7 +228,8 @@ def test_a_profile_and_live_steering_steer_on_vllm(vllm_llama, on_vllm, openai_c
     profile_create(name="sea-lover", sae_id=relu.id, layer=1,
                    steering={str(k): v for k, v in FEATURES.items()}, model_name="tiny-llama")
     raw = complete(openai_client, model="tiny-llama@sea-lover")
-    assert raw.headers["x-millm-steering"] == "profile;name=sea-lover;intensity=1"
+    assert raw.headers["x-millm-steering"] == steered_header(
+        "profile;name=sea-lover;intensity=1", relu, FEATURES)
     want = ref(on_vllm, relu, steering=FEATURES)
     assert raw.parse().choices[0].text == want.text
     half = complete(openai_client, profile="sea-lover", steering_intensity=0.5).parse()
@@ -230,7 +238,8 @@ def test_a_profile_and_live_steering_steer_on_vllm(vllm_llama, on_vllm, openai_c
 
     _call(server, "POST", "/saes/steering/batch", {"steering": {"3": 12, "40": -6.5}})
     live = complete(openai_client)
-    assert live.headers["x-millm-steering"] == f"live;sae={relu.id};layer=1;features=2"
+    assert live.headers["x-millm-steering"] == steered_header(
+        f"live;sae={relu.id};layer=1;features=2", relu, FEATURES)
     assert live.parse().choices[0].text == want.text
     opted_out = complete(openai_client, steering={"features": []}).parse()
     assert opted_out.choices[0].text == ref(on_vllm, relu).text != want.text
