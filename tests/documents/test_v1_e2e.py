@@ -96,11 +96,13 @@ def test_a_profile_activated_through_the_api_steers_v1_like_inline_steering(serv
     assert _text(by_profile) != plain  # positive control: the steer changes the output
     assert _text(by_profile) == served.direct(
         SteeringSpec([SteeringEntry(relu.id, 1, FEATURES)])).text
-    assert by_profile.headers["x-millm-steering"] == f"live;sae={relu.id};layer=1;features=2"
+    spec = SteeringSpec([SteeringEntry(relu.id, 1, FEATURES)])
+    assert by_profile.headers["x-millm-steering"] == (f"live;sae={relu.id};layer=1;features=2;"
+                                                      f'hash="{spec.canonical_hash()}"')
     # a request can still opt out, or dial the live steering for itself
     assert _text(served.v1({"steering": {"features": []}})) == plain
     dialled = served.v1({"steering_intensity": 0.5, "logprobs": 0})
-    assert dialled.headers["x-millm-steering"].endswith(";intensity=0.5")
+    assert ";intensity=0.5;hash=\"sha256:" in dialled.headers["x-millm-steering"]
     assert _text(dialled) == served.direct(SteeringSpec([SteeringEntry(
         relu.id, 1, {k: v * 0.5 for k, v in FEATURES.items()})])).text
     assert dialled.json()["millm"]["steering"]["mode"] == "live"
