@@ -260,8 +260,6 @@ def model_download_start(*, repo_id: str, revision: str = "main",
                          ) -> tuple[Model, Job]:
     """Check the repository on the hub, create the row and its job, start the task
     (``dispatch=False``: the caller runs ``model_download_run`` itself, as a command does)."""
-    from registry import tasks
-
     revision = revision or "main"
     token = hub.resolve_token(hf_token)
     repo_id, quant = split_repo_quant(repo_id)
@@ -308,17 +306,27 @@ def model_download_start(*, repo_id: str, revision: str = "main",
                 quantization=quantization, trust_remote_code=trust_remote_code,
                 status=Model.Status.DOWNLOADING,
                 architecture=(config.get("architectures") or [""])[0])
-        job = job_lifecycle.job_create(kind=Job.Kind.MODEL_DOWNLOAD, target=f"{repo_id}@{revision}",
-                                  model=model)
-        job.bytes_total = sum(s for _, s in files) or None
-        job.save(update_fields=["bytes_total", "updated_at"])
-        # hf_token only when the request brought one: HF_TOKEN is read by the task itself
-        if dispatch:
-            jobs.enqueue(tasks.model_download_task, job.id, queue="downloads",
-                         commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
+        job = _download_job(model, target=f"{repo_id}@{revision}", files=files, info=info,
+                            revision=revision, hf_token=hf_token, dispatch=dispatch)
     log.info("model_download_started", model_id=model.id, repo_id=repo_id, revision=revision,
              job_id=job.id, files=len(files))
     return model, job
+
+
+def _download_job(model: Model, *, target: str, files: list[tuple[str, int]], info: Any,
+                  revision: str, hf_token: str | None, dispatch: bool) -> Job:
+    """The download job of a model row, sized by its files, and (``dispatch``) its task on
+    the ``downloads`` queue. hf_token only when the request brought one: HF_TOKEN is read
+    by the task itself."""
+    from registry import tasks
+
+    job = job_lifecycle.job_create(kind=Job.Kind.MODEL_DOWNLOAD, target=target, model=model)
+    job.bytes_total = sum(s for _, s in files) or None
+    job.save(update_fields=["bytes_total", "updated_at"])
+    if dispatch:
+        jobs.enqueue(tasks.model_download_task, job.id, queue="downloads",
+                     commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
+    return job
 
 
 def _gguf_download_start(*, repo_id: str, quant: str | None,
@@ -328,8 +336,6 @@ def _gguf_download_start(*, repo_id: str, quant: str | None,
     """A GGUF repository: the quantization named (``repo:QUANT``), or the only one there;
     a bare name over several is ambiguous. The row is a GGUF model (the llamacpp backend)
     named ``repo:QUANT`` unless a custom name is given."""
-    from registry import tasks
-
     available = sorted(ggufs)
     if quant is None:
         if len(available) != 1:
@@ -368,13 +374,8 @@ def _gguf_download_start(*, repo_id: str, quant: str | None,
                 name=name, source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision,
                 format=Model.Format.GGUF, gguf_file=first,
                 quantization=gguf_quantization(quant), status=Model.Status.DOWNLOADING)
-        job = job_lifecycle.job_create(kind=Job.Kind.MODEL_DOWNLOAD,
-                                       target=f"{repo_id}:{quant}@{revision}", model=model)
-        job.bytes_total = sum(s for _, s in files) or None
-        job.save(update_fields=["bytes_total", "updated_at"])
-        if dispatch:
-            jobs.enqueue(tasks.model_download_task, job.id, queue="downloads",
-                         commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
+        job = _download_job(model, target=f"{repo_id}:{quant}@{revision}", files=files,
+                            info=info, revision=revision, hf_token=hf_token, dispatch=dispatch)
     log.info("model_download_started", model_id=model.id, repo_id=repo_id, quantization=quant,
              revision=revision, job_id=job.id, files=len(files))
     return model, job

@@ -5,25 +5,18 @@ reference.  Where vllm is not installed the tests skip — unless ``MILLM_REQUIR
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 
 from gpu_engine.engine import Engine
 from gpu_engine.protocol import AttachSpec, BatchingOptions, LoadModelJob
+from tests.fixtures.backends import require_backend
 
-REQUIRE_ENV = "MILLM_REQUIRE_VLLM"
 # the SAEs every vLLM test engine carries: two layouts, three layers
 SAES = ("tiny-llama-L1-relu", "tiny-llama-L2-jumprelu", "tiny-llama-L3-relu")
 
 
 def require_vllm() -> None:
-    if importlib.util.find_spec("vllm") is None:
-        reason = "vllm is not installed: scripts/setup vllm"
-        if os.environ.get(REQUIRE_ENV) == "1":
-            pytest.fail(f"{REQUIRE_ENV}=1 but {reason}")
-        pytest.skip(reason)
+    require_backend("vllm")
 
 
 def _attach(eng: Engine, tiny_assets) -> None:

@@ -2,7 +2,7 @@
 
 Every running request is a llama.cpp sequence (its own ``seq_id`` in one unified KV
 cache); a decode step is one ``llama_decode`` holding one token per row.  Sampling,
-text, stops and events are the transformers backend's ``Sequence`` and ``sample_rows``
+text, stops and events are the transformers backend's ``Sequence`` and ``choose_rows``
 (torch on the host, each request with its own generator), so a request behaves the same
 on both backends.
 
@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..transformers.sampling import sample_rows
+from ..transformers.sampling import choose_rows
 from ..transformers.sequence import Sequence
 from .taps import ForwardPlan, LayerPlan, MonitorSegment
 
@@ -202,12 +202,7 @@ class LlamaBatchRunner:
         )
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[bool]:
-        tokens = sample_rows([s.sampler for s in seqs], logits)
-        lsm = torch.log_softmax(logits.float(), dim=-1) if any(s.want_lp for s in seqs) else None
-        for i, s in enumerate(seqs):
-            if not s.sampler.plain_greedy:
-                s.sampler.observe(tokens[i : i + 1])
-        ids = tokens.tolist()
+        ids, lsm = choose_rows(seqs, logits)
         return [
             s.accept(ids[i], lsm[i] if lsm is not None and s.want_lp else None)
             for i, s in enumerate(seqs)

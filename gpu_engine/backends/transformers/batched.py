@@ -26,7 +26,7 @@ from ...protocol import AttachmentKey
 from .attention import use_grouped_sdpa
 from .kv_cache import BatchKVCache
 from .runner import TransformersRunner
-from .sampling import sample_rows
+from .sampling import choose_rows
 from .sequence import Sequence
 
 # a padded prefill group may waste at most this share of its (rows × longest prompt) area
@@ -95,12 +95,7 @@ class BatchedRunner:
             for seq in group:
                 self._unregister(seq)
             raise
-        tokens = sample_rows([s.sampler for s in group], logits)
-        lsm = torch.log_softmax(logits.float(), dim=-1) if any(s.want_lp for s in group) else None
-        for i, s in enumerate(group):
-            if not s.sampler.plain_greedy:
-                s.sampler.observe(tokens[i : i + 1])
-        ids = tokens.tolist()
+        ids, lsm = choose_rows(group, logits)
         finished = []
         for i, seq in enumerate(group):
             seq.forwards += 1
@@ -226,14 +221,7 @@ class BatchedRunner:
         cache.advance(1)
         self.steps += 1
         self._count(rows, ctx)
-        tokens = sample_rows([s.sampler for s in rows], logits)
-        lsm = None
-        if any(s.want_lp for s in rows):
-            lsm = torch.log_softmax(logits.float(), dim=-1)
-        for i, s in enumerate(rows):
-            if not s.sampler.plain_greedy:
-                s.sampler.observe(tokens[i : i + 1])
-        ids = tokens.tolist()  # the one host sync per step
+        ids, lsm = choose_rows(rows, logits)  # the one host sync per step
         finished = []
         for i, s in enumerate(rows):
             s.forwards += 1
