@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -108,9 +109,20 @@ def get_backend(name: str) -> BackendEntry:
                                details={"backend": name, "known": list(_BACKENDS)}) from None
 
 
+# the report looks for packages on disk (~0.2 ms); every engine status carries it, and a
+# status is read on each /v1 request, so it is kept for a few seconds (a package installed
+# while the server runs shows within REPORT_TTL_S; a load checks its own packages afresh)
+REPORT_TTL_S = 5.0
+_report: tuple[tuple[int, ...], float, list[dict[str, Any]]] | None = None
+
+
 def backends_report() -> list[dict[str, Any]]:
     """Every registered backend, whether it can load here, and how to install it."""
-    return [entry.report() for entry in _BACKENDS.values()]
+    global _report
+    key, now = tuple(id(e) for e in _BACKENDS.values()), time.monotonic()
+    if _report is None or _report[0] != key or now - _report[1] > REPORT_TTL_S:
+        _report = (key, now, [entry.report() for entry in _BACKENDS.values()])
+    return [dict(item) for item in _report[2]]
 
 
 register_backend(BackendEntry(
