@@ -70,12 +70,24 @@ def redis_port() -> Iterator[int]:
     shutil.rmtree(workdir, ignore_errors=True)
 
 
+CLAIM_KEY = "millm-test-claim"
+# every key of the database but the claim, in one step
+_EMPTY_BUT_CLAIM = """
+for _, key in ipairs(redis.call('keys', '*')) do
+  if key ~= ARGV[1] then redis.call('del', key) end
+end
+"""
+
+
 @pytest.fixture
 def redis_url(redis_port: int) -> Iterator[str]:
-    """A Redis database of its own (claimed with a marker key), flushed afterwards."""
+    """A Redis database of its own (claimed with a marker key), emptied before and flushed
+    after. A database nobody claims is free whatever it holds: a killed run, or a write
+    that landed after an earlier test's flush, must not take it out of use for good."""
     for db in REDIS_DBS:
         r = redis.Redis(host="127.0.0.1", port=redis_port, db=db)
-        if r.dbsize() == 0 and r.set("millm-test-claim", os.getpid(), nx=True, ex=900):
+        if r.set(CLAIM_KEY, os.getpid(), nx=True, ex=900):
+            r.eval(_EMPTY_BUT_CLAIM, 0, CLAIM_KEY)
             break
     else:
         pytest.fail(f"no free Redis database among {list(REDIS_DBS)}")
