@@ -232,11 +232,14 @@ class AttachmentHook:
     """The forward hook for one (sae_id, layer); reads the manager's current context."""
 
     def __init__(self, key: AttachmentKey, manager: HookManager, stats: AttachmentStats, *,
-                 residual_pair: bool = False) -> None:
+                 residual_pair: bool = False, read_input: bool = False) -> None:
         self.key = key
         self.manager = manager
         self.stats = stats
         self.residual_pair = residual_pair
+        # a transcoder reads its module's input and writes its output: monitors (and any
+        # encode) read ``args[0]``, the delta still goes into the output
+        self.read_input = read_input
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         ctx = self.manager.current
@@ -253,8 +256,9 @@ class AttachmentHook:
             if plan is None:
                 return None
             start = segs[0].start_position
+            read = args[0] if self.read_input else hidden
             if plan.pre:
-                rows = hidden.reshape(-1, hidden.shape[-1])
+                rows = read.reshape(-1, read.shape[-1])
                 for m in plan.pre:
                     m.observe(rows, start)
             if plan.delta is None:
@@ -264,35 +268,38 @@ class AttachmentHook:
                 plan.count += 1
                 self.stats.steering_apply_count += 1
             if plan.post:
-                rows = new.reshape(-1, new.shape[-1])
+                after = read if self.read_input else new
+                rows = after.reshape(-1, after.shape[-1])
                 for m in plan.post:
                     m.observe(rows, start)
         else:
-            new = self._batched(ctx, hidden)
+            new = self._batched(ctx, hidden, args[0] if self.read_input else None)
             if new is None:
                 return None
         if new is hidden:
             return None
         return (new, *output[1:]) if is_tuple else new
 
-    def _batched(self, ctx: BatchContext, hidden: torch.Tensor) -> torch.Tensor | None:
+    def _batched(self, ctx: BatchContext, hidden: torch.Tensor, inputs: torch.Tensor | None) -> torch.Tensor | None:
         key = self.key
         table = ctx.delta_tables.get(key)
         monitored = [(s, p) for s in ctx.segments if (p := s.request.plans.get(key)) is not None and (p.pre or p.post)]
         if table is None and not monitored:
             return None
         flat = hidden.reshape(-1, hidden.shape[-1])
+        read = inputs.reshape(-1, inputs.shape[-1]) if inputs is not None else flat
         for seg, plan in monitored:
             for m in plan.pre:
-                m.observe(flat[seg.row_start : seg.row_end], seg.start_position)
+                m.observe(read[seg.row_start : seg.row_end], seg.start_position)
         if table is not None:
             # each row gets its own request's delta (zeros for unsteered requests)
             flat = flat + table.index_select(0, ctx.row_slots)  # type: ignore[arg-type]
             ctx.applied.add(key)
             self.stats.steering_apply_count += 1
+        after = read if inputs is not None else flat
         for seg, plan in monitored:
             for m in plan.post:
-                m.observe(flat[seg.row_start : seg.row_end], seg.start_position)
+                m.observe(after[seg.row_start : seg.row_end], seg.start_position)
         return flat.view_as(hidden) if table is not None else hidden
 
 
@@ -333,10 +340,10 @@ class HookManager:
         self._handles: dict[AttachmentKey, Any] = {}
 
     def install(self, key: AttachmentKey, module: torch.nn.Module, stats: AttachmentStats, *,
-                residual_pair: bool = False) -> None:
+                residual_pair: bool = False, read_input: bool = False) -> None:
         if key in self._handles:
             raise RuntimeError(f"a hook for {key} is already installed")
-        hook = AttachmentHook(key, self, stats, residual_pair=residual_pair)
+        hook = AttachmentHook(key, self, stats, residual_pair=residual_pair, read_input=read_input)
         self._handles[key] = module.register_forward_hook(hook)
 
     def remove(self, key: AttachmentKey) -> None:
