@@ -30,12 +30,15 @@ from typing import Any
 
 import torch
 
+from .controls import ControlTable
 from .protocol import (
     ActivationRecord,
     AttachmentKey,
     FeatureActivation,
     MonitorEntry,
     PositionRange,
+    SteeringCount,
+    SteeringFired,
 )
 from .sae.module import SAE
 
@@ -153,13 +156,56 @@ class MonitorPlan:
 
 @dataclass
 class AttachmentPlan:
-    """One request's work at one attachment."""
+    """One request's work at one attachment: the delta of its plain adds, its feature
+    controls (``ControlTable``; ``cols`` = their columns in the batch's table), its
+    monitors, and what was applied (forward passes, per mode, and where conditional
+    controls fired)."""
 
     key: AttachmentKey
     delta: torch.Tensor | None = None
+    controls: ControlTable | None = None
+    cols: tuple[int, int] = (0, 0)
     pre: list[MonitorPlan] = field(default_factory=list)
     post: list[MonitorPlan] = field(default_factory=list)
     count: int = 0
+    mode_counts: dict[str, int] = field(default_factory=dict)
+    gates: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def steers(self) -> bool:
+        return self.delta is not None or self.controls is not None
+
+    @property
+    def conditional(self) -> bool:
+        return self.controls is not None and self.controls.gated_by_feature
+
+    def applied(self) -> None:
+        """One forward pass in which this plan's steering was added."""
+        self.count += 1
+        modes = {"add"} if self.delta is not None else set()
+        modes.update(self.controls.modes if self.controls is not None else ())
+        for mode in modes:
+            self.mode_counts[mode] = self.mode_counts.get(mode, 0) + 1
+
+    def record_gates(self, start: int, gate: torch.Tensor) -> None:
+        """Keep this forward's gate of the conditional controls (rows from ``start``);
+        read on the host only when the request finishes."""
+        self.gates.append((start, gate))
+
+    def fired(self) -> list[SteeringFired]:
+        """Where each conditional control's gate was open (row positions)."""
+        table = self.controls
+        if table is None or not table.gated_by_feature:
+            return []
+        positions: list[list[int]] = [[] for _ in range(table.size)]
+        for start, gate in self.gates:
+            for r, row in enumerate(gate.tolist()):
+                for j, open_ in enumerate(row):
+                    if open_ and table.conditional[j]:
+                        positions[j].append(start + r)
+        self.gates.clear()
+        return [SteeringFired(self.key[0], self.key[1], table.indices[j], table.modes[j], sorted(set(positions[j])))
+                for j in range(table.size) if table.conditional[j]]
 
 
 @dataclass
@@ -188,8 +234,15 @@ class RequestHooks:
             recs.extend(m.collect())
         return recs
 
-    def steering_counts(self) -> dict[AttachmentKey, int]:
-        return {k: p.count for k, p in self.plans.items() if p.delta is not None}
+    def steering_counts(self) -> list[SteeringCount]:
+        return [SteeringCount(k[0], k[1], p.count, dict(p.mode_counts)) for k, p in self.plans.items() if p.steers]
+
+    @property
+    def conditional(self) -> bool:
+        return any(p.conditional for p in self.plans.values())
+
+    def steering_fired(self) -> list[SteeringFired]:
+        return [f for p in self.plans.values() for f in p.fired()]
 
 
 @dataclass
@@ -221,6 +274,11 @@ class BatchContext:
     row_slots: torch.Tensor | None = None
     delta_tables: dict[AttachmentKey, torch.Tensor] = field(default_factory=dict)
     applied: set[AttachmentKey] = field(default_factory=set)
+    # batched mode with feature controls: each attachment's batch ``ControlTable`` and
+    # every row's sequence position (segments then also list requests with conditional
+    # controls, whose gates are kept)
+    control_tables: dict[AttachmentKey, ControlTable] = field(default_factory=dict)
+    row_positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -261,11 +319,18 @@ class AttachmentHook:
                 rows = read.reshape(-1, read.shape[-1])
                 for m in plan.pre:
                     m.observe(rows, start)
-            if plan.delta is None:
-                new = hidden
-            else:
+            new = hidden
+            if plan.delta is not None:
                 new = hidden + plan.delta
-                plan.count += 1
+            if plan.controls is not None:
+                flat = hidden.reshape(-1, hidden.shape[-1])
+                positions = torch.arange(start, start + flat.shape[0], device=plan.controls.lo.device)
+                delta, gate = plan.controls.apply(read.reshape(-1, read.shape[-1]), positions, written=flat)
+                if plan.conditional:
+                    plan.record_gates(start, gate)
+                new = new + delta.to(hidden.dtype).view_as(hidden)
+            if plan.steers:
+                plan.applied()
                 self.stats.steering_apply_count += 1
             if plan.post:
                 after = read if self.read_input else new
@@ -283,24 +348,35 @@ class AttachmentHook:
     def _batched(self, ctx: BatchContext, hidden: torch.Tensor, inputs: torch.Tensor | None) -> torch.Tensor | None:
         key = self.key
         table = ctx.delta_tables.get(key)
+        controls = ctx.control_tables.get(key)
         monitored = [(s, p) for s in ctx.segments if (p := s.request.plans.get(key)) is not None and (p.pre or p.post)]
-        if table is None and not monitored:
+        if table is None and controls is None and not monitored:
             return None
         flat = hidden.reshape(-1, hidden.shape[-1])
         read = inputs.reshape(-1, inputs.shape[-1]) if inputs is not None else flat
         for seg, plan in monitored:
             for m in plan.pre:
                 m.observe(read[seg.row_start : seg.row_end], seg.start_position)
+        written = flat
         if table is not None:
             # each row gets its own request's delta (zeros for unsteered requests)
             flat = flat + table.index_select(0, ctx.row_slots)  # type: ignore[arg-type]
+        if controls is not None:
+            # every row computes every request's controls, masked by slot: one pass
+            delta, gate = controls.apply(read, ctx.row_positions, ctx.row_slots, written=written)  # type: ignore[arg-type]
+            flat = flat + delta.to(flat.dtype)
+            for seg in ctx.segments:
+                plan = seg.request.plans.get(key)
+                if plan is not None and plan.conditional:
+                    plan.record_gates(seg.start_position, gate[seg.row_start : seg.row_end, plan.cols[0] : plan.cols[1]])
+        if table is not None or controls is not None:
             ctx.applied.add(key)
             self.stats.steering_apply_count += 1
         after = read if inputs is not None else flat
         for seg, plan in monitored:
             for m in plan.post:
                 m.observe(after[seg.row_start : seg.row_end], seg.start_position)
-        return flat.view_as(hidden) if table is not None else hidden
+        return flat.view_as(hidden) if flat is not written else hidden
 
 
     def _pair(self, ctx: BatchContext, hidden: torch.Tensor, residual: torch.Tensor, output: tuple) -> Any:

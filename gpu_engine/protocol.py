@@ -175,15 +175,104 @@ class SamplingParams(msgspec.Struct):
 AttachmentKey = tuple[str, int]
 
 
-class SteeringEntry(msgspec.Struct):
-    """Feature strengths for one attachment: ``delta = Σ strength · W_dec[index]``.
+STEERING_MODES = ("add", "clamp", "scale", "ablate")
+STEERING_PHASES = ("all", "prompt", "completion")
 
-    On the wire ``features`` is a JSON object keyed by the feature index (``{"3": 5.0}``).
+
+class SteeringCondition(msgspec.Struct, frozen=True):
+    """Steer a position only where feature ``feature`` of the same SAE, encoded from the
+    residual arriving at the hook (before this attachment's delta), is above ``threshold``."""
+
+    feature: int
+    threshold: float = 0.0
+
+    def __post_init__(self) -> None:
+        _int(self.feature, "steering.condition.feature", lo=0)
+        _num(self.threshold, "steering.condition.threshold", lo=-1e6, hi=1e6)
+
+
+class FeatureControl(msgspec.Struct, omit_defaults=True):
+    """One feature steered otherwise than "add this strength at every position"
+    (docs/steering.md, "Modes"): with ``x`` the residual row arriving at the hook,
+    ``a`` = feature ``index``'s activation there and ``d`` = ``W_dec[index]``:
+
+    - ``add``: ``value · d``;
+    - ``clamp``: ``(value − a) · d`` (the feature set to ``value``);
+    - ``scale``: ``(value − 1) · a · d`` (the feature multiplied by ``value``);
+    - ``ablate``: ``−(x · d̂) d̂`` with ``d̂ = d / ‖d‖`` (``value`` must be 0).
+
+    Each applies only where its gate is open: the ``phase`` (``prompt`` = rows below the
+    prompt length, ``completion`` = the rows of generated tokens), the ``window`` of row
+    positions, and the ``condition``.
+    """
+
+    index: int
+    mode: str = "add"
+    value: float = 0.0
+    phase: str = "all"
+    window: PositionRange | None = None
+    condition: SteeringCondition | None = None
+
+    def __post_init__(self) -> None:
+        _int(self.index, "steering.features.index", lo=0)
+        if self.mode not in STEERING_MODES:
+            raise InvalidParameter(f"steering mode must be one of {', '.join(STEERING_MODES)}, got {self.mode!r}",
+                                   param="steering.features.mode")
+        if self.phase not in STEERING_PHASES:
+            raise InvalidParameter(f"steering phase must be one of {', '.join(STEERING_PHASES)}, got {self.phase!r}",
+                                   param="steering.features.phase")
+        self.value = _num(self.value, "steering.features.value", lo=-MAX_STEERING_STRENGTH, hi=MAX_STEERING_STRENGTH)
+        if self.mode == "ablate" and self.value != 0:
+            raise InvalidParameter("ablate takes no value", param="steering.features.value")
+        if isinstance(self.window, Mapping):
+            self.window = PositionRange(**self.window)
+        if isinstance(self.condition, Mapping):
+            self.condition = SteeringCondition(**self.condition)
+
+    @property
+    def plain(self) -> bool:
+        """An add at every position: the same as a ``features`` strength."""
+        return self.mode == "add" and self.phase == "all" and self.window is None and self.condition is None
+
+    @property
+    def no_op(self) -> bool:
+        """Changes nothing whatever the residual: an add of 0, a scale by 1."""
+        return (self.mode == "add" and self.value == 0) or (self.mode == "scale" and self.value == 1)
+
+    def canonical_line(self, sae_id: str, layer: int) -> str:
+        """Its line of ``SteeringSpec.canonical_text``."""
+        fields = [sae_id, str(layer), str(self.index), f"mode={self.mode}"]
+        if self.mode != "ablate":
+            fields.append(f"value={_bits(self.value)}")
+        if self.phase != "all":
+            fields.append(f"phase={self.phase}")
+        if self.window is not None:
+            end = "" if self.window.end is None else str(self.window.end)
+            fields.append(f"window={self.window.start}:{end}")
+        if self.condition is not None:
+            fields.append(f"if={self.condition.feature}>{_bits(self.condition.threshold)}")
+        return "\t".join(fields) + "\n"
+
+
+def _bits(value: float) -> str:
+    """16 hex digits of the IEEE-754 binary64 bits, big-endian (-0.0 written as 0)."""
+    return struct.pack(">d", float(value) + 0.0).hex()
+
+
+class SteeringEntry(msgspec.Struct, omit_defaults=True):
+    """Steering at one attachment.
+
+    ``features``: strengths added at every position, ``delta = Σ strength · W_dec[index]``
+    (on the wire a JSON object keyed by the feature index, ``{"3": 5.0}``).
+    ``controls``: features steered in another mode or only where a gate is open
+    (``FeatureControl``); a plain add given as a control moves to ``features``.  A feature
+    index appears once in the entry.
     """
 
     sae_id: str
     layer: int
     features: dict[int, float] = msgspec.field(default_factory=dict)
+    controls: list[FeatureControl] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not isinstance(self.sae_id, str) or not self.sae_id:
@@ -197,7 +286,30 @@ class SteeringEntry(msgspec.Struct):
             clean[index] = _num(
                 strength, "steering.features.strength", lo=-MAX_STEERING_STRENGTH, hi=MAX_STEERING_STRENGTH
             )
+        controls = []
+        for c in self.controls:
+            c = FeatureControl(**c) if isinstance(c, Mapping) else c
+            if c.index in clean or any(o.index == c.index for o in controls):
+                raise InvalidParameter(f"steering names feature {c.index} twice", param="steering.features",
+                                       details={"index": c.index})
+            if c.plain:
+                clean[c.index] = c.value
+            else:
+                controls.append(c)
         self.features = clean
+        self.controls = controls
+
+    def indices(self) -> list[int]:
+        """Every feature index the entry reads or writes (conditions' triggers included)."""
+        out = list(self.features)
+        for c in self.controls:
+            out.append(c.index)
+            if c.condition is not None:
+                out.append(c.condition.feature)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.features and not any(not c.no_op for c in self.controls)
 
     @property
     def key(self) -> AttachmentKey:
@@ -224,21 +336,29 @@ class SteeringSpec(msgspec.Struct):
         return {e.key: dict(e.features) for e in self.entries}
 
     def is_empty(self) -> bool:
-        return not any(e.features for e in self.entries)
+        return all(e.is_empty() for e in self.entries)
+
+    def has_controls(self) -> bool:
+        return any(e.controls for e in self.entries)
 
     def canonical_text(self) -> str:
-        """The applied set, one line per non-zero feature, in a form every language can
-        write exactly (docs/steering.md, "The steering hash"):
+        """The applied set, one line per feature that changes something, in a form every
+        language can write exactly (docs/steering.md, "The steering hash"):
         ``<sae_id>\t<layer>\t<index>\t<strength as 16 hex digits of its IEEE-754 binary64
-        bits, big-endian>\n``, lines sorted by (sae_id as UTF-8 bytes, layer, index).  A
-        strength of 0 changes nothing and writes no line; -0.0 is 0."""
+        bits, big-endian>\n`` for a plain add, and for a control
+        ``<sae_id>\t<layer>\t<index>\tmode=<mode>[\tvalue=<bits>][\tphase=<phase>]``
+        ``[\twindow=<start>:<end or empty>][\tif=<feature>><threshold bits>]\n``; lines
+        sorted by (sae_id as UTF-8 bytes, layer, index).  An add of 0 or a scale by 1
+        changes nothing and writes no line; -0.0 is 0."""
         lines = []
         for e in self.entries:
             for index, strength in e.features.items():
                 if strength == 0:
                     continue
-                bits = struct.pack(">d", float(strength)).hex()
-                lines.append((e.sae_id.encode(), e.layer, index, f"{e.sae_id}\t{e.layer}\t{index}\t{bits}\n"))
+                lines.append((e.sae_id.encode(), e.layer, index, f"{e.sae_id}\t{e.layer}\t{index}\t{_bits(strength)}\n"))
+            for c in e.controls:
+                if not c.no_op:
+                    lines.append((e.sae_id.encode(), e.layer, c.index, c.canonical_line(e.sae_id, e.layer)))
         return "".join(line for *_, line in sorted(lines))
 
     def canonical_hash(self) -> str:
@@ -488,9 +608,24 @@ class TokenLogprob(msgspec.Struct):
 
 
 class SteeringCount(msgspec.Struct):
+    """Forward passes in which a request's steering at an attachment was added, in all
+    (``count``) and per mode (``modes``: ``add`` for plain strengths, and each control
+    mode the request used)."""
+
     sae_id: str
     layer: int
     count: int
+    modes: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class SteeringFired(msgspec.Struct):
+    """The row positions where a conditional control's trigger opened its gate."""
+
+    sae_id: str
+    layer: int
+    index: int
+    mode: str
+    positions: list[int] = msgspec.field(default_factory=list)
 
 
 class AttachResult(msgspec.Struct):
@@ -592,6 +727,8 @@ class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
     prompt_text: str | None = None
     prompt_tokens: list[str] = msgspec.field(default_factory=list)
     tokens: list[str] = msgspec.field(default_factory=list)
+    # where conditional steering controls fired (``SteeringFired``)
+    steering_fired: list[SteeringFired] = msgspec.field(default_factory=list)
 
 
 class ErrorEvent(msgspec.Struct, tag="error", tag_field="type"):
@@ -642,6 +779,7 @@ class GenerationResult(msgspec.Struct):
     prompt_logprobs: list[float | None] | None = None
     steering_apply_count: list[SteeringCount] = msgspec.field(default_factory=list)
     forward_passes: int = 0
+    steering_fired: list[SteeringFired] = msgspec.field(default_factory=list)
 
     @classmethod
     def from_events(cls, events: Iterable[GenerationEvent]) -> GenerationResult:
@@ -666,6 +804,7 @@ class GenerationResult(msgspec.Struct):
                     activations=activations,
                     prompt_logprobs=ev.prompt_logprobs,
                     steering_apply_count=ev.steering_apply_count,
+                    steering_fired=ev.steering_fired,
                     forward_passes=ev.forward_passes,
                 )
         raise RuntimeError("generation ended without a finish event")

@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .attachments import Attachment
+from .controls import ControlTable, control_range
 from .errors import ContextLengthExceeded, InvalidParameter, SAENotAttached
 from .hooks import AttachmentPlan, MonitorPlan, RequestHooks
 from .protocol import AttachmentKey, GenerationJob
@@ -28,8 +29,10 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
     it cannot do (``capabilities()``): never ignore it."""
     caps = backend.capabilities()
     needs = []
-    if job.steering is not None and any(e.features for e in job.steering.entries):
+    if job.steering is not None and not job.steering.is_empty():
         needs.append(("per_request_steering", "steering"))
+    if job.steering is not None and job.steering.has_controls():
+        needs.append(("steering_controls", "steering.features.mode"))
     if job.monitor is not None and job.monitor.entries:
         needs.append(("per_request_monitoring", "monitor"))
     if job.sampling.logprobs or job.sampling.top_logprobs:
@@ -78,13 +81,30 @@ def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, Attachment],
         return att
 
     for entry in job.steering.entries if job.steering else []:
-        if not entry.features:
+        if entry.is_empty():
             continue
         att = attachment(entry.key)
-        att.sae.check_indices(entry.sae_id, entry.features)
+        att.sae.check_indices(entry.sae_id, entry.indices())
         plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
-        plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype,
-                                            device=getattr(backend, "sae_device", backend.device))
+        if entry.features:
+            plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype,
+                                                device=getattr(backend, "sae_device", backend.device))
+        controls = [c for c in entry.controls if not c.no_op]
+        for c in controls:
+            start, end = control_range(c, n_prompt)
+            if c.window is not None and c.window.start >= backend.context_length:
+                raise InvalidParameter(
+                    f"steering window starts at {c.window.start}, past the context window "
+                    f"({backend.context_length} positions)", param="steering.features.window",
+                    details={"index": c.index, "context_length": backend.context_length})
+            if start >= min(end, backend.context_length):
+                raise InvalidParameter(
+                    f"feature {c.index}'s phase {c.phase!r} and window select no position of this "
+                    f"request (prompt of {n_prompt} tokens)", param="steering.features.window",
+                    details={"index": c.index, "prompt_tokens": n_prompt})
+        if controls:
+            plan.controls = ControlTable.build(controls, att.sae, prompt_len=n_prompt)
+            plan.cols = (0, plan.controls.size)
     for mon in job.monitor.entries if job.monitor else []:
         att = attachment(mon.key)
         att.sae.check_indices(mon.sae_id, mon.features)

@@ -47,6 +47,9 @@ CAPABILITY_KEYS = (
     "stop_sequences",
     "cancellation",
     "per_request_steering",
+    # feature controls beyond a plain add (clamp, scale, ablate, phases, windows,
+    # conditions: ``FeatureControl``), per request
+    "steering_controls",
     "per_request_monitoring",
     "exact_monitoring_attribution",
     "logprobs",

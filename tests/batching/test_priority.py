@@ -84,11 +84,15 @@ def test_waiting_interactive_requests_go_before_waiting_batch_lines(tiny_assets)
     eng = load(tiny_assets, "tiny-llama",
                batching=BatchingOptions(enabled=True, max_batch_size=1, batch_rows=0))
     try:
-        first = eng.generate(job("long", PROMPTS[0], 20))
+        # long enough to be still running when "later" comes 50 ms after "line"
+        first = eng.generate(job("long", PROMPTS[0], 150))
         wait_running(eng, 1)
-        line = eng.generate(job("line", PROMPTS[1], 3, "batch"))
+        # one row: the three run one after another, so each end is at least a run of
+        # 12+ forwards after the one before (far more than a thread's wake-up delay on a
+        # loaded machine, which once inverted two 3-token runs' end times)
+        line = eng.generate(job("line", PROMPTS[1], 30, "batch"))
         time.sleep(0.05)  # the line is waiting before the interactive request comes
-        later = eng.generate(job("later", PROMPTS[2], 3))
+        later = eng.generate(job("later", PROMPTS[2], 12))
         ended: dict[str, float] = {}
         threads = [threading.Thread(target=lambda s=s, k=k: (s.result(timeout_s=60),
                                                              ended.__setitem__(k, time.monotonic())))

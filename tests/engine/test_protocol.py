@@ -15,6 +15,7 @@ from gpu_engine.protocol import (
     EngineStatus,
     ErrorEvent,
     FeatureActivation,
+    FeatureControl,
     FinishEvent,
     GenerationJob,
     GenerationResult,
@@ -25,7 +26,9 @@ from gpu_engine.protocol import (
     PositionRange,
     SamplingParams,
     ScoreJob,
+    SteeringCondition,
     SteeringCount,
+    SteeringEntry,
     SteeringSpec,
     StreamEvent,
     TokenEvent,
@@ -61,6 +64,23 @@ def test_generation_job_roundtrip_keeps_tuple_keyed_steering():
     back = roundtrip(job)
     assert back == job
     assert back.steering.as_mapping() == {("sae-a", 3): {10: 2.5, 7: -1.0}, ("sae-b", 5): {}}
+
+
+def test_feature_controls_travel_and_a_plain_add_given_as_a_control_is_a_strength():
+    entry = SteeringEntry("sae-a", 3, {1: 2.0}, [
+        FeatureControl(4, mode="clamp", value=3.0, phase="completion", window=PositionRange(2, None),
+                       condition=SteeringCondition(9, 0.5)),
+        {"index": 5, "mode": "add", "value": -1.5},  # plain: joins the strengths
+        {"index": 6, "mode": "ablate"},
+    ])
+    assert entry.features == {1: 2.0, 5: -1.5}
+    assert [c.index for c in entry.controls] == [4, 6]
+    wire = json.loads(to_json(SteeringSpec([entry])))["entries"][0]
+    assert wire["controls"][0] == {"index": 4, "mode": "clamp", "value": 3.0, "phase": "completion",
+                                   "window": {"start": 2, "end": None}, "condition": {"feature": 9, "threshold": 0.5}}
+    assert wire["controls"][1] == {"index": 6, "mode": "ablate"}
+    back = from_json(to_json(SteeringSpec([entry])), SteeringSpec)
+    assert back == SteeringSpec([entry])
 
 
 def test_events_and_results_roundtrip():

@@ -226,6 +226,8 @@ class LlamaCppBackend:
     def capabilities(self) -> dict[str, Any]:
         return all_capabilities(
             embeddings=self.opts["embeddings"],
+            # the eval callback adds precomputed deltas only (no encode on its rows yet)
+            steering_controls=False,
             # how requests with different steering share a batch: each row's delta added in
             # the eval callback; rows steered alike use a control vector
             steering_mode="eval_callback_per_row",

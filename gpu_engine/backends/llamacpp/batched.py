@@ -134,7 +134,7 @@ class LlamaBatchRunner:
                 for key in applied:
                     plan = seq.hooks.plans.get(key)
                     if plan is not None and plan.delta is not None:
-                        plan.count += 1
+                        plan.applied()
 
     # ------------------------------------------------------------------ rows
 

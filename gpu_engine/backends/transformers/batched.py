@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ...controls import ControlTable
 from ...hooks import BatchContext, HookManager, Segment
 from ...protocol import AttachmentKey
 from .attention import use_grouped_sdpa
@@ -70,6 +71,9 @@ class BatchedRunner:
         self._free_slots = list(range(max_rows - 1, -1, -1))
         self._tables: dict[AttachmentKey, torch.Tensor] = {}
         self._steered: dict[AttachmentKey, list[Sequence]] = {}
+        # feature controls: per attachment, the requests using them and their batch table
+        self._controlled: dict[AttachmentKey, list[Sequence]] = {}
+        self._control_tables: dict[AttachmentKey, ControlTable] = {}
         self._row_slots: torch.Tensor | None = None
         self.steps = 0
 
@@ -128,10 +132,15 @@ class BatchedRunner:
         for i, (s, pad) in enumerate(zip(group, skips)):
             input_ids[i, pad:] = s.prompt[0]
             mask[i, pad:] = 1
-            if s.monitoring:
+            if s.monitoring or s.gated:
                 segments.append(Segment(s.hooks, i * width + pad, (i + 1) * width, 0))  # type: ignore[arg-type]
         slots = torch.tensor([s.slot for s in group], dtype=torch.long, device=self.device)
-        ctx = BatchContext(segments, row_slots=slots.repeat_interleave(width), delta_tables=self._tables)
+        positions = None
+        if self._control_tables:  # padding rows get negative positions: no gate opens there
+            pads = torch.tensor(skips, dtype=torch.long, device=self.device)
+            positions = (torch.arange(width, device=self.device)[None, :] - pads[:, None]).reshape(-1)
+        ctx = BatchContext(segments, row_slots=slots.repeat_interleave(width), delta_tables=self._tables,
+                           control_tables=self._control_tables, row_positions=positions)
         with self.hooks.active(ctx):
             logits, past = self.runner.prefill_rows(input_ids, mask)
         self._count(group, ctx)
@@ -143,7 +152,12 @@ class BatchedRunner:
             raise RuntimeError("the batch is full")  # the scheduler never lets this happen
         seq.slot = self._free_slots.pop()
         seq.steered_keys = []
+        seq.control_keys = []
         for key, plan in (seq.hooks.plans.items() if seq.hooks is not None else ()):
+            if plan.controls is not None:
+                self._controlled.setdefault(key, []).append(seq)
+                seq.control_keys.append(key)
+                self._rebuild_controls(key)
             if plan.delta is None:
                 continue
             table = self._tables.get(key)
@@ -164,19 +178,40 @@ class BatchedRunner:
             else:  # nobody steers here any more: the hook skips the add entirely
                 del self._steered[key], self._tables[key]
         seq.steered_keys = []
+        for key in seq.control_keys:
+            self._controlled[key].remove(seq)
+            self._rebuild_controls(key)
+        seq.control_keys = []
         if seq.slot >= 0:
             self._free_slots.append(seq.slot)
             seq.slot = -1
 
+    def _rebuild_controls(self, key: AttachmentKey) -> None:
+        """The batch table of ``key``'s controls: each member's operations in a column
+        range of their own (``plan.cols``), tagged with its slot."""
+        members = self._controlled.get(key)
+        if not members:
+            self._controlled.pop(key, None)
+            self._control_tables.pop(key, None)
+            return
+        col = 0
+        parts = []
+        for s in members:
+            plan = s.hooks.plans[key]  # type: ignore[union-attr]
+            parts.append((plan.controls, s.slot))
+            plan.cols = (col, col + plan.controls.size)  # type: ignore[union-attr]
+            col = plan.cols[1]
+        self._control_tables[key] = ControlTable.concat(parts)  # type: ignore[arg-type]
+
     @staticmethod
     def _count(seqs: list[Sequence], ctx: BatchContext) -> None:
-        """+1 for each request whose delta the hook really added in this forward."""
+        """+1 for each request whose steering the hook really added in this forward."""
         if not ctx.applied:
             return
         for s in seqs:
-            for key in s.steered_keys:
+            for key in dict.fromkeys((*s.steered_keys, *s.control_keys)):
                 if key in ctx.applied:
-                    s.hooks.plans[key].count += 1  # type: ignore[union-attr]
+                    s.hooks.plans[key].applied()  # type: ignore[union-attr]
 
     def remove(self, seq: Sequence) -> None:
         row = self.rows.index(seq)
@@ -192,10 +227,13 @@ class BatchedRunner:
         for seq in self.rows:
             seq.slot = -1
             seq.steered_keys = []
+            seq.control_keys = []
         self._free_slots = list(range(self.max_rows - 1, -1, -1))
         self.rows = []
         self._tables.clear()
         self._steered.clear()
+        self._controlled.clear()
+        self._control_tables.clear()
         self._row_slots = None
         self.cache = BatchKVCache(self.runner.num_layers, device=self.device, dtype=self.runner.dtype)
 
@@ -211,10 +249,15 @@ class BatchedRunner:
             self._row_slots = torch.tensor([s.slot for s in rows], dtype=torch.long, device=self.device)
         segments = []
         for r, s in enumerate(rows):
-            if s.monitoring:
+            if s.monitoring or s.gated:
                 # the row fed now is the last generated token, at position n_prompt + n - 1
                 segments.append(Segment(s.hooks, r, r + 1, s.n_prompt + len(s.generated) - 1))  # type: ignore[arg-type]
-        ctx = BatchContext(segments, row_slots=self._row_slots, delta_tables=self._tables)
+        positions = None
+        if self._control_tables:
+            positions = torch.tensor([s.n_prompt + len(s.generated) - 1 for s in rows], dtype=torch.long,
+                                     device=self.device)
+        ctx = BatchContext(segments, row_slots=self._row_slots, delta_tables=self._tables,
+                           control_tables=self._control_tables, row_positions=positions)
         input_ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
         with self.hooks.active(ctx):
             logits = self.runner.forward_rows(input_ids, position_ids=position_ids, attention_mask=mask, past=cache)

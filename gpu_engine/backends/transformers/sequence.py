@@ -20,7 +20,6 @@ from ...protocol import (
     FinishEvent,
     LogprobEntry,
     SamplingParams,
-    SteeringCount,
     TokenEvent,
     TokenLogprob,
     Usage,
@@ -77,6 +76,8 @@ class Sequence:
         monitors = request_hooks.monitors() if request_hooks is not None else []
         self.monitoring = bool(monitors)
         self.streaming_monitors = any(m.stream for m in monitors)
+        # conditional controls: the batch lists this request's rows so their gates are kept
+        self.gated = request_hooks is not None and request_hooks.conditional
         self.text = ""
         self.emitted = 0
         self.generated: list[int] = []
@@ -88,10 +89,11 @@ class Sequence:
         # batched path: delta-table slot and the attachments this request steers
         self.slot = -1
         self.steered_keys: list = []
+        self.control_keys: list = []
 
     @property
     def steered(self) -> bool:
-        return self.hooks is not None and any(p.delta is not None for p in self.hooks.plans.values())
+        return self.hooks is not None and any(p.steers for p in self.hooks.plans.values())
 
     @property
     def last_token(self) -> int:
@@ -159,7 +161,8 @@ class Sequence:
         if self.monitoring:
             with torch.inference_mode():
                 self.extra_records.extend(self.hooks.finalize())  # type: ignore[union-attr]
-        counts = self.hooks.steering_counts() if self.hooks is not None else {}
+        counts = self.hooks.steering_counts() if self.hooks is not None else []
+        fired = self.hooks.steering_fired() if self.hooks is not None and self.hooks.conditional else []
         n = len(self.generated)
         texts = self.sampling.token_texts
         return FinishEvent(
@@ -171,7 +174,8 @@ class Sequence:
             prompt_token_ids=list(self.prompt_ids),
             prompt_logprobs=self.prompt_logprobs,
             activations=self.extra_records,
-            steering_apply_count=[SteeringCount(k[0], k[1], c) for k, c in counts.items()],
+            steering_apply_count=counts,
+            steering_fired=fired,
             forward_passes=self.forwards,
             prompt_text=self.prompt_text() if texts else None,
             prompt_tokens=[self.runner.token_text(t) for t in self.prompt_ids] if texts else [],

@@ -146,6 +146,8 @@ class VllmBackend:
         hooks_live = self.enforce_eager
         return all_capabilities(
             per_request_steering=hooks_live,
+            # the worker's hooks add per-row delta tables only (no encode in the forward)
+            steering_controls=False,
             per_request_monitoring=hooks_live,
             exact_monitoring_attribution=hooks_live,
             embeddings=False,

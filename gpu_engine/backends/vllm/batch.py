@@ -90,8 +90,9 @@ class VllmSequence(Sequence):
             if self.hooks is not None:
                 for key, n in result["applied"].items():
                     plan = self.hooks.plans.get(key)
-                    if plan is not None:
+                    if plan is not None:  # plain adds only: controls are refused on vLLM
                         plan.count = n
+                        plan.mode_counts = {"add": n} if n else {}
             self.collected = True
 
     def logprob(self, entries: dict[int, Any] | None, token_id: int) -> TokenLogprob | None:

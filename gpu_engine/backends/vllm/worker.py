@@ -261,7 +261,7 @@ class _State:
             req.forwards += 1
             for key in req.steered:
                 if key in applied:
-                    req.hooks.plans[key].count += 1
+                    req.hooks.plans[key].applied()
         self.ctx_reqs = []
 
     # ------------------------------------------------------------------ results
@@ -278,7 +278,7 @@ class _State:
                 records = req.hooks.finalize() if final else req.hooks.collect()
             out[rid] = {
                 "forwards": req.forwards,
-                "applied": [[k[0], k[1], n] for k, n in req.hooks.steering_counts().items()],
+                "applied": [[c.sae_id, c.layer, c.count] for c in req.hooks.steering_counts()],
                 "records": [to_builtins(r) for r in records],
             }
             if final:
