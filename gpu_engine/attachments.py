@@ -34,6 +34,10 @@ class Attachment:
     stats: AttachmentStats = field(default_factory=AttachmentStats)
 
     @property
+    def hook_point(self) -> str:
+        return self.sae.cfg.hook_point
+
+    @property
     def key(self) -> AttachmentKey:
         return (self.sae_id, self.layer)
 
@@ -42,7 +46,7 @@ class Attachment:
         return AttachmentStatus(
             sae_id=self.sae_id, layer=self.layer, layer_module_path=self.layer_module_path,
             d_in=cfg.d_in, d_sae=cfg.d_sae, activation=cfg.activation, layout=cfg.layout,
-            path=cfg.path, steering_apply_count=self.stats.steering_apply_count,
+            path=cfg.path, steering_apply_count=self.stats.steering_apply_count, hook_point=cfg.hook_point,
         )
 
 
@@ -63,7 +67,9 @@ def prepare_attachment(backend: Any, spec: AttachSpec, model_id: str | None) -> 
         cfg, hidden_size=backend.hidden_size, num_layers=backend.num_layers, layer=spec.layer, model_name=model_id
     )
     report.raise_for_errors(spec.sae_id)
-    path = backend.layer_module_path(spec.layer)
+    # the layer is the one attached at; the hook point's kind comes from the SAE (a backend
+    # that cannot hook it exactly refuses here, before anything is loaded or installed)
+    path = backend.layer_module_path(spec.layer, cfg.hook_point)
     try:
         # a backend whose model lives in other processes keeps its own copy there and the
         # engine's on the host (``sae_device``)

@@ -361,9 +361,10 @@ class Engine:
                 cfg = att.sae.cfg
                 results.append(
                     AttachResult(att.sae_id, att.layer, att.layer_module_path, cfg.d_in, cfg.d_sae,
-                                 cfg.activation, cfg.layout, warnings)
+                                 cfg.activation, cfg.layout, warnings, hook_point=att.hook_point)
                 )
-                self._emit("sae:attached", sae_id=att.sae_id, layer=att.layer, layer_module_path=att.layer_module_path)
+                self._emit("sae:attached", sae_id=att.sae_id, layer=att.layer, layer_module_path=att.layer_module_path,
+                           hook_point=att.hook_point)
             return results
 
         return self._call(op, timeout_s=timeout_s)

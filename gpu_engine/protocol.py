@@ -637,6 +637,8 @@ class AttachResult(msgspec.Struct):
     activation: str
     layout: str
     warnings: list[str] = msgspec.field(default_factory=list)
+    # where the SAE reads and writes (``gpu_engine.sae.hookpoints.HOOK_POINTS``)
+    hook_point: str = "resid_post"
 
 
 class AttachmentStatus(msgspec.Struct):
@@ -649,6 +651,7 @@ class AttachmentStatus(msgspec.Struct):
     layout: str
     path: str
     steering_apply_count: int = 0
+    hook_point: str = "resid_post"
 
 
 class EngineStatus(msgspec.Struct):

@@ -51,6 +51,11 @@ def check_compatibility(
         warnings.append(f"SAE was trained on layer {cfg.layer}, attaching at layer {layer}")
     if cfg.model_name and model_name and _norm_model_name(cfg.model_name) != _norm_model_name(model_name):
         warnings.append(f"SAE was trained on model {cfg.model_name!r}, the loaded model is {model_name!r}")
+    if cfg.normalize_activations == "expected_average_only_in" and cfg.norm_scaling_factor is None:
+        warnings.append(
+            "SAE was trained with expected_average_only_in normalisation but its files give no norm_scaling_factor: "
+            "inputs are encoded unscaled, as SAELens's load_from_disk does"
+        )
     return CompatibilityReport(compatible=not errors, errors=errors, warnings=warnings)
 
 

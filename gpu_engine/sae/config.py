@@ -6,8 +6,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..errors import SAEFormatError
+from .hookpoints import DEFAULT_HOOK_POINT, HOOK_POINTS
 
-ACTIVATIONS = ("relu", "jumprelu", "topk")
+ACTIVATIONS = ("relu", "jumprelu", "topk", "gated")
+# SAELens's ``normalize_activations`` values we apply exactly (module.SAE): none;
+# ``expected_average_only_in`` (a constant input scale, folded into the weights when the
+# file gives ``norm_scaling_factor``); ``constant_norm_rescale`` (each input row scaled to
+# norm sqrt(d_in) before encoding)
+NORMALIZATIONS = ("none", "expected_average_only_in", "constant_norm_rescale")
 
 
 @dataclass(frozen=True)
@@ -27,6 +33,12 @@ class SAEConfig:
     model_name: str | None = None
     layer: int | None = None
     hook_name: str | None = None
+    # the kind of point the SAE reads and writes (``hookpoints.HOOK_POINTS``)
+    hook_point: str = DEFAULT_HOOK_POINT
+    normalize_activations: str = "none"
+    norm_scaling_factor: float | None = None
+    # TopK SAEs trained with decoder-norm rescaling rank ``pre * |W_dec[i]|``
+    rescale_acts_by_decoder_norm: bool = False
     apply_b_dec_to_input: bool = False
     dtype: str = "float32"
     weights_file: str = ""
@@ -49,6 +61,20 @@ class SAEConfig:
                 f"TopK SAE needs 0 < k <= d_sae ({self.d_sae}), got k={self.k!r}",
                 details={"path": self.path, "k": self.k},
             )
+        if self.hook_point not in HOOK_POINTS:
+            raise SAEFormatError(
+                f"Unknown SAE hook point {self.hook_point!r}; known: {', '.join(HOOK_POINTS)}",
+                details={"path": self.path, "hook_point": self.hook_point},
+            )
+        if self.normalize_activations not in NORMALIZATIONS:
+            raise SAEFormatError(
+                f"SAE activation normalisation {self.normalize_activations!r} is not supported; "
+                f"supported: {', '.join(NORMALIZATIONS)}",
+                details={"path": self.path, "normalize_activations": self.normalize_activations},
+            )
+        factor = self.norm_scaling_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
+            raise SAEFormatError(f"norm_scaling_factor must be a positive number, got {factor!r}", details={"path": self.path})
         if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0):
             raise SAEFormatError(f"SAE trained-on layer must be a non-negative integer, got {self.layer!r}", details={"path": self.path})
 

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import ModelLoadFailed, SAEFormatError
 from ..inspect import read_safetensors_header
 from .config import SAEConfig
+from .hookpoints import parse_hook_point
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -36,7 +37,13 @@ _TENSOR_ALIASES: dict[str, tuple[tuple[str, str], ...]] = {
     "b_enc": (("b_enc", ""), ("encoder.bias", "")),
     "b_dec": (("b_dec", ""), ("decoder.bias", ""), ("bias", "")),
     "threshold": (("threshold", ""), ("log_threshold", "log")),
+    # gated SAEs (SAELens ``GatedSAE``): no b_enc; a gate bias, a magnitude bias and a
+    # per-feature log scale of the shared encoder
+    "b_gate": (("b_gate", ""),),
+    "b_mag": (("b_mag", ""),),
+    "r_mag": (("r_mag", ""),),
 }
+_GATED = ("b_gate", "b_mag", "r_mag")
 
 
 @dataclass(frozen=True)
@@ -127,7 +134,8 @@ def _resolve_shapes(shapes: dict[str, tuple[int, ...]], source: str) -> dict[str
             if stored in shapes:
                 found[canonical] = (stored, tag)
                 break
-    for required in ("W_enc", "W_dec", "b_enc"):
+    gated = all(name in found for name in _GATED)
+    for required in ("W_enc", "W_dec", *(() if gated else ("b_enc",))):
         if required not in found:
             raise SAEFormatError(
                 f"SAE weights in {source} lack {required} (have: {', '.join(sorted(shapes)) or 'nothing'})",
@@ -154,7 +162,7 @@ def _check_shapes(cfg_dims: tuple[int, int], shapes: dict[str, tuple[int, ...]],
                 f"{stored} in {source} has shape {list(shape)}, expected {d_in}x{d_sae} in either orientation",
                 details={"path": source, "tensor": stored, "shape": list(shape)},
             )
-    expected = {"b_enc": d_sae, "b_dec": d_in, "threshold": d_sae}
+    expected = {"b_enc": d_sae, "b_dec": d_in, "threshold": d_sae, "b_gate": d_sae, "b_mag": d_sae, "r_mag": d_sae}
     for canonical, size in expected.items():
         if canonical in names:
             stored, _ = names[canonical]
@@ -200,6 +208,12 @@ def canonical_tensors(raw: dict[str, torch.Tensor], cfg: SAEConfig) -> dict[str,
         out["b_dec"] = torch.zeros(cfg.d_in, dtype=out["W_dec"].dtype)
     if cfg.activation == "jumprelu" and "threshold" not in out:
         raise SAEFormatError(f"JumpReLU SAE at {cfg.path} has no threshold tensor", details={"path": cfg.path})
+    if cfg.activation == "gated":
+        missing = [name for name in _GATED if name not in out]
+        if missing:
+            raise SAEFormatError(f"Gated SAE at {cfg.path} lacks {', '.join(missing)}", details={"path": cfg.path})
+    elif "b_enc" not in out:
+        raise SAEFormatError(f"SAE weights in {cfg.path} lack b_enc", details={"path": cfg.path, "missing": "b_enc"})
     for name, t in out.items():
         if not torch.isfinite(t).all():
             raise SAEFormatError(f"{name} in {cfg.path} contains NaN or Inf", details={"path": cfg.path, "tensor": name})
@@ -229,6 +243,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
+# SAELens transcoder architectures -> the encoder they use
+_TRANSCODER_ARCHITECTURES = {"transcoder": "standard", "jumprelu_transcoder": "jumprelu"}
+
+
 def _saelens_metadata(directory: Path) -> SAEConfig:
     cfg_file = next(directory / n for n in CONFIG_NAMES if (directory / n).is_file())
     cfg = _read_json(cfg_file)
@@ -253,9 +271,29 @@ def _saelens_metadata(directory: Path) -> SAEConfig:
     act_fn = str(act_fn).lower()
     kwargs = cfg.get("activation_fn_kwargs") if isinstance(cfg.get("activation_fn_kwargs"), dict) else {}
     k = cfg.get("k", kwargs.get("k"))
+    hook_name = cfg.get("hook_name") or cfg.get("hook_point") or meta.get("hook_name")
+    hook_name_out = cfg.get("hook_name_out") or cfg.get("hook_point_out") or meta.get("hook_name_out")
+    transcoder = architecture in _TRANSCODER_ARCHITECTURES
+    if architecture in ("skip_transcoder", "jumprelu_skip_transcoder"):
+        raise SAEFormatError(f"Skip transcoders ({architecture}) are not supported",
+                             details={"path": str(directory), "architecture": architecture})
+    if transcoder:
+        d_out = cfg.get("d_out")
+        if d_out is not None and int(d_out) != d_in:
+            raise SAEFormatError(
+                f"Transcoder d_out={d_out} differs from d_in={d_in}; only MLP transcoders (d_out = d_in) can be attached",
+                details={"path": str(directory), "d_out": d_out},
+            )
+        if not hook_name_out:
+            raise SAEFormatError(f"Transcoder at {directory} names no output hook point (hook_name_out)",
+                                 details={"path": str(directory)})
+        architecture = _TRANSCODER_ARCHITECTURES[architecture]
+    elif hook_name_out:
+        raise SAEFormatError(f"SAE at {directory} names an output hook point but is not a transcoder ({architecture or '-'})",
+                             details={"path": str(directory), "hook_name_out": hook_name_out})
     if architecture == "gated":
-        raise SAEFormatError("Gated SAEs are not supported", details={"path": str(directory), "architecture": architecture})
-    if architecture == "jumprelu" or act_fn == "jumprelu" or ("threshold" in names and architecture in ("", "jumprelu")):
+        activation = "gated"
+    elif architecture == "jumprelu" or act_fn == "jumprelu" or ("threshold" in names and architecture in ("", "jumprelu")):
         activation = "jumprelu"
     elif architecture in ("topk", "batchtopk") or act_fn == "topk" or (k is not None and architecture in ("",)):
         activation = "topk"
@@ -267,11 +305,13 @@ def _saelens_metadata(directory: Path) -> SAEConfig:
             details={"path": str(directory)},
         )
     norm = cfg.get("normalize_activations", meta.get("normalize_activations"))
-    if norm not in (None, "none", "None", False):
-        raise SAEFormatError(
-            f"SAE activation normalisation {norm!r} is not supported", details={"path": str(directory)}
-        )
-    hook_name = cfg.get("hook_name") or cfg.get("hook_point") or meta.get("hook_name")
+    # pre-6.0 SAELens wrote a bool: True meant the April-2024 expected-average scaling
+    if norm is True:
+        norm = "expected_average_only_in"
+    elif norm in (None, "None", False):
+        norm = "none"
+    factor = cfg.get("norm_scaling_factor", meta.get("norm_scaling_factor"))
+    hook_point = parse_hook_point(hook_name, hook_name_out, source=str(directory))
     layer = _first(cfg, ("hook_layer", "hook_point_layer", "layer"))
     if layer is None:
         layer = meta.get("hook_layer")
@@ -288,7 +328,11 @@ def _saelens_metadata(directory: Path) -> SAEConfig:
         model_name=str(model_name) if model_name else None,
         layer=int(layer) if layer is not None else None,
         hook_name=str(hook_name) if hook_name else None,
-        apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", True)),
+        hook_point=hook_point,
+        normalize_activations=str(norm),
+        norm_scaling_factor=float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) else factor,
+        rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
+        apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", not transcoder)),
         dtype=str(cfg.get("dtype") or "float32"),
         weights_file=str(weights),
         config_file=str(cfg_file),
@@ -363,7 +407,18 @@ def _gemmascope_metadata(npz: Path) -> SAEConfig:
         match = _GEMMA_SCOPE_MODEL.search(text)
         if match:
             model_name = f"gemma-2-{match.group(1)}" + ("-it" if match.group(2) == "it" else "")
-    hook_name = sidecar.get("hook_name") or (f"blocks.{layer}.hook_resid_post" if layer is not None else None)
+    hook_name = sidecar.get("hook_name")
+    hook_name_out = sidecar.get("hook_name_out")
+    if not hook_name and layer is not None:
+        # Gemma Scope repos say what they were trained on in their names (-res, -mlp,
+        # -att: concatenated head outputs before o_proj, refused; -transcoders)
+        kind = re.search(r"gemma-scope-[^/]*-(res|mlp|att|transcoders)\b", text)
+        hook_name = {"mlp": f"blocks.{layer}.hook_mlp_out", "att": f"blocks.{layer}.attn.hook_z",
+                     "transcoders": f"blocks.{layer}.hook_mlp_in"}.get(kind.group(1) if kind else "",
+                                                                         f"blocks.{layer}.hook_resid_post")
+        if kind and kind.group(1) == "transcoders":
+            hook_name_out = f"blocks.{layer}.hook_mlp_out"
+    hook_point = parse_hook_point(hook_name, hook_name_out, source=str(npz))
     return SAEConfig(
         d_in=d_in,
         d_sae=d_sae,
@@ -373,6 +428,7 @@ def _gemmascope_metadata(npz: Path) -> SAEConfig:
         model_name=str(model_name) if model_name else None,
         layer=int(layer) if layer is not None else None,
         hook_name=str(hook_name) if hook_name else None,
+        hook_point=hook_point,
         apply_b_dec_to_input=False,
         weights_file=str(npz),
         config_file=str(config_file) if config_file else None,

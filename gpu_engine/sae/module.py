@@ -1,4 +1,19 @@
-"""The SAE as tensors: encode (ReLU / JumpReLU / TopK), decoder rows, steering deltas."""
+"""The SAE as tensors: encode (ReLU / JumpReLU / TopK / gated), decoder rows, steering deltas.
+
+Encoding follows SAELens's inference classes (``StandardSAE``, ``JumpReLUSAE``,
+``TopKSAE``, ``GatedSAE``) step for step, normalisation included:
+
+- ``expected_average_only_in``: SAELens scales inputs by a constant estimated in
+  training and folds it into the weights (``fold_activation_norm_scaling_factor``:
+  W_enc·s, W_dec/s, b_dec/s) before an SAE is used; a file giving
+  ``norm_scaling_factor`` is folded the same way here, so the decoder rows are the
+  model-space rows.  Without a factor SAELens's ``load_from_disk`` applies nothing, and
+  neither do we.
+- ``constant_norm_rescale``: each input row is scaled to norm sqrt(d_in) before encoding
+  (``run_time_activation_norm_fn_in``); decoding divides by the same per-row factor,
+  which a steering delta has no row of, so steering adds raw decoder rows (SPEC §3).
+"""
+
 
 from __future__ import annotations
 
@@ -36,9 +51,25 @@ class SAE:
 
         self.W_enc = put(tensors["W_enc"])
         self.W_dec = put(tensors["W_dec"])
-        self.b_enc = put(tensors["b_enc"])
+        self.b_enc = put(tensors["b_enc"]) if "b_enc" in tensors else None
         self.b_dec = put(tensors["b_dec"])
         self.threshold = put(tensors["threshold"]) if "threshold" in tensors else None
+        gated = cfg.activation == "gated"
+        self.b_gate = put(tensors["b_gate"]) if gated else None
+        self.b_mag = put(tensors["b_mag"]) if gated else None
+        # the magnitude path's encoder is W_enc with column j scaled by exp(r_mag[j]): the
+        # scale is applied to the shared matmul's result instead of a second W_enc copy
+        self.mag_scale = put(tensors["r_mag"]).exp() if gated else None
+        if gated:
+            # SAELens's gated SAE has no b_enc; ours is the gate bias for code that reads it
+            self.b_enc = self.b_gate  # type: ignore[assignment]
+        factor = cfg.norm_scaling_factor
+        if cfg.normalize_activations == "expected_average_only_in" and factor is not None:
+            # exactly SAELens's fold_activation_norm_scaling_factor
+            self.W_enc = self.W_enc * factor
+            self.W_dec = self.W_dec / factor
+            self.b_dec = self.b_dec / factor
+        self.dec_norms = self.W_dec.norm(dim=-1) if cfg.rescale_acts_by_decoder_norm else None
 
     @property
     def d_in(self) -> int:
@@ -53,17 +84,22 @@ class SAE:
         return self.cfg.activation
 
     def nbytes(self) -> int:
-        ts = [self.W_enc, self.W_dec, self.b_enc, self.b_dec] + ([self.threshold] if self.threshold is not None else [])
-        return sum(t.numel() * t.element_size() for t in ts)
+        ts = [self.W_enc, self.W_dec, self.b_enc, self.b_dec, self.threshold, self.b_mag, self.mag_scale, self.dec_norms]
+        unique = {id(t): t for t in ts if t is not None}
+        return sum(t.numel() * t.element_size() for t in unique.values())
 
     # ------------------------------------------------------------------ encode
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
+        """SAELens's ``process_sae_in``: cast, normalise, subtract b_dec."""
         x = x.to(self.dtype)
+        if self.cfg.normalize_activations == "constant_norm_rescale":
+            x = x * ((self.cfg.d_in ** 0.5) / x.norm(dim=-1, keepdim=True))
         return x - self.b_dec if self.cfg.apply_b_dec_to_input else x
 
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
-        return self._prepare(x) @ self.W_enc + self.b_enc
+        pre = self._prepare(x) @ self.W_enc + self.b_enc
+        return pre * self.dec_norms if self.dec_norms is not None else pre
 
     def _activate(self, pre: torch.Tensor, threshold: torch.Tensor | None) -> torch.Tensor:
         acts = torch.relu(pre)
@@ -71,8 +107,15 @@ class SAE:
             acts = acts * (pre > threshold)
         return acts
 
+    def _gated(self, proj: torch.Tensor, b_gate: torch.Tensor, b_mag: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """``proj`` = the prepared input times (some of) W_enc's columns."""
+        active = (proj + b_gate > 0).to(self.dtype)
+        return active * torch.relu(proj * scale + b_mag)
+
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Feature activations (..., d_sae)."""
+        if self.activation == "gated":
+            return self._gated(self._prepare(x) @ self.W_enc, self.b_gate, self.b_mag, self.mag_scale)  # type: ignore[arg-type]
         pre = self.pre_activations(x)
         if self.activation == "topk":
             k = int(self.cfg.k or 0)
@@ -88,6 +131,10 @@ class SAE:
         """
         if self.activation == "topk":
             return self.encode(x).index_select(-1, indices)
+        if self.activation == "gated":
+            proj = self._prepare(x) @ self.W_enc.index_select(1, indices)
+            return self._gated(proj, self.b_gate.index_select(0, indices), self.b_mag.index_select(0, indices),  # type: ignore[union-attr]
+                               self.mag_scale.index_select(0, indices))  # type: ignore[union-attr]
         pre = self._prepare(x) @ self.W_enc.index_select(1, indices) + self.b_enc.index_select(0, indices)
         thr = self.threshold.index_select(0, indices) if self.threshold is not None else None
         return self._activate(pre, thr)

@@ -8,6 +8,10 @@ LOGPROB_* engine logprobs vs log_softmax of the test's own forward.
 EMBED_*   pooled hidden states vs the test's own pooling.
 POSITIVE_CONTROL_MIN  a steer must move the block output at least this much (max-abs),
           or a test that expects a change would pass vacuously.
+SAELENS_* our encode / steering rows vs SAELens's own classes on the same file, both
+          float32 (d_in=16): the same formulas up to operation order (a gated SAE's
+          magnitude scale is applied after the shared matmul, not to a second W_enc;
+          folded weights are folded in the same order), so a few ulp of values <= ~10.
 BATCH_*   a request run inside a continuous batch vs the same request run alone (both
           float32, same code): only the matmul/attention blocking changes with the
           batch's shape (rows, left padding), so values differ by a few ulp; measured
@@ -22,6 +26,8 @@ ENCODE_RTOL = 1e-4
 LOGPROB_ATOL = 1e-5
 EMBED_ATOL = 1e-5
 POSITIVE_CONTROL_MIN = 0.5
+SAELENS_ATOL = 1e-5
+SAELENS_RTOL = 1e-5
 BATCH_ENCODE_ATOL = 2e-5
 BATCH_ENCODE_RTOL = 1e-5
 BATCH_LOGPROB_ATOL = 2e-5

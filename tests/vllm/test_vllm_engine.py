@@ -214,3 +214,45 @@ def test_what_vllm_cannot_do_is_refused_and_scores_match(vllm_engine, hf_engine)
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got.top, want.top))
     assert got.prompt_logprobs[0] is None
     assert all(abs(a - b) < 1e-4 for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]))
+
+
+def _hooked_copy(tmp_path, tiny_assets, hook_name: str):
+    import json
+    import shutil
+
+    path = tmp_path / hook_name.replace(".", "_")
+    shutil.copytree(tiny_assets.saes[SAES[0]].path, path)
+    cfg = json.loads((path / "cfg.json").read_text())
+    cfg["hook_name"] = hook_name
+    (path / "cfg.json").write_text(json.dumps(cfg))
+    return str(path)
+
+
+def test_resid_pre_hooks_the_previous_layer_like_transformers(vllm_engine, hf_engine, tiny_assets, tmp_path):
+    """resid_pre of 2 is layer 1's output pair; transformers (checked against the test's
+    own hooks in tests/engine/test_hook_points.py) is the reference."""
+    from gpu_engine.errors import SAEIncompatible
+    from gpu_engine.protocol import AttachSpec
+
+    path = _hooked_copy(tmp_path, tiny_assets, "blocks.2.hook_resid_pre")
+    results = [eng.attach(AttachSpec("pre2", path, 2)) for eng in (vllm_engine, hf_engine)]
+    try:
+        assert [r.layer_module_path for r in results] == ["model.layers.1", "model.layers.1"]
+        assert results[0].hook_point == "resid_pre"
+        steering = {("pre2", 2): {3: 8.0, 17: -5.0}}
+        monitor = [MonitorEntry("pre2", 2, top_k=4, features=[3, 17], read_point="pre_steering", positions="all")]
+        plain = vllm_engine.generate_sync(job("plain"))
+        got = vllm_engine.generate_sync(job("pre", steering=steering, monitor=monitor))
+        want = hf_engine.generate_sync(job("pre", steering=steering, monitor=monitor))
+        assert got.token_ids == want.token_ids
+        check_steered(got, plain)
+        assert_records_close(got.activations, want.activations)
+    finally:
+        for eng in (vllm_engine, hf_engine):
+            eng.detach("pre2")
+    # what the workers cannot hook exactly is refused before anything is installed
+    for hook_name, layer in (("blocks.2.hook_attn_out", 2), ("blocks.0.hook_resid_pre", 0)):
+        before = {(a.sae_id, a.layer) for a in vllm_engine.status().attachments}
+        with pytest.raises(SAEIncompatible, match="vLLM backend cannot hook"):
+            vllm_engine.attach(AttachSpec("refused", _hooked_copy(tmp_path, tiny_assets, hook_name), layer))
+        assert {(a.sae_id, a.layer) for a in vllm_engine.status().attachments} == before

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ...errors import InvalidParameter, ModelLoadFailed
+from ...errors import InvalidParameter, ModelLoadFailed, SAEIncompatible
 from ...hooks import AttachmentStats, HookManager
 from ...protocol import (
     AttachmentKey,
@@ -37,6 +37,7 @@ from ...protocol import (
     ScoreResult,
     Usage,
 )
+from ...sae.hookpoints import DEFAULT_HOOK_POINT
 from ..base import all_capabilities
 from ..transformers.sequence import Sequence
 from .batched import LlamaBatchRunner, run_serial
@@ -53,6 +54,8 @@ from .taps import EvalTaps
 from .tokens import ChatTemplate, LlamaTokenizer
 
 DEFAULT_N_BATCH = 512
+# the hook points this backend reaches exactly (``gpu_engine.sae.hookpoints``)
+LLAMACPP_HOOK_POINTS = ("resid_post",)
 # bytes per KV element for each GGUF_KV_CACHE_TYPE (block size / elements per block)
 _KV_BYTES = {
     "f32": 4.0,
@@ -233,6 +236,7 @@ class LlamaCppBackend:
             steering_mode="eval_callback_per_row",
             control_vectors=True,
             native_eval_filter=self.taps.native_filter,
+            hook_points=list(LLAMACPP_HOOK_POINTS),
         )
 
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -247,7 +251,16 @@ class LlamaCppBackend:
     def token_text(self, token_id: int) -> str:
         return self.native.detokenize([token_id], skip_special=False)
 
-    def layer_module_path(self, layer: int) -> str:
+    def layer_module_path(self, layer: int, hook_point: str = DEFAULT_HOOK_POINT) -> str:
+        # the eval callback can reach only the layer outputs (``l_out-{il}``), and the
+        # batch runner keys its per-layer plans and control vectors by the attach layer:
+        # any other point is refused rather than tapped one node away from where it is
+        if hook_point not in LLAMACPP_HOOK_POINTS:
+            raise SAEIncompatible(
+                f"the llama.cpp backend cannot hook {hook_point!r}; it supports "
+                f"{', '.join(LLAMACPP_HOOK_POINTS)} (the transformers backend hooks every point)",
+                details={"backend": self.name, "hook_point": hook_point, "supported": list(LLAMACPP_HOOK_POINTS)},
+            )
         return f"l_out-{layer}"
 
     def attach(self, attachment: Any) -> None:

@@ -27,8 +27,9 @@ from ...protocol import (
     ScoreResult,
     Usage,
 )
+from ...sae.hookpoints import DEFAULT_HOOK_POINT, HOOK_POINTS
 from ..base import all_capabilities
-from .blocks import resolve_block, resolve_block_list
+from .blocks import resolve_block, resolve_block_list, resolve_hook_module
 from .cpu_kernels import pack_linears, packing_available
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -45,7 +46,7 @@ def pick_device(device: str) -> torch.device:
 class TransformersRunner:
     """The transformers backend (``gpu_engine.backends.base.ModelBackend``): the model runs
     in this process; steering and monitoring are forward hooks (``HookManager``) on the
-    output of each attached decoder block."""
+    module each attachment's hook point names (``blocks.resolve_hook_module``)."""
 
     name = "transformers"
 
@@ -101,17 +102,18 @@ class TransformersRunner:
     def block(self, layer: int) -> tuple[torch.nn.Module, str]:
         return resolve_block(self.model, layer)
 
-    def layer_module_path(self, layer: int) -> str:
-        return self.block(layer)[1]
+    def layer_module_path(self, layer: int, hook_point: str = DEFAULT_HOOK_POINT) -> str:
+        return resolve_hook_module(self.model, layer, hook_point)[1]
 
     def attach(self, attachment: Any) -> None:
-        self.hooks.install(attachment.key, self.block(attachment.layer)[0], attachment.stats)
+        module, _, read_input = resolve_hook_module(self.model, attachment.layer, attachment.hook_point)
+        self.hooks.install(attachment.key, module, attachment.stats, read_input=read_input)
 
     def detach(self, key: AttachmentKey) -> None:
         self.hooks.remove(key)
 
-    def capabilities(self) -> dict[str, bool]:
-        return all_capabilities()
+    def capabilities(self) -> dict[str, Any]:
+        return all_capabilities(hook_points=list(HOOK_POINTS))
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

@@ -37,6 +37,7 @@ from ...protocol import (
     ScoreResult,
 )
 from ..base import all_capabilities
+from .wire import VLLM_HOOK_POINTS, hook_layer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKER_EXTENSION = "gpu_engine.backends.vllm.worker.MillmWorkerExtension"
@@ -158,6 +159,7 @@ class VllmBackend:
             torch_compile=not self.enforce_eager,
             prefix_caching=True,
             steered_prefix_cache_keyed_by_steering=True,
+            hook_points=list(VLLM_HOOK_POINTS),
         )
 
     # ------------------------------------------------------------------ tokens
@@ -180,17 +182,17 @@ class VllmBackend:
 
     # ------------------------------------------------------------------ attachments
 
-    def layer_module_path(self, layer: int) -> str:
+    def layer_module_path(self, layer: int, hook_point: str = "resid_post") -> str:
         if not 0 <= layer < self.num_layers:
             raise InvalidParameter(f"layer {layer} is outside 0..{self.num_layers - 1}", param="layer")
-        return f"{self.layers_path}.{layer}"
+        return f"{self.layers_path}.{hook_layer(layer, hook_point)}"
 
     def attach(self, attachment: Any) -> None:
         cfg = attachment.sae.cfg
         done = self.engine.collective_rpc("millm_attach", args=(attachment.sae_id, attachment.layer,
                                                                 str(cfg.path), cfg.layout))
         if not any(done):
-            raise ModelLoadFailed(f"no vLLM worker holds layer {attachment.layer}")
+            raise ModelLoadFailed(f"no vLLM worker holds layer {hook_layer(attachment.layer, cfg.hook_point)}")
         self._attachments[attachment.key] = attachment
         # a re-attached key is another SAE: cached KV of the old one must not be reused
         self._generation[attachment.key] = f"{cfg.path}#{next(self._attach_counter)}"

@@ -24,6 +24,29 @@ from ...protocol import (
 
 EXTRA_KEY = "millm"
 
+# the hook points the workers reach exactly: vLLM's decoder layers return the
+# ``(hidden, residual)`` pair, so the residual stream is a layer's output pair — after
+# layer L (resid_post) or after layer L-1 (resid_pre of L >= 1).  Sub-block outputs and
+# transcoders are refused: nothing here has tested where vLLM's fused modules put them.
+VLLM_HOOK_POINTS = ("resid_post", "resid_pre")
+
+
+def hook_layer(layer: int, hook_point: str) -> int:
+    """The decoder layer whose output pair an SAE of ``hook_point`` attached at ``layer``
+    hooks; refuses (``sae_incompatible``) what the workers cannot hook exactly."""
+    from ...errors import SAEIncompatible
+
+    if hook_point == "resid_post":
+        return layer
+    if hook_point == "resid_pre" and layer > 0:
+        return layer - 1
+    where = "resid_pre of layer 0 (the embeddings' output)" if hook_point == "resid_pre" else repr(hook_point)
+    raise SAEIncompatible(
+        f"the vLLM backend cannot hook {where}; it supports resid_post and resid_pre of layers >= 1 "
+        "(the transformers backend hooks every point)",
+        details={"backend": "vllm", "hook_point": hook_point, "layer": layer, "supported": list(VLLM_HOOK_POINTS)},
+    )
+
 
 def request_args(job: GenerationJob) -> dict[str, Any] | None:
     """The ``extra_args`` entry for ``job``: steering as ``[sae_id, layer, [[index, strength], ...]]``

@@ -48,7 +48,7 @@ from ...hooks import (
 from ...protocol import AttachmentKey, to_builtins
 from ...sae.layouts import get_layout
 from ...sae.module import SAE
-from .wire import EXTRA_KEY, decode_args
+from .wire import EXTRA_KEY, decode_args, hook_layer
 
 log = logging.getLogger("gpu_engine.vllm.worker")
 
@@ -120,14 +120,17 @@ class _State:
     def attach(self, sae_id: str, layer: int, path: str, layout: str) -> bool:
         key = (sae_id, layer)
         self.detach(sae_id, layer)
-        if not self.holds(layer):
-            return False
         lay = get_layout(layout)
         found = lay.detect(Path(path))
         cfg = lay.read_metadata(found if found is not None else Path(path))
+        # the key keeps the attach layer; the hook sits on the layer whose output pair is
+        # the SAE's point (layer - 1 for resid_pre)
+        module_layer = hook_layer(layer, cfg.hook_point)
+        if not self.holds(module_layer):
+            return False
         self.saes[key] = SAE(cfg, lay.load_tensors(cfg), device=self.device)
         self.stats[key] = AttachmentStats()
-        self.manager.install(key, self.layers[layer], self.stats[key], residual_pair=True)
+        self.manager.install(key, self.layers[module_layer], self.stats[key], residual_pair=True)
         return True
 
     def detach(self, sae_id: str, layer: int) -> None:
