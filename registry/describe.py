@@ -20,9 +20,11 @@ SYSTEM_DIRECTORIES = (
 )
 
 
-def check_local_path(raw: str) -> Path:
+def check_local_path(raw: str, *, what: str = "a model") -> Path:
+    """An absolute path that exists and lies outside the system directories, resolved
+    (symlinks followed, so two spellings of one directory are one path)."""
     if not raw or not raw.strip():
-        raise InvalidLocalPath("local_path is required for a local model",
+        raise InvalidLocalPath(f"local_path is required to register {what}",
                                details={"local_path": raw})
     path = Path(raw.strip())
     if not path.is_absolute():
@@ -30,7 +32,7 @@ def check_local_path(raw: str) -> Path:
     resolved = path.resolve()
     if str(resolved) == "/" or any(
             str(resolved) == d or str(resolved).startswith(d + "/") for d in SYSTEM_DIRECTORIES):
-        raise InvalidLocalPath(f"{resolved} is a system directory and cannot hold a model",
+        raise InvalidLocalPath(f"{resolved} is a system directory and cannot hold {what}",
                                details={"local_path": raw})
     if not resolved.exists():
         raise InvalidLocalPath(f"{resolved} does not exist", details={"local_path": raw})
