@@ -127,6 +127,7 @@ def test_refusals_create_nothing(api, tmp_path, tiny_assets):
         ("relative/sae", "INVALID_LOCAL_PATH", "absolute"),
         ("/etc", "INVALID_LOCAL_PATH", "system directory"),
         ("/usr/lib/python3", "INVALID_LOCAL_PATH", "system directory"),
+        (f"{tmp_path}/{'x' * 300}", "INVALID_LOCAL_PATH", "File name too long"),
         (str(empty), "SAE_INVALID", "No known SAE layout"),
         (str(not_a_dir), "SAE_INVALID", "No known SAE layout"),
         (str(tiny_assets.models["tiny-llama"].path), "SAE_INVALID", "No known SAE layout"),
