@@ -179,6 +179,11 @@ def sae_check_local(*, local_path: str) -> tuple[Path, dict]:
     """
     path = describe.check_local_path(local_path, what="an SAE")
     meta = describe.describe_sae(path)
+    if path.is_file() and (path.suffix in (".json", ".safetensors")
+                           or path.name == "params.npz"):
+        # one path per SAE: a SAELens file, or a Gemma Scope params.npz, names the SAE
+        # that its directory holds (any other .npz is an SAE of its own)
+        path = path.parent
     existing = SAE.objects.filter(repository_id="", local_path=str(path)).first()
     if existing is not None:
         raise SAEAlreadyExists(f"{path} is already registered as SAE {existing.id}",

@@ -103,6 +103,15 @@ def test_a_gemma_scope_file_takes_the_hints_its_files_lack(api, tmp_path):
     assert data["memory_usage_mb"] == round(4 * (2 * D_IN * 48 + 48 + D_IN + 48) / 2**20, 3)
 
 
+def test_a_params_npz_named_directly_is_its_directory(api, tmp_path):
+    folder = write_gemmascope(tmp_path / "scope" / "w48")
+    data = ok(register(api, local_path=str(folder / "params.npz")), 201)["sae"]
+    assert (data["local_path"], data["name"], data["format"]) == (str(folder), "w48",
+                                                                  "gemmascope")
+    assert refused(register(api, local_path=str(folder)), 409,
+                   "SAE_ALREADY_EXISTS")["details"]["sae_id"] == data["id"]
+
+
 def test_what_the_files_say_wins_over_the_hints(api, tmp_path):
     folder = write_saelens(tmp_path / "own", hook_layer=3)
     data = ok(register(api, local_path=str(folder), trained_on="other",
@@ -148,7 +157,8 @@ def test_refusals_create_nothing(api, tmp_path, tiny_assets):
 def test_the_same_files_are_registered_once(api, tmp_path):
     folder = write_saelens(tmp_path / "mine")
     first = ok(register(api, local_path=str(folder)), 201)["sae_id"]
-    for spelling in (str(folder), f"{folder}/", str(tmp_path / "." / "mine")):
+    for spelling in (str(folder), f"{folder}/", str(tmp_path / "." / "mine"),
+                     str(folder / "sae_weights.safetensors"), str(folder / "cfg.json")):
         error = refused(register(api, local_path=spelling, name="again"), 409,
                         "SAE_ALREADY_EXISTS")
         assert error["details"]["sae_id"] == first
