@@ -3,10 +3,12 @@ refusal (a locked model, an attached SAE) reads the same here as anywhere else."
 
 from __future__ import annotations
 
+from django import forms
 from django.contrib import admin
 from django.template.defaultfilters import filesizeformat
 
 from core.admin_actions import run_each
+from core.errors import MillmError
 from registry import job_lifecycle, services
 from registry.models import SAE, Job, Model
 
@@ -88,22 +90,80 @@ class ModelAdmin(admin.ModelAdmin):
         services.model_delete(model=obj)
 
 
+class SAERegisterForm(forms.ModelForm):
+    """The admin's "Add SAE": register a directory on the server's disk. The checks are
+    the service's own (``sae_check_local``), shown on the form before anything is saved;
+    the row itself is made by ``sae_register_local`` in ``SAEAdmin.save_model``."""
+
+    local_path = forms.CharField(
+        max_length=1000, label="Local path",
+        help_text="Absolute path of the SAE's directory on the server: SAELens (cfg.json + "
+                  "sae_weights.safetensors) or Gemma Scope (params.npz). Its files stay "
+                  "yours: deleting the SAE here never removes them.")
+
+    class Meta:
+        model = SAE
+        fields = ("local_path", "name", "trained_on_model", "trained_on_layer")
+        help_texts = {
+            "name": "Default: the directory's name.",
+            "trained_on_model": "Only used where the SAE's own files do not name it.",
+            "trained_on_layer": "Only used where the SAE's own files do not name it.",
+        }
+
+    def clean_local_path(self) -> str:
+        try:
+            path, _ = services.sae_check_local(local_path=self.cleaned_data["local_path"])
+        except MillmError as exc:
+            raise forms.ValidationError(f"{exc.message} ({exc.code})") from exc
+        return str(path)
+
+
 @admin.register(SAE)
 class SAEAdmin(admin.ModelAdmin):
-    list_display = ("id", "name", "status", "format", "activation", "d_in", "d_sae",
-                    "trained_on_model", "trained_on_layer", "updated_at")
+    list_display = ("id", "name", "status", "source_display", "format", "activation", "d_in",
+                    "d_sae", "trained_on_model", "trained_on_layer", "updated_at")
     list_filter = ("status", "format", "activation")
-    search_fields = ("id", "name", "repository_id", "file_path", "trained_on_model",
-                     "hook_name")
+    search_fields = ("id", "name", "repository_id", "file_path", "local_path",
+                     "trained_on_model", "hook_name")
     readonly_fields = ("id", "status", "error_message", "format", "d_in", "d_sae", "width",
                        "activation", "topk_k", "trained_on_model", "trained_on_layer",
                        "hook_name", "created_at", "updated_at")
+    # where the files are and where they came from: the identity of the row, which delete
+    # relies on (only a hub download's files are ever removed)
+    identity_fields = ("repository_id", "revision", "file_path", "local_path")
     actions = ("delete_saes",)
 
     def get_actions(self, request):
         actions = super().get_actions(request)
         actions.pop("delete_selected", None)
         return actions
+
+    def get_form(self, request, obj=None, **kwargs):
+        if obj is None:
+            kwargs["form"] = SAERegisterForm
+        return super().get_form(request, obj, **kwargs)
+
+    def get_readonly_fields(self, request, obj=None):
+        if obj is None:
+            return ()
+        return (*self.identity_fields, *super().get_readonly_fields(request, obj))
+
+    @admin.display(description="Source")
+    def source_display(self, obj: SAE) -> str:
+        return "hub" if obj.repository_id else "local"
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            return super().save_model(request, obj, form, change)
+        data = form.cleaned_data
+        sae = services.sae_register_local(
+            local_path=data["local_path"], name=data.get("name") or None,
+            trained_on_model=data.get("trained_on_model") or None,
+            trained_on_layer=data.get("trained_on_layer"))
+        # the admin goes on with ``obj`` (its message, the log entry, the redirect)
+        obj.pk = sae.pk
+        obj.refresh_from_db()
+        return None
 
     @admin.action(description="Delete selected SAEs (refused while attached)")
     def delete_saes(self, request, queryset):

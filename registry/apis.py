@@ -150,22 +150,43 @@ class SAEListApi(APIView):
             "attachment": io.attachment_status(rows, counts),
         })
 
+    @extend_schema(tags=SAES, summary="Register an SAE from a local directory (201) or "
+                   "download one from the hub (202, as /api/saes/download)",
+                   operation_id="saes_create", request=io.SAECreateInput,
+                   responses={201: enveloped(io.SAEDownloadOutput),
+                              202: enveloped(io.SAEDownloadOutput)})
+    def post(self, request) -> Response:
+        data = validated(io.SAECreateInput, request.data)
+        if data["source"] == "local":
+            sae = services.sae_register_local(
+                local_path=data["local_path"], name=data.get("name") or None,
+                trained_on_model=data.get("trained_on") or None,
+                trained_on_layer=data.get("trained_layer"))
+            return envelope({"sae_id": sae.id, "status": "registered",
+                             "message": f"Registered from {sae.local_path}",
+                             "sae": _sae_data(sae), "job": None},
+                            status_code=status.HTTP_201_CREATED)
+        return _download(data)
+
+
+def _download(data: dict) -> Response:
+    sae, job, state = downloads.sae_download_start(
+        repository_id=data["repository_id"], file_path=data.get("file_path") or "",
+        revision=data.get("revision") or "main", hf_token=data.get("hf_token") or None)
+    messages = {"downloading": "Download started", "cached": "Already downloaded",
+                "attached": "Already downloaded and attached",
+                "already_downloading": "A download of this SAE is in progress"}
+    return envelope({"sae_id": sae.id, "status": state, "message": messages[state],
+                     "sae": _sae_data(sae), "job": io.job_out(job)},
+                    status_code=status.HTTP_202_ACCEPTED)
+
 
 class SAEDownloadApi(APIView):
     @extend_schema(tags=SAES, summary="Download an SAE (idempotent per repository, revision "
                    "and file path)", request=io.SAEDownloadInput,
                    responses={202: enveloped(io.SAEDownloadOutput)})
     def post(self, request) -> Response:
-        data = validated(io.SAEDownloadInput, request.data)
-        sae, job, state = downloads.sae_download_start(
-            repository_id=data["repository_id"], file_path=data.get("file_path") or "",
-            revision=data.get("revision") or "main", hf_token=data.get("hf_token") or None)
-        messages = {"downloading": "Download started", "cached": "Already downloaded",
-                    "attached": "Already downloaded and attached",
-                    "already_downloading": "A download of this SAE is in progress"}
-        return envelope({"sae_id": sae.id, "status": state, "message": messages[state],
-                         "sae": _sae_data(sae), "job": io.job_out(job)},
-                        status_code=status.HTTP_202_ACCEPTED)
+        return _download(validated(io.SAEDownloadInput, request.data))
 
 
 class SAEPreviewApi(APIView):

@@ -20,9 +20,11 @@ SYSTEM_DIRECTORIES = (
 )
 
 
-def check_local_path(raw: str) -> Path:
+def check_local_path(raw: str, *, what: str = "a model") -> Path:
+    """An absolute path that exists and lies outside the system directories, resolved
+    (symlinks followed, so two spellings of one directory are one path)."""
     if not raw or not raw.strip():
-        raise InvalidLocalPath("local_path is required for a local model",
+        raise InvalidLocalPath(f"local_path is required to register {what}",
                                details={"local_path": raw})
     path = Path(raw.strip())
     if not path.is_absolute():
@@ -30,9 +32,14 @@ def check_local_path(raw: str) -> Path:
     resolved = path.resolve()
     if str(resolved) == "/" or any(
             str(resolved) == d or str(resolved).startswith(d + "/") for d in SYSTEM_DIRECTORIES):
-        raise InvalidLocalPath(f"{resolved} is a system directory and cannot hold a model",
+        raise InvalidLocalPath(f"{resolved} is a system directory and cannot hold {what}",
                                details={"local_path": raw})
-    if not resolved.exists():
+    try:
+        exists = resolved.exists()
+    except OSError as exc:  # a name too long, a folder we may not enter
+        raise InvalidLocalPath(f"{raw.strip()[:200]} cannot be read: {exc.strerror}",
+                               details={"local_path": raw}) from exc
+    if not exists:
         raise InvalidLocalPath(f"{resolved} does not exist", details={"local_path": raw})
     return resolved
 
@@ -107,6 +114,9 @@ def describe_sae(path: Path) -> dict[str, Any]:
         meta = read_sae_metadata(path)
     except EngineError as exc:
         raise SAEInvalid(f"{path} is not a readable SAE: {exc.message}",
+                         details={"local_path": str(path)}) from exc
+    except OSError as exc:  # files the server may not read
+        raise SAEInvalid(f"{path} is not a readable SAE: {exc}",
                          details={"local_path": str(path)}) from exc
     return {
         "format": meta.layout,

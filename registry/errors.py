@@ -45,6 +45,12 @@ class SAEAlreadyAttached(MillmError):
     code, status = "SAE_ALREADY_ATTACHED", 409
 
 
+class SAEAlreadyExists(MillmError):
+    """The files at that local path are already registered (details: sae_id)."""
+
+    code, status = "SAE_ALREADY_EXISTS", 409
+
+
 class JobNotFound(MillmError):
     code, status = "JOB_NOT_FOUND", 404
 

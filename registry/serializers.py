@@ -130,6 +130,37 @@ class SAEDownloadInput(serializers.Serializer):
         return value
 
 
+class SAECreateInput(SAEDownloadInput):
+    """``POST /api/saes``: the hub download's fields, or a local directory to register."""
+
+    source = serializers.ChoiceField(choices=[("huggingface", "Hugging Face hub"),
+                                              ("local", "Local directory")],
+                                     default="huggingface")
+    repository_id = RepoIdField(required=False, allow_null=True)
+    local_path = serializers.CharField(
+        max_length=1000, required=False, allow_null=True,
+        help_text="local source: the SAE's directory (SAELens cfg.json + "
+                  "sae_weights.safetensors, or Gemma Scope params.npz), absolute")
+    name = serializers.CharField(max_length=200, required=False, allow_null=True,
+                                 allow_blank=True,
+                                 help_text="local source: default the directory's name")
+    trained_on = serializers.CharField(
+        max_length=300, required=False, allow_null=True, allow_blank=True,
+        help_text="local source: the model it was trained on, where its files do not say")
+    trained_layer = serializers.IntegerField(
+        min_value=0, max_value=MAX_LAYER, required=False, allow_null=True,
+        help_text="local source: the layer it was trained on, where its files do not say")
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if attrs["source"] == "huggingface" and not attrs.get("repository_id"):
+            raise serializers.ValidationError(
+                {"repository_id": ["repository_id is required for the huggingface source"]})
+        if attrs["source"] == "local" and not attrs.get("local_path"):
+            raise serializers.ValidationError(
+                {"local_path": ["local_path is required for the local source"]})
+        return attrs
+
+
 class SAEPreviewInput(serializers.Serializer):
     repository_id = RepoIdField()
     revision = RevisionField()
@@ -272,6 +303,8 @@ class ModelJobOutput(serializers.Serializer):
 class SAEOutput(serializers.Serializer):
     id = serializers.CharField()
     name = serializers.CharField()
+    source = serializers.CharField(help_text="huggingface (downloaded by miLLM) or local "
+                                   "(registered from the user's directory)")
     repository_id = serializers.CharField(allow_null=True)
     revision = serializers.CharField(allow_null=True)
     file_path = serializers.CharField(allow_null=True)
@@ -306,7 +339,9 @@ def sae_memory_bytes(sae: SAE) -> int | None:
 def sae_out(sae: SAE, *, layers: list[int] | None = None,
             download_progress: int | None = None) -> dict[str, Any]:
     return SAEOutput({
-        "id": sae.id, "name": sae.name, "repository_id": sae.repository_id or None,
+        "id": sae.id, "name": sae.name,
+        "source": "huggingface" if sae.repository_id else "local",
+        "repository_id": sae.repository_id or None,
         "revision": sae.revision or None, "file_path": sae.file_path or None,
         "local_path": sae.local_path or None, "format": sae.format or None,
         "d_in": sae.d_in, "d_sae": sae.d_sae, "activation": sae.activation,
@@ -433,7 +468,7 @@ class CompatibilityOutput(serializers.Serializer):
 class SAEDownloadOutput(serializers.Serializer):
     sae_id = serializers.CharField()
     status = serializers.CharField(help_text=("downloading | cached | attached | "
-                                              "already_downloading"))
+                                              "already_downloading | registered (local)"))
     message = serializers.CharField()
     sae = SAEOutput()
     job = JobOutput(allow_null=True)

@@ -11,7 +11,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from core.errors import SAEInvalid, ValidationFailed
+from core.errors import ValidationFailed
 from registry import describe
 from registry.errors import (
     InvalidLocalPath,
@@ -20,6 +20,7 @@ from registry.errors import (
     ModelLoaded,
     ModelLocked,
     SAEAlreadyAttached,
+    SAEAlreadyExists,
 )
 from registry.models import SAE, Job, Model
 
@@ -167,31 +168,49 @@ def remove_files(path: Path) -> None:
 
 # --- SAEs ------------------------------------------------------------------------------
 
+def sae_check_local(*, local_path: str) -> tuple[Path, dict]:
+    """What registering ``local_path`` as an SAE would record, or the refusal it would meet.
+
+    The same checks as a local model (an absolute path that exists, outside the system
+    directories), then one of the SAE layouts must recognise it (SAELens: cfg.json +
+    sae_weights.safetensors; Gemma Scope: params.npz), and no SAE may already be registered
+    from those files. Nothing is written, so the admin form can show a refusal before it
+    saves.
+    """
+    path = describe.check_local_path(local_path, what="an SAE")
+    meta = describe.describe_sae(path)
+    if path.is_file() and (path.suffix in (".json", ".safetensors")
+                           or path.name == "params.npz"):
+        # one path per SAE: a SAELens file, or a Gemma Scope params.npz, names the SAE
+        # that its directory holds (any other .npz is an SAE of its own)
+        path = path.parent
+    existing = SAE.objects.filter(repository_id="", local_path=str(path)).first()
+    if existing is not None:
+        raise SAEAlreadyExists(f"{path} is already registered as SAE {existing.id}",
+                               details={"sae_id": existing.id, "local_path": str(path)})
+    return path, meta
+
+
 @transaction.atomic
 def sae_register_local(*, local_path: str, name: str | None = None,
-                       repository_id: str = "", file_path: str = "",
                        average_l0: float | None = None,
                        trained_on_model: str | None = None,
                        trained_on_layer: int | None = None) -> SAE:
-    """Register an SAE directory (SAELens) or params.npz (Gemma Scope) already on disk.
+    """Register an SAE directory (SAELens) or params.npz (Gemma Scope) already on disk: one
+    a researcher trained, or the offline demo's. It is ready to attach at once; its files
+    stay the user's (``sae_delete`` never removes them).
 
     What the files say about the model and layer the SAE was trained on wins; the hints
     fill in what they do not say (a Gemma Scope params.npz names neither).
     """
-    path = describe.check_local_path(local_path)
-    meta = describe.describe_sae(path)
+    path, meta = sae_check_local(local_path=local_path)
     if not meta["trained_on_model"] and trained_on_model:
-        meta["trained_on_model"] = trained_on_model
+        meta["trained_on_model"] = trained_on_model.strip()
     if meta["trained_on_layer"] is None and trained_on_layer is not None:
         meta["trained_on_layer"] = trained_on_layer
-    if repository_id and SAE.objects.filter(repository_id=repository_id, revision="main",
-                                            file_path=file_path).exists():
-        raise SAEInvalid(f"SAE {repository_id}/{file_path} is already registered",
-                         details={"repository_id": repository_id, "file_path": file_path})
     default_name = path.name if path.is_dir() else path.parent.name
     sae = SAE.objects.create(
-        name=(name or default_name).strip(),
-        repository_id=repository_id, file_path=file_path, local_path=str(path),
+        name=(name or "").strip() or default_name, local_path=str(path),
         average_l0=average_l0, status=SAE.Status.READY, **meta,
     )
     log.info("sae_registered", sae_id=sae.id, path=str(path))
@@ -200,7 +219,11 @@ def sae_register_local(*, local_path: str, name: str | None = None,
 
 @transaction.atomic
 def sae_delete(*, sae: SAE) -> None:
-    """Delete the row and, for a downloaded SAE, its files; refused while attached (409)."""
+    """Delete the row and, for a downloaded SAE, its files; refused while attached (409).
+
+    Only what miLLM downloaded from the hub into SAE_CACHE_DIR is removed: an SAE
+    registered from a local directory keeps its files wherever they are, even inside the
+    cache (another row's download, say)."""
     from registry.downloads import sae_target_dir
 
     sae = SAE.objects.select_for_update().get(pk=sae.pk)
@@ -210,13 +233,15 @@ def sae_delete(*, sae: SAE) -> None:
     Job.objects.filter(sae=sae, status__in=Job.ACTIVE).update(
         cancel_requested=True, updated_at=timezone.now())
     cache = Path(settings.SAE_CACHE_DIR)
-    candidates = [Path(sae.local_path)] if sae.local_path else []
+    candidates = []
     if sae.repository_id:
-        candidates.append(sae_target_dir(sae))
+        candidates = [sae_target_dir(sae), *([Path(sae.local_path)] if sae.local_path else [])]
+    sae_id = sae.id
     sae.delete()
     for files in candidates:
         if _is_under(files, cache) and files.exists():
             transaction.on_commit(lambda files=files: remove_files(files))
+    log.info("sae_deleted", sae_id=sae_id, kept_files=not candidates)
 
 
 # --- Demo assets -----------------------------------------------------------------------

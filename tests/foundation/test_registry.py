@@ -139,6 +139,7 @@ def test_register_saes_in_both_layouts(tiny_assets):
         else:
             # params.npz names no layer; what the operator knows fills the gap.
             assert row.trained_on_layer is None
+            services.sae_delete(sae=row)  # the same files are registered once
             hinted = services.sae_register_local(local_path=str(asset.path),
                                                  trained_on_layer=asset.layer)
             assert SAE.objects.get(pk=hinted.pk).trained_on_layer == asset.layer
