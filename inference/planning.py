@@ -26,9 +26,12 @@ from core.version import version
 from gpu_engine.protocol import (
     AttachmentStatus,
     EngineStatus,
+    FeatureControl,
     GenerationJob,
     MonitorEntry,
     MonitorSpec,
+    PositionRange,
+    SteeringCondition,
 )
 from inference import selectors, wire
 from inference.activations import monitor_resolve
@@ -114,12 +117,24 @@ def off_view_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     return sync_to_async(run, thread_sensitive=False)
 
 
+def _feature(f: Any) -> tuple[int, float] | FeatureControl:
+    """A /v1 steering feature as the resolver takes it: a plain add as (index, strength),
+    anything else as the engine's ``FeatureControl``."""
+    if f.plain:
+        return (f.index, f.amount())
+    return FeatureControl(
+        f.index, mode=f.mode, value=f.amount(), phase=f.phase,
+        window=PositionRange(f.window.start, f.window.end) if f.window is not None else None,
+        condition=(SteeringCondition(f.condition.feature, f.condition.threshold)
+                   if f.condition is not None else None))
+
+
 def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None
                    ) -> dict[str, Any]:
     inline = req.steering
     return {
         "inline_sae_id": inline.sae_id if inline is not None else None,
-        "inline_features": ([(f.index, f.strength) for f in inline.features]
+        "inline_features": ([_feature(f) for f in inline.features]
                             if inline is not None else None),
         "profile": profile,
         "intensity": req.steering_intensity,

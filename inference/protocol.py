@@ -69,18 +69,68 @@ class _Strict(BaseModel):
 
 # --------------------------------------------------------------------------- extensions
 
-class SteeringFeature(_Strict):
-    index: int = Field(ge=0, le=2**31)
-    strength: float
+class SteeringWindow(_Strict):
+    start: int = Field(default=0, ge=0)
+    end: int | None = Field(default=None, gt=0)
 
-    @field_validator("strength")
+    @model_validator(mode="after")
+    def _ordered(self) -> SteeringWindow:
+        if self.end is not None and self.end <= self.start:
+            raise ValueError("window.end must be greater than window.start")
+        return self
+
+
+class SteeringTrigger(_Strict):
+    feature: int = Field(ge=0, le=2**31)
+    threshold: float = 0.0
+
+
+class SteeringFeature(_Strict):
+    """``{index, strength}`` adds ``strength · W_dec[index]`` at every position (the
+    original shape); ``mode`` (add | clamp | scale | ablate) with ``value``, ``phase``
+    (all | prompt | completion), ``window`` ``{start, end}`` and ``condition``
+    ``{feature, threshold}`` steer otherwise (docs/steering.md, "Modes")."""
+
+    index: int = Field(ge=0, le=2**31)
+    strength: float | None = None
+    mode: Literal["add", "clamp", "scale", "ablate"] = "add"
+    value: float | None = None
+    phase: Literal["all", "prompt", "completion"] = "all"
+    window: SteeringWindow | None = None
+    condition: SteeringTrigger | None = None
+
+    @field_validator("strength", "value")
     @classmethod
-    def _strength(cls, value: float) -> float:
-        return check_strength(value)  # the one rule (steering.rules)
+    def _strength(cls, value: float | None) -> float | None:
+        return None if value is None else check_strength(value)  # the one rule (steering.rules)
+
+    @model_validator(mode="after")
+    def _one_value(self) -> SteeringFeature:
+        if self.strength is not None and self.value is not None:
+            raise ValueError("give strength or value, not both")
+        if self.mode == "add" and self.strength is None and self.value is None:
+            raise ValueError("an add needs a strength")
+        if self.mode in ("clamp", "scale") and self.value is None:
+            what = "target activation" if self.mode == "clamp" else "factor"
+            raise ValueError(f"{self.mode} needs a value (the {what})")
+        if self.mode in ("clamp", "scale") and self.strength is not None:
+            raise ValueError(f"{self.mode} takes value, not strength")
+        if self.mode == "ablate" and (self.strength is not None or self.value is not None):
+            raise ValueError("ablate takes no strength or value")
+        return self
+
+    @property
+    def plain(self) -> bool:
+        return (self.mode == "add" and self.phase == "all" and self.window is None
+                and self.condition is None)
+
+    def amount(self) -> float:
+        return float(self.strength if self.strength is not None else (self.value or 0.0))
 
 
 class InlineSteering(_Strict):
-    """``{sae_id?, features: [{index, strength}]}``; ``features: []`` = explicitly unsteered."""
+    """``{sae_id?, features: [{index, strength} | {index, mode, value, phase, window,
+    condition}]}``; ``features: []`` = explicitly unsteered."""
 
     sae_id: str | None = Field(default=None, min_length=1, max_length=200)
     features: list[SteeringFeature] = Field(max_length=4096)

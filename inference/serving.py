@@ -76,11 +76,28 @@ def _top_dict(lp: TokenLogprob) -> dict[str, float]:
 
 
 def _sum_counts(outcomes: list[Outcome]) -> list[dict[str, Any]]:
-    totals: dict[tuple[str, int], int] = {}
+    totals: dict[tuple[str, int], SteeringCount] = {}
     for out in outcomes:
         for c in out.finish.steering_apply_count:
-            totals[(c.sae_id, c.layer)] = totals.get((c.sae_id, c.layer), 0) + c.count
-    return to_builtins([SteeringCount(s, layer, n) for (s, layer), n in totals.items()])
+            total = totals.setdefault((c.sae_id, c.layer), SteeringCount(c.sae_id, c.layer, 0))
+            total.count += c.count
+            for mode, n in c.modes.items():
+                total.modes[mode] = total.modes.get(mode, 0) + n
+    return to_builtins(list(totals.values()))
+
+
+def _fired(outcomes: list[Outcome]) -> list[dict[str, Any]]:
+    """Where each choice's conditional controls fired: row positions, and the completion
+    tokens those rows produced (row ``P - 1 + i`` produces token ``i``)."""
+    out: list[dict[str, Any]] = []
+    for o in outcomes:
+        last_prompt_row = len(o.finish.prompt_token_ids) - 1
+        for f in o.finish.steering_fired:
+            out.append({"choice": o.choice.index, "sae_id": f.sae_id, "layer": f.layer,
+                        "index": f.index, "mode": f.mode, "positions": list(f.positions),
+                        "token_indices": [p - last_prompt_row for p in f.positions
+                                          if p >= last_prompt_row]})
+    return out
 
 
 def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
@@ -89,6 +106,9 @@ def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
         "steering_apply_count": _sum_counts(outcomes),
         "forward_passes": sum(o.finish.forward_passes for o in outcomes),
     }
+    fired = _fired(outcomes)
+    if fired:
+        obj["steering_fired"] = fired
     if plan.monitor is not None and plan.attachment is not None and outcomes:
         out = outcomes[0]
         records = list(out.finish.activations)

@@ -23,9 +23,12 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
+import msgspec
+
 from gpu_engine.protocol import (
     AttachmentKey,
     AttachmentStatus,
+    FeatureControl,
     SteeringEntry,
     SteeringSpec,
 )
@@ -89,40 +92,67 @@ def _check_indices(att: AttachmentStatus, indices: Sequence[int], param: str) ->
 
 
 def _resolved(mode: str, att: AttachmentStatus, features: dict[int, float], header: str,
-              *, profile: str | None = None, intensity: float | None = None
-              ) -> ResolvedSteering:
-    entry = SteeringEntry(att.sae_id, att.layer, features)
+              *, profile: str | None = None, intensity: float | None = None,
+              controls: Sequence[FeatureControl] = ()) -> ResolvedSteering:
+    entry = SteeringEntry(att.sae_id, att.layer, features, list(controls))
     return ResolvedSteering(mode=mode, spec=SteeringSpec([entry]), header=header,
                             profile=profile, intensity=intensity,
                             entries=[_entry_summary(entry)])
 
 
+def _control_summary(c: FeatureControl) -> dict[str, Any]:
+    out: dict[str, Any] = {"index": c.index, "mode": c.mode}
+    if c.mode != "ablate":
+        out["value"] = c.value
+    if c.phase != "all":
+        out["phase"] = c.phase
+    if c.window is not None:
+        out["window"] = {"start": c.window.start, "end": c.window.end}
+    if c.condition is not None:
+        out["condition"] = {"feature": c.condition.feature, "threshold": c.condition.threshold}
+    return out
+
+
 def _entry_summary(entry: SteeringEntry) -> dict[str, Any]:
-    """An entry as /v1 requests write it (``features: [{index, strength}]``)."""
+    """An entry as /v1 requests write it (``features: [{index, strength}]``, and a
+    control's ``{index, mode, value, phase, window, condition}``)."""
     return {"sae_id": entry.sae_id, "layer": entry.layer,
-            "features": [{"index": i, "strength": s} for i, s in entry.features.items()]}
+            "features": [{"index": i, "strength": s} for i, s in entry.features.items()]
+            + [_control_summary(c) for c in entry.controls]}
 
 
 def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
-            features: Sequence[tuple[int, float]], intensity: float | None
+            features: Sequence[tuple[int, float] | FeatureControl], intensity: float | None
             ) -> ResolvedSteering:
+    """Inline features: (index, strength) adds and ``FeatureControl``s.  The dial λ scales
+    what is added (plain and gated adds); clamp targets, scale factors and ablations are
+    levels, not amounts, and run as written."""
     if not features:
         return EXPLICITLY_UNSTEERED
-    indices = [index for index, _ in features]
+    plain = [f for f in features if not isinstance(f, FeatureControl)]
+    controls = [f for f in features if isinstance(f, FeatureControl)]
+    indices = [index for index, _ in plain] + [c.index for c in controls]
     if len(set(indices)) != len(indices):
         raise SteeringInvalid("steering.features names a feature index twice",
                               details={"param": "steering.features"})
     att = attachment_pick(attachments=attachments, sae_id=sae_id, param="steering.sae_id")
     _check_indices(att, indices, "steering.features")
+    _check_indices(att, [c.condition.feature for c in controls if c.condition is not None],
+                   "steering.features.condition.feature")
     if intensity == 0:
         return EXPLICITLY_UNSTEERED
     values = {index: (strength if intensity is None else rules.dial(strength, intensity))
-              for index, strength in features}
+              for index, strength in plain}
+    if intensity is not None:
+        controls = [msgspec.structs.replace(c, value=rules.dial(c.value, intensity))
+                    if c.mode == "add" else c for c in controls]
     header = (f"inline;sae={_header_value(att.sae_id)};layer={att.layer};"
-              f"features={len(values)}")
+              f"features={len(values) + len(controls)}")
+    if controls:
+        header += f";controls={len(controls)}"
     if intensity is not None:
         header += f";intensity={_fmt(intensity)}"
-    return _resolved("inline", att, values, header, intensity=intensity)
+    return _resolved("inline", att, values, header, intensity=intensity, controls=controls)
 
 
 def _profile_values(profile: Profile) -> dict[int, float]:
@@ -233,7 +263,8 @@ def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None,
 def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
                              model_name: str | None = None,
                              inline_sae_id: str | None = None,
-                             inline_features: Sequence[tuple[int, float]] | None = None,
+                             inline_features: Sequence[tuple[int, float] | FeatureControl]
+                             | None = None,
                              profile: str | None = None,
                              intensity: float | None = None,
                              live_values: list[tuple[AttachmentKey, dict[int, float]]]

@@ -16,7 +16,8 @@ VECTORS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" /
 
 
 def _spec(entries) -> SteeringSpec:
-    return SteeringSpec([SteeringEntry(e["sae_id"], e["layer"], e["features"]) for e in entries])
+    return SteeringSpec([SteeringEntry(e["sae_id"], e["layer"], e["features"], e.get("controls", []))
+                         for e in entries])
 
 
 @pytest.mark.parametrize("vector", VECTORS, ids=[v["name"] for v in VECTORS])

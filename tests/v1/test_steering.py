@@ -57,7 +57,8 @@ def test_inline_steering_runs_exactly_the_requested_spec(relu, llama):
     assert millm["steering"]["mode"] == "inline"
     assert millm["steering"]["entries"] == [{"sae_id": relu.id, "layer": 1, "features": features}]
     assert millm["steering_apply_count"] == [{"sae_id": relu.id, "layer": 1,
-                                              "count": steered.forward_passes}]
+                                              "count": steered.forward_passes,
+                                              "modes": {"add": steered.forward_passes}}]
 
 
 def test_empty_features_mean_unsteered_and_plain_requests_carry_no_millm(relu, llama):

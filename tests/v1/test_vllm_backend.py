@@ -173,7 +173,8 @@ def test_inline_steering_equals_transformers_and_changes_the_output(vllm_llama, 
     # the delta was added in every forward pass (a hook that did not run reports fewer)
     millm = body.model_extra["millm"]
     assert millm["steering_apply_count"] == [{"sae_id": relu.id, "layer": 1,
-                                              "count": steered.forward_passes}]
+                                              "count": steered.forward_passes,
+                                              "modes": {"add": steered.forward_passes}}]
     # a steered and an unsteered request, concurrently in one vLLM batch, each its own
     import concurrent.futures
 
