@@ -192,6 +192,9 @@ def test_encoder_modes_and_monitoring_on_a_vector_are_refused(api, engine_client
     assert response.status_code == 400, body
     assert "raw steering vector" in body["error"]["message"], body
     assert body["error"]["param"] == "monitor.sae_id", body
+    error = refused(api.post("/api/monitoring/configure", {"sae_id": vid, "top_k": 3},
+                             format="json"), 400, "VECTOR_INVALID")
+    assert error["details"]["field"] == "sae_id"
 
 
 # --- refusals --------------------------------------------------------------------------------
