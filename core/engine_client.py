@@ -34,6 +34,7 @@ from gpu_engine.commands import (
     DetachArgs,
     EmbedArgs,
     GenerateArgs,
+    HiddenStatesArgs,
     Lane,
     LoadModelArgs,
     ScoreArgs,
@@ -56,6 +57,8 @@ from gpu_engine.protocol import (
     FinishEvent,
     GenerationEvent,
     GenerationJob,
+    HiddenStatesJob,
+    HiddenStatesResult,
     LoadModelJob,
     ScoreJob,
     ScoreResult,
@@ -156,6 +159,10 @@ class EngineClient(ABC):
 
     def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
         return self.invoke(COMMANDS["score"], ScoreArgs(job, timeout_s))
+
+    def hidden_states(self, job: HiddenStatesJob, *, timeout_s: float | None = None
+                      ) -> HiddenStatesResult:
+        return self.invoke(COMMANDS["hidden_states"], HiddenStatesArgs(job, timeout_s))
 
     def attachments(self) -> list[AttachmentStatus]:
         return list(self.status().attachments)

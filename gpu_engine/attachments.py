@@ -14,7 +14,7 @@ from .errors import InsufficientMemory
 from .hooks import AttachmentStats
 from .protocol import AttachmentKey, AttachmentStatus, AttachSpec
 from .sae import check_compatibility
-from .sae.layouts import detect_layout, get_layout
+from .sae.layouts import config_at_layer, detect_layout, get_layout
 from .sae.module import SAE
 
 
@@ -62,7 +62,8 @@ def prepare_attachment(backend: Any, spec: AttachSpec, model_id: str | None) -> 
             from .errors import SAEFormatError
 
             raise SAEFormatError(f"{spec.path} is not a {spec.layout} SAE", details={"path": spec.path})
-    cfg = layout.read_metadata(found)
+    # a file of one vector per layer (layout "vector") gives the layer's own
+    cfg = config_at_layer(layout, layout.read_metadata(found), spec.layer)
     report = check_compatibility(
         cfg, hidden_size=backend.hidden_size, num_layers=backend.num_layers, layer=spec.layer, model_name=model_id
     )

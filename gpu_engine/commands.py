@@ -21,7 +21,7 @@ The lane says how a command travels when the engine is in another process:
 - ``state``: answered from the engine's heartbeat, whose key ``<name>`` holds the latest
   result (no round trip; the web tier answers at once);
 - ``control``: the command stream, one at a time (load, unload, attach, detach, checks);
-- ``work``: the request stream, one result entry (embed, score);
+- ``work``: the request stream, one result entry (embed, score, hidden_states);
 - ``stream``: the request stream, token events then a final one (generate).
 
 ``work`` and ``stream`` arguments carry a ``job`` whose ``request_id`` names the request's
@@ -47,6 +47,8 @@ from .protocol import (
     EngineStatus,
     GenerationEvent,
     GenerationJob,
+    HiddenStatesJob,
+    HiddenStatesResult,
     LoadModelJob,
     ScoreJob,
     ScoreResult,
@@ -113,6 +115,11 @@ class ScoreArgs(msgspec.Struct):
     timeout_s: float | None = None
 
 
+class HiddenStatesArgs(msgspec.Struct):
+    job: HiddenStatesJob
+    timeout_s: float | None = None
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -156,6 +163,7 @@ COMMANDS: Mapping[str, Command] = {c.name: c for c in (
     Command("generate", GenerateArgs, GenerationEvent, Lane.STREAM),
     Command("embed", EmbedArgs, EmbedResult, Lane.WORK),
     Command("score", ScoreArgs, ScoreResult, Lane.WORK),
+    Command("hidden_states", HiddenStatesArgs, HiddenStatesResult, Lane.WORK),
 )}
 
 
@@ -183,6 +191,6 @@ def check_implements(cls: type, *, where: str | None = None) -> None:
 
 __all__ = [
     "COMMANDS", "AttachSetArgs", "CancelAllArgs", "CheckSaeArgs", "Command", "DetachArgs",
-    "EmbedArgs", "GenerateArgs", "Lane", "LoadModelArgs", "ScoreArgs", "StatusArgs",
+    "EmbedArgs", "GenerateArgs", "HiddenStatesArgs", "Lane", "LoadModelArgs", "ScoreArgs", "StatusArgs",
     "UnloadModelArgs", "check_implements", "command",
 ]

@@ -28,6 +28,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 from typing import Any, Self
 
 import msgspec
@@ -48,6 +49,7 @@ from .errors import (
     InvalidParameter,
     ModelLoadFailed,
     ModelNotLoaded,
+    SAEFormatError,
     SAENotAttached,
 )
 from .hooks import HookManager
@@ -65,6 +67,8 @@ from .protocol import (
     FinishEvent,
     GenerationJob,
     GenerationResult,
+    HiddenStatesJob,
+    HiddenStatesResult,
     LoadModelJob,
     ScoreJob,
     ScoreResult,
@@ -315,10 +319,21 @@ class Engine:
 
     def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> CompatibilityReport:
         """Compatibility of an SAE with the loaded model, from its metadata only."""
-        from .sae import read_sae_metadata
+        from .errors import SAEIncompatible
+        from .sae.layouts import config_at_layer, detect_layout, get_layout
 
         backend = self._require_backend()
-        cfg = read_sae_metadata(path, layout)
+        if layout is None:
+            found_layout, found = detect_layout(path)
+        else:
+            found_layout = get_layout(layout)
+            found = found_layout.detect(Path(path))
+            if found is None:
+                raise SAEFormatError(f"{path} is not a {layout} SAE", details={"path": str(path)})
+        try:
+            cfg = config_at_layer(found_layout, found_layout.read_metadata(found), layer)
+        except SAEIncompatible as exc:  # a vector file without that layer's vector
+            return CompatibilityReport(False, errors=[exc.message])
         return check_compatibility(
             cfg, hidden_size=backend.hidden_size, num_layers=backend.num_layers, layer=layer, model_name=self._model_id
         )
@@ -535,6 +550,27 @@ class Engine:
             return backend.score(job, ids)
 
         return self._work(op, timeout_s)
+
+    def hidden_states(self, job: HiddenStatesJob, *, timeout_s: float | None = None) -> HiddenStatesResult:
+        """Pooled residuals after the given blocks, unsteered (``HiddenStatesJob``); a
+        backend that cannot read them (capability ``hidden_states`` off) refuses."""
+
+        def op() -> HiddenStatesResult:
+            backend = self._require_backend()
+            if not backend.capabilities().get("hidden_states", False):
+                raise InvalidParameter(f"the {backend.name} backend cannot return hidden states "
+                                       "(computing a steering vector needs the transformers backend)",
+                                       param="layers", details={"backend": backend.name,
+                                                                "capability": "hidden_states"})
+            for layer in job.layers:
+                if layer >= backend.num_layers:
+                    raise InvalidParameter(f"layer {layer} is out of range: the model has {backend.num_layers} "
+                                           f"decoder blocks (0..{backend.num_layers - 1})", param="layers",
+                                           details={"layer": layer, "num_layers": backend.num_layers})
+            inputs = requests.encode_inputs(backend, job.inputs, "inputs", job.add_special_tokens)
+            return backend.hidden_states(job, inputs)
+
+        return self._work(op, timeout_s, job.priority)
 
     # ------------------------------------------------------------------ status
 

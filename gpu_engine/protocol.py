@@ -522,6 +522,36 @@ class ScoreJob(msgspec.Struct):
         _int(self.top_k, "top_k", lo=0)
 
 
+HIDDEN_POOLINGS = ("last", "mean")
+
+
+class HiddenStatesJob(msgspec.Struct):
+    """The residual stream after decoder blocks ``layers`` (``resid_post``: each block's
+    output, where a vector attached at that layer is added) for each input, pooled over
+    its tokens: ``last`` (the last token) or ``mean``.  Never steered or monitored.  What
+    computing a steering vector from contrastive prompt pairs reads."""
+
+    request_id: str
+    inputs: list[str | list[int]] = msgspec.field(default_factory=list)  # text or token ids
+    layers: list[int] = msgspec.field(default_factory=list)
+    pooling: str = "last"
+    add_special_tokens: bool = True
+    priority: str = "interactive"  # PRIORITIES
+
+    def __post_init__(self) -> None:
+        if self.priority not in PRIORITIES:
+            raise InvalidParameter(f"priority must be one of {PRIORITIES}", param="priority")
+        if not self.inputs:
+            raise InvalidParameter("inputs is empty", param="inputs")
+        if not self.layers:
+            raise InvalidParameter("layers is empty", param="layers")
+        self.layers = [_int(layer, "layers", lo=0) for layer in self.layers]
+        if len(set(self.layers)) != len(self.layers):
+            raise InvalidParameter("layers names a layer twice", param="layers")
+        if self.pooling not in HIDDEN_POOLINGS:
+            raise InvalidParameter(f"pooling must be one of {HIDDEN_POOLINGS}", param="pooling")
+
+
 class LoadModelJob(msgspec.Struct):
     model_id: str
     path: str
@@ -694,6 +724,16 @@ class ScoreResult(msgspec.Struct):
     top: list[LogprobEntry] = msgspec.field(default_factory=list)
     allowed: list[LogprobEntry] = msgspec.field(default_factory=list)
     prompt_logprobs: list[float | None] | None = None
+
+
+class HiddenStatesResult(msgspec.Struct):
+    """``states[i][j]``: input i's pooled residual after block ``layers[j]`` (float32
+    values, d_model of them)."""
+
+    request_id: str
+    layers: list[int]
+    states: list[list[list[float]]]
+    usage: Usage
 
 
 class TokenEvent(msgspec.Struct, tag="token", tag_field="type"):

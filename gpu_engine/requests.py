@@ -12,7 +12,7 @@ from .attachments import Attachment
 from .controls import ControlTable, control_range
 from .errors import ContextLengthExceeded, InvalidParameter, SAENotAttached
 from .hooks import AttachmentPlan, MonitorPlan, RequestHooks
-from .protocol import AttachmentKey, GenerationJob
+from .protocol import AttachmentKey, GenerationJob, SteeringEntry
 
 
 def validate_ids(backend: Any, ids: Sequence[int], param: str) -> list[int]:
@@ -69,6 +69,26 @@ def token_budget(backend: Any, job: GenerationJob, n_prompt: int) -> int:
     return max_tokens
 
 
+# what reads a feature's activation, and so needs an encoder
+ENCODER_MODES = ("clamp", "scale")
+
+
+def refuse_encoder_controls(entry: SteeringEntry) -> None:
+    """A raw steering vector has decoder rows only: add and ablate work on it; clamp,
+    scale and conditions (which read an activation) are refused, naming the field."""
+    for c in entry.controls:
+        if c.mode in ENCODER_MODES:
+            raise InvalidParameter(f"{entry.sae_id!r} is a raw steering vector: mode {c.mode!r} reads a "
+                                   "feature's activation, which a vector has no encoder for (use add or ablate)",
+                                   param="steering.features.mode",
+                                   details={"sae_id": entry.sae_id, "index": c.index, "mode": c.mode})
+        if c.condition is not None:
+            raise InvalidParameter(f"{entry.sae_id!r} is a raw steering vector: a condition reads its "
+                                   "trigger's activation, which a vector has no encoder for",
+                                   param="steering.features.condition",
+                                   details={"sae_id": entry.sae_id, "index": c.index})
+
+
 def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, Attachment], job: GenerationJob,
                   n_prompt: int) -> RequestHooks | None:
     plans: dict[AttachmentKey, AttachmentPlan] = {}
@@ -85,6 +105,8 @@ def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, Attachment],
             continue
         att = attachment(entry.key)
         att.sae.check_indices(entry.sae_id, entry.indices())
+        if not att.sae.has_encoder:
+            refuse_encoder_controls(entry)
         plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
         if entry.features:
             plan.delta = att.sae.steering_delta(entry.features, dtype=backend.dtype,
@@ -107,6 +129,10 @@ def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, Attachment],
             plan.cols = (0, plan.controls.size)
     for mon in job.monitor.entries if job.monitor else []:
         att = attachment(mon.key)
+        if not att.sae.has_encoder:
+            raise InvalidParameter(f"{mon.sae_id!r} is a raw steering vector: it has no encoder, so nothing "
+                                   "can be monitored with it", param="monitor.sae_id",
+                                   details={"sae_id": mon.sae_id, "layer": mon.layer})
         att.sae.check_indices(mon.sae_id, mon.features)
         plan = plans.setdefault(mon.key, AttachmentPlan(mon.key))
         mp = MonitorPlan(mon, att.sae, prompt_len=n_prompt)
@@ -132,4 +158,4 @@ def encode_inputs(backend: Any, items: Sequence[Any], param: str, add_special_to
     return out
 
 
-__all__ = ["check_capabilities", "encode_inputs", "prompt_ids", "request_hooks", "token_budget", "validate_ids"]
+__all__ = ["ENCODER_MODES", "check_capabilities", "encode_inputs", "prompt_ids", "refuse_encoder_controls", "request_hooks", "token_budget", "validate_ids"]

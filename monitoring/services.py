@@ -108,6 +108,12 @@ def monitoring_configure(*, enabled: bool = True, features: list[int] | None = N
                                "completion or all", details={"fields": {"monitoring": [
                                    "out of range"]}})
     attachment = attachment_choose(sae_id=sae_id, layer=layer)
+    if attachment.sae.format == "vector":
+        from registry.errors import VectorInvalid
+
+        raise VectorInvalid(f"{attachment.sae_id} is a raw steering vector: it has no encoder, "
+                            "so nothing can be monitored with it",
+                            details={"field": "sae_id", "sae_id": attachment.sae_id})
     if features is not None:
         features = sorted({int(f) for f in features})
         if len(features) > MAX_FEATURES:

@@ -14,8 +14,8 @@ from rest_framework.views import APIView
 from core.api import body_object, envelope, validated
 from core.schema import enveloped
 from monitoring.services import monitoring_state
-from orchestration import services
-from registry import selectors
+from orchestration import services, vectors
+from registry import selectors, vector_io
 from registry import serializers as io
 from registry.models import Attachment
 from steering import serializers as steering_io
@@ -150,3 +150,17 @@ class CircuitActivateApi(APIView):
         if data["allow_layer_overlap"]:
             out["allowed_layer_overlap"] = True
         return envelope(out)
+
+
+class VectorComputeApi(APIView):
+    @extend_schema(tags=["vectors"], summary="Compute a steering vector on the resident model "
+                   "from contrastive prompt pairs (mean difference of block outputs)",
+                   operation_id="vectors_compute", request=vector_io.VectorComputeInput,
+                   responses={201: enveloped(vector_io.VectorOutput)})
+    def post(self, request) -> Response:
+        data = validated(vector_io.VectorComputeInput, body_object(request))
+        row = vectors.vector_compute(
+            name=data["name"], layer=data["layer"], model_name=data.get("model") or None,
+            pairs=[(p["positive"], p["negative"]) for p in data["pairs"]],
+            pooling=data["pooling"])
+        return envelope(vector_io.vector_out(row), status_code=status.HTTP_201_CREATED)

@@ -15,6 +15,7 @@ urlpatterns = [
             name="sae-compatibility"),
     re_path(rf"^saes/{SAE_ID}/attach$", apis.SAEAttachApi.as_view(), name="sae-attach"),
     re_path(rf"^saes/{SAE_ID}/detach$", apis.SAEDetachApi.as_view(), name="sae-detach"),
+    path("vectors/compute", apis.VectorComputeApi.as_view(), name="vector-compute"),
     path("circuits/<str:circuit_id>/activate", apis.CircuitActivateApi.as_view(),
          name="circuit-activate"),
 ]

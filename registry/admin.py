@@ -9,8 +9,8 @@ from django.template.defaultfilters import filesizeformat
 
 from core.admin_actions import run_each
 from core.errors import MillmError
-from registry import job_lifecycle, services
-from registry.models import SAE, Job, Model
+from registry import job_lifecycle, services, vectors
+from registry.models import SAE, Job, Model, SteeringVector
 
 
 @admin.register(Model)
@@ -167,6 +167,84 @@ class SAEAdmin(admin.ModelAdmin):
 
     @admin.action(description="Delete selected SAEs (refused while attached)")
     def delete_saes(self, request, queryset):
+        run_each(self, request, queryset, "Deleted", lambda s: services.sae_delete(sae=s))
+
+    def delete_model(self, request, obj):
+        services.sae_delete(sae=obj)
+
+
+class VectorImportForm(forms.ModelForm):
+    """Import a vector file from the server's disk (``vectors.vector_import``): checked on
+    the form first (``vector_read_file``), so a refusal shows before anything is written."""
+
+    path = forms.CharField(max_length=1000, label="File",
+                           help_text="Absolute path of a safetensors file of layer.<L> tensors. "
+                                     "miLLM stores its own copy; this file is never changed.")
+    model = forms.ModelChoiceField(queryset=Model.objects.all(),
+                                   help_text="The model the vector was made for.")
+    layer = forms.IntegerField(min_value=0, required=False,
+                               help_text="Keep only this layer's vector (default: all).")
+
+    class Meta:
+        model = SteeringVector
+        fields = ("name",)
+
+    def clean(self):
+        data = super().clean()
+        if self.errors:
+            return data
+        from pathlib import Path
+
+        try:
+            vectors.check_name_free(data.get("name") or "")
+            vectors.vector_read_file(path=Path(data["path"]), model=data["model"],
+                                     layer=data.get("layer"))
+        except MillmError as exc:
+            raise forms.ValidationError(f"{exc.message} ({exc.code})") from exc
+        return data
+
+
+@admin.register(SteeringVector)
+class SteeringVectorAdmin(admin.ModelAdmin):
+    list_display = ("id", "name", "trained_on_model", "vector_layers", "d_in", "vector_source",
+                    "status", "updated_at")
+    list_filter = ("status", "vector_source")
+    search_fields = ("id", "name", "trained_on_model")
+    readonly_fields = ("id", "name", "status", "trained_on_model", "vector_layers",
+                       "vector_norms", "d_in", "vector_source", "vector_recipe", "local_path",
+                       "files_owned", "created_at", "updated_at")
+    fields = readonly_fields
+    actions = ("delete_vectors",)
+
+    def get_actions(self, request):
+        actions = super().get_actions(request)
+        actions.pop("delete_selected", None)
+        return actions
+
+    def get_form(self, request, obj=None, **kwargs):
+        if obj is None:
+            kwargs["form"] = VectorImportForm
+            kwargs["fields"] = None
+        return super().get_form(request, obj, **kwargs)
+
+    def get_fields(self, request, obj=None):
+        return ("name", "path", "model", "layer") if obj is None else self.fields
+
+    def get_readonly_fields(self, request, obj=None):
+        return () if obj is None else self.readonly_fields
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            return None
+        data = form.cleaned_data
+        row = vectors.vector_import(path=data["path"], name=data["name"], model=data["model"],
+                                    layer=data.get("layer"))
+        obj.pk = row.pk
+        obj.refresh_from_db()
+        return None
+
+    @admin.action(description="Delete selected vectors (refused while attached)")
+    def delete_vectors(self, request, queryset):
         run_each(self, request, queryset, "Deleted", lambda s: services.sae_delete(sae=s))
 
     def delete_model(self, request, obj):

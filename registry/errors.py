@@ -108,3 +108,20 @@ class DownloadTimedOut(MillmError):
 class CircuitNotFound(MillmError):
     code, status = "CIRCUIT_NOT_FOUND", 404
 
+
+
+class VectorInvalid(MillmError):
+    """A steering vector file or its creation arguments were refused; ``details.field``
+    names what (``file``, ``layer``, ``model``, ``pairs``)."""
+
+    code, status = "VECTOR_INVALID", 400
+
+
+class VectorNotFound(MillmError):
+    code, status = "VECTOR_NOT_FOUND", 404
+
+
+class VectorAlreadyExists(MillmError):
+    """A steering vector of that name is registered (details: sae_id)."""
+
+    code, status = "VECTOR_ALREADY_EXISTS", 409

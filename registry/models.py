@@ -111,14 +111,25 @@ def _sae_id() -> str:
 
 
 class SAE(models.Model):
+    """An SAE, or a raw steering vector (``format="vector"``: a direction per layer, no
+    encoder). Both are one kind of row so that a vector attaches, steers, detaches and is
+    restored after an engine restart through exactly the SAE paths; the ``vector_*``
+    fields say what only a vector has."""
+
     class Format(models.TextChoices):
         SAELENS = "saelens", "SAELens (cfg.json + safetensors)"
         GEMMASCOPE = "gemmascope", "Gemma Scope (params.npz)"
+        VECTOR = "vector", "Steering vector (layer.<L> safetensors)"
 
     class Activation(models.TextChoices):
         RELU = "relu", "ReLU"
         JUMPRELU = "jumprelu", "JumpReLU"
         TOPK = "topk", "TopK"
+        NONE = "none", "None (a steering vector: no encoder)"
+
+    class VectorSource(models.TextChoices):
+        UPLOAD = "upload", "Uploaded (or imported) file"
+        COMPUTED = "computed", "Computed from contrastive prompt pairs"
 
     class Status(models.TextChoices):
         DOWNLOADING = "downloading", "Downloading"
@@ -149,8 +160,24 @@ class SAE(models.Model):
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY,
                               db_index=True)
     error_message = models.TextField(blank=True)
+    # steering vectors only
+    vector_source = models.CharField(max_length=16, choices=VectorSource.choices, blank=True)
+    vector_layers = models.JSONField(default=list, blank=True,
+                                     help_text="The layers the vector file has a vector for.")
+    vector_norms = models.JSONField(default=list, blank=True,
+                                    help_text="The L2 norm of each layer's vector, in the order "
+                                              "of vector_layers.")
+    vector_recipe = models.JSONField(default=dict, blank=True,
+                                     help_text="How a computed vector was made (pairs, pooling).")
+    files_owned = models.BooleanField(
+        default=False, help_text="miLLM wrote these files (an upload or a computed vector); "
+                                 "deleting the row removes them.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
+
+    @property
+    def is_vector(self) -> bool:
+        return self.format == self.Format.VECTOR
 
     class Meta:
         verbose_name = "SAE"
@@ -165,6 +192,21 @@ class SAE(models.Model):
 
     def __str__(self) -> str:
         return self.name or self.id
+
+
+class SteeringVectorManager(models.Manager):
+    def get_queryset(self):
+        return super().get_queryset().filter(format=SAE.Format.VECTOR)
+
+
+class SteeringVector(SAE):
+    """The steering-vector rows of ``SAE`` (the admin's own page for them)."""
+
+    objects = SteeringVectorManager()
+
+    class Meta:
+        proxy = True
+        verbose_name = "steering vector"
 
 
 class Job(models.Model):

@@ -221,7 +221,8 @@ def sae_register_local(*, local_path: str, name: str | None = None,
 def sae_delete(*, sae: SAE) -> None:
     """Delete the row and, for a downloaded SAE, its files; refused while attached (409).
 
-    Only what miLLM downloaded from the hub into SAE_CACHE_DIR is removed: an SAE
+    Only what miLLM downloaded from the hub into SAE_CACHE_DIR, or wrote there for a
+    steering vector (``files_owned``), is removed: an SAE
     registered from a local directory keeps its files wherever they are, even inside the
     cache (another row's download, say)."""
     from registry.downloads import sae_target_dir
@@ -236,6 +237,9 @@ def sae_delete(*, sae: SAE) -> None:
     candidates = []
     if sae.repository_id:
         candidates = [sae_target_dir(sae), *([Path(sae.local_path)] if sae.local_path else [])]
+    elif sae.files_owned and sae.local_path:
+        # a steering vector's own copy (registry.vectors), never the file it came from
+        candidates = [Path(sae.local_path)]
     sae_id = sae.id
     sae.delete()
     for files in candidates:

@@ -6,7 +6,7 @@ never reads as an SAE id whatever order the routes are included in.
 
 from django.urls import path, re_path
 
-from registry import apis
+from registry import apis, vector_apis
 
 SAE_ID = r"(?P<sae_id>sae_[A-Za-z0-9_.-]{1,36})"
 
@@ -23,6 +23,9 @@ urlpatterns = [
     path("saes/attachments", apis.AttachmentListApi.as_view(), name="sae-attachments"),
     re_path(rf"^saes/{SAE_ID}$", apis.SAEDetailApi.as_view(), name="sae-detail"),
     re_path(rf"^saes/{SAE_ID}/cancel$", apis.SAECancelApi.as_view(), name="sae-cancel"),
+    path("vectors", vector_apis.VectorListCreateApi.as_view(), name="vectors"),
+    re_path(rf"^vectors/{SAE_ID.replace('sae_id', 'vector_id')}$",
+            vector_apis.VectorDetailApi.as_view(), name="vector-detail"),
     path("jobs", apis.JobListApi.as_view(), name="jobs"),
     path("jobs/<int:job_id>", apis.JobDetailApi.as_view(), name="job-detail"),
     path("jobs/<int:job_id>/cancel", apis.JobCancelApi.as_view(), name="job-cancel"),

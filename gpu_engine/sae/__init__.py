@@ -17,6 +17,7 @@ from .layouts import (
     register_layout,
     registered_layouts,
 )
+from .vectors import LAYOUT as VECTOR_LAYOUT  # registers the "vector" layout after the SAE ones
 
 _LAZY = {"SAE": "module", "load_sae": "module"}
 
@@ -35,6 +36,7 @@ __all__ = [
     "CompatibilityReport",
     "SAEConfig",
     "SAELayout",
+    "VECTOR_LAYOUT",
     "check_compatibility",
     "detect_layout",
     "load_sae",

@@ -43,6 +43,9 @@ class SAEConfig:
     dtype: str = "float32"
     weights_file: str = ""
     config_file: str | None = None
+    # False for a raw steering vector (layout "vector"): decoder rows only, so nothing
+    # can be encoded (no monitoring, clamp, scale or condition on it)
+    has_encoder: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -50,7 +53,11 @@ class SAEConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise SAEFormatError(f"SAE {name} must be a positive integer, got {value!r}", details={"path": self.path})
-        if self.activation not in ACTIVATIONS:
+        if not self.has_encoder:
+            if self.activation != "none":
+                raise SAEFormatError(f"an SAE without an encoder has activation 'none', got {self.activation!r}",
+                                     details={"path": self.path})
+        elif self.activation not in ACTIVATIONS:
             raise SAEFormatError(
                 f"Unsupported SAE activation {self.activation!r}; supported: {', '.join(ACTIVATIONS)}",
                 details={"path": self.path, "activation": self.activation},

@@ -52,6 +52,9 @@ class SAELayout:
     detect: Callable[[Path], Path | None]  # returns the SAE directory/file it recognises
     read_metadata: Callable[[Path], SAEConfig]
     load_tensors: Callable[[SAEConfig], dict[str, torch.Tensor]]
+    # a layout whose file holds one entry per layer (raw steering vectors) narrows its
+    # config to the layer it is attached at, refusing a layer the file lacks
+    for_layer: Callable[[SAEConfig, int], SAEConfig] | None = None
 
 
 _LAYOUTS: dict[str, SAELayout] = {}
@@ -74,6 +77,11 @@ def get_layout(name: str) -> SAELayout:
         raise SAEFormatError(f"Unknown SAE layout {name!r}; known: {', '.join(_LAYOUTS)}") from None
 
 
+def config_at_layer(layout: SAELayout, cfg: SAEConfig, layer: int) -> SAEConfig:
+    """``cfg`` as attached at ``layer`` (unchanged for a layout with one entry per file)."""
+    return layout.for_layer(cfg, layer) if layout.for_layer is not None else cfg
+
+
 def detect_layout(path: str | Path) -> tuple[SAELayout, Path]:
     p = Path(path)
     if not p.exists():
@@ -84,7 +92,8 @@ def detect_layout(path: str | Path) -> tuple[SAELayout, Path]:
             return layout, found
     raise SAEFormatError(
         f"No known SAE layout at {p}: expected SAELens ({' | '.join(CONFIG_NAMES)} + "
-        "sae_weights.safetensors) or Gemma Scope (params.npz)",
+        "sae_weights.safetensors), Gemma Scope (params.npz) or a steering vector file "
+        "(safetensors of layer.<L> tensors)",
         details={"path": str(p)},
     )
 
@@ -453,6 +462,7 @@ register_layout(SAELayout("gemmascope", _gemmascope_detect, _gemmascope_metadata
 __all__ = [
     "CONFIG_NAMES",
     "SAELayout",
+    "config_at_layer",
     "detect_layout",
     "get_layout",
     "read_sae_metadata",

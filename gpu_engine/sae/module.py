@@ -49,7 +49,8 @@ class SAE:
         def put(t: torch.Tensor) -> torch.Tensor:
             return t.to(device=self.device, dtype=dtype).contiguous()
 
-        self.W_enc = put(tensors["W_enc"])
+        # a raw steering vector (layout "vector") has decoder rows only
+        self.W_enc = put(tensors["W_enc"]) if "W_enc" in tensors else None
         self.W_dec = put(tensors["W_dec"])
         self.b_enc = put(tensors["b_enc"]) if "b_enc" in tensors else None
         self.b_dec = put(tensors["b_dec"])
@@ -83,6 +84,10 @@ class SAE:
     def activation(self) -> str:
         return self.cfg.activation
 
+    @property
+    def has_encoder(self) -> bool:
+        return self.W_enc is not None
+
     def nbytes(self) -> int:
         ts = [self.W_enc, self.W_dec, self.b_enc, self.b_dec, self.threshold, self.b_mag, self.mag_scale, self.dec_norms]
         unique = {id(t): t for t in ts if t is not None}
@@ -92,6 +97,8 @@ class SAE:
 
     def _prepare(self, x: torch.Tensor) -> torch.Tensor:
         """SAELens's ``process_sae_in``: cast, normalise, subtract b_dec."""
+        if self.W_enc is None:  # requests.request_hooks refuses what would get here
+            raise ValueError(f"{self.cfg.path} has no encoder (a raw steering vector)")
         x = x.to(self.dtype)
         if self.cfg.normalize_activations == "constant_norm_rescale":
             x = x * ((self.cfg.d_in ** 0.5) / x.norm(dim=-1, keepdim=True))

@@ -21,6 +21,7 @@ from gpu_engine.protocol import (
     EngineStatus,
     ErrorEvent,
     FinishEvent,
+    HiddenStatesResult,
     LogprobEntry,
     ScoreResult,
     TokenEvent,
@@ -166,6 +167,11 @@ class FakeEngine:
 
     def score(self, job: Any, *, timeout_s: float | None = None) -> ScoreResult:
         return ScoreResult(job.request_id, 3, top=[LogprobEntry(1, "a", -0.5)])
+
+    def hidden_states(self, job: Any, *, timeout_s: float | None = None) -> HiddenStatesResult:
+        return HiddenStatesResult(job.request_id, list(job.layers),
+                                  [[[1.0, 0.0]] * len(job.layers)] * len(job.inputs),
+                                  Usage(len(job.inputs), 0, len(job.inputs)))
 
 
 # The in-process servers share the pytest process's heap: the engine's gc.collect() after an

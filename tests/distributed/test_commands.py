@@ -30,6 +30,7 @@ from gpu_engine.protocol import (
     EmbedJob,
     ErrorEvent,
     GenerationJob,
+    HiddenStatesJob,
     LoadModelJob,
     SamplingParams,
     ScoreJob,
@@ -55,9 +56,12 @@ def reference(tiny_assets) -> dict[str, Any]:
     with torch.inference_mode():
         greedy = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                 do_sample=False, pad_token_id=0)[0, len(PROMPT_IDS):].tolist()
-        logprobs = torch.log_softmax(model(ids).logits[0, -1].double(), -1)
+        out = model(ids, output_hidden_states=True)
+        logprobs = torch.log_softmax(out.logits[0, -1].double(), -1)
     top = torch.topk(logprobs, 3)
-    return {"greedy": greedy, "top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist()}
+    # block 1's output at the last token (hidden_states[L + 1] is block L's output)
+    return {"greedy": greedy, "top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist(),
+            "hidden_l1_last": out.hidden_states[2][0, -1].tolist()}
 
 
 @contextmanager
@@ -164,6 +168,14 @@ def step_score(client, assets, ref):
     return [[e.token_id, round(e.logprob, 4)] for e in result.top]
 
 
+def step_hidden_states(client, assets, ref):
+    result = client.hidden_states(HiddenStatesJob(f"hs-{secrets.token_hex(4)}", [PROMPT_IDS],
+                                                  layers=[1], pooling="last"))
+    assert result.layers == [1] and result.usage.prompt_tokens == len(PROMPT_IDS)
+    assert result.states[0][0] == pytest.approx(ref["hidden_l1_last"], abs=1e-5)
+    return [round(x, 4) for x in result.states[0][0]]
+
+
 def step_cancel_all(client, assets, ref):
     assert client.cancel_all(reason="test") == 0  # nothing running
     events = _long_generation(client, f"long-{secrets.token_hex(4)}")
@@ -195,6 +207,7 @@ STEPS: dict[str, Step] = {
     "generate": step_generate,
     "embed": step_embed,
     "score": step_score,
+    "hidden_states": step_hidden_states,
     "cancel_all": step_cancel_all,
     "detach": step_detach,
     "unload_model": step_unload_model,

@@ -21,6 +21,8 @@ from ...protocol import (
     EmbedJob,
     EmbedResult,
     GenerationJob,
+    HiddenStatesJob,
+    HiddenStatesResult,
     LoadModelJob,
     LogprobEntry,
     ScoreJob,
@@ -113,7 +115,8 @@ class TransformersRunner:
         self.hooks.remove(key)
 
     def capabilities(self) -> dict[str, Any]:
-        return all_capabilities(hook_points=list(HOOK_POINTS))
+        # ``hidden_states``: this backend's own key (Engine.hidden_states refuses without it)
+        return all_capabilities(hook_points=list(HOOK_POINTS), hidden_states=True)
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -265,6 +268,11 @@ class TransformersRunner:
                 picked = all_lsm.gather(1, target.unsqueeze(1)).squeeze(1).tolist() if len(prompt_ids) > 1 else []
                 prompt_lp = [None, *[float(v) for v in picked]]
         return ScoreResult(job.request_id, len(prompt_ids), top, allowed, prompt_lp)
+
+    def hidden_states(self, job: HiddenStatesJob, inputs: Sequence[list[int]]) -> HiddenStatesResult:
+        from .hidden import run_hidden_states
+
+        return run_hidden_states(self, job, inputs)
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]
