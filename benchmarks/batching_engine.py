@@ -18,11 +18,21 @@ from other load hits every mode alike; greedy, ``--tokens`` new tokens per reque
   hf_generate_batch  transformers' continuous batching (``generate_batch`` on a persistent
                   manager, measured after the other modes; SPEC §7: 4.9×)
 
+  engine_capture_last  the ``engine`` batch with every request capturing the last row of
+                  every layer (issue 15; target ≤ 10% cost, i.e. ≥ 0.91× ``engine``)
+  engine_capture_all   the same capturing every row (prompt and completion) of every layer
+
 ``--idle`` also measures a single serial request with and without a continuous-batching
 engine (its own model copy) idle in the same process, and with transformers' own
 ``ContinuousBatchingManager`` idle (SPEC §7: 0.94× fp32).  Usage:
 
     .venv/bin/python benchmarks/batching_engine.py --batch 1 --batch 4 --batch 8 --batch 16 --rounds 3 --idle
+    # capture cost at 1 and 16 concurrent requests (ratios against ``engine``)
+    .venv/bin/python benchmarks/batching_engine.py --batch 1 --batch 16 --rounds 3 \
+        --modes engine,engine_capture_last,engine_capture_all
+    # smoke: the tiny model, a few tokens
+    .venv/bin/python benchmarks/batching_engine.py --model tiny-llama --batch 1 --batch 2 --rounds 1 \
+        --tokens 4 --modes engine,engine_capture_last,engine_capture_all
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from gpu_engine.engine import Engine
 from gpu_engine.protocol import (
     AttachSpec,
     BatchingOptions,
+    CaptureSpec,
     GenerationJob,
     LoadModelJob,
     SamplingParams,
@@ -72,8 +83,9 @@ def steering_for(i: int, sae_id: str, layer: int) -> SteeringSpec | None:
     return SteeringSpec.from_mapping({(sae_id, layer): {(i * 131 + j * 97) % 16384: 4.0 for j in range(8)}})
 
 
-def jobs(n: int, tokens: int, steer: tuple[str, int] | None = None) -> list[GenerationJob]:
-    return [GenerationJob(f"b{i}", prompt=prompt(i),
+def jobs(n: int, tokens: int, steer: tuple[str, int] | None = None,
+         capture: CaptureSpec | None = None) -> list[GenerationJob]:
+    return [GenerationJob(f"b{i}", prompt=prompt(i), capture=capture,
                           steering=steering_for(i, *steer) if steer else None,
                           sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
             for i in range(n)]
@@ -207,6 +219,11 @@ def main() -> None:
             if not batched.attachments():
                 batched.attach(AttachSpec("bench", str(sae_path), layer))
             return run_engine(batched, jobs(n, args.tokens, ("bench", layer)))
+        if mode.startswith("engine_capture_"):
+            batched.detach(None)
+            layers = list(range(runner.num_layers))
+            return run_engine(batched, jobs(n, args.tokens, capture=CaptureSpec(layers=layers,
+                                                                                positions=mode.rsplit("_", 1)[1])))
         if mode.startswith("raw_"):
             return raw_loop(runner, ids, args.tokens, mode[4:])
         if mode == "hf_static":
@@ -264,14 +281,23 @@ def main() -> None:
         cells = []
         for n in batches:
             ms, bs = med[m][n], best[m][n]
-            cells.append(f"{ms:7.1f}|{bs:6.1f} ({ms / med['serial'][n]:4.2f}×|{bs / best['serial'][n]:4.2f}×)")
+            ref = "serial" if "serial" in med else "engine"
+            cells.append(f"{ms:7.1f}|{bs:6.1f} ({ms / med[ref][n]:4.2f}×|{bs / best[ref][n]:4.2f}×)")
         print(f"  {m:<18}" + "".join(f"{c:>26}" for c in cells))
     if "engine_mixed" in modes and "engine" in modes:
         print("  mixed steering / unsteered batch: " + ", ".join(
             f"n={n}: {med['engine_mixed'][n] / med['engine'][n]:.3f} (best {best['engine_mixed'][n] / best['engine'][n]:.3f})"
             for n in batches))
+    capture_modes = [m for m in modes if m.startswith("engine_capture_")]
+    if capture_modes and "engine" in modes:
+        result_capture = {m: {n: med[m][n] / med["engine"][n] for n in batches} for m in capture_modes}
+        for m, per in result_capture.items():
+            print(f"  {m} / engine (throughput ratio; cost = 1/ratio - 1): " + ", ".join(
+                f"n={n}: {r:.3f}" for n, r in per.items()))
     result = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens, "rounds": args.rounds,
               "samples": samples, "median": med, "best": best}
+    if capture_modes and "engine" in modes:
+        result["capture_ratio"] = result_capture
     if args.idle:
         im = {k: statistics.median(v) for k, v in idle.items() if v}
         print("  serial single request: " + ", ".join(f"{k} {v:.1f} tok/s ({v / im['alone']:.3f}×)" for k, v in im.items()))

@@ -84,6 +84,12 @@ class BackendUnavailable(MillmError):
     code, status = "BACKEND_UNAVAILABLE", 400
 
 
+class CaptureTooLarge(MillmError):
+    """A capture whose worst case exceeds CAPTURE_MAX_BYTES (details: estimate_bytes)."""
+
+    code, status = "CAPTURE_TOO_LARGE", 400
+
+
 # Engine error codes (gpu_engine.errors) -> the domain error classes: the one table every
 # surface goes through (/api answers the class's code; /v1 maps that code in
 # inference.errors).
@@ -102,6 +108,7 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
     "context_length_exceeded": ContextLengthExceeded,
     "generation_failed": GenerationFailed,
     "backend_unavailable": BackendUnavailable,
+    "capture_too_large": CaptureTooLarge,
 }
 
 

@@ -443,6 +443,7 @@ class Engine:
             prompt_ids = requests.prompt_ids(backend, job)
             max_tokens = requests.token_budget(backend, job, len(prompt_ids))
             hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
+            hooks = requests.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
             finish = backend.generate(
                 request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling, max_tokens=max_tokens,
                 request_hooks=hooks, should_stop=stream._cancel.is_set, emit=stream._put,
@@ -472,6 +473,7 @@ class Engine:
         prompt_ids = requests.prompt_ids(backend, job)
         max_tokens = requests.token_budget(backend, job, len(prompt_ids))
         hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
+        hooks = requests.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
         return backend.new_sequence(job, prompt_ids=prompt_ids, max_tokens=max_tokens, request_hooks=hooks,
                                     emit=stream._put, should_stop=stream._cancel.is_set)
 

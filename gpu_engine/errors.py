@@ -84,6 +84,21 @@ class ContextLengthExceeded(EngineError):
         )
 
 
+class CaptureTooLarge(EngineError):
+    """A capture whose worst-case size (every row it may take) exceeds the limit it was
+    sent with (``CAPTURE_MAX_BYTES``); refused before anything runs."""
+
+    code = "capture_too_large"
+
+    def __init__(self, *, estimate_bytes: int, max_bytes: int, rows: int, layers: int) -> None:
+        super().__init__(
+            f"the capture would take up to {estimate_bytes} bytes ({rows} rows x {layers} layers), "
+            f"more than the limit of {max_bytes} bytes: capture fewer layers or positions, or "
+            f"ask for fewer tokens",
+            details={"param": "capture", "estimate_bytes": estimate_bytes, "max_bytes": max_bytes,
+                     "rows": rows, "layers": layers})
+
+
 class ModelNotLoaded(EngineError):
     code = "model_not_loaded"
 
@@ -159,6 +174,7 @@ class GenerationFailed(EngineError):
 
 __all__ = [
     "BackendUnavailable",
+    "CaptureTooLarge",
     "ContextLengthExceeded",
     "EngineBusy",
     "EngineError",

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from .capture import CaptureHook
 from .controls import ControlTable
 from .protocol import (
     ActivationRecord,
@@ -214,6 +215,7 @@ class RequestHooks:
 
     request_id: str
     plans: dict[AttachmentKey, AttachmentPlan] = field(default_factory=dict)
+    capture: Any = None  # gpu_engine.capture.CapturePlan
 
     def monitors(self) -> list[MonitorPlan]:
         return [m for p in self.plans.values() for m in (*p.pre, *p.post)]
@@ -279,6 +281,9 @@ class BatchContext:
     # controls, whose gates are kept)
     control_tables: dict[AttachmentKey, ControlTable] = field(default_factory=dict)
     row_positions: torch.Tensor | None = None
+    # batched decode with a capture armed: (num_layers, slots, d), every row written to
+    # its slot by the capture hooks (gpu_engine.capture)
+    capture_stage: torch.Tensor | None = None
 
 
 @dataclass
@@ -414,6 +419,7 @@ class HookManager:
     def __init__(self) -> None:
         self.current: BatchContext | None = None
         self._handles: dict[AttachmentKey, Any] = {}
+        self._captures: dict[int, list[Any]] = {}  # layer -> [handle, module, references]
 
     def install(self, key: AttachmentKey, module: torch.nn.Module, stats: AttachmentStats, *,
                 residual_pair: bool = False, read_input: bool = False) -> None:
@@ -421,6 +427,31 @@ class HookManager:
             raise RuntimeError(f"a hook for {key} is already installed")
         hook = AttachmentHook(key, self, stats, residual_pair=residual_pair, read_input=read_input)
         self._handles[key] = module.register_forward_hook(hook)
+        for layer, entry in self._captures.items():
+            if entry[1] is module:  # a capture reads what the next layer sees: stay last
+                entry[0].remove()
+                entry[0] = module.register_forward_hook(CaptureHook(layer, self))
+
+    def arm_capture(self, layer: int, module: torch.nn.Module) -> None:
+        """A capture hook on block ``layer`` while some request captures it (counted), the
+        last hook on its module; no hook at all otherwise."""
+        entry = self._captures.get(layer)
+        if entry is not None:
+            entry[2] += 1
+            return
+        self._captures[layer] = [module.register_forward_hook(CaptureHook(layer, self)), module, 1]
+
+    def disarm_capture(self, layer: int) -> None:
+        entry = self._captures.get(layer)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] <= 0:
+            entry[0].remove()
+            del self._captures[layer]
+
+    def armed_captures(self) -> list[int]:
+        return sorted(self._captures)
 
     def remove(self, key: AttachmentKey) -> None:
         handle = self._handles.pop(key, None)

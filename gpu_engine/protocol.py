@@ -454,6 +454,52 @@ class ActivationRecord(msgspec.Struct):
     features: list[FeatureActivation] = msgspec.field(default_factory=list)
 
 
+# --------------------------------------------------------------------------- capture
+
+CAPTURE_POSITIONS = ("last", "all", "prompt", "completion")
+
+
+class CaptureSpec(msgspec.Struct):
+    """Hidden states to capture for one request (``gpu_engine.capture``).
+
+    ``layers``: decoder blocks whose output is captured, after every steering on that
+    block (what block ``layer + 1`` reads).  ``positions`` index residual rows as
+    ``MonitorEntry`` does: ``prompt`` = rows ``0..P-1``, ``completion`` = the rows that
+    produced each generated token (``P-1+i``), ``all`` = every row computed, ``last`` = the
+    last row computed.  ``max_bytes`` (0: no limit) refuses, before anything runs, a capture
+    whose worst case is larger; an artifact of at most ``inline_max_bytes`` comes back in
+    the ``FinishEvent``, a larger one is written under ``directory`` (inline when unset).
+    """
+
+    layers: list[int]
+    positions: str = "last"
+    max_bytes: int = 0
+    inline_max_bytes: int = 0
+    directory: str | None = None
+    model: str = ""  # the name the sidecar records (the engine's model id when empty)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, list) or not self.layers:
+            raise InvalidParameter("capture.layers must list at least one layer", param="capture.layers")
+        self.layers = sorted({_int(x, "capture.layers", lo=0) for x in self.layers})
+        if self.positions not in CAPTURE_POSITIONS:
+            raise InvalidParameter(f"capture.positions must be one of {CAPTURE_POSITIONS}",
+                                   param="capture.positions")
+        _int(self.max_bytes, "capture.max_bytes", lo=0)
+        _int(self.inline_max_bytes, "capture.inline_max_bytes", lo=0)
+
+
+class CaptureResult(msgspec.Struct):
+    """A finished request's capture: the safetensors file's bytes (``data``, inline) or
+    its file name under the spec's directory (``file``, stored), and its sidecar."""
+
+    capture_id: str
+    nbytes: int
+    meta: dict[str, Any] = msgspec.field(default_factory=dict)
+    data: bytes | None = None
+    file: str | None = None
+
+
 # --------------------------------------------------------------------------- jobs
 
 class GenerationJob(msgspec.Struct):
@@ -474,6 +520,7 @@ class GenerationJob(msgspec.Struct):
     add_special_tokens: bool = True
     chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     priority: str = "interactive"  # PRIORITIES
+    capture: CaptureSpec | None = None
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:
@@ -772,6 +819,7 @@ class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
     tokens: list[str] = msgspec.field(default_factory=list)
     # where conditional steering controls fired (``SteeringFired``)
     steering_fired: list[SteeringFired] = msgspec.field(default_factory=list)
+    capture: CaptureResult | None = None  # GenerationJob.capture's artifact
 
 
 class ErrorEvent(msgspec.Struct, tag="error", tag_field="type"):
@@ -823,6 +871,7 @@ class GenerationResult(msgspec.Struct):
     steering_apply_count: list[SteeringCount] = msgspec.field(default_factory=list)
     forward_passes: int = 0
     steering_fired: list[SteeringFired] = msgspec.field(default_factory=list)
+    capture: CaptureResult | None = None
 
     @classmethod
     def from_events(cls, events: Iterable[GenerationEvent]) -> GenerationResult:
@@ -849,5 +898,6 @@ class GenerationResult(msgspec.Struct):
                     steering_apply_count=ev.steering_apply_count,
                     steering_fired=ev.steering_fired,
                     forward_passes=ev.forward_passes,
+                    capture=ev.capture,
                 )
         raise RuntimeError("generation ended without a finish event")

@@ -39,6 +39,8 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
         needs.append(("logprobs", "logprobs"))
     if job.sampling.prompt_logprobs:
         needs.append(("prompt_logprobs", "prompt_logprobs"))
+    if job.capture is not None:
+        needs.append(("hidden_state_capture", "capture"))
     for capability, param in needs:
         if not caps.get(capability, False):
             raise InvalidParameter(f"the {backend.name} backend cannot honour {param} ({capability} is off)",
@@ -140,6 +142,37 @@ def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, Attachment],
     return RequestHooks(job.request_id, plans) if plans else None
 
 
+def with_capture(backend: Any, job: GenerationJob, hooks: RequestHooks | None, n_prompt: int,
+                 max_tokens: int) -> RequestHooks | None:
+    """Add the request's capture plan (its buffer allocated now) to its hooks, after
+    checking its layers and its worst-case size (``capture_too_large``): before any
+    forward runs."""
+    spec = job.capture
+    if spec is None:
+        return hooks
+    n_layers = backend.num_layers
+    bad = [layer for layer in spec.layers if layer >= n_layers]
+    if bad:
+        raise InvalidParameter(f"capture.layers {bad} out of range: the model has layers 0..{n_layers - 1}",
+                               param="capture.layers", details={"layers": bad, "num_layers": n_layers})
+    from .capture import CapturePlan, estimate_bytes
+    from .errors import CaptureTooLarge
+
+    dtype = backend.dtype
+    estimate, rows = estimate_bytes(spec, prompt_len=n_prompt, max_tokens=max_tokens,
+                                    hidden_size=backend.hidden_size, itemsize=dtype.itemsize)
+    if spec.max_bytes and estimate > spec.max_bytes:
+        raise CaptureTooLarge(estimate_bytes=estimate, max_bytes=spec.max_bytes, rows=rows, layers=len(spec.layers))
+    steered = job.steering is not None and not job.steering.is_empty()
+    model = spec.model or getattr(getattr(backend, "job", None), "model_id", "") or ""
+    plan = CapturePlan(spec, request_id=job.request_id, prompt_len=n_prompt, max_tokens=max_tokens,
+                       hidden_size=backend.hidden_size, dtype=dtype, device=backend.device, model=model,
+                       backend=backend.name, steering_hash=job.steering.canonical_hash() if steered else None)
+    hooks = hooks if hooks is not None else RequestHooks(job.request_id)
+    hooks.capture = plan
+    return hooks
+
+
 def encode_inputs(backend: Any, items: Sequence[Any], param: str, add_special_tokens: bool = True) -> list[list[int]]:
     """Embedding or scoring inputs (texts or token-id lists) as checked token ids."""
     out = []
@@ -158,4 +191,5 @@ def encode_inputs(backend: Any, items: Sequence[Any], param: str, add_special_to
     return out
 
 
-__all__ = ["ENCODER_MODES", "check_capabilities", "encode_inputs", "prompt_ids", "refuse_encoder_controls", "request_hooks", "token_budget", "validate_ids"]
+__all__ = ["ENCODER_MODES", "check_capabilities", "encode_inputs", "prompt_ids", "refuse_encoder_controls",
+           "request_hooks", "token_budget", "validate_ids", "with_capture"]

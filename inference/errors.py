@@ -55,6 +55,7 @@ _DOMAIN: dict[str, tuple[int, str, str | None]] = {
     "CONTEXT_LENGTH_EXCEEDED": (400, "context_length_exceeded", None),
     "GENERATION_FAILED": (500, "generation_failed", None),
     "BACKEND_UNAVAILABLE": (400, "backend_unavailable", None),
+    "CAPTURE_TOO_LARGE": (400, "capture_too_large", None),
 }
 
 def _setting(name: str | None) -> int | None:

@@ -25,6 +25,7 @@ from core.engine_client import EngineClient
 from core.version import version
 from gpu_engine.protocol import (
     AttachmentStatus,
+    CaptureSpec,
     EngineStatus,
     FeatureControl,
     GenerationJob,
@@ -179,6 +180,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
             asked=req.return_sae_activations, attachments=attachments,
             choices=n_prompts * req.n, max_tokens=max_tokens)
     monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
+    capture = capture_spec(req, model.name, n_prompts * req.n)
     choices: list[Choice] = []
     if isinstance(req, ChatCompletionRequest):
         messages = req.template_messages()
@@ -186,7 +188,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
             choices.append(Choice(i, GenerationJob(
                 request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
                 sampling=req.sampling(i, defaults), steering=steering.spec, monitor=monitor,
-                chat_template_kwargs=dict(req.chat_template_kwargs or {}))))
+                chat_template_kwargs=dict(req.chat_template_kwargs or {}), capture=capture)))
     else:
         if req.echo and req.wants_logprobs and req.stream:
             raise OpenAIError("echo with logprobs is not available when streaming",
@@ -203,13 +205,29 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                     if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
                 choices.append(Choice(p * req.n + i, GenerationJob(
                     request_id=f"cmpl-{uuid.uuid4().hex}", sampling=req.sampling(i, defaults),
-                    steering=steering.spec, monitor=monitor, **job_args),
+                    steering=steering.spec, monitor=monitor, capture=capture, **job_args),
                     prompt_text=prompt if isinstance(prompt, str) else None))
     return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
                 attachment=attachment, choices=choices,
                 backend=client.backend_name, monitoring=monitored,
                 ignored_fields=list(ignored_fields or ()),
                 fingerprint=wire.fingerprint(status, version()))
+
+
+def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, choices: int
+                 ) -> CaptureSpec | None:
+    """The engine's capture spec of a request's ``capture`` field, with the CAPTURE_*
+    limits: one choice only (the response holds one capture)."""
+    asked = req.capture
+    if asked is None:
+        return None
+    if choices != 1:
+        raise OpenAIError("capture takes one choice: send one prompt with n = 1",
+                          status=400, code="invalid_parameter", param="capture")
+    return CaptureSpec(layers=list(asked.layers), positions=asked.positions,
+                       max_bytes=int(settings.CAPTURE_MAX_BYTES),
+                       inline_max_bytes=int(settings.CAPTURE_INLINE_MAX_BYTES),
+                       directory=str(settings.CAPTURE_DIR), model=model)
 
 
 def sampling_defaults(status: EngineStatus) -> SamplingDefaults:

@@ -171,6 +171,21 @@ class ReturnSaeActivations(_Strict):
         return self
 
 
+class CaptureRequest(_Strict):
+    """``capture``: hidden states of these decoder blocks' outputs (after their steering)
+    at ``positions``, returned under ``millm.capture`` (docs/capture.md)."""
+
+    layers: list[int] = Field(min_length=1, max_length=1024)
+    positions: Literal["last", "all", "prompt", "completion"] = "last"
+
+    @field_validator("layers")
+    @classmethod
+    def _layers(cls, value: list[int]) -> list[int]:
+        if any(i < 0 for i in value):
+            raise ValueError("layers must be >= 0")
+        return value
+
+
 class StreamOptions(_Wire):
     include_usage: bool = False
 
@@ -263,6 +278,7 @@ class _GenerationRequest(_Wire):
     steering: InlineSteering | None = None
     steering_intensity: float | None = None
     return_sae_activations: ReturnSaeActivations | None = None
+    capture: CaptureRequest | None = None
 
     _stop = field_validator("stop", mode="before")(classmethod(lambda cls, v: _stop(v)))
     _intensity = field_validator("steering_intensity", mode="before")(
@@ -282,7 +298,7 @@ class _GenerationRequest(_Wire):
     def uses_extensions(self) -> bool:
         return any(x is not None for x in (self.profile, self.steering,
                                            self.steering_intensity,
-                                           self.return_sae_activations))
+                                           self.return_sae_activations, self.capture))
 
     def _sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
                   prompt_logprobs: bool, choice: int, defaults: SamplingDefaults,

@@ -13,6 +13,7 @@ calls on a worker thread), so the event loop never blocks.
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -46,7 +47,7 @@ from inference.errors import (
 from inference.planning import Choice, Plan, off_view_thread, plan_generation, resolve_model
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.residency import Use, resident_model_id
-from monitoring.services import monitoring_record, monitoring_take_records
+from monitoring.services import capture_register, monitoring_record, monitoring_take_records
 
 log = structlog.get_logger(__name__)
 
@@ -64,6 +65,7 @@ class Outcome:
     choice: Choice
     finish: FinishEvent
     tokens: list[TokenEvent]
+    capture: dict[str, Any] | None = None  # millm.capture (register_capture)
 
 
 # --------------------------------------------------------------------------- shaping
@@ -109,6 +111,8 @@ def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
     fired = _fired(outcomes)
     if fired:
         obj["steering_fired"] = fired
+    if outcomes and outcomes[0].capture is not None:
+        obj["capture"] = outcomes[0].capture
     if plan.monitor is not None and plan.attachment is not None and outcomes:
         out = outcomes[0]
         records = list(out.finish.activations)
@@ -243,6 +247,22 @@ async def record_monitoring(plan: Plan, outcome: Outcome) -> None:
                                       tokens=outcome.tokens)
     await off_view_thread(monitoring_record)(request_id=plan.object_id,
                                              entry=plan.monitoring, records=records)
+
+
+async def register_capture(plan: Plan, outcome: Outcome) -> None:
+    """``millm.capture`` of a finished choice: the artifact inline (base64), or the
+    ``Capture`` row of one the engine stored, fetched by id from /api/captures."""
+    result = outcome.finish.capture
+    if result is None:
+        return
+    if result.data is not None:
+        outcome.capture = {"id": result.capture_id, "inline": True, "format": "safetensors",
+                           "bytes": result.nbytes, "data": base64.b64encode(result.data).decode(),
+                           "metadata": result.meta}
+        return
+    await off_view_thread(capture_register)(request_id=plan.object_id, result=result)
+    outcome.capture = {"id": result.capture_id, "inline": False, "format": "safetensors",
+                       "bytes": result.nbytes, "url": f"/api/captures/{result.capture_id}/download"}
 
 
 async def run_choice(client: EngineClient, choice: Choice) -> Outcome:
@@ -409,6 +429,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                     outcomes.append(Outcome(choice, event, tokens))
                     under_way = []
                     await record_monitoring(plan, outcomes[-1])
+                    await register_capture(plan, outcomes[-1])
                     yield held + _sse(_chunk(plan, [_finish_choice(plan, choice, event)]))
                     held = b""
                     break
@@ -436,6 +457,7 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
         outcomes = [await run_choice(client, choice) for choice in plan.choices]
         for outcome in outcomes:
             await record_monitoring(plan, outcome)
+            await register_capture(plan, outcome)
         body = await build_body(plan, outcomes, client)
         count_usage(plan, usage_of(plan, outcomes))
         return JsonResponse(body, headers=plan.headers)

@@ -273,6 +273,22 @@ VARIABLES: tuple[Var, ...] = (
         "Seconds without a heartbeat after which a batch's runner (a Celery worker, or the "
         "embedded process) counts as gone: the next start-up or worker takes the batch over "
         "and re-runs the lines that were running but not answered.", minimum=1),
+    # --- Capture --------------------------------------------------------------------
+    Var("CAPTURE_DIR", "Capture", "str", None, "Where captured hidden states larger than "
+        "CAPTURE_INLINE_MAX_BYTES are stored (default MILLM_DATA_DIR/captures). In "
+        "distributed mode the engine writes there and the web tier serves from there: a "
+        "path both see.", derive=_under_data("captures")),
+    Var("CAPTURE_MAX_BYTES", "Capture", "int", 256 * 1024 * 1024,
+        "Largest capture a request may ask for, in bytes, estimated before generation "
+        "from every row it may take (rows x layers x hidden size x dtype size); larger is "
+        "refused with 400 capture_too_large naming the estimate.", minimum=1),
+    Var("CAPTURE_INLINE_MAX_BYTES", "Capture", "int", 1024 * 1024,
+        "A capture artifact of at most this many bytes comes back inline (base64 in "
+        "millm.capture); a larger one is stored under CAPTURE_DIR and fetched by id from "
+        "/api/captures.", minimum=0),
+    Var("CAPTURE_RETENTION_S", "Capture", "int", 86400,
+        "Seconds a stored capture is kept; manage.py prune_captures deletes older ones "
+        "(and files no capture row names). 0 keeps them until deleted.", minimum=0),
     # --- Transformers models --------------------------------------------------------
     Var("TRANSFORMERS_MIN_CONTEXT", "Transformers models", "int", 4096,
         "Context whose KV cache every card a model uses must have room for (or the model's "

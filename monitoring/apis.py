@@ -118,3 +118,47 @@ class StatisticsTopApi(APIView):
     def post(self, request) -> Response:
         data = validated(TopInput, request.data or {})
         return envelope(selectors.statistics_top(k=data["k"], metric=data["metric"]))
+
+
+# --------------------------------------------------------------------------- captures
+
+CAPTURES = ["captures"]
+
+
+class CaptureListQuery(serializers.Serializer):
+    limit = serializers.IntegerField(required=False, default=50, min_value=1, max_value=1000)
+    request_id = serializers.CharField(required=False, max_length=100)
+
+
+class CaptureListApi(APIView):
+    @extend_schema(tags=CAPTURES, summary="Stored captures, newest first",
+                   parameters=[OpenApiParameter("limit", int, required=False),
+                               OpenApiParameter("request_id", str, required=False)],
+                   responses=_ANY)
+    def get(self, request) -> Response:
+        query = validated(CaptureListQuery, request.query_params)
+        return envelope(selectors.capture_list(limit=query["limit"],
+                                               request_id=query.get("request_id")))
+
+
+class CaptureDetailApi(APIView):
+    @extend_schema(tags=CAPTURES, summary="A stored capture's metadata (row and sidecar)",
+                   responses=_ANY)
+    def get(self, request, capture_id: str) -> Response:
+        return envelope(selectors.capture_detail(capture_id=capture_id))
+
+    @extend_schema(tags=CAPTURES, summary="Delete a stored capture and its files", responses=_ANY)
+    def delete(self, request, capture_id: str) -> Response:
+        services.capture_delete(capture_id=capture_id)
+        return envelope({"deleted": capture_id})
+
+
+class CaptureDownloadApi(APIView):
+    @extend_schema(tags=CAPTURES, summary="The capture's safetensors file",
+                   responses={(200, "application/octet-stream"): OpenApiTypes.BINARY})
+    def get(self, request, capture_id: str):  # type: ignore[no-untyped-def]
+        from django.http import FileResponse
+
+        path = selectors.capture_file(capture_id=capture_id)
+        return FileResponse(path.open("rb"), as_attachment=True, filename=path.name,
+                            content_type="application/octet-stream")

@@ -57,3 +57,30 @@ class ActivationRecord(models.Model):
 
     def __str__(self) -> str:
         return f"{self.request_id}@{self.token_position}"
+
+
+class Capture(models.Model):
+    """A stored hidden-state capture (issue 15): its safetensors file and JSON sidecar
+    live under CAPTURE_DIR as ``<id>.safetensors`` / ``<id>.json``; captures small enough
+    to come back inline have no row."""
+
+    id = models.CharField(primary_key=True, max_length=32)  # 32 hex digits, the file stem
+    request_id = models.CharField(max_length=100, db_index=True,
+                                  help_text="The /v1 response id that produced it.")
+    engine_request_id = models.CharField(max_length=100, blank=True)
+    model = models.CharField(max_length=500, blank=True)
+    backend = models.CharField(max_length=40, blank=True)
+    layers = models.JSONField(default=list)
+    positions = models.CharField(max_length=16)
+    rows = models.PositiveIntegerField(default=0)
+    dtype = models.CharField(max_length=16, blank=True)
+    steering_hash = models.CharField(max_length=80, blank=True)
+    nbytes = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField(db_index=True)
+    expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"capture {self.id}"

@@ -63,3 +63,65 @@ def statistics_top(*, k: int = 10, metric: str = "mean") -> dict[str, Any]:
     rows.sort(key=lambda r: (-r[metric], r["feature_idx"]))
     return {"features": rows[:k], "metric": metric, "k": k,
             "total_activations": stats["total_activations"], "since": stats["since"]}
+
+
+# --------------------------------------------------------------------------- captures
+
+def capture_out(row: Any) -> dict[str, Any]:
+    return {"id": row.id, "request_id": row.request_id, "model": row.model, "backend": row.backend,
+            "layers": row.layers, "positions": row.positions, "rows": row.rows, "dtype": row.dtype,
+            "steering_hash": row.steering_hash or None, "bytes": row.nbytes,
+            "created_at": row.created_at.isoformat(),
+            "expires_at": row.expires_at.isoformat() if row.expires_at else None,
+            "url": f"/api/captures/{row.id}/download"}
+
+
+def capture_get(*, capture_id: str) -> Any:
+    """The row, or None for an unknown id or anything that is not 32 hex digits."""
+    from gpu_engine.artifacts import is_capture_id
+    from monitoring.models import Capture
+
+    if not is_capture_id(capture_id):
+        return None
+    return Capture.objects.filter(id=capture_id).first()
+
+
+def capture_list(*, limit: int = 50, request_id: str | None = None) -> dict[str, Any]:
+    from monitoring.models import Capture
+
+    qs = Capture.objects.order_by("-created_at")
+    if request_id:
+        qs = qs.filter(request_id=request_id)
+    return {"captures": [capture_out(r) for r in qs[:limit]], "total": qs.count()}
+
+
+def capture_detail(*, capture_id: str) -> dict[str, Any]:
+    """The row and the sidecar JSON (CaptureNotFound when either is missing)."""
+    import json
+
+    from monitoring.errors import CaptureNotFound
+
+    path = capture_file(capture_id=capture_id, sidecar=True)
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CaptureNotFound(f"capture {capture_id!r} has no readable sidecar",
+                              details={"capture_id": capture_id}) from exc
+    return {**capture_out(capture_get(capture_id=capture_id)), "metadata": meta}
+
+
+def capture_file(*, capture_id: str, sidecar: bool = False) -> Any:
+    """The path of a stored capture's file, only ever inside CAPTURE_DIR."""
+    from gpu_engine.artifacts import file_names
+    from monitoring.errors import CaptureNotFound
+    from monitoring.services import capture_dir
+
+    row = capture_get(capture_id=capture_id)
+    if row is None:
+        raise CaptureNotFound(f"no capture {capture_id!r}", details={"capture_id": capture_id})
+    root = capture_dir()
+    path = (root / file_names(row.id)[1 if sidecar else 0]).resolve()
+    if not path.is_relative_to(root) or not path.is_file():
+        raise CaptureNotFound(f"capture {capture_id!r} has no file",
+                              details={"capture_id": capture_id})
+    return path

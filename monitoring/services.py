@@ -298,3 +298,90 @@ def monitoring_record(*, request_id: str, entry: MonitorEntry,
     except Exception:  # noqa: BLE001 - monitoring must never fail the generation it watched
         log.warning("monitoring_record_failed", request_id=request_id, exc_info=True)
         return 0
+
+
+# --------------------------------------------------------------------------- captures
+# Stored hidden-state captures (issue 15): the engine writes ``<id>.safetensors`` and
+# ``<id>.json`` under CAPTURE_DIR; a row makes them fetchable by id until they expire.
+
+
+def capture_dir():  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from django.conf import settings
+
+    return Path(settings.CAPTURE_DIR).resolve()
+
+
+def capture_register(*, request_id: str, result: Any) -> Any:
+    """The ``Capture`` row of a stored artifact (``gpu_engine.protocol.CaptureResult``)."""
+    from datetime import timedelta
+
+    from django.conf import settings
+
+    from gpu_engine.artifacts import file_names
+    from monitoring.models import Capture
+
+    file_names(result.capture_id)  # refuses anything but 32 hex digits
+    meta = result.meta or {}
+    now = timezone.now()
+    retention = int(settings.CAPTURE_RETENTION_S)
+    return Capture.objects.create(
+        id=result.capture_id, request_id=request_id,
+        engine_request_id=str(meta.get("request_id", "")),
+        model=str(meta.get("model", "")), backend=str(meta.get("backend", "")),
+        layers=list(meta.get("layers", [])), positions=str(meta.get("positions", "")),
+        rows=int(meta.get("rows", 0)), dtype=str(meta.get("dtype", "")),
+        steering_hash=str(meta.get("steering_hash") or ""), nbytes=int(result.nbytes),
+        created_at=now,
+        expires_at=now + timedelta(seconds=retention) if retention else None)
+
+
+def _capture_unlink(capture_id: str) -> None:
+    from gpu_engine.artifacts import file_names
+
+    root = capture_dir()
+    for name in file_names(capture_id):
+        (root / name).unlink(missing_ok=True)
+
+
+def capture_delete(*, capture_id: str) -> None:
+    from monitoring.errors import CaptureNotFound
+    from monitoring.selectors import capture_get
+
+    row = capture_get(capture_id=capture_id)
+    if row is None:
+        raise CaptureNotFound(f"no capture {capture_id!r}", details={"capture_id": capture_id})
+    row.delete()
+    _capture_unlink(capture_id)
+
+
+def capture_prune(*, now: Any = None) -> dict[str, int]:
+    """Delete expired captures (row and files), and files under CAPTURE_DIR that no row
+    names and that are older than the retention (an artifact whose response never got to
+    register it)."""
+    from datetime import timedelta
+
+    from django.conf import settings
+
+    from gpu_engine.artifacts import is_capture_id
+    from monitoring.models import Capture
+
+    now = now or timezone.now()
+    expired = list(Capture.objects.filter(expires_at__lte=now).values_list("id", flat=True))
+    for capture_id in expired:
+        _capture_unlink(capture_id)
+    Capture.objects.filter(id__in=expired).delete()
+    orphans = 0
+    retention = int(settings.CAPTURE_RETENTION_S)
+    root = capture_dir()
+    if retention and root.is_dir():
+        cutoff = (now - timedelta(seconds=retention)).timestamp()
+        known = set(Capture.objects.values_list("id", flat=True))
+        for path in root.iterdir():
+            stem = path.name.split(".", 1)[0]
+            if (path.is_file() and is_capture_id(stem) and stem not in known
+                    and path.stat().st_mtime < cutoff):
+                path.unlink(missing_ok=True)
+                orphans += 1
+    return {"deleted": len(expired), "orphan_files": orphans}

@@ -13,4 +13,8 @@ urlpatterns = [
     path("monitoring/statistics", apis.StatisticsApi.as_view(), name="monitoring-statistics"),
     path("monitoring/statistics/top", apis.StatisticsTopApi.as_view(),
          name="monitoring-statistics-top"),
+    path("captures", apis.CaptureListApi.as_view(), name="captures"),
+    path("captures/<str:capture_id>", apis.CaptureDetailApi.as_view(), name="capture"),
+    path("captures/<str:capture_id>/download", apis.CaptureDownloadApi.as_view(),
+         name="capture-download"),
 ]

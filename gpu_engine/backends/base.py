@@ -60,6 +60,8 @@ CAPABILITY_KEYS = (
     # (``batch_runner``)
     "serial_mode",
     "batched_mode",
+    # GenerationJob.capture: hidden states of chosen layers per request (gpu_engine.capture)
+    "hidden_state_capture",
 )
 
 

@@ -17,6 +17,9 @@ BATCH_*   a request run inside a continuous batch vs the same request run alone 
           batch's shape (rows, left padding), so values differ by a few ulp; measured
           ≤ 2.4e-6 on activations of magnitude ≤ 10 and ≤ 2.1e-6 on logprobs across the
           three tiny models, so 2e-5 leaves ~10× headroom.  Tokens must be identical.
+CAPTURE_* captured block outputs vs the test's own float32 forward of a second copy of
+          the model over the whole sequence (unpacked weights, no KV cache): the same
+          formulas with another matmul blocking, a few ulp of values of magnitude <= ~10.
 """
 
 HOOK_ATOL = 2e-5
@@ -31,3 +34,5 @@ SAELENS_RTOL = 1e-5
 BATCH_ENCODE_ATOL = 2e-5
 BATCH_ENCODE_RTOL = 1e-5
 BATCH_LOGPROB_ATOL = 2e-5
+CAPTURE_ATOL = 2e-5
+CAPTURE_RTOL = 1e-5

@@ -231,6 +231,7 @@ class LlamaCppBackend:
             embeddings=self.opts["embeddings"],
             # the eval callback adds precomputed deltas only (no encode on its rows yet)
             steering_controls=False,
+            hidden_state_capture=False,  # issue 15: transformers first
             # how requests with different steering share a batch: each row's delta added in
             # the eval callback; rows steered alike use a control vector
             steering_mode="eval_callback_per_row",

@@ -75,6 +75,7 @@ class BatchedRunner:
         self._controlled: dict[AttachmentKey, list[Sequence]] = {}
         self._control_tables: dict[AttachmentKey, ControlTable] = {}
         self._row_slots: torch.Tensor | None = None
+        self._stage: torch.Tensor | None = None  # capture: every row of a decode step, by slot
         self.steps = 0
 
     # ------------------------------------------------------------------ rows
@@ -132,7 +133,7 @@ class BatchedRunner:
         for i, (s, pad) in enumerate(zip(group, skips)):
             input_ids[i, pad:] = s.prompt[0]
             mask[i, pad:] = 1
-            if s.monitoring or s.gated:
+            if s.monitoring or s.gated or s.capture is not None:
                 segments.append(Segment(s.hooks, i * width + pad, (i + 1) * width, 0))  # type: ignore[arg-type]
         slots = torch.tensor([s.slot for s in group], dtype=torch.long, device=self.device)
         positions = None
@@ -153,6 +154,7 @@ class BatchedRunner:
         seq.slot = self._free_slots.pop()
         seq.steered_keys = []
         seq.control_keys = []
+        self._arm(seq)
         for key, plan in (seq.hooks.plans.items() if seq.hooks is not None else ()):
             if plan.controls is not None:
                 self._controlled.setdefault(key, []).append(seq)
@@ -182,9 +184,22 @@ class BatchedRunner:
             self._controlled[key].remove(seq)
             self._rebuild_controls(key)
         seq.control_keys = []
+        self._disarm(seq)
         if seq.slot >= 0:
             self._free_slots.append(seq.slot)
             seq.slot = -1
+
+    def _arm(self, seq: Sequence) -> None:
+        if seq.capture is not None and not seq.capture_armed:
+            for layer in seq.capture.layers:
+                self.hooks.arm_capture(layer, self.runner.block(layer)[0])
+            seq.capture_armed = True
+
+    def _disarm(self, seq: Sequence) -> None:
+        if seq.capture_armed:
+            for layer in seq.capture.layers:  # type: ignore[union-attr]
+                self.hooks.disarm_capture(layer)
+            seq.capture_armed = False
 
     def _rebuild_controls(self, key: AttachmentKey) -> None:
         """The batch table of ``key``'s controls: each member's operations in a column
@@ -228,6 +243,7 @@ class BatchedRunner:
             seq.slot = -1
             seq.steered_keys = []
             seq.control_keys = []
+            self._disarm(seq)
         self._free_slots = list(range(self.max_rows - 1, -1, -1))
         self.rows = []
         self._tables.clear()
@@ -238,6 +254,12 @@ class BatchedRunner:
         self.cache = BatchKVCache(self.runner.num_layers, device=self.device, dtype=self.runner.dtype)
 
     # ------------------------------------------------------------------ step
+
+    def _capture_stage(self) -> torch.Tensor:
+        if self._stage is None:
+            r = self.runner
+            self._stage = torch.zeros((r.num_layers, self.max_rows, r.hidden_size), dtype=r.dtype, device=self.device)
+        return self._stage
 
     def step(self) -> list[Sequence]:
         """One decode forward for every row; returns the sequences that finished."""
@@ -256,12 +278,16 @@ class BatchedRunner:
         if self._control_tables:
             positions = torch.tensor([s.n_prompt + len(s.generated) - 1 for s in rows], dtype=torch.long,
                                      device=self.device)
+        capturing = [s for s in rows if s.capture is not None]
         ctx = BatchContext(segments, row_slots=self._row_slots, delta_tables=self._tables,
-                           control_tables=self._control_tables, row_positions=positions)
+                           control_tables=self._control_tables, row_positions=positions,
+                           capture_stage=self._capture_stage() if capturing else None)
         input_ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
         with self.hooks.active(ctx):
             logits = self.runner.forward_rows(input_ids, position_ids=position_ids, attention_mask=mask, past=cache)
         cache.advance(1)
+        for s in capturing:  # each capturing request's slot, all its layers at once
+            s.capture.take(ctx.capture_stage, s.slot, s.n_prompt + len(s.generated) - 1)  # type: ignore[union-attr]
         self.steps += 1
         self._count(rows, ctx)
         ids, lsm = choose_rows(rows, logits)  # the one host sync per step

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...capture import armed
 from ...hooks import BatchContext, HookManager, RequestHooks, Segment
 from ...protocol import FinishEvent, SamplingParams
 from .runner import TransformersRunner
@@ -44,7 +45,8 @@ def run_generation(
     cache_position = torch.arange(n_prompt, device=device)
     past = None
 
-    with torch.inference_mode(), hook_manager.active(ctx):
+    capture = request_hooks.capture if request_hooks is not None else None
+    with torch.inference_mode(), hook_manager.active(ctx), armed(hook_manager, lambda n: runner.block(n)[0], capture):
         for i in range(max_tokens):
             if should_stop():
                 seq.cancel()

@@ -78,6 +78,7 @@ class Sequence:
         self.streaming_monitors = any(m.stream for m in monitors)
         # conditional controls: the batch lists this request's rows so their gates are kept
         self.gated = request_hooks is not None and request_hooks.conditional
+        self.capture = request_hooks.capture if request_hooks is not None else None  # CapturePlan
         self.text = ""
         self.emitted = 0
         self.generated: list[int] = []
@@ -90,6 +91,7 @@ class Sequence:
         self.slot = -1
         self.steered_keys: list = []
         self.control_keys: list = []
+        self.capture_armed = False
 
     @property
     def steered(self) -> bool:
@@ -176,6 +178,8 @@ class Sequence:
             activations=self.extra_records,
             steering_apply_count=counts,
             steering_fired=fired,
+            capture=self.capture.result(prompt_ids=self.prompt_ids, generated=self.generated)
+            if self.capture is not None else None,
             forward_passes=self.forwards,
             prompt_text=self.prompt_text() if texts else None,
             prompt_tokens=[self.runner.token_text(t) for t in self.prompt_ids] if texts else [],

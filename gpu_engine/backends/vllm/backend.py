@@ -149,6 +149,7 @@ class VllmBackend:
             per_request_steering=hooks_live,
             # the worker's hooks add per-row delta tables only (no encode in the forward)
             steering_controls=False,
+            hidden_state_capture=False,  # issue 15: transformers first
             per_request_monitoring=hooks_live,
             exact_monitoring_attribution=hooks_live,
             embeddings=False,

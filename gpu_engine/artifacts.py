@@ -1,0 +1,114 @@
+"""Capture artifacts: one safetensors file per request plus its JSON sidecar, and the
+reader that rebuilds a request's tensors from them.
+
+Light on purpose (no torch, no Django at import): the web tier stores and serves these
+files, and a client outside miLLM reads them with ``load_capture`` and nothing but
+``safetensors`` and ``numpy`` (``framework="torch"`` for bfloat16 captures, which numpy
+cannot hold).
+
+The file holds ``layer.<L>`` (rows, hidden_size) in the model's dtype for every captured
+layer, ``positions`` (rows,) — the residual row (sequence position) of each row — and
+``token_ids`` (rows,) — the token fed at that position.  The sidecar (``SIDECAR_KEY`` in
+the safetensors header, and ``<id>.json`` beside a stored file) says what was captured:
+request id, model, backend, layers, positions mode, prompt and completion token ids,
+dtype, steering hash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMAT = "millm-capture/1"
+SIDECAR_KEY = "millm_capture"
+CAPTURE_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+
+
+def is_capture_id(value: str) -> bool:
+    """Capture ids are 32 lowercase hex digits: nothing else names a file."""
+    return bool(CAPTURE_ID_RE.match(value or ""))
+
+
+def file_names(capture_id: str) -> tuple[str, str]:
+    if not is_capture_id(capture_id):
+        raise ValueError(f"not a capture id: {capture_id!r}")
+    return f"{capture_id}.safetensors", f"{capture_id}.json"
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_files(directory: str | Path, capture_id: str, data: bytes, meta: dict[str, Any]) -> str:
+    """Write ``<id>.safetensors`` and ``<id>.json`` under ``directory`` (each atomically);
+    returns the safetensors file's name."""
+    root = Path(directory)
+    root.mkdir(parents=True, exist_ok=True)
+    tensors_name, sidecar_name = file_names(capture_id)
+    _write_atomic(root / sidecar_name, json.dumps(meta, sort_keys=True).encode())
+    _write_atomic(root / tensors_name, data)
+    return tensors_name
+
+
+@dataclass
+class CaptureData:
+    """One request's capture, rebuilt: ``hidden[layer]`` (rows, hidden_size), row
+    ``positions`` and ``token_ids`` (arrays of the chosen framework), and the sidecar."""
+
+    meta: dict[str, Any]
+    hidden: dict[int, Any] = field(default_factory=dict)
+    positions: Any = None
+    token_ids: Any = None
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(self.hidden)
+
+
+def load_capture(source: str | Path | bytes, *, framework: str = "numpy") -> CaptureData:
+    """Rebuild a capture from a safetensors file path or its bytes (an inline artifact,
+    base64-decoded). ``framework``: ``numpy`` or ``torch``."""
+    if framework not in ("numpy", "torch"):
+        raise ValueError("framework must be 'numpy' or 'torch'")
+    if isinstance(source, (bytes, bytearray)):
+        if framework == "torch":
+            from safetensors.torch import load as load_bytes
+        else:
+            from safetensors.numpy import load as load_bytes  # type: ignore[assignment]
+        tensors = load_bytes(bytes(source))
+        meta = json.loads(_header_metadata(bytes(source)).get(SIDECAR_KEY, "{}"))
+    else:
+        from safetensors import safe_open
+
+        with safe_open(str(source), framework="pt" if framework == "torch" else "np") as fh:
+            meta = json.loads((fh.metadata() or {}).get(SIDECAR_KEY, "{}"))
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"not a miLLM capture (format {meta.get('format')!r}, expected {FORMAT!r})")
+    out = CaptureData(meta=meta, positions=tensors.get("positions"), token_ids=tensors.get("token_ids"))
+    for name, value in tensors.items():
+        if name.startswith("layer."):
+            out.hidden[int(name.removeprefix("layer."))] = value
+    return out
+
+
+def _header_metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors buffer (8-byte little-endian header length,
+    then the JSON header)."""
+    n = int.from_bytes(data[:8], "little")
+    return dict(json.loads(data[8 : 8 + n]).get("__metadata__") or {})
+
+
+__all__ = ["FORMAT", "SIDECAR_KEY", "CaptureData", "file_names", "is_capture_id", "load_capture", "write_files"]
