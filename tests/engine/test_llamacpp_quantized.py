@@ -7,6 +7,9 @@ compiled by GCC < 14 loads a tile config whose rows and columns the compiler dro
 the first prompt of two or more tokens dies with SIGSEGV (``scripts/setup llamacpp``
 builds without AMX).  A crash there kills the whole test process, so the forward runs in
 a child process: a segfault fails this test instead of ending the session.
+
+Also here: the eval callback checks a layer output's layout (strides) before it reads
+or writes the rows in place.
 """
 
 from __future__ import annotations
@@ -66,3 +69,41 @@ def test_quantized_gguf_prefills_and_decodes_on_this_cpu(demo_assets, llamacpp):
     )
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert got["n"] > 8 and got["finite"]
+
+
+def _tensor(arr, ne0: int, n: int):
+    """A ``ggml_tensor`` over ``arr`` (float32): ``n`` rows of ``ne0`` values, rows
+    ``arr.shape[1] * 4`` bytes apart."""
+    import ctypes
+
+    from gpu_engine.backends.llamacpp.native import GGML_TYPE_F32, GGMLTensor
+
+    t = GGMLTensor()
+    t.type = GGML_TYPE_F32
+    t.ne[:] = [ne0, n, 1, 1]
+    row = arr.shape[1] * 4
+    t.nb[:] = [4, row, row * n, row * n]
+    t.data = arr.ctypes.data_as(ctypes.c_void_p)
+    return t
+
+
+def test_eval_callback_refuses_a_layer_output_it_cannot_address(llamacpp):
+    """The callback reads and writes a layer output as one dense (rows, d) block; a
+    tensor laid out otherwise (padded rows here) is an error, not a write past it."""
+    import numpy as np
+    import pytest
+    import torch
+
+    from gpu_engine.backends.llamacpp.taps import EvalTaps, ForwardPlan, LayerPlan
+
+    taps = EvalTaps(2)
+    lp = LayerPlan(deltas=torch.ones((3, 4)))
+    dense = np.zeros((3, 4), dtype=np.float32)
+    taps._apply(_tensor(dense, 4, 3), 0, lp, ForwardPlan({0: lp}, 3, [0, 1, 2]))
+    np.testing.assert_array_equal(dense, np.ones((3, 4)))
+
+    padded = np.zeros((3, 8), dtype=np.float32)
+    taps._offsets = {}
+    with pytest.raises(RuntimeError, match="not a dense float32 matrix"):
+        taps._apply(_tensor(padded, 4, 3), 0, lp, ForwardPlan({0: lp}, 3, [0, 1, 2]))
+    assert not padded.any()
