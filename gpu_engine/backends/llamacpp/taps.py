@@ -137,8 +137,18 @@ class EvalTaps:
         if tensor.type != GGML_TYPE_F32:
             raise RuntimeError(f"layer output {il} is not float32")
         d, n = int(tensor.ne[0]), int(tensor.ne[1])
+        # rows are read and written as one dense (n, d) float32 block: refuse anything else
+        # rather than touch memory outside the tensor
+        if (int(tensor.ne[2]), int(tensor.ne[3])) != (1, 1) or (
+            int(tensor.nb[0]), int(tensor.nb[1])) != (4, 4 * d):
+            raise RuntimeError(
+                f"layer output {il} is not a dense float32 matrix "
+                f"(ne {list(tensor.ne)}, nb {list(tensor.nb)})"
+            )
         buf = tensor.buffer
         host = GGML_BASE is None or not buf or GGML_BASE.ggml_backend_buffer_is_host(buf)
+        if host and not tensor.data:
+            raise RuntimeError(f"layer output {il} has no data")
         if host:
             arr = np.ctypeslib.as_array(
                 ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float)), shape=(n, d)
