@@ -75,7 +75,9 @@ def test_an_unload_past_its_grace_period_stops_the_running_requests(engine_clien
     """In embedded mode too: a generation that outlasts GRACEFUL_UNLOAD_TIMEOUT ends with
     engine_busy (it would run for seconds more) and the model is unloaded."""
     model, _ = llama
-    settings.GRACEFUL_UNLOAD_TIMEOUT = 1
+    # 0.1 s: far below the ~0.5-1 s that 480 tiny-model steps take on a quiet 2-core
+    # machine (with 1 s, a fast one finished the whole generation inside the grace period)
+    settings.GRACEFUL_UNLOAD_TIMEOUT = 0.1
     orchestration_services.model_load(model=model)
     events = engine_client.generate(GenerationJob("long", prompt_token_ids=[5, 17, 42],
                                                   sampling=SamplingParams(
