@@ -18,6 +18,11 @@ from other load hits every mode alike; greedy, ``--tokens`` new tokens per reque
   hf_generate_batch  transformers' continuous batching (``generate_batch`` on a persistent
                   manager, measured after the other modes; SPEC §7: 4.9×)
 
+  engine_clamp    the ``engine`` batch with an SAE attached and every request clamping 8
+                  features of its own (issue 19: target ≥ 0.95× ``engine``)
+  engine_conditional  every request adding 8 features only where a trigger feature of its
+                  own fires (issue 19: target ≥ 0.95× ``engine``)
+
   engine_capture_last  the ``engine`` batch with every request capturing the last row of
                   every layer (issue 15; target ≤ 10% cost, i.e. ≥ 0.91× ``engine``)
   engine_capture_all   the same capturing every row (prompt and completion) of every layer
@@ -30,6 +35,9 @@ engine (its own model copy) idle in the same process, and with transformers' own
     # capture cost at 1 and 16 concurrent requests (ratios against ``engine``)
     .venv/bin/python benchmarks/batching_engine.py --batch 1 --batch 16 --rounds 3 \
         --modes engine,engine_capture_last,engine_capture_all
+    # steering modes at 16 concurrent requests (ratios against ``engine``)
+    .venv/bin/python benchmarks/batching_engine.py --batch 16 --rounds 3 \
+        --modes engine,engine_mixed,engine_clamp,engine_conditional
     # smoke: the tiny model, a few tokens
     .venv/bin/python benchmarks/batching_engine.py --model tiny-llama --batch 1 --batch 2 --rounds 1 \
         --tokens 4 --modes engine,engine_capture_last,engine_capture_all
@@ -57,9 +65,12 @@ from gpu_engine.protocol import (
     AttachSpec,
     BatchingOptions,
     CaptureSpec,
+    FeatureControl,
     GenerationJob,
     LoadModelJob,
     SamplingParams,
+    SteeringCondition,
+    SteeringEntry,
     SteeringSpec,
 )
 
@@ -83,10 +94,27 @@ def steering_for(i: int, sae_id: str, layer: int) -> SteeringSpec | None:
     return SteeringSpec.from_mapping({(sae_id, layer): {(i * 131 + j * 97) % 16384: 4.0 for j in range(8)}})
 
 
+def controls_for(i: int, sae_id: str, layer: int, kind: str) -> SteeringSpec:
+    """8 features of request ``i``'s own: clamped (``clamp``), or added only where a
+    trigger feature fires (``conditional``)."""
+    feats = [(i * 131 + j * 97) % 16384 for j in range(8)]
+    if kind == "clamp":
+        controls = [FeatureControl(f, mode="clamp", value=4.0) for f in feats]
+    else:
+        trigger = (i * 577 + 11) % 16384
+        controls = [FeatureControl(f, mode="add", value=4.0, condition=SteeringCondition(trigger, 0.0))
+                    for f in feats]
+    return SteeringSpec([SteeringEntry(sae_id, layer, {}, controls)])
+
+
 def jobs(n: int, tokens: int, steer: tuple[str, int] | None = None,
-         capture: CaptureSpec | None = None) -> list[GenerationJob]:
-    return [GenerationJob(f"b{i}", prompt=prompt(i), capture=capture,
-                          steering=steering_for(i, *steer) if steer else None,
+         capture: CaptureSpec | None = None, controls: str | None = None) -> list[GenerationJob]:
+    def steering(i: int) -> SteeringSpec | None:
+        if steer is None:
+            return None
+        return controls_for(i, *steer, controls) if controls else steering_for(i, *steer)
+
+    return [GenerationJob(f"b{i}", prompt=prompt(i), capture=capture, steering=steering(i),
                           sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
             for i in range(n)]
 
@@ -219,6 +247,10 @@ def main() -> None:
             if not batched.attachments():
                 batched.attach(AttachSpec("bench", str(sae_path), layer))
             return run_engine(batched, jobs(n, args.tokens, ("bench", layer)))
+        if mode in ("engine_clamp", "engine_conditional"):
+            if not batched.attachments():
+                batched.attach(AttachSpec("bench", str(sae_path), layer))
+            return run_engine(batched, jobs(n, args.tokens, ("bench", layer), controls=mode[len("engine_"):]))
         if mode.startswith("engine_capture_"):
             batched.detach(None)
             layers = list(range(runner.num_layers))
@@ -288,6 +320,11 @@ def main() -> None:
         print("  mixed steering / unsteered batch: " + ", ".join(
             f"n={n}: {med['engine_mixed'][n] / med['engine'][n]:.3f} (best {best['engine_mixed'][n] / best['engine'][n]:.3f})"
             for n in batches))
+    for m in ("engine_clamp", "engine_conditional"):
+        if m in modes and "engine" in modes:
+            print(f"  {m} / unsteered batch: " + ", ".join(
+                f"n={n}: {med[m][n] / med['engine'][n]:.3f} (best {best[m][n] / best['engine'][n]:.3f})"
+                for n in batches))
     capture_modes = [m for m in modes if m.startswith("engine_capture_")]
     if capture_modes and "engine" in modes:
         result_capture = {m: {n: med[m][n] / med["engine"][n] for n in batches} for m in capture_modes}

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from .protocol import FeatureControl
-from .sae.module import SAE
+from .sae.module import SAE, SelectedEncoder
 
 # "no upper end" for a position range
 FAR = 2**62
@@ -74,6 +74,12 @@ class ControlTable:
     encodes: bool  # some operation reads a feature's activation
     projects: bool  # some operation reads x · d
     gated_by_feature: bool  # some operation has a condition
+
+    def __post_init__(self) -> None:
+        # the encoder columns the forward reads, gathered once per table (not per step)
+        has_encoder = self.sae.has_encoder
+        self.encode_feat = SelectedEncoder(self.sae, self.feat) if self.encodes and has_encoder else None
+        self.encode_cond = SelectedEncoder(self.sae, self.cond_feat) if self.gated_by_feature and has_encoder else None
 
     @property
     def size(self) -> int:
@@ -150,11 +156,11 @@ class ControlTable:
         if row_slots is not None:
             gate &= row_slots[:, None] == self.slot
         if self.gated_by_feature:
-            trig = self.sae.encode_selected(xs, self.cond_feat)
+            trig = self.encode_cond(xs)  # type: ignore[misc]
             gate &= ~self.has_cond | (trig > self.cond_thr)
         coef = self.alpha.expand(xs.shape[0], -1)
         if self.encodes:
-            coef = coef + self.beta * self.sae.encode_selected(xs, self.feat)
+            coef = coef + self.beta * self.encode_feat(xs)  # type: ignore[misc]
         if self.projects:
             out = xs if written is None else written.to(self.sae.dtype)
             coef = coef + self.gamma * (out @ self.dirs.T)

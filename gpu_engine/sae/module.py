@@ -133,18 +133,10 @@ class SAE:
     def encode_selected(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         """Activations of ``indices`` only (..., len(indices)).
 
-        ReLU/JumpReLU features are independent, so only their encoder columns are used;
-        a TopK feature's value depends on all others, so TopK encodes fully.
+        ReLU/JumpReLU/gated features are independent, so only their encoder columns are
+        used; a TopK feature's value depends on all others, so TopK encodes fully.
         """
-        if self.activation == "topk":
-            return self.encode(x).index_select(-1, indices)
-        if self.activation == "gated":
-            proj = self._prepare(x) @ self.W_enc.index_select(1, indices)
-            return self._gated(proj, self.b_gate.index_select(0, indices), self.b_mag.index_select(0, indices),  # type: ignore[union-attr]
-                               self.mag_scale.index_select(0, indices))  # type: ignore[union-attr]
-        pre = self._prepare(x) @ self.W_enc.index_select(1, indices) + self.b_enc.index_select(0, indices)
-        thr = self.threshold.index_select(0, indices) if self.threshold is not None else None
-        return self._activate(pre, thr)
+        return SelectedEncoder(self, indices)(x)
 
     def top_features(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(values, indices) of the ``k`` largest activations per row (zeros included)."""
@@ -172,6 +164,35 @@ class SAE:
         return delta.to(device=device, dtype=dtype)
 
 
+class SelectedEncoder:
+    """``SAE.encode_selected`` for a fixed set of feature indices, their encoder columns
+    gathered once: a steering control encodes the same few features at every forward."""
+
+    def __init__(self, sae: SAE, indices: torch.Tensor) -> None:
+        self.sae = sae
+        self.indices = indices
+        self.full = sae.activation == "topk"
+        if self.full:
+            return
+        self.W = sae.W_enc.index_select(1, indices).contiguous()
+        if sae.activation == "gated":
+            self.b_gate = sae.b_gate.index_select(0, indices)  # type: ignore[union-attr]
+            self.b_mag = sae.b_mag.index_select(0, indices)  # type: ignore[union-attr]
+            self.mag_scale = sae.mag_scale.index_select(0, indices)  # type: ignore[union-attr]
+        else:
+            self.b = sae.b_enc.index_select(0, indices)
+            self.thr = sae.threshold.index_select(0, indices) if sae.threshold is not None else None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        sae = self.sae
+        if self.full:
+            return sae.encode(x).index_select(-1, self.indices)
+        proj = sae._prepare(x) @ self.W
+        if sae.activation == "gated":
+            return sae._gated(proj, self.b_gate, self.b_mag, self.mag_scale)
+        return sae._activate(proj + self.b, self.thr)
+
+
 def load_sae(
     path: str | Path,
     *,
@@ -193,4 +214,4 @@ def load_sae(
     return SAE(cfg, tensors, device=device, dtype=dtype)
 
 
-__all__ = ["SAE", "load_sae"]
+__all__ = ["SAE", "SelectedEncoder", "load_sae"]
