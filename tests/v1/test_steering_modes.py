@@ -139,3 +139,36 @@ def test_controls_that_cannot_apply_are_refused_before_anything_runs(relu, llama
     far = {"index": 3, "strength": 1, "window": {"start": 100000}}
     assert_openai_error(_complete(llama, steering={"features": [far]}), 400, "invalid_parameter",
                         "steering.features.window")
+
+
+def test_a_raw_vector_adds_and_ablates_on_v1_and_refuses_what_needs_an_encoder(llama, tmp_path):
+    """A vector (decoder rows only) through /v1: add and ablate run as the engine runs them;
+    clamp, scale and a condition are refused naming the field, before anything runs."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from orchestration.services import sae_attach
+    from registry.models import Model
+    from registry.vectors import vector_import
+
+    path = tmp_path / "v.safetensors"
+    save_file({"layer.1": np.random.default_rng(5).normal(size=64).astype(np.float32) * 4}, str(path))
+    row = vector_import(path=path, name="v1-vector", model=Model.objects.get(name="tiny-llama"))
+    sae_attach(sae=row, layer=1)
+    try:
+        resp = _complete(llama, steering={"features": [{"index": 0, "strength": 3.0}]})
+        spec = SteeringSpec([SteeringEntry(row.id, 1, {0: 3.0})])
+        assert resp.json()["choices"][0]["text"] == _direct(llama, steering=spec).text != _direct(llama).text
+        resp = _complete(llama, steering={"features": [{"index": 0, "mode": "ablate"}]})
+        spec = SteeringSpec([SteeringEntry(row.id, 1, {}, [FeatureControl(0, mode="ablate")])])
+        assert resp.json()["choices"][0]["text"] == _direct(llama, steering=spec).text
+        for feature, param in (({"index": 0, "mode": "clamp", "value": 1.0}, "steering.features.mode"),
+                               ({"index": 0, "mode": "scale", "value": 2.0}, "steering.features.mode"),
+                               ({"index": 0, "strength": 1.0, "condition": {"feature": 0, "threshold": 0}},
+                                "steering.features.condition")):
+            assert_openai_error(_complete(llama, steering={"features": [feature]}), 400,
+                                "invalid_parameter", param)
+    finally:
+        from orchestration.services import sae_detach
+
+        sae_detach(sae=row)
