@@ -52,6 +52,11 @@ class Var:
     secret: bool = False
     # A default computed from other values (e.g. paths under the data directory).
     derive: Callable[[dict[str, Any]], Any] | None = field(default=None, compare=False)
+    # A variable of the original's reference that nothing here reads yet: why, and the
+    # values that ask for what already happens (its default included). Any other value
+    # stops start-up instead of being accepted and ignored.
+    unbuilt: str | None = None
+    unbuilt_ok: tuple[Any, ...] = ()
 
 
 def _under_data(sub: str) -> Callable[[dict[str, Any]], Any]:
@@ -174,15 +179,21 @@ VARIABLES: tuple[Var, ...] = (
         "retry_after_defaulted).", minimum=1),
     # --- Performance ----------------------------------------------------------------
     Var("TORCH_COMPILE", "Performance", "tristate", None,
-        "true/false/unset; unset = auto: compile on CUDA for non-bitsandbytes models."),
+        "true/false/unset (the original: unset = compile on CUDA). Models run eager today.",
+        unbuilt="torch.compile of the decode step (issue 17)", unbuilt_ok=(None, False)),
     Var("TORCH_COMPILE_MODE", "Performance", "str", "reduce-overhead",
-        "torch.compile mode.", choices=("default", "reduce-overhead", "max-autotune")),
+        "torch.compile mode.", choices=("default", "reduce-overhead", "max-autotune"),
+        unbuilt="torch.compile of the decode step (issue 17)"),
     Var("KV_CACHE_MODE", "Performance", "str", "dynamic",
-        "static enables a compiled static KV cache.", choices=("dynamic", "static")),
+        "dynamic (today's cache); static, a preallocated cache for compiled decoding, is "
+        "not built.", choices=("dynamic", "static"),
+        unbuilt="the static KV cache (issue 17)"),
     Var("SPECULATIVE_MODEL", "Performance", "str", "",
-        "Small draft model for speculative decoding (unset = off)."),
+        "Small draft model for speculative decoding (unset = off).",
+        unbuilt="speculative decoding (issue 17)"),
     Var("SPECULATIVE_NUM_TOKENS", "Performance", "int", 5,
-        "Tokens the draft proposes per step.", minimum=1, maximum=64),
+        "Tokens the draft proposes per step.", minimum=1, maximum=64,
+        unbuilt="speculative decoding (issue 17)"),
     Var("MILLM_BACKEND", "Performance", "str", "transformers",
         "The engine backend a model loads on when its record names none (a model's own "
         "`backend` field, set in the admin, /api/models or `load_model --backend`, wins). "
@@ -294,10 +305,11 @@ VARIABLES: tuple[Var, ...] = (
         "Context whose KV cache every card a model uses must have room for (or the model's "
         "own maximum if shorter); a floor for loading, not a request limit.", minimum=1),
     Var("TRANSFORMERS_CUDA_CONTEXT_MB", "Transformers models", "int", 500,
-        "Memory each card keeps for its CUDA context, in MB.", minimum=0),
+        "Memory each card keeps for its CUDA context, in MB.", minimum=0,
+        unbuilt="the per-card memory-fit check (issue 17)"),
     Var("TRANSFORMERS_IDLE_CACHE_RELEASE_S", "Transformers models", "float", 5.0,
         "Idle seconds before PyTorch's unused cached GPU memory is released; 0 at once, "
-        "negative never."),
+        "negative never.", unbuilt="idle cache release (issue 17)"),
     # --- GGUF models ----------------------------------------------------------------
     Var("GGUF_CONTEXT_LENGTH", "GGUF models", "int", 32768,
         "Ceiling on the loaded context window; 0 = what the file declares.", minimum=0),
@@ -527,6 +539,9 @@ def load_config(environ_map: Mapping[str, str] | None = None) -> Config:
             continue
         value = _parse(var, raw)
         _check_range(var, value)
+        if var.unbuilt and value != var.default and value not in var.unbuilt_ok:
+            raise ConfigError(var.name, f"is accepted from the original's reference but "
+                              f"{var.unbuilt} is not built yet; leave it unset", raw)
         values[var.name] = value
     for var in derived:
         values[var.name] = var.derive(values)

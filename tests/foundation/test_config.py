@@ -140,6 +140,11 @@ def test_process_refuses_to_start_with_one_line(tmp_path, env, name):
     assert "Traceback" not in result.stderr
 
 
+def values(stdout: str) -> list[str]:
+    """check_config's ``NAME=value`` lines without the ``# read in …`` note."""
+    return [line.split("    #", 1)[0] for line in stdout.splitlines()]
+
+
 def test_dotenv_file_is_read_and_validated(tmp_path):
     env_file = tmp_path / ".env"
     env_file.write_text("LOG_FORMAT=yaml\n")
@@ -151,7 +156,7 @@ def test_dotenv_file_is_read_and_validated(tmp_path):
     result = manage("check_config", env={"MILLM_DATA_DIR": str(tmp_path),
                                          "MILLM_ENV_FILE": str(env_file)})
     assert result.returncode == 0, result.stderr
-    assert "MAX_PENDING_REQUESTS=33" in result.stdout.splitlines()
+    assert "MAX_PENDING_REQUESTS=33" in values(result.stdout)
 
 
 def test_real_environment_wins_over_dotenv(tmp_path):
@@ -160,7 +165,7 @@ def test_real_environment_wins_over_dotenv(tmp_path):
     result = manage("check_config", env={"MILLM_DATA_DIR": str(tmp_path),
                                          "MILLM_ENV_FILE": str(env_file),
                                          "MAX_PENDING_REQUESTS": "7"})
-    assert "MAX_PENDING_REQUESTS=7" in result.stdout.splitlines()
+    assert "MAX_PENDING_REQUESTS=7" in values(result.stdout)
 
 
 def test_secrets_are_not_printed(tmp_path):
@@ -204,3 +209,75 @@ def test_configuration_reference_documents_every_variable():
     text = (BASE_DIR / "docs" / "configuration.md").read_text()
     for var in VARIABLES:
         assert f"| `{var.name}` |" in text, var.name
+
+
+# what is not the product (the declarations, the settings module that only re-exports
+# names, test settings, tests, docs, benchmarks, pins, data)
+NOT_PRODUCT = ("millm_site/config.py", "millm_site/config_readers.py", "millm_site/settings/engine.py",
+               "millm_site/test_settings.py")
+
+
+def _product_words() -> dict[str, set[str]]:
+    import re
+    import subprocess
+
+    from millm_site.config import BASE_DIR
+
+    files = subprocess.run(["git", "ls-files"], cwd=BASE_DIR, capture_output=True, text=True,
+                           check=True).stdout.split()
+    out = {}
+    for f in files:
+        if f.split("/", 1)[0] in ("tests", "docs", "benchmarks", "requirements") or f in NOT_PRODUCT:
+            continue
+        if "/migrations/" in f or not (f.endswith((".py", ".html", ".js", ".sh"))
+                                        or f.startswith(("scripts/", ".ci/"))):
+            continue
+        out[f] = set(re.findall(r"[A-Z][A-Z0-9_]+", (BASE_DIR / f).read_text(errors="ignore")))
+    return out
+
+
+def test_no_variable_is_accepted_and_read_by_nothing():
+    """Every variable of the reference is read by product code, or declared not built
+    (and then read by nothing, so building it means dropping the declaration)."""
+    from millm_site.config import VARIABLES
+
+    words = _product_words()
+    read = {v.name: [f for f, w in words.items() if v.name in w] for v in VARIABLES}
+    assert [v.name for v in VARIABLES if not v.unbuilt and not read[v.name]] == []
+    assert {v.name: read[v.name] for v in VARIABLES if v.unbuilt and read[v.name]} == {}
+    assert "orchestration/services.py" in read["GRACEFUL_UNLOAD_TIMEOUT"]  # the scan finds readers
+
+
+@pytest.mark.parametrize(("env", "ok"), [
+    ({"KV_CACHE_MODE": "static"}, False),
+    ({"KV_CACHE_MODE": "dynamic"}, True),
+    ({"TORCH_COMPILE": "true"}, False),
+    ({"TORCH_COMPILE": "false"}, True),
+    ({"SPECULATIVE_MODEL": "HuggingFaceTB/SmolLM2-135M"}, False),
+    ({"TRANSFORMERS_IDLE_CACHE_RELEASE_S": "30"}, False),
+])
+def test_a_variable_not_built_yet_is_refused_unless_left_as_it_is(env, ok):
+    if ok:
+        load_config(env)
+        return
+    with pytest.raises(ConfigError) as exc:
+        load_config(env)
+    (name,) = env
+    assert str(exc.value).startswith(f"{name}: ") and "not built yet" in str(exc.value)
+
+
+def test_check_config_says_where_each_variable_takes_effect(tmp_path):
+    from millm_site.config import VARIABLES
+
+    result = manage("check_config", env={"MILLM_DATA_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    notes = {line.split("=", 1)[0]: line.split("    # ", 1)[1]
+             for line in result.stdout.splitlines() if "    # " in line}
+    assert set(notes) == {v.name for v in VARIABLES}
+    words = _product_words()
+    for v in VARIABLES:
+        if v.unbuilt:
+            assert notes[v.name].startswith("not built yet: "), v.name
+        else:
+            want = sorted(f for f, w in words.items() if v.name in w)
+            assert notes[v.name] == "read in " + ", ".join(want), v.name

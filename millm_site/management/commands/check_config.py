@@ -1,4 +1,6 @@
-"""Print the effective configuration by topic (secrets redacted).
+"""Print the effective configuration by topic (secrets redacted), and after each value
+where it takes effect: the source files that read it (``millm_site.config_readers``), or
+"not built yet" for a variable of the original's reference that nothing reads yet.
 
 Reaching this command at all means the configuration passed validation: a bad value stops
 ``manage.py`` before any command runs, with one line naming the variable.
@@ -8,6 +10,7 @@ import structlog
 from django.core.management.base import BaseCommand
 
 from millm_site.config import VARIABLES, get_config
+from millm_site.config_readers import readers
 
 log = structlog.get_logger("millm.config")
 
@@ -17,6 +20,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         config = get_config()
+        found = readers()
         topic = None
         for var in VARIABLES:
             if var.topic != topic:
@@ -29,7 +33,11 @@ class Command(BaseCommand):
                 value = ",".join(value)
             elif value is None:
                 value = "(auto)"
-            self.stdout.write(f"{var.name}={value}")
+            if var.unbuilt:
+                where = f"not built yet: {var.unbuilt}"
+            else:
+                where = "read in " + ", ".join(found[var.name]) if found[var.name] else "READ BY NOTHING"
+            self.stdout.write(f"{var.name}={value}    # {where}")
         mode = "embedded" if config.embedded else "distributed"
         log.info("config_ok", mode=mode, database=config.database()["ENGINE"].rsplit(".", 1)[-1])
         self.stdout.write(self.style.SUCCESS(f"\nConfiguration OK ({mode} mode)."))
