@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import re
 from functools import lru_cache
-from pathlib import Path
 
 from millm_site.config import BASE_DIR, VARIABLES
 
-NOT_READERS = ("millm_site/config.py", "millm_site/config_readers.py", "millm_site/settings/engine.py",
-               "millm_site/test_settings.py")
+NOT_READERS = ("millm_site/config.py", "millm_site/config_readers.py",
+               "millm_site/settings/engine.py", "millm_site/test_settings.py")
 # what is not the product: tests, docs, measurements, requirement pins, data and caches
 NOT_SOURCE = {"tests", "docs", "benchmarks", "requirements", "data"}
 
@@ -31,7 +30,8 @@ def _sources() -> dict[str, str]:
                 continue
             rel = path.relative_to(BASE_DIR).as_posix()
             # code and templates, and the shell scripts that start things
-            if path.suffix not in (".py", ".html", ".js", ".sh") and not rel.startswith(("scripts/", ".ci/")):
+            if (path.suffix not in (".py", ".html", ".js", ".sh")
+                    and not rel.startswith(("scripts/", ".ci/"))):
                 continue
             if rel in NOT_READERS or "/migrations/" in rel or "__pycache__" in rel:
                 continue
@@ -43,7 +43,8 @@ def _sources() -> dict[str, str]:
 def readers() -> dict[str, list[str]]:
     """``{variable: [files that read it, sorted]}`` for every declared variable."""
     words = {f: set(re.findall(r"\b[A-Z][A-Z0-9_]*\b", text)) for f, text in _sources().items()}
-    return {var.name: sorted(f for f, found in words.items() if var.name in found) for var in VARIABLES}
+    return {var.name: sorted(f for f, found in words.items() if var.name in found)
+            for var in VARIABLES}
 
 
 def unread() -> list[str]:

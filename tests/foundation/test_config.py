@@ -213,8 +213,8 @@ def test_configuration_reference_documents_every_variable():
 
 # what is not the product (the declarations, the settings module that only re-exports
 # names, test settings, tests, docs, benchmarks, pins, data)
-NOT_PRODUCT = ("millm_site/config.py", "millm_site/config_readers.py", "millm_site/settings/engine.py",
-               "millm_site/test_settings.py")
+NOT_PRODUCT = ("millm_site/config.py", "millm_site/config_readers.py",
+               "millm_site/settings/engine.py", "millm_site/test_settings.py")
 
 
 def _product_words() -> dict[str, set[str]]:
@@ -227,7 +227,8 @@ def _product_words() -> dict[str, set[str]]:
                            check=True).stdout.split()
     out = {}
     for f in files:
-        if f.split("/", 1)[0] in ("tests", "docs", "benchmarks", "requirements") or f in NOT_PRODUCT:
+        top = f.split("/", 1)[0]
+        if top in ("tests", "docs", "benchmarks", "requirements") or f in NOT_PRODUCT:
             continue
         if "/migrations/" in f or not (f.endswith((".py", ".html", ".js", ".sh"))
                                         or f.startswith(("scripts/", ".ci/"))):

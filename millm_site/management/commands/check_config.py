@@ -36,7 +36,8 @@ class Command(BaseCommand):
             if var.unbuilt:
                 where = f"not built yet: {var.unbuilt}"
             else:
-                where = "read in " + ", ".join(found[var.name]) if found[var.name] else "READ BY NOTHING"
+                files = found[var.name]
+                where = "read in " + ", ".join(files) if files else "READ BY NOTHING"
             self.stdout.write(f"{var.name}={value}    # {where}")
         mode = "embedded" if config.embedded else "distributed"
         log.info("config_ok", mode=mode, database=config.database()["ENGINE"].rsplit(".", 1)[-1])
