@@ -90,6 +90,22 @@ class CaptureTooLarge(MillmError):
     code, status = "CAPTURE_TOO_LARGE", 400
 
 
+class UnknownAnalyzer(MillmError):
+    """An analyzer name the registry does not have (details: known)."""
+
+    code, status = "UNKNOWN_ANALYZER", 400
+
+
+class AnalyzerCaptureMissing(MillmError):
+    """The capture an analyzer reads was not taken (details: missing)."""
+
+    code, status = "ANALYZER_CAPTURE_MISSING", 400
+
+
+class InvalidProbeFile(MillmError):
+    code, status = "INVALID_PROBE_FILE", 400
+
+
 # Engine error codes (gpu_engine.errors) -> the domain error classes: the one table every
 # surface goes through (/api answers the class's code; /v1 maps that code in
 # inference.errors).
@@ -109,6 +125,9 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
     "generation_failed": GenerationFailed,
     "backend_unavailable": BackendUnavailable,
     "capture_too_large": CaptureTooLarge,
+    "unknown_analyzer": UnknownAnalyzer,
+    "analyzer_capture_missing": AnalyzerCaptureMissing,
+    "invalid_probe_file": InvalidProbeFile,
 }
 
 

@@ -12,6 +12,12 @@ layer, ``positions`` (rows,) — the residual row (sequence position) of each ro
 the safetensors header, and ``<id>.json`` beside a stored file) says what was captured:
 request id, model, backend, layers, positions mode, prompt and completion token ids,
 dtype, steering hash.
+
+An attention capture adds ``q.<L>`` (q rows, heads, head_dim) — the queries of the chosen
+heads after the model's position encoding — and ``k.<L>`` (k rows, kv_heads, head_dim) —
+the keys of the KV heads those heads read — with ``q_positions`` and ``k_positions``; the
+sidecar's ``attention`` says which heads (``heads``, ``kv_heads``, ``num_heads``,
+``num_kv_heads``, ``head_dim``) and the scale each layer's attention applies.
 """
 
 from __future__ import annotations
@@ -71,6 +77,15 @@ class CaptureData:
     hidden: dict[int, Any] = field(default_factory=dict)
     positions: Any = None
     token_ids: Any = None
+    # attention capture: q[layer] (rows, heads, head_dim), k[layer] (rows, kv_heads, head_dim)
+    q: dict[int, Any] = field(default_factory=dict)
+    k: dict[int, Any] = field(default_factory=dict)
+    q_positions: Any = None
+    k_positions: Any = None
+
+    @property
+    def attention(self) -> dict[str, Any] | None:
+        return self.meta.get("attention")
 
     @property
     def layers(self) -> list[int]:
@@ -97,10 +112,14 @@ def load_capture(source: str | Path | bytes, *, framework: str = "numpy") -> Cap
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
     if meta.get("format") != FORMAT:
         raise ValueError(f"not a miLLM capture (format {meta.get('format')!r}, expected {FORMAT!r})")
-    out = CaptureData(meta=meta, positions=tensors.get("positions"), token_ids=tensors.get("token_ids"))
+    out = CaptureData(meta=meta, positions=tensors.get("positions"), token_ids=tensors.get("token_ids"),
+                      q_positions=tensors.get("q_positions"), k_positions=tensors.get("k_positions"))
     for name, value in tensors.items():
-        if name.startswith("layer."):
-            out.hidden[int(name.removeprefix("layer."))] = value
+        kind, _, layer = name.partition(".")
+        if kind == "layer":
+            out.hidden[int(layer)] = value
+        elif kind in ("q", "k") and layer:
+            getattr(out, kind)[int(layer)] = value
     return out
 
 

@@ -31,8 +31,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,12 +42,14 @@ from .artifacts import FORMAT, SIDECAR_KEY, write_files
 from .protocol import CaptureResult, CaptureSpec
 
 ROW_META_BYTES = 16  # positions + token_ids, int64 each
+QK_ROW_META_BYTES = 8  # q_positions / k_positions, int64
 
 
 def rows_for(positions: str, prompt_len: int, max_tokens: int) -> int:
-    """The most rows a capture can take: ``last`` one, ``prompt`` the prompt, ``completion``
-    one per generated token, ``all`` every row computed (the final token is never fed)."""
-    if positions == "last":
+    """The most rows a capture can take: ``last`` and ``last_prompt`` one, ``prompt`` the
+    prompt, ``completion`` one per generated token, ``all`` every row computed (the final
+    token is never fed)."""
+    if positions in ("last", "last_prompt"):
         return 1
     if positions == "prompt":
         return prompt_len
@@ -55,54 +58,81 @@ def rows_for(positions: str, prompt_len: int, max_tokens: int) -> int:
     return prompt_len + max(max_tokens, 1) - 1
 
 
+@dataclass(frozen=True)
+class AttentionGeometry:
+    """The loaded model's attention heads, for Q/K capture."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def kv_heads_for(self, heads: list[int]) -> list[int]:
+        """The KV heads query ``heads`` read (transformers' ``repeat_kv`` order)."""
+        return sorted({h // self.group for h in heads})
+
+
 def estimate_bytes(spec: CaptureSpec, *, prompt_len: int, max_tokens: int, hidden_size: int,
-                   itemsize: int) -> tuple[int, int]:
-    """(worst-case tensor bytes of the artifact, rows)."""
-    rows = rows_for(spec.positions, prompt_len, max_tokens)
-    return rows * (len(spec.layers) * hidden_size * itemsize + ROW_META_BYTES), rows
+                   itemsize: int, geometry: AttentionGeometry | None = None) -> tuple[int, int]:
+    """(worst-case tensor bytes of the artifact, rows of the largest part)."""
+    rows = rows_for(spec.positions, prompt_len, max_tokens) if spec.layers else 0
+    total = rows * (len(spec.layers) * hidden_size * itemsize + ROW_META_BYTES)
+    att = spec.attention
+    if att is not None and geometry is not None:
+        heads = att.heads if att.heads is not None else list(range(geometry.num_heads))
+        q_rows = rows_for(att.query_positions, prompt_len, max_tokens)
+        k_rows = rows_for(att.positions, prompt_len, max_tokens)
+        width = geometry.head_dim * itemsize * len(att.layers)
+        total += q_rows * (len(heads) * width + QK_ROW_META_BYTES)
+        total += k_rows * (len(geometry.kv_heads_for(heads)) * width + QK_ROW_META_BYTES)
+        rows = max(rows, q_rows, k_rows)
+    return total, rows
 
 
-class CapturePlan:
-    """One request's capture (see the module doc)."""
+class RowBuffer:
+    """One kind of captured rows (hidden states, Q or K) of one request: a buffer of
+    (layers, rows it may take, *row shape) allocated once; a row's place is its position
+    minus the first position captured (``last``: always row 0).  ``select``: the heads
+    kept (index along the row's first dimension), or None for whole rows."""
 
-    def __init__(self, spec: CaptureSpec, *, request_id: str, prompt_len: int, max_tokens: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, model: str, backend: str,
-                 steering_hash: str | None) -> None:
-        self.spec = spec
-        self.request_id = request_id
-        self.layers = list(spec.layers)
+    def __init__(self, positions: str, layers: list[int], shape: tuple[int, ...], *, prompt_len: int,
+                 max_tokens: int, dtype: torch.dtype, device: torch.device,
+                 select: list[int] | None = None) -> None:
+        self.mode = positions
+        self.layers = list(layers)
         self.index = {layer: i for i, layer in enumerate(self.layers)}
         self.layer_t = torch.tensor(self.layers, dtype=torch.long, device=device)
-        self.last_only = spec.positions == "last"
-        self.base = prompt_len - 1 if spec.positions == "completion" else 0
-        self.rows = rows_for(spec.positions, prompt_len, max_tokens)
-        self.buffer = torch.empty((len(self.layers), self.rows, hidden_size), dtype=dtype, device=device)
+        self.select = torch.tensor(select, dtype=torch.long, device=device) if select is not None else None
+        self.last_only = positions == "last"
+        self.base = prompt_len - 1 if positions in ("completion", "last_prompt") else 0
+        self.rows = rows_for(positions, prompt_len, max_tokens)
+        self.buffer = torch.empty((len(self.layers), self.rows, *shape), dtype=dtype, device=device)
         self.filled_to = self.base  # positions below this are in the buffer (not ``last``)
         self.last_position = -1
-        self.model = model
-        self.backend = backend
-        self.steering_hash = steering_hash
 
-    def _window(self, start: int, n: int) -> tuple[int, int]:
-        return max(self.base, start), min(self.base + self.rows, start + n)
+    def _pick(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows if self.select is None else rows.index_select(1, self.select)
 
     def observe(self, layer: int, rows: torch.Tensor, start: int) -> None:
-        """Block ``layer``'s output rows for positions ``start, start + 1, …``."""
+        """Layer ``layer``'s rows for positions ``start, start + 1, …``."""
         i = self.index[layer]
         n = rows.shape[0]
         if self.last_only:
-            self.buffer[i, 0].copy_(rows[n - 1])
+            self.buffer[i, 0].copy_(self._pick(rows[n - 1 : n])[0])
             self.last_position = start + n - 1
             return
-        lo, hi = self._window(start, n)
+        lo, hi = max(self.base, start), min(self.base + self.rows, start + n)
         if lo >= hi:
             return
-        self.buffer[i, lo - self.base : hi - self.base].copy_(rows[lo - start : hi - start])
+        self.buffer[i, lo - self.base : hi - self.base].copy_(self._pick(rows[lo - start : hi - start]))
         self.filled_to = max(self.filled_to, hi)
 
     def take(self, stage: torch.Tensor, slot: int, position: int) -> None:
-        """After a batched decode step: this request's row (``slot``, at ``position``) of
-        every captured layer, from the batch's stage."""
+        """After a batched decode step: the row (``slot``, at ``position``) of every layer
+        of this buffer, from the batch's stage (num_layers, slots, *row shape)."""
         if self.last_only:
             dest = 0
             self.last_position = position
@@ -111,22 +141,96 @@ class CapturePlan:
                 return
             dest = position - self.base
             self.filled_to = max(self.filled_to, position + 1)
-        self.buffer[:, dest].copy_(stage.index_select(0, self.layer_t)[:, slot])
+        self.buffer[:, dest].copy_(self._pick(stage.index_select(0, self.layer_t)[:, slot]))
 
     def positions(self) -> list[int]:
         if self.last_only:
             return [self.last_position] if self.last_position >= 0 else []
         return list(range(self.base, self.filled_to))
 
+    def drained(self) -> tuple[list[int], torch.Tensor]:
+        positions = self.positions()
+        return positions, self.buffer[:, : len(positions)].to("cpu")
+
+
+class CapturePlan:
+    """One request's capture (see the module doc)."""
+
+    def __init__(self, spec: CaptureSpec, *, request_id: str, prompt_len: int, max_tokens: int,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device, model: str, backend: str,
+                 steering_hash: str | None, geometry: AttentionGeometry | None = None,
+                 scaling: dict[int, float] | None = None) -> None:
+        self.spec = spec
+        self.request_id = request_id
+        self.layers = list(spec.layers)
+        kw: dict[str, Any] = {"prompt_len": prompt_len, "max_tokens": max_tokens, "dtype": dtype, "device": device}
+        self.hidden = RowBuffer(spec.positions, self.layers, (hidden_size,), **kw) if self.layers else None
+        self.index = self.hidden.index if self.hidden is not None else {}
+        self.q: RowBuffer | None = None
+        self.k: RowBuffer | None = None
+        self.qk_layers: list[int] = []
+        self.geometry = geometry
+        self.scaling = scaling or {}
+        att = spec.attention
+        if att is not None:
+            if geometry is None:
+                raise ValueError("an attention capture needs the model's AttentionGeometry")
+            self.heads = att.heads if att.heads is not None else list(range(geometry.num_heads))
+            self.kv_heads = geometry.kv_heads_for(self.heads)
+            self.qk_layers = list(att.layers)
+            self.q = RowBuffer(att.query_positions, self.qk_layers, (len(self.heads), geometry.head_dim), **kw,
+                               select=None if att.heads is None else self.heads)
+            every_kv = self.kv_heads == list(range(geometry.num_kv_heads))
+            self.k = RowBuffer(att.positions, self.qk_layers, (len(self.kv_heads), geometry.head_dim), **kw,
+                               select=None if every_kv else self.kv_heads)
+        self.qk_index = set(self.qk_layers)
+        self.model = model
+        self.backend = backend
+        self.steering_hash = steering_hash
+        self.dtype = dtype
+        self.hidden_size = hidden_size
+
+    def observe(self, layer: int, rows: torch.Tensor, start: int) -> None:
+        """Block ``layer``'s output rows for positions ``start, start + 1, …``."""
+        self.hidden.observe(layer, rows, start)  # type: ignore[union-attr]
+
+    def wants_qk(self, layer: int) -> bool:
+        return layer in self.qk_index
+
+    def observe_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor, start: int) -> None:
+        """Layer ``layer``'s rotated queries (rows, heads, head_dim) and new keys (rows,
+        kv_heads, head_dim) for positions ``start, start + 1, …``."""
+        self.q.observe(layer, q, start)  # type: ignore[union-attr]
+        self.k.observe(layer, k, start)  # type: ignore[union-attr]
+
+    def take(self, stage: torch.Tensor, slot: int, position: int) -> None:
+        """After a batched decode step: this request's row (``slot``, at ``position``) of
+        every captured layer, from the batch's stage."""
+        if self.hidden is not None:
+            self.hidden.take(stage, slot, position)
+
+    def take_qk(self, q_stage: torch.Tensor, k_stage: torch.Tensor, slot: int, position: int) -> None:
+        if self.q is not None:
+            self.q.take(q_stage, slot, position)
+            self.k.take(k_stage, slot, position)  # type: ignore[union-attr]
+
+    def positions(self) -> list[int]:
+        return self.hidden.positions() if self.hidden is not None else []
+
     def result(self, *, prompt_ids: list[int], generated: list[int]) -> CaptureResult:
         """Drain the rows taken so far and pack the artifact."""
         from safetensors.torch import save
 
-        positions = self.positions()
-        n = len(positions)
-        hidden = self.buffer[:, :n].to("cpu")
         full = list(prompt_ids) + list(generated)
-        token_ids = [full[p] for p in positions]
+        tensors: dict[str, torch.Tensor] = {}
+        positions: list[int] = []
+        token_ids: list[int] = []
+        if self.hidden is not None:
+            positions, hidden = self.hidden.drained()
+            token_ids = [full[p] for p in positions]
+            tensors = {f"layer.{layer}": hidden[i].contiguous() for i, layer in enumerate(self.layers)}
+            tensors["positions"] = torch.tensor(positions, dtype=torch.int64)
+            tensors["token_ids"] = torch.tensor(token_ids, dtype=torch.int64)
         capture_id = uuid.uuid4().hex
         meta: dict[str, Any] = {
             "format": FORMAT,
@@ -141,15 +245,35 @@ class CapturePlan:
             "token_ids": token_ids,
             "prompt_token_ids": list(prompt_ids),
             "completion_token_ids": list(generated),
-            "dtype": str(self.buffer.dtype).removeprefix("torch."),
-            "hidden_size": int(self.buffer.shape[-1]),
-            "rows": n,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "hidden_size": int(self.hidden_size),
+            "rows": len(positions),
             "steering_hash": self.steering_hash,
             "created_at": time.time(),
         }
-        tensors = {f"layer.{layer}": hidden[i].contiguous() for i, layer in enumerate(self.layers)}
-        tensors["positions"] = torch.tensor(positions, dtype=torch.int64)
-        tensors["token_ids"] = torch.tensor(token_ids, dtype=torch.int64)
+        if self.q is not None and self.k is not None and self.geometry is not None:
+            q_pos, q = self.q.drained()
+            k_pos, k = self.k.drained()
+            for i, layer in enumerate(self.qk_layers):
+                tensors[f"q.{layer}"] = q[i].contiguous()
+                tensors[f"k.{layer}"] = k[i].contiguous()
+            tensors["q_positions"] = torch.tensor(q_pos, dtype=torch.int64)
+            tensors["k_positions"] = torch.tensor(k_pos, dtype=torch.int64)
+            att = self.spec.attention
+            meta["attention"] = {
+                "layers": self.qk_layers,
+                "heads": self.heads,
+                "kv_heads": self.kv_heads,
+                "num_heads": self.geometry.num_heads,
+                "num_kv_heads": self.geometry.num_kv_heads,
+                "head_dim": self.geometry.head_dim,
+                "positions": att.positions,  # type: ignore[union-attr]
+                "q_positions": att.query_positions,  # type: ignore[union-attr]
+                "q_row_positions": q_pos,
+                "k_row_positions": k_pos,
+                "scaling": {str(layer): self.scaling.get(layer) for layer in self.qk_layers},
+                "read_point": "attention_input_after_position_encoding",
+            }
         data = save(tensors, metadata={SIDECAR_KEY: json.dumps(meta, sort_keys=True)})
         spec = self.spec
         if spec.directory is None or len(data) <= spec.inline_max_bytes:
@@ -185,18 +309,25 @@ class CaptureHook:
 
 
 @contextmanager
-def armed(manager: Any, block: Callable[[int], torch.nn.Module], plan: CapturePlan | None) -> Iterator[None]:
-    """The plan's layers armed on ``manager`` (``HookManager``) for the block, disarmed on
-    the way out whatever happens (the serial path: one request at a time)."""
+def armed(manager: Any, runner: Any, plan: CapturePlan | None) -> Iterator[None]:
+    """The plan's layers armed on ``manager`` (``HookManager``) — block hooks for hidden
+    states, attention taps for Q/K (``runner.arm_qk``) — and disarmed on the way out
+    whatever happens (the serial path: one request at a time)."""
     done: list[int] = []
+    done_qk: list[int] = []
     try:
         for layer in plan.layers if plan is not None else ():
-            manager.arm_capture(layer, block(layer))
+            manager.arm_capture(layer, runner.block(layer)[0])
             done.append(layer)
+        for layer in plan.qk_layers if plan is not None else ():
+            runner.arm_qk(layer)
+            done_qk.append(layer)
         yield
     finally:
         for layer in done:
             manager.disarm_capture(layer)
+        for layer in done_qk:
+            runner.disarm_qk(layer)
 
 
-__all__ = ["CaptureHook", "CapturePlan", "armed", "estimate_bytes", "rows_for"]
+__all__ = ["AttentionGeometry", "CaptureHook", "CapturePlan", "RowBuffer", "armed", "estimate_bytes", "rows_for"]

@@ -99,6 +99,25 @@ class CaptureTooLarge(EngineError):
                      "rows": rows, "layers": layers})
 
 
+class UnknownAnalyzer(EngineError):
+    """An analyzer name no registry entry has (details: ``known``)."""
+
+    code = "unknown_analyzer"
+
+
+class AnalyzerCaptureMissing(EngineError):
+    """The capture an analyzer needs was not taken (or cannot be): layers, heads or
+    positions missing from the request's capture or the stored artifact."""
+
+    code = "analyzer_capture_missing"
+
+
+class InvalidProbeFile(EngineError):
+    """A probe file an analyzer was pointed at is missing, unreadable or malformed."""
+
+    code = "invalid_probe_file"
+
+
 class ModelNotLoaded(EngineError):
     code = "model_not_loaded"
 
@@ -173,6 +192,9 @@ class GenerationFailed(EngineError):
 
 
 __all__ = [
+    "AnalyzerCaptureMissing",
+    "InvalidProbeFile",
+    "UnknownAnalyzer",
     "BackendUnavailable",
     "CaptureTooLarge",
     "ContextLengthExceeded",

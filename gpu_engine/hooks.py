@@ -284,6 +284,9 @@ class BatchContext:
     # batched decode with a capture armed: (num_layers, slots, d), every row written to
     # its slot by the capture hooks (gpu_engine.capture)
     capture_stage: torch.Tensor | None = None
+    # batched decode with a Q/K capture armed: (q (num_layers, slots, heads, head_dim),
+    # k (num_layers, slots, kv_heads, head_dim)), written by the attention taps
+    qk_stage: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass

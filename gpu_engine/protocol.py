@@ -456,35 +456,78 @@ class ActivationRecord(msgspec.Struct):
 
 # --------------------------------------------------------------------------- capture
 
-CAPTURE_POSITIONS = ("last", "all", "prompt", "completion")
+CAPTURE_POSITIONS = ("last", "all", "prompt", "completion", "last_prompt")
+
+
+def _positions(value: Any, param: str) -> str:
+    if value not in CAPTURE_POSITIONS:
+        raise InvalidParameter(f"{param} must be one of {CAPTURE_POSITIONS}", param=param)
+    return value
+
+
+class AttentionCaptureSpec(msgspec.Struct):
+    """Attention queries and keys to capture (``gpu_engine.capture``), as the attention
+    uses them: after the model's position encoding (rotary), per query head for Q and per
+    KV head for K.
+
+    ``heads``: query heads (``None``: all); K keeps the KV heads they read
+    (``h // (num_heads // num_kv_heads)``).  ``positions``: K rows, ``q_positions`` Q rows
+    (``None``: the same), in the modes of ``CaptureSpec.positions``.
+    """
+
+    layers: list[int]
+    heads: list[int] | None = None
+    positions: str = "prompt"
+    q_positions: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, list) or not self.layers:
+            raise InvalidParameter("capture.attention.layers must list at least one layer",
+                                   param="capture.attention.layers")
+        self.layers = sorted({_int(x, "capture.attention.layers", lo=0) for x in self.layers})
+        if self.heads is not None:
+            if not isinstance(self.heads, list) or not self.heads:
+                raise InvalidParameter("capture.attention.heads must list at least one head (or be null: all)",
+                                       param="capture.attention.heads")
+            self.heads = sorted({_int(x, "capture.attention.heads", lo=0) for x in self.heads})
+        _positions(self.positions, "capture.attention.positions")
+        if self.q_positions is not None:
+            _positions(self.q_positions, "capture.attention.q_positions")
+
+    @property
+    def query_positions(self) -> str:
+        return self.q_positions if self.q_positions is not None else self.positions
 
 
 class CaptureSpec(msgspec.Struct):
-    """Hidden states to capture for one request (``gpu_engine.capture``).
+    """Hidden states (and attention Q/K) to capture for one request (``gpu_engine.capture``).
 
     ``layers``: decoder blocks whose output is captured, after every steering on that
     block (what block ``layer + 1`` reads).  ``positions`` index residual rows as
     ``MonitorEntry`` does: ``prompt`` = rows ``0..P-1``, ``completion`` = the rows that
     produced each generated token (``P-1+i``), ``all`` = every row computed, ``last`` = the
-    last row computed.  ``max_bytes`` (0: no limit) refuses, before anything runs, a capture
-    whose worst case is larger; an artifact of at most ``inline_max_bytes`` comes back in
-    the ``FinishEvent``, a larger one is written under ``directory`` (inline when unset).
+    last row computed, ``last_prompt`` = row ``P-1`` (the prompt's last token).
+    ``attention``: Q/K of chosen layers and heads (``AttentionCaptureSpec``); a spec asks
+    for hidden states, attention or both.  ``max_bytes`` (0: no limit) refuses, before
+    anything runs, a capture whose worst case is larger; an artifact of at most
+    ``inline_max_bytes`` comes back in the ``FinishEvent``, a larger one is written under
+    ``directory`` (inline when unset).
     """
 
-    layers: list[int]
+    layers: list[int] = msgspec.field(default_factory=list)
     positions: str = "last"
     max_bytes: int = 0
     inline_max_bytes: int = 0
     directory: str | None = None
     model: str = ""  # the name the sidecar records (the engine's model id when empty)
+    attention: AttentionCaptureSpec | None = None
 
     def __post_init__(self) -> None:
-        if not isinstance(self.layers, list) or not self.layers:
-            raise InvalidParameter("capture.layers must list at least one layer", param="capture.layers")
+        if not isinstance(self.layers, list) or (not self.layers and self.attention is None):
+            raise InvalidParameter("capture.layers must list at least one layer (or give capture.attention)",
+                                   param="capture.layers")
         self.layers = sorted({_int(x, "capture.layers", lo=0) for x in self.layers})
-        if self.positions not in CAPTURE_POSITIONS:
-            raise InvalidParameter(f"capture.positions must be one of {CAPTURE_POSITIONS}",
-                                   param="capture.positions")
+        _positions(self.positions, "capture.positions")
         _int(self.max_bytes, "capture.max_bytes", lo=0)
         _int(self.inline_max_bytes, "capture.inline_max_bytes", lo=0)
 

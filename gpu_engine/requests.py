@@ -41,6 +41,8 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
         needs.append(("prompt_logprobs", "prompt_logprobs"))
     if job.capture is not None:
         needs.append(("hidden_state_capture", "capture"))
+        if job.capture.attention is not None:
+            needs.append(("attention_capture", "capture.attention"))
     for capability, param in needs:
         if not caps.get(capability, False):
             raise InvalidParameter(f"the {backend.name} backend cannot honour {param} ({capability} is off)",
@@ -158,16 +160,33 @@ def with_capture(backend: Any, job: GenerationJob, hooks: RequestHooks | None, n
     from .capture import CapturePlan, estimate_bytes
     from .errors import CaptureTooLarge
 
+    geometry = scaling = None
+    att = spec.attention
+    if att is not None:
+        geometry = backend.attention_geometry
+        bad = [layer for layer in att.layers if layer >= n_layers]
+        if bad:
+            raise InvalidParameter(f"capture.attention.layers {bad} out of range: the model has layers "
+                                   f"0..{n_layers - 1}", param="capture.attention.layers",
+                                   details={"layers": bad, "num_layers": n_layers})
+        bad = [h for h in att.heads or () if h >= geometry.num_heads]
+        if bad:
+            raise InvalidParameter(f"capture.attention.heads {bad} out of range: the model has heads "
+                                   f"0..{geometry.num_heads - 1}", param="capture.attention.heads",
+                                   details={"heads": bad, "num_heads": geometry.num_heads})
+        scaling = {layer: backend.attention_scaling(layer) for layer in att.layers}
     dtype = backend.dtype
     estimate, rows = estimate_bytes(spec, prompt_len=n_prompt, max_tokens=max_tokens,
-                                    hidden_size=backend.hidden_size, itemsize=dtype.itemsize)
+                                    hidden_size=backend.hidden_size, itemsize=dtype.itemsize, geometry=geometry)
     if spec.max_bytes and estimate > spec.max_bytes:
-        raise CaptureTooLarge(estimate_bytes=estimate, max_bytes=spec.max_bytes, rows=rows, layers=len(spec.layers))
+        raise CaptureTooLarge(estimate_bytes=estimate, max_bytes=spec.max_bytes, rows=rows,
+                              layers=len(set(spec.layers) | set(att.layers if att is not None else ())))
     steered = job.steering is not None and not job.steering.is_empty()
     model = spec.model or getattr(getattr(backend, "job", None), "model_id", "") or ""
     plan = CapturePlan(spec, request_id=job.request_id, prompt_len=n_prompt, max_tokens=max_tokens,
                        hidden_size=backend.hidden_size, dtype=dtype, device=backend.device, model=model,
-                       backend=backend.name, steering_hash=job.steering.canonical_hash() if steered else None)
+                       backend=backend.name, steering_hash=job.steering.canonical_hash() if steered else None,
+                       geometry=geometry, scaling=scaling)
     hooks = hooks if hooks is not None else RequestHooks(job.request_id)
     hooks.capture = plan
     return hooks

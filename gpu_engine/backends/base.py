@@ -62,6 +62,8 @@ CAPABILITY_KEYS = (
     "batched_mode",
     # GenerationJob.capture: hidden states of chosen layers per request (gpu_engine.capture)
     "hidden_state_capture",
+    # CaptureSpec.attention: rotated Q and K of chosen layers and heads per request
+    "attention_capture",
 )
 
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.artifacts import load_capture
-from gpu_engine.protocol import CaptureSpec
+from gpu_engine.protocol import AttentionCaptureSpec, CaptureSpec
 from tests.engine.tolerances import BATCH_ENCODE_ATOL, BATCH_ENCODE_RTOL
 
 from .conftest import MODEL_SAE
@@ -69,3 +69,51 @@ def test_each_capture_in_a_mixed_batch_equals_its_solo_capture(engines, tiny_ass
     cap = load_capture(e.capture.data)
     p = e.usage.prompt_tokens
     assert cap.positions.tolist() == list(range(p - 1, p - 1 + len(e.token_ids)))
+
+
+QK_CAPTURES = {
+    "A": CaptureSpec(layers=[1], positions="all", attention=AttentionCaptureSpec(layers=[0, 3], positions="all")),
+    "B": CaptureSpec(attention=AttentionCaptureSpec(layers=[1], heads=[1], positions="completion")),
+    "C": CaptureSpec(attention=AttentionCaptureSpec(layers=[2], positions="prompt", q_positions="last")),
+    # G and H prefill together in one left-padded forward
+    "G": CaptureSpec(attention=AttentionCaptureSpec(layers=[0, 2], heads=[0], positions="all")),
+    "H": CaptureSpec(attention=AttentionCaptureSpec(layers=[2], positions="prompt", q_positions="last_prompt")),
+    "E": CaptureSpec(attention=AttentionCaptureSpec(layers=[3], positions="completion")),
+}
+
+
+@pytest.mark.parametrize("model_name", ["tiny-llama", "tiny-gemma2"])
+def test_each_qk_capture_in_a_mixed_batch_equals_its_solo_capture(engines, tiny_assets, model_name):
+    batched, serial = engines(model_name)
+    sae = tiny_assets.saes[MODEL_SAE[model_name]]
+    plain_jobs = scenario(sae)
+    jobs = {name: msgspec.structs.replace(job, capture=QK_CAPTURES.get(name)) for name, job in plain_jobs.items()}
+    mixed, choreo = run_mixed_batch(batched, jobs)
+    assert max(choreo.batch_sizes) >= 6
+    assert batched.backend.qk_taps.armed() == [] and batched.hook_manager.armed_captures() == []
+    for name in ("A", "B", "C", "G", "H"):
+        res = mixed[name]
+        plain = batched.generate_sync(plain_jobs[name], timeout_s=60)
+        assert res.token_ids == plain.token_ids, name  # arming Q/K in the batch changes no token
+        solo = serial.generate_sync(jobs[name], timeout_s=60)
+        got, want = load_capture(res.capture.data), load_capture(solo.capture.data)
+        assert got.q_positions.tolist() == want.q_positions.tolist() and len(got.q_positions) > 0, name
+        assert got.k_positions.tolist() == want.k_positions.tolist() and len(got.k_positions) > 0, name
+        assert sorted(got.q) == sorted(want.q) == QK_CAPTURES[name].attention.layers
+        for layer in got.q:
+            for kind in ("q", "k"):
+                g, w = getattr(got, kind)[layer], getattr(want, kind)[layer]
+                np.testing.assert_allclose(g, w, atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL,
+                                           err_msg=f"{name} {kind} layer {layer}")
+                assert not np.allclose(np.zeros_like(w), w, atol=1e-3)
+        for layer in got.hidden:
+            np.testing.assert_allclose(got.hidden[layer], want.hidden[layer], atol=BATCH_ENCODE_ATOL,
+                                       rtol=BATCH_ENCODE_RTOL)
+    # positive control: G's and A's layer-0 keys are different requests' keys
+    a, g = load_capture(mixed["A"].capture.data), load_capture(mixed["G"].capture.data)
+    assert not np.allclose(a.k[0][:4], g.k[0][:4], atol=1e-3)
+    e = mixed["E"]
+    cap = load_capture(e.capture.data)
+    p = e.usage.prompt_tokens
+    assert e.finish_reason == "cancelled"
+    assert cap.k_positions.tolist() == list(range(p - 1, p - 1 + len(e.token_ids)))

@@ -232,6 +232,7 @@ class LlamaCppBackend:
             # the eval callback adds precomputed deltas only (no encode on its rows yet)
             steering_controls=False,
             hidden_state_capture=False,  # issue 15: transformers first
+            attention_capture=False,
             # how requests with different steering share a batch: each row's delta added in
             # the eval callback; rows steered alike use a control vector
             steering_mode="eval_callback_per_row",

@@ -76,6 +76,7 @@ class BatchedRunner:
         self._control_tables: dict[AttachmentKey, ControlTable] = {}
         self._row_slots: torch.Tensor | None = None
         self._stage: torch.Tensor | None = None  # capture: every row of a decode step, by slot
+        self._qk_stage: tuple[torch.Tensor, torch.Tensor] | None = None  # the same for Q/K
         self.steps = 0
 
     # ------------------------------------------------------------------ rows
@@ -193,12 +194,16 @@ class BatchedRunner:
         if seq.capture is not None and not seq.capture_armed:
             for layer in seq.capture.layers:
                 self.hooks.arm_capture(layer, self.runner.block(layer)[0])
+            for layer in seq.capture.qk_layers:
+                self.runner.arm_qk(layer)
             seq.capture_armed = True
 
     def _disarm(self, seq: Sequence) -> None:
         if seq.capture_armed:
             for layer in seq.capture.layers:  # type: ignore[union-attr]
                 self.hooks.disarm_capture(layer)
+            for layer in seq.capture.qk_layers:  # type: ignore[union-attr]
+                self.runner.disarm_qk(layer)
             seq.capture_armed = False
 
     def _rebuild_controls(self, key: AttachmentKey) -> None:
@@ -261,6 +266,15 @@ class BatchedRunner:
             self._stage = torch.zeros((r.num_layers, self.max_rows, r.hidden_size), dtype=r.dtype, device=self.device)
         return self._stage
 
+    def _capture_qk_stage(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._qk_stage is None:
+            r = self.runner
+            g = r.attention_geometry
+            shape = (r.num_layers, self.max_rows)
+            self._qk_stage = (torch.zeros((*shape, g.num_heads, g.head_dim), dtype=r.dtype, device=self.device),
+                              torch.zeros((*shape, g.num_kv_heads, g.head_dim), dtype=r.dtype, device=self.device))
+        return self._qk_stage
+
     def step(self) -> list[Sequence]:
         """One decode forward for every row; returns the sequences that finished."""
         rows = self.rows
@@ -279,15 +293,22 @@ class BatchedRunner:
             positions = torch.tensor([s.n_prompt + len(s.generated) - 1 for s in rows], dtype=torch.long,
                                      device=self.device)
         capturing = [s for s in rows if s.capture is not None]
+        hidden = any(s.capture.layers for s in capturing)  # type: ignore[union-attr]
+        qk = any(s.capture.qk_layers for s in capturing)  # type: ignore[union-attr]
         ctx = BatchContext(segments, row_slots=self._row_slots, delta_tables=self._tables,
                            control_tables=self._control_tables, row_positions=positions,
-                           capture_stage=self._capture_stage() if capturing else None)
+                           capture_stage=self._capture_stage() if hidden else None,
+                           qk_stage=self._capture_qk_stage() if qk else None)
         input_ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
         with self.hooks.active(ctx):
             logits = self.runner.forward_rows(input_ids, position_ids=position_ids, attention_mask=mask, past=cache)
         cache.advance(1)
         for s in capturing:  # each capturing request's slot, all its layers at once
-            s.capture.take(ctx.capture_stage, s.slot, s.n_prompt + len(s.generated) - 1)  # type: ignore[union-attr]
+            position = s.n_prompt + len(s.generated) - 1
+            if ctx.capture_stage is not None:
+                s.capture.take(ctx.capture_stage, s.slot, position)  # type: ignore[union-attr]
+            if ctx.qk_stage is not None:
+                s.capture.take_qk(*ctx.qk_stage, s.slot, position)  # type: ignore[union-attr]
         self.steps += 1
         self._count(rows, ctx)
         ids, lsm = choose_rows(rows, logits)  # the one host sync per step

@@ -130,5 +130,16 @@ def resolve_hook_module(model: Any, layer: int, hook_point: str) -> tuple[Any, s
     )
 
 
+def resolve_attention(model: Any, layer: int) -> tuple[Any, str]:
+    """``(module, path)`` of block ``layer``'s self-attention (the module whose attention
+    function a Q/K capture taps)."""
+    block, block_path = resolve_block(model, layer)
+    for name in _ATTENTION_NAMES:
+        module = getattr(block, name, None)
+        if module is not None:
+            return module, f"{block_path}.{name}"
+    raise UnsupportedArchitecture(f"{type(model).__name__}: block {block_path} has none of {', '.join(_ATTENTION_NAMES)}")
+
+
 __all__ = ["BLOCK_LIST_PATHS", "EMBED_OUTPUT_NAMES", "is_supported_architecture", "resolve_block",
-           "resolve_block_list", "resolve_hook_module"]
+           "resolve_attention", "resolve_block_list", "resolve_hook_module"]

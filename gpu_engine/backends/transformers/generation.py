@@ -46,7 +46,7 @@ def run_generation(
     past = None
 
     capture = request_hooks.capture if request_hooks is not None else None
-    with torch.inference_mode(), hook_manager.active(ctx), armed(hook_manager, lambda n: runner.block(n)[0], capture):
+    with torch.inference_mode(), hook_manager.active(ctx), armed(hook_manager, runner, capture):
         for i in range(max_tokens):
             if should_stop():
                 seq.cancel()

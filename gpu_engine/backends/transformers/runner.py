@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ...capture import AttentionGeometry
 from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...hooks import HookManager
 from ...inspect import ModelInfo, inspect_model_dir
@@ -31,8 +32,9 @@ from ...protocol import (
 )
 from ...sae.hookpoints import DEFAULT_HOOK_POINT, HOOK_POINTS
 from ..base import all_capabilities
-from .blocks import resolve_block, resolve_block_list, resolve_hook_module
+from .blocks import resolve_attention, resolve_block, resolve_block_list, resolve_hook_module
 from .cpu_kernels import pack_linears, packing_available
+from .qk_tap import QKTaps
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,11 +100,34 @@ class TransformersRunner:
         self.eos_token_ids = self._eos_ids()
         params = _inspect.signature(self.model.forward).parameters
         self._has_logits_to_keep = "logits_to_keep" in params
+        heads = int(text_cfg.num_attention_heads)
+        self.attention_geometry = AttentionGeometry(
+            num_heads=heads,
+            num_kv_heads=int(getattr(text_cfg, "num_key_value_heads", None) or heads),
+            head_dim=int(getattr(text_cfg, "head_dim", None) or self.hidden_size // heads),
+        )
+        self.qk_taps = QKTaps(self.hooks)
 
     # ------------------------------------------------------------------ structure
 
     def block(self, layer: int) -> tuple[torch.nn.Module, str]:
         return resolve_block(self.model, layer)
+
+    def attention(self, layer: int) -> torch.nn.Module:
+        return resolve_attention(self.model, layer)[0]
+
+    def attention_scaling(self, layer: int) -> float | None:
+        """The factor the attention multiplies q·k by at ``layer`` (what the sidecar records
+        so analyzers score with the model's own scale)."""
+        value = getattr(self.attention(layer), "scaling", None)
+        return float(value) if value is not None else None
+
+    def arm_qk(self, layer: int) -> None:
+        """Tap ``layer``'s attention for Q/K capture (``qk_tap``), reference-counted."""
+        self.qk_taps.arm(layer, self.attention(layer), self.model)
+
+    def disarm_qk(self, layer: int) -> None:
+        self.qk_taps.disarm(layer)
 
     def layer_module_path(self, layer: int, hook_point: str = DEFAULT_HOOK_POINT) -> str:
         return resolve_hook_module(self.model, layer, hook_point)[1]

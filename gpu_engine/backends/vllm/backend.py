@@ -150,6 +150,7 @@ class VllmBackend:
             # the worker's hooks add per-row delta tables only (no encode in the forward)
             steering_controls=False,
             hidden_state_capture=False,  # issue 15: transformers first
+            attention_capture=False,
             per_request_monitoring=hooks_live,
             exact_monitoring_attribution=hooks_live,
             embeddings=False,

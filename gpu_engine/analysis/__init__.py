@@ -1,0 +1,22 @@
+"""Analyzers over captured hidden states and attention Q/K (issue 15; the original's mia).
+
+Django-free and torch-free: an analyzer reads a ``gpu_engine.artifacts.CaptureData``
+(numpy arrays) and returns plain JSON.  ``registry`` holds the names, the capture each
+analyzer declares (``CaptureNeed``) and how needs become a ``CaptureSpec``;
+``builtin`` the analyzers of the issue, each with its math in a numpy function the tests
+check against hand-computed numbers.
+"""
+
+from .registry import (
+    AnalysisContext,
+    Analyzer,
+    AnalyzerRegistry,
+    CaptureNeed,
+    capture_spec_for,
+    check_capture,
+    default_registry,
+    load_extra,
+)
+
+__all__ = ["AnalysisContext", "Analyzer", "AnalyzerRegistry", "CaptureNeed", "capture_spec_for", "check_capture",
+           "default_registry", "load_extra"]
