@@ -147,3 +147,74 @@ def test_attachments_show_their_hook_point_and_module(server, page):
     assert page.inner_text("#hook .badge") == mine["hook_point"]
     assert page.inner_text("#hook code") == mine["layer_module_path"]
     page.console.assert_clean()
+
+
+def _member(page, n: int, layer, feature, strength, label="", sign="1"):
+    row = page.locator("#ce-members tr.ce-member").nth(n)
+    row.locator("[name=layer]").fill(str(layer))
+    row.locator("[name=feature]").fill(str(feature))
+    row.locator("[name=strength]").fill(str(strength))
+    row.locator("[name=sign]").select_option(sign)
+    row.locator("[name=label]").fill(label)
+
+
+def _circuits_named(server, prefix: str) -> list[dict]:
+    return [c for c in server.api("GET", "/api/circuits")["circuits"]
+            if c["name"].startswith(prefix)]
+
+
+def test_a_circuit_created_and_edited_in_the_page(server, page):
+    page.goto(server.url + "/circuits/")
+    page.wait_for_selector("tr[data-circuit-id]")
+    page.wait_for_selector(f"#ce-sae-choices option[value='{server.sae_id}']", state="attached")
+    page.fill("#ce-name", "ui-made")
+    page.fill("#ce-narrative", "Made in the page")
+    sae = page.locator("#ce-saes tr.ce-sae").first
+    sae.locator("[name=layer]").fill("1")
+    sae.locator("[name=ref]").fill(server.sae_id)
+    _member(page, 0, 1, 4, 12, "four")
+    page.click("#ce-add-member")
+    _member(page, 1, 1, 6, 3, sign="-1")
+    page.click("#ce-save")
+    page.wait_for_selector(".notice.ok:has-text('Created ui-made')")
+    made = _circuits_named(server, "ui-made")
+    assert [c["name"] for c in made] == ["ui-made"]
+    stored = server.api("GET", f"/api/circuits/{made[0]['id']}")
+    assert stored["narrative"] == "Made in the page"
+    assert [s["ref"] for s in stored["saes"]] == [server.sae_id]
+    assert stored["members"] == {"1": [
+        {"feature_idx": 4, "strength": 12.0, "sign": 1, "label": "four"},
+        {"feature_idx": 6, "strength": 3.0, "sign": -1, "label": None}]}
+
+    # edit: another strength, one member removed, one added; the name kept
+    page.click("button[aria-label='Edit ui-made']")
+    page.wait_for_selector("#editor-h:has-text('Edit circuit: ui-made')")
+    assert page.locator("#ce-members tr.ce-member").count() == 2
+    page.locator("#ce-members tr.ce-member").nth(0).locator("[name=strength]").fill("20")
+    page.locator("#ce-members tr.ce-member").nth(1).locator("button").click()
+    page.click("#ce-add-member")
+    _member(page, 1, 1, 8, -5, "eight")
+    page.click("#ce-save")
+    page.wait_for_selector(".notice.ok:has-text('Saved ui-made')")
+    made = _circuits_named(server, "ui-made")
+    assert [c["name"] for c in made] == ["ui-made"]  # no copy left behind
+    stored = server.api("GET", f"/api/circuits/{made[0]['id']}")
+    assert stored["members"] == {"1": [
+        {"feature_idx": 4, "strength": 20.0, "sign": 1, "label": "four"},
+        {"feature_idx": 8, "strength": -5.0, "sign": 1, "label": "eight"}]}
+    page.wait_for_selector("#detail-h:has-text('ui-made')")
+    assert page.locator("#members tr").count() == 2
+
+    # a member on a layer no SAE covers: the server's refusal is shown, nothing changes
+    page.click("#ce-add-member")
+    _member(page, 2, 3, 9, 1)
+    page.click("#ce-save")
+    status = page.locator("#ce-status")
+    status.wait_for()
+    assert "VALIDATION_ERROR" in status.inner_text()
+    assert "layer 3" in status.inner_text()
+    assert server.api("GET", f"/api/circuits/{made[0]['id']}")["members"] == stored["members"]
+    assert [c["name"] for c in _circuits_named(server, "ui-made")] == ["ui-made"]
+    screenshot(page, "circuits-editor")
+    server.api("DELETE", f"/api/circuits/{made[0]['id']}")
+    assert all("422" in e or "400" in e for e in page.console.errors), page.console.errors
