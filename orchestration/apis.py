@@ -76,6 +76,7 @@ class AttachmentStatusApi(APIView):
 def _attach_data(result, sae, state: str) -> dict:
     return {"status": state, "sae_id": result.sae_id, "layer": result.layer,
             "layer_module_path": result.layer_module_path,
+            "hook_point": result.hook_point,
             "memory_usage_mb": io.sae_out(sae)["memory_usage_mb"],
             "warnings": list(result.warnings)}
 

@@ -475,7 +475,8 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
         for (sae, _), result in zip(new, fresh, strict=True):
             Attachment.objects.update_or_create(
                 sae=sae, layer=result.layer,
-                defaults={"model": model, "layer_module_path": result.layer_module_path})
+                defaults={"model": model, "layer_module_path": result.layer_module_path,
+                          "hook_point": result.hook_point})
             SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ATTACHED,
                                                  updated_at=timezone.now())
         # Attaching locks the model, so a steered session cannot be swapped out under it.
@@ -484,6 +485,7 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
     for result in fresh:
         events.publish("sae:attached", {"sae_id": result.sae_id, "layer": result.layer,
                                         "layer_module_path": result.layer_module_path,
+                                        "hook_point": result.hook_point,
                                         "model_id": model.id,
                                         "warnings": list(result.warnings)})
     results = []
@@ -494,7 +496,8 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
             result = AttachResult(sae_id=sae.id, layer=layer,
                                   layer_module_path=row.layer_module_path, d_in=sae.d_in or 0,
                                   d_sae=sae.d_sae or 0, activation=sae.activation,
-                                  layout=sae.format, warnings=[])
+                                  layout=sae.format, warnings=[],
+                                  hook_point=row.hook_point)
         results.append(result)
     return results
 

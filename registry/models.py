@@ -267,6 +267,9 @@ class Attachment(models.Model):
     model = models.ForeignKey(Model, on_delete=models.CASCADE, related_name="attachments")
     layer = models.PositiveIntegerField()
     layer_module_path = models.CharField(max_length=200)
+    # where on the layer the SAE reads and writes (gpu_engine.sae.hookpoints.HOOK_POINTS),
+    # as the engine reported it when attaching
+    hook_point = models.CharField(max_length=32, default="resid_post")
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

@@ -360,6 +360,7 @@ class AttachmentOutput(serializers.Serializer):
     sae_id = serializers.CharField()
     layer = serializers.IntegerField()
     layer_module_path = serializers.CharField()
+    hook_point = serializers.CharField()
     model_id = serializers.IntegerField()
     d_in = serializers.IntegerField(allow_null=True)
     d_sae = serializers.IntegerField(allow_null=True)
@@ -371,7 +372,8 @@ class AttachmentOutput(serializers.Serializer):
 def attachment_out(row: Attachment, counts: dict[tuple[str, int], int]) -> dict[str, Any]:
     return AttachmentOutput({
         "sae_id": row.sae_id, "layer": row.layer, "layer_module_path": row.layer_module_path,
-        "model_id": row.model_id, "d_in": row.sae.d_in, "d_sae": row.sae.d_sae,
+        "hook_point": row.hook_point, "model_id": row.model_id, "d_in": row.sae.d_in,
+        "d_sae": row.sae.d_sae,
         "memory_usage_mb": _mb(sae_memory_bytes(row.sae)),
         "steering_apply_count": counts.get((row.sae_id, row.layer), 0),
         "attached_at": row.created_at,
@@ -386,6 +388,7 @@ class AttachmentStatusOutput(serializers.Serializer):
     sae_id = serializers.CharField(allow_null=True)
     layer = serializers.IntegerField(allow_null=True)
     layer_module_path = serializers.CharField(allow_null=True)
+    hook_point = serializers.CharField(allow_null=True)
     memory_usage_mb = serializers.FloatField(allow_null=True)
     steering_enabled = serializers.BooleanField()
     monitoring_enabled = serializers.BooleanField()
@@ -401,6 +404,7 @@ def attachment_status(rows: list[Attachment], counts: dict[tuple[str, int], int]
         "sae_id": first.sae_id if first else None,
         "layer": first.layer if first else None,
         "layer_module_path": first.layer_module_path if first else None,
+        "hook_point": first.hook_point if first else None,
         "memory_usage_mb": _mb(sae_memory_bytes(first.sae)) if first else None,
         # live steering and monitoring state belong to the steering and monitoring apps;
         # per-request steering (the /v1 extension) is always available
@@ -422,6 +426,7 @@ class AttachOutput(serializers.Serializer):
     sae_id = serializers.CharField()
     layer = serializers.IntegerField()
     layer_module_path = serializers.CharField()
+    hook_point = serializers.CharField()
     memory_usage_mb = serializers.FloatField(allow_null=True)
     warnings = serializers.ListField(child=serializers.CharField())
 

@@ -242,6 +242,7 @@ class DetailedHealthView(APIView):
             "sae_attached": bool(attachments),
             "attachments": [{"sae_id": a["sae_id"], "layer": a["layer"],
                              "layer_module_path": a["layer_module_path"],
+                             "hook_point": a.get("hook_point", "resid_post"),
                              "steering_apply_count": a.get("steering_apply_count", 0)}
                             for a in attachments],
             "inference": {**inference_figures(),

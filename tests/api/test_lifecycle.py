@@ -153,7 +153,7 @@ def test_attach_detach_and_attachment_status(api, engine_client, tiny_llama, lla
     _load(api, tiny_llama)
     data = ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"))
     assert data == {"status": "attached", "sae_id": sae.id, "layer": 1,
-                    "layer_module_path": "model.layers.1",
+                    "layer_module_path": "model.layers.1", "hook_point": "resid_post",
                     "memory_usage_mb": data["memory_usage_mb"], "warnings": []}
     assert data["memory_usage_mb"] > 0
     row = Attachment.objects.get()

@@ -39,7 +39,10 @@ export function describeError(err) {
       : "";
     const lease = err.details && err.details.holder
       ? ` (leased by ${err.details.holder} until ${new Date(err.details.expires_at).toLocaleString()})` : "";
-    return `${err.code ? err.code + ": " : ""}${err.message}${fields}${lease}${retry}`;
+    // /v1 refusals name the offending field (`param`); say which, so nothing looks ignored
+    const param = err.details && err.details.param && !err.message.includes(err.details.param)
+      ? ` (param: ${err.details.param})` : "";
+    return `${err.code ? err.code + ": " : ""}${err.message}${param}${fields}${lease}${retry}`;
   }
   return err && err.message ? err.message : String(err);
 }

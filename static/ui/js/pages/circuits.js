@@ -1,9 +1,10 @@
 // Circuits: list with rungs, layer claims, a layer diagram of members and edges,
 // activation through the two gates (rung acknowledgement, layer contention), the λ dial,
-// import, export, delete.
+// import, export, delete; create and edit in the page (circuit_editor.js).
 
 import { ApiError, del, get, getText, post, put } from "../api.js";
 import { $, badge, boot, busy, describeError, el, fillRows, notice, showError } from "../dom.js";
+import { circuitEditor, editCircuit, offerSaes } from "../circuit_editor.js";
 import { dial, exportTo, importForm } from "../documents.js";
 import * as events from "../events.js";
 
@@ -19,14 +20,27 @@ const atLambda = (m, lam) => Math.max(-MAX, Math.min(MAX, signed(m) * lam));
 
 async function refresh() {
   try {
-    const [list, claims] = await Promise.all([get("/api/circuits"), get("/api/circuits/claims")]);
+    const [list, claims, saes] = await Promise.all([get("/api/circuits"), get("/api/circuits/claims"),
+      get("/api/saes").catch(() => ({ saes: [] }))]);
     circuits = list.circuits;
+    offerSaes(saes.saes);
     render();
     fillRows($("#claims"), claims.claims.map((c) => el("tr", {},
       el("td", { class: "num" }, c.layer), el("td", {}, c.circuit_name),
       el("td", { class: "mono small" }, c.sae_id), el("td", {}, c.composed ? badge("composed", "warn") : "no"))),
       "No layer is claimed: no circuit is serving.", 4);
-    if (selected) await show(selected, false);
+    if (selected && !circuits.some((c) => c.id === selected)) {
+      // deleted elsewhere, or replaced by an edit (a new id): nothing left to show
+      selected = null;
+      $("#detail").classList.add("hidden");
+    }
+    if (selected) {
+      try { await show(selected, false); } catch (err) {
+        if (!(err instanceof ApiError && err.status === 404)) throw err;
+        selected = null;  // gone between the list and its detail
+        $("#detail").classList.add("hidden");
+      }
+    }
   } catch (err) { showError(err, "Circuits"); }
 }
 
@@ -49,6 +63,7 @@ function render() {
           ? act("Deactivate", async () => { await post(`/api/circuits/${c.id}/deactivate`); notice(`${c.name} released its layers`, "ok"); await refresh(); })
           : act("Activate", async () => { await show(c.id, true); await activate(c, {}); }, "small"),
         act("Open", async () => show(c.id, true)),
+        act("Edit", async () => editCircuit(c)),
         act("Export", async () => exportTo(`/api/circuits/${c.id}/export`, `${c.name}.circuit.json`)),
         act("Delete", async () => {
           if (!window.confirm(`Delete circuit ${c.name}?`)) return;
@@ -204,6 +219,14 @@ importForm($("#import-form"), "/api/circuits/import?on_conflict=rename", async (
   notice(`Imported ${c.name} (rung ${c.rung}: ${c.rung_language})`, "ok");
   await refresh();
   await show(c.id, true);
+});
+
+circuitEditor({
+  onSaved: async (c, was) => {
+    notice(was ? `Saved ${c.name} (rung ${c.rung}: ${c.rung_language})` : `Created ${c.name} (rung ${c.rung}: ${c.rung_language})`, "ok");
+    await refresh();
+    await show(c.id, false);
+  },
 });
 
 events.on("steering:update", () => refresh());

@@ -79,7 +79,7 @@ async function attachments(rows) {
     return el("tr", {},
       el("td", { class: "mono" }, a.layer),
       el("td", { class: "mono" }, a.sae_id),
-      el("td", { class: "mono small" }, a.layer_module_path),
+      el("td", { class: "mono small" }, badge(a.hook_point || "resid_post", "accent"), " ", a.layer_module_path),
       el("td", {}, s ? (s.enabled ? badge(`on · ${s.active_count ?? Object.keys(s.values || {}).length} features`, "ok") : badge("off")) : badge("—")),
       el("td", { class: "num" }, fmtNumber(a.steering_apply_count)));
   }), "No SAE attached.", 5);

@@ -2,10 +2,14 @@
 // chosen steering (live, a profile, or inline features, dialled by λ); the right one with
 // `steering: {features: []}` (explicitly unsteered). Both ask for
 // `return_sae_activations` over the completion and for per-token logprobs, which carry
-// each generated token's text, so every token gets one heat-strip cell.
+// each generated token's text, so every token gets one heat-strip cell. Inline steering
+// may carry controls (mode, phase, window, condition); under a steered answer the page
+// shows what ran: per-mode apply counts, the steering hash, and where conditional
+// controls fired.
 
 import { get, streamV1 } from "../api.js";
 import { $, boot, describeError, el, notice, showError } from "../dom.js";
+import { controlEntries, controlRow, steeringReport } from "../controls.js";
 import { heatStrip, stripScale } from "../heat.js";
 import * as events from "../events.js";
 
@@ -51,7 +55,7 @@ function steeringFields() {
     if (!$("#profile").value) throw new Error("No profile chosen (save one on the Steering page)");
     out.profile = $("#profile").value;
   } else if (mode === "inline") {
-    const features = parseInline($("#inline-features").value);
+    const features = [...parseInline($("#inline-features").value), ...controlEntries($("#controls"))];
     const sae = $("#heat-sae").value.split("@")[0];
     out.steering = { features, ...(sae && attachments.length > 1 ? { sae_id: sae } : {}) };
   }
@@ -112,7 +116,10 @@ async function runColumn(key, userText, extra, signal) {
     meta.textContent = `${n} tokens in ${elapsed.toFixed(2)} s` +
       (first !== null && n > 1 ? ` · ${((n - 1) / Math.max(0.001, (performance.now() - first) / 1000)).toFixed(1)} tok/s` : "") +
       ` · steering: ${decodeURIComponent(steering)}`;
-    if (key === "steered") $("#steered-desc").textContent = decodeURIComponent(steering).split(";")[0];
+    if (key === "steered") {
+      $("#steered-desc").textContent = decodeURIComponent(steering).split(";")[0];
+      if (millm) reply.node.append(steeringReport(millm, tokens));
+    }
     const acts = millm?.sae_activations;
     if (acts) {
       const entry = { node: el("div"), tokens, acts, feature: heat?.req.features?.[0] ?? null };
@@ -181,6 +188,11 @@ for (const radio of document.querySelectorAll("input[name=steer-mode]")) {
     $("#steer-inline").classList.toggle("hidden", steerMode() !== "inline");
   });
 }
+$("#add-control").addEventListener("click", () => {
+  const row = controlRow();
+  $("#controls").append(row);
+  row.querySelector("input").focus();
+});
 $("#intensity").addEventListener("input", () => { $("#intensity-out").value = Number($("#intensity").value).toFixed(2); });
 $("#heat-mode").addEventListener("change", () => { $("#heat-feature").disabled = $("#heat-mode").value !== "feature"; });
 

@@ -10,12 +10,15 @@ boot();
 
 let saes = [];
 let resident = null;          // the loaded model row, or null
+let hooks = new Map();        // "<sae_id>@<layer>" → its attachment (hook point, module)
 const progress = new Map();
 
 async function refresh() {
   try {
-    const [list, models] = await Promise.all([get("/api/saes"), get("/api/models")]);
+    const [list, models, atts] = await Promise.all([get("/api/saes"), get("/api/models"),
+      get("/api/saes/attachments")]);
     saes = list.saes;
+    hooks = new Map(atts.entries.map((a) => [`${a.sae_id}@${a.layer}`, a]));
     resident = models.models.find((m) => m.id === models.loaded_model_id) || null;
     render();
     renderAttachForm();
@@ -33,6 +36,13 @@ function detachButton(sae, layer) {
   }, `L${layer} ×`);
 }
 
+/** Where an attachment hooks: its hook point and the module it lands on. */
+function hookNote(a) {
+  if (!a) return null;
+  return el("span", { class: "small hook", title: "hook point · hooked module" },
+    badge(a.hook_point || "resid_post", "accent"), " ", el("span", { class: "mono" }, a.layer_module_path));
+}
+
 function render() {
   fillRows($("#saes"), saes.map((s) => {
     const status = [statusBadge(s.status)];
@@ -42,7 +52,8 @@ function render() {
     }
     if (s.error_message) status.push(el("div", { class: "small status-text bad" }, s.error_message));
     const attached = s.attached_layers.length
-      ? el("div", { class: "actions" }, s.attached_layers.map((l) => detachButton(s, l)))
+      ? el("div", {}, s.attached_layers.map((l) => el("div", { class: "actions attached-at" },
+        detachButton(s, l), hookNote(hooks.get(`${s.id}@${l}`)))))
       : el("span", { class: "muted small" }, "—");
     return el("tr", { dataset: { saeId: s.id } },
       el("th", { scope: "row" }, el("div", {}, s.name), el("div", { class: "mono small muted" }, s.id)),
@@ -126,7 +137,7 @@ $("#attach-form").addEventListener("submit", (ev) => {
     const saeId = $("#attach-sae").value;
     const layer = Number($("#attach-layer").value);
     const out = await post(`/api/saes/${saeId}/attach`, { layer });
-    notice(`Attached ${saeId} at layer ${out.layer} (${out.layer_module_path})`, "ok");
+    notice(`Attached ${saeId} at layer ${out.layer} (${out.hook_point} · ${out.layer_module_path})`, "ok");
     for (const w of out.warnings || []) notice(`Warning: ${w}`);
     await refresh();
   }, "Attach");

@@ -3,7 +3,7 @@
 // /api/saes/steering*, and the page redraws from the state the server answers.
 
 import { del, get, getJSON, post } from "../api.js";
-import { $, boot, busy, debounce, el, notice, showError } from "../dom.js";
+import { $, badge, boot, busy, debounce, el, notice, showError } from "../dom.js";
 import * as events from "../events.js";
 
 const cfg = boot();
@@ -184,6 +184,8 @@ async function choose() {
   const a = attachments.find((x) => `${x.sae_id}@${x.layer}` === value) || null;
   const changed = !current || !a || current.sae_id !== a.sae_id || current.layer !== a.layer;
   current = a ? { sae_id: a.sae_id, layer: a.layer, d_sae: a.d_sae } : null;
+  $("#hook").replaceChildren(...(a ? ["hooks ", badge(a.hook_point || "resid_post", "accent"), " at ",
+    el("code", {}, a.layer_module_path)] : []));
   for (const node of [$("#find"), $("#clear"), $("#save-form button")]) node.disabled = !current;
   if (changed) { pending.clear(); $("#features").replaceChildren(); await loadLabels(); }
   await loadState();
