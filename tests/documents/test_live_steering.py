@@ -18,7 +18,7 @@ def _row(sae):
 def test_set_get_remove_clear(api, relu, published, django_capture_on_commit_callbacks):
     empty = ok(api.get("/api/saes/steering"))
     assert empty == {"sae_id": relu.id, "layer": 1, "enabled": False, "values": {},
-                     "active_count": 0, "source": "manual"}
+                     "controls": [], "active_count": 0, "source": "manual"}
     with django_capture_on_commit_callbacks(execute=True):
         state = ok(api.post("/api/saes/steering", {"feature_idx": 12, "value": 40},
                             format="json"))
@@ -27,7 +27,7 @@ def test_set_get_remove_clear(api, relu, published, django_capture_on_commit_cal
     assert (row.enabled, row.values, row.attachment.layer) == (True, {"12": 40.0}, 1)
     assert published[-1] == ("steering:update", {
         "sae_id": relu.id, "layer": 1, "enabled": True, "values": {"12": 40.0},
-        "active_count": 1, "source": "manual", "reason": "set"})
+        "controls": [], "active_count": 1, "source": "manual", "reason": "set"})
 
     batch = ok(api.post("/api/saes/steering/batch",
                         {"steering": {"3": -15, "200": 8.5}}, format="json"))
@@ -104,7 +104,7 @@ def test_detach_clears_the_attachments_live_steering(api, relu, published,
         ok(api.post(f"/api/saes/{relu.id}/detach", {}, format="json"))
     assert not LiveSteering.objects.exists()
     assert ("steering:update", {"sae_id": relu.id, "layer": 1, "enabled": False, "values": {},
-                                "active_count": 0, "source": "manual",
+                                "controls": [], "active_count": 0, "source": "manual",
                                 "reason": "detach"}) in published
     # attached again, it starts clean
     ok(api.post(f"/api/saes/{relu.id}/attach", {"layer": 1}, format="json"))
