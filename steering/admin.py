@@ -134,11 +134,13 @@ class ProfileAdmin(ImportMixin, admin.ModelAdmin):
             updated = services.profile_update(profile=Profile.objects.get(pk=obj.pk), data={
                 "name": data["name"], "description": data["description"],
                 "model_name": data["model_name"], "steering": data["steering"],
+                "controls": data.get("controls") or [],
                 "sae_id": data["sae_id"], "layer": data["layer"],
                 "intensity": data["intensity"]})
         else:
             updated = services.profile_create(
-                name=data["name"], steering=data["steering"], sae_id=data["sae_id"] or None,
+                name=data["name"], steering=data["steering"],
+                controls=data.get("controls") or [], sae_id=data["sae_id"] or None,
                 layer=data["layer"], model_name=data["model_name"] or "",
                 description=data["description"] or "", intensity=data["intensity"])
         obj.pk = updated.pk
