@@ -108,9 +108,31 @@ def check_indices(*, attachment: Attachment, indices: Iterable[int], param: str)
 
 def check_features(*, attachment: Attachment, features: rules.FeatureSet, param: str,
                    trigger_param: str | None = None) -> None:
-    """``rules.check_features`` (indices and triggers) against an attachment row's SAE."""
+    """``rules.check_features`` (indices and triggers) against an attachment row's SAE,
+    and controls against what the loaded backend can run."""
     rules.check_features(sae_id=attachment.sae_id, d_sae=attachment.sae.d_sae,
                          features=features, param=param, trigger_param=trigger_param)
+    if features.controls:
+        check_backend_runs_controls()
+
+
+def check_backend_runs_controls() -> None:
+    """Refuse controls the loaded backend reports it cannot run (llama.cpp and vLLM:
+    ``steering_controls`` off) when they are set, rather than failing every request that
+    would run them later. An engine that cannot be asked is not a reason to refuse."""
+    from core.runtime import runtime
+
+    try:
+        status = runtime().engine.status()
+    except Exception:  # noqa: BLE001 - the request path still refuses what cannot run
+        return
+    caps = (status.batching or {}).get("capabilities", {})
+    if caps.get("steering_controls", True) is False:
+        raise ValidationFailed(
+            f"The {status.backend} backend cannot run steering modes, phases, windows or "
+            "conditions (steering_controls is off); set plain strengths",
+            details={"param": "mode", "backend": status.backend,
+                     "fields": {"mode": ["steering_controls is off on this backend"]}})
 
 
 # --------------------------------------------------------------------------- writes
