@@ -69,6 +69,12 @@ HAZARD = {"note": "Deltas on one layer add up (x + Σ sᵢ·W_dec[i]); the ±200
                   "can push the residual stream further than either was validated for."}
 
 
+class CircuitServing(MillmError):
+    """A serving circuit's document cannot be replaced under it."""
+
+    code, status = "CIRCUIT_SERVING", 409
+
+
 class CircuitAlreadyExists(MillmError):
     code, status = "CIRCUIT_ALREADY_EXISTS", 409
 
@@ -140,6 +146,38 @@ def circuit_import(*, document: dict[str, Any], text: str | None = None,
         raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
                                    details={"name": name}) from None
     log.info("circuit_imported", circuit=circuit.name, rung=circuit.rung)
+    return circuit
+
+
+@transaction.atomic
+def circuit_replace(*, circuit: Circuit, document: dict[str, Any],
+                    text: str | None = None) -> Circuit:
+    """Replace a stored circuit's document in place: the same id, the new name, narrative,
+    SAEs, members, edges and budget (the page's editor saves through this). A serving
+    circuit is refused (its layers run the old members: deactivate it first); so is a name
+    another circuit holds; a document that does not validate changes nothing."""
+    circuit = Circuit.objects.select_for_update().get(pk=circuit.pk)
+    if circuit.is_active:
+        raise CircuitServing(f"Circuit {circuit.name!r} is serving: deactivate it before "
+                             "replacing its document", details={"circuit_id": circuit.pk})
+    definition, layers = validate_circuit(document)
+    name = definition.name.strip()
+    if Circuit.objects.filter(name=name).exclude(pk=circuit.pk).exists():
+        raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
+                                   details={"name": name})
+    budget = definition.budget
+    circuit.name = name
+    circuit.narrative = definition.narrative or ""
+    circuit.document = text if text is not None else document_text(document)
+    circuit.saes = [s.row() for s in definition.saes]
+    circuit.members = {str(layer): [m.row() for m in members]
+                       for layer, members in sorted(layers.items())}
+    circuit.edges_count = len(definition.edges)
+    circuit.rung = circuit_rung(definition)
+    circuit.intensity = budget.intensity if budget else 1.0
+    circuit.intensity_range = budget.intensity_range if budget else None
+    circuit.save()
+    log.info("circuit_replaced", circuit=circuit.name, id=circuit.pk, rung=circuit.rung)
     return circuit
 
 

@@ -273,6 +273,7 @@ from steering.circuits import (
     circuit_delete,
     circuit_get,
     circuit_import,
+    circuit_replace,
     circuit_set_active_intensity,
     circuit_set_intensity,
     circuits_active,
@@ -311,7 +312,7 @@ from steering.profiles import (
 
 __all__ = [
     "EXPLICITLY_UNSTEERED", "NONE", "ResolvedSteering", "attachment_choose",
-    "circuit_claims", "circuit_deactivate", "circuit_delete",
+    "circuit_claims", "circuit_deactivate", "circuit_delete", "circuit_replace",
     "circuit_get", "circuit_import", "circuit_set_active_intensity", "circuit_set_intensity",
     "circuits_active", "cluster_activate", "cluster_active", "cluster_deactivate",
     "cluster_delete", "cluster_get", "cluster_import", "cluster_set_active_intensity",
