@@ -68,13 +68,15 @@ class MillmClient:
                                                        extra_body=extra, **own)
             text = resp.choices[0].message.content or ""
         else:
-            resp = self.openai.completions.create(model=model, prompt=prompt, extra_body=extra, **own)
+            resp = self.openai.completions.create(model=model, prompt=prompt, extra_body=extra,
+                                                  **own)
             text = resp.choices[0].text
         return Completion(text, resp, dict((resp.model_extra or {}).get("millm") or {}))
 
     def capture(self, model: str, *, layers: list[int] | None = None, positions: str = "last",
-                attention: dict[str, Any] | None = None, messages: list[dict[str, Any]] | None = None,
-                prompt: str | None = None, **extra: Any) -> tuple[str, CaptureData]:
+                attention: dict[str, Any] | None = None,
+                messages: list[dict[str, Any]] | None = None, prompt: str | None = None,
+                **extra: Any) -> tuple[str, CaptureData]:
         """Generate with a capture armed; ``(text, tensors)``. ``attention``: ``{layers,
         heads?, positions?}`` for Q/K (docs/capture.md)."""
         spec: dict[str, Any] = {"positions": positions}
@@ -156,8 +158,8 @@ class MillmError(Exception):
 
 
 # fields the openai methods take as arguments (the rest travel in extra_body)
-_OPENAI_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed",
-                  "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty", "stream",
-                  "logit_bias", "user", "echo", "timeout"}
+_OPENAI_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
+                  "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+                  "stream", "logit_bias", "user", "echo", "timeout"}
 
 __all__ = ["Completion", "MillmClient", "MillmError", "load_capture"]

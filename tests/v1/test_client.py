@@ -45,7 +45,8 @@ def test_capture_inline_and_stored_equal_the_raw_response(llama, client, openai_
 
 
 def test_completions_and_extension_fields_pass_through(llama, client):
-    plain = client.generate("tiny-llama", prompt="the sea", max_tokens=4, temperature=0, ignore_eos=True)
+    plain = client.generate("tiny-llama", prompt="the sea", max_tokens=4, temperature=0,
+                            ignore_eos=True)
     assert plain.text and plain.response.usage.completion_tokens == 4
     with pytest.raises(ValueError):
         client.generate("tiny-llama", max_tokens=1)
