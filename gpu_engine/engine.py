@@ -545,6 +545,9 @@ class Engine:
                                        details={"backend": backend.name, "capability": "scoring"})
             if job.prompt_token_ids is not None:
                 ids = requests.encode_inputs(backend, [list(job.prompt_token_ids)], "prompt")[0]
+            elif job.messages is not None:
+                ids = backend.encode_messages(job.messages, add_generation_prompt=True, **job.chat_template_kwargs)
+                ids = requests.encode_inputs(backend, [ids], "messages")[0]
             else:
                 ids = requests.encode_inputs(backend, [job.prompt], "prompt", job.add_special_tokens)[0]
             if job.allowed_token_ids is not None:

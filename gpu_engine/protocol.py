@@ -596,7 +596,9 @@ class EmbedJob(msgspec.Struct):
 
 
 class ScoreJob(msgspec.Struct):
-    """Next-token log-probabilities after a prompt (never steered or monitored)."""
+    """Next-token log-probabilities after a prompt (never steered or monitored): a
+    prompt's text, its token ids, or chat ``messages`` rendered with the model's template
+    (a generation prompt added)."""
 
     request_id: str
     prompt: str | None = None
@@ -605,10 +607,12 @@ class ScoreJob(msgspec.Struct):
     allowed_token_ids: list[int] | None = None
     prompt_logprobs: bool = False
     add_special_tokens: bool = True
+    messages: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if (self.prompt is None) == (self.prompt_token_ids is None):
-            raise InvalidParameter("give exactly one of prompt, prompt_token_ids", param="prompt")
+        if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
+            raise InvalidParameter("give exactly one of prompt, prompt_token_ids, messages", param="prompt")
         _int(self.top_k, "top_k", lo=0)
 
 

@@ -38,6 +38,7 @@ MAX_ACTIVATION_TOP_K = 64
 MAX_ACTIVATION_FEATURES = 256
 MAX_ACTIVATION_ENTRIES = 65_536
 MAX_EMBEDDING_INPUTS = 2048
+MAX_ALLOWED_TOKEN_IDS = 4096
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -271,6 +272,11 @@ class _GenerationRequest(_Wire):
     steering_intensity: float | None = None
     return_sae_activations: ReturnSaeActivations | None = None
     capture: CaptureRequest | None = None
+    # scoring mode (the original's, vLLM's names): the next token's distribution over these
+    # ids, one forward pass, nothing generated (``inference.scoring``)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1,
+                                                max_length=MAX_ALLOWED_TOKEN_IDS)
+    return_tokens_as_token_ids: bool = False
 
     _stop = field_validator("stop", mode="before")(classmethod(lambda cls, v: _stop(v)))
     _intensity = field_validator("steering_intensity", mode="before")(
@@ -278,9 +284,21 @@ class _GenerationRequest(_Wire):
     _logit_bias = field_validator("logit_bias", mode="before")(
         classmethod(lambda cls, v: _logit_bias(v)))
 
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and any(t < 0 or t > 2**31 for t in value):
+            raise ValueError("token ids must be non-negative integers")
+        if value is not None and len(set(value)) != len(value):
+            raise ValueError("a token id is listed twice")
+        return value
+
     def unread_fields(self) -> frozenset[str]:
         # OpenAI: "only set this when you set stream: true"
-        return frozenset() if self.stream else frozenset({"stream_options"})
+        unread = frozenset() if self.stream else frozenset({"stream_options"})
+        # keys top_logprobs of scoring mode only
+        return unread if self.allowed_token_ids is not None else \
+            unread | {"return_tokens_as_token_ids"}
 
     @property
     def include_usage(self) -> bool:

@@ -47,6 +47,7 @@ from inference.errors import (
 from inference.planning import Choice, Plan, off_view_thread, plan_generation, resolve_model
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.residency import Use, resident_model_id
+from inference.scoring import check_scoring, serve_scoring
 from monitoring.services import capture_register, monitoring_record, monitoring_take_records
 
 log = structlog.get_logger(__name__)
@@ -483,6 +484,8 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
         raise OpenAIError(f"The model name selects profile {profile!r} but the body names "
                           f"{req.profile!r}", status=400, code="invalid_parameter",
                           param="profile")
+    if req.allowed_token_ids is not None:
+        check_scoring(req)  # scoring mode: refused before anything loads or queues
     # before queueing
     residency.check_policy(model, policy=policy, resident=resident_model_id(status),
                            draining=status.draining)
@@ -494,6 +497,9 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
         res.use = await residency.acquire(model, policy=policy,
                                           status=None if permit.waited else status,
                                           lease=lease)
+        if req.allowed_token_ids is not None:
+            return await serve_scoring(kind=kind, req=req, model_name=model.name, client=client,
+                                       status=res.use.status, ignored=ignored)
         plan = await plan_generation(kind=kind, req=req, model=model,
                                      profile=req.profile or profile, client=client,
                                      attachments=list(res.use.status.attachments),
