@@ -86,7 +86,16 @@ class Plan:
     @property
     def headers(self) -> dict[str, str]:
         return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header_value,
-                **self.seed_header, **ignored_headers(self.ignored_fields)}
+                **self.seed_header, **self.batch_header, **ignored_headers(self.ignored_fields)}
+
+    @property
+    def batch_header(self) -> dict[str, str]:
+        """``X-miLLM-Batch`` when a chat request brought ``extra_messages``: how many
+        conversations and choices ran together."""
+        extra = getattr(self.request, "extra_messages", None)
+        if not extra:
+            return {}
+        return {"X-miLLM-Batch": f"conversations={1 + len(extra)};choices={len(self.choices)}"}
 
     @property
     def seed_header(self) -> dict[str, str]:
@@ -169,7 +178,8 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
         monitored = monitoring_request_entry(attachments=attachments, config=config)
     else:
         steering, monitored = await off_view_thread(resolve)()
-    n_prompts = 1 if kind == "chat" else len(req.prompt)  # type: ignore[union-attr]
+    n_prompts = len(req.conversations()) if isinstance(req, ChatCompletionRequest) \
+        else len(req.prompt)
     defaults = sampling_defaults(status)
     monitor = attachment = None
     if req.return_sae_activations is not None:
@@ -183,12 +193,13 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     capture = capture_spec(req, model.name, n_prompts * req.n)
     choices: list[Choice] = []
     if isinstance(req, ChatCompletionRequest):
-        messages = req.template_messages()
-        for i in range(req.n):
-            choices.append(Choice(i, GenerationJob(
-                request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
-                sampling=req.sampling(i, defaults), steering=steering.spec, monitor=monitor,
-                chat_template_kwargs=dict(req.chat_template_kwargs or {}), capture=capture)))
+        for c, messages in enumerate(req.conversations()):
+            for i in range(req.n):
+                choices.append(Choice(c * req.n + i, GenerationJob(
+                    request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
+                    sampling=req.sampling(i, defaults), steering=steering.spec,
+                    monitor=monitor, chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+                    capture=capture)))
     else:
         if req.echo and req.wants_logprobs and req.stream:
             raise OpenAIError("echo with logprobs is not available when streaming",

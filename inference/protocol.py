@@ -39,6 +39,7 @@ MAX_ACTIVATION_FEATURES = 256
 MAX_ACTIVATION_ENTRIES = 65_536
 MAX_EMBEDDING_INPUTS = 2048
 MAX_ALLOWED_TOKEN_IDS = 4096
+MAX_EXTRA_CONVERSATIONS = 63
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
@@ -385,12 +386,26 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     chat_template_kwargs: dict[str, Any] | None = None
+    # the original's: more conversations in the same request (one queue slot), run
+    # together; conversation c's choices are indexes c·n … c·n + n − 1
+    extra_messages: list[list[ChatMessage]] | None = Field(
+        default=None, min_length=1, max_length=MAX_EXTRA_CONVERSATIONS)
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.extra_messages is not None:
+            if any(not conversation for conversation in self.extra_messages):
+                raise ValueError("each extra_messages conversation needs a message")
+            if (1 + len(self.extra_messages)) * self.n > MAX_N * 4:
+                raise ValueError(f"at most {MAX_N * 4} choices (conversations × n) per request")
         return self
+
+    def conversations(self) -> list[list[dict[str, Any]]]:
+        """``messages``, then each of ``extra_messages``, as the chat template takes them."""
+        extra = self.extra_messages or []
+        return [self.template_messages(), *[[m.for_template() for m in c] for c in extra]]
 
     def unread_fields(self) -> frozenset[str]:
         unread = super().unread_fields()

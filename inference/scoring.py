@@ -65,6 +65,7 @@ def check_scoring(req: ChatCompletionRequest | CompletionRequest) -> None:
         "return_sae_activations": req.return_sae_activations is not None,
         "capture": req.capture is not None,
         "echo": bool(getattr(req, "echo", False)),
+        "extra_messages": bool(getattr(req, "extra_messages", None)),
     }
     for field, present in unsupported.items():
         if present:

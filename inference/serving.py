@@ -455,7 +455,14 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
 async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
     """Run the plan: a JSON response, or an SSE response that owns ``res`` from here."""
     if not plan.request.stream:
-        outcomes = [await run_choice(client, choice) for choice in plan.choices]
+        # every choice submitted at once: on a batching engine they share forward passes
+        # (n > 1, several prompts, extra_messages), on the serial one they queue in order
+        results = await asyncio.gather(*(run_choice(client, choice) for choice in plan.choices),
+                                       return_exceptions=True)
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        outcomes = list(results)
         for outcome in outcomes:
             await record_monitoring(plan, outcome)
             await register_capture(plan, outcome)

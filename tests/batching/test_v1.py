@@ -210,3 +210,42 @@ def test_a_request_that_sends_no_sampling_gets_the_cbm_defaults(batching_server,
     assert long.status == 200, long.body[:300]
     assert long.json()["usage"]["completion_tokens"] == 6
     assert long.json()["choices"][0]["finish_reason"] == "length"
+
+
+def test_extra_messages_run_together_and_answer_as_alone(batching_server):
+    """extra_messages: several conversations in one request and one queue slot, run in one
+    batch; choice c·n + i is conversation c's i-th choice, each what it answers alone."""
+    server = batching_server
+    conversations = [[{"role": "user", "content": "tell me about the sea"}],
+                     [{"role": "system", "content": "be brief"},
+                      {"role": "user", "content": "and the sky?"}],
+                     [{"role": "user", "content": "a fox"}]]
+    base = {"model": "tiny-llama", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    alone = []
+    for messages in conversations:
+        resp = request(server.base_url, "POST", "/chat/completions",
+                       {**base, "messages": messages})
+        assert resp.status == 200, resp.body[:300]
+        alone.append(resp.json())
+    choreo = Choreography(server.engine.backend.model)
+    with choreo.installed():
+        resp = request(server.base_url, "POST", "/chat/completions", {
+            **base, "messages": conversations[0], "extra_messages": conversations[1:]})
+    assert resp.status == 200, resp.body[:300]
+    assert max(choreo.batch_sizes) == 3, choreo.batch_sizes  # one batch, not three runs
+    body = resp.json()
+    assert resp.headers["x-millm-batch"] == "conversations=3;choices=3"
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    for choice, want in zip(body["choices"], alone):
+        assert choice["message"]["content"] == want["choices"][0]["message"]["content"]
+    assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert body["usage"]["completion_tokens"] == 36
+    # with n = 2: conversation c's choices are 2c and 2c + 1
+    two = request(server.base_url, "POST", "/chat/completions", {
+        **base, "n": 2, "messages": conversations[0], "extra_messages": conversations[2:]}).json()
+    texts = [c["message"]["content"] for c in two["choices"]]
+    assert texts == [alone[0]["choices"][0]["message"]["content"]] * 2 + \
+        [alone[2]["choices"][0]["message"]["content"]] * 2
+    bad = request(server.base_url, "POST", "/chat/completions", {
+        **base, "messages": conversations[0], "extra_messages": [[]]})
+    assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_parameter"
