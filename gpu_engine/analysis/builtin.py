@@ -56,6 +56,24 @@ def reduce_hidden(rows: np.ndarray, how: str) -> Any:
     return float(np.linalg.norm(rows))
 
 
+def select_rows(positions: np.ndarray, mode: str, prompt_len: int) -> np.ndarray:
+    """Indices of the captured rows that positions ``mode`` names, in a capture taken at
+    that mode or at a wider one that holds it (``registry.covers``: a request's own
+    capture and its analyzers' are united into one)."""
+    pos = np.asarray(positions)
+    if mode == "all" or not pos.size:
+        return np.arange(pos.size)
+    if mode == "prompt":
+        mask = pos < prompt_len
+    elif mode == "completion":
+        mask = pos >= prompt_len - 1  # row P-1+i produced completion token i
+    elif mode == "last_prompt":
+        mask = pos == prompt_len - 1
+    else:  # last: the last row computed
+        mask = pos == pos.max()
+    return np.nonzero(mask)[0]
+
+
 def tracker_head_score(q: np.ndarray, keys: np.ndarray, scale: float, instruction: tuple[int, int],
                        data: tuple[int, int], attn_func: str = "sum_normalize") -> float:
     """One head's Attention Tracker score: attention of the last token's ``q`` (d,) over
@@ -250,8 +268,9 @@ class HiddenStates:
 
     def run(self, capture: Any, p: dict[str, Any], ctx: AnalysisContext) -> dict[str, Any]:
         out = {}
+        rows = select_rows(capture.positions, p["positions"], _prompt_len(capture))
         for layer in p["layers"]:
-            value = reduce_hidden(np.asarray(capture.hidden[layer]), p["reduce"])
+            value = reduce_hidden(np.asarray(capture.hidden[layer])[rows], p["reduce"])
             out[str(layer)] = value.tolist() if isinstance(value, np.ndarray) else value
         return {"reduce": p["reduce"], "layers": out}
 
@@ -491,4 +510,5 @@ BUILTIN = (HiddenStates(), AttentionTracker(), HNodeHallucination(), ScienceHall
 
 __all__ = ["BUILTIN", "AttentionTracker", "AttnLinkU", "CoReReranker", "HNodeHallucination", "HNodeProbe",
            "HiddenStates", "ScienceHallucination", "attnlink_select", "core_document_scores", "hnode_score",
-           "query_attention", "reduce_hidden", "sigmoid", "softmax", "tracker_head_score"]
+           "query_attention", "reduce_hidden", "select_rows", "sigmoid", "softmax",
+           "tracker_head_score"]
