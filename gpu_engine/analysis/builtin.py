@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,7 +220,7 @@ def _load_npz(path: Path, probe: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as data:  # never unpickle a probe
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise InvalidProbeFile(f"probe {probe!r} is not a readable .npz file: {exc}",
                                details={"param": "analyze.params.probe", "probe": probe}) from exc
 

@@ -146,7 +146,8 @@ def test_malformed_probes_are_refused(tmp_path):
     np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object))
     (tmp_path / "pickled.npz").write_bytes((tmp_path / "obj.npy").read_bytes())
     np.savez(tmp_path / "objects.npz", weights=np.array([{"x": 1}], dtype=object))
-    for name in ("short.npz", "nolayer.npz", "pickled.npz", "objects.npz", "missing.npz", "h.json"):
+    (tmp_path / "notzip.npz").write_bytes(b"PK\x03\x04 no zip archive behind the magic")
+    for name in ("short.npz", "nolayer.npz", "pickled.npz", "objects.npz", "missing.npz", "h.json", "notzip.npz"):
         with pytest.raises(InvalidProbeFile):
             reg.get("hnode_hallucination").prepare({"probe": name}, ctx)
     with pytest.raises(InvalidParameter):  # a path, not a name in the probe directory
