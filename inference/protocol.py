@@ -31,7 +31,7 @@ from gpu_engine.protocol import (
     MAX_TOP_LOGPROBS,
     SamplingParams,
 )
-from steering.rules import check_strength
+from steering.rules import check_strength, mode_value_problem
 
 MAX_N = 16
 MAX_TOKENS_LIMIT = 2**31 - 1
@@ -107,17 +107,9 @@ class SteeringFeature(_Strict):
 
     @model_validator(mode="after")
     def _one_value(self) -> SteeringFeature:
-        if self.strength is not None and self.value is not None:
-            raise ValueError("give strength or value, not both")
-        if self.mode == "add" and self.strength is None and self.value is None:
-            raise ValueError("an add needs a strength")
-        if self.mode in ("clamp", "scale") and self.value is None:
-            what = "target activation" if self.mode == "clamp" else "factor"
-            raise ValueError(f"{self.mode} needs a value (the {what})")
-        if self.mode in ("clamp", "scale") and self.strength is not None:
-            raise ValueError(f"{self.mode} takes value, not strength")
-        if self.mode == "ablate" and (self.strength is not None or self.value is not None):
-            raise ValueError("ablate takes no strength or value")
+        problem = mode_value_problem(self.mode, self.strength, self.value)  # steering.rules
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

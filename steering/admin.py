@@ -15,7 +15,7 @@ from django.urls import path, reverse
 
 from core.admin_actions import run_each
 from core.errors import MillmError
-from steering import services
+from steering import rules, services
 from steering.documents import load_document
 from steering.models import Circuit, Cluster, LiveSteering, Profile
 from steering.profiles import steering_map
@@ -70,11 +70,14 @@ class ImportMixin:
 
 class ProfileForm(forms.ModelForm):
     steering = forms.JSONField(help_text='{"<index>": strength}, each within ±200')
+    controls = forms.JSONField(required=False, initial=list,
+                               help_text="[{index, mode, value, phase, window, condition}] "
+                                         "(docs/steering.md, Modes)")
 
     class Meta:
         model = Profile
         fields = ("name", "description", "model_name", "sae_id", "layer", "steering",
-                  "intensity")
+                  "controls", "intensity")
 
     def clean_steering(self):
         try:
@@ -82,9 +85,24 @@ class ProfileForm(forms.ModelForm):
         except MillmError as exc:
             raise forms.ValidationError(exc.message) from None
 
+    def clean_controls(self):
+        try:
+            return [rules.control_json(c) for c in rules.controls_parse(
+                self.cleaned_data.get("controls") or [])]
+        except MillmError as exc:
+            raise forms.ValidationError(exc.message) from None
+
     def clean(self):
         data = super().clean()
-        if data.get("steering") and (not data.get("sae_id") or data.get("layer") is None):
+        try:
+            features = rules.feature_set(
+                {int(k): v for k, v in (data.get("steering") or {}).items()},
+                rules.controls_parse(data.get("controls") or []))
+        except MillmError as exc:
+            raise forms.ValidationError(exc.message) from None
+        data["steering"], data["controls"] = (features.stored_values(),
+                                              features.stored_controls())
+        if features and (not data.get("sae_id") or data.get("layer") is None):
             raise forms.ValidationError("A profile with values names its sae_id and layer")
         return data
 
@@ -108,7 +126,7 @@ class ProfileAdmin(ImportMixin, admin.ModelAdmin):
 
     @admin.display(description="Features")
     def feature_count(self, obj: Profile) -> int:
-        return len(obj.steering or {})
+        return len(obj.steering or {}) + len(obj.controls or [])
 
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data
@@ -116,11 +134,13 @@ class ProfileAdmin(ImportMixin, admin.ModelAdmin):
             updated = services.profile_update(profile=Profile.objects.get(pk=obj.pk), data={
                 "name": data["name"], "description": data["description"],
                 "model_name": data["model_name"], "steering": data["steering"],
+                "controls": data.get("controls") or [],
                 "sae_id": data["sae_id"], "layer": data["layer"],
                 "intensity": data["intensity"]})
         else:
             updated = services.profile_create(
-                name=data["name"], steering=data["steering"], sae_id=data["sae_id"] or None,
+                name=data["name"], steering=data["steering"],
+                controls=data.get("controls") or [], sae_id=data["sae_id"] or None,
                 layer=data["layer"], model_name=data["model_name"] or "",
                 description=data["description"] or "", intensity=data["intensity"])
         obj.pk = updated.pk
@@ -269,7 +289,7 @@ class CircuitAdmin(DocumentAdmin):
 @admin.register(LiveSteering)
 class LiveSteeringAdmin(admin.ModelAdmin):
     list_display = ("attachment", "enabled", "source", "updated_at")
-    readonly_fields = ("attachment", "enabled", "values", "source", "updated_at")
+    readonly_fields = ("attachment", "enabled", "values", "controls", "source", "updated_at")
     actions = ("clear",)
 
     def has_add_permission(self, request) -> bool:

@@ -16,8 +16,8 @@ from rest_framework.views import APIView
 from core.api import body_object, envelope, validated
 from core.errors import SAENotAttached
 from core.schema import enveloped
+from steering import rules, services
 from steering import serializers as io
-from steering import services
 from steering.documents import load_document
 from steering.errors import PayloadTooLarge
 from steering.models import Profile
@@ -69,16 +69,19 @@ class SteeringApi(APIView):
             if target["sae_id"] is not None or target["layer"] is not None:
                 raise
             return envelope({"sae_id": None, "layer": None, "enabled": False, "values": {},
-                             "active_count": 0, "source": "manual"})
+                             "controls": [], "active_count": 0, "source": "manual"})
         return envelope(services.live_state(attachment=attachment))
 
     @extend_schema(tags=STEERING, summary="Set one feature's value (enables steering)",
                    request=io.SteeringSetInput, responses=enveloped(io.SteeringStateOutput))
     def post(self, request) -> Response:
         data = validated(io.SteeringSetInput, body_object(request))
+        control = rules.control_parse({"index": data["feature_idx"], **{
+            k: data[k] for k in ("mode", "value", "phase", "window", "condition")
+            if data.get(k) is not None}})
         attachment = services.attachment_choose(**_target(request))
-        return envelope(services.live_set(attachment=attachment,
-                                          values={data["feature_idx"]: data["value"]}))
+        return envelope(services.live_set(attachment=attachment, values={},
+                                          controls=[control]))
 
     @extend_schema(tags=STEERING, summary="Clear every value and disable", parameters=TARGET,
                    request=None, responses=enveloped(io.SteeringStateOutput))
@@ -93,8 +96,10 @@ class SteeringBatchApi(APIView):
     def post(self, request) -> Response:
         data = validated(io.SteeringBatchInput, body_object(request))
         values = steering_map(data["steering"])
+        controls = rules.controls_parse(data["controls"])
         attachment = services.attachment_choose(**_target(request))
-        return envelope(services.live_set(attachment=attachment, values=values))
+        return envelope(services.live_set(attachment=attachment, values=values,
+                                          controls=controls))
 
 
 class SteeringEnableApi(APIView):
@@ -135,6 +140,7 @@ class ProfileListApi(APIView):
         data = validated(io.ProfileInput, body_object(request))
         profile = services.profile_create(
             name=data["name"], steering=data.get("steering") or {},
+            controls=data.get("controls") or [],
             sae_id=data.get("sae_id") or None, layer=data.get("layer"),
             model_name=data.get("model_id") or "", description=data.get("description") or "",
             intensity=data.get("intensity", 1.0))

@@ -16,6 +16,14 @@ Activation, in order, with nothing changed until every check passed:
 
 A circuit's layers are claimed while it is active; the claims are derived from the active
 circuits, so none can outlive a deactivation.
+
+Members with a mode, phase, window or condition run as controls on their layer's
+attachment (``documents.members_features``). Composition treats a control like a strength:
+the same (layer, feature) from two circuits collides whatever the modes (never
+overridable); different features compose, and every control of one attachment reads the
+same residual — the one arriving at the hook, before any circuit's delta — so a clamp from
+one circuit sets its feature's activation as read there, and another circuit's adds on the
+same layer are added beside it, not before it.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from steering.documents import (
     Member,
     circuit_rung,
     document_text,
+    members_features,
     validate_circuit,
 )
 from steering.errors import (
@@ -58,6 +67,12 @@ log = structlog.get_logger(__name__)
 HAZARD = {"note": "Deltas on one layer add up (x + Σ sᵢ·W_dec[i]); the ±200 clamp bounds "
                   "each member, nothing bounds the sum. Two circuits composed on one layer "
                   "can push the residual stream further than either was validated for."}
+
+
+class CircuitServing(MillmError):
+    """A serving circuit's document cannot be replaced under it."""
+
+    code, status = "CIRCUIT_SERVING", 409
 
 
 class CircuitAlreadyExists(MillmError):
@@ -83,11 +98,12 @@ def layer_members(circuit: Circuit) -> dict[int, list[Member]]:
             for layer, members in circuit.members.items()}
 
 
-def layer_values(circuit: Circuit, intensity: float | None = None) -> dict[int, dict[int, float]]:
+def layer_values(circuit: Circuit, intensity: float | None = None
+                 ) -> dict[int, rules.FeatureSet]:
     """Per layer, what the circuit steers at λ (one λ for every layer; sign rule; each
-    value clamped to ±200)."""
+    value clamped to ±200; members with a mode or a gate as controls)."""
     lam = circuit.intensity if intensity is None else intensity
-    return {layer: {m.feature_idx: rules.dial(m.signed(), lam) for m in members}
+    return {layer: members_features(members, lam)
             for layer, members in layer_members(circuit).items()}
 
 
@@ -130,6 +146,38 @@ def circuit_import(*, document: dict[str, Any], text: str | None = None,
         raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
                                    details={"name": name}) from None
     log.info("circuit_imported", circuit=circuit.name, rung=circuit.rung)
+    return circuit
+
+
+@transaction.atomic
+def circuit_replace(*, circuit: Circuit, document: dict[str, Any],
+                    text: str | None = None) -> Circuit:
+    """Replace a stored circuit's document in place: the same id, the new name, narrative,
+    SAEs, members, edges and budget (the page's editor saves through this). A serving
+    circuit is refused (its layers run the old members: deactivate it first); so is a name
+    another circuit holds; a document that does not validate changes nothing."""
+    circuit = Circuit.objects.select_for_update().get(pk=circuit.pk)
+    if circuit.is_active:
+        raise CircuitServing(f"Circuit {circuit.name!r} is serving: deactivate it before "
+                             "replacing its document", details={"circuit_id": circuit.pk})
+    definition, layers = validate_circuit(document)
+    name = definition.name.strip()
+    if Circuit.objects.filter(name=name).exclude(pk=circuit.pk).exists():
+        raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
+                                   details={"name": name})
+    budget = definition.budget
+    circuit.name = name
+    circuit.narrative = definition.narrative or ""
+    circuit.document = text if text is not None else document_text(document)
+    circuit.saes = [s.row() for s in definition.saes]
+    circuit.members = {str(layer): [m.row() for m in members]
+                       for layer, members in sorted(layers.items())}
+    circuit.edges_count = len(definition.edges)
+    circuit.rung = circuit_rung(definition)
+    circuit.intensity = budget.intensity if budget else 1.0
+    circuit.intensity_range = budget.intensity_range if budget else None
+    circuit.save()
+    log.info("circuit_replaced", circuit=circuit.name, id=circuit.pk, rung=circuit.rung)
     return circuit
 
 
@@ -179,7 +227,7 @@ def _member_saes(circuit: Circuit) -> list[tuple[SAE, int]]:
                                                        "n_features": ref["n_features"],
                                                        "d_sae": sae.d_sae})
         rules.check_indices(sae_id=sae.id, d_sae=sae.d_sae, param=f"layers.{layer}",
-                            indices=[m.feature_idx for m in features])
+                            indices=[i for m in features for i in m.indices()])
         items.append((sae, layer))
     if offenders:
         raise SAESetIncomplete(
@@ -191,10 +239,10 @@ def _member_saes(circuit: Circuit) -> list[tuple[SAE, int]]:
 def _contention(circuit: Circuit, allow_layer_overlap: bool) -> list[int]:
     """Refuse a claim on a layer another active circuit steers; the composed layers when
     the override is given."""
-    mine = {layer: set(values) for layer, values in layer_values(circuit).items()}
+    mine = {layer: set(f.indices()) for layer, f in layer_values(circuit).items()}
     incumbents, colliding, shared = [], [], set()
     for other in Circuit.objects.filter(is_active=True).exclude(pk=circuit.pk):
-        theirs = {layer: set(values) for layer, values in layer_values(other).items()}
+        theirs = {layer: set(f.indices()) for layer, f in layer_values(other).items()}
         layers = sorted(set(mine) & set(theirs))
         if not layers:
             continue
@@ -225,12 +273,15 @@ def _attachments(serving: dict[str, str]) -> dict[int, Attachment]:
             if (sae_id, int(layer)) in rows}
 
 
-def _union(circuits: list[Circuit]) -> dict[Attachment, dict[int, float]]:
-    entries: dict[Attachment, dict[int, float]] = {}
+def _union(circuits: list[Circuit]) -> dict[Attachment, rules.FeatureSet]:
+    """Per attachment, the active circuits' features together (contention keeps every
+    (layer, feature) to one circuit)."""
+    entries: dict[Attachment, rules.FeatureSet] = {}
     for c in circuits:
         values = layer_values(c)
         for layer, attachment in _attachments(c.serving).items():
-            entries.setdefault(attachment, {}).update(values.get(layer, {}))
+            entries[attachment] = entries.get(attachment, rules.FeatureSet()).merged(
+                values.get(layer, rules.FeatureSet()))
     return entries
 
 
@@ -298,7 +349,7 @@ def _reapply(circuit_attachments: dict[int, Attachment]) -> None:
     (nothing, if none). Inside the locked transaction."""
     union = _union(list(Circuit.objects.filter(is_active=True)))
     for attachment in circuit_attachments.values():
-        values = union.get(attachment, {})
+        values = union.get(attachment, rules.FeatureSet())
         existing = LiveSteering.objects.filter(attachment=attachment)
         if values:
             live._save(attachment, values, enabled=True, source=LiveSteering.Source.CIRCUIT)
@@ -380,7 +431,8 @@ def circuit_claims() -> list[dict[str, Any]]:
                          "circuit_name": circuit.name,
                          "sae_id": circuit.serving[str(layer)],
                          "composed": layer in circuit.composed_layers,
-                         "steering_keys": sorted(values.get(layer, {}))})
+                         "steering_keys": sorted(values.get(
+                             layer, rules.FeatureSet()).indices())})
     return sorted(rows, key=lambda r: (r["layer"], r["circuit_id"]))
 
 

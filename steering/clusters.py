@@ -8,7 +8,10 @@ activation refuses it with that reason until an SAE that fits is attached (then 
 
 Member values follow the sign rule (a negative strength is already directional; otherwise
 ``sign × strength``), are stored as authored (λ = 1) and scaled by the cluster's λ when
-applied, each clamped to ±200. The export is the imported document, unchanged.
+applied, each clamped to ±200. A member with a mode, phase, window or condition runs as
+a control (``documents.members_features``: the dial scales an add's amount and leaves
+clamp targets, scale factors and ablations as written). The export is the imported
+document, unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from steering.documents import (
     ClusterDefinition,
     Member,
     document_text,
+    members_features,
     parse_cluster_document,
     validate_cluster,
 )
@@ -61,10 +65,15 @@ def cluster_members(cluster: Cluster) -> list[Member]:
     return [Member.model_validate(m) for m in cluster.members]
 
 
-def cluster_values(cluster: Cluster, intensity: float | None = None) -> dict[int, float]:
-    """What the cluster steers at λ: the sign rule, scaled, each clamped to ±200."""
+def cluster_features(cluster: Cluster, intensity: float | None = None) -> rules.FeatureSet:
+    """What the cluster steers at λ: the sign rule, scaled, each clamped to ±200; members
+    with a mode or a gate as controls."""
     lam = cluster.intensity if intensity is None else intensity
-    return {m.feature_idx: rules.dial(m.signed(), lam) for m in cluster_members(cluster)}
+    return members_features(cluster_members(cluster), lam)
+
+
+def _indices(members: list[Member]) -> list[int]:
+    return [i for m in members for i in m.indices()]
 
 
 def check_intensity(value: Any, intensity_range: list[float] | None) -> float:
@@ -151,7 +160,7 @@ def _create(definition: ClusterDefinition, text: str, *, on_conflict: str) -> Cl
     }
     try:
         att, warnings = _fit(sae_ref=fields["sae_ref"], n_features=fields["n_features"],
-                             indices=[m.feature_idx for m in definition.members],
+                             indices=_indices(definition.members),
                              model_ref=fields["model_ref"])
         fields.update(sae_id=att.sae_id, layer=att.layer, warnings=warnings)
     except MillmError as exc:
@@ -216,14 +225,13 @@ def cluster_activate(*, cluster: Cluster, intensity: Any = None, sae_id: str | N
         bound = Attachment.objects.select_related("sae", "model").filter(
             sae_id=cluster.sae_id, layer=cluster.layer).first()
     if bound is not None:
-        live.check_indices(attachment=bound, indices=[m.feature_idx for m in members],
-                           param="members")
+        live.check_indices(attachment=bound, indices=_indices(members), param="members")
         warnings = list(cluster.warnings)
     else:
         bound, warnings = _fit(sae_ref=cluster.sae_ref, n_features=cluster.n_features,
-                               indices=[m.feature_idx for m in members],
+                               indices=_indices(members),
                                model_ref=cluster.model_ref, sae_id=sae_id, layer=layer)
-    values = {m.feature_idx: rules.dial(m.signed(), lam) for m in members}
+    values = members_features(members, lam)
     with transaction.atomic():
         live.steering_lock()
         live.documents_deactivate(keep_cluster=cluster)
@@ -260,7 +268,7 @@ def cluster_set_intensity(*, cluster: Cluster, intensity: Any, reapply: bool = T
             attachment = Attachment.objects.select_related("sae").filter(
                 sae_id=cluster.sae_id, layer=cluster.layer).first()
             if attachment is not None:
-                live.live_replace_all(entries={attachment: cluster_values(cluster, lam)},
+                live.live_replace_all(entries={attachment: cluster_features(cluster, lam)},
                                       source=LiveSteering.Source.CLUSTER)
                 reapplied = True
         Cluster.objects.filter(pk=cluster.pk).update(intensity=lam, updated_at=timezone.now())

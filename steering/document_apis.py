@@ -200,6 +200,15 @@ class CircuitDetailApi(APIView):
     def get(self, request, circuit_id: str) -> Response:
         return envelope(io.circuit_out(services.circuit_get(circuit_id=circuit_id), full=True))
 
+    @extend_schema(tags=CIRCUITS, summary="Replace the circuit's document, keeping its id "
+                   "(a serving circuit: 409 CIRCUIT_SERVING)", request=OpenApiTypes.OBJECT,
+                   responses=_ANY)
+    def put(self, request, circuit_id: str) -> Response:
+        circuit = services.circuit_get(circuit_id=circuit_id)
+        data, text = raw_document(request)
+        return envelope(io.circuit_out(services.circuit_replace(
+            circuit=circuit, document=data, text=text), full=True))
+
     @extend_schema(tags=CIRCUITS, summary="Delete (a serving circuit is deactivated first)",
                    responses=_ANY)
     def delete(self, request, circuit_id: str) -> Response:

@@ -5,7 +5,13 @@
 - ``mistudio.circuit-definition/v1``: members on up to 16 SAEs (≤ 20 per layer), up to 200
   edges with evidence rungs 0-3;
 - the profile export ``{version, name, description, model_id, sae_id, layer, steering,
-  intensity, created_at, updated_at}`` (import also takes ``features: [{index, strength}]``).
+  controls?, intensity, created_at, updated_at}`` (import also takes ``features: [{index,
+  strength}]``).
+
+A member of a cluster or circuit is ``{feature_idx, strength, sign, label}`` as authored;
+it may also carry a mode (``mode`` add | clamp | scale | ablate with ``value``), a
+``phase``, a ``window`` and a ``condition`` — the fields inline /v1 steering takes, checked
+by the same rules (``steering.rules``). A member without them is what it always was.
 
 Definitions are data: a document is at most 1 MB, nothing in it is executed or opened,
 and an SAE reference that is a filesystem path is refused. Unknown fields are allowed
@@ -19,9 +25,18 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from core.errors import ValidationFailed
+from gpu_engine.protocol import FeatureControl, PositionRange, SteeringCondition
+from steering import rules
 from steering.errors import IsClusterDocument, PayloadTooLarge, UnknownKind
 
 MAX_DOCUMENT_BYTES = 1_000_000
@@ -50,25 +65,90 @@ class _Doc(BaseModel):
 
 class Member(_Doc):
     feature_idx: int = Field(ge=0, strict=True)
-    strength: float = Field(ge=-300, le=300)
+    strength: float | None = Field(default=None, ge=-300, le=300)
     sign: Literal[1, -1] = 1
     label: str | None = None
+    # a member steered otherwise than "add the strength everywhere" (absent: as before)
+    mode: Literal["add", "clamp", "scale", "ablate"] | None = None
+    value: float | None = None
+    phase: Literal["all", "prompt", "completion"] | None = None
+    window: rules.WindowInput | None = None
+    condition: rules.ConditionInput | None = None
 
     @field_validator("strength")
     @classmethod
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
             raise ValueError("strength must be finite")
         return value
 
+    @field_validator("value")
+    @classmethod
+    def _direct(cls, value: float | None) -> float | None:
+        return None if value is None else rules.check_strength(value)
+
+    @model_validator(mode="after")
+    def _one_value(self) -> Member:
+        problem = rules.mode_value_problem(self.mode or "add", self.strength, self.value)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @property
+    def plain(self) -> bool:
+        return (self.mode in (None, "add") and self.phase in (None, "all")
+                and self.window is None and self.condition is None)
+
     def signed(self) -> float:
         """The sign rule: a negative strength is already directional; otherwise the
-        member's direction comes from ``sign``."""
-        return self.strength if self.strength < 0 else self.sign * self.strength
+        member's direction comes from ``sign``. (What an add adds; 0 for other modes.)"""
+        if self.mode not in (None, "add"):
+            return 0.0
+        amount = self.strength if self.strength is not None else float(self.value or 0.0)
+        return amount if amount < 0 else self.sign * amount
+
+    def control(self, intensity: float) -> FeatureControl | None:
+        """The member as a control at the dial λ (``rules.dial_controls``' rule: an add's
+        amount is scaled, a clamp target, scale factor or ablation runs as written; λ = 0
+        is off), or None for a plain member, which is a strength."""
+        if self.plain or intensity == 0:
+            return None
+        mode = self.mode or "add"
+        value = rules.dial(self.signed(), intensity) if mode == "add" else float(
+            self.value or 0.0)
+        return FeatureControl(
+            self.feature_idx, mode=mode, value=value, phase=self.phase or "all",
+            window=(PositionRange(self.window.start, self.window.end)
+                    if self.window is not None else None),
+            condition=(SteeringCondition(self.condition.feature, self.condition.threshold)
+                       if self.condition is not None else None))
+
+    def indices(self) -> list[int]:
+        """The feature it steers and the trigger it reads."""
+        return [self.feature_idx] + (
+            [self.condition.feature] if self.condition is not None else [])
 
     def row(self) -> dict[str, Any]:
-        return {"feature_idx": self.feature_idx, "strength": self.strength,
-                "sign": self.sign, "label": self.label}
+        out = {"feature_idx": self.feature_idx, "strength": self.strength,
+               "sign": self.sign, "label": self.label}
+        for key in ("mode", "value", "phase", "window", "condition"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value.model_dump() if isinstance(value, BaseModel) else value
+        return out
+
+
+def members_features(members: list[Member], intensity: float) -> rules.FeatureSet:
+    """What members steer at the dial λ: plain members as strengths (sign rule, scaled,
+    each clamped to ±200), the others as controls."""
+    values, controls = {}, []
+    for m in members:
+        control = m.control(intensity)
+        if control is not None:
+            controls.append(control)
+        elif m.plain:
+            values[m.feature_idx] = rules.dial(m.signed(), intensity)
+    return rules.FeatureSet(values, controls)
 
 
 class SAERef(_Doc):

@@ -1,6 +1,6 @@
 """Live steering: what runs on /v1 requests that bring no steering of their own.
 
-One ``LiveSteering`` row per attachment (values + enabled), in the database so that every
+One ``LiveSteering`` row per attachment (values, controls + enabled), in the database so that every
 web worker resolves the same default and a restart keeps it. Every change takes the
 ``SteeringState`` row lock first, so changes from several workers apply one at a time,
 and publishes ``steering:update``. Requests resolve their spec when they are planned, so a
@@ -10,7 +10,9 @@ keeps the spec it started with (its tokens stay attributable to one spec).
 Rules (SPEC §3, the original's contract): values set directly lie in [-200, 200] (refused
 otherwise, by the input serializers and again here); indices are checked against the SAE's
 d_sae (INVALID_FEATURE_INDEX); setting a value enables steering; removing the last value
-or clearing disables it, so the reported ``enabled`` is what runs.
+or clearing disables it, so the reported ``enabled`` is what runs. A feature may instead be
+a control (a mode, phase, window or condition: ``rules.controls_parse``), kept in the row's
+``controls`` beside the plain ``values``; an index is in one or the other, never both.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from django.db import transaction
 from core import events
 from core.errors import ValidationFailed
 from core.process_copy import ProcessCopy
-from gpu_engine.protocol import AttachmentKey
+from gpu_engine.protocol import FeatureControl, SteeringEntry
 from registry.models import Attachment
 from steering import rules
 from steering.models import Circuit, Cluster, LiveSteering, Profile, SteeringState
@@ -48,34 +50,50 @@ def values_out(values: Mapping[str, float]) -> dict[str, float]:
     return {str(k): float(values[k]) for k in sorted(values, key=int)}
 
 
-def live_state(*, attachment: Attachment) -> dict[str, Any]:
-    row = LiveSteering.objects.filter(attachment=attachment).first()
-    values = values_out(row.values) if row else {}
-    return {"sae_id": attachment.sae_id, "layer": attachment.layer,
-            "enabled": bool(row and row.enabled and values), "values": values,
-            "active_count": len(values) if row and row.enabled else 0,
+def row_features(row: LiveSteering | None) -> rules.FeatureSet:
+    """A row's values and controls (written through the rules, so read as stored)."""
+    if row is None:
+        return rules.FeatureSet()
+    return rules.FeatureSet({int(k): float(v) for k, v in row.values.items()},
+                            rules.controls_parse(row.controls or []))
+
+
+def _state(attachment: Attachment, row: LiveSteering | None) -> dict[str, Any]:
+    features = row_features(row)
+    enabled = bool(row and row.enabled and features)
+    return {"sae_id": attachment.sae_id, "layer": attachment.layer, "enabled": enabled,
+            "values": values_out(row.values) if row else {},
+            "controls": features.stored_controls(),
+            "active_count": len(features.indices()) if row and row.enabled else 0,
             "source": row.source if row else LiveSteering.Source.MANUAL}
 
 
+def live_state(*, attachment: Attachment) -> dict[str, Any]:
+    return _state(attachment, LiveSteering.objects.filter(attachment=attachment).first())
+
+
 def live_rows() -> list[LiveSteering]:
-    """Every attachment's live steering that runs (enabled, with values)."""
+    """Every attachment's live steering that runs (enabled, with values or controls)."""
     return [r for r in LiveSteering.objects.select_related("attachment").filter(enabled=True)
-            .order_by("attachment__layer", "attachment__sae_id") if r.values]
+            .order_by("attachment__layer", "attachment__sae_id") if r.values or r.controls]
 
 
-def _read_live_values() -> list[tuple[AttachmentKey, dict[int, float]]]:
-    return [((r.attachment.sae_id, r.attachment.layer),
-             {int(k): float(v) for k, v in r.values.items()}) for r in live_rows()]
+def _read_live_entries() -> list[SteeringEntry]:
+    out = []
+    for r in live_rows():
+        features = row_features(r)
+        out.append(SteeringEntry(r.attachment.sae_id, r.attachment.layer, features.values,
+                                 features.controls))
+    return out
 
 
-# The live steering every /v1 request without its own runs, as ((sae_id, layer), values)
-# pairs, kept in this process (core.process_copy): every change takes steering_lock(),
-# which drops the copy when its transaction commits.
-live_copy: ProcessCopy[list[tuple[AttachmentKey, dict[int, float]]]] = ProcessCopy(
-    _read_live_values)
+# The live steering every /v1 request without its own runs, one SteeringEntry (values and
+# controls) per attachment, kept in this process (core.process_copy): every change takes
+# steering_lock(), which drops the copy when its transaction commits.
+live_copy: ProcessCopy[list[SteeringEntry]] = ProcessCopy(_read_live_entries)
 
 
-def live_values() -> list[tuple[AttachmentKey, dict[int, float]]]:
+def live_values() -> list[SteeringEntry]:
     """The live steering that runs, read from the database (and kept in ``live_copy``)."""
     return live_copy.read()
 
@@ -87,6 +105,34 @@ def check_indices(*, attachment: Attachment, indices: Iterable[int], param: str)
     rules.check_indices(sae_id=attachment.sae_id, d_sae=attachment.sae.d_sae, indices=indices,
                         param=param)
 
+
+def check_features(*, attachment: Attachment, features: rules.FeatureSet, param: str,
+                   trigger_param: str | None = None) -> None:
+    """``rules.check_features`` (indices and triggers) against an attachment row's SAE,
+    and controls against what the loaded backend can run."""
+    rules.check_features(sae_id=attachment.sae_id, d_sae=attachment.sae.d_sae,
+                         features=features, param=param, trigger_param=trigger_param)
+    if features.controls:
+        check_backend_runs_controls()
+
+
+def check_backend_runs_controls() -> None:
+    """Refuse controls the loaded backend reports it cannot run (llama.cpp and vLLM:
+    ``steering_controls`` off) when they are set, rather than failing every request that
+    would run them later. An engine that cannot be asked is not a reason to refuse."""
+    from core.runtime import runtime
+
+    try:
+        status = runtime().engine.status()
+    except Exception:  # noqa: BLE001 - the request path still refuses what cannot run
+        return
+    caps = (status.batching or {}).get("capabilities", {})
+    if caps.get("steering_controls", True) is False:
+        raise ValidationFailed(
+            f"The {status.backend} backend cannot run steering modes, phases, windows or "
+            "conditions (steering_controls is off); set plain strengths",
+            details={"param": "mode", "backend": status.backend,
+                     "fields": {"mode": ["steering_controls is off on this backend"]}})
 
 
 # --------------------------------------------------------------------------- writes
@@ -100,12 +146,10 @@ def steering_lock() -> SteeringState:
 
 
 def _publish(attachment: Attachment, row: LiveSteering | None, *, reason: str) -> None:
-    values = values_out(row.values) if row else {}
-    enabled = bool(row and row.enabled and values)
-    events.publish("steering:update", {
-        "sae_id": attachment.sae_id, "layer": attachment.layer, "enabled": enabled,
-        "values": values, "active_count": len(values) if enabled else 0,
-        "source": row.source if row else LiveSteering.Source.MANUAL, "reason": reason})
+    state = _state(attachment, row)
+    if not state["enabled"]:
+        state["active_count"] = 0
+    events.publish("steering:update", {**state, "reason": reason})
 
 
 def _on_commit_publish(attachment: Attachment, *, reason: str) -> None:
@@ -116,51 +160,56 @@ def _on_commit_publish(attachment: Attachment, *, reason: str) -> None:
     transaction.on_commit(send)
 
 
-def _save(attachment: Attachment, values: Mapping[int, float], *, enabled: bool,
+def _save(attachment: Attachment, features: rules.FeatureSet, *, enabled: bool,
           source: str) -> LiveSteering:
-    stored = {str(k): float(v) for k, v in sorted(values.items())}
     row, _ = LiveSteering.objects.update_or_create(
         attachment=attachment,
-        defaults={"values": stored, "enabled": bool(enabled and stored), "source": source})
+        defaults={"values": features.stored_values(),
+                  "controls": features.stored_controls(),
+                  "enabled": bool(enabled and features), "source": source})
     return row
 
 
 @transaction.atomic
 def live_set(*, attachment: Attachment, values: Mapping[int, float],
+             controls: Iterable[FeatureControl] = (),
              source: str = LiveSteering.Source.MANUAL) -> dict[str, Any]:
-    """Set feature values (merged into the attachment's live values) and enable steering.
-    All or nothing: one bad index or value refuses the whole call."""
-    if len(values) > MAX_BATCH:
-        raise ValidationFailed(f"At most {MAX_BATCH} features per call (got {len(values)})",
-                               details={"fields": {"steering": [f"at most {MAX_BATCH}"]}})
+    """Set feature values and controls (each replacing what the attachment's live steering
+    had for that index) and enable steering. All or nothing: one bad index, value or
+    control refuses the whole call."""
+    controls = list(controls)
+    if len(values) + len(controls) > MAX_BATCH:
+        raise ValidationFailed(
+            f"At most {MAX_BATCH} features per call (got {len(values) + len(controls)})",
+            details={"fields": {"steering": [f"at most {MAX_BATCH}"]}})
     values = rules.check_direct(values, "steering")
-    check_indices(attachment=attachment, indices=values, param="feature_idx")
+    given = rules.feature_set(values, controls, param="controls")
+    check_features(attachment=attachment, features=given, param="feature_idx",
+                   trigger_param="condition.feature")
     steering_lock()
     row = LiveSteering.objects.filter(attachment=attachment).first()
-    merged = {int(k): float(v) for k, v in (row.values if row else {}).items()}
-    merged.update(values)
-    _save(attachment, merged, enabled=True, source=source)
+    _save(attachment, row_features(row).merged(given), enabled=True, source=source)
     _on_commit_publish(attachment, reason="set")
     return live_state(attachment=attachment)
 
 
 @transaction.atomic
 def live_remove(*, attachment: Attachment, index: int) -> dict[str, Any]:
-    """Remove one feature; removing the last one disables steering."""
+    """Remove one feature (a value or a control); removing the last one disables."""
     steering_lock()
     row = LiveSteering.objects.filter(attachment=attachment).first()
-    if row is not None and str(index) in row.values:
-        values = {int(k): float(v) for k, v in row.values.items() if k != str(index)}
-        _save(attachment, values, enabled=row.enabled, source=row.source)
+    features = row_features(row)
+    if row is not None and index in features.indices():
+        _save(attachment, features.without(index), enabled=row.enabled, source=row.source)
         _on_commit_publish(attachment, reason="remove")
     return live_state(attachment=attachment)
 
 
 @transaction.atomic
 def live_clear(*, attachment: Attachment) -> dict[str, Any]:
-    """Remove every value and disable."""
+    """Remove every value and control, and disable."""
     steering_lock()
-    _save(attachment, {}, enabled=False, source=LiveSteering.Source.MANUAL)
+    _save(attachment, rules.FeatureSet(), enabled=False, source=LiveSteering.Source.MANUAL)
     _on_commit_publish(attachment, reason="clear")
     return live_state(attachment=attachment)
 
@@ -171,27 +220,26 @@ def live_enable(*, attachment: Attachment, enabled: bool) -> dict[str, Any]:
     steering stays reported disabled."""
     steering_lock()
     row = LiveSteering.objects.filter(attachment=attachment).first()
-    values = {int(k): float(v) for k, v in (row.values if row else {}).items()}
-    _save(attachment, values, enabled=enabled,
+    _save(attachment, row_features(row), enabled=enabled,
           source=row.source if row else LiveSteering.Source.MANUAL)
     _on_commit_publish(attachment, reason="enable" if enabled else "disable")
     return live_state(attachment=attachment)
 
 
-def live_replace_all(*, entries: Mapping[Attachment, Mapping[int, float]], source: str,
+def live_replace_all(*, entries: Mapping[Attachment, rules.FeatureSet], source: str,
                      keep: Iterable[Attachment] = ()) -> None:
     """Make ``entries`` the whole live steering (every other attachment cleared, except
-    those in ``keep``). Call inside a transaction holding ``steering_lock``; values are
-    already validated."""
+    those in ``keep``). Call inside a transaction holding ``steering_lock``; values and
+    controls are already validated (and dialled)."""
     keep_ids = {a.pk for a in keep}
     touched: list[Attachment] = []
     for row in LiveSteering.objects.select_related("attachment").exclude(
             attachment_id__in=[a.pk for a in entries] + list(keep_ids)):
-        if row.values or row.enabled:
+        if row.values or row.controls or row.enabled:
             touched.append(row.attachment)
         row.delete()
-    for attachment, values in entries.items():
-        _save(attachment, values, enabled=True, source=source)
+    for attachment, features in entries.items():
+        _save(attachment, features, enabled=True, source=source)
         touched.append(attachment)
     for attachment in touched:
         _on_commit_publish(attachment, reason="activate")
@@ -205,14 +253,15 @@ def live_forget(*, attachments: Iterable[Attachment]) -> None:
     with transaction.atomic():
         steering_lock()
         rows = LiveSteering.objects.filter(attachment__in=attachments)
-        had = {r.attachment_id for r in rows if r.values or r.enabled}
+        had = {r.attachment_id for r in rows if r.values or r.controls or r.enabled}
         rows.delete()
         for attachment in attachments:
             if attachment.pk in had:
                 sae_id, layer = attachment.sae_id, attachment.layer
                 transaction.on_commit(lambda s=sae_id, lay=layer: events.publish(
                     "steering:update", {"sae_id": s, "layer": lay, "enabled": False,
-                                        "values": {}, "active_count": 0,
+                                        "values": {}, "controls": [],
+                                        "active_count": 0,
                                         "source": LiveSteering.Source.MANUAL,
                                         "reason": "detach"}))
 

@@ -9,8 +9,8 @@
 - ``Circuit``: an imported ``mistudio.circuit-definition/v1`` document: members on several
   layers, each through its own SAE, with an evidence rung.
 - ``LiveSteering``: what runs on requests that bring no steering of their own, one row per
-  attachment (the values and an enabled flag). Stored here rather than in the engine so it
-  survives restarts and every web worker resolves the same default.
+  attachment (values, controls and an enabled flag). Stored here rather than in the engine
+  so it survives restarts and every web worker resolves the same default.
 - ``SteeringState``: one row, locked by every change of live steering so that changes from
   several workers apply one at a time; ``version`` counts them.
 
@@ -35,6 +35,10 @@ class Profile(models.Model):
                                         help_text="The decoder block the SAE is attached at.")
     steering = models.JSONField(default=dict, blank=True,
                                 help_text='Feature strengths: {"<index>": strength}.')
+    controls = models.JSONField(default=list, blank=True,
+                                help_text="Features steered in another mode or only where a "
+                                          "gate is open: [{index, mode, value, phase, "
+                                          "window, condition}] (docs/steering.md, Modes).")
     intensity = models.FloatField(default=1.0,
                                   help_text="λ applied at activation (0-2); each scaled value "
                                             "is clamped to ±200.")
@@ -131,6 +135,9 @@ class LiveSteering(models.Model):
     enabled = models.BooleanField(default=False)
     values = models.JSONField(default=dict, blank=True,
                               help_text='{"<index>": strength}, each within ±200.')
+    controls = models.JSONField(default=list, blank=True,
+                                help_text="[{index, mode, value, phase, window, condition}]: "
+                                          "the features steered otherwise than a plain add.")
     source = models.CharField(max_length=16, choices=Source.choices, default=Source.MANUAL)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -1,10 +1,16 @@
 """Profile services: CRUD (unique names), save-current, activate/deactivate, export and
 import in a versioned JSON that round-trips losslessly.
 
+A profile may also hold controls (a feature clamped, scaled or ablated, or steered only in
+a phase, a window or where a trigger fires: ``rules.controls_parse``), stored beside the
+plain map; the export carries them as ``controls`` only when there are some, so a profile
+without any exports exactly as before.
+
 Activation replaces the whole live steering with the profile's values, scaled by its
-intensity λ and clamped to ±200 per value; everything is validated (attachment present,
-indices within d_sae, model) before anything changes, then one locked transaction makes
-the change. An empty profile is a supported way back to a clean, unsteered state.
+intensity λ and clamped to ±200 per value (controls: ``rules.dial_controls``); everything
+is validated (attachment present, indices within d_sae, model) before anything changes,
+then one locked transaction makes the change. An empty profile is a supported way back to
+a clean, unsteered state.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from core.errors import SAENotAttached, ValidationFailed
-from gpu_engine.protocol import MAX_STEERING_STRENGTH
+from gpu_engine.protocol import MAX_STEERING_STRENGTH, FeatureControl
 from registry.models import Attachment
 from steering import live, rules
 from steering.documents import PROFILE_VERSION, refuse_cluster_as_profile
@@ -100,12 +106,21 @@ def _intensity(value: Any) -> float:
     return out
 
 
-def _stored(values: Mapping[int, float]) -> dict[str, float]:
-    return {str(k): float(v) for k, v in sorted(values.items())}
+def _features(steering: Any, controls: Any, *, param: str = "steering") -> rules.FeatureSet:
+    """A profile's strengths and controls from the wire, all or none.  The list form of
+    ``steering`` (``[{index, strength}]``) may hold controls too (the inline /v1 shape)."""
+    extra: list[FeatureControl] = []
+    if isinstance(steering, list) and any(
+            isinstance(item, Mapping) and set(item) - {"index", "strength"}
+            for item in steering):
+        extra = rules.controls_parse(steering, param=param)
+        steering = {}
+    values = steering_map(steering, param=param)
+    return rules.feature_set(values, [*extra, *rules.controls_parse(controls)],
+                             param="controls")
 
 
-def _binding(sae_id: str | None, layer: int | None, values: Mapping[int, float]
-             ) -> tuple[str, int | None]:
+def _binding(sae_id: str | None, layer: int | None, values: Any) -> tuple[str, int | None]:
     """Where a profile's values apply: as given, else the only attachment (a profile with
     values must name one; an empty profile may stay unbound)."""
     if sae_id:
@@ -136,16 +151,18 @@ def _unique_name(name: str, *, exclude: int | None = None) -> str:
 
 
 @transaction.atomic
-def profile_create(*, name: str, steering: Any, sae_id: str | None = None,
-                   layer: int | None = None, model_name: str = "", description: str = "",
-                   intensity: float = 1.0) -> Profile:
-    """Save a profile; strengths are set directly, so they must lie in [-200, 200]."""
-    values = steering_map(steering)
-    sae_id, layer = _binding(sae_id, layer, values)
+def profile_create(*, name: str, steering: Any, controls: Any = None,
+                   sae_id: str | None = None, layer: int | None = None, model_name: str = "",
+                   description: str = "", intensity: float = 1.0) -> Profile:
+    """Save a profile; strengths and control values are set directly, so they must lie in
+    [-200, 200]."""
+    features = _features(steering, controls)
+    sae_id, layer = _binding(sae_id, layer, features.indices())
     try:
         with transaction.atomic():
             return Profile.objects.create(
-                name=_unique_name(name), sae_id=sae_id, layer=layer, steering=_stored(values),
+                name=_unique_name(name), sae_id=sae_id, layer=layer,
+                steering=features.stored_values(), controls=features.stored_controls(),
                 model_name=model_name or "", description=description or "",
                 intensity=_intensity(intensity))
     except IntegrityError:
@@ -155,8 +172,9 @@ def profile_create(*, name: str, steering: Any, sae_id: str | None = None,
 
 @transaction.atomic
 def profile_update(*, profile: Profile, data: Mapping[str, Any]) -> Profile:
-    """Partial update; ``steering``, when given, replaces the map. The live steering of an
-    active profile is not changed: activate it again to apply."""
+    """Partial update; ``steering`` and ``controls``, when given, replace the map and the
+    list. The live steering of an active profile is not changed: activate it again to
+    apply."""
     profile = Profile.objects.select_for_update().get(pk=profile.pk)
     if "name" in data:
         profile.name = _unique_name(data["name"], exclude=profile.pk)
@@ -166,13 +184,15 @@ def profile_update(*, profile: Profile, data: Mapping[str, Any]) -> Profile:
         profile.model_name = data.get("model_id", data.get("model_name")) or ""
     if "intensity" in data:
         profile.intensity = _intensity(data["intensity"])
-    values = {int(k): float(v) for k, v in profile.steering.items()}
-    if "steering" in data:
-        values = steering_map(data["steering"])
-        profile.steering = _stored(values)
-    if "sae_id" in data or "layer" in data or ("steering" in data and not profile.sae_id):
+    features = _features(data["steering"] if "steering" in data else profile.steering,
+                         data["controls"] if "controls" in data else profile.controls)
+    profile.steering = features.stored_values()
+    profile.controls = features.stored_controls()
+    changed = "steering" in data or "controls" in data
+    if "sae_id" in data or "layer" in data or (changed and not profile.sae_id):
         profile.sae_id, profile.layer = _binding(data.get("sae_id", profile.sae_id),
-                                                 data.get("layer", profile.layer), values)
+                                                 data.get("layer", profile.layer),
+                                                 features.indices())
     profile.save()
     return profile
 
@@ -184,14 +204,17 @@ def profile_save_current(*, name: str, description: str = "", sae_id: str | None
     the loaded model)."""
     attachment = live.attachment_choose(sae_id=sae_id, layer=layer)
     state = live.live_state(attachment=attachment)
-    return profile_create(name=name, steering=state["values"], sae_id=attachment.sae_id,
+    return profile_create(name=name, steering=state["values"], controls=state["controls"],
+                          sae_id=attachment.sae_id,
                           layer=attachment.layer, model_name=attachment.model.name,
                           description=description)
 
 
-def _profile_values(profile: Profile) -> dict[int, float]:
+def profile_features(profile: Profile) -> rules.FeatureSet:
+    """What a stored profile steers (PROFILE_INCOMPATIBLE when a row holds what the rules
+    refuse, e.g. written around the services)."""
     try:
-        return steering_map(profile.steering)
+        return _features(profile.steering, profile.controls or [])
     except ValidationFailed as exc:
         raise ProfileIncompatible(f"Profile {profile.name!r} holds invalid steering: "
                                   f"{exc.message}", details={"profile": profile.name}) from None
@@ -200,9 +223,9 @@ def _profile_values(profile: Profile) -> dict[int, float]:
 def profile_activate(*, profile: Profile, intensity: float | None = None) -> Profile:
     """Make the profile the live steering (replacing all of it), validated first."""
     lam = profile.intensity if intensity is None else _intensity(intensity)
-    values = _profile_values(profile)
-    entries: dict[Attachment, dict[int, float]] = {}
-    if values:
+    features = profile_features(profile)
+    entries: dict[Attachment, rules.FeatureSet] = {}
+    if features:
         attachment = Attachment.objects.select_related("sae", "model").filter(
             sae_id=profile.sae_id, layer=profile.layer).first()
         if attachment is None:
@@ -217,8 +240,8 @@ def profile_activate(*, profile: Profile, intensity: float | None = None) -> Pro
                 f"Profile {profile.name!r} was made for model {profile.model_name!r}, not "
                 f"{attachment.model.name!r}", details={"profile": profile.name,
                                                        "model": attachment.model.name})
-        live.check_indices(attachment=attachment, indices=values, param="steering")
-        entries[attachment] = {i: rules.dial(v, lam) for i, v in values.items()}
+        live.check_features(attachment=attachment, features=features, param="steering")
+        entries[attachment] = features.dialled(lam)
     with transaction.atomic():
         live.steering_lock()
         live.documents_deactivate(keep_profile=profile)
@@ -254,12 +277,14 @@ def _iso(value: datetime) -> str:
 
 
 def profile_export(*, profile: Profile) -> dict[str, Any]:
-    return {"version": PROFILE_VERSION, "name": profile.name,
-            "description": profile.description, "model_id": profile.model_name or None,
-            "sae_id": profile.sae_id or None, "layer": profile.layer,
-            "steering": {str(k): float(v) for k, v in sorted(
-                profile.steering.items(), key=lambda kv: int(kv[0]))},
-            "intensity": profile.intensity,
+    out = {"version": PROFILE_VERSION, "name": profile.name,
+           "description": profile.description, "model_id": profile.model_name or None,
+           "sae_id": profile.sae_id or None, "layer": profile.layer,
+           "steering": {str(k): float(v) for k, v in sorted(
+               profile.steering.items(), key=lambda kv: int(kv[0]))}}
+    if profile.controls:  # absent when empty: a profile without controls exports as before
+        out["controls"] = list(profile.controls)
+    return {**out, "intensity": profile.intensity,
             "created_at": _iso(profile.created_at), "updated_at": _iso(profile.updated_at)}
 
 
@@ -293,11 +318,11 @@ def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") ->
                                f"{PROFILE_VERSION})", details={"fields": {"version": [
                                    "unsupported"]}})
     if "steering" in data and data["steering"] is not None:
-        values = steering_map(data["steering"])
+        features = _features(data["steering"], data.get("controls"))
     elif "features" in data:
-        values = steering_map(data["features"], param="features")
+        features = _features(data["features"], data.get("controls"), param="features")
     else:
-        values = {}
+        features = _features({}, data.get("controls"))
     sae = data.get("sae") if isinstance(data.get("sae"), Mapping) else {}
     model = data.get("model") if isinstance(data.get("model"), Mapping) else {}
     sae_id = data.get("sae_id") or sae.get("sae_id") or None
@@ -311,13 +336,14 @@ def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") ->
         raise ValidationFailed("name is required", details={"fields": {"name": ["required"]}})
     if on_conflict == "rename":
         name = _free_name(name.strip())
-    if values and not sae_id:
+    if features and not sae_id:
         raise ValidationFailed("A profile with steering values must name its sae_id",
                                details={"fields": {"sae_id": ["required"]}})
     created, updated = _time(data.get("created_at"), "created_at"), _time(
         data.get("updated_at"), "updated_at")
     profile = profile_create(
-        name=name, steering=values, sae_id=sae_id, layer=layer if sae_id else None,
+        name=name, steering=features.values, controls=features.stored_controls(),
+        sae_id=sae_id, layer=layer if sae_id else None,
         model_name=data.get("model_id") or model.get("repo_id") or model.get("name") or "",
         description=data.get("description") or "",
         intensity=data.get("intensity", 1.0) if data.get("intensity") is not None else 1.0)

@@ -33,13 +33,29 @@ def _strength(value: float) -> None:
 
 
 class SteeringSetInput(TargetInput):
+    """One feature: ``{feature_idx, value}`` adds everywhere (the original shape); ``mode``
+    and the gates make it a control (checked by ``steering.rules.control_parse``)."""
+
     feature_idx = serializers.IntegerField(min_value=0, max_value=MAX_INDEX)
-    value = serializers.FloatField(validators=[_strength])
+    value = serializers.FloatField(required=False, allow_null=True, validators=[_strength],
+                                   help_text="the strength (add), target activation "
+                                             "(clamp) or factor (scale); none for ablate")
+    mode = serializers.CharField(required=False, help_text="add (default) | clamp | scale | "
+                                                           "ablate")
+    phase = serializers.CharField(required=False, help_text="all (default) | prompt | "
+                                                            "completion")
+    window = serializers.JSONField(required=False, help_text="{start, end?}: row positions")
+    condition = serializers.JSONField(required=False, help_text="{feature, threshold}: only "
+                                                                "where the trigger is above")
 
 
 class SteeringBatchInput(TargetInput):
-    steering = serializers.DictField(child=serializers.JSONField(),
+    steering = serializers.DictField(child=serializers.JSONField(), required=False,
+                                     default=dict,
                                      help_text='{"<index>": value}, at most 1000, all or none')
+    controls = serializers.JSONField(required=False, default=list,
+                                     help_text="[{index, mode, value, phase, window, "
+                                               "condition}], with steering at most 1000")
 
 
 class SteeringStateOutput(serializers.Serializer):
@@ -47,6 +63,7 @@ class SteeringStateOutput(serializers.Serializer):
     layer = serializers.IntegerField(allow_null=True)
     enabled = serializers.BooleanField()
     values = serializers.DictField(child=serializers.FloatField())
+    controls = serializers.ListField(child=serializers.DictField())
     active_count = serializers.IntegerField()
     source = serializers.CharField()
 
@@ -55,6 +72,9 @@ class ProfileInput(serializers.Serializer):
     name = serializers.CharField(max_length=200)
     description = serializers.CharField(required=False, allow_blank=True, allow_null=True)
     steering = serializers.JSONField(required=False, default=dict)
+    controls = serializers.JSONField(required=False, default=list,
+                                     help_text="[{index, mode, value, phase, window, "
+                                               "condition}]")
     sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                    max_length=40)
     layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
@@ -68,6 +88,7 @@ class ProfileUpdateInput(serializers.Serializer):
     name = serializers.CharField(required=False, max_length=200)
     description = serializers.CharField(required=False, allow_blank=True, allow_null=True)
     steering = serializers.JSONField(required=False)
+    controls = serializers.JSONField(required=False)
     sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                    max_length=40)
     layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
@@ -119,6 +140,7 @@ def profile_out(profile: Profile) -> dict[str, Any]:
             "layer": profile.layer,
             "steering": {str(k): float(v) for k, v in sorted(profile.steering.items(),
                                                               key=lambda kv: int(kv[0]))},
+            "controls": list(profile.controls or []),
             "intensity": profile.intensity, "is_active": profile.is_active,
             "source_kind": "manual",
             "created_at": _iso(profile.created_at), "updated_at": _iso(profile.updated_at)}

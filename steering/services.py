@@ -17,16 +17,12 @@ clamped to ±200 per feature.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-import msgspec
-
 from gpu_engine.protocol import (
-    AttachmentKey,
     AttachmentStatus,
     FeatureControl,
     SteeringEntry,
@@ -100,25 +96,12 @@ def _resolved(mode: str, att: AttachmentStatus, features: dict[int, float], head
                             entries=[_entry_summary(entry)])
 
 
-def _control_summary(c: FeatureControl) -> dict[str, Any]:
-    out: dict[str, Any] = {"index": c.index, "mode": c.mode}
-    if c.mode != "ablate":
-        out["value"] = c.value
-    if c.phase != "all":
-        out["phase"] = c.phase
-    if c.window is not None:
-        out["window"] = {"start": c.window.start, "end": c.window.end}
-    if c.condition is not None:
-        out["condition"] = {"feature": c.condition.feature, "threshold": c.condition.threshold}
-    return out
-
-
 def _entry_summary(entry: SteeringEntry) -> dict[str, Any]:
     """An entry as /v1 requests write it (``features: [{index, strength}]``, and a
     control's ``{index, mode, value, phase, window, condition}``)."""
     return {"sae_id": entry.sae_id, "layer": entry.layer,
             "features": [{"index": i, "strength": s} for i, s in entry.features.items()]
-            + [_control_summary(c) for c in entry.controls]}
+            + [rules.control_json(c) for c in entry.controls]}
 
 
 def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
@@ -144,8 +127,7 @@ def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
     values = {index: (strength if intensity is None else rules.dial(strength, intensity))
               for index, strength in plain}
     if intensity is not None:
-        controls = [msgspec.structs.replace(c, value=rules.dial(c.value, intensity))
-                    if c.mode == "add" else c for c in controls]
+        controls = rules.dial_controls(controls, intensity)
     header = (f"inline;sae={_header_value(att.sae_id)};layer={att.layer};"
               f"features={len(values) + len(controls)}")
     if controls:
@@ -155,37 +137,18 @@ def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
     return _resolved("inline", att, values, header, intensity=intensity, controls=controls)
 
 
-def _profile_values(profile: Profile) -> dict[int, float]:
-    raw = profile.steering
-    if not isinstance(raw, Mapping):
-        raise ProfileIncompatible(f"Profile {profile.name!r} has no steering map",
-                                  details={"profile": profile.name})
-    values: dict[int, float] = {}
-    for key, value in raw.items():
-        try:
-            index, strength = int(key), float(value)
-        except (TypeError, ValueError):
-            raise ProfileIncompatible(
-                f"Profile {profile.name!r} holds a value that is not index → strength: "
-                f"{key!r}: {value!r}", details={"profile": profile.name}) from None
-        if index < 0 or not math.isfinite(strength):
-            raise ProfileIncompatible(f"Profile {profile.name!r} holds an invalid entry "
-                                      f"{key!r}: {value!r}", details={"profile": profile.name})
-        values[index] = strength
-    return values
-
-
 def _cluster_as_profile(name: str) -> Profile | None:
     """A cluster named where a profile is expected (``profile`` on /v1): its members by
-    the sign rule at λ = 1, on the attachment it is bound to; the dial scales them."""
+    the sign rule at λ = 1 (and its controls), on the attachment it is bound to; the dial
+    scales them."""
     cluster = Cluster.objects.filter(name=name).first()
     if cluster is None:
         return None
-    from steering.clusters import cluster_values
+    from steering.clusters import cluster_features
 
-    values = cluster_values(cluster, 1.0)
+    features = cluster_features(cluster, 1.0)
     return Profile(name=name, sae_id=cluster.sae_id, layer=cluster.layer,
-                   steering={str(k): v for k, v in values.items()},
+                   steering=features.stored_values(), controls=features.stored_controls(),
                    intensity=cluster.intensity, model_name="")
 
 
@@ -206,8 +169,10 @@ def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: 
             f"Profile {name!r} was made for model {profile.model_name!r}, not {model_name!r}",
             details={"profile": name, "model": model_name,
                      "profile_model": profile.model_name})
-    values = _profile_values(profile)
-    if not values:
+    from steering.profiles import profile_features
+
+    features = profile_features(profile)
+    if not features:
         return EXPLICITLY_UNSTEERED
     if not attachments:
         # The documented contract: with no SAE attached a profile request runs unsteered
@@ -224,36 +189,42 @@ def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: 
             f"which is not attached (attached: {', '.join(attachment_choices(attachments))})",
             details={"profile": name, "sae_id": profile.sae_id, "layer": profile.layer,
                      "choices": attachment_choices(attachments)})
-    _check_indices(att, list(values), "profile")
-    scaled = {index: rules.dial(strength, dial) for index, strength in values.items()}
+    rules.check_features(sae_id=att.sae_id, d_sae=att.d_sae, features=features,
+                         param="profile")
+    scaled = features.dialled(dial)
     header = f"profile;name={_header_value(name)};intensity={_fmt(dial)}"
-    return _resolved("profile", att, scaled, header, profile=name, intensity=dial)
+    if scaled.controls:
+        header += f";controls={len(scaled.controls)}"
+    return _resolved("profile", att, scaled.values, header, profile=name, intensity=dial,
+                     controls=scaled.controls)
 
 
 def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None,
-          values: list[tuple[AttachmentKey, dict[int, float]]] | None) -> ResolvedSteering:
+          values: list[SteeringEntry] | None) -> ResolvedSteering:
     """The live steering of the attachments the engine holds (rows for attachments it
     does not hold, e.g. during a detach, are skipped), dialled by the request's λ.
     ``values``: this process's copy (``live.live_copy``); None reads the database."""
     held = {(a.sae_id, a.layer) for a in attachments}
-    rows = [(key, v) for key, v in (live.live_values() if values is None else values)
-            if key in held]
+    rows = [e for e in (live.live_values() if values is None else values) if e.key in held]
     if not rows:
         return NONE
     if intensity == 0:
         return EXPLICITLY_UNSTEERED
     entries = []
-    for (sae_id, layer), row_values in rows:
-        scaled = dict(row_values)
+    for row in rows:
+        scaled = rules.FeatureSet(dict(row.features), list(row.controls))
         if intensity is not None:
-            scaled = {k: rules.dial(v, intensity) for k, v in scaled.items()}
-        entries.append(SteeringEntry(sae_id, layer, scaled))
-    count = sum(len(e.features) for e in entries)
+            scaled = scaled.dialled(intensity)
+        entries.append(SteeringEntry(row.sae_id, row.layer, scaled.values, scaled.controls))
+    count = sum(len(e.features) + len(e.controls) for e in entries)
+    controls = sum(len(e.controls) for e in entries)
     if len(entries) == 1:
         header = (f"live;sae={_header_value(entries[0].sae_id)};layer={entries[0].layer};"
                   f"features={count}")
     else:
         header = f"live;attachments={len(entries)};features={count}"
+    if controls:
+        header += f";controls={controls}"
     if intensity is not None:
         header += f";intensity={_fmt(intensity)}"
     return ResolvedSteering(mode="live", spec=SteeringSpec(entries), header=header,
@@ -267,8 +238,8 @@ def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
                              | None = None,
                              profile: str | None = None,
                              intensity: float | None = None,
-                             live_values: list[tuple[AttachmentKey, dict[int, float]]]
-                             | None = None) -> ResolvedSteering:
+                             live_values: list[SteeringEntry] | None = None
+                             ) -> ResolvedSteering:
     """Resolve one request's steering against the attachments the engine holds now.
 
     ``inline_features=None`` means the request sent no ``steering`` object; ``[]`` means
@@ -302,6 +273,7 @@ from steering.circuits import (
     circuit_delete,
     circuit_get,
     circuit_import,
+    circuit_replace,
     circuit_set_active_intensity,
     circuit_set_intensity,
     circuits_active,
@@ -340,7 +312,7 @@ from steering.profiles import (
 
 __all__ = [
     "EXPLICITLY_UNSTEERED", "NONE", "ResolvedSteering", "attachment_choose",
-    "circuit_claims", "circuit_deactivate", "circuit_delete",
+    "circuit_claims", "circuit_deactivate", "circuit_delete", "circuit_replace",
     "circuit_get", "circuit_import", "circuit_set_active_intensity", "circuit_set_intensity",
     "circuits_active", "cluster_activate", "cluster_active", "cluster_deactivate",
     "cluster_delete", "cluster_get", "cluster_import", "cluster_set_active_intensity",

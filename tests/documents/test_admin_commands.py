@@ -65,6 +65,19 @@ def test_admin_pages_import_and_export(admin_client, relu, llama):
         "layer": 1, "steering": '{"30": 1}', "intensity": 1})
     assert added.status_code == 302 and Profile.objects.get(name="added").steering == {
         "30": 1.0}
+    # controls too, through the same rules
+    gated = {"name": "gated", "description": "", "model_name": "", "sae_id": relu.id,
+             "layer": 1, "steering": '{"3": 1}', "intensity": 1}
+    added = admin_client.post("/admin/steering/profile/add/", {
+        **gated, "controls": '[{"index": 4, "mode": "clamp"}]'})
+    assert added.status_code == 200 and not Profile.objects.filter(name="gated").exists()
+    added = admin_client.post("/admin/steering/profile/add/", {
+        **gated, "controls": '[{"index": 3, "mode": "ablate"}]'})  # 3 twice
+    assert added.status_code == 200 and not Profile.objects.filter(name="gated").exists()
+    added = admin_client.post("/admin/steering/profile/add/", {
+        **gated, "controls": '[{"index": 4, "mode": "ablate"}]'})
+    assert added.status_code == 302
+    assert Profile.objects.get(name="gated").controls == [{"index": 4, "mode": "ablate"}]
 
     # leases: read-only rows, ended by an action
     lease_grant(model=llama.model, holder="h", reason="r")

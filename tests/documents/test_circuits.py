@@ -204,3 +204,35 @@ def test_import_limits(api, saes):
                                                  "name": "x"}, format="json")
     assert body(response)["error"]["code"] == "UNKNOWN_KIND"
     assert set(Circuit.objects.values_list("name", flat=True)) == {"edge-of-limits", "bare"}
+
+
+def test_replace_keeps_the_id_and_refuses_what_would_change_nothing_safely(
+        api, saes, llama, django_capture_on_commit_callbacks):
+    """PUT /api/circuits/{id} replaces the stored document in place (the page's editor
+    saves through it): the same id, the new members and text; a document that does not
+    validate, a name another circuit holds, and a serving circuit are refused, unchanged."""
+    first, _ = _import(api, two_layer(saes, name="chain", rung=2))
+    other, _ = _import(api, two_layer(saes, name="other", rung=2))
+    edited = two_layer(saes, name="chain renamed", rung=3)
+    edited["members"][0] = feature(1, 12, 30)
+    text = json.dumps(edited)
+    replaced = ok(api.put(f"/api/circuits/{first['id']}", text, content_type="application/json"))
+    assert replaced["id"] == first["id"] and replaced["name"] == "chain renamed"
+    assert first["rung"] == 2 and replaced["rung"] == 3  # the minimum over the new edges
+    row = Circuit.objects.get(pk=first["id"])
+    assert row.members["1"][0]["feature_idx"] == 12 and row.members["1"][0]["strength"] == 30
+    assert api.get(f"/api/circuits/{first['id']}/export").content.decode() == text
+    assert Circuit.objects.count() == 2
+
+    bad = two_layer(saes, name="chain renamed")
+    bad["members"] = []
+    refused(api.put(f"/api/circuits/{first['id']}", bad, format="json"), 422, "VALIDATION_ERROR")
+    refused(api.put(f"/api/circuits/{first['id']}", two_layer(saes, name="other"), format="json"),
+            409, "CIRCUIT_ALREADY_EXISTS")
+    assert api.get(f"/api/circuits/{first['id']}/export").content.decode() == text
+
+    with django_capture_on_commit_callbacks(execute=True):
+        ok(api.post(f"/api/circuits/{other['id']}/activate", {"intensity": 1.0}, format="json"))
+    refused(api.put(f"/api/circuits/{other['id']}", two_layer(saes, name="other", rung=3),
+                    format="json"), 409, "CIRCUIT_SERVING")
+    ok(api.post(f"/api/circuits/{other['id']}/deactivate"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from registry.models import Attachment
 from steering.models import LiveSteering
 from tests.documents.conftest import ok, refused
 
@@ -18,7 +19,7 @@ def _row(sae):
 def test_set_get_remove_clear(api, relu, published, django_capture_on_commit_callbacks):
     empty = ok(api.get("/api/saes/steering"))
     assert empty == {"sae_id": relu.id, "layer": 1, "enabled": False, "values": {},
-                     "active_count": 0, "source": "manual"}
+                     "controls": [], "active_count": 0, "source": "manual"}
     with django_capture_on_commit_callbacks(execute=True):
         state = ok(api.post("/api/saes/steering", {"feature_idx": 12, "value": 40},
                             format="json"))
@@ -27,7 +28,7 @@ def test_set_get_remove_clear(api, relu, published, django_capture_on_commit_cal
     assert (row.enabled, row.values, row.attachment.layer) == (True, {"12": 40.0}, 1)
     assert published[-1] == ("steering:update", {
         "sae_id": relu.id, "layer": 1, "enabled": True, "values": {"12": 40.0},
-        "active_count": 1, "source": "manual", "reason": "set"})
+        "controls": [], "active_count": 1, "source": "manual", "reason": "set"})
 
     batch = ok(api.post("/api/saes/steering/batch",
                         {"steering": {"3": -15, "200": 8.5}}, format="json"))
@@ -104,7 +105,7 @@ def test_detach_clears_the_attachments_live_steering(api, relu, published,
         ok(api.post(f"/api/saes/{relu.id}/detach", {}, format="json"))
     assert not LiveSteering.objects.exists()
     assert ("steering:update", {"sae_id": relu.id, "layer": 1, "enabled": False, "values": {},
-                                "active_count": 0, "source": "manual",
+                                "controls": [], "active_count": 0, "source": "manual",
                                 "reason": "detach"}) in published
     # attached again, it starts clean
     ok(api.post(f"/api/saes/{relu.id}/attach", {"layer": 1}, format="json"))
@@ -113,3 +114,36 @@ def test_detach_clears_the_attachments_live_steering(api, relu, published,
     assert status["steering_enabled"] is False
     ok(api.post("/api/saes/steering", {"feature_idx": 5, "value": 9}, format="json"))
     assert ok(api.get("/api/saes/attachment"))["steering_enabled"] is True
+
+
+@pytest.mark.django_db(transaction=True)
+def test_controls_set_elsewhere_reach_this_process_copy(settings, relu):
+    """Distributed: a change another web worker makes (the row alone, nothing invalidated
+    here) reaches this process's copy of the live steering, controls included, through
+    the background refresher, so a request without steering of its own runs them."""
+    import time
+
+    from core.process_copy import refresher
+    from gpu_engine.protocol import FeatureControl
+    from steering.live import live_copy
+
+    settings.EMBEDDED = False
+    settings.MILLM_PROCESS_COPY_REFRESH = True
+    live_copy.read()
+    assert live_copy.fresh() == []
+    attachment = Attachment.objects.get(sae_id=relu.id, layer=1)
+    LiveSteering.objects.create(attachment=attachment, enabled=True, values={"3": 2.0},
+                                controls=[{"index": 9, "mode": "ablate"}])
+    deadline = time.monotonic() + live_copy.fresh_s + 2
+    seen = None
+    while time.monotonic() < deadline:
+        seen = live_copy.fresh()
+        assert seen is not None
+        if seen:
+            break
+        time.sleep(0.05)
+    settings.MILLM_PROCESS_COPY_REFRESH = False
+    assert refresher.join(5)
+    settings.EMBEDDED = True
+    assert seen is not None and len(seen) == 1
+    assert (seen[0].features, seen[0].controls) == ({3: 2.0}, [FeatureControl(9, mode="ablate")])

@@ -212,3 +212,45 @@ def test_a_lease_blocks_v1_auto_load_for_others(served, tiny_assets):
     assert swapped.status == 200, swapped.body
     assert served.engine.status().model_id == "tiny-gpt2"
     assert Lease.objects.get().end_reason == "model_unloaded"
+
+
+def test_live_and_profile_controls_run_on_v1_as_the_engine_runs_them(served, relu):
+    """A request with no steering of its own runs the live steering's controls, then a
+    profile's: exactly the tokens the engine generates for the equivalent spec."""
+    from gpu_engine.protocol import FeatureControl, PositionRange
+
+    plain = served.direct().text
+    controls = [{"index": 3, "mode": "clamp", "value": 30.0},
+                {"index": 40, "mode": "add", "value": -12.0, "phase": "completion",
+                 "window": {"start": 0, "end": 12}}]
+    engine_controls = [FeatureControl(3, mode="clamp", value=30.0),
+                       FeatureControl(40, value=-12.0, phase="completion",
+                                      window=PositionRange(0, 12))]
+    assert served.api("POST", "/saes/steering/batch",
+                      {"steering": {"17": 6.0}, "controls": controls}).status == 200
+    spec = SteeringSpec([SteeringEntry(relu.id, 1, {17: 6.0}, engine_controls)])
+    live = served.v1({})
+    want = served.direct(spec).text
+    assert _text(live) == want
+    assert want != plain  # positive control
+    assert want != served.direct(SteeringSpec([SteeringEntry(relu.id, 1, {17: 6.0})])).text
+    assert live.headers["x-millm-steering"] == (
+        f'live;sae={relu.id};layer=1;features=3;controls=2;hash="{spec.canonical_hash()}"')
+    # the dial: adds scaled, the clamp as written
+    dialled = served.v1({"steering_intensity": 0.5})
+    assert _text(dialled) == served.direct(SteeringSpec([SteeringEntry(
+        relu.id, 1, {17: 3.0}, [engine_controls[0],
+                                FeatureControl(40, value=-6.0, phase="completion",
+                                               window=PositionRange(0, 12))])])).text
+
+    # the same through a profile, named by a request and activated
+    served.api("DELETE", "/saes/steering")
+    assert _text(served.v1({})) == plain
+    created = served.api("POST", "/profiles", {"name": "gates", "steering": {"17": 6.0},
+                                               "controls": controls})
+    assert created.status == 201, created.body
+    named = served.v1({"profile": "gates"})
+    assert _text(named) == want
+    assert named.json()["millm"]["steering"]["hash"] == spec.canonical_hash()
+    assert served.api("POST", "/profiles/gates/activate").status == 200
+    assert _text(served.v1({})) == want

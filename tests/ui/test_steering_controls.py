@@ -189,15 +189,18 @@ def test_a_circuit_created_and_edited_in_the_page(server, page):
     # edit: another strength, one member removed, one added; the name kept
     page.click("button[aria-label='Edit ui-made']")
     page.wait_for_selector("#editor-h:has-text('Edit circuit: ui-made')")
-    assert page.locator("#ce-members tr.ce-member").count() == 2
+    # the heading already says so after the create: wait for the reloaded member rows
+    page.wait_for_function("document.querySelectorAll('#ce-members tr.ce-member').length === 2")
     page.locator("#ce-members tr.ce-member").nth(0).locator("[name=strength]").fill("20")
     page.locator("#ce-members tr.ce-member").nth(1).locator("button").click()
     page.click("#ce-add-member")
     _member(page, 1, 1, 8, -5, "eight")
     page.click("#ce-save")
     page.wait_for_selector(".notice.ok:has-text('Saved ui-made')")
+    first_id = made[0]["id"]
     made = _circuits_named(server, "ui-made")
     assert [c["name"] for c in made] == ["ui-made"]  # no copy left behind
+    assert made[0]["id"] == first_id  # replaced in place: the same circuit
     stored = server.api("GET", f"/api/circuits/{made[0]['id']}")
     assert stored["members"] == {"1": [
         {"feature_idx": 4, "strength": 20.0, "sign": 1, "label": "four"},

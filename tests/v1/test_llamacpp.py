@@ -82,3 +82,31 @@ def test_smollm2_gguf_loads_chats_and_steers_through_v1(smollm2_gguf, openai_cli
     # embeddings (GGUF_ENABLE_EMBEDDINGS defaults on)
     emb = openai_client.embeddings.create(model=NAME, input=["the sea", "a dinner"])
     assert len(emb.data) == 2 and len(emb.data[0].embedding) == 576
+
+
+def test_controls_are_refused_on_llamacpp_when_set_and_when_sent(smollm2_gguf, openai_client):
+    """The eval callback runs plain strengths only: a clamp sent inline is refused naming
+    the field, and one set in live steering is refused when it is set (not by failing
+    every later request), while a plain live value is taken."""
+    import openai
+
+    from tests.v1.helpers import request
+
+    server, sae, asset = smollm2_gguf
+    with pytest.raises(openai.BadRequestError) as err:
+        openai_client.chat.completions.create(
+            model=NAME, messages=MESSAGES, max_tokens=4, temperature=0,
+            extra_body={"steering": {"features": [{"index": 0, "mode": "clamp", "value": 2.0}]}})
+    assert err.value.code == "invalid_parameter"
+    assert err.value.body["param"] == "steering.features.mode"
+    base = server.base_url.rsplit("/v1", 1)[0] + "/api"
+    refused = request(base, "POST", "/saes/steering",
+                      {"sae_id": sae.id, "feature_idx": 0, "value": 2.0, "mode": "clamp"})
+    assert refused.status == 422, refused.body[:300]
+    assert refused.json()["error"]["details"]["param"] == "mode"
+    state = request(base, "GET", f"/saes/steering?sae_id={sae.id}").json()["data"]
+    assert state["controls"] == [] and not state["values"]
+    taken = request(base, "POST", "/saes/steering",
+                    {"sae_id": sae.id, "feature_idx": 0, "value": 2.0})
+    assert taken.status == 200, taken.body[:300]
+    assert request(base, "DELETE", f"/saes/steering?sae_id={sae.id}").status == 200

@@ -154,10 +154,10 @@ export async function streamV1(path, body, { onChunk, signal } = {}) {
 }
 
 /** POST a JSON document as the exact text the user gave (imports keep it verbatim). */
-export async function postText(path, text) {
+export async function postText(path, text, method = "POST") {
   if (keyMissing()) throw noKey();
   const response = await fetch(path, {
-    method: "POST", headers: headers({ "Content-Type": "application/json" }), body: text,
+    method, headers: headers({ "Content-Type": "application/json" }), body: text,
   });
   const data = await parse(response);
   if (!response.ok || (data && data.success === false)) throw refusal(response, data);

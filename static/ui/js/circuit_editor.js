@@ -1,15 +1,13 @@
 // The circuits page's editor: create a circuit, or edit one's name, narrative, SAEs per
 // layer and members (feature, strength, sign, label), saved through the circuits API.
 //
-// The API stores circuits only by import (POST /api/circuits/import) and has no route that
-// replaces a stored circuit's document, so an edit is saved as: import the edited document
-// (the server validates it; a refusal changes nothing), then delete the old circuit, and —
-// when the name stayed the same, so the first import had to take a free name — import it
-// once more under its own name and drop the copy. The edited circuit gets a new id; edges,
-// budget, model and unknown fields of the document are kept as imported. A serving circuit
-// is not edited (deleting it would stop it): deactivate it first.
+// A new circuit is imported (POST /api/circuits/import); an edit replaces the stored
+// document in place (PUT /api/circuits/{id}: the same id; the server validates it and a
+// refusal changes nothing). Edges, budget, model and unknown fields of the document are
+// kept as imported. A serving circuit is refused by the server (409 CIRCUIT_SERVING):
+// deactivate it first.
 
-import { del, get, getText, postText } from "./api.js";
+import { getText, postText } from "./api.js";
 import { $, describeError, el } from "./dom.js";
 
 const KIND = "mistudio.circuit-definition";
@@ -140,20 +138,7 @@ async function save() {
   const doc = buildDocument();
   const text = JSON.stringify(doc);
   if (!editing) return postText("/api/circuits/import?on_conflict=fail", text);
-  if (editing.active) {
-    throw new Error(`${editing.name} is serving: deactivate it before editing (the API replaces a circuit only by deleting and importing it, and deleting stops it)`);
-  }
-  const others = (await get("/api/circuits")).circuits.filter((c) => c.id !== editing.id);
-  if (others.some((c) => c.name === doc.name)) {
-    throw new Error(`Another circuit is named ${doc.name}: choose another name`);
-  }
-  // validated and stored first: a refusal leaves the old circuit as it was
-  const copy = await postText("/api/circuits/import?on_conflict=rename", text);
-  await del(`/api/circuits/${editing.id}`);
-  if (copy.name === doc.name) return copy;
-  const saved = await postText("/api/circuits/import?on_conflict=fail", text);
-  await del(`/api/circuits/${copy.id}`);
-  return saved;
+  return postText(`/api/circuits/${editing.id}`, text, "PUT");
 }
 
 /** Wire the editor; `onSaved(circuit)` after a save. */
