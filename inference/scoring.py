@@ -64,6 +64,7 @@ def check_scoring(req: ChatCompletionRequest | CompletionRequest) -> None:
         "steering_intensity": req.steering_intensity is not None,
         "return_sae_activations": req.return_sae_activations is not None,
         "capture": req.capture is not None,
+        "analyze": getattr(req, "analyze", None) is not None,
         "echo": bool(getattr(req, "echo", False)),
         "extra_messages": bool(getattr(req, "extra_messages", None)),
     }

@@ -50,3 +50,23 @@ def test_completions_and_extension_fields_pass_through(llama, client):
     assert plain.text and plain.response.usage.completion_tokens == 4
     with pytest.raises(ValueError):
         client.generate("tiny-llama", max_tokens=1)
+
+
+def test_analyze_and_analyze_capture_equal_the_raw_answers(llama, client, openai_client, settings):
+    params = {"layers": [1], "reduce": "norm", "positions": "all"}
+    entry = client.analyze("tiny-llama", "hidden_states", params=params, messages=CHAT, max_tokens=4,
+                           temperature=0, ignore_eos=True)
+    raw = openai_client.chat.completions.create(
+        model="tiny-llama", messages=CHAT, max_tokens=4, temperature=0,
+        extra_body={"ignore_eos": True, "analyze": {"name": "hidden_states", "params": params}})
+    assert entry == raw.model_extra["millm"]["analysis"][0] and entry["result"]["layers"]["1"] > 0
+    settings.CAPTURE_INLINE_MAX_BYTES = 0
+    out = client.generate("tiny-llama", messages=CHAT, max_tokens=4, temperature=0, ignore_eos=True,
+                          capture={"layers": [1], "positions": "all"})
+    cap = client.fetch_capture(out.millm["capture"])
+    again = client.analyze_capture(out.millm["capture"]["id"], "hidden_states", params)
+    assert again["result"]["layers"]["1"] == pytest.approx(float(np.linalg.norm(cap.hidden[1].astype(np.float64))),
+                                                           rel=1e-6)
+    with pytest.raises(MillmError) as exc:
+        client.analyze_capture(out.millm["capture"]["id"], "no_such_analyzer")
+    assert exc.value.code == "UNKNOWN_ANALYZER"
