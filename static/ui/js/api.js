@@ -176,3 +176,11 @@ export async function getText(path) {
   }
   return text;
 }
+
+/** GET a binary file (a capture's safetensors) as an ArrayBuffer. */
+export async function getBytes(path, { signal } = {}) {
+  if (keyMissing()) throw noKey();
+  const response = await fetch(path, { headers: headers({ Accept: "application/octet-stream" }), signal });
+  if (!response.ok) throw refusal(response, await parse(response));
+  return response.arrayBuffer();
+}
