@@ -46,6 +46,8 @@ from inference.serving import (
     build_body,
     count_usage,
     record_monitoring,
+    register_capture,
+    run_analyses,
     run_choice,
     usage_of,
 )
@@ -132,6 +134,9 @@ async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
         outcomes = [await run_choice(client, choice) for choice in plan.choices]
         for outcome in outcomes:
             await record_monitoring(plan, outcome)
+            await register_capture(plan, outcome)
+        if outcomes:
+            await run_analyses(plan, outcomes[0])
         result = await build_body(plan, outcomes, client)
         count_usage(plan, usage_of(plan, outcomes))
         return Answer(200, result, dict(plan.headers))

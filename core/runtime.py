@@ -1,5 +1,5 @@
 """The process's runtime: the long-lived objects that every layer reaches — the engine
-client, the admission controller, residency, the metrics push — held by one object
+client, the admission controller, residency, the metrics push, the analyzers — held by one object
 instead of module globals.
 
 Each part is built once, on first use, from a builder the site installs when Django is
@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the types only: the web tier never imports the engine
     from core.engine_client import EngineClient
 
-PARTS = ("engine", "admission", "residency", "metrics_push", "events", "jobs", "hub")
+PARTS = ("engine", "admission", "residency", "metrics_push", "events", "jobs", "hub",
+         "analyzers")
 
 
 class Runtime:
@@ -32,6 +33,7 @@ class Runtime:
     events: Any  # core.events.EventBus
     jobs: Any  # core.jobs.JobDispatch
     hub: Any  # registry.hub.HubBreakers
+    analyzers: Any  # monitoring.analysis.Analyzers
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

@@ -22,9 +22,12 @@ from django.conf import settings
 from django.db import close_old_connections
 
 from core.engine_client import EngineClient
+from core.runtime import runtime
 from core.version import version
+from gpu_engine.analysis import CaptureNeed, capture_spec_for
 from gpu_engine.protocol import (
     AttachmentStatus,
+    AttentionCaptureSpec,
     CaptureSpec,
     EngineStatus,
     FeatureControl,
@@ -45,6 +48,7 @@ from inference.protocol import (
     SamplingDefaults,
 )
 from inference.residency import ModelRef
+from monitoring.analysis import PreparedAnalysis, analysis_check_backend
 from monitoring.services import (
     monitoring_merge,
     monitoring_request_config,
@@ -74,6 +78,7 @@ class Plan:
     choices: list[Choice]
     backend: str
     monitoring: MonitorEntry | None = None  # /api/monitoring's entry, recorded apart
+    analyses: list[PreparedAnalysis] = field(default_factory=list)  # analyze, prepared
     ignored_fields: list[str] = field(default_factory=list)  # sent, read by nothing
     fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
     response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -180,7 +185,9 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
             asked=req.return_sae_activations, attachments=attachments,
             choices=n_prompts * req.n, max_tokens=max_tokens)
     monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
-    capture = capture_spec(req, model.name, n_prompts * req.n)
+    analyses = await prepare_analyses(req, status, client.backend_name)
+    capture = capture_spec(req, model.name, n_prompts * req.n,
+                           need=runtime().analyzers.need(analyses) if analyses else None)
     choices: list[Choice] = []
     if isinstance(req, ChatCompletionRequest):
         messages = req.template_messages()
@@ -211,23 +218,51 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 attachment=attachment, choices=choices,
                 backend=client.backend_name, monitoring=monitored,
                 ignored_fields=list(ignored_fields or ()),
-                fingerprint=wire.fingerprint(status, version()))
+                fingerprint=wire.fingerprint(status, version()), analyses=analyses)
 
 
-def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, choices: int
-                 ) -> CaptureSpec | None:
-    """The engine's capture spec of a request's ``capture`` field, with the CAPTURE_*
-    limits: one choice only (the response holds one capture)."""
+async def prepare_analyses(req: ChatCompletionRequest | CompletionRequest,
+                           status: EngineStatus | None, backend: str
+                           ) -> list[PreparedAnalysis]:
+    """The request's ``analyze`` entries, validated before anything runs: an unknown
+    name (the message lists the known ones), params or a probe file the analyzer
+    refuses, or a capture the loaded backend cannot take are 400s."""
+    if not req.analyze:
+        return []
+    analyzers = runtime().analyzers
+    # off the event loop: preparing reads probe files
+    analyses = await analyzers.aprepare([(a.name, a.params) for a in req.analyze])
+    caps = ((status.batching if status is not None else None) or {}).get("capabilities") or {}
+    analysis_check_backend(need=analyzers.need(analyses), capabilities=caps,
+                           backend=(status.backend if status is not None else None) or backend,
+                           analyzers=[a.name for a in analyses])
+    return analyses
+
+
+def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, choices: int,
+                 need: CaptureNeed | None = None) -> CaptureSpec | None:
+    """The engine's capture spec of a request's ``capture`` field united with what its
+    analyzers read (``need``), with the CAPTURE_* limits: one choice only (the response
+    holds one capture)."""
     asked = req.capture
-    if asked is None:
+    if asked is None and need is None:
         return None
     if choices != 1:
-        raise OpenAIError("capture takes one choice: send one prompt with n = 1",
-                          status=400, code="invalid_parameter", param="capture")
-    return CaptureSpec(layers=list(asked.layers), positions=asked.positions,
-                       max_bytes=int(settings.CAPTURE_MAX_BYTES),
-                       inline_max_bytes=int(settings.CAPTURE_INLINE_MAX_BYTES),
-                       directory=str(settings.CAPTURE_DIR), model=model)
+        param = "capture" if asked is not None else "analyze"
+        raise OpenAIError(f"{param} takes one choice: send one prompt with n = 1",
+                          status=400, code="invalid_parameter", param=param)
+    limits: dict[str, Any] = {"max_bytes": int(settings.CAPTURE_MAX_BYTES),
+                              "inline_max_bytes": int(settings.CAPTURE_INLINE_MAX_BYTES),
+                              "directory": str(settings.CAPTURE_DIR), "model": model}
+    base = None
+    if asked is not None:
+        att = asked.attention
+        attention = None if att is None else AttentionCaptureSpec(
+            layers=list(att.layers), heads=list(att.heads) if att.heads is not None else None,
+            positions=att.positions, q_positions=att.q_positions)
+        base = CaptureSpec(layers=list(asked.layers), positions=asked.positions,
+                           attention=attention, **limits)
+    return base if need is None else capture_spec_for(need, base, **limits)
 
 
 def sampling_defaults(status: EngineStatus) -> SamplingDefaults:

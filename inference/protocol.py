@@ -3,7 +3,8 @@ engine jobs; responses are built from engine results.
 
 Field names and ranges follow OpenAI's reference schema (CreateChatCompletionRequest,
 CreateCompletionRequest, CreateEmbeddingRequest); the miLLM extensions are ``profile``,
-``steering``, ``steering_intensity`` and ``return_sae_activations``. A model declares
+``steering``, ``steering_intensity``, ``return_sae_activations``, ``capture`` and
+``analyze``. A model declares
 exactly the fields the server reads: any other key a request sends is named in the
 ``X-miLLM-Ignored-Fields`` response header (or refused under ``X-miLLM-Strict``), and the
 output-changing fields it cannot honour (``tools``, ``response_format`` other than text,
@@ -163,19 +164,56 @@ class ReturnSaeActivations(_Strict):
         return self
 
 
-class CaptureRequest(_Strict):
-    """``capture``: hidden states of these decoder blocks' outputs (after their steering)
-    at ``positions``, returned under ``millm.capture`` (docs/capture.md)."""
+CapturePositions = Literal["last", "all", "prompt", "completion", "last_prompt"]
+
+
+def _non_negative(value: list[int] | None, what: str) -> list[int] | None:
+    if value is not None and any(i < 0 for i in value):
+        raise ValueError(f"{what} must be >= 0")
+    return value
+
+
+class AttentionCaptureRequest(_Strict):
+    """``capture.attention``: Q and K of these layers' attention, as it uses them
+    (``gpu_engine.protocol.AttentionCaptureSpec``); K rows at ``positions``, Q rows at
+    ``q_positions`` (the same when omitted)."""
 
     layers: list[int] = Field(min_length=1, max_length=1024)
-    positions: Literal["last", "all", "prompt", "completion"] = "last"
+    heads: list[int] | None = Field(default=None, min_length=1, max_length=4096)
+    positions: CapturePositions = "prompt"
+    q_positions: CapturePositions | None = None
 
-    @field_validator("layers")
-    @classmethod
-    def _layers(cls, value: list[int]) -> list[int]:
-        if any(i < 0 for i in value):
-            raise ValueError("layers must be >= 0")
-        return value
+    _layers = field_validator("layers")(classmethod(lambda cls, v: _non_negative(v, "layers")))
+    _heads = field_validator("heads")(classmethod(lambda cls, v: _non_negative(v, "heads")))
+
+
+class CaptureRequest(_Strict):
+    """``capture``: hidden states of these decoder blocks' outputs (after their steering)
+    at ``positions``, and/or attention Q/K (``attention``), returned under
+    ``millm.capture`` (docs/capture.md)."""
+
+    layers: list[int] = Field(default_factory=list, max_length=1024)
+    positions: CapturePositions = "last"
+    attention: AttentionCaptureRequest | None = None
+
+    _layers = field_validator("layers")(classmethod(lambda cls, v: _non_negative(v, "layers")))
+
+    @model_validator(mode="after")
+    def _asks_something(self) -> CaptureRequest:
+        if not self.layers and self.attention is None:
+            raise ValueError("capture asks for nothing: give layers or attention")
+        return self
+
+
+MAX_ANALYZERS = 16
+
+
+class AnalyzeRequest(_Strict):
+    """One ``analyze`` entry: an analyzer of the registry by name and its params
+    (docs/capture.md, "Analyzers"); its result comes back under ``millm.analysis``."""
+
+    name: str = Field(min_length=1, max_length=100)
+    params: dict[str, Any] = Field(default_factory=dict)
 
 
 class StreamOptions(_Wire):
@@ -271,12 +309,17 @@ class _GenerationRequest(_Wire):
     steering_intensity: float | None = None
     return_sae_activations: ReturnSaeActivations | None = None
     capture: CaptureRequest | None = None
+    analyze: list[AnalyzeRequest] | None = Field(default=None, min_length=1,
+                                                 max_length=MAX_ANALYZERS)
 
     _stop = field_validator("stop", mode="before")(classmethod(lambda cls, v: _stop(v)))
     _intensity = field_validator("steering_intensity", mode="before")(
         classmethod(lambda cls, v: _intensity(v)))
     _logit_bias = field_validator("logit_bias", mode="before")(
         classmethod(lambda cls, v: _logit_bias(v)))
+    # one analyzer ({name, params}) or a list of them
+    _analyze = field_validator("analyze", mode="before")(
+        classmethod(lambda cls, v: [v] if isinstance(v, dict) else v))
 
     def unread_fields(self) -> frozenset[str]:
         # OpenAI: "only set this when you set stream: true"
@@ -290,7 +333,8 @@ class _GenerationRequest(_Wire):
     def uses_extensions(self) -> bool:
         return any(x is not None for x in (self.profile, self.steering,
                                            self.steering_intensity,
-                                           self.return_sae_activations, self.capture))
+                                           self.return_sae_activations, self.capture,
+                                           self.analyze))
 
     def _sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
                   prompt_logprobs: bool, choice: int, defaults: SamplingDefaults,

@@ -18,6 +18,7 @@ import json
 import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import structlog
@@ -66,6 +67,7 @@ class Outcome:
     finish: FinishEvent
     tokens: list[TokenEvent]
     capture: dict[str, Any] | None = None  # millm.capture (register_capture)
+    analysis: list[dict[str, Any]] | None = None  # millm.analysis (run_analyses)
 
 
 # --------------------------------------------------------------------------- shaping
@@ -111,8 +113,11 @@ def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
     fired = _fired(outcomes)
     if fired:
         obj["steering_fired"] = fired
-    if outcomes and outcomes[0].capture is not None:
+    if outcomes and outcomes[0].capture is not None and plan.request.capture is not None:
+        # the capture the request asked for; one its analyzers alone armed is not sent
         obj["capture"] = outcomes[0].capture
+    if outcomes and outcomes[0].analysis is not None:
+        obj["analysis"] = outcomes[0].analysis
     if plan.monitor is not None and plan.attachment is not None and outcomes:
         out = outcomes[0]
         records = list(out.finish.activations)
@@ -263,6 +268,26 @@ async def register_capture(plan: Plan, outcome: Outcome) -> None:
     await off_view_thread(capture_register)(request_id=plan.object_id, result=result)
     outcome.capture = {"id": result.capture_id, "inline": False, "format": "safetensors",
                        "bytes": result.nbytes, "url": f"/api/captures/{result.capture_id}/download"}
+
+
+async def run_analyses(plan: Plan, outcome: Outcome) -> None:
+    """``millm.analysis`` of a finished choice: each analyzer of ``analyze`` on the
+    capture it armed, in the analysis pool (off the event loop and the engine's decode
+    loop; after ``register_capture``, which stores the row of a stored capture)."""
+    if not plan.analyses:
+        return
+    result = outcome.finish.capture
+    source: Any = None
+    if result is not None:
+        if result.data is not None:
+            source = result.data
+        else:
+            source = Path(outcome.choice.job.capture.directory or "") / (result.file or "")
+    entries = await runtime().analyzers.arun(plan.analyses, source)
+    if result is not None and result.data is None:
+        # stored: /api/captures/{id}/analyze can run another analyzer on it later
+        entries = [{**e, "capture_id": result.capture_id} for e in entries]
+    outcome.analysis = entries
 
 
 async def run_choice(client: EngineClient, choice: Choice) -> Outcome:
@@ -436,6 +461,8 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
         if plan.request.include_usage:
             yield _sse(_chunk(plan, [], usage=usage_of(plan, outcomes)))
         if plan.wants_millm:
+            if outcomes:
+                await run_analyses(plan, outcomes[0])  # after the tokens, before [DONE]
             yield _sse(_chunk(plan, [], millm=millm_object(plan, outcomes)))
         yield b"data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
@@ -458,6 +485,8 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
         for outcome in outcomes:
             await record_monitoring(plan, outcome)
             await register_capture(plan, outcome)
+        if outcomes:
+            await run_analyses(plan, outcomes[0])
         body = await build_body(plan, outcomes, client)
         count_usage(plan, usage_of(plan, outcomes))
         return JsonResponse(body, headers=plan.headers)

@@ -14,6 +14,7 @@ class MillmSiteConfig(AppConfig):
         from core.runtime import runtime
         from inference.admission import build_admission
         from inference.residency import Residency
+        from monitoring.analysis import Analyzers
         from orchestration.engine_events import handle as on_engine_event
         from registry.hub import HubBreakers
         from system.metrics import MetricsPush
@@ -26,4 +27,25 @@ class MillmSiteConfig(AppConfig):
             events=EventBus,
             jobs=JobDispatch,
             hub=HubBreakers,
+            analyzers=Analyzers.from_settings,
         )
+        self._check_analyzers()
+
+    @staticmethod
+    def _check_analyzers() -> None:
+        """A deployment's ANALYZERS_EXTRA is imported at start, so a bad entry stops the
+        process with one line (as a bad variable does) rather than failing a request."""
+        import sys
+
+        from django.conf import settings
+
+        from core.runtime import runtime
+
+        if not settings.ANALYZERS_EXTRA:
+            return  # the built-in registry is built on first use
+        try:
+            runtime().analyzers  # noqa: B018 - built now, to fail now
+        except Exception as exc:  # noqa: BLE001 - whatever the deployment's code raised
+            sys.stderr.write(f"miLLM configuration error: ANALYZERS_EXTRA: {exc}\n")
+            sys.stderr.flush()
+            raise SystemExit(2) from None

@@ -300,6 +300,14 @@ VARIABLES: tuple[Var, ...] = (
     Var("CAPTURE_RETENTION_S", "Capture", "int", 86400,
         "Seconds a stored capture is kept; manage.py prune_captures deletes older ones "
         "(and files no capture row names). 0 keeps them until deleted.", minimum=0),
+    Var("ANALYZERS_EXTRA", "Capture", "list", [],
+        "A deployment's own analyzers: comma-separated package.module:function entries, "
+        "each called at start-up with the analyzer registry to register analyzers. An entry "
+        "that does not import or register stops start-up with one line."),
+    Var("ANALYZER_PROBE_DIR", "Capture", "str", None, "Where the probe files that "
+        "analyzers read (H-Node .npz, science probe .json/.npz) live (default "
+        "MILLM_DATA_DIR/probes). Requests name a file inside it, never a path.",
+        derive=_under_data("probes")),
     # --- Transformers models --------------------------------------------------------
     Var("TRANSFORMERS_MIN_CONTEXT", "Transformers models", "int", 4096,
         "Context whose KV cache every card a model uses must have room for (or the model's "
@@ -470,6 +478,12 @@ def _check_combinations(v: dict[str, Any]) -> None:
         name, _, layer = item.partition("@")
         if not name or (layer and not layer.isdigit()):
             raise ConfigError("AUTO_ATTACH_SAES", "entries must be <sae name or id>[@<layer>]",
+                              item)
+    for item in v["ANALYZERS_EXTRA"]:
+        module, _, func = item.partition(":")
+        if not func or not all(p.isidentifier() for p in module.split(".")) \
+                or not func.isidentifier():
+            raise ConfigError("ANALYZERS_EXTRA", "entries must be package.module:function",
                               item)
     if v["AUTO_ATTACH_SAES"] and not v["AUTO_LOAD_MODEL"]:
         raise ConfigError("AUTO_ATTACH_SAES", "needs AUTO_LOAD_MODEL (SAEs attach to the "

@@ -11,6 +11,7 @@ from rest_framework.views import APIView
 from core.api import envelope, validated
 from core.schema import MAX_INDEX, MAX_LAYER, enveloped
 from monitoring import selectors, services
+from monitoring.analysis import capture_analyze
 from monitoring.models import MonitoringConfig
 
 MONITORING = ["monitoring"]
@@ -151,6 +152,22 @@ class CaptureDetailApi(APIView):
     def delete(self, request, capture_id: str) -> Response:
         services.capture_delete(capture_id=capture_id)
         return envelope({"deleted": capture_id})
+
+
+class AnalyzeInput(serializers.Serializer):
+    name = serializers.CharField(max_length=100)
+    params = serializers.DictField(required=False, default=dict)
+
+
+class CaptureAnalyzeApi(APIView):
+    @extend_schema(tags=CAPTURES, summary="Run an analyzer on a stored capture",
+                   request=AnalyzeInput, responses=_ANY)
+    def post(self, request, capture_id: str) -> Response:
+        from core.runtime import runtime
+
+        data = validated(AnalyzeInput, request.data or {})
+        return envelope(capture_analyze(capture_id=capture_id, name=data["name"],
+                                        params=data["params"], analyzers=runtime().analyzers))
 
 
 class CaptureDownloadApi(APIView):

@@ -15,6 +15,8 @@ urlpatterns = [
          name="monitoring-statistics-top"),
     path("captures", apis.CaptureListApi.as_view(), name="captures"),
     path("captures/<str:capture_id>", apis.CaptureDetailApi.as_view(), name="capture"),
+    path("captures/<str:capture_id>/analyze", apis.CaptureAnalyzeApi.as_view(),
+         name="capture-analyze"),
     path("captures/<str:capture_id>/download", apis.CaptureDownloadApi.as_view(),
          name="capture-download"),
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import math
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,24 @@ def reduce_hidden(rows: np.ndarray, how: str) -> Any:
     if how == "last":
         return rows[-1]
     return float(np.linalg.norm(rows))
+
+
+def select_rows(positions: np.ndarray, mode: str, prompt_len: int) -> np.ndarray:
+    """Indices of the captured rows that positions ``mode`` names, in a capture taken at
+    that mode or at a wider one that holds it (``registry.covers``: a request's own
+    capture and its analyzers' are united into one)."""
+    pos = np.asarray(positions)
+    if mode == "all" or not pos.size:
+        return np.arange(pos.size)
+    if mode == "prompt":
+        mask = pos < prompt_len
+    elif mode == "completion":
+        mask = pos >= prompt_len - 1  # row P-1+i produced completion token i
+    elif mode == "last_prompt":
+        mask = pos == prompt_len - 1
+    else:  # last: the last row computed
+        mask = pos == pos.max()
+    return np.nonzero(mask)[0]
 
 
 def tracker_head_score(q: np.ndarray, keys: np.ndarray, scale: float, instruction: tuple[int, int],
@@ -201,7 +220,7 @@ def _load_npz(path: Path, probe: str) -> dict[str, np.ndarray]:
     try:
         with np.load(path, allow_pickle=False) as data:  # never unpickle a probe
             return {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError) as exc:
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
         raise InvalidProbeFile(f"probe {probe!r} is not a readable .npz file: {exc}",
                                details={"param": "analyze.params.probe", "probe": probe}) from exc
 
@@ -250,8 +269,9 @@ class HiddenStates:
 
     def run(self, capture: Any, p: dict[str, Any], ctx: AnalysisContext) -> dict[str, Any]:
         out = {}
+        rows = select_rows(capture.positions, p["positions"], _prompt_len(capture))
         for layer in p["layers"]:
-            value = reduce_hidden(np.asarray(capture.hidden[layer]), p["reduce"])
+            value = reduce_hidden(np.asarray(capture.hidden[layer])[rows], p["reduce"])
             out[str(layer)] = value.tolist() if isinstance(value, np.ndarray) else value
         return {"reduce": p["reduce"], "layers": out}
 
@@ -491,4 +511,5 @@ BUILTIN = (HiddenStates(), AttentionTracker(), HNodeHallucination(), ScienceHall
 
 __all__ = ["BUILTIN", "AttentionTracker", "AttnLinkU", "CoReReranker", "HNodeHallucination", "HNodeProbe",
            "HiddenStates", "ScienceHallucination", "attnlink_select", "core_document_scores", "hnode_score",
-           "query_attention", "reduce_hidden", "sigmoid", "softmax", "tracker_head_score"]
+           "query_attention", "reduce_hidden", "select_rows", "sigmoid", "softmax",
+           "tracker_head_score"]

@@ -146,7 +146,8 @@ def test_malformed_probes_are_refused(tmp_path):
     np.save(tmp_path / "obj.npy", np.array([{"a": 1}], dtype=object))
     (tmp_path / "pickled.npz").write_bytes((tmp_path / "obj.npy").read_bytes())
     np.savez(tmp_path / "objects.npz", weights=np.array([{"x": 1}], dtype=object))
-    for name in ("short.npz", "nolayer.npz", "pickled.npz", "objects.npz", "missing.npz", "h.json"):
+    (tmp_path / "notzip.npz").write_bytes(b"PK\x03\x04 no zip archive behind the magic")
+    for name in ("short.npz", "nolayer.npz", "pickled.npz", "objects.npz", "missing.npz", "h.json", "notzip.npz"):
         with pytest.raises(InvalidProbeFile):
             reg.get("hnode_hallucination").prepare({"probe": name}, ctx)
     with pytest.raises(InvalidParameter):  # a path, not a name in the probe directory
@@ -178,6 +179,22 @@ def test_hidden_state_reductions_by_hand():
     assert run("hidden_states", cap, {"layers": [0], "reduce": "mean"})["layers"]["0"] == [1.5, 2.0]
     assert run("hidden_states", cap, {"layers": [0], "reduce": "last"})["layers"]["0"] == [0.0, 0.0]
     assert run("hidden_states", cap, {"layers": [0]})["layers"]["0"] == [[3.0, 4.0], [0.0, 0.0]]
+
+
+def test_hidden_state_reductions_read_their_own_rows_of_a_wider_capture():
+    # prompt of 2 tokens, 2 generated: rows at positions 0, 1 (prompt), 2; a capture at
+    # "all" (a request's own, united with the analyzer's) holds every mode's rows
+    cap = CaptureData(meta={"prompt_token_ids": [0, 1], "layers": [0], "positions": "all"},
+                      hidden={0: np.array([[1.0, 0.0], [3.0, 4.0], [5.0, 6.0]], dtype=np.float32)},
+                      positions=np.array([0, 1, 2]))
+
+    def reduce(how, positions):
+        return run("hidden_states", cap, {"layers": [0], "reduce": how, "positions": positions})["layers"]["0"]
+    assert reduce("mean", "prompt") == [2.0, 2.0]
+    assert reduce("mean", "completion") == [4.0, 5.0]  # rows P-1 and P
+    assert reduce("none", "last_prompt") == [[3.0, 4.0]]
+    assert reduce("last", "last") == [5.0, 6.0]
+    assert reduce("norm", "all") == pytest.approx(math.sqrt(1 + 9 + 16 + 25 + 36))
 
 
 def test_registry_names_refusals_and_extension():

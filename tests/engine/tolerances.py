@@ -20,6 +20,9 @@ BATCH_*   a request run inside a continuous batch vs the same request run alone 
 CAPTURE_* captured block outputs vs the test's own float32 forward of a second copy of
           the model over the whole sequence (unpacked weights, no KV cache): the same
           formulas with another matmul blocking, a few ulp of values of magnitude <= ~10.
+ANALYSIS_* an analyzer's result on a captured (float32) artifact vs the test's own float64
+          formula on that reference forward: CAPTURE_* per value, summed over up to 64
+          terms (a probe's dot product, a norm) or a softmax over the prompt, so ~10x.
 """
 
 HOOK_ATOL = 2e-5
@@ -36,3 +39,5 @@ BATCH_ENCODE_RTOL = 1e-5
 BATCH_LOGPROB_ATOL = 2e-5
 CAPTURE_ATOL = 2e-5
 CAPTURE_RTOL = 1e-5
+ANALYSIS_ATOL = 2e-4
+ANALYSIS_RTOL = 1e-4

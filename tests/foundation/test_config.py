@@ -106,6 +106,8 @@ REFUSALS = [
     ({"DATABASE_URL": "postgresql://u@127.0.0.1:5432/millm"}, "SECRET_KEY",
      "required when DEBUG is off"),
     ({"SECRET_KEY": "short"}, "SECRET_KEY", "at least 32 characters"),
+    ({"ANALYZERS_EXTRA": "my_analyzers.register"}, "ANALYZERS_EXTRA",
+     "package.module:function"),
 ]
 
 
