@@ -21,14 +21,15 @@ CAPTURE = {"layers": [0, 1, 2, 3], "positions": "all",
            "attention": {"layers": [1, 3], "positions": "prompt"}}
 
 
-def _store_capture(server, content: str, capture: dict) -> str:
+def _store_capture(server, content: str, capture: dict) -> tuple[str, str]:
+    """(capture id, the response's id)."""
     status, out = server.call("POST", "/v1/chat/completions", {
         "model": "tiny-llama", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
         "messages": [{"role": "user", "content": content}], "capture": capture}, timeout=60)
     assert status == 200, out
     obj = out["millm"]["capture"]
     assert obj["inline"] is False, obj  # the UI server stores every capture
-    return obj["id"]
+    return obj["id"], out["id"]
 
 
 def _download(server, capture_id: str) -> bytes:
@@ -80,13 +81,15 @@ def _heat_map(page, layer: int, head: int, cap) -> np.ndarray:
 
 
 def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
-    capture_id = _store_capture(server, "Show me where the attention goes.", CAPTURE)
+    capture_id, response_id = _store_capture(server, "Show me where the attention goes.",
+                                             CAPTURE)
     cap = load_capture(_download(server, capture_id))
     assert cap.meta["attention"]["num_kv_heads"] < cap.meta["attention"]["num_heads"]  # GQA
     _open(server, page, capture_id)
     row = page.locator(f"#captures tr[data-capture-id='{capture_id}']")
-    assert cap.meta["request_id"] in row.inner_text()
-    assert "tiny-llama" in page.inner_text("#detail-figures")
+    assert response_id in row.inner_text()
+    figures = page.inner_text("#detail-figures")
+    assert response_id in figures and cap.meta["request_id"] in figures and "tiny-llama" in figures
 
     # the norms: every (row, layer) cell of the table, the plotted mean line
     expected = {layer: np.linalg.norm(cap.hidden[layer].astype(np.float64), axis=1)
@@ -130,7 +133,7 @@ def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
 
 
 def test_delete_asks_first_and_removes_the_capture(server, page):
-    capture_id = _store_capture(server, "A capture to delete.",
+    capture_id, _ = _store_capture(server, "A capture to delete.",
                                 {"layers": [2], "positions": "last"})
     deletes: list[str] = []
     page.on("request", lambda r: deletes.append(r.url) if r.method == "DELETE" else None)
@@ -155,7 +158,9 @@ READ = """async (b64) => {
   const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0));
   const { tensors, metadata } = parseSafetensors(bytes.buffer);
   const out = {};
-  for (const [name, t] of Object.entries(tensors)) out[name] = { dtype: t.dtype, shape: t.shape, data: Array.from(t.data) };
+  for (const [name, t] of Object.entries(tensors)) {
+    out[name] = { dtype: t.dtype, shape: t.shape, data: Array.from(t.data) };
+  }
   return { tensors: out, metadata };
 }"""
 

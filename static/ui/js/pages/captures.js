@@ -102,7 +102,7 @@ function showDetail() {
   const fig = (label, value, cls = "small") => el("div", {}, el("dt", {}, label), el("dd", { class: cls }, value ?? "—"));
   const att = meta.attention;
   $("#detail-figures").replaceChildren(
-    fig("Request", meta.request_id), fig("Model", `${meta.model} (${meta.backend})`),
+    fig("Request", detail.request_id), fig("Engine request", meta.request_id), fig("Model", `${meta.model} (${meta.backend})`),
     fig("Layers", (meta.layers || []).join(", ") || "—"), fig("Positions", meta.positions),
     fig("Rows × hidden", `${meta.rows} × ${meta.hidden_size} (${meta.dtype})`),
     fig("Prompt / completion", `${(meta.prompt_token_ids || []).length} / ${(meta.completion_token_ids || []).length} tokens`),
