@@ -14,6 +14,7 @@ import pytest
 
 from gpu_engine.artifacts import load_capture
 from tests.ui.conftest import screenshot
+from tests.ui.test_pages import UNLABELLED
 
 RTOL = 1e-9    # float64 in the page and here; only the order of the sums differs
 ATOL = 1e-12
@@ -90,6 +91,7 @@ def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
     assert response_id in row.inner_text()
     figures = page.inner_text("#detail-figures")
     assert response_id in figures and cap.meta["request_id"] in figures and "tiny-llama" in figures
+    assert page.evaluate(UNLABELLED) == []  # the detail's selects too
 
     # the norms: every (row, layer) cell of the table, the plotted mean line
     expected = {layer: np.linalg.norm(cap.hidden[layer].astype(np.float64), axis=1)
