@@ -81,6 +81,29 @@ def _heat_map(page, layer: int, head: int, cap) -> np.ndarray:
     return shown
 
 
+def _check_norms(page, cap, layers: list[int]) -> None:
+    """Every (row, layer) cell of the norm table and the plotted mean and highlighted
+    lines equal the L2 norms of the file's rows, computed here."""
+    expected = {layer: np.linalg.norm(cap.hidden[layer].astype(np.float64), axis=1)
+                for layer in layers}
+    cells = page.evaluate("""() => [...document.querySelectorAll(
+        '#norm-table tbody td[data-norm]')].map((td) => [Number(td.closest('tr').dataset.row),
+        Number(td.dataset.layer), Number(td.dataset.norm)])""")
+    assert len(cells) == len(cap.positions) * len(layers)
+    for r, layer, norm in cells:
+        np.testing.assert_allclose(norm, expected[layer][r], rtol=RTOL, atol=ATOL)
+    plotted = page.evaluate("""() => [...document.querySelectorAll('#norm-plot circle.dot.mean')]
+        .map((c) => [Number(c.dataset.layer), Number(c.dataset.norm)])""")
+    assert [layer for layer, _ in plotted] == layers
+    for layer, norm in plotted:
+        np.testing.assert_allclose(norm, expected[layer].mean(), rtol=RTOL, atol=ATOL)
+    last = len(cap.positions) - 1  # the highlighted row by default
+    chosen = page.evaluate("""() => [...document.querySelectorAll('#norm-plot circle.dot.chosen')]
+        .map((c) => Number(c.dataset.norm))""")
+    np.testing.assert_allclose(chosen, [expected[layer][last] for layer in layers],
+                               rtol=RTOL, atol=ATOL)
+
+
 def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
     capture_id, response_id = _store_capture(server, "Show me where the attention goes.",
                                              CAPTURE)
@@ -93,25 +116,7 @@ def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
     assert response_id in figures and cap.meta["request_id"] in figures and "tiny-llama" in figures
     assert page.evaluate(UNLABELLED) == []  # the detail's selects too
 
-    # the norms: every (row, layer) cell of the table, the plotted mean line
-    expected = {layer: np.linalg.norm(cap.hidden[layer].astype(np.float64), axis=1)
-                for layer in CAPTURE["layers"]}
-    cells = page.evaluate("""() => [...document.querySelectorAll(
-        '#norm-table tbody td[data-norm]')].map((td) => [Number(td.closest('tr').dataset.row),
-        Number(td.dataset.layer), Number(td.dataset.norm)])""")
-    assert len(cells) == len(cap.positions) * len(CAPTURE["layers"])
-    for r, layer, norm in cells:
-        np.testing.assert_allclose(norm, expected[layer][r], rtol=RTOL, atol=ATOL)
-    plotted = page.evaluate("""() => [...document.querySelectorAll('#norm-plot circle.dot.mean')]
-        .map((c) => [Number(c.dataset.layer), Number(c.dataset.norm)])""")
-    assert [layer for layer, _ in plotted] == CAPTURE["layers"]
-    for layer, norm in plotted:
-        np.testing.assert_allclose(norm, expected[layer].mean(), rtol=RTOL, atol=ATOL)
-    last = len(cap.positions) - 1  # the highlighted row by default
-    chosen = page.evaluate("""() => [...document.querySelectorAll('#norm-plot circle.dot.chosen')]
-        .map((c) => Number(c.dataset.norm))""")
-    np.testing.assert_allclose(chosen, [expected[layer][last] for layer in CAPTURE["layers"]],
-                               rtol=RTOL, atol=ATOL)
+    _check_norms(page, cap, CAPTURE["layers"])
 
     # the heat map of query head 1 (it reads KV head 0) at layer 3, cell by cell
     want = _reference_attention(cap, 3, 1)
@@ -131,6 +136,32 @@ def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
         want = _reference_attention(cap, layer, head)
         np.testing.assert_allclose(shown[~np.isnan(want)], want[~np.isnan(want)],
                                    rtol=RTOL, atol=ATOL)
+    page.console.assert_clean()
+
+
+def test_the_form_captures_a_prompt_through_v1_and_opens_it(server, page):
+    before = set(_listed(server))
+    page.goto(server.url + "/captures/")
+    page.wait_for_selector("#c-model option[value='tiny-llama']", state="attached")
+    page.wait_for_function("document.querySelector('#c-layers').value === '0, 1, 2, 3'")
+    page.fill("#c-prompt", "Capture me from the page.")
+    page.fill("#c-layers", "1, 3")
+    page.select_option("#c-positions", "completion")
+    page.fill("#c-att-layers", "2")
+    page.click("#c-send")
+    page.wait_for_selector("#detail[data-state=ready]")
+    capture_id = page.get_attribute("#detail", "data-capture-id")
+    assert set(_listed(server)) - before == {capture_id}  # stored, and listed in the page
+    page.wait_for_selector(f"#captures tr.selected[data-capture-id='{capture_id}']")
+    cap = load_capture(_download(server, capture_id))
+    assert cap.meta["layers"] == [1, 3] and cap.meta["positions"] == "completion"
+    assert cap.meta["attention"]["layers"] == [2]
+    assert cap.meta["prompt_token_ids"]  # the page's prompt went through the chat template
+    _check_norms(page, cap, [1, 3])
+    shown = _heat_map(page, 2, 0, cap)
+    want = _reference_attention(cap, 2, 0)
+    np.testing.assert_allclose(shown[~np.isnan(want)], want[~np.isnan(want)],
+                               rtol=RTOL, atol=ATOL)
     page.console.assert_clean()
 
 

@@ -1,11 +1,12 @@
-// Captures: the stored /api/captures list (delete with confirmation); a chosen capture's
-// sidecar, its per-layer hidden-state norms (an SVG plot and a table) and, when it holds
-// Q/K, the attention of one layer and head as a token-by-token heat map. Everything is
-// computed here from the downloaded safetensors file (static/ui/js/safetensors.js), so the
-// page shows exactly what the file holds; every value is also in the DOM
-// (data-norm, data-value) at full precision.
+// Captures: the stored /api/captures list (delete with confirmation), a form that sends one
+// prompt with `capture` through /v1 (an inline answer is shown without being stored); a
+// chosen capture's sidecar, its per-layer hidden-state norms (an SVG plot and a table)
+// and, when it holds Q/K, the attention of one layer and head as a token-by-token heat
+// map. Everything is computed here from the downloaded safetensors file
+// (static/ui/js/safetensors.js), so the page shows exactly what the file holds; every
+// value is also in the DOM (data-norm, data-value) at full precision.
 
-import { del, get, getBytes } from "../api.js";
+import { del, get, getBytes, post } from "../api.js";
 import { attentionMap, layerNorms, sequenceTokens } from "../capture.js";
 import { $, boot, busy, el, fillRows, fmtBytes, fmtDateTime, notice, showError } from "../dom.js";
 import * as events from "../events.js";
@@ -32,7 +33,7 @@ async function refresh() {
     captures = data.captures;
     $("#captures-total").textContent = `${data.total} stored`;
     render();
-    if (selected && !captures.some((c) => c.id === selected.id)) clearDetail();
+    if (selected && !selected.inline && !captures.some((c) => c.id === selected.id)) clearDetail();
   } catch (err) { showError(err, "Captures"); }
 }
 
@@ -72,15 +73,17 @@ function clearDetail() {
   render();
 }
 
-async function open(id) {
+/** Show a capture: a stored one by id, or an inline one from a /v1 answer ({detail, bytes}). */
+async function open(id, inline = null) {
   const mine = ++loading;
   $("#detail").classList.remove("hidden");
   $("#detail").dataset.state = "loading";
-  $("#detail-id").textContent = id;
+  $("#detail-id").textContent = inline ? `${id} (inline, not stored)` : id;
   $("#detail-note").textContent = "Downloading the artifact…";
   let detail; let tensors;
   try {
-    const [d, bytes] = await Promise.all([get(`/api/captures/${id}`), getBytes(`/api/captures/${id}/download`)]);
+    const [d, bytes] = inline ? [inline.detail, inline.bytes]
+      : await Promise.all([get(`/api/captures/${id}`), getBytes(`/api/captures/${id}/download`)]);
     detail = d;
     ({ tensors } = parseSafetensors(bytes));
   } catch (err) {
@@ -88,7 +91,7 @@ async function open(id) {
     throw err;
   }
   if (mine !== loading) return;
-  selected = { id, detail, tensors, meta: detail.metadata, norms: layerNorms(tensors) };
+  selected = { id, detail, tensors, meta: detail.metadata, norms: layerNorms(tensors), inline: Boolean(inline) };
   render();
   showDetail();
   $("#detail").dataset.state = "ready";
@@ -270,11 +273,62 @@ function drawAttention() {
   map.replaceChildren(el("thead", {}, head_row), el("tbody", {}, ...body));
 }
 
+// --- capture a prompt ----------------------------------------------------------------------
+
+function indices(text, what) {
+  const parts = text.split(/[\s,]+/).filter(Boolean).map(Number);
+  if (parts.some((n) => !Number.isInteger(n) || n < 0)) throw new Error(`${what} must be indices (0, 1, 2…)`);
+  return parts;
+}
+
+async function loadModels() {
+  try {
+    const [models, registry] = await Promise.all([get("/v1/models"), get("/api/models")]);
+    const loaded = registry.models.find((m) => m.id === registry.loaded_model_id);
+    const sel = $("#c-model");
+    const keep = sel.value;
+    sel.replaceChildren(...models.data.map((m) => el("option", { value: m.id }, m.id)));
+    if (keep && models.data.some((m) => m.id === keep)) sel.value = keep;
+    else if (loaded) sel.value = loaded.name;
+    if (loaded && !$("#c-layers").value && loaded.num_layers) {
+      $("#c-layers").value = Array.from({ length: loaded.num_layers }, (_, i) => i).join(", ");
+    }
+  } catch (err) { showError(err, "Models"); }
+}
+
+async function capturePrompt() {
+  const layers = indices($("#c-layers").value, "Layers");
+  const attention = indices($("#c-att-layers").value, "Q/K layers");
+  if (!layers.length && !attention.length) throw new Error("Give hidden-state layers, Q/K layers or both");
+  const capture = { ...(layers.length ? { layers, positions: $("#c-positions").value } : {}),
+    ...(attention.length ? { attention: { layers: attention, positions: "prompt" } } : {}) };
+  const answer = await post("/v1/chat/completions", {
+    model: $("#c-model").value, max_tokens: Number($("#c-max").value) || 16, temperature: 0,
+    messages: [{ role: "user", content: $("#c-prompt").value }], capture });
+  const obj = answer.millm.capture;
+  $("#c-result").textContent = `${answer.id}: ${JSON.stringify(answer.choices[0].message.content)} · capture ${obj.id}, ` +
+    `${fmtBytes(obj.bytes)}, ${obj.inline ? "inline (at most CAPTURE_INLINE_MAX_BYTES: shown, not stored)" : "stored"}`;
+  if (obj.inline) {
+    const bytes = Uint8Array.from(atob(obj.data), (c) => c.charCodeAt(0)).buffer;
+    await open(obj.id, { bytes, detail: { id: obj.id, request_id: answer.id, bytes: obj.bytes,
+      created_at: new Date(obj.metadata.created_at * 1000).toISOString(), expires_at: null, metadata: obj.metadata } });
+  } else {
+    await refresh();
+    await open(obj.id);
+  }
+}
+
+$("#new-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  busy($("#c-send"), capturePrompt, "Capture");
+});
 $("#norm-token").addEventListener("change", plotNorms);
 $("#att-layer").addEventListener("change", drawAttention);
 $("#att-head").addEventListener("change", drawAttention);
 $("#refresh").addEventListener("click", (ev) => busy(ev.currentTarget, refresh, "Refresh"));
 events.onReconnect(refresh);
+events.on("model:load:complete", loadModels);
+loadModels();
 
 // a link may name the capture to open: /captures/#<id>
 await refresh();
