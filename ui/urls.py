@@ -16,6 +16,7 @@ urlpatterns = [
     path("circuits/", views.page("circuits", "Circuits"), name="ui-circuits"),
     path("playground/", views.page("playground", "Playground"), name="ui-playground"),
     path("monitoring/", views.page("monitoring", "Monitoring"), name="ui-monitoring"),
+    path("captures/", views.page("captures", "Captures"), name="ui-captures"),
     re_path(rf"^ui/saes/{SAE_ID}/labels$", views.feature_labels, name="ui-feature-labels"),
     re_path(r"^static/(?P<path>.+)$", views.static, name="ui-static"),
 ]

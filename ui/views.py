@@ -36,6 +36,7 @@ NAV = [
     ("circuits", "/circuits/", "Circuits"),
     ("playground", "/playground/", "Playground"),
     ("monitoring", "/monitoring/", "Monitoring"),
+    ("captures", "/captures/", "Captures"),
 ]
 
 

@@ -179,8 +179,11 @@ def stop_server(server: Server) -> None:
 @pytest.fixture(scope="session")
 def server(tiny_assets, slow_hub, tmp_path_factory):
     """The served UI with tiny-llama resident, its layer-1 SAE attached, a cluster and a
-    circuit imported, monitoring recording and a few generations in its history."""
-    srv = start_server(tmp_path_factory.mktemp("ui-server"), slow_hub.url)
+    circuit imported, monitoring recording and a few generations in its history. Every
+    capture is stored (CAPTURE_INLINE_MAX_BYTES=0), so the captures page has something
+    to list."""
+    srv = start_server(tmp_path_factory.mktemp("ui-server"), slow_hub.url,
+                       {"CAPTURE_INLINE_MAX_BYTES": "0"})
     try:
         models = {m["name"]: m for m in srv.api("GET", "/api/models")["models"]}
         saes = {s["name"]: s for s in srv.api("GET", "/api/saes")["saes"]}

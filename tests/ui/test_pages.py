@@ -19,6 +19,7 @@ PAGES = [
     ("/circuits/", "Circuits", "tr[data-circuit-id]"),
     ("/playground/", "Playground", "#heat-sae option[value^=sae_]"),
     ("/monitoring/", "Monitoring", "#records tr"),
+    ("/captures/", "Captures", "#captures tr"),
 ]
 
 # Controls without a <label>, aria-label or aria-labelledby (hidden ones excepted).

@@ -176,3 +176,12 @@ export async function getText(path) {
   }
   return text;
 }
+
+/** GET a binary file (a capture's safetensors) as an ArrayBuffer. */
+export async function getBytes(path, { signal } = {}) {
+  if (keyMissing()) throw noKey();
+  // */*: DRF's content negotiation answers 406 to Accept: application/octet-stream
+  const response = await fetch(path, { headers: headers({ Accept: "*/*" }), signal });
+  if (!response.ok) throw refusal(response, await parse(response));
+  return response.arrayBuffer();
+}
