@@ -5,6 +5,7 @@ from __future__ import annotations
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
+from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
@@ -170,7 +171,20 @@ class CaptureAnalyzeApi(APIView):
                                         params=data["params"], analyzers=runtime().analyzers))
 
 
+class _FileNegotiation(BaseContentNegotiation):
+    """A file route answers whatever the client accepts (``application/octet-stream``
+    included, which no JSON renderer matches); a refusal is still the JSON envelope."""
+
+    def select_parser(self, request, parsers):  # type: ignore[no-untyped-def]
+        return parsers[0] if parsers else None
+
+    def select_renderer(self, request, renderers, format_suffix=None):  # type: ignore[no-untyped-def]
+        return renderers[0], renderers[0].media_type
+
+
 class CaptureDownloadApi(APIView):
+    content_negotiation_class = _FileNegotiation
+
     @extend_schema(tags=CAPTURES, summary="The capture's safetensors file",
                    responses={(200, "application/octet-stream"): OpenApiTypes.BINARY})
     def get(self, request, capture_id: str):  # type: ignore[no-untyped-def]

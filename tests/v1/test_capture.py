@@ -76,6 +76,10 @@ def test_stored_capture_is_listed_fetched_downloaded_and_deleted(llama, openai_c
     assert detail["metadata"]["completion_token_ids"] and detail["metadata"]["layers"] == [1, 2]
     dl = request(base, "GET", f"/api/captures/{cid}/download")
     assert dl.status == 200 and len(dl.body) == cap_obj["bytes"]
+    # a client that says what it wants gets it too (no 406 from content negotiation)
+    typed = request(base, "GET", f"/api/captures/{cid}/download",
+                    headers={"Accept": "application/octet-stream"})
+    assert typed.status == 200 and typed.body == dl.body
     cap = load_capture(dl.body)
     want = solo(llama, cap.meta)
     for layer in (1, 2):
