@@ -5,7 +5,6 @@ and telling an out-of-memory failure from others (``is_out_of_memory``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +13,7 @@ from .errors import InsufficientMemory
 from .hooks import AttachmentStats
 from .protocol import AttachmentKey, AttachmentStatus, AttachSpec
 from .sae import check_compatibility
-from .sae.layouts import config_at_layer, detect_layout, get_layout
+from .sae.layouts import config_at_layer, resolve_layout
 from .sae.module import SAE
 
 
@@ -53,15 +52,7 @@ class Attachment:
 def prepare_attachment(backend: Any, spec: AttachSpec, model_id: str | None) -> tuple[Attachment, list[str]]:
     """``spec``'s SAE read, checked against the loaded model and loaded onto its device,
     with the compatibility warnings; nothing is installed yet."""
-    if spec.layout is None:
-        layout, found = detect_layout(spec.path)
-    else:
-        layout = get_layout(spec.layout)
-        found = layout.detect(Path(spec.path))
-        if found is None:
-            from .errors import SAEFormatError
-
-            raise SAEFormatError(f"{spec.path} is not a {spec.layout} SAE", details={"path": spec.path})
+    layout, found = resolve_layout(spec.path, spec.layout)
     # a file of one vector per layer (layout "vector") gives the layer's own
     cfg = config_at_layer(layout, layout.read_metadata(found), spec.layer)
     report = check_compatibility(

@@ -28,7 +28,6 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from pathlib import Path
 from typing import Any, Self
 
 import msgspec
@@ -49,7 +48,6 @@ from .errors import (
     InvalidParameter,
     ModelLoadFailed,
     ModelNotLoaded,
-    SAEFormatError,
     SAENotAttached,
 )
 from .hooks import HookManager
@@ -320,16 +318,10 @@ class Engine:
     def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> CompatibilityReport:
         """Compatibility of an SAE with the loaded model, from its metadata only."""
         from .errors import SAEIncompatible
-        from .sae.layouts import config_at_layer, detect_layout, get_layout
+        from .sae.layouts import config_at_layer, resolve_layout
 
         backend = self._require_backend()
-        if layout is None:
-            found_layout, found = detect_layout(path)
-        else:
-            found_layout = get_layout(layout)
-            found = found_layout.detect(Path(path))
-            if found is None:
-                raise SAEFormatError(f"{path} is not a {layout} SAE", details={"path": str(path)})
+        found_layout, found = resolve_layout(path, layout)
         try:
             cfg = config_at_layer(found_layout, found_layout.read_metadata(found), layer)
         except SAEIncompatible as exc:  # a vector file without that layer's vector

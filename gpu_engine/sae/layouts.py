@@ -98,15 +98,21 @@ def detect_layout(path: str | Path) -> tuple[SAELayout, Path]:
     )
 
 
+def resolve_layout(path: str | Path, layout: str | None = None) -> tuple[SAELayout, Path]:
+    """The layout of the SAE at ``path`` and what it recognised there: the named one (which
+    must recognise it), else the first registered layout that does."""
+    if layout is None:
+        return detect_layout(path)
+    found_layout = get_layout(layout)
+    found = found_layout.detect(Path(path))
+    if found is None:
+        raise SAEFormatError(f"{path} is not a {layout} SAE", details={"path": str(path)})
+    return found_layout, found
+
+
 def read_sae_metadata(path: str | Path, layout: str | None = None) -> SAEConfig:
     """d_in, d_sae, activation, layout, trained-on model/layer, hook name, k — no weights loaded."""
-    if layout is None:
-        found_layout, found = detect_layout(path)
-    else:
-        found_layout = get_layout(layout)
-        found = found_layout.detect(Path(path))
-        if found is None:
-            raise SAEFormatError(f"{path} is not a {layout} SAE", details={"path": str(path)})
+    found_layout, found = resolve_layout(path, layout)
     return found_layout.read_metadata(found)
 
 
@@ -466,6 +472,7 @@ __all__ = [
     "detect_layout",
     "get_layout",
     "read_sae_metadata",
+    "resolve_layout",
     "register_layout",
     "registered_layouts",
 ]

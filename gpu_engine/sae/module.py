@@ -24,7 +24,7 @@ import torch
 
 from ..errors import InvalidFeatureIndex
 from .config import SAEConfig
-from .layouts import detect_layout, get_layout
+from .layouts import resolve_layout
 
 
 class SAE:
@@ -200,15 +200,7 @@ def load_sae(
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> SAE:
-    if layout is None:
-        found_layout, found = detect_layout(path)
-    else:
-        found_layout = get_layout(layout)
-        found = found_layout.detect(Path(path))
-        if found is None:
-            from ..errors import SAEFormatError
-
-            raise SAEFormatError(f"{path} is not a {layout} SAE", details={"path": str(path)})
+    found_layout, found = resolve_layout(path, layout)
     cfg = found_layout.read_metadata(found)
     tensors = found_layout.load_tensors(cfg)
     return SAE(cfg, tensors, device=device, dtype=dtype)

@@ -9,37 +9,17 @@ import pytest
 
 from gpu_engine.protocol import (
     FeatureControl,
-    GenerationJob,
     MonitorEntry,
     MonitorSpec,
     PositionRange,
-    SamplingParams,
     SteeringCondition,
     SteeringEntry,
     SteeringSpec,
 )
-from tests.v1.conftest import attach
-from tests.v1.helpers import assert_openai_error, request
+from tests.v1.helpers import assert_openai_error
 
-PROMPT = "the sea and the sky"
-
-
-def _direct(server, steering=None, monitor=None, max_tokens=16):
-    return server.engine.generate_sync(GenerationJob(
-        request_id="ref", prompt=PROMPT, steering=steering, monitor=monitor,
-        sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)),
-        timeout_s=60)
-
-
-def _complete(server, **extra):
-    return request(server.base_url, "POST", "/completions", {
-        "model": "tiny-llama", "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
-        "ignore_eos": True, **extra})
-
-
-@pytest.fixture
-def relu(llama):
-    return attach("tiny-llama-L1-relu", 1)
+# the request helpers and the attached-SAE fixture of the plain steering tests
+from tests.v1.test_steering import PROMPT, _complete, _direct, relu  # noqa: E402,F401 - fixture
 
 
 def _trigger(server, sae_id: str) -> tuple[int, float]:
