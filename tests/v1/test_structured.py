@@ -31,7 +31,8 @@ MESSAGES = [{"role": "user", "content": "Describe the sea."}]
 
 def test_json_schema_through_the_openai_client_parses_and_validates(llama, openai_client):
     out = openai_client.chat.completions.create(
-        model="tiny-llama", messages=MESSAGES, max_tokens=120, temperature=0, response_format=FORMAT)
+        model="tiny-llama", messages=MESSAGES, max_tokens=120, temperature=0,
+        response_format=FORMAT)
     choice = out.choices[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
