@@ -106,6 +106,12 @@ class InvalidProbeFile(MillmError):
     code, status = "INVALID_PROBE_FILE", 400
 
 
+class ResponseFormatUnsupported(MillmError):
+    """A response_format schema outside the supported subset (details: param, reason)."""
+
+    code, status = "RESPONSE_FORMAT_UNSUPPORTED", 400
+
+
 # Engine error codes (gpu_engine.errors) -> the domain error classes: the one table every
 # surface goes through (/api answers the class's code; /v1 maps that code in
 # inference.errors).
@@ -128,6 +134,7 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
     "unknown_analyzer": UnknownAnalyzer,
     "analyzer_capture_missing": AnalyzerCaptureMissing,
     "invalid_probe_file": InvalidProbeFile,
+    "response_format_unsupported": ResponseFormatUnsupported,
 }
 
 

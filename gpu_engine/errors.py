@@ -191,6 +191,16 @@ class GenerationFailed(EngineError):
     code = "generation_failed"
 
 
+class ResponseFormatUnsupported(EngineError):
+    """A ``response_format`` the grammar compiler cannot turn into a grammar (a schema
+    outside its subset); details: ``param`` (``response_format``) and ``reason``."""
+
+    code = "response_format_unsupported"
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message, details={"param": "response_format", "reason": reason})
+
+
 __all__ = [
     "AnalyzerCaptureMissing",
     "InvalidProbeFile",
@@ -208,6 +218,7 @@ __all__ = [
     "ModelLoadFailed",
     "ModelNotLoaded",
     "RequestCancelled",
+    "ResponseFormatUnsupported",
     "SAEFormatError",
     "SAEIncompatible",
     "SAENotAttached",

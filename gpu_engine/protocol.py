@@ -109,6 +109,33 @@ def _invalid(exc: msgspec.ValidationError) -> InvalidParameter:
 
 # --------------------------------------------------------------------------- sampling
 
+STRUCTURED_TYPES = ("json_object", "json_schema")
+
+
+class StructuredOutput(msgspec.Struct, frozen=True):
+    """Constrained decoding of a request's output (/v1 ``response_format``): a JSON object
+    (``json_object``), or JSON valid against ``schema`` (``json_schema``; the schema as
+    JSON text, which is also the key compiled grammars are cached by).  Whether the schema
+    is inside the supported subset is checked by the web tier before anything runs and by
+    the backend's grammar compiler (``response_format_unsupported``)."""
+
+    type: str
+    schema: str = ""
+
+    def __post_init__(self) -> None:
+        if self.type not in STRUCTURED_TYPES:
+            raise InvalidParameter(f"structured.type must be one of {', '.join(STRUCTURED_TYPES)}, "
+                                   f"got {self.type!r}", param="response_format")
+        if (self.type == "json_schema") != bool(self.schema):
+            raise InvalidParameter("structured.schema is given exactly when the type is json_schema",
+                                   param="response_format")
+        if self.schema:
+            try:
+                msgspec.json.decode(self.schema)
+            except msgspec.DecodeError as exc:
+                raise InvalidParameter(f"structured.schema is not JSON: {exc}", param="response_format") from None
+
+
 class SamplingParams(msgspec.Struct):
     """Per-request decoding parameters (OpenAI/vLLM semantics).
 
@@ -142,6 +169,9 @@ class SamplingParams(msgspec.Struct):
     # FinishEvent.prompt_text): the tokenizer is the engine's, never the web tier's
     token_texts: bool = False
     max_tokens_default: int | None = None
+    # response_format: the output is constrained to this grammar (backends reporting
+    # ``structured_output``); EOS is allowed only where the grammar is complete
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if self.max_tokens is not None:

@@ -43,6 +43,8 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
         needs.append(("hidden_state_capture", "capture"))
         if job.capture.attention is not None:
             needs.append(("attention_capture", "capture.attention"))
+    if job.sampling.structured is not None:
+        needs.append(("structured_output", "response_format"))
     for capability, param in needs:
         if not caps.get(capability, False):
             raise InvalidParameter(f"the {backend.name} backend cannot honour {param} ({capability} is off)",

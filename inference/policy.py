@@ -2,7 +2,8 @@
 silently dropped.
 
 - A field that would change the output and that this server cannot honour (``tools``,
-  ``response_format`` other than text, ``audio``, …; the table ``UNHONOURED``) is refused
+  a ``response_format`` type other than text, json_object and json_schema, ``audio``, …;
+  the table ``UNHONOURED``) is refused
   with 400 ``field_not_honoured`` naming it, before anything is loaded or generated. Its
   neutral values (``null``, ``tools: []``, ``response_format: {"type": "text"}``, …) ask
   for what the server does anyway and pass.
@@ -31,6 +32,7 @@ from pydantic import BaseModel
 
 from inference.errors import OpenAIError
 from inference.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from inference.structured import SUPPORTED_TYPES
 
 STRICT_HEADER = "X-miLLM-Strict"
 IGNORED_HEADER = "X-miLLM-Ignored-Fields"
@@ -66,8 +68,10 @@ def _one_of(*values: Any) -> Callable[[Any, Any], bool]:
     return lambda v, req: v is None or any(type(v) is type(x) and v == x for x in values)
 
 
-def _text_format(value: Any, req: Any) -> bool:
-    return value is None or (isinstance(value, dict) and value.get("type") == "text")
+def _known_format(value: Any, req: Any) -> bool:
+    # honoured: text, and json_object / json_schema by constrained decoding (a schema
+    # outside the supported subset is refused in check_fields: response_format_unsupported)
+    return value is None or (isinstance(value, dict) and value.get("type") in SUPPORTED_TYPES)
 
 
 def _best_of_n(value: Any, req: Any) -> bool:
@@ -76,6 +80,7 @@ def _best_of_n(value: Any, req: Any) -> bool:
 
 
 _TOOLS = "tool and function calling are not available on this server"
+_FORMATS = "the response formats are text, json_object and json_schema"
 UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
     ChatCompletionRequest: (
         Unhonoured("tools", _TOOLS, _one_of([])),
@@ -83,8 +88,7 @@ UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
         # without tools, "none" and "auto" call nothing: the message is generated as asked
         Unhonoured("tool_choice", _TOOLS, _one_of("none", "auto")),
         Unhonoured("function_call", _TOOLS, _one_of("none", "auto")),
-        Unhonoured("response_format", "structured output (JSON object or JSON schema) is "
-                   "not available; only {\"type\": \"text\"}", _text_format),
+        Unhonoured("response_format", _FORMATS, _known_format),
         Unhonoured("audio", "audio output is not available", _one_of()),
         Unhonoured("modalities", "only text output is available", _one_of(["text"])),
         Unhonoured("prediction", "predicted outputs (and the accepted/rejected prediction "
@@ -98,6 +102,7 @@ UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
                    "model's own) is honoured", _one_of("medium")),
     ),
     CompletionRequest: (
+        Unhonoured("response_format", _FORMATS, _known_format),
         Unhonoured("suffix", "insertion (text after the completion) is not available",
                    _one_of("")),
         Unhonoured("best_of", "ranking best_of candidates is not available; best_of must "
@@ -188,6 +193,8 @@ def check_fields(*, data: dict[str, Any], req: BaseModel, strict: bool) -> list[
     """The request's field policy, before anything runs: refuses what cannot be honoured,
     and under ``strict`` what nothing reads; returns the unused locations otherwise."""
     refuse_unhonoured(data, req)
+    if hasattr(req, "structured"):
+        req.structured()  # 400 response_format_unsupported, before anything is loaded
     unused = unused_fields(data, req)
     if strict and unused:
         listed = ignored_header_value(unused)

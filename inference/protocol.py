@@ -30,7 +30,9 @@ from gpu_engine.protocol import (
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,
     SamplingParams,
+    StructuredOutput,
 )
+from inference.structured import NAME_RE, structured_output
 from steering.rules import check_strength, mode_value_problem
 
 MAX_N = 16
@@ -288,6 +290,31 @@ class SamplingDefaults:
 OPENAI_DEFAULTS = SamplingDefaults()
 
 
+def _response_format(value: Any) -> dict[str, Any] | None:
+    """OpenAI's ResponseFormat shapes: ``{type}``, and for ``json_schema`` a ``json_schema``
+    object ``{name, description?, schema?, strict?}``. Which types and schemas are honoured
+    is decided later (``inference.policy``, ``inference.structured``)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise ValueError("response_format must be an object with a string type")
+    if value["type"] == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ValueError("a json_schema response_format needs a json_schema object")
+        name = spec.get("name")
+        if not isinstance(name, str) or not NAME_RE.match(name):
+            raise ValueError("json_schema.name must be 1 to 64 characters of a-z, A-Z, 0-9, "
+                             "_ and -")
+        if spec.get("schema") is not None and not isinstance(spec["schema"], (dict, bool)):
+            raise ValueError("json_schema.schema must be a JSON schema object")
+        if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
+            raise ValueError("json_schema.strict must be a boolean")
+        if spec.get("description") is not None and not isinstance(spec["description"], str):
+            raise ValueError("json_schema.description must be a string")
+    return value
+
+
 class _GenerationRequest(_Wire):
     model: str = Field(min_length=1, max_length=500)
     stream: bool = False
@@ -318,6 +345,9 @@ class _GenerationRequest(_Wire):
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1,
                                                 max_length=MAX_ALLOWED_TOKEN_IDS)
     return_tokens_as_token_ids: bool = False
+    # constrained decoding (inference.structured); the unsupported types are refused by
+    # inference.policy
+    response_format: dict[str, Any] | None = None
 
     _stop = field_validator("stop", mode="before")(classmethod(lambda cls, v: _stop(v)))
     _intensity = field_validator("steering_intensity", mode="before")(
@@ -336,6 +366,13 @@ class _GenerationRequest(_Wire):
         if value is not None and len(set(value)) != len(value):
             raise ValueError("a token id is listed twice")
         return value
+    _response_format = field_validator("response_format", mode="before")(
+        classmethod(lambda cls, v: _response_format(v)))
+
+    def structured(self) -> StructuredOutput | None:
+        """The engine's grammar request, or None (text); 400 response_format_unsupported
+        for a schema outside the supported subset."""
+        return structured_output(self.response_format)
 
     def unread_fields(self) -> frozenset[str]:
         # OpenAI: "only set this when you set stream: true"
@@ -381,6 +418,7 @@ class _GenerationRequest(_Wire):
             # token texts come from the engine's tokenizer (the web tier holds none): asked
             # for where the answer shows tokens that no token event carries
             token_texts=self._needs_token_texts(),
+            structured=self.structured(),
         )
 
     def _needs_token_texts(self) -> bool:

@@ -64,6 +64,9 @@ CAPABILITY_KEYS = (
     "hidden_state_capture",
     # CaptureSpec.attention: rotated Q and K of chosen layers and heads per request
     "attention_capture",
+    # SamplingParams.structured (/v1 response_format): per-request grammar masks, in a
+    # batch on that request's row only
+    "structured_output",
 )
 
 

@@ -107,6 +107,7 @@ class TransformersRunner:
             head_dim=int(getattr(text_cfg, "head_dim", None) or self.hidden_size // heads),
         )
         self.qk_taps = QKTaps(self.hooks)
+        self._grammars: Any = None  # structured.Grammars, built at the first structured request
 
     # ------------------------------------------------------------------ structure
 
@@ -142,6 +143,15 @@ class TransformersRunner:
     def capabilities(self) -> dict[str, Any]:
         # ``hidden_states``: this backend's own key (Engine.hidden_states refuses without it)
         return all_capabilities(hook_points=list(HOOK_POINTS), hidden_states=True)
+
+    def structured_grammars(self) -> Any:
+        """This model's ``structured.Grammars`` (vocabulary info built once, grammars
+        cached); xgrammar is imported only when a request asks for structured output."""
+        if self._grammars is None:
+            from .structured import Grammars
+
+            self._grammars = Grammars(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids)
+        return self._grammars
 
     def _eos_ids(self) -> set[int]:
         ids: set[int] = set()

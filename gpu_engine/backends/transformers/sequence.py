@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from ...errors import InvalidParameter
 from ...hooks import RequestHooks
 from ...protocol import (
     ActivationRecord,
@@ -28,6 +29,17 @@ from ...text import IncrementalDetokenizer, StopMatcher
 from .sampling import Sampler
 
 Emit = Callable[[object], None]
+
+
+def structured_grammar(runner, sampling: SamplingParams):  # type: ignore[no-untyped-def]
+    """The request's ``structured.RequestGrammar`` (None without ``response_format``); a
+    runner without grammars is refused before this by ``requests.check_capabilities``."""
+    if sampling.structured is None:
+        return None
+    grammars = getattr(runner, "structured_grammars", None)
+    if grammars is None:
+        raise InvalidParameter(f"the {runner.name} backend cannot honour response_format", param="response_format")
+    return grammars().matcher(sampling.structured)
 
 
 def token_logprob(runner, lsm: torch.Tensor, token_id: int, n_top: int) -> TokenLogprob:  # type: ignore[no-untyped-def]
@@ -66,7 +78,10 @@ class Sequence:
         self.exclusive = exclusive
         device = runner.device
         self.prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        self.sampler = Sampler(sampling, vocab_size=runner.vocab_size, device=device, prompt_ids=self.prompt)
+        # response_format: this request's grammar matcher (compiled, or refused, now)
+        self.grammar = structured_grammar(runner, sampling)
+        self.sampler = Sampler(sampling, vocab_size=runner.vocab_size, device=device, prompt_ids=self.prompt,
+                               grammar=self.grammar)
         self.detok = IncrementalDetokenizer(runner.tokenizer, prompt_ids)
         self.stopper = StopMatcher(sampling.stop)
         self.end_ids = set(sampling.stop_token_ids)
@@ -127,6 +142,10 @@ class Sequence:
         self.generated.append(token_id)
         records = self.step_records(i)
         is_end = token_id in self.end_ids
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
+            # the grammar's end is an EOS token, allowed by the mask only there
+            is_end = is_end or self.grammar.terminated
         delta = "" if is_end else self.detok.step(token_id)
         text = self.text
         if delta:

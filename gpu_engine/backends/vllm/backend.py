@@ -151,6 +151,8 @@ class VllmBackend:
             steering_controls=False,
             hidden_state_capture=False,  # issue 15: transformers first
             attention_capture=False,
+            # vLLM has structured output of its own; not wired to SamplingParams.structured
+            structured_output=False,
             per_request_monitoring=hooks_live,
             exact_monitoring_attribution=hooks_live,
             embeddings=False,

@@ -1,0 +1,164 @@
+"""``response_format`` on /v1: which JSON schemas are honoured, checked before anything runs.
+
+The engine enforces a schema with xgrammar's grammar masks (constrained decoding), and
+xgrammar accepts keywords it does not enforce (``not``, ``if``/``then``, ``uniqueItems``,
+``multipleOf``, ``oneOf`` as ``anyOf``, unknown ``format`` values …) without a word.  An
+output under such a schema could fail to validate, so this module keeps a list of the
+keywords the grammar really enforces (checked by fuzzing xgrammar's masks against
+``jsonschema``) and refuses every other one with ``400 response_format_unsupported``
+naming where it is.  The web tier has no xgrammar (it needs torch); written by hand
+because no library checks a schema against xgrammar's enforced subset.  A schema that
+passes here and still fails to compile in the engine is refused there with the same code.
+
+Limits are OpenAI's published ones for Structured Outputs: at most 5,000 object
+properties in all, 10 levels of nesting, 1,000 enum values, and 120,000 characters of
+property names, definition names, enum and const values; a ``name`` of a-z, A-Z, 0-9,
+``_`` and ``-``, at most 64 characters (OpenAI's reference schema).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from core.openai_errors import OpenAIError
+from gpu_engine.protocol import StructuredOutput
+
+SUPPORTED_TYPES = ("text", "json_object", "json_schema")
+MAX_PROPERTIES = 5000
+MAX_NESTING = 10
+MAX_ENUM_VALUES = 1000
+MAX_NAME_CHARS = 120_000
+MAX_SCHEMA_BYTES = 1 << 20
+NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+# keywords that change nothing about which documents are valid
+ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default",
+                         "examples", "deprecated", "readOnly", "writeOnly"})
+# keywords the grammar enforces, by what their value holds
+_SCHEMA = frozenset({"additionalProperties", "items", "propertyNames"})  # one schema
+_SCHEMA_MAP = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+_SCHEMA_LIST = frozenset({"anyOf", "prefixItems"})
+_PLAIN = frozenset({"type", "enum", "const", "required", "$ref", "minProperties",
+                    "maxProperties", "minItems", "maxItems", "minLength", "maxLength",
+                    "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
+                    "exclusiveMaximum", "uniqueItems"})
+JSON_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
+FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4",
+                     "ipv6", "uri", "uuid"})
+
+
+def _unsupported(where: str, why: str) -> OpenAIError:
+    return OpenAIError(f"response_format.json_schema.schema{where}: {why}", status=400,
+                       code="response_format_unsupported", param="response_format")
+
+
+class _Walk:
+    def __init__(self) -> None:
+        self.properties = 0
+        self.enum_values = 0
+        self.name_chars = 0
+
+    def schema(self, node: Any, where: str, depth: int) -> None:
+        if isinstance(node, bool):
+            return
+        if not isinstance(node, dict):
+            raise _unsupported(where, "a schema must be an object or a boolean")
+        if depth > MAX_NESTING:
+            raise _unsupported(where, f"more than {MAX_NESTING} levels of nesting")
+        for key, value in node.items():
+            at = f"{where}.{key}"
+            if key in ANNOTATIONS:
+                continue
+            if key in _SCHEMA:
+                self.schema(value, at, depth + 1)
+            elif key in _SCHEMA_MAP:
+                if not isinstance(value, dict):
+                    raise _unsupported(at, "must map names to schemas")
+                if key in ("properties", "patternProperties"):
+                    self.properties += len(value)
+                self.name_chars += sum(len(k) for k in value)
+                for name, sub in value.items():
+                    self.schema(sub, f"{at}[{json.dumps(name)}]",
+                                depth if key in ("$defs", "definitions") else depth + 1)
+            elif key in _SCHEMA_LIST:
+                if not isinstance(value, list) or not value:
+                    raise _unsupported(at, "must be a non-empty list of schemas")
+                for i, sub in enumerate(value):
+                    self.schema(sub, f"{at}[{i}]", depth + 1)
+            elif key in _PLAIN:
+                self.plain(key, value, at)
+            else:
+                raise _unsupported(at, f"the keyword {key!r} is not supported (constrained "
+                                   "decoding could not guarantee it)")
+        self._limits(where)
+
+    def plain(self, key: str, value: Any, at: str) -> None:
+        if key == "type":
+            types = value if isinstance(value, list) else [value]
+            bad = [t for t in types if t not in JSON_TYPES]
+            if bad or not types:
+                raise _unsupported(at, f"unknown type {bad[0] if bad else value!r}")
+        elif key == "enum":
+            if not isinstance(value, list) or not value:
+                raise _unsupported(at, "must be a non-empty list")
+            self.enum_values += len(value)
+            self.name_chars += sum(len(v) if isinstance(v, str) else len(json.dumps(v))
+                                   for v in value)
+        elif key == "const":
+            self.name_chars += len(value) if isinstance(value, str) else len(json.dumps(value))
+        elif key == "$ref":
+            if not isinstance(value, str) or not (value == "#" or value.startswith("#/")):
+                raise _unsupported(at, "only references inside the schema (#/...) are "
+                                   "supported")
+        elif key == "format":
+            if value not in FORMATS:
+                raise _unsupported(at, f"the format {value!r} is not supported (supported: "
+                                   f"{', '.join(sorted(FORMATS))})")
+        elif key == "uniqueItems":
+            if value is not False:
+                raise _unsupported(at, "uniqueItems: true is not supported")
+        elif key == "pattern":
+            if not isinstance(value, str):
+                raise _unsupported(at, "must be a string")
+            if "(?<" in value.replace("(?<name>", "") or "(?=" in value or "(?!" in value:
+                raise _unsupported(at, "lookaround assertions are not supported")
+
+    def _limits(self, where: str) -> None:
+        if self.properties > MAX_PROPERTIES:
+            raise _unsupported(where, f"more than {MAX_PROPERTIES} object properties in all")
+        if self.enum_values > MAX_ENUM_VALUES:
+            raise _unsupported(where, f"more than {MAX_ENUM_VALUES} enum values in all")
+        if self.name_chars > MAX_NAME_CHARS:
+            raise _unsupported(where, f"more than {MAX_NAME_CHARS} characters of property "
+                               "names, definition names, enum and const values")
+
+
+def check_schema(schema: Any) -> str:
+    """The schema as compact JSON text, or 400 ``response_format_unsupported`` naming the
+    first part outside the supported subset or over a limit."""
+    text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
+    if len(text.encode()) > MAX_SCHEMA_BYTES:
+        raise _unsupported("", f"the schema is larger than {MAX_SCHEMA_BYTES} bytes")
+    _Walk().schema(schema, "", 1)
+    return text
+
+
+def structured_output(response_format: dict[str, Any] | None) -> StructuredOutput | None:
+    """The engine's ``StructuredOutput`` for a request's ``response_format`` (already shaped
+    by the wire model; its type already one of ``SUPPORTED_TYPES``); None for text."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = response_format["json_schema"]
+        # OpenAI: a json_schema without a schema accepts any JSON value
+        schema = spec.get("schema")
+        return StructuredOutput("json_schema", check_schema({} if schema is None else schema))
+    return None
+
+
+__all__ = ["SUPPORTED_TYPES", "check_schema", "structured_output"]
