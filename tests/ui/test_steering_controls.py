@@ -221,3 +221,43 @@ def test_a_circuit_created_and_edited_in_the_page(server, page):
     screenshot(page, "circuits-editor")
     server.api("DELETE", f"/api/circuits/{made[0]['id']}")
     assert all("422" in e or "400" in e for e in page.console.errors), page.console.errors
+
+
+def test_live_controls_set_listed_and_removed_in_the_steering_page(server, page):
+    """The steering page sets a control in live steering (what /api then holds, and what a
+    /v1 request without steering of its own runs), lists it, shows a refusal, removes it."""
+    server.api("DELETE", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")
+    page.goto(server.url + "/steering/")
+    page.wait_for_selector("#attachment option[value^=sae_]", state="attached")
+    box = page.locator("#control-editor fieldset.control")
+    box.locator("[name=index]").fill("7")
+    box.locator("[name=mode]").select_option("clamp")
+    box.locator("[name=value]").fill("9")
+    box.locator("[name=phase]").select_option("completion")
+    box.locator("[name=cond-feature]").fill("3")
+    box.locator("[name=cond-threshold]").fill("0.5")
+    page.click("#control-set")
+    page.wait_for_selector("#controls li[data-index='7'][data-mode='clamp']")
+    state = server.api("GET", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")
+    assert state["enabled"] is True and state["values"] == {}
+    assert state["controls"] == [{"index": 7, "mode": "clamp", "value": 9.0, "phase": "completion",
+                                  "condition": {"feature": 3, "threshold": 0.5}}]
+    assert "where #3 > 0.5" in page.inner_text("#controls li[data-index='7']")
+    # a /v1 request without steering of its own runs it (the hash covers the control)
+    status, out = server.call("POST", "/v1/chat/completions", {
+        "model": "tiny-llama", "max_tokens": 4, "temperature": 0, "steering_intensity": 1,
+        "messages": [{"role": "user", "content": MESSAGE}]}, timeout=60)  # λ = 1: the millm object
+    assert status == 200 and out["millm"]["steering"]["mode"] == "live"
+    assert out["millm"]["steering"]["entries"][0]["features"] == state["controls"]
+    # a refusal (ablate with a value) is shown and changes nothing
+    box = page.locator("#control-editor fieldset.control")
+    box.locator("[name=index]").fill("8")
+    box.locator("[name=mode]").select_option("scale")
+    page.click("#control-set")  # scale without a value
+    page.wait_for_selector(".notice.error")
+    assert server.api("GET", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")["controls"] \
+        == state["controls"]
+    page.click("button[aria-label='Remove control on feature 7']")
+    page.wait_for_selector("#controls-empty:not(.hidden)")
+    assert server.api("GET", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")["controls"] == []
+    screenshot(page, "steering-controls")

@@ -3,6 +3,7 @@
 // /api/saes/steering*, and the page redraws from the state the server answers.
 
 import { del, get, getJSON, post } from "../api.js";
+import { controlEntries, controlRow } from "../controls.js";
 import { $, badge, boot, busy, debounce, el, notice, showError } from "../dom.js";
 import * as events from "../events.js";
 
@@ -112,12 +113,56 @@ function renderState() {
   for (const [i, row] of existing) if (!indices.includes(i)) row.remove();
   rows.forEach((row, n) => { if (list.children[n] !== row) list.insertBefore(row, list.children[n] || null); });
   $("#features-empty").classList.toggle("hidden", indices.length > 0);
+  renderControls();
   $("#enabled").checked = Boolean(state?.enabled);
   $("#enabled").disabled = !current;
   const source = state?.source && state.source !== "manual" ? ` · set by a ${state.source}` : "";
   $("#state-note").textContent = state
     ? `${state.enabled ? "on" : "off"} · ${state.active_count} feature(s) applied${source}` : "";
 }
+
+function describe(c) {
+  const parts = [c.mode];
+  if (c.mode !== "ablate") parts.push(String(c.value));
+  if (c.phase && c.phase !== "all") parts.push(`in the ${c.phase}`);
+  if (c.window) parts.push(`rows ${c.window.start}…${c.window.end ?? "end"}`);
+  if (c.condition) parts.push(`where #${c.condition.feature} > ${c.condition.threshold}`);
+  return parts.join(" · ");
+}
+
+function renderControls() {
+  const controls = state?.controls || [];
+  $("#controls").replaceChildren(...controls.map((c) => el("li", { class: "control-row", dataset: { index: c.index, mode: c.mode } },
+    el("span", { class: "index" }, `#${c.index}`),
+    el("span", { class: "label" }, labels[String(c.index)] || ""),
+    el("span", { class: "control-desc" }, describe(c)),
+    el("button", { type: "button", class: "secondary small", "aria-label": `Remove control on feature ${c.index}`,
+      onclick: (ev) => busy(ev.currentTarget, async () => {
+        state = await del(`/api/saes/steering/${c.index}?${query()}`);
+        renderState();
+      }, "Remove") }, "Remove"))));
+  $("#controls-empty").classList.toggle("hidden", controls.length > 0);
+  for (const node of $("#control-form").querySelectorAll("input, select, button")) node.disabled = !current;
+}
+
+function freshControl() {
+  $("#control-editor").replaceChildren(controlRow());
+  $("#control-editor").querySelector("fieldset button")?.remove(); // one row: nothing to remove
+}
+
+$("#control-form").addEventListener("submit", (ev) => {
+  ev.preventDefault();
+  if (!current) return;
+  const [entry] = controlEntries($("#control-editor"));
+  const { index, ...rest } = entry;
+  busy($("#control-set"), async () => {
+    state = await post("/api/saes/steering", { ...target(), feature_idx: index, ...rest });
+    notice(`Feature ${index}: ${describe({ ...rest, mode: rest.mode || "add" })} set`, "ok");
+    freshControl();
+    renderState();
+  }, "Set control");
+});
+freshControl();
 
 async function loadState() {
   if (!current) { state = null; renderState(); return; }
