@@ -123,3 +123,48 @@ def test_check_config_lists_the_new_variables(run_manage, tmp_path):
     assert result.returncode == 0, result.stderr
     for name in ("MILLM_API_KEYS=", "HF_CIRCUIT_FAIL_MAX=5", "HF_CIRCUIT_RESET_TIMEOUT_S=60"):
         assert name in result.stdout
+
+
+def test_capture_command_writes_one_artifact_per_prompt_offline(tiny_llama, tiny_assets, tmp_path,
+                                                                settings):
+    """manage.py capture (embedded: its own engine in this process) writes each prompt's
+    capture; the rows equal a float32 forward of the same weights made here."""
+    import json
+
+    import numpy as np
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from gpu_engine.artifacts import load_capture
+
+    settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = "cpu", "float32"
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"id": "a", "prompt": "the sea and the sky"}\n\n'
+                       '{"prompt": "a quick brown fox", "max_tokens": 3}\n')
+    out_dir = tmp_path / "caps"
+    out, _ = _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(out_dir),
+                  "--layers", "0,2", "--positions", "prompt", "--max-tokens", "4")
+    assert "2 capture(s) written" in out
+    index = [json.loads(line) for line in (out_dir / "index.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["id"]) for r in index] == [(1, "a"), (3, None)]
+    assert [r["usage"]["completion_tokens"] for r in index] == [4, 3]
+    path = tiny_assets.models["tiny-llama"].path
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(path))
+    for row, text in zip(index, ("the sea and the sky", "a quick brown fox")):
+        cap = load_capture(out_dir / row["file"])
+        assert json.loads((out_dir / f"{row['capture_id']}.json").read_text())["layers"] == [0, 2]
+        ids = tok(text)["input_ids"]
+        assert cap.token_ids.tolist() == ids
+        with torch.inference_mode():
+            hidden = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        for layer in (0, 2):
+            np.testing.assert_allclose(cap.hidden[layer], hidden[layer + 1][0].numpy(), atol=1e-4)
+    assert Model.objects.get(pk=tiny_llama.id).status == "ready"  # the registry is untouched
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"nope": 1}\n')
+    with pytest.raises(CommandError, match="line 2: give exactly one of prompt, messages"):
+        _run("capture", "tiny-llama", "--input", str(bad), "--out", str(out_dir), "--layers", "0")
+    with pytest.raises(CommandError, match="invalid_parameter"):
+        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(out_dir),
+             "--layers", "0", "--positions", "middle")
