@@ -225,8 +225,9 @@ def _product_words() -> dict[str, set[str]]:
 
     from millm_site.config import BASE_DIR
 
-    files = subprocess.run(["git", "ls-files"], cwd=BASE_DIR, capture_output=True, text=True,
-                           check=True).stdout.split()
+    # tracked files and new ones not ignored: what a checkout holds while work is under way
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+                           cwd=BASE_DIR, capture_output=True, text=True, check=True).stdout.split()
     out = {}
     for f in files:
         top = f.split("/", 1)[0]
