@@ -493,15 +493,16 @@ def probe_request_plan(*, asked: Sequence[Any] | None, status: EngineStatus, cho
     if len(asked) > MAX_REQUEST_PROBES:
         raise ProbeScoreRequestInvalid(f"at most {MAX_REQUEST_PROBES} probes per request",
                                        details={"param": "probes"})
-    heads: list[ProbeHead] = []
-    seen: set[str] = set()
-    for ask in asked:
+    rows: list[tuple[Probe, str | None]] = []
+    for ask in asked:  # the request's shape first, then each probe
         ref, positions = _ask_ref(ask)
         row = probe_get(ref=ref)
-        if row.id in seen:
+        if any(r.id == row.id for r, _ in rows):
             raise ProbeScoreRequestInvalid(f"probe {row.name!r} is named twice",
                                            details={"param": "probes"})
-        seen.add(row.id)
+        rows.append((row, positions))
+    heads: list[ProbeHead] = []
+    for row, positions in rows:
         head = ProbeHead.of(row, positions)
         if not head.current(status):
             raise UnvalidatedProbe(
