@@ -148,7 +148,7 @@ class MonitorPlan:
                 out.append(
                     ActivationRecord(
                         sae_id=e.sae_id, layer=e.layer, read_point=e.read_point, position=pos,
-                        token_index=tok if tok >= 0 else None, top_k=top, features=feats,
+                        token_index=tok if tok >= 0 else None, top_k=top, features=feats, tag=e.tag,
                     )
                 )
         self.pending.clear()

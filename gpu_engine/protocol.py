@@ -436,6 +436,10 @@ class MonitorEntry(msgspec.Struct):
     read_point: str = "post_steering"
     positions: Positions = "completion"
     stream: bool = False
+    # who asked (``""``: the request itself): entries of the same attachment and read
+    # point with different tags are read apart, and each record carries its entry's tag
+    # (probes and sensing ride on monitors without colliding with the request's own)
+    tag: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.sae_id, str) or not self.sae_id:
@@ -461,9 +465,9 @@ class MonitorSpec(msgspec.Struct):
     entries: list[MonitorEntry] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
-        seen: set[tuple[str, int, str]] = set()
+        seen: set[tuple[str, int, str, str]] = set()
         for e in self.entries:
-            k = (e.sae_id, e.layer, e.read_point)
+            k = (e.sae_id, e.layer, e.read_point, e.tag)
             if k in seen:
                 raise InvalidParameter(f"duplicate monitor entry for {k}", param="monitor")
             seen.add(k)
@@ -482,6 +486,7 @@ class ActivationRecord(msgspec.Struct):
     token_index: int | None = None  # completion token index, None for prompt-only rows
     top_k: list[FeatureActivation] = msgspec.field(default_factory=list)
     features: list[FeatureActivation] = msgspec.field(default_factory=list)
+    tag: str = ""  # the entry's ``MonitorEntry.tag``
 
 
 # --------------------------------------------------------------------------- capture

@@ -49,6 +49,7 @@ from inference.protocol import (
 )
 from inference.residency import ModelRef
 from monitoring.analysis import PreparedAnalysis, analysis_check_backend
+from monitoring.probes import ProbePlan, armed_copy, probe_request_plan
 from monitoring.services import (
     monitoring_merge,
     monitoring_request_config,
@@ -79,6 +80,7 @@ class Plan:
     backend: str
     monitoring: MonitorEntry | None = None  # /api/monitoring's entry, recorded apart
     analyses: list[PreparedAnalysis] = field(default_factory=list)  # analyze, prepared
+    probes: ProbePlan | None = None  # the probes scored (``probes`` or the armed set)
     ignored_fields: list[str] = field(default_factory=list)  # sent, read by nothing
     fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
     response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
@@ -115,7 +117,7 @@ class Plan:
 
     @property
     def wants_millm(self) -> bool:
-        return self.request.uses_extensions
+        return self.request.uses_extensions or self.probes is not None
 
 
 
@@ -196,8 +198,17 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
             choices=n_prompts * req.n, max_tokens=max_tokens)
     monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
     analyses = await prepare_analyses(req, status, client.backend_name)
-    capture = capture_spec(req, model.name, n_prompts * req.n,
-                           need=runtime().analyzers.need(analyses) if analyses else None)
+    need = runtime().analyzers.need(analyses) if analyses else None
+    probes = await plan_probes(req, status, n_prompts * req.n)
+    if probes is not None:
+        entries = probes.monitor_entries()
+        if entries:  # read per request by the engine's monitors, inside shared batches
+            monitor = MonitorSpec([*(monitor.entries if monitor is not None else []),
+                                   *entries])
+        probe_need = probes.capture_need()
+        if probe_need is not None:
+            need = probe_need if need is None else need.merged(probe_need)
+    capture = capture_spec(req, model.name, n_prompts * req.n, need=need)
     choices: list[Choice] = []
     if isinstance(req, ChatCompletionRequest):
         for c, messages in enumerate(req.conversations()):
@@ -229,7 +240,22 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 attachment=attachment, choices=choices,
                 backend=client.backend_name, monitoring=monitored,
                 ignored_fields=list(ignored_fields or ()),
-                fingerprint=wire.fingerprint(status, version()), analyses=analyses)
+                fingerprint=wire.fingerprint(status, version()), analyses=analyses,
+                probes=probes)
+
+
+async def plan_probes(req: ChatCompletionRequest | CompletionRequest,
+                      status: EngineStatus | None, choices: int) -> ProbePlan | None:
+    """The probes this request scores (``monitoring.probes``): those it names, or the
+    armed set (as this process holds it when fresh, else from the database)."""
+    if status is None or (req.probes is not None and not req.probes):
+        return None
+    if req.probes is None:
+        armed = armed_copy.fresh()
+        if armed is not None:
+            return probe_request_plan(asked=None, status=status, choices=choices, armed=armed)
+    return await off_view_thread(probe_request_plan)(asked=req.probes, status=status,
+                                                     choices=choices)
 
 
 async def prepare_analyses(req: ChatCompletionRequest | CompletionRequest,

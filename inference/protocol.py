@@ -220,6 +220,18 @@ class AnalyzeRequest(_Strict):
     params: dict[str, Any] = Field(default_factory=dict)
 
 
+MAX_PROBES = 8
+
+
+class ProbeAsk(_Strict):
+    """One ``probes`` entry: a probe by id or name (docs/monitoring.md, "Probes"), read at
+    its own positions or at ``positions`` (``last``, ``mean`` or ``max`` over the
+    completion rows)."""
+
+    name: str = Field(min_length=1, max_length=120)
+    positions: Literal["last", "mean", "max"] | None = None
+
+
 class StreamOptions(_Wire):
     include_usage: bool = False
 
@@ -340,6 +352,8 @@ class _GenerationRequest(_Wire):
     capture: CaptureRequest | None = None
     analyze: list[AnalyzeRequest] | None = Field(default=None, min_length=1,
                                                  max_length=MAX_ANALYZERS)
+    # probes scored on this request instead of the armed set; [] scores none
+    probes: list[str | ProbeAsk] | None = Field(default=None, max_length=MAX_PROBES)
     # scoring mode (the original's, vLLM's names): the next token's distribution over these
     # ids, one forward pass, nothing generated (``inference.scoring``)
     allowed_token_ids: list[int] | None = Field(default=None, min_length=1,
@@ -390,7 +404,7 @@ class _GenerationRequest(_Wire):
         return any(x is not None for x in (self.profile, self.steering,
                                            self.steering_intensity,
                                            self.return_sae_activations, self.capture,
-                                           self.analyze))
+                                           self.analyze, self.probes))
 
     def _sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
                   prompt_logprobs: bool, choice: int, defaults: SamplingDefaults,

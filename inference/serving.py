@@ -49,6 +49,13 @@ from inference.planning import Choice, Plan, off_view_thread, plan_generation, r
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.residency import Use, resident_model_id
 from inference.scoring import check_scoring, serve_scoring
+from monitoring.probes import (
+    probe_record,
+    probe_score_hidden,
+    probe_score_sae,
+    probe_take_records,
+    verdicts_header,
+)
 from monitoring.services import capture_register, monitoring_record, monitoring_take_records
 
 log = structlog.get_logger(__name__)
@@ -69,6 +76,7 @@ class Outcome:
     tokens: list[TokenEvent]
     capture: dict[str, Any] | None = None  # millm.capture (register_capture)
     analysis: list[dict[str, Any]] | None = None  # millm.analysis (run_analyses)
+    probes: list[dict[str, Any]] | None = None  # millm.probes (score_probes)
 
 
 # --------------------------------------------------------------------------- shaping
@@ -119,6 +127,8 @@ def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
         obj["capture"] = outcomes[0].capture
     if outcomes and outcomes[0].analysis is not None:
         obj["analysis"] = outcomes[0].analysis
+    if plan.probes is not None:
+        obj["probes"] = [v for o in outcomes for v in (o.probes or [])]
     if plan.monitor is not None and plan.attachment is not None and outcomes:
         out = outcomes[0]
         records = list(out.finish.activations)
@@ -291,6 +301,38 @@ async def run_analyses(plan: Plan, outcome: Outcome) -> None:
     outcome.analysis = entries
 
 
+async def score_probes(plan: Plan, outcome: Outcome) -> None:
+    """``millm.probes`` of a finished choice (``monitoring.probes``): SAE-feature probes
+    from the records their monitors made (taken out first, so ``return_sae_activations``
+    never sees them), hidden-state probes from the capture in the analysis pool; then the
+    verdicts go to the probe history. After ``register_capture``."""
+    probes = plan.probes
+    if probes is None:
+        return
+    index = outcome.choice.index
+    records = probe_take_records(finish=outcome.finish, tokens=outcome.tokens)
+    verdicts = [h.skipped(r, index) for h, r in zip(probes.skipped, probes.reasons)]
+    verdicts += probe_score_sae(heads=[h for h in probes.heads if h.basis == "sae_features"],
+                                records=records, choice=index)
+    if probes.hidden:
+        result = outcome.finish.capture
+        source: Any = None
+        if result is not None:
+            source = result.data if result.data is not None else \
+                Path(outcome.choice.job.capture.directory or "") / (result.file or "")
+        verdicts += await runtime().analyzers.acall(probe_score_hidden, probes.hidden,
+                                                    source, index)
+    order = {h.id: i for i, h in enumerate([*probes.skipped, *probes.heads])}
+    outcome.probes = sorted(verdicts, key=lambda v: order.get(v["probe_id"], 0))
+    await off_view_thread(probe_record)(request_id=plan.object_id, verdicts=outcome.probes)
+
+
+def probe_headers(plan: Plan, outcomes: list[Outcome]) -> dict[str, str]:
+    if plan.probes is None or not outcomes or not outcomes[0].probes:
+        return {}
+    return {"X-miLLM-Probe-Verdicts": verdicts_header(outcomes[0].probes)}
+
+
 async def run_choice(client: EngineClient, choice: Choice) -> Outcome:
     tokens: list[TokenEvent] = []
     async for event in client.agenerate(choice.job):
@@ -456,6 +498,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                     under_way = []
                     await record_monitoring(plan, outcomes[-1])
                     await register_capture(plan, outcomes[-1])
+                    await score_probes(plan, outcomes[-1])
                     yield held + _sse(_chunk(plan, [_finish_choice(plan, choice, event)]))
                     held = b""
                     break
@@ -493,11 +536,12 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
         for outcome in outcomes:
             await record_monitoring(plan, outcome)
             await register_capture(plan, outcome)
+            await score_probes(plan, outcome)
         if outcomes:
             await run_analyses(plan, outcomes[0])
         body = await build_body(plan, outcomes, client)
         count_usage(plan, usage_of(plan, outcomes))
-        return JsonResponse(body, headers=plan.headers)
+        return JsonResponse(body, headers={**plan.headers, **probe_headers(plan, outcomes)})
     # Wait for the first event before answering, so a refusal the engine makes at the
     # start (context length, a detached SAE) is a proper HTTP error, not a frame.
     res.loop = asyncio.get_running_loop()

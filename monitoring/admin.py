@@ -4,7 +4,13 @@ from __future__ import annotations
 
 from django.contrib import admin
 
-from monitoring.models import ActivationRecord, MonitoringConfig
+from monitoring.models import (
+    ActivationRecord,
+    MonitoringConfig,
+    Probe,
+    ProbeVerdict,
+    SensingArm,
+)
 
 
 @admin.register(MonitoringConfig)
@@ -30,3 +36,54 @@ class ActivationRecordAdmin(admin.ModelAdmin):
 
     def has_change_permission(self, request, obj=None) -> bool:
         return False
+
+
+@admin.register(Probe)
+class ProbeAdmin(admin.ModelAdmin):
+    """Probes are created through /api/probes (parsed and checked there); the admin shows
+    them and arms or disarms the validated ones through the same service."""
+
+    list_display = ("name", "id", "basis", "sae_id", "layer", "threshold", "positions", "armed")
+    search_fields = ("name", "id")
+    readonly_fields = ("id", "name", "basis", "sae_id", "layer", "features", "weights", "bias",
+                       "threshold", "norm_mean", "norm_std", "positions", "validation", "armed",
+                       "created_at", "updated_at")
+    actions = ["arm", "disarm"]
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def _set(self, request, queryset, armed: bool) -> None:
+        from core.errors import MillmError
+        from core.runtime import runtime
+        from monitoring.probes import probe_arm
+
+        status = runtime().engine.status()
+        for row in queryset:
+            try:
+                probe_arm(ref=row.id, armed=armed, status=status)
+            except MillmError as exc:
+                self.message_user(request, f"{row.name}: {exc.message}", level="error")
+
+    @admin.action(description="Arm the selected probes")
+    def arm(self, request, queryset) -> None:
+        self._set(request, queryset, True)
+
+    @admin.action(description="Disarm the selected probes")
+    def disarm(self, request, queryset) -> None:
+        self._set(request, queryset, False)
+
+
+@admin.register(ProbeVerdict)
+class ProbeVerdictAdmin(admin.ModelAdmin):
+    list_display = ("request_id", "name", "scored", "score", "verdict", "timestamp")
+    search_fields = ("request_id", "name")
+
+    def has_add_permission(self, request) -> bool:
+        return False
+
+    def has_change_permission(self, request, obj=None) -> bool:
+        return False
+
+
+admin.site.register(SensingArm)

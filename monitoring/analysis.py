@@ -157,6 +157,10 @@ class Analyzers:
                    ) -> list[dict[str, Any]]:
         return await self._submit(self.run, analyses, source)
 
+    async def acall(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the pool, awaited (hidden-state probes on a capture)."""
+        return await self._submit(fn, *args)
+
     def run_wait(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the pool, waited for (synchronous callers)."""
         return self._pool.submit(self._in_pool, fn, *args).result(timeout=ANALYSIS_TIMEOUT_S)

@@ -84,3 +84,86 @@ class Capture(models.Model):
 
     def __str__(self) -> str:
         return f"capture {self.id}"
+
+
+class Probe(models.Model):
+    """A trained linear probe (docs/monitoring.md, Probes): ``score = Σ w·x + b`` over
+    ``x`` = the activations of ``features`` of the SAE attached at ``layer`` (basis
+    ``sae_features``) or the hidden state of block ``layer`` (basis ``hidden_states``),
+    standardised first (``(x - norm_mean) / norm_std``) when those are given; read at the
+    rows ``positions`` names and judged ``score >= threshold``. Rows are data; the rules
+    live in ``monitoring.probes``."""
+
+    class Basis(models.TextChoices):
+        SAE_FEATURES = "sae_features", "SAE feature activations"
+        HIDDEN_STATES = "hidden_states", "Hidden states"
+
+    id = models.CharField(primary_key=True, max_length=24)  # prb_<hex>
+    name = models.CharField(max_length=120, unique=True)
+    description = models.TextField(blank=True)
+    basis = models.CharField(max_length=16, choices=Basis.choices)
+    sae_id = models.CharField(max_length=40, blank=True,
+                              help_text="The SAE whose features it reads (sae_features).")
+    layer = models.PositiveIntegerField()
+    features = models.JSONField(default=list, blank=True,
+                                help_text="Feature indices, one per weight (sae_features).")
+    weights = models.JSONField(default=list)
+    bias = models.FloatField(default=0.0)
+    threshold = models.FloatField(null=True, blank=True,
+                                  help_text="Verdict when score >= threshold; null: no verdict.")
+    norm_mean = models.JSONField(null=True, blank=True)
+    norm_std = models.JSONField(null=True, blank=True)
+    positions = models.CharField(max_length=16, default="last")
+    validation = models.JSONField(default=dict, blank=True,
+                                  help_text="The last successful validation: {model, sae_id, "
+                                            "layer, d_in, checked_at}.")
+    armed = models.BooleanField(default=False,
+                                help_text="Scored on /v1 requests that bring no probes.")
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ProbeVerdict(models.Model):
+    """One probe's verdict on one /v1 choice (the probe history)."""
+
+    timestamp = models.DateTimeField(db_index=True)
+    request_id = models.CharField(max_length=100, db_index=True)
+    choice = models.PositiveIntegerField(default=0)
+    probe_id = models.CharField(max_length=24, db_index=True)
+    name = models.CharField(max_length=120)
+    scored = models.BooleanField(default=True)
+    reason = models.CharField(max_length=64, blank=True)
+    score = models.FloatField(null=True, blank=True)
+    threshold = models.FloatField(null=True, blank=True)
+    verdict = models.BooleanField(null=True, blank=True)
+    positions = models.CharField(max_length=16)
+    rows = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        ordering = ["-id"]
+
+    def __str__(self) -> str:
+        return f"{self.name}@{self.request_id}"
+
+
+class SensingArm(models.Model):
+    """A cluster or circuit watched for co-firing without being active (sensing observes,
+    it never steers)."""
+
+    kind = models.CharField(max_length=16, choices=[("cluster", "cluster"),
+                                                     ("circuit", "circuit")])
+    object_id = models.PositiveIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["kind", "object_id"],
+                                               name="sensing_arm_unique")]
+
+    def __str__(self) -> str:
+        return f"sensing {self.kind} {self.object_id}"

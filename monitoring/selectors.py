@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from monitoring.models import ActivationRecord
+from monitoring.models import ActivationRecord, ProbeVerdict
+from monitoring.probes import verdict_out
 from monitoring.services import monitoring_config, record_out
 
 METRICS = ("mean", "max", "active_ratio", "count")
@@ -16,7 +17,11 @@ def history(*, limit: int = 50, request_id: str | None = None) -> dict[str, Any]
     if request_id:
         qs = qs.filter(request_id=request_id)
     total = qs.count()
-    return {"records": [record_out(r) for r in qs[:limit]], "total": total}
+    verdicts = ProbeVerdict.objects.order_by("-id")
+    if request_id:
+        verdicts = verdicts.filter(request_id=request_id)
+    return {"records": [record_out(r) for r in qs[:limit]], "total": total,
+            "probe_verdicts": [verdict_out(v) for v in verdicts[:limit]]}
 
 
 def _window():

@@ -146,7 +146,10 @@ def monitoring_enable(*, enabled: bool) -> dict[str, Any]:
 
 
 def monitoring_history_clear() -> int:
+    from monitoring.models import ProbeVerdict
+
     deleted, _ = ActivationRecord.objects.all().delete()
+    ProbeVerdict.objects.all().delete()
     return deleted
 
 
@@ -222,14 +225,15 @@ def monitoring_merge(spec: MonitorSpec | None, entry: MonitorEntry | None
     if entry is None:
         return spec, None
     own = list(spec.entries) if spec is not None else []
-    if any(e.key == entry.key and e.read_point == entry.read_point for e in own):
+    if any(e.key == entry.key and e.read_point == entry.read_point and e.tag == entry.tag
+           for e in own):
         return spec, None
     return MonitorSpec([*own, entry]), entry
 
 
 def _ours(record: EngineRecord, entry: MonitorEntry) -> bool:
-    return (record.sae_id, record.layer, record.read_point) == (
-        entry.sae_id, entry.layer, entry.read_point)
+    return (record.sae_id, record.layer, record.read_point, record.tag) == (
+        entry.sae_id, entry.layer, entry.read_point, entry.tag)
 
 
 def monitoring_take_records(*, entry: MonitorEntry, finish: FinishEvent,

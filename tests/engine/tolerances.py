@@ -23,6 +23,9 @@ CAPTURE_* captured block outputs vs the test's own float32 forward of a second c
 ANALYSIS_* an analyzer's result on a captured (float32) artifact vs the test's own float64
           formula on that reference forward: CAPTURE_* per value, summed over up to 64
           terms (a probe's dot product, a norm) or a softmax over the prompt, so ~10x.
+PROBE_*   a probe's score on /v1 vs the test's own float64 score of an independent
+          encode (or hidden state) of the reference forward: ENCODE_* (or CAPTURE_*) per
+          value times weights of magnitude <= 1 summed over <= 64 terms.
 """
 
 HOOK_ATOL = 2e-5
@@ -41,3 +44,4 @@ CAPTURE_ATOL = 2e-5
 CAPTURE_RTOL = 1e-5
 ANALYSIS_ATOL = 2e-4
 ANALYSIS_RTOL = 1e-4
+PROBE_ATOL = 2e-3
