@@ -65,6 +65,7 @@ def check_scoring(req: ChatCompletionRequest | CompletionRequest) -> None:
         "return_sae_activations": req.return_sae_activations is not None,
         "capture": req.capture is not None,
         "analyze": getattr(req, "analyze", None) is not None,
+        "probes": bool(getattr(req, "probes", None)),
         "response_format": (getattr(req, "response_format", None) or {}).get("type", "text")
         != "text",
         "echo": bool(getattr(req, "echo", False)),
