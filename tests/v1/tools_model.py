@@ -1,6 +1,6 @@
 """A tiny tool-calling chat model for the tools tests: tiny-llama with ``<tool_call>`` and
 ``</tool_call>`` as single added tokens (as in Qwen's vocabulary; its embeddings grown by
-two rows) and a Hermes-style chat template that renders ``tools``, assistant
+two rows, its context 2,048) and a Hermes-style chat template that renders ``tools``, assistant
 ``tool_calls`` and ``tool`` results."""
 
 from __future__ import annotations
@@ -48,7 +48,10 @@ def build_tools_model(source: Path, out: Path) -> Path:
     tok = AutoTokenizer.from_pretrained(str(source))
     tok.add_tokens(["<tool_call>", "</tool_call>"])
     tok.chat_template = TOOLS_TEMPLATE
+    # tools' JSON is long in a 512-token vocabulary: room for it (RoPE takes any length)
+    tok.model_max_length = 2048
     model = AutoModelForCausalLM.from_pretrained(str(source))
+    model.config.max_position_embeddings = 2048
     model.resize_token_embeddings(len(tok), mean_resizing=False)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
