@@ -223,7 +223,8 @@ def test_refusals(llama):
 
 
 PLAN = ToolPlan("hermes", "auto", {"get_weather": WEATHER})
-CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
+CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
+        '</tool_call>')
 
 
 def test_parsing_and_streaming_hold_back_only_what_may_open_a_call():
