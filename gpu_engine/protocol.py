@@ -109,7 +109,15 @@ def _invalid(exc: msgspec.ValidationError) -> InvalidParameter:
 
 # --------------------------------------------------------------------------- sampling
 
-STRUCTURED_TYPES = ("json_object", "json_schema")
+STRUCTURED_TYPES = ("json_object", "json_schema", "tool_call")
+# how a chat template writes a tool call (``capabilities()["tool_call_format"]``):
+# ``hermes`` <tool_call>\n{"name": …, "arguments": {…}}\n</tool_call> (Hermes, Qwen, SmolLM3),
+# ``json`` a bare {"name": …, "arguments": {…}} object
+TOOL_CALL_FORMATS = ("hermes", "json")
+# tool_choice "required" (or a named function): exactly one call and nothing else;
+# "auto": free text, where each call the model opens is constrained (hermes only);
+# "auto_single": the same with at most one call, the output ending after it
+TOOL_CALL_MODES = ("required", "auto", "auto_single")
 
 
 class StructuredOutput(msgspec.Struct, frozen=True):
@@ -117,18 +125,33 @@ class StructuredOutput(msgspec.Struct, frozen=True):
     (``json_object``), or JSON valid against ``schema`` (``json_schema``; the schema as
     JSON text, which is also the key compiled grammars are cached by).  Whether the schema
     is inside the supported subset is checked by the web tier before anything runs and by
-    the backend's grammar compiler (``response_format_unsupported``)."""
+    the backend's grammar compiler (``response_format_unsupported``).
+
+    ``tool_call`` (/v1 ``tools`` with ``tool_choice``): ``schema`` is the JSON text of the
+    functions ``[{"name", "parameters"}]``, ``tool_format`` how the template writes a call
+    and ``tool_mode`` whether only a call may come (``TOOL_CALL_MODES``)."""
 
     type: str
     schema: str = ""
+    tool_format: str = ""
+    tool_mode: str = ""
 
     def __post_init__(self) -> None:
         if self.type not in STRUCTURED_TYPES:
             raise InvalidParameter(f"structured.type must be one of {', '.join(STRUCTURED_TYPES)}, "
                                    f"got {self.type!r}", param="response_format")
-        if (self.type == "json_schema") != bool(self.schema):
-            raise InvalidParameter("structured.schema is given exactly when the type is json_schema",
+        if (self.type in ("json_schema", "tool_call")) != bool(self.schema):
+            raise InvalidParameter("structured.schema is given exactly when the type is json_schema or tool_call",
                                    param="response_format")
+        if self.type == "tool_call":
+            if self.tool_format not in TOOL_CALL_FORMATS or self.tool_mode not in TOOL_CALL_MODES:
+                raise InvalidParameter(f"a tool_call grammar needs tool_format in {TOOL_CALL_FORMATS} and "
+                                       f"tool_mode in {TOOL_CALL_MODES}", param="tool_choice")
+            if self.tool_format == "json" and self.tool_mode != "required":
+                # a bare JSON call has no opening marker to constrain from
+                raise InvalidParameter("tool_mode auto needs the hermes tool_format", param="tool_choice")
+        elif self.tool_format or self.tool_mode:
+            raise InvalidParameter("tool_format and tool_mode belong to the tool_call type", param="tool_choice")
         if self.schema:
             try:
                 msgspec.json.decode(self.schema)
@@ -599,6 +622,10 @@ class GenerationJob(msgspec.Struct):
     chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
     priority: str = "interactive"  # PRIORITIES
     capture: CaptureSpec | None = None
+    # function tools as chat templates take them ({"type": "function", "function": {name,
+    # description?, parameters}}), rendered by the template (backends reporting
+    # ``tool_calling``); None: the template is applied without tools
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         if self.priority not in PRIORITIES:

@@ -45,6 +45,8 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
             needs.append(("attention_capture", "capture.attention"))
     if job.sampling.structured is not None:
         needs.append(("structured_output", "response_format"))
+    if job.tools:
+        needs.append(("tool_calling", "tools"))
     for capability, param in needs:
         if not caps.get(capability, False):
             raise InvalidParameter(f"the {backend.name} backend cannot honour {param} ({capability} is off)",
@@ -55,7 +57,10 @@ def prompt_ids(backend: Any, job: GenerationJob) -> list[int]:
     if job.prompt_token_ids is not None:
         ids = validate_ids(backend, job.prompt_token_ids, "prompt")
     elif job.messages is not None:
-        ids = backend.encode_messages(job.messages, add_generation_prompt=job.add_generation_prompt, **job.chat_template_kwargs)
+        kwargs = dict(job.chat_template_kwargs)
+        if job.tools:
+            kwargs["tools"] = job.tools
+        ids = backend.encode_messages(job.messages, add_generation_prompt=job.add_generation_prompt, **kwargs)
     else:
         ids = backend.encode_text(job.prompt or "", add_special_tokens=job.add_special_tokens)
     if not ids:

@@ -48,6 +48,7 @@ from inference.protocol import (
     SamplingDefaults,
 )
 from inference.residency import ModelRef
+from inference.tools import ToolPlan, tool_plan
 from monitoring.analysis import PreparedAnalysis, analysis_check_backend
 from monitoring.probes import ProbePlan, armed_copy, probe_request_plan
 from monitoring.services import (
@@ -83,6 +84,7 @@ class Plan:
     probes: ProbePlan | None = None  # the probes scored (``probes`` or the armed set)
     ignored_fields: list[str] = field(default_factory=list)  # sent, read by nothing
     fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
+    tools: ToolPlan | None = None  # chat tools on the loaded model (inference.tools)
     response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -210,14 +212,21 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
             need = probe_need if need is None else need.merged(probe_need)
     capture = capture_spec(req, model.name, n_prompts * req.n, need=need)
     choices: list[Choice] = []
+    tools = None
     if isinstance(req, ChatCompletionRequest):
+        # refused by name (field_not_honoured) where the loaded template renders no tools
+        caps = ((status.batching if status is not None else None) or {}).get("capabilities")
+        tools = tool_plan(req, caps or {}, model.name)
         for c, messages in enumerate(req.conversations()):
             for i in range(req.n):
+                sampling = req.sampling(i, defaults)
+                if tools is not None and tools.structured is not None:
+                    sampling.structured = tools.structured  # the call's grammar
                 choices.append(Choice(c * req.n + i, GenerationJob(
                     request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
-                    sampling=req.sampling(i, defaults), steering=steering.spec,
+                    sampling=sampling, steering=steering.spec,
                     monitor=monitor, chat_template_kwargs=dict(req.chat_template_kwargs or {}),
-                    capture=capture)))
+                    capture=capture, tools=req.template_tools())))
     else:
         if req.echo and req.wants_logprobs and req.stream:
             raise OpenAIError("echo with logprobs is not available when streaming",
@@ -241,7 +250,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 backend=client.backend_name, monitoring=monitored,
                 ignored_fields=list(ignored_fields or ()),
                 fingerprint=wire.fingerprint(status, version()), analyses=analyses,
-                probes=probes)
+                probes=probes, tools=tools)
 
 
 async def plan_probes(req: ChatCompletionRequest | CompletionRequest,

@@ -1,11 +1,11 @@
 """Request policy on /v1: every field a request sends is honoured or refused, never
 silently dropped.
 
-- A field that would change the output and that this server cannot honour (``tools``,
+- A field that would change the output and that this server cannot honour (``functions``,
   a ``response_format`` type other than text, json_object and json_schema, ``audio``, …;
   the table ``UNHONOURED``) is refused
   with 400 ``field_not_honoured`` naming it, before anything is loaded or generated. Its
-  neutral values (``null``, ``tools: []``, ``response_format: {"type": "text"}``, …) ask
+  neutral values (``null``, ``functions: []``, ``response_format: {"type": "text"}``, …) ask
   for what the server does anyway and pass.
 - Every other field that nothing reads (``user``, ``metadata``, an unknown key, a key of a
   message the chat template never receives) is named in the response header
@@ -33,6 +33,7 @@ from pydantic import BaseModel
 from inference.errors import OpenAIError
 from inference.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from inference.structured import SUPPORTED_TYPES
+from inference.tools import check_tools
 
 STRICT_HEADER = "X-miLLM-Strict"
 IGNORED_HEADER = "X-miLLM-Ignored-Fields"
@@ -79,14 +80,14 @@ def _best_of_n(value: Any, req: Any) -> bool:
     return value is None or (type(value) is int and value == req.n)
 
 
-_TOOLS = "tool and function calling are not available on this server"
+# tools and tool_choice are honoured where the model's chat template renders tools
+# (inference.tools); the deprecated function-calling fields are not
+_TOOLS = "the deprecated function calling is not available; send tools and tool_choice"
 _FORMATS = "the response formats are text, json_object and json_schema"
 UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
     ChatCompletionRequest: (
-        Unhonoured("tools", _TOOLS, _one_of([])),
         Unhonoured("functions", _TOOLS, _one_of([])),
-        # without tools, "none" and "auto" call nothing: the message is generated as asked
-        Unhonoured("tool_choice", _TOOLS, _one_of("none", "auto")),
+        # without functions, "none" and "auto" call nothing: generated as asked
         Unhonoured("function_call", _TOOLS, _one_of("none", "auto")),
         Unhonoured("response_format", _FORMATS, _known_format),
         Unhonoured("audio", "audio output is not available", _one_of()),
@@ -195,6 +196,8 @@ def check_fields(*, data: dict[str, Any], req: BaseModel, strict: bool) -> list[
     refuse_unhonoured(data, req)
     if hasattr(req, "structured"):
         req.structured()  # 400 response_format_unsupported, before anything is loaded
+    if isinstance(req, ChatCompletionRequest):
+        check_tools(req)  # tools' schemas and tool_choice, before anything is loaded
     unused = unused_fields(data, req)
     if strict and unused:
         listed = ignored_header_value(unused)

@@ -13,6 +13,7 @@ output-changing fields it cannot honour (``tools``, ``response_format`` other th
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Union
@@ -444,12 +445,72 @@ class TextPart(_Wire):
     text: str
 
 
+MAX_TOOLS = 128
+
+
+def _function_name(value: str) -> str:
+    if not NAME_RE.match(value):
+        raise ValueError("a function name is 1 to 64 characters of a-z, A-Z, 0-9, _ and -")
+    return value
+
+
+class FunctionDefinition(_Wire):
+    """OpenAI's FunctionObject: rendered into the chat template; ``parameters`` is also
+    the schema the call's arguments are constrained to (``inference.tools``). ``strict``
+    is read: calls are always constrained, as ``strict: true`` asks."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    _name = field_validator("name")(classmethod(lambda cls, v: _function_name(v)))
+
+
+class Tool(_Wire):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Wire):
+    name: str
+
+
+class NamedToolChoice(_Wire):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class ToolCallFunction(_Wire):
+    name: str
+    arguments: str
+
+
+class ToolCallIn(_Wire):
+    """An assistant message's earlier call (ChatCompletionMessageToolCall)."""
+
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(_Wire):
-    """A message as the chat template receives it: its role and its text. Nothing else a
-    message carries (``name``, ``tool_calls``, ``tool_call_id``, …) reaches the model."""
+    """A message as the chat template receives it: its role, its text, an assistant's
+    ``tool_calls`` and a tool result's ``tool_call_id`` (``for_template``). Nothing else a
+    message carries (``name``, …) reaches the model."""
 
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_call_id: str | None = Field(default=None, max_length=200)
+
+    @model_validator(mode="after")
+    def _tool_fields(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("tool_calls belong to assistant messages")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError("tool_call_id belongs to tool messages")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -472,8 +533,25 @@ class ChatMessage(_Wire):
         return self.content or ""
 
     def for_template(self) -> dict[str, Any]:
-        return {"role": "system" if self.role == "developer" else self.role,
-                "content": self.text}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": self.text}
+        if self.tool_calls:
+            # as transformers' chat templates take a call: its arguments as an object
+            # (vLLM does the same); arguments that are not a JSON object stay text
+            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
+                for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        return message
+
+
+def _arguments(text: str) -> Any:
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -486,6 +564,12 @@ class ChatCompletionRequest(_GenerationRequest):
     # together; conversation c's choices are indexes c·n … c·n + n − 1
     extra_messages: list[list[ChatMessage]] | None = Field(
         default=None, min_length=1, max_length=MAX_EXTRA_CONVERSATIONS)
+    # rendered by the chat template where it supports tools, else refused by name; calls
+    # parsed and constrained (inference.tools)
+    tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    # false: at most one call under auto (required and a named function make one anyway)
+    parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
     def _logprobs(self) -> ChatCompletionRequest:
@@ -498,6 +582,20 @@ class ChatCompletionRequest(_GenerationRequest):
                 raise ValueError(f"at most {MAX_N * 4} choices (conversations × n) per request")
         return self
 
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """``tools`` as chat templates take them (None without tools)."""
+        if not self.tools:
+            return None
+        return [{"type": "function", "function": t.function.model_dump(
+            exclude_none=True, exclude={"strict"})} for t in self.tools]
+
+    def tool_choice_mode(self) -> str:
+        """none | auto | required | named (OpenAI's default: auto with tools, else none)."""
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice):
+            return "named"
+        return choice or ("auto" if self.tools else "none")
+
     def conversations(self) -> list[list[dict[str, Any]]]:
         """``messages``, then each of ``extra_messages``, as the chat template takes them."""
         extra = self.extra_messages or []
@@ -505,6 +603,8 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def unread_fields(self) -> frozenset[str]:
         unread = super().unread_fields()
+        if not self.tools:
+            unread |= {"parallel_tool_calls"}
         # max_completion_tokens wins
         return unread | {"max_tokens"} if self.max_completion_tokens is not None else unread
 

@@ -49,6 +49,7 @@ from inference.planning import Choice, Plan, off_view_thread, plan_generation, r
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.residency import Use, resident_model_id
 from inference.scoring import check_scoring, serve_scoring
+from inference.tools import ToolStream, parse_tool_calls
 from monitoring.probes import (
     probe_record,
     probe_score_hidden,
@@ -230,11 +231,11 @@ async def build_body(plan: Plan, outcomes: list[Outcome], client: EngineClient
         wants = bool(getattr(plan.request, "logprobs", False))
         return wire.ChatCompletion(**common, choices=[wire.ChatChoice(
             index=out.choice.index,
-            message=wire.ChatMessage(content=out.finish.text),
+            message=chat_message(plan, out.finish.text),
             logprobs=wire.ChatLogprobs(content=[wire.ChatTokenLogprob.of(t.logprob)
                                                 for t in out.tokens
                                                 if t.logprob is not None]) if wants else None,
-            finish_reason=wire.finish_reason(out.finish.finish_reason))
+            finish_reason=chat_finish_reason(plan, out.finish))
             for out in outcomes]).dump()
     req = plan.request
     assert isinstance(req, CompletionRequest)
@@ -250,6 +251,24 @@ async def build_body(plan: Plan, outcomes: list[Outcome], client: EngineClient
                       if req.wants_logprobs else None),
             finish_reason=wire.finish_reason(out.finish.finish_reason)))
     return wire.Completion(**common, choices=choices).dump()
+
+
+def chat_message(plan: Plan, text: str) -> wire.ChatMessage:
+    """A chat choice's message: its text, or under tools the calls parsed out of it
+    (``content`` null when nothing but calls)."""
+    if plan.tools is None or not plan.tools.parses:
+        return wire.ChatMessage(content=text)
+    content, calls = parse_tool_calls(text, plan.tools)
+    if not calls:
+        return wire.ChatMessage(content=text)
+    return wire.ChatMessage(content=content.strip() or None,
+                            tool_calls=[wire.ToolCall(**c) for c in calls])
+
+
+def chat_finish_reason(plan: Plan, finish: FinishEvent) -> wire.FinishReason:
+    calls = plan.tools is not None and plan.tools.parses and \
+        bool(parse_tool_calls(finish.text, plan.tools)[1])
+    return wire.finish_reason(finish.finish_reason, tool_calls=calls)
 
 
 # --------------------------------------------------------------------------- running
@@ -411,14 +430,18 @@ def _chunk(plan: Plan, choices: list[Any], *, usage: wire.Usage | None = None,
     return data
 
 
-def _token_choice(plan: Plan, choice: Choice, event: TokenEvent) -> Any:
-    if not event.text and event.logprob is None:
+def _token_choice(plan: Plan, choice: Choice, event: TokenEvent,
+                  tool_stream: ToolStream | None = None) -> Any:
+    text = event.text if tool_stream is None else tool_stream.feed(event.text)
+    if not text and event.logprob is None:
         return None
     if plan.kind == "chat":
         logprobs = (wire.ChatLogprobs(content=[wire.ChatTokenLogprob.of(event.logprob)])
                     if event.logprob is not None and plan.request.logprobs else None)
+        if not text and logprobs is None:
+            return None
         return wire.ChatChunkChoice(index=choice.index,
-                                    delta=wire.ChatDelta(content=event.text),
+                                    delta=wire.ChatDelta(content=text),
                                     logprobs=logprobs)
     logprobs = None
     if event.logprob is not None:
@@ -429,11 +452,24 @@ def _token_choice(plan: Plan, choice: Choice, event: TokenEvent) -> Any:
                                  finish_reason=None)
 
 
+def _tool_chunks(choice: Choice, tool_stream: ToolStream) -> list[Any]:
+    """The held text and each parsed call (a whole call in one delta) of a streamed
+    choice under tools, at its finish."""
+    rest, calls = tool_stream.finish()
+    out: list[Any] = []
+    if rest:
+        out.append(wire.ChatChunkChoice(index=choice.index, delta=wire.ChatDelta(content=rest)))
+    for i, call in enumerate(calls):
+        out.append(wire.ChatChunkChoice(index=choice.index, delta=wire.ChatDelta(
+            tool_calls=[wire.ToolCallDelta(index=i, **call)])))
+    return out
+
+
 def _finish_choice(plan: Plan, choice: Choice, finish: FinishEvent) -> Any:
-    reason = wire.finish_reason(finish.finish_reason)
     if plan.kind == "chat":
         return wire.ChatChunkChoice(index=choice.index, delta=wire.ChatDelta(),
-                                    finish_reason=reason)
+                                    finish_reason=chat_finish_reason(plan, finish))
+    reason = wire.finish_reason(finish.finish_reason)
     return wire.CompletionChoice(index=choice.index, text="", logprobs=None,
                                  finish_reason=reason)
 
@@ -466,6 +502,8 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
             held = b""
             tokens: list[TokenEvent] = []
             under_way = tokens
+            tool_stream = (ToolStream(plan.tools) if plan.kind == "chat" and plan.tools
+                           is not None and plan.tools.parses else None)
             while True:
                 if pending is None:
                     try:
@@ -489,7 +527,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                     held = _sse(_chunk(plan, [opening])) if opening is not None else b""
                 if isinstance(event, TokenEvent):
                     tokens.append(event)
-                    piece = _token_choice(plan, choice, event)
+                    piece = _token_choice(plan, choice, event, tool_stream)
                     if piece is not None:
                         yield held + _sse(_chunk(plan, [piece]))
                         held = b""
@@ -499,6 +537,10 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                     await record_monitoring(plan, outcomes[-1])
                     await register_capture(plan, outcomes[-1])
                     await score_probes(plan, outcomes[-1])
+                    if tool_stream is not None:
+                        for piece in _tool_chunks(choice, tool_stream):
+                            yield held + _sse(_chunk(plan, [piece]))
+                            held = b""
                     yield held + _sse(_chunk(plan, [_finish_choice(plan, choice, event)]))
                     held = b""
                     break

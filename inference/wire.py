@@ -39,10 +39,12 @@ class _Body(BaseModel):
         return data
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
-def finish_reason(engine_reason: str) -> FinishReason:
+def finish_reason(engine_reason: str, *, tool_calls: bool = False) -> FinishReason:
+    if tool_calls:
+        return "tool_calls"
     return "length" if engine_reason == "length" else "stop"
 
 
@@ -87,10 +89,30 @@ class ChatLogprobs(_Body):
     refusal: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ToolCallDelta(ToolCall):
+    """A whole call in one stream delta (ChatCompletionMessageToolCallChunk)."""
+
+    index: int
+
+
 class ChatMessage(_Body):
+    OMIT_IF_NONE = frozenset({"tool_calls"})
+
     role: Literal["assistant"] = "assistant"
     content: str | None
     refusal: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(_Body):
@@ -114,10 +136,11 @@ class ChatCompletion(_Body):
 
 
 class ChatDelta(_Body):
-    OMIT_IF_NONE = frozenset({"role", "content"})
+    OMIT_IF_NONE = frozenset({"role", "content", "tool_calls"})
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Body):

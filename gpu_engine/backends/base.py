@@ -67,6 +67,9 @@ CAPABILITY_KEYS = (
     # SamplingParams.structured (/v1 response_format): per-request grammar masks, in a
     # batch on that request's row only
     "structured_output",
+    # GenerationJob.tools: the chat template renders tools (a backend whose template does
+    # reports it, with ``tool_call_format``: gpu_engine.protocol.TOOL_CALL_FORMATS)
+    "tool_calling",
 )
 
 

@@ -234,6 +234,7 @@ class LlamaCppBackend:
             hidden_state_capture=False,  # issue 15: transformers first
             attention_capture=False,
             structured_output=False,  # no grammar masks in its sampler yet
+            tool_calling=False,  # tool calls need grammar masks (and parsing) too
             # how requests with different steering share a batch: each row's delta added in
             # the eval callback; rows steered alike use a control vector
             steering_mode="eval_callback_per_row",

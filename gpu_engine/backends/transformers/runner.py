@@ -39,6 +39,32 @@ from .qk_tap import QKTaps
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+# a tool for probing a chat template: rendering with it must differ from rendering without
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "millm_probe_tool", "description": "probe",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+
+
+def tool_template_format(tokenizer: Any) -> str | None:
+    """How this tokenizer's chat template writes tool calls (``TOOL_CALL_FORMATS``), or
+    None when it does not render tools: a template that ignores ``tools`` renders the
+    same text with and without one.  ``hermes`` when the template speaks of
+    ``<tool_call>`` (Hermes, Qwen 2.5/3, SmolLM3), else ``json`` (a bare JSON object)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template or not isinstance(template, str):
+        return None
+    messages = [{"role": "user", "content": "probe"}]
+    try:
+        plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        with_tool = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                  tools=[_PROBE_TOOL])
+    except Exception:  # noqa: BLE001 - a template that fails on tools does not support them
+        return None
+    if plain == with_tool or "millm_probe_tool" not in with_tool:
+        return None
+    return "hermes" if "<tool_call>" in template else "json"
+
+
 def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -108,6 +134,8 @@ class TransformersRunner:
         )
         self.qk_taps = QKTaps(self.hooks)
         self._grammars: Any = None  # structured.Grammars, built at the first structured request
+        # GenerationJob.tools: whether (and how) the chat template renders tools
+        self.tool_call_format = tool_template_format(self.tokenizer)
 
     # ------------------------------------------------------------------ structure
 
@@ -142,7 +170,9 @@ class TransformersRunner:
 
     def capabilities(self) -> dict[str, Any]:
         # ``hidden_states``: this backend's own key (Engine.hidden_states refuses without it)
-        return all_capabilities(hook_points=list(HOOK_POINTS), hidden_states=True)
+        return all_capabilities(hook_points=list(HOOK_POINTS), hidden_states=True,
+                                tool_calling=self.tool_call_format is not None,
+                                tool_call_format=self.tool_call_format)
 
     def structured_grammars(self) -> Any:
         """This model's ``structured.Grammars`` (vocabulary info built once, grammars

@@ -8,10 +8,22 @@ and its one-row token bitmask.  The request's ``Sampler`` masks only its own row
 with it before choosing (greedy or sampled), and ``Sequence`` feeds every chosen token
 back and finishes with ``stop`` once the grammar is complete.  A grammar's end is one of
 the model's EOS tokens, which the mask allows only there.
+
+Tool calls (``tool_call``): a call is the envelope the chat template's family writes
+(``TOOL_CALL_FORMATS``) around arguments valid for the function's ``parameters``.
+``hermes``: ``<tool_call>\n{"name": "<f>", "arguments": <args>}\n</tool_call>``, built
+as xgrammar structural tags, one tag per function (the name a literal of its begin
+string): ``required`` is one of those tags and nothing else, ``auto`` is free text in
+which each ``<tool_call>`` the model writes dispatches to them (``triggered_tags``;
+``auto_single`` ends the output after the first call).
+``json``: one ``{"name": …, "arguments": …}`` object, an ``anyOf`` over the functions.
+The arguments are compact JSON (xgrammar's ``", "``/``": "`` separators, no other
+whitespace), as for ``response_format``.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -27,6 +39,10 @@ from ...protocol import StructuredOutput
 GRAMMAR_CACHE_SIZE = 128
 # json_object: any JSON object (extra keys allowed, the schema names none)
 _ANY_OBJECT = '{"type": "object"}'
+# the hermes envelope around a call's name and arguments
+HERMES_TRIGGER = "<tool_call>"
+HERMES_BEGIN = '<tool_call>\n{"name": '
+HERMES_END = "}\n</tool_call>"
 
 
 class Grammars:
@@ -39,11 +55,11 @@ class Grammars:
                                                       stop_token_ids=sorted(stop_token_ids))
         # its own cache stays off: ours is bounded and keyed by what the request sent
         self.compiler = xg.GrammarCompiler(self.info, max_threads=2, cache_enabled=False)
-        self._compiled: OrderedDict[tuple[str, str], xg.CompiledGrammar] = OrderedDict()
+        self._compiled: OrderedDict[tuple[str, ...], xg.CompiledGrammar] = OrderedDict()
         self._lock = threading.Lock()
 
     def compile(self, spec: StructuredOutput) -> xg.CompiledGrammar:
-        key = (spec.type, spec.schema)
+        key = (spec.type, spec.schema, spec.tool_format, spec.tool_mode)
         with self._lock:
             hit = self._compiled.get(key)
             if hit is not None:
@@ -52,7 +68,9 @@ class Grammars:
         try:
             # compact JSON (no free whitespace): a small model cannot pad its answer with
             # newlines until max_tokens, and the output is the same JSON
-            if spec.type == "json_object":
+            if spec.type == "tool_call":
+                compiled = self._tool_call(spec)
+            elif spec.type == "json_object":
                 compiled = self.compiler.compile_json_schema(_ANY_OBJECT, any_whitespace=False, strict_mode=False)
             else:
                 # strict: no properties or items the schema does not name (OpenAI's strict)
@@ -66,6 +84,24 @@ class Grammars:
             while len(self._compiled) > GRAMMAR_CACHE_SIZE:
                 self._compiled.popitem(last=False)
         return compiled
+
+    def _tool_call(self, spec: StructuredOutput) -> xg.CompiledGrammar:
+        functions = json.loads(spec.schema)
+        if spec.tool_format == "json":
+            envelopes = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                          "required": ["name", "arguments"]} for f in functions]
+            return self.compiler.compile_json_schema(json.dumps({"anyOf": envelopes}), any_whitespace=False,
+                                                     strict_mode=True)
+        tags = [{"type": "tag", "begin": HERMES_BEGIN + json.dumps(f["name"]) + ', "arguments": ',
+                 "content": {"type": "grammar", "grammar": str(xg.Grammar.from_json_schema(
+                     json.dumps(f["parameters"]), any_whitespace=False, strict_mode=True))},
+                 "end": HERMES_END} for f in functions]
+        if spec.tool_mode == "required":
+            fmt: dict[str, Any] = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
+        else:
+            fmt = {"type": "triggered_tags", "triggers": [HERMES_TRIGGER], "tags": tags,
+                   "stop_after_first": spec.tool_mode == "auto_single"}
+        return self.compiler.compile_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
 
     def matcher(self, spec: StructuredOutput) -> RequestGrammar:
         return RequestGrammar(self.compile(spec), vocab_size=self.vocab_size)

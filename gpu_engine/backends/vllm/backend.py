@@ -153,6 +153,8 @@ class VllmBackend:
             attention_capture=False,
             # vLLM has structured output of its own; not wired to SamplingParams.structured
             structured_output=False,
+            # tool calls are constrained by SamplingParams.structured, which is not wired
+            tool_calling=False,
             per_request_monitoring=hooks_live,
             exact_monitoring_attribution=hooks_live,
             embeddings=False,
