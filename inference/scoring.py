@@ -66,6 +66,7 @@ def check_scoring(req: ChatCompletionRequest | CompletionRequest) -> None:
         "capture": req.capture is not None,
         "analyze": getattr(req, "analyze", None) is not None,
         "probes": bool(getattr(req, "probes", None)),
+        "tools": bool(getattr(req, "tools", None)),
         "response_format": (getattr(req, "response_format", None) or {}).get("type", "text")
         != "text",
         "echo": bool(getattr(req, "echo", False)),
