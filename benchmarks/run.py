@@ -1,7 +1,7 @@
 """Every ratio of SPEC §7 / issue 17 item 8 in one run: one table, JSON and PNG plots
 (a benchmark, not a test).
 
-    .venv/bin/python benchmarks/run.py                       # everything (≈ an hour on 2 cores)
+    .venv/bin/python benchmarks/run.py                       # everything (one to two hours on 2 cores)
     .venv/bin/python benchmarks/run.py --only decode,batching
     .venv/bin/python benchmarks/run.py --quick               # smoke: tiny model, figures meaningless
 
