@@ -63,3 +63,14 @@ def test_unknown_group_is_refused(tmp_path):
     proc = _run("--only", "decode,nonsense", "--out", str(tmp_path), timeout=60)
     assert proc.returncode == 2
     assert "nonsense" in proc.stderr
+
+
+def test_a_missing_backend_is_a_row_not_a_gap(tmp_path, monkeypatch, capsys):
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "MISSING", {"llamacpp": lambda: "llama-cpp-python", "vllm": lambda: "vLLM"})
+    monkeypatch.setattr(sys, "argv", ["run.py", "--only", "llamacpp,vllm", "--out", str(tmp_path)])
+    run.main()
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["group"], r["status"]) for r in rows] == [("llamacpp", "not installed"), ("vllm", "not installed")]
+    assert capsys.readouterr().out.count("not installed") == 2
