@@ -237,7 +237,8 @@ def main() -> None:
             lim = f"{v / limit:>9.3f}" if k.endswith("b1") else ""
             print(f"  {k:<18} {v:>8.1f} {v / med['plain b1']:>9.3f} {lim}")
     if not args.skip_transformers:
-        manifest = ensure_assets(REPO / ".cache" / "test-assets", include_demo=True)
+        manifest = ensure_assets(Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets"),
+                                 include_demo=True)
         eng = Engine()
         eng.load_model(
             LoadModelJob("smollm2-135m", str(manifest.models["smollm2-135m"].path), device="cpu")

@@ -1,0 +1,76 @@
+"""`benchmarks/run.py`, the one benchmark command (issue 17 item 8), as a smoke run: the
+tiny model, a few tokens, one round. Checks what the run writes, never its timings."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from tests.conftest import REPO
+from tests.fixtures.assets import ASSET_DIR_ENV, asset_cache_dir
+
+ROW_KEYS = {"group", "what", "ratio", "target", "op", "threshold", "status", "note"}
+
+
+def _run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, ASSET_DIR_ENV: str(asset_cache_dir())}
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), *argv], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_quick_run_writes_rows_json_and_plot(tiny_assets, tmp_path):
+    out = tmp_path / "bench"
+    proc = _run("--quick", "--only", "decode,unbuilt", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "FIGURES ARE MEANINGLESS" in proc.stdout
+
+    result = json.loads((out / "results.json").read_text())
+    assert set(result) >= {"meta", "bandwidth", "rows", "raw"}
+    meta = result["meta"]
+    assert meta["quick"] is True and meta["model"] == "tiny-llama"
+    assert meta["groups"] == ["decode", "unbuilt"]
+    assert "vllm" in meta["groups_not_run"] and "batching" in meta["groups_not_run"]
+    # the bandwidth limit is measured in the same run, with a buffer the size of the weights
+    (bw,) = result["bandwidth"].values()
+    assert bw["gb_s"] > 0 and bw["buffer_bytes"] > 0
+    assert set(result["raw"]) == {"decode"}
+
+    rows = result["rows"]
+    assert all(set(r) == ROW_KEYS for r in rows)
+    decode = [r for r in rows if r["group"] == "decode"]
+    assert len(decode) == 7
+    assert all(isinstance(r["ratio"], float) and r["ratio"] > 0 for r in decode)
+    judged = [r for r in decode if r["threshold"] is not None]
+    assert {r["threshold"] for r in judged} == {0.95, 0.98, 0.97, 0.6}
+    # a smoke run's verdicts carry the label that they mean nothing
+    assert all(r["status"].endswith("(--quick: meaningless)") for r in judged)
+    assert any("bandwidth limit" in r["what"] for r in judged)
+
+    # features that are not built are rows of their own, never zero and never left out
+    unbuilt = [r for r in rows if r["group"] == "unbuilt"]
+    assert len(unbuilt) == 4
+    assert all(r["ratio"] is None and r["status"] in ("not built", "not measured") for r in unbuilt)
+    for r in unbuilt:
+        assert r["status"] in proc.stdout
+
+    png = out / "ratios.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_group_is_refused(tmp_path):
+    proc = _run("--only", "decode,nonsense", "--out", str(tmp_path), timeout=60)
+    assert proc.returncode == 2
+    assert "nonsense" in proc.stderr
+
+
+def test_a_missing_backend_is_a_row_not_a_gap(tmp_path, monkeypatch, capsys):
+    from benchmarks import run
+
+    monkeypatch.setattr(run, "MISSING", {"llamacpp": lambda: "llama-cpp-python", "vllm": lambda: "vLLM"})
+    monkeypatch.setattr(sys, "argv", ["run.py", "--only", "llamacpp,vllm", "--out", str(tmp_path)])
+    run.main()
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["group"], r["status"]) for r in rows] == [("llamacpp", "not installed"), ("vllm", "not installed")]
+    assert capsys.readouterr().out.count("not installed") == 2
