@@ -78,19 +78,33 @@ def live_rows() -> list[LiveSteering]:
             .order_by("attachment__layer", "attachment__sae_id") if r.values or r.controls]
 
 
-def _read_live_entries() -> list[SteeringEntry]:
-    out = []
-    for r in live_rows():
-        features = row_features(r)
-        out.append(SteeringEntry(r.attachment.sae_id, r.attachment.layer, features.values,
-                                 features.controls))
+class LiveEntries(list):
+    """The live steering, one ``SteeringEntry`` per attachment, and — when serving circuits
+    set every running row — those circuits as ``(id, λ)`` (``X-miLLM-Steering``'s
+    ``circuit;id=…;intensity=…`` form)."""
+
+    circuits: tuple[tuple[int, float], ...] = ()
+
+
+def _read_live_entries() -> LiveEntries:
+    rows = live_rows()
+    out = LiveEntries(SteeringEntry(r.attachment.sae_id, r.attachment.layer,
+                                    *_values_controls(r)) for r in rows)
+    if rows and all(r.source == LiveSteering.Source.CIRCUIT for r in rows):
+        out.circuits = tuple((c.pk, float(c.intensity))
+                             for c in Circuit.objects.filter(is_active=True).order_by("pk"))
     return out
+
+
+def _values_controls(row: LiveSteering) -> tuple[dict[int, float], list[FeatureControl]]:
+    features = row_features(row)
+    return features.values, features.controls
 
 
 # The live steering every /v1 request without its own runs, one SteeringEntry (values and
 # controls) per attachment, kept in this process (core.process_copy): every change takes
 # steering_lock(), which drops the copy when its transaction commits.
-live_copy: ProcessCopy[list[SteeringEntry]] = ProcessCopy(_read_live_entries)
+live_copy: ProcessCopy[LiveEntries] = ProcessCopy(_read_live_entries)
 
 
 def live_values() -> list[SteeringEntry]:

@@ -205,7 +205,8 @@ def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None,
     does not hold, e.g. during a detach, are skipped), dialled by the request's λ.
     ``values``: this process's copy (``live.live_copy``); None reads the database."""
     held = {(a.sae_id, a.layer) for a in attachments}
-    rows = [e for e in (live.live_values() if values is None else values) if e.key in held]
+    source = live.live_values() if values is None else values
+    rows = [e for e in source if e.key in held]
     if not rows:
         return NONE
     if intensity == 0:
@@ -218,15 +219,24 @@ def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None,
         entries.append(SteeringEntry(row.sae_id, row.layer, scaled.values, scaled.controls))
     count = sum(len(e.features) + len(e.controls) for e in entries)
     controls = sum(len(e.controls) for e in entries)
-    if len(entries) == 1:
-        header = (f"live;sae={_header_value(entries[0].sae_id)};layer={entries[0].layer};"
-                  f"features={count}")
+    circuits = getattr(source, "circuits", ())
+    if circuits:
+        # serving circuits set all of it: the original's form, each circuit's own λ; a
+        # request's dial multiplies on top of it
+        header = (f"circuit;id={','.join(str(i) for i, _ in circuits)};"
+                  f"intensity={','.join(_fmt(lam) for _, lam in circuits)}")
+        if intensity is not None:
+            header += f";dial={_fmt(intensity)}"
     else:
-        header = f"live;attachments={len(entries)};features={count}"
-    if controls:
-        header += f";controls={controls}"
-    if intensity is not None:
-        header += f";intensity={_fmt(intensity)}"
+        if len(entries) == 1:
+            header = (f"live;sae={_header_value(entries[0].sae_id)};layer={entries[0].layer};"
+                      f"features={count}")
+        else:
+            header = f"live;attachments={len(entries)};features={count}"
+        if controls:
+            header += f";controls={controls}"
+        if intensity is not None:
+            header += f";intensity={_fmt(intensity)}"
     return ResolvedSteering(mode="live", spec=SteeringSpec(entries), header=header,
                             intensity=intensity, entries=[_entry_summary(e) for e in entries])
 

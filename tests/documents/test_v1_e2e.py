@@ -254,3 +254,37 @@ def test_live_and_profile_controls_run_on_v1_as_the_engine_runs_them(served, rel
     assert named.json()["millm"]["steering"]["hash"] == spec.canonical_hash()
     assert served.api("POST", "/profiles/gates/activate").status == 200
     assert _text(served.v1({})) == want
+
+
+def test_a_serving_circuit_is_named_in_the_steering_header(served, relu):
+    """The original's ``circuit;id=…;intensity=…`` form of X-miLLM-Steering when serving
+    circuits set the live steering, with the request's dial as ``;dial=``; the hash is the
+    set that ran, equal to the same set sent inline."""
+    import json
+
+    doc = {"kind": "mistudio.circuit-definition", "schema_version": "1", "name": "sea-circuit",
+           "saes": [{"mistudio_sae_id": relu.id, "layer": 1}],
+           "members": [{"layer": 1, "feature": {"feature_idx": 3, "strength": 12.0, "sign": 1}}],
+           "edges": [{"up": {"layer": 1, "feature_idx": 3}, "down": {"layer": 1, "feature_idx": 3},
+                      "rung": 2}],
+           "budget": {"intensity": 1.5, "intensity_range": [0.25, 2.0]}}
+    made = served.api("POST", "/circuits/import", raw=json.dumps(doc).encode(),
+                      headers={"Content-Type": "application/json"})
+    assert made.status == 201, made.body
+    cid = made.json()["data"]["id"]
+    assert served.api("POST", f"/circuits/{cid}/activate").status == 200
+    resp = served.v1({})
+    spec = SteeringSpec([SteeringEntry(relu.id, 1, {3: 18.0})])  # 12 × λ 1.5
+    assert _text(resp) == served.direct(spec).text != served.direct().text
+    assert resp.headers["x-millm-steering"] == (
+        f'circuit;id={cid};intensity=1.5;hash="{spec.canonical_hash()}"')
+    dialled = served.v1({"steering_intensity": 0.5})
+    half = SteeringSpec([SteeringEntry(relu.id, 1, {3: 9.0})])
+    assert dialled.headers["x-millm-steering"] == (
+        f'circuit;id={cid};intensity=1.5;dial=0.5;hash="{half.canonical_hash()}"')
+    assert served.api("POST", f"/circuits/{cid}/deactivate").status == 200
+    assert served.v1({}).headers["x-millm-steering"] == "none"
+    # live steering set directly keeps the live form
+    assert served.api("POST", "/saes/steering", {"sae_id": relu.id, "feature_idx": 3,
+                                                 "value": 5.0}).status == 200
+    assert served.v1({}).headers["x-millm-steering"].startswith(f"live;sae={relu.id};layer=1;")
