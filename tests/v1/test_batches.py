@@ -325,3 +325,22 @@ def test_a_dead_runner_is_taken_over_without_repeating_a_line(batch_server, sett
 
     out = [json.loads(x) for x in file_content(file_id=done.output_file_id).splitlines()]
     assert sorted(x["custom_id"] for x in out) == sorted(r["custom_id"] for r in rows)
+
+
+def test_a_thousand_line_batch_answers_every_line_once(batch_server, openai_client):
+    """Issue 18's size: 1,000 lines through the official client, each answered exactly
+    once (the interactive time to first token beside such a batch is a benchmark,
+    benchmarks/batch_ttft.py, in docs/performance.md — not a timed test)."""
+    rows = [chat_line(i, max_tokens=1) for i in range(1000)]
+    file = upload(openai_client, rows)
+    batch = openai_client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
+                                         completion_window="24h")
+    done = wait_status(openai_client, batch.id, ("completed", "failed"), timeout_s=600)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed,
+            done.request_counts.failed) == (1000, 1000, 0)
+    lines = output(openai_client, done.output_file_id)
+    assert sorted(x["custom_id"] for x in lines) == sorted(f"req-{i}" for i in range(1000))
+    assert len({x["id"] for x in lines}) == 1000  # one answer per line, none repeated
+    assert all(x["response"]["status_code"] == 200 and x["error"] is None for x in lines)
+    assert BatchLine.objects.filter(batch_id=done.id, status="done", attempts=1).count() == 1000
