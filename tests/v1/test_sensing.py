@@ -122,6 +122,19 @@ def test_armed_cluster_fires_at_the_rows_its_members_cofire(llama, hf, tiny_asse
             assert (m["layer"], m["feature"], m["sae_id"]) == (1, f, sae.id)
             assert m["activation"] == pytest.approx(pre[first, f], abs=5e-3)
 
+        # the request's own read of the same attachment and read point never sees the
+        # sensing records (one row per position, only the features it asked for), streamed
+        # or not
+        asked = {"features": [co[1]], "positions": "completion", "read_point": "pre_steering"}
+        for stream in (False, True):
+            resp = completion(llama, {"return_sae_activations": asked, "stream": stream})
+            acts = (resp.events()[-2] if stream else resp.json())["millm"]["sae_activations"]
+            assert [r["position"] for r in acts["positions"]] == [
+                n_prompt - 1 + i for i in range(len(pre))]
+            assert all([a["feature_index"] for a in r["features"]] == [co[1]]
+                       for r in acts["positions"])
+            assert len(_sensing_events(ws, 5.0)) == 1
+
         # members that never co-fire: no event
         assert api(llama, "DELETE", "/api/monitoring/sensing",
                    {"kind": "cluster", "id": cid}).status == 200
