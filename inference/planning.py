@@ -51,6 +51,7 @@ from inference.residency import ModelRef
 from inference.tools import ToolPlan, tool_plan
 from monitoring.analysis import PreparedAnalysis, analysis_check_backend
 from monitoring.probes import ProbePlan, armed_copy, probe_request_plan
+from monitoring.sensing import SensingPlan, sensing_request_plan, watch_copy
 from monitoring.services import (
     monitoring_merge,
     monitoring_request_config,
@@ -82,6 +83,7 @@ class Plan:
     monitoring: MonitorEntry | None = None  # /api/monitoring's entry, recorded apart
     analyses: list[PreparedAnalysis] = field(default_factory=list)  # analyze, prepared
     probes: ProbePlan | None = None  # the probes scored (``probes`` or the armed set)
+    sensing: SensingPlan | None = None  # the watched clusters and circuits (observe only)
     ignored_fields: list[str] = field(default_factory=list)  # sent, read by nothing
     fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
     tools: ToolPlan | None = None  # chat tools on the loaded model (inference.tools)
@@ -210,6 +212,10 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
         probe_need = probes.capture_need()
         if probe_need is not None:
             need = probe_need if need is None else need.merged(probe_need)
+    sensing = await plan_sensing(status)
+    if sensing is not None:  # tagged entries, read apart from the request's own
+        monitor = MonitorSpec([*(monitor.entries if monitor is not None else []),
+                               *sensing.monitor_entries()])
     capture = capture_spec(req, model.name, n_prompts * req.n, need=need)
     choices: list[Choice] = []
     tools = None
@@ -250,7 +256,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 backend=client.backend_name, monitoring=monitored,
                 ignored_fields=list(ignored_fields or ()),
                 fingerprint=wire.fingerprint(status, version()), analyses=analyses,
-                probes=probes, tools=tools)
+                probes=probes, tools=tools, sensing=sensing)
 
 
 async def plan_probes(req: ChatCompletionRequest | CompletionRequest,
@@ -265,6 +271,17 @@ async def plan_probes(req: ChatCompletionRequest | CompletionRequest,
             return probe_request_plan(asked=None, status=status, choices=choices, armed=armed)
     return await off_view_thread(probe_request_plan)(asked=req.probes, status=status,
                                                      choices=choices)
+
+
+async def plan_sensing(status: EngineStatus | None) -> SensingPlan | None:
+    """The clusters and circuits this request watches (``monitoring.sensing``): the active
+    ones and those armed for sensing, as this process holds them when fresh."""
+    if status is None:
+        return None
+    watches = watch_copy.fresh()
+    if watches is None:
+        watches = await off_view_thread(watch_copy.read)()
+    return sensing_request_plan(status=status, watches=watches)
 
 
 async def prepare_analyses(req: ChatCompletionRequest | CompletionRequest,

@@ -57,6 +57,7 @@ from monitoring.probes import (
     probe_take_records,
     verdicts_header,
 )
+from monitoring.sensing import sensing_publish, sensing_take_records
 from monitoring.services import capture_register, monitoring_record, monitoring_take_records
 
 log = structlog.get_logger(__name__)
@@ -346,6 +347,17 @@ async def score_probes(plan: Plan, outcome: Outcome) -> None:
     await off_view_thread(probe_record)(request_id=plan.object_id, verdicts=outcome.probes)
 
 
+def sense(plan: Plan, outcome: Outcome) -> None:
+    """Sensing of a finished choice (``monitoring.sensing``): its records taken out of the
+    outcome (``return_sae_activations`` never sees them), then one ``sensing:*`` event per
+    watched document that fired. Nothing in the response changes."""
+    if plan.sensing is None:
+        return
+    records = sensing_take_records(finish=outcome.finish, tokens=outcome.tokens)
+    sensing_publish(plan=plan.sensing, records=records, request_id=plan.object_id,
+                    choice=outcome.choice.index)
+
+
 def probe_headers(plan: Plan, outcomes: list[Outcome]) -> dict[str, str]:
     if plan.probes is None or not outcomes or not outcomes[0].probes:
         return {}
@@ -537,6 +549,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                     await record_monitoring(plan, outcomes[-1])
                     await register_capture(plan, outcomes[-1])
                     await score_probes(plan, outcomes[-1])
+                    sense(plan, outcomes[-1])
                     if tool_stream is not None:
                         for piece in _tool_chunks(choice, tool_stream):
                             yield held + _sse(_chunk(plan, [piece]))
@@ -579,6 +592,7 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
             await record_monitoring(plan, outcome)
             await register_capture(plan, outcome)
             await score_probes(plan, outcome)
+            sense(plan, outcome)
         if outcomes:
             await run_analyses(plan, outcomes[0])
         body = await build_body(plan, outcomes, client)

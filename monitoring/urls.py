@@ -1,6 +1,6 @@
 from django.urls import path
 
-from monitoring import apis, probe_apis
+from monitoring import apis, probe_apis, sensing_apis
 
 urlpatterns = [
     path("monitoring", apis.MonitoringApi.as_view(), name="monitoring"),
@@ -9,6 +9,7 @@ urlpatterns = [
     # the original's shortcut, kept for its clients
     path("saes/monitoring", apis.MonitoringConfigureApi.as_view(), name="sae-monitoring"),
     path("monitoring/enable", apis.MonitoringEnableApi.as_view(), name="monitoring-enable"),
+    path("monitoring/sensing", sensing_apis.SensingApi.as_view(), name="monitoring-sensing"),
     path("monitoring/history", apis.HistoryApi.as_view(), name="monitoring-history"),
     path("monitoring/statistics", apis.StatisticsApi.as_view(), name="monitoring-statistics"),
     path("monitoring/statistics/top", apis.StatisticsTopApi.as_view(),
