@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import structlog
 
@@ -43,6 +43,7 @@ class ProcessCopy(Generic[T]):
         self._lock = threading.Lock()
         self._value: T | None = None
         self._read_at = float("-inf")
+        self._followers: list[ProcessCopy[Any]] = []
 
     def fresh(self) -> T | None:
         """The copy, or None when there is none (or, with other processes that may change
@@ -70,6 +71,14 @@ class ProcessCopy(Generic[T]):
     def invalidate(self) -> None:
         with self._lock:
             self._value, self._read_at = None, float("-inf")
+        for follower in self._followers:
+            follower.invalidate()
+
+    def followed_by(self, other: ProcessCopy[Any]) -> None:
+        """``other`` is dropped whenever this copy is (a copy derived from what this one
+        holds, kept by a package above it)."""
+        if other not in self._followers:
+            self._followers.append(other)
 
 
 class _Refresher:

@@ -169,18 +169,10 @@ watch_copy: ProcessCopy[tuple[Watch, ...]] = ProcessCopy(_read_watches)
 
 
 def _follow_live() -> None:
+    """Every change of the live steering (activations, deactivations) drops the watched set."""
     from steering.live import live_copy
 
-    original = live_copy.invalidate
-    if getattr(original, "_sensing", False):
-        return
-
-    def invalidate() -> None:
-        original()
-        watch_copy.invalidate()
-
-    invalidate._sensing = True  # type: ignore[attr-defined]
-    live_copy.invalidate = invalidate  # type: ignore[method-assign]
+    live_copy.followed_by(watch_copy)
 
 
 def connect_signals() -> None:
