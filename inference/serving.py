@@ -49,7 +49,7 @@ from inference.planning import Choice, Plan, off_view_thread, plan_generation, r
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.residency import Use, resident_model_id
 from inference.scoring import check_scoring, serve_scoring
-from inference.tools import ToolStream, parse_tool_calls
+from inference.tools import ToolStream, parse_tool_calls, refuse_tools_before_load
 from monitoring.probes import (
     probe_record,
     probe_score_hidden,
@@ -622,6 +622,9 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
                           param="profile")
     if req.allowed_token_ids is not None:
         check_scoring(req)  # scoring mode: refused before anything loads or queues
+    if getattr(req, "tools", None) and model.pk is not None \
+            and resident_model_id(status) != model.name:
+        await off_view_thread(refuse_tools_before_load)(model.pk)
     # before queueing
     residency.check_policy(model, policy=policy, resident=resident_model_id(status),
                            draining=status.draining)

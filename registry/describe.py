@@ -4,6 +4,7 @@ and downloading both read files through these."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +77,27 @@ def describe_transformers_dir(path: Path, quantization: str | None = None) -> di
         "disk_size_bytes": info.disk_size_bytes,
         "estimated_memory_bytes": estimated,
     }
+
+
+def chat_template_text(path: Path) -> str | None:
+    """The chat template(s) a transformers checkpoint directory ships, as one text
+    (``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``: a string or
+    a list of named templates); None when there is none or it cannot be read here."""
+    texts: list[str] = []
+    try:
+        jinja = path / "chat_template.jinja"
+        if jinja.is_file():
+            texts.append(jinja.read_text(errors="ignore"))
+        config = path / "tokenizer_config.json"
+        if config.is_file():
+            value = json.loads(config.read_text()).get("chat_template")
+            if isinstance(value, str):
+                texts.append(value)
+            elif isinstance(value, list):
+                texts.extend(str(t.get("template", "")) for t in value if isinstance(t, dict))
+    except (OSError, ValueError):
+        return None
+    return "\n".join(texts) if texts else None
 
 
 def describe_gguf_file(path: Path) -> dict[str, Any]:

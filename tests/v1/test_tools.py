@@ -244,3 +244,18 @@ def test_parsing_and_streaming_hold_back_only_what_may_open_a_call():
     stream = ToolStream(PLAN)
     assert [stream.feed(p) for p in ["a <", "b"]] == ["a ", "<b"]
     assert stream.finish() == ("", [])
+
+
+def test_tools_for_a_model_that_is_not_loaded_are_refused_before_loading_it(llama):
+    """A registered model whose chat template never mentions tools is not loaded to find
+    out: the request is refused first, and the resident model stays."""
+    from registry.models import Model
+
+    other = Model.objects.get(name="tiny-gpt2")
+    before = llama.engine.status().model_id
+    resp = request(llama.base_url, "POST", "/chat/completions", {
+        "model": "tiny-gpt2", "messages": MESSAGES, "max_tokens": 2, "tools": TOOLS})
+    error = assert_openai_error(resp, 400, "field_not_honoured", "tools")
+    assert "refused before loading" in error["message"]
+    assert llama.engine.status().model_id == before == "tiny-llama"
+    assert Model.objects.get(pk=other.pk).status == other.status
