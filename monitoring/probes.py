@@ -59,6 +59,7 @@ from monitoring.errors import (
     UnvalidatedProbe,
 )
 from monitoring.models import Probe, ProbeVerdict
+from monitoring.services import take_records
 
 log = structlog.get_logger(__name__)
 
@@ -525,13 +526,7 @@ def probe_take_records(*, finish: FinishEvent, tokens: Sequence[TokenEvent] = ()
                        ) -> list[ActivationRecord]:
     """Remove the probes' records from a finished generation (the request's own
     ``return_sae_activations`` never sees them) and return them."""
-    taken = [r for r in finish.activations if _ours(r)]
-    finish.activations = [r for r in finish.activations if not _ours(r)]
-    for token in tokens:
-        if token.activations:
-            taken += [r for r in token.activations if _ours(r)]
-            token.activations = [r for r in token.activations if not _ours(r)]
-    return sorted(taken, key=lambda r: r.position)
+    return take_records(_ours, finish=finish, tokens=tokens)
 
 
 def probe_score_sae(*, heads: Sequence[ProbeHead], records: Sequence[ActivationRecord],

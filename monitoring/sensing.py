@@ -41,6 +41,7 @@ from gpu_engine.protocol import (
     TokenEvent,
 )
 from monitoring.models import SensingArm
+from monitoring.services import take_records
 
 log = structlog.get_logger(__name__)
 
@@ -293,13 +294,7 @@ def _ours(record: ActivationRecord) -> bool:
 def sensing_take_records(*, finish: FinishEvent, tokens: Sequence[TokenEvent] = ()
                          ) -> list[ActivationRecord]:
     """Remove sensing's records from a finished generation and return them."""
-    taken = [r for r in finish.activations if _ours(r)]
-    finish.activations = [r for r in finish.activations if not _ours(r)]
-    for token in tokens:
-        if token.activations:
-            taken += [r for r in token.activations if _ours(r)]
-            token.activations = [r for r in token.activations if not _ours(r)]
-    return sorted(taken, key=lambda r: r.position)
+    return take_records(_ours, finish=finish, tokens=tokens)
 
 
 def sensing_detect(*, plan: SensingPlan, records: Sequence[ActivationRecord],

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -236,16 +236,24 @@ def _ours(record: EngineRecord, entry: MonitorEntry) -> bool:
         entry.sae_id, entry.layer, entry.read_point, entry.tag)
 
 
+def take_records(ours: Callable[[EngineRecord], bool], *, finish: FinishEvent,
+                 tokens: Sequence[TokenEvent] = ()) -> list[EngineRecord]:
+    """Remove the records ``ours`` picks from a finished generation (from its finish event
+    and its token events, so the request's own activations never show them) and return
+    them in position order: /api/monitoring's entry, probes and sensing each take theirs."""
+    taken = [r for r in finish.activations if ours(r)]
+    finish.activations = [r for r in finish.activations if not ours(r)]
+    for token in tokens:
+        if token.activations:
+            taken += [r for r in token.activations if ours(r)]
+            token.activations = [r for r in token.activations if not ours(r)]
+    return sorted(taken, key=lambda r: r.position)
+
+
 def monitoring_take_records(*, entry: MonitorEntry, finish: FinishEvent,
                             tokens: Sequence[TokenEvent] = ()) -> list[EngineRecord]:
     """Remove the monitoring entry's records from a finished generation and return them."""
-    taken = [r for r in finish.activations if _ours(r, entry)]
-    finish.activations = [r for r in finish.activations if not _ours(r, entry)]
-    for token in tokens:
-        if token.activations:
-            taken += [r for r in token.activations if _ours(r, entry)]
-            token.activations = [r for r in token.activations if not _ours(r, entry)]
-    return sorted(taken, key=lambda r: r.position)
+    return take_records(lambda r: _ours(r, entry), finish=finish, tokens=tokens)
 
 
 class _RateCap:
