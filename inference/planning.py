@@ -34,8 +34,6 @@ from gpu_engine.protocol import (
     GenerationJob,
     MonitorEntry,
     MonitorSpec,
-    PositionRange,
-    SteeringCondition,
 )
 from inference import selectors, wire
 from inference.activations import monitor_resolve
@@ -141,13 +139,7 @@ def off_view_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
 def _feature(f: Any) -> tuple[int, float] | FeatureControl:
     """A /v1 steering feature as the resolver takes it: a plain add as (index, strength),
     anything else as the engine's ``FeatureControl``."""
-    if f.plain:
-        return (f.index, f.amount())
-    return FeatureControl(
-        f.index, mode=f.mode, value=f.amount(), phase=f.phase,
-        window=PositionRange(f.window.start, f.window.end) if f.window is not None else None,
-        condition=(SteeringCondition(f.condition.feature, f.condition.threshold)
-                   if f.condition is not None else None))
+    return (f.index, f.amount()) if f.plain else f.control()
 
 
 def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None

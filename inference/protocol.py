@@ -34,7 +34,7 @@ from gpu_engine.protocol import (
     StructuredOutput,
 )
 from inference.structured import NAME_RE, structured_output
-from steering.rules import check_strength, mode_value_problem
+from steering.rules import ControlInput
 
 MAX_N = 16
 MAX_TOKENS_LIMIT = 2**31 - 1
@@ -75,47 +75,12 @@ class _Strict(BaseModel):
 
 # --------------------------------------------------------------------------- extensions
 
-class SteeringWindow(_Strict):
-    start: int = Field(default=0, ge=0)
-    end: int | None = Field(default=None, gt=0)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> SteeringWindow:
-        if self.end is not None and self.end <= self.start:
-            raise ValueError("window.end must be greater than window.start")
-        return self
-
-
-class SteeringTrigger(_Strict):
-    feature: int = Field(ge=0, le=2**31)
-    threshold: float = 0.0
-
-
-class SteeringFeature(_Strict):
+class SteeringFeature(ControlInput):
     """``{index, strength}`` adds ``strength · W_dec[index]`` at every position (the
     original shape); ``mode`` (add | clamp | scale | ablate) with ``value``, ``phase``
     (all | prompt | completion), ``window`` ``{start, end}`` and ``condition``
-    ``{feature, threshold}`` steer otherwise (docs/steering.md, "Modes")."""
-
-    index: int = Field(ge=0, le=2**31)
-    strength: float | None = None
-    mode: Literal["add", "clamp", "scale", "ablate"] = "add"
-    value: float | None = None
-    phase: Literal["all", "prompt", "completion"] = "all"
-    window: SteeringWindow | None = None
-    condition: SteeringTrigger | None = None
-
-    @field_validator("strength", "value")
-    @classmethod
-    def _strength(cls, value: float | None) -> float | None:
-        return None if value is None else check_strength(value)  # the one rule (steering.rules)
-
-    @model_validator(mode="after")
-    def _one_value(self) -> SteeringFeature:
-        problem = mode_value_problem(self.mode, self.strength, self.value)  # steering.rules
-        if problem:
-            raise ValueError(problem)
-        return self
+    ``{feature, threshold}`` steer otherwise (docs/steering.md, "Modes"). The one control
+    schema of every surface (``steering.rules.ControlInput``)."""
 
     @property
     def plain(self) -> bool:
