@@ -32,13 +32,13 @@ from ...protocol import (
     EmbedResult,
     GenerationJob,
     LoadModelJob,
-    LogprobEntry,
     ScoreJob,
     ScoreResult,
     Usage,
 )
 from ...sae.hookpoints import DEFAULT_HOOK_POINT
 from ..base import all_capabilities
+from ..transformers.sampling import score_result
 from ..transformers.sequence import Sequence
 from .batched import LlamaBatchRunner, run_serial
 from .native import (
@@ -379,32 +379,7 @@ class LlamaCppBackend:
 
     def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:
         logits = self._scratch_forward(list(prompt_ids), embeddings=False)
-        lsm = torch.log_softmax(logits[-1], dim=-1)
-        top: list[LogprobEntry] = []
-        allowed: list[LogprobEntry] = []
-        if job.allowed_token_ids is not None:
-            ids = list(job.allowed_token_ids)
-            vals = lsm[torch.tensor(ids, dtype=torch.long)].tolist()
-            allowed = [LogprobEntry(i, self.token_text(i), float(v)) for i, v in zip(ids, vals)]
-            if job.top_k:
-                top = sorted(allowed, key=lambda e: -e.logprob)[: job.top_k]
-        elif job.top_k:
-            vals_t, idx_t = torch.topk(lsm, min(job.top_k, lsm.shape[0]))
-            top = [
-                LogprobEntry(int(i), self.token_text(int(i)), float(v))
-                for v, i in zip(vals_t.tolist(), idx_t.tolist())
-            ]
-        prompt_lp = None
-        if job.prompt_logprobs:
-            all_lsm = torch.log_softmax(logits[:-1], dim=-1)
-            target = torch.tensor(prompt_ids[1:], dtype=torch.long)
-            picked = (
-                all_lsm.gather(1, target.unsqueeze(1)).squeeze(1).tolist()
-                if len(prompt_ids) > 1
-                else []
-            )
-            prompt_lp = [None, *[float(v) for v in picked]]
-        return ScoreResult(job.request_id, len(prompt_ids), top, allowed, prompt_lp)
+        return score_result(job, logits, list(prompt_ids), self.token_text)
 
     def close(self) -> None:
         ctx = getattr(self, "context", None)

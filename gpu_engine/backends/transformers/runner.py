@@ -25,7 +25,6 @@ from ...protocol import (
     HiddenStatesJob,
     HiddenStatesResult,
     LoadModelJob,
-    LogprobEntry,
     ScoreJob,
     ScoreResult,
     Usage,
@@ -35,6 +34,7 @@ from ..base import all_capabilities
 from .blocks import resolve_attention, resolve_block, resolve_block_list, resolve_hook_module
 from .cpu_kernels import pack_linears, packing_available
 from .qk_tap import QKTaps
+from .sampling import score_result
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -312,27 +312,7 @@ class TransformersRunner:
 
     def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:
         with torch.inference_mode(), self.hooks.suppressed():
-            logits = self.full_logits(prompt_ids).float()
-            lsm = torch.log_softmax(logits[-1], dim=-1)
-            top: list[LogprobEntry] = []
-            allowed: list[LogprobEntry] = []
-            if job.allowed_token_ids is not None:
-                ids = list(job.allowed_token_ids)
-                vals = lsm[torch.tensor(ids, dtype=torch.long, device=lsm.device)].tolist()
-                allowed = [LogprobEntry(i, self.token_text(i), float(v)) for i, v in zip(ids, vals)]
-                if job.top_k:
-                    allowed_sorted = sorted(allowed, key=lambda e: -e.logprob)
-                    top = allowed_sorted[: job.top_k]
-            elif job.top_k:
-                vals_t, idx_t = torch.topk(lsm, min(job.top_k, lsm.shape[0]))
-                top = [LogprobEntry(int(i), self.token_text(int(i)), float(v)) for v, i in zip(vals_t.tolist(), idx_t.tolist())]
-            prompt_lp = None
-            if job.prompt_logprobs:
-                all_lsm = torch.log_softmax(logits[:-1], dim=-1)
-                target = torch.tensor(prompt_ids[1:], dtype=torch.long, device=all_lsm.device)
-                picked = all_lsm.gather(1, target.unsqueeze(1)).squeeze(1).tolist() if len(prompt_ids) > 1 else []
-                prompt_lp = [None, *[float(v) for v in picked]]
-        return ScoreResult(job.request_id, len(prompt_ids), top, allowed, prompt_lp)
+            return score_result(job, self.full_logits(prompt_ids).float(), prompt_ids, self.token_text)
 
     def hidden_states(self, job: HiddenStatesJob, inputs: Sequence[list[int]]) -> HiddenStatesResult:
         from .hidden import run_hidden_states

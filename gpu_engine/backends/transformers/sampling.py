@@ -11,12 +11,13 @@ request's row alone: a token the grammar forbids is never chosen, greedy or samp
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ...errors import InvalidParameter
-from ...protocol import SamplingParams
+from ...protocol import LogprobEntry, SamplingParams, ScoreJob, ScoreResult
 
 
 class Sampler:
@@ -136,4 +137,31 @@ def choose_rows(seqs: list[Any], logits: torch.Tensor) -> tuple[list[int], torch
     return tokens.tolist(), lsm
 
 
-__all__ = ["Sampler", "choose_rows", "sample_rows"]
+def score_result(job: ScoreJob, logits: torch.Tensor, prompt_ids: list[int],
+                 token_text: Callable[[int], str]) -> ScoreResult:
+    """A ``ScoreJob``'s answer from the prompt's float logits (rows = prompt positions):
+    the next token's log-probabilities (of the allowed ids, or the top ``top_k``) and, when
+    asked, each prompt token's — for every backend that scores (transformers, llama.cpp)."""
+    lsm = torch.log_softmax(logits[-1], dim=-1)
+    top: list[LogprobEntry] = []
+    allowed: list[LogprobEntry] = []
+    if job.allowed_token_ids is not None:
+        ids = list(job.allowed_token_ids)
+        vals = lsm[torch.tensor(ids, dtype=torch.long, device=lsm.device)].tolist()
+        allowed = [LogprobEntry(i, token_text(i), float(v)) for i, v in zip(ids, vals)]
+        if job.top_k:
+            top = sorted(allowed, key=lambda e: -e.logprob)[: job.top_k]
+    elif job.top_k:
+        vals_t, idx_t = torch.topk(lsm, min(job.top_k, lsm.shape[0]))
+        top = [LogprobEntry(int(i), token_text(int(i)), float(v))
+               for v, i in zip(vals_t.tolist(), idx_t.tolist())]
+    prompt_lp = None
+    if job.prompt_logprobs:
+        all_lsm = torch.log_softmax(logits[:-1], dim=-1)
+        target = torch.tensor(prompt_ids[1:], dtype=torch.long, device=all_lsm.device)
+        picked = all_lsm.gather(1, target.unsqueeze(1)).squeeze(1).tolist() if len(prompt_ids) > 1 else []
+        prompt_lp = [None, *[float(v) for v in picked]]
+    return ScoreResult(job.request_id, len(prompt_ids), top, allowed, prompt_lp)
+
+
+__all__ = ["Sampler", "choose_rows", "sample_rows", "score_result"]
