@@ -15,8 +15,6 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
-from gpu_engine.backends.vllm.backend import VllmBackend
 from gpu_engine.engine import Engine
 from gpu_engine.errors import InvalidParameter, ResponseFormatUnsupported
 from gpu_engine.protocol import (
@@ -30,6 +28,7 @@ from gpu_engine.protocol import (
 )
 from gpu_engine.requests import check_capabilities
 from tests.batching.conftest import Choreography
+from tests.fixtures.backends import require_backend
 
 pytestmark = pytest.mark.demo_model
 
@@ -183,12 +182,24 @@ def test_a_schema_the_compiler_refuses_is_response_format_unsupported(demo_engin
     assert "ookbehind" in caught.value.message
 
 
-@pytest.mark.parametrize("backend", [
-    SimpleNamespace(name="llama.cpp", capabilities=lambda: LlamaCppBackend.capabilities(
-        SimpleNamespace(opts={"embeddings": True}, taps=SimpleNamespace(native_filter=True)))),
-    SimpleNamespace(name="vllm", capabilities=lambda: VllmBackend.capabilities(SimpleNamespace(enforce_eager=True))),
-], ids=["llama.cpp", "vllm"])
-def test_backends_without_grammars_refuse_response_format_before_anything_runs(backend):
+def _stand_in(name: str) -> SimpleNamespace:
+    """A backend of that kind reporting its own ``capabilities()`` (on stand-ins for its
+    loaded state); skips or fails as the extra backends' tests do where not installed."""
+    require_backend(name)
+    if name == "llamacpp":
+        from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
+
+        return SimpleNamespace(name=name, capabilities=lambda: LlamaCppBackend.capabilities(
+            SimpleNamespace(opts={"embeddings": True}, taps=SimpleNamespace(native_filter=True))))
+    from gpu_engine.backends.vllm.backend import VllmBackend
+
+    return SimpleNamespace(name=name, capabilities=lambda: VllmBackend.capabilities(
+        SimpleNamespace(enforce_eager=True)))
+
+
+@pytest.mark.parametrize("name", ["llamacpp", "vllm"])
+def test_backends_without_grammars_refuse_response_format_before_anything_runs(name):
+    backend = _stand_in(name)
     assert backend.capabilities()["structured_output"] is False
     job = GenerationJob("r", prompt="x", sampling=SamplingParams(structured=StructuredOutput("json_object")))
     with pytest.raises(InvalidParameter) as caught:

@@ -213,15 +213,21 @@ def test_refusals_create_nothing_and_run_no_forward(llama, openai_client, probes
 def test_backends_without_capture_refuse_analyzers_before_generation(backend, probes):
     """The capabilities those backends report (their own ``capabilities()``, on stand-ins
     for their loaded state) refuse an analyzer's capture in planning, naming both."""
-    from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
-    from gpu_engine.backends.vllm.backend import VllmBackend
     from inference.errors import openai_error_from_exception
     from inference.planning import prepare_analyses
     from inference.protocol import ChatCompletionRequest
+    from tests.fixtures.backends import require_backend
 
-    caps = (VllmBackend.capabilities(SimpleNamespace(enforce_eager=True)) if backend == "vllm" else
-            LlamaCppBackend.capabilities(SimpleNamespace(opts={"embeddings": True},
-                                                         taps=SimpleNamespace(native_filter=False))))
+    require_backend(backend)  # skips, or fails where required, without the package
+    if backend == "vllm":
+        from gpu_engine.backends.vllm.backend import VllmBackend
+
+        caps = VllmBackend.capabilities(SimpleNamespace(enforce_eager=True))
+    else:
+        from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
+
+        caps = LlamaCppBackend.capabilities(SimpleNamespace(
+            opts={"embeddings": True}, taps=SimpleNamespace(native_filter=False)))
     status = EngineStatus(state="ready", backend=backend, batching={"capabilities": caps})
     for analyze, capability in (({"name": "hidden_states", "params": {"layers": [0]}}, "hidden_state_capture"),
                                 ({"name": "attention_tracker", "params": TRACKER}, "attention_capture")):
