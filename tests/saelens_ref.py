@@ -76,7 +76,13 @@ def _load() -> types.SimpleNamespace:
         package.logger = logging.getLogger("sae_lens")  # type: ignore[attr-defined]
         sys.modules["sae_lens"] = package
     _stand_ins()
-    registry = importlib.import_module("sae_lens.registry")
+    try:
+        registry = importlib.import_module("sae_lens.registry")
+    except ModuleNotFoundError:
+        # a dependency is missing: take the stand-in package back out, so every test asks
+        # again and skips (or fails under MILLM_REQUIRE_SAELENS) with the same reason
+        sys.modules.pop("sae_lens", None)
+        raise
     sae_module = importlib.import_module("sae_lens.saes.sae")
     classes: dict[str, Any] = {}
     for arch, (mod, cls, cfg_cls) in ARCHITECTURES.items():
