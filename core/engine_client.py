@@ -175,7 +175,13 @@ class EngineClient(ABC):
         return _resolve_here(device, dtype)
 
     def free_memory(self, device: str) -> int | None:
-        """Free bytes on a CUDA ``device`` of the engine's host; None when unknown."""
+        """Free bytes on ``device`` of the engine's host (a CUDA card, or ``cpu``: the
+        host's available memory); None when unknown."""
+        if device == "cpu":
+            from gpu_engine.memory import host_memory
+
+            mem = host_memory()
+            return mem["free"] if mem is not None else None
         if not device.startswith("cuda"):
             return None
         import torch
@@ -251,7 +257,7 @@ class EmbeddedEngineClient(EngineClient):
 
         self._engine = Engine(on_event=on_event,
                               drain_timeout_s=drain_timeout_s or settings.GRACEFUL_UNLOAD_TIMEOUT,
-                              batching=batching_options())
+                              batching=batching_options(), idle_release_s=idle_release_s())
 
     @property
     def engine(self) -> Any:
@@ -332,6 +338,12 @@ def engine_bounds() -> EngineBounds:
         slots + int(settings.MAX_PENDING_REQUESTS) + int(settings.BATCH_ENGINE_ROWS))
     return EngineBounds(max_in_flight=in_flight,
                         max_queue_size=max(int(settings.CBM_MAX_QUEUE_SIZE), in_flight - slots, 1))
+
+
+def idle_release_s() -> float | None:
+    """TRANSFORMERS_IDLE_CACHE_RELEASE_S for the engine: None (never) when negative."""
+    value = float(settings.TRANSFORMERS_IDLE_CACHE_RELEASE_S)
+    return value if value >= 0 else None
 
 
 def batching_options() -> BatchingOptions:

@@ -106,9 +106,15 @@ class Engine:
         on_event: Callable[[EngineEvent], None] | None = None,
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         batching: BatchingOptions | None = None,
+        idle_release_s: float | None = None,
     ) -> None:
         self.on_event = on_event
         self.drain_timeout_s = drain_timeout_s
+        # TRANSFORMERS_IDLE_CACHE_RELEASE_S: after this many idle seconds the worker hands
+        # the memory the backend keeps between requests back (None or negative: never)
+        self.idle_release_s = idle_release_s if idle_release_s is not None and idle_release_s >= 0 else None
+        self._used_since_release = False
+        self._memory = {"idle_releases": 0, "released_bytes": 0}
         self.batching = batching or BatchingOptions()
         self._scheduler: BatchScheduler | None = None
         # True while the scheduler exists only for a batch-only backend (serial engine)
@@ -148,9 +154,10 @@ class Engine:
                     self._batch_step(admit=True)
                     continue
             else:
-                _, _, task = self._queue.get()
+                _, _, task = self._next_task()
             if task is None:
                 break
+            self._used_since_release = True
             with self._state_lock:
                 self._queued -= 1
             if sched is not None and task.control:
@@ -176,6 +183,50 @@ class Engine:
                 task.on_drop()
         if self._scheduler is not None:
             self._scheduler.abort_all(EngineShutdown("the engine shut down before the request finished"))
+
+    def _next_task(self) -> tuple[Any, ...]:
+        """The next queued task, waiting for it; once the engine has been idle (nothing
+        running, nothing queued) for ``idle_release_s`` since it last worked, the memory the
+        backend keeps between requests is released first, on this thread: so never during
+        a request, and a task that arrives before the period ends simply cancels it."""
+        if self.idle_release_s is None or not self._used_since_release or self._backend is None:
+            return self._queue.get()
+        try:
+            return self._queue.get(timeout=self.idle_release_s)
+        except queue.Empty:
+            try:
+                with torch.inference_mode():
+                    self._release_idle()
+            except Exception:  # noqa: BLE001 - a failed release must not stop the worker
+                log.exception("idle memory release failed")
+            return self._queue.get()
+
+    def _release_idle(self) -> None:
+        self._used_since_release = False
+        freed = 0
+        runner = self._scheduler.backend if self._scheduler is not None else None
+        release_rows = getattr(runner, "release_cached", None)
+        if release_rows is not None:
+            freed += int(release_rows())
+        release = getattr(self._backend, "release_cached_memory", None)
+        if release is None and release_rows is None:
+            return  # nothing this backend keeps (llama.cpp and vLLM manage their own)
+        if release is not None:
+            release()
+        with self._state_lock:
+            self._memory["idle_releases"] += 1
+            self._memory["released_bytes"] += freed
+        self._emit("memory:released", bytes=freed, model_id=self._model_id)
+
+    def memory_status(self) -> dict[str, Any]:
+        """What the backend keeps between requests now, and the idle releases so far."""
+        runner = self._scheduler.backend if self._scheduler is not None else None
+        cached = getattr(runner, "cached_bytes", None)
+        with self._state_lock:
+            data: dict[str, Any] = dict(self._memory)
+        data["idle_release_s"] = self.idle_release_s
+        data["cached_bytes"] = int(cached()) if cached is not None else None
+        return data
 
     def _batch_step(self, *, admit: bool) -> None:
         try:
@@ -615,6 +666,7 @@ class Engine:
             num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
             attachments=self.attachments(), in_flight=self._in_flight_total(), queued=max(self._queued, 0),
             batching=self.batching_status(), kernels=b.kernels, backends=backends_report(),
+            memory=self.memory_status(),
         )
 
     @property

@@ -866,6 +866,10 @@ class EngineStatus(msgspec.Struct):
     # every registered backend: whether it can load on this engine's host, and how to
     # install it (``gpu_engine.backends.backends_report``)
     backends: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    # the memory the backend keeps between requests (``cached_bytes``: the batched KV slab
+    # and capture stages) and TRANSFORMERS_IDLE_CACHE_RELEASE_S's releases of it
+    # (``Engine.memory_status()``); empty while no model is loaded
+    memory: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class EmbedResult(msgspec.Struct):

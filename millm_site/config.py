@@ -313,11 +313,13 @@ VARIABLES: tuple[Var, ...] = (
         "Context whose KV cache every card a model uses must have room for (or the model's "
         "own maximum if shorter); a floor for loading, not a request limit.", minimum=1),
     Var("TRANSFORMERS_CUDA_CONTEXT_MB", "Transformers models", "int", 500,
-        "Memory each card keeps for its CUDA context, in MB.", minimum=0,
-        unbuilt="the per-card memory-fit check (issue 17)"),
+        "Memory each card keeps for its CUDA context, in MB: a transformers load or SAE "
+        "attach must fit in what the card reports free minus this.", minimum=0),
     Var("TRANSFORMERS_IDLE_CACHE_RELEASE_S", "Transformers models", "float", 5.0,
-        "Idle seconds before PyTorch's unused cached GPU memory is released; 0 at once, "
-        "negative never.", unbuilt="idle cache release (issue 17)"),
+        "Idle seconds (nothing running, nothing queued) before the engine releases the "
+        "memory a transformers model keeps between requests: the batched KV cache, "
+        "PyTorch's cached CUDA memory, glibc's free heap on the CPU. Never during a "
+        "request; a request that arrives first cancels it. 0 at once, negative never."),
     # --- GGUF models ----------------------------------------------------------------
     Var("GGUF_CONTEXT_LENGTH", "GGUF models", "int", 32768,
         "Ceiling on the loaded context window; 0 = what the file declares.", minimum=0),

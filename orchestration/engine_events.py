@@ -26,3 +26,8 @@ def handle(event: EngineEvent) -> None:
                                         "reason": "out_of_memory"})
     elif event.name == "engine:out_of_memory":
         log.error("engine_out_of_memory", detached=event.data.get("detached"))
+    elif event.name == "memory:released":
+        # TRANSFORMERS_IDLE_CACHE_RELEASE_S: the operator's dashboards see it happen
+        log.info("engine_memory_released", bytes=event.data.get("bytes"))
+        events.publish("memory:released", {"bytes": event.data.get("bytes"),
+                                           "model_id": event.data.get("model_id")})

@@ -17,7 +17,6 @@ from django.utils import timezone
 from core import events, jobs, metrics
 from core.errors import (
     BackendUnavailable,
-    InsufficientMemory,
     ModelBusy,
     ModelLoadFailed,
     ModelNotLoaded,
@@ -31,6 +30,7 @@ from gpu_engine.errors import EngineError
 from gpu_engine.protocol import AttachResult, AttachSpec, LoadModelJob
 from leases.services import lease_check_change, lease_end_for_model
 from orchestration.errors import LoadInProgress
+from orchestration.memory_fit import check_model_fits, check_saes_fit
 from registry.errors import (
     ModelAlreadyLoaded,
     ModelInvalid,
@@ -56,27 +56,6 @@ log = structlog.get_logger(__name__)
 
 def _engine():
     return runtime().engine
-
-
-def _check_free_memory(model: Model, device: str) -> None:
-    """Refuse a CUDA load whose estimate exceeds the card's free memory (507)."""
-    if not device.startswith("cuda") or not model.estimated_memory_bytes:
-        return
-    # asked of the engine's host (its heartbeat, in distributed mode): no torch here
-    free = _engine().free_memory(device)
-    if free is None:
-        return
-    resident = model_loaded(other_than=model)
-    # the resident model's memory comes back before the new weights arrive
-    reclaim = (resident.estimated_memory_bytes or 0) if resident is not None else 0
-    if model.estimated_memory_bytes > free + reclaim:
-
-        raise InsufficientMemory(
-            f"Model {model.name!r} needs about {model.estimated_memory_bytes / 2**20:.0f} MB; "
-            f"{(free + reclaim) / 2**20:.0f} MB are free on {device}",
-            details={"model_id": model.id, "estimated_memory_mb":
-                     round(model.estimated_memory_bytes / 2**20),
-                     "free_mb": round((free + reclaim) / 2**20), "device": device})
 
 
 # Quantizations the transformers backend can apply at load: FP32 and FP16 load at the
@@ -258,7 +237,7 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
                                                  settings.MILLM_ENGINE_DTYPE)
         job_start(job=job, stage="preparing")
         job_progress(job=job, progress=5, stage="checking memory")
-        _check_free_memory(model, device)
+        check_model_fits(model, device, dtype, resident=model_loaded(other_than=model))
     except Exception as exc:
         _unclaim_load(model, previous)
         if job.status not in Job.FINISHED:
@@ -406,10 +385,25 @@ def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     if model.status == Model.Status.UNLOADING:
         raise ModelBusy(f"Model {model.name!r} is being unloaded",
                         details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)
-    _check_loadable(model)
+    resident = _check_loadable(model)
+    _check_fits_early(model, resident)
     job = job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
     jobs.enqueue(tasks.model_load_task, job.id, queue="loads")
     return job
+
+
+def _check_fits_early(model: Model, resident: Model | None) -> None:
+    """The memory-fit refusal at the request, before a job is queued (the load's job
+    decides again with what is free when it runs); skipped while no engine can say where
+    it would load (distributed mode, engine down: the job decides)."""
+    from core.engine_client import resolve_device_and_dtype
+
+    try:
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
+                                                 settings.MILLM_ENGINE_DTYPE)
+    except EngineError:
+        return
+    check_model_fits(model, device, dtype, resident=resident)
 
 
 @transaction.atomic
@@ -466,6 +460,12 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
     new = [(sae, layer) for sae, layer in ordered if (sae.id, layer) not in existing]
     specs = [AttachSpec(sae_id=sae.id, path=sae.local_path, layer=layer,
                         layout=sae.format or None) for sae, layer in new]
+    if new:
+        from core.engine_client import resolve_device_and_dtype
+
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
+                                                 settings.MILLM_ENGINE_DTYPE)
+        check_saes_fit([sae for sae, _ in new], model=model, device=device, dtype=dtype)
     try:
         fresh = _engine().attach_set(specs) if specs else []
     except EngineError as exc:

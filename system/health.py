@@ -291,6 +291,9 @@ class InferenceHealthView(APIView):
                                                     else "serial"),
             "batching": engine_batching,
             "kernels": engine.get("kernels"),
+            # what the backend keeps between requests and its idle releases
+            # (TRANSFORMERS_IDLE_CACHE_RELEASE_S); empty while nothing is loaded
+            "memory": engine.get("memory") or {},
             "engine_state": engine["state"],
             "model_name": engine.get("model_id"),
             "max_concurrent_requests": settings.MAX_CONCURRENT_REQUESTS,

@@ -26,6 +26,7 @@ import torch
 
 from ...errors import InvalidParameter, ModelLoadFailed, SAEIncompatible
 from ...hooks import AttachmentStats, HookManager
+from ...memory import available_memory
 from ...protocol import (
     AttachmentKey,
     EmbedJob,
@@ -70,17 +71,6 @@ _KV_BYTES = {
 }
 # share of the host's available memory the KV cache may take
 KV_MEMORY_SHARE = 0.5
-
-
-def _available_memory() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 8 << 30
 
 
 def check_options(job: LoadModelJob) -> dict[str, Any]:
@@ -192,7 +182,7 @@ class LlamaCppBackend:
             window = min(window, self.opts["context_length"])
         if self.job.max_context_length:
             window = min(window, int(self.job.max_context_length))
-        fits = int(_available_memory() * KV_MEMORY_SHARE / self._kv_bytes_per_token())
+        fits = int(available_memory() * KV_MEMORY_SHARE / self._kv_bytes_per_token())
         if fits < 16:
             raise ModelLoadFailed("not enough memory for a KV cache", details={"fits_tokens": fits})
         return max(min(window, fits), 16)
@@ -202,7 +192,7 @@ class LlamaCppBackend:
         embeddings, scores); the KV cache holds a full window per sequence while memory
         allows, else what fits."""
         n_seq = rows + 1
-        budget = int(_available_memory() * KV_MEMORY_SHARE / self._kv_bytes_per_token())
+        budget = int(available_memory() * KV_MEMORY_SHARE / self._kv_bytes_per_token())
         n_ctx = max(min(self.context_length * n_seq, budget), self.context_length)
         settings = ContextSettings(
             n_ctx=n_ctx,

@@ -258,6 +258,24 @@ class BatchedRunner:
         self._row_slots = None
         self.cache = BatchKVCache(self.runner.num_layers, device=self.device, dtype=self.runner.dtype)
 
+    def cached_bytes(self) -> int:
+        """Bytes this runner keeps between requests: the KV slab (it grows to the largest
+        batch and context seen, and is kept for the next one) and the capture stages."""
+        stages = [self._stage, *(self._qk_stage or ())]
+        return self.cache.nbytes() + sum(t.numel() * t.element_size() for t in stages if t is not None)
+
+    def release_cached(self) -> int:
+        """Drop what ``cached_bytes`` counts while no row runs (the engine's idle release,
+        TRANSFORMERS_IDLE_CACHE_RELEASE_S); returns the bytes dropped, 0 while rows run."""
+        if self.rows:
+            return 0
+        freed = self.cached_bytes()
+        self.cache = BatchKVCache(self.runner.num_layers, device=self.device, dtype=self.runner.dtype)
+        self._stage = None
+        self._qk_stage = None
+        self._row_slots = None
+        return freed
+
     # ------------------------------------------------------------------ step
 
     def _capture_stage(self) -> torch.Tensor:

@@ -6,6 +6,7 @@ runner knows devices, dtypes, tokenisation and where the decoder blocks are.
 
 from __future__ import annotations
 
+import gc
 import inspect as _inspect
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +18,7 @@ from ...capture import AttentionGeometry
 from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...hooks import HookManager
 from ...inspect import ModelInfo, inspect_model_dir
+from ...memory import trim_host_heap
 from ...protocol import (
     AttachmentKey,
     EmbedJob,
@@ -318,6 +320,15 @@ class TransformersRunner:
         from .hidden import run_hidden_states
 
         return run_hidden_states(self, job, inputs)
+
+    def release_cached_memory(self) -> None:
+        """Hand memory freed by finished requests back (the engine's idle release): PyTorch's
+        CUDA cache, or on the CPU what glibc's malloc keeps in its arenas."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        else:
+            trim_host_heap()
 
     def close(self) -> None:
         self.model = None  # type: ignore[assignment]

@@ -51,12 +51,16 @@ def host_description() -> Any:
     import torch
 
     from core.engine_client import _resolve_here
+    from gpu_engine.memory import host_memory
 
     device, dtype = _resolve_here(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
     cuda = torch.cuda.is_available()
 
     def describe() -> dict[str, Any]:
         memory: dict[str, Any] = {}
+        host = host_memory()
+        if host is not None:
+            memory["cpu"] = host
         if cuda:
             for index in range(torch.cuda.device_count()):
                 free, total = torch.cuda.mem_get_info(index)
@@ -92,7 +96,7 @@ class Command(BaseCommand):
                                "`manage.py serve` (embedded mode)")
         import redis
 
-        from core.engine_client import batching_options
+        from core.engine_client import batching_options, idle_release_s
         from gpu_engine.engine import Engine
         from gpu_engine.server.server import EngineAlreadyRunning, EngineServer
 
@@ -115,7 +119,7 @@ class Command(BaseCommand):
                                       health_check_interval=30)
         engine = Engine(on_event=_on_engine_event,
                         drain_timeout_s=settings.GRACEFUL_UNLOAD_TIMEOUT,
-                        batching=batching_options())
+                        batching=batching_options(), idle_release_s=idle_release_s())
         server = EngineServer(engine, client, config, engine_id=engine_id,
                               describe=host_description())
         log.info("engine_starting", engine_id=server.engine_id, prefix=config.prefix,
