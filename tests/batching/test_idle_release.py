@@ -81,8 +81,9 @@ def wait_releases(events, n: int, timeout_s: float = 30.0) -> None:
 
 def run_batch(eng, n_tokens: int = 40) -> None:
     # long enough that every row is still running when the last one is admitted
-    jobs = [GenerationJob(f"r{i}", prompt_token_ids=[5 + (i + t) % 50 for t in range(PROMPT_TOKENS)],
-                          sampling=SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True))
+    greedy = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+    jobs = [GenerationJob(f"r{i}", sampling=greedy,
+                          prompt_token_ids=[5 + (i + t) % 50 for t in range(PROMPT_TOKENS)])
             for i in range(ROWS)]
     streams = [eng.generate(j) for j in jobs]
     for s in streams:
@@ -118,7 +119,8 @@ def test_the_release_never_runs_during_a_request_and_a_request_cancels_it(wide_l
         time.sleep(0.2)
         started = time.monotonic()
         job = GenerationJob("long", prompt_token_ids=[7] * 64,
-                            sampling=SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True))
+                            sampling=SamplingParams(max_tokens=1500, temperature=0.0,
+                                                    ignore_eos=True))
         eng.generate(job).result(300)
         ended = time.monotonic()
         assert ended - started > 1.0, "the request must outlast the idle period"
