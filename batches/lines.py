@@ -138,7 +138,7 @@ async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
         if outcomes:
             await run_analyses(plan, outcomes[0])
         result = await build_body(plan, outcomes, client)
-        count_usage(plan, usage_of(plan, outcomes))
+        count_usage(plan, usage_of(plan, outcomes), outcomes=outcomes)
         return Answer(200, result, dict(plan.headers))
     finally:
         use.release()

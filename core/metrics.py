@@ -28,6 +28,9 @@ REQUEST_SECONDS = Histogram("millm_http_request_duration_seconds",
                                      30, 60))
 TOKENS = Counter("millm_tokens_generated", "Completion tokens generated", ["model"])
 PROMPT_TOKENS = Counter("millm_prompt_tokens", "Prompt tokens processed", ["model"])
+SPECULATIVE = Counter("millm_speculative_tokens", "Speculative decoding's draft tokens, "
+                      "proposed (kind=drafted) and accepted by the main model (kind=accepted)",
+                      ["model", "kind"])
 REFUSALS = Counter("millm_refusals", "/api and /v1 requests refused for the server's state "
                    "or the caller's credentials, by reason (queue_full, model_busy, "
                    "model_loading, model_not_loaded, model_leased, unauthorized, …)",
@@ -45,6 +48,13 @@ def record_tokens(*, model: str, completion_tokens: int, prompt_tokens: int = 0)
         TOKENS.labels(model=model).inc(completion_tokens)
     if prompt_tokens:
         PROMPT_TOKENS.labels(model=model).inc(prompt_tokens)
+
+
+def record_speculative(*, model: str, drafted: int, accepted: int) -> None:
+    """Speculative decoding (SPECULATIVE_MODEL): draft tokens proposed and accepted; the
+    acceptance rate is accepted ÷ drafted."""
+    SPECULATIVE.labels(model=model, kind="drafted").inc(drafted)
+    SPECULATIVE.labels(model=model, kind="accepted").inc(accepted)
 
 
 def record_refusal(reason: str) -> None:

@@ -45,6 +45,9 @@ from .sae.module import SAE
 
 _INF = math.inf
 FLUSH_CHUNK_ROWS = 256
+# a forward of at most this many rows (a decode step, a speculative verification of up to
+# 64 drafts) is kept whole by a positions="last" monitor (``MonitorPlan.observe``)
+SHORT_FORWARD_ROWS = 65
 
 
 class MonitorPlan:
@@ -87,7 +90,9 @@ class MonitorPlan:
     def observe(self, rows: torch.Tensor, start: int) -> None:
         n = rows.shape[0]
         if self.last_only:
-            lo, hi = start + n - 1, start + n
+            # a short forward (decode, or a speculative verification) is kept whole, so
+            # that rewinding past rejected drafts still leaves the last accepted row
+            lo, hi = (start if n <= SHORT_FORWARD_ROWS else start + n - 1), start + n
             self.buffer.clear()
         else:
             lo, hi = max(self.lo, start, self.observed_to), min(self.hi, start + n)
@@ -113,8 +118,24 @@ class MonitorPlan:
             sel = self.sae.encode_selected(x, self.sel_idx)
         self.pending.append((lo, top_v, top_i, sel))
 
+    def rewind(self, position: int) -> None:
+        """Forget every row at ``position`` or later (speculative decoding: the rows of
+        drafts the main model rejected); a later forward observes those positions again."""
+        self.buffer = [(lo, x[: position - lo]) for lo, x in self.buffer if lo < position]
+        kept = []
+        for lo, top_v, top_i, sel in self.pending:
+            if lo >= position:
+                continue
+            n = position - lo
+            kept.append((lo, *(t[:n] if t is not None else None for t in (top_v, top_i, sel))))
+        self.pending = kept
+        self.observed_to = min(self.observed_to, position)
+
     def flush(self) -> None:
         """Encode the buffered rows in one batch."""
+        if self.last_only and self.buffer:
+            lo, x = self.buffer[-1]
+            self.buffer = [(lo + x.shape[0] - 1, x[-1:])] if x.shape[0] else []
         if not self.buffer:
             return
         starts = [lo for lo, _ in self.buffer]
@@ -227,6 +248,11 @@ class RequestHooks:
             if m.stream and m.pending:
                 recs.extend(m.collect())
         return recs
+
+    def rewind(self, position: int) -> None:
+        """Every monitor forgets the rows at ``position`` or later (``MonitorPlan.rewind``)."""
+        for m in self.monitors():
+            m.rewind(position)
 
     def finalize(self) -> list[ActivationRecord]:
         """Encode every buffered row and return all remaining records."""

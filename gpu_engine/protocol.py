@@ -910,6 +910,23 @@ class TokenEvent(msgspec.Struct, tag="token", tag_field="type"):
     prompt_text: str | None = None  # on the first token, with ``sampling.token_texts``
 
 
+class SpeculativeStats(msgspec.Struct):
+    """Speculative decoding of one generation (SPECULATIVE_MODEL): whether it ran, and if
+    not why (``sampling``, ``response_format``, ``capture``, ``conditional_steering``);
+    the draft tokens proposed and the ones the main model accepted."""
+
+    used: bool
+    source: str = ""
+    num_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reason: str | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
 class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
     """Last event of a successful (or cancelled) generation."""
 
@@ -933,6 +950,8 @@ class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
     # where conditional steering controls fired (``SteeringFired``)
     steering_fired: list[SteeringFired] = msgspec.field(default_factory=list)
     capture: CaptureResult | None = None  # GenerationJob.capture's artifact
+    # set when the loaded model decodes speculatively (SPECULATIVE_MODEL)
+    speculative: SpeculativeStats | None = None
 
 
 class ErrorEvent(msgspec.Struct, tag="error", tag_field="type"):
@@ -985,6 +1004,7 @@ class GenerationResult(msgspec.Struct):
     forward_passes: int = 0
     steering_fired: list[SteeringFired] = msgspec.field(default_factory=list)
     capture: CaptureResult | None = None
+    speculative: SpeculativeStats | None = None
 
     @classmethod
     def from_events(cls, events: Iterable[GenerationEvent]) -> GenerationResult:
@@ -1012,5 +1032,6 @@ class GenerationResult(msgspec.Struct):
                     steering_fired=ev.steering_fired,
                     forward_passes=ev.forward_passes,
                     capture=ev.capture,
+                    speculative=ev.speculative,
                 )
         raise RuntimeError("generation ended without a finish event")

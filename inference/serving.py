@@ -25,7 +25,7 @@ import structlog
 from django.http import JsonResponse, StreamingHttpResponse
 
 from core.engine_client import EngineClient
-from core.metrics import record_tokens
+from core.metrics import record_speculative, record_tokens
 from core.runtime import runtime
 from gpu_engine.protocol import (
     ErrorEvent,
@@ -115,12 +115,38 @@ def _fired(outcomes: list[Outcome]) -> list[dict[str, Any]]:
     return out
 
 
+def _speculative(outcomes: list[Outcome]) -> dict[str, Any] | None:
+    """SPECULATIVE_MODEL's figures over the request's choices: the drafts proposed and
+    accepted, or why the request decoded without them."""
+    stats = [o.finish.speculative for o in outcomes if o.finish.speculative is not None]
+    if not stats:
+        return None
+    used = [s for s in stats if s.used]
+    drafted, accepted = sum(s.drafted for s in used), sum(s.accepted for s in used)
+    out: dict[str, Any] = {"used": bool(used), "source": stats[0].source,
+                           "num_tokens": stats[0].num_tokens, "drafted": drafted,
+                           "accepted": accepted,
+                           "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
+    if not used:
+        out["reason"] = stats[0].reason
+    return out
+
+
+def wants_millm(plan: Plan, outcomes: list[Outcome]) -> bool:
+    """The response carries the ``millm`` object: the request used an extension, or the
+    model decodes speculatively (its acceptance figures)."""
+    return plan.wants_millm or any(o.finish.speculative is not None for o in outcomes)
+
+
 def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
     obj: dict[str, Any] = {
         "steering": plan.steering.summary(),
         "steering_apply_count": _sum_counts(outcomes),
         "forward_passes": sum(o.finish.forward_passes for o in outcomes),
     }
+    speculative = _speculative(outcomes)
+    if speculative is not None:
+        obj["speculative"] = speculative
     fired = _fired(outcomes)
     if fired:
         obj["steering_fired"] = fired
@@ -158,12 +184,18 @@ def usage_of(plan: Plan, outcomes: list[Outcome]) -> wire.Usage:
                       total_tokens=prompt + completion)
 
 
-def count_usage(plan: Plan, usage: wire.Usage, *, unfinished: int = 0) -> None:
+def count_usage(plan: Plan, usage: wire.Usage, *, unfinished: int = 0,
+                outcomes: list[Outcome] | None = None) -> None:
     """Advance the token counters once per answered request, by the usage it reports
-    (plus the tokens a stream sent for a choice that never finished)."""
+    (plus the tokens a stream sent for a choice that never finished), and the speculative
+    decoding counters by its choices' drafts."""
     record_tokens(model=plan.model.name,
                   completion_tokens=usage.completion_tokens + unfinished,
                   prompt_tokens=usage.prompt_tokens)
+    speculative = _speculative(outcomes or [])
+    if speculative is not None and speculative["used"]:
+        record_speculative(model=plan.model.name, drafted=speculative["drafted"],
+                           accepted=speculative["accepted"])
 
 
 async def _echo_alternatives(client: EngineClient, prompt_ids: list[int], k: int
@@ -224,7 +256,7 @@ async def _completion_logprobs(plan: Plan, out: Outcome, client: EngineClient
 
 async def build_body(plan: Plan, outcomes: list[Outcome], client: EngineClient
                      ) -> dict[str, Any]:
-    millm = millm_object(plan, outcomes) if plan.wants_millm else None
+    millm = millm_object(plan, outcomes) if wants_millm(plan, outcomes) else None
     common = {"id": plan.object_id, "created": plan.created, "model": plan.model.name,
               "system_fingerprint": plan.fingerprint, "usage": usage_of(plan, outcomes),
               "millm": millm}
@@ -559,7 +591,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                     break
         if plan.request.include_usage:
             yield _sse(_chunk(plan, [], usage=usage_of(plan, outcomes)))
-        if plan.wants_millm:
+        if wants_millm(plan, outcomes):
             if outcomes:
                 await run_analyses(plan, outcomes[0])  # after the tokens, before [DONE]
             yield _sse(_chunk(plan, [], millm=millm_object(plan, outcomes)))
@@ -572,7 +604,8 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
         try:
             # counted however the stream ended (a client that hung up was sent tokens
             # too), and before the slot is freed: an idle server has counted everything
-            count_usage(plan, usage_of(plan, outcomes), unfinished=len(under_way))
+            count_usage(plan, usage_of(plan, outcomes), unfinished=len(under_way),
+                        outcomes=outcomes)
         finally:
             res.release()
 
@@ -596,7 +629,7 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
         if outcomes:
             await run_analyses(plan, outcomes[0])
         body = await build_body(plan, outcomes, client)
-        count_usage(plan, usage_of(plan, outcomes))
+        count_usage(plan, usage_of(plan, outcomes), outcomes=outcomes)
         return JsonResponse(body, headers={**plan.headers, **probe_headers(plan, outcomes)})
     # Wait for the first event before answering, so a refusal the engine makes at the
     # start (context length, a detached SAE) is a proper HTTP error, not a frame.

@@ -11,6 +11,7 @@ the rules on top of it (ranges, choices, combinations) are ours.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -189,11 +190,12 @@ VARIABLES: tuple[Var, ...] = (
         "not built.", choices=("dynamic", "static"),
         unbuilt="the static KV cache (issue 17)"),
     Var("SPECULATIVE_MODEL", "Performance", "str", "",
-        "Small draft model for speculative decoding (unset = off).",
-        unbuilt="speculative decoding (issue 17)"),
+        "Draft for speculative decoding of the transformers backend's serial path (unset = "
+        "off): self:layers=N (the loaded model's first N blocks and its head, no second "
+        "model), a checkpoint directory, or a registered model's name, with the same "
+        "vocabulary. Greedy requests only; needs ENABLE_CONTINUOUS_BATCHING=false."),
     Var("SPECULATIVE_NUM_TOKENS", "Performance", "int", 5,
-        "Tokens the draft proposes per step.", minimum=1, maximum=64,
-        unbuilt="speculative decoding (issue 17)"),
+        "Tokens the draft proposes per step.", minimum=1, maximum=64),
     Var("MILLM_BACKEND", "Performance", "str", "transformers",
         "The engine backend a model loads on when its record names none (a model's own "
         "`backend` field, set in the admin, /api/models or `load_model --backend`, wins). "
@@ -462,6 +464,14 @@ def _check_combinations(v: dict[str, Any]) -> None:
                           f"must be true when GGUF_KV_CACHE_TYPE is quantized "
                           f"({v['GGUF_KV_CACHE_TYPE']}); use f16 to turn flash attention off",
                           False)
+    if v["SPECULATIVE_MODEL"] and v["ENABLE_CONTINUOUS_BATCHING"]:
+        raise ConfigError("SPECULATIVE_MODEL",
+                          "speculative decoding runs on the serial path; set "
+                          "ENABLE_CONTINUOUS_BATCHING=false to use it", v["SPECULATIVE_MODEL"])
+    if v["SPECULATIVE_MODEL"].startswith("self:") and \
+            not re.fullmatch(r"self:layers=[1-9][0-9]*", v["SPECULATIVE_MODEL"]):
+        raise ConfigError("SPECULATIVE_MODEL", "a self-draft is self:layers=N (N >= 1)",
+                          v["SPECULATIVE_MODEL"])
     if v["VLLM_DISTRIBUTED_EXECUTOR"] == "uni" and \
             v["VLLM_TENSOR_PARALLEL_SIZE"] * v["VLLM_PIPELINE_PARALLEL_SIZE"] > 1:
         raise ConfigError("VLLM_DISTRIBUTED_EXECUTOR",

@@ -75,7 +75,9 @@ def _check_quantization(model: Model) -> None:
 
 # The site settings each backend's load options come from (LoadModelJob.options).
 BACKEND_OPTION_SETTINGS: dict[str, dict[str, str]] = {
-    "transformers": {"pack_cpu_weights": "MILLM_ENGINE_PACK_WEIGHTS"},
+    "transformers": {"pack_cpu_weights": "MILLM_ENGINE_PACK_WEIGHTS",
+                     "speculative_model": "SPECULATIVE_MODEL",
+                     "speculative_num_tokens": "SPECULATIVE_NUM_TOKENS"},
     "vllm": {"tensor_parallel_size": "VLLM_TENSOR_PARALLEL_SIZE",
              "pipeline_parallel_size": "VLLM_PIPELINE_PARALLEL_SIZE",
              "distributed_executor_backend": "VLLM_DISTRIBUTED_EXECUTOR",
@@ -97,6 +99,12 @@ def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
     if model.format == Model.Format.GGUF and model.gguf_file:
         # a directory holding the file (hub downloads): which GGUF in it
         options["gguf_file"] = model.gguf_file
+    draft = options.get("speculative_model")
+    if draft and not draft.startswith("self:"):
+        # SPECULATIVE_MODEL may name a registered model: the engine reads its files
+        named = Model.objects.filter(name=draft).exclude(local_path="").first()
+        if named is not None:
+            options["speculative_model"] = named.local_path
     return LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype, device=device,
                         trust_remote_code=model.trust_remote_code, backend=backend,
                         options=options)

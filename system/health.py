@@ -303,6 +303,7 @@ class InferenceHealthView(APIView):
             # what the web tier itself provides
             "capabilities": {
                 "streaming": True,
+                # the loaded backend says (SPECULATIVE_MODEL on the transformers backend)
                 "speculative_decoding": False,
                 **engine_batching.get("capabilities", {}),
                 "continuous_batching": batching,

@@ -132,7 +132,7 @@ register_backend(BackendEntry(
     install="scripts/setup test",
     loader="gpu_engine.backends.transformers:load",
     # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py)
-    options={"pack_cpu_weights": bool},
+    options={"pack_cpu_weights": bool, "speculative_model": str, "speculative_num_tokens": int},
 ))
 
 register_backend(BackendEntry(

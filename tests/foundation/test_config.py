@@ -257,7 +257,6 @@ def test_no_variable_is_accepted_and_read_by_nothing():
     ({"KV_CACHE_MODE": "dynamic"}, True),
     ({"TORCH_COMPILE": "true"}, False),
     ({"TORCH_COMPILE": "false"}, True),
-    ({"SPECULATIVE_MODEL": "HuggingFaceTB/SmolLM2-135M"}, False),
     ({"TORCH_COMPILE_MODE": "max-autotune"}, False),
 ])
 def test_a_variable_not_built_yet_is_refused_unless_left_as_it_is(env, ok):
@@ -268,6 +267,19 @@ def test_a_variable_not_built_yet_is_refused_unless_left_as_it_is(env, ok):
         load_config(env)
     (name,) = env
     assert str(exc.value).startswith(f"{name}: ") and "not built yet" in str(exc.value)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"SPECULATIVE_MODEL": "self:layers=2", "ENABLE_CONTINUOUS_BATCHING": "true"},
+     "speculative decoding runs on the serial path"),
+    ({"SPECULATIVE_MODEL": "self:layers=0"}, "self:layers=N"),
+    ({"SPECULATIVE_MODEL": "self:4"}, "self:layers=N"),
+])
+def test_speculative_settings_are_checked_together(env, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config(env)
+    assert str(exc.value).startswith("SPECULATIVE_MODEL: ") and message in str(exc.value)
+    load_config({"SPECULATIVE_MODEL": "self:layers=2"})
 
 
 def test_check_config_says_where_each_variable_takes_effect(tmp_path):

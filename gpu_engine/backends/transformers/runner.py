@@ -37,6 +37,7 @@ from .blocks import resolve_attention, resolve_block, resolve_block_list, resolv
 from .cpu_kernels import pack_linears, packing_available
 from .qk_tap import QKTaps
 from .sampling import score_result
+from .speculative import Drafter, spec_config
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -138,6 +139,9 @@ class TransformersRunner:
         self._grammars: Any = None  # structured.Grammars, built at the first structured request
         # GenerationJob.tools: whether (and how) the chat template renders tools
         self.tool_call_format = tool_template_format(self.tokenizer)
+        # SPECULATIVE_MODEL: the serial path's draft (speculative.py), or None
+        spec = spec_config(job.options)
+        self.drafter = Drafter(self, spec) if spec is not None else None
 
     # ------------------------------------------------------------------ structure
 
@@ -174,7 +178,10 @@ class TransformersRunner:
         # ``hidden_states``: this backend's own key (Engine.hidden_states refuses without it)
         return all_capabilities(hook_points=list(HOOK_POINTS), hidden_states=True,
                                 tool_calling=self.tool_call_format is not None,
-                                tool_call_format=self.tool_call_format)
+                                tool_call_format=self.tool_call_format,
+                                # SPECULATIVE_MODEL: the serial path's draft, when one is set
+                                speculative_decoding=self.drafter is not None,
+                                speculative_model=self.drafter.source if self.drafter else None)
 
     def structured_grammars(self) -> Any:
         """This model's ``structured.Grammars`` (vocabulary info built once, grammars

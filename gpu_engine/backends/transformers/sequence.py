@@ -11,6 +11,7 @@ path ran it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -98,6 +99,8 @@ class Sequence:
         self.emitted = 0
         self.generated: list[int] = []
         self.extra_records: list[ActivationRecord] = []
+        self.ahead_records: list[ActivationRecord] = []
+        self.speculative: Any = None  # protocol.SpeculativeStats, on a speculative model
         self.prompt_logprobs: list[float | None] | None = None
         self.finish_reason = "length"
         self.forwards = 0
@@ -128,11 +131,20 @@ class Sequence:
         return self.accept_token(token_id, lp)
 
     def step_records(self, i: int) -> list[ActivationRecord]:
-        """The streaming monitor records that travel with token ``i`` (others wait for the end)."""
+        """The streaming monitor records that travel with token ``i``: earlier ones (prompt
+        rows) wait for the end, later ones (a speculative verification's rows) for their
+        own token."""
         records: list[ActivationRecord] = []
         if self.streaming_monitors:
-            for rec in self.hooks.collect():  # type: ignore[union-attr]
-                (records if rec.token_index == i else self.extra_records).append(rec)
+            ahead: list[ActivationRecord] = []
+            for rec in [*self.ahead_records, *self.hooks.collect()]:  # type: ignore[union-attr]
+                if rec.token_index == i:
+                    records.append(rec)
+                elif rec.token_index is not None and rec.token_index > i:
+                    ahead.append(rec)
+                else:
+                    self.extra_records.append(rec)
+            self.ahead_records = ahead
         return records
 
     def accept_token(self, token_id: int, lp: TokenLogprob | None) -> bool:
@@ -180,6 +192,9 @@ class Sequence:
     def finish(self) -> FinishEvent:
         """Encode buffered monitor rows and build the ``FinishEvent``."""
         if self.monitoring:
+            if self.speculative is not None and self.speculative.used:
+                # rows past the last fed token (drafts verified after the end) never count
+                self.hooks.rewind(self.n_prompt + max(len(self.generated) - 1, 0))  # type: ignore[union-attr]
             with torch.inference_mode():
                 self.extra_records.extend(self.hooks.finalize())  # type: ignore[union-attr]
         counts = self.hooks.steering_counts() if self.hooks is not None else []
@@ -200,6 +215,7 @@ class Sequence:
             capture=self.capture.result(prompt_ids=self.prompt_ids, generated=self.generated)
             if self.capture is not None else None,
             forward_passes=self.forwards,
+            speculative=self.speculative,
             prompt_text=self.prompt_text() if texts else None,
             prompt_tokens=[self.runner.token_text(t) for t in self.prompt_ids] if texts else [],
             tokens=[self.runner.token_text(t) for t in self.generated] if texts else [],
