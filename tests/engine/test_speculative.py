@@ -74,7 +74,8 @@ def monitor(tiny_assets, positions="all", stream=False):
 
 
 def records(result):
-    return [(r.position, r.token_index, [f.feature_index for f in r.top_k]) for r in result.activations]
+    return [(r.position, r.token_index, [f.feature_index for f in r.top_k])
+            for r in result.activations]
 
 
 def same_records(got, ref) -> None:
@@ -174,7 +175,6 @@ def test_a_bad_draft_is_refused_at_load(tiny_assets):
                                         device="cpu",
                                         options={"speculative_model": "self:layers=9"}))
         assert err.value.details["param"] == "options.speculative_model"
-        # another vocabulary: tiny-gpt2's tokenizer is the same family but check a real mismatch
         assert eng.status().state == "empty"
     finally:
         eng.shutdown()
