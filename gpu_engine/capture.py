@@ -200,7 +200,14 @@ class CapturePlan:
     def observe_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor, start: int) -> None:
         """Layer ``layer``'s rotated queries (rows, heads, head_dim) and new keys (rows,
         kv_heads, head_dim) for positions ``start, start + 1, …``."""
+        self.observe_q(layer, q, start)
+        self.observe_k(layer, k, start)
+
+    def observe_q(self, layer: int, q: torch.Tensor, start: int) -> None:
+        """Layer ``layer``'s rotated queries alone (a backend that reads Q and K apart)."""
         self.q.observe(layer, q, start)  # type: ignore[union-attr]
+
+    def observe_k(self, layer: int, k: torch.Tensor, start: int) -> None:
         self.k.observe(layer, k, start)  # type: ignore[union-attr]
 
     def take(self, stage: torch.Tensor, slot: int, position: int) -> None:

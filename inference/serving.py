@@ -335,8 +335,9 @@ async def register_capture(plan: Plan, outcome: Outcome) -> None:
 
 async def run_analyses(plan: Plan, outcome: Outcome) -> None:
     """``millm.analysis`` of a finished choice: each analyzer of ``analyze`` on the
-    capture it armed, in the analysis pool (off the event loop and the engine's decode
-    loop; after ``register_capture``, which stores the row of a stored capture)."""
+    capture it armed, where analyses run (``monitoring.analysis``: the process's pool
+    embedded, the Celery analysis queue distributed; off the event loop and the engine's
+    decode loop; after ``register_capture``, which stores the row of a stored capture)."""
     if not plan.analyses:
         return
     result = outcome.finish.capture
@@ -346,7 +347,8 @@ async def run_analyses(plan: Plan, outcome: Outcome) -> None:
             source = result.data
         else:
             source = Path(outcome.choice.job.capture.directory or "") / (result.file or "")
-    entries = await runtime().analyzers.arun(plan.analyses, source)
+    entries = await runtime().analyzers.arun(
+        plan.analyses, source, capture_id=result.capture_id if result is not None else None)
     if result is not None and result.data is None:
         # stored: /api/captures/{id}/analyze can run another analyzer on it later
         entries = [{**e, "capture_id": result.capture_id} for e in entries]

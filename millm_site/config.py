@@ -310,6 +310,12 @@ VARIABLES: tuple[Var, ...] = (
         "analyzers read (H-Node .npz, science probe .json/.npz) live (default "
         "MILLM_DATA_DIR/probes). Requests name a file inside it, never a path.",
         derive=_under_data("probes")),
+    Var("ANALYSIS_TIMEOUT_S", "Capture", "float", 120.0,
+        "The longest a request waits for its analyses (an analyze field on /v1, "
+        "/api/captures/{id}/analyze). In distributed mode they run on the Celery analysis "
+        "queue: with no worker consuming it in time, a /v1 analysis entry is the error "
+        "analysis_unavailable and /api/captures/{id}/analyze is 503 ANALYSIS_UNAVAILABLE.",
+        minimum=1),
     # --- Transformers models --------------------------------------------------------
     Var("TRANSFORMERS_MIN_CONTEXT", "Transformers models", "int", 4096,
         "Context whose KV cache every card a model uses must have room for (or the model's "

@@ -1,14 +1,21 @@
 """Analyzers on the server (issue 15): the registry a deployment extends
-(``ANALYZERS_EXTRA``), probe files named inside ``ANALYZER_PROBE_DIR``, and the bounded
-pool that runs analyses off the event loop and off the engine's decode loop.
+(``ANALYZERS_EXTRA``), probe files named inside ``ANALYZER_PROBE_DIR``, and where analyses
+run — off the event loop and off the engine's decode loop, after the generation has
+finished and the engine has moved on:
 
-Where analyses run, and why not Celery: a /v1 request answers with its analyses in the
-same response, so the web process that holds the response runs them, on a small thread
-pool of its own (``ANALYSIS_WORKERS``), after the generation has finished and the engine
-has moved on. A Celery ``analysis`` queue would need a result backend to wait on, which
-this deployment does not have, and would ship the capture to a worker only to ship the
-numbers back; an analysis is numpy over one request's capture (milliseconds). The same
-pool serves ``/api/captures/{id}/analyze``.
+- **embedded** (``MILLM_TASKS_IN_PROCESS``): on a small thread pool of the process
+  (``ANALYSIS_WORKERS``);
+- **distributed**: as a Celery task on the ``analysis`` queue (``monitoring.tasks``),
+  consumed by workers started for it (deploy/). The web process ships the analyzers' names
+  and params and the capture — its bytes when inline, its id when stored (the worker reads
+  the file under ``CAPTURE_DIR``, which it must see) — and waits for the entries in the
+  result backend (Redis) at most ``ANALYSIS_TIMEOUT_S``. With no worker on the queue in
+  time the analysis does not run anywhere: a /v1 entry is the error
+  ``analysis_unavailable``, ``/api/captures/{id}/analyze`` a 503 ``ANALYSIS_UNAVAILABLE``
+  (the task expires unread).
+
+Either way a request's analyzer params are checked in the web process before generation
+(``prepare``: names, params, probe files), and checked again where they run.
 
 The math lives in ``gpu_engine.analysis`` (no Django, no torch); this module only names,
 prepares, arms and runs it.
@@ -17,6 +24,7 @@ prepares, arms and runs it.
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -36,15 +44,14 @@ from gpu_engine.analysis import (
     default_registry,
     load_extra,
 )
-from gpu_engine.errors import AnalyzerCaptureMissing, EngineError
+from gpu_engine.errors import AnalyzerCaptureMissing, EngineError, error_from_dict
+from monitoring.errors import AnalysisUnavailable
 
 log = structlog.get_logger(__name__)
 
 # analyses running at once in one web process; more wait in the pool's queue (each is
 # bounded by its capture, itself bounded by CAPTURE_MAX_BYTES)
 ANALYSIS_WORKERS = 2
-# the longest a synchronous caller (/api/captures/{id}/analyze) waits for one analysis
-ANALYSIS_TIMEOUT_S = 120.0
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class PreparedAnalysis:
     analyzer: Any
     prepared: Any
     need: CaptureNeed
+    params: dict[str, Any]  # as asked: what the analysis queue's worker prepares again
 
 
 def _load_stored(capture_id: str) -> Any:
@@ -80,19 +88,25 @@ class Analyzers:
     """The process's analyzer registry and pool (a runtime part: ``runtime().analyzers``)."""
 
     def __init__(self, registry: AnalyzerRegistry, probe_dir: str | Path,
-                 workers: int = ANALYSIS_WORKERS) -> None:
+                 workers: int = ANALYSIS_WORKERS, *, remote: bool = False,
+                 timeout_s: float = 120.0) -> None:
         self.registry = registry
         self.probe_dir = Path(probe_dir)
+        # distributed: analyses run on the Celery analysis queue, not on this pool
+        self.remote = remote
+        self.timeout_s = timeout_s
         self._pool = ThreadPoolExecutor(max_workers=workers,
                                         thread_name_prefix="millm-analysis")
 
     @classmethod
     def from_settings(cls) -> Analyzers:
         """The built-in analyzers plus ``ANALYZERS_EXTRA``'s (``ValueError`` naming a bad
-        entry: the site stops start-up on it)."""
+        entry: the site stops start-up on it); remote in distributed mode."""
         registry = default_registry()
         load_extra(registry, settings.ANALYZERS_EXTRA)
-        return cls(registry, settings.ANALYZER_PROBE_DIR)
+        return cls(registry, settings.ANALYZER_PROBE_DIR,
+                   remote=not settings.MILLM_TASKS_IN_PROCESS,
+                   timeout_s=float(settings.ANALYSIS_TIMEOUT_S))
 
     def context(self) -> AnalysisContext:
         return AnalysisContext(probe_dir=self.probe_dir, load_capture=_load_stored)
@@ -108,7 +122,8 @@ class Analyzers:
         for name, params in asked:
             analyzer = self.registry.get(name)
             prepared = analyzer.prepare(dict(params), ctx)
-            out.append(PreparedAnalysis(name, analyzer, prepared, analyzer.needs(prepared)))
+            out.append(PreparedAnalysis(name, analyzer, prepared, analyzer.needs(prepared),
+                                        dict(params)))
         return out
 
     async def aprepare(self, asked: Iterable[tuple[str, dict[str, Any]]]
@@ -153,9 +168,61 @@ class Analyzers:
                 out.append(_error_entry(a.name, exc))
         return out
 
-    async def arun(self, analyses: list[PreparedAnalysis], source: bytes | Path | None
-                   ) -> list[dict[str, Any]]:
+    async def arun(self, analyses: list[PreparedAnalysis], source: bytes | Path | None, *,
+                   capture_id: str | None = None) -> list[dict[str, Any]]:
+        """``run`` (not strict) where analyses run: this pool, or the analysis queue
+        (``capture_id`` names a stored ``source`` there)."""
+        if self.remote:
+            try:
+                return await asyncio.to_thread(self.run_remote, analyses, source,
+                                               capture_id=capture_id)
+            except AnalysisUnavailable as exc:
+                return [_error_entry(a.name, exc) for a in analyses]
         return await self._submit(self.run, analyses, source)
+
+    def run_stored(self, analyses: list[PreparedAnalysis], path: Path, capture_id: str
+                   ) -> list[dict[str, Any]]:
+        """``run`` strictly on a stored capture, waited for (synchronous callers): on the
+        analysis queue in distributed mode, else on this pool."""
+        if self.remote:
+            return self.run_remote(analyses, path, capture_id=capture_id, strict=True)
+        return self.run_wait(lambda: self.run(analyses, path, strict=True))
+
+    def run_remote(self, analyses: list[PreparedAnalysis], source: bytes | Path | None, *,
+                   capture_id: str | None = None, strict: bool = False
+                   ) -> list[dict[str, Any]]:
+        """The analyses as one ``analysis`` queue task, its entries waited for at most
+        ``timeout_s`` (``AnalysisUnavailable`` past it: nothing ran here). With ``strict``
+        the worker's refusal is raised here as the error it was."""
+        from celery.exceptions import TimeoutError as ResultTimeout
+
+        from monitoring.tasks import analysis_run_task
+
+        if source is None:
+            shipped = None
+        elif isinstance(source, (bytes, bytearray)):
+            shipped = {"data": base64.b64encode(bytes(source)).decode("ascii")}
+        elif capture_id is not None:
+            shipped = {"capture_id": capture_id}
+        else:
+            raise ValueError("a stored capture goes to the analysis queue by its id")
+        asked = [[a.name, a.params] for a in analyses]
+        result = analysis_run_task.apply_async(args=(asked, shipped, strict), queue="analysis",
+                                               expires=self.timeout_s)
+        try:
+            out = result.get(timeout=self.timeout_s, propagate=True)
+        except ResultTimeout:
+            result.revoke()  # and it expires unread: a late worker does not run it
+            raise AnalysisUnavailable(
+                f"no analysis worker answered within {self.timeout_s:g} s: in distributed "
+                "mode analyses run on the Celery 'analysis' queue (start a worker with "
+                "-Q analysis)", details={"queue": "analysis", "timeout_s": self.timeout_s},
+                retry_after=int(self.timeout_s)) from None
+        finally:
+            result.forget()
+        if "error" in out:
+            raise _shipped_error(out["error"])
+        return out["entries"]
 
     async def acall(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the pool, awaited (hidden-state probes on a capture)."""
@@ -163,7 +230,7 @@ class Analyzers:
 
     def run_wait(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` on the pool, waited for (synchronous callers)."""
-        return self._pool.submit(self._in_pool, fn, *args).result(timeout=ANALYSIS_TIMEOUT_S)
+        return self._pool.submit(self._in_pool, fn, *args).result(timeout=self.timeout_s)
 
     async def _submit(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.wrap_future(self._pool.submit(self._in_pool, fn, *args))
@@ -185,7 +252,8 @@ class Analyzers:
 def analysis_check_backend(*, need: CaptureNeed, capabilities: dict[str, Any],
                            backend: str, analyzers: list[str]) -> None:
     """Refuse, before generation, analyzers whose capture the loaded backend cannot take
-    (vLLM and llama.cpp report neither capture capability today)."""
+    (vLLM reports neither capture capability today; llama.cpp no Q/K on a model without
+    rotary embedding)."""
     if not capabilities:
         return  # nothing reported: the engine refuses the capture itself
     wants = []
@@ -213,11 +281,53 @@ def capture_analyze(*, capture_id: str, name: str, params: dict[str, Any],
     path = capture_file(capture_id=capture_id)  # CaptureNotFound; never outside CAPTURE_DIR
     try:
         prepared = analyzers.run_wait(analyzers.prepare, [(name, params)])
-        (entry,) = analyzers.run_wait(lambda: analyzers.run(prepared, path, strict=True))
+        (entry,) = analyzers.run_stored(prepared, path, capture_id)
     except EngineError as exc:  # one engine table for every surface
         raise from_engine_error(exc) from None
     return {"capture_id": capture_id, "name": name, "result": entry["result"]}
 
 
+# ---------------------------------------------------------------------- the analysis queue
+
+def _shipped_error(error: dict[str, Any]) -> Exception:
+    """The refusal a worker sent back (``run_shipped``), as the error it was."""
+    if error.get("kind") == "engine":
+        return error_from_dict(error)
+    out = MillmError(str(error.get("message", "")), details=error.get("details") or {})
+    out.code = str(error.get("code") or MillmError.code)  # type: ignore[misc]
+    out.status = int(error.get("status") or MillmError.status)  # type: ignore[misc]
+    return out
+
+
+def run_shipped(asked: list[list[Any]], source: dict[str, str] | None, *,
+                strict: bool) -> dict[str, Any]:
+    """The analysis queue's task body (``monitoring.tasks``), in the worker: the analyzers
+    prepared from their names and params, run on the capture shipped (its bytes, or a
+    stored capture's id, read under this worker's ``CAPTURE_DIR``). ``{"entries": [...]}``,
+    or with ``strict`` ``{"error": ...}`` for a refusal (``/api/captures/{id}/analyze``);
+    without it a refusal is each entry's error, as on the pool."""
+    from core.runtime import runtime
+    from monitoring.selectors import capture_file
+
+    analyzers: Analyzers = runtime().analyzers
+    close_old_connections()
+    try:
+        path: bytes | Path | None = None
+        if source is not None:
+            path = (base64.b64decode(source["data"]) if "data" in source
+                    else capture_file(capture_id=source["capture_id"]))
+        prepared = analyzers.prepare([(str(name), dict(params)) for name, params in asked])
+        return {"entries": analyzers.run(prepared, path, strict=strict)}
+    except (EngineError, MillmError) as exc:
+        if not strict:
+            return {"entries": [_error_entry(str(name), exc) for name, _ in asked]}
+        if isinstance(exc, EngineError):
+            return {"error": {"kind": "engine", **exc.to_dict()}}
+        return {"error": {"kind": "millm", "code": exc.code, "status": exc.status,
+                          "message": exc.message, "details": exc.details}}
+    finally:
+        connections.close_all()
+
+
 __all__ = ["ANALYSIS_WORKERS", "Analyzers", "PreparedAnalysis", "analysis_check_backend",
-           "capture_analyze"]
+           "capture_analyze", "run_shipped"]

@@ -54,3 +54,10 @@ class ProbeScoreRequestInvalid(MillmError):
     """A ``probes`` field (or scoring request) refused as a whole before any forward."""
 
     code, status = "INVALID_PROBE_SCORE_REQUEST", 400
+
+
+class AnalysisUnavailable(MillmError):
+    """Distributed mode: no worker on the Celery ``analysis`` queue answered within
+    ``ANALYSIS_TIMEOUT_S``, so the analysis ran nowhere (the web process never runs it)."""
+
+    code, status = "ANALYSIS_UNAVAILABLE", 503

@@ -1,11 +1,16 @@
 """Celery: Redis broker in distributed mode; in embedded mode tasks run on an in-process
-thread pool (core.jobs) so a download never blocks a request."""
+thread pool (core.jobs) so a download never blocks a request.
+
+Results are ignored but for the tasks that say otherwise: the analyses (queue
+``analysis``, ``monitoring.tasks``), whose caller waits for their numbers, keep theirs in
+Redis (the result backend) until read, at most CELERY_RESULT_EXPIRES."""
 
 from .core import CONFIG, EMBEDDED
 
 CELERY_BROKER_URL = CONFIG.REDIS_URL or "memory://"
-CELERY_RESULT_BACKEND = None
+CELERY_RESULT_BACKEND = CONFIG.REDIS_URL or None
 CELERY_TASK_IGNORE_RESULT = True
+CELERY_RESULT_EXPIRES = 3600
 CELERY_TASK_DEFAULT_QUEUE = "maintenance"
 # core.jobs.enqueue names the queue of every task; these routes say the same for a
 # task sent any other way. "loads" is consumed where the engine is reachable.
@@ -15,6 +20,7 @@ CELERY_TASK_ROUTES = {
     "orchestration.tasks.*": {"queue": "maintenance"},
     "registry.tasks.*": {"queue": "downloads"},
     "batches.tasks.*": {"queue": "batches"},
+    "monitoring.tasks.*": {"queue": "analysis"},
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
 CELERY_TASK_ACKS_LATE = True

@@ -45,7 +45,12 @@ def test_compose_has_the_topology():
     assert worker[worker.index("-Q") + 1] == "downloads,maintenance"
     loader = services["loader"]["command"]
     assert loader[loader.index("-Q") + 1] == "loads"
-    for name in ("web", "worker", "loader", "engine", "migrate"):
+    # the analysis queue has a worker, which reads the captures and probes on the volume
+    analyst = services["analyst"]["command"]
+    assert analyst[:4] == ["celery", "-A", "millm_site", "worker"]
+    assert analyst[analyst.index("-Q") + 1] == "analysis"
+    assert "cache:/app" in services["analyst"]["volumes"]
+    for name in ("web", "worker", "loader", "analyst", "engine", "migrate"):
         env = services[name]["environment"]
         assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY"} <= set(env), name
         unknown = [k for k in env if not _known(k)]
@@ -62,7 +67,11 @@ def test_kubernetes_manifests():
         assert d.get("apiVersion") and d.get("kind"), d
         by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
     deployments = by_kind["Deployment"]
-    assert {"millm-web", "millm-worker", "millm-loader", "millm-engine"} <= set(deployments)
+    assert {"millm-web", "millm-worker", "millm-loader", "millm-analyst",
+            "millm-engine"} <= set(deployments)
+    [analyst] = deployments["millm-analyst"]["spec"]["template"]["spec"]["containers"]
+    assert analyst["command"][analyst["command"].index("-Q") + 1] == "analysis"
+    assert analyst["volumeMounts"][0]["mountPath"] == "/app"
     assert {"millm-postgres", "millm-redis"} <= set(by_kind["StatefulSet"])
     assert {"millm-web", "millm-postgres", "millm-redis"} <= set(by_kind["Service"])
     engine = deployments["millm-engine"]["spec"]
@@ -96,6 +105,7 @@ def test_kubernetes_manifests():
 @pytest.mark.parametrize("unit, command", [
     ("millm-web@.service", "manage.py serve"),
     ("millm-worker.service", "celery -A millm_site worker"),
+    ("millm-analysis.service", "celery -A millm_site worker -Q analysis"),
     ("millm-engine.service", "manage.py run_engine"),
 ])
 def test_systemd_units(unit, command):

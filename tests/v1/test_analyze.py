@@ -147,6 +147,36 @@ def test_attention_tracker_on_completions_and_streams(llama, probes, hf):
     assert last["choices"] == [] and close(last["millm"]["analysis"][0]["result"]["score"], want)
 
 
+def test_analyzers_run_on_a_llamacpp_capture(v1_server, tiny_gguf, probes, hf, settings):
+    """The tiny Llama's float32 GGUF, registered and loaded through the registry, served by
+    the llama.cpp backend: its capture (taken in the eval callback) feeds the same
+    analyzers, whose results equal the test's own formulas on the HF reference forward."""
+    from orchestration.services import model_load
+    from registry.services import model_register_local
+
+    # an f32 KV cache without flash attention: the float32 reference's arithmetic
+    settings.GGUF_KV_CACHE_TYPE, settings.GGUF_FLASH_ATTENTION = "f32", False
+    model_load(model=model_register_local(local_path=str(tiny_gguf), name="tiny-llama-gguf"))
+    v1_server.wait_idle()
+    assert v1_server.engine.status().backend == "llamacpp"
+    want = tracker_want(hf, PROMPT_IDS, {1: [0, 1], 3: [1]}, (0, 4), (4, len(PROMPT_IDS) - 1))
+    resp = request(v1_server.base_url, "POST", "/completions", {
+        "model": "tiny-llama-gguf", "prompt": PROMPT_IDS, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
+        "capture": {"layers": [3], "positions": "all"},
+        "analyze": [{"name": "attention_tracker", "params": TRACKER},
+                    {"name": "hidden_states", "params": {"layers": [2], "reduce": "norm", "positions": "prompt"}}]})
+    assert resp.status == 200, resp.body
+    millm = resp.json()["millm"]
+    cap = load_capture(base64.b64decode(millm["capture"]["data"]))
+    assert cap.meta["backend"] == "llamacpp" and cap.meta["layers"] == [2, 3]
+    tracker, norm = (e["result"] for e in millm["analysis"])
+    assert close(tracker["score"], want)
+    ref = reference_blocks(*hf, cap.meta["prompt_token_ids"] + cap.meta["completion_token_ids"][:-1])
+    assert close(norm["layers"]["2"], np.linalg.norm(ref[2][: len(PROMPT_IDS)]))
+    assert close(cap.hidden[3], ref[3])  # the last layer, every row
+    assert not close(norm["layers"]["2"], np.linalg.norm(ref[1][: len(PROMPT_IDS)]))  # another layer fails
+
+
 def test_capture_attention_comes_back_with_the_request(llama, hf):
     resp = request(llama.base_url, "POST", "/completions", {
         "model": "tiny-llama", "prompt": PROMPT_IDS, "max_tokens": 2, "temperature": 0,
@@ -212,31 +242,40 @@ def test_refusals_create_nothing_and_run_no_forward(llama, openai_client, probes
 @pytest.mark.parametrize("backend", ["vllm", "llamacpp"])
 def test_backends_without_capture_refuse_analyzers_before_generation(backend, probes):
     """The capabilities those backends report (their own ``capabilities()``, on stand-ins
-    for their loaded state) refuse an analyzer's capture in planning, naming both."""
+    for their loaded state) refuse an analyzer's capture in planning, naming both: vLLM
+    captures nothing yet; llama.cpp captures hidden states, and Q/K only where the model
+    has a rotary embedding (the stand-in's has none)."""
     from inference.errors import openai_error_from_exception
     from inference.planning import prepare_analyses
     from inference.protocol import ChatCompletionRequest
     from tests.fixtures.backends import require_backend
 
     require_backend(backend)  # skips, or fails where required, without the package
+    hidden = ({"name": "hidden_states", "params": {"layers": [0]}}, "hidden_state_capture")
+    tracker = ({"name": "attention_tracker", "params": TRACKER}, "attention_capture")
     if backend == "vllm":
         from gpu_engine.backends.vllm.backend import VllmBackend
 
         caps = VllmBackend.capabilities(SimpleNamespace(enforce_eager=True))
+        refused, taken = (hidden, tracker), ()
     else:
         from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
 
         caps = LlamaCppBackend.capabilities(SimpleNamespace(
-            opts={"embeddings": True}, taps=SimpleNamespace(native_filter=False)))
+            opts={"embeddings": True}, taps=SimpleNamespace(native_filter=False),
+            native=SimpleNamespace(rotary=False)))
+        refused, taken = (tracker,), (hidden,)
     status = EngineStatus(state="ready", backend=backend, batching={"capabilities": caps})
-    for analyze, capability in (({"name": "hidden_states", "params": {"layers": [0]}}, "hidden_state_capture"),
-                                ({"name": "attention_tracker", "params": TRACKER}, "attention_capture")):
+    for analyze, capability in refused:
         req = ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT, "analyze": analyze})
         with pytest.raises(AnalyzerCaptureMissing) as exc:
             asyncio.run(prepare_analyses(req, status, backend))
         error = openai_error_from_exception(exc.value)
         assert (error.status, error.code, error.param) == (400, "analyzer_capture_missing", "analyze")
         assert backend in error.message and capability in error.message and analyze["name"] in error.message
+    for analyze, _ in taken:
+        req = ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT, "analyze": analyze})
+        assert asyncio.run(prepare_analyses(req, status, backend))
     transformers = EngineStatus(state="ready", backend="transformers", batching={
         "capabilities": {**caps, "hidden_state_capture": True, "attention_capture": True}})
     assert asyncio.run(prepare_analyses(req, transformers, "transformers"))  # the positive control

@@ -23,7 +23,9 @@ from tests.v1.test_probes import PROMPT_IDS, SAE, api, completion, hf  # noqa: F
 MARGIN = 0.05  # members whose pre-activation is this close to 0 at a row are not chosen
 
 
-def _reference(hf, server, tiny_assets):  # noqa: F811
+def _references(hf, server, tiny_assets, saes):  # noqa: F811
+    """{layer: (completion rows, features)} float64 pre-activations of each (SAE, layer),
+    and the plain completion's text."""
     import base64
 
     from gpu_engine.artifacts import load_capture
@@ -32,14 +34,21 @@ def _reference(hf, server, tiny_assets):  # noqa: F811
     resp = completion(server, {"capture": {"layers": [0], "positions": "last"}})
     meta = load_capture(base64.b64decode(resp.json()["millm"]["capture"]["data"])).meta
     ids = meta["completion_token_ids"]
-    rows = reference_blocks(*hf, PROMPT_IDS + ids[:-1])[1][len(PROMPT_IDS) - 1:]
-    ref = RefSAE(tiny_assets.saes[SAE])
-    x = np.asarray(rows, dtype=np.float64)
-    if ref.apply_b_dec:
-        x = x - ref.b_dec
-    pre = x @ ref.W_enc + ref.b_enc
-    assert ref.activation == "relu"
-    return pre, resp.json()["choices"][0]["text"]
+    blocks = reference_blocks(*hf, PROMPT_IDS + ids[:-1])
+    out = {}
+    for name, layer in saes:
+        ref = RefSAE(tiny_assets.saes[name])
+        x = np.asarray(blocks[layer][len(PROMPT_IDS) - 1:], dtype=np.float64)
+        if ref.apply_b_dec:
+            x = x - ref.b_dec
+        assert ref.activation == "relu"
+        out[layer] = x @ ref.W_enc + ref.b_enc
+    return out, resp.json()["choices"][0]["text"]
+
+
+def _reference(hf, server, tiny_assets):  # noqa: F811
+    pre, text = _references(hf, server, tiny_assets, [(SAE, 1)])
+    return pre[1], text
 
 
 def _pairs(pre):
@@ -158,6 +167,107 @@ def test_armed_cluster_fires_at_the_rows_its_members_cofire(llama, hf, tiny_asse
         assert event["data"]["source"] == "active" and event["data"]["request_id"] == active["id"]
         assert event["data"]["rows"] == [n_prompt - 1 + i for i in co_rows]
         api(llama, "POST", f"/api/clusters/{cid}/deactivate")
+
+
+L3_SAE = "tiny-llama-L3-relu"
+
+
+def _circuit_members(pre1, pre3):
+    """A layer-1 and a layer-3 feature and a threshold for the layer-3 one, all clear of
+    the rule's edges by MARGIN at every row, such that they co-fire at some rows but not
+    all, and fewer than with threshold 0 (so the threshold shows); and a pair that never
+    co-fires."""
+    def clear(pre, threshold=0.0):
+        return [int(f) for f in np.where((np.abs(pre - threshold) > MARGIN).all(axis=0))[0]]
+
+    co = never = None
+    for a in clear(pre1):
+        fa = pre1[:, a] > 0
+        if not 0 < fa.sum() < len(fa):
+            continue
+        for b in clear(pre3):
+            fb = pre3[:, b] > 0
+            if never is None and fb.any() and not (fa & fb).any():
+                never = (a, b)
+            if co is not None or (fa & fb).sum() < 2:
+                continue
+            # a threshold between two of b's values where both fire, clear of every row
+            values = np.sort(pre3[fa & fb, b])
+            for lo, hi in zip(values, values[1:]):
+                t = float((lo + hi) / 2)
+                if hi - lo > 2 * MARGIN and (np.abs(pre3[:, b] - t) > MARGIN).all():
+                    rows = [int(i) for i in np.where(fa & (pre3[:, b] > t))[0]]
+                    co = ((a, b), t, rows)
+                    break
+        if co and never:
+            break
+    assert co is not None and never is not None, "the tiny model has no such members"
+    return co, never
+
+
+def _circuit(server, name, sae1, sae3, members, threshold=None):
+    """A two-layer circuit (layer 1 and layer 3 SAEs) of ``members`` = (feature at 1,
+    feature at 3), the layer-3 member's ``threshold`` set when given."""
+    f1, f3 = members
+    second = {"feature_idx": f3, "strength": 1.0}
+    if threshold is not None:
+        second["threshold"] = threshold
+    doc = {"kind": "mistudio.circuit-definition", "schema_version": "1", "name": name,
+           "saes": [{"mistudio_sae_id": sae1.id, "layer": 1, "n_features": 256},
+                    {"mistudio_sae_id": sae3.id, "layer": 3, "n_features": 256}],
+           "members": [{"layer": 1, "feature": {"feature_idx": f1, "strength": 1.0}},
+                       {"layer": 3, "feature": second}],
+           "edges": [{"up": {"layer": 1, "feature_idx": f1},
+                      "down": {"layer": 3, "feature_idx": f3}, "rung": 1}]}
+    resp = api(server, "POST", "/api/circuits/import", doc)
+    assert resp.status == 201, resp.body[:500]
+    return resp.json()["data"]["id"]
+
+
+def test_armed_circuit_fires_where_its_members_cofire_across_layers(llama, hf, tiny_assets):  # noqa: F811
+    """A circuit's members sit at two layers (two SAEs): the event comes when the layer-1
+    member is above 0 and the layer-3 member above its own threshold at the same row, and
+    the rows are the test's own float64 encode's; members that never co-fire send none."""
+    sae1, sae3 = attach(SAE, 1), attach(L3_SAE, 3)
+    pre, plain_text = _references(hf, llama, tiny_assets, [(SAE, 1), (L3_SAE, 3)])
+    ((f1, f3), threshold, co_rows), never = _circuit_members(pre[1], pre[3])
+    assert co_rows != [int(i) for i in np.where((pre[1][:, f1] > 0) & (pre[3][:, f3] > 0))[0]]
+    cid = _circuit(llama, "cofire-circuit", sae1, sae3, (f1, f3), threshold)
+    quiet = _circuit(llama, "apart-circuit", sae1, sae3, never)
+    n_prompt = len(PROMPT_IDS)
+    armed = api(llama, "POST", "/api/monitoring/sensing", {"kind": "circuit", "id": cid})
+    assert armed.status == 201, armed.body
+    (watched,) = api(llama, "GET", "/api/monitoring/sensing").json()["data"]["watched"]
+    assert watched["kind"] == "circuit" and watched["watched_now"] is True
+    assert [(m["sae_id"], m["layer"], m["feature"], m["threshold"]) for m in watched["members"]] == [
+        (sae1.id, 1, f1, 0.0), (sae3.id, 3, f3, pytest.approx(threshold))]
+
+    ws_url = llama.url.replace("http://", "ws://") + "/ws/events"
+    with connect(ws_url, open_timeout=10) as ws:
+        got = completion(llama, {}).json()
+        assert got["choices"][0]["text"] == plain_text and "millm" not in got  # never gates
+        (event,) = _sensing_events(ws, 5.0)
+        assert event["event"] == "sensing:circuit"
+        data = event["data"]
+        assert (data["kind"], data["id"], data["name"], data["source"]) == (
+            "circuit", cid, "cofire-circuit", "armed")
+        assert data["request_id"] == got["id"] and data["choice"] == 0
+        assert data["rows"] == [n_prompt - 1 + i for i in co_rows]
+        assert data["token_indices"] == co_rows
+        first = co_rows[0]
+        for m, (sae, layer, f) in zip(data["members"], ((sae1, 1, f1), (sae3, 3, f3))):
+            assert (m["sae_id"], m["layer"], m["feature"]) == (sae.id, layer, f)
+            assert m["activation"] == pytest.approx(pre[layer][first, f], abs=5e-3)
+
+        # members that never co-fire: no event
+        assert api(llama, "DELETE", "/api/monitoring/sensing",
+                   {"kind": "circuit", "id": cid}).status == 200
+        assert api(llama, "POST", "/api/monitoring/sensing",
+                   {"kind": "circuit", "id": quiet}).status == 201
+        assert completion(llama, {}).json()["choices"][0]["text"] == plain_text
+        assert _sensing_events(ws, 2.0) == []
+        assert api(llama, "DELETE", "/api/monitoring/sensing",
+                   {"kind": "circuit", "id": quiet}).status == 200
 
 
 def test_refusals(llama):

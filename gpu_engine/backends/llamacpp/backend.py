@@ -3,7 +3,8 @@
 The model runs in this process on llama.cpp's own kernels; sampling, text and monitor
 encoding run on the host in torch, with the same code as the transformers backend.
 Steering is a control vector when every row of a forward is steered alike and the eval
-callback otherwise (``batched.py``); monitoring is the eval callback (``taps.py``).
+callback otherwise (``batched.py``); monitoring and capture (hidden states, rotated Q/K)
+are the eval callback (``taps.py``).
 
 Load options (``LoadModelJob.options``, from the site's GGUF_* settings):
 
@@ -24,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ...capture import AttentionGeometry
 from ...errors import InvalidParameter, ModelLoadFailed, SAEIncompatible
 from ...hooks import AttachmentStats, HookManager
 from ...memory import available_memory
@@ -43,6 +45,7 @@ from ..transformers.sampling import score_result
 from ..transformers.sequence import Sequence
 from .batched import LlamaBatchRunner, run_serial
 from .native import (
+    GGML_OP_ROPE,
     UNQUANTIZED_KV,
     ContextSettings,
     NativeContext,
@@ -153,7 +156,10 @@ class LlamaCppBackend:
             self.kernels = f"llama.cpp ({'gpu offload' if opts['offload'] else 'cpu'})"
             self.context_length = self._window()
             self.attachment_stats: dict[AttachmentKey, AttachmentStats] = {}
-            self.taps = EvalTaps(self.num_layers)
+            self.attention_geometry = AttentionGeometry(
+                num_heads=self.native.n_head, num_kv_heads=self.native.n_head_kv,
+                head_dim=self.native.head_dim)
+            self.taps = EvalTaps(self.num_layers, interleaved_rope=self.native.interleaved_rope)
             # steered forwards by path (control vector / per row in the eval callback)
             self.steering_forwards = {"control_vector": 0, "eval_callback": 0}
             self.context: NativeContext | None = None
@@ -221,8 +227,9 @@ class LlamaCppBackend:
             embeddings=self.opts["embeddings"],
             # the eval callback adds precomputed deltas only (no encode on its rows yet)
             steering_controls=False,
-            hidden_state_capture=False,  # issue 15: transformers first
-            attention_capture=False,
+            # capture reads the eval callback's nodes (``taps.py``); Q/K needs rope's output
+            # (a model without rotary embedding has no node that is its Q/K as attended)
+            attention_capture=self.native.rotary and GGML_OP_ROPE is not None,
             structured_output=False,  # no grammar masks in its sampler yet
             tool_calling=False,  # tool calls need grammar masks (and parsing) too
             # how requests with different steering share a batch: each row's delta added in
@@ -244,6 +251,11 @@ class LlamaCppBackend:
 
     def token_text(self, token_id: int) -> str:
         return self.native.detokenize([token_id], skip_special=False)
+
+    def attention_scaling(self, layer: int) -> float:
+        """The factor llama.cpp's attention multiplies q·k by (``kq_scale``: the file's
+        ``attention.scale``, else 1/sqrt(head_dim); the same at every layer)."""
+        return self.native.attention_scale
 
     def layer_module_path(self, layer: int, hook_point: str = DEFAULT_HOOK_POINT) -> str:
         # the eval callback can reach only the layer outputs (``l_out-{il}``), and the

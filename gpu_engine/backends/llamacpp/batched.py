@@ -17,7 +17,8 @@ Steering, per forward:
 
 A control vector cannot reach layer 0 (llama.cpp has no tensor there) and would hide the
 pre-steering value from a monitor, so steering at layer 0 or next to a pre-steering
-monitor always goes through the callback.  Monitoring always does.
+monitor always goes through the callback.  Monitoring always does, and so does capture
+(``taps.py``: a layer's output after its deltas or control vector, and the rotated Q/K).
 """
 
 from __future__ import annotations
@@ -30,7 +31,23 @@ import torch
 
 from ..transformers.sampling import choose_rows
 from ..transformers.sequence import Sequence
-from .taps import ForwardPlan, LayerPlan, MonitorSegment
+from .taps import KEY, QUERY, CaptureReader, ForwardPlan, LayerPlan, MonitorSegment
+
+
+def capture_readers(seq: Sequence) -> list[tuple[int | None, int, CaptureReader]]:
+    """The request's capture as (QUERY, KEY or None for a layer output, layer, reader),
+    built once per request (cached on the sequence)."""
+    readers = getattr(seq, "_capture_readers", None)
+    if readers is None:
+        plan = seq.capture
+        readers = []
+        if plan is not None:
+            readers += [(None, layer, CaptureReader(plan.observe, layer)) for layer in plan.layers]
+            for layer in plan.qk_layers:
+                readers.append((QUERY, layer, CaptureReader(plan.observe_q, layer)))
+                readers.append((KEY, layer, CaptureReader(plan.observe_k, layer)))
+        seq._capture_readers = readers  # type: ignore[attr-defined]
+    return readers
 
 
 def steering_signature(seq: Sequence) -> tuple:
@@ -75,9 +92,19 @@ class LlamaBatchRunner:
         sigs = [steering_signature(s) for s, *_ in parts]
         uniform = all(sig == sigs[0] for sig in sigs)
         pre_layers = set()
+        qk: dict[tuple[int, int], list[MonitorSegment]] = {}
         for seq, a, b, pos in parts:
             if seq.hooks is None:
                 continue
+            # capture reads the layer's output after every delta (as a post monitor does)
+            for kind, layer, reader in capture_readers(seq):
+                seg = MonitorSegment([reader], a, b, pos, False)
+                if kind is None:
+                    lp = layers.setdefault(layer, LayerPlan())
+                    lp.segments.append(seg)
+                    lp.captured = True
+                else:
+                    qk.setdefault((kind, layer), []).append(seg)
             for key, plan in seq.hooks.plans.items():
                 for pre, monitors in ((True, plan.pre), (False, plan.post)):
                     if monitors:
@@ -119,7 +146,7 @@ class LlamaBatchRunner:
             if any(lp.deltas is not None for lp in layers.values()):
                 backend.steering_forwards["eval_callback"] += 1
         outputs = [i for i, t in enumerate(tokens) if t[3]]
-        fplan = ForwardPlan(layers, len(tokens), outputs) if layers else None
+        fplan = ForwardPlan(layers, len(tokens), outputs, qk=qk) if layers or qk else None
         backend.taps.run(fplan, lambda: self.ctx.decode(tokens))
         if fplan is not None:
             applied |= fplan.applied
@@ -160,7 +187,8 @@ class LlamaBatchRunner:
                 while queue and len(tokens) < n_batch:
                     seq, off = queue.pop(0)
                     take = min(seq.n_prompt - off, n_batch - len(tokens))
-                    all_out = seq.sampling.prompt_logprobs or self._monitors_layer(seq, last_layer)
+                    all_out = (seq.sampling.prompt_logprobs or self._monitors_layer(seq, last_layer)
+                               or self._captures_prompt_rows(seq, last_layer))
                     a = len(tokens)
                     for p in range(off, off + take):
                         last = p == seq.n_prompt - 1
@@ -200,6 +228,14 @@ class LlamaBatchRunner:
         return seq.hooks is not None and any(
             key[1] == layer and (p.pre or p.post) for key, p in seq.hooks.plans.items()
         )
+
+    @staticmethod
+    def _captures_prompt_rows(seq: Sequence, layer: int) -> bool:
+        """The request captures prompt rows of the last layer, whose output llama.cpp
+        keeps only for rows that produce logits: every prompt row must then produce one."""
+        plan = seq.capture
+        return (plan is not None and layer in plan.layers
+                and plan.spec.positions in ("all", "prompt"))
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[bool]:
         ids, lsm = choose_rows(seqs, logits)

@@ -41,6 +41,7 @@ class GGMLTensor(ctypes.Structure):
 
 
 NAME_OFFSET = GGMLTensor.name.offset
+OP_OFFSET = GGMLTensor.op.offset
 GGML_TYPE_F32 = 0
 
 # GGUF_KV_CACHE_TYPE → ggml_type (ggml.h)
@@ -77,6 +78,8 @@ if GGML_BASE is not None:
     for _fn in (GGML_BASE.ggml_backend_tensor_get, GGML_BASE.ggml_backend_tensor_set):
         _fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t]
         _fn.restype = None
+    GGML_BASE.ggml_op_name.argtypes = [ctypes.c_int]
+    GGML_BASE.ggml_op_name.restype = ctypes.c_char_p
 if GGML is not None:
     GGML.ggml_backend_dev_count.argtypes = []
     GGML.ggml_backend_dev_count.restype = ctypes.c_size_t
@@ -84,6 +87,26 @@ if GGML is not None:
     GGML.ggml_backend_dev_get.restype = ctypes.c_void_p
     GGML.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
     GGML.ggml_backend_dev_type.restype = ctypes.c_int
+
+
+
+def _op_id(name: bytes) -> int | None:
+    """The ``ggml_op`` number of the op called ``name`` in this build (the enum moves
+    between ggml versions), or None.  ``ggml_op_name`` indexes a table of every op, so
+    the scan stops at the op sought, well inside it."""
+    if GGML_BASE is None:
+        return None
+    for i in range(1, 256):
+        found = GGML_BASE.ggml_op_name(i)
+        if found == name:
+            return i
+        if not found:
+            return None
+    return None
+
+
+# the rotary embedding's op: Q/K capture reads the ``Qcur-{il}``/``Kcur-{il}`` node it made
+GGML_OP_ROPE = _op_id(b"ROPE")
 
 _init_lock = threading.Lock()
 _initialised = False
@@ -168,6 +191,19 @@ class NativeModel:
         self.n_layer = lc.llama_model_n_layer(self.ptr)
         self.n_ctx_train = lc.llama_model_n_ctx_train(self.ptr)
         self.has_decoder = bool(lc.llama_model_has_decoder(self.ptr))
+        self.n_head = lc.llama_model_n_head(self.ptr)
+        self.n_head_kv = lc.llama_model_n_head_kv(self.ptr)
+        rope_type = lc.llama_model_rope_type(self.ptr)
+        self.rotary = rope_type != lc.LLAMA_ROPE_TYPE_NONE
+        # NORM rotates adjacent pairs: the converter interleaved HF's two halves (llama family)
+        self.interleaved_rope = rope_type == lc.LLAMA_ROPE_TYPE_NORM
+        arch = self.meta("general.architecture") or ""
+        key_length = self.meta(f"{arch}.attention.key_length")
+        self.head_dim = int(key_length) if key_length else self.n_embd // max(self.n_head, 1)
+        # llama.cpp's kq_scale: the file's attention.scale, else 1/sqrt(head_dim)
+        scale = self.meta(f"{arch}.attention.scale")
+        self.attention_scale = (float(scale) if scale and float(scale) != 0.0
+                                else self.head_dim ** -0.5)
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
@@ -366,8 +402,10 @@ def gpu_device_count() -> int:
 
 __all__ = [
     "GGMLTensor",
+    "GGML_OP_ROPE",
     "KV_CACHE_TYPES",
     "NAME_OFFSET",
+    "OP_OFFSET",
     "ContextSettings",
     "NativeContext",
     "NativeModel",

@@ -5,7 +5,8 @@ token for a 30-layer model) before computing it.  A Python callback pays a ctype
 round trip for each — about a millisecond per token, a sizeable share of a 135M model's
 7 ms decode step — even when nothing is hooked.  This filter answers those questions in
 C: nothing while no plan is published, and only ``l_out-{il}`` of the layers the plan
-names; the Python side (``taps.EvalTaps``) runs once per hooked layer.
+names (and, for a Q/K capture, the ``Qcur-{il}``/``Kcur-{il}`` nodes rope made); the
+Python side (``taps.EvalTaps``) runs once per claimed node.
 
 It is compiled with the system C compiler (the one that built llama-cpp-python) into
 ``$MILLM_WHEEL_CACHE`` (default ``~/.cache/millm-wheels``), keyed by its source, and
@@ -28,15 +29,34 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-typedef bool (*tap_fn)(void * tensor, int layer);
+/* kind: 0 a layer output (l_out-N), 1 a query (Qcur-N), 2 a key (Kcur-N) after rope */
+typedef bool (*tap_fn)(void * tensor, int kind, int layer);
 
 struct millm_filter {
     int active;                 /* 0: claim nothing */
     int n_layer;
     unsigned long name_offset;  /* offsetof(struct ggml_tensor, name) */
-    tap_fn tap;                 /* called with each claimed layer output */
-    unsigned char wanted[4096];
+    unsigned long op_offset;    /* offsetof(struct ggml_tensor, op) */
+    int rope_op;                /* GGML_OP_ROPE in this build */
+    tap_fn tap;                 /* called with each claimed node */
+    unsigned char wanted[4096];     /* layer outputs */
+    unsigned char wanted_qk[4096];  /* rotated Q and K */
 };
+
+/* the layer number that is the whole rest of the name, or -1 ("Qcur-0 (view)" is not) */
+static int layer_of(const char * s) {
+    int v = 0;
+    if (*s == 0) {
+        return -1;
+    }
+    for (; *s; s++) {
+        if (*s < '0' || *s > '9' || v > 4096) {
+            return -1;
+        }
+        v = v * 10 + (*s - '0');
+    }
+    return v;
+}
 
 bool millm_eval_filter(void * tensor, bool ask, void * user_data) {
     struct millm_filter * f = (struct millm_filter *) user_data;
@@ -44,21 +64,43 @@ bool millm_eval_filter(void * tensor, bool ask, void * user_data) {
         return false;
     }
     const char * name = (const char *) tensor + f->name_offset;
-    if (strncmp(name, "l_out-", 6) != 0) {
+    int kind;
+    const char * rest;
+    if (strncmp(name, "l_out-", 6) == 0) {
+        kind = 0;
+        rest = name + 6;
+    } else if (strncmp(name, "Qcur-", 5) == 0) {
+        kind = 1;
+        rest = name + 5;
+    } else if (strncmp(name, "Kcur-", 5) == 0) {
+        kind = 2;
+        rest = name + 5;
+    } else {
         return false;
     }
-    int il = atoi(name + 6);
-    if (il < 0 || il >= f->n_layer || il >= 4096 || !f->wanted[il]) {
+    int il = layer_of(rest);
+    if (il < 0 || il >= f->n_layer || il >= 4096) {
         return false;
+    }
+    if (kind == 0) {
+        if (!f->wanted[il]) {
+            return false;
+        }
+    } else {
+        /* the projection and its reshape carry the same name: only rope's output */
+        int op = *(const int *) ((const char *) tensor + f->op_offset);
+        if (!f->wanted_qk[il] || op != f->rope_op) {
+            return false;
+        }
     }
     if (ask) {
         return true;
     }
-    return f->tap(tensor, il);
+    return f->tap(tensor, kind, il);
 }
 """
 
-TAP_FN = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_int)
+TAP_FN = ctypes.CFUNCTYPE(ctypes.c_bool, ctypes.c_void_p, ctypes.c_int, ctypes.c_int)
 
 
 class Filter(ctypes.Structure):
@@ -66,8 +108,11 @@ class Filter(ctypes.Structure):
         ("active", ctypes.c_int),
         ("n_layer", ctypes.c_int),
         ("name_offset", ctypes.c_ulong),
+        ("op_offset", ctypes.c_ulong),
+        ("rope_op", ctypes.c_int),
         ("tap", TAP_FN),
         ("wanted", ctypes.c_ubyte * 4096),
+        ("wanted_qk", ctypes.c_ubyte * 4096),
     ]
 
 

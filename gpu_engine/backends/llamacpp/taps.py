@@ -1,4 +1,5 @@
-"""Steering and monitoring inside ``llama_decode``, through the context's eval callback.
+"""Steering, monitoring and capture inside ``llama_decode``, through the context's eval
+callback.
 
 llama.cpp names each layer's output ``l_out-{il}`` (the residual stream after block
 ``il``, after any control vector): the same point the transformers backend hooks.  The
@@ -18,6 +19,20 @@ Rows: llama.cpp splits a batch into ubatches in order (one KV stream: ``split_si
 so the callback keeps a per-layer row offset.  The last layer's output only holds the
 rows that produce logits (llama.cpp drops the others before the last block's FFN), so
 its rows map to the batch's output tokens instead.
+
+Capture (``gpu_engine.capture``) reads the same nodes: a request's hidden-state rows
+are handed to its ``CapturePlan`` from ``l_out-{il}`` after the deltas are added (so a
+steered request captures its steered stream), like a post-steering monitor.  Q/K
+capture claims two more nodes per layer: the graph names the query projection, its
+reshape and the rotary embedding's output all ``Qcur-{il}`` (``Kcur-{il}`` likewise), so
+only the one made by ``GGML_OP_ROPE`` is read — (head_dim, heads, tokens) float32, every
+token of the batch at every layer (the last layer's pruning comes after attention).
+For rope type NORM (the llama family) the GGUF converter interleaved each head's two
+rotary halves (``convert_hf_to_gguf``'s permute, ``gpu_engine.assets.tiny_gguf``); the
+rows are put back in the checkpoint's order, so a head's vector is the one the
+transformers backend captures.  After the decode every captured node must have handed
+over every row it owes: a graph that never produced one is an error, not a capture of
+zeros.
 """
 
 from __future__ import annotations
@@ -31,15 +46,34 @@ import torch
 
 from ...hooks import MonitorPlan
 from ...protocol import AttachmentKey
-from .native import GGML_BASE, GGML_TYPE_F32, NAME_OFFSET, GGMLTensor
+from .native import GGML_BASE, GGML_OP_ROPE, GGML_TYPE_F32, NAME_OFFSET, OP_OFFSET, GGMLTensor
 from .shim import TAP_FN, Filter, load_filter
+
+# what a claimed node is (the C filter's ``kind``)
+LAYER_OUT, QUERY, KEY = 0, 1, 2
+
+
+class CaptureReader:
+    """A request's ``CapturePlan`` reading one node's rows, handed them as a monitor is
+    (``observe(rows, position)``); ``take`` is the plan's ``observe``, ``observe_q`` or
+    ``observe_k``."""
+
+    __slots__ = ("layer", "take")
+
+    def __init__(self, take, layer: int) -> None:  # type: ignore[no-untyped-def]
+        self.take = take
+        self.layer = layer
+
+    def observe(self, rows: torch.Tensor, position: int) -> None:
+        self.take(self.layer, rows, position)
 
 
 @dataclass
 class MonitorSegment:
-    """Batch tokens [start, end) of one request, at sequence positions from ``position``."""
+    """Batch tokens [start, end) of one request, at sequence positions from ``position``:
+    its ``monitors`` (SAE monitors, or a ``CaptureReader``) are handed those rows."""
 
-    monitors: list[MonitorPlan]
+    monitors: list[MonitorPlan | CaptureReader]
     start: int
     end: int
     position: int
@@ -52,6 +86,7 @@ class LayerPlan:
     deltas: torch.Tensor | None = None
     keys: set[AttachmentKey] = field(default_factory=set)
     segments: list[MonitorSegment] = field(default_factory=list)
+    captured: bool = False  # some segment is a capture: every row must arrive
 
 
 @dataclass
@@ -60,24 +95,35 @@ class ForwardPlan:
     n_tokens: int
     output_rows: list[int]  # batch indices with logits, in order (the last layer's rows)
     applied: set[AttachmentKey] = field(default_factory=set)
+    # Q/K capture: per (QUERY or KEY, layer), the segments reading the rotated rows
+    qk: dict[tuple[int, int], list[MonitorSegment]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not self.layers and not self.qk
 
 
 class EvalTaps:
     """The eval callback object; one per context (it must outlive the context)."""
 
-    def __init__(self, n_layer: int) -> None:
+    def __init__(self, n_layer: int, *, interleaved_rope: bool = False) -> None:
         self.n_layer = n_layer
-        self.names = {f"l_out-{il}".encode(): il for il in range(n_layer)}
+        self.names = {f"{prefix}-{il}".encode(): (kind, il) for il in range(n_layer)
+                      for kind, prefix in ((LAYER_OUT, "l_out"), (QUERY, "Qcur"), (KEY, "Kcur"))}
+        # Q/K rows of a rope-NORM model come in interleaved pairs (see the module doc)
+        self.interleaved_rope = interleaved_rope
         self.plan: ForwardPlan | None = None
-        self._offsets: dict[int, int] = {}
+        self._offsets: dict[tuple[int, int], int] = {}
         self._error: BaseException | None = None
         lib = load_filter()
         self.native_filter = lib is not None
         if lib is not None:
-            # the C filter answers every "ask"; Python runs once per hooked layer output
+            # the C filter answers every "ask"; Python runs once per claimed node
             self.filter = Filter()
             self.filter.n_layer = n_layer
             self.filter.name_offset = NAME_OFFSET
+            self.filter.op_offset = OP_OFFSET
+            self.filter.rope_op = GGML_OP_ROPE if GGML_OP_ROPE is not None else -1
             self._tap_fn = TAP_FN(self._tap)
             self.filter.tap = self._tap_fn
             self._lib = lib
@@ -90,31 +136,59 @@ class EvalTaps:
 
     def run(self, plan: ForwardPlan | None, decode) -> None:  # type: ignore[no-untyped-def]
         """``decode()`` with ``plan`` published; re-raises what the callback hit."""
-        self.plan = plan if plan is not None and plan.layers else None
+        self.plan = plan if plan is not None and not plan.empty else None
         self._offsets = {}
         self._error = None
         if self.native_filter and self.plan is not None:
             for il in self.plan.layers:
                 self.filter.wanted[il] = 1
+            for _, il in self.plan.qk:
+                self.filter.wanted_qk[il] = 1
             self.filter.active = 1
         try:
             decode()
         finally:
-            if self.native_filter and self.plan is not None:
+            published = self.plan
+            if self.native_filter and published is not None:
                 self.filter.active = 0
-                for il in self.plan.layers:
+                for il in published.layers:
                     self.filter.wanted[il] = 0
+                for _, il in published.qk:
+                    self.filter.wanted_qk[il] = 0
             self.plan = None
         if self._error is not None:
             raise self._error
+        if published is not None:
+            self._check_captured(published)
 
-    def _tap(self, t: int, il: int) -> bool:
-        """A claimed layer output, computed (the C filter's call)."""
+    def _check_captured(self, plan: ForwardPlan) -> None:
+        """Every captured node handed over its rows (a graph without the node, or with it
+        renamed, would otherwise leave a capture of uninitialised rows)."""
+        missing = []
+        for il, lp in plan.layers.items():
+            got = self._offsets.get((LAYER_OUT, il), 0)
+            if lp.captured and got not in (plan.n_tokens, len(plan.output_rows)):
+                missing.append(f"l_out-{il}")
+        for kind, il in plan.qk:
+            if self._offsets.get((kind, il), 0) != plan.n_tokens:
+                missing.append(f"{'Qcur' if kind == QUERY else 'Kcur'}-{il} (after rope)")
+        if missing:
+            raise RuntimeError(
+                f"llama.cpp's graph did not hand over every row of {', '.join(missing)} "
+                f"({plan.n_tokens} tokens): this model's graph cannot be captured there"
+            )
+
+    def _tap(self, t: int, kind: int, il: int) -> bool:
+        """A claimed node, computed (the C filter's call)."""
         plan = self.plan
-        if plan is None or il not in plan.layers:
+        if plan is None:
             return True
         try:
-            self._apply(GGMLTensor.from_address(t), il, plan.layers[il], plan)
+            if kind == LAYER_OUT:
+                if il in plan.layers:
+                    self._apply(GGMLTensor.from_address(t), il, plan.layers[il], plan)
+            elif (kind, il) in plan.qk:
+                self._apply_qk(GGMLTensor.from_address(t), kind, il, plan.qk[(kind, il)])
         except BaseException as exc:  # noqa: BLE001 - raised after llama_decode returns
             self._error = exc
             return False  # stops the graph
@@ -126,12 +200,61 @@ class EvalTaps:
         if plan is None:
             return False
         name = ctypes.string_at(t + NAME_OFFSET)
-        il = self.names.get(name)
-        if il is None or il not in plan.layers:
+        found = self.names.get(name)
+        if found is None:
             return False
+        kind, il = found
+        if kind == LAYER_OUT:
+            if il not in plan.layers:
+                return False
+        elif (kind, il) not in plan.qk:
+            return False
+        elif ctypes.c_int.from_address(t + OP_OFFSET).value != GGML_OP_ROPE:
+            return False  # the projection and its reshape carry the same name: only rope's
         if ask:
             return True
-        return self._tap(t, il)
+        return self._tap(t, kind, il)
+
+    @staticmethod
+    def _host_array(
+        tensor: GGMLTensor, shape: tuple[int, ...], what: str
+    ) -> tuple[np.ndarray, bool]:
+        """The tensor's float32 data as an array of ``shape`` (ggml's dims reversed):
+        a view of host memory, or a copy of a device buffer (then False)."""
+        buf = tensor.buffer
+        host = GGML_BASE is None or not buf or GGML_BASE.ggml_backend_buffer_is_host(buf)
+        if host and not tensor.data:
+            raise RuntimeError(f"{what} has no data")
+        if host:
+            arr = np.ctypeslib.as_array(
+                ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float)), shape=shape
+            )
+        else:  # a device buffer: copied out (and written back by the caller if changed)
+            arr = np.empty(shape, dtype=np.float32)
+            GGML_BASE.ggml_backend_tensor_get(ctypes.addressof(tensor), arr.ctypes.data, 0,
+                                              arr.nbytes)
+        return arr, host
+
+    def _apply_qk(
+        self, tensor: GGMLTensor, kind: int, il: int, segments: list[MonitorSegment]
+    ) -> None:
+        what = f"{'Qcur' if kind == QUERY else 'Kcur'}-{il}"
+        d, h, n = int(tensor.ne[0]), int(tensor.ne[1]), int(tensor.ne[2])
+        if tensor.type != GGML_TYPE_F32 or int(tensor.ne[3]) != 1 or (
+                int(tensor.nb[0]), int(tensor.nb[1]), int(tensor.nb[2])) != (4, 4 * d, 4 * d * h):
+            raise RuntimeError(f"{what} is not a dense float32 (tokens, heads, head_dim) block "
+                               f"(type {tensor.type}, ne {list(tensor.ne)}, nb {list(tensor.nb)})")
+        arr, _ = self._host_array(tensor, (n, h, d), what)
+        rows = torch.from_numpy(arr)
+        if self.interleaved_rope:  # pairs (2i, 2i+1) back to the halves (i, i + d/2)
+            rows = torch.cat((rows[..., 0::2], rows[..., 1::2]), dim=-1)
+        lo = self._offsets.get((kind, il), 0)
+        self._offsets[(kind, il)] = lo + n
+        for seg in segments:
+            a, b = max(seg.start, lo), min(seg.end, lo + n)
+            if a < b:
+                for reader in seg.monitors:
+                    reader.observe(rows[a - lo : b - lo], seg.position + (a - seg.start))
 
     def _apply(self, tensor: GGMLTensor, il: int, lp: LayerPlan, plan: ForwardPlan) -> None:
         if tensor.type != GGML_TYPE_F32:
@@ -145,26 +268,12 @@ class EvalTaps:
                 f"layer output {il} is not a dense float32 matrix "
                 f"(ne {list(tensor.ne)}, nb {list(tensor.nb)})"
             )
-        buf = tensor.buffer
-        host = GGML_BASE is None or not buf or GGML_BASE.ggml_backend_buffer_is_host(buf)
-        if host and not tensor.data:
-            raise RuntimeError(f"layer output {il} has no data")
-        if host:
-            arr = np.ctypeslib.as_array(
-                ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float)), shape=(n, d)
-            )
-        else:  # a device buffer: copy out, write back below
-            arr = np.empty((n, d), dtype=np.float32)
-            GGML_BASE.ggml_backend_tensor_get(ctypes.addressof(tensor), arr.ctypes.data, 0,
-                                              arr.nbytes)
+        arr, host = self._host_array(tensor, (n, d), f"layer output {il}")
         rows = torch.from_numpy(arr)
         last = il == self.n_layer - 1 and n != plan.n_tokens
-        if last:
-            index = plan.output_rows[self._offsets.get(il, 0) : self._offsets.get(il, 0) + n]
-        else:
-            lo = self._offsets.get(il, 0)
-            index = None
-        self._offsets[il] = self._offsets.get(il, 0) + n
+        lo = self._offsets.get((LAYER_OUT, il), 0)
+        index = plan.output_rows[lo : lo + n] if last else None
+        self._offsets[(LAYER_OUT, il)] = lo + n
 
         def segment_rows(seg: MonitorSegment) -> tuple[torch.Tensor, int] | None:
             if index is None:
@@ -197,4 +306,13 @@ class EvalTaps:
                                               arr.nbytes)
 
 
-__all__ = ["EvalTaps", "ForwardPlan", "LayerPlan", "MonitorSegment"]
+__all__ = [
+    "KEY",
+    "LAYER_OUT",
+    "QUERY",
+    "CaptureReader",
+    "EvalTaps",
+    "ForwardPlan",
+    "LayerPlan",
+    "MonitorSegment",
+]
