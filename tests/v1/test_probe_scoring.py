@@ -279,3 +279,18 @@ def test_a_batch_of_probe_scoring_lines_answers_each_once(llama, hf64, probes,
     assert err["response"]["status_code"] == 400
     assert err["response"]["body"]["error"]["code"] == "invalid_probe_score_request"
     assert Batch.objects.get(id=batch.id).endpoint == "/v1/probes/score"
+
+
+def test_the_python_client_scores_as_the_route_does(llama, probes):
+    from integrations.millm_client import MillmClient, MillmError
+
+    client = MillmClient(llama.base_url)
+    got = client.score_probes([TEXTS[0], {"token_ids": PROMPT_IDS}], ["topic"])
+    raw = api(llama, "POST", "/api/probes/score",
+              {"probes": ["topic"], "inputs": [TEXTS[0], {"token_ids": PROMPT_IDS}]})
+    assert got == [item["probes"] for item in raw.json()["data"]["data"]]
+    assert got[0][0]["score"] == pytest.approx(float(probes["topic"](TEXTS[0])[-1]),
+                                               abs=PROBE_ATOL)
+    with pytest.raises(MillmError) as refused:
+        client.score_probes([], ["topic"])
+    assert refused.value.code == "INVALID_PROBE_SCORE_REQUEST"
