@@ -294,3 +294,27 @@ def test_the_python_client_scores_as_the_route_does(llama, probes):
     with pytest.raises(MillmError) as refused:
         client.score_probes([], ["topic"])
     assert refused.value.code == "INVALID_PROBE_SCORE_REQUEST"
+
+
+def test_batch_lines_naming_probes_get_the_verdicts_the_route_gives(llama, probes,
+                                                                   openai_client):
+    body = {"model": "tiny-llama", "prompt": TEXTS[1], "max_tokens": 4, "temperature": 0,
+            "ignore_eos": True, "probes": ["topic"]}
+    rows = [{"custom_id": "c0", "method": "POST", "url": "/v1/completions", "body": body}]
+    file = openai_client.files.create(
+        file=("c.jsonl", io.BytesIO((json.dumps(rows[0]) + "\n").encode())), purpose="batch")
+    batch = openai_client.batches.create(input_file_id=file.id, endpoint="/v1/completions",
+                                         completion_window="24h")
+    deadline = time.monotonic() + 120
+    while (done := openai_client.batches.retrieve(batch.id)).status not in (
+            "completed", "failed"):
+        assert time.monotonic() < deadline, done
+        time.sleep(0.1)
+    (line,) = [json.loads(x) for x in openai_client.files.content(done.output_file_id)
+               .content.splitlines()]
+    sync = request(llama.base_url, "POST", "/completions", body)
+    (want,) = sync.json()["millm"]["probes"]
+    (got,) = line["response"]["body"]["millm"]["probes"]
+    assert got["score"] == want["score"] and got["verdict"] == want["verdict"]
+    assert line["response"]["headers"]["X-miLLM-Probe-Verdicts"] == \
+        sync.headers["x-millm-probe-verdicts"]
