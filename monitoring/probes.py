@@ -7,6 +7,8 @@ layer (basis ``sae_features``) or block ``layer``'s hidden state (basis
 ``hidden_states``); the rows are the completion's (row ``P-1+i`` produced token ``i``)
 and ``positions`` reduces their scores: ``last`` (the row that produced the last token),
 ``mean`` or ``max``. The verdict is ``score >= threshold`` (none without a threshold).
+Scoring given inputs without a generation (``POST /api/probes/score``,
+``inference.probe_scoring``) reads the input's own rows (``prompt``) the same way.
 
 How it runs without a serial fallback: an SAE-feature probe adds a ``MonitorEntry``
 (tag ``probe``, the probe's features only, so the engine encodes just those columns with
