@@ -1,9 +1,10 @@
 """Answering one batch line as the synchronous route would, through the same engine.
 
 The planning, the engine jobs and the response body are the synchronous route's own
-(``inference.planning``, ``inference.serving``), so a line's body is what
-``POST /v1/chat/completions`` (or ``/v1/completions``, ``/v1/embeddings``) would answer,
-and its headers are the X-miLLM-* values that route would set. What differs:
+(``inference.planning``, ``inference.serving``, ``inference.probe_scoring``), so a line's
+body is what ``POST /v1/chat/completions`` (or ``/v1/completions``, ``/v1/embeddings``,
+``/v1/probes/score``) would answer, and its headers are the X-miLLM-* values that route
+would set. What differs:
 
 - no admission slot: batch lines never take an interactive slot; the runner bounds how
   many are at the engine (BATCH_ENGINE_ROWS), and every job is marked
@@ -13,7 +14,10 @@ and its headers are the X-miLLM-* values that route would set. What differs:
   nor a leased one; it runs on the resident model or waits for it (``Unavailable``);
 - no stream.
 
-Scoring lines: /v1 has no scoring endpoint, so a batch has none either.
+Probe-scoring lines (``/v1/probes/score``, the OpenAI-style twin of
+``/api/probes/score``): every line is a /v1 call answered in OpenAI's shape, so a batch
+calls the /v1 route rather than the /api one. Next-token scoring (``allowed_token_ids``)
+is a chat or completions line like any other.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from core.runtime import runtime
 from gpu_engine.protocol import EmbedJob
 from inference.errors import OpenAIError, openai_error_from_exception
 from inference.planning import plan_generation, resolve_model
+from inference.probe_scoring import probe_score, probe_score_parse
 from inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -45,10 +50,13 @@ from inference.serving import (
     ENGINE_CALL_TIMEOUT_S,
     build_body,
     count_usage,
+    probe_headers,
     record_monitoring,
     register_capture,
     run_analyses,
     run_choice,
+    score_probes,
+    sense,
     usage_of,
 )
 
@@ -82,6 +90,8 @@ async def answer_line(endpoint: str, body: dict[str, Any]) -> Answer:
     try:
         if endpoint == "/v1/embeddings":
             return await _embeddings(body)
+        if endpoint == "/v1/probes/score":
+            return await _probe_score(body)
         kind, schema = (("chat", ChatCompletionRequest) if endpoint == "/v1/chat/completions"
                         else ("completion", CompletionRequest))
         return await _generation(kind, schema, body)
@@ -132,16 +142,24 @@ async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
         for choice in plan.choices:
             choice.job.priority = "batch"
         outcomes = [await run_choice(client, choice) for choice in plan.choices]
-        for outcome in outcomes:
+        for outcome in outcomes:  # what inference.serving.respond does with a choice
             await record_monitoring(plan, outcome)
             await register_capture(plan, outcome)
+            await score_probes(plan, outcome)
+            sense(plan, outcome)
         if outcomes:
             await run_analyses(plan, outcomes[0])
         result = await build_body(plan, outcomes, client)
         count_usage(plan, usage_of(plan, outcomes), outcomes=outcomes)
-        return Answer(200, result, dict(plan.headers))
+        return Answer(200, result, {**plan.headers, **probe_headers(plan, outcomes)})
     finally:
         use.release()
+
+
+async def _probe_score(body: dict[str, Any]) -> Answer:
+    req = probe_score_parse(body, model_required=True)
+    result, headers = await probe_score(req, priority="batch", admit=False)
+    return Answer(200, result, headers)
 
 
 async def _embeddings(body: dict[str, Any]) -> Answer:

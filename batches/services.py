@@ -41,7 +41,7 @@ from core.jobs import enqueue
 
 log = structlog.get_logger(__name__)
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/probes/score")
 COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 CUSTOM_ID_MAX_CHARS = 512
 ERRORS_SHOWN = 100  # of a failed validation; the rest are counted in the last message

@@ -306,9 +306,7 @@ def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, cho
         param = "capture" if asked is not None else "analyze"
         raise OpenAIError(f"{param} takes one choice: send one prompt with n = 1",
                           status=400, code="invalid_parameter", param=param)
-    limits: dict[str, Any] = {"max_bytes": int(settings.CAPTURE_MAX_BYTES),
-                              "inline_max_bytes": int(settings.CAPTURE_INLINE_MAX_BYTES),
-                              "directory": str(settings.CAPTURE_DIR), "model": model}
+    limits = capture_limits(model)
     base = None
     if asked is not None:
         att = asked.attention
@@ -318,6 +316,13 @@ def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, cho
         base = CaptureSpec(layers=list(asked.layers), positions=asked.positions,
                            attention=attention, **limits)
     return base if need is None else capture_spec_for(need, base, **limits)
+
+
+def capture_limits(model: str) -> dict[str, Any]:
+    """The CAPTURE_* limits every capture the web tier asks for carries."""
+    return {"max_bytes": int(settings.CAPTURE_MAX_BYTES),
+            "inline_max_bytes": int(settings.CAPTURE_INLINE_MAX_BYTES),
+            "directory": str(settings.CAPTURE_DIR), "model": model}
 
 
 def sampling_defaults(status: EngineStatus) -> SamplingDefaults:

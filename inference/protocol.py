@@ -192,7 +192,7 @@ MAX_PROBES = 8
 class ProbeAsk(_Strict):
     """One ``probes`` entry: a probe by id or name (docs/monitoring.md, "Probes"), read at
     its own positions or at ``positions`` (``last``, ``mean`` or ``max`` over the
-    completion rows)."""
+    completion rows; over the input's rows in ``POST /api/probes/score``)."""
 
     name: str = Field(min_length=1, max_length=120)
     positions: Literal["last", "mean", "max"] | None = None

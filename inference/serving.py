@@ -51,6 +51,7 @@ from inference.residency import Use, resident_model_id
 from inference.scoring import check_scoring, serve_scoring
 from inference.tools import ToolStream, parse_tool_calls, refuse_tools_before_load
 from monitoring.probes import (
+    ProbePlan,
     probe_record,
     probe_score_hidden,
     probe_score_sae,
@@ -355,14 +356,13 @@ async def run_analyses(plan: Plan, outcome: Outcome) -> None:
     outcome.analysis = entries
 
 
-async def score_probes(plan: Plan, outcome: Outcome) -> None:
-    """``millm.probes`` of a finished choice (``monitoring.probes``): SAE-feature probes
-    from the records their monitors made (taken out first, so ``return_sae_activations``
-    never sees them), hidden-state probes from the capture in the analysis pool; then the
-    verdicts go to the probe history. After ``register_capture``."""
-    probes = plan.probes
-    if probes is None:
-        return
+async def probe_verdicts(probes: ProbePlan, outcome: Outcome, *, rows: str = "completion"
+                         ) -> list[dict[str, Any]]:
+    """The verdicts of a finished choice (``monitoring.probes``): SAE-feature probes from
+    the records their monitors made (taken out first, so ``return_sae_activations`` never
+    sees them), hidden-state probes from the capture in the analysis pool. ``rows``: the
+    rows the monitors and capture were asked for (a generation's ``completion`` rows, a
+    scoring pass's ``prompt`` rows). After ``register_capture``."""
     index = outcome.choice.index
     records = probe_take_records(finish=outcome.finish, tokens=outcome.tokens)
     verdicts = [h.skipped(r, index) for h, r in zip(probes.skipped, probes.reasons)]
@@ -375,9 +375,17 @@ async def score_probes(plan: Plan, outcome: Outcome) -> None:
             source = result.data if result.data is not None else \
                 Path(outcome.choice.job.capture.directory or "") / (result.file or "")
         verdicts += await runtime().analyzers.acall(probe_score_hidden, probes.hidden,
-                                                    source, index)
+                                                    source, index, rows)
     order = {h.id: i for i, h in enumerate([*probes.skipped, *probes.heads])}
-    outcome.probes = sorted(verdicts, key=lambda v: order.get(v["probe_id"], 0))
+    return sorted(verdicts, key=lambda v: order.get(v["probe_id"], 0))
+
+
+async def score_probes(plan: Plan, outcome: Outcome) -> None:
+    """``millm.probes`` of a finished choice (``probe_verdicts``); then the verdicts go to
+    the probe history."""
+    if plan.probes is None:
+        return
+    outcome.probes = await probe_verdicts(plan.probes, outcome)
     await off_view_thread(probe_record)(request_id=plan.object_id, verdicts=outcome.probes)
 
 

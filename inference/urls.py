@@ -10,5 +10,6 @@ urlpatterns = [
     path("chat/completions", views.chat_completions, name="chat-completions"),
     path("completions", views.completions, name="completions"),
     path("embeddings", views.embeddings, name="embeddings"),
+    path("probes/score", views.probe_score, name="probes-score"),
     re_path(r"^(?P<rest>.*)$", views.not_found, name="not-found"),
 ]

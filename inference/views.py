@@ -29,6 +29,8 @@ from inference.errors import (
 )
 from inference.planning import resolve_model
 from inference.policy import STRICT_HEADER, check_fields, ignored_headers, strict_mode
+from inference.probe_scoring import probe_score as probe_score_run
+from inference.probe_scoring import probe_score_parse
 from inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -151,6 +153,23 @@ async def embeddings(request: HttpRequest):
 def _card(row: Any, model_id: str | None = None) -> ModelCard:
     return ModelCard(id=model_id or row.name, created=int(row.created_at.timestamp()),
                      owned_by=row.repo_id or "local")
+
+
+def _json_object(request: HttpRequest) -> Any:
+    try:
+        return json.loads(request.body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise OpenAIError(f"The body is not valid JSON: {type(exc).__name__}", status=400,
+                          code="invalid_json") from None
+
+
+@openai_view("POST")
+async def probe_score(request: HttpRequest):
+    """/api/probes/score without the envelope, for OpenAI-style clients and Batch API
+    lines (``inference.probe_scoring``)."""
+    req = probe_score_parse(_json_object(request), model_required=True)
+    body, headers = await probe_score_run(req)
+    return JsonResponse(body, headers=headers)
 
 
 @openai_view("GET")

@@ -13,6 +13,7 @@ path). The original's served client offered ``capture()``, ``analyze()`` and
     cap.hidden[6]                      # (rows, hidden_size) numpy array
     result = client.analyze("demo", "hidden_states", params={"layers": [6], "reduce": "norm"},
                             messages=[{"role": "user", "content": "hi"}])
+    client.score_probes(["some text"], probes=["toxicity"])  # per input, each probe's verdict
 
 Everything else a request can carry (``steering``, ``profile``, ``return_sae_activations``,
 sampling fields) passes through as keyword arguments. Captures come back inline (base64
@@ -114,6 +115,23 @@ class MillmClient:
         """Run analyzer ``name`` on a stored capture (``POST /api/captures/<id>/analyze``)."""
         body = json.dumps({"name": name, "params": params or {}}).encode()
         return self._envelope(self._request(f"/api/captures/{capture_id}/analyze", body))
+
+    # ------------------------------------------------------------------ probes
+
+    def score_probes(self, inputs: list[Any], probes: list[Any] | None = None, *,
+                     model: str | None = None) -> list[list[dict[str, Any]]]:
+        """Score ``inputs`` (texts, or ``{"text"}``, ``{"messages"}``, ``{"token_ids"}``
+        objects) with ``probes`` (names, ids or ``{"name", "positions"}``; None: the armed
+        set) in one forward pass each, nothing generated (``POST /api/probes/score``):
+        per input, each probe's verdict (``score``, ``probability``, ``verdict``,
+        ``threshold``, ``rows``)."""
+        body: dict[str, Any] = {"inputs": list(inputs)}
+        if probes is not None:
+            body["probes"] = list(probes)
+        if model is not None:
+            body["model"] = model
+        data = self._envelope(self._request("/api/probes/score", json.dumps(body).encode()))
+        return [item["probes"] for item in data["data"]]
 
     # ------------------------------------------------------------------ plumbing
 

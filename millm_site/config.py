@@ -405,8 +405,12 @@ class Config(Mapping[str, Any]):
         url = self._values["DATABASE_URL"]
         if not url:
             path = Path(self._values["MILLM_DATA_DIR"]) / "millm.sqlite3"
+            # IMMEDIATE: a transaction that reads then writes (a batch runner claiming its
+            # lines) takes the write lock first and waits for it; in SQLite's default
+            # deferred mode its lock upgrade fails at once with "database is locked"
+            # whenever another connection writes in between, which killed runners
             return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path),
-                    "OPTIONS": {"timeout": 20}}
+                    "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"}}
         scheme, rest = url.split("://", 1)
         parsed = environ.Env.db_url_config(f"postgresql://{rest}")
         parsed["ENGINE"] = "django.db.backends.postgresql"

@@ -13,6 +13,8 @@ urlpatterns = [
     path("api/", include("registry.urls")),
     path("api/", include("orchestration.urls")),
     path("api/", include("steering.urls")),
+    # before monitoring's probes/<ref>: /api/probes/score runs on the engine
+    path("api/", include("inference.api_urls")),
     path("api/", include("monitoring.urls")),
     path("api/", include("leases.urls")),
     # the browser UI: the dashboard at the root, the other pages and /static beside it

@@ -7,6 +7,8 @@ layer (basis ``sae_features``) or block ``layer``'s hidden state (basis
 ``hidden_states``); the rows are the completion's (row ``P-1+i`` produced token ``i``)
 and ``positions`` reduces their scores: ``last`` (the row that produced the last token),
 ``mean`` or ``max``. The verdict is ``score >= threshold`` (none without a threshold).
+Scoring given inputs without a generation (``POST /api/probes/score``,
+``inference.probe_scoring``) reads the input's own rows (``prompt``) the same way.
 
 How it runs without a serial fallback: an SAE-feature probe adds a ``MonitorEntry``
 (tag ``probe``, the probe's features only, so the engine encodes just those columns with
@@ -68,6 +70,7 @@ BASES = ("sae_features", "hidden_states")
 POSITIONS = ("last", "mean", "max")
 MAX_ARMED = 8  # the original's PROBE_MAX_ARMED
 MAX_REQUEST_PROBES = 8
+MAX_SCORE_INPUTS = 64  # the original's PROBE_SCORE_MAX_INPUTS (POST /api/probes/score)
 MAX_WEIGHTS = 1 << 16
 MAX_FILE_BYTES = 16 << 20
 MAX_VERDICT_HISTORY = 10_000
@@ -409,7 +412,8 @@ class ProbeHead:
         if x.shape[0] == 0:
             return {**base, "choice": choice, "scored": False, "reason": "no_rows"}
         score, rows = self.score(x)
-        out = {**base, "choice": choice, "scored": True, "score": score, "rows": rows}
+        out = {**base, "choice": choice, "scored": True, "score": score,
+               "probability": _logistic(score), "rows": rows}
         if self.threshold is not None:
             out["verdict"] = score >= self.threshold  # a score on the bar fires
         return out
@@ -420,6 +424,15 @@ class ProbeHead:
 
     def skipped(self, reason: str, choice: int = 0) -> dict[str, Any]:
         return {**self.header(), "choice": choice, "scored": False, "reason": reason}
+
+
+def _logistic(score: float) -> float:
+    """The score read as a logistic-regression logit (how probes are trained), computed
+    without overflow for scores of either sign."""
+    if score >= 0:
+        return float(1.0 / (1.0 + np.exp(-score)))
+    e = float(np.exp(score))
+    return e / (1.0 + e)
 
 
 def _read_armed() -> tuple[ProbeHead, ...]:
@@ -439,20 +452,21 @@ class ProbePlan:
     skipped: list[ProbeHead] = field(default_factory=list)
     reasons: list[str] = field(default_factory=list)
 
-    def monitor_entries(self) -> list[MonitorEntry]:
+    def monitor_entries(self, positions: str = "completion") -> list[MonitorEntry]:
         """One entry per SAE attachment: the union of its probes' features (only those
-        columns are encoded), every completion row."""
+        columns are encoded), every row of ``positions`` (a generation's ``completion``
+        rows; a scoring pass's ``prompt`` rows)."""
         by_key: dict[tuple[str, int], set[int]] = {}
         for h in self.heads:
             if h.basis == "sae_features":
                 by_key.setdefault((h.sae_id, h.layer), set()).update(h.features)
         return [MonitorEntry(sae_id=s, layer=layer, top_k=0, features=sorted(f),
-                             read_point=READ_POINT, positions="completion", stream=False,
+                             read_point=READ_POINT, positions=positions, stream=False,
                              tag=PROBE_TAG) for (s, layer), f in sorted(by_key.items())]
 
-    def capture_need(self) -> CaptureNeed | None:
+    def capture_need(self, positions: str = "completion") -> CaptureNeed | None:
         layers = sorted({h.layer for h in self.heads if h.basis == "hidden_states"})
-        return CaptureNeed(layers=tuple(layers), positions="completion") if layers else None
+        return CaptureNeed(layers=tuple(layers), positions=positions) if layers else None
 
     @property
     def hidden(self) -> list[ProbeHead]:
@@ -542,10 +556,11 @@ def probe_score_sae(*, heads: Sequence[ProbeHead], records: Sequence[ActivationR
     return out
 
 
-def probe_score_hidden(heads: Sequence[ProbeHead], source: Any, choice: int
-                       ) -> list[dict[str, Any]]:
+def probe_score_hidden(heads: Sequence[ProbeHead], source: Any, choice: int,
+                       rows: str = "completion") -> list[dict[str, Any]]:
     """Hidden-state probes on a finished choice's capture (bytes or a file): the
-    completion rows of each probe's layer. Runs in the analysis pool."""
+    ``completion`` rows (or, for a scoring pass, the ``prompt`` rows) of each probe's
+    layer. Runs in the analysis pool."""
     from gpu_engine.artifacts import load_capture
 
     if source is None:
@@ -553,12 +568,13 @@ def probe_score_hidden(heads: Sequence[ProbeHead], source: Any, choice: int
     capture = load_capture(source)
     n = len(capture.meta["prompt_token_ids"])
     pos = np.asarray(capture.positions)
+    keep = pos < n if rows == "prompt" else pos >= n - 1
     out = []
     for h in heads:
         if h.layer not in capture.hidden:
             out.append(h.skipped("no_capture", choice))
             continue
-        x = np.asarray(capture.hidden[h.layer], dtype=np.float64)[pos >= n - 1]
+        x = np.asarray(capture.hidden[h.layer], dtype=np.float64)[keep]
         out.append(h.verdict(x, choice))
     return out
 

@@ -17,6 +17,7 @@ urlpatterns = [
     path("playground/", views.page("playground", "Playground"), name="ui-playground"),
     path("monitoring/", views.page("monitoring", "Monitoring"), name="ui-monitoring"),
     path("captures/", views.page("captures", "Captures"), name="ui-captures"),
+    path("batches/", views.page("batches", "Batches"), name="ui-batches"),
     re_path(rf"^ui/saes/{SAE_ID}/labels$", views.feature_labels, name="ui-feature-labels"),
     re_path(r"^static/(?P<path>.+)$", views.static, name="ui-static"),
 ]

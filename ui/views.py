@@ -37,6 +37,7 @@ NAV = [
     ("playground", "/playground/", "Playground"),
     ("monitoring", "/monitoring/", "Monitoring"),
     ("captures", "/captures/", "Captures"),
+    ("batches", "/batches/", "Batches"),
 ]
 
 

@@ -20,6 +20,7 @@ PAGES = [
     ("/playground/", "Playground", "#heat-sae option[value^=sae_]"),
     ("/monitoring/", "Monitoring", "#records tr"),
     ("/captures/", "Captures", "#captures tr"),
+    ("/batches/", "Batches", "#batches tr"),
 ]
 
 # Controls without a <label>, aria-label or aria-labelledby (hidden ones excepted).
