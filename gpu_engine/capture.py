@@ -276,6 +276,18 @@ class CapturePlan:
                     tensors[f"{name}.tp{part.rank}"] = value
             if part.heads and len(qk_parts) > 1:
                 shards.append({"rank": part.rank, "heads": list(part.heads), "kv_heads": list(part.kv_heads)})
+        # a request no worker ran (cancelled while queued in vLLM) still gets its (empty) tensors
+        empty = torch.zeros(0, dtype=torch.int64)
+        if self.layers and "positions" not in tensors:
+            tensors["positions"] = empty
+            tensors.update({f"layer.{layer}": torch.empty((0, self.hidden_size), dtype=self.dtype)
+                            for layer in self.layers})
+        if self.qk_layers and not qk_parts and self.geometry is not None:
+            d = self.geometry.head_dim
+            tensors["q_positions"], tensors["k_positions"] = empty, empty.clone()
+            for layer in self.qk_layers:
+                tensors[f"q.{layer}"] = torch.empty((0, len(self.heads), d), dtype=self.dtype)
+                tensors[f"k.{layer}"] = torch.empty((0, len(self.kv_heads), d), dtype=self.dtype)
         return tensors, shards
 
     def result(self, *, prompt_ids: list[int], generated: list[int]) -> CaptureResult:

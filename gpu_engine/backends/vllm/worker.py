@@ -82,11 +82,16 @@ def find_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
 
 
 def find_attention(layer: torch.nn.Module) -> torch.nn.Module | None:
-    """vLLM's ``Attention`` module of a decoder layer (it takes the rotated q, k and v),
-    or None (a layer without one, or a pipeline stage's placeholder)."""
+    """vLLM's ``Attention`` module of a decoder layer (it takes the rotated q, k and v,
+    split over heads as ``num_heads``/``num_kv_heads`` × ``head_size``), or None: a layer
+    without one (MLA and other attention kinds take something else), or a pipeline
+    stage's placeholder."""
+    try:
+        from vllm.model_executor.layers.attention.attention import Attention
+    except ImportError:  # another vLLM layout: match the class by name
+        Attention = None  # noqa: N806
     for _, mod in layer.named_modules():
-        if type(mod).__name__ == "Attention" and all(hasattr(mod, a) for a in ("num_heads", "num_kv_heads",
-                                                                               "head_size")):
+        if isinstance(mod, Attention) if Attention is not None else type(mod).__name__ == "Attention":
             return mod
     return None
 
@@ -145,10 +150,11 @@ class _State:
         self.attention = [find_attention(layer) if self.holds(i) else None for i, layer in enumerate(self.layers)]
         first = next((a for a in self.attention if a is not None), None)
         self.shard: HeadShard | None = None
-        if first is not None:
-            total_kv = int(getattr(text_cfg, "num_key_value_heads", None) or first.num_heads * self.tp_size)
-            self.shard = HeadShard.of(self.tp_rank, self.tp_size, num_heads=first.num_heads * self.tp_size,
-                                      num_kv_heads=total_kv, head_dim=int(first.head_size))
+        if first is not None:  # the model's heads: each rank's times the ranks
+            self.num_heads = int(first.num_heads) * self.tp_size
+            self.num_kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or self.num_heads)
+            self.shard = HeadShard.of(self.tp_rank, self.tp_size, num_heads=self.num_heads,
+                                      num_kv_heads=self.num_kv_heads, head_dim=int(first.head_size))
         self.qk_hooks: dict[int, list[Any]] = {}  # layer -> [handle, references]
         self._handles = [self.model.register_forward_pre_hook(self._before),
                          self.model.register_forward_hook(self._after)]
@@ -190,10 +196,7 @@ class _State:
         if self.shard is None:
             return None
         scaling = [None if a is None else getattr(getattr(a, "impl", None), "scale", None) for a in self.attention]
-        return {"num_heads": self.shard.num_heads * self.tp_size,
-                "num_kv_heads": int(getattr(self.runner.model_config.hf_text_config, "num_key_value_heads", None)
-                                    or self.shard.num_heads * self.tp_size),
-                "head_dim": self.shard.head_dim,
+        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.shard.head_dim,
                 "layers": [i for i, a in enumerate(self.attention) if a is not None],
                 "scaling": [None if v is None else float(v) for v in scaling]}
 
