@@ -239,10 +239,10 @@ def test_bad_captures_are_refused_before_vllm_runs_them(vllm_engine):
 def test_tp2_q_k_shards_merge_to_the_tp1_capture(tiny_assets, vllm_engine, monkeypatch, tmp_path):
     """tensor_parallel_size=2 (mp executor): each rank writes the Q/K of its own head, the
     reader merges the shards into the TP=1 capture; hidden states come from rank 0."""
+    from vllm import envs
+
     from gpu_engine.engine import Engine
     from gpu_engine.protocol import BatchingOptions, LoadModelJob
-
-    from vllm import envs
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
     # the TP=1 engine in this process cached vLLM's environment (in-process engine core,
