@@ -18,6 +18,14 @@ heads after the model's position encoding — and ``k.<L>`` (k rows, kv_heads, h
 the keys of the KV heads those heads read — with ``q_positions`` and ``k_positions``; the
 sidecar's ``attention`` says which heads (``heads``, ``kv_heads``, ``num_heads``,
 ``num_kv_heads``, ``head_dim``) and the scale each layer's attention applies.
+
+Tensor parallelism (the vLLM backend): each rank takes the Q/K of the heads it holds.
+When more than one rank took some, the file holds one shard per rank —
+``q.<L>.tp<rank>`` (q rows, the rank's heads, head_dim) and ``k.<L>.tp<rank>`` — and the
+sidecar's ``attention.shards`` lists each shard's ``rank``, ``heads`` and ``kv_heads``
+(global indices; a KV head replicated on several ranks appears in each).
+``load_capture`` merges them on read into the one ``q[L]``/``k[L]`` of ``heads`` and
+``kv_heads`` order, as if one rank had taken them all.
 """
 
 from __future__ import annotations
@@ -118,9 +126,41 @@ def load_capture(source: str | Path | bytes, *, framework: str = "numpy") -> Cap
         kind, _, layer = name.partition(".")
         if kind == "layer":
             out.hidden[int(layer)] = value
-        elif kind in ("q", "k") and layer:
+        elif kind in ("q", "k") and layer.isdigit():
             getattr(out, kind)[int(layer)] = value
+    shards = (meta.get("attention") or {}).get("shards")
+    if shards:
+        _merge_shards(out, tensors, meta["attention"], framework)
     return out
+
+
+def _merge_shards(out: CaptureData, tensors: dict[str, Any], att: dict[str, Any], framework: str) -> None:
+    """``q.<L>.tp<r>``/``k.<L>.tp<r>`` into ``out.q[L]``/``out.k[L]``: each head of
+    ``att["heads"]`` (``kv_heads``) taken from the shard that lists it, in that order."""
+    if framework == "torch":
+        import torch
+
+        def stack(parts: list[Any]) -> Any:
+            return torch.stack(parts, dim=1)
+    else:
+        import numpy as np
+
+        def stack(parts: list[Any]) -> Any:
+            return np.stack(parts, axis=1)
+
+    for kind, wanted, listed in (("q", att["heads"], "heads"), ("k", att["kv_heads"], "kv_heads")):
+        for layer in att["layers"]:
+            where: dict[int, Any] = {}
+            for shard in att["shards"]:
+                name = f"{kind}.{layer}.tp{int(shard['rank'])}"
+                if name not in tensors:
+                    raise ValueError(f"capture shard {name} is missing")
+                for j, head in enumerate(shard[listed]):
+                    where.setdefault(int(head), tensors[name][:, j])
+            missing = [h for h in wanted if h not in where]
+            if missing:
+                raise ValueError(f"capture shards of {kind}.{layer} lack {listed} {missing}")
+            getattr(out, kind)[int(layer)] = stack([where[int(h)] for h in wanted])
 
 
 def _header_metadata(data: bytes) -> dict[str, str]:

@@ -36,6 +36,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from .artifacts import FORMAT, SIDECAR_KEY, write_files
@@ -154,23 +155,33 @@ class RowBuffer:
 
 
 class CapturePlan:
-    """One request's capture (see the module doc)."""
+    """One request's capture (see the module doc).
+
+    ``device=None``: the rows are taken elsewhere — by the model's workers in other
+    processes or ranks (the vLLM backend) — so nothing is allocated here; each worker
+    runs a plan of its own over what it holds (``for_shard``) and the driver's plan packs
+    the parts they drained (``receive``)."""
 
     def __init__(self, spec: CaptureSpec, *, request_id: str, prompt_len: int, max_tokens: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device, model: str, backend: str,
+                 hidden_size: int, dtype: torch.dtype, device: torch.device | None, model: str, backend: str,
                  steering_hash: str | None, geometry: AttentionGeometry | None = None,
                  scaling: dict[int, float] | None = None) -> None:
         self.spec = spec
         self.request_id = request_id
         self.layers = list(spec.layers)
         kw: dict[str, Any] = {"prompt_len": prompt_len, "max_tokens": max_tokens, "dtype": dtype, "device": device}
-        self.hidden = RowBuffer(spec.positions, self.layers, (hidden_size,), **kw) if self.layers else None
-        self.index = self.hidden.index if self.hidden is not None else {}
+        local = device is not None
+        self.remote = not local
+        self.hidden = RowBuffer(spec.positions, self.layers, (hidden_size,), **kw) if self.layers and local else None
+        self.index = {layer: i for i, layer in enumerate(self.layers)}
         self.q: RowBuffer | None = None
         self.k: RowBuffer | None = None
         self.qk_layers: list[int] = []
+        self.heads: list[int] = []
+        self.kv_heads: list[int] = []
         self.geometry = geometry
         self.scaling = scaling or {}
+        self.parts: list[CapturePart] = []
         att = spec.attention
         if att is not None:
             if geometry is None:
@@ -178,11 +189,12 @@ class CapturePlan:
             self.heads = att.heads if att.heads is not None else list(range(geometry.num_heads))
             self.kv_heads = geometry.kv_heads_for(self.heads)
             self.qk_layers = list(att.layers)
-            self.q = RowBuffer(att.query_positions, self.qk_layers, (len(self.heads), geometry.head_dim), **kw,
-                               select=None if att.heads is None else self.heads)
-            every_kv = self.kv_heads == list(range(geometry.num_kv_heads))
-            self.k = RowBuffer(att.positions, self.qk_layers, (len(self.kv_heads), geometry.head_dim), **kw,
-                               select=None if every_kv else self.kv_heads)
+            if local:
+                self.q = RowBuffer(att.query_positions, self.qk_layers, (len(self.heads), geometry.head_dim), **kw,
+                                   select=None if att.heads is None else self.heads)
+                every_kv = self.kv_heads == list(range(geometry.num_kv_heads))
+                self.k = RowBuffer(att.positions, self.qk_layers, (len(self.kv_heads), geometry.head_dim), **kw,
+                                   select=None if every_kv else self.kv_heads)
         self.qk_index = set(self.qk_layers)
         self.model = model
         self.backend = backend
@@ -224,19 +236,85 @@ class CapturePlan:
     def positions(self) -> list[int]:
         return self.hidden.positions() if self.hidden is not None else []
 
+    def drain(self) -> dict[str, torch.Tensor]:
+        """The rows taken so far, on the host: ``layer.<L>`` and ``positions`` for hidden
+        states, ``q.<L>``, ``k.<L>``, ``q_positions`` and ``k_positions`` for Q/K (this
+        plan's heads), the positions as int64."""
+        tensors: dict[str, torch.Tensor] = {}
+        if self.hidden is not None:
+            positions, hidden = self.hidden.drained()
+            tensors.update({f"layer.{layer}": hidden[i].contiguous() for i, layer in enumerate(self.layers)})
+            tensors["positions"] = torch.tensor(positions, dtype=torch.int64)
+        if self.q is not None and self.k is not None:
+            q_pos, q = self.q.drained()
+            k_pos, k = self.k.drained()
+            for i, layer in enumerate(self.qk_layers):
+                tensors[f"q.{layer}"] = q[i].contiguous()
+                tensors[f"k.{layer}"] = k[i].contiguous()
+            tensors["q_positions"] = torch.tensor(q_pos, dtype=torch.int64)
+            tensors["k_positions"] = torch.tensor(k_pos, dtype=torch.int64)
+        return tensors
+
+    def receive(self, parts: list[CapturePart]) -> None:
+        """The parts the workers drained for this request (``device=None`` plans)."""
+        self.parts.extend(parts)
+
+    def _merged(self) -> tuple[dict[str, torch.Tensor], list[dict[str, Any]]]:
+        """A ``device=None`` plan's tensors from its parts: hidden states from the parts
+        that hold them (TP rank 0 of each pipeline stage: every TP rank has the same
+        stream); Q/K as ``q.<L>``/``k.<L>`` when one part holds every asked head, else as
+        one shard per part (``q.<L>.tp<rank>``) with the shards' global head ranges —
+        ``artifacts.load_capture`` merges them on read."""
+        from safetensors.torch import load
+
+        tensors: dict[str, torch.Tensor] = {}
+        shards: list[dict[str, Any]] = []
+        qk_parts = [p for p in self.parts if p.heads]
+        for part in sorted(self.parts, key=lambda p: p.rank):
+            got = load(part.data)
+            for name, value in got.items():
+                if name.startswith("layer.") or (name == "positions" and name not in tensors):
+                    tensors[name] = value
+                elif name in ("q_positions", "k_positions"):
+                    tensors.setdefault(name, value)
+                elif len(qk_parts) == 1:
+                    tensors[name] = value
+                else:
+                    tensors[f"{name}.tp{part.rank}"] = value
+            if part.heads and len(qk_parts) > 1:
+                shards.append({"rank": part.rank, "heads": list(part.heads), "kv_heads": list(part.kv_heads)})
+        # a request no worker ran (cancelled while queued in vLLM) still gets its (empty) tensors
+        empty = torch.zeros(0, dtype=torch.int64)
+        if self.layers and "positions" not in tensors:
+            tensors["positions"] = empty
+            tensors.update({f"layer.{layer}": torch.empty((0, self.hidden_size), dtype=self.dtype)
+                            for layer in self.layers})
+        if self.qk_layers and not qk_parts and self.geometry is not None:
+            d = self.geometry.head_dim
+            tensors["q_positions"], tensors["k_positions"] = empty, empty.clone()
+            for layer in self.qk_layers:
+                tensors[f"q.{layer}"] = torch.empty((0, len(self.heads), d), dtype=self.dtype)
+                tensors[f"k.{layer}"] = torch.empty((0, len(self.kv_heads), d), dtype=self.dtype)
+        return tensors, shards
+
     def result(self, *, prompt_ids: list[int], generated: list[int]) -> CaptureResult:
-        """Drain the rows taken so far and pack the artifact."""
+        """Drain the rows taken so far (or pack the workers' parts) into the artifact."""
         from safetensors.torch import save
 
         full = list(prompt_ids) + list(generated)
-        tensors: dict[str, torch.Tensor] = {}
+        shards: list[dict[str, Any]] = []
+        if self.remote:
+            tensors, shards = self._merged()
+        else:
+            tensors = self.drain()
         positions: list[int] = []
         token_ids: list[int] = []
-        if self.hidden is not None:
-            positions, hidden = self.hidden.drained()
+        if "positions" in tensors:
+            positions = [p for p in tensors["positions"].tolist() if p < len(full)]
             token_ids = [full[p] for p in positions]
-            tensors = {f"layer.{layer}": hidden[i].contiguous() for i, layer in enumerate(self.layers)}
-            tensors["positions"] = torch.tensor(positions, dtype=torch.int64)
+            tensors["positions"] = tensors["positions"][: len(positions)]
+            for layer in self.layers:
+                tensors[f"layer.{layer}"] = tensors[f"layer.{layer}"][: len(positions)].contiguous()
             tensors["token_ids"] = torch.tensor(token_ids, dtype=torch.int64)
         capture_id = uuid.uuid4().hex
         meta: dict[str, Any] = {
@@ -258,14 +336,7 @@ class CapturePlan:
             "steering_hash": self.steering_hash,
             "created_at": time.time(),
         }
-        if self.q is not None and self.k is not None and self.geometry is not None:
-            q_pos, q = self.q.drained()
-            k_pos, k = self.k.drained()
-            for i, layer in enumerate(self.qk_layers):
-                tensors[f"q.{layer}"] = q[i].contiguous()
-                tensors[f"k.{layer}"] = k[i].contiguous()
-            tensors["q_positions"] = torch.tensor(q_pos, dtype=torch.int64)
-            tensors["k_positions"] = torch.tensor(k_pos, dtype=torch.int64)
+        if self.spec.attention is not None and self.geometry is not None:
             att = self.spec.attention
             meta["attention"] = {
                 "layers": self.qk_layers,
@@ -274,13 +345,15 @@ class CapturePlan:
                 "num_heads": self.geometry.num_heads,
                 "num_kv_heads": self.geometry.num_kv_heads,
                 "head_dim": self.geometry.head_dim,
-                "positions": att.positions,  # type: ignore[union-attr]
-                "q_positions": att.query_positions,  # type: ignore[union-attr]
-                "q_row_positions": q_pos,
-                "k_row_positions": k_pos,
+                "positions": att.positions,
+                "q_positions": att.query_positions,
+                "q_row_positions": tensors["q_positions"].tolist() if "q_positions" in tensors else [],
+                "k_row_positions": tensors["k_positions"].tolist() if "k_positions" in tensors else [],
                 "scaling": {str(layer): self.scaling.get(layer) for layer in self.qk_layers},
                 "read_point": "attention_input_after_position_encoding",
             }
+            if shards:
+                meta["attention"]["shards"] = shards
         data = save(tensors, metadata={SIDECAR_KEY: json.dumps(meta, sort_keys=True)})
         spec = self.spec
         if spec.directory is None or len(data) <= spec.inline_max_bytes:
@@ -289,21 +362,94 @@ class CapturePlan:
         return CaptureResult(capture_id, len(data), meta, file=name)
 
 
+@dataclass(frozen=True)
+class CapturePart:
+    """What one worker drained for one request: ``data``, the safetensors bytes of its
+    plan's ``drain()``; ``rank``, its tensor-parallel rank; ``heads``/``kv_heads``, the
+    global query and KV heads its ``q.<L>``/``k.<L>`` hold (empty: no Q/K here)."""
+
+    rank: int
+    data: bytes
+    heads: tuple[int, ...] = ()
+    kv_heads: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class HeadShard:
+    """The attention heads one tensor-parallel rank holds: query heads
+    ``[head_start, head_start + num_heads)`` and KV heads ``[kv_start, kv_start + num_kv_heads)``
+    (a KV head replicated over several ranks when there are fewer KV heads than ranks)."""
+
+    rank: int
+    head_start: int
+    num_heads: int
+    kv_start: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, rank: int, size: int, *, num_heads: int, num_kv_heads: int, head_dim: int) -> HeadShard:
+        """Rank ``rank`` of ``size``'s heads as Megatron-style column parallelism splits them
+        (vLLM's ``QKVParallelLinear``)."""
+        local = num_heads // size
+        if num_kv_heads >= size:
+            local_kv, kv_start = num_kv_heads // size, rank * (num_kv_heads // size)
+        else:
+            local_kv, kv_start = 1, rank // (size // num_kv_heads)
+        return cls(rank, rank * local, local, kv_start, local_kv, head_dim)
+
+
+def for_shard(spec: CaptureSpec, shard: HeadShard, *, hidden: bool,
+              held: set[int] | None = None) -> tuple[CaptureSpec | None, list[int], list[int]]:
+    """The part of ``spec`` one worker takes: hidden layers only where ``hidden`` (one TP
+    rank suffices) and it holds the layer (``held``: None = all), the asked heads it holds,
+    renumbered local to its shard.  Returns (the local spec or None when it takes nothing,
+    the global query heads and the global KV heads its Q/K rows are)."""
+    def holds(layer: int) -> bool:
+        return held is None or layer in held
+
+    layers = [layer for layer in spec.layers if hidden and holds(layer)]
+    att = spec.attention
+    local_att = None
+    heads: list[int] = []
+    kv_heads: list[int] = []
+    if att is not None:
+        qk_layers = [layer for layer in att.layers if holds(layer)]
+        wanted = att.heads if att.heads is not None else range(shard.head_start, shard.head_start + shard.num_heads)
+        local = [h - shard.head_start for h in wanted if shard.head_start <= h < shard.head_start + shard.num_heads]
+        if qk_layers and local:
+            local_att = msgspec.structs.replace(att, layers=qk_layers,
+                                                heads=None if len(local) == shard.num_heads else local)
+            geometry = AttentionGeometry(shard.num_heads, shard.num_kv_heads, shard.head_dim)
+            heads = [shard.head_start + h for h in local]
+            kv_heads = [shard.kv_start + kv for kv in geometry.kv_heads_for(local)]
+    if not layers and local_att is None:
+        return None, [], []
+    return msgspec.structs.replace(spec, layers=layers, attention=local_att), heads, kv_heads
+
+
 class CaptureHook:
     """The forward hook on one block while a capture of it is armed; reads the manager's
-    current ``BatchContext`` and never changes the output."""
+    current ``BatchContext`` and never changes the output.  ``residual_pair``: the block
+    returns ``(hidden, residual)`` (vLLM's decoder layers) and the stream is their sum."""
 
-    def __init__(self, layer: int, manager: Any) -> None:
+    def __init__(self, layer: int, manager: Any, *, residual_pair: bool = False) -> None:
         self.layer = layer
         self.manager = manager
+        self.residual_pair = residual_pair
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         ctx = self.manager.current
         if ctx is None:
             return None
         hidden = output[0] if isinstance(output, tuple) else output
-        flat = hidden.reshape(-1, hidden.shape[-1])
         stage = ctx.capture_stage
+        if stage is None and not any(s.request.capture is not None and self.layer in s.request.capture.index
+                                     for s in ctx.segments):
+            return None
+        if self.residual_pair:
+            hidden = hidden + output[1]
+        flat = hidden.reshape(-1, hidden.shape[-1])
         if stage is not None:  # batched decode: every row into its slot, one copy
             slots = ctx.row_slots
             stage[self.layer].index_copy_(0, slots, flat[: slots.shape[0]])
@@ -313,6 +459,25 @@ class CaptureHook:
             if plan is not None and self.layer in plan.index:
                 plan.observe(self.layer, flat[seg.row_start : seg.row_end], seg.start_position)
         return None
+
+
+def route_qk(ctx: Any, layer: int, q: torch.Tensor, k: torch.Tensor) -> None:
+    """Layer ``layer``'s rotated queries (rows, heads, head_dim) and new keys (rows,
+    kv_heads, head_dim), rows in the batch's flattened order, to the requests capturing
+    them: every row into its slot of the batch's stage (batched decode), else each
+    capturing request's segment into its plan.  The attention taps of every backend call
+    this."""
+    stage = ctx.qk_stage
+    if stage is not None:
+        slots = ctx.row_slots
+        n = slots.shape[0]
+        stage[0][layer].index_copy_(0, slots, q[:n])
+        stage[1][layer].index_copy_(0, slots, k[:n])
+        return
+    for seg in ctx.segments:
+        plan = seg.request.capture
+        if plan is not None and plan.wants_qk(layer):
+            plan.observe_qk(layer, q[seg.row_start : seg.row_end], k[seg.row_start : seg.row_end], seg.start_position)
 
 
 @contextmanager
@@ -337,4 +502,5 @@ def armed(manager: Any, runner: Any, plan: CapturePlan | None) -> Iterator[None]
             runner.disarm_qk(layer)
 
 
-__all__ = ["AttentionGeometry", "CaptureHook", "CapturePlan", "RowBuffer", "armed", "estimate_bytes", "rows_for"]
+__all__ = ["AttentionGeometry", "CaptureHook", "CapturePart", "CapturePlan", "HeadShard", "RowBuffer", "armed",
+           "estimate_bytes", "for_shard", "route_qk", "rows_for"]

@@ -448,7 +448,7 @@ class HookManager:
     def __init__(self) -> None:
         self.current: BatchContext | None = None
         self._handles: dict[AttachmentKey, Any] = {}
-        self._captures: dict[int, list[Any]] = {}  # layer -> [handle, module, references]
+        self._captures: dict[int, list[Any]] = {}  # layer -> [handle, module, references, residual_pair]
 
     def install(self, key: AttachmentKey, module: torch.nn.Module, stats: AttachmentStats, *,
                 residual_pair: bool = False, read_input: bool = False) -> None:
@@ -459,16 +459,18 @@ class HookManager:
         for layer, entry in self._captures.items():
             if entry[1] is module:  # a capture reads what the next layer sees: stay last
                 entry[0].remove()
-                entry[0] = module.register_forward_hook(CaptureHook(layer, self))
+                entry[0] = module.register_forward_hook(CaptureHook(layer, self, residual_pair=entry[3]))
 
-    def arm_capture(self, layer: int, module: torch.nn.Module) -> None:
+    def arm_capture(self, layer: int, module: torch.nn.Module, *, residual_pair: bool = False) -> None:
         """A capture hook on block ``layer`` while some request captures it (counted), the
-        last hook on its module; no hook at all otherwise."""
+        last hook on its module; no hook at all otherwise.  ``residual_pair``: the block
+        returns ``(hidden, residual)`` and the hook reads their sum."""
         entry = self._captures.get(layer)
         if entry is not None:
             entry[2] += 1
             return
-        self._captures[layer] = [module.register_forward_hook(CaptureHook(layer, self)), module, 1]
+        hook = CaptureHook(layer, self, residual_pair=residual_pair)
+        self._captures[layer] = [module.register_forward_hook(hook), module, 1, residual_pair]
 
     def disarm_capture(self, layer: int) -> None:
         entry = self._captures.get(layer)

@@ -190,8 +190,10 @@ def with_capture(backend: Any, job: GenerationJob, hooks: RequestHooks | None, n
                               layers=len(set(spec.layers) | set(att.layers if att is not None else ())))
     steered = job.steering is not None and not job.steering.is_empty()
     model = spec.model or getattr(getattr(backend, "job", None), "model_id", "") or ""
+    # a backend whose workers take the rows (vLLM) gets a plan that only packs their parts
+    device = None if getattr(backend, "captures_in_workers", False) else backend.device
     plan = CapturePlan(spec, request_id=job.request_id, prompt_len=n_prompt, max_tokens=max_tokens,
-                       hidden_size=backend.hidden_size, dtype=dtype, device=backend.device, model=model,
+                       hidden_size=backend.hidden_size, dtype=dtype, device=device, model=model,
                        backend=backend.name, steering_hash=job.steering.canonical_hash() if steered else None,
                        geometry=geometry, scaling=scaling)
     hooks = hooks if hooks is not None else RequestHooks(job.request_id)

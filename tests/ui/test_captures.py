@@ -139,6 +139,46 @@ def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
     page.console.assert_clean()
 
 
+def test_a_tensor_parallel_capture_is_drawn_from_its_shards(server, page):
+    """A capture written by two tensor-parallel vLLM ranks holds per-rank Q/K shards
+    (docs/capture.md). The test re-packs a stored capture's file that way by hand — query
+    head h on rank h, the one KV head on both — and the page's heat maps must equal the
+    unsharded file's, computed here."""
+    import json
+
+    from safetensors.numpy import load, save
+
+    from gpu_engine.artifacts import SIDECAR_KEY
+
+    capture_id, _ = _store_capture(server, "Split the heads over two ranks.", CAPTURE)
+    data = _download(server, capture_id)
+    cap = load_capture(data)
+    meta = cap.meta
+    assert meta["attention"]["heads"] == [0, 1] and meta["attention"]["kv_heads"] == [0]
+    tensors = load(data)
+    for layer in CAPTURE["attention"]["layers"]:
+        q, k = tensors.pop(f"q.{layer}"), tensors.pop(f"k.{layer}")
+        for rank in (0, 1):
+            tensors[f"q.{layer}.tp{rank}"] = np.ascontiguousarray(q[:, [rank]])
+            tensors[f"k.{layer}.tp{rank}"] = np.ascontiguousarray(k[:, [0]])
+    meta["attention"]["shards"] = [{"rank": 0, "heads": [0], "kv_heads": [0]},
+                                   {"rank": 1, "heads": [1], "kv_heads": [0]}]
+    sharded = save(tensors, metadata={SIDECAR_KEY: json.dumps(meta)})
+    merged = load_capture(sharded)  # the Python reader merges them back
+    assert all(np.array_equal(merged.q[layer], cap.q[layer]) for layer in cap.q)
+    stored = server.log.parent / "captures"  # the server's CAPTURE_DIR: the file and its sidecar
+    (stored / f"{capture_id}.safetensors").write_bytes(sharded)
+    (stored / f"{capture_id}.json").write_text(json.dumps(meta))
+    assert _download(server, capture_id) == sharded
+    _open(server, page, capture_id)
+    for layer, head in ((3, 1), (3, 0), (1, 1)):
+        want = _reference_attention(cap, layer, head)
+        shown = _heat_map(page, layer, head, cap)
+        np.testing.assert_array_equal(np.isnan(shown), np.isnan(want))
+        np.testing.assert_allclose(shown[~np.isnan(want)], want[~np.isnan(want)], rtol=RTOL, atol=ATOL)
+    page.console.assert_clean()
+
+
 def test_the_form_captures_a_prompt_through_v1_and_opens_it(server, page):
     before = set(_listed(server))
     page.goto(server.url + "/captures/")

@@ -243,8 +243,8 @@ def test_refusals_create_nothing_and_run_no_forward(llama, openai_client, probes
 def test_backends_without_capture_refuse_analyzers_before_generation(backend, probes):
     """The capabilities those backends report (their own ``capabilities()``, on stand-ins
     for their loaded state) refuse an analyzer's capture in planning, naming both: vLLM
-    captures nothing yet; llama.cpp captures hidden states, and Q/K only where the model
-    has a rotary embedding (the stand-in's has none)."""
+    captures nothing under CUDA graphs (its hooks do not run there); llama.cpp captures hidden
+    states, and Q/K only where the model has a rotary embedding (the stand-in's has none)."""
     from inference.errors import openai_error_from_exception
     from inference.planning import prepare_analyses
     from inference.protocol import ChatCompletionRequest
@@ -256,7 +256,7 @@ def test_backends_without_capture_refuse_analyzers_before_generation(backend, pr
     if backend == "vllm":
         from gpu_engine.backends.vllm.backend import VllmBackend
 
-        caps = VllmBackend.capabilities(SimpleNamespace(enforce_eager=True))
+        caps = VllmBackend.capabilities(SimpleNamespace(enforce_eager=False))
         refused, taken = (hidden, tracker), ()
     else:
         from gpu_engine.backends.llamacpp.backend import LlamaCppBackend

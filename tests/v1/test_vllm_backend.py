@@ -3,7 +3,8 @@ switched to ``backend=vllm`` and loaded through /api (one vLLM engine for the mo
 the session's one real server), an SAE attached through /api, and then the official
 ``openai`` client: greedy and steered output equal the transformers backend's on the same
 weights and the same resolved spec, ``return_sae_activations`` and /api monitoring return
-records, profiles (``model@profile``) and live steering steer, the backend names itself
+records, profiles (``model@profile``) and live steering steer, ``capture`` is stored and
+equals the transformers backend's, the backend names itself
 (X-miLLM-Backend, /api/health/inference), and what vLLM cannot do is a 400 before anything
 runs.  Like tests/vllm, this fails instead of skipping when ``MILLM_REQUIRE_VLLM=1``."""
 
@@ -125,7 +126,7 @@ def steered_header(description: str, relu, features: dict[int, float]) -> str:
 
 def complete(client, **extra):
     body = {k: extra.pop(k) for k in ("steering", "return_sae_activations", "steering_intensity",
-                                      "profile") if k in extra}
+                                      "profile", "capture") if k in extra}
     return client.completions.with_raw_response.create(
         model=extra.pop("model", "tiny-llama"), prompt=extra.pop("prompt", PROMPT),
         max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True, **body}, **extra)
@@ -246,6 +247,46 @@ def test_a_profile_and_live_steering_steer_on_vllm(vllm_llama, on_vllm, openai_c
     assert opted_out.choices[0].text == ref(on_vllm, relu).text != want.text
     _call(server, "POST", "/saes/steering/disable")
     assert complete(openai_client).parse().choices[0].text == ref(on_vllm, relu).text
+
+
+def test_capture_on_vllm_is_stored_and_equals_transformers(vllm_llama, on_vllm, openai_client, settings):
+    """``capture`` through /v1 on vLLM: a steered request's hidden states and Q/K, stored
+    (a ``Capture`` row naming the vllm backend) and downloaded, equal the transformers
+    backend's capture of the same steered request within the vLLM-vs-transformers bound."""
+    import numpy as np
+
+    from gpu_engine.artifacts import load_capture
+    from gpu_engine.protocol import AttentionCaptureSpec, CaptureSpec
+    from monitoring.models import Capture
+
+    server, relu = vllm_llama
+    settings.CAPTURE_INLINE_MAX_BYTES = 0
+    features = [{"index": k, "strength": v} for k, v in FEATURES.items()]
+    capture = {"layers": [1, 2], "positions": "all",
+               "attention": {"layers": [2], "positions": "prompt", "q_positions": "last_prompt"}}
+    body = complete(openai_client, steering={"features": features}, capture=capture).parse()
+    cap_obj = body.model_extra["millm"]["capture"]
+    assert cap_obj["inline"] is False
+    row = Capture.objects.get(id=cap_obj["id"])
+    assert row.backend == "vllm" and row.layers == [1, 2]
+    dl = request(server.url, "GET", cap_obj["url"])
+    assert dl.status == 200
+    got = load_capture(dl.body)
+    assert got.meta["backend"] == "vllm" and got.meta["steering_hash"] == \
+        SteeringSpec([SteeringEntry(relu.id, 1, FEATURES)]).canonical_hash()
+    on_vllm.detach(None)
+    on_vllm.attach(AttachSpec(relu.id, relu.local_path, 1, layout=relu.format or None))
+    want = load_capture(on_vllm.generate_sync(GenerationJob(
+        "ref", prompt=PROMPT, steering=SteeringSpec([SteeringEntry(relu.id, 1, FEATURES)]),
+        capture=CaptureSpec(layers=[1, 2], positions="all", attention=AttentionCaptureSpec(
+            layers=[2], positions="prompt", q_positions="last_prompt")),
+        sampling=SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)), timeout_s=60).capture.data)
+    assert got.meta["completion_token_ids"] == want.meta["completion_token_ids"]
+    assert got.positions.tolist() == want.positions.tolist()
+    for layer in (1, 2):
+        np.testing.assert_allclose(got.hidden[layer], want.hidden[layer], atol=VLLM_ACT_ATOL, rtol=0)
+    np.testing.assert_allclose(got.q[2], want.q[2], atol=VLLM_ACT_ATOL, rtol=0)
+    np.testing.assert_allclose(got.k[2], want.k[2], atol=VLLM_ACT_ATOL, rtol=0)
 
 
 def test_what_vllm_cannot_do_is_a_400_before_anything_runs(vllm_llama, openai_client):

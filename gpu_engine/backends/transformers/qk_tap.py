@@ -32,6 +32,8 @@ from typing import Any
 
 import torch
 
+from ...capture import route_qk
+
 PREFIX = "millm_qk_tap_"
 TAP_ATTR = "_millm_qk_tap"
 _registered: set[str] = set()
@@ -81,18 +83,7 @@ class QKTap:
         b, h, t, d = query.shape
         q = query.transpose(1, 2).reshape(b * t, h, d)
         k = key[:, :, key.shape[2] - t :].transpose(1, 2).reshape(b * t, key.shape[1], d)
-        stage = ctx.qk_stage
-        if stage is not None:  # batched decode: every row into its slot
-            slots = ctx.row_slots
-            n = slots.shape[0]
-            stage[0][self.layer].index_copy_(0, slots, q[:n])
-            stage[1][self.layer].index_copy_(0, slots, k[:n])
-            return
-        for seg in ctx.segments:
-            plan = seg.request.capture
-            if plan is not None and plan.wants_qk(self.layer):
-                plan.observe_qk(self.layer, q[seg.row_start : seg.row_end], k[seg.row_start : seg.row_end],
-                                seg.start_position)
+        route_qk(ctx, self.layer, q, k)
 
 
 class QKTaps:

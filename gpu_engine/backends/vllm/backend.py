@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ...capture import AttentionGeometry
 from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...hooks import HookManager
 from ...inspect import inspect_model_dir
@@ -127,6 +128,12 @@ class VllmBackend:
         self._generation: dict[AttachmentKey, str] = {}
         self._attach_counter = itertools.count(1)
         self._ids = itertools.count(1)
+        # capture: the workers take the rows (each its own shard), the driver packs them
+        att = first.get("attention")
+        self.attention_geometry = None if att is None else AttentionGeometry(
+            int(att["num_heads"]), int(att["num_kv_heads"]), int(att["head_dim"]))
+        self._attention_layers = set(att["layers"]) if att is not None else set()
+        self._scaling = list(att["scaling"]) if att is not None else []
 
     def _eos_ids(self, path: Path) -> set[int]:
         import json
@@ -143,14 +150,25 @@ class VllmBackend:
             ids.update(src if isinstance(src, (list, tuple)) else [src])
         return {int(i) for i in ids}
 
+    # the engine's capture plans on this backend only pack what the workers took
+    captures_in_workers = True
+
+    def attention_scaling(self, layer: int) -> float | None:
+        """The factor layer ``layer``'s attention multiplies q·k by (vLLM's ``scale``)."""
+        return self._scaling[layer] if layer < len(self._scaling) else None
+
     def capabilities(self) -> dict[str, bool]:
         hooks_live = self.enforce_eager
+        # Q/K capture taps vLLM's Attention module: every layer must have one
+        qk = getattr(self, "attention_geometry", None) is not None and \
+            getattr(self, "_attention_layers", set()) == set(range(getattr(self, "num_layers", 0)))
         return all_capabilities(
             per_request_steering=hooks_live,
             # the worker's hooks add per-row delta tables only (no encode in the forward)
             steering_controls=False,
-            hidden_state_capture=False,  # issue 15: transformers first
-            attention_capture=False,
+            # the capture hooks run in the workers' forward like steering's: eager only
+            hidden_state_capture=hooks_live,
+            attention_capture=hooks_live and qk,
             # vLLM has structured output of its own; not wired to SamplingParams.structured
             structured_output=False,
             # tool calls are constrained by SamplingParams.structured, which is not wired
@@ -279,22 +297,24 @@ class VllmBackend:
         return ScoreResult(job.request_id, len(prompt_ids), top, [], prompt_lp)
 
     def collect(self, request_ids: list[str], *, final: bool) -> dict[str, Any]:
-        """Counts and monitor records from the workers, merged over ranks: the first rank
-        that reports a request's record wins (TP ranks compute the same; only TP rank 0
-        encodes), steering counts are the largest any rank saw (pipeline stages hold
-        different layers)."""
+        """Counts, monitor records and capture parts from the workers, merged over ranks:
+        the first rank that reports a request's record wins (TP ranks compute the same;
+        only TP rank 0 encodes), steering counts are the largest any rank saw (pipeline
+        stages hold different layers), every rank's capture part is kept (each holds its
+        own heads; ``CapturePlan`` packs them)."""
         merged: dict[str, Any] = {}
         stats: dict[AttachmentKey, int] = {}
         for part in self.engine.collective_rpc("millm_collect", args=(list(request_ids), final)):
             for sae_id, layer, n in part["stats"]:
                 stats[(sae_id, int(layer))] = max(stats.get((sae_id, int(layer)), 0), int(n))
             for rid, got in part["requests"].items():
-                cur = merged.setdefault(rid, {"forwards": 0, "applied": {}, "records": []})
+                cur = merged.setdefault(rid, {"forwards": 0, "applied": {}, "records": [], "capture": []})
                 cur["forwards"] = max(cur["forwards"], got["forwards"])
                 for sae_id, layer, n in got["applied"]:
                     key = (sae_id, int(layer))
                     cur["applied"][key] = max(cur["applied"].get(key, 0), int(n))
                 cur["records"].extend(got["records"])
+                cur["capture"].extend(got.get("capture", []))
         self._stats = stats
         return merged
 

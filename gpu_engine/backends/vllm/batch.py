@@ -11,8 +11,12 @@ on the same token ids (EOS unless ``ignore_eos``, ``stop_token_ids``) and at the
 
 Prefix caching: a steered request's blocks are salted with its canonical steering hash
 (``wire.steering_salt``), so it reuses KV only from requests steered identically; a
-monitored request gets a salt of its own, since a cached prompt row is never computed and
-so could not be read.
+monitored or capturing request gets a salt of its own, since a cached prompt row is never
+computed and so could not be read.
+
+Capture: the request's ``CapturePlan`` here allocates nothing (the backend's
+``captures_in_workers``); the workers take the rows and the final collect hands their
+parts to it, packed into the artifact by ``finish``.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
+from ...capture import CapturePart
 from ...errors import InvalidParameter
 from ...protocol import ActivationRecord, GenerationJob, LogprobEntry, TokenLogprob
 from ..transformers.sequence import Sequence
@@ -34,8 +39,8 @@ class VllmSequence(Sequence):
         self.backend = backend
         self.vllm_id = backend.next_request_id(job.request_id)
         extra = wire.request_args(job) if request_hooks is not None else None
-        if extra and extra["monitor"]:
-            self.cache_salt: str | None = f"millm-monitor-{self.vllm_id}"
+        if extra and (extra["monitor"] or extra["capture"] is not None):
+            self.cache_salt: str | None = f"millm-watch-{self.vllm_id}"
         else:
             self.cache_salt = wire.steering_salt(extra, backend._generation)
         self.params = self._vllm_params(extra)
@@ -87,6 +92,9 @@ class VllmSequence(Sequence):
                 self.extra_records.extend(recs)
             self.pending.clear()
             self.forwards = int(result["forwards"])
+            if self.capture is not None:
+                self.capture.receive([CapturePart(int(p["rank"]), bytes(p["data"]), tuple(p["heads"]),
+                                                  tuple(p["kv_heads"])) for p in result.get("capture", [])])
             if self.hooks is not None:
                 for key, n in result["applied"].items():
                     plan = self.hooks.plans.get(key)
@@ -175,7 +183,7 @@ class VllmBatch:
 
     def _collect(self, seqs: list[VllmSequence], *, final: bool) -> None:
         results = self.backend.collect([s.worker_id for s in seqs], final=final)
-        empty = {"forwards": 0, "applied": {}, "records": []}
+        empty = {"forwards": 0, "applied": {}, "records": [], "capture": []}
         for s in seqs:
             s.take(results.get(s.worker_id, empty), final=final)
         if final:

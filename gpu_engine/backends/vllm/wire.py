@@ -1,10 +1,12 @@
 """What travels between the vLLM backend's driver (the engine process) and vLLM's workers.
 
-A request's steering and monitoring ride in its own ``SamplingParams.extra_args`` under
-``"millm"`` — never in process-global state — so a worker reads them from the request it
-is running, whichever process or rank it is.  Records and counts come back through the
-worker extension's ``collective_rpc`` calls as plain builtins (msgspec's own
-``to_builtins``/``from_builtins``: nothing is pickled by us).  Torch-free.
+A request's steering, monitoring and capture spec ride in its own
+``SamplingParams.extra_args`` under ``"millm"`` — never in process-global state — so a
+worker reads them from the request it is running, whichever process or rank it is.
+Records and counts come back through the worker extension's ``collective_rpc`` calls as
+plain builtins (msgspec's own ``to_builtins``/``from_builtins``: nothing is pickled by
+us); a capture comes back as each worker's part, the safetensors bytes of what it took.
+Torch-free.
 """
 
 from __future__ import annotations
@@ -13,9 +15,12 @@ import hashlib
 import json
 from typing import Any
 
+import msgspec
+
 from ...protocol import (
     ActivationRecord,
     AttachmentKey,
+    CaptureSpec,
     GenerationJob,
     MonitorEntry,
     from_builtins,
@@ -50,13 +55,18 @@ def hook_layer(layer: int, hook_point: str) -> int:
 
 def request_args(job: GenerationJob) -> dict[str, Any] | None:
     """The ``extra_args`` entry for ``job``: steering as ``[sae_id, layer, [[index, strength], ...]]``
-    entries (only those with features) and the monitor entries; None when it has neither."""
+    entries (only those with features), the monitor entries and the capture spec (what
+    the workers take: layers, positions, attention; not where the driver stores it); None
+    when it has none of them."""
     steering = [[e.sae_id, e.layer, [[int(i), float(s)] for i, s in sorted(e.features.items())]]
                 for e in (job.steering.entries if job.steering else []) if e.features]
     monitor = [to_builtins(m) for m in (job.monitor.entries if job.monitor else [])]
-    if not steering and not monitor:
+    capture = None
+    if job.capture is not None:
+        capture = to_builtins(msgspec.structs.replace(job.capture, directory=None, model=""))
+    if not steering and not monitor and capture is None:
         return None
-    return {"steering": steering, "monitor": monitor}
+    return {"steering": steering, "monitor": monitor, "capture": capture}
 
 
 def decode_args(args: dict[str, Any]) -> tuple[dict[AttachmentKey, dict[int, float]], list[MonitorEntry]]:
@@ -64,6 +74,11 @@ def decode_args(args: dict[str, Any]) -> tuple[dict[AttachmentKey, dict[int, flo
                 for sae_id, layer, feats in args.get("steering", [])}
     monitor = [from_builtins(m, MonitorEntry) for m in args.get("monitor", [])]
     return steering, monitor
+
+
+def decode_capture(args: dict[str, Any]) -> CaptureSpec | None:
+    raw = args.get("capture")
+    return None if raw is None else from_builtins(raw, CaptureSpec)
 
 
 def steering_salt(args: dict[str, Any] | None, generations: dict[AttachmentKey, str]) -> str | None:
@@ -82,4 +97,5 @@ def records_from(raw: list[Any]) -> list[ActivationRecord]:
     return [from_builtins(r, ActivationRecord) for r in raw]
 
 
-__all__ = ["EXTRA_KEY", "decode_args", "records_from", "request_args", "steering_salt"]
+__all__ = ["EXTRA_KEY", "decode_args", "decode_capture", "records_from", "request_args",
+           "steering_salt"]

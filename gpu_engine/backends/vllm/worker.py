@@ -16,8 +16,19 @@ What it does on the worker:
   come from its own ``SamplingParams.extra_args`` (``wire``), read the first time the
   worker sees it.  The post-hook counts, per request, its forward passes and the passes
   in which each of its deltas was really added (``steering_apply_count``).
+- Capture (``gpu_engine.capture``): a request whose ``extra_args`` carry a capture spec
+  gets a plan of its own on each worker for what that worker holds (``for_shard``):
+  hidden states on the first TP rank only (every rank has the same stream after the
+  all-reduce), Q/K of the asked heads this rank's shard holds.  While it runs, its
+  layers carry the engine's capture hook (the last hook on the layer, so it reads the
+  steered pair's sum) and its attention layers a forward pre-hook on vLLM's
+  ``Attention`` module, whose ``query``/``key`` are the rotated q and k the model's
+  attention reads (vLLM's Llama: ``self.attn(q, k, v)`` after ``rotary_emb``).  Rows
+  reach the plan by the same row segments the monitors use.
 - ``millm_collect``: the counts and monitor records of the requests the driver names
-  (encoded here, next to the SAE), as builtins; ``final`` forgets them.
+  (encoded here, next to the SAE), as builtins, and with ``final`` each capturing
+  request's part (the safetensors bytes of what this worker took, with its TP rank and
+  global heads); ``final`` forgets them.
 
 Under tensor parallelism every rank holds the full hidden state after its all-reduce, so
 every rank adds the same delta; monitors are encoded on the first TP rank only.  vLLM's
@@ -36,6 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ...capture import AttentionGeometry, CapturePlan, HeadShard, for_shard, route_qk
 from ...hooks import (
     AttachmentPlan,
     AttachmentStats,
@@ -48,7 +60,7 @@ from ...hooks import (
 from ...protocol import AttachmentKey, to_builtins
 from ...sae.layouts import get_layout
 from ...sae.module import SAE
-from .wire import EXTRA_KEY, decode_args, hook_layer
+from .wire import EXTRA_KEY, decode_args, decode_capture, hook_layer
 
 log = logging.getLogger("gpu_engine.vllm.worker")
 
@@ -69,10 +81,27 @@ def find_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
     return best
 
 
-class _Request:
-    """A request as this worker knows it: its hooks, its delta-table slot, its counts."""
+def find_attention(layer: torch.nn.Module) -> torch.nn.Module | None:
+    """vLLM's ``Attention`` module of a decoder layer (it takes the rotated q, k and v,
+    split over heads as ``num_heads``/``num_kv_heads`` × ``head_size``), or None: a layer
+    without one (MLA and other attention kinds take something else), or a pipeline
+    stage's placeholder."""
+    try:
+        from vllm.model_executor.layers.attention.attention import Attention
+    except ImportError:  # another vLLM layout: match the class by name
+        Attention = None  # noqa: N806
+    for _, mod in layer.named_modules():
+        if isinstance(mod, Attention) if Attention is not None else type(mod).__name__ == "Attention":
+            return mod
+    return None
 
-    __slots__ = ("forwards", "hooks", "last_seen", "slot", "steered")
+
+class _Request:
+    """A request as this worker knows it: its hooks, its delta-table slot, its counts, and
+    its capture (``hooks.capture``: this worker's plan; ``heads``/``kv_heads``: the global
+    heads of its Q/K rows; ``armed``: its hooks are on)."""
+
+    __slots__ = ("armed", "forwards", "heads", "hooks", "kv_heads", "last_seen", "slot", "steered")
 
     def __init__(self, hooks: RequestHooks, slot: int, steered: list[AttachmentKey]) -> None:
         self.hooks = hooks
@@ -80,6 +109,9 @@ class _Request:
         self.steered = steered
         self.forwards = 0
         self.last_seen = time.monotonic()
+        self.heads: list[int] = []
+        self.kv_heads: list[int] = []
+        self.armed = False
 
 
 class _State:
@@ -103,11 +135,27 @@ class _State:
         self.capacity = 0
         self.ctx_reqs: list[_Request] = []
         try:
-            from vllm.distributed import get_tensor_model_parallel_rank
+            from vllm.distributed import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
 
-            self.monitor_rank = get_tensor_model_parallel_rank() == 0
+            self.tp_rank, self.tp_size = get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
         except Exception:  # noqa: BLE001 - no distributed state: a single worker
-            self.monitor_rank = True
+            self.tp_rank, self.tp_size = 0, 1
+        self.monitor_rank = self.tp_rank == 0
+        text_cfg = runner.model_config.hf_text_config
+        self.hidden_size = int(getattr(text_cfg, "hidden_size", 0))
+        # Q/K capture: each layer's attention module and the heads this rank's shard holds
+        self.attention = [find_attention(layer) if self.holds(i) else None for i, layer in enumerate(self.layers)]
+        first = next((a for a in self.attention if a is not None), None)
+        self.shard: HeadShard | None = None
+        if first is not None:  # the model's heads: each rank's times the ranks
+            self.num_heads = int(first.num_heads) * self.tp_size
+            self.num_kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or self.num_heads)
+            self.shard = HeadShard.of(self.tp_rank, self.tp_size, num_heads=self.num_heads,
+                                      num_kv_heads=self.num_kv_heads, head_dim=int(first.head_size))
+        self.qk_hooks: dict[int, list[Any]] = {}  # layer -> [handle, references]
         self._handles = [self.model.register_forward_pre_hook(self._before),
                          self.model.register_forward_hook(self._after)]
 
@@ -139,6 +187,69 @@ class _State:
         self.saes.pop(key, None)
         self.stats.pop(key, None)
         self.tables.pop(key, None)
+
+    # ------------------------------------------------------------------ capture
+
+    def describe_attention(self) -> dict[str, Any] | None:
+        """The model's attention geometry (global heads) and each layer's q·k scale, for
+        the driver's capture checks and sidecar; None when no layer has vLLM's Attention."""
+        if self.shard is None:
+            return None
+        scaling = [None if a is None else getattr(getattr(a, "impl", None), "scale", None) for a in self.attention]
+        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.shard.head_dim,
+                "layers": [i for i, a in enumerate(self.attention) if a is not None],
+                "scaling": [None if v is None else float(v) for v in scaling]}
+
+    def _capture_plan(self, req_id: str, raw: Any, n_prompt: int, max_tokens: int) -> tuple[Any, list[int], list[int]]:
+        spec = decode_capture(raw)
+        if spec is None:
+            return None, [], []
+        held = {i for i in range(len(self.layers)) if self.holds(i)}
+        shard = self.shard or HeadShard(self.tp_rank, 0, 0, 0, 0, 0)
+        local, heads, kv_heads = for_shard(spec, shard, hidden=self.tp_rank == 0, held=held)
+        if local is None:
+            return None, [], []
+        geometry = None
+        if local.attention is not None:
+            geometry = AttentionGeometry(shard.num_heads, shard.num_kv_heads, shard.head_dim)
+        plan = CapturePlan(local, request_id=req_id, prompt_len=n_prompt, max_tokens=max_tokens,
+                           hidden_size=self.hidden_size, dtype=self.dtype, device=self.device, model="",
+                           backend="vllm", steering_hash=None, geometry=geometry)
+        return plan, heads, kv_heads
+
+    def _arm(self, req: _Request) -> None:
+        plan = req.hooks.capture
+        for layer in plan.layers:
+            self.manager.arm_capture(layer, self.layers[layer], residual_pair=True)
+        for layer in plan.qk_layers:
+            entry = self.qk_hooks.get(layer)
+            if entry is not None:
+                entry[1] += 1
+                continue
+            hook = _QKHook(layer, self.manager, self.attention[layer])  # type: ignore[arg-type]
+            handle = self.attention[layer].register_forward_pre_hook(hook, with_kwargs=True)  # type: ignore[union-attr]
+            self.qk_hooks[layer] = [handle, 1]
+        req.armed = True
+
+    def _disarm(self, req: _Request) -> None:
+        if not req.armed:
+            return
+        plan = req.hooks.capture
+        for layer in plan.layers:
+            self.manager.disarm_capture(layer)
+        for layer in plan.qk_layers:
+            entry = self.qk_hooks.get(layer)
+            if entry is None:
+                continue
+            entry[1] -= 1
+            if entry[1] <= 0:
+                entry[0].remove()
+                del self.qk_hooks[layer]
+        req.armed = False
+
+    def armed(self) -> dict[str, list[int]]:
+        """The layers whose capture hooks are on (tests: nothing outlives its requests)."""
+        return {"hidden": self.manager.armed_captures(), "qk": sorted(self.qk_hooks)}
 
     # ------------------------------------------------------------------ requests
 
@@ -173,6 +284,7 @@ class _State:
         plans: dict[AttachmentKey, AttachmentPlan] = {}
         steered: list[AttachmentKey] = []
         n_prompt = len(getattr(state, "prompt_token_ids", None) or [])
+        capture, heads, kv_heads = None, [], []
         if extra:
             steering, monitors = decode_args(extra)
             for key, feats in steering.items():
@@ -189,14 +301,19 @@ class _State:
                 plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
                 mp = MonitorPlan(entry, sae, prompt_len=n_prompt)
                 (plan.pre if entry.read_point == "pre_steering" else plan.post).append(mp)
+            capture, heads, kv_heads = self._capture_plan(req_id, extra, n_prompt, int(params.max_tokens or 1))
         self._slot_capacity()
-        req = _Request(RequestHooks(req_id, plans), self._slot() if steered else -1, steered)
+        req = _Request(RequestHooks(req_id, plans, capture=capture), self._slot() if steered else -1, steered)
+        req.heads, req.kv_heads = heads, kv_heads
+        if capture is not None:
+            self._arm(req)
         for key in steered:
             delta = plans[key].delta
             self._table(key, delta.shape[-1])[req.slot] = delta  # type: ignore[union-attr]
         return req
 
     def _release(self, req: _Request) -> None:
+        self._disarm(req)
         if req.slot >= 0:
             for key in req.steered:
                 table = self.tables.get(key)
@@ -238,14 +355,15 @@ class _State:
             req.last_seen = time.monotonic()  # type: ignore[union-attr]
             reqs.append(req)  # type: ignore[arg-type]
         keys = {k for r in reqs for k in r.steered}
-        monitored = [i for i, r in enumerate(reqs) if r.hooks.monitors()]
-        if not keys and not monitored:
+        # monitoring or capturing requests: their row segments (with positions) go to the hooks
+        watched = [i for i, r in enumerate(reqs) if r.hooks.monitors() or r.hooks.capture is not None]
+        if not keys and not watched:
             self.ctx_reqs = reqs
             return
         counts = np.diff(qsl)
         slots = np.array([r.slot if r.slot >= 0 else self._zero_slot() for r in reqs], dtype=np.int64)
         row_slots = torch.from_numpy(np.repeat(slots, counts)).to(self.device)
-        segments = [Segment(reqs[i].hooks, int(qsl[i]), int(qsl[i + 1]), int(starts[i])) for i in monitored]
+        segments = [Segment(reqs[i].hooks, int(qsl[i]), int(qsl[i + 1]), int(starts[i])) for i in watched]
         self.manager.current = BatchContext(segments, row_slots=row_slots,
                                             delta_tables={k: self.tables[k] for k in keys if k in self.tables})
         self.ctx_reqs = reqs
@@ -283,6 +401,7 @@ class _State:
                 "forwards": req.forwards,
                 "applied": [[c.sae_id, c.layer, c.count] for c in req.hooks.steering_counts()],
                 "records": [to_builtins(r) for r in records],
+                "capture": [self._part(req)] if final and req.hooks.capture is not None else [],
             }
             if final:
                 if self.requests.pop(rid, None) is not None:
@@ -291,11 +410,46 @@ class _State:
         stats = [[k[0], k[1], st.steering_apply_count] for k, st in self.stats.items()]
         return {"requests": out, "stats": stats}
 
+    def _part(self, req: _Request) -> dict[str, Any]:
+        """This worker's part of a request's capture: the safetensors bytes of the rows it
+        took (drained to the host), its TP rank and the global heads of its Q/K."""
+        from safetensors.torch import save
+
+        return {"rank": self.tp_rank, "data": save(req.hooks.capture.drain()),
+                "heads": list(req.heads), "kv_heads": list(req.kv_heads)}
+
     def close(self) -> None:
+        for req in [*self.requests.values(), *self.gone.values()]:
+            self._disarm(req)
         self.manager.remove_all()
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class _QKHook:
+    """The forward pre-hook on one layer's vLLM ``Attention`` while some request captures
+    its Q/K: ``query`` (tokens, heads × head_dim) and ``key`` (tokens, kv_heads × head_dim)
+    of this rank's heads, rows in the batch's token order, to the capturing requests'
+    plans (``capture.route_qk``).  Changes nothing."""
+
+    def __init__(self, layer: int, manager: HookManager, attention: torch.nn.Module) -> None:
+        self.layer = layer
+        self.manager = manager
+        self.heads = int(attention.num_heads)
+        self.kv_heads = int(attention.num_kv_heads)
+        self.head_dim = int(attention.head_size)
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        ctx = self.manager.current
+        if ctx is None:
+            return None
+        query = args[0] if len(args) > 0 else kwargs["query"]
+        key = args[1] if len(args) > 1 else kwargs["key"]
+        n = query.shape[0]
+        route_qk(ctx, self.layer, query.reshape(n, self.heads, self.head_dim),
+                 key.reshape(n, self.kv_heads, self.head_dim))
+        return None
 
 
 class MillmWorkerExtension:
@@ -313,7 +467,11 @@ class MillmWorkerExtension:
         s = self._millm()
         return {"layers_path": s.layers_path, "num_layers": len(s.layers), "device": str(s.device),
                 "dtype": str(s.dtype).replace("torch.", ""), "monitor_rank": s.monitor_rank,
-                "hidden_size": int(getattr(s.runner.model_config.hf_text_config, "hidden_size", 0))}
+                "hidden_size": s.hidden_size, "tp_rank": s.tp_rank, "tp_size": s.tp_size,
+                "attention": s.describe_attention()}
+
+    def millm_armed(self) -> dict[str, list[int]]:
+        return self._millm().armed()
 
     # the tables are made and written under the forward's inference mode; an RPC that
     # writes them (a released slot zeroed) must run under it too (worker processes)

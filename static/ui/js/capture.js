@@ -28,11 +28,23 @@ export function sequenceTokens(meta) {
   return [...(meta.prompt_token_ids || []), ...(meta.completion_token_ids || [])];
 }
 
-/** The KV head a query head reads (transformers' repeat_kv order) and where both sit in the file. */
-export function headSlots(attention, head) {
+/**
+ * The KV head a query head reads (transformers' repeat_kv order) and where both sit in the
+ * file: {kvHead, q, k, qName, kName}. A tensor-parallel capture (vLLM) holds one shard per
+ * rank (`q.<L>.tp<rank>`, listed in `attention.shards` with their global heads); a query
+ * head and the KV head it reads are always in the same rank's shard.
+ */
+export function headSlots(attention, head, layer) {
   const group = attention.num_heads / attention.num_kv_heads;
   const kvHead = Math.floor(head / group);
-  return { kvHead, q: attention.heads.indexOf(head), k: attention.kv_heads.indexOf(kvHead) };
+  for (const shard of attention.shards || []) {
+    const q = shard.heads.indexOf(head);
+    if (q < 0) continue;
+    return { kvHead, q, k: shard.kv_heads.indexOf(kvHead),
+             qName: `q.${layer}.tp${shard.rank}`, kName: `k.${layer}.tp${shard.rank}` };
+  }
+  return { kvHead, q: attention.shards ? -1 : attention.heads.indexOf(head), k: attention.kv_heads.indexOf(kvHead),
+           qName: `q.${layer}`, kName: `k.${layer}` };
 }
 
 /** The scale the layer's attention applies to q·k, and whether the sidecar recorded it. */
@@ -47,11 +59,11 @@ export function layerScale(attention, layer) {
  * kvHead, weights: [Float64Array(kRows) per q row, NaN where the key is after the query]}.
  */
 export function attentionMap(tensors, attention, layer, head) {
-  const q = tensors[`q.${layer}`];
-  const k = tensors[`k.${layer}`];
-  if (!q || !k) throw new Error(`no Q/K captured at layer ${layer}`);
-  const slots = headSlots(attention, head);
+  const slots = headSlots(attention, head, layer);
   if (slots.q < 0 || slots.k < 0) throw new Error(`head ${head} was not captured at layer ${layer}`);
+  const q = tensors[slots.qName];
+  const k = tensors[slots.kName];
+  if (!q || !k) throw new Error(`no Q/K captured at layer ${layer}`);
   const [qRows, qHeads, dim] = q.shape;
   const [kRows, kHeads] = k.shape;
   const qPositions = Array.from(tensors.q_positions.data);
