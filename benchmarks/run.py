@@ -32,9 +32,11 @@ memory bandwidth itself, and turns everything into ratios:
   vllm            vllm_backend.py (where vLLM is installed): the backend through /v1
                   against plain vLLM, against the transformers backend, and plain vLLM
                   batch 1 against the bandwidth limit
-  unbuilt         compiled vs eager, static vs dynamic KV cache, speculative vs plain,
-                  quantized vs fp32: listed as "not built" while millm_site/config.py
-                  declares them unbuilt
+  speculative     speculative_decode.py: SPECULATIVE_MODEL self-drafts (a quarter and a
+                  half of the model's blocks) against plain decoding, unsteered and
+                  steered, with the acceptance rate and whether the tokens are equal
+  unbuilt         compiled vs eager, static vs dynamic KV cache, quantized vs fp32:
+                  listed as "not built" while millm_site/config.py declares them unbuilt
 
 A group whose backend is missing prints "not installed", one that failed prints "failed"
 with its log; nothing is left out of the table silently.  Written to ``--out`` (default
@@ -60,7 +62,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
 
 GROUPS = ("decode", "v1_streaming", "v1_concurrency", "batching", "steering_modes", "capture",
-          "llamacpp", "vllm", "unbuilt")
+          "llamacpp", "vllm", "speculative", "unbuilt")
 BATCHES = (1, 4, 8, 16)
 
 
@@ -378,11 +380,26 @@ def group_vllm(ctx: Ctx) -> list[Row]:
     return rows
 
 
+def group_speculative(ctx: Ctx) -> list[Row]:
+    argv = ["--model", ctx.model, "--tokens", str(ctx.tokens), "--rounds", str(ctx.rounds)]
+    r = ctx.script("speculative", "speculative_decode.py", argv)
+    g, rows = "speculative", []
+    for label, modes in r["modes"].items():
+        for draft, m in modes.items():
+            if draft == "plain":
+                continue
+            what = f"speculative {draft} ÷ plain, {label} ({r['model']} fp32, batch 1, " \
+                   f"acceptance {m['acceptance_rate']:.2f})"
+            rows.append(Row(g, what, m["ratio_to_plain"]))
+            rows.append(Row(g, f"greedy tokens of {draft}, {label}, equal plain (1 = yes)",
+                            float(m["tokens_equal_plain"]), **target(">=", 1.0, "issue 17 item 9")))
+    return rows
+
+
 # (what, the config variable whose ``unbuilt`` says so or None, its target)
 UNBUILT = (
     ("compiled ÷ eager decode (TORCH_COMPILE)", "TORCH_COMPILE", "≥ 1.2 on CPU, or compile stays off there (issue 17 item 9)"),
     ("static ÷ dynamic KV cache (KV_CACHE_MODE=static)", "KV_CACHE_MODE", "same tokens (issue 17 item 2)"),
-    ("speculative ÷ plain decoding (SPECULATIVE_MODEL)", "SPECULATIVE_MODEL", "greedy output equal exactly (issue 17 item 9)"),
     ("quantized (Q8/Q4) ÷ fp32 decode, transformers backend", None, "> 1: faster than fp32 (issue 17 item 4)"),
 )
 
@@ -413,7 +430,8 @@ def group_unbuilt(ctx: Ctx) -> list[Row]:
 
 RUNNERS = {"decode": group_decode, "v1_streaming": group_v1_streaming, "v1_concurrency": group_v1_concurrency,
            "batching": group_batching, "steering_modes": group_steering_modes, "capture": group_capture,
-           "llamacpp": group_llamacpp, "vllm": group_vllm, "unbuilt": group_unbuilt}
+           "llamacpp": group_llamacpp, "vllm": group_vllm, "speculative": group_speculative,
+           "unbuilt": group_unbuilt}
 MISSING = {"llamacpp": llamacpp_missing,
            "vllm": lambda: "vLLM (requirements/vllm.txt)" if importlib.util.find_spec("vllm") is None else None}
 # what each group's table rows would be, for a group that could not run
@@ -421,7 +439,8 @@ PLACEHOLDER = {"decode": "no SAE / idle SAE / steering / steering + monitoring",
                "v1_streaming": "/v1 against the engine directly", "v1_concurrency": "/v1 batched against serial",
                "batching": "batched against serial at 1, 4, 8, 16", "steering_modes": "clamp / conditional at 16",
                "capture": "capture cost", "llamacpp": "llama.cpp against plain llama-cpp-python and transformers",
-               "vllm": "vLLM against plain vLLM and transformers", "unbuilt": "unbuilt features"}
+               "vllm": "vLLM against plain vLLM and transformers",
+               "speculative": "speculative decoding against plain", "unbuilt": "unbuilt features"}
 
 
 # ------------------------------------------------------------------ output

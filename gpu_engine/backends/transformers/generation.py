@@ -20,7 +20,7 @@ from ...hooks import BatchContext, HookManager, RequestHooks, Segment
 from ...protocol import FinishEvent, SamplingParams, SpeculativeStats
 from .runner import TransformersRunner
 from .sequence import Emit, Sequence
-from .speculative import spec_eligible
+from .speculative import cut_cache, spec_eligible
 
 
 def run_generation(
@@ -134,7 +134,7 @@ def _run_speculative(runner: TransformersRunner, seq: Sequence, drafter: Any, *,
             drafter.accepted += matched
             # keep the verified positions only: the cache, the draft cache, the monitors
             keep = pos0 + matched + 1
-            past.crop(keep)
+            cut_cache(past, keep)
             drafter.settle(keep)
             if request_hooks is not None:
                 request_hooks.rewind(keep)

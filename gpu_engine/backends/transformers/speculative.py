@@ -160,12 +160,20 @@ class Drafter:
         cache keeps what it holds of them."""
         keep = min(self.fed, context_len)
         if keep < self.fed:
-            self.cache.crop(keep)
+            cut_cache(self.cache, keep)
             self.fed = keep
 
     def stats(self) -> SpeculativeStats:
         return SpeculativeStats(used=True, source=self.source, num_tokens=self.num_tokens, drafted=self.drafted,
                                 accepted=self.accepted)
+
+
+def cut_cache(cache: Any, keep: int) -> None:
+    """Cut a ``DynamicCache`` back to its first ``keep`` positions (transformers' ``crop``
+    with the count to remove, its current form)."""
+    extra = cache.get_seq_length() - keep
+    if extra > 0:
+        cache.crop(-extra)
 
 
 def spec_eligible(seq: Any) -> str | None:
@@ -181,4 +189,4 @@ def spec_eligible(seq: Any) -> str | None:
     return None
 
 
-__all__ = ["Drafter", "SpecConfig", "spec_config", "spec_eligible"]
+__all__ = ["Drafter", "SpecConfig", "cut_cache", "spec_config", "spec_eligible"]

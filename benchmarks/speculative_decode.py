@@ -1,0 +1,111 @@
+"""Speculative decoding against plain decoding on the serial transformers backend (a
+benchmark, not a test): batch-1 greedy decode of the same prompt, unsteered and with 8
+features steered, for each draft given (``self:layers=N`` or a checkpoint directory),
+interleaved round by round. Prints tokens/s (median over rounds), the ratio to plain,
+the acceptance rate, and whether the tokens equal plain decoding's exactly.
+
+    .venv/bin/python benchmarks/speculative_decode.py --model smollm2-135m \\
+        --draft self:layers=8 --draft self:layers=15 --tokens 64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.engine_decode import PROMPT, asset_root, bench_sae  # noqa: E402
+from gpu_engine.assets import ensure_assets  # noqa: E402
+from gpu_engine.engine import Engine  # noqa: E402
+from gpu_engine.protocol import (  # noqa: E402
+    AttachSpec,
+    GenerationJob,
+    LoadModelJob,
+    SamplingParams,
+    SteeringSpec,
+)
+
+
+def _engine(path: Path, name: str, draft: str | None, k: int) -> Engine:
+    options = {"speculative_model": draft, "speculative_num_tokens": k} if draft else {}
+    eng = Engine()
+    eng.load_model(LoadModelJob(name, str(path), dtype="float32", device="cpu", options=options))
+    return eng
+
+
+def run(path: Path, name: str, drafts: list[str], *, k: int, tokens: int, rounds: int) -> dict:
+    engines = {"plain": _engine(path, name, None, k)}
+    for d in drafts:
+        engines[d] = _engine(path, name, d, k)
+    backend = engines["plain"].backend
+    layer = backend.num_layers // 2
+    sae = bench_sae(name, backend.hidden_size, 1024, layer)
+    for eng in engines.values():
+        eng.attach(AttachSpec("bench", str(sae), layer))
+    steering = SteeringSpec.from_mapping({("bench", layer): {i * 97: 4.0 for i in range(8)}})
+
+    def timed(eng: Engine, steered: bool) -> tuple[float, list[int], object]:
+        job = GenerationJob("bench", prompt=PROMPT, steering=steering if steered else None,
+                            sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        t0 = time.perf_counter()
+        res = eng.generate_sync(job, timeout_s=900)
+        return tokens / (time.perf_counter() - t0), res.token_ids, res.speculative
+
+    out: dict = {"model": name, "dtype": "float32", "tokens": tokens, "rounds": rounds, "num_tokens": k,
+                 "modes": {}}
+    for steered in (False, True):
+        label = "steered" if steered else "unsteered"
+        samples: dict[str, list[float]] = {m: [] for m in engines}
+        ids: dict[str, list[int]] = {}
+        spec: dict[str, object] = {}
+        for m, eng in engines.items():  # warm-up
+            timed(eng, steered)
+        for r in range(rounds):
+            order = list(engines)[r % len(engines):] + list(engines)[: r % len(engines)]
+            for m in order:
+                tps, ids[m], spec[m] = timed(engines[m], steered)
+                samples[m].append(tps)
+        med = {m: statistics.median(v) for m, v in samples.items()}
+        out["modes"][label] = {
+            m: {"tok_s": med[m], "ratio_to_plain": med[m] / med["plain"],
+                "tokens_equal_plain": ids[m] == ids["plain"],
+                "acceptance_rate": getattr(spec[m], "acceptance_rate", None)}
+            for m in engines}
+    for eng in engines.values():
+        eng.shutdown()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--draft", action="append", default=[])
+    ap.add_argument("--num-tokens", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    manifest = ensure_assets(asset_root(), include_demo=args.model == "smollm2-135m")
+    path = manifest.models[args.model].path
+    n_layers = manifest.models[args.model].num_layers
+    drafts = args.draft or [f"self:layers={max(1, n_layers // 4)}", f"self:layers={max(1, n_layers // 2)}"]
+    result = run(path, args.model, drafts, k=args.num_tokens, tokens=args.tokens, rounds=args.rounds)
+    for label, modes in result["modes"].items():
+        for m, r in modes.items():
+            acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
+            print(f"{label:9s} {m:18s} {r['tok_s']:7.2f} tok/s  x{r['ratio_to_plain']:.3f}  acceptance {acc}  "
+                  f"tokens equal plain: {r['tokens_equal_plain']}")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1))
+    else:
+        print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
