@@ -26,6 +26,8 @@ memory bandwidth itself, and turns everything into ratios:
                   steering against the unsteered batch
   capture         batching_engine.py at 1 and 16 requests: last-token / all-token capture of
                   every layer against the same batch without capture
+  capture_backends  capture_backends.py: the same on the vLLM and llama.cpp backends
+                  (where installed)
   llamacpp        llamacpp_decode.py (where llama-cpp-python and the GGUF are installed):
                   steering and monitoring against plain llama-cpp-python, against the
                   transformers backend and against the bandwidth limit
@@ -62,7 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
 
 GROUPS = ("decode", "v1_streaming", "v1_concurrency", "batching", "steering_modes", "capture",
-          "llamacpp", "vllm", "speculative", "unbuilt")
+          "capture_backends", "llamacpp", "vllm", "speculative", "unbuilt")
 BATCHES = (1, 4, 8, 16)
 
 
@@ -320,6 +322,35 @@ def group_capture(ctx: Ctx) -> list[Row]:
     return rows
 
 
+def group_capture_backends(ctx: Ctx) -> list[Row]:
+    """Capture's cost on vLLM and llama.cpp (benchmarks/capture_backends.py)."""
+    batches = [1, 2] if ctx.quick else [1, 16]
+    rows: list[Row] = []
+    wanted = [b for b, missing in (("vllm", vllm_missing()), ("llamacpp", llamacpp_missing()))
+              if missing is None]
+    for b, missing in (("vllm", vllm_missing()), ("llamacpp", llamacpp_missing())):
+        if missing is not None:
+            rows.append(Row("capture_backends", f"{b}: last-token capture ÷ no capture",
+                            status="not installed", note=missing))
+    if not wanted:
+        return rows
+    argv = ["--tokens", str(4 if ctx.quick else ctx.tokens), "--rounds", str(ctx.rounds)]
+    for b in wanted:
+        argv += ["--backend", b]
+    for n in batches:
+        argv += ["--batch", str(n)]
+    r = ctx.script("capture_backends", "capture_backends.py", argv)
+    for b in wanted:
+        ratio = r["backends"][b]["ratio"]
+        for n in batches:
+            rows.append(Row("capture_backends", f"{b}: last-token capture of every layer ÷ no "
+                            f"capture, {n} requests", ratio["capture_last"][str(n)],
+                            **target(">=", round(1 / 1.1, 3), "issue 15: ≤ 10% cost")))
+            rows.append(Row("capture_backends", f"{b}: all-token capture of every layer ÷ no "
+                            f"capture, {n} requests", ratio["capture_all"][str(n)]))
+    return rows
+
+
 def llamacpp_missing() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python (requirements/llamacpp.txt)"
@@ -430,15 +461,20 @@ def group_unbuilt(ctx: Ctx) -> list[Row]:
 
 RUNNERS = {"decode": group_decode, "v1_streaming": group_v1_streaming, "v1_concurrency": group_v1_concurrency,
            "batching": group_batching, "steering_modes": group_steering_modes, "capture": group_capture,
+           "capture_backends": group_capture_backends,
            "llamacpp": group_llamacpp, "vllm": group_vllm, "speculative": group_speculative,
            "unbuilt": group_unbuilt}
-MISSING = {"llamacpp": llamacpp_missing,
-           "vllm": lambda: "vLLM (requirements/vllm.txt)" if importlib.util.find_spec("vllm") is None else None}
+def vllm_missing() -> str | None:
+    return "vLLM (requirements/vllm.txt)" if importlib.util.find_spec("vllm") is None else None
+
+
+MISSING = {"llamacpp": llamacpp_missing, "vllm": vllm_missing}
 # what each group's table rows would be, for a group that could not run
 PLACEHOLDER = {"decode": "no SAE / idle SAE / steering / steering + monitoring",
                "v1_streaming": "/v1 against the engine directly", "v1_concurrency": "/v1 batched against serial",
                "batching": "batched against serial at 1, 4, 8, 16", "steering_modes": "clamp / conditional at 16",
-               "capture": "capture cost", "llamacpp": "llama.cpp against plain llama-cpp-python and transformers",
+               "capture": "capture cost",
+               "capture_backends": "capture cost on vLLM and llama.cpp", "llamacpp": "llama.cpp against plain llama-cpp-python and transformers",
                "vllm": "vLLM against plain vLLM and transformers",
                "speculative": "speculative decoding against plain", "unbuilt": "unbuilt features"}
 
