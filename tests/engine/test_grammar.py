@@ -11,13 +11,22 @@ import pytest
 
 from gpu_engine.protocol import StructuredOutput
 
-BOUNDED = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
-                                            "code": {"type": "string", "minLength": 2}},
-           "required": ["city", "code"], "additionalProperties": False}
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "code": {"type": "string", "minLength": 2},
+    },
+    "required": ["city", "code"],
+    "additionalProperties": False,
+}
 
 
-@pytest.mark.parametrize("char", [chr(c) for c in range(0x20)] + ["\\", '"', "é", "\x7f"],
-                         ids=lambda c: f"U+{ord(c):04X}")
+@pytest.mark.parametrize(
+    "char",
+    [chr(c) for c in range(0x20)] + ["\\", '"', "é", "\x7f"],
+    ids=lambda c: f"U+{ord(c):04X}",
+)
 def test_a_string_with_a_length_bound_holds_only_what_json_allows(char):
     """A raw control character is not JSON: the grammar refuses it inside a bounded string
     (xgrammar's own conversion of ``maxLength`` let it through)."""

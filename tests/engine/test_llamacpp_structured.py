@@ -18,14 +18,32 @@ import pytest
 from gpu_engine.assets import demo_gguf_path
 from gpu_engine.engine import Engine
 from gpu_engine.errors import ResponseFormatUnsupported
-from gpu_engine.protocol import BatchingOptions, GenerationJob, LoadModelJob, SamplingParams, StructuredOutput
-from tests.engine.structured_cases import SCHEMAS, TOOL_PARAMETERS, check_tool_call, structured_job, tool_job
+from gpu_engine.protocol import (
+    BatchingOptions,
+    GenerationJob,
+    LoadModelJob,
+    SamplingParams,
+    StructuredOutput,
+)
+from tests.engine.structured_cases import (
+    SCHEMAS,
+    TOOL_PARAMETERS,
+    check_tool_call,
+    structured_job,
+    tool_job,
+)
 
 
 def gguf_job(path, name="tiny-llama-tools") -> LoadModelJob:
     # a 1,024-token window: the KV cache holds one window per batch row
-    return LoadModelJob(name, str(path), device="cpu", backend="llamacpp", max_context_length=1024,
-                        options={"kv_cache_type": "f16", "flash_attention": True})
+    return LoadModelJob(
+        name,
+        str(path),
+        device="cpu",
+        backend="llamacpp",
+        max_context_length=1024,
+        options={"kv_cache_type": "f16", "flash_attention": True},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -68,8 +86,9 @@ def _hf_reading(tokenizer, vocab_size: int) -> list[bytes]:
     return [b"" if i in special else ref.decoded_vocab[i] for i in range(vocab_size)]
 
 
-def test_the_grammar_reads_the_vocabulary_as_the_tokenizer_writes_it(gguf_tools, tools_model_dir,
-                                                                      gguf_demo, demo_assets):
+def test_the_grammar_reads_the_vocabulary_as_the_tokenizer_writes_it(
+    gguf_tools, tools_model_dir, gguf_demo, demo_assets
+):
     """Every token the GGUF can write in text decodes, for the grammar, to the bytes the
     checkpoint's own tokenizer gives it; control tokens are never text."""
     from transformers import AutoTokenizer
@@ -87,37 +106,49 @@ def test_the_grammar_reads_the_vocabulary_as_the_tokenizer_writes_it(gguf_tools,
 
 
 def test_every_schema_parses_and_validates(gguf_demo):
-    streams = [gguf_demo.generate(structured_job(f"s{i}", what, schema))
-               for i, (what, schema) in enumerate(SCHEMAS)]
+    streams = [
+        gguf_demo.generate(structured_job(f"s{i}", what, schema))
+        for i, (what, schema) in enumerate(SCHEMAS)
+    ]
     for (what, schema), stream in zip(SCHEMAS, streams):
         res = stream.result(timeout_s=240)
         assert res.finish_reason == "stop", (what, res.text)
         jsonschema.validate(json.loads(res.text), schema)
     # sampled, and json_object
     for i, (what, schema) in enumerate(SCHEMAS[:4]):
-        res = gguf_demo.generate_sync(structured_job(f"t{i}", what, schema, temperature=1.0, seed=i),
-                                      timeout_s=240)
+        res = gguf_demo.generate_sync(
+            structured_job(f"t{i}", what, schema, temperature=1.0, seed=i), timeout_s=240
+        )
         assert res.finish_reason == "stop", (what, res.text)
         jsonschema.validate(json.loads(res.text), schema)
-    res = gguf_demo.generate_sync(structured_job("o", "a person with a name and an age", None,
-                                                 max_tokens=200), timeout_s=240)
+    res = gguf_demo.generate_sync(
+        structured_job("o", "a person with a name and an age", None, max_tokens=200), timeout_s=240
+    )
     assert res.finish_reason == "stop", res.text
     assert isinstance(json.loads(res.text), dict)
     # positive control: unconstrained, the same prompt is not JSON
-    free = GenerationJob("free", messages=structured_job("f", "a person with a name and an age", None).messages,
-                         sampling=SamplingParams(max_tokens=30, temperature=0.0))
+    free = GenerationJob(
+        "free",
+        messages=structured_job("f", "a person with a name and an age", None).messages,
+        sampling=SamplingParams(max_tokens=30, temperature=0.0),
+    )
     with pytest.raises(ValueError):
         json.loads(gguf_demo.generate_sync(free, timeout_s=60).text)
 
 
-@pytest.mark.parametrize("functions", [list(TOOL_PARAMETERS), ["set_alarm"], ["ping"]],
-                         ids=["required", "named-set_alarm", "named-ping"])
+@pytest.mark.parametrize(
+    "functions",
+    [list(TOOL_PARAMETERS), ["set_alarm"], ["ping"]],
+    ids=["required", "named-set_alarm", "named-ping"],
+)
 def test_tool_choice_required_and_named_write_one_valid_call(gguf_tools, functions):
     res = gguf_tools.generate_sync(tool_job("call", functions), timeout_s=240)
     assert res.finish_reason == "stop", res.text
     check_tool_call(res.text, functions)
     # sampled too
-    res = gguf_tools.generate_sync(tool_job("call", functions, temperature=1.0, seed=11), timeout_s=240)
+    res = gguf_tools.generate_sync(
+        tool_job("call", functions, temperature=1.0, seed=11), timeout_s=240
+    )
     assert res.finish_reason == "stop", res.text
     check_tool_call(res.text, functions)
 
@@ -126,11 +157,15 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(gguf_demo, gguf_tools
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     jobs = {
         "plain": GenerationJob("plain", prompt="The weather today is", sampling=greedy),
-        "sampled-plain": GenerationJob("sampled-plain", prompt="One two three", sampling=SamplingParams(
-            max_tokens=24, temperature=0.8, seed=5, ignore_eos=True)),
+        "sampled-plain": GenerationJob(
+            "sampled-plain",
+            prompt="One two three",
+            sampling=SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True),
+        ),
         "json": structured_job("json", "a task", SCHEMAS[13][1], max_tokens=80),
-        "sampled-json": structured_job("sampled-json", "a person", SCHEMAS[0][1], max_tokens=80,
-                                       temperature=0.9, seed=7),
+        "sampled-json": structured_job(
+            "sampled-json", "a person", SCHEMAS[0][1], max_tokens=80, temperature=0.9, seed=7
+        ),
     }
     solo = {name: gguf_demo.generate_sync(job, timeout_s=240) for name, job in jobs.items()}
     # what llama.cpp decodes: the sequences in each llama_decode
@@ -156,8 +191,11 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(gguf_demo, gguf_tools
         assert mixed[name].finish_reason == "stop"
         jsonschema.validate(json.loads(mixed[name].text), schema)
     # positive control: without its grammar the structured prompt says something else
-    free = GenerationJob("free", messages=jobs["json"].messages,
-                         sampling=SamplingParams(max_tokens=80, temperature=0.0))
+    free = GenerationJob(
+        "free",
+        messages=jobs["json"].messages,
+        sampling=SamplingParams(max_tokens=80, temperature=0.0),
+    )
     assert gguf_demo.generate_sync(free, timeout_s=240).token_ids != solo["json"].token_ids
 
 

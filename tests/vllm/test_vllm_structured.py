@@ -18,16 +18,36 @@ import pytest
 
 from gpu_engine.engine import Engine
 from gpu_engine.errors import ResponseFormatUnsupported
-from gpu_engine.protocol import BatchingOptions, GenerationJob, LoadModelJob, SamplingParams, StructuredOutput
-from tests.engine.structured_cases import SCHEMAS, TOOL_PARAMETERS, check_tool_call, structured_job, tool_job
+from gpu_engine.protocol import (
+    BatchingOptions,
+    GenerationJob,
+    LoadModelJob,
+    SamplingParams,
+    StructuredOutput,
+)
+from tests.engine.structured_cases import (
+    SCHEMAS,
+    TOOL_PARAMETERS,
+    check_tool_call,
+    structured_job,
+    tool_job,
+)
 
 from .conftest import require_vllm
 
 
 def _vllm(name: str, path) -> Engine:
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=24), drain_timeout_s=300)
-    eng.load_model(LoadModelJob(name, str(path), dtype="float32", device="cpu", backend="vllm",
-                                options={"distributed_executor_backend": "uni", "max_num_seqs": 24}))
+    eng.load_model(
+        LoadModelJob(
+            name,
+            str(path),
+            dtype="float32",
+            device="cpu",
+            backend="vllm",
+            options={"distributed_executor_backend": "uni", "max_num_seqs": 24},
+        )
+    )
     return eng
 
 
@@ -36,8 +56,10 @@ def vllm_models(demo_assets, tools_model_dir):
     """One vLLM engine at a time (each holds its own KV cache): yields a function giving
     the engine for "demo" or "tools", loading it on first use."""
     require_vllm()
-    paths = {"demo": ("smollm2-135m", demo_assets.models["smollm2-135m"].path),
-             "tools": ("tiny-llama-tools", tools_model_dir)}
+    paths = {
+        "demo": ("smollm2-135m", demo_assets.models["smollm2-135m"].path),
+        "tools": ("tiny-llama-tools", tools_model_dir),
+    }
     current: dict[str, Engine] = {}
 
     def get(which: str) -> Engine:
@@ -58,23 +80,35 @@ def test_every_schema_parses_and_validates(vllm_models):
     caps = eng.status().batching["capabilities"]
     assert caps["structured_output"] is True
     assert caps["tool_calling"] is False  # SmolLM2-135M-Instruct's template renders no tools
-    streams = [eng.generate(structured_job(f"s{i}", what, schema)) for i, (what, schema) in enumerate(SCHEMAS)]
+    streams = [
+        eng.generate(structured_job(f"s{i}", what, schema))
+        for i, (what, schema) in enumerate(SCHEMAS)
+    ]
     for (what, schema), stream in zip(SCHEMAS, streams):
         res = stream.result(timeout_s=300)
         assert res.finish_reason == "stop", (what, res.text)
         jsonschema.validate(json.loads(res.text), schema)
     for i, (what, schema) in enumerate(SCHEMAS[:4]):
-        res = eng.generate_sync(structured_job(f"t{i}", what, schema, temperature=1.0, seed=i), timeout_s=300)
+        res = eng.generate_sync(
+            structured_job(f"t{i}", what, schema, temperature=1.0, seed=i), timeout_s=300
+        )
         assert res.finish_reason == "stop", (what, res.text)
         jsonschema.validate(json.loads(res.text), schema)
     # json_object; the grammar's end ends the request even under ignore_eos
-    res = eng.generate_sync(structured_job("o", "a person with a name and an age", None, max_tokens=200,
-                                           ignore_eos=True), timeout_s=300)
+    res = eng.generate_sync(
+        structured_job(
+            "o", "a person with a name and an age", None, max_tokens=200, ignore_eos=True
+        ),
+        timeout_s=300,
+    )
     assert res.finish_reason == "stop", res.text
     assert isinstance(json.loads(res.text), dict)
     # positive control: unconstrained, the same prompt is not JSON
-    free = GenerationJob("free", messages=structured_job("f", "a person with a name and an age", None).messages,
-                         sampling=SamplingParams(max_tokens=30, temperature=0.0))
+    free = GenerationJob(
+        "free",
+        messages=structured_job("f", "a person with a name and an age", None).messages,
+        sampling=SamplingParams(max_tokens=30, temperature=0.0),
+    )
     with pytest.raises(ValueError):
         json.loads(eng.generate_sync(free, timeout_s=300).text)
 
@@ -113,8 +147,11 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(vllm_models):
         assert mixed[name].finish_reason == "stop"
         jsonschema.validate(json.loads(mixed[name].text), schema)
     # positive control: without its grammar the structured prompt says something else
-    free = GenerationJob("free", messages=jobs["json"].messages,
-                         sampling=SamplingParams(max_tokens=80, temperature=0.0))
+    free = GenerationJob(
+        "free",
+        messages=jobs["json"].messages,
+        sampling=SamplingParams(max_tokens=80, temperature=0.0),
+    )
     assert eng.generate_sync(free, timeout_s=300).token_ids != solo["json"].token_ids
 
 
@@ -128,8 +165,11 @@ def test_a_schema_the_compiler_refuses_is_response_format_unsupported(vllm_model
     assert "ookbehind" in caught.value.message
 
 
-@pytest.mark.parametrize("functions", [list(TOOL_PARAMETERS), ["set_alarm"], ["ping"]],
-                         ids=["required", "named-set_alarm", "named-ping"])
+@pytest.mark.parametrize(
+    "functions",
+    [list(TOOL_PARAMETERS), ["set_alarm"], ["ping"]],
+    ids=["required", "named-set_alarm", "named-ping"],
+)
 def test_tool_choice_required_and_named_write_one_valid_call(vllm_models, functions):
     eng = vllm_models("tools")
     caps = eng.status().batching["capabilities"]

@@ -4,6 +4,8 @@ The model runs in this process on llama.cpp's own kernels; sampling, text and mo
 encoding run on the host in torch, with the same code as the transformers backend.
 Steering is a control vector when every row of a forward is steered alike and the eval
 callback otherwise (``batched.py``); monitoring is the eval callback (``taps.py``).
+Structured output and tool calls are the shared xgrammar masks (``gpu_engine.structured``)
+over the GGUF's vocabulary, applied by each request's sampler to its own row.
 
 Load options (``LoadModelJob.options``, from the site's GGUF_* settings):
 

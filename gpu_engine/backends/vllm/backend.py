@@ -8,7 +8,9 @@ What vLLM cannot honour is refused before generation with a clear code, never ig
 embeddings (a generation engine has no pooling runner here), scores restricted to
 ``allowed_token_ids``, and — when CUDA graphs / torch.compile are on
 (``enforce_eager=False``), where Python hooks do not run — any steered or monitored
-request.  Serial mode does not exist: the engine drives this backend through its batch
+request.  Structured output and tool calls go to vLLM's own structured outputs (its
+xgrammar backend) with the grammar every backend enforces (``batch.py``).  Serial mode
+does not exist: the engine drives this backend through its batch
 scheduler (``capabilities()["serial_mode"] is False``).
 """
 
