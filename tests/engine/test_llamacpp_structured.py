@@ -35,14 +35,17 @@ from tests.engine.structured_cases import (
 
 
 def gguf_job(path, name="tiny-llama-tools") -> LoadModelJob:
-    # a 1,024-token window: the KV cache holds one window per batch row
+    # a 1,024-token window: the KV cache holds one window per batch row; the tiny float32
+    # model keeps a float32 cache without flash attention (a batch row computes exactly
+    # its solo run, as in test_llamacpp), the demo a float16 one
+    tiny = name == "tiny-llama-tools"
     return LoadModelJob(
         name,
         str(path),
         device="cpu",
         backend="llamacpp",
         max_context_length=1024,
-        options={"kv_cache_type": "f16", "flash_attention": True},
+        options={"kv_cache_type": "f32" if tiny else "f16", "flash_attention": not tiny},
     )
 
 
@@ -82,8 +85,10 @@ def _hf_reading(tokenizer, vocab_size: int) -> list[bytes]:
     import xgrammar as xg
 
     ref = xg.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
-    special = set(tokenizer.all_special_ids)
-    return [b"" if i in special else ref.decoded_vocab[i] for i in range(vocab_size)]
+    # the tokens its decode drops under skip_special_tokens, as the engine decodes text
+    special = {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
+    decoded = ref.decoded_vocab  # built anew at each read
+    return [b"" if i in special else decoded[i] for i in range(vocab_size)]
 
 
 def test_the_grammar_reads_the_vocabulary_as_the_tokenizer_writes_it(
@@ -96,8 +101,9 @@ def test_the_grammar_reads_the_vocabulary_as_the_tokenizer_writes_it(
     tok = AutoTokenizer.from_pretrained(str(tools_model_dir))
     info = gguf_tools.backend.structured_grammars().info
     assert info.vocab_size == len(tok) == 514
-    assert info.decoded_vocab == _hf_reading(tok, len(tok))
-    assert info.decoded_vocab[512] == b"<tool_call>"
+    decoded = info.decoded_vocab
+    assert decoded == _hf_reading(tok, len(tok))
+    assert decoded[512] == b"<tool_call>"
     assert set(info.stop_token_ids) == gguf_tools.backend.eos_token_ids
     # the real SmolLM2 GGUF against its checkpoint's tokenizer
     tok = AutoTokenizer.from_pretrained(str(demo_assets.models["smollm2-135m"].path))
@@ -153,7 +159,9 @@ def test_tool_choice_required_and_named_write_one_valid_call(gguf_tools, functio
     check_tool_call(res.text, functions)
 
 
-def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(gguf_demo, gguf_tools):
+def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(gguf_tools):
+    """On the float32 tiny model (SmolLM2's Q4_1 kernels give a batch row last-bit
+    differences from its solo run whatever the grammar does), bounded schemas and a call."""
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     jobs = {
         "plain": GenerationJob("plain", prompt="The weather today is", sampling=greedy),
@@ -162,14 +170,15 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(gguf_demo, gguf_tools
             prompt="One two three",
             sampling=SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True),
         ),
-        "json": structured_job("json", "a task", SCHEMAS[13][1], max_tokens=80),
+        "json": structured_job("json", "a task", SCHEMAS[13][1], max_tokens=120),
         "sampled-json": structured_job(
-            "sampled-json", "a person", SCHEMAS[0][1], max_tokens=80, temperature=0.9, seed=7
+            "sampled-json", "a matrix", SCHEMAS[19][1], max_tokens=120, temperature=0.9, seed=7
         ),
+        "call": tool_job("call", ["get_weather"]),
     }
-    solo = {name: gguf_demo.generate_sync(job, timeout_s=240) for name, job in jobs.items()}
+    solo = {name: gguf_tools.generate_sync(job, timeout_s=240) for name, job in jobs.items()}
     # what llama.cpp decodes: the sequences in each llama_decode
-    ctx = gguf_demo.backend.context
+    ctx = gguf_tools.backend.context
     seen: list[int] = []
     real = ctx.decode
 
@@ -179,7 +188,7 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(gguf_demo, gguf_tools
 
     ctx.decode = spy
     try:
-        streams = {name: gguf_demo.generate(job) for name, job in jobs.items()}
+        streams = {name: gguf_tools.generate(job) for name, job in jobs.items()}
         mixed = {name: s.result(timeout_s=240) for name, s in streams.items()}
     finally:
         del ctx.decode
@@ -187,16 +196,17 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(gguf_demo, gguf_tools
     for name in jobs:
         assert mixed[name].token_ids == solo[name].token_ids, name
         assert mixed[name].finish_reason == solo[name].finish_reason, name
-    for name, schema in (("json", SCHEMAS[13][1]), ("sampled-json", SCHEMAS[0][1])):
+    for name, schema in (("json", SCHEMAS[13][1]), ("sampled-json", SCHEMAS[19][1])):
         assert mixed[name].finish_reason == "stop"
         jsonschema.validate(json.loads(mixed[name].text), schema)
+    check_tool_call(mixed["call"].text, ["get_weather"])
     # positive control: without its grammar the structured prompt says something else
     free = GenerationJob(
         "free",
         messages=jobs["json"].messages,
         sampling=SamplingParams(max_tokens=80, temperature=0.0),
     )
-    assert gguf_demo.generate_sync(free, timeout_s=240).token_ids != solo["json"].token_ids
+    assert gguf_tools.generate_sync(free, timeout_s=240).token_ids != solo["json"].token_ids
 
 
 def test_the_serial_path_masks_the_same(demo_assets, llamacpp):
