@@ -1,8 +1,9 @@
-"""Backend-agnostic text handling: incremental detokenisation and stop sequences."""
+"""Backend-agnostic text handling: incremental detokenisation, stop sequences, and how a
+chat template writes tool calls."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 # Prompt tokens decoded in front of the first generated token, so that a leading space
@@ -81,4 +82,29 @@ class StopMatcher:
         return hold
 
 
-__all__ = ["IncrementalDetokenizer", "StopMatcher"]
+# a tool for probing a chat template: rendering with it must differ from rendering without
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "millm_probe_tool", "description": "probe",
+    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+
+
+def tool_template_format(template: Any, render: Callable[..., str]) -> str | None:
+    """How a chat template (its source ``template``, rendered to text by ``render(messages,
+    add_generation_prompt=True, **kwargs)``) writes tool calls (``TOOL_CALL_FORMATS``), or
+    None when it does not render tools: a template that ignores ``tools`` renders the
+    same text with and without one.  ``hermes`` when the template speaks of
+    ``<tool_call>`` (Hermes, Qwen 2.5/3, SmolLM3), else ``json`` (a bare JSON object)."""
+    if not template or not isinstance(template, str):
+        return None
+    messages = [{"role": "user", "content": "probe"}]
+    try:
+        plain = render(messages, add_generation_prompt=True)
+        with_tool = render(messages, add_generation_prompt=True, tools=[_PROBE_TOOL])
+    except Exception:  # noqa: BLE001 - a template that fails on tools does not support them
+        return None
+    if plain == with_tool or "millm_probe_tool" not in with_tool:
+        return None
+    return "hermes" if "<tool_call>" in template else "json"
+
+
+__all__ = ["IncrementalDetokenizer", "StopMatcher", "tool_template_format"]

@@ -112,28 +112,22 @@ class ToolPlan:
 def refuse_tools_before_load(model_pk: int) -> None:
     """Before a request with ``tools`` loads a model that is not resident: refuse at once
     (``400 field_not_honoured`` naming ``tools``) when it certainly cannot render them — a
-    backend without tool calling (llama.cpp, vLLM), or a checkpoint whose chat template
-    never mentions ``tools``. Otherwise the load goes ahead and the engine's own report
-    decides (``tool_plan``)."""
+    checkpoint or GGUF file whose chat template never mentions ``tools``. Otherwise the
+    load goes ahead and the engine's own report decides (``tool_plan``); every backend
+    constrains calls where the template renders tools."""
     from pathlib import Path
 
     from registry.describe import chat_template_text
     from registry.models import Model
 
     row = Model.objects.filter(pk=model_pk).first()
-    if row is None:
+    if row is None or not row.local_path:
         return
-    backend = row.effective_backend()
-    reason = None
-    if backend != "transformers":
-        reason = f"the {backend} backend it loads on has no tool calling"
-    elif row.local_path:
-        text = chat_template_text(Path(row.local_path))
-        if text is not None and "tools" not in text:
-            reason = "its chat template never mentions tools"
-    if reason:
-        raise OpenAIError(f"tools cannot be honoured on {row.name}: {reason} (refused before "
-                          "loading it)", status=400, code="field_not_honoured", param="tools")
+    text = chat_template_text(Path(row.local_path))
+    if text is not None and "tools" not in text:
+        raise OpenAIError(f"tools cannot be honoured on {row.name}: its chat template never "
+                          "mentions tools (refused before loading it)", status=400,
+                          code="field_not_honoured", param="tools")
 
 
 def tool_plan(req: ChatCompletionRequest, capabilities: dict[str, Any], model: str

@@ -82,8 +82,17 @@ def describe_transformers_dir(path: Path, quantization: str | None = None) -> di
 def chat_template_text(path: Path) -> str | None:
     """The chat template(s) a transformers checkpoint directory ships, as one text
     (``chat_template.jinja``, or ``chat_template`` in ``tokenizer_config.json``: a string or
-    a list of named templates); None when there is none or it cannot be read here."""
+    a list of named templates), or a GGUF file's ``tokenizer.chat_template``; None when
+    there is none or it cannot be read here."""
     texts: list[str] = []
+    if path.is_file() and path.suffix == ".gguf":
+        from gguf import GGUFReader
+
+        try:
+            item = GGUFReader(str(path), "r").fields.get("tokenizer.chat_template")
+        except Exception:  # noqa: BLE001 - gguf raises assorted errors on bad files
+            return None
+        return str(item.contents()) if item is not None else None
     try:
         jinja = path / "chat_template.jinja"
         if jinja.is_file():

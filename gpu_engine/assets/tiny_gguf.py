@@ -69,13 +69,18 @@ def build_tiny_gguf(model_dir: Path, out_path: Path) -> Path:
     w.add_vocab_size(int(cfg["vocab_size"]))
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
 
-    # the tokenizer: ids in order, specials as control tokens, the BPE merges
+    # the tokenizer: ids in order, the added tokens typed, the BPE merges
     vocab = tok_json["model"]["vocab"]
-    specials = {t["content"]: t["id"] for t in tok_json.get("added_tokens", [])}
-    tokens = [""] * len(vocab | specials)
-    for text, i in (vocab | specials).items():
+    added = {t["content"]: t for t in tok_json.get("added_tokens", [])}
+    ids = vocab | {text: t["id"] for text, t in added.items()}
+    tokens = [""] * len(ids)
+    for text, i in ids.items():
         tokens[i] = text
-    types = [gguf.TokenType.CONTROL if t in specials else gguf.TokenType.NORMAL for t in tokens]
+    # special added tokens are control tokens; the others (a template's <tool_call>) are
+    # user-defined: written as text, as transformers writes them
+    types = [gguf.TokenType.NORMAL if t not in added else
+             gguf.TokenType.CONTROL if added[t].get("special", True) else gguf.TokenType.USER_DEFINED
+             for t in tokens]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok_json["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")
@@ -85,7 +90,7 @@ def build_tiny_gguf(model_dir: Path, out_path: Path) -> Path:
     w.add_bos_token_id(int(cfg["bos_token_id"]))
     w.add_eos_token_id(int(cfg["eos_token_id"]))
     w.add_pad_token_id(int(cfg["pad_token_id"]))
-    w.add_eot_token_id(specials["<|im_end|>"])
+    w.add_eot_token_id(ids["<|im_end|>"])
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     template_file = model_dir / "chat_template.jinja"

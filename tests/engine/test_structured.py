@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
+from gpu_engine.backends.base import all_capabilities
 from gpu_engine.engine import Engine
 from gpu_engine.errors import InvalidParameter, ResponseFormatUnsupported
 from gpu_engine.protocol import (
@@ -28,60 +29,9 @@ from gpu_engine.protocol import (
 )
 from gpu_engine.requests import check_capabilities
 from tests.batching.conftest import Choreography
-from tests.fixtures.backends import require_backend
+from tests.engine.structured_cases import SCHEMAS, structured_job
 
 pytestmark = pytest.mark.demo_model
-
-S = {"type": "string", "maxLength": 16}
-SCHEMAS: list[tuple[str, dict]] = [
-    ("a person", {"type": "object", "properties": {"name": S, "age": {"type": "integer"}},
-                  "required": ["name", "age"], "additionalProperties": False}),
-    ("a colour", {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}},
-                  "required": ["colour"], "additionalProperties": False}),
-    ("three tags", {"type": "array", "items": {"type": "string", "maxLength": 8}, "minItems": 3,
-                    "maxItems": 3}),
-    ("a yes or no", {"type": "boolean"}),
-    ("a percentage", {"type": "integer", "minimum": 0, "maximum": 100}),
-    ("a probability", {"type": "number", "minimum": 0, "maximum": 1}),
-    ("a temperature in celsius", {"type": "number", "exclusiveMinimum": -50, "exclusiveMaximum": 60}),
-    ("a postcode", {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{2}[0-9]{3}$"}},
-                    "required": ["code"], "additionalProperties": False}),
-    ("a city with a location", {"type": "object", "properties": {
-        "city": S, "location": {"type": "object", "properties": {
-            "lat": {"type": "number", "minimum": -90, "maximum": 90},
-            "lon": {"type": "number", "minimum": -180, "maximum": 180}},
-            "required": ["lat", "lon"], "additionalProperties": False}},
-        "required": ["city", "location"], "additionalProperties": False}),
-    ("scores", {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 5}, "minItems": 1,
-                "maxItems": 4}),
-    ("a status", {"enum": ["ok", "warn", "error", None]}),
-    ("a constant", {"const": {"version": 2}}),
-    ("an id or a name", {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 999}, S]}),
-    ("a task", {"type": "object", "properties": {
-        "title": S, "done": {"type": "boolean"}, "priority": {"enum": ["low", "high"]}},
-        "required": ["title", "done", "priority"], "additionalProperties": False}),
-    ("a short word", {"type": "string", "minLength": 2, "maxLength": 6}),
-    ("a pair", {"type": "array", "prefixItems": [{"type": "integer", "minimum": 0, "maximum": 9},
-                                                 {"type": "boolean"}], "items": False}),
-    ("an optional note", {"type": "object", "properties": {"note": S, "count": {"type": "integer",
-                          "minimum": 0, "maximum": 9}}, "required": ["count"], "additionalProperties": False}),
-    ("a node and its leaves", {"$defs": {"leaf": {"type": "object", "properties": {
-        "v": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["v"], "additionalProperties": False}},
-        "type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
-                                         "kids": {"type": "array", "maxItems": 2, "items": {"$ref": "#/$defs/leaf"}}},
-        "required": ["v", "kids"], "additionalProperties": False}),
-    ("a nullable count", {"type": ["integer", "null"], "minimum": 0, "maximum": 50}),
-    ("a matrix", {"type": "array", "minItems": 2, "maxItems": 2, "items": {
-        "type": "array", "minItems": 2, "maxItems": 2, "items": {"type": "integer", "minimum": 0, "maximum": 9}}}),
-]
-
-
-def structured_job(name: str, what: str, schema: dict | None, **sampling) -> GenerationJob:
-    spec = StructuredOutput("json_schema", json.dumps(schema)) if schema is not None else StructuredOutput("json_object")
-    params = {"max_tokens": 120, "temperature": 0.0, **sampling}
-    return GenerationJob(name, messages=[{"role": "user", "content": f"Answer with JSON: {what}."}],
-                         sampling=SamplingParams(structured=spec, **params))
-
 
 @pytest.fixture(scope="module")
 def demo_engine(demo_assets):
@@ -182,25 +132,10 @@ def test_a_schema_the_compiler_refuses_is_response_format_unsupported(demo_engin
     assert "ookbehind" in caught.value.message
 
 
-def _stand_in(name: str) -> SimpleNamespace:
-    """A backend of that kind reporting its own ``capabilities()`` (on stand-ins for its
-    loaded state); skips or fails as the extra backends' tests do where not installed."""
-    require_backend(name)
-    if name == "llamacpp":
-        from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
-
-        return SimpleNamespace(name=name, capabilities=lambda: LlamaCppBackend.capabilities(
-            SimpleNamespace(opts={"embeddings": True}, taps=SimpleNamespace(native_filter=True))))
-    from gpu_engine.backends.vllm.backend import VllmBackend
-
-    return SimpleNamespace(name=name, capabilities=lambda: VllmBackend.capabilities(
-        SimpleNamespace(enforce_eager=True)))
-
-
-@pytest.mark.parametrize("name", ["llamacpp", "vllm"])
-def test_backends_without_grammars_refuse_response_format_before_anything_runs(name):
-    backend = _stand_in(name)
-    assert backend.capabilities()["structured_output"] is False
+def test_a_backend_without_grammars_is_refused_before_anything_runs():
+    """Every backend here honours structured output (their own tests); one that reports
+    ``structured_output`` false is refused by name before anything runs."""
+    backend = SimpleNamespace(name="stand-in", capabilities=lambda: all_capabilities(structured_output=False))
     job = GenerationJob("r", prompt="x", sampling=SamplingParams(structured=StructuredOutput("json_object")))
     with pytest.raises(InvalidParameter) as caught:
         check_capabilities(backend, job)

@@ -16,13 +16,11 @@ import pytest
 
 from inference.protocol import ChatCompletionRequest
 from inference.tools import ToolPlan, ToolStream, parse_tool_calls
-from tests.fixtures.assets import asset_cache_dir
 from tests.v1.conftest import model_resident
 from tests.v1.helpers import assert_openai_error, request
 from tests.v1.openai_schema import assert_schema
-from tests.v1.tools_model import build_tools_model
+from tests.v1.tools_model import NAME
 
-NAME = "tiny-llama-tools"
 OPEN_ID = 512  # <tool_call>, the first token added to tiny-llama's 512
 
 WEATHER = {"type": "object", "properties": {
@@ -55,12 +53,6 @@ def _check_call(call, names=tuple(SCHEMAS)) -> None:
     assert call.type == "function" and call.id.startswith("call_")
     assert call.function.name in names
     jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
-
-
-@pytest.fixture(scope="session")
-def tools_model_dir(tiny_assets):
-    return build_tools_model(tiny_assets.models["tiny-llama"].path,
-                             asset_cache_dir() / "models" / NAME)
 
 
 @pytest.fixture

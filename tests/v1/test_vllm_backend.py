@@ -301,3 +301,36 @@ def test_what_vllm_cannot_do_is_a_400_before_anything_runs(vllm_llama, openai_cl
     raw = request(server.base_url, "POST", "/embeddings", {"model": "tiny-llama", "input": "x"})
     assert_openai_error(raw, 400, "invalid_parameter")
     assert batch.steps == steps and server.engine.status().in_flight == 0
+
+
+def test_response_format_on_vllm_parses_and_validates(vllm_llama, openai_client):
+    """tiny-llama's random weights write JSON only under the grammar vLLM enforces;
+    ``jsonschema`` checks it. Its chat template ignores tools: refused by name."""
+    import json
+
+    import jsonschema
+
+    from tests.v1.test_structured import FORMAT, MESSAGES, SCHEMA
+
+    server, _ = vllm_llama
+    caps = server.engine.status().batching["capabilities"]
+    assert caps["structured_output"] is True and caps["tool_calling"] is False
+    out = openai_client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=120, temperature=0,
+        response_format=FORMAT)
+    assert out.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    out = openai_client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=5, n=2,
+        response_format=FORMAT)
+    for choice in out.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+    free = openai_client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=20, temperature=0)
+    with pytest.raises(ValueError):
+        json.loads(free.choices[0].message.content)
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    resp = request(server.base_url, "POST", "/chat/completions", {
+        "model": "tiny-llama", "messages": MESSAGES, "max_tokens": 2, "tools": tools})
+    assert_openai_error(resp, 400, "field_not_honoured", "tools")

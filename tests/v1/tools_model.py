@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+NAME = "tiny-llama-tools"
+
 TOOLS_TEMPLATE = """{{ bos_token }}
 {%- if tools %}<|im_start|>system
 You may call these tools:

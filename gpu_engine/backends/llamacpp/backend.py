@@ -4,7 +4,9 @@ The model runs in this process on llama.cpp's own kernels; sampling, text and mo
 encoding run on the host in torch, with the same code as the transformers backend.
 Steering is a control vector when every row of a forward is steered alike and the eval
 callback otherwise (``batched.py``); monitoring and capture (hidden states, rotated Q/K)
-are the eval callback (``taps.py``).
+are the eval callback (``taps.py``). Structured output and tool calls are the shared
+xgrammar masks (``gpu_engine.structured``) over the GGUF's vocabulary, applied by each
+request's sampler to its own row.
 
 Load options (``LoadModelJob.options``, from the site's GGUF_* settings):
 
@@ -40,6 +42,7 @@ from ...protocol import (
     Usage,
 )
 from ...sae.hookpoints import DEFAULT_HOOK_POINT
+from ...text import tool_template_format
 from ..base import all_capabilities
 from ..transformers.sampling import score_result
 from ..transformers.sequence import Sequence
@@ -55,7 +58,7 @@ from .native import (
     resolve_gguf,
 )
 from .taps import EvalTaps
-from .tokens import ChatTemplate, LlamaTokenizer
+from .tokens import ChatTemplate, LlamaTokenizer, grammar_vocabulary
 
 DEFAULT_N_BATCH = 512
 # the hook points this backend reaches exactly (``gpu_engine.sae.hookpoints``)
@@ -151,6 +154,9 @@ class LlamaCppBackend:
             self.dtype = torch.float32
             self.tokenizer = LlamaTokenizer(self.native)
             self.chat = ChatTemplate.from_model(self.native, self.tokenizer)
+            # GenerationJob.tools: whether (and how) the GGUF's chat template renders tools
+            self.tool_call_format = tool_template_format(self.chat.source, self.chat.render)
+            self._grammars: Any = None  # gpu_engine.structured.Grammars, at the first use
             self.eos_token_ids = self.native.eog_ids()
             self.file_type = self.native.meta("general.file_type")
             self.kernels = f"llama.cpp ({'gpu offload' if opts['offload'] else 'cpu'})"
@@ -230,8 +236,10 @@ class LlamaCppBackend:
             # capture reads the eval callback's nodes (``taps.py``); Q/K needs rope's output
             # (a model without rotary embedding has no node that is its Q/K as attended)
             attention_capture=self.native.rotary and GGML_OP_ROPE is not None,
-            structured_output=False,  # no grammar masks in its sampler yet
-            tool_calling=False,  # tool calls need grammar masks (and parsing) too
+            # grammar masks in the shared Sampler, on the request's own row (structured_grammars)
+            structured_output=True,
+            tool_calling=self.tool_call_format is not None,
+            tool_call_format=self.tool_call_format,
             # how requests with different steering share a batch: each row's delta added in
             # the eval callback; rows steered alike use a control vector
             steering_mode="eval_callback_per_row",
@@ -239,6 +247,17 @@ class LlamaCppBackend:
             native_eval_filter=self.taps.native_filter,
             hook_points=list(LLAMACPP_HOOK_POINTS),
         )
+
+    def structured_grammars(self) -> Any:
+        """This model's ``gpu_engine.structured.Grammars`` over the GGUF's vocabulary (built
+        at the first structured request; xgrammar is imported only then)."""
+        if self._grammars is None:
+            from ...structured import Grammars
+
+            self._grammars = Grammars.from_vocabulary(
+                grammar_vocabulary(self.native), stop_token_ids=self.eos_token_ids
+            )
+        return self._grammars
 
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self.native.tokenize(text, add_special=add_special_tokens)

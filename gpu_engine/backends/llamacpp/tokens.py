@@ -1,7 +1,8 @@
 """Tokens through llama.cpp's own vocabulary, and the GGUF's chat template.
 
 ``LlamaTokenizer`` is the small part of a Hugging Face tokenizer that the shared
-``Sequence`` and ``IncrementalDetokenizer`` call (``decode``).  The chat template is the
+``Sequence`` and ``IncrementalDetokenizer`` call (``decode``); ``grammar_vocabulary`` is
+the vocabulary as xgrammar reads it (``gpu_engine.structured``).  The chat template is the
 file's ``tokenizer.chat_template``, rendered the way transformers renders one (a
 sandboxed Jinja environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``)
 so a chat prompt is the same text on both backends.
@@ -27,6 +28,34 @@ class LlamaTokenizer:
         clean_up_tokenization_spaces: bool = False,
     ) -> str:
         return self.native.detokenize(list(ids), skip_special=skip_special_tokens)
+
+
+def grammar_vocabulary(native: NativeModel) -> list[bytes]:
+    """Each token's bytes as it decodes (``llama_token_to_piece``, no leading space
+    stripped), indexed by id, for xgrammar's ``TokenizerInfo`` (``VocabType.RAW``): the
+    GGUF's own vocabulary whatever its tokenizer family (byte-level BPE, SentencePiece with
+    byte fallback).  Control, unknown and unused tokens never appear in text (the engine's
+    detokeniser skips them): ``b""``, which the grammar allows nowhere, or only at the end
+    where it is a stop token."""
+    import ctypes
+
+    from llama_cpp import llama_cpp as lc
+
+    hidden = lc.LLAMA_TOKEN_ATTR_CONTROL | lc.LLAMA_TOKEN_ATTR_UNKNOWN | lc.LLAMA_TOKEN_ATTR_UNUSED
+    buf = ctypes.create_string_buffer(256)
+    pieces: list[bytes] = []
+    for tok in range(native.n_vocab):
+        if lc.llama_vocab_get_attr(native.vocab, tok) & hidden:
+            pieces.append(b"")
+            continue
+        n = lc.llama_token_to_piece(native.vocab, tok, buf, len(buf), 0, True)
+        if n < 0:  # longer than the buffer: -n bytes
+            big = ctypes.create_string_buffer(-n)
+            n = lc.llama_token_to_piece(native.vocab, tok, big, len(big), 0, True)
+            pieces.append(big.raw[:n])
+        else:
+            pieces.append(buf.raw[:n])
+    return pieces
 
 
 class ChatTemplate:
@@ -82,4 +111,4 @@ class ChatTemplate:
             ) from exc
 
 
-__all__ = ["ChatTemplate", "LlamaTokenizer"]
+__all__ = ["ChatTemplate", "LlamaTokenizer", "grammar_vocabulary"]

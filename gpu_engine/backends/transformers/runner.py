@@ -6,6 +6,7 @@ runner knows devices, dtypes, tokenisation and where the decoder blocks are.
 
 from __future__ import annotations
 
+import functools
 import gc
 import inspect as _inspect
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from ...protocol import (
     Usage,
 )
 from ...sae.hookpoints import DEFAULT_HOOK_POINT, HOOK_POINTS
+from ...text import tool_template_format
 from ..base import all_capabilities
 from .blocks import resolve_attention, resolve_block, resolve_block_list, resolve_hook_module
 from .cpu_kernels import pack_linears, packing_available
@@ -40,32 +42,6 @@ from .sampling import score_result
 from .speculative import Drafter, spec_config
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# a tool for probing a chat template: rendering with it must differ from rendering without
-_PROBE_TOOL = {"type": "function", "function": {
-    "name": "millm_probe_tool", "description": "probe",
-    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
-
-
-def tool_template_format(tokenizer: Any) -> str | None:
-    """How this tokenizer's chat template writes tool calls (``TOOL_CALL_FORMATS``), or
-    None when it does not render tools: a template that ignores ``tools`` renders the
-    same text with and without one.  ``hermes`` when the template speaks of
-    ``<tool_call>`` (Hermes, Qwen 2.5/3, SmolLM3), else ``json`` (a bare JSON object)."""
-    template = getattr(tokenizer, "chat_template", None)
-    if not template or not isinstance(template, str):
-        return None
-    messages = [{"role": "user", "content": "probe"}]
-    try:
-        plain = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        with_tool = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
-                                                  tools=[_PROBE_TOOL])
-    except Exception:  # noqa: BLE001 - a template that fails on tools does not support them
-        return None
-    if plain == with_tool or "millm_probe_tool" not in with_tool:
-        return None
-    return "hermes" if "<tool_call>" in template else "json"
 
 
 def pick_device(device: str) -> torch.device:
@@ -138,7 +114,9 @@ class TransformersRunner:
         self.qk_taps = QKTaps(self.hooks)
         self._grammars: Any = None  # structured.Grammars, built at the first structured request
         # GenerationJob.tools: whether (and how) the chat template renders tools
-        self.tool_call_format = tool_template_format(self.tokenizer)
+        self.tool_call_format = tool_template_format(
+            getattr(self.tokenizer, "chat_template", None),
+            functools.partial(self.tokenizer.apply_chat_template, tokenize=False))
         # SPECULATIVE_MODEL: the serial path's draft (speculative.py), or None
         spec = spec_config(job.options)
         self.drafter = Drafter(self, spec) if spec is not None else None
@@ -187,9 +165,10 @@ class TransformersRunner:
         """This model's ``structured.Grammars`` (vocabulary info built once, grammars
         cached); xgrammar is imported only when a request asks for structured output."""
         if self._grammars is None:
-            from .structured import Grammars
+            from ...structured import Grammars
 
-            self._grammars = Grammars(self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids)
+            self._grammars = Grammars.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
+                                                       stop_token_ids=self.eos_token_ids)
         return self._grammars
 
     def _eos_ids(self) -> set[int]:

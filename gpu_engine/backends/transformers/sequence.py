@@ -33,8 +33,9 @@ Emit = Callable[[object], None]
 
 
 def structured_grammar(runner, sampling: SamplingParams):  # type: ignore[no-untyped-def]
-    """The request's ``structured.RequestGrammar`` (None without ``response_format``); a
-    runner without grammars is refused before this by ``requests.check_capabilities``."""
+    """The request's ``gpu_engine.structured.RequestGrammar`` (None without
+    ``response_format``); a runner without grammars is refused before this by
+    ``requests.check_capabilities``."""
     if sampling.structured is None:
         return None
     grammars = getattr(runner, "structured_grammars", None)
@@ -53,6 +54,10 @@ def token_logprob(runner, lsm: torch.Tensor, token_id: int, n_top: int) -> Token
 
 class Sequence:
     """Per-request decode state (see the module doc)."""
+
+    # whether this process chooses the tokens (its ``Sampler`` masks them with the request's
+    # grammar); a backend sampling elsewhere enforces the grammar there
+    samples_here = True
 
     def __init__(
         self,
@@ -80,7 +85,7 @@ class Sequence:
         device = runner.device
         self.prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         # response_format: this request's grammar matcher (compiled, or refused, now)
-        self.grammar = structured_grammar(runner, sampling)
+        self.grammar = structured_grammar(runner, sampling) if self.samples_here else None
         self.sampler = Sampler(sampling, vocab_size=runner.vocab_size, device=device, prompt_ids=self.prompt,
                                grammar=self.grammar)
         self.detok = IncrementalDetokenizer(runner.tokenizer, prompt_ids)

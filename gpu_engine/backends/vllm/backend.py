@@ -8,12 +8,15 @@ What vLLM cannot honour is refused before generation with a clear code, never ig
 embeddings (a generation engine has no pooling runner here), scores restricted to
 ``allowed_token_ids``, and — when CUDA graphs / torch.compile are on
 (``enforce_eager=False``), where Python hooks do not run — any steered or monitored
-request.  Serial mode does not exist: the engine drives this backend through its batch
+request.  Structured output and tool calls go to vLLM's own structured outputs (its
+xgrammar backend) with the grammar every backend enforces (``batch.py``).  Serial mode
+does not exist: the engine drives this backend through its batch
 scheduler (``capabilities()["serial_mode"] is False``).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import tempfile
@@ -37,6 +40,7 @@ from ...protocol import (
     ScoreJob,
     ScoreResult,
 )
+from ...text import tool_template_format
 from ..base import all_capabilities
 from .wire import VLLM_HOOK_POINTS, hook_layer
 
@@ -74,6 +78,7 @@ class VllmBackend:
         _prepare_env(opts)
         from transformers import AutoTokenizer
         from vllm import EngineArgs, LLMEngine
+        from vllm.config import StructuredOutputsConfig
 
         self.enforce_eager = bool(opts.get("enforce_eager", True))
         self.tp = int(opts.get("tensor_parallel_size", 1))
@@ -98,6 +103,9 @@ class VllmBackend:
             # scheduler does not run a step ahead of the outputs
             async_scheduling=False,
             worker_extension_cls=WORKER_EXTENSION,
+            # structured requests bring their own grammar (gpu_engine.structured) for
+            # xgrammar, the engine the other backends use; no fallback to another one
+            structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
         )
         if "gpu_memory_utilization" in opts:
             args["gpu_memory_utilization"] = float(opts["gpu_memory_utilization"])
@@ -123,6 +131,10 @@ class VllmBackend:
         self.context_length = int(self.engine.model_config.max_model_len)
         self.vocab_size = int(self.info.vocab_size or len(self.tokenizer))
         self.eos_token_ids = self._eos_ids(path)
+        # GenerationJob.tools: whether (and how) the chat template renders tools
+        self.tool_call_format = tool_template_format(
+            getattr(self.tokenizer, "chat_template", None),
+            functools.partial(self.tokenizer.apply_chat_template, tokenize=False))
         self.kernels = f"vllm:{'eager' if self.enforce_eager else 'graphs'}"
         self._attachments: dict[AttachmentKey, Any] = {}
         self._generation: dict[AttachmentKey, str] = {}
@@ -169,10 +181,11 @@ class VllmBackend:
             # the capture hooks run in the workers' forward like steering's: eager only
             hidden_state_capture=hooks_live,
             attention_capture=hooks_live and qk,
-            # vLLM has structured output of its own; not wired to SamplingParams.structured
-            structured_output=False,
-            # tool calls are constrained by SamplingParams.structured, which is not wired
-            tool_calling=False,
+            # SamplingParams.structured rides to vLLM's own structured outputs (batch.py)
+            structured_output=True,
+            # where the chat template renders tools; calls constrained as structured output
+            tool_calling=self.tool_call_format is not None,
+            tool_call_format=self.tool_call_format,
             per_request_monitoring=hooks_live,
             exact_monitoring_attribution=hooks_live,
             embeddings=False,

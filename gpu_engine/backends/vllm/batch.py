@@ -7,7 +7,10 @@ cache; this module only routes.
 Per request the decode state is the transformers backend's ``Sequence`` (text, stop
 strings, holdback, events, ``FinishEvent``), fed tokens vLLM sampled: vLLM is told to stop
 on the same token ids (EOS unless ``ignore_eos``, ``stop_token_ids``) and at the same
-``max_tokens``; a stop *string* ends the request here and aborts it in vLLM.
+``max_tokens``; a stop *string* ends the request here and aborts it in vLLM.  A structured
+request (``SamplingParams.structured``) carries its grammar to vLLM's own structured
+outputs (``gpu_engine.structured.grammar_text``): vLLM masks that row, and the grammar's
+end, an EOS token, ends the request with ``stop``.
 
 Prefix caching: a steered request's blocks are salted with its canonical steering hash
 (``wire.steering_salt``), so it reuses KV only from requests steered identically; a
@@ -32,6 +35,10 @@ from . import wire
 
 
 class VllmSequence(Sequence):
+    # vLLM samples: a structured request's grammar goes to vLLM's own structured outputs
+    # (its xgrammar backend), which masks that request's row in vLLM's batch
+    samples_here = False
+
     def __init__(self, backend: Any, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int,
                  request_hooks: Any, emit: Any, should_stop: Any) -> None:
         super().__init__(backend, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
@@ -43,6 +50,10 @@ class VllmSequence(Sequence):
             self.cache_salt: str | None = f"millm-watch-{self.vllm_id}"
         else:
             self.cache_salt = wire.steering_salt(extra, backend._generation)
+        if job.sampling.structured is not None:
+            # the grammar's end is an EOS token (vLLM's grammar ends on its request's stop
+            # tokens): it ends the request there, ignore_eos or not, as on transformers
+            self.end_ids |= backend.eos_token_ids
         self.params = self._vllm_params(extra)
         self.pending: dict[int, list[ActivationRecord]] = {}
         self.worker_id = self.vllm_id
@@ -54,6 +65,15 @@ class VllmSequence(Sequence):
         from vllm import SamplingParams as VllmSampling
 
         p = self.sampling
+        structured = None
+        if p.structured is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            from ...structured import grammar_text
+
+            # the grammar every backend enforces (``gpu_engine.structured``), as EBNF text;
+            # a schema xgrammar refuses is response_format_unsupported here, before vLLM
+            structured = StructuredOutputsParams(grammar=grammar_text(p.structured))
         try:
             return VllmSampling(
                 temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
@@ -65,6 +85,7 @@ class VllmSequence(Sequence):
                 logprobs=p.top_logprobs if self.want_lp else None,
                 prompt_logprobs=0 if p.prompt_logprobs else None,
                 detokenize=False,
+                structured_outputs=structured,
                 extra_args={wire.EXTRA_KEY: extra} if extra else None,
             )
         except (ValueError, TypeError) as exc:
