@@ -80,6 +80,8 @@ class VllmSequence(Sequence):
                 seed=None if p.seed is None else p.seed % (2**63),
                 repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
                 frequency_penalty=p.frequency_penalty, max_tokens=self.max_tokens,
+                # checked against the vocabulary by this request's Sampler already
+                logit_bias=dict(p.logit_bias) or None,
                 # the same end tokens as our own decode state; stop strings are matched here
                 ignore_eos=True, stop_token_ids=sorted(self.end_ids),
                 logprobs=p.top_logprobs if self.want_lp else None,
