@@ -11,9 +11,9 @@ mixed vLLM batch every request's capture equals its solo capture within 2e-5 (vL
 against itself, as the mixed-batch monitoring test).  Positive controls: zeros, the
 neighbouring layer and un-rotated keys fail the checks.
 
-Tensor parallelism is not run here (two vLLM workers on two shared cores take minutes to
-start); ``test_tp2_q_k_shards_merge_to_the_tp1_capture`` runs it where
-``MILLM_VLLM_TP2=1`` is set, and tests/engine/test_capture_shards.py tests the shard merge.
+Tensor parallelism: ``test_tp2_q_k_shards_merge_to_the_tp1_capture`` runs two vLLM
+workers where ``MILLM_VLLM_TP2=1`` is set (CI sets it; about two minutes on two cores),
+and tests/engine/test_capture_shards.py tests the shard merge.
 """
 
 from __future__ import annotations
