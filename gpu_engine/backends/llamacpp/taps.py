@@ -87,6 +87,9 @@ class LayerPlan:
     keys: set[AttachmentKey] = field(default_factory=set)
     segments: list[MonitorSegment] = field(default_factory=list)
     captured: bool = False  # some segment is a capture: every row must arrive
+    # (d,) what llama.cpp's control vector already added to every row of this node:
+    # pre-steering monitors read the rows less it
+    preset: torch.Tensor | None = None
 
 
 @dataclass
@@ -289,8 +292,9 @@ class EvalTaps:
 
         for seg in lp.segments:
             if seg.pre and (got := segment_rows(seg)) is not None:
+                pre = got[0] if lp.preset is None else got[0] - lp.preset
                 for m in seg.monitors:
-                    m.observe(got[0], got[1])
+                    m.observe(pre, got[1])
         if lp.deltas is not None:
             if index is None:
                 rows += lp.deltas[lo : lo + n]
