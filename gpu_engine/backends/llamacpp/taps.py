@@ -11,7 +11,9 @@ Before each decode the batch runner publishes a ``ForwardPlan``: per layer, the 
 steering deltas (one row per batch token, zeros for unsteered requests) and the
 monitored segments.  The callback adds the deltas in place (per request inside one
 multi-sequence batch) and hands monitors a torch view of the rows, as the transformers
-hook does.  With no plan published the callback claims nothing and costs one Python
+hook does.  Where a control vector steers the decode instead (every row steered alike,
+and always in the ``control_vector_swap`` mode, ``batched.py``) the node already holds
+it: a layer's ``preset`` is that vector, taken off the rows a pre-steering monitor reads.  With no plan published the callback claims nothing and costs one Python
 call per graph node — or none at all with the C filter (``shim.py``), which answers
 llama.cpp's per-node questions without entering Python.
 
