@@ -328,7 +328,8 @@ def test_cancelling_a_waiting_group_leaves_the_others_running(swap_engine, tiny_
     swap_engine.detach(None)
     swap_engine.attach(AttachSpec(asset.name, str(asset.path), 2))
     ids = swap_engine.backend.encode_text(TEXTS[1])
-    steered = greedy("s", ids, n=40, steering=SteeringSpec.from_mapping({(asset.name, 2): {5: 4.0}}))
+    steered = greedy("s", ids, n=40,
+                     steering=SteeringSpec.from_mapping({(asset.name, 2): {5: 4.0}}))
     plain = greedy("p", ids, n=40)
     want = swap_engine.generate_sync(plain)
     got: list = []

@@ -13,9 +13,10 @@ monitored segments.  The callback adds the deltas in place (per request inside o
 multi-sequence batch) and hands monitors a torch view of the rows, as the transformers
 hook does.  Where a control vector steers the decode instead (every row steered alike,
 and always in the ``control_vector_swap`` mode, ``batched.py``) the node already holds
-it: a layer's ``preset`` is that vector, taken off the rows a pre-steering monitor reads.  With no plan published the callback claims nothing and costs one Python
-call per graph node — or none at all with the C filter (``shim.py``), which answers
-llama.cpp's per-node questions without entering Python.
+it: a layer's ``preset`` is that vector, taken off the rows a pre-steering monitor reads.
+With no plan published the callback claims nothing and costs one Python call per graph
+node — or none at all with the C filter (``shim.py``), which answers llama.cpp's per-node
+questions without entering Python.
 
 Rows: llama.cpp splits a batch into ubatches in order (one KV stream: ``split_simple``),
 so the callback keeps a per-layer row offset.  The last layer's output only holds the
