@@ -339,6 +339,11 @@ VARIABLES: tuple[Var, ...] = (
         "Flash attention; required by a quantized KV cache."),
     Var("GGUF_ENABLE_EMBEDDINGS", "GGUF models", "bool", True,
         "Load GGUF models with embedding output so /v1/embeddings works."),
+    Var("GGUF_STEERING_MODE", "GGUF models", "str", "auto",
+        "How requests with different steering share a GGUF model: auto (per-row writes in "
+        "the eval callback where the load's self-check shows they hold, else control "
+        "vectors swapped between requests) or control_vector_swap (the fallback, forced).",
+        choices=("auto", "control_vector_swap")),
     # --- vLLM models ----------------------------------------------------------------
     Var("VLLM_TENSOR_PARALLEL_SIZE", "vLLM models", "int", 1,
         "GPUs each pipeline stage of a model on the vllm backend is split over (tensor "

@@ -86,7 +86,8 @@ BACKEND_OPTION_SETTINGS: dict[str, dict[str, str]] = {
              "enforce_eager": "VLLM_ENFORCE_EAGER"},
     "llamacpp": {"context_length": "GGUF_CONTEXT_LENGTH", "kv_cache_type": "GGUF_KV_CACHE_TYPE",
                  "flash_attention": "GGUF_FLASH_ATTENTION", "tensor_split": "GGUF_TENSOR_SPLIT",
-                 "enable_embeddings": "GGUF_ENABLE_EMBEDDINGS"},
+                 "enable_embeddings": "GGUF_ENABLE_EMBEDDINGS",
+                 "steering_mode": "GGUF_STEERING_MODE"},
 }
 
 

@@ -158,7 +158,8 @@ register_backend(BackendEntry(
     validator="gpu_engine.backends.llamacpp:check_job",
     # the site's GGUF_* settings (backends/llamacpp/backend.py says what each does)
     options={"context_length": int, "kv_cache_type": str, "flash_attention": bool,
-             "tensor_split": list, "enable_embeddings": bool, "gguf_file": str},
+             "tensor_split": list, "enable_embeddings": bool, "steering_mode": str,
+             "gguf_file": str},
 ))
 
 __all__ = ["DEFAULT_BACKEND", "BackendEntry", "backend_names", "backends_report", "get_backend", "register_backend"]

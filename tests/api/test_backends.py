@@ -130,3 +130,14 @@ def test_a_vllm_model_is_loaded_with_the_vllm_settings_as_its_options(tiny_llama
                            "distributed_executor_backend": "uni",
                            "gpu_memory_utilization": 0.9, "max_model_len": 0,
                            "max_num_seqs": 8, "enforce_eager": True}
+
+
+def test_a_gguf_model_is_loaded_with_the_gguf_settings_as_its_options(tiny_llama, settings):
+    tiny_llama.backend = "llamacpp"
+    settings.GGUF_STEERING_MODE = "control_vector_swap"
+    settings.GGUF_CONTEXT_LENGTH = 256
+    job = orchestration_services.load_job(tiny_llama, device="cpu", dtype="float32")
+    assert job.backend == "llamacpp"
+    assert job.options == {"context_length": 256, "kv_cache_type": "q8_0",
+                           "flash_attention": True, "tensor_split": [],
+                           "enable_embeddings": True, "steering_mode": "control_vector_swap"}

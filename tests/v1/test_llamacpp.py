@@ -52,9 +52,15 @@ def _direct(server, steering=None, max_tokens=16):
 
 
 def test_smollm2_gguf_loads_chats_and_steers_through_v1(smollm2_gguf, openai_client):
+    from tests.v1.helpers import request
+
     server, sae, asset = smollm2_gguf
     status = server.engine.status()
     assert (status.backend, status.num_layers, status.hidden_size) == ("llamacpp", 30, 576)
+    # the CPU build's load self-check lets requests with different steering share a decode
+    base = server.base_url.rsplit("/v1", 1)[0] + "/api"
+    caps = request(base, "GET", "/health/inference").json()["data"]["capabilities"]
+    assert caps["steering_mode"] == "eval_callback_per_row", caps.get("steering_mode_reason")
     plain = openai_client.chat.completions.create(
         model=NAME, messages=MESSAGES, max_tokens=16, temperature=0
     )

@@ -8,6 +8,14 @@ are the eval callback (``taps.py``). Structured output and tool calls are the sh
 xgrammar masks (``gpu_engine.structured``) over the GGUF's vocabulary, applied by each
 request's sampler to its own row.
 
+How requests with different steering share the model is decided at load
+(``steering_mode`` in the capabilities): ``eval_callback_per_row`` — one decode, each
+row's delta written in the eval callback — only where the graph runs on the CPU backend
+and a self-check shows a written row reaching the next layer
+(``batched.check_per_row_writes``); ``control_vector_swap`` otherwise (GPU offload, a
+GPU ggml backend, a failed self-check, or forced): each decode holds requests of one
+steering only, under that steering's control vector, the groups taking turns.
+
 Load options (``LoadModelJob.options``, from the site's GGUF_* settings):
 
 - ``context_length`` (GGUF_CONTEXT_LENGTH): a ceiling on the window, over what the file
@@ -16,6 +24,8 @@ Load options (``LoadModelJob.options``, from the site's GGUF_* settings):
   a quantized KV cache needs flash attention, refused otherwise before loading.
 - ``tensor_split`` (GGUF_TENSOR_SPLIT): per-card proportions, one per card used.
 - ``enable_embeddings`` (GGUF_ENABLE_EMBEDDINGS): /v1/embeddings on this model.
+- ``steering_mode`` (GGUF_STEERING_MODE): ``auto`` (the self-check decides) or
+  ``control_vector_swap`` (the fallback, forced).
 - ``gguf_file``: which file of a directory holding several.
 """
 
@@ -46,7 +56,13 @@ from ...text import tool_template_format
 from ..base import all_capabilities
 from ..transformers.sampling import score_result
 from ..transformers.sequence import Sequence
-from .batched import LlamaBatchRunner, run_serial
+from .batched import (
+    CONTROL_VECTOR_SWAP,
+    EVAL_CALLBACK_PER_ROW,
+    LlamaBatchRunner,
+    check_per_row_writes,
+    run_serial,
+)
 from .native import (
     GGML_OP_ROPE,
     UNQUANTIZED_KV,
@@ -77,6 +93,8 @@ _KV_BYTES = {
 }
 # share of the host's available memory the KV cache may take
 KV_MEMORY_SHARE = 0.5
+# GGUF_STEERING_MODE: let the load decide, or force the fallback
+STEERING_MODE_OPTIONS = ("auto", CONTROL_VECTOR_SWAP)
 
 
 def check_options(job: LoadModelJob) -> dict[str, Any]:
@@ -119,6 +137,13 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
                 param="options.tensor_split",
             )
         split = check_tensor_split(split, n_gpu)
+    steering_mode = o.get("steering_mode", "auto")
+    if steering_mode not in STEERING_MODE_OPTIONS:
+        raise InvalidParameter(
+            f"GGUF_STEERING_MODE {steering_mode!r} is not one of "
+            f"{', '.join(STEERING_MODE_OPTIONS)}",
+            param="options.steering_mode",
+        )
     return {
         "kv": kv,
         "flash_attention": bool(fa),
@@ -127,6 +152,7 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
         "tensor_split": split,
         "embeddings": bool(o.get("enable_embeddings", True)),
         "gguf_file": o.get("gguf_file") or None,
+        "steering_mode": steering_mode,
     }
 
 
@@ -166,11 +192,15 @@ class LlamaCppBackend:
                 num_heads=self.native.n_head, num_kv_heads=self.native.n_head_kv,
                 head_dim=self.native.head_dim)
             self.taps = EvalTaps(self.num_layers, interleaved_rope=self.native.interleaved_rope)
-            # steered forwards by path (control vector / per row in the eval callback)
-            self.steering_forwards = {"control_vector": 0, "eval_callback": 0}
+            # steered forwards by path: a control vector over a batch steered alike, per
+            # row in the eval callback, a control vector over one steering group of the
+            # batch (``control_vector_swap`` mode)
+            self.steering_forwards = {"control_vector": 0, "eval_callback": 0,
+                                      "control_vector_swap": 0}
             self.context: NativeContext | None = None
             self._rows = 0
             self._open_context(1)
+            self.steering_mode, self.steering_mode_reason = self._choose_steering_mode()
         except BaseException:
             self.close()
             raise
@@ -226,6 +256,42 @@ class LlamaCppBackend:
     def scratch_seq(self) -> int:
         return self._rows
 
+    def _choose_steering_mode(self) -> tuple[str, str]:
+        """(mode, why): per-row writes in the eval callback only where the graph is
+        computed on the CPU backend node by node and a written row is seen to reach the
+        next layer; control vectors swapped between steering groups otherwise."""
+        if self.opts["steering_mode"] == CONTROL_VECTOR_SWAP:
+            return CONTROL_VECTOR_SWAP, "forced (GGUF_STEERING_MODE=control_vector_swap)"
+        if self.opts["offload"]:
+            return CONTROL_VECTOR_SWAP, "layers offloaded to a GPU"
+        if gpu_device_count() > 0:
+            return CONTROL_VECTOR_SWAP, (
+                "this llama.cpp build has a GPU ggml backend, which may compute layer "
+                "outputs off the CPU")
+        failure = check_per_row_writes(self)
+        if failure is not None:
+            return CONTROL_VECTOR_SWAP, f"per-row write self-check failed: {failure}"
+        return EVAL_CALLBACK_PER_ROW, (
+            "CPU backend; a row written in the eval callback reached the next layer "
+            "(self-check at load)")
+
+    def _check_steering(self, request_hooks: Any) -> None:
+        """What the fallback cannot run, refused by name before the request runs: a
+        control vector has no tensor at layer 0 (llama.cpp's buffer starts at layer 1)."""
+        if self.steering_mode != CONTROL_VECTOR_SWAP or request_hooks is None:
+            return
+        for (sae_id, layer), plan in request_hooks.plans.items():
+            if layer == 0 and plan.delta is not None:
+                raise InvalidParameter(
+                    "steering at layer 0 needs per-row writes in the eval callback; this "
+                    "llama.cpp load steers with control vectors swapped between requests "
+                    f"(steering_mode {CONTROL_VECTOR_SWAP}: {self.steering_mode_reason}), "
+                    "which start at layer 1",
+                    param="steering",
+                    details={"backend": self.name, "sae_id": sae_id, "layer": layer,
+                             "steering_mode": self.steering_mode},
+                )
+
     # ------------------------------------------------------------------ contract
 
     def capabilities(self) -> dict[str, Any]:
@@ -240,9 +306,12 @@ class LlamaCppBackend:
             structured_output=True,
             tool_calling=self.tool_call_format is not None,
             tool_call_format=self.tool_call_format,
-            # how requests with different steering share a batch: each row's delta added in
-            # the eval callback; rows steered alike use a control vector
-            steering_mode="eval_callback_per_row",
+            # how requests with different steering share a batch (decided at load): each
+            # row's delta added in the eval callback, or one steering per decode under its
+            # control vector (``control_vector_swap``); rows steered alike use a control
+            # vector either way
+            steering_mode=self.steering_mode,
+            steering_mode_reason=self.steering_mode_reason,
             control_vectors=True,
             native_eval_filter=self.taps.native_filter,
             hook_points=list(LLAMACPP_HOOK_POINTS),
@@ -306,6 +375,7 @@ class LlamaCppBackend:
         emit: Any,
         should_stop: Any,
     ) -> Sequence:
+        self._check_steering(request_hooks)
         return Sequence(
             self,
             request_id=job.request_id,
@@ -333,6 +403,7 @@ class LlamaCppBackend:
         should_stop: Any,
         emit: Any,
     ) -> Any:
+        self._check_steering(request_hooks)
         seq = Sequence(
             self,
             request_id=request_id,

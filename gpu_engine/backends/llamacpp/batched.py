@@ -19,6 +19,20 @@ A control vector cannot reach layer 0 (llama.cpp has no tensor there) and would 
 pre-steering value from a monitor, so steering at layer 0 or next to a pre-steering
 monitor always goes through the callback.  Monitoring always does, and so does capture
 (``taps.py``: a layer's output after its deltas or control vector, and the rotated Q/K).
+
+That is the ``eval_callback_per_row`` mode.  Writing rows in the callback holds only
+where the scheduler computes the graph node by node on the CPU backend up to the node
+asked for; another ggml backend, or a llama.cpp that fuses the layer's output into the
+next op, could compute the next layer from a copy the write never reaches.  So the
+backend picks the mode at load (``check_per_row_writes``: a row written in the callback
+must reach the logits exactly as llama.cpp's own control vector does, and leave the other
+row alone), and otherwise runs ``control_vector_swap``: requests are grouped by their
+steering (``steering_signature``), every ``llama_decode`` holds one group only (prefill
+and decode steps alike) under that group's control vector, and the groups take turns —
+the group waiting longest goes next, so none starves.  Each request keeps its own KV
+sequence throughout.  The callback then only reads (monitoring, capture); a
+pre-steering monitor at a steered layer reads the layer's output less the control vector
+there, and steering at layer 0 is refused by the backend (no control vector reaches it).
 """
 
 from __future__ import annotations
@@ -32,6 +46,10 @@ import torch
 from ..transformers.sampling import choose_rows
 from ..transformers.sequence import Sequence
 from .taps import KEY, QUERY, CaptureReader, ForwardPlan, LayerPlan, MonitorSegment
+
+# the capabilities' ``steering_mode``: how requests with different steering share the model
+EVAL_CALLBACK_PER_ROW = "eval_callback_per_row"
+CONTROL_VECTOR_SWAP = "control_vector_swap"
 
 
 def capture_readers(seq: Sequence) -> list[tuple[int | None, int, CaptureReader]]:
@@ -66,6 +84,81 @@ def steering_signature(seq: Sequence) -> tuple:
     return sig
 
 
+def by_signature(seqs: list[Sequence]) -> dict[tuple, list[Sequence]]:
+    """``seqs`` grouped by steering, groups in the order of their first request."""
+    groups: dict[tuple, list[Sequence]] = {}
+    for seq in seqs:
+        groups.setdefault(steering_signature(seq), []).append(seq)
+    return groups
+
+
+def check_per_row_writes(backend: Any) -> str | None:
+    """The load's self-check of per-row writes in the eval callback: None where they hold,
+    else what went wrong.
+
+    Two sequences decode the same token.  A plain decode reads layer L's output (L = 1, or
+    0 in a one-layer model) to size a delta as large as the row itself; a second decode
+    adds that delta to the first row only, in the callback.  The write must reach the
+    logits (the first row's change), stay in its row (the second row's logits as in the
+    plain decode) and — where a control vector reaches layer L — equal llama.cpp's own add
+    of the same vector at the same node (``llama_set_adapter_cvec``): a graph that fused
+    the node, or computed the next layer from a copy, fails one of these."""
+    ctx = backend.context
+    taps = backend.taps
+    n_layer, d = backend.num_layers, backend.hidden_size
+    layer = 1 if n_layer > 1 else 0
+    seqs = (0, backend.scratch_seq)
+    token = min(1, backend.vocab_size - 1)
+    tokens = [(token, 0, sid, True) for sid in seqs]
+    key = ("per-row write self-check", layer)
+
+    def decode(plan: ForwardPlan | None) -> np.ndarray:
+        for sid in seqs:
+            ctx.seq_clear(sid)
+        taps.run(plan, lambda: ctx.decode(tokens))
+        return ctx.logits_rows([0, 1]).astype(np.float64)
+
+    read: list[torch.Tensor] = []
+    reader = CaptureReader(lambda _layer, rows, _pos: read.append(rows.clone()), layer)
+    try:
+        ctx.set_cvec(None, None)
+        plain = decode(ForwardPlan(
+            {layer: LayerPlan(segments=[MonitorSegment([reader], 0, 2, 0, False)])}, 2, [0, 1]))
+        if not read or read[0].shape != (2, d):
+            return f"the eval callback did not hand over the rows of l_out-{layer}"
+        norm = float(read[0][0].norm())
+        rng = np.random.default_rng(0)
+        delta = rng.standard_normal(d).astype(np.float32)
+        delta *= max(norm, 1.0) / float(np.linalg.norm(delta))
+        deltas = torch.zeros((2, d), dtype=torch.float32)
+        deltas[0] = torch.from_numpy(delta)
+        plan = ForwardPlan({layer: LayerPlan(deltas=deltas, keys={key})}, 2, [0, 1])
+        written = decode(plan)
+        if key not in plan.applied:
+            return f"the eval callback never reached l_out-{layer}"
+        scale = max(float(np.abs(plain).max()), 1e-6)
+        tol = 1e-4 * scale
+        if np.abs(written[1] - plain[1]).max() > tol:
+            return "a row written in the callback changed another sequence's logits"
+        if np.abs(written[0] - plain[0]).max() <= 1e-3 * scale:
+            return f"a row written in l_out-{layer} did not reach the next layer"
+        if layer >= 1:
+            data = np.zeros((n_layer - 1, d), dtype=np.float32)
+            data[layer - 1] = delta
+            ctx.set_cvec(key, data)
+            cvec = decode(None)
+            if np.abs(written[0] - cvec[0]).max() > tol:
+                return (f"a row written in l_out-{layer} gave other logits than llama.cpp's "
+                        "control vector adding the same vector there")
+    except Exception as exc:  # noqa: BLE001 - any failure means: do not write rows
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        ctx.set_cvec(None, None)
+        for sid in seqs:
+            ctx.seq_clear(sid)
+    return None
+
+
 class LlamaBatchRunner:
     def __init__(self, backend: Any, *, max_rows: int, seq_ids: list[int] | None = None) -> None:
         self.backend = backend
@@ -74,6 +167,10 @@ class LlamaBatchRunner:
         self.steps = 0
         self._all_ids = list(seq_ids if seq_ids is not None else range(max_rows))
         self._free_ids = list(reversed(self._all_ids))
+        # control_vector_swap: one steering group per decode
+        self.swap = backend.steering_mode == CONTROL_VECTOR_SWAP
+        # per steering group, the step it last ran at (the longest waiting runs next)
+        self._served: dict[tuple, int] = {}
 
     @property
     def ctx(self):  # type: ignore[no-untyped-def]
@@ -114,10 +211,14 @@ class LlamaBatchRunner:
                         if pre:
                             pre_layers.add(key[1])
         steered_layers = {key[1] for key, _ in sigs[0]} if uniform else set()
+        if self.swap and not uniform:
+            raise RuntimeError("control_vector_swap: a decode holds one steering only")
+        # the swap mode steers with control vectors only (layer 0 is refused at admission);
+        # a pre-steering monitor then reads the output less the control vector
         use_cvec = (
             uniform
             and bool(sigs[0])
-            and all(il >= 1 and il not in pre_layers for il in steered_layers)
+            and all(il >= 1 and (self.swap or il not in pre_layers) for il in steered_layers)
         )
         applied: set = set()
         if use_cvec:
@@ -127,8 +228,10 @@ class LlamaBatchRunner:
                 if plan.delta is not None:
                     data[key[1] - 1] += plan.delta.detach().to(torch.float32).cpu().numpy()
                     applied.add(key)
+            for il in pre_layers & steered_layers:
+                layers[il].preset = torch.from_numpy(data[il - 1].copy())
             self.ctx.set_cvec(sigs[0], data)
-            backend.steering_forwards["control_vector"] += 1
+            backend.steering_forwards["control_vector_swap" if self.swap else "control_vector"] += 1
         else:
             self.ctx.set_cvec(None, None)
             n = len(tokens)
@@ -166,10 +269,9 @@ class LlamaBatchRunner:
     # ------------------------------------------------------------------ rows
 
     def start(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Prefill newly admitted requests (several per decode, up to n_batch tokens) and
-        take their first tokens; returns the ones that finished already."""
-        n_batch = self.ctx.settings.n_batch
-        last_layer = self.backend.num_layers - 1
+        """Prefill newly admitted requests (several per decode, up to n_batch tokens; in the
+        swap mode only requests steered alike share a decode) and take their first tokens;
+        returns the ones that finished already."""
         logits: dict[int, torch.Tensor] = {}
         echo: dict[int, list[np.ndarray]] = {}
         for seq in seqs:
@@ -178,34 +280,8 @@ class LlamaBatchRunner:
             seq.seq_id = self._free_ids.pop()  # type: ignore[attr-defined]
             self.ctx.seq_clear(seq.seq_id)  # type: ignore[attr-defined]
         try:
-            # (sequence, offset into its prompt) still to prefill, in order
-            queue = [(s, 0) for s in seqs]
-            while queue:
-                tokens: list[tuple[int, int, int, bool]] = []
-                parts: list[tuple[Sequence, int, int, int]] = []
-                ends: list[tuple[Sequence, int, bool]] = []
-                while queue and len(tokens) < n_batch:
-                    seq, off = queue.pop(0)
-                    take = min(seq.n_prompt - off, n_batch - len(tokens))
-                    all_out = (seq.sampling.prompt_logprobs or self._monitors_layer(seq, last_layer)
-                               or self._captures_prompt_rows(seq, last_layer))
-                    a = len(tokens)
-                    for p in range(off, off + take):
-                        last = p == seq.n_prompt - 1
-                        tokens.append((seq.prompt_ids[p], p, seq.seq_id, bool(all_out or last)))  # type: ignore[attr-defined]
-                    parts.append((seq, a, a + take, off))
-                    ends.append((seq, a, off + take == seq.n_prompt))
-                    if off + take < seq.n_prompt:
-                        queue.insert(0, (seq, off + take))
-                self._forward(parts, tokens)
-                for seq, a, b, off in parts:
-                    seq.forwards += 1
-                    if seq.sampling.prompt_logprobs:
-                        echo.setdefault(id(seq), []).append(self.ctx.logits_rows(list(range(a, b))))
-                for seq, a, done in ends:
-                    if done:
-                        b = next(p[2] for p in parts if p[0] is seq)
-                        logits[id(seq)] = torch.from_numpy(self.ctx.logits(b - 1))
+            for group in by_signature(seqs).values() if self.swap else [seqs]:
+                self._prefill(group, logits, echo)
         except BaseException:
             for seq in seqs:
                 self._release(seq)
@@ -222,6 +298,42 @@ class LlamaBatchRunner:
             else:
                 self.rows.append(seq)
         return finished
+
+    def _prefill(self, seqs: list[Sequence], logits: dict[int, torch.Tensor],
+                 echo: dict[int, list[np.ndarray]]) -> None:
+        """The prompts of ``seqs`` through the model, packed into decodes of up to n_batch
+        tokens: each one's last-position logits into ``logits`` (by ``id``), its prompt
+        logits into ``echo`` where it asked for prompt logprobs."""
+        n_batch = self.ctx.settings.n_batch
+        last_layer = self.backend.num_layers - 1
+        # (sequence, offset into its prompt) still to prefill, in order
+        queue = [(s, 0) for s in seqs]
+        while queue:
+            tokens: list[tuple[int, int, int, bool]] = []
+            parts: list[tuple[Sequence, int, int, int]] = []
+            ends: list[tuple[Sequence, int, bool]] = []
+            while queue and len(tokens) < n_batch:
+                seq, off = queue.pop(0)
+                take = min(seq.n_prompt - off, n_batch - len(tokens))
+                all_out = (seq.sampling.prompt_logprobs or self._monitors_layer(seq, last_layer)
+                           or self._captures_prompt_rows(seq, last_layer))
+                a = len(tokens)
+                for p in range(off, off + take):
+                    last = p == seq.n_prompt - 1
+                    tokens.append((seq.prompt_ids[p], p, seq.seq_id, bool(all_out or last)))  # type: ignore[attr-defined]
+                parts.append((seq, a, a + take, off))
+                ends.append((seq, a, off + take == seq.n_prompt))
+                if off + take < seq.n_prompt:
+                    queue.insert(0, (seq, off + take))
+            self._forward(parts, tokens)
+            for seq, a, b, off in parts:
+                seq.forwards += 1
+                if seq.sampling.prompt_logprobs:
+                    echo.setdefault(id(seq), []).append(self.ctx.logits_rows(list(range(a, b))))
+            for seq, a, done in ends:
+                if done:
+                    b = next(p[2] for p in parts if p[0] is seq)
+                    logits[id(seq)] = torch.from_numpy(self.ctx.logits(b - 1))
 
     @staticmethod
     def _monitors_layer(seq: Sequence, layer: int) -> bool:
@@ -244,9 +356,25 @@ class LlamaBatchRunner:
             for i, s in enumerate(seqs)
         ]
 
+    def _turn(self) -> list[Sequence]:
+        """The rows the next decode step runs: every row, or in the swap mode the steering
+        group that has waited longest (ties: the group of the earliest row).  A group
+        counts as served when it joins (its prefill just ran), so groups already waiting
+        go before it and every group runs at least once in as many steps as there are
+        groups."""
+        if not self.swap:
+            return self.rows
+        groups = by_signature(self.rows)
+        served = {sig: self._served.get(sig, self.steps) for sig in groups}
+        sig = min(served, key=served.__getitem__)
+        served[sig] = self.steps + 1
+        self._served = served
+        return groups[sig]
+
     def step(self) -> list[Sequence]:
-        """One decode forward for every row; returns the sequences that finished."""
-        rows = self.rows
+        """One decode forward for every row (in the swap mode, for one steering group's
+        rows); returns the sequences that finished."""
+        rows = self._turn()
         tokens = []
         parts = []
         for i, s in enumerate(rows):
@@ -281,6 +409,7 @@ class LlamaBatchRunner:
             seq.seq_id = -1  # type: ignore[attr-defined]
         self.rows = []
         self._free_ids = list(reversed(self._all_ids))
+        self._served = {}
 
 
 def run_serial(runner: LlamaBatchRunner, seq: Sequence, should_stop: Callable[[], bool]) -> None:
@@ -302,4 +431,12 @@ def run_serial(runner: LlamaBatchRunner, seq: Sequence, should_stop: Callable[[]
             runner.remove(seq)
 
 
-__all__ = ["LlamaBatchRunner", "run_serial", "steering_signature"]
+__all__ = [
+    "CONTROL_VECTOR_SWAP",
+    "EVAL_CALLBACK_PER_ROW",
+    "LlamaBatchRunner",
+    "by_signature",
+    "check_per_row_writes",
+    "run_serial",
+    "steering_signature",
+]

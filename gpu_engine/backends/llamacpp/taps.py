@@ -11,9 +11,12 @@ Before each decode the batch runner publishes a ``ForwardPlan``: per layer, the 
 steering deltas (one row per batch token, zeros for unsteered requests) and the
 monitored segments.  The callback adds the deltas in place (per request inside one
 multi-sequence batch) and hands monitors a torch view of the rows, as the transformers
-hook does.  With no plan published the callback claims nothing and costs one Python
-call per graph node — or none at all with the C filter (``shim.py``), which answers
-llama.cpp's per-node questions without entering Python.
+hook does.  Where a control vector steers the decode instead (every row steered alike,
+and always in the ``control_vector_swap`` mode, ``batched.py``) the node already holds
+it: a layer's ``preset`` is that vector, taken off the rows a pre-steering monitor reads.
+With no plan published the callback claims nothing and costs one Python call per graph
+node — or none at all with the C filter (``shim.py``), which answers llama.cpp's per-node
+questions without entering Python.
 
 Rows: llama.cpp splits a batch into ubatches in order (one KV stream: ``split_simple``),
 so the callback keeps a per-layer row offset.  The last layer's output only holds the
@@ -87,6 +90,9 @@ class LayerPlan:
     keys: set[AttachmentKey] = field(default_factory=set)
     segments: list[MonitorSegment] = field(default_factory=list)
     captured: bool = False  # some segment is a capture: every row must arrive
+    # (d,) what llama.cpp's control vector already added to every row of this node:
+    # pre-steering monitors read the rows less it
+    preset: torch.Tensor | None = None
 
 
 @dataclass
@@ -289,8 +295,9 @@ class EvalTaps:
 
         for seg in lp.segments:
             if seg.pre and (got := segment_rows(seg)) is not None:
+                pre = got[0] if lp.preset is None else got[0] - lp.preset
                 for m in seg.monitors:
-                    m.observe(got[0], got[1])
+                    m.observe(pre, got[1])
         if lp.deltas is not None:
             if index is None:
                 rows += lp.deltas[lo : lo + n]
