@@ -256,14 +256,15 @@ def test_backends_without_capture_refuse_analyzers_before_generation(backend, pr
     if backend == "vllm":
         from gpu_engine.backends.vllm.backend import VllmBackend
 
-        caps = VllmBackend.capabilities(SimpleNamespace(enforce_eager=False))
+        caps = VllmBackend.capabilities(SimpleNamespace(enforce_eager=False, tool_call_format=None))
         refused, taken = (hidden, tracker), ()
     else:
         from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
 
         caps = LlamaCppBackend.capabilities(SimpleNamespace(
             opts={"embeddings": True}, taps=SimpleNamespace(native_filter=False),
-            native=SimpleNamespace(rotary=False)))
+            native=SimpleNamespace(rotary=False), tool_call_format=None,
+            steering_mode="eval_callback_per_row", steering_mode_reason=""))
         refused, taken = (tracker,), (hidden,)
     status = EngineStatus(state="ready", backend=backend, batching={"capabilities": caps})
     for analyze, capability in refused:

@@ -86,7 +86,8 @@ def test_capabilities_report_capture_and_graphs_refuse_it(vllm_engine):
     # with CUDA graphs the workers' hooks never run: capture is off, like steering
     graphs = VllmBackend.capabilities(SimpleNamespace(enforce_eager=False, num_layers=4,
                                                       attention_geometry=vllm_engine.backend.attention_geometry,
-                                                      _attention_layers={0, 1, 2, 3}))
+                                                      _attention_layers={0, 1, 2, 3},
+                                                      tool_call_format=None))
     assert graphs["hidden_state_capture"] is False and graphs["attention_capture"] is False
 
 
