@@ -2,9 +2,10 @@
 on the transformers backend (a benchmark, not a test).
 
 Each round loads the engine once per mode (``fp32``, ``Q8``, ``Q4``; the order rotates
-round by round so that drift hits every mode alike), runs one short warm-up generation and
-then times one greedy generation of ``--tokens`` tokens from the same prompt (serial
-engine, ``ignore_eos``); one engine at a time in this process.  Prints tokens/s (median
+round by round so that drift hits every mode alike), each in a subprocess of its own (one
+engine per process: see serial_path.py on GNU OpenMP's second thread team), runs one
+warm-up generation of the same length and then times one greedy generation of
+``--tokens`` tokens from the same prompt (serial engine, ``ignore_eos``).  Prints tokens/s (median
 and best over the rounds), each quantized mode's ratio to fp32, the weights' bytes as the
 engine reports them (``EngineStatus.weights``), and how far each quantized mode's greedy
 tokens follow fp32's: the first position where they part and, teacher-forced over fp32's
@@ -19,6 +20,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -52,30 +54,70 @@ def greedy(request_id: str, tokens: int) -> GenerationJob:
         max_tokens=tokens, temperature=0.0, ignore_eos=True))
 
 
+def measure_one(path: Path, name: str, mode: str, tokens: int) -> dict:
+    """One load at ``mode`` in this process: a warm-up generation, then one timed."""
+    engine = load(path, name, mode)
+    try:
+        # a whole generation first: the worker's first ones after a load run several
+        # times slower (its OpenMP team starting, first touch of the weights)
+        engine.generate_sync(greedy("warm", tokens), timeout_s=600)
+        t0 = time.perf_counter()
+        res = engine.generate_sync(greedy(mode, tokens), timeout_s=600)
+        tok_s = tokens / (time.perf_counter() - t0)
+        assert res.usage.completion_tokens == tokens
+        return {"tok_s": tok_s, "token_ids": res.token_ids,
+                "weight_bytes": engine.status().weights.get("bytes")}
+    finally:
+        engine.shutdown()
+
+
+def agreement(path: Path, name: str, mode: str, tokens: int = 32) -> float:
+    """Share of positions of fp32's own greedy continuation where the ``mode`` load picks
+    the same next token (both engines in this process: not a timing)."""
+    ref = load(path, name, "fp32")
+    try:
+        out = ref.generate_sync(greedy("ref", tokens), timeout_s=600)
+        ids = ref.backend.encode_text(PROMPT) + out.token_ids
+        with torch.inference_mode():
+            picks = ref.backend.full_logits(ids).argmax(-1)
+    finally:
+        ref.shutdown()
+    engine = load(path, name, mode)
+    try:
+        with torch.inference_mode():
+            got = engine.backend.full_logits(ids).argmax(-1)
+    finally:
+        engine.shutdown()
+    n = len(ids) - tokens
+    return float((got[n - 1:-1] == picks[n - 1:-1]).float().mean())
+
+
+def _child(args: list[str]) -> dict:
+    """This script in a subprocess of its own (one engine per process: with GNU OpenMP a
+    second engine's worker thread gets a second thread team and both slow down, see
+    serial_path.py); its last printed line is JSON."""
+    proc = subprocess.run([sys.executable, __file__, *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=1800)
+    if proc.returncode:
+        sys.exit(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def run_model(path: Path, name: str, *, tokens: int, rounds: int, modes: tuple[str, ...]) -> dict:
     samples: dict[str, list[float]] = {m: [] for m in modes}
     token_ids: dict[str, list[int]] = {}
-    weights: dict[str, dict] = {}
-    agreement: dict[str, float] = {}
+    weights: dict[str, int | None] = {}
     for r in range(rounds):
         k = r % len(modes)
         for mode in modes[k:] + modes[:k]:
-            engine = load(path, name, mode)
-            try:
-                engine.generate_sync(greedy("warm", 4), timeout_s=600)
-                t0 = time.perf_counter()
-                res = engine.generate_sync(greedy(f"{mode}-{r}", tokens), timeout_s=600)
-                samples[mode].append(tokens / (time.perf_counter() - t0))
-                assert res.usage.completion_tokens == tokens
-                token_ids[mode] = res.token_ids
-                weights[mode] = engine.status().weights
-                if r == rounds - 1 and mode != "fp32":
-                    agreement[mode] = _teacher_forced(engine, path, name)
-            finally:
-                engine.shutdown()
+            one = _child(["--model", str(path), "--tokens", str(tokens), "--one", mode])
+            samples[mode].append(one["tok_s"])
+            token_ids[mode], weights[mode] = one["token_ids"], one["weight_bytes"]
+    agree = {m: _child(["--model", str(path), "--agreement", m])["agreement"]
+             for m in modes if m != "fp32"}
     med = {m: statistics.median(v) for m, v in samples.items()}
     best = {m: max(v) for m, v in samples.items()}
-    ref = token_ids.get("fp32", [])
+    ref = token_ids["fp32"]
     parted = {m: next((i for i, (a, b) in enumerate(zip(ref, ids)) if a != b), len(ref))
               for m, ids in token_ids.items() if m != "fp32"}
     return {
@@ -83,32 +125,9 @@ def run_model(path: Path, name: str, *, tokens: int, rounds: int, modes: tuple[s
         "tok_s": med, "best_tok_s": best,
         "ratio_to_fp32": {m: med[m] / med["fp32"] for m in modes if m != "fp32"},
         "best_ratio_to_fp32": {m: best[m] / best["fp32"] for m in modes if m != "fp32"},
-        "weight_bytes": {m: w.get("bytes") for m, w in weights.items()},
-        "first_divergence": parted, "teacher_forced_agreement": agreement, "samples": samples,
+        "weight_bytes": weights, "first_divergence": parted, "teacher_forced_agreement": agree,
+        "samples": samples,
     }
-
-
-_FP32_CONTINUATION: dict[str, tuple[list[int], torch.Tensor]] = {}
-
-
-def _teacher_forced(engine: Engine, path: Path, name: str) -> float:
-    """Share of positions of fp32's own greedy continuation where ``engine``'s model picks
-    the same next token (fp32's logits computed once, in an engine of their own)."""
-    if name not in _FP32_CONTINUATION:
-        ref = load(path, name, "fp32")
-        try:
-            out = ref.generate_sync(greedy("ref", 32), timeout_s=600)
-            ids = ref.backend.encode_text(PROMPT) + out.token_ids
-            with torch.inference_mode():
-                picks = ref.backend.full_logits(ids).argmax(-1)
-        finally:
-            ref.shutdown()
-        _FP32_CONTINUATION[name] = (ids, picks)
-    ids, picks = _FP32_CONTINUATION[name]
-    with torch.inference_mode():
-        got = engine.backend.full_logits(ids).argmax(-1)
-    n = len(ids) - 32
-    return float((got[n - 1:-1] == picks[n - 1:-1]).float().mean())
 
 
 def main() -> None:
@@ -119,7 +138,16 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, out of fp32,Q8,Q4")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--one", help=argparse.SUPPRESS)  # a child: one timed load at this mode
+    ap.add_argument("--agreement", help=argparse.SUPPRESS)  # a child: greedy agreement
     args = ap.parse_args()
+    if args.one or args.agreement:
+        path = Path(args.model)
+        if args.one:
+            print(json.dumps(measure_one(path, path.name, args.one, args.tokens)))
+        else:
+            print(json.dumps({"agreement": agreement(path, path.name, args.agreement)}))
+        return
     modes = tuple(m.strip() for m in args.modes.split(","))
     if "fp32" not in modes:
         ap.error("--modes needs fp32 (the reference)")
