@@ -37,7 +37,9 @@ memory bandwidth itself, and turns everything into ratios:
   speculative     speculative_decode.py: SPECULATIVE_MODEL self-drafts (a quarter and a
                   half of the model's blocks) against plain decoding, unsteered and
                   steered, with the acceptance rate and whether the tokens are equal
-  unbuilt         compiled vs eager, static vs dynamic KV cache, quantized vs fp32:
+  quantized       quantized_decode.py: Q8 and Q4 loads of the transformers backend against
+                  the float32 load, batch 1
+  unbuilt         compiled vs eager, static vs dynamic KV cache:
                   listed as "not built" while millm_site/config.py declares them unbuilt
 
 A group whose backend is missing prints "not installed", one that failed prints "failed"
@@ -64,7 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
 
 GROUPS = ("decode", "v1_streaming", "v1_concurrency", "batching", "steering_modes", "capture",
-          "capture_backends", "llamacpp", "vllm", "speculative", "unbuilt")
+          "capture_backends", "llamacpp", "vllm", "speculative", "quantized", "unbuilt")
 BATCHES = (1, 4, 8, 16)
 
 
@@ -431,16 +433,7 @@ def group_speculative(ctx: Ctx) -> list[Row]:
 UNBUILT = (
     ("compiled ÷ eager decode (TORCH_COMPILE)", "TORCH_COMPILE", "≥ 1.2 on CPU, or compile stays off there (issue 17 item 9)"),
     ("static ÷ dynamic KV cache (KV_CACHE_MODE=static)", "KV_CACHE_MODE", "same tokens (issue 17 item 2)"),
-    ("quantized (Q8/Q4) ÷ fp32 decode, transformers backend", None, "> 1: faster than fp32 (issue 17 item 4)"),
 )
-
-
-def quantized_built() -> bool:
-    # orchestration.services.LOADABLE_QUANTIZATIONS is what a transformers load accepts;
-    # read as text so that this script needs no Django set-up
-    text = (REPO / "orchestration" / "services.py").read_text()
-    line = next((ln for ln in text.splitlines() if ln.startswith("LOADABLE_QUANTIZATIONS")), "")
-    return "Q8" in line or "Q4" in line
 
 
 def group_unbuilt(ctx: Ctx) -> list[Row]:
@@ -448,22 +441,38 @@ def group_unbuilt(ctx: Ctx) -> list[Row]:
 
     rows = []
     for what, var, tgt in UNBUILT:
-        built = quantized_built() if var is None else VARIABLES_BY_NAME[var].unbuilt is None
+        built = VARIABLES_BY_NAME[var].unbuilt is None
         if built:
             rows.append(Row("unbuilt", what, target=tgt, status="not measured",
                             note="built, but benchmarks/run.py does not measure it yet"))
         else:
-            why = "orchestration/services.py LOADABLE_QUANTIZATIONS" if var is None else \
-                f"millm_site/config.py: {VARIABLES_BY_NAME[var].unbuilt}"
+            why = f"millm_site/config.py: {VARIABLES_BY_NAME[var].unbuilt}"
             rows.append(Row("unbuilt", what, target=tgt, status="not built", note=why))
     return rows
+
+
+def group_quantized(ctx: Ctx) -> list[Row]:
+    argv = ["--model", ctx.model, "--tokens", str(ctx.tokens), "--rounds", str(ctx.rounds)]
+    r = ctx.script("quantized", "quantized_decode.py", argv)[0]
+    agree = r["teacher_forced_agreement"]
+    g, what = "quantized", f"transformers {r['model']}, batch 1, {r['tokens']} tokens"
+    return [
+        Row(g, f"Q8 ÷ fp32 decode ({what})", r["ratio_to_fp32"]["Q8"],
+            **target(">=", 1.0, "faster than fp32, issue 17 item 4")),
+        Row(g, f"Q4 ÷ fp32 decode ({what})", r["ratio_to_fp32"]["Q4"],
+            **target(">=", 1.0, "faster than fp32, issue 17 item 4")),
+        Row(g, "Q8 greedy picks = fp32's (teacher-forced share)", agree["Q8"]),
+        Row(g, "Q4 greedy picks = fp32's (teacher-forced share)", agree["Q4"]),
+    ]
 
 
 RUNNERS = {"decode": group_decode, "v1_streaming": group_v1_streaming, "v1_concurrency": group_v1_concurrency,
            "batching": group_batching, "steering_modes": group_steering_modes, "capture": group_capture,
            "capture_backends": group_capture_backends,
            "llamacpp": group_llamacpp, "vllm": group_vllm, "speculative": group_speculative,
-           "unbuilt": group_unbuilt}
+           "quantized": group_quantized, "unbuilt": group_unbuilt}
+
+
 def vllm_missing() -> str | None:
     return "vLLM (requirements/vllm.txt)" if importlib.util.find_spec("vllm") is None else None
 
@@ -476,7 +485,8 @@ PLACEHOLDER = {"decode": "no SAE / idle SAE / steering / steering + monitoring",
                "capture": "capture cost",
                "capture_backends": "capture cost on vLLM and llama.cpp", "llamacpp": "llama.cpp against plain llama-cpp-python and transformers",
                "vllm": "vLLM against plain vLLM and transformers",
-               "speculative": "speculative decoding against plain", "unbuilt": "unbuilt features"}
+               "speculative": "speculative decoding against plain", "quantized": "Q8 / Q4 against fp32",
+               "unbuilt": "unbuilt features"}
 
 
 # ------------------------------------------------------------------ output

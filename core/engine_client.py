@@ -29,6 +29,7 @@ from gpu_engine.commands import (
     COMMANDS,
     AttachSetArgs,
     CancelAllArgs,
+    CheckLoadArgs,
     CheckSaeArgs,
     Command,
     DetachArgs,
@@ -127,6 +128,9 @@ class EngineClient(ABC):
 
     def status(self) -> EngineStatus:
         return self.invoke(COMMANDS["status"], StatusArgs())
+
+    def check_load(self, job: LoadModelJob) -> None:
+        self.invoke(COMMANDS["check_load"], CheckLoadArgs(job))
 
     def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None
                    ) -> EngineStatus:

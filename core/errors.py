@@ -112,6 +112,13 @@ class ResponseFormatUnsupported(MillmError):
     code, status = "RESPONSE_FORMAT_UNSUPPORTED", 400
 
 
+class UnsupportedQuantization(MillmError):
+    """A load at a quantization this build cannot run (Q2), or of a pre-quantized
+    checkpoint whose method the engine's host cannot load."""
+
+    code, status = "UNSUPPORTED_QUANTIZATION", 400
+
+
 # Engine error codes (gpu_engine.errors) -> the domain error classes: the one table every
 # surface goes through (/api answers the class's code; /v1 maps that code in
 # inference.errors).
@@ -135,6 +142,7 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
     "analyzer_capture_missing": AnalyzerCaptureMissing,
     "invalid_probe_file": InvalidProbeFile,
     "response_format_unsupported": ResponseFormatUnsupported,
+    "unsupported_quantization": UnsupportedQuantization,
 }
 
 

@@ -76,6 +76,10 @@ class LoadModelArgs(msgspec.Struct):
     timeout_s: float | None = None
 
 
+class CheckLoadArgs(msgspec.Struct):
+    job: LoadModelJob
+
+
 class UnloadModelArgs(msgspec.Struct):
     timeout_s: float | None = None
 
@@ -154,6 +158,7 @@ class Command:
 
 COMMANDS: Mapping[str, Command] = {c.name: c for c in (
     Command("status", StatusArgs, EngineStatus, Lane.STATE),
+    Command("check_load", CheckLoadArgs, None, Lane.CONTROL),
     Command("load_model", LoadModelArgs, EngineStatus, Lane.CONTROL),
     Command("unload_model", UnloadModelArgs, None, Lane.CONTROL),
     Command("attach_set", AttachSetArgs, list[AttachResult], Lane.CONTROL),
@@ -190,7 +195,8 @@ def check_implements(cls: type, *, where: str | None = None) -> None:
 
 
 __all__ = [
-    "COMMANDS", "AttachSetArgs", "CancelAllArgs", "CheckSaeArgs", "Command", "DetachArgs",
+    "COMMANDS", "AttachSetArgs", "CancelAllArgs", "CheckLoadArgs", "CheckSaeArgs", "Command",
+    "DetachArgs",
     "EmbedArgs", "GenerateArgs", "HiddenStatesArgs", "Lane", "LoadModelArgs", "ScoreArgs", "StatusArgs",
     "UnloadModelArgs", "check_implements", "command",
 ]

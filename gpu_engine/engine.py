@@ -305,13 +305,21 @@ class Engine:
 
     # ------------------------------------------------------------------ model
 
+    def check_load(self, job: LoadModelJob) -> None:
+        """Refuse ``job`` as ``load_model`` would before anything drains (its backend not
+        installed, its options, what the backend cannot honour: a quantization without a
+        kernel, a pre-quantized checkpoint this host cannot load); nothing else happens.
+        The web tier asks before it queues a load, so that such a load is a 400 at once."""
+        entry = get_backend(job.backend)
+        entry.require()
+        entry.check_job(job)
+
     def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None) -> EngineStatus:
         """Load ``job``'s model, replacing the resident one once the work running on it
         has finished (bounded by ``timeout_s``: engine_busy after, nothing replaced)."""
 
         entry = get_backend(job.backend)
-        entry.require()  # refused before anything drains
-        entry.check_job(job)
+        self.check_load(job)  # refused before anything drains
 
         def op() -> EngineStatus:
             self._unload()
@@ -666,7 +674,7 @@ class Engine:
             num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
             attachments=self.attachments(), in_flight=self._in_flight_total(), queued=max(self._queued, 0),
             batching=self.batching_status(), kernels=b.kernels, backends=backends_report(),
-            memory=self.memory_status(),
+            memory=self.memory_status(), weights=dict(getattr(b, "weights", None) or {}),
         )
 
     @property

@@ -169,6 +169,13 @@ class InvalidFeatureIndex(EngineError):
         )
 
 
+class UnsupportedQuantization(EngineError):
+    """A load whose quantization cannot run here: a registry quantization without a kernel
+    (Q2), or a pre-quantized checkpoint whose method this host cannot load."""
+
+    code = "unsupported_quantization"
+
+
 class InsufficientMemory(EngineError):
     code = "insufficient_memory"
 
@@ -213,6 +220,7 @@ __all__ = [
     "EngineShutdown",
     "GenerationFailed",
     "InsufficientMemory",
+    "UnsupportedQuantization",
     "InvalidFeatureIndex",
     "InvalidParameter",
     "ModelLoadFailed",

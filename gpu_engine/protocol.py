@@ -860,6 +860,12 @@ class EngineStatus(msgspec.Struct):
     # which matmul kernels the model runs on: "onednn_packed" (CPU float32, weights
     # prepacked at load) or "default" (PyTorch's own); None while no model is loaded
     kernels: str | None = None
+    # what the resident weights are and what they take in memory: ``quantization`` (Q8/Q4
+    # applied at load, else None), ``checkpoint_quantization`` (a pre-quantized
+    # checkpoint's own method, loaded as it is), ``quantized_layers``, ``bytes`` and
+    # ``bytes_by_dtype`` (parameters and buffers, each tensor once); empty while no model
+    # is loaded or when the backend does not say
+    weights: dict[str, Any] = msgspec.field(default_factory=dict)
     # "unloading" or "loading" while the engine drains the work already accepted before
     # it changes the model: new work is refused (engine_busy) until it is done
     draining: str | None = None

@@ -58,19 +58,64 @@ def _engine():
     return runtime().engine
 
 
-# Quantizations the transformers backend can apply at load: FP32 and FP16 load at the
-# engine's dtype (MILLM_ENGINE_DTYPE); 8/4/2-bit loads need bitsandbytes, not in this build.
-LOADABLE_QUANTIZATIONS = (Model.Quantization.FP32, Model.Quantization.FP16)
+# Registry quantizations a load takes at the engine's dtype (MILLM_ENGINE_DTYPE); below
+# them (Q8, Q4, Q2) the transformers backend quantizes the decoder blocks at load where it
+# has a kernel for it (gpu_engine/backends/transformers/quantization.py), and says so in
+# its backend report; GGUF rows carry their file's own quantization.
+FULL_PRECISION = (Model.Quantization.FP32, Model.Quantization.FP16)
+# engine errors that mean "no engine answered", not "the engine refuses": left to the load
+_NO_ANSWER = ("engine_shutdown", "engine_busy", "engine_error")
 
 
 def _check_quantization(model: Model) -> None:
-    if model.format == Model.Format.TRANSFORMERS and \
-            model.quantization not in LOADABLE_QUANTIZATIONS:
-        raise UnsupportedQuantization(
-            f"Model {model.name!r} is registered as {model.quantization}; this build loads "
-            "transformers checkpoints at FP32/FP16 only (no bitsandbytes)",
-            details={"model_id": model.id, "quantization": model.quantization,
-                     "supported": list(LOADABLE_QUANTIZATIONS)})
+    """Refuse at once (400 UNSUPPORTED_QUANTIZATION, naming it and why) a Q8/Q4/Q2 row on a
+    backend that applies no quantization at load, or on one whose report says it cannot
+    apply that one here (Q2: no kernel). The engine refuses the same in ``check_load``."""
+    if model.format != Model.Format.TRANSFORMERS or model.quantization in FULL_PRECISION:
+        return
+    backend = model.effective_backend()
+    try:
+        report = _engine().status().backends
+    except EngineError:
+        report = []
+    entry = next((b for b in report if b.get("name") == backend), None)
+    if entry is None:
+        return  # no engine to ask: the load's own check_load decides
+    offered = entry.get("quantizations") or {}
+    state = offered.get(model.quantization)
+    if state is not None and state.get("available"):
+        return
+    if state is None:
+        why = (f"the {backend} backend loads transformers checkpoints at FP32/FP16 only "
+               "(the transformers backend quantizes at load)")
+    elif state.get("missing"):
+        why = (f"{model.quantization} needs {', '.join(state['missing'])}, not installed on the "
+               f"engine's host (install it with `{entry.get('install')}`)")
+    else:
+        why = str(state.get("reason") or "no kernel for it here")
+    raise UnsupportedQuantization(
+        f"Model {model.name!r} is registered as {model.quantization}, which this engine cannot "
+        f"load: {why}",
+        details={"model_id": model.id, "quantization": model.quantization, "backend": backend,
+                 "supported": list(FULL_PRECISION) + sorted(
+                     k for k, v in offered.items() if v.get("available"))})
+
+
+def _check_engine_accepts(model: Model) -> None:
+    """Ask the engine whether it would take this load (``check_load``: its backend's
+    options and what the backend cannot honour, such as a pre-quantized checkpoint whose
+    method cannot load on its host), so that a refusal is a 400 now rather than a failed
+    job. An engine that does not answer is left to the load itself."""
+    from core.engine_client import resolve_device_and_dtype
+
+    try:
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
+                                                 settings.MILLM_ENGINE_DTYPE)
+        _engine().check_load(load_job(model, device=device, dtype=dtype))
+    except EngineError as exc:
+        if exc.code in _NO_ANSWER:
+            return
+        raise from_engine_error(exc) from exc
 
 
 # The site settings each backend's load options come from (LoadModelJob.options).
@@ -100,6 +145,9 @@ def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
     if model.format == Model.Format.GGUF and model.gguf_file:
         # a directory holding the file (hub downloads): which GGUF in it
         options["gguf_file"] = model.gguf_file
+    if (backend == "transformers" and model.format == Model.Format.TRANSFORMERS
+            and model.quantization not in FULL_PRECISION):
+        options["quantization"] = model.quantization  # applied at load (Q8, Q4)
     draft = options.get("speculative_model")
     if draft and not draft.startswith("self:"):
         # SPECULATIVE_MODEL may name a registered model: the engine reads its files
@@ -150,6 +198,7 @@ def _check_loadable(model: Model) -> Model | None:
             details={"model_id": model.id, "format": model.format, "backend": backend})
     _check_quantization(model)
     _check_backend(model)
+    _check_engine_accepts(model)
     resident = model_loaded(other_than=model)
     if resident is not None and resident.locked:
         raise ModelLocked(f"Model {resident.name!r} is resident and locked; unlock it first",

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from core.errors import MillmError
 
+# declared beside the engine codes it maps (core.errors); orchestration raises it from here
+from core.errors import UnsupportedQuantization as UnsupportedQuantization
+
 
 class InvalidLocalPath(MillmError):
     code, status = "INVALID_LOCAL_PATH", 400
@@ -61,10 +64,6 @@ class JobFinished(MillmError):
 
 class ModelAlreadyLoaded(MillmError):
     code, status = "MODEL_ALREADY_LOADED", 400
-
-
-class UnsupportedQuantization(MillmError):
-    code, status = "UNSUPPORTED_QUANTIZATION", 400
 
 
 class RepoNotFound(MillmError):

@@ -291,6 +291,9 @@ class InferenceHealthView(APIView):
                                                     else "serial"),
             "batching": engine_batching,
             "kernels": engine.get("kernels"),
+            # the resident weights: Q8/Q4 applied at load or a checkpoint's own method,
+            # and the bytes they take per dtype; empty while nothing is loaded
+            "weights": engine.get("weights") or {},
             # what the backend keeps between requests and its idle releases
             # (TRANSFORMERS_IDLE_CACHE_RELEASE_S); empty while nothing is loaded
             "memory": engine.get("memory") or {},

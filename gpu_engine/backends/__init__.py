@@ -40,6 +40,10 @@ class BackendEntry:
     # optional "module:function(job)" refusing what the backend cannot honour in a load
     # job (values, combinations, the device) before anything drains or unloads
     validator: str = ""
+    # optional "module:function()" saying, per registry quantization below 16 bits
+    # (Q8, Q4, Q2), whether a load on this backend can apply it here and with what kernel
+    # or why not; a backend without one applies none (``report``'s ``quantizations``)
+    quantizations: str = ""
 
     def missing(self) -> list[str]:
         return [name for name in self.requires if importlib.util.find_spec(name) is None]
@@ -84,8 +88,13 @@ class BackendEntry:
 
     def report(self) -> dict[str, Any]:
         missing = self.missing()
+        quantizations: dict[str, Any] = {}
+        if self.quantizations and not missing:
+            module_name, _, func = self.quantizations.partition(":")
+            quantizations = getattr(importlib.import_module(module_name), func)()
         return {"name": self.name, "summary": self.summary, "available": not missing,
-                "missing": missing, "install": self.install, "options": sorted(self.options)}
+                "missing": missing, "install": self.install, "options": sorted(self.options),
+                "quantizations": quantizations}
 
 
 _BACKENDS: dict[str, BackendEntry] = {}
@@ -131,8 +140,13 @@ register_backend(BackendEntry(
     requires=("torch", "transformers"),
     install="scripts/setup test",
     loader="gpu_engine.backends.transformers:load",
-    # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py)
-    options={"pack_cpu_weights": bool, "speculative_model": str, "speculative_num_tokens": int},
+    # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py);
+    # quantization: the registry row's Q8/Q4, applied at load (transformers/quantization.py);
+    # speculative_*: SPECULATIVE_MODEL's draft (transformers/speculative.py)
+    options={"pack_cpu_weights": bool, "quantization": str, "speculative_model": str,
+             "speculative_num_tokens": int},
+    validator="gpu_engine.backends.transformers:check_job",
+    quantizations="gpu_engine.backends.transformers.quantization:quantization_report",
 ))
 
 register_backend(BackendEntry(

@@ -84,7 +84,8 @@ def test_health_lists_the_backends_with_their_install_commands(api, engine_clien
     assert listed["transformers"]["available"] is True
     assert listed["absent"] == {"name": "absent", "summary": "test", "available": False,
                                 "missing": ["no_such_package_xyz"],
-                                "install": "scripts/setup absent", "options": []}
+                                "install": "scripts/setup absent", "options": [],
+                                "quantizations": {}}
 
 
 def test_load_model_backend_keeps_the_choice(settings, engine_client, tiny_llama, absent_backend,

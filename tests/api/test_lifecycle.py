@@ -68,10 +68,10 @@ def test_load_refusals(api, engine_client, tiny_assets, tiny_llama):
     from registry import services
 
     refused(api.post("/api/models/31337/load"), 404, "MODEL_NOT_FOUND")
-    q4 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
-                                       name="gpt2-q4", quantization="Q4")
-    error = refused(api.post(f"/api/models/{q4.id}/load"), 400, "UNSUPPORTED_QUANTIZATION")
-    assert error["details"]["quantization"] == "Q4"
+    q2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
+                                       name="gpt2-q2", quantization="Q2")
+    error = refused(api.post(f"/api/models/{q2.id}/load"), 400, "UNSUPPORTED_QUANTIZATION")
+    assert error["details"]["quantization"] == "Q2"
     downloading = Model.objects.create(name="half", source="huggingface", repo_id="a/b",
                                        status="downloading")
     refused(api.post(f"/api/models/{downloading.id}/load"), 400, "MODEL_INVALID")
@@ -101,17 +101,18 @@ def test_a_load_refuses_as_the_api_route_does(api, engine_client, tiny_assets, t
     gguf = Model.objects.create(name="g", source="local", format="gguf", status="ready",
                                 backend="transformers",
                                 local_path=str(tiny_assets.models["tiny-gpt2"].path))
-    q4 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
-                                       name="gpt2-q4", quantization="Q4")
+    q2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
+                                       name="gpt2-q2", quantization="Q2")
     expected = {
         downloading.id: (400, "MODEL_INVALID", {"model_id": downloading.id,
                                                 "status": "downloading"}),
         gguf.id: (400, "UNSUPPORTED_MODEL", {"model_id": gguf.id, "format": "gguf",
                                              "backend": "transformers"}),
-        q4.id: (400, "UNSUPPORTED_QUANTIZATION", {"model_id": q4.id, "quantization": "Q4",
-                                                  "supported": ["FP32", "FP16"]}),
+        q2.id: (400, "UNSUPPORTED_QUANTIZATION", {"model_id": q2.id, "quantization": "Q2",
+                                                  "backend": "transformers",
+                                                  "supported": ["FP32", "FP16", "Q4", "Q8"]}),
     }
-    for model in (downloading, gguf, q4):
+    for model in (downloading, gguf, q2):
         via_api, direct = both(model)
         assert via_api == expected[model.id], via_api
         assert direct == expected[model.id], direct
@@ -122,7 +123,7 @@ def test_a_load_refuses_as_the_api_route_does(api, engine_client, tiny_assets, t
                                          name="tiny-gpt2")
     via_api, direct = both(gpt2)
     assert via_api == direct == (409, "MODEL_LOCKED", {"model_id": tiny_llama.id})
-    assert not Job.objects.filter(kind="model_load", model__in=[downloading, gguf, q4, gpt2]
+    assert not Job.objects.filter(kind="model_load", model__in=[downloading, gguf, q2, gpt2]
                                   ).exists()
     assert Model.objects.get(pk=gpt2.id).status == "ready"
     assert engine_client.status().model_id == "tiny-llama"

@@ -89,6 +89,9 @@ class FakeEngine:
                                  d_in=8, d_sae=16, activation="relu", layout="saelens",
                                  path=p) for (s, l), p in self.attached.items()]
 
+    def check_load(self, job: Any) -> None:
+        return None
+
     def load_model(self, job: Any, *, timeout_s: float | None = None) -> EngineStatus:
         self.model_id = job.model_id
         self.attached.clear()

@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from core.engine_client import EmbeddedEngineClient, EngineClient
 from gpu_engine.commands import COMMANDS, check_implements
 from gpu_engine.engine import Engine
-from gpu_engine.errors import EngineBusy
+from gpu_engine.errors import EngineBusy, UnsupportedQuantization
 from gpu_engine.protocol import (
     AttachSpec,
     EmbedJob,
@@ -105,6 +105,18 @@ def step_status(client, assets, ref):
     status = client.status()
     assert (status.state, status.model_id, status.attachments) == ("empty", None, [])
     return status.state
+
+
+def step_check_load(client, assets, ref):
+    model = assets.models["tiny-llama"]
+    fine = client.check_load(LoadModelJob("tiny-llama", str(model.path), dtype="float32",
+                                          device="cpu", options={"quantization": "Q8"}))
+    with pytest.raises(UnsupportedQuantization) as refused:
+        client.check_load(LoadModelJob("tiny-llama", str(model.path), dtype="float32",
+                                       device="cpu", options={"quantization": "Q2"}))
+    assert refused.value.details["quantization"] == "Q2"
+    assert client.status().state == "empty"  # a check loads nothing
+    return [fine, refused.value.code]
 
 
 def step_load_model(client, assets, ref):
@@ -201,6 +213,7 @@ def step_unload_model(client, assets, ref):
 
 STEPS: dict[str, Step] = {
     "status": step_status,
+    "check_load": step_check_load,
     "load_model": step_load_model,
     "check_sae": step_check_sae,
     "attach_set": step_attach_set,

@@ -22,7 +22,7 @@ def _run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_quick_run_writes_rows_json_and_plot(tiny_assets, tmp_path):
     out = tmp_path / "bench"
-    proc = _run("--quick", "--only", "decode,speculative,unbuilt", "--out", str(out))
+    proc = _run("--quick", "--only", "decode,speculative,quantized,unbuilt", "--out", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FIGURES ARE MEANINGLESS" in proc.stdout
 
@@ -30,12 +30,12 @@ def test_quick_run_writes_rows_json_and_plot(tiny_assets, tmp_path):
     assert set(result) >= {"meta", "bandwidth", "rows", "raw"}
     meta = result["meta"]
     assert meta["quick"] is True and meta["model"] == "tiny-llama"
-    assert meta["groups"] == ["decode", "speculative", "unbuilt"]
+    assert meta["groups"] == ["decode", "speculative", "quantized", "unbuilt"]
     assert "vllm" in meta["groups_not_run"] and "batching" in meta["groups_not_run"]
     # the bandwidth limit is measured in the same run, with a buffer the size of the weights
     (bw,) = result["bandwidth"].values()
     assert bw["gb_s"] > 0 and bw["buffer_bytes"] > 0
-    assert set(result["raw"]) == {"decode", "speculative"}
+    assert set(result["raw"]) == {"decode", "speculative", "quantized"}
 
     rows = result["rows"]
     assert all(set(r) == ROW_KEYS for r in rows)
@@ -54,9 +54,15 @@ def test_quick_run_writes_rows_json_and_plot(tiny_assets, tmp_path):
     assert len(speculative) == 8
     assert all(r["ratio"] == 1.0 for r in speculative if "equal plain" in r["what"])
 
+    # Q8 and Q4 loads against fp32: measured, judged against "faster than fp32"
+    quantized = [r for r in rows if r["group"] == "quantized"]
+    assert [r["what"].split(" ")[0] for r in quantized] == ["Q8", "Q4", "Q8", "Q4"]
+    assert all(isinstance(r["ratio"], float) and r["ratio"] > 0 for r in quantized)
+    assert [r["threshold"] for r in quantized] == [1.0, 1.0, None, None]
+
     # features that are not built are rows of their own, never zero and never left out
     unbuilt = [r for r in rows if r["group"] == "unbuilt"]
-    assert len(unbuilt) == 3
+    assert len(unbuilt) == 2
     assert all(r["ratio"] is None and r["status"] in ("not built", "not measured") for r in unbuilt)
     for r in unbuilt:
         assert r["status"] in proc.stdout

@@ -61,9 +61,13 @@ class PackedLinear(torch.nn.Module):
 
 
 def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how many."""
+    """Replace every float32 ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how
+    many.  Quantized layers (a Q8/Q4 load's ``WeightOnlyLinear``, a pre-quantized
+    checkpoint's tensor-subclass weights) keep their own kernels."""
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is torch.nn.Linear]
+               for name, child in parent.named_children()
+               if type(child) is torch.nn.Linear and type(child.weight) is torch.nn.Parameter
+               and child.weight.dtype == torch.float32]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     log.info("packed %d linear layers into oneDNN's blocked layout", len(targets))

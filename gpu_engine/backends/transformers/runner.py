@@ -38,6 +38,14 @@ from ..base import all_capabilities
 from .blocks import resolve_attention, resolve_block, resolve_block_list, resolve_hook_module
 from .cpu_kernels import pack_linears, packing_available
 from .qk_tap import QKTaps
+from .quantization import (
+    check_method,
+    checkpoint_quantization,
+    import_torchao_quietly,
+    method_name,
+    quantize_blocks,
+    weight_bytes,
+)
 from .sampling import score_result
 from .speculative import Drafter, spec_config
 
@@ -71,6 +79,7 @@ class TransformersRunner:
             raise UnsupportedArchitecture(self.info.architecture_class or "<none in config.json>")
         self.device = pick_device(job.device)
         self.dtype = TORCH_DTYPES[job.dtype]
+        import_torchao_quietly()  # transformers imports it in from_pretrained
         try:
             # local files only, safetensors only: nothing is fetched, nothing unpickled
             model = AutoModelForCausalLM.from_pretrained(
@@ -86,13 +95,33 @@ class TransformersRunner:
         except (OSError, ValueError, KeyError) as exc:
             raise ModelLoadFailed(f"Cannot load model from {path}: {exc}", details={"path": str(path)}) from exc
         self.model = model.to(self.device).eval()
-        self.packed_linears = 0
-        if job.options.get("pack_cpu_weights", True) and packing_available(self.device, self.dtype):
-            self.packed_linears = pack_linears(self.model)
-        self.kernels = "onednn_packed" if self.packed_linears else "default"
         # fails now (naming the class) rather than at the first attach
         blocks, self.blocks_path = resolve_block_list(self.model)
         self.num_layers = len(blocks)
+        # Q8/Q4: the decoder blocks' linears, quantized in place (``quantization``); a
+        # pre-quantized checkpoint came in at its own precision and is left as it is
+        prequantized = checkpoint_quantization(path)
+        requested = job.options.get("quantization") or None
+        quantized = None
+        if prequantized is None and requested:
+            with torch.no_grad():
+                method = check_method(requested, job.device).name
+                quantized = quantize_blocks(blocks, self.blocks_path, method)
+        self.packed_linears = 0
+        if job.options.get("pack_cpu_weights", True) and packing_available(self.device, self.dtype):
+            self.packed_linears = pack_linears(self.model)  # what stayed float32 (the head)
+        base_kernels = "onednn_packed" if self.packed_linears else "default"
+        self.kernels = (f"{quantized.method.lower()}_weight_only+{base_kernels}" if quantized
+                        else base_kernels)
+        # what the weights are and what they take in memory (EngineStatus.weights)
+        by_dtype = weight_bytes(self.model)
+        self.weights: dict[str, Any] = {
+            "quantization": quantized.method if quantized else None,
+            "checkpoint_quantization": method_name(prequantized) if prequantized else None,
+            "quantized_layers": quantized.quantized if quantized else 0,
+            "unquantized_block_layers": quantized.kept if quantized else [],
+            "bytes": sum(by_dtype.values()), "bytes_by_dtype": by_dtype,
+        }
         cfg = self.model.config
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
         self.hidden_size = int(self.info.hidden_size or text_cfg.hidden_size)
