@@ -35,8 +35,10 @@ memory bandwidth itself, and turns everything into ratios:
   speculative     speculative_decode.py: SPECULATIVE_MODEL self-drafts (a quarter and a
                   half of the model's blocks) against plain decoding, unsteered and
                   steered, with the acceptance rate and whether the tokens are equal
-  unbuilt         compiled vs eager, static vs dynamic KV cache, quantized vs fp32:
-                  listed as "not built" while millm_site/config.py declares them unbuilt
+  compile         compiled_decode.py: TORCH_COMPILE=true against eager, KV_CACHE_MODE=static
+                  against dynamic (batch 1, steered), each with its exact-token check
+  unbuilt         quantized vs fp32: listed as "not built" while the transformers backend
+                  cannot load Q8/Q4
 
 A group whose backend is missing prints "not installed", one that failed prints "failed"
 with its log; nothing is left out of the table silently.  Written to ``--out`` (default
@@ -62,7 +64,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
 
 GROUPS = ("decode", "v1_streaming", "v1_concurrency", "batching", "steering_modes", "capture",
-          "llamacpp", "vllm", "speculative", "unbuilt")
+          "llamacpp", "vllm", "speculative", "compile", "unbuilt")
 BATCHES = (1, 4, 8, 16)
 
 
@@ -396,10 +398,25 @@ def group_speculative(ctx: Ctx) -> list[Row]:
     return rows
 
 
+def group_compile(ctx: Ctx) -> list[Row]:
+    r = ctx.script("compile", "compiled_decode.py",
+                   ["--model", ctx.model, "--tokens", str(ctx.tokens), "--rounds", str(ctx.rounds)])
+    g, what = "compile", f"({r['model']} fp32, batch 1, steering, {r['tokens']} tokens)"
+    same = r["tokens_equal_eager"]
+    return [
+        Row(g, f"compiled ÷ eager decode, TORCH_COMPILE=true {what}", r["compiled_vs_eager"],
+            **target(">=", 1.2, "issue 17 item 9; else compile stays off on CPU"),
+            note=f"{r['compiles']} graphs, first request {r['warmup_s']['compiled']:.0f} s"),
+        Row(g, "greedy tokens of compiled decoding equal eager (1 = yes)", float(same["compiled"]),
+            **target(">=", 1.0, "issue 17 item 1")),
+        Row(g, f"static ÷ dynamic KV cache, eager {what}", r["static_vs_dynamic"]),
+        Row(g, "greedy tokens of the static cache equal dynamic (1 = yes)", float(same["static"]),
+            **target(">=", 1.0, "issue 17 item 2")),
+    ]
+
+
 # (what, the config variable whose ``unbuilt`` says so or None, its target)
 UNBUILT = (
-    ("compiled ÷ eager decode (TORCH_COMPILE)", "TORCH_COMPILE", "≥ 1.2 on CPU, or compile stays off there (issue 17 item 9)"),
-    ("static ÷ dynamic KV cache (KV_CACHE_MODE=static)", "KV_CACHE_MODE", "same tokens (issue 17 item 2)"),
     ("quantized (Q8/Q4) ÷ fp32 decode, transformers backend", None, "> 1: faster than fp32 (issue 17 item 4)"),
 )
 
@@ -431,7 +448,7 @@ def group_unbuilt(ctx: Ctx) -> list[Row]:
 RUNNERS = {"decode": group_decode, "v1_streaming": group_v1_streaming, "v1_concurrency": group_v1_concurrency,
            "batching": group_batching, "steering_modes": group_steering_modes, "capture": group_capture,
            "llamacpp": group_llamacpp, "vllm": group_vllm, "speculative": group_speculative,
-           "unbuilt": group_unbuilt}
+           "compile": group_compile, "unbuilt": group_unbuilt}
 MISSING = {"llamacpp": llamacpp_missing,
            "vllm": lambda: "vLLM (requirements/vllm.txt)" if importlib.util.find_spec("vllm") is None else None}
 # what each group's table rows would be, for a group that could not run
@@ -440,7 +457,9 @@ PLACEHOLDER = {"decode": "no SAE / idle SAE / steering / steering + monitoring",
                "batching": "batched against serial at 1, 4, 8, 16", "steering_modes": "clamp / conditional at 16",
                "capture": "capture cost", "llamacpp": "llama.cpp against plain llama-cpp-python and transformers",
                "vllm": "vLLM against plain vLLM and transformers",
-               "speculative": "speculative decoding against plain", "unbuilt": "unbuilt features"}
+               "speculative": "speculative decoding against plain",
+               "compile": "compiled against eager, static against dynamic KV cache",
+               "unbuilt": "unbuilt features"}
 
 
 # ------------------------------------------------------------------ output

@@ -132,7 +132,10 @@ register_backend(BackendEntry(
     install="scripts/setup test",
     loader="gpu_engine.backends.transformers:load",
     # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py)
-    options={"pack_cpu_weights": bool, "speculative_model": str, "speculative_num_tokens": int},
+    # TORCH_COMPILE (absent: auto, compile on CUDA), TORCH_COMPILE_MODE, KV_CACHE_MODE:
+    # backends/transformers/compiled.py
+    options={"pack_cpu_weights": bool, "speculative_model": str, "speculative_num_tokens": int,
+             "torch_compile": bool, "torch_compile_mode": str, "kv_cache_mode": str},
 ))
 
 register_backend(BackendEntry(

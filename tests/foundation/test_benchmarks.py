@@ -22,7 +22,8 @@ def _run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
 
 def test_quick_run_writes_rows_json_and_plot(tiny_assets, tmp_path):
     out = tmp_path / "bench"
-    proc = _run("--quick", "--only", "decode,speculative,unbuilt", "--out", str(out))
+    proc = _run("--quick", "--only", "decode,speculative,compile,unbuilt", "--out", str(out),
+                timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FIGURES ARE MEANINGLESS" in proc.stdout
 
@@ -30,12 +31,12 @@ def test_quick_run_writes_rows_json_and_plot(tiny_assets, tmp_path):
     assert set(result) >= {"meta", "bandwidth", "rows", "raw"}
     meta = result["meta"]
     assert meta["quick"] is True and meta["model"] == "tiny-llama"
-    assert meta["groups"] == ["decode", "speculative", "unbuilt"]
+    assert meta["groups"] == ["decode", "speculative", "compile", "unbuilt"]
     assert "vllm" in meta["groups_not_run"] and "batching" in meta["groups_not_run"]
     # the bandwidth limit is measured in the same run, with a buffer the size of the weights
     (bw,) = result["bandwidth"].values()
     assert bw["gb_s"] > 0 and bw["buffer_bytes"] > 0
-    assert set(result["raw"]) == {"decode", "speculative"}
+    assert set(result["raw"]) == {"decode", "speculative", "compile"}
 
     rows = result["rows"]
     assert all(set(r) == ROW_KEYS for r in rows)
@@ -54,9 +55,16 @@ def test_quick_run_writes_rows_json_and_plot(tiny_assets, tmp_path):
     assert len(speculative) == 8
     assert all(r["ratio"] == 1.0 for r in speculative if "equal plain" in r["what"])
 
+    # compiled against eager and static against dynamic: a ratio each and the exact-tokens
+    # check (a tiny model's compiled kernels still choose the same greedy tokens)
+    compiled = [r for r in rows if r["group"] == "compile"]
+    assert len(compiled) == 4
+    assert all(isinstance(r["ratio"], float) and r["ratio"] > 0 for r in compiled)
+    assert [r["ratio"] for r in compiled if "equal" in r["what"]] == [1.0, 1.0]
+
     # features that are not built are rows of their own, never zero and never left out
     unbuilt = [r for r in rows if r["group"] == "unbuilt"]
-    assert len(unbuilt) == 3
+    assert len(unbuilt) == 1
     assert all(r["ratio"] is None and r["status"] in ("not built", "not measured") for r in unbuilt)
     for r in unbuilt:
         assert r["status"] in proc.stdout
