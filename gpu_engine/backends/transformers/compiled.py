@@ -3,15 +3,20 @@
 
 What is compiled: the one-token decode step, serial and batched — the model's forward
 through ``torch.compile`` (inductor; on the CPU with ``freezing``, so that its linear
-layers run from oneDNN-packed weights as the eager model's ``cpu_kernels`` do).
-Prefills, embeddings, scoring and speculative verification stay eager.
+layers run from oneDNN-packed weights as the eager model's ``cpu_kernels`` do: inductor
+cannot lower our own ``PackedLinear``, so a compiled CPU model is loaded unpacked).
+Prefills, embeddings, scoring and speculative verification stay eager.  Cost of
+freezing: each graph holds its own packed copy of the weights it reads, so memory grows
+by up to one model per shape compiled (row bucket, static cache length).
 
 Hooks are never silently skipped.  Steering and monitoring are forward hooks whose state
 lives in Python (``gpu_engine.hooks``), so the hook itself is excluded from the graph
 (``torch.compiler.disable``: a graph break at each hooked block, the hook runs as
 written) and Dynamo's nn-module hook guards are on
 (``torch._dynamo.config.skip_nnmodule_hook_guards = False``): a hook installed or removed
-after compilation fails the guards and the step recompiles with it.  The attach and
+after compilation fails the guards and the step recompiles with it.  Past a hook's graph
+break Dynamo compiles every later decoder layer's call as a frame of its own (one graph
+per layer and shape).  The attach and
 detach path also resets the compile cache (``reset``), so the graphs of earlier hook sets
 are dropped rather than kept until the recompile limit.  A step with a capture or an
 attention tap armed (per request) runs eagerly instead of recompiling per request.
@@ -23,7 +28,7 @@ the rows padded to a power-of-two bucket (``kv_cache.BatchKVCache`` in fixed mod
 request joining or leaving recompiles only when the bucket or the slab's capacity changes
 — at most a few times per doubling.  ``compiles`` counts every graph the backend compiled
 (recompiles included) since the model loaded; it is in the backend's capabilities and in
-the ``millm_torch_compile_graphs`` metric.
+the ``millm_torch_compile_graphs_total`` metric.
 """
 
 from __future__ import annotations
@@ -43,9 +48,12 @@ KV_CACHE_MODES = ("dynamic", "static")
 DEFAULT_COMPILE_MODE = "reduce-overhead"
 # smallest static cache of the serial path; larger ones double
 MIN_STATIC_LENGTH = 256
-# graphs Dynamo keeps per code object before it runs one eagerly: the row buckets times
-# the slab capacities a long-running server meets, with room to spare
-RECOMPILE_LIMIT = 64
+# graphs Dynamo keeps per code object before it runs that code eagerly.  Past a hook's
+# graph break Dynamo compiles each later decoder layer's call as a frame of its own,
+# specialised on the layer's index, so one code object holds a graph per layer per row
+# bucket: room for a 32-layer model at 8 shapes
+RECOMPILE_LIMIT = 256
+ACCUMULATED_RECOMPILE_LIMIT = 2048
 
 
 def compile_wanted(option: bool | None, device: torch.device, *, speculative: bool = False) -> bool:
@@ -112,9 +120,10 @@ class CompiledDecode:
         import torch._dynamo
 
         torch._dynamo.config.skip_nnmodule_hook_guards = False
-        torch._dynamo.config.recompile_limit = max(
-            torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
-        )
+        cfg = torch._dynamo.config
+        cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit,
+                                              ACCUMULATED_RECOMPILE_LIMIT)
         self.mode = mode
         # on the CPU, freezing turns the weights into constants inductor packs for oneDNN
         options = {"freezing": True} if device.type == "cpu" else None
