@@ -25,6 +25,8 @@ from gpu_engine.protocol import (
 )
 
 SAE = "tiny-llama-L1-relu"
+MODEL_SAE = {"tiny-llama": SAE, "tiny-gemma2": "tiny-gemma2-L1-jumprelu",
+             "tiny-gpt2": "tiny-gpt2-L1-relu"}
 PROMPTS = [
     "the cat sat on the mat and",
     "one two three four five six seven",
@@ -32,14 +34,16 @@ PROMPTS = [
 ]
 
 
-def _engine(tiny_assets, options: dict, *, attach: bool = True, batch: int = 0) -> Engine:
-    asset = tiny_assets.models["tiny-llama"]
+def _engine(
+    tiny_assets, options: dict, *, attach: bool = True, batch: int = 0, model: str = "tiny-llama"
+) -> Engine:
+    asset = tiny_assets.models[model]
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=batch) if batch else None)
     eng.load_model(
-        LoadModelJob("tiny-llama", str(asset.path), dtype="float32", device="cpu", options=options)
+        LoadModelJob(model, str(asset.path), dtype="float32", device="cpu", options=options)
     )
     if attach:
-        sae = tiny_assets.saes[SAE]
+        sae = tiny_assets.saes[MODEL_SAE[model]]
         eng.attach(AttachSpec(sae.name, str(sae.path), sae.layer))
     return eng
 
@@ -58,13 +62,13 @@ def compiled(tiny_assets):
     eng.shutdown()
 
 
-def steering(tiny_assets, features=None):
-    sae = tiny_assets.saes[SAE]
+def steering(tiny_assets, features=None, sae_name=SAE):
+    sae = tiny_assets.saes[sae_name]
     return SteeringSpec.from_mapping({(sae.name, sae.layer): features or {3: 8.0, 17: -5.0}})
 
 
-def monitor(tiny_assets):
-    sae = tiny_assets.saes[SAE]
+def monitor(tiny_assets, sae_name=SAE):
+    sae = tiny_assets.saes[sae_name]
     return MonitorSpec(
         [
             MonitorEntry(
@@ -160,16 +164,20 @@ def test_steering_attached_after_compilation_counts_every_forward_pass(
     assert att.steering_apply_count == 16
 
 
+@pytest.mark.parametrize("model", list(MODEL_SAE))
 @pytest.mark.parametrize("batch", [0, 4])
-def test_static_cache_gives_dynamic_cache_tokens_and_records(tiny_assets, eager, batch):
+def test_static_cache_gives_dynamic_cache_tokens_and_records(tiny_assets, model, batch):
     """KV_CACHE_MODE=static, eager: serial (a StaticCache) and batched (the slab stepped
-    over its capacity, three requests padded to four rows) against the dynamic cache."""
-    static = _engine(tiny_assets, {"kv_cache_mode": "static"}, batch=batch)
+    over its capacity, three requests padded to four rows) against the dynamic cache, on
+    RoPE (Llama), sliding-window (Gemma 2) and learned-position (GPT-2) models."""
+    dynamic = _engine(tiny_assets, {}, model=model)
+    static = _engine(tiny_assets, {"kv_cache_mode": "static"}, batch=batch, model=model)
     try:
         assert static.backend.capabilities()["kv_cache_mode"] == "static"
-        kw = {"steering": steering(tiny_assets), "monitor": monitor(tiny_assets)}
+        kw = {"steering": steering(tiny_assets, sae_name=MODEL_SAE[model]),
+              "monitor": monitor(tiny_assets, sae_name=MODEL_SAE[model])}
         refs = [
-            eager.generate_sync(job(f"e{i}", p, 20 + 5 * i, **kw)) for i, p in enumerate(PROMPTS)
+            dynamic.generate_sync(job(f"e{i}", p, 20 + 5 * i, **kw)) for i, p in enumerate(PROMPTS)
         ]
         got: list = [None] * len(PROMPTS)
 
@@ -188,6 +196,7 @@ def test_static_cache_gives_dynamic_cache_tokens_and_records(tiny_assets, eager,
             assert count.count == g.forward_passes
     finally:
         static.shutdown()
+        dynamic.shutdown()
 
 
 def test_compiled_batch_recompiles_only_per_bucket_as_requests_join_and_leave(tiny_assets, eager):
