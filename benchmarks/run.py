@@ -39,8 +39,8 @@ memory bandwidth itself, and turns everything into ratios:
                   steered, with the acceptance rate and whether the tokens are equal
   quantized       quantized_decode.py: Q8 and Q4 loads of the transformers backend against
                   the float32 load, batch 1
-  unbuilt         compiled vs eager, static vs dynamic KV cache:
-                  listed as "not built" while millm_site/config.py declares them unbuilt
+  compile         compiled_decode.py: TORCH_COMPILE=true against eager, KV_CACHE_MODE=static
+                  against dynamic (batch 1, steered), each with its exact-token check
 
 A group whose backend is missing prints "not installed", one that failed prints "failed"
 with its log; nothing is left out of the table silently.  Written to ``--out`` (default
@@ -66,7 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
 
 GROUPS = ("decode", "v1_streaming", "v1_concurrency", "batching", "steering_modes", "capture",
-          "capture_backends", "llamacpp", "vllm", "speculative", "quantized", "unbuilt")
+          "capture_backends", "llamacpp", "vllm", "speculative", "quantized", "compile")
 BATCHES = (1, 4, 8, 16)
 
 
@@ -429,26 +429,21 @@ def group_speculative(ctx: Ctx) -> list[Row]:
     return rows
 
 
-# (what, the config variable whose ``unbuilt`` says so or None, its target)
-UNBUILT = (
-    ("compiled ÷ eager decode (TORCH_COMPILE)", "TORCH_COMPILE", "≥ 1.2 on CPU, or compile stays off there (issue 17 item 9)"),
-    ("static ÷ dynamic KV cache (KV_CACHE_MODE=static)", "KV_CACHE_MODE", "same tokens (issue 17 item 2)"),
-)
-
-
-def group_unbuilt(ctx: Ctx) -> list[Row]:
-    from millm_site.config import VARIABLES_BY_NAME
-
-    rows = []
-    for what, var, tgt in UNBUILT:
-        built = VARIABLES_BY_NAME[var].unbuilt is None
-        if built:
-            rows.append(Row("unbuilt", what, target=tgt, status="not measured",
-                            note="built, but benchmarks/run.py does not measure it yet"))
-        else:
-            why = f"millm_site/config.py: {VARIABLES_BY_NAME[var].unbuilt}"
-            rows.append(Row("unbuilt", what, target=tgt, status="not built", note=why))
-    return rows
+def group_compile(ctx: Ctx) -> list[Row]:
+    r = ctx.script("compile", "compiled_decode.py",
+                   ["--model", ctx.model, "--tokens", str(ctx.tokens), "--rounds", str(ctx.rounds)])
+    g, what = "compile", f"({r['model']} fp32, batch 1, steering, {r['tokens']} tokens)"
+    same = r["tokens_equal_eager"]
+    return [
+        Row(g, f"compiled ÷ eager decode, TORCH_COMPILE=true {what}", r["compiled_vs_eager"],
+            **target(">=", 1.2, "issue 17 item 9; else compile stays off on CPU"),
+            note=f"{r['compiles']} graphs, first request {r['warmup_s']['compiled']:.0f} s"),
+        Row(g, "greedy tokens of compiled decoding equal eager (1 = yes)", float(same["compiled"]),
+            **target(">=", 1.0, "issue 17 item 1")),
+        Row(g, f"static ÷ dynamic KV cache, eager {what}", r["static_vs_dynamic"]),
+        Row(g, "greedy tokens of the static cache equal dynamic (1 = yes)", float(same["static"]),
+            **target(">=", 1.0, "issue 17 item 2")),
+    ]
 
 
 def group_quantized(ctx: Ctx) -> list[Row]:
@@ -470,7 +465,7 @@ RUNNERS = {"decode": group_decode, "v1_streaming": group_v1_streaming, "v1_concu
            "batching": group_batching, "steering_modes": group_steering_modes, "capture": group_capture,
            "capture_backends": group_capture_backends,
            "llamacpp": group_llamacpp, "vllm": group_vllm, "speculative": group_speculative,
-           "quantized": group_quantized, "unbuilt": group_unbuilt}
+           "quantized": group_quantized, "compile": group_compile}
 
 
 def vllm_missing() -> str | None:
@@ -486,7 +481,7 @@ PLACEHOLDER = {"decode": "no SAE / idle SAE / steering / steering + monitoring",
                "capture_backends": "capture cost on vLLM and llama.cpp", "llamacpp": "llama.cpp against plain llama-cpp-python and transformers",
                "vllm": "vLLM against plain vLLM and transformers",
                "speculative": "speculative decoding against plain", "quantized": "Q8 / Q4 against fp32",
-               "unbuilt": "unbuilt features"}
+               "compile": "compiled against eager, static against dynamic KV cache"}
 
 
 # ------------------------------------------------------------------ output

@@ -388,6 +388,14 @@ class AttachmentHook:
             return None
         flat = hidden.reshape(-1, hidden.shape[-1])
         read = inputs.reshape(-1, inputs.shape[-1]) if inputs is not None else flat
+        n = ctx.row_slots.shape[0]  # type: ignore[union-attr]
+        if flat.shape[0] > n:
+            # a fixed-shape step's padding rows (kv_cache.BatchKVCache): left as they are
+            head = flat[:n]
+            new = self._batched(ctx, head, read[:n] if inputs is not None else None)
+            if new is None or new is head:
+                return None
+            return torch.cat([new, flat[n:]]).view_as(hidden)
         for seg, plan in monitored:
             for m in plan.pre:
                 m.observe(read[seg.row_start : seg.row_end], seg.start_position)
@@ -451,10 +459,16 @@ class HookManager:
         self._captures: dict[int, list[Any]] = {}  # layer -> [handle, module, references, residual_pair]
 
     def install(self, key: AttachmentKey, module: torch.nn.Module, stats: AttachmentStats, *,
-                residual_pair: bool = False, read_input: bool = False) -> None:
+                residual_pair: bool = False, read_input: bool = False,
+                graph_break: bool = False) -> None:
+        """``graph_break``: the model runs compiled (backends/transformers/compiled.py); the
+        hook is kept out of the graph and runs as written, at a graph break."""
         if key in self._handles:
             raise RuntimeError(f"a hook for {key} is already installed")
-        hook = AttachmentHook(key, self, stats, residual_pair=residual_pair, read_input=read_input)
+        hook: Any = AttachmentHook(key, self, stats, residual_pair=residual_pair,
+                                   read_input=read_input)
+        if graph_break:
+            hook = torch.compiler.disable(hook)
         self._handles[key] = module.register_forward_hook(hook)
         for layer, entry in self._captures.items():
             if entry[1] is module:  # a capture reads what the next layer sees: stay last

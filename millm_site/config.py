@@ -180,15 +180,20 @@ VARIABLES: tuple[Var, ...] = (
         "retry_after_defaulted).", minimum=1),
     # --- Performance ----------------------------------------------------------------
     Var("TORCH_COMPILE", "Performance", "tristate", None,
-        "true/false/unset (the original: unset = compile on CUDA). Models run eager today.",
-        unbuilt="torch.compile of the decode step (issue 17)", unbuilt_ok=(None, False)),
+        "torch.compile of the transformers backend's one-token decode step, serial and "
+        "batched: true, false, or unset/auto = compile on CUDA, not on the CPU (where it "
+        "did not pay: docs/performance.md). A compiled model decodes with the static KV "
+        "cache whatever KV_CACHE_MODE says. Read when a model loads."),
     Var("TORCH_COMPILE_MODE", "Performance", "str", "reduce-overhead",
-        "torch.compile mode.", choices=("default", "reduce-overhead", "max-autotune"),
-        unbuilt="torch.compile of the decode step (issue 17)"),
+        "torch.compile mode of a compiled model (reduce-overhead adds CUDA graphs on CUDA; "
+        "on the CPU the three differ little).",
+        choices=("default", "reduce-overhead", "max-autotune")),
     Var("KV_CACHE_MODE", "Performance", "str", "dynamic",
-        "dynamic (today's cache); static, a preallocated cache for compiled decoding, is "
-        "not built.", choices=("dynamic", "static"),
-        unbuilt="the static KV cache (issue 17)"),
+        "The transformers backend's KV cache. dynamic: grows with the sequence. static: "
+        "preallocated, shapes fixed as sequences grow (a StaticCache on the serial path, "
+        "the batch's slab stepped over its whole capacity), the cache compiled decoding "
+        "uses. Same tokens either way. Read when a model loads.",
+        choices=("dynamic", "static")),
     Var("SPECULATIVE_MODEL", "Performance", "str", "",
         "Draft for speculative decoding of the transformers backend's serial path (unset = "
         "off): self:layers=N (the loaded model's first N blocks and its head, no second "
@@ -483,6 +488,11 @@ def _check_combinations(v: dict[str, Any]) -> None:
         raise ConfigError("SPECULATIVE_MODEL",
                           "speculative decoding runs on the serial path; set "
                           "ENABLE_CONTINUOUS_BATCHING=false to use it", v["SPECULATIVE_MODEL"])
+    if v["SPECULATIVE_MODEL"] and (v["TORCH_COMPILE"] or v["KV_CACHE_MODE"] == "static"):
+        raise ConfigError("SPECULATIVE_MODEL",
+                          "speculative decoding runs eagerly on the dynamic KV cache (it cuts the "
+                          "cache back after each verification); set TORCH_COMPILE=false and "
+                          "KV_CACHE_MODE=dynamic to use it", v["SPECULATIVE_MODEL"])
     if v["SPECULATIVE_MODEL"].startswith("self:") and \
             not re.fullmatch(r"self:layers=[1-9][0-9]*", v["SPECULATIVE_MODEL"]):
         raise ConfigError("SPECULATIVE_MODEL", "a self-draft is self:layers=N (N >= 1)",

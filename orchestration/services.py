@@ -122,7 +122,9 @@ def _check_engine_accepts(model: Model) -> None:
 BACKEND_OPTION_SETTINGS: dict[str, dict[str, str]] = {
     "transformers": {"pack_cpu_weights": "MILLM_ENGINE_PACK_WEIGHTS",
                      "speculative_model": "SPECULATIVE_MODEL",
-                     "speculative_num_tokens": "SPECULATIVE_NUM_TOKENS"},
+                     "speculative_num_tokens": "SPECULATIVE_NUM_TOKENS",
+                     "torch_compile": "TORCH_COMPILE", "torch_compile_mode": "TORCH_COMPILE_MODE",
+                     "kv_cache_mode": "KV_CACHE_MODE"},
     "vllm": {"tensor_parallel_size": "VLLM_TENSOR_PARALLEL_SIZE",
              "pipeline_parallel_size": "VLLM_PIPELINE_PARALLEL_SIZE",
              "distributed_executor_backend": "VLLM_DISTRIBUTED_EXECUTOR",
@@ -140,8 +142,10 @@ def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
     """What the engine is asked to load for ``model``: its files, its backend (the row's,
     else MILLM_BACKEND) and that backend's options from the settings."""
     backend = model.effective_backend()
+    # a setting left unset (TORCH_COMPILE=auto) leaves its option out: the backend decides
     options = {option: getattr(settings, name)
-               for option, name in BACKEND_OPTION_SETTINGS.get(backend, {}).items()}
+               for option, name in BACKEND_OPTION_SETTINGS.get(backend, {}).items()
+               if getattr(settings, name) is not None}
     if model.format == Model.Format.GGUF and model.gguf_file:
         # a directory holding the file (hub downloads): which GGUF in it
         options["gguf_file"] = model.gguf_file

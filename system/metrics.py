@@ -74,6 +74,15 @@ class _LiveCollector:
             steering.add_metric([attachment["sae_id"], str(attachment["layer"])],
                                 attachment.get("steering_apply_count", 0))
         yield steering
+        # TORCH_COMPILE: graphs compiled since the model loaded, recompiles included
+        caps = (engine.get("batching") or {}).get("capabilities") or {}
+        compiled = caps.get("torch_compile_status")
+        if compiled:
+            graphs = CounterMetricFamily("millm_torch_compile_graphs",
+                                         "Graphs torch.compile built for the loaded model's decode "
+                                         "step, recompiles included (restarts at load)")
+            graphs.add_metric([], compiled["compiles"])
+            yield graphs
 
         from registry import hub
 

@@ -142,9 +142,12 @@ register_backend(BackendEntry(
     loader="gpu_engine.backends.transformers:load",
     # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py);
     # quantization: the registry row's Q8/Q4, applied at load (transformers/quantization.py);
-    # speculative_*: SPECULATIVE_MODEL's draft (transformers/speculative.py)
+    # speculative_*: SPECULATIVE_MODEL's draft (transformers/speculative.py);
+    # TORCH_COMPILE (absent: auto, compile on CUDA), TORCH_COMPILE_MODE, KV_CACHE_MODE:
+    # backends/transformers/compiled.py
     options={"pack_cpu_weights": bool, "quantization": str, "speculative_model": str,
-             "speculative_num_tokens": int},
+             "speculative_num_tokens": int, "torch_compile": bool, "torch_compile_mode": str,
+             "kv_cache_mode": str},
     validator="gpu_engine.backends.transformers:check_job",
     quantizations="gpu_engine.backends.transformers.quantization:quantization_report",
 ))

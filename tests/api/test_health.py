@@ -107,6 +107,26 @@ def test_inference_reports_the_kernels_the_pack_setting_chose(api, engine_client
     assert data["capabilities"]["per_request_steering"] is True
 
 
+@pytest.mark.parametrize("compile_setting, kv, compiled, kv_in_force", [
+    (None, "dynamic", False, "dynamic"),  # auto: not on the CPU
+    (None, "static", False, "static"),
+    (True, "dynamic", True, "static"),  # a compiled model decodes with the static cache
+])
+def test_inference_reports_compile_and_kv_cache_as_the_settings_chose(
+        api, engine_client, tiny_llama, settings, compile_setting, kv, compiled, kv_in_force):
+    settings.TORCH_COMPILE, settings.KV_CACHE_MODE = compile_setting, kv
+    orchestration_services.model_load(model=tiny_llama)
+    caps = ok(api.get("/api/health/inference"))["capabilities"]
+    assert (caps["torch_compile"], caps["kv_cache_mode"]) == (compiled, kv_in_force)
+    text = api.get("/api/health/metrics/prometheus", HTTP_ACCEPT="text/plain").content.decode()
+    if compiled:  # nothing generated yet: nothing compiled (the first decode step compiles)
+        assert caps["torch_compile_status"] == {"mode": settings.TORCH_COMPILE_MODE, "compiles": 0,
+                                                "cache_resets": 0}
+        assert "millm_torch_compile_graphs_total 0.0" in text
+    else:
+        assert caps["torch_compile_status"] is None and "millm_torch_compile_graphs" not in text
+
+
 def test_gpus_without_a_gpu(api):
     data = ok(api.get("/api/health/gpus"))
     import torch

@@ -66,7 +66,7 @@ class BatchedRunner:
         self.max_rows = max_rows
         self.device = runner.device
         self.grouped_attention = use_grouped_sdpa(runner.model)
-        self.cache = BatchKVCache(runner.num_layers, device=runner.device, dtype=runner.dtype)
+        self.cache = self._new_cache()
         self.rows: list[Sequence] = []
         self._free_slots = list(range(max_rows - 1, -1, -1))
         self._tables: dict[AttachmentKey, torch.Tensor] = {}
@@ -78,6 +78,12 @@ class BatchedRunner:
         self._stage: torch.Tensor | None = None  # capture: every row of a decode step, by slot
         self._qk_stage: tuple[torch.Tensor, torch.Tensor] | None = None  # the same for Q/K
         self.steps = 0
+
+    def _new_cache(self) -> BatchKVCache:
+        # KV_CACHE_MODE=static or a compiled step: the fixed-shape slab (kv_cache.py)
+        fixed = self.max_rows if self.runner.static_kv else 0
+        return BatchKVCache(self.runner.num_layers, device=self.device, dtype=self.runner.dtype,
+                            fixed_rows=fixed)
 
     # ------------------------------------------------------------------ rows
 
@@ -256,7 +262,7 @@ class BatchedRunner:
         self._controlled.clear()
         self._control_tables.clear()
         self._row_slots = None
-        self.cache = BatchKVCache(self.runner.num_layers, device=self.device, dtype=self.runner.dtype)
+        self.cache = self._new_cache()
 
     def cached_bytes(self) -> int:
         """Bytes this runner keeps between requests: the KV slab (it grows to the largest
@@ -270,7 +276,7 @@ class BatchedRunner:
         if self.rows:
             return 0
         freed = self.cached_bytes()
-        self.cache = BatchKVCache(self.runner.num_layers, device=self.device, dtype=self.runner.dtype)
+        self.cache = self._new_cache()
         self._stage = None
         self._qk_stage = None
         self._row_slots = None
@@ -298,7 +304,8 @@ class BatchedRunner:
         rows = self.rows
         cache = self.cache
         cache.reserve(1)
-        position_ids, mask = cache.step_inputs()
+        if not cache.fixed_rows:
+            position_ids, mask = cache.step_inputs()
         if self._row_slots is None:
             self._row_slots = torch.tensor([s.slot for s in rows], dtype=torch.long, device=self.device)
         segments = []
@@ -317,9 +324,19 @@ class BatchedRunner:
                            control_tables=self._control_tables, row_positions=positions,
                            capture_stage=self._capture_stage() if hidden else None,
                            qk_stage=self._capture_qk_stage() if qk else None)
-        input_ids = torch.tensor([[s.last_token] for s in rows], dtype=torch.long, device=self.device)
+        tokens = [[s.last_token] for s in rows]
         with self.hooks.active(ctx):
-            logits = self.runner.forward_rows(input_ids, position_ids=position_ids, attention_mask=mask, past=cache)
+            if cache.fixed_rows:
+                bucket, position_ids, mask, slot = cache.fixed_step_inputs()
+                tokens += [[0]] * (bucket - len(rows))  # padding rows (kv_cache.py, fixed mode)
+                input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+                logits = self.runner.forward_rows_fixed(input_ids, position_ids=position_ids,
+                                                        attention_mask=mask, past=cache, slot=slot,
+                                                        rows=bucket)[: len(rows)]
+            else:
+                input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+                logits = self.runner.forward_rows(input_ids, position_ids=position_ids,
+                                                  attention_mask=mask, past=cache)
         cache.advance(1)
         for s in capturing:  # each capturing request's slot, all its layers at once
             position = s.n_prompt + len(s.generated) - 1

@@ -54,7 +54,7 @@ def run_generation(
 
     input_ids = seq.prompt
     cache_position = torch.arange(n_prompt, device=device)
-    past = None
+    past = runner.serial_cache(n_prompt + max_tokens)  # None: the model's own DynamicCache
 
     capture = request_hooks.capture if request_hooks is not None else None
     with torch.inference_mode(), hook_manager.active(ctx), armed(hook_manager, runner, capture):

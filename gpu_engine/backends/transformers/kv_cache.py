@@ -19,6 +19,14 @@ once after its own (unpadded) prefill.  Every layer is a full-attention layer fo
 cache; sliding-window models get their window from the mask (correct, a little more
 attention work past the window).
 
+Fixed mode (KV_CACHE_MODE=static, and always under TORCH_COMPILE: ``compiled.py``): the
+slab is allocated for every row the batch may hold at once, and a decode step runs over
+the slab's whole slot capacity with the rows padded to a power-of-two bucket
+(``fixed_step_inputs``): the step's keys and values are written at a slot given as a
+tensor, the mask hides the slots past the step and each row's padding, and a padding row
+sees only its own slot.  Its shapes then change only when the bucket or the slot capacity
+does, which is what lets a compiled step run without recompiling as sequences grow.
+
 The cache only stores tensors.  Which request owns which row is the scheduler's business.
 """
 
@@ -53,6 +61,11 @@ class _SlabLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.owner
+        if o.fixed_write is not None:  # a fixed-shape step (module doc): every slot, in place
+            slot, rows = o.fixed_write
+            self.k_buf[:rows].index_copy_(2, slot, key_states)  # type: ignore[index]
+            self.v_buf[:rows].index_copy_(2, slot, value_states)  # type: ignore[index]
+            return self.k_buf[:rows], self.v_buf[:rows]  # type: ignore[index]
         n, q = key_states.shape[0], key_states.shape[-2]
         lo, hi = o.length, o.length + q
         self.k_buf[:n, :, lo:hi] = key_states  # type: ignore[index]
@@ -61,10 +74,16 @@ class _SlabLayer(DynamicLayer):
         self.values = self.v_buf[:n, :, :hi]  # type: ignore[index]
         return self.keys, self.values
 
-    def get_seq_length(self) -> int:
+    def get_seq_length(self) -> Any:
+        if self.owner.fixed_write is not None:
+            # the slot written, as a tensor (as StaticLayer does): the mask's query offset,
+            # read without a guard on the step's length
+            return self.owner.fixed_write[0][0]
         return self.owner.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        if self.owner.fixed_write is not None:
+            return self.owner.slot_capacity, 0
         return self.owner.length + query_length, 0
 
     def get_max_length(self) -> int:
@@ -74,10 +93,15 @@ class _SlabLayer(DynamicLayer):
 class BatchKVCache(Cache):
     """Left-padded slab cache for ``rows`` running sequences (see the module doc)."""
 
-    def __init__(self, num_layers: int, *, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, num_layers: int, *, device: torch.device, dtype: torch.dtype,
+                 fixed_rows: int = 0) -> None:
         super().__init__(layers=[_SlabLayer(self) for _ in range(num_layers)])
         self.device = device
         self.dtype = dtype
+        # fixed mode (module doc): the rows allocated at once; 0 = the growing layout
+        self.fixed_rows = fixed_rows
+        # during a fixed-shape step: (the slot written, as a (1,) tensor; the rows run)
+        self.fixed_write: tuple[torch.Tensor, int] | None = None
         self.rows = 0
         self.length = 0
         self.row_capacity = 0
@@ -142,10 +166,10 @@ class BatchKVCache(Cache):
             self.start = []
         if self.layers[0].k_buf is None:
             for layer, (k, v) in zip(self.layers, per_layer):
-                shape = (1, k.shape[1], MIN_SLOTS, k.shape[3])
+                shape = (max(self.fixed_rows, 1), k.shape[1], MIN_SLOTS, k.shape[3])
                 layer.k_buf = torch.zeros(shape, dtype=k.dtype, device=k.device)
                 layer.v_buf = torch.zeros(shape, dtype=v.dtype, device=v.device)
-            self.row_capacity, self.slot_capacity = 1, MIN_SLOTS
+            self.row_capacity, self.slot_capacity = max(self.fixed_rows, 1), MIN_SLOTS
         shift = max(p - self.length, 0)
         self._ensure(self.rows + 1, self.length + shift + 1, shift)
         if shift:
@@ -207,6 +231,26 @@ class BatchKVCache(Cache):
         starts = torch.tensor(self.start, dtype=torch.long, device=self.device)
         mask = torch.arange(self.length + 1, device=self.device).unsqueeze(0) >= starts.unsqueeze(1)
         return pos, mask.long()
+
+    def fixed_step_inputs(self) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A fixed-shape one-token step (module doc): the rows it runs (the running rows
+        padded to a power of two, at most the capacity), their ``position_ids`` (bucket, 1),
+        the 2-D mask (bucket, slot capacity: each row's slots from its start to the step's)
+        and the slot written, as ``cache_position``."""
+        bucket = 1
+        while bucket < self.rows:
+            bucket *= 2
+        bucket = min(bucket, self.row_capacity)
+        # a padding row sees its own slot only
+        starts = self.start + [self.length] * (bucket - self.rows)
+        start = torch.tensor(starts, dtype=torch.long, device=self.device)
+        pos = (self.length - start).unsqueeze(1)
+        slots = torch.arange(self.slot_capacity, device=self.device).unsqueeze(0)
+        # the slots past this step are masked here too: a mask with nothing masked lets
+        # transformers drop it for a one-token query (and attend to every slot)
+        mask = (slots >= start.unsqueeze(1)) & (slots <= self.length)
+        slot = torch.tensor([self.length], dtype=torch.long, device=self.device)
+        return bucket, pos, mask.long(), slot
 
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for layer in self.layers for b in (layer.k_buf, layer.v_buf)

@@ -36,6 +36,7 @@ from ...sae.hookpoints import DEFAULT_HOOK_POINT, HOOK_POINTS
 from ...text import tool_template_format
 from ..base import all_capabilities
 from .blocks import resolve_attention, resolve_block, resolve_block_list, resolve_hook_module
+from .compiled import CompiledDecode, compile_wanted, decode_options, static_length
 from .cpu_kernels import pack_linears, packing_available
 from .qk_tap import QKTaps
 from .quantization import (
@@ -80,6 +81,12 @@ class TransformersRunner:
         self.device = pick_device(job.device)
         self.dtype = TORCH_DTYPES[job.dtype]
         import_torchao_quietly()  # transformers imports it in from_pretrained
+        # TORCH_COMPILE / TORCH_COMPILE_MODE / KV_CACHE_MODE (compiled.py); a compiled
+        # step needs the fixed shapes of the static cache
+        compile_opt, compile_mode, kv_cache_mode = decode_options(job.options)
+        compile_on = compile_wanted(compile_opt, self.device,
+                                    speculative=bool(job.options.get("speculative_model")))
+        self.static_kv = compile_on or kv_cache_mode == "static"
         try:
             # local files only, safetensors only: nothing is fetched, nothing unpickled
             model = AutoModelForCausalLM.from_pretrained(
@@ -108,7 +115,9 @@ class TransformersRunner:
                 method = check_method(requested, job.device).name
                 quantized = quantize_blocks(blocks, self.blocks_path, method)
         self.packed_linears = 0
-        if job.options.get("pack_cpu_weights", True) and packing_available(self.device, self.dtype):
+        # compiled on the CPU: inductor's freezing packs the weights itself (it cannot take ours)
+        if job.options.get("pack_cpu_weights", True) and not compile_on and \
+                packing_available(self.device, self.dtype):
             self.packed_linears = pack_linears(self.model)  # what stayed float32 (the head)
         base_kernels = "onednn_packed" if self.packed_linears else "default"
         self.kernels = (f"{quantized.method.lower()}_weight_only+{base_kernels}" if quantized
@@ -149,6 +158,11 @@ class TransformersRunner:
         # SPECULATIVE_MODEL: the serial path's draft (speculative.py), or None
         spec = spec_config(job.options)
         self.drafter = Drafter(self, spec) if spec is not None else None
+        self.compiled = CompiledDecode(self.model, mode=compile_mode, device=self.device) \
+            if compile_on else None
+        # the serial path's StaticCache (serial_cache) and its length
+        self._static_cache: Any = None
+        self._static_length = 0
 
     # ------------------------------------------------------------------ structure
 
@@ -176,10 +190,15 @@ class TransformersRunner:
 
     def attach(self, attachment: Any) -> None:
         module, _, read_input = resolve_hook_module(self.model, attachment.layer, attachment.hook_point)
-        self.hooks.install(attachment.key, module, attachment.stats, read_input=read_input)
+        self.hooks.install(attachment.key, module, attachment.stats, read_input=read_input,
+                           graph_break=self.compiled is not None)
+        if self.compiled is not None:
+            self.compiled.reset()
 
     def detach(self, key: AttachmentKey) -> None:
         self.hooks.remove(key)
+        if self.compiled is not None:
+            self.compiled.reset()
 
     def capabilities(self) -> dict[str, Any]:
         # ``hidden_states``: this backend's own key (Engine.hidden_states refuses without it)
@@ -188,7 +207,12 @@ class TransformersRunner:
                                 tool_call_format=self.tool_call_format,
                                 # SPECULATIVE_MODEL: the serial path's draft, when one is set
                                 speculative_decoding=self.drafter is not None,
-                                speculative_model=self.drafter.source if self.drafter else None)
+                                speculative_model=self.drafter.source if self.drafter else None,
+                                # TORCH_COMPILE (with its figures) and KV_CACHE_MODE as in force
+                                torch_compile=self.compiled is not None,
+                                torch_compile_status=(self.compiled.status() if self.compiled
+                                                      else None),
+                                kv_cache_mode="static" if self.static_kv else "dynamic")
 
     def structured_grammars(self) -> Any:
         """This model's ``structured.Grammars`` (vocabulary info built once, grammars
@@ -231,10 +255,39 @@ class TransformersRunner:
 
     # ------------------------------------------------------------------ forward
 
+    def serial_cache(self, needed: int) -> Any:
+        """The cache a serial generation of ``needed`` positions starts with: None (the
+        model's own DynamicCache) or, with the static cache, a StaticCache of
+        ``compiled.static_length(needed)`` slots, kept and reset between requests."""
+        if not self.static_kv:
+            return None
+        from transformers import StaticCache
+
+        length = static_length(needed, self.context_length)
+        cache = self._static_cache
+        if cache is not None and self._static_length == length:
+            with torch.inference_mode():  # its tensors were made in inference mode
+                cache.reset()
+            return cache
+        self._static_cache = None  # the old one's memory goes before the new one is made
+        self._static_cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._static_length = length
+        return self._static_cache
+
+    def _compiled_usable(self) -> bool:
+        # captures and attention taps are armed per request: those steps run eagerly
+        return (self.compiled is not None and not self.hooks.armed_captures()
+                and not self.qk_taps.armed())
+
     def forward(
         self, input_ids: torch.Tensor, past: Any, *, cache_position: torch.Tensor, all_logits: bool = False
     ) -> tuple[torch.Tensor, Any]:
-        """One forward over ``input_ids`` (1, T); returns (logits (T' , V), cache)."""
+        """One forward over ``input_ids`` (1, T); returns (logits (T' , V), cache).  A
+        one-token step on the static cache runs compiled when the model is."""
+        if input_ids.shape[1] == 1 and past is not None and past is self._static_cache \
+                and self._compiled_usable():
+            logits = self.compiled.serial(input_ids, past, cache_position)  # type: ignore[union-attr]
+            return logits[0], past
         kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": past, "cache_position": cache_position}
         if self._has_logits_to_keep and not all_logits:
             kwargs["logits_to_keep"] = 1
@@ -278,6 +331,28 @@ class TransformersRunner:
             kwargs["logits_to_keep"] = 1
         out = self.model(input_ids=input_ids, **kwargs)
         return out.logits[:, -1]
+
+    def forward_rows_fixed(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor,
+                           attention_mask: torch.Tensor, past: Any, slot: torch.Tensor,
+                           rows: int) -> torch.Tensor:
+        """``forward_rows`` as a fixed-shape step of the slab cache (kv_cache.py, fixed
+        mode): ``rows`` rows, padding included, the new keys written at ``slot``; runs
+        compiled when the model is."""
+        past.fixed_write = (slot, rows)
+        try:
+            if self._compiled_usable():
+                logits = self.compiled.rows(  # type: ignore[union-attr]
+                    input_ids, past, position_ids, attention_mask, slot)
+            else:
+                kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": past,
+                                          "position_ids": position_ids,
+                                          "attention_mask": attention_mask, "cache_position": slot}
+                if self._has_logits_to_keep:
+                    kwargs["logits_to_keep"] = 1
+                logits = self.model(input_ids=input_ids, **kwargs).logits
+        finally:
+            past.fixed_write = None
+        return logits[:, -1]
 
     def last_hidden(self, ids: Sequence[int]) -> torch.Tensor:
         """Final hidden states (T, d) after the final norm (what embeddings pool)."""
