@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import re
 
-import httpx
 import pytest
 
 from tests.v1.conftest import model_resident
+from tests.v1.helpers import request
 
 MESSAGES = [{"role": "user", "content": "the cat sat on the mat and"}]
 
@@ -28,7 +28,7 @@ def _reload(server, settings, draft: str) -> None:
 
 
 def _drafted(url: str) -> tuple[float, float]:
-    text = httpx.get(f"{url}/api/health/metrics/prometheus").text
+    text = request(url, "GET", "/api/health/metrics/prometheus").body.decode()
     found = {}
     for kind in ("drafted", "accepted"):
         m = re.search(r'millm_speculative_tokens_total\{[^}]*kind="%s"[^}]*model="tiny-llama"'
@@ -55,7 +55,8 @@ def test_speculative_decoding_through_v1(speculative, openai_client, settings):
         spec["accepted"] / spec["drafted"], 4)
     after = _drafted(speculative.url)
     assert (after[0] - before[0], after[1] - before[1]) == (spec["drafted"], spec["accepted"])
-    caps = httpx.get(f"{speculative.url}/api/health/inference").json()["data"]["capabilities"]
+    caps = request(speculative.url, "GET", "/api/health/inference").json()["data"][
+        "capabilities"]
     assert caps["speculative_decoding"] is True and caps["speculative_model"] == "self:layers=2"
 
     sampled = openai_client.chat.completions.create(model="tiny-llama", messages=MESSAGES,
@@ -70,5 +71,6 @@ def test_speculative_decoding_through_v1(speculative, openai_client, settings):
                                                   max_tokens=32, temperature=0)
     assert plain.choices[0].message.content == got.choices[0].message.content
     assert "millm" not in (plain.model_extra or {}) or plain.model_extra["millm"] is None
-    caps = httpx.get(f"{speculative.url}/api/health/inference").json()["data"]["capabilities"]
+    caps = request(speculative.url, "GET", "/api/health/inference").json()["data"][
+        "capabilities"]
     assert caps["speculative_decoding"] is False
