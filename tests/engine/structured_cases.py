@@ -79,6 +79,22 @@ TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} tool"
 _HERMES_CALL = re.compile(r"<tool_call>\n(.*)\n</tool_call>", re.S)
 
 
+def check_every_schema(engine, timeout_s: float) -> None:
+    """Every schema of ``SCHEMAS`` at once (one batch), then the first four sampled: each
+    output ends with the grammar (``stop``), parses and validates."""
+    streams = [engine.generate(structured_job(f"s{i}", what, schema))
+               for i, (what, schema) in enumerate(SCHEMAS)]
+    for (what, schema), stream in zip(SCHEMAS, streams):
+        res = stream.result(timeout_s=timeout_s)
+        assert res.finish_reason == "stop", (what, res.text)
+        jsonschema.validate(json.loads(res.text), schema)
+    for i, (what, schema) in enumerate(SCHEMAS[:4]):
+        res = engine.generate_sync(
+            structured_job(f"t{i}", what, schema, temperature=1.0, seed=i), timeout_s=timeout_s)
+        assert res.finish_reason == "stop", (what, res.text)
+        jsonschema.validate(json.loads(res.text), schema)
+
+
 def tool_job(name: str, functions: list[str], **sampling) -> GenerationJob:
     """A chat job that must call one of ``functions`` (tool_choice required, or the named
     function when there is one) in the Hermes envelope."""

@@ -28,6 +28,7 @@ from gpu_engine.protocol import (
 from tests.engine.structured_cases import (
     SCHEMAS,
     TOOL_PARAMETERS,
+    check_every_schema,
     check_tool_call,
     structured_job,
     tool_job,
@@ -112,21 +113,7 @@ def test_the_grammar_reads_the_vocabulary_as_the_tokenizer_writes_it(
 
 
 def test_every_schema_parses_and_validates(gguf_demo):
-    streams = [
-        gguf_demo.generate(structured_job(f"s{i}", what, schema))
-        for i, (what, schema) in enumerate(SCHEMAS)
-    ]
-    for (what, schema), stream in zip(SCHEMAS, streams):
-        res = stream.result(timeout_s=240)
-        assert res.finish_reason == "stop", (what, res.text)
-        jsonschema.validate(json.loads(res.text), schema)
-    # sampled, and json_object
-    for i, (what, schema) in enumerate(SCHEMAS[:4]):
-        res = gguf_demo.generate_sync(
-            structured_job(f"t{i}", what, schema, temperature=1.0, seed=i), timeout_s=240
-        )
-        assert res.finish_reason == "stop", (what, res.text)
-        jsonschema.validate(json.loads(res.text), schema)
+    check_every_schema(gguf_demo, timeout_s=240)
     res = gguf_demo.generate_sync(
         structured_job("o", "a person with a name and an age", None, max_tokens=200), timeout_s=240
     )
