@@ -102,23 +102,33 @@ def expected_positions(mode: str, n_prompt: int, n_gen: int) -> list[int]:
             "completion": list(range(n_prompt - 1, total))}[mode]
 
 
+def captured_beside_plain(eng, plain_job, capture_job, positions: str):
+    """Run ``plain_job`` and ``capture_job`` (the same request, capture armed) on ``eng``;
+    check that arming capture changed nothing generated (tokens and their logprobs, bit for
+    bit) and that the artifact holds the rows and token ids ``positions`` names. Returns
+    (the captured run, its artifact, the positions)."""
+    plain = eng.generate_sync(plain_job)
+    out = eng.generate_sync(capture_job)
+    assert out.token_ids == plain.token_ids
+    assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in plain.logprobs]
+    cap = load_capture(out.capture.data)
+    pos = expected_positions(positions, out.usage.prompt_tokens, len(out.token_ids))
+    assert cap.positions.tolist() == pos
+    full = cap.meta["prompt_token_ids"] + out.token_ids
+    assert cap.token_ids.tolist() == [full[p] for p in pos]
+    return out, cap, pos
+
+
 @pytest.mark.parametrize("model_name", MODELS)
 @pytest.mark.parametrize("positions", ["last", "all", "prompt", "completion"])
 def test_capture_equals_reference_and_changes_no_token(engines, reference, model_name, positions):
     eng = engines(model_name)
     asset, model = reference(model_name)
     layers = list(range(asset.num_layers))
-    plain = eng.generate_sync(job("plain"))
-    out = eng.generate_sync(job("cap", CaptureSpec(layers=layers, positions=positions)))
-    # arming capture changes nothing generated, bit for bit
-    assert out.token_ids == plain.token_ids
-    assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in plain.logprobs]
-    cap = load_capture(out.capture.data)
+    out, cap, pos = captured_beside_plain(
+        eng, job("plain"), job("cap", CaptureSpec(layers=layers, positions=positions)), positions)
     n_prompt = out.usage.prompt_tokens
-    pos = expected_positions(positions, n_prompt, len(out.token_ids))
-    assert cap.positions.tolist() == pos
     full = cap.meta["prompt_token_ids"] + out.token_ids
-    assert cap.token_ids.tolist() == [full[p] for p in pos]
     assert cap.meta["layers"] == layers and cap.meta["request_id"] == "cap" and cap.meta["model"] == model_name
     assert cap.meta["steering_hash"] is None and cap.meta["dtype"] == "float32"
     ref = reference_blocks(asset, model, full[: n_prompt + len(out.token_ids) - 1])

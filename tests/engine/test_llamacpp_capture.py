@@ -29,7 +29,12 @@ from gpu_engine.protocol import (
 )
 
 from .helpers import RefSAE
-from .test_capture import expected_positions, reference, reference_blocks  # noqa: F401
+from .test_capture import (  # noqa: F401
+    captured_beside_plain,
+    expected_positions,
+    reference,
+    reference_blocks,
+)
 from .test_capture_qk import attention_of, reference_qk
 from .test_llamacpp import gguf_job
 from .tolerances import (
@@ -110,17 +115,10 @@ def test_capture_equals_reference_and_changes_no_token(gguf, reference, which, p
     eng = gguf[which]
     asset, model = reference("tiny-llama")
     layers = list(range(asset.num_layers))
-    plain = eng.generate_sync(job("plain"))
-    out = eng.generate_sync(job("cap", CaptureSpec(layers=layers, positions=positions)))
-    # arming capture changes nothing generated (tokens and their logprobs, bit for bit)
-    assert out.token_ids == plain.token_ids
-    assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in plain.logprobs]
-    cap = load_capture(out.capture.data)
+    out, cap, pos = captured_beside_plain(
+        eng, job("plain"), job("cap", CaptureSpec(layers=layers, positions=positions)), positions)
     n_prompt = out.usage.prompt_tokens
-    pos = expected_positions(positions, n_prompt, len(out.token_ids))
-    assert cap.positions.tolist() == pos
     full = cap.meta["prompt_token_ids"] + out.token_ids
-    assert cap.token_ids.tolist() == [full[p] for p in pos]
     assert cap.meta["backend"] == "llamacpp" and cap.meta["layers"] == layers
     assert cap.meta["dtype"] == "float32" and cap.meta["steering_hash"] is None
     ref = reference_blocks(asset, model, full[: n_prompt + len(out.token_ids) - 1])
