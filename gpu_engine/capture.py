@@ -134,15 +134,23 @@ class RowBuffer:
     def take(self, stage: torch.Tensor, slot: int, position: int) -> None:
         """After a batched decode step: the row (``slot``, at ``position``) of every layer
         of this buffer, from the batch's stage (num_layers, slots, *row shape)."""
+        self.take_span(stage, slot, slot + 1, position)
+
+    def take_span(self, stage: torch.Tensor, lo: int, hi: int, start: int) -> None:
+        """Rows ``lo:hi`` of a stage indexed by layer (num_layers, rows, *row shape),
+        the positions ``start, start + 1, …``, for every layer of this buffer at once."""
         if self.last_only:
-            dest = 0
-            self.last_position = position
-        else:
-            if not self.base <= position < self.base + self.rows:
-                return
-            dest = position - self.base
-            self.filled_to = max(self.filled_to, position + 1)
-        self.buffer[:, dest].copy_(self._pick(stage.index_select(0, self.layer_t)[:, slot]))
+            self.buffer[:, 0].copy_(self._pick(stage[:, hi - 1].index_select(0, self.layer_t)))
+            self.last_position = start + hi - lo - 1
+            return
+        a, b = max(self.base, start), min(self.base + self.rows, start + hi - lo)
+        if a >= b:
+            return
+        rows = stage[:, lo + a - start : lo + b - start].index_select(0, self.layer_t)
+        if self.select is not None:
+            rows = rows.index_select(2, self.select)
+        self.buffer[:, a - self.base : b - self.base].copy_(rows)
+        self.filled_to = max(self.filled_to, b)
 
     def positions(self) -> list[int]:
         if self.last_only:
@@ -232,6 +240,18 @@ class CapturePlan:
         if self.q is not None:
             self.q.take(q_stage, slot, position)
             self.k.take(k_stage, slot, position)  # type: ignore[union-attr]
+
+    def take_span(self, lo: int, hi: int, start: int, *, hidden: torch.Tensor | None = None,
+                  q: torch.Tensor | None = None, k: torch.Tensor | None = None) -> None:
+        """Rows ``lo:hi`` of stages indexed by layer — hidden (num_layers, rows,
+        hidden_size), q (num_layers, rows, heads, head_dim), k likewise over the KV heads —
+        at positions ``start, start + 1, …`` (a backend that stages a whole decode, prefill
+        included, before handing rows over: ``backends/llamacpp/taps.py``)."""
+        if hidden is not None and self.hidden is not None:
+            self.hidden.take_span(hidden, lo, hi, start)
+        if q is not None and self.q is not None:
+            self.q.take_span(q, lo, hi, start)
+            self.k.take_span(k, lo, hi, start)  # type: ignore[union-attr, arg-type]
 
     def positions(self) -> list[int]:
         return self.hidden.positions() if self.hidden is not None else []

@@ -81,11 +81,14 @@ def interleaved(x: np.ndarray) -> np.ndarray:
 
 @pytest.fixture(scope="module")
 def gguf_engines(tiny_gguf):
-    """{serial, batched, and a serial engine on the Python eval callback (no C filter)}."""
+    """{serial, batched, a serial engine on the Python eval callback (no C filter), and a
+    serial engine whose decodes never fit the stage (the C filter hands captured nodes to
+    Python, as it does for a decode too large to stage)}."""
     made = {
         "serial": Engine(),
         "batched": Engine(batching=BatchingOptions(enabled=True, max_batch_size=8)),
         "python_callback": Engine(),
+        "unstaged": Engine(),
     }
     try:
         for name, eng in made.items():
@@ -94,6 +97,8 @@ def gguf_engines(tiny_gguf):
                     mp.setenv("MILLM_LLAMACPP_PYTHON_CALLBACK", "1")
                 eng.load_model(gguf_job(tiny_gguf))
         assert made["python_callback"].backend.taps.native_filter is False
+        made["unstaged"].backend.taps.stage_max_bytes = 0
+        assert made["serial"].backend.taps.stages and made["batched"].backend.taps.stages
         yield made
     finally:
         for eng in made.values():
@@ -109,7 +114,7 @@ def gguf(gguf_engines):
         eng.detach(None)
 
 
-@pytest.mark.parametrize("which", ["serial", "batched", "python_callback"])
+@pytest.mark.parametrize("which", ["serial", "batched", "python_callback", "unstaged"])
 @pytest.mark.parametrize("positions", ["last", "all", "prompt", "completion"])
 def test_capture_equals_reference_and_changes_no_token(gguf, reference, which, positions):  # noqa: F811
     eng = gguf[which]
@@ -130,7 +135,7 @@ def test_capture_equals_reference_and_changes_no_token(gguf, reference, which, p
         assert not close(got, ref[(layer + 1) % len(layers)][pos])
 
 
-@pytest.mark.parametrize("which", ["serial", "batched", "python_callback"])
+@pytest.mark.parametrize("which", ["serial", "batched", "python_callback", "unstaged"])
 def test_qk_capture_equals_the_rotary_reference(gguf, reference, which):  # noqa: F811
     eng = gguf[which]
     asset, model = reference("tiny-llama")
@@ -193,6 +198,7 @@ def test_heads_map_to_kv_heads_as_transformers_does(gguf, reference):  # noqa: F
     assert close(cap.k[2][:, 0].astype(np.float64), ref[2][1][:n, 0])
 
 
+@pytest.mark.parametrize("which", ["serial", "unstaged"])
 @pytest.mark.parametrize("attach_layer, path", [(1, "control_vector"), (0, "eval_callback")])
 def test_a_steered_request_captures_its_steered_stream(
     gguf,
@@ -200,10 +206,12 @@ def test_a_steered_request_captures_its_steered_stream(
     reference,  # noqa: F811
     attach_layer,
     path,
+    which,
 ):
     """Steering first, on both of llama.cpp's steering paths: a control vector (layer 1)
-    and the eval callback (layer 0, which no control vector reaches)."""
-    eng = gguf["serial"]
+    and the eval callback (layer 0, which no control vector reaches; a staged capture is
+    copied after the callback added the delta)."""
+    eng = gguf[which]
     asset, model = reference("tiny-llama")
     sae = tiny_assets.saes["tiny-llama-L1-relu"]
     eng.attach(AttachSpec(sae.name, str(sae.path), attach_layer))
@@ -306,6 +314,43 @@ def test_each_capture_in_a_mixed_batch_equals_its_solo_capture(gguf, tiny_assets
                 np.testing.assert_allclose(
                     g.k[layer], w.k[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL
                 )
+
+
+def test_a_staged_capture_runs_no_python_inside_the_decode(gguf, reference, monkeypatch):  # noqa: F811
+    """With the C filter, captured nodes are copied in C: a capture-only request never
+    reaches the Python side of the callback, which the test breaks (the unstaged engine,
+    which reads them there, then fails)."""
+    asset, model = reference("tiny-llama")
+    layers = list(range(asset.num_layers))
+
+    def broken(*args, **kwargs):
+        raise AssertionError("the Python side of the eval callback ran")
+
+    for name in ("serial", "unstaged"):
+        monkeypatch.setattr(gguf[name].backend.taps, "_apply", broken)
+    spec = CaptureSpec(layers=layers, positions="last")
+    out = gguf["serial"].generate_sync(job("staged", spec))
+    cap = load_capture(out.capture.data)
+    ids = (cap.meta["prompt_token_ids"] + out.token_ids)[:-1]
+    ref = reference_blocks(asset, model, ids)
+    for layer in layers:
+        assert close(cap.hidden[layer].astype(np.float64), ref[layer][[len(ids) - 1]])
+    with pytest.raises(Exception, match="Python side of the eval callback ran"):
+        gguf["unstaged"].generate_sync(job("unstaged", spec))
+
+
+def test_a_node_that_does_not_fit_the_stage_fails_the_request(gguf):
+    """The C filter refuses a node whose rows are not the width it was told, instead of
+    copying past the stage: the request fails with the reason, and the next one runs."""
+    eng = gguf["serial"]
+    d = eng.status().hidden_size
+    eng.backend.taps.filter.row_floats[0] = d + 1
+    try:
+        with pytest.raises(Exception, match="l_out-0 is not a dense float32 block"):
+            eng.generate_sync(job("wide", CaptureSpec(layers=[0])))
+    finally:
+        eng.backend.taps.filter.row_floats[0] = d
+    assert eng.generate_sync(job("ok", CaptureSpec(layers=[0]))).capture is not None
 
 
 def test_bad_layers_heads_and_sizes_are_refused_before_any_forward(gguf, monkeypatch):

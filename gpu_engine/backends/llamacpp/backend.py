@@ -191,7 +191,10 @@ class LlamaCppBackend:
             self.attention_geometry = AttentionGeometry(
                 num_heads=self.native.n_head, num_kv_heads=self.native.n_head_kv,
                 head_dim=self.native.head_dim)
-            self.taps = EvalTaps(self.num_layers, interleaved_rope=self.native.interleaved_rope)
+            self.taps = EvalTaps(self.num_layers, interleaved_rope=self.native.interleaved_rope,
+                                 hidden_size=self.hidden_size,
+                                 heads=(self.native.n_head, self.native.n_head_kv,
+                                        self.native.head_dim))
             # steered forwards by path: a control vector over a batch steered alike, per
             # row in the eval callback, a control vector over one steering group of the
             # batch (``control_vector_swap`` mode)

@@ -190,11 +190,22 @@ class LlamaBatchRunner:
         uniform = all(sig == sigs[0] for sig in sigs)
         pre_layers = set()
         qk: dict[tuple[int, int], list[MonitorSegment]] = {}
+        # capture: staged by the C filter where the decode's stage fits, else read in Python
+        capturing = [(seq, a, b, pos) for seq, a, b, pos in parts if seq.capture is not None]
+        stage: set[int] = set()
+        stage_qk: set[int] = set()
+        for seq, *_ in capturing:
+            stage.update(seq.capture.layers)  # type: ignore[union-attr]
+            stage_qk.update(seq.capture.qk_layers)  # type: ignore[union-attr]
+        staged = bool(capturing) and backend.taps.stage_fits(len(tokens), bool(stage),
+                                                             bool(stage_qk))
+        if not staged:
+            stage, stage_qk = set(), set()
         for seq, a, b, pos in parts:
             if seq.hooks is None:
                 continue
             # capture reads the layer's output after every delta (as a post monitor does)
-            for kind, layer, reader in capture_readers(seq):
+            for kind, layer, reader in () if staged else capture_readers(seq):
                 seg = MonitorSegment([reader], a, b, pos, False)
                 if kind is None:
                     lp = layers.setdefault(layer, LayerPlan())
@@ -249,10 +260,15 @@ class LlamaBatchRunner:
             if any(lp.deltas is not None for lp in layers.values()):
                 backend.steering_forwards["eval_callback"] += 1
         outputs = [i for i, t in enumerate(tokens) if t[3]]
-        fplan = ForwardPlan(layers, len(tokens), outputs, qk=qk) if layers or qk else None
+        fplan = (ForwardPlan(layers, len(tokens), outputs, qk=qk, stage=stage, stage_qk=stage_qk)
+                 if layers or qk or staged else None)
         backend.taps.run(fplan, lambda: self.ctx.decode(tokens))
         if fplan is not None:
             applied |= fplan.applied
+        if staged:
+            rows = fplan.staged  # type: ignore[union-attr]
+            for seq, a, b, pos in capturing:
+                seq.capture.take_span(a, b, pos, hidden=rows.hidden, q=rows.q, k=rows.k)  # type: ignore[union-attr]
         if applied:
             for key in applied:
                 stats = backend.attachment_stats.get(key)

@@ -24,18 +24,25 @@ rows that produce logits (llama.cpp drops the others before the last block's FFN
 its rows map to the batch's output tokens instead.
 
 Capture (``gpu_engine.capture``) reads the same nodes: a request's hidden-state rows
-are handed to its ``CapturePlan`` from ``l_out-{il}`` after the deltas are added (so a
-steered request captures its steered stream), like a post-steering monitor.  Q/K
-capture claims two more nodes per layer: the graph names the query projection, its
-reshape and the rotary embedding's output all ``Qcur-{il}`` (``Kcur-{il}`` likewise), so
-only the one made by ``GGML_OP_ROPE`` is read — (head_dim, heads, tokens) float32, every
-token of the batch at every layer (the last layer's pruning comes after attention).
-For rope type NORM (the llama family) the GGUF converter interleaved each head's two
-rotary halves (``convert_hf_to_gguf``'s permute, ``gpu_engine.assets.tiny_gguf``); the
-rows are put back in the checkpoint's order, so a head's vector is the one the
-transformers backend captures.  After the decode every captured node must have handed
-over every row it owes: a graph that never produced one is an error, not a capture of
-zeros.
+are taken from ``l_out-{il}`` after the deltas are added (so a steered request captures
+its steered stream), like a post-steering monitor.  Q/K capture claims two more nodes per
+layer: the graph names the query projection, its reshape and the rotary embedding's
+output all ``Qcur-{il}`` (``Kcur-{il}`` likewise), so only the one made by
+``GGML_OP_ROPE`` is read — (head_dim, heads, tokens) float32, every token of the batch at
+every layer (the last layer's pruning comes after attention).  For rope type NORM (the
+llama family) the GGUF converter interleaved each head's two rotary halves
+(``convert_hf_to_gguf``'s permute, ``gpu_engine.assets.tiny_gguf``); the rows are put
+back in the checkpoint's order, so a head's vector is the one the transformers backend
+captures.
+
+With the C filter, captured nodes are *staged*: the filter copies each one's rows into
+a per-kind buffer of (n_layer, rows, row) (``shim.py``), no Python runs for them inside
+``llama_decode``, and after it the plan's ``staged`` stages (``Staged``) hand each
+request its rows with one copy per kind (``CapturePlan.take_span``).  A decode whose
+stage would pass ``STAGE_MAX_BYTES`` (a long prefill of a wide model), or a build without
+the C filter, reads captured nodes in Python instead (``CaptureReader`` segments), with
+the same rows.  After the decode every captured node must have handed over every row it
+owes: a graph that never produced one is an error, not a capture of zeros.
 """
 
 from __future__ import annotations
@@ -50,10 +57,14 @@ import torch
 from ...hooks import MonitorPlan
 from ...protocol import AttachmentKey
 from .native import GGML_BASE, GGML_OP_ROPE, GGML_TYPE_F32, NAME_OFFSET, OP_OFFSET, GGMLTensor
-from .shim import TAP_FN, Filter, load_filter
+from .shim import STAGE, TAP, TAP_FN, Filter, load_filter
 
 # what a claimed node is (the C filter's ``kind``)
 LAYER_OUT, QUERY, KEY = 0, 1, 2
+
+# the most one decode's capture stages may take (every kind, every layer): a decode that
+# would need more (a long prefill of a wide model) reads its captured nodes in Python
+STAGE_MAX_BYTES = 64 << 20
 
 
 class CaptureReader:
@@ -103,16 +114,47 @@ class ForwardPlan:
     applied: set[AttachmentKey] = field(default_factory=set)
     # Q/K capture: per (QUERY or KEY, layer), the segments reading the rotated rows
     qk: dict[tuple[int, int], list[MonitorSegment]] = field(default_factory=dict)
+    # staged capture (``EvalTaps.stages``): layers whose output rows, and layers whose
+    # rotated Q and K, the C filter copies into the stage; after the decode, ``staged``
+    stage: set[int] = field(default_factory=set)
+    stage_qk: set[int] = field(default_factory=set)
+    staged: Staged | None = None
 
     @property
     def empty(self) -> bool:
-        return not self.layers and not self.qk
+        return not self.layers and not self.qk and not self.stage and not self.stage_qk
+
+
+@dataclass
+class Staged:
+    """One decode's staged rows, indexed by layer and batch token (the last layer's
+    pruned rows put back at their batch tokens): hidden (n_layer, n_tokens, d), q
+    (n_layer, n_tokens, heads, head_dim), k (n_layer, n_tokens, kv_heads, head_dim).
+    Views of the stage: read them before the next decode."""
+
+    hidden: torch.Tensor | None
+    q: torch.Tensor | None
+    k: torch.Tensor | None
+
+
+def _raise_missing(missing: list[str], n_tokens: int) -> None:
+    if missing:
+        raise RuntimeError(
+            f"llama.cpp's graph did not hand over every row of {', '.join(missing)} "
+            f"({n_tokens} tokens): this model's graph cannot be captured there"
+        )
 
 
 class EvalTaps:
-    """The eval callback object; one per context (it must outlive the context)."""
+    """The eval callback object; one per context (it must outlive the context).
 
-    def __init__(self, n_layer: int, *, interleaved_rope: bool = False) -> None:
+    ``hidden_size`` and ``heads`` ((heads, kv_heads, head_dim)) size the rows staged
+    capture copies; without them (or without the C filter) captured nodes are read in
+    Python."""
+
+    def __init__(self, n_layer: int, *, interleaved_rope: bool = False,
+                 hidden_size: int | None = None,
+                 heads: tuple[int, int, int] | None = None) -> None:
         self.n_layer = n_layer
         self.names = {f"{prefix}-{il}".encode(): (kind, il) for il in range(n_layer)
                       for kind, prefix in ((LAYER_OUT, "l_out"), (QUERY, "Qcur"), (KEY, "Kcur"))}
@@ -123,6 +165,16 @@ class EvalTaps:
         self._error: BaseException | None = None
         lib = load_filter()
         self.native_filter = lib is not None
+        self.heads = heads
+        self.stage_max_bytes = STAGE_MAX_BYTES
+        # floats per row: a layer output, a rotated query, a rotated key (0: not staged)
+        rows = None if hidden_size is None else (
+            hidden_size, heads[0] * heads[2] if heads else 0, heads[1] * heads[2] if heads else 0)
+        self.rows = rows
+        # the stage: per kind a (n_layer, capacity, row) float32 buffer, made on first use
+        self._stage: list[np.ndarray | None] = [None, None, None]
+        self._capacity = 0
+        self._got = np.zeros((3, n_layer), dtype=np.int64)
         if lib is not None:
             # the C filter answers every "ask"; Python runs once per claimed node
             self.filter = Filter()
@@ -136,20 +188,100 @@ class EvalTaps:
             address = ctypes.cast(lib.millm_eval_filter, ctypes.c_void_p).value
             self.callback = lc.ggml_backend_sched_eval_callback(address)
             self.user_data = ctypes.addressof(self.filter)
+            if rows is not None and GGML_BASE is not None:
+                self.filter.type_offset = GGMLTensor.type.offset
+                self.filter.ne_offset = GGMLTensor.ne.offset
+                self.filter.nb_offset = GGMLTensor.nb.offset
+                self.filter.tensor_get = ctypes.cast(GGML_BASE.ggml_backend_tensor_get,
+                                                     ctypes.c_void_p).value
+                for kind, width in enumerate(rows):
+                    self.filter.row_floats[kind] = width
+                self.filter.got = self._got.ctypes.data
         else:
             self.callback = lc.ggml_backend_sched_eval_callback(self._cb)
             self.user_data = None
 
+    @property
+    def stages(self) -> bool:
+        """Captured nodes are copied by the C filter (staged), not read in Python."""
+        return self.native_filter and self.rows is not None and GGML_BASE is not None
+
+    def stage_fits(self, n_tokens: int, hidden: bool, qk: bool) -> bool:
+        """A decode of ``n_tokens`` can stage its capture within ``STAGE_MAX_BYTES``."""
+        if not self.stages:
+            return False
+        if qk and self.heads is None:
+            return False
+        width = (self.rows[0] if hidden else 0) + (self.rows[1] + self.rows[2] if qk else 0)  # type: ignore[index]
+        return self.n_layer * n_tokens * width * 4 <= self.stage_max_bytes
+
+    def _prepare_stage(self, plan: ForwardPlan) -> None:
+        need = {LAYER_OUT} if plan.stage else set()
+        if plan.stage_qk:
+            need |= {QUERY, KEY}
+        if plan.n_tokens > self._capacity:  # grow: every buffer made again at the new size
+            self._capacity = max(plan.n_tokens, 2 * self._capacity, 16)
+            self._stage = [None, None, None]
+        self.filter.capacity = self._capacity
+        for kind in need:
+            if self._stage[kind] is None:
+                self._stage[kind] = np.empty(
+                    (self.n_layer, self._capacity, self.rows[kind]), dtype=np.float32)  # type: ignore[index]
+        for kind in range(3):
+            buf = self._stage[kind]
+            self.filter.stage[kind] = buf.ctypes.data if buf is not None else None
+        self._got[:] = 0
+        self.filter.error = 0
+
+    def _take_stage(self, plan: ForwardPlan) -> Staged:
+        """The decode's staged rows (see ``Staged``), after checking that every staged node
+        handed over every row it owes."""
+        n = plan.n_tokens
+        missing = [f"l_out-{il}" for il in sorted(plan.stage)
+                   if self._got[LAYER_OUT, il] not in (n, len(plan.output_rows))]
+        missing += [f"{name}-{il} (after rope)" for il in sorted(plan.stage_qk)
+                    for kind, name in ((QUERY, "Qcur"), (KEY, "Kcur")) if self._got[kind, il] != n]
+        _raise_missing(missing, n)
+        hidden = q = k = None
+        if plan.stage:
+            hidden = torch.from_numpy(self._stage[LAYER_OUT])[:, :n]  # type: ignore[arg-type]
+            last = self.n_layer - 1
+            m = int(self._got[LAYER_OUT, last])
+            if last in plan.stage and m != n:  # the last layer's rows are the output rows
+                rows = hidden[last, :m].clone()
+                hidden[last].index_copy_(0, torch.tensor(plan.output_rows, dtype=torch.long),
+                                         rows)
+        if plan.stage_qk:
+            qs, ks = (torch.from_numpy(self._stage[kind])[:, :n]  # type: ignore[arg-type]
+                      for kind in (QUERY, KEY))
+            heads, kv_heads, head_dim = self.heads  # type: ignore[misc]
+            q = qs.unflatten(-1, (heads, head_dim))
+            k = ks.unflatten(-1, (kv_heads, head_dim))
+            if self.interleaved_rope:  # pairs (2i, 2i+1) back to the halves (i, i + d/2)
+                layers = torch.tensor(sorted(plan.stage_qk), dtype=torch.long)
+                for t in (q, k):
+                    sel = t.index_select(0, layers)
+                    t.index_copy_(0, layers, torch.cat((sel[..., 0::2], sel[..., 1::2]), dim=-1))
+        return Staged(hidden, q, k)
+
     def run(self, plan: ForwardPlan | None, decode) -> None:  # type: ignore[no-untyped-def]
-        """``decode()`` with ``plan`` published; re-raises what the callback hit."""
+        """``decode()`` with ``plan`` published; re-raises what the callback hit.  A plan
+        with staged capture gets its ``staged`` rows."""
         self.plan = plan if plan is not None and not plan.empty else None
         self._offsets = {}
         self._error = None
+        staging = self.plan is not None and bool(self.plan.stage or self.plan.stage_qk)
+        if staging:
+            self._prepare_stage(self.plan)  # type: ignore[arg-type]
         if self.native_filter and self.plan is not None:
             for il in self.plan.layers:
-                self.filter.wanted[il] = 1
+                self.filter.wanted[il] = TAP
+            for il in self.plan.stage:
+                self.filter.wanted[il] |= STAGE
             for _, il in self.plan.qk:
-                self.filter.wanted_qk[il] = 1
+                self.filter.wanted_qk[il] = TAP
+            for il in self.plan.stage_qk:
+                self.filter.wanted_qk[il] |= STAGE
             self.filter.active = 1
         try:
             decode()
@@ -157,19 +289,27 @@ class EvalTaps:
             published = self.plan
             if self.native_filter and published is not None:
                 self.filter.active = 0
-                for il in published.layers:
+                for il in (*published.layers, *published.stage):
                     self.filter.wanted[il] = 0
-                for _, il in published.qk:
+                for il in (*(il for _, il in published.qk), *published.stage_qk):
                     self.filter.wanted_qk[il] = 0
             self.plan = None
         if self._error is not None:
             raise self._error
+        if staging and self.filter.error:
+            kind, il = self.filter.error_kind, self.filter.error_layer
+            name = ("l_out", "Qcur", "Kcur")[kind]
+            why = ("is not a dense float32 block of the model's rows" if self.filter.error == 1
+                   else "has more rows than the decode")
+            raise RuntimeError(f"capture: llama.cpp's {name}-{il} {why}")
         if published is not None:
             self._check_captured(published)
+            if staging:
+                published.staged = self._take_stage(published)
 
     def _check_captured(self, plan: ForwardPlan) -> None:
-        """Every captured node handed over its rows (a graph without the node, or with it
-        renamed, would otherwise leave a capture of uninitialised rows)."""
+        """Every captured node read in Python handed over its rows (a graph without the
+        node, or with it renamed, would otherwise leave a capture of uninitialised rows)."""
         missing = []
         for il, lp in plan.layers.items():
             got = self._offsets.get((LAYER_OUT, il), 0)
@@ -178,11 +318,7 @@ class EvalTaps:
         for kind, il in plan.qk:
             if self._offsets.get((kind, il), 0) != plan.n_tokens:
                 missing.append(f"{'Qcur' if kind == QUERY else 'Kcur'}-{il} (after rope)")
-        if missing:
-            raise RuntimeError(
-                f"llama.cpp's graph did not hand over every row of {', '.join(missing)} "
-                f"({plan.n_tokens} tokens): this model's graph cannot be captured there"
-            )
+        _raise_missing(missing, plan.n_tokens)
 
     def _tap(self, t: int, kind: int, il: int) -> bool:
         """A claimed node, computed (the C filter's call)."""
@@ -322,4 +458,6 @@ __all__ = [
     "ForwardPlan",
     "LayerPlan",
     "MonitorSegment",
+    "STAGE_MAX_BYTES",
+    "Staged",
 ]
