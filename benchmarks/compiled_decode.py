@@ -1,7 +1,9 @@
 """Compiled against eager decoding, and the static against the dynamic KV cache, on the
 serial transformers backend (a benchmark, not a test): batch-1 greedy decode of the same
-prompt with 8 features steered, interleaved round by round after a warm-up (the compiled
-engine compiles during its warm-up; that time is reported apart).
+prompt with 8 features steered, after a warm-up (the compiled engine compiles during its
+warm-up; that time is reported apart).  Each mode runs in a process of its own (one
+engine, one OpenMP thread team: ``one_team.py``), ``--rounds`` requests in a row; the
+modes take turns, in a rotated order, ``--passes`` times.
 
   eager      the default load: eager, dynamic cache (oneDNN-packed weights on the CPU)
   static     eager, KV_CACHE_MODE=static
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +30,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine_decode import PROMPT, asset_root, bench_sae  # noqa: E402
+from benchmarks.one_team import passing  # noqa: E402
 from gpu_engine.assets import ensure_assets  # noqa: E402
 from gpu_engine.engine import Engine  # noqa: E402
 from gpu_engine.protocol import (  # noqa: E402
@@ -40,62 +44,85 @@ from gpu_engine.protocol import (  # noqa: E402
 MODES = {"eager": {}, "static": {"kv_cache_mode": "static"}, "compiled": {"torch_compile": True}}
 
 
-def run(path: Path, name: str, *, tokens: int, rounds: int, device: str) -> dict:
-    engines: dict[str, Engine] = {}
-    for mode, options in MODES.items():
-        eng = Engine()
+def one(path: Path, name: str, mode: str, *, tokens: int, rounds: int, device: str) -> dict:
+    """One mode's engine in this process: the first request (compiling, for ``compiled``)
+    timed apart, then ``rounds`` requests."""
+    eng = Engine()
+    try:
         eng.load_model(
-            LoadModelJob(name, str(path), dtype="float32", device=device, options=options)
+            LoadModelJob(name, str(path), dtype="float32", device=device, options=MODES[mode])
         )
-        engines[mode] = eng
-    backend = engines["eager"].backend
-    layer = backend.num_layers // 2
-    sae = bench_sae(name, backend.hidden_size, 1024, layer)
-    for eng in engines.values():
+        backend = eng.backend
+        layer = backend.num_layers // 2
+        sae = passing(lambda: bench_sae(name, backend.hidden_size, 1024, layer))
         eng.attach(AttachSpec("bench", str(sae), layer))
-    steering = SteeringSpec.from_mapping({("bench", layer): {i * 97: 4.0 for i in range(8)}})
+        steering = SteeringSpec.from_mapping({("bench", layer): {i * 97: 4.0 for i in range(8)}})
 
-    def timed(eng: Engine) -> tuple[float, list[int]]:
-        job = GenerationJob(
-            "bench",
-            prompt=PROMPT,
-            steering=steering,
-            sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
-        )
-        t0 = time.perf_counter()
-        res = eng.generate_sync(job, timeout_s=3600)
-        assert res.steering_apply_count[0].count == res.forward_passes == tokens
-        return tokens / (time.perf_counter() - t0), res.token_ids
+        def timed() -> tuple[float, list[int]]:
+            job = GenerationJob(
+                "bench",
+                prompt=PROMPT,
+                steering=steering,
+                sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+            )
+            t0 = time.perf_counter()
+            res = eng.generate_sync(job, timeout_s=3600)
+            assert res.steering_apply_count[0].count == res.forward_passes == tokens
+            return tokens / (time.perf_counter() - t0), res.token_ids
 
-    warmup: dict[str, float] = {}
-    for mode, eng in engines.items():  # the compiled engine compiles here
         t0 = time.perf_counter()
-        timed(eng)
-        warmup[mode] = time.perf_counter() - t0
-    samples: dict[str, list[float]] = {m: [] for m in engines}
-    ids: dict[str, list[int]] = {}
-    for r in range(rounds):
-        order = list(engines)[r % len(engines) :] + list(engines)[: r % len(engines)]
-        for m in order:
-            tps, ids[m] = timed(engines[m])
-            samples[m].append(tps)
-    med = {m: statistics.median(v) for m, v in samples.items()}
-    status = engines["compiled"].backend.capabilities()["torch_compile_status"]
-    for eng in engines.values():
+        timed()
+        warmup = time.perf_counter() - t0
+        samples, ids = [], []
+        for _ in range(rounds):
+            tps, ids = timed()
+            samples.append(tps)
+        status = backend.capabilities().get("torch_compile_status") or {}
+        return {"samples": samples, "warmup_s": warmup, "token_ids": ids,
+                "compiles": status.get("compiles")}
+    finally:
         eng.shutdown()
+
+
+def _child(path: Path, mode: str, tokens: int, rounds: int, device: str) -> dict:
+    proc = subprocess.run(
+        [sys.executable, __file__, "--model", str(path), "--tokens", str(tokens), "--rounds",
+         str(rounds), "--device", device, "--one", mode],
+        cwd=REPO, capture_output=True, text=True, timeout=3600)
+    if proc.returncode:
+        sys.exit(f"{mode} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run(path: Path, name: str, *, tokens: int, rounds: int, device: str, passes: int = 2) -> dict:
+    samples: dict[str, list[float]] = {m: [] for m in MODES}
+    warmup: dict[str, float] = {}
+    ids: dict[str, list[int]] = {}
+    compiles = None
+    modes = list(MODES)
+    for p in range(passes):
+        for m in modes[p % len(modes):] + modes[: p % len(modes)]:
+            r = _child(path, m, tokens, rounds, device)
+            samples[m] += r["samples"]
+            warmup.setdefault(m, r["warmup_s"])
+            ids[m] = r["token_ids"]
+            if m == "compiled":
+                compiles = r["compiles"]
+    med = {m: statistics.median(v) for m, v in samples.items()}
     return {
         "model": name,
         "dtype": "float32",
         "device": device,
         "tokens": tokens,
         "rounds": rounds,
+        "passes": passes,
         "tok_s": med,
         "samples": samples,
         "warmup_s": warmup,
         "compiled_vs_eager": med["compiled"] / med["eager"],
         "static_vs_dynamic": med["static"] / med["eager"],
-        "tokens_equal_eager": {m: ids[m] == ids["eager"] for m in engines},
-        "compiles": status["compiles"],
+        "tokens_equal_eager": {m: ids[m] == ids["eager"] for m in MODES},
+        "compiles": compiles,
     }
 
 
@@ -107,17 +134,24 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--passes", type=int, default=2, help="times each mode's process runs")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--one", choices=tuple(MODES), help=argparse.SUPPRESS)  # a child's mode
     args = ap.parse_args()
     if Path(args.model).is_dir():
         path, name = Path(args.model), Path(args.model).name
     else:
-        manifest = ensure_assets(asset_root(), include_demo="smollm" in args.model)
+        manifest = passing(lambda: ensure_assets(asset_root(), include_demo="smollm" in args.model))
         path, name = manifest.models[args.model].path, args.model
-    r = run(path, name, tokens=args.tokens, rounds=args.rounds, device=args.device)
+    if args.one:
+        print(json.dumps(one(path, name, args.one, tokens=args.tokens, rounds=args.rounds,
+                             device=args.device)))
+        return
+    r = run(path, name, tokens=args.tokens, rounds=args.rounds, device=args.device,
+            passes=args.passes)
     print(
         f"{name} float32 {r['device']}, batch 1, {r['tokens']} tokens, steering 8 features, "
-        f"{r['rounds']} rounds"
+        f"{r['passes']} passes of {r['rounds']} requests per mode, one process each"
     )
     for m in MODES:
         print(

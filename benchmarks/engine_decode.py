@@ -13,6 +13,9 @@ Measures, in one process and interleaved round by round so drift hits every mode
   steer_monitor_stream  the same monitor encoded at every step (``stream=True``)
 
 and prints tokens/s (median over rounds) with ratios to ``no_sae`` and ``hf_generate``.
+Every torch kernel of the run executes on the engine's worker thread (the HF baselines
+run there as engine tasks, set-up in threads that end): the process keeps one OpenMP
+thread team, as a server does (``one_team.py`` says why that matters).
 The SAE is random with ``--d-sae`` features (16k by default, the size SPEC §7 quotes), at
 the middle layer.  Usage:
 
@@ -34,6 +37,7 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
+from benchmarks.one_team import on_engine, passing
 from gpu_engine.assets import build_sae, ensure_assets
 from gpu_engine.engine import Engine
 from gpu_engine.protocol import (
@@ -79,25 +83,29 @@ def run_model(path: Path, name: str, *, dtype: str, device: str, tokens: int, ro
     engine.load_model(LoadModelJob(name, str(path), dtype=dtype, device=device))
     backend = engine.backend
     layer = backend.num_layers // 2
-    sae_path = bench_sae(name, backend.hidden_size, d_sae, layer)
+    sae_path = passing(lambda: bench_sae(name, backend.hidden_size, d_sae, layer))
     spec = AttachSpec("bench", str(sae_path), layer)
     ids = torch.tensor([backend.encode_text(PROMPT)], device=backend.device)
     from transformers import AutoModelForCausalLM
 
-    plain = AutoModelForCausalLM.from_pretrained(str(path), dtype=backend.dtype).to(backend.device).eval()
+    plain = on_engine(engine, lambda: AutoModelForCausalLM.from_pretrained(
+        str(path), dtype=backend.dtype).to(backend.device).eval())
+
+    def hf_generate(model) -> float:  # type: ignore[no-untyped-def]
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
+                                 pad_token_id=backend.tokenizer.pad_token_id or 0)
+            if backend.device.type == "cuda":
+                torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+        assert out.shape[1] - ids.shape[1] == tokens
+        return tokens / dt
 
     def timed(mode: str) -> float:
         if mode in ("hf_generate", "hf_generate_plain"):
             model = backend.model if mode == "hf_generate" else plain
-            with torch.inference_mode():
-                t0 = time.perf_counter()
-                out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                             pad_token_id=backend.tokenizer.pad_token_id or 0)
-                if backend.device.type == "cuda":
-                    torch.cuda.synchronize()
-                dt = time.perf_counter() - t0
-            assert out.shape[1] - ids.shape[1] == tokens
-            return tokens / dt
+            return on_engine(engine, lambda: hf_generate(model))  # timed on the engine's thread
         t0 = time.perf_counter()
         res = engine.generate_sync(job(mode, "bench", layer, tokens, top_k), timeout_s=600)
         dt = time.perf_counter() - t0
@@ -158,7 +166,8 @@ def main() -> None:
     args = ap.parse_args()
     models = args.model or ["tiny-llama", "smollm2-135m"]
 
-    manifest = ensure_assets(asset_root(), include_demo=any(not Path(m).exists() and "smollm" in m for m in models))
+    manifest = passing(lambda: ensure_assets(
+        asset_root(), include_demo=any(not Path(m).exists() and "smollm" in m for m in models)))
     results = []
     for m in models:
         if Path(m).is_dir():

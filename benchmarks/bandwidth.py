@@ -1,0 +1,65 @@
+"""The memory-bandwidth limit of batch-1 decoding, measured on the machine that decodes
+(issue 17 item 8, SPEC §7), for ``benchmarks/run.py`` and the scripts that report against
+it.
+
+A batch-1 decode step reads every weight once.  The limit is measured as the issue asks:
+a plain copy of a buffer the size of the weights, with every thread, best of ``reps``,
+counted as the bytes it moves — read plus written, STREAM's convention; the limit in
+tokens per second is that rate over the weight bytes.  A plain read (a ``sum`` over the
+same buffer) is measured beside it (``read_gb_s``) as a check: on the machines of this
+project the two agree within a few per cent (2026-12-01, AMD EPYC: copy 38.8 GB/s, read
+40.1 GB/s, i.e. 72–74 tok/s for SmolLM2 in float32 — the figure SPEC §7 quotes).
+
+Measure in a process, or a thread, that no engine shares: a second OpenMP thread team
+throttles both (``one_team.py``) and the copy then reads up to 3× low.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+_CACHE: dict[int, dict] = {}
+
+
+def copy_bandwidth(nbytes: int, reps: int = 7) -> dict:
+    """A weights-sized copy, measured: ``gb_s`` (bytes read + written per second),
+    ``read_gb_s`` (a sum's read rate over the same buffer), best and median times."""
+    if nbytes in _CACHE:
+        return _CACHE[nbytes]
+    import torch
+
+    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of both buffers
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        times.append(time.perf_counter() - t0)
+    reads = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        src.sum()
+        reads.append(time.perf_counter() - t0)
+    real = src.numel() * 4
+    best = min(times)
+    res = {"buffer_bytes": real, "reps": reps, "best_s": best, "median_s": statistics.median(times),
+           "gb_s": 2 * real / best / 1e9, "read_gb_s": real / min(reads) / 1e9,
+           "threads": torch.get_num_threads(), "convention": "copy: bytes read + bytes written"}
+    del src, dst
+    _CACHE[nbytes] = res
+    return res
+
+
+def limit_tok_s(nbytes: int) -> float:
+    """The batch-1 decode limit of weights of ``nbytes``: the copy rate over them."""
+    return copy_bandwidth(nbytes)["gb_s"] * 1e9 / nbytes
+
+
+def measured() -> dict[int, dict]:
+    """Every measurement taken in this process, by weight bytes."""
+    return dict(_CACHE)
+
+
+__all__ = ["copy_bandwidth", "limit_tok_s", "measured"]
