@@ -316,7 +316,9 @@ def test_each_capture_in_a_mixed_batch_equals_its_solo_capture(gguf, tiny_assets
                 )
 
 
-def test_a_staged_capture_runs_no_python_inside_the_decode(gguf, reference, monkeypatch):  # noqa: F811
+def test_a_staged_capture_runs_no_python_inside_the_decode(
+    gguf, reference, monkeypatch  # noqa: F811
+):
     """With the C filter, captured nodes are copied in C: a capture-only request never
     reaches the Python side of the callback, which the test breaks (the unstaged engine,
     which reads them there, then fails)."""

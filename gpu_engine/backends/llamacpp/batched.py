@@ -268,7 +268,8 @@ class LlamaBatchRunner:
         if staged:
             rows = fplan.staged  # type: ignore[union-attr]
             for seq, a, b, pos in capturing:
-                seq.capture.take_span(a, b, pos, hidden=rows.hidden, q=rows.q, k=rows.k)  # type: ignore[union-attr]
+                seq.capture.take_span(  # type: ignore[union-attr]
+                    a, b, pos, hidden=rows.hidden, q=rows.q, k=rows.k)
         if applied:
             for key in applied:
                 stats = backend.attachment_stats.get(key)

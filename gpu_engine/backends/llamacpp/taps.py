@@ -212,7 +212,8 @@ class EvalTaps:
             return False
         if qk and self.heads is None:
             return False
-        width = (self.rows[0] if hidden else 0) + (self.rows[1] + self.rows[2] if qk else 0)  # type: ignore[index]
+        rows = self.rows or (0, 0, 0)
+        width = (rows[0] if hidden else 0) + (rows[1] + rows[2] if qk else 0)
         return self.n_layer * n_tokens * width * 4 <= self.stage_max_bytes
 
     def _prepare_stage(self, plan: ForwardPlan) -> None:
@@ -225,8 +226,9 @@ class EvalTaps:
         self.filter.capacity = self._capacity
         for kind in need:
             if self._stage[kind] is None:
-                self._stage[kind] = np.empty(
-                    (self.n_layer, self._capacity, self.rows[kind]), dtype=np.float32)  # type: ignore[index]
+                width = self.rows[kind]  # type: ignore[index]
+                self._stage[kind] = np.empty((self.n_layer, self._capacity, width),
+                                             dtype=np.float32)
         for kind in range(3):
             buf = self._stage[kind]
             self.filter.stage[kind] = buf.ctypes.data if buf is not None else None
