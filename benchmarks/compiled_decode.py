@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.engine_decode import PROMPT, asset_root, bench_sae  # noqa: E402
-from benchmarks.one_team import passing  # noqa: E402
+from benchmarks.one_team import in_processes, passing  # noqa: E402
 from gpu_engine.assets import ensure_assets  # noqa: E402
 from gpu_engine.engine import Engine  # noqa: E402
 from gpu_engine.protocol import (  # noqa: E402
@@ -84,30 +83,13 @@ def one(path: Path, name: str, mode: str, *, tokens: int, rounds: int, device: s
         eng.shutdown()
 
 
-def _child(path: Path, mode: str, tokens: int, rounds: int, device: str) -> dict:
-    proc = subprocess.run(
-        [sys.executable, __file__, "--model", str(path), "--tokens", str(tokens), "--rounds",
-         str(rounds), "--device", device, "--one", mode],
-        cwd=REPO, capture_output=True, text=True, timeout=3600)
-    if proc.returncode:
-        sys.exit(f"{mode} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def run(path: Path, name: str, *, tokens: int, rounds: int, device: str, passes: int = 2) -> dict:
-    samples: dict[str, list[float]] = {m: [] for m in MODES}
-    warmup: dict[str, float] = {}
-    ids: dict[str, list[int]] = {}
-    compiles = None
-    modes = list(MODES)
-    for p in range(passes):
-        for m in modes[p % len(modes):] + modes[: p % len(modes)]:
-            r = _child(path, m, tokens, rounds, device)
-            samples[m] += r["samples"]
-            warmup.setdefault(m, r["warmup_s"])
-            ids[m] = r["token_ids"]
-            if m == "compiled":
-                compiles = r["compiles"]
+    runs = in_processes(Path(__file__), list(MODES), ["--model", str(path), "--tokens", str(tokens),
+                                                      "--rounds", str(rounds), "--device", device],
+                        passes=passes)
+    samples = {m: [x for r in runs[m] for x in r["samples"]] for m in MODES}
+    warmup = {m: runs[m][0]["warmup_s"] for m in MODES}
+    ids = {m: runs[m][-1]["token_ids"] for m in MODES}
     med = {m: statistics.median(v) for m, v in samples.items()}
     return {
         "model": name,
@@ -122,7 +104,7 @@ def run(path: Path, name: str, *, tokens: int, rounds: int, device: str, passes:
         "compiled_vs_eager": med["compiled"] / med["eager"],
         "static_vs_dynamic": med["static"] / med["eager"],
         "tokens_equal_eager": {m: ids[m] == ids["eager"] for m in MODES},
-        "compiles": compiles,
+        "compiles": runs["compiled"][-1]["compiles"],
     }
 
 

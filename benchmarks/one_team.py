@@ -16,13 +16,19 @@ on its main thread measures a throttled engine instead.  So:
   team ends with it;
 - ``on_engine(engine, fn)``: a baseline that must share the engine's process (HF
   `generate` on the engine's own model) on the engine's worker thread, between its
-  tasks.
+  tasks;
+- ``in_processes(script, modes, …)``: engines compared with each other each in a process
+  of their own, taking turns.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -51,4 +57,22 @@ def on_engine(engine: Any, fn: Callable[[], T], timeout_s: float = 1800) -> T:
     return engine._call(fn, timeout_s=timeout_s)  # noqa: SLF001 - a benchmark's seam
 
 
-__all__ = ["on_engine", "passing"]
+def in_processes(script: Path, modes: list[str], argv: list[str], *, passes: int,
+                 timeout_s: float = 3600) -> dict[str, list[dict]]:
+    """``script *argv --one MODE`` for every mode, each in a process of its own (whose last
+    printed line is its JSON), the modes taking turns ``passes`` times in a rotated order;
+    each mode's results in the order they ran."""
+    out: dict[str, list[dict]] = {m: [] for m in modes}
+    for p in range(passes):
+        k = p % len(modes)
+        for mode in modes[k:] + modes[:k]:
+            proc = subprocess.run([sys.executable, str(script), *argv, "--one", mode],
+                                  cwd=script.parent.parent, capture_output=True, text=True,
+                                  timeout=timeout_s)
+            if proc.returncode:
+                sys.exit(f"{script.name} --one {mode} failed:\n{proc.stderr[-3000:]}")
+            out[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return out
+
+
+__all__ = ["in_processes", "on_engine", "passing"]

@@ -387,7 +387,8 @@ def group_vllm(ctx: Ctx) -> list[Row]:
 
 
 def group_speculative(ctx: Ctx) -> list[Row]:
-    argv = ["--model", ctx.model, "--tokens", str(ctx.tokens), "--rounds", str(ctx.rounds)]
+    argv = ["--model", ctx.model, "--tokens", str(ctx.tokens), "--rounds", str(ctx.rounds),
+            "--passes", "1" if ctx.quick else "2"]
     r = ctx.script("speculative", "speculative_decode.py", argv)
     g, rows = "speculative", []
     for label, modes in r["modes"].items():
@@ -404,7 +405,8 @@ def group_speculative(ctx: Ctx) -> list[Row]:
 
 def group_compile(ctx: Ctx) -> list[Row]:
     r = ctx.script("compile", "compiled_decode.py",
-                   ["--model", ctx.model, "--tokens", str(ctx.tokens), "--rounds", str(ctx.rounds)])
+                   ["--model", ctx.model, "--tokens", str(ctx.tokens), "--rounds", str(ctx.rounds),
+                    "--passes", "1" if ctx.quick else "2"])
     g, what = "compile", f"({r['model']} fp32, batch 1, steering, {r['tokens']} tokens)"
     same = r["tokens_equal_eager"]
     return [
