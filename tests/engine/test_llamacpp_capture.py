@@ -382,3 +382,33 @@ def test_bad_layers_heads_and_sizes_are_refused_before_any_forward(gguf, monkeyp
     assert decodes == []
     assert eng.generate_sync(job("ok", CaptureSpec(layers=[0]))).capture is not None
     assert decodes  # the counter counts
+
+
+def test_a_small_stage_budget_keeps_the_rows_and_the_memory_bound(gguf, monkeypatch):
+    """With a stage budget of 8 tokens, a long prompt's prefill reads its captured nodes in
+    Python and the decode steps stage theirs: the capture equals the one taken with the
+    default budget, and the stage buffers never pass the budget."""
+    eng, ref_eng = gguf["serial"], gguf["batched"]
+    taps = eng.backend.taps
+    n = eng.status().num_layers
+    widths = sum(taps.rows)
+    budget = n * 8 * widths * 4
+    monkeypatch.setattr(taps, "stage_max_bytes", budget)
+    spec = CaptureSpec(layers=list(range(n)), positions="all",
+                       attention=AttentionCaptureSpec(layers=[0, n - 1], positions="all"))
+    long_prompt = " ".join(PROMPTS)  # more than 8 tokens
+    got = eng.generate_sync(job("small", spec, prompt=long_prompt, max_tokens=5))
+    want = ref_eng.generate_sync(job("default", spec, prompt=long_prompt, max_tokens=5))
+    assert got.usage.prompt_tokens > 8 and got.token_ids == want.token_ids
+    held = sum(b.nbytes for b in taps._stage if b is not None)
+    assert 0 < held <= budget
+    g, w = load_capture(got.capture.data), load_capture(want.capture.data)
+    assert g.positions.tolist() == w.positions.tolist()
+    for layer in g.layers:
+        np.testing.assert_allclose(g.hidden[layer], w.hidden[layer], atol=BATCH_ENCODE_ATOL,
+                                   rtol=BATCH_ENCODE_RTOL)
+    for layer in w.q:
+        np.testing.assert_allclose(g.q[layer], w.q[layer], atol=BATCH_ENCODE_ATOL,
+                                   rtol=BATCH_ENCODE_RTOL)
+        np.testing.assert_allclose(g.k[layer], w.k[layer], atol=BATCH_ENCODE_ATOL,
+                                   rtol=BATCH_ENCODE_RTOL)

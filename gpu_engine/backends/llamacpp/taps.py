@@ -220,8 +220,17 @@ class EvalTaps:
         need = {LAYER_OUT} if plan.stage else set()
         if plan.stage_qk:
             need |= {QUERY, KEY}
-        if plan.n_tokens > self._capacity:  # grow: every buffer made again at the new size
-            self._capacity = max(plan.n_tokens, 2 * self._capacity, 16)
+        rows = self.rows or (0, 0, 0)
+        held = need | {kind for kind in range(3) if self._stage[kind] is not None}
+
+        def size(capacity: int, kinds: set[int]) -> int:
+            return self.n_layer * capacity * sum(rows[k] for k in kinds) * 4
+
+        if plan.n_tokens > self._capacity or size(self._capacity, held) > self.stage_max_bytes:
+            # made again at what this decode needs (it fits STAGE_MAX_BYTES: stage_fits),
+            # so the buffers kept between decodes stay within it too
+            small = size(16, need) <= self.stage_max_bytes
+            self._capacity = max(plan.n_tokens, 16) if small else plan.n_tokens
             self._stage = [None, None, None]
         self.filter.capacity = self._capacity
         for kind in need:
