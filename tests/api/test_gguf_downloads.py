@@ -67,5 +67,6 @@ def test_repo_quant_downloads_that_file_and_loads_on_llamacpp(api, gguf_repo, en
     status = engine_client.status()
     assert (status.backend, status.model_id) == ("llamacpp", "tiny-gguf:F32")
     out = engine_client.engine.generate_sync(
-        GenerationJob("g", prompt="the cat", sampling=SamplingParams(max_tokens=3)))
+        GenerationJob("g", prompt="the cat",
+                      sampling=SamplingParams(max_tokens=3, ignore_eos=True)))
     assert out.usage.completion_tokens == 3
