@@ -211,10 +211,17 @@ VARIABLES: tuple[Var, ...] = (
     Var("MILLM_ENGINE_DTYPE", "Performance", "str", "auto",
         "Model dtype: float32, bfloat16, float16, or auto (bfloat16 on CUDA, float32 on CPU).",
         choices=("auto", "float32", "bfloat16", "float16")),
-    Var("MILLM_ENGINE_PACK_WEIGHTS", "Performance", "bool", True,
+    Var("MILLM_ENGINE_PACK_WEIGHTS", "Performance", "tristate", None,
         "On CPU in float32, repack every linear layer's weight into oneDNN's blocked layout "
-        "when a model loads (a 16-row decode step 1.4x faster, a single row faster too; a "
-        "tied output embedding costs one extra copy of itself)."),
+        "when a model loads: true, false, or unset/auto = pack when a one-row product through "
+        "the output projection, timed at load, is no slower packed (it depends on the CPU), "
+        "and in any case once the engine batches (several rows a step, where packing wins). "
+        "A tied output embedding costs one extra copy of itself."),
+    Var("MILLM_ENGINE_LEAN_DECODE", "Performance", "bool", True,
+        "The serial transformers path decodes Llama-family models one token at a time "
+        "without model.forward (the modules' own weights and hooks, KV in preallocated "
+        "buffers: backends/transformers/lean.py); false always runs model.forward. "
+        "Read when a model loads."),
     # --- Distributed engine ---------------------------------------------------------
     Var("ENGINE_STREAM_PREFIX", "Distributed engine", "str", "millm",
         "Prefix of every Redis key and stream the web tier and run_engine share (command "

@@ -144,10 +144,11 @@ register_backend(BackendEntry(
     # quantization: the registry row's Q8/Q4, applied at load (transformers/quantization.py);
     # speculative_*: SPECULATIVE_MODEL's draft (transformers/speculative.py);
     # TORCH_COMPILE (absent: auto, compile on CUDA), TORCH_COMPILE_MODE, KV_CACHE_MODE:
-    # backends/transformers/compiled.py
+    # backends/transformers/compiled.py; lean_decode (MILLM_ENGINE_LEAN_DECODE): the serial
+    # one-token step without model.forward, backends/transformers/lean.py
     options={"pack_cpu_weights": bool, "quantization": str, "speculative_model": str,
              "speculative_num_tokens": int, "torch_compile": bool, "torch_compile_mode": str,
-             "kv_cache_mode": str},
+             "kv_cache_mode": str, "lean_decode": bool},
     validator="gpu_engine.backends.transformers:check_job",
     quantizations="gpu_engine.backends.transformers.quantization:quantization_report",
 ))

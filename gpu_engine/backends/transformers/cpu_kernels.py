@@ -29,6 +29,7 @@ packed copy (113 MB for SmolLM2's 49,152 × 576, ~20% of the model).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -60,6 +61,35 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=onednn"
 
 
+def one_row_probe(linear: torch.nn.Module, reps: int = 5) -> dict[str, float]:
+    """One-row products through ``linear``'s weight (the output projection: the largest
+    weight, read from memory rather than cache), prepacked and in PyTorch's layout, best
+    of ``reps`` each, in milliseconds: what ``MILLM_ENGINE_PACK_WEIGHTS=auto`` chooses
+    by.  Which is faster depends on the CPU: MKL's one-row path read 20.8 GB/s against
+    oneDNN's 17.5 on an Intel Xeon with AVX-512, and 8–12 against 16 on an AMD EPYC
+    with AVX2 (docs/performance.md, "Prepacked CPU weights")."""
+    import time
+
+    weight = linear.weight.detach()
+    x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
+    with torch.inference_mode():
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+
+        def best(fn: Callable[[], torch.Tensor]) -> float:
+            fn()
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            return min(times) * 1e3
+
+        default_ms = best(lambda: torch.nn.functional.linear(x, weight))
+        packed_ms = best(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+    del packed
+    return {"packed_ms": round(packed_ms, 3), "default_ms": round(default_ms, 3)}
+
+
 def pack_linears(model: torch.nn.Module) -> int:
     """Replace every float32 ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how
     many.  Quantized layers (a Q8/Q4 load's ``WeightOnlyLinear``, a pre-quantized
@@ -74,4 +104,4 @@ def pack_linears(model: torch.nn.Module) -> int:
     return len(targets)
 
 
-__all__ = ["PackedLinear", "pack_linears", "packing_available"]
+__all__ = ["PackedLinear", "one_row_probe", "pack_linears", "packing_available"]

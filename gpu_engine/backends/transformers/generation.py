@@ -58,27 +58,39 @@ def run_generation(
 
     capture = request_hooks.capture if request_hooks is not None else None
     with torch.inference_mode(), hook_manager.active(ctx), armed(hook_manager, runner, capture):
-        for i in range(max_tokens):
-            if should_stop():
-                seq.cancel()
-                break
-            if segment is not None:
-                segment.row_end = input_ids.shape[1]
-                segment.start_position = n_prompt + i - 1 if i else 0
-            echo = i == 0 and sampling.prompt_logprobs
-            logits, past = runner.forward(input_ids, past, cache_position=cache_position, all_logits=echo)
-            seq.forwards += 1
-            if echo:
-                seq.echo_logprobs(logits)
-            last = logits[-1]
-            token = sampler.sample(last)
-            sampler.observe(token)
-            input_ids = token.view(1, 1)
-            cache_position = cache_position[-1:] + 1
-            lsm = torch.log_softmax(last.float(), dim=-1) if seq.want_lp else None
-            # int(token) is the one host sync per step
-            if seq.accept(int(token), lsm):
-                break
+        # decode steps after the prefill skip model.forward where they can (lean.py)
+        lean = runner.lean_step() if past is None else None
+        try:
+            for i in range(max_tokens):
+                if should_stop():
+                    seq.cancel()
+                    break
+                if segment is not None:
+                    segment.row_end = input_ids.shape[1]
+                    segment.start_position = n_prompt + i - 1 if i else 0
+                echo = i == 0 and sampling.prompt_logprobs
+                if i and lean is not None:
+                    logits = lean.step(input_ids, n_prompt + i - 1)
+                else:
+                    logits, past = runner.forward(input_ids, past, cache_position=cache_position, all_logits=echo)
+                    if lean is not None:
+                        lean.start(past, n_prompt, n_prompt + max_tokens)
+                        past = None
+                seq.forwards += 1
+                if echo:
+                    seq.echo_logprobs(logits)
+                last = logits[-1]
+                token = sampler.sample(last)
+                sampler.observe(token)
+                input_ids = token.view(1, 1)
+                cache_position = cache_position[-1:] + 1
+                lsm = torch.log_softmax(last.float(), dim=-1) if seq.want_lp else None
+                # int(token) is the one host sync per step
+                if seq.accept(int(token), lsm):
+                    break
+        finally:
+            if lean is not None:
+                lean.release()
 
     return seq.finish()
 

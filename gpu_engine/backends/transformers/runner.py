@@ -37,7 +37,8 @@ from ...text import tool_template_format
 from ..base import all_capabilities
 from .blocks import resolve_attention, resolve_block, resolve_block_list, resolve_hook_module
 from .compiled import CompiledDecode, compile_wanted, decode_options, static_length
-from .cpu_kernels import pack_linears, packing_available
+from .cpu_kernels import one_row_probe, pack_linears, packing_available
+from .lean import LeanDecode, why_not
 from .qk_tap import QKTaps
 from .quantization import (
     check_method,
@@ -115,13 +116,22 @@ class TransformersRunner:
                 method = check_method(requested, job.device).name
                 quantized = quantize_blocks(blocks, self.blocks_path, method)
         self.packed_linears = 0
-        # compiled on the CPU: inductor's freezing packs the weights itself (it cannot take ours)
-        if job.options.get("pack_cpu_weights", True) and not compile_on and \
-                packing_available(self.device, self.dtype):
-            self.packed_linears = pack_linears(self.model)  # what stayed float32 (the head)
-        base_kernels = "onednn_packed" if self.packed_linears else "default"
-        self.kernels = (f"{quantized.method.lower()}_weight_only+{base_kernels}" if quantized
-                        else base_kernels)
+        self._quantized = quantized
+        # MILLM_ENGINE_PACK_WEIGHTS: True, False or absent (auto: cpu_kernels.one_row_probe
+        # decides for one-row decoding; a batching engine packs in batch_runner). Compiled on
+        # the CPU, inductor's freezing packs the weights itself (it cannot take ours).
+        pack = job.options.get("pack_cpu_weights")
+        self._pack_later = False
+        self.kernel_probe: dict[str, float] | None = None
+        if not compile_on and packing_available(self.device, self.dtype):
+            head = self.model.get_output_embeddings()
+            if pack is None and isinstance(getattr(head, "weight", None), torch.Tensor):
+                self.kernel_probe = one_row_probe(head)
+                pack = self.kernel_probe["packed_ms"] <= self.kernel_probe["default_ms"]
+                self._pack_later = not pack
+            if pack is not False:
+                self.packed_linears = pack_linears(self.model)  # what stayed float32 (the head)
+        self._set_kernels()
         # what the weights are and what they take in memory (EngineStatus.weights)
         by_dtype = weight_bytes(self.model)
         self.weights: dict[str, Any] = {
@@ -163,6 +173,13 @@ class TransformersRunner:
         # the serial path's StaticCache (serial_cache) and its length
         self._static_cache: Any = None
         self._static_length = 0
+        # the serial path's one-token step without model.forward (lean.py): Llama-family
+        # models on the dynamic cache, unless the load turns it off
+        lean_off = job.options.get("lean_decode") is False
+        self.lean_reason = ("turned off (lean_decode)" if lean_off else
+                            "the static KV cache or a compiled step is in force" if self.static_kv else
+                            why_not(self.model))
+        self.lean = LeanDecode(self.model) if self.lean_reason is None else None
 
     # ------------------------------------------------------------------ structure
 
@@ -212,7 +229,12 @@ class TransformersRunner:
                                 torch_compile=self.compiled is not None,
                                 torch_compile_status=(self.compiled.status() if self.compiled
                                                       else None),
-                                kv_cache_mode="static" if self.static_kv else "dynamic")
+                                kv_cache_mode="static" if self.static_kv else "dynamic",
+                                # the serial one-token step without model.forward (lean.py)
+                                lean_decode=self.lean is not None,
+                                lean_decode_reason=self.lean_reason,
+                                # MILLM_ENGINE_PACK_WEIGHTS=auto: the one-row timings it chose by
+                                kernel_probe=self.kernel_probe)
 
     def structured_grammars(self) -> Any:
         """This model's ``structured.Grammars`` (vocabulary info built once, grammars
@@ -273,6 +295,15 @@ class TransformersRunner:
         self._static_cache = StaticCache(config=self.model.config, max_cache_len=length)
         self._static_length = length
         return self._static_cache
+
+    def lean_step(self) -> LeanDecode | None:
+        """The lean one-token step for the request about to decode, or None when it must
+        take ``model.forward`` (no lean step for this model, or a hook in the model now
+        that the step does not run: ``LeanDecode.usable``)."""
+        lean = self.lean
+        if lean is None or not lean.usable():
+            return None
+        return lean
 
     def _compiled_usable(self) -> bool:
         # captures and attention taps are armed per request: those steps run eagerly
@@ -371,8 +402,22 @@ class TransformersRunner:
 
         return run_generation(self, hook_manager=self.hooks, **kwargs)
 
+    def _set_kernels(self) -> None:
+        base = "onednn_packed" if self.packed_linears else "default"
+        q = self._quantized
+        self.kernels = f"{q.method.lower()}_weight_only+{base}" if q else base
+
     def batch_runner(self, *, max_rows: int) -> Any:
         from .batched import BatchedRunner
+
+        if self._pack_later:
+            # auto, and the probe kept the default kernels for one row: a batch decodes
+            # several rows a step, where the packed weights win (docs/performance.md)
+            self._pack_later = False
+            self.packed_linears = pack_linears(self.model)
+            self._set_kernels()
+            if self.lean is not None:
+                self.lean = LeanDecode(self.model)  # it lists the model's modules
 
         return BatchedRunner(self, self.hooks, max_rows=max_rows)
 
