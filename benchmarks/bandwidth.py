@@ -22,10 +22,14 @@ import time
 _CACHE: dict[int, dict] = {}
 
 
-def copy_bandwidth(nbytes: int, reps: int = 7) -> dict:
+def copy_bandwidth(nbytes: int, reps: int = 7, *, again: bool = False) -> dict:
     """A weights-sized copy, measured: ``gb_s`` (bytes read + written per second),
-    ``read_gb_s`` (a sum's read rate over the same buffer), best and median times."""
-    if nbytes in _CACHE:
+    ``read_gb_s`` (a sum's read rate over the same buffer), best and median times.
+    Measured once per size; ``again`` measures anew (a long run measures before and after
+    its work, since outside load moves the figure) and keeps whichever copied faster —
+    the limit is what the machine can do, so a disturbed measurement must not lower it
+    — with every measurement in ``measurements``."""
+    if nbytes in _CACHE and not again:
         return _CACHE[nbytes]
     import torch
 
@@ -48,6 +52,10 @@ def copy_bandwidth(nbytes: int, reps: int = 7) -> dict:
            "gb_s": 2 * real / best / 1e9, "read_gb_s": real / min(reads) / 1e9,
            "threads": torch.get_num_threads(), "convention": "copy: bytes read + bytes written"}
     del src, dst
+    earlier = _CACHE.get(nbytes)
+    res["measurements"] = [*(earlier["measurements"] if earlier else []), res["gb_s"]]
+    if earlier is not None and earlier["gb_s"] >= res["gb_s"]:
+        res = {**earlier, "measurements": res["measurements"]}
     _CACHE[nbytes] = res
     return res
 
