@@ -107,6 +107,23 @@ def test_inference_reports_the_kernels_the_pack_setting_chose(api, engine_client
     assert data["capabilities"]["per_request_steering"] is True
 
 
+def test_inference_reports_the_auto_kernels_by_their_probe(api, engine_client, tiny_llama, settings):
+    settings.MILLM_ENGINE_PACK_WEIGHTS = None  # auto: the one-row probe decides at load
+    orchestration_services.model_load(model=tiny_llama)
+    data = ok(api.get("/api/health/inference"))
+    probe = data["capabilities"]["kernel_probe"]
+    assert data["kernels"] == ("onednn_packed" if probe["packed_ms"] <= probe["default_ms"] else "default")
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_inference_reports_the_lean_decode_setting(api, engine_client, tiny_llama, settings, lean):
+    settings.MILLM_ENGINE_LEAN_DECODE = lean
+    orchestration_services.model_load(model=tiny_llama)
+    caps = ok(api.get("/api/health/inference"))["capabilities"]
+    assert caps["lean_decode"] is lean
+    assert caps["lean_decode_reason"] == (None if lean else "turned off (lean_decode)")
+
+
 @pytest.mark.parametrize("compile_setting, kv, compiled, kv_in_force", [
     (None, "dynamic", False, "dynamic"),  # auto: not on the CPU
     (None, "static", False, "static"),

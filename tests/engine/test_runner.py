@@ -72,7 +72,7 @@ def test_cpu_float32_weights_are_packed_and_give_the_plain_models_results(tiny_a
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in plain.modules())
     ids = torch.tensor([[1, 17, 42, 99, 311, 7, 256, 64]])
     with Engine() as packed, Engine() as unpacked:
-        packed.load_model(LoadModelJob("m", str(asset.path), device="cpu"))
+        packed.load_model(LoadModelJob("m", str(asset.path), device="cpu", options={"pack_cpu_weights": True}))
         unpacked.load_model(LoadModelJob("m", str(asset.path), device="cpu", options={"pack_cpu_weights": False}))
         assert packed.status().kernels == "onednn_packed" and unpacked.status().kernels == "default"
         model = packed.backend.model

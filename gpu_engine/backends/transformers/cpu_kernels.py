@@ -29,7 +29,6 @@ packed copy (113 MB for SmolLM2's 49,152 × 576, ~20% of the model).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 
@@ -61,33 +60,54 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=onednn"
 
 
-def one_row_probe(linear: torch.nn.Module, reps: int = 5) -> dict[str, float]:
-    """One-row products through ``linear``'s weight (the output projection: the largest
-    weight, read from memory rather than cache), prepacked and in PyTorch's layout, best
-    of ``reps`` each, in milliseconds: what ``MILLM_ENGINE_PACK_WEIGHTS=auto`` chooses
-    by.  Which is faster depends on the CPU: MKL's one-row path read 20.8 GB/s against
-    oneDNN's 17.5 on an Intel Xeon with AVX-512, and 8–12 against 16 on an AMD EPYC
-    with AVX2 (docs/performance.md, "Prepacked CPU weights")."""
+PROBE_BYTES = 256 << 20
+
+
+def one_row_probe(model: torch.nn.Module, *, budget: int = PROBE_BYTES, rounds: int = 7) -> dict[str, float]:
+    """One-row products through ``model``'s float32 linear weights, prepacked and in
+    PyTorch's layout, in milliseconds (the median of ``rounds`` passes each, the two
+    interleaved so that drift hits both): what ``MILLM_ENGINE_PACK_WEIGHTS=auto`` chooses
+    by.  The weights taken are the output projection and then the decoder's linears in
+    order, up to ``budget`` bytes (packed copies of them exist only during the probe):
+    more than any cache holds, so the products read memory as decoding does.  Which is
+    faster depends on the CPU: MKL's one-row path read 20.8 GB/s against oneDNN's 17.5 on
+    an Intel Xeon with AVX-512, and 8–12 against 16 on an AMD EPYC with AVX2
+    (docs/performance.md, "Prepacked CPU weights")."""
+    import statistics
     import time
 
-    weight = linear.weight.detach()
-    x = torch.randn(1, weight.shape[1], dtype=weight.dtype)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    linears = [head] if isinstance(head, torch.nn.Linear) else []
+    linears += [m for m in model.modules() if type(m) is torch.nn.Linear and m is not head]
+    weights: list[torch.Tensor] = []
+    total = 0
+    for m in linears:
+        if m.weight.dtype != torch.float32 or type(m.weight) is not torch.nn.Parameter or total >= budget:
+            continue
+        weights.append(m.weight.detach())
+        total += m.weight.numel() * 4
     with torch.inference_mode():
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w) for w in weights]
+        xs = [torch.randn(1, w.shape[1]) for w in weights]
 
-        def best(fn: Callable[[], torch.Tensor]) -> float:
-            fn()
-            times = []
-            for _ in range(reps):
+        def plain_pass() -> None:
+            for x, w in zip(xs, weights):
+                torch.nn.functional.linear(x, w)
+
+        def packed_pass() -> None:
+            for x, w in zip(xs, packed):
+                torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+        times: dict[str, list[float]] = {"default_ms": [], "packed_ms": []}
+        plain_pass()
+        packed_pass()
+        for _ in range(rounds):
+            for key, fn in (("default_ms", plain_pass), ("packed_ms", packed_pass)):
                 t0 = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - t0)
-            return min(times) * 1e3
-
-        default_ms = best(lambda: torch.nn.functional.linear(x, weight))
-        packed_ms = best(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+                times[key].append((time.perf_counter() - t0) * 1e3)
     del packed
-    return {"packed_ms": round(packed_ms, 3), "default_ms": round(default_ms, 3)}
+    return {key: round(statistics.median(v), 3) for key, v in times.items()} | {"bytes": total}
 
 
 def pack_linears(model: torch.nn.Module) -> int:

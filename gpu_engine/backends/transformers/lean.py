@@ -15,7 +15,7 @@ directly from the model's own modules and weights:
   ``DynamicCache`` and written in place, so nothing grows or is concatenated per step;
 - rotary embeddings come from tables computed once per request exactly as the model's
   rotary module computes them (``position * inv_freq``, cos/sin, ``attention_scaling``),
-  and ``rotate_half`` is one gather with the sign folded into the sine table;
+  and ``rotate_half`` swaps the halves with the sign folded into the sine table;
 - attention is two batched products over the cached positions (one query: no mask).
 
 Steering, monitoring and hidden-state capture are the forward hooks the engine installed
@@ -67,7 +67,19 @@ def why_not(model: Any) -> str | None:
                 hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")) or not all(
                 hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
             return "a decoder block of another shape"
+        if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight")
+                   for n in (block.input_layernorm, block.post_attention_layernorm)):
+            return "a norm other than LlamaRMSNorm"
+    if not hasattr(model.model.norm, "variance_epsilon"):
+        return "a final norm other than LlamaRMSNorm"
     return None
+
+
+def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``LlamaRMSNorm.forward``'s arithmetic, without its dtype round trips in float32."""
+    if x.dtype != torch.float32:
+        return norm.forward(x)
+    return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon))
 
 
 def _run_hooks(module: torch.nn.Module, args: tuple, output: Any) -> Any:
@@ -97,8 +109,6 @@ class LeanDecode:
         self.norm = model.model.norm
         self.head = model.lm_head
         self.rotary = model.model.rotary_emb
-        half = self.head_dim // 2
-        self._perm = torch.cat([torch.arange(half, self.head_dim), torch.arange(0, half)])
         # the modules whose forward hooks this step runs; a hook anywhere else (or of a kind
         # it does not run) sends the request through model.forward
         self._hooked = {id(m) for b in self.layers for m in (b, b.self_attn, b.mlp)} | {id(self.embed)}
@@ -145,7 +155,7 @@ class LeanDecode:
         scale = self.rotary.attention_scaling
         cos = (emb.cos() * scale).to(ref.dtype)
         sin = (emb.sin() * scale).to(ref.dtype)
-        # rotate_half(x) * sin == x[perm] * sin_signed: the first half's sign goes into sin
+        # rotate_half(x) * sin == swap_halves(x) * sin_signed: the first half's sign goes into sin
         half = self.head_dim // 2
         sin[:, :half] = -sin[:, :half]
         self.cos, self.sin = cos, sin
@@ -165,17 +175,17 @@ class LeanDecode:
         value are written to the buffers at ``position``."""
         heads, kv, hd, group = self.heads, self.kv_heads, self.head_dim, self.group
         n_qk = (heads + kv) * hd
-        cos, sin, perm = self.cos[position], self.sin[position], self._perm
+        cos, sin, half = self.cos[position], self.sin[position], hd // 2
         end = position + 1
         h = self.embed(input_ids)  # (1, 1, d); its hooks (resid_pre of layer 0) run
         for i, block in enumerate(self.layers):
             attn, mlp = block.self_attn, block.mlp
             block_in = h
-            x = block.input_layernorm.forward(h)
+            x = _rms(block.input_layernorm, h)
             q = attn.q_proj.forward(x)
             k = attn.k_proj.forward(x)
             qk = torch.cat((q, k), dim=-1).view(heads + kv, hd)
-            qk = qk * cos + qk[:, perm] * sin
+            qk = qk * cos + torch.cat((qk[:, half:], qk[:, :half]), dim=-1) * sin
             keys, values = self.k[i], self.v[i]
             keys[:, position] = qk[heads:]
             values[:, position] = attn.v_proj.forward(x).view(kv, hd)
@@ -189,7 +199,7 @@ class LeanDecode:
             if attn._forward_hooks:
                 o = _run_hooks(attn, (), (o, None))[0]  # called with keywords
             h = h + o
-            x = block.post_attention_layernorm.forward(h)
+            x = _rms(block.post_attention_layernorm, h)
             m = mlp.down_proj.forward(torch.nn.functional.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
             if mlp._forward_hooks:
                 m = _run_hooks(mlp, (x,), m)
@@ -197,7 +207,7 @@ class LeanDecode:
             if block._forward_hooks:
                 h = _run_hooks(block, (block_in,), h)
         self.steps += 1
-        return self.head.forward(self.norm.forward(h))[0]
+        return self.head.forward(_rms(self.norm, h))[0]
 
 
 __all__ = ["LeanDecode", "SUPPORTED", "why_not"]

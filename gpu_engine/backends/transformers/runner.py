@@ -124,9 +124,8 @@ class TransformersRunner:
         self._pack_later = False
         self.kernel_probe: dict[str, float] | None = None
         if not compile_on and packing_available(self.device, self.dtype):
-            head = self.model.get_output_embeddings()
-            if pack is None and isinstance(getattr(head, "weight", None), torch.Tensor):
-                self.kernel_probe = one_row_probe(head)
+            if pack is None:
+                self.kernel_probe = one_row_probe(self.model)
                 pack = self.kernel_probe["packed_ms"] <= self.kernel_probe["default_ms"]
                 self._pack_later = not pack
             if pack is not False:
