@@ -68,6 +68,13 @@ def test_lean_decoding_equals_an_independent_transformers_decode(tiny_assets, mo
     with load("tiny-llama", tiny_assets, pack_cpu_weights=False) as eng:
         caps = eng.backend.capabilities()
         assert caps["lean_decode"] is True and caps["lean_decode_reason"] is None
+        # plain weights: q/k/v and gate/up are one product each, the modules' weights views
+        # of it (no second copy)
+        attn = eng.backend.model.model.layers[1].self_attn
+        qkv, gate_up = eng.backend.lean.fused[1]
+        assert qkv is not None and gate_up is not None
+        assert {p.untyped_storage().data_ptr() for p in (attn.q_proj.weight, attn.v_proj.weight)} == {
+            qkv[0].untyped_storage().data_ptr()}
         calls = spy_steps(eng, monkeypatch)
         out = eng.generate_sync(job("g", logprobs=True))
         prompt = eng.backend.encode_text(PROMPT)
@@ -165,6 +172,7 @@ def test_auto_packing_follows_the_one_row_probe_and_a_batching_engine_packs(tiny
         packed = any(isinstance(m, PackedLinear) for m in serial.backend.model.modules())
         assert packed is packed_faster
         assert batching.status().kernels == "onednn_packed"
+        assert all(f == (None, None) for f in batching.backend.lean.fused)  # packed: one product each
         assert not any(type(m) is torch.nn.Linear for m in batching.backend.model.modules())
         assert serial.generate_sync(job("s")).token_ids == batching.generate_sync(job("b")).token_ids
 

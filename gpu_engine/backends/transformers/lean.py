@@ -10,7 +10,8 @@ directly from the model's own modules and weights:
 
 - every projection is the module's own ``forward`` (plain, prepacked or quantized
   weights alike), so nothing is copied and the prefill, the batch and this step share
-  one set of weights;
+  one set of weights — except that plain q/k/v and gate/up weights are concatenated once
+  into one product each, the modules' weights becoming views of their rows (``_fuse``);
 - keys and values live in preallocated per-layer buffers, filled from the prefill's
   ``DynamicCache`` and written in place, so nothing grows or is concatenated per step;
 - rotary embeddings come from tables computed once per request exactly as the model's
@@ -75,6 +76,31 @@ def why_not(model: Any) -> str | None:
     return None
 
 
+def _fuse(*linears: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+    """One weight for ``linears`` (plain ``nn.Linear`` of one input, dtype and device:
+    q/k/v, gate/up) so that a step makes one product instead of several: the rows are
+    concatenated once and each module's weight (and bias) becomes a view of its rows, so
+    nothing is held twice and the modules compute what they did.  None where they are not
+    plain linears (prepacked, quantized) or differ; returns (weight, bias, first size)."""
+    if not all(type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter for m in linears):
+        return None
+    ref = linears[0].weight
+    if any(m.weight.shape[1] != ref.shape[1] or m.weight.dtype != ref.dtype or m.weight.device != ref.device
+           or (m.bias is None) != (linears[0].bias is None) for m in linears):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([m.weight.detach() for m in linears])
+        bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
+        row = 0
+        for m in linears:
+            n = m.weight.shape[0]
+            m.weight = torch.nn.Parameter(weight[row:row + n], requires_grad=False)
+            if bias is not None:
+                m.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=False)
+            row += n
+    return weight, bias, linears[0].weight.shape[0]
+
+
 def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``LlamaRMSNorm.forward``'s arithmetic, without its dtype round trips in float32."""
     if x.dtype != torch.float32:
@@ -113,6 +139,9 @@ class LeanDecode:
         # it does not run) sends the request through model.forward
         self._hooked = {id(m) for b in self.layers for m in (b, b.self_attn, b.mlp)} | {id(self.embed)}
         self._all = list(model.modules())
+        # q/k/v and gate/up as one product each where the weights are plain (views: no copy)
+        self.fused = [(_fuse(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj),
+                       _fuse(b.mlp.gate_proj, b.mlp.up_proj)) for b in self.layers]
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.cos = self.sin = None
@@ -182,13 +211,17 @@ class LeanDecode:
             attn, mlp = block.self_attn, block.mlp
             block_in = h
             x = _rms(block.input_layernorm, h)
-            q = attn.q_proj.forward(x)
-            k = attn.k_proj.forward(x)
-            qk = torch.cat((q, k), dim=-1).view(heads + kv, hd)
+            qkv_w, gate_up_w = self.fused[i]
+            if qkv_w is not None:
+                qkv = torch.nn.functional.linear(x, qkv_w[0], qkv_w[1])
+                qk, v = qkv[..., :n_qk].view(heads + kv, hd), qkv[..., n_qk:]
+            else:
+                qk = torch.cat((attn.q_proj.forward(x), attn.k_proj.forward(x)), dim=-1).view(heads + kv, hd)
+                v = attn.v_proj.forward(x)
             qk = qk * cos + torch.cat((qk[:, half:], qk[:, :half]), dim=-1) * sin
             keys, values = self.k[i], self.v[i]
             keys[:, position] = qk[heads:]
-            values[:, position] = attn.v_proj.forward(x).view(kv, hd)
+            values[:, position] = v.view(kv, hd)
             tap = getattr(attn, TAP_ATTR, None)
             if tap is not None:  # a Q/K capture: what the attention function would be handed
                 tap(qk[:heads].view(1, heads, 1, hd), keys[:, :end][None])
@@ -200,7 +233,12 @@ class LeanDecode:
                 o = _run_hooks(attn, (), (o, None))[0]  # called with keywords
             h = h + o
             x = _rms(block.post_attention_layernorm, h)
-            m = mlp.down_proj.forward(torch.nn.functional.silu(mlp.gate_proj.forward(x)) * mlp.up_proj.forward(x))
+            if gate_up_w is not None:
+                gu = torch.nn.functional.linear(x, gate_up_w[0], gate_up_w[1])
+                gate, up = gu[..., :gate_up_w[2]], gu[..., gate_up_w[2]:]
+            else:
+                gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
+            m = mlp.down_proj.forward(torch.nn.functional.silu(gate) * up)
             if mlp._forward_hooks:
                 m = _run_hooks(mlp, (x,), m)
             h = h + m
