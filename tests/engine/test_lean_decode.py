@@ -175,6 +175,13 @@ def test_auto_packing_follows_the_one_row_probe_and_a_batching_engine_packs(tiny
         assert all(f == (None, None) for f in batching.backend.lean.fused)  # packed: one product each
         assert not any(type(m) is torch.nn.Linear for m in batching.backend.model.modules())
         assert serial.generate_sync(job("s")).token_ids == batching.generate_sync(job("b")).token_ids
+        packed_later = batching.status().weights
+    with Engine() as packed_at_load:
+        # packed later or at load, the status reports the same weights (a tied head's
+        # packed copy included)
+        packed_at_load.load_model(LoadModelJob("m", str(asset.path), device="cpu",
+                                               options={"pack_cpu_weights": True}))
+        assert packed_later == packed_at_load.status().weights
 
 
 def test_the_real_probe_times_both_layouts_within_its_budget():

@@ -416,7 +416,11 @@ class TransformersRunner:
             self.packed_linears = pack_linears(self.model)
             self._set_kernels()
             if self.lean is not None:
-                self.lean = LeanDecode(self.model)  # it lists the model's modules
+                # it lists the model's modules, and its fused q/k/v and gate/up weights go
+                # (the packed modules hold copies)
+                self.lean = LeanDecode(self.model)
+            by_dtype = weight_bytes(self.model)  # a tied head's packed copy is new
+            self.weights["bytes"], self.weights["bytes_by_dtype"] = sum(by_dtype.values()), by_dtype
 
         return BatchedRunner(self, self.hooks, max_rows=max_rows)
 
