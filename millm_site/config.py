@@ -213,8 +213,8 @@ VARIABLES: tuple[Var, ...] = (
         choices=("auto", "float32", "bfloat16", "float16")),
     Var("MILLM_ENGINE_PACK_WEIGHTS", "Performance", "tristate", None,
         "On CPU in float32, repack every linear layer's weight into oneDNN's blocked layout "
-        "when a model loads: true, false, or unset/auto = pack when a one-row product through "
-        "the output projection, timed at load, is no slower packed (it depends on the CPU), "
+        "when a model loads: true, false, or unset/auto = pack when one-row products through "
+        "the model's own linears, timed at load, are no slower packed (it depends on the CPU), "
         "and in any case once the engine batches (several rows a step, where packing wins). "
         "A tied output embedding costs one extra copy of itself."),
     Var("MILLM_ENGINE_LEAN_DECODE", "Performance", "bool", True,
