@@ -145,7 +145,6 @@ class LeanDecode:
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         self.cos = self.sin = None
-        self.steps = 0  # one-token steps run since the load (EngineStatus / tests)
 
     # ------------------------------------------------------------------ eligibility
 
@@ -244,7 +243,6 @@ class LeanDecode:
             h = h + m
             if block._forward_hooks:
                 h = _run_hooks(block, (block_in,), h)
-        self.steps += 1
         return self.head.forward(_rms(self.norm, h))[0]
 
 
