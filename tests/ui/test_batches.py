@@ -67,7 +67,10 @@ def test_the_progress_bar_follows_a_running_batch(server, page):
     page.wait_for_function("document.querySelector('#ws-status').textContent.includes('live')")
     page.wait_for_selector("#batches tr", state="attached")
     n = 24
-    batch_id = _create(server, n, max_tokens=16)
+    # long enough lines that the run spans several PROGRESS_EVERY_S intervals however fast
+    # the engine decodes (16 tokens a line finished in ~1 s once serial decoding got
+    # faster: one event between 0 and n)
+    batch_id = _create(server, n, max_tokens=96)
     page.wait_for_selector(ROW.format(id=batch_id))
     seen: list[dict] = []
     deadline = time.monotonic() + 300  # 2 shared cores: a loaded machine is slow
