@@ -121,7 +121,6 @@ class LeanDecode:
     """The one-token decode step of one loaded Llama-family model (``why_not`` is None)."""
 
     def __init__(self, model: Any) -> None:
-        self.model = model
         cfg = model.config
         self.layers = list(model.model.layers)
         attn = self.layers[0].self_attn
@@ -129,7 +128,6 @@ class LeanDecode:
         self.kv_heads = int(getattr(cfg, "num_key_value_heads", None) or self.heads)
         self.head_dim = int(attn.head_dim)
         self.group = self.heads // self.kv_heads
-        self.hidden = int(cfg.hidden_size)
         self.scaling = float(attn.scaling)
         self.embed = model.model.embed_tokens
         self.norm = model.model.norm
@@ -168,11 +166,9 @@ class LeanDecode:
         buffers of ``needed`` positions, and this request's rotary tables."""
         ref = past.layers[0].keys
         shape = (self.kv_heads, needed, self.head_dim)
-        if not self.k or self.k[0].shape[1] < needed or self.k[0].dtype != ref.dtype \
-                or self.k[0].device != ref.device:
-            self.k = self.v = []  # the old buffers go before the new ones are made
-            self.k = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in self.layers]
-            self.v = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in self.layers]
+        # new buffers each request (``release`` drops them when it ends)
+        self.k = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in self.layers]
+        self.v = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in self.layers]
         for i, layer in enumerate(past.layers):
             self.k[i][:, :n_prompt].copy_(layer.keys[0, :, -n_prompt:])
             self.v[i][:, :n_prompt].copy_(layer.values[0, :, -n_prompt:])
