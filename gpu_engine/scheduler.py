@@ -266,6 +266,8 @@ class BatchScheduler:
             "waiting_batch": len(self.waiting_batch),
             "batch_rows": o.batch_rows,
             "decode_steps": backend.steps if backend is not None else 0,
+            # of which ran without model.forward (the transformers backend's lean step)
+            "lean_decode_steps": getattr(backend, "lean_steps", 0),
             "admitted_total": self.admitted_total,
             "refused_total": self.refused_total,
             "max_batch_size": o.max_batch_size,

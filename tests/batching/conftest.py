@@ -77,7 +77,9 @@ class Choreography:
 
     @contextmanager
     def installed(self):  # type: ignore[no-untyped-def]
-        handle = self.model.register_forward_pre_hook(self._pre, with_kwargs=True)
+        # on the input embedding: every forward pass calls it with the input ids, through
+        # model.forward or the lean step alike (lean.py runs every hook on it)
+        handle = self.model.get_input_embeddings().register_forward_pre_hook(self._pre, with_kwargs=True)
         try:
             yield self
         finally:

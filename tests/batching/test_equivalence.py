@@ -136,9 +136,15 @@ def test_every_request_in_a_mixed_batch_equals_its_solo_run(engines, tiny_assets
     if model_name == "tiny-gemma2":
         assert len(batched.backend.encode_text(LONG)) > batched.backend.model.config.sliding_window
 
+    before = batched.batching_status()
     mixed, choreo = run_mixed_batch(batched, jobs)
+    after = batched.batching_status()
     batch_sizes = choreo.batch_sizes
     solo = {name: batched.generate_sync(job, timeout_s=60) for name, job in jobs.items() if name != "E"}
+    # which step ran: the Llama model's every decode step without model.forward (lean.py),
+    # the others' through it (the next test holds the Llama batch to HF generate)
+    steps, lean = (after[k] - before[k] for k in ("decode_steps", "lean_decode_steps"))
+    assert steps > 0 and lean == (steps if model_name == "tiny-llama" else 0)
     serial_runs = {name: serial.generate_sync(job, timeout_s=60) for name, job in jobs.items() if name != "E"}
 
     # they really shared forward passes (up to seven requests in one step), and G and H

@@ -211,16 +211,21 @@ def test_out_of_memory_in_a_step_fails_the_batch_detaches_and_keeps_serving(tiny
     try:
         eng.attach(AttachSpec(sae.name, str(sae.path), sae.layer))
         runner = eng.backend
-        real = runner.forward_rows
         calls = {"n": 0}
 
-        def flaky(*a, **kw):  # type: ignore[no-untyped-def]
-            calls["n"] += 1
-            if calls["n"] == 3:
-                raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
-            return real(*a, **kw)
+        def flaky(real):  # type: ignore[no-untyped-def]
+            def step(*a, **kw):  # type: ignore[no-untyped-def]
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+                return real(*a, **kw)
+            return step
 
-        monkeypatch.setattr(runner, "forward_rows", flaky)
+        # the third model step fails, whichever path takes it: model.forward for the
+        # prefills, the lean step (lean.py) for the batch's decode steps
+        monkeypatch.setattr(runner, "forward_rows", flaky(runner.forward_rows))
+        assert runner.lean is not None
+        monkeypatch.setattr(runner.lean, "step_rows", flaky(runner.lean.step_rows))
         steering = SteeringSpec.from_mapping({(sae.name, sae.layer): {3: 5.0}})
         streams = [eng.generate(GenerationJob(f"o{i}", prompt=p, sampling=greedy(20), steering=steering))
                    for i, p in enumerate(PROMPTS[:2])]

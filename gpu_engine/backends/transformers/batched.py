@@ -78,6 +78,7 @@ class BatchedRunner:
         self._stage: torch.Tensor | None = None  # capture: every row of a decode step, by slot
         self._qk_stage: tuple[torch.Tensor, torch.Tensor] | None = None  # the same for Q/K
         self.steps = 0
+        self.lean_steps = 0  # of which without model.forward (lean.py)
 
     def _new_cache(self) -> BatchKVCache:
         # KV_CACHE_MODE=static or a compiled step: the fixed-shape slab (kv_cache.py)
@@ -304,7 +305,10 @@ class BatchedRunner:
         rows = self.rows
         cache = self.cache
         cache.reserve(1)
-        if not cache.fixed_rows:
+        # the step without model.forward (lean.py) where the model has one and every hook
+        # in it now is one the step runs (checked each step: captures arm as rows join)
+        lean = None if cache.fixed_rows else self.runner.lean_step()
+        if not cache.fixed_rows and lean is None:
             position_ids, mask = cache.step_inputs()
         if self._row_slots is None:
             self._row_slots = torch.tensor([s.slot for s in rows], dtype=torch.long, device=self.device)
@@ -333,6 +337,10 @@ class BatchedRunner:
                 logits = self.runner.forward_rows_fixed(input_ids, position_ids=position_ids,
                                                         attention_mask=mask, past=cache, slot=slot,
                                                         rows=bucket)[: len(rows)]
+            elif lean is not None:
+                input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+                logits = lean.step_rows(input_ids, cache)
+                self.lean_steps += 1
             else:
                 input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
                 logits = self.runner.forward_rows(input_ids, position_ids=position_ids,

@@ -1,5 +1,5 @@
-"""The serial path's one-token decode step for Llama-family models, without the
-transformers forward around it.
+"""The one-token decode step for Llama-family models, without the transformers forward
+around it: the serial path's and the continuous batch's.
 
 A batch-1 decode step of SmolLM2-135M (30 blocks) spends ~27 ms in its 211 matrix-vector
 products and, through ``model.forward``, another ~20 ms in everything else: per-module
@@ -14,21 +14,32 @@ directly from the model's own modules and weights:
   into one product each, the modules' weights becoming views of their rows (``_fuse``);
 - keys and values live in preallocated per-layer buffers, filled from the prefill's
   ``DynamicCache`` and written in place, so nothing grows or is concatenated per step;
-- rotary embeddings come from tables computed once per request exactly as the model's
-  rotary module computes them (``position * inv_freq``, cos/sin, ``attention_scaling``),
-  and ``rotate_half`` swaps the halves with the sign folded into the sine table;
-- attention is two batched products over the cached positions (one query: no mask).
+- rotary embeddings come from tables computed exactly as the model's rotary module
+  computes them (``position * inv_freq``, cos/sin, ``attention_scaling``), grown on
+  demand and kept, and ``rotate_half`` swaps the halves with the sign folded into the
+  sine table;
+- attention is two batched products over the cached positions (one query per row).
 
 Steering, monitoring and hidden-state capture are the forward hooks the engine installed
 on the decoder blocks (and, for ``attn_out`` / ``mlp_out`` / transcoder attachments, on
 ``self_attn`` / ``mlp``): this step runs those modules' forward hooks with the arguments
 and outputs ``nn.Module.__call__`` would pass, in order, and hands an armed Q/K capture
 tap (``qk_tap``) the rotated query and the cached keys the attention function would get.
-A request runs the step only when every hook in the model is one it runs (``usable``): a
-pre-hook, a hook with kwargs or a hook on any other module makes that request take
-``model.forward`` as before.  Numerically the step differs from ``model.forward`` in the
-last bits only (attention as two products instead of the SDPA kernel);
-``tests/engine/test_lean_decode.py`` holds it to the transformers forward.
+The input embedding is called as a module, so every hook on it runs (test choreographies
+count forward passes there).  A request runs the step only when every hook in the model
+is one it runs (``usable``): a pre-hook or a hook with kwargs on another module, or a hook
+on any module not named here, makes that request (or that batch step) take
+``model.forward`` as before.
+
+A continuous batch runs the same blocks over its slab cache (``step_rows``): each row
+at its own position, the left padding before a row's first slot masked out of its
+attention, every row's steering, monitoring and capture from the published
+``BatchContext`` through the same hooks.
+
+Numerically the step differs from ``model.forward`` in the last bits only (attention as
+two products instead of the SDPA kernel); ``tests/engine/test_lean_decode.py`` holds it
+to the transformers forward, and the batching suites hold each batched row to its solo
+run.
 """
 
 from __future__ import annotations
@@ -118,7 +129,10 @@ def _run_hooks(module: torch.nn.Module, args: tuple, output: Any) -> Any:
 
 
 class LeanDecode:
-    """The one-token decode step of one loaded Llama-family model (``why_not`` is None)."""
+    """The one-token decode step of one loaded Llama-family model (``why_not`` is None):
+    ``step`` for the serial path (one request, its own buffers), ``step_rows`` for a
+    continuous batch (every running row over the slab cache, ``kv_cache.BatchKVCache``).
+    Both run ``_blocks``, which computes every row of one decode step."""
 
     def __init__(self, model: Any) -> None:
         cfg = model.config
@@ -140,68 +154,119 @@ class LeanDecode:
         # q/k/v and gate/up as one product each where the weights are plain (views: no copy)
         self.fused = [(_fuse(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj),
                        _fuse(b.mlp.gate_proj, b.mlp.up_proj)) for b in self.layers]
+        # the serial request's buffers, (1, kv_heads, needed, head_dim) per layer
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
-        self.cos = self.sin = None
+        # rotary tables for positions 0 .. len-1, grown on demand and kept (``_rope``)
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ eligibility
 
     def usable(self) -> bool:
-        """Whether every hook now in the model is one this step runs (checked once per
-        request: attachments and captures change only between requests)."""
+        """Whether every hook now in the model is one this step runs (the serial path checks
+        once per request, the batch once per step: captures are armed as rows join)."""
         if (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
                 or getattr(_nn_module, "_global_forward_hooks_always_called", None)):
             return False
         for m in self._all:
+            if m is self.embed:  # called through __call__ by the step: all its hooks run
+                continue
             if m._forward_pre_hooks or m._forward_hooks_with_kwargs:
                 return False
             if m._forward_hooks and id(m) not in self._hooked:
                 return False
         return True
 
-    # ------------------------------------------------------------------ per request
+    # ------------------------------------------------------------------ rotary tables
 
-    def start(self, past: Any, n_prompt: int, needed: int) -> None:
-        """Take the prefill's cache (``DynamicCache`` of ``n_prompt`` positions) into
-        buffers of ``needed`` positions, and this request's rotary tables."""
-        ref = past.layers[0].keys
-        shape = (self.kv_heads, needed, self.head_dim)
-        # new buffers each request (``release`` drops them when it ends)
-        self.k = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in self.layers]
-        self.v = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in self.layers]
-        for i, layer in enumerate(past.layers):
-            self.k[i][:, :n_prompt].copy_(layer.keys[0, :, -n_prompt:])
-            self.v[i][:, :n_prompt].copy_(layer.values[0, :, -n_prompt:])
-        # exactly LlamaRotaryEmbedding.forward's arithmetic, for positions 0 .. needed-1
+    def _rope(self, needed: int, dtype: torch.dtype) -> None:
+        """Make the tables cover positions 0 .. ``needed``-1.  Each entry is exactly
+        LlamaRotaryEmbedding.forward's arithmetic for its position (``position * inv_freq``
+        in float32, cos/sin, ``attention_scaling``), whatever the table's length, so a table
+        grown for a longer request gives the same rows."""
+        if self.cos is not None and self.cos.shape[0] >= needed and self.cos.dtype == dtype:
+            return
+        if self.cos is not None and self.cos.dtype == dtype:
+            needed = max(needed, 2 * self.cos.shape[0])  # grow by doubling: few rebuilds
         inv = self.rotary.inv_freq
         freqs = torch.arange(needed, device=inv.device)[:, None].float() * inv.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = self.rotary.attention_scaling
-        cos = (emb.cos() * scale).to(ref.dtype)
-        sin = (emb.sin() * scale).to(ref.dtype)
+        cos = (emb.cos() * scale).to(dtype)
+        sin = (emb.sin() * scale).to(dtype)
         # rotate_half(x) * sin == swap_halves(x) * sin_signed: the first half's sign goes into sin
         half = self.head_dim // 2
         sin[:, :half] = -sin[:, :half]
         self.cos, self.sin = cos, sin
 
+    # ------------------------------------------------------------------ serial requests
+
+    def start(self, past: Any, n_prompt: int, needed: int) -> None:
+        """Take the prefill's cache (``DynamicCache`` of ``n_prompt`` positions) into
+        buffers of ``needed`` positions."""
+        ref = past.layers[0].keys
+        shape = (1, self.kv_heads, needed, self.head_dim)
+        # new buffers each request (``release`` drops them when it ends)
+        self.k = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in self.layers]
+        self.v = [torch.empty(shape, dtype=ref.dtype, device=ref.device) for _ in self.layers]
+        for i, layer in enumerate(past.layers):
+            self.k[i][0, :, :n_prompt].copy_(layer.keys[0, :, -n_prompt:])
+            self.v[i][0, :, :n_prompt].copy_(layer.values[0, :, -n_prompt:])
+        self._rope(needed, ref.dtype)
+
     def release(self) -> None:
-        """Drop the KV buffers (idle cache release, unload)."""
+        """Drop the serial request's KV buffers (its end, idle cache release, unload)."""
         self.k = self.v = []
-        self.cos = self.sin = None
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
-    # ------------------------------------------------------------------ the step
+    # ------------------------------------------------------------------ the steps
 
     def step(self, input_ids: torch.Tensor, position: int) -> torch.Tensor:
         """Logits (1, V) of the token ``input_ids`` (1, 1) at ``position``; its key and
-        value are written to the buffers at ``position``."""
+        value are written to the request's buffers at ``position``."""
+        pos = slice(position, position + 1)
+        h = self._blocks(input_ids, self.cos[pos], self.sin[pos], self.k, self.v, position, None)  # type: ignore[index]
+        return self.head.forward(_rms(self.norm, h))[0]
+
+    def step_rows(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One decode step of every row of the batch cache ``cache`` (``BatchKVCache``,
+        growing layout): ``input_ids`` (rows, 1); each row's key and value go to slot
+        ``cache.length`` (the caller advances it); returns the logits (rows, V).
+
+        A row's real tokens fill its slots ``start[row] .. length``, so the token fed sits
+        at position ``length - start[row]`` and the slots before ``start[row]`` (left
+        padding) are masked out of its attention."""
+        rows, slot = input_ids.shape[0], cache.length
+        device = input_ids.device
+        starts = torch.tensor(cache.start, dtype=torch.long, device=device)
+        dtype = cache.layers[0].k_buf.dtype
+        self._rope(slot + 1, dtype)
+        positions = slot - starts
+        pad = None
+        if any(cache.start):
+            pad = torch.arange(slot + 1, device=device)[None, :] < starts[:, None]
+        h = self._blocks(input_ids, self.cos[positions], self.sin[positions],  # type: ignore[index]
+                         [layer.k_buf for layer in cache.layers], [layer.v_buf for layer in cache.layers],
+                         slot, pad)
+        return self.head.forward(_rms(self.norm, h))[:, -1]
+
+    def _blocks(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor], slot: int,
+                pad: torch.Tensor | None) -> torch.Tensor:
+        """The decoder over ``input_ids`` (rows, 1), row r at the rotary angle ``cos[r]`` /
+        ``sin[r]`` (rows, head_dim): each layer's new key and value are written to slot
+        ``slot`` of its buffers (rows × kv_heads × slots × head_dim), and the query
+        attends to slots ``0 .. slot`` except where ``pad`` (rows, slot+1) is True.
+        Returns the last block's output (rows, 1, d), hooks applied."""
         heads, kv, hd, group = self.heads, self.kv_heads, self.head_dim, self.group
+        rows, end = input_ids.shape[0], slot + 1
         n_qk = (heads + kv) * hd
-        cos, sin, half = self.cos[position], self.sin[position], hd // 2
-        end = position + 1
-        h = self.embed(input_ids)  # (1, 1, d); its hooks (resid_pre of layer 0) run
+        half = hd // 2
+        cos, sin = cos[:, None, :], sin[:, None, :]
+        h = self.embed(input_ids)  # (rows, 1, d); its hooks (resid_pre of layer 0) run
         for i, block in enumerate(self.layers):
             attn, mlp = block.self_attn, block.mlp
             block_in = h
@@ -209,20 +274,26 @@ class LeanDecode:
             qkv_w, gate_up_w = self.fused[i]
             if qkv_w is not None:
                 qkv = torch.nn.functional.linear(x, qkv_w[0], qkv_w[1])
-                qk, v = qkv[..., :n_qk].view(heads + kv, hd), qkv[..., n_qk:]
+                qk, v = qkv[..., :n_qk].view(rows, heads + kv, hd), qkv[..., n_qk:]
             else:
-                qk = torch.cat((attn.q_proj.forward(x), attn.k_proj.forward(x)), dim=-1).view(heads + kv, hd)
+                qk = torch.cat((attn.q_proj.forward(x), attn.k_proj.forward(x)), dim=-1).view(rows, heads + kv, hd)
                 v = attn.v_proj.forward(x)
-            qk = qk * cos + torch.cat((qk[:, half:], qk[:, :half]), dim=-1) * sin
-            keys, values = self.k[i], self.v[i]
-            keys[:, position] = qk[heads:]
-            values[:, position] = v.view(kv, hd)
+            qk = qk * cos + torch.cat((qk[..., half:], qk[..., :half]), dim=-1) * sin
+            k_buf, v_buf = k_bufs[i], v_bufs[i]
+            k_buf[:rows, :, slot] = qk[:, heads:]
+            v_buf[:rows, :, slot] = v.view(rows, kv, hd)
+            keys, values = k_buf[:rows, :, :end], v_buf[:rows, :, :end]
+            q = qk[:, :heads]
             tap = getattr(attn, TAP_ATTR, None)
             if tap is not None:  # a Q/K capture: what the attention function would be handed
-                tap(qk[:heads].view(1, heads, 1, hd), keys[:, :end][None])
-            scores = torch.bmm(qk[:heads].view(kv, group, hd), keys[:, :end].transpose(1, 2))
-            probs = torch.softmax(scores.mul_(self.scaling), dim=-1, dtype=torch.float32).to(qk.dtype)
-            o = torch.bmm(probs, values[:, :end]).view(1, 1, heads * hd)
+                tap(q[:, :, None], keys)
+            # (rows·kv, group, hd) @ (rows·kv, hd, end): views, the buffers are not copied
+            scores = torch.bmm(q.reshape(rows * kv, group, hd), keys.reshape(rows * kv, end, hd).transpose(1, 2))
+            scores = scores.mul_(self.scaling)
+            if pad is not None:
+                scores.view(rows, kv * group, end).masked_fill_(pad[:, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(qk.dtype)
+            o = torch.bmm(probs, values.reshape(rows * kv, end, hd)).view(rows, 1, heads * hd)
             o = attn.o_proj.forward(o)
             if attn._forward_hooks:
                 o = _run_hooks(attn, (), (o, None))[0]  # called with keywords
@@ -239,7 +310,7 @@ class LeanDecode:
             h = h + m
             if block._forward_hooks:
                 h = _run_hooks(block, (block_in,), h)
-        return self.head.forward(_rms(self.norm, h))[0]
+        return h
 
 
 __all__ = ["LeanDecode", "SUPPORTED", "why_not"]
