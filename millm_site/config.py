@@ -218,7 +218,8 @@ VARIABLES: tuple[Var, ...] = (
         "and in any case once the engine batches (several rows a step, where packing wins). "
         "A tied output embedding costs one extra copy of itself."),
     Var("MILLM_ENGINE_LEAN_DECODE", "Performance", "bool", True,
-        "The serial transformers path decodes Llama-family models one token at a time "
+        "The transformers backend (serial and continuously batched) decodes Llama-family "
+        "models one token a step "
         "without model.forward (the modules' own weights and hooks, KV in preallocated "
         "buffers: backends/transformers/lean.py); false always runs model.forward. "
         "Read when a model loads."),

@@ -172,7 +172,7 @@ class TransformersRunner:
         # the serial path's StaticCache (serial_cache) and its length
         self._static_cache: Any = None
         self._static_length = 0
-        # the serial path's one-token step without model.forward (lean.py): Llama-family
+        # the one-token decode step without model.forward (lean.py), serial and batched: Llama-family
         # models on the dynamic cache, unless the load turns it off
         lean_off = job.options.get("lean_decode") is False
         self.lean_reason = ("turned off (lean_decode)" if lean_off else
@@ -229,7 +229,7 @@ class TransformersRunner:
                                 torch_compile_status=(self.compiled.status() if self.compiled
                                                       else None),
                                 kv_cache_mode="static" if self.static_kv else "dynamic",
-                                # the serial one-token step without model.forward (lean.py)
+                                # the one-token decode step without model.forward (lean.py)
                                 lean_decode=self.lean is not None,
                                 lean_decode_reason=self.lean_reason,
                                 # MILLM_ENGINE_PACK_WEIGHTS=auto: the one-row timings it chose by
