@@ -308,7 +308,7 @@ class BatchedRunner:
         # the step without model.forward (lean.py) where the model has one and every hook
         # in it now is one the step runs (checked each step: captures arm as rows join)
         lean = None if cache.fixed_rows else self.runner.lean_step()
-        if not cache.fixed_rows and lean is None:
+        if not cache.fixed_rows:
             position_ids, mask = cache.step_inputs()
         if self._row_slots is None:
             self._row_slots = torch.tensor([s.slot for s in rows], dtype=torch.long, device=self.device)
@@ -337,14 +337,14 @@ class BatchedRunner:
                 logits = self.runner.forward_rows_fixed(input_ids, position_ids=position_ids,
                                                         attention_mask=mask, past=cache, slot=slot,
                                                         rows=bucket)[: len(rows)]
-            elif lean is not None:
-                input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-                logits = lean.step_rows(input_ids, cache)
-                self.lean_steps += 1
             else:
                 input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-                logits = self.runner.forward_rows(input_ids, position_ids=position_ids,
-                                                  attention_mask=mask, past=cache)
+                if lean is not None:
+                    logits = lean.step_rows(input_ids, cache, position_ids, mask)
+                    self.lean_steps += 1
+                else:
+                    logits = self.runner.forward_rows(input_ids, position_ids=position_ids,
+                                                      attention_mask=mask, past=cache)
         cache.advance(1)
         for s in capturing:  # each capturing request's slot, all its layers at once
             position = s.n_prompt + len(s.generated) - 1

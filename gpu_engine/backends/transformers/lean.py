@@ -231,23 +231,18 @@ class LeanDecode:
         h = self._blocks(input_ids, self.cos[pos], self.sin[pos], self.k, self.v, position, None)  # type: ignore[index]
         return self.head.forward(_rms(self.norm, h))[0]
 
-    def step_rows(self, input_ids: torch.Tensor, cache: Any) -> torch.Tensor:
+    def step_rows(self, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor,
+                  mask: torch.Tensor | None) -> torch.Tensor:
         """One decode step of every row of the batch cache ``cache`` (``BatchKVCache``,
-        growing layout): ``input_ids`` (rows, 1); each row's key and value go to slot
-        ``cache.length`` (the caller advances it); returns the logits (rows, V).
-
-        A row's real tokens fill its slots ``start[row] .. length``, so the token fed sits
-        at position ``length - start[row]`` and the slots before ``start[row]`` (left
-        padding) are masked out of its attention."""
-        rows, slot = input_ids.shape[0], cache.length
-        device = input_ids.device
-        starts = torch.tensor(cache.start, dtype=torch.long, device=device)
-        dtype = cache.layers[0].k_buf.dtype
-        self._rope(slot + 1, dtype)
-        positions = slot - starts
-        pad = None
-        if any(cache.start):
-            pad = torch.arange(slot + 1, device=device)[None, :] < starts[:, None]
+        growing layout): ``input_ids`` (rows, 1), at ``position_ids`` (rows, 1) with the
+        padding ``mask`` (rows, length+1; 0 on a row's left padding, None when no row has
+        any), both from ``cache.step_inputs()`` as ``model.forward`` gets them; each row's
+        key and value go to slot ``cache.length`` (the caller advances it); returns the
+        logits (rows, V)."""
+        slot = cache.length
+        self._rope(slot + 1, cache.layers[0].k_buf.dtype)
+        positions = position_ids[:, 0]
+        pad = None if mask is None else mask == 0
         h = self._blocks(input_ids, self.cos[positions], self.sin[positions],  # type: ignore[index]
                          [layer.k_buf for layer in cache.layers], [layer.v_buf for layer in cache.layers],
                          slot, pad)
