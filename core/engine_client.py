@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -252,6 +253,60 @@ class _EmbeddedHandle(GenerationHandle):
         self._stream.cancel()
 
 
+class _LoopInbox:
+    """Events from the engine's thread for the streams of one event loop, handed over with
+    one wake-up of the loop per burst.  A batch step makes an event for every running row
+    and hands them over together (``gpu_engine.stream.held_deliveries``); waking the loop
+    once per event (a write to its self-pipe, a pass of its selector, the GIL taken back
+    and forth) cost a 16-row step on 2 cores about a millisecond, taken from the forward
+    passes (docs/performance.md, "The vLLM backend against plain vLLM")."""
+
+    _inboxes: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopInbox] = weakref.WeakKeyDictionary()
+    _inboxes_lock = threading.Lock()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._items: list[tuple[asyncio.Queue, GenerationEvent]] = []
+        self._lock = threading.Lock()
+        self._scheduled = False
+
+    @classmethod
+    def of(cls, loop: asyncio.AbstractEventLoop) -> _LoopInbox:
+        with cls._inboxes_lock:
+            inbox = cls._inboxes.get(loop)
+            if inbox is None:
+                inbox = cls._inboxes[loop] = cls(loop)
+            return inbox
+
+    def put(self, queue: asyncio.Queue, event: GenerationEvent) -> bool:
+        """Leave ``event`` for ``queue`` (any thread) until the next ``wake``; False when
+        the loop is closed (nobody will read it)."""
+        if self.loop.is_closed():
+            return False
+        with self._lock:
+            self._items.append((queue, event))
+        return True
+
+    def wake(self) -> None:
+        """Have the loop hand what was put to its queues (one wake-up, however many)."""
+        with self._lock:
+            if self._scheduled or not self._items:
+                return  # the wake-up already asked for takes these too
+            self._scheduled = True
+        try:
+            self.loop.call_soon_threadsafe(self._drain)
+        except RuntimeError:  # the loop closed: its streams were cancelled by ``put``
+            with self._lock:
+                self._scheduled = False
+
+    def _drain(self) -> None:  # on the loop
+        with self._lock:
+            items, self._items = self._items, []
+            self._scheduled = False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
 class EmbeddedEngineClient(EngineClient):
     """The engine in this process, on its own worker thread (embedded mode)."""
 
@@ -279,20 +334,19 @@ class EmbeddedEngineClient(EngineClient):
         return _EmbeddedHandle(result) if command.lane is Lane.STREAM else result
 
     async def agenerate(self, job: GenerationJob) -> AsyncIterator[GenerationEvent]:
-        """One hop per event and none before the first forward pass: submitting only
-        queues the job on the engine's thread, and the engine hands each event to this
-        loop as it produces it (no pump thread waiting on the stream)."""
-        loop = asyncio.get_running_loop()
+        """One hop per event (per batch step for a batch's rows: ``_LoopInbox``) and none
+        before the first forward pass: submitting only queues the job on the engine's
+        thread, and the engine hands each event to this loop as it produces it (no pump
+        thread waiting on the stream)."""
+        inbox = _LoopInbox.of(asyncio.get_running_loop())
         queue: asyncio.Queue = asyncio.Queue()
         handle = self.generate(job)
 
         def deliver(event: GenerationEvent) -> None:  # on the engine's thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the consumer's loop is closed: nobody is left to tell
+            if not inbox.put(queue, event):  # the consumer's loop is closed: nobody is left to tell
                 handle.cancel()
 
-        handle.stream.deliver_to(deliver)
+        handle.stream.deliver_to(deliver, inbox.wake)
         ended = False
         try:
             while True:
