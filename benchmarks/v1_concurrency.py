@@ -6,7 +6,8 @@ true), each its own process — ``manage.py serve`` (daphne) on a free loopback 
 throw-away SQLite data directory, the demo assets registered with ``create_demo_assets``,
 ``AUTO_LOAD_MODEL`` (SmolLM2-135M, float32, CPU), ``MAX_CONCURRENT_REQUESTS=16`` — and the
 demo SAE is attached at its layer through /api.  Then, round after round, N concurrent
-clients (threads in this process, one HTTP connection each) each stream one greedy
+clients (one HTTP connection each, all driven from one thread of this process with
+non-blocking sockets: ``benchmarks.sse.stream_clients``) each stream one greedy
 completion of ``--tokens`` tokens (``ignore_eos``), all-unsteered or with mixed steering,
 against the serial server and then the batching one (order alternating), so every
 batched/serial ratio is a pair measured under the same outside load:
@@ -41,14 +42,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sse import sse_events  # noqa: E402
+from benchmarks.sse import stream_clients  # noqa: E402
 
 TOPICS = ["a lighthouse keeper", "a lost robot", "two rival bakers", "a talking cat", "an old map",
           "a desert caravan", "a violin maker", "a snowed-in village", "a deep-sea diver", "a chess prodigy",
@@ -150,39 +150,9 @@ def body(i: int, *, model: str, tokens: int, steering: str, d_sae: int) -> dict:
     return b
 
 
-def stream_one(port: int, payload: dict, out: list, barrier: threading.Barrier) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=1200)
-    data = json.dumps(payload).encode()
-    barrier.wait()
-    sent = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=data, headers={"Content-Type": "application/json"})
-    resp = conn.getresponse()
-    if resp.status != 200:
-        out.append({"error": resp.status, "body": resp.read()[:300].decode(errors="replace")})
-        return
-    frames: list[float] = []
-    tokens = 0
-    for event in sse_events(resp):
-        if event.get("usage"):
-            tokens = event["usage"]["completion_tokens"]
-        choices = event.get("choices") or []
-        if choices and choices[0].get("text"):
-            frames.append(time.perf_counter())
-    end = time.perf_counter()
-    conn.close()
-    out.append({"sent": sent, "frames": frames, "end": end, "tokens": tokens})
-
-
 def run_clients(server: Server, n: int, *, make_body=None, **kw) -> dict:
-    results: list[dict] = []
-    barrier = threading.Barrier(n)
     make = make_body or body
-    threads = [threading.Thread(target=stream_one, args=(server.port, make(i, **kw), results, barrier))
-               for i in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    results = stream_clients(server.port, "/v1/completions", [make(i, **kw) for i in range(n)])
     errors = [r for r in results if "error" in r]
     if errors:
         raise RuntimeError(f"{len(errors)} client(s) failed: {errors[0]}")

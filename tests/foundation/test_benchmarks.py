@@ -87,3 +87,64 @@ def test_a_missing_backend_is_a_row_not_a_gap(tmp_path, monkeypatch, capsys):
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     assert [(r["group"], r["status"]) for r in rows] == [("llamacpp", "not installed"), ("vllm", "not installed")]
     assert capsys.readouterr().out.count("not installed") == 2
+
+
+def test_the_benchmarks_stream_clients_read_chunked_sse_as_it_arrived():
+    """``benchmarks.sse.stream_clients`` (the /v1 benchmarks' clients): frames split over
+    HTTP chunks and recvs are read whole, each time-stamped no earlier than the server
+    started sending its last part, the usage chunk's tokens counted, a refused request reported."""
+    import threading
+    import time
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from benchmarks.sse import stream_clients
+
+    sent: list[float] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args) -> None:  # noqa: ANN002
+            pass
+
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers["Content-Length"]))
+            if self.path != "/v1/completions":
+                self.send_response(404)
+                self.send_header("Content-Length", "9")
+                self.end_headers()
+                self.wfile.write(b"not found")
+                return
+            self.send_response(200)
+            self.send_header("Transfer-Encoding", "chunked")
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+
+            def chunk(data: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+
+            for i in range(3):
+                frame = b'data: {"choices": [{"text": "t%d"}]}\n\n' % i
+                chunk(frame[:10])  # one frame in two chunks, sent apart
+                time.sleep(0.01)
+                sent.append(time.perf_counter())  # the frame cannot be whole before this
+                chunk(frame[10:])
+            chunk(b'data: {"choices": [{"text": ""}]}\n\n')  # no text: not a token frame
+            chunk(b'data: {"choices": [], "usage": {"completion_tokens": 3}}\n\ndata: [DONE]\n\n')
+            self.wfile.write(b"0\r\n\r\n")
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        [ok] = stream_clients(server.server_address[1], "/v1/completions", [{"prompt": "x"}], timeout_s=30)
+        [refused] = stream_clients(server.server_address[1], "/v1/nothing", [{"prompt": "x"}], timeout_s=30)
+    finally:
+        server.shutdown()
+    assert ok["tokens"] == 3
+    assert len(ok["frames"]) == 3
+    assert all(frame >= at for frame, at in zip(ok["frames"], sent))
+    assert ok["sent"] <= ok["frames"][0] <= ok["end"]
+    assert refused["error"] == 404 and refused["body"] == "not found"
