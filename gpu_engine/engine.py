@@ -74,7 +74,7 @@ from .protocol import (
 )
 from .sae import CompatibilityReport, check_compatibility
 from .scheduler import BatchScheduler
-from .stream import GenerationStream, held_deliveries
+from .stream import GenerationStream
 
 log = logging.getLogger("gpu_engine")
 
@@ -230,8 +230,7 @@ class Engine:
 
     def _batch_step(self, *, admit: bool) -> None:
         try:
-            # the step's events (one per running row) reach the consumers in one burst
-            with torch.inference_mode(), held_deliveries():
+            with torch.inference_mode():
                 self._scheduler.step(admit=admit)  # type: ignore[union-attr]
         except BaseException as exc:  # a scheduler bug: end everything rather than spin on it
             log.exception("batch scheduler step failed")

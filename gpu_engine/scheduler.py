@@ -21,6 +21,9 @@ One ``step``:
 3. one decode step for every running row; finished rows leave at once, so their slot is
    free for the next iteration's admissions.
 
+The events of admission (first tokens, refusals) and of the decode step are each handed
+to their consumers in one burst when that phase ends (``stream.held_deliveries``).
+
 Failures: a request whose prefill fails ends with that error and the batch goes on; a
 failed decode step ends every running request with the error (the batch's state is
 unknown) and starts a fresh cache.  ``classify`` turns an exception into the engine
@@ -36,6 +39,7 @@ from typing import Any, Protocol
 
 from .errors import EngineBusy, EngineError
 from .protocol import BatchingOptions, ErrorEvent, FinishEvent, GenerationJob, Usage
+from .stream import held_deliveries
 
 log = logging.getLogger("gpu_engine.scheduler")
 
@@ -126,10 +130,15 @@ class BatchScheduler:
 
     def step(self, *, admit: bool = True) -> None:
         self._reap_cancelled()
+        # each phase's events (a row's first token from its prefill, then one token per
+        # running row) reach their consumers in one burst as soon as that phase is done:
+        # a prefill's first tokens do not wait for the decode step after it
         if admit:
-            self._admit()
+            with held_deliveries():
+                self._admit()
         if self.running:
-            self._decode()
+            with held_deliveries():
+                self._decode()
 
     def _reap_cancelled(self) -> None:
         self.waiting = self._reap_waiting(self.waiting)

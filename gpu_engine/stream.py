@@ -3,10 +3,11 @@ by a thread (``events()``), or handed to a callback as they come (``deliver_to``
 asyncio consumer takes them without a thread of its own); ``cancel()`` stops the
 generation before its next forward pass.
 
-``held_deliveries()`` is how a batch step hands its events over: the events every row
-made in the step reach their callbacks together when the step's bookkeeping is done,
-in one burst, so that a consumer which wakes its event loop once per burst (the web
-tier's, ``core.engine_client``) wakes it once per step rather than once per row.
+``held_deliveries()`` is how a batch step hands its events over (``scheduler.py``, once
+for its admissions and once for its decode step): the events every row made in that phase
+reach their callbacks together when the phase is done, in one burst, so that a consumer
+which wakes its event loop once per burst (the web tier's, ``core.engine_client``) wakes
+it once per phase rather than once per row.
 """
 
 from __future__ import annotations

@@ -120,6 +120,41 @@ def test_a_batch_wakes_its_consumer_once_per_step_not_once_per_row(engines):
         assert isinstance(got[i][-1], FinishEvent) and got[i][-1].token_ids == want.token_ids
 
 
+def test_a_first_token_is_handed_over_before_the_next_decode_step(engines):
+    """The prefill's first token does not wait for the decode step after it: a request
+    that joins a running batch gets its first token before the batch's next forward."""
+    from .conftest import Choreography
+
+    batched, _ = engines("tiny-llama")
+    choreo = Choreography(batched.backend.model)
+    first_at: dict[str, int] = {}
+    done = threading.Event()
+    streams: dict[str, GenerationStream] = {}
+
+    def watch(name: str):
+        def take(event) -> None:
+            if isinstance(event, TokenEvent) and name not in first_at:
+                first_at[name] = len(choreo.batch_sizes)  # forward passes started so far
+            if isinstance(event, FinishEvent) and name == "joins":
+                done.set()
+        return take
+
+    def submit(name: str, prompt: str) -> None:  # on the engine's thread, before a forward
+        streams[name] = batched.generate(GenerationJob(name, prompt=prompt, sampling=greedy()))
+        streams[name].deliver_to(watch(name))
+
+    choreo.on(3, lambda: submit("joins", PROMPTS[1]))
+    with choreo.installed():
+        submit("first", PROMPTS[0])
+        assert done.wait(60)
+    # forward 1: the first request's prefill; its first token comes before forward 2
+    assert first_at["first"] == 1
+    # "joins" was queued before forward 3, so it is admitted (prefilled alone) right after
+    # that decode step: its first token is handed over before the next decode forward
+    joined = choreo.shapes.index(next(s for s in choreo.shapes[3:] if s[1] > 1)) + 1
+    assert first_at["joins"] == joined, (choreo.shapes, first_at)
+
+
 def test_the_web_tiers_loop_is_woken_once_per_step_for_all_its_streams(engines):
     """``EmbeddedEngineClient.agenerate`` on one event loop, four streams at once: the
     engine schedules the loop once per batch step (``call_soon_threadsafe``), and every
