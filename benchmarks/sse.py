@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator
 from typing import Any
 
 
 def sse_events(resp: Any) -> Iterator[dict]:
-    """The JSON events of a streamed ``http.client`` response, up to ``data: [DONE]``
-    (each yielded as soon as its line arrives, so callers can time-stamp frames)."""
+    """The JSON events of a streamed ``http.client`` response (or any binary reader with
+    ``readline``), up to ``data: [DONE]`` (each yielded as soon as its line arrives, so
+    callers can time-stamp frames)."""
     while True:
         line = resp.readline()
         if not line:
@@ -104,21 +106,11 @@ def _read_response(c: dict) -> dict:
         marks.append((len(body), t))
     frames: list[float] = []
     tokens = 0
-    pos, m = 0, 0
-    text = bytes(body)
-    while True:
-        end = text.find(b"\n\n", pos)
-        if end < 0:
-            break
-        frame, pos = text[pos:end], end + 2
-        while marks[m][0] < pos:
+    m = 0
+    reader = io.BytesIO(bytes(body))
+    for event in sse_events(reader):
+        while marks[m][0] < reader.tell():  # the recv that brought the frame's data line
             m += 1
-        if not frame.startswith(b"data: "):
-            continue
-        payload = frame[6:].strip()
-        if payload == b"[DONE]":
-            break
-        event = json.loads(payload)
         if event.get("usage"):
             tokens = event["usage"]["completion_tokens"]
         choices = event.get("choices") or []
