@@ -151,7 +151,7 @@ def test_a_first_token_is_handed_over_before_the_next_decode_step(engines):
     assert first_at["first"] == 1
     # "joins" was queued before forward 3, so it is admitted (prefilled alone) right after
     # that decode step: its first token is handed over before the next decode forward
-    joined = choreo.shapes.index(next(s for s in choreo.shapes[3:] if s[1] > 1)) + 1
+    joined = next(n for n, shape in enumerate(choreo.shapes, 1) if n > 3 and shape[1] > 1)
     assert first_at["joins"] == joined, (choreo.shapes, first_at)
 
 
