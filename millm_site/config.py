@@ -217,6 +217,12 @@ VARIABLES: tuple[Var, ...] = (
         "the model's own linears, timed at load, are no slower packed (it depends on the CPU), "
         "and in any case once the engine batches (several rows a step, where packing wins). "
         "A tied output embedding costs one extra copy of itself."),
+    Var("MILLM_ENGINE_FUSED_KERNELS", "Performance", "tristate", None,
+        "On CPU in float32, the lean decode step (MILLM_ENGINE_LEAN_DECODE) runs its small "
+        "operations between the products — norms with their residual adds, rotary, the cache "
+        "write and attention, SiLU — as three C functions built with the machine's C compiler "
+        "on first use (backends/transformers/cpu_fused.c): unset/auto = where they build, "
+        "true = refuse a load where they cannot, false = PyTorch's calls. Read when a model loads."),
     Var("MILLM_ENGINE_LEAN_DECODE", "Performance", "bool", True,
         "The transformers backend (serial and continuously batched) decodes Llama-family "
         "models one token a step "

@@ -122,6 +122,7 @@ def _check_engine_accepts(model: Model) -> None:
 BACKEND_OPTION_SETTINGS: dict[str, dict[str, str]] = {
     "transformers": {"pack_cpu_weights": "MILLM_ENGINE_PACK_WEIGHTS",
                      "lean_decode": "MILLM_ENGINE_LEAN_DECODE",
+                     "fused_cpu_kernels": "MILLM_ENGINE_FUSED_KERNELS",
                      "speculative_model": "SPECULATIVE_MODEL",
                      "speculative_num_tokens": "SPECULATIVE_NUM_TOKENS",
                      "torch_compile": "TORCH_COMPILE", "torch_compile_mode": "TORCH_COMPILE_MODE",

@@ -145,10 +145,12 @@ register_backend(BackendEntry(
     # speculative_*: SPECULATIVE_MODEL's draft (transformers/speculative.py);
     # TORCH_COMPILE (absent: auto, compile on CUDA), TORCH_COMPILE_MODE, KV_CACHE_MODE:
     # backends/transformers/compiled.py; lean_decode (MILLM_ENGINE_LEAN_DECODE): the serial
-    # and batched one-token step without model.forward, backends/transformers/lean.py
+    # and batched one-token step without model.forward, backends/transformers/lean.py;
+    # fused_cpu_kernels (MILLM_ENGINE_FUSED_KERNELS): that step's small ops in C on CPU float32,
+    # backends/transformers/cpu_fused.py
     options={"pack_cpu_weights": bool, "quantization": str, "speculative_model": str,
              "speculative_num_tokens": int, "torch_compile": bool, "torch_compile_mode": str,
-             "kv_cache_mode": str, "lean_decode": bool},
+             "kv_cache_mode": str, "lean_decode": bool, "fused_cpu_kernels": bool},
     validator="gpu_engine.backends.transformers:check_job",
     quantizations="gpu_engine.backends.transformers.quantization:quantization_report",
 ))

@@ -124,6 +124,17 @@ def test_inference_reports_the_lean_decode_setting(api, engine_client, tiny_llam
     assert caps["lean_decode_reason"] == (None if lean else "turned off (lean_decode)")
 
 
+@pytest.mark.parametrize("fused", [None, False])
+def test_inference_reports_the_fused_kernels_setting(api, engine_client, tiny_llama, settings, fused):
+    """MILLM_ENGINE_FUSED_KERNELS reaches the load: auto builds the C kernels (the CI machine
+    has a compiler), false keeps the lean step's PyTorch calls."""
+    settings.MILLM_ENGINE_FUSED_KERNELS = fused
+    orchestration_services.model_load(model=tiny_llama)
+    caps = ok(api.get("/api/health/inference"))["capabilities"]
+    assert caps["fused_cpu_kernels"] is (fused is None)
+    assert caps["fused_cpu_kernels_reason"] == (None if fused is None else "off (fused_cpu_kernels)")
+
+
 @pytest.mark.parametrize("compile_setting, kv, compiled, kv_in_force", [
     (None, "dynamic", False, "dynamic"),  # auto: not on the CPU
     (None, "static", False, "static"),

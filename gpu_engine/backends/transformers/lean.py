@@ -134,7 +134,7 @@ class LeanDecode:
     continuous batch (every running row over the slab cache, ``kv_cache.BatchKVCache``).
     Both run ``_blocks``, which computes every row of one decode step."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, fused: bool | None = None) -> None:
         cfg = model.config
         self.layers = list(model.model.layers)
         attn = self.layers[0].self_attn
@@ -154,6 +154,25 @@ class LeanDecode:
         # q/k/v and gate/up as one product each where the weights are plain (views: no copy)
         self.fused = [(_fuse(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj),
                        _fuse(b.mlp.gate_proj, b.mlp.up_proj)) for b in self.layers]
+        # MILLM_ENGINE_FUSED_KERNELS: the small ops between the products as C calls
+        # (cpu_fused.py) on CPU float32: None = where they build, False = never
+        self.kernels: Any = None
+        self.kernels_reason: str | None = "off (fused_cpu_kernels)" if fused is False else None
+        ref = self.layers[0].input_layernorm.weight
+        if fused is not False:
+            if ref.device.type != "cpu" or ref.dtype != torch.float32:
+                self.kernels_reason = "not CPU float32"
+            else:
+                from . import cpu_fused
+
+                self.kernels = cpu_fused.kernels()
+                self.kernels_reason = cpu_fused.why_not() if self.kernels is None else None
+        # per layer, what the C path multiplies by: transposed views of the fused plain weights
+        # (one torch.mm each), or None where the modules' own forwards run
+        self._mm = [(q[0].t() if q is not None and q[1] is None else None,
+                     g[0].t() if g is not None and g[1] is None else None) for q, g in self.fused]
+        self.inter = int(self.layers[0].mlp.down_proj.in_features) if hasattr(
+            self.layers[0].mlp.down_proj, "in_features") else int(cfg.intermediate_size)
         # the serial request's buffers, (1, kv_heads, needed, head_dim) per layer
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -227,6 +246,9 @@ class LeanDecode:
     def step(self, input_ids: torch.Tensor, position: int) -> torch.Tensor:
         """Logits (1, V) of the token ``input_ids`` (1, 1) at ``position``; its key and
         value are written to the request's buffers at ``position``."""
+        if self._fused_now():
+            x = self._blocks_fused(input_ids, torch.tensor([position]), self.k, self.v, position, None)
+            return self.head.forward(x)
         pos = slice(position, position + 1)
         h = self._blocks(input_ids, self.cos[pos], self.sin[pos], self.k, self.v, position, None)  # type: ignore[index]
         return self.head.forward(_rms(self.norm, h))[0]
@@ -243,10 +265,94 @@ class LeanDecode:
         self._rope(slot + 1, cache.layers[0].k_buf.dtype)
         positions = position_ids[:, 0]
         pad = None if mask is None else mask == 0
+        if self._fused_now():
+            k_bufs = [layer.k_buf for layer in cache.layers]
+            v_bufs = [layer.v_buf for layer in cache.layers]
+            return self.head.forward(self._blocks_fused(input_ids, positions.contiguous(), k_bufs, v_bufs, slot,
+                                                        None if pad is None else pad.contiguous()))
         h = self._blocks(input_ids, self.cos[positions], self.sin[positions],  # type: ignore[index]
                          [layer.k_buf for layer in cache.layers], [layer.v_buf for layer in cache.layers],
                          slot, pad)
         return self.head.forward(_rms(self.norm, h))[:, -1]
+
+    def _fused_now(self) -> bool:
+        """Whether this step runs the C kernels: they are built, and no Q/K capture tap
+        (which needs the rotated query as a tensor) is armed."""
+        return self.kernels is not None and not any(
+            getattr(b.self_attn, TAP_ATTR, None) is not None for b in self.layers)
+
+    def _blocks_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, k_bufs: list[torch.Tensor],
+                      v_bufs: list[torch.Tensor], slot: int, pad: torch.Tensor | None) -> torch.Tensor:
+        """``_blocks`` and the final norm, with the small ops between the products as C
+        calls (cpu_fused.c): the same products, hooks and cache writes, the rotary tables
+        read at ``positions`` (rows,) int64; returns the normed last hidden state (rows, d)."""
+        K = self.kernels
+        heads, kv, hd = self.heads, self.kv_heads, self.head_dim
+        rows, end = input_ids.shape[0], slot + 1
+        slots = k_bufs[0].shape[2]
+        empty = torch.empty
+        h = self.embed(input_ids)  # (rows, 1, d); its hooks (resid_pre of layer 0) run
+        d = h.shape[-1]
+        h = h.reshape(rows, d).contiguous()
+        scores = empty(end)
+        att = empty(rows, heads * hd)
+        act = empty(rows, self.inter)
+        cos, sin = self.cos.data_ptr(), self.sin.data_ptr()  # type: ignore[union-attr]
+        pos, mask = positions.data_ptr(), pad.data_ptr() if pad is not None else None
+        pending: torch.Tensor | None = None  # the last block's MLP output, not yet added to h
+        for i, block in enumerate(self.layers):
+            attn, mlp = block.self_attn, block.mlp
+            norm = block.input_layernorm
+            x = empty(rows, d)
+            if pending is None:
+                K.add_rms(h.data_ptr(), None, norm.weight.data_ptr(), norm.variance_epsilon, rows, d, None,
+                          x.data_ptr())
+            else:
+                s = empty(rows, d)
+                K.add_rms(h.data_ptr(), pending.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
+                          rows, d, s.data_ptr(), x.data_ptr())
+                h = s
+            block_in = h
+            w_qkv, w_gate_up = self._mm[i]
+            if w_qkv is not None:
+                qkv = torch.mm(x, w_qkv)
+            else:
+                qkv = torch.cat((attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)),
+                                dim=-1).contiguous()
+            K.attention(qkv.data_ptr(), cos, sin, pos, k_bufs[i].data_ptr(), v_bufs[i].data_ptr(), slots, slot,
+                        mask, rows, heads, kv, hd, self.scaling, scores.data_ptr(), att.data_ptr())
+            o = attn.o_proj.forward(att)
+            if attn._forward_hooks:
+                o = _run_hooks(attn, (), (o.view(rows, 1, d), None))[0].reshape(rows, d)
+            o = o.contiguous()
+            norm = block.post_attention_layernorm
+            s, x = empty(rows, d), empty(rows, d)
+            K.add_rms(h.data_ptr(), o.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon, rows, d,
+                      s.data_ptr(), x.data_ptr())
+            h = s
+            if w_gate_up is not None:
+                gu = torch.mm(x, w_gate_up)
+            else:
+                gu = torch.cat((mlp.gate_proj.forward(x), mlp.up_proj.forward(x)), dim=-1).contiguous()
+            K.silu_mul(gu.data_ptr(), rows, self.inter, act.data_ptr())
+            m = mlp.down_proj.forward(act)
+            if mlp._forward_hooks:
+                m = _run_hooks(mlp, (x.view(rows, 1, d),), m.view(rows, 1, d)).reshape(rows, d)
+            if block._forward_hooks:
+                out = _run_hooks(block, (block_in.view(rows, 1, d),), (h + m).view(rows, 1, d))
+                h = out.reshape(rows, d).contiguous()
+                pending = None
+            else:
+                pending = m.contiguous()
+        x = empty(rows, d)
+        if pending is None:
+            K.add_rms(h.data_ptr(), None, self.norm.weight.data_ptr(), self.norm.variance_epsilon, rows, d, None,
+                      x.data_ptr())
+        else:
+            s = empty(rows, d)  # held: the C call writes it
+            K.add_rms(h.data_ptr(), pending.data_ptr(), self.norm.weight.data_ptr(), self.norm.variance_epsilon,
+                      rows, d, s.data_ptr(), x.data_ptr())
+        return x
 
     def _blocks(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor], slot: int,

@@ -178,7 +178,11 @@ class TransformersRunner:
         self.lean_reason = ("turned off (lean_decode)" if lean_off else
                             "the static KV cache or a compiled step is in force" if self.static_kv else
                             why_not(self.model))
-        self.lean = LeanDecode(self.model) if self.lean_reason is None else None
+        self._fused_option = job.options.get("fused_cpu_kernels")
+        self.lean = LeanDecode(self.model, fused=self._fused_option) if self.lean_reason is None else None
+        if self._fused_option is True and self.lean is not None and self.lean.kernels is None:
+            raise InvalidParameter(f"MILLM_ENGINE_FUSED_KERNELS is true but {self.lean.kernels_reason}",
+                                   param="options.fused_cpu_kernels")
 
     # ------------------------------------------------------------------ structure
 
@@ -232,6 +236,10 @@ class TransformersRunner:
                                 # the one-token decode step without model.forward (lean.py)
                                 lean_decode=self.lean is not None,
                                 lean_decode_reason=self.lean_reason,
+                                # MILLM_ENGINE_FUSED_KERNELS: the lean step's small ops in C
+                                fused_cpu_kernels=self.lean is not None and self.lean.kernels is not None,
+                                fused_cpu_kernels_reason=(self.lean.kernels_reason if self.lean is not None
+                                                          else "the lean step is not in force"),
                                 # MILLM_ENGINE_PACK_WEIGHTS=auto: the one-row timings it chose by
                                 kernel_probe=self.kernel_probe)
 
@@ -418,7 +426,7 @@ class TransformersRunner:
             if self.lean is not None:
                 # it lists the model's modules, and its fused q/k/v and gate/up weights go
                 # (the packed modules hold copies)
-                self.lean = LeanDecode(self.model)
+                self.lean = LeanDecode(self.model, fused=self._fused_option)
             by_dtype = weight_bytes(self.model)  # a tied head's packed copy is new
             self.weights["bytes"], self.weights["bytes_by_dtype"] = sum(by_dtype.values()), by_dtype
 

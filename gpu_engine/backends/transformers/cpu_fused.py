@@ -1,0 +1,126 @@
+"""The lean decode step's small operations as three C functions (``cpu_fused.c``), for
+float32 on the CPU (MILLM_ENGINE_FUSED_KERNELS).
+
+Why: a batch-1 decode step of SmolLM2-135M spends ~24 ms in its 121 products and, on
+top, ~11 ms in the ~1,200 small PyTorch calls between them — norms, rotary, cache
+writes, attention, SiLU, adds — each a few microseconds of dispatch for a few hundred
+floats of work (docs/performance.md, "Serial decode step").  Here each run of them
+between two products is one call: ``add_rms`` (residual add and RMS norm),
+``attention`` (rotary, the new key and value into the cache, attention over the cached
+positions) and ``silu_mul``.  The products stay PyTorch's (plain, oneDNN-packed or
+quantized weights alike), and so do the hooks: lean.py calls these between them.
+
+The source is compiled the first time it is needed, by the machine's C compiler
+(``cc``, or ``$CC``) with ``-O3 -march=native``, into a per-user directory under the
+system's temporary directory, keyed by a hash of the source, the flags, the compiler's
+version and the CPU's model and flags (so a build for one CPU is never loaded on
+another).  It takes well under a second.  Where there is no compiler or the build fails,
+``kernels()`` returns None with the reason (``why_not``) and the step keeps its PyTorch
+calls: the results differ from those only in the last bits of float32 (reductions in
+another order), and tests/engine/test_fused_kernels.py holds the two together.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("gpu_engine.transformers")
+
+SOURCE = Path(__file__).with_name("cpu_fused.c")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-shared")
+
+_i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_SIGNATURES = {
+    "millm_add_rms": (_ptr, _ptr, _ptr, _f32, _i64, _i64, _ptr, _ptr),
+    "millm_silu_mul": (_ptr, _i64, _i64, _ptr),
+    "millm_attention": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
+                        _f32, _ptr, _ptr),
+}
+
+_why_not: str | None = None
+
+
+def _cpu_identity() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = [line for line in text.splitlines() if line.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(keep))  # one line of each kind (every core repeats them)
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build() -> Path:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (cc) on PATH")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(FLAGS).encode(), version.encode(),
+                                     _cpu_identity().encode()])).hexdigest()[:16]
+    directory = Path(tempfile.gettempdir()) / f"millm-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
+    target = directory / f"cpu_fused-{key}.so"
+    if target.exists():
+        return target
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(partial, target)  # atomic: a concurrent build leaves one whole file
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+    return target
+
+
+class Kernels:
+    """The built library's three functions, with their C signatures."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        for name, argtypes in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes = list(argtypes)
+            fn.restype = None
+        self.add_rms = lib.millm_add_rms
+        self.silu_mul = lib.millm_silu_mul
+        self.attention = lib.millm_attention
+        self._lib = lib
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The kernels, built on first use; None (and ``why_not`` says why) where they
+    cannot be built on this machine."""
+    global _why_not
+    try:
+        return Kernels(_build())
+    except Exception as exc:  # no compiler, a failed build, an unloadable library
+        _why_not = f"the C kernels could not be built: {exc}"
+        log.warning("fused CPU kernels unavailable, the lean step keeps its PyTorch calls: %s", exc)
+        return None
+
+
+def why_not() -> str | None:
+    """Why ``kernels()`` returned None (None when it has not failed)."""
+    return _why_not
+
+
+__all__ = ["FLAGS", "Kernels", "kernels", "why_not"]
