@@ -132,13 +132,15 @@ def job(rid: str, prompt: str, *, steering=None, monitor=None) -> GenerationJob:
                                                  logprobs=True))
 
 
-@pytest.mark.parametrize("pack", [False, True], ids=["plain-weights", "onednn-packed"])
+@pytest.mark.parametrize("weights", [{"pack_cpu_weights": False}, {"pack_cpu_weights": True},
+                                     {"pack_cpu_weights": False, "quantization": "Q8"}],
+                         ids=["plain", "onednn-packed", "q8"])
 def test_decoding_through_the_kernels_equals_the_pytorch_step_and_model_forward(tmp_path, tiny_assets,
-                                                                                monkeypatch, pack):
+                                                                                monkeypatch, weights):
     """Steered and monitored at a block's output, the kernels give the tokens, logprobs,
     activations and steering counts of the lean step's PyTorch calls and of
-    model.forward, with plain (one torch.mm per fused product) and packed weights (the
-    modules' own forwards)."""
+    model.forward, whatever the products are: plain weights concatenated (one product for
+    q/k/v, one for gate/up), a packed group's, or each quantized module's own."""
     sae_dir, _, layer = sae_at(tmp_path, tiny_assets, "resid_post")
     steering = SteeringSpec.from_mapping({("s", layer): {3: 8.0, 17: -5.0}})
     monitor = MonitorSpec([MonitorEntry("s", layer, top_k=5, features=[0, 3, 17], positions="all")])
@@ -146,7 +148,7 @@ def test_decoding_through_the_kernels_equals_the_pytorch_step_and_model_forward(
     out = {}
     for name, options in (("fused", {}), ("torch", {"fused_cpu_kernels": False}),
                           ("forward", {"lean_decode": False})):
-        with load(tiny_assets, pack_cpu_weights=pack, **options) as eng:
+        with load(tiny_assets, **weights, **options) as eng:
             caps = eng.backend.capabilities()
             assert caps["fused_cpu_kernels"] is (name == "fused")
             eng.attach(AttachSpec("s", str(sae_dir), layer))

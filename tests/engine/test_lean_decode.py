@@ -74,7 +74,7 @@ def test_lean_decoding_equals_an_independent_transformers_decode(tiny_assets, mo
         qkv, gate_up = eng.backend.lean.fused[1]
         assert qkv is not None and gate_up is not None
         assert {p.untyped_storage().data_ptr() for p in (attn.q_proj.weight, attn.v_proj.weight)} == {
-            qkv[0].untyped_storage().data_ptr()}
+            qkv[0].keywords["weight"].untyped_storage().data_ptr()}
         calls = spy_steps(eng, monkeypatch)
         out = eng.generate_sync(job("g", logprobs=True))
         prompt = eng.backend.encode_text(PROMPT)
@@ -172,7 +172,9 @@ def test_auto_packing_follows_the_one_row_probe_and_a_batching_engine_packs(tiny
         packed = any(isinstance(m, PackedLinear) for m in serial.backend.model.modules())
         assert packed is packed_faster
         assert batching.status().kernels == "onednn_packed"
-        assert all(f == (None, None) for f in batching.backend.lean.fused)  # packed: one product each
+        # packed: q/k/v and gate/up each one packed group, whose product the step calls
+        assert all(qkv is not None and gate_up is not None and qkv[0].__self__ is not gate_up[0].__self__
+                   for qkv, gate_up in batching.backend.lean.fused)
         assert not any(type(m) is torch.nn.Linear for m in batching.backend.model.modules())
         assert serial.generate_sync(job("s")).token_ids == batching.generate_sync(job("b")).token_ids
         packed_later = batching.status().weights

@@ -64,7 +64,7 @@ def test_cpu_float32_weights_are_packed_and_give_the_plain_models_results(tiny_a
     PyTorch's own modules."""
     from transformers import AutoModelForCausalLM
 
-    from gpu_engine.backends.transformers.cpu_kernels import PackedLinear
+    from gpu_engine.backends.transformers.cpu_kernels import PackedGroup, PackedLinear, PackedSlice
 
     assert torch.backends.mkldnn.is_available()  # the pinned CPU build has oneDNN: no silent skip
     asset = tiny_assets.models[model_name]
@@ -77,13 +77,21 @@ def test_cpu_float32_weights_are_packed_and_give_the_plain_models_results(tiny_a
         assert packed.status().kernels == "onednn_packed" and unpacked.status().kernels == "default"
         model = packed.backend.model
         assert not any(isinstance(m, torch.nn.Linear) for m in model.modules())
-        assert sum(isinstance(m, PackedLinear) for m in model.modules()) == n_linear
+        # q/k/v and gate/up packed as one weight each (their modules: slices of it), the
+        # other linears one by one
+        singles = sum(type(m) is PackedLinear for m in model.modules())
+        slices = [m for m in model.modules() if type(m) is PackedSlice]
+        assert singles + len(slices) == n_linear
+        groups = [m for m in model.modules() if type(m) is PackedGroup]
+        assert len(groups) == 2 * plain.config.num_hidden_layers and len(slices) == 5 * len(groups) // 2
         assert sum(isinstance(m, torch.nn.Linear) for m in unpacked.backend.model.modules()) == n_linear
         with torch.inference_mode():
             want = plain(ids).logits
             got = model(ids).logits
         assert got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+        # a group's product, shared by its members within one call, is not held after it
+        assert all(g._x is None and g._out is None for g in groups)
         prompt = packed.backend.encode_text("the cat")
         with torch.inference_mode():
             ref = plain.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

@@ -21,6 +21,10 @@ tests (identical greedy tokens in float32) hold as before.  Only float32 is pack
 fp16 (whose oneDNN speed depends on CPU instructions this machine lacks) and every CUDA
 load keep PyTorch's own kernels.
 
+Linears of one input — an attention's q/k/v, an MLP's gate/up — are packed as one weight
+(``PackedGroup``): one product instead of three or two, each costing a call's fixed work
+at one row; their modules become ``PackedSlice``s of it.
+
 Memory: an untied layer's original weight is released (the packed copy replaces it); an
 output projection tied to the input embeddings keeps the embedding table and adds one
 packed copy (113 MB for SmolLM2's 49,152 × 576, ~20% of the model).
@@ -29,6 +33,7 @@ packed copy (113 MB for SmolLM2's 49,152 × 576, ~20% of the model).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -43,14 +48,17 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` whose weight lives in oneDNN's blocked layout (inference only)."""
 
-    def __init__(self, linear: torch.nn.Linear) -> None:
+    def __init__(self, linear: torch.nn.Linear | None = None, *,
+                 weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
+        if linear is not None:
+            weight = linear.weight.detach()
+            bias = linear.bias.detach() if linear.bias is not None else None
+        assert weight is not None
+        self.out_features, self.in_features = weight.shape
         with torch.no_grad():
-            packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.register_buffer("packed_weight", packed, persistent=False)
-        bias = linear.bias.detach() if linear.bias is not None else None
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -58,6 +66,59 @@ class PackedLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed=onednn"
+
+
+# linears of one module that read the same input, packed as one weight each (``PackedGroup``)
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class PackedGroup(PackedLinear):
+    """Several linears of the same input (an attention's q/k/v, an MLP's gate/up) packed
+    as one weight, their rows concatenated in order: one product instead of several, which
+    is what one-row decoding pays per call (docs/performance.md).  The members become
+    ``PackedSlice`` modules.  ``model.forward`` calls them one after another on the same
+    input tensor, so ``rows`` computes the product at the first call and hands the same
+    result to the others: it is kept until every member has read it (held by reference,
+    so the input it was computed from cannot be another tensor at the same address).  The
+    lean decode step calls ``forward`` itself, once a step."""
+
+    def __init__(self, linears: list[torch.nn.Linear]) -> None:
+        weight = torch.cat([m.weight.detach() for m in linears])
+        bias = (torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None)
+        super().__init__(weight=weight, bias=bias)
+        self.sizes = [m.out_features for m in linears]
+        self._x: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._left = 0
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        if self._x is not x:
+            self._out, self._x, self._left = self.forward(x), x, len(self.sizes)
+        out = self._out
+        self._left -= 1
+        if self._left <= 0:  # every member has it: nothing stays referenced
+            self._x = self._out = None
+        return out  # type: ignore[return-value]
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", members={self.sizes}"
+
+
+class PackedSlice(torch.nn.Module):
+    """One member of a ``PackedGroup``: its rows ``start:end`` of the group's product (a
+    view), what the ``nn.Linear`` it replaces computed."""
+
+    def __init__(self, group: PackedGroup, start: int, end: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = group.in_features, end - start
+        self.start, self.end = start, end
+        object.__setattr__(self, "group", group)  # not a child: its module owns it, once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.rows(x)[..., self.start:self.end]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.start}:{self.end} of a packed group"
 
 
 PROBE_BYTES = 256 << 20
@@ -110,18 +171,40 @@ def one_row_probe(model: torch.nn.Module, *, budget: int = PROBE_BYTES, rounds: 
     return {key: round(statistics.median(v), 3) for key, v in times.items()} | {"bytes": total}
 
 
+def _packable(m: Any) -> bool:
+    return (type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
+            and m.weight.dtype == torch.float32)
+
+
 def pack_linears(model: torch.nn.Module) -> int:
-    """Replace every float32 ``nn.Linear`` of ``model`` by a ``PackedLinear``; returns how
-    many.  Quantized layers (a Q8/Q4 load's ``WeightOnlyLinear``, a pre-quantized
-    checkpoint's tensor-subclass weights) keep their own kernels."""
+    """Replace every float32 ``nn.Linear`` of ``model`` by a prepacked one; returns how
+    many.  An attention's q/k/v and an MLP's gate/up (``GROUPS``: plain linears of one
+    input size, all with a bias or none) are packed as one weight each (``PackedGroup``);
+    the others one by one (``PackedLinear``).  Quantized layers (a Q8/Q4 load's
+    ``WeightOnlyLinear``, a pre-quantized checkpoint's tensor-subclass weights) keep their
+    own kernels."""
+    n = 0
+    for parent in list(model.modules()):
+        for names in GROUPS:
+            members = [getattr(parent, name, None) for name in names]
+            if not all(_packable(m) for m in members) or len({
+                    (m.in_features, m.bias is None, m.weight.device) for m in members}) != 1:  # type: ignore[union-attr]
+                continue
+            group = PackedGroup(members)  # type: ignore[arg-type]
+            parent.add_module("packed_" + "_".join(name.split("_")[0] for name in names), group)
+            start = 0
+            for name, size in zip(names, group.sizes):
+                setattr(parent, name, PackedSlice(group, start, start + size))
+                start += size
+            n += len(names)
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children()
-               if type(child) is torch.nn.Linear and type(child.weight) is torch.nn.Parameter
-               and child.weight.dtype == torch.float32]
+               for name, child in parent.named_children() if _packable(child)]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
-    log.info("packed %d linear layers into oneDNN's blocked layout", len(targets))
-    return len(targets)
+    n += len(targets)
+    log.info("packed %d linear layers into oneDNN's blocked layout", n)
+    return n
 
 
-__all__ = ["PackedLinear", "one_row_probe", "pack_linears", "packing_available"]
+__all__ = ["GROUPS", "PackedGroup", "PackedLinear", "PackedSlice", "one_row_probe", "pack_linears",
+           "packing_available"]

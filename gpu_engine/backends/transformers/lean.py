@@ -10,8 +10,9 @@ directly from the model's own modules and weights:
 
 - every projection is the module's own ``forward`` (plain, prepacked or quantized
   weights alike), so nothing is copied and the prefill, the batch and this step share
-  one set of weights — except that plain q/k/v and gate/up weights are concatenated once
-  into one product each, the modules' weights becoming views of their rows (``_fuse``);
+  one set of weights — and q/k/v and gate/up are one product each: prepacked, the packed
+  group's (``cpu_kernels.PackedGroup``); plain, their weights concatenated once, the
+  modules' weights becoming views of their rows (``_fuse``);
 - keys and values live in preallocated per-layer buffers, filled from the prefill's
   ``DynamicCache`` and written in place, so nothing grows or is concatenated per step;
 - rotary embeddings come from tables computed exactly as the model's rotary module
@@ -44,11 +45,14 @@ run.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.nn.modules import module as _nn_module
 
+from .cpu_kernels import PackedSlice
 from .qk_tap import TAP_ATTR
 
 # architectures whose decoder block is exactly LlamaDecoderLayer's computation
@@ -87,12 +91,21 @@ def why_not(model: Any) -> str | None:
     return None
 
 
-def _fuse(*linears: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
-    """One weight for ``linears`` (plain ``nn.Linear`` of one input, dtype and device:
-    q/k/v, gate/up) so that a step makes one product instead of several: the rows are
-    concatenated once and each module's weight (and bias) becomes a view of its rows, so
-    nothing is held twice and the modules compute what they did.  None where they are not
-    plain linears (prepacked, quantized) or differ; returns (weight, bias, first size)."""
+def _fuse(*linears: torch.nn.Module) -> tuple[Callable[[torch.Tensor], torch.Tensor], int] | None:
+    """One product for ``linears`` (q/k/v, gate/up) so that a step makes one call instead
+    of several; returns (the product, the first member's size), or None where they cannot
+    be one.  Prepacked members of one ``PackedGroup`` (cpu_kernels.py) already are: the
+    group's own product.  Plain ``nn.Linear`` of one input, dtype and device are made one:
+    the rows are concatenated once and each module's weight (and bias) becomes a view of
+    its rows, so nothing is held twice and the modules compute what they did.  Anything
+    else (quantized, mixed) stays one product per module."""
+    if all(type(m) is PackedSlice for m in linears):
+        group = linears[0].group  # type: ignore[union-attr]
+        ends = [0] + [m.end for m in linears]  # type: ignore[union-attr]
+        if all(m.group is group and m.start == ends[i] for i, m in enumerate(linears)) and \
+                ends[-1] == sum(group.sizes):  # type: ignore[union-attr]
+            return group.forward, linears[0].out_features  # type: ignore[return-value]
+        return None
     if not all(type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter for m in linears):
         return None
     ref = linears[0].weight
@@ -109,7 +122,8 @@ def _fuse(*linears: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None,
             if bias is not None:
                 m.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=False)
             row += n
-    return weight, bias, linears[0].weight.shape[0]
+    first = linears[0].weight.shape[0]
+    return functools.partial(torch.nn.functional.linear, weight=weight, bias=bias), first
 
 
 def _rms(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -151,7 +165,8 @@ class LeanDecode:
         # it does not run) sends the request through model.forward
         self._hooked = {id(m) for b in self.layers for m in (b, b.self_attn, b.mlp)} | {id(self.embed)}
         self._all = list(model.modules())
-        # q/k/v and gate/up as one product each where the weights are plain (views: no copy)
+        # q/k/v and gate/up as one product each: a packed group's, or plain weights made one
+        # (views: no copy)
         self.fused = [(_fuse(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj),
                        _fuse(b.mlp.gate_proj, b.mlp.up_proj)) for b in self.layers]
         # MILLM_ENGINE_FUSED_KERNELS: the small ops between the products as C calls
@@ -167,10 +182,6 @@ class LeanDecode:
 
                 self.kernels = cpu_fused.kernels()
                 self.kernels_reason = cpu_fused.why_not() if self.kernels is None else None
-        # per layer, what the C path multiplies by: transposed views of the fused plain weights
-        # (one torch.mm each), or None where the modules' own forwards run
-        self._mm = [(q[0].t() if q is not None and q[1] is None else None,
-                     g[0].t() if g is not None and g[1] is None else None) for q, g in self.fused]
         self.inter = int(self.layers[0].mlp.down_proj.in_features) if hasattr(
             self.layers[0].mlp.down_proj, "in_features") else int(cfg.intermediate_size)
         # the serial request's buffers, (1, kv_heads, needed, head_dim) per layer
@@ -313,9 +324,9 @@ class LeanDecode:
                           rows, d, s.data_ptr(), x.data_ptr())
                 h = s
             block_in = h
-            w_qkv, w_gate_up = self._mm[i]
-            if w_qkv is not None:
-                qkv = torch.mm(x, w_qkv)
+            qkv_w, gate_up_w = self.fused[i]
+            if qkv_w is not None:
+                qkv = qkv_w[0](x).contiguous()  # (rows, (heads + 2 kv) · head_dim): already is
             else:
                 qkv = torch.cat((attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)),
                                 dim=-1).contiguous()
@@ -330,8 +341,8 @@ class LeanDecode:
             K.add_rms(h.data_ptr(), o.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon, rows, d,
                       s.data_ptr(), x.data_ptr())
             h = s
-            if w_gate_up is not None:
-                gu = torch.mm(x, w_gate_up)
+            if gate_up_w is not None:
+                gu = gate_up_w[0](x).contiguous()
             else:
                 gu = torch.cat((mlp.gate_proj.forward(x), mlp.up_proj.forward(x)), dim=-1).contiguous()
             K.silu_mul(gu.data_ptr(), rows, self.inter, act.data_ptr())
@@ -374,7 +385,7 @@ class LeanDecode:
             x = _rms(block.input_layernorm, h)
             qkv_w, gate_up_w = self.fused[i]
             if qkv_w is not None:
-                qkv = torch.nn.functional.linear(x, qkv_w[0], qkv_w[1])
+                qkv = qkv_w[0](x)
                 qk, v = qkv[..., :n_qk].view(rows, heads + kv, hd), qkv[..., n_qk:]
             else:
                 qk = torch.cat((attn.q_proj.forward(x), attn.k_proj.forward(x)), dim=-1).view(rows, heads + kv, hd)
@@ -401,8 +412,8 @@ class LeanDecode:
             h = h + o
             x = _rms(block.post_attention_layernorm, h)
             if gate_up_w is not None:
-                gu = torch.nn.functional.linear(x, gate_up_w[0], gate_up_w[1])
-                gate, up = gu[..., :gate_up_w[2]], gu[..., gate_up_w[2]:]
+                gu = gate_up_w[0](x)
+                gate, up = gu[..., :gate_up_w[1]], gu[..., gate_up_w[1]:]
             else:
                 gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
             m = mlp.down_proj.forward(torch.nn.functional.silu(gate) * up)
