@@ -80,7 +80,7 @@ def test_attention_writes_the_rotated_key_and_attends_like_grouped_query_attenti
     k_before, v_before = k_buf.clone(), v_buf.clone()
     pad = torch.zeros(rows, slot + 1, dtype=torch.bool)
     pad[1, :2] = True
-    scores, out = torch.empty(slot + 1), torch.empty(rows, heads * hd)
+    scores, out = torch.empty(rows * heads * (slot + 1)), torch.empty(rows, heads * hd)
     K.attention(ptr(qkv), ptr(cos), ptr(signed), ptr(positions), ptr(k_buf), ptr(v_buf), slots, slot, ptr(pad),
                 rows, heads, kv, hd, 0.25, ptr(scores), ptr(out))
 

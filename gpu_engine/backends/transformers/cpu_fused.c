@@ -67,6 +67,7 @@ void millm_add_rms(const float *h, const float *delta, const float *weight, floa
 
 /* out = silu(gate) * up, with gate and up the two halves of each row of gu. */
 void millm_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
+#pragma omp parallel for schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gu + r * 2 * inter;
         const float *u = g + inter;
@@ -83,20 +84,20 @@ void millm_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
  * folded into its first half, as lean.py builds them); pos: each row's position;
  * k_buf, v_buf: the cache, rows x kv x slots x hd; the new key (rotated) and value go to
  * slot `slot`, and each row attends to slots 0 .. slot except where pad (rows x (slot+1),
- * nonzero = masked; NULL = none) says; out: rows x heads x hd. */
+ * nonzero = masked; NULL = none) says; scores: scratch of rows x heads x (slot+1);
+ * out: rows x heads x hd.  With several rows, the (row, head) pairs are shared out over
+ * the calling thread's OpenMP team (PyTorch's own: see cpu_fused.py). */
 void millm_attention(const float *qkv, const float *cos_t, const float *sin_t, const int64_t *pos,
                      float *k_buf, float *v_buf, int64_t slots, int64_t slot,
                      const uint8_t *pad, int64_t rows, int64_t heads, int64_t kv, int64_t hd,
                      float scaling, float *scores, float *out) {
     const int64_t half = hd / 2, end = slot + 1, group = heads / kv;
     const int64_t width = (heads + 2 * kv) * hd;
-    float q[hd];
+    /* the new keys (rotated) and values into the cache, before any row reads it */
     for (int64_t r = 0; r < rows; r++) {
         const float *row = qkv + r * width;
         const float *c = cos_t + pos[r] * hd;
         const float *s = sin_t + pos[r] * hd;
-        const uint8_t *mask = pad ? pad + r * end : 0;
-        /* the new key (rotated) and value into the cache */
         for (int64_t g = 0; g < kv; g++) {
             const float *k = row + (heads + g) * hd;
             const float *v = row + (heads + kv + g) * hd;
@@ -106,43 +107,49 @@ void millm_attention(const float *qkv, const float *cos_t, const float *sin_t, c
             for (int64_t i = half; i < hd; i++) kd[i] = k[i] * c[i] + k[i - half] * s[i];
             for (int64_t i = 0; i < hd; i++) vd[i] = v[i];
         }
-        for (int64_t h = 0; h < heads; h++) {
-            const float *x = row + h * hd;
-            for (int64_t i = 0; i < half; i++) q[i] = x[i] * c[i] + x[i + half] * s[i];
-            for (int64_t i = half; i < hd; i++) q[i] = x[i] * c[i] + x[i - half] * s[i];
-            const int64_t g = h / group;
-            const float *keys = k_buf + (r * kv + g) * slots * hd;
-            const float *values = v_buf + (r * kv + g) * slots * hd;
-            float top = -INFINITY;
-            for (int64_t t = 0; t < end; t++) {
-                if (mask && mask[t]) {
-                    scores[t] = -INFINITY;
-                    continue;
-                }
-                const float *k = keys + t * hd;
-                float acc = 0.0f;
+    }
+#pragma omp parallel for schedule(static) if (rows > 1)
+    for (int64_t job = 0; job < rows * heads; job++) {
+        const int64_t r = job / heads, h = job % heads, g = h / group;
+        const float *x = qkv + r * width + h * hd;
+        const float *c = cos_t + pos[r] * hd;
+        const float *s = sin_t + pos[r] * hd;
+        const uint8_t *mask = pad ? pad + r * end : 0;
+        float *sc = scores + job * end;
+        float q[hd];
+        for (int64_t i = 0; i < half; i++) q[i] = x[i] * c[i] + x[i + half] * s[i];
+        for (int64_t i = half; i < hd; i++) q[i] = x[i] * c[i] + x[i - half] * s[i];
+        const float *keys = k_buf + (r * kv + g) * slots * hd;
+        const float *values = v_buf + (r * kv + g) * slots * hd;
+        float top = -INFINITY;
+        for (int64_t t = 0; t < end; t++) {
+            if (mask && mask[t]) {
+                sc[t] = -INFINITY;
+                continue;
+            }
+            const float *k = keys + t * hd;
+            float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t i = 0; i < hd; i++) acc += q[i] * k[i];
-                acc = acc * scaling;
-                scores[t] = acc;
-                if (acc > top) top = acc;
-            }
-            float total = 0.0f;
+            for (int64_t i = 0; i < hd; i++) acc += q[i] * k[i];
+            acc = acc * scaling;
+            sc[t] = acc;
+            if (acc > top) top = acc;
+        }
+        float total = 0.0f;
 #pragma omp simd reduction(+ : total)
-            for (int64_t t = 0; t < end; t++) {
-                float e = exp_simd(scores[t] - top);  /* a masked score (-inf) gives 0 */
-                scores[t] = e;
-                total += e;
-            }
-            float *o = out + (r * heads + h) * hd;
-            for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
-            for (int64_t t = 0; t < end; t++) {
-                const float p = scores[t] / total;
-                if (p == 0.0f) continue;
-                const float *v = values + t * hd;
+        for (int64_t t = 0; t < end; t++) {
+            float e = exp_simd(sc[t] - top);  /* a masked score (-inf) gives 0 */
+            sc[t] = e;
+            total += e;
+        }
+        float *o = out + (r * heads + h) * hd;
+        for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
+        for (int64_t t = 0; t < end; t++) {
+            const float p = sc[t] / total;
+            if (p == 0.0f) continue;
+            const float *v = values + t * hd;
 #pragma omp simd
-                for (int64_t i = 0; i < hd; i++) o[i] = o[i] + p * v[i];
-            }
+            for (int64_t i = 0; i < hd; i++) o[i] = o[i] + p * v[i];
         }
     }
 }

@@ -36,7 +36,7 @@ from pathlib import Path
 log = logging.getLogger("gpu_engine.transformers")
 
 SOURCE = Path(__file__).with_name("cpu_fused.c")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp-simd", "-fPIC", "-shared")
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-fPIC", "-shared")
 
 _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {

@@ -305,7 +305,7 @@ class LeanDecode:
         h = self.embed(input_ids)  # (rows, 1, d); its hooks (resid_pre of layer 0) run
         d = h.shape[-1]
         h = h.reshape(rows, d).contiguous()
-        scores = empty(end)
+        scores = empty(rows * heads * end)
         att = empty(rows, heads * hd)
         act = empty(rows, self.inter)
         cos, sin = self.cos.data_ptr(), self.sin.data_ptr()  # type: ignore[union-attr]
