@@ -106,6 +106,15 @@ def test_attention_writes_the_rotated_key_and_attends_like_grouped_query_attenti
     assert torch.equal(k_buf[rows], k_before[rows])  # rows past the batch untouched
 
 
+def test_the_kernels_share_pytorchs_openmp_runtime():
+    """Several rows run on the calling thread's OpenMP team: the library must not bring a
+    second runtime (two teams on two cores throttle each other)."""
+    import torch  # noqa: F401  (PyTorch's runtime is loaded first, as in the engine)
+
+    assert K.threaded is True
+    assert len(cpu_fused._openmp_runtimes()) == 1
+
+
 def load(tiny_assets, batching: bool = False, **options) -> Engine:
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4)) if batching else Engine()
     asset = tiny_assets.models["tiny-llama"]
