@@ -116,7 +116,9 @@ class Kernels:
     def __init__(self, path: Path, *, threaded: bool) -> None:
         self.path = path
         self.threaded = threaded  # several rows over the calling thread's OpenMP team
-        lib = ctypes.CDLL(str(path))
+        # PyDLL: the calls keep the GIL (they take microseconds; releasing and taking it back
+        # around each would let another thread of the process, a web loop, hold it between them)
+        lib = ctypes.PyDLL(str(path))
         for name, argtypes in _SIGNATURES.items():
             fn = getattr(lib, name)
             fn.argtypes = list(argtypes)
