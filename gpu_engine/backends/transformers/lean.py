@@ -175,7 +175,8 @@ class LeanDecode:
         self.kernels_reason: str | None = "off (fused_cpu_kernels)" if fused is False else None
         ref = self.layers[0].input_layernorm.weight
         if fused is not False:
-            if ref.device.type != "cpu" or ref.dtype != torch.float32:
+            if ref.device.type != "cpu" or any(t.dtype != torch.float32 for t in (
+                    ref, self.embed.weight, self.norm.weight, self.layers[-1].post_attention_layernorm.weight)):
                 self.kernels_reason = "not CPU float32"
             else:
                 from . import cpu_fused
@@ -257,7 +258,7 @@ class LeanDecode:
     def step(self, input_ids: torch.Tensor, position: int) -> torch.Tensor:
         """Logits (1, V) of the token ``input_ids`` (1, 1) at ``position``; its key and
         value are written to the request's buffers at ``position``."""
-        if self._fused_now():
+        if self._fused_now(self.k[0]):
             x = self._blocks_fused(input_ids, torch.tensor([position]), self.k, self.v, position, None)
             return self.head.forward(x)
         pos = slice(position, position + 1)
@@ -276,21 +277,23 @@ class LeanDecode:
         self._rope(slot + 1, cache.layers[0].k_buf.dtype)
         positions = position_ids[:, 0]
         pad = None if mask is None else mask == 0
-        if self._fused_now():
+        if self._fused_now(cache.layers[0].k_buf):
             k_bufs = [layer.k_buf for layer in cache.layers]
             v_bufs = [layer.v_buf for layer in cache.layers]
-            return self.head.forward(self._blocks_fused(input_ids, positions.contiguous(), k_bufs, v_bufs, slot,
-                                                        None if pad is None else pad.contiguous()))
+            return self.head.forward(self._blocks_fused(
+                input_ids, positions.to(torch.int64).contiguous(), k_bufs, v_bufs, slot,
+                None if pad is None else pad.contiguous()))
         h = self._blocks(input_ids, self.cos[positions], self.sin[positions],  # type: ignore[index]
                          [layer.k_buf for layer in cache.layers], [layer.v_buf for layer in cache.layers],
                          slot, pad)
         return self.head.forward(_rms(self.norm, h))[:, -1]
 
-    def _fused_now(self) -> bool:
-        """Whether this step runs the C kernels: they are built, and no Q/K capture tap
-        (which needs the rotated query as a tensor) is armed."""
-        return self.kernels is not None and not any(
-            getattr(b.self_attn, TAP_ATTR, None) is not None for b in self.layers)
+    def _fused_now(self, k_buf: torch.Tensor) -> bool:
+        """Whether this step runs the C kernels: they are built, the cache (its first
+        layer's keys ``k_buf``) is contiguous float32 as they read it, and no Q/K capture
+        tap (which needs the rotated query as a tensor) is armed."""
+        return (self.kernels is not None and k_buf.dtype == torch.float32 and k_buf.is_contiguous()
+                and not any(getattr(b.self_attn, TAP_ATTR, None) is not None for b in self.layers))
 
     def _blocks_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, k_bufs: list[torch.Tensor],
                       v_bufs: list[torch.Tensor], slot: int, pad: torch.Tensor | None) -> torch.Tensor:
