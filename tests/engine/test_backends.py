@@ -85,7 +85,7 @@ def test_transformers_is_registered_and_reports_itself():
     report = {b["name"]: b for b in backends_report()}
     assert report["transformers"]["available"] is True
     assert sorted(report["transformers"]["options"]) == [
-        "kv_cache_mode", "lean_decode", "pack_cpu_weights", "quantization", "speculative_model",
+        "fused_cpu_kernels", "kv_cache_mode", "lean_decode", "pack_cpu_weights", "quantization", "speculative_model",
         "speculative_num_tokens", "torch_compile", "torch_compile_mode"]
     assert report["transformers"]["quantizations"]["Q8"]["available"] is True
     assert report["transformers"]["quantizations"]["Q2"]["available"] is False

@@ -94,7 +94,9 @@ def test_qk_capture_equals_reference_and_changes_no_token(engines, reference, mo
     spec = CaptureSpec(attention=AttentionCaptureSpec(layers=layers, positions="all"))
     out = eng.generate_sync(job("qk", spec))
     assert out.token_ids == plain.token_ids
-    assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in plain.logprobs]
+    # with the tap armed the step keeps PyTorch's calls instead of the C kernels
+    # (cpu_fused.py): the same arithmetic, summed in another order, so the last bits move
+    assert [lp.logprob for lp in out.logprobs] == pytest.approx([lp.logprob for lp in plain.logprobs], abs=1e-5)
     cap = load_capture(out.capture.data)
     full = cap.meta["prompt_token_ids"] + out.token_ids
     ids = full[:-1]

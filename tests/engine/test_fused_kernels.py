@@ -112,7 +112,10 @@ def test_the_kernels_share_pytorchs_openmp_runtime():
     import torch  # noqa: F401  (PyTorch's runtime is loaded first, as in the engine)
 
     assert K.threaded is True
-    assert len(cpu_fused._openmp_runtimes()) == 1
+    # other wheels may vendor their own renamed copies (libgomp-<hash>.so.1); the library's
+    # own dependency, libgomp.so.1, must be the copy PyTorch loaded
+    plain = {path for path in cpu_fused._openmp_runtimes() if path.rsplit("/", 1)[-1] == "libgomp.so.1"}
+    assert len(plain) == 1 and "/torch/" in next(iter(plain))
 
 
 def load(tiny_assets, batching: bool = False, **options) -> Engine:
