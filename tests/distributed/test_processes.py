@@ -82,10 +82,12 @@ class Outcome:
         return frame or refused
 
 
-def stream_chat(base: str, body: dict[str, Any], out: Outcome, timeout_s: float = 60) -> None:
+def stream_chat(base: str, body: dict[str, Any], out: Outcome, timeout_s: float = 60,
+                headers: dict[str, str] | None = None) -> None:
     try:
         with httpx.Client(timeout=timeout_s) as client, client.stream(
-                "POST", f"{base}/v1/chat/completions", json={**body, "stream": True}) as resp:
+                "POST", f"{base}/v1/chat/completions", json={**body, "stream": True},
+                headers=headers) as resp:
             out.status = resp.status_code
             out.retry_after = resp.headers.get("retry-after")
             if resp.status_code != 200:
