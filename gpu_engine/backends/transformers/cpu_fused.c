@@ -18,7 +18,7 @@
 
 /* e^x for float32, vectorizable (the loops calling it run `omp simd`): x = n ln2 + r
  * with |r| <= ln2/2, e^r by its degree-6 Taylor polynomial, 2^n put in the exponent
- * bits.  Within 2 ulp of expf over the range used; below -87.3 it returns 0 (the
+ * bits.  Within 3 ulp of expf over the range used; below -87.3 it returns 0 (the
  * softmax of a masked or far smaller score, SiLU of a large negative gate), above 88.7
  * +inf. */
 static inline float exp_simd(float x) {
