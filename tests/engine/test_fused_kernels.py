@@ -65,9 +65,11 @@ def test_silu_mul_is_silu_of_the_gate_times_up():
 
 def test_attention_writes_the_rotated_key_and_attends_like_grouped_query_attention():
     """Three rows at different positions, 6 query heads over 2 key/value heads, the
-    second row's first two slots masked (left padding)."""
+    second row's first two slots masked (left padding) and holding NaN, which must not
+    reach the output; nine positions, so both the four-at-a-time loops and their
+    remainder run."""
     torch.manual_seed(1)
-    heads, kv, hd, slots, slot, rows = 6, 2, 16, 12, 7, 3
+    heads, kv, hd, slots, slot, rows = 6, 2, 16, 12, 8, 3
     half = hd // 2
     qkv = torch.randn(rows, (heads + 2 * kv) * hd)
     angles = torch.arange(slots)[:, None].float() * (1.0 / 10000 ** (torch.arange(half).float() / half))
@@ -77,6 +79,8 @@ def test_attention_writes_the_rotated_key_and_attends_like_grouped_query_attenti
     signed[:, :half] = -signed[:, :half]  # the kernel's table: rotate_half's sign folded in
     positions = torch.tensor([7, 5, 3])
     k_buf, v_buf = torch.randn(rows + 1, kv, slots, hd), torch.randn(rows + 1, kv, slots, hd)
+    k_buf[1, :, :2] = float("nan")
+    v_buf[1, :, :2] = float("nan")
     k_before, v_before = k_buf.clone(), v_buf.clone()
     pad = torch.zeros(rows, slot + 1, dtype=torch.bool)
     pad[1, :2] = True
@@ -95,15 +99,17 @@ def test_attention_writes_the_rotated_key_and_attends_like_grouped_query_attenti
         want_k, want_v = k_before.clone(), v_before.clone()
         want_k[r, :, slot] = rotate(k[r], p)
         want_v[r, :, slot] = v[r]
-        torch.testing.assert_close(k_buf[r], want_k[r], rtol=0, atol=0)
-        torch.testing.assert_close(v_buf[r], want_v[r], rtol=0, atol=0)
+        torch.testing.assert_close(k_buf[r], want_k[r], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v_buf[r], want_v[r], rtol=0, atol=0, equal_nan=True)
         keys = want_k[r, :, :slot + 1].repeat_interleave(heads // kv, dim=0)  # (heads, end, hd)
         values = want_v[r, :, :slot + 1].repeat_interleave(heads // kv, dim=0)
+        values = values.masked_fill(pad[r][None, :, None], 0.0)  # weight 0: never read
         logits = (rotate(q[r], p)[:, None, :] * keys).sum(-1) * 0.25  # (heads, end)
         logits = logits.masked_fill(pad[r], float("-inf"))
         want = (logits.softmax(-1)[:, :, None] * values).sum(1).reshape(-1)
         torch.testing.assert_close(out[r], want, rtol=1e-5, atol=1e-6)
     assert torch.equal(k_buf[rows], k_before[rows])  # rows past the batch untouched
+    assert not out.isnan().any()
 
 
 def test_the_kernels_share_pytorchs_openmp_runtime():
