@@ -79,8 +79,16 @@ static void silu_mul_row(const float *restrict g, const float *restrict u, float
 /* out = silu(gate) * up, with gate and up the two halves of each row of gu. */
 void millm_silu_mul(const float *gu, int64_t rows, int64_t inter, float *out) {
 #pragma omp parallel for schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++)
-        silu_mul_row(gu + r * 2 * inter, gu + r * 2 * inter + inter, out + r * inter, inter);
+    for (int64_t r = 0; r < rows; r++) {
+        const float *g = gu + r * 2 * inter;
+        silu_mul_row(g, g + inter, out + r * inter, inter);
+    }
+}
+
+/* o += p * v over hd floats. */
+static inline void add_weighted(float *restrict o, float p, const float *restrict v, int64_t hd) {
+#pragma omp simd
+    for (int64_t i = 0; i < hd; i++) o[i] = __builtin_fmaf(p, v[i], o[i]);
 }
 
 /* One head of one row: softmax(q . k_t * scaling) over the positions t < end that mask
@@ -127,16 +135,10 @@ static void attend(const float *restrict q, const float *restrict keys, const fl
         total += e;
     }
     for (int64_t i = 0; i < hd; i++) o[i] = 0.0f;
-    t = 0;
-    for (; t + 4 <= end; t += 4) {
+    for (t = 0; t + 4 <= end; t += 4) {
         if (mask && (mask[t] | mask[t + 1] | mask[t + 2] | mask[t + 3])) {
-            for (int64_t u = t; u < t + 4; u++) {
-                if (mask[u]) continue;
-                const float p = sc[u];
-                const float *v = values + u * hd;
-#pragma omp simd
-                for (int64_t i = 0; i < hd; i++) o[i] = __builtin_fmaf(p, v[i], o[i]);
-            }
+            for (int64_t u = t; u < t + 4; u++)
+                if (!mask[u]) add_weighted(o, sc[u], values + u * hd, hd);
             continue;
         }
         const float p0 = sc[t], p1 = sc[t + 1], p2 = sc[t + 2], p3 = sc[t + 3];
@@ -144,13 +146,8 @@ static void attend(const float *restrict q, const float *restrict keys, const fl
 #pragma omp simd
         for (int64_t i = 0; i < hd; i++) o[i] = __builtin_fmaf(p3, v3[i], __builtin_fmaf(p2, v2[i], __builtin_fmaf(p1, v1[i], __builtin_fmaf(p0, v0[i], o[i]))));
     }
-    for (; t < end; t++) {
-        if (mask && mask[t]) continue;
-        const float p = sc[t];
-        const float *v = values + t * hd;
-#pragma omp simd
-        for (int64_t i = 0; i < hd; i++) o[i] = __builtin_fmaf(p, v[i], o[i]);
-    }
+    for (; t < end; t++)
+        if (!(mask && mask[t])) add_weighted(o, sc[t], values + t * hd, hd);
     const float inv = 1.0f / total;
 #pragma omp simd
     for (int64_t i = 0; i < hd; i++) o[i] = o[i] * inv;
