@@ -12,6 +12,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from core.ids import as_pk
 from registry.errors import ModelNotFound
 from registry.models import SAE, Attachment, Job, Model
 from registry.services import remove_files
@@ -64,7 +65,7 @@ def startup_reconcile() -> dict[str, int]:
 
 
 def model_by_name_or_id(value: str) -> Model:
-    model = Model.objects.filter(Q(name=value) | Q(pk=int(value) if value.isdigit() else None)
+    model = Model.objects.filter(Q(name=value) | Q(pk=as_pk(value))
                                  ).first()
     if model is None:
         raise ModelNotFound(f"Model {value!r} is not registered", details={"model": value})

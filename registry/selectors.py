@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
+from core.ids import as_pk
 from registry.errors import JobNotFound, ModelNotFound, SAENotFound
 from registry.models import SAE, Attachment, Job, Model
 
@@ -16,8 +17,8 @@ def model_get(*, model_id: int | str) -> Model:
     """By primary key or by name (clients may send either)."""
     qs = Model.objects.all()
     try:
-        if isinstance(model_id, int) or str(model_id).isdigit():
-            return qs.get(pk=int(model_id))
+        if (pk := as_pk(model_id)) is not None:
+            return qs.get(pk=pk)
         return qs.get(name=str(model_id))
     except Model.DoesNotExist:
         raise ModelNotFound(f"Model {model_id!r} not found",

@@ -39,6 +39,7 @@ from core.errors import (
     ModelNotLoaded,
     ValidationFailed,
 )
+from core.ids import as_pk
 from registry.models import SAE, Attachment, Model
 from steering import live, rules
 from steering.clusters import check_intensity
@@ -81,8 +82,8 @@ class CircuitAlreadyExists(MillmError):
 
 def circuit_get(*, circuit_id: int | str) -> Circuit:
     try:
-        if isinstance(circuit_id, int) or str(circuit_id).isdigit():
-            return Circuit.objects.get(pk=int(circuit_id))
+        if (pk := as_pk(circuit_id)) is not None:
+            return Circuit.objects.get(pk=pk)
         return Circuit.objects.get(name=str(circuit_id))
     except Circuit.DoesNotExist:
         raise DocumentNotFound(f"Circuit {circuit_id!r} not found",

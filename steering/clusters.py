@@ -23,6 +23,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from core.errors import MillmError, SAENotAttached, ValidationFailed
+from core.ids import as_pk
 from registry.models import Attachment
 from steering import live, rules
 from steering.documents import (
@@ -53,8 +54,8 @@ class ClusterAlreadyExists(MillmError):
 
 def cluster_get(*, cluster_id: int | str) -> Cluster:
     try:
-        if isinstance(cluster_id, int) or str(cluster_id).isdigit():
-            return Cluster.objects.get(pk=int(cluster_id))
+        if (pk := as_pk(cluster_id)) is not None:
+            return Cluster.objects.get(pk=pk)
         return Cluster.objects.get(name=str(cluster_id))
     except Cluster.DoesNotExist:
         raise ClusterNotFound(f"Cluster {cluster_id!r} not found",

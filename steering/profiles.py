@@ -26,6 +26,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from core.errors import SAENotAttached, ValidationFailed
+from core.ids import as_pk
 from gpu_engine.protocol import MAX_STEERING_STRENGTH, FeatureControl
 from registry.models import Attachment
 from steering import live, rules
@@ -43,8 +44,8 @@ def profile_get(*, profile_id: int | str) -> Profile:
     """By id or by name."""
     qs = Profile.objects.all()
     try:
-        if isinstance(profile_id, int) or str(profile_id).isdigit():
-            return qs.get(pk=int(profile_id))
+        if (pk := as_pk(profile_id)) is not None:
+            return qs.get(pk=pk)
         return qs.get(name=str(profile_id))
     except Profile.DoesNotExist:
         raise ProfileNotFound(f"Profile {profile_id!r} not found",

@@ -172,3 +172,13 @@ def test_resolver_uses_a_cluster_named_as_profile(relu):
                                         intensity=2.0)
     assert resolved.mode == "profile"
     assert resolved.spec.as_mapping() == {(relu.id, 1): {1: -200.0, 2: -60.0, 3: 200.0}}
+
+
+@pytest.mark.parametrize("kind", ["clusters", "circuits", "profiles", "models"])
+def test_a_unicode_digit_id_is_a_name_not_found_never_a_500(api, kind):
+    """"²" passes ``str.isdigit`` but not ``int``: it is read as a name, and no record has
+    it (schemathesis found DELETE /api/clusters/%C2%B2 answering 500)."""
+    for call in (api.get, api.delete):
+        resp = call(f"/api/{kind}/%C2%B2")
+        assert resp.status_code == 404, (call, resp.content)
+        assert resp.json()["error"]["code"].endswith("NOT_FOUND"), resp.content
