@@ -14,11 +14,13 @@ engine itself, so the web tier stays free of torch in distributed mode.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import threading
 import weakref
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +70,38 @@ from gpu_engine.protocol import (
 from gpu_engine.sae.compat import CompatibilityReport
 
 log = structlog.get_logger(__name__)
+
+# The announcement (``Engine.arriving``) of the generation request this task serves, set by
+# ``announced`` and released by the first submission of one of its jobs (``agenerate``).
+_ARRIVAL: contextvars.ContextVar[Any] = contextvars.ContextVar("millm_arrival", default=None)
+
+
+class _NoArrival:
+    def release(self) -> None:
+        pass
+
+
+@contextmanager
+def announced(client: EngineClient) -> Iterator[None]:
+    """Serve one generation request announced to the engine: from here until its first job
+    is submitted (or the request ends without one), an idle batching engine about to start
+    the requests already queued waits for it (``BatchingOptions.gather_ms``), so a burst
+    of requests is prefilled in one pass.  The announcement travels with the request's
+    context (tasks and ``sync_to_async`` threads copy it)."""
+    arrival = client.arriving()
+    token = _ARRIVAL.set(arrival)
+    try:
+        yield
+    finally:
+        arrival.release()
+        _ARRIVAL.reset(token)
+
+
+def _arrived() -> None:
+    """A job of the announced request was submitted: the engine need not wait for it."""
+    arrival = _ARRIVAL.get()
+    if arrival is not None:
+        arrival.release()
 
 
 _pool: ThreadPoolExecutor | None = None
@@ -194,6 +228,12 @@ class EngineClient(ABC):
         index = int(device.split(":", 1)[1]) if ":" in device else torch.cuda.current_device()
         free, _ = torch.cuda.mem_get_info(index)
         return int(free)
+
+    def arriving(self) -> Any:
+        """Announce a generation request on its way (``announced``); an object with
+        ``release()``.  This default announces nothing: an engine in another process
+        starts its batches as requests reach it."""
+        return _NoArrival()
 
     async def agenerate(self, job: GenerationJob) -> AsyncIterator[GenerationEvent]:
         """Async view of ``generate``: events arrive on the caller's loop without blocking
@@ -341,6 +381,7 @@ class EmbeddedEngineClient(EngineClient):
         inbox = _LoopInbox.of(asyncio.get_running_loop())
         queue: asyncio.Queue = asyncio.Queue()
         handle = self.generate(job)
+        _arrived()
 
         def deliver(event: GenerationEvent) -> None:  # on the engine's thread
             if not inbox.put(queue, event):  # the consumer's loop is closed: nobody is left to tell
@@ -363,6 +404,9 @@ class EmbeddedEngineClient(EngineClient):
         finally:
             if not ended:
                 handle.cancel()
+
+    def arriving(self) -> Any:
+        return self._engine.arriving()
 
     def shutdown(self) -> None:
         self._engine.shutdown()
@@ -415,6 +459,7 @@ def batching_options() -> BatchingOptions:
         max_batch_size=max(int(settings.MAX_CONCURRENT_REQUESTS), 1),
         max_queue_size=engine_bounds().max_queue_size,
         force_serial_monitoring=bool(settings.CBM_FORCE_SERIAL_MONITORING),
+        gather_ms=int(settings.CBM_GATHER_MS),
         # Batch API lines get rows of their own beyond the interactive ones
         batch_rows=int(settings.BATCH_ENGINE_ROWS),
     )

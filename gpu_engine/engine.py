@@ -25,6 +25,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -79,6 +80,8 @@ from .stream import GenerationStream
 log = logging.getLogger("gpu_engine")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# while an idle batch waits for announced requests, the worker looks again this often
+_GATHER_POLL_S = 0.005
 # the worker's queue order: commands, then interactive work, then Batch API work (the
 # serial path's priority; the batch scheduler keeps its own order, scheduler.py)
 _CONTROL, _WORK, _BATCH_WORK = 0, 1, 2
@@ -97,6 +100,33 @@ class _Task:
 
 def _priority(name: str) -> int:
     return _BATCH_WORK if name == "batch" else _WORK
+
+
+class Arrival:
+    """A generation the serving tier has accepted and is still preparing for this engine
+    (``Engine.arriving``): until it is released, an idle batch about to prefill the
+    requests already queued waits for it (``BatchingOptions.gather_ms``).  Release it once
+    the request's jobs are submitted, or when the request ends without one; a second
+    release does nothing."""
+
+    __slots__ = ("_engine", "_open")
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._open = True
+
+    def release(self) -> None:
+        engine = self._engine
+        with engine._state_lock:
+            if self._open:
+                self._open = False
+                engine._arriving -= 1
+
+    def __enter__(self) -> Arrival:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class Engine:
@@ -130,6 +160,12 @@ class Engine:
         self._attachments: dict[AttachmentKey, Attachment] = {}
         self._in_flight = 0
         self._queued = 0
+        # requests announced by the serving tier and not submitted yet (``arriving``), and
+        # the worker's wait for them before an idle batch's first prefill (``_gather_wait``)
+        self._arriving = 0
+        self._gather_from: float | None = None
+        self._gather_until: float | None = None
+        self._gathers = {"gathers": 0, "gather_wait_ms": 0.0}
         self._closed = False
         # guards the attachment table and the counters, which status readers on other
         # threads look at while the worker changes them
@@ -147,11 +183,15 @@ class Engine:
             # read each turn: a batch-only backend brings its own scheduler (load_model)
             sched = self._scheduler
             if sched is not None and sched.busy:
-                # a batch is running: take queued tasks between its steps, never block
+                # a batch is running: take queued tasks between its steps, never block —
+                # except before an idle batch's first prefill while announced requests are
+                # still on their way (``_gather_wait``)
+                wait = self._gather_wait(sched)
                 try:
-                    _, _, task = self._queue.get_nowait()
+                    _, _, task = self._queue.get(timeout=wait) if wait else self._queue.get_nowait()
                 except queue.Empty:
-                    self._batch_step(admit=True)
+                    if not wait:
+                        self._batch_step(admit=True)
                     continue
             else:
                 _, _, task = self._next_task()
@@ -227,6 +267,41 @@ class Engine:
         data["idle_release_s"] = self.idle_release_s
         data["cached_bytes"] = int(cached()) if cached is not None else None
         return data
+
+    def arriving(self) -> Arrival:
+        """Announce a generation request the caller has accepted and will submit soon
+        (the serving tier calls this as a request comes in, and releases it once the
+        request's jobs are queued: ``Arrival``).  A burst of requests then starts as one
+        batch: the first prefill of an idle batch waits up to ``BatchingOptions.gather_ms``
+        while announced requests are still being prepared."""
+        with self._state_lock:
+            self._arriving += 1
+        return Arrival(self)
+
+    def _gather_wait(self, sched: BatchScheduler) -> float:
+        """How long the worker may still wait for announced requests before it starts an
+        idle batch (0: start now).  Only before the first prefill of a batch with nothing
+        running, at most ``gather_ms`` in all, and over as soon as nothing announced is
+        outstanding or the waiting requests fill the batch; one wait per batch start."""
+        if sched.running or not sched.waiting:
+            self._gather_until = None
+            return 0.0
+        now = time.monotonic()
+        if self._gather_until is None:
+            if self._arriving <= 0 or self.batching.gather_ms <= 0:
+                return 0.0
+            self._gather_from = now
+            self._gather_until = now + self.batching.gather_ms / 1000
+        left = self._gather_until - now
+        if left > 0 and self._arriving > 0 and len(sched.waiting) < self.batching.max_batch_size:
+            return min(left, _GATHER_POLL_S)  # a withdrawn arrival is noticed within a poll
+        if self._gather_from is not None:
+            with self._state_lock:
+                self._gathers["gathers"] += 1
+                self._gathers["gather_wait_ms"] += (now - self._gather_from) * 1000
+            self._gather_from = None
+        self._gather_until = min(self._gather_until, now)  # no second wait for this start
+        return 0.0
 
     def _batch_step(self, *, admit: bool) -> None:
         try:
@@ -654,6 +729,8 @@ class Engine:
         }
         if sched is not None:
             data.update(sched.status())
+            with self._state_lock:
+                data.update(self._gathers, arriving=self._arriving, gather_ms=self.batching.gather_ms)
         return data
 
     def _in_flight_total(self) -> int:
@@ -694,4 +771,4 @@ class Engine:
 # every command of the protocol table is an Engine method with the declared arguments
 check_implements(Engine)
 
-__all__ = ["Attachment", "Engine", "GenerationStream", "is_out_of_memory"]
+__all__ = ["Arrival", "Attachment", "Engine", "GenerationStream", "is_out_of_memory"]

@@ -744,6 +744,11 @@ class BatchingOptions(msgspec.Struct):
     hold (Batch API lines), so interactive requests always find one of their own
     ``max_batch_size`` rows free; 0 lets batch work take free interactive rows instead.
     Batch work is admitted only in an iteration where no interactive request waits.
+
+    ``gather_ms``: when requests reach an idle batch while the serving tier still prepares
+    others it has announced (``Engine.arriving``), the first prefill waits for them, at
+    most this long, so a burst is prefilled in one pass rather than the late ones behind
+    the early ones' prefill (0: never wait).
     """
 
     enabled: bool = False
@@ -752,9 +757,11 @@ class BatchingOptions(msgspec.Struct):
     prefill_budget_tokens: int = 512
     force_serial_monitoring: bool = False
     batch_rows: int = 0
+    gather_ms: int = 50
 
     def __post_init__(self) -> None:
         _int(self.max_batch_size, "max_batch_size", lo=1, hi=4096)
+        _int(self.gather_ms, "gather_ms", lo=0, hi=10_000)
         _int(self.batch_rows, "batch_rows", lo=0, hi=4096)
         _int(self.max_queue_size, "max_queue_size", lo=1)
         _int(self.prefill_budget_tokens, "prefill_budget_tokens", lo=1)

@@ -35,8 +35,21 @@ class _LeanHandler(ASGIHandler):
 v1_asgi_app = _LeanHandler()
 
 
+# Generation requests are announced to the engine as they come in (core.engine_client.
+# announced): a burst that reaches an idle batching engine then starts as one batch,
+# instead of the first arrivals' prefill holding back the rest (docs/engine.md).
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+
+
 async def http_application(scope, receive, send):
     path = scope.get("path", "")
+    if path in GENERATION_PATHS and scope.get("method") == "POST":
+        from core.engine_client import announced
+        from core.runtime import runtime
+
+        with announced(runtime().engine):
+            await v1_asgi_app(scope, receive, send)
+        return
     app = v1_asgi_app if path == "/v1" or path.startswith("/v1/") else django_asgi_app
     await app(scope, receive, send)
 

@@ -282,6 +282,13 @@ VARIABLES: tuple[Var, ...] = (
     Var("CBM_DEFAULT_MAX_TOKENS", "Continuous batching", "int", 512,
         "On an engine that batches, the token budget of a /v1 request that sends no "
         "max_tokens: a ceiling a long prompt shrinks, never a refusal.", minimum=1),
+    Var("CBM_GATHER_MS", "Continuous batching", "int", 50,
+        "With batching: when /v1 generation requests reach an idle batch while others that "
+        "came in with them are still being prepared (parsed, resolved, planned), the first "
+        "prefill waits for those, at most this many milliseconds, so a burst starts as one "
+        "batch instead of the late arrivals waiting behind the early ones' prefill. A lone "
+        "request never waits; 0 turns the wait off. Embedded mode (the web tier and the "
+        "engine in one process).", minimum=0, maximum=10000),
     Var("CBM_FORCE_SERIAL_MONITORING", "Continuous batching", "bool", False,
         "With batching: a request that monitors SAE features runs alone (the batch drains "
         "first, others wait for it). Attribution is exact in the batch either way; this "

@@ -7,6 +7,7 @@ reports the batching backend."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -249,3 +250,77 @@ def test_extra_messages_run_together_and_answer_as_alone(batching_server):
     bad = request(server.base_url, "POST", "/chat/completions", {
         **base, "messages": conversations[0], "extra_messages": [[]]})
     assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_parameter"
+
+
+@pytest.fixture
+def gather_3s(settings):
+    """CBM_GATHER_MS=3000 for the batching server built after it."""
+    settings.CBM_GATHER_MS = 3000
+
+
+def test_a_burst_of_v1_requests_starts_as_one_batch(gather_3s, batching_server, monkeypatch):
+    """/v1 announces each generation request to the engine as it comes in: a request
+    still being planned when the others of its burst reach the idle engine is waited for
+    (CBM_GATHER_MS), so the whole burst is prefilled before the first decode step. Here
+    one request's planning takes 0.5 s (a slow database, say): without the announcement
+    the other three would be prefilled and decoding long before it arrives."""
+    import asyncio
+
+    import inference.serving as serving
+
+    server = batching_server
+    slow_prompt = "the slow one"
+    planned = serving.plan_generation
+
+    async def plan_slowly(**kw):  # noqa: ANN003, ANN202
+        if slow_prompt in str(kw["req"].prompt):
+            await asyncio.sleep(0.5)
+        return await planned(**kw)
+
+    monkeypatch.setattr(serving, "plan_generation", plan_slowly)
+    base = {"model": "tiny-llama", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    bodies = [{**base, "prompt": PROMPT}, {**base, "prompt": PROMPT, "stream": True},
+              {**base, "prompt": "a quick brown fox"}, {**base, "prompt": slow_prompt}]
+    statuses: list[int] = []
+    sent: list[float] = []
+    start = threading.Barrier(len(bodies), action=lambda: sent.append(time.monotonic()))
+
+    def send(body: dict) -> None:
+        start.wait()
+        statuses.append(request(server.base_url, "POST", "/completions", body).status)
+
+    choreo = Choreography(server.engine.backend.model)
+    started: list[float] = []
+    choreo.on(1, lambda: started.append(time.monotonic()))
+    threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
+    with choreo.installed():
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert statuses == [200] * len(bodies)
+    # the wait ended when the slow request was submitted (each request withdraws its
+    # announcement as it submits), not at the end of CBM_GATHER_MS
+    assert 0.45 < started[0] - sent[0] < 2.5, (started[0] - sent[0], choreo.shapes)
+    first_decode = next(i for i, (_, tokens) in enumerate(choreo.shapes) if tokens == 1)
+    # prompts of different lengths are prefilled in groups, all before the first decode
+    assert sum(rows for rows, _ in choreo.shapes[:first_decode]) == len(bodies), choreo.shapes
+    assert [rows for rows, t in choreo.shapes if t == 1] == [len(bodies)] * 5, choreo.shapes
+
+
+def test_every_v1_request_withdraws_its_announcement(batching_server):
+    """Whatever way a /v1 generation request ends — streamed, answered whole, refused
+    before it reached the engine — nothing stays announced: an announcement left behind
+    would hold every later idle start for CBM_GATHER_MS (/api/health/inference shows
+    what is announced)."""
+    server = batching_server
+    base = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 3}
+    for body, status in (({**base}, 200), ({**base, "stream": True}, 200),
+                         ({**base, "temperature": 7}, 400), ({**base, "model": "no-such-model"}, 404)):
+        resp = request(server.base_url, "POST", "/completions", body)
+        assert resp.status == status, resp.body[:300]
+    resp = request(server.base_url, "POST", "/chat/completions",
+                   {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert resp.status == 200, resp.body[:300]
+    batching = request(server.url + "/api", "GET", "/health/inference").json()["data"]["batching"]
+    assert batching["arriving"] == 0 and batching["gather_ms"] == 50
