@@ -81,7 +81,9 @@ log = logging.getLogger("gpu_engine")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # while an idle batch waits for announced requests, the worker looks again this often
+# (and at once when one is withdrawn: ``_WAKE``)
 _GATHER_POLL_S = 0.005
+_WAKE = object()
 # the worker's queue order: commands, then interactive work, then Batch API work (the
 # serial path's priority; the batch scheduler keeps its own order, scheduler.py)
 _CONTROL, _WORK, _BATCH_WORK = 0, 1, 2
@@ -118,9 +120,13 @@ class Arrival:
     def release(self) -> None:
         engine = self._engine
         with engine._state_lock:
-            if self._open:
-                self._open = False
-                engine._arriving -= 1
+            if not self._open:
+                return
+            self._open = False
+            engine._arriving -= 1
+            waiting = engine._gather_until is not None
+        if waiting:  # the worker is waiting for arrivals: have it look again now
+            engine._queue.put((_WORK, next(engine._seq), _WAKE))
 
     def __enter__(self) -> Arrival:
         return self
@@ -197,6 +203,8 @@ class Engine:
                 _, _, task = self._next_task()
             if task is None:
                 break
+            if task is _WAKE:
+                continue
             self._used_since_release = True
             with self._state_lock:
                 self._queued -= 1
@@ -219,7 +227,7 @@ class Engine:
                 _, _, task = self._queue.get_nowait()
             except queue.Empty:
                 break
-            if task is not None and task.future.cancel() and task.on_drop:
+            if task is not None and task is not _WAKE and task.future.cancel() and task.on_drop:
                 task.on_drop()
         if self._scheduler is not None:
             self._scheduler.abort_all(EngineShutdown("the engine shut down before the request finished"))
@@ -288,10 +296,13 @@ class Engine:
             return 0.0
         now = time.monotonic()
         if self._gather_until is None:
-            if self._arriving <= 0 or self.batching.gather_ms <= 0:
+            if self.batching.gather_ms <= 0:
                 return 0.0
-            self._gather_from = now
-            self._gather_until = now + self.batching.gather_ms / 1000
+            with self._state_lock:  # with ``Arrival.release``: it sees this wait or we see it
+                if self._arriving <= 0:
+                    return 0.0
+                self._gather_from = now
+                self._gather_until = now + self.batching.gather_ms / 1000
         left = self._gather_until - now
         if left > 0 and self._arriving > 0 and len(sched.waiting) < self.batching.max_batch_size:
             return min(left, _GATHER_POLL_S)  # a withdrawn arrival is noticed within a poll

@@ -143,3 +143,20 @@ def test_gather_ms_is_validated():
 
     with pytest.raises(InvalidParameter, match="gather_ms"):
         BatchingOptions(enabled=True, gather_ms=-1)
+
+
+def test_a_lone_request_does_not_wait_for_its_own_announcement(gathering):
+    """The serving tier withdraws a request's announcement just after submitting it; the
+    engine may see the job first, and then starts as the announcement goes (woken by it),
+    not at the end of gather_ms."""
+    choreo = Choreography(gathering.backend.model)
+    first: list[float] = []
+    choreo.on(1, lambda: first.append(time.monotonic()))
+    with choreo.installed():
+        own = gathering.arriving()
+        stream = gathering.generate(GenerationJob("lone", prompt=PROMPTS[0], sampling=greedy()))
+        time.sleep(0.1)  # the worker has taken the job and is waiting for the announcement
+        released = time.monotonic()
+        own.release()
+        stream.result(60)
+    assert 0 <= first[0] - released < 0.05, first[0] - released
