@@ -97,8 +97,9 @@ def announced(client: EngineClient) -> Iterator[None]:
         _ARRIVAL.reset(token)
 
 
-def _arrived() -> None:
-    """A job of the announced request was submitted: the engine need not wait for it."""
+def arrived() -> None:
+    """The announced request has handed its work to the engine (a generation submitted,
+    or work that is not a generation, such as a score): the engine need not wait for it."""
     arrival = _ARRIVAL.get()
     if arrival is not None:
         arrival.release()
@@ -381,7 +382,7 @@ class EmbeddedEngineClient(EngineClient):
         inbox = _LoopInbox.of(asyncio.get_running_loop())
         queue: asyncio.Queue = asyncio.Queue()
         handle = self.generate(job)
-        _arrived()
+        arrived()
 
         def deliver(event: GenerationEvent) -> None:  # on the engine's thread
             if not inbox.put(queue, event):  # the consumer's loop is closed: nobody is left to tell

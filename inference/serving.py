@@ -24,7 +24,7 @@ from typing import Any
 import structlog
 from django.http import JsonResponse, StreamingHttpResponse
 
-from core.engine_client import EngineClient
+from core.engine_client import EngineClient, arrived
 from core.metrics import record_speculative, record_tokens
 from core.runtime import runtime
 from gpu_engine.protocol import (
@@ -680,6 +680,7 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
                                           status=None if permit.waited else status,
                                           lease=lease)
         if req.allowed_token_ids is not None:
+            arrived()  # a score, not a generation: no batch waits for it
             return await serve_scoring(kind=kind, req=req, model_name=model.name, client=client,
                                        status=res.use.status, ignored=ignored)
         plan = await plan_generation(kind=kind, req=req, model=model,
