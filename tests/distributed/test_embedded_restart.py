@@ -30,6 +30,8 @@ pytestmark = pytest.mark.slow
 DAPHNE = str(Path(sys.executable).with_name("daphne"))
 # below the ~0.5 s one 480-token stream takes on a fast machine; a single stream could
 # still end before the unload job reached the engine (CI, 2026-12-05), so several queue
+# in the engine (STREAMS admission slots: with one slot the others waited in /v1's
+# admission queue, which is not engine work, and the test failed again in CI)
 GRACE_S = 0.2
 LONG = 480
 STREAMS = 4
@@ -45,7 +47,7 @@ class Embedded:
             DATABASE_URL=database_url, SECRET_KEY="embedded-test-secret-key-0123456789abcdef",
             MILLM_DATA_DIR=str(tmp / "data"), LOG_LEVEL="INFO",
             MILLM_ENGINE_DEVICE="cpu", MILLM_ENGINE_DTYPE="float32",
-            GRACEFUL_UNLOAD_TIMEOUT=str(GRACE_S))
+            GRACEFUL_UNLOAD_TIMEOUT=str(GRACE_S), MAX_CONCURRENT_REQUESTS=str(STREAMS))
 
     def manage(self, *args: str) -> None:
         import subprocess
@@ -117,8 +119,8 @@ def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded,
     assert e.run_job(f"/api/models/{llama['id']}/load")["status"] == "succeeded"
 
     # --- streams that outlast GRACEFUL_UNLOAD_TIMEOUT: stopped, and the unload goes on.
-    # The engine here is serial, so the streams queue behind one another: seconds of
-    # accepted work on any machine, where one tiny-llama stream alone may end (~0.5 s)
+    # The engine here is serial and admits all of them, so they queue behind one another
+    # in it: seconds of accepted work on any machine, where one tiny-llama stream alone may end (~0.5 s)
     # before the unload reaches the engine. They refuse an on-demand load, so that one
     # still waiting when the unload is done does not bring the model back.
     outs = [Outcome() for _ in range(STREAMS)]
