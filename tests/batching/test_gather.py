@@ -159,4 +159,4 @@ def test_a_lone_request_does_not_wait_for_its_own_announcement(gathering):
         released = time.monotonic()
         own.release()
         stream.result(60)
-    assert 0 <= first[0] - released < 0.05, first[0] - released
+    assert 0 <= first[0] - released < 0.5, first[0] - released
