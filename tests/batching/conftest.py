@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -52,15 +54,17 @@ def engines(tiny_assets):
 
 class Choreography:
     """Runs actions on the engine's worker at chosen forward passes, and records the batch
-    size (and input shape) of every forward: ``at[n]`` runs just before forward ``n`` (1-based) starts, so a
-    request submitted there is admitted between that step and the next — the join step is
-    exact, not a race with the test thread."""
+    size, input shape and start time (``time.monotonic``) of every forward: ``at[n]`` runs
+    just before forward ``n`` (1-based) starts, so a request submitted there is admitted
+    between that step and the next — the join step is exact, not a race with the test
+    thread."""
 
     def __init__(self, model) -> None:  # type: ignore[no-untyped-def]
         self.model = model
         self.at: dict[int, list[Callable[[], None]]] = {}
         self.batch_sizes: list[int] = []
         self.shapes: list[tuple[int, int]] = []
+        self.started: list[float] = []
         self.lock = threading.Lock()
 
     def on(self, n: int, action: Callable[[], None]) -> None:
@@ -69,11 +73,38 @@ class Choreography:
     def _pre(self, module, args, kwargs):  # type: ignore[no-untyped-def]
         ids = kwargs.get("input_ids", args[0] if args else None)
         with self.lock:
+            self.started.append(time.monotonic())
             self.batch_sizes.append(int(ids.shape[0]))
             self.shapes.append((int(ids.shape[0]), int(ids.shape[1])))
             n = len(self.batch_sizes)
         for action in self.at.pop(n, []):
             action()
+
+    def prefills_then_decodes(self) -> tuple[int, list[int]]:
+        """The rows prefilled before the first decode step (prompts of different lengths
+        are prefilled in groups: ``prefill_groups``), and the rows of every decode step."""
+        first_decode = next(i for i, (_, tokens) in enumerate(self.shapes) if tokens == 1)
+        return (sum(rows for rows, _ in self.shapes[:first_decode]),
+                [rows for rows, tokens in self.shapes if tokens == 1])
+
+    def run_together(self, send: Callable[[Any], None], items: Iterable[Any], *,
+                     on_release: Callable[[], None] | None = None) -> None:
+        """``send(item)`` for every item, each on a thread of its own, all released at
+        once by a barrier (``on_release`` runs as they are), with this choreography
+        installed until every thread has ended."""
+        items = list(items)
+        start = threading.Barrier(len(items), action=on_release)
+
+        def run(item: Any) -> None:
+            start.wait()
+            send(item)
+
+        threads = [threading.Thread(target=run, args=(item,)) for item in items]
+        with self.installed():
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
 
     @contextmanager
     def installed(self):  # type: ignore[no-untyped-def]

@@ -29,13 +29,11 @@ def gathering(tiny_assets):
     eng.shutdown()
 
 
-def run_burst(eng, *, announce: bool, late_s: float = 0.3) -> tuple[list[tuple[int, int]], float]:
+def run_burst(eng, *, announce: bool, late_s: float = 0.3) -> tuple[Choreography, float]:
     """Three requests: the first submitted at once, two more ``late_s`` later (as the web
-    tier would after parsing and planning them). Returns the (rows, tokens) shapes of the
-    forward passes and the seconds from the first submission to the first forward pass."""
+    tier would after parsing and planning them). Returns the forward passes' record and
+    the seconds from the first submission to the first forward pass."""
     choreo = Choreography(eng.backend.model)
-    first: list[float] = []
-    choreo.on(1, lambda: first.append(time.monotonic()))
     arrivals = [eng.arriving() for _ in PROMPTS] if announce else []
     with choreo.installed():
         t0 = time.monotonic()
@@ -49,59 +47,54 @@ def run_burst(eng, *, announce: bool, late_s: float = 0.3) -> tuple[list[tuple[i
                 arrivals[i].release()
         results = [s.result(60) for s in streams]
     assert all(r.usage.completion_tokens == 4 for r in results)
-    return choreo.shapes, first[0] - t0
+    return choreo, choreo.started[0] - t0
 
 
-def prefills_then_decodes(shapes: list[tuple[int, int]]) -> tuple[int, list[int]]:
-    """The rows prefilled before the first decode step (prompts of different lengths are
-    prefilled in groups: ``prefill_groups``), and the rows of every decode step."""
-    first_decode = next(i for i, (_, tokens) in enumerate(shapes) if tokens == 1)
-    return sum(rows for rows, _ in shapes[:first_decode]), [rows for rows, t in shapes if t == 1]
+def one_request(eng, name: str, meanwhile=None) -> tuple[float, float]:  # noqa: ANN001
+    """One request on ``eng``; ``meanwhile()`` runs on this thread right after it is
+    submitted. Returns when it was submitted and when its first forward pass started
+    (``time.monotonic``), once it has finished with all its tokens."""
+    choreo = Choreography(eng.backend.model)
+    with choreo.installed():
+        submitted = time.monotonic()
+        stream = eng.generate(GenerationJob(name, prompt=PROMPTS[0], sampling=greedy()))
+        if meanwhile is not None:
+            meanwhile()
+        assert stream.result(60).usage.completion_tokens == 4
+    return submitted, choreo.started[0]
 
 
 def test_announced_requests_are_prefilled_with_the_first_one(gathering):
-    shapes, _ = run_burst(gathering, announce=True)
-    prefilled, decodes = prefills_then_decodes(shapes)
+    choreo, _ = run_burst(gathering, announce=True)
+    prefilled, decodes = choreo.prefills_then_decodes()
     # all three prefilled before any decode step, then every step decodes the three rows
-    assert prefilled == 3, shapes
-    assert decodes == [3, 3, 3], shapes
+    assert prefilled == 3, choreo.shapes
+    assert decodes == [3, 3, 3], choreo.shapes
 
 
 def test_without_announcements_the_first_request_starts_at_once(gathering):
-    shapes, started = run_burst(gathering, announce=False)
-    prefilled, decodes = prefills_then_decodes(shapes)
+    choreo, started = run_burst(gathering, announce=False)
+    prefilled, decodes = choreo.prefills_then_decodes()
     # the first request was prefilled and decoded alone before the others were submitted
-    assert prefilled == 1 and decodes[:3] == [1, 1, 1], shapes
+    assert prefilled == 1 and decodes[:3] == [1, 1, 1], choreo.shapes
     assert started < 0.25, started
 
 
 def test_the_wait_ends_when_an_announced_request_is_withdrawn(gathering):
     """A request that ends before it submits anything (a 400, a client that left)
     releases its announcement: the batch starts then, not at the end of gather_ms."""
-    choreo = Choreography(gathering.backend.model)
-    first: list[float] = []
-    choreo.on(1, lambda: first.append(time.monotonic()))
     withdrawn = gathering.arriving()
-    with choreo.installed():
-        t0 = time.monotonic()
-        stream = gathering.generate(GenerationJob("alone", prompt=PROMPTS[0], sampling=greedy()))
-        threading.Timer(0.2, withdrawn.release).start()
-        stream.result(60)
-    assert 0.15 < first[0] - t0 < 1.5, first[0] - t0  # gather_ms is 2 s
+    submitted, first = one_request(gathering, "alone",
+                                   lambda: threading.Timer(0.2, withdrawn.release).start())
+    assert 0.15 < first - submitted < 1.5, first - submitted  # gather_ms is 2 s
 
 
 def test_the_wait_is_bounded_by_gather_ms(tiny_assets):
     eng = load(tiny_assets, "tiny-llama", batching=BatchingOptions(enabled=True, max_batch_size=8, gather_ms=300))
     try:
-        choreo = Choreography(eng.backend.model)
-        first: list[float] = []
-        choreo.on(1, lambda: first.append(time.monotonic()))
         never = eng.arriving()  # announced, never submitted nor released in time
-        with choreo.installed():
-            t0 = time.monotonic()
-            result = eng.generate(GenerationJob("bounded", prompt=PROMPTS[0], sampling=greedy())).result(60)
-        assert result.usage.completion_tokens == 4
-        assert 0.29 <= first[0] - t0 < 5, first[0] - t0
+        submitted, first = one_request(eng, "bounded")
+        assert 0.29 <= first - submitted < 5, first - submitted
         # once the batch runs, the next idle start waits again only for a new announcement
         never.release()
         status = eng.batching_status()
@@ -114,15 +107,10 @@ def test_the_wait_is_bounded_by_gather_ms(tiny_assets):
 def test_gather_ms_zero_never_waits(tiny_assets):
     eng = load(tiny_assets, "tiny-llama", batching=BatchingOptions(enabled=True, max_batch_size=8, gather_ms=0))
     try:
-        choreo = Choreography(eng.backend.model)
-        first: list[float] = []
-        choreo.on(1, lambda: first.append(time.monotonic()))
         pending = eng.arriving()
-        with choreo.installed():
-            t0 = time.monotonic()
-            eng.generate(GenerationJob("no-wait", prompt=PROMPTS[0], sampling=greedy())).result(60)
+        submitted, first = one_request(eng, "no-wait")
         pending.release()
-        assert first[0] - t0 < 0.25
+        assert first - submitted < 0.25
         assert eng.batching_status()["gathers"] == 0
     finally:
         eng.shutdown()
@@ -149,14 +137,13 @@ def test_a_lone_request_does_not_wait_for_its_own_announcement(gathering):
     """The serving tier withdraws a request's announcement just after submitting it; the
     engine may see the job first, and then starts as the announcement goes (woken by it),
     not at the end of gather_ms."""
-    choreo = Choreography(gathering.backend.model)
-    first: list[float] = []
-    choreo.on(1, lambda: first.append(time.monotonic()))
-    with choreo.installed():
-        own = gathering.arriving()
-        stream = gathering.generate(GenerationJob("lone", prompt=PROMPTS[0], sampling=greedy()))
+    own = gathering.arriving()
+    released: list[float] = []
+
+    def release_later() -> None:
         time.sleep(0.1)  # the worker has taken the job and is waiting for the announcement
-        released = time.monotonic()
+        released.append(time.monotonic())
         own.release()
-        stream.result(60)
-    assert 0 <= first[0] - released < 0.5, first[0] - released
+
+    _, first = one_request(gathering, "lone", release_later)
+    assert 0 <= first - released[0] < 0.5, first - released[0]

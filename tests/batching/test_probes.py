@@ -3,7 +3,6 @@ engine (no serial fallback) and each gets its own verdict, equal to its verdict 
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
@@ -31,19 +30,12 @@ def test_two_requests_with_different_probes_in_one_batch(batching_server):  # no
               "b": {**base, "prompt": "a quick brown fox", "probes": ["b"]}}
     alone = {k: request(server.base_url, "POST", "/completions", b).json() for k, b in bodies.items()}
     together: dict[str, dict] = {}
-    start = threading.Barrier(2)
 
     def send(name: str) -> None:
-        start.wait()
         together[name] = request(server.base_url, "POST", "/completions", bodies[name]).json()
 
     choreo = Choreography(server.engine.backend.model)
-    threads = [threading.Thread(target=send, args=(n,)) for n in bodies]
-    with choreo.installed():
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+    choreo.run_together(send, bodies)
     assert max(choreo.batch_sizes) >= 2, choreo.batch_sizes  # they shared decode steps
     for name in bodies:
         (got,) = together[name]["millm"]["probes"]

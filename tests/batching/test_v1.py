@@ -6,7 +6,6 @@ reports the batching backend."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -76,19 +75,12 @@ def test_mixed_v1_requests_share_steps_and_answer_as_alone(batching_server):
     counted = tokens_generated()
     choreo = Choreography(server.engine.backend.model)
     together: dict[str, dict] = {}
-    start = threading.Barrier(len(bodies))
 
     def send(name: str) -> None:
-        start.wait()
         resp = request(server.base_url, "POST", "/completions", bodies[name])
         together[name] = {"status": resp.status, "body": resp.json(), "steering": resp.headers["x-millm-steering"]}
 
-    threads = [threading.Thread(target=send, args=(name,)) for name in bodies]
-    with choreo.installed():
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+    choreo.run_together(send, bodies)
     assert max(choreo.batch_sizes) >= 4, choreo.batch_sizes  # they shared decode steps
     # batched requests count their tokens as served ones do: each by the usage it reports
     assert tokens_generated() - counted == sum(
@@ -162,19 +154,12 @@ def test_each_row_of_a_batch_keeps_its_own_logit_bias(batching_server, tiny_asse
 
     choreo = Choreography(server.engine.backend.model)
     together: dict[str, str] = {}
-    start = threading.Barrier(len(bodies))
 
     def send(name: str) -> None:
-        start.wait()
         resp = request(server.base_url, "POST", "/completions", bodies[name])
         together[name] = resp.json()["choices"][0]["text"] if resp.status == 200 else resp.body
 
-    threads = [threading.Thread(target=send, args=(name,)) for name in bodies]
-    with choreo.installed():
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+    choreo.run_together(send, bodies)
     assert max(choreo.batch_sizes) == len(bodies), choreo.batch_sizes  # all in one step
     assert together == alone
 
@@ -283,29 +268,21 @@ def test_a_burst_of_v1_requests_starts_as_one_batch(gather_3s, batching_server, 
               {**base, "prompt": "a quick brown fox"}, {**base, "prompt": slow_prompt}]
     statuses: list[int] = []
     sent: list[float] = []
-    start = threading.Barrier(len(bodies), action=lambda: sent.append(time.monotonic()))
 
     def send(body: dict) -> None:
-        start.wait()
         statuses.append(request(server.base_url, "POST", "/completions", body).status)
 
     choreo = Choreography(server.engine.backend.model)
-    started: list[float] = []
-    choreo.on(1, lambda: started.append(time.monotonic()))
-    threads = [threading.Thread(target=send, args=(b,)) for b in bodies]
-    with choreo.installed():
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(120)
+    choreo.run_together(send, bodies, on_release=lambda: sent.append(time.monotonic()))
     assert statuses == [200] * len(bodies)
     # the wait ended when the slow request was submitted (each request withdraws its
     # announcement as it submits), not at the end of CBM_GATHER_MS
-    assert 0.45 < started[0] - sent[0] < 2.5, (started[0] - sent[0], choreo.shapes)
-    first_decode = next(i for i, (_, tokens) in enumerate(choreo.shapes) if tokens == 1)
+    waited = choreo.started[0] - sent[0]
+    assert 0.45 < waited < 2.5, (waited, choreo.shapes)
+    prefilled, decodes = choreo.prefills_then_decodes()
     # prompts of different lengths are prefilled in groups, all before the first decode
-    assert sum(rows for rows, _ in choreo.shapes[:first_decode]) == len(bodies), choreo.shapes
-    assert [rows for rows, t in choreo.shapes if t == 1] == [len(bodies)] * 5, choreo.shapes
+    assert prefilled == len(bodies), choreo.shapes
+    assert decodes == [len(bodies)] * 5, choreo.shapes
 
 
 def test_every_v1_request_withdraws_its_announcement(batching_server):
