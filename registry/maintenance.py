@@ -12,7 +12,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from core.ids import as_pk
+from core.ids import ascii_int
 from registry.errors import ModelNotFound
 from registry.models import SAE, Attachment, Job, Model
 from registry.services import remove_files
@@ -65,7 +65,7 @@ def startup_reconcile() -> dict[str, int]:
 
 
 def model_by_name_or_id(value: str) -> Model:
-    model = Model.objects.filter(Q(name=value) | Q(pk=as_pk(value))
+    model = Model.objects.filter(Q(name=value) | Q(pk=ascii_int(value))
                                  ).first()
     if model is None:
         raise ModelNotFound(f"Model {value!r} is not registered", details={"model": value})

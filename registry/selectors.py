@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
-from core.ids import as_pk
+from core.ids import get_by_pk_or_name
 from registry.errors import JobNotFound, ModelNotFound, SAENotFound
 from registry.models import SAE, Attachment, Job, Model
 
@@ -15,11 +15,8 @@ def model_list() -> QuerySet[Model]:
 
 def model_get(*, model_id: int | str) -> Model:
     """By primary key or by name (clients may send either)."""
-    qs = Model.objects.all()
     try:
-        if (pk := as_pk(model_id)) is not None:
-            return qs.get(pk=pk)
-        return qs.get(name=str(model_id))
+        return get_by_pk_or_name(Model.objects.all(), model_id)
     except Model.DoesNotExist:
         raise ModelNotFound(f"Model {model_id!r} not found",
                             details={"model_id": model_id}) from None

@@ -39,7 +39,7 @@ from core.errors import (
     ModelNotLoaded,
     ValidationFailed,
 )
-from core.ids import as_pk
+from core.ids import get_by_pk_or_name
 from registry.models import SAE, Attachment, Model
 from steering import live, rules
 from steering.clusters import check_intensity
@@ -82,9 +82,7 @@ class CircuitAlreadyExists(MillmError):
 
 def circuit_get(*, circuit_id: int | str) -> Circuit:
     try:
-        if (pk := as_pk(circuit_id)) is not None:
-            return Circuit.objects.get(pk=pk)
-        return Circuit.objects.get(name=str(circuit_id))
+        return get_by_pk_or_name(Circuit.objects.all(), circuit_id)
     except Circuit.DoesNotExist:
         raise DocumentNotFound(f"Circuit {circuit_id!r} not found",
                                details={"circuit_id": circuit_id}) from None

@@ -23,7 +23,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from core.errors import MillmError, SAENotAttached, ValidationFailed
-from core.ids import as_pk
+from core.ids import get_by_pk_or_name
 from registry.models import Attachment
 from steering import live, rules
 from steering.documents import (
@@ -54,9 +54,7 @@ class ClusterAlreadyExists(MillmError):
 
 def cluster_get(*, cluster_id: int | str) -> Cluster:
     try:
-        if (pk := as_pk(cluster_id)) is not None:
-            return Cluster.objects.get(pk=pk)
-        return Cluster.objects.get(name=str(cluster_id))
+        return get_by_pk_or_name(Cluster.objects.all(), cluster_id)
     except Cluster.DoesNotExist:
         raise ClusterNotFound(f"Cluster {cluster_id!r} not found",
                               details={"cluster_id": cluster_id}) from None

@@ -11,7 +11,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import body_object, envelope, validated
-from core.ids import as_pk
+from core.ids import ascii_int
 from core.schema import enveloped
 from steering import serializers as io
 from steering import services
@@ -147,7 +147,7 @@ class CircuitListApi(APIView):
     def get(self, request) -> Response:
         qs = Circuit.objects.all()
         min_rung = request.query_params.get("min_rung")
-        if (rung := as_pk(min_rung)) is not None:
+        if (rung := ascii_int(min_rung)) is not None:
             qs = qs.filter(rung__gte=rung)
         rows = [io.circuit_out(c) for c in qs]
         return envelope({"circuits": rows, "total": len(rows)})

@@ -26,7 +26,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from core.errors import SAENotAttached, ValidationFailed
-from core.ids import as_pk
+from core.ids import get_by_pk_or_name
 from gpu_engine.protocol import MAX_STEERING_STRENGTH, FeatureControl
 from registry.models import Attachment
 from steering import live, rules
@@ -42,11 +42,8 @@ MAX_INTENSITY = 2.0
 
 def profile_get(*, profile_id: int | str) -> Profile:
     """By id or by name."""
-    qs = Profile.objects.all()
     try:
-        if (pk := as_pk(profile_id)) is not None:
-            return qs.get(pk=pk)
-        return qs.get(name=str(profile_id))
+        return get_by_pk_or_name(Profile.objects.all(), profile_id)
     except Profile.DoesNotExist:
         raise ProfileNotFound(f"Profile {profile_id!r} not found",
                               details={"profile_id": profile_id}) from None

@@ -20,7 +20,7 @@ from django.views.decorators.http import require_GET
 from django.views.generic import TemplateView
 
 from core.auth import bearer_token, key_is_valid
-from core.ids import as_pk
+from core.ids import ascii_int
 from gpu_engine.protocol import MAX_STEERING_STRENGTH
 
 LABELS_FILE = "feature_labels.json"
@@ -122,4 +122,4 @@ def _read_labels(local_path: str) -> dict[str, str]:
     if not isinstance(raw, dict):
         return {}
     return {str(pk): str(v) for k, v in raw.items()
-            if (pk := as_pk(k)) is not None and isinstance(v, str)}
+            if (pk := ascii_int(k)) is not None and isinstance(v, str)}
