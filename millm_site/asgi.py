@@ -17,6 +17,9 @@ from django.core.handlers.asgi import ASGIHandler  # noqa: E402
 
 django_asgi_app = get_asgi_application()
 
+from core.engine_client import announced  # noqa: E402 - after Django is set up
+from core.runtime import runtime  # noqa: E402
+
 
 class _LeanHandler(ASGIHandler):
     """Django's handler with ``settings.V1_MIDDLEWARE`` instead of ``MIDDLEWARE``."""
@@ -44,9 +47,6 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 async def http_application(scope, receive, send):
     path = scope.get("path", "")
     if path in GENERATION_PATHS and scope.get("method") == "POST":
-        from core.engine_client import announced
-        from core.runtime import runtime
-
         with announced(runtime().engine):
             await v1_asgi_app(scope, receive, send)
         return

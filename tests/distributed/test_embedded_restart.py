@@ -120,8 +120,8 @@ def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded,
 
     # --- streams that outlast GRACEFUL_UNLOAD_TIMEOUT: stopped, and the unload goes on.
     # The engine here is serial and admits all of them, so they queue behind one another
-    # in it: seconds of accepted work on any machine, where one tiny-llama stream alone may end (~0.5 s)
-    # before the unload reaches the engine. They refuse an on-demand load, so that one
+    # in it: seconds of accepted work on any machine, where one tiny-llama stream alone may
+    # end (~0.5 s) before the unload reaches the engine. They refuse an on-demand load, so that one
     # still waiting when the unload is done does not bring the model back.
     outs = [Outcome() for _ in range(STREAMS)]
     streamers = [threading.Thread(target=stream_chat, args=(
