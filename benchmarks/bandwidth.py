@@ -18,45 +18,58 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import Any
 
-_CACHE: dict[int, dict] = {}
+_CACHE: dict[Any, dict] = {}  # by weight bytes; (bytes, device) off the CPU
 
 
-def copy_bandwidth(nbytes: int, reps: int = 7, *, again: bool = False) -> dict:
+def copy_bandwidth(nbytes: int, reps: int = 7, *, again: bool = False, device: str = "cpu") -> dict:
     """A weights-sized copy, measured: ``gb_s`` (bytes read + written per second),
     ``read_gb_s`` (a sum's read rate over the same buffer), best and median times.
     Measured once per size; ``again`` measures anew (a long run measures before and after
     its work, since outside load moves the figure) and keeps whichever copied faster —
     the limit is what the machine can do, so a disturbed measurement must not lower it
-    — with every measurement in ``measurements``."""
-    if nbytes in _CACHE and not again:
-        return _CACHE[nbytes]
+    — with every measurement in ``measurements``.  On a ``device`` other than the CPU
+    the copy is the device's own (a GPU's memory), each timing synchronised."""
+    key = nbytes if device == "cpu" else (nbytes, device)
+    if key in _CACHE and not again:
+        return _CACHE[key]
     import torch
 
-    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    def sync() -> None:
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+
+    src = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # first touch of both buffers
     times = []
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         dst.copy_(src)
+        sync()
         times.append(time.perf_counter() - t0)
     reads = []
     for _ in range(reps):
+        sync()
         t0 = time.perf_counter()
         src.sum()
+        sync()
         reads.append(time.perf_counter() - t0)
     real = src.numel() * 4
     best = min(times)
     res = {"buffer_bytes": real, "reps": reps, "best_s": best, "median_s": statistics.median(times),
            "gb_s": 2 * real / best / 1e9, "read_gb_s": real / min(reads) / 1e9,
            "threads": torch.get_num_threads(), "convention": "copy: bytes read + bytes written"}
+    if device != "cpu":
+        res["device"] = device
     del src, dst
-    earlier = _CACHE.get(nbytes)
+    earlier = _CACHE.get(key)
     res["measurements"] = [*(earlier["measurements"] if earlier else []), res["gb_s"]]
     if earlier is not None and earlier["gb_s"] >= res["gb_s"]:
         res = {**earlier, "measurements": res["measurements"]}
-    _CACHE[nbytes] = res
+    _CACHE[key] = res
     return res
 
 
@@ -65,7 +78,7 @@ def limit_tok_s(nbytes: int) -> float:
     return copy_bandwidth(nbytes)["gb_s"] * 1e9 / nbytes
 
 
-def measured() -> dict[int, dict]:
+def measured() -> dict[Any, dict]:
     """Every measurement taken in this process, by weight bytes."""
     return dict(_CACHE)
 

@@ -148,3 +148,42 @@ def test_the_benchmarks_stream_clients_read_chunked_sse_as_it_arrived():
     assert all(frame >= at for frame, at in zip(ok["frames"], sent))
     assert ok["sent"] <= ok["frames"][0] <= ok["end"]
     assert refused["error"] == 404 and refused["body"] == "not found"
+
+
+def test_the_prepared_gpu_checks_run_on_the_cpu(tiny_assets, tmp_path):
+    """benchmarks/gpu_checks.py is run on a lent GPU machine in one call, with no second
+    try to spare: it runs here on the CPU (the tiny model compiled with inductor's default
+    mode; the speed model at a small shape), so it cannot rot between the sessions that
+    get one."""
+    report_path = tmp_path / "gpu_checks.json"
+    env = {**os.environ, ASSET_DIR_ENV: str(asset_cache_dir())}
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "gpu_checks.py"), "--device", "cpu",
+         "--tokens", "8", "--speed-shape", "small", "--speed-tokens", "4", "--rounds", "1",
+         "--work", str(tmp_path / "work"), "--assets", str(asset_cache_dir()),
+         "--json", str(report_path)],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(report_path.read_text())
+    assert report["environment"]["device"] == "cpu"
+    checks = report["checks"]
+    assert set(checks) == {"compiled_serial", "compiled_batched", "idle_release", "decode_speed"}
+    exact = {k: c for k, c in checks.items() if k != "decode_speed"}
+    assert all(c["ok"] and not c.get("problems") for c in exact.values()), exact
+    runs = checks["compiled_serial"]["runs"]
+    assert set(runs) == {"eager", "static", "compiled"}
+    # the SAE attached after compilation steers every forward pass of the compiled step
+    assert all(r["applied"] == r["forward_passes"] >= 8 for r in runs.values())
+    assert runs["compiled"]["torch_compile"]["compiles"] > 0
+    assert runs["static"]["kv_cache_mode"] == "static"
+    # steering changed the tokens, and every mode generated the same ones
+    assert runs["eager"]["tokens"] != runs["eager"]["plain_tokens"]
+    assert len({tuple(r["tokens"]) for r in runs.values()}) == 1
+    assert checks["idle_release"]["status"]["idle_releases"] >= 1
+    # decode speed: every mode measured against the device's copy limit, steering counted
+    # on every forward pass (the figures of a tiny model on a CPU mean nothing)
+    speed = checks["decode_speed"]
+    assert speed["limit_tok_s"] > 0 and speed["bandwidth"]["buffer_bytes"] > 0
+    assert set(speed["modes"]) == {f"{c} {m}" for c in ("eager", "compiled")
+                                   for m in ("sae_idle", "steer", "steer_monitor")}
+    assert all(v["tok_s"] > 0 and v["apply_count_minus_passes"] == [0] for v in speed["modes"].values())
