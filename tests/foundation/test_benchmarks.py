@@ -187,3 +187,5 @@ def test_the_prepared_gpu_checks_run_on_the_cpu(tiny_assets, tmp_path):
     assert set(speed["modes"]) == {f"{c} {m}" for c in ("eager", "compiled")
                                    for m in ("sae_idle", "steer", "steer_monitor")}
     assert all(v["tok_s"] > 0 and v["apply_count_minus_passes"] == [0] for v in speed["modes"].values())
+    # warmed up: the compiled model compiles nothing more while it is timed
+    assert speed["compiled torch_compile"]["compiled_during_rounds"] == 0
