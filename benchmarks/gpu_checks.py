@@ -8,8 +8,8 @@ in-process: the tiny test models (``gpu_engine.assets``) for exactness, and a mo
 Gemma-2-2B's shape with random bfloat16 weights for speed (decode speed at batch 1 does
 not depend on the weights' values, only on their bytes and shapes).
 
-Checks (each a JSON entry with ``ok`` and what was measured; exit status 1 if one
-exactness check fails):
+Checks (each in a process of its own, so that a crash is that check's failure; each a
+JSON entry with ``ok`` and what was measured; exit status 1 if one exactness check fails):
 
 - ``compiled_serial``: eager, ``KV_CACHE_MODE=static`` and ``TORCH_COMPILE=true``
   (``TORCH_COMPILE_MODE``, default reduce-overhead: CUDA graphs) give the same greedy
@@ -332,9 +332,6 @@ def decode_speed(model: Path, *, device: str, mode: str, tokens: int, rounds: in
     out["steering_vs_limit_best"] = best
     out["ok"] = best >= SPEC_GPU_TARGET and all(
         c == 0 for v in out["modes"].values() for c in v["apply_count_minus_passes"])
-    recompiled = (out.get("compiled torch_compile") or {}).get("compiled_during_rounds")
-    if recompiled:
-        print(f"  the compiled model compiled {recompiled} graphs during the timed rounds")
     return out
 
 
@@ -355,6 +352,48 @@ def environment(device: str) -> dict:
     return env
 
 
+CHECKS = ("compiled_serial", "compiled_batched", "idle_release", "decode_speed")
+
+
+def run_check(name: str, args: argparse.Namespace) -> dict:
+    """One check, in this process (a child's ``--one NAME``)."""
+    device = args.device
+    mode = args.compile_mode or ("reduce-overhead" if device.startswith("cuda") else "default")
+    manifest = ensure_assets(args.assets or args.work / "assets")
+    if name == "decode_speed":
+        gemma = gemma2_shaped(args.work / f"gemma2-{args.speed_shape}-shaped",
+                              manifest.models["tiny-gemma2"].path, shape=SHAPES[args.speed_shape],
+                              device=device)
+        return decode_speed(gemma, device=device, mode=mode, tokens=args.speed_tokens,
+                            rounds=args.rounds)
+    tiny, layer = manifest.models["tiny-llama"], 1
+    sae = args.work / "sae-tiny"
+    if not (sae / "sae_weights.safetensors").exists():
+        build_sae(sae, d_in=tiny.hidden_size, d_sae=64, layer=layer, layout="saelens",
+                  activation="relu", model_name="tiny-llama")
+    if name == "idle_release":
+        return check_idle_release(tiny.path, device=device, dtype="float32", tokens=args.tokens)
+    check = check_compiled_serial if name == "compiled_serial" else check_compiled_batched
+    return check(tiny.path, sae, layer, device=device, dtype="float32", mode=mode, tokens=args.tokens)
+
+
+def in_child(name: str, argv: list[str]) -> dict:
+    """``name`` in a process of its own: a crash (a segfault in a compiler, an out-of-memory
+    kill) is that check's failure, with its output's tail, and the other checks still run."""
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--one", name],
+                          capture_output=True, text=True)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode == 0 and lines:
+        try:
+            return json.loads(lines[-1])
+        except json.JSONDecodeError:
+            pass
+    return {"ok": False, "error": f"the check's process ended with status {proc.returncode}",
+            "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -369,47 +408,34 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "millm-gpu-checks")
     ap.add_argument("--assets", type=Path, help="the tiny test models' folder (default: WORK/assets)")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--one", choices=CHECKS, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    device = args.device
-    mode = args.compile_mode or ("reduce-overhead" if device.startswith("cuda") else "default")
-    dtype = "float32"
-    report: dict[str, Any] = {"environment": environment(device), "checks": {}}
+    if args.one:  # a child: one check, its JSON as the last line
+        print(json.dumps(run_check(args.one, args), default=str), flush=True)
+        return 0
+    report: dict[str, Any] = {"environment": environment(args.device), "checks": {}}
     print(json.dumps(report["environment"]), flush=True)
-    manifest = ensure_assets(args.assets or args.work / "assets")
-    tiny = manifest.models["tiny-llama"]
-    layer = 1
-    sae = build_sae(args.work / "sae-tiny", d_in=tiny.hidden_size, d_sae=64, layer=layer,
-                    layout="saelens", activation="relu", model_name="tiny-llama")
-    checks = {
-        "compiled_serial": lambda: check_compiled_serial(tiny.path, sae, layer, device=device, dtype=dtype,
-                                                         mode=mode, tokens=args.tokens),
-        "compiled_batched": lambda: check_compiled_batched(tiny.path, sae, layer, device=device,
-                                                           dtype=dtype, mode=mode, tokens=args.tokens),
-        "idle_release": lambda: check_idle_release(tiny.path, device=device, dtype=dtype, tokens=args.tokens),
-    }
-    if not args.quick:
-        gemma = gemma2_shaped(args.work / f"gemma2-{args.speed_shape}-shaped",
-                              manifest.models["tiny-gemma2"].path, shape=SHAPES[args.speed_shape],
-                              device=device)
-        checks["decode_speed"] = lambda: decode_speed(gemma, device=device, mode=mode,
-                                                      tokens=args.speed_tokens, rounds=args.rounds)
+    ensure_assets(args.assets or args.work / "assets")  # once, before the children read it
+    argv = sys.argv[1:]
     failed = False
-    for name, run in checks.items():
+    for name in CHECKS[:3] if args.quick else CHECKS:
         t0 = time.perf_counter()
-        try:
-            res = run()
-        except Exception as exc:  # noqa: BLE001 - reported, the other checks still run
-            res = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        res = in_child(name, argv)
         res["seconds"] = round(time.perf_counter() - t0, 1)
         report["checks"][name] = res
         failed |= not res["ok"] and name != "decode_speed"
         status = "ok" if res["ok"] else "target missed" if "modes" in res else "FAILED"
         print(f"{name}: {status} ({res['seconds']} s) "
               f"{res.get('problems') or res.get('error') or ''}", flush=True)
+        if not res["ok"] and res.get("output_tail"):
+            print(res["output_tail"][-1500:], flush=True)
         if name == "decode_speed" and "modes" in res:
             print(f"  limit {res['limit_tok_s']:.0f} tok/s ({res['bandwidth']['gb_s']:.0f} GB/s copy)")
             for k, v in res["modes"].items():
                 print(f"  {k:<24} {v['tok_s']:8.1f} tok/s  {v['vs_limit']:.3f} of the limit")
+            recompiled = (res.get("compiled torch_compile") or {}).get("compiled_during_rounds")
+            if recompiled:
+                print(f"  the compiled model compiled {recompiled} graphs during the timed rounds")
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(report, indent=1, default=str))
