@@ -23,7 +23,8 @@ JSON entry with ``ok`` and what was measured; exit status 1 if one exactness che
 - ``idle_release``: after ``TRANSFORMERS_IDLE_CACHE_RELEASE_S`` of idleness the engine
   releases its cached memory (``torch.cuda.memory_reserved`` falls) and reports it;
 - ``decode_speed`` (skipped with ``--quick``): batch-1 greedy decode of the
-  Gemma-2-2B-shaped model, no SAE / steering / steering + monitoring, eager and compiled,
+  Gemma-2-2B-shaped model, the SAE attached and idle / steering / steering + monitoring,
+  eager and compiled (with the graphs compiled while timed, which should be none),
   against the bandwidth limit (a device copy of a buffer the size of the weights,
   ``benchmarks/bandwidth.py``'s convention).  SPEC §7: steering on ≥ 0.5 of the limit.
 
@@ -31,15 +32,16 @@ Not here: the vLLM backend on CUDA (vLLM is not installed on the lent machines a
 wheel is far over what a call may carry), and the memory-fit rule on a card (it is the
 web tier's, with Django; the engine side it reads is ``torch.cuda.mem_get_info``).
 
-On the lent machine (Python 3.12 with torch and transformers already there; the two
-wheels it lacks fetched here once by ``scripts/gpu-wheels`` into ``.whl/``):
+On the lent machine (Python 3.12 with torch and an older transformers already there; this
+project's transformers, tokenizers and msgspec fetched here once by ``scripts/gpu-wheels``
+into ``.whl/``, the call carrying ``.whl``):
 
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl \\
       && PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 python3 benchmarks/gpu_checks.py --json $OUT/gpu_checks.json
 
-On a CPU, the same exactness checks on the tiny model (CI runs this, tests/benchmarks):
+On a CPU (CI runs this, ``tests/foundation/test_benchmarks.py``; its figures mean nothing):
 
-    .venv/bin/python benchmarks/gpu_checks.py --device cpu --quick
+    .venv/bin/python benchmarks/gpu_checks.py --device cpu --speed-shape small --speed-tokens 4 --rounds 1
 """
 
 from __future__ import annotations
