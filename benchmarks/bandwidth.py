@@ -16,8 +16,10 @@ throttles both (``one_team.py``) and the copy then reads up to 3× low.
 
 from __future__ import annotations
 
+import json
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 _CACHE: dict[Any, dict] = {}  # by weight bytes; (bytes, device) off the CPU
@@ -78,9 +80,27 @@ def limit_tok_s(nbytes: int) -> float:
     return copy_bandwidth(nbytes)["gb_s"] * 1e9 / nbytes
 
 
+def weight_bytes(model_dir: Path, dtype_bytes: int | None = None) -> int:
+    """Bytes of a safetensors checkpoint's tensors (from the file headers; ``dtype_bytes``
+    re-counts every element at that width, e.g. 2 for a bf16 load of an fp32 file)."""
+    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+    total = 0
+    for f in sorted(model_dir.glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
+        for name, t in header.items():
+            if name == "__metadata__":
+                continue
+            n = 1
+            for d in t["shape"]:
+                n *= d
+            total += n * (dtype_bytes or sizes[t["dtype"]])
+    return total
+
+
 def measured() -> dict[Any, dict]:
     """Every measurement taken in this process, by weight bytes."""
     return dict(_CACHE)
 
 
-__all__ = ["copy_bandwidth", "limit_tok_s", "measured"]
+__all__ = ["copy_bandwidth", "limit_tok_s", "measured", "weight_bytes"]

@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from benchmarks.bandwidth import copy_bandwidth  # noqa: E402
+from benchmarks.bandwidth import copy_bandwidth, weight_bytes  # noqa: E402
 from benchmarks.engine_decode import PROMPT  # noqa: E402
 from gpu_engine.assets import build_sae, ensure_assets  # noqa: E402
 from gpu_engine.engine import Engine  # noqa: E402
@@ -271,17 +271,7 @@ def gemma2_shaped(out: Path, tokenizer_from: Path, *, shape: dict, device: str) 
 
 
 def decode_speed(model: Path, *, device: str, mode: str, tokens: int, rounds: int) -> dict:
-    from safetensors import safe_open
-
-    wbytes = 0
-    for f in model.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as st:
-            for k in st.keys():
-                t = st.get_slice(k)
-                n = 1
-                for s in t.get_shape():
-                    n *= s
-                wbytes += n * 2  # bfloat16
+    wbytes = weight_bytes(model)  # bfloat16 as saved
     bw = copy_bandwidth(wbytes, device=device)
     limit = bw["gb_s"] * 1e9 / wbytes
     out: dict[str, Any] = {"weight_bytes": wbytes, "bandwidth": bw, "limit_tok_s": limit,

@@ -66,7 +66,7 @@ REPO = Path(__file__).resolve().parents[1]
 HERE = REPO / "benchmarks"
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bandwidth import limit_tok_s, measured  # noqa: E402
+from benchmarks.bandwidth import limit_tok_s, measured, weight_bytes  # noqa: E402
 
 GROUPS = ("decode", "v1_streaming", "v1_concurrency", "batching", "steering_modes", "capture",
           "capture_backends", "llamacpp", "vllm", "speculative", "quantized", "compile")
@@ -106,22 +106,6 @@ def target(op: str, value: float, source: str) -> dict:
 # ------------------------------------------------------------------ the machine
 
 
-def weight_bytes(model_dir: Path, dtype_bytes: int | None = None) -> int:
-    """Bytes of a safetensors checkpoint's tensors (from the file headers; ``dtype_bytes``
-    re-counts every element at that width, e.g. 2 for a bf16 load of an fp32 file)."""
-    sizes = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
-    total = 0
-    for f in sorted(model_dir.glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            header = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))
-        for name, t in header.items():
-            if name == "__metadata__":
-                continue
-            n = 1
-            for d in t["shape"]:
-                n *= d
-            total += n * (dtype_bytes or sizes[t["dtype"]])
-    return total
 
 
 def machine() -> dict:
