@@ -116,3 +116,24 @@ def test_auto_attach_names_must_exist(tmp_path):
                                   "AUTO_ATTACH_SAES": "x@1"})
     assert result.returncode == 2
     assert "AUTO_ATTACH_SAES: needs AUTO_LOAD_MODEL" in result.stderr
+
+
+def test_a_taken_port_is_refused_before_the_model_starts_loading(tiny_assets, tmp_path):
+    env = {"MILLM_DATA_DIR": str(tmp_path), "MILLM_ENGINE_DEVICE": "cpu"}
+    for args in (("migrate", "--noinput"),
+                 ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root))):
+        assert manage(*args, env=env, timeout=300).returncode == 0
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = manage("serve", "--port", str(port),
+                        env={**env, "AUTO_LOAD_MODEL": "tiny-llama"}, timeout=120)
+    assert result.returncode == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    # the registry is as it was: the model was never started loading, so it is not failed
+    status = manage("shell", "-v", "0", "-c",
+                    "from registry.models import Model; "
+                    "print(Model.objects.get(name='tiny-llama').status)", env=env)
+    assert status.stdout.strip() == "ready", status.stderr

@@ -9,6 +9,8 @@ MILLM_API_KEYS the server is unauthenticated, so unless HOST is set explicitly i
 127.0.0.1 only, and says so.
 """
 
+import socket
+
 import structlog
 from daphne.cli import CommandLineInterface
 from django.conf import settings
@@ -39,6 +41,27 @@ def bind_host(explicit: str | None = None) -> tuple[str, str]:
     return host, note
 
 
+def ensure_bindable(host: str, port: int) -> None:
+    """Refuse, in one line, a HOST:PORT daphne could not listen on, before anything starts.
+
+    The start-up loads AUTO_LOAD_MODEL in a background thread; were daphne to find the port
+    taken only after that, the process would exit mid-load and leave the model's row
+    failed. The probe binds as Twisted does (SO_REUSEADDR), so a port in TIME_WAIT passes
+    and one another server listens on does not.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise CommandError(f"HOST={host}: cannot resolve it ({exc.strerror})") from exc
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise CommandError(f"cannot listen on {host}:{port}: {exc.strerror}") from exc
+
+
 class Command(BaseCommand):
     help = "Serve HTTP and WebSockets with daphne on the configured HOST and PORT."
 
@@ -55,6 +78,7 @@ class Command(BaseCommand):
         host, access = bind_host(host)
         port = port or settings.MILLM_PORT
         mode = "embedded" if settings.EMBEDDED else "distributed"
+        ensure_bindable(host, port)
         try:
             startup.application_start(auto_load_model=not no_auto_load)
         except MillmError as exc:
