@@ -105,3 +105,23 @@ def test_export_and_import_profile_commands(relu, tmp_path, capsys):
     assert json.loads(again.read_text()) == docs  # lossless, times included
     call_command("import_profiles", str(target), "--on-conflict", "rename")
     assert Profile.objects.filter(name__endswith="(2)").count() == 2
+
+
+def test_profile_commands_refuse_unreadable_paths_in_one_line(relu, tmp_path):
+    profile_create(name="kept", steering={"1": 2.0})
+    latin1 = tmp_path / "latin1.json"
+    latin1.write_bytes(b'{"name": "caf\xe9"}')
+    for path, message in ((tmp_path / "missing.json", "cannot read it"),
+                          (tmp_path, "cannot read it"),
+                          (latin1, "is not UTF-8 text")):
+        with pytest.raises(CommandError, match=message):
+            call_command("import_profiles", str(path))
+    with pytest.raises(CommandError, match="cannot write it"):
+        call_command("export_profiles", "-o", str(tmp_path / "no" / "such" / "dir.json"))
+    # a batch whose second entry is refused imports nothing, and says nothing was imported
+    batch = tmp_path / "batch.json"
+    batch.write_text(json.dumps([{"version": 1, "name": "fresh", "steering": {"2": 1.0}},
+                                 {"version": 1, "name": "kept", "steering": {"2": 1.0}}]))
+    with pytest.raises(CommandError, match="nothing was imported"):
+        call_command("import_profiles", str(batch))
+    assert sorted(Profile.objects.values_list("name", flat=True)) == ["kept"]

@@ -28,7 +28,10 @@ class Command(BaseCommand):
         docs = [services.profile_export(profile=p) for p in profiles]
         text = json.dumps(docs[0] if len(names) == 1 else docs, indent=2) + "\n"
         if output:
-            Path(output).write_text(text)
+            try:
+                Path(output).write_text(text, encoding="utf-8")
+            except OSError as exc:
+                raise CommandError(f"{output}: cannot write it ({exc.strerror})") from None
             self.stderr.write(f"Exported {len(docs)} profile(s) to {output}")
         else:
             self.stdout.write(text, ending="")

@@ -23,18 +23,24 @@ class Command(BaseCommand):
     def handle(self, *args, file, on_conflict, **options):
         import sys
 
-        text = sys.stdin.read() if file == "-" else Path(file).read_text()
+        try:
+            text = sys.stdin.read() if file == "-" else Path(file).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise CommandError(f"{file}: cannot read it ({exc.strerror})") from None
+        except UnicodeDecodeError:
+            raise CommandError(f"{file} is not UTF-8 text") from None
         try:
             data = json.loads(text)
         except ValueError as exc:
             raise CommandError(f"{file} is not JSON: {exc}") from None
         docs = data if isinstance(data, list) else [data]
+        if not all(isinstance(doc, dict) for doc in docs):
+            raise CommandError("Every entry must be a profile document; nothing was imported")
         try:
             with transaction.atomic():  # all or nothing
-                for doc in docs:
-                    if not isinstance(doc, dict):
-                        raise CommandError("Every entry must be a profile document")
-                    profile = services.profile_import(document=doc, on_conflict=on_conflict)
-                    self.stdout.write(f"Imported {profile.name!r}")
+                imported = [services.profile_import(document=doc, on_conflict=on_conflict)
+                            for doc in docs]
         except MillmError as exc:
             raise CommandError(f"{exc.message} ({exc.code}); nothing was imported") from None
+        for profile in imported:
+            self.stdout.write(f"Imported {profile.name!r}")
