@@ -107,6 +107,18 @@ def test_import_rung_gate_attach_set_and_one_lambda(api, saes, llama, published,
     assert body(response)["error"]["code"] == "NO_ACTIVE_CIRCUIT"
 
 
+def test_detaching_one_member_sae_ends_the_circuit_and_its_claims(api, saes, llama):
+    chain, _ = _import(api, two_layer(saes, rung=2))
+    ok(api.post(f"/api/circuits/{chain['id']}/activate"))
+    l1, l3 = saes["tiny-llama-L1-relu"].id, saes["tiny-llama-L3-relu"].id
+    assert set(_live()) == {(l1, 1), (l3, 3)}
+    ok(api.post(f"/api/saes/{l1}/detach", {}, format="json"))
+    assert ok(api.get("/api/circuits/active"))["total"] == 0
+    assert ok(api.get("/api/circuits/claims"))["claims"] == []
+    assert _live() == {}  # its values left the layer still attached, too
+    assert Attachment.objects.filter(sae_id=l3, layer=3).exists()
+
+
 def test_layer_claims_contention_override_and_collision(api, saes):
     l1, l2, l3 = (saes[n].id for n in ("tiny-llama-L1-relu", "tiny-llama-L2-topk",
                                        "tiny-llama-L3-relu"))

@@ -77,6 +77,23 @@ def test_activate_replaces_live_steering_scaled_and_clamped(api, llama):
     assert ok(api.get("/api/profiles/active")) is None
 
 
+def test_a_detached_sae_ends_the_profile_that_steered_through_it(api, llama):
+    relu = llama.attach("tiny-llama-L1-relu", 1)
+    topk = llama.attach("tiny-llama-L2-topk", 2)
+    profile = ok(api.post("/api/profiles", {"name": "p", "sae_id": relu.id, "layer": 1,
+                                            "steering": {"1": 15}}, format="json"), 201)
+    ok(api.post(f"/api/profiles/{profile['id']}/activate"))
+    ok(api.post(f"/api/saes/{topk.id}/detach", {}, format="json"))
+    assert ok(api.get("/api/profiles/active"))["name"] == "p"  # another SAE: still serving
+    ok(api.post(f"/api/saes/{relu.id}/detach", {}, format="json"))
+    assert ok(api.get("/api/profiles/active")) is None
+    assert ok(api.get("/api/health/detailed"))["active_profile"] is None
+    # attached again it starts unsteered, and nothing claims otherwise
+    llama.attach("tiny-llama-L1-relu", 1)
+    assert ok(api.get("/api/saes/steering"))["values"] == {}
+    assert ok(api.get("/api/profiles/active")) is None
+
+
 def test_activation_is_validated_before_anything_changes(api, llama):
     relu = llama.attach("tiny-llama-L1-relu", 1)
     ok(api.post("/api/saes/steering", {"feature_idx": 5, "value": 7}, format="json"))
