@@ -7,14 +7,14 @@ from django import forms
 from django.contrib import admin
 from django.template.defaultfilters import filesizeformat
 
-from core.admin_actions import run_each
+from core.admin_actions import RefusableDeleteMixin, run_each
 from core.errors import MillmError
 from registry import job_lifecycle, services, vectors
 from registry.models import SAE, Job, Model, SteeringVector
 
 
 @admin.register(Model)
-class ModelAdmin(admin.ModelAdmin):
+class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
     list_display = ("name", "status", "source", "format", "backend_display", "architecture",
                     "params_display",
                     "disk_display", "locked", "updated_at")
@@ -119,7 +119,7 @@ class SAERegisterForm(forms.ModelForm):
 
 
 @admin.register(SAE)
-class SAEAdmin(admin.ModelAdmin):
+class SAEAdmin(RefusableDeleteMixin, admin.ModelAdmin):
     list_display = ("id", "name", "status", "source_display", "format", "activation", "d_in",
                     "d_sae", "trained_on_model", "trained_on_layer", "updated_at")
     list_filter = ("status", "format", "activation")
@@ -205,7 +205,7 @@ class VectorImportForm(forms.ModelForm):
 
 
 @admin.register(SteeringVector)
-class SteeringVectorAdmin(admin.ModelAdmin):
+class SteeringVectorAdmin(RefusableDeleteMixin, admin.ModelAdmin):
     list_display = ("id", "name", "trained_on_model", "vector_layers", "d_in", "vector_source",
                     "status", "updated_at")
     list_filter = ("status", "vector_source")

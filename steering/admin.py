@@ -13,7 +13,7 @@ from django.http import HttpResponse, HttpResponseRedirect
 from django.template.response import TemplateResponse
 from django.urls import path, reverse
 
-from core.admin_actions import run_each
+from core.admin_actions import RefusableDeleteMixin, run_each
 from core.errors import MillmError
 from steering import rules, services
 from steering.documents import load_document
@@ -108,7 +108,7 @@ class ProfileForm(forms.ModelForm):
 
 
 @admin.register(Profile)
-class ProfileAdmin(ImportMixin, admin.ModelAdmin):
+class ProfileAdmin(RefusableDeleteMixin, ImportMixin, admin.ModelAdmin):
     form = ProfileForm
     list_display = ("name", "sae_id", "layer", "feature_count", "intensity", "is_active",
                     "updated_at")
@@ -175,7 +175,7 @@ class ProfileAdmin(ImportMixin, admin.ModelAdmin):
             profile=p))
 
 
-class DocumentAdmin(ImportMixin, admin.ModelAdmin):
+class DocumentAdmin(RefusableDeleteMixin, ImportMixin, admin.ModelAdmin):
     """Clusters and circuits: imported documents, not edited field by field here."""
 
     change_list_template = "admin/steering/change_list_import.html"
