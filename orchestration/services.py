@@ -322,18 +322,21 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
                 error.retry_after = settings.RETRY_AFTER_LOAD_S
         else:
             model_set_status(model=model, status=Model.Status.ERROR, error=error.message)
+            _reconcile_after_failed_load(resident)
         job_finish(job=job, status=Job.Status.FAILED, error=error.message)
         metrics.record_load(operation="load", outcome="failed")
         raise error from exc
     except BaseException as exc:
         model_set_status(model=model, status=Model.Status.ERROR, error=str(exc)[:500])
+        _reconcile_after_failed_load(resident)
         job_finish(job=job, status=Job.Status.FAILED, error=type(exc).__name__)
         metrics.record_load(operation="load", outcome="failed")
         raise
     with transaction.atomic():
         if resident is not None:
-            _forget_model_state(resident)
-        Attachment.objects.filter(model=model).delete()
+            _forget_model_state(resident, reason="model_replaced")
+        # rows an engine restart left behind for this model: the new load holds none
+        _forget_attachments(model, reason="model_reloaded")
         model_set_status(model=model, status=Model.Status.LOADED, device=device, dtype=dtype)
     if resident is not None:
         events.publish("model:unload:complete", {"model_id": resident.id,
@@ -364,15 +367,45 @@ def model_load_wait(*, name: str, timeout_s: float) -> Model:
     return row
 
 
-def _forget_model_state(model: Model) -> None:
-
-    live_forget(attachments=Attachment.objects.filter(model=model))
-    lease_end_for_model(model_id=model.pk)  # a lease ends with its model's residency
-    Attachment.objects.filter(model=model).delete()
+def _forget_attachments(model: Model, *, reason: str) -> None:
+    """The engine no longer holds ``model``'s attachments: their live steering, the
+    documents steering through them and their rows go, and each one's ``sae:detached``
+    is published once the transaction commits. Inside a transaction."""
+    attachments = list(Attachment.objects.filter(model=model))
+    live_forget(attachments=attachments)
+    Attachment.objects.filter(pk__in=[a.pk for a in attachments]).delete()
     SAE.objects.filter(status=SAE.Status.ATTACHED).exclude(attachments__isnull=False).update(
-        status=SAE.Status.READY)
+        status=SAE.Status.READY, updated_at=timezone.now())
+    for a in attachments:
+        transaction.on_commit(lambda s=a.sae_id, lay=a.layer: events.publish(
+            "sae:detached", {"sae_id": s, "layer": lay, "reason": reason}))
+
+
+def _forget_model_state(model: Model, *, reason: str) -> None:
+    """``model`` is no longer resident: its attachments, its lease and its row's residency
+    go. Inside a transaction."""
+    _forget_attachments(model, reason=reason)
+    lease_end_for_model(model_id=model.pk)  # a lease ends with its model's residency
     Model.objects.filter(pk=model.pk).update(status=Model.Status.READY, locked=False,
                                              device="", dtype="", updated_at=timezone.now())
+
+
+def _reconcile_after_failed_load(resident: Model | None) -> None:
+    """A failed load may have dropped the resident model (the engine frees it before
+    loading the next). When the engine answers that it no longer holds it, the rows say so
+    too; when no engine answers, the record stands (a restarted engine restores it)."""
+    if resident is None:
+        return
+    try:
+        held = _engine().status().model_id
+    except EngineError:
+        return
+    if held == resident.name:
+        return
+    with transaction.atomic():
+        _forget_model_state(resident, reason="load_failed")
+    events.publish("model:unload:complete", {"model_id": resident.id, "reason": "load_failed"})
+    log.warning("resident_model_lost_in_failed_load", model_id=resident.id, engine_holds=held)
 
 
 def model_unload(*, model: Model, job: Job | None = None) -> Model:
@@ -418,7 +451,7 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
         metrics.record_load(operation="unload", outcome="failed")
         raise error from exc
     with transaction.atomic():
-        _forget_model_state(model)
+        _forget_model_state(model, reason="unload")
     model.refresh_from_db()
     events.publish("model:unload:complete", {"model_id": model.id, "reason": "unload"})
     if job is not None:

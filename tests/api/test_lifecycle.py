@@ -146,6 +146,70 @@ def test_loading_another_model_replaces_the_resident_one(api, engine_client, tin
         in published
 
 
+def test_a_failed_load_that_dropped_the_resident_model_says_so(
+        api, engine_client, tiny_assets, tiny_llama, llama_saes, published, tmp_path,
+        django_capture_on_commit_callbacks):
+    """The engine frees the resident model before loading the next; when the next one's
+    files are broken, the rows must not go on claiming the old model, its attachments and
+    its live steering (and a lease on it) while the engine holds nothing."""
+    import shutil
+
+    from leases.models import Lease
+    from leases.services import lease_grant
+    from registry import services
+    from steering.models import LiveSteering
+
+    broken_dir = tmp_path / "broken"
+    shutil.copytree(tiny_assets.models["tiny-llama"].path, broken_dir)
+    broken = services.model_register_local(local_path=str(broken_dir), name="broken")
+    weights = broken_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    _load(api, tiny_llama)
+    sae = llama_saes["tiny-llama-L1-relu"]
+    ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"))
+    ok(api.post("/api/saes/steering", {"feature_idx": 3, "value": 5}, format="json"))
+    ok(api.post(f"/api/models/{tiny_llama.id}/unlock"))
+    _, lease_id = lease_grant(model=Model.objects.get(pk=tiny_llama.id), holder="h",
+                              reason="r")
+    published.clear()
+
+    data = ok(api.post(f"/api/models/{broken.id}/load", HTTP_X_MILLM_LEASE=lease_id), 202)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert run_job(tasks.model_load_task, data["job"]["id"]) == "failed"
+    assert Model.objects.get(pk=broken.id).status == "error"
+    held = engine_client.status().model_id
+    assert held is None  # what this test is about: the engine lost the old model
+    assert Model.objects.get(pk=tiny_llama.id).status == "ready"
+    assert not Attachment.objects.exists() and not LiveSteering.objects.exists()
+    assert SAE.objects.get(pk=sae.id).status == "ready"
+    assert not Lease.objects.filter(ended_at__isnull=True).exists()
+    assert ok(api.get("/api/models"))["loaded_model_id"] is None
+    assert ("sae:detached", {"sae_id": sae.id, "layer": 1, "reason": "load_failed"}) \
+        in published
+    assert ("model:unload:complete", {"model_id": tiny_llama.id, "reason": "load_failed"}) \
+        in published
+
+
+def test_unloading_publishes_each_attachments_detach(api, engine_client, tiny_llama,
+                                                     llama_saes, published,
+                                                     django_capture_on_commit_callbacks):
+    _load(api, tiny_llama)
+    relu, topk = llama_saes["tiny-llama-L1-relu"], llama_saes["tiny-llama-L2-topk"]
+    ok(api.post("/api/saes/attach-set", {"attachments": [{"sae_id": relu.id, "layer": 1},
+                                                   {"sae_id": topk.id, "layer": 2}]},
+                format="json"))
+    ok(api.post(f"/api/models/{tiny_llama.id}/unlock"))
+    published.clear()
+    unload = ok(api.post(f"/api/models/{tiny_llama.id}/unload"), 202)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert tasks.model_unload_task(unload["job"]["id"]) == "succeeded"
+    detached = sorted((d["sae_id"], d["layer"], d["reason"]) for n, d in published
+                      if n == "sae:detached")
+    assert detached == sorted([(relu.id, 1, "unload"), (topk.id, 2, "unload")])
+    assert ("model:unload:complete", {"model_id": tiny_llama.id, "reason": "unload"}) \
+        in published
+
+
 def test_attach_detach_and_attachment_status(api, engine_client, tiny_llama, llama_saes,
                                              published):
     sae = llama_saes["tiny-llama-L1-relu"]
