@@ -13,6 +13,44 @@ from registry import job_lifecycle, services, vectors
 from registry.models import SAE, Job, Model, SteeringVector
 
 
+class ModelRegisterForm(forms.ModelForm):
+    """The admin's "Add model": register a checkpoint on the server's disk. The checks are
+    the service's own (``model_check_local``), shown on the form before anything is saved;
+    the row itself is made by ``model_register_local`` in ``ModelAdmin.save_model``. A hub
+    download starts from the Models page, ``POST /api/models`` or ``manage.py
+    download_model``, which follow its progress."""
+
+    local_path = forms.CharField(
+        max_length=1000, label="Local path",
+        help_text="Absolute path of a transformers checkpoint directory (config.json + "
+                  "safetensors) or a .gguf file on the server. Its files stay yours: "
+                  "deleting the model here never removes them.")
+    name = forms.CharField(max_length=200, required=False,
+                           help_text="The name clients use as `model` on /v1. Default: the "
+                                     "directory's (or GGUF file's) name.")
+
+    class Meta:
+        model = Model
+        fields = ("local_path", "name", "quantization", "trust_remote_code", "backend")
+
+    # which field a refusal belongs to, by its code; the rest go above the form
+    field_of_code = {"INVALID_LOCAL_PATH": "local_path", "MODEL_ALREADY_EXISTS": "name"}
+
+    def clean(self):
+        data = super().clean()
+        if "local_path" in self.errors or "backend" in self.errors:
+            return data
+        try:
+            services.model_check_local(
+                local_path=data["local_path"], name=data.get("name") or None,
+                quantization=data.get("quantization"), backend=data.get("backend") or "")
+        except MillmError as exc:
+            field = ("backend" if "backend" in exc.details.get("fields", {})
+                     else self.field_of_code.get(exc.code))
+            self.add_error(field, f"{exc.message} ({exc.code})")
+        return data
+
+
 @admin.register(Model)
 class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
     list_display = ("name", "status", "source", "format", "backend_display", "architecture",
@@ -56,13 +94,55 @@ class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
         # blank follows the site setting: show which one it is
         return obj.backend or f"{obj.effective_backend()} (MILLM_BACKEND)"
 
+    # where the weights are: the identity of the row, which delete relies on (only what
+    # miLLM downloaded is ever removed); set by registration or download, as on the API
+    identity_fields = ("source", "repo_id", "revision", "local_path", "format", "gguf_file")
+    # what else decides what the engine holds: its name is the engine's model id
+    engine_fields = ("name", "quantization", "trust_remote_code", "backend")
+
+    def get_form(self, request, obj=None, **kwargs):
+        if obj is None:
+            kwargs["form"] = ModelRegisterForm
+        return super().get_form(request, obj, **kwargs)
+
+    def get_fieldsets(self, request, obj=None):
+        if obj is None:
+            return ((None, {"fields": ModelRegisterForm.Meta.fields}),)
+        return super().get_fieldsets(request, obj)
+
     def get_readonly_fields(self, request, obj=None):
-        fields = tuple(super().get_readonly_fields(request, obj))
-        if obj is not None and obj.status in (Model.Status.LOADED, Model.Status.LOADING,
-                                              Model.Status.UNLOADING):
-            # the engine holds it on the backend it was loaded with
-            fields += ("backend",)
+        if obj is None:
+            return ()
+        fields = (*super().get_readonly_fields(request, obj), *self.identity_fields)
+        if obj.status in (Model.Status.LOADED, Model.Status.LOADING, Model.Status.UNLOADING):
+            # the engine holds the weights as they were loaded: an edit here would change
+            # the registry and not the engine (unload the model first)
+            fields += self.engine_fields
         return fields
+
+    def get_object(self, request, object_id, from_field=None):
+        obj = super().get_object(request, object_id, from_field)
+        if obj is not None and request.method == "POST":
+            # a load cannot start between reading the status (which fields are read-only)
+            # and saving: it takes the same row lock (the admin's view is one transaction)
+            obj = Model.objects.select_for_update().get(pk=obj.pk)
+        return obj
+
+    def save_model(self, request, obj, form, change):
+        if change:
+            # only what the form changed: the row's state (status, loaded_at) is the
+            # engine's to write, and a whole-row save would put back what the page read
+            obj.save(update_fields=[*form.changed_data, "updated_at"])
+            return None
+        data = form.cleaned_data
+        model = services.model_register_local(
+            local_path=data["local_path"], name=data.get("name") or None,
+            quantization=data["quantization"], trust_remote_code=data["trust_remote_code"],
+            backend=data.get("backend") or "")
+        # the admin goes on with ``obj`` (its message, the log entry, the redirect)
+        obj.pk = model.pk
+        obj.refresh_from_db()
+        return None
 
     @admin.display(description="Disk")
     def disk_display(self, obj: Model) -> str:

@@ -26,11 +26,12 @@ from registry.models import SAE, Job, Model
 
 log = structlog.get_logger(__name__)
 
-@transaction.atomic
-def model_register_local(*, local_path: str, name: str | None = None,
-                         quantization: str | None = None,
-                         trust_remote_code: bool = False, backend: str = "") -> Model:
-    """Register a checkpoint already on disk: a transformers directory or a GGUF file."""
+def model_check_local(*, local_path: str, name: str | None = None,
+                      quantization: str | None = None, backend: str = "") -> dict:
+    """What registering ``local_path`` as a model would record, or the refusal it would
+    meet: an unknown backend, a path that is not an existing transformers directory or
+    .gguf file outside the system directories, a name already taken. Nothing is written,
+    so the admin form can show a refusal before it saves."""
     check_backend_name(backend)
     path = describe.check_local_path(local_path)
     if path.is_file() and path.suffix == ".gguf":
@@ -45,13 +46,23 @@ def model_register_local(*, local_path: str, name: str | None = None,
     if Model.objects.filter(name=name).exists():
         raise ModelAlreadyExists(f"A model named {name!r} is already registered",
                                  details={"name": name})
+    return {"name": name, "local_path": str(path), "format": fmt, "gguf_file": gguf_file,
+            **meta}
+
+
+@transaction.atomic
+def model_register_local(*, local_path: str, name: str | None = None,
+                         quantization: str | None = None,
+                         trust_remote_code: bool = False, backend: str = "") -> Model:
+    """Register a checkpoint already on disk: a transformers directory or a GGUF file."""
+    fields = model_check_local(local_path=local_path, name=name, quantization=quantization,
+                               backend=backend)
     model = Model.objects.create(
-        name=name, source=Model.Source.LOCAL, local_path=str(path), format=fmt,
-        gguf_file=gguf_file,
-        quantization=quantization or Model.Quantization.FP32,
-        trust_remote_code=trust_remote_code, backend=backend, status=Model.Status.READY, **meta,
+        source=Model.Source.LOCAL, quantization=quantization or Model.Quantization.FP32,
+        trust_remote_code=trust_remote_code, backend=backend, status=Model.Status.READY,
+        **fields,
     )
-    log.info("model_registered", model_id=model.id, name=name, path=str(path))
+    log.info("model_registered", model_id=model.id, name=model.name, path=model.local_path)
     return model
 
 
