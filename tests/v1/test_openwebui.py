@@ -76,3 +76,55 @@ def test_an_explicit_client_field_wins_and_bad_features_are_refused(owui_filter)
     with pytest.raises(ValueError, match="index:strength"):
         flt.inlet(_body())
     assert flt.outlet({"x": 1}) == {"x": 1}
+
+
+def test_the_filter_never_sends_what_the_server_refuses(llama, owui_filter):
+    """Every combination of valves and model-menu pick gives a body /v1 accepts: at most
+    one of profile / steering, and none beside a ``<model>@<profile>`` pick."""
+    from steering.services import profile_create
+
+    sae = attach("tiny-llama-L1-relu", 1)
+    for name, feature in (("sea", "3"), ("calm", "40")):
+        profile_create(name=name, sae_id=sae.id, layer=1, steering={feature: 60.0},
+                       model_name="tiny-llama")
+    flt = owui_filter()
+
+    def sent(valves, user_valves=None, model="tiny-llama"):
+        flt.valves = valves
+        user = {"id": "u", "valves": user_valves} if user_valves is not None else None
+        response = _chat(llama, flt.inlet({**_body(), "model": model}, __user__=user))
+        assert response.status == 200, response.json()
+        return response.headers["x-millm-steering"]
+
+    # the admin's profile and features: the profile wins, as the valves say
+    assert sent(flt.Valves(profile="sea", features="3:50")).startswith(
+        "profile;name=sea;intensity=1;")
+    # a menu pick keeps its profile whatever the valves hold; the intensity still dials it
+    assert sent(flt.Valves(features="3:50"), model="tiny-llama@sea").startswith(
+        "profile;name=sea;intensity=1;")
+    assert sent(flt.Valves(profile="sea", intensity="0.5"), model="tiny-llama@calm"
+                ).startswith("profile;name=calm;intensity=0.5;")
+    assert sent(flt.Valves(profile="sea"), flt.UserValves(features="3:50", intensity="off"),
+                model="tiny-llama@calm") == "none"
+    # a user's profile and features: the profile wins, and replaces the admin's features
+    assert sent(flt.Valves(features="3:50"), flt.UserValves(profile="calm", features="40:5")
+                ).startswith("profile;name=calm;intensity=1;")
+    # the user's features replace the admin's profile
+    assert sent(flt.Valves(profile="sea"), flt.UserValves(features="40:5")).startswith(
+        "inline")
+
+
+@pytest.mark.parametrize("valves", [
+    {"intensity": "nan"}, {"intensity": "inf"}, {"intensity": "-0.5"}, {"intensity": "3"},
+    {"intensity": "loud"}, {"features": "3:nan"}, {"features": "3:-inf"},
+    {"features": "-3:1"}, {"features": "x:1"},
+])
+def test_bad_valves_are_refused_before_anything_is_sent(owui_filter, valves):
+    # "nan" and "inf" read as floats, which no JSON body can carry: refused like "loud"
+    flt = owui_filter()
+    flt.valves = flt.Valves(**valves)
+    with pytest.raises(ValueError, match="intensity|feature"):
+        flt.inlet(_body())
+    flt.valves = flt.Valves()
+    with pytest.raises(ValueError, match="intensity|feature"):
+        flt.inlet(_body(), __user__={"valves": flt.UserValves(**valves)})
