@@ -26,7 +26,7 @@ from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
 from core.errors import SAENotAttached, ValidationFailed
-from core.ids import get_by_pk_or_name
+from core.ids import ascii_int, get_by_pk_or_name
 from gpu_engine.protocol import MAX_STEERING_STRENGTH, FeatureControl
 from registry.models import Attachment
 from steering import live, rules
@@ -137,11 +137,30 @@ def _binding(sae_id: str | None, layer: int | None, values: Any) -> tuple[str, i
     return attachment.sae_id, attachment.layer
 
 
+# The fixed words of /api/profiles/<word> (steering/urls.py): a profile named one of them
+# would be shadowed by its route, so no profile may take one.
+ROUTE_WORDS = ("active", "import", "save-current")
+
+
+def _name_problem(name: str) -> str | None:
+    """Why ``name`` could not be reached as ``/api/profiles/{name}``, or None."""
+    if ascii_int(name) is not None:
+        return "a name of digits only reads as an id in /api/profiles/{id}"
+    if name in ROUTE_WORDS:
+        return f"{name!r} is a route of /api/profiles ({', '.join(ROUTE_WORDS)})"
+    if "/" in name:
+        return "a name with '/' cannot be a path segment of /api/profiles/{name}"
+    return None
+
+
 def _unique_name(name: str, *, exclude: int | None = None) -> str:
     name = (name or "").strip()
     if not name or len(name) > 200:
         raise ValidationFailed("name must be 1-200 characters",
                                details={"fields": {"name": ["1-200 characters"]}})
+    if problem := _name_problem(name):
+        raise ValidationFailed(f"Profile name {name!r} is not allowed: {problem}",
+                               details={"name": name, "fields": {"name": [problem]}})
     if Profile.objects.filter(name=name).exclude(pk=exclude).exists():
         raise ProfileAlreadyExists(f"A profile named {name!r} already exists",
                                    details={"name": name})

@@ -175,3 +175,43 @@ def test_import_forms_and_refusals(api, relu):
     refused(api.post("/api/profiles/import", {"version": "2", "name": "v2"}, format="json"),
             422, "VALIDATION_ERROR")
     assert set(Profile.objects.values_list("name", flat=True)) == {"listed"}
+
+
+def _route_words() -> set[str]:
+    """The fixed words after /api/profiles/ in the URL conf, read from it."""
+    from steering.urls import urlpatterns
+
+    words = set()
+    for pattern in urlpatterns:
+        route = str(pattern.pattern)
+        if route.startswith("profiles/") and route.count("/") == 1 and "<" not in route:
+            words.add(route.removeprefix("profiles/"))
+    return words
+
+
+def test_names_a_route_would_shadow_are_refused(api, relu):
+    words = _route_words()
+    assert words == {"active", "import", "save-current"}
+    for name in [*sorted(words), "1", "0042", "a/b"]:
+        refused(api.post("/api/profiles", {"name": name, "steering": {}}, format="json"),
+                422, "VALIDATION_ERROR")
+        refused(api.post("/api/profiles/import", {"name": name, "steering": {}},
+                         format="json"), 422, "VALIDATION_ERROR")
+        refused(api.post("/api/profiles/import?on_conflict=rename",
+                         {"name": name, "steering": {}}, format="json"),
+                422, "VALIDATION_ERROR")
+    refused(api.post("/api/profiles/save-current", {"name": "active"}, format="json"), 422,
+            "VALIDATION_ERROR")
+    assert not Profile.objects.exists()
+    # names that only contain such words or digits are fine, and reachable by name
+    for name in ("active-2", "1a", "import me"):
+        made = ok(api.post("/api/profiles", {"name": name, "steering": {}}, format="json"),
+                  201)
+        assert ok(api.get(f"/api/profiles/{name}"))["id"] == made["id"]
+    made = Profile.objects.get(name="1a")
+    error = refused(api.patch(f"/api/profiles/{made.pk}", {"name": "7"}, format="json"), 422,
+                    "VALIDATION_ERROR")
+    assert error["details"]["fields"]["name"]
+    refused(api.patch(f"/api/profiles/{made.pk}", {"name": "active"}, format="json"), 422,
+            "VALIDATION_ERROR")
+    assert Profile.objects.get(pk=made.pk).name == "1a"
