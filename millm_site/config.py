@@ -94,7 +94,10 @@ VARIABLES: tuple[Var, ...] = (
     Var("REDIS_URL", "Core", "str", "", "Unset: embedded mode (engine in the web process, "
         "in-memory channel layer, tasks in-process). Set: distributed mode over Redis "
         "(redis://host:6379/0).", secret=True),
-    Var("AUTO_LOAD_MODEL", "Core", "str", "", "Model id or name to load at start-up."),
+    Var("AUTO_LOAD_MODEL", "Core", "str", "", "Model id or name to load at start-up. "
+        "When the registry records another model as resident (restored at start-up with "
+        "its attachments and steering), that one stays and AUTO_LOAD_MODEL and "
+        "AUTO_ATTACH_SAES are not applied (logged as auto_load_skipped)."),
     Var("AUTO_ATTACH_SAES", "Core", "list", [],
         "SAEs to attach once AUTO_LOAD_MODEL is resident: comma-separated <sae name or id>"
         "[@<layer>] (the layer defaults to the one the SAE was trained on)."),

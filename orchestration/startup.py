@@ -76,12 +76,25 @@ def application_start(*, auto_load_model: bool = True) -> None:
 
 
 def auto_load() -> Job | None:
-    """Start loading AUTO_LOAD_MODEL in the background (readiness waits for it)."""
+    """Start loading AUTO_LOAD_MODEL in the background (readiness waits for it).
+
+    What the registry records wins over the setting: when another model is resident (the
+    one a restart just restored, with its attachments and steering), AUTO_LOAD_MODEL and
+    AUTO_ATTACH_SAES are not applied, and the log says so. Swapping it out would throw
+    that state away, and a locked or leased model could not be swapped at all."""
+    from registry.selectors import model_loaded
+
     name = settings.AUTO_LOAD_MODEL
     if not name:
         return None
     model = model_by_name_or_id(name)
     targets = auto_attach_targets()  # a typo fails the start-up, not a background task
+    resident = model_loaded(other_than=model)
+    if resident is not None:
+        log.warning("auto_load_skipped", model=model.name, resident=resident.name,
+                    reason="the registry records another model as resident; unload it "
+                           "for AUTO_LOAD_MODEL to apply at the next start")
+        return None
     job = None
     if model.status != Model.Status.LOADED:
         job = services.model_load_enqueue(model=model)

@@ -126,23 +126,16 @@ def readiness() -> tuple[bool, dict[str, Any]]:
     checks["engine"] = engine["state"] != "unavailable"
     transition = _model_transition() if checks["database"] else None
     checks["no_model_transition"] = transition is None
-    auto = settings.AUTO_LOAD_MODEL
-    if auto:
-        resident = engine.get("model_id")
-        checks["auto_load_model"] = resident is not None and (
-            resident == auto or _model_id_of(resident) == auto)
+    if settings.AUTO_LOAD_MODEL:
+        # the start-up's model is resident: AUTO_LOAD_MODEL's, or the one the registry
+        # recorded, which a restart restored and the setting then leaves in place
+        checks["auto_load_model"] = engine.get("model_id") is not None
     ready = all(checks.values())
     data = {"ready": ready, "checks": checks, "model_loaded": engine.get("state") == "ready",
             "model_name": engine.get("model_id"), "transition": transition,
             "version": version(), "timestamp": _now()}
     return ready, data
 
-
-def _model_id_of(name: str) -> str | None:
-    from registry.models import Model
-
-    pk = Model.objects.filter(name=name).values_list("pk", flat=True).first()
-    return None if pk is None else str(pk)
 
 
 # --- GPUs ---------------------------------------------------------------------------------

@@ -101,3 +101,30 @@ def test_a_restore_that_keeps_killing_the_process_is_given_up(engine_client, tin
     row = Model.objects.get(pk=tiny_llama.pk)
     assert row.status == "error" and "stopped 3 times" in row.error_message
     assert not Attachment.objects.exists()
+
+
+def test_auto_load_leaves_a_restored_model_resident(engine_client, tiny_llama, llama_saes,
+                                                    tiny_assets, settings):
+    """AUTO_LOAD_MODEL names another model than the one a restart restored (locked, with an
+    SAE attached): the recorded state wins, nothing is queued, nothing is refused."""
+    from orchestration.startup import auto_load
+    from registry import services
+
+    gpt2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
+                                         name="tiny-gpt2")
+    sae = llama_saes["tiny-llama-L1-relu"]
+    _recorded(tiny_llama, sae)
+    restore_recorded_state(engine=engine_client, begin_restore=Attempts().begin,
+                           end_restore=Attempts().end)
+    settings.AUTO_LOAD_MODEL = "tiny-gpt2"
+    settings.AUTO_ATTACH_SAES = []
+    assert auto_load() is None
+    assert not Job.objects.filter(kind="model_load").exists()
+    assert engine_client.status().model_id == "tiny-llama"
+    assert Model.objects.get(pk=tiny_llama.pk).status == "loaded"
+    assert Model.objects.get(pk=gpt2.pk).status == "ready"
+    # with nothing resident, the setting applies
+    Attachment.objects.all().delete()
+    Model.objects.filter(pk=tiny_llama.pk).update(status="ready", locked=False)
+    job = auto_load()
+    assert job is not None and job.model_id == gpt2.pk

@@ -162,8 +162,12 @@ def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded,
     assert e.steered() > 0
     server.kill9()
 
-    # --- started again directly under daphne: what the rows say is what the engine holds
+    # --- started again directly under daphne: what the rows say is what the engine holds,
+    # and an AUTO_LOAD_MODEL naming another model does not swap the restored (locked) one
+    # out (it used to stop the start-up with MODEL_LOCKED)
+    e.env["AUTO_LOAD_MODEL"] = "tiny-gpt2"
     e.start("daphne-2")
+    assert e.model("tiny-gpt2")["status"] == "ready"
     row = e.model("tiny-llama")
     assert (row["status"], row["locked"]) == ("loaded", True), row
     assert e.attachments() == [(sae_id, 1)]
