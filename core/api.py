@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 from django.conf import settings
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import RequestDataTooBig
 from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
@@ -125,11 +126,27 @@ def _validation_message(fields: Any) -> str:
     return "Invalid request"
 
 
+def _unusable_body(exc: Exception) -> tuple[str, str, int, dict[str, Any]] | None:
+    """A body the server cannot take, refused as such (code, message, status, details):
+    over Django's DATA_UPLOAD_MAX_MEMORY_SIZE, or JSON nested past the parser's depth."""
+    if isinstance(exc, RequestDataTooBig):
+        limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
+        return ("PAYLOAD_TOO_LARGE", f"The request body is larger than {limit} bytes", 413,
+                {"limit_bytes": limit})
+    if isinstance(exc, RecursionError):
+        return ("VALIDATION_ERROR", "Invalid request body: JSON nested too deeply", 422,
+                {"fields": {"body": ["nested too deeply"]}})
+    return None
+
+
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
     """DRF's EXCEPTION_HANDLER for every /api view."""
     if isinstance(exc, MillmError):
         return error_response(exc.code, exc.message, status_code=exc.status,
                               details=exc.details, retry_after=exc.retry_after)
+    if (refusal := _unusable_body(exc)) is not None:
+        code, message, status_code, details = refusal
+        return error_response(code, message, status_code=status_code, details=details)
     if isinstance(exc, Http404):
         exc = exceptions.NotFound()
     elif isinstance(exc, DjangoPermissionDenied):
@@ -182,6 +199,9 @@ class ApiFallbackMiddleware(LoopMiddleware):
         if isinstance(exception, MillmError):
             return error_json(exception.code, exception.message, status_code=exception.status,
                               details=exception.details, retry_after=exception.retry_after)
+        if (refusal := _unusable_body(exception)) is not None:
+            code, message, status_code, details = refusal
+            return error_json(code, message, status_code=status_code, details=details)
         log.error("api_unhandled_exception", path=request.path,
                   error_type=type(exception).__name__, exc_info=exception)
         return error_json("INTERNAL_ERROR", "Internal server error; see the server log",

@@ -56,6 +56,18 @@ def test_a_body_that_is_not_json_is_a_validation_error(api):
             415, "UNSUPPORTED_MEDIA_TYPE")
 
 
+def test_a_body_too_large_or_too_deep_is_refused_not_a_500(api, settings):
+    deep = "[" * 100_000 + "]" * 100_000
+    error = refused(api.post("/api/saes/steering", deep, content_type="application/json"),
+                    422, "VALIDATION_ERROR")
+    assert error["details"]["fields"] == {"body": ["nested too deeply"]}
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    big = '{"steering": {"1": 1.0}, "pad": "' + "x" * 2000 + '"}'
+    error = refused(api.post("/api/saes/steering/batch", big, content_type="application/json"),
+                    413, "PAYLOAD_TOO_LARGE")
+    assert error["details"] == {"limit_bytes": 1000}
+
+
 def test_unexpected_exception_is_a_500_without_traceback(api, monkeypatch, caplog):
     from registry import selectors
 
