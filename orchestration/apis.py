@@ -15,6 +15,7 @@ from core.api import body_object, envelope, validated
 from core.schema import enveloped
 from monitoring.services import monitoring_state
 from orchestration import services, vectors
+from registry import apis as registry_apis
 from registry import selectors, vector_io
 from registry import serializers as io
 from registry.models import Attachment
@@ -62,6 +63,16 @@ def _with_live_state(status: dict) -> dict:
             "monitoring_enabled": bool(monitoring["enabled"]
                                        and monitoring["sae_id"] == row.sae_id
                                        and monitoring["layer"] == row.layer)}
+
+
+class SAEListApi(registry_apis.SAEListApi):
+    """The registry's SAE list, its ``attachment`` block with the live flags filled in."""
+
+    def get(self, request) -> Response:
+        response = super().get(request)
+        data = response.data["data"]
+        data["attachment"] = _with_live_state(data["attachment"])
+        return response
 
 
 class AttachmentStatusApi(APIView):

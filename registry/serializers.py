@@ -406,8 +406,8 @@ def attachment_status(rows: list[Attachment], counts: dict[tuple[str, int], int]
         "layer_module_path": first.layer_module_path if first else None,
         "hook_point": first.hook_point if first else None,
         "memory_usage_mb": _mb(sae_memory_bytes(first.sae)) if first else None,
-        # live steering and monitoring state belong to the steering and monitoring apps;
-        # per-request steering (the /v1 extension) is always available
+        # live steering and monitoring state belong to the steering and monitoring apps:
+        # orchestration (apis._with_live_state) fills these two in for every route
         "steering_enabled": False,
         "monitoring_enabled": False,
         "steering_apply_count": counts.get((first.sae_id, first.layer), 0) if first else 0,

@@ -114,6 +114,12 @@ def test_detach_clears_the_attachments_live_steering(api, relu, published,
     assert status["steering_enabled"] is False
     ok(api.post("/api/saes/steering", {"feature_idx": 5, "value": 9}, format="json"))
     assert ok(api.get("/api/saes/attachment"))["steering_enabled"] is True
+    # the SAE list's attachment block says the same
+    assert ok(api.get("/api/saes"))["attachment"]["steering_enabled"] is True
+    ok(api.post("/api/monitoring/configure", {"enabled": True, "sae_id": relu.id,
+                                              "layer": 1}, format="json"))
+    assert ok(api.get("/api/saes"))["attachment"]["monitoring_enabled"] is True
+    assert ok(api.get("/api/saes/attachment"))["monitoring_enabled"] is True
 
 
 @pytest.mark.django_db(transaction=True)
