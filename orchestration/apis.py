@@ -13,15 +13,12 @@ from rest_framework.views import APIView
 
 from core.api import body_object, envelope, validated
 from core.schema import enveloped
-from monitoring.services import monitoring_state
 from orchestration import services, vectors
-from registry import apis as registry_apis
 from registry import selectors, vector_io
 from registry import serializers as io
 from registry.models import Attachment
 from steering import serializers as steering_io
 from steering import services as steering_services
-from steering.live import live_state
 
 MODELS, SAES = ["models"], ["saes"]
 
@@ -52,36 +49,13 @@ class ModelUnloadApi(APIView):
         return _enqueued(request, model_id, services.model_unload_enqueue)
 
 
-def _with_live_state(status: dict) -> dict:
-    """The first attachment's live steering and monitoring flags, from their apps."""
-    if not status.get("is_attached"):
-        return status
-    row = Attachment.objects.select_related("sae").get(sae_id=status["sae_id"],
-                                                       layer=status["layer"])
-    monitoring = monitoring_state()
-    return {**status, "steering_enabled": live_state(attachment=row)["enabled"],
-            "monitoring_enabled": bool(monitoring["enabled"]
-                                       and monitoring["sae_id"] == row.sae_id
-                                       and monitoring["layer"] == row.layer)}
-
-
-class SAEListApi(registry_apis.SAEListApi):
-    """The registry's SAE list, its ``attachment`` block with the live flags filled in."""
-
-    def get(self, request) -> Response:
-        response = super().get(request)
-        data = response.data["data"]
-        data["attachment"] = _with_live_state(data["attachment"])
-        return response
-
-
 class AttachmentStatusApi(APIView):
     @extend_schema(tags=SAES, summary="Attachment status (with steering_apply_count)",
                    responses=enveloped(io.AttachmentStatusOutput))
     def get(self, request) -> Response:
         rows = list(selectors.attachment_list())
-        return envelope(_with_live_state(io.attachment_status(
-            rows, selectors.engine_attachment_counts() if rows else {})))
+        return envelope(io.attachment_status(
+            rows, selectors.engine_attachment_counts() if rows else {}))
 
 
 def _attach_data(result, sae, state: str) -> dict:

@@ -9,7 +9,6 @@ from registry.urls import SAE_ID
 urlpatterns = [
     path("models/<int:model_id>/load", apis.ModelLoadApi.as_view(), name="model-load"),
     path("models/<int:model_id>/unload", apis.ModelUnloadApi.as_view(), name="model-unload"),
-    path("saes", apis.SAEListApi.as_view(), name="saes"),
     path("saes/attachment", apis.AttachmentStatusApi.as_view(), name="sae-attachment"),
     path("saes/attach-set", apis.AttachSetApi.as_view(), name="sae-attach-set"),
     re_path(rf"^saes/{SAE_ID}/compatibility$", apis.SAECompatibilityApi.as_view(),

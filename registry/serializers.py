@@ -8,6 +8,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from core import attachment_flags
 from core.schema import MAX_LAYER
 from registry import sizing
 from registry.models import SAE, Attachment, Job, Model
@@ -406,10 +407,10 @@ def attachment_status(rows: list[Attachment], counts: dict[tuple[str, int], int]
         "layer_module_path": first.layer_module_path if first else None,
         "hook_point": first.hook_point if first else None,
         "memory_usage_mb": _mb(sae_memory_bytes(first.sae)) if first else None,
-        # live steering and monitoring state belong to the steering and monitoring apps:
-        # orchestration (apis._with_live_state) fills these two in for every route
-        "steering_enabled": False,
-        "monitoring_enabled": False,
+        # live steering and monitoring state belong to the steering and monitoring apps,
+        # which provide these two flags (core.attachment_flags)
+        **(attachment_flags.flags(first) if first else dict.fromkeys(attachment_flags.FLAGS,
+                                                                      False)),
         "steering_apply_count": counts.get((first.sae_id, first.layer), 0) if first else 0,
         "attachments_count": len(rows),
     }).data

@@ -1,8 +1,6 @@
 """Routes of the registry under /api: models, SAEs (lifecycle and attachments) and jobs.
 
-``/api/saes`` itself (``apis.SAEListApi``) is routed by orchestration, which adds the
-attachment's live steering and monitoring flags from their apps. SAE ids always start
-with ``sae_``, so ``/api/saes/steering…`` (the steering app's routes)
+SAE ids always start with ``sae_``, so ``/api/saes/steering…`` (the steering app's routes)
 never reads as an SAE id whatever order the routes are included in.
 """
 
@@ -19,6 +17,7 @@ urlpatterns = [
     path("models/<int:model_id>/lock", apis.ModelLockApi.as_view(), name="model-lock"),
     path("models/<int:model_id>/unlock", apis.ModelUnlockApi.as_view(), name="model-unlock"),
     path("models/<int:model_id>/cancel", apis.ModelCancelApi.as_view(), name="model-cancel"),
+    path("saes", apis.SAEListApi.as_view(), name="saes"),
     path("saes/download", apis.SAEDownloadApi.as_view(), name="sae-download"),
     path("saes/preview", apis.SAEPreviewApi.as_view(), name="sae-preview"),
     path("saes/attachments", apis.AttachmentListApi.as_view(), name="sae-attachments"),
