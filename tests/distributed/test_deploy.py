@@ -106,6 +106,7 @@ def test_kubernetes_manifests():
     ("millm-web@.service", "manage.py serve"),
     ("millm-worker.service", "celery -A millm_site worker"),
     ("millm-analysis.service", "celery -A millm_site worker -Q analysis"),
+    ("millm-batches.service", "celery -A millm_site worker -Q batches"),
     ("millm-engine.service", "manage.py run_engine"),
 ])
 def test_systemd_units(unit, command):
@@ -130,3 +131,52 @@ def test_engine_unit_outlasts_the_shutdown_grace():
     assert int(parser["Service"]["TimeoutStopSec"]) > \
         VARIABLES_BY_NAME["ENGINE_SHUTDOWN_GRACE_S"].default
     assert parser["Service"]["RestartPreventExitStatus"] == "3"
+
+
+def _queues_consumed(commands: list[str]) -> set[str]:
+    import re
+
+    return {q for c in commands for m in re.finditer(r"-Q[ =]([\w,]+)", c)
+            for q in m.group(1).split(",")}
+
+
+def test_every_routed_queue_has_a_worker_in_each_deployment():
+    """A task routed to a queue nobody consumes never runs (a /v1 batch stayed
+    'validating' under the README's and the systemd units' workers)."""
+    from django.conf import settings
+
+    routed = {r["queue"] for r in settings.CELERY_TASK_ROUTES.values()}
+    routed.add(settings.CELERY_TASK_DEFAULT_QUEUE)
+    units = []
+    for unit in (DEPLOY / "systemd").glob("*.service"):
+        parser = configparser.ConfigParser(strict=False, interpolation=None)
+        parser.read(unit)
+        units.append(parser["Service"]["ExecStart"])
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = [" ".join(s["command"]) for s in compose["services"].values()
+                if isinstance(s.get("command"), list)]
+    k8s = [" ".join(c["command"]) for doc in yaml.safe_load_all(
+        (DEPLOY / "k8s" / "worker.yaml").read_text()) if doc
+        for c in doc["spec"]["template"]["spec"]["containers"] if c.get("command")]
+    readme = [line for line in (DEPLOY.parent / "README.md").read_text().splitlines()
+              if line.startswith("celery ")]
+    for name, commands in (("systemd", units), ("compose", services), ("k8s", k8s),
+                           ("README", readme)):
+        assert routed <= _queues_consumed(commands), (name, routed - _queues_consumed(commands))
+
+
+def test_compose_has_no_repeated_keys():
+    """PyYAML keeps the last of two equal keys; docker compose refuses the file."""
+
+    class Strict(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        keys = [k.value for k, _ in node.value]
+        repeated = {k for k in keys if keys.count(k) > 1}
+        assert not repeated, (node.start_mark, repeated)
+        return loader.construct_mapping(node, deep=deep)
+
+    Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    for path in [DEPLOY / "compose.yaml", *(DEPLOY / "k8s").glob("*.yaml")]:
+        list(yaml.load_all(path.read_text(), Loader=Strict))
