@@ -149,7 +149,7 @@ async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
             sense(plan, outcome)
         if outcomes:
             await run_analyses(plan, outcomes[0])
-        result = await build_body(plan, outcomes, client)
+        result = build_body(plan, outcomes)
         count_usage(plan, usage_of(plan, outcomes), outcomes=outcomes)
         return Answer(200, result, {**plan.headers, **probe_headers(plan, outcomes)})
     finally:

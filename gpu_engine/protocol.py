@@ -186,7 +186,12 @@ class SamplingParams(msgspec.Struct):
     logit_bias: dict[int, float] = msgspec.field(default_factory=dict)
     logprobs: bool = False
     top_logprobs: int = 0
+    # the prompt tokens' own log-probabilities (FinishEvent.prompt_logprobs) and, with
+    # prompt_top_logprobs > 0, the top alternatives at every prompt position
+    # (FinishEvent.prompt_top_logprobs), all read from the request's own prefill: steered
+    # as the request is, one forward whatever the prompt's length
     prompt_logprobs: bool = False
+    prompt_top_logprobs: int = 0
     # the text of every prompt and completion token (FinishEvent.prompt_tokens/tokens)
     # and of the whole prompt (TokenEvent.prompt_text on the first token, and
     # FinishEvent.prompt_text): the tokenizer is the engine's, never the web tier's
@@ -221,6 +226,9 @@ class SamplingParams(msgspec.Struct):
         self.logit_bias = {_int(t, "logit_bias", lo=0): _num(b, "logit_bias", lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS)
                            for t, b in (self.logit_bias or {}).items()}
         _int(self.top_logprobs, "top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+        _int(self.prompt_top_logprobs, "prompt_top_logprobs", lo=0, hi=MAX_TOP_LOGPROBS)
+        if self.prompt_top_logprobs and not self.prompt_logprobs:
+            raise InvalidParameter("prompt_top_logprobs needs prompt_logprobs", param="prompt_top_logprobs")
 
 
 # --------------------------------------------------------------------------- steering
@@ -965,6 +973,9 @@ class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
     capture: CaptureResult | None = None  # GenerationJob.capture's artifact
     # set when the loaded model decodes speculatively (SPECULATIVE_MODEL)
     speculative: SpeculativeStats | None = None
+    # with ``sampling.prompt_top_logprobs``: the top alternatives at each prompt position
+    # (None at position 0, as ``prompt_logprobs``), from the prefill's logits
+    prompt_top_logprobs: list[list[LogprobEntry] | None] | None = None
 
 
 class ErrorEvent(msgspec.Struct, tag="error", tag_field="type"):
@@ -1018,6 +1029,7 @@ class GenerationResult(msgspec.Struct):
     steering_fired: list[SteeringFired] = msgspec.field(default_factory=list)
     capture: CaptureResult | None = None
     speculative: SpeculativeStats | None = None
+    prompt_top_logprobs: list[list[LogprobEntry] | None] | None = None
 
     @classmethod
     def from_events(cls, events: Iterable[GenerationEvent]) -> GenerationResult:
@@ -1046,5 +1058,6 @@ class GenerationResult(msgspec.Struct):
                     forward_passes=ev.forward_passes,
                     capture=ev.capture,
                     speculative=ev.speculative,
+                    prompt_top_logprobs=ev.prompt_top_logprobs,
                 )
         raise RuntimeError("generation ended without a finish event")

@@ -64,6 +64,9 @@ class Choice:
     index: int
     job: GenerationJob
     prompt_text: str | None = None  # completions: the prompt as text (for echo)
+    # completions' max_tokens 0: the one token the engine generates is not answered
+    # (``inference.serving.prompt_only``)
+    prompt_only: bool = False
 
 
 @dataclass
@@ -229,11 +232,6 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
         if req.echo and req.wants_logprobs and req.stream:
             raise OpenAIError("echo with logprobs is not available when streaming",
                               status=400, code="invalid_parameter", param="echo")
-        if req.echo and (req.logprobs or 0) > 0 and steering.steered:
-            raise OpenAIError(
-                "echo with logprobs > 0 is not available on a steered request: the "
-                "alternatives at prompt positions would be scored unsteered",
-                status=400, code="invalid_parameter", param="logprobs")
         for p, prompt in enumerate(req.prompt):
             for i in range(req.n):
                 job_args: dict[str, Any] = (
@@ -242,7 +240,8 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 choices.append(Choice(p * req.n + i, GenerationJob(
                     request_id=f"cmpl-{uuid.uuid4().hex}", sampling=req.sampling(i, defaults),
                     steering=steering.spec, monitor=monitor, capture=capture, **job_args),
-                    prompt_text=prompt if isinstance(prompt, str) else None))
+                    prompt_text=prompt if isinstance(prompt, str) else None,
+                    prompt_only=req.scores_only))
     return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
                 attachment=attachment, choices=choices,
                 backend=client.backend_name, monitoring=monitored,

@@ -374,7 +374,8 @@ class _GenerationRequest(_Wire):
 
     def _sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
                   prompt_logprobs: bool, choice: int, defaults: SamplingDefaults,
-                  max_tokens_default: int | None = None) -> SamplingParams:
+                  max_tokens_default: int | None = None,
+                  prompt_top_logprobs: int = 0) -> SamplingParams:
         seed = self.seed
         if seed is not None and choice:
             # n > 1 with a seed: each choice gets its own (still reproducible) stream
@@ -395,6 +396,7 @@ class _GenerationRequest(_Wire):
             logprobs=logprobs,
             top_logprobs=top_logprobs,
             prompt_logprobs=prompt_logprobs,
+            prompt_top_logprobs=prompt_top_logprobs,
             # token texts come from the engine's tokenizer (the web tier holds none): asked
             # for where the answer shows tokens that no token event carries
             token_texts=self._needs_token_texts(),
@@ -618,6 +620,8 @@ def _prompt(value: Any) -> list[PromptItem]:
 
 class CompletionRequest(_GenerationRequest):
     prompt: list[PromptItem]
+    # OpenAI's minimum is 0: with echo, the classic scoring call (``scores_only``)
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS_LIMIT)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     add_special_tokens: bool = True
@@ -634,6 +638,13 @@ class CompletionRequest(_GenerationRequest):
     def wants_logprobs(self) -> bool:
         return self.logprobs is not None
 
+    @property
+    def scores_only(self) -> bool:
+        """``max_tokens: 0``: the prompt is read (echoed and scored) and nothing is
+        generated. The engine runs its prefill as a one-token generation whose token is
+        dropped from the answer (``inference.serving.prompt_only``)."""
+        return self.max_tokens == 0
+
     def _needs_token_texts(self) -> bool:
         # echo shows the prompt (and its tokens, with logprobs)
         return self.echo or self.return_sae_activations is not None
@@ -641,7 +652,8 @@ class CompletionRequest(_GenerationRequest):
     def sampling(self, choice: int = 0, defaults: SamplingDefaults = OPENAI_DEFAULTS
                  ) -> SamplingParams:
         if self.max_tokens is not None:
-            max_tokens, ceiling = self.max_tokens, None
+            # max_tokens 0: one token, never shown (its forward is the prompt's prefill)
+            max_tokens, ceiling = max(self.max_tokens, 1), None
         elif defaults.max_tokens is None:
             max_tokens, ceiling = 16, None  # OpenAI's legacy default
         else:
@@ -649,6 +661,9 @@ class CompletionRequest(_GenerationRequest):
         return self._sampling(max_tokens=max_tokens, max_tokens_default=ceiling,
                               logprobs=self.wants_logprobs, top_logprobs=self.logprobs or 0,
                               prompt_logprobs=self.echo and self.wants_logprobs,
+                              # the alternatives at each prompt position, from the same
+                              # (steered) prefill
+                              prompt_top_logprobs=(self.logprobs or 0) if self.echo else 0,
                               choice=choice, defaults=defaults)
 
 

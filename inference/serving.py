@@ -15,12 +15,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import structlog
 from django.http import JsonResponse, StreamingHttpResponse
 
@@ -30,10 +30,10 @@ from core.runtime import runtime
 from gpu_engine.protocol import (
     ErrorEvent,
     FinishEvent,
-    ScoreJob,
     SteeringCount,
     TokenEvent,
     TokenLogprob,
+    Usage,
     to_builtins,
 )
 from inference import wire
@@ -63,10 +63,6 @@ from monitoring.services import capture_register, monitoring_record, monitoring_
 
 log = structlog.get_logger(__name__)
 
-# Echo with logprobs needs the top alternatives at every prompt position; the engine
-# reports only the prompt tokens' own log-probabilities, so the alternatives are scored
-# prefix by prefix (one forward each). Bounded, since that is quadratic in the prompt.
-ECHO_ALTERNATIVES_MAX_PROMPT = 512
 ENGINE_CALL_TIMEOUT_S = 300.0
 
 
@@ -199,47 +195,27 @@ def count_usage(plan: Plan, usage: wire.Usage, *, unfinished: int = 0,
                            accepted=speculative["accepted"])
 
 
-async def _echo_alternatives(client: EngineClient, prompt_ids: list[int], k: int
-                             ) -> list[dict[str, float] | None]:
-    """Top-k log-probabilities at each prompt position (None at position 0)."""
-    if len(prompt_ids) > ECHO_ALTERNATIVES_MAX_PROMPT:
-        raise OpenAIError(
-            f"echo with logprobs > 0 is limited to prompts of "
-            f"{ECHO_ALTERNATIVES_MAX_PROMPT} tokens on this engine (got {len(prompt_ids)})",
-            status=400, code="invalid_parameter", param="logprobs")
-    out: list[dict[str, float] | None] = [None]
-    for end in range(1, len(prompt_ids)):
-        result = await asyncio.to_thread(
-            client.score, ScoreJob(request_id=f"echo-{uuid.uuid4().hex}",
-                                   prompt_token_ids=prompt_ids[:end], top_k=k),
-            timeout_s=ENGINE_CALL_TIMEOUT_S)
-        out.append({e.token: e.logprob for e in result.top})
-    return out
-
-
-async def _completion_logprobs(plan: Plan, out: Outcome, client: EngineClient
-                               ) -> wire.CompletionLogprobs:
+def _completion_logprobs(plan: Plan, out: Outcome) -> wire.CompletionLogprobs:
     req = plan.request
     assert isinstance(req, CompletionRequest)
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
     top: list[dict[str, float] | None] = []
     if req.echo:
-        prompt_ids = list(out.finish.prompt_token_ids)
+        # the prompt's own logprobs and, with logprobs >= 1, the alternatives at each
+        # position: both from the request's prefill (steered as the request is)
+        n_prompt = len(out.finish.prompt_token_ids)
         tokens += list(out.finish.prompt_tokens)
-        token_logprobs += list(out.finish.prompt_logprobs or [None] * len(prompt_ids))
-        if req.logprobs:
-            alternatives = await _echo_alternatives(client, prompt_ids, req.logprobs)
-        else:
-            alternatives = [None] * len(prompt_ids)
-        for i, alt in enumerate(alternatives):
+        token_logprobs += list(out.finish.prompt_logprobs or [None] * n_prompt)
+        alternatives = out.finish.prompt_top_logprobs or [None] * n_prompt
+        for i, entries in enumerate(alternatives):
             if i == 0:
                 top.append(None)
                 continue
-            alt = dict(alt or {})
+            alt = {e.token: e.logprob for e in entries or ()}
             lp = token_logprobs[i]
             if lp is not None:
-                alt.setdefault(tokens[i], lp)
+                alt.setdefault(tokens[i], lp)  # as for completion tokens: the chosen one too
             top.append(alt)
     for t in out.tokens:
         if t.logprob is None:
@@ -255,8 +231,7 @@ async def _completion_logprobs(plan: Plan, out: Outcome, client: EngineClient
                                    top_logprobs=top, text_offset=offsets)
 
 
-async def build_body(plan: Plan, outcomes: list[Outcome], client: EngineClient
-                     ) -> dict[str, Any]:
+def build_body(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
     millm = millm_object(plan, outcomes) if wants_millm(plan, outcomes) else None
     common = {"id": plan.object_id, "created": plan.created, "model": plan.model.name,
               "system_fingerprint": plan.fingerprint, "usage": usage_of(plan, outcomes),
@@ -281,8 +256,7 @@ async def build_body(plan: Plan, outcomes: list[Outcome], client: EngineClient
                     else out.finish.prompt_text or "") + text
         choices.append(wire.CompletionChoice(
             index=out.choice.index, text=text,
-            logprobs=(await _completion_logprobs(plan, out, client)
-                      if req.wants_logprobs else None),
+            logprobs=_completion_logprobs(plan, out) if req.wants_logprobs else None,
             finish_reason=wire.finish_reason(out.finish.finish_reason)))
     return wire.Completion(**common, choices=choices).dump()
 
@@ -406,13 +380,30 @@ def probe_headers(plan: Plan, outcomes: list[Outcome]) -> dict[str, str]:
     return {"X-miLLM-Probe-Verdicts": verdicts_header(outcomes[0].probes)}
 
 
+def prompt_only(choice: Choice, finish: FinishEvent, tokens: list[TokenEvent]) -> Outcome:
+    """A ``max_tokens: 0`` choice's outcome: the prompt read (its echo, logprobs and
+    activations) and nothing generated — the one token the engine's prefill produced is
+    dropped, and the monitor rows that travelled with it stay as prompt rows."""
+    records = [msgspec.structs.replace(r, token_index=None)
+               for r in [*finish.activations, *(r for t in tokens for r in t.activations)]]
+    n = finish.usage.prompt_tokens
+    return Outcome(choice, msgspec.structs.replace(
+        finish, finish_reason="length", text="", token_ids=[], tokens=[],
+        usage=Usage(n, 0, n), activations=records), [])
+
+
+def outcome_of(choice: Choice, finish: FinishEvent, tokens: list[TokenEvent]) -> Outcome:
+    return prompt_only(choice, finish, tokens) if choice.prompt_only \
+        else Outcome(choice, finish, tokens)
+
+
 async def run_choice(client: EngineClient, choice: Choice) -> Outcome:
     tokens: list[TokenEvent] = []
     async for event in client.agenerate(choice.job):
         if isinstance(event, TokenEvent):
             tokens.append(event)
         elif isinstance(event, FinishEvent):
-            return Outcome(choice, event, tokens)
+            return outcome_of(choice, event, tokens)
         elif isinstance(event, ErrorEvent):
             raise openai_error_event(event.code, event.message, event.details)
     raise OpenAIError("the generation ended without a result", status=500,
@@ -555,7 +546,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
             opened = False
             held = b""
             tokens: list[TokenEvent] = []
-            under_way = tokens
+            under_way = [] if choice.prompt_only else tokens  # what was sent
             tool_stream = (ToolStream(plan.tools) if plan.kind == "chat" and plan.tools
                            is not None and plan.tools.parses else None)
             while True:
@@ -581,12 +572,14 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                     held = _sse(_chunk(plan, [opening])) if opening is not None else b""
                 if isinstance(event, TokenEvent):
                     tokens.append(event)
+                    if choice.prompt_only:
+                        continue  # max_tokens 0: the prefill's token is never sent
                     piece = _token_choice(plan, choice, event, tool_stream)
                     if piece is not None:
                         yield held + _sse(_chunk(plan, [piece]))
                         held = b""
                 elif isinstance(event, FinishEvent):
-                    outcomes.append(Outcome(choice, event, tokens))
+                    outcomes.append(outcome_of(choice, event, tokens))
                     under_way = []
                     await record_monitoring(plan, outcomes[-1])
                     await register_capture(plan, outcomes[-1])
@@ -596,7 +589,8 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                         for piece in _tool_chunks(choice, tool_stream):
                             yield held + _sse(_chunk(plan, [piece]))
                             held = b""
-                    yield held + _sse(_chunk(plan, [_finish_choice(plan, choice, event)]))
+                    yield held + _sse(_chunk(plan, [_finish_choice(plan, choice,
+                                                                      outcomes[-1].finish)]))
                     held = b""
                     break
         if plan.request.include_usage:
@@ -638,7 +632,7 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
             sense(plan, outcome)
         if outcomes:
             await run_analyses(plan, outcomes[0])
-        body = await build_body(plan, outcomes, client)
+        body = build_body(plan, outcomes)
         count_usage(plan, usage_of(plan, outcomes), outcomes=outcomes)
         return JsonResponse(body, headers={**plan.headers, **probe_headers(plan, outcomes)})
     # Wait for the first event before answering, so a refusal the engine makes at the

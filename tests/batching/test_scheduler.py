@@ -96,6 +96,32 @@ def test_logprobs_in_a_batch_equal_the_solo_run(llama):
             np.testing.assert_allclose(res.prompt_logprobs[1:], alone.prompt_logprobs[1:], atol=BATCH_LOGPROB_ATOL)
 
 
+def test_prompt_alternatives_in_a_batch_equal_the_solo_run(llama):
+    """A steered and an unsteered echo request (prompt logprobs + top-3 alternatives) beside
+    other rows: each equals its serial run, and the steered one differs (positive control)."""
+    batched, serial, sae = llama
+    steering = SteeringSpec.from_mapping({(sae.name, sae.layer): {3: 6.0}})
+    echo = greedy(4, prompt_logprobs=True, prompt_top_logprobs=3)
+    jobs = [GenerationJob("e", prompt=PROMPTS[0], sampling=echo, steering=steering),
+            GenerationJob("p", prompt=PROMPTS[0], sampling=echo),
+            GenerationJob("x", prompt=PROMPTS[1], sampling=greedy(8), steering=steering),
+            GenerationJob("y", prompt=PROMPTS[3], sampling=echo)]
+    results = together(batched, jobs)
+    for job, res in zip(jobs, results):
+        alone = serial.generate_sync(job)
+        assert res.token_ids == alone.token_ids
+        if not job.sampling.prompt_logprobs:
+            assert res.prompt_top_logprobs is None
+            continue
+        np.testing.assert_allclose(res.prompt_logprobs[1:], alone.prompt_logprobs[1:], atol=BATCH_LOGPROB_ATOL)
+        assert res.prompt_top_logprobs[0] is None and len(res.prompt_top_logprobs) == len(alone.prompt_top_logprobs)
+        for got, want in zip(res.prompt_top_logprobs[1:], alone.prompt_top_logprobs[1:]):
+            assert [e.token_id for e in got] == [e.token_id for e in want]
+            np.testing.assert_allclose([e.logprob for e in got], [e.logprob for e in want], atol=BATCH_LOGPROB_ATOL)
+    steered, plain = results[0], results[1]
+    assert np.abs(np.subtract(steered.prompt_logprobs[1:], plain.prompt_logprobs[1:])).max() > 0.05
+
+
 def test_streaming_monitor_records_travel_with_their_tokens(llama):
     batched, serial, sae = llama
     mon = MonitorSpec([MonitorEntry(sae.name, sae.layer, top_k=4, features=[1, 2], stream=True)])

@@ -19,7 +19,7 @@ from gpu_engine.protocol import (
     TokenEvent,
 )
 
-from .helpers import count_forwards
+from .helpers import assert_prompt_alternatives, count_forwards, prompt_log_softmax
 from .tolerances import EMBED_ATOL, LOGPROB_ATOL
 
 PROMPT = "the sun rises over the hills and"
@@ -241,6 +241,25 @@ def test_logprobs_match_the_models_distribution(engine):
         np.testing.assert_allclose([e.logprob for e in lp.top_logprobs], row[top], atol=LOGPROB_ATOL)
     assert out.prompt_logprobs[0] is None
     np.testing.assert_allclose(out.prompt_logprobs[1:], [lsm[j - 1][ids[j]] for j in range(1, len(ids))], atol=LOGPROB_ATOL)
+
+
+def test_prompt_alternatives_are_the_prefills_top_k(engine):
+    """echo + logprobs >= 1: every prompt position's top-k from the one prefill, equal to a
+    plain forward's log_softmax."""
+    ids = engine.backend.encode_text(PROMPT)
+    with count_forwards(engine.backend.model) as n:
+        out = engine.generate_sync(GenerationJob("p", prompt_token_ids=ids, sampling=sp(
+            max_tokens=1, prompt_logprobs=True, prompt_top_logprobs=4)))
+    assert n[0] == out.forward_passes == 1  # one forward, whatever the prompt's length
+    assert_prompt_alternatives(out, prompt_log_softmax(engine, ids), ids, 4, LOGPROB_ATOL)
+    assert out.prompt_top_logprobs[1][0].token == engine.backend.tokenizer.decode(
+        [out.prompt_top_logprobs[1][0].token_id])
+    plain = engine.generate_sync(GenerationJob("q", prompt_token_ids=ids, sampling=sp(
+        max_tokens=1, prompt_logprobs=True)))
+    assert plain.prompt_top_logprobs is None and plain.prompt_logprobs == out.prompt_logprobs
+    with pytest.raises(InvalidParameter) as err:
+        sp(max_tokens=1, prompt_top_logprobs=2)
+    assert err.value.param == "prompt_top_logprobs"
 
 
 def test_score_next_token_logprobs(engine):

@@ -30,7 +30,13 @@ from gpu_engine.protocol import (
     SteeringSpec,
 )
 
-from .helpers import RefSAE, add_delta, block
+from .helpers import (
+    RefSAE,
+    add_delta,
+    assert_prompt_alternatives,
+    block,
+    prompt_log_softmax,
+)
 
 # llama.cpp's float32 kernels vs torch's on the same weights: different summation order,
 # measured ≤ 2e-6 on these logprobs; the issue asks for 1e-4
@@ -359,6 +365,34 @@ def test_prompt_logprobs_in_generation(both):
         np.testing.assert_allclose(
             got.prompt_logprobs[1:], want.prompt_logprobs[1:], atol=LOGPROB_ATOL
         )
+
+
+def test_prompt_alternatives_are_the_steered_prefills(both, tiny_assets):
+    """echo + logprobs >= 1 on llama.cpp: each prompt position's top-3 from the request's
+    own prefill, equal to a float32 forward of the checkpoint (with the test's own hook
+    adding the delta when steered), serial and batched; steered differs from unsteered."""
+    hf, gg, gb = both
+    model = tiny_assets.models["tiny-llama"]
+    asset = tiny_assets.saes["tiny-llama-L2-jumprelu"]
+    features = {5: 4.0, 9: -2.0}
+    ids = prompt_ids(hf, PROMPTS[0])
+    plain_ref = prompt_log_softmax(hf, ids)
+    steered_ref = prompt_log_softmax(
+        hf, ids, steer=(block(hf, model, asset.layer), RefSAE(asset).delta(features))
+    )
+    assert np.abs(steered_ref[:-1] - plain_ref[:-1]).max() > 0.05  # the steer moves them
+    sampling = SamplingParams(
+        max_tokens=2, temperature=0.0, prompt_logprobs=True, prompt_top_logprobs=3
+    )
+    steering = SteeringSpec.from_mapping({(asset.name, asset.layer): features})
+    for eng in (gg, gb):
+        eng.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
+        plain = eng.generate_sync(GenerationJob("p", prompt_token_ids=ids, sampling=sampling))
+        assert_prompt_alternatives(plain, plain_ref, ids, 3, LOGPROB_ATOL)
+        got = eng.generate_sync(
+            GenerationJob("s", prompt_token_ids=ids, sampling=sampling, steering=steering)
+        )
+        assert_prompt_alternatives(got, steered_ref, ids, 3, LOGPROB_ATOL)
 
 
 def test_load_options_do_what_the_configuration_says(tiny_gguf):

@@ -7,8 +7,16 @@ import pytest
 
 from gpu_engine.protocol import AttachSpec, GenerationJob, SamplingParams, SteeringSpec
 
-from .helpers import RefSAE, add_delta, block, capture, count_forwards
-from .tolerances import HOOK_ATOL, HOOK_RTOL, POSITIVE_CONTROL_MIN
+from .helpers import (
+    RefSAE,
+    add_delta,
+    assert_prompt_alternatives,
+    block,
+    capture,
+    count_forwards,
+    prompt_log_softmax,
+)
+from .tolerances import HOOK_ATOL, HOOK_RTOL, LOGPROB_ATOL, POSITIVE_CONTROL_MIN
 
 PROMPT = "the cat sat on the mat and"
 FEATURES = {3: 8.0, 17: -5.0}
@@ -76,6 +84,28 @@ def test_engine_steering_matches_a_hand_made_hook(engine, tiny_assets):
     attach(engine, asset)
     steered = engine.generate_sync(greedy("steered", steering=steer(asset.name, 1)))
     assert steered.token_ids == reference.token_ids
+
+
+def test_prompt_logprobs_and_alternatives_are_the_steered_prefills(engine, tiny_assets):
+    """Echoed log-likelihoods of a steered request (lm-eval through ``model@profile``): the
+    prompt tokens' logprobs and top-k alternatives are the steered forward's, equal to a
+    plain forward with the test's own hook adding the delta."""
+    model = tiny_assets.models["tiny-llama"]
+    asset = tiny_assets.saes["tiny-llama-L1-relu"]
+    ids = engine.backend.encode_text(PROMPT)
+    want = prompt_log_softmax(engine, ids, steer=(block(engine, model, 1), RefSAE(asset).delta(FEATURES)))
+    unsteered = prompt_log_softmax(engine, ids)
+    assert np.abs(want[:-1] - unsteered[:-1]).max() > POSITIVE_CONTROL_MIN  # the steer moves them
+    attach(engine, asset)
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=True,
+                              prompt_top_logprobs=3)
+    got = engine.generate_sync(GenerationJob("s", prompt_token_ids=ids, sampling=sampling,
+                                             steering=steer(asset.name, 1)))
+    assert_prompt_alternatives(got, want, ids, 3, LOGPROB_ATOL)
+    assert [(c.layer, c.count) for c in got.steering_apply_count] == [(1, 1)]
+    plain = engine.generate_sync(GenerationJob("u", prompt_token_ids=ids, sampling=sampling))
+    assert_prompt_alternatives(plain, unsteered, ids, 3, LOGPROB_ATOL)
+    assert plain.prompt_logprobs != got.prompt_logprobs
 
 
 def test_steering_apply_count_equals_forward_passes(engine, tiny_assets):

@@ -199,3 +199,38 @@ def test_echo_logprobs_equal_the_engine_prompt_scores(llama, openai_client):
         assert last[entry.token] == pytest.approx(entry.logprob, abs=1e-5)
     assert len(lp.tokens) == n_prompt + 1
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+
+
+def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(llama, openai_client):
+    """OpenAI's minimum 0 on completions: with echo the classic scoring call — the prompt
+    back with its logprobs, no completion token, completion_tokens 0, finish "length" —
+    streamed or not; the prompt logprobs equal the engine's own scoring."""
+    from gpu_engine.protocol import ScoreJob
+
+    prompt = "the sea is wide"
+    score = llama.engine.score(ScoreJob("s", prompt=prompt, prompt_logprobs=True))
+    out = openai_client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=0,
+                                           echo=True, logprobs=1)
+    choice = out.choices[0]
+    assert (choice.text, choice.finish_reason) == (prompt, "length")
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == \
+        (score.prompt_tokens, 0, score.prompt_tokens)
+    assert len(choice.logprobs.tokens) == score.prompt_tokens  # the prompt's, nothing more
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(score.prompt_logprobs[1:],
+                                                               abs=1e-5)
+    bare = openai_client.completions.create(model="tiny-llama", prompt=[prompt, "a sky"],
+                                            max_tokens=0, logprobs=2)
+    assert [(c.text, c.finish_reason, c.logprobs.tokens) for c in bare.choices] == \
+        [("", "length", [])] * 2
+    assert bare.usage.completion_tokens == 0
+    chunks = list(openai_client.completions.create(
+        model="tiny-llama", prompt=prompt, max_tokens=0, echo=True, stream=True,
+        stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == prompt
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 0
+    assert chunks[-1].usage.prompt_tokens == score.prompt_tokens
+    refused = request(llama.base_url, "POST", "/completions",
+                      {"model": "tiny-llama", "prompt": prompt, "max_tokens": -1})
+    assert refused.status == 400 and refused.json()["error"]["param"] == "max_tokens"
+

@@ -174,3 +174,50 @@ def test_sae_activations_refusals(llama):
                         "sae_activations_refused")
     assert_openai_error(_complete(llama, return_sae_activations={"top_k": 0}), 400,
                         "invalid_parameter", "return_sae_activations")
+
+
+def test_echo_logprobs_of_a_steered_request_are_its_own_prefill(relu, llama, openai_client,
+                                                                  tiny_assets):
+    """lm-eval's loglikelihood call through ``model@profile`` (echo, logprobs 3,
+    max_tokens 0): the prompt's logprobs and alternatives are the steered forward's — equal
+    to a float32 forward with the test's own hook adding the delta — from one forward pass;
+    the unsteered model gives the plain forward's (positive control)."""
+    from tests.engine.helpers import RefSAE, block, count_forwards, prompt_log_softmax
+
+    features = {3: 12.0, 40: -6.5}
+    profile_create(name="ll-steer", sae_id=relu.id, layer=1,
+                   steering={str(i): s for i, s in features.items()}, model_name="tiny-llama")
+    engine = llama.engine
+    tok = engine.backend.tokenizer
+    ids = engine.backend.encode_text(PROMPT)
+    delta = RefSAE(tiny_assets.saes["tiny-llama-L1-relu"]).delta(features)
+    steered_ref = prompt_log_softmax(
+        engine, ids, steer=(block(engine, tiny_assets.models["tiny-llama"], 1), delta))
+    plain_ref = prompt_log_softmax(engine, ids)
+
+    def text(t: int) -> str:
+        return tok.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def check(model: str, lsm) -> list:
+        with count_forwards(engine.backend.model) as n:
+            out = openai_client.completions.create(model=model, prompt=PROMPT, echo=True,
+                                                   logprobs=3, max_tokens=0, temperature=0)
+        assert n[0] == 1  # one prefill, whatever the prompt's length
+        choice = out.choices[0]
+        assert choice.text == PROMPT and choice.finish_reason == "length"
+        assert out.usage.completion_tokens == 0 and out.usage.prompt_tokens == len(ids)
+        lp = choice.logprobs
+        assert lp.tokens == [text(t) for t in ids]
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        for j in range(1, len(ids)):
+            row = lsm[j - 1]
+            want = {text(int(t)): float(row[t]) for t in row.argsort()[::-1][:3]}
+            want.setdefault(text(ids[j]), float(row[ids[j]]))
+            assert lp.token_logprobs[j] == pytest.approx(row[ids[j]], abs=1e-5)
+            assert set(lp.top_logprobs[j]) == set(want), j
+            assert lp.top_logprobs[j] == pytest.approx(want, abs=1e-5)
+        return lp.token_logprobs[1:]
+
+    steered = check("tiny-llama@ll-steer", steered_ref)
+    plain = check("tiny-llama", plain_ref)
+    assert steered != pytest.approx(plain, abs=1e-3)  # the steer moved the log-likelihoods

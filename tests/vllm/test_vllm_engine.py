@@ -22,6 +22,8 @@ from gpu_engine.protocol import (
     TokenEvent,
 )
 
+from tests.engine.helpers import RefSAE, assert_prompt_alternatives, block, prompt_log_softmax
+
 from .conftest import SAES
 
 L1, L2, L3 = ((name, layer) for name, layer in zip(SAES, (1, 2, 3)))
@@ -228,6 +230,28 @@ def test_what_vllm_cannot_do_is_refused_and_scores_match(vllm_engine, hf_engine)
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got.top, want.top))
     assert got.prompt_logprobs[0] is None
     assert all(abs(a - b) < 1e-4 for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]))
+
+
+def test_prompt_alternatives_are_the_steered_prefills(vllm_engine, hf_engine, tiny_assets):
+    """echo + logprobs >= 1 on vLLM (its own prompt_logprobs=k): each prompt position's
+    top-3 equals a float32 forward of the checkpoint, with the test's own hook adding the
+    delta when steered; steered differs from unsteered (positive control)."""
+    model = tiny_assets.models["tiny-llama"]
+    name, layer = L2
+    features = {5: 4.0, 9: -2.0}
+    ids = hf_engine.backend.encode_text(PROMPTS[0])
+    plain_ref = prompt_log_softmax(hf_engine, ids)
+    steered_ref = prompt_log_softmax(hf_engine, ids, steer=(
+        block(hf_engine, model, layer), RefSAE(tiny_assets.saes[name]).delta(features)))
+    assert abs(steered_ref[:-1] - plain_ref[:-1]).max() > 0.05  # the steer moves them
+    sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=True,
+                              prompt_top_logprobs=3)
+    plain = vllm_engine.generate_sync(GenerationJob("p", prompt_token_ids=ids, sampling=sampling))
+    steered = vllm_engine.generate_sync(GenerationJob(
+        "s", prompt_token_ids=ids, sampling=sampling,
+        steering=SteeringSpec.from_mapping({L2: features})))
+    assert_prompt_alternatives(plain, plain_ref, ids, 3, 1e-4)
+    assert_prompt_alternatives(steered, steered_ref, ids, 3, 1e-4)
 
 
 def _hooked_copy(tmp_path, tiny_assets, hook_name: str):

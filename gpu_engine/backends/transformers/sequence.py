@@ -52,6 +52,20 @@ def token_logprob(runner, lsm: torch.Tensor, token_id: int, n_top: int) -> Token
     return TokenLogprob(token_id, runner.token_text(token_id), float(lsm[token_id]), top)
 
 
+def prompt_top_entries(runner, vals: list[list[float]], idx: list[list[int]]  # type: ignore[no-untyped-def]
+                       ) -> list[list[LogprobEntry]]:
+    """Per prompt position, its top entries (best first) from parallel value/id rows;
+    each token's text decoded once (the same few tokens recur across positions)."""
+    texts: dict[int, str] = {}
+
+    def text(t: int) -> str:
+        if t not in texts:
+            texts[t] = runner.token_text(t)
+        return texts[t]
+
+    return [[LogprobEntry(int(i), text(int(i)), float(v)) for v, i in zip(vs, ids)] for vs, ids in zip(vals, idx)]
+
+
 class Sequence:
     """Per-request decode state (see the module doc)."""
 
@@ -107,6 +121,7 @@ class Sequence:
         self.ahead_records: list[ActivationRecord] = []
         self.speculative: Any = None  # protocol.SpeculativeStats, on a speculative model
         self.prompt_logprobs: list[float | None] | None = None
+        self.prompt_top_logprobs: list[list[LogprobEntry] | None] | None = None
         self.finish_reason = "length"
         self.forwards = 0
         self.done = False
@@ -125,10 +140,16 @@ class Sequence:
         return self.generated[-1]
 
     def echo_logprobs(self, logits: torch.Tensor) -> None:
-        """Prompt log-probabilities from the prefill's full logits (``prompt_logprobs``)."""
+        """Prompt log-probabilities from the prefill's full logits (``prompt_logprobs``),
+        and the top ``prompt_top_logprobs`` alternatives at each position from the same
+        rows (row j - 1 predicts prompt token j)."""
         lsm_all = torch.log_softmax(logits[:-1].float(), dim=-1)
         picked = lsm_all.gather(1, self.prompt[0, 1:].unsqueeze(1)).squeeze(1)
         self.prompt_logprobs = [None, *[float(v) for v in picked.tolist()]]
+        k = min(self.sampling.prompt_top_logprobs, lsm_all.shape[-1])
+        if k:
+            vals, idx = torch.topk(lsm_all, k, dim=-1)
+            self.prompt_top_logprobs = [None, *prompt_top_entries(self.runner, vals.tolist(), idx.tolist())]
 
     def accept(self, token_id: int, lsm: torch.Tensor | None) -> bool:
         """Take the token sampled for this request; emit its event.  True when finished."""
@@ -214,6 +235,7 @@ class Sequence:
             usage=Usage(self.n_prompt, n, self.n_prompt + n),
             prompt_token_ids=list(self.prompt_ids),
             prompt_logprobs=self.prompt_logprobs,
+            prompt_top_logprobs=self.prompt_top_logprobs,
             activations=self.extra_records,
             steering_apply_count=counts,
             steering_fired=fired,
@@ -227,4 +249,4 @@ class Sequence:
         )
 
 
-__all__ = ["Sequence", "token_logprob"]
+__all__ = ["Sequence", "prompt_top_entries", "token_logprob"]

@@ -85,7 +85,8 @@ class VllmSequence(Sequence):
                 # the same end tokens as our own decode state; stop strings are matched here
                 ignore_eos=True, stop_token_ids=sorted(self.end_ids),
                 logprobs=p.top_logprobs if self.want_lp else None,
-                prompt_logprobs=0 if p.prompt_logprobs else None,
+                # vLLM's prompt_logprobs=k: the prompt token's own entry and the top k
+                prompt_logprobs=p.prompt_top_logprobs if p.prompt_logprobs else None,
                 detokenize=False,
                 structured_outputs=structured,
                 extra_args={wire.EXTRA_KEY: extra} if extra else None,
@@ -125,6 +126,15 @@ class VllmSequence(Sequence):
                         plan.count = n
                         plan.mode_counts = {"add": n} if n else {}
             self.collected = True
+
+    def top_entries(self, entries: dict[int, Any]) -> list[LogprobEntry]:
+        """A prompt position's top ``prompt_top_logprobs`` entries, best first (vLLM's dict
+        also holds the prompt token itself, at its own rank)."""
+        n = self.sampling.prompt_top_logprobs
+        top = sorted(((int(t), lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= n),
+                     key=lambda kv: kv[1].rank)[:n]
+        text = self.backend.token_text
+        return [LogprobEntry(t, text(t), float(lp.logprob)) for t, lp in top]
 
     def logprob(self, entries: dict[int, Any] | None, token_id: int) -> TokenLogprob | None:
         if not self.want_lp or not entries:
@@ -178,6 +188,8 @@ class VllmBatch:
             if seq.sampling.prompt_logprobs and seq.prompt_logprobs is None and out.prompt_logprobs:
                 ids = seq.prompt_ids
                 seq.prompt_logprobs = [None] + [float(d[t].logprob) for d, t in zip(out.prompt_logprobs[1:], ids[1:])]
+                if seq.sampling.prompt_top_logprobs:
+                    seq.prompt_top_logprobs = [None, *[seq.top_entries(d) for d in out.prompt_logprobs[1:]]]
             fresh.append((seq, out.outputs[0]))
         streaming = [s for s, _ in fresh if s.streaming_monitors]
         if streaming:
