@@ -236,8 +236,29 @@ def _product_words() -> dict[str, set[str]]:
         if "/migrations/" in f or not (f.endswith((".py", ".html", ".js", ".sh"))
                                         or f.startswith(("scripts/", ".ci/"))):
             continue
-        out[f] = set(re.findall(r"[A-Z][A-Z0-9_]+", (BASE_DIR / f).read_text(errors="ignore")))
+        text = (BASE_DIR / f).read_text(errors="ignore")
+        out[f] = _ast_words(text) if f.endswith(".py") else set(
+            re.findall(r"[A-Z][A-Z0-9_]+", text))
+    # Config.database builds Django's DATABASES from DATABASE_URL inside the declarations
+    out.setdefault("millm_site/config.py", set()).add("DATABASE_URL")
     return out
+
+
+def _ast_words(text: str) -> set[str]:
+    """Upper-case names a Python file uses as code (names, attributes, strings that are
+    exactly a name): comments, docstrings and messages do not count."""
+    import ast
+    import re
+
+    upper = re.compile(r"[A-Z][A-Z0-9_]+")
+    words = set()
+    for node in ast.walk(ast.parse(text)):
+        value = (node.id if isinstance(node, ast.Name) else node.attr
+                 if isinstance(node, ast.Attribute) else node.value
+                 if isinstance(node, ast.Constant) and isinstance(node.value, str) else None)
+        if value is not None and upper.fullmatch(value):
+            words.add(value)
+    return words
 
 
 def test_no_variable_is_accepted_and_read_by_nothing():
@@ -304,3 +325,21 @@ def test_check_config_says_where_each_variable_takes_effect(tmp_path):
         else:
             want = sorted(f for f, w in words.items() if v.name in w)
             assert notes[v.name] == "read in " + ", ".join(want), v.name
+
+
+def test_check_config_counts_code_not_prose_as_reading_a_variable():
+    """check_config's "read in" column: a comment, a docstring or a message naming a
+    variable does not make a file its reader; a name or a whole-string key does."""
+    from millm_site.config_readers import _code_words
+
+    source = '''"""Mentions PROSE_DOC in a docstring."""
+# and PROSE_COMMENT in a comment
+import os
+from django.conf import settings
+
+raise ValueError("raise PROSE_MESSAGE to fix this")
+a = settings.READ_ATTR + getattr(settings, "READ_GETATTR") + os.environ["READ_ENV"]
+'''
+    words = _code_words(source)
+    assert {"READ_ATTR", "READ_GETATTR", "READ_ENV"} <= words
+    assert not {"PROSE_DOC", "PROSE_COMMENT", "PROSE_MESSAGE"} & words
