@@ -476,7 +476,9 @@ def _chunk(plan: Plan, choices: list[Any], *, usage: wire.Usage | None = None,
 
 
 def _token_choice(plan: Plan, choice: Choice, event: TokenEvent,
-                  tool_stream: ToolStream | None = None) -> Any:
+                  tool_stream: ToolStream | None = None, text_offset: int = 0) -> Any:
+    """A token's chunk choice; ``text_offset``: where the token's text starts, counted
+    as in the non-streamed answer (the texts of the choice's earlier tokens)."""
     text = event.text if tool_stream is None else tool_stream.feed(event.text)
     if not text and event.logprob is None:
         return None
@@ -492,7 +494,7 @@ def _token_choice(plan: Plan, choice: Choice, event: TokenEvent,
     if event.logprob is not None:
         logprobs = wire.CompletionLogprobs(
             tokens=[event.logprob.token], token_logprobs=[event.logprob.logprob],
-            top_logprobs=[_top_dict(event.logprob)], text_offset=[0])
+            top_logprobs=[_top_dict(event.logprob)], text_offset=[text_offset])
     return wire.CompletionChoice(index=choice.index, text=event.text, logprobs=logprobs,
                                  finish_reason=None)
 
@@ -545,6 +547,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                 pending = None
             opened = False
             held = b""
+            offset = 0  # the characters of this choice's tokens so far (text_offset)
             tokens: list[TokenEvent] = []
             under_way = [] if choice.prompt_only else tokens  # what was sent
             tool_stream = (ToolStream(plan.tools) if plan.kind == "chat" and plan.tools
@@ -574,7 +577,9 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                     tokens.append(event)
                     if choice.prompt_only:
                         continue  # max_tokens 0: the prefill's token is never sent
-                    piece = _token_choice(plan, choice, event, tool_stream)
+                    piece = _token_choice(plan, choice, event, tool_stream, offset)
+                    if event.logprob is not None:
+                        offset += len(event.logprob.token)
                     if piece is not None:
                         yield held + _sse(_chunk(plan, [piece]))
                         held = b""

@@ -234,3 +234,15 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(llama, openai_c
                       {"model": "tiny-llama", "prompt": prompt, "max_tokens": -1})
     assert refused.status == 400 and refused.json()["error"]["param"] == "max_tokens"
 
+
+def test_streamed_logprobs_carry_the_running_text_offset(llama, openai_client):
+    kwargs = {"model": "tiny-llama", "prompt": "the sky", "max_tokens": 12, "temperature": 0,
+              "logprobs": 2, "extra_body": {"ignore_eos": True}}
+    plain = openai_client.completions.create(**kwargs).choices[0].logprobs
+    chunks = list(openai_client.completions.create(**kwargs, stream=True))
+    offsets = [o for c in chunks if c.choices and c.choices[0].logprobs
+               for o in c.choices[0].logprobs.text_offset]
+    # each token's offset is the length of the token texts before it
+    want = [sum(len(t) for t in plain.tokens[:i]) for i in range(len(plain.tokens))]
+    assert offsets == plain.text_offset == want
+    assert len(set(offsets)) == len(offsets) > 1
