@@ -168,3 +168,20 @@ def test_capture_command_writes_one_artifact_per_prompt_offline(tiny_llama, tiny
     with pytest.raises(CommandError, match="invalid_parameter"):
         _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(out_dir),
              "--layers", "0", "--positions", "middle")
+    # refused before anything runs: no folder made, no weights loaded, one line each
+    fresh = tmp_path / "never-made"
+    num_layers = Model.objects.get(pk=tiny_llama.id).num_layers
+    with pytest.raises(CommandError, match=f"--layers: tiny-llama has layers 0-{num_layers - 1}"
+                                           f", not {num_layers}"):
+        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(fresh),
+             "--layers", f"0,{num_layers}")
+    with pytest.raises(CommandError, match="--attention-layers"):
+        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(fresh),
+             "--attention-layers", "99")
+    with pytest.raises(CommandError, match="invalid_parameter"):
+        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(fresh),
+             "--positions", "middle")
+    assert not fresh.exists()
+    with pytest.raises(CommandError, match="cannot create it"):
+        _run("capture", "tiny-llama", "--input", str(prompts), "--out", "/proc/no/such",
+             "--layers", "0")

@@ -94,7 +94,6 @@ class Command(BaseCommand):
             row = maintenance.model_by_name_or_id(model)
         except MillmError as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from None
-        out.mkdir(parents=True, exist_ok=True)
         try:
             attention = None
             if attention_layers:
@@ -106,6 +105,18 @@ class Command(BaseCommand):
                                inline_max_bytes=0, directory=str(out.resolve()), model=row.name)
         except InvalidParameter as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from None
+        if row.num_layers:  # what the registry knows is checked before the weights load
+            wanted = {"--layers": spec.layers,
+                      "--attention-layers": attention.layers if attention else []}
+            for option, chosen in wanted.items():
+                outside = [layer for layer in chosen if layer >= row.num_layers]
+                if outside:
+                    raise CommandError(f"{option}: {row.name} has layers 0-{row.num_layers - 1}"
+                                       f", not {', '.join(map(str, outside))}")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CommandError(f"--out {out}: cannot create it ({exc.strerror})") from None
         client, own = self._engine(row)
         try:
             self._run(client, items, spec, out)
