@@ -598,12 +598,13 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
                                                                       outcomes[-1].finish)]))
                     held = b""
                     break
-        if plan.request.include_usage:
-            yield _sse(_chunk(plan, [], usage=usage_of(plan, outcomes)))
         if wants_millm(plan, outcomes):
             if outcomes:
                 await run_analyses(plan, outcomes[0])  # after the tokens, before [DONE]
             yield _sse(_chunk(plan, [], millm=millm_object(plan, outcomes)))
+        if plan.request.include_usage:
+            # last before [DONE]: OpenAI clients read the usage from the last chunk
+            yield _sse(_chunk(plan, [], usage=usage_of(plan, outcomes)))
         yield b"data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         raise

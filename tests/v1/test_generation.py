@@ -246,3 +246,16 @@ def test_streamed_logprobs_carry_the_running_text_offset(llama, openai_client):
     want = [sum(len(t) for t in plain.tokens[:i]) for i in range(len(plain.tokens))]
     assert offsets == plain.text_offset == want
     assert len(set(offsets)) == len(offsets) > 1
+
+
+def test_usage_is_the_last_chunk_after_the_millm_chunk(llama):
+    resp = request(llama.base_url, "POST", "/completions", {
+        "model": "tiny-llama", "prompt": "the sky", "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}, "steering": {"features": []}})
+    events = resp.events()
+    assert events[-1] == "[DONE]"
+    last, before = events[-2], events[:-2]
+    assert last["choices"] == [] and last["usage"]["completion_tokens"] == 4
+    assert all(e["usage"] is None for e in before)  # null on every other chunk
+    millm = [e for e in before if "millm" in e and e["millm"] is not None]
+    assert len(millm) == 1 and millm[0] is before[-1]
