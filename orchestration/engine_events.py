@@ -28,6 +28,14 @@ def handle(event: EngineEvent) -> None:
         log.error("engine_out_of_memory", detached=event.data.get("detached"))
     elif event.name == "memory:released":
         # TRANSFORMERS_IDLE_CACHE_RELEASE_S: the operator's dashboards see it happen
-        log.info("engine_memory_released", bytes=event.data.get("bytes"))
+        from registry.models import Model
+
+        name = event.data.get("model_id")  # the engine knows its model by name
+        close_old_connections()
+        try:
+            model_id = Model.objects.filter(name=name).values_list("pk", flat=True).first()
+        finally:
+            close_old_connections()
+        log.info("engine_memory_released", bytes=event.data.get("bytes"), model=name)
         events.publish("memory:released", {"bytes": event.data.get("bytes"),
-                                           "model_id": event.data.get("model_id")})
+                                           "model_id": model_id, "model_name": name})

@@ -439,3 +439,16 @@ def test_transition_selector_for_v1(tiny_llama):
     Model.objects.filter(pk=tiny_llama.id).update(status="unloading")
     assert selectors.model_transition(name="tiny-llama") == "unloading"
     assert selectors.model_transition(name="missing") is None
+
+
+@pytest.mark.django_db(transaction=True)  # the handler closes its thread's connections
+def test_the_engines_memory_release_event_names_the_model_by_its_id(tiny_llama, published):
+    """The engine knows its model by name; the web tier's event carries the registry's
+    integer id like every other event (dashboards join on it)."""
+    from gpu_engine.protocol import EngineEvent
+    from orchestration import engine_events
+
+    engine_events.handle(EngineEvent(name="memory:released",
+                                     data={"bytes": 4096, "model_id": "tiny-llama"}))
+    assert published[-1] == ("memory:released", {"bytes": 4096, "model_id": tiny_llama.id,
+                                                  "model_name": "tiny-llama"})
