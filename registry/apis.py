@@ -83,12 +83,12 @@ class ModelDetailApi(APIView):
         return envelope(io.model_view(model))
 
     @extend_schema(tags=MODELS, summary="Delete a model (files and row); refused while "
-                   "loaded or locked", responses=enveloped(io.DeleteOutput))
+                   "loaded or locked", responses=enveloped(io.ModelDeleteOutput))
     def delete(self, request, model_id: int) -> Response:
         model = selectors.model_get(model_id=model_id)
         size = model.disk_size_bytes if model.source == Model.Source.HUGGINGFACE else None
         services.model_delete(model=model)
-        return envelope({"status": "deleted", "id": str(model_id),
+        return envelope({"status": "deleted", "id": model_id,
                          "freed_disk_mb": None if size is None else round(size / 2**20, 3)})
 
 

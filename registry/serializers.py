@@ -486,6 +486,10 @@ class DeleteOutput(serializers.Serializer):
     freed_disk_mb = serializers.FloatField(allow_null=True)
 
 
+class ModelDeleteOutput(DeleteOutput):
+    id = serializers.IntegerField()  # model ids are integers everywhere else too
+
+
 class JobListOutput(serializers.Serializer):
     jobs = JobOutput(many=True)
     total = serializers.IntegerField()

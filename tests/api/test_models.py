@@ -90,7 +90,7 @@ def test_lock_and_unlock(api, tiny_llama):
 
 def test_delete_a_local_model_keeps_the_users_files(api, tiny_llama):
     data = ok(api.delete(f"/api/models/{tiny_llama.id}"))
-    assert data["status"] == "deleted"
+    assert data == {"status": "deleted", "id": tiny_llama.id, "freed_disk_mb": None}
     assert not Model.objects.filter(pk=tiny_llama.id).exists()
     assert Path(tiny_llama.local_path, "config.json").is_file()
 
