@@ -30,3 +30,11 @@ class EventsConsumer(AsyncJsonWebsocketConsumer):
 
     async def millm_event(self, message: dict) -> None:
         await self.send_json({"event": message["event"], "data": message["data"]})
+
+
+class NoSuchSocket(AsyncJsonWebsocketConsumer):
+    """A WebSocket path with no route: the handshake is refused with close code 4404
+    (Channels' router would raise, which the server answers as a 500 with a traceback)."""
+
+    async def connect(self) -> None:
+        await self.close(code=4404)

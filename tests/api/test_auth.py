@@ -92,6 +92,17 @@ def test_websocket_needs_the_key(keys):
     assert async_to_sync(attempt)(f"/ws/events?api_key={KEY}")[0] is True
 
 
+def test_a_websocket_path_without_a_route_is_refused():
+    async def attempt(path):
+        communicator = _ws(path)
+        connected, code = await communicator.connect(timeout=5)
+        await communicator.disconnect()
+        return connected, code
+
+    assert async_to_sync(attempt)("/ws/nope") == (False, 4404)
+    assert async_to_sync(attempt)("/ws/events/extra") == (False, 4404)
+
+
 def test_websocket_relays_events_without_keys(settings):
     from core import events
 
