@@ -518,6 +518,14 @@ def model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
             model.status == Model.Status.LOADING:
         raise ModelBusy(f"Model {model.name!r} is being loaded; retry when it is",
                         details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_LOAD_S)
+    pending = Job.objects.filter(kind=Job.Kind.MODEL_LOAD, status__in=Job.ACTIVE).exclude(
+        model=model).select_related("model").first()
+    if pending is not None:
+        # that load replaces this model anyway; an unload queued beside it would only fail
+        raise ModelBusy(f"A load of {pending.target!r} is pending and will replace "
+                        f"{model.name!r}; retry when it has finished",
+                        details={"model_id": model.id, "loading": pending.target},
+                        retry_after=settings.RETRY_AFTER_LOAD_S)
     if model.status != Model.Status.LOADED:
         raise ModelNotLoaded(f"Model {model.name!r} is not loaded",
                              details={"model_id": model.id, "status": model.status})

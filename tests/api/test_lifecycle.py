@@ -64,6 +64,22 @@ def test_load_is_idempotent_while_queued(api, engine_client, tiny_llama):
     assert response["Retry-After"] == "15"
 
 
+def test_an_unload_while_another_models_load_is_pending_is_refused(api, engine_client,
+                                                                   tiny_assets, tiny_llama):
+    from registry import services
+
+    gpt2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
+                                         name="tiny-gpt2")
+    _load(api, tiny_llama)
+    queued = ok(api.post(f"/api/models/{gpt2.id}/load"), 202)  # not run yet: still queued
+    response = api.post(f"/api/models/{tiny_llama.id}/unload")
+    error = refused(response, 503, "MODEL_BUSY")
+    assert error["details"]["loading"] == "tiny-gpt2" and response["Retry-After"] == "15"
+    assert not Job.objects.filter(kind="model_unload").exists()
+    assert run_job(tasks.model_load_task, queued["job"]["id"]) == "succeeded"
+    assert Model.objects.get(pk=tiny_llama.id).status == "ready"
+
+
 def test_load_refusals(api, engine_client, tiny_assets, tiny_llama):
     from registry import services
 
