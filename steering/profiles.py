@@ -28,7 +28,7 @@ from django.utils.dateparse import parse_datetime
 from core.errors import SAENotAttached, ValidationFailed
 from core.ids import ascii_int, get_by_pk_or_name
 from gpu_engine.protocol import MAX_STEERING_STRENGTH, FeatureControl
-from registry.models import Attachment
+from registry.models import SAE, Attachment
 from steering import live, rules
 from steering.documents import PROFILE_VERSION, refuse_cluster_as_profile
 from steering.errors import ProfileAlreadyExists, ProfileIncompatible, ProfileNotFound
@@ -153,6 +153,16 @@ def _name_problem(name: str) -> str | None:
     return None
 
 
+def _check_fits(sae_id: str, features: rules.FeatureSet, *, param: str = "steering") -> None:
+    """Every index (and trigger) within the d_sae of the SAE a profile binds to, when that
+    SAE is registered here; one that is not yet is checked when the profile activates."""
+    if not sae_id or not features:
+        return
+    d_sae = SAE.objects.filter(pk=sae_id).values_list("d_sae", flat=True).first()
+    if d_sae is not None:
+        rules.check_features(sae_id=sae_id, d_sae=d_sae, features=features, param=param)
+
+
 def _unique_name(name: str, *, exclude: int | None = None) -> str:
     name = (name or "").strip()
     if not name or len(name) > 200:
@@ -175,6 +185,7 @@ def profile_create(*, name: str, steering: Any, controls: Any = None,
     [-200, 200]."""
     features = _features(steering, controls)
     sae_id, layer = _binding(sae_id, layer, features.indices())
+    _check_fits(sae_id, features)
     try:
         with transaction.atomic():
             return Profile.objects.create(
@@ -210,6 +221,8 @@ def profile_update(*, profile: Profile, data: Mapping[str, Any]) -> Profile:
         profile.sae_id, profile.layer = _binding(data.get("sae_id", profile.sae_id),
                                                  data.get("layer", profile.layer),
                                                  features.indices())
+    if changed or "sae_id" in data or "layer" in data:
+        _check_fits(profile.sae_id, features)
     profile.save()
     return profile
 

@@ -125,7 +125,7 @@ class WindowInput(_Strict):
 
 class ConditionInput(_Strict):
     feature: int = Field(ge=0, le=2**31, strict=True)
-    threshold: float = Field(default=0.0, ge=-1e6, le=1e6)
+    threshold: float = Field(default=0.0, ge=-1e6, le=1e6, strict=True)
 
 
 class ControlInput(_Strict):
@@ -134,8 +134,9 @@ class ControlInput(_Strict):
 
     index: int = Field(ge=0, le=2**31, strict=True)
     mode: Literal["add", "clamp", "scale", "ablate"] = "add"
-    strength: float | None = None
-    value: float | None = None
+    # JSON numbers only: lax floats read true as 1.0 and "5" as 5.0
+    strength: float | None = Field(default=None, strict=True)
+    value: float | None = Field(default=None, strict=True)
     phase: Literal["all", "prompt", "completion"] = "all"
     window: WindowInput | None = None
     condition: ConditionInput | None = None

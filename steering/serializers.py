@@ -17,6 +17,27 @@ def _iso(value) -> str | None:
     return None if value is None else value.isoformat().replace("+00:00", "Z")
 
 
+class JSONIntegerField(serializers.IntegerField):
+    """A whole number sent as a JSON number: DRF's field also reads ``true`` as 1 and
+    ``"1"`` as 1, which a JSON body only sends by mistake. (Query strings, where every
+    value is text, keep the plain field.)"""
+
+    def to_internal_value(self, data: Any) -> int:
+        if isinstance(data, (bool, str)):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class JSONFloatField(serializers.FloatField):
+    """A number sent as a JSON number (not ``true`` nor ``"5"``, which DRF reads as 1.0
+    and 5.0)."""
+
+    def to_internal_value(self, data: Any) -> float:
+        if isinstance(data, (bool, str)):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class TargetInput(serializers.Serializer):
     """The attachment a live-steering call acts on (else the only one attached)."""
 
@@ -36,8 +57,8 @@ class SteeringSetInput(TargetInput):
     """One feature: ``{feature_idx, value}`` adds everywhere (the original shape); ``mode``
     and the gates make it a control (checked by ``steering.rules.control_parse``)."""
 
-    feature_idx = serializers.IntegerField(min_value=0, max_value=MAX_INDEX)
-    value = serializers.FloatField(required=False, allow_null=True, validators=[_strength],
+    feature_idx = JSONIntegerField(min_value=0, max_value=MAX_INDEX)
+    value = JSONFloatField(required=False, allow_null=True, validators=[_strength],
                                    help_text="the strength (add), target activation "
                                              "(clamp) or factor (scale); none for ablate")
     mode = serializers.CharField(required=False, help_text="add (default) | clamp | scale | "
@@ -77,11 +98,11 @@ class ProfileInput(serializers.Serializer):
                                                "condition}]")
     sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                    max_length=40)
-    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
-                                     max_value=MAX_LAYER)
+    layer = JSONIntegerField(required=False, allow_null=True, min_value=0,
+                             max_value=MAX_LAYER)
     model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                      max_length=200)
-    intensity = serializers.FloatField(required=False, min_value=0, max_value=2, default=1.0)
+    intensity = JSONFloatField(required=False, min_value=0, max_value=2, default=1.0)
 
 
 class ProfileUpdateInput(serializers.Serializer):
@@ -91,11 +112,11 @@ class ProfileUpdateInput(serializers.Serializer):
     controls = serializers.JSONField(required=False)
     sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                    max_length=40)
-    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
-                                     max_value=MAX_LAYER)
+    layer = JSONIntegerField(required=False, allow_null=True, min_value=0,
+                             max_value=MAX_LAYER)
     model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
                                      max_length=200)
-    intensity = serializers.FloatField(required=False, min_value=0, max_value=2)
+    intensity = JSONFloatField(required=False, min_value=0, max_value=2)
 
 
 class SaveCurrentInput(TargetInput):

@@ -81,6 +81,28 @@ def test_values_and_indices_are_checked(api, relu):
                        format="json"))["active_count"] == 256
 
 
+def test_booleans_and_strings_are_not_numbers(api, relu):
+    """A JSON body says a number with a number: ``true`` is not 1 and ``"5"`` is not 5."""
+    for sent in ({"feature_idx": 1, "value": True}, {"feature_idx": 1, "value": "5"},
+                 {"feature_idx": "1", "value": 5}, {"feature_idx": True, "value": 5},
+                 {"feature_idx": 1, "mode": "clamp", "value": True},
+                 {"feature_idx": 1, "mode": "clamp", "value": 2,
+                  "condition": {"feature": 3, "threshold": "0.5"}}):
+        refused(api.post("/api/saes/steering", sent, format="json"), 422, "VALIDATION_ERROR")
+    for control in ({"index": 1, "mode": "clamp", "value": True},
+                    {"index": 1, "mode": "scale", "value": "2"},
+                    {"index": 1, "strength": False}):
+        refused(api.post("/api/saes/steering/batch", {"controls": [control]}, format="json"),
+                422, "VALIDATION_ERROR")
+    assert not LiveSteering.objects.filter(attachment__sae_id=relu.id).exists()
+    # numbers, integral or not, are what they always were
+    ok(api.post("/api/saes/steering", {"feature_idx": 1, "value": 5}, format="json"))
+    state = ok(api.post("/api/saes/steering", {"feature_idx": 2, "mode": "clamp",
+                                               "value": 2.5}, format="json"))
+    assert state["values"] == {"1": 5.0}
+    assert state["controls"] == [{"index": 2, "mode": "clamp", "value": 2.5}]
+
+
 def test_the_attachment_is_named_or_the_only_one(api, llama):
     refused(api.post("/api/saes/steering", {"feature_idx": 1, "value": 2}, format="json"),
             400, "SAE_NOT_ATTACHED")

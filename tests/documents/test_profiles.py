@@ -159,9 +159,15 @@ def test_export_import_round_trip_is_lossless(api, relu):
 def test_import_forms_and_refusals(api, relu):
     features = ok(api.post("/api/profiles/import", {
         "version": "1.0", "name": "listed", "sae_id": relu.id, "layer": 1,
-        "features": [{"index": 11859, "strength": 22.8}, {"index": 3, "strength": 15}]},
+        "features": [{"index": 185, "strength": 22.8}, {"index": 3, "strength": 15}]},
         format="json"), 201)
-    assert features["steering"] == {"3": 15.0, "11859": 22.8}
+    assert features["steering"] == {"3": 15.0, "185": 22.8}
+    # indices are checked against the SAE's d_sae (256) when it is registered here
+    error = refused(api.post("/api/profiles/import", {
+        "name": "wide", "sae_id": relu.id, "layer": 1,
+        "features": [{"index": 11859, "strength": 22.8}]}, format="json"),
+        400, "INVALID_FEATURE_INDEX")
+    assert (error["details"]["feature_idx"], error["details"]["d_sae"]) == (11859, 256)
     error = refused(api.post("/api/profiles/import", {
         "name": "bad", "sae_id": relu.id, "layer": 1,
         "steering": {"1": 2, "one": 3, "2": "x", "-4": 1}}, format="json"),
@@ -215,3 +221,39 @@ def test_names_a_route_would_shadow_are_refused(api, relu):
     refused(api.patch(f"/api/profiles/{made.pk}", {"name": "active"}, format="json"), 422,
             "VALIDATION_ERROR")
     assert Profile.objects.get(pk=made.pk).name == "1a"
+
+
+def test_indices_are_checked_against_d_sae_when_saved(api, relu):
+    error = refused(api.post("/api/profiles", {"name": "wide", "steering": {"5000": 5}},
+                             format="json"), 400, "INVALID_FEATURE_INDEX")
+    assert (error["details"]["feature_idx"], error["details"]["d_sae"]) == (5000, 256)
+    refused(api.post("/api/profiles", {"name": "wide", "steering": {},
+                                       "controls": [{"index": 256, "mode": "ablate"}]},
+                     format="json"), 400, "INVALID_FEATURE_INDEX")
+    refused(api.post("/api/profiles", {"name": "wide", "steering": {}, "controls": [
+        {"index": 1, "mode": "clamp", "value": 1, "condition": {"feature": 999}}]},
+        format="json"), 400, "INVALID_FEATURE_INDEX")
+    assert not Profile.objects.exists()
+    made = ok(api.post("/api/profiles", {"name": "edge", "steering": {"255": 5}},
+                       format="json"), 201)
+    refused(api.patch(f"/api/profiles/{made['id']}", {"steering": {"256": 5}},
+                      format="json"), 400, "INVALID_FEATURE_INDEX")
+    assert Profile.objects.get(pk=made["id"]).steering == {"255": 5.0}
+    # an SAE not registered here is checked when the profile activates
+    later = ok(api.post("/api/profiles", {"name": "later", "sae_id": "sae_elsewhere",
+                                          "layer": 3, "steering": {"5000": 5}},
+                        format="json"), 201)
+    assert later["steering"] == {"5000": 5.0}
+
+
+def test_profile_numbers_are_json_numbers(api, relu):
+    for sent in ({"intensity": True}, {"intensity": "0.5"}, {"layer": "1"},
+                 {"layer": True}):
+        refused(api.post("/api/profiles", {"name": "p", "steering": {}, **sent},
+                         format="json"), 422, "VALIDATION_ERROR")
+    made = ok(api.post("/api/profiles", {"name": "p", "steering": {}, "intensity": 1,
+                                         "layer": 1, "sae_id": relu.id}, format="json"), 201)
+    refused(api.patch(f"/api/profiles/{made['id']}", {"intensity": "0.5"}, format="json"),
+            422, "VALIDATION_ERROR")
+    assert Profile.objects.get(pk=made["id"]).intensity == 1.0
+

@@ -228,9 +228,13 @@ def test_profile_refusals_create_nothing(api, relu, controls, status, code, para
 
 
 def test_profile_activation_checks_triggers_and_the_v1_profile_runs_controls(api, relu):
-    ok(api.post("/api/profiles", {"name": "far", "controls": [
-        {"index": 1, "mode": "clamp", "value": 1, "condition": {"feature": 300}}]},
-        format="json"), 201)
+    far = [{"index": 1, "mode": "clamp", "value": 1, "condition": {"feature": 300}}]
+    error = refused(api.post("/api/profiles", {"name": "far", "controls": far},
+                             format="json"), 400, "INVALID_FEATURE_INDEX")
+    assert error["details"]["param"] == "steering.condition.feature"
+    # a row written around the services (or bound to an SAE registered later) is
+    # refused when it activates
+    Profile.objects.create(name="far", sae_id=relu.id, layer=1, steering={}, controls=far)
     error = refused(api.post("/api/profiles/far/activate"), 400, "INVALID_FEATURE_INDEX")
     assert error["details"]["param"] == "steering.condition.feature"
     assert not LiveSteering.objects.exists() and not Profile.objects.get().is_active
