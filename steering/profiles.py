@@ -33,7 +33,7 @@ from steering import live, rules
 from steering.documents import PROFILE_VERSION, refuse_cluster_as_profile
 from steering.errors import ProfileAlreadyExists, ProfileIncompatible, ProfileNotFound
 from steering.models import LiveSteering, Profile
-from steering.selectors import attachment_choices
+from steering.selectors import attachment_choices, model_for_repo, sae_for_reference
 
 log = structlog.get_logger(__name__)
 
@@ -328,6 +328,47 @@ def _time(value: Any, param: str) -> datetime | None:
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
+def _text(value: Any, param: str) -> str | None:
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ValidationFailed(f"{param} must be a string",
+                               details={"fields": {param: ["not a string"]}})
+    return value.strip() or None
+
+
+def _document_sae(data: Mapping[str, Any], sae: Mapping[str, Any], layer: int | None
+                  ) -> tuple[str | None, int | None]:
+    """The SAE (and layer) an imported profile steers: its ``sae_id`` (this server's
+    export, kept as written), else the original's ``sae`` object — ``{id, layer}`` or
+    ``{repo_id, layer, file_path?}`` — resolved against the registered SAEs
+    (``selectors.sae_for_reference``: SAE_NOT_FOUND when nothing matches)."""
+    if sae_id := _text(data.get("sae_id"), "sae_id"):
+        return sae_id, layer
+    ref = _text(sae.get("id"), "sae.id") or _text(sae.get("sae_id"), "sae.sae_id")
+    repo_id = _text(sae.get("repo_id"), "sae.repo_id")
+    if not ref and not repo_id:
+        return None, layer
+    row = sae_for_reference(sae_id=ref, repo_id=None if ref else repo_id,
+                            layer=None if ref else layer,
+                            file_path=None if ref else _text(sae.get("file_path"),
+                                                             "sae.file_path"))
+    return row.id, layer if layer is not None else row.trained_on_layer
+
+
+def _document_model(data: Mapping[str, Any], model: Mapping[str, Any]) -> str:
+    """The registered model name an imported profile is made for: ``model_id`` (this
+    server's export) or ``model.name`` as written, else the original's ``model.repo_id``
+    resolved against the registered models; empty for any model."""
+    if name := _text(data.get("model_id"), "model_id") or _text(model.get("name"),
+                                                                 "model.name"):
+        return name
+    if repo_id := _text(model.get("repo_id"), "model.repo_id"):
+        return model_for_repo(repo_id=repo_id, quantization=_text(
+            model.get("quantization"), "model.quantization")).name
+    return ""
+
+
 def _free_name(name: str) -> str:
     base, n = name, 2
     while Profile.objects.filter(name=name).exists():
@@ -338,8 +379,9 @@ def _free_name(name: str) -> str:
 @transaction.atomic
 def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") -> Profile:
     """A profile from its export (or the ``features: [{index, strength}]`` form, or the
-    original's ``model``/``sae`` objects). Times are kept, so export → import → export
-    gives the same document."""
+    original's export: ``model: {repo_id, quantization?}``, ``sae: {repo_id, layer,
+    file_path?}`` or ``sae: {id, layer}``, resolved against the registry). Times are kept,
+    so export → import → export gives the same document."""
     data = dict(document)
     refuse_cluster_as_profile(data)
     version = data.get("version", PROFILE_VERSION)
@@ -355,7 +397,6 @@ def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") ->
         features = _features({}, data.get("controls"))
     sae = data.get("sae") if isinstance(data.get("sae"), Mapping) else {}
     model = data.get("model") if isinstance(data.get("model"), Mapping) else {}
-    sae_id = data.get("sae_id") or sae.get("sae_id") or None
     layer = data.get("layer", sae.get("layer"))
     if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
                               or layer < 0):
@@ -366,15 +407,18 @@ def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") ->
         raise ValidationFailed("name is required", details={"fields": {"name": ["required"]}})
     if on_conflict == "rename":
         name = _free_name(name.strip())
+    sae_id, layer = _document_sae(data, sae, layer)
     if features and not sae_id:
-        raise ValidationFailed("A profile with steering values must name its sae_id",
+        raise ValidationFailed("A profile with steering values must name its SAE (sae_id, "
+                               "or an sae object with id or repo_id)",
                                details={"fields": {"sae_id": ["required"]}})
+    model_name = _document_model(data, model)
     created, updated = _time(data.get("created_at"), "created_at"), _time(
         data.get("updated_at"), "updated_at")
     profile = profile_create(
         name=name, steering=features.values, controls=features.stored_controls(),
         sae_id=sae_id, layer=layer if sae_id else None,
-        model_name=data.get("model_id") or model.get("repo_id") or model.get("name") or "",
+        model_name=model_name,
         description=data.get("description") or "",
         intensity=data.get("intensity", 1.0) if data.get("intensity") is not None else 1.0)
     stamps = {k: v for k, v in (("created_at", created), ("updated_at", updated)) if v}

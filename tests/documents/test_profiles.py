@@ -257,3 +257,70 @@ def test_profile_numbers_are_json_numbers(api, relu):
             422, "VALIDATION_ERROR")
     assert Profile.objects.get(pk=made["id"]).intensity == 1.0
 
+
+ORIGINAL_REPO = "google/gemma-scope-2b-pt-res"
+
+
+def _original(name, sae, **extra):
+    """The original miLLM's documented export (manual/docs/features/profiles.md)."""
+    return {"version": "1.0", "name": name, "description": "from the original",
+            "model": {"repo_id": "google/gemma-2-2b-it", "quantization": "Q4"},
+            "sae": sae, "features": [{"index": 1, "strength": 2},
+                                     {"index": 200, "strength": -3.5}],
+            "exported_at": "2026-03-24T10:00:00Z", **extra}
+
+
+def test_the_originals_export_imports_against_the_registry(api, relu, llama):
+    from registry.models import SAE, Model
+
+    SAE.objects.filter(pk=relu.pk).update(repository_id=ORIGINAL_REPO,
+                                          file_path="layer_1/width_256/average_l0_8")
+    Model.objects.filter(pk=llama.model.pk).update(repo_id="google/gemma-2-2b-it")
+    assert SAE.objects.get(pk=relu.pk).trained_on_layer == 1
+
+    made = ok(api.post("/api/profiles/import",
+                       _original("o", {"repo_id": ORIGINAL_REPO, "layer": 1}),
+                       format="json"), 201)
+    assert (made["sae_id"], made["layer"], made["model_id"], made["steering"]) == (
+        relu.id, 1, "tiny-llama", {"1": 2.0, "200": -3.5})
+    row = Profile.objects.get(name="o")
+    assert (row.sae_id, row.layer, row.model_name) == (relu.id, 1, "tiny-llama")
+    ok(api.post(f"/api/profiles/{made['id']}/activate"))  # it steers what is attached
+    assert _live(relu, 1) == (True, {"1": 2.0, "200": -3.5})
+    # the layer may be left to the SAE's own; the SAE may be named by its id here
+    assert ok(api.post("/api/profiles/import", _original("o2", {"repo_id": ORIGINAL_REPO}),
+                       format="json"), 201)["layer"] == 1
+    assert ok(api.post("/api/profiles/import", _original("o3", {"id": relu.id, "layer": 1}),
+                       format="json"), 201)["sae_id"] == relu.id
+
+    # two SAEs of the repository at that layer: the file path chooses
+    wide = SAE.objects.create(name="wide", repository_id=ORIGINAL_REPO, format="gemmascope",
+                              file_path="layer_1/width_1k/average_l0_20", d_sae=1024,
+                              trained_on_layer=1)
+    error = refused(api.post("/api/profiles/import",
+                             _original("o4", {"repo_id": ORIGINAL_REPO, "layer": 1}),
+                             format="json"), 400, "AMBIGUOUS_SAE")
+    assert sorted(error["details"]["choices"]) == sorted([f"{relu.id}@1", f"{wide.id}@1"])
+    picked = ok(api.post("/api/profiles/import", _original("o4", {
+        "repo_id": ORIGINAL_REPO, "layer": 1, "file_path": "layer_1/width_1k/average_l0_20"},
+        features=[{"index": 1000, "strength": 1}]), format="json"), 201)
+    assert (picked["sae_id"], picked["steering"]) == (wide.id, {"1000": 1.0})
+
+    # what resolves to nothing is refused, naming what was looked for
+    error = refused(api.post("/api/profiles/import",
+                             _original("o5", {"repo_id": ORIGINAL_REPO, "layer": 20}),
+                             format="json"), 404, "SAE_NOT_FOUND")
+    assert error["details"]["sae"] == {"repo_id": ORIGINAL_REPO, "layer": 20}
+    assert "layer=20" in error["message"]
+    error = refused(api.post("/api/profiles/import",
+                             _original("o5", {"id": "sae_0123456789ab", "layer": 12}),
+                             format="json"), 404, "SAE_NOT_FOUND")
+    assert error["details"]["sae"] == {"id": "sae_0123456789ab"}
+    error = refused(api.post("/api/profiles/import", _original(
+        "o5", {"id": relu.id, "layer": 1}, model={"repo_id": "google/gemma-2-9b-it"}),
+        format="json"), 404, "MODEL_NOT_FOUND")
+    assert error["details"]["model"] == {"repo_id": "google/gemma-2-9b-it"}
+    refused(api.post("/api/profiles/import", _original(
+        "o5", {"id": relu.id, "layer": 1}, features=[{"index": 256, "strength": 1}]),
+        format="json"), 400, "INVALID_FEATURE_INDEX")
+    assert set(Profile.objects.values_list("name", flat=True)) == {"o", "o2", "o3", "o4"}
