@@ -611,6 +611,25 @@ class CaptureResult(msgspec.Struct):
 
 # --------------------------------------------------------------------------- jobs
 
+# chat_template_kwargs keys that would replace what the engine itself passes when it
+# renders a chat template (the conversation, the generation prompt, the request's tools,
+# the special tokens) or change what rendering returns (tokenize, return_*, padding, …):
+# refused by name. Every other key is a variable of the template.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
+})
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> None:
+    """``chat_template_kwargs`` without a key of ``RESERVED_TEMPLATE_KWARGS``."""
+    for key in kwargs:
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise InvalidParameter(f"chat_template_kwargs.{key} is set by the server and cannot be given",
+                                   param=f"chat_template_kwargs.{key}")
+
+
 class GenerationJob(msgspec.Struct):
     """One generation request.  Exactly one of prompt / prompt_token_ids / messages.
 
@@ -647,6 +666,7 @@ class GenerationJob(msgspec.Struct):
             self.prompt_token_ids = [_int(t, "prompt", lo=0) for t in self.prompt_token_ids]
         if self.messages is not None and not self.messages:
             raise InvalidParameter("messages is empty", param="messages")
+        check_template_kwargs(self.chat_template_kwargs)
 
 
 class EmbedJob(msgspec.Struct):
@@ -684,6 +704,7 @@ class ScoreJob(msgspec.Struct):
         if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
             raise InvalidParameter("give exactly one of prompt, prompt_token_ids, messages", param="prompt")
         _int(self.top_k, "top_k", lo=0)
+        check_template_kwargs(self.chat_template_kwargs)
 
 
 HIDDEN_POOLINGS = ("last", "mean")

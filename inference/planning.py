@@ -38,7 +38,7 @@ from gpu_engine.protocol import (
 from inference import selectors, wire
 from inference.activations import monitor_resolve
 from inference.errors import OpenAIError
-from inference.policy import ignored_headers
+from inference.policy import ignored_headers, template_kwargs
 from inference.protocol import (
     OPENAI_DEFAULTS,
     ChatCompletionRequest,
@@ -226,7 +226,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 choices.append(Choice(c * req.n + i, GenerationJob(
                     request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
                     sampling=sampling, steering=steering.spec,
-                    monitor=monitor, chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+                    monitor=monitor, chat_template_kwargs=template_kwargs(req),
                     capture=capture, tools=req.template_tools())))
     else:
         if req.echo and req.wants_logprobs and req.stream:

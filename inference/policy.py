@@ -28,8 +28,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from django.conf import settings
 from pydantic import BaseModel
 
+from gpu_engine.errors import InvalidParameter
+from gpu_engine.protocol import check_template_kwargs
 from inference.errors import OpenAIError
 from inference.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from inference.structured import SUPPORTED_TYPES
@@ -125,6 +128,26 @@ def refuse_unhonoured(data: dict[str, Any], req: BaseModel) -> None:
                               code="field_not_honoured", param=rule.name)
 
 
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """``chat_template_kwargs`` as the engine gets them: a key the server sets itself
+    (``add_generation_prompt``, ``tools``, ``messages``, …) is 400 ``invalid_parameter``
+    naming it, and a request's own ``chat_template`` — Jinja the server would run — is
+    refused unless MILLM_ALLOW_REQUEST_CHAT_TEMPLATE allows it."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    try:
+        check_template_kwargs(kwargs)
+    except InvalidParameter as exc:
+        raise OpenAIError(str(exc), status=400, code="invalid_parameter",
+                          param=exc.param) from None
+    if "chat_template" in kwargs and not settings.MILLM_ALLOW_REQUEST_CHAT_TEMPLATE:
+        raise OpenAIError("chat_template_kwargs.chat_template is refused: this server does "
+                          "not run chat templates sent with a request (the model's own "
+                          "template is used; the operator can allow them with "
+                          "MILLM_ALLOW_REQUEST_CHAT_TEMPLATE)", status=400,
+                          code="invalid_parameter", param="chat_template_kwargs.chat_template")
+    return kwargs
+
+
 # --------------------------------------------------------------------------- unused
 
 def _key(name: str) -> str:
@@ -198,6 +221,7 @@ def check_fields(*, data: dict[str, Any], req: BaseModel, strict: bool) -> list[
         req.structured()  # 400 response_format_unsupported, before anything is loaded
     if isinstance(req, ChatCompletionRequest):
         check_tools(req)  # tools' schemas and tool_choice, before anything is loaded
+        template_kwargs(req)  # before anything is loaded too
     unused = unused_fields(data, req)
     if strict and unused:
         listed = ignored_header_value(unused)

@@ -32,7 +32,7 @@ from core.version import version
 from gpu_engine.protocol import ScoreJob, ScoreResult
 from inference import wire
 from inference.errors import OpenAIError
-from inference.policy import ignored_headers
+from inference.policy import ignored_headers, template_kwargs
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 
 ENGINE_CALL_TIMEOUT_S = 120
@@ -89,7 +89,7 @@ def _jobs(req: ChatCompletionRequest | CompletionRequest) -> list[ScoreJob]:
                 request_id=f"score-{uuid.uuid4().hex}",
                 messages=req.template_messages(),
                 allowed_token_ids=ids,
-                chat_template_kwargs=dict(req.chat_template_kwargs or {}),
+                chat_template_kwargs=template_kwargs(req),
             )
         ]
     jobs = []

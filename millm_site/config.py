@@ -106,6 +106,11 @@ VARIABLES: tuple[Var, ...] = (
         "Comma-separated API keys. Set: /v1, /api (except liveness and readiness) and "
         "/ws/events require Authorization: Bearer <key>. Unset: no authentication, and with "
         "HOST unset the server binds to 127.0.0.1 only.", secret=True),
+    Var("MILLM_ALLOW_REQUEST_CHAT_TEMPLATE", "Access & hub", "bool", False,
+        "Let a /v1 chat request bring its own Jinja chat template "
+        "(chat_template_kwargs.chat_template). Off: such a request is refused (400 "
+        "invalid_parameter) and the model's own template is used; a template runs on the "
+        "server, sandboxed but as long as it likes, so allow it only for trusted clients."),
     Var("HF_CIRCUIT_FAIL_MAX", "Access & hub", "int", 5,
         "Consecutive hub failures (connection errors, timeouts, 5xx) that open the hub "
         "circuit breaker.", minimum=1),

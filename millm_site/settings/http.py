@@ -59,6 +59,8 @@ METRICS_PUSH_INTERVAL_S = CONFIG.METRICS_PUSH_INTERVAL_S
 MILLM_HOST = CONFIG.HOST
 MILLM_PORT = CONFIG.PORT
 MILLM_API_KEYS = tuple(CONFIG.MILLM_API_KEYS)
+# a /v1 chat request's own chat_template (inference.policy.template_kwargs)
+MILLM_ALLOW_REQUEST_CHAT_TEMPLATE = CONFIG.MILLM_ALLOW_REQUEST_CHAT_TEMPLATE
 # Whether HOST was given (environment or .env) rather than defaulted: without API keys a
 # defaulted HOST binds to 127.0.0.1 only (millm_site.management.commands.serve).
 MILLM_HOST_EXPLICIT = bool(os.environ.get("HOST", "").strip())

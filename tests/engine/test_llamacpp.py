@@ -128,6 +128,21 @@ def test_tokenizer_and_chat_template_match_the_checkpoints(both):
     assert gg.backend.eos_token_ids >= {2}
 
 
+def test_a_requests_own_chat_template_is_rendered_as_on_transformers(both):
+    """chat_template_kwargs.chat_template (where the web tier allows it): llama.cpp renders
+    the request's template, not the GGUF's, as transformers does; a broken one is a 400."""
+    hf, gg, _ = both
+    msgs = [{"role": "user", "content": "the sea"}, {"role": "assistant", "content": "is wide"}]
+    own = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}{% endfor %}"
+    got = gg.backend.encode_messages(msgs, add_generation_prompt=True, chat_template=own)
+    assert got == hf.backend.encode_messages(msgs, add_generation_prompt=True, chat_template=own)
+    assert got == hf.backend.encode_text("[user]the sea[assistant]is wide", add_special_tokens=False)
+    assert got != gg.backend.encode_messages(msgs, add_generation_prompt=True)  # control
+    with pytest.raises(InvalidParameter) as err:
+        gg.backend.encode_messages(msgs, add_generation_prompt=True, chat_template="{% for %}")
+    assert err.value.param == "chat_template_kwargs.chat_template"
+
+
 @pytest.mark.parametrize("text", PROMPTS)
 def test_greedy_tokens_and_logprobs_equal_the_transformers_backend(both, text):
     hf, gg, gb = both

@@ -149,6 +149,19 @@ def test_sampling_validation_names_the_parameter(kwargs, param):
     assert err.value.param == param and err.value.code == "invalid_parameter"
 
 
+def test_template_kwargs_the_engine_sets_are_refused_by_name():
+    """Any engine client (the web tier, run_engine's stream, the Python client): a key the
+    engine passes itself when it renders a chat template is refused naming it."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for key in ("messages", "add_generation_prompt", "tokenize", "tools", "conversation"):
+        for make in (lambda kw: GenerationJob("r", messages=msgs, chat_template_kwargs=kw),
+                     lambda kw: ScoreJob("s", messages=msgs, chat_template_kwargs=kw)):
+            with pytest.raises(InvalidParameter) as err:
+                make({key: []})
+            assert err.value.param == f"chat_template_kwargs.{key}"
+    assert GenerationJob("r", messages=msgs, chat_template_kwargs={"enable_thinking": False})
+
+
 def test_job_needs_exactly_one_prompt_form():
     with pytest.raises(InvalidParameter):
         GenerationJob("r")

@@ -246,6 +246,64 @@ def test_neutral_values_change_nothing_and_pass(llama, openai_client):
     assert resp.status == 200, resp.body[:300]
 
 
+# --------------------------------------------------------------------------- chat_template_kwargs
+
+SERVER_SET_TEMPLATE_KWARGS = [("add_generation_prompt", False), ("messages", []),
+                              ("conversation", []), ("tokenize", True),
+                              ("continue_final_message", True), ("tools", []),
+                              ("return_dict", False), ("bos_token", "x")]
+
+
+@pytest.mark.parametrize("key,value", SERVER_SET_TEMPLATE_KWARGS,
+                         ids=[k for k, _ in SERVER_SET_TEMPLATE_KWARGS])
+def test_template_kwargs_the_server_sets_are_refused_by_name(llama, key, value):
+    # named on a model that is not resident: refused before any load
+    body = {**CHAT, "model": "tiny-gpt2", "chat_template_kwargs": {key: value}}
+    error = assert_openai_error(request(llama.base_url, "POST", "/chat/completions", body),
+                                400, "invalid_parameter", f"chat_template_kwargs.{key}")
+    assert f"chat_template_kwargs.{key}" in error["message"]
+    assert "apply_chat_template" not in error["message"] and "jinja" not in error["message"]
+    assert llama.engine.status().model_id == "tiny-llama"
+    # in scoring mode too
+    scoring = {**CHAT, "max_tokens": 1, "allowed_token_ids": [5, 6],
+               "chat_template_kwargs": {key: value}}
+    assert_openai_error(request(llama.base_url, "POST", "/chat/completions", scoring), 400,
+                        "invalid_parameter", f"chat_template_kwargs.{key}")
+
+
+def test_a_template_variable_passes(llama):
+    resp = request(llama.base_url, "POST", "/chat/completions",
+                   {**CHAT, "chat_template_kwargs": {"enable_thinking": False}},
+                   headers={STRICT: "true"})
+    assert resp.status == 200, resp.body[:300]
+
+
+ONLY_CONTENT = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+
+def test_a_requests_own_chat_template_runs_only_when_the_operator_allows_it(llama, settings):
+    body = {**CHAT, "chat_template_kwargs": {"chat_template": "{{ 1/0 }}"}}
+    error = assert_openai_error(request(llama.base_url, "POST", "/chat/completions", body),
+                                400, "invalid_parameter", "chat_template_kwargs.chat_template")
+    assert "MILLM_ALLOW_REQUEST_CHAT_TEMPLATE" in error["message"]
+    own = {**CHAT, "max_tokens": 4, "chat_template_kwargs": {"chat_template": ONLY_CONTENT}}
+    assert request(llama.base_url, "POST", "/chat/completions", own).status == 400
+    settings.MILLM_ALLOW_REQUEST_CHAT_TEMPLATE = True
+    resp = request(llama.base_url, "POST", "/chat/completions", own)
+    assert resp.status == 200, resp.body[:300]
+    # the request's template rendered the prompt: just the message's text, no markers
+    want = _unbiased(llama, prompt_token_ids=llama.engine.backend.encode_text(
+        MESSAGES[0]["content"], add_special_tokens=False),
+        sampling=SamplingParams(max_tokens=4, temperature=0))
+    assert resp.json()["choices"][0]["message"]["content"] == want.text
+    assert resp.json()["usage"]["prompt_tokens"] == want.usage.prompt_tokens
+    plain = request(llama.base_url, "POST", "/chat/completions", CHAT).json()
+    assert plain["usage"]["prompt_tokens"] != want.usage.prompt_tokens  # positive control
+    # allowed, a template that fails is the client's 400, never a 500
+    assert_openai_error(request(llama.base_url, "POST", "/chat/completions", body), 400,
+                        "invalid_parameter")
+
+
 # --------------------------------------------------------------------------- logit_bias
 
 def _unbiased(server, **job):

@@ -337,7 +337,18 @@ class LlamaCppBackend:
     def encode_messages(
         self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any
     ) -> list[int]:
-        text = self.chat.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+        chat = self.chat
+        source = kwargs.pop("chat_template", None)
+        if source is not None:  # a request's own template (the web tier allows it or not)
+            if not isinstance(source, str) or not source:
+                raise InvalidParameter("chat_template must be a non-empty Jinja template string",
+                                       param="chat_template_kwargs.chat_template")
+            try:
+                chat = ChatTemplate(source, bos=chat.bos, eos=chat.eos)
+            except Exception as exc:  # a Jinja syntax error
+                raise InvalidParameter(f"cannot read the chat template: {exc}",
+                                       param="chat_template_kwargs.chat_template") from exc
+        text = chat.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode_text(text, add_special_tokens=False)
 
     def token_text(self, token_id: int) -> str:
