@@ -387,7 +387,8 @@ def _forget_model_state(model: Model, *, reason: str) -> None:
     _forget_attachments(model, reason=reason)
     lease_end_for_model(model_id=model.pk)  # a lease ends with its model's residency
     Model.objects.filter(pk=model.pk).update(status=Model.Status.READY, locked=False,
-                                             device="", dtype="", updated_at=timezone.now())
+                                             locked_by_operator=False, device="", dtype="",
+                                             updated_at=timezone.now())
 
 
 def _reconcile_after_failed_load(resident: Model | None) -> None:
@@ -650,7 +651,9 @@ def attachment_forget(*, sae_id: str, layer: int | None) -> None:
         SAE.objects.filter(pk=sae_id).update(status=SAE.Status.READY, updated_at=timezone.now())
     for model_id in model_ids:
         if not Attachment.objects.filter(model_id=model_id).exists():
-            Model.objects.filter(pk=model_id).update(locked=False, updated_at=timezone.now())
+            # the lock attaching took goes with the last SAE; an operator's own lock stays
+            Model.objects.filter(pk=model_id, locked_by_operator=False).update(
+                locked=False, updated_at=timezone.now())
 
 
 def sae_check_compatibility(*, sae: SAE, layer: int) -> dict[str, Any]:

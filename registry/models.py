@@ -72,6 +72,9 @@ class Model(models.Model):
     disk_size_bytes = models.BigIntegerField(null=True, blank=True)
     estimated_memory_bytes = models.BigIntegerField(null=True, blank=True)
     locked = models.BooleanField(default=False)
+    locked_by_operator = models.BooleanField(
+        default=False, help_text="Locked through lock (API, admin), not only because SAEs are "
+                                 "attached: detaching the last SAE then leaves it locked.")
     loaded_at = models.DateTimeField(null=True, blank=True)
     device = models.CharField(max_length=32, blank=True,
                               help_text="Where the resident weights are (set while loaded).")

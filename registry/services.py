@@ -121,13 +121,15 @@ def model_set_status(*, model: Model, status: str, error: str = "", device: str 
 
 
 def model_lock(*, model: Model) -> Model:
-    Model.objects.filter(pk=model.pk).update(locked=True, updated_at=timezone.now())
+    Model.objects.filter(pk=model.pk).update(locked=True, locked_by_operator=True,
+                                             updated_at=timezone.now())
     model.refresh_from_db()
     return model
 
 
 def model_unlock(*, model: Model) -> Model:
-    Model.objects.filter(pk=model.pk).update(locked=False, updated_at=timezone.now())
+    Model.objects.filter(pk=model.pk).update(locked=False, locked_by_operator=False,
+                                             updated_at=timezone.now())
     model.refresh_from_db()
     return model
 

@@ -276,6 +276,13 @@ def test_attach_detach_and_attachment_status(api, engine_client, tiny_llama, lla
     assert published[-1] == ("sae:detached", {"sae_id": sae.id, "layer": 1,
                                               "reason": "detach"})
     refused(api.post(f"/api/saes/{sae.id}/detach", {}, format="json"), 400, "SAE_NOT_ATTACHED")
+    # an operator's own lock outlives an attach and detach
+    ok(api.post(f"/api/models/{tiny_llama.id}/lock"))
+    ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"))
+    ok(api.post(f"/api/saes/{sae.id}/detach", {}, format="json"))
+    assert Model.objects.get(pk=tiny_llama.id).locked
+    ok(api.post(f"/api/models/{tiny_llama.id}/unlock"))
+    assert not Model.objects.get(pk=tiny_llama.id).locked
     assert ok(api.get("/api/saes/attachment"))["is_attached"] is False
     assert ok(api.get("/api/saes/attachments")) == {
         "is_attached": False, "count": 0, "entries": [], "total_memory_usage_mb": 0.0}
