@@ -59,7 +59,8 @@ function steeringFields() {
     const sae = $("#heat-sae").value.split("@")[0];
     out.steering = { features, ...(sae && attachments.length > 1 ? { sae_id: sae } : {}) };
   }
-  if (mode !== "live" && lambda !== 1) out.steering_intensity = lambda;
+  // λ dials whatever the left column runs, the live steering included (docs/api-v1.md)
+  if (lambda !== 1) out.steering_intensity = lambda;
   return out;
 }
 

@@ -1,0 +1,64 @@
+"""The playground's side panel does what it says: λ dials the live steering too (as
+docs/api-v1.md has `steering_intensity` do)."""
+
+from __future__ import annotations
+
+import json
+
+MESSAGE = "Tell me about the sea."
+
+
+def _ready(page, server) -> None:
+    page.goto(server.url + "/playground/")
+    page.wait_for_selector("#heat-sae option[value^=sae_]", state="attached")
+
+
+def _bodies(page) -> list[dict]:
+    bodies: list[dict] = []
+    page.on("request", lambda r: bodies.append(json.loads(r.post_data))
+            if r.url.endswith("/v1/chat/completions") else None)
+    return bodies
+
+
+def _answer(page, column: str) -> str:
+    selector = f"#transcript-{column} .turn.assistant:not(.streaming) .meta"
+    page.wait_for_function(
+        f"[...document.querySelectorAll('{selector}')].some(m => m.textContent.includes('tokens in'))",
+        timeout=60_000)
+    return page.locator(f"#transcript-{column} .turn.assistant .text").last.inner_text()
+
+
+def _direct(server, **extra) -> str:
+    status, out = server.call("POST", "/v1/chat/completions", {
+        "model": "tiny-llama", "max_tokens": 6, "temperature": 0, "seed": 0,
+        "messages": [{"role": "user", "content": MESSAGE}], **extra}, timeout=60)
+    assert status == 200, out
+    return out["choices"][0]["message"]["content"]
+
+
+def test_lambda_dials_the_live_steering(server, page):
+    sae = server.sae_id
+    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 1,
+                                              "value": 20})
+    try:
+        # the live steering changes this answer (the positive control), and λ = 0.5
+        # changes it again: the page must send λ for the answer to be the half-steered one
+        full, half = _direct(server), _direct(server, steering_intensity=0.5)
+        plain = _direct(server, steering={"features": []})
+        assert len({full, half, plain}) == 3, (full, half, plain)
+        bodies = _bodies(page)
+        _ready(page, server)
+        page.uncheck("#compare")
+        page.fill("#max-tokens", "6")
+        page.locator("#intensity").focus()
+        for _ in range(10):  # 1.00 → 0.50 in steps of 0.05
+            page.keyboard.press("ArrowLeft")
+        assert page.inner_text("#intensity-out") == "0.50"
+        page.fill("#message", MESSAGE)
+        page.click("#send")
+        assert _answer(page, "steered") == half
+        assert bodies[-1]["steering_intensity"] == 0.5 and "steering" not in bodies[-1]
+        assert "live;" in page.inner_text("#transcript-steered .meta")
+    finally:
+        server.api("DELETE", f"/api/saes/steering?sae_id={sae}&layer=1")
+    page.console.assert_clean()
