@@ -1,9 +1,12 @@
 """The playground's side panel does what it says: λ dials the live steering too (as
-docs/api-v1.md has `steering_intensity` do)."""
+docs/api-v1.md has `steering_intensity` do), and a number outside a field's range is
+refused in the page, naming the field, instead of being replaced or sent."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
 
 MESSAGE = "Tell me about the sea."
 
@@ -62,3 +65,32 @@ def test_lambda_dials_the_live_steering(server, page):
     finally:
         server.api("DELETE", f"/api/saes/steering?sae_id={sae}&layer=1")
     page.console.assert_clean()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("#max-tokens", "0", "Max tokens must be a whole number from 1 to 4096 (it is “0”)"),
+    ("#max-tokens", "5000", "Max tokens must be a whole number from 1 to 4096 (it is “5000”)"),
+    ("#max-tokens", "2.5", "Max tokens must be a whole number from 1 to 4096 (it is “2.5”)"),
+    ("#max-tokens", "", "Max tokens must be a whole number from 1 to 4096 (it is empty)"),
+    ("#temperature", "3", "Temperature must be from 0 to 2 (it is “3”)"),
+    ("#seed", "-1", "Seed must be a whole number 0 or more (it is “-1”)"),
+])
+def test_a_setting_out_of_range_is_refused_in_the_page(server, page, field, value, message):
+    bodies = _bodies(page)
+    _ready(page, server)
+    page.fill(field, value)
+    page.fill("#message", MESSAGE)
+    page.click("#send")
+    error = page.locator(".notice.error")
+    error.wait_for()
+    assert error.locator("span").inner_text() == f"Settings: {message}"
+    assert page.get_attribute(field, "aria-invalid") == "true"
+    assert bodies == [] and page.input_value("#message") == MESSAGE  # nothing sent
+    # corrected, the same message goes out with the value as typed
+    page.fill("#max-tokens", "2")
+    page.fill("#temperature", "0")
+    page.fill("#seed", "")
+    page.click("#send")
+    _answer(page, "plain")
+    assert [(b["max_tokens"], b["temperature"], b["seed"]) for b in bodies] == [(2, 0, 0)] * 2
+    assert page.get_attribute(field, "aria-invalid") is None

@@ -38,12 +38,42 @@ function parseInline(text) {
   return features;
 }
 
+/**
+ * A number field's value, checked against the input's own min and max (and whole when
+ * `integer`): a value the server would refuse, or one the page would have to replace, is
+ * said here instead, naming the field, and nothing is sent. `empty` is what a blank means
+ * where a blank is allowed.
+ */
+function numberFrom(input, { integer = false, empty } = {}) {
+  const label = input.labels?.[0]?.textContent.trim() || input.id;
+  const text = input.value.trim();
+  const min = input.min === "" ? null : Number(input.min);
+  const max = input.max === "" ? null : Number(input.max);
+  const v = text === "" ? empty ?? NaN : Number(text);
+  const bad = !Number.isFinite(v) || (min !== null && v < min) || (max !== null && v > max)
+    || (integer && !Number.isInteger(v));
+  if (!bad) { input.removeAttribute("aria-invalid"); return v; }
+  input.setAttribute("aria-invalid", "true");
+  const range = max === null ? `${min} or more` : `from ${min} to ${max}`;
+  throw new Error(`${label} must be ${integer ? "a whole number " : ""}${range}` +
+    ` (it is ${text === "" ? "empty" : `“${text}”`})`);
+}
+
+/** The request settings of the side panel, each checked (see numberFrom). */
+function requestSettings() {
+  return {
+    max_tokens: numberFrom($("#max-tokens"), { integer: true }),
+    temperature: numberFrom($("#temperature")),
+    seed: numberFrom($("#seed"), { integer: true, empty: 0 }),
+  };
+}
+
 function heatRequest() {
   const saeId = $("#heat-sae").value;
   if (!saeId) return null;
   const [sae_id, layer] = saeId.split("@");
   const req = { sae_id, top_k: 3, positions: "completion" };
-  if ($("#heat-mode").value === "feature") req.features = [Number($("#heat-feature").value) || 0];
+  if ($("#heat-mode").value === "feature") req.features = [numberFrom($("#heat-feature"), { integer: true })];
   return { req, layer: Number(layer) };
 }
 
@@ -70,9 +100,8 @@ function turn(who, text = "") {
   return { node, body };
 }
 
-async function runColumn(key, userText, extra, signal) {
+async function runColumn(key, userText, extra, settings, heat, signal) {
   const col = columns[key];
-  const heat = heatRequest();
   const messages = [];
   const system = $("#system").value.trim();
   if (system) messages.push({ role: "system", content: system });
@@ -87,11 +116,7 @@ async function runColumn(key, userText, extra, signal) {
   let millm = null;
   const started = performance.now();
   let first = null;
-  const body = {
-    model: $("#model").value, messages, max_tokens: Number($("#max-tokens").value) || 40,
-    temperature: Number($("#temperature").value), seed: Number($("#seed").value) || 0,
-    logprobs: true, ...extra,
-  };
+  const body = { model: $("#model").value, messages, ...settings, logprobs: true, ...extra };
   if (heat) body.return_sae_activations = heat.req;
   try {
     const { headers } = await streamV1("/v1/chat/completions", body, {
@@ -147,8 +172,9 @@ $("#chat-form").addEventListener("submit", async (ev) => {
   ev.preventDefault();
   const text = $("#message").value.trim();
   if (!text) return;
-  let extra;
+  let extra, settings, heat;
   try { extra = steeringFields(); } catch (err) { showError(err, "Steering"); return; }
+  try { settings = requestSettings(); heat = heatRequest(); } catch (err) { showError(err, "Settings"); return; }
   $("#message").value = "";
   controller = new AbortController();
   $("#send").disabled = true;
@@ -160,8 +186,8 @@ $("#chat-form").addEventListener("submit", async (ev) => {
   }
   // The two requests run concurrently: with one generation slot the second waits in the
   // server's queue and starts as soon as the first ends.
-  const runs = [runColumn("steered", text, extra, controller.signal)];
-  if (compare) runs.push(runColumn("plain", text, { steering: { features: [] } }, controller.signal));
+  const runs = [runColumn("steered", text, extra, settings, heat, controller.signal)];
+  if (compare) runs.push(runColumn("plain", text, { steering: { features: [] } }, settings, heat, controller.signal));
   const results = await Promise.allSettled(runs);
   for (const r of results) if (r.status === "rejected" && r.reason?.name !== "AbortError") showError(r.reason, "Chat");
   $("#send").disabled = false;
