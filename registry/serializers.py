@@ -450,6 +450,7 @@ class AttachmentsOutput(serializers.Serializer):
     is_attached = serializers.BooleanField()
     count = serializers.IntegerField()
     entries = AttachmentOutput(many=True)
+    total = serializers.IntegerField(help_text="= count: every list route has its total")
     total_memory_usage_mb = serializers.FloatField()
 
 
@@ -458,7 +459,7 @@ def attachments_out(rows: list[Attachment], counts: dict[tuple[str, int], int]
     entries = [attachment_out(row, counts) for row in rows]
     return AttachmentsOutput({
         "is_attached": bool(rows), "count": len(rows), "entries": entries,
-        "total_memory_usage_mb": round(sum(e["memory_usage_mb"] or 0.0 for e in entries), 3),
+        "total": len(rows), "total_memory_usage_mb": round(sum(e["memory_usage_mb"] or 0.0 for e in entries), 3),
     }).data
 
 

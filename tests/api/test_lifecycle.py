@@ -260,7 +260,7 @@ def test_attach_detach_and_attachment_status(api, engine_client, tiny_llama, lla
     assert status["steering_apply_count"] == passes > 0
     # the original's shape: is_attached, count, entries, total_memory_usage_mb
     listed = ok(api.get("/api/saes/attachments"))
-    assert (listed["is_attached"], listed["count"]) == (True, 1)
+    assert (listed["is_attached"], listed["count"], listed["total"]) == (True, 1, 1)
     assert listed["entries"][0]["steering_apply_count"] == passes
     assert listed["entries"][0]["layer_module_path"] == "model.layers.1"
     assert listed["total_memory_usage_mb"] == listed["entries"][0]["memory_usage_mb"] > 0
@@ -285,7 +285,8 @@ def test_attach_detach_and_attachment_status(api, engine_client, tiny_llama, lla
     assert not Model.objects.get(pk=tiny_llama.id).locked
     assert ok(api.get("/api/saes/attachment"))["is_attached"] is False
     assert ok(api.get("/api/saes/attachments")) == {
-        "is_attached": False, "count": 0, "entries": [], "total_memory_usage_mb": 0.0}
+        "is_attached": False, "count": 0, "entries": [], "total": 0,
+        "total_memory_usage_mb": 0.0}
 
 
 def test_attach_reports_warnings_and_refuses_incompatible(api, engine_client, tiny_llama,
