@@ -150,6 +150,8 @@ def _name_problem(name: str) -> str | None:
         return f"{name!r} is a route of /api/profiles ({', '.join(ROUTE_WORDS)})"
     if "/" in name:
         return "a name with '/' cannot be a path segment of /api/profiles/{name}"
+    if "@" in name:
+        return "a name with '@' cannot be picked as /v1's model '<model>@<profile>'"
     return None
 
 

@@ -198,7 +198,7 @@ def _route_words() -> set[str]:
 def test_names_a_route_would_shadow_are_refused(api, relu):
     words = _route_words()
     assert words == {"active", "import", "save-current"}
-    for name in [*sorted(words), "1", "0042", "a/b"]:
+    for name in [*sorted(words), "1", "0042", "a/b", "calm@2"]:
         refused(api.post("/api/profiles", {"name": name, "steering": {}}, format="json"),
                 422, "VALIDATION_ERROR")
         refused(api.post("/api/profiles/import", {"name": name, "steering": {}},
