@@ -63,6 +63,18 @@ _DOMAIN: dict[str, tuple[int, str, str | None]] = {
     "UNSUPPORTED_QUANTIZATION": (400, "unsupported_quantization", None),
 }
 
+# the request field a domain error is about, when the error itself names none (the model
+# it asks for, or the profile its steering names)
+_PARAM: dict[str, str] = {
+    "MODEL_NOT_FOUND": "model",
+    "MODEL_NOT_RESIDENT": "model",
+    "MODEL_LOCKED": "model",
+    "MODEL_LEASED": "model",
+    "PROFILE_NOT_FOUND": "profile",
+    "PROFILE_INCOMPATIBLE": "profile",
+}
+
+
 def _setting(name: str | None) -> int | None:
     return None if name is None else int(getattr(settings, name))
 
@@ -110,7 +122,7 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
         details = exc.details or {}
         return OpenAIError(exc.message, status=status, code=code,
                            param=details.get("param") if isinstance(details.get("param"), str)
-                           else param,
+                           else _PARAM.get(exc.code, param),
                            retry_after=retry_after if status == 503 else None)
     try:
         from pydantic import ValidationError
@@ -160,8 +172,9 @@ def openai_view(*methods: str):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the one exit for /v1 errors
-                error = openai_error_from_exception(exc, param=_context_param(request))
+                error = openai_error_from_exception(exc)
                 if error.code == "context_length_exceeded" and error.param is None:
+                    # the one error about the input as a whole
                     error.param = _context_param(request)
                 return openai_error_response(error)
 

@@ -160,3 +160,52 @@ def test_context_length_error_carries_the_numbers(llama):
     for number in ("512", "500", "20"):
         assert number in error["message"]
     assert not math.isnan(len(error["message"]))
+
+
+BODIES = {"/chat/completions": CHAT,
+          "/completions": {"model": "tiny-llama", "prompt": "hi", "max_tokens": 4},
+          "/embeddings": {"model": "tiny-llama", "input": "hi"}}
+
+
+def test_domain_errors_name_the_field_they_are_about(llama):
+    """``param`` is the request field a refusal is about — the model or the profile —
+    never the input (that is the context-length error's alone)."""
+    from registry.models import Model
+    from steering.services import profile_create
+    from tests.v1.conftest import attach
+
+    base = llama.base_url
+    refuse = {"X-miLLM-Load-Policy": "refuse"}
+    for path, body in BODIES.items():
+        assert_openai_error(request(base, "POST", path, {**body, "model": "tiny-gpt2"},
+                                    headers=refuse), 409, "model_not_resident", "model")
+        assert_openai_error(request(base, "POST", path, {**body, "model": "no-such"}),
+                            404, "model_not_found", "model")
+    generation = {k: v for k, v in BODIES.items() if k != "/embeddings"}
+    for path, body in generation.items():
+        assert_openai_error(request(base, "POST", path, {**body, "profile": "no-such"}),
+                            404, "profile_not_found", "profile")
+    relu = attach("tiny-llama-L1-relu", 1)  # attaching locks the model
+    profile_create(name="elsewhere", sae_id=relu.id, layer=2, steering={"1": 1.0})
+    for path, body in generation.items():
+        assert_openai_error(request(base, "POST", path, {**body, "profile": "elsewhere"}),
+                            400, "profile_incompatible", "profile")
+    for path, body in BODIES.items():
+        assert_openai_error(request(base, "POST", path, {**body, "model": "tiny-gpt2"}),
+                            409, "model_locked", "model")
+    model_id = Model.objects.get(name="tiny-llama").id
+    request(llama.url, "POST", f"/api/models/{model_id}/unlock")
+    grant = request(llama.url, "POST", f"/api/models/{model_id}/lease",
+                    {"holder": "errors-test", "reason": "param", "ttl_seconds": 60})
+    assert grant.status == 201, grant.body[:300]
+    try:
+        for path, body in BODIES.items():
+            assert_openai_error(request(base, "POST", path, {**body, "model": "tiny-gpt2"}),
+                                409, "model_leased", "model")
+    finally:
+        request(llama.url, "DELETE", f"/api/models/{model_id}/lease",
+                headers={"X-miLLM-Lease": grant.json()["data"]["lease_id"]})
+    # the input's own error keeps naming the input
+    assert_openai_error(request(base, "POST", "/completions",
+                                {**BODIES["/completions"], "prompt": [5] * 600}),
+                        400, "context_length_exceeded", "prompt")
