@@ -104,4 +104,49 @@ def add_v1_paths(result: dict[str, Any], generator: Any, request: Any, public: b
                         "schema": {"type": "string"}}],
         "responses": {"200": {"description": "Model", "content": {"application/json": {
             "schema": ref(protocol.ModelCard)}}}, "default": error}}}
+    _add_batch_and_probe_paths(paths, error)
     return result
+
+
+def _add_batch_and_probe_paths(paths: dict[str, Any], error: dict[str, Any]) -> None:
+    """/v1/files, /v1/batches (OpenAI's Batch API) and /v1/probes/score: plain views whose
+    bodies are OpenAI's (files, batches) or miLLM's own (probes); their fields are in
+    docs/api-v1.md, so the schema names each operation with an open object."""
+    obj = {"description": "JSON object (docs/api-v1.md)",
+           "content": {"application/json": {"schema": {"type": "object"}}}}
+
+    def op(name: str, summary: str, *, body: dict[str, Any] | None = None,
+           params: tuple[str, ...] = ()) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "operationId": f"v1_{name}", "summary": summary, "tags": ["v1"],
+            "security": [{"bearerAuth": []}, {}], "responses": {"200": obj, "default": error},
+            "parameters": [{"name": p, "in": "path", "required": True,
+                            "schema": {"type": "string"}} for p in params]}
+        if body is not None:
+            out["requestBody"] = {"required": True, "content": body}
+        return out
+
+    json_body = {"application/json": {"schema": {"type": "object"}}}
+    upload = {"multipart/form-data": {"schema": {
+        "type": "object", "required": ["file", "purpose"],
+        "properties": {"file": {"type": "string", "format": "binary"},
+                       "purpose": {"type": "string", "enum": ["batch"]}}}}}
+    paths["/v1/files"] = {"get": op("files_list", "Uploaded files"),
+                          "post": op("files_create", "Upload a JSONL batch input",
+                                     body=upload)}
+    paths["/v1/files/{file_id}"] = {
+        "get": op("file", "One file", params=("file_id",)),
+        "delete": op("file_delete", "Delete a file", params=("file_id",))}
+    paths["/v1/files/{file_id}/content"] = {"get": {
+        **op("file_content", "A file's content (the JSONL as uploaded or written)",
+             params=("file_id",)),
+        "responses": {"200": {"description": "JSONL", "content": {
+            "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+            "default": error}}}
+    paths["/v1/batches"] = {"get": op("batches_list", "Batches"),
+                            "post": op("batches_create", "Start a batch", body=json_body)}
+    paths["/v1/batches/{batch_id}"] = {"get": op("batch", "One batch", params=("batch_id",))}
+    paths["/v1/batches/{batch_id}/cancel"] = {
+        "post": op("batch_cancel", "Cancel a batch", params=("batch_id",))}
+    paths["/v1/probes/score"] = {"post": op(
+        "probes_score", "Score text with linear probes on SAE features", body=json_body)}

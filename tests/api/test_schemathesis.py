@@ -22,7 +22,9 @@ def test_the_schema_documents_the_api():
     for path in ("/api/models", "/api/models/{model_id}/load", "/api/saes/attach-set",
                  "/api/saes/{sae_id}/compatibility", "/api/health/ready",
                  "/api/health/circuits/{name}/reset", "/api/jobs/{job_id}",
-                 "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models"):
+                 "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
+                 "/v1/files", "/v1/files/{file_id}/content", "/v1/batches",
+                 "/v1/batches/{batch_id}/cancel", "/v1/probes/score"):
         assert path in paths, path
     assert schema.raw_schema["components"]["securitySchemes"]["bearerAuth"]["scheme"] == \
         "bearer"
