@@ -300,6 +300,7 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
         device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
                                                  settings.MILLM_ENGINE_DTYPE)
         job_start(job=job, stage="preparing")
+        job_progress(job=job, progress=0, stage="preparing")  # listeners hear it start
         job_progress(job=job, progress=5, stage="checking memory")
         check_model_fits(model, device, dtype, resident=model_loaded(other_than=model))
     except Exception as exc:

@@ -35,6 +35,8 @@ def test_load_and_unload_in_the_background(api, engine_client, tiny_llama, publi
     assert [n for n, _ in load_events][-1] == "model:load:complete"
     progress = [d["percent"] for n, d in load_events if n == "model:load:progress"]
     assert len(progress) >= 2 and progress == sorted(progress)
+    stages = [d["stage"] for n, d in load_events if n == "model:load:progress"]
+    assert stages == ["preparing", "checking memory", "loading weights", "recorded"]
     detail = ok(api.get(f"/api/models/{tiny_llama.id}"))
     assert (detail["status"], detail["device"], detail["dtype"]) == ("loaded", "cpu", "float32")
     assert ok(api.get("/api/models"))["loaded_model_id"] == tiny_llama.id
