@@ -18,6 +18,7 @@ const samples = [];          // [time ms, tokens_generated]
 let lastMetricsEvent = 0;
 let modelCache = { id: null, data: null };
 let steeringByKey = new Map();
+let lastTokens = null;       // tokens_generated of the last figures seen
 
 function set(id, value) { $(`#${id}`).textContent = value; }
 
@@ -108,7 +109,12 @@ function tokenFigures(total) {
 
 function metricsFigures(m) {
   if (m.queue) queueFigures(m.queue);
-  if (m.tokens_generated !== undefined) tokenFigures(m.tokens_generated);
+  if (m.tokens_generated !== undefined) {
+    tokenFigures(m.tokens_generated);
+    // something was generated: the attachments' steered-pass counts moved with it
+    if (lastTokens !== null && m.tokens_generated !== lastTokens) refreshSoon();
+    lastTokens = m.tokens_generated;
+  }
   if (m.requests) set("req-total", `${fmtNumber(m.requests.total)} (${fmtNumber(m.requests.errors)})`);
 }
 
