@@ -340,5 +340,5 @@ async def resolve_model(name: str, status: EngineStatus) -> tuple[ModelRef, str 
     resident model is answered from the engine's status without a database query: it was
     loaded from its row, and a loaded model's row cannot be deleted."""
     if status.state == "ready" and status.model_id == name:
-        return ModelRef(None, name, "loaded"), None
+        return ModelRef(None, name, "loaded", status.hidden_size), None
     return await sync_to_async(selectors.model_resolve)(name=name)

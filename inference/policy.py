@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from gpu_engine.errors import InvalidParameter
 from gpu_engine.protocol import check_template_kwargs
 from inference.errors import OpenAIError
-from inference.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.structured import SUPPORTED_TYPES
 from inference.tools import check_tools
 
@@ -112,10 +112,6 @@ UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
         Unhonoured("best_of", "ranking best_of candidates is not available; best_of must "
                    "equal n", _best_of_n),
     ),
-    EmbeddingRequest: (
-        Unhonoured("dimensions", "embeddings have the model's hidden size; shortening them "
-                   "(dimensions) is not available", _one_of()),
-    ),
 }
 
 
@@ -146,6 +142,16 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
                           "MILLM_ALLOW_REQUEST_CHAT_TEMPLATE)", status=400,
                           code="invalid_parameter", param="chat_template_kwargs.chat_template")
     return kwargs
+
+
+def check_dimensions(asked: int | None, native: int | None) -> None:
+    """Embeddings ``dimensions``: the model's own size (its hidden size) is what the server
+    returns anyway and passes; any other is 400 ``field_not_honoured``. ``native`` None:
+    not known yet (checked again once the model is resident)."""
+    if asked is not None and native is not None and asked != native:
+        raise OpenAIError(f"dimensions cannot be honoured: embeddings have the model's hidden "
+                          f"size ({native}); shortening them is not available", status=400,
+                          code="field_not_honoured", param="dimensions")
 
 
 # --------------------------------------------------------------------------- unused

@@ -680,6 +680,8 @@ class EmbeddingRequest(_Wire):
     model: str = Field(min_length=1, max_length=500)
     input: list[PromptItem]
     encoding_format: Literal["float", "base64"] = "float"
+    # only the model's own size is honoured (``inference.policy.check_dimensions``)
+    dimensions: int | None = Field(default=None, ge=1)
 
     _input = field_validator("input", mode="before")(
         classmethod(lambda cls, v: _embedding_input(v)))

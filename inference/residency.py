@@ -55,6 +55,8 @@ class ModelRef:
     pk: int | None  # None: answered from the engine (resident), never loaded by pk
     name: str
     status: str
+    # the model's d_model as the registry or the engine knows it (None: not known yet)
+    hidden_size: int | None = None
 
 
 class Residency:

@@ -25,7 +25,7 @@ def model_resolve(*, name: str) -> tuple[ModelRef, str | None]:
     if row is None:
         raise ModelNotFound(f"The model {name!r} does not exist",
                             details={"model": name, "param": "model"})
-    return ModelRef(row.pk, row.name, row.status), profile
+    return ModelRef(row.pk, row.name, row.status, row.hidden_size), profile
 
 
 def models_listed() -> QuerySet[Model]:

@@ -28,7 +28,13 @@ from inference.errors import (
     openai_view,
 )
 from inference.planning import resolve_model
-from inference.policy import STRICT_HEADER, check_fields, ignored_headers, strict_mode
+from inference.policy import (
+    STRICT_HEADER,
+    check_dimensions,
+    check_fields,
+    ignored_headers,
+    strict_mode,
+)
 from inference.probe_scoring import probe_score as probe_score_run
 from inference.probe_scoring import probe_score_parse
 from inference.protocol import (
@@ -120,6 +126,7 @@ async def embeddings(request: HttpRequest):
     residency = runtime().residency
     status = await residency.status()
     model, _ = await resolve_model(req.model, status)
+    check_dimensions(req.dimensions, model.hidden_size)  # before anything loads, where known
     residency.check_policy(model, policy=policy, resident=resident_model_id(status),
                            draining=status.draining)
     permit = await runtime().admission.acquire()
@@ -128,6 +135,7 @@ async def embeddings(request: HttpRequest):
         use = await residency.acquire(model, policy=policy,
                                       status=None if permit.waited else status,
                                       lease=request.headers.get(LEASE_HEADER))
+        check_dimensions(req.dimensions, use.status.hidden_size)
         result = await asyncio.to_thread(
             client.embed, EmbedJob(request_id=f"embd-{uuid.uuid4().hex}",
                                    inputs=list(req.input), pooling="mean", normalize=True),

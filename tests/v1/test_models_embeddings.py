@@ -76,6 +76,33 @@ def test_embeddings_equal_the_engine_and_are_never_steered(llama, openai_client)
                         400, "field_not_honoured", "dimensions")
 
 
+def test_dimensions_equal_to_the_models_own_size_pass(llama, openai_client, tiny_assets):
+    """The neutral value of ``dimensions`` (docs/api-v1.md, request policy): the model's
+    hidden size, read here from the checkpoint's config, gives the usual embedding; any
+    other size is refused — before anything loads when the model is not resident."""
+    import json
+
+    def hidden(name: str) -> int:
+        cfg = json.loads((tiny_assets.models[name].path / "config.json").read_text())
+        return int(cfg.get("hidden_size") or cfg["n_embd"])
+
+    size = hidden("tiny-llama")
+    plain = openai_client.embeddings.create(model="tiny-llama", input="the sea")
+    same = openai_client.embeddings.create(model="tiny-llama", input="the sea", dimensions=size)
+    assert len(same.data[0].embedding) == size
+    assert same.data[0].embedding == pytest.approx(plain.data[0].embedding, abs=1e-7)
+    for model, asked in (("tiny-llama", size - 1), ("tiny-gpt2", hidden("tiny-gpt2") + 1)):
+        assert_openai_error(request(llama.base_url, "POST", "/embeddings",
+                                    {"model": model, "input": "x", "dimensions": asked}),
+                            400, "field_not_honoured", "dimensions")
+    assert llama.engine.status().model_id == "tiny-llama"  # tiny-gpt2 was never loaded
+    # the size of a model that is not resident, when it is what that model gives: loaded
+    gpt2 = request(llama.base_url, "POST", "/embeddings",
+                   {"model": "tiny-gpt2", "input": "x", "dimensions": hidden("tiny-gpt2")})
+    assert gpt2.status == 200, gpt2.body[:300]
+    assert len(gpt2.json()["data"][0]["embedding"]) == hidden("tiny-gpt2")
+
+
 def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monkeypatch):
     client = llama.client
     calls: list[str] = []
