@@ -23,15 +23,16 @@ class ConfigureInput(serializers.Serializer):
     enabled = serializers.BooleanField(required=False, default=True)
     features = serializers.ListField(child=serializers.IntegerField(
                                          min_value=0, max_value=MAX_INDEX),
-                                     required=False, allow_null=True, default=None,
+                                     required=False, allow_null=True,
                                      max_length=services.MAX_FEATURES,
-                                     help_text="null: all features (recorded as the top-k)")
-    history_size = serializers.IntegerField(required=False, default=100, min_value=1,
+                                     help_text="null: all features (recorded as the top-k); "
+                                               "left out: as configured")
+    history_size = serializers.IntegerField(required=False, min_value=1,
                                             max_value=services.MAX_HISTORY)
-    top_k = serializers.IntegerField(required=False, default=10, min_value=1,
+    top_k = serializers.IntegerField(required=False, min_value=1,
                                      max_value=services.MAX_TOP_K)
     positions = serializers.ChoiceField(choices=MonitoringConfig.Positions.values,
-                                        required=False, default="last")
+                                        required=False)
     sae_id = serializers.CharField(required=False, allow_null=True, max_length=40)
     layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
                                      max_value=MAX_LAYER)
@@ -69,10 +70,12 @@ class MonitoringConfigureApi(APIView):
                    responses=_ANY)
     def post(self, request) -> Response:
         data = validated(ConfigureInput, request.data or {})
+        # what the request leaves out keeps its configured value
+        kept = {k: data[k] for k in ("features", "history_size", "top_k", "positions")
+                if k in data}
         return envelope(services.monitoring_configure(
-            enabled=data["enabled"], features=data["features"],
-            history_size=data["history_size"], top_k=data["top_k"],
-            positions=data["positions"], sae_id=data.get("sae_id"), layer=data.get("layer")))
+            enabled=data["enabled"], sae_id=data.get("sae_id"), layer=data.get("layer"),
+            **kept))
 
 
 class MonitoringEnableApi(APIView):

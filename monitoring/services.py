@@ -92,16 +92,28 @@ def _prune(history_size: int) -> None:
         ActivationRecord.objects.filter(id__lte=cutoff[0]).delete()
 
 
+KEEP: Any = object()  # a configure field the request left out: the current value stays
+
+
 @transaction.atomic
-def monitoring_configure(*, enabled: bool = True, features: list[int] | None = None,
-                         history_size: int = 100, top_k: int = 10, positions: str = "last",
-                         sae_id: str | None = None, layer: int | None = None
-                         ) -> dict[str, Any]:
+def monitoring_configure(*, enabled: bool = True, features: list[int] | None | Any = KEEP,
+                         history_size: int | Any = KEEP, top_k: int | Any = KEEP,
+                         positions: str | Any = KEEP, sae_id: str | None = None,
+                         layer: int | None = None) -> dict[str, Any]:
     """Choose what /v1 requests record. Needs an attached SAE (the one named, else the
-    only one); feature indices are checked against its d_sae. Shrinking the history keeps
-    the newest records."""
+    only one); feature indices are checked against its d_sae. A field left out keeps its
+    current value (a fresh configuration: all features, history 100, top-k 10, last
+    position), so changing one never resets — and prunes — the rest. Shrinking the history
+    keeps the newest records."""
     from steering.live import attachment_choose, check_indices
 
+    current = MonitoringConfig.objects.get_or_create(pk=1)[0]
+    before = monitoring_state()
+    keep_features = features is KEEP
+    features = current.features if keep_features else features
+    history_size = current.history_size if history_size is KEEP else history_size
+    top_k = current.top_k if top_k is KEEP else top_k
+    positions = current.positions if positions is KEEP else positions
     if not 1 <= history_size <= MAX_HISTORY or not 1 <= top_k <= MAX_TOP_K \
             or positions not in MonitoringConfig.Positions.values:
         raise ValidationFailed("history_size 1-10000, top_k 1-1000, positions last, "
@@ -114,6 +126,9 @@ def monitoring_configure(*, enabled: bool = True, features: list[int] | None = N
         raise VectorInvalid(f"{attachment.sae_id} is a raw steering vector: it has no encoder, "
                             "so nothing can be monitored with it",
                             details={"field": "sae_id", "sae_id": attachment.sae_id})
+    if keep_features and (before["sae_id"], before["layer"]) != (attachment.sae_id,
+                                                                attachment.layer):
+        features = None  # indices of another SAE mean nothing here: all features
     if features is not None:
         features = sorted({int(f) for f in features})
         if len(features) > MAX_FEATURES:

@@ -82,6 +82,28 @@ def test_merge_keeps_the_requests_own_records_apart():
     assert [r.read_point for r in finish.activations] == ["post_steering"]
 
 
+def test_a_configure_changes_only_the_fields_it_names(api, llama):
+    """Turning one dial must not reset the others to their defaults (which pruned the
+    history a user had sized); another SAE starts from all features."""
+    relu = llama.attach("tiny-llama-L1-relu", 1)
+    ok(api.post("/api/monitoring/configure", {"features": [1, 2], "history_size": 200,
+                                              "top_k": 5, "positions": "all"}, format="json"))
+    entry = services.monitoring_request_entry(attachments=engine_attachments())
+    services.monitoring_record(request_id="chatcmpl-a", entry=entry, records=[
+        rec(relu.id, p, {1: 1.0, 2: 0.0}) for p in range(150)])
+    state = ok(api.post("/api/monitoring/configure", {"features": [3]}, format="json"))
+    assert (state["monitored_features"], state["history_size"], state["top_k"],
+            state["positions"]) == ([3], 200, 5, "all")
+    assert ActivationRecord.objects.count() == 150  # nothing pruned
+    state = ok(api.post("/api/monitoring/configure", {"top_k": 7}, format="json"))
+    assert (state["monitored_features"], state["top_k"]) == ([3], 7)
+    topk = llama.attach("tiny-llama-L2-topk", 2)
+    state = ok(api.post("/api/monitoring/configure", {"sae_id": topk.id, "layer": 2},
+                        format="json"))
+    assert (state["sae_id"], state["monitored_features"], state["history_size"]) == (
+        topk.id, None, 200)
+
+
 def test_history_is_bounded_newest_first_and_filtered(api, relu):
     ok(api.post("/api/monitoring/configure", {"features": [1, 2], "history_size": 4,
                                               "top_k": 2}, format="json"))
