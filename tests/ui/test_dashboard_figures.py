@@ -38,3 +38,26 @@ def test_steered_passes_follow_a_generation_without_a_reload(server, page):
     finally:
         server.api("DELETE", f"/api/saes/steering?sae_id={sae}&layer=1")
     page.console.assert_clean()
+
+
+V1 = "document.querySelector('#req-v1').textContent.replace(/\\D/g, '')"
+
+
+def test_request_figure_counts_v1_only(server, page):
+    page.goto(server.url + "/")
+    page.wait_for_function("document.querySelector('#ws-status').textContent.includes('live')")
+    page.wait_for_function(f"{V1} !== ''")
+    assert "/v1 requests" in page.inner_text("#load-h ~ dl")
+    # a page, its static files and the admin's login are requests too, but not /v1 ones
+    for path in ("/models/", "/static/ui/css/ui.css", "/admin/login/"):
+        assert server.call("GET", "/api/health")[0] == 200
+        page.context.request.get(server.url + path)
+    status, _ = server.call("POST", "/v1/chat/completions", {
+        "model": "tiny-llama", "max_tokens": 2,
+        "messages": [{"role": "user", "content": "count me"}]}, timeout=60)
+    assert status == 200
+    metrics = server.api("GET", "/api/health/metrics")["requests"]
+    v1 = metrics["by_surface"]["v1"]
+    assert metrics["total"] > v1  # the counter holds the other requests too
+    page.wait_for_function(f"Number({V1}) === {v1}", timeout=10_000)
+    page.console.assert_clean()

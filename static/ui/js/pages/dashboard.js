@@ -115,7 +115,13 @@ function metricsFigures(m) {
     if (lastTokens !== null && m.tokens_generated !== lastTokens) refreshSoon();
     lastTokens = m.tokens_generated;
   }
-  if (m.requests) set("req-total", `${fmtNumber(m.requests.total)} (${fmtNumber(m.requests.errors)})`);
+  if (m.requests) {
+    // the counter has every HTTP request (pages, static files, the admin); only its
+    // surface split says which were /v1 — errors have no such split, so they are labelled
+    // as counting every route
+    set("req-v1", fmtNumber(m.requests.by_surface?.v1 ?? 0));
+    set("req-errors", fmtNumber(m.requests.errors));
+  }
 }
 
 function pushing() {
