@@ -162,7 +162,8 @@ def openai_view(*methods: str):
                 if request.method not in methods:
                     raise OpenAIError(f"Method {request.method} is not allowed here; use "
                                       f"{' or '.join(methods)}", status=405,
-                                      code="method_not_allowed")
+                                      code="method_not_allowed",
+                                      headers={"Allow": ", ".join(methods)})  # RFC 9110
                 size = sum(len(k) + len(str(v)) for k, v in request.headers.items())
                 if size > MAX_HEADER_BYTES:
                     raise OpenAIError(f"Request headers are too large ({size} bytes; the "

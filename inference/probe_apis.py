@@ -29,8 +29,10 @@ def _body(request: HttpRequest) -> Any:
 @csrf_exempt
 async def probe_score_api(request: HttpRequest) -> JsonResponse:
     if request.method != "POST":
-        return error_json("METHOD_NOT_ALLOWED", f"Method {request.method} not allowed",
-                          status_code=405)
+        response = error_json("METHOD_NOT_ALLOWED", f"Method {request.method} not allowed",
+                              status_code=405)
+        response["Allow"] = "POST"  # RFC 9110
+        return response
     try:
         body, headers = await probe_score(probe_score_parse(_body(request)))
     except (MillmError, EngineError) as exc:

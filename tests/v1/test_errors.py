@@ -209,3 +209,25 @@ def test_domain_errors_name_the_field_they_are_about(llama):
     assert_openai_error(request(base, "POST", "/completions",
                                 {**BODIES["/completions"], "prompt": [5] * 600}),
                         400, "context_length_exceeded", "prompt")
+
+
+@pytest.mark.parametrize("method,path,allow", [
+    ("GET", "/chat/completions", {"POST"}),
+    ("PUT", "/completions", {"POST"}),
+    ("DELETE", "/embeddings", {"POST"}),
+    ("POST", "/models", {"GET"}),
+    ("POST", "/models/tiny-llama", {"GET"}),
+    ("PATCH", "/batches", {"GET", "POST"}),
+])
+def test_a_405_names_the_allowed_methods(llama, method, path, allow):
+    resp = request(llama.base_url, method, path)
+    assert_openai_error(resp, 405, "method_not_allowed")
+    assert {m.strip() for m in resp.headers["allow"].split(",")} == allow  # RFC 9110
+    # and a method it names is not a 405
+    assert request(llama.base_url, sorted(allow)[0], path, {} if "POST" in allow else None
+                   ).status != 405
+
+
+def test_the_api_probe_score_405_names_post(llama):
+    resp = request(llama.url, "GET", "/api/probes/score")
+    assert resp.status == 405 and resp.headers["allow"] == "POST"
