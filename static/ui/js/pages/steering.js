@@ -19,7 +19,18 @@ const pending = new Set(); // indices added here but not set yet (value 0 until 
 const target = () => ({ sae_id: current.sae_id, layer: current.layer });
 const query = () => `sae_id=${encodeURIComponent(current.sae_id)}&layer=${current.layer}`;
 
-function clamp(v) { return Math.max(-MAX, Math.min(MAX, v)); }
+/** Put the server's value back in a feature's row (0 for one added here and not set yet):
+ * after a refusal the row must show what runs, not what was refused. */
+function restoreRow(index) {
+  const row = $(`#features li[data-index="${index}"]`);
+  if (!row) return;
+  const v = Number(state?.values?.[String(index)] ?? 0);
+  const slider = row.querySelector("input[type=range]");
+  slider.value = v;
+  slider.setAttribute("aria-valuetext", String(v));
+  row.querySelector("input[type=number]").value = v;
+  row.classList.toggle("neg", v < 0);
+}
 
 // One call in flight per feature, and only the newest value waits behind it, so the server
 // ends at the value the slider shows however the responses interleave.
@@ -38,7 +49,12 @@ async function setValue(index, value) {
       try {
         state = await post("/api/saes/steering", { ...target(), feature_idx: index, value: v });
         pending.delete(index);
-      } catch (err) { showError(err, `Feature ${index}`); await loadState(); return; }
+      } catch (err) {
+        showError(err, `Feature ${index}`);
+        await loadState();
+        restoreRow(index); // renderState leaves a focused row as typed
+        return;
+      }
     }
     renderState();
   } finally { q.running = false; }
@@ -81,9 +97,10 @@ function featureRow(index, value) {
   slider.addEventListener("change", () => sender(index).flush(Number(slider.value)));
   number.addEventListener("change", () => {
     const v = Number(number.value);
-    if (!Number.isFinite(v) || Math.abs(v) > MAX) {
-      notice(`Feature ${index}: a value must lie in −${MAX}…${MAX}`, "error");
-      number.value = clamp(Number.isFinite(v) ? v : 0);
+    if (number.value.trim() === "" || !Number.isFinite(v) || Math.abs(v) > MAX) {
+      const kept = Number(state?.values?.[String(index)] ?? 0);
+      notice(`Feature ${index}: a value must lie in −${MAX}…${MAX}; it stays at ${kept}`, "error");
+      restoreRow(index);
       return;
     }
     slider.value = v;
