@@ -2,14 +2,20 @@
 
 import os
 
+from corsheaders.defaults import default_headers
+
 from .core import CONFIG, EMBEDDED
 
 if CONFIG.CORS_ORIGINS == ["*"]:
     CORS_ALLOW_ALL_ORIGINS = True
 else:
     CORS_ALLOWED_ORIGINS = CONFIG.CORS_ORIGINS
+# what a browser client may send and read: every X-miLLM-* request header the server reads
+# and every response header it sets (tests/v1/test_cors.py keeps the lists whole)
+CORS_ALLOW_HEADERS = (*default_headers, "x-millm-lease", "x-millm-load-policy", "x-millm-strict")
 CORS_EXPOSE_HEADERS = ["Retry-After", "X-miLLM-Backend", "X-miLLM-Steering", "X-miLLM-Seed",
-                        "X-miLLM-Ignored-Fields"]
+                       "X-miLLM-Ignored-Fields", "X-miLLM-Batch", "X-miLLM-Probe-Verdicts",
+                       "X-miLLM-Scoring"]
 
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
