@@ -96,6 +96,24 @@ $("#p-new").addEventListener("click", () => startEdit(null));
 $("#edit-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
   if (!editing) { startEdit(null); return; }
+  // two rows for one feature would merge into one key, the last row winning: say so first
+  const rowsOf = new Map();
+  for (const row of $("#p-features").children) {
+    const index = String(Number(row.querySelector(".p-index").value));
+    rowsOf.set(index, [...(rowsOf.get(index) || []), row]);
+  }
+  const twice = [...rowsOf].filter(([, rows]) => rows.length > 1);
+  for (const row of $("#p-features").children) {
+    const input = row.querySelector(".p-index");
+    if (twice.some(([, rows]) => rows.includes(row))) input.setAttribute("aria-invalid", "true");
+    else input.removeAttribute("aria-invalid");
+  }
+  if (twice.length) {
+    notice(`${twice.map(([i, rows]) => `Feature ${i} is listed ${rows.length} times`).join("; ")}: ` +
+      "keep one row per feature. Nothing was saved.", "error");
+    twice[0][1][1].querySelector(".p-index").focus();
+    return;
+  }
   const steering = {};
   for (const row of $("#p-features").children) {
     steering[row.querySelector(".p-index").value] = Number(row.querySelector(".p-strength").value);
