@@ -87,13 +87,15 @@ def test_events_and_results_roundtrip():
     rec = ActivationRecord("s", 1, "post_steering", 4, 0, [FeatureActivation(3, 1.5)], [FeatureActivation(9, 0.0)])
     tok = TokenEvent("r", 0, 42, "hi", TokenLogprob(42, "hi", -0.1, [LogprobEntry(42, "hi", -0.1)]), [rec])
     fin = FinishEvent("r", "stop", "hi", [42], Usage(3, 1, 4), [1, 2, 3], [None, -1.0, -2.0], [rec],
-                      [SteeringCount("s", 1, 1)], 1)
+                      [SteeringCount("s", 1, 1)], 1,
+                      prompt_top_logprobs=[None, [LogprobEntry(2, "b", -1.0)], [LogprobEntry(5, "e", -0.5)]])
     err = ErrorEvent("r", "context_length_exceeded", "too long", {"prompt_tokens": 9})
     for ev, tag in ((tok, "token"), (fin, "finish"), (err, "error")):
         assert json.loads(to_json(ev))["type"] == tag
         assert from_json(to_json(ev), StreamEvent) == ev
     res = GenerationResult.from_events([tok, fin])
     assert roundtrip(res) == res and res.activations == [rec, rec]
+    assert res.prompt_top_logprobs == fin.prompt_top_logprobs  # echo's alternatives travel
     for obj in (EngineStatus("ready", attachments=[AttachmentStatus("s", 1, "model.layers.1", 64, 256, "relu", "saelens", "/p", 3)]),
                 AttachResult("s", 1, "model.layers.1", 64, 256, "relu", "saelens", ["w"]),
                 LoadModelJob("m", "/p", dtype="bfloat16"), EmbedJob("e", ["a", [1, 2]]),
