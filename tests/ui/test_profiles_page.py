@@ -40,3 +40,41 @@ def test_duplicate_feature_rows_are_flagged_and_not_saved(server, page):
         assert page.locator("#p-features .p-index[aria-invalid=true]").count() == 0
     finally:
         server.api("DELETE", f"/api/profiles/{created['id']}")
+
+
+def test_a_profile_shows_its_controls(server, page):
+    sae = server.sae_id
+    server.api("DELETE", f"/api/saes/steering?sae_id={sae}&layer=1")
+    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 9,
+                                              "mode": "clamp", "value": 3,
+                                              "phase": "completion"})
+    try:
+        # saved from the Steering page: the notice counts the control
+        page.goto(server.url + "/steering/")
+        page.wait_for_selector("#controls li[data-index='9']")
+        page.fill("#profile-name", "with-control")
+        page.click("#save-form button[type=submit]")
+        ok = page.locator(".notice.ok:has-text('with-control')")
+        ok.wait_for()
+        stored = _profile(server, "with-control")
+        assert stored["steering"] == {} and len(stored["controls"]) == 1
+        assert "(0 values, 1 control)" in ok.inner_text()
+        # the list counts it, the editor lists it, and a save keeps it
+        page.goto(server.url + "/profiles/")
+        row = page.locator("tr:has(th:has-text('with-control'))")
+        assert row.locator("td.num").inner_text() == "0 values, 1 control"
+        row.locator("button:text-is('Edit')").click()
+        listed = page.locator("#p-controls li[data-index='9'][data-mode='clamp']")
+        assert listed.inner_text() == "#9 clamp · 3 · in the completion"
+        _row(page, "4", "6")
+        page.fill("#p-desc", "edited")
+        page.click("#p-save")
+        page.wait_for_selector(".notice.ok:has-text('Saved with-control')")
+        saved = _profile(server, "with-control")
+        assert saved["steering"] == {"4": 6.0} and saved["controls"] == stored["controls"]
+        assert page.locator("tr:has(th:has-text('with-control')) td.num").inner_text() \
+            == "1 value, 1 control"
+    finally:
+        server.api("DELETE", f"/api/saes/steering?sae_id={sae}&layer=1")
+        server.api("DELETE", f"/api/profiles/{_profile(server, 'with-control')['id']}")
+    page.console.assert_clean()

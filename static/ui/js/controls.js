@@ -82,6 +82,24 @@ function shown(token) {
   return token.replace(/\n/g, "⏎").replace(/\t/g, "⇥");
 }
 
+/** A stored control (live steering, a profile) in a few words: "clamp · 3 · in the
+ * completion · rows 0…4 · where #2 > 0.5". */
+export function controlSummary(c) {
+  const parts = [c.mode];
+  if (c.mode !== "ablate") parts.push(String(c.value));
+  if (c.phase && c.phase !== "all") parts.push(`in the ${c.phase}`);
+  if (c.window) parts.push(`rows ${c.window.start}…${c.window.end ?? "end"}`);
+  if (c.condition) parts.push(`where #${c.condition.feature} > ${c.condition.threshold}`);
+  return parts.join(" · ");
+}
+
+/** What a count of values and controls says: "2 values, 1 control". */
+export function steeringCount(values, controls) {
+  const n = Object.keys(values || {}).length;
+  const m = (controls || []).length;
+  return `${n} value${n === 1 ? "" : "s"}, ${m} control${m === 1 ? "" : "s"}`;
+}
+
 function describeControl(f) {
   return `${f.mode} #${f.index} at ${f.sae_id}@${f.layer}`;
 }

@@ -3,6 +3,7 @@
 
 import { del, get, patch, post } from "../api.js";
 import { $, badge, boot, busy, el, fillRows, notice, showError } from "../dom.js";
+import { controlSummary, steeringCount } from "../controls.js";
 import { dial, exportTo, importForm } from "../documents.js";
 import * as events from "../events.js";
 
@@ -31,14 +32,13 @@ function render() {
   const active = profiles.find((p) => p.is_active);
   $("#active-profile").replaceChildren(active ? badge(`active: ${active.name}`, "ok") : badge("none active"));
   fillRows($("#profiles"), profiles.map((p) => {
-    const n = Object.keys(p.steering).length;
     const act = (label, fn, cls = "secondary small") => el("button", { type: "button", class: cls,
       "aria-label": `${label} ${p.name}`, onclick: (ev) => busy(ev.currentTarget, fn, `${label} ${p.name}`) }, label);
     return el("tr", { dataset: { profileId: p.id } },
       el("th", { scope: "row" }, p.name, p.description ? el("div", { class: "small muted" }, p.description) : null),
       el("td", { class: "mono small" }, p.sae_id ? `${p.sae_id} @ ${p.layer ?? "?"}` : "—"),
       el("td", { class: "small" }, p.model_id || "—"),
-      el("td", { class: "num" }, n),
+      el("td", { class: "num small" }, steeringCount(p.steering, p.controls)),
       el("td", {}, dial({ id: `lambda-${p.id}`, label: `Intensity of ${p.name}`, value: lambdas.get(p.id) ?? p.intensity ?? 1,
         onCommit: async (v) => {
           lambdas.set(p.id, v);
@@ -84,6 +84,11 @@ function startEdit(p) {
   $("#p-sae").value = p?.sae_id || "";
   $("#p-layer").value = p?.layer ?? "";
   $("#p-features").replaceChildren(...Object.entries(p?.steering || {}).map(([i, s]) => featureEditRow(i, s)));
+  // controls are shown, not edited here: a save sends no `controls`, so they are kept
+  const controls = p?.controls || [];
+  $("#p-controls").replaceChildren(...controls.map((c) => el("li", { class: "control-row", dataset: { index: c.index, mode: c.mode } },
+    el("span", { class: "index" }, `#${c.index}`), " ", el("span", { class: "control-desc" }, controlSummary(c)))));
+  $("#p-controls-box").classList.toggle("hidden", !controls.length);
   $("#p-name").focus();
 }
 

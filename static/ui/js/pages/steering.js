@@ -3,7 +3,7 @@
 // /api/saes/steering*, and the page redraws from the state the server answers.
 
 import { del, get, getJSON, post } from "../api.js";
-import { controlEntries, controlRow } from "../controls.js";
+import { controlEntries, controlRow, controlSummary as describe, steeringCount } from "../controls.js";
 import { $, badge, boot, busy, debounce, el, notice, showError } from "../dom.js";
 import * as events from "../events.js";
 
@@ -136,15 +136,6 @@ function renderState() {
   const source = state?.source && state.source !== "manual" ? ` · set by a ${state.source}` : "";
   $("#state-note").textContent = state
     ? `${state.enabled ? "on" : "off"} · ${state.active_count} feature(s) applied${source}` : "";
-}
-
-function describe(c) {
-  const parts = [c.mode];
-  if (c.mode !== "ablate") parts.push(String(c.value));
-  if (c.phase && c.phase !== "all") parts.push(`in the ${c.phase}`);
-  if (c.window) parts.push(`rows ${c.window.start}…${c.window.end ?? "end"}`);
-  if (c.condition) parts.push(`where #${c.condition.feature} > ${c.condition.threshold}`);
-  return parts.join(" · ");
 }
 
 function renderControls() {
@@ -304,7 +295,7 @@ $("#save-form").addEventListener("submit", (ev) => {
   busy(ev.currentTarget.querySelector("button"), async () => {
     const profile = await post("/api/profiles/save-current", {
       ...target(), name: $("#profile-name").value.trim(), description: $("#profile-desc").value.trim() });
-    notice(`Saved profile “${profile.name}” (${Object.keys(profile.steering).length} features)`, "ok");
+    notice(`Saved profile “${profile.name}” (${steeringCount(profile.steering, profile.controls)})`, "ok");
     $("#save-form").reset();
   }, "Save profile");
 });
