@@ -110,6 +110,16 @@ async function check() {
   const out = $("#compat");
   if (!saeId || layer === "") { out.textContent = ""; return null; }
   const seq = ++checkSeq;
+  // the compatibility route judges shapes and layers, not what is attached already: an
+  // attach where this SAE already hooks would be refused, so say so here instead
+  const here = hooks.get(`${saeId}@${layer}`);
+  if (here) {
+    out.replaceChildren(badge("already attached here", "warn"),
+      el("div", { class: "status-text warn" }, `This SAE is already attached at layer ${layer} ` +
+        `(${here.layer_module_path}): choose another layer, or detach it first.`));
+    $("#attach-button").disabled = true;
+    return { compatible: false, errors: [], warnings: [] };
+  }
   out.textContent = "Checking…";
   try {
     const report = await get(`/api/saes/${saeId}/compatibility?layer=${layer}`);
