@@ -191,13 +191,19 @@ async function loadLabels() {
   browse(0);
 }
 
-// Browsing: the features in index order (labelled ones first when the SAE has labels),
-// a page at a time, so even a 16k-feature SAE lists quickly.
+// Browsing: every feature in index order, the labelled ones first when the SAE has
+// labels, a page at a time, so even a 16k-feature SAE lists quickly.
 const PAGE = 12;
 let browsePage = 0;
 function browseOrder() {
-  const labelled = Object.keys(labels).map(Number).sort((a, b) => a - b);
-  return labelled.length ? labelled : null;
+  const total = current.d_sae || 0;
+  const labelled = Object.keys(labels).map(Number)
+    .filter((i) => Number.isInteger(i) && i >= 0 && i < total).sort((a, b) => a - b);
+  if (!labelled.length) return null;
+  const named = new Set(labelled);
+  const rest = [];
+  for (let i = 0; i < total; i += 1) if (!named.has(i)) rest.push(i);
+  return [...labelled, ...rest];
 }
 function browse(page) {
   if (!current) { showResults([], ""); $("#browse-note").textContent = ""; return; }
@@ -208,8 +214,8 @@ function browse(page) {
   const start = browsePage * PAGE;
   const indices = order ? order.slice(start, start + PAGE)
     : Array.from({ length: Math.min(PAGE, total - start) }, (_, i) => start + i);
-  showResults(indices, `${order ? "Labelled features" : "Features"}, page ${browsePage + 1} of ${pages}`);
-  $("#browse-note").textContent = `${order ? "labelled " : ""}page ${browsePage + 1} of ${pages}`;
+  showResults(indices, `Features${order ? " (labelled first)" : ""}, page ${browsePage + 1} of ${pages}`);
+  $("#browse-note").textContent = `${order ? "labelled first · " : ""}page ${browsePage + 1} of ${pages}`;
   $("#browse-prev").disabled = browsePage === 0;
   $("#browse-next").disabled = browsePage >= pages - 1;
 }
