@@ -190,10 +190,6 @@ class EngineShutdown(EngineError):
     code = "engine_shutdown"
 
 
-class RequestCancelled(EngineError):
-    code = "request_cancelled"
-
-
 class GenerationFailed(EngineError):
     code = "generation_failed"
 

@@ -36,3 +36,20 @@ def test_a_wrong_way_import_breaks_the_layers(tmp_path):
         probe.unlink()
     assert done.returncode != 0
     assert "registry is not allowed to import orchestration" in done.stdout
+
+
+def test_engine_md_declares_every_command_and_error_code():
+    """docs/engine.md's command table and error table name every command of
+    gpu_engine.commands and every EngineError code (three were missing)."""
+    import re
+
+    from gpu_engine import commands, errors
+    from millm_site.config import BASE_DIR
+
+    text = (BASE_DIR / "docs" / "engine.md").read_text()
+    tables = "\n".join(line for line in text.splitlines() if line.startswith("|"))
+    named = set(re.findall(r"`([a-z_]+)`", tables))
+    codes = {cls.code for cls in vars(errors).values() if isinstance(cls, type)
+             and issubclass(cls, errors.EngineError) and cls is not errors.EngineError}
+    assert codes - named == set()
+    assert set(commands.COMMANDS) - named == set()
