@@ -65,7 +65,7 @@ POLICY = "refuse"  # a batch never loads a model (docs/api-v1.md, "Batches")
 # batch waits (until its completion window ends) instead of failing it.
 WAIT_CODES = frozenset({"model_not_resident", "model_not_loaded", "model_loading",
                         "model_busy", "queue_full", "engine_unavailable", "engine_busy",
-                        "engine_shutdown", "insufficient_memory", "request_cancelled"})
+                        "engine_shutdown", "insufficient_memory"})
 DEFAULT_WAIT_S = 5
 
 
