@@ -1,7 +1,7 @@
 // Monitoring: configure what /v1 generations record, live top features from
 // monitoring:activation events, statistics (top by a metric), history grouped by request.
 
-import { del, get, post } from "../api.js";
+import { del, get, getJSON, post } from "../api.js";
 import { $, badge, boot, busy, el, fillRows, fmtTime, notice, showError } from "../dom.js";
 import * as events from "../events.js";
 
@@ -14,13 +14,37 @@ let history = [];
 
 const fmt = (v, d = 3) => (v === null || v === undefined ? "—" : Number(v).toFixed(d));
 
-function bars(list, items, valueOf, labelOf) {
+// Feature labels per SAE, from its folder's feature_labels.json (none: {}), read once.
+const labelCache = new Map();
+function labelsOf(saeId) {
+  if (!saeId) return Promise.resolve({});
+  if (!labelCache.has(saeId)) {
+    labelCache.set(saeId, getJSON(`/ui/saes/${encodeURIComponent(saeId)}/labels`)
+      .then((d) => d.labels || {}).catch(() => ({})));
+  }
+  return labelCache.get(saeId);
+}
+
+/** One bar per item; `digits` for the figure beside it (0 for counts). */
+function bars(list, items, valueOf, labels = {}, digits = 2) {
   const max = Math.max(1e-9, ...items.map(valueOf));
-  list.replaceChildren(...items.map((it) => el("li", {},
-    el("span", { class: "mono" }, `#${it.feature_index ?? it.feature_idx}`),
-    el("span", { class: "small muted" }, labelOf ? labelOf(it) : ""),
-    el("span", { "aria-hidden": "true" }, el("span", { class: "bar", style: `display:block; width:${(100 * valueOf(it) / max).toFixed(1)}%` })),
-    el("span", { class: "num small" }, fmt(valueOf(it), 2)))));
+  list.replaceChildren(...items.map((it) => {
+    const index = it.feature_index ?? it.feature_idx;
+    return el("li", { dataset: { feature: index } },
+      el("span", { class: "mono" }, `#${index}`),
+      el("span", { class: "small muted feature-label" }, labels[String(index)] || ""),
+      el("span", { "aria-hidden": "true" }, el("span", { class: "bar", style: `display:block; width:${(100 * valueOf(it) / max).toFixed(1)}%` })),
+      el("span", { class: "num small" }, fmt(valueOf(it), digits)));
+  }));
+}
+
+function noteCount(state) {
+  $("#h-note").textContent = `${state.history_count} record(s) kept (at most ${state.history_size})`;
+}
+
+/** Only the count of kept records: a live event must not reset the configuration form. */
+async function loadCount() {
+  try { noteCount(await get("/api/monitoring")); } catch { /* the next full read shows it */ }
 }
 
 async function loadState() {
@@ -37,7 +61,7 @@ async function loadState() {
     $("#m-topk").value = state.top_k;
     $("#m-history").value = state.history_size;
     $("#m-positions").value = state.positions;
-    $("#h-note").textContent = `${state.history_count} record(s) kept (at most ${state.history_size})`;
+    noteCount(state);
   } catch (err) { showError(err, "Monitoring"); }
 }
 
@@ -60,7 +84,10 @@ async function loadHistory() {
   if (!recent.length && history.length) {
     const last = history[0];
     $("#live-note").textContent = `Latest recorded: ${fmtTime(last.timestamp)} · request ${String(last.request_id).slice(0, 24)} · position ${last.token_position}`;
-    bars($("#live-top"), (last.top_k || []).slice().sort((a, b) => b.activation - a.activation), (t) => t.activation);
+    const labels = await labelsOf(last.sae_id);
+    if (!recent.length) {
+      bars($("#live-top"), (last.top_k || []).slice().sort((a, b) => b.activation - a.activation), (t) => t.activation, labels);
+    }
   }
   const byRequest = new Map();
   for (const r of history) {
@@ -84,21 +111,23 @@ async function loadHistory() {
   "No records for this request.", 4);
 }
 
-function onActivation(data) {
+async function onActivation(data) {
   $("#live-note").textContent = `${fmtTime(data.timestamp)} · request ${String(data.request_id).slice(0, 24)} · ${data.records} record(s) · position ${data.token_position}`;
   const top = (data.top_k || []).slice().sort((a, b) => b.activation - a.activation);
-  bars($("#live-top"), top, (t) => t.activation);
   recent.push(top);
+  const labels = await labelsOf(data.sae_id);
+  bars($("#live-top"), top, (t) => t.activation, labels);
   while (recent.length > WINDOW) recent.shift();
   const counts = new Map();
   for (const list of recent) for (const t of list) counts.set(t.feature_index, (counts.get(t.feature_index) || 0) + 1);
   $("#window-n").textContent = recent.length;
-  bars($("#live-freq"), [...counts.entries()].sort((a, b) => b[1] - a[1]).slice(0, 8).map(([feature_index, n]) => ({ feature_index, n })), (t) => t.n);
+  bars($("#live-freq"), [...counts.entries()].sort((a, b) => b[1] - a[1]).slice(0, 8).map(([feature_index, n]) => ({ feature_index, n })),
+    (t) => t.n, labels, 0);
   refreshSoon();
 }
 
 let timer = null;
-function refreshSoon() { clearTimeout(timer); timer = setTimeout(() => { loadStats(); loadHistory(); }, 500); }
+function refreshSoon() { clearTimeout(timer); timer = setTimeout(() => { loadStats(); loadHistory(); loadCount(); }, 500); }
 
 $("#config-form").addEventListener("submit", (ev) => {
   ev.preventDefault();
