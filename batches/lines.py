@@ -36,6 +36,7 @@ from core.runtime import runtime
 from gpu_engine.protocol import EmbedJob
 from inference.errors import OpenAIError, openai_error_from_exception
 from inference.planning import plan_generation, resolve_model
+from inference.policy import check_dimensions, check_fields, ignored_headers
 from inference.probe_scoring import probe_score, probe_score_parse
 from inference.protocol import (
     ChatCompletionRequest,
@@ -104,13 +105,17 @@ async def answer_line(endpoint: str, body: dict[str, Any]) -> Answer:
         return Answer(error.status, error.body())
 
 
-def _validate(schema: type, body: dict[str, Any]) -> Any:
+def _validate(schema: type, body: dict[str, Any]) -> tuple[Any, list[str]]:
+    """The line's request and the fields nothing reads, after the same field policy as the
+    synchronous route (``inference.policy.check_fields``): a field that cannot be honoured
+    is the line's 400, never dropped in silence."""
     try:
-        return schema.model_validate(body)
+        req = schema.model_validate(body)
     except ValidationError as exc:
         from inference.errors import openai_error_from_validation
 
         raise openai_error_from_validation(exc) from None
+    return req, check_fields(data=body, req=req, strict=False)
 
 
 async def _resident(name: str) -> tuple[Any, Any, str | None]:
@@ -124,7 +129,7 @@ async def _resident(name: str) -> tuple[Any, Any, str | None]:
 
 
 async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
-    req = _validate(schema, body)
+    req, ignored = _validate(schema, body)
     if req.stream:
         raise OpenAIError("stream is not available in a batch", status=400,
                           code="invalid_parameter", param="stream")
@@ -138,7 +143,7 @@ async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
         plan = await plan_generation(kind=kind, req=req, model=model,
                                      profile=req.profile or profile, client=client,
                                      attachments=list(use.status.attachments),
-                                     status=use.status)
+                                     status=use.status, ignored_fields=ignored)
         for choice in plan.choices:
             choice.job.priority = "batch"
         outcomes = [await run_choice(client, choice) for choice in plan.choices]
@@ -163,10 +168,11 @@ async def _probe_score(body: dict[str, Any]) -> Answer:
 
 
 async def _embeddings(body: dict[str, Any]) -> Answer:
-    req: EmbeddingRequest = _validate(EmbeddingRequest, body)
+    req, ignored = _validate(EmbeddingRequest, body)
     model, use, _ = await _resident(req.model)
     client = runtime().engine
     try:
+        check_dimensions(req.dimensions, use.status.hidden_size)
         result = await asyncio.to_thread(
             client.embed, EmbedJob(request_id=f"embd-{uuid.uuid4().hex}",
                                    inputs=list(req.input), pooling="mean", normalize=True,
@@ -182,7 +188,8 @@ async def _embeddings(body: dict[str, Any]) -> Answer:
     response = EmbeddingResponse(data=data, model=model.name, usage=UsageInfo(
         prompt_tokens=result.usage.prompt_tokens, total_tokens=result.usage.total_tokens))
     return Answer(200, response.model_dump(exclude={"usage": {"completion_tokens"}}),
-                  {"X-miLLM-Backend": client.backend_name, "X-miLLM-Steering": "none"})
+                  {"X-miLLM-Backend": client.backend_name, "X-miLLM-Steering": "none",
+                   **ignored_headers(ignored)})
 
 
 def _encode(vector: list[float], fmt: str) -> list[float] | str:

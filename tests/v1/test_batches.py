@@ -155,19 +155,30 @@ def test_completion_and_embedding_batches_answer_like_the_routes(batch_server, o
                       "temperature": 0, "steering": {"features": []}}} for i in range(3)]
     rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
                  "body": {"model": "tiny-llama", "prompt": "x", "max_tokens": -3}})
+    # the synchronous route's field policy holds for a line too: a field it cannot honour
+    # is the line's 400, a field nothing reads is named in the line's header
+    rows.append({"custom_id": "suffix", "method": "POST", "url": "/v1/completions",
+                 "body": {"model": "tiny-llama", "prompt": "x", "max_tokens": 2,
+                          "suffix": "the end"}})
+    rows[0]["body"]["user"] = "someone"
     file = upload(openai_client, rows)
     batch = openai_client.batches.create(input_file_id=file.id, endpoint="/v1/completions",
                                          completion_window="24h")
     done = wait_status(openai_client, batch.id, ("completed", "failed"))
     assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
-        "completed", 3, 1)
+        "completed", 3, 2)
     good = output(openai_client, done.output_file_id)
+    assert good[0]["response"]["headers"]["X-miLLM-Ignored-Fields"] == '"user"'
     sync = request(batch_server.url, "POST", "/v1/completions", rows[1]["body"])
     assert good[1]["response"]["body"]["choices"][0]["text"] == sync.json()["choices"][0]["text"]
     assert good[1]["response"]["headers"]["X-miLLM-Steering"] == sync.headers["x-millm-steering"]
-    (bad,) = output(openai_client, done.error_file_id)
+    bad, suffix = sorted(output(openai_client, done.error_file_id),
+                         key=lambda line: line["custom_id"])
     assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 400
     assert bad["response"]["body"]["error"]["param"] == "max_tokens"
+    assert suffix["response"]["status_code"] == 400
+    assert (suffix["response"]["body"]["error"]["code"],
+            suffix["response"]["body"]["error"]["param"]) == ("field_not_honoured", "suffix")
 
     emb = [{"custom_id": "e0", "method": "POST", "url": "/v1/embeddings",
             "body": {"model": "tiny-llama", "input": ["hello there", "the sea"]}}]
