@@ -521,7 +521,7 @@ def model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
         raise ModelBusy(f"Model {model.name!r} is being loaded; retry when it is",
                         details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_LOAD_S)
     pending = Job.objects.filter(kind=Job.Kind.MODEL_LOAD, status__in=Job.ACTIVE).exclude(
-        model=model).select_related("model").first()
+        model=model).first()
     if pending is not None:
         # that load replaces this model anyway; an unload queued beside it would only fail
         raise ModelBusy(f"A load of {pending.target!r} is pending and will replace "
