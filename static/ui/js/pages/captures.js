@@ -99,9 +99,11 @@ async function open(id, inline = null) {
 }
 
 function showDetail() {
-  const { detail, meta, tensors } = selected;
-  $("#detail-note").textContent = `${fmtBytes(detail.bytes)} · ${Object.keys(tensors).length} tensors · created ${fmtDateTime(detail.created_at)}` +
-    (detail.expires_at ? ` · expires ${fmtDateTime(detail.expires_at)}` : " · kept until deleted");
+  const { detail, meta, tensors, inline } = selected;
+  // an inline capture lives in this page only: it has no row to keep or expire
+  const kept = inline ? " · not stored: gone on reload"
+    : detail.expires_at ? ` · expires ${fmtDateTime(detail.expires_at)}` : " · kept until deleted";
+  $("#detail-note").textContent = `${fmtBytes(detail.bytes)} · ${Object.keys(tensors).length} tensors · created ${fmtDateTime(detail.created_at)}${kept}`;
   const fig = (label, value, cls = "small") => el("div", {}, el("dt", {}, label), el("dd", { class: cls }, value ?? "—"));
   const att = meta.attention;
   $("#detail-figures").replaceChildren(
