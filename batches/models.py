@@ -77,6 +77,7 @@ class Batch(models.Model):
 
     class Meta:
         ordering = ["-created_at", "-id"]
+        verbose_name_plural = "batches"
 
     def __str__(self) -> str:
         return f"{self.id} ({self.status})"
