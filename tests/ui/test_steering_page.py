@@ -77,3 +77,22 @@ def test_browse_lists_every_feature_labelled_first(server, page, tiny_assets, tm
         server.api("POST", f"/api/saes/{sae}/detach", {"layer": 2})
         server.api("DELETE", f"/api/saes/{sae}")
     page.console.assert_clean()
+
+
+def test_a_refusal_is_said_once(server, page):
+    """The envelope's message already quotes its field's message; the notice says it once."""
+    body = {"sae_id": server.sae_id, "layer": 1, "feature_idx": 8, "mode": "clamp"}
+    status, out = server.call("POST", "/api/saes/steering", body)
+    assert status == 422
+    error = out["error"]
+    [field_message] = error["details"]["fields"]["value"]
+    assert field_message in error["message"]  # what the page must not repeat
+    _open(server, page)
+    box = page.locator("#control-editor fieldset.control")
+    box.locator("[name=index]").fill("8")
+    box.locator("[name=mode]").select_option("clamp")
+    page.click("#control-set")
+    shown = page.locator(".notice.error span").first
+    shown.wait_for()
+    assert shown.inner_text() == f"Set control: {error['code']}: {error['message']}"
+    assert shown.inner_text().count(field_message) == 1

@@ -34,9 +34,12 @@ export function config() {
 export function describeError(err) {
   if (err instanceof ApiError) {
     const retry = err.retryAfter ? ` (retry in ${err.retryAfter} s)` : "";
-    const fields = err.details && err.details.fields
-      ? ": " + Object.entries(err.details.fields).map(([k, v]) => `${k} ${[].concat(v).join(" ")}`).join("; ")
-      : "";
+    // the field messages the message does not already say (it often quotes them)
+    const extra = Object.entries(err.details?.fields || {})
+      .map(([k, v]) => [k, [].concat(v).filter((m) => !err.message.includes(String(m)))])
+      .filter(([, v]) => v.length)
+      .map(([k, v]) => `${k} ${v.join(" ")}`);
+    const fields = extra.length ? ": " + extra.join("; ") : "";
     const lease = err.details && err.details.holder
       ? ` (leased by ${err.details.holder} until ${new Date(err.details.expires_at).toLocaleString()})` : "";
     // /v1 refusals name the offending field (`param`); say which, so nothing looks ignored
