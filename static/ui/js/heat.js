@@ -45,12 +45,42 @@ function shown(token) {
   return token.replace(/\n/g, "⏎").replace(/\t/g, "⇥");
 }
 
+/**
+ * Keyboard: the strip is one Tab stop (its current cell); the arrow keys, Home and End move
+ * between cells. A focused or hovered cell's values show in the readout below the strip
+ * (a title shows on hover only) and are announced from its aria-label.
+ */
+function wireCells(strip, readout) {
+  const cells = () => [...strip.querySelectorAll(".heat-cell")];
+  const show = (cell) => { readout.textContent = cell.getAttribute("aria-label"); };
+  strip.addEventListener("focusin", (ev) => {
+    const cell = ev.target.closest(".heat-cell");
+    if (!cell) return;
+    for (const c of cells()) c.tabIndex = c === cell ? 0 : -1;
+    show(cell);
+  });
+  strip.addEventListener("mouseover", (ev) => {
+    const cell = ev.target.closest(".heat-cell");
+    if (cell) show(cell);
+  });
+  strip.addEventListener("keydown", (ev) => {
+    const all = cells();
+    const at = all.indexOf(document.activeElement);
+    if (at < 0) return;
+    const to = { ArrowRight: at + 1, ArrowDown: at + 1, ArrowLeft: at - 1, ArrowUp: at - 1,
+      Home: 0, End: all.length - 1 }[ev.key];
+    if (to === undefined) return;
+    ev.preventDefault();
+    all[Math.max(0, Math.min(all.length - 1, to))].focus();
+  });
+}
+
 export function heatStrip(entry, scale) {
   const cells = cellsOf(entry);
   const what = entry.feature !== null && entry.feature !== undefined ? `feature ${entry.feature}` : "the top feature of each token";
   const strip = el("div", {
-    class: "heat-strip", role: "list", tabindex: "0",
-    "aria-label": `Activation of ${what} per generated token (${cells.length} tokens; scale 0 to ${scale.toFixed(2)})`,
+    class: "heat-strip", role: "list",
+    "aria-label": `Activation of ${what} per generated token (${cells.length} tokens; scale 0 to ${scale.toFixed(2)}; arrow keys move between tokens)`,
     dataset: { cells: cells.length },
   });
   for (const [i, c] of cells.entries()) {
@@ -59,12 +89,14 @@ export function heatStrip(entry, scale) {
     const label = `token ${i + 1} ${JSON.stringify(c.token)}: feature ${c.feature ?? "—"} = ${c.value.toFixed(3)}` +
       (top ? ` (top: ${top})` : "");
     strip.append(el("span", {
-      class: "heat-cell", role: "listitem", title: label, "aria-label": label,
+      class: "heat-cell", role: "listitem", title: label, "aria-label": label, tabindex: i === 0 ? "0" : "-1",
       dataset: { value: c.value.toFixed(4), feature: c.feature ?? "" },
       style: `background: rgba(var(--pos), ${(0.04 + 0.91 * alpha).toFixed(3)}); color: ${alpha > 0.55 ? "#fff" : "inherit"}`,
     }, shown(c.token)));
   }
-  return el("div", {}, strip,
+  const readout = el("div", { class: "heat-readout", "aria-hidden": "true" });
+  wireCells(strip, readout);
+  return el("div", {}, strip, readout,
     el("div", { class: "heat-legend", "aria-hidden": "true" },
       "0", el("span", { class: "ramp" }), scale.toFixed(2), ` · ${what}`));
 }
