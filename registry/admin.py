@@ -23,8 +23,8 @@ class ModelRegisterForm(forms.ModelForm):
     local_path = forms.CharField(
         max_length=1000, label="Local path",
         help_text="Absolute path of a transformers checkpoint directory (config.json + "
-                  "safetensors) or a .gguf file on the server. Its files stay yours: "
-                  "deleting the model here never removes them.")
+                  "safetensors) or a .gguf file on the server. Deleting the model removes "
+                  "its files only when they lie under MODEL_CACHE_DIR.")
     name = forms.CharField(max_length=200, required=False,
                            help_text="The name clients use as `model` on /v1. Default: the "
                                      "directory's (or GGUF file's) name.")
