@@ -109,6 +109,16 @@ class ModelUpdateInput(serializers.Serializer):
     backend = serializers.CharField(max_length=32, allow_blank=True,
                                     help_text="a registered backend; blank: MILLM_BACKEND")
 
+    def validate(self, attrs):
+        # a field that cannot change here must not answer 200 as if it had
+        others = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))
+        if others:
+            raise serializers.ValidationError({name: [
+                "cannot be changed here: PATCH /api/models/{id} changes only backend "
+                "(register the checkpoint again for another quantization or path)"]
+                for name in others})
+        return attrs
+
 
 class ModelPreviewInput(serializers.Serializer):
     repo_id = RepoIdField()

@@ -35,6 +35,15 @@ def test_the_backend_field_follows_millm_backend_until_set(api, tiny_llama, sett
     assert Model.objects.get(pk=tiny_llama.id).backend == ""
 
 
+def test_a_patch_naming_a_field_it_cannot_change_is_refused(api, tiny_llama):
+    error = refused(api.patch(f"/api/models/{tiny_llama.id}",
+                              {"backend": "transformers", "quantization": "Q8"}, format="json"),
+                    422, "VALIDATION_ERROR")
+    assert list(error["details"]["fields"]) == ["quantization"]
+    row = Model.objects.get(pk=tiny_llama.id)
+    assert (row.backend, row.quantization) == ("", "FP32")  # nothing half-applied
+
+
 def test_an_unknown_backend_is_refused_everywhere(api, tiny_llama, tiny_assets):
     error = refused(api.patch(f"/api/models/{tiny_llama.id}", {"backend": "nope"}, format="json"),
                     422, "VALIDATION_ERROR")
