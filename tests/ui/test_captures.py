@@ -205,6 +205,23 @@ def test_the_form_captures_a_prompt_through_v1_and_opens_it(server, page):
     page.console.assert_clean()
 
 
+def test_an_empty_max_tokens_is_said_not_replaced(server, page):
+    sent = []
+    page.on("request", lambda r: sent.append(r.url) if r.url.endswith("/v1/chat/completions")
+            else None)
+    page.goto(server.url + "/captures/")
+    page.wait_for_selector("#c-model option[value='tiny-llama']", state="attached")
+    page.fill("#c-prompt", "Capture me.")
+    page.fill("#c-layers", "1")
+    page.fill("#c-max", "")  # (0 or 600 the browser's own form check stops)
+    page.click("#c-send")
+    error = page.locator(".notice.error")
+    error.wait_for()
+    assert "Max tokens must be a whole number from 1 to 512 (it is empty)" in \
+        error.inner_text()
+    assert page.get_attribute("#c-max", "aria-invalid") == "true" and sent == []
+
+
 def test_delete_asks_first_and_removes_the_capture(server, page):
     capture_id, _ = _store_capture(server, "A capture to delete.",
                                 {"layers": [2], "positions": "last"})

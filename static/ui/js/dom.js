@@ -82,6 +82,27 @@ export async function busy(button, fn, context) {
   }
 }
 
+/**
+ * A number field's value, checked against the input's own min and max (and whole when
+ * `integer`): a value the server would refuse, or one the page would have to replace, is
+ * said here instead, naming the field, and nothing is sent. `empty` is what a blank means
+ * where a blank is allowed.
+ */
+export function numberFrom(input, { integer = false, empty } = {}) {
+  const label = input.labels?.[0]?.textContent.trim() || input.id;
+  const text = input.value.trim();
+  const min = input.min === "" ? null : Number(input.min);
+  const max = input.max === "" ? null : Number(input.max);
+  const v = text === "" ? empty ?? NaN : Number(text);
+  const bad = !Number.isFinite(v) || (min !== null && v < min) || (max !== null && v > max)
+    || (integer && !Number.isInteger(v));
+  if (!bad) { input.removeAttribute("aria-invalid"); return v; }
+  input.setAttribute("aria-invalid", "true");
+  const range = max === null ? `${min} or more` : `from ${min} to ${max}`;
+  throw new Error(`${label} must be ${integer ? "a whole number " : ""}${range}` +
+    ` (it is ${text === "" ? "empty" : `“${text}”`})`);
+}
+
 export function fmtNumber(value, digits = 0) {
   if (value === null || value === undefined || Number.isNaN(value)) return "—";
   return Number(value).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: 0 });

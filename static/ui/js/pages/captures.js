@@ -8,7 +8,7 @@
 
 import { del, get, getBytes, post } from "../api.js";
 import { attentionMap, layerNorms, sequenceTokens } from "../capture.js";
-import { $, boot, busy, el, fillRows, fmtBytes, fmtDateTime, notice, showError } from "../dom.js";
+import { $, boot, busy, el, fillRows, fmtBytes, fmtDateTime, notice, numberFrom, showError } from "../dom.js";
 import * as events from "../events.js";
 import { parseSafetensors } from "../safetensors.js";
 
@@ -302,10 +302,11 @@ async function capturePrompt() {
   const layers = indices($("#c-layers").value, "Layers");
   const attention = indices($("#c-att-layers").value, "Q/K layers");
   if (!layers.length && !attention.length) throw new Error("Give hidden-state layers, Q/K layers or both");
+  const maxTokens = numberFrom($("#c-max"), { integer: true }); // said here, never replaced
   const capture = { ...(layers.length ? { layers, positions: $("#c-positions").value } : {}),
     ...(attention.length ? { attention: { layers: attention, positions: "prompt" } } : {}) };
   const answer = await post("/v1/chat/completions", {
-    model: $("#c-model").value, max_tokens: Number($("#c-max").value) || 16, temperature: 0,
+    model: $("#c-model").value, max_tokens: maxTokens, temperature: 0,
     messages: [{ role: "user", content: $("#c-prompt").value }], capture });
   const obj = answer.millm.capture;
   $("#c-result").textContent = `${answer.id}: ${JSON.stringify(answer.choices[0].message.content)} · capture ${obj.id}, ` +

@@ -8,7 +8,7 @@
 // controls fired.
 
 import { get, streamV1 } from "../api.js";
-import { $, boot, describeError, el, notice, showError } from "../dom.js";
+import { $, boot, describeError, el, notice, numberFrom, showError } from "../dom.js";
 import { controlEntries, controlRow, steeringReport } from "../controls.js";
 import { heatStrip, stripScale } from "../heat.js";
 import * as events from "../events.js";
@@ -36,27 +36,6 @@ function parseInline(text) {
     features.push({ index: Number(m[1]), strength });
   }
   return features;
-}
-
-/**
- * A number field's value, checked against the input's own min and max (and whole when
- * `integer`): a value the server would refuse, or one the page would have to replace, is
- * said here instead, naming the field, and nothing is sent. `empty` is what a blank means
- * where a blank is allowed.
- */
-function numberFrom(input, { integer = false, empty } = {}) {
-  const label = input.labels?.[0]?.textContent.trim() || input.id;
-  const text = input.value.trim();
-  const min = input.min === "" ? null : Number(input.min);
-  const max = input.max === "" ? null : Number(input.max);
-  const v = text === "" ? empty ?? NaN : Number(text);
-  const bad = !Number.isFinite(v) || (min !== null && v < min) || (max !== null && v > max)
-    || (integer && !Number.isInteger(v));
-  if (!bad) { input.removeAttribute("aria-invalid"); return v; }
-  input.setAttribute("aria-invalid", "true");
-  const range = max === null ? `${min} or more` : `from ${min} to ${max}`;
-  throw new Error(`${label} must be ${integer ? "a whole number " : ""}${range}` +
-    ` (it is ${text === "" ? "empty" : `“${text}”`})`);
 }
 
 /** The request settings of the side panel, each checked (see numberFrom). */
