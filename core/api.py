@@ -20,9 +20,10 @@ from django.http import Http404
 from rest_framework import exceptions, status
 from rest_framework.response import Response
 
-from core.errors import MillmError
+from core.errors import MillmError, from_engine_error
 from core.metrics import mark_error
 from core.middleware import LoopMiddleware
+from gpu_engine.errors import EngineError
 
 log = structlog.get_logger(__name__)
 
@@ -141,6 +142,8 @@ def _unusable_body(exc: Exception) -> tuple[str, str, int, dict[str, Any]] | Non
 
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
     """DRF's EXCEPTION_HANDLER for every /api view."""
+    if isinstance(exc, EngineError):  # one that no service mapped: the same table
+        exc = from_engine_error(exc)
     if isinstance(exc, MillmError):
         return error_response(exc.code, exc.message, status_code=exc.status,
                               details=exc.details, retry_after=exc.retry_after)
@@ -196,6 +199,8 @@ class ApiFallbackMiddleware(LoopMiddleware):
     def process_exception(self, request, exception):
         if not _is_api(request.path):
             return None
+        if isinstance(exception, EngineError):
+            exception = from_engine_error(exception)
         if isinstance(exception, MillmError):
             return error_json(exception.code, exception.message, status_code=exception.status,
                               details=exception.details, retry_after=exception.retry_after)

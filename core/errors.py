@@ -146,18 +146,26 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
 }
 
 
-def from_engine_error(exc: Exception) -> MillmError:
+def from_engine_error(exc: Exception, *, no_engine: type[MillmError] | None = None
+                      ) -> MillmError:
     """The domain error for an engine error (by its stable code); an unknown code is a 500
-    that keeps the engine's code, upper-cased."""
+    that keeps the engine's code, upper-cased. ``model_not_loaded`` raised because no
+    engine is serving (``details.engine``: no heartbeat, or restoring / stopping) is
+    ``no_engine`` — /api's 503 ENGINE_UNAVAILABLE by default; /v1 keeps its own
+    ``model_not_loaded`` (docs/deploy.md, "Submitting")."""
+    from django.conf import settings
+
     code = getattr(exc, "code", "engine_error")
     details = dict(getattr(exc, "details", {}) or {})
     cls = _ENGINE_CODES.get(code)
+    if code == "model_not_loaded" and details.get("engine"):
+        cls = no_engine or EngineUnavailable
     error = (cls or MillmError)(getattr(exc, "message", str(exc)),
                                 details={"engine_code": code, **details})
     if cls is None:
         error.code = code.upper()  # type: ignore[misc]
     if code == "engine_busy" and details.get("reason") == "unloading":
-        from django.conf import settings
-
         error.retry_after = int(settings.RETRY_AFTER_UNLOAD_S)  # refused or stopped by it
+    if cls is EngineUnavailable and error.retry_after is None:
+        error.retry_after = int(settings.RETRY_AFTER_NOT_LOADED_S)
     return error

@@ -114,7 +114,9 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineError):  # one engine table for every surface (core.errors)
-        exc = from_engine_error(exc)
+        from core.errors import ModelNotLoaded
+
+        exc = from_engine_error(exc, no_engine=ModelNotLoaded)  # /v1: 503 model_not_loaded
     if isinstance(exc, MillmError):
         status, code, retry_setting = _DOMAIN.get(
             exc.code, (400 if exc.status == 422 else exc.status, exc.code.lower(), None))

@@ -322,3 +322,38 @@ def test_tokens_over_redis_equal_the_engine_in_process(redis_url, prefix, tiny_a
         assert remote[-1].steering_apply_count[0].count == remote[-1].forward_passes > 0
     finally:
         engine.shutdown()
+
+
+@pytest.mark.django_db
+def test_with_no_engine_running_api_says_engine_unavailable_and_v1_model_not_loaded(
+        redis_url, settings, tiny_assets):
+    """No run_engine heartbeat: /api's engine routes answer 503 ENGINE_UNAVAILABLE with
+    Retry-After (an attach was a 500, a load a 400 MODEL_NOT_LOADED), /v1 its documented
+    503 model_not_loaded (docs/deploy.md, "Submitting")."""
+    from rest_framework.test import APIClient
+
+    from core.runtime import runtime
+    from registry import services
+    from registry.models import Model
+
+    settings.EMBEDDED = False
+    settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = "auto", "auto"
+    llama = services.model_register_local(
+        local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
+    gpt2 = services.model_register_local(
+        local_path=str(tiny_assets.models["tiny-gpt2"].path), name="tiny-gpt2")
+    sae = services.sae_register_local(local_path=str(tiny_assets.saes["tiny-llama-L1-relu"].path),
+                                      name="relu")
+    Model.objects.filter(pk=llama.pk).update(status="loaded")  # what the rows recorded
+    api = APIClient()
+    with runtime().replaced(engine=make_client(redis_url, f"t{secrets.token_hex(4)}")):
+        for response in (api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"),
+                         api.post(f"/api/models/{gpt2.id}/load")):
+            assert response.status_code == 503, response.content
+            assert response.json()["error"]["code"] == "ENGINE_UNAVAILABLE"
+            assert response["Retry-After"] == str(settings.RETRY_AFTER_NOT_LOADED_S)
+        v1 = api.post("/v1/chat/completions", {"model": "tiny-llama", "max_tokens": 2,
+                                                "messages": [{"role": "user", "content": "hi"}]},
+                      format="json")
+        assert v1.status_code == 503 and v1.json()["error"]["code"] == "model_not_loaded"
+        assert v1["Retry-After"]
