@@ -72,7 +72,7 @@ def test_engine_commands_point_at_the_api_in_embedded_mode(tiny_llama):
 
 
 def test_engine_commands_call_the_services_where_the_engine_is_reachable(
-        settings, engine_client, tiny_llama, llama_saes):
+        settings, engine_client, tiny_llama, llama_saes, tiny_assets, tmp_path):
     settings.EMBEDDED = False  # as in distributed mode, where run_engine is reachable
     out, _ = _run("load_model", "tiny-llama")
     assert "Loaded tiny-llama on cpu" in out
@@ -82,6 +82,17 @@ def test_engine_commands_call_the_services_where_the_engine_is_reachable(
     with pytest.raises(CommandError, match="MODEL_LOCKED"):
         _run("unload_model", "tiny-llama")
     _run("detach_sae", sae.id)
+    # capture works on what the engine holds: another model's name is refused, not
+    # answered with this model's activations under that name
+    from registry import services as registry_services
+
+    registry_services.model_register_local(
+        local_path=str(tiny_assets.models["tiny-gpt2"].path), name="tiny-gpt2")
+    prompts = tmp_path / "capture-prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    with pytest.raises(CommandError, match="the engine holds tiny-llama, not tiny-gpt2"):
+        _run("capture", "tiny-gpt2", "--input", str(prompts), "--out", str(tmp_path / "caps"),
+             "--layers", "0")
     _run("unload_model", str(tiny_llama.id))
     assert Model.objects.get(pk=tiny_llama.id).status == "ready"
     with pytest.raises(CommandError, match="MODEL_NOT_FOUND"):

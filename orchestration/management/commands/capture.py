@@ -113,6 +113,8 @@ class Command(BaseCommand):
                 if outside:
                     raise CommandError(f"{option}: {row.name} has layers 0-{row.num_layers - 1}"
                                        f", not {', '.join(map(str, outside))}")
+        if not settings.EMBEDDED:
+            self._check_resident(row)
         try:
             out.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -123,6 +125,19 @@ class Command(BaseCommand):
         finally:
             if own:
                 client.shutdown()
+
+    def _check_resident(self, row) -> None:  # type: ignore[no-untyped-def]
+        """Distributed: run_engine captures on the model it holds, which must be ``row``
+        (else the captures would be another model's, labelled as this one)."""
+        from core.runtime import runtime
+
+        try:
+            held = runtime().engine.status().model_id
+        except (EngineError, MillmError) as exc:
+            raise CommandError(f"{exc.code}: {exc.message}") from None
+        if held != row.name:
+            raise CommandError(f"the engine holds {held or 'no model'}, not {row.name}: "
+                               f"load it first (manage.py load_model {row.name})")
 
     def _engine(self, row):  # type: ignore[no-untyped-def]
         from core.engine_client import EmbeddedEngineClient, resolve_device_and_dtype
