@@ -249,7 +249,8 @@ def cluster_deactivate(*, cluster: Cluster, clear_steering: bool = True) -> Clus
         was_active = Cluster.objects.filter(pk=cluster.pk, is_active=True).update(
             is_active=False)
         if was_active and clear_steering:
-            live.live_replace_all(entries={}, source=LiveSteering.Source.MANUAL)
+            live.live_replace_all(entries={}, source=LiveSteering.Source.MANUAL,
+                                  reason="deactivate")
     cluster.refresh_from_db()
     return cluster
 

@@ -241,7 +241,7 @@ def live_enable(*, attachment: Attachment, enabled: bool) -> dict[str, Any]:
 
 
 def live_replace_all(*, entries: Mapping[Attachment, rules.FeatureSet], source: str,
-                     keep: Iterable[Attachment] = ()) -> None:
+                     keep: Iterable[Attachment] = (), reason: str = "activate") -> None:
     """Make ``entries`` the whole live steering (every other attachment cleared, except
     those in ``keep``). Call inside a transaction holding ``steering_lock``; values and
     controls are already validated (and dialled)."""
@@ -256,7 +256,7 @@ def live_replace_all(*, entries: Mapping[Attachment, rules.FeatureSet], source: 
         _save(attachment, features, enabled=True, source=source)
         touched.append(attachment)
     for attachment in touched:
-        _on_commit_publish(attachment, reason="activate")
+        _on_commit_publish(attachment, reason=reason)
 
 
 def live_forget(*, attachments: Iterable[Attachment]) -> None:

@@ -291,7 +291,8 @@ def profile_deactivate(*, profile: Profile, clear_steering: bool = True) -> Prof
         was_active = Profile.objects.filter(pk=profile.pk, is_active=True).update(
             is_active=False)
         if was_active and clear_steering:
-            live.live_replace_all(entries={}, source=LiveSteering.Source.MANUAL)
+            live.live_replace_all(entries={}, source=LiveSteering.Source.MANUAL,
+                                  reason="deactivate")
     profile.refresh_from_db()
     return profile
 

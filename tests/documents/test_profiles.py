@@ -132,6 +132,19 @@ def test_save_current_and_deactivate_keeping_values(api, relu):
     assert _live(relu, 1) is None
 
 
+def test_deactivating_says_deactivate_in_its_event(api, relu, published,
+                                                   django_capture_on_commit_callbacks):
+    made = ok(api.post("/api/profiles", {"name": "p", "sae_id": relu.id, "layer": 1,
+                                         "steering": {"3": 4}}, format="json"), 201)
+    with django_capture_on_commit_callbacks(execute=True):
+        ok(api.post(f"/api/profiles/{made['id']}/activate"))
+    assert published[-1][1]["reason"] == "activate"
+    with django_capture_on_commit_callbacks(execute=True):
+        ok(api.post(f"/api/profiles/{made['id']}/deactivate"))
+    assert published[-1][0] == "steering:update"
+    assert (published[-1][1]["reason"], published[-1][1]["values"]) == ("deactivate", {})
+
+
 def test_export_import_round_trip_is_lossless(api, relu):
     made = ok(api.post("/api/profiles", {"name": "round", "description": "trip",
                                          "steering": {"3": 1.25, "17": -0.5},
