@@ -4,8 +4,9 @@ One ``LiveSteering`` row per attachment (values, controls + enabled), in the dat
 web worker resolves the same default and a restart keeps it. Every change takes the
 ``SteeringState`` row lock first, so changes from several workers apply one at a time,
 and publishes ``steering:update``. Requests resolve their spec when they are planned, so a
-change applies to every generation planned after it commits; a generation already running
-keeps the spec it started with (its tokens stay attributable to one spec).
+change applies to every generation planned after it commits (in this process; other web
+workers see it within ``core.process_copy.FRESH_S``); a generation already running keeps the
+spec it started with (its tokens stay attributable to one spec).
 
 Rules (SPEC §3, the original's contract): values set directly lie in [-200, 200] (refused
 otherwise, by the input serializers and again here); indices are checked against the SAE's
