@@ -433,6 +433,50 @@ class SSEResponse(StreamingHttpResponse):
             super().close()
 
 
+class _Submitted:
+    """A choice's events, submitted to the engine now and read later. A stream sends its
+    choices one after another, but every choice reaches the engine with the first (as the
+    JSON answer's do), so all of them are work the engine had accepted when an unload's or
+    a shutdown's grace period began (submitted only when its turn came, choice 2 was new
+    work and refused). Closing it cancels the generation."""
+
+    _END = object()
+
+    def __init__(self, events: AsyncIterator[Any]) -> None:
+        self._events = events
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._task = asyncio.create_task(self._pump())
+
+    async def _pump(self) -> None:
+        try:
+            async for event in self._events:
+                self._queue.put_nowait(event)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the reader
+            self._queue.put_nowait(exc)
+        self._queue.put_nowait(self._END)
+
+    def __aiter__(self) -> _Submitted:
+        return self
+
+    async def __anext__(self) -> Any:
+        item = await self._queue.get()
+        if item is self._END:
+            self._queue.put_nowait(item)
+            raise StopAsyncIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    async def aclose(self) -> None:
+        self._task.cancel()  # inside the engine stream: cancels the generation
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            pass
+
+
 class _Resources:
     """The slot and the model use a request holds, released exactly once."""
 
@@ -440,18 +484,22 @@ class _Resources:
         self.permit = permit
         self.use = use
         self.events: Any = None
+        self.later: list[_Submitted] = []  # a stream's choices after the first
         self.loop: asyncio.AbstractEventLoop | None = None
 
     def release(self) -> None:
         events, self.events = self.events, None
-        if events is not None and self.loop is not None and not self.loop.is_closed():
-            # Called from Django's response-closing thread: close the engine stream on
-            # its loop (cancels the generation); harmless if it already finished.
+        later, self.later = self.later, []
+        streams = [e for e in (events, *later) if e is not None]
+        if streams and self.loop is not None and not self.loop.is_closed():
+            # Called from Django's response-closing thread: close the engine streams on
+            # their loop (cancels the generations); harmless if they already finished.
             async def close() -> None:
-                try:
-                    await events.aclose()
-                except (RuntimeError, StopAsyncIteration):
-                    pass
+                for stream in streams:
+                    try:
+                        await stream.aclose()
+                    except (RuntimeError, StopAsyncIteration):
+                        pass
 
             try:
                 asyncio.run_coroutine_threadsafe(close(), self.loop)
@@ -543,7 +591,7 @@ async def _stream(plan: Plan, client: EngineClient, res: _Resources,
             if position == 0:
                 pending: TokenEvent | FinishEvent | ErrorEvent | None = first
             else:
-                res.events = client.agenerate(choice.job)
+                res.events = res.later[position - 1]
                 pending = None
             opened = False
             held = b""
@@ -648,6 +696,7 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
     first = await anext(res.events)
     if isinstance(first, ErrorEvent):
         raise openai_error_event(first.code, first.message, first.details)
+    res.later = [_Submitted(client.agenerate(choice.job)) for choice in plan.choices[1:]]
     return SSEResponse(_stream(plan, client, res, first), on_close=res.release,
                        headers=plan.headers)
 

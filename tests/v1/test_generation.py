@@ -4,6 +4,8 @@ Face transformers' own greedy decoding."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from gpu_engine.protocol import GenerationJob, SamplingParams
@@ -259,3 +261,38 @@ def test_usage_is_the_last_chunk_after_the_millm_chunk(llama):
     assert all(e["usage"] is None for e in before)  # null on every other chunk
     millm = [e for e in before if "millm" in e and e["millm"] is not None]
     assert len(millm) == 1 and millm[0] is before[-1]
+
+
+def test_a_streamed_n_request_keeps_every_choice_through_an_unload(llama):
+    """Every choice of a stream reaches the engine with the first, so an unload asked while
+    choice 0 streams waits for all of them (GRACEFUL_UNLOAD_TIMEOUT); submitted only when
+    its turn came, choice 1 was new work and the client got a model_busy frame."""
+    import threading
+    import time
+
+    from tests.v1.helpers import open_stream
+
+    layer = llama.engine.backend.model.get_submodule("model.layers.0")
+    hook = layer.register_forward_hook(lambda *args: time.sleep(0.02))  # known lengths
+    try:
+        sock, received = open_stream(llama.url, "/v1/completions", {
+            "model": "tiny-llama", "prompt": "Once upon", "max_tokens": 12, "n": 3,
+            "temperature": 0, "stream": True})
+        unloaded = threading.Event()
+        threading.Thread(target=lambda: (llama.engine.unload_model(timeout_s=30),
+                                         unloaded.set()), daemon=True).start()
+        while b"data: [DONE]" not in received:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            received += chunk
+        sock.close()
+    finally:
+        hook.remove()
+    assert unloaded.wait(30)
+    frames = [json.loads(line[6:]) for line in received.decode(errors="replace").split("\n")
+              if line.startswith("data: {")]
+    assert not [f for f in frames if "error" in f], frames[-1]
+    finished = {c["index"]: c["finish_reason"] for f in frames for c in f.get("choices", [])
+                if c.get("finish_reason")}
+    assert finished == {0: "length", 1: "length", 2: "length"}
