@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import structlog
@@ -287,6 +288,7 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
     from core.engine_client import resolve_device_and_dtype
 
     try:
+        model_jobs_reap()  # a load whose worker died must not block this one for ever
         model.refresh_from_db()
         resident = _check_loadable(model)
         previous = _claim_load(model)
@@ -349,14 +351,77 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
     return model
 
 
+# A Celery worker running a load or unload touches its job row this often; a running job
+# untouched for JOB_STALE_AFTER_S belongs to a worker that died (tasks._Heartbeat).
+JOB_HEARTBEAT_S = 5.0
+JOB_STALE_AFTER_S = 30.0
+
+
+def model_jobs_reap() -> int:
+    """End the load and unload jobs whose worker died (distributed mode: ``running`` and
+    not touched for JOB_STALE_AFTER_S), and make the model rows say what the engine holds:
+    the model it holds ``loaded`` (a load that got as far as the engine), a model it does
+    not hold back to ``ready`` with its attachments, steering and lease gone; with no engine
+    answering, a load that never recorded is undone and an unload's model stays recorded
+    (a restarted engine restores it). Left for later while the engine still reports a load
+    or unload under way. Cheap when there is nothing to reap; called where a stuck job
+    would otherwise be waited on (loads, unloads, waits for a load, readiness)."""
+    if settings.EMBEDDED:
+        return 0  # the job ran in this process; a restart reconciles (startup_reconcile)
+    cutoff = timezone.now() - timedelta(seconds=JOB_STALE_AFTER_S)
+    stale = Job.objects.filter(kind__in=(Job.Kind.MODEL_LOAD, Job.Kind.MODEL_UNLOAD),
+                               status=Job.Status.RUNNING, updated_at__lt=cutoff)
+    if not stale.exists():
+        return 0
+    try:
+        status = _engine().status()
+    except EngineError:
+        status = None
+    if status is not None and status.draining:
+        return 0  # the engine is still carrying the operation out: not stuck yet
+    held = status.model_id if status is not None else None
+    reaped = 0
+    with _CLAIM_LOCK, transaction.atomic():
+        _lock_model_rows()
+        for job in list(stale.select_for_update()):
+            job_finish(job=job, status=Job.Status.FAILED,
+                       error=f"the worker running it stopped (no heartbeat for "
+                             f"{JOB_STALE_AFTER_S:g}s)")
+            reaped += 1
+        for row in Model.objects.filter(status__in=(Model.Status.LOADING,
+                                                    Model.Status.UNLOADING,
+                                                    Model.Status.LOADED)):
+            if status is not None and row.name == held:
+                if row.status != Model.Status.LOADED:
+                    model_set_status(model=row, status=Model.Status.LOADED,
+                                     device=status.device or "", dtype=status.dtype or "")
+                    transaction.on_commit(lambda r=row: events.publish(
+                        "model:load:complete", {"model_id": r.id, "reason": "reconciled"}))
+            elif status is None and row.status != Model.Status.LOADING:
+                Model.objects.filter(pk=row.pk).update(status=Model.Status.LOADED)
+            elif status is None:
+                Model.objects.filter(pk=row.pk).update(status=Model.Status.READY)
+            else:
+                _forget_model_state(row, reason="unload")
+                transaction.on_commit(lambda r=row: events.publish(
+                    "model:unload:complete", {"model_id": r.id, "reason": "reconciled"}))
+    log.warning("model_jobs_reaped", jobs=reaped, engine_holds=held)
+    return reaped
+
+
 def model_load_wait(*, name: str, timeout_s: float) -> Model:
     """Wait (bounded) for a load another process claimed to end; the row then. A load
     that failed raises its error here too, so every waiter learns it."""
     deadline = time.monotonic() + timeout_s
+    next_reap = time.monotonic() + JOB_HEARTBEAT_S
     while True:
         row = Model.objects.get(name=name)
         if row.status != Model.Status.LOADING:
             break
+        if time.monotonic() > next_reap:  # a load whose worker died never ends on its own
+            model_jobs_reap()
+            next_reap = time.monotonic() + JOB_HEARTBEAT_S
+            continue
         if time.monotonic() > deadline:
             raise ModelBusy(f"Model {name!r} is still loading; retry shortly",
                             details={"model_id": row.id},
@@ -463,8 +528,13 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
     return model
 
 
-@transaction.atomic
 def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
+    model_jobs_reap()  # committed on its own: a refusal below must not undo it
+    return _model_load_enqueue(model=model, lease_id=lease_id)
+
+
+@transaction.atomic
+def _model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     """Start a background load (the API's route): the job row now, the load after commit.
 
     Idempotent while a load of the same model is queued or running (its job is returned);
@@ -505,8 +575,13 @@ def _check_fits_early(model: Model, resident: Model | None) -> None:
     check_model_fits(model, device, dtype, resident=resident)
 
 
-@transaction.atomic
 def model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
+    model_jobs_reap()  # committed on its own: a refusal below must not undo it
+    return _model_unload_enqueue(model=model, lease_id=lease_id)
+
+
+@transaction.atomic
+def _model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     from orchestration import tasks
 
     model = Model.objects.select_for_update().get(pk=model.pk)

@@ -9,6 +9,7 @@ queue sends the command to the engine over Redis.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 import structlog
@@ -24,6 +25,43 @@ from registry.tasks import finish_unexpected
 log = structlog.get_logger(__name__)
 
 
+class _Heartbeat:
+    """While a load or unload runs on a Celery worker, its job row's ``updated_at`` is
+    touched every ``services.JOB_HEARTBEAT_S``: a row that stops being touched belongs to a
+    worker that died, and ``services.model_jobs_reap`` ends it (embedded mode: the job runs
+    in the server's own process, which a restart reconciles)."""
+
+    def __init__(self, job_id: int) -> None:
+        self.job_id = job_id
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def __enter__(self) -> _Heartbeat:
+        if not settings.EMBEDDED:
+            self.thread = threading.Thread(target=self._beat, name=f"job-{self.job_id}-beat",
+                                           daemon=True)
+            self.thread.start()
+        return self
+
+    def _beat(self) -> None:
+        from django.db import connection
+        from django.utils import timezone
+
+        try:
+            while not self.stop.wait(services.JOB_HEARTBEAT_S):
+                Job.objects.filter(pk=self.job_id, status=Job.Status.RUNNING).update(
+                    updated_at=timezone.now())
+        except Exception:  # noqa: BLE001 - a missed beat is the reaper's business
+            log.warning("job_heartbeat_failed", job_id=self.job_id, exc_info=True)
+        finally:
+            connection.close()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        if self.thread is not None:
+            self.thread.join(timeout=5)
+
+
 def _run_model_job(job_id: int, operation: Callable[..., object], name: str) -> str:
     """A load or unload job: claimed by exactly one worker, its outcome on the job row
     (the service records it; a refusal it did not record is recorded here)."""
@@ -31,7 +69,8 @@ def _run_model_job(job_id: int, operation: Callable[..., object], name: str) -> 
     if job.model is None or not job_claim(job=job, stage="starting"):
         return "skipped"
     try:
-        operation(model=job.model, job=job)
+        with _Heartbeat(job_id):
+            operation(model=job.model, job=job)
     except MillmError as exc:  # a named refusal: nothing to retry
         job.refresh_from_db()
         if job.status not in Job.FINISHED:

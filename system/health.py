@@ -104,8 +104,10 @@ def _check_channel_layer() -> dict[str, Any]:
 
 
 def _model_transition() -> dict[str, Any] | None:
+    from orchestration.services import model_jobs_reap
     from registry.models import Job, Model
 
+    model_jobs_reap()  # a load or unload whose worker died is not a transition
     moving = Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)
                                   ).values_list("name", "status").first()
     if moving is not None:

@@ -478,3 +478,80 @@ def test_the_engines_memory_release_event_names_the_model_by_its_id(tiny_llama, 
                                      data={"bytes": 4096, "model_id": "tiny-llama"}))
     assert published[-1] == ("memory:released", {"bytes": 4096, "model_id": tiny_llama.id,
                                                   "model_name": "tiny-llama"})
+
+
+def _dead_workers_job(model, kind="model_load"):
+    """The rows a Celery worker killed mid-load leaves: its job running, untouched since."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    job = Job.objects.create(kind=kind, target=model.name, model=model, status="running",
+                             stage="starting", started_at=timezone.now())
+    Job.objects.filter(pk=job.pk).update(updated_at=timezone.now() - timedelta(seconds=120))
+    return job
+
+
+def test_a_load_whose_worker_died_is_ended_and_the_rows_follow_the_engine(
+        api, engine_client, tiny_assets, tiny_llama, settings):
+    """Distributed: a worker killed during a load left its job 'running' and the model
+    'loading' for good (readiness 503 on every web server, every later load and unload
+    refused). Past JOB_STALE_AFTER_S without a heartbeat the job ends and the rows say
+    what the engine holds."""
+    from orchestration.services import load_job
+    from registry import services
+
+    settings.EMBEDDED = False
+    gpt2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
+                                         name="tiny-gpt2")
+    _load(api, tiny_llama)
+    # it died before the engine heard of it: the engine still holds tiny-llama
+    stuck = _dead_workers_job(gpt2)
+    Model.objects.filter(pk=gpt2.pk).update(status="loading")
+    ready = ok(api.get("/api/health/ready"))
+    assert ready["checks"]["no_model_transition"] is True
+    stuck.refresh_from_db()
+    assert stuck.status == "failed" and "no heartbeat" in stuck.error
+    assert [(m.name, m.status) for m in Model.objects.order_by("name")] == [
+        ("tiny-gpt2", "ready"), ("tiny-llama", "loaded")]
+
+    # it died after the engine had loaded the model: the rows follow the engine
+    engine_client.load_model(load_job(gpt2, device="cpu", dtype="float32"))
+    stuck = _dead_workers_job(gpt2)
+    Model.objects.filter(pk=gpt2.pk).update(status="loading")
+    fresh = Job.objects.create(kind="model_unload", target="x", model=tiny_llama,
+                               status="running")  # alive: touched just now
+    queued = ok(api.post(f"/api/models/{tiny_llama.id}/load"), 202)  # not refused as busy
+    stuck.refresh_from_db()
+    fresh.refresh_from_db()
+    assert (stuck.status, fresh.status) == ("failed", "running")
+    assert Model.objects.get(pk=gpt2.pk).status == "loaded"
+    assert Model.objects.get(pk=tiny_llama.id).status == "ready"
+    assert queued["job"]["status"] == "queued"
+
+
+@pytest.mark.django_db(transaction=True)  # the heartbeat writes through its own connection
+def test_a_running_job_keeps_its_heartbeat(tiny_llama, settings, monkeypatch):
+    import threading
+
+    from orchestration import services
+
+    settings.EMBEDDED = False
+    monkeypatch.setattr(services, "JOB_HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(services, "JOB_STALE_AFTER_S", 0.5)
+    job = Job.objects.create(kind="model_load", target=tiny_llama.name, model=tiny_llama)
+    running = threading.Event()
+    release = threading.Event()
+
+    def operation(*, model, job):
+        running.set()
+        release.wait(10)
+
+    worker = threading.Thread(target=tasks._run_model_job, args=(job.id, operation, "t"))
+    worker.start()
+    assert running.wait(5)
+    time.sleep(1.0)  # twice the stale age: only the heartbeat keeps it alive
+    assert services.model_jobs_reap() == 0
+    assert Job.objects.get(pk=job.id).status == "running"
+    release.set()
+    worker.join(10)
