@@ -448,6 +448,15 @@ def for_shard(spec: CaptureSpec, shard: HeadShard, *, hidden: bool,
     return msgspec.structs.replace(spec, layers=layers, attention=local_att), heads, kv_heads
 
 
+def is_pair(output: Any) -> bool:
+    """Whether a block returned ``(hidden, residual)`` (vLLM's Llama-family layers) rather
+    than the stream itself (vLLM's GPT-2 blocks add their residual inside): a hook
+    installed with ``residual_pair`` on a block of the other kind treats it as a plain
+    block."""
+    return (isinstance(output, tuple) and len(output) >= 2 and isinstance(output[1], torch.Tensor)
+            and output[1].shape == output[0].shape)
+
+
 class CaptureHook:
     """The forward hook on one block while a capture of it is armed; reads the manager's
     current ``BatchContext`` and never changes the output.  ``residual_pair``: the block
@@ -467,7 +476,7 @@ class CaptureHook:
         if stage is None and not any(s.request.capture is not None and self.layer in s.request.capture.index
                                      for s in ctx.segments):
             return None
-        if self.residual_pair:
+        if self.residual_pair and is_pair(output):
             hidden = hidden + output[1]
         flat = hidden.reshape(-1, hidden.shape[-1])
         if stage is not None:  # batched decode: every row into its slot, one copy

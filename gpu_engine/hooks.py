@@ -14,10 +14,11 @@ attachment, a table with each running request's delta in its slot (zeros for uns
 requests); the hook adds ``table[row_slots]`` (one gather, no loop over requests) and
 records that it did, and monitors read only the rows of the requests that asked.
 
-Blocks that return ``(hidden, residual)`` (vLLM's decoder layers, which defer the residual
+Blocks that return ``(hidden, residual)`` (vLLM's Llama-family layers, which defer the residual
 add to the next layer's fused norm) are installed with ``residual_pair=True``: the
 residual stream a user means is ``hidden + residual``, so monitors read that sum and the
-delta is added to ``hidden`` only, changing the sum exactly once.
+delta is added to ``hidden`` only, changing the sum exactly once. A block that returns the
+stream itself (vLLM's GPT-2) is read and steered as a plain block (``capture.is_pair``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from .capture import CaptureHook
+from .capture import CaptureHook, is_pair
 from .controls import ControlTable
 from .protocol import (
     ActivationRecord,
@@ -339,7 +340,7 @@ class AttachmentHook:
             return None
         is_tuple = isinstance(output, tuple)
         hidden = output[0] if is_tuple else output
-        if self.residual_pair:
+        if self.residual_pair and is_pair(output):
             return self._pair(ctx, hidden, output[1], output)
         key = self.key
         segs = ctx.segments
