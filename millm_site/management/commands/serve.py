@@ -90,5 +90,13 @@ class Command(BaseCommand):
                           f"admin at /admin/, API docs at /api/docs")
         self.stdout.write(f"Access: {access}")
         self.stdout.flush()
-        CommandLineInterface().run(["-b", host, "-p", str(port), "--proxy-headers",
-                                    "millm_site.asgi:application"])
+        try:
+            CommandLineInterface().run(["-b", host, "-p", str(port), "--proxy-headers",
+                                        "millm_site.asgi:application"])
+        finally:
+            # daphne has stopped (SIGTERM, SIGINT): the engine and the pools go down with
+            # the server, the vLLM backend's engine-core process included (left running, it
+            # kept the interpreter waiting on it at exit for good)
+            from core.runtime import runtime
+
+            runtime().shutdown()
