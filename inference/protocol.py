@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 from pydantic import (
     BaseModel,
@@ -310,6 +310,10 @@ class _GenerationRequest(_Wire):
     top_k: int | None = Field(default=None, ge=-1, le=2**31)
     repetition_penalty: float | None = Field(default=None, gt=0, le=10)
     ignore_eos: bool = False
+    # vLLM's: token ids that end the generation like EOS (finish_reason "stop"; the token
+    # itself is not in the text); on vLLM they also end a grammar
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
+        default=None, max_length=64)
     # miLLM extensions
     profile: str | None = Field(default=None, min_length=1, max_length=200)
     steering: InlineSteering | None = None
@@ -392,6 +396,7 @@ class _GenerationRequest(_Wire):
             frequency_penalty=self.frequency_penalty or 0.0,
             stop=list(self.stop),
             ignore_eos=self.ignore_eos,
+            stop_token_ids=list(self.stop_token_ids or []),
             logit_bias={int(t): b for t, b in (self.logit_bias or {}).items()},
             logprobs=logprobs,
             top_logprobs=top_logprobs,

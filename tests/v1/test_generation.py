@@ -296,3 +296,25 @@ def test_a_streamed_n_request_keeps_every_choice_through_an_unload(llama):
     finished = {c["index"]: c["finish_reason"] for f in frames for c in f.get("choices", [])
                 if c.get("finish_reason")}
     assert finished == {0: "length", 1: "length", 2: "length"}
+
+
+def test_stop_token_ids_end_the_generation_like_eos(llama):
+    """vLLM's stop_token_ids (docs/api-v1.md): the greedy run's third token, named, ends a
+    second run there with finish_reason stop; the field is read, not listed as ignored."""
+    body = {"model": "tiny-llama", "prompt": "Once upon", "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}
+    reference = llama.engine.generate_sync(GenerationJob(
+        "ref", prompt="Once upon", sampling=SamplingParams(max_tokens=8, temperature=0.0,
+                                                           ignore_eos=True)))
+    stop_at = reference.token_ids[2]
+    if stop_at in reference.token_ids[:2]:
+        pytest.skip("the tiny model repeats its token; pick another prompt")
+    resp = request(llama.url, "POST", "/v1/completions", {**body, "stop_token_ids": [stop_at]})
+    assert resp.status == 200, resp.body
+    data = resp.json()
+    assert data["choices"][0]["finish_reason"] == "stop"
+    assert data["usage"]["completion_tokens"] == 3
+    assert "x-millm-ignored-fields" not in resp.headers
+    plain = request(llama.url, "POST", "/v1/completions", body).json()
+    assert plain["choices"][0]["finish_reason"] == "length"
+    assert plain["choices"][0]["text"].startswith(data["choices"][0]["text"])
