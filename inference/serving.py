@@ -195,7 +195,19 @@ def count_usage(plan: Plan, usage: wire.Usage, *, unfinished: int = 0,
                            accepted=speculative["accepted"])
 
 
-def _completion_logprobs(plan: Plan, out: Outcome) -> wire.CompletionLogprobs:
+def _text_offsets(tokens: list[str], text: str) -> list[int]:
+    """Where each token starts in the choice's ``text`` (OpenAI's ``text_offset``): a token
+    whose text is not there at that point (a BOS ``<s>`` the echoed prompt leaves out, a
+    piece of a multi-byte character) starts where the next would and takes no room."""
+    offsets, pos = [], 0
+    for token in tokens:
+        offsets.append(pos)
+        if token and text.startswith(token, pos):
+            pos += len(token)
+    return offsets
+
+
+def _completion_logprobs(plan: Plan, out: Outcome, text: str) -> wire.CompletionLogprobs:
     req = plan.request
     assert isinstance(req, CompletionRequest)
     tokens: list[str] = []
@@ -223,12 +235,8 @@ def _completion_logprobs(plan: Plan, out: Outcome) -> wire.CompletionLogprobs:
         tokens.append(t.logprob.token)
         token_logprobs.append(t.logprob.logprob)
         top.append(_top_dict(t.logprob))
-    offsets, pos = [], 0
-    for text in tokens:
-        offsets.append(pos)
-        pos += len(text)
     return wire.CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs,
-                                   top_logprobs=top, text_offset=offsets)
+                                   top_logprobs=top, text_offset=_text_offsets(tokens, text))
 
 
 def build_body(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
@@ -256,7 +264,7 @@ def build_body(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
                     else out.finish.prompt_text or "") + text
         choices.append(wire.CompletionChoice(
             index=out.choice.index, text=text,
-            logprobs=_completion_logprobs(plan, out) if req.wants_logprobs else None,
+            logprobs=_completion_logprobs(plan, out, text) if req.wants_logprobs else None,
             finish_reason=wire.finish_reason(out.finish.finish_reason)))
     return wire.Completion(**common, choices=choices).dump()
 

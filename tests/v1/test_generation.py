@@ -318,3 +318,18 @@ def test_stop_token_ids_end_the_generation_like_eos(llama):
     plain = request(llama.url, "POST", "/v1/completions", body).json()
     assert plain["choices"][0]["finish_reason"] == "length"
     assert plain["choices"][0]["text"].startswith(data["choices"][0]["text"])
+
+
+def test_echoed_text_offsets_index_the_text_the_answer_returns(llama):
+    """OpenAI's text_offset indexes the choice's text; the echoed prompt's BOS (<s>) is not
+    in that text, so it takes no room (the offsets were shifted by its length)."""
+    resp = request(llama.url, "POST", "/v1/completions", {
+        "model": "tiny-llama", "prompt": "The cat", "max_tokens": 3, "temperature": 0,
+        "echo": True, "logprobs": 1})
+    choice = resp.json()["choices"][0]
+    text, lp = choice["text"], choice["logprobs"]
+    assert lp["tokens"][0] == "<s>" and not text.startswith("<s>")  # what this is about
+    placed = [(tok, off) for tok, off in zip(lp["tokens"], lp["text_offset"])
+              if tok != "<s>"]
+    assert all(text[off:off + len(tok)] == tok for tok, off in placed), (text, placed)
+    assert lp["text_offset"] == sorted(lp["text_offset"])
