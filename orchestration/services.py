@@ -199,9 +199,11 @@ def _check_loadable(model: Model) -> Model | None:
     backend = model.effective_backend()
     if (model.format == Model.Format.GGUF) != (backend == GGUF_BACKEND):
         raise UnsupportedModel(
-            f"Model {model.name!r} is a {model.format} model; "
-            + ("GGUF models load on the llamacpp backend only" if model.format == Model.Format.GGUF
-               else f"the {GGUF_BACKEND} backend loads GGUF models only") + f", not on {backend}",
+            f"Model {model.name!r} is a {model.format} model and its backend is {backend}: "
+            + (f"GGUF models load on the {GGUF_BACKEND} backend only"
+               if model.format == Model.Format.GGUF
+               else f"the {GGUF_BACKEND} backend loads GGUF models only")
+            + " (set the model's backend: PATCH /api/models/{id})",
             details={"model_id": model.id, "format": model.format, "backend": backend})
     _check_quantization(model)
     _check_backend(model)

@@ -134,6 +134,11 @@ def test_a_load_refuses_as_the_api_route_does(api, engine_client, tiny_assets, t
         via_api, direct = both(model)
         assert via_api == expected[model.id], via_api
         assert direct == expected[model.id], direct
+    message = refused(api.post(f"/api/models/{gguf.id}/load"), 400, "UNSUPPORTED_MODEL")[
+        "message"]
+    assert message == ("Model 'g' is a gguf model and its backend is transformers: GGUF models "
+                       "load on the llamacpp backend only (set the model's backend: "
+                       "PATCH /api/models/{id})")
     # a locked resident model: refused on both routes, naming the resident one
     _load(api, tiny_llama)
     ok(api.post(f"/api/models/{tiny_llama.id}/lock"))
