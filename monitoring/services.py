@@ -27,6 +27,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from core import events
+from core.capabilities import require_capability
 from core.errors import ValidationFailed
 from core.process_copy import ProcessCopy
 from gpu_engine.protocol import (
@@ -135,6 +136,8 @@ def monitoring_configure(*, enabled: bool = True, features: list[int] | None | A
             raise ValidationFailed(f"At most {MAX_FEATURES} features",
                                    details={"fields": {"features": [f"at most {MAX_FEATURES}"]}})
         check_indices(attachment=attachment, indices=features, param="features")
+    if enabled:  # what every /v1 request will then record
+        require_capability("per_request_monitoring", what="SAE monitoring", param="enabled")
     config = MonitoringConfig.objects.select_for_update().get_or_create(pk=1)[0]
     several = sae_id is not None or layer is not None
     config.enabled = bool(enabled)
@@ -152,6 +155,8 @@ def monitoring_configure(*, enabled: bool = True, features: list[int] | None | A
 @transaction.atomic
 def monitoring_enable(*, enabled: bool) -> dict[str, Any]:
     """Toggle without reconfiguring (the watched features and top-k are kept)."""
+    if enabled:
+        require_capability("per_request_monitoring", what="SAE monitoring", param="enabled")
     config = MonitoringConfig.objects.select_for_update().get_or_create(pk=1)[0]
     config.enabled = bool(enabled)
     config.save(update_fields=["enabled", "updated_at"])

@@ -25,6 +25,7 @@ import structlog
 from django.db import transaction
 
 from core import events
+from core.capabilities import require_capability
 from core.errors import ValidationFailed
 from core.process_copy import ProcessCopy
 from gpu_engine.protocol import FeatureControl, SteeringEntry
@@ -134,20 +135,9 @@ def check_features(*, attachment: Attachment, features: rules.FeatureSet, param:
 def check_backend_runs_controls() -> None:
     """Refuse controls the loaded backend reports it cannot run (llama.cpp and vLLM:
     ``steering_controls`` off) when they are set, rather than failing every request that
-    would run them later. An engine that cannot be asked is not a reason to refuse."""
-    from core.runtime import runtime
-
-    try:
-        status = runtime().engine.status()
-    except Exception:  # noqa: BLE001 - the request path still refuses what cannot run
-        return
-    caps = (status.batching or {}).get("capabilities", {})
-    if caps.get("steering_controls", True) is False:
-        raise ValidationFailed(
-            f"The {status.backend} backend cannot run steering modes, phases, windows or "
-            "conditions (steering_controls is off); set plain strengths",
-            details={"param": "mode", "backend": status.backend,
-                     "fields": {"mode": ["steering_controls is off on this backend"]}})
+    would run them later."""
+    require_capability("steering_controls", what="steering modes, phases, windows or "
+                       "conditions", param="mode")
 
 
 # --------------------------------------------------------------------------- writes
@@ -177,6 +167,8 @@ def _on_commit_publish(attachment: Attachment, *, reason: str) -> None:
 
 def _save(attachment: Attachment, features: rules.FeatureSet, *, enabled: bool,
           source: str) -> LiveSteering:
+    if enabled and features:  # what every request without steering of its own will run
+        require_capability("per_request_steering", what="steering", param="steering")
     row, _ = LiveSteering.objects.update_or_create(
         attachment=attachment,
         defaults={"values": features.stored_values(),

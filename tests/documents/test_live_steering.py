@@ -175,3 +175,37 @@ def test_controls_set_elsewhere_reach_this_process_copy(settings, relu):
     settings.EMBEDDED = True
     assert seen is not None and len(seen) == 1
     assert (seen[0].features, seen[0].controls) == ({3: 2.0}, [FeatureControl(9, mode="ablate")])
+
+
+def test_live_steering_and_monitoring_a_backend_cannot_run_are_refused_when_set(
+        api, relu, llama, monkeypatch):
+    """vLLM under CUDA graphs reports per_request_steering and per_request_monitoring off:
+    live steering or monitoring accepted then would fail every later /v1 request with a
+    field its client never sent, so they are refused when set, and nothing is stored."""
+    import msgspec
+
+    real = llama.engine.status
+
+    def graphs_on():
+        status = real()
+        caps = {**status.batching.get("capabilities", {}), "per_request_steering": False,
+                "per_request_monitoring": False}
+        return msgspec.structs.replace(status, batching={**status.batching,
+                                                         "capabilities": caps})
+
+    monkeypatch.setattr(llama.engine, "status", graphs_on)
+    error = refused(api.post("/api/saes/steering", {"feature_idx": 3, "value": 5},
+                             format="json"), 422, "VALIDATION_ERROR")
+    assert error["details"]["param"] == "steering"
+    assert not LiveSteering.objects.filter(enabled=True).exists()
+    error = refused(api.post("/api/monitoring/configure", {"enabled": True}, format="json"),
+                    422, "VALIDATION_ERROR")
+    assert error["details"]["capability"] == "per_request_monitoring"
+    refused(api.post("/api/monitoring/enable", {"enabled": True}, format="json"), 422,
+            "VALIDATION_ERROR")
+    # turning things off is always allowed
+    ok(api.post("/api/monitoring/enable", {"enabled": False}, format="json"))
+    ok(api.delete("/api/saes/steering"))
+    monkeypatch.setattr(llama.engine, "status", real)
+    assert ok(api.post("/api/saes/steering", {"feature_idx": 3, "value": 5},
+                       format="json"))["enabled"] is True
