@@ -446,7 +446,10 @@ class Engine:
             self._scheduler.set_backend(None)
         if self._backend_scheduler:
             self._scheduler, self._backend_scheduler = None, False
-        backend.close()
+        try:
+            backend.close()
+        except Exception:  # noqa: BLE001 - a dead backend still leaves: nothing is resident
+            log.exception("closing the %s backend failed; unloaded anyway", backend.name)
         gc.collect()
         self._emit("model:unload:complete", model_id=model_id)
 
@@ -527,7 +530,11 @@ class Engine:
     def _detach_keys(self, keys: list[AttachmentKey], *, reason: str) -> list[AttachmentKey]:
         for key in keys:
             if self._backend is not None:
-                self._backend.detach(key)
+                try:
+                    self._backend.detach(key)
+                except Exception:  # noqa: BLE001 - a backend that died (vLLM's engine core)
+                    # cannot run the hook any more either: the attachment is gone all the same
+                    log.exception("detaching %s from the backend failed; forgotten anyway", key)
             with self._state_lock:
                 self._attachments.pop(key, None)
         if keys and self._backend is not None and self._backend.device.type == "cuda":

@@ -121,3 +121,22 @@ def test_cancel_all_stops_running_work_with_engine_busy(engine):
     assert rest[-1].details["reason"] == "operator"
     after = engine.generate(job("after", 3)).result(30)  # the engine serves on
     assert after.finish_reason == "length" and len(after.token_ids) == 3
+
+
+def test_a_backend_that_died_still_unloads_and_detaches(engine, tiny_assets):
+    """vLLM's engine core can die under the backend; then its detach and close raise. The
+    engine forgets the attachments and the model all the same: nothing stays resident (an
+    unload that raised left the registry 'unloading' for good)."""
+    from gpu_engine.protocol import AttachSpec
+
+    sae = tiny_assets.saes["tiny-llama-L1-relu"]
+    engine.attach(AttachSpec(sae.name, str(sae.path), sae.layer))
+    backend = engine.backend
+
+    def dead(*args, **kwargs):
+        raise RuntimeError("EngineDeadError: the engine core died")
+
+    backend.detach = dead
+    backend.close = dead
+    engine.unload_model(timeout_s=5)
+    assert engine.status().state == "empty" and engine.attachments() == []
