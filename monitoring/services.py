@@ -277,19 +277,24 @@ def monitoring_take_records(*, entry: MonitorEntry, finish: FinishEvent,
 
 
 class _RateCap:
-    """At most ``rate`` events a second (per process), dropping the rest."""
+    """At most ``rate`` events a second (per process), dropping the rest: a token bucket
+    holding a second's worth, so a burst of up to ``rate`` goes out at once (a gap of
+    1/rate between any two had dropped one of two generations 30 ms apart)."""
 
     def __init__(self, rate: float) -> None:
-        self.interval = 1.0 / rate
-        self._next = 0.0
+        self.rate = float(rate)
+        self._tokens = self.rate
+        self._at = time.monotonic()
         self._lock = threading.Lock()
 
     def allow(self) -> bool:
         with self._lock:
             now = time.monotonic()
-            if now < self._next:
+            self._tokens = min(self.rate, self._tokens + (now - self._at) * self.rate)
+            self._at = now
+            if self._tokens < 1.0:
                 return False
-            self._next = now + self.interval
+            self._tokens -= 1.0
             return True
 
 

@@ -169,7 +169,9 @@ def test_activation_events_are_rate_capped(relu, published, monkeypatch):
         services.monitoring_record(request_id=f"r{i}", entry=entry,
                                    records=[rec(relu.id, i, {1: 1.0})])
     sent = [d for n, d in published if n == "monitoring:activation"]
-    assert len(sent) == 5  # 10 a second
+    # 10 a second: a second's worth at once, then what 0.5 s refills (not all 25)
+    assert 10 <= len(sent) <= 10 + 5
+    assert [d["request_id"] for d in sent[:10]] == [f"r{i}" for i in range(10)]
     assert ActivationRecord.objects.count() == 25  # the history keeps everything
     assert set(sent[0]) == {"timestamp", "request_id", "sae_id", "layer", "token_position",
                             "top_k", "records"}
