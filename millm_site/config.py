@@ -402,7 +402,8 @@ VARIABLES: tuple[Var, ...] = (
         "KV cache (ignored on CPU, where VLLM_CPU_KVCACHE_SPACE in GiB sizes the cache).",
         minimum=0.05, maximum=1.0),
     Var("VLLM_MAX_MODEL_LEN", "vLLM models", "int", 0,
-        "Context window vLLM serves; 0 = the model's own.", minimum=0),
+        "Context window vLLM serves, at most the model's own (a larger value serves the "
+        "model's own); 0 = the model's own.", minimum=0),
     Var("VLLM_MAX_NUM_SEQS", "vLLM models", "int", 16,
         "Requests vLLM runs in one batch at most (its continuous batch's rows).",
         minimum=1, maximum=4096),

@@ -108,3 +108,21 @@ def test_serve_exits_on_sigterm_with_a_vllm_model_resident(tiny_assets, tmp_path
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGKILL)
         log.close()
+
+
+def test_a_max_model_len_above_the_models_window_serves_the_models_own(tiny_assets):
+    """VLLM_MAX_MODEL_LEN is a ceiling (as GGUF_CONTEXT_LENGTH is): above the model's own
+    window vLLM had refused the load, after the resident model was already gone."""
+    import json
+
+    require_vllm()
+    asset = tiny_assets.models["tiny-llama"]
+    own = json.loads((asset.path / "config.json").read_text())["max_position_embeddings"]
+    eng = Engine(drain_timeout_s=300)
+    try:
+        status = eng.load_model(LoadModelJob(
+            "tiny-llama", str(asset.path), dtype="float32", device="cpu", backend="vllm",
+            options={"distributed_executor_backend": "uni", "max_model_len": own * 8}))
+        assert status.context_length == own
+    finally:
+        eng.shutdown()

@@ -87,7 +87,11 @@ class VllmBackend:
         if executor == "uni" and self.tp * self.pp > 1:
             raise InvalidParameter("the uni executor runs one worker: tensor or pipeline parallelism needs mp or ray",
                                    param="options.distributed_executor_backend")
-        max_len = opts.get("max_model_len") or job.max_context_length or self.info.context_length or None
+        # VLLM_MAX_MODEL_LEN is a ceiling, as GGUF_CONTEXT_LENGTH is: above the model's own
+        # window vLLM refuses the load outright (after the resident model is gone)
+        own = job.max_context_length or self.info.context_length or None
+        asked = opts.get("max_model_len") or None
+        max_len = min(int(asked), int(own)) if asked and own else (asked or own)
         args: dict[str, Any] = dict(
             model=str(path), tokenizer=str(path), dtype=job.dtype, seed=0,
             trust_remote_code=job.trust_remote_code,
