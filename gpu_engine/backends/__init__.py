@@ -138,7 +138,7 @@ register_backend(BackendEntry(
     name="transformers",
     summary="PyTorch through Hugging Face transformers: safetensors checkpoints, our own continuous batching",
     requires=("torch", "transformers"),
-    install="scripts/setup test",
+    install="scripts/setup run",  # what the quick start installs: web + engine
     loader="gpu_engine.backends.transformers:load",
     # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py);
     # quantization: the registry row's Q8/Q4, applied at load (transformers/quantization.py);

@@ -211,3 +211,28 @@ def test_vllm_is_registered_and_without_vllm_refuses_with_its_install_command(ti
     with Engine() as eng, pytest.raises(BackendUnavailable) as err:
         eng.load_model(_job(tiny_assets.models["tiny-llama"], backend="vllm"))
     assert err.value.code == "backend_unavailable" and "scripts/setup vllm" in err.value.message
+
+
+def test_every_backends_install_command_installs_what_it_requires():
+    """The install command /api/health/inference shows is a scripts/setup role whose
+    requirement files pin each package the backend requires (the transformers entry named
+    the test role, which installs the development requirements)."""
+    import re
+    from pathlib import Path
+
+    from gpu_engine.backends import backend_names, get_backend
+
+    repo = Path(__file__).resolve().parents[2]
+    setup = (repo / "scripts" / "setup").read_text()
+    roles = dict(re.findall(r"^\s+(\w+)\) files=\"([^\"]+)\"", setup, re.MULTILINE))
+    for entry in map(get_backend, backend_names()):
+        command, _, role = entry.install.partition(" ")
+        assert command == "scripts/setup" and role in roles, entry.install
+        if role == "test":
+            pytest.fail(f"{entry.name}: the test role installs the development requirements")
+        pinned = "\n".join((repo / f).read_text().lower() for f in roles[role].split())
+        pinned = pinned.replace("_", "-")
+        for package in entry.requires:  # an import name; its distribution may extend it
+            name = re.escape(package.replace("_", "-"))
+            assert re.search(rf"^{name}(-[a-z0-9-]+)?==", pinned, re.MULTILINE), (entry.name,
+                                                                                 package)
