@@ -417,4 +417,11 @@ class SharedAdmissionController:
             refused_total=refused, admitted_total=admitted)
 
     def close(self) -> None:
+        """The process is stopping (serve's shutdown, SIGTERM): its slots and queue places
+        go back now, not when their leases lapse (the other web workers' queue was that
+        much shorter meanwhile)."""
         self._closed.set()
+        with self._lock:
+            members = [*self._ids.values(), *self._waiting]
+        for member in members:
+            self._release_blocking(member, None)

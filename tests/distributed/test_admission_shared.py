@@ -101,7 +101,7 @@ def test_a_dead_process_gives_its_slots_back(make):
     dead, alive = make(slots=2, pending=0, lease_s=0.6), make(slots=2, pending=0)
     dead.try_acquire()
     dead.try_acquire()
-    dead.close()  # no more lease renewals: as if the process had been killed
+    dead._closed.set()  # no more lease renewals and no goodbye: as if it had been killed
     with pytest.raises(QueueFull):
         alive.try_acquire()
     deadline = time.monotonic() + 3
@@ -114,6 +114,18 @@ def test_a_dead_process_gives_its_slots_back(make):
                 assert time.monotonic() < deadline, "the dead process's slots never came back"
                 time.sleep(0.05)
     assert alive.stats().in_flight == 2
+
+
+def test_a_process_that_stops_gives_its_slots_back_at_once(make):
+    """A web server stopped (SIGTERM: serve shuts the runtime down) hands its slots and
+    queue places back at once, not after its leases lapse."""
+    stopping, other = make(slots=1, pending=1, lease_s=30), make(slots=1, pending=1)
+    stopping.try_acquire()
+    with pytest.raises(QueueFull):
+        other.try_acquire(), other.try_acquire()
+    stopping.close()
+    assert other.stats().in_flight == 0
+    other.try_acquire()  # well inside the 30 s lease
 
 
 def test_a_live_holder_keeps_its_slot_past_the_lease(make):
@@ -330,7 +342,7 @@ def test_a_waiter_takes_a_slot_that_comes_back_by_lease_expiry(make):
     """No release wakes anyone when a holder's process dies; the bounded re-check does."""
     dead, alive = make(slots=1, pending=1, lease_s=0.6), make(slots=1, pending=1)
     dead.try_acquire()
-    dead.close()  # no more renewals
+    dead._closed.set()  # no more renewals, no goodbye: as if it had been killed
 
     async def scenario() -> None:
         permit = await asyncio.wait_for(alive.acquire(), 5)
