@@ -125,7 +125,9 @@ def describe_gguf_file(path: Path) -> dict[str, Any]:
     arch = field("general.architecture") or ""
     params = sum(int(t.n_elements) for t in reader.tensors)
     size = path.stat().st_size
+    quantization = _gguf_file_quantization(field("general.file_type"), path.name)
     return {
+        **({"quantization": quantization} if quantization else {}),
         "architecture": str(arch),
         "num_layers": field(f"{arch}.block_count"),
         "hidden_size": field(f"{arch}.embedding_length"),
@@ -135,6 +137,23 @@ def describe_gguf_file(path: Path) -> dict[str, Any]:
         "estimated_memory_bytes": size,
     }
 
+
+
+def _gguf_file_quantization(file_type: Any, filename: str) -> str | None:
+    """The registry's quantization of a GGUF file: its ``general.file_type`` (``MOSTLY_Q4_1``
+    → Q4), else what its name states; None when neither says."""
+    from gguf import LlamaFileType
+
+    from registry.hub_files import gguf_quant, gguf_quantization
+
+    quant = None
+    if file_type is not None:
+        try:
+            quant = LlamaFileType(int(file_type)).name.split("_", 1)[1]
+        except (ValueError, IndexError):
+            quant = None
+    quant = quant or gguf_quant(filename)
+    return gguf_quantization(quant) if quant else None
 
 
 def describe_sae(path: Path) -> dict[str, Any]:

@@ -21,10 +21,14 @@ from registry.errors import (
     ModelLocked,
     SAEAlreadyAttached,
     SAEAlreadyExists,
+    UnsupportedQuantization,
 )
 from registry.models import SAE, Job, Model
 
 log = structlog.get_logger(__name__)
+
+# the registry's quantized levels (a transformers row is quantized to them at load)
+QUANTIZED = (Model.Quantization.Q8, Model.Quantization.Q4, Model.Quantization.Q2)
 
 def model_check_local(*, local_path: str, name: str | None = None,
                       quantization: str | None = None, backend: str = "") -> dict:
@@ -42,6 +46,18 @@ def model_check_local(*, local_path: str, name: str | None = None,
     else:
         raise InvalidLocalPath(f"{path} is neither a model directory nor a .gguf file",
                                details={"local_path": local_path})
+    if fmt == Model.Format.GGUF:
+        # a GGUF file carries its own quantization; naming a quantized level it does not
+        # have asks for a quantize-at-load llama.cpp does not do (FP32/FP16, the forms'
+        # defaults, make no such claim and give way to the file's)
+        own = meta.pop("quantization", None)
+        if own and quantization in QUANTIZED and quantization != own:
+            raise UnsupportedQuantization(
+                f"{path.name} is a {own} GGUF file: a GGUF model loads at its file's own "
+                f"quantization, not {quantization} (register it without a quantization)",
+                details={"local_path": local_path, "quantization": quantization,
+                         "file_quantization": own})
+        meta["quantization"] = own or quantization or Model.Quantization.FP32
     name = (name or (path.stem if path.is_file() else path.name)).strip()
     if Model.objects.filter(name=name).exists():
         raise ModelAlreadyExists(f"A model named {name!r} is already registered",
@@ -57,8 +73,9 @@ def model_register_local(*, local_path: str, name: str | None = None,
     """Register a checkpoint already on disk: a transformers directory or a GGUF file."""
     fields = model_check_local(local_path=local_path, name=name, quantization=quantization,
                                backend=backend)
+    quantization = fields.pop("quantization", None) or quantization or Model.Quantization.FP32
     model = Model.objects.create(
-        source=Model.Source.LOCAL, quantization=quantization or Model.Quantization.FP32,
+        source=Model.Source.LOCAL, quantization=quantization,
         trust_remote_code=trust_remote_code, backend=backend, status=Model.Status.READY,
         **fields,
     )

@@ -70,3 +70,18 @@ def test_repo_quant_downloads_that_file_and_loads_on_llamacpp(api, gguf_repo, en
         GenerationJob("g", prompt="the cat",
                       sampling=SamplingParams(max_tokens=3, ignore_eos=True)))
     assert out.usage.completion_tokens == 3
+
+
+def test_a_local_gguf_takes_its_files_quantization(api, tiny_gguf):
+    """The registry's quantization of a GGUF is its file's (general.file_type: F32 here):
+    the form's default FP16 gives way to it, a quantized level the file does not have is
+    400 UNSUPPORTED_QUANTIZATION (llama.cpp does not quantize at load), and nothing is
+    registered."""
+    made = ok(api.post("/api/models", {"source": "local", "local_path": str(tiny_gguf),
+                                       "custom_name": "g1"}, format="json"), 201)
+    assert (made["model"]["format"], made["model"]["quantization"]) == ("gguf", "FP32")
+    error = refused(api.post("/api/models", {"source": "local", "local_path": str(tiny_gguf),
+                                             "custom_name": "g2", "quantization": "Q4"},
+                             format="json"), 400, "UNSUPPORTED_QUANTIZATION")
+    assert error["details"]["file_quantization"] == "FP32"
+    assert not Model.objects.filter(name="g2").exists()
