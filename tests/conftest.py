@@ -47,3 +47,15 @@ def _no_process_copies():
     yield
     for copy in (request_config, live_copy):
         copy.invalidate()
+
+
+@pytest.fixture
+def staff_client():
+    """A Django test client logged in as a superuser (the admin's pages)."""
+    from django.contrib.auth import get_user_model
+    from django.test import Client
+
+    user = get_user_model().objects.create_superuser("root", "", "pw-for-tests")
+    client = Client()
+    client.force_login(user)
+    return client

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from django.contrib.auth import get_user_model
 from django.test import Client, TestCase
 
 from orchestration import tasks
@@ -292,14 +291,6 @@ def test_register_sae_command_exit_status(run_manage, tmp_path):
 
 
 # --- admin -------------------------------------------------------------------------------
-
-@pytest.fixture
-def staff_client():
-    user = get_user_model().objects.create_superuser("root", "", "pw-for-tests")
-    client = Client()
-    client.force_login(user)
-    return client
-
 
 def test_admin_add_form_registers_through_the_service(staff_client, tmp_path):
     page = staff_client.get("/admin/registry/sae/add/").content.decode()

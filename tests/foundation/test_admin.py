@@ -4,8 +4,6 @@ actions go through the same services (refusals included)."""
 from __future__ import annotations
 
 import pytest
-from django.contrib.auth import get_user_model
-from django.test import Client
 
 from registry import job_lifecycle, services
 from registry.models import Job, Model
@@ -15,14 +13,6 @@ pytestmark = pytest.mark.django_db
 PAGES = ["/admin/", "/admin/registry/model/", "/admin/registry/sae/", "/admin/registry/job/",
          "/admin/registry/model/?status__exact=ready&locked__exact=0",
          "/admin/registry/sae/?q=tiny"]
-
-
-@pytest.fixture
-def staff_client():
-    user = get_user_model().objects.create_superuser("root", "", "pw-for-tests")
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 @pytest.fixture

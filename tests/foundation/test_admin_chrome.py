@@ -6,22 +6,12 @@ from __future__ import annotations
 import re
 
 import pytest
-from django.contrib.auth import get_user_model
-from django.test import Client
 
 from registry import services
 
 pytestmark = pytest.mark.django_db
 
 ICON = '<link rel="icon" href="/static/ui/favicon.svg" type="image/svg+xml">'
-
-
-@pytest.fixture
-def staff_client():
-    user = get_user_model().objects.create_superuser("root", "", "pw-for-tests")
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 def test_every_kind_of_admin_page_links_the_icon(staff_client, client, tiny_assets):

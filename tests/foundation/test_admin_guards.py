@@ -6,21 +6,11 @@ from __future__ import annotations
 
 import pytest
 from django.contrib.admin.models import DELETION, LogEntry
-from django.contrib.auth import get_user_model
-from django.test import Client
 
 from registry import services
 from registry.models import SAE, Model
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def staff_client():
-    user = get_user_model().objects.create_superuser("root", "", "pw-for-tests")
-    client = Client()
-    client.force_login(user)
-    return client
 
 
 @pytest.fixture
