@@ -72,8 +72,9 @@ def test_a_profile_shows_its_controls(server, page):
         page.wait_for_selector(".notice.ok:has-text('Saved with-control')")
         saved = _profile(server, "with-control")
         assert saved["steering"] == {"4": 6.0} and saved["controls"] == stored["controls"]
-        assert page.locator("tr:has(th:has-text('with-control')) td.num").inner_text() \
-            == "1 value, 1 control"
+        # the list is drawn again after the save's notice: wait for it, not a fixed moment
+        page.wait_for_selector("tr:has(th:has-text('with-control')) "
+                               "td.num:text-is('1 value, 1 control')")
     finally:
         server.api("DELETE", f"/api/saes/steering?sae_id={sae}&layer=1")
         server.api("DELETE", f"/api/profiles/{_profile(server, 'with-control')['id']}")
