@@ -41,10 +41,16 @@ def _text(tok: Tokenizer, ids: list[int]) -> str:
     return tok.decode(ids, skip_special_tokens=False)
 
 
-def _offsets_follow_tokens(lp: dict[str, Any]) -> None:
+def _offsets_index_text(lp: dict[str, Any], text: str) -> None:
+    """OpenAI's text_offset indexes the choice's text: every token is found at its offset,
+    in order, and together they spell the text; a BOS the echoed text leaves out (a prompt
+    given as text) is the one token not there."""
     tokens, offsets = lp["tokens"], lp["text_offset"]
     assert len(offsets) == len(tokens) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
-    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))], lp
+    placed = [t for t, o in zip(tokens, offsets, strict=True) if text[o:o + len(t)] == t]
+    absent = [] if text.startswith("<s>") else ["<s>"]
+    assert [t for t in tokens if t not in absent] == placed, (lp, text)
+    assert "".join(placed) == text and offsets == sorted(offsets), (lp, text)
 
 
 def _post(c: Cluster, path: str, body: dict[str, Any], bodies: list[str]) -> dict[str, Any]:
@@ -130,7 +136,7 @@ def test_token_texts_come_from_the_engine(cluster: Cluster, procs: list[Proc],  
     generated = lp["tokens"][len(ids):]
     assert "".join(generated) == completion
     assert generated[:len(completion_ids)] == [_text(tok, [i]) for i in completion_ids]
-    _offsets_follow_tokens(lp)
+    _offsets_index_text(lp, choice["text"])
     # the alternatives name tokens by their text too, the chosen one among them
     assert lp["top_logprobs"][0] is None
     for token, top in zip(lp["tokens"][1:], lp["top_logprobs"][1:], strict=True):
@@ -147,7 +153,7 @@ def test_token_texts_come_from_the_engine(cluster: Cluster, procs: list[Proc],  
     lp = choice["logprobs"]
     assert lp["tokens"][:len(id_prompt)] == [_text(tok, [i]) for i in id_prompt]
     assert choice["text"] == id_text + "".join(lp["tokens"][len(id_prompt):])
-    _offsets_follow_tokens(lp)
+    _offsets_index_text(lp, choice["text"])
     # streamed, the first chunk carries the prompt's text (the first token's event)
     streamed = _stream_text(c, {**base, "prompt": id_prompt, "echo": True}, bodies)
     assert streamed == choice["text"]
