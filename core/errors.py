@@ -22,6 +22,11 @@ class MillmError(Exception):
         self.retry_after = retry_after
 
 
+class Forbidden(MillmError):
+    """An inference key asked for what only an admin key may do (core.auth)."""
+    code, status = "FORBIDDEN", 403
+
+
 class ValidationFailed(MillmError):
     code, status = "VALIDATION_ERROR", 422
 
@@ -112,6 +117,13 @@ class ResponseFormatUnsupported(MillmError):
     code, status = "RESPONSE_FORMAT_UNSUPPORTED", 400
 
 
+class SchemaTooComplex(MillmError):
+    """A schema whose grammar was not built within STRUCTURED_COMPILE_TIMEOUT_S (details:
+    param, timeout_s)."""
+
+    code, status = "SCHEMA_TOO_COMPLEX", 400
+
+
 class UnsupportedQuantization(MillmError):
     """A load at a quantization this build cannot run (Q2), or of a pre-quantized
     checkpoint whose method the engine's host cannot load."""
@@ -142,6 +154,7 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
     "analyzer_capture_missing": AnalyzerCaptureMissing,
     "invalid_probe_file": InvalidProbeFile,
     "response_format_unsupported": ResponseFormatUnsupported,
+    "schema_too_complex": SchemaTooComplex,
     "unsupported_quantization": UnsupportedQuantization,
 }
 

@@ -19,7 +19,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
 from django.views.generic import TemplateView
 
-from core.auth import bearer_token, key_is_valid
+from core.auth import bearer_token, key_is_valid, keys_enabled
 from core.ids import ascii_int
 from gpu_engine.protocol import MAX_STEERING_STRENGTH
 
@@ -57,7 +57,7 @@ class Page(TemplateView):
             "page": self.page, "title": self.title, "nav": NAV,
             "ui_config": {
                 "page": self.page,
-                "api_keys_required": bool(settings.MILLM_API_KEYS),
+                "api_keys_required": keys_enabled(),
                 "max_strength": MAX_STEERING_STRENGTH,
                 **self.page_config(),
             },
@@ -84,7 +84,7 @@ def static(request: HttpRequest, path: str) -> HttpResponse:
 
 
 def _authorized(request: HttpRequest) -> bool:
-    if not settings.MILLM_API_KEYS:
+    if not keys_enabled():
         return True
     return key_is_valid(bearer_token(request.headers.get("Authorization")))
 
