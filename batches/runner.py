@@ -13,9 +13,12 @@ back in the queue), then loops:
   the engine restarts) goes back in the queue and the batch pauses for the Retry-After the
   refusal named: a batch waits for its model, it never loads one;
 - heartbeat, and read the batch's status: ``cancelling`` stops the claims; the
-  completion window's end (``expires_at``) too;
+  completion window's end (``expires_at``) too. The claim itself reads the batch's row
+  in its transaction and claims nothing once a cancel is recorded, so no line starts
+  after the cancel whatever the heartbeat last saw;
 - when nothing is left at the engine: finalize (``completed``, ``cancelled`` or
-  ``expired``), which writes the output and error files.
+  ``expired``), which writes the output and error files; a batch that is ``cancelling``
+  in the database ends ``cancelled`` whatever outcome the runner asked for.
 
 A web worker, Celery worker or engine that dies mid-batch loses no line and repeats none:
 the answered lines are in the database, the lines at the engine have no answer yet and are
@@ -149,10 +152,13 @@ class _Runner:
             cancelling = status == Batch.Status.CANCELLING
             expired = timezone.now() >= self.expires_at
             if not cancelling and not expired and now >= paused_until:
+                want = self.rows - len(at_engine)
                 lines = await self.db(services.batch_claim_lines, batch_id=self.batch_id,
-                                      runner=self.runner, n=self.rows - len(at_engine))
+                                      runner=self.runner, n=want)
                 for line in lines:
                     at_engine[asyncio.ensure_future(self._answer(line))] = line
+                if want > 0 and not lines and not at_engine:
+                    beat = 0.0  # nothing claimed: read the status now (a cancel, a take-over)
             if not at_engine:
                 outcome = (Batch.Status.CANCELLED if cancelling else
                            Batch.Status.EXPIRED if expired else None)

@@ -282,10 +282,19 @@ def batch_heartbeat(*, batch_id: str, runner: str) -> str | None:
 
 
 def batch_claim_lines(*, batch_id: str, runner: str, n: int) -> list[dict[str, Any]]:
-    """Up to ``n`` unanswered lines, in file order, marked as at the engine."""
+    """Up to ``n`` unanswered lines, in file order, marked as at the engine; none once
+    the batch is no longer ``in_progress`` (a cancel recorded, the window over, taken
+    over by another runner): the batch's row is read in the same transaction, so no line
+    is claimed after the cancel is committed."""
     if n <= 0:
         return []
     with transaction.atomic():
+        # the row locked: a cancel (which locks it too) waits for the claim, or the claim
+        # for the cancel and then reads the status the cancel left
+        if not Batch.objects.select_for_update().filter(
+                id=batch_id, runner=runner, status=Batch.Status.IN_PROGRESS,
+                expires_at__gt=timezone.now()).values_list("id", flat=True).first():
+            return []
         query = BatchLine.objects.filter(batch_id=batch_id, status=BatchLine.Status.PENDING
                                          ).order_by("line")
         if connection.features.has_select_for_update_skip_locked:
@@ -346,6 +355,10 @@ def batch_finalize(*, batch_id: str, outcome: str) -> Batch:
         batch = Batch.objects.select_for_update().get(id=batch_id)
         if batch.terminal:
             return batch
+        if batch.status == Batch.Status.CANCELLING:
+            # a cancel recorded before the end wins over what the runner saw (OpenAI:
+            # a cancelled batch ends ``cancelled``, whatever was answered meanwhile)
+            outcome = Batch.Status.CANCELLED
         batch.status, batch.finalizing_at = Batch.Status.FINALIZING, now
         batch.save(update_fields=["status", "finalizing_at"])
     code = {Batch.Status.EXPIRED: "batch_expired",

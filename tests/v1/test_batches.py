@@ -6,6 +6,7 @@ after its runner dies without repeating a line."""
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import threading
@@ -81,6 +82,37 @@ class CountingEngine:
         with self.lock:
             self.started[key] = self.started.get(key, 0) + 1
         return self.inner.agenerate(job)
+
+
+class GatedEngine:
+    """The server's engine client, holding the ``hold``-th generation (1-based) before it
+    reaches the engine until ``release`` is set; ``reached`` is set when it gets there."""
+
+    def __init__(self, inner, hold: int) -> None:  # noqa: ANN001
+        self.inner = inner
+        self.hold = hold
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def agenerate(self, job):  # noqa: ANN001
+        with self.lock:
+            self.calls += 1
+            held = self.calls == self.hold
+        return self._held(job) if held else self.inner.agenerate(job)
+
+    async def _held(self, job):  # noqa: ANN001
+        self.reached.set()
+        await asyncio.to_thread(self.release.wait, 60)
+        async for event in self.inner.agenerate(job):
+            yield event
+
+
+TERMINAL = ("completed", "failed", "expired", "cancelled")
 
 
 @pytest.fixture
@@ -237,25 +269,35 @@ def test_limits_and_bad_requests_are_openai_shaped_400s(batch_server, openai_cli
 
 def test_cancel_keeps_what_was_answered_and_ends_the_rest(batch_server, openai_client,
                                                          settings):
+    """The third line is held at the engine until the cancel is recorded: it is answered
+    (a line at the engine finishes), no later line starts, and the batch ends
+    ``cancelled`` with the 27 others in the error file as ``batch_cancelled``."""
+    from core.runtime import runtime
+
     settings.BATCH_ENGINE_ROWS = 1
-    rows = [chat_line(i, max_tokens=40, ignore_eos=True) for i in range(30)]
-    batch = openai_client.batches.create(input_file_id=upload(openai_client, rows).id,
-                                         endpoint="/v1/chat/completions",
-                                         completion_window="24h")
-    deadline = time.monotonic() + 60
-    while BatchLine.objects.filter(batch_id=batch.id, status="done").count() < 2:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
-    cancelling = openai_client.batches.cancel(batch.id)
-    assert cancelling.status in ("cancelling", "cancelled") and cancelling.cancelling_at
-    done = wait_status(openai_client, batch.id, ("cancelled",), timeout_s=60)
+    rows = [chat_line(i) for i in range(30)]
+    engine = GatedEngine(runtime().engine, hold=3)
+    try:
+        with runtime().replaced(engine=engine):
+            batch = openai_client.batches.create(input_file_id=upload(openai_client, rows).id,
+                                                 endpoint="/v1/chat/completions",
+                                                 completion_window="24h")
+            assert engine.reached.wait(60), "the third line never reached the engine"
+            assert BatchLine.objects.filter(batch_id=batch.id, status="done").count() == 2
+            cancelling = openai_client.batches.cancel(batch.id)
+            assert cancelling.status == "cancelling" and cancelling.cancelling_at
+            engine.release.set()
+            done = wait_status(openai_client, batch.id, TERMINAL, timeout_s=60)
+    finally:
+        engine.release.set()
+    assert done.status == "cancelled" and done.cancelled_at, done
+    assert engine.calls == 3  # no line started after the cancel
     answered = output(openai_client, done.output_file_id)
     ended = output(openai_client, done.error_file_id)
-    assert 2 <= len(answered) < 30
-    assert sorted(x["custom_id"] for x in answered + ended) == sorted(r["custom_id"] for r in rows)
+    assert [x["custom_id"] for x in answered] == ["req-0", "req-1", "req-2"]
+    assert [x["custom_id"] for x in ended] == [f"req-{i}" for i in range(3, 30)]
     assert {x["error"]["code"] for x in ended} == {"batch_cancelled"}
-    assert (done.request_counts.completed, done.request_counts.failed) == (
-        len(answered), len(ended))
+    assert (done.request_counts.completed, done.request_counts.failed) == (3, 27)
     with pytest.raises(openai.ConflictError):
         openai_client.batches.cancel(wait_status(openai_client, (
             openai_client.batches.create(input_file_id=upload(openai_client, rows[:1]).id,
