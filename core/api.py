@@ -18,6 +18,7 @@ from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
 from django.http import Http404
 from rest_framework import exceptions, status
+from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 
 from core.errors import MillmError, from_engine_error
@@ -47,9 +48,29 @@ def envelope(data: Any = None, *, status_code: int = status.HTTP_200_OK,
                     headers=headers)
 
 
+class JSONBody(dict):
+    """A request body parsed from JSON (``JSONBodyParser``): ``validated`` holds it to the
+    serializer's fields exactly. Query strings and forms, where every value is text, and
+    dicts a view merges from both, stay as lenient as DRF is."""
+
+
+class JSONBodyParser(JSONParser):
+    def parse(self, stream, media_type=None, parser_context=None):
+        data = super().parse(stream, media_type, parser_context)
+        return JSONBody(data) if isinstance(data, dict) else data
+
+
 def validated(serializer_cls: Any, data: Any) -> Any:
     """A view's input through its serializer; a refusal is the 422 VALIDATION_ERROR
-    envelope (the exception handler builds it)."""
+    envelope (the exception handler builds it). A JSON body is strict: a field the
+    serializer does not declare, or a value of another JSON type ("2" for 2, 1 for true),
+    is refused naming the field, never dropped or converted (``core.strict_input``)."""
+    if isinstance(data, JSONBody):
+        from core.strict_input import strict_errors
+
+        problems = strict_errors(serializer_cls(), data)
+        if problems:
+            raise exceptions.ValidationError(problems)
     serializer = serializer_cls(data=data)
     serializer.is_valid(raise_exception=True)
     return serializer.validated_data

@@ -111,6 +111,16 @@ VARIABLES: tuple[Var, ...] = (
         "(chat_template_kwargs.chat_template). Off: such a request is refused (400 "
         "invalid_parameter) and the model's own template is used; a template runs on the "
         "server, sandboxed but as long as it likes, so allow it only for trusted clients."),
+    Var("ALLOW_REMOTE_CODE", "Access & hub", "bool", False,
+        "Let an admin register and load a model with trust_remote_code (the repository's "
+        "own Python, imported by transformers or vLLM in the engine). Off: "
+        "trust_remote_code=true is refused (400 REMOTE_CODE_NOT_ALLOWED), no .py file is "
+        "downloaded, and a row registered with it earlier is refused at load."),
+    Var("LOCAL_MODEL_ROOTS", "Access & hub", "list", [],
+        "Comma-separated directories under which source=local models and SAEs may be "
+        "registered (paths resolved, symlinks and '..' followed, before the check); "
+        "empty: MODEL_CACHE_DIR, SAE_CACHE_DIR and MILLM_DATA_DIR. A path outside them is "
+        "refused with one answer whether it exists or not."),
     Var("HF_CIRCUIT_FAIL_MAX", "Access & hub", "int", 5,
         "Consecutive hub failures (connection errors, timeouts, 5xx) that open the hub "
         "circuit breaker.", minimum=1),

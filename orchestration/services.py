@@ -36,10 +36,12 @@ from registry.errors import (
     ModelAlreadyLoaded,
     ModelInvalid,
     ModelLocked,
+    RemoteCodeNotAllowed,
     SAEAlreadyAttached,
     SAENotFound,
     UnsupportedQuantization,
 )
+from registry.access import remote_code_enabled
 from registry.job_lifecycle import job_create, job_finish, job_progress, job_start
 from registry.models import SAE, Attachment, Job, Model
 from registry.selectors import active_job, model_loaded
@@ -161,8 +163,11 @@ def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
         named = Model.objects.filter(name=draft).exclude(local_path="").first()
         if named is not None:
             options["speculative_model"] = named.local_path
+    # a row registered with remote code before the operator turned ALLOW_REMOTE_CODE off
+    # runs none (``_check_loadable`` refuses it first; this holds for any other caller)
     return LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype, device=device,
-                        trust_remote_code=model.trust_remote_code, backend=backend,
+                        trust_remote_code=remote_code_enabled(model.trust_remote_code),
+                        backend=backend,
                         options=options)
 
 
@@ -196,6 +201,13 @@ def _check_loadable(model: Model) -> Model | None:
     if model.status == Model.Status.DOWNLOADING or not model.local_path:
         raise ModelInvalid(f"Model {model.name!r} has no files yet (status {model.status})",
                            details={"model_id": model.id, "status": model.status})
+    if model.trust_remote_code and not remote_code_enabled(True):
+        raise RemoteCodeNotAllowed(
+            f"Model {model.name!r} was registered with trust_remote_code, and running a "
+            "repository's own code is off on this server (ALLOW_REMOTE_CODE); the operator "
+            "enables it, or register the model again without it",
+            details={"model_id": model.id, "field": "trust_remote_code",
+                     "setting": "ALLOW_REMOTE_CODE"})
     backend = model.effective_backend()
     if (model.format == Model.Format.GGUF) != (backend == GGUF_BACKEND):
         raise UnsupportedModel(

@@ -10,6 +10,7 @@ from django.template.defaultfilters import filesizeformat
 from core.admin_actions import RefusableDeleteMixin, run_each
 from core.errors import MillmError
 from registry import job_lifecycle, services, vectors
+from registry.access import check_remote_code
 from registry.models import SAE, Job, Model, SteeringVector
 
 
@@ -23,8 +24,8 @@ class ModelRegisterForm(forms.ModelForm):
     local_path = forms.CharField(
         max_length=1000, label="Local path",
         help_text="Absolute path of a transformers checkpoint directory (config.json + "
-                  "safetensors) or a .gguf file on the server. Deleting the model removes "
-                  "its files only when they lie under MODEL_CACHE_DIR.")
+                  "safetensors) or a .gguf file on the server, under LOCAL_MODEL_ROOTS. "
+                  "Deleting the model never removes these files.")
     name = forms.CharField(max_length=200, required=False,
                            help_text="The name clients use as `model` on /v1. Default: the "
                                      "directory's (or GGUF file's) name.")
@@ -34,13 +35,15 @@ class ModelRegisterForm(forms.ModelForm):
         fields = ("local_path", "name", "quantization", "trust_remote_code", "backend")
 
     # which field a refusal belongs to, by its code; the rest go above the form
-    field_of_code = {"INVALID_LOCAL_PATH": "local_path", "MODEL_ALREADY_EXISTS": "name"}
+    field_of_code = {"INVALID_LOCAL_PATH": "local_path", "MODEL_ALREADY_EXISTS": "name",
+                     "REMOTE_CODE_NOT_ALLOWED": "trust_remote_code"}
 
     def clean(self):
         data = super().clean()
         if "local_path" in self.errors or "backend" in self.errors:
             return data
         try:
+            check_remote_code(trust_remote_code=bool(data.get("trust_remote_code")))
             services.model_check_local(
                 local_path=data["local_path"], name=data.get("name") or None,
                 quantization=data.get("quantization"), backend=data.get("backend") or "")

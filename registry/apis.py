@@ -13,7 +13,7 @@ from rest_framework.views import APIView
 
 from core.api import envelope, validated
 from core.schema import enveloped
-from registry import describe, downloads, job_lifecycle, selectors, services
+from registry import access, describe, downloads, job_lifecycle, selectors, services
 from registry import serializers as io
 from registry.models import Attachment, Model
 
@@ -39,6 +39,10 @@ class ModelListCreateApi(APIView):
                               202: enveloped(io.ModelJobOutput)})
     def post(self, request) -> Response:
         data = validated(io.ModelCreateInput, request.data)
+        if data["source"] == Model.Source.LOCAL:
+            access.require_admin(request, "registering a checkpoint from the server's disk")
+        access.check_remote_code(trust_remote_code=data["trust_remote_code"],
+                                 admin=access.caller_is_admin(request))
         if data["source"] == Model.Source.LOCAL:
             model = services.model_register_local(
                 local_path=data["local_path"], name=data.get("custom_name") or None,
@@ -158,6 +162,7 @@ class SAEListApi(APIView):
     def post(self, request) -> Response:
         data = validated(io.SAECreateInput, request.data)
         if data["source"] == "local":
+            access.require_admin(request, "registering an SAE from the server's disk")
             sae = services.sae_register_local(
                 local_path=data["local_path"], name=data.get("name") or None,
                 trained_on_model=data.get("trained_on") or None,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import SAEInvalid
+from registry.access import check_under_roots
 from registry.errors import InvalidLocalPath, ModelInvalid
 from registry.models import Model
 
@@ -22,15 +23,16 @@ SYSTEM_DIRECTORIES = (
 
 
 def check_local_path(raw: str, *, what: str = "a model") -> Path:
-    """An absolute path that exists and lies outside the system directories, resolved
-    (symlinks followed, so two spellings of one directory are one path)."""
+    """An absolute path under LOCAL_MODEL_ROOTS that exists and lies outside the system
+    directories, resolved (symlinks followed, so two spellings of one directory are one
+    path). A path outside the roots gets one answer whether it exists or not."""
     if not raw or not raw.strip():
         raise InvalidLocalPath(f"local_path is required to register {what}",
                                details={"local_path": raw})
     path = Path(raw.strip())
     if not path.is_absolute():
         raise InvalidLocalPath("local_path must be an absolute path", details={"local_path": raw})
-    resolved = path.resolve()
+    resolved = check_under_roots(raw, path)
     if str(resolved) == "/" or any(
             str(resolved) == d or str(resolved).startswith(d + "/") for d in SYSTEM_DIRECTORIES):
         raise InvalidLocalPath(f"{resolved} is a system directory and cannot hold {what}",

@@ -16,13 +16,15 @@ views, tasks and commands alike). A download is two halves:
 
 Only safetensors, JSON, tokenizer and template files are fetched for a model (pickle
 formats are never downloaded, let alone loaded); ``.py`` files only with
-``trust_remote_code``.
+``trust_remote_code``, which the operator allows (ALLOW_REMOTE_CODE) to admin keys alone.
+A download checks the free space of its cache first (507 INSUFFICIENT_STORAGE).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -38,11 +40,13 @@ from django.utils import timezone
 from core import events, jobs, metrics
 from core.errors import MillmError, SAEInvalid, UnsupportedModel
 from registry import describe, hub, job_lifecycle, selectors, services, sizing
+from registry.access import check_remote_code, remote_code_enabled
 from registry.errors import (
     AmbiguousModelName,
     DownloadCancelled,
     DownloadTimedOut,
     GatedModelNoToken,
+    InsufficientStorage,
     JobFinished,
     ModelAlreadyExists,
     ModelInvalid,
@@ -171,6 +175,24 @@ def _fetch(*, repo_id: str, files: list[tuple[str, int]], revision: str, target:
         progress.finish_file(path.stat().st_size)
 
 
+def check_free_space(*, files: list[tuple[str, int]], cache_dir: str | Path,
+                     repo_id: str) -> None:
+    """Refuse (507 INSUFFICIENT_STORAGE) a download whose files, by the hub's sizes, do
+    not fit in the free space of the disk that holds ``cache_dir``: asked before the row,
+    the job or any file exists, and again by the task before it fetches."""
+    needed = sum(size for _, size in files)
+    probe = Path(cache_dir).resolve()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # the cache is made by the download; its disk is its parent's
+    free = shutil.disk_usage(probe).free
+    if needed > free:
+        raise InsufficientStorage(
+            f"Downloading {repo_id} needs {needed} bytes ({needed / 2**30:.2f} GiB) and the "
+            f"disk of {cache_dir} has {free} bytes ({free / 2**30:.2f} GiB) free",
+            details={"repo_id": repo_id, "needed_bytes": needed, "free_bytes": free,
+                     "directory": str(cache_dir)})
+
+
 def _clean_target(target: Path, root: Path) -> None:
     if target.exists() and services._is_under(target, root):
         services.remove_files(target)
@@ -260,6 +282,7 @@ def model_download_start(*, repo_id: str, revision: str = "main",
                          ) -> tuple[Model, Job]:
     """Check the repository on the hub, create the row and its job, start the task
     (``dispatch=False``: the caller runs ``model_download_run`` itself, as a command does)."""
+    check_remote_code(trust_remote_code=trust_remote_code)
     revision = revision or "main"
     token = hub.resolve_token(hf_token)
     repo_id, quant = split_repo_quant(repo_id)
@@ -277,8 +300,10 @@ def model_download_start(*, repo_id: str, revision: str = "main",
     config = info.config if isinstance(info.config, dict) else {}
     if config.get("auto_map") and not trust_remote_code:
         raise UnsupportedModel(f"Repository {repo_id!r} ships its own model code; download it "
-                               "with trust_remote_code=true if you trust it",
+                               "with trust_remote_code=true if you trust it (an admin key, "
+                               "and ALLOW_REMOTE_CODE=true on the server)",
                                details={"repo_id": repo_id, "requires_trust_remote_code": True})
+    check_free_space(files=files, cache_dir=settings.MODEL_CACHE_DIR, repo_id=repo_id)
     name = (custom_name or repo_id.rsplit("/", 1)[-1]).strip()
     with transaction.atomic():
         existing = (Model.objects.select_for_update()
@@ -350,6 +375,7 @@ def _gguf_download_start(*, repo_id: str, quant: str | None,
                            details={"repo_id": repo_id, "quantization": quant,
                                     "quantizations": available})
     files = ggufs[quant]
+    check_free_space(files=files, cache_dir=settings.MODEL_CACHE_DIR, repo_id=repo_id)
     first = files[0][0]
     name = (custom_name or f"{repo_id.rsplit('/', 1)[-1]}:{quant}").strip()
     with transaction.atomic():
@@ -403,7 +429,8 @@ def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str 
     def files(model: Model, info: Any) -> list[tuple[str, int]]:
         if model.format == Model.Format.GGUF:  # the chosen quantization's file(s) only
             return gguf_quants(sibling_files(info)).get(gguf_quant(model.gguf_file) or "", [])
-        return select_model_files(sibling_files(info), trust_remote_code=model.trust_remote_code)
+        return select_model_files(sibling_files(info),
+                                  trust_remote_code=remote_code_enabled(model.trust_remote_code))
 
     def describe_at(model: Model, target: Path) -> tuple[Path, dict[str, Any]]:
         if model.format == Model.Format.GGUF:
@@ -429,10 +456,13 @@ def _download_run(*, job_id: int, relation: str, target_of: Callable[[Any], Path
     job, row = claimed
     repo_id = row.repo_id if relation == "model" else row.repository_id
     target = target_of(row)
+    # recorded before any file is written: deleting the row removes this folder only
+    type(row).objects.filter(pk=row.pk).update(files_dir=str(target))
     token = hub.resolve_token(hf_token)
     try:
         info = hub.model_info(repo_id=repo_id, revision=commit or row.revision, token=token)
         files = files_of(row, info)
+        check_free_space(files=files, cache_dir=target.parent, repo_id=repo_id)
         progress = _Progress(job, sum(s for _, s in files), on_progress)
         _fetch(repo_id=repo_id, files=files, revision=info.sha or commit or row.revision,
                target=target, token=token, progress=progress)
@@ -548,6 +578,7 @@ def sae_download_start(*, repository_id: str, file_path: str = "", revision: str
                                     details={"repo_id": repository_id})
         hub.file_metadata(repo_id=repository_id, filename=files[0][0],
                           revision=info.sha or revision, token=token)
+    check_free_space(files=files, cache_dir=settings.SAE_CACHE_DIR, repo_id=repository_id)
     hints = describe_sae_path(file_path)
     with transaction.atomic():
         sae = (SAE.objects.select_for_update().filter(pk=existing.pk).first()

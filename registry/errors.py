@@ -124,3 +124,17 @@ class VectorAlreadyExists(MillmError):
     """A steering vector of that name is registered (details: sae_id)."""
 
     code, status = "VECTOR_ALREADY_EXISTS", 409
+
+
+class RemoteCodeNotAllowed(MillmError):
+    """``trust_remote_code`` asked for where the operator (ALLOW_REMOTE_CODE) or the
+    caller's key does not allow it; ``details.field`` and ``details.setting`` name both."""
+
+    code, status = "REMOTE_CODE_NOT_ALLOWED", 400
+
+
+class InsufficientStorage(MillmError):
+    """A download would not fit on the disk of its cache (``details``: bytes needed and
+    free), refused before any file is fetched."""
+
+    code, status = "INSUFFICIENT_STORAGE", 507

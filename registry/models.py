@@ -71,6 +71,10 @@ class Model(models.Model):
     parameter_count = models.BigIntegerField(null=True, blank=True)
     disk_size_bytes = models.BigIntegerField(null=True, blank=True)
     estimated_memory_bytes = models.BigIntegerField(null=True, blank=True)
+    files_dir = models.CharField(
+        max_length=1000, blank=True,
+        help_text="The folder the registry downloaded this row's files into; deleting the "
+                  "row removes it and nothing else (empty: the row owns no files).")
     locked = models.BooleanField(default=False)
     locked_by_operator = models.BooleanField(
         default=False, help_text="Locked through lock (API, admin), not only because SAEs are "
@@ -175,6 +179,10 @@ class SAE(models.Model):
     files_owned = models.BooleanField(
         default=False, help_text="miLLM wrote these files (an upload or a computed vector); "
                                  "deleting the row removes them.")
+    files_dir = models.CharField(
+        max_length=1000, blank=True,
+        help_text="The folder the registry downloaded this row's files into; deleting the "
+                  "row removes it and nothing else (empty: no download).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

@@ -108,16 +108,8 @@ class ModelCreateInput(serializers.Serializer):
 class ModelUpdateInput(serializers.Serializer):
     backend = serializers.CharField(max_length=32, allow_blank=True,
                                     help_text="a registered backend; blank: MILLM_BACKEND")
-
-    def validate(self, attrs):
-        # a field that cannot change here must not answer 200 as if it had
-        others = sorted(set(getattr(self, "initial_data", {}) or {}) - set(self.fields))
-        if others:
-            raise serializers.ValidationError({name: [
-                "cannot be changed here: PATCH /api/models/{id} changes only backend "
-                "(register the checkpoint again for another quantization or path)"]
-                for name in others})
-        return attrs
+    # any other field (name, quantization, local_path) is refused as unknown by
+    # core.api.validated: a change that cannot happen here must not answer 200
 
 
 class ModelPreviewInput(serializers.Serializer):

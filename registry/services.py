@@ -13,6 +13,7 @@ from django.utils import timezone
 
 from core.errors import ValidationFailed
 from registry import describe
+from registry.access import check_remote_code
 from registry.errors import (
     InvalidLocalPath,
     ModelAlreadyExists,
@@ -58,6 +59,17 @@ def model_check_local(*, local_path: str, name: str | None = None,
                 details={"local_path": local_path, "quantization": quantization,
                          "file_quantization": own})
         meta["quantization"] = own or quantization or Model.Quantization.FP32
+    own_quantization = meta.get("quantization") or quantization or Model.Quantization.FP32
+    twin = Model.objects.filter(local_path=str(path), quantization=own_quantization,
+                                backend=backend).first()
+    if twin is not None:
+        # one checkpoint, one row per way of loading it (another quantization or backend
+        # is another registration)
+        raise ModelAlreadyExists(
+            f"{path} is already registered as model {twin.name!r} (id {twin.id}) with "
+            f"quantization {own_quantization}"
+            + (f" and backend {backend}" if backend else ""),
+            details={"model_id": twin.id, "name": twin.name, "local_path": str(path)})
     name = (name or (path.stem if path.is_file() else path.name)).strip()
     if Model.objects.filter(name=name).exists():
         raise ModelAlreadyExists(f"A model named {name!r} is already registered",
@@ -70,7 +82,10 @@ def model_check_local(*, local_path: str, name: str | None = None,
 def model_register_local(*, local_path: str, name: str | None = None,
                          quantization: str | None = None,
                          trust_remote_code: bool = False, backend: str = "") -> Model:
-    """Register a checkpoint already on disk: a transformers directory or a GGUF file."""
+    """Register a checkpoint already on disk: a transformers directory or a GGUF file.
+    ``trust_remote_code`` only where the operator allows it (ALLOW_REMOTE_CODE); the API
+    also asks for an admin key (``registry.access``)."""
+    check_remote_code(trust_remote_code=trust_remote_code)
     fields = model_check_local(local_path=local_path, name=name, quantization=quantization,
                                backend=backend)
     quantization = fields.pop("quantization", None) or quantization or Model.Quantization.FP32
@@ -161,13 +176,12 @@ def _is_under(path: Path, root: Path) -> bool:
 
 @transaction.atomic
 def model_delete(*, model: Model) -> None:
-    """Delete the row, and the files when miLLM downloaded them into its cache.
+    """Delete the row, and the folder the registry downloaded for this row (``files_dir``).
 
-    A model registered from a user's own directory keeps its files: we only ever remove
-    what we put under MODEL_CACHE_DIR. A download in progress is cancelled first.
+    Nothing else is ever removed: not a ``local_path`` (a ``source: local`` row's files
+    are the user's, even when they lie in the cache as another row's download), and not a
+    downloaded folder another row still reads. A download in progress is cancelled first.
     """
-    from registry.downloads import model_target_dir
-
     model = Model.objects.select_for_update().get(pk=model.pk)
     if model.locked:
         raise ModelLocked(f"Model {model.name!r} is locked; unlock it first",
@@ -177,16 +191,39 @@ def model_delete(*, model: Model) -> None:
                           details={"model_id": model.id, "status": model.status})
     Job.objects.filter(model=model, status__in=Job.ACTIVE).update(
         cancel_requested=True, updated_at=timezone.now())
-    cache = Path(settings.MODEL_CACHE_DIR)
-    candidates = [Path(model.local_path)] if model.local_path else []
-    if model.source == Model.Source.HUGGINGFACE:
-        candidates.append(model_target_dir(model))
-    model_id = model.id
+    model_id, owned = model.id, model.files_dir
     model.delete()
-    for files in candidates:
-        if _is_under(files, cache) and files.exists():
-            transaction.on_commit(lambda files=files: remove_files(files))
-    log.info("model_deleted", model_id=model_id)
+    kept = _release_files(owned, cache=Path(settings.MODEL_CACHE_DIR))
+    log.info("model_deleted", model_id=model_id, kept_files=kept)
+
+
+def _in_use(path: Path) -> bool:
+    """Whether a row that remains reads files inside ``path`` (its weights, its download
+    folder): such a folder is never removed with another row."""
+    target = path.resolve()
+    for value in [*Model.objects.exclude(local_path="").values_list("local_path", flat=True),
+                  *Model.objects.exclude(files_dir="").values_list("files_dir", flat=True),
+                  *SAE.objects.exclude(local_path="").values_list("local_path", flat=True),
+                  *SAE.objects.exclude(files_dir="").values_list("files_dir", flat=True)]:
+        used = Path(value).resolve()
+        if used == target or target in used.parents:
+            return True
+    return False
+
+
+def _release_files(owned: str, *, cache: Path) -> bool:
+    """Remove ``owned`` (a deleted row's own folder) after commit when it lies in ``cache``
+    and no remaining row uses it; whether files were kept."""
+    if not owned:
+        return True
+    files = Path(owned)
+    if not _is_under(files, cache) or not files.exists():
+        return True
+    if _in_use(files):
+        log.info("files_kept_in_use", path=str(files))
+        return True
+    transaction.on_commit(lambda: remove_files(files))
+    return False
 
 
 def remove_files(path: Path) -> None:
@@ -249,33 +286,24 @@ def sae_register_local(*, local_path: str, name: str | None = None,
 
 @transaction.atomic
 def sae_delete(*, sae: SAE) -> None:
-    """Delete the row and, for a downloaded SAE, its files; refused while attached (409).
+    """Delete the row and the files the registry wrote for it; refused while attached (409).
 
-    Only what miLLM downloaded from the hub into SAE_CACHE_DIR, or wrote there for a
-    steering vector (``files_owned``), is removed: an SAE
-    registered from a local directory keeps its files wherever they are, even inside the
-    cache (another row's download, say)."""
-    from registry.downloads import sae_target_dir
-
+    Only the folder a hub download wrote for this row (``files_dir``), or the copy written
+    for a steering vector (``files_owned``), is removed, and neither while another row
+    still reads inside it: an SAE registered from a local directory keeps its files
+    wherever they are, even inside the cache (another row's download, say)."""
     sae = SAE.objects.select_for_update().get(pk=sae.pk)
     if sae.status == SAE.Status.ATTACHED or sae.attachments.exists():
         raise SAEAlreadyAttached(f"SAE {sae.id} is attached; detach it first",
                                  details={"sae_id": sae.id})
     Job.objects.filter(sae=sae, status__in=Job.ACTIVE).update(
         cancel_requested=True, updated_at=timezone.now())
-    cache = Path(settings.SAE_CACHE_DIR)
-    candidates = []
-    if sae.repository_id:
-        candidates = [sae_target_dir(sae), *([Path(sae.local_path)] if sae.local_path else [])]
-    elif sae.files_owned and sae.local_path:
-        # a steering vector's own copy (registry.vectors), never the file it came from
-        candidates = [Path(sae.local_path)]
+    # a steering vector's own copy (registry.vectors), never the file it came from
+    owned = sae.files_dir or (sae.local_path if sae.files_owned else "")
     sae_id = sae.id
     sae.delete()
-    for files in candidates:
-        if _is_under(files, cache) and files.exists():
-            transaction.on_commit(lambda files=files: remove_files(files))
-    log.info("sae_deleted", sae_id=sae_id, kept_files=not candidates)
+    kept = _release_files(owned, cache=Path(settings.SAE_CACHE_DIR))
+    log.info("sae_deleted", sae_id=sae_id, kept_files=kept)
 
 
 # --- Demo assets -----------------------------------------------------------------------

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from drf_spectacular.utils import extend_schema
 from rest_framework import status
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
+from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.api import envelope, validated
+from core.api import JSONBodyParser, envelope, validated
 from core.schema import enveloped
 from registry import selectors, services, vector_io, vectors
 from registry import serializers as io
@@ -18,7 +18,7 @@ VECTORS = ["vectors"]
 
 
 class VectorListCreateApi(APIView):
-    parser_classes = [MultiPartParser, FormParser, JSONParser]
+    parser_classes = [MultiPartParser, FormParser, JSONBodyParser]
 
     @extend_schema(tags=VECTORS, summary="List steering vectors", operation_id="vectors_list",
                    responses=enveloped(vector_io.VectorListOutput))

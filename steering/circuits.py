@@ -62,6 +62,7 @@ from steering.errors import (
     UnvalidatedCircuit,
 )
 from steering.models import Circuit, LiveSteering
+from steering.names import check_name
 
 log = structlog.get_logger(__name__)
 
@@ -124,6 +125,7 @@ def circuit_import(*, document: dict[str, Any], text: str | None = None,
                                details={"fields": {"on_conflict": ["rename", "fail"]}})
     definition, layers = validate_circuit(document)
     name = definition.name.strip()
+    check_name(name, collection="circuits", what="Circuit")
     if Circuit.objects.filter(name=name).exists():
         if on_conflict == "fail":
             raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
@@ -161,6 +163,7 @@ def circuit_replace(*, circuit: Circuit, document: dict[str, Any],
                              "replacing its document", details={"circuit_id": circuit.pk})
     definition, layers = validate_circuit(document)
     name = definition.name.strip()
+    check_name(name, collection="circuits", what="Circuit")
     if Circuit.objects.filter(name=name).exclude(pk=circuit.pk).exists():
         raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
                                    details={"name": name})

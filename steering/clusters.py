@@ -41,6 +41,7 @@ from steering.errors import (
     NoActiveCluster,
 )
 from steering.models import Cluster, LiveSteering
+from steering.names import check_name
 from steering.selectors import attachment_choices
 
 log = structlog.get_logger(__name__)
@@ -143,6 +144,7 @@ def _free_name(name: str) -> str:
 
 def _create(definition: ClusterDefinition, text: str, *, on_conflict: str) -> Cluster:
     name = definition.name.strip()
+    check_name(name, collection="clusters", what="Cluster")
     if Cluster.objects.filter(name=name).exists():
         if on_conflict == "fail":
             raise ClusterAlreadyExists(f"A cluster named {name!r} already exists",
@@ -297,6 +299,7 @@ def cluster_update(*, cluster: Cluster, name: str | None = None,
         if not name or len(name) > 200:
             raise ValidationFailed("name must be 1-200 characters",
                                    details={"fields": {"name": ["1-200 characters"]}})
+        check_name(name, collection="clusters", what="Cluster")
         if Cluster.objects.filter(name=name).exclude(pk=cluster.pk).exists():
             raise ClusterAlreadyExists(f"A cluster named {name!r} already exists",
                                        details={"name": name})

@@ -19,7 +19,8 @@ CORS_EXPOSE_HEADERS = ["Retry-After", "X-miLLM-Backend", "X-miLLM-Steering", "X-
 
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    # JSON bodies are held to their serializer's fields and types (core.api.validated)
+    "DEFAULT_PARSER_CLASSES": ["core.api.JSONBodyParser"],
     # Access control is one middleware for /api and /v1 (core.auth), so DRF itself
     # authenticates nobody and never asks for a CSRF token.
     "DEFAULT_AUTHENTICATION_CLASSES": [],

@@ -133,8 +133,9 @@ def test_refusals_create_nothing(api, tmp_path, tiny_assets):
     cases = [
         (str(tmp_path / "missing"), "INVALID_LOCAL_PATH", "does not exist"),
         ("relative/sae", "INVALID_LOCAL_PATH", "absolute"),
-        ("/etc", "INVALID_LOCAL_PATH", "system directory"),
-        ("/usr/lib/python3", "INVALID_LOCAL_PATH", "system directory"),
+        # outside LOCAL_MODEL_ROOTS (the test roots: the temporary and asset folders)
+        ("/etc", "INVALID_LOCAL_PATH", "LOCAL_MODEL_ROOTS"),
+        ("/usr/lib/python3", "INVALID_LOCAL_PATH", "LOCAL_MODEL_ROOTS"),
         (f"{tmp_path}/{'x' * 300}", "INVALID_LOCAL_PATH", "File name too long"),
         (str(empty), "SAE_INVALID", "No known SAE layout"),
         (str(not_a_dir), "SAE_INVALID", "No known SAE layout"),
@@ -270,7 +271,7 @@ def test_register_sae_command_prints_the_id(tmp_path):
 
 
 def test_register_sae_command_exit_status(run_manage, tmp_path):
-    env = {"MILLM_DATA_DIR": str(tmp_path / "data")}
+    env = {"MILLM_DATA_DIR": str(tmp_path / "data"), "LOCAL_MODEL_ROOTS": str(tmp_path)}
     bad = run_manage("register_sae", str(tmp_path / "nowhere"), env=env)
     assert bad.returncode == 1 and bad.stdout == ""
     assert "INVALID_LOCAL_PATH" in bad.stderr and "does not exist" in bad.stderr

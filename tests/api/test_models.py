@@ -340,13 +340,15 @@ def test_delete_a_downloaded_model_removes_its_files(api, hub):
     assert not target.exists() and not Model.objects.exists()
 
 
-def test_trust_remote_code_is_an_opt_in(api, hub):
+def test_trust_remote_code_is_an_opt_in(api, hub, settings):
     repo = hub.repos[MODEL_REPO]
     repo.config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     repo.files["modeling_x.py"] = b"raise SystemExit('remote code ran')\n"
     try:
         refused(api.post("/api/models", {"repo_id": MODEL_REPO}, format="json"),
                 400, "UNSUPPORTED_MODEL")
+        # the operator's opt-in first (ALLOW_REMOTE_CODE, off by default: tests/security)
+        settings.ALLOW_REMOTE_CODE = True
         data = ok(api.post("/api/models", {"repo_id": MODEL_REPO, "trust_remote_code": True,
                                            "quantization": "FP32"}, format="json"), 202)
         tasks.model_download_task(data["job"]["id"])
