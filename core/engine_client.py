@@ -357,7 +357,8 @@ class EmbeddedEngineClient(EngineClient):
 
         self._engine = Engine(on_event=on_event,
                               drain_timeout_s=drain_timeout_s or settings.GRACEFUL_UNLOAD_TIMEOUT,
-                              batching=batching_options(), idle_release_s=idle_release_s())
+                              batching=batching_options(), idle_release_s=idle_release_s(),
+                              structured_timeout_s=float(settings.STRUCTURED_COMPILE_TIMEOUT_S))
 
     @property
     def engine(self) -> Any:

@@ -27,7 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Self
 
@@ -80,6 +80,8 @@ from .stream import GenerationStream
 log = logging.getLogger("gpu_engine")
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# STRUCTURED_COMPILE_TIMEOUT_S: the longest a request's grammar may take to build
+DEFAULT_STRUCTURED_TIMEOUT_S = 10.0
 # while an idle batch waits for announced requests, the worker looks again this often
 # (and at once when one is withdrawn: ``_WAKE``)
 _GATHER_POLL_S = 0.005
@@ -143,6 +145,7 @@ class Engine:
         drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
         batching: BatchingOptions | None = None,
         idle_release_s: float | None = None,
+        structured_timeout_s: float = DEFAULT_STRUCTURED_TIMEOUT_S,
     ) -> None:
         self.on_event = on_event
         self.drain_timeout_s = drain_timeout_s
@@ -179,6 +182,11 @@ class Engine:
         # Work accepted and not finished, whoever sent it: an unload or a model swap
         # drains it first (gpu_engine/drain.py)
         self._ledger = WorkLedger()
+        # structured requests build their grammar here before they reach the worker
+        # (``_prepare_structured``): built lazily, xgrammar is imported only then
+        self.structured_timeout_s = structured_timeout_s
+        self._grammar_builder: Any = None
+        self._grammar_threads: ThreadPoolExecutor | None = None
         self._thread = threading.Thread(target=self._worker, name="millm-engine", daemon=True)
         self._thread.start()
 
@@ -362,6 +370,10 @@ class Engine:
         self._closed = True
         self._queue.put((-1, next(self._seq), None))
         self._thread.join(timeout=timeout_s)
+        if self._grammar_builder is not None:
+            self._grammar_builder.close()
+        if self._grammar_threads is not None:
+            self._grammar_threads.shutdown(wait=False, cancel_futures=True)
 
     def __enter__(self) -> Self:
         return self
@@ -647,11 +659,60 @@ class Engine:
             err = EngineShutdown("the engine shut down before the request ran")
             stream._put(ErrorEvent(job.request_id, err.code, err.message, {}))
 
+        if job.sampling.structured is not None:
+            self._prepare_structured(job, stream, dropped)
+        else:
+            self._submit_generation(job, stream, dropped)
+        return stream
+
+    def _submit_generation(self, job: GenerationJob, stream: GenerationStream, dropped: Callable[[], None]) -> None:
         if self._scheduler is not None:
             self._submit(lambda: self._enqueue(job, stream), _WORK, on_drop=dropped)
         else:
             self._submit(lambda: self._run_generation(job, stream), _priority(job.priority), on_drop=dropped)
-        return stream
+
+    def _prepare_structured(self, job: GenerationJob, stream: GenerationStream, dropped: Callable[[], None]) -> None:
+        """Build the request's grammar off the worker thread, then queue the request: a
+        costly schema (xgrammar spends seconds to minutes on long regex repetitions) never
+        holds the generation of others, and one not built within ``structured_timeout_s``
+        ends as ``schema_too_complex`` (``gpu_engine.structured.GrammarBuilder``)."""
+        from .structured import GRAMMAR_WORKERS, GrammarBuilder
+
+        with self._state_lock:
+            if self._grammar_builder is None:
+                self._grammar_builder = GrammarBuilder(timeout_s=self.structured_timeout_s)
+                # one more thread than children: a request waiting for a free child
+                # still counts its own deadline
+                self._grammar_threads = ThreadPoolExecutor(GRAMMAR_WORKERS + 1, thread_name_prefix="millm-grammar")
+            builder, threads = self._grammar_builder, self._grammar_threads
+
+        def prepare() -> None:
+            spec = job.sampling.structured
+            try:
+                if not stream.cancelled:
+                    builder.build(spec)
+                    grammars = getattr(self._backend, "structured_grammars", None)
+                    if grammars is not None:
+                        # the vocabulary's masks too (fast: xgrammar compiles from the
+                        # grammar just built); vLLM compiles its own from the same grammar
+                        grammars().compile(spec)
+            except EngineError as exc:
+                stream._put(ErrorEvent(job.request_id, exc.code, exc.message, exc.details))
+                return
+            except Exception as exc:  # noqa: BLE001 - this request's failure, reported on its stream
+                log.exception("building the grammar of %s failed", job.request_id)
+                err = GenerationFailed(f"building the grammar failed: {type(exc).__name__}: {exc}")
+                stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
+                return
+            try:
+                self._submit_generation(job, stream, dropped)
+            except EngineShutdown:
+                dropped()
+
+        try:
+            threads.submit(prepare)  # type: ignore[union-attr]
+        except RuntimeError:  # the pool was shut down with the engine
+            dropped()
 
     def generate_sync(self, job: GenerationJob, *, timeout_s: float | None = None) -> GenerationResult:
         return self.generate(job).result(timeout_s)

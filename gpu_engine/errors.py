@@ -204,6 +204,17 @@ class ResponseFormatUnsupported(EngineError):
         super().__init__(message, details={"param": "response_format", "reason": reason})
 
 
+class SchemaTooComplex(EngineError):
+    """A ``response_format`` (or tool) schema whose grammar was not built within
+    ``STRUCTURED_COMPILE_TIMEOUT_S`` (``gpu_engine.structured.GrammarBuilder``); details:
+    ``param`` and ``timeout_s``."""
+
+    code = "schema_too_complex"
+
+    def __init__(self, message: str, *, timeout_s: float = 0.0, param: str = "response_format") -> None:
+        super().__init__(message, details={"param": param, "timeout_s": timeout_s})
+
+
 __all__ = [
     "AnalyzerCaptureMissing",
     "InvalidProbeFile",
@@ -224,6 +235,7 @@ __all__ = [
     "RequestCancelled",
     "ResponseFormatUnsupported",
     "SAEFormatError",
+    "SchemaTooComplex",
     "SAEIncompatible",
     "SAENotAttached",
     "UnsupportedArchitecture",

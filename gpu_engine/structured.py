@@ -36,9 +36,14 @@ which each ``<tool_call>`` the model writes dispatches to them (``triggered_tags
 
 from __future__ import annotations
 
-import functools
 import json
+import logging
+import os
+import select
+import subprocess
+import sys
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -46,8 +51,10 @@ from typing import Any
 import torch
 import xgrammar as xg
 
-from .errors import ResponseFormatUnsupported
+from .errors import ResponseFormatUnsupported, SchemaTooComplex
 from .protocol import StructuredOutput
+
+log = logging.getLogger("gpu_engine.structured")
 
 # compiled grammars kept per model (spec → grammar); a compiled JSON grammar of a small
 # schema is tens of kB
@@ -98,9 +105,10 @@ def _tool_call(spec: StructuredOutput) -> xg.Grammar:
     return xg.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
 
 
-def grammar_for(spec: StructuredOutput) -> xg.Grammar:
-    """The grammar ``spec`` constrains an output to (see the module doc); a schema xgrammar
-    cannot turn into one is ``ResponseFormatUnsupported``."""
+def build_grammar(spec: StructuredOutput) -> xg.Grammar:
+    """The grammar ``spec`` constrains an output to (see the module doc), built here and
+    now (``GrammarBuilder`` runs this in its child process); a schema xgrammar cannot turn
+    into one is ``ResponseFormatUnsupported``."""
     try:
         if spec.type == "tool_call":
             return _tool_call(spec)
@@ -111,11 +119,190 @@ def grammar_for(spec: StructuredOutput) -> xg.Grammar:
         raise _unsupported(exc) from None
 
 
-@functools.lru_cache(maxsize=GRAMMAR_CACHE_SIZE)
+# grammars built for this process (by ``GrammarBuilder`` before the request reached the
+# engine's worker, or by ``grammar_for`` itself), by spec: every backend reads them here
+_BUILT: OrderedDict[StructuredOutput, xg.Grammar] = OrderedDict()
+_BUILT_LOCK = threading.Lock()
+
+
+def remember(spec: StructuredOutput, grammar: xg.Grammar) -> None:
+    with _BUILT_LOCK:
+        _BUILT[spec] = grammar
+        _BUILT.move_to_end(spec)
+        while len(_BUILT) > GRAMMAR_CACHE_SIZE:
+            _BUILT.popitem(last=False)
+
+
+def built(spec: StructuredOutput) -> xg.Grammar | None:
+    with _BUILT_LOCK:
+        grammar = _BUILT.get(spec)
+        if grammar is not None:
+            _BUILT.move_to_end(spec)
+        return grammar
+
+
+def grammar_for(spec: StructuredOutput) -> xg.Grammar:
+    """``spec``'s grammar: the one ``GrammarBuilder`` built for it before the request
+    reached the worker, else built here (a request that took no builder: a bounded schema,
+    checked by the web tier's caps)."""
+    grammar = built(spec)
+    if grammar is None:
+        grammar = build_grammar(spec)
+        remember(spec, grammar)
+    return grammar
+
+
 def grammar_text(spec: StructuredOutput) -> str:
     """``grammar_for(spec)`` as xgrammar EBNF text (what a grammar engine elsewhere, vLLM's,
     compiles back to the same grammar)."""
     return str(grammar_for(spec))
+
+
+# a child's start (Python, torch and xgrammar imports) is not the schema's cost: it has
+# its own, generous bound
+WORKER_START_TIMEOUT_S = 120.0
+# children building grammars at once; a request finding all busy waits for one (its
+# deadline running)
+GRAMMAR_WORKERS = 2
+
+
+class _Child:
+    """One ``gpu_engine.grammar_worker`` process and its pipes."""
+
+    def __init__(self) -> None:
+        env = dict(os.environ)
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpu_engine.grammar_worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=root)
+        self._buf = b""
+        if self.read(time.monotonic() + WORKER_START_TIMEOUT_S) != {"ready": True}:
+            self.kill()
+            raise RuntimeError("the grammar worker did not start")
+
+    def read(self, deadline: float) -> dict[str, Any] | None:
+        """The next answer line, or None when ``deadline`` passed (or the child died)."""
+        fd = self.proc.stdout.fileno()  # type: ignore[union-attr]
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        return json.loads(line)
+
+    def ask(self, spec: StructuredOutput, deadline: float) -> dict[str, Any] | None:
+        request = {"type": spec.type, "schema": spec.schema, "tool_format": spec.tool_format,
+                   "tool_mode": spec.tool_mode}
+        try:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+        except OSError:
+            return None
+        return self.read(deadline)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+class GrammarBuilder:
+    """Builds grammars off the engine's worker thread, with a deadline (the engine's
+    ``STRUCTURED_COMPILE_TIMEOUT_S``): the schema-to-grammar conversion in a child process
+    (``gpu_engine.grammar_worker``, started at the first structured request and kept),
+    killed when it overruns, so a costly schema ends as ``SchemaTooComplex`` and costs
+    nothing after its deadline.  Built grammars are ``remember``-ed for every backend."""
+
+    def __init__(self, *, timeout_s: float, workers: int = GRAMMAR_WORKERS) -> None:
+        self.timeout_s = timeout_s
+        self.workers = workers
+        self._idle: list[_Child] = []
+        self._started = 0
+        self._cond = threading.Condition()
+        self._closed = False
+        self.stats = {"built": 0, "timed_out": 0, "building": 0}
+
+    def _take(self, deadline: float) -> _Child | None:
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                if self._idle:
+                    return self._idle.pop()
+                if self._started < self.workers:
+                    self._started += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self._cond.wait(left)
+        try:
+            return _Child()
+        except BaseException:
+            with self._cond:
+                self._started -= 1
+                self._cond.notify()
+            raise
+
+    def _give_back(self, child: _Child | None) -> None:
+        with self._cond:
+            if child is None or self._closed:
+                self._started -= 1
+            else:
+                self._idle.append(child)
+            self._cond.notify()
+        if child is not None and self._closed:
+            child.kill()
+
+    def build(self, spec: StructuredOutput) -> xg.Grammar:
+        """``spec``'s grammar (also ``remember``-ed), ``ResponseFormatUnsupported`` when
+        xgrammar refuses it, ``SchemaTooComplex`` when it is not built within the
+        deadline (waiting for a free child included)."""
+        hit = built(spec)
+        if hit is not None:
+            return hit
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            self.stats["building"] += 1
+        try:
+            child = self._take(deadline)
+            answer = child.ask(spec, time.monotonic() + max(deadline - time.monotonic(), 0.0)) \
+                if child is not None else None
+            if answer is None:
+                if child is not None:
+                    child.kill()  # overran (or died): its work is abandoned with it
+                self._give_back(None)
+                with self._cond:
+                    self.stats["timed_out"] += 1
+                raise SchemaTooComplex(f"response_format: the schema's grammar was not built within "
+                                       f"{self.timeout_s:g} s (STRUCTURED_COMPILE_TIMEOUT_S); simplify it "
+                                       f"(fewer or shorter patterns, smaller repetition bounds)",
+                                       timeout_s=self.timeout_s)
+            self._give_back(child)
+        finally:
+            with self._cond:
+                self.stats["building"] -= 1
+        if "error" in answer:
+            raise ResponseFormatUnsupported(answer["error"], reason=answer.get("reason", ""))
+        grammar = xg.Grammar.deserialize_json(answer["grammar"])
+        remember(spec, grammar)
+        with self._cond:
+            self.stats["built"] += 1
+        return grammar
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._cond.notify_all()
+        for child in idle:
+            child.kill()
 
 
 class Grammars:
@@ -193,4 +380,5 @@ class RequestGrammar:
         return self.matcher.is_terminated()
 
 
-__all__ = ["GRAMMAR_CACHE_SIZE", "Grammars", "RequestGrammar", "grammar_for", "grammar_text"]
+__all__ = ["GRAMMAR_CACHE_SIZE", "GrammarBuilder", "Grammars", "RequestGrammar", "build_grammar", "grammar_for",
+           "grammar_text", "remember"]

@@ -60,6 +60,7 @@ _DOMAIN: dict[str, tuple[int, str, str | None]] = {
     "ANALYZER_CAPTURE_MISSING": (400, "analyzer_capture_missing", None),
     "INVALID_PROBE_FILE": (400, "invalid_probe_file", None),
     "RESPONSE_FORMAT_UNSUPPORTED": (400, "response_format_unsupported", None),
+    "SCHEMA_TOO_COMPLEX": (400, "schema_too_complex", None),
     "UNSUPPORTED_QUANTIZATION": (400, "unsupported_quantization", None),
 }
 

@@ -14,6 +14,14 @@ Limits are OpenAI's published ones for Structured Outputs: at most 5,000 object
 properties in all, 10 levels of nesting, 1,000 enum values, and 120,000 characters of
 property names, definition names, enum and const values; a ``name`` of a-z, A-Z, 0-9,
 ``_`` and ``-``, at most 64 characters (OpenAI's reference schema).
+
+Cost caps (``400 schema_too_complex``, ``param`` the JSON path of the field): xgrammar's
+time to build a grammar grows with a regex's repetition bounds (``"a{2000}"`` takes 0.6 s,
+``"a{20000}"`` ~25 s, ``"a{60000}"`` minutes), so every ``pattern`` and
+``patternProperties`` key is at most ``STRUCTURED_MAX_PATTERN_LENGTH`` characters and no
+``{n}`` / ``{n,m}`` / ``{n,}`` bound in it, multiplied by the bounds of the groups around
+it, exceeds ``STRUCTURED_MAX_REPEAT``.  What passes the caps and is still slow (many
+patterns at once) meets the engine's deadline (``STRUCTURED_COMPILE_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -21,6 +29,8 @@ from __future__ import annotations
 import json
 import re
 from typing import Any
+
+from django.conf import settings
 
 from core.openai_errors import OpenAIError
 from gpu_engine.protocol import StructuredOutput
@@ -49,16 +59,90 @@ FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname
                      "ipv6", "uri", "uuid"})
 
 
+SCHEMA_ROOT = "response_format.json_schema.schema"
+
+
 def _unsupported(where: str, why: str) -> OpenAIError:
-    return OpenAIError(f"response_format.json_schema.schema{where}: {why}", status=400,
+    return OpenAIError(f"{SCHEMA_ROOT}{where}: {why}", status=400,
                        code="response_format_unsupported", param="response_format")
 
 
+def _repeat_bound(pattern: str) -> tuple[int, str]:
+    """The largest repetition a regex asks for: each ``{n}``, ``{n,}`` or ``{n,m}`` bound
+    (its larger number) multiplied by the bounds of the groups around it, and the
+    quantifier that reaches it (``*``, ``+`` and ``?`` are loops, cheap in a grammar).
+    Written by hand: no regex library reports its quantifiers' bounds."""
+    stack = [0]  # per open group: the largest bound inside it so far
+    best, best_text = 0, ""
+    i, n = 0, len(pattern)
+
+    def quantifier(at: int) -> tuple[int, int, str]:
+        """(bound, end index, text) of a {…} quantifier at ``at``, else (1, at, "")."""
+        if at < n and pattern[at] == "{":
+            close = pattern.find("}", at)
+            body = pattern[at + 1:close] if close > 0 else ""
+            low, comma, high = body.partition(",")
+            if (low.isdigit() or (comma and high.isdigit())) and (not high or high.isdigit()):
+                # (a bound of more than 12 digits counts as 10**12: int() of thousands
+                # of digits is refused by Python itself)
+                low_n, high_n = (int(d) if len(d) <= 12 else 10**12 for d in (low or "0", high or "0"))
+                return max(low_n, high_n), close + 1, pattern[at:close + 1]
+        return 1, at, ""
+
+    while i < n:
+        c = pattern[i]
+        if c == "(":
+            stack.append(0)
+            i += 1
+            continue
+        if c == ")" and len(stack) > 1:
+            inner = max(stack.pop(), 1)
+            i += 1
+        elif c == "[":  # a class is one atom; braces inside it are literal
+            j = i + 1
+            if j < n and pattern[j] == "^":
+                j += 1
+            if j < n and pattern[j] == "]":
+                j += 1
+            while j < n and pattern[j] != "]":
+                j += 2 if pattern[j] == "\\" else 1
+            inner, i = 1, j + 1
+        elif c == "\\":
+            inner, i = 1, i + 2
+        else:
+            inner, i = 1, i + 1
+        bound, i, text = quantifier(i)
+        value = inner * bound
+        stack[-1] = max(stack[-1], value)
+        if text and value > best:
+            best, best_text = value, text
+    return max(stack[0], 1), best_text
+
+
 class _Walk:
-    def __init__(self) -> None:
+    def __init__(self, root: str = SCHEMA_ROOT) -> None:
+        self.root = root
         self.properties = 0
         self.enum_values = 0
         self.name_chars = 0
+        self.max_pattern = int(settings.STRUCTURED_MAX_PATTERN_LENGTH)
+        self.max_repeat = int(settings.STRUCTURED_MAX_REPEAT)
+
+    def _too_complex(self, at: str, why: str) -> OpenAIError:
+        return OpenAIError(f"{self.root}{at}: {why}", status=400, code="schema_too_complex",
+                           param=f"{self.root}{at}")
+
+    def pattern(self, pattern: str, at: str) -> None:
+        """A regex within the cost caps (the module doc), else 400 schema_too_complex."""
+        if len(pattern) > self.max_pattern:
+            raise self._too_complex(at, f"the pattern is {len(pattern)} characters long; at "
+                                    f"most {self.max_pattern} are allowed "
+                                    "(STRUCTURED_MAX_PATTERN_LENGTH)")
+        bound, quantifier = _repeat_bound(pattern)
+        if bound > self.max_repeat:
+            raise self._too_complex(at, f"the pattern repeats up to {bound} times "
+                                    f"({quantifier}, with the groups around it); at most "
+                                    f"{self.max_repeat} are allowed (STRUCTURED_MAX_REPEAT)")
 
     def schema(self, node: Any, where: str, depth: int) -> None:
         if isinstance(node, bool):
@@ -78,6 +162,9 @@ class _Walk:
                     raise _unsupported(at, "must map names to schemas")
                 if key in ("properties", "patternProperties"):
                     self.properties += len(value)
+                if key == "patternProperties":
+                    for name in value:
+                        self.pattern(name, f"{at}[{json.dumps(name)}]")
                 self.name_chars += sum(len(k) for k in value)
                 for name, sub in value.items():
                     self.schema(sub, f"{at}[{json.dumps(name)}]",
@@ -124,6 +211,7 @@ class _Walk:
                 raise _unsupported(at, "must be a string")
             if "(?<" in value.replace("(?<name>", "") or "(?=" in value or "(?!" in value:
                 raise _unsupported(at, "lookaround assertions are not supported")
+            self.pattern(value, at)
 
     def _limits(self, where: str) -> None:
         if self.properties > MAX_PROPERTIES:
@@ -135,13 +223,14 @@ class _Walk:
                                "names, definition names, enum and const values")
 
 
-def check_schema(schema: Any) -> str:
+def check_schema(schema: Any, *, root: str = SCHEMA_ROOT) -> str:
     """The schema as compact JSON text, or 400 ``response_format_unsupported`` naming the
-    first part outside the supported subset or over a limit."""
+    first part outside the supported subset or over a limit, or 400 ``schema_too_complex``
+    naming (``param``, from ``root``) a pattern over the cost caps."""
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise _unsupported("", f"the schema is larger than {MAX_SCHEMA_BYTES} bytes")
-    _Walk().schema(schema, "", 1)
+    _Walk(root).schema(schema, "", 1)
     return text
 
 
@@ -161,4 +250,4 @@ def structured_output(response_format: dict[str, Any] | None) -> StructuredOutpu
     return None
 
 
-__all__ = ["SUPPORTED_TYPES", "check_schema", "structured_output"]
+__all__ = ["SCHEMA_ROOT", "SUPPORTED_TYPES", "check_schema", "structured_output"]

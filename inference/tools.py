@@ -67,8 +67,10 @@ def check_tools(req: ChatCompletionRequest) -> None:
                               status=400, code="invalid_function_parameters",
                               param=f"tools[{i}].function.parameters")
         try:
-            check_schema(params)
+            check_schema(params, root=f"tools[{i}].function.parameters")
         except OpenAIError as exc:
+            if exc.code == "schema_too_complex":  # names its field already
+                raise
             message = exc.message.replace("response_format.json_schema.schema",
                                           f"tools[{i}].function.parameters", 1)
             raise OpenAIError(message, status=400,

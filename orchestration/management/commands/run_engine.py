@@ -119,7 +119,8 @@ class Command(BaseCommand):
                                       health_check_interval=30)
         engine = Engine(on_event=_on_engine_event,
                         drain_timeout_s=settings.GRACEFUL_UNLOAD_TIMEOUT,
-                        batching=batching_options(), idle_release_s=idle_release_s())
+                        batching=batching_options(), idle_release_s=idle_release_s(),
+                        structured_timeout_s=float(settings.STRUCTURED_COMPILE_TIMEOUT_S))
         server = EngineServer(engine, client, config, engine_id=engine_id,
                               describe=host_description())
         log.info("engine_starting", engine_id=server.engine_id, prefix=config.prefix,
