@@ -105,6 +105,12 @@ def load_capture(source: str | Path | bytes, *, framework: str = "numpy") -> Cap
     base64-decoded). ``framework``: ``numpy`` or ``torch``."""
     if framework not in ("numpy", "torch"):
         raise ValueError("framework must be 'numpy' or 'torch'")
+    from .archives import check_safetensors
+
+    # the header's shapes and offsets checked against the bytes there are before any
+    # tensor is built (ArchiveRefused, a ValueError, names the tensor at fault)
+    size = len(source) if isinstance(source, (bytes, bytearray)) else Path(source).stat().st_size
+    check_safetensors(source, max_bytes=size)
     if isinstance(source, (bytes, bytearray)):
         if framework == "torch":
             from safetensors.torch import load as load_bytes

@@ -27,10 +27,8 @@ it, and skipped with ``reason: unvalidated`` when it is armed globally.
 
 from __future__ import annotations
 
-import io
 import json
 import uuid
-import zipfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +42,7 @@ from core import events
 from core.errors import ModelNotLoaded
 from core.process_copy import ProcessCopy
 from gpu_engine.analysis import CaptureNeed
+from gpu_engine.archives import ArchiveRefused, read_npz
 from gpu_engine.protocol import (
     ActivationRecord,
     EngineStatus,
@@ -73,6 +72,9 @@ MAX_REQUEST_PROBES = 8
 MAX_SCORE_INPUTS = 64  # the original's PROBE_SCORE_MAX_INPUTS (POST /api/probes/score)
 MAX_WEIGHTS = 1 << 16
 MAX_FILE_BYTES = 16 << 20
+# what an .npz probe may inflate to: its four vectors (weights, features, norm_mean,
+# norm_std) at MAX_WEIGHTS float64 values each, and small scalars and names
+MAX_NPZ_BYTES = 4 * MAX_WEIGHTS * 8 + (64 << 10)
 MAX_VERDICT_HISTORY = 10_000
 # a probe's monitor reads the stream the next block sees, as a capture does
 READ_POINT = "post_steering"
@@ -197,11 +199,13 @@ def probe_file_read(*, filename: str, content: bytes) -> dict[str, Any]:
     if len(content) > MAX_FILE_BYTES:
         raise _invalid(f"the file is larger than {MAX_FILE_BYTES} bytes", field="file")
     if filename.endswith(".npz"):
+        # every member checked by its .npy header before a byte of it is inflated: a small
+        # upload cannot declare gigabytes (gpu_engine.archives)
         try:
-            with np.load(io.BytesIO(content), allow_pickle=False) as z:
-                return {k: z[k] for k in z.files}
-        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-            raise _invalid(f"not a readable .npz without pickles: {exc}", field="file") from exc
+            return read_npz(content, max_bytes=MAX_NPZ_BYTES)
+        except ArchiveRefused as exc:
+            raise _invalid(f"not a readable .npz without pickles: {exc.message}", field="file",
+                           **exc.details) from exc
     if filename.endswith(".json"):
         try:
             data = json.loads(content.decode("utf-8"))

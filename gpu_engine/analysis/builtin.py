@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,8 @@ from ..errors import InvalidProbeFile
 from .registry import AnalysisContext, CaptureNeed, params_error
 
 EPS = 1e-8
+# what a probe .npz under ANALYZER_PROBE_DIR may inflate to (a probe is a few vectors)
+PROBE_NPZ_MAX_BYTES = 64 << 20
 
 # --------------------------------------------------------------------------- math
 
@@ -217,12 +218,14 @@ def _vector(data: Any, key: str, probe: str, size: int | None = None) -> np.ndar
 
 
 def _load_npz(path: Path, probe: str) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path, allow_pickle=False) as data:  # never unpickle a probe
-            return {k: data[k] for k in data.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
-        raise InvalidProbeFile(f"probe {probe!r} is not a readable .npz file: {exc}",
-                               details={"param": "analyze.params.probe", "probe": probe}) from exc
+    from ..archives import ArchiveRefused, read_npz
+
+    try:  # checked by its headers before inflating; never unpickled
+        return read_npz(path, max_bytes=PROBE_NPZ_MAX_BYTES)
+    except ArchiveRefused as exc:
+        raise InvalidProbeFile(f"probe {probe!r} is not a readable .npz file: {exc.message}",
+                               details={"param": "analyze.params.probe", "probe": probe,
+                                        **exc.details}) from exc
 
 
 def _threshold(params: dict[str, Any], analyzer: str, default: float = 0.5) -> float:

@@ -8,15 +8,15 @@ plug-in cannot silently replace a loader.  Torch is imported only inside ``load_
 from __future__ import annotations
 
 import json
+import os
 import re
-import zipfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 
+from ..archives import ArchiveRefused, npz_members, read_npz, read_safetensors
 from ..errors import ModelLoadFailed, SAEFormatError
 from ..inspect import read_safetensors_header
 from .config import SAEConfig
@@ -25,6 +25,8 @@ from .hookpoints import parse_hook_point
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+# reading shapes only (nothing inflated): the largest SAE file a header may describe
+NPZ_HEADER_SCAN_MAX_BYTES = 64 << 30
 CONFIG_NAMES = ("cfg.json", "config.json", "sae_cfg.json", "sae_config.json")
 D_IN_KEYS = ("d_in", "d_model", "input_dim", "activation_dim")
 D_SAE_KEYS = ("d_sae", "d_hidden", "dict_size", "num_features")
@@ -355,12 +357,15 @@ def _saelens_metadata(directory: Path) -> SAEConfig:
 
 
 def _saelens_load(cfg: SAEConfig) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     try:
-        raw = load_file(cfg.weights_file, device="cpu")
-    except Exception as exc:  # safetensors raises its own error types for corrupt files
-        raise SAEFormatError(f"Cannot load SAE weights {cfg.weights_file}: {exc}", details={"path": cfg.weights_file}) from exc
+        # checked from its header first (offsets = shapes x dtypes = the file's size): a
+        # safetensors file never materialises more than it holds
+        raw = read_safetensors(cfg.weights_file, max_bytes=os.path.getsize(cfg.weights_file),
+                               framework="torch")
+    except (ArchiveRefused, OSError) as exc:
+        raise SAEFormatError(f"Cannot load SAE weights {cfg.weights_file}: {exc}",
+                             details={"path": cfg.weights_file,
+                                      **getattr(exc, "details", {})}) from exc
     return canonical_tensors(raw, cfg)
 
 
@@ -378,24 +383,12 @@ def _gemmascope_detect(p: Path) -> Path | None:
 
 def _npz_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Read array shapes from the .npy headers inside the zip, without reading the data."""
-    shapes: dict[str, tuple[int, ...]] = {}
-    try:
-        with zipfile.ZipFile(path) as zf:
-            for info in zf.infolist():
-                if not info.filename.endswith(".npy"):
-                    continue
-                with zf.open(info) as fh:
-                    version = np.lib.format.read_magic(fh)
-                    if version == (1, 0):
-                        shape, _, dtype = np.lib.format.read_array_header_1_0(fh)
-                    else:
-                        shape, _, dtype = np.lib.format.read_array_header_2_0(fh)
-                    if dtype.hasobject:
-                        raise ValueError(f"{info.filename} holds Python objects")
-                shapes[info.filename[: -len(".npy")]] = tuple(int(d) for d in shape)
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise SAEFormatError(f"Corrupt Gemma Scope file {path}: {exc}", details={"path": str(path)}) from exc
-    return shapes
+    try:  # headers only, each checked against the zip directory (gpu_engine.archives)
+        members = npz_members(path, max_bytes=NPZ_HEADER_SCAN_MAX_BYTES)
+    except ArchiveRefused as exc:
+        raise SAEFormatError(f"Corrupt Gemma Scope file {path}: {exc.message}",
+                             details={"path": str(path), **exc.details}) from exc
+    return {m.name: m.shape for m in members}
 
 
 def _gemmascope_metadata(npz: Path) -> SAEConfig:
@@ -453,11 +446,14 @@ def _gemmascope_metadata(npz: Path) -> SAEConfig:
 def _gemmascope_load(cfg: SAEConfig) -> dict[str, torch.Tensor]:
     import torch
 
+    # at most what the SAE's shapes need (two d_in x d_sae matrices and the vectors) in
+    # float64: each member checked by its .npy header before it is inflated
+    limit = (2 * cfg.d_in * cfg.d_sae + 4 * cfg.d_sae + 2 * cfg.d_in) * 8
     try:
-        with np.load(cfg.weights_file, allow_pickle=False) as data:
-            raw = {k: torch.from_numpy(np.array(data[k])) for k in data.files}
-    except Exception as exc:  # zipfile/numpy raise several types for truncated files
-        raise SAEFormatError(f"Cannot load Gemma Scope file {cfg.weights_file}: {exc}", details={"path": cfg.weights_file}) from exc
+        raw = {k: torch.from_numpy(v) for k, v in read_npz(cfg.weights_file, max_bytes=limit).items()}
+    except ArchiveRefused as exc:
+        raise SAEFormatError(f"Cannot load Gemma Scope file {cfg.weights_file}: {exc.message}",
+                             details={"path": cfg.weights_file, **exc.details}) from exc
     return canonical_tensors(raw, cfg)
 
 

@@ -107,13 +107,14 @@ def read_vector_header(path: str | Path) -> VectorFile:
 
 def read_vectors(path: str | Path) -> dict[int, np.ndarray]:
     """Every vector of a checked file as float32 numpy arrays, by layer (no torch)."""
-    from safetensors.numpy import load_file
+    from ..archives import ArchiveRefused, read_safetensors
 
     info = read_vector_header(path)
-    try:
-        raw = load_file(info.path)
-    except Exception as exc:  # safetensors raises its own error types for corrupt files
-        raise SAEFormatError(f"cannot read the vectors: {exc}", details={"path": info.path}) from exc
+    try:  # checked from its header first: never more than the layers' vectors it declares
+        raw = read_safetensors(info.path, max_bytes=len(info.layers) * info.d_model * 8)
+    except ArchiveRefused as exc:
+        raise SAEFormatError(f"cannot read the vectors: {exc.message}",
+                             details={"path": info.path, **exc.details}) from exc
     out = {}
     for layer in info.layers:
         v = np.asarray(raw[tensor_name(layer)], dtype=np.float32)
