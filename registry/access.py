@@ -9,23 +9,13 @@ from pathlib import Path
 
 from django.conf import settings
 
+from core.auth import principal
+from core.auth import require_admin as require_admin  # the views ask it here
 from registry.errors import InvalidLocalPath, RemoteCodeNotAllowed
 
 
 def caller_is_admin(request) -> bool:
-    try:
-        from core.auth import principal
-    except ImportError:  # TEMPORARY shim until core.auth has principal: one key kind
-        return True
     return principal(request).admin
-
-
-def require_admin(request, what: str) -> None:
-    try:
-        from core.auth import require_admin as _require_admin
-    except ImportError:  # TEMPORARY shim until core.auth has require_admin
-        return
-    _require_admin(request, what)
 
 
 def check_remote_code(*, trust_remote_code: bool, admin: bool = True) -> None:
