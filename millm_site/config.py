@@ -360,6 +360,20 @@ VARIABLES: tuple[Var, ...] = (
         "queue: with no worker consuming it in time, a /v1 analysis entry is the error "
         "analysis_unavailable and /api/captures/{id}/analyze is 503 ANALYSIS_UNAVAILABLE.",
         minimum=1),
+    # --- Structured output ----------------------------------------------------------
+    Var("STRUCTURED_MAX_PATTERN_LENGTH", "Structured output", "int", 1000,
+        "Longest regex a response_format or tool schema may hold (each pattern and "
+        "patternProperties key), in characters; longer is 400 schema_too_complex naming "
+        "the field.", minimum=1),
+    Var("STRUCTURED_MAX_REPEAT", "Structured output", "int", 1000,
+        "Largest repetition bound in a schema's regex: each {n}, {n,} or {n,m} (its larger "
+        "number) times the bounds of the groups around it; larger is 400 "
+        "schema_too_complex naming the field (xgrammar's build time grows with it: "
+        "a{2000} 0.6 s, a{20000} ~25 s).", minimum=1),
+    Var("STRUCTURED_COMPILE_TIMEOUT_S", "Structured output", "float", 10.0,
+        "The longest a request's grammar may take to build (a child process of the engine, "
+        "off its generation thread; killed at the deadline); over it the request is 400 "
+        "schema_too_complex and other requests never waited for it.", minimum=0.1),
     # --- Transformers models --------------------------------------------------------
     Var("TRANSFORMERS_MIN_CONTEXT", "Transformers models", "int", 4096,
         "Context whose KV cache every card a model uses must have room for (or the model's "
@@ -408,20 +422,6 @@ VARIABLES: tuple[Var, ...] = (
         "for more than one node), uni (engine core and the one worker inside the engine "
         "process: one device only, the cheapest start).", choices=("mp", "ray", "uni")),
     Var("VLLM_GPU_MEMORY_UTILIZATION", "vLLM models", "float", 0.9,
-    # --- Structured output ----------------------------------------------------------
-    Var("STRUCTURED_MAX_PATTERN_LENGTH", "Structured output", "int", 1000,
-        "Longest regex a response_format or tool schema may hold (each pattern and "
-        "patternProperties key), in characters; longer is 400 schema_too_complex naming "
-        "the field.", minimum=1),
-    Var("STRUCTURED_MAX_REPEAT", "Structured output", "int", 1000,
-        "Largest repetition bound in a schema's regex: each {n}, {n,} or {n,m} (its larger "
-        "number) times the bounds of the groups around it; larger is 400 "
-        "schema_too_complex naming the field (xgrammar's build time grows with it: "
-        "a{2000} 0.6 s, a{20000} ~25 s).", minimum=1),
-    Var("STRUCTURED_COMPILE_TIMEOUT_S", "Structured output", "float", 10.0,
-        "The longest a request's grammar may take to build (a child process of the engine, "
-        "off its generation thread; killed at the deadline); over it the request is 400 "
-        "schema_too_complex and other requests never waited for it.", minimum=0.1),
         "Share of each GPU's memory vLLM may take for weights, activations and its paged "
         "KV cache (ignored on CPU, where VLLM_CPU_KVCACHE_SPACE in GiB sizes the cache).",
         minimum=0.05, maximum=1.0),
