@@ -39,3 +39,15 @@ class InvalidBatchRequest(MillmError):
 
 class BatchNotCancellable(MillmError):
     code, status = "BATCH_NOT_CANCELLABLE", 409
+
+
+class FilesQuotaExceeded(MillmError):
+    """The caller's files would pass FILES_MAX_BYTES_PER_OWNER."""
+
+    code, status = "FILES_QUOTA_EXCEEDED", 413
+
+
+class InsufficientStorage(MillmError):
+    """All files together would pass FILES_MAX_BYTES_TOTAL."""
+
+    code, status = "INSUFFICIENT_STORAGE", 507

@@ -12,18 +12,24 @@ from __future__ import annotations
 from django.db import models
 
 
+OWNER_MAX_CHARS = 80  # "anonymous" or "key:<label>" (core.auth: labels up to 64)
+
+
 class File(models.Model):
     class Purpose(models.TextChoices):
         BATCH = "batch"
         BATCH_OUTPUT = "batch_output"
 
     id = models.CharField(primary_key=True, max_length=40)  # file-<hex>
+    # the principal that uploaded it (core.auth.Principal.owner); a batch's output and
+    # error files are its batch's owner's
+    owner = models.CharField(max_length=OWNER_MAX_CHARS, default="anonymous", db_index=True)
     filename = models.CharField(max_length=255)
     purpose = models.CharField(max_length=20, choices=Purpose.choices)
     bytes = models.BigIntegerField()
     lines = models.IntegerField(default=0)
-    # in the database, so every web worker and Celery worker reads the same file
-    content = models.BinaryField()
+    # False while a batch's output is being written (never listed nor read until then)
+    complete = models.BooleanField(default=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -31,6 +37,20 @@ class File(models.Model):
 
     def __str__(self) -> str:
         return f"{self.id} ({self.filename})"
+
+
+class FileChunk(models.Model):
+    """A file's bytes, in order, at most ``services.CHUNK_BYTES`` a row: in the database,
+    so every web worker and Celery worker reads the same file, and written and read a
+    chunk at a time, so no file is ever whole in memory."""
+
+    file = models.ForeignKey(File, on_delete=models.CASCADE, related_name="chunks")
+    index = models.IntegerField()
+    data = models.BinaryField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["file", "index"],
+                                               name="file_chunk_unique")]
 
 
 class Batch(models.Model):
@@ -47,6 +67,7 @@ class Batch(models.Model):
     TERMINAL = (Status.FAILED, Status.COMPLETED, Status.EXPIRED, Status.CANCELLED)
 
     id = models.CharField(primary_key=True, max_length=40)  # batch_<hex>
+    owner = models.CharField(max_length=OWNER_MAX_CHARS, default="anonymous", db_index=True)
     endpoint = models.CharField(max_length=64)
     model = models.CharField(max_length=255, blank=True)
     input_file_id = models.CharField(max_length=40)
@@ -74,6 +95,8 @@ class Batch(models.Model):
     # who runs it now, and when it last said so (BATCH_RUNNER_STALE_S)
     runner = models.CharField(max_length=64, null=True, blank=True)
     runner_seen_at = models.DateTimeField(null=True, blank=True)
+    # how often the sweeper found its runner dead and queued another (BATCH_MAX_RESUMES)
+    resumes = models.IntegerField(default=0)
 
     class Meta:
         ordering = ["-created_at", "-id"]

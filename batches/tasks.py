@@ -1,5 +1,11 @@
-"""The batch runner as a Celery task (queue ``batches``), and resuming batches when a
-worker starts."""
+"""The batch runner as a Celery task (queue ``batches``), and, in a worker of that queue,
+resuming batches when it starts and the sweeper (batches/sweeper.py) while it runs.
+
+``acks_late`` with ``reject_on_worker_lost``: a runner whose worker child is killed
+(SIGKILL, the OOM killer) is not lost with it; its message goes back in the queue and the
+next runner takes the batch over once the dead one's heartbeat is stale
+(BATCH_RUNNER_STALE_S). The sweeper does the same for a runner that ended any other way
+(a database error) and ends a batch whose runner keeps dying (BATCH_MAX_RESUMES)."""
 
 from __future__ import annotations
 
@@ -10,7 +16,7 @@ from celery.signals import worker_ready
 WINDOW_S = 24 * 3600
 
 
-@shared_task(name="batches.tasks.batch_run_task", acks_late=True,
+@shared_task(name="batches.tasks.batch_run_task", acks_late=True, reject_on_worker_lost=True,
              soft_time_limit=WINDOW_S + 600, time_limit=WINDOW_S + 900)
 def batch_run_task(batch_id: str, force: bool = False) -> str:
     from batches.runner import batch_run
@@ -18,16 +24,30 @@ def batch_run_task(batch_id: str, force: bool = False) -> str:
     return batch_run(batch_id=batch_id, force=force)
 
 
+def _consumes_batches(sender) -> bool:  # noqa: ANN001
+    consumer = getattr(sender, "task_consumer", None)
+    queues = getattr(consumer, "queues", None) or []
+    return any(getattr(q, "name", None) == "batches" for q in queues)
+
+
 @worker_ready.connect
-def _resume_batches(**kwargs) -> None:
-    """A starting worker queues a runner for every unfinished batch: a batch whose runner
-    died with its worker is taken over once its heartbeat is stale, and a batch whose
-    runner is alive keeps it (the extra task ends ``held``)."""
+def _resume_batches(sender=None, **kwargs) -> None:  # noqa: ANN001
+    """A starting worker of the ``batches`` queue queues a runner for every unfinished
+    batch (a batch whose runner died with its worker is taken over once its heartbeat is
+    stale; a batch whose runner is alive keeps it, the extra task ends ``held``) and
+    starts the sweeper."""
     import structlog
+    from django.db import connections
 
     from batches.runner import batches_resume
+    from batches.sweeper import sweeper_start
 
+    if sender is not None and not _consumes_batches(sender):
+        return
     try:
         batches_resume(force=False)
     except Exception:  # noqa: BLE001 - a worker must start even if this fails
         structlog.get_logger(__name__).exception("batches_resume_failed")
+    finally:
+        connections.close_all()  # the children are forked from this process
+    sweeper_start()

@@ -3,6 +3,10 @@
 Thin async views: each reads its input, calls a service or selector on a pool thread
 (``off_view_thread``: a 200 MiB upload must not hold the one thread of sync views) and
 answers OpenAI's object shapes; every failure leaves in OpenAI's error shape.
+
+Every object is its caller's (``core.auth.principal``): another owner's file or batch is
+a 404 and is never listed; an admin key (or keys off) sees all. A file's content is
+streamed a chunk at a time.
 """
 
 from __future__ import annotations
@@ -13,11 +17,12 @@ from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import RequestDataTooBig
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.http import HttpRequest, JsonResponse, StreamingHttpResponse
 
 from batches import selectors, services
 from batches.errors import FileTooLarge
 from batches.models import Batch, File
+from core.auth import principal
 from inference.errors import OpenAIError, openai_view
 from inference.planning import off_view_thread
 
@@ -88,13 +93,19 @@ def _json(request: HttpRequest) -> dict[str, Any]:
     return data
 
 
-def _upload(request: HttpRequest) -> tuple[str, str, bytes]:
-    """The multipart form's file and purpose (read on a pool thread)."""
-    declared = int(request.META.get("CONTENT_LENGTH") or 0)
+def _upload(request: HttpRequest) -> File:
+    """Store the multipart form's file for the caller (on a pool thread). The declared
+    size is checked against the limits and quotas before the body is read."""
+    owner = principal(request).owner
+    try:
+        declared = int(request.META.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        declared = 0
     if declared > settings.BATCH_MAX_FILE_BYTES + MULTIPART_SLACK_BYTES:
         raise FileTooLarge(f"The upload is {declared} bytes; a batch input file may have "
                            f"at most {settings.BATCH_MAX_FILE_BYTES} bytes",
                            details={"param": "file"})
+    services.file_check_quota(owner=owner, size=max(declared - MULTIPART_SLACK_BYTES, 0))
     if not (request.content_type or "").startswith("multipart/form-data"):
         raise OpenAIError("Upload a file as multipart/form-data with the fields file and "
                           "purpose", status=415, code="unsupported_media_type")
@@ -110,30 +121,29 @@ def _upload(request: HttpRequest) -> tuple[str, str, bytes]:
         raise FileTooLarge(f"The file is {upload.size} bytes; a batch input file may have "
                            f"at most {settings.BATCH_MAX_FILE_BYTES} bytes",
                            details={"param": "file"})
-    return upload.name or "upload.jsonl", purpose, upload.read()
+    upload.seek(0)
+    return services.file_create(filename=upload.name or "upload.jsonl", purpose=purpose,
+                                content=upload, size=upload.size, owner=owner)
 
 
 @openai_view("GET", "POST")
 async def files(request: HttpRequest):
     if request.method == "POST":
-        def create() -> File:
-            filename, purpose, content = _upload(request)
-            return services.file_create(filename=filename, purpose=purpose, content=content)
-
-        return JsonResponse(file_object(await off_view_thread(create)()))
+        return JsonResponse(file_object(await off_view_thread(_upload)(request)))
     order = request.GET.get("order", "desc")
     if order not in ("asc", "desc"):
         raise OpenAIError("order must be asc or desc", status=400, code="invalid_parameter",
                           param="order")
     rows, more = await off_view_thread(selectors.files_page)(
         purpose=request.GET.get("purpose"), after=request.GET.get("after"),
-        limit=_limit(request, 10000, 10000), order=order)
+        limit=_limit(request, 10000, 10000), order=order, principal=principal(request))
     return _list([file_object(f) for f in rows], more)
 
 
 @openai_view("GET", "DELETE")
 async def file_detail(request: HttpRequest, file_id: str):
-    file = await off_view_thread(selectors.file_get)(file_id=file_id)
+    file = await off_view_thread(selectors.file_get)(file_id=file_id,
+                                                     principal=principal(request))
     if request.method == "DELETE":
         await off_view_thread(services.file_delete)(file=file)
         return JsonResponse({"id": file_id, "object": "file", "deleted": True})
@@ -142,8 +152,14 @@ async def file_detail(request: HttpRequest, file_id: str):
 
 @openai_view("GET")
 async def file_content(request: HttpRequest, file_id: str):
-    content = await off_view_thread(selectors.file_content)(file_id=file_id)
-    return HttpResponse(content, content_type="application/octet-stream")
+    chunks = await off_view_thread(selectors.file_chunk_ids)(file_id=file_id,
+                                                             principal=principal(request))
+
+    async def content():
+        for chunk_id in chunks:
+            yield await off_view_thread(selectors.file_chunk)(chunk_id=chunk_id)
+
+    return StreamingHttpResponse(content(), content_type="application/octet-stream")
 
 
 @openai_view("GET", "POST")
@@ -156,21 +172,24 @@ async def batches(request: HttpRequest):
                                   code="missing_required_parameter", param=name)
         batch = await off_view_thread(services.batch_create)(
             input_file_id=data["input_file_id"], endpoint=data["endpoint"],
-            completion_window=data["completion_window"], metadata=data.get("metadata"))
+            completion_window=data["completion_window"], metadata=data.get("metadata"),
+            principal=principal(request))
         return JsonResponse(batch_object(batch))
     rows, more = await off_view_thread(selectors.batches_page)(
-        after=request.GET.get("after"), limit=_limit(request, 20, 100))
+        after=request.GET.get("after"), limit=_limit(request, 20, 100),
+        principal=principal(request))
     return _list([batch_object(b) for b in rows], more)
 
 
 @openai_view("GET")
 async def batch_detail(request: HttpRequest, batch_id: str):
     return JsonResponse(batch_object(await off_view_thread(selectors.batch_get)(
-        batch_id=batch_id)))
+        batch_id=batch_id, principal=principal(request))))
 
 
 @openai_view("POST")
 async def batch_cancel(request: HttpRequest, batch_id: str):
-    await off_view_thread(selectors.batch_get)(batch_id=batch_id)
+    await off_view_thread(selectors.batch_get)(batch_id=batch_id,
+                                               principal=principal(request))
     return JsonResponse(batch_object(await off_view_thread(services.batch_cancel)(
         batch_id=batch_id)))

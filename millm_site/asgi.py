@@ -74,5 +74,7 @@ if settings.MILLM_APPLICATION_START:
         # this process was the only batch runner there is: take its batches back now
         # (distributed: a starting Celery worker does, batches/tasks.py)
         from batches.runner import batches_resume
+        from batches.sweeper import sweeper_start
 
         batches_resume(force=True)
+        sweeper_start()  # a batch whose runner died, or past its window, still ends

@@ -330,6 +330,24 @@ VARIABLES: tuple[Var, ...] = (
         "Seconds without a heartbeat after which a batch's runner (a Celery worker, or the "
         "embedded process) counts as gone: the next start-up or worker takes the batch over "
         "and re-runs the lines that were running but not answered.", minimum=1),
+    Var("BATCH_SWEEP_INTERVAL_S", "Batch API", "float", 30.0,
+        "Seconds between two sweeps of the batch sweeper (a thread of the embedded server "
+        "and of every Celery worker of the batches queue): a batch whose runner's heartbeat "
+        "is stale is queued for a new runner, one left finalizing is finalized again, and "
+        "one past its completion window with no live runner ends expired.", minimum=1),
+    Var("BATCH_MAX_RESUMES", "Batch API", "int", 5,
+        "Times the sweeper queues a new runner for a batch whose runner died; the next "
+        "time it ends failed (error batch_runner_failed), its answered lines kept in the "
+        "output and error files.", minimum=0),
+    Var("FILES_MAX_BYTES_PER_OWNER", "Batch API", "int", 2 * 1024 * 1024 * 1024,
+        "Most bytes of files (batch inputs and outputs) one API key, or the anonymous owner "
+        "when keys are off, may hold in /v1/files (2 GiB). An upload that would pass it is "
+        "refused with 413 files_quota_exceeded and nothing is stored; 0: no limit. Batch "
+        "outputs count but are never refused.", minimum=0),
+    Var("FILES_MAX_BYTES_TOTAL", "Batch API", "int", 20 * 1024 * 1024 * 1024,
+        "Most bytes of files all owners together may hold in /v1/files (20 GiB). An upload "
+        "that would pass it is refused with 507 insufficient_storage and nothing is stored; "
+        "0: no limit.", minimum=0),
     # --- Capture --------------------------------------------------------------------
     Var("CAPTURE_DIR", "Capture", "str", None, "Where captured hidden states larger than "
         "CAPTURE_INLINE_MAX_BYTES are stored (default MILLM_DATA_DIR/captures). In "

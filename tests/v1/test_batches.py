@@ -375,8 +375,10 @@ def test_a_dead_runner_is_taken_over_without_repeating_a_line(batch_server, sett
     done = Batch.objects.get(id=batch.id)
     assert (done.status, done.completed, done.failed) == ("completed", 10, 0)
     from batches.selectors import file_content
+    from core.auth import ANONYMOUS
 
-    out = [json.loads(x) for x in file_content(file_id=done.output_file_id).splitlines()]
+    out = [json.loads(x) for x in b"".join(file_content(
+        file_id=done.output_file_id, principal=ANONYMOUS)).splitlines()]
     assert sorted(x["custom_id"] for x in out) == sorted(r["custom_id"] for r in rows)
 
 
