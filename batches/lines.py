@@ -60,6 +60,7 @@ from inference.serving import (
     sense,
     usage_of,
 )
+from monitoring.ownership import EVERYONE, Scope
 
 POLICY = "refuse"  # a batch never loads a model (docs/api-v1.md, "Batches")
 # Refusals that say "not now" rather than "never": the line goes back in the queue and the
@@ -86,16 +87,18 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-async def answer_line(endpoint: str, body: dict[str, Any]) -> Answer:
-    """The line's answer (2xx or an OpenAI-shaped error), or ``Unavailable``."""
+async def answer_line(endpoint: str, body: dict[str, Any],
+                      scope: Scope = EVERYONE) -> Answer:
+    """The line's answer (2xx or an OpenAI-shaped error), or ``Unavailable``; ``scope``:
+    the batch owner's (its lines name the owner's probes, their captures are its)."""
     try:
         if endpoint == "/v1/embeddings":
             return await _embeddings(body)
         if endpoint == "/v1/probes/score":
-            return await _probe_score(body)
+            return await _probe_score(body, scope)
         kind, schema = (("chat", ChatCompletionRequest) if endpoint == "/v1/chat/completions"
                         else ("completion", CompletionRequest))
-        return await _generation(kind, schema, body)
+        return await _generation(kind, schema, body, scope)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - every failure is the line's answer
@@ -128,7 +131,8 @@ async def _resident(name: str) -> tuple[Any, Any, str | None]:
     return model, use, profile
 
 
-async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
+async def _generation(kind: str, schema: type, body: dict[str, Any],
+                      scope: Scope = EVERYONE) -> Answer:
     req, ignored = _validate(schema, body)
     if req.stream:
         raise OpenAIError("stream is not available in a batch", status=400,
@@ -143,7 +147,7 @@ async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
         plan = await plan_generation(kind=kind, req=req, model=model,
                                      profile=req.profile or profile, client=client,
                                      attachments=list(use.status.attachments),
-                                     status=use.status, ignored_fields=ignored)
+                                     status=use.status, ignored_fields=ignored, scope=scope)
         for choice in plan.choices:
             choice.job.priority = "batch"
         outcomes = [await run_choice(client, choice) for choice in plan.choices]
@@ -161,9 +165,9 @@ async def _generation(kind: str, schema: type, body: dict[str, Any]) -> Answer:
         use.release()
 
 
-async def _probe_score(body: dict[str, Any]) -> Answer:
+async def _probe_score(body: dict[str, Any], scope: Scope = EVERYONE) -> Answer:
     req = probe_score_parse(body, model_required=True)
-    result, headers = await probe_score(req, priority="batch", admit=False)
+    result, headers = await probe_score(req, priority="batch", admit=False, scope=scope)
     return Answer(200, result, headers)
 
 

@@ -46,6 +46,7 @@ from batches import services
 from batches.lines import Answer, Unavailable, answer_line
 from batches.models import Batch, BatchLine
 from inference.errors import OpenAIError
+from monitoring.ownership import ANONYMOUS, Scope
 
 log = structlog.get_logger(__name__)
 
@@ -107,6 +108,8 @@ class _Runner:
     def __init__(self, batch: Batch, runner: str, stop: threading.Event | None) -> None:
         self.batch_id = batch.id
         self.endpoint = batch.endpoint
+        # the batch owner's: what its lines capture or record (monitoring.ownership)
+        self.scope = Scope(owner=getattr(batch, "owner", ANONYMOUS), all=False)
         self.expires_at = batch.expires_at
         self.runner = runner
         self.rows = int(settings.BATCH_ENGINE_ROWS)
@@ -187,7 +190,7 @@ class _Runner:
         """Answer one line; the seconds to pause the batch when the engine cannot take
         it now (the line is back in the queue), else 0."""
         try:
-            answer = await answer_line(self.endpoint, line["body"])
+            answer = await answer_line(self.endpoint, line["body"], scope=self.scope)
         except Unavailable as exc:
             log.info("batch_line_waits", batch_id=self.batch_id, line=line["line"],
                      code=exc.error.code, retry_after=exc.retry_after)

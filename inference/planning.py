@@ -48,6 +48,7 @@ from inference.protocol import (
 from inference.residency import ModelRef
 from inference.tools import ToolPlan, tool_plan
 from monitoring.analysis import PreparedAnalysis, analysis_check_backend
+from monitoring.ownership import EVERYONE, Scope
 from monitoring.probes import ProbePlan, armed_copy, probe_request_plan
 from monitoring.sensing import SensingPlan, sensing_request_plan, watch_copy
 from monitoring.services import (
@@ -89,6 +90,7 @@ class Plan:
     fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
     tools: ToolPlan | None = None  # chat tools on the loaded model (inference.tools)
     response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    scope: Scope = EVERYONE  # whose request: its captures and history are the owner's
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -161,7 +163,8 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                           model: ModelRef, profile: str | None, client: EngineClient,
                           attachments: list[AttachmentStatus] | None = None,
                           status: EngineStatus | None = None,
-                          ignored_fields: list[str] | None = None) -> Plan:
+                          ignored_fields: list[str] | None = None,
+                          scope: Scope = EVERYONE) -> Plan:
     if attachments is None:
         attachments = await asyncio.to_thread(client.attachments)
     args = _steering_args(req, profile)
@@ -198,7 +201,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
     analyses = await prepare_analyses(req, status, client.backend_name)
     need = runtime().analyzers.need(analyses) if analyses else None
-    probes = await plan_probes(req, status, n_prompts * req.n)
+    probes = await plan_probes(req, status, n_prompts * req.n, scope)
     if probes is not None:
         entries = probes.monitor_entries()
         if entries:  # read per request by the engine's monitors, inside shared batches
@@ -247,11 +250,12 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 backend=client.backend_name, monitoring=monitored,
                 ignored_fields=list(ignored_fields or ()),
                 fingerprint=wire.fingerprint(status, version()), analyses=analyses,
-                probes=probes, tools=tools, sensing=sensing)
+                probes=probes, tools=tools, sensing=sensing, scope=scope)
 
 
 async def plan_probes(req: ChatCompletionRequest | CompletionRequest,
-                      status: EngineStatus | None, choices: int) -> ProbePlan | None:
+                      status: EngineStatus | None, choices: int,
+                      scope: Scope = EVERYONE) -> ProbePlan | None:
     """The probes this request scores (``monitoring.probes``): those it names, or the
     armed set (as this process holds it when fresh, else from the database)."""
     if status is None or (req.probes is not None and not req.probes):
@@ -261,7 +265,7 @@ async def plan_probes(req: ChatCompletionRequest | CompletionRequest,
         if armed is not None:
             return probe_request_plan(asked=None, status=status, choices=choices, armed=armed)
     return await off_view_thread(probe_request_plan)(asked=req.probes, status=status,
-                                                     choices=choices)
+                                                     choices=choices, scope=scope)
 
 
 async def plan_sensing(status: EngineStatus | None) -> SensingPlan | None:

@@ -16,6 +16,7 @@ from core.errors import MillmError, from_engine_error
 from gpu_engine.errors import EngineError
 from inference.probe_scoring import probe_score, probe_score_parse
 from monitoring.errors import ProbeScoreRequestInvalid
+from monitoring.ownership import Scope
 
 
 def _body(request: HttpRequest) -> Any:
@@ -34,7 +35,8 @@ async def probe_score_api(request: HttpRequest) -> JsonResponse:
         response["Allow"] = "POST"  # RFC 9110
         return response
     try:
-        body, headers = await probe_score(probe_score_parse(_body(request)))
+        body, headers = await probe_score(probe_score_parse(_body(request)),
+                                          scope=Scope.of_request(request))
     except (MillmError, EngineError) as exc:
         err = from_engine_error(exc) if isinstance(exc, EngineError) else exc
         return error_json(err.code, err.message, status_code=err.status, details=err.details,

@@ -54,6 +54,7 @@ from inference.protocol import ChatMessage, ProbeAsk, _Strict
 from inference.residency import ModelRef, resident_model_id
 from inference.serving import Outcome, probe_verdicts
 from monitoring.errors import ProbeNotFound, ProbeScoreRequestInvalid
+from monitoring.ownership import EVERYONE, Scope
 from monitoring.probes import (
     MAX_REQUEST_PROBES,
     MAX_SCORE_INPUTS,
@@ -138,11 +139,11 @@ def probe_score_parse(data: Any, *, model_required: bool = False) -> ProbeScoreR
     return req
 
 
-def _plan(asked: list[Any] | None, status: EngineStatus) -> ProbePlan:
+def _plan(asked: list[Any] | None, status: EngineStatus, scope: Scope = EVERYONE) -> ProbePlan:
     """The probes scored: those named (each known and validated), else the armed set
     (at least one validated)."""
     try:
-        plan = probe_request_plan(asked=asked, status=status, choices=1)
+        plan = probe_request_plan(asked=asked, status=status, choices=1, scope=scope)
     except ProbeNotFound as exc:
         raise ProbeScoreRequestInvalid(exc.message, details={"param": "probes",
                                                              **exc.details}) from None
@@ -203,7 +204,8 @@ async def _run(choice: Choice) -> Outcome:
 
 
 async def probe_score(req: ProbeScoreRequest, *, priority: str = "interactive",
-                      admit: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
+                      admit: bool = True, scope: Scope = EVERYONE
+                      ) -> tuple[dict[str, Any], dict[str, str]]:
     """Score every input with the probes (module docstring): the answer's body (the
     /api envelope's ``data``, /v1's whole body) and its headers. ``admit``: take an
     admission slot (the interactive routes); a batch line does not."""
@@ -211,7 +213,7 @@ async def probe_score(req: ProbeScoreRequest, *, priority: str = "interactive",
     residency = runtime_.residency
     status = await residency.status()
     model = await _model(req.model, status)
-    plan = await off_view_thread(_plan)(req.probes, status)  # refusals before the queue
+    plan = await off_view_thread(_plan)(req.probes, status, scope)  # refusals before the queue
     permit = await runtime_.admission.acquire() if admit else None
     try:
         # a status read before a wait in the queue may be stale: read it again then
@@ -219,7 +221,7 @@ async def probe_score(req: ProbeScoreRequest, *, priority: str = "interactive",
             model, policy=POLICY, status=None if permit is not None and permit.waited
             else status)
         if use.status.model_id != status.model_id:  # swapped while this request queued
-            plan = await off_view_thread(_plan)(req.probes, use.status)
+            plan = await off_view_thread(_plan)(req.probes, use.status, scope)
         choices = [Choice(i, job) for i, job in
                    enumerate(_jobs(req, plan, model.name, priority))]
         results = await asyncio.gather(*(_run(c) for c in choices), return_exceptions=True)

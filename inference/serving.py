@@ -58,6 +58,7 @@ from monitoring.probes import (
     probe_take_records,
     verdicts_header,
 )
+from monitoring.ownership import EVERYONE, Scope
 from monitoring.sensing import sensing_publish, sensing_take_records
 from monitoring.services import capture_register, monitoring_record, monitoring_take_records
 
@@ -297,7 +298,8 @@ async def record_monitoring(plan: Plan, outcome: Outcome) -> None:
     records = monitoring_take_records(entry=plan.monitoring, finish=outcome.finish,
                                       tokens=outcome.tokens)
     await off_view_thread(monitoring_record)(request_id=plan.object_id,
-                                             entry=plan.monitoring, records=records)
+                                             entry=plan.monitoring, records=records,
+                                             owner=plan.scope.owner)
 
 
 async def register_capture(plan: Plan, outcome: Outcome) -> None:
@@ -311,7 +313,8 @@ async def register_capture(plan: Plan, outcome: Outcome) -> None:
                            "bytes": result.nbytes, "data": base64.b64encode(result.data).decode(),
                            "metadata": result.meta}
         return
-    await off_view_thread(capture_register)(request_id=plan.object_id, result=result)
+    await off_view_thread(capture_register)(request_id=plan.object_id, result=result,
+                                            owner=plan.scope.owner)
     outcome.capture = {"id": result.capture_id, "inline": False, "format": "safetensors",
                        "bytes": result.nbytes, "url": f"/api/captures/{result.capture_id}/download"}
 
@@ -368,7 +371,8 @@ async def score_probes(plan: Plan, outcome: Outcome) -> None:
     if plan.probes is None:
         return
     outcome.probes = await probe_verdicts(plan.probes, outcome)
-    await off_view_thread(probe_record)(request_id=plan.object_id, verdicts=outcome.probes)
+    await off_view_thread(probe_record)(request_id=plan.object_id, verdicts=outcome.probes,
+                                        owner=plan.scope.owner)
 
 
 def sense(plan: Plan, outcome: Outcome) -> None:
@@ -711,7 +715,7 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
 
 async def serve_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
                            policy: str, lease: str | None = None,
-                           ignored: list[str] | None = None) -> Any:
+                           ignored: list[str] | None = None, scope: Scope = EVERYONE) -> Any:
     client = runtime().engine
     residency = runtime().residency
     status = await residency.status()
@@ -743,7 +747,8 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
         plan = await plan_generation(kind=kind, req=req, model=model,
                                      profile=req.profile or profile, client=client,
                                      attachments=list(res.use.status.attachments),
-                                     status=res.use.status, ignored_fields=ignored)
+                                     status=res.use.status, ignored_fields=ignored,
+                                     scope=scope)
         response = await respond(plan, client, res)
         handed_over = isinstance(response, SSEResponse)
         return response

@@ -49,6 +49,7 @@ from inference.protocol import (
 )
 from inference.residency import LOAD_POLICIES, resident_model_id
 from inference.serving import ENGINE_CALL_TIMEOUT_S, serve_generation
+from monitoring.ownership import Scope
 
 log = structlog.get_logger(__name__)
 
@@ -98,7 +99,8 @@ def _load_policy(request: HttpRequest) -> str:
 async def _generation(request: HttpRequest, kind: str, schema: type[BaseModel]):
     req, ignored = _body(request, schema)
     return await serve_generation(kind=kind, req=req, policy=_load_policy(request),
-                                  lease=request.headers.get(LEASE_HEADER), ignored=ignored)
+                                  lease=request.headers.get(LEASE_HEADER), ignored=ignored,
+                                  scope=Scope.of_request(request))
 
 
 @openai_view("POST")
@@ -176,7 +178,7 @@ async def probe_score(request: HttpRequest):
     """/api/probes/score without the envelope, for OpenAI-style clients and Batch API
     lines (``inference.probe_scoring``)."""
     req = probe_score_parse(_json_object(request), model_required=True)
-    body, headers = await probe_score_run(req)
+    body, headers = await probe_score_run(req, scope=Scope.of_request(request))
     return JsonResponse(body, headers=headers)
 
 

@@ -46,6 +46,7 @@ from gpu_engine.analysis import (
 )
 from gpu_engine.errors import AnalyzerCaptureMissing, EngineError, error_from_dict
 from monitoring.errors import AnalysisUnavailable
+from monitoring.ownership import EVERYONE, Scope
 
 log = structlog.get_logger(__name__)
 
@@ -272,13 +273,14 @@ def analysis_check_backend(*, need: CaptureNeed, capabilities: dict[str, Any],
 
 
 def capture_analyze(*, capture_id: str, name: str, params: dict[str, Any],
-                    analyzers: Analyzers) -> dict[str, Any]:
+                    analyzers: Analyzers, scope: Scope = EVERYONE) -> dict[str, Any]:
     """Run analyzer ``name`` on a stored capture: ``CAPTURE_NOT_FOUND`` for an id that is
     not a stored capture, ``ANALYZER_CAPTURE_MISSING`` when the capture lacks what the
     analyzer reads, the analyzer's own refusals otherwise."""
     from monitoring.selectors import capture_file
 
-    path = capture_file(capture_id=capture_id)  # CaptureNotFound; never outside CAPTURE_DIR
+    # CaptureNotFound (also another owner's); never outside CAPTURE_DIR
+    path = capture_file(capture_id=capture_id, scope=scope)
     try:
         prepared = analyzers.run_wait(analyzers.prepare, [(name, params)])
         (entry,) = analyzers.run_stored(prepared, path, capture_id)

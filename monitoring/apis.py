@@ -14,6 +14,7 @@ from core.schema import MAX_INDEX, MAX_LAYER, enveloped
 from monitoring import selectors, services
 from monitoring.analysis import capture_analyze
 from monitoring.models import MonitoringConfig
+from monitoring.ownership import Scope
 
 MONITORING = ["monitoring"]
 _ANY = enveloped(OpenApiTypes.OBJECT)
@@ -94,11 +95,14 @@ class HistoryApi(APIView):
     def get(self, request) -> Response:
         query = validated(HistoryQuery, request.query_params)
         return envelope(selectors.history(limit=query["limit"],
-                                          request_id=query.get("request_id")))
+                                          request_id=query.get("request_id"),
+                                          scope=Scope.of_request(request)))
 
-    @extend_schema(tags=MONITORING, summary="Clear the history", responses=_ANY)
+    @extend_schema(tags=MONITORING, summary="Clear the history (the caller's own; an admin "
+                   "key's: everyone's)", responses=_ANY)
     def delete(self, request) -> Response:
-        return envelope({"deleted": services.monitoring_history_clear()})
+        return envelope({"deleted": services.monitoring_history_clear(
+            scope=Scope.of_request(request))})
 
 
 class StatisticsApi(APIView):
@@ -109,7 +113,8 @@ class StatisticsApi(APIView):
         query = validated(StatisticsQuery, request.query_params)
         features = ([int(f) for f in query["features"].split(",")]
                     if query.get("features") else None)
-        return envelope(selectors.statistics(features=features))
+        return envelope(selectors.statistics(features=features,
+                                             scope=Scope.of_request(request)))
 
     @extend_schema(tags=MONITORING, summary="Reset: statistics count from now",
                    responses=_ANY)
@@ -122,7 +127,8 @@ class StatisticsTopApi(APIView):
                    request=TopInput, responses=_ANY)
     def post(self, request) -> Response:
         data = validated(TopInput, request.data or {})
-        return envelope(selectors.statistics_top(k=data["k"], metric=data["metric"]))
+        return envelope(selectors.statistics_top(k=data["k"], metric=data["metric"],
+                                                 scope=Scope.of_request(request)))
 
 
 # --------------------------------------------------------------------------- captures
@@ -143,18 +149,20 @@ class CaptureListApi(APIView):
     def get(self, request) -> Response:
         query = validated(CaptureListQuery, request.query_params)
         return envelope(selectors.capture_list(limit=query["limit"],
-                                               request_id=query.get("request_id")))
+                                               request_id=query.get("request_id"),
+                                               scope=Scope.of_request(request)))
 
 
 class CaptureDetailApi(APIView):
     @extend_schema(tags=CAPTURES, summary="A stored capture's metadata (row and sidecar)",
                    responses=_ANY)
     def get(self, request, capture_id: str) -> Response:
-        return envelope(selectors.capture_detail(capture_id=capture_id))
+        return envelope(selectors.capture_detail(capture_id=capture_id,
+                                                 scope=Scope.of_request(request)))
 
     @extend_schema(tags=CAPTURES, summary="Delete a stored capture and its files", responses=_ANY)
     def delete(self, request, capture_id: str) -> Response:
-        services.capture_delete(capture_id=capture_id)
+        services.capture_delete(capture_id=capture_id, scope=Scope.of_request(request))
         return envelope({"deleted": capture_id})
 
 
@@ -171,7 +179,8 @@ class CaptureAnalyzeApi(APIView):
 
         data = validated(AnalyzeInput, request.data or {})
         return envelope(capture_analyze(capture_id=capture_id, name=data["name"],
-                                        params=data["params"], analyzers=runtime().analyzers))
+                                        params=data["params"], analyzers=runtime().analyzers,
+                                        scope=Scope.of_request(request)))
 
 
 class _FileNegotiation(BaseContentNegotiation):
@@ -193,6 +202,6 @@ class CaptureDownloadApi(APIView):
     def get(self, request, capture_id: str):  # type: ignore[no-untyped-def]
         from django.http import FileResponse
 
-        path = selectors.capture_file(capture_id=capture_id)
+        path = selectors.capture_file(capture_id=capture_id, scope=Scope.of_request(request))
         return FileResponse(path.open("rb"), as_attachment=True, filename=path.name,
                             content_type="application/octet-stream")

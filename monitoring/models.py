@@ -13,6 +13,14 @@ from __future__ import annotations
 
 from django.db import models
 
+from monitoring.ownership import ANONYMOUS, OWNER_MAX_CHARS
+
+
+def _owner_field():  # type: ignore[no-untyped-def]
+    # the principal that made the row (monitoring.ownership): other inference keys never
+    # list or read it
+    return models.CharField(max_length=OWNER_MAX_CHARS, default=ANONYMOUS, db_index=True)
+
 
 class MonitoringConfig(models.Model):
     class Positions(models.TextChoices):
@@ -51,6 +59,7 @@ class ActivationRecord(models.Model):
                                    help_text="[{feature_index, activation}] of the monitored "
                                              "features (zeros included), or the top-k.")
     top_k = models.JSONField(default=list)
+    owner = _owner_field()
 
     class Meta:
         ordering = ["-id"]
@@ -78,6 +87,7 @@ class Capture(models.Model):
     nbytes = models.PositiveBigIntegerField(default=0)
     created_at = models.DateTimeField(db_index=True)
     expires_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    owner = _owner_field()
 
     class Meta:
         ordering = ["-created_at"]
@@ -99,8 +109,9 @@ class Probe(models.Model):
         HIDDEN_STATES = "hidden_states", "Hidden states"
 
     id = models.CharField(primary_key=True, max_length=24)  # prb_<hex>
-    name = models.CharField(max_length=120, unique=True)
+    name = models.CharField(max_length=120)
     description = models.TextField(blank=True)
+    owner = _owner_field()
     basis = models.CharField(max_length=16, choices=Basis.choices)
     sae_id = models.CharField(max_length=40, blank=True,
                               help_text="The SAE whose features it reads (sae_features).")
@@ -124,6 +135,9 @@ class Probe(models.Model):
 
     class Meta:
         ordering = ["name"]
+        # names are the owner's: another key's probe of the same name is not revealed
+        constraints = [models.UniqueConstraint(fields=["owner", "name"],
+                                               name="probe_owner_name_unique")]
 
     def __str__(self) -> str:
         return self.name
@@ -144,6 +158,7 @@ class ProbeVerdict(models.Model):
     verdict = models.BooleanField(null=True, blank=True)
     positions = models.CharField(max_length=16)
     rows = models.PositiveIntegerField(default=0)
+    owner = _owner_field()
 
     class Meta:
         ordering = ["-id"]

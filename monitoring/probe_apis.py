@@ -14,6 +14,7 @@ from core.api import body_object, envelope, validated
 from core.schema import enveloped
 from monitoring import probes
 from monitoring.errors import ProbeInvalid
+from monitoring.ownership import Scope
 
 PROBES = ["probes"]
 _ANY = enveloped(OpenApiTypes.OBJECT)
@@ -41,13 +42,14 @@ class ProbeListApi(APIView):
     @extend_schema(tags=PROBES, summary="Probes, with whether each is validated against the "
                    "resident model", responses=_ANY)
     def get(self, request) -> Response:
-        return envelope(probes.probe_list(status=_status()))
+        return envelope(probes.probe_list(status=_status(), scope=Scope.of_request(request)))
 
     @extend_schema(tags=PROBES, summary="Create a probe from its definition (weights, bias, "
                    "threshold, layer, basis, features, norm_mean/norm_std, positions)",
                    request=OpenApiTypes.OBJECT, responses=_ANY)
     def post(self, request) -> Response:
-        row = probes.probe_create(definition=body_object(request))
+        row = probes.probe_create(definition=body_object(request),
+                                  owner=Scope.of_request(request).owner)
         return envelope(probes.probe_out(row, _status()), status_code=201)
 
 
@@ -64,20 +66,20 @@ class ProbeImportApi(APIView):
             raise ProbeInvalid(f"the file is larger than {probes.MAX_FILE_BYTES} bytes",
                                details={"field": "file"})
         row = probes.probe_import(filename=upload.name or "", content=upload.read(),
-                                  overrides=data)
+                                  overrides=data, owner=Scope.of_request(request).owner)
         return envelope(probes.probe_out(row, _status()), status_code=201)
 
 
 class ProbeDetailApi(APIView):
     @extend_schema(tags=PROBES, summary="A probe (by id or name)", responses=_ANY)
     def get(self, request, ref: str) -> Response:
-        return envelope({**probes.probe_out(probes.probe_get(ref=ref), _status()),
-                         "weights": probes.probe_get(ref=ref).weights})
+        row = probes.probe_get(ref=ref, scope=Scope.of_request(request))
+        return envelope({**probes.probe_out(row, _status()), "weights": row.weights})
 
     @extend_schema(tags=PROBES, summary="Delete a probe (its verdict history is kept)",
                    responses=_ANY)
     def delete(self, request, ref: str) -> Response:
-        probes.probe_delete(ref=ref)
+        probes.probe_delete(ref=ref, scope=Scope.of_request(request))
         return envelope({"deleted": ref})
 
 
@@ -86,7 +88,8 @@ class ProbeValidateApi(APIView):
                    responses=_ANY)
     def post(self, request, ref: str) -> Response:
         status = _status()
-        return envelope(probes.probe_out(probes.probe_validate(ref=ref, status=status), status))
+        row = probes.probe_validate(ref=ref, status=status, scope=Scope.of_request(request))
+        return envelope(probes.probe_out(row, status))
 
 
 class ProbeArmApi(APIView):

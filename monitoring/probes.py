@@ -60,6 +60,7 @@ from monitoring.errors import (
     UnvalidatedProbe,
 )
 from monitoring.models import Probe, ProbeVerdict
+from monitoring.ownership import ANONYMOUS, EVERYONE, Scope
 from monitoring.services import take_records
 
 log = structlog.get_logger(__name__)
@@ -222,38 +223,44 @@ def _new_id() -> str:
 
 
 @transaction.atomic
-def probe_create(*, definition: Mapping[str, Any]) -> Probe:
+def probe_create(*, definition: Mapping[str, Any], owner: str = ANONYMOUS) -> Probe:
+    """A probe owned by ``owner``; names are unique per owner (another key's probe of the
+    same name is neither a conflict nor revealed)."""
     fields = probe_parse(definition)
-    if Probe.objects.filter(name=fields["name"]).exists():
+    if Probe.objects.filter(name=fields["name"], owner=owner).exists():
         raise ProbeExists(f"a probe named {fields['name']!r} exists; delete it first",
                           details={"name": fields["name"]})
     try:
         with transaction.atomic():
-            return Probe.objects.create(id=_new_id(), **fields)
+            return Probe.objects.create(id=_new_id(), owner=owner, **fields)
     except IntegrityError as exc:  # a concurrent create of the same name
         raise ProbeExists(f"a probe named {fields['name']!r} exists",
                           details={"name": fields["name"]}) from exc
 
 
-def probe_import(*, filename: str, content: bytes, overrides: Mapping[str, Any]) -> Probe:
+def probe_import(*, filename: str, content: bytes, overrides: Mapping[str, Any],
+                 owner: str = ANONYMOUS) -> Probe:
     """A probe from a file; form fields (name, sae_id, threshold, …) fill or override the
     file's."""
     data = dict(probe_file_read(filename=filename, content=content))
     data.update({k: v for k, v in overrides.items() if v is not None})
     if "name" not in data:
         data["name"] = filename.rsplit("/", 1)[-1].rsplit(".", 1)[0]
-    return probe_create(definition=data)
+    return probe_create(definition=data, owner=owner)
 
 
-def probe_get(*, ref: str) -> Probe:
-    row = Probe.objects.filter(id=ref).first() or Probe.objects.filter(name=ref).first()
+def probe_get(*, ref: str, scope: Scope = EVERYONE) -> Probe:
+    """By id, else by name (the caller's own first); another owner's probe is a 404."""
+    qs = scope.filter(Probe.objects.all())
+    row = qs.filter(id=ref).first() or qs.filter(name=ref, owner=scope.owner).first() \
+        or qs.filter(name=ref).order_by("created_at").first()
     if row is None:
         raise ProbeNotFound(f"no probe {ref!r}", details={"probe": ref})
     return row
 
 
-def probe_delete(*, ref: str) -> None:
-    row = probe_get(ref=ref)
+def probe_delete(*, ref: str, scope: Scope = EVERYONE) -> None:
+    row = probe_get(ref=ref, scope=scope)
     row.delete()
     transaction.on_commit(armed_copy.invalidate)
 
@@ -303,10 +310,10 @@ def is_current(row_validation: Mapping[str, Any], basis: str, sae_id: str, layer
                and a.d_sae == row_validation.get("d_sae") for a in status.attachments)
 
 
-def probe_validate(*, ref: str, status: EngineStatus) -> Probe:
+def probe_validate(*, ref: str, status: EngineStatus, scope: Scope = EVERYONE) -> Probe:
     """Check the probe against the resident model and SAE; ``PROBE_MODEL_MISMATCH`` names
     every differing field (the stored validation is cleared: the probe is unvalidated)."""
-    row = probe_get(ref=ref)
+    row = probe_get(ref=ref, scope=scope)
     if status.state != "ready" or not status.model_id:
         raise ModelNotLoaded("no model is loaded to validate the probe against",
                              details={"probe": row.id})
@@ -356,15 +363,16 @@ def probe_out(row: Probe, status: EngineStatus | None = None) -> dict[str, Any]:
            "sae_id": row.sae_id or None, "layer": row.layer, "features": row.features,
            "d_in": len(row.weights), "bias": row.bias, "threshold": row.threshold,
            "standardised": row.norm_mean is not None, "positions": row.positions,
-           "armed": row.armed, "validation": row.validation or None,
+           "armed": row.armed, "validation": row.validation or None, "owner": row.owner,
            "created_at": row.created_at.isoformat().replace("+00:00", "Z")}
     if status is not None:
         out["validated"] = is_current(row.validation, row.basis, row.sae_id, row.layer, status)
     return out
 
 
-def probe_list(*, status: EngineStatus | None = None) -> dict[str, Any]:
-    rows = list(Probe.objects.all())
+def probe_list(*, status: EngineStatus | None = None, scope: Scope = EVERYONE
+               ) -> dict[str, Any]:
+    rows = list(scope.filter(Probe.objects.all()))
     return {"probes": [probe_out(r, status) for r in rows], "total": len(rows)}
 
 
@@ -484,7 +492,8 @@ def _ask_ref(ask: Any) -> tuple[str, str | None]:
 
 
 def probe_request_plan(*, asked: Sequence[Any] | None, status: EngineStatus, choices: int,
-                       armed: tuple[ProbeHead, ...] | None = None) -> ProbePlan | None:
+                       armed: tuple[ProbeHead, ...] | None = None,
+                       scope: Scope = EVERYONE) -> ProbePlan | None:
     """The probes a request scores: those it names (``probes``), refused as a whole
     before any forward when one is unknown, unvalidated or cannot be read for this
     request; else the armed set (``armed``; read from the database when None), where
@@ -515,7 +524,7 @@ def probe_request_plan(*, asked: Sequence[Any] | None, status: EngineStatus, cho
     rows: list[tuple[Probe, str | None]] = []
     for ask in asked:  # the request's shape first, then each probe
         ref, positions = _ask_ref(ask)
-        row = probe_get(ref=ref)
+        row = probe_get(ref=ref, scope=scope)  # a request names its owner's probes
         if any(r.id == row.id for r, _ in rows):
             raise ProbeScoreRequestInvalid(f"probe {row.name!r} is named twice",
                                            details={"param": "probes"})
@@ -610,7 +619,8 @@ def verdicts_header(verdicts: Sequence[Mapping[str, Any]]) -> str:
     return ", ".join(items)
 
 
-def probe_record(*, request_id: str, verdicts: Sequence[Mapping[str, Any]]) -> int:
+def probe_record(*, request_id: str, verdicts: Sequence[Mapping[str, Any]],
+                 owner: str = ANONYMOUS) -> int:
     """The verdicts in the probe history (``/api/monitoring/history``'s
     ``probe_verdicts``) and one ``probe:verdict`` event each; never raises into the
     request (a failure is logged)."""
@@ -622,14 +632,17 @@ def probe_record(*, request_id: str, verdicts: Sequence[Mapping[str, Any]]) -> i
             timestamp=now, request_id=request_id, choice=int(v.get("choice", 0)),
             probe_id=v["probe_id"], name=v["name"], scored=bool(v["scored"]),
             reason=v.get("reason", ""), score=v.get("score"), threshold=v.get("threshold"),
-            verdict=v.get("verdict"), positions=v["positions"], rows=int(v.get("rows", 0)))
+            verdict=v.get("verdict"), positions=v["positions"], rows=int(v.get("rows", 0)),
+            owner=owner)
             for v in verdicts]
         with transaction.atomic():
             ProbeVerdict.objects.bulk_create(rows)
-            cutoff = list(ProbeVerdict.objects.order_by("-id").values_list("id", flat=True)
+            # bounded per owner: one key's traffic never evicts another's history
+            mine = ProbeVerdict.objects.filter(owner=owner)
+            cutoff = list(mine.order_by("-id").values_list("id", flat=True)
                           [MAX_VERDICT_HISTORY:MAX_VERDICT_HISTORY + 1])
             if cutoff:
-                ProbeVerdict.objects.filter(id__lte=cutoff[0]).delete()
+                mine.filter(id__lte=cutoff[0]).delete()
         for row in rows:
             events.publish("probe:verdict", verdict_out(row))
         return len(rows)

@@ -6,38 +6,41 @@ import math
 from typing import Any
 
 from monitoring.models import ActivationRecord, ProbeVerdict
+from monitoring.ownership import EVERYONE, Scope
 from monitoring.probes import verdict_out
 from monitoring.services import monitoring_config, record_out
 
 METRICS = ("mean", "max", "active_ratio", "count")
 
 
-def history(*, limit: int = 50, request_id: str | None = None) -> dict[str, Any]:
-    qs = ActivationRecord.objects.order_by("-id")
+def history(*, limit: int = 50, request_id: str | None = None,
+            scope: Scope = EVERYONE) -> dict[str, Any]:
+    qs = scope.filter(ActivationRecord.objects.order_by("-id"))
     if request_id:
         qs = qs.filter(request_id=request_id)
     total = qs.count()
-    verdicts = ProbeVerdict.objects.order_by("-id")
+    verdicts = scope.filter(ProbeVerdict.objects.order_by("-id"))
     if request_id:
         verdicts = verdicts.filter(request_id=request_id)
     return {"records": [record_out(r) for r in qs[:limit]], "total": total,
             "probe_verdicts": [verdict_out(v) for v in verdicts[:limit]]}
 
 
-def _window():
+def _window(scope: Scope):
     config = monitoring_config()
-    qs = ActivationRecord.objects.order_by("id")
+    qs = scope.filter(ActivationRecord.objects.order_by("id"))
     if config.statistics_since is not None:
         qs = qs.filter(timestamp__gte=config.statistics_since)
     return qs, config
 
 
-def statistics(*, features: list[int] | None = None) -> dict[str, Any]:
+def statistics(*, features: list[int] | None = None, scope: Scope = EVERYONE
+               ) -> dict[str, Any]:
     """Per feature over the history since the last reset: its value in each record that
     reports it (every record when monitoring named the features; the records where it made
     the top-k when monitoring all) — ``count``, ``mean``, ``std`` (population), ``min``,
     ``max`` and ``active_ratio`` (the share of those values above zero)."""
-    qs, config = _window()
+    qs, config = _window(scope)
     values: dict[int, list[float]] = {}
     total = 0
     for activations in qs.values_list("activations", flat=True).iterator():
@@ -62,8 +65,9 @@ def statistics(*, features: list[int] | None = None) -> dict[str, Any]:
             "since": since.isoformat().replace("+00:00", "Z") if since else None}
 
 
-def statistics_top(*, k: int = 10, metric: str = "mean") -> dict[str, Any]:
-    stats = statistics()
+def statistics_top(*, k: int = 10, metric: str = "mean", scope: Scope = EVERYONE
+                   ) -> dict[str, Any]:
+    stats = statistics(scope=scope)
     rows = [r for r in stats["features"] if r["count"]]
     rows.sort(key=lambda r: (-r[metric], r["feature_idx"]))
     return {"features": rows[:k], "metric": metric, "k": k,
@@ -78,50 +82,52 @@ def capture_out(row: Any) -> dict[str, Any]:
             "steering_hash": row.steering_hash or None, "bytes": row.nbytes,
             "created_at": row.created_at.isoformat(),
             "expires_at": row.expires_at.isoformat() if row.expires_at else None,
-            "url": f"/api/captures/{row.id}/download"}
+            "url": f"/api/captures/{row.id}/download", "owner": row.owner}
 
 
-def capture_get(*, capture_id: str) -> Any:
-    """The row, or None for an unknown id or anything that is not 32 hex digits."""
+def capture_get(*, capture_id: str, scope: Scope = EVERYONE) -> Any:
+    """The row, or None for an unknown id, anything that is not 32 hex digits, or another
+    owner's capture (the same answer: its existence is not revealed)."""
     from gpu_engine.artifacts import is_capture_id
     from monitoring.models import Capture
 
     if not is_capture_id(capture_id):
         return None
-    return Capture.objects.filter(id=capture_id).first()
+    return scope.filter(Capture.objects.filter(id=capture_id)).first()
 
 
-def capture_list(*, limit: int = 50, request_id: str | None = None) -> dict[str, Any]:
+def capture_list(*, limit: int = 50, request_id: str | None = None,
+                 scope: Scope = EVERYONE) -> dict[str, Any]:
     from monitoring.models import Capture
 
-    qs = Capture.objects.order_by("-created_at")
+    qs = scope.filter(Capture.objects.order_by("-created_at"))
     if request_id:
         qs = qs.filter(request_id=request_id)
     return {"captures": [capture_out(r) for r in qs[:limit]], "total": qs.count()}
 
 
-def capture_detail(*, capture_id: str) -> dict[str, Any]:
+def capture_detail(*, capture_id: str, scope: Scope = EVERYONE) -> dict[str, Any]:
     """The row and the sidecar JSON (CaptureNotFound when either is missing)."""
     import json
 
     from monitoring.errors import CaptureNotFound
 
-    path = capture_file(capture_id=capture_id, sidecar=True)
+    path = capture_file(capture_id=capture_id, sidecar=True, scope=scope)
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise CaptureNotFound(f"capture {capture_id!r} has no readable sidecar",
                               details={"capture_id": capture_id}) from exc
-    return {**capture_out(capture_get(capture_id=capture_id)), "metadata": meta}
+    return {**capture_out(capture_get(capture_id=capture_id, scope=scope)), "metadata": meta}
 
 
-def capture_file(*, capture_id: str, sidecar: bool = False) -> Any:
+def capture_file(*, capture_id: str, sidecar: bool = False, scope: Scope = EVERYONE) -> Any:
     """The path of a stored capture's file, only ever inside CAPTURE_DIR."""
     from gpu_engine.artifacts import file_names
     from monitoring.errors import CaptureNotFound
     from monitoring.services import capture_dir
 
-    row = capture_get(capture_id=capture_id)
+    row = capture_get(capture_id=capture_id, scope=scope)
     if row is None:
         raise CaptureNotFound(f"no capture {capture_id!r}", details={"capture_id": capture_id})
     root = capture_dir()

@@ -41,6 +41,7 @@ from gpu_engine.protocol import (
     TokenEvent,
 )
 from monitoring.models import ActivationRecord, MonitoringConfig
+from monitoring.ownership import ANONYMOUS, EVERYONE, Scope
 
 log = structlog.get_logger(__name__)
 
@@ -86,11 +87,15 @@ def _publish_state() -> None:
     transaction.on_commit(lambda: events.publish("monitoring:state", monitoring_state()))
 
 
-def _prune(history_size: int) -> None:
-    cutoff = list(ActivationRecord.objects.order_by("-id").values_list("id", flat=True)
+def _prune(history_size: int, owner: str | None = None) -> None:
+    """Keep the newest ``history_size`` records (of ``owner``'s, when named: one key's
+    traffic never evicts another's history)."""
+    qs = ActivationRecord.objects.all() if owner is None else \
+        ActivationRecord.objects.filter(owner=owner)
+    cutoff = list(qs.order_by("-id").values_list("id", flat=True)
                   [history_size:history_size + 1])
     if cutoff:
-        ActivationRecord.objects.filter(id__lte=cutoff[0]).delete()
+        qs.filter(id__lte=cutoff[0]).delete()
 
 
 KEEP: Any = object()  # a configure field the request left out: the current value stays
@@ -147,7 +152,8 @@ def monitoring_configure(*, enabled: bool = True, features: list[int] | None | A
     config.history_size, config.top_k, config.positions = history_size, top_k, positions
     config.save()
     transaction.on_commit(request_config.invalidate)
-    _prune(history_size)
+    for owner in ActivationRecord.objects.values_list("owner", flat=True).distinct():
+        _prune(history_size, owner)
     _publish_state()
     return monitoring_state()
 
@@ -165,11 +171,12 @@ def monitoring_enable(*, enabled: bool) -> dict[str, Any]:
     return monitoring_state()
 
 
-def monitoring_history_clear() -> int:
+def monitoring_history_clear(*, scope: Scope = EVERYONE) -> int:
+    """Clear the history the caller owns (an admin's: everyone's)."""
     from monitoring.models import ProbeVerdict
 
-    deleted, _ = ActivationRecord.objects.all().delete()
-    ProbeVerdict.objects.all().delete()
+    deleted, _ = scope.filter(ActivationRecord.objects.all()).delete()
+    scope.filter(ProbeVerdict.objects.all()).delete()
     return deleted
 
 
@@ -309,7 +316,7 @@ def record_out(row: ActivationRecord) -> dict[str, Any]:
 
 
 def monitoring_record(*, request_id: str, entry: MonitorEntry,
-                      records: Sequence[EngineRecord]) -> int:
+                      records: Sequence[EngineRecord], owner: str = ANONYMOUS) -> int:
     """Store one generation's records and publish its event; never raises into the
     request that produced them (a failure is logged)."""
     if not records:
@@ -320,10 +327,10 @@ def monitoring_record(*, request_id: str, entry: MonitorEntry,
             timestamp=now, request_id=request_id, sae_id=r.sae_id, layer=r.layer,
             token_position=r.position, completion_token_index=r.token_index,
             activations=_pairs(r.features) if entry.features else _pairs(r.top_k),
-            top_k=_pairs(r.top_k)) for r in records]
+            top_k=_pairs(r.top_k), owner=owner) for r in records]
         with transaction.atomic():
             ActivationRecord.objects.bulk_create(rows)
-            _prune(monitoring_config().history_size)
+            _prune(monitoring_config().history_size, owner)
         if event_cap.allow():
             last = rows[-1]
             events.publish("monitoring:activation", {
@@ -350,7 +357,7 @@ def capture_dir():  # type: ignore[no-untyped-def]
     return Path(settings.CAPTURE_DIR).resolve()
 
 
-def capture_register(*, request_id: str, result: Any) -> Any:
+def capture_register(*, request_id: str, result: Any, owner: str = ANONYMOUS) -> Any:
     """The ``Capture`` row of a stored artifact (``gpu_engine.protocol.CaptureResult``)."""
     from datetime import timedelta
 
@@ -370,7 +377,7 @@ def capture_register(*, request_id: str, result: Any) -> Any:
         layers=list(meta.get("layers", [])), positions=str(meta.get("positions", "")),
         rows=int(meta.get("rows", 0)), dtype=str(meta.get("dtype", "")),
         steering_hash=str(meta.get("steering_hash") or ""), nbytes=int(result.nbytes),
-        created_at=now,
+        created_at=now, owner=owner,
         expires_at=now + timedelta(seconds=retention) if retention else None)
 
 
@@ -382,11 +389,11 @@ def _capture_unlink(capture_id: str) -> None:
         (root / name).unlink(missing_ok=True)
 
 
-def capture_delete(*, capture_id: str) -> None:
+def capture_delete(*, capture_id: str, scope: Scope = EVERYONE) -> None:
     from monitoring.errors import CaptureNotFound
     from monitoring.selectors import capture_get
 
-    row = capture_get(capture_id=capture_id)
+    row = capture_get(capture_id=capture_id, scope=scope)
     if row is None:
         raise CaptureNotFound(f"no capture {capture_id!r}", details={"capture_id": capture_id})
     row.delete()
