@@ -31,6 +31,7 @@ from core.runtime import runtime
 from gpu_engine.commands import (
     COMMANDS,
     AttachSetArgs,
+    BuildGrammarArgs,
     CancelAllArgs,
     CheckLoadArgs,
     CheckSaeArgs,
@@ -66,6 +67,7 @@ from gpu_engine.protocol import (
     LoadModelJob,
     ScoreJob,
     ScoreResult,
+    StructuredOutput,
 )
 from gpu_engine.sae.compat import CompatibilityReport
 
@@ -167,6 +169,9 @@ class EngineClient(ABC):
 
     def check_load(self, job: LoadModelJob) -> None:
         self.invoke(COMMANDS["check_load"], CheckLoadArgs(job))
+
+    def build_grammar(self, spec: StructuredOutput) -> None:
+        self.invoke(COMMANDS["build_grammar"], BuildGrammarArgs(spec))
 
     def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None
                    ) -> EngineStatus:

@@ -52,6 +52,7 @@ from .protocol import (
     LoadModelJob,
     ScoreJob,
     ScoreResult,
+    StructuredOutput,
 )
 from .sae.compat import CompatibilityReport
 
@@ -103,6 +104,10 @@ class CheckSaeArgs(msgspec.Struct):
 
 class CancelAllArgs(msgspec.Struct):
     reason: str = "cancel_all"
+
+
+class BuildGrammarArgs(msgspec.Struct):
+    spec: StructuredOutput
 
 
 class GenerateArgs(msgspec.Struct):
@@ -165,6 +170,8 @@ COMMANDS: Mapping[str, Command] = {c.name: c for c in (
     Command("detach", DetachArgs, list[tuple[str, int]], Lane.CONTROL),
     Command("check_sae", CheckSaeArgs, CompatibilityReport, Lane.CONTROL),
     Command("cancel_all", CancelAllArgs, int, Lane.CONTROL),
+    # a structured request's grammar, built before the request takes an admission slot
+    Command("build_grammar", BuildGrammarArgs, None, Lane.CONTROL),
     Command("generate", GenerateArgs, GenerationEvent, Lane.STREAM),
     Command("embed", EmbedArgs, EmbedResult, Lane.WORK),
     Command("score", ScoreArgs, ScoreResult, Lane.WORK),
@@ -195,7 +202,7 @@ def check_implements(cls: type, *, where: str | None = None) -> None:
 
 
 __all__ = [
-    "COMMANDS", "AttachSetArgs", "CancelAllArgs", "CheckLoadArgs", "CheckSaeArgs", "Command",
+    "COMMANDS", "AttachSetArgs", "BuildGrammarArgs", "CancelAllArgs", "CheckLoadArgs", "CheckSaeArgs", "Command",
     "DetachArgs",
     "EmbedArgs", "GenerateArgs", "HiddenStatesArgs", "Lane", "LoadModelArgs", "ScoreArgs", "StatusArgs",
     "UnloadModelArgs", "check_implements", "command",

@@ -71,6 +71,7 @@ from .protocol import (
     LoadModelJob,
     ScoreJob,
     ScoreResult,
+    StructuredOutput,
     Usage,
 )
 from .sae import CompatibilityReport, check_compatibility
@@ -671,11 +672,7 @@ class Engine:
         else:
             self._submit(lambda: self._run_generation(job, stream), _priority(job.priority), on_drop=dropped)
 
-    def _prepare_structured(self, job: GenerationJob, stream: GenerationStream, dropped: Callable[[], None]) -> None:
-        """Build the request's grammar off the worker thread, then queue the request: a
-        costly schema (xgrammar spends seconds to minutes on long regex repetitions) never
-        holds the generation of others, and one not built within ``structured_timeout_s``
-        ends as ``schema_too_complex`` (``gpu_engine.structured.GrammarBuilder``)."""
+    def _builder(self) -> Any:
         from .structured import GRAMMAR_WORKERS, GrammarBuilder
 
         with self._state_lock:
@@ -684,7 +681,24 @@ class Engine:
                 # one more thread than children: a request waiting for a free child
                 # still counts its own deadline
                 self._grammar_threads = ThreadPoolExecutor(GRAMMAR_WORKERS + 1, thread_name_prefix="millm-grammar")
-            builder, threads = self._grammar_builder, self._grammar_threads
+            return self._grammar_builder
+
+    def build_grammar(self, spec: StructuredOutput) -> None:
+        """Build ``spec``'s grammar now, on the caller's thread (the web tier asks before a
+        structured request takes an admission slot, so a costly schema holds no slot while
+        it builds); ``SchemaTooComplex`` past ``structured_timeout_s``,
+        ``ResponseFormatUnsupported`` for a schema xgrammar refuses.  The request's own
+        ``generate`` then finds it built."""
+        if self._closed:
+            raise EngineShutdown("the engine is shut down")
+        self._builder().build(spec)
+
+    def _prepare_structured(self, job: GenerationJob, stream: GenerationStream, dropped: Callable[[], None]) -> None:
+        """Build the request's grammar off the worker thread, then queue the request: a
+        costly schema (xgrammar spends seconds to minutes on long regex repetitions) never
+        holds the generation of others, and one not built within ``structured_timeout_s``
+        ends as ``schema_too_complex`` (``gpu_engine.structured.GrammarBuilder``)."""
+        builder, threads = self._builder(), self._grammar_threads
 
         def prepare() -> None:
             spec = job.sampling.structured

@@ -228,22 +228,26 @@ class GrammarBuilder:
         self._closed = False
         self.stats = {"built": 0, "timed_out": 0, "building": 0}
 
-    def _take(self, deadline: float) -> _Child | None:
+    def _take(self, deadline: float) -> tuple[_Child | None, float]:
+        """A free child (started now if none is and fewer than ``workers`` run) and the
+        seconds its start took (not the schema's cost: the caller's deadline moves by
+        them); (None, 0) when none came free before ``deadline``."""
         with self._cond:
             while True:
                 if self._closed:
-                    return None
+                    return None, 0.0
                 if self._idle:
-                    return self._idle.pop()
+                    return self._idle.pop(), 0.0
                 if self._started < self.workers:
                     self._started += 1
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return None
+                    return None, 0.0
                 self._cond.wait(left)
+        started = time.monotonic()
         try:
-            return _Child()
+            return _Child(), time.monotonic() - started
         except BaseException:
             with self._cond:
                 self._started -= 1
@@ -271,9 +275,8 @@ class GrammarBuilder:
         with self._cond:
             self.stats["building"] += 1
         try:
-            child = self._take(deadline)
-            answer = child.ask(spec, time.monotonic() + max(deadline - time.monotonic(), 0.0)) \
-                if child is not None else None
+            child, start_s = self._take(deadline)
+            answer = child.ask(spec, deadline + start_s) if child is not None else None
             if answer is None:
                 if child is not None:
                     child.kill()  # overran (or died): its work is abandoned with it

@@ -48,7 +48,11 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    # strict: a number is a number and a boolean a boolean (``"n": "2"``, ``"stream":
+    # "true"`` and ``"max_tokens": 2.0`` are 400 naming the field, as OpenAI answers them);
+    # a float field still takes an integer
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True,
+                              strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -70,7 +74,7 @@ class _Wire(BaseModel):
 class _Strict(BaseModel):
     """Extension objects are ours: a misspelt key is refused, not ignored."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 # --------------------------------------------------------------------------- extensions

@@ -713,6 +713,22 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
                        headers=plan.headers)
 
 
+async def build_grammar(client: EngineClient, req: ChatCompletionRequest | CompletionRequest
+                        ) -> None:
+    """A ``response_format``'s grammar, built by the engine before the request takes an
+    admission slot: a costly schema holds no one's slot while it builds, and one not built
+    within STRUCTURED_COMPILE_TIMEOUT_S is 400 ``schema_too_complex`` here. (A tool call's
+    grammar depends on the model's template: the engine builds it after admission, under
+    the same deadline.)"""
+    spec = req.structured() if req.allowed_token_ids is None else None
+    if spec is None:
+        return
+    try:
+        await asyncio.to_thread(client.build_grammar, spec)
+    except Exception as exc:  # noqa: BLE001 - the engine's refusal, in /v1's shape
+        raise openai_error_from_exception(exc) from None
+
+
 async def serve_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
                            policy: str, lease: str | None = None,
                            ignored: list[str] | None = None, scope: Scope = EVERYONE) -> Any:
@@ -732,6 +748,7 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
     # before queueing
     residency.check_policy(model, policy=policy, resident=resident_model_id(status),
                            draining=status.draining)
+    await build_grammar(client, req)
     permit = await runtime().admission.acquire()
     res = _Resources(permit)
     handed_over = False

@@ -92,6 +92,9 @@ class FakeEngine:
     def check_load(self, job: Any) -> None:
         return None
 
+    def build_grammar(self, spec: Any) -> None:
+        return None
+
     def load_model(self, job: Any, *, timeout_s: float | None = None) -> EngineStatus:
         self.model_id = job.model_id
         self.attached.clear()

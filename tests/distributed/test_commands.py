@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM
 from core.engine_client import EmbeddedEngineClient, EngineClient
 from gpu_engine.commands import COMMANDS, check_implements
 from gpu_engine.engine import Engine
-from gpu_engine.errors import EngineBusy, UnsupportedQuantization
+from gpu_engine.errors import EngineBusy, ResponseFormatUnsupported, UnsupportedQuantization
 from gpu_engine.protocol import (
     AttachSpec,
     EmbedJob,
@@ -34,6 +34,7 @@ from gpu_engine.protocol import (
     LoadModelJob,
     SamplingParams,
     ScoreJob,
+    StructuredOutput,
     TokenEvent,
     from_json,
 )
@@ -205,6 +206,14 @@ def step_detach(client, assets, ref):
     return client.detach() == []
 
 
+def step_build_grammar(client, assets, ref):
+    built = client.build_grammar(StructuredOutput("json_schema", json.dumps(
+        {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}})))
+    with pytest.raises(ResponseFormatUnsupported) as refused:
+        client.build_grammar(StructuredOutput("json_schema", json.dumps({"type": "string", "pattern": "(?<=a)b"})))
+    return [built, refused.value.details["param"]]
+
+
 def step_unload_model(client, assets, ref):
     assert client.unload_model() is None
     assert client.status().state == "empty"
@@ -222,6 +231,7 @@ STEPS: dict[str, Step] = {
     "score": step_score,
     "hidden_states": step_hidden_states,
     "cancel_all": step_cancel_all,
+    "build_grammar": step_build_grammar,
     "detach": step_detach,
     "unload_model": step_unload_model,
 }
