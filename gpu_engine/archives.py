@@ -296,8 +296,12 @@ def check_safetensors(source: Source, *, max_bytes: int) -> SafetensorsHeader:
             raise ArchiveRefused(f"tensor {name!r} declares {declared} bytes but its offsets "
                                  f"span {offsets[1] - offsets[0]}", member=name)
         spans.append((offsets[0], offsets[1], name))
+    held = size - 8 - n  # the data bytes the file holds after its header
     end = 0
     for begin, stop, name in sorted(spans):
+        if stop > held:
+            raise ArchiveRefused(f"tensor {name!r} ends at byte {stop} of the data; the file "
+                                 f"holds {held}", member=name, declared_bytes=stop - begin)
         if begin != end:
             raise ArchiveRefused(f"tensor {name!r} starts at {begin}, not where the previous "
                                  f"one ends ({end})", member=name)
