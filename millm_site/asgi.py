@@ -70,6 +70,9 @@ if settings.MILLM_APPLICATION_START:
     from orchestration.startup import application_start
 
     application_start()
+    from monitoring.pruner import pruner_start
+
+    pruner_start()  # expired captures leave the disk with nobody running a command
     if settings.EMBEDDED:
         # this process was the only batch runner there is: take its batches back now
         # (distributed: a starting Celery worker does, batches/tasks.py)

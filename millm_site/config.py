@@ -362,8 +362,19 @@ VARIABLES: tuple[Var, ...] = (
         "millm.capture); a larger one is stored under CAPTURE_DIR and fetched by id from "
         "/api/captures.", minimum=0),
     Var("CAPTURE_RETENTION_S", "Capture", "int", 86400,
-        "Seconds a stored capture is kept; manage.py prune_captures deletes older ones "
-        "(and files no capture row names). 0 keeps them until deleted.", minimum=0),
+        "Seconds a stored capture is kept: an expired one is no longer listed or served, "
+        "and the server deletes it (and files no capture row names) every "
+        "CAPTURE_PRUNE_INTERVAL_S, as manage.py prune_captures does at once. 0 keeps them "
+        "until deleted.", minimum=0),
+    Var("CAPTURE_PRUNE_INTERVAL_S", "Capture", "float", 300.0,
+        "Seconds between two prunes of expired captures by the capture pruner, a thread "
+        "of every web process (embedded and distributed alike): nobody has to run "
+        "manage.py prune_captures.", minimum=1),
+    Var("CAPTURE_DIR_MAX_BYTES", "Capture", "int", 10 * 1024 * 1024 * 1024,
+        "Most bytes all stored captures together may hold under CAPTURE_DIR (10 GiB). A "
+        "request whose capture could be stored and would pass it (its estimate, as for "
+        "CAPTURE_MAX_BYTES, above the room left) is refused before generation with 507 "
+        "capture_store_full naming this setting; 0: no quota.", minimum=0),
     Var("ANALYZERS_EXTRA", "Capture", "list", [],
         "A deployment's own analyzers: comma-separated package.module:function entries, "
         "each called at start-up with the analyzer registry to register analyzers. An entry "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -192,6 +193,7 @@ def test_a_path_outside_the_roots_gets_one_answer_whether_it_exists_or_not(serve
         for route, body in (("/api/models", {"source": "local", "local_path": path}),
                             ("/api/saes", {"source": "local", "local_path": path})):
             code, answer = served.call("POST", route, body)
+            assert not answer["success"], (route, path, answer)
             error = answer["error"]
             answers.append((code, error["code"], error["message"],
                             tuple(sorted(k for k in error["details"] if k != "local_path"))))
@@ -211,7 +213,8 @@ def test_a_path_outside_the_roots_gets_one_answer_whether_it_exists_or_not(serve
 
 def test_deleting_a_local_alias_keeps_the_downloaded_models_files(served):
     code, answer = served.call("POST", "/api/models", {"repo_id": MODEL_REPO,
-                                                       "quantization": "FP32"})
+                                                       "quantization": "FP32",
+                                                       "custom_name": "downloaded"})
     assert code == 202, answer
     downloaded = served.wait_model(answer["data"]["model"]["id"])
     folder = Path(downloaded["local_path"])
@@ -262,7 +265,6 @@ DiskUsage = namedtuple("DiskUsage", "total used free")
 
 def test_a_download_that_does_not_fit_is_refused_before_anything(hub, settings,  # noqa: F811
                                                                   monkeypatch):
-    from registry import downloads
     from registry.models import SAE, Job, Model
 
     files = hub.repos[MODEL_REPO].files
@@ -270,7 +272,7 @@ def test_a_download_that_does_not_fit_is_refused_before_anything(hub, settings, 
                  if "/" not in name and name.endswith((".safetensors", ".json", ".txt",
                                                        ".model", ".jinja", ".tiktoken")))
     free = needed - 1
-    monkeypatch.setattr(downloads.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda path: DiskUsage(10 * needed, 10 * needed - free, free))
     seen = len(hub.requests)
     # (the served tests' rows, committed by another process, may be there too)
@@ -282,7 +284,7 @@ def test_a_download_that_does_not_fit_is_refused_before_anything(hub, settings, 
     assert str(needed) in error["message"] and str(free) in error["message"]
     sae_files = hub.repos[SAE_REPO].files
     sae_needed = sum(len(d) for n, d in sae_files.items() if n.startswith(f"{SAELENS_DIR}/"))
-    monkeypatch.setattr(downloads.shutil, "disk_usage",
+    monkeypatch.setattr(shutil, "disk_usage",
                         lambda path: DiskUsage(sae_needed, sae_needed, sae_needed - 1))
     error = refused(api.post("/api/saes/download", {"repository_id": SAE_REPO,
                                                      "file_path": SAELENS_DIR},
