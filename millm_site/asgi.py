@@ -45,21 +45,33 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 
 
 async def http_application(scope, receive, send):
-    path = scope.get("path", "")
+    scope = boundary.trusted_scope(scope)
+    path = boundary.routed_path(scope)
+    refusal = boundary.body_refusal(scope, path)
+    if refusal is not None:
+        await boundary.send_refusal(send, *refusal)
+        return
     if path in GENERATION_PATHS and scope.get("method") == "POST":
         with announced(runtime().engine):
-            await v1_asgi_app(scope, receive, send)
+            await boundary.guarded(v1_asgi_app, scope, receive, send, path)
         return
     app = v1_asgi_app if path == "/v1" or path.startswith("/v1/") else django_asgi_app
-    await app(scope, receive, send)
+    await boundary.guarded(app, scope, receive, send, path)
+
+
+async def websocket_application(scope, receive, send):
+    await _websocket(boundary.trusted_scope(scope), receive, send)
 
 
 from core.auth import WebSocketApiKeyMiddleware  # noqa: E402
+from millm_site import boundary  # noqa: E402
 from millm_site.routing import websocket_urlpatterns  # noqa: E402
+
+_websocket = WebSocketApiKeyMiddleware(URLRouter(websocket_urlpatterns))
 
 application = ProtocolTypeRouter({
     "http": http_application,
-    "websocket": WebSocketApiKeyMiddleware(URLRouter(websocket_urlpatterns)),
+    "websocket": websocket_application,
 })
 
 # Whatever server runs this module (manage.py serve, daphne, uvicorn), the registry is put

@@ -60,6 +60,25 @@ class Var:
     unbuilt_ok: tuple[Any, ...] = ()
 
 
+def _keys_set(values: dict[str, Any]) -> bool:
+    return bool(values.get("MILLM_API_KEYS") or values.get("MILLM_ADMIN_API_KEYS"))
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+
+
+def _default_allowed_hosts(values: dict[str, Any]) -> list[str]:
+    if _keys_set(values):
+        return ["*"]
+    host = str(values.get("HOST") or "").strip()
+    extra = [host] if host and host not in ("0.0.0.0", "::") else []
+    return [*LOOPBACK_HOSTS, *extra]
+
+
+def _default_origins(values: dict[str, Any]) -> list[str]:
+    return ["*"] if _keys_set(values) else []
+
+
 def _under_data(sub: str) -> Callable[[dict[str, Any]], Any]:
     return lambda values: str(Path(values["MILLM_DATA_DIR"]) / sub)
 
@@ -90,7 +109,11 @@ VARIABLES: tuple[Var, ...] = (
     Var("SECRET_KEY", "Core", "str", "", "Django secret key. Required when DEBUG is off and "
         "DATABASE_URL is set (a deployment); the embedded default generates one and keeps "
         "it in MILLM_DATA_DIR/secret_key.", secret=True),
-    Var("ALLOWED_HOSTS", "Core", "list", ["*"], "Host names the HTTP server answers for."),
+    Var("ALLOWED_HOSTS", "Core", "list", None, "Host names the HTTP server answers for "
+        "(Host header). Default: with API keys, any (*); without keys, only the loopback names "
+        "(localhost, 127.0.0.1, ::1) and HOST when it names one address, so a web page that "
+        "rebinds its own DNS name to this machine gets 400, not the API.",
+        derive=lambda v: _default_allowed_hosts(v)),
     Var("REDIS_URL", "Core", "str", "", "Unset: embedded mode (engine in the web process, "
         "in-memory channel layer, tasks in-process). Set: distributed mode over Redis "
         "(redis://host:6379/0).", secret=True),
@@ -103,9 +126,27 @@ VARIABLES: tuple[Var, ...] = (
         "[@<layer>] (the layer defaults to the one the SAE was trained on)."),
     # --- Access & hub ---------------------------------------------------------------
     Var("MILLM_API_KEYS", "Access & hub", "list", [],
-        "Comma-separated API keys. Set: /v1, /api (except liveness and readiness) and "
-        "/ws/events require Authorization: Bearer <key>. Unset: no authentication, and with "
-        "HOST unset the server binds to 127.0.0.1 only.", secret=True),
+        "Comma-separated inference keys (each 'secret' or 'label:secret'; the label names "
+        "the key in logs and owns what it makes). Set: /v1, /api (except liveness and "
+        "readiness) and /ws/events require Authorization: Bearer <key>; an inference key may "
+        "use /v1, read /api and manage its own objects (see MILLM_ADMIN_API_KEYS). Unset "
+        "with no admin keys either: no authentication, and with HOST unset the server binds "
+        "to 127.0.0.1 only.", secret=True),
+    Var("MILLM_ADMIN_API_KEYS", "Access & hub", "list", [],
+        "Comma-separated admin keys (each 'secret' or 'label:secret'). An admin key may do "
+        "everything: registry changes, downloads, load and unload, attach and detach, live "
+        "steering, documents, and it sees every key's files, batches, captures and probes. "
+        "MILLM_API_KEYS are inference keys: /v1, read-only /api, and their own objects. With "
+        "either set, /api and /v1 require a key; with inference keys only, admin actions "
+        "are refused (403) over HTTP and stay with manage.py and the Django admin.",
+        secret=True),
+    Var("ROOT_PATH", "Access & hub", "str", "",
+        "The URL prefix under which a reverse proxy serves miLLM (e.g. /millm), the ASGI "
+        "root_path. Taken from here only: a client's Daphne-Root-Path header is ignored."),
+    Var("TRUSTED_PROXIES", "Access & hub", "list", [],
+        "Addresses or networks (CIDR) of reverse proxies whose X-Forwarded-For and "
+        "X-Forwarded-Proto headers are believed. From any other peer these headers are "
+        "ignored (the client address and scheme are the connection's)."),
     Var("MILLM_ALLOW_REQUEST_CHAT_TEMPLATE", "Access & hub", "bool", False,
         "Let a /v1 chat request bring its own Jinja chat template "
         "(chat_template_kwargs.chat_template). Off: such a request is refused (400 "
@@ -134,8 +175,15 @@ VARIABLES: tuple[Var, ...] = (
         "timeout, 502/503/504) before it counts as one breaker failure.", minimum=1,
         maximum=10),
     # --- HTTP & logging -------------------------------------------------------------
-    Var("CORS_ORIGINS", "HTTP & logging", "list", ["*"],
-        "Comma-separated allowed origins, or * for any."),
+    Var("CORS_ORIGINS", "HTTP & logging", "list", None,
+        "Comma-separated browser origins allowed to call /api and /v1 and open /ws/events, "
+        "or * for any. Default: * with API keys (a page still needs a key); none without "
+        "keys (only the server's own pages). * without keys is refused at start-up: any web "
+        "page could drive the server.", derive=lambda v: _default_origins(v)),
+    Var("MAX_REQUEST_BODY_BYTES", "HTTP & logging", "int", 4 * 1024 * 1024,
+        "Largest request body for /api and /v1 other than file uploads (uploads: "
+        "BATCH_MAX_FILE_BYTES). A larger one is refused with 413 from its Content-Length "
+        "before it is read, or as soon as its bytes pass the limit.", minimum=1024),
     Var("LOG_LEVEL", "HTTP & logging", "str", "INFO", "Log threshold of every process.",
         choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")),
     Var("LOG_FORMAT", "HTTP & logging", "str", "console",
@@ -640,11 +688,27 @@ def _check_combinations(v: dict[str, Any]) -> None:
                               _redact(url))
         if not urlparse(url).path.strip("/"):
             raise ConfigError("DATABASE_URL", "must name a database", _redact(url))
+    root = v["ROOT_PATH"]
+    if root and (not root.startswith("/") or root.endswith("/") or "//" in root):
+        raise ConfigError("ROOT_PATH", "must be empty or a path like /millm (leading /, no "
+                          "trailing /)", root)
+    import ipaddress
+
+    for item in v["TRUSTED_PROXIES"]:
+        try:
+            ipaddress.ip_network(item, strict=False)
+        except ValueError:
+            raise ConfigError("TRUSTED_PROXIES", "entries must be IP addresses or CIDR "
+                              "networks", item) from None
     redis_url = v["REDIS_URL"]
     if redis_url and urlparse(redis_url).scheme not in ("redis", "rediss", "unix"):
         raise ConfigError("REDIS_URL", "must be a redis://, rediss:// or unix:// URL",
                           _redact(redis_url))
     origins = v["CORS_ORIGINS"]
+    if "*" in origins and not _keys_set(v):
+        raise ConfigError("CORS_ORIGINS", "* needs MILLM_API_KEYS or MILLM_ADMIN_API_KEYS: "
+                          "without keys any web page the operator opens could drive the "
+                          "server; name the origins, or set keys", "*")
     for origin in origins:
         if origin != "*" and not urlparse(origin).scheme in ("http", "https"):
             raise ConfigError("CORS_ORIGINS", "each origin must be * or an http(s) URL", origin)

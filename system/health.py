@@ -181,10 +181,32 @@ class LivenessView(APIView):
                    responses=enveloped(inline_serializer("Liveness", {
                        "status": serializers.CharField(), "version": serializers.CharField(),
                        "timestamp": serializers.CharField(),
-                       "uptime_seconds": serializers.FloatField()})))
+                       "uptime_seconds": serializers.FloatField(),
+                       "access": serializers.DictField()})))
     def get(self, request) -> Response:
         return envelope({"status": "healthy", "version": version(), "timestamp": _now(),
-                         "uptime_seconds": round(time.time() - STARTED_AT, 3)})
+                         "uptime_seconds": round(time.time() - STARTED_AT, 3),
+                         "access": access_summary()})
+
+
+def access_summary() -> dict[str, Any]:
+    """Which surfaces need which key (never a key): for clients and probes to check."""
+    from core.auth import keys_enabled
+
+    on = keys_enabled()
+    return {
+        "keys_required": on,
+        "inference_keys": len(settings.MILLM_API_KEYS),
+        "admin_keys": len(settings.MILLM_ADMIN_API_KEYS),
+        "protected": ["/v1", "/api (but /api/health and /api/health/ready)", "/ws/events"]
+        if on else [],
+        "admin_only": "changes of shared state on /api (registry, load and unload, attach, "
+                      "live steering, documents, leases)" if on else None,
+        "open": ["/api/health", "/api/health/ready"],
+        "browser_origins": "*" if getattr(settings, "CORS_ALLOW_ALL_ORIGINS", False)
+        else list(getattr(settings, "CORS_ALLOWED_ORIGINS", [])),
+        "remote_code": bool(getattr(settings, "ALLOW_REMOTE_CODE", False)),
+    }
 
 
 class ReadinessView(APIView):

@@ -6,7 +6,7 @@ from corsheaders.defaults import default_headers
 
 from .core import CONFIG, EMBEDDED
 
-if CONFIG.CORS_ORIGINS == ["*"]:
+if "*" in CONFIG.CORS_ORIGINS:  # only with keys (millm_site.config refuses it without)
     CORS_ALLOW_ALL_ORIGINS = True
 else:
     CORS_ALLOWED_ORIGINS = CONFIG.CORS_ORIGINS
@@ -35,7 +35,8 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": (
         "Management API (/api): every response is the envelope "
         "{success, data, error: {code, message, details}}; every 503 carries Retry-After. "
-        "With MILLM_API_KEYS set, send Authorization: Bearer <key>."),
+        "With MILLM_API_KEYS or MILLM_ADMIN_API_KEYS set, send Authorization: Bearer "
+        "<key>; changes of shared state need an admin key."),
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SWAGGER_UI_DIST": "SIDECAR",
@@ -66,6 +67,14 @@ METRICS_PUSH_INTERVAL_S = CONFIG.METRICS_PUSH_INTERVAL_S
 MILLM_HOST = CONFIG.HOST
 MILLM_PORT = CONFIG.PORT
 MILLM_API_KEYS = tuple(CONFIG.MILLM_API_KEYS)
+MILLM_ADMIN_API_KEYS = tuple(CONFIG.MILLM_ADMIN_API_KEYS)
+# one limit for a request body (millm_site.boundary refuses larger ones before reading them)
+MAX_REQUEST_BODY_BYTES = CONFIG.MAX_REQUEST_BODY_BYTES
+DATA_UPLOAD_MAX_MEMORY_SIZE = CONFIG.MAX_REQUEST_BODY_BYTES
+# the ASGI root_path, from here only (millm_site.asgi ignores Daphne-Root-Path)
+MILLM_ROOT_PATH = CONFIG.ROOT_PATH
+# peers whose X-Forwarded-For / X-Forwarded-Proto are believed (millm_site.asgi)
+MILLM_TRUSTED_PROXIES = tuple(CONFIG.TRUSTED_PROXIES)
 # a /v1 chat request's own chat_template (inference.policy.template_kwargs)
 MILLM_ALLOW_REQUEST_CHAT_TEMPLATE = CONFIG.MILLM_ALLOW_REQUEST_CHAT_TEMPLATE
 # Whether HOST was given (environment or .env) rather than defaulted: without API keys a

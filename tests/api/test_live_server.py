@@ -86,7 +86,7 @@ def served(django_db_setup, django_db_blocker, standin_hub, tiny_assets, tmp_pat
         "SECRET_KEY": "live-server-secret-key-0123456789abcdef",
         "MILLM_DATA_DIR": str(root), "MODEL_CACHE_DIR": str(root / "models"),
         "SAE_CACHE_DIR": str(root / "saes"), "HF_ENDPOINT": standin_hub.url,
-        "MILLM_API_KEYS": KEY, "AUTO_LOAD_MODEL": "auto-gpt2",
+        "MILLM_ADMIN_API_KEYS": KEY, "AUTO_LOAD_MODEL": "auto-gpt2",
         "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32",
         "LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1",
     })

@@ -155,7 +155,8 @@ def start_server(root: Path, hub_url: str, extra: dict[str, str] | None = None) 
                                     str(port), "--no-auto-load"], cwd=REPO, env=env,
                                    stdout=sink, stderr=subprocess.STDOUT)
     server = Server(f"http://127.0.0.1:{port}", process, log,
-                    key=(extra or {}).get("MILLM_API_KEYS"))
+                    key=(extra or {}).get("MILLM_ADMIN_API_KEYS")
+                    or (extra or {}).get("MILLM_API_KEYS"))
 
     def answers() -> bool:
         try:

@@ -1,5 +1,6 @@
-"""With MILLM_API_KEYS set the pages still load (they hold no data), ask for the key
-without sending a single refused request, keep it in sessionStorage and send it."""
+"""With API keys set (here an admin key, as an operator has) the pages still load (they
+hold no data), ask for the key without sending a single refused request, keep it in
+sessionStorage and send it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ KEY = "ui-test-key-0123456789"
 @pytest.fixture(scope="module")
 def keyed_server(tiny_assets, slow_hub, tmp_path_factory):
     srv = start_server(tmp_path_factory.mktemp("ui-keys"), slow_hub.url,
-                       {"MILLM_API_KEYS": KEY})
+                       {"MILLM_ADMIN_API_KEYS": KEY})
     yield srv
     stop_server(srv)
 

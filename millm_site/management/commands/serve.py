@@ -16,6 +16,7 @@ from daphne.cli import CommandLineInterface
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
+from core.auth import keys_enabled
 from core.errors import MillmError
 
 log = structlog.get_logger("millm.serve")
@@ -25,13 +26,14 @@ def bind_host(explicit: str | None = None) -> tuple[str, str]:
     """(host, note): the address to bind and what to tell the operator about access."""
     if explicit:
         host = explicit
-    elif settings.MILLM_API_KEYS or settings.MILLM_HOST_EXPLICIT:
+    elif keys_enabled() or settings.MILLM_HOST_EXPLICIT:
         host = settings.MILLM_HOST
     else:
         host = "127.0.0.1"
-    if settings.MILLM_API_KEYS:
+    if keys_enabled():
         note = (f"API keys required on /api, /v1 and /ws/events "
-                f"({len(settings.MILLM_API_KEYS)} key(s) configured)")
+                f"({len(settings.MILLM_API_KEYS)} inference key(s), "
+                f"{len(settings.MILLM_ADMIN_API_KEYS)} admin key(s) configured)")
     elif host in ("127.0.0.1", "localhost", "::1"):
         note = ("no MILLM_API_KEYS: authentication is off, so the server listens on "
                 f"{host} only (set MILLM_API_KEYS, or HOST explicitly, to listen elsewhere)")
@@ -91,7 +93,9 @@ class Command(BaseCommand):
         self.stdout.write(f"Access: {access}")
         self.stdout.flush()
         try:
-            CommandLineInterface().run(["-b", host, "-p", str(port), "--proxy-headers",
+            # no --proxy-headers: forwarded headers are believed only from TRUSTED_PROXIES,
+            # which millm_site.boundary checks against the connection's own peer
+            CommandLineInterface().run(["-b", host, "-p", str(port),
                                         "millm_site.asgi:application"])
         finally:
             # daphne has stopped (SIGTERM, SIGINT): the engine and the pools go down with

@@ -1,0 +1,163 @@
+"""What a client's bytes may decide before Django sees the request (docs/security.md).
+
+- ``root_path`` comes from ROOT_PATH, never from a client's ``Daphne-Root-Path`` header,
+  and every path decision (routing to the /v1 handler, the key check) reads the routed
+  path: the request path less that configured prefix.
+- ``X-Forwarded-For`` and ``X-Forwarded-Proto`` are believed only from a peer listed in
+  TRUSTED_PROXIES; from anyone else the client address and scheme are the connection's.
+- A body is refused from its ``Content-Length`` before a byte of it is read when it is
+  over the surface's limit (413), and counted as it arrives when it has none; the body of
+  a request that carries no valid key for a protected path is never read at all (the
+  middleware answers 401 from the headers), so nothing is spooled to disk for it.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from typing import Any
+
+from django.conf import settings
+
+from core.auth import bearer_token, identify, keys_enabled, protected
+
+# multipart uploads: their views apply each file's exact limit; this bounds what is read
+UPLOAD_PATHS = ("/v1/files", "/api/probes/import", "/api/vectors", "/admin/")
+MULTIPART_SLACK_BYTES = 64 * 1024
+
+
+def _headers(scope: dict[str, Any]) -> dict[str, str]:
+    return {k.decode("latin-1").lower(): v.decode("latin-1")
+            for k, v in scope.get("headers", [])}
+
+
+def _trusted_peer(scope: dict[str, Any]) -> bool:
+    client = scope.get("client")
+    if not client or not settings.MILLM_TRUSTED_PROXIES:
+        return False
+    try:
+        address = ipaddress.ip_address(client[0])
+    except ValueError:
+        return False
+    return any(address in ipaddress.ip_network(net, strict=False)
+               for net in settings.MILLM_TRUSTED_PROXIES)
+
+
+def trusted_scope(scope: dict[str, Any]) -> dict[str, Any]:
+    """The scope with root_path from the configuration and the forwarded client address
+    and scheme taken only from a trusted proxy (the rightmost address it did not add)."""
+    scope = {**scope, "root_path": settings.MILLM_ROOT_PATH}
+    if _trusted_peer(scope):
+        headers = _headers(scope)
+        chain = [x.strip() for x in headers.get("x-forwarded-for", "").split(",") if x.strip()]
+        nets = [ipaddress.ip_network(n, strict=False) for n in settings.MILLM_TRUSTED_PROXIES]
+        for hop in reversed(chain):
+            try:
+                address = ipaddress.ip_address(hop)
+            except ValueError:
+                break
+            if not any(address in net for net in nets):
+                scope["client"] = (hop, 0)
+                break
+        proto = headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
+        if proto in ("http", "https"):
+            scope["scheme"] = proto if scope["type"] == "http" else (
+                "wss" if proto == "https" else "ws")
+    return scope
+
+
+def routed_path(scope: dict[str, Any]) -> str:
+    """The path Django routes (path_info): the request path less ROOT_PATH."""
+    path = scope.get("path", "") or ""
+    root = scope.get("root_path", "") or ""
+    if root and (path == root or path.startswith(root + "/")):
+        return path[len(root):] or "/"
+    return path
+
+
+def body_limit(scope: dict[str, Any], path: str) -> int:
+    if path.startswith(UPLOAD_PATHS):
+        return int(settings.BATCH_MAX_FILE_BYTES) + MULTIPART_SLACK_BYTES
+    return int(settings.MAX_REQUEST_BODY_BYTES)
+
+
+def _surface_error(path: str, status: int, code: str, message: str,
+                   details: dict[str, Any]) -> bytes:
+    if path.startswith("/v1"):
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
+                          "code": code.lower()}}
+    else:
+        body = {"success": False, "data": None,
+                "error": {"code": code, "message": message, "details": details}}
+    return json.dumps(body).encode()
+
+
+def body_refusal(scope: dict[str, Any], path: str) -> tuple[int, bytes] | None:
+    """413 from Content-Length alone, before the body is read."""
+    declared = _headers(scope).get("content-length")
+    if declared is None:
+        return None
+    limit = body_limit(scope, path)
+    try:
+        size = int(declared)
+    except ValueError:
+        return 400, _surface_error(path, 400, "INVALID_REQUEST", "Content-Length is not a "
+                                   "number", {})
+    if size > limit:
+        return 413, _too_large(path, limit)
+    return None
+
+
+def _too_large(path: str, limit: int) -> bytes:
+    return _surface_error(path, 413, "PAYLOAD_TOO_LARGE",
+                          f"The request body is larger than {limit} bytes",
+                          {"limit_bytes": limit})
+
+
+async def send_refusal(send, status: int, body: bytes) -> None:  # noqa: ANN001
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"),
+                            (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def unauthenticated(scope: dict[str, Any], path: str) -> bool:
+    """A protected request with no valid key: its body is never read."""
+    if not keys_enabled() or not protected(path) or scope.get("method") == "OPTIONS":
+        return False
+    return identify(bearer_token(_headers(scope).get("authorization"))) is None
+
+
+async def _empty_body() -> dict[str, Any]:
+    return {"type": "http.request", "body": b"", "more_body": False}
+
+
+async def guarded(app, scope, receive, send, path: str) -> None:  # noqa: ANN001
+    """Run ``app`` with the body counted against the surface's limit: past it the app
+    sees the client go away and the client gets 413."""
+    if unauthenticated(scope, path):
+        await app(scope, _empty_body, send)
+        return
+    limit = body_limit(scope, path)
+    state = {"read": 0, "over": False, "started": False}
+
+    async def counted_receive() -> dict[str, Any]:
+        if state["over"]:
+            return {"type": "http.disconnect"}
+        message = await receive()
+        if message["type"] == "http.request":
+            state["read"] += len(message.get("body", b""))
+            if state["read"] > limit:
+                state["over"] = True
+                return {"type": "http.disconnect"}
+        return message
+
+    async def watched_send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            state["started"] = True
+        await send(message)
+
+    await app(scope, counted_receive, watched_send)
+    if state["over"] and not state["started"]:
+        await send_refusal(send, 413, _too_large(path, limit))
