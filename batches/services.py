@@ -53,7 +53,7 @@ COMPLETION_WINDOWS = {"24h": timedelta(hours=24)}
 CUSTOM_ID_MAX_CHARS = 512
 ERRORS_SHOWN = 100  # of a failed validation; the rest are counted in the last message
 PROGRESS_EVERY_S = 0.5  # batch:progress while lines are answered, at most this often
-CHUNK_BYTES = 1024 * 1024  # a FileChunk row; what a file is read and written by
+CHUNK_BYTES = 256 * 1024  # a FileChunk row; what a file is read and written by
 MODELS_NAMED = 8  # models named by a mismatched_model error, at most
 QUOTA_LOCK_KEY = 0x6D696C6C6D5F6631  # pg_advisory_xact_lock of the files quota
 UPLOAD_ABANDONED_S = 3600.0  # an upload unfinished this long died with its process

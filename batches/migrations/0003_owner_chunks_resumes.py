@@ -6,7 +6,7 @@ import django.db.models.deletion
 from django.db import migrations, models
 
 
-CHUNK_BYTES = 1024 * 1024  # batches.services.CHUNK_BYTES when this was written
+CHUNK_BYTES = 256 * 1024  # batches.services.CHUNK_BYTES when this was written
 
 
 def content_to_chunks(apps, schema_editor):
