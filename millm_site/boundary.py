@@ -104,11 +104,22 @@ def body_refusal(scope: dict[str, Any], path: str) -> tuple[int, bytes] | None:
         return 400, _surface_error(path, 400, "INVALID_REQUEST", "Content-Length is not a "
                                    "number", {})
     if size > limit:
-        return 413, _too_large(path, limit)
+        return 413, too_large(path, limit)
     return None
 
 
-def _too_large(path: str, limit: int) -> bytes:
+def unauthorized_body(path: str) -> bytes:
+    """The key check's 401 body, in the surface's shape (core.auth answers the same)."""
+    if path.startswith("/v1"):
+        return json.dumps({"error": {
+            "message": "Missing or invalid API key: send Authorization: Bearer <key>",
+            "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
+        ).encode()
+    return _surface_error(path, 401, "UNAUTHORIZED", "Missing or invalid API key: send "
+                          "Authorization: Bearer <key>", {})
+
+
+def too_large(path: str, limit: int) -> bytes:
     return _surface_error(path, 413, "PAYLOAD_TOO_LARGE",
                           f"The request body is larger than {limit} bytes",
                           {"limit_bytes": limit})
@@ -160,4 +171,4 @@ async def guarded(app, scope, receive, send, path: str) -> None:  # noqa: ANN001
 
     await app(scope, counted_receive, watched_send)
     if state["over"] and not state["started"]:
-        await send_refusal(send, 413, _too_large(path, limit))
+        await send_refusal(send, 413, too_large(path, limit))

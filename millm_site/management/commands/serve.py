@@ -95,6 +95,9 @@ class Command(BaseCommand):
         try:
             # no --proxy-headers: forwarded headers are believed only from TRUSTED_PROXIES,
             # which millm_site.boundary checks against the connection's own peer
+            from millm_site.daphne_guard import install
+
+            install()  # bodies refused before daphne reads them (millm_site.daphne_guard)
             CommandLineInterface().run(["-b", host, "-p", str(port),
                                         "millm_site.asgi:application"])
         finally:
