@@ -95,6 +95,12 @@ class CaptureTooLarge(MillmError):
     code, status = "CAPTURE_TOO_LARGE", 400
 
 
+class CaptureStoreFull(MillmError):
+    """Stored captures fill CAPTURE_DIR_MAX_BYTES (details: estimate_bytes, room_bytes)."""
+
+    code, status = "CAPTURE_STORE_FULL", 507
+
+
 class UnknownAnalyzer(MillmError):
     """An analyzer name the registry does not have (details: known)."""
 
@@ -150,6 +156,7 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
     "generation_failed": GenerationFailed,
     "backend_unavailable": BackendUnavailable,
     "capture_too_large": CaptureTooLarge,
+    "capture_store_full": CaptureStoreFull,
     "unknown_analyzer": UnknownAnalyzer,
     "analyzer_capture_missing": AnalyzerCaptureMissing,
     "invalid_probe_file": InvalidProbeFile,

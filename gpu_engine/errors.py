@@ -99,6 +99,22 @@ class CaptureTooLarge(EngineError):
                      "rows": rows, "layers": layers})
 
 
+class CaptureStoreFull(EngineError):
+    """A capture that could be stored (its worst case above the inline limit) and would
+    pass the room left under the capture directory's quota (``CAPTURE_DIR_MAX_BYTES``);
+    refused before anything runs."""
+
+    code = "capture_store_full"
+
+    def __init__(self, *, estimate_bytes: int, room_bytes: int) -> None:
+        super().__init__(
+            f"the capture store is full: this capture may take up to {estimate_bytes} bytes "
+            f"and {room_bytes} are left under CAPTURE_DIR_MAX_BYTES; delete stored captures "
+            "(DELETE /api/captures/{id}), wait for expired ones to be pruned, or capture less",
+            details={"param": "capture", "estimate_bytes": estimate_bytes,
+                     "room_bytes": room_bytes, "setting": "CAPTURE_DIR_MAX_BYTES"})
+
+
 class UnknownAnalyzer(EngineError):
     """An analyzer name no registry entry has (details: ``known``)."""
 
@@ -220,6 +236,7 @@ __all__ = [
     "InvalidProbeFile",
     "UnknownAnalyzer",
     "BackendUnavailable",
+    "CaptureStoreFull",
     "CaptureTooLarge",
     "ContextLengthExceeded",
     "EngineBusy",

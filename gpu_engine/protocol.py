@@ -577,7 +577,9 @@ class CaptureSpec(msgspec.Struct):
     for hidden states, attention or both.  ``max_bytes`` (0: no limit) refuses, before
     anything runs, a capture whose worst case is larger; an artifact of at most
     ``inline_max_bytes`` comes back in the ``FinishEvent``, a larger one is written under
-    ``directory`` (inline when unset).
+    ``directory`` (inline when unset). ``store_max_bytes`` (None: no quota) is the room
+    left under the directory's quota: a capture whose worst case could be stored and is
+    larger is refused (``capture_store_full``) before anything runs.
     """
 
     layers: list[int] = msgspec.field(default_factory=list)
@@ -585,6 +587,7 @@ class CaptureSpec(msgspec.Struct):
     max_bytes: int = 0
     inline_max_bytes: int = 0
     directory: str | None = None
+    store_max_bytes: int | None = None
     model: str = ""  # the name the sidecar records (the engine's model id when empty)
     attention: AttentionCaptureSpec | None = None
 

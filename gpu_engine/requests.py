@@ -188,6 +188,11 @@ def with_capture(backend: Any, job: GenerationJob, hooks: RequestHooks | None, n
     if spec.max_bytes and estimate > spec.max_bytes:
         raise CaptureTooLarge(estimate_bytes=estimate, max_bytes=spec.max_bytes, rows=rows,
                               layers=len(set(spec.layers) | set(att.layers if att is not None else ())))
+    if (spec.store_max_bytes is not None and spec.directory is not None
+            and estimate > spec.inline_max_bytes and estimate > spec.store_max_bytes):
+        from .errors import CaptureStoreFull
+
+        raise CaptureStoreFull(estimate_bytes=estimate, room_bytes=max(0, spec.store_max_bytes))
     steered = job.steering is not None and not job.steering.is_empty()
     model = spec.model or getattr(getattr(backend, "job", None), "model_id", "") or ""
     # a backend whose workers take the rows (vLLM) gets a plan that only packs their parts

@@ -56,6 +56,7 @@ _DOMAIN: dict[str, tuple[int, str, str | None]] = {
     "GENERATION_FAILED": (500, "generation_failed", None),
     "BACKEND_UNAVAILABLE": (400, "backend_unavailable", None),
     "CAPTURE_TOO_LARGE": (400, "capture_too_large", None),
+    "CAPTURE_STORE_FULL": (507, "capture_store_full", None),
     "UNKNOWN_ANALYZER": (400, "unknown_analyzer", None),
     "ANALYZER_CAPTURE_MISSING": (400, "analyzer_capture_missing", None),
     "INVALID_PROBE_FILE": (400, "invalid_probe_file", None),

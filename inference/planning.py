@@ -52,6 +52,7 @@ from monitoring.ownership import EVERYONE, Scope
 from monitoring.probes import ProbePlan, armed_copy, probe_request_plan
 from monitoring.sensing import SensingPlan, sensing_request_plan, watch_copy
 from monitoring.services import (
+    capture_room,
     monitoring_merge,
     monitoring_request_config,
     monitoring_request_entry,
@@ -214,7 +215,10 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     if sensing is not None:  # tagged entries, read apart from the request's own
         monitor = MonitorSpec([*(monitor.entries if monitor is not None else []),
                                *sensing.monitor_entries()])
-    capture = capture_spec(req, model.name, n_prompts * req.n, need=need)
+    # the room left under CAPTURE_DIR_MAX_BYTES (a database read: off the loop)
+    room = await off_view_thread(capture_room)() \
+        if req.capture is not None or need is not None else None
+    capture = capture_spec(req, model.name, n_prompts * req.n, need=need, room=room)
     choices: list[Choice] = []
     tools = None
     if isinstance(req, ChatCompletionRequest):
@@ -298,7 +302,8 @@ async def prepare_analyses(req: ChatCompletionRequest | CompletionRequest,
 
 
 def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, choices: int,
-                 need: CaptureNeed | None = None) -> CaptureSpec | None:
+                 need: CaptureNeed | None = None, room: int | None = None
+                 ) -> CaptureSpec | None:
     """The engine's capture spec of a request's ``capture`` field united with what its
     analyzers read (``need``), with the CAPTURE_* limits: one choice only (the response
     holds one capture)."""
@@ -309,7 +314,7 @@ def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, cho
         param = "capture" if asked is not None else "analyze"
         raise OpenAIError(f"{param} takes one choice: send one prompt with n = 1",
                           status=400, code="invalid_parameter", param=param)
-    limits = capture_limits(model)
+    limits = capture_limits(model, room)
     base = None
     if asked is not None:
         att = asked.attention
@@ -321,11 +326,12 @@ def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, cho
     return base if need is None else capture_spec_for(need, base, **limits)
 
 
-def capture_limits(model: str) -> dict[str, Any]:
-    """The CAPTURE_* limits every capture the web tier asks for carries."""
+def capture_limits(model: str, room: int | None = None) -> dict[str, Any]:
+    """The CAPTURE_* limits every capture the web tier asks for carries; ``room``: what is
+    left under CAPTURE_DIR_MAX_BYTES (None: no quota)."""
     return {"max_bytes": int(settings.CAPTURE_MAX_BYTES),
             "inline_max_bytes": int(settings.CAPTURE_INLINE_MAX_BYTES),
-            "directory": str(settings.CAPTURE_DIR), "model": model}
+            "directory": str(settings.CAPTURE_DIR), "model": model, "store_max_bytes": room}
 
 
 def sampling_defaults(status: EngineStatus) -> SamplingDefaults:

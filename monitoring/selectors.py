@@ -85,6 +85,18 @@ def capture_out(row: Any) -> dict[str, Any]:
             "url": f"/api/captures/{row.id}/download", "owner": row.owner}
 
 
+def live_captures(scope: Scope = EVERYONE) -> Any:
+    """The captures ``scope`` sees that have not expired (CAPTURE_RETENTION_S): an expired
+    one is gone for every reader at once, before the pruner deletes its files."""
+    from django.db.models import Q
+    from django.utils import timezone
+
+    from monitoring.models import Capture
+
+    return scope.filter(Capture.objects.filter(
+        Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now())))
+
+
 def capture_get(*, capture_id: str, scope: Scope = EVERYONE) -> Any:
     """The row, or None for an unknown id, anything that is not 32 hex digits, or another
     owner's capture (the same answer: its existence is not revealed)."""
@@ -93,14 +105,14 @@ def capture_get(*, capture_id: str, scope: Scope = EVERYONE) -> Any:
 
     if not is_capture_id(capture_id):
         return None
-    return scope.filter(Capture.objects.filter(id=capture_id)).first()
+    return live_captures(scope).filter(id=capture_id).first()
 
 
 def capture_list(*, limit: int = 50, request_id: str | None = None,
                  scope: Scope = EVERYONE) -> dict[str, Any]:
     from monitoring.models import Capture
 
-    qs = scope.filter(Capture.objects.order_by("-created_at"))
+    qs = live_captures(scope).order_by("-created_at")
     if request_id:
         qs = qs.filter(request_id=request_id)
     return {"captures": [capture_out(r) for r in qs[:limit]], "total": qs.count()}

@@ -381,6 +381,23 @@ def capture_register(*, request_id: str, result: Any, owner: str = ANONYMOUS) ->
         expires_at=now + timedelta(seconds=retention) if retention else None)
 
 
+def capture_room() -> int | None:
+    """Bytes left under CAPTURE_DIR_MAX_BYTES for stored captures (None: no quota). What
+    has expired is pruned first, so a full store frees itself before it refuses."""
+    from django.conf import settings
+    from django.db.models import Sum
+
+    from monitoring.models import Capture
+
+    quota = int(settings.CAPTURE_DIR_MAX_BYTES)
+    if not quota:
+        return None
+    if Capture.objects.filter(expires_at__lte=timezone.now()).exists():
+        capture_prune()
+    used = Capture.objects.aggregate(total=Sum("nbytes"))["total"] or 0
+    return max(0, quota - int(used))
+
+
 def _capture_unlink(capture_id: str) -> None:
     from gpu_engine.artifacts import file_names
 
