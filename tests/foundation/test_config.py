@@ -13,7 +13,7 @@ from tests.conftest import manage
 # the variable parses. Paths under /app become paths under MILLM_DATA_DIR (README).
 SEED_DEFAULTS = {
     "HF_TOKEN": "", "HOST": "0.0.0.0", "PORT": 8000, "DEBUG": False, "REDIS_URL": "",
-    "AUTO_LOAD_MODEL": "", "CORS_ORIGINS": ["*"], "LOG_LEVEL": "INFO",
+    "AUTO_LOAD_MODEL": "", "LOG_LEVEL": "INFO",
     "LOG_FORMAT": "console", "MAX_CONCURRENT_REQUESTS": 1, "MAX_PENDING_REQUESTS": 10,
     "MAX_DOWNLOAD_WORKERS": 2, "MAX_LOAD_WORKERS": 1, "GRACEFUL_UNLOAD_TIMEOUT": 30.0,
     "DOWNLOAD_TIMEOUT": 3600.0, "LEASE_DEFAULT_TTL_SECONDS": 7200,
@@ -40,6 +40,21 @@ def test_every_seed_variable_exists_with_its_default():
         assert config[name] == default, name
     assert config.MODEL_CACHE_DIR.endswith("/model_cache")
     assert config.SAE_CACHE_DIR.endswith("/sae_cache")
+
+
+def test_the_seed_cors_default_holds_only_with_keys():
+    """The original's CORS_ORIGINS=* stays the default of a server with keys; without keys
+    any web page could drive it (docs/security.md), so none is granted and * is refused."""
+    assert load_config({"MILLM_API_KEYS": "k"}).CORS_ORIGINS == ["*"]
+    assert load_config({"MILLM_ADMIN_API_KEYS": "a:k"}).CORS_ORIGINS == ["*"]
+    assert load_config({}).CORS_ORIGINS == []
+    assert load_config({}).ALLOWED_HOSTS == ["localhost", "127.0.0.1", "::1", "[::1]"]
+    assert load_config({"HOST": "192.0.2.4"}).ALLOWED_HOSTS[-1] == "192.0.2.4"
+    with pytest.raises(ConfigError, match="CORS_ORIGINS.*MILLM_API_KEYS"):
+        load_config({"CORS_ORIGINS": "*"})
+    for bad in ({"ROOT_PATH": "x/"}, {"TRUSTED_PROXIES": "proxy.example"}):
+        with pytest.raises(ConfigError):
+            load_config(bad)
 
 
 def test_cache_dirs_follow_the_data_directory():
