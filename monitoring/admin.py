@@ -26,10 +26,11 @@ class MonitoringConfigAdmin(admin.ModelAdmin):
 
 @admin.register(ActivationRecord)
 class ActivationRecordAdmin(admin.ModelAdmin):
-    list_display = ("request_id", "token_position", "sae_id", "layer", "timestamp")
+    list_display = ("request_id", "token_position", "sae_id", "layer", "owner", "timestamp")
+    list_filter = ("owner",)
     search_fields = ("request_id",)
     readonly_fields = ("timestamp", "request_id", "sae_id", "layer", "token_position",
-                       "completion_token_index", "activations", "top_k")
+                       "completion_token_index", "activations", "top_k", "owner")
 
     def has_add_permission(self, request) -> bool:
         return False
@@ -43,9 +44,11 @@ class ProbeAdmin(admin.ModelAdmin):
     """Probes are created through /api/probes (parsed and checked there); the admin shows
     them and arms or disarms the validated ones through the same service."""
 
-    list_display = ("name", "id", "basis", "sae_id", "layer", "threshold", "positions", "armed")
+    list_display = ("name", "id", "owner", "basis", "sae_id", "layer", "threshold",
+                    "positions", "armed")
+    list_filter = ("owner",)
     search_fields = ("name", "id")
-    readonly_fields = ("id", "name", "basis", "sae_id", "layer", "features", "weights", "bias",
+    readonly_fields = ("id", "name", "owner", "basis", "sae_id", "layer", "features", "weights", "bias",
                        "threshold", "norm_mean", "norm_std", "positions", "validation", "armed",
                        "created_at", "updated_at")
     actions = ["arm", "disarm"]
@@ -76,7 +79,7 @@ class ProbeAdmin(admin.ModelAdmin):
 
 @admin.register(ProbeVerdict)
 class ProbeVerdictAdmin(admin.ModelAdmin):
-    list_display = ("request_id", "name", "scored", "score", "verdict", "timestamp")
+    list_display = ("request_id", "name", "scored", "score", "verdict", "owner", "timestamp")
     search_fields = ("request_id", "name")
 
     def has_add_permission(self, request) -> bool:
