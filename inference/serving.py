@@ -50,6 +50,7 @@ from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.residency import Use, resident_model_id
 from inference.scoring import check_scoring, serve_scoring
 from inference.tools import ToolStream, parse_tool_calls, refuse_tools_before_load
+from monitoring.ownership import EVERYONE, Scope
 from monitoring.probes import (
     ProbePlan,
     probe_record,
@@ -58,7 +59,6 @@ from monitoring.probes import (
     probe_take_records,
     verdicts_header,
 )
-from monitoring.ownership import EVERYONE, Scope
 from monitoring.sensing import sensing_publish, sensing_take_records
 from monitoring.services import capture_register, monitoring_record, monitoring_take_records
 

@@ -101,7 +101,6 @@ def capture_get(*, capture_id: str, scope: Scope = EVERYONE) -> Any:
     """The row, or None for an unknown id, anything that is not 32 hex digits, or another
     owner's capture (the same answer: its existence is not revealed)."""
     from gpu_engine.artifacts import is_capture_id
-    from monitoring.models import Capture
 
     if not is_capture_id(capture_id):
         return None
@@ -110,8 +109,6 @@ def capture_get(*, capture_id: str, scope: Scope = EVERYONE) -> Any:
 
 def capture_list(*, limit: int = 50, request_id: str | None = None,
                  scope: Scope = EVERYONE) -> dict[str, Any]:
-    from monitoring.models import Capture
-
     qs = live_captures(scope).order_by("-created_at")
     if request_id:
         qs = qs.filter(request_id=request_id)

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-
 from ..archives import ArchiveRefused, npz_members, read_npz, read_safetensors
 from ..errors import ModelLoadFailed, SAEFormatError
 from ..inspect import read_safetensors_header
