@@ -16,6 +16,7 @@ import asyncio
 import base64
 import json
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -713,6 +714,11 @@ async def respond(plan: Plan, client: EngineClient, res: _Resources) -> Any:
                        headers=plan.headers)
 
 
+# threads that wait for the engine's grammar builds (each at most the deadline; the engine
+# runs two builds at once, more wait for a free one)
+_GRAMMAR_WAITS = ThreadPoolExecutor(8, thread_name_prefix="millm-grammar-wait")
+
+
 async def build_grammar(client: EngineClient, req: ChatCompletionRequest | CompletionRequest
                         ) -> None:
     """A ``response_format``'s grammar, built by the engine before the request takes an
@@ -724,7 +730,10 @@ async def build_grammar(client: EngineClient, req: ChatCompletionRequest | Compl
     if spec is None:
         return
     try:
-        await asyncio.to_thread(client.build_grammar, spec)
+        # its own threads: a build waits up to its deadline, and must not take the default
+        # executor's, which the views' database work runs on (off_view_thread)
+        await asyncio.get_running_loop().run_in_executor(_GRAMMAR_WAITS, client.build_grammar,
+                                                         spec)
     except Exception as exc:  # noqa: BLE001 - the engine's refusal, in /v1's shape
         raise openai_error_from_exception(exc) from None
 
