@@ -43,7 +43,7 @@ from batches.errors import (
 )
 from batches.models import Batch, BatchLine, File, FileChunk
 from core.auth import ANONYMOUS, Principal
-from core.events import publish
+from core.events import OWNER_FIELD, publish
 from core.jobs import enqueue
 
 log = structlog.get_logger(__name__)
@@ -761,8 +761,9 @@ def _outcome_of(batch: Batch) -> str:
 
 def batch_progress(*, batch: Batch | None = None, batch_id: str | None = None,
                    force: bool = False) -> None:
-    """``batch:progress`` over /ws/events (ids, status and counts, never a prompt); while
-    lines are answered at most every PROGRESS_EVERY_S per batch."""
+    """``batch:progress`` over /ws/events (ids, status and counts, never a prompt), to the
+    batch's owner and admin sockets only; while lines are answered at most every
+    PROGRESS_EVERY_S per batch."""
     key = batch.id if batch is not None else batch_id
     now = time.monotonic()
     if not force and now - _progress_sent.get(key, 0.0) < PROGRESS_EVERY_S:
@@ -776,4 +777,5 @@ def batch_progress(*, batch: Batch | None = None, batch_id: str | None = None,
         "batch_id": batch.id, "status": batch.status, "model": batch.model,
         "endpoint": batch.endpoint,
         "request_counts": {"total": batch.total, "completed": batch.completed,
-                           "failed": batch.failed}})
+                           "failed": batch.failed},
+        OWNER_FIELD: batch.owner})

@@ -26,6 +26,10 @@ from core.runtime import runtime
 log = structlog.get_logger(__name__)
 
 GROUP = "millm.events"
+# An event's data may name the owner of what it is about (a batch, a request's monitoring):
+# /ws/events then sends it only to that owner's sockets and to admin keys, without the field
+# (millm_site.consumers).
+OWNER_FIELD = "_owner"
 
 class EventBus:
     """The process's publisher (a runtime part: ``runtime().events``), which remembers the

@@ -1,7 +1,9 @@
 """WebSocket consumer for ``/ws/events``: joins the event group and relays each event,
 and while connected receives this process's ``system:metrics`` (``MetricsPush``).
 
-Authentication happens before the consumer (``core.auth.WebSocketApiKeyMiddleware``).
+Authentication happens before the consumer (``core.auth.WebSocketApiKeyMiddleware``),
+which puts the caller's principal in the scope: an event about one owner's objects goes to
+that owner's sockets and admin sockets only.
 The socket only sends; anything a client writes is ignored.
 """
 
@@ -10,7 +12,8 @@ import asyncio
 from channels.generic.websocket import AsyncJsonWebsocketConsumer
 
 from core import events
-from core.events import GROUP
+from core.auth import ANONYMOUS
+from core.events import GROUP, OWNER_FIELD
 from core.runtime import runtime
 
 
@@ -29,7 +32,13 @@ class EventsConsumer(AsyncJsonWebsocketConsumer):
         return None
 
     async def millm_event(self, message: dict) -> None:
-        await self.send_json({"event": message["event"], "data": message["data"]})
+        data = message["data"]
+        if isinstance(data, dict) and OWNER_FIELD in data:
+            who = self.scope.get("millm_principal") or ANONYMOUS
+            if not who.admin and who.owner != data[OWNER_FIELD]:
+                return  # another key's batch or request: not this socket's to see
+            data = {k: v for k, v in data.items() if k != OWNER_FIELD}
+        await self.send_json({"event": message["event"], "data": data})
 
 
 class NoSuchSocket(AsyncJsonWebsocketConsumer):

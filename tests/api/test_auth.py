@@ -152,3 +152,93 @@ def test_keys_come_from_the_environment(run_manage, tmp_path):
     result = run_manage("check_config", env={"MILLM_DATA_DIR": str(tmp_path),
                                              "MILLM_API_KEYS": "supersecret"})
     assert "MILLM_API_KEYS=(set)" in result.stdout and "supersecret" not in result.stdout
+
+
+def test_inference_and_admin_keys(api, settings):
+    """An inference key reads and manages its own; a change of shared state needs an admin
+    key (403 in each surface's shape); labels name owners, never the secret."""
+    settings.MILLM_API_KEYS = ("alice:secret-a", "bare-secret")
+    settings.MILLM_ADMIN_API_KEYS = ("root:secret-r",)
+    ok(api.get("/api/models", HTTP_AUTHORIZATION="Bearer secret-a"))
+    ok(api.get("/api/models", HTTP_AUTHORIZATION="Bearer bare-secret"))
+    # the label is not a key
+    refused(api.get("/api/models", HTTP_AUTHORIZATION="Bearer alice:secret-a"), 401,
+            "UNAUTHORIZED")
+    error = refused(api.post("/api/saes/steering/enable", {}, format="json",
+                             HTTP_AUTHORIZATION="Bearer secret-a"), 403, "FORBIDDEN")
+    assert "MILLM_ADMIN_API_KEYS" in error["message"] and "secret" not in error["message"]
+    refused(api.delete("/api/models/1", HTTP_AUTHORIZATION="Bearer bare-secret"), 403,
+            "FORBIDDEN")
+    # what it may change of its own reaches the view (404: there is no such capture)
+    response = api.delete("/api/captures/cap_nope", HTTP_AUTHORIZATION="Bearer secret-a")
+    assert response.status_code == 404
+    # the admin key passes the gate (the view's own answer, not 401/403)
+    response = api.post("/api/saes/steering/enable", {}, format="json",
+                        HTTP_AUTHORIZATION="Bearer secret-r")
+    assert response.status_code not in (401, 403)
+    # /v1 takes both kinds
+    assert api.get("/v1/models", HTTP_AUTHORIZATION="Bearer secret-a").status_code == 200
+    assert api.get("/v1/models", HTTP_AUTHORIZATION="Bearer secret-r").status_code == 200
+
+
+def test_admin_keys_alone_protect_everything(api, settings):
+    settings.MILLM_API_KEYS = ()
+    settings.MILLM_ADMIN_API_KEYS = ("root:secret-r",)
+    refused(api.get("/api/models"), 401, "UNAUTHORIZED")
+    assert api.get("/v1/models").status_code == 401
+    ok(api.get("/api/models", HTTP_AUTHORIZATION="Bearer secret-r"))
+
+
+def test_an_owners_events_reach_only_its_sockets(settings):
+    """batch:progress and monitoring:activation of one key's work go to that key's sockets
+    and admin sockets, never to another key's."""
+    from channels.layers import get_channel_layer
+
+    from core import events
+
+    settings.METRICS_PUSH_INTERVAL_S = 0
+    settings.MILLM_API_KEYS = ("alice:ka", "bob:kb")
+    settings.MILLM_ADMIN_API_KEYS = ("root:kr",)
+
+    async def scenario():
+        sockets = {}
+        for name, key in (("alice", "ka"), ("bob", "kb"), ("root", "kr")):
+            sockets[name] = _ws(f"/ws/events?api_key={key}")
+            connected, _ = await sockets[name].connect(timeout=5)
+            assert connected
+        layer = get_channel_layer()
+        await layer.group_send(events.GROUP, {
+            "type": "millm.event", "event": "batch:progress",
+            "data": {"batch_id": "batch_a", events.OWNER_FIELD: "key:alice"}})
+        await layer.group_send(events.GROUP, {
+            "type": "millm.event", "event": "sae:attached", "data": {"sae_id": "s"}})
+        got = {}
+        for name, socket in sockets.items():
+            got[name] = [await socket.receive_json_from(timeout=5)]
+            if await socket.receive_nothing(timeout=0.3) is False:
+                got[name].append(await socket.receive_json_from(timeout=5))
+            await socket.disconnect()
+        return got
+
+    got = async_to_sync(scenario)()
+    mine = {"event": "batch:progress", "data": {"batch_id": "batch_a"}}
+    shared = {"event": "sae:attached", "data": {"sae_id": "s"}}
+    assert got["alice"] == [mine, shared] and got["root"] == [mine, shared]
+    assert got["bob"] == [shared]
+
+
+def test_a_foreign_page_cannot_open_the_socket(settings):
+    settings.MILLM_API_KEYS = ()
+    settings.MILLM_ADMIN_API_KEYS = ()
+    settings.CORS_ALLOW_ALL_ORIGINS = False
+    settings.CORS_ALLOWED_ORIGINS = ["http://webui.example"]
+
+    async def attempt(origin: bytes):
+        communicator = _ws("/ws/events", [(b"origin", origin), (b"host", b"127.0.0.1:8000")])
+        connected, code = await communicator.connect(timeout=5)
+        await communicator.disconnect()
+        return connected, code
+
+    assert async_to_sync(attempt)(b"http://evil.example") == (False, 4403)
+    assert async_to_sync(attempt)(b"http://webui.example")[0] is True
+    assert async_to_sync(attempt)(b"http://127.0.0.1:8000")[0] is True
