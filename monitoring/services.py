@@ -337,7 +337,7 @@ def monitoring_record(*, request_id: str, entry: MonitorEntry,
                 "timestamp": now.isoformat().replace("+00:00", "Z"), "request_id": request_id,
                 "sae_id": last.sae_id, "layer": last.layer,
                 "token_position": last.token_position, "top_k": last.top_k,
-                "records": len(rows)})
+                "records": len(rows), events.OWNER_FIELD: owner})
         return len(rows)
     except Exception:  # noqa: BLE001 - monitoring must never fail the generation it watched
         log.warning("monitoring_record_failed", request_id=request_id, exc_info=True)

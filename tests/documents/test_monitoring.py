@@ -9,6 +9,7 @@ import pytest
 
 from gpu_engine.protocol import ActivationRecord as EngineRecord
 from gpu_engine.protocol import FeatureActivation, FinishEvent, MonitorEntry, MonitorSpec, Usage
+from core import events
 from monitoring import services
 from monitoring.models import ActivationRecord, MonitoringConfig
 from tests.documents.conftest import ok, refused
@@ -174,7 +175,9 @@ def test_activation_events_are_rate_capped(relu, published, monkeypatch):
     assert [d["request_id"] for d in sent[:10]] == [f"r{i}" for i in range(10)]
     assert ActivationRecord.objects.count() == 25  # the history keeps everything
     assert set(sent[0]) == {"timestamp", "request_id", "sae_id", "layer", "token_position",
-                            "top_k", "records"}
+                            "top_k", "records", events.OWNER_FIELD}
+    # the socket sends it to its owner's (here the keyless anonymous owner's) sockets only
+    assert sent[0][events.OWNER_FIELD] == "anonymous"
     clock[0] += 1.0
     services.monitoring_record(request_id="later", entry=entry,
                                records=[rec(relu.id, 1, {1: 1.0})])
