@@ -1,10 +1,14 @@
 from django.contrib import admin
 from django.urls import include, path
 
+from system.access_admin import access_view
+
 admin.site.site_header = "miLLM administration"
 admin.site.site_title = "miLLM admin"
 
 urlpatterns = [
+    # the configured keys by label and kind, and the boundary's settings (staff only)
+    path("admin/access/", admin.site.admin_view(access_view), name="admin-access"),
     path("admin/", admin.site.urls),
     # the Files and Batch API first: inference's last route answers every unknown /v1 path
     path("v1/", include("batches.urls")),

@@ -242,3 +242,16 @@ def test_a_foreign_page_cannot_open_the_socket(settings):
     assert async_to_sync(attempt)(b"http://evil.example") == (False, 4403)
     assert async_to_sync(attempt)(b"http://webui.example")[0] is True
     assert async_to_sync(attempt)(b"http://127.0.0.1:8000")[0] is True
+
+
+def test_the_admin_names_the_keys_never_their_secrets(api, staff_client, settings):
+    settings.MILLM_API_KEYS = ("alice:secret-a",)
+    settings.MILLM_ADMIN_API_KEYS = ("root:secret-r",)
+    page = staff_client.get("/admin/access/")
+    assert page.status_code == 200
+    text = page.content.decode()
+    assert "alice" in text and "root" in text and "key:alice" in text
+    assert "secret-a" not in text and "secret-r" not in text
+    assert 'href="/admin/access/"' in staff_client.get("/admin/").content.decode()
+    anonymous = api.get("/admin/access/")
+    assert anonymous.status_code == 302 and "/admin/login/" in anonymous["Location"]
