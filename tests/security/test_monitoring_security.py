@@ -147,6 +147,32 @@ def test_a_capture_made_through_v1_is_its_keys_alone(llama, keys):
     assert mine.body == (Path(keys.CAPTURE_DIR) / f"{cid}.safetensors").read_bytes()
 
 
+def test_a_batch_lines_capture_is_its_batch_owners(llama, keys):
+    from openai import OpenAI
+
+    from monitoring.models import Capture
+
+    line = {"custom_id": "c0", "method": "POST", "url": "/v1/completions",
+            "body": {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2,
+                     "temperature": 0, "capture": {"layers": [0], "positions": "last"}}}
+    with OpenAI(base_url=llama.base_url, api_key=ALICE, max_retries=0, timeout=60) as alice:
+        file = alice.files.create(file=("in.jsonl", io.BytesIO((json.dumps(line) + "\n")
+                                                               .encode())), purpose="batch")
+        batch = alice.batches.create(input_file_id=file.id, endpoint="/v1/completions",
+                                     completion_window="24h")
+        deadline = time.monotonic() + 120
+        while (batch := alice.batches.retrieve(batch.id)).status not in (
+                "completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.1)
+        assert batch.status == "completed", batch
+        answer = json.loads(alice.files.content(batch.output_file_id).content)
+    cid = answer["response"]["body"]["millm"]["capture"]["id"]
+    assert Capture.objects.get(id=cid).owner == "key:alice"
+    assert call(llama, BOB, "GET", f"/api/captures/{cid}").status == 404
+    assert call(llama, ALICE, "GET", f"/api/captures/{cid}").status == 200
+
+
 def test_a_capture_over_the_directory_quota_is_507_before_generation(llama, keys):
     from monitoring.models import Capture
 
