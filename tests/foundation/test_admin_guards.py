@@ -4,6 +4,9 @@ not say what the engine does not hold nor take what the API's registration refus
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 from django.contrib.admin.models import DELETION, LogEntry
 
@@ -130,8 +133,17 @@ def test_add_model_registers_a_local_checkpoint_through_the_service(staff_client
     assert row.num_layers and row.hidden_size  # read from the checkpoint, as the API does
 
 
+_MISSING = os.path.join(tempfile.gettempdir(), "millm-no-such-folder")
+
+
 @pytest.mark.parametrize("path, message", [
-    ("/nonexistent/folder", "/nonexistent/folder does not exist (INVALID_LOCAL_PATH)"),
+    # under LOCAL_MODEL_ROOTS (the tests' roots include the temp directory) but missing
+    (_MISSING, f"{_MISSING} does not exist (INVALID_LOCAL_PATH)"),
+    # outside the roots: one answer, whether it exists or not
+    ("/nonexistent/folder", "local_path must lie under one of the directories of "
+                            "LOCAL_MODEL_ROOTS (INVALID_LOCAL_PATH)"),
+    ("/etc", "local_path must lie under one of the directories of LOCAL_MODEL_ROOTS "
+             "(INVALID_LOCAL_PATH)"),
     ("relative/folder", "local_path must be an absolute path (INVALID_LOCAL_PATH)"),
 ])
 def test_add_model_refuses_a_path_the_api_refuses(staff_client, path, message):
