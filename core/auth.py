@@ -51,8 +51,8 @@ INFERENCE_WRITES: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
         ({"DELETE"}, r"^/api/probes/[^/]+/?$"),
         ({"POST"}, r"^/api/probes/[^/]+/validate/?$"),
         ({"DELETE"}, r"^/api/monitoring/history/?$"),
-        ({"POST"}, r"^/api/models/preview/?$"),
-        ({"POST"}, r"^/api/saes/preview/?$"),
+        ({"POST"}, r"^/api/probes/?$"),
+        ({"POST"}, r"^/api/monitoring/statistics/top/?$"),
     ))
 
 
@@ -210,8 +210,8 @@ class ApiKeyMiddleware(LoopMiddleware):
 
 
 def _origin_allowed(origin: str, host: str | None) -> bool:
-    """A browser's Origin may open the WebSocket when it is this server itself or one of
-    CORS_ORIGINS; a client that sends no Origin is not a browser page."""
+    """A browser's Origin may open the WebSocket when it is one of CORS_ORIGINS or this
+    server itself; a client that sends no Origin is not a browser page."""
     if not origin:
         return True
     allowed = getattr(settings, "CORS_ALLOWED_ORIGINS", None) or ()
@@ -219,8 +219,14 @@ def _origin_allowed(origin: str, host: str | None) -> bool:
         return True
     if getattr(settings, "CORS_ALLOW_ALL_ORIGINS", False):
         return True
+    # the page's own server: its host:port is the Host it sent, and that Host names this
+    # server (ALLOWED_HOSTS) — a rebinding page sends its own name as both, and is refused
+    from django.http.request import split_domain_port, validate_host
+
     netloc = urlsplit(origin).netloc
-    return bool(host) and netloc.lower() == host.lower()
+    domain, _ = split_domain_port(host or "")
+    return bool(host) and netloc.lower() == host.lower() and bool(domain) and \
+        validate_host(domain, settings.ALLOWED_HOSTS)
 
 
 class WebSocketApiKeyMiddleware:

@@ -5,7 +5,9 @@
 every request for the model being loaded awaits the same load. While a load runs, a
 request for another model is refused with ``model_busy`` (it must not start a second
 load); ``X-miLLM-Load-Policy: refuse`` turns the on-demand load off: 409
-``model_not_resident``, or 503 ``model_loading`` while a load of that model runs.
+``model_not_resident``, or 503 ``model_loading`` while a load of that model runs. An
+inference key's request never loads (``ADMIN_ONLY``): only admin keys change what is
+resident.
 
 Across processes (several web workers, Celery, the engine process) the shared state
 decides, not this process's memory:
@@ -38,6 +40,9 @@ from gpu_engine.protocol import EngineStatus
 log = structlog.get_logger(__name__)
 
 LOAD_POLICIES = ("auto", "refuse")
+# what an inference key's request gets whatever it asks: only admin keys load models (a
+# request naming another model would otherwise swap the resident one for every user)
+ADMIN_ONLY = "admin_only"
 
 
 class ModelNotResident(MillmError):
@@ -103,11 +108,16 @@ class Residency:
         # which the resident check above has already caught. A load running in another
         # process is awaited like one running here.
         if loading_here or model.status == "loading":
-            if policy == "refuse":
+            if policy != "auto":
                 raise ModelLoading(f"Model {model.name!r} is loading; retry shortly",
                                    details={"model": model.name},
                                    retry_after=settings.RETRY_AFTER_LOAD_S)
             return
+        if policy == ADMIN_ONLY:
+            raise ModelNotResident(
+                f"Model {model.name!r} is not loaded, and loading a model needs an admin key "
+                "(MILLM_ADMIN_API_KEYS); this key is an inference key",
+                details={"model": model.name, "resident": resident})
         if policy == "refuse":
             raise ModelNotResident(
                 f"Model {model.name!r} is not loaded and X-miLLM-Load-Policy is refuse",

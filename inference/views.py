@@ -18,6 +18,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse
 from pydantic import BaseModel, ValidationError
 
+from core.auth import principal
 from core.metrics import record_tokens
 from core.runtime import runtime
 from gpu_engine.protocol import EmbedJob
@@ -47,7 +48,7 @@ from inference.protocol import (
     ModelList,
     UsageInfo,
 )
-from inference.residency import LOAD_POLICIES, resident_model_id
+from inference.residency import ADMIN_ONLY, LOAD_POLICIES, resident_model_id
 from inference.serving import ENGINE_CALL_TIMEOUT_S, serve_generation
 from monitoring.ownership import Scope
 
@@ -93,6 +94,8 @@ def _load_policy(request: HttpRequest) -> str:
     if value not in LOAD_POLICIES:
         raise OpenAIError(f"{LOAD_POLICY_HEADER} must be one of {', '.join(LOAD_POLICIES)}",
                           status=400, code="invalid_parameter", param=LOAD_POLICY_HEADER)
+    if value == "auto" and not principal(request).admin:
+        return ADMIN_ONLY  # an inference key never swaps the model everyone uses
     return value
 
 

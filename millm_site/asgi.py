@@ -47,7 +47,7 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 async def http_application(scope, receive, send):
     scope = boundary.trusted_scope(scope)
     path = boundary.routed_path(scope)
-    refusal = boundary.body_refusal(scope, path)
+    refusal = boundary.browser_refusal(scope, path) or boundary.body_refusal(scope, path)
     if refusal is not None:
         await boundary.send_refusal(send, *refusal)
         return

@@ -16,14 +16,16 @@ from __future__ import annotations
 import ipaddress
 import json
 from typing import Any
+from urllib.parse import urlsplit
 
 from django.conf import settings
 
-from core.auth import bearer_token, identify, keys_enabled, protected
+from core.auth import bearer_token, identify, keys_enabled, needs_admin, protected
 
 # multipart uploads: their views apply each file's exact limit; this bounds what is read
-UPLOAD_PATHS = ("/v1/files", "/api/probes/import", "/api/vectors", "/admin/")
+UPLOAD_PATHS = ("/v1/files", "/api/probes/import", "/api/vectors")
 MULTIPART_SLACK_BYTES = 64 * 1024
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 def _headers(scope: dict[str, Any]) -> dict[str, str]:
@@ -76,9 +78,54 @@ def routed_path(scope: dict[str, Any]) -> str:
 
 
 def body_limit(scope: dict[str, Any], path: str) -> int:
+    if path.startswith("/api/probes/import"):
+        from monitoring.probes import MAX_FILE_BYTES
+
+        return int(MAX_FILE_BYTES) + MULTIPART_SLACK_BYTES
     if path.startswith(UPLOAD_PATHS):
         return int(settings.BATCH_MAX_FILE_BYTES) + MULTIPART_SLACK_BYTES
     return int(settings.MAX_REQUEST_BODY_BYTES)
+
+
+def host_allowed(scope: dict[str, Any]) -> bool:
+    """The Host header names this server (ALLOWED_HOSTS): a page that rebinds its own DNS
+    name to this address sends its own name and is refused, on every surface (the /v1
+    handler never asks Django for the host)."""
+    from django.http.request import split_domain_port, validate_host
+
+    domain, _ = split_domain_port(_headers(scope).get("host", ""))
+    return bool(domain) and validate_host(domain, settings.ALLOWED_HOSTS)
+
+
+def own_origin(scope: dict[str, Any]) -> bool:
+    """The browser page that sent this request is one this server trusts: its own (the
+    Origin's host:port is the validated Host), or one of CORS_ORIGINS."""
+    headers = _headers(scope)
+    origin = headers.get("origin", "").strip().rstrip("/")
+    if not origin:
+        # no Origin: not a page's cross-site fetch, unless the browser says it is one
+        return headers.get("sec-fetch-site", "").lower() != "cross-site"
+    if getattr(settings, "CORS_ALLOW_ALL_ORIGINS", False):
+        return True
+    allowed = {o.rstrip("/") for o in getattr(settings, "CORS_ALLOWED_ORIGINS", ()) or ()}
+    if origin in allowed:
+        return True
+    netloc = urlsplit(origin).netloc.lower()
+    return bool(netloc) and netloc == headers.get("host", "").lower() and host_allowed(scope)
+
+
+def browser_refusal(scope: dict[str, Any], path: str) -> tuple[int, bytes] | None:
+    """400 for a Host this server is not; 403 for a state-changing request a foreign web
+    page sent (a form post or a "simple" fetch needs no CORS preflight, so CORS alone does
+    not stop it)."""
+    if not host_allowed(scope):
+        return 400, _surface_error(path, 400, "INVALID_HOST", "The Host header does not "
+                                   "name this server (ALLOWED_HOSTS)", {})
+    if scope.get("method", "GET") not in SAFE_METHODS and not own_origin(scope):
+        return 403, _surface_error(path, 403, "CROSS_ORIGIN_REFUSED", "A page of another "
+                                   "origin may not change this server's state (CORS_ORIGINS)",
+                                   {})
+    return None
 
 
 def _surface_error(path: str, status: int, code: str, message: str,
@@ -134,10 +181,46 @@ async def send_refusal(send, status: int, body: bytes) -> None:  # noqa: ANN001
 
 
 def unauthenticated(scope: dict[str, Any], path: str) -> bool:
-    """A protected request with no valid key: its body is never read."""
+    """A protected request with no valid key, or an inference key asking for an admin
+    action: its body is never read (the middleware answers 401 or 403)."""
     if not keys_enabled() or not protected(path) or scope.get("method") == "OPTIONS":
         return False
-    return identify(bearer_token(_headers(scope).get("authorization"))) is None
+    who = identify(bearer_token(_headers(scope).get("authorization")))
+    if who is None:
+        return True
+    return not who.admin and needs_admin(scope.get("method", "GET"), path)
+
+
+def key_refusal(scope: dict[str, Any], path: str) -> tuple[int, bytes, list] | None:
+    """The key check from the headers alone (what the middleware would answer)."""
+    if not unauthenticated(scope, path):
+        return None
+    who = identify(bearer_token(_headers(scope).get("authorization")))
+    if who is None:
+        return 401, unauthorized_body(path), [(b"WWW-Authenticate", b'Bearer realm="miLLM"')]
+    message = (f"{scope.get('method')} {path} needs an admin key (MILLM_ADMIN_API_KEYS); "
+               "this key is an inference key (MILLM_API_KEYS)")
+    if path.startswith("/v1"):
+        body = json.dumps({"error": {"message": message, "type": "permission_error",
+                                     "param": None, "code": "insufficient_permissions"}})
+        return 403, body.encode(), []
+    return 403, _surface_error(path, 403, "FORBIDDEN", message, {}), []
+
+
+def header_refusal(scope: dict[str, Any], path: str,
+                   length: int | None) -> tuple[int, bytes, list] | None:
+    """Everything decided from the request line and headers, before a body is read:
+    Host, a foreign page's state change, the declared size, and (for a request with a
+    body) the key. ``length`` is the declared Content-Length (None: chunked)."""
+    refusal = browser_refusal(scope, path)
+    if refusal is not None:
+        return (*refusal, [])
+    limit = body_limit(scope, path)
+    if length is not None and length > limit:
+        return 413, too_large(path, limit), []
+    if length is None or length > 0:
+        return key_refusal(scope, path)
+    return None
 
 
 async def _empty_body() -> dict[str, Any]:

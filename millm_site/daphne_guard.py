@@ -2,10 +2,11 @@
 daphne, which reads a whole request body (into memory, or a temporary file past 100 kB)
 before it calls the ASGI application: there a check would come after the disk had filled.
 
-``GuardedRequest`` decides when the headers are complete (twisted's ``gotLength``): a
-body declared larger than the surface's limit is answered 413, a request with a body and
-no valid key for a protected path 401, both before a byte of the body is read; a chunked
-body is counted as it arrives and cut at the limit. ``install()`` makes daphne use it
+``GuardedRequest`` decides when the headers are complete (twisted's ``gotLength``): a Host
+that is not this server is 400, a foreign page's state change 403, a body declared larger
+than the surface's limit 413, a request with a body and no valid key for a protected path
+401 (an inference key's admin action 403), all before a byte of the body is read; a
+chunked body is counted as it arrives and cut at the limit. ``install()`` makes daphne use it
 (``manage.py serve`` calls it before starting daphne).
 """
 
@@ -37,7 +38,8 @@ class GuardedRequest(http_protocol.WebRequest):
 
     def _refuse(self, status: int, body: bytes, extra: list[tuple[bytes, bytes]]) -> None:
         self._millm_refused = True
-        reason = {401: b"Unauthorized", 413: b"Payload Too Large"}.get(status, b"Bad Request")
+        reason = {401: b"Unauthorized", 403: b"Forbidden",
+                  413: b"Payload Too Large"}.get(status, b"Bad Request")
         head = [b"HTTP/1.1 %d %s" % (status, reason), b"Content-Type: application/json",
                 b"Content-Length: %d" % len(body), b"Connection: close",
                 *(b"%s: %s" % pair for pair in extra)]
@@ -50,12 +52,12 @@ class GuardedRequest(http_protocol.WebRequest):
             path = boundary.routed_path(scope)
             self._millm_path = path
             self._millm_limit = boundary.body_limit(scope, path)
-            has_body = length is None or length > 0
-            if length is not None and length > self._millm_limit:
-                return self._refuse(413, boundary.too_large(path, self._millm_limit), [])
-            if has_body and boundary.unauthenticated(scope, path):
-                return self._refuse(401, boundary.unauthorized_body(path),
-                                    [(b"WWW-Authenticate", b'Bearer realm="miLLM"')])
+            refusal = boundary.header_refusal(scope, path, length)
+            if refusal is not None:
+                # an empty content buffer: twisted may still finish the request (a body of
+                # 0 bytes), which then reaches process() and stops there
+                super().gotLength(0)
+                return self._refuse(*refusal)
         except Exception:  # noqa: BLE001 - never let the guard break the server
             self._millm_limit = None
         return super().gotLength(length)

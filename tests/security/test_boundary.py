@@ -58,12 +58,17 @@ class Served:
                     sock.sendall(then)
                 except OSError:
                     pass
-            length = int(headers.get("content-length", "0") or 0)
-            while len(rest) < length:
-                chunk = sock.recv(65536)
+            length = headers.get("content-length")
+            while length is None or len(rest) < int(length):
+                try:
+                    chunk = sock.recv(65536)
+                except OSError:
+                    break
                 if not chunk:
                     break
                 rest += chunk
+            if headers.get("transfer-encoding", "").lower() == "chunked":
+                rest = _unchunk(rest)
             return status, headers, rest
 
     def request(self, method: str, path: str, *, key: str | None = None,
@@ -82,6 +87,17 @@ class Served:
         except ValueError:
             parsed = {"raw": raw.decode("latin-1")}
         return status, got, parsed
+
+
+def _unchunk(data: bytes) -> bytes:
+    out = b""
+    while data:
+        size_line, _, data = data.partition(b"\r\n")
+        size = int(size_line.split(b";")[0] or b"0", 16)
+        if size == 0:
+            break
+        out, data = out + data[:size], data[size + 2:]
+    return out
 
 
 def _free_port() -> int:
@@ -307,3 +323,71 @@ def test_cors_star_without_keys_is_refused_at_start(tmp_path):
     assert result.returncode != 0
     text = result.stdout + result.stderr
     assert "CORS_ORIGINS" in text and "MILLM_API_KEYS" in text and "Traceback" not in text
+
+
+# ------------------------------------------------------------------ rebinding and CSRF
+
+def test_a_rebound_host_reaches_no_surface(keyless):
+    """The /v1 handler never asked Django for the host: a rebinding page read /v1/files."""
+    for method, path in (("GET", "/v1/files"), ("GET", "/v1/models"), ("GET", "/"),
+                         ("POST", "/v1/chat/completions")):
+        status, _, _ = keyless.request(method, path, host=f"evil.example:{keyless.port}",
+                                       headers={"Origin": f"http://evil.example:{keyless.port}"},
+                                       body={} if method == "POST" else None)
+        assert status == 400, path
+
+
+def test_a_rebound_page_cannot_open_the_socket(keyless):
+    ws = keyless.url.replace("http://", "ws://") + "/ws/events"
+    with pytest.raises(InvalidStatus):
+        with connect(ws, origin=f"http://evil.example:{keyless.port}", open_timeout=10,
+                     additional_headers={"Host": f"evil.example:{keyless.port}"}) as sock:
+            sock.recv(timeout=5)
+
+
+def test_a_foreign_page_cannot_change_state_with_a_simple_request(keyless):
+    """A form post or a no-preflight fetch from another origin is refused before the view:
+    nothing is stored."""
+    status, _, files = keyless.request("GET", "/v1/files")
+    assert status == 200, files
+    before = len(files["data"])
+    boundary = "millmboundary"
+    form = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
+            f"filename=\"a.jsonl\"\r\nContent-Type: application/octet-stream\r\n\r\n"
+            "{}\r\n"
+            f"--{boundary}--\r\n").encode()
+    head = (f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1:{keyless.port}\r\n"
+            "Origin: http://evil.example\r\nConnection: close\r\n"
+            f"Content-Type: multipart/form-data; boundary={boundary}\r\n"
+            f"Content-Length: {len(form)}\r\n\r\n").encode()
+    status, _, body = keyless.raw(head + form)
+    assert status == 403 and json.loads(body)["error"]["code"] == "cross_origin_refused"
+    for path in ("/api/saes/steering/disable", "/api/models/1/load"):
+        status, _, body = keyless.request("POST", path,
+                                          headers={"Sec-Fetch-Site": "cross-site"})
+        assert (status, body["error"]["code"]) == (403, "CROSS_ORIGIN_REFUSED"), path
+    assert len(keyless.request("GET", "/v1/files")[2]["data"]) == before
+    # the server's own pages still may
+    status, _, body = keyless.request("POST", "/api/saes/steering/disable",
+                                      headers={"Origin": f"http://127.0.0.1:{keyless.port}",
+                                               "Sec-Fetch-Site": "same-origin"})
+    assert status != 403, body
+
+
+def test_the_admin_takes_no_large_body(keyless):
+    head = (f"POST /admin/login/ HTTP/1.1\r\nHost: 127.0.0.1:{keyless.port}\r\n"
+            "Content-Type: application/x-www-form-urlencoded\r\n"
+            "Content-Length: 50000000\r\n\r\n").encode()
+    status, _, _ = keyless.raw(head)
+    assert status == 413
+
+
+def test_an_inference_key_uploads_nothing_to_an_admin_route(keyed):
+    """The 403 comes from the headers: the 100 MB upload is never read."""
+    head = (f"POST /api/vectors HTTP/1.1\r\nHost: 127.0.0.1:{keyed.port}\r\n"
+            f"Authorization: Bearer {INFERENCE.partition(':')[2]}\r\n"
+            "Content-Type: multipart/form-data; boundary=x\r\n"
+            "Content-Length: 100000000\r\n\r\n").encode()
+    status, _, body = keyed.raw(head)
+    assert status == 403 and json.loads(body)["error"]["code"] == "FORBIDDEN"
