@@ -200,7 +200,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
             asked=req.return_sae_activations, attachments=attachments,
             choices=n_prompts * req.n, max_tokens=max_tokens)
     monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
-    analyses = await prepare_analyses(req, status, client.backend_name)
+    analyses = await prepare_analyses(req, status, client.backend_name, scope)
     need = runtime().analyzers.need(analyses) if analyses else None
     probes = await plan_probes(req, status, n_prompts * req.n, scope)
     if probes is not None:
@@ -284,8 +284,8 @@ async def plan_sensing(status: EngineStatus | None) -> SensingPlan | None:
 
 
 async def prepare_analyses(req: ChatCompletionRequest | CompletionRequest,
-                           status: EngineStatus | None, backend: str
-                           ) -> list[PreparedAnalysis]:
+                           status: EngineStatus | None, backend: str,
+                           scope: Scope = EVERYONE) -> list[PreparedAnalysis]:
     """The request's ``analyze`` entries, validated before anything runs: an unknown
     name (the message lists the known ones), params or a probe file the analyzer
     refuses, or a capture the loaded backend cannot take are 400s."""
@@ -293,7 +293,8 @@ async def prepare_analyses(req: ChatCompletionRequest | CompletionRequest,
         return []
     analyzers = runtime().analyzers
     # off the event loop: preparing reads probe files
-    analyses = await analyzers.aprepare([(a.name, a.params) for a in req.analyze])
+    # the caller's scope: an analyzer reads only stored captures the caller may see
+    analyses = await analyzers.aprepare([(a.name, a.params) for a in req.analyze], scope)
     caps = ((status.batching if status is not None else None) or {}).get("capabilities") or {}
     analysis_check_backend(need=analyzers.need(analyses), capabilities=caps,
                            backend=(status.backend if status is not None else None) or backend,

@@ -384,7 +384,7 @@ def sense(plan: Plan, outcome: Outcome) -> None:
         return
     records = sensing_take_records(finish=outcome.finish, tokens=outcome.tokens)
     sensing_publish(plan=plan.sensing, records=records, request_id=plan.object_id,
-                    choice=outcome.choice.index)
+                    choice=outcome.choice.index, owner=plan.scope.owner)
 
 
 def probe_headers(plan: Plan, outcomes: list[Outcome]) -> dict[str, str]:

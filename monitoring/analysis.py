@@ -64,14 +64,20 @@ class PreparedAnalysis:
     prepared: Any
     need: CaptureNeed
     params: dict[str, Any]  # as asked: what the analysis queue's worker prepares again
+    # whose stored captures an analyzer may read (CoRe's N/A run): the caller's
+    scope: Scope = EVERYONE
 
 
-def _load_stored(capture_id: str) -> Any:
-    """A stored capture by id (CoRe's N/A run): only ever a file of a ``Capture`` row."""
-    from gpu_engine.artifacts import load_capture
-    from monitoring.selectors import capture_file
+def _stored_loader(scope: Scope) -> Callable[[str], Any]:
+    """A stored capture by id (CoRe's N/A run): only ever a file of a ``Capture`` row the
+    caller may see (another key's capture is not found, as on /api/captures)."""
+    def load(capture_id: str) -> Any:
+        from gpu_engine.artifacts import load_capture
+        from monitoring.selectors import capture_file
 
-    return load_capture(capture_file(capture_id=capture_id))
+        return load_capture(capture_file(capture_id=capture_id, scope=scope))
+
+    return load
 
 
 def _error_entry(name: str, exc: BaseException) -> dict[str, Any]:
@@ -109,27 +115,28 @@ class Analyzers:
                    remote=not settings.MILLM_TASKS_IN_PROCESS,
                    timeout_s=float(settings.ANALYSIS_TIMEOUT_S))
 
-    def context(self) -> AnalysisContext:
-        return AnalysisContext(probe_dir=self.probe_dir, load_capture=_load_stored)
+    def context(self, scope: Scope = EVERYONE) -> AnalysisContext:
+        return AnalysisContext(probe_dir=self.probe_dir, load_capture=_stored_loader(scope))
 
     # ------------------------------------------------------------------ preparing
 
-    def prepare(self, asked: Iterable[tuple[str, dict[str, Any]]]) -> list[PreparedAnalysis]:
+    def prepare(self, asked: Iterable[tuple[str, dict[str, Any]]],
+                scope: Scope = EVERYONE) -> list[PreparedAnalysis]:
         """Each analyzer by name with its params validated (probe files read): raises
         ``UnknownAnalyzer`` (listing the known names), ``InvalidParameter`` or
         ``InvalidProbeFile`` before anything runs."""
-        ctx = self.context()
+        ctx = self.context(scope)
         out = []
         for name, params in asked:
             analyzer = self.registry.get(name)
             prepared = analyzer.prepare(dict(params), ctx)
             out.append(PreparedAnalysis(name, analyzer, prepared, analyzer.needs(prepared),
-                                        dict(params)))
+                                        dict(params), scope))
         return out
 
-    async def aprepare(self, asked: Iterable[tuple[str, dict[str, Any]]]
-                       ) -> list[PreparedAnalysis]:
-        return await self._submit(self.prepare, list(asked))
+    async def aprepare(self, asked: Iterable[tuple[str, dict[str, Any]]],
+                       scope: Scope = EVERYONE) -> list[PreparedAnalysis]:
+        return await self._submit(self.prepare, list(asked), scope)
 
     @staticmethod
     def need(analyses: list[PreparedAnalysis]) -> CaptureNeed:
@@ -148,7 +155,7 @@ class Analyzers:
         ``strict``, where it raises (``/api/captures/{id}/analyze``)."""
         from gpu_engine.artifacts import load_capture
 
-        ctx = self.context()
+        ctx = self.context(analyses[0].scope if analyses else EVERYONE)
         try:
             capture = load_capture(source) if source is not None else None
         except (OSError, ValueError) as exc:
@@ -208,8 +215,10 @@ class Analyzers:
         else:
             raise ValueError("a stored capture goes to the analysis queue by its id")
         asked = [[a.name, a.params] for a in analyses]
-        result = analysis_run_task.apply_async(args=(asked, shipped, strict), queue="analysis",
-                                               expires=self.timeout_s)
+        scope = analyses[0].scope if analyses else EVERYONE
+        result = analysis_run_task.apply_async(args=(asked, shipped, strict,
+                                                     [scope.owner, scope.all]),
+                                               queue="analysis", expires=self.timeout_s)
         try:
             out = result.get(timeout=self.timeout_s, propagate=True)
         except ResultTimeout:
@@ -282,7 +291,7 @@ def capture_analyze(*, capture_id: str, name: str, params: dict[str, Any],
     # CaptureNotFound (also another owner's); never outside CAPTURE_DIR
     path = capture_file(capture_id=capture_id, scope=scope)
     try:
-        prepared = analyzers.run_wait(analyzers.prepare, [(name, params)])
+        prepared = analyzers.run_wait(analyzers.prepare, [(name, params)], scope)
         (entry,) = analyzers.run_stored(prepared, path, capture_id)
     except EngineError as exc:  # one engine table for every surface
         raise from_engine_error(exc) from None
@@ -302,7 +311,7 @@ def _shipped_error(error: dict[str, Any]) -> Exception:
 
 
 def run_shipped(asked: list[list[Any]], source: dict[str, str] | None, *,
-                strict: bool) -> dict[str, Any]:
+                strict: bool, scope: Scope = EVERYONE) -> dict[str, Any]:
     """The analysis queue's task body (``monitoring.tasks``), in the worker: the analyzers
     prepared from their names and params, run on the capture shipped (its bytes, or a
     stored capture's id, read under this worker's ``CAPTURE_DIR``). ``{"entries": [...]}``,
@@ -318,7 +327,8 @@ def run_shipped(asked: list[list[Any]], source: dict[str, str] | None, *,
         if source is not None:
             path = (base64.b64decode(source["data"]) if "data" in source
                     else capture_file(capture_id=source["capture_id"]))
-        prepared = analyzers.prepare([(str(name), dict(params)) for name, params in asked])
+        prepared = analyzers.prepare([(str(name), dict(params)) for name, params in asked],
+                                     scope)
         return {"entries": analyzers.run(prepared, path, strict=strict)}
     except (EngineError, MillmError) as exc:
         if not strict:

@@ -62,7 +62,7 @@ class TopInput(serializers.Serializer):
 class MonitoringApi(APIView):
     @extend_schema(tags=MONITORING, summary="Monitoring state", responses=_ANY)
     def get(self, request) -> Response:
-        return envelope(services.monitoring_state())
+        return envelope(services.monitoring_state(Scope.of_request(request)))
 
 
 class MonitoringConfigureApi(APIView):

@@ -643,8 +643,8 @@ def probe_record(*, request_id: str, verdicts: Sequence[Mapping[str, Any]],
                           [MAX_VERDICT_HISTORY:MAX_VERDICT_HISTORY + 1])
             if cutoff:
                 mine.filter(id__lte=cutoff[0]).delete()
-        for row in rows:
-            events.publish("probe:verdict", verdict_out(row))
+        for row in rows:  # to the request's owner's sockets (and admins') only
+            events.publish("probe:verdict", {**verdict_out(row), events.OWNER_FIELD: owner})
         return len(rows)
     except Exception:  # noqa: BLE001 - a probe observes; it never fails the generation
         log.warning("probe_record_failed", request_id=request_id, exc_info=True)

@@ -328,13 +328,15 @@ def sensing_detect(*, plan: SensingPlan, records: Sequence[ActivationRecord],
 
 
 def sensing_publish(*, plan: SensingPlan, records: Sequence[ActivationRecord],
-                    request_id: str, choice: int) -> int:
-    """Detect and publish; never raises into the request (a failure is logged)."""
+                    request_id: str, choice: int, owner: str | None = None) -> int:
+    """Detect and publish, to the request's owner's sockets (and admins') when ``owner``
+    is given; never raises into the request (a failure is logged)."""
     try:
         found = sensing_detect(plan=plan, records=records, request_id=request_id,
                                choice=choice)
         for name, data in found:
-            events.publish(name, data)
+            events.publish(name, data if owner is None else {**data,
+                                                             events.OWNER_FIELD: owner})
         return len(found)
     except Exception:  # noqa: BLE001 - sensing observes; it never fails the generation
         log.warning("sensing_failed", request_id=request_id, exc_info=True)

@@ -62,7 +62,9 @@ def _pairs(items: Sequence[Any]) -> list[dict[str, Any]]:
             for a in items]
 
 
-def monitoring_state() -> dict[str, Any]:
+def monitoring_state(scope: Scope = EVERYONE) -> dict[str, Any]:
+    """The configuration and what is recorded; ``history_count`` counts the records the
+    caller may see (``scope``)."""
     from registry.models import Attachment
 
     config = monitoring_config()
@@ -77,14 +79,17 @@ def monitoring_state() -> dict[str, Any]:
             "sae_id": target.sae_id if target else (config.sae_id or None),
             "layer": target.layer if target else config.layer,
             "monitored_features": config.features, "history_size": config.history_size,
-            "history_count": ActivationRecord.objects.count(), "top_k": config.top_k,
+            "history_count": scope.filter(ActivationRecord.objects.all()).count(),
+            "top_k": config.top_k,
             "positions": config.positions, "read_point": READ_POINT,
             "statistics_since": config.statistics_since.isoformat().replace("+00:00", "Z")
             if config.statistics_since else None}
 
 
 def _publish_state() -> None:
-    transaction.on_commit(lambda: events.publish("monitoring:state", monitoring_state()))
+    # to every socket: the configuration, not how much any key has recorded
+    transaction.on_commit(lambda: events.publish(
+        "monitoring:state", {**monitoring_state(), "history_count": None}))
 
 
 def _prune(history_size: int, owner: str | None = None) -> None:

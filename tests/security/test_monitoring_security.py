@@ -145,6 +145,20 @@ def test_a_capture_made_through_v1_is_its_keys_alone(llama, keys):
     mine = call(llama, ALICE, "GET", f"/api/captures/{cid}/download")
     assert mine.status == 200
     assert mine.body == (Path(keys.CAPTURE_DIR) / f"{cid}.safetensors").read_bytes()
+    # an analyzer that reads a second stored capture by id (CoRe's na_capture) reads only
+    # the caller's: bob's analyses cannot load alice's capture
+    from core.runtime import runtime
+    from monitoring.errors import CaptureNotFound
+    from monitoring.ownership import Scope
+
+    analyzers = runtime().analyzers
+    with pytest.raises(CaptureNotFound):
+        analyzers.context(Scope(owner="key:bob", all=False)).load_capture(cid)
+    (bobs,) = analyzers.prepare([("hidden_states", {"layers": [0]})],
+                                Scope(owner="key:bob", all=False))
+    with pytest.raises(CaptureNotFound):
+        analyzers.context(bobs.scope).load_capture(cid)
+    assert analyzers.context(Scope(owner="key:alice", all=False)).load_capture(cid).meta
 
 
 def test_a_batch_lines_capture_is_its_batch_owners(llama, keys):
