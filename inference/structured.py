@@ -20,8 +20,10 @@ time to build a grammar grows with a regex's repetition bounds (``"a{2000}"`` ta
 ``"a{20000}"`` ~25 s, ``"a{60000}"`` minutes), so every ``pattern`` and
 ``patternProperties`` key is at most ``STRUCTURED_MAX_PATTERN_LENGTH`` characters and no
 ``{n}`` / ``{n,m}`` / ``{n,}`` bound in it, multiplied by the bounds of the groups around
-it, exceeds ``STRUCTURED_MAX_REPEAT``.  What passes the caps and is still slow (many
-patterns at once) meets the engine's deadline (``STRUCTURED_COMPILE_TIMEOUT_S``).
+it, exceeds ``STRUCTURED_MAX_REPEAT``; nor may a pattern's repetitions together add more
+than ``STRUCTURED_MAX_REPEAT`` atoms to its length (``"a{999}"`` twenty times), nor the
+whole schema's more than ``STRUCTURED_MAX_SCHEMA_REPEAT``.  What passes the caps and is
+still slow meets the engine's deadline (``STRUCTURED_COMPILE_TIMEOUT_S``).
 """
 
 from __future__ import annotations
@@ -67,12 +69,16 @@ def _unsupported(where: str, why: str) -> OpenAIError:
                        code="response_format_unsupported", param="response_format")
 
 
-def _repeat_bound(pattern: str) -> tuple[int, str]:
+def _repeat_bound(pattern: str) -> tuple[int, str, int]:
     """The largest repetition a regex asks for: each ``{n}``, ``{n,}`` or ``{n,m}`` bound
     (its larger number) multiplied by the bounds of the groups around it, and the
-    quantifier that reaches it (``*``, ``+`` and ``?`` are loops, cheap in a grammar).
-    Written by hand: no regex library reports its quantifiers' bounds."""
+    quantifier that reaches it (``*``, ``+`` and ``?`` are loops, cheap in a grammar); and
+    the pattern's expansion: its atoms, each counted as often as its bounds (and the groups
+    around it) repeat it, which is what the grammar is built from (``"a{999}"`` twenty
+    times has no bound over 999 but expands to 19,980). Written by hand: no regex library
+    reports its quantifiers' bounds."""
     stack = [0]  # per open group: the largest bound inside it so far
+    sizes = [0]  # per open group: its expansion so far
     best, best_text = 0, ""
     i, n = 0, len(pattern)
 
@@ -93,10 +99,13 @@ def _repeat_bound(pattern: str) -> tuple[int, str]:
         c = pattern[i]
         if c == "(":
             stack.append(0)
+            sizes.append(0)
             i += 1
             continue
+        size = 1
         if c == ")" and len(stack) > 1:
             inner = max(stack.pop(), 1)
+            size = max(sizes.pop(), 1)
             i += 1
         elif c == "[":  # a class is one atom; braces inside it are literal
             j = i + 1
@@ -114,9 +123,12 @@ def _repeat_bound(pattern: str) -> tuple[int, str]:
         bound, i, text = quantifier(i)
         value = inner * bound
         stack[-1] = max(stack[-1], value)
+        sizes[-1] = min(sizes[-1] + size * bound, 10**15)
         if text and value > best:
             best, best_text = value, text
-    return max(stack[0], 1), best_text
+    while len(sizes) > 1:  # an unclosed group: the regex engine refuses it later
+        sizes[-2] += sizes.pop()
+    return max(stack[0], 1), best_text, sizes[0]
 
 
 class _Walk:
@@ -127,6 +139,8 @@ class _Walk:
         self.name_chars = 0
         self.max_pattern = int(settings.STRUCTURED_MAX_PATTERN_LENGTH)
         self.max_repeat = int(settings.STRUCTURED_MAX_REPEAT)
+        self.max_schema_repeat = int(settings.STRUCTURED_MAX_SCHEMA_REPEAT)
+        self.repeats = 0  # what every pattern's repetitions add, over the whole schema
 
     def _too_complex(self, at: str, why: str) -> OpenAIError:
         return OpenAIError(f"{self.root}{at}: {why}", status=400, code="schema_too_complex",
@@ -138,11 +152,22 @@ class _Walk:
             raise self._too_complex(at, f"the pattern is {len(pattern)} characters long; at "
                                     f"most {self.max_pattern} are allowed "
                                     "(STRUCTURED_MAX_PATTERN_LENGTH)")
-        bound, quantifier = _repeat_bound(pattern)
+        bound, quantifier, expansion = _repeat_bound(pattern)
         if bound > self.max_repeat:
             raise self._too_complex(at, f"the pattern repeats up to {bound} times "
                                     f"({quantifier}, with the groups around it); at most "
                                     f"{self.max_repeat} are allowed (STRUCTURED_MAX_REPEAT)")
+        # what its repetitions add to the grammar, over the pattern's own length
+        added = max(expansion - len(pattern), 0)
+        if added > self.max_repeat:
+            raise self._too_complex(at, f"the pattern's repetitions add up to {expansion} "
+                                    f"atoms; they may add at most {self.max_repeat} to its "
+                                    "length (STRUCTURED_MAX_REPEAT)")
+        self.repeats += added
+        if self.repeats > self.max_schema_repeat:
+            raise self._too_complex(at, f"the schema's patterns together add {self.repeats} "
+                                    f"atoms by repetition; at most {self.max_schema_repeat} "
+                                    "are allowed (STRUCTURED_MAX_SCHEMA_REPEAT)")
 
     def schema(self, node: Any, where: str, depth: int) -> None:
         if isinstance(node, bool):

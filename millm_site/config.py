@@ -446,7 +446,12 @@ VARIABLES: tuple[Var, ...] = (
         "Largest repetition bound in a schema's regex: each {n}, {n,} or {n,m} (its larger "
         "number) times the bounds of the groups around it; larger is 400 "
         "schema_too_complex naming the field (xgrammar's build time grows with it: "
-        "a{2000} 0.6 s, a{20000} ~25 s).", minimum=1),
+        "a{2000} 0.6 s, a{20000} ~25 s). Also the most a pattern's repetitions together "
+        "may add to its length (a{999} twenty times adds 19,960).", minimum=1),
+    Var("STRUCTURED_MAX_SCHEMA_REPEAT", "Structured output", "int", 4000,
+        "The most every pattern of one schema together may add by repetition (the sum of "
+        "what STRUCTURED_MAX_REPEAT bounds per pattern); more is 400 schema_too_complex "
+        "naming the pattern that passed it.", minimum=1),
     Var("STRUCTURED_COMPILE_TIMEOUT_S", "Structured output", "float", 10.0,
         "The longest a request's grammar may take to build (a child process of the engine, "
         "off its generation thread; killed at the deadline); over it the request is 400 "

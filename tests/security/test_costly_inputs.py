@@ -92,6 +92,9 @@ def served(django_db_setup, django_db_blocker, tiny_assets, tmp_path_factory):
         "LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
         # the caps keep their defaults; only the deadline is short, for the test's sake
         "STRUCTURED_COMPILE_TIMEOUT_S": str(COMPILE_TIMEOUT_S),
+        # the schema-wide cap well above its default: the deadline test's costly schema
+        # (300 in-cap patterns) must reach the grammar builder
+        "STRUCTURED_MAX_SCHEMA_REPEAT": "1000000",
     })
     log = root / "serve.log"
     with open(log, "wb") as sink:
@@ -153,7 +156,9 @@ def _assert_error(status: int, body: dict, code: str, param: str) -> None:
     ("^(ab{100}){50}$", "STRUCTURED_MAX_REPEAT"),  # 5,000 with the group around it
     ("[a-z]{1," + "9" * 40 + "}", "STRUCTURED_MAX_REPEAT"),
     ("a" * 1001, "STRUCTURED_MAX_PATTERN_LENGTH"),
-], ids=["repeat", "nested-repeat", "huge-bound", "length"])
+    # no bound over 999, but together 19,980 repeated atoms (2.8 s of xgrammar here)
+    ("a{999}" * 20, "STRUCTURED_MAX_REPEAT"),
+], ids=["repeat", "nested-repeat", "huge-bound", "length", "summed-repeats"])
 def test_a_pattern_over_the_caps_is_refused_naming_it_before_anything_compiles(served, pattern, why):
     cpu = served.cpu_s()
     started = time.monotonic()
@@ -165,6 +170,25 @@ def test_a_pattern_over_the_caps_is_refused_naming_it_before_anything_compiles(s
     # refused from the schema's text: no grammar was built (a{20000} takes ~25 s of CPU)
     assert time.monotonic() - started < 5
     assert served.cpu_s() - cpu < 2.0
+
+
+def test_the_schemas_patterns_together_are_capped(settings):
+    """Each pattern within the caps, five of them past the schema's budget (the default
+    STRUCTURED_MAX_SCHEMA_REPEAT, 4,000; the live server of this file raises it so that its
+    deadline test reaches the builder, so this runs the web tier's check in-process)."""
+    from core.openai_errors import OpenAIError
+    from inference.structured import check_schema
+
+    settings.STRUCTURED_MAX_SCHEMA_REPEAT = 4000
+    schema = {"type": "object", "properties": {
+        f"p{i}": {"type": "string", "pattern": "^x{900}$"} for i in range(5)}}
+    with pytest.raises(OpenAIError) as refused:
+        check_schema(schema)
+    assert (refused.value.status, refused.value.code, refused.value.param) == (
+        400, "schema_too_complex", 'response_format.json_schema.schema.properties["p4"].pattern')
+    assert "STRUCTURED_MAX_SCHEMA_REPEAT" in refused.value.message
+    schema["properties"].pop("p4")
+    check_schema(schema)  # four are within it
 
 
 def test_a_pattern_property_and_a_tool_parameter_are_capped_too(served):
