@@ -4,6 +4,7 @@ The password is random, written to MILLM_DATA_DIR/admin_password (mode 600) and 
 once, so a fresh machine gets a working admin login without a prompt.
 """
 
+import os
 import secrets
 from pathlib import Path
 
@@ -26,7 +27,10 @@ class Command(BaseCommand):
         password = secrets.token_urlsafe(12)
         User.objects.create_superuser(username=username, email="", password=password)
         path = Path(settings.DATA_DIR) / "admin_password"
-        path.write_text(f"{username}:{password}\n")
-        path.chmod(0o600)
+        # created 0600: never readable by others, not even for a moment
+        path.unlink(missing_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as sink:
+            sink.write(f"{username}:{password}\n")
         self.stdout.write(self.style.SUCCESS(
             f"Created admin login {username!r} with password {password!r} (saved in {path})."))
