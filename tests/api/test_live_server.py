@@ -7,10 +7,7 @@ AUTO_LOAD_MODEL loads at start-up and readiness waits for it."""
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -22,8 +19,8 @@ from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
 from tests.api.conftest import MODEL_REPO
+from tests.served import served_process
 
-REPO = Path(__file__).resolve().parents[2]
 KEY = "live-server-test-key"
 
 # The marker makes pytest-django create the test database; the server (another process)
@@ -55,68 +52,27 @@ class Served:
         return self.url.replace("http://", "ws://") + "/ws/events"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(django_db_setup, django_db_blocker, standin_hub, tiny_assets, tmp_path_factory):
-    from django.db import connection
-
     from registry import services
     from registry.models import SAE, Attachment, Job, Model
 
-    if connection.vendor != "postgresql":
-        pytest.fail("the served-topology tests share the test database with a second "
-                    "process, which needs PostgreSQL (see README: scripts/test)")
-    db = connection.settings_dict
-    url = (f"postgresql://{db['USER']}{':' + db['PASSWORD'] if db['PASSWORD'] else ''}"
-           f"@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}")
     with django_db_blocker.unblock():
         services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
                                       name="auto-gpt2")
     root = tmp_path_factory.mktemp("served")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")}
-    env.update({
-        "MILLM_ENV_FILE": "/nonexistent/.env", "DATABASE_URL": url,
+    env = {
         "SECRET_KEY": "live-server-secret-key-0123456789abcdef",
         "MILLM_DATA_DIR": str(root), "MODEL_CACHE_DIR": str(root / "models"),
         "SAE_CACHE_DIR": str(root / "saes"), "HF_ENDPOINT": standin_hub.url,
         "MILLM_ADMIN_API_KEYS": KEY, "AUTO_LOAD_MODEL": "auto-gpt2",
         "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32",
         "LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1",
-    })
-    log = root / "serve.log"
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1",
-             "--port", str(port)], cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    server = Served(f"http://127.0.0.1:{port}", process, log)
+    }
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"serve exited with {process.returncode}:\n{log.read_text()}")
-            try:
-                if server.call("GET", "/api/health", key=False, timeout=2)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"serve did not answer in time:\n{log.read_text()}")
-            time.sleep(0.2)
-        yield server
+        with served_process(root, env) as serving:
+            yield Served(serving.url, serving.process, serving.log)
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
         with django_db_blocker.unblock():
             for model in (Attachment, Job, SAE, Model):
                 model.objects.all().delete()

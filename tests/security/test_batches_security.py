@@ -31,8 +31,9 @@ import pytest
 from django.utils import timezone
 
 from batches.models import Batch, BatchLine, File, FileChunk
+from tests.served import database_url
 from tests.v1.conftest import _v1_db, llama, openai_client, v1_server  # noqa: F401
-from tests.v1.test_batches import TERMINAL, batch_server, chat_line, jsonl  # noqa: F401
+from tests.v1.test_batches import TERMINAL, batch_server, chat_line, jsonl, upload, wait_status  # noqa: F401
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -50,20 +51,6 @@ def keyed(v1_server, settings):  # noqa: F811
     yield clients
     for client in clients.values():
         client.close()
-
-
-def upload(client, rows: list[dict[str, Any]]) -> Any:
-    return client.files.create(file=("input.jsonl", io.BytesIO(jsonl(rows))), purpose="batch")
-
-
-def wait_status(client, batch_id: str, statuses: tuple[str, ...], timeout_s: float = 120):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in statuses:
-            return batch
-        assert time.monotonic() < deadline, f"batch stuck in {batch.status}: {batch}"
-        time.sleep(0.1)
 
 
 def test_one_keys_files_and_batches_are_a_404_for_another(batch_server, keyed):  # noqa: F811
@@ -189,14 +176,6 @@ def test_creating_and_finalizing_a_batch_holds_a_few_chunks_not_the_file(v1_serv
     assert FileChunk.objects.filter(file=out).count() == -(-out.bytes // services.CHUNK_BYTES)
 
 
-def _test_database_url() -> str:
-    from django.db import connection
-
-    s = connection.settings_dict
-    return (f"postgresql://{s['USER']}:{s['PASSWORD'] or ''}@{s['HOST'] or '127.0.0.1'}:"
-            f"{s['PORT'] or 5432}/{s['NAME']}")
-
-
 def test_a_killed_runner_process_is_swept_and_its_batch_completes(batch_server,  # noqa: F811
                                                                   openai_client, settings,
                                                                   tmp_path):
@@ -220,7 +199,7 @@ def test_a_killed_runner_process_is_swept_and_its_batch_completes(batch_server, 
                                              completion_window="24h")
     env = {k: v for k, v in os.environ.items()
            if k in ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH")}
-    env.update({"DATABASE_URL": _test_database_url(), "SECRET_KEY": "x" * 50,
+    env.update({"DATABASE_URL": database_url(), "SECRET_KEY": "x" * 50,
                 "MILLM_ENV_FILE": "/nonexistent/.env", "MILLM_DATA_DIR": str(tmp_path),
                 "BATCH_RUNNER_STALE_S": "1", "MILLM_ENGINE_DEVICE": "cpu"})
     code = ("import django; django.setup(); from batches.runner import batch_run; "

@@ -10,7 +10,8 @@ import os
 import socket
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +19,8 @@ import pytest
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.served import REPO, served_process
+
 INFERENCE = "alice:inference-key-0123"
 ADMIN = "root:admin-key-4567"
 
@@ -100,75 +102,26 @@ def _unchunk(data: bytes) -> bytes:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _serve(tmp: Path, extra: dict[str, str]) -> tuple[subprocess.Popen, Served]:
-    from django.db import connection
-
-    if connection.vendor != "postgresql":
-        pytest.fail("these tests share the test database with a served process (PostgreSQL)")
-    db = connection.settings_dict
-    url = (f"postgresql://{db['USER']}{':' + db['PASSWORD'] if db['PASSWORD'] else ''}"
-           f"@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")}
-    env.update({"MILLM_ENV_FILE": "/nonexistent/.env", "DATABASE_URL": url,
-                "SECRET_KEY": "boundary-test-secret-key-0123456789abcdef",
-                "MILLM_DATA_DIR": str(tmp), "MILLM_ENGINE_DEVICE": "cpu",
-                "LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1", **extra})
-    log = tmp / "serve.log"
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, str(REPO / "manage.py"), "serve", "--no-auto-load", "--host",
-             "127.0.0.1", "--port", str(port)],
-            cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    server = Served("127.0.0.1", port, log)
-    deadline = time.monotonic() + 120
-    while True:
-        if process.poll() is not None:
-            pytest.fail(f"serve exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if server.request("GET", "/api/health")[0] == 200:
-                return process, server
-        except OSError:
-            pass
-        if time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"serve did not answer in time:\n{log.read_text()}")
-        time.sleep(0.2)
-
-
-def _stop(process: subprocess.Popen) -> None:
-    process.terminate()
-    try:
-        process.wait(15)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait(5)
+@contextmanager
+def _serve(tmp: Path, extra: dict[str, str]) -> Iterator[Served]:
+    env = {"SECRET_KEY": "boundary-test-secret-key-0123456789abcdef",
+           "MILLM_DATA_DIR": str(tmp), "MILLM_ENGINE_DEVICE": "cpu",
+           "LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1", **extra}
+    with served_process(tmp, env, args=("--no-auto-load",), timeout_s=120) as serving:
+        yield Served("127.0.0.1", serving.port, serving.log)
 
 
 @pytest.fixture(scope="module")
 def keyed(django_db_setup, django_db_blocker, tmp_path_factory):
-    process, server = _serve(tmp_path_factory.mktemp("keyed"),
-                             {"MILLM_API_KEYS": INFERENCE, "MILLM_ADMIN_API_KEYS": ADMIN})
-    try:
+    with _serve(tmp_path_factory.mktemp("keyed"),
+                {"MILLM_API_KEYS": INFERENCE, "MILLM_ADMIN_API_KEYS": ADMIN}) as server:
         yield server
-    finally:
-        _stop(process)
 
 
 @pytest.fixture(scope="module")
 def keyless(django_db_setup, django_db_blocker, tmp_path_factory):
-    process, server = _serve(tmp_path_factory.mktemp("keyless"), {})
-    try:
+    with _serve(tmp_path_factory.mktemp("keyless"), {}) as server:
         yield server
-    finally:
-        _stop(process)
 
 
 def _model_count(server: Served) -> int:

@@ -12,10 +12,7 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -25,7 +22,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from tests.served import served_process
+
 MODEL = "costly-llama"
 COMPILE_TIMEOUT_S = 3.0
 
@@ -58,34 +56,16 @@ class Served:
         return total
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def served(django_db_setup, django_db_blocker, tiny_assets, tmp_path_factory):
-    from django.db import connection
-
     from registry import services
     from registry.models import Job, Model
 
-    if connection.vendor != "postgresql":
-        pytest.fail("a live server shares the test database with a second process, which "
-                    "needs PostgreSQL (see README: scripts/test)")
-    db = connection.settings_dict
-    url = (f"postgresql://{db['USER']}{':' + db['PASSWORD'] if db['PASSWORD'] else ''}"
-           f"@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}")
     with django_db_blocker.unblock():
         services.model_register_local(local_path=str(tiny_assets.models["tiny-llama"].path),
                                       name=MODEL)
     root = tmp_path_factory.mktemp("costly")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")}
-    env.update({
-        "MILLM_ENV_FILE": "/nonexistent/.env", "DATABASE_URL": url,
+    env = {
         "SECRET_KEY": "costly-inputs-secret-key-0123456789abcdef",
         "MILLM_DATA_DIR": str(root), "AUTO_LOAD_MODEL": MODEL,
         "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32",
@@ -95,35 +75,11 @@ def served(django_db_setup, django_db_blocker, tiny_assets, tmp_path_factory):
         # the schema-wide cap well above its default: the deadline test's costly schema
         # (300 in-cap patterns) must reach the grammar builder
         "STRUCTURED_MAX_SCHEMA_REPEAT": "1000000",
-    })
-    log = root / "serve.log"
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1",
-             "--port", str(port)], cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    server = Served(f"http://127.0.0.1:{port}", process, log)
+    }
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"serve exited with {process.returncode}:\n{log.read_text()}")
-            try:
-                with urllib.request.urlopen(server.url + "/api/health/ready", timeout=2) as ready:
-                    if ready.status == 200:
-                        break
-            except (OSError, urllib.error.HTTPError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"serve was not ready in time:\n{log.read_text()}")
-            time.sleep(0.3)
-        yield server
+        with served_process(root, env, ready="/api/health/ready", timeout_s=180) as serving:
+            yield Served(serving.url, serving.process, serving.log)
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
         with django_db_blocker.unblock():
             Job.objects.filter(model__name=MODEL).delete()
             Model.objects.filter(name=MODEL).delete()

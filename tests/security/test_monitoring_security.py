@@ -14,10 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,12 +23,12 @@ import numpy as np
 import pytest
 
 from tests.engine.helpers import count_forwards
+from tests.served import served_process
 from tests.v1.conftest import _v1_db, attach, llama, v1_server  # noqa: F401 - fixtures
 from tests.v1.helpers import request
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-REPO = Path(__file__).resolve().parents[2]
 ALICE, BOB, ROOT = "alice-secret-0123456789", "bob-secret-0123456789", "root-secret-0123456789"
 SAE = "tiny-llama-L1-relu"
 PROMPT = [5, 17, 23, 42, 8, 11]
@@ -247,12 +243,6 @@ def test_monitoring_history_is_per_key(llama, keys):
 
 # ------------------------------------------------------------------------ retention
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json"})
@@ -273,70 +263,40 @@ def _status(url: str) -> int:
 
 def test_expired_captures_leave_the_disk_with_nobody_running_a_command(
         v1_server, django_db_blocker, tmp_path):
-    from django.db import connection
-
     from registry.models import Job
 
-    db = connection.settings_dict
-    if connection.vendor != "postgresql":
-        pytest.fail("a second server process shares the test database: PostgreSQL needed")
-    url = (f"postgresql://{db['USER']}{':' + db['PASSWORD'] if db['PASSWORD'] else ''}"
-           f"@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}")
     name = "tiny-llama"  # registered (and committed) by the live-server fixtures
     captures = tmp_path / "captures"
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")}
-    env.update({
-        "MILLM_ENV_FILE": "/nonexistent/.env", "DATABASE_URL": url,
+    env = {
         "SECRET_KEY": "capture-retention-secret-key-0123456789abcdef",
         "MILLM_DATA_DIR": str(tmp_path), "AUTO_LOAD_MODEL": name,
         "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32",
         "LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
         "CAPTURE_INLINE_MAX_BYTES": "0", "CAPTURE_RETENTION_S": "2",
         "CAPTURE_PRUNE_INTERVAL_S": "1",
-    })
-    log = tmp_path / "serve.log"
-    base = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1",
-             "--port", str(port)], cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    }
+    answered: dict = {}
+
+    def captured(base: str) -> bool:  # ready, and the model it was told to load is resident
+        status, answered["body"] = _post(base + "/v1/completions", {
+            "model": name, "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+            "capture": {"layers": [0], "positions": "last"}}, timeout=30)
+        return status == 200
+
     try:
-        deadline = time.monotonic() + 180
-        while True:  # ready, and the model it was told to load is resident
-            if process.poll() is not None:
-                pytest.fail(f"serve exited with {process.returncode}:\n{log.read_text()}")
-            status, body = (0, {})
-            try:
-                status, body = _post(base + "/v1/completions", {
-                    "model": name, "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
-                    "capture": {"layers": [0], "positions": "last"}}, timeout=30)
-            except OSError:
-                pass
-            if status == 200:
-                break
-            if time.monotonic() > deadline:
-                pytest.fail(f"serve did not answer in time ({status} {body}):\n"
-                            f"{log.read_text()}")
-            time.sleep(0.5)
-        cid = body["millm"]["capture"]["id"]
-        assert body["millm"]["capture"]["inline"] is False
-        assert (captures / f"{cid}.safetensors").is_file()
-        # gone for readers once expired, and from the disk at the next prune
-        deadline = time.monotonic() + 15
-        while (captures / f"{cid}.safetensors").exists() and time.monotonic() < deadline:
-            time.sleep(0.25)
-        assert not (captures / f"{cid}.safetensors").exists(), log.read_text()
-        assert not (captures / f"{cid}.json").exists()
-        assert _status(f"{base}/api/captures/{cid}") == 404
+        with served_process(tmp_path, env, ready=captured, timeout_s=180) as serving:
+            base, log, body = serving.url, serving.log, answered["body"]
+            cid = body["millm"]["capture"]["id"]
+            assert body["millm"]["capture"]["inline"] is False
+            assert (captures / f"{cid}.safetensors").is_file()
+            # gone for readers once expired, and from the disk at the next prune
+            deadline = time.monotonic() + 15
+            while (captures / f"{cid}.safetensors").exists() and time.monotonic() < deadline:
+                time.sleep(0.25)
+            assert not (captures / f"{cid}.safetensors").exists(), log.read_text()
+            assert not (captures / f"{cid}.json").exists()
+            assert _status(f"{base}/api/captures/{cid}") == 404
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
         with django_db_blocker.unblock():
             from monitoring.models import Capture
 

@@ -9,11 +9,7 @@ rest go through the in-process API client, where the disk can be faked."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -26,8 +22,8 @@ from rest_framework.test import APIClient
 
 from tests.api.conftest import MODEL_REPO, SAE_REPO, SAELENS_DIR, hub, standin_hub  # noqa: F401
 from tests.envelope import ok, refused
+from tests.served import served_process
 
-REPO = Path(__file__).resolve().parents[2]
 ADMIN_KEY = "registry-security-admin-key"
 USER_KEY = "registry-security-inference-key"
 REMOTE_REPO = "millm-test/remote-code-llama"
@@ -70,12 +66,6 @@ class Served:
             time.sleep(0.2)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def remote_repo(standin_hub, tiny_assets):  # noqa: F811 - the stand-in hub fixture
     repo = standin_hub.add_directory(REMOTE_REPO, tiny_assets.models["tiny-llama"].path,
@@ -87,56 +77,21 @@ def remote_repo(standin_hub, tiny_assets):  # noqa: F811 - the stand-in hub fixt
 @pytest.fixture(scope="module")
 def served(django_db_setup, django_db_blocker, standin_hub, remote_repo,  # noqa: F811
            tmp_path_factory):
-    from django.db import connection
-
     from registry.models import SAE, Attachment, Job, Model
 
-    if connection.vendor != "postgresql":
-        pytest.fail("the served tests share the test database with a second process, "
-                    "which needs PostgreSQL")
-    db = connection.settings_dict
-    url = (f"postgresql://{db['USER']}{':' + db['PASSWORD'] if db['PASSWORD'] else ''}"
-           f"@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}")
     root = tmp_path_factory.mktemp("registry-served")
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items()
-           if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")}
     # LOCAL_MODEL_ROOTS and ALLOW_REMOTE_CODE unset: the defaults are what is under test
-    env.update({
-        "MILLM_ENV_FILE": "/nonexistent/.env", "DATABASE_URL": url,
+    env = {
         "SECRET_KEY": "registry-security-secret-key-0123456789abcdef",
         "MILLM_DATA_DIR": str(root / "data"), "HF_ENDPOINT": standin_hub.url,
         "MILLM_API_KEYS": f"alice:{USER_KEY}", "MILLM_ADMIN_API_KEYS": f"ops:{ADMIN_KEY}",
         "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32",
         "LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1",
-    })
-    log = root / "serve.log"
-    with open(log, "wb") as sink:
-        process = subprocess.Popen(
-            [sys.executable, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1",
-             "--port", str(port)], cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
-    server = Served(f"http://127.0.0.1:{port}", root, log)
+    }
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            if process.poll() is not None:
-                pytest.fail(f"serve exited with {process.returncode}:\n{log.read_text()}")
-            try:
-                if server.call("GET", "/api/health", key=None)[0] == 200:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"serve did not answer in time:\n{log.read_text()}")
-            time.sleep(0.2)
-        yield server
+        with served_process(root, env) as serving:
+            yield Served(serving.url, root, serving.log)
     finally:
-        process.terminate()
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(5)
         with django_db_blocker.unblock():
             for model in (Attachment, Job, SAE, Model):
                 model.objects.all().delete()
