@@ -15,44 +15,30 @@ import threading
 
 import structlog
 from django.conf import settings
-from django.db import close_old_connections, connections
+
+from core.periodic import Periodic
 
 log = structlog.get_logger(__name__)
 
-_started: threading.Thread | None = None
-_lock = threading.Lock()
+
+def _sweep() -> dict[str, int]:
+    from batches.services import batches_sweep
+
+    return batches_sweep()
+
+
+_sweeper = Periodic("millm-batch-sweeper", _sweep,
+                    interval=lambda: float(settings.BATCH_SWEEP_INTERVAL_S), at_once=False,
+                    log=log, started="batches_sweeper_started",
+                    failed="batches_sweep_failed", done="batches_swept")
 
 
 def sweep_once() -> dict[str, int] | None:
     """One sweep; None (and a log line) when it failed: the next one tries again."""
-    from batches.services import batches_sweep
-
-    close_old_connections()
-    try:
-        return batches_sweep()
-    except Exception:  # noqa: BLE001 - a sweep that fails must not end the sweeper
-        log.exception("batches_sweep_failed")
-        return None
-    finally:
-        connections.close_all()
+    return _sweeper.once()
 
 
 def sweeper_start(stop: threading.Event | None = None) -> threading.Thread:
-    """Start this process's sweeper once (a later call returns the running thread)."""
-    global _started
-    with _lock:
-        if _started is not None and _started.is_alive():
-            return _started
-        stop = stop or threading.Event()
-
-        def loop() -> None:
-            log.info("batches_sweeper_started",
-                     interval_s=float(settings.BATCH_SWEEP_INTERVAL_S))
-            while not stop.wait(float(settings.BATCH_SWEEP_INTERVAL_S)):
-                done = sweep_once()
-                if done and any(done.values()):
-                    log.info("batches_swept", **done)
-
-        _started = threading.Thread(target=loop, name="millm-batch-sweeper", daemon=True)
-        _started.start()
-        return _started
+    """Start this process's sweeper once (a later call returns the running thread); the
+    first sweep is one interval after the start."""
+    return _sweeper.start(stop)

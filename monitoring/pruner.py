@@ -14,47 +14,30 @@ import threading
 
 import structlog
 from django.conf import settings
-from django.db import close_old_connections, connections
+
+from core.periodic import Periodic
 
 log = structlog.get_logger(__name__)
 
-_started: threading.Thread | None = None
-_lock = threading.Lock()
+
+def _prune() -> dict[str, int]:
+    from monitoring.services import capture_prune
+
+    return capture_prune()
+
+
+_pruner = Periodic("millm-capture-pruner", _prune,
+                   interval=lambda: float(settings.CAPTURE_PRUNE_INTERVAL_S), at_once=True,
+                   log=log, started="capture_pruner_started",
+                   failed="capture_prune_failed", done="captures_pruned")
 
 
 def prune_once() -> dict[str, int] | None:
     """One prune; None (and a log line) when it failed: the next one tries again."""
-    from monitoring.services import capture_prune
-
-    close_old_connections()
-    try:
-        return capture_prune()
-    except Exception:  # noqa: BLE001 - a prune that fails must not end the pruner
-        log.exception("capture_prune_failed")
-        return None
-    finally:
-        connections.close_all()
+    return _pruner.once()
 
 
 def pruner_start(stop: threading.Event | None = None) -> threading.Thread:
     """Start this process's pruner once (a later call returns the running thread); the
     first prune runs at once, so what expired while the server was down goes at start."""
-    global _started
-    with _lock:
-        if _started is not None and _started.is_alive():
-            return _started
-        stop = stop or threading.Event()
-
-        def loop() -> None:
-            interval = float(settings.CAPTURE_PRUNE_INTERVAL_S)
-            log.info("capture_pruner_started", interval_s=interval)
-            while True:
-                done = prune_once()
-                if done and any(done.values()):
-                    log.info("captures_pruned", **done)
-                if stop.wait(interval):
-                    return
-
-        _started = threading.Thread(target=loop, name="millm-capture-pruner", daemon=True)
-        _started.start()
-        return _started
+    return _pruner.start(stop)
