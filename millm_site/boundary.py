@@ -167,7 +167,9 @@ def unauthorized_body(path: str) -> bytes:
 
 
 def too_large(path: str, limit: int) -> bytes:
-    return _surface_error(path, 413, "PAYLOAD_TOO_LARGE",
+    # /v1's code is request_too_large (as inference.views answers it), /api's the envelope's
+    return _surface_error(path, 413, "REQUEST_TOO_LARGE" if path.startswith("/v1")
+                          else "PAYLOAD_TOO_LARGE",
                           f"The request body is larger than {limit} bytes",
                           {"limit_bytes": limit})
 

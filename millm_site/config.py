@@ -180,7 +180,7 @@ VARIABLES: tuple[Var, ...] = (
         "or * for any. Default: * with API keys (a page still needs a key); none without "
         "keys (only the server's own pages). * without keys is refused at start-up: any web "
         "page could drive the server.", derive=lambda v: _default_origins(v)),
-    Var("MAX_REQUEST_BODY_BYTES", "HTTP & logging", "int", 4 * 1024 * 1024,
+    Var("MAX_REQUEST_BODY_BYTES", "HTTP & logging", "int", 2621440,
         "Largest request body for /api and /v1 other than file uploads (uploads: "
         "BATCH_MAX_FILE_BYTES). A larger one is refused with 413 from its Content-Length "
         "before it is read, or as soon as its bytes pass the limit.", minimum=1024),

@@ -5,6 +5,9 @@ settings again, so the admin site and the commands meet the same rules."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 
 from django.conf import settings
@@ -43,11 +46,28 @@ def remote_code_enabled(trust_remote_code: bool) -> bool:
     return bool(trust_remote_code) and bool(settings.ALLOW_REMOTE_CODE)
 
 
+# directories a process's own work has just written (create_demo_assets --output DIR):
+# registering what it built there is the operator's decision, made on the command line
+_BUILT_HERE: ContextVar[tuple[str, ...]] = ContextVar("millm_built_here", default=())
+
+
+@contextmanager
+def built_here(root: Path) -> Iterator[None]:
+    """While it is open, ``root`` counts as a local root (never for an API request: only
+    code the operator runs, around the files it has just built)."""
+    token = _BUILT_HERE.set((*_BUILT_HERE.get(), str(root)))
+    try:
+        yield
+    finally:
+        _BUILT_HERE.reset(token)
+
+
 def local_roots() -> list[Path]:
     """LOCAL_MODEL_ROOTS resolved; empty: the model cache, the SAE cache and the data
     directory (read at call time, so a test's own cache directories count)."""
     raw = list(settings.LOCAL_MODEL_ROOTS) or [settings.MODEL_CACHE_DIR,
                                                 settings.SAE_CACHE_DIR, settings.DATA_DIR]
+    raw = [*raw, *_BUILT_HERE.get()]
     roots = []
     for value in raw:
         try:

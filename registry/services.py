@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import structlog
 from django.conf import settings
@@ -12,7 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from core.errors import ValidationFailed
-from registry import describe
+from registry import access, describe
 from registry.access import check_remote_code
 from registry.errors import (
     InvalidLocalPath,
@@ -318,6 +319,13 @@ def demo_assets_install(*, root: Path, seed: int = 0, include_demo: bool = True
     from gpu_engine.assets import ensure_assets
 
     manifest = ensure_assets(Path(root), seed=seed, include_demo=include_demo)
+    # the files were built under ``root`` by this call: registering them is allowed even
+    # where ``root`` is not under LOCAL_MODEL_ROOTS (create_demo_assets --output DIR)
+    with access.built_here(Path(root).resolve()):
+        return _demo_assets_register(manifest)
+
+
+def _demo_assets_register(manifest: Any) -> tuple[list[Model], list[SAE]]:
     models: list[Model] = []
     for asset in manifest.models.values():
         existing = Model.objects.filter(name=asset.name).first()

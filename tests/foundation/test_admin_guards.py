@@ -155,12 +155,24 @@ def test_add_model_refuses_a_path_the_api_refuses(staff_client, path, message):
 
 
 def test_add_model_refuses_a_taken_name_and_a_hub_row_without_files(staff_client, model,
-                                                                   tiny_assets):
+                                                                   tiny_assets, tmp_path):
+    import shutil
+
     asset = tiny_assets.models["tiny-llama"]
+    # a copy elsewhere under the name the registered checkpoint already has
+    copy = tmp_path / "tiny-llama"
+    shutil.copytree(asset.path, copy)
     response = staff_client.post("/admin/registry/model/add/", {
-        "local_path": str(asset.path), "quantization": "FP32", "_save": "Save"})
+        "local_path": str(copy), "quantization": "FP32", "_save": "Save"})
     assert response.context["adminform"].form.errors["name"] == [
         "A model named 'tiny-llama' is already registered (MODEL_ALREADY_EXISTS)"]
+    # the registered checkpoint itself, under any name, is the same registration again
+    response = staff_client.post("/admin/registry/model/add/", {
+        "local_path": str(asset.path), "name": "again", "quantization": "FP32",
+        "_save": "Save"})
+    errors = response.context["adminform"].form.errors
+    assert any("is already registered as model 'tiny-llama'" in message
+               for messages in errors.values() for message in messages), errors
     # the hub has no add form here (it would make a row with no files): a source field
     # posted anyway is ignored and the missing path is the form's error, not the database's
     response = staff_client.post("/admin/registry/model/add/", {

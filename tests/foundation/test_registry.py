@@ -60,14 +60,20 @@ def test_register_local_transformers_model_reads_its_files(tiny_assets):
     assert selectors.model_get(model_id=str(row.pk)).pk == row.pk
 
 
-@pytest.mark.parametrize(("path", "fragment"), [
-    ("relative/dir", "absolute"),
-    ("/nonexistent/model", "does not exist"),
-    ("/etc", "system directory"),
-    ("/usr/lib/python3", "system directory"),
-    ("/", "system directory"),
+@pytest.mark.parametrize(("path", "fragment", "roots"), [
+    ("relative/dir", "absolute", None),
+    # outside LOCAL_MODEL_ROOTS: one answer whether it exists or not
+    ("/nonexistent/model", "LOCAL_MODEL_ROOTS", None),
+    ("/etc", "LOCAL_MODEL_ROOTS", None),
+    # an operator whose roots take in the whole disk still cannot register these
+    ("/nonexistent/model", "does not exist", ("/",)),
+    ("/etc", "system directory", ("/",)),
+    ("/usr/lib/python3", "system directory", ("/",)),
+    ("/", "system directory", ("/",)),
 ])
-def test_register_local_refuses_bad_paths(path, fragment):
+def test_register_local_refuses_bad_paths(path, fragment, roots, settings):
+    if roots is not None:
+        settings.LOCAL_MODEL_ROOTS = roots
     with pytest.raises(InvalidLocalPath) as info:
         services.model_register_local(local_path=path)
     assert fragment in info.value.message
@@ -103,8 +109,11 @@ def test_delete_is_refused_while_locked_or_loaded(tiny_assets):
     assert Model.objects.get(pk=model.pk).loaded_at is not None
 
 
-def test_delete_removes_cached_files_but_never_a_users_own_directory(
+def test_delete_never_removes_a_local_registrations_files(
         tiny_assets, tmp_path, django_capture_on_commit_callbacks):
+    """A row removes only what the registry downloaded for it (docs/security.md): a local
+    registration keeps its files, in the model cache (it may be another model's download)
+    or anywhere else."""
     cached = Path(settings.MODEL_CACHE_DIR) / "copied-gpt2"
     shutil.copytree(tiny_assets.models["tiny-gpt2"].path, cached)
     own = tmp_path / "own-gpt2"
@@ -114,7 +123,7 @@ def test_delete_removes_cached_files_but_never_a_users_own_directory(
     with django_capture_on_commit_callbacks(execute=True):
         services.model_delete(model=in_cache)
         services.model_delete(model=outside)
-    assert not cached.exists()
+    assert (cached / "config.json").is_file()
     assert (own / "config.json").is_file()
     assert Model.objects.count() == 0
 
