@@ -673,7 +673,7 @@ class Engine:
             self._submit(lambda: self._run_generation(job, stream), _priority(job.priority), on_drop=dropped)
 
     def _builder(self) -> Any:
-        from .structured import GRAMMAR_WORKERS, GrammarBuilder
+        from .decode.grammar import GRAMMAR_WORKERS, GrammarBuilder
 
         with self._state_lock:
             if self._grammar_builder is None:
@@ -697,7 +697,7 @@ class Engine:
         """Build the request's grammar off the worker thread, then queue the request: a
         costly schema (xgrammar spends seconds to minutes on long regex repetitions) never
         holds the generation of others, and one not built within ``structured_timeout_s``
-        ends as ``schema_too_complex`` (``gpu_engine.structured.GrammarBuilder``)."""
+        ends as ``schema_too_complex`` (``gpu_engine.decode.grammar.GrammarBuilder``)."""
         builder, threads = self._builder(), self._grammar_threads
 
         def prepare() -> None:

@@ -222,7 +222,7 @@ class ResponseFormatUnsupported(EngineError):
 
 class SchemaTooComplex(EngineError):
     """A ``response_format`` (or tool) schema whose grammar was not built within
-    ``STRUCTURED_COMPILE_TIMEOUT_S`` (``gpu_engine.structured.GrammarBuilder``); details:
+    ``STRUCTURED_COMPILE_TIMEOUT_S`` (``gpu_engine.decode.grammar.GrammarBuilder``); details:
     ``param`` and ``timeout_s``."""
 
     code = "schema_too_complex"

@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .architectures import is_supported_architecture
 from .errors import InvalidParameter, ModelLoadFailed
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -171,8 +172,6 @@ def inspect_model_dir(
             has_template = bool(json.loads(tok_cfg.read_text()).get("chat_template"))
         except ValueError:
             has_template = False
-
-    from .backends.transformers.blocks import is_supported_architecture  # torch-free module
 
     return ModelInfo(
         architecture_class=architecture_class,

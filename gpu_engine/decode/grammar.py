@@ -51,10 +51,10 @@ from typing import Any
 import torch
 import xgrammar as xg
 
-from .errors import ResponseFormatUnsupported, SchemaTooComplex
-from .protocol import StructuredOutput
+from ..errors import ResponseFormatUnsupported, SchemaTooComplex
+from ..protocol import StructuredOutput
 
-log = logging.getLogger("gpu_engine.structured")
+log = logging.getLogger("gpu_engine.decode.grammar")
 
 # compiled grammars kept per model (spec → grammar); a compiled JSON grammar of a small
 # schema is tens of kB
@@ -167,14 +167,16 @@ GRAMMAR_WORKERS = 2
 
 
 class _Child:
-    """One ``gpu_engine.grammar_worker`` process and its pipes."""
+    """One ``gpu_engine.decode.grammar_worker`` process and its pipes."""
 
     def __init__(self) -> None:
         env = dict(os.environ)
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        # the directory above the gpu_engine package (this file is gpu_engine/decode/grammar.py)
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "gpu_engine.grammar_worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, cwd=root)
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpu_engine.decode.grammar_worker"],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, env=env, cwd=root)
         self._buf = b""
         if self.read(time.monotonic() + WORKER_START_TIMEOUT_S) != {"ready": True}:
             self.kill()
@@ -215,7 +217,7 @@ class _Child:
 class GrammarBuilder:
     """Builds grammars off the engine's worker thread, with a deadline (the engine's
     ``STRUCTURED_COMPILE_TIMEOUT_S``): the schema-to-grammar conversion in a child process
-    (``gpu_engine.grammar_worker``, started at the first structured request and kept),
+    (``gpu_engine.decode.grammar_worker``, started at the first structured request and kept),
     killed when it overruns, so a costly schema ends as ``SchemaTooComplex`` and costs
     nothing after its deadline.  Built grammars are ``remember``-ed for every backend."""
 

@@ -1,11 +1,11 @@
 """The child process that turns a ``StructuredOutput`` into an xgrammar grammar
-(``gpu_engine.structured.GrammarBuilder`` runs it): one JSON request a line on stdin, one
+(``gpu_engine.decode.grammar.GrammarBuilder`` runs it): one JSON request a line on stdin, one
 JSON answer a line on stdout.
 
 Why a process: converting a JSON schema to a grammar is where xgrammar spends its time
 on a costly schema (``"pattern": "a{20000}"`` takes ~25 s, ``a{60000}`` minutes) and it
 cannot be interrupted; a child that overruns its deadline is killed, so its CPU comes
-back at once.  Run as ``python -m gpu_engine.grammar_worker``.
+back at once.  Run as ``python -m gpu_engine.decode.grammar_worker``.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import sys
 
 
 def main() -> None:
-    from .protocol import StructuredOutput
-    from .structured import build_grammar
+    from ..protocol import StructuredOutput
+    from .grammar import build_grammar
 
     out = sys.stdout
     out.write(json.dumps({"ready": True}) + "\n")

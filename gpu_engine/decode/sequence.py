@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ...errors import InvalidParameter
-from ...hooks import RequestHooks
-from ...protocol import (
+from ..errors import InvalidParameter
+from ..hooks import RequestHooks
+from ..protocol import (
     ActivationRecord,
     FinishEvent,
     LogprobEntry,
@@ -26,14 +26,14 @@ from ...protocol import (
     TokenLogprob,
     Usage,
 )
-from ...text import IncrementalDetokenizer, StopMatcher
+from .text import IncrementalDetokenizer, StopMatcher
 from .sampling import Sampler
 
 Emit = Callable[[object], None]
 
 
 def structured_grammar(runner, sampling: SamplingParams):  # type: ignore[no-untyped-def]
-    """The request's ``gpu_engine.structured.RequestGrammar`` (None without
+    """The request's ``gpu_engine.decode.grammar.RequestGrammar`` (None without
     ``response_format``); a runner without grammars is refused before this by
     ``requests.check_capabilities``."""
     if sampling.structured is None:
@@ -75,7 +75,7 @@ class Sequence:
 
     def __init__(
         self,
-        runner,  # type: ignore[no-untyped-def]  # TransformersRunner (tokeniser, EOS ids, vocab)
+        runner,  # type: ignore[no-untyped-def]  # the backend's runner (tokeniser, EOS ids, vocab, device)
         *,
         request_id: str,
         prompt_ids: list[int],

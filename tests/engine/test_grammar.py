@@ -1,4 +1,4 @@
-"""The grammar every backend enforces (``gpu_engine.structured.grammar_for``), read with
+"""The grammar every backend enforces (``gpu_engine.decode.grammar.grammar_for``), read with
 Python's own ``json`` and ``jsonschema`` as the oracle: whatever the grammar accepts must
 parse and validate."""
 
@@ -32,7 +32,7 @@ def test_a_string_with_a_length_bound_holds_only_what_json_allows(char):
     (xgrammar's own conversion of ``maxLength`` let it through)."""
     import xgrammar as xg
 
-    from gpu_engine.structured import grammar_for
+    from gpu_engine.decode.grammar import grammar_for
 
     grammar = grammar_for(StructuredOutput("json_schema", json.dumps(BOUNDED)))
     text = '{"city": "a%sb", "code": "xy"}' % char

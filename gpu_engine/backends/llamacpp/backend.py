@@ -5,7 +5,7 @@ encoding run on the host in torch, with the same code as the transformers backen
 Steering is a control vector when every row of a forward is steered alike and the eval
 callback otherwise (``batched.py``); monitoring and capture (hidden states, rotated Q/K)
 are the eval callback (``taps.py``). Structured output and tool calls are the shared
-xgrammar masks (``gpu_engine.structured``) over the GGUF's vocabulary, applied by each
+xgrammar masks (``gpu_engine.decode.grammar``) over the GGUF's vocabulary, applied by each
 request's sampler to its own row.
 
 How requests with different steering share the model is decided at load
@@ -38,6 +38,9 @@ from typing import Any
 import torch
 
 from ...capture import AttentionGeometry
+from ...decode.sampling import score_result
+from ...decode.sequence import Sequence
+from ...decode.text import tool_template_format
 from ...errors import InvalidParameter, ModelLoadFailed, SAEIncompatible
 from ...hooks import AttachmentStats, HookManager
 from ...memory import available_memory
@@ -52,10 +55,7 @@ from ...protocol import (
     Usage,
 )
 from ...sae.hookpoints import DEFAULT_HOOK_POINT
-from ...text import tool_template_format
 from ..base import all_capabilities
-from ..transformers.sampling import score_result
-from ..transformers.sequence import Sequence
 from .batched import (
     CONTROL_VECTOR_SWAP,
     EVAL_CALLBACK_PER_ROW,
@@ -182,7 +182,7 @@ class LlamaCppBackend:
             self.chat = ChatTemplate.from_model(self.native, self.tokenizer)
             # GenerationJob.tools: whether (and how) the GGUF's chat template renders tools
             self.tool_call_format = tool_template_format(self.chat.source, self.chat.render)
-            self._grammars: Any = None  # gpu_engine.structured.Grammars, at the first use
+            self._grammars: Any = None  # gpu_engine.decode.grammar.Grammars, at the first use
             self.eos_token_ids = self.native.eog_ids()
             self.file_type = self.native.meta("general.file_type")
             self.kernels = f"llama.cpp ({'gpu offload' if opts['offload'] else 'cpu'})"
@@ -321,10 +321,10 @@ class LlamaCppBackend:
         )
 
     def structured_grammars(self) -> Any:
-        """This model's ``gpu_engine.structured.Grammars`` over the GGUF's vocabulary (built
+        """This model's ``gpu_engine.decode.grammar.Grammars`` over the GGUF's vocabulary (built
         at the first structured request; xgrammar is imported only then)."""
         if self._grammars is None:
-            from ...structured import Grammars
+            from ...decode.grammar import Grammars
 
             self._grammars = Grammars.from_vocabulary(
                 grammar_vocabulary(self.native), stop_token_ids=self.eos_token_ids

@@ -43,8 +43,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..transformers.sampling import choose_rows
-from ..transformers.sequence import Sequence
+from ...decode.sampling import choose_rows
+from ...decode.sequence import Sequence
 from .taps import KEY, QUERY, CaptureReader, ForwardPlan, LayerPlan, MonitorSegment
 
 # the capabilities' ``steering_mode``: how requests with different steering share the model

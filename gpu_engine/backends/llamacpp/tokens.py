@@ -2,7 +2,7 @@
 
 ``LlamaTokenizer`` is the small part of a Hugging Face tokenizer that the shared
 ``Sequence`` and ``IncrementalDetokenizer`` call (``decode``); ``grammar_vocabulary`` is
-the vocabulary as xgrammar reads it (``gpu_engine.structured``).  The chat template is the
+the vocabulary as xgrammar reads it (``gpu_engine.decode.grammar``).  The chat template is the
 file's ``tokenizer.chat_template``, rendered the way transformers renders one (a
 sandboxed Jinja environment with ``trim_blocks``/``lstrip_blocks``, ``raise_exception``)
 so a chat prompt is the same text on both backends.

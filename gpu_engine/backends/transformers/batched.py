@@ -27,8 +27,8 @@ from ...protocol import AttachmentKey
 from .attention import use_grouped_sdpa
 from .kv_cache import BatchKVCache
 from .runner import TransformersRunner
-from .sampling import choose_rows
-from .sequence import Sequence
+from ...decode.sampling import choose_rows
+from ...decode.sequence import Sequence
 
 # a padded prefill group may waste at most this share of its (rows × longest prompt) area
 MAX_PREFILL_PADDING = 0.25

@@ -3,36 +3,17 @@ module an SAE's hook point (``gpu_engine.sae.hookpoints``) lands on at layer L.
 
 The table is keyed by the checkpoint's architecture class (``config.architectures[0]``
 or the loaded model's class name) and lists the attribute path of the block list; more
-than one candidate covers layout changes between transformers versions.  This module
-imports no torch so ``inspect`` can say whether a checkpoint is supported.
+than one candidate covers layout changes between transformers versions.  The table
+itself lives in ``gpu_engine.architectures`` (torch-free, and no backend), where
+``inspect`` reads it to say whether a checkpoint is supported.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ...architectures import BLOCK_LIST_PATHS, is_supported_architecture
 from ...errors import SAEIncompatible, UnsupportedArchitecture
-
-_DECODER_LAYERS = ("model.layers",)
-
-BLOCK_LIST_PATHS: dict[str, tuple[str, ...]] = {
-    "LlamaForCausalLM": _DECODER_LAYERS,
-    "MistralForCausalLM": _DECODER_LAYERS,
-    "Qwen2ForCausalLM": _DECODER_LAYERS,
-    "Qwen3ForCausalLM": _DECODER_LAYERS,
-    "GemmaForCausalLM": _DECODER_LAYERS,
-    "Gemma2ForCausalLM": _DECODER_LAYERS,
-    "Gemma3ForCausalLM": _DECODER_LAYERS,
-    "Gemma3ForConditionalGeneration": ("model.language_model.layers", "language_model.model.layers"),
-    "PhiForCausalLM": _DECODER_LAYERS,
-    "Phi3ForCausalLM": _DECODER_LAYERS,
-    "GPT2LMHeadModel": ("transformer.h",),
-    "GPTNeoXForCausalLM": ("gpt_neox.layers",),
-}
-
-
-def is_supported_architecture(architecture_class: str) -> bool:
-    return architecture_class in BLOCK_LIST_PATHS
 
 
 def _walk(root: Any, path: str) -> Any:

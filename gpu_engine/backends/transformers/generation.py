@@ -19,7 +19,7 @@ from ...capture import armed
 from ...hooks import BatchContext, HookManager, RequestHooks, Segment
 from ...protocol import FinishEvent, SamplingParams, SpeculativeStats
 from .runner import TransformersRunner
-from .sequence import Emit, Sequence
+from ...decode.sequence import Emit, Sequence
 from .speculative import cut_cache, spec_eligible
 
 

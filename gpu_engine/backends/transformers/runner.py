@@ -33,7 +33,7 @@ from ...protocol import (
     Usage,
 )
 from ...sae.hookpoints import DEFAULT_HOOK_POINT, HOOK_POINTS
-from ...text import tool_template_format
+from ...decode.text import tool_template_format
 from ..base import all_capabilities
 from .blocks import resolve_attention, resolve_block, resolve_block_list, resolve_hook_module
 from .compiled import CompiledDecode, compile_wanted, decode_options, static_length
@@ -48,7 +48,7 @@ from .quantization import (
     quantize_blocks,
     weight_bytes,
 )
-from .sampling import score_result
+from ...decode.sampling import score_result
 from .speculative import Drafter, spec_config
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -247,7 +247,7 @@ class TransformersRunner:
         """This model's ``structured.Grammars`` (vocabulary info built once, grammars
         cached); xgrammar is imported only when a request asks for structured output."""
         if self._grammars is None:
-            from ...structured import Grammars
+            from ...decode.grammar import Grammars
 
             self._grammars = Grammars.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
                                                        stop_token_ids=self.eos_token_ids)
@@ -434,7 +434,7 @@ class TransformersRunner:
 
     def new_sequence(self, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int, request_hooks: Any,
                      emit: Any, should_stop: Any) -> Any:
-        from .sequence import Sequence as DecodeState
+        from ...decode.sequence import Sequence as DecodeState
 
         return DecodeState(self, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
                            max_tokens=max_tokens, request_hooks=request_hooks, emit=emit, should_stop=should_stop)

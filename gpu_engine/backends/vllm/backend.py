@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ...capture import AttentionGeometry
+from ...decode.text import tool_template_format
 from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...hooks import HookManager
 from ...inspect import inspect_model_dir
@@ -40,7 +41,6 @@ from ...protocol import (
     ScoreJob,
     ScoreResult,
 )
-from ...text import tool_template_format
 from ..base import all_capabilities
 from .wire import VLLM_HOOK_POINTS, hook_layer
 
@@ -107,7 +107,7 @@ class VllmBackend:
             # scheduler does not run a step ahead of the outputs
             async_scheduling=False,
             worker_extension_cls=WORKER_EXTENSION,
-            # structured requests bring their own grammar (gpu_engine.structured) for
+            # structured requests bring their own grammar (gpu_engine.decode.grammar) for
             # xgrammar, the engine the other backends use; no fallback to another one
             structured_outputs_config=StructuredOutputsConfig(backend="xgrammar"),
         )

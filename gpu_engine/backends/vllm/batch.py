@@ -9,7 +9,7 @@ strings, holdback, events, ``FinishEvent``), fed tokens vLLM sampled: vLLM is to
 on the same token ids (EOS unless ``ignore_eos``, ``stop_token_ids``) and at the same
 ``max_tokens``; a stop *string* ends the request here and aborts it in vLLM.  A structured
 request (``SamplingParams.structured``) carries its grammar to vLLM's own structured
-outputs (``gpu_engine.structured.grammar_text``): vLLM masks that row, and the grammar's
+outputs (``gpu_engine.decode.grammar.grammar_text``): vLLM masks that row, and the grammar's
 end, an EOS token, ends the request with ``stop``.
 
 Prefix caching: a steered request's blocks are salted with its canonical steering hash
@@ -28,9 +28,9 @@ from collections import OrderedDict
 from typing import Any
 
 from ...capture import CapturePart
+from ...decode.sequence import Sequence
 from ...errors import InvalidParameter
 from ...protocol import ActivationRecord, GenerationJob, LogprobEntry, TokenLogprob
-from ..transformers.sequence import Sequence
 from . import wire
 
 
@@ -69,9 +69,9 @@ class VllmSequence(Sequence):
         if p.structured is not None:
             from vllm.sampling_params import StructuredOutputsParams
 
-            from ...structured import grammar_text
+            from ...decode.grammar import grammar_text
 
-            # the grammar every backend enforces (``gpu_engine.structured``), as EBNF text;
+            # the grammar every backend enforces (``gpu_engine.decode.grammar``), as EBNF text;
             # a schema xgrammar refuses is response_format_unsupported here, before vLLM
             structured = StructuredOutputsParams(grammar=grammar_text(p.structured))
         try:
