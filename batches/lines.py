@@ -33,7 +33,7 @@ from pydantic import ValidationError
 
 from core.metrics import record_tokens
 from core.runtime import runtime
-from gpu_engine.protocol import EmbedJob
+from gpu_engine.api.protocol import EmbedJob
 from inference.errors import OpenAIError, openai_error_from_exception
 from inference.planning import plan_generation, resolve_model
 from inference.policy import check_dimensions, check_fields, ignored_headers

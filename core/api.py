@@ -24,7 +24,7 @@ from rest_framework.response import Response
 from core.errors import MillmError, from_engine_error
 from core.metrics import mark_error
 from core.middleware import LoopMiddleware
-from gpu_engine.errors import EngineError
+from gpu_engine.api.errors import EngineError
 
 log = structlog.get_logger(__name__)
 

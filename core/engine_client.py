@@ -28,7 +28,7 @@ import structlog
 from django.conf import settings
 
 from core.runtime import runtime
-from gpu_engine.commands import (
+from gpu_engine.api.commands import (
     COMMANDS,
     AttachSetArgs,
     BuildGrammarArgs,
@@ -47,8 +47,8 @@ from gpu_engine.commands import (
     UnloadModelArgs,
     check_implements,
 )
-from gpu_engine.errors import EngineBusy
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import EngineBusy
+from gpu_engine.api.protocol import (
     AttachmentKey,
     AttachmentStatus,
     AttachResult,
@@ -69,7 +69,7 @@ from gpu_engine.protocol import (
     ScoreResult,
     StructuredOutput,
 )
-from gpu_engine.sae.compat import CompatibilityReport
+from gpu_engine.api.sae import CompatibilityReport
 
 log = structlog.get_logger(__name__)
 
@@ -223,7 +223,7 @@ class EngineClient(ABC):
         """Free bytes on ``device`` of the engine's host (a CUDA card, or ``cpu``: the
         host's available memory); None when unknown."""
         if device == "cpu":
-            from gpu_engine.memory import host_memory
+            from gpu_engine.api.host import host_memory
 
             mem = host_memory()
             return mem["free"] if mem is not None else None

@@ -33,14 +33,14 @@ import redis
 import structlog
 
 from core.engine_client import EngineClient, GenerationHandle
-from gpu_engine.commands import Command, Lane
-from gpu_engine.errors import (
+from gpu_engine.api.commands import Command, Lane
+from gpu_engine.api.errors import (
     EngineBusy,
     EngineError,
     EngineShutdown,
     ModelNotLoaded,
 )
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     ErrorEvent,
     GenerationEvent,
     ResultEvent,
@@ -48,8 +48,7 @@ from gpu_engine.protocol import (
     from_builtins,
     from_json,
 )
-from gpu_engine.server.keys import Keys
-from gpu_engine.server.wire import Envelope, decode_event, is_final
+from gpu_engine.api.transport import Envelope, Keys, decode_event, is_final
 
 log = structlog.get_logger(__name__)
 

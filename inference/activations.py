@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from core.errors import MillmError
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     ActivationRecord,
     AttachmentStatus,
     MonitorEntry,

@@ -111,7 +111,7 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
     """The /v1 error for anything raised while serving a request. Unknown exceptions
     become a 500 whose message says nothing of the internals (the log has them)."""
     from core.errors import MillmError, from_engine_error
-    from gpu_engine.errors import EngineError
+    from gpu_engine.api.errors import EngineError
 
     if isinstance(exc, OpenAIError):
         return exc
@@ -143,7 +143,7 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
 def openai_error_event(code: str, message: str, details: dict[str, Any] | None = None
                        ) -> OpenAIError:
     """The /v1 error for an engine ``ErrorEvent`` (code, message, details)."""
-    from gpu_engine.errors import error_from_dict
+    from gpu_engine.api.errors import error_from_dict
 
     return openai_error_from_exception(
         error_from_dict({"code": code, "message": message, "details": details or {}}))

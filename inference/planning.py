@@ -24,8 +24,8 @@ from django.db import close_old_connections
 from core.engine_client import EngineClient
 from core.runtime import runtime
 from core.version import version
-from gpu_engine.analysis import CaptureNeed, capture_spec_for
-from gpu_engine.protocol import (
+from gpu_engine.api.analysis import CaptureNeed, capture_spec_for
+from gpu_engine.api.protocol import (
     AttachmentStatus,
     AttentionCaptureSpec,
     CaptureSpec,

@@ -31,8 +31,8 @@ from typing import Any
 from django.conf import settings
 from pydantic import BaseModel
 
-from gpu_engine.errors import InvalidParameter
-from gpu_engine.protocol import check_template_kwargs
+from gpu_engine.api.errors import InvalidParameter
+from gpu_engine.api.protocol import check_template_kwargs
 from inference.errors import OpenAIError
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.structured import SUPPORTED_TYPES

@@ -13,7 +13,7 @@ from django.views.decorators.csrf import csrf_exempt
 
 from core.api import error_json
 from core.errors import MillmError, from_engine_error
-from gpu_engine.errors import EngineError
+from gpu_engine.api.errors import EngineError
 from inference.probe_scoring import probe_score, probe_score_parse
 from monitoring.errors import ProbeScoreRequestInvalid
 from monitoring.ownership import Scope

@@ -37,9 +37,9 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from core.errors import MillmError, ModelNotLoaded, from_engine_error
 from core.metrics import record_tokens
 from core.runtime import runtime
-from gpu_engine.analysis import capture_spec_for
-from gpu_engine.errors import error_from_dict
-from gpu_engine.protocol import (
+from gpu_engine.api.analysis import capture_spec_for
+from gpu_engine.api.errors import error_from_dict
+from gpu_engine.api.protocol import (
     EngineStatus,
     ErrorEvent,
     FinishEvent,

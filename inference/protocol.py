@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     MAX_LOGIT_BIAS,
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,

@@ -35,7 +35,7 @@ from django.db import close_old_connections, connections
 
 from core.errors import MillmError, ModelBusy
 from core.runtime import runtime
-from gpu_engine.protocol import EngineStatus
+from gpu_engine.api.protocol import EngineStatus
 
 log = structlog.get_logger(__name__)
 

@@ -29,7 +29,7 @@ from django.http import JsonResponse
 
 from core.engine_client import EngineClient
 from core.version import version
-from gpu_engine.protocol import ScoreJob, ScoreResult
+from gpu_engine.api.protocol import ScoreJob, ScoreResult
 from inference import wire
 from inference.errors import OpenAIError
 from inference.policy import ignored_headers, template_kwargs

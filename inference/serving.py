@@ -28,7 +28,7 @@ from django.http import JsonResponse, StreamingHttpResponse
 from core.engine_client import EngineClient, arrived
 from core.metrics import record_speculative, record_tokens
 from core.runtime import runtime
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     ErrorEvent,
     FinishEvent,
     SteeringCount,

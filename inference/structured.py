@@ -35,7 +35,7 @@ from typing import Any
 from django.conf import settings
 
 from core.openai_errors import OpenAIError
-from gpu_engine.protocol import StructuredOutput
+from gpu_engine.api.protocol import StructuredOutput
 
 SUPPORTED_TYPES = ("text", "json_object", "json_schema")
 MAX_PROPERTIES = 5000

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_engine.protocol import StructuredOutput
+from gpu_engine.api.protocol import StructuredOutput
 from inference.errors import OpenAIError
 from inference.protocol import ChatCompletionRequest, NamedToolChoice
 from inference.structured import check_schema

@@ -21,7 +21,7 @@ from pydantic import BaseModel, ValidationError
 from core.auth import principal
 from core.metrics import record_tokens
 from core.runtime import runtime
-from gpu_engine.protocol import EmbedJob
+from gpu_engine.api.protocol import EmbedJob
 from inference import selectors
 from inference.errors import (
     OpenAIError,

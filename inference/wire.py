@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
-from gpu_engine.protocol import EngineStatus, TokenLogprob
+from gpu_engine.api.protocol import EngineStatus, TokenLogprob
 
 
 class _Body(BaseModel):

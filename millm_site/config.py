@@ -21,7 +21,7 @@ from urllib.parse import urlparse
 
 import environ
 
-from gpu_engine.backends import backend_names
+from gpu_engine.api.host import backend_names
 
 _BACKENDS = backend_names()
 

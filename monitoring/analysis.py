@@ -36,7 +36,7 @@ from django.conf import settings
 from django.db import close_old_connections, connections
 
 from core.errors import MillmError, from_engine_error
-from gpu_engine.analysis import (
+from gpu_engine.api.analysis import (
     AnalysisContext,
     AnalyzerRegistry,
     CaptureNeed,
@@ -44,7 +44,7 @@ from gpu_engine.analysis import (
     default_registry,
     load_extra,
 )
-from gpu_engine.errors import AnalyzerCaptureMissing, EngineError, error_from_dict
+from gpu_engine.api.errors import AnalyzerCaptureMissing, EngineError, error_from_dict
 from monitoring.errors import AnalysisUnavailable
 from monitoring.ownership import EVERYONE, Scope
 
@@ -72,7 +72,7 @@ def _stored_loader(scope: Scope) -> Callable[[str], Any]:
     """A stored capture by id (CoRe's N/A run): only ever a file of a ``Capture`` row the
     caller may see (another key's capture is not found, as on /api/captures)."""
     def load(capture_id: str) -> Any:
-        from gpu_engine.artifacts import load_capture
+        from gpu_engine.api.artifacts import load_capture
         from monitoring.selectors import capture_file
 
         return load_capture(capture_file(capture_id=capture_id, scope=scope))
@@ -153,7 +153,7 @@ class Analyzers:
         A failure on this capture (a span past the prompt, a probe of another width) is
         that entry's ``error`` — the generation has been answered already — unless
         ``strict``, where it raises (``/api/captures/{id}/analyze``)."""
-        from gpu_engine.artifacts import load_capture
+        from gpu_engine.api.artifacts import load_capture
 
         ctx = self.context(analyses[0].scope if analyses else EVERYONE)
         try:

@@ -41,9 +41,9 @@ from django.utils import timezone
 from core import events
 from core.errors import ModelNotLoaded
 from core.process_copy import ProcessCopy
-from gpu_engine.analysis import CaptureNeed
-from gpu_engine.archives import ArchiveRefused, read_npz
-from gpu_engine.protocol import (
+from gpu_engine.api.analysis import CaptureNeed
+from gpu_engine.api.artifacts import ArchiveRefused, read_npz
+from gpu_engine.api.protocol import (
     ActivationRecord,
     EngineStatus,
     FinishEvent,
@@ -574,7 +574,7 @@ def probe_score_hidden(heads: Sequence[ProbeHead], source: Any, choice: int,
     """Hidden-state probes on a finished choice's capture (bytes or a file): the
     ``completion`` rows (or, for a scoring pass, the ``prompt`` rows) of each probe's
     layer. Runs in the analysis pool."""
-    from gpu_engine.artifacts import load_capture
+    from gpu_engine.api.artifacts import load_capture
 
     if source is None:
         return [h.skipped("no_capture", choice) for h in heads]

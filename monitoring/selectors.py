@@ -100,7 +100,7 @@ def live_captures(scope: Scope = EVERYONE) -> Any:
 def capture_get(*, capture_id: str, scope: Scope = EVERYONE) -> Any:
     """The row, or None for an unknown id, anything that is not 32 hex digits, or another
     owner's capture (the same answer: its existence is not revealed)."""
-    from gpu_engine.artifacts import is_capture_id
+    from gpu_engine.api.artifacts import is_capture_id
 
     if not is_capture_id(capture_id):
         return None
@@ -132,7 +132,7 @@ def capture_detail(*, capture_id: str, scope: Scope = EVERYONE) -> dict[str, Any
 
 def capture_file(*, capture_id: str, sidecar: bool = False, scope: Scope = EVERYONE) -> Any:
     """The path of a stored capture's file, only ever inside CAPTURE_DIR."""
-    from gpu_engine.artifacts import file_names
+    from gpu_engine.api.artifacts import file_names
     from monitoring.errors import CaptureNotFound
     from monitoring.services import capture_dir
 

@@ -33,7 +33,7 @@ from django.db.models.signals import post_delete, post_save
 from core import events
 from core.errors import MillmError, ValidationFailed
 from core.process_copy import ProcessCopy
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     ActivationRecord,
     EngineStatus,
     FinishEvent,

@@ -30,10 +30,10 @@ from core import events
 from core.capabilities import require_capability
 from core.errors import ValidationFailed
 from core.process_copy import ProcessCopy
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     ActivationRecord as EngineRecord,
 )
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     AttachmentStatus,
     FinishEvent,
     MonitorEntry,
@@ -368,7 +368,7 @@ def capture_register(*, request_id: str, result: Any, owner: str = ANONYMOUS) ->
 
     from django.conf import settings
 
-    from gpu_engine.artifacts import file_names
+    from gpu_engine.api.artifacts import file_names
     from monitoring.models import Capture
 
     file_names(result.capture_id)  # refuses anything but 32 hex digits
@@ -404,7 +404,7 @@ def capture_room() -> int | None:
 
 
 def _capture_unlink(capture_id: str) -> None:
-    from gpu_engine.artifacts import file_names
+    from gpu_engine.api.artifacts import file_names
 
     root = capture_dir()
     for name in file_names(capture_id):
@@ -430,7 +430,7 @@ def capture_prune(*, now: Any = None) -> dict[str, int]:
 
     from django.conf import settings
 
-    from gpu_engine.artifacts import is_capture_id
+    from gpu_engine.api.artifacts import is_capture_id
     from monitoring.models import Capture
 
     now = now or timezone.now()

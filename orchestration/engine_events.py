@@ -7,7 +7,7 @@ import structlog
 from django.db import close_old_connections
 
 from core import events
-from gpu_engine.protocol import EngineEvent
+from gpu_engine.api.protocol import EngineEvent
 
 log = structlog.get_logger(__name__)
 

@@ -52,8 +52,8 @@ def model_needs(model: Model, dtype: str) -> ModelNeeds | None:
     """The weights and the KV room a load of ``model`` at ``dtype`` needs, read from its
     checkpoint's config and safetensors headers; None when there is no local checkpoint
     to read (nothing to judge by)."""
-    from gpu_engine.errors import EngineError
-    from gpu_engine.inspect import inspect_model_dir
+    from gpu_engine.api.errors import EngineError
+    from gpu_engine.api.host import inspect_model_dir
 
     path = Path(model.local_path) if model.local_path else None
     if path is None or not path.is_dir():

@@ -56,8 +56,8 @@ def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int],
     attach its SAEs. ``begin_restore`` counts this attempt and returns the count (it must
     survive a crash of this process); ``end_restore`` clears it."""
     from core.engine_client import _resolve_here
-    from gpu_engine.errors import EngineError
-    from gpu_engine.protocol import AttachSpec
+    from gpu_engine.api.errors import EngineError
+    from gpu_engine.api.protocol import AttachSpec
     from orchestration import services
 
     state = recorded_state()

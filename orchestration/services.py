@@ -27,8 +27,8 @@ from core.errors import (
     from_engine_error,
 )
 from core.runtime import runtime
-from gpu_engine.errors import EngineError
-from gpu_engine.protocol import AttachResult, AttachSpec, LoadModelJob
+from gpu_engine.api.errors import EngineError
+from gpu_engine.api.protocol import AttachResult, AttachSpec, LoadModelJob
 from leases.services import lease_check_change, lease_end_for_model
 from orchestration.errors import LoadInProgress
 from orchestration.memory_fit import check_model_fits, check_saes_fit

@@ -19,8 +19,8 @@ import structlog
 
 from core.errors import ModelNotLoaded, from_engine_error
 from core.runtime import runtime
-from gpu_engine.errors import EngineError
-from gpu_engine.protocol import HiddenStatesJob
+from gpu_engine.api.errors import EngineError
+from gpu_engine.api.protocol import HiddenStatesJob
 from registry.errors import VectorInvalid
 from registry.models import SAE
 from registry.selectors import model_loaded

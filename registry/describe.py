@@ -56,8 +56,8 @@ def dir_size(path: Path) -> int:
 def describe_transformers_dir(path: Path, quantization: str | None = None) -> dict[str, Any]:
     import json
 
-    from gpu_engine.errors import EngineError
-    from gpu_engine.inspect import inspect_model_dir
+    from gpu_engine.api.errors import EngineError
+    from gpu_engine.api.host import inspect_model_dir
     from registry import sizing
 
     try:
@@ -159,8 +159,8 @@ def _gguf_file_quantization(file_type: Any, filename: str) -> str | None:
 
 
 def describe_sae(path: Path) -> dict[str, Any]:
-    from gpu_engine.errors import EngineError
-    from gpu_engine.sae import read_sae_metadata
+    from gpu_engine.api.errors import EngineError
+    from gpu_engine.api.sae import read_sae_metadata
 
     try:
         meta = read_sae_metadata(path)

@@ -10,7 +10,7 @@ import secrets
 from django.core.exceptions import ValidationError
 from django.db import models
 
-from gpu_engine.backends import backend_names
+from gpu_engine.api.host import backend_names
 
 
 def validate_backend(value: str) -> None:

@@ -100,7 +100,7 @@ def model_register_local(*, local_path: str, name: str | None = None,
 
 
 def check_backend_name(backend: str) -> None:
-    from gpu_engine.backends import backend_names
+    from gpu_engine.api.host import backend_names
 
     if backend and backend not in backend_names():
         message = f"unknown backend {backend!r}; known: {', '.join(backend_names())}"

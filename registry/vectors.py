@@ -46,8 +46,8 @@ def vector_read_file(*, path: Path, model: Model, layer: int | None = None
     """The vectors of a file checked for ``model`` (every layer's, or ``layer``'s alone),
     or ``VectorInvalid`` naming the field: ``file`` (not a vector file, pickle, NaN, the
     wrong width) or ``layer`` (not in the file, past the model's blocks)."""
-    from gpu_engine.errors import EngineError
-    from gpu_engine.sae.vectors import read_vector_header, read_vectors
+    from gpu_engine.api.errors import EngineError
+    from gpu_engine.api.sae import read_vector_header, read_vectors
 
     try:
         info = read_vector_header(path)
@@ -93,7 +93,7 @@ def vector_create(*, name: str, model: Model, vectors: Mapping[int, Any], source
                   recipe: Mapping[str, Any] | None = None) -> SAE:
     """Write ``vectors`` (layer -> 1-D array of the model's width) as our own vector file
     and record the row; the norms are recorded per layer."""
-    from gpu_engine.sae.vectors import write_vector_file
+    from gpu_engine.api.sae import write_vector_file
 
     name = check_name_free(name)
     arrays = {int(k): np.asarray(v, dtype=np.float32).reshape(-1) for k, v in vectors.items()}

@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from core.errors import ValidationFailed
-from gpu_engine.protocol import FeatureControl, PositionRange, SteeringCondition
+from gpu_engine.api.protocol import FeatureControl, PositionRange, SteeringCondition
 from steering import rules
 from steering.errors import IsClusterDocument, PayloadTooLarge, UnknownKind
 

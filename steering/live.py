@@ -28,7 +28,7 @@ from core import events
 from core.capabilities import require_capability
 from core.errors import ValidationFailed
 from core.process_copy import ProcessCopy
-from gpu_engine.protocol import FeatureControl, SteeringEntry
+from gpu_engine.api.protocol import FeatureControl, SteeringEntry
 from registry.models import Attachment
 from steering import rules
 from steering.models import Circuit, Cluster, LiveSteering, Profile, SteeringState

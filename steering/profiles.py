@@ -27,7 +27,7 @@ from django.utils.dateparse import parse_datetime
 
 from core.errors import SAENotAttached, ValidationFailed
 from core.ids import ascii_int, get_by_pk_or_name
-from gpu_engine.protocol import MAX_STEERING_STRENGTH, FeatureControl
+from gpu_engine.api.protocol import MAX_STEERING_STRENGTH, FeatureControl
 from registry.models import SAE, Attachment
 from steering import live, rules
 from steering.documents import PROFILE_VERSION, refuse_cluster_as_profile

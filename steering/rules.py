@@ -35,7 +35,7 @@ from pydantic import (
 )
 
 from core.errors import InvalidFeatureIndex, ValidationFailed
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     MAX_STEERING_STRENGTH,
     FeatureControl,
     PositionRange,

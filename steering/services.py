@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     AttachmentStatus,
     FeatureControl,
     SteeringEntry,

@@ -32,7 +32,7 @@ from core.api import envelope
 from core.errors import NotReady
 from core.schema import enveloped
 from core.version import version
-from gpu_engine.protocol import to_builtins
+from gpu_engine.api.protocol import to_builtins
 
 log = structlog.get_logger(__name__)
 

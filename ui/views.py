@@ -21,7 +21,7 @@ from django.views.generic import TemplateView
 
 from core.auth import bearer_token, key_is_valid, keys_enabled
 from core.ids import ascii_int
-from gpu_engine.protocol import MAX_STEERING_STRENGTH
+from gpu_engine.api.protocol import MAX_STEERING_STRENGTH
 
 LABELS_FILE = "feature_labels.json"
 # A labels file is one short string per feature; anything bigger is not one.

@@ -29,8 +29,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 
 from core.errors import MillmError
-from gpu_engine.errors import EngineError, InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import EngineError, InvalidParameter
+from gpu_engine.api.protocol import (
     AttentionCaptureSpec,
     CaptureSpec,
     GenerationJob,

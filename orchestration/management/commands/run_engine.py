@@ -51,7 +51,7 @@ def host_description() -> Any:
     import torch
 
     from core.engine_client import _resolve_here
-    from gpu_engine.memory import host_memory
+    from gpu_engine.api.host import host_memory
 
     device, dtype = _resolve_here(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
     cuda = torch.cuda.is_available()

@@ -1,0 +1,22 @@
+"""The engine's public, torch-free surface: the only part of ``gpu_engine`` the Django side imports.
+
+Importing this package imports nothing else; each module is a small, named door:
+
+=============  ===========================================================================
+``protocol``   jobs, specs, results and events (msgspec structs), value ranges, JSON codec
+``commands``   the command table both the web's client and the engine implement
+``errors``     ``EngineError`` and its codes, ``error_from_dict``
+``transport``  the Redis Streams envelope and key names the web's Redis client speaks
+``artifacts``  stored capture files (names, ids, reading) and bounded ``.npz`` reading
+``analysis``   the analyzer registry and what an analysis needs captured
+``sae``        SAE metadata and compatibility, steering-vector files (no torch)
+``host``       model-directory inspection, host memory, the names of the backends
+=============  ===========================================================================
+
+Today these re-export from the engine modules that hold the code (issue 32 moves the code
+here step by step; the names and this package's paths stay). Two contracts keep the door
+(pyproject.toml): Django packages import only ``gpu_engine.api`` from the engine (the
+embedded runtime builder and ``run_engine`` are the named exceptions), and nothing here
+imports torch, transformers, vLLM or llama.cpp (tests/foundation/test_layers.py also
+imports every module of this package in a fresh interpreter and checks ``sys.modules``).
+"""
