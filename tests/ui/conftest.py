@@ -135,6 +135,9 @@ def _env(root: Path, hub_url: str, extra: dict[str, str] | None = None) -> dict[
         "HF_HUB_DISABLE_TELEMETRY": "1", "MILLM_ENGINE_DEVICE": "cpu",
         "MILLM_ENGINE_DTYPE": "float32", "LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
         "MAX_PENDING_REQUESTS": "10",
+        # the operator's local roots: the tests' own folders and the asset cache
+        # (millm_site.test_settings), where the pages register checkpoints and SAEs from
+        "LOCAL_MODEL_ROOTS": os.environ.get("LOCAL_MODEL_ROOTS", ""),
     })
     env.update(extra or {})
     return env

