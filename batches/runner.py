@@ -213,12 +213,11 @@ def batches_resume(*, force: bool) -> int:
     """Queue a runner for every batch not finished (a start-up: embedded, this process was
     the runner, ``force``; a Celery worker, the runner of a batch whose heartbeat stops is
     presumed dead once it is stale). Returns how many were queued."""
-    from batches.tasks import batch_run_task
     from core.jobs import enqueue
 
     ids = list(Batch.objects.exclude(status__in=Batch.TERMINAL).values_list("id", flat=True))
     for batch_id in ids:
-        enqueue(batch_run_task, batch_id, force=force, queue="batches")
+        enqueue("batches.tasks.batch_run_task", batch_id, force=force, queue="batches")
     if ids:
         log.info("batches_resumed", batches=len(ids))
     return len(ids)

@@ -402,9 +402,7 @@ def batch_create(*, input_file_id: str, endpoint: str, completion_window: str,
             batch.total = reader.total
             batch.model = next(iter(reader.models))
             batch.save(update_fields=["total", "model"])
-            from batches.tasks import batch_run_task
-
-            enqueue(batch_run_task, batch.id, queue="batches")
+            enqueue("batches.tasks.batch_run_task", batch.id, queue="batches")
     log.info("batch_created", batch_id=batch.id, lines=reader.total,
              failed=bool(reader.errors), owner=principal.owner)
     batch_progress(batch=batch, force=True)
@@ -694,8 +692,6 @@ def batches_sweep() -> dict[str, int]:
     by every Celery worker of the ``batches`` queue (batches/sweeper.py), every
     BATCH_SWEEP_INTERVAL_S; safe to run anywhere at once (each decision is made under the
     batch's row lock)."""
-    from batches.tasks import batch_run_task
-
     done = {"expired": 0, "cancelled": 0, "resumed": 0, "failed": 0, "finalized": 0,
             "uploads": files_sweep_uploads()}
     now = timezone.now()
@@ -727,7 +723,7 @@ def batches_sweep() -> dict[str, int]:
                 batch.runner, batch.runner_seen_at = None, None
                 batch.resumes += 1
                 batch.save(update_fields=["runner", "runner_seen_at", "resumes"])
-                enqueue(batch_run_task, batch.id, queue="batches")
+                enqueue("batches.tasks.batch_run_task", batch.id, queue="batches")
                 action = "resumed"
         if action is None:
             continue

@@ -21,7 +21,7 @@ from rest_framework import exceptions, status
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 
-from core.errors import MillmError, from_engine_error
+from core.errors import MillmError, from_engine_error, retry_after_value
 from core.metrics import mark_error
 from core.middleware import LoopMiddleware
 from gpu_engine.api.errors import EngineError
@@ -91,16 +91,6 @@ def error_body(code: str, message: str, details: dict[str, Any] | None = None
                ) -> dict[str, Any]:
     return {"success": False, "data": None,
             "error": {"code": code, "message": message, "details": details or {}}}
-
-
-def retry_after_value(status_code: int, retry_after: int | None, code: str) -> int | None:
-    """The Retry-After of an answer: required on 503 (defaulted and logged when missing)."""
-    if retry_after is not None:
-        return max(1, int(retry_after))
-    if status_code == 503:
-        log.warning("retry_after_defaulted", code=code)
-        return int(settings.RETRY_AFTER_FALLBACK_S)
-    return None
 
 
 def error_response(code: str, message: str, *, status_code: int,

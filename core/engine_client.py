@@ -492,15 +492,3 @@ def _resolve_here(device: str, dtype: str) -> tuple[str, str]:
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     return device, dtype
-
-
-def build_engine_client(*, on_event: Callable[[EngineEvent], None] | None = None
-                        ) -> EngineClient:
-    """The engine client this process's settings call for (the runtime builds it once):
-    the engine in this process when embedded; with REDIS_URL set, the run_engine process
-    over Redis Streams, and nothing here imports torch."""
-    if not settings.EMBEDDED:
-        from core.engine_client_redis import RedisEngineClient
-
-        return RedisEngineClient.from_settings()
-    return EmbeddedEngineClient(on_event=on_event)

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+import structlog
+from django.conf import settings
+
+log = structlog.get_logger(__name__)
+
 
 class MillmError(Exception):
     code: ClassVar[str] = "INTERNAL_ERROR"
@@ -189,3 +194,14 @@ def from_engine_error(exc: Exception, *, no_engine: type[MillmError] | None = No
     if cls is EngineUnavailable and error.retry_after is None:
         error.retry_after = int(settings.RETRY_AFTER_NOT_LOADED_S)
     return error
+
+
+def retry_after_value(status_code: int, retry_after: int | None, code: str) -> int | None:
+    """The Retry-After of an answer: required on 503 (defaulted and logged when missing).
+    Here, not in core.api, because core.metrics' middleware applies it too."""
+    if retry_after is not None:
+        return max(1, int(retry_after))
+    if status_code == 503:
+        log.warning("retry_after_defaulted", code=code)
+        return int(settings.RETRY_AFTER_FALLBACK_S)
+    return None

@@ -15,6 +15,7 @@ for a row that is not there yet.
 
 from __future__ import annotations
 
+import importlib
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -53,6 +54,23 @@ def _run_in_process(task: Any, args: tuple, kwargs: dict, future: Future) -> Non
         connections.close_all()
 
 
+def resolve_task(task: Any) -> Any:
+    """The Celery task ``task`` names, or ``task`` itself when it is one already.
+
+    Services enqueue their own tasks by name (``"orchestration.tasks.model_load_task"``):
+    the task module imports the service it runs, and a service importing its task back
+    would close a circle. A task's name is its module path and function name (each
+    ``@shared_task(name=...)`` says so); the module is imported here, at dispatch.
+    """
+    if not isinstance(task, str):
+        return task
+    module, _, attr = task.rpartition(".")
+    found = getattr(importlib.import_module(module), attr, None) if module else None
+    if found is None or getattr(found, "name", None) != task:
+        raise ValueError(f"no task named {task!r}")
+    return found
+
+
 class JobDispatch:
     """The process's task dispatch (a runtime part: ``runtime().jobs``): Celery in
     distributed mode, one in-process pool per queue embedded, created on first use."""
@@ -72,7 +90,8 @@ class JobDispatch:
 
     def enqueue(self, task: Any, *args: Any, queue: str = "maintenance",
                 secret_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Future:
-        """Run ``task(*args, **kwargs)`` in the background once the transaction commits.
+        """Run ``task(*args, **kwargs)`` in the background once the transaction commits;
+        ``task`` is a task or its name (``resolve_task``).
 
         ``secret_kwargs`` (a per-request hub token) reach the task but never its logged or
         inspected representation: in process they stay in memory, and Celery is told to
@@ -80,6 +99,7 @@ class JobDispatch:
         """
         if queue not in QUEUES:
             raise ValueError(f"unknown queue {queue!r}")
+        task = resolve_task(task)
         future: Future = Future()
         secrets = {k: v for k, v in (secret_kwargs or {}).items() if v is not None}
         all_kwargs = {**kwargs, **secrets}

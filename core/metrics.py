@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 from prometheus_client import Counter, Histogram
 
+from core.errors import retry_after_value
 from core.middleware import LoopMiddleware
 
 log = structlog.get_logger(__name__)
@@ -154,8 +155,6 @@ class MetricsMiddleware(LoopMiddleware):
     def process_response(self, request, response):
         surface = _surface(request.path)
         if response.status_code == 503 and not response.has_header("Retry-After"):
-            from core.api import retry_after_value
-
             response["Retry-After"] = str(retry_after_value(503, None, f"{surface}:503"))
         match = getattr(request, "resolver_match", None)
         route = match.route if match is not None and match.route else "unmatched"

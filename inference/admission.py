@@ -31,15 +31,12 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Self
+from typing import Any, Self
 
 from django.conf import settings
 
 from core.errors import MillmError
 from core.runtime import runtime
-
-if TYPE_CHECKING:
-    from inference.admission_shared import SharedAdmissionController
 
 
 class QueueFull(MillmError):
@@ -249,16 +246,6 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return asyncio.get_running_loop()
     except RuntimeError:
         return None
-
-
-def build_admission() -> AdmissionController | SharedAdmissionController:
-    """The controller this process's settings call for (the runtime builds it once): in
-    this process embedded, shared through Redis in distributed mode."""
-    if settings.EMBEDDED:
-        return AdmissionController.from_settings()
-    from inference.admission_shared import SharedAdmissionController
-
-    return SharedAdmissionController.from_settings()
 
 
 def queue_figures() -> dict[str, Any]:

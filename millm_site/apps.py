@@ -8,11 +8,11 @@ class MillmSiteConfig(AppConfig):
     def ready(self) -> None:
         # The site is the top layer: it alone may import every app, so it says what the
         # process's runtime is made of (each part is built on first use, once).
-        from core.engine_client import build_engine_client
+        from core.engine_client_build import build_engine_client
         from core.events import EventBus
         from core.jobs import JobDispatch
         from core.runtime import runtime
-        from inference.admission import build_admission
+        from inference.admission_build import build_admission
         from inference.residency import Residency
         from monitoring.analysis import Analyzers
         from orchestration.engine_events import handle as on_engine_event

@@ -36,6 +36,7 @@ from django.conf import settings
 from django.db import close_old_connections, connections
 
 from core.errors import MillmError, from_engine_error
+from core.jobs import resolve_task
 from gpu_engine.api.analysis import (
     AnalysisContext,
     AnalyzerRegistry,
@@ -204,8 +205,6 @@ class Analyzers:
         the worker's refusal is raised here as the error it was."""
         from celery.exceptions import TimeoutError as ResultTimeout
 
-        from monitoring.tasks import analysis_run_task
-
         if source is None:
             shipped = None
         elif isinstance(source, (bytes, bytearray)):
@@ -216,9 +215,10 @@ class Analyzers:
             raise ValueError("a stored capture goes to the analysis queue by its id")
         asked = [[a.name, a.params] for a in analyses]
         scope = analyses[0].scope if analyses else EVERYONE
-        result = analysis_run_task.apply_async(args=(asked, shipped, strict,
-                                                     [scope.owner, scope.all]),
-                                               queue="analysis", expires=self.timeout_s)
+        # by name: monitoring.tasks imports this module (core.jobs.resolve_task)
+        task = resolve_task("monitoring.tasks.analysis_run_task")
+        result = task.apply_async(args=(asked, shipped, strict, [scope.owner, scope.all]),
+                                  queue="analysis", expires=self.timeout_s)
         try:
             out = result.get(timeout=self.timeout_s, propagate=True)
         except ResultTimeout:

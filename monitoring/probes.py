@@ -61,6 +61,7 @@ from monitoring.errors import (
 )
 from monitoring.models import Probe, ProbeVerdict
 from monitoring.ownership import ANONYMOUS, EVERYONE, Scope
+from monitoring.selectors import verdict_out
 from monitoring.services import take_records
 
 log = structlog.get_logger(__name__)
@@ -649,14 +650,3 @@ def probe_record(*, request_id: str, verdicts: Sequence[Mapping[str, Any]],
     except Exception:  # noqa: BLE001 - a probe observes; it never fails the generation
         log.warning("probe_record_failed", request_id=request_id, exc_info=True)
         return 0
-
-
-def verdict_out(row: ProbeVerdict) -> dict[str, Any]:
-    out = {"timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
-           "request_id": row.request_id, "choice": row.choice, "probe_id": row.probe_id,
-           "name": row.name, "scored": row.scored, "score": row.score,
-           "threshold": row.threshold, "verdict": row.verdict, "positions": row.positions,
-           "rows": row.rows}
-    if not row.scored:
-        out["reason"] = row.reason
-    return out

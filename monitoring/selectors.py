@@ -5,12 +5,41 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from monitoring.models import ActivationRecord, ProbeVerdict
+from monitoring.models import ActivationRecord, MonitoringConfig, ProbeVerdict
 from monitoring.ownership import EVERYONE, Scope
-from monitoring.probes import verdict_out
-from monitoring.services import monitoring_config, record_out
 
 METRICS = ("mean", "max", "active_ratio", "count")
+
+
+def monitoring_config() -> MonitoringConfig:
+    config, _ = MonitoringConfig.objects.get_or_create(pk=1)
+    return config
+
+
+def record_out(row: ActivationRecord) -> dict[str, Any]:
+    return {"timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
+            "request_id": row.request_id, "token_position": row.token_position,
+            "activations": row.activations, "top_k": row.top_k, "sae_id": row.sae_id,
+            "layer": row.layer, "completion_token_index": row.completion_token_index}
+
+
+def verdict_out(row: ProbeVerdict) -> dict[str, Any]:
+    out = {"timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
+           "request_id": row.request_id, "choice": row.choice, "probe_id": row.probe_id,
+           "name": row.name, "scored": row.scored, "score": row.score,
+           "threshold": row.threshold, "verdict": row.verdict, "positions": row.positions,
+           "rows": row.rows}
+    if not row.scored:
+        out["reason"] = row.reason
+    return out
+
+
+def capture_dir():  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from django.conf import settings
+
+    return Path(settings.CAPTURE_DIR).resolve()
 
 
 def history(*, limit: int = 50, request_id: str | None = None,
@@ -134,7 +163,6 @@ def capture_file(*, capture_id: str, sidecar: bool = False, scope: Scope = EVERY
     """The path of a stored capture's file, only ever inside CAPTURE_DIR."""
     from gpu_engine.api.artifacts import file_names
     from monitoring.errors import CaptureNotFound
-    from monitoring.services import capture_dir
 
     row = capture_get(capture_id=capture_id, scope=scope)
     if row is None:

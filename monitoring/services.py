@@ -42,6 +42,7 @@ from gpu_engine.api.protocol import (
 )
 from monitoring.models import ActivationRecord, MonitoringConfig
 from monitoring.ownership import ANONYMOUS, EVERYONE, Scope
+from monitoring.selectors import capture_dir, capture_get, monitoring_config, record_out
 
 log = structlog.get_logger(__name__)
 
@@ -50,11 +51,6 @@ EVENTS_PER_SECOND = 10
 MAX_HISTORY = 10_000
 MAX_TOP_K = 1000
 MAX_FEATURES = 1024
-
-
-def monitoring_config() -> MonitoringConfig:
-    config, _ = MonitoringConfig.objects.get_or_create(pk=1)
-    return config
 
 
 def _pairs(items: Sequence[Any]) -> list[dict[str, Any]]:
@@ -313,13 +309,6 @@ class _RateCap:
 event_cap = _RateCap(EVENTS_PER_SECOND)
 
 
-def record_out(row: ActivationRecord) -> dict[str, Any]:
-    return {"timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
-            "request_id": row.request_id, "token_position": row.token_position,
-            "activations": row.activations, "top_k": row.top_k, "sae_id": row.sae_id,
-            "layer": row.layer, "completion_token_index": row.completion_token_index}
-
-
 def monitoring_record(*, request_id: str, entry: MonitorEntry,
                       records: Sequence[EngineRecord], owner: str = ANONYMOUS) -> int:
     """Store one generation's records and publish its event; never raises into the
@@ -352,14 +341,6 @@ def monitoring_record(*, request_id: str, entry: MonitorEntry,
 # --------------------------------------------------------------------------- captures
 # Stored hidden-state captures (issue 15): the engine writes ``<id>.safetensors`` and
 # ``<id>.json`` under CAPTURE_DIR; a row makes them fetchable by id until they expire.
-
-
-def capture_dir():  # type: ignore[no-untyped-def]
-    from pathlib import Path
-
-    from django.conf import settings
-
-    return Path(settings.CAPTURE_DIR).resolve()
 
 
 def capture_register(*, request_id: str, result: Any, owner: str = ANONYMOUS) -> Any:
@@ -413,7 +394,6 @@ def _capture_unlink(capture_id: str) -> None:
 
 def capture_delete(*, capture_id: str, scope: Scope = EVERYONE) -> None:
     from monitoring.errors import CaptureNotFound
-    from monitoring.selectors import capture_get
 
     row = capture_get(capture_id=capture_id, scope=scope)
     if row is None:

@@ -51,7 +51,7 @@ from steering.circuits import (
     circuit_mark_active,
     circuit_set_incomplete,
 )
-from steering.live import live_forget
+from steering.forget import live_forget
 
 log = structlog.get_logger(__name__)
 
@@ -554,8 +554,6 @@ def _model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     Idempotent while a load of the same model is queued or running (its job is returned);
     a load of another model queues behind it (MAX_LOAD_WORKERS at a time).
     """
-    from orchestration import tasks
-
     model = Model.objects.select_for_update().get(pk=model.pk)
     existing = active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,))
     if existing is not None:
@@ -571,7 +569,7 @@ def _model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     resident = _check_loadable(model)
     _check_fits_early(model, resident)
     job = job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
-    jobs.enqueue(tasks.model_load_task, job.id, queue="loads")
+    jobs.enqueue("orchestration.tasks.model_load_task", job.id, queue="loads")
     return job
 
 
@@ -596,8 +594,6 @@ def model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
 
 @transaction.atomic
 def _model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
-    from orchestration import tasks
-
     model = Model.objects.select_for_update().get(pk=model.pk)
     existing = active_job(model=model, kinds=(Job.Kind.MODEL_UNLOAD,))
     if existing is not None:
@@ -624,7 +620,7 @@ def _model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
         raise ModelLocked(f"Model {model.name!r} is locked; unlock it (or detach its SAEs) "
                           "first", details={"model_id": model.id})
     job = job_create(kind=Job.Kind.MODEL_UNLOAD, target=model.name, model=model)
-    jobs.enqueue(tasks.model_unload_task, job.id, queue="loads")
+    jobs.enqueue("orchestration.tasks.model_unload_task", job.id, queue="loads")
     return job
 
 

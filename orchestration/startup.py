@@ -100,9 +100,7 @@ def auto_load() -> Job | None:
         job = services.model_load_enqueue(model=model)
         log.info("auto_load_started", model=model.name, job_id=job.id)
     if targets:
-        from orchestration import tasks
-
-        jobs.enqueue(tasks.auto_attach_task, job.id if job else None, queue="maintenance")
+        jobs.enqueue("orchestration.tasks.auto_attach_task", job.id if job else None, queue="maintenance")
     return job
 
 

@@ -343,13 +343,11 @@ def _download_job(model: Model, *, target: str, files: list[tuple[str, int]], in
     """The download job of a model row, sized by its files, and (``dispatch``) its task on
     the ``downloads`` queue. hf_token only when the request brought one: HF_TOKEN is read
     by the task itself."""
-    from registry import tasks
-
     job = job_lifecycle.job_create(kind=Job.Kind.MODEL_DOWNLOAD, target=target, model=model)
     job.bytes_total = sum(s for _, s in files) or None
     job.save(update_fields=["bytes_total", "updated_at"])
     if dispatch:
-        jobs.enqueue(tasks.model_download_task, job.id, queue="downloads",
+        jobs.enqueue("registry.tasks.model_download_task", job.id, queue="downloads",
                      commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
     return job
 
@@ -552,8 +550,6 @@ def sae_download_start(*, repository_id: str, file_path: str = "", revision: str
     """Idempotent per repository + revision + file path. Returns the row, the job (None
     when nothing is downloaded) and the documented status: downloading, cached, attached
     or already_downloading."""
-    from registry import tasks
-
     revision = revision or "main"
     file_path = (file_path or "").strip("/")
     existing = SAE.objects.filter(repository_id=repository_id, revision=revision,
@@ -599,7 +595,7 @@ def sae_download_start(*, repository_id: str, file_path: str = "", revision: str
         job.bytes_total = sum(s for _, s in files) or None
         job.save(update_fields=["bytes_total", "updated_at"])
         if dispatch:
-            jobs.enqueue(tasks.sae_download_task, job.id, queue="downloads",
+            jobs.enqueue("registry.tasks.sae_download_task", job.id, queue="downloads",
                          commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
     log.info("sae_download_started", sae_id=sae.id, repository_id=repository_id,
              file_path=file_path, job_id=job.id)

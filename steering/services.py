@@ -299,11 +299,11 @@ from steering.clusters import (
     cluster_set_intensity,
     cluster_update,
 )
+from steering.forget import live_forget
 from steering.live import (
     attachment_choose,
     live_clear,
     live_enable,
-    live_forget,
     live_remove,
     live_set,
     live_state,

@@ -32,7 +32,7 @@ from core.api import envelope
 from core.errors import NotReady
 from core.schema import enveloped
 from core.version import version
-from gpu_engine.api.protocol import to_builtins
+from system.figures import engine_snapshot, inference_figures
 
 log = structlog.get_logger(__name__)
 
@@ -41,36 +41,6 @@ STARTED_AT = time.time()
 
 def _now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
-
-
-# --- figures shared with metrics ---------------------------------------------------------
-
-def engine_snapshot() -> dict[str, Any]:
-    """The engine's own status as plain JSON, or ``state: unavailable`` and why."""
-    try:
-        from core.runtime import runtime
-
-        status = runtime().engine.status()
-    except Exception as exc:  # noqa: BLE001 - health must answer whatever the engine does
-        return {"state": "unavailable", "error": getattr(exc, "message", str(exc)),
-                "attachments": []}
-    data = to_builtins(status)
-    data.pop("model_path", None)
-    return data
-
-
-def inference_figures() -> dict[str, Any]:
-    """pending / in flight / waiting / estimated_wait_seconds from /v1's admission."""
-    try:
-        from inference.admission import queue_figures
-
-        figures = dict(queue_figures())
-    except Exception as exc:  # noqa: BLE001 - the /v1 tier may not be importable yet
-        log.warning("queue_figures_unavailable", error=repr(exc))
-        figures = {"slots": settings.MAX_CONCURRENT_REQUESTS,
-                   "max_pending": settings.MAX_PENDING_REQUESTS, "in_flight": None,
-                   "waiting": None, "pending": None, "estimated_wait_seconds": None}
-    return figures
 
 
 def _check_database() -> dict[str, Any]:

@@ -26,6 +26,7 @@ from core.metrics import (
     _by_label,
     _sum,
 )
+from system.figures import engine_snapshot, inference_figures
 
 log = structlog.get_logger(__name__)
 
@@ -44,9 +45,7 @@ class _LiveCollector:
         return []
 
     def collect(self):
-        from system import health
-
-        figures = health.inference_figures()
+        figures = inference_figures()
         depth = GaugeMetricFamily("millm_queue_depth", "Requests waiting for a slot")
         depth.add_metric([], figures.get("waiting") or 0)
         yield depth
@@ -62,7 +61,7 @@ class _LiveCollector:
                 family.add_metric([], figures[key])
                 yield family
 
-        engine = health.engine_snapshot()
+        engine = engine_snapshot()
         loaded = GaugeMetricFamily("millm_model_loaded", "1 while a model is resident")
         loaded.add_metric([], 1 if engine.get("state") == "ready" else 0)
         yield loaded
@@ -102,11 +101,9 @@ def prometheus_text() -> bytes:
 
 def snapshot() -> dict[str, Any]:
     """The JSON form of /api/health/metrics."""
-    from system import health
-
     requests_by_code = _by_label(REQUESTS, "code")
     errors = sum(v for code, v in requests_by_code.items() if code[:1] in ("4", "5"))
-    engine = health.engine_snapshot()
+    engine = engine_snapshot()
     return {
         "uptime_seconds": round(time.time() - STARTED_AT, 3),
         "requests": {
@@ -115,7 +112,7 @@ def snapshot() -> dict[str, Any]:
             "by_code": {k: int(v) for k, v in sorted(requests_by_code.items())},
             "by_surface": {k: int(v) for k, v in sorted(_by_label(REQUESTS, "surface").items())},
         },
-        "queue": health.inference_figures(),
+        "queue": inference_figures(),
         "tokens_generated": int(_sum(TOKENS)),
         "prompt_tokens": int(_sum(PROMPT_TOKENS)),
         "refusals": {k: int(v) for k, v in sorted(_by_label(REFUSALS, "reason").items())},

@@ -14,9 +14,9 @@ from .registry import (
     CaptureNeed,
     capture_spec_for,
     check_capture,
-    default_registry,
     load_extra,
 )
+from .builtin import default_registry
 
 __all__ = ["AnalysisContext", "Analyzer", "AnalyzerRegistry", "CaptureNeed", "capture_spec_for", "check_capture",
            "default_registry", "load_extra"]

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidProbeFile
-from .registry import AnalysisContext, CaptureNeed, params_error
+from .registry import AnalysisContext, AnalyzerRegistry, CaptureNeed, check_capture, params_error
 
 EPS = 1e-8
 # what a probe .npz under ANALYZER_PROBE_DIR may inflate to (a probe is a few vectors)
@@ -459,8 +459,6 @@ class CoReReranker:
         if ctx.load_capture is None:
             raise params_error(self.name, "no way to load the N/A run's capture here")
         na = ctx.load_capture(p["na_capture"])
-        from .registry import check_capture
-
         check_capture(na.meta, self.needs(p), self.name)
         tok = self.token_scores(capture, p, p["query"])
         tok_na = self.token_scores(na, p, p["na_query"])
@@ -516,3 +514,12 @@ __all__ = ["BUILTIN", "AttentionTracker", "AttnLinkU", "CoReReranker", "HNodeHal
            "HiddenStates", "ScienceHallucination", "attnlink_select", "core_document_scores", "hnode_score",
            "query_attention", "reduce_hidden", "select_rows", "sigmoid", "softmax",
            "tracker_head_score"]
+
+
+def default_registry() -> AnalyzerRegistry:
+    """A registry holding the built-in analyzers (here, not in ``registry``, which the
+    analyzers import)."""
+    reg = AnalyzerRegistry()
+    for analyzer in BUILTIN:
+        reg.register(analyzer)
+    return reg

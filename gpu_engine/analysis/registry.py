@@ -113,15 +113,6 @@ class AnalyzerRegistry:
         return analyzer
 
 
-def default_registry() -> AnalyzerRegistry:
-    from .builtin import BUILTIN
-
-    reg = AnalyzerRegistry()
-    for analyzer in BUILTIN:
-        reg.register(analyzer)
-    return reg
-
-
 def load_extra(registry: AnalyzerRegistry, entries: Iterable[str]) -> None:
     """Call each ``"pkg.module:function"`` with the registry (``ANALYZERS_EXTRA``);
     ``ValueError`` naming the entry when it does not import or register."""
@@ -194,4 +185,4 @@ def params_error(analyzer: str, message: str) -> InvalidParameter:
 
 
 __all__ = ["AnalysisContext", "Analyzer", "AnalyzerRegistry", "CaptureNeed", "capture_spec_for", "check_capture",
-           "covers", "default_registry", "load_extra", "merge_positions", "params_error"]
+           "covers", "load_extra", "merge_positions", "params_error"]

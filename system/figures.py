@@ -1,0 +1,44 @@
+"""Figures /api/health and the metrics share: the engine's status and /v1's queue.
+
+Their own module so that system.health (the views) and system.metrics (the collectors)
+both import them and not each other.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import structlog
+from django.conf import settings
+
+from gpu_engine.api.protocol import to_builtins
+
+log = structlog.get_logger(__name__)
+
+
+def engine_snapshot() -> dict[str, Any]:
+    """The engine's own status as plain JSON, or ``state: unavailable`` and why."""
+    try:
+        from core.runtime import runtime
+
+        status = runtime().engine.status()
+    except Exception as exc:  # noqa: BLE001 - health must answer whatever the engine does
+        return {"state": "unavailable", "error": getattr(exc, "message", str(exc)),
+                "attachments": []}
+    data = to_builtins(status)
+    data.pop("model_path", None)
+    return data
+
+
+def inference_figures() -> dict[str, Any]:
+    """pending / in flight / waiting / estimated_wait_seconds from /v1's admission."""
+    try:
+        from inference.admission import queue_figures
+
+        figures = dict(queue_figures())
+    except Exception as exc:  # noqa: BLE001 - the /v1 tier may not be importable yet
+        log.warning("queue_figures_unavailable", error=repr(exc))
+        figures = {"slots": settings.MAX_CONCURRENT_REQUESTS,
+                   "max_pending": settings.MAX_PENDING_REQUESTS, "in_flight": None,
+                   "waiting": None, "pending": None, "estimated_wait_seconds": None}
+    return figures
