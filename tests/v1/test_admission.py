@@ -187,7 +187,7 @@ def test_a_non_streaming_client_that_hangs_up_stops_its_generation(llama):
     data = json.dumps({"model": "tiny-llama", "prompt": "the sea", "max_tokens": 480,
                        "ignore_eos": True}).encode()
     sock = socket.create_connection((url.hostname, url.port), timeout=10)
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: "
                  f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and llama.engine.status().in_flight == 0:
