@@ -24,16 +24,22 @@ def test_every_import_contract_is_kept():
     assert "0 broken" in done.stdout
 
 
-def test_a_wrong_way_import_breaks_the_layers(tmp_path):
-    """Positive control: the same contracts refuse registry importing orchestration."""
+def _lint_with_probe(tmp_path, module: str, line: str):
+    """The contracts run over the tree plus one probe module holding ``line``."""
     config = (REPO / "pyproject.toml").read_text()
-    probe = REPO / "registry" / "_layer_probe.py"
-    probe.write_text("import orchestration.services  # noqa: F401\n")
+    probe = REPO / module
+    probe.write_text(f"{line}  # noqa: F401\n")
     try:
         (tmp_path / "pyproject.toml").write_text(config)
-        done = _lint("--config", str(tmp_path / "pyproject.toml"))
+        return _lint("--config", str(tmp_path / "pyproject.toml"))
     finally:
         probe.unlink()
+
+
+def test_a_wrong_way_import_breaks_the_layers(tmp_path):
+    """Positive control: the same contracts refuse registry importing orchestration."""
+    done = _lint_with_probe(tmp_path, "registry/_layer_probe.py",
+                            "import orchestration.services")
     assert done.returncode != 0
     assert "registry is not allowed to import orchestration" in done.stdout
 
@@ -58,14 +64,7 @@ def test_engine_md_declares_every_command_and_error_code():
 def test_the_web_reaches_the_engine_only_through_gpu_engine_api(tmp_path):
     """Positive control for the contract: a Django module importing an engine module other
     than gpu_engine.api (here the protocol's old path) breaks the suite."""
-    config = (REPO / "pyproject.toml").read_text()
-    probe = REPO / "ui" / "_engine_probe.py"
-    probe.write_text("import gpu_engine.protocol  # noqa: F401\n")
-    try:
-        (tmp_path / "pyproject.toml").write_text(config)
-        done = _lint("--config", str(tmp_path / "pyproject.toml"))
-    finally:
-        probe.unlink()
+    done = _lint_with_probe(tmp_path, "ui/_engine_probe.py", "import gpu_engine.protocol")
     assert done.returncode != 0
     assert "ui is not allowed to import gpu_engine" in done.stdout
 
