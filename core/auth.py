@@ -25,6 +25,7 @@ import hashlib
 import hmac
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -67,6 +68,9 @@ class Principal:
 
 
 ANONYMOUS = Principal(owner="anonymous", label="anonymous", admin=True)
+# the ASGI scope key where millm_site.boundary keeps the caller it identified (a Principal
+# or None), so the middleware does not compare the key against every key again
+CALLER = "millm.caller"
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,19 @@ def keys_enabled() -> bool:
     return bool(settings.MILLM_API_KEYS or getattr(settings, "MILLM_ADMIN_API_KEYS", ()))
 
 
+@lru_cache(maxsize=8)
+def _principals(admin_entries: tuple[str, ...], inference_entries: tuple[str, ...]
+                ) -> tuple[tuple[bytes, Principal], ...]:
+    """Every configured key with the principal it stands for, parsed once per setting."""
+    out = []
+    for admin, entries in ((True, admin_entries), (False, inference_entries)):
+        for entry in entries:
+            key = parse_key(entry)
+            out.append((key.secret, Principal(owner=f"key:{key.label}", label=key.label,
+                                              admin=admin)))
+    return tuple(out)
+
+
 def identify(presented: str | None) -> Principal | None:
     """The principal a presented key stands for, or None. Compares against every key, so
     the time taken says nothing about which one is close."""
@@ -96,12 +113,10 @@ def identify(presented: str | None) -> Principal | None:
         return None
     candidate = presented.encode()
     found: Principal | None = None
-    for admin, entries in ((True, getattr(settings, "MILLM_ADMIN_API_KEYS", ())),
-                           (False, settings.MILLM_API_KEYS)):
-        for entry in entries:
-            key = parse_key(entry)
-            if hmac.compare_digest(candidate, key.secret) and found is None:
-                found = Principal(owner=f"key:{key.label}", label=key.label, admin=admin)
+    for secret, who in _principals(tuple(getattr(settings, "MILLM_ADMIN_API_KEYS", ())),
+                                   tuple(settings.MILLM_API_KEYS)):
+        if hmac.compare_digest(candidate, secret) and found is None:
+            found = who
     return found
 
 
@@ -198,7 +213,9 @@ class ApiKeyMiddleware(LoopMiddleware):
         token = bearer_token(request.headers.get("Authorization"))
         if token is None:
             return _refusal(path, 401, "Missing API key: send Authorization: Bearer <key>")
-        who = identify(token)
+        scope = getattr(request, "scope", None) or {}
+        # identified once at the ASGI door (millm_site.boundary.caller), else here
+        who = scope[CALLER] if CALLER in scope else identify(token)
         if who is None:
             log.info("api_key_rejected", path=path)
             return _refusal(path, 401, "Invalid API key")

@@ -20,17 +20,33 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
-from core.auth import bearer_token, identify, keys_enabled, needs_admin, protected
+from core.auth import (CALLER, Principal, bearer_token, identify, keys_enabled, needs_admin,
+                       protected)
 
 # multipart uploads: their views apply each file's exact limit; this bounds what is read
 UPLOAD_PATHS = ("/v1/files", "/api/probes/import", "/api/vectors")
 MULTIPART_SLACK_BYTES = 64 * 1024
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+HEADERS = "millm.headers"  # scope keys of what is worked out once per request
 
 
 def _headers(scope: dict[str, Any]) -> dict[str, str]:
-    return {k.decode("latin-1").lower(): v.decode("latin-1")
-            for k, v in scope.get("headers", [])}
+    """The request's headers by lower-case name, decoded once per request (kept in the
+    scope: every check below reads them, on the path each /v1 token's request takes)."""
+    cached = scope.get(HEADERS)
+    if cached is None:
+        cached = {k.decode("latin-1").lower(): v.decode("latin-1")
+                  for k, v in scope.get("headers", [])}
+        scope[HEADERS] = cached
+    return cached
+
+
+def caller(scope: dict[str, Any]) -> Principal | None:
+    """Who the request's bearer key names (None: no valid key), looked up once per request
+    and kept in the scope, where ``core.auth.ApiKeyMiddleware`` reads it again."""
+    if CALLER not in scope:
+        scope[CALLER] = identify(bearer_token(_headers(scope).get("authorization")))
+    return scope[CALLER]
 
 
 def _trusted_peer(scope: dict[str, Any]) -> bool:
@@ -187,7 +203,7 @@ def unauthenticated(scope: dict[str, Any], path: str) -> bool:
     action: its body is never read (the middleware answers 401 or 403)."""
     if not keys_enabled() or not protected(path) or scope.get("method") == "OPTIONS":
         return False
-    who = identify(bearer_token(_headers(scope).get("authorization")))
+    who = caller(scope)
     if who is None:
         return True
     return not who.admin and needs_admin(scope.get("method", "GET"), path)
@@ -197,7 +213,7 @@ def key_refusal(scope: dict[str, Any], path: str) -> tuple[int, bytes, list] | N
     """The key check from the headers alone (what the middleware would answer)."""
     if not unauthenticated(scope, path):
         return None
-    who = identify(bearer_token(_headers(scope).get("authorization")))
+    who = caller(scope)
     if who is None:
         return 401, unauthorized_body(path), [(b"WWW-Authenticate", b'Bearer realm="miLLM"')]
     message = (f"{scope.get('method')} {path} needs an admin key (MILLM_ADMIN_API_KEYS); "
