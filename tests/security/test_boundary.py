@@ -229,13 +229,21 @@ def test_a_keyless_upload_is_answered_before_its_body_arrives(keyed):
 
 
 def test_a_chunked_body_past_the_limit_is_cut(keyed):
+    """A chunked body (no Content-Length) is counted as it arrives: exactly the limit, then
+    16 bytes more, and the server answers 413 without waiting for the body's end. The
+    client sends nothing after the byte that passes the limit, so the server has read all
+    it was sent when it closes (no reset racing the answer)."""
     limit = 2621440  # MAX_REQUEST_BODY_BYTES
-    chunk = b"x" * (1024 * 1024)
-    piece = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+
+    def piece(data: bytes) -> bytes:
+        return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+    mib = b"x" * (1024 * 1024)
+    pieces = [mib] * (limit // len(mib)) + [b"x" * (limit % len(mib)), b"y" * 16]
     request = (f"POST /api/models/preview HTTP/1.1\r\nHost: 127.0.0.1:{keyed.port}\r\n"
                f"Authorization: Bearer {ADMIN.partition(':')[2]}\r\n"
                "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
-               ).encode() + piece * (limit // len(chunk) + 2) + b"0\r\n\r\n"
+               ).encode() + b"".join(piece(p) for p in pieces)  # no terminating 0-chunk
     status, _, body = keyed.raw(request)
     assert status == 413, body
 
