@@ -255,3 +255,12 @@ def test_the_admin_names_the_keys_never_their_secrets(api, staff_client, setting
     assert 'href="/admin/access/"' in staff_client.get("/admin/").content.decode()
     anonymous = api.get("/admin/access/")
     assert anonymous.status_code == 302 and "/admin/login/" in anonymous["Location"]
+    # a key is no admin login, and a logged-in user who is not staff gets the login page
+    keyed = api.get("/admin/access/", HTTP_AUTHORIZATION="Bearer secret-r")
+    assert keyed.status_code == 302 and "/admin/login/" in keyed["Location"]
+    from django.contrib.auth import get_user_model
+
+    get_user_model().objects.create_user("visitor", "", "pw-for-tests")
+    api.login(username="visitor", password="pw-for-tests")
+    visitor = api.get("/admin/access/")
+    assert visitor.status_code == 302 and "secret" not in visitor.content.decode()
