@@ -9,9 +9,9 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .attachments import Attachment
-from .controls import ControlTable, control_range
+from .interp.controls import ControlTable, control_range
 from .errors import ContextLengthExceeded, InvalidParameter, SAENotAttached
-from .hooks import AttachmentPlan, MonitorPlan, RequestHooks
+from .interp.hooks import AttachmentPlan, MonitorPlan, RequestHooks
 from .protocol import AttachmentKey, GenerationJob, SteeringEntry
 
 
@@ -164,7 +164,7 @@ def with_capture(backend: Any, job: GenerationJob, hooks: RequestHooks | None, n
     if bad:
         raise InvalidParameter(f"capture.layers {bad} out of range: the model has layers 0..{n_layers - 1}",
                                param="capture.layers", details={"layers": bad, "num_layers": n_layers})
-    from .capture import CapturePlan, estimate_bytes
+    from .interp.capture import CapturePlan, estimate_bytes
     from .errors import CaptureTooLarge
 
     geometry = scaling = None

@@ -54,7 +54,7 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 import torch
 
-from ...hooks import MonitorPlan
+from ...interp.hooks import MonitorPlan
 from ...protocol import AttachmentKey
 from .native import GGML_BASE, GGML_OP_ROPE, GGML_TYPE_F32, NAME_OFFSET, OP_OFFSET, GGMLTensor
 from .shim import STAGE, TAP, TAP_FN, Filter, load_filter

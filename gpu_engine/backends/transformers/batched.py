@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ...controls import ControlTable
-from ...hooks import BatchContext, HookManager, Segment
+from ...interp.controls import ControlTable
+from ...interp.hooks import BatchContext, HookManager, Segment
 from ...protocol import AttachmentKey
 from .attention import use_grouped_sdpa
 from .kv_cache import BatchKVCache

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from ...capture import armed
-from ...hooks import BatchContext, HookManager, RequestHooks, Segment
+from ...interp.capture import armed
+from ...interp.hooks import BatchContext, HookManager, RequestHooks, Segment
 from ...protocol import FinishEvent, SamplingParams, SpeculativeStats
 from .runner import TransformersRunner
 from ...decode.sequence import Emit, Sequence

@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Any
 
-from ...capture import CapturePart
+from ...interp.capture import CapturePart
 from ...decode.sequence import Sequence
 from ...errors import InvalidParameter
 from ...protocol import ActivationRecord, GenerationJob, LogprobEntry, TokenLogprob

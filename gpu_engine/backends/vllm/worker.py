@@ -47,8 +47,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...capture import AttentionGeometry, CapturePlan, HeadShard, for_shard, route_qk
-from ...hooks import (
+from ...interp.capture import AttentionGeometry, CapturePlan, HeadShard, for_shard, route_qk
+from ...interp.hooks import (
     AttachmentPlan,
     AttachmentStats,
     BatchContext,

@@ -1,0 +1,170 @@
+"""Feature controls as tensors: clamp, scale, ablate and gated adds, per row.
+
+A request's ``FeatureControl``s at one attachment become a ``ControlTable`` of J
+operations.  For the residual rows ``x`` (n, d) arriving at the hook, with their sequence
+positions and (in a batch) the slot of the request each row belongs to, operation j
+contributes to row r::
+
+    gate[r, j] · (alpha[j] + beta[j] · a_j(x_r) + gamma[j] · (x_r · dirs[j])) · dirs[j]
+
+where ``a_j`` is the activation of feature ``feat[j]`` (encoded from the SAE's selected
+columns only, never the whole dictionary), and ``dirs[j]`` is ``W_dec[feat[j]]`` (the unit
+row for ``ablate``):
+
+==========  =====  ======  ======  ===========================
+mode        alpha  beta    gamma   contribution
+==========  =====  ======  ======  ===========================
+add         v      0       0       v · d
+clamp       v      −1      0       (v − a) · d
+scale       0      v − 1   0       (v − 1) · a · d
+ablate      0      0       −1      −(x · d̂) · d̂
+==========  =====  ======  ======  ===========================
+
+``gate[r, j]`` is 1 where row r belongs to operation j's request, its position lies in the
+operation's ``[lo, hi)`` (phase and window combined) and, for a conditional operation,
+the trigger feature's activation at the row is above the threshold.  Every operation
+reads the same ``x``: the residual before this attachment's steering.
+
+In a batch the runner concatenates the tables of every request steering at the attachment
+(``ControlTable.concat``); the hook computes all J operations for all n rows with two
+small matmuls and masks by slot, so one forward serves every request's own controls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..protocol import FeatureControl
+from ..sae.module import SAE, SelectedEncoder
+
+# "no upper end" for a position range
+FAR = 2**62
+
+
+def control_range(control: FeatureControl, prompt_len: int) -> tuple[int, int]:
+    """The row positions ``[start, end)`` a control may steer: its phase (``prompt``: rows
+    below ``prompt_len``; ``completion``: the rows of generated tokens) and its window."""
+    start, end = {"all": (0, FAR), "prompt": (0, prompt_len), "completion": (prompt_len, FAR)}[control.phase]
+    if control.window is not None:
+        start = max(start, control.window.start)
+        end = min(end, control.window.end if control.window.end is not None else FAR)
+    return start, end
+
+
+@dataclass
+class ControlTable:
+    sae: SAE
+    modes: tuple[str, ...]  # per operation, for counts and fired records
+    indices: tuple[int, ...]  # per operation: the feature index it steers
+    slot: torch.Tensor  # (J,) long
+    feat: torch.Tensor  # (J,) long
+    dirs: torch.Tensor  # (J, d)
+    alpha: torch.Tensor  # (J,)
+    beta: torch.Tensor  # (J,)
+    gamma: torch.Tensor  # (J,)
+    lo: torch.Tensor  # (J,) long
+    hi: torch.Tensor  # (J,) long
+    cond_feat: torch.Tensor  # (J,) long
+    cond_thr: torch.Tensor  # (J,)
+    has_cond: torch.Tensor  # (J,) bool
+    conditional: tuple[bool, ...]  # per operation, on the host
+    encodes: bool  # some operation reads a feature's activation
+    projects: bool  # some operation reads x · d
+    gated_by_feature: bool  # some operation has a condition
+
+    def __post_init__(self) -> None:
+        # the encoder columns the forward reads, gathered once per table (not per step)
+        has_encoder = self.sae.has_encoder
+        self.encode_feat = SelectedEncoder(self.sae, self.feat) if self.encodes and has_encoder else None
+        self.encode_cond = SelectedEncoder(self.sae, self.cond_feat) if self.gated_by_feature and has_encoder else None
+
+    @property
+    def size(self) -> int:
+        return len(self.modes)
+
+    @classmethod
+    def build(cls, controls: Sequence[FeatureControl], sae: SAE, *, prompt_len: int) -> ControlTable:
+        """One request's controls (slot 0); ``prompt_len`` places its phases."""
+        dev, dt = sae.W_dec.device, sae.dtype
+        feats = [c.index for c in controls]
+        idx = torch.tensor(feats, dtype=torch.long, device=dev)
+        rows = sae.W_dec.index_select(0, idx)
+        alpha, beta, gamma, lo, hi = [], [], [], [], []
+        for j, c in enumerate(controls):
+            v = float(c.value)
+            a, b, g = {"add": (v, 0.0, 0.0), "clamp": (v, -1.0, 0.0), "scale": (0.0, v - 1.0, 0.0),
+                       "ablate": (0.0, 0.0, -1.0)}[c.mode]
+            alpha.append(a)
+            beta.append(b)
+            gamma.append(g)
+            start, end = control_range(c, prompt_len)
+            lo.append(start)
+            hi.append(end)
+        ablate = torch.tensor([c.mode == "ablate" for c in controls], device=dev)
+        if bool(ablate.any()):
+            unit = rows / rows.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(dt).tiny)
+            rows = torch.where(ablate[:, None], unit, rows)
+        conds = [c.condition for c in controls]
+
+        def vec(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        return cls(
+            sae=sae, modes=tuple(c.mode for c in controls), indices=tuple(feats),
+            slot=torch.zeros(len(controls), dtype=torch.long, device=dev), feat=idx, dirs=rows.contiguous(),
+            alpha=vec(alpha, dt), beta=vec(beta, dt), gamma=vec(gamma, dt),
+            lo=vec(lo, torch.long), hi=vec(hi, torch.long),
+            cond_feat=vec([k.feature if k is not None else 0 for k in conds], torch.long),
+            cond_thr=vec([k.threshold if k is not None else 0.0 for k in conds], dt),
+            has_cond=vec([k is not None for k in conds], torch.bool),
+            conditional=tuple(k is not None for k in conds),
+            encodes=any(b != 0 for b in beta), projects=any(g != 0 for g in gamma),
+            gated_by_feature=any(k is not None for k in conds),
+        )
+
+    @classmethod
+    def concat(cls, parts: Sequence[tuple[ControlTable, int]]) -> ControlTable:
+        """The tables of several requests (``(table, slot)``) as one batch table; each
+        part's operations keep their order, so part i occupies a contiguous column range."""
+        tables = [t for t, _ in parts]
+        first = tables[0]
+
+        def cat(name: str) -> torch.Tensor:
+            return torch.cat([getattr(t, name) for t in tables])
+
+        return cls(
+            sae=first.sae, modes=sum((t.modes for t in tables), ()), indices=sum((t.indices for t in tables), ()),
+            slot=torch.cat([torch.full_like(t.slot, s) for t, s in parts]), feat=cat("feat"), dirs=cat("dirs"),
+            alpha=cat("alpha"), beta=cat("beta"), gamma=cat("gamma"), lo=cat("lo"), hi=cat("hi"),
+            cond_feat=cat("cond_feat"), cond_thr=cat("cond_thr"), has_cond=cat("has_cond"),
+            conditional=sum((t.conditional for t in tables), ()),
+            encodes=any(t.encodes for t in tables), projects=any(t.projects for t in tables),
+            gated_by_feature=any(t.gated_by_feature for t in tables),
+        )
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor, row_slots: torch.Tensor | None = None, *,
+              written: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(delta (n, d) in the SAE dtype, gate (n, J) bool)`` for rows ``x`` (n, d) at
+        ``positions`` (n,); ``row_slots`` (n,) in a batch, None for one request.
+        ``written``: the rows the delta is added to when they are not ``x`` (a transcoder
+        reads its module's input and writes its output); ``ablate`` projects those."""
+        xs = x.to(self.sae.dtype)
+        gate = (positions[:, None] >= self.lo) & (positions[:, None] < self.hi)
+        if row_slots is not None:
+            gate &= row_slots[:, None] == self.slot
+        if self.gated_by_feature:
+            trig = self.encode_cond(xs)  # type: ignore[misc]
+            gate &= ~self.has_cond | (trig > self.cond_thr)
+        coef = self.alpha.expand(xs.shape[0], -1)
+        if self.encodes:
+            coef = coef + self.beta * self.encode_feat(xs)  # type: ignore[misc]
+        if self.projects:
+            out = xs if written is None else written.to(self.sae.dtype)
+            coef = coef + self.gamma * (out @ self.dirs.T)
+        return (coef * gate) @ self.dirs, gate
+
+
+__all__ = ["FAR", "ControlTable", "control_range"]

@@ -1,0 +1,537 @@
+"""Forward hooks for steering and monitoring, driven by a per-forward batch context.
+
+One hook is installed per attached (sae_id, layer), on the output of that decoder block
+(the residual stream after it).  The hook holds no request state: before each forward
+pass the runner publishes a ``BatchContext`` saying which token rows belong to which
+request and at which sequence position they start; the hook looks up that request's
+precomputed plan (steering delta, monitors) for its attachment.  With no context
+published (embeddings, scoring, an idle engine) the hook returns at once.
+
+The serial backend (and the batch scheduler's per-request prefill) publishes one segment
+per forward and the hook adds that request's delta as one broadcast vector.  A batched
+decode step publishes ``row_slots`` — the delta-table slot of every token row — and, per
+attachment, a table with each running request's delta in its slot (zeros for unsteered
+requests); the hook adds ``table[row_slots]`` (one gather, no loop over requests) and
+records that it did, and monitors read only the rows of the requests that asked.
+
+Blocks that return ``(hidden, residual)`` (vLLM's Llama-family layers, which defer the residual
+add to the next layer's fused norm) are installed with ``residual_pair=True``: the
+residual stream a user means is ``hidden + residual``, so monitors read that sum and the
+delta is added to ``hidden`` only, changing the sum exactly once. A block that returns the
+stream itself (vLLM's GPT-2) is read and steered as a plain block (``capture.is_pair``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..protocol import (
+    ActivationRecord,
+    AttachmentKey,
+    FeatureActivation,
+    MonitorEntry,
+    PositionRange,
+    SteeringCount,
+    SteeringFired,
+)
+from ..sae.module import SAE
+from .capture import CaptureHook, is_pair
+from .controls import ControlTable
+
+_INF = math.inf
+FLUSH_CHUNK_ROWS = 256
+# a forward of at most this many rows (a decode step, a speculative verification of up to
+# 64 drafts) is kept whole by a positions="last" monitor (``MonitorPlan.observe``)
+SHORT_FORWARD_ROWS = 65
+
+
+class MonitorPlan:
+    """Encodes the rows one monitor entry asks for.
+
+    By default rows are only copied during decoding and encoded in one batch when the
+    request finishes: a top-k over all features needs every encoder column, and reading
+    W_enc once per token would cost a few percent of a small model's bandwidth, while one
+    batched matmul at the end costs next to nothing.  ``entry.stream`` encodes each step
+    instead (records then travel with their token events).  Results stay on device until
+    ``collect``, which runs after the step's token sync.
+    """
+
+    def __init__(self, entry: MonitorEntry, sae: SAE, *, prompt_len: int) -> None:
+        self.entry = entry
+        self.sae = sae
+        self.prompt_len = prompt_len
+        self.top_k = int(entry.top_k)
+        self.sel_idx = (
+            torch.tensor(entry.features, dtype=torch.long, device=sae.W_enc.device) if entry.features else None
+        )
+        self.last_only = entry.positions == "last"
+        self.stream = bool(entry.stream) and not self.last_only
+        pos = entry.positions
+        if pos == "prompt":
+            self.lo, self.hi = 0, prompt_len
+        elif pos == "completion":
+            self.lo, self.hi = prompt_len - 1, _INF
+        elif isinstance(pos, PositionRange):
+            self.lo, self.hi = pos.start, (pos.end if pos.end is not None else _INF)
+        else:  # "all" / "last"
+            self.lo, self.hi = 0, _INF
+        self.buffer: list[tuple[int, torch.Tensor]] = []
+        self.pending: list[tuple[int, Any, Any, Any]] = []
+        # positions below this were observed already: a forward that computes them again
+        # (vLLM recomputes a preempted request from position 0, or from its cached prefix)
+        # must not record them twice
+        self.observed_to = 0
+
+    def observe(self, rows: torch.Tensor, start: int) -> None:
+        n = rows.shape[0]
+        if self.last_only:
+            # a short forward (decode, or a speculative verification) is kept whole, so
+            # that rewinding past rejected drafts still leaves the last accepted row
+            lo, hi = (start if n <= SHORT_FORWARD_ROWS else start + n - 1), start + n
+            self.buffer.clear()
+        else:
+            lo, hi = max(self.lo, start, self.observed_to), min(self.hi, start + n)
+            if lo >= hi:
+                return
+            self.observed_to = hi
+        x = rows[lo - start : hi - start]
+        if self.stream:
+            self._encode(int(lo), x)
+        else:
+            self.buffer.append((int(lo), x.clone()))
+
+    def _encode(self, lo: int, x: torch.Tensor) -> None:
+        top_v = top_i = sel = None
+        if self.top_k:
+            acts = self.sae.encode(x)
+            top = torch.topk(acts, min(self.top_k, self.sae.d_sae), dim=-1)
+            top_v, top_i = top.values, top.indices
+            if self.sel_idx is not None:
+                sel = acts.index_select(-1, self.sel_idx)
+        elif self.sel_idx is not None:
+            # only the requested encoder columns (all of them for a TopK SAE)
+            sel = self.sae.encode_selected(x, self.sel_idx)
+        self.pending.append((lo, top_v, top_i, sel))
+
+    def rewind(self, position: int) -> None:
+        """Forget every row at ``position`` or later (speculative decoding: the rows of
+        drafts the main model rejected); a later forward observes those positions again."""
+        self.buffer = [(lo, x[: position - lo]) for lo, x in self.buffer if lo < position]
+        kept = []
+        for lo, top_v, top_i, sel in self.pending:
+            if lo >= position:
+                continue
+            n = position - lo
+            kept.append((lo, *(t[:n] if t is not None else None for t in (top_v, top_i, sel))))
+        self.pending = kept
+        self.observed_to = min(self.observed_to, position)
+
+    def flush(self) -> None:
+        """Encode the buffered rows in one batch."""
+        if self.last_only and self.buffer:
+            lo, x = self.buffer[-1]
+            self.buffer = [(lo + x.shape[0] - 1, x[-1:])] if x.shape[0] else []
+        if not self.buffer:
+            return
+        starts = [lo for lo, _ in self.buffer]
+        xs = [x for _, x in self.buffer]
+        self.buffer = []
+        contiguous = all(starts[i] + xs[i].shape[0] == starts[i + 1] for i in range(len(starts) - 1))
+        pieces = [(starts[0], torch.cat(xs, dim=0))] if contiguous else list(zip(starts, xs))
+        for lo, x in pieces:
+            # bounded chunks: a long prompt times d_sae activations must not spike memory
+            for off in range(0, x.shape[0], FLUSH_CHUNK_ROWS):
+                self._encode(lo + off, x[off : off + FLUSH_CHUNK_ROWS])
+
+    def collect(self) -> list[ActivationRecord]:
+        """Move pending results to host as records."""
+        out: list[ActivationRecord] = []
+        e = self.entry
+        for lo, top_v, top_i, sel in self.pending:
+            tv = top_v.tolist() if top_v is not None else None
+            ti = top_i.tolist() if top_i is not None else None
+            sv = sel.tolist() if sel is not None else None
+            n = len(tv) if tv is not None else len(sv)  # type: ignore[arg-type]
+            for r in range(n):
+                pos = lo + r
+                top = []
+                if tv is not None:
+                    top = [FeatureActivation(int(i), float(v)) for v, i in zip(tv[r], ti[r]) if v > 0.0]
+                feats = []
+                if sv is not None:
+                    feats = [FeatureActivation(int(i), float(v)) for i, v in zip(e.features, sv[r])]
+                tok = pos - (self.prompt_len - 1)
+                out.append(
+                    ActivationRecord(
+                        sae_id=e.sae_id, layer=e.layer, read_point=e.read_point, position=pos,
+                        token_index=tok if tok >= 0 else None, top_k=top, features=feats, tag=e.tag,
+                    )
+                )
+        self.pending.clear()
+        return out
+
+
+@dataclass
+class AttachmentPlan:
+    """One request's work at one attachment: the delta of its plain adds, its feature
+    controls (``ControlTable``; ``cols`` = their columns in the batch's table), its
+    monitors, and what was applied (forward passes, per mode, and where conditional
+    controls fired)."""
+
+    key: AttachmentKey
+    delta: torch.Tensor | None = None
+    controls: ControlTable | None = None
+    cols: tuple[int, int] = (0, 0)
+    pre: list[MonitorPlan] = field(default_factory=list)
+    post: list[MonitorPlan] = field(default_factory=list)
+    count: int = 0
+    mode_counts: dict[str, int] = field(default_factory=dict)
+    gates: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    @property
+    def steers(self) -> bool:
+        return self.delta is not None or self.controls is not None
+
+    @property
+    def conditional(self) -> bool:
+        return self.controls is not None and self.controls.gated_by_feature
+
+    def applied(self) -> None:
+        """One forward pass in which this plan's steering was added."""
+        self.count += 1
+        modes = {"add"} if self.delta is not None else set()
+        modes.update(self.controls.modes if self.controls is not None else ())
+        for mode in modes:
+            self.mode_counts[mode] = self.mode_counts.get(mode, 0) + 1
+
+    def record_gates(self, start: int, gate: torch.Tensor) -> None:
+        """Keep this forward's gate of the conditional controls (rows from ``start``);
+        read on the host only when the request finishes."""
+        self.gates.append((start, gate))
+
+    def fired(self) -> list[SteeringFired]:
+        """Where each conditional control's gate was open (row positions)."""
+        table = self.controls
+        if table is None or not table.gated_by_feature:
+            return []
+        positions: list[list[int]] = [[] for _ in range(table.size)]
+        for start, gate in self.gates:
+            for r, row in enumerate(gate.tolist()):
+                for j, open_ in enumerate(row):
+                    if open_ and table.conditional[j]:
+                        positions[j].append(start + r)
+        self.gates.clear()
+        return [SteeringFired(self.key[0], self.key[1], table.indices[j], table.modes[j], sorted(set(positions[j])))
+                for j in range(table.size) if table.conditional[j]]
+
+
+@dataclass
+class RequestHooks:
+    """A request's plans, keyed by attachment; built once when the request starts."""
+
+    request_id: str
+    plans: dict[AttachmentKey, AttachmentPlan] = field(default_factory=dict)
+    capture: Any = None  # gpu_engine.interp.capture.CapturePlan
+
+    def monitors(self) -> list[MonitorPlan]:
+        return [m for p in self.plans.values() for m in (*p.pre, *p.post)]
+
+    def collect(self) -> list[ActivationRecord]:
+        """Records of streaming monitors encoded so far (call once per step)."""
+        recs: list[ActivationRecord] = []
+        for m in self.monitors():
+            if m.stream and m.pending:
+                recs.extend(m.collect())
+        return recs
+
+    def rewind(self, position: int) -> None:
+        """Every monitor forgets the rows at ``position`` or later (``MonitorPlan.rewind``)."""
+        for m in self.monitors():
+            m.rewind(position)
+
+    def finalize(self) -> list[ActivationRecord]:
+        """Encode every buffered row and return all remaining records."""
+        recs: list[ActivationRecord] = []
+        for m in self.monitors():
+            m.flush()
+            recs.extend(m.collect())
+        return recs
+
+    def steering_counts(self) -> list[SteeringCount]:
+        return [SteeringCount(k[0], k[1], p.count, dict(p.mode_counts)) for k, p in self.plans.items() if p.steers]
+
+    @property
+    def conditional(self) -> bool:
+        return any(p.conditional for p in self.plans.values())
+
+    def steering_fired(self) -> list[SteeringFired]:
+        return [f for p in self.plans.values() for f in p.fired()]
+
+
+@dataclass
+class Segment:
+    """Token rows ``[row_start, row_end)`` of the flattened hidden states belong to ``request``
+    and hold sequence positions ``start_position, start_position + 1, …``."""
+
+    request: RequestHooks
+    row_start: int
+    row_end: int
+    start_position: int
+
+
+@dataclass
+class BatchContext:
+    """What the hooks need to know about the forward pass about to run.
+
+    Single-request mode (``row_slots is None``): ``segments`` holds one segment covering
+    every row, and the hook applies that request's plan directly (counting it).
+
+    Batched mode: ``row_slots`` (n_rows,) maps each flattened token row to a slot of the
+    per-attachment ``delta_tables`` (slots, d); a table exists only for attachments that
+    at least one request in the batch steers.  ``segments`` lists only the requests that
+    monitor something, with their rows and positions.  The hook adds ``applied`` keys for
+    tables it really added; the scheduler turns that into per-request counts.
+    """
+
+    segments: list[Segment]
+    row_slots: torch.Tensor | None = None
+    delta_tables: dict[AttachmentKey, torch.Tensor] = field(default_factory=dict)
+    applied: set[AttachmentKey] = field(default_factory=set)
+    # batched mode with feature controls: each attachment's batch ``ControlTable`` and
+    # every row's sequence position (segments then also list requests with conditional
+    # controls, whose gates are kept)
+    control_tables: dict[AttachmentKey, ControlTable] = field(default_factory=dict)
+    row_positions: torch.Tensor | None = None
+    # batched decode with a capture armed: (num_layers, slots, d), every row written to
+    # its slot by the capture hooks (gpu_engine.interp.capture)
+    capture_stage: torch.Tensor | None = None
+    # batched decode with a Q/K capture armed: (q (num_layers, slots, heads, head_dim),
+    # k (num_layers, slots, kv_heads, head_dim)), written by the attention taps
+    qk_stage: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@dataclass
+class AttachmentStats:
+    steering_apply_count: int = 0
+
+
+class AttachmentHook:
+    """The forward hook for one (sae_id, layer); reads the manager's current context."""
+
+    def __init__(self, key: AttachmentKey, manager: HookManager, stats: AttachmentStats, *,
+                 residual_pair: bool = False, read_input: bool = False) -> None:
+        self.key = key
+        self.manager = manager
+        self.stats = stats
+        self.residual_pair = residual_pair
+        # a transcoder reads its module's input and writes its output: monitors (and any
+        # encode) read ``args[0]``, the delta still goes into the output
+        self.read_input = read_input
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        ctx = self.manager.current
+        if ctx is None:
+            return None
+        is_tuple = isinstance(output, tuple)
+        hidden = output[0] if is_tuple else output
+        if self.residual_pair and is_pair(output):
+            return self._pair(ctx, hidden, output[1], output)
+        key = self.key
+        segs = ctx.segments
+        if ctx.row_slots is None:
+            plan = segs[0].request.plans.get(key)
+            if plan is None:
+                return None
+            start = segs[0].start_position
+            read = args[0] if self.read_input else hidden
+            if plan.pre:
+                rows = read.reshape(-1, read.shape[-1])
+                for m in plan.pre:
+                    m.observe(rows, start)
+            new = hidden
+            if plan.delta is not None:
+                new = hidden + plan.delta
+            if plan.controls is not None:
+                flat = hidden.reshape(-1, hidden.shape[-1])
+                positions = torch.arange(start, start + flat.shape[0], device=plan.controls.lo.device)
+                delta, gate = plan.controls.apply(read.reshape(-1, read.shape[-1]), positions, written=flat)
+                if plan.conditional:
+                    plan.record_gates(start, gate)
+                new = new + delta.to(hidden.dtype).view_as(hidden)
+            if plan.steers:
+                plan.applied()
+                self.stats.steering_apply_count += 1
+            if plan.post:
+                after = read if self.read_input else new
+                rows = after.reshape(-1, after.shape[-1])
+                for m in plan.post:
+                    m.observe(rows, start)
+        else:
+            new = self._batched(ctx, hidden, args[0] if self.read_input else None)
+            if new is None:
+                return None
+        if new is hidden:
+            return None
+        return (new, *output[1:]) if is_tuple else new
+
+    def _batched(self, ctx: BatchContext, hidden: torch.Tensor, inputs: torch.Tensor | None) -> torch.Tensor | None:
+        key = self.key
+        table = ctx.delta_tables.get(key)
+        controls = ctx.control_tables.get(key)
+        monitored = [(s, p) for s in ctx.segments if (p := s.request.plans.get(key)) is not None and (p.pre or p.post)]
+        if table is None and controls is None and not monitored:
+            return None
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        read = inputs.reshape(-1, inputs.shape[-1]) if inputs is not None else flat
+        n = ctx.row_slots.shape[0]  # type: ignore[union-attr]
+        if flat.shape[0] > n:
+            # a fixed-shape step's padding rows (kv_cache.BatchKVCache): left as they are
+            head = flat[:n]
+            new = self._batched(ctx, head, read[:n] if inputs is not None else None)
+            if new is None or new is head:
+                return None
+            return torch.cat([new, flat[n:]]).view_as(hidden)
+        for seg, plan in monitored:
+            for m in plan.pre:
+                m.observe(read[seg.row_start : seg.row_end], seg.start_position)
+        written = flat
+        if table is not None:
+            # each row gets its own request's delta (zeros for unsteered requests)
+            flat = flat + table.index_select(0, ctx.row_slots)  # type: ignore[arg-type]
+        if controls is not None:
+            # every row computes every request's controls, masked by slot: one pass
+            delta, gate = controls.apply(read, ctx.row_positions, ctx.row_slots, written=written)  # type: ignore[arg-type]
+            flat = flat + delta.to(flat.dtype)
+            for seg in ctx.segments:
+                plan = seg.request.plans.get(key)
+                if plan is not None and plan.conditional:
+                    plan.record_gates(seg.start_position, gate[seg.row_start : seg.row_end, plan.cols[0] : plan.cols[1]])
+        if table is not None or controls is not None:
+            ctx.applied.add(key)
+            self.stats.steering_apply_count += 1
+        after = read if inputs is not None else flat
+        for seg, plan in monitored:
+            for m in plan.post:
+                m.observe(after[seg.row_start : seg.row_end], seg.start_position)
+        return flat.view_as(hidden) if flat is not written else hidden
+
+
+    def _pair(self, ctx: BatchContext, hidden: torch.Tensor, residual: torch.Tensor, output: tuple) -> Any:
+        """Batched mode for a block returning ``(hidden, residual)``: monitors read the sum,
+        the delta goes into ``hidden`` alone (the sum changes once)."""
+        key = self.key
+        table = ctx.delta_tables.get(key)
+        monitored = [(s, p) for s in ctx.segments if (p := s.request.plans.get(key)) is not None and (p.pre or p.post)]
+        if table is None and not monitored:
+            return None
+        n = ctx.row_slots.shape[0] if ctx.row_slots is not None else hidden.shape[0]
+        if any(p.pre for _, p in monitored):
+            stream = hidden + residual
+            for seg, plan in monitored:
+                for m in plan.pre:
+                    m.observe(stream[seg.row_start : seg.row_end], seg.start_position)
+        new = hidden
+        if table is not None:
+            # rows past the batch's tokens (padding) keep their values: only n rows are added
+            gathered = table.index_select(0, ctx.row_slots)  # type: ignore[arg-type]
+            new = torch.cat([hidden[:n] + gathered, hidden[n:]]) if hidden.shape[0] > n else hidden + gathered
+            ctx.applied.add(key)
+            self.stats.steering_apply_count += 1
+        if any(p.post for _, p in monitored):
+            stream = new + residual
+            for seg, plan in monitored:
+                for m in plan.post:
+                    m.observe(stream[seg.row_start : seg.row_end], seg.start_position)
+        return None if new is hidden else (new, *output[1:])
+
+
+class HookManager:
+    """Owns every installed hook handle; ``remove``/``remove_all`` are the only ways out."""
+
+    def __init__(self) -> None:
+        self.current: BatchContext | None = None
+        self._handles: dict[AttachmentKey, Any] = {}
+        self._captures: dict[int, list[Any]] = {}  # layer -> [handle, module, references, residual_pair]
+
+    def install(self, key: AttachmentKey, module: torch.nn.Module, stats: AttachmentStats, *,
+                residual_pair: bool = False, read_input: bool = False,
+                graph_break: bool = False) -> None:
+        """``graph_break``: the model runs compiled (backends/transformers/compiled.py); the
+        hook is kept out of the graph and runs as written, at a graph break."""
+        if key in self._handles:
+            raise RuntimeError(f"a hook for {key} is already installed")
+        hook: Any = AttachmentHook(key, self, stats, residual_pair=residual_pair,
+                                   read_input=read_input)
+        if graph_break:
+            hook = torch.compiler.disable(hook)
+        self._handles[key] = module.register_forward_hook(hook)
+        for layer, entry in self._captures.items():
+            if entry[1] is module:  # a capture reads what the next layer sees: stay last
+                entry[0].remove()
+                entry[0] = module.register_forward_hook(CaptureHook(layer, self, residual_pair=entry[3]))
+
+    def arm_capture(self, layer: int, module: torch.nn.Module, *, residual_pair: bool = False) -> None:
+        """A capture hook on block ``layer`` while some request captures it (counted), the
+        last hook on its module; no hook at all otherwise.  ``residual_pair``: the block
+        returns ``(hidden, residual)`` and the hook reads their sum."""
+        entry = self._captures.get(layer)
+        if entry is not None:
+            entry[2] += 1
+            return
+        hook = CaptureHook(layer, self, residual_pair=residual_pair)
+        self._captures[layer] = [module.register_forward_hook(hook), module, 1, residual_pair]
+
+    def disarm_capture(self, layer: int) -> None:
+        entry = self._captures.get(layer)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] <= 0:
+            entry[0].remove()
+            del self._captures[layer]
+
+    def armed_captures(self) -> list[int]:
+        return sorted(self._captures)
+
+    def remove(self, key: AttachmentKey) -> None:
+        handle = self._handles.pop(key, None)
+        if handle is not None:
+            handle.remove()
+
+    def remove_all(self) -> None:
+        for key in list(self._handles):
+            self.remove(key)
+
+    def installed(self) -> list[AttachmentKey]:
+        return list(self._handles)
+
+    @contextmanager
+    def active(self, ctx: BatchContext | None) -> Iterator[None]:
+        prev = self.current
+        self.current = ctx
+        try:
+            yield
+        finally:
+            self.current = prev
+
+    def suppressed(self):  # type: ignore[no-untyped-def]
+        """Hooks see no context: embeddings and scoring are never steered or monitored."""
+        return self.active(None)
+
+
+__all__ = [
+    "AttachmentHook",
+    "AttachmentPlan",
+    "AttachmentStats",
+    "BatchContext",
+    "HookManager",
+    "MonitorPlan",
+    "RequestHooks",
+    "Segment",
+]
