@@ -1,0 +1,199 @@
+"""The one plan builder: a request's steering, monitors and capture as the hooks' plans.
+
+Two halves, so that every check runs once and every backend builds the same tensors:
+
+- ``check_request`` runs on the engine's process before anything is queued: every named
+  attachment exists, every feature index is in range, nothing reads an encoder a raw
+  vector lacks, every control's phase and window select a position;
+- ``build_hooks`` only builds: per attachment the plain adds' delta, the feature controls'
+  ``ControlTable`` and the ``MonitorPlan``s, from the SAEs the caller holds.  The engine
+  calls it (through ``request_hooks``) with its attachments; a vLLM worker calls it with
+  the SAEs loaded on its rank, from the entries its request carried (``vllm/wire.py``),
+  and skips the attachments a pipeline stage does not hold.
+
+``with_capture`` adds the capture plan, after its own checks (layers, heads, size).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import CaptureStoreFull, CaptureTooLarge, InvalidParameter, SAENotAttached
+from ..protocol import AttachmentKey, GenerationJob, MonitorEntry, SteeringEntry
+from ..sae.module import SAE
+from .capture import CapturePlan, estimate_bytes
+from .controls import ControlTable, control_range
+from .hooks import AttachmentPlan, MonitorPlan, RequestHooks
+
+# what reads a feature's activation, and so needs an encoder
+ENCODER_MODES = ("clamp", "scale")
+
+
+class HoldsSAE(Protocol):
+    """An attachment as the plan builder reads it (the runtime's ``Attachment``)."""
+
+    sae: SAE
+
+
+def refuse_encoder_controls(entry: SteeringEntry) -> None:
+    """A raw steering vector has decoder rows only: add and ablate work on it; clamp,
+    scale and conditions (which read an activation) are refused, naming the field."""
+    for c in entry.controls:
+        if c.mode in ENCODER_MODES:
+            raise InvalidParameter(f"{entry.sae_id!r} is a raw steering vector: mode {c.mode!r} reads a "
+                                   "feature's activation, which a vector has no encoder for (use add or ablate)",
+                                   param="steering.features.mode",
+                                   details={"sae_id": entry.sae_id, "index": c.index, "mode": c.mode})
+        if c.condition is not None:
+            raise InvalidParameter(f"{entry.sae_id!r} is a raw steering vector: a condition reads its "
+                                   "trigger's activation, which a vector has no encoder for",
+                                   param="steering.features.condition",
+                                   details={"sae_id": entry.sae_id, "index": c.index})
+
+
+def steering_entries(job: GenerationJob) -> list[SteeringEntry]:
+    """The job's steering entries that steer something."""
+    return [e for e in (job.steering.entries if job.steering else []) if not e.is_empty()]
+
+
+def monitor_entries(job: GenerationJob) -> list[MonitorEntry]:
+    return list(job.monitor.entries) if job.monitor else []
+
+
+def _attached(saes: Mapping[AttachmentKey, SAE], key: AttachmentKey) -> SAE:
+    sae = saes.get(key)
+    if sae is None:
+        raise SAENotAttached(f"SAE {key[0]!r} is not attached at layer {key[1]}",
+                             details={"sae_id": key[0], "layer": key[1]})
+    return sae
+
+
+def check_request(saes: Mapping[AttachmentKey, SAE], steering: Iterable[SteeringEntry],
+                  monitors: Iterable[MonitorEntry], *, n_prompt: int, context_length: int) -> None:
+    """Refuse, before anything is built or queued, a plan the model or its attachments
+    cannot carry out; ``build_hooks`` then trusts what it is given."""
+    for entry in steering:
+        sae = _attached(saes, entry.key)
+        sae.check_indices(entry.sae_id, entry.indices())
+        if not sae.has_encoder:
+            refuse_encoder_controls(entry)
+        for c in entry.controls:
+            if c.no_op:
+                continue
+            start, end = control_range(c, n_prompt)
+            if c.window is not None and c.window.start >= context_length:
+                raise InvalidParameter(
+                    f"steering window starts at {c.window.start}, past the context window "
+                    f"({context_length} positions)", param="steering.features.window",
+                    details={"index": c.index, "context_length": context_length})
+            if start >= min(end, context_length):
+                raise InvalidParameter(
+                    f"feature {c.index}'s phase {c.phase!r} and window select no position of this "
+                    f"request (prompt of {n_prompt} tokens)", param="steering.features.window",
+                    details={"index": c.index, "prompt_tokens": n_prompt})
+    for mon in monitors:
+        sae = _attached(saes, mon.key)
+        if not sae.has_encoder:
+            raise InvalidParameter(f"{mon.sae_id!r} is a raw steering vector: it has no encoder, so nothing "
+                                   "can be monitored with it", param="monitor.sae_id",
+                                   details={"sae_id": mon.sae_id, "layer": mon.layer})
+        sae.check_indices(mon.sae_id, mon.features)
+
+
+def build_hooks(saes: Mapping[AttachmentKey, SAE], request_id: str, steering: Iterable[SteeringEntry],
+                monitors: Iterable[MonitorEntry], *, n_prompt: int, dtype: torch.dtype,
+                device: torch.device | str) -> RequestHooks:
+    """The request's plans from checked entries (``check_request``): an attachment missing
+    from ``saes`` is one this caller does not hold (a pipeline stage) and is skipped."""
+    plans: dict[AttachmentKey, AttachmentPlan] = {}
+    for entry in steering:
+        sae = saes.get(entry.key)
+        if sae is None or entry.is_empty():
+            continue
+        plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
+        if entry.features:
+            plan.delta = sae.steering_delta(entry.features, dtype=dtype, device=device)
+        controls = [c for c in entry.controls if not c.no_op]
+        if controls:
+            plan.controls = ControlTable.build(controls, sae, prompt_len=n_prompt)
+            plan.cols = (0, plan.controls.size)
+    for mon in monitors:
+        sae = saes.get(mon.key)
+        if sae is None:
+            continue
+        plan = plans.setdefault(mon.key, AttachmentPlan(mon.key))
+        mp = MonitorPlan(mon, sae, prompt_len=n_prompt)
+        (plan.pre if mon.read_point == "pre_steering" else plan.post).append(mp)
+    return RequestHooks(request_id, plans)
+
+
+def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, HoldsSAE], job: GenerationJob,
+                  n_prompt: int) -> RequestHooks | None:
+    """The engine's half: check the job against the backend and its attachments, then
+    build its plans (None when it steers and monitors nothing)."""
+    steering, monitors = steering_entries(job), monitor_entries(job)
+    if not steering and not monitors:
+        return None
+    saes = {k: attachments[k].sae for k in {*(e.key for e in steering), *(m.key for m in monitors)}
+            if k in attachments}
+    check_request(saes, steering, monitors, n_prompt=n_prompt, context_length=backend.context_length)
+    hooks = build_hooks(saes, job.request_id, steering, monitors, n_prompt=n_prompt, dtype=backend.dtype,
+                        device=getattr(backend, "sae_device", backend.device))
+    return hooks if hooks.plans else None
+
+
+def with_capture(backend: Any, job: GenerationJob, hooks: RequestHooks | None, n_prompt: int,
+                 max_tokens: int) -> RequestHooks | None:
+    """Add the request's capture plan (its buffer allocated now) to its hooks, after
+    checking its layers and its worst-case size (``capture_too_large``): before any
+    forward runs."""
+    spec = job.capture
+    if spec is None:
+        return hooks
+    n_layers = backend.num_layers
+    bad = [layer for layer in spec.layers if layer >= n_layers]
+    if bad:
+        raise InvalidParameter(f"capture.layers {bad} out of range: the model has layers 0..{n_layers - 1}",
+                               param="capture.layers", details={"layers": bad, "num_layers": n_layers})
+    geometry = scaling = None
+    att = spec.attention
+    if att is not None:
+        geometry = backend.attention_geometry
+        bad = [layer for layer in att.layers if layer >= n_layers]
+        if bad:
+            raise InvalidParameter(f"capture.attention.layers {bad} out of range: the model has layers "
+                                   f"0..{n_layers - 1}", param="capture.attention.layers",
+                                   details={"layers": bad, "num_layers": n_layers})
+        bad = [h for h in att.heads or () if h >= geometry.num_heads]
+        if bad:
+            raise InvalidParameter(f"capture.attention.heads {bad} out of range: the model has heads "
+                                   f"0..{geometry.num_heads - 1}", param="capture.attention.heads",
+                                   details={"heads": bad, "num_heads": geometry.num_heads})
+        scaling = {layer: backend.attention_scaling(layer) for layer in att.layers}
+    dtype = backend.dtype
+    estimate, rows = estimate_bytes(spec, prompt_len=n_prompt, max_tokens=max_tokens,
+                                    hidden_size=backend.hidden_size, itemsize=dtype.itemsize, geometry=geometry)
+    if spec.max_bytes and estimate > spec.max_bytes:
+        raise CaptureTooLarge(estimate_bytes=estimate, max_bytes=spec.max_bytes, rows=rows,
+                              layers=len(set(spec.layers) | set(att.layers if att is not None else ())))
+    if (spec.store_max_bytes is not None and spec.directory is not None
+            and estimate > spec.inline_max_bytes and estimate > spec.store_max_bytes):
+        raise CaptureStoreFull(estimate_bytes=estimate, room_bytes=max(0, spec.store_max_bytes))
+    steered = job.steering is not None and not job.steering.is_empty()
+    model = spec.model or getattr(getattr(backend, "job", None), "model_id", "") or ""
+    # a backend whose workers take the rows (vLLM) gets a plan that only packs their parts
+    device = None if getattr(backend, "captures_in_workers", False) else backend.device
+    plan = CapturePlan(spec, request_id=job.request_id, prompt_len=n_prompt, max_tokens=max_tokens,
+                       hidden_size=backend.hidden_size, dtype=dtype, device=device, model=model,
+                       backend=backend.name, steering_hash=job.steering.canonical_hash() if steered else None,
+                       geometry=geometry, scaling=scaling)
+    hooks = hooks if hooks is not None else RequestHooks(job.request_id)
+    hooks.capture = plan
+    return hooks
+
+
+__all__ = ["ENCODER_MODES", "HoldsSAE", "build_hooks", "check_request", "monitor_entries", "refuse_encoder_controls",
+           "request_hooks", "steering_entries", "with_capture"]
