@@ -13,18 +13,11 @@ output-changing fields it cannot honour (``tools``, ``response_format`` other th
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    field_validator,
-    model_validator,
-)
+from pydantic import Field, field_validator, model_validator
 
 from gpu_engine.api.protocol import (
     MAX_LOGIT_BIAS,
@@ -33,173 +26,45 @@ from gpu_engine.api.protocol import (
     SamplingParams,
     StructuredOutput,
 )
+from inference.protocol_base import (  # noqa: F401 - the limits are read from here too
+    MAX_ACTIVATION_ENTRIES,
+    MAX_ACTIVATION_FEATURES,
+    MAX_ACTIVATION_TOP_K,
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_EMBEDDING_INPUTS,
+    MAX_EXTRA_CONVERSATIONS,
+    MAX_N,
+    MAX_TOKENS_LIMIT,
+    SEED_MAX,
+    SEED_MIN,
+    _Strict,
+    _Wire,
+)
+from inference.protocol_extensions import (  # noqa: F401 - re-exported: the request's parts
+    MAX_ANALYZERS,
+    MAX_PROBES,
+    AnalyzeRequest,
+    AttentionCaptureRequest,
+    CapturePositions,
+    CaptureRequest,
+    InlineSteering,
+    PositionRange,
+    ProbeAsk,
+    ReturnSaeActivations,
+    SteeringFeature,
+)
+from inference.protocol_messages import (  # noqa: F401 - re-exported: the request's parts
+    MAX_TOOLS,
+    ChatMessage,
+    FunctionDefinition,
+    NamedFunction,
+    NamedToolChoice,
+    TextPart,
+    Tool,
+    ToolCallFunction,
+    ToolCallIn,
+)
 from inference.structured import NAME_RE, structured_output
-from steering.rules import ControlInput
-
-MAX_N = 16
-MAX_TOKENS_LIMIT = 2**31 - 1
-MAX_ACTIVATION_TOP_K = 64
-MAX_ACTIVATION_FEATURES = 256
-MAX_ACTIVATION_ENTRIES = 65_536
-MAX_EMBEDDING_INPUTS = 2048
-MAX_ALLOWED_TOKEN_IDS = 4096
-MAX_EXTRA_CONVERSATIONS = 63
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-
-
-class _Wire(BaseModel):
-    # strict: a number is a number and a boolean a boolean (``"n": "2"``, ``"stream":
-    # "true"`` and ``"max_tokens": 2.0`` are 400 naming the field, as OpenAI answers them);
-    # a float field still takes an integer
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True,
-                              strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_default(cls, data: Any) -> Any:
-        # OpenAI marks most optional fields nullable (n, stream, logprobs, echo, …), and
-        # clients send null for "not given": an optional field's null is its default
-        if isinstance(data, dict):
-            fields = cls.model_fields
-            return {k: v for k, v in data.items()
-                    if v is not None or k not in fields or fields[k].is_required()}
-        return data
-
-    def unread_fields(self) -> frozenset[str]:
-        """Declared fields that this request leaves unread (``inference.policy`` names
-        them as ignored when the request sends them)."""
-        return frozenset()
-
-
-class _Strict(BaseModel):
-    """Extension objects are ours: a misspelt key is refused, not ignored."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-
-
-# --------------------------------------------------------------------------- extensions
-
-class SteeringFeature(ControlInput):
-    """``{index, strength}`` adds ``strength · W_dec[index]`` at every position (the
-    original shape); ``mode`` (add | clamp | scale | ablate) with ``value``, ``phase``
-    (all | prompt | completion), ``window`` ``{start, end}`` and ``condition``
-    ``{feature, threshold}`` steer otherwise (docs/steering.md, "Modes"). The one control
-    schema of every surface (``steering.rules.ControlInput``)."""
-
-    @property
-    def plain(self) -> bool:
-        return (self.mode == "add" and self.phase == "all" and self.window is None
-                and self.condition is None)
-
-    def amount(self) -> float:
-        return float(self.strength if self.strength is not None else (self.value or 0.0))
-
-
-class InlineSteering(_Strict):
-    """``{sae_id?, features: [{index, strength} | {index, mode, value, phase, window,
-    condition}]}``; ``features: []`` = explicitly unsteered."""
-
-    sae_id: str | None = Field(default=None, min_length=1, max_length=200)
-    features: list[SteeringFeature] = Field(max_length=4096)
-
-
-class PositionRange(_Strict):
-    start: int = Field(ge=0)
-    end: int = Field(gt=0)
-
-    @model_validator(mode="after")
-    def _ordered(self) -> PositionRange:
-        if self.end <= self.start:
-            raise ValueError("positions.end must be greater than positions.start")
-        return self
-
-
-class ReturnSaeActivations(_Strict):
-    sae_id: str | None = Field(default=None, min_length=1, max_length=200)
-    features: list[int] | None = Field(default=None, max_length=MAX_ACTIVATION_FEATURES)
-    top_k: int = Field(default=0, ge=0, le=MAX_ACTIVATION_TOP_K)
-    positions: Literal["last", "prompt", "completion", "all"] | PositionRange = "completion"
-    read_point: Literal["pre_steering", "post_steering"] = "post_steering"
-
-    @field_validator("features")
-    @classmethod
-    def _non_negative(cls, value: list[int] | None) -> list[int] | None:
-        if value is not None:
-            if any(i < 0 for i in value):
-                raise ValueError("feature indices must be >= 0")
-            if len(set(value)) != len(value):
-                raise ValueError("features names an index twice")
-        return value
-
-    @model_validator(mode="after")
-    def _asks_something(self) -> ReturnSaeActivations:
-        if not self.top_k and not self.features:
-            raise ValueError("return_sae_activations asks for nothing: give top_k or features")
-        return self
-
-
-CapturePositions = Literal["last", "all", "prompt", "completion", "last_prompt"]
-
-
-def _non_negative(value: list[int] | None, what: str) -> list[int] | None:
-    if value is not None and any(i < 0 for i in value):
-        raise ValueError(f"{what} must be >= 0")
-    return value
-
-
-class AttentionCaptureRequest(_Strict):
-    """``capture.attention``: Q and K of these layers' attention, as it uses them
-    (``gpu_engine.protocol.AttentionCaptureSpec``); K rows at ``positions``, Q rows at
-    ``q_positions`` (the same when omitted)."""
-
-    layers: list[int] = Field(min_length=1, max_length=1024)
-    heads: list[int] | None = Field(default=None, min_length=1, max_length=4096)
-    positions: CapturePositions = "prompt"
-    q_positions: CapturePositions | None = None
-
-    _layers = field_validator("layers")(classmethod(lambda cls, v: _non_negative(v, "layers")))
-    _heads = field_validator("heads")(classmethod(lambda cls, v: _non_negative(v, "heads")))
-
-
-class CaptureRequest(_Strict):
-    """``capture``: hidden states of these decoder blocks' outputs (after their steering)
-    at ``positions``, and/or attention Q/K (``attention``), returned under
-    ``millm.capture`` (docs/capture.md)."""
-
-    layers: list[int] = Field(default_factory=list, max_length=1024)
-    positions: CapturePositions = "last"
-    attention: AttentionCaptureRequest | None = None
-
-    _layers = field_validator("layers")(classmethod(lambda cls, v: _non_negative(v, "layers")))
-
-    @model_validator(mode="after")
-    def _asks_something(self) -> CaptureRequest:
-        if not self.layers and self.attention is None:
-            raise ValueError("capture asks for nothing: give layers or attention")
-        return self
-
-
-MAX_ANALYZERS = 16
-
-
-class AnalyzeRequest(_Strict):
-    """One ``analyze`` entry: an analyzer of the registry by name and its params
-    (docs/capture.md, "Analyzers"); its result comes back under ``millm.analysis``."""
-
-    name: str = Field(min_length=1, max_length=100)
-    params: dict[str, Any] = Field(default_factory=dict)
-
-
-MAX_PROBES = 8
-
-
-class ProbeAsk(_Strict):
-    """One ``probes`` entry: a probe by id or name (docs/monitoring.md, "Probes"), read at
-    its own positions or at ``positions`` (``last``, ``mean`` or ``max`` over the
-    completion rows; over the input's rows in ``POST /api/probes/score``)."""
-
-    name: str = Field(min_length=1, max_length=120)
-    positions: Literal["last", "mean", "max"] | None = None
 
 
 class StreamOptions(_Wire):
@@ -414,120 +279,6 @@ class _GenerationRequest(_Wire):
 
     def _needs_token_texts(self) -> bool:
         return self.return_sae_activations is not None
-
-
-class TextPart(_Wire):
-    type: Literal["text"]
-    text: str
-
-
-MAX_TOOLS = 128
-
-
-def _function_name(value: str) -> str:
-    if not NAME_RE.match(value):
-        raise ValueError("a function name is 1 to 64 characters of a-z, A-Z, 0-9, _ and -")
-    return value
-
-
-class FunctionDefinition(_Wire):
-    """OpenAI's FunctionObject: rendered into the chat template; ``parameters`` is also
-    the schema the call's arguments are constrained to (``inference.tools``). ``strict``
-    is read: calls are always constrained, as ``strict: true`` asks."""
-
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    _name = field_validator("name")(classmethod(lambda cls, v: _function_name(v)))
-
-
-class Tool(_Wire):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Wire):
-    name: str
-
-
-class NamedToolChoice(_Wire):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ToolCallFunction(_Wire):
-    name: str
-    arguments: str
-
-
-class ToolCallIn(_Wire):
-    """An assistant message's earlier call (ChatCompletionMessageToolCall)."""
-
-    id: str
-    type: Literal["function"]
-    function: ToolCallFunction
-
-
-class ChatMessage(_Wire):
-    """A message as the chat template receives it: its role, its text, an assistant's
-    ``tool_calls`` and a tool result's ``tool_call_id`` (``for_template``). Nothing else a
-    message carries (``name``, …) reaches the model."""
-
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[TextPart] | None = None
-    tool_calls: list[ToolCallIn] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_call_id: str | None = Field(default=None, max_length=200)
-
-    @model_validator(mode="after")
-    def _tool_fields(self) -> ChatMessage:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("tool_calls belong to assistant messages")
-        if self.tool_call_id is not None and self.role != "tool":
-            raise ValueError("tool_call_id belongs to tool messages")
-        return self
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text(cls, value: Any) -> Any:
-        if value is None or isinstance(value, str):
-            return value
-        if isinstance(value, list):
-            for part in value:
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts ({type: text, text}) are "
-                                     "supported")
-            return value
-        raise ValueError("content must be a string or a list of text parts")
-
-    @property
-    def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
-        return self.content or ""
-
-    def for_template(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": self.text}
-        if self.tool_calls:
-            # as transformers' chat templates take a call: its arguments as an object
-            # (vLLM does the same); arguments that are not a JSON object stay text
-            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                for c in self.tool_calls]
-        if self.tool_call_id is not None:
-            message["tool_call_id"] = self.tool_call_id
-        return message
-
-
-def _arguments(text: str) -> Any:
-    try:
-        value = json.loads(text)
-    except ValueError:
-        return text
-    return value if isinstance(value, dict) else text
 
 
 class ChatCompletionRequest(_GenerationRequest):

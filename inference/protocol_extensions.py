@@ -1,0 +1,135 @@
+"""miLLM's extension objects of a /v1 request (``steering``, ``return_sae_activations``,
+``capture``, ``analyze``, ``probes``): strict models, a misspelt key refused. The requests
+that carry them are in ``inference.protocol``."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from inference.protocol_base import MAX_ACTIVATION_FEATURES, MAX_ACTIVATION_TOP_K, _Strict
+from steering.rules import ControlInput
+
+
+class SteeringFeature(ControlInput):
+    """``{index, strength}`` adds ``strength · W_dec[index]`` at every position (the
+    original shape); ``mode`` (add | clamp | scale | ablate) with ``value``, ``phase``
+    (all | prompt | completion), ``window`` ``{start, end}`` and ``condition``
+    ``{feature, threshold}`` steer otherwise (docs/steering.md, "Modes"). The one control
+    schema of every surface (``steering.rules.ControlInput``)."""
+
+    @property
+    def plain(self) -> bool:
+        return (self.mode == "add" and self.phase == "all" and self.window is None
+                and self.condition is None)
+
+    def amount(self) -> float:
+        return float(self.strength if self.strength is not None else (self.value or 0.0))
+
+
+class InlineSteering(_Strict):
+    """``{sae_id?, features: [{index, strength} | {index, mode, value, phase, window,
+    condition}]}``; ``features: []`` = explicitly unsteered."""
+
+    sae_id: str | None = Field(default=None, min_length=1, max_length=200)
+    features: list[SteeringFeature] = Field(max_length=4096)
+
+
+class PositionRange(_Strict):
+    start: int = Field(ge=0)
+    end: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PositionRange:
+        if self.end <= self.start:
+            raise ValueError("positions.end must be greater than positions.start")
+        return self
+
+
+class ReturnSaeActivations(_Strict):
+    sae_id: str | None = Field(default=None, min_length=1, max_length=200)
+    features: list[int] | None = Field(default=None, max_length=MAX_ACTIVATION_FEATURES)
+    top_k: int = Field(default=0, ge=0, le=MAX_ACTIVATION_TOP_K)
+    positions: Literal["last", "prompt", "completion", "all"] | PositionRange = "completion"
+    read_point: Literal["pre_steering", "post_steering"] = "post_steering"
+
+    @field_validator("features")
+    @classmethod
+    def _non_negative(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None:
+            if any(i < 0 for i in value):
+                raise ValueError("feature indices must be >= 0")
+            if len(set(value)) != len(value):
+                raise ValueError("features names an index twice")
+        return value
+
+    @model_validator(mode="after")
+    def _asks_something(self) -> ReturnSaeActivations:
+        if not self.top_k and not self.features:
+            raise ValueError("return_sae_activations asks for nothing: give top_k or features")
+        return self
+
+
+CapturePositions = Literal["last", "all", "prompt", "completion", "last_prompt"]
+
+
+def _non_negative(value: list[int] | None, what: str) -> list[int] | None:
+    if value is not None and any(i < 0 for i in value):
+        raise ValueError(f"{what} must be >= 0")
+    return value
+
+
+class AttentionCaptureRequest(_Strict):
+    """``capture.attention``: Q and K of these layers' attention, as it uses them
+    (``gpu_engine.protocol.AttentionCaptureSpec``); K rows at ``positions``, Q rows at
+    ``q_positions`` (the same when omitted)."""
+
+    layers: list[int] = Field(min_length=1, max_length=1024)
+    heads: list[int] | None = Field(default=None, min_length=1, max_length=4096)
+    positions: CapturePositions = "prompt"
+    q_positions: CapturePositions | None = None
+
+    _layers = field_validator("layers")(classmethod(lambda cls, v: _non_negative(v, "layers")))
+    _heads = field_validator("heads")(classmethod(lambda cls, v: _non_negative(v, "heads")))
+
+
+class CaptureRequest(_Strict):
+    """``capture``: hidden states of these decoder blocks' outputs (after their steering)
+    at ``positions``, and/or attention Q/K (``attention``), returned under
+    ``millm.capture`` (docs/capture.md)."""
+
+    layers: list[int] = Field(default_factory=list, max_length=1024)
+    positions: CapturePositions = "last"
+    attention: AttentionCaptureRequest | None = None
+
+    _layers = field_validator("layers")(classmethod(lambda cls, v: _non_negative(v, "layers")))
+
+    @model_validator(mode="after")
+    def _asks_something(self) -> CaptureRequest:
+        if not self.layers and self.attention is None:
+            raise ValueError("capture asks for nothing: give layers or attention")
+        return self
+
+
+MAX_ANALYZERS = 16
+
+
+class AnalyzeRequest(_Strict):
+    """One ``analyze`` entry: an analyzer of the registry by name and its params
+    (docs/capture.md, "Analyzers"); its result comes back under ``millm.analysis``."""
+
+    name: str = Field(min_length=1, max_length=100)
+    params: dict[str, Any] = Field(default_factory=dict)
+
+
+MAX_PROBES = 8
+
+
+class ProbeAsk(_Strict):
+    """One ``probes`` entry: a probe by id or name (docs/monitoring.md, "Probes"), read at
+    its own positions or at ``positions`` (``last``, ``mean`` or ``max`` over the
+    completion rows; over the input's rows in ``POST /api/probes/score``)."""
+
+    name: str = Field(min_length=1, max_length=120)
+    positions: Literal["last", "mean", "max"] | None = None
