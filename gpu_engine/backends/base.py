@@ -1,8 +1,8 @@
 """The backend contract: what a loaded model must do for the engine.
 
-The engine (``gpu_engine.engine``) keeps what is the same on every backend: the
+The engine (``gpu_engine.runtime``) keeps what is the same on every backend: the
 attachment table, drain-before-control ordering, the OOM policy, events, admission of
-generations into its batch scheduler (``gpu_engine.scheduler``) and the per-request plans
+generations into its batch scheduler (``gpu_engine.runtime.scheduler``) and the per-request plans
 (``gpu_engine.requests``: steering deltas and monitors, built from the attachment's SAE
 with ``gpu_engine.hooks`` — plain torch, importable without any backend).  A backend owns
 the rest: loading, tokenisation, how rows run (its ``BatchBackend``: start requests, step
@@ -13,6 +13,12 @@ A backend is registered in ``gpu_engine.backends`` with a loader ``load(job, *, 
 returning an object of this shape.  ``hooks`` is the engine's ``HookManager``: a backend
 running the model in this process installs the attachment's hook on the module it names;
 one running it elsewhere (worker processes) carries the same plans there.
+
+``ModelBackend`` is every member the runtime reads; a loader's result lacking one fails
+the load by name (``missing_members``).  What only some backends can do is a small
+protocol of its own (``ReadsHiddenStates``, ``CompilesGrammars``, ``ReleasesCachedMemory``;
+on the batch runner ``CachesRows`` and ``CountsLeanSteps``), asked with ``isinstance``:
+the runtime never probes a backend for a name.
 """
 
 from __future__ import annotations
@@ -23,19 +29,24 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from ..attachments import Attachment
-    from ..hooks import RequestHooks
+    from ..decode.grammar import Grammars
+    from ..interp.capture import AttentionGeometry
+    from ..interp.hooks import AttachmentStats, RequestHooks
     from ..protocol import (
         AttachmentKey,
         EmbedJob,
         EmbedResult,
         FinishEvent,
+        GenerationEvent,
         GenerationJob,
+        HiddenStatesJob,
+        HiddenStatesResult,
+        LoadModelJob,
         SamplingParams,
         ScoreJob,
         ScoreResult,
     )
-    from ..scheduler import BatchBackend
+    from ..sae.module import SAE
 
 # What every backend reports, each True or False (``capabilities()``); a backend may add
 # its own keys.  The engine refuses (``invalid_parameter`` naming the field, before
@@ -79,10 +90,48 @@ def all_capabilities(**overrides: Any) -> dict[str, Any]:
     return {**dict.fromkeys(CAPABILITY_KEYS, True), **overrides}
 
 
+class AttachedSAE(Protocol):
+    """An SAE the runtime attached (``gpu_engine.runtime.attachments.Attachment``), as a
+    backend sees it in ``attach``: declared here so that a backend names no runtime module."""
+
+    sae_id: str
+    layer: int
+    layer_module_path: str
+    sae: SAE
+    stats: AttachmentStats
+
+    @property
+    def hook_point(self) -> str: ...
+
+    @property
+    def key(self) -> AttachmentKey: ...
+
+
+class BatchBackend(Protocol):
+    """What runs the rows of the engine's continuous batch (``ModelBackend.batch_runner``);
+    the scheduler (``gpu_engine.runtime.scheduler``) decides who runs, this runs them."""
+
+    rows: list[Any]
+    steps: int
+
+    def start(self, seqs: list[Any]) -> list[Any]: ...
+
+    def step(self) -> list[Any]: ...
+
+    def remove(self, seq: Any) -> None: ...
+
+    def reset(self) -> None: ...
+
+
 @runtime_checkable
 class ModelBackend(Protocol):
     name: str
+    # the loaded job (its model_id names captures)
+    job: LoadModelJob
     device: torch.device
+    # where the engine keeps an attached SAE's tensors: the model's device, or the host
+    # for a backend whose model lives in other processes (vLLM keeps its own copy there)
+    sae_device: torch.device
     dtype: torch.dtype
     context_length: int
     num_layers: int
@@ -91,8 +140,16 @@ class ModelBackend(Protocol):
     eos_token_ids: set[int]
     # the matmul kernels in use ("default", "onednn_packed", ...), for status
     kernels: str
+    # what the weights are and what they take in memory (``EngineStatus.weights``; empty
+    # where the backend does not say)
+    weights: dict[str, Any]
+    # attention heads for Q/K capture (None where the backend cannot read them)
+    attention_geometry: AttentionGeometry | None
+    # True where worker processes take a capture's rows (vLLM): the request's plan only
+    # packs their parts, it allocates no buffer of its own
+    captures_in_workers: bool
 
-    def capabilities(self) -> dict[str, bool]: ...
+    def capabilities(self) -> dict[str, Any]: ...
 
     # ---- tokens
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
@@ -103,16 +160,20 @@ class ModelBackend(Protocol):
     def token_text(self, token_id: int) -> str: ...
 
     # ---- attachments: steering and monitoring for one (sae_id, layer)
-    def layer_module_path(self, layer: int) -> str: ...
+    def layer_module_path(self, layer: int, hook_point: str = ...) -> str: ...
 
-    def attach(self, attachment: Attachment) -> None: ...
+    def attach(self, attachment: AttachedSAE) -> None: ...
 
     def detach(self, key: AttachmentKey) -> None: ...
+
+    def attention_scaling(self, layer: int) -> float | None:
+        """The softmax scale of ``layer``'s attention (captures record it)."""
+        ...
 
     # ---- generation
     def generate(self, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
                  request_hooks: RequestHooks | None, should_stop: Callable[[], bool],
-                 emit: Callable[[Any], None]) -> FinishEvent:
+                 emit: Callable[[GenerationEvent], None]) -> FinishEvent:
         """One generation run to its end on the caller's thread (serial mode)."""
         ...
 
@@ -121,7 +182,7 @@ class ModelBackend(Protocol):
         ...
 
     def new_sequence(self, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int,
-                     request_hooks: RequestHooks | None, emit: Callable[[Any], None],
+                     request_hooks: RequestHooks | None, emit: Callable[[GenerationEvent], None],
                      should_stop: Callable[[], bool]) -> Any:
         """A request's decode state for ``batch_runner``'s rows."""
         ...
@@ -134,11 +195,69 @@ class ModelBackend(Protocol):
     def close(self) -> None: ...
 
 
+# ---- optional abilities: asked with isinstance, each backend has them or not
+
+
+@runtime_checkable
+class Closeable(Protocol):
+    """Something that holds resources until closed (a loader's result that broke the
+    contract is still closed when it can be)."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ReadsHiddenStates(Protocol):
+    """Pooled residuals after chosen blocks, unsteered (capability ``hidden_states``)."""
+
+    def hidden_states(self, job: HiddenStatesJob, inputs: Sequence[list[int]]) -> HiddenStatesResult: ...
+
+
+@runtime_checkable
+class CompilesGrammars(Protocol):
+    """Structured output masked in this process: the vocabulary's grammars, built once
+    (a backend sampling elsewhere, vLLM, compiles its own there)."""
+
+    def structured_grammars(self) -> Grammars: ...
+
+
+@runtime_checkable
+class ReleasesCachedMemory(Protocol):
+    """Memory kept between requests that the engine's idle release hands back."""
+
+    def release_cached_memory(self) -> None: ...
+
+
+@runtime_checkable
+class CachesRows(Protocol):
+    """A batch runner keeping per-row memory (a KV slab) between requests."""
+
+    def cached_bytes(self) -> int: ...
+
+    def release_cached(self) -> int:
+        """Drop what ``cached_bytes`` counts while no row runs; the bytes freed."""
+        ...
+
+
+@runtime_checkable
+class CountsLeanSteps(Protocol):
+    """A batch runner some of whose decode steps skip ``model.forward`` (transformers' lean step)."""
+
+    lean_steps: int
+
+
+def _members(protocol: type) -> list[str]:
+    names = set(getattr(protocol, "__annotations__", {}))
+    names |= {n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    return sorted(names)
+
+
 def missing_members(backend: object) -> list[str]:
-    """The contract's members ``backend`` lacks (a loader's result is checked with it)."""
-    names = [n for n in ModelBackend.__annotations__] + [
-        n for n, v in vars(ModelBackend).items() if callable(v) and not n.startswith("_")]
-    return sorted(n for n in set(names) if not hasattr(backend, n))
+    """The ``ModelBackend`` members ``backend`` lacks (a loader's result is checked with it)."""
+    present = set(dir(backend))
+    return [n for n in _members(ModelBackend) if n not in present]
 
 
-__all__ = ["CAPABILITY_KEYS", "ModelBackend", "all_capabilities", "missing_members"]
+__all__ = ["CAPABILITY_KEYS", "AttachedSAE", "BatchBackend", "CachesRows", "Closeable", "CompilesGrammars",
+           "CountsLeanSteps", "ModelBackend", "ReadsHiddenStates", "ReleasesCachedMemory", "all_capabilities",
+           "missing_members"]

@@ -157,7 +157,11 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
 
 
 class LlamaCppBackend:
+    """``gpu_engine.backends.base.ModelBackend`` on llama.cpp (see the module doc)."""
+
     name = "llamacpp"
+    # capture buffers fill from the eval callback in this process
+    captures_in_workers = False
 
     def __init__(self, job: LoadModelJob, hooks: HookManager | None = None) -> None:
         opts = check_options(job)
@@ -177,6 +181,7 @@ class LlamaCppBackend:
             self.vocab_size = self.native.n_vocab
             # torch tensors (SAEs, deltas, sampling) live on the host whatever llama.cpp offloads
             self.device = torch.device("cpu")
+            self.sae_device = self.device
             self.dtype = torch.float32
             self.tokenizer = LlamaTokenizer(self.native)
             self.chat = ChatTemplate.from_model(self.native, self.tokenizer)
@@ -185,6 +190,7 @@ class LlamaCppBackend:
             self._grammars: Any = None  # gpu_engine.decode.grammar.Grammars, at the first use
             self.eos_token_ids = self.native.eog_ids()
             self.file_type = self.native.meta("general.file_type")
+            self.weights: dict[str, Any] = {}  # no breakdown of a GGUF's weights in status
             self.kernels = f"llama.cpp ({'gpu offload' if opts['offload'] else 'cpu'})"
             self.context_length = self._window()
             self.attachment_stats: dict[AttachmentKey, AttachmentStats] = {}

@@ -68,6 +68,8 @@ class TransformersRunner:
     module each attachment's hook point names (``blocks.resolve_hook_module``)."""
 
     name = "transformers"
+    # the model, the SAEs and the capture buffers all live in this process
+    captures_in_workers = False
 
     def __init__(self, job: LoadModelJob, hooks: HookManager | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -80,6 +82,7 @@ class TransformersRunner:
             # refuse before reading any weight; remote-code classes are checked after load
             raise UnsupportedArchitecture(self.info.architecture_class or "<none in config.json>")
         self.device = pick_device(job.device)
+        self.sae_device = self.device
         self.dtype = TORCH_DTYPES[job.dtype]
         import_torchao_quietly()  # transformers imports it in from_pretrained
         # TORCH_COMPILE / TORCH_COMPILE_MODE / KV_CACHE_MODE (compiled.py); a compiled

@@ -140,6 +140,7 @@ class VllmBackend:
             getattr(self.tokenizer, "chat_template", None),
             functools.partial(self.tokenizer.apply_chat_template, tokenize=False))
         self.kernels = f"vllm:{'eager' if self.enforce_eager else 'graphs'}"
+        self.weights: dict[str, Any] = {}  # vLLM's own business (its memory profile)
         self._attachments: dict[AttachmentKey, Any] = {}
         self._generation: dict[AttachmentKey, str] = {}
         self._attach_counter = itertools.count(1)

@@ -1,0 +1,319 @@
+"""The engine facade: one resident model, SAE attachments, per-request steering/monitoring.
+
+All model work (forward passes, hook installation, loads) runs on one worker thread, fed
+by a priority queue: control operations (load, unload, attach, detach) go ahead of queued
+work but wait for the generation in flight, which is how attach/detach "drain" before
+touching hooks.  Every wait a caller makes on the worker is bounded.  The web tier calls
+this object directly (embedded mode) or through a transport that carries the protocol
+dataclasses (``run_engine``); admission and backpressure are the caller's job.
+
+With ``BatchingOptions(enabled=True)`` generations go to a ``BatchScheduler`` instead of
+running one by one: the worker alternates between the queue's tasks and one batch step
+at a time (blocking on the queue only when the batch is empty, so an idle batch costs
+nothing), and a control operation first drains the running batch — no admissions,
+bounded by the caller's wait — before it touches hooks or weights.
+
+The facade is built in layers, one module each: the worker thread and its queue
+(``worker``), what it reports (``status``), what is resident and how it changes
+(``loading``), and here the work itself: generations (serial or batched, structured ones
+after their grammar is built off the worker), embeddings, scores and hidden states.
+Apart from it: the ledger of accepted work and draining it (``drain``), preparing a
+request for the model (``gpu_engine.requests``), and an attached SAE (``attachments``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from .. import requests
+from ..api.commands import check_implements
+from ..backends.base import CompilesGrammars, ReadsHiddenStates
+from ..decode.grammar import GRAMMAR_WORKERS, GrammarBuilder
+from ..errors import EngineError, EngineShutdown, GenerationFailed, InsufficientMemory, InvalidParameter
+from ..interp.hooks import HookManager
+from ..protocol import (
+    BatchingOptions,
+    EmbedJob,
+    EmbedResult,
+    EngineEvent,
+    ErrorEvent,
+    FinishEvent,
+    GenerationJob,
+    GenerationResult,
+    HiddenStatesJob,
+    HiddenStatesResult,
+    ScoreJob,
+    ScoreResult,
+    StructuredOutput,
+    Usage,
+)
+from .attachments import Attachment, is_out_of_memory
+from .drain import WorkLedger
+from .loading import ModelLoading
+from .scheduler import BatchScheduler
+from .stream import GenerationStream
+from .worker import _WORK, Arrival, _priority
+
+log = logging.getLogger("gpu_engine")
+
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# STRUCTURED_COMPILE_TIMEOUT_S: the longest a request's grammar may take to build
+DEFAULT_STRUCTURED_TIMEOUT_S = 10.0
+
+
+class Engine(ModelLoading):
+    """One resident model and the work on it (see the module doc); built once per process
+    (``core.engine_client`` embedded, ``run_engine`` behind Redis)."""
+
+    def __init__(
+        self,
+        *,
+        on_event: Callable[[EngineEvent], None] | None = None,
+        drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S,
+        batching: BatchingOptions | None = None,
+        idle_release_s: float | None = None,
+        structured_timeout_s: float = DEFAULT_STRUCTURED_TIMEOUT_S,
+    ) -> None:
+        self.on_event = on_event
+        self.drain_timeout_s = drain_timeout_s
+        # TRANSFORMERS_IDLE_CACHE_RELEASE_S: after this many idle seconds the worker hands
+        # the memory the backend keeps between requests back (None or negative: never)
+        self.idle_release_s = idle_release_s if idle_release_s is not None and idle_release_s >= 0 else None
+        self._used_since_release = False
+        self._memory = {"idle_releases": 0, "released_bytes": 0}
+        self.batching = batching or BatchingOptions()
+        self._scheduler = None
+        self._backend_scheduler = False
+        if self.batching.enabled:
+            self._scheduler = BatchScheduler(self.batching, make_sequence=self._make_sequence, classify=self._classify)
+        self._queue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self._backend = None
+        self._model_id = None
+        self._load_job = None
+        self._hooks = HookManager()
+        self._attachments = {}
+        self._in_flight = 0
+        self._queued = 0
+        # requests announced by the serving tier and not submitted yet (``arriving``), and
+        # the worker's wait for them before an idle batch's first prefill (``_gather_wait``)
+        self._arriving = 0
+        self._gather_from = None
+        self._gather_until = None
+        self._gathers = {"gathers": 0, "gather_wait_ms": 0.0}
+        self._closed = False
+        # guards the attachment table and the counters, which status readers on other
+        # threads look at while the worker changes them
+        self._state_lock = threading.Lock()
+        # Work accepted and not finished, whoever sent it: an unload or a model swap
+        # drains it first (runtime/drain.py)
+        self._ledger = WorkLedger()
+        # structured requests build their grammar here before they reach the worker
+        # (``_prepare_structured``): built lazily, xgrammar is imported only then
+        self.structured_timeout_s = structured_timeout_s
+        self._grammar_builder = None
+        self._grammar_threads = None
+        self._thread = threading.Thread(target=self._worker, name="millm-engine", daemon=True)
+        self._thread.start()
+
+    def _run_generation(self, job: GenerationJob, stream: GenerationStream) -> None:
+        if self._scheduler is not None:  # queued before a batch-only backend was loaded
+            self._enqueue(job, stream)
+            return
+        with self._state_lock:
+            self._in_flight += 1
+        try:
+            if stream.cancelled:
+                stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
+                return
+            backend = self._require_backend()
+            requests.check_capabilities(backend, job)
+            prompt_ids = requests.prompt_ids(backend, job)
+            max_tokens = requests.token_budget(backend, job, len(prompt_ids))
+            hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
+            hooks = requests.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
+            finish = backend.generate(
+                request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling, max_tokens=max_tokens,
+                request_hooks=hooks, should_stop=stream._cancel.is_set, emit=stream._put,
+            )
+            stream._put(finish)
+        except EngineError as exc:
+            stream._put(ErrorEvent(job.request_id, exc.code, exc.message, exc.details))
+        except Exception as exc:
+            if is_out_of_memory(exc):
+                self._handle_oom(exc)
+                err: EngineError = InsufficientMemory(
+                    "out of memory during generation; attached SAEs were detached, the base model keeps serving"
+                )
+            else:
+                log.exception("generation %s failed", job.request_id)
+                err = GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
+            stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
+        finally:
+            with self._state_lock:
+                self._in_flight -= 1
+
+
+    def _make_sequence(self, job: GenerationJob, stream: GenerationStream) -> Any:
+        """Validate a job against the loaded model and build its decode state (batched path;
+        runs on the worker when the request gets a row, like the serial path's checks)."""
+        backend = self._require_backend()
+        requests.check_capabilities(backend, job)
+        prompt_ids = requests.prompt_ids(backend, job)
+        max_tokens = requests.token_budget(backend, job, len(prompt_ids))
+        hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
+        hooks = requests.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
+        return backend.new_sequence(job, prompt_ids=prompt_ids, max_tokens=max_tokens, request_hooks=hooks,
+                                    emit=stream._put, should_stop=stream._cancel.is_set)
+
+
+    def _enqueue(self, job: GenerationJob, stream: GenerationStream) -> None:
+        try:
+            self._scheduler.enqueue(job, stream)  # type: ignore[union-attr]
+        except EngineError as exc:
+            stream._put(ErrorEvent(job.request_id, exc.code, exc.message, exc.details))
+
+    def generate(self, job: GenerationJob) -> GenerationStream:
+        """Queue a generation; returns at once with a stream of its events."""
+        stream = GenerationStream(job.request_id, on_end=self._ledger.ended)
+        refused = self._ledger.admit(stream)
+        if refused is not None:
+            stream._put(ErrorEvent(job.request_id, refused.code, refused.message, refused.details))
+            return stream
+
+        def dropped() -> None:
+            err = EngineShutdown("the engine shut down before the request ran")
+            stream._put(ErrorEvent(job.request_id, err.code, err.message, {}))
+
+        if job.sampling.structured is not None:
+            self._prepare_structured(job, stream, dropped)
+        else:
+            self._submit_generation(job, stream, dropped)
+        return stream
+
+    def _submit_generation(self, job: GenerationJob, stream: GenerationStream, dropped: Callable[[], None]) -> None:
+        if self._scheduler is not None:
+            self._submit(lambda: self._enqueue(job, stream), _WORK, on_drop=dropped)
+        else:
+            self._submit(lambda: self._run_generation(job, stream), _priority(job.priority), on_drop=dropped)
+
+    def _builder(self) -> GrammarBuilder:
+        with self._state_lock:
+            if self._grammar_builder is None:
+                self._grammar_builder = GrammarBuilder(timeout_s=self.structured_timeout_s)
+                # one more thread than children: a request waiting for a free child
+                # still counts its own deadline
+                self._grammar_threads = ThreadPoolExecutor(GRAMMAR_WORKERS + 1, thread_name_prefix="millm-grammar")
+            return self._grammar_builder
+
+    def build_grammar(self, spec: StructuredOutput) -> None:
+        """Build ``spec``'s grammar now, on the caller's thread (the web tier asks before a
+        structured request takes an admission slot, so a costly schema holds no slot while
+        it builds); ``SchemaTooComplex`` past ``structured_timeout_s``,
+        ``ResponseFormatUnsupported`` for a schema xgrammar refuses.  The request's own
+        ``generate`` then finds it built."""
+        if self._closed:
+            raise EngineShutdown("the engine is shut down")
+        self._builder().build(spec)
+
+    def _prepare_structured(self, job: GenerationJob, stream: GenerationStream, dropped: Callable[[], None]) -> None:
+        """Build the request's grammar off the worker thread, then queue the request: a
+        costly schema (xgrammar spends seconds to minutes on long regex repetitions) never
+        holds the generation of others, and one not built within ``structured_timeout_s``
+        ends as ``schema_too_complex`` (``gpu_engine.decode.grammar.GrammarBuilder``)."""
+        builder, threads = self._builder(), self._grammar_threads
+
+        def prepare() -> None:
+            spec = job.sampling.structured
+            try:
+                if not stream.cancelled:
+                    builder.build(spec)
+                    backend = self._backend
+                    if isinstance(backend, CompilesGrammars):
+                        # the vocabulary's masks too (fast: xgrammar compiles from the
+                        # grammar just built); vLLM compiles its own from the same grammar
+                        backend.structured_grammars().compile(spec)
+            except EngineError as exc:
+                stream._put(ErrorEvent(job.request_id, exc.code, exc.message, exc.details))
+                return
+            except Exception as exc:  # noqa: BLE001 - this request's failure, reported on its stream
+                log.exception("building the grammar of %s failed", job.request_id)
+                err = GenerationFailed(f"building the grammar failed: {type(exc).__name__}: {exc}")
+                stream._put(ErrorEvent(job.request_id, err.code, err.message, err.details))
+                return
+            try:
+                self._submit_generation(job, stream, dropped)
+            except EngineShutdown:
+                dropped()
+
+        try:
+            threads.submit(prepare)  # type: ignore[union-attr]
+        except RuntimeError:  # the pool was shut down with the engine
+            dropped()
+
+    def generate_sync(self, job: GenerationJob, *, timeout_s: float | None = None) -> GenerationResult:
+        return self.generate(job).result(timeout_s)
+
+    def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
+        def op() -> EmbedResult:
+            backend = self._require_backend()
+            if not backend.capabilities().get("embeddings", False):
+                raise InvalidParameter(f"the {backend.name} backend does not compute embeddings", param="input",
+                                       details={"backend": backend.name, "capability": "embeddings"})
+            inputs = requests.encode_inputs(backend, job.inputs, "input")
+            return backend.embed(job, inputs)
+
+        return self._work(op, timeout_s, job.priority)
+
+    def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
+        def op() -> ScoreResult:
+            backend = self._require_backend()
+            if not backend.capabilities().get("scoring", False):
+                raise InvalidParameter(f"the {backend.name} backend does not score prompts", param="prompt",
+                                       details={"backend": backend.name, "capability": "scoring"})
+            if job.prompt_token_ids is not None:
+                ids = requests.encode_inputs(backend, [list(job.prompt_token_ids)], "prompt")[0]
+            elif job.messages is not None:
+                ids = backend.encode_messages(job.messages, add_generation_prompt=True, **job.chat_template_kwargs)
+                ids = requests.encode_inputs(backend, [ids], "messages")[0]
+            else:
+                ids = requests.encode_inputs(backend, [job.prompt], "prompt", job.add_special_tokens)[0]
+            if job.allowed_token_ids is not None:
+                requests.validate_ids(backend, job.allowed_token_ids, "allowed_token_ids")
+            return backend.score(job, ids)
+
+        return self._work(op, timeout_s)
+
+    def hidden_states(self, job: HiddenStatesJob, *, timeout_s: float | None = None) -> HiddenStatesResult:
+        """Pooled residuals after the given blocks, unsteered (``HiddenStatesJob``); a
+        backend that cannot read them (capability ``hidden_states`` off) refuses."""
+
+        def op() -> HiddenStatesResult:
+            backend = self._require_backend()
+            if not backend.capabilities().get("hidden_states", False) or not isinstance(backend, ReadsHiddenStates):
+                raise InvalidParameter(f"the {backend.name} backend cannot return hidden states "
+                                       "(computing a steering vector needs the transformers backend)",
+                                       param="layers", details={"backend": backend.name,
+                                                                "capability": "hidden_states"})
+            for layer in job.layers:
+                if layer >= backend.num_layers:
+                    raise InvalidParameter(f"layer {layer} is out of range: the model has {backend.num_layers} "
+                                           f"decoder blocks (0..{backend.num_layers - 1})", param="layers",
+                                           details={"layer": layer, "num_layers": backend.num_layers})
+            inputs = requests.encode_inputs(backend, job.inputs, "inputs", job.add_special_tokens)
+            return backend.hidden_states(job, inputs)
+
+        return self._work(op, timeout_s, job.priority)
+
+
+# every command of the protocol table is an Engine method with the declared arguments
+check_implements(Engine)
+
+__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_STRUCTURED_TIMEOUT_S", "Arrival", "Attachment", "Engine",
+           "GenerationStream", "is_out_of_memory"]

@@ -1,0 +1,89 @@
+"""What the engine reports about itself: its state, the loaded backend's geometry and
+capabilities, the batch, the memory the backend keeps, the attachments.  Read on any
+thread without the worker's cooperation: a racy snapshot is fine for status."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..backends import backends_report
+from ..backends.base import CachesRows, ModelBackend
+from ..interp.hooks import HookManager
+from ..protocol import AttachmentStatus, EngineStatus
+from .worker import EngineWorker
+
+
+class StatusReports(EngineWorker):
+    def memory_status(self) -> dict[str, Any]:
+        """What the backend keeps between requests now, and the idle releases so far."""
+        runner = self._scheduler.backend if self._scheduler is not None else None
+        with self._state_lock:
+            data: dict[str, Any] = dict(self._memory)
+        data["idle_release_s"] = self.idle_release_s
+        data["cached_bytes"] = int(runner.cached_bytes()) if isinstance(runner, CachesRows) else None
+        return data
+
+
+    def attachments(self) -> list[AttachmentStatus]:
+        with self._state_lock:
+            current = list(self._attachments.values())
+        return [a.status() for a in current]
+
+
+    def batching_status(self) -> dict[str, Any]:
+        """The generation mode and what the loaded backend can do per request, as the
+        backend reports it (empty while no model is loaded)."""
+        sched = self._scheduler
+        backend = self._backend
+        caps: dict[str, Any] = dict(backend.capabilities()) if backend is not None else {}
+        if backend is not None:
+            caps["shared_forward_passes"] = sched is not None
+            caps["serial_fallback"] = False
+        data: dict[str, Any] = {
+            "enabled": sched is not None,
+            "mode": "continuous_batching" if sched is not None else "serial",
+            "capabilities": caps,
+        }
+        if sched is not None:
+            data.update(sched.status())
+            with self._state_lock:
+                data.update(self._gathers, arriving=self._arriving, gather_ms=self.batching.gather_ms)
+        return data
+
+    def _in_flight_total(self) -> int:
+        sched = self._scheduler
+        # read without the worker's cooperation: a racy snapshot is fine for status
+        extra = len(sched.running) + len(sched.waiting) if sched is not None else 0
+        return self._in_flight + extra
+
+    def status(self) -> EngineStatus:
+        b = self._backend
+        if b is None:
+            return EngineStatus(state="empty", in_flight=self._in_flight_total(), queued=max(self._queued, 0),
+                                batching=self.batching_status(), draining=self._ledger.draining,
+                                backends=backends_report())
+        return EngineStatus(
+            state="ready", draining=self._ledger.draining, backend=b.name, model_id=self._model_id, model_path=str(self._load_job.path) if self._load_job else None,
+            dtype=self._load_job.dtype if self._load_job else None, device=str(b.device), context_length=b.context_length,
+            num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
+            attachments=self.attachments(), in_flight=self._in_flight_total(), queued=max(self._queued, 0),
+            batching=self.batching_status(), kernels=b.kernels, backends=backends_report(),
+            memory=self.memory_status(), weights=dict(b.weights),
+        )
+
+    @property
+    def hook_manager(self) -> HookManager:
+        return self._hooks
+
+    @property
+    def backend(self) -> ModelBackend | None:
+        return self._backend
+
+    @property
+    def backend_name(self) -> str | None:
+        backend = self._backend
+        return backend.name if backend is not None else None
+
+
+
+__all__ = ["StatusReports"]
