@@ -28,6 +28,7 @@ from core.errors import (
 )
 from core.runtime import runtime
 from gpu_engine.api.errors import EngineError
+from gpu_engine.api.host import backend_option_settings
 from gpu_engine.api.protocol import AttachResult, AttachSpec, LoadModelJob
 from leases.services import lease_check_change, lease_end_for_model
 from orchestration.errors import LoadInProgress
@@ -121,35 +122,15 @@ def _check_engine_accepts(model: Model) -> None:
         raise from_engine_error(exc) from exc
 
 
-# The site settings each backend's load options come from (LoadModelJob.options).
-BACKEND_OPTION_SETTINGS: dict[str, dict[str, str]] = {
-    "transformers": {"pack_cpu_weights": "MILLM_ENGINE_PACK_WEIGHTS",
-                     "lean_decode": "MILLM_ENGINE_LEAN_DECODE",
-                     "fused_cpu_kernels": "MILLM_ENGINE_FUSED_KERNELS",
-                     "speculative_model": "SPECULATIVE_MODEL",
-                     "speculative_num_tokens": "SPECULATIVE_NUM_TOKENS",
-                     "torch_compile": "TORCH_COMPILE", "torch_compile_mode": "TORCH_COMPILE_MODE",
-                     "kv_cache_mode": "KV_CACHE_MODE"},
-    "vllm": {"tensor_parallel_size": "VLLM_TENSOR_PARALLEL_SIZE",
-             "pipeline_parallel_size": "VLLM_PIPELINE_PARALLEL_SIZE",
-             "distributed_executor_backend": "VLLM_DISTRIBUTED_EXECUTOR",
-             "gpu_memory_utilization": "VLLM_GPU_MEMORY_UTILIZATION",
-             "max_model_len": "VLLM_MAX_MODEL_LEN", "max_num_seqs": "VLLM_MAX_NUM_SEQS",
-             "enforce_eager": "VLLM_ENFORCE_EAGER"},
-    "llamacpp": {"context_length": "GGUF_CONTEXT_LENGTH", "kv_cache_type": "GGUF_KV_CACHE_TYPE",
-                 "flash_attention": "GGUF_FLASH_ATTENTION", "tensor_split": "GGUF_TENSOR_SPLIT",
-                 "enable_embeddings": "GGUF_ENABLE_EMBEDDINGS",
-                 "steering_mode": "GGUF_STEERING_MODE"},
-}
-
-
 def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
     """What the engine is asked to load for ``model``: its files, its backend (the row's,
     else MILLM_BACKEND) and that backend's options from the settings."""
     backend = model.effective_backend()
     # a setting left unset (TORCH_COMPILE=auto) leaves its option out: the backend decides
+    # the setting each option comes from is declared with the option in the engine's
+    # backend registry (gpu_engine.backends)
     options = {option: getattr(settings, name)
-               for option, name in BACKEND_OPTION_SETTINGS.get(backend, {}).items()
+               for option, name in backend_option_settings(backend).items()
                if getattr(settings, name) is not None}
     if model.format == Model.Format.GGUF and model.gguf_file:
         # a directory holding the file (hub downloads): which GGUF in it

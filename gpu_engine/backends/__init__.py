@@ -2,7 +2,9 @@
 style of the SAE layout registry (``gpu_engine.sae.layouts``).
 
 An entry names what the backend needs installed, the command that installs it, the
-load options it takes, and where its loader lives; the loader module is imported only
+load options it takes (each with its type and the site setting it comes from: the web
+tier reads them here through ``gpu_engine.api.host``, no second table), and where its
+loader lives; the loader module is imported only
 when a model is loaded on it, so a backend whose packages are missing costs nothing and
 reports itself unavailable (``backends_report``) instead of failing at import.  Loading a
 model on an unavailable backend raises ``BackendUnavailable`` (``backend_unavailable``,
@@ -26,6 +28,15 @@ DEFAULT_BACKEND = "transformers"
 
 
 @dataclass(frozen=True)
+class Option:
+    """A load option (``LoadModelJob.options``): its type, and the site setting the web tier
+    fills it from (None: set per model, not from a setting)."""
+
+    kind: type
+    setting: str | None = None
+
+
+@dataclass(frozen=True)
 class BackendEntry:
     name: str
     summary: str
@@ -35,8 +46,9 @@ class BackendEntry:
     install: str
     # "module:function" of the loader: function(job, **context) -> ModelBackend
     loader: str
-    # load options (``LoadModelJob.options``) and their types; anything else is refused
-    options: Mapping[str, type] = field(default_factory=dict)
+    # load options (``LoadModelJob.options``), each an ``Option`` (a bare type: one no
+    # setting fills); anything else is refused
+    options: Mapping[str, Option | type] = field(default_factory=dict)
     # optional "module:function(job)" refusing what the backend cannot honour in a load
     # job (values, combinations, the device) before anything drains or unloads
     validator: str = ""
@@ -44,6 +56,14 @@ class BackendEntry:
     # (Q8, Q4, Q2), whether a load on this backend can apply it here and with what kernel
     # or why not; a backend without one applies none (``report``'s ``quantizations``)
     quantizations: str = ""
+
+    def __post_init__(self) -> None:
+        options = {k: v if isinstance(v, Option) else Option(v) for k, v in self.options.items()}
+        object.__setattr__(self, "options", options)
+
+    def option_settings(self) -> dict[str, str]:
+        """Each load option a site setting fills, and that setting's name."""
+        return {k: o.setting for k, o in self.options.items() if isinstance(o, Option) and o.setting}
 
     def missing(self) -> list[str]:
         return [name for name in self.requires if importlib.util.find_spec(name) is None]
@@ -54,11 +74,12 @@ class BackendEntry:
 
     def check_options(self, options: Mapping[str, Any]) -> None:
         for key, value in options.items():
-            kind = self.options.get(key)
-            if kind is None:
+            option = self.options.get(key)
+            if option is None:
                 known = ", ".join(sorted(self.options)) or "none"
                 raise InvalidParameter(f"the {self.name} backend takes no load option {key!r} (it takes: {known})",
                                        param=f"options.{key}")
+            kind = option.kind if isinstance(option, Option) else option
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                 raise InvalidParameter(f"load option {key!r} of the {self.name} backend must be a {kind.__name__}",
                                        param=f"options.{key}")
@@ -125,6 +146,13 @@ REPORT_TTL_S = 5.0
 _report: tuple[tuple[int, ...], float, list[dict[str, Any]]] | None = None
 
 
+def backend_option_settings(name: str) -> dict[str, str]:
+    """The site settings ``name``'s load options come from, option → setting (empty for a
+    backend not registered: its load is refused by name elsewhere)."""
+    entry = _BACKENDS.get(name)
+    return entry.option_settings() if entry is not None else {}
+
+
 def backends_report() -> list[dict[str, Any]]:
     """Every registered backend, whether it can load here, and how to install it."""
     global _report
@@ -148,9 +176,15 @@ register_backend(BackendEntry(
     # and batched one-token step without model.forward, backends/transformers/lean.py;
     # fused_cpu_kernels (MILLM_ENGINE_FUSED_KERNELS): that step's small ops in C on CPU float32,
     # backends/transformers/cpu_fused.py
-    options={"pack_cpu_weights": bool, "quantization": str, "speculative_model": str,
-             "speculative_num_tokens": int, "torch_compile": bool, "torch_compile_mode": str,
-             "kv_cache_mode": str, "lean_decode": bool, "fused_cpu_kernels": bool},
+    options={"pack_cpu_weights": Option(bool, "MILLM_ENGINE_PACK_WEIGHTS"),
+             "quantization": Option(str),  # the registry row's
+             "speculative_model": Option(str, "SPECULATIVE_MODEL"),
+             "speculative_num_tokens": Option(int, "SPECULATIVE_NUM_TOKENS"),
+             "torch_compile": Option(bool, "TORCH_COMPILE"),
+             "torch_compile_mode": Option(str, "TORCH_COMPILE_MODE"),
+             "kv_cache_mode": Option(str, "KV_CACHE_MODE"),
+             "lean_decode": Option(bool, "MILLM_ENGINE_LEAN_DECODE"),
+             "fused_cpu_kernels": Option(bool, "MILLM_ENGINE_FUSED_KERNELS")},
     validator="gpu_engine.backends.transformers:check_job",
     quantizations="gpu_engine.backends.transformers.quantization:quantization_report",
 ))
@@ -162,10 +196,14 @@ register_backend(BackendEntry(
     requires=("vllm",),
     install="scripts/setup vllm",
     loader="gpu_engine.backends.vllm:load",
-    # the site's VLLM_* settings (orchestration.services.BACKEND_OPTION_SETTINGS)
-    options={"tensor_parallel_size": int, "pipeline_parallel_size": int, "distributed_executor_backend": str,
-             "gpu_memory_utilization": float, "max_model_len": int, "max_num_seqs": int,
-             "enforce_eager": bool},
+    # from the site's VLLM_* settings
+    options={"tensor_parallel_size": Option(int, "VLLM_TENSOR_PARALLEL_SIZE"),
+             "pipeline_parallel_size": Option(int, "VLLM_PIPELINE_PARALLEL_SIZE"),
+             "distributed_executor_backend": Option(str, "VLLM_DISTRIBUTED_EXECUTOR"),
+             "gpu_memory_utilization": Option(float, "VLLM_GPU_MEMORY_UTILIZATION"),
+             "max_model_len": Option(int, "VLLM_MAX_MODEL_LEN"),
+             "max_num_seqs": Option(int, "VLLM_MAX_NUM_SEQS"),
+             "enforce_eager": Option(bool, "VLLM_ENFORCE_EAGER")},
 ))
 
 register_backend(BackendEntry(
@@ -176,10 +214,15 @@ register_backend(BackendEntry(
     install="scripts/setup llamacpp",
     loader="gpu_engine.backends.llamacpp:load",
     validator="gpu_engine.backends.llamacpp:check_job",
-    # the site's GGUF_* settings (backends/llamacpp/backend.py says what each does)
-    options={"context_length": int, "kv_cache_type": str, "flash_attention": bool,
-             "tensor_split": list, "enable_embeddings": bool, "steering_mode": str,
-             "gguf_file": str},
+    # from the site's GGUF_* settings (backends/llamacpp/backend.py says what each does)
+    options={"context_length": Option(int, "GGUF_CONTEXT_LENGTH"),
+             "kv_cache_type": Option(str, "GGUF_KV_CACHE_TYPE"),
+             "flash_attention": Option(bool, "GGUF_FLASH_ATTENTION"),
+             "tensor_split": Option(list, "GGUF_TENSOR_SPLIT"),
+             "enable_embeddings": Option(bool, "GGUF_ENABLE_EMBEDDINGS"),
+             "steering_mode": Option(str, "GGUF_STEERING_MODE"),
+             "gguf_file": Option(str)},  # the registry row's
 ))
 
-__all__ = ["DEFAULT_BACKEND", "BackendEntry", "backend_names", "backends_report", "get_backend", "register_backend"]
+__all__ = ["DEFAULT_BACKEND", "BackendEntry", "Option", "backend_names", "backend_option_settings", "backends_report",
+           "get_backend", "register_backend"]

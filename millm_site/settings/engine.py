@@ -29,7 +29,7 @@ for _name in (
     "ANALYZERS_EXTRA", "ANALYZER_PROBE_DIR",
     "ANALYSIS_TIMEOUT_S", "STRUCTURED_MAX_PATTERN_LENGTH", "STRUCTURED_MAX_REPEAT",
     "STRUCTURED_MAX_SCHEMA_REPEAT", "STRUCTURED_COMPILE_TIMEOUT_S",
-    # the vllm backend's load options (orchestration.services.BACKEND_OPTION_SETTINGS)
+    # the vllm backend's load options (each named with its option in gpu_engine/backends/__init__.py)
     "VLLM_TENSOR_PARALLEL_SIZE", "VLLM_PIPELINE_PARALLEL_SIZE", "VLLM_DISTRIBUTED_EXECUTOR",
     "VLLM_GPU_MEMORY_UTILIZATION", "VLLM_MAX_MODEL_LEN", "VLLM_MAX_NUM_SEQS", "VLLM_ENFORCE_EAGER",
 ):

@@ -37,7 +37,7 @@ def run_generation(
 ) -> FinishEvent:
     seq = Sequence(runner, request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
                    request_hooks=request_hooks, emit=emit, should_stop=should_stop)
-    drafter = getattr(runner, "drafter", None)
+    drafter = runner.drafter  # None without SPECULATIVE_MODEL
     if drafter is not None:
         why_not = spec_eligible(seq)
         if why_not is None:
