@@ -1,10 +1,10 @@
 """Answering one batch line as the synchronous route would, through the same engine.
 
 The planning, the engine jobs and the response body are the synchronous route's own
-(``inference.planning``, ``inference.serving``, ``inference.probe_scoring``), so a line's
-body is what ``POST /v1/chat/completions`` (or ``/v1/completions``, ``/v1/embeddings``,
-``/v1/probes/score``) would answer, and its headers are the X-miLLM-* values that route
-would set. What differs:
+(``inference.planning``, ``inference.serving``, ``inference.embeddings``,
+``inference.probe_scoring``), so a line's body is what ``POST /v1/chat/completions`` (or
+``/v1/completions``, ``/v1/embeddings``, ``/v1/probes/score``) would answer, and its
+headers are the X-miLLM-* values that route would set. What differs:
 
 - no admission slot: batch lines never take an interactive slot; the runner bounds how
   many are at the engine (BATCH_ENGINE_ROWS), and every job is marked
@@ -23,43 +23,20 @@ is a chat or completions line like any other.
 from __future__ import annotations
 
 import asyncio
-import base64
-import struct
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import ValidationError
 
-from core.metrics import record_tokens
 from core.runtime import runtime
-from gpu_engine.api.protocol import EmbedJob
-from inference.errors import OpenAIError, openai_error_from_exception
+from inference.embeddings import serve_embeddings
+from inference.errors import OpenAIError, openai_error_from_exception, openai_error_from_validation
 from inference.planning import plan_generation, resolve_model
-from inference.policy import check_dimensions, check_fields, ignored_headers
+from inference.policy import check_fields
 from inference.probe_scoring import probe_score, probe_score_parse
-from inference.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    EmbeddingData,
-    EmbeddingRequest,
-    EmbeddingResponse,
-    UsageInfo,
-)
+from inference.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from inference.residency import resident_model_id
-from inference.serving import (
-    ENGINE_CALL_TIMEOUT_S,
-    build_body,
-    count_usage,
-    probe_headers,
-    record_monitoring,
-    register_capture,
-    run_analyses,
-    run_choice,
-    score_probes,
-    sense,
-    usage_of,
-)
+from inference.serving import answer_plan, check_profile
 from monitoring.ownership import EVERYONE, Scope
 
 POLICY = "refuse"  # a batch never loads a model (docs/api-v1.md, "Batches")
@@ -115,8 +92,6 @@ def _validate(schema: type, body: dict[str, Any]) -> tuple[Any, list[str]]:
     try:
         req = schema.model_validate(body)
     except ValidationError as exc:
-        from inference.errors import openai_error_from_validation
-
         raise openai_error_from_validation(exc) from None
     return req, check_fields(data=body, req=req, strict=False)
 
@@ -139,10 +114,7 @@ async def _generation(kind: str, schema: type, body: dict[str, Any],
                           code="invalid_parameter", param="stream")
     model, use, profile = await _resident(req.model)
     try:
-        if profile is not None and req.profile is not None and profile != req.profile:
-            raise OpenAIError(f"The model name selects profile {profile!r} but the body "
-                              f"names {req.profile!r}", status=400,
-                              code="invalid_parameter", param="profile")
+        check_profile(req, profile)
         client = runtime().engine
         plan = await plan_generation(kind=kind, req=req, model=model,
                                      profile=req.profile or profile, client=client,
@@ -150,17 +122,9 @@ async def _generation(kind: str, schema: type, body: dict[str, Any],
                                      status=use.status, ignored_fields=ignored, scope=scope)
         for choice in plan.choices:
             choice.job.priority = "batch"
-        outcomes = [await run_choice(client, choice) for choice in plan.choices]
-        for outcome in outcomes:  # what inference.serving.respond does with a choice
-            await record_monitoring(plan, outcome)
-            await register_capture(plan, outcome)
-            await score_probes(plan, outcome)
-            sense(plan, outcome)
-        if outcomes:
-            await run_analyses(plan, outcomes[0])
-        result = build_body(plan, outcomes)
-        count_usage(plan, usage_of(plan, outcomes), outcomes=outcomes)
-        return Answer(200, result, {**plan.headers, **probe_headers(plan, outcomes)})
+        # the route's own execution and body (inference.serving), its choices one by one
+        body, headers = await answer_plan(plan, client, together=False)
+        return Answer(200, body, headers)
     finally:
         use.release()
 
@@ -173,30 +137,7 @@ async def _probe_score(body: dict[str, Any], scope: Scope = EVERYONE) -> Answer:
 
 async def _embeddings(body: dict[str, Any]) -> Answer:
     req, ignored = _validate(EmbeddingRequest, body)
-    model, use, _ = await _resident(req.model)
-    client = runtime().engine
-    try:
-        check_dimensions(req.dimensions, use.status.hidden_size)
-        result = await asyncio.to_thread(
-            client.embed, EmbedJob(request_id=f"embd-{uuid.uuid4().hex}",
-                                   inputs=list(req.input), pooling="mean", normalize=True,
-                                   priority="batch"),
-            timeout_s=ENGINE_CALL_TIMEOUT_S)
-    finally:
-        use.release()
-    record_tokens(model=model.name, completion_tokens=0,
-                  prompt_tokens=result.usage.prompt_tokens)
-    # the synchronous route's body (inference.views.embeddings, which no app may import)
-    data = [EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
-            for i, v in enumerate(result.embeddings)]
-    response = EmbeddingResponse(data=data, model=model.name, usage=UsageInfo(
-        prompt_tokens=result.usage.prompt_tokens, total_tokens=result.usage.total_tokens))
-    return Answer(200, response.model_dump(exclude={"usage": {"completion_tokens"}}),
-                  {"X-miLLM-Backend": client.backend_name, "X-miLLM-Steering": "none",
-                   **ignored_headers(ignored)})
-
-
-def _encode(vector: list[float], fmt: str) -> list[float] | str:
-    if fmt == "float":
-        return vector
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
+    # the route's own execution and body (inference.embeddings), without a slot
+    result, headers = await serve_embeddings(req=req, ignored=ignored, policy=POLICY,
+                                             priority="batch", admit=False)
+    return Answer(200, result, headers)

@@ -67,7 +67,7 @@ class Choice:
     job: GenerationJob
     prompt_text: str | None = None  # completions: the prompt as text (for echo)
     # completions' max_tokens 0: the one token the engine generates is not answered
-    # (``inference.serving.prompt_only``)
+    # (``inference.outcomes.prompt_only``)
     prompt_only: bool = False
 
 

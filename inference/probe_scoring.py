@@ -7,7 +7,7 @@ Each input is one engine job through the path a /v1 generation takes: a
 input (the prefill) and decodes nothing further (the one token that pass picks is
 dropped). The probes' monitors and capture are the ones a generation arms
 (``ProbePlan``), asked for the input's own rows (``prompt``) instead of a completion's, and
-the verdicts come from the scorer ``millm.probes`` uses (``serving.probe_verdicts``). The
+the verdicts come from the scorer ``millm.probes`` uses (``outcomes.probe_verdicts``). The
 inputs of one request are submitted together, so a batching engine shares forward passes
 between them (and with other requests), as it does for ``n > 1``.
 
@@ -52,7 +52,7 @@ from inference.errors import openai_error_from_validation
 from inference.planning import Choice, capture_limits, off_view_thread, resolve_model
 from inference.protocol import ChatMessage, ProbeAsk, _Strict
 from inference.residency import ModelRef, resident_model_id
-from inference.serving import Outcome, probe_verdicts
+from inference.outcomes import Outcome, probe_verdicts
 from monitoring.errors import ProbeNotFound, ProbeScoreRequestInvalid
 from monitoring.ownership import EVERYONE, Scope
 from monitoring.probes import (

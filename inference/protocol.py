@@ -402,7 +402,7 @@ class CompletionRequest(_GenerationRequest):
     def scores_only(self) -> bool:
         """``max_tokens: 0``: the prompt is read (echoed and scored) and nothing is
         generated. The engine runs its prefill as a one-token generation whose token is
-        dropped from the answer (``inference.serving.prompt_only``)."""
+        dropped from the answer (``inference.outcomes.prompt_only``)."""
         return self.max_tokens == 0
 
     def _needs_token_texts(self) -> bool:

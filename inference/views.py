@@ -5,11 +5,7 @@ and hands over to ``inference.serving``; every error, whatever raised it, leaves
 
 from __future__ import annotations
 
-import asyncio
-import base64
 import json
-import struct
-import uuid
 from typing import Any
 
 import structlog
@@ -19,21 +15,16 @@ from django.http import HttpRequest, JsonResponse
 from pydantic import BaseModel, ValidationError
 
 from core.auth import principal
-from core.metrics import record_tokens
-from core.runtime import runtime
-from gpu_engine.api.protocol import EmbedJob
 from inference import selectors
+from inference.embeddings import serve_embeddings
 from inference.errors import (
     OpenAIError,
     openai_error_from_validation,
     openai_view,
 )
-from inference.planning import resolve_model
 from inference.policy import (
     STRICT_HEADER,
-    check_dimensions,
     check_fields,
-    ignored_headers,
     strict_mode,
 )
 from inference.probe_scoring import probe_score as probe_score_run
@@ -41,15 +32,12 @@ from inference.probe_scoring import probe_score_parse
 from inference.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    EmbeddingData,
     EmbeddingRequest,
-    EmbeddingResponse,
     ModelCard,
     ModelList,
-    UsageInfo,
 )
-from inference.residency import ADMIN_ONLY, LOAD_POLICIES, resident_model_id
-from inference.serving import ENGINE_CALL_TIMEOUT_S, serve_generation
+from inference.residency import ADMIN_ONLY, LOAD_POLICIES
+from inference.serving import serve_generation
 from monitoring.ownership import Scope
 
 log = structlog.get_logger(__name__)
@@ -116,51 +104,12 @@ async def completions(request: HttpRequest):
     return await _generation(request, "completion", CompletionRequest)
 
 
-def _encode(vector: list[float], fmt: str) -> list[float] | str:
-    if fmt == "float":
-        return vector
-    return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
-
-
 @openai_view("POST")
 async def embeddings(request: HttpRequest):
-    req: EmbeddingRequest
     req, ignored = _body(request, EmbeddingRequest)
-    policy = _load_policy(request)
-    client = runtime().engine
-    residency = runtime().residency
-    status = await residency.status()
-    model, _ = await resolve_model(req.model, status)
-    check_dimensions(req.dimensions, model.hidden_size)  # before anything loads, where known
-    residency.check_policy(model, policy=policy, resident=resident_model_id(status),
-                           draining=status.draining)
-    permit = await runtime().admission.acquire()
-    use = None
-    try:
-        use = await residency.acquire(model, policy=policy,
-                                      status=None if permit.waited else status,
-                                      lease=request.headers.get(LEASE_HEADER))
-        check_dimensions(req.dimensions, use.status.hidden_size)
-        result = await asyncio.to_thread(
-            client.embed, EmbedJob(request_id=f"embd-{uuid.uuid4().hex}",
-                                   inputs=list(req.input), pooling="mean", normalize=True),
-            timeout_s=ENGINE_CALL_TIMEOUT_S)
-    finally:
-        if use is not None:
-            use.release()
-        permit.release()
-    record_tokens(model=model.name, completion_tokens=0,
-                  prompt_tokens=result.usage.prompt_tokens)
-    body = EmbeddingResponse(
-        data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
-              for i, v in enumerate(result.embeddings)],
-        model=model.name,
-        usage=UsageInfo(prompt_tokens=result.usage.prompt_tokens,
-                        total_tokens=result.usage.total_tokens))
-    return JsonResponse(body.model_dump(exclude={"usage": {"completion_tokens"}}),
-                        headers={"X-miLLM-Backend": client.backend_name,
-                                 "X-miLLM-Steering": "none",
-                                 **ignored_headers(ignored)})
+    body, headers = await serve_embeddings(req=req, ignored=ignored, policy=_load_policy(request),
+                                           lease=request.headers.get(LEASE_HEADER))
+    return JsonResponse(body, headers=headers)
 
 
 def _card(row: Any, model_id: str | None = None) -> ModelCard:
