@@ -18,7 +18,7 @@ from core.runtime import runtime
 from gpu_engine.api.protocol import ErrorEvent, FinishEvent, TokenEvent, Usage
 from inference.errors import OpenAIError, openai_error_event
 from inference.planning import Choice, Plan, off_view_thread
-from monitoring.probes import (
+from monitoring.probe_requests import (
     ProbePlan,
     probe_record,
     probe_score_hidden,
@@ -95,7 +95,7 @@ async def run_analyses(plan: Plan, outcome: Outcome) -> None:
 
 async def probe_verdicts(probes: ProbePlan, outcome: Outcome, *, rows: str = "completion"
                          ) -> list[dict[str, Any]]:
-    """The verdicts of a finished choice (``monitoring.probes``): SAE-feature probes from
+    """The verdicts of a finished choice (``monitoring.probe_requests``): SAE-feature probes from
     the records their monitors made (taken out first, so ``return_sae_activations`` never
     sees them), hidden-state probes from the capture in the analysis pool. ``rows``: the
     rows the monitors and capture were asked for (a generation's ``completion`` rows, a

@@ -49,7 +49,8 @@ from inference.residency import ModelRef
 from inference.tools import ToolPlan, tool_plan
 from monitoring.analysis import PreparedAnalysis, analysis_check_backend
 from monitoring.ownership import EVERYONE, Scope
-from monitoring.probes import ProbePlan, armed_copy, probe_request_plan
+from monitoring.probe_requests import ProbePlan, probe_request_plan
+from monitoring.probes import armed_copy
 from monitoring.sensing import SensingPlan, sensing_request_plan, watch_copy
 from monitoring.services import (
     capture_room,
@@ -260,7 +261,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
 async def plan_probes(req: ChatCompletionRequest | CompletionRequest,
                       status: EngineStatus | None, choices: int,
                       scope: Scope = EVERYONE) -> ProbePlan | None:
-    """The probes this request scores (``monitoring.probes``): those it names, or the
+    """The probes this request scores (``monitoring.probe_requests``): those it names, or the
     armed set (as this process holds it when fresh, else from the database)."""
     if status is None or (req.probes is not None and not req.probes):
         return None

@@ -49,13 +49,13 @@ from gpu_engine.api.protocol import (
     TokenEvent,
 )
 from inference.errors import openai_error_from_validation
+from inference.outcomes import Outcome, probe_verdicts
 from inference.planning import Choice, capture_limits, off_view_thread, resolve_model
 from inference.protocol import ChatMessage, ProbeAsk, _Strict
 from inference.residency import ModelRef, resident_model_id
-from inference.outcomes import Outcome, probe_verdicts
 from monitoring.errors import ProbeNotFound, ProbeScoreRequestInvalid
 from monitoring.ownership import EVERYONE, Scope
-from monitoring.probes import (
+from monitoring.probe_requests import (
     MAX_REQUEST_PROBES,
     MAX_SCORE_INPUTS,
     ProbePlan,
