@@ -1,0 +1,291 @@
+"""What the engine answers: results of commands, the events of a generation, its status."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import msgspec
+
+from .capture import CaptureResult
+from .errors import EngineError, error_from_dict
+from .monitoring import ActivationRecord
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class LogprobEntry(msgspec.Struct):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct):
+    token_id: int
+    token: str
+    logprob: float
+    top_logprobs: list[LogprobEntry] = msgspec.field(default_factory=list)
+
+
+class SteeringCount(msgspec.Struct):
+    """Forward passes in which a request's steering at an attachment was added, in all
+    (``count``) and per mode (``modes``: ``add`` for plain strengths, and each control
+    mode the request used)."""
+
+    sae_id: str
+    layer: int
+    count: int
+    modes: dict[str, int] = msgspec.field(default_factory=dict)
+
+
+class SteeringFired(msgspec.Struct):
+    """The row positions where a conditional control's trigger opened its gate."""
+
+    sae_id: str
+    layer: int
+    index: int
+    mode: str
+    positions: list[int] = msgspec.field(default_factory=list)
+
+
+class AttachResult(msgspec.Struct):
+    sae_id: str
+    layer: int
+    layer_module_path: str
+    d_in: int
+    d_sae: int
+    activation: str
+    layout: str
+    warnings: list[str] = msgspec.field(default_factory=list)
+    # where the SAE reads and writes (``gpu_engine.sae.hookpoints.HOOK_POINTS``)
+    hook_point: str = "resid_post"
+
+
+class AttachmentStatus(msgspec.Struct):
+    sae_id: str
+    layer: int
+    layer_module_path: str
+    d_in: int
+    d_sae: int
+    activation: str
+    layout: str
+    path: str
+    steering_apply_count: int = 0
+    hook_point: str = "resid_post"
+
+
+class EngineStatus(msgspec.Struct):
+    state: str  # "empty" | "ready"
+    # the loaded model's backend (None while empty)
+    backend: str | None = None
+    model_id: str | None = None
+    model_path: str | None = None
+    dtype: str | None = None
+    device: str | None = None
+    context_length: int | None = None
+    num_layers: int | None = None
+    hidden_size: int | None = None
+    vocab_size: int | None = None
+    attachments: list[AttachmentStatus] = msgspec.field(default_factory=list)
+    in_flight: int = 0
+    queued: int = 0
+    # the generation backend's mode and capabilities (``Engine.batching_status()``)
+    batching: dict[str, Any] = msgspec.field(default_factory=dict)
+    # which matmul kernels the model runs on: "onednn_packed" (CPU float32, weights
+    # prepacked at load) or "default" (PyTorch's own); None while no model is loaded
+    kernels: str | None = None
+    # what the resident weights are and what they take in memory: ``quantization`` (Q8/Q4
+    # applied at load, else None), ``checkpoint_quantization`` (a pre-quantized
+    # checkpoint's own method, loaded as it is), ``quantized_layers``, ``bytes`` and
+    # ``bytes_by_dtype`` (parameters and buffers, each tensor once); empty while no model
+    # is loaded or when the backend does not say
+    weights: dict[str, Any] = msgspec.field(default_factory=dict)
+    # "unloading" or "loading" while the engine drains the work already accepted before
+    # it changes the model: new work is refused (engine_busy) until it is done
+    draining: str | None = None
+    # every registered backend: whether it can load on this engine's host, and how to
+    # install it (``gpu_engine.backends.backends_report``)
+    backends: list[dict[str, Any]] = msgspec.field(default_factory=list)
+    # the memory the backend keeps between requests (``cached_bytes``: the batched KV slab
+    # and capture stages) and TRANSFORMERS_IDLE_CACHE_RELEASE_S's releases of it
+    # (``Engine.memory_status()``); empty while no model is loaded
+    memory: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class EmbedResult(msgspec.Struct):
+    request_id: str
+    embeddings: list[list[float]]
+    usage: Usage
+
+
+class ScoreResult(msgspec.Struct):
+    request_id: str
+    prompt_tokens: int
+    top: list[LogprobEntry] = msgspec.field(default_factory=list)
+    allowed: list[LogprobEntry] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+
+
+class HiddenStatesResult(msgspec.Struct):
+    """``states[i][j]``: input i's pooled residual after block ``layers[j]`` (float32
+    values, d_model of them)."""
+
+    request_id: str
+    layers: list[int]
+    states: list[list[list[float]]]
+    usage: Usage
+
+
+class TokenEvent(msgspec.Struct, tag="token", tag_field="type"):
+    """One generated token; ``text`` is the text delta it releases (may be empty while a
+    multi-byte character or a possible stop-sequence prefix is held back)."""
+
+    type: ClassVar[str] = "token"
+    request_id: str
+    index: int
+    token_id: int
+    text: str
+    logprob: TokenLogprob | None = None
+    activations: list[ActivationRecord] = msgspec.field(default_factory=list)
+    prompt_text: str | None = None  # on the first token, with ``sampling.token_texts``
+
+
+class SpeculativeStats(msgspec.Struct):
+    """Speculative decoding of one generation (SPECULATIVE_MODEL): whether it ran, and if
+    not why (``sampling``, ``response_format``, ``capture``, ``conditional_steering``);
+    the draft tokens proposed and the ones the main model accepted."""
+
+    used: bool
+    source: str = ""
+    num_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    reason: str | None = None
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+
+class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
+    """Last event of a successful (or cancelled) generation."""
+
+    type: ClassVar[str] = "finish"
+    request_id: str
+    finish_reason: str
+    text: str
+    token_ids: list[int]
+    usage: Usage
+    prompt_token_ids: list[int] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    # records not delivered with a token event: prompt rows that produced no token, and
+    # the single record of ``positions="last"``
+    activations: list[ActivationRecord] = msgspec.field(default_factory=list)
+    steering_apply_count: list[SteeringCount] = msgspec.field(default_factory=list)
+    forward_passes: int = 0
+    # with ``sampling.token_texts``: the prompt's text and each token's own text
+    prompt_text: str | None = None
+    prompt_tokens: list[str] = msgspec.field(default_factory=list)
+    tokens: list[str] = msgspec.field(default_factory=list)
+    # where conditional steering controls fired (``SteeringFired``)
+    steering_fired: list[SteeringFired] = msgspec.field(default_factory=list)
+    capture: CaptureResult | None = None  # GenerationJob.capture's artifact
+    # set when the loaded model decodes speculatively (SPECULATIVE_MODEL)
+    speculative: SpeculativeStats | None = None
+    # with ``sampling.prompt_top_logprobs``: the top alternatives at each prompt position
+    # (None at position 0, as ``prompt_logprobs``), from the prefill's logits
+    prompt_top_logprobs: list[list[LogprobEntry] | None] | None = None
+
+
+class ErrorEvent(msgspec.Struct, tag="error", tag_field="type"):
+    type: ClassVar[str] = "error"
+    request_id: str
+    code: str
+    message: str
+    details: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def to_exception(self) -> EngineError:
+        return error_from_dict({"code": self.code, "message": self.message, "details": self.details})
+
+
+class EngineEvent(msgspec.Struct):
+    """Something operators should hear about (``sae:detached`` after an OOM, …)."""
+
+    name: str
+    data: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class ResultEvent(msgspec.Struct, tag="result", tag_field="type"):
+    """The one reply to a command that is not a generation (load, attach, embed, ...):
+    ``result`` is the command's declared result type as JSON, decoded by the caller who
+    knows that type (``gpu_engine.commands``)."""
+
+    type: ClassVar[str] = "result"
+    request_id: str
+    result: msgspec.Raw = msgspec.Raw(b"null")
+
+
+GenerationEvent = TokenEvent | FinishEvent | ErrorEvent
+# what a request's (or command's) own stream carries
+StreamEvent = TokenEvent | FinishEvent | ErrorEvent | ResultEvent
+
+
+class GenerationResult(msgspec.Struct):
+    """A whole generation, gathered from its events (what a non-streaming caller wants)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+    logprobs: list[TokenLogprob | None] = msgspec.field(default_factory=list)
+    activations: list[ActivationRecord] = msgspec.field(default_factory=list)
+    prompt_logprobs: list[float | None] | None = None
+    steering_apply_count: list[SteeringCount] = msgspec.field(default_factory=list)
+    forward_passes: int = 0
+    steering_fired: list[SteeringFired] = msgspec.field(default_factory=list)
+    capture: CaptureResult | None = None
+    speculative: SpeculativeStats | None = None
+    prompt_top_logprobs: list[list[LogprobEntry] | None] | None = None
+
+    @classmethod
+    def from_events(cls, events: Iterable[GenerationEvent]) -> GenerationResult:
+        tokens: list[TokenEvent] = []
+        for ev in events:
+            if isinstance(ev, ErrorEvent):
+                raise ev.to_exception()
+            if isinstance(ev, TokenEvent):
+                tokens.append(ev)
+            elif isinstance(ev, FinishEvent):
+                activations = list(ev.activations)
+                for t in tokens:
+                    activations.extend(t.activations)
+                activations.sort(key=lambda a: (a.sae_id, a.layer, a.read_point, a.position))
+                return cls(
+                    request_id=ev.request_id,
+                    text=ev.text,
+                    token_ids=list(ev.token_ids),
+                    finish_reason=ev.finish_reason,
+                    usage=ev.usage,
+                    logprobs=[t.logprob for t in tokens],
+                    activations=activations,
+                    prompt_logprobs=ev.prompt_logprobs,
+                    steering_apply_count=ev.steering_apply_count,
+                    steering_fired=ev.steering_fired,
+                    forward_passes=ev.forward_passes,
+                    capture=ev.capture,
+                    speculative=ev.speculative,
+                    prompt_top_logprobs=ev.prompt_top_logprobs,
+                )
+        raise RuntimeError("generation ended without a finish event")
+
+
+__all__ = ["FINISH_REASONS", "AttachResult", "AttachmentStatus", "EmbedResult", "EngineEvent", "EngineStatus",
+           "ErrorEvent", "FinishEvent", "GenerationEvent", "GenerationResult", "HiddenStatesResult", "LogprobEntry",
+           "ResultEvent", "ScoreResult", "SpeculativeStats", "SteeringCount", "SteeringFired", "StreamEvent",
+           "TokenEvent", "TokenLogprob", "Usage"]

@@ -1,0 +1,211 @@
+"""A request's steering: per-attachment strengths and controls, and the canonical hash of
+what they add (docs/steering.md, "The steering hash")."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Mapping
+from typing import Annotated, Literal
+
+import msgspec
+
+from .errors import InvalidParameter
+from .fields import (
+    CONDITION_THRESHOLD,
+    MAX_STEERING_STRENGTH,
+    STEERING_STRENGTH,
+    AttachmentKey,
+    Index,
+    Name,
+    PositionRange,
+    check_fields,
+)
+
+STEERING_MODES = ("add", "clamp", "scale", "ablate")
+STEERING_PHASES = ("all", "prompt", "completion")
+
+
+class SteeringCondition(msgspec.Struct, frozen=True):
+    """Steer a position only where feature ``feature`` of the same SAE, encoded from the
+    residual arriving at the hook (before this attachment's delta), is above ``threshold``."""
+
+    _where = "steering.condition."
+
+    feature: Index
+    threshold: Annotated[float, CONDITION_THRESHOLD.meta] = 0.0
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class FeatureControl(msgspec.Struct, omit_defaults=True):
+    """One feature steered otherwise than "add this strength at every position"
+    (docs/steering.md, "Modes"): with ``x`` the residual row arriving at the hook,
+    ``a`` = feature ``index``'s activation there and ``d`` = ``W_dec[index]``:
+
+    - ``add``: ``value · d``;
+    - ``clamp``: ``(value − a) · d`` (the feature set to ``value``);
+    - ``scale``: ``(value − 1) · a · d`` (the feature multiplied by ``value``);
+    - ``ablate``: ``−(x · d̂) d̂`` with ``d̂ = d / ‖d‖`` (``value`` must be 0).
+
+    Each applies only where its gate is open: the ``phase`` (``prompt`` = rows below the
+    prompt length, ``completion`` = the rows of generated tokens), the ``window`` of row
+    positions, and the ``condition``.
+    """
+
+    _where = "steering.features."
+
+    index: Index
+    mode: Literal[STEERING_MODES] = "add"  # type: ignore[valid-type]
+    value: Annotated[float, STEERING_STRENGTH.meta] = 0.0
+    phase: Literal[STEERING_PHASES] = "all"  # type: ignore[valid-type]
+    window: PositionRange | None = None
+    condition: SteeringCondition | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.window, Mapping):
+            self.window = PositionRange(**self.window)
+        if isinstance(self.condition, Mapping):
+            self.condition = SteeringCondition(**self.condition)
+        check_fields(self)
+        if self.mode == "ablate" and self.value != 0:
+            raise InvalidParameter("ablate takes no value", param="steering.features.value")
+
+    @property
+    def plain(self) -> bool:
+        """An add at every position: the same as a ``features`` strength."""
+        return self.mode == "add" and self.phase == "all" and self.window is None and self.condition is None
+
+    @property
+    def no_op(self) -> bool:
+        """Changes nothing whatever the residual: an add of 0, a scale by 1."""
+        return (self.mode == "add" and self.value == 0) or (self.mode == "scale" and self.value == 1)
+
+    def canonical_line(self, sae_id: str, layer: int) -> str:
+        """Its line of ``SteeringSpec.canonical_text``."""
+        fields = [sae_id, str(layer), str(self.index), f"mode={self.mode}"]
+        if self.mode != "ablate":
+            fields.append(f"value={_bits(self.value)}")
+        if self.phase != "all":
+            fields.append(f"phase={self.phase}")
+        if self.window is not None:
+            end = "" if self.window.end is None else str(self.window.end)
+            fields.append(f"window={self.window.start}:{end}")
+        if self.condition is not None:
+            fields.append(f"if={self.condition.feature}>{_bits(self.condition.threshold)}")
+        return "\t".join(fields) + "\n"
+
+
+def _bits(value: float) -> str:
+    """16 hex digits of the IEEE-754 binary64 bits, big-endian (-0.0 written as 0)."""
+    return struct.pack(">d", float(value) + 0.0).hex()
+
+
+class SteeringEntry(msgspec.Struct, omit_defaults=True):
+    """Steering at one attachment.
+
+    ``features``: strengths added at every position, ``delta = Σ strength · W_dec[index]``
+    (on the wire a JSON object keyed by the feature index, ``{"3": 5.0}``).
+    ``controls``: features steered in another mode or only where a gate is open
+    (``FeatureControl``); a plain add given as a control moves to ``features``.  A feature
+    index appears once in the entry.
+    """
+
+    _where = "steering."
+    _names = {"features.key": "steering.features.index", "features.value": "steering.features.strength"}
+
+    sae_id: Name
+    layer: Index
+    features: dict[Index, Annotated[float, STEERING_STRENGTH.meta]] = msgspec.field(default_factory=dict)
+    controls: list[FeatureControl] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        # a mapping built from JSON-native values keys its indices by their text
+        self.features = {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v
+                         for k, v in dict(self.features).items()}
+        check_fields(self)
+        clean = self.features
+        controls: list[FeatureControl] = []
+        for c in self.controls:
+            c = FeatureControl(**c) if isinstance(c, Mapping) else c
+            if c.index in clean or any(o.index == c.index for o in controls):
+                raise InvalidParameter(f"steering names feature {c.index} twice", param="steering.features",
+                                       details={"index": c.index})
+            if c.plain:
+                clean[c.index] = c.value
+            else:
+                controls.append(c)
+        self.features = clean
+        self.controls = controls
+
+    def indices(self) -> list[int]:
+        """Every feature index the entry reads or writes (conditions' triggers included)."""
+        out = list(self.features)
+        for c in self.controls:
+            out.append(c.index)
+            if c.condition is not None:
+                out.append(c.condition.feature)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.features and not any(not c.no_op for c in self.controls)
+
+    @property
+    def key(self) -> AttachmentKey:
+        return (self.sae_id, self.layer)
+
+
+class SteeringSpec(msgspec.Struct):
+    """A request's resolved steering.  Empty means explicitly unsteered."""
+
+    entries: list[SteeringEntry] = msgspec.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        seen: set[AttachmentKey] = set()
+        for e in self.entries:
+            if e.key in seen:
+                raise InvalidParameter(f"duplicate steering entry for {e.key}", param="steering")
+            seen.add(e.key)
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[AttachmentKey, Mapping[int, float]]) -> SteeringSpec:
+        return cls([SteeringEntry(sae_id, layer, dict(f)) for (sae_id, layer), f in mapping.items()])
+
+    def as_mapping(self) -> dict[AttachmentKey, dict[int, float]]:
+        return {e.key: dict(e.features) for e in self.entries}
+
+    def is_empty(self) -> bool:
+        return all(e.is_empty() for e in self.entries)
+
+    def has_controls(self) -> bool:
+        return any(e.controls for e in self.entries)
+
+    def canonical_text(self) -> str:
+        """The applied set, one line per feature that changes something, in a form every
+        language can write exactly (docs/steering.md, "The steering hash"):
+        ``<sae_id>\t<layer>\t<index>\t<strength as 16 hex digits of its IEEE-754 binary64
+        bits, big-endian>\n`` for a plain add, and for a control
+        ``<sae_id>\t<layer>\t<index>\tmode=<mode>[\tvalue=<bits>][\tphase=<phase>]``
+        ``[\twindow=<start>:<end or empty>][\tif=<feature>><threshold bits>]\n``; lines
+        sorted by (sae_id as UTF-8 bytes, layer, index).  An add of 0 or a scale by 1
+        changes nothing and writes no line; -0.0 is 0."""
+        lines = []
+        for e in self.entries:
+            for index, strength in e.features.items():
+                if strength == 0:
+                    continue
+                lines.append((e.sae_id.encode(), e.layer, index, f"{e.sae_id}\t{e.layer}\t{index}\t{_bits(strength)}\n"))
+            for c in e.controls:
+                if not c.no_op:
+                    lines.append((e.sae_id.encode(), e.layer, c.index, c.canonical_line(e.sae_id, e.layer)))
+        return "".join(line for *_, line in sorted(lines))
+
+    def canonical_hash(self) -> str:
+        """``sha256:<hex>`` of ``canonical_text()`` (UTF-8): equal for two specs that add the
+        same deltas, whatever their order or spelling; an empty set hashes the empty text."""
+        return "sha256:" + hashlib.sha256(self.canonical_text().encode()).hexdigest()
+
+
+__all__ = ["MAX_STEERING_STRENGTH", "STEERING_MODES", "STEERING_PHASES", "AttachmentKey", "FeatureControl",
+           "SteeringCondition", "SteeringEntry", "SteeringSpec"]
