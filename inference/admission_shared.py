@@ -19,7 +19,7 @@ from typing import Any
 
 from django.conf import settings
 
-from core.errors import MillmError
+from core.errors import EngineUnavailable, MillmError
 from inference.admission import AdmissionStats, Permit, QueueFull, _running_loop
 
 # Both scripts first drop holders and waiters whose lease lapsed (a web process that died).
@@ -101,8 +101,6 @@ return free
 
 
 def _unreachable(exc: Exception) -> MillmError:
-    from core.errors import EngineUnavailable
-
     return EngineUnavailable(f"Redis is unreachable: {exc}",
                              retry_after=settings.RETRY_AFTER_NOT_LOADED_S)
 

@@ -15,11 +15,13 @@ from django.conf import settings
 from django.http import HttpRequest
 from django.views.decorators.csrf import csrf_exempt
 
+from core.errors import MillmError, ModelNotLoaded, from_engine_error
 from core.openai_errors import (  # noqa: F401 - the /v1 code imports them from here
     OpenAIError,
     openai_error_frame,
     openai_error_response,
 )
+from gpu_engine.api.errors import EngineError, error_from_dict
 
 log = structlog.get_logger(__name__)
 
@@ -110,14 +112,9 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
                                 ) -> OpenAIError:
     """The /v1 error for anything raised while serving a request. Unknown exceptions
     become a 500 whose message says nothing of the internals (the log has them)."""
-    from core.errors import MillmError, from_engine_error
-    from gpu_engine.api.errors import EngineError
-
     if isinstance(exc, OpenAIError):
         return exc
     if isinstance(exc, EngineError):  # one engine table for every surface (core.errors)
-        from core.errors import ModelNotLoaded
-
         exc = from_engine_error(exc, no_engine=ModelNotLoaded)  # /v1: 503 model_not_loaded
     if isinstance(exc, MillmError):
         status, code, retry_setting = _DOMAIN.get(
@@ -143,8 +140,6 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
 def openai_error_event(code: str, message: str, details: dict[str, Any] | None = None
                        ) -> OpenAIError:
     """The /v1 error for an engine ``ErrorEvent`` (code, message, details)."""
-    from gpu_engine.api.errors import error_from_dict
-
     return openai_error_from_exception(
         error_from_dict({"code": code, "message": message, "details": details or {}}))
 

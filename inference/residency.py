@@ -36,6 +36,11 @@ from django.db import close_old_connections, connections
 from core.errors import MillmError, ModelBusy
 from core.runtime import runtime
 from gpu_engine.api.protocol import EngineStatus
+from leases.services import lease_check_change
+from orchestration.errors import LoadInProgress
+from orchestration.services import model_load, model_load_wait
+from registry.errors import ModelAlreadyLoaded
+from registry.models import Model
 
 log = structlog.get_logger(__name__)
 
@@ -164,11 +169,6 @@ class Residency:
                         details={"model": model.name}, retry_after=settings.RETRY_AFTER_LOAD_S)
 
     def _load(self, model: ModelRef, future: Future) -> None:
-        from orchestration.errors import LoadInProgress
-        from orchestration.services import model_load, model_load_wait
-        from registry.errors import ModelAlreadyLoaded
-        from registry.models import Model
-
         close_old_connections()
         try:
             # Requests running on the resident model finish first: the engine drains
@@ -198,8 +198,6 @@ class Residency:
 
 def _check_lease(model: ModelRef, lease: str | None) -> None:
     """An auto-load would swap out a leased model: only its holder may."""
-    from leases.services import lease_check_change
-
     close_old_connections()  # a pool thread's connection, checked like a request's
     lease_check_change(operation="load", target_model=None, lease_id=lease)
 

@@ -7,6 +7,7 @@ from django.db.models import QuerySet
 from inference.residency import ModelRef
 from registry.errors import ModelNotFound
 from registry.models import Model
+from steering.selectors import profiles_for_model
 
 LISTED_STATUSES = (Model.Status.READY, Model.Status.LOADING, Model.Status.LOADED)
 
@@ -41,8 +42,6 @@ def model_ids_listed() -> list[tuple[Model, str]]:
     """What /v1/models lists: each servable model under its name, then once per steering
     profile made for it (or for any model) as ``<model>@<profile>``, the form requests
     already accept, so a chat client can pick a profile from its model menu."""
-    from steering.selectors import profiles_for_model
-
     out: list[tuple[Model, str]] = []
     for row in models_listed():
         out.append((row, row.name))
@@ -52,8 +51,6 @@ def model_ids_listed() -> list[tuple[Model, str]]:
 
 def model_listed(*, name: str) -> Model:
     """A model by a listed id: its name, or ``<model>@<profile>`` with a profile made for it."""
-    from steering.selectors import profiles_for_model
-
     row = Model.objects.filter(name=name).first()
     if row is None and "@" in name:
         base, _, profile = name.rpartition("@")

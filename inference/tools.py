@@ -34,6 +34,8 @@ from gpu_engine.api.protocol import StructuredOutput
 from inference.errors import OpenAIError
 from inference.protocol import ChatCompletionRequest, NamedToolChoice
 from inference.structured import check_schema
+from registry.describe import chat_template_text
+from registry.models import Model
 
 HERMES_OPEN = "<tool_call>"
 HERMES_CLOSE = "</tool_call>"
@@ -119,8 +121,6 @@ def refuse_tools_before_load(model_pk: int) -> None:
     constrains calls where the template renders tools."""
     from pathlib import Path
 
-    from registry.describe import chat_template_text
-    from registry.models import Model
 
     row = Model.objects.filter(pk=model_pk).first()
     if row is None or not row.local_path:
