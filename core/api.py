@@ -21,9 +21,10 @@ from rest_framework import exceptions, status
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 
-from core.errors import MillmError, from_engine_error, retry_after_value
+from core.errors import MillmError, ValidationFailed, from_engine_error, retry_after_value
 from core.metrics import mark_error
 from core.middleware import LoopMiddleware
+from core.strict_input import strict_errors
 from gpu_engine.api.errors import EngineError
 
 log = structlog.get_logger(__name__)
@@ -66,8 +67,6 @@ def validated(serializer_cls: Any, data: Any) -> Any:
     serializer does not declare, or a value of another JSON type ("2" for 2, 1 for true),
     is refused naming the field, never dropped or converted (``core.strict_input``)."""
     if isinstance(data, JSONBody):
-        from core.strict_input import strict_errors
-
         problems = strict_errors(serializer_cls(), data)
         if problems:
             raise exceptions.ValidationError(problems)
@@ -78,8 +77,6 @@ def validated(serializer_cls: Any, data: Any) -> Any:
 
 def body_object(request: Any) -> dict[str, Any]:
     """The request's JSON body, which must be an object (an empty body is ``{}``)."""
-    from core.errors import ValidationFailed
-
     data = request.data if request.data is not None else {}
     if not isinstance(data, dict):
         raise ValidationFailed("The body must be a JSON object",

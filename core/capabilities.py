@@ -6,13 +6,12 @@ engine that cannot be asked is not a reason to refuse here."""
 from __future__ import annotations
 
 from core.errors import ValidationFailed
+from core.runtime import runtime
 
 
 def require_capability(capability: str, *, what: str, param: str) -> None:
     """422 VALIDATION_ERROR naming ``param`` when the loaded backend reports
     ``capability`` off (``/api/health/inference``'s ``capabilities``)."""
-    from core.runtime import runtime
-
     try:
         status = runtime().engine.status()
     except Exception:  # noqa: BLE001 - no engine to ask: the request path decides

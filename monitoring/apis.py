@@ -10,6 +10,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import envelope, validated
+from core.runtime import runtime
 from core.schema import MAX_INDEX, MAX_LAYER, enveloped
 from monitoring import selectors, services
 from monitoring.analysis import capture_analyze
@@ -175,8 +176,6 @@ class CaptureAnalyzeApi(APIView):
     @extend_schema(tags=CAPTURES, summary="Run an analyzer on a stored capture",
                    request=AnalyzeInput, responses=_ANY)
     def post(self, request, capture_id: str) -> Response:
-        from core.runtime import runtime
-
         data = validated(AnalyzeInput, request.data or {})
         return envelope(capture_analyze(capture_id=capture_id, name=data["name"],
                                         params=data["params"], analyzers=runtime().analyzers,

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from monitoring.models import ActivationRecord, MonitoringConfig, ProbeVerdict
+from gpu_engine.api.artifacts import file_names, is_capture_id
+from monitoring.errors import CaptureNotFound
+from monitoring.models import ActivationRecord, Capture, MonitoringConfig, ProbeVerdict
 from monitoring.ownership import EVERYONE, Scope
 
 METRICS = ("mean", "max", "active_ratio", "count")
@@ -120,7 +122,6 @@ def live_captures(scope: Scope = EVERYONE) -> Any:
     from django.db.models import Q
     from django.utils import timezone
 
-    from monitoring.models import Capture
 
     return scope.filter(Capture.objects.filter(
         Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now())))
@@ -129,8 +130,6 @@ def live_captures(scope: Scope = EVERYONE) -> Any:
 def capture_get(*, capture_id: str, scope: Scope = EVERYONE) -> Any:
     """The row, or None for an unknown id, anything that is not 32 hex digits, or another
     owner's capture (the same answer: its existence is not revealed)."""
-    from gpu_engine.api.artifacts import is_capture_id
-
     if not is_capture_id(capture_id):
         return None
     return live_captures(scope).filter(id=capture_id).first()
@@ -148,7 +147,6 @@ def capture_detail(*, capture_id: str, scope: Scope = EVERYONE) -> dict[str, Any
     """The row and the sidecar JSON (CaptureNotFound when either is missing)."""
     import json
 
-    from monitoring.errors import CaptureNotFound
 
     path = capture_file(capture_id=capture_id, sidecar=True, scope=scope)
     try:
@@ -161,9 +159,6 @@ def capture_detail(*, capture_id: str, scope: Scope = EVERYONE) -> dict[str, Any
 
 def capture_file(*, capture_id: str, sidecar: bool = False, scope: Scope = EVERYONE) -> Any:
     """The path of a stored capture's file, only ever inside CAPTURE_DIR."""
-    from gpu_engine.api.artifacts import file_names
-    from monitoring.errors import CaptureNotFound
-
     row = capture_get(capture_id=capture_id, scope=scope)
     if row is None:
         raise CaptureNotFound(f"no capture {capture_id!r}", details={"capture_id": capture_id})

@@ -42,6 +42,11 @@ from gpu_engine.api.protocol import (
 )
 from monitoring.models import SensingArm
 from monitoring.services import take_records
+from steering.circuits import _resolve_sae, circuit_get, layer_members
+from steering.clusters import cluster_get, cluster_members
+from steering.documents import validate_circuit, validate_cluster
+from steering.live import live_copy
+from steering.models import Circuit, Cluster
 
 log = structlog.get_logger(__name__)
 
@@ -99,9 +104,6 @@ def _threshold(member: Any) -> float:
 
 
 def _cluster_watch(row: Any, source: str) -> Watch:
-    from steering.clusters import cluster_members
-    from steering.documents import validate_cluster
-
     thresholds: dict[int, float] = {}
     try:
         definition = validate_cluster(json.loads(row.document))
@@ -116,9 +118,6 @@ def _cluster_watch(row: Any, source: str) -> Watch:
 
 
 def _circuit_watch(row: Any, source: str) -> Watch:
-    from steering.circuits import _resolve_sae, layer_members
-    from steering.documents import validate_circuit
-
     thresholds: dict[tuple[int, int], float] = {}
     try:
         _, layers = validate_circuit(json.loads(row.document))
@@ -139,8 +138,6 @@ def _circuit_watch(row: Any, source: str) -> Watch:
 
 
 def _read_watches() -> tuple[Watch, ...]:
-    from steering.models import Circuit, Cluster
-
     out: list[Watch] = []
     seen: set[tuple[str, int]] = set()
     for row in Cluster.objects.filter(is_active=True):
@@ -171,15 +168,11 @@ watch_copy: ProcessCopy[tuple[Watch, ...]] = ProcessCopy(_read_watches)
 
 def _follow_live() -> None:
     """Every change of the live steering (activations, deactivations) drops the watched set."""
-    from steering.live import live_copy
-
     live_copy.followed_by(watch_copy)
 
 
 def connect_signals() -> None:
     """Called from ``MonitoringConfig.ready``."""
-    from steering.models import Circuit, Cluster
-
     def dropped(**_: Any) -> None:
         transaction.on_commit(watch_copy.invalidate)
 
@@ -194,9 +187,6 @@ def connect_signals() -> None:
 # --------------------------------------------------------------------------- arming
 
 def _document(kind: Any, ref: Any) -> Any:
-    from steering.circuits import circuit_get
-    from steering.clusters import cluster_get
-
     if kind not in KINDS:
         raise ValidationFailed(f"kind must be one of {KINDS}",
                                details={"fields": {"kind": [f"one of {list(KINDS)}"]}})
@@ -242,8 +232,6 @@ def _arm_out(arm: SensingArm, name: str | None) -> dict[str, Any]:
 def sensing_list(*, status: EngineStatus | None = None) -> dict[str, Any]:
     """The arms, and every watched document (armed or active) with its members and whether
     the engine holds their attachments now."""
-    from steering.models import Circuit, Cluster
-
     arms = list(SensingArm.objects.order_by("created_at", "id"))
     names = {("cluster", k): v for k, v in Cluster.objects.in_bulk(
         [a.object_id for a in arms if a.kind == "cluster"]).items()}

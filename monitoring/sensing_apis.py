@@ -10,6 +10,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import body_object, envelope
+from core.runtime import runtime
 from core.schema import enveloped
 from monitoring import sensing
 
@@ -18,7 +19,6 @@ _ANY = enveloped(OpenApiTypes.OBJECT)
 
 
 def _status():  # type: ignore[no-untyped-def]
-    from core.runtime import runtime
 
     return runtime().engine.status()
 

@@ -30,6 +30,7 @@ from core import events
 from core.capabilities import require_capability
 from core.errors import ValidationFailed
 from core.process_copy import ProcessCopy
+from gpu_engine.api.artifacts import file_names, is_capture_id
 from gpu_engine.api.protocol import (
     ActivationRecord as EngineRecord,
 )
@@ -40,9 +41,13 @@ from gpu_engine.api.protocol import (
     MonitorSpec,
     TokenEvent,
 )
-from monitoring.models import ActivationRecord, MonitoringConfig
+from monitoring.errors import CaptureNotFound
+from monitoring.models import ActivationRecord, Capture, MonitoringConfig, ProbeVerdict
 from monitoring.ownership import ANONYMOUS, EVERYONE, Scope
 from monitoring.selectors import capture_dir, capture_get, monitoring_config, record_out
+from registry.errors import VectorInvalid
+from registry.models import Attachment
+from steering.live import attachment_choose, check_indices
 
 log = structlog.get_logger(__name__)
 
@@ -61,8 +66,6 @@ def _pairs(items: Sequence[Any]) -> list[dict[str, Any]]:
 def monitoring_state(scope: Scope = EVERYONE) -> dict[str, Any]:
     """The configuration and what is recorded; ``history_count`` counts the records the
     caller may see (``scope``)."""
-    from registry.models import Attachment
-
     config = monitoring_config()
     attached = list(Attachment.objects.all())
     target = None
@@ -112,8 +115,6 @@ def monitoring_configure(*, enabled: bool = True, features: list[int] | None | A
     current value (a fresh configuration: all features, history 100, top-k 10, last
     position), so changing one never resets — and prunes — the rest. Shrinking the history
     keeps the newest records."""
-    from steering.live import attachment_choose, check_indices
-
     current = MonitoringConfig.objects.get_or_create(pk=1)[0]
     before = monitoring_state()
     keep_features = features is KEEP
@@ -128,8 +129,6 @@ def monitoring_configure(*, enabled: bool = True, features: list[int] | None | A
                                    "out of range"]}})
     attachment = attachment_choose(sae_id=sae_id, layer=layer)
     if attachment.sae.format == "vector":
-        from registry.errors import VectorInvalid
-
         raise VectorInvalid(f"{attachment.sae_id} is a raw steering vector: it has no encoder, "
                             "so nothing can be monitored with it",
                             details={"field": "sae_id", "sae_id": attachment.sae_id})
@@ -174,8 +173,6 @@ def monitoring_enable(*, enabled: bool) -> dict[str, Any]:
 
 def monitoring_history_clear(*, scope: Scope = EVERYONE) -> int:
     """Clear the history the caller owns (an admin's: everyone's)."""
-    from monitoring.models import ProbeVerdict
-
     deleted, _ = scope.filter(ActivationRecord.objects.all()).delete()
     scope.filter(ProbeVerdict.objects.all()).delete()
     return deleted
@@ -349,8 +346,6 @@ def capture_register(*, request_id: str, result: Any, owner: str = ANONYMOUS) ->
 
     from django.conf import settings
 
-    from gpu_engine.api.artifacts import file_names
-    from monitoring.models import Capture
 
     file_names(result.capture_id)  # refuses anything but 32 hex digits
     meta = result.meta or {}
@@ -373,7 +368,6 @@ def capture_room() -> int | None:
     from django.conf import settings
     from django.db.models import Sum
 
-    from monitoring.models import Capture
 
     quota = int(settings.CAPTURE_DIR_MAX_BYTES)
     if not quota:
@@ -385,16 +379,12 @@ def capture_room() -> int | None:
 
 
 def _capture_unlink(capture_id: str) -> None:
-    from gpu_engine.api.artifacts import file_names
-
     root = capture_dir()
     for name in file_names(capture_id):
         (root / name).unlink(missing_ok=True)
 
 
 def capture_delete(*, capture_id: str, scope: Scope = EVERYONE) -> None:
-    from monitoring.errors import CaptureNotFound
-
     row = capture_get(capture_id=capture_id, scope=scope)
     if row is None:
         raise CaptureNotFound(f"no capture {capture_id!r}", details={"capture_id": capture_id})
@@ -410,8 +400,6 @@ def capture_prune(*, now: Any = None) -> dict[str, int]:
 
     from django.conf import settings
 
-    from gpu_engine.api.artifacts import is_capture_id
-    from monitoring.models import Capture
 
     now = now or timezone.now()
     expired = list(Capture.objects.filter(expires_at__lte=now).values_list("id", flat=True))

@@ -29,6 +29,8 @@ from django.conf import settings
 
 from core.errors import InsufficientMemory
 from core.runtime import runtime
+from gpu_engine.api.errors import EngineError
+from gpu_engine.api.host import inspect_model_dir
 from registry.models import SAE, Model
 
 MB = 2**20
@@ -52,9 +54,6 @@ def model_needs(model: Model, dtype: str) -> ModelNeeds | None:
     """The weights and the KV room a load of ``model`` at ``dtype`` needs, read from its
     checkpoint's config and safetensors headers; None when there is no local checkpoint
     to read (nothing to judge by)."""
-    from gpu_engine.api.errors import EngineError
-    from gpu_engine.api.host import inspect_model_dir
-
     path = Path(model.local_path) if model.local_path else None
     if path is None or not path.is_dir():
         return None

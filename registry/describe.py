@@ -9,8 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import SAEInvalid
+from gpu_engine.api.errors import EngineError
+from gpu_engine.api.host import inspect_model_dir
+from gpu_engine.api.sae import read_sae_metadata
 from registry.access import check_under_roots
 from registry.errors import InvalidLocalPath, ModelInvalid
+from registry.hub_files import gguf_quant, gguf_quantization
 from registry.models import Model
 
 # Registering one of these (or anything under them) as a model directory would let the
@@ -56,8 +60,6 @@ def dir_size(path: Path) -> int:
 def describe_transformers_dir(path: Path, quantization: str | None = None) -> dict[str, Any]:
     import json
 
-    from gpu_engine.api.errors import EngineError
-    from gpu_engine.api.host import inspect_model_dir
     from registry import sizing
 
     try:
@@ -146,7 +148,6 @@ def _gguf_file_quantization(file_type: Any, filename: str) -> str | None:
     → Q4), else what its name states; None when neither says."""
     from gguf import LlamaFileType
 
-    from registry.hub_files import gguf_quant, gguf_quantization
 
     quant = None
     if file_type is not None:
@@ -159,9 +160,6 @@ def _gguf_file_quantization(file_type: Any, filename: str) -> str | None:
 
 
 def describe_sae(path: Path) -> dict[str, Any]:
-    from gpu_engine.api.errors import EngineError
-    from gpu_engine.api.sae import read_sae_metadata
-
     try:
         meta = read_sae_metadata(path)
     except EngineError as exc:

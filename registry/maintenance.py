@@ -13,6 +13,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from core.ids import ascii_int
+from registry.downloads import model_target_dir, sae_target_dir
 from registry.errors import ModelNotFound
 from registry.models import SAE, Attachment, Job, Model
 from registry.services import remove_files
@@ -86,7 +87,6 @@ def _referenced() -> set[Path]:
         paths.add(Path(value).resolve())
     for value in SAE.objects.exclude(local_path="").values_list("local_path", flat=True):
         paths.add(Path(value).resolve())
-    from registry.downloads import model_target_dir, sae_target_dir
 
     # a download in progress has no local_path yet, but its folder is spoken for
     for model in Model.objects.filter(status=Model.Status.DOWNLOADING):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.db.models import QuerySet
 
 from core.ids import get_by_pk_or_name
+from core.runtime import runtime
 from registry.errors import JobNotFound, ModelNotFound, SAENotFound
 from registry.models import SAE, Attachment, Job, Model
 
@@ -89,8 +90,6 @@ def job_list(*, kind: str | None = None, status: str | None = None,
 def engine_attachment_counts() -> dict[tuple[str, int], int]:
     """steering_apply_count per (sae_id, layer), from the engine; empty when it is away."""
     try:
-        from core.runtime import runtime
-
         return {(a.sae_id, a.layer): a.steering_apply_count
                 for a in runtime().engine.attachments()}
     except Exception:  # noqa: BLE001 - a read must not fail because the engine is away

@@ -12,6 +12,7 @@ from core import attachment_flags
 from core.schema import MAX_LAYER
 from registry import sizing
 from registry.models import SAE, Attachment, Job, Model
+from registry.selectors import download_progress_by_model
 
 # a hub repository, optionally with the GGUF quantization to fetch (``org/repo:Q4_K_M``)
 REPO_ID = r"^[A-Za-z0-9][\w.-]*/[\w.-]+(:[A-Za-z0-9_]+)?$"
@@ -266,8 +267,6 @@ class ModelOutput(serializers.Serializer):
 
 def model_view(model: Model) -> dict[str, Any]:
     """``model_out`` with the download progress of the model's running download."""
-    from registry.selectors import download_progress_by_model
-
     return model_out(model, download_progress=download_progress_by_model().get(model.id))
 
 

@@ -22,6 +22,8 @@ import structlog
 from django.conf import settings
 from django.db import transaction
 
+from gpu_engine.api.errors import EngineError
+from gpu_engine.api.sae import read_vector_header, read_vectors, write_vector_file
 from registry.errors import VectorAlreadyExists, VectorInvalid, VectorNotFound
 from registry.models import SAE, Model
 
@@ -46,9 +48,6 @@ def vector_read_file(*, path: Path, model: Model, layer: int | None = None
     """The vectors of a file checked for ``model`` (every layer's, or ``layer``'s alone),
     or ``VectorInvalid`` naming the field: ``file`` (not a vector file, pickle, NaN, the
     wrong width) or ``layer`` (not in the file, past the model's blocks)."""
-    from gpu_engine.api.errors import EngineError
-    from gpu_engine.api.sae import read_vector_header, read_vectors
-
     try:
         info = read_vector_header(path)
         vectors = read_vectors(path)
@@ -93,8 +92,6 @@ def vector_create(*, name: str, model: Model, vectors: Mapping[int, Any], source
                   recipe: Mapping[str, Any] | None = None) -> SAE:
     """Write ``vectors`` (layer -> 1-D array of the model's width) as our own vector file
     and record the row; the norms are recorded per layer."""
-    from gpu_engine.api.sae import write_vector_file
-
     name = check_name_free(name)
     arrays = {int(k): np.asarray(v, dtype=np.float32).reshape(-1) for k, v in vectors.items()}
     if not arrays:

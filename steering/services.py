@@ -144,7 +144,6 @@ def _cluster_as_profile(name: str) -> Profile | None:
     cluster = Cluster.objects.filter(name=name).first()
     if cluster is None:
         return None
-    from steering.clusters import cluster_features
 
     features = cluster_features(cluster, 1.0)
     return Profile(name=name, sae_id=cluster.sae_id, layer=cluster.layer,
@@ -169,7 +168,6 @@ def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: 
             f"Profile {name!r} was made for model {profile.model_name!r}, not {model_name!r}",
             details={"profile": name, "model": model_name,
                      "profile_model": profile.model_name})
-    from steering.profiles import profile_features
 
     features = profile_features(profile)
     if not features:
@@ -293,6 +291,7 @@ from steering.clusters import (
     cluster_active,
     cluster_deactivate,
     cluster_delete,
+    cluster_features,
     cluster_get,
     cluster_import,
     cluster_set_active_intensity,
@@ -314,6 +313,7 @@ from steering.profiles import (
     profile_deactivate,
     profile_delete,
     profile_export,
+    profile_features,
     profile_get,
     profile_import,
     profile_save_current,

@@ -11,7 +11,9 @@ from typing import Any
 import structlog
 from django.conf import settings
 
+from core.runtime import runtime
 from gpu_engine.api.protocol import to_builtins
+from inference.admission import queue_figures
 
 log = structlog.get_logger(__name__)
 
@@ -19,8 +21,6 @@ log = structlog.get_logger(__name__)
 def engine_snapshot() -> dict[str, Any]:
     """The engine's own status as plain JSON, or ``state: unavailable`` and why."""
     try:
-        from core.runtime import runtime
-
         status = runtime().engine.status()
     except Exception as exc:  # noqa: BLE001 - health must answer whatever the engine does
         return {"state": "unavailable", "error": getattr(exc, "message", str(exc)),
@@ -33,8 +33,6 @@ def engine_snapshot() -> dict[str, Any]:
 def inference_figures() -> dict[str, Any]:
     """pending / in flight / waiting / estimated_wait_seconds from /v1's admission."""
     try:
-        from inference.admission import queue_figures
-
         figures = dict(queue_figures())
     except Exception as exc:  # noqa: BLE001 - the /v1 tier may not be importable yet
         log.warning("queue_figures_unavailable", error=repr(exc))

@@ -29,9 +29,14 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import envelope
+from core.auth import keys_enabled
 from core.errors import NotReady
 from core.schema import enveloped
 from core.version import version
+from leases.selectors import lease_live, lease_out
+from orchestration.services import model_jobs_reap
+from registry.models import Job, Model
+from steering.models import Cluster, Profile
 from system.figures import engine_snapshot, inference_figures
 
 log = structlog.get_logger(__name__)
@@ -74,9 +79,6 @@ def _check_channel_layer() -> dict[str, Any]:
 
 
 def _model_transition() -> dict[str, Any] | None:
-    from orchestration.services import model_jobs_reap
-    from registry.models import Job, Model
-
     model_jobs_reap()  # a load or unload whose worker died is not a transition
     moving = Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)
                                   ).values_list("name", "status").first()
@@ -161,8 +163,6 @@ class LivenessView(APIView):
 
 def access_summary() -> dict[str, Any]:
     """Which surfaces need which key (never a key): for clients and probes to check."""
-    from core.auth import keys_enabled
-
     on = keys_enabled()
     return {
         "keys_required": on,
@@ -242,8 +242,6 @@ class DetailedHealthView(APIView):
 
 def _active_profile() -> dict[str, Any] | None:
     """The active profile or cluster (one at a time): ``{id, name, source_kind, intensity}``."""
-    from steering.models import Cluster, Profile
-
     for model, kind in ((Profile, "manual"), (Cluster, "cluster")):
         row = model.objects.filter(is_active=True).first()
         if row is not None:
@@ -254,8 +252,6 @@ def _active_profile() -> dict[str, Any] | None:
 
 def _lease_block() -> dict[str, Any] | None:
     """The live lease, without its id (which is shown once, to its holder)."""
-    from leases.selectors import lease_live, lease_out
-
     lease = lease_live()
     return lease_out(lease) if lease is not None else None
 

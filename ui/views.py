@@ -22,6 +22,7 @@ from django.views.generic import TemplateView
 from core.auth import bearer_token, key_is_valid, keys_enabled
 from core.ids import ascii_int
 from gpu_engine.api.protocol import MAX_STEERING_STRENGTH
+from registry.models import SAE
 
 LABELS_FILE = "feature_labels.json"
 # A labels file is one short string per feature; anything bigger is not one.
@@ -94,8 +95,6 @@ def feature_labels(request: HttpRequest, sae_id: str) -> JsonResponse:
     """``{sae_id, labels: {"<index>": label}}`` from the SAE folder's feature_labels.json
     (the demo SAE ships one); ``labels: {}`` when there is none. The registry API does not
     carry labels, and the steering page needs them to find a feature by name."""
-    from registry.models import SAE
-
     if not _authorized(request):
         response = JsonResponse({"error": "Missing or invalid API key"}, status=401)
         response["WWW-Authenticate"] = 'Bearer realm="miLLM"'
