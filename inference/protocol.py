@@ -23,6 +23,10 @@ from gpu_engine.api.protocol import (
     MAX_LOGIT_BIAS,
     MAX_STOP_SEQUENCES,
     MAX_TOP_LOGPROBS,
+    PENALTY,
+    REPETITION_PENALTY,
+    TOP_K,
+    TOP_P,
     SamplingParams,
     StructuredOutput,
 )
@@ -167,17 +171,18 @@ class _GenerationRequest(_Wire):
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
+    # OpenAI's range, narrower than the engine's (TEMPERATURE: up to 100)
     temperature: float | None = Field(default=None, ge=0, le=2)
-    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_p: float | None = Field(default=None, **TOP_P.bounds())
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: list[str] = Field(default_factory=list)
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
-    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
-    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    presence_penalty: float | None = Field(default=None, **PENALTY.bounds())
+    frequency_penalty: float | None = Field(default=None, **PENALTY.bounds())
     logit_bias: dict[str, float] | None = None
     # vLLM-style sampling extras the engine supports
-    top_k: int | None = Field(default=None, ge=-1, le=2**31)
-    repetition_penalty: float | None = Field(default=None, gt=0, le=10)
+    top_k: int | None = Field(default=None, ge=TOP_K.ge, le=2**31)
+    repetition_penalty: float | None = Field(default=None, **REPETITION_PENALTY.bounds())
     ignore_eos: bool = False
     # vLLM's: token ids that end the generation like EOS (finish_reason "stop"; the token
     # itself is not in the text); on vLLM they also end a grammar

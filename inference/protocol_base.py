@@ -9,6 +9,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
+from gpu_engine.api.protocol import SEED_MAX, SEED_MIN  # noqa: F401 - the engine's range, read from here
+
 MAX_N = 16
 MAX_TOKENS_LIMIT = 2**31 - 1
 MAX_ACTIVATION_TOP_K = 64
@@ -17,7 +19,6 @@ MAX_ACTIVATION_ENTRIES = 65_536
 MAX_EMBEDDING_INPUTS = 2048
 MAX_ALLOWED_TOKEN_IDS = 4096
 MAX_EXTRA_CONVERSATIONS = 63
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 
 
 class _Wire(BaseModel):

@@ -36,6 +36,7 @@ from pydantic import (
 
 from core.errors import InvalidFeatureIndex, ValidationFailed
 from gpu_engine.api.protocol import (
+    CONDITION_THRESHOLD,
     MAX_STEERING_STRENGTH,
     FeatureControl,
     PositionRange,
@@ -125,7 +126,7 @@ class WindowInput(_Strict):
 
 class ConditionInput(_Strict):
     feature: int = Field(ge=0, le=2**31, strict=True)
-    threshold: float = Field(default=0.0, ge=-1e6, le=1e6, strict=True)
+    threshold: float = Field(default=0.0, **CONDITION_THRESHOLD.bounds(), strict=True)
 
 
 class ControlInput(_Strict):
