@@ -12,23 +12,24 @@ passes and samples each row with its own request's sampler (STYLE §10):
   request's steering delta in the request's slot; samples every row; one host sync.
 - ``remove(seq)``: drops a finished or cancelled row.
 
-Steering counts: the hook reports which attachments' tables it really added
-(``BatchContext.applied``); each request steered at such an attachment gets +1 for that
-forward pass, so a hook a compiler skipped shows up as a count below ``forward_passes``.
+Slots, delta and control tables, each forward's ``BatchContext`` and the steering counts
+after it are the row router's (``gpu_engine.interp.rows``): the hook reports which
+attachments' tables it really added (``BatchContext.applied``); each request steered at
+such an attachment gets +1 for that forward pass, so a hook a compiler skipped shows up as
+a count below ``forward_passes``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...interp.controls import ControlTable
+from ...decode.sampling import choose_rows
+from ...decode.sequence import Sequence
 from ...interp.hooks import BatchContext, HookManager, Segment
-from ...protocol import AttachmentKey
+from ...interp.rows import RowRouter
 from .attention import use_grouped_sdpa
 from .kv_cache import BatchKVCache
 from .runner import TransformersRunner
-from ...decode.sampling import choose_rows
-from ...decode.sequence import Sequence
 
 # a padded prefill group may waste at most this share of its (rows × longest prompt) area
 MAX_PREFILL_PADDING = 0.25
@@ -68,12 +69,7 @@ class BatchedRunner:
         self.grouped_attention = use_grouped_sdpa(runner.model)
         self.cache = self._new_cache()
         self.rows: list[Sequence] = []
-        self._free_slots = list(range(max_rows - 1, -1, -1))
-        self._tables: dict[AttachmentKey, torch.Tensor] = {}
-        self._steered: dict[AttachmentKey, list[Sequence]] = {}
-        # feature controls: per attachment, the requests using them and their batch table
-        self._controlled: dict[AttachmentKey, list[Sequence]] = {}
-        self._control_tables: dict[AttachmentKey, ControlTable] = {}
+        self.router = RowRouter(device=self.device, max_rows=max_rows)
         self._row_slots: torch.Tensor | None = None
         self._stage: torch.Tensor | None = None  # capture: every row of a decode step, by slot
         self._qk_stage: tuple[torch.Tensor, torch.Tensor] | None = None  # the same for Q/K
@@ -137,65 +133,32 @@ class BatchedRunner:
         skips = [width - s.n_prompt for s in group]
         input_ids = torch.zeros((len(group), width), dtype=torch.long, device=self.device)
         mask = torch.zeros((len(group), width), dtype=torch.long, device=self.device)
-        segments = []
         for i, (s, pad) in enumerate(zip(group, skips)):
             input_ids[i, pad:] = s.prompt[0]
             mask[i, pad:] = 1
-            if s.monitoring or s.gated or s.capture is not None:
-                segments.append(Segment(s.hooks, i * width + pad, (i + 1) * width, 0))  # type: ignore[arg-type]
-        slots = torch.tensor([s.slot for s in group], dtype=torch.long, device=self.device)
-        positions = None
-        if self._control_tables:  # padding rows get negative positions: no gate opens there
-            pads = torch.tensor(skips, dtype=torch.long, device=self.device)
-            positions = (torch.arange(width, device=self.device)[None, :] - pads[:, None]).reshape(-1)
-        ctx = BatchContext(segments, row_slots=slots.repeat_interleave(width), delta_tables=self._tables,
-                           control_tables=self._control_tables, row_positions=positions)
+        # each row of width tokens from position -pad: its padding rows sit at negative
+        # positions (no gate opens, no monitor reads there)
+        parts = [(s.row, i * width, (i + 1) * width, -pad) for i, (s, pad) in enumerate(zip(group, skips))]
+        ctx = self.router.context(parts)
         with self.hooks.active(ctx):
             logits, past = self.runner.prefill_rows(input_ids, mask)
-        self._count(group, ctx)
+        self.router.count([s.row for s in group], ctx.applied)
         return logits, past, skips
 
     def _register(self, seq: Sequence) -> None:
-        """A delta-table slot for ``seq`` and its deltas in the tables it steers."""
-        if len(self.rows) >= self.max_rows or not self._free_slots:
+        """A slot for ``seq`` and its steering in the router's tables."""
+        if len(self.rows) >= self.max_rows:
             raise RuntimeError("the batch is full")  # the scheduler never lets this happen
-        seq.slot = self._free_slots.pop()
-        seq.steered_keys = []
-        seq.control_keys = []
+        seq.row = self.router.add(seq.hooks)  # type: ignore[attr-defined]
+        seq.slot = seq.row.slot  # type: ignore[attr-defined]
         self._arm(seq)
-        for key, plan in (seq.hooks.plans.items() if seq.hooks is not None else ()):
-            if plan.controls is not None:
-                self._controlled.setdefault(key, []).append(seq)
-                seq.control_keys.append(key)
-                self._rebuild_controls(key)
-            if plan.delta is None:
-                continue
-            table = self._tables.get(key)
-            if table is None:
-                table = torch.zeros((self.max_rows, plan.delta.shape[-1]), dtype=plan.delta.dtype, device=self.device)
-                self._tables[key] = table
-                self._steered[key] = []
-            table[seq.slot] = plan.delta
-            self._steered[key].append(seq)
-            seq.steered_keys.append(key)
 
     def _unregister(self, seq: Sequence) -> None:
-        for key in seq.steered_keys:
-            seqs = self._steered[key]
-            seqs.remove(seq)
-            if seqs:
-                self._tables[key][seq.slot].zero_()
-            else:  # nobody steers here any more: the hook skips the add entirely
-                del self._steered[key], self._tables[key]
-        seq.steered_keys = []
-        for key in seq.control_keys:
-            self._controlled[key].remove(seq)
-            self._rebuild_controls(key)
-        seq.control_keys = []
+        row = getattr(seq, "row", None)
+        if row is not None:
+            self.router.remove(row)
+        seq.slot = -1
         self._disarm(seq)
-        if seq.slot >= 0:
-            self._free_slots.append(seq.slot)
-            seq.slot = -1
 
     def _arm(self, seq: Sequence) -> None:
         if seq.capture is not None and not seq.capture_armed:
@@ -213,33 +176,6 @@ class BatchedRunner:
                 self.runner.disarm_qk(layer)
             seq.capture_armed = False
 
-    def _rebuild_controls(self, key: AttachmentKey) -> None:
-        """The batch table of ``key``'s controls: each member's operations in a column
-        range of their own (``plan.cols``), tagged with its slot."""
-        members = self._controlled.get(key)
-        if not members:
-            self._controlled.pop(key, None)
-            self._control_tables.pop(key, None)
-            return
-        col = 0
-        parts = []
-        for s in members:
-            plan = s.hooks.plans[key]  # type: ignore[union-attr]
-            parts.append((plan.controls, s.slot))
-            plan.cols = (col, col + plan.controls.size)  # type: ignore[union-attr]
-            col = plan.cols[1]
-        self._control_tables[key] = ControlTable.concat(parts)  # type: ignore[arg-type]
-
-    @staticmethod
-    def _count(seqs: list[Sequence], ctx: BatchContext) -> None:
-        """+1 for each request whose steering the hook really added in this forward."""
-        if not ctx.applied:
-            return
-        for s in seqs:
-            for key in dict.fromkeys((*s.steered_keys, *s.control_keys)):
-                if key in ctx.applied:
-                    s.hooks.plans[key].applied()  # type: ignore[union-attr]
-
     def remove(self, seq: Sequence) -> None:
         row = self.rows.index(seq)
         moved = self.cache.remove(row)
@@ -253,15 +189,9 @@ class BatchedRunner:
         """Forget every row (after a failed step); frees the cache."""
         for seq in self.rows:
             seq.slot = -1
-            seq.steered_keys = []
-            seq.control_keys = []
             self._disarm(seq)
-        self._free_slots = list(range(self.max_rows - 1, -1, -1))
+        self.router.reset()
         self.rows = []
-        self._tables.clear()
-        self._steered.clear()
-        self._controlled.clear()
-        self._control_tables.clear()
         self._row_slots = None
         self.cache = self._new_cache()
 
@@ -310,24 +240,17 @@ class BatchedRunner:
         lean = None if cache.fixed_rows else self.runner.lean_step()
         if not cache.fixed_rows:
             position_ids, mask = cache.step_inputs()
-        if self._row_slots is None:
-            self._row_slots = torch.tensor([s.slot for s in rows], dtype=torch.long, device=self.device)
-        segments = []
-        for r, s in enumerate(rows):
-            if s.monitoring or s.gated:
-                # the row fed now is the last generated token, at position n_prompt + n - 1
-                segments.append(Segment(s.hooks, r, r + 1, s.n_prompt + len(s.generated) - 1))  # type: ignore[arg-type]
-        positions = None
-        if self._control_tables:
-            positions = torch.tensor([s.n_prompt + len(s.generated) - 1 for s in rows], dtype=torch.long,
-                                     device=self.device)
+        # the row fed now is the last generated token, at position n_prompt + n - 1
+        parts = [(s.row, r, r + 1, s.n_prompt + len(s.generated) - 1)  # type: ignore[attr-defined]
+                 for r, s in enumerate(rows)]
+        if self._row_slots is None:  # kept while the batch is unchanged
+            self._row_slots = self.router.row_slots(parts)
         capturing = [s for s in rows if s.capture is not None]
         hidden = any(s.capture.layers for s in capturing)  # type: ignore[union-attr]
         qk = any(s.capture.qk_layers for s in capturing)  # type: ignore[union-attr]
-        ctx = BatchContext(segments, row_slots=self._row_slots, delta_tables=self._tables,
-                           control_tables=self._control_tables, row_positions=positions,
-                           capture_stage=self._capture_stage() if hidden else None,
-                           qk_stage=self._capture_qk_stage() if qk else None)
+        ctx = self.router.context(parts, row_slots=self._row_slots,
+                                  capture_stage=self._capture_stage() if hidden else None,
+                                  qk_stage=self._capture_qk_stage() if qk else None)
         tokens = [[s.last_token] for s in rows]
         with self.hooks.active(ctx):
             if cache.fixed_rows:
@@ -353,7 +276,7 @@ class BatchedRunner:
             if ctx.qk_stage is not None:
                 s.capture.take_qk(*ctx.qk_stage, s.slot, position)  # type: ignore[union-attr]
         self.steps += 1
-        self._count(rows, ctx)
+        self.router.count((p[0] for p in parts), ctx.applied)
         ids, lsm = choose_rows(rows, logits)  # the one host sync per step
         finished = []
         for i, s in enumerate(rows):
