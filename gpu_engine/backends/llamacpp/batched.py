@@ -13,7 +13,9 @@ Steering, per forward:
   kept while the steering stays the same) — no Python in the forward at all;
 - rows steered differently: the control vector is cleared and the eval callback adds
   each row's own delta to the layer's output (``taps.py``), so requests with different
-  steering share one multi-sequence decode.
+  steering share one multi-sequence decode.  The rows' deltas come from the engine's row
+  router (``gpu_engine.interp.rows``): each request's delta sits in its slot of the
+  attachment's table, and a forward gathers them by its rows' slots.
 
 A control vector cannot reach layer 0 (llama.cpp has no tensor there) and would hide the
 pre-steering value from a monitor, so steering at layer 0 or next to a pre-steering
@@ -45,6 +47,7 @@ import torch
 
 from ...decode.sampling import choose_rows
 from ...decode.sequence import Sequence
+from ...interp.rows import RowRouter
 from .taps import KEY, QUERY, CaptureReader, ForwardPlan, LayerPlan, MonitorSegment
 
 # the capabilities' ``steering_mode``: how requests with different steering share the model
@@ -167,6 +170,8 @@ class LlamaBatchRunner:
         self.steps = 0
         self._all_ids = list(seq_ids if seq_ids is not None else range(max_rows))
         self._free_ids = list(reversed(self._all_ids))
+        # slots and per-attachment delta tables of the running requests (float32, host)
+        self.router = RowRouter(device="cpu", max_rows=len(self._all_ids))
         # control_vector_swap: one steering group per decode
         self.swap = backend.steering_mode == CONTROL_VECTOR_SWAP
         # per steering group, the step it last ran at (the longest waiting runs next)
@@ -245,19 +250,14 @@ class LlamaBatchRunner:
             backend.steering_forwards["control_vector_swap" if self.swap else "control_vector"] += 1
         else:
             self.ctx.set_cvec(None, None)
-            n = len(tokens)
-            for (seq, a, b, _), sig in zip(parts, sigs):
-                if not sig:
-                    continue
-                for key, plan in seq.hooks.plans.items():  # type: ignore[union-attr]
-                    if plan.delta is None:
-                        continue
-                    lp = layers.setdefault(key[1], LayerPlan())
-                    if lp.deltas is None:
-                        lp.deltas = torch.zeros((n, backend.hidden_size), dtype=torch.float32)
-                    lp.deltas[a:b] += plan.delta.to(torch.float32)
-                    lp.keys.add(key)
-            if any(lp.deltas is not None for lp in layers.values()):
+            if any(sigs):
+                # each row's delta from its slot of the router's tables, summed per layer
+                rows = [seq.row for seq, *_ in parts]  # type: ignore[attr-defined]
+                row_slots = self.router.row_slots([(row, a, b, pos) for row, (_, a, b, pos) in zip(rows, parts)])
+                for layer, (deltas, keys) in self.router.layer_deltas(row_slots, rows).items():
+                    lp = layers.setdefault(layer, LayerPlan())
+                    lp.deltas = deltas.to(torch.float32)
+                    lp.keys = keys
                 backend.steering_forwards["eval_callback"] += 1
         outputs = [i for i, t in enumerate(tokens) if t[3]]
         fplan = (ForwardPlan(layers, len(tokens), outputs, qk=qk, stage=stage, stage_qk=stage_qk)
@@ -275,13 +275,7 @@ class LlamaBatchRunner:
                 stats = backend.attachment_stats.get(key)
                 if stats is not None:
                     stats.steering_apply_count += 1
-            for seq, *_ in parts:
-                if seq.hooks is None:
-                    continue
-                for key in applied:
-                    plan = seq.hooks.plans.get(key)
-                    if plan is not None and plan.delta is not None:
-                        plan.applied()
+            self.router.count((seq.row for seq, *_ in parts), applied)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ rows
 
@@ -295,6 +289,7 @@ class LlamaBatchRunner:
             if not self._free_ids:
                 raise RuntimeError("the batch is full")  # the scheduler never lets this happen
             seq.seq_id = self._free_ids.pop()  # type: ignore[attr-defined]
+            seq.row = self.router.add(seq.hooks)  # type: ignore[attr-defined]
             self.ctx.seq_clear(seq.seq_id)  # type: ignore[attr-defined]
         try:
             for group in by_signature(seqs).values() if self.swap else [seqs]:
@@ -414,6 +409,9 @@ class LlamaBatchRunner:
             self.ctx.seq_clear(sid)
             self._free_ids.append(sid)
             seq.seq_id = -1  # type: ignore[attr-defined]
+        row = getattr(seq, "row", None)
+        if row is not None:
+            self.router.remove(row)
 
     def remove(self, seq: Sequence) -> None:
         self.rows.remove(seq)
@@ -424,6 +422,7 @@ class LlamaBatchRunner:
             self.ctx.seq_clear(sid)
         for seq in self.rows:
             seq.seq_id = -1  # type: ignore[attr-defined]
+        self.router.reset()
         self.rows = []
         self._free_ids = list(reversed(self._all_ids))
         self._served = {}

@@ -23,6 +23,7 @@ from ...protocol import (
     CaptureSpec,
     GenerationJob,
     MonitorEntry,
+    SteeringEntry,
     from_builtins,
     to_builtins,
 )
@@ -54,12 +55,13 @@ def hook_layer(layer: int, hook_point: str) -> int:
 
 
 def request_args(job: GenerationJob) -> dict[str, Any] | None:
-    """The ``extra_args`` entry for ``job``: steering as ``[sae_id, layer, [[index, strength], ...]]``
-    entries (only those with features), the monitor entries and the capture spec (what
-    the workers take: layers, positions, attention; not where the driver stores it); None
-    when it has none of them."""
-    steering = [[e.sae_id, e.layer, [[int(i), float(s)] for i, s in sorted(e.features.items())]]
-                for e in (job.steering.entries if job.steering else []) if e.features]
+    """The ``extra_args`` entry for ``job``: its steering entries in full (``SteeringEntry``
+    as builtins: features and controls, only the entries that steer something), the
+    monitor entries and the capture spec (what the workers take: layers, positions,
+    attention; not where the driver stores it); None when it has none of them.  The
+    workers build their plans from these with the engine's own builder
+    (``gpu_engine.interp.plans.build_hooks``)."""
+    steering = [to_builtins(e) for e in (job.steering.entries if job.steering else []) if not e.is_empty()]
     monitor = [to_builtins(m) for m in (job.monitor.entries if job.monitor else [])]
     capture = None
     if job.capture is not None:
@@ -69,9 +71,8 @@ def request_args(job: GenerationJob) -> dict[str, Any] | None:
     return {"steering": steering, "monitor": monitor, "capture": capture}
 
 
-def decode_args(args: dict[str, Any]) -> tuple[dict[AttachmentKey, dict[int, float]], list[MonitorEntry]]:
-    steering = {(str(sae_id), int(layer)): {int(i): float(s) for i, s in feats}
-                for sae_id, layer, feats in args.get("steering", [])}
+def decode_args(args: dict[str, Any]) -> tuple[list[SteeringEntry], list[MonitorEntry]]:
+    steering = [from_builtins(e, SteeringEntry) for e in args.get("steering", [])]
     monitor = [from_builtins(m, MonitorEntry) for m in args.get("monitor", [])]
     return steering, monitor
 
@@ -83,13 +84,21 @@ def decode_capture(args: dict[str, Any]) -> CaptureSpec | None:
 
 def steering_salt(args: dict[str, Any] | None, generations: dict[AttachmentKey, str]) -> str | None:
     """The prefix-cache salt of a steered request: a hash of its canonical steering (entries
-    sorted, strengths as floats) and of which SAE files the attachments it names hold
-    (``generations``: the key's attachment identity), so KV computed under one steering is
-    only ever reused by a request under the same steering.  None when unsteered."""
+    sorted, features by index, strengths as floats, controls as given) and of which SAE
+    files the attachments it names hold (``generations``: the key's attachment identity),
+    so KV computed under one steering is only ever reused by a request under the same
+    steering.  None when unsteered."""
     if not args or not args["steering"]:
         return None
-    canon = sorted([sae_id, layer, feats, generations.get((sae_id, layer), "")]
-                   for sae_id, layer, feats in args["steering"])
+    canon = []
+    for e in args["steering"]:
+        key = (e["sae_id"], int(e["layer"]))
+        feats = sorted([int(i), float(s)] for i, s in (e.get("features") or {}).items())
+        item = [key[0], key[1], feats, generations.get(key, "")]
+        if e.get("controls"):
+            item.append(e["controls"])
+        canon.append(item)
+    canon.sort(key=lambda item: json.dumps(item, sort_keys=True))
     return "millm-steer-" + hashlib.sha256(json.dumps(canon).encode()).hexdigest()[:32]
 
 

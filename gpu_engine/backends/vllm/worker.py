@@ -10,12 +10,14 @@ What it does on the worker:
   that decoder layer — on the ranks that hold the layer (pipeline parallelism).
 - Around every forward pass of the model, a pre-hook maps each token row to its request
   from the runner's batch (``input_batch.req_ids`` in batch order, ``query_start_loc``,
-  ``num_computed_tokens`` for positions) and publishes a ``BatchContext``: per attachment
-  a delta table with each steered request's delta in its slot, ``row_slots`` for the one
-  gather, and the monitored requests' row segments.  A request's steering and monitors
-  come from its own ``SamplingParams.extra_args`` (``wire``), read the first time the
-  worker sees it.  The post-hook counts, per request, its forward passes and the passes
-  in which each of its deltas was really added (``steering_apply_count``).
+  ``num_computed_tokens`` for positions) and publishes the row router's ``BatchContext``
+  (``gpu_engine.interp.rows``): per attachment a delta table with each steered request's
+  delta in its slot, ``row_slots`` for the one gather, and the monitored requests' row
+  segments.  A request's steering and monitors come from its own
+  ``SamplingParams.extra_args`` (``wire``), read the first time the worker sees it, and
+  become its plans through the engine's own builder (``gpu_engine.interp.plans``) from
+  the SAEs this worker holds.  The post-hook counts, per request, its forward passes and
+  the passes in which each of its deltas was really added (``steering_apply_count``).
 - Capture (``gpu_engine.capture``): a request whose ``extra_args`` carry a capture spec
   gets a plan of its own on each worker for what that worker holds (``for_shard``):
   hidden states on the first TP rank only (every rank has the same stream after the
@@ -44,19 +46,12 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from ...interp.capture import AttentionGeometry, CapturePlan, HeadShard, for_shard, route_qk
-from ...interp.hooks import (
-    AttachmentPlan,
-    AttachmentStats,
-    BatchContext,
-    HookManager,
-    MonitorPlan,
-    RequestHooks,
-    Segment,
-)
+from ...interp.hooks import AttachmentStats, HookManager, RequestHooks
+from ...interp.plans import build_hooks
+from ...interp.rows import Row, RowRouter
 from ...protocol import AttachmentKey, to_builtins
 from ...sae.layouts import get_layout
 from ...sae.module import SAE
@@ -97,16 +92,16 @@ def find_attention(layer: torch.nn.Module) -> torch.nn.Module | None:
 
 
 class _Request:
-    """A request as this worker knows it: its hooks, its delta-table slot, its counts, and
-    its capture (``hooks.capture``: this worker's plan; ``heads``/``kv_heads``: the global
-    heads of its Q/K rows; ``armed``: its hooks are on)."""
+    """A request as this worker knows it: its hooks, its row in the router (None while
+    vLLM does not run it), its counts, and its capture (``hooks.capture``: this worker's
+    plan; ``heads``/``kv_heads``: the global heads of its Q/K rows; ``armed``: its hooks
+    are on)."""
 
-    __slots__ = ("armed", "forwards", "heads", "hooks", "kv_heads", "last_seen", "slot", "steered")
+    __slots__ = ("armed", "forwards", "heads", "hooks", "kv_heads", "last_seen", "row")
 
-    def __init__(self, hooks: RequestHooks, slot: int, steered: list[AttachmentKey]) -> None:
+    def __init__(self, hooks: RequestHooks) -> None:
         self.hooks = hooks
-        self.slot = slot
-        self.steered = steered
+        self.row: Row | None = None
         self.forwards = 0
         self.last_seen = time.monotonic()
         self.heads: list[int] = []
@@ -130,9 +125,7 @@ class _State:
         self.stats: dict[AttachmentKey, AttachmentStats] = {}
         self.requests: dict[str, _Request] = {}
         self.gone: OrderedDict[str, _Request] = OrderedDict()
-        self.tables: dict[AttachmentKey, torch.Tensor] = {}
-        self.free_slots: list[int] = []
-        self.capacity = 0
+        self.router = RowRouter(device=self.device)  # grows with the requests vLLM runs
         self.ctx_reqs: list[_Request] = []
         try:
             from vllm.distributed import (
@@ -186,7 +179,7 @@ class _State:
         self.manager.remove(key)
         self.saes.pop(key, None)
         self.stats.pop(key, None)
-        self.tables.pop(key, None)
+        self.router.forget(key)
 
     # ------------------------------------------------------------------ capture
 
@@ -253,74 +246,38 @@ class _State:
 
     # ------------------------------------------------------------------ requests
 
-    def _slot(self) -> int:
-        if not self.free_slots:
-            old = self.capacity
-            self.capacity = max(16, old * 2)
-            self.free_slots = list(range(self.capacity - 1, old - 1, -1))
-            for key, table in list(self.tables.items()):
-                grown = torch.zeros((self.capacity, table.shape[1]), dtype=table.dtype, device=table.device)
-                grown[:old] = table
-                self.tables[key] = grown
-        return self.free_slots.pop()
-
-    def _table(self, key: AttachmentKey, d: int) -> torch.Tensor:
-        table = self.tables.get(key)
-        if table is None:
-            self._slot_capacity()
-            table = torch.zeros((self.capacity, d), dtype=self.dtype, device=self.device)
-            self.tables[key] = table
-        return table
-
-    def _slot_capacity(self) -> None:
-        if self.capacity == 0:
-            self.capacity = 16
-            self.free_slots = list(range(self.capacity - 1, -1, -1))
-
-    def _new_request(self, req_id: str) -> _Request | None:
+    def _new_request(self, req_id: str) -> _Request:
+        """The request's plans, built from its ``extra_args`` by the engine's builder with
+        the SAEs this worker holds (an attachment on another pipeline stage is skipped;
+        the driver checked everything), and its capture plan for this worker's share."""
         state = self.runner.requests.get(req_id)
         params = getattr(state, "sampling_params", None)
         extra = (getattr(params, "extra_args", None) or {}).get(EXTRA_KEY)
-        plans: dict[AttachmentKey, AttachmentPlan] = {}
-        steered: list[AttachmentKey] = []
         n_prompt = len(getattr(state, "prompt_token_ids", None) or [])
-        capture, heads, kv_heads = None, [], []
+        hooks = RequestHooks(req_id)
+        heads: list[int] = []
+        kv_heads: list[int] = []
         if extra:
             steering, monitors = decode_args(extra)
-            for key, feats in steering.items():
-                sae = self.saes.get(key)
-                if sae is None:
-                    continue  # not on this rank (pipeline parallelism); the driver checked it exists
-                plans.setdefault(key, AttachmentPlan(key)).delta = sae.steering_delta(
-                    feats, dtype=self.dtype, device=self.device)
-                steered.append(key)
-            for entry in monitors if self.monitor_rank else []:
-                sae = self.saes.get(entry.key)
-                if sae is None:
-                    continue
-                plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
-                mp = MonitorPlan(entry, sae, prompt_len=n_prompt)
-                (plan.pre if entry.read_point == "pre_steering" else plan.post).append(mp)
-            capture, heads, kv_heads = self._capture_plan(req_id, extra, n_prompt, int(params.max_tokens or 1))
-        self._slot_capacity()
-        req = _Request(RequestHooks(req_id, plans, capture=capture), self._slot() if steered else -1, steered)
+            hooks = build_hooks(self.saes, req_id, steering, monitors if self.monitor_rank else [],
+                                n_prompt=n_prompt, dtype=self.dtype, device=self.device)
+            hooks.capture, heads, kv_heads = self._capture_plan(req_id, extra, n_prompt, int(params.max_tokens or 1))
+        req = _Request(hooks)
         req.heads, req.kv_heads = heads, kv_heads
-        if capture is not None:
-            self._arm(req)
-        for key in steered:
-            delta = plans[key].delta
-            self._table(key, delta.shape[-1])[req.slot] = delta  # type: ignore[union-attr]
         return req
+
+    def _run(self, req: _Request) -> None:
+        """The request runs again (new, or back from ``gone``): its row and its capture hooks."""
+        if req.row is None:
+            req.row = self.router.add(req.hooks)
+        if req.hooks.capture is not None and not req.armed:
+            self._arm(req)
 
     def _release(self, req: _Request) -> None:
         self._disarm(req)
-        if req.slot >= 0:
-            for key in req.steered:
-                table = self.tables.get(key)
-                if table is not None:
-                    table[req.slot].zero_()
-            self.free_slots.append(req.slot)
-            req.slot = -1
+        if req.row is not None:
+            self.router.remove(req.row)
+            req.row = None
 
     def _forget_old(self) -> None:
         """Requests vLLM no longer runs move to ``gone`` (until collected or too old)."""
@@ -347,42 +304,28 @@ class _State:
         qsl = self.runner.query_start_loc.np[: num_reqs + 1]
         starts = batch.num_computed_tokens_cpu[:num_reqs]
         reqs: list[_Request] = []
+        now = time.monotonic()
         for rid in req_ids:
             req = self.requests.get(rid)
             if req is None:
                 req = self.gone.pop(rid, None) or self._new_request(rid)
-                self.requests[rid] = req  # type: ignore[assignment]
-            req.last_seen = time.monotonic()  # type: ignore[union-attr]
-            reqs.append(req)  # type: ignore[arg-type]
-        keys = {k for r in reqs for k in r.steered}
-        # monitoring or capturing requests: their row segments (with positions) go to the hooks
-        watched = [i for i, r in enumerate(reqs) if r.hooks.monitors() or r.hooks.capture is not None]
-        if not keys and not watched:
-            self.ctx_reqs = reqs
-            return
-        counts = np.diff(qsl)
-        slots = np.array([r.slot if r.slot >= 0 else self._zero_slot() for r in reqs], dtype=np.int64)
-        row_slots = torch.from_numpy(np.repeat(slots, counts)).to(self.device)
-        segments = [Segment(reqs[i].hooks, int(qsl[i]), int(qsl[i + 1]), int(starts[i])) for i in watched]
-        self.manager.current = BatchContext(segments, row_slots=row_slots,
-                                            delta_tables={k: self.tables[k] for k in keys if k in self.tables})
+                self._run(req)
+                self.requests[rid] = req
+            req.last_seen = now
+            reqs.append(req)
         self.ctx_reqs = reqs
-
-    def _zero_slot(self) -> int:
-        """A slot whose rows are zero in every table (unsteered requests share it)."""
-        if not hasattr(self, "_zero"):
-            self._zero = self._slot()
-        return self._zero
+        if not any(r.row.keys or r.row.watched for r in reqs):  # type: ignore[union-attr]
+            return
+        parts = [(r.row, int(qsl[i]), int(qsl[i + 1]), int(starts[i])) for i, r in enumerate(reqs)]
+        self.manager.current = self.router.context(parts, only_present=True)  # type: ignore[arg-type]
 
     def _after(self, module: Any, args: Any, output: Any) -> None:
         ctx = self.manager.current
         self.manager.current = None
-        applied = ctx.applied if ctx is not None else set()
         for req in self.ctx_reqs:
             req.forwards += 1
-            for key in req.steered:
-                if key in applied:
-                    req.hooks.plans[key].applied()
+        if ctx is not None:
+            self.router.count((r.row for r in self.ctx_reqs if r.row is not None), ctx.applied)
         self.ctx_reqs = []
 
     # ------------------------------------------------------------------ results
