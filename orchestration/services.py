@@ -1,14 +1,17 @@
 """Engine orchestration: the only places that change what the engine holds — load,
 unload, attach, detach — and what each means for the rows, leases and live steering.
 Each call records the outcome on the rows (status, attachments) so the database always
-says what is resident. Views, admin actions, commands and tasks all call these."""
+says what is resident. Views, admin actions, commands and tasks all call these.
+
+This module loads and unloads; a load's checks and engine job are
+``orchestration.load_checks``, the SAEs' attach and detach ``orchestration.attachments``
+(both re-exported here)."""
 
 from __future__ import annotations
 
 import threading
 import time
 from datetime import timedelta
-from typing import Any
 
 import structlog
 from django.conf import settings
@@ -16,196 +19,53 @@ from django.db import transaction
 from django.utils import timezone
 
 from core import events, jobs, metrics
+from core.engine_client import resolve_device_and_dtype
 from core.errors import (
-    BackendUnavailable,
     ModelBusy,
     ModelLoadFailed,
     ModelNotLoaded,
-    SAEInvalid,
-    SAENotAttached,
-    UnsupportedModel,
     from_engine_error,
 )
 from core.runtime import runtime
 from gpu_engine.api.errors import EngineError
-from gpu_engine.api.host import backend_option_settings
-from gpu_engine.api.protocol import AttachResult, AttachSpec, LoadModelJob
 from leases.services import lease_check_change, lease_end_for_model
+from orchestration.attachments import (  # noqa: F401 - re-exported: the attachments' mutations
+    _check_sae_ready,
+    attachment_forget,
+    circuit_activate,
+    sae_attach,
+    sae_attach_set,
+    sae_check_compatibility,
+    sae_detach,
+)
 from orchestration.errors import LoadInProgress
-from orchestration.memory_fit import check_model_fits, check_saes_fit
+from orchestration.load_checks import (  # noqa: F401 - re-exported: a load's checks and job
+    _NO_ANSWER,
+    FULL_PRECISION,
+    GGUF_BACKEND,
+    _check_backend,
+    _check_engine_accepts,
+    _check_loadable,
+    _check_quantization,
+    load_job,
+)
+from orchestration.memory_fit import check_model_fits
 from registry.errors import (
     ModelAlreadyLoaded,
     ModelInvalid,
     ModelLocked,
-    RemoteCodeNotAllowed,
-    SAEAlreadyAttached,
-    SAENotFound,
-    UnsupportedQuantization,
 )
-from registry.access import remote_code_enabled
 from registry.job_lifecycle import job_create, job_finish, job_progress, job_start
 from registry.models import SAE, Attachment, Job, Model
 from registry.selectors import active_job, model_loaded
 from registry.services import model_set_status
-from steering.circuits import (
-    circuit_activation_plan,
-    circuit_mark_active,
-    circuit_set_incomplete,
-)
 from steering.forget import live_forget
 
 log = structlog.get_logger(__name__)
 
 
-
 def _engine():
     return runtime().engine
-
-
-# Registry quantizations a load takes at the engine's dtype (MILLM_ENGINE_DTYPE); below
-# them (Q8, Q4, Q2) the transformers backend quantizes the decoder blocks at load where it
-# has a kernel for it (gpu_engine/backends/transformers/quantization.py), and says so in
-# its backend report; GGUF rows carry their file's own quantization.
-FULL_PRECISION = (Model.Quantization.FP32, Model.Quantization.FP16)
-# engine errors that mean "no engine answered", not "the engine refuses": left to the load
-_NO_ANSWER = ("engine_shutdown", "engine_busy", "engine_error")
-
-
-def _check_quantization(model: Model) -> None:
-    """Refuse at once (400 UNSUPPORTED_QUANTIZATION, naming it and why) a Q8/Q4/Q2 row on a
-    backend that applies no quantization at load, or on one whose report says it cannot
-    apply that one here (Q2: no kernel). The engine refuses the same in ``check_load``."""
-    if model.format != Model.Format.TRANSFORMERS or model.quantization in FULL_PRECISION:
-        return
-    backend = model.effective_backend()
-    try:
-        report = _engine().status().backends
-    except EngineError:
-        report = []
-    entry = next((b for b in report if b.get("name") == backend), None)
-    if entry is None:
-        return  # no engine to ask: the load's own check_load decides
-    offered = entry.get("quantizations") or {}
-    state = offered.get(model.quantization)
-    if state is not None and state.get("available"):
-        return
-    if state is None:
-        why = (f"the {backend} backend loads transformers checkpoints at FP32/FP16 only "
-               "(the transformers backend quantizes at load)")
-    elif state.get("missing"):
-        why = (f"{model.quantization} needs {', '.join(state['missing'])}, not installed on the "
-               f"engine's host (install it with `{entry.get('install')}`)")
-    else:
-        why = str(state.get("reason") or "no kernel for it here")
-    raise UnsupportedQuantization(
-        f"Model {model.name!r} is registered as {model.quantization}, which this engine cannot "
-        f"load: {why}",
-        details={"model_id": model.id, "quantization": model.quantization, "backend": backend,
-                 "supported": list(FULL_PRECISION) + sorted(
-                     k for k, v in offered.items() if v.get("available"))})
-
-
-def _check_engine_accepts(model: Model) -> None:
-    """Ask the engine whether it would take this load (``check_load``: its backend's
-    options and what the backend cannot honour, such as a pre-quantized checkpoint whose
-    method cannot load on its host), so that a refusal is a 400 now rather than a failed
-    job. An engine that does not answer is left to the load itself."""
-    from core.engine_client import resolve_device_and_dtype
-
-    try:
-        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
-                                                 settings.MILLM_ENGINE_DTYPE)
-        _engine().check_load(load_job(model, device=device, dtype=dtype))
-    except EngineError as exc:
-        if exc.code in _NO_ANSWER:
-            return
-        raise from_engine_error(exc) from exc
-
-
-def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
-    """What the engine is asked to load for ``model``: its files, its backend (the row's,
-    else MILLM_BACKEND) and that backend's options from the settings."""
-    backend = model.effective_backend()
-    # a setting left unset (TORCH_COMPILE=auto) leaves its option out: the backend decides
-    # the setting each option comes from is declared with the option in the engine's
-    # backend registry (gpu_engine.backends)
-    options = {option: getattr(settings, name)
-               for option, name in backend_option_settings(backend).items()
-               if getattr(settings, name) is not None}
-    if model.format == Model.Format.GGUF and model.gguf_file:
-        # a directory holding the file (hub downloads): which GGUF in it
-        options["gguf_file"] = model.gguf_file
-    if (backend == "transformers" and model.format == Model.Format.TRANSFORMERS
-            and model.quantization not in FULL_PRECISION):
-        options["quantization"] = model.quantization  # applied at load (Q8, Q4)
-    draft = options.get("speculative_model")
-    if draft and not draft.startswith("self:"):
-        # SPECULATIVE_MODEL may name a registered model: the engine reads its files
-        named = Model.objects.filter(name=draft).exclude(local_path="").first()
-        if named is not None:
-            options["speculative_model"] = named.local_path
-    # a row registered with remote code before the operator turned ALLOW_REMOTE_CODE off
-    # runs none (``_check_loadable`` refuses it first; this holds for any other caller)
-    return LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype, device=device,
-                        trust_remote_code=remote_code_enabled(model.trust_remote_code),
-                        backend=backend,
-                        options=options)
-
-
-def _check_backend(model: Model) -> None:
-    """Refuse at once (400 backend_unavailable, with the install command) a load on a
-    backend the engine's host does not have; the engine refuses it too, this only saves
-    a 202 and a failed job. An engine that does not answer is left to the load itself."""
-    backend = model.effective_backend()
-    try:
-        report = _engine().status().backends
-    except EngineError:
-        return
-    entry = next((b for b in report if b.get("name") == backend), None)
-    if entry is None or entry.get("available"):
-        return
-    raise BackendUnavailable(
-        f"Model {model.name!r} runs on the {backend} backend, which is not installed on the "
-        f"engine's host; install it with `{entry.get('install')}`",
-        details={"model_id": model.id, "backend": backend, "missing": entry.get("missing"),
-                 "install": entry.get("install")})
-
-
-# the backend that loads GGUF files (a GGUF model with no backend of its own uses it)
-GGUF_BACKEND = "llamacpp"
-
-
-def _check_loadable(model: Model) -> Model | None:
-    """The refusals a load shares with its enqueueing (the API's route checks them before
-    the job row, the load itself again when it runs): no files yet, GGUF, a quantization
-    this build cannot apply, a locked resident model. The resident model it would replace."""
-    if model.status == Model.Status.DOWNLOADING or not model.local_path:
-        raise ModelInvalid(f"Model {model.name!r} has no files yet (status {model.status})",
-                           details={"model_id": model.id, "status": model.status})
-    if model.trust_remote_code and not remote_code_enabled(True):
-        raise RemoteCodeNotAllowed(
-            f"Model {model.name!r} was registered with trust_remote_code, and running a "
-            "repository's own code is off on this server (ALLOW_REMOTE_CODE); the operator "
-            "enables it, or register the model again without it",
-            details={"model_id": model.id, "field": "trust_remote_code",
-                     "setting": "ALLOW_REMOTE_CODE"})
-    backend = model.effective_backend()
-    if (model.format == Model.Format.GGUF) != (backend == GGUF_BACKEND):
-        raise UnsupportedModel(
-            f"Model {model.name!r} is a {model.format} model and its backend is {backend}: "
-            + (f"GGUF models load on the {GGUF_BACKEND} backend only"
-               if model.format == Model.Format.GGUF
-               else f"the {GGUF_BACKEND} backend loads GGUF models only")
-            + " (set the model's backend: PATCH /api/models/{id})",
-            details={"model_id": model.id, "format": model.format, "backend": backend})
-    _check_quantization(model)
-    _check_backend(model)
-    _check_engine_accepts(model)
-    resident = model_loaded(other_than=model)
-    if resident is not None and resident.locked:
-        raise ModelLocked(f"Model {resident.name!r} is resident and locked; unlock it first",
-                          details={"model_id": resident.id})
-    return resident
 
 
 # Claims serialise here within a process (SQLite has no row locks: embedded mode is one
@@ -280,8 +140,6 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
     first (``_claim_load``); a caller that loses the claim gets ``LoadInProgress`` (or
     model_busy while something else moves) and no job row of its own.
     """
-    from core.engine_client import resolve_device_and_dtype
-
     try:
         model_jobs_reap()  # a load whose worker died must not block this one for ever
         model.refresh_from_db()
@@ -558,8 +416,6 @@ def _check_fits_early(model: Model, resident: Model | None) -> None:
     """The memory-fit refusal at the request, before a job is queued (the load's job
     decides again with what is free when it runs); skipped while no engine can say where
     it would load (distributed mode, engine down: the job decides)."""
-    from core.engine_client import resolve_device_and_dtype
-
     try:
         device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
                                                  settings.MILLM_ENGINE_DTYPE)
@@ -603,151 +459,3 @@ def _model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     job = job_create(kind=Job.Kind.MODEL_UNLOAD, target=model.name, model=model)
     jobs.enqueue("orchestration.tasks.model_unload_task", job.id, queue="loads")
     return job
-
-
-def _check_sae_ready(sae: SAE) -> None:
-    if sae.status not in (SAE.Status.READY, SAE.Status.ATTACHED) or not sae.local_path:
-        raise SAEInvalid(f"SAE {sae.id} is not ready to attach (status {sae.status})",
-                         details={"sae_id": sae.id, "status": sae.status})
-
-
-def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
-    """Attach several (SAE, layer) pairs, all or nothing.
-
-    Idempotent per (sae_id, layer): a pair that is already attached is left as it is and
-    reported again; only the new pairs reach the engine, in one all-or-nothing call.
-    """
-
-    model = model_loaded()
-    if model is None:
-        raise ModelNotLoaded("No model is loaded; load one before attaching an SAE")
-    ordered: list[tuple[SAE, int]] = []
-    seen: set[tuple[str, int]] = set()
-    for sae, layer in items:
-        if (sae.id, int(layer)) not in seen:
-            seen.add((sae.id, int(layer)))
-            ordered.append((sae, int(layer)))
-    for sae, _ in ordered:
-        _check_sae_ready(sae)
-    existing = {(a.sae_id, a.layer): a for a in Attachment.objects.filter(model=model)}
-    new = [(sae, layer) for sae, layer in ordered if (sae.id, layer) not in existing]
-    specs = [AttachSpec(sae_id=sae.id, path=sae.local_path, layer=layer,
-                        layout=sae.format or None) for sae, layer in new]
-    if new:
-        from core.engine_client import resolve_device_and_dtype
-
-        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
-                                                 settings.MILLM_ENGINE_DTYPE)
-        check_saes_fit([sae for sae, _ in new], model=model, device=device, dtype=dtype)
-    try:
-        fresh = _engine().attach_set(specs) if specs else []
-    except EngineError as exc:
-        raise from_engine_error(exc) from exc
-    by_key = {(r.sae_id, r.layer): r for r in fresh}
-    with transaction.atomic():
-        for (sae, _), result in zip(new, fresh, strict=True):
-            Attachment.objects.update_or_create(
-                sae=sae, layer=result.layer,
-                defaults={"model": model, "layer_module_path": result.layer_module_path,
-                          "hook_point": result.hook_point})
-            SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ATTACHED,
-                                                 updated_at=timezone.now())
-        # Attaching locks the model, so a steered session cannot be swapped out under it.
-        if fresh:
-            Model.objects.filter(pk=model.pk).update(locked=True, updated_at=timezone.now())
-    for result in fresh:
-        events.publish("sae:attached", {"sae_id": result.sae_id, "layer": result.layer,
-                                        "layer_module_path": result.layer_module_path,
-                                        "hook_point": result.hook_point,
-                                        "model_id": model.id,
-                                        "warnings": list(result.warnings)})
-    results = []
-    for sae, layer in ordered:
-        result = by_key.get((sae.id, layer))
-        if result is None:
-            row = existing[(sae.id, layer)]
-            result = AttachResult(sae_id=sae.id, layer=layer,
-                                  layer_module_path=row.layer_module_path, d_in=sae.d_in or 0,
-                                  d_sae=sae.d_sae or 0, activation=sae.activation,
-                                  layout=sae.format, warnings=[],
-                                  hook_point=row.hook_point)
-        results.append(result)
-    return results
-
-
-def sae_attach(*, sae: SAE, layer: int) -> Any:
-    """Attach one SAE at one layer; attaching the same pair again is refused (409)."""
-    if Attachment.objects.filter(sae=sae, layer=layer).exists():
-        raise SAEAlreadyAttached(f"SAE {sae.id} is already attached at layer {layer}",
-                                 details={"sae_id": sae.id, "layer": layer})
-    return sae_attach_set(items=[(sae, layer)])[0]
-
-
-def sae_detach(*, sae: SAE, layer: int | None = None) -> list[tuple[str, int]]:
-
-    if not Attachment.objects.filter(sae=sae, **({} if layer is None else {"layer": layer})
-                                     ).exists():
-        raise SAENotAttached(f"SAE {sae.id} is not attached"
-                             + ("" if layer is None else f" at layer {layer}"),
-                             details={"sae_id": sae.id, "layer": layer})
-    try:
-        keys = _engine().detach(sae.id, layer)
-    except EngineError as exc:
-        if getattr(exc, "code", "") != "sae_not_attached":
-            raise from_engine_error(exc) from exc
-        keys = []  # the engine already lost it (restart); the rows catch up below
-    for _, key_layer in keys or [(sae.id, layer)]:
-        attachment_forget(sae_id=sae.id, layer=key_layer)
-    for sae_id, key_layer in keys:
-        events.publish("sae:detached", {"sae_id": sae_id, "layer": key_layer,
-                                        "reason": "detach"})
-    return keys
-
-
-@transaction.atomic
-def attachment_forget(*, sae_id: str, layer: int | None) -> None:
-    """Record that an attachment is gone (detach, or the engine dropped it after an OOM)."""
-
-    qs = Attachment.objects.filter(sae_id=sae_id)
-    if layer is not None:
-        qs = qs.filter(layer=layer)
-    model_ids = set(qs.values_list("model_id", flat=True))
-    live_forget(attachments=qs)  # detaching clears the attachment's live steering
-    qs.delete()
-    if not Attachment.objects.filter(sae_id=sae_id).exists():
-        SAE.objects.filter(pk=sae_id).update(status=SAE.Status.READY, updated_at=timezone.now())
-    for model_id in model_ids:
-        if not Attachment.objects.filter(model_id=model_id).exists():
-            # the lock attaching took goes with the last SAE; an operator's own lock stays
-            Model.objects.filter(pk=model_id, locked_by_operator=False).update(
-                locked=False, updated_at=timezone.now())
-
-
-def sae_check_compatibility(*, sae: SAE, layer: int) -> dict[str, Any]:
-    """Dry run of an attach: errors (refusals) and warnings, nothing changed."""
-
-    _check_sae_ready(sae)
-    if model_loaded() is None:
-        raise ModelNotLoaded("No model is loaded; compatibility is judged against the "
-                             "loaded model")
-    try:
-        report = _engine().check_sae(sae.local_path, layer, layout=sae.format or None)
-    except EngineError as exc:
-        raise from_engine_error(exc) from exc
-    return {"compatible": bool(report.compatible), "errors": list(report.errors),
-            "warnings": list(report.warnings)}
-
-
-def circuit_activate(*, circuit: Any, acknowledge_unvalidated: bool = False,
-                     allow_layer_overlap: bool = False, intensity: Any = None) -> Any:
-    """Activate a circuit: its checks (steering), every member SAE attached all or nothing,
-    then its live steering (steering again). Nothing changes unless every check passed."""
-    items, lam = circuit_activation_plan(
-        circuit=circuit, acknowledge_unvalidated=acknowledge_unvalidated,
-        allow_layer_overlap=allow_layer_overlap, intensity=intensity)
-    try:
-        sae_attach_set(items=items)
-    except (SAEInvalid, SAENotFound) as exc:
-        raise circuit_set_incomplete(items, exc) from exc
-    return circuit_mark_active(circuit=circuit, items=items, intensity=lam,
-                               allow_layer_overlap=allow_layer_overlap)
