@@ -8,7 +8,7 @@ Importing this package imports nothing else; each module is a small, named door:
 ``codec``       JSON and JSON-native values of messages, refusals as ``InvalidParameter``
 ``sampling``    sampling parameters, structured output
 ``steering``    steering specs, feature controls, the canonical steering hash
-``monitoring`` monitor specs and activation records
+``monitoring``  monitor specs and activation records
 ``capture``     hidden-state and attention capture specs and results
 ``jobs``        generation, embedding, scoring and hidden-state jobs; load and attach options
 ``results``     command results, generation events, engine status
