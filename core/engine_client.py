@@ -358,7 +358,7 @@ class EmbeddedEngineClient(EngineClient):
 
     def __init__(self, *, on_event: Callable[[EngineEvent], None] | None = None,
                  drain_timeout_s: float | None = None) -> None:
-        from gpu_engine.engine import Engine
+        from gpu_engine.runtime.engine import Engine
 
         self._engine = Engine(on_event=on_event,
                               drain_timeout_s=drain_timeout_s or settings.GRACEFUL_UNLOAD_TIMEOUT,

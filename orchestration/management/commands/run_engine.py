@@ -97,7 +97,7 @@ class Command(BaseCommand):
         import redis
 
         from core.engine_client import batching_options, idle_release_s
-        from gpu_engine.engine import Engine
+        from gpu_engine.runtime.engine import Engine
         from gpu_engine.server.server import EngineAlreadyRunning, EngineServer
 
         stop = threading.Event()
