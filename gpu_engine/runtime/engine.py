@@ -29,12 +29,11 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import requests
 from ..api.commands import check_implements
 from ..backends.base import CompilesGrammars, ReadsHiddenStates
-from ..decode.grammar import GRAMMAR_WORKERS, GrammarBuilder
 from ..errors import EngineError, EngineShutdown, GenerationFailed, InsufficientMemory, InvalidParameter
 from ..interp.hooks import HookManager
 from ..protocol import (
@@ -59,6 +58,9 @@ from .loading import ModelLoading
 from .scheduler import BatchScheduler
 from .stream import GenerationStream
 from .worker import _WORK, Arrival, _priority
+
+if TYPE_CHECKING:
+    from ..decode.grammar import GrammarBuilder
 
 log = logging.getLogger("gpu_engine")
 
@@ -204,6 +206,9 @@ class Engine(ModelLoading):
             self._submit(lambda: self._run_generation(job, stream), _priority(job.priority), on_drop=dropped)
 
     def _builder(self) -> GrammarBuilder:
+        # here, not at the top: it imports xgrammar, which only a structured request needs
+        from ..decode.grammar import GRAMMAR_WORKERS, GrammarBuilder
+
         with self._state_lock:
             if self._grammar_builder is None:
                 self._grammar_builder = GrammarBuilder(timeout_s=self.structured_timeout_s)

@@ -23,18 +23,20 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import torch
 
 from ..backends.base import CachesRows, ModelBackend, ReleasesCachedMemory
-from ..decode.grammar import GrammarBuilder
 from ..errors import EngineBusy, EngineError, EngineShutdown, GenerationFailed, ModelNotLoaded
 from ..interp.hooks import HookManager
 from ..protocol import BatchingOptions, EngineEvent, LoadModelJob
 from .attachments import Attachment
 from .drain import WorkLedger
 from .scheduler import BatchScheduler
+
+if TYPE_CHECKING:
+    from ..decode.grammar import GrammarBuilder
 
 log = logging.getLogger("gpu_engine")
 
