@@ -4,7 +4,7 @@
 when its name is a name in the code (``settings.X``, ``CONFIG.X``) or a whole string literal
 (``getattr(settings, "X")``, ``os.environ["X"]``); a comment, a docstring or a message that
 mentions it does not count. Templates, scripts and JavaScript count the name as a word. The
-declarations (``millm_site/config.py``), the
+declarations (``millm_site/config_variables.py``, parsed by ``millm_site/config.py``), the
 settings module that only re-exports names (``millm_site/settings/engine.py``), tests and
 docs do not count. A variable of the original's reference that nothing reads yet is
 declared ``unbuilt`` and refused at start-up unless left as it is.
@@ -17,8 +17,9 @@ from functools import lru_cache
 
 from millm_site.config import BASE_DIR, VARIABLES
 
-NOT_READERS = ("millm_site/config.py", "millm_site/config_readers.py",
-               "millm_site/settings/engine.py", "millm_site/test_settings.py")
+NOT_READERS = ("millm_site/config.py", "millm_site/config_variables.py",
+               "millm_site/config_readers.py", "millm_site/settings/engine.py",
+               "millm_site/test_settings.py")
 # variables whose effect the declarations module builds itself (Config.database turns
 # DATABASE_URL into Django's DATABASES), so no other file names them
 BUILT_IN_CONFIG = {"DATABASE_URL": "millm_site/config.py"}
