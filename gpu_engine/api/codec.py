@@ -16,7 +16,7 @@ import msgspec
 from msgspec import inspect as mi
 
 from .errors import InvalidParameter
-from .fields import param_name
+from .fields import decoding, param_name
 
 T = TypeVar("T")
 
@@ -46,7 +46,8 @@ def from_json(data: bytes | str, type_: type[T] | Any) -> T:
     """The typed value ``type_`` decoded from JSON; unknown fields are ignored (a web
     process and an engine of another build can still talk)."""
     try:
-        return msgspec.json.decode(data, type=type_)
+        with decoding():
+            return msgspec.json.decode(data, type=type_)
     except msgspec.ValidationError as exc:
         raise _invalid(exc, type_) from None
     except msgspec.DecodeError as exc:
@@ -62,7 +63,8 @@ def from_builtins(data: Any, type_: type[T] | Any) -> T:
     """The typed value ``type_`` from JSON-native Python values (``json.loads`` output)."""
     try:
         # not strict: after json.loads, integer dict keys (feature indices) are strings
-        return msgspec.convert(data, type_, strict=False)
+        with decoding():
+            return msgspec.convert(data, type_, strict=False)
     except msgspec.ValidationError as exc:
         raise _invalid(exc, type_) from None
 

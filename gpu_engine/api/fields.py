@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Annotated, Any
 
@@ -204,7 +206,8 @@ def _field_check(cls: type, field: mi.Field) -> Check | None:
                 raise InvalidParameter(f"{param} must be a list, got {type(value).__name__}", param=param)
             if length is not None:
                 length(value)
-            return value if item is None else [item(x) for x in value]
+            # a copy, as every container a struct keeps: the caller's list stays the caller's
+            return list(value) if item is None else [item(x) for x in value]
     elif isinstance(t, mi.DictType):
         key = _scalar(t.key_type, param_name(cls, field.name, "key"))
         val = _scalar(t.value_type, param_name(cls, field.name, "value"))
@@ -224,11 +227,26 @@ def _field_check(cls: type, field: mi.Field) -> Check | None:
 
 
 _CHECKS: dict[type, tuple[tuple[str, Check], ...]] = {}
+# set while msgspec decodes: it has applied the same constraints already
+_DECODING: ContextVar[bool] = ContextVar("decoding", default=False)
+
+
+@contextmanager
+def decoding() -> Iterator[None]:
+    """Structs built inside are being decoded by msgspec (``gpu_engine.api.codec``), which
+    has checked their declared constraints: ``check_fields`` leaves them be."""
+    token = _DECODING.set(True)
+    try:
+        yield
+    finally:
+        _DECODING.reset(token)
 
 
 def check_fields(obj: msgspec.Struct) -> None:
     """Refuse (``InvalidParameter``) a field outside its declared constraints, and keep
     each value as declared (an integer given for a float field becomes a float)."""
+    if _DECODING.get():
+        return
     cls = type(obj)
     checks = _CHECKS.get(cls)
     if checks is None:

@@ -86,8 +86,6 @@ class SamplingParams(msgspec.Struct):
     prompt gets what room is left).
     """
 
-    _names = {"stop_token_ids": "stop_token_ids"}
-
     max_tokens: Positive | None = 16
     temperature: Annotated[float, TEMPERATURE.meta] = 1.0
     top_p: Annotated[float, TOP_P.meta] = 1.0
