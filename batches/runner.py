@@ -45,6 +45,7 @@ from django.utils import timezone
 from batches import services
 from batches.lines import Answer, Unavailable, answer_line
 from batches.models import Batch, BatchLine
+from core.jobs import enqueue
 from inference.errors import OpenAIError
 from monitoring.ownership import ANONYMOUS, Scope
 
@@ -213,8 +214,6 @@ def batches_resume(*, force: bool) -> int:
     """Queue a runner for every batch not finished (a start-up: embedded, this process was
     the runner, ``force``; a Celery worker, the runner of a batch whose heartbeat stops is
     presumed dead once it is stale). Returns how many were queued."""
-    from core.jobs import enqueue
-
     ids = list(Batch.objects.exclude(status__in=Batch.TERMINAL).values_list("id", flat=True))
     for batch_id in ids:
         enqueue("batches.tasks.batch_run_task", batch_id, force=force, queue="batches")

@@ -16,14 +16,13 @@ import threading
 import structlog
 from django.conf import settings
 
+from batches.services import batches_sweep
 from core.periodic import Periodic
 
 log = structlog.get_logger(__name__)
 
 
 def _sweep() -> dict[str, int]:
-    from batches.services import batches_sweep
-
     return batches_sweep()
 
 

@@ -12,6 +12,9 @@ from __future__ import annotations
 from celery import shared_task
 from celery.signals import worker_ready
 
+from batches.runner import batch_run, batches_resume
+from batches.sweeper import sweeper_start
+
 # a batch runs up to its 24 h completion window; the default limits are a download's
 WINDOW_S = 24 * 3600
 
@@ -19,8 +22,6 @@ WINDOW_S = 24 * 3600
 @shared_task(name="batches.tasks.batch_run_task", acks_late=True, reject_on_worker_lost=True,
              soft_time_limit=WINDOW_S + 600, time_limit=WINDOW_S + 900)
 def batch_run_task(batch_id: str, force: bool = False) -> str:
-    from batches.runner import batch_run
-
     return batch_run(batch_id=batch_id, force=force)
 
 
@@ -39,8 +40,6 @@ def _resume_batches(sender=None, **kwargs) -> None:  # noqa: ANN001
     import structlog
     from django.db import connections
 
-    from batches.runner import batches_resume
-    from batches.sweeper import sweeper_start
 
     if sender is not None and not _consumes_batches(sender):
         return

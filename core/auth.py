@@ -33,7 +33,9 @@ import structlog
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
+from core.errors import Forbidden
 from core.middleware import LoopMiddleware
+from core.openai_errors import OpenAIError, openai_error_response
 
 log = structlog.get_logger(__name__)
 
@@ -173,19 +175,14 @@ def _forbidden_message(what: str) -> str:
 def _forbidden_error(path: str, what: str) -> Exception:
     message = _forbidden_message(what)
     if path.startswith("/v1"):
-        from core.openai_errors import OpenAIError
-
         return OpenAIError(message, status=403, code="insufficient_permissions",
                            type="permission_error")
-    from core.errors import Forbidden
 
     return Forbidden(message)
 
 
 def _refusal(path: str, status: int, reason: str) -> HttpResponse:
     if path.startswith("/v1"):
-        from core.openai_errors import OpenAIError, openai_error_response
-
         code, kind = (("invalid_api_key", "authentication_error") if status == 401 else
                       ("insufficient_permissions", "permission_error"))
         response = openai_error_response(OpenAIError(reason, status=status, code=code,

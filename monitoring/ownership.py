@@ -12,6 +12,8 @@ from typing import Any
 
 from django.db.models import QuerySet
 
+from core.auth import principal
+
 ANONYMOUS = "anonymous"
 OWNER_MAX_CHARS = 80  # "anonymous" or "key:<label>" (core.auth: labels up to 64)
 
@@ -30,8 +32,6 @@ class Scope:
 
     @classmethod
     def of_request(cls, request: Any) -> Scope:
-        from core.auth import principal
-
         return cls.of(principal(request))
 
     def filter(self, qs: QuerySet) -> QuerySet:

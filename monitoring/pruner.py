@@ -16,13 +16,12 @@ import structlog
 from django.conf import settings
 
 from core.periodic import Periodic
+from monitoring.services import capture_prune
 
 log = structlog.get_logger(__name__)
 
 
 def _prune() -> dict[str, int]:
-    from monitoring.services import capture_prune
-
     return capture_prune()
 
 

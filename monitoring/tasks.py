@@ -7,6 +7,8 @@ from typing import Any
 
 from celery import shared_task
 
+from monitoring.ownership import Scope
+
 
 # acks early: a worker lost mid-analysis is not retried (its caller has stopped waiting by
 # the time a redelivery would run); the result waits in the result backend to be read
@@ -17,7 +19,6 @@ def analysis_run_task(asked: list[list[Any]], source: dict[str, str] | None,
     may read (absent: a task queued before scopes existed, which reads none but its own
     anonymous owner's)."""
     from monitoring.analysis import run_shipped
-    from monitoring.ownership import Scope
 
     owner, sees_all = scope if scope else ("anonymous", False)
     return run_shipped(asked, source, strict=strict,

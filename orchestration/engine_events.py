@@ -8,14 +8,14 @@ from django.db import close_old_connections
 
 from core import events
 from gpu_engine.api.protocol import EngineEvent
+from orchestration import services
+from registry.models import Model
 
 log = structlog.get_logger(__name__)
 
 
 def handle(event: EngineEvent) -> None:
     if event.name == "sae:detached" and event.data.get("reason") == "out_of_memory":
-        from orchestration import services
-
         close_old_connections()
         try:
             services.attachment_forget(sae_id=event.data["sae_id"], layer=event.data["layer"])
@@ -28,7 +28,6 @@ def handle(event: EngineEvent) -> None:
         log.error("engine_out_of_memory", detached=event.data.get("detached"))
     elif event.name == "memory:released":
         # TRANSFORMERS_IDLE_CACHE_RELEASE_S: the operator's dashboards see it happen
-        from registry.models import Model
 
         name = event.data.get("model_id")  # the engine knows its model by name
         close_old_connections()

@@ -19,6 +19,13 @@ from typing import Any
 import structlog
 from django.conf import settings
 
+from core.engine_client import _resolve_here
+from gpu_engine.api.errors import EngineError
+from gpu_engine.api.protocol import AttachSpec
+from orchestration import services
+from registry.models import Attachment, Model
+from registry.services import model_set_status
+
 log = structlog.get_logger("millm.engine")
 
 
@@ -31,8 +38,6 @@ class RecordedState:
 
 
 def recorded_state() -> RecordedState:
-    from registry.models import Attachment, Model
-
     model = Model.objects.filter(status=Model.Status.LOADED).order_by("-loaded_at").first()
     if model is None:
         return RecordedState()
@@ -41,10 +46,6 @@ def recorded_state() -> RecordedState:
 
 
 def _forget(state: RecordedState, message: str) -> None:
-    from orchestration import services
-    from registry.models import Model
-    from registry.services import model_set_status
-
     for row in state.attachments:
         services.attachment_forget(sae_id=row.sae_id, layer=row.layer)
     model_set_status(model=state.model, status=Model.Status.ERROR, error=message)
@@ -55,11 +56,6 @@ def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int],
     """Load the recorded model into ``engine`` (an ``Engine`` or an engine client) and
     attach its SAEs. ``begin_restore`` counts this attempt and returns the count (it must
     survive a crash of this process); ``end_restore`` clears it."""
-    from core.engine_client import _resolve_here
-    from gpu_engine.api.errors import EngineError
-    from gpu_engine.api.protocol import AttachSpec
-    from orchestration import services
-
     state = recorded_state()
     if state.model is None:
         log.info("engine_restore_nothing_recorded")

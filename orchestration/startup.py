@@ -14,10 +14,13 @@ from django.db.models import Q
 
 from core import jobs
 from core.errors import ValidationFailed
+from core.runtime import runtime
 from orchestration import services
+from orchestration.restore import restore_recorded_state
 from registry.errors import SAENotFound
 from registry.maintenance import model_by_name_or_id
 from registry.models import SAE, Job, Model
+from registry.selectors import model_loaded
 
 log = structlog.get_logger(__name__)
 
@@ -62,8 +65,6 @@ def application_start(*, auto_load_model: bool = True) -> None:
         if _started:
             return
         _started = True
-    from core.runtime import runtime
-    from orchestration.restore import restore_recorded_state
     from registry.maintenance import startup_reconcile
 
     startup_reconcile()
@@ -82,8 +83,6 @@ def auto_load() -> Job | None:
     one a restart just restored, with its attachments and steering), AUTO_LOAD_MODEL and
     AUTO_ATTACH_SAES are not applied, and the log says so. Swapping it out would throw
     that state away, and a locked or leased model could not be swapped at all."""
-    from registry.selectors import model_loaded
-
     name = settings.AUTO_LOAD_MODEL
     if not name:
         return None
