@@ -33,7 +33,8 @@ _ENCODER = msgspec.json.Encoder(enc_hook=_enc_hook)
 # msgspec's messages end "- at `$.a.b[0]`", or "- at `key` in `$.a.d`" for a dict key
 _WHERE = re.compile(r" - at `(?:(?P<key>key)` in `)?\$\.?(?P<path>[^`]*)`$")
 # a value outside a declared constraint (a range, a length, a literal), not a wrong shape
-_RANGE = re.compile(r"^(Expected `\w+`( of length)? [<>]=? |Expected `str` matching|Number out of range|Invalid enum value)")
+_RANGE = re.compile(r"^(Expected `\w+`( of length)? [<>]=? |Expected `str` matching"
+                    r"|Number out of range|Invalid enum value)")
 _STEP = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
 
 

@@ -195,7 +195,8 @@ class SteeringSpec(msgspec.Struct):
             for index, strength in e.features.items():
                 if strength == 0:
                     continue
-                lines.append((e.sae_id.encode(), e.layer, index, f"{e.sae_id}\t{e.layer}\t{index}\t{_bits(strength)}\n"))
+                line = f"{e.sae_id}\t{e.layer}\t{index}\t{_bits(strength)}\n"
+                lines.append((e.sae_id.encode(), e.layer, index, line))
             for c in e.controls:
                 if not c.no_op:
                     lines.append((e.sae_id.encode(), e.layer, c.index, c.canonical_line(e.sae_id, e.layer)))
