@@ -48,6 +48,7 @@ from gpu_engine.api.commands import (
     check_implements,
 )
 from gpu_engine.api.errors import EngineBusy
+from gpu_engine.api.host import host_memory
 from gpu_engine.api.protocol import (
     AttachmentKey,
     AttachmentStatus,
@@ -223,8 +224,6 @@ class EngineClient(ABC):
         """Free bytes on ``device`` of the engine's host (a CUDA card, or ``cpu``: the
         host's available memory); None when unknown."""
         if device == "cpu":
-            from gpu_engine.api.host import host_memory
-
             mem = host_memory()
             return mem["free"] if mem is not None else None
         if not device.startswith("cuda"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from django.contrib import admin
 
+from core.errors import MillmError
+from core.runtime import runtime
 from monitoring.models import (
     ActivationRecord,
     MonitoringConfig,
@@ -11,6 +13,7 @@ from monitoring.models import (
     ProbeVerdict,
     SensingArm,
 )
+from monitoring.probes import probe_arm
 
 
 @admin.register(MonitoringConfig)
@@ -57,10 +60,6 @@ class ProbeAdmin(admin.ModelAdmin):
         return False
 
     def _set(self, request, queryset, armed: bool) -> None:
-        from core.errors import MillmError
-        from core.runtime import runtime
-        from monitoring.probes import probe_arm
-
         status = runtime().engine.status()
         for row in queryset:
             try:

@@ -18,7 +18,7 @@ from core.runtime import runtime
 from orchestration import services
 from orchestration.restore import restore_recorded_state
 from registry.errors import SAENotFound
-from registry.maintenance import model_by_name_or_id
+from registry.maintenance import model_by_name_or_id, startup_reconcile
 from registry.models import SAE, Job, Model
 from registry.selectors import model_loaded
 
@@ -65,7 +65,6 @@ def application_start(*, auto_load_model: bool = True) -> None:
         if _started:
             return
         _started = True
-    from registry.maintenance import startup_reconcile
 
     startup_reconcile()
     if settings.EMBEDDED:

@@ -12,6 +12,7 @@ from core.errors import SAEInvalid
 from gpu_engine.api.errors import EngineError
 from gpu_engine.api.host import inspect_model_dir
 from gpu_engine.api.sae import read_sae_metadata
+from registry import sizing
 from registry.access import check_under_roots
 from registry.errors import InvalidLocalPath, ModelInvalid
 from registry.hub_files import gguf_quant, gguf_quantization
@@ -60,7 +61,6 @@ def dir_size(path: Path) -> int:
 def describe_transformers_dir(path: Path, quantization: str | None = None) -> dict[str, Any]:
     import json
 
-    from registry import sizing
 
     try:
         info = inspect_model_dir(path)

@@ -13,6 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from core.errors import ValidationFailed
+from gpu_engine.api.host import backend_names
 from registry import access, describe
 from registry.access import check_remote_code
 from registry.errors import (
@@ -100,8 +101,6 @@ def model_register_local(*, local_path: str, name: str | None = None,
 
 
 def check_backend_name(backend: str) -> None:
-    from gpu_engine.api.host import backend_names
-
     if backend and backend not in backend_names():
         message = f"unknown backend {backend!r}; known: {', '.join(backend_names())}"
         raise ValidationFailed(message, details={"fields": {"backend": [message]},
