@@ -40,10 +40,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("gpu_engine")
 
-
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
-# STRUCTURED_COMPILE_TIMEOUT_S: the longest a request's grammar may take to build
-DEFAULT_STRUCTURED_TIMEOUT_S = 10.0
 # while an idle batch waits for announced requests, the worker looks again this often
 # (and at once when one is withdrawn: ``_WAKE``)
 _GATHER_POLL_S = 0.005
