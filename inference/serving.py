@@ -8,6 +8,9 @@ here, in ``inference.planning`` or in the resolvers it calls (``steering.service
 ``inference.activations``).
 The engine is reached only through ``EngineClient`` (``agenerate`` for generation, other
 calls on a worker thread), so the event loop never blocks.
+
+Its parts: a choice run and finished (``inference.outcomes``), the JSON body
+(``inference.shaping``), the SSE stream (``inference.streaming``); re-exported here.
 """
 
 from __future__ import annotations
