@@ -127,6 +127,8 @@ class EngineWorker:
     _grammar_builder: GrammarBuilder | None
     _grammar_threads: ThreadPoolExecutor | None
     _thread: threading.Thread
+    # unloads the resident model on shutdown (``runtime.loading.ModelLoading``)
+    _unload: Callable[[], None]
 
     def _worker(self) -> None:
         while True:
