@@ -23,7 +23,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.batching_engine import asset_root, prompt  # noqa: E402
 from gpu_engine.engine import Engine  # noqa: E402
-from gpu_engine.protocol import (  # noqa: E402
+from gpu_engine.api.protocol import (  # noqa: E402
     BatchingOptions,
     CaptureSpec,
     GenerationJob,

@@ -40,7 +40,7 @@ import torch
 from benchmarks.one_team import on_engine, passing
 from gpu_engine.assets import build_sae, ensure_assets
 from gpu_engine.engine import Engine
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     AttachSpec,
     GenerationJob,
     LoadModelJob,

@@ -51,7 +51,7 @@ import numpy as np  # noqa: E402
 from benchmarks.bandwidth import copy_bandwidth, limit_tok_s  # noqa: E402
 from benchmarks.one_team import in_processes, passing  # noqa: E402
 from gpu_engine.assets import build_sae, demo_gguf_path, ensure_assets  # noqa: E402
-from gpu_engine.protocol import (  # noqa: E402
+from gpu_engine.api.protocol import (  # noqa: E402
     AttachSpec,
     BatchingOptions,
     GenerationJob,

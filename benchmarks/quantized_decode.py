@@ -32,7 +32,7 @@ import torch
 
 from gpu_engine.assets import ensure_assets
 from gpu_engine.engine import Engine
-from gpu_engine.protocol import GenerationJob, LoadModelJob, SamplingParams
+from gpu_engine.api.protocol import GenerationJob, LoadModelJob, SamplingParams
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MODES = ("fp32", "Q8", "Q4")

@@ -53,7 +53,7 @@ def main() -> None:
     sys.path.insert(0, str(args.repo.resolve()))
 
     from gpu_engine.engine import Engine
-    from gpu_engine.protocol import GenerationJob, LoadModelJob, SamplingParams
+    from gpu_engine.api.protocol import GenerationJob, LoadModelJob, SamplingParams
 
     root = Path(os.environ.get("MILLM_TEST_ASSET_DIR") or HERE / ".cache" / "test-assets")
     load = LoadModelJob(args.model, str(root / "models" / args.model), dtype="float32", device="cpu")
@@ -61,7 +61,7 @@ def main() -> None:
         load = LoadModelJob(args.model, load.path, dtype="float32", device="cpu", options={"pack_cpu_weights": False})
     extra = None
     if args.via_batching or args.beside_idle_batching:
-        from gpu_engine.protocol import BatchingOptions
+        from gpu_engine.api.protocol import BatchingOptions
 
         extra = Engine(batching=BatchingOptions(enabled=True))
         extra.load_model(load)

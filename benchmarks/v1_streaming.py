@@ -71,7 +71,7 @@ def start_daphne() -> tuple[str, int]:
 
 
 def run_direct(engine, job_args: dict) -> tuple[float, list[float]]:
-    from gpu_engine.protocol import GenerationJob, TokenEvent
+    from gpu_engine.api.protocol import GenerationJob, TokenEvent
 
     started = time.perf_counter()
     stream = engine.generate(GenerationJob(request_id=f"direct-{time.time_ns()}", **job_args))
@@ -120,7 +120,7 @@ def main() -> None:
     data_dir = tempfile.mkdtemp(prefix="millm-bench-v1-")
     setup_django(data_dir)
     from core.runtime import runtime
-    from gpu_engine.protocol import SamplingParams
+    from gpu_engine.api.protocol import SamplingParams
     from orchestration.services import model_load
     from registry.models import Model
     from registry.services import demo_assets_install

@@ -1,6 +1,6 @@
 """The one interface through which the web tier reaches the engine.
 
-``EngineClient`` has one method per command of ``gpu_engine.commands.COMMANDS`` (checked
+``EngineClient`` has one method per command of ``gpu_engine.api.commands.COMMANDS`` (checked
 at import: a command of the table without its method here fails at once), each of which
 builds the command's argument struct and hands it to the transport's ``invoke``. A
 transport implements ``invoke`` only, so it carries every command or none: the embedded
@@ -156,14 +156,14 @@ class EngineClient(ABC):
         if overridden:
             raise TypeError(f"{cls.__qualname__} overrides {overridden}: a transport "
                             "implements invoke() only, so every command goes through "
-                            "gpu_engine.commands")
+                            "gpu_engine.api.commands")
 
     @abstractmethod
     def invoke(self, command: Command, args: Any) -> Any:
         """Run one command of the table with its argument struct; the declared result
         (a ``GenerationHandle`` for the ``stream`` command)."""
 
-    # one method per command of gpu_engine.commands, in the table's order
+    # one method per command of gpu_engine.api.commands, in the table's order
 
     def status(self) -> EngineStatus:
         return self.invoke(COMMANDS["status"], StatusArgs())

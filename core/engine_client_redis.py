@@ -1,7 +1,7 @@
 """The engine client of the distributed topology: Redis Streams to a ``run_engine`` process.
 
 Same interface as ``EmbeddedEngineClient`` (``core.engine_client.EngineClient``): every
-method goes through ``invoke``, which sends a command of ``gpu_engine.commands.COMMANDS``
+method goes through ``invoke``, which sends a command of ``gpu_engine.api.commands.COMMANDS``
 by name with its argument struct as JSON and decodes the command's declared result type.
 No torch: this module, and what it imports, is all a web process needs to reach the engine.
 How a command travels is its lane:

@@ -142,7 +142,7 @@ class UnsupportedQuantization(MillmError):
     code, status = "UNSUPPORTED_QUANTIZATION", 400
 
 
-# Engine error codes (gpu_engine.errors) -> the domain error classes: the one table every
+# Engine error codes (gpu_engine.api.errors) -> the domain error classes: the one table every
 # surface goes through (/api answers the class's code; /v1 maps that code in
 # inference.errors).
 _ENGINE_CODES: dict[str, type[MillmError]] = {

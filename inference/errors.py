@@ -28,7 +28,7 @@ log = structlog.get_logger(__name__)
 
 # --------------------------------------------------------------------------------------
 # Mapping every error a /v1 request can meet onto the OpenAI shape. An engine error
-# (gpu_engine.errors) first becomes its domain error through core.errors' one engine
+# (gpu_engine.api.errors) first becomes its domain error through core.errors' one engine
 # table, as on /api; this table is the only place that decides a domain code's /v1
 # status and code.
 

@@ -82,7 +82,7 @@ def _non_negative(value: list[int] | None, what: str) -> list[int] | None:
 
 class AttentionCaptureRequest(_Strict):
     """``capture.attention``: Q and K of these layers' attention, as it uses them
-    (``gpu_engine.protocol.AttentionCaptureSpec``); K rows at ``positions``, Q rows at
+    (``gpu_engine.api.protocol.AttentionCaptureSpec``); K rows at ``positions``, Q rows at
     ``q_positions`` (the same when omitted)."""
 
     layers: list[int] = Field(min_length=1, max_length=1024)

@@ -341,7 +341,7 @@ def monitoring_record(*, request_id: str, entry: MonitorEntry,
 
 
 def capture_register(*, request_id: str, result: Any, owner: str = ANONYMOUS) -> Any:
-    """The ``Capture`` row of a stored artifact (``gpu_engine.protocol.CaptureResult``)."""
+    """The ``Capture`` row of a stored artifact (``gpu_engine.api.protocol.CaptureResult``)."""
     from datetime import timedelta
 
     from django.conf import settings

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InvalidProbeFile
+from ..api.errors import InvalidProbeFile
 from .registry import AnalysisContext, AnalyzerRegistry, CaptureNeed, check_capture, params_error
 
 EPS = 1e-8
@@ -261,7 +261,7 @@ class HiddenStates:
                 or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)):
             raise params_error(self.name, "layers must list decoder layers")
         positions = params.get("positions", "last" if reduce == "last" else "all")
-        from ..protocol import CAPTURE_POSITIONS
+        from ..api.protocol import CAPTURE_POSITIONS
 
         if positions not in CAPTURE_POSITIONS:
             raise params_error(self.name, f"positions must be one of {CAPTURE_POSITIONS}")

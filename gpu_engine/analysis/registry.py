@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..errors import AnalyzerCaptureMissing, InvalidParameter, UnknownAnalyzer
-from ..protocol import AttentionCaptureSpec, CaptureSpec
+from ..api.errors import AnalyzerCaptureMissing, InvalidParameter, UnknownAnalyzer
+from ..api.protocol import AttentionCaptureSpec, CaptureSpec
 
 # which positions modes hold the rows of which others (gpu_engine.capture.rows_for):
 # ``all`` holds every row; ``prompt`` holds row P-1; ``completion`` holds the last row

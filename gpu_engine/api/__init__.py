@@ -21,9 +21,8 @@ Importing this package imports nothing else; each module is a small, named door:
 ``host``        model-directory inspection, host memory, the names of the backends
 ==============  ===========================================================================
 
-The protocol, the command table and the errors live here (``gpu_engine.protocol``,
-``gpu_engine.commands`` and ``gpu_engine.errors`` re-export them for the engine's own
-modules); ``transport``, ``artifacts``, ``analysis``, ``sae`` and ``host`` still re-export
+The protocol, the command table and the errors live here, and the engine's own modules import
+them from here; ``transport``, ``artifacts``, ``analysis``, ``sae`` and ``host`` still re-export
 from the engine modules that hold the code (issue 32 moves them step by step; the names and
 this package's paths stay). Two contracts keep the door
 (pyproject.toml): Django packages import only ``gpu_engine.api`` from the engine (the

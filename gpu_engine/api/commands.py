@@ -199,7 +199,7 @@ def check_implements(cls: type, *, where: str | None = None) -> None:
             problems.append(f"{cmd.name}{tuple(params)}: the table says {cmd.parameters}")
     if problems:
         raise TypeError(f"{where or cls.__qualname__} does not implement the engine commands "
-                        "as declared in gpu_engine.commands: " + "; ".join(problems))
+                        "as declared in gpu_engine.api.commands: " + "; ".join(problems))
 
 
 __all__ = [

@@ -223,7 +223,7 @@ class EngineEvent(msgspec.Struct):
 class ResultEvent(msgspec.Struct, tag="result", tag_field="type"):
     """The one reply to a command that is not a generation (load, attach, embed, ...):
     ``result`` is the command's declared result type as JSON, decoded by the caller who
-    knows that type (``gpu_engine.commands``)."""
+    knows that type (``gpu_engine.api.commands``)."""
 
     type: ClassVar[str] = "result"
     request_id: str

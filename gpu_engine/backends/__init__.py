@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import BackendUnavailable, InvalidParameter
+from ..api.errors import BackendUnavailable, InvalidParameter
 
 DEFAULT_BACKEND = "transformers"
 

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from ..decode.grammar import Grammars
     from ..interp.capture import AttentionGeometry
     from ..interp.hooks import AttachmentStats, RequestHooks
-    from ..protocol import (
+    from ..api.protocol import (
         AttachmentKey,
         EmbedJob,
         EmbedResult,
@@ -79,7 +79,7 @@ CAPABILITY_KEYS = (
     # batch on that request's row only
     "structured_output",
     # GenerationJob.tools: the chat template renders tools (a backend whose template does
-    # reports it, with ``tool_call_format``: gpu_engine.protocol.TOOL_CALL_FORMATS)
+    # reports it, with ``tool_call_format``: gpu_engine.api.protocol.TOOL_CALL_FORMATS)
     "tool_calling",
 )
 

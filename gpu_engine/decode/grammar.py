@@ -51,8 +51,8 @@ from typing import Any
 import torch
 import xgrammar as xg
 
-from ..errors import ResponseFormatUnsupported, SchemaTooComplex
-from ..protocol import StructuredOutput
+from ..api.errors import ResponseFormatUnsupported, SchemaTooComplex
+from ..api.protocol import StructuredOutput
 
 log = logging.getLogger("gpu_engine.decode.grammar")
 

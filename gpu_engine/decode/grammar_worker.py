@@ -15,7 +15,7 @@ import sys
 
 
 def main() -> None:
-    from ..protocol import StructuredOutput
+    from ..api.protocol import StructuredOutput
     from .grammar import build_grammar
 
     out = sys.stdout

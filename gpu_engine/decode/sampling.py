@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidParameter
-from ..protocol import LogprobEntry, SamplingParams, ScoreJob, ScoreResult
+from ..api.errors import InvalidParameter
+from ..api.protocol import LogprobEntry, SamplingParams, ScoreJob, ScoreResult
 
 
 class Sampler:

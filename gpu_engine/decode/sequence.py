@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ..errors import InvalidParameter
+from ..api.errors import InvalidParameter
 from ..hooks import RequestHooks
-from ..protocol import (
+from ..api.protocol import (
     ActivationRecord,
     FinishEvent,
     LogprobEntry,

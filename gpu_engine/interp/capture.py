@@ -40,7 +40,7 @@ import msgspec
 import torch
 
 from ..artifacts import FORMAT, SIDECAR_KEY, write_files
-from ..protocol import CaptureResult, CaptureSpec
+from ..api.protocol import CaptureResult, CaptureSpec
 
 ROW_META_BYTES = 16  # positions + token_ids, int64 each
 QK_ROW_META_BYTES = 8  # q_positions / k_positions, int64

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..protocol import FeatureControl
+from ..api.protocol import FeatureControl
 from ..sae.module import SAE, SelectedEncoder
 
 # "no upper end" for a position range

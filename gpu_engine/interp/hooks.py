@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..protocol import (
+from ..api.protocol import (
     ActivationRecord,
     AttachmentKey,
     FeatureActivation,

@@ -21,8 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import CaptureStoreFull, CaptureTooLarge, InvalidParameter, SAENotAttached
-from ..protocol import AttachmentKey, GenerationJob, MonitorEntry, SteeringEntry
+from ..api.errors import CaptureStoreFull, CaptureTooLarge, InvalidParameter, SAENotAttached
+from ..api.protocol import AttachmentKey, GenerationJob, MonitorEntry, SteeringEntry
 from ..sae.module import SAE
 from .capture import CapturePlan, estimate_bytes
 from .controls import ControlTable, control_range

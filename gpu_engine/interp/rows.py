@@ -26,7 +26,7 @@ from collections.abc import Iterable, Sequence
 import numpy as np
 import torch
 
-from ..protocol import AttachmentKey
+from ..api.protocol import AttachmentKey
 from .controls import ControlTable
 from .hooks import BatchContext, RequestHooks, Segment
 

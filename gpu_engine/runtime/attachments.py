@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..backends.base import ModelBackend
-from ..errors import InsufficientMemory
+from ..api.errors import InsufficientMemory
 from ..interp.hooks import AttachmentStats
-from ..protocol import AttachmentKey, AttachmentStatus, AttachSpec
+from ..api.protocol import AttachmentKey, AttachmentStatus, AttachSpec
 from ..sae import check_compatibility
 from ..sae.layouts import config_at_layer, resolve_layout
 from ..sae.module import SAE

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import EngineBusy
+from ..api.errors import EngineBusy
 from .stream import GenerationStream
 
 log = logging.getLogger("gpu_engine")

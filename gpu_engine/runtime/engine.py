@@ -34,9 +34,9 @@ from typing import TYPE_CHECKING, Any
 from .. import requests
 from ..api.commands import check_implements
 from ..backends.base import CompilesGrammars, ReadsHiddenStates
-from ..errors import EngineError, EngineShutdown, GenerationFailed, InsufficientMemory, InvalidParameter
+from ..api.errors import EngineError, EngineShutdown, GenerationFailed, InsufficientMemory, InvalidParameter
 from ..interp.hooks import HookManager
-from ..protocol import (
+from ..api.protocol import (
     BatchingOptions,
     EmbedJob,
     EmbedResult,

@@ -18,7 +18,7 @@ import torch
 
 from ..backends import get_backend
 from ..backends.base import Closeable, missing_members
-from ..errors import (
+from ..api.errors import (
     EngineError,
     GenerationFailed,
     InsufficientMemory,
@@ -27,7 +27,7 @@ from ..errors import (
     SAEIncompatible,
     SAENotAttached,
 )
-from ..protocol import AttachmentKey, AttachResult, AttachSpec, EngineStatus, GenerationJob, LoadModelJob
+from ..api.protocol import AttachmentKey, AttachResult, AttachSpec, EngineStatus, GenerationJob, LoadModelJob
 from ..sae import CompatibilityReport, check_compatibility
 from ..sae.layouts import config_at_layer, resolve_layout
 from .attachments import Attachment, is_out_of_memory, prepare_attachment

@@ -38,8 +38,8 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..backends.base import BatchBackend, CountsLeanSteps
-from ..errors import EngineBusy, EngineError, ModelNotLoaded
-from ..protocol import BatchingOptions, ErrorEvent, FinishEvent, GenerationJob, Usage
+from ..api.errors import EngineBusy, EngineError, ModelNotLoaded
+from ..api.protocol import BatchingOptions, ErrorEvent, FinishEvent, GenerationJob, Usage
 from .stream import held_deliveries
 
 log = logging.getLogger("gpu_engine.scheduler")  # the name operators' log filters know

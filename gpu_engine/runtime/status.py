@@ -9,7 +9,7 @@ from typing import Any
 from ..backends import backends_report
 from ..backends.base import CachesRows, ModelBackend
 from ..interp.hooks import HookManager
-from ..protocol import AttachmentStatus, EngineStatus
+from ..api.protocol import AttachmentStatus, EngineStatus
 from .worker import EngineWorker
 
 

@@ -17,8 +17,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from ..errors import EngineBusy, EngineError
-from ..protocol import ErrorEvent, FinishEvent, GenerationEvent, GenerationResult
+from ..api.errors import EngineBusy, EngineError
+from ..api.protocol import ErrorEvent, FinishEvent, GenerationEvent, GenerationResult
 
 _held = threading.local()
 

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any, Self
 import torch
 
 from ..backends.base import CachesRows, ModelBackend, ReleasesCachedMemory
-from ..errors import EngineBusy, EngineError, EngineShutdown, GenerationFailed, ModelNotLoaded
+from ..api.errors import EngineBusy, EngineError, EngineShutdown, GenerationFailed, ModelNotLoaded
 from ..interp.hooks import HookManager
-from ..protocol import BatchingOptions, EngineEvent, LoadModelJob
+from ..api.protocol import BatchingOptions, EngineEvent, LoadModelJob
 from .attachments import Attachment
 from .drain import WorkLedger
 from .scheduler import BatchScheduler

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import SAEFormatError
+from ..api.errors import SAEFormatError
 from .hookpoints import DEFAULT_HOOK_POINT, HOOK_POINTS
 
 ACTIVATIONS = ("relu", "jumprelu", "topk", "gated")

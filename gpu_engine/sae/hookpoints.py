@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-from ..errors import SAEFormatError
+from ..api.errors import SAEFormatError
 
 HOOK_POINTS = ("resid_post", "resid_pre", "attn_out", "mlp_out", "mlp_transcoder")
 DEFAULT_HOOK_POINT = "resid_post"

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..archives import ArchiveRefused, npz_members, read_npz, read_safetensors
-from ..errors import ModelLoadFailed, SAEFormatError
+from ..api.errors import ModelLoadFailed, SAEFormatError
 from ..inspect import read_safetensors_header
 from .config import SAEConfig
 from .hookpoints import parse_hook_point

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import InvalidFeatureIndex
+from ..api.errors import InvalidFeatureIndex
 from .config import SAEConfig
 from .layouts import resolve_layout
 

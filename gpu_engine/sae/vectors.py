@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ModelLoadFailed, SAEFormatError, SAEIncompatible
+from ..api.errors import ModelLoadFailed, SAEFormatError, SAEIncompatible
 from ..inspect import read_safetensors_header
 from .config import SAEConfig
 from .hookpoints import DEFAULT_HOOK_POINT

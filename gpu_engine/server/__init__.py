@@ -4,7 +4,7 @@ Framework-free: redis-py and the protocol structs only, no Django and no torch a
 import time (the web tier imports ``keys`` and ``wire`` to talk to the engine).
 
 - ``keys``: every Redis key and stream name, under one prefix.
-- ``wire``: the JSON envelope (a command of ``gpu_engine.commands`` by name, its
+- ``wire``: the JSON envelope (a command of ``gpu_engine.api.commands`` by name, its
   arguments, its deadline) and the events that travel on the streams (never pickle).
 - ``server``: ``EngineServer``, the main loop that a ``run_engine`` process runs around
   an ``Engine``: consumer-group reads with bounded concurrency, acknowledgement only once

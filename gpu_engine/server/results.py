@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from ..errors import EngineError
-from ..protocol import StreamEvent
+from ..api.errors import EngineError
+from ..api.protocol import StreamEvent
 from .keys import Keys
 from .wire import encode_event, error_event
 

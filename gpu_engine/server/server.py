@@ -23,7 +23,7 @@ Delivery semantics (docs/deploy.md has the long form):
   every ``cancel_poll_s`` and cancels the generations whose client left (a disconnect, a
   killed web worker), which then stop before their next decode step.
 
-Commands are dispatched from the one table ``gpu_engine.commands.COMMANDS``: an entry
+Commands are dispatched from the one table ``gpu_engine.api.commands.COMMANDS``: an entry
 names a command, its arguments are decoded into the declared struct and the same
 ``Command.call`` the embedded client uses runs them on the engine; the result goes back
 as JSON of the declared result type. ``state`` commands (``status``) are not sent at all:
@@ -48,15 +48,15 @@ from typing import Any
 
 import redis
 
-from ..commands import COMMANDS, Command, Lane
-from ..errors import (
+from ..api.commands import COMMANDS, Command, Lane
+from ..api.errors import (
     EngineBusy,
     EngineError,
     EngineShutdown,
     GenerationFailed,
     InvalidParameter,
 )
-from ..protocol import ErrorEvent, FinishEvent, StreamEvent, to_builtins
+from ..api.protocol import ErrorEvent, FinishEvent, StreamEvent, to_builtins
 from .keys import Keys
 from .ownership import EngineAlreadyRunning, PrefixOwnership
 from .results import ResultWriter

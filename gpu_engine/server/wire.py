@@ -1,7 +1,7 @@
 """What travels on the engine's streams: JSON of the protocol structs (never pickle).
 
 Every stream entry has one field, ``data``, holding a JSON object encoded by msgspec
-from the typed structs of ``gpu_engine.protocol`` and ``gpu_engine.commands``; unknown
+from the typed structs of ``gpu_engine.api.protocol`` and ``gpu_engine.api.commands``; unknown
 fields are ignored when decoding, so a web process and an engine of another build can
 still read each other.
 
@@ -21,9 +21,9 @@ from typing import Any
 
 import msgspec
 
-from ..commands import COMMANDS, Command
-from ..errors import EngineError, InvalidParameter
-from ..protocol import ErrorEvent, FinishEvent, ResultEvent, StreamEvent, from_json, to_json
+from ..api.commands import COMMANDS, Command
+from ..api.errors import EngineError, InvalidParameter
+from ..api.protocol import ErrorEvent, FinishEvent, ResultEvent, StreamEvent, from_json, to_json
 from .keys import check_id
 
 FIELD = "data"

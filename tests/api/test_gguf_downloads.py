@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_engine.protocol import GenerationJob, SamplingParams
+from gpu_engine.api.protocol import GenerationJob, SamplingParams
 from orchestration import tasks as orchestration_tasks
 from registry import tasks
 from registry.models import Model

@@ -255,7 +255,7 @@ def test_attach_detach_and_attachment_status(api, engine_client, tiny_llama, lla
     refused(api.post(f"/api/models/{tiny_llama.id}/unload"), 409, "MODEL_LOCKED")
 
     # a steered generation makes steering_apply_count visible
-    from gpu_engine.protocol import GenerationJob, SamplingParams, SteeringSpec
+    from gpu_engine.api.protocol import GenerationJob, SamplingParams, SteeringSpec
 
     handle = engine_client.generate(GenerationJob(
         request_id="r1", prompt="hello", sampling=SamplingParams(max_tokens=3, temperature=0),
@@ -417,7 +417,7 @@ def test_unload_goes_ahead_when_requests_outlast_the_grace_period(api, engine_cl
 
 
 def _job(rid: str, max_tokens: int):
-    from gpu_engine.protocol import GenerationJob, SamplingParams
+    from gpu_engine.api.protocol import GenerationJob, SamplingParams
 
     return GenerationJob(rid, prompt="once upon a time", sampling=SamplingParams(
         max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
@@ -476,7 +476,7 @@ def test_transition_selector_for_v1(tiny_llama):
 def test_the_engines_memory_release_event_names_the_model_by_its_id(tiny_llama, published):
     """The engine knows its model by name; the web tier's event carries the registry's
     integer id like every other event (dashboards join on it)."""
-    from gpu_engine.protocol import EngineEvent
+    from gpu_engine.api.protocol import EngineEvent
     from orchestration import engine_events
 
     engine_events.handle(EngineEvent(name="memory:released",

@@ -203,7 +203,7 @@ def test_delete_keeps_the_files(api, tmp_path, settings):
 # --- attach end to end ----------------------------------------------------------------------
 
 def _generate(engine_client, steering=None) -> str:
-    from gpu_engine.protocol import GenerationJob, SamplingParams
+    from gpu_engine.api.protocol import GenerationJob, SamplingParams
 
     handle = engine_client.generate(GenerationJob(
         request_id=f"r-{os.urandom(4).hex()}", prompt="the sea and the sky", steering=steering,
@@ -213,7 +213,7 @@ def _generate(engine_client, steering=None) -> str:
 
 
 def test_a_registered_sae_attaches_and_steers(api, engine_client, tiny_llama, tmp_path):
-    from gpu_engine.protocol import SteeringSpec
+    from gpu_engine.api.protocol import SteeringSpec
 
     folder = write_saelens(tmp_path / "trained" / "resid-sae", hook_layer=1)
     before = fingerprint(folder)

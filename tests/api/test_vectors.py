@@ -19,7 +19,7 @@ from django.core.management.base import CommandError
 from django.test import TestCase
 from safetensors.numpy import load_file, save_file
 
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     FeatureControl,
     GenerationJob,
     SamplingParams,
@@ -167,7 +167,7 @@ def _tiny_paths(tiny_assets):
 
 def test_encoder_modes_and_monitoring_on_a_vector_are_refused(api, engine_client, tiny_llama, cache,
                                                               tmp_path):
-    from gpu_engine.protocol import SteeringCondition
+    from gpu_engine.api.protocol import SteeringCondition
 
     write_vectors(tmp_path / "v.safetensors", layers=(1,))
     vid = ok(upload(api, tmp_path / "v.safetensors", name="v", model="tiny-llama"), 201)["id"]

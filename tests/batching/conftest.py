@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from gpu_engine.engine import Engine
-from gpu_engine.protocol import AttachSpec, BatchingOptions, LoadModelJob
+from gpu_engine.api.protocol import AttachSpec, BatchingOptions, LoadModelJob
 
 MODEL_SAE = {
     "tiny-llama": "tiny-llama-L1-relu",

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.artifacts import load_capture
-from gpu_engine.protocol import AttentionCaptureSpec, CaptureSpec
+from gpu_engine.api.protocol import AttentionCaptureSpec, CaptureSpec
 from tests.engine.tolerances import BATCH_ENCODE_ATOL, BATCH_ENCODE_RTOL
 
 from .conftest import MODEL_SAE

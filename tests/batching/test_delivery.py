@@ -11,7 +11,7 @@ import pytest
 
 from core.engine_client import EmbeddedEngineClient, _LoopInbox
 from gpu_engine.engine import _WORK
-from gpu_engine.protocol import FinishEvent, GenerationJob, GenerationResult, SamplingParams, TokenEvent, Usage
+from gpu_engine.api.protocol import FinishEvent, GenerationJob, GenerationResult, SamplingParams, TokenEvent, Usage
 from gpu_engine.stream import GenerationStream, held_deliveries
 
 PROMPTS = ["the cat sat on the mat and", "a quick brown fox jumps over", "hello", "the sun rises over the hills and"]

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     GenerationJob,
     GenerationResult,
     MonitorEntry,

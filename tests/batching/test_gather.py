@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from gpu_engine.protocol import BatchingOptions, GenerationJob, SamplingParams
+from gpu_engine.api.protocol import BatchingOptions, GenerationJob, SamplingParams
 
 from .conftest import Choreography, load
 
@@ -127,7 +127,7 @@ def test_a_release_is_counted_once(gathering):
 
 
 def test_gather_ms_is_validated():
-    from gpu_engine.errors import InvalidParameter
+    from gpu_engine.api.errors import InvalidParameter
 
     with pytest.raises(InvalidParameter, match="gather_ms"):
         BatchingOptions(enabled=True, gather_ms=-1)

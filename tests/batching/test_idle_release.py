@@ -13,7 +13,7 @@ import time
 import pytest
 
 from gpu_engine.engine import Engine
-from gpu_engine.protocol import BatchingOptions, GenerationJob, LoadModelJob, SamplingParams
+from gpu_engine.api.protocol import BatchingOptions, GenerationJob, LoadModelJob, SamplingParams
 
 ROWS = 12
 PROMPT_TOKENS = 1400

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from gpu_engine.errors import InvalidParameter
-from gpu_engine.protocol import BatchingOptions, GenerationJob
+from gpu_engine.api.errors import InvalidParameter
+from gpu_engine.api.protocol import BatchingOptions, GenerationJob
 
 from .conftest import Choreography, load
 from .test_scheduler import PROMPTS, greedy, wait_running

@@ -8,8 +8,8 @@ import time
 import numpy as np
 import pytest
 
-from gpu_engine.errors import EngineBusy
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import EngineBusy
+from gpu_engine.api.protocol import (
     AttachSpec,
     BatchingOptions,
     EmbedJob,

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import pytest
 
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     FeatureControl,
     GenerationJob,
     MonitorEntry,

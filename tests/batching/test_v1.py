@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gpu_engine.protocol import GenerationJob, SamplingParams
+from gpu_engine.api.protocol import GenerationJob, SamplingParams
 from steering.services import profile_create
 from tests.engine.tolerances import BATCH_ENCODE_ATOL
 from tests.v1.conftest import V1Server, _v1_db, attach, model_resident, v1_server  # noqa: F401 - fixtures

@@ -13,8 +13,8 @@ from typing import Any
 
 import redis
 
-from gpu_engine.errors import EngineBusy, SAENotAttached
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import EngineBusy, SAENotAttached
+from gpu_engine.api.protocol import (
     AttachmentStatus,
     AttachResult,
     EmbedResult,

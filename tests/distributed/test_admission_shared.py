@@ -360,7 +360,7 @@ def test_the_engine_takes_every_job_admission_can_have_let_in(redis_url, setting
     in (a request has one job at the engine at a time) rather than leaving admitted work
     waiting in the stream behind its own, second queue."""
     from core.engine_client_redis import RedisEngineClient
-    from gpu_engine.protocol import GenerationJob, SamplingParams
+    from gpu_engine.api.protocol import GenerationJob, SamplingParams
     from orchestration.management.commands.run_engine import server_config
     from tests.distributed.fakes import FAST, FakeEngine, running_server
 
@@ -395,8 +395,8 @@ def test_the_batch_queue_never_refuses_what_admission_let_in(settings, slots, pe
     built from the settings accepts every job admission can have let in at once (all of
     them arriving before its next step); only work beyond that meets its own bound."""
     from core.engine_client import batching_options
-    from gpu_engine.errors import EngineBusy
-    from gpu_engine.protocol import GenerationJob, SamplingParams
+    from gpu_engine.api.errors import EngineBusy
+    from gpu_engine.api.protocol import GenerationJob, SamplingParams
     from gpu_engine.scheduler import BatchScheduler
 
     settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS = slots, pending

@@ -1,4 +1,4 @@
-"""Every command of the engine protocol (``gpu_engine.commands.COMMANDS``), through both
+"""Every command of the engine protocol (``gpu_engine.api.commands.COMMANDS``), through both
 transports — the engine in this process and the engine behind a real redis-server — with
 a real engine on the tiny Llama: what the caller sees is right, and the same both ways.
 
@@ -22,10 +22,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from core.engine_client import EmbeddedEngineClient, EngineClient
-from gpu_engine.commands import COMMANDS, check_implements
+from gpu_engine.api.commands import COMMANDS, check_implements
 from gpu_engine.engine import Engine
-from gpu_engine.errors import EngineBusy, ResponseFormatUnsupported, UnsupportedQuantization
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import EngineBusy, ResponseFormatUnsupported, UnsupportedQuantization
+from gpu_engine.api.protocol import (
     AttachSpec,
     EmbedJob,
     ErrorEvent,

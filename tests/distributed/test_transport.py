@@ -14,9 +14,9 @@ import pytest
 import redis
 
 from core.engine_client_redis import RedisEngineClient
-from gpu_engine.commands import COMMANDS, GenerateArgs
-from gpu_engine.errors import EngineShutdown, ModelNotLoaded, SAENotAttached
-from gpu_engine.protocol import (
+from gpu_engine.api.commands import COMMANDS, GenerateArgs
+from gpu_engine.api.errors import EngineShutdown, ModelNotLoaded, SAENotAttached
+from gpu_engine.api.protocol import (
     AttachSpec,
     EmbedJob,
     ErrorEvent,
@@ -296,7 +296,7 @@ def test_tokens_over_redis_equal_the_engine_in_process(redis_url, prefix, tiny_a
     """The transport carries the protocol dataclasses unchanged: the same greedy tokens,
     text, usage and monitoring records as calling the engine directly."""
     from gpu_engine.engine import Engine
-    from gpu_engine.protocol import MonitorEntry, MonitorSpec, SteeringSpec
+    from gpu_engine.api.protocol import MonitorEntry, MonitorSpec, SteeringSpec
 
     model = tiny_assets.models["tiny-llama"]
     sae = tiny_assets.saes["tiny-llama-L1-relu"]

@@ -152,7 +152,7 @@ def test_controls_set_elsewhere_reach_this_process_copy(settings, relu):
     import time
 
     from core.process_copy import refresher
-    from gpu_engine.protocol import FeatureControl
+    from gpu_engine.api.protocol import FeatureControl
     from steering.live import live_copy
 
     settings.EMBEDDED = False

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from gpu_engine.protocol import ActivationRecord as EngineRecord
-from gpu_engine.protocol import FeatureActivation, FinishEvent, MonitorEntry, MonitorSpec, Usage
+from gpu_engine.api.protocol import ActivationRecord as EngineRecord
+from gpu_engine.api.protocol import FeatureActivation, FinishEvent, MonitorEntry, MonitorSpec, Usage
 from core import events
 from monitoring import services
 from monitoring.models import ActivationRecord, MonitoringConfig

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     AttachmentStatus,
     FeatureControl,
     PositionRange,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     GenerationJob,
     MonitorEntry,
     MonitorSpec,
@@ -217,7 +217,7 @@ def test_a_lease_blocks_v1_auto_load_for_others(served, tiny_assets):
 def test_live_and_profile_controls_run_on_v1_as_the_engine_runs_them(served, relu):
     """A request with no steering of its own runs the live steering's controls, then a
     profile's: exactly the tokens the engine generates for the equivalent spec."""
-    from gpu_engine.protocol import FeatureControl, PositionRange
+    from gpu_engine.api.protocol import FeatureControl, PositionRange
 
     plain = served.direct().text
     controls = [{"index": 3, "mode": "clamp", "value": 30.0},

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_engine.engine import Engine
-from gpu_engine.protocol import LoadModelJob
+from gpu_engine.api.protocol import LoadModelJob
 
 
 @pytest.fixture(scope="module")

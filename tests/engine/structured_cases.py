@@ -9,7 +9,7 @@ import re
 
 import jsonschema
 
-from gpu_engine.protocol import GenerationJob, SamplingParams, StructuredOutput
+from gpu_engine.api.protocol import GenerationJob, SamplingParams, StructuredOutput
 
 S = {"type": "string", "maxLength": 16}
 SCHEMAS: list[tuple[str, dict]] = [

@@ -20,13 +20,13 @@ from gpu_engine.analysis import (
 )
 from gpu_engine.analysis.builtin import core_document_scores, query_attention
 from gpu_engine.artifacts import CaptureData, load_capture
-from gpu_engine.errors import (
+from gpu_engine.api.errors import (
     AnalyzerCaptureMissing,
     InvalidParameter,
     InvalidProbeFile,
     UnknownAnalyzer,
 )
-from gpu_engine.protocol import AttentionCaptureSpec, CaptureSpec
+from gpu_engine.api.protocol import AttentionCaptureSpec, CaptureSpec
 
 from .test_capture import PROMPT, engines, reference  # noqa: F401  (fixtures)
 from .test_capture_qk import job, reference_qk

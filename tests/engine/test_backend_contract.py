@@ -9,8 +9,8 @@ import pytest
 from gpu_engine import backends
 from gpu_engine.backends import BackendEntry
 from gpu_engine.backends.transformers.runner import TransformersRunner
-from gpu_engine.errors import ModelLoadFailed
-from gpu_engine.protocol import LoadModelJob
+from gpu_engine.api.errors import ModelLoadFailed
+from gpu_engine.api.protocol import LoadModelJob
 from gpu_engine.runtime.engine import Engine
 
 # members the engine reads that no earlier contract named (issue 32): a backend without

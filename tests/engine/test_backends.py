@@ -16,8 +16,8 @@ from gpu_engine.backends import BackendEntry, backends_report, get_backend
 from gpu_engine.backends.base import CAPABILITY_KEYS
 from gpu_engine.backends.transformers.runner import TransformersRunner
 from gpu_engine.engine import Engine
-from gpu_engine.errors import BackendUnavailable, InvalidParameter, ModelLoadFailed
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import BackendUnavailable, InvalidParameter, ModelLoadFailed
+from gpu_engine.api.protocol import (
     AttachSpec,
     GenerationJob,
     LoadModelJob,
@@ -178,7 +178,7 @@ def load_mute(job, *, hooks):
 
 @pytest.mark.parametrize("batched", [False, True], ids=["serial", "batched"])
 def test_what_the_backend_cannot_do_is_refused_by_name_never_ignored(tiny_assets, registered, batched):
-    from gpu_engine.protocol import BatchingOptions, EmbedJob, MonitorEntry, MonitorSpec
+    from gpu_engine.api.protocol import BatchingOptions, EmbedJob, MonitorEntry, MonitorSpec
 
     registered("mute", "tests.engine.test_backends:load_mute")
     sae = tiny_assets.saes["tiny-llama-L1-relu"]

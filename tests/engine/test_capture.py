@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gpu_engine.artifacts import load_capture, write_files
-from gpu_engine.errors import CaptureTooLarge, InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import CaptureTooLarge, InvalidParameter
+from gpu_engine.api.protocol import (
     AttachSpec,
     CaptureSpec,
     GenerationJob,

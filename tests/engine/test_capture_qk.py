@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from gpu_engine.artifacts import load_capture
-from gpu_engine.errors import CaptureTooLarge, InvalidParameter
-from gpu_engine.protocol import AttentionCaptureSpec, CaptureSpec, GenerationJob, SamplingParams
+from gpu_engine.api.errors import CaptureTooLarge, InvalidParameter
+from gpu_engine.api.protocol import AttentionCaptureSpec, CaptureSpec, GenerationJob, SamplingParams
 
 from .helpers import count_forwards
 from .test_capture import PROMPT, engines, reference  # noqa: F401  (fixtures)

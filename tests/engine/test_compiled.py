@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from gpu_engine.engine import Engine
-from gpu_engine.errors import InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import InvalidParameter
+from gpu_engine.api.protocol import (
     AttachSpec,
     BatchingOptions,
     GenerationJob,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from gpu_engine.assets import build_sae
-from gpu_engine.errors import (
+from gpu_engine.api.errors import (
     EngineBusy,
     InsufficientMemory,
     InvalidFeatureIndex,
@@ -17,7 +17,7 @@ from gpu_engine.errors import (
     SAEIncompatible,
     SAENotAttached,
 )
-from gpu_engine.protocol import AttachSpec, GenerationJob, SamplingParams, SteeringSpec
+from gpu_engine.api.protocol import AttachSpec, GenerationJob, SamplingParams, SteeringSpec
 
 PROMPT = "once upon a time"
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.numpy import load_file, save_file
 
-from gpu_engine.errors import SAEFormatError, UnsupportedArchitecture
+from gpu_engine.api.errors import SAEFormatError, UnsupportedArchitecture
 from gpu_engine.inspect import inspect_model_dir
 from gpu_engine.sae import (
     SAELayout,
@@ -39,7 +39,7 @@ def test_metadata_reads_no_weights_and_imports_no_torch(tiny_assets):
     code = (
         "import sys; from gpu_engine.sae import read_sae_metadata; from gpu_engine.inspect import inspect_model_dir; "
         f"read_sae_metadata({str(asset.path)!r}); inspect_model_dir({str(model.path)!r}); "
-        "import gpu_engine.protocol, gpu_engine.errors; "
+        "import gpu_engine.api.protocol, gpu_engine.api.errors; "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules and 'django' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=str(__import__("pathlib").Path(__file__).parents[2]))

@@ -16,8 +16,8 @@ import torch
 from gpu_engine.backends.transformers import cpu_fused
 from gpu_engine.backends.transformers import lean as lean_module
 from gpu_engine.engine import Engine
-from gpu_engine.errors import EngineError
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import EngineError
+from gpu_engine.api.protocol import (
     AttachSpec,
     BatchingOptions,
     GenerationJob,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_engine.errors import ContextLengthExceeded, InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import ContextLengthExceeded, InvalidParameter
+from gpu_engine.api.protocol import (
     AttachSpec,
     EmbedJob,
     FinishEvent,

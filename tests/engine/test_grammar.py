@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from gpu_engine.protocol import StructuredOutput
+from gpu_engine.api.protocol import StructuredOutput
 
 BOUNDED = {
     "type": "object",

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_engine.errors import SAEIncompatible
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import SAEIncompatible
+from gpu_engine.api.protocol import (
     AttachSpec,
     GenerationJob,
     MonitorEntry,

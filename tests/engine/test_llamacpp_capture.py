@@ -17,8 +17,8 @@ import pytest
 
 from gpu_engine.artifacts import load_capture
 from gpu_engine.engine import Engine
-from gpu_engine.errors import CaptureTooLarge, InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import CaptureTooLarge, InvalidParameter
+from gpu_engine.api.protocol import (
     AttachSpec,
     AttentionCaptureSpec,
     BatchingOptions,

@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 
 from gpu_engine.engine import Engine
-from gpu_engine.errors import InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import InvalidParameter
+from gpu_engine.api.protocol import (
     AttachSpec,
     BatchingOptions,
     FinishEvent,

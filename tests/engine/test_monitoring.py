@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     AttachSpec,
     GenerationJob,
     MonitorEntry,

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from gpu_engine.errors import ContextLengthExceeded, EngineError, InvalidParameter, error_from_dict
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import ContextLengthExceeded, EngineError, InvalidParameter, error_from_dict
+from gpu_engine.api.protocol import (
     ActivationRecord,
     AttachmentStatus,
     AttachResult,

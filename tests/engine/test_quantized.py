@@ -19,8 +19,8 @@ import torch
 from safetensors import safe_open
 
 from gpu_engine.engine import Engine
-from gpu_engine.errors import UnsupportedQuantization
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import UnsupportedQuantization
+from gpu_engine.api.protocol import (
     AttachSpec,
     GenerationJob,
     LoadModelJob,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from gpu_engine.engine import Engine
-from gpu_engine.errors import ModelLoadFailed, ModelNotLoaded, UnsupportedArchitecture
-from gpu_engine.protocol import GenerationJob, LoadModelJob, SamplingParams
+from gpu_engine.api.errors import ModelLoadFailed, ModelNotLoaded, UnsupportedArchitecture
+from gpu_engine.api.protocol import GenerationJob, LoadModelJob, SamplingParams
 
 
 @pytest.mark.parametrize("dtype, torch_dtype", [("bfloat16", torch.bfloat16), ("float16", torch.float16)])

@@ -15,7 +15,7 @@ import json
 import pytest
 import torch
 
-from gpu_engine.errors import SAEFormatError
+from gpu_engine.api.errors import SAEFormatError
 from gpu_engine.sae import load_sae, read_sae_metadata
 from tests.engine.tolerances import SAELENS_ATOL, SAELENS_RTOL
 from tests.saelens_ref import saelens

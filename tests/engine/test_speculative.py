@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from gpu_engine.engine import Engine
-from gpu_engine.errors import InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import InvalidParameter
+from gpu_engine.api.protocol import (
     AttachSpec,
     GenerationJob,
     LoadModelJob,

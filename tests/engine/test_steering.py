@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_engine.protocol import AttachSpec, GenerationJob, SamplingParams, SteeringSpec
+from gpu_engine.api.protocol import AttachSpec, GenerationJob, SamplingParams, SteeringSpec
 
 from .helpers import (
     RefSAE,
@@ -189,7 +189,7 @@ def test_empty_steering_spec_is_unsteered(engine, tiny_assets):
 
 @pytest.mark.parametrize("strength", [200.5, -201.0])
 def test_strength_out_of_range_is_refused(strength):
-    from gpu_engine.errors import InvalidParameter
+    from gpu_engine.api.errors import InvalidParameter
 
     with pytest.raises(InvalidParameter) as err:
         SteeringSpec.from_mapping({("x", 1): {0: strength}})

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_engine.protocol import SteeringEntry, SteeringSpec
+from gpu_engine.api.protocol import SteeringEntry, SteeringSpec
 
 VECTORS = json.loads((Path(__file__).resolve().parents[1] / "fixtures" /
                       "steering_hash_vectors.json").read_text())["vectors"]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_engine.errors import InvalidFeatureIndex, InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import InvalidFeatureIndex, InvalidParameter
+from gpu_engine.api.protocol import (
     AttachSpec,
     FeatureControl,
     GenerationJob,

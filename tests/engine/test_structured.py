@@ -17,8 +17,8 @@ import pytest
 
 from gpu_engine.backends.base import all_capabilities
 from gpu_engine.engine import Engine
-from gpu_engine.errors import InvalidParameter, ResponseFormatUnsupported
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import InvalidParameter, ResponseFormatUnsupported
+from gpu_engine.api.protocol import (
     AttachSpec,
     BatchingOptions,
     GenerationJob,

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from gpu_engine.engine import Engine
-from gpu_engine.errors import EngineBusy
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import EngineBusy
+from gpu_engine.api.protocol import (
     BatchingOptions,
     EmbedJob,
     GenerationJob,
@@ -127,7 +127,7 @@ def test_a_backend_that_died_still_unloads_and_detaches(engine, tiny_assets):
     """vLLM's engine core can die under the backend; then its detach and close raise. The
     engine forgets the attachments and the model all the same: nothing stays resident (an
     unload that raised left the registry 'unloading' for good)."""
-    from gpu_engine.protocol import AttachSpec
+    from gpu_engine.api.protocol import AttachSpec
 
     sae = tiny_assets.saes["tiny-llama-L1-relu"]
     engine.attach(AttachSpec(sae.name, str(sae.path), sae.layer))

@@ -12,8 +12,8 @@ import torch
 from safetensors.numpy import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from gpu_engine.errors import InvalidParameter, SAEFormatError, SAEIncompatible
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import InvalidParameter, SAEFormatError, SAEIncompatible
+from gpu_engine.api.protocol import (
     AttachSpec,
     FeatureControl,
     GenerationJob,

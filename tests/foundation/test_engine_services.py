@@ -8,7 +8,7 @@ import pytest
 from core.engine_client import EmbeddedEngineClient
 from core.errors import ModelNotLoaded, SAEIncompatible, SAENotAttached
 from core.runtime import runtime
-from gpu_engine.protocol import ErrorEvent, GenerationJob, SamplingParams, TokenEvent
+from gpu_engine.api.protocol import ErrorEvent, GenerationJob, SamplingParams, TokenEvent
 from orchestration import services as orchestration_services
 from registry import services
 from registry.errors import ModelLocked

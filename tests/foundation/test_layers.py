@@ -46,10 +46,10 @@ def test_a_wrong_way_import_breaks_the_layers(tmp_path):
 
 def test_engine_md_declares_every_command_and_error_code():
     """docs/engine.md's command table and error table name every command of
-    gpu_engine.commands and every EngineError code (three were missing)."""
+    gpu_engine.api.commands and every EngineError code (three were missing)."""
     import re
 
-    from gpu_engine import commands, errors
+    from gpu_engine.api import commands, errors
     from millm_site.config import BASE_DIR
 
     text = (BASE_DIR / "docs" / "engine.md").read_text()
@@ -63,8 +63,8 @@ def test_engine_md_declares_every_command_and_error_code():
 
 def test_the_web_reaches_the_engine_only_through_gpu_engine_api(tmp_path):
     """Positive control for the contract: a Django module importing an engine module other
-    than gpu_engine.api (here the protocol's old path) breaks the suite."""
-    done = _lint_with_probe(tmp_path, "ui/_engine_probe.py", "import gpu_engine.protocol")
+    than gpu_engine.api (here the runtime's stream) breaks the suite."""
+    done = _lint_with_probe(tmp_path, "ui/_engine_probe.py", "import gpu_engine.runtime.stream")
     assert done.returncode != 0
     assert "ui is not allowed to import gpu_engine" in done.stdout
 

@@ -160,7 +160,7 @@ def _max_rss_of(code: str) -> tuple[int, str]:
 
 _LOAD_SAE = """
 import torch  # what the engine has loaded anyway: not the bomb's
-from gpu_engine.errors import SAEFormatError
+from gpu_engine.api.errors import SAEFormatError
 from gpu_engine.sae.module import load_sae
 try:
     load_sae({path!r})
@@ -250,7 +250,7 @@ def test_a_gemma_scope_sae_with_a_bomb_member_is_refused_in_flat_memory(bombs, t
 def test_a_safetensors_header_that_lies_is_refused_before_any_tensor(tmp_path):
     """A steering-vector file whose header declares a tensor larger than the file: the
     vector reader names the tensor and builds nothing."""
-    from gpu_engine.errors import SAEFormatError
+    from gpu_engine.api.errors import SAEFormatError
     from gpu_engine.sae.vectors import read_vectors
 
     header = {"layer.0": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 4 << 30]},

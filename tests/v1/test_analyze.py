@@ -20,8 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from gpu_engine.artifacts import load_capture
-from gpu_engine.errors import AnalyzerCaptureMissing
-from gpu_engine.protocol import EngineStatus
+from gpu_engine.api.errors import AnalyzerCaptureMissing
+from gpu_engine.api.protocol import EngineStatus
 from tests.conftest import manage
 from tests.engine.helpers import count_forwards
 from tests.engine.test_capture import reference_blocks

@@ -14,7 +14,7 @@ from django.core.management import call_command
 from django.utils import timezone
 
 from gpu_engine.artifacts import load_capture
-from gpu_engine.protocol import CaptureSpec, GenerationJob, SamplingParams
+from gpu_engine.api.protocol import CaptureSpec, GenerationJob, SamplingParams
 from tests.engine.helpers import count_forwards
 from tests.engine.tolerances import BATCH_ENCODE_ATOL, BATCH_ENCODE_RTOL
 from tests.v1.helpers import assert_openai_error, request

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from gpu_engine.protocol import GenerationJob, SamplingParams
+from gpu_engine.api.protocol import GenerationJob, SamplingParams
 from tests.v1.helpers import request
 
 MESSAGES = [{"role": "system", "content": "You are terse."},
@@ -185,7 +185,7 @@ def test_streaming_completions(llama, openai_client):
 
 
 def test_echo_logprobs_equal_the_engine_prompt_scores(llama, openai_client):
-    from gpu_engine.protocol import ScoreJob
+    from gpu_engine.api.protocol import ScoreJob
 
     out = openai_client.completions.create(model="tiny-llama", prompt="the sea is wide",
                                            max_tokens=1, temperature=0, echo=True, logprobs=2)
@@ -207,7 +207,7 @@ def test_max_tokens_zero_scores_the_prompt_and_generates_nothing(llama, openai_c
     """OpenAI's minimum 0 on completions: with echo the classic scoring call — the prompt
     back with its logprobs, no completion token, completion_tokens 0, finish "length" —
     streamed or not; the prompt logprobs equal the engine's own scoring."""
-    from gpu_engine.protocol import ScoreJob
+    from gpu_engine.api.protocol import ScoreJob
 
     prompt = "the sea is wide"
     score = llama.engine.score(ScoreJob("s", prompt=prompt, prompt_logprobs=True))

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_engine.protocol import GenerationJob, SamplingParams, ScoreJob
+from gpu_engine.api.protocol import GenerationJob, SamplingParams, ScoreJob
 
 REPO = Path(__file__).resolve().parents[2]
 TASK_DIR = Path(__file__).resolve().parent / "lm_eval_task"

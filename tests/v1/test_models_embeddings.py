@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from core.runtime import runtime
-from gpu_engine.protocol import EmbedJob
+from gpu_engine.api.protocol import EmbedJob
 from registry.models import Model
 from tests.v1.conftest import attach
 from tests.v1.helpers import assert_openai_error, request

@@ -12,7 +12,7 @@ import re
 import openai
 import pytest
 
-from gpu_engine.protocol import GenerationJob, SamplingParams
+from gpu_engine.api.protocol import GenerationJob, SamplingParams
 from tests.v1.helpers import assert_openai_error, request
 
 MESSAGES = [{"role": "user", "content": "Tell me about the sea."}]

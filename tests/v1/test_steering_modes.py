@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     FeatureControl,
     MonitorEntry,
     MonitorSpec,

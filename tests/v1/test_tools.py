@@ -156,7 +156,7 @@ CONVERSATION = [
 def test_a_multi_turn_conversation_renders_as_the_template_does(tools_llm, tools_model_dir):
     from transformers import AutoTokenizer
 
-    from gpu_engine.protocol import GenerationJob
+    from gpu_engine.api.protocol import GenerationJob
     from gpu_engine.requests import prompt_ids
 
     # the template's own rendering, with transformers' conventions written out by hand

@@ -7,8 +7,8 @@ import pytest
 from django.conf import settings
 
 from core import errors as domain
-from gpu_engine import errors as engine_errors
-from gpu_engine.protocol import AttachmentStatus
+from gpu_engine.api import errors as engine_errors
+from gpu_engine.api.protocol import AttachmentStatus
 from inference.admission import QueueFull
 from inference.errors import openai_error_from_exception, openai_error_response
 from inference.residency import ModelLoading, ModelNotResident

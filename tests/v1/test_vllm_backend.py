@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from gpu_engine.engine import Engine
-from gpu_engine.protocol import (
+from gpu_engine.api.protocol import (
     AttachSpec,
     GenerationJob,
     LoadModelJob,
@@ -256,7 +256,7 @@ def test_capture_on_vllm_is_stored_and_equals_transformers(vllm_llama, on_vllm, 
     import numpy as np
 
     from gpu_engine.artifacts import load_capture
-    from gpu_engine.protocol import AttentionCaptureSpec, CaptureSpec
+    from gpu_engine.api.protocol import AttentionCaptureSpec, CaptureSpec
     from monitoring.models import Capture
 
     server, relu = vllm_llama

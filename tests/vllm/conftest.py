@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from gpu_engine.engine import Engine
-from gpu_engine.protocol import AttachSpec, BatchingOptions, LoadModelJob
+from gpu_engine.api.protocol import AttachSpec, BatchingOptions, LoadModelJob
 from tests.fixtures.backends import require_backend
 
 # the SAEs every vLLM test engine carries: two layouts, three layers

@@ -25,8 +25,8 @@ import pytest
 import torch
 
 from gpu_engine.artifacts import load_capture
-from gpu_engine.errors import CaptureTooLarge, InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import CaptureTooLarge, InvalidParameter
+from gpu_engine.api.protocol import (
     AttentionCaptureSpec,
     CaptureSpec,
     GenerationJob,
@@ -243,7 +243,7 @@ def test_tp2_q_k_shards_merge_to_the_tp1_capture(tiny_assets, vllm_engine, monke
     from vllm import envs
 
     from gpu_engine.engine import Engine
-    from gpu_engine.protocol import BatchingOptions, LoadModelJob
+    from gpu_engine.api.protocol import BatchingOptions, LoadModelJob
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
     # the TP=1 engine in this process cached vLLM's environment (in-process engine core,

@@ -10,8 +10,8 @@ import threading
 
 import pytest
 
-from gpu_engine.errors import InvalidParameter
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import InvalidParameter
+from gpu_engine.api.protocol import (
     EmbedJob,
     GenerationJob,
     MonitorEntry,
@@ -181,7 +181,7 @@ def test_a_steer_whose_hook_does_not_run_fails_the_checks(vllm_engine):
             check_steered(deaf, plain)
     finally:
         sae = vllm_engine.attachments()
-        from gpu_engine.protocol import AttachSpec
+        from gpu_engine.api.protocol import AttachSpec
 
         path = next(a.path for a in sae if (a.sae_id, a.layer) == key)
         vllm_engine.attach(AttachSpec(key[0], path, key[1]))
@@ -269,8 +269,8 @@ def _hooked_copy(tmp_path, tiny_assets, hook_name: str):
 def test_resid_pre_hooks_the_previous_layer_like_transformers(vllm_engine, hf_engine, tiny_assets, tmp_path):
     """resid_pre of 2 is layer 1's output pair; transformers (checked against the test's
     own hooks in tests/engine/test_hook_points.py) is the reference."""
-    from gpu_engine.errors import SAEIncompatible
-    from gpu_engine.protocol import AttachSpec
+    from gpu_engine.api.errors import SAEIncompatible
+    from gpu_engine.api.protocol import AttachSpec
 
     path = _hooked_copy(tmp_path, tiny_assets, "blocks.2.hook_resid_pre")
     results = [eng.attach(AttachSpec("pre2", path, 2)) for eng in (vllm_engine, hf_engine)]

@@ -12,7 +12,7 @@ import pytest
 
 from gpu_engine.artifacts import load_capture
 from gpu_engine.engine import Engine
-from gpu_engine.protocol import AttachSpec, LoadModelJob, MonitorEntry
+from gpu_engine.api.protocol import AttachSpec, LoadModelJob, MonitorEntry
 
 from .conftest import require_vllm
 from .test_vllm_capture import close, job, worst
@@ -38,7 +38,7 @@ def engines(tiny_assets):
 
 
 def test_gpt2_steering_monitoring_and_capture_equal_transformers(engines):
-    from gpu_engine.protocol import CaptureSpec
+    from gpu_engine.api.protocol import CaptureSpec
 
     vllm, hf, layer = engines
     steering = {(SAE, layer): {3: 8.0, 17: -5.0}}

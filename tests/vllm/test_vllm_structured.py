@@ -17,8 +17,8 @@ import jsonschema
 import pytest
 
 from gpu_engine.engine import Engine
-from gpu_engine.errors import ResponseFormatUnsupported
-from gpu_engine.protocol import (
+from gpu_engine.api.errors import ResponseFormatUnsupported
+from gpu_engine.api.protocol import (
     BatchingOptions,
     GenerationJob,
     LoadModelJob,

@@ -41,10 +41,10 @@ from ...capture import AttentionGeometry
 from ...decode.sampling import score_result
 from ...decode.sequence import Sequence
 from ...decode.text import tool_template_format
-from ...errors import InvalidParameter, ModelLoadFailed, SAEIncompatible
+from ...api.errors import InvalidParameter, ModelLoadFailed, SAEIncompatible
 from ...hooks import AttachmentStats, HookManager
 from ...memory import available_memory
-from ...protocol import (
+from ...api.protocol import (
     AttachmentKey,
     EmbedJob,
     EmbedResult,

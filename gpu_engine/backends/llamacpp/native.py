@@ -17,7 +17,7 @@ from pathlib import Path
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
-from ...errors import InsufficientMemory, InvalidParameter, ModelLoadFailed
+from ...api.errors import InsufficientMemory, InvalidParameter, ModelLoadFailed
 
 
 # ggml.h: GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10, GGML_MAX_NAME 64

@@ -55,7 +55,7 @@ import numpy as np
 import torch
 
 from ...interp.hooks import MonitorPlan
-from ...protocol import AttachmentKey
+from ...api.protocol import AttachmentKey
 from .native import GGML_BASE, GGML_OP_ROPE, GGML_TYPE_F32, NAME_OFFSET, OP_OFFSET, GGMLTensor
 from .shim import STAGE, TAP, TAP_FN, Filter, load_filter
 

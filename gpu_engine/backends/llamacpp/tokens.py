@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ...errors import InvalidParameter
+from ...api.errors import InvalidParameter
 from .native import NativeModel
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from ...architectures import BLOCK_LIST_PATHS, is_supported_architecture
-from ...errors import SAEIncompatible, UnsupportedArchitecture
+from ...api.errors import SAEIncompatible, UnsupportedArchitecture
 
 
 def _walk(root: Any, path: str) -> Any:

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from ...errors import InvalidParameter
+from ...api.errors import InvalidParameter
 
 log = logging.getLogger("gpu_engine.transformers")
 

@@ -17,7 +17,7 @@ import torch
 
 from ...interp.capture import armed
 from ...interp.hooks import BatchContext, HookManager, RequestHooks, Segment
-from ...protocol import FinishEvent, SamplingParams, SpeculativeStats
+from ...api.protocol import FinishEvent, SamplingParams, SpeculativeStats
 from .runner import TransformersRunner
 from ...decode.sequence import Emit, Sequence
 from .speculative import cut_cache, spec_eligible

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ...protocol import HiddenStatesJob, HiddenStatesResult, Usage
+from ...api.protocol import HiddenStatesJob, HiddenStatesResult, Usage
 
 
 @contextmanager

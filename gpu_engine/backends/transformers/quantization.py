@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from ...errors import UnsupportedQuantization
+from ...api.errors import UnsupportedQuantization
 
 log = logging.getLogger("gpu_engine.transformers")
 

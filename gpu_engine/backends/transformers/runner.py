@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from ...capture import AttentionGeometry
-from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
+from ...api.errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...hooks import HookManager
 from ...inspect import ModelInfo, inspect_model_dir
 from ...memory import trim_host_heap
-from ...protocol import (
+from ...api.protocol import (
     AttachmentKey,
     EmbedJob,
     EmbedResult,

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from ...errors import InvalidParameter, ModelLoadFailed
-from ...protocol import SpeculativeStats
+from ...api.errors import InvalidParameter, ModelLoadFailed
+from ...api.protocol import SpeculativeStats
 
 SELF_PREFIX = "self:layers="
 

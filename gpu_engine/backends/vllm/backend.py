@@ -28,10 +28,10 @@ import torch
 
 from ...capture import AttentionGeometry
 from ...decode.text import tool_template_format
-from ...errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
+from ...api.errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...hooks import HookManager
 from ...inspect import inspect_model_dir
-from ...protocol import (
+from ...api.protocol import (
     AttachmentKey,
     EmbedJob,
     EmbedResult,

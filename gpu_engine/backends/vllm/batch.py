@@ -29,8 +29,8 @@ from typing import Any
 
 from ...interp.capture import CapturePart
 from ...decode.sequence import Sequence
-from ...errors import InvalidParameter
-from ...protocol import ActivationRecord, GenerationJob, LogprobEntry, TokenLogprob
+from ...api.errors import InvalidParameter
+from ...api.protocol import ActivationRecord, GenerationJob, LogprobEntry, TokenLogprob
 from . import wire
 
 

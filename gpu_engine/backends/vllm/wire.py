@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from ...protocol import (
+from ...api.protocol import (
     ActivationRecord,
     AttachmentKey,
     CaptureSpec,
@@ -40,7 +40,7 @@ VLLM_HOOK_POINTS = ("resid_post", "resid_pre")
 def hook_layer(layer: int, hook_point: str) -> int:
     """The decoder layer whose output pair an SAE of ``hook_point`` attached at ``layer``
     hooks; refuses (``sae_incompatible``) what the workers cannot hook exactly."""
-    from ...errors import SAEIncompatible
+    from ...api.errors import SAEIncompatible
 
     if hook_point == "resid_post":
         return layer

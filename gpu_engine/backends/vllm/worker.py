@@ -52,7 +52,7 @@ from ...interp.capture import AttentionGeometry, CapturePlan, HeadShard, for_sha
 from ...interp.hooks import AttachmentStats, HookManager, RequestHooks
 from ...interp.plans import build_hooks
 from ...interp.rows import Row, RowRouter
-from ...protocol import AttachmentKey, to_builtins
+from ...api.protocol import AttachmentKey, to_builtins
 from ...sae.layouts import get_layout
 from ...sae.module import SAE
 from .wire import EXTRA_KEY, decode_args, decode_capture, hook_layer
