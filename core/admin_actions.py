@@ -48,4 +48,4 @@ class RefusableDeleteMixin:
             opts = self.model._meta
             return HttpResponseRedirect(reverse(
                 f"admin:{opts.app_label}_{opts.model_name}_change",
-                args=(quote(object_id),), current_app=self.admin_site.name))
+                args=(quote(obj.pk),), current_app=self.admin_site.name))

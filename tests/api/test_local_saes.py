@@ -16,6 +16,7 @@ from django.test import Client, TestCase
 
 from orchestration import tasks
 from registry.models import SAE, Attachment, Job
+from tests.admin_urls import admin_url
 from tests.api.conftest import ok, refused, run_job
 
 pytestmark = pytest.mark.django_db
@@ -306,7 +307,7 @@ def test_admin_add_form_registers_through_the_service(staff_client, tmp_path):
             row.trained_on_layer, row.status) == ("from admin", str(folder), "saelens", D_IN,
                                                   32, "blocks.3.hook_resid_post", 3, "ready")
     # where the files are is not editable afterwards
-    change = staff_client.get(f"/admin/registry/sae/{row.pk}/change/").content.decode()
+    change = staff_client.get(admin_url(row)).content.decode()
     assert str(folder) in change and 'name="local_path"' not in change
     assert "local" in staff_client.get("/admin/registry/sae/").content.decode()
 

@@ -11,6 +11,7 @@ import pytest
 from django.contrib.admin.models import DELETION, LogEntry
 
 from registry import services
+from tests.admin_urls import admin_url
 from registry.models import SAE, Model
 
 pytestmark = pytest.mark.django_db
@@ -39,12 +40,12 @@ def _messages(response) -> list[str]:
                                          ({"status": "loading"}, "MODEL_LOADED")])
 def test_delete_page_refuses_a_locked_or_resident_model(staff_client, model, state, code):
     Model.objects.filter(pk=model.pk).update(**state)
-    url = f"/admin/registry/model/{model.pk}/delete/"
+    url = admin_url(model, "delete")
     assert staff_client.get(url).status_code == 200  # the confirmation page
     response = staff_client.post(url, {"post": "yes"}, follow=True)
     assert response.status_code == 200
     # back on the model's own page, with the refusal the bulk action gives
-    assert response.redirect_chain[-1][0] == f"/admin/registry/model/{model.pk}/change/"
+    assert response.redirect_chain[-1][0] == admin_url(model)
     [message] = _messages(response)
     assert message.startswith("tiny-llama: Model 'tiny-llama' is ") and f"({code})" in message
     # the admin capitalises the first letter of a message
@@ -53,18 +54,25 @@ def test_delete_page_refuses_a_locked_or_resident_model(staff_client, model, sta
     assert not LogEntry.objects.filter(action_flag=DELETION).exists()
 
 
-def test_delete_page_refuses_an_attached_sae(staff_client, sae):
+@pytest.mark.parametrize("key", [None, "sae_22119edf9d58c3fc", "sae_5F3A2f"])
+def test_delete_page_refuses_an_attached_sae(staff_client, sae, key):
+    # a key holding one of the admin's escapes (``_22`` reads back as ``"``) is refused and
+    # shown on its own page like any other
+    if key is not None:
+        SAE.objects.filter(pk=sae.pk).update(id=key)
+        sae = SAE.objects.get(pk=key)
     SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ATTACHED)
-    response = staff_client.post(f"/admin/registry/sae/{sae.pk}/delete/", {"post": "yes"},
+    response = staff_client.post(admin_url(sae, "delete"), {"post": "yes"},
                                  follow=True)
     assert response.status_code == 200
+    assert response.redirect_chain[-1][0] == admin_url(sae)
     [message] = _messages(response)
     assert "is attached; detach it first (SAE_ALREADY_ATTACHED)" in message
     assert SAE.objects.filter(pk=sae.pk).exists()
 
 
 def test_delete_page_still_deletes_what_may_go(staff_client, model):
-    response = staff_client.post(f"/admin/registry/model/{model.pk}/delete/", {"post": "yes"},
+    response = staff_client.post(admin_url(model, "delete"), {"post": "yes"},
                                  follow=True)
     assert response.status_code == 200
     assert any("was deleted successfully" in m for m in _messages(response))
@@ -87,7 +95,7 @@ def test_a_resident_model_cannot_be_edited_away_from_what_the_engine_holds(
         staff_client, model, status):
     Model.objects.filter(pk=model.pk).update(status=status)
     before = Model.objects.values().get(pk=model.pk)
-    url = f"/admin/registry/model/{model.pk}/change/"
+    url = admin_url(model)
     page = staff_client.get(url).content.decode()
     assert _inputs(page) == set()
     assert before["local_path"] in page  # shown, not editable
@@ -101,7 +109,7 @@ def test_a_resident_model_cannot_be_edited_away_from_what_the_engine_holds(
 
 
 def test_a_ready_model_keeps_its_files_and_changes_its_settings(staff_client, model):
-    url = f"/admin/registry/model/{model.pk}/change/"
+    url = admin_url(model)
     assert _inputs(staff_client.get(url).content.decode()) == set(ENGINE_INPUTS)
     response = staff_client.post(url, {"name": "renamed", "quantization": "Q8",
                                        "local_path": "/nonexistent", "backend": "",
