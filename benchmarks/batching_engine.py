@@ -60,7 +60,7 @@ import torch
 
 from benchmarks.engine_decode import bench_sae
 from gpu_engine.assets import ensure_assets
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import (
     AttachSpec,
     BatchingOptions,

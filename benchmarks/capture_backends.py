@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.batching_engine import asset_root, prompt  # noqa: E402
-from gpu_engine.engine import Engine  # noqa: E402
+from gpu_engine.runtime.engine import Engine  # noqa: E402
 from gpu_engine.api.protocol import (  # noqa: E402
     BatchingOptions,
     CaptureSpec,

@@ -39,7 +39,7 @@ import torch
 
 from benchmarks.one_team import on_engine, passing
 from gpu_engine.assets import build_sae, ensure_assets
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import (
     AttachSpec,
     GenerationJob,

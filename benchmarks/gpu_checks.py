@@ -64,7 +64,7 @@ import torch  # noqa: E402
 from benchmarks.bandwidth import copy_bandwidth, weight_bytes  # noqa: E402
 from benchmarks.engine_decode import PROMPT  # noqa: E402
 from gpu_engine.assets import build_sae, ensure_assets  # noqa: E402
-from gpu_engine.engine import Engine  # noqa: E402
+from gpu_engine.runtime.engine import Engine  # noqa: E402
 from gpu_engine.api.protocol import (  # noqa: E402
     AttachSpec,
     BatchingOptions,

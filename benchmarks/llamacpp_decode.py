@@ -63,7 +63,7 @@ from gpu_engine.api.protocol import (  # noqa: E402
 )
 
 if TYPE_CHECKING:
-    from gpu_engine.engine import Engine  # imported where an engine is built: not by `plain`
+    from gpu_engine.runtime.engine import Engine  # imported where an engine is built: not by `plain`
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 CACHE = REPO / ".cache" / "bench"
@@ -189,7 +189,7 @@ def one_engine(mode: str, path: Path, sae: Path, layer: int, tokens: int) -> dic
         os.environ["MILLM_LLAMACPP_PYTHON_CALLBACK"] = "1"
     else:
         os.environ.pop("MILLM_LLAMACPP_PYTHON_CALLBACK", None)
-    from gpu_engine.engine import Engine
+    from gpu_engine.runtime.engine import Engine
 
     eng = (Engine(batching=BatchingOptions(enabled=True, max_batch_size=16)) if mode == "b16"
            else Engine())
@@ -215,7 +215,7 @@ def one_engine(mode: str, path: Path, sae: Path, layer: int, tokens: int) -> dic
 
 def one_transformers(path: Path, tokens: int) -> float:
     """The transformers backend on the float32 checkpoint, batch 1: warm-up, then timed."""
-    from gpu_engine.engine import Engine
+    from gpu_engine.runtime.engine import Engine
 
     eng = Engine()
     try:

@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     sys.path.insert(0, str(args.repo.resolve()))
 
-    from gpu_engine.engine import Engine
+    from gpu_engine.runtime.engine import Engine
     from gpu_engine.api.protocol import GenerationJob, LoadModelJob, SamplingParams
 
     root = Path(os.environ.get("MILLM_TEST_ASSET_DIR") or HERE / ".cache" / "test-assets")

@@ -4,7 +4,7 @@
 at import: a command of the table without its method here fails at once), each of which
 builds the command's argument struct and hands it to the transport's ``invoke``. A
 transport implements ``invoke`` only, so it carries every command or none: the embedded
-one below runs ``command.call`` on a ``gpu_engine.engine.Engine`` in this process (a
+one below runs ``command.call`` on a ``gpu_engine.runtime.engine.Engine`` in this process (a
 worker thread); the distributed one (``core.engine_client_redis``: Redis Streams to
 ``run_engine``) sends the command by name and decodes its declared result type. Views,
 services and tasks reach it as ``core.runtime.runtime().engine`` and never import the
@@ -301,7 +301,7 @@ class _EmbeddedHandle(GenerationHandle):
 class _LoopInbox:
     """Events from the engine's thread for the streams of one event loop, handed over with
     one wake-up of the loop per burst.  A batch step makes an event for every running row
-    and hands them over together (``gpu_engine.stream.held_deliveries``); waking the loop
+    and hands them over together (``gpu_engine.runtime.stream.held_deliveries``); waking the loop
     once per event (a write to its self-pipe, a pass of its selector, the GIL taken back
     and forth) cost a 16-row step on 2 cores about a millisecond, taken from the forward
     passes (docs/performance.md, "The vLLM backend against plain vLLM")."""

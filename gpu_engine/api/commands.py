@@ -4,7 +4,7 @@
 speaks to an engine dispatches from it:
 
 - ``Engine`` has a method per command (``check_implements`` runs at import of
-  ``gpu_engine.engine``), called as ``getattr(engine, name)(**args)``: the argument
+  ``gpu_engine.runtime.engine``), called as ``getattr(engine, name)(**args)``: the argument
   struct's fields are the method's parameters, in order;
 - the embedded client (``core.engine_client``) runs ``command.call(engine, args)`` in
   this process;

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import AttachSpec, BatchingOptions, LoadModelJob
 
 MODEL_SAE = {

@@ -1,5 +1,5 @@
 """How a batch step's events reach their consumers: every row's event of one step in one
-burst (``gpu_engine.stream.held_deliveries``), and one wake-up of the web tier's event
+burst (``gpu_engine.runtime.stream.held_deliveries``), and one wake-up of the web tier's event
 loop per burst, however many streams it touches (``core.engine_client._LoopInbox``)."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import threading
 import pytest
 
 from core.engine_client import EmbeddedEngineClient, _LoopInbox
-from gpu_engine.engine import _WORK
+from gpu_engine.runtime.worker import _WORK
 from gpu_engine.api.protocol import FinishEvent, GenerationJob, GenerationResult, SamplingParams, TokenEvent, Usage
-from gpu_engine.stream import GenerationStream, held_deliveries
+from gpu_engine.runtime.stream import GenerationStream, held_deliveries
 
 PROMPTS = ["the cat sat on the mat and", "a quick brown fox jumps over", "hello", "the sun rises over the hills and"]
 TOKENS = 8

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import BatchingOptions, GenerationJob, LoadModelJob, SamplingParams
 
 ROWS = 12

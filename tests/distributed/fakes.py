@@ -1,4 +1,4 @@
-"""A stand-in engine for transport tests: the same methods as ``gpu_engine.engine.Engine``,
+"""A stand-in engine for transport tests: the same methods as ``gpu_engine.runtime.engine.Engine``,
 token timing under the test's control, and a record of what it was asked to run."""
 
 from __future__ import annotations

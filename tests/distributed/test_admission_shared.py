@@ -397,7 +397,7 @@ def test_the_batch_queue_never_refuses_what_admission_let_in(settings, slots, pe
     from core.engine_client import batching_options
     from gpu_engine.api.errors import EngineBusy
     from gpu_engine.api.protocol import GenerationJob, SamplingParams
-    from gpu_engine.scheduler import BatchScheduler
+    from gpu_engine.runtime.scheduler import BatchScheduler
 
     settings.MAX_CONCURRENT_REQUESTS, settings.MAX_PENDING_REQUESTS = slots, pending
     settings.CBM_MAX_QUEUE_SIZE, settings.ENGINE_MAX_IN_FLIGHT = cbm_queue, 0

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM
 
 from core.engine_client import EmbeddedEngineClient, EngineClient
 from gpu_engine.api.commands import COMMANDS, check_implements
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import EngineBusy, ResponseFormatUnsupported, UnsupportedQuantization
 from gpu_engine.api.protocol import (
     AttachSpec,

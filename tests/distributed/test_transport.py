@@ -295,7 +295,7 @@ def test_one_engine_per_prefix(redis_url, prefix):
 def test_tokens_over_redis_equal_the_engine_in_process(redis_url, prefix, tiny_assets):
     """The transport carries the protocol dataclasses unchanged: the same greedy tokens,
     text, usage and monitoring records as calling the engine directly."""
-    from gpu_engine.engine import Engine
+    from gpu_engine.runtime.engine import Engine
     from gpu_engine.api.protocol import MonitorEntry, MonitorSpec, SteeringSpec
 
     model = tiny_assets.models["tiny-llama"]

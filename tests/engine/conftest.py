@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import LoadModelJob
 
 

@@ -15,7 +15,7 @@ from gpu_engine import backends
 from gpu_engine.backends import BackendEntry, backends_report, get_backend
 from gpu_engine.backends.base import CAPABILITY_KEYS
 from gpu_engine.backends.transformers.runner import TransformersRunner
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import BackendUnavailable, InvalidParameter, ModelLoadFailed
 from gpu_engine.api.protocol import (
     AttachSpec,

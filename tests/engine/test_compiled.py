@@ -11,7 +11,7 @@ import threading
 import pytest
 import torch
 
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import InvalidParameter
 from gpu_engine.api.protocol import (
     AttachSpec,

@@ -15,7 +15,7 @@ import torch
 
 from gpu_engine.backends.transformers import cpu_fused
 from gpu_engine.backends.transformers import lean as lean_module
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import EngineError
 from gpu_engine.api.protocol import (
     AttachSpec,

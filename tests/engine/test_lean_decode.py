@@ -14,7 +14,7 @@ import torch
 
 from gpu_engine.backends.transformers import runner as runner_module
 from gpu_engine.backends.transformers.cpu_kernels import PackedLinear
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import (
     AttachSpec,
     BatchingOptions,

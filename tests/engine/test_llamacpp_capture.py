@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from gpu_engine.artifacts import load_capture
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import CaptureTooLarge, InvalidParameter
 from gpu_engine.api.protocol import (
     AttachSpec,

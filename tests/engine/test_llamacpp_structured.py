@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from gpu_engine.assets import demo_gguf_path
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import ResponseFormatUnsupported
 from gpu_engine.api.protocol import (
     BatchingOptions,

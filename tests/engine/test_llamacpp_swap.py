@@ -26,7 +26,7 @@ import time
 import numpy as np
 import pytest
 
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import InvalidParameter
 from gpu_engine.api.protocol import (
     AttachSpec,

@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import UnsupportedQuantization
 from gpu_engine.api.protocol import (
     AttachSpec,

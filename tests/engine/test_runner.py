@@ -7,7 +7,7 @@ import shutil
 import pytest
 import torch
 
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import ModelLoadFailed, ModelNotLoaded, UnsupportedArchitecture
 from gpu_engine.api.protocol import GenerationJob, LoadModelJob, SamplingParams
 

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from gpu_engine.backends.base import all_capabilities
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import InvalidParameter, ResponseFormatUnsupported
 from gpu_engine.api.protocol import (
     AttachSpec,

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import EngineBusy
 from gpu_engine.api.protocol import (
     BatchingOptions,

@@ -15,7 +15,7 @@ import time
 import openai
 import pytest
 
-from gpu_engine.engine import Engine
+from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import (
     AttachSpec,
     GenerationJob,

@@ -242,7 +242,7 @@ def test_tp2_q_k_shards_merge_to_the_tp1_capture(tiny_assets, vllm_engine, monke
     reader merges the shards into the TP=1 capture; hidden states come from rank 0."""
     from vllm import envs
 
-    from gpu_engine.engine import Engine
+    from gpu_engine.runtime.engine import Engine
     from gpu_engine.api.protocol import BatchingOptions, LoadModelJob
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))

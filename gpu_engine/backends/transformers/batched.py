@@ -1,6 +1,6 @@
 """Forward passes for continuous batching: a request's prefill, then shared decode steps.
 
-The scheduler (``gpu_engine.scheduler``) decides who runs; this class only runs forward
+The scheduler (``gpu_engine.runtime.scheduler``) decides who runs; this class only runs forward
 passes and samples each row with its own request's sampler (STYLE §10):
 
 - ``start(seqs)``: the newly admitted requests' prefill — one alone and unpadded (the

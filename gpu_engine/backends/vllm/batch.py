@@ -148,7 +148,7 @@ class VllmSequence(Sequence):
 
 
 class VllmBatch:
-    """``gpu_engine.scheduler.BatchBackend`` on vLLM's ``LLMEngine``."""
+    """``gpu_engine.runtime.scheduler.BatchBackend`` on vLLM's ``LLMEngine``."""
 
     def __init__(self, backend: Any, *, max_rows: int) -> None:
         self.backend = backend
