@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from ..api.errors import AnalyzerCaptureMissing, InvalidParameter, UnknownAnalyzer
 from ..api.protocol import AttentionCaptureSpec, CaptureSpec
 
-# which positions modes hold the rows of which others (gpu_engine.capture.rows_for):
+# which positions modes hold the rows of which others (gpu_engine.interp.capture.rows_for):
 # ``all`` holds every row; ``prompt`` holds row P-1; ``completion`` holds the last row
 _COVERS = {"all": {"all", "prompt", "completion", "last", "last_prompt"},
            "prompt": {"prompt", "last_prompt"}, "completion": {"completion", "last"},

@@ -14,7 +14,7 @@ CapturePositions = Literal[CAPTURE_POSITIONS]  # type: ignore[valid-type]
 
 
 class AttentionCaptureSpec(msgspec.Struct):
-    """Attention queries and keys to capture (``gpu_engine.capture``), as the attention
+    """Attention queries and keys to capture (``gpu_engine.interp.capture``), as the attention
     uses them: after the model's position encoding (rotary), per query head for Q and per
     KV head for K.
 
@@ -42,7 +42,7 @@ class AttentionCaptureSpec(msgspec.Struct):
 
 
 class CaptureSpec(msgspec.Struct):
-    """Hidden states (and attention Q/K) to capture for one request (``gpu_engine.capture``).
+    """Hidden states (and attention Q/K) to capture for one request (``gpu_engine.interp.capture``).
 
     ``layers``: decoder blocks whose output is captured, after every steering on that
     block (what block ``layer + 1`` reads).  ``positions`` index residual rows as

@@ -4,7 +4,7 @@ The engine (``gpu_engine.runtime``) keeps what is the same on every backend: the
 attachment table, drain-before-control ordering, the OOM policy, events, admission of
 generations into its batch scheduler (``gpu_engine.runtime.scheduler``) and the per-request plans
 (``gpu_engine.requests``: steering deltas and monitors, built from the attachment's SAE
-with ``gpu_engine.hooks`` — plain torch, importable without any backend).  A backend owns
+with ``gpu_engine.interp.hooks`` — plain torch, importable without any backend).  A backend owns
 the rest: loading, tokenisation, how rows run (its ``BatchBackend``: start requests, step
 them, drop one, reset), applying steering and monitoring for an attachment wherever its
 model lives, embeddings, scoring, and the capabilities it reports.
@@ -71,7 +71,7 @@ CAPABILITY_KEYS = (
     # (``batch_runner``)
     "serial_mode",
     "batched_mode",
-    # GenerationJob.capture: hidden states of chosen layers per request (gpu_engine.capture)
+    # GenerationJob.capture: hidden states of chosen layers per request (gpu_engine.interp.capture)
     "hidden_state_capture",
     # CaptureSpec.attention: rotated Q and K of chosen layers and heads per request
     "attention_capture",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..api.errors import InvalidParameter
-from ..hooks import RequestHooks
+from ..interp.hooks import RequestHooks
 from ..api.protocol import (
     ActivationRecord,
     FinishEvent,

@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import save
 
 from gpu_engine.artifacts import load_capture
-from gpu_engine.capture import AttentionGeometry, CapturePart, CapturePlan, HeadShard, for_shard
+from gpu_engine.interp.capture import AttentionGeometry, CapturePart, CapturePlan, HeadShard, for_shard
 from gpu_engine.api.protocol import AttentionCaptureSpec, CaptureSpec
 
 # (num_heads, num_kv_heads, ranks) -> per rank (head_start, heads, kv_start, kv_heads), by hand

@@ -179,7 +179,7 @@ def test_block_resolver_per_architecture(config_cls, model_cls, path):
     module, got = resolve_block(model, 1)
     assert got == path and module is model.get_submodule(path)
     # the engine's hook handles whatever this block returns (tensor or tuple)
-    from gpu_engine.hooks import (
+    from gpu_engine.interp.hooks import (
         AttachmentPlan,
         AttachmentStats,
         BatchContext,

@@ -137,7 +137,7 @@ def test_monitor_requests_only_what_it_asks(engine, tiny_assets):
 
 
 def test_batched_encode_in_chunks_gives_the_same_records(engine, tiny_assets, monkeypatch):
-    from gpu_engine import hooks
+    from gpu_engine.interp import hooks
 
     asset = tiny_assets.saes["tiny-llama-L2-topk"]
     engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
@@ -157,7 +157,7 @@ def test_rows_computed_again_are_recorded_once(tiny_assets):
     the monitor sees positions it has seen before and must not record them twice."""
     import torch
 
-    from gpu_engine import hooks
+    from gpu_engine.interp import hooks
     from gpu_engine.sae.layouts import get_layout
     from gpu_engine.sae.module import SAE
 

@@ -1,5 +1,5 @@
 """Structured output and tool calls on the vLLM backend: each request's grammar
-(``gpu_engine.structured``) rides in its own vLLM ``SamplingParams`` to vLLM's xgrammar
+(``gpu_engine.decode.grammar``) rides in its own vLLM ``SamplingParams`` to vLLM's xgrammar
 backend, which masks that request's row inside vLLM's batch.
 
 The schemas run on the demo SmolLM2-135M checkpoint, as on the transformers backend (a

@@ -37,12 +37,12 @@ from typing import Any
 
 import torch
 
-from ...capture import AttentionGeometry
+from ...interp.capture import AttentionGeometry
 from ...decode.sampling import score_result
 from ...decode.sequence import Sequence
 from ...decode.text import tool_template_format
 from ...api.errors import InvalidParameter, ModelLoadFailed, SAEIncompatible
-from ...hooks import AttachmentStats, HookManager
+from ...interp.hooks import AttachmentStats, HookManager
 from ...memory import available_memory
 from ...api.protocol import (
     AttachmentKey,

@@ -23,7 +23,7 @@ so the callback keeps a per-layer row offset.  The last layer's output only hold
 rows that produce logits (llama.cpp drops the others before the last block's FFN), so
 its rows map to the batch's output tokens instead.
 
-Capture (``gpu_engine.capture``) reads the same nodes: a request's hidden-state rows
+Capture (``gpu_engine.interp.capture``) reads the same nodes: a request's hidden-state rows
 are taken from ``l_out-{il}`` after the deltas are added (so a steered request captures
 its steered stream), like a post-steering monitor.  Q/K capture claims two more nodes per
 layer: the graph names the query projection, its reshape and the rotary embedding's

@@ -10,7 +10,7 @@ freezing: each graph holds its own packed copy of the weights it reads, so memor
 by up to one model per shape compiled (row bucket, static cache length).
 
 Hooks are never silently skipped.  Steering and monitoring are forward hooks whose state
-lives in Python (``gpu_engine.hooks``), so the hook itself is excluded from the graph
+lives in Python (``gpu_engine.interp.hooks``), so the hook itself is excluded from the graph
 (``torch.compiler.disable``: a graph break at each hooked block, the hook runs as
 written) and Dynamo's nn-module hook guards are on
 (``torch._dynamo.config.skip_nnmodule_hook_guards = False``): a hook installed or removed

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from ...capture import route_qk
+from ...interp.capture import route_qk
 
 PREFIX = "millm_qk_tap_"
 TAP_ATTR = "_millm_qk_tap"

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from ...capture import AttentionGeometry
+from ...interp.capture import AttentionGeometry
 from ...api.errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
-from ...hooks import HookManager
+from ...interp.hooks import HookManager
 from ...inspect import ModelInfo, inspect_model_dir
 from ...memory import trim_host_heap
 from ...api.protocol import (

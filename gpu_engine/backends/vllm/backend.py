@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from ...capture import AttentionGeometry
+from ...interp.capture import AttentionGeometry
 from ...decode.text import tool_template_format
 from ...api.errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
-from ...hooks import HookManager
+from ...interp.hooks import HookManager
 from ...inspect import inspect_model_dir
 from ...api.protocol import (
     AttachmentKey,

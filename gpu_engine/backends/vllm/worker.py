@@ -6,7 +6,7 @@ pipeline-parallel group.
 What it does on the worker:
 
 - ``millm_attach`` / ``millm_detach``: load an SAE from its files onto this worker's
-  device and install (remove) the engine's own attachment hook (``gpu_engine.hooks``) on
+  device and install (remove) the engine's own attachment hook (``gpu_engine.interp.hooks``) on
   that decoder layer — on the ranks that hold the layer (pipeline parallelism).
 - Around every forward pass of the model, a pre-hook maps each token row to its request
   from the runner's batch (``input_batch.req_ids`` in batch order, ``query_start_loc``,
@@ -18,7 +18,7 @@ What it does on the worker:
   become its plans through the engine's own builder (``gpu_engine.interp.plans``) from
   the SAEs this worker holds.  The post-hook counts, per request, its forward passes and
   the passes in which each of its deltas was really added (``steering_apply_count``).
-- Capture (``gpu_engine.capture``): a request whose ``extra_args`` carry a capture spec
+- Capture (``gpu_engine.interp.capture``): a request whose ``extra_args`` carry a capture spec
   gets a plan of its own on each worker for what that worker holds (``for_shard``):
   hidden states on the first TP rank only (every rank has the same stream after the
   all-reduce), Q/K of the asked heads this rank's shard holds.  While it runs, its
