@@ -76,7 +76,7 @@ def one(path: Path, name: str, mode: str, *, tokens: int, rounds: int, device: s
         for _ in range(rounds):
             tps, ids = timed()
             samples.append(tps)
-        status = backend.capabilities().get("torch_compile_status") or {}
+        status = backend.capabilities().torch_compile_status or {}
         return {"samples": samples, "warmup_s": warmup, "token_ids": ids,
                 "compiles": status.get("compiles")}
     finally:

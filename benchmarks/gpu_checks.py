@@ -157,8 +157,8 @@ def check_compiled_serial(model: Path, sae: Path, layer: int, *, device: str, dt
             runs[name] = {"tokens": res.token_ids, "plain_tokens": plain.token_ids,
                           "applied": applied(res), "forward_passes": res.forward_passes,
                           "top": top_values(res), "warm_s": round(warm_s, 2),
-                          "torch_compile": caps.get("torch_compile_status"),
-                          "kv_cache_mode": caps.get("kv_cache_mode")}
+                          "torch_compile": caps.torch_compile_status or None,
+                          "kv_cache_mode": caps.kv_cache_mode or None}
         finally:
             eng.shutdown()
     eager = runs["eager"]
@@ -204,7 +204,7 @@ def check_compiled_batched(model: Path, sae: Path, layer: int, *, device: str, d
         eng.attach(AttachSpec("chk", str(sae), layer))
         streams = [eng.generate(j) for j in jobs]
         together = {j.request_id: s.result(900) for j, s in zip(jobs, streams)}
-        compiled = eng.backend.capabilities().get("torch_compile_status")
+        compiled = eng.backend.capabilities().torch_compile_status or None
     finally:
         eng.shutdown()
     problems = []
@@ -295,7 +295,7 @@ def decode_speed(model: Path, *, device: str, mode: str, tokens: int, rounds: in
                 for w in range(2):
                     eng.generate_sync(job(f"warm-{m}-{w}", tokens=tokens, **kw), timeout_s=900)
             warm_s = time.perf_counter() - t0
-            compiles_warm = (eng.backend.capabilities().get("torch_compile_status") or {}).get("compiles", 0)
+            compiles_warm = (eng.backend.capabilities().torch_compile_status or {}).get("compiles", 0)
             samples: dict[str, list[float]] = {m: [] for m in modes}
             counts: dict[str, list[int]] = {m: [] for m in modes}
             for r in range(rounds):
@@ -307,7 +307,7 @@ def decode_speed(model: Path, *, device: str, mode: str, tokens: int, rounds: in
                     samples[m].append(tokens / (time.perf_counter() - t0))
                     counts[m].append(applied(res) - res.forward_passes if "steer" in kw else 0)
             key = "compiled" if compiled else "eager"
-            status = eng.backend.capabilities().get("torch_compile_status")
+            status = eng.backend.capabilities().torch_compile_status or None
             if status is not None:
                 # graphs compiled while the timed rounds ran: anything but 0 is a recompile
                 # per request, which the timings then include

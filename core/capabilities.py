@@ -16,8 +16,8 @@ def require_capability(capability: str, *, what: str, param: str) -> None:
         status = runtime().engine.status()
     except Exception:  # noqa: BLE001 - no engine to ask: the request path decides
         return
-    caps = (status.batching or {}).get("capabilities", {})
-    if caps.get(capability, True) is False:
+    caps = status.capabilities
+    if caps is not None and getattr(caps, capability) is False:
         raise ValidationFailed(
             f"The {status.backend} backend as loaded cannot run {what} ({capability} is off "
             "in /api/health/inference); it would fail every request that runs it",

@@ -26,27 +26,28 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
     """Refuse, before anything runs, a request asking for what the loaded backend reports
     it cannot do (``capabilities()``): never ignore it."""
     caps = backend.capabilities()
-    needs = []
+    # (the capability's name, whether the backend has it, the parameter that needs it)
+    needs: list[tuple[str, bool, str]] = []
     if job.steering is not None and not job.steering.is_empty():
-        needs.append(("per_request_steering", "steering"))
+        needs.append(("per_request_steering", caps.per_request_steering, "steering"))
     if job.steering is not None and job.steering.has_controls():
-        needs.append(("steering_controls", "steering.features.mode"))
+        needs.append(("steering_controls", caps.steering_controls, "steering.features.mode"))
     if job.monitor is not None and job.monitor.entries:
-        needs.append(("per_request_monitoring", "monitor"))
+        needs.append(("per_request_monitoring", caps.per_request_monitoring, "monitor"))
     if job.sampling.logprobs or job.sampling.top_logprobs:
-        needs.append(("logprobs", "logprobs"))
+        needs.append(("logprobs", caps.logprobs, "logprobs"))
     if job.sampling.prompt_logprobs:
-        needs.append(("prompt_logprobs", "prompt_logprobs"))
+        needs.append(("prompt_logprobs", caps.prompt_logprobs, "prompt_logprobs"))
     if job.capture is not None:
-        needs.append(("hidden_state_capture", "capture"))
+        needs.append(("hidden_state_capture", caps.hidden_state_capture, "capture"))
         if job.capture.attention is not None:
-            needs.append(("attention_capture", "capture.attention"))
+            needs.append(("attention_capture", caps.attention_capture, "capture.attention"))
     if job.sampling.structured is not None:
-        needs.append(("structured_output", "response_format"))
+        needs.append(("structured_output", caps.structured_output, "response_format"))
     if job.tools:
-        needs.append(("tool_calling", "tools"))
-    for capability, param in needs:
-        if not caps.get(capability, False):
+        needs.append(("tool_calling", caps.tool_calling, "tools"))
+    for capability, has, param in needs:
+        if not has:
             raise InvalidParameter(f"the {backend.name} backend cannot honour {param} ({capability} is off)",
                                    param=param, details={"backend": backend.name, "capability": capability})
 

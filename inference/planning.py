@@ -224,8 +224,7 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     tools = None
     if isinstance(req, ChatCompletionRequest):
         # refused by name (field_not_honoured) where the loaded template renders no tools
-        caps = ((status.batching if status is not None else None) or {}).get("capabilities")
-        tools = tool_plan(req, caps or {}, model.name)
+        tools = tool_plan(req, status.capabilities if status is not None else None, model.name)
         for c, messages in enumerate(req.conversations()):
             for i in range(req.n):
                 sampling = req.sampling(i, defaults)
@@ -296,8 +295,8 @@ async def prepare_analyses(req: ChatCompletionRequest | CompletionRequest,
     # off the event loop: preparing reads probe files
     # the caller's scope: an analyzer reads only stored captures the caller may see
     analyses = await analyzers.aprepare([(a.name, a.params) for a in req.analyze], scope)
-    caps = ((status.batching if status is not None else None) or {}).get("capabilities") or {}
-    analysis_check_backend(need=analyzers.need(analyses), capabilities=caps,
+    analysis_check_backend(need=analyzers.need(analyses),
+                           capabilities=status.capabilities if status is not None else None,
                            backend=(status.backend if status is not None else None) or backend,
                            analyzers=[a.name for a in analyses])
     return analyses

@@ -30,7 +30,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_engine.api.protocol import StructuredOutput
+from gpu_engine.api.protocol import Capabilities, StructuredOutput
 from inference.errors import OpenAIError
 from inference.protocol import ChatCompletionRequest, NamedToolChoice
 from inference.structured import check_schema
@@ -132,17 +132,17 @@ def refuse_tools_before_load(model_pk: int) -> None:
                           code="field_not_honoured", param="tools")
 
 
-def tool_plan(req: ChatCompletionRequest, capabilities: dict[str, Any], model: str
+def tool_plan(req: ChatCompletionRequest, capabilities: Capabilities | None, model: str
               ) -> ToolPlan | None:
     """The request's ``ToolPlan`` on a model whose capabilities are ``capabilities``, or
     None without tools; ``400 field_not_honoured`` naming ``tools`` where its chat template
-    does not render them."""
+    does not render them (or nothing reports capabilities)."""
     if not req.tools:
         return None
-    if not capabilities.get("tool_calling"):
+    if capabilities is None or not capabilities.tool_calling:
         raise OpenAIError(f"tools cannot be honoured: the chat template of {model} does not "
                           "render tools", status=400, code="field_not_honoured", param="tools")
-    fmt = capabilities.get("tool_call_format") or "json"
+    fmt = capabilities.tool_call_format or "json"
     mode = req.tool_choice_mode()
     functions = {t.function.name: _parameters(t) for t in req.tools}
     chosen = list(functions)

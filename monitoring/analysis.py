@@ -45,6 +45,7 @@ from gpu_engine.api.analysis import (
     default_registry,
     load_extra,
 )
+from gpu_engine.api.capabilities import Capabilities
 from gpu_engine.api.errors import AnalyzerCaptureMissing, EngineError, error_from_dict
 from monitoring.errors import AnalysisUnavailable
 from monitoring.ownership import EVERYONE, Scope
@@ -259,20 +260,20 @@ class Analyzers:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def analysis_check_backend(*, need: CaptureNeed, capabilities: dict[str, Any],
+def analysis_check_backend(*, need: CaptureNeed, capabilities: Capabilities | None,
                            backend: str, analyzers: list[str]) -> None:
     """Refuse, before generation, analyzers whose capture the loaded backend cannot take
     (vLLM reports neither capture capability today; llama.cpp no Q/K on a model without
     rotary embedding)."""
-    if not capabilities:
+    if capabilities is None:
         return  # nothing reported: the engine refuses the capture itself
     wants = []
     if need.layers:
-        wants.append(("hidden_state_capture", "hidden states"))
+        wants.append(("hidden_state_capture", capabilities.hidden_state_capture, "hidden states"))
     if need.qk_layers:
-        wants.append(("attention_capture", "attention Q/K"))
-    for capability, what in wants:
-        if not capabilities.get(capability, False):
+        wants.append(("attention_capture", capabilities.attention_capture, "attention Q/K"))
+    for capability, has, what in wants:
+        if not has:
             names = ", ".join(repr(n) for n in analyzers)
             raise AnalyzerCaptureMissing(
                 f"analyzer {names} reads {what}, which the {backend} backend cannot capture "

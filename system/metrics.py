@@ -26,6 +26,7 @@ from core.metrics import (
     _by_label,
     _sum,
 )
+from gpu_engine.api.capabilities import capabilities_of
 from system.figures import engine_snapshot, inference_figures
 
 log = structlog.get_logger(__name__)
@@ -74,8 +75,8 @@ class _LiveCollector:
                                 attachment.get("steering_apply_count", 0))
         yield steering
         # TORCH_COMPILE: graphs compiled since the model loaded, recompiles included
-        caps = (engine.get("batching") or {}).get("capabilities") or {}
-        compiled = caps.get("torch_compile_status")
+        caps = capabilities_of((engine.get("batching") or {}).get("capabilities"))
+        compiled = caps.torch_compile_status if caps is not None else None
         if compiled:
             graphs = CounterMetricFamily("millm_torch_compile_graphs",
                                          "Graphs torch.compile built for the loaded model's decode "

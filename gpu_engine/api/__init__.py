@@ -2,24 +2,25 @@
 
 Importing this package imports nothing else; each module is a small, named door:
 
-==============  ===========================================================================
-``protocol``    every job, spec, result and event in one import (the modules below)
-``fields``      value ranges declared once (msgspec constraints pydantic reuses), shared values
-``codec``       JSON and JSON-native values of messages, refusals as ``InvalidParameter``
-``sampling``    sampling parameters, structured output
-``steering``    steering specs, feature controls, the canonical steering hash
-``monitoring``  monitor specs and activation records
-``capture``     hidden-state and attention capture specs and results
-``jobs``        generation, embedding, scoring and hidden-state jobs; load and attach options
-``results``     command results, generation events, engine status
-``commands``    the command table both the web's client and the engine implement
-``errors``      ``EngineError`` and its codes, ``error_from_dict``
-``transport``   the Redis Streams envelope and key names the web's Redis client speaks
-``artifacts``   stored capture files (names, ids, reading) and bounded ``.npz`` reading
-``analysis``    the analyzer registry and what an analysis needs captured
-``sae``         SAE metadata and compatibility, steering-vector files (no torch)
-``host``        model-directory inspection, host memory, the names of the backends
-==============  ===========================================================================
+================  ===========================================================================
+``protocol``      every job, spec, result and event in one import (the modules below)
+``fields``        value ranges declared once (msgspec constraints pydantic reuses), shared values
+``codec``         JSON and JSON-native values of messages, refusals as ``InvalidParameter``
+``sampling``      sampling parameters, structured output
+``steering``      steering specs, feature controls, the canonical steering hash
+``capabilities``  what a loaded backend can do (``Capabilities``, read as attributes)
+``monitoring``    monitor specs and activation records
+``capture``       hidden-state and attention capture specs and results
+``jobs``          generation, embedding, scoring and hidden-state jobs; load and attach options
+``results``       command results, generation events, engine status
+``commands``      the command table both the web's client and the engine implement
+``errors``        ``EngineError`` and its codes, ``error_from_dict``
+``transport``     the Redis Streams envelope and key names the web's Redis client speaks
+``artifacts``     stored capture files (names, ids, reading) and bounded ``.npz`` reading
+``analysis``      the analyzer registry and what an analysis needs captured
+``sae``           SAE metadata and compatibility, steering-vector files (no torch)
+``host``          model-directory inspection, host memory, the names of the backends
+================  ===========================================================================
 
 The protocol, the command table and the errors live here, and the engine's own modules import
 them from here; ``transport``, ``artifacts``, ``analysis``, ``sae`` and ``host`` still re-export

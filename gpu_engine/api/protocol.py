@@ -12,12 +12,14 @@ The code lives by concern: ``fields`` (ranges, shared values), ``codec`` (JSON),
 and ``results`` (results and events).
 """
 
+from . import capabilities as _capabilities
 from . import capture as _capture
 from . import jobs as _jobs
 from . import monitoring as _monitoring
 from . import results as _results
 from . import sampling as _sampling
 from . import steering as _steering
+from .capabilities import *  # noqa: F403
 from .capture import *  # noqa: F403
 from .codec import from_builtins, from_json, to_builtins, to_json
 from .fields import (
@@ -55,6 +57,6 @@ __all__ = sorted({
     "MAX_STEERING_STRENGTH", "MAX_STOP_SEQUENCES", "MAX_TOP_LOGPROBS", "MONITOR_TOP_K", "PENALTY", "PRIORITIES",
     "REPETITION_PENALTY", "SEED_MAX", "SEED_MIN", "STEERING_STRENGTH", "TEMPERATURE", "TOP_K", "TOP_LOGPROBS",
     "TOP_P", "AttachmentKey", "PositionRange", "Range", "from_builtins", "from_json", "to_builtins", "to_json",
-    *_capture.__all__, *_jobs.__all__, *_monitoring.__all__, *_results.__all__, *_sampling.__all__,
+    *_capabilities.__all__, *_capture.__all__, *_jobs.__all__, *_monitoring.__all__, *_results.__all__, *_sampling.__all__,
     *_steering.__all__,
 })

@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import msgspec
 
+from .capabilities import Capabilities, capabilities_of
 from .capture import CaptureResult
 from .errors import EngineError, error_from_dict
 from .monitoring import ActivationRecord
@@ -115,6 +116,12 @@ class EngineStatus(msgspec.Struct):
     # and capture stages) and TRANSFORMERS_IDLE_CACHE_RELEASE_S's releases of it
     # (``Engine.memory_status()``); empty while no model is loaded
     memory: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    @property
+    def capabilities(self) -> Capabilities | None:
+        """The loaded backend's capabilities (``batching["capabilities"]``, JSON on the wire)
+        read as attributes; None while no model is loaded."""
+        return capabilities_of(self.batching.get("capabilities"))
 
 
 class EmbedResult(msgspec.Struct):

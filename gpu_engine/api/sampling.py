@@ -25,7 +25,7 @@ from .fields import (
 )
 
 STRUCTURED_TYPES = ("json_object", "json_schema", "tool_call")
-# how a chat template writes a tool call (``capabilities()["tool_call_format"]``):
+# how a chat template writes a tool call (``capabilities().tool_call_format``):
 # ``hermes`` <tool_call>\n{"name": …, "arguments": {…}}\n</tool_call> (Hermes, Qwen, SmolLM3),
 # ``json`` a bare {"name": …, "arguments": {…}} object
 TOOL_CALL_FORMATS = ("hermes", "json")

@@ -16,9 +16,11 @@ one running it elsewhere (worker processes) carries the same plans there.
 
 ``ModelBackend`` is every member the runtime reads; a loader's result lacking one fails
 the load by name (``missing_members``).  What only some backends can do is a small
-protocol of its own (``ReadsHiddenStates``, ``CompilesGrammars``, ``ReleasesCachedMemory``;
-on the batch runner ``CachesRows`` and ``CountsLeanSteps``), asked with ``isinstance``:
-the runtime never probes a backend for a name.
+protocol of its own (``ReadsHiddenStates``, ``ReleasesCachedMemory``; on the batch runner
+``CachesRows`` and ``CountsLeanSteps``; ``CompilesGrammars`` lives with its reader in
+``gpu_engine.decode.sequence``, which imports no backend), asked with ``isinstance``:
+the runtime never probes a backend for a name.  What a backend can do as loaded is its
+``capabilities()``, a typed ``gpu_engine.api.capabilities.Capabilities``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from ..decode.grammar import Grammars
+    from ..api.capabilities import Capabilities
     from ..interp.capture import AttentionGeometry
     from ..interp.hooks import AttachmentStats, RequestHooks
     from ..api.protocol import (
@@ -47,48 +49,6 @@ if TYPE_CHECKING:
         ScoreResult,
     )
     from ..sae.module import SAE
-
-# What every backend reports, each True or False (``capabilities()``); a backend may add
-# its own keys.  The engine refuses (``invalid_parameter`` naming the field, before
-# anything runs) a request needing a capability the backend lacks
-# (``requests.check_capabilities``; embeddings and scoring in ``Engine.embed``/``score``).
-CAPABILITY_KEYS = (
-    "per_request_sampling",
-    "per_request_seeds",
-    "stop_sequences",
-    "cancellation",
-    "per_request_steering",
-    # feature controls beyond a plain add (clamp, scale, ablate, phases, windows,
-    # conditions: ``FeatureControl``), per request
-    "steering_controls",
-    "per_request_monitoring",
-    "exact_monitoring_attribution",
-    "logprobs",
-    "prompt_logprobs",
-    "embeddings",
-    "scoring",
-    # the generation modes it runs: one at a time (``generate``), the engine's batch
-    # (``batch_runner``)
-    "serial_mode",
-    "batched_mode",
-    # GenerationJob.capture: hidden states of chosen layers per request (gpu_engine.interp.capture)
-    "hidden_state_capture",
-    # CaptureSpec.attention: rotated Q and K of chosen layers and heads per request
-    "attention_capture",
-    # SamplingParams.structured (/v1 response_format): per-request grammar masks, in a
-    # batch on that request's row only
-    "structured_output",
-    # GenerationJob.tools: the chat template renders tools (a backend whose template does
-    # reports it, with ``tool_call_format``: gpu_engine.api.protocol.TOOL_CALL_FORMATS)
-    "tool_calling",
-)
-
-
-def all_capabilities(**overrides: Any) -> dict[str, Any]:
-    """Every ``CAPABILITY_KEYS`` True, then a backend's ``overrides`` (what it lacks, and
-    keys of its own): what a backend's ``capabilities()`` starts from."""
-    return {**dict.fromkeys(CAPABILITY_KEYS, True), **overrides}
-
 
 class AttachedSAE(Protocol):
     """An SAE the runtime attached (``gpu_engine.runtime.attachments.Attachment``), as a
@@ -149,7 +109,10 @@ class ModelBackend(Protocol):
     # packs their parts, it allocates no buffer of its own
     captures_in_workers: bool
 
-    def capabilities(self) -> dict[str, Any]: ...
+    def capabilities(self) -> Capabilities:
+        """What this backend can do as loaded (``gpu_engine.api.capabilities``): the engine
+        refuses a request needing what it lacks, before anything runs."""
+        ...
 
     # ---- tokens
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
@@ -214,14 +177,6 @@ class ReadsHiddenStates(Protocol):
 
 
 @runtime_checkable
-class CompilesGrammars(Protocol):
-    """Structured output masked in this process: the vocabulary's grammars, built once
-    (a backend sampling elsewhere, vLLM, compiles its own there)."""
-
-    def structured_grammars(self) -> Grammars: ...
-
-
-@runtime_checkable
 class ReleasesCachedMemory(Protocol):
     """Memory kept between requests that the engine's idle release hands back."""
 
@@ -258,6 +213,5 @@ def missing_members(backend: object) -> list[str]:
     return [n for n in _members(ModelBackend) if n not in present]
 
 
-__all__ = ["CAPABILITY_KEYS", "AttachedSAE", "BatchBackend", "CachesRows", "Closeable", "CompilesGrammars",
-           "CountsLeanSteps", "ModelBackend", "ReadsHiddenStates", "ReleasesCachedMemory", "all_capabilities",
-           "missing_members"]
+__all__ = ["AttachedSAE", "BatchBackend", "CachesRows", "Closeable", "CountsLeanSteps", "ModelBackend",
+           "ReadsHiddenStates", "ReleasesCachedMemory", "missing_members"]

@@ -11,7 +11,7 @@ path ran it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -29,19 +29,31 @@ from ..api.protocol import (
 from .text import IncrementalDetokenizer, StopMatcher
 from .sampling import Sampler
 
+if TYPE_CHECKING:
+    from .grammar import Grammars
+
 Emit = Callable[[object], None]
+
+
+@runtime_checkable
+class CompilesGrammars(Protocol):
+    """A backend masking structured output in this process: the vocabulary's grammars,
+    built once (a backend sampling elsewhere, vLLM, compiles its own there).  Declared
+    here, beside its reader, since this layer imports no backend; the runtime asks it with
+    ``isinstance`` too."""
+
+    def structured_grammars(self) -> Grammars: ...
 
 
 def structured_grammar(runner, sampling: SamplingParams):  # type: ignore[no-untyped-def]
     """The request's ``gpu_engine.decode.grammar.RequestGrammar`` (None without
     ``response_format``); a runner without grammars is refused before this by
-    ``requests.check_capabilities``."""
+    ``check_capabilities``."""
     if sampling.structured is None:
         return None
-    grammars = getattr(runner, "structured_grammars", None)
-    if grammars is None:
+    if not isinstance(runner, CompilesGrammars):
         raise InvalidParameter(f"the {runner.name} backend cannot honour response_format", param="response_format")
-    return grammars().matcher(sampling.structured)
+    return runner.structured_grammars().matcher(sampling.structured)
 
 
 def token_logprob(runner, lsm: torch.Tensor, token_id: int, n_top: int) -> TokenLogprob:  # type: ignore[no-untyped-def]
@@ -249,4 +261,4 @@ class Sequence:
         )
 
 
-__all__ = ["Sequence", "prompt_top_entries", "token_logprob"]
+__all__ = ["CompilesGrammars", "Sequence", "prompt_top_entries", "structured_grammar", "token_logprob"]

@@ -17,14 +17,14 @@ Two halves, so that every check runs once and every backend builds the same tens
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from ..api.errors import CaptureStoreFull, CaptureTooLarge, InvalidParameter, SAENotAttached
-from ..api.protocol import AttachmentKey, GenerationJob, MonitorEntry, SteeringEntry
+from ..api.protocol import AttachmentKey, GenerationJob, LoadModelJob, MonitorEntry, SteeringEntry
 from ..sae.module import SAE
-from .capture import CapturePlan, estimate_bytes
+from .capture import AttentionGeometry, CapturePlan, estimate_bytes
 from .controls import ControlTable, control_range
 from .hooks import AttachmentPlan, MonitorPlan, RequestHooks
 
@@ -36,6 +36,27 @@ class HoldsSAE(Protocol):
     """An attachment as the plan builder reads it (the runtime's ``Attachment``)."""
 
     sae: SAE
+
+
+class PlansFor(Protocol):
+    """The loaded backend as the plan builder reads it: members every backend has
+    (``gpu_engine.backends.base.ModelBackend``, whose load fails naming one a backend
+    lacks), declared here since this layer imports no backend."""
+
+    name: str
+    job: LoadModelJob
+    device: torch.device
+    # where an attached SAE's tensors, and so a request's deltas, live
+    sae_device: torch.device
+    dtype: torch.dtype
+    context_length: int
+    num_layers: int
+    hidden_size: int
+    attention_geometry: AttentionGeometry | None
+    # True where worker processes take a capture's rows (vLLM): the plan allocates nothing
+    captures_in_workers: bool
+
+    def attention_scaling(self, layer: int) -> float | None: ...
 
 
 def refuse_encoder_controls(entry: SteeringEntry) -> None:
@@ -130,7 +151,7 @@ def build_hooks(saes: Mapping[AttachmentKey, SAE], request_id: str, steering: It
     return RequestHooks(request_id, plans)
 
 
-def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, HoldsSAE], job: GenerationJob,
+def request_hooks(backend: PlansFor, attachments: Mapping[AttachmentKey, HoldsSAE], job: GenerationJob,
                   n_prompt: int) -> RequestHooks | None:
     """The engine's half: check the job against the backend and its attachments, then
     build its plans (None when it steers and monitors nothing)."""
@@ -141,11 +162,11 @@ def request_hooks(backend: Any, attachments: Mapping[AttachmentKey, HoldsSAE], j
             if k in attachments}
     check_request(saes, steering, monitors, n_prompt=n_prompt, context_length=backend.context_length)
     hooks = build_hooks(saes, job.request_id, steering, monitors, n_prompt=n_prompt, dtype=backend.dtype,
-                        device=getattr(backend, "sae_device", backend.device))
+                        device=backend.sae_device)
     return hooks if hooks.plans else None
 
 
-def with_capture(backend: Any, job: GenerationJob, hooks: RequestHooks | None, n_prompt: int,
+def with_capture(backend: PlansFor, job: GenerationJob, hooks: RequestHooks | None, n_prompt: int,
                  max_tokens: int) -> RequestHooks | None:
     """Add the request's capture plan (its buffer allocated now) to its hooks, after
     checking its layers and its worst-case size (``capture_too_large``): before any
@@ -183,9 +204,9 @@ def with_capture(backend: Any, job: GenerationJob, hooks: RequestHooks | None, n
             and estimate > spec.inline_max_bytes and estimate > spec.store_max_bytes):
         raise CaptureStoreFull(estimate_bytes=estimate, room_bytes=max(0, spec.store_max_bytes))
     steered = job.steering is not None and not job.steering.is_empty()
-    model = spec.model or getattr(getattr(backend, "job", None), "model_id", "") or ""
+    model = spec.model or backend.job.model_id or ""
     # a backend whose workers take the rows (vLLM) gets a plan that only packs their parts
-    device = None if getattr(backend, "captures_in_workers", False) else backend.device
+    device = None if backend.captures_in_workers else backend.device
     plan = CapturePlan(spec, request_id=job.request_id, prompt_len=n_prompt, max_tokens=max_tokens,
                        hidden_size=backend.hidden_size, dtype=dtype, device=device, model=model,
                        backend=backend.name, steering_hash=job.steering.canonical_hash() if steered else None,
@@ -195,5 +216,5 @@ def with_capture(backend: Any, job: GenerationJob, hooks: RequestHooks | None, n
     return hooks
 
 
-__all__ = ["ENCODER_MODES", "HoldsSAE", "build_hooks", "check_request", "monitor_entries", "refuse_encoder_controls",
+__all__ = ["ENCODER_MODES", "HoldsSAE", "PlansFor", "build_hooks", "check_request", "monitor_entries", "refuse_encoder_controls",
            "request_hooks", "steering_entries", "with_capture"]

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from .. import requests
 from ..api.commands import check_implements
-from ..backends.base import CompilesGrammars, ReadsHiddenStates
+from ..backends.base import ReadsHiddenStates
+from ..decode.sequence import CompilesGrammars
 from ..api.errors import EngineError, EngineShutdown, GenerationFailed, InsufficientMemory, InvalidParameter
 from ..interp.hooks import HookManager
 from ..api.protocol import (
@@ -268,7 +269,7 @@ class Engine(ModelLoading):
     def embed(self, job: EmbedJob, *, timeout_s: float | None = None) -> EmbedResult:
         def op() -> EmbedResult:
             backend = self._require_backend()
-            if not backend.capabilities().get("embeddings", False):
+            if not backend.capabilities().embeddings:
                 raise InvalidParameter(f"the {backend.name} backend does not compute embeddings", param="input",
                                        details={"backend": backend.name, "capability": "embeddings"})
             inputs = requests.encode_inputs(backend, job.inputs, "input")
@@ -279,7 +280,7 @@ class Engine(ModelLoading):
     def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
         def op() -> ScoreResult:
             backend = self._require_backend()
-            if not backend.capabilities().get("scoring", False):
+            if not backend.capabilities().scoring:
                 raise InvalidParameter(f"the {backend.name} backend does not score prompts", param="prompt",
                                        details={"backend": backend.name, "capability": "scoring"})
             if job.prompt_token_ids is not None:
@@ -301,7 +302,7 @@ class Engine(ModelLoading):
 
         def op() -> HiddenStatesResult:
             backend = self._require_backend()
-            if not backend.capabilities().get("hidden_states", False) or not isinstance(backend, ReadsHiddenStates):
+            if not backend.capabilities().hidden_states or not isinstance(backend, ReadsHiddenStates):
                 raise InvalidParameter(f"the {backend.name} backend cannot return hidden states "
                                        "(computing a steering vector needs the transformers backend)",
                                        param="layers", details={"backend": backend.name,

@@ -87,7 +87,7 @@ class ModelLoading(StatusReports):
                     backend.close()
                 raise ModelLoadFailed(f"the {entry.name} backend broke its contract (missing: {', '.join(missing)})")
             self._backend, self._model_id, self._load_job = backend, job.model_id, job
-            if self._scheduler is None and not backend.capabilities().get("serial_mode", True):
+            if self._scheduler is None and not backend.capabilities().serial_mode:
                 # a backend that only batches (vLLM) runs every generation through a batch
                 # scheduler even on a serial engine; it goes with the backend (_unload)
                 self._scheduler = BatchScheduler(msgspec.structs.replace(self.batching, enabled=True),

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
+
 from ..backends import backends_report
 from ..backends.base import CachesRows, ModelBackend
 from ..interp.hooks import HookManager
+from ..api.codec import to_builtins
 from ..api.protocol import AttachmentStatus, EngineStatus
 from .worker import EngineWorker
 
@@ -35,10 +38,11 @@ class StatusReports(EngineWorker):
         backend reports it (empty while no model is loaded)."""
         sched = self._scheduler
         backend = self._backend
-        caps: dict[str, Any] = dict(backend.capabilities()) if backend is not None else {}
+        caps: dict[str, Any] = {}
         if backend is not None:
-            caps["shared_forward_passes"] = sched is not None
-            caps["serial_fallback"] = False
+            # the backend's report as JSON (the keys it has), with the runtime's own two
+            caps = to_builtins(msgspec.structs.replace(backend.capabilities(), shared_forward_passes=sched is not None,
+                                                       serial_fallback=False))
         data: dict[str, Any] = {
             "enabled": sched is not None,
             "mode": "continuous_batching" if sched is not None else "serial",

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import msgspec
 import pytest
 
 from gpu_engine import backends
 from gpu_engine.backends import BackendEntry, backends_report, get_backend
-from gpu_engine.backends.base import CAPABILITY_KEYS
 from gpu_engine.backends.transformers.runner import TransformersRunner
 from gpu_engine.runtime.engine import Engine
+from gpu_engine.api.capabilities import CAPABILITY_KEYS, Capabilities
 from gpu_engine.api.errors import BackendUnavailable, InvalidParameter, ModelLoadFailed
 from gpu_engine.api.protocol import (
     AttachSpec,
@@ -28,14 +29,20 @@ from gpu_engine.api.protocol import (
 PROMPT = "the cat sat on the mat and"
 
 
+class _PluggedCapabilities(Capabilities, kw_only=True):
+    """A plugged-in backend's own key beside the ones every backend has."""
+
+    plugged_only: bool = True
+
+
 class _Plugged(TransformersRunner):
     """The transformers runner under its own name, with hooks it may refuse to install."""
 
     name = "plugged"
     install_hooks = True
 
-    def capabilities(self) -> dict[str, bool]:
-        return {**super().capabilities(), "plugged_only": True}
+    def capabilities(self) -> Capabilities:
+        return _PluggedCapabilities(**msgspec.structs.asdict(super().capabilities()))
 
     def attach(self, attachment: Any) -> None:
         if self.install_hooks:
@@ -168,8 +175,9 @@ class _Mute(_Plugged):
 
     name = "mute"
 
-    def capabilities(self) -> dict[str, bool]:
-        return {**super().capabilities(), "per_request_monitoring": False, "logprobs": False, "embeddings": False}
+    def capabilities(self) -> Capabilities:
+        return msgspec.structs.replace(super().capabilities(), per_request_monitoring=False, logprobs=False,
+                                       embeddings=False)
 
 
 def load_mute(job, *, hooks):

@@ -117,12 +117,12 @@ def test_compiled_decoding_gives_eager_tokens_activations_and_steering_counts(
         (count,) = got.steering_apply_count
         assert count.count == got.forward_passes == 24
         if i == 0:
-            graphs = compiled.backend.capabilities()["torch_compile_status"]["compiles"]
+            graphs = compiled.backend.capabilities().torch_compile_status["compiles"]
             assert graphs > 0
     # the second request, of another length, reused the graphs: no recompile as it grew
     caps = compiled.backend.capabilities()
-    assert caps["torch_compile"] is True and caps["kv_cache_mode"] == "static"
-    assert caps["torch_compile_status"]["compiles"] == graphs
+    assert caps.torch_compile is True and caps.kv_cache_mode == "static"
+    assert caps.torch_compile_status["compiles"] == graphs
 
 
 def test_a_hook_installed_after_compilation_runs_at_every_step(tiny_assets, compiled):
@@ -131,7 +131,7 @@ def test_a_hook_installed_after_compilation_runs_at_every_step(tiny_assets, comp
     nn-module hook guards on; torch 2.13 also guards them when it inlines ``_call_impl``)
     and recompiles or runs the frame as written, never the graph compiled without it."""
     compiled.generate_sync(job("warm", PROMPTS[0], 6))  # the graphs exist
-    graphs = compiled.backend.capabilities()["torch_compile_status"]["compiles"]
+    graphs = compiled.backend.capabilities().torch_compile_status["compiles"]
     block = compiled.backend.block(2)[0]
     calls = []
     handle = block.register_forward_hook(torch.compiler.disable(lambda m, a, o: calls.append(1)))
@@ -140,7 +140,7 @@ def test_a_hook_installed_after_compilation_runs_at_every_step(tiny_assets, comp
     finally:
         handle.remove()
     assert len(calls) == res.forward_passes == 10
-    assert compiled.backend.capabilities()["torch_compile_status"]["compiles"] >= graphs
+    assert compiled.backend.capabilities().torch_compile_status["compiles"] >= graphs
 
 
 def test_steering_attached_after_compilation_counts_every_forward_pass(
@@ -151,9 +151,9 @@ def test_steering_attached_after_compilation_counts_every_forward_pass(
     sae = tiny_assets.saes[SAE]
     compiled.detach(None)
     compiled.generate_sync(job("bare", PROMPTS[2], 8))  # compiled without any hook
-    before = compiled.backend.capabilities()["torch_compile_status"]["cache_resets"]
+    before = compiled.backend.capabilities().torch_compile_status["cache_resets"]
     compiled.attach(AttachSpec(sae.name, str(sae.path), sae.layer))
-    assert compiled.backend.capabilities()["torch_compile_status"]["cache_resets"] == before + 1
+    assert compiled.backend.capabilities().torch_compile_status["cache_resets"] == before + 1
     kw = {"steering": steering(tiny_assets, {40: -6.0, 41: 4.0})}
     got = compiled.generate_sync(job("steered", PROMPTS[2], 16, **kw))
     ref = eager.generate_sync(job("ref", PROMPTS[2], 16, **kw))
@@ -173,7 +173,7 @@ def test_static_cache_gives_dynamic_cache_tokens_and_records(tiny_assets, model,
     dynamic = _engine(tiny_assets, {}, model=model)
     static = _engine(tiny_assets, {"kv_cache_mode": "static"}, batch=batch, model=model)
     try:
-        assert static.backend.capabilities()["kv_cache_mode"] == "static"
+        assert static.backend.capabilities().kv_cache_mode == "static"
         kw = {"steering": steering(tiny_assets, sae_name=MODEL_SAE[model]),
               "monitor": monitor(tiny_assets, sae_name=MODEL_SAE[model])}
         refs = [
@@ -222,7 +222,7 @@ def test_compiled_batch_recompiles_only_per_bucket_as_requests_join_and_leave(ti
             t.join(timeout=600)
         assert got == refs
         # no hook attached: one graph per row bucket, over at least 36 decode steps
-        assert 1 <= batched.backend.capabilities()["torch_compile_status"]["compiles"] <= 2
+        assert 1 <= batched.backend.capabilities().torch_compile_status["compiles"] <= 2
     finally:
         batched.shutdown()
 

@@ -168,7 +168,7 @@ def test_decoding_through_the_kernels_equals_the_pytorch_step_and_model_forward(
                           ("forward", {"lean_decode": False})):
         with load(tiny_assets, **weights, **options) as eng:
             caps = eng.backend.capabilities()
-            assert caps["fused_cpu_kernels"] is (name == "fused")
+            assert caps.fused_cpu_kernels is (name == "fused")
             eng.attach(AttachSpec("s", str(sae_dir), layer))
             before = len(rows)
             out[name] = (eng.generate_sync(job("st", "the cat sat on", steering=steering, monitor=monitor)),
@@ -214,15 +214,15 @@ def test_a_batch_of_different_lengths_and_steerings_decodes_through_the_kernels_
 def test_the_setting_turns_them_off_and_true_refuses_a_machine_that_cannot_build_them(tiny_assets, monkeypatch):
     with load(tiny_assets, fused_cpu_kernels=False) as eng:
         caps = eng.backend.capabilities()
-        assert caps["fused_cpu_kernels"] is False and caps["fused_cpu_kernels_reason"] == "off (fused_cpu_kernels)"
+        assert caps.fused_cpu_kernels is False and caps.fused_cpu_kernels_reason == "off (fused_cpu_kernels)"
     monkeypatch.setenv("CC", "/bin/false")  # a compiler that fails every build
     cpu_fused.kernels.cache_clear()
     monkeypatch.setattr(cpu_fused, "_why_not", None)
     try:
         with load(tiny_assets) as eng:  # auto: decodes with the PyTorch calls and says why
             caps = eng.backend.capabilities()
-            assert caps["fused_cpu_kernels"] is False
-            assert "could not be built" in caps["fused_cpu_kernels_reason"]
+            assert caps.fused_cpu_kernels is False
+            assert "could not be built" in caps.fused_cpu_kernels_reason
             assert len(eng.generate_sync(job("g", "the cat")).token_ids) == TOKENS
         with Engine() as eng, pytest.raises(EngineError) as err:
             eng.load_model(LoadModelJob("tiny-llama", str(tiny_assets.models["tiny-llama"].path), device="cpu",

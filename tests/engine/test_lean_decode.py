@@ -67,7 +67,7 @@ def test_lean_decoding_equals_an_independent_transformers_decode(tiny_assets, mo
     plain = AutoModelForCausalLM.from_pretrained(str(asset.path), dtype=torch.float32).eval()
     with load("tiny-llama", tiny_assets, pack_cpu_weights=False) as eng:
         caps = eng.backend.capabilities()
-        assert caps["lean_decode"] is True and caps["lean_decode_reason"] is None
+        assert caps.lean_decode is True and caps.lean_decode_reason is None
         # plain weights: q/k/v and gate/up are one product each, the modules' weights views
         # of it (no second copy)
         attn = eng.backend.model.model.layers[1].self_attn
@@ -147,12 +147,12 @@ def test_a_hook_the_step_does_not_run_sends_the_request_through_model_forward(ti
 def test_other_architectures_keep_model_forward_and_say_why(tiny_assets, model):
     with load(model, tiny_assets) as eng:
         caps = eng.backend.capabilities()
-        assert caps["lean_decode"] is False and "not a Llama-family model" in caps["lean_decode_reason"]
+        assert caps.lean_decode is False and "not a Llama-family model" in caps.lean_decode_reason
         assert len(eng.generate_sync(job("g")).token_ids) == TOKENS
     with load("tiny-llama", tiny_assets, lean_decode=False) as eng:
-        assert eng.backend.capabilities()["lean_decode_reason"] == "turned off (lean_decode)"
+        assert eng.backend.capabilities().lean_decode_reason == "turned off (lean_decode)"
     with load("tiny-llama", tiny_assets, kv_cache_mode="static") as eng:
-        assert eng.backend.capabilities()["lean_decode"] is False
+        assert eng.backend.capabilities().lean_decode is False
 
 
 @pytest.mark.parametrize("packed_faster, kernels", [(True, "onednn_packed"), (False, "default")])
@@ -168,7 +168,7 @@ def test_auto_packing_follows_the_one_row_probe_and_a_batching_engine_packs(tiny
         serial.load_model(load_job)
         batching.load_model(load_job)
         assert serial.status().kernels == kernels
-        assert serial.backend.capabilities()["kernel_probe"] == probe
+        assert serial.backend.capabilities().kernel_probe == probe
         packed = any(isinstance(m, PackedLinear) for m in serial.backend.model.modules())
         assert packed is packed_faster
         assert batching.status().kernels == "onednn_packed"

@@ -98,7 +98,7 @@ def test_q8_weights_are_int8_in_memory_and_the_status_says_so(q8, tiny_assets):
     assert weights["quantization"] == "Q8" and weights["checkpoint_quantization"] is None
     assert weights["quantized_layers"] == len(shapes)
     # the head stays float32, packed where MILLM_ENGINE_PACK_WEIGHTS=auto's probe found packing faster
-    probe = q8.backend.capabilities()["kernel_probe"]
+    probe = q8.backend.capabilities().kernel_probe
     head = "onednn_packed" if probe["packed_ms"] <= probe["default_ms"] else "default"
     assert status.kernels == f"q8_weight_only+{head}"
     # one int8 per block weight, one bf16 scale per output row; the rest stays float32

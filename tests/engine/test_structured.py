@@ -15,8 +15,8 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from gpu_engine.backends.base import all_capabilities
 from gpu_engine.runtime.engine import Engine
+from gpu_engine.api.capabilities import Capabilities
 from gpu_engine.api.errors import InvalidParameter, ResponseFormatUnsupported
 from gpu_engine.api.protocol import (
     AttachSpec,
@@ -135,7 +135,7 @@ def test_a_schema_the_compiler_refuses_is_response_format_unsupported(demo_engin
 def test_a_backend_without_grammars_is_refused_before_anything_runs():
     """Every backend here honours structured output (their own tests); one that reports
     ``structured_output`` false is refused by name before anything runs."""
-    backend = SimpleNamespace(name="stand-in", capabilities=lambda: all_capabilities(structured_output=False))
+    backend = SimpleNamespace(name="stand-in", capabilities=lambda: Capabilities(structured_output=False))
     job = GenerationJob("r", prompt="x", sampling=SamplingParams(structured=StructuredOutput("json_object")))
     with pytest.raises(InvalidParameter) as caught:
         check_capabilities(backend, job)

@@ -13,6 +13,7 @@ import base64
 import json
 from types import SimpleNamespace
 
+import msgspec
 import numpy as np
 import openai
 import pytest
@@ -278,7 +279,7 @@ def test_backends_without_capture_refuse_analyzers_before_generation(backend, pr
         req = ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT, "analyze": analyze})
         assert asyncio.run(prepare_analyses(req, status, backend))
     transformers = EngineStatus(state="ready", backend="transformers", batching={
-        "capabilities": {**caps, "hidden_state_capture": True, "attention_capture": True}})
+        "capabilities": msgspec.structs.replace(caps, hidden_state_capture=True, attention_capture=True)})
     assert asyncio.run(prepare_analyses(req, transformers, "transformers"))  # the positive control
 
 

@@ -88,7 +88,7 @@ def test_capabilities_report_capture_and_graphs_refuse_it(vllm_engine):
                                                       attention_geometry=vllm_engine.backend.attention_geometry,
                                                       _attention_layers={0, 1, 2, 3},
                                                       tool_call_format=None))
-    assert graphs["hidden_state_capture"] is False and graphs["attention_capture"] is False
+    assert graphs.hidden_state_capture is False and graphs.attention_capture is False
 
 
 def test_capture_changes_no_token_and_equals_transformers_and_the_qk_reference(vllm_engine, hf_engine, hf_model):

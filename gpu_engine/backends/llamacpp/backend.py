@@ -55,7 +55,7 @@ from ...api.protocol import (
     Usage,
 )
 from ...sae.hookpoints import DEFAULT_HOOK_POINT
-from ..base import all_capabilities
+from ...api.capabilities import Capabilities
 from .batched import (
     CONTROL_VECTOR_SWAP,
     EVAL_CALLBACK_PER_ROW,
@@ -303,8 +303,8 @@ class LlamaCppBackend:
 
     # ------------------------------------------------------------------ contract
 
-    def capabilities(self) -> dict[str, Any]:
-        return all_capabilities(
+    def capabilities(self) -> Capabilities:
+        return Capabilities(
             embeddings=self.opts["embeddings"],
             # the eval callback adds precomputed deltas only (no encode on its rows yet)
             steering_controls=False,

@@ -34,7 +34,7 @@ from ...api.protocol import (
 )
 from ...sae.hookpoints import DEFAULT_HOOK_POINT, HOOK_POINTS
 from ...decode.text import tool_template_format
-from ..base import all_capabilities
+from ...api.capabilities import Capabilities
 from .blocks import resolve_attention, resolve_block, resolve_block_list, resolve_hook_module
 from .compiled import CompiledDecode, compile_wanted, decode_options, static_length
 from .cpu_kernels import one_row_probe, pack_linears, packing_available
@@ -223,9 +223,9 @@ class TransformersRunner:
         if self.compiled is not None:
             self.compiled.reset()
 
-    def capabilities(self) -> dict[str, Any]:
+    def capabilities(self) -> Capabilities:
         # ``hidden_states``: this backend's own key (Engine.hidden_states refuses without it)
-        return all_capabilities(hook_points=list(HOOK_POINTS), hidden_states=True,
+        return Capabilities(hook_points=list(HOOK_POINTS), hidden_states=True,
                                 tool_calling=self.tool_call_format is not None,
                                 tool_call_format=self.tool_call_format,
                                 # SPECULATIVE_MODEL: the serial path's draft, when one is set

@@ -11,7 +11,7 @@ embeddings (a generation engine has no pooling runner here), scores restricted t
 request.  Structured output and tool calls go to vLLM's own structured outputs (its
 xgrammar backend) with the grammar every backend enforces (``batch.py``).  Serial mode
 does not exist: the engine drives this backend through its batch
-scheduler (``capabilities()["serial_mode"] is False``).
+scheduler (``capabilities().serial_mode is False``).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from ...api.protocol import (
     ScoreJob,
     ScoreResult,
 )
-from ..base import all_capabilities
+from ...api.capabilities import Capabilities
 from .wire import VLLM_HOOK_POINTS, hook_layer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -174,12 +174,12 @@ class VllmBackend:
         """The factor layer ``layer``'s attention multiplies q·k by (vLLM's ``scale``)."""
         return self._scaling[layer] if layer < len(self._scaling) else None
 
-    def capabilities(self) -> dict[str, bool]:
+    def capabilities(self) -> Capabilities:
         hooks_live = self.enforce_eager
         # Q/K capture taps vLLM's Attention module: every layer must have one
         qk = getattr(self, "attention_geometry", None) is not None and \
             getattr(self, "_attention_layers", set()) == set(range(getattr(self, "num_layers", 0)))
-        return all_capabilities(
+        return Capabilities(
             per_request_steering=hooks_live,
             # the worker's hooks add per-row delta tables only (no encode in the forward)
             steering_controls=False,
