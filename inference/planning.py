@@ -30,7 +30,6 @@ from gpu_engine.api.protocol import (
     AttentionCaptureSpec,
     CaptureSpec,
     EngineStatus,
-    FeatureControl,
     GenerationJob,
     MonitorEntry,
     MonitorSpec,
@@ -143,18 +142,13 @@ def off_view_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     return sync_to_async(run, thread_sensitive=False)
 
 
-def _feature(f: Any) -> tuple[int, float] | FeatureControl:
-    """A /v1 steering feature as the resolver takes it: a plain add as (index, strength),
-    anything else as the engine's ``FeatureControl``."""
-    return (f.index, f.amount()) if f.plain else f.control()
-
-
 def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None
                    ) -> dict[str, Any]:
     inline = req.steering
     return {
         "inline_sae_id": inline.sae_id if inline is not None else None,
-        "inline_features": ([_feature(f) for f in inline.features]
+        # each feature as the engine's FeatureControl, its ranges checked by the body's model
+        "inline_features": ([f.control() for f in inline.features]
                             if inline is not None else None),
         "profile": profile,
         "intensity": req.steering_intensity,

@@ -17,15 +17,8 @@ class SteeringFeature(ControlInput):
     original shape); ``mode`` (add | clamp | scale | ablate) with ``value``, ``phase``
     (all | prompt | completion), ``window`` ``{start, end}`` and ``condition``
     ``{feature, threshold}`` steer otherwise (docs/steering.md, "Modes"). The one control
-    schema of every surface (``steering.rules.ControlInput``)."""
-
-    @property
-    def plain(self) -> bool:
-        return (self.mode == "add" and self.phase == "all" and self.window is None
-                and self.condition is None)
-
-    def amount(self) -> float:
-        return float(self.strength if self.strength is not None else (self.value or 0.0))
+    schema of every surface (``steering.rules.ControlInput``); the resolver takes each as
+    the engine's ``FeatureControl`` (``control()``)."""
 
 
 class InlineSteering(_Strict):

@@ -35,6 +35,7 @@ from pydantic import (
 )
 
 from core.errors import InvalidFeatureIndex, ValidationFailed
+from gpu_engine.api.fields import prechecked
 from gpu_engine.api.protocol import (
     CONDITION_THRESHOLD,
     MAX_STEERING_STRENGTH,
@@ -155,13 +156,16 @@ class ControlInput(_Strict):
         return self
 
     def control(self) -> FeatureControl:
+        """The engine's ``FeatureControl``: its ranges were checked here (the same
+        declarations), so building it checks them no second time (``prechecked``)."""
         amount = self.strength if self.strength is not None else self.value
-        return FeatureControl(
-            self.index, mode=self.mode, value=float(amount or 0.0), phase=self.phase,
-            window=(PositionRange(self.window.start, self.window.end)
-                    if self.window is not None else None),
-            condition=(SteeringCondition(self.condition.feature, self.condition.threshold)
-                       if self.condition is not None else None))
+        with prechecked():
+            return FeatureControl(
+                self.index, mode=self.mode, value=float(amount or 0.0), phase=self.phase,
+                window=(PositionRange(self.window.start, self.window.end)
+                        if self.window is not None else None),
+                condition=(SteeringCondition(self.condition.feature, self.condition.threshold)
+                           if self.condition is not None else None))
 
 
 def _loc(param: str, loc: Sequence[Any]) -> str:
@@ -240,8 +244,9 @@ def dial_controls(controls: Iterable[FeatureControl], intensity: float
     written; λ = 0 is off, so nothing is left."""
     if intensity == 0:
         return []
-    return [msgspec.structs.replace(c, value=dial(c.value, intensity)) if c.mode == "add"
-            else c for c in controls]
+    with prechecked():  # a dialled value is clamped into the range
+        return [msgspec.structs.replace(c, value=dial(c.value, intensity)) if c.mode == "add"
+                else c for c in controls]
 
 
 @dataclass(frozen=True)

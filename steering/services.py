@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
+from gpu_engine.api.fields import prechecked
 from gpu_engine.api.protocol import (
     AttachmentStatus,
     FeatureControl,
@@ -112,8 +113,10 @@ def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
     levels, not amounts, and run as written."""
     if not features:
         return EXPLICITLY_UNSTEERED
-    plain = [f for f in features if not isinstance(f, FeatureControl)]
-    controls = [f for f in features if isinstance(f, FeatureControl)]
+    # a plain add (an add at every position) counts as a feature, not a control
+    plain = [(f.index, f.value) if isinstance(f, FeatureControl) else f for f in features
+             if not isinstance(f, FeatureControl) or f.plain]
+    controls = [f for f in features if isinstance(f, FeatureControl) and not f.plain]
     indices = [index for index, _ in plain] + [c.index for c in controls]
     if len(set(indices)) != len(indices):
         raise SteeringInvalid("steering.features names a feature index twice",
@@ -134,7 +137,9 @@ def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
         header += f";controls={len(controls)}"
     if intensity is not None:
         header += f";intensity={_fmt(intensity)}"
-    return _resolved("inline", att, values, header, intensity=intensity, controls=controls)
+    # the values' ranges were checked where the request was read (or dialled into them)
+    with prechecked():
+        return _resolved("inline", att, values, header, intensity=intensity, controls=controls)
 
 
 def _cluster_as_profile(name: str) -> Profile | None:

@@ -227,7 +227,8 @@ def _field_check(cls: type, field: mi.Field) -> Check | None:
 
 
 _CHECKS: dict[type, tuple[tuple[str, Check], ...]] = {}
-# set while msgspec decodes: it has applied the same constraints already
+# set while msgspec decodes, or while values a schema built from the same declarations has
+# checked become structs: the constraints have been applied already
 _DECODING: ContextVar[bool] = ContextVar("decoding", default=False)
 
 
@@ -240,6 +241,16 @@ def decoding() -> Iterator[None]:
         yield
     finally:
         _DECODING.reset(token)
+
+
+@contextmanager
+def prechecked() -> Iterator[None]:
+    """Structs built inside hold values already checked against these same declarations
+    (the web's /v1 pydantic models, which reuse the ranges through ``Range.bounds()`` or
+    the rule that reads them): ``check_fields`` leaves them be, so a range is checked once
+    on its way to the engine (docs/engine.md, "A steering spec's shapes")."""
+    with decoding():
+        yield
 
 
 def check_fields(obj: msgspec.Struct) -> None:
