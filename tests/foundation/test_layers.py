@@ -90,9 +90,6 @@ def test_gpu_engine_api_imports_no_torch():
     assert probe.stdout.strip() == "['torch']"  # positive control: the check sees torch
 
 
-# Circles inside these engine packages are issue 32's backend work, still open; everything
-# else in the tree must have none. Shrink this, never grow it.
-CIRCLES_TOLERATED_IN = ("gpu_engine.backends.transformers", "gpu_engine.backends.vllm")
 PROJECT_PACKAGES = ("millm_site", "system", "ui", "batches", "inference", "orchestration",
                     "monitoring", "steering", "leases", "registry", "core", "gpu_engine")
 
@@ -189,10 +186,7 @@ def test_no_file_level_import_circles():
     """No two project files import each other, directly or round a loop (a service that
     enqueues its own task does it by name through core.jobs; shared helpers live below
     both users)."""
-    def tolerated(group: list[str]) -> bool:
-        return any(all(m == p or m.startswith(p + ".") for m in group) for p in CIRCLES_TOLERATED_IN)
-
-    found = [group for group in _circles(_import_graph(REPO)) if not tolerated(group)]
+    found = _circles(_import_graph(REPO))
     assert found == []
 
 

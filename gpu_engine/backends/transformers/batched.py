@@ -21,6 +21,8 @@ a count below ``forward_passes``.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...decode.sampling import choose_rows
@@ -29,7 +31,9 @@ from ...interp.hooks import BatchContext, HookManager, Segment
 from ...interp.rows import RowRouter
 from .attention import use_grouped_sdpa
 from .kv_cache import BatchKVCache
-from .runner import TransformersRunner
+
+if TYPE_CHECKING:  # the runner builds this module's objects: a type, not an import
+    from .runner import TransformersRunner
 
 # a padded prefill group may waste at most this share of its (rows × longest prompt) area
 MAX_PREFILL_PADDING = 0.25

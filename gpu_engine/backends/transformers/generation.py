@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ...interp.capture import armed
 from ...interp.hooks import BatchContext, HookManager, RequestHooks, Segment
 from ...api.protocol import FinishEvent, SamplingParams, SpeculativeStats
-from .runner import TransformersRunner
 from ...decode.sequence import Emit, Sequence
 from .speculative import cut_cache, spec_eligible
+
+if TYPE_CHECKING:  # the runner builds this module's objects: a type, not an import
+    from .runner import TransformersRunner
 
 
 def run_generation(
