@@ -1,7 +1,7 @@
 """A Python client for miLLM's extensions, on top of the official ``openai`` package.
 
 No Django: it needs ``openai``, ``numpy``, ``safetensors`` and miLLM's light
-``gpu_engine.artifacts`` reader (the repository, or the ``gpu_engine`` package, on the
+``gpu_engine.api.artifacts`` reader (the repository, or the ``gpu_engine`` package, on the
 path). The original's served client offered ``capture()``, ``analyze()`` and
 ``load_capture()``; so does this one::
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from openai import OpenAI
 
-from gpu_engine.artifacts import CaptureData, load_capture
+from gpu_engine.api.artifacts import CaptureData, load_capture
 
 
 @dataclass

@@ -43,7 +43,7 @@ from django.utils import timezone
 
 from core.errors import ModelNotLoaded
 from core.process_copy import ProcessCopy
-from gpu_engine.api.artifacts import ArchiveRefused, read_npz
+from gpu_engine.api.archives import ArchiveRefused, read_npz
 from gpu_engine.api.protocol import (
     EngineStatus,
 )
@@ -188,7 +188,7 @@ def probe_file_read(*, filename: str, content: bytes) -> dict[str, Any]:
         raise _invalid(f"the file is larger than {MAX_FILE_BYTES} bytes", field="file")
     if filename.endswith(".npz"):
         # every member checked by its .npy header before a byte of it is inflated: a small
-        # upload cannot declare gigabytes (gpu_engine.archives)
+        # upload cannot declare gigabytes (gpu_engine.api.archives)
         try:
             return read_npz(content, max_bytes=MAX_NPZ_BYTES)
         except ArchiveRefused as exc:

@@ -1,6 +1,6 @@
 """Analyzers over captured hidden states and attention Q/K (issue 15; the original's mia).
 
-Django-free and torch-free: an analyzer reads a ``gpu_engine.artifacts.CaptureData``
+Django-free and torch-free: an analyzer reads a ``gpu_engine.api.artifacts.CaptureData``
 (numpy arrays) and returns plain JSON.  ``registry`` holds the names, the capture each
 analyzer declares (``CaptureNeed``) and how needs become a ``CaptureSpec``;
 ``builtin`` the analyzers of the issue, each with its math in a numpy function the tests

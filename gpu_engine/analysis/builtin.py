@@ -218,7 +218,7 @@ def _vector(data: Any, key: str, probe: str, size: int | None = None) -> np.ndar
 
 
 def _load_npz(path: Path, probe: str) -> dict[str, np.ndarray]:
-    from ..archives import ArchiveRefused, read_npz
+    from ..api.archives import ArchiveRefused, read_npz
 
     try:  # checked by its headers before inflating; never unpickled
         return read_npz(path, max_bytes=PROBE_NPZ_MAX_BYTES)

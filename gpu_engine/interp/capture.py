@@ -22,7 +22,7 @@ How (the "aperture"):
   layer (``BatchContext.capture_stage``: (num_layers, slots, hidden_size)), then each
   capturing request copies its slot's column into its buffer (``CapturePlan.take``);
 - when the request ends (finished, stopped or cancelled) ``result`` drains the rows it has
-  to the host and packs the artifact (``gpu_engine.artifacts``): inline when small, else
+  to the host and packs the artifact (``gpu_engine.api.artifacts``): inline when small, else
   written under the spec's directory.
 """
 
@@ -39,7 +39,7 @@ from typing import Any
 import msgspec
 import torch
 
-from ..artifacts import FORMAT, SIDECAR_KEY, write_files
+from ..api.artifacts import FORMAT, SIDECAR_KEY, write_files
 from ..api.protocol import CaptureResult, CaptureSpec
 
 ROW_META_BYTES = 16  # positions + token_ids, int64 each

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..archives import ArchiveRefused, npz_members, read_npz, read_safetensors
+from ..api.archives import ArchiveRefused, npz_members, read_npz, read_safetensors
 from ..api.errors import ModelLoadFailed, SAEFormatError
-from ..inspect import read_safetensors_header
+from ..api.model_dir import read_safetensors_header
 from .config import SAEConfig
 from .hookpoints import parse_hook_point
 
@@ -382,7 +382,7 @@ def _gemmascope_detect(p: Path) -> Path | None:
 
 def _npz_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     """Read array shapes from the .npy headers inside the zip, without reading the data."""
-    try:  # headers only, each checked against the zip directory (gpu_engine.archives)
+    try:  # headers only, each checked against the zip directory (gpu_engine.api.archives)
         members = npz_members(path, max_bytes=NPZ_HEADER_SCAN_MAX_BYTES)
     except ArchiveRefused as exc:
         raise SAEFormatError(f"Corrupt Gemma Scope file {path}: {exc.message}",

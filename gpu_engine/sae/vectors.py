@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..api.errors import ModelLoadFailed, SAEFormatError, SAEIncompatible
-from ..inspect import read_safetensors_header
+from ..api.model_dir import read_safetensors_header
 from .config import SAEConfig
 from .hookpoints import DEFAULT_HOOK_POINT
 from .layouts import SAELayout, register_layout
@@ -107,7 +107,7 @@ def read_vector_header(path: str | Path) -> VectorFile:
 
 def read_vectors(path: str | Path) -> dict[int, np.ndarray]:
     """Every vector of a checked file as float32 numpy arrays, by layer (no torch)."""
-    from ..archives import ArchiveRefused, read_safetensors
+    from ..api.archives import ArchiveRefused, read_safetensors
 
     info = read_vector_header(path)
     try:  # checked from its header first: never more than the layers' vectors it declares

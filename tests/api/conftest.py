@@ -21,7 +21,7 @@ SAELENS_DIR = "tiny-llama-L1-relu"
 
 
 def _param_count(model_dir: Path) -> int:
-    from gpu_engine.inspect import inspect_model_dir
+    from gpu_engine.api.model_dir import inspect_model_dir
 
     return inspect_model_dir(model_dir).param_count
 

@@ -146,7 +146,7 @@ def test_capture_command_writes_one_artifact_per_prompt_offline(tiny_llama, tiny
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpu_engine.artifacts import load_capture
+    from gpu_engine.api.artifacts import load_capture
 
     settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = "cpu", "float32"
     prompts = tmp_path / "prompts.jsonl"

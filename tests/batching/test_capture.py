@@ -13,7 +13,7 @@ import msgspec
 import numpy as np
 import pytest
 
-from gpu_engine.artifacts import load_capture
+from gpu_engine.api.artifacts import load_capture
 from gpu_engine.api.protocol import AttentionCaptureSpec, CaptureSpec
 from tests.engine.tolerances import BATCH_ENCODE_ATOL, BATCH_ENCODE_RTOL
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_engine.artifacts import load_capture, write_files
+from gpu_engine.api.artifacts import load_capture, write_files
 from gpu_engine.api.errors import CaptureTooLarge, InvalidParameter
 from gpu_engine.api.protocol import (
     AttachSpec,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from gpu_engine.artifacts import load_capture
+from gpu_engine.api.artifacts import load_capture
 from gpu_engine.interp.capture import AttentionGeometry, CapturePart, CapturePlan, HeadShard, for_shard
 from gpu_engine.api.protocol import AttentionCaptureSpec, CaptureSpec
 
@@ -116,7 +116,7 @@ def test_one_rank_holding_every_asked_head_writes_plain_tensors_and_a_missing_sh
     assert load_capture(data).q[0].shape == (2, 2, 4)
     from safetensors.torch import load as load_bytes
 
-    from gpu_engine.artifacts import SIDECAR_KEY, _header_metadata
+    from gpu_engine.api.artifacts import SIDECAR_KEY, _header_metadata
 
     tensors = load_bytes(data)
     del tensors["q.0.tp1"]

@@ -14,7 +14,7 @@ import torch
 from safetensors.numpy import load_file, save_file
 
 from gpu_engine.api.errors import SAEFormatError, UnsupportedArchitecture
-from gpu_engine.inspect import inspect_model_dir
+from gpu_engine.api.model_dir import inspect_model_dir
 from gpu_engine.sae import (
     SAELayout,
     check_compatibility,
@@ -37,7 +37,8 @@ def test_metadata_reads_no_weights_and_imports_no_torch(tiny_assets):
     asset = tiny_assets.saes["tiny-llama-L1-relu"]
     model = tiny_assets.models["tiny-llama"]
     code = (
-        "import sys; from gpu_engine.sae import read_sae_metadata; from gpu_engine.inspect import inspect_model_dir; "
+        "import sys; from gpu_engine.sae import read_sae_metadata; "
+        "from gpu_engine.api.model_dir import inspect_model_dir; "
         f"read_sae_metadata({str(asset.path)!r}); inspect_model_dir({str(model.path)!r}); "
         "import gpu_engine.api.protocol, gpu_engine.api.errors; "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules and 'django' not in sys.modules"

@@ -12,7 +12,7 @@ import urllib.request
 import numpy as np
 import pytest
 
-from gpu_engine.artifacts import load_capture
+from gpu_engine.api.artifacts import load_capture
 from tests.ui.conftest import screenshot
 from tests.ui.test_pages import UNLABELLED
 
@@ -148,7 +148,7 @@ def test_a_tensor_parallel_capture_is_drawn_from_its_shards(server, page):
 
     from safetensors.numpy import load, save
 
-    from gpu_engine.artifacts import SIDECAR_KEY
+    from gpu_engine.api.artifacts import SIDECAR_KEY
 
     capture_id, _ = _store_capture(server, "Split the heads over two ranks.", CAPTURE)
     data = _download(server, capture_id)

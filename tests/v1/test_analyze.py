@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from gpu_engine.artifacts import load_capture
+from gpu_engine.api.artifacts import load_capture
 from gpu_engine.api.errors import AnalyzerCaptureMissing
 from gpu_engine.api.protocol import EngineStatus
 from tests.conftest import manage

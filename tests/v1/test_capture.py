@@ -13,7 +13,7 @@ import pytest
 from django.core.management import call_command
 from django.utils import timezone
 
-from gpu_engine.artifacts import load_capture
+from gpu_engine.api.artifacts import load_capture
 from gpu_engine.api.protocol import CaptureSpec, GenerationJob, SamplingParams
 from tests.engine.helpers import count_forwards
 from tests.engine.tolerances import BATCH_ENCODE_ATOL, BATCH_ENCODE_RTOL

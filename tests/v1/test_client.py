@@ -8,7 +8,7 @@ import base64
 import numpy as np
 import pytest
 
-from gpu_engine.artifacts import load_capture
+from gpu_engine.api.artifacts import load_capture
 from integrations.millm_client import MillmClient, MillmError
 
 CHAT = [{"role": "user", "content": "tell me about the fox"}]

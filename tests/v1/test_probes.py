@@ -72,7 +72,7 @@ def reference_rows(hf, server, layer: int) -> tuple[np.ndarray, list[int]]:
     from the test's own forward; the completion ids from a capture's sidecar."""
     import base64
 
-    from gpu_engine.artifacts import load_capture
+    from gpu_engine.api.artifacts import load_capture
 
     resp = completion(server, {"capture": {"layers": [0], "positions": "last"}})
     meta = load_capture(base64.b64decode(resp.json()["millm"]["capture"]["data"])).meta

@@ -28,7 +28,7 @@ def _references(hf, server, tiny_assets, saes):  # noqa: F811
     and the plain completion's text."""
     import base64
 
-    from gpu_engine.artifacts import load_capture
+    from gpu_engine.api.artifacts import load_capture
     from tests.engine.test_capture import reference_blocks
 
     resp = completion(server, {"capture": {"layers": [0], "positions": "last"}})

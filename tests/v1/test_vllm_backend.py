@@ -255,7 +255,7 @@ def test_capture_on_vllm_is_stored_and_equals_transformers(vllm_llama, on_vllm, 
     backend's capture of the same steered request within the vLLM-vs-transformers bound."""
     import numpy as np
 
-    from gpu_engine.artifacts import load_capture
+    from gpu_engine.api.artifacts import load_capture
     from gpu_engine.api.protocol import AttentionCaptureSpec, CaptureSpec
     from monitoring.models import Capture
 

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpu_engine.artifacts import load_capture
+from gpu_engine.api.artifacts import load_capture
 from gpu_engine.api.errors import CaptureTooLarge, InvalidParameter
 from gpu_engine.api.protocol import (
     AttentionCaptureSpec,

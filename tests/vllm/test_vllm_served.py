@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_engine.artifacts import load_capture
+from gpu_engine.api.artifacts import load_capture
 from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import AttachSpec, LoadModelJob, MonitorEntry
 

@@ -43,7 +43,7 @@ from ...decode.sequence import Sequence
 from ...decode.text import tool_template_format
 from ...api.errors import InvalidParameter, ModelLoadFailed, SAEIncompatible
 from ...interp.hooks import AttachmentStats, HookManager
-from ...memory import available_memory
+from ...api.memory import available_memory
 from ...api.protocol import (
     AttachmentKey,
     EmbedJob,

@@ -4,7 +4,7 @@ module an SAE's hook point (``gpu_engine.sae.hookpoints``) lands on at layer L.
 The table is keyed by the checkpoint's architecture class (``config.architectures[0]``
 or the loaded model's class name) and lists the attribute path of the block list; more
 than one candidate covers layout changes between transformers versions.  The table
-itself lives in ``gpu_engine.architectures`` (torch-free, and no backend), where
+itself lives in ``gpu_engine.api.architectures`` (torch-free, and no backend), where
 ``inspect`` reads it to say whether a checkpoint is supported.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...architectures import BLOCK_LIST_PATHS, is_supported_architecture
+from ...api.architectures import BLOCK_LIST_PATHS, is_supported_architecture
 from ...api.errors import SAEIncompatible, UnsupportedArchitecture
 
 

@@ -18,8 +18,8 @@ import torch
 from ...interp.capture import AttentionGeometry
 from ...api.errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...interp.hooks import HookManager
-from ...inspect import ModelInfo, inspect_model_dir
-from ...memory import trim_host_heap
+from ...api.model_dir import ModelInfo, inspect_model_dir
+from ...api.memory import trim_host_heap
 from ...api.protocol import (
     AttachmentKey,
     EmbedJob,

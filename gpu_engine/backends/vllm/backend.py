@@ -30,7 +30,7 @@ from ...interp.capture import AttentionGeometry
 from ...decode.text import tool_template_format
 from ...api.errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...interp.hooks import HookManager
-from ...inspect import inspect_model_dir
+from ...api.model_dir import inspect_model_dir
 from ...api.protocol import (
     AttachmentKey,
     EmbedJob,

@@ -1,7 +1,7 @@
 """The decoder architectures miLLM knows: per checkpoint architecture class
 (``config.architectures[0]``), the attribute paths of its decoder-block list.
 
-Torch-free and free of any backend, so that ``inspect`` (reading a model directory for the
+Torch-free and free of any backend, so that ``model_dir`` (reading a model directory for the
 web) can say whether a checkpoint is supported without importing a backend; the
 transformers backend resolves blocks with the same table
 (``gpu_engine.backends.transformers.blocks``).  More than one candidate path covers layout

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .architectures import is_supported_architecture
-from .api.errors import InvalidParameter, ModelLoadFailed
+from .errors import InvalidParameter, ModelLoadFailed
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
