@@ -3,7 +3,7 @@
 The engine (``gpu_engine.runtime``) keeps what is the same on every backend: the
 attachment table, drain-before-control ordering, the OOM policy, events, admission of
 generations into its batch scheduler (``gpu_engine.runtime.scheduler``) and the per-request plans
-(``gpu_engine.requests``: steering deltas and monitors, built from the attachment's SAE
+(``gpu_engine.runtime.prepare``: steering deltas and monitors, built from the attachment's SAE
 with ``gpu_engine.interp.hooks`` — plain torch, importable without any backend).  A backend owns
 the rest: loading, tokenisation, how rows run (its ``BatchBackend``: start requests, step
 them, drop one, reset), applying steering and monitoring for an attachment wherever its

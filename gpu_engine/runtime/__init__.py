@@ -4,8 +4,8 @@
 its worker thread and queue (``worker``), what is resident and how it is loaded,
 unloaded, attached to and recovered after an out-of-memory failure (``loading``), and
 what it reports (``status``).  Beside it: the batch policy (``scheduler``), the ledger of
-accepted work and draining it (``drain``), a generation's events (``stream``) and an
-attached SAE (``attachments``).
+accepted work and draining it (``drain``), a generation's events (``stream``), a
+request's token ids, budget and hooks (``prepare``) and an attached SAE (``attachments``).
 
 The runtime loads a backend through the registry (``gpu_engine.backends``) and talks to
 it through ``gpu_engine.backends.base.ModelBackend`` only: it never names an adapter

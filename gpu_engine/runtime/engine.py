@@ -18,7 +18,7 @@ The facade is built in layers, one module each: the worker thread and its queue
 (``loading``), and here the work itself: generations (serial or batched, structured ones
 after their grammar is built off the worker), embeddings, scores and hidden states.
 Apart from it: the ledger of accepted work and draining it (``drain``), preparing a
-request for the model (``gpu_engine.requests``), and an attached SAE (``attachments``).
+request for the model (``prepare``), and an attached SAE (``attachments``).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
-from .. import requests
 from ..api.commands import check_implements
 from ..backends.base import ReadsHiddenStates
 from ..decode.sequence import CompilesGrammars
@@ -53,6 +52,7 @@ from ..api.protocol import (
     StructuredOutput,
     Usage,
 )
+from . import prepare
 from .attachments import Attachment, is_out_of_memory
 from .drain import WorkLedger
 from .loading import ModelLoading
@@ -136,11 +136,11 @@ class Engine(ModelLoading):
                 stream._put(FinishEvent(job.request_id, "cancelled", "", [], Usage()))
                 return
             backend = self._require_backend()
-            requests.check_capabilities(backend, job)
-            prompt_ids = requests.prompt_ids(backend, job)
-            max_tokens = requests.token_budget(backend, job, len(prompt_ids))
-            hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
-            hooks = requests.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
+            prepare.check_capabilities(backend, job)
+            prompt_ids = prepare.prompt_ids(backend, job)
+            max_tokens = prepare.token_budget(backend, job, len(prompt_ids))
+            hooks = prepare.request_hooks(backend, self._attachments, job, len(prompt_ids))
+            hooks = prepare.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
             finish = backend.generate(
                 request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling, max_tokens=max_tokens,
                 request_hooks=hooks, should_stop=stream._cancel.is_set, emit=stream._put,
@@ -167,11 +167,11 @@ class Engine(ModelLoading):
         """Validate a job against the loaded model and build its decode state (batched path;
         runs on the worker when the request gets a row, like the serial path's checks)."""
         backend = self._require_backend()
-        requests.check_capabilities(backend, job)
-        prompt_ids = requests.prompt_ids(backend, job)
-        max_tokens = requests.token_budget(backend, job, len(prompt_ids))
-        hooks = requests.request_hooks(backend, self._attachments, job, len(prompt_ids))
-        hooks = requests.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
+        prepare.check_capabilities(backend, job)
+        prompt_ids = prepare.prompt_ids(backend, job)
+        max_tokens = prepare.token_budget(backend, job, len(prompt_ids))
+        hooks = prepare.request_hooks(backend, self._attachments, job, len(prompt_ids))
+        hooks = prepare.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
         return backend.new_sequence(job, prompt_ids=prompt_ids, max_tokens=max_tokens, request_hooks=hooks,
                                     emit=stream._put, should_stop=stream._cancel.is_set)
 
@@ -235,7 +235,7 @@ class Engine(ModelLoading):
         ends as ``schema_too_complex`` (``gpu_engine.decode.grammar.GrammarBuilder``)."""
         builder, threads = self._builder(), self._grammar_threads
 
-        def prepare() -> None:
+        def build_then_queue() -> None:
             spec = job.sampling.structured
             try:
                 if not stream.cancelled:
@@ -259,7 +259,7 @@ class Engine(ModelLoading):
                 dropped()
 
         try:
-            threads.submit(prepare)  # type: ignore[union-attr]
+            threads.submit(build_then_queue)  # type: ignore[union-attr]
         except RuntimeError:  # the pool was shut down with the engine
             dropped()
 
@@ -272,7 +272,7 @@ class Engine(ModelLoading):
             if not backend.capabilities().embeddings:
                 raise InvalidParameter(f"the {backend.name} backend does not compute embeddings", param="input",
                                        details={"backend": backend.name, "capability": "embeddings"})
-            inputs = requests.encode_inputs(backend, job.inputs, "input")
+            inputs = prepare.encode_inputs(backend, job.inputs, "input")
             return backend.embed(job, inputs)
 
         return self._work(op, timeout_s, job.priority)
@@ -284,14 +284,14 @@ class Engine(ModelLoading):
                 raise InvalidParameter(f"the {backend.name} backend does not score prompts", param="prompt",
                                        details={"backend": backend.name, "capability": "scoring"})
             if job.prompt_token_ids is not None:
-                ids = requests.encode_inputs(backend, [list(job.prompt_token_ids)], "prompt")[0]
+                ids = prepare.encode_inputs(backend, [list(job.prompt_token_ids)], "prompt")[0]
             elif job.messages is not None:
                 ids = backend.encode_messages(job.messages, add_generation_prompt=True, **job.chat_template_kwargs)
-                ids = requests.encode_inputs(backend, [ids], "messages")[0]
+                ids = prepare.encode_inputs(backend, [ids], "messages")[0]
             else:
-                ids = requests.encode_inputs(backend, [job.prompt], "prompt", job.add_special_tokens)[0]
+                ids = prepare.encode_inputs(backend, [job.prompt], "prompt", job.add_special_tokens)[0]
             if job.allowed_token_ids is not None:
-                requests.validate_ids(backend, job.allowed_token_ids, "allowed_token_ids")
+                prepare.validate_ids(backend, job.allowed_token_ids, "allowed_token_ids")
             return backend.score(job, ids)
 
         return self._work(op, timeout_s)
@@ -312,7 +312,7 @@ class Engine(ModelLoading):
                     raise InvalidParameter(f"layer {layer} is out of range: the model has {backend.num_layers} "
                                            f"decoder blocks (0..{backend.num_layers - 1})", param="layers",
                                            details={"layer": layer, "num_layers": backend.num_layers})
-            inputs = requests.encode_inputs(backend, job.inputs, "inputs", job.add_special_tokens)
+            inputs = prepare.encode_inputs(backend, job.inputs, "inputs", job.add_special_tokens)
             return backend.hidden_states(job, inputs)
 
         return self._work(op, timeout_s, job.priority)

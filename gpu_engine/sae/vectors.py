@@ -9,7 +9,7 @@ Attached at layer L, the file is an SAE with no encoder whose one decoder row is
 ``layer.<L>`` (``d_sae = 1``, feature 0), so the steering machinery serves it unchanged:
 ``features={0: s}`` adds ``s · v`` at every position and ``ablate`` removes the
 direction ``v / ‖v‖``.  What needs an encoder (monitoring, clamp, scale, conditions) is
-refused in ``gpu_engine.requests``.  A layer the file has no vector for is refused at
+refused in ``gpu_engine.runtime.prepare``.  A layer the file has no vector for is refused at
 attach (``sae_incompatible`` naming the layer).
 
 Only safetensors is read: nothing is unpickled.  The readers here use numpy, never

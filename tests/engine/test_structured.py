@@ -27,7 +27,7 @@ from gpu_engine.api.protocol import (
     SteeringSpec,
     StructuredOutput,
 )
-from gpu_engine.requests import check_capabilities
+from gpu_engine.runtime.prepare import check_capabilities
 from tests.batching.conftest import Choreography
 from tests.engine.structured_cases import SCHEMAS, structured_job
 

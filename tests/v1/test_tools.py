@@ -157,7 +157,7 @@ def test_a_multi_turn_conversation_renders_as_the_template_does(tools_llm, tools
     from transformers import AutoTokenizer
 
     from gpu_engine.api.protocol import GenerationJob
-    from gpu_engine.requests import prompt_ids
+    from gpu_engine.runtime.prepare import prompt_ids
 
     # the template's own rendering, with transformers' conventions written out by hand
     tok = AutoTokenizer.from_pretrained(str(tools_model_dir))

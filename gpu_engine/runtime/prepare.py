@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .api.errors import ContextLengthExceeded, InvalidParameter
-from .interp.plans import ENCODER_MODES, refuse_encoder_controls, request_hooks, with_capture
-from .api.protocol import GenerationJob
+from ..api.errors import ContextLengthExceeded, InvalidParameter
+from ..api.protocol import GenerationJob
+from ..interp.plans import ENCODER_MODES, refuse_encoder_controls, request_hooks, with_capture
 
 
 def validate_ids(backend: Any, ids: Sequence[int], param: str) -> list[int]:
