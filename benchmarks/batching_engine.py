@@ -293,7 +293,7 @@ def main() -> None:
         for n in batches:
             ids = [batched.backend.encode_text(prompt(i)) for i in range(n)]
             hf_generate_batch(hf_cb_model, ids, args.tokens)  # creates and sizes the manager
-            for r in range(args.rounds):
+            for _ in range(args.rounds):
                 samples["hf_generate_batch"][n].append(hf_generate_batch(hf_cb_model, ids, args.tokens))
                 print(f"hf_generate_batch n={n}: {samples['hf_generate_batch'][n][-1]:.1f} tok/s", file=sys.stderr)
             if args.idle and n == batches[-1]:

@@ -264,7 +264,7 @@ def main() -> None:
     rows: dict[str, dict] = {}
     for quant, path in files.items():
         wbytes = weight_bytes(path)
-        bw = passing(lambda: copy_bandwidth(wbytes))
+        bw = passing(lambda wbytes=wbytes: copy_bandwidth(wbytes))
         print(f"{quant}: copy of {wbytes / 1e6:.0f} MB: {bw['gb_s']:.1f} GB/s (read-only sum "
               f"{bw['read_gb_s']:.1f} GB/s), threads {bw['threads']}")
         rows[quant] = {"weight_bytes": wbytes, "bandwidth_limit_tok_s": limit_tok_s(wbytes),
@@ -292,7 +292,7 @@ def main() -> None:
                                             "--layer", str(layer), "--tokens", str(args.tokens)],
                             passes=args.rounds)
         # measured again after the passes: the better of the two is the limit
-        bw = passing(lambda: copy_bandwidth(wbytes, again=True))
+        bw = passing(lambda wbytes=wbytes: copy_bandwidth(wbytes, again=True))
         row["bandwidth"], row["bandwidth_limit_tok_s"] = bw, limit_tok_s(wbytes)
         limit = row["bandwidth_limit_tok_s"]
         print(f"{quant}: copies of {wbytes / 1e6:.0f} MB before and after: "

@@ -213,7 +213,7 @@ class EngineClient(ABC):
     def attachments(self) -> list[AttachmentStatus]:
         return list(self.status().attachments)
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> None:  # noqa: B027 - optional: most clients hold nothing to release
         """Release the engine (tests, process exit)."""
 
     def resolve_device_and_dtype(self, device: str, dtype: str) -> tuple[str, str]:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -356,7 +356,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return [m.for_template() for m in self.messages]
 
 
-PromptItem = Union[str, list[int]]
+PromptItem = str | list[int]
 
 
 def _prompt(value: Any) -> list[PromptItem]:

@@ -238,7 +238,7 @@ def _check_combinations(v: dict[str, Any]) -> None:
                           "without keys any web page the operator opens could drive the "
                           "server; name the origins, or set keys", "*")
     for origin in origins:
-        if origin != "*" and not urlparse(origin).scheme in ("http", "https"):
+        if origin != "*" and urlparse(origin).scheme not in ("http", "https"):
             raise ConfigError("CORS_ORIGINS", "each origin must be * or an http(s) URL", origin)
     if not v["DEBUG"] and v["DATABASE_URL"] and not v["SECRET_KEY"]:
         raise ConfigError("SECRET_KEY", "is required when DEBUG is off and DATABASE_URL is set")

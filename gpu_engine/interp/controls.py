@@ -93,7 +93,7 @@ class ControlTable:
         idx = torch.tensor(feats, dtype=torch.long, device=dev)
         rows = sae.W_dec.index_select(0, idx)
         alpha, beta, gamma, lo, hi = [], [], [], [], []
-        for j, c in enumerate(controls):
+        for c in controls:
             v = float(c.value)
             a, b, g = {"add": (v, 0.0, 0.0), "clamp": (v, -1.0, 0.0), "scale": (0.0, v - 1.0, 0.0),
                        "ablate": (0.0, 0.0, -1.0)}[c.mode]

@@ -226,7 +226,7 @@ class ModelLoading(StatusReports):
             self._detach_keys(keys, reason="out_of_memory")
         elif self._backend is not None and self._backend.device.type == "cuda":
             torch.cuda.empty_cache()
-        self._emit("engine:out_of_memory", detached=[{"sae_id": s, "layer": l} for s, l in keys])
+        self._emit("engine:out_of_memory", detached=[{"sae_id": s, "layer": layer} for s, layer in keys])
 
 
     def _classify(self, exc: BaseException) -> EngineError:

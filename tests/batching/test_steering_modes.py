@@ -85,7 +85,7 @@ def test_a_mixed_batch_of_every_mode_equals_each_solo_run(engines, tiny_assets, 
     streams = {}
     order = list(jobs)
     with choreo.installed():
-        for i, name in enumerate(order[:3]):
+        for name in order[:3]:
             streams[name] = batched.generate(jobs[name])
         for name, at in zip(order[3:], (3, 5, 5, 8)):
             choreo.on(at, lambda name=name: streams.__setitem__(name, batched.generate(jobs[name])))

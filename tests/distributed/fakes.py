@@ -85,9 +85,9 @@ class FakeEngine:
             in_flight=sum(1 for s in self.streams.values() if s.cancelled_at is None))
 
     def attachments(self) -> list[AttachmentStatus]:
-        return [AttachmentStatus(sae_id=s, layer=l, layer_module_path=f"model.layers.{l}",
+        return [AttachmentStatus(sae_id=s, layer=n, layer_module_path=f"model.layers.{n}",
                                  d_in=8, d_sae=16, activation="relu", layout="saelens",
-                                 path=p) for (s, l), p in self.attached.items()]
+                                 path=p) for (s, n), p in self.attached.items()]
 
     def check_load(self, job: Any) -> None:
         return None

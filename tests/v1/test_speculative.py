@@ -31,8 +31,8 @@ def _drafted(url: str) -> tuple[float, float]:
     text = request(url, "GET", "/api/health/metrics/prometheus").body.decode()
     found = {}
     for kind in ("drafted", "accepted"):
-        m = re.search(r'millm_speculative_tokens_total\{[^}]*kind="%s"[^}]*model="tiny-llama"'
-                      r'[^}]*\} ([0-9.e+]+)' % kind, text)
+        m = re.search(r'millm_speculative_tokens_total\{[^}]*kind="' + kind + r'"[^}]*model="tiny-llama"'
+                      r'[^}]*\} ([0-9.e+]+)', text)
         found[kind] = float(m.group(1)) if m else 0.0
     return found["drafted"], found["accepted"]
 

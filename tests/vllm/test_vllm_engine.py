@@ -85,7 +85,7 @@ def test_logit_bias_is_honoured_like_transformers(vllm_engine, hf_engine):
     down."""
     plain = hf_engine.generate_sync(job("hf-plain", n=8))
     for bias in ({plain.token_ids[0]: -100.0}, {7: 30.0}):
-        def biased(rid):
+        def biased(rid, bias=bias):
             return GenerationJob(rid, prompt=PROMPTS[0], sampling=SamplingParams(
                 max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias=bias))
         want = hf_engine.generate_sync(biased("hf")).token_ids

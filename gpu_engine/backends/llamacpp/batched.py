@@ -338,11 +338,11 @@ class LlamaBatchRunner:
                 if off + take < seq.n_prompt:
                     queue.insert(0, (seq, off + take))
             self._forward(parts, tokens)
-            for seq, a, b, off in parts:
+            for seq, a, b, _off in parts:
                 seq.forwards += 1
                 if seq.sampling.prompt_logprobs:
                     echo.setdefault(id(seq), []).append(self.ctx.logits_rows(list(range(a, b))))
-            for seq, a, done in ends:
+            for seq, _a, done in ends:
                 if done:
                     b = next(p[2] for p in parts if p[0] is seq)
                     logits[id(seq)] = torch.from_numpy(self.ctx.logits(b - 1))

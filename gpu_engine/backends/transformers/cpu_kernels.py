@@ -167,7 +167,6 @@ def one_row_probe(model: torch.nn.Module, *, budget: int = PROBE_BYTES, rounds: 
                 t0 = time.perf_counter()
                 fn()
                 times[key].append((time.perf_counter() - t0) * 1e3)
-    del packed
     return {key: round(statistics.median(v), 3) for key, v in times.items()} | {"bytes": total}
 
 

@@ -50,6 +50,10 @@ from .quantization import (
 )
 from ...decode.sampling import score_result
 from .speculative import Drafter, spec_config
+from .batched import BatchedRunner
+from .generation import run_generation
+from .hidden import run_hidden_states
+from ...decode.sequence import Sequence as DecodeState
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -408,8 +412,6 @@ class TransformersRunner:
     # ------------------------------------------------------------------ what the engine calls
 
     def generate(self, **kwargs: Any) -> Any:
-        from .generation import run_generation
-
         return run_generation(self, hook_manager=self.hooks, **kwargs)
 
     def _set_kernels(self) -> None:
@@ -418,8 +420,6 @@ class TransformersRunner:
         self.kernels = f"{q.method.lower()}_weight_only+{base}" if q else base
 
     def batch_runner(self, *, max_rows: int) -> Any:
-        from .batched import BatchedRunner
-
         if self._pack_later:
             # auto, and the probe kept the default kernels for one row: a batch decodes
             # several rows a step, where the packed weights win (docs/performance.md)
@@ -437,8 +437,6 @@ class TransformersRunner:
 
     def new_sequence(self, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int, request_hooks: Any,
                      emit: Any, should_stop: Any) -> Any:
-        from ...decode.sequence import Sequence as DecodeState
-
         return DecodeState(self, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
                            max_tokens=max_tokens, request_hooks=request_hooks, emit=emit, should_stop=should_stop)
 
@@ -466,8 +464,6 @@ class TransformersRunner:
             return score_result(job, self.full_logits(prompt_ids).float(), prompt_ids, self.token_text)
 
     def hidden_states(self, job: HiddenStatesJob, inputs: Sequence[list[int]]) -> HiddenStatesResult:
-        from .hidden import run_hidden_states
-
         return run_hidden_states(self, job, inputs)
 
     def release_cached_memory(self) -> None:
