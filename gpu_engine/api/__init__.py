@@ -26,9 +26,9 @@ Importing this package imports nothing else; each module is a small, named door:
 ``memory``         the host's available memory, handing freed heap back to the system
 =================  ===========================================================================
 
-The protocol, the command table, the errors and the torch-free readers (``artifacts``,
-``archives``, ``model_dir``, ``architectures``, ``memory``) live here, and the engine's own
-modules import them from here; ``transport``, ``analysis``, ``sae`` and ``host`` re-export, for
+The protocol, the command table, the errors, the streams' transport and the torch-free readers
+(``artifacts``, ``archives``, ``model_dir``, ``architectures``, ``memory``) live here, and the
+engine's own modules import them from here; ``analysis``, ``sae`` and ``host`` re-export, for
 the web, what the engine package owning it holds. Two contracts keep the door
 (pyproject.toml): Django packages import only ``gpu_engine.api`` from the engine (the
 embedded runtime builder and ``run_engine`` are the named exceptions), and nothing here

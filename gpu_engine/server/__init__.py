@@ -1,11 +1,9 @@
 """The engine process and its Redis Streams transport (distributed mode).
 
 Framework-free: redis-py and the protocol structs only, no Django and no torch at
-import time (the web tier imports ``keys`` and ``wire`` to talk to the engine).
+import time.  What travels on the streams and the keys' names (the JSON envelope, the
+events, ``Keys``) are ``gpu_engine.api.transport``, which the web tier's client speaks too.
 
-- ``keys``: every Redis key and stream name, under one prefix.
-- ``wire``: the JSON envelope (a command of ``gpu_engine.api.commands`` by name, its
-  arguments, its deadline) and the events that travel on the streams (never pickle).
 - ``server``: ``EngineServer``, the main loop that a ``run_engine`` process runs around
   an ``Engine``: consumer-group reads with bounded concurrency, acknowledgement only once
   the result is stored, "started" markers so nothing is generated twice, reclaiming and
@@ -17,8 +15,3 @@ import time (the web tier imports ``keys`` and ``wire`` to talk to the engine).
 
 docs/deploy.md describes the delivery semantics in full.
 """
-
-from .keys import Keys
-from .wire import Envelope, decode_event, encode_event
-
-__all__ = ["Envelope", "Keys", "decode_event", "encode_event"]

@@ -11,7 +11,7 @@ import time
 
 import redis
 
-from .keys import Keys
+from ..api.transport import Keys
 
 _HEARTBEAT_LUA = """
 local owner = redis.call('GET', KEYS[1])

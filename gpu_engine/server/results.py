@@ -13,8 +13,7 @@ import redis
 
 from ..api.errors import EngineError
 from ..api.protocol import StreamEvent
-from .keys import Keys
-from .wire import encode_event, error_event
+from ..api.transport import Keys, encode_event, error_event
 
 if TYPE_CHECKING:
     from .server import ServerConfig

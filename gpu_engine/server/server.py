@@ -57,10 +57,9 @@ from ..api.errors import (
     InvalidParameter,
 )
 from ..api.protocol import ErrorEvent, FinishEvent, StreamEvent, to_builtins
-from .keys import Keys
+from ..api.transport import Envelope, Keys, error_event, job_error, result_event
 from .ownership import EngineAlreadyRunning, PrefixOwnership
 from .results import ResultWriter
-from .wire import Envelope, error_event, job_error, result_event
 
 log = logging.getLogger("gpu_engine.server")
 

@@ -29,7 +29,7 @@ from gpu_engine.api.protocol import (
     to_builtins,
 )
 from gpu_engine.sae.compat import CompatibilityReport
-from gpu_engine.server.keys import Keys
+from gpu_engine.api.transport import Keys
 from gpu_engine.server.server import EngineServer, ServerConfig
 
 

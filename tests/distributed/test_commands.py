@@ -38,8 +38,7 @@ from gpu_engine.api.protocol import (
     TokenEvent,
     from_json,
 )
-from gpu_engine.server.keys import Keys
-from gpu_engine.server.wire import Envelope, decode_event
+from gpu_engine.api.transport import Envelope, Keys, decode_event
 from tests.distributed.fakes import FakeEngine, running_server
 from tests.distributed.test_transport import make_client
 

@@ -29,7 +29,7 @@ import httpx2 as httpx
 import pytest
 import redis
 
-from gpu_engine.server.keys import Keys
+from gpu_engine.api.transport import Keys
 from tests.distributed.conftest import CELERY, PYTHON, REPO, Proc, base_env, free_port
 from tests.fixtures.assets import asset_cache_dir
 

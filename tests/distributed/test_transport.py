@@ -28,9 +28,8 @@ from gpu_engine.api.protocol import (
     TokenEvent,
     to_builtins,
 )
-from gpu_engine.server.keys import Keys
+from gpu_engine.api.transport import Envelope, Keys
 from gpu_engine.server.server import EngineAlreadyRunning, EngineServer, ServerConfig
-from gpu_engine.server.wire import Envelope
 from tests.distributed.fakes import FAST, FakeEngine, fake_heartbeat, running_server
 
 
