@@ -39,11 +39,10 @@ from typing import Any
 
 import msgspec
 
-from gpu_engine.sae.compat import CompatibilityReport
-
 from .protocol import (
     AttachResult,
     AttachSpec,
+    CompatibilityReport,
     EmbedJob,
     EmbedResult,
     EngineStatus,

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
 
 from .capabilities import Capabilities, capabilities_of
 from .capture import CaptureResult
-from .errors import EngineError, error_from_dict
+from .errors import EngineError, SAEIncompatible, error_from_dict
 from .monitoring import ActivationRecord
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
@@ -292,7 +293,26 @@ class GenerationResult(msgspec.Struct):
         raise RuntimeError("generation ended without a finish event")
 
 
-__all__ = ["FINISH_REASONS", "AttachResult", "AttachmentStatus", "EmbedResult", "EngineEvent", "EngineStatus",
+@dataclass(frozen=True)
+class CompatibilityReport:
+    """Can this SAE be attached to that model at that layer (``check_sae``'s result; built by
+    ``gpu_engine.sae.compat.check_compatibility``)?  ``errors`` make attaching impossible,
+    ``warnings`` flag an SAE trained somewhere else."""
+
+    compatible: bool
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def raise_for_errors(self, sae_id: str = "") -> None:
+        if self.errors:
+            label = f"SAE {sae_id!r}" if sae_id else "SAE"
+            raise SAEIncompatible(f"{label} is incompatible: " + "; ".join(self.errors), details=self.to_dict())
+
+
+__all__ = ["FINISH_REASONS", "AttachResult", "AttachmentStatus", "CompatibilityReport", "EmbedResult", "EngineEvent", "EngineStatus",
            "ErrorEvent", "FinishEvent", "GenerationEvent", "GenerationResult", "HiddenStatesResult", "LogprobEntry",
            "ResultEvent", "ScoreResult", "SpeculativeStats", "SteeringCount", "SteeringFired", "StreamEvent",
            "TokenEvent", "TokenLogprob", "Usage"]

@@ -27,8 +27,16 @@ from ..api.errors import (
     SAEIncompatible,
     SAENotAttached,
 )
-from ..api.protocol import AttachmentKey, AttachResult, AttachSpec, EngineStatus, GenerationJob, LoadModelJob
-from ..sae import CompatibilityReport, check_compatibility
+from ..api.protocol import (
+    AttachmentKey,
+    AttachResult,
+    AttachSpec,
+    CompatibilityReport,
+    EngineStatus,
+    GenerationJob,
+    LoadModelJob,
+)
+from ..sae import check_compatibility
 from ..sae.layouts import config_at_layer, resolve_layout
 from .attachments import Attachment, is_out_of_memory, prepare_attachment
 from .drain import STOP_WAIT_S

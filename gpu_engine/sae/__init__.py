@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compat import CompatibilityReport, check_compatibility
+from .compat import check_compatibility
 from .config import ACTIVATIONS, SAEConfig
 from .layouts import (
     SAELayout,
@@ -33,7 +33,6 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "ACTIVATIONS",
     "SAE",
-    "CompatibilityReport",
     "SAEConfig",
     "SAELayout",
     "VECTOR_LAYOUT",

@@ -7,26 +7,8 @@ allows because researchers do transfer SAEs on purpose.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
-
-from ..api.errors import SAEIncompatible
+from ..api.results import CompatibilityReport
 from .config import SAEConfig
-
-
-@dataclass(frozen=True)
-class CompatibilityReport:
-    compatible: bool
-    errors: list[str] = field(default_factory=list)
-    warnings: list[str] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def raise_for_errors(self, sae_id: str = "") -> None:
-        if self.errors:
-            label = f"SAE {sae_id!r}" if sae_id else "SAE"
-            raise SAEIncompatible(f"{label} is incompatible: " + "; ".join(self.errors), details=self.to_dict())
 
 
 def _norm_model_name(name: str) -> str:
@@ -59,4 +41,4 @@ def check_compatibility(
     return CompatibilityReport(compatible=not errors, errors=errors, warnings=warnings)
 
 
-__all__ = ["CompatibilityReport", "check_compatibility"]
+__all__ = ["check_compatibility"]

@@ -17,6 +17,7 @@ from gpu_engine.api.errors import EngineBusy, SAENotAttached
 from gpu_engine.api.protocol import (
     AttachmentStatus,
     AttachResult,
+    CompatibilityReport,
     EmbedResult,
     EngineStatus,
     ErrorEvent,
@@ -28,7 +29,6 @@ from gpu_engine.api.protocol import (
     Usage,
     to_builtins,
 )
-from gpu_engine.sae.compat import CompatibilityReport
 from gpu_engine.api.transport import Keys
 from gpu_engine.server.server import EngineServer, ServerConfig
 
