@@ -69,6 +69,18 @@ def test_the_web_reaches_the_engine_only_through_gpu_engine_api(tmp_path):
     assert "ui is not allowed to import gpu_engine" in done.stdout
 
 
+def test_a_wrong_way_import_breaks_the_engine_layers(tmp_path):
+    """Positive control for the engine's layers contract: the api importing the runtime (a
+    higher layer) breaks the suite; so does an engine module importing one of the api's
+    doors to higher layers (the layers contract's exceptions rely on that)."""
+    done = _lint_with_probe(tmp_path, "gpu_engine/api/_layer_probe.py", "import gpu_engine.runtime.stream")
+    assert done.returncode != 0
+    assert "gpu_engine.api is not allowed to import gpu_engine.runtime" in done.stdout
+    done = _lint_with_probe(tmp_path, "gpu_engine/decode/_door_probe.py", "import gpu_engine.api.host")
+    assert done.returncode != 0
+    assert "gpu_engine.decode is not allowed to import gpu_engine.api.host" in done.stdout
+
+
 def test_gpu_engine_api_imports_no_torch():
     """Every module of gpu_engine.api, imported in a fresh interpreter, leaves torch,
     transformers, vLLM and llama.cpp out of sys.modules (the contract sees only direct
