@@ -9,7 +9,7 @@ headers are the X-miLLM-* values that route would set. What differs:
 - no admission slot: batch lines never take an interactive slot; the runner bounds how
   many are at the engine (BATCH_ENGINE_ROWS), and every job is marked
   ``priority="batch"``, so the engine admits interactive work first and gives batch lines
-  only the rows kept for them (gpu_engine/scheduler.py);
+  only the rows kept for them (gpu_engine/runtime/scheduler.py);
 - never a load: the residency policy is ``refuse``, so a batch cannot swap out a model —
   nor a leased one; it runs on the resident model or waits for it (``Unavailable``);
 - no stream.
