@@ -59,7 +59,6 @@ sys.path.insert(0, str(REPO))
 import torch
 
 from benchmarks.engine_decode import bench_sae
-from gpu_engine.assets import ensure_assets
 from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import (
     AttachSpec,
@@ -73,6 +72,7 @@ from gpu_engine.api.protocol import (
     SteeringEntry,
     SteeringSpec,
 )
+from offline_assets import ensure_assets
 
 TOPICS = ["a lighthouse keeper", "a lost robot", "two rival bakers", "a talking cat", "an old map",
           "a desert caravan", "a violin maker", "a snowed-in village", "a deep-sea diver", "a chess prodigy",

@@ -35,7 +35,7 @@ MODES = ("none", "capture_last", "capture_all")
 
 
 def load(backend: str, max_rows: int) -> Engine:
-    from gpu_engine.assets import demo_gguf_path, ensure_assets
+    from offline_assets import demo_gguf_path, ensure_assets
 
     manifest = ensure_assets(asset_root(), include_demo=True)
     if backend == "vllm":

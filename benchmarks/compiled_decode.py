@@ -30,7 +30,6 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.engine_decode import PROMPT, asset_root, bench_sae  # noqa: E402
 from benchmarks.one_team import in_processes, passing  # noqa: E402
-from gpu_engine.assets import ensure_assets  # noqa: E402
 from gpu_engine.runtime.engine import Engine  # noqa: E402
 from gpu_engine.api.protocol import (  # noqa: E402
     AttachSpec,
@@ -39,6 +38,7 @@ from gpu_engine.api.protocol import (  # noqa: E402
     SamplingParams,
     SteeringSpec,
 )
+from offline_assets import ensure_assets  # noqa: E402
 
 MODES = {"eager": {}, "static": {"kv_cache_mode": "static"}, "compiled": {"torch_compile": True}}
 

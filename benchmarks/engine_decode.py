@@ -38,7 +38,6 @@ sys.path.insert(0, str(REPO))
 import torch
 
 from benchmarks.one_team import on_engine, passing
-from gpu_engine.assets import build_sae, ensure_assets
 from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import (
     AttachSpec,
@@ -49,6 +48,7 @@ from gpu_engine.api.protocol import (
     SamplingParams,
     SteeringSpec,
 )
+from offline_assets import build_sae, ensure_assets
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MODES = ("hf_generate", "hf_generate_plain", "no_sae", "sae_idle", "steer", "steer_monitor", "steer_monitor_stream")

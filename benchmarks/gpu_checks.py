@@ -4,7 +4,7 @@ there in one call and records what it prints in docs/performance.md.
 
 It needs only what ``gpu_engine`` needs (torch, transformers, safetensors, tokenizers,
 numpy, msgspec, filelock): no Django, no database, nothing from a hub.  Models are built
-in-process: the tiny test models (``gpu_engine.assets``) for exactness, and a model of
+in-process: the tiny test models (``offline_assets``) for exactness, and a model of
 Gemma-2-2B's shape with random bfloat16 weights for speed (decode speed at batch 1 does
 not depend on the weights' values, only on their bytes and shapes).
 
@@ -63,7 +63,6 @@ import torch  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth, weight_bytes  # noqa: E402
 from benchmarks.engine_decode import PROMPT  # noqa: E402
-from gpu_engine.assets import build_sae, ensure_assets  # noqa: E402
 from gpu_engine.runtime.engine import Engine  # noqa: E402
 from gpu_engine.api.protocol import (  # noqa: E402
     AttachSpec,
@@ -76,6 +75,7 @@ from gpu_engine.api.protocol import (  # noqa: E402
     SamplingParams,
     SteeringSpec,
 )
+from offline_assets import build_sae, ensure_assets  # noqa: E402
 
 # Gemma-2-2B's shape (google/gemma-2-2b config.json): SPEC §7's GPU target names it
 GEMMA2_2B = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,

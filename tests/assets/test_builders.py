@@ -20,7 +20,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gpu_engine.assets import (
+from offline_assets import (
     TINY_MODELS,
     AssetManifest,
     ModelAsset,
@@ -29,7 +29,7 @@ from gpu_engine.assets import (
     build_tiny_model,
     ensure_assets,
 )
-from gpu_engine.assets.build import MANIFEST_NAME
+from offline_assets.build import MANIFEST_NAME
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 EXPECTED_SAES = {
@@ -109,7 +109,7 @@ def concurrent_build(tmp_path_factory: pytest.TempPathFactory) -> tuple[AssetMan
         import logging, sys
         from pathlib import Path
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-        from gpu_engine.assets import ensure_assets
+        from offline_assets import ensure_assets
         sys.stdout.write(ensure_assets(Path({str(root)!r})).to_json())
         """
     )
@@ -378,7 +378,7 @@ def test_second_call_reuses_the_cache_and_a_stale_key_rebuilds(
 def test_include_demo_without_the_package_falls_back_to_the_tiny_set(
     concurrent_build: tuple[AssetManifest, list[str]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import gpu_engine.assets.demo as demo
+    import offline_assets.demo as demo
 
     monkeypatch.setattr(demo, "demo_gguf_path", lambda: None)
     manifest, _logs = concurrent_build

@@ -15,7 +15,7 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from gpu_engine.assets import DEMO_MODEL_NAME, DEMO_SAE_NAME, AssetManifest
+from offline_assets import DEMO_MODEL_NAME, DEMO_SAE_NAME, AssetManifest
 
 pytestmark = pytest.mark.demo_model
 

@@ -8,7 +8,6 @@ import time
 import pytest
 import torch
 
-from gpu_engine.assets import build_sae
 from gpu_engine.api.errors import (
     EngineBusy,
     InsufficientMemory,
@@ -18,6 +17,7 @@ from gpu_engine.api.errors import (
     SAENotAttached,
 )
 from gpu_engine.api.protocol import AttachSpec, GenerationJob, SamplingParams, SteeringSpec
+from offline_assets import build_sae
 
 PROMPT = "once upon a time"
 

@@ -56,7 +56,7 @@ def _amx_compiled_in() -> bool | None:
 
 
 def test_quantized_gguf_prefills_and_decodes_on_this_cpu(demo_assets, llamacpp):
-    from gpu_engine.assets import demo_gguf_path
+    from offline_assets import demo_gguf_path
 
     done = subprocess.run(
         [sys.executable, "-c", FORWARD, str(demo_gguf_path())],

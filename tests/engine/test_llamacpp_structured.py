@@ -15,7 +15,6 @@ import json
 import jsonschema
 import pytest
 
-from gpu_engine.assets import demo_gguf_path
 from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.errors import ResponseFormatUnsupported
 from gpu_engine.api.protocol import (
@@ -25,6 +24,7 @@ from gpu_engine.api.protocol import (
     SamplingParams,
     StructuredOutput,
 )
+from offline_assets import demo_gguf_path
 from tests.engine.structured_cases import (
     SCHEMAS,
     TOOL_PARAMETERS,

@@ -81,6 +81,18 @@ def test_a_wrong_way_import_breaks_the_engine_layers(tmp_path):
     assert "gpu_engine.decode is not allowed to import gpu_engine.api.host" in done.stdout
 
 
+def test_the_engine_never_imports_the_offline_asset_builders(tmp_path):
+    """Positive control for the asset contracts: an engine module importing the test and
+    demo asset builders breaks the suite, and so does a web app other than the demo
+    installer (registry.services)."""
+    done = _lint_with_probe(tmp_path, "gpu_engine/sae/_assets_probe.py", "import offline_assets.saes")
+    assert done.returncode != 0
+    assert "gpu_engine is not allowed to import offline_assets" in done.stdout
+    done = _lint_with_probe(tmp_path, "ui/_assets_probe.py", "import offline_assets.demo")
+    assert done.returncode != 0
+    assert "ui is not allowed to import offline_assets" in done.stdout
+
+
 def test_gpu_engine_api_imports_no_torch():
     """Every module of gpu_engine.api, imported in a fresh interpreter, leaves torch,
     transformers, vLLM and llama.cpp out of sys.modules (the contract sees only direct
@@ -103,7 +115,8 @@ def test_gpu_engine_api_imports_no_torch():
 
 
 PROJECT_PACKAGES = ("millm_site", "system", "ui", "batches", "inference", "orchestration",
-                    "monitoring", "steering", "leases", "registry", "core", "gpu_engine")
+                    "monitoring", "steering", "leases", "registry", "core", "gpu_engine",
+                    "offline_assets")
 
 
 def _import_graph(root: Path) -> dict[str, set[str]]:

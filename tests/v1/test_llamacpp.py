@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_engine.assets import DEMO_SAE_NAME, demo_gguf_path
 from gpu_engine.api.protocol import GenerationJob, SamplingParams, SteeringEntry, SteeringSpec
+from offline_assets import DEMO_SAE_NAME, demo_gguf_path
 
 NAME = "smollm2-gguf"
 MESSAGES = [{"role": "user", "content": "Tell me about your weekend."}]

