@@ -5,8 +5,7 @@ from batches.models import Batch, File
 
 @admin.register(Batch)
 class BatchAdmin(admin.ModelAdmin):
-    list_display = ("id", "owner", "status", "endpoint", "model", "total", "completed",
-                    "failed", "created_at")
+    list_display = ("id", "owner", "status", "endpoint", "model", "total", "completed", "failed", "created_at")
     list_filter = ("status", "endpoint")
     readonly_fields = [f.name for f in Batch._meta.fields]
 
@@ -15,5 +14,4 @@ class BatchAdmin(admin.ModelAdmin):
 class FileAdmin(admin.ModelAdmin):
     list_display = ("id", "owner", "filename", "purpose", "bytes", "lines", "created_at")
     list_filter = ("purpose",)
-    readonly_fields = ("id", "owner", "filename", "purpose", "bytes", "lines", "complete",
-                       "created_at")
+    readonly_fields = ("id", "owner", "filename", "purpose", "bytes", "lines", "complete", "created_at")

@@ -39,8 +39,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}{uuid.uuid4().hex}"
 
 
-def _numbered_lines(chunks: Iterable[bytes], *, max_line: int | None = None
-                    ) -> Iterator[tuple[int, bytes]]:
+def _numbered_lines(chunks: Iterable[bytes], *, max_line: int | None = None) -> Iterator[tuple[int, bytes]]:
     """``(number, line)`` of a stream of chunks, 1-based, without the newline; blank
     lines at the end are dropped (a trailing newline ends the last line, it does not add
     one). With ``max_line``, a line longer than that raises LineTooLarge as soon as its
@@ -63,8 +62,10 @@ def _numbered_lines(chunks: Iterable[bytes], *, max_line: int | None = None
 
     def too_large(size: int) -> LineTooLarge:
         at = number + len(blanks) + 1
-        return LineTooLarge(f"Line {at} is {size} bytes or more; a line may have at most "
-                            f"{max_line} bytes", details={"param": "file", "line": at})
+        return LineTooLarge(
+            f"Line {at} is {size} bytes or more; a line may have at most {max_line} bytes",
+            details={"param": "file", "line": at},
+        )
 
     for chunk in chunks:
         pieces = chunk.split(b"\n")
@@ -82,8 +83,7 @@ def _numbered_lines(chunks: Iterable[bytes], *, max_line: int | None = None
 
 def _file_chunks(file_id: str) -> Iterator[bytes]:
     """The file's bytes, a chunk (one row) at a time."""
-    for pk in list(FileChunk.objects.filter(file_id=file_id).order_by("index")
-                   .values_list("pk", flat=True)):
+    for pk in list(FileChunk.objects.filter(file_id=file_id).order_by("index").values_list("pk", flat=True)):
         data = FileChunk.objects.filter(pk=pk).values_list("data", flat=True).first()
         if data is not None:
             yield bytes(data)
@@ -116,14 +116,18 @@ def file_check_quota(*, owner: str, size: int) -> None:
             raise FilesQuotaExceeded(
                 f"This file ({size} bytes) does not fit your files quota: you hold {used} "
                 f"of {per_owner} bytes (FILES_MAX_BYTES_PER_OWNER); delete files you no "
-                "longer need", details={"param": "file"})
+                "longer need",
+                details={"param": "file"},
+            )
     if total:
         used = files_bytes()
         if used + size > total:
             raise InsufficientStorage(
                 f"The server's file storage is full: this file ({size} bytes) does not fit "
                 f"the {total} bytes all files may hold (FILES_MAX_BYTES_TOTAL); "
-                f"{max(total - used, 0)} bytes are free", details={"param": "file"})
+                f"{max(total - used, 0)} bytes are free",
+                details={"param": "file"},
+            )
 
 
 def _quota_lock() -> None:
@@ -134,30 +138,40 @@ def _quota_lock() -> None:
             cursor.execute("SELECT pg_advisory_xact_lock(%s)", [QUOTA_LOCK_KEY])
 
 
-def file_create(*, filename: str, purpose: str, content: bytes | BinaryIO,
-                owner: str = "anonymous", size: int | None = None) -> File:
+def file_create(
+    *, filename: str, purpose: str, content: bytes | BinaryIO, owner: str = "anonymous", size: int | None = None
+) -> File:
     """Store a batch input file for ``owner``: its size is checked against the limits
     and quotas before any byte is stored, then it is read, checked (BATCH_MAX_FILE_LINES,
     BATCH_MAX_LINE_BYTES, one JSON object a line) and stored a chunk at a time. Any
     refusal leaves nothing stored."""
     if purpose != File.Purpose.BATCH:
-        raise InvalidFile(f"purpose must be 'batch' (got {purpose!r}): this server stores "
-                          "files for the Batch API only", details={"param": "purpose"})
+        raise InvalidFile(
+            f"purpose must be 'batch' (got {purpose!r}): this server stores files for the Batch API only",
+            details={"param": "purpose"},
+        )
     stream = io.BytesIO(content) if isinstance(content, bytes | bytearray) else content
     if size is None:
         size = stream.seek(0, io.SEEK_END)
         stream.seek(0)
     if size > settings.BATCH_MAX_FILE_BYTES:
         raise FileTooLarge(
-            f"The file is {size} bytes; a batch input file may have at most "
-            f"{settings.BATCH_MAX_FILE_BYTES} bytes", details={"param": "file"})
+            f"The file is {size} bytes; a batch input file may have at most {settings.BATCH_MAX_FILE_BYTES} bytes",
+            details={"param": "file"},
+        )
     with transaction.atomic():
         _quota_lock()
         file_check_quota(owner=owner, size=size)
         # the reservation: counted by every later quota check, never listed nor read
-        file = File.objects.create(id=new_id("file-"), owner=owner,
-                                   filename=filename[:255] or "upload.jsonl", purpose=purpose,
-                                   bytes=size, lines=0, complete=False)
+        file = File.objects.create(
+            id=new_id("file-"),
+            owner=owner,
+            filename=filename[:255] or "upload.jsonl",
+            purpose=purpose,
+            bytes=size,
+            lines=0,
+            complete=False,
+        )
     try:
         with transaction.atomic():
             stored, lines = _store_input(file, stream)
@@ -179,9 +193,11 @@ def _store_input(file: File, stream: BinaryIO) -> tuple[int, int]:
         for data in _read_chunks(stream):
             stored += len(data)
             if stored > settings.BATCH_MAX_FILE_BYTES:
-                raise FileTooLarge(f"The file is more than {settings.BATCH_MAX_FILE_BYTES} "
-                                   "bytes; a batch input file may have at most that",
-                                   details={"param": "file"})
+                raise FileTooLarge(
+                    f"The file is more than {settings.BATCH_MAX_FILE_BYTES} "
+                    "bytes; a batch input file may have at most that",
+                    details={"param": "file"},
+                )
             FileChunk.objects.create(file=file, index=index, data=data)
             index += 1
             yield data
@@ -189,22 +205,26 @@ def _store_input(file: File, stream: BinaryIO) -> tuple[int, int]:
     lines = 0
     for number, raw in _numbered_lines(chunks(), max_line=settings.BATCH_MAX_LINE_BYTES):
         if number > settings.BATCH_MAX_FILE_LINES:
-            raise TooManyLines(f"The file has more than {settings.BATCH_MAX_FILE_LINES} "
-                               "lines; a batch input file may have at most "
-                               f"{settings.BATCH_MAX_FILE_LINES} requests",
-                               details={"param": "file"})
+            raise TooManyLines(
+                f"The file has more than {settings.BATCH_MAX_FILE_LINES} "
+                "lines; a batch input file may have at most "
+                f"{settings.BATCH_MAX_FILE_LINES} requests",
+                details={"param": "file"},
+            )
         try:
             value = json.loads(raw)
         except ValueError:
             value = None
         if not isinstance(value, dict):
-            raise InvalidFile(f"Line {number} is not a JSON object; a batch input file is "
-                              "JSONL, one request object per line",
-                              details={"param": "file", "line": number})
+            raise InvalidFile(
+                f"Line {number} is not a JSON object; a batch input file is JSONL, one request object per line",
+                details={"param": "file", "line": number},
+            )
         lines = number
     if not lines:
-        raise InvalidFile("The file is empty; a batch input file has one JSON request "
-                          "per line", details={"param": "file"})
+        raise InvalidFile(
+            "The file is empty; a batch input file has one JSON request per line", details={"param": "file"}
+        )
     return stored, lines
 
 
@@ -216,6 +236,5 @@ def file_delete(*, file: File) -> None:
 def files_sweep_uploads(*, older_than_s: float = UPLOAD_ABANDONED_S) -> int:
     """Delete the reservations of uploads that never finished (their process died)."""
     cutoff = timezone.now() - timedelta(seconds=older_than_s)
-    deleted, _ = File.objects.filter(purpose=File.Purpose.BATCH, complete=False,
-                                     created_at__lt=cutoff).delete()
+    deleted, _ = File.objects.filter(purpose=File.Purpose.BATCH, complete=False, created_at__lt=cutoff).delete()
     return deleted

@@ -42,9 +42,19 @@ from monitoring.ownership import EVERYONE, Scope
 POLICY = "refuse"  # a batch never loads a model (docs/api-v1.md, "Batches")
 # Refusals that say "not now" rather than "never": the line goes back in the queue and the
 # batch waits (until its completion window ends) instead of failing it.
-WAIT_CODES = frozenset({"model_not_resident", "model_not_loaded", "model_loading",
-                        "model_busy", "queue_full", "engine_unavailable", "engine_busy",
-                        "engine_shutdown", "insufficient_memory"})
+WAIT_CODES = frozenset(
+    {
+        "model_not_resident",
+        "model_not_loaded",
+        "model_loading",
+        "model_busy",
+        "queue_full",
+        "engine_unavailable",
+        "engine_busy",
+        "engine_shutdown",
+        "insufficient_memory",
+    }
+)
 DEFAULT_WAIT_S = 5
 
 
@@ -64,8 +74,7 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-async def answer_line(endpoint: str, body: dict[str, Any],
-                      scope: Scope = EVERYONE) -> Answer:
+async def answer_line(endpoint: str, body: dict[str, Any], scope: Scope = EVERYONE) -> Answer:
     """The line's answer (2xx or an OpenAI-shaped error), or ``Unavailable``; ``scope``:
     the batch owner's (its lines name the owner's probes, their captures are its)."""
     try:
@@ -73,8 +82,9 @@ async def answer_line(endpoint: str, body: dict[str, Any],
             return await _embeddings(body)
         if endpoint == "/v1/probes/score":
             return await _probe_score(body, scope)
-        kind, schema = (("chat", ChatCompletionRequest) if endpoint == "/v1/chat/completions"
-                        else ("completion", CompletionRequest))
+        kind, schema = (
+            ("chat", ChatCompletionRequest) if endpoint == "/v1/chat/completions" else ("completion", CompletionRequest)
+        )
         return await _generation(kind, schema, body, scope)
     except asyncio.CancelledError:
         raise
@@ -100,26 +110,30 @@ async def _resident(name: str) -> tuple[Any, Any, str | None]:
     residency = runtime().residency
     status = await residency.status()
     model, profile = await resolve_model(name, status)
-    residency.check_policy(model, policy=POLICY, resident=resident_model_id(status),
-                           draining=status.draining)
+    residency.check_policy(model, policy=POLICY, resident=resident_model_id(status), draining=status.draining)
     use = await residency.acquire(model, policy=POLICY, status=status)
     return model, use, profile
 
 
-async def _generation(kind: str, schema: type, body: dict[str, Any],
-                      scope: Scope = EVERYONE) -> Answer:
+async def _generation(kind: str, schema: type, body: dict[str, Any], scope: Scope = EVERYONE) -> Answer:
     req, ignored = _validate(schema, body)
     if req.stream:
-        raise OpenAIError("stream is not available in a batch", status=400,
-                          code="invalid_parameter", param="stream")
+        raise OpenAIError("stream is not available in a batch", status=400, code="invalid_parameter", param="stream")
     model, use, profile = await _resident(req.model)
     try:
         check_profile(req, profile)
         client = runtime().engine
-        plan = await plan_generation(kind=kind, req=req, model=model,
-                                     profile=req.profile or profile, client=client,
-                                     attachments=list(use.status.attachments),
-                                     status=use.status, ignored_fields=ignored, scope=scope)
+        plan = await plan_generation(
+            kind=kind,
+            req=req,
+            model=model,
+            profile=req.profile or profile,
+            client=client,
+            attachments=list(use.status.attachments),
+            status=use.status,
+            ignored_fields=ignored,
+            scope=scope,
+        )
         for choice in plan.choices:
             choice.job.priority = "batch"
         # the route's own execution and body (inference.serving), its choices one by one
@@ -138,6 +152,5 @@ async def _probe_score(body: dict[str, Any], scope: Scope = EVERYONE) -> Answer:
 async def _embeddings(body: dict[str, Any]) -> Answer:
     req, ignored = _validate(EmbeddingRequest, body)
     # the route's own execution and body (inference.embeddings), without a slot
-    result, headers = await serve_embeddings(req=req, ignored=ignored, policy=POLICY,
-                                             priority="batch", admit=False)
+    result, headers = await serve_embeddings(req=req, ignored=ignored, policy=POLICY, priority="batch", admit=False)
     return Answer(200, result, headers)

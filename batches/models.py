@@ -49,8 +49,7 @@ class FileChunk(models.Model):
     data = models.BinaryField()
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["file", "index"],
-                                               name="file_chunk_unique")]
+        constraints = [models.UniqueConstraint(fields=["file", "index"], name="file_chunk_unique")]
 
 
 class Batch(models.Model):
@@ -72,8 +71,7 @@ class Batch(models.Model):
     model = models.CharField(max_length=255, blank=True)
     input_file_id = models.CharField(max_length=40)
     completion_window = models.CharField(max_length=8, default="24h")
-    status = models.CharField(max_length=16, choices=Status.choices,
-                              default=Status.VALIDATING)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.VALIDATING)
     errors = models.JSONField(null=True, blank=True)  # [{code, message, param, line}]
     output_file_id = models.CharField(max_length=40, null=True, blank=True)
     error_file_id = models.CharField(max_length=40, null=True, blank=True)
@@ -136,8 +134,7 @@ class BatchLine(models.Model):
         ordering = ["batch", "line"]
         constraints = [
             models.UniqueConstraint(fields=["batch", "line"], name="batch_line_unique"),
-            models.UniqueConstraint(fields=["batch", "custom_id"],
-                                    name="batch_custom_id_unique"),
+            models.UniqueConstraint(fields=["batch", "custom_id"], name="batch_custom_id_unique"),
         ]
         indexes = [models.Index(fields=["batch", "status", "line"])]
 

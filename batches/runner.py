@@ -60,8 +60,7 @@ def new_runner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def batch_run(*, batch_id: str, force: bool = False,
-              stop: threading.Event | None = None) -> str:
+def batch_run(*, batch_id: str, force: bool = False, stop: threading.Event | None = None) -> str:
     """Run the batch to its end; ``force`` takes it over even from a runner that looks
     alive (embedded start-up: this process is the only runner there is). ``stop`` ends
     the run abruptly, as a crash would (tests). Returns how it ended."""
@@ -70,8 +69,7 @@ def batch_run(*, batch_id: str, force: bool = False,
     deadline = time.monotonic() + 2 * stale_s
     while True:
         close_old_connections()
-        verdict, batch = services.batch_take_over(batch_id=batch_id, runner=runner,
-                                                  force=force)
+        verdict, batch = services.batch_take_over(batch_id=batch_id, runner=runner, force=force)
         if verdict != "wait":
             break
         if time.monotonic() > deadline:
@@ -101,8 +99,9 @@ async def _main(runner: _Runner) -> str:
             barrier.wait(timeout=30)  # one call on each thread of the pool
             connections.close_all()
 
-        await asyncio.gather(*(loop.run_in_executor(pool, close)
-                               for _ in range(EXECUTOR_THREADS)), return_exceptions=True)
+        await asyncio.gather(
+            *(loop.run_in_executor(pool, close) for _ in range(EXECUTOR_THREADS)), return_exceptions=True
+        )
 
 
 class _Runner:
@@ -147,8 +146,7 @@ class _Runner:
             now = time.monotonic()
             if now - beat >= HEARTBEAT_S:
                 beat = now
-                status = await self.db(services.batch_heartbeat, batch_id=self.batch_id,
-                                       runner=self.runner)
+                status = await self.db(services.batch_heartbeat, batch_id=self.batch_id, runner=self.runner)
                 if status is None:  # taken over (this runner was presumed dead)
                     for task in at_engine:
                         task.cancel()
@@ -157,26 +155,21 @@ class _Runner:
             expired = timezone.now() >= self.expires_at
             if not cancelling and not expired and now >= paused_until:
                 want = self.rows - len(at_engine)
-                lines = await self.db(services.batch_claim_lines, batch_id=self.batch_id,
-                                      runner=self.runner, n=want)
+                lines = await self.db(services.batch_claim_lines, batch_id=self.batch_id, runner=self.runner, n=want)
                 for line in lines:
                     at_engine[asyncio.ensure_future(self._answer(line))] = line
                 if want > 0 and not lines and not at_engine:
                     beat = 0.0  # nothing claimed: read the status now (a cancel, a take-over)
             if not at_engine:
-                outcome = (Batch.Status.CANCELLED if cancelling else
-                           Batch.Status.EXPIRED if expired else None)
+                outcome = Batch.Status.CANCELLED if cancelling else Batch.Status.EXPIRED if expired else None
                 if outcome is None and not await self.db(self._pending):
                     outcome = Batch.Status.COMPLETED
                 if outcome is not None:
-                    await self.db(services.batch_finalize, batch_id=self.batch_id,
-                                  outcome=outcome)
+                    await self.db(services.batch_finalize, batch_id=self.batch_id, outcome=outcome)
                     return outcome
-                await asyncio.sleep(min(max(paused_until - time.monotonic(), 0.05),
-                                        HEARTBEAT_S))
+                await asyncio.sleep(min(max(paused_until - time.monotonic(), 0.05), HEARTBEAT_S))
                 continue
-            done, _ = await asyncio.wait(at_engine, timeout=HEARTBEAT_S,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(at_engine, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 at_engine.pop(task)
                 wait_s = task.result()
@@ -184,8 +177,7 @@ class _Runner:
                     paused_until = max(paused_until, time.monotonic() + wait_s)
 
     def _pending(self) -> bool:
-        return BatchLine.objects.filter(batch_id=self.batch_id).exclude(
-            status=BatchLine.Status.DONE).exists()
+        return BatchLine.objects.filter(batch_id=self.batch_id).exclude(status=BatchLine.Status.DONE).exists()
 
     async def _answer(self, line: dict[str, Any]) -> float:
         """Answer one line; the seconds to pause the batch when the engine cannot take
@@ -193,19 +185,31 @@ class _Runner:
         try:
             answer = await answer_line(self.endpoint, line["body"], scope=self.scope)
         except Unavailable as exc:
-            log.info("batch_line_waits", batch_id=self.batch_id, line=line["line"],
-                     code=exc.error.code, retry_after=exc.retry_after)
+            log.info(
+                "batch_line_waits",
+                batch_id=self.batch_id,
+                line=line["line"],
+                code=exc.error.code,
+                retry_after=exc.retry_after,
+            )
             await self.db(services.batch_line_requeue, line_id=line["id"], runner=self.runner)
             return min(float(exc.retry_after), MAX_PAUSE_S)
         except Exception as exc:  # noqa: BLE001 - a line's failure is its answer
-            log.error("batch_line_failed", batch_id=self.batch_id, line=line["line"],
-                      error=repr(exc))
-            error = OpenAIError("The server had an error while processing this request.",
-                                status=500, code="internal_error", type="server_error")
+            log.error("batch_line_failed", batch_id=self.batch_id, line=line["line"], error=repr(exc))
+            error = OpenAIError(
+                "The server had an error while processing this request.",
+                status=500,
+                code="internal_error",
+                type="server_error",
+            )
             answer = Answer(500, error.body())
-        await self.db(services.batch_line_answer, line_id=line["id"],
-                      status_code=answer.status_code, response=answer.body,
-                      headers=answer.headers)
+        await self.db(
+            services.batch_line_answer,
+            line_id=line["id"],
+            status_code=answer.status_code,
+            response=answer.body,
+            headers=answer.headers,
+        )
         await self.db(services.batch_progress, batch_id=self.batch_id)
         return 0.0
 

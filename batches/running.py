@@ -52,9 +52,9 @@ def batch_take_over(*, batch_id: str, runner: str, force: bool = False) -> tuple
             batch.status, batch.in_progress_at = Batch.Status.IN_PROGRESS, now
             fields += ["status", "in_progress_at"]
         batch.save(update_fields=fields)
-        requeued = BatchLine.objects.filter(batch=batch, status=BatchLine.Status.RUNNING
-                                            ).update(status=BatchLine.Status.PENDING,
-                                                     runner=None)
+        requeued = BatchLine.objects.filter(batch=batch, status=BatchLine.Status.RUNNING).update(
+            status=BatchLine.Status.PENDING, runner=None
+        )
     if requeued:
         log.info("batch_lines_requeued", batch_id=batch_id, lines=requeued)
     batch_progress(batch=batch, force=True)
@@ -63,8 +63,7 @@ def batch_take_over(*, batch_id: str, runner: str, force: bool = False) -> tuple
 
 def batch_heartbeat(*, batch_id: str, runner: str) -> str | None:
     """The batch's status, or None when this runner no longer holds it."""
-    if not Batch.objects.filter(id=batch_id, runner=runner).update(
-            runner_seen_at=timezone.now()):
+    if not Batch.objects.filter(id=batch_id, runner=runner).update(runner_seen_at=timezone.now()):
         return None
     return Batch.objects.values_list("status", flat=True).get(id=batch_id)
 
@@ -79,59 +78,64 @@ def batch_claim_lines(*, batch_id: str, runner: str, n: int) -> list[dict[str, A
     with transaction.atomic():
         # the row locked: a cancel (which locks it too) waits for the claim, or the claim
         # for the cancel and then reads the status the cancel left
-        if not Batch.objects.select_for_update().filter(
-                id=batch_id, runner=runner, status=Batch.Status.IN_PROGRESS,
-                expires_at__gt=timezone.now()).values_list("id", flat=True).first():
+        if (
+            not Batch.objects.select_for_update()
+            .filter(id=batch_id, runner=runner, status=Batch.Status.IN_PROGRESS, expires_at__gt=timezone.now())
+            .values_list("id", flat=True)
+            .first()
+        ):
             return []
-        query = BatchLine.objects.filter(batch_id=batch_id, status=BatchLine.Status.PENDING
-                                         ).order_by("line")
+        query = BatchLine.objects.filter(batch_id=batch_id, status=BatchLine.Status.PENDING).order_by("line")
         if connection.features.has_select_for_update_skip_locked:
             query = query.select_for_update(skip_locked=True)
         lines = list(query.values("id", "line", "custom_id", "request_id", "body")[:n])
         BatchLine.objects.filter(id__in=[x["id"] for x in lines]).update(
-            status=BatchLine.Status.RUNNING, runner=runner, attempts=F("attempts") + 1)
+            status=BatchLine.Status.RUNNING, runner=runner, attempts=F("attempts") + 1
+        )
     return lines
 
 
 def batch_line_requeue(*, line_id: int, runner: str) -> None:
     """A line the engine could not take now (model not resident, busy): back in line."""
-    BatchLine.objects.filter(id=line_id, runner=runner, status=BatchLine.Status.RUNNING
-                             ).update(status=BatchLine.Status.PENDING, runner=None)
+    BatchLine.objects.filter(id=line_id, runner=runner, status=BatchLine.Status.RUNNING).update(
+        status=BatchLine.Status.PENDING, runner=None
+    )
 
 
-def batch_line_answer(*, line_id: int, status_code: int, response: dict[str, Any],
-                      headers: dict[str, str]) -> bool:
+def batch_line_answer(*, line_id: int, status_code: int, response: dict[str, Any], headers: dict[str, str]) -> bool:
     """Record a line's answer; False (and nothing written) if it already has one."""
     usage = response.get("usage") if isinstance(response, dict) else None
     usage = usage if isinstance(usage, dict) else {}
     ok = 200 <= status_code < 300
     with transaction.atomic():
-        line = BatchLine.objects.select_for_update().filter(id=line_id).exclude(
-            status=BatchLine.Status.DONE).first()
+        line = BatchLine.objects.select_for_update().filter(id=line_id).exclude(status=BatchLine.Status.DONE).first()
         if line is None:
             return False
         line.status, line.status_code = BatchLine.Status.DONE, status_code
         line.response, line.headers, line.answered_at = response, headers, timezone.now()
-        line.save(update_fields=["status", "status_code", "response", "headers",
-                                 "answered_at"])
-        counts: dict[str, Any] = {"completed" if ok else "failed": F("completed" if ok
-                                                                      else "failed") + 1}
+        line.save(update_fields=["status", "status_code", "response", "headers", "answered_at"])
+        counts: dict[str, Any] = {"completed" if ok else "failed": F("completed" if ok else "failed") + 1}
         if ok:
             counts["input_tokens"] = F("input_tokens") + int(usage.get("prompt_tokens") or 0)
-            counts["output_tokens"] = F("output_tokens") + int(
-                usage.get("completion_tokens") or 0)
+            counts["output_tokens"] = F("output_tokens") + int(usage.get("completion_tokens") or 0)
         Batch.objects.filter(id=line.batch_id).update(**counts)
     return True
 
 
 def _output_entry(line: dict[str, Any]) -> dict[str, Any]:
     if line["status_code"] is None:
-        return {"id": line["request_id"], "custom_id": line["custom_id"], "response": None,
-                "error": line["error"]}
-    return {"id": line["request_id"], "custom_id": line["custom_id"],
-            "response": {"status_code": line["status_code"], "request_id": line["request_id"],
-                         "body": line["response"], "headers": line["headers"] or {}},
-            "error": None}
+        return {"id": line["request_id"], "custom_id": line["custom_id"], "response": None, "error": line["error"]}
+    return {
+        "id": line["request_id"],
+        "custom_id": line["custom_id"],
+        "response": {
+            "status_code": line["status_code"],
+            "request_id": line["request_id"],
+            "body": line["response"],
+            "headers": line["headers"] or {},
+        },
+        "error": None,
+    }
 
 
 class _OutputWriter:
@@ -150,8 +154,14 @@ class _OutputWriter:
     def add(self, entry: bytes) -> None:
         if self.file is None:
             self.file = File.objects.create(
-                id=new_id("file-"), owner=self.batch.owner, filename=self.filename,
-                purpose=File.Purpose.BATCH_OUTPUT, bytes=0, lines=0, complete=False)
+                id=new_id("file-"),
+                owner=self.batch.owner,
+                filename=self.filename,
+                purpose=File.Purpose.BATCH_OUTPUT,
+                bytes=0,
+                lines=0,
+                complete=False,
+            )
         self.buffer += entry
         self.buffer += b"\n"
         self.lines += 1
@@ -185,8 +195,7 @@ class _OutputWriter:
             File.objects.filter(id=self.file.id).delete()
 
 
-def batch_finalize(*, batch_id: str, outcome: str, error: dict[str, Any] | None = None
-                   ) -> Batch:
+def batch_finalize(*, batch_id: str, outcome: str, error: dict[str, Any] | None = None) -> Batch:
     """End the batch (``completed``, ``expired``, ``cancelled``, or ``failed`` when its
     runners kept dying): the answered lines go to the output file (2xx) or the error file
     (the rest), lines never answered to the error file with ``batch_expired`` /
@@ -208,37 +217,43 @@ def batch_finalize(*, batch_id: str, outcome: str, error: dict[str, Any] | None 
             # a cancel recorded before the end wins over what the runner saw (OpenAI:
             # a cancelled batch ends ``cancelled``, whatever was answered meanwhile)
             outcome = Batch.Status.CANCELLED
-        code = {Batch.Status.EXPIRED: "batch_expired",
-                Batch.Status.CANCELLED: "batch_cancelled"}.get(outcome, "batch_failed")
-        unanswered = BatchLine.objects.filter(batch_id=batch_id).exclude(
-            status=BatchLine.Status.DONE).update(
-            status=BatchLine.Status.DONE, answered_at=now,
-            error={"code": code, "message": f"The batch ended before this request ran "
-                                            f"({outcome})"})
+        code = {Batch.Status.EXPIRED: "batch_expired", Batch.Status.CANCELLED: "batch_cancelled"}.get(
+            outcome, "batch_failed"
+        )
+        unanswered = (
+            BatchLine.objects.filter(batch_id=batch_id)
+            .exclude(status=BatchLine.Status.DONE)
+            .update(
+                status=BatchLine.Status.DONE,
+                answered_at=now,
+                error={"code": code, "message": f"The batch ended before this request ran ({outcome})"},
+            )
+        )
         batch.status = Batch.Status.FINALIZING
         batch.finalizing_at = batch.finalizing_at or now
         batch.failed += unanswered
         batch.runner, batch.runner_seen_at = me, now
         if error is not None:
             batch.errors = [error]
-        batch.save(update_fields=["status", "finalizing_at", "failed", "runner",
-                                  "runner_seen_at", "errors"])
+        batch.save(update_fields=["status", "finalizing_at", "failed", "runner", "runner_seen_at", "errors"])
         # an earlier finalizer's half-written files
-        File.objects.filter(filename__in=[f"{batch_id}_output.jsonl",
-                                          f"{batch_id}_errors.jsonl"],
-                            complete=False).delete()
+        File.objects.filter(
+            filename__in=[f"{batch_id}_output.jsonl", f"{batch_id}_errors.jsonl"], complete=False
+        ).delete()
     writers = {True: _OutputWriter(batch, "output"), False: _OutputWriter(batch, "errors")}
     seen = time.monotonic()
     try:
-        for line in BatchLine.objects.filter(batch_id=batch_id).order_by("line").values(
-                "request_id", "custom_id", "status_code", "response", "headers", "error"
-                ).iterator(chunk_size=100):
+        for line in (
+            BatchLine.objects.filter(batch_id=batch_id)
+            .order_by("line")
+            .values("request_id", "custom_id", "status_code", "response", "headers", "error")
+            .iterator(chunk_size=100)
+        ):
             ok = line["status_code"] is not None and 200 <= line["status_code"] < 300
             writers[ok].add(json.dumps(_output_entry(line), separators=(",", ":")).encode())
             if time.monotonic() - seen >= FINALIZE_BEAT_S:
                 seen = time.monotonic()
-                if not Batch.objects.filter(id=batch_id, runner=me).update(
-                        runner_seen_at=timezone.now()):
+                if not Batch.objects.filter(id=batch_id, runner=me).update(runner_seen_at=timezone.now()):
                     raise _Lost()
         out, err = writers[True].close(), writers[False].close()
         with transaction.atomic():
@@ -256,8 +271,7 @@ def batch_finalize(*, batch_id: str, outcome: str, error: dict[str, Any] | None 
             writer.discard()
         raise
     _progress_sent.pop(batch.id, None)
-    log.info("batch_finalized", batch_id=batch.id, status=outcome, completed=batch.completed,
-             failed=batch.failed)
+    log.info("batch_finalized", batch_id=batch.id, status=outcome, completed=batch.completed, failed=batch.failed)
     batch_progress(batch=batch, force=True)
     return batch
 
@@ -266,8 +280,7 @@ class _Lost(Exception):
     """Another finalizer (the sweeper's) took the batch over: this one's files go."""
 
 
-def batch_progress(*, batch: Batch | None = None, batch_id: str | None = None,
-                   force: bool = False) -> None:
+def batch_progress(*, batch: Batch | None = None, batch_id: str | None = None, force: bool = False) -> None:
     """``batch:progress`` over /ws/events (ids, status and counts, never a prompt), to the
     batch's owner and admin sockets only; while lines are answered at most every
     PROGRESS_EVERY_S per batch."""
@@ -280,9 +293,14 @@ def batch_progress(*, batch: Batch | None = None, batch_id: str | None = None,
         batch = Batch.objects.filter(id=key).first()
         if batch is None:
             return
-    publish("batch:progress", {
-        "batch_id": batch.id, "status": batch.status, "model": batch.model,
-        "endpoint": batch.endpoint,
-        "request_counts": {"total": batch.total, "completed": batch.completed,
-                           "failed": batch.failed},
-        OWNER_FIELD: batch.owner})
+    publish(
+        "batch:progress",
+        {
+            "batch_id": batch.id,
+            "status": batch.status,
+            "model": batch.model,
+            "endpoint": batch.endpoint,
+            "request_counts": {"total": batch.total, "completed": batch.completed, "failed": batch.failed},
+            OWNER_FIELD: batch.owner,
+        },
+    )

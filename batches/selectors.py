@@ -34,8 +34,7 @@ def file_get(*, file_id: str, principal: Principal) -> File:
 def file_chunk_ids(*, file_id: str, principal: Principal) -> list[int]:
     """The file's chunks, in order (read each with ``file_chunk``)."""
     file = file_get(file_id=file_id, principal=principal)
-    return list(FileChunk.objects.filter(file=file).order_by("index")
-                .values_list("pk", flat=True))
+    return list(FileChunk.objects.filter(file=file).order_by("index").values_list("pk", flat=True))
 
 
 def file_chunk(*, chunk_id: int) -> bytes:
@@ -56,34 +55,34 @@ def batch_get(*, batch_id: str, principal: Principal) -> Batch:
     return batch
 
 
-def _page(query: QuerySet, *, after: str | None, limit: int, newest_first: bool,
-          missing: type[Exception]) -> tuple[list, bool]:
+def _page(
+    query: QuerySet, *, after: str | None, limit: int, newest_first: bool, missing: type[Exception]
+) -> tuple[list, bool]:
     query = query.order_by(*(("-created_at", "-id") if newest_first else ("created_at", "id")))
     if after:
         # the cursor is one of the listed objects: another owner's id is not found
         cursor = query.filter(id=after).values("created_at", "id").first()
         if cursor is None:
-            raise missing(f"No object with id {after!r} to list after",
-                          details={"param": "after"})
+            raise missing(f"No object with id {after!r} to list after", details={"param": "after"})
         when, pk = cursor["created_at"], cursor["id"]
         if newest_first:
             query = query.filter(Q(created_at__lt=when) | Q(created_at=when, id__lt=pk))
         else:
             query = query.filter(Q(created_at__gt=when) | Q(created_at=when, id__gt=pk))
-    items = list(query[:limit + 1])
+    items = list(query[: limit + 1])
     return items[:limit], len(items) > limit
 
 
-def files_page(*, purpose: str | None, after: str | None, limit: int, order: str,
-               principal: Principal) -> tuple[list[File], bool]:
+def files_page(
+    *, purpose: str | None, after: str | None, limit: int, order: str, principal: Principal
+) -> tuple[list[File], bool]:
     query = _files(principal)
     if purpose:
         query = query.filter(purpose=purpose)
-    return _page(query, after=after, limit=limit, newest_first=order == "desc",
-                 missing=FileNotFound)
+    return _page(query, after=after, limit=limit, newest_first=order == "desc", missing=FileNotFound)
 
 
-def batches_page(*, after: str | None, limit: int, principal: Principal
-                 ) -> tuple[list[Batch], bool]:
-    return _page(_visible(Batch.objects.all(), principal), after=after, limit=limit,
-                 newest_first=True, missing=BatchNotFound)
+def batches_page(*, after: str | None, limit: int, principal: Principal) -> tuple[list[Batch], bool]:
+    return _page(
+        _visible(Batch.objects.all(), principal), after=after, limit=limit, newest_first=True, missing=BatchNotFound
+    )

@@ -70,6 +70,7 @@ MODELS_NAMED = 8  # models named by a mismatched_model error, at most
 
 # --------------------------------------------------------------------------- batches
 
+
 def _custom_id_key(custom_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(custom_id.encode(), digest_size=8).digest(), "big")
 
@@ -91,8 +92,7 @@ class _LineReader:
 
     def err(self, number: int, code: str, message: str, param: str | None = None) -> None:
         if len(self.errors) < ERRORS_SHOWN:
-            self.errors.append({"code": code, "message": message, "param": param,
-                                "line": number})
+            self.errors.append({"code": code, "message": message, "param": param, "line": number})
         else:
             self.more_errors += 1
 
@@ -121,26 +121,34 @@ class _LineReader:
         if not isinstance(item, dict):
             return self.err(number, "invalid_json_line", "The line is not a JSON object")
         custom_id = item.get("custom_id")
-        if not isinstance(custom_id, str) or not custom_id \
-                or len(custom_id) > CUSTOM_ID_MAX_CHARS:
-            return self.err(number, "invalid_custom_id", "custom_id must be a string of 1-"
-                            f"{CUSTOM_ID_MAX_CHARS} characters", "custom_id")
+        if not isinstance(custom_id, str) or not custom_id or len(custom_id) > CUSTOM_ID_MAX_CHARS:
+            return self.err(
+                number,
+                "invalid_custom_id",
+                f"custom_id must be a string of 1-{CUSTOM_ID_MAX_CHARS} characters",
+                "custom_id",
+            )
         if self.duplicate(custom_id):
-            return self.err(number, "duplicate_custom_id",
-                            f"custom_id {custom_id!r} appears more than once in the file",
-                            "custom_id")
+            return self.err(
+                number,
+                "duplicate_custom_id",
+                f"custom_id {custom_id!r} appears more than once in the file",
+                "custom_id",
+            )
         if item.get("method") != "POST":
             return self.err(number, "invalid_method", "method must be POST", "method")
         if item.get("url") != self.endpoint:
-            return self.err(number, "invalid_url", f"url must be the batch's endpoint "
-                            f"{self.endpoint} (got {item.get('url')!r})", "url")
+            return self.err(
+                number,
+                "invalid_url",
+                f"url must be the batch's endpoint {self.endpoint} (got {item.get('url')!r})",
+                "url",
+            )
         body = item.get("body")
         if not isinstance(body, dict) or not isinstance(body.get("model"), str):
-            return self.err(number, "invalid_body", "body must be a JSON object naming a "
-                            "model", "body")
+            return self.err(number, "invalid_body", "body must be a JSON object naming a model", "body")
         if body.get("stream"):
-            return self.err(number, "invalid_body", "stream is not available in a batch",
-                            "body.stream")
+            return self.err(number, "invalid_body", "stream is not available in a batch", "body.stream")
         if len(self.models) < MODELS_NAMED:
             self.models.add(body["model"])
         elif body["model"] not in self.models:
@@ -148,8 +156,9 @@ class _LineReader:
         self.total += 1
         if self.errors:
             return None  # the batch fails: only the errors matter now
-        self.rows.append(BatchLine(batch=self.batch, line=number, custom_id=custom_id,
-                                   request_id=new_id("batch_req_"), body=body))
+        self.rows.append(
+            BatchLine(batch=self.batch, line=number, custom_id=custom_id, request_id=new_id("batch_req_"), body=body)
+        )
         self.row_bytes += len(raw)
         if self.row_bytes >= CHUNK_BYTES or len(self.rows) >= 1000:
             self.flush()
@@ -158,48 +167,67 @@ class _LineReader:
     def finish(self) -> None:
         self.flush()
         if not self.errors and len(self.models) > 1:
-            self.err(0, "mismatched_model", "The lines of one batch must name one model "
-                     f"(found {', '.join(sorted(self.models))})", "body.model")
+            self.err(
+                0,
+                "mismatched_model",
+                f"The lines of one batch must name one model (found {', '.join(sorted(self.models))})",
+                "body.model",
+            )
         if self.more_errors:
             last = self.errors[-1]
-            self.errors[-1] = {**last, "message": last["message"] +
-                               f" ({self.more_errors} more errors not shown)"}
+            self.errors[-1] = {**last, "message": last["message"] + f" ({self.more_errors} more errors not shown)"}
 
 
-def batch_create(*, input_file_id: str, endpoint: str, completion_window: str,
-                 metadata: dict[str, str] | None = None,
-                 principal: Principal = ANONYMOUS) -> Batch:
+def batch_create(
+    *,
+    input_file_id: str,
+    endpoint: str,
+    completion_window: str,
+    metadata: dict[str, str] | None = None,
+    principal: Principal = ANONYMOUS,
+) -> Batch:
     """A batch of the file's lines, queued for a runner; or, if lines are malformed, a
     ``failed`` batch whose ``errors`` name them (OpenAI's behaviour). The file is read a
     chunk at a time and its lines written in bounded groups. The batch is the caller's
     (``principal.owner``); the file must be one the caller may read."""
     if endpoint not in ENDPOINTS:
-        raise InvalidBatchRequest(f"endpoint must be one of {', '.join(ENDPOINTS)} "
-                                  f"(got {endpoint!r})", details={"param": "endpoint"})
+        raise InvalidBatchRequest(
+            f"endpoint must be one of {', '.join(ENDPOINTS)} (got {endpoint!r})", details={"param": "endpoint"}
+        )
     if completion_window not in COMPLETION_WINDOWS:
-        raise InvalidBatchRequest("completion_window must be '24h'",
-                                  details={"param": "completion_window"})
-    if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or any(
-            not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512
-            for k, v in metadata.items())):
-        raise InvalidBatchRequest("metadata is at most 16 string pairs (keys up to 64, "
-                                  "values up to 512 characters)", details={"param": "metadata"})
+        raise InvalidBatchRequest("completion_window must be '24h'", details={"param": "completion_window"})
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or len(metadata) > 16
+        or any(
+            not isinstance(k, str) or not isinstance(v, str) or len(k) > 64 or len(v) > 512 for k, v in metadata.items()
+        )
+    ):
+        raise InvalidBatchRequest(
+            "metadata is at most 16 string pairs (keys up to 64, values up to 512 characters)",
+            details={"param": "metadata"},
+        )
     query = File.objects.filter(id=input_file_id, complete=True)
     if not principal.admin:
         query = query.filter(owner=principal.owner)
     file = query.first()
     if file is None:
-        raise FileNotFound(f"No file with id {input_file_id!r}",
-                           details={"param": "input_file_id"})
+        raise FileNotFound(f"No file with id {input_file_id!r}", details={"param": "input_file_id"})
     if file.purpose != File.Purpose.BATCH:
-        raise InvalidBatchRequest(f"File {input_file_id} has purpose {file.purpose!r}, not "
-                                  "'batch'", details={"param": "input_file_id"})
+        raise InvalidBatchRequest(
+            f"File {input_file_id} has purpose {file.purpose!r}, not 'batch'", details={"param": "input_file_id"}
+        )
     now = timezone.now()
     with transaction.atomic():
         batch = Batch.objects.create(
-            id=new_id("batch_"), owner=principal.owner, endpoint=endpoint,
-            input_file_id=file.id, completion_window=completion_window, metadata=metadata,
-            expires_at=now + COMPLETION_WINDOWS[completion_window])
+            id=new_id("batch_"),
+            owner=principal.owner,
+            endpoint=endpoint,
+            input_file_id=file.id,
+            completion_window=completion_window,
+            metadata=metadata,
+            expires_at=now + COMPLETION_WINDOWS[completion_window],
+        )
         reader = _LineReader(batch, endpoint)
         with transaction.atomic():  # a savepoint: the lines go if one of them is bad
             for number, raw in _numbered_lines(_file_chunks(file.id)):
@@ -217,8 +245,7 @@ def batch_create(*, input_file_id: str, endpoint: str, completion_window: str,
             batch.model = next(iter(reader.models))
             batch.save(update_fields=["total", "model"])
             enqueue("batches.tasks.batch_run_task", batch.id, queue="batches")
-    log.info("batch_created", batch_id=batch.id, lines=reader.total,
-             failed=bool(reader.errors), owner=principal.owner)
+    log.info("batch_created", batch_id=batch.id, lines=reader.total, failed=bool(reader.errors), owner=principal.owner)
     batch_progress(batch=batch, force=True)
     return batch
 
@@ -231,8 +258,9 @@ def batch_cancel(*, batch_id: str) -> Batch:
         if batch.status in (Batch.Status.CANCELLING, Batch.Status.CANCELLED):
             return batch
         if batch.terminal or batch.status == Batch.Status.FINALIZING:
-            raise BatchNotCancellable(f"Batch {batch.id} is {batch.status} and cannot be "
-                                      "cancelled", details={"status": batch.status})
+            raise BatchNotCancellable(
+                f"Batch {batch.id} is {batch.status} and cannot be cancelled", details={"status": batch.status}
+            )
         batch.status = Batch.Status.CANCELLING
         batch.cancelling_at = timezone.now()
         batch.save(update_fields=["status", "cancelling_at"])
@@ -245,6 +273,7 @@ def batch_cancel(*, batch_id: str) -> Batch:
 
 
 # --------------------------------------------------------------------------- sweeping
+
 
 def _stale_before() -> datetime:
     return timezone.now() - timedelta(seconds=float(settings.BATCH_RUNNER_STALE_S))
@@ -267,22 +296,22 @@ def batches_sweep() -> dict[str, int]:
     by every Celery worker of the ``batches`` queue (batches/sweeper.py), every
     BATCH_SWEEP_INTERVAL_S; safe to run anywhere at once (each decision is made under the
     batch's row lock)."""
-    done = {"expired": 0, "cancelled": 0, "resumed": 0, "failed": 0, "finalized": 0,
-            "uploads": files_sweep_uploads()}
+    done = {"expired": 0, "cancelled": 0, "resumed": 0, "failed": 0, "finalized": 0, "uploads": files_sweep_uploads()}
     now = timezone.now()
     stale = _stale_before()
     dead = Q(runner__isnull=True) | Q(runner_seen_at__isnull=True) | Q(runner_seen_at__lt=stale)
-    candidates = Batch.objects.exclude(status__in=Batch.TERMINAL).filter(
-        dead | Q(expires_at__lte=now)).values_list("id", flat=True)
+    candidates = (
+        Batch.objects.exclude(status__in=Batch.TERMINAL)
+        .filter(dead | Q(expires_at__lte=now))
+        .values_list("id", flat=True)
+    )
     for batch_id in list(candidates):
         action = None
         with transaction.atomic():
-            batch = Batch.objects.select_for_update(skip_locked=True).filter(
-                id=batch_id).first()
+            batch = Batch.objects.select_for_update(skip_locked=True).filter(id=batch_id).first()
             if batch is None or batch.terminal:
                 continue
-            gone = batch.runner is not None and (batch.runner_seen_at is None
-                                                 or batch.runner_seen_at < _stale_before())
+            gone = batch.runner is not None and (batch.runner_seen_at is None or batch.runner_seen_at < _stale_before())
             alive = batch.runner is not None and not gone
             if alive:
                 continue  # a live runner ends its batch itself (expiry included)
@@ -309,11 +338,18 @@ def batches_sweep() -> dict[str, int]:
         elif action == "cancelled":
             batch_finalize(batch_id=batch_id, outcome=Batch.Status.CANCELLED)
         elif action == "failed":
-            batch_finalize(batch_id=batch_id, outcome=Batch.Status.FAILED, error={
-                "code": "batch_runner_failed", "param": None, "line": None,
-                "message": f"The batch's runner stopped {batch.resumes + 1} times without "
-                           f"finishing it (BATCH_MAX_RESUMES={settings.BATCH_MAX_RESUMES}); "
-                           "the lines answered are in the output and error files"})
+            batch_finalize(
+                batch_id=batch_id,
+                outcome=Batch.Status.FAILED,
+                error={
+                    "code": "batch_runner_failed",
+                    "param": None,
+                    "line": None,
+                    "message": f"The batch's runner stopped {batch.resumes + 1} times without "
+                    f"finishing it (BATCH_MAX_RESUMES={settings.BATCH_MAX_RESUMES}); "
+                    "the lines answered are in the output and error files",
+                },
+            )
         elif action == "finalized":
             batch_finalize(batch_id=batch_id, outcome=_outcome_of(batch))
     return done

@@ -26,10 +26,16 @@ def _sweep() -> dict[str, int]:
     return batches_sweep()
 
 
-_sweeper = Periodic("millm-batch-sweeper", _sweep,
-                    interval=lambda: float(settings.BATCH_SWEEP_INTERVAL_S), at_once=False,
-                    log=log, started="batches_sweeper_started",
-                    failed="batches_sweep_failed", done="batches_swept")
+_sweeper = Periodic(
+    "millm-batch-sweeper",
+    _sweep,
+    interval=lambda: float(settings.BATCH_SWEEP_INTERVAL_S),
+    at_once=False,
+    log=log,
+    started="batches_sweeper_started",
+    failed="batches_sweep_failed",
+    done="batches_swept",
+)
 
 
 def sweep_once() -> dict[str, int] | None:

@@ -19,8 +19,13 @@ from batches.sweeper import sweeper_start
 WINDOW_S = 24 * 3600
 
 
-@shared_task(name="batches.tasks.batch_run_task", acks_late=True, reject_on_worker_lost=True,
-             soft_time_limit=WINDOW_S + 600, time_limit=WINDOW_S + 900)
+@shared_task(
+    name="batches.tasks.batch_run_task",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    soft_time_limit=WINDOW_S + 600,
+    time_limit=WINDOW_S + 900,
+)
 def batch_run_task(batch_id: str, force: bool = False) -> str:
     return batch_run(batch_id=batch_id, force=force)
 
@@ -39,7 +44,6 @@ def _resume_batches(sender=None, **kwargs) -> None:  # noqa: ANN001
     starts the sweeper."""
     import structlog
     from django.db import connections
-
 
     if sender is not None and not _consumes_batches(sender):
         return

@@ -34,40 +34,62 @@ def _ts(value: datetime | None) -> int | None:
 
 
 def file_object(file: File) -> dict[str, Any]:
-    return {"id": file.id, "object": "file", "bytes": file.bytes,
-            "created_at": _ts(file.created_at), "expires_at": None,
-            "filename": file.filename, "purpose": file.purpose, "status": "processed",
-            "status_details": None}
+    return {
+        "id": file.id,
+        "object": "file",
+        "bytes": file.bytes,
+        "created_at": _ts(file.created_at),
+        "expires_at": None,
+        "filename": file.filename,
+        "purpose": file.purpose,
+        "status": "processed",
+        "status_details": None,
+    }
 
 
 def batch_object(batch: Batch) -> dict[str, Any]:
     return {
-        "id": batch.id, "object": "batch", "endpoint": batch.endpoint,
+        "id": batch.id,
+        "object": "batch",
+        "endpoint": batch.endpoint,
         "model": batch.model or None,
         "errors": ({"object": "list", "data": batch.errors} if batch.errors else None),
-        "input_file_id": batch.input_file_id, "completion_window": batch.completion_window,
-        "status": batch.status, "output_file_id": batch.output_file_id,
-        "error_file_id": batch.error_file_id, "created_at": _ts(batch.created_at),
-        "in_progress_at": _ts(batch.in_progress_at), "expires_at": _ts(batch.expires_at),
-        "finalizing_at": _ts(batch.finalizing_at), "completed_at": _ts(batch.completed_at),
-        "failed_at": _ts(batch.failed_at), "expired_at": _ts(batch.expired_at),
-        "cancelling_at": _ts(batch.cancelling_at), "cancelled_at": _ts(batch.cancelled_at),
-        "request_counts": {"total": batch.total, "completed": batch.completed,
-                           "failed": batch.failed},
-        "usage": {"input_tokens": batch.input_tokens,
-                  "input_tokens_details": {"cached_tokens": 0},
-                  "output_tokens": batch.output_tokens,
-                  "output_tokens_details": {"reasoning_tokens": 0},
-                  "total_tokens": batch.input_tokens + batch.output_tokens},
+        "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window,
+        "status": batch.status,
+        "output_file_id": batch.output_file_id,
+        "error_file_id": batch.error_file_id,
+        "created_at": _ts(batch.created_at),
+        "in_progress_at": _ts(batch.in_progress_at),
+        "expires_at": _ts(batch.expires_at),
+        "finalizing_at": _ts(batch.finalizing_at),
+        "completed_at": _ts(batch.completed_at),
+        "failed_at": _ts(batch.failed_at),
+        "expired_at": _ts(batch.expired_at),
+        "cancelling_at": _ts(batch.cancelling_at),
+        "cancelled_at": _ts(batch.cancelled_at),
+        "request_counts": {"total": batch.total, "completed": batch.completed, "failed": batch.failed},
+        "usage": {
+            "input_tokens": batch.input_tokens,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": batch.output_tokens,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": batch.input_tokens + batch.output_tokens,
+        },
         "metadata": batch.metadata,
     }
 
 
 def _list(items: list[dict[str, Any]], has_more: bool) -> JsonResponse:
-    return JsonResponse({"object": "list", "data": items,
-                         "first_id": items[0]["id"] if items else None,
-                         "last_id": items[-1]["id"] if items else None,
-                         "has_more": has_more})
+    return JsonResponse(
+        {
+            "object": "list",
+            "data": items,
+            "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None,
+            "has_more": has_more,
+        }
+    )
 
 
 def _limit(request: HttpRequest, default: int, most: int) -> int:
@@ -77,8 +99,9 @@ def _limit(request: HttpRequest, default: int, most: int) -> int:
     except ValueError:
         value = -1
     if not 1 <= value <= most:
-        raise OpenAIError(f"limit must be an integer from 1 to {most}", status=400,
-                          code="invalid_parameter", param="limit")
+        raise OpenAIError(
+            f"limit must be an integer from 1 to {most}", status=400, code="invalid_parameter", param="limit"
+        )
     return value
 
 
@@ -86,8 +109,7 @@ def _json(request: HttpRequest) -> dict[str, Any]:
     try:
         data = json.loads(request.body.decode("utf-8") or "{}")
     except (UnicodeDecodeError, ValueError, RequestDataTooBig):
-        raise OpenAIError("The body is not valid JSON", status=400,
-                          code="invalid_json") from None
+        raise OpenAIError("The body is not valid JSON", status=400, code="invalid_json") from None
     if not isinstance(data, dict):
         raise OpenAIError("The body must be a JSON object", status=400, code="invalid_json")
     return data
@@ -102,28 +124,36 @@ def _upload(request: HttpRequest) -> File:
     except ValueError:
         declared = 0
     if declared > settings.BATCH_MAX_FILE_BYTES + MULTIPART_SLACK_BYTES:
-        raise FileTooLarge(f"The upload is {declared} bytes; a batch input file may have "
-                           f"at most {settings.BATCH_MAX_FILE_BYTES} bytes",
-                           details={"param": "file"})
+        raise FileTooLarge(
+            f"The upload is {declared} bytes; a batch input file may have "
+            f"at most {settings.BATCH_MAX_FILE_BYTES} bytes",
+            details={"param": "file"},
+        )
     services.file_check_quota(owner=owner, size=max(declared - MULTIPART_SLACK_BYTES, 0))
     if not (request.content_type or "").startswith("multipart/form-data"):
-        raise OpenAIError("Upload a file as multipart/form-data with the fields file and "
-                          "purpose", status=415, code="unsupported_media_type")
+        raise OpenAIError(
+            "Upload a file as multipart/form-data with the fields file and purpose",
+            status=415,
+            code="unsupported_media_type",
+        )
     upload = request.FILES.get("file")
     if upload is None:
-        raise OpenAIError("The form has no file field", status=400,
-                          code="missing_required_parameter", param="file")
+        raise OpenAIError("The form has no file field", status=400, code="missing_required_parameter", param="file")
     purpose = request.POST.get("purpose")
     if not purpose:
-        raise OpenAIError("The form has no purpose field", status=400,
-                          code="missing_required_parameter", param="purpose")
+        raise OpenAIError(
+            "The form has no purpose field", status=400, code="missing_required_parameter", param="purpose"
+        )
     if upload.size > settings.BATCH_MAX_FILE_BYTES:
-        raise FileTooLarge(f"The file is {upload.size} bytes; a batch input file may have "
-                           f"at most {settings.BATCH_MAX_FILE_BYTES} bytes",
-                           details={"param": "file"})
+        raise FileTooLarge(
+            f"The file is {upload.size} bytes; a batch input file may have "
+            f"at most {settings.BATCH_MAX_FILE_BYTES} bytes",
+            details={"param": "file"},
+        )
     upload.seek(0)
-    return services.file_create(filename=upload.name or "upload.jsonl", purpose=purpose,
-                                content=upload, size=upload.size, owner=owner)
+    return services.file_create(
+        filename=upload.name or "upload.jsonl", purpose=purpose, content=upload, size=upload.size, owner=owner
+    )
 
 
 @openai_view("GET", "POST")
@@ -132,18 +162,20 @@ async def files(request: HttpRequest):
         return JsonResponse(file_object(await off_view_thread(_upload)(request)))
     order = request.GET.get("order", "desc")
     if order not in ("asc", "desc"):
-        raise OpenAIError("order must be asc or desc", status=400, code="invalid_parameter",
-                          param="order")
+        raise OpenAIError("order must be asc or desc", status=400, code="invalid_parameter", param="order")
     rows, more = await off_view_thread(selectors.files_page)(
-        purpose=request.GET.get("purpose"), after=request.GET.get("after"),
-        limit=_limit(request, 10000, 10000), order=order, principal=principal(request))
+        purpose=request.GET.get("purpose"),
+        after=request.GET.get("after"),
+        limit=_limit(request, 10000, 10000),
+        order=order,
+        principal=principal(request),
+    )
     return _list([file_object(f) for f in rows], more)
 
 
 @openai_view("GET", "DELETE")
 async def file_detail(request: HttpRequest, file_id: str):
-    file = await off_view_thread(selectors.file_get)(file_id=file_id,
-                                                     principal=principal(request))
+    file = await off_view_thread(selectors.file_get)(file_id=file_id, principal=principal(request))
     if request.method == "DELETE":
         await off_view_thread(services.file_delete)(file=file)
         return JsonResponse({"id": file_id, "object": "file", "deleted": True})
@@ -152,8 +184,7 @@ async def file_detail(request: HttpRequest, file_id: str):
 
 @openai_view("GET")
 async def file_content(request: HttpRequest, file_id: str):
-    chunks = await off_view_thread(selectors.file_chunk_ids)(file_id=file_id,
-                                                             principal=principal(request))
+    chunks = await off_view_thread(selectors.file_chunk_ids)(file_id=file_id, principal=principal(request))
 
     async def content():
         for chunk_id in chunks:
@@ -168,28 +199,31 @@ async def batches(request: HttpRequest):
         data = _json(request)
         for name in ("input_file_id", "endpoint", "completion_window"):
             if not isinstance(data.get(name), str):
-                raise OpenAIError(f"{name} is required (a string)", status=400,
-                                  code="missing_required_parameter", param=name)
+                raise OpenAIError(
+                    f"{name} is required (a string)", status=400, code="missing_required_parameter", param=name
+                )
         batch = await off_view_thread(services.batch_create)(
-            input_file_id=data["input_file_id"], endpoint=data["endpoint"],
-            completion_window=data["completion_window"], metadata=data.get("metadata"),
-            principal=principal(request))
+            input_file_id=data["input_file_id"],
+            endpoint=data["endpoint"],
+            completion_window=data["completion_window"],
+            metadata=data.get("metadata"),
+            principal=principal(request),
+        )
         return JsonResponse(batch_object(batch))
     rows, more = await off_view_thread(selectors.batches_page)(
-        after=request.GET.get("after"), limit=_limit(request, 20, 100),
-        principal=principal(request))
+        after=request.GET.get("after"), limit=_limit(request, 20, 100), principal=principal(request)
+    )
     return _list([batch_object(b) for b in rows], more)
 
 
 @openai_view("GET")
 async def batch_detail(request: HttpRequest, batch_id: str):
-    return JsonResponse(batch_object(await off_view_thread(selectors.batch_get)(
-        batch_id=batch_id, principal=principal(request))))
+    return JsonResponse(
+        batch_object(await off_view_thread(selectors.batch_get)(batch_id=batch_id, principal=principal(request)))
+    )
 
 
 @openai_view("POST")
 async def batch_cancel(request: HttpRequest, batch_id: str):
-    await off_view_thread(selectors.batch_get)(batch_id=batch_id,
-                                               principal=principal(request))
-    return JsonResponse(batch_object(await off_view_thread(services.batch_cancel)(
-        batch_id=batch_id)))
+    await off_view_thread(selectors.batch_get)(batch_id=batch_id, principal=principal(request))
+    return JsonResponse(batch_object(await off_view_thread(services.batch_cancel)(batch_id=batch_id)))

@@ -61,9 +61,16 @@ def copy_bandwidth(nbytes: int, reps: int = 7, *, again: bool = False, device: s
         reads.append(time.perf_counter() - t0)
     real = src.numel() * 4
     best = min(times)
-    res = {"buffer_bytes": real, "reps": reps, "best_s": best, "median_s": statistics.median(times),
-           "gb_s": 2 * real / best / 1e9, "read_gb_s": real / min(reads) / 1e9,
-           "threads": torch.get_num_threads(), "convention": "copy: bytes read + bytes written"}
+    res = {
+        "buffer_bytes": real,
+        "reps": reps,
+        "best_s": best,
+        "median_s": statistics.median(times),
+        "gb_s": 2 * real / best / 1e9,
+        "read_gb_s": real / min(reads) / 1e9,
+        "threads": torch.get_num_threads(),
+        "convention": "copy: bytes read + bytes written",
+    }
     if device != "cpu":
         res["device"] = device
     del src, dst

@@ -36,13 +36,23 @@ sys.path.insert(0, str(REPO))
 from benchmarks.sse import sse_events  # noqa: E402
 from benchmarks.v1_concurrency import Server  # noqa: E402
 
-PROMPTS = ["Write a short story about a lighthouse keeper.", "Describe a night train in winter.",
-           "List three facts about deep-sea divers.", "Explain chess openings to a child."]
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Describe a night train in winter.",
+    "List three facts about deep-sea divers.",
+    "Explain chess openings to a child.",
+]
 
 
 def ttft(port: int, model: str, i: int, tokens: int) -> float:
-    body = {"model": model, "prompt": PROMPTS[i % len(PROMPTS)] + f" ({i})", "max_tokens": tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {
+        "model": model,
+        "prompt": PROMPTS[i % len(PROMPTS)] + f" ({i})",
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     data = json.dumps(body).encode()
     sent = time.perf_counter()
@@ -73,8 +83,10 @@ def summary(name: str, values: list[float]) -> dict:
     ordered = sorted(values)
     p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
     fig = {"median_ms": statistics.median(values) * 1000, "p90_ms": p90 * 1000, "n": len(values)}
-    print(f"{name:<6} TTFT median {fig['median_ms']:7.1f} ms  p90 {fig['p90_ms']:7.1f} ms  "
-          f"(n={len(values)})", file=sys.stderr)
+    print(
+        f"{name:<6} TTFT median {fig['median_ms']:7.1f} ms  p90 {fig['p90_ms']:7.1f} ms  (n={len(values)})",
+        file=sys.stderr,
+    )
     return fig
 
 
@@ -92,20 +104,35 @@ def main() -> None:
     from openai import OpenAI
 
     asset_root = Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets")
-    server = Server(batching=True, model=args.model, asset_root=asset_root, clients=args.slots,
-                    extra_env={"BATCH_ENGINE_ROWS": str(args.batch_rows)})
+    server = Server(
+        batching=True,
+        model=args.model,
+        asset_root=asset_root,
+        clients=args.slots,
+        extra_env={"BATCH_ENGINE_ROWS": str(args.batch_rows)},
+    )
     client = OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="x", max_retries=0)
     try:
         measure(server.port, args.model, 3, args.tokens, 0.05)  # warm-up
         idle = measure(server.port, args.model, args.samples, args.tokens, 0.05)
-        rows = [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/completions",
-                 "body": {"model": args.model, "prompt": PROMPTS[i % 4] + f" [{i}]",
-                          "max_tokens": args.line_tokens, "temperature": 0, "ignore_eos": True}}
-                for i in range(args.lines)]
+        rows = [
+            {
+                "custom_id": f"line-{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {
+                    "model": args.model,
+                    "prompt": PROMPTS[i % 4] + f" [{i}]",
+                    "max_tokens": args.line_tokens,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                },
+            }
+            for i in range(args.lines)
+        ]
         data = "".join(json.dumps(r) + "\n" for r in rows).encode()
         file = client.files.create(file=("bench.jsonl", io.BytesIO(data)), purpose="batch")
-        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions",
-                                      completion_window="24h")
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
         deadline = time.monotonic() + 300
         while client.batches.retrieve(batch.id).request_counts.completed < 2 * args.batch_rows:
             if time.monotonic() > deadline:
@@ -117,9 +144,12 @@ def main() -> None:
         after = client.batches.retrieve(batch.id)
         elapsed = time.perf_counter() - t0
         lines_per_s = (after.request_counts.completed - before) / elapsed
-        print(f"batch {after.status}: {after.request_counts.completed}/{args.lines} lines answered, "
-              f"{lines_per_s:.2f} lines/s ({lines_per_s * args.line_tokens:.0f} tok/s) during the busy "
-              f"samples", file=sys.stderr)
+        print(
+            f"batch {after.status}: {after.request_counts.completed}/{args.lines} lines answered, "
+            f"{lines_per_s:.2f} lines/s ({lines_per_s * args.line_tokens:.0f} tok/s) during the busy "
+            f"samples",
+            file=sys.stderr,
+        )
         if after.status != "in_progress":
             raise RuntimeError("the batch ended before the busy samples did: use more --lines")
         client.batches.cancel(batch.id)
@@ -129,12 +159,19 @@ def main() -> None:
                 raise RuntimeError("the batch did not cancel")
             time.sleep(0.2)
         idle_after = measure(server.port, args.model, args.samples, args.tokens, 0.05)
-        figures = {"idle": summary("idle", idle + idle_after), "busy": summary("busy", busy),
-                   "batch_lines_per_s": lines_per_s, "load": os.getloadavg()[0],
-                   "settings": vars(args) | {"json": None}}
+        figures = {
+            "idle": summary("idle", idle + idle_after),
+            "busy": summary("busy", busy),
+            "batch_lines_per_s": lines_per_s,
+            "load": os.getloadavg()[0],
+            "settings": vars(args) | {"json": None},
+        }
         figures["ratio_median"] = figures["busy"]["median_ms"] / figures["idle"]["median_ms"]
-        print(f"interactive TTFT while a {args.lines}-line batch runs: "
-              f"{figures['ratio_median']:.2f}x idle (median; target <= 1.5)", file=sys.stderr)
+        print(
+            f"interactive TTFT while a {args.lines}-line batch runs: "
+            f"{figures['ratio_median']:.2f}x idle (median; target <= 1.5)",
+            file=sys.stderr,
+        )
         if args.json:
             args.json.write_text(json.dumps(figures, indent=2))
     finally:

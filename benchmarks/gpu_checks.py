@@ -78,28 +78,49 @@ from gpu_engine.api.protocol import (  # noqa: E402
 from offline_assets import build_sae, ensure_assets  # noqa: E402
 
 # Gemma-2-2B's shape (google/gemma-2-2b config.json): SPEC §7's GPU target names it
-GEMMA2_2B = dict(vocab_size=256000, hidden_size=2304, intermediate_size=9216,
-                 num_hidden_layers=26, num_attention_heads=8, num_key_value_heads=4,
-                 head_dim=256, max_position_embeddings=8192, sliding_window=4096,
-                 query_pre_attn_scalar=256, attn_logit_softcapping=50.0,
-                 final_logit_softcapping=30.0, tie_word_embeddings=True)
+GEMMA2_2B = dict(
+    vocab_size=256000,
+    hidden_size=2304,
+    intermediate_size=9216,
+    num_hidden_layers=26,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    max_position_embeddings=8192,
+    sliding_window=4096,
+    query_pre_attn_scalar=256,
+    attn_logit_softcapping=50.0,
+    final_logit_softcapping=30.0,
+    tie_word_embeddings=True,
+)
 # the same architecture, small: what the CPU smoke run builds (``--speed-shape small``)
-SMALL = {**GEMMA2_2B, "vocab_size": 4096, "hidden_size": 128, "intermediate_size": 256,
-         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
-         "query_pre_attn_scalar": 32}
+SMALL = {
+    **GEMMA2_2B,
+    "vocab_size": 4096,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "query_pre_attn_scalar": 32,
+}
 SHAPES = {"gemma-2-2b": GEMMA2_2B, "small": SMALL}
 SPEC_GPU_TARGET = 0.5  # steering on, batch-1 decode ÷ bandwidth limit
 
 
-def job(rid: str, *, tokens: int, steer: dict | None = None, monitor: tuple | None = None,
-        prompt: str = PROMPT) -> GenerationJob:
+def job(
+    rid: str, *, tokens: int, steer: dict | None = None, monitor: tuple | None = None, prompt: str = PROMPT
+) -> GenerationJob:
     """Greedy ``tokens`` (``ignore_eos``); ``steer`` {(sae, layer): {feature: strength}},
     ``monitor`` (sae, layer): top-8 plus features 1-4."""
     return GenerationJob(
-        rid, prompt=prompt,
+        rid,
+        prompt=prompt,
         steering=SteeringSpec.from_mapping(steer) if steer else None,
-        monitor=(MonitorSpec([MonitorEntry(monitor[0], monitor[1], top_k=8, features=[1, 2, 3, 4])])
-                 if monitor else None),
+        monitor=(
+            MonitorSpec([MonitorEntry(monitor[0], monitor[1], top_k=8, features=[1, 2, 3, 4])]) if monitor else None
+        ),
         sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
     )
 
@@ -119,7 +140,8 @@ def same_top(a: GenerationResult, b: GenerationResult, rtol: float = 1e-3) -> bo
     va, vb = top_values(a), top_values(b)
     return len(va) == len(vb) and all(
         len(x) == len(y) and all(abs(p - q) <= rtol * max(abs(p), abs(q), 1e-6) for p, q in zip(x, y))
-        for x, y in zip(va, vb))
+        for x, y in zip(va, vb)
+    )
 
 
 def sync(device: str) -> None:
@@ -127,8 +149,16 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def load(name: str, path: Path, *, device: str, dtype: str, options: dict | None = None,
-         batching: BatchingOptions | None = None, idle_release_s: float | None = None) -> Engine:
+def load(
+    name: str,
+    path: Path,
+    *,
+    device: str,
+    dtype: str,
+    options: dict | None = None,
+    batching: BatchingOptions | None = None,
+    idle_release_s: float | None = None,
+) -> Engine:
     eng = Engine(batching=batching, idle_release_s=idle_release_s)
     eng.load_model(LoadModelJob(name, str(path), dtype=dtype, device=device, options=options or {}))
     return eng
@@ -136,29 +166,38 @@ def load(name: str, path: Path, *, device: str, dtype: str, options: dict | None
 
 # ---------------------------------------------------------------------- exactness
 
-def check_compiled_serial(model: Path, sae: Path, layer: int, *, device: str, dtype: str,
-                          mode: str, tokens: int) -> dict:
+
+def check_compiled_serial(
+    model: Path, sae: Path, layer: int, *, device: str, dtype: str, mode: str, tokens: int
+) -> dict:
     steer = {("chk", layer): {i * 7 % 64: 1.5 for i in range(8)}}
     runs: dict[str, Any] = {}
     results: dict[str, GenerationResult] = {}
-    for name, options in (("eager", {}), ("static", {"kv_cache_mode": "static"}),
-                          ("compiled", {"torch_compile": True, "torch_compile_mode": mode})):
+    for name, options in (
+        ("eager", {}),
+        ("static", {"kv_cache_mode": "static"}),
+        ("compiled", {"torch_compile": True, "torch_compile_mode": mode}),
+    ):
         eng = load("chk", model, device=device, dtype=dtype, options=options)
         try:
             t0 = time.perf_counter()
             eng.generate_sync(job("warm", tokens=tokens), timeout_s=900)  # compiles, no hooks yet
             warm_s = time.perf_counter() - t0
             eng.attach(AttachSpec("chk", str(sae), layer))  # after compilation
-            res = eng.generate_sync(job("steered", tokens=tokens, steer=steer,
-                                        monitor=("chk", layer)), timeout_s=900)
+            res = eng.generate_sync(job("steered", tokens=tokens, steer=steer, monitor=("chk", layer)), timeout_s=900)
             plain = eng.generate_sync(job("plain", tokens=tokens), timeout_s=900)
             caps = eng.backend.capabilities()
             results[name] = res
-            runs[name] = {"tokens": res.token_ids, "plain_tokens": plain.token_ids,
-                          "applied": applied(res), "forward_passes": res.forward_passes,
-                          "top": top_values(res), "warm_s": round(warm_s, 2),
-                          "torch_compile": caps.torch_compile_status or None,
-                          "kv_cache_mode": caps.kv_cache_mode or None}
+            runs[name] = {
+                "tokens": res.token_ids,
+                "plain_tokens": plain.token_ids,
+                "applied": applied(res),
+                "forward_passes": res.forward_passes,
+                "top": top_values(res),
+                "warm_s": round(warm_s, 2),
+                "torch_compile": caps.torch_compile_status or None,
+                "kv_cache_mode": caps.kv_cache_mode or None,
+            }
         finally:
             eng.shutdown()
     eager = runs["eager"]
@@ -169,8 +208,7 @@ def check_compiled_serial(model: Path, sae: Path, layer: int, *, device: str, dt
         problems.append("steering changed no token in eager mode (the check cannot see a skipped hook)")
     for name, r in runs.items():
         if r["applied"] != r["forward_passes"] or r["forward_passes"] < tokens:
-            problems.append(f"{name}: steering applied {r['applied']} times in "
-                            f"{r['forward_passes']} forward passes")
+            problems.append(f"{name}: steering applied {r['applied']} times in {r['forward_passes']} forward passes")
         if r["tokens"] != eager["tokens"]:
             problems.append(f"{name}: steered tokens differ from eager")
         if r["plain_tokens"] != eager["plain_tokens"]:
@@ -180,8 +218,9 @@ def check_compiled_serial(model: Path, sae: Path, layer: int, *, device: str, dt
     return {"ok": not problems, "problems": problems, "mode": mode, "runs": runs}
 
 
-def check_compiled_batched(model: Path, sae: Path, layer: int, *, device: str, dtype: str,
-                           mode: str, tokens: int) -> dict:
+def check_compiled_batched(
+    model: Path, sae: Path, layer: int, *, device: str, dtype: str, mode: str, tokens: int
+) -> dict:
     jobs = [
         job("a", tokens=tokens, steer={("chk", layer): {3: 6.0, 9: 4.0}}),
         job("b", tokens=tokens, steer={("chk", layer): {17: -5.0}}, prompt="The capital of France"),
@@ -196,9 +235,14 @@ def check_compiled_batched(model: Path, sae: Path, layer: int, *, device: str, d
             solo[j.request_id] = eng.generate_sync(j, timeout_s=900)
     finally:
         eng.shutdown()
-    eng = load("chk", model, device=device, dtype=dtype,
-               options={"torch_compile": True, "torch_compile_mode": mode},
-               batching=BatchingOptions(enabled=True, max_batch_size=4))
+    eng = load(
+        "chk",
+        model,
+        device=device,
+        dtype=dtype,
+        options={"torch_compile": True, "torch_compile_mode": mode},
+        batching=BatchingOptions(enabled=True, max_batch_size=4),
+    )
     try:
         unsteered_a = eng.generate_sync(job("warm", tokens=tokens), timeout_s=900)  # a's prompt
         eng.attach(AttachSpec("chk", str(sae), layer))
@@ -221,8 +265,14 @@ def check_compiled_batched(model: Path, sae: Path, layer: int, *, device: str, d
 
 
 def check_idle_release(model: Path, *, device: str, dtype: str, tokens: int) -> dict:
-    eng = load("chk", model, device=device, dtype=dtype, idle_release_s=1.0,
-               batching=BatchingOptions(enabled=True, max_batch_size=4))
+    eng = load(
+        "chk",
+        model,
+        device=device,
+        dtype=dtype,
+        idle_release_s=1.0,
+        batching=BatchingOptions(enabled=True, max_batch_size=4),
+    )
     try:
         streams = [eng.generate(job(f"r{i}", tokens=tokens)) for i in range(4)]
         for s in streams:
@@ -240,11 +290,18 @@ def check_idle_release(model: Path, *, device: str, dtype: str, tokens: int) -> 
         problems.append("no idle release after 2 s with TRANSFORMERS_IDLE_CACHE_RELEASE_S=1")
     if before is not None and after is not None and not after < before:
         problems.append(f"torch.cuda.memory_reserved did not fall ({before} -> {after})")
-    return {"ok": not problems, "problems": problems, "reserved_before": before,
-            "reserved_after": after, "cached_bytes_before": cached_before, "status": status}
+    return {
+        "ok": not problems,
+        "problems": problems,
+        "reserved_before": before,
+        "reserved_after": after,
+        "cached_bytes_before": cached_before,
+        "status": status,
+    }
 
 
 # ---------------------------------------------------------------------- speed
+
 
 def gemma2_shaped(out: Path, tokenizer_from: Path, *, shape: dict, device: str) -> Path:
     """A Gemma-2 checkpoint of ``shape`` with random bfloat16 weights (built on ``device``),
@@ -274,21 +331,37 @@ def decode_speed(model: Path, *, device: str, mode: str, tokens: int, rounds: in
     wbytes = weight_bytes(model)  # bfloat16 as saved
     bw = copy_bandwidth(wbytes, device=device)
     limit = bw["gb_s"] * 1e9 / wbytes
-    out: dict[str, Any] = {"weight_bytes": wbytes, "bandwidth": bw, "limit_tok_s": limit,
-                           "tokens": tokens, "rounds": rounds, "modes": {}}
+    out: dict[str, Any] = {
+        "weight_bytes": wbytes,
+        "bandwidth": bw,
+        "limit_tok_s": limit,
+        "tokens": tokens,
+        "rounds": rounds,
+        "modes": {},
+    }
     config = json.loads((model / "config.json").read_text())
     layer = config["num_hidden_layers"] // 2
     sae = model.parent / f"{model.name}-sae-L{layer}"
     if not (sae / "sae_weights.safetensors").exists():
-        build_sae(sae, d_in=config["hidden_size"], d_sae=16384, layer=layer, layout="saelens",
-                  activation="relu", model_name=model.name)
+        build_sae(
+            sae,
+            d_in=config["hidden_size"],
+            d_sae=16384,
+            layer=layer,
+            layout="saelens",
+            activation="relu",
+            model_name=model.name,
+        )
     for compiled in (False, True):
         options = {"torch_compile": True, "torch_compile_mode": mode} if compiled else {"torch_compile": False}
         eng = load(model.name, model, device=device, dtype="bfloat16", options=options)
         try:
             steer = {("bench", layer): {i * 97: 4.0 for i in range(8)}}
-            modes = {"sae_idle": {}, "steer": {"steer": steer},
-                     "steer_monitor": {"steer": steer, "monitor": ("bench", layer)}}
+            modes = {
+                "sae_idle": {},
+                "steer": {"steer": steer},
+                "steer_monitor": {"steer": steer, "monitor": ("bench", layer)},
+            }
             t0 = time.perf_counter()
             eng.attach(AttachSpec("bench", str(sae), layer))
             for m, kw in modes.items():  # compiles; a second steered request recompiled once
@@ -315,30 +388,39 @@ def decode_speed(model: Path, *, device: str, mode: str, tokens: int, rounds: in
                 out[f"{key} torch_compile"] = status
             for m in modes:
                 med = statistics.median(samples[m])
-                out["modes"][f"{key} {m}"] = {"tok_s": med, "vs_limit": med / limit,
-                                             "samples": samples[m], "warm_s": round(warm_s, 1),
-                                             "apply_count_minus_passes": counts[m]}
+                out["modes"][f"{key} {m}"] = {
+                    "tok_s": med,
+                    "vs_limit": med / limit,
+                    "samples": samples[m],
+                    "warm_s": round(warm_s, 1),
+                    "apply_count_minus_passes": counts[m],
+                }
         finally:
             eng.shutdown()
     best = max(v["vs_limit"] for k, v in out["modes"].items() if k.endswith(" steer"))
     out["steering_vs_limit_best"] = best
     out["ok"] = best >= SPEC_GPU_TARGET and all(
-        c == 0 for v in out["modes"].values() for c in v["apply_count_minus_passes"])
+        c == 0 for v in out["modes"].values() for c in v["apply_count_minus_passes"]
+    )
     return out
 
 
 # ---------------------------------------------------------------------- main
 
+
 def environment(device: str) -> dict:
     import transformers
 
-    env = {"python": platform.python_version(), "torch": torch.__version__,
-           "transformers": transformers.__version__, "device": device,
-           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": device,
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     if device.startswith("cuda"):
         p = torch.cuda.get_device_properties(0)
-        env.update(card=p.name, memory_gib=round(p.total_memory / 2**30, 1),
-                   multiprocessors=p.multi_processor_count)
+        env.update(card=p.name, memory_gib=round(p.total_memory / 2**30, 1), multiprocessors=p.multi_processor_count)
     else:
         env["cpu"] = platform.processor() or platform.machine()
     return env
@@ -353,16 +435,25 @@ def run_check(name: str, args: argparse.Namespace) -> dict:
     mode = args.compile_mode or ("reduce-overhead" if device.startswith("cuda") else "default")
     manifest = ensure_assets(args.assets or args.work / "assets")
     if name == "decode_speed":
-        gemma = gemma2_shaped(args.work / f"gemma2-{args.speed_shape}-shaped",
-                              manifest.models["tiny-gemma2"].path, shape=SHAPES[args.speed_shape],
-                              device=device)
-        return decode_speed(gemma, device=device, mode=mode, tokens=args.speed_tokens,
-                            rounds=args.rounds)
+        gemma = gemma2_shaped(
+            args.work / f"gemma2-{args.speed_shape}-shaped",
+            manifest.models["tiny-gemma2"].path,
+            shape=SHAPES[args.speed_shape],
+            device=device,
+        )
+        return decode_speed(gemma, device=device, mode=mode, tokens=args.speed_tokens, rounds=args.rounds)
     tiny, layer = manifest.models["tiny-llama"], 1
     sae = args.work / "sae-tiny"
     if not (sae / "sae_weights.safetensors").exists():
-        build_sae(sae, d_in=tiny.hidden_size, d_sae=64, layer=layer, layout="saelens",
-                  activation="relu", model_name="tiny-llama")
+        build_sae(
+            sae,
+            d_in=tiny.hidden_size,
+            d_sae=64,
+            layer=layer,
+            layout="saelens",
+            activation="relu",
+            model_name="tiny-llama",
+        )
     if name == "idle_release":
         return check_idle_release(tiny.path, device=device, dtype="float32", tokens=args.tokens)
     check = check_compiled_serial if name == "compiled_serial" else check_compiled_batched
@@ -374,28 +465,34 @@ def in_child(name: str, argv: list[str]) -> dict:
     kill) is that check's failure, with its output's tail, and the other checks still run."""
     import subprocess
 
-    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *argv, "--one", name],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *argv, "--one", name], capture_output=True, text=True
+    )
     lines = proc.stdout.strip().splitlines()
     if proc.returncode == 0 and lines:
         try:
             return json.loads(lines[-1])
         except json.JSONDecodeError:
             pass
-    return {"ok": False, "error": f"the check's process ended with status {proc.returncode}",
-            "output_tail": (proc.stdout + proc.stderr)[-3000:]}
+    return {
+        "ok": False,
+        "error": f"the check's process ended with status {proc.returncode}",
+        "output_tail": (proc.stdout + proc.stderr)[-3000:],
+    }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--compile-mode", default=None,
-                    help="TORCH_COMPILE_MODE (default: reduce-overhead on CUDA, default on the CPU)")
+    ap.add_argument(
+        "--compile-mode", default=None, help="TORCH_COMPILE_MODE (default: reduce-overhead on CUDA, default on the CPU)"
+    )
     ap.add_argument("--quick", action="store_true", help="exactness checks only (no decode speed)")
     ap.add_argument("--tokens", type=int, default=16, help="tokens per exactness request")
     ap.add_argument("--speed-tokens", type=int, default=128)
-    ap.add_argument("--speed-shape", choices=SHAPES, default="gemma-2-2b",
-                    help="the decode_speed model (small: the CPU smoke run)")
+    ap.add_argument(
+        "--speed-shape", choices=SHAPES, default="gemma-2-2b", help="the decode_speed model (small: the CPU smoke run)"
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "millm-gpu-checks")
     ap.add_argument("--assets", type=Path, help="the tiny test models' folder (default: WORK/assets)")
@@ -417,8 +514,7 @@ def main() -> int:
         report["checks"][name] = res
         failed |= not res["ok"] and name != "decode_speed"
         status = "ok" if res["ok"] else "target missed" if "modes" in res else "FAILED"
-        print(f"{name}: {status} ({res['seconds']} s) "
-              f"{res.get('problems') or res.get('error') or ''}", flush=True)
+        print(f"{name}: {status} ({res['seconds']} s) {res.get('problems') or res.get('error') or ''}", flush=True)
         if not res["ok"] and res.get("output_tail"):
             print(res["output_tail"][-1500:], flush=True)
         if name == "decode_speed" and "modes" in res:

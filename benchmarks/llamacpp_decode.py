@@ -114,8 +114,7 @@ def gguf_shape(path: Path) -> tuple[int, int]:
 
     fields = gguf.GGUFReader(str(path)).fields
     arch = str(fields["general.architecture"].contents())
-    return (int(fields[f"{arch}.block_count"].contents()),
-            int(fields[f"{arch}.embedding_length"].contents()))
+    return (int(fields[f"{arch}.block_count"].contents()), int(fields[f"{arch}.embedding_length"].contents()))
 
 
 def job(i: int, mode: str, sae: str, layer: int, tokens: int) -> GenerationJob:
@@ -134,16 +133,12 @@ def job(i: int, mode: str, sae: str, layer: int, tokens: int) -> GenerationJob:
     )
 
 
-def run_engine(
-    engine: Engine, mode: str, concurrency: int, sae: str, layer: int, tokens: int
-) -> float:
+def run_engine(engine: Engine, mode: str, concurrency: int, sae: str, layer: int, tokens: int) -> float:
     t0 = time.perf_counter()
     streams = [engine.generate(job(i, mode, sae, layer, tokens)) for i in range(concurrency)]
     results = [s.result(900) for s in streams]
     dt = time.perf_counter() - t0
-    assert all(r.usage.completion_tokens == tokens for r in results), [
-        r.finish_reason for r in results
-    ]
+    assert all(r.usage.completion_tokens == tokens for r in results), [r.finish_reason for r in results]
     return concurrency * tokens / dt
 
 
@@ -152,8 +147,9 @@ def plain_llama_cpp(path: Path, tokens: int) -> float:
     from llama_cpp import Llama
 
     # the same KV cache (f16) and flash attention as our backend's options below
-    llm = Llama(model_path=str(path), n_ctx=1024, n_threads=len(os.sched_getaffinity(0)),
-                flash_attn=True, verbose=False)
+    llm = Llama(
+        model_path=str(path), n_ctx=1024, n_threads=len(os.sched_getaffinity(0)), flash_attn=True, verbose=False
+    )
     ids = llm.tokenize(PROMPT.encode())
 
     def timed() -> float:
@@ -191,14 +187,9 @@ def one_engine(mode: str, path: Path, sae: Path, layer: int, tokens: int) -> dic
         os.environ.pop("MILLM_LLAMACPP_PYTHON_CALLBACK", None)
     from gpu_engine.runtime.engine import Engine
 
-    eng = (Engine(batching=BatchingOptions(enabled=True, max_batch_size=16)) if mode == "b16"
-           else Engine())
+    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=16)) if mode == "b16" else Engine()
     try:
-        eng.load_model(
-            LoadModelJob(
-                "smollm2", str(path), device="cpu", backend="llamacpp", options=gguf_options()
-            )
-        )
+        eng.load_model(LoadModelJob("smollm2", str(path), device="cpu", backend="llamacpp", options=gguf_options()))
         assert eng.backend.taps.native_filter != pycb
         assert eng.backend.num_layers // 2 == layer, (eng.backend.num_layers, layer)
         eng.attach(AttachSpec("bench", str(sae), layer))
@@ -236,9 +227,7 @@ def one(args: argparse.Namespace) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="passes: processes per mode")
     ap.add_argument("--d-sae", type=int, default=16384)
@@ -265,38 +254,46 @@ def main() -> None:
     for quant, path in files.items():
         wbytes = weight_bytes(path)
         bw = passing(lambda wbytes=wbytes: copy_bandwidth(wbytes))
-        print(f"{quant}: copy of {wbytes / 1e6:.0f} MB: {bw['gb_s']:.1f} GB/s (read-only sum "
-              f"{bw['read_gb_s']:.1f} GB/s), threads {bw['threads']}")
-        rows[quant] = {"weight_bytes": wbytes, "bandwidth_limit_tok_s": limit_tok_s(wbytes),
-                       "bandwidth": bw}
+        print(
+            f"{quant}: copy of {wbytes / 1e6:.0f} MB: {bw['gb_s']:.1f} GB/s (read-only sum "
+            f"{bw['read_gb_s']:.1f} GB/s), threads {bw['threads']}"
+        )
+        rows[quant] = {"weight_bytes": wbytes, "bandwidth_limit_tok_s": limit_tok_s(wbytes), "bandwidth": bw}
     n_layer, d_in = gguf_shape(q41)
     layer = n_layer // 2
     sae_dir = CACHE / f"sae-L{layer}-{args.d_sae}"
     if not (sae_dir / "sae_weights.safetensors").exists():
-        passing(lambda: build_sae(
-            sae_dir,
-            d_in=d_in,
-            d_sae=args.d_sae,
-            layer=layer,
-            layout="saelens",
-            activation="relu",
-            model_name="smollm2",
-        ))
+        passing(
+            lambda: build_sae(
+                sae_dir,
+                d_in=d_in,
+                d_sae=args.d_sae,
+                layer=layer,
+                layout="saelens",
+                activation="relu",
+                model_name="smollm2",
+            )
+        )
     modes = B1 + ([] if args.batch1_only else ["b16"])
     script = Path(__file__).resolve()
     for quant, path in files.items():
         row = rows[quant]
         wbytes = row["weight_bytes"]
         # each mode in a process of its own, the modes taking turns in a rotated order
-        runs = in_processes(script, modes, ["--path", str(path), "--sae", str(sae_dir),
-                                            "--layer", str(layer), "--tokens", str(args.tokens)],
-                            passes=args.rounds)
+        runs = in_processes(
+            script,
+            modes,
+            ["--path", str(path), "--sae", str(sae_dir), "--layer", str(layer), "--tokens", str(args.tokens)],
+            passes=args.rounds,
+        )
         # measured again after the passes: the better of the two is the limit
         bw = passing(lambda wbytes=wbytes: copy_bandwidth(wbytes, again=True))
         row["bandwidth"], row["bandwidth_limit_tok_s"] = bw, limit_tok_s(wbytes)
         limit = row["bandwidth_limit_tok_s"]
-        print(f"{quant}: copies of {wbytes / 1e6:.0f} MB before and after: "
-              f"{', '.join(f'{g:.1f}' for g in bw['measurements'])} GB/s")
+        print(
+            f"{quant}: copies of {wbytes / 1e6:.0f} MB before and after: "
+            f"{', '.join(f'{g:.1f}' for g in bw['measurements'])} GB/s"
+        )
         samples: dict[str, list[float]] = {}
         for m in modes:
             for res in runs[m]:
@@ -308,27 +305,32 @@ def main() -> None:
         row["vs_plain_b1"] = {k: v / med["plain b1"] for k, v in med.items()}
         row["vs_bandwidth_limit_b1"] = {k: v / limit for k, v in med.items() if k.endswith("b1")}
         results["runs"][quant] = row
-        print(f"\n{quant}: {wbytes / 1e6:.0f} MB of weights, bandwidth limit {limit:.1f} tok/s "
-              f"(median of {args.rounds} passes, one process per mode per pass)")
+        print(
+            f"\n{quant}: {wbytes / 1e6:.0f} MB of weights, bandwidth limit {limit:.1f} tok/s "
+            f"(median of {args.rounds} passes, one process per mode per pass)"
+        )
         print(f"  {'mode':<18} {'tok/s':>8} {'vs plain':>9} {'vs limit':>9}")
         for k, v in med.items():
             lim = f"{v / limit:>9.3f}" if k.endswith("b1") else ""
             print(f"  {k:<18} {v:>8.1f} {v / med['plain b1']:>9.3f} {lim}")
     if not args.skip_transformers:
-        manifest = passing(lambda: ensure_assets(
-            Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets"),
-            include_demo=True))
+        manifest = passing(
+            lambda: ensure_assets(
+                Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets"), include_demo=True
+            )
+        )
         model = manifest.models["smollm2-135m"].path
-        runs = in_processes(script, ["transformers"],
-                            ["--path", str(model), "--tokens", str(args.tokens)],
-                            passes=args.rounds)
+        runs = in_processes(
+            script, ["transformers"], ["--path", str(model), "--tokens", str(args.tokens)], passes=args.rounds
+        )
         vals = [r["transformers b1"] for r in runs["transformers"]]
         tf = statistics.median(vals)
         results["transformers_f32_b1_tok_s"] = tf
         results["transformers_f32_b1_samples"] = vals
         limit = results["runs"]["F32"]["bandwidth_limit_tok_s"]
-        print(f"\ntransformers backend, float32 safetensors, batch 1: {tf:.1f} tok/s "
-              f"({tf / limit:.3f} of the F32 limit)")
+        print(
+            f"\ntransformers backend, float32 safetensors, batch 1: {tf:.1f} tok/s ({tf / limit:.3f} of the F32 limit)"
+        )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
 

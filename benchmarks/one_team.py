@@ -57,8 +57,9 @@ def on_engine(engine: Any, fn: Callable[[], T], timeout_s: float = 1800) -> T:
     return engine._call(fn, timeout_s=timeout_s)  # noqa: SLF001 - a benchmark's seam
 
 
-def in_processes(script: Path, modes: list[str], argv: list[str], *, passes: int,
-                 timeout_s: float = 3600) -> dict[str, list[dict]]:
+def in_processes(
+    script: Path, modes: list[str], argv: list[str], *, passes: int, timeout_s: float = 3600
+) -> dict[str, list[dict]]:
     """``script *argv --one MODE`` for every mode, each in a process of its own (whose last
     printed line is its JSON), the modes taking turns ``passes`` times in a rotated order;
     each mode's results in the order they ran."""
@@ -66,9 +67,13 @@ def in_processes(script: Path, modes: list[str], argv: list[str], *, passes: int
     for p in range(passes):
         k = p % len(modes)
         for mode in modes[k:] + modes[:k]:
-            proc = subprocess.run([sys.executable, str(script), *argv, "--one", mode],
-                                  cwd=script.parent.parent, capture_output=True, text=True,
-                                  timeout=timeout_s)
+            proc = subprocess.run(
+                [sys.executable, str(script), *argv, "--one", mode],
+                cwd=script.parent.parent,
+                capture_output=True,
+                text=True,
+                timeout=timeout_s,
+            )
             if proc.returncode:
                 sys.exit(f"{script.name} --one {mode} failed:\n{proc.stderr[-3000:]}")
             out[mode].append(json.loads(proc.stdout.strip().splitlines()[-1]))

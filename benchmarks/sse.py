@@ -43,8 +43,10 @@ def stream_clients(port: int, path: str, bodies: list[dict], *, timeout_s: float
     conns = []
     for body in bodies:
         data = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
-                f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode()
+        head = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+        ).encode()
         sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
         conns.append({"sock": sock, "request": head + data, "arrivals": []})
     for c in conns:  # all connected first, then sent back to back
@@ -80,7 +82,7 @@ def _read_response(c: dict) -> dict:
     head, _, _ = raw.partition(b"\r\n\r\n")
     status = int(head.split(b" ", 2)[1]) if head.startswith(b"HTTP/") else 0
     if status != 200:
-        return {"error": status, "body": raw[len(head) + 4:][:300].decode(errors="replace")}
+        return {"error": status, "body": raw[len(head) + 4 :][:300].decode(errors="replace")}
     chunked = b"transfer-encoding: chunked" in head.lower()
     # the body as it arrived: (end offset in the decoded body, arrival time) per recv
     skip = len(head) + 4
@@ -101,8 +103,8 @@ def _read_response(c: dict) -> dict:
                 size = int(pending[:line_end].split(b";")[0], 16)
                 if len(pending) < line_end + 2 + size + 2:
                     break
-                body += pending[line_end + 2:line_end + 2 + size]
-                pending = pending[line_end + 2 + size + 2:]
+                body += pending[line_end + 2 : line_end + 2 + size]
+                pending = pending[line_end + 2 + size + 2 :]
         marks.append((len(body), t))
     frames: list[float] = []
     tokens = 0

@@ -59,8 +59,7 @@ def start_daphne() -> tuple[str, int]:
 
     from millm_site.asgi import application
 
-    server = Server(application, endpoints=["tcp:port=0:interface=127.0.0.1"],
-                    signal_handlers=False, verbosity=0)
+    server = Server(application, endpoints=["tcp:port=0:interface=127.0.0.1"], signal_handlers=False, verbosity=0)
     threading.Thread(target=server.run, daemon=True).start()
     deadline = time.monotonic() + 30
     while not server.listening_addresses:
@@ -83,8 +82,7 @@ def run_v1(host: str, port: int, body: dict) -> tuple[float, list[float]]:
     conn = http.client.HTTPConnection(host, port, timeout=300)
     data = json.dumps(body).encode()
     started = time.perf_counter()
-    conn.request("POST", "/v1/completions", body=data,
-                 headers={"Content-Type": "application/json"})
+    conn.request("POST", "/v1/completions", body=data, headers={"Content-Type": "application/json"})
     resp = conn.getresponse()
     if resp.status != 200:
         raise RuntimeError(f"/v1 answered {resp.status}: {resp.read()[:300]!r}")
@@ -100,13 +98,15 @@ def run_v1(host: str, port: int, body: dict) -> tuple[float, list[float]]:
 def summarise(samples: list[tuple[float, list[float]]]) -> dict[str, float]:
     ttft = [s[1][0] - s[0] for s in samples]
     tpot = [(s[1][-1] - s[1][0]) / (len(s[1]) - 1) for s in samples]
-    return {"ttft_ms": statistics.median(ttft) * 1000,
-            "tpot_ms": statistics.median(tpot) * 1000,
-            "tokens_per_s": 1000 / (statistics.median(tpot) * 1000),
-            # best of N: the round least disturbed by other work on the machine
-            "best_ttft_ms": min(ttft) * 1000,
-            "best_tpot_ms": min(tpot) * 1000,
-            "tokens": len(samples[0][1])}
+    return {
+        "ttft_ms": statistics.median(ttft) * 1000,
+        "tpot_ms": statistics.median(tpot) * 1000,
+        "tokens_per_s": 1000 / (statistics.median(tpot) * 1000),
+        # best of N: the round least disturbed by other work on the machine
+        "best_ttft_ms": min(ttft) * 1000,
+        "best_tpot_ms": min(tpot) * 1000,
+        "tokens": len(samples[0][1]),
+    }
 
 
 def main() -> None:
@@ -133,11 +133,17 @@ def main() -> None:
 
     # logprobs with 0 alternatives: the engine emits one event per token and /v1 one frame
     # per token, so both sides time the same tokens
-    sampling = {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True,
-                    "logprobs": True}
+    sampling = {"max_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True, "logprobs": True}
     job_args = {"prompt": PROMPT, "sampling": SamplingParams(**sampling)}
-    body = {"model": args.model, "prompt": PROMPT, "max_tokens": args.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True, "logprobs": 0}
+    body = {
+        "model": args.model,
+        "prompt": PROMPT,
+        "max_tokens": args.max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 0,
+    }
 
     run_direct(engine, job_args)  # warm-up both paths
     run_v1(host, port, body)
@@ -147,8 +153,11 @@ def main() -> None:
         v1.append(run_v1(host, port, body))
     d, w = summarise(direct), summarise(v1)
     figures = {
-        "model": args.model, "rounds": args.rounds, "max_tokens": args.max_tokens,
-        "direct": d, "v1": w,
+        "model": args.model,
+        "rounds": args.rounds,
+        "max_tokens": args.max_tokens,
+        "direct": d,
+        "v1": w,
         "ttft_ratio": w["ttft_ms"] / d["ttft_ms"],
         "tpot_ratio": w["tpot_ms"] / d["tpot_ms"],
         "tokens_per_s_ratio": w["tokens_per_s"] / d["tokens_per_s"],
@@ -157,16 +166,21 @@ def main() -> None:
         "load_average": os.getloadavg(),
     }
     print(f"model {args.model}, {args.rounds} rounds, {args.max_tokens} tokens, greedy fp32")
-    print(f"{'':8} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>8} {'best TTFT':>10} "
-          f"{'best TPOT':>10}")
+    print(f"{'':8} {'TTFT ms':>9} {'TPOT ms':>9} {'tok/s':>8} {'best TTFT':>10} {'best TPOT':>10}")
     for name, f in (("direct", d), ("/v1", w)):
-        print(f"{name:8} {f['ttft_ms']:9.1f} {f['tpot_ms']:9.2f} {f['tokens_per_s']:8.1f} "
-              f"{f['best_ttft_ms']:10.1f} {f['best_tpot_ms']:10.2f}")
-    print(f"ratios /v1 ÷ direct (median): TTFT {figures['ttft_ratio']:.3f}, "
-          f"time per token {figures['tpot_ratio']:.3f}, "
-          f"tokens/s {figures['tokens_per_s_ratio']:.3f}")
-    print(f"ratios /v1 ÷ direct (best):   TTFT {figures['best_ttft_ratio']:.3f}, "
-          f"time per token {figures['best_tpot_ratio']:.3f}")
+        print(
+            f"{name:8} {f['ttft_ms']:9.1f} {f['tpot_ms']:9.2f} {f['tokens_per_s']:8.1f} "
+            f"{f['best_ttft_ms']:10.1f} {f['best_tpot_ms']:10.2f}"
+        )
+    print(
+        f"ratios /v1 ÷ direct (median): TTFT {figures['ttft_ratio']:.3f}, "
+        f"time per token {figures['tpot_ratio']:.3f}, "
+        f"tokens/s {figures['tokens_per_s_ratio']:.3f}"
+    )
+    print(
+        f"ratios /v1 ÷ direct (best):   TTFT {figures['best_ttft_ratio']:.3f}, "
+        f"time per token {figures['best_tpot_ratio']:.3f}"
+    )
     print("load average during the run: " + ", ".join(f"{x:.2f}" for x in os.getloadavg()))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2))

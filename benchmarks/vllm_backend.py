@@ -51,10 +51,20 @@ SERVERS = ("vllm", "transformers")
 MAX_NUM_SEQS = 16
 # what the backend itself passes to vLLM (gpu_engine/backends/vllm/backend.py), so plain
 # vLLM runs the same engine: only the serving stack differs
-ENGINE_ARGS = dict(enforce_eager=True, enable_prefix_caching=True, async_scheduling=False,
-                   max_num_seqs=MAX_NUM_SEQS, seed=0, compilation_config={"mode": 0})
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1",
-            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+ENGINE_ARGS = dict(
+    enforce_eager=True,
+    enable_prefix_caching=True,
+    async_scheduling=False,
+    max_num_seqs=MAX_NUM_SEQS,
+    seed=0,
+    compilation_config={"mode": 0},
+)
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_DO_NOT_TRACK": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+}
 
 
 def prompt(i: int) -> str:
@@ -84,8 +94,12 @@ class Plain:
     def __init__(self, model_path: Path, dtype: str) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--plain-worker", str(model_path), "--dtype", dtype],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-            env={**os.environ, **VLLM_ENV})
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
+            env={**os.environ, **VLLM_ENV},
+        )
         while True:
             line = self.proc.stdout.readline()  # type: ignore[union-attr]
             if not line:
@@ -130,14 +144,21 @@ def plot(figures: dict, clients: list[int], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5))
-    ax.plot(clients, [figures["plain"][n] for n in clients], marker="s", color="black",
-            label="plain vLLM (LLM.generate)")
+    ax.plot(
+        clients, [figures["plain"][n] for n in clients], marker="s", color="black", label="plain vLLM (LLM.generate)"
+    )
     colors = {"vllm": "tab:blue", "transformers": "tab:orange"}
     styles = {"unsteered": "-", "mixed": "--", "monitored": ":"}
     for name in names:
         for steering in STEERINGS:
-            ax.plot(clients, [figures[name][steering][n]["throughput"] for n in clients], marker="o",
-                    color=colors[name], linestyle=styles[steering], label=f"/v1 {name} backend, {steering}")
+            ax.plot(
+                clients,
+                [figures[name][steering][n]["throughput"] for n in clients],
+                marker="o",
+                color=colors[name],
+                linestyle=styles[steering],
+                label=f"/v1 {name} backend, {steering}",
+            )
     ax.set_xlabel("concurrent clients")
     ax.set_ylabel("throughput (completion tok/s, median of rounds)")
     ax.set_xticks(clients)
@@ -154,8 +175,9 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--transformers-dtype", default="float32")
-    ap.add_argument("--servers", default=",".join(SERVERS),
-                    help="which /v1 servers to run beside plain vLLM (vllm,transformers)")
+    ap.add_argument(
+        "--servers", default=",".join(SERVERS), help="which /v1 servers to run beside plain vLLM (vllm,transformers)"
+    )
     ap.add_argument("--clients", type=int, action="append")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
@@ -188,11 +210,15 @@ def main() -> None:
             t0 = time.monotonic()
             extra = {"MILLM_BACKEND": name}
             if name == "vllm":
-                extra.update({**VLLM_ENV, "VLLM_DISTRIBUTED_EXECUTOR": "uni",
-                              "VLLM_MAX_NUM_SEQS": str(MAX_NUM_SEQS)})
-            servers[name] = Server(batching=True, model=args.model, asset_root=asset_root,
-                                   clients=max(clients), extra_env=extra,
-                                   dtype=args.dtype if name == "vllm" else args.transformers_dtype)
+                extra.update({**VLLM_ENV, "VLLM_DISTRIBUTED_EXECUTOR": "uni", "VLLM_MAX_NUM_SEQS": str(MAX_NUM_SEQS)})
+            servers[name] = Server(
+                batching=True,
+                model=args.model,
+                asset_root=asset_root,
+                clients=max(clients),
+                extra_env=extra,
+                dtype=args.dtype if name == "vllm" else args.transformers_dtype,
+            )
             print(f"{name} server ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
         d_sae = 0
         for server in servers.values():
@@ -221,8 +247,10 @@ def main() -> None:
                         got[what] = res["throughput"]
                         label = f"{name} {steering}"
                     loads.append(os.getloadavg()[0])
-                    print(f"round {r} n={n:<2} {label:<24} {res['throughput']:7.1f} tok/s  load {loads[-1]:.1f}",
-                          file=sys.stderr)
+                    print(
+                        f"round {r} n={n:<2} {label:<24} {res['throughput']:7.1f} tok/s  load {loads[-1]:.1f}",
+                        file=sys.stderr,
+                    )
                 for (name, steering), tput in got.items():
                     paired[name][steering][n].append(tput / base)
     finally:
@@ -232,43 +260,80 @@ def main() -> None:
 
     figures: dict = {"plain": {n: statistics.median(v) for n, v in samples["plain"].items()}}
     for name in names:
-        figures[name] = {st: {n: {
-            "throughput": statistics.median(x["throughput"] for x in per_n),
-            "ttft_ms": statistics.median(t for x in per_n for t in x["ttft"]) * 1000,
-            "tpot_ms": statistics.median(t for x in per_n for t in x["tpot"]) * 1000,
-            "vs_plain": statistics.median(paired[name][st][n]),
-        } for n, per_n in per_st.items()} for st, per_st in samples[name].items()}
+        figures[name] = {
+            st: {
+                n: {
+                    "throughput": statistics.median(x["throughput"] for x in per_n),
+                    "ttft_ms": statistics.median(t for x in per_n for t in x["ttft"]) * 1000,
+                    "tpot_ms": statistics.median(t for x in per_n for t in x["tpot"]) * 1000,
+                    "vs_plain": statistics.median(paired[name][st][n]),
+                }
+                for n, per_n in per_st.items()
+            }
+            for st, per_st in samples[name].items()
+        }
 
     import platform
 
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    print(f"\n{args.model} {args.dtype} (transformers backend {args.transformers_dtype}), {args.tokens} tokens per client, {args.rounds} rounds, {cpu}, "
-          f"{os.cpu_count()} CPUs, load average during runs {min(loads):.1f}–{max(loads):.1f}")
+    cpu = next(
+        (line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+        platform.processor(),
+    )
+    print(
+        f"\n{args.model} {args.dtype} (transformers backend {args.transformers_dtype}), {args.tokens} tokens per client, {args.rounds} rounds, {cpu}, "
+        f"{os.cpu_count()} CPUs, load average during runs {min(loads):.1f}–{max(loads):.1f}"
+    )
     print(f"{'':<14} {'steering':<10} " + " ".join(f"{'N=' + str(n):>16}" for n in clients))
     print(f"{'plain vLLM':<14} {'-':<10} " + " ".join(f"{figures['plain'][n]:10.1f} tok/s" for n in clients))
     for name in names:
         for st in STEERINGS:
-            print(f"{name:<14} {st:<10} " + " ".join(
-                f"{figures[name][st][n]['throughput']:7.1f} {figures[name][st][n]['vs_plain']:5.2f}x"
-                for n in clients))
+            print(
+                f"{name:<14} {st:<10} "
+                + " ".join(
+                    f"{figures[name][st][n]['throughput']:7.1f} {figures[name][st][n]['vs_plain']:5.2f}x"
+                    for n in clients
+                )
+            )
     nmax = clients[-1]
     v = figures["vllm"]
-    print(f"\nratios to plain vLLM at N={nmax} (median of paired rounds): "
-          f"unsteered {v['unsteered'][nmax]['vs_plain']:.3f}, mixed {v['mixed'][nmax]['vs_plain']:.3f} "
-          f"(target >= 0.95), monitored {v['monitored'][nmax]['vs_plain']:.3f} (target >= 0.90)"
-          + (f"; transformers mixed {figures['transformers']['mixed'][nmax]['vs_plain']:.3f}"
-             if "transformers" in names else ""))
+    print(
+        f"\nratios to plain vLLM at N={nmax} (median of paired rounds): "
+        f"unsteered {v['unsteered'][nmax]['vs_plain']:.3f}, mixed {v['mixed'][nmax]['vs_plain']:.3f} "
+        f"(target >= 0.95), monitored {v['monitored'][nmax]['vs_plain']:.3f} (target >= 0.90)"
+        + (
+            f"; transformers mixed {figures['transformers']['mixed'][nmax]['vs_plain']:.3f}"
+            if "transformers" in names
+            else ""
+        )
+    )
     if args.json:
-        args.json.write_text(json.dumps({"model": args.model, "dtype": args.dtype,
-                                         "transformers_dtype": args.transformers_dtype, "tokens": args.tokens,
-                                         "rounds": args.rounds, "cpu": cpu, "cpus": os.cpu_count(),
-                                         "figures": figures, "paired": paired, "samples": samples,
-                                         "loads": loads}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "model": args.model,
+                    "dtype": args.dtype,
+                    "transformers_dtype": args.transformers_dtype,
+                    "tokens": args.tokens,
+                    "rounds": args.rounds,
+                    "cpu": cpu,
+                    "cpus": os.cpu_count(),
+                    "figures": figures,
+                    "paired": paired,
+                    "samples": samples,
+                    "loads": loads,
+                },
+                indent=2,
+            )
+        )
     if args.plot and str(args.plot) not in (".", "none"):  # --plot none: no plot
         try:
-            plot(figures, clients, args.plot, f"{args.model} {args.dtype} (transformers {args.transformers_dtype}) on {os.cpu_count()} CPU cores ({cpu}),\n"
-                 f"{args.tokens} tokens per client, medians of {args.rounds} rounds")
+            plot(
+                figures,
+                clients,
+                args.plot,
+                f"{args.model} {args.dtype} (transformers {args.transformers_dtype}) on {os.cpu_count()} CPU cores ({cpu}),\n"
+                f"{args.tokens} tokens per client, medians of {args.rounds} rounds",
+            )
             print(f"plot: {args.plot}")
         except ImportError:
             print("matplotlib is not installed: no plot", file=sys.stderr)

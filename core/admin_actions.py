@@ -17,16 +17,14 @@ from django.urls import reverse
 from core.errors import MillmError
 
 
-def run_each(modeladmin: admin.ModelAdmin, request, objects: Iterable, verb: str,
-             action: Callable) -> None:
+def run_each(modeladmin: admin.ModelAdmin, request, objects: Iterable, verb: str, action: Callable) -> None:
     done = 0
     for obj in objects:
         try:
             action(obj)
             done += 1
         except MillmError as exc:
-            modeladmin.message_user(request, f"{obj}: {exc.message} ({exc.code})",
-                                    level=messages.ERROR)
+            modeladmin.message_user(request, f"{obj}: {exc.message} ({exc.code})", level=messages.ERROR)
     if done:
         modeladmin.message_user(request, f"{verb} {done} item(s).", level=messages.SUCCESS)
 
@@ -43,9 +41,12 @@ class RefusableDeleteMixin:
             return super().delete_view(request, object_id, extra_context)
         except MillmError as exc:
             obj = self.get_object(request, unquote(object_id))
-            self.message_user(request, f"{obj}: {exc.message} ({exc.code})",
-                              level=messages.ERROR)
+            self.message_user(request, f"{obj}: {exc.message} ({exc.code})", level=messages.ERROR)
             opts = self.model._meta
-            return HttpResponseRedirect(reverse(
-                f"admin:{opts.app_label}_{opts.model_name}_change",
-                args=(quote(obj.pk),), current_app=self.admin_site.name))
+            return HttpResponseRedirect(
+                reverse(
+                    f"admin:{opts.app_label}_{opts.model_name}_change",
+                    args=(quote(obj.pk),),
+                    current_app=self.admin_site.name,
+                )
+            )

@@ -42,11 +42,11 @@ _DRF_CODES: dict[type[exceptions.APIException], str] = {
 }
 
 
-def envelope(data: Any = None, *, status_code: int = status.HTTP_200_OK,
-             headers: dict[str, str] | None = None) -> Response:
+def envelope(
+    data: Any = None, *, status_code: int = status.HTTP_200_OK, headers: dict[str, str] | None = None
+) -> Response:
     """A success answer."""
-    return Response({"success": True, "data": data, "error": None}, status=status_code,
-                    headers=headers)
+    return Response({"success": True, "data": data, "error": None}, status=status_code, headers=headers)
 
 
 class JSONBody(dict):
@@ -79,20 +79,17 @@ def body_object(request: Any) -> dict[str, Any]:
     """The request's JSON body, which must be an object (an empty body is ``{}``)."""
     data = request.data if request.data is not None else {}
     if not isinstance(data, dict):
-        raise ValidationFailed("The body must be a JSON object",
-                               details={"fields": {"body": ["not an object"]}})
+        raise ValidationFailed("The body must be a JSON object", details={"fields": {"body": ["not an object"]}})
     return data
 
 
-def error_body(code: str, message: str, details: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
-    return {"success": False, "data": None,
-            "error": {"code": code, "message": message, "details": details or {}}}
+def error_body(code: str, message: str, details: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"success": False, "data": None, "error": {"code": code, "message": message, "details": details or {}}}
 
 
-def error_response(code: str, message: str, *, status_code: int,
-                   details: dict[str, Any] | None = None,
-                   retry_after: int | None = None) -> Response:
+def error_response(
+    code: str, message: str, *, status_code: int, details: dict[str, Any] | None = None, retry_after: int | None = None
+) -> Response:
     response = Response(error_body(code, message, details), status=status_code)
     value = retry_after_value(status_code, retry_after, code)
     if value is not None:
@@ -100,8 +97,9 @@ def error_response(code: str, message: str, *, status_code: int,
     return mark_error(response, code)
 
 
-def error_json(code: str, message: str, *, status_code: int,
-               details: dict[str, Any] | None = None, retry_after: int | None = None):
+def error_json(
+    code: str, message: str, *, status_code: int, details: dict[str, Any] | None = None, retry_after: int | None = None
+):
     """``error_response`` for code outside DRF (middlewares): a plain JsonResponse."""
     from django.http import JsonResponse
 
@@ -140,11 +138,14 @@ def _unusable_body(exc: Exception) -> tuple[str, str, int, dict[str, Any]] | Non
     over Django's DATA_UPLOAD_MAX_MEMORY_SIZE, or JSON nested past the parser's depth."""
     if isinstance(exc, RequestDataTooBig):
         limit = settings.DATA_UPLOAD_MAX_MEMORY_SIZE
-        return ("PAYLOAD_TOO_LARGE", f"The request body is larger than {limit} bytes", 413,
-                {"limit_bytes": limit})
+        return ("PAYLOAD_TOO_LARGE", f"The request body is larger than {limit} bytes", 413, {"limit_bytes": limit})
     if isinstance(exc, RecursionError):
-        return ("VALIDATION_ERROR", "Invalid request body: JSON nested too deeply", 422,
-                {"fields": {"body": ["nested too deeply"]}})
+        return (
+            "VALIDATION_ERROR",
+            "Invalid request body: JSON nested too deeply",
+            422,
+            {"fields": {"body": ["nested too deeply"]}},
+        )
     return None
 
 
@@ -153,8 +154,9 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
     if isinstance(exc, EngineError):  # one that no service mapped: the same table
         exc = from_engine_error(exc)
     if isinstance(exc, MillmError):
-        return error_response(exc.code, exc.message, status_code=exc.status,
-                              details=exc.details, retry_after=exc.retry_after)
+        return error_response(
+            exc.code, exc.message, status_code=exc.status, details=exc.details, retry_after=exc.retry_after
+        )
     if (refusal := _unusable_body(exc)) is not None:
         code, message, status_code, details = refusal
         return error_response(code, message, status_code=status_code, details=details)
@@ -166,28 +168,38 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response:
         fields = _field_errors(exc.detail)
         if not isinstance(fields, dict):
             fields = {"non_field_errors": fields}
-        return error_response("VALIDATION_ERROR", _validation_message(fields),
-                              status_code=422, details={"fields": fields})
+        return error_response(
+            "VALIDATION_ERROR", _validation_message(fields), status_code=422, details={"fields": fields}
+        )
     if isinstance(exc, exceptions.ParseError):
         # A body that is not JSON fails validation like a body of the wrong shape does.
-        return error_response("VALIDATION_ERROR", f"Invalid request body: {exc.detail}",
-                              status_code=422, details={"fields": {"body": [str(exc.detail)]}})
+        return error_response(
+            "VALIDATION_ERROR",
+            f"Invalid request body: {exc.detail}",
+            status_code=422,
+            details={"fields": {"body": [str(exc.detail)]}},
+        )
     if isinstance(exc, exceptions.APIException):
         code = _DRF_CODES.get(type(exc), str(exc.default_code).upper())
         retry_after = getattr(exc, "wait", None)
         response = error_response(
-            code, str(exc.detail) if not isinstance(exc.detail, (dict, list)) else code,
+            code,
+            str(exc.detail) if not isinstance(exc.detail, (dict, list)) else code,
             status_code=exc.status_code,
-            retry_after=int(retry_after) + 1 if retry_after is not None else None)
+            retry_after=int(retry_after) + 1 if retry_after is not None else None,
+        )
         auth_header = getattr(exc, "auth_header", None)
         if auth_header:
             response["WWW-Authenticate"] = auth_header
         return response
     view = context.get("view")
-    log.error("api_unhandled_exception", view=type(view).__name__ if view else None,
-              error_type=type(exc).__name__, exc_info=exc)
-    return error_response("INTERNAL_ERROR", "Internal server error; see the server log",
-                          status_code=500)
+    log.error(
+        "api_unhandled_exception",
+        view=type(view).__name__ if view else None,
+        error_type=type(exc).__name__,
+        exc_info=exc,
+    )
+    return error_response("INTERNAL_ERROR", "Internal server error; see the server log", status_code=500)
 
 
 class ApiFallbackMiddleware(LoopMiddleware):
@@ -200,8 +212,9 @@ class ApiFallbackMiddleware(LoopMiddleware):
         if response.get("Content-Type", "").startswith("application/json"):
             return response
         code = "NOT_FOUND" if response.status_code == 404 else "METHOD_NOT_ALLOWED"
-        message = (f"No API route at {request.path}" if response.status_code == 404
-                   else f"Method {request.method} not allowed")
+        message = (
+            f"No API route at {request.path}" if response.status_code == 404 else f"Method {request.method} not allowed"
+        )
         return error_json(code, message, status_code=response.status_code)
 
     def process_exception(self, request, exception):
@@ -210,15 +223,18 @@ class ApiFallbackMiddleware(LoopMiddleware):
         if isinstance(exception, EngineError):
             exception = from_engine_error(exception)
         if isinstance(exception, MillmError):
-            return error_json(exception.code, exception.message, status_code=exception.status,
-                              details=exception.details, retry_after=exception.retry_after)
+            return error_json(
+                exception.code,
+                exception.message,
+                status_code=exception.status,
+                details=exception.details,
+                retry_after=exception.retry_after,
+            )
         if (refusal := _unusable_body(exception)) is not None:
             code, message, status_code, details = refusal
             return error_json(code, message, status_code=status_code, details=details)
-        log.error("api_unhandled_exception", path=request.path,
-                  error_type=type(exception).__name__, exc_info=exception)
-        return error_json("INTERNAL_ERROR", "Internal server error; see the server log",
-                          status_code=500)
+        log.error("api_unhandled_exception", path=request.path, error_type=type(exception).__name__, exc_info=exception)
+        return error_json("INTERNAL_ERROR", "Internal server error; see the server log", status_code=500)
 
 
 def _is_api(path: str) -> bool:

@@ -20,5 +20,4 @@ def provide(flag: str, provider: Callable[[Any], bool]) -> None:
 
 
 def flags(attachment: Any) -> dict[str, bool]:
-    return {flag: bool(_providers[flag](attachment)) if flag in _providers else False
-            for flag in FLAGS}
+    return {flag: bool(_providers[flag](attachment)) if flag in _providers else False for flag in FLAGS}

@@ -39,14 +39,14 @@ from core.openai_errors import OpenAIError, openai_error_response
 
 log = structlog.get_logger(__name__)
 
-OPEN_PATHS = frozenset({"/api/health", "/api/health/", "/api/health/ready",
-                        "/api/health/ready/"})
+OPEN_PATHS = frozenset({"/api/health", "/api/health/", "/api/health/ready", "/api/health/ready/"})
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 # /api calls that change state but only the caller's own objects: inference keys may make
 # them (the views check ownership). Every other non-GET /api call needs an admin key.
 INFERENCE_WRITES: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
-    (frozenset(methods), re.compile(pattern)) for methods, pattern in (
+    (frozenset(methods), re.compile(pattern))
+    for methods, pattern in (
         ({"DELETE"}, r"^/api/captures/[^/]+/?$"),
         ({"POST"}, r"^/api/captures/[^/]+/analyze/?$"),
         ({"POST"}, r"^/api/probes/import/?$"),
@@ -56,7 +56,8 @@ INFERENCE_WRITES: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
         ({"DELETE"}, r"^/api/monitoring/history/?$"),
         ({"POST"}, r"^/api/probes/?$"),
         ({"POST"}, r"^/api/monitoring/statistics/top/?$"),
-    ))
+    )
+)
 
 
 @dataclass(frozen=True)
@@ -96,15 +97,15 @@ def keys_enabled() -> bool:
 
 
 @lru_cache(maxsize=8)
-def _principals(admin_entries: tuple[str, ...], inference_entries: tuple[str, ...]
-                ) -> tuple[tuple[bytes, Principal], ...]:
+def _principals(
+    admin_entries: tuple[str, ...], inference_entries: tuple[str, ...]
+) -> tuple[tuple[bytes, Principal], ...]:
     """Every configured key with the principal it stands for, parsed once per setting."""
     out = []
     for admin, entries in ((True, admin_entries), (False, inference_entries)):
         for entry in entries:
             key = parse_key(entry)
-            out.append((key.secret, Principal(owner=f"key:{key.label}", label=key.label,
-                                              admin=admin)))
+            out.append((key.secret, Principal(owner=f"key:{key.label}", label=key.label, admin=admin)))
     return tuple(out)
 
 
@@ -115,8 +116,9 @@ def identify(presented: str | None) -> Principal | None:
         return None
     candidate = presented.encode()
     found: Principal | None = None
-    for secret, who in _principals(tuple(getattr(settings, "MILLM_ADMIN_API_KEYS", ())),
-                                   tuple(settings.MILLM_API_KEYS)):
+    for secret, who in _principals(
+        tuple(getattr(settings, "MILLM_ADMIN_API_KEYS", ())), tuple(settings.MILLM_API_KEYS)
+    ):
         if hmac.compare_digest(candidate, secret) and found is None:
             found = who
     return found
@@ -145,8 +147,7 @@ def needs_admin(method: str, path: str) -> bool:
     """Whether an /api call is an admin action (any change of shared state)."""
     if method in SAFE_METHODS or not (path == "/api" or path.startswith("/api/")):
         return False
-    return not any(method in methods and pattern.match(path)
-                   for methods, pattern in INFERENCE_WRITES)
+    return not any(method in methods and pattern.match(path) for methods, pattern in INFERENCE_WRITES)
 
 
 def principal(request: Any) -> Principal:
@@ -168,30 +169,29 @@ def request_path(request: Any) -> str:
 
 
 def _forbidden_message(what: str) -> str:
-    return (f"{what} needs an admin key (MILLM_ADMIN_API_KEYS); this key is an "
-            "inference key (MILLM_API_KEYS)")
+    return f"{what} needs an admin key (MILLM_ADMIN_API_KEYS); this key is an inference key (MILLM_API_KEYS)"
 
 
 def _forbidden_error(path: str, what: str) -> Exception:
     message = _forbidden_message(what)
     if path.startswith("/v1"):
-        return OpenAIError(message, status=403, code="insufficient_permissions",
-                           type="permission_error")
+        return OpenAIError(message, status=403, code="insufficient_permissions", type="permission_error")
 
     return Forbidden(message)
 
 
 def _refusal(path: str, status: int, reason: str) -> HttpResponse:
     if path.startswith("/v1"):
-        code, kind = (("invalid_api_key", "authentication_error") if status == 401 else
-                      ("insufficient_permissions", "permission_error"))
-        response = openai_error_response(OpenAIError(reason, status=status, code=code,
-                                                     type=kind))
+        code, kind = (
+            ("invalid_api_key", "authentication_error")
+            if status == 401
+            else ("insufficient_permissions", "permission_error")
+        )
+        response = openai_error_response(OpenAIError(reason, status=status, code=code, type=kind))
     else:
         from core.api import error_json
 
-        response = error_json("UNAUTHORIZED" if status == 401 else "FORBIDDEN", reason,
-                              status_code=status)
+        response = error_json("UNAUTHORIZED" if status == 401 else "FORBIDDEN", reason, status_code=status)
     if status == 401:
         response["WWW-Authenticate"] = 'Bearer realm="miLLM"'
     return response
@@ -239,8 +239,9 @@ def _origin_allowed(origin: str, host: str | None) -> bool:
 
     netloc = urlsplit(origin).netloc
     domain, _ = split_domain_port(host or "")
-    return bool(host) and netloc.lower() == host.lower() and bool(domain) and \
-        validate_host(domain, settings.ALLOWED_HOSTS)
+    return (
+        bool(host) and netloc.lower() == host.lower() and bool(domain) and validate_host(domain, settings.ALLOWED_HOSTS)
+    )
 
 
 class WebSocketApiKeyMiddleware:
@@ -254,8 +255,7 @@ class WebSocketApiKeyMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "websocket":
             return await self.inner(scope, receive, send)
-        headers = {k.decode("latin-1").lower(): v.decode("latin-1")
-                   for k, v in scope.get("headers", [])}
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         code = None
         if not _origin_allowed(headers.get("origin", ""), headers.get("host")):
             log.info("websocket_origin_refused", origin=headers.get("origin"))

@@ -21,5 +21,10 @@ def require_capability(capability: str, *, what: str, param: str) -> None:
         raise ValidationFailed(
             f"The {status.backend} backend as loaded cannot run {what} ({capability} is off "
             "in /api/health/inference); it would fail every request that runs it",
-            details={"param": param, "backend": status.backend, "capability": capability,
-                     "fields": {param: [f"{capability} is off on this backend"]}})
+            details={
+                "param": param,
+                "backend": status.backend,
+                "capability": capability,
+                "fields": {param: [f"{capability} is off on this backend"]},
+            },
+        )

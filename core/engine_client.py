@@ -123,8 +123,7 @@ def _stream_pool() -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max_workers=STREAM_PUMP_THREADS,
-                                       thread_name_prefix="millm-stream")
+            _pool = ThreadPoolExecutor(max_workers=STREAM_PUMP_THREADS, thread_name_prefix="millm-stream")
         return _pool
 
 
@@ -154,9 +153,11 @@ class EngineClient(ABC):
         # a transport that answered a command itself could drift from the table
         overridden = sorted(name for name in COMMANDS if name in vars(cls))
         if overridden:
-            raise TypeError(f"{cls.__qualname__} overrides {overridden}: a transport "
-                            "implements invoke() only, so every command goes through "
-                            "gpu_engine.api.commands")
+            raise TypeError(
+                f"{cls.__qualname__} overrides {overridden}: a transport "
+                "implements invoke() only, so every command goes through "
+                "gpu_engine.api.commands"
+            )
 
     @abstractmethod
     def invoke(self, command: Command, args: Any) -> Any:
@@ -174,23 +175,21 @@ class EngineClient(ABC):
     def build_grammar(self, spec: StructuredOutput) -> None:
         self.invoke(COMMANDS["build_grammar"], BuildGrammarArgs(spec))
 
-    def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None
-                   ) -> EngineStatus:
+    def load_model(self, job: LoadModelJob, *, timeout_s: float | None = None) -> EngineStatus:
         return self.invoke(COMMANDS["load_model"], LoadModelArgs(job, timeout_s))
 
     def unload_model(self, *, timeout_s: float | None = None) -> None:
         self.invoke(COMMANDS["unload_model"], UnloadModelArgs(timeout_s))
 
-    def attach_set(self, specs: Sequence[AttachSpec], *, timeout_s: float | None = None
-                   ) -> list[AttachResult]:
+    def attach_set(self, specs: Sequence[AttachSpec], *, timeout_s: float | None = None) -> list[AttachResult]:
         return self.invoke(COMMANDS["attach_set"], AttachSetArgs(list(specs), timeout_s))
 
-    def detach(self, sae_id: str | None = None, layer: int | None = None, *,
-               timeout_s: float | None = None) -> list[AttachmentKey]:
+    def detach(
+        self, sae_id: str | None = None, layer: int | None = None, *, timeout_s: float | None = None
+    ) -> list[AttachmentKey]:
         return self.invoke(COMMANDS["detach"], DetachArgs(sae_id, layer, timeout_s))
 
-    def check_sae(self, path: str, layer: int, *, layout: str | None = None
-                  ) -> CompatibilityReport:
+    def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> CompatibilityReport:
         return self.invoke(COMMANDS["check_sae"], CheckSaeArgs(path, layer, layout))
 
     def cancel_all(self, *, reason: str = "cancel_all") -> int:
@@ -206,8 +205,7 @@ class EngineClient(ABC):
     def score(self, job: ScoreJob, *, timeout_s: float | None = None) -> ScoreResult:
         return self.invoke(COMMANDS["score"], ScoreArgs(job, timeout_s))
 
-    def hidden_states(self, job: HiddenStatesJob, *, timeout_s: float | None = None
-                      ) -> HiddenStatesResult:
+    def hidden_states(self, job: HiddenStatesJob, *, timeout_s: float | None = None) -> HiddenStatesResult:
         return self.invoke(COMMANDS["hidden_states"], HiddenStatesArgs(job, timeout_s))
 
     def attachments(self) -> list[AttachmentStatus]:
@@ -355,14 +353,18 @@ class _LoopInbox:
 class EmbeddedEngineClient(EngineClient):
     """The engine in this process, on its own worker thread (embedded mode)."""
 
-    def __init__(self, *, on_event: Callable[[EngineEvent], None] | None = None,
-                 drain_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, *, on_event: Callable[[EngineEvent], None] | None = None, drain_timeout_s: float | None = None
+    ) -> None:
         from gpu_engine.runtime.engine import Engine
 
-        self._engine = Engine(on_event=on_event,
-                              drain_timeout_s=drain_timeout_s or settings.GRACEFUL_UNLOAD_TIMEOUT,
-                              batching=batching_options(), idle_release_s=idle_release_s(),
-                              structured_timeout_s=float(settings.STRUCTURED_COMPILE_TIMEOUT_S))
+        self._engine = Engine(
+            on_event=on_event,
+            drain_timeout_s=drain_timeout_s or settings.GRACEFUL_UNLOAD_TIMEOUT,
+            batching=batching_options(),
+            idle_release_s=idle_release_s(),
+            structured_timeout_s=float(settings.STRUCTURED_COMPILE_TIMEOUT_S),
+        )
 
     @property
     def engine(self) -> Any:
@@ -401,8 +403,9 @@ class EmbeddedEngineClient(EngineClient):
                     async with asyncio.timeout(STREAM_EVENT_TIMEOUT_S):
                         event = await queue.get()
                 except TimeoutError:
-                    raise EngineBusy(f"no event for request {job.request_id!r} within "
-                                     f"{STREAM_EVENT_TIMEOUT_S}s") from None
+                    raise EngineBusy(
+                        f"no event for request {job.request_id!r} within {STREAM_EVENT_TIMEOUT_S}s"
+                    ) from None
                 ended = isinstance(event, (FinishEvent, ErrorEvent))
                 yield event
                 if ended:
@@ -443,9 +446,11 @@ def engine_bounds() -> EngineBounds:
     """
     slots = int(settings.MAX_CONCURRENT_REQUESTS)
     in_flight = int(settings.ENGINE_MAX_IN_FLIGHT) or (
-        slots + int(settings.MAX_PENDING_REQUESTS) + int(settings.BATCH_ENGINE_ROWS))
-    return EngineBounds(max_in_flight=in_flight,
-                        max_queue_size=max(int(settings.CBM_MAX_QUEUE_SIZE), in_flight - slots, 1))
+        slots + int(settings.MAX_PENDING_REQUESTS) + int(settings.BATCH_ENGINE_ROWS)
+    )
+    return EngineBounds(
+        max_in_flight=in_flight, max_queue_size=max(int(settings.CBM_MAX_QUEUE_SIZE), in_flight - slots, 1)
+    )
 
 
 def idle_release_s() -> float | None:

@@ -14,8 +14,7 @@ from core.engine_client import EmbeddedEngineClient, EngineClient
 from gpu_engine.api.protocol import EngineEvent
 
 
-def build_engine_client(*, on_event: Callable[[EngineEvent], None] | None = None
-                        ) -> EngineClient:
+def build_engine_client(*, on_event: Callable[[EngineEvent], None] | None = None) -> EngineClient:
     """The engine client this process's settings call for (the runtime builds it once):
     the engine in this process when embedded; with REDIS_URL set, the run_engine process
     over Redis Streams, and nothing here imports torch."""

@@ -58,10 +58,18 @@ MAX_BLOCK_S = 1.0
 
 
 class RedisEngineClient(EngineClient):
-    def __init__(self, *, url: str, prefix: str = "millm", heartbeat_s: float = 1.0,
-                 dead_after_s: float = 5.0, command_timeout_s: float = 900.0,
-                 drain_timeout_s: float = 30.0, result_ttl_s: int = 600,
-                 client: redis.Redis | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        url: str,
+        prefix: str = "millm",
+        heartbeat_s: float = 1.0,
+        dead_after_s: float = 5.0,
+        command_timeout_s: float = 900.0,
+        drain_timeout_s: float = 30.0,
+        result_ttl_s: int = 600,
+        client: redis.Redis | None = None,
+    ) -> None:
         self.keys = Keys(prefix)
         self.heartbeat_s = heartbeat_s
         self.dead_after_s = dead_after_s
@@ -72,8 +80,12 @@ class RedisEngineClient(EngineClient):
         self.live_ttl_ms = max(int(dead_after_s * 2000), 1000)
         # socket timeout above the longest block: a vanished Redis ends a wait too
         self.redis = client or redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=MAX_BLOCK_S + 10,
-            socket_connect_timeout=5, health_check_interval=30)
+            url,
+            decode_responses=True,
+            socket_timeout=MAX_BLOCK_S + 10,
+            socket_connect_timeout=5,
+            health_check_interval=30,
+        )
         self._last: dict[str, Any] | None = None
         self._lock = threading.Lock()
 
@@ -81,12 +93,15 @@ class RedisEngineClient(EngineClient):
     def from_settings(cls) -> RedisEngineClient:
         from django.conf import settings
 
-        return cls(url=settings.REDIS_URL, prefix=settings.ENGINE_STREAM_PREFIX,
-                   heartbeat_s=settings.ENGINE_HEARTBEAT_S,
-                   dead_after_s=settings.ENGINE_DEAD_AFTER_S,
-                   command_timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S,
-                   drain_timeout_s=settings.GRACEFUL_UNLOAD_TIMEOUT,
-                   result_ttl_s=settings.ENGINE_RESULT_TTL_S)
+        return cls(
+            url=settings.REDIS_URL,
+            prefix=settings.ENGINE_STREAM_PREFIX,
+            heartbeat_s=settings.ENGINE_HEARTBEAT_S,
+            dead_after_s=settings.ENGINE_DEAD_AFTER_S,
+            command_timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S,
+            drain_timeout_s=settings.GRACEFUL_UNLOAD_TIMEOUT,
+            result_ttl_s=settings.ENGINE_RESULT_TTL_S,
+        )
 
     # ------------------------------------------------------------------ heartbeat
 
@@ -109,11 +124,14 @@ class RedisEngineClient(EngineClient):
             raise ModelNotLoaded(
                 "No engine process is running (no heartbeat within ENGINE_DEAD_AFTER_S="
                 f"{self.dead_after_s:g}s); requests can be served again once run_engine is "
-                "back", details={"engine": "unavailable"})
+                "back",
+                details={"engine": "unavailable"},
+            )
         if hb.get("phase") != "serving":
             raise ModelNotLoaded(
-                f"The engine is {hb.get('phase')} (restoring the recorded model and SAEs, "
-                "or stopping); retry shortly", details={"engine": hb.get("phase")})
+                f"The engine is {hb.get('phase')} (restoring the recorded model and SAEs, or stopping); retry shortly",
+                details={"engine": hb.get("phase")},
+            )
         return hb
 
     @property
@@ -128,8 +146,7 @@ class RedisEngineClient(EngineClient):
         if device == "auto":
             device = str(defaults.get("device") or "cpu")
         if dtype == "auto":
-            dtype = str(defaults.get("dtype") or
-                        ("bfloat16" if device.startswith("cuda") else "float32"))
+            dtype = str(defaults.get("dtype") or ("bfloat16" if device.startswith("cuda") else "float32"))
         return device, dtype
 
     def free_memory(self, device: str) -> int | None:
@@ -154,8 +171,9 @@ class RedisEngineClient(EngineClient):
             stream = self.keys.requests
         else:
             if self.heartbeat() is None:
-                raise EngineShutdown("No engine process is running; start `manage.py run_engine`",
-                                     details={"engine": "unavailable"})
+                raise EngineShutdown(
+                    "No engine process is running; start `manage.py run_engine`", details={"engine": "unavailable"}
+                )
             # the engine's drain bound, then the command's own time
             drain = self.drain_timeout_s if given is None else given
             args = command.with_timeout(args, drain)
@@ -172,8 +190,7 @@ class RedisEngineClient(EngineClient):
                     return from_json(item.result, command.result)
         finally:
             wait.close()
-        raise EngineBusy(f"the engine did not answer {command.name} within {wait_s:g}s",
-                         details={"timeout_s": wait_s})
+        raise EngineBusy(f"the engine did not answer {command.name} within {wait_s:g}s", details={"timeout_s": wait_s})
 
     def shutdown(self) -> None:
         self.redis.close()
@@ -213,16 +230,18 @@ class _Wait:
             return EngineShutdown(
                 "The engine process stopped (no heartbeat for "
                 f"{self.client.dead_after_s:g}s) before this request finished; it is not "
-                "retried", details={"engine": "unavailable"})
+                "retried",
+                details={"engine": "unavailable"},
+            )
         engine_id = json.loads(raw).get("engine_id")
         if started_by is not None and started_by != engine_id:
             return EngineShutdown(
-                "The engine process running this request stopped before it finished; it is "
-                "not retried", details={"engine": "restarted", "started_by": started_by})
+                "The engine process running this request stopped before it finished; it is not retried",
+                details={"engine": "restarted", "started_by": started_by},
+            )
         return None
 
-    def items(self, *, overall_s: float | None, idle_s: float | None
-              ) -> Iterator[StreamEvent]:
+    def items(self, *, overall_s: float | None, idle_s: float | None) -> Iterator[StreamEvent]:
         """Entries of the event stream in order. ``idle_s`` bounds the wait for each
         entry (EngineBusy after, like the embedded stream); ``overall_s`` the whole wait."""
         client = self.client
@@ -270,8 +289,7 @@ class _Wait:
                     if now - last_item >= check_every:
                         gone = self._engine_gone()
                         if gone is not None:
-                            yield ErrorEvent(self.request_id, gone.code, gone.message,
-                                             gone.details)
+                            yield ErrorEvent(self.request_id, gone.code, gone.message, gone.details)
                             self.done = True
                             return
             except redis.RedisError as exc:
@@ -296,8 +314,7 @@ class _Wait:
             keys = [self.live_key] + ([self.events_key] if self.done else [])
             self.client.redis.delete(*keys)
         except redis.RedisError as exc:
-            log.warning("engine_request_cleanup_failed", request_id=self.request_id,
-                        error=repr(exc))
+            log.warning("engine_request_cleanup_failed", request_id=self.request_id, error=repr(exc))
 
 
 class _RedisHandle(GenerationHandle):
@@ -309,8 +326,10 @@ class _RedisHandle(GenerationHandle):
         self._error: EngineError | None = None
         try:
             client._serving()
-            self._wait.submit(client.keys.requests, Envelope.new(
-                command, self.request_id, args, wait_s=client.command_timeout_s).encode())
+            self._wait.submit(
+                client.keys.requests,
+                Envelope.new(command, self.request_id, args, wait_s=client.command_timeout_s).encode(),
+            )
         except EngineError as exc:
             self._error = exc
 
@@ -322,8 +341,7 @@ class _RedisHandle(GenerationHandle):
                 return
             for item in self._wait.items(overall_s=None, idle_s=timeout_s):
                 if isinstance(item, ResultEvent):  # a one-shot result cannot answer a generation
-                    yield ErrorEvent(self.request_id, "generation_failed",
-                                     "unexpected result entry", {})
+                    yield ErrorEvent(self.request_id, "generation_failed", "unexpected result entry", {})
                     return
                 yield item
         finally:

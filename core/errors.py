@@ -19,8 +19,7 @@ class MillmError(Exception):
     code: ClassVar[str] = "INTERNAL_ERROR"
     status: ClassVar[int] = 500
 
-    def __init__(self, message: str, *, details: dict[str, Any] | None = None,
-                 retry_after: int | None = None) -> None:
+    def __init__(self, message: str, *, details: dict[str, Any] | None = None, retry_after: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.details = dict(details or {})
@@ -29,6 +28,7 @@ class MillmError(Exception):
 
 class Forbidden(MillmError):
     """An inference key asked for what only an admin key may do (core.auth)."""
+
     code, status = "FORBIDDEN", 403
 
 
@@ -171,8 +171,7 @@ _ENGINE_CODES: dict[str, type[MillmError]] = {
 }
 
 
-def from_engine_error(exc: Exception, *, no_engine: type[MillmError] | None = None
-                      ) -> MillmError:
+def from_engine_error(exc: Exception, *, no_engine: type[MillmError] | None = None) -> MillmError:
     """The domain error for an engine error (by its stable code); an unknown code is a 500
     that keeps the engine's code, upper-cased. ``model_not_loaded`` raised because no
     engine is serving (``details.engine``: no heartbeat, or restoring / stopping) is
@@ -185,8 +184,7 @@ def from_engine_error(exc: Exception, *, no_engine: type[MillmError] | None = No
     cls = _ENGINE_CODES.get(code)
     if code == "model_not_loaded" and details.get("engine"):
         cls = no_engine or EngineUnavailable
-    error = (cls or MillmError)(getattr(exc, "message", str(exc)),
-                                details={"engine_code": code, **details})
+    error = (cls or MillmError)(getattr(exc, "message", str(exc)), details={"engine_code": code, **details})
     if cls is None:
         error.code = code.upper()  # type: ignore[misc]
     if code == "engine_busy" and details.get("reason") == "unloading":

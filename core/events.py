@@ -31,6 +31,7 @@ GROUP = "millm.events"
 # (millm_site.consumers).
 OWNER_FIELD = "_owner"
 
+
 class EventBus:
     """The process's publisher (a runtime part: ``runtime().events``), which remembers the
     loop that serves WebSocket consumers."""
@@ -94,8 +95,7 @@ def _publish(loop: asyncio.AbstractEventLoop | None, event: str, data: dict[str,
             if running is loop:
                 loop.create_task(coro).add_done_callback(lambda f: _log_failure(f, event))
             else:
-                asyncio.run_coroutine_threadsafe(coro, loop).add_done_callback(
-                    lambda f: _log_failure(f, event))
+                asyncio.run_coroutine_threadsafe(coro, loop).add_done_callback(lambda f: _log_failure(f, event))
             return
         async_to_sync(layer.group_send)(GROUP, _message(event, data))
     except Exception:  # noqa: BLE001 - an event must never break the operation it reports

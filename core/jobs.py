@@ -30,6 +30,7 @@ log = structlog.get_logger(__name__)
 
 QUEUES = ("downloads", "loads", "maintenance", "batches")
 
+
 def _pool_size(queue: str) -> int:
     if queue == "loads":
         return int(settings.MAX_LOAD_WORKERS)
@@ -83,13 +84,18 @@ class JobDispatch:
         with self._lock:
             pool = self._pools.get(queue)
             if pool is None:
-                pool = ThreadPoolExecutor(max_workers=_pool_size(queue),
-                                          thread_name_prefix=f"millm-{queue}")
+                pool = ThreadPoolExecutor(max_workers=_pool_size(queue), thread_name_prefix=f"millm-{queue}")
                 self._pools[queue] = pool
             return pool
 
-    def enqueue(self, task: Any, *args: Any, queue: str = "maintenance",
-                secret_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Future:
+    def enqueue(
+        self,
+        task: Any,
+        *args: Any,
+        queue: str = "maintenance",
+        secret_kwargs: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> Future:
         """Run ``task(*args, **kwargs)`` in the background once the transaction commits;
         ``task`` is a task or its name (``resolve_task``).
 
@@ -109,8 +115,7 @@ class JobDispatch:
                 self.executor(queue).submit(_run_in_process, task, args, all_kwargs, future)
             else:
                 shown = {**kwargs, **{k: "***" for k in secrets}}
-                task.apply_async(args=args, kwargs=all_kwargs, queue=queue,
-                                 argsrepr=repr(args), kwargsrepr=repr(shown))
+                task.apply_async(args=args, kwargs=all_kwargs, queue=queue, argsrepr=repr(args), kwargsrepr=repr(shown))
                 future.set_result(None)
 
         transaction.on_commit(dispatch)
@@ -125,11 +130,11 @@ class JobDispatch:
             pool.shutdown(wait=wait, cancel_futures=True)
 
 
-def enqueue(task: Any, *args: Any, queue: str = "maintenance",
-            secret_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Future:
+def enqueue(
+    task: Any, *args: Any, queue: str = "maintenance", secret_kwargs: dict[str, Any] | None = None, **kwargs: Any
+) -> Future:
     """``runtime().jobs.enqueue``: ``task`` in the background once the transaction commits."""
-    return runtime().jobs.enqueue(task, *args, queue=queue, secret_kwargs=secret_kwargs,
-                                  **kwargs)
+    return runtime().jobs.enqueue(task, *args, queue=queue, secret_kwargs=secret_kwargs, **kwargs)
 
 
 def shutdown(wait: bool = False) -> None:

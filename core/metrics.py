@@ -20,26 +20,33 @@ from core.middleware import LoopMiddleware
 
 log = structlog.get_logger(__name__)
 
-REQUESTS = Counter("millm_http_requests", "HTTP requests answered, by surface, route "
-                   "pattern, method and status code",
-                   ["surface", "route", "method", "code"])
-REQUEST_SECONDS = Histogram("millm_http_request_duration_seconds",
-                            "Time to the response headers, by surface", ["surface"],
-                            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10,
-                                     30, 60))
+REQUESTS = Counter(
+    "millm_http_requests",
+    "HTTP requests answered, by surface, route pattern, method and status code",
+    ["surface", "route", "method", "code"],
+)
+REQUEST_SECONDS = Histogram(
+    "millm_http_request_duration_seconds",
+    "Time to the response headers, by surface",
+    ["surface"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)
 TOKENS = Counter("millm_tokens_generated", "Completion tokens generated", ["model"])
 PROMPT_TOKENS = Counter("millm_prompt_tokens", "Prompt tokens processed", ["model"])
-SPECULATIVE = Counter("millm_speculative_tokens", "Speculative decoding's draft tokens, "
-                      "proposed (kind=drafted) and accepted by the main model (kind=accepted)",
-                      ["model", "kind"])
-REFUSALS = Counter("millm_refusals", "/api and /v1 requests refused for the server's state "
-                   "or the caller's credentials, by reason (queue_full, model_busy, "
-                   "model_loading, model_not_loaded, model_leased, unauthorized, …)",
-                   ["reason"])
-DOWNLOADS = Counter("millm_downloads", "Finished downloads by kind and outcome",
-                    ["kind", "outcome"])
-LOADS = Counter("millm_model_loads", "Finished model loads and unloads by outcome",
-                ["operation", "outcome"])
+SPECULATIVE = Counter(
+    "millm_speculative_tokens",
+    "Speculative decoding's draft tokens, proposed (kind=drafted) and accepted by the main model (kind=accepted)",
+    ["model", "kind"],
+)
+REFUSALS = Counter(
+    "millm_refusals",
+    "/api and /v1 requests refused for the server's state "
+    "or the caller's credentials, by reason (queue_full, model_busy, "
+    "model_loading, model_not_loaded, model_leased, unauthorized, …)",
+    ["reason"],
+)
+DOWNLOADS = Counter("millm_downloads", "Finished downloads by kind and outcome", ["kind", "outcome"])
+LOADS = Counter("millm_model_loads", "Finished model loads and unloads by outcome", ["operation", "outcome"])
 
 STARTED_AT = time.time()
 
@@ -74,9 +81,17 @@ ERROR_CODE_ATTR = "millm_error_code"
 
 # 409s and the /api 400 of model_not_loaded are refusals by code; every 429 and 503 is one
 # by status, except the readiness probe, whose 503 is its answer, not a refusal.
-_REFUSAL_CODES = frozenset({"model_locked", "model_leased", "model_not_resident",
-                            "lease_expired", "model_busy", "model_not_loaded",
-                            "insufficient_memory"})
+_REFUSAL_CODES = frozenset(
+    {
+        "model_locked",
+        "model_leased",
+        "model_not_resident",
+        "lease_expired",
+        "model_busy",
+        "model_not_loaded",
+        "insufficient_memory",
+    }
+)
 _NOT_REFUSALS = frozenset({"not_ready"})
 
 
@@ -159,14 +174,12 @@ class MetricsMiddleware(LoopMiddleware):
         match = getattr(request, "resolver_match", None)
         route = match.route if match is not None and match.route else "unmatched"
         try:
-            REQUESTS.labels(surface=surface, route=route, method=request.method,
-                            code=str(response.status_code)).inc()
+            REQUESTS.labels(surface=surface, route=route, method=request.method, code=str(response.status_code)).inc()
             started = getattr(request, "_millm_started", None)
             if started is not None:
                 REQUEST_SECONDS.labels(surface=surface).observe(time.perf_counter() - started)
             if response.status_code >= 400 and surface in ("api", "v1"):
-                reason = refusal_reason(response.status_code,
-                                        getattr(response, ERROR_CODE_ATTR, None))
+                reason = refusal_reason(response.status_code, getattr(response, ERROR_CODE_ATTR, None))
                 if reason is not None:
                     record_refusal(reason)
         except Exception:

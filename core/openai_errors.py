@@ -13,20 +13,37 @@ from django.http import JsonResponse
 from core.api import retry_after_value
 from core.metrics import mark_error
 
-_TYPES = {400: "invalid_request_error", 401: "authentication_error",
-          403: "permission_error", 404: "invalid_request_error", 409: "invalid_request_error",
-          413: "invalid_request_error", 415: "invalid_request_error",
-          422: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-          503: "service_unavailable", 507: "server_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    413: "invalid_request_error",
+    415: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+    507: "server_error",
+}
 
 
 class OpenAIError(Exception):
     """An error answered on /v1; ``code`` is the documented lower-case code."""
 
-    def __init__(self, message: str, *, status: int, code: str, param: str | None = None,
-                 type: str | None = None, retry_after: int | None = None,
-                 extra: dict[str, Any] | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int,
+        code: str,
+        param: str | None = None,
+        type: str | None = None,
+        retry_after: int | None = None,
+        extra: dict[str, Any] | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
@@ -38,8 +55,7 @@ class OpenAIError(Exception):
         self.headers = dict(headers or {})  # response headers beside Retry-After
 
     def body(self) -> dict[str, Any]:
-        error = {"message": self.message, "type": self.type, "param": self.param,
-                 "code": self.code}
+        error = {"message": self.message, "type": self.type, "param": self.param, "code": self.code}
         error.update(self.extra)
         return {"error": error}
 
@@ -54,4 +70,4 @@ def openai_error_response(error: OpenAIError) -> JsonResponse:
 
 def openai_error_frame(error: OpenAIError) -> bytes:
     """The SSE frames for an error after the stream started: the error, then [DONE]."""
-    return (f"data: {json.dumps(error.body())}\n\n" "data: [DONE]\n\n").encode()
+    return (f"data: {json.dumps(error.body())}\n\ndata: [DONE]\n\n").encode()

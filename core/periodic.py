@@ -23,9 +23,18 @@ class Periodic:
     events it logs: the start (with the interval), a run that raised, and a run whose
     counts (the dict ``work`` returns) are not all zero."""
 
-    def __init__(self, name: str, work: Callable[[], dict[str, int]], *,
-                 interval: Callable[[], float], at_once: bool, log: Any, started: str,
-                 failed: str, done: str) -> None:
+    def __init__(
+        self,
+        name: str,
+        work: Callable[[], dict[str, int]],
+        *,
+        interval: Callable[[], float],
+        at_once: bool,
+        log: Any,
+        started: str,
+        failed: str,
+        done: str,
+    ) -> None:
         self.name, self.work, self.interval, self.at_once = name, work, interval, at_once
         self.log, self.started, self.failed, self.done = log, started, failed, done
         self._thread: threading.Thread | None = None

@@ -56,8 +56,7 @@ class ProcessCopy(Generic[T]):
         if not exact:
             refresher.wanted(self)
         with self._lock:
-            if self._read_at > float("-inf") and (
-                    exact or time.monotonic() - self._read_at < self.fresh_s):
+            if self._read_at > float("-inf") and (exact or time.monotonic() - self._read_at < self.fresh_s):
                 return self._value
             return None
 
@@ -101,8 +100,7 @@ class _Refresher:
             self._copies.add(copy)
             self._asked_at = time.monotonic()
             if self._thread is None:
-                self._thread = threading.Thread(target=self._run, daemon=True,
-                                                name="millm-process-copies")
+                self._thread = threading.Thread(target=self._run, daemon=True, name="millm-process-copies")
                 self._thread.start()
 
     def join(self, timeout_s: float) -> bool:
@@ -121,8 +119,7 @@ class _Refresher:
         try:
             while True:
                 with self._lock:
-                    if time.monotonic() - self._asked_at > IDLE_S or \
-                            not settings.MILLM_PROCESS_COPY_REFRESH:
+                    if time.monotonic() - self._asked_at > IDLE_S or not settings.MILLM_PROCESS_COPY_REFRESH:
                         self._thread = None
                         return
                     copies = list(self._copies)

@@ -21,8 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # the types only: the web tier never imports the engine
     from core.engine_client import EngineClient
 
-PARTS = ("engine", "admission", "residency", "metrics_push", "events", "jobs", "hub",
-         "analyzers")
+PARTS = ("engine", "admission", "residency", "metrics_push", "events", "jobs", "hub", "analyzers")
 
 
 class Runtime:
@@ -56,8 +55,7 @@ class Runtime:
             if part is None:
                 builder = self._builders.get(name)
                 if builder is None:
-                    raise RuntimeError(f"the runtime has no builder for {name!r}: "
-                                       "is 'millm_site' in INSTALLED_APPS?")
+                    raise RuntimeError(f"the runtime has no builder for {name!r}: is 'millm_site' in INSTALLED_APPS?")
                 part = self._built[name] = builder()
             return part
 

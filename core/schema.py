@@ -28,17 +28,22 @@ def _envelope_for(data_cls: type | None) -> Any:
     else:
         base = data_cls.__name__.removesuffix("Serializer").removesuffix("Output")
         name, data = f"{base}Envelope", data_cls()
-    return inline_serializer(name=name, fields={
-        "success": serializers.BooleanField(),
-        "data": data,
-        "error": ErrorSerializer(allow_null=True),
-    })
+    return inline_serializer(
+        name=name,
+        fields={
+            "success": serializers.BooleanField(),
+            "data": data,
+            "error": ErrorSerializer(allow_null=True),
+        },
+    )
 
 
 def enveloped(data: Any = None) -> Any:
     """``{success, data: <data>, error}`` for drf-spectacular's ``responses=``."""
-    if data is None or not (isinstance(data, serializers.BaseSerializer) or (
-            isinstance(data, type) and issubclass(data, serializers.BaseSerializer))):
+    if data is None or not (
+        isinstance(data, serializers.BaseSerializer)
+        or (isinstance(data, type) and issubclass(data, serializers.BaseSerializer))
+    ):
         return _envelope_for(None)  # free-form JSON (a field or an OpenApiTypes value)
     if isinstance(data, serializers.BaseSerializer):
         data = type(data)

@@ -12,9 +12,14 @@ from typing import Any
 
 from rest_framework import serializers
 
-_JSON_TYPE = {bool: "a JSON boolean (true or false)", int: "a JSON integer",
-              float: "a JSON number", str: "a JSON string", list: "a JSON array",
-              dict: "a JSON object"}
+_JSON_TYPE = {
+    bool: "a JSON boolean (true or false)",
+    int: "a JSON integer",
+    float: "a JSON number",
+    str: "a JSON string",
+    list: "a JSON array",
+    dict: "a JSON object",
+}
 
 
 def _expected(field: serializers.Field) -> type | None:
@@ -22,8 +27,7 @@ def _expected(field: serializers.Field) -> type | None:
     JSON values, choices of mixed types)."""
     if isinstance(field, (serializers.ListSerializer, serializers.ListField)):
         return list
-    if isinstance(field, (serializers.Serializer, serializers.DictField,
-                          serializers.HStoreField)):
+    if isinstance(field, (serializers.Serializer, serializers.DictField, serializers.HStoreField)):
         return dict
     if isinstance(field, serializers.BooleanField):
         return bool
@@ -55,8 +59,7 @@ def _value_errors(field: serializers.Field, value: Any, where: str) -> dict[str,
     if kind is None:
         return {}
     if not _is(value, kind):
-        return {where: [f"must be {_JSON_TYPE[kind]}, not {type(value).__name__} "
-                        f"{str(value)[:40]!r}"]}
+        return {where: [f"must be {_JSON_TYPE[kind]}, not {type(value).__name__} {str(value)[:40]!r}"]}
     errors: dict[str, list[str]] = {}
     if isinstance(field, serializers.ListSerializer):
         for i, item in enumerate(value):
@@ -72,8 +75,9 @@ def _value_errors(field: serializers.Field, value: Any, where: str) -> dict[str,
     return errors
 
 
-def strict_errors(serializer: serializers.Serializer, data: Mapping[str, Any], *,
-                  prefix: str = "") -> dict[str, list[str]]:
+def strict_errors(
+    serializer: serializers.Serializer, data: Mapping[str, Any], *, prefix: str = ""
+) -> dict[str, list[str]]:
     """Each unknown or mistyped field of ``data`` (dotted path → messages); empty when the
     body is exactly what ``serializer`` declares."""
     fields = {name: f for name, f in serializer.fields.items() if not f.read_only}

@@ -27,26 +27,27 @@ class SAEActivationsRefused(MillmError):
     code, status = "SAE_ACTIVATIONS_REFUSED", 400
 
 
-def monitor_resolve(*, asked: ReturnSaeActivations, attachments: Sequence[AttachmentStatus],
-                    choices: int, max_tokens: int | None
-                    ) -> tuple[MonitorSpec, AttachmentStatus]:
+def monitor_resolve(
+    *, asked: ReturnSaeActivations, attachments: Sequence[AttachmentStatus], choices: int, max_tokens: int | None
+) -> tuple[MonitorSpec, AttachmentStatus]:
     """The monitor spec for a request's ``return_sae_activations``, or a refusal before
     anything is generated."""
     param = "return_sae_activations"
     if choices > 1:
         raise SAEActivationsRefused(
             "return_sae_activations needs a single choice (n = 1 and one prompt): there is "
-            "no single position axis otherwise", details={"param": param})
+            "no single position axis otherwise",
+            details={"param": param},
+        )
     try:
-        att = attachment_pick(attachments=attachments, sae_id=asked.sae_id,
-                              param=f"{param}.sae_id")
+        att = attachment_pick(attachments=attachments, sae_id=asked.sae_id, param=f"{param}.sae_id")
     except MillmError as exc:
-        raise SAEActivationsRefused(exc.message, details={
-            "param": f"{param}.sae_id", "choices": attachment_choices(attachments)}) from exc
+        raise SAEActivationsRefused(
+            exc.message, details={"param": f"{param}.sae_id", "choices": attachment_choices(attachments)}
+        ) from exc
     features = list(asked.features or [])
     try:
-        check_indices(sae_id=att.sae_id, d_sae=att.d_sae, indices=features,
-                      param=f"{param}.features")
+        check_indices(sae_id=att.sae_id, d_sae=att.d_sae, indices=features, param=f"{param}.features")
     except MillmError as exc:  # the same rule, answered as this field's refusal
         raise SAEActivationsRefused(exc.message, details=exc.details) from exc
     positions: Any = asked.positions
@@ -62,11 +63,18 @@ def monitor_resolve(*, asked: ReturnSaeActivations, attachments: Sequence[Attach
     per_row = asked.top_k + len(features)
     if rows is not None and rows * per_row > MAX_ACTIVATION_ENTRIES:
         raise SAEActivationsRefused(
-            f"return_sae_activations could return {rows * per_row} entries; the limit is "
-            f"{MAX_ACTIVATION_ENTRIES}", details={"param": param})
-    entry = MonitorEntry(sae_id=att.sae_id, layer=att.layer, top_k=asked.top_k,
-                         features=features, read_point=asked.read_point,
-                         positions=positions, stream=False)
+            f"return_sae_activations could return {rows * per_row} entries; the limit is {MAX_ACTIVATION_ENTRIES}",
+            details={"param": param},
+        )
+    entry = MonitorEntry(
+        sae_id=att.sae_id,
+        layer=att.layer,
+        top_k=asked.top_k,
+        features=features,
+        read_point=asked.read_point,
+        positions=positions,
+        stream=False,
+    )
     return MonitorSpec([entry]), att
 
 
@@ -74,10 +82,16 @@ def _pairs(items: Sequence[Any]) -> list[dict[str, Any]]:
     return [{"feature_index": a.feature_index, "activation": a.activation} for a in items]
 
 
-def activations_payload(*, records: Sequence[ActivationRecord], attachment: AttachmentStatus,
-                        read_point: str, prompt_ids: Sequence[int], token_ids: Sequence[int],
-                        prompt_tokens: Sequence[str], tokens: Sequence[str]
-                        ) -> dict[str, Any]:
+def activations_payload(
+    *,
+    records: Sequence[ActivationRecord],
+    attachment: AttachmentStatus,
+    read_point: str,
+    prompt_ids: Sequence[int],
+    token_ids: Sequence[int],
+    prompt_tokens: Sequence[str],
+    tokens: Sequence[str],
+) -> dict[str, Any]:
     """``millm.sae_activations``: one entry per position read, with the token at that
     position (the one the residual row was computed for) and its text, as the engine's
     tokenizer reads it."""
@@ -94,13 +108,20 @@ def activations_payload(*, records: Sequence[ActivationRecord], attachment: Atta
             token_id = token_ids[pos - n_prompt]
         else:
             token_id = None
-        rows.append({
-            "position": pos,
-            "token_id": token_id,
-            "token": texts[pos] if token_id is not None and pos < len(texts) else None,
-            "completion_token_index": rec.token_index,
-            "top_k": _pairs(rec.top_k),
-            "features": _pairs(rec.features),
-        })
-    return {"sae_id": attachment.sae_id, "layer": attachment.layer, "read_point": read_point,
-            "prompt_tokens": n_prompt, "positions": rows}
+        rows.append(
+            {
+                "position": pos,
+                "token_id": token_id,
+                "token": texts[pos] if token_id is not None and pos < len(texts) else None,
+                "completion_token_index": rec.token_index,
+                "top_k": _pairs(rec.top_k),
+                "features": _pairs(rec.features),
+            }
+        )
+    return {
+        "sae_id": attachment.sae_id,
+        "layer": attachment.layer,
+        "read_point": read_point,
+        "prompt_tokens": n_prompt,
+        "positions": rows,
+    }

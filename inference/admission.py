@@ -59,11 +59,16 @@ class AdmissionStats:
         return self.in_flight + self.waiting
 
     def to_dict(self) -> dict[str, Any]:
-        return {"slots": self.slots, "max_pending": self.max_pending,
-                "in_flight": self.in_flight, "waiting": self.waiting,
-                "pending": self.pending,
-                "estimated_wait_seconds": self.estimated_wait_seconds,
-                "refused_total": self.refused_total, "admitted_total": self.admitted_total}
+        return {
+            "slots": self.slots,
+            "max_pending": self.max_pending,
+            "in_flight": self.in_flight,
+            "waiting": self.waiting,
+            "pending": self.pending,
+            "estimated_wait_seconds": self.estimated_wait_seconds,
+            "refused_total": self.refused_total,
+            "admitted_total": self.admitted_total,
+        }
 
 
 class Permit:
@@ -101,8 +106,9 @@ class _Waiter:
 
 
 class AdmissionController:
-    def __init__(self, *, slots: int, max_pending: int, window: int = 50,
-                 retry_default_s: int = 5, retry_max_s: int = 60) -> None:
+    def __init__(
+        self, *, slots: int, max_pending: int, window: int = 50, retry_default_s: int = 5, retry_max_s: int = 60
+    ) -> None:
         if slots < 1 or max_pending < 0:
             raise ValueError("slots must be >= 1 and max_pending >= 0")
         self.slots = slots
@@ -118,11 +124,13 @@ class AdmissionController:
 
     @classmethod
     def from_settings(cls) -> AdmissionController:
-        return cls(slots=settings.MAX_CONCURRENT_REQUESTS,
-                   max_pending=settings.MAX_PENDING_REQUESTS,
-                   window=settings.QUEUE_DURATION_WINDOW,
-                   retry_default_s=settings.RETRY_AFTER_QUEUE_DEFAULT_S,
-                   retry_max_s=settings.RETRY_AFTER_MAX_S)
+        return cls(
+            slots=settings.MAX_CONCURRENT_REQUESTS,
+            max_pending=settings.MAX_PENDING_REQUESTS,
+            window=settings.QUEUE_DURATION_WINDOW,
+            retry_default_s=settings.RETRY_AFTER_QUEUE_DEFAULT_S,
+            retry_max_s=settings.RETRY_AFTER_MAX_S,
+        )
 
     # ---------------------------------------------------------------- estimates
 
@@ -142,11 +150,10 @@ class AdmissionController:
         position = len(self._waiters) + 1
         retry_after = self._retry_after_locked(position)
         return QueueFull(
-            f"The server is at capacity ({self.slots} running, {len(self._waiters)} "
-            f"waiting); retry in {retry_after} s",
-            details={"in_flight": self._in_flight, "waiting": len(self._waiters),
-                     "retry_after": retry_after},
-            retry_after=retry_after)
+            f"The server is at capacity ({self.slots} running, {len(self._waiters)} waiting); retry in {retry_after} s",
+            details={"in_flight": self._in_flight, "waiting": len(self._waiters), "retry_after": retry_after},
+            retry_after=retry_after,
+        )
 
     # ---------------------------------------------------------------- permits
 
@@ -215,6 +222,7 @@ class AdmissionController:
         """Give the slot to a popped waiter. From here the slot is the waiter's: if its
         task was cancelled meanwhile, its own clean-up (not finding itself in the queue)
         passes the slot on. False only when its loop is gone and nothing would run."""
+
         def resolve() -> None:
             if not waiter.future.done():
                 waiter.future.set_result(None)
@@ -235,10 +243,14 @@ class AdmissionController:
             waiting = len(self._waiters)
             estimate = self._estimate_locked(waiting + 1)
             return AdmissionStats(
-                slots=self.slots, max_pending=self.max_pending, in_flight=self._in_flight,
+                slots=self.slots,
+                max_pending=self.max_pending,
+                in_flight=self._in_flight,
                 waiting=waiting,
                 estimated_wait_seconds=None if estimate is None else round(estimate, 3),
-                refused_total=self._refused, admitted_total=self._admitted)
+                refused_total=self._refused,
+                admitted_total=self._admitted,
+            )
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

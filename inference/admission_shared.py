@@ -38,7 +38,9 @@ end
 # Returns {outcome, held, waiting, durations...}: 1 admitted, 2 queued (waiting = position
 # for a poll), 0 refused (followed by the recent slot-holding durations, for Retry-After),
 # -1 a poll from a waiter that lost its place.
-_ADMIT_LUA = _PRUNE_LUA + """
+_ADMIT_LUA = (
+    _PRUNE_LUA
+    + """
 local id = ARGV[2]
 local slots = tonumber(ARGV[3])
 local max_pending = tonumber(ARGV[4])
@@ -72,12 +74,15 @@ redis.call('ZADD', KEYS[2], redis.call('INCR', KEYS[4]), id)
 redis.call('ZADD', KEYS[3], expiry, id)
 return {2, held, waiting + 1}
 """
+)
 
 # Give up ``id``'s slot or queue place (a release, a waiter that left) and wake the
 # waiters the freed room now admits: a token on each one's own list, which it is blocked
 # on (BLPOP), so a release reaches the next waiter at once instead of at its next poll.
 # ARGV: now, id, slots, wake prefix, wake ttl (ms), held-for seconds ('' = none), window.
-_RELEASE_LUA = _PRUNE_LUA + """
+_RELEASE_LUA = (
+    _PRUNE_LUA
+    + """
 local id = ARGV[2]
 redis.call('ZREM', KEYS[1], id)
 redis.call('ZREM', KEYS[2], id)
@@ -98,11 +103,11 @@ if free > 0 then
 end
 return free
 """
+)
 
 
 def _unreachable(exc: Exception) -> MillmError:
-    return EngineUnavailable(f"Redis is unreachable: {exc}",
-                             retry_after=settings.RETRY_AFTER_NOT_LOADED_S)
+    return EngineUnavailable(f"Redis is unreachable: {exc}", retry_after=settings.RETRY_AFTER_NOT_LOADED_S)
 
 
 class _AsyncLink:
@@ -128,9 +133,12 @@ def _client_options(timeout_s: float) -> dict[str, Any]:
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
-    return {"decode_responses": True, "socket_timeout": timeout_s,
-            "socket_connect_timeout": timeout_s,
-            "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))}
+    return {
+        "decode_responses": True,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": timeout_s,
+        "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+    }
 
 
 class SharedAdmissionController:
@@ -156,10 +164,20 @@ class SharedAdmissionController:
     exports its own metrics).
     """
 
-    def __init__(self, *, url: str, prefix: str, slots: int, max_pending: int,
-                 window: int = 50, retry_default_s: int = 5, retry_max_s: int = 60,
-                 lease_s: float = 10.0, timeout_s: float = 1.0,
-                 wake_poll_s: float = 0.5) -> None:
+    def __init__(
+        self,
+        *,
+        url: str,
+        prefix: str,
+        slots: int,
+        max_pending: int,
+        window: int = 50,
+        retry_default_s: int = 5,
+        retry_max_s: int = 60,
+        lease_s: float = 10.0,
+        timeout_s: float = 1.0,
+        wake_poll_s: float = 0.5,
+    ) -> None:
         import redis
         import redis.asyncio  # ~0.1 s to import: here, not in a request on the loop
 
@@ -178,8 +196,7 @@ class SharedAdmissionController:
         self._url = url
         self.redis = redis.Redis.from_url(url, **_client_options(timeout_s))
         base = f"{prefix}:admission"
-        self._keys = [f"{base}:holders", f"{base}:waiters", f"{base}:waiter_expiry",
-                      f"{base}:seq", f"{base}:durations"]
+        self._keys = [f"{base}:holders", f"{base}:waiters", f"{base}:waiter_expiry", f"{base}:seq", f"{base}:durations"]
         self._wake_prefix = f"{base}:wake:"
         self._admit = self.redis.register_script(_ADMIT_LUA)
         self._release_script = self.redis.register_script(_RELEASE_LUA)
@@ -191,19 +208,21 @@ class SharedAdmissionController:
         self._refused = 0
         self._admitted = 0
         self._closed = threading.Event()
-        self._keeper = threading.Thread(target=self._keep_alive, name="millm-admission",
-                                        daemon=True)
+        self._keeper = threading.Thread(target=self._keep_alive, name="millm-admission", daemon=True)
         self._keeper.start()
 
     @classmethod
     def from_settings(cls) -> SharedAdmissionController:
-        return cls(url=settings.REDIS_URL, prefix=settings.ENGINE_STREAM_PREFIX,
-                   slots=settings.MAX_CONCURRENT_REQUESTS,
-                   max_pending=settings.MAX_PENDING_REQUESTS,
-                   window=settings.QUEUE_DURATION_WINDOW,
-                   retry_default_s=settings.RETRY_AFTER_QUEUE_DEFAULT_S,
-                   retry_max_s=settings.RETRY_AFTER_MAX_S,
-                   lease_s=max(2 * float(settings.ENGINE_DEAD_AFTER_S), 2.0))
+        return cls(
+            url=settings.REDIS_URL,
+            prefix=settings.ENGINE_STREAM_PREFIX,
+            slots=settings.MAX_CONCURRENT_REQUESTS,
+            max_pending=settings.MAX_PENDING_REQUESTS,
+            window=settings.QUEUE_DURATION_WINDOW,
+            retry_default_s=settings.RETRY_AFTER_QUEUE_DEFAULT_S,
+            retry_max_s=settings.RETRY_AFTER_MAX_S,
+            lease_s=max(2 * float(settings.ENGINE_DEAD_AFTER_S), 2.0),
+        )
 
     # ---------------------------------------------------------------- redis
 
@@ -215,17 +234,22 @@ class SharedAdmissionController:
                 # connections of a loop that has ended cannot be used (or closed) again
                 for ended in [lp for lp in self._links if lp.is_closed()]:
                     del self._links[ended]
-                link = self._links[loop] = _AsyncLink(self._url, timeout_s=self.timeout_s,
-                                                      wait_s=self.wake_poll_s)
+                link = self._links[loop] = _AsyncLink(self._url, timeout_s=self.timeout_s, wait_s=self.wake_poll_s)
         return link
 
     def _admit_args(self, member: str, mode: str) -> list[Any]:
-        return [int(time.time() * 1000), member, self.slots, self.max_pending,
-                self.lease_ms, mode, self._wake_prefix]
+        return [int(time.time() * 1000), member, self.slots, self.max_pending, self.lease_ms, mode, self._wake_prefix]
 
     def _release_args(self, member: str, held_for: float | None) -> list[Any]:
-        return [int(time.time() * 1000), member, self.slots, self._wake_prefix,
-                self.lease_ms, "" if held_for is None else f"{held_for:.4f}", self.window]
+        return [
+            int(time.time() * 1000),
+            member,
+            self.slots,
+            self._wake_prefix,
+            self.lease_ms,
+            "" if held_for is None else f"{held_for:.4f}",
+            self.window,
+        ]
 
     @staticmethod
     def _outcome(reply: list[Any]) -> tuple[int, int, int, list[float]]:
@@ -236,18 +260,15 @@ class SharedAdmissionController:
         import redis
 
         try:
-            return self._outcome(self._admit(keys=self._keys,
-                                             args=self._admit_args(member, mode)))
+            return self._outcome(self._admit(keys=self._keys, args=self._admit_args(member, mode)))
         except redis.RedisError as exc:
             raise _unreachable(exc) from exc
 
-    async def _astep(self, link: _AsyncLink, member: str, mode: str
-                     ) -> tuple[int, int, int, list[float]]:
+    async def _astep(self, link: _AsyncLink, member: str, mode: str) -> tuple[int, int, int, list[float]]:
         import redis
 
         try:
-            return self._outcome(await link.admit(keys=self._keys,
-                                                  args=self._admit_args(member, mode)))
+            return self._outcome(await link.admit(keys=self._keys, args=self._admit_args(member, mode)))
         except redis.RedisError as exc:
             raise _unreachable(exc) from exc
 
@@ -278,8 +299,7 @@ class SharedAdmissionController:
             except Exception as exc:  # noqa: BLE001 - retried on the next beat
                 import structlog
 
-                structlog.get_logger(__name__).warning("admission_keepalive_failed",
-                                                       error=repr(exc))
+                structlog.get_logger(__name__).warning("admission_keepalive_failed", error=repr(exc))
 
     def _durations(self) -> list[float]:
         try:
@@ -296,10 +316,10 @@ class SharedAdmissionController:
         else:
             retry_after = self.retry_default_s
         return QueueFull(
-            f"The server is at capacity ({held} running, {waiting} waiting); retry in "
-            f"{retry_after} s",
+            f"The server is at capacity ({held} running, {waiting} waiting); retry in {retry_after} s",
             details={"in_flight": held, "waiting": waiting, "retry_after": retry_after},
-            retry_after=retry_after)
+            retry_after=retry_after,
+        )
 
     def _grant(self, member: str, *, waited: bool) -> Permit:
         permit = Permit(self, waited=waited)  # type: ignore[arg-type]
@@ -333,8 +353,7 @@ class SharedAdmissionController:
                 await self._await_turn(link, member)
                 outcome, held, waiting, durations = await self._astep(link, member, "poll")
                 if outcome == -1:  # our place lapsed (this process stalled): queue again
-                    outcome, held, waiting, durations = await self._astep(link, member,
-                                                                          "queue")
+                    outcome, held, waiting, durations = await self._astep(link, member, "queue")
             return self._grant(member, waited=queued)
         except MillmError:
             raise  # refused (nothing stored) or Redis unreachable (the lease lapses)
@@ -369,19 +388,17 @@ class SharedAdmissionController:
         if task.cancelled():
             # the loop ended before the release went out: finish it off the loop rather
             # than leave the slot held until its lease lapses
-            threading.Thread(target=self._release_blocking, args=(member, held_for),
-                             name="millm-admission-release", daemon=True).start()
+            threading.Thread(
+                target=self._release_blocking, args=(member, held_for), name="millm-admission-release", daemon=True
+            ).start()
 
-    async def _arelease(self, member: str, held_for: float | None, *,
-                        link: _AsyncLink | None = None) -> None:
+    async def _arelease(self, member: str, held_for: float | None, *, link: _AsyncLink | None = None) -> None:
         try:
-            await (link or self._link()).release(keys=self._keys,
-                                                  args=self._release_args(member, held_for))
+            await (link or self._link()).release(keys=self._keys, args=self._release_args(member, held_for))
         except Exception as exc:  # noqa: BLE001 - the lease lapses on its own
             import structlog
 
-            structlog.get_logger(__name__).warning("admission_release_failed",
-                                                   error=repr(exc))
+            structlog.get_logger(__name__).warning("admission_release_failed", error=repr(exc))
 
     def _release_blocking(self, member: str, held_for: float | None) -> None:
         try:
@@ -389,8 +406,7 @@ class SharedAdmissionController:
         except Exception as exc:  # noqa: BLE001 - the lease lapses on its own
             import structlog
 
-            structlog.get_logger(__name__).warning("admission_release_failed",
-                                                   error=repr(exc))
+            structlog.get_logger(__name__).warning("admission_release_failed", error=repr(exc))
 
     # ---------------------------------------------------------------- figures
 
@@ -409,10 +425,14 @@ class SharedAdmissionController:
         with self._lock:
             refused, admitted = self._refused, self._admitted
         return AdmissionStats(
-            slots=self.slots, max_pending=self.max_pending, in_flight=in_flight,
+            slots=self.slots,
+            max_pending=self.max_pending,
+            in_flight=in_flight,
             waiting=waiting,
             estimated_wait_seconds=None if estimate is None else round(estimate, 3),
-            refused_total=refused, admitted_total=admitted)
+            refused_total=refused,
+            admitted_total=admitted,
+        )
 
     def close(self) -> None:
         """The process is stopping (serve's shutdown, SIGTERM): its slots and queue places

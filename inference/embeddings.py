@@ -28,9 +28,15 @@ def _encode(vector: list[float], fmt: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-async def serve_embeddings(*, req: EmbeddingRequest, ignored: list[str], policy: str,
-                           lease: str | None = None, priority: str = "interactive",
-                           admit: bool = True) -> tuple[dict[str, Any], dict[str, str]]:
+async def serve_embeddings(
+    *,
+    req: EmbeddingRequest,
+    ignored: list[str],
+    policy: str,
+    lease: str | None = None,
+    priority: str = "interactive",
+    admit: bool = True,
+) -> tuple[dict[str, Any], dict[str, str]]:
     """The answer's body and headers. ``admit``: take an admission slot (the route); a
     batch line does not, and its job waits behind interactive work (``priority``)."""
     client = runtime().engine
@@ -38,34 +44,40 @@ async def serve_embeddings(*, req: EmbeddingRequest, ignored: list[str], policy:
     status = await residency.status()
     model, _ = await resolve_model(req.model, status)
     check_dimensions(req.dimensions, model.hidden_size)  # before anything loads, where known
-    residency.check_policy(model, policy=policy, resident=resident_model_id(status),
-                           draining=status.draining)
+    residency.check_policy(model, policy=policy, resident=resident_model_id(status), draining=status.draining)
     permit = await runtime().admission.acquire() if admit else None
     use = None
     try:
         # a status read before a wait in the queue may be stale: read it again then
-        use = await residency.acquire(model, policy=policy,
-                                      status=None if permit is not None and permit.waited
-                                      else status, lease=lease)
+        use = await residency.acquire(
+            model, policy=policy, status=None if permit is not None and permit.waited else status, lease=lease
+        )
         check_dimensions(req.dimensions, use.status.hidden_size)
         result = await asyncio.to_thread(
-            client.embed, EmbedJob(request_id=f"embd-{uuid.uuid4().hex}",
-                                   inputs=list(req.input), pooling="mean", normalize=True,
-                                   priority=priority),
-            timeout_s=ENGINE_CALL_TIMEOUT_S)
+            client.embed,
+            EmbedJob(
+                request_id=f"embd-{uuid.uuid4().hex}",
+                inputs=list(req.input),
+                pooling="mean",
+                normalize=True,
+                priority=priority,
+            ),
+            timeout_s=ENGINE_CALL_TIMEOUT_S,
+        )
     finally:
         if use is not None:
             use.release()
         if permit is not None:
             permit.release()
-    record_tokens(model=model.name, completion_tokens=0,
-                  prompt_tokens=result.usage.prompt_tokens)
+    record_tokens(model=model.name, completion_tokens=0, prompt_tokens=result.usage.prompt_tokens)
     body = EmbeddingResponse(
-        data=[EmbeddingData(index=i, embedding=_encode(v, req.encoding_format))
-              for i, v in enumerate(result.embeddings)],
+        data=[
+            EmbeddingData(index=i, embedding=_encode(v, req.encoding_format)) for i, v in enumerate(result.embeddings)
+        ],
         model=model.name,
-        usage=UsageInfo(prompt_tokens=result.usage.prompt_tokens,
-                        total_tokens=result.usage.total_tokens))
-    return (body.model_dump(exclude={"usage": {"completion_tokens"}}),
-            {"X-miLLM-Backend": client.backend_name, "X-miLLM-Steering": "none",
-             **ignored_headers(ignored)})
+        usage=UsageInfo(prompt_tokens=result.usage.prompt_tokens, total_tokens=result.usage.total_tokens),
+    )
+    return (
+        body.model_dump(exclude={"usage": {"completion_tokens"}}),
+        {"X-miLLM-Backend": client.backend_name, "X-miLLM-Steering": "none", **ignored_headers(ignored)},
+    )

@@ -108,8 +108,7 @@ def openai_error_from_validation(exc: Any) -> OpenAIError:
     return OpenAIError(message, status=400, code="invalid_parameter", param=param)
 
 
-def openai_error_from_exception(exc: BaseException, *, param: str | None = None
-                                ) -> OpenAIError:
+def openai_error_from_exception(exc: BaseException, *, param: str | None = None) -> OpenAIError:
     """The /v1 error for anything raised while serving a request. Unknown exceptions
     become a 500 whose message says nothing of the internals (the log has them)."""
     if isinstance(exc, OpenAIError):
@@ -118,30 +117,32 @@ def openai_error_from_exception(exc: BaseException, *, param: str | None = None
         exc = from_engine_error(exc, no_engine=ModelNotLoaded)  # /v1: 503 model_not_loaded
     if isinstance(exc, MillmError):
         status, code, retry_setting = _DOMAIN.get(
-            exc.code, (400 if exc.status == 422 else exc.status, exc.code.lower(), None))
+            exc.code, (400 if exc.status == 422 else exc.status, exc.code.lower(), None)
+        )
         retry_after = exc.retry_after if exc.retry_after is not None else _setting(retry_setting)
         details = exc.details or {}
-        return OpenAIError(exc.message, status=status, code=code,
-                           param=details.get("param") if isinstance(details.get("param"), str)
-                           else _PARAM.get(exc.code, param),
-                           retry_after=retry_after if status == 503 else None)
+        return OpenAIError(
+            exc.message,
+            status=status,
+            code=code,
+            param=details.get("param") if isinstance(details.get("param"), str) else _PARAM.get(exc.code, param),
+            retry_after=retry_after if status == 503 else None,
+        )
     try:
         from pydantic import ValidationError
     except ImportError:  # pragma: no cover - pydantic is a web requirement
         ValidationError = ()  # type: ignore[assignment]
     if isinstance(exc, ValidationError):
         return openai_error_from_validation(exc)
-    log.error("v1_unhandled_error", error_type=type(exc).__name__,
-              exc_info=(type(exc), exc, exc.__traceback__))
-    return OpenAIError("The server had an error while processing your request.",
-                       status=500, code="internal_error", type="server_error")
+    log.error("v1_unhandled_error", error_type=type(exc).__name__, exc_info=(type(exc), exc, exc.__traceback__))
+    return OpenAIError(
+        "The server had an error while processing your request.", status=500, code="internal_error", type="server_error"
+    )
 
 
-def openai_error_event(code: str, message: str, details: dict[str, Any] | None = None
-                       ) -> OpenAIError:
+def openai_error_event(code: str, message: str, details: dict[str, Any] | None = None) -> OpenAIError:
     """The /v1 error for an engine ``ErrorEvent`` (code, message, details)."""
-    return openai_error_from_exception(
-        error_from_dict({"code": code, "message": message, "details": details or {}}))
+    return openai_error_from_exception(error_from_dict({"code": code, "message": message, "details": details or {}}))
 
 
 # the limit on a /v1 request's headers (431 above it)
@@ -159,15 +160,19 @@ def openai_view(*methods: str):
         async def wrapper(request: HttpRequest, *args: Any, **kwargs: Any):
             try:
                 if request.method not in methods:
-                    raise OpenAIError(f"Method {request.method} is not allowed here; use "
-                                      f"{' or '.join(methods)}", status=405,
-                                      code="method_not_allowed",
-                                      headers={"Allow": ", ".join(methods)})  # RFC 9110
+                    raise OpenAIError(
+                        f"Method {request.method} is not allowed here; use {' or '.join(methods)}",
+                        status=405,
+                        code="method_not_allowed",
+                        headers={"Allow": ", ".join(methods)},
+                    )  # RFC 9110
                 size = sum(len(k) + len(str(v)) for k, v in request.headers.items())
                 if size > MAX_HEADER_BYTES:
-                    raise OpenAIError(f"Request headers are too large ({size} bytes; the "
-                                      f"limit is {MAX_HEADER_BYTES})", status=431,
-                                      code="request_header_fields_too_large")
+                    raise OpenAIError(
+                        f"Request headers are too large ({size} bytes; the limit is {MAX_HEADER_BYTES})",
+                        status=431,
+                        code="request_header_fields_too_large",
+                    )
                 return await view(request, *args, **kwargs)
             except asyncio.CancelledError:
                 raise

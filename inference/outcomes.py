@@ -47,11 +47,10 @@ async def record_monitoring(plan: Plan, outcome: Outcome) -> None:
     (taken out of the outcome, so return_sae_activations never sees them)."""
     if plan.monitoring is None:
         return
-    records = monitoring_take_records(entry=plan.monitoring, finish=outcome.finish,
-                                      tokens=outcome.tokens)
-    await off_view_thread(monitoring_record)(request_id=plan.object_id,
-                                             entry=plan.monitoring, records=records,
-                                             owner=plan.scope.owner)
+    records = monitoring_take_records(entry=plan.monitoring, finish=outcome.finish, tokens=outcome.tokens)
+    await off_view_thread(monitoring_record)(
+        request_id=plan.object_id, entry=plan.monitoring, records=records, owner=plan.scope.owner
+    )
 
 
 async def register_capture(plan: Plan, outcome: Outcome) -> None:
@@ -61,14 +60,23 @@ async def register_capture(plan: Plan, outcome: Outcome) -> None:
     if result is None:
         return
     if result.data is not None:
-        outcome.capture = {"id": result.capture_id, "inline": True, "format": "safetensors",
-                           "bytes": result.nbytes, "data": base64.b64encode(result.data).decode(),
-                           "metadata": result.meta}
+        outcome.capture = {
+            "id": result.capture_id,
+            "inline": True,
+            "format": "safetensors",
+            "bytes": result.nbytes,
+            "data": base64.b64encode(result.data).decode(),
+            "metadata": result.meta,
+        }
         return
-    await off_view_thread(capture_register)(request_id=plan.object_id, result=result,
-                                            owner=plan.scope.owner)
-    outcome.capture = {"id": result.capture_id, "inline": False, "format": "safetensors",
-                       "bytes": result.nbytes, "url": f"/api/captures/{result.capture_id}/download"}
+    await off_view_thread(capture_register)(request_id=plan.object_id, result=result, owner=plan.scope.owner)
+    outcome.capture = {
+        "id": result.capture_id,
+        "inline": False,
+        "format": "safetensors",
+        "bytes": result.nbytes,
+        "url": f"/api/captures/{result.capture_id}/download",
+    }
 
 
 async def run_analyses(plan: Plan, outcome: Outcome) -> None:
@@ -86,15 +94,15 @@ async def run_analyses(plan: Plan, outcome: Outcome) -> None:
         else:
             source = Path(outcome.choice.job.capture.directory or "") / (result.file or "")
     entries = await runtime().analyzers.arun(
-        plan.analyses, source, capture_id=result.capture_id if result is not None else None)
+        plan.analyses, source, capture_id=result.capture_id if result is not None else None
+    )
     if result is not None and result.data is None:
         # stored: /api/captures/{id}/analyze can run another analyzer on it later
         entries = [{**e, "capture_id": result.capture_id} for e in entries]
     outcome.analysis = entries
 
 
-async def probe_verdicts(probes: ProbePlan, outcome: Outcome, *, rows: str = "completion"
-                         ) -> list[dict[str, Any]]:
+async def probe_verdicts(probes: ProbePlan, outcome: Outcome, *, rows: str = "completion") -> list[dict[str, Any]]:
     """The verdicts of a finished choice (``monitoring.probe_requests``): SAE-feature probes from
     the records their monitors made (taken out first, so ``return_sae_activations`` never
     sees them), hidden-state probes from the capture in the analysis pool. ``rows``: the
@@ -103,16 +111,19 @@ async def probe_verdicts(probes: ProbePlan, outcome: Outcome, *, rows: str = "co
     index = outcome.choice.index
     records = probe_take_records(finish=outcome.finish, tokens=outcome.tokens)
     verdicts = [h.skipped(r, index) for h, r in zip(probes.skipped, probes.reasons)]
-    verdicts += probe_score_sae(heads=[h for h in probes.heads if h.basis == "sae_features"],
-                                records=records, choice=index)
+    verdicts += probe_score_sae(
+        heads=[h for h in probes.heads if h.basis == "sae_features"], records=records, choice=index
+    )
     if probes.hidden:
         result = outcome.finish.capture
         source: Any = None
         if result is not None:
-            source = result.data if result.data is not None else \
-                Path(outcome.choice.job.capture.directory or "") / (result.file or "")
-        verdicts += await runtime().analyzers.acall(probe_score_hidden, probes.hidden,
-                                                    source, index, rows)
+            source = (
+                result.data
+                if result.data is not None
+                else Path(outcome.choice.job.capture.directory or "") / (result.file or "")
+            )
+        verdicts += await runtime().analyzers.acall(probe_score_hidden, probes.hidden, source, index, rows)
     order = {h.id: i for i, h in enumerate([*probes.skipped, *probes.heads])}
     return sorted(verdicts, key=lambda v: order.get(v["probe_id"], 0))
 
@@ -123,8 +134,7 @@ async def score_probes(plan: Plan, outcome: Outcome) -> None:
     if plan.probes is None:
         return
     outcome.probes = await probe_verdicts(plan.probes, outcome)
-    await off_view_thread(probe_record)(request_id=plan.object_id, verdicts=outcome.probes,
-                                        owner=plan.scope.owner)
+    await off_view_thread(probe_record)(request_id=plan.object_id, verdicts=outcome.probes, owner=plan.scope.owner)
 
 
 def sense(plan: Plan, outcome: Outcome) -> None:
@@ -134,8 +144,13 @@ def sense(plan: Plan, outcome: Outcome) -> None:
     if plan.sensing is None:
         return
     records = sensing_take_records(finish=outcome.finish, tokens=outcome.tokens)
-    sensing_publish(plan=plan.sensing, records=records, request_id=plan.object_id,
-                    choice=outcome.choice.index, owner=plan.scope.owner)
+    sensing_publish(
+        plan=plan.sensing,
+        records=records,
+        request_id=plan.object_id,
+        choice=outcome.choice.index,
+        owner=plan.scope.owner,
+    )
 
 
 def probe_headers(plan: Plan, outcomes: list[Outcome]) -> dict[str, str]:
@@ -148,17 +163,22 @@ def prompt_only(choice: Choice, finish: FinishEvent, tokens: list[TokenEvent]) -
     """A ``max_tokens: 0`` choice's outcome: the prompt read (its echo, logprobs and
     activations) and nothing generated — the one token the engine's prefill produced is
     dropped, and the monitor rows that travelled with it stay as prompt rows."""
-    records = [msgspec.structs.replace(r, token_index=None)
-               for r in [*finish.activations, *(r for t in tokens for r in t.activations)]]
+    records = [
+        msgspec.structs.replace(r, token_index=None)
+        for r in [*finish.activations, *(r for t in tokens for r in t.activations)]
+    ]
     n = finish.usage.prompt_tokens
-    return Outcome(choice, msgspec.structs.replace(
-        finish, finish_reason="length", text="", token_ids=[], tokens=[],
-        usage=Usage(n, 0, n), activations=records), [])
+    return Outcome(
+        choice,
+        msgspec.structs.replace(
+            finish, finish_reason="length", text="", token_ids=[], tokens=[], usage=Usage(n, 0, n), activations=records
+        ),
+        [],
+    )
 
 
 def outcome_of(choice: Choice, finish: FinishEvent, tokens: list[TokenEvent]) -> Outcome:
-    return prompt_only(choice, finish, tokens) if choice.prompt_only \
-        else Outcome(choice, finish, tokens)
+    return prompt_only(choice, finish, tokens) if choice.prompt_only else Outcome(choice, finish, tokens)
 
 
 async def run_choice(client: EngineClient, choice: Choice) -> Outcome:
@@ -170,5 +190,6 @@ async def run_choice(client: EngineClient, choice: Choice) -> Outcome:
             return outcome_of(choice, event, tokens)
         elif isinstance(event, ErrorEvent):
             raise openai_error_event(event.code, event.message, event.details)
-    raise OpenAIError("the generation ended without a result", status=500,
-                      code="generation_failed", type="server_error")
+    raise OpenAIError(
+        "the generation ended without a result", status=500, code="generation_failed", type="server_error"
+    )

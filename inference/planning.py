@@ -100,8 +100,13 @@ class Plan:
 
     @property
     def headers(self) -> dict[str, str]:
-        return {"X-miLLM-Backend": self.backend, "X-miLLM-Steering": self.steering.header_value,
-                **self.seed_header, **self.batch_header, **ignored_headers(self.ignored_fields)}
+        return {
+            "X-miLLM-Backend": self.backend,
+            "X-miLLM-Steering": self.steering.header_value,
+            **self.seed_header,
+            **self.batch_header,
+            **ignored_headers(self.ignored_fields),
+        }
 
     @property
     def batch_header(self) -> dict[str, str]:
@@ -128,7 +133,6 @@ class Plan:
         return self.request.uses_extensions or self.probes is not None
 
 
-
 def off_view_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (database work) on a pool thread rather than the one thread that runs sync
     views: a slow view (an attach draining the generations) must not hold up planning,
@@ -142,25 +146,29 @@ def off_view_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     return sync_to_async(run, thread_sensitive=False)
 
 
-def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None
-                   ) -> dict[str, Any]:
+def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None) -> dict[str, Any]:
     inline = req.steering
     return {
         "inline_sae_id": inline.sae_id if inline is not None else None,
         # each feature as the engine's FeatureControl, its ranges checked by the body's model
-        "inline_features": ([f.control() for f in inline.features]
-                            if inline is not None else None),
+        "inline_features": ([f.control() for f in inline.features] if inline is not None else None),
         "profile": profile,
         "intensity": req.steering_intensity,
     }
 
 
-async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
-                          model: ModelRef, profile: str | None, client: EngineClient,
-                          attachments: list[AttachmentStatus] | None = None,
-                          status: EngineStatus | None = None,
-                          ignored_fields: list[str] | None = None,
-                          scope: Scope = EVERYONE) -> Plan:
+async def plan_generation(
+    *,
+    kind: str,
+    req: ChatCompletionRequest | CompletionRequest,
+    model: ModelRef,
+    profile: str | None,
+    client: EngineClient,
+    attachments: list[AttachmentStatus] | None = None,
+    status: EngineStatus | None = None,
+    ignored_fields: list[str] | None = None,
+    scope: Scope = EVERYONE,
+) -> Plan:
     if attachments is None:
         attachments = await asyncio.to_thread(client.attachments)
     args = _steering_args(req, profile)
@@ -168,32 +176,29 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     def resolve() -> tuple[ResolvedSteering, MonitorEntry | None]:
         # a profile or the live steering a request without its own falls back to, and
         # /api/monitoring's configuration when this process's copy is old: the database
-        return (steering_resolve_request(attachments=attachments, model_name=model.name,
-                                         **args),
-                monitoring_request_entry(attachments=attachments))
+        return (
+            steering_resolve_request(attachments=attachments, model_name=model.name, **args),
+            monitoring_request_entry(attachments=attachments),
+        )
 
     config = monitoring_request_config()
     live = live_copy.fresh() if args["inline_features"] is None else None
-    if config is not None and (args["inline_features"] is not None
-                               or (args["profile"] is None and live is not None)):
+    if config is not None and (args["inline_features"] is not None or (args["profile"] is None and live is not None)):
         # inline steering, or the live steering and the monitoring configuration as this
         # process holds them: nothing to read, so no thread hop before the first forward
-        steering = steering_resolve_request(attachments=attachments, model_name=model.name,
-                                            live_values=live, **args)
+        steering = steering_resolve_request(attachments=attachments, model_name=model.name, live_values=live, **args)
         monitored = monitoring_request_entry(attachments=attachments, config=config)
     else:
         steering, monitored = await off_view_thread(resolve)()
-    n_prompts = len(req.conversations()) if isinstance(req, ChatCompletionRequest) \
-        else len(req.prompt)
+    n_prompts = len(req.conversations()) if isinstance(req, ChatCompletionRequest) else len(req.prompt)
     defaults = sampling_defaults(status)
     monitor = attachment = None
     if req.return_sae_activations is not None:
         first = req.sampling(0, defaults)
-        max_tokens = first.max_tokens if first.max_tokens is not None \
-            else first.max_tokens_default
+        max_tokens = first.max_tokens if first.max_tokens is not None else first.max_tokens_default
         monitor, attachment = monitor_resolve(
-            asked=req.return_sae_activations, attachments=attachments,
-            choices=n_prompts * req.n, max_tokens=max_tokens)
+            asked=req.return_sae_activations, attachments=attachments, choices=n_prompts * req.n, max_tokens=max_tokens
+        )
     monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
     analyses = await prepare_analyses(req, status, client.backend_name, scope)
     need = runtime().analyzers.need(analyses) if analyses else None
@@ -201,18 +206,15 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
     if probes is not None:
         entries = probes.monitor_entries()
         if entries:  # read per request by the engine's monitors, inside shared batches
-            monitor = MonitorSpec([*(monitor.entries if monitor is not None else []),
-                                   *entries])
+            monitor = MonitorSpec([*(monitor.entries if monitor is not None else []), *entries])
         probe_need = probes.capture_need()
         if probe_need is not None:
             need = probe_need if need is None else need.merged(probe_need)
     sensing = await plan_sensing(status)
     if sensing is not None:  # tagged entries, read apart from the request's own
-        monitor = MonitorSpec([*(monitor.entries if monitor is not None else []),
-                               *sensing.monitor_entries()])
+        monitor = MonitorSpec([*(monitor.entries if monitor is not None else []), *sensing.monitor_entries()])
     # the room left under CAPTURE_DIR_MAX_BYTES (a database read: off the loop)
-    room = await off_view_thread(capture_room)() \
-        if req.capture is not None or need is not None else None
+    room = await off_view_thread(capture_room)() if req.capture is not None or need is not None else None
     capture = capture_spec(req, model.name, n_prompts * req.n, need=need, room=room)
     choices: list[Choice] = []
     tools = None
@@ -224,36 +226,71 @@ async def plan_generation(*, kind: str, req: ChatCompletionRequest | CompletionR
                 sampling = req.sampling(i, defaults)
                 if tools is not None and tools.structured is not None:
                     sampling.structured = tools.structured  # the call's grammar
-                choices.append(Choice(c * req.n + i, GenerationJob(
-                    request_id=f"chatcmpl-{uuid.uuid4().hex}", messages=messages,
-                    sampling=sampling, steering=steering.spec,
-                    monitor=monitor, chat_template_kwargs=template_kwargs(req),
-                    capture=capture, tools=req.template_tools())))
+                choices.append(
+                    Choice(
+                        c * req.n + i,
+                        GenerationJob(
+                            request_id=f"chatcmpl-{uuid.uuid4().hex}",
+                            messages=messages,
+                            sampling=sampling,
+                            steering=steering.spec,
+                            monitor=monitor,
+                            chat_template_kwargs=template_kwargs(req),
+                            capture=capture,
+                            tools=req.template_tools(),
+                        ),
+                    )
+                )
     else:
         if req.echo and req.wants_logprobs and req.stream:
-            raise OpenAIError("echo with logprobs is not available when streaming",
-                              status=400, code="invalid_parameter", param="echo")
+            raise OpenAIError(
+                "echo with logprobs is not available when streaming", status=400, code="invalid_parameter", param="echo"
+            )
         for p, prompt in enumerate(req.prompt):
             for i in range(req.n):
                 job_args: dict[str, Any] = (
                     {"prompt": prompt, "add_special_tokens": req.add_special_tokens}
-                    if isinstance(prompt, str) else {"prompt_token_ids": list(prompt)})
-                choices.append(Choice(p * req.n + i, GenerationJob(
-                    request_id=f"cmpl-{uuid.uuid4().hex}", sampling=req.sampling(i, defaults),
-                    steering=steering.spec, monitor=monitor, capture=capture, **job_args),
-                    prompt_text=prompt if isinstance(prompt, str) else None,
-                    prompt_only=req.scores_only))
-    return Plan(kind=kind, request=req, model=model, steering=steering, monitor=monitor,
-                attachment=attachment, choices=choices,
-                backend=client.backend_name, monitoring=monitored,
-                ignored_fields=list(ignored_fields or ()),
-                fingerprint=wire.fingerprint(status, version()), analyses=analyses,
-                probes=probes, tools=tools, sensing=sensing, scope=scope)
+                    if isinstance(prompt, str)
+                    else {"prompt_token_ids": list(prompt)}
+                )
+                choices.append(
+                    Choice(
+                        p * req.n + i,
+                        GenerationJob(
+                            request_id=f"cmpl-{uuid.uuid4().hex}",
+                            sampling=req.sampling(i, defaults),
+                            steering=steering.spec,
+                            monitor=monitor,
+                            capture=capture,
+                            **job_args,
+                        ),
+                        prompt_text=prompt if isinstance(prompt, str) else None,
+                        prompt_only=req.scores_only,
+                    )
+                )
+    return Plan(
+        kind=kind,
+        request=req,
+        model=model,
+        steering=steering,
+        monitor=monitor,
+        attachment=attachment,
+        choices=choices,
+        backend=client.backend_name,
+        monitoring=monitored,
+        ignored_fields=list(ignored_fields or ()),
+        fingerprint=wire.fingerprint(status, version()),
+        analyses=analyses,
+        probes=probes,
+        tools=tools,
+        sensing=sensing,
+        scope=scope,
+    )
 
 
-async def plan_probes(req: ChatCompletionRequest | CompletionRequest,
-                      status: EngineStatus | None, choices: int,
-                      scope: Scope = EVERYONE) -> ProbePlan | None:
+async def plan_probes(
+    req: ChatCompletionRequest | CompletionRequest, status: EngineStatus | None, choices: int, scope: Scope = EVERYONE
+) -> ProbePlan | None:
     """The probes this request scores (``monitoring.probe_requests``): those it names, or the
     armed set (as this process holds it when fresh, else from the database)."""
     if status is None or (req.probes is not None and not req.probes):
@@ -262,8 +299,7 @@ async def plan_probes(req: ChatCompletionRequest | CompletionRequest,
         armed = armed_copy.fresh()
         if armed is not None:
             return probe_request_plan(asked=None, status=status, choices=choices, armed=armed)
-    return await off_view_thread(probe_request_plan)(asked=req.probes, status=status,
-                                                     choices=choices, scope=scope)
+    return await off_view_thread(probe_request_plan)(asked=req.probes, status=status, choices=choices, scope=scope)
 
 
 async def plan_sensing(status: EngineStatus | None) -> SensingPlan | None:
@@ -277,9 +313,9 @@ async def plan_sensing(status: EngineStatus | None) -> SensingPlan | None:
     return sensing_request_plan(status=status, watches=watches)
 
 
-async def prepare_analyses(req: ChatCompletionRequest | CompletionRequest,
-                           status: EngineStatus | None, backend: str,
-                           scope: Scope = EVERYONE) -> list[PreparedAnalysis]:
+async def prepare_analyses(
+    req: ChatCompletionRequest | CompletionRequest, status: EngineStatus | None, backend: str, scope: Scope = EVERYONE
+) -> list[PreparedAnalysis]:
     """The request's ``analyze`` entries, validated before anything runs: an unknown
     name (the message lists the known ones), params or a probe file the analyzer
     refuses, or a capture the loaded backend cannot take are 400s."""
@@ -289,16 +325,22 @@ async def prepare_analyses(req: ChatCompletionRequest | CompletionRequest,
     # off the event loop: preparing reads probe files
     # the caller's scope: an analyzer reads only stored captures the caller may see
     analyses = await analyzers.aprepare([(a.name, a.params) for a in req.analyze], scope)
-    analysis_check_backend(need=analyzers.need(analyses),
-                           capabilities=status.capabilities if status is not None else None,
-                           backend=(status.backend if status is not None else None) or backend,
-                           analyzers=[a.name for a in analyses])
+    analysis_check_backend(
+        need=analyzers.need(analyses),
+        capabilities=status.capabilities if status is not None else None,
+        backend=(status.backend if status is not None else None) or backend,
+        analyzers=[a.name for a in analyses],
+    )
     return analyses
 
 
-def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, choices: int,
-                 need: CaptureNeed | None = None, room: int | None = None
-                 ) -> CaptureSpec | None:
+def capture_spec(
+    req: ChatCompletionRequest | CompletionRequest,
+    model: str,
+    choices: int,
+    need: CaptureNeed | None = None,
+    room: int | None = None,
+) -> CaptureSpec | None:
     """The engine's capture spec of a request's ``capture`` field united with what its
     analyzers read (``need``), with the CAPTURE_* limits: one choice only (the response
     holds one capture)."""
@@ -307,26 +349,37 @@ def capture_spec(req: ChatCompletionRequest | CompletionRequest, model: str, cho
         return None
     if choices != 1:
         param = "capture" if asked is not None else "analyze"
-        raise OpenAIError(f"{param} takes one choice: send one prompt with n = 1",
-                          status=400, code="invalid_parameter", param=param)
+        raise OpenAIError(
+            f"{param} takes one choice: send one prompt with n = 1", status=400, code="invalid_parameter", param=param
+        )
     limits = capture_limits(model, room)
     base = None
     if asked is not None:
         att = asked.attention
-        attention = None if att is None else AttentionCaptureSpec(
-            layers=list(att.layers), heads=list(att.heads) if att.heads is not None else None,
-            positions=att.positions, q_positions=att.q_positions)
-        base = CaptureSpec(layers=list(asked.layers), positions=asked.positions,
-                           attention=attention, **limits)
+        attention = (
+            None
+            if att is None
+            else AttentionCaptureSpec(
+                layers=list(att.layers),
+                heads=list(att.heads) if att.heads is not None else None,
+                positions=att.positions,
+                q_positions=att.q_positions,
+            )
+        )
+        base = CaptureSpec(layers=list(asked.layers), positions=asked.positions, attention=attention, **limits)
     return base if need is None else capture_spec_for(need, base, **limits)
 
 
 def capture_limits(model: str, room: int | None = None) -> dict[str, Any]:
     """The CAPTURE_* limits every capture the web tier asks for carries; ``room``: what is
     left under CAPTURE_DIR_MAX_BYTES (None: no quota)."""
-    return {"max_bytes": int(settings.CAPTURE_MAX_BYTES),
-            "inline_max_bytes": int(settings.CAPTURE_INLINE_MAX_BYTES),
-            "directory": str(settings.CAPTURE_DIR), "model": model, "store_max_bytes": room}
+    return {
+        "max_bytes": int(settings.CAPTURE_MAX_BYTES),
+        "inline_max_bytes": int(settings.CAPTURE_INLINE_MAX_BYTES),
+        "directory": str(settings.CAPTURE_DIR),
+        "model": model,
+        "store_max_bytes": room,
+    }
 
 
 def sampling_defaults(status: EngineStatus) -> SamplingDefaults:
@@ -335,9 +388,11 @@ def sampling_defaults(status: EngineStatus) -> SamplingDefaults:
     shrinks, never a refusal); else OpenAI's defaults."""
     if not (status.batching or {}).get("enabled"):
         return OPENAI_DEFAULTS
-    return SamplingDefaults(temperature=float(settings.CBM_DEFAULT_TEMPERATURE),
-                            top_p=float(settings.CBM_DEFAULT_TOP_P),
-                            max_tokens=int(settings.CBM_DEFAULT_MAX_TOKENS))
+    return SamplingDefaults(
+        temperature=float(settings.CBM_DEFAULT_TEMPERATURE),
+        top_p=float(settings.CBM_DEFAULT_TOP_P),
+        max_tokens=int(settings.CBM_DEFAULT_MAX_TOKENS),
+    )
 
 
 async def resolve_model(name: str, status: EngineStatus) -> tuple[ModelRef, str | None]:

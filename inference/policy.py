@@ -50,12 +50,17 @@ def strict_mode(value: str | None) -> bool:
         return False
     strict = _STRICT_VALUES.get(value.strip().lower())
     if strict is None:
-        raise OpenAIError(f"{STRICT_HEADER} must be true, 1, false or 0 (got {value!r})",
-                          status=400, code="invalid_parameter", param=STRICT_HEADER)
+        raise OpenAIError(
+            f"{STRICT_HEADER} must be true, 1, false or 0 (got {value!r})",
+            status=400,
+            code="invalid_parameter",
+            param=STRICT_HEADER,
+        )
     return strict
 
 
 # --------------------------------------------------------------------------- refusals
+
 
 @dataclass(frozen=True)
 class Unhonoured:
@@ -95,22 +100,28 @@ UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
         Unhonoured("response_format", _FORMATS, _known_format),
         Unhonoured("audio", "audio output is not available", _one_of()),
         Unhonoured("modalities", "only text output is available", _one_of(["text"])),
-        Unhonoured("prediction", "predicted outputs (and the accepted/rejected prediction "
-                   "token counts they report) are not available", _one_of()),
+        Unhonoured(
+            "prediction",
+            "predicted outputs (and the accepted/rejected prediction token counts they report) are not available",
+            _one_of(),
+        ),
         Unhonoured("web_search_options", "web search is not available", _one_of()),
-        Unhonoured("moderation", "moderation of the input and output is not available",
-                   _one_of()),
-        Unhonoured("reasoning_effort", "the served model has no reasoning-effort control; "
-                   "only \"none\" is honoured", _one_of("none")),
-        Unhonoured("verbosity", "verbosity control is not available; \"medium\" (the "
-                   "model's own) is honoured", _one_of("medium")),
+        Unhonoured("moderation", "moderation of the input and output is not available", _one_of()),
+        Unhonoured(
+            "reasoning_effort",
+            'the served model has no reasoning-effort control; only "none" is honoured',
+            _one_of("none"),
+        ),
+        Unhonoured(
+            "verbosity",
+            'verbosity control is not available; "medium" (the model\'s own) is honoured',
+            _one_of("medium"),
+        ),
     ),
     CompletionRequest: (
         Unhonoured("response_format", _FORMATS, _known_format),
-        Unhonoured("suffix", "insertion (text after the completion) is not available",
-                   _one_of("")),
-        Unhonoured("best_of", "ranking best_of candidates is not available; best_of must "
-                   "equal n", _best_of_n),
+        Unhonoured("suffix", "insertion (text after the completion) is not available", _one_of("")),
+        Unhonoured("best_of", "ranking best_of candidates is not available; best_of must equal n", _best_of_n),
     ),
 }
 
@@ -120,8 +131,9 @@ def refuse_unhonoured(data: dict[str, Any], req: BaseModel) -> None:
     value this server cannot honour."""
     for rule in UNHONOURED.get(type(req), ()):
         if rule.name in data and not rule.neutral(data[rule.name], req):
-            raise OpenAIError(f"{rule.name} cannot be honoured: {rule.why}", status=400,
-                              code="field_not_honoured", param=rule.name)
+            raise OpenAIError(
+                f"{rule.name} cannot be honoured: {rule.why}", status=400, code="field_not_honoured", param=rule.name
+            )
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -133,14 +145,17 @@ def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     try:
         check_template_kwargs(kwargs)
     except InvalidParameter as exc:
-        raise OpenAIError(str(exc), status=400, code="invalid_parameter",
-                          param=exc.param) from None
+        raise OpenAIError(str(exc), status=400, code="invalid_parameter", param=exc.param) from None
     if "chat_template" in kwargs and not settings.MILLM_ALLOW_REQUEST_CHAT_TEMPLATE:
-        raise OpenAIError("chat_template_kwargs.chat_template is refused: this server does "
-                          "not run chat templates sent with a request (the model's own "
-                          "template is used; the operator can allow them with "
-                          "MILLM_ALLOW_REQUEST_CHAT_TEMPLATE)", status=400,
-                          code="invalid_parameter", param="chat_template_kwargs.chat_template")
+        raise OpenAIError(
+            "chat_template_kwargs.chat_template is refused: this server does "
+            "not run chat templates sent with a request (the model's own "
+            "template is used; the operator can allow them with "
+            "MILLM_ALLOW_REQUEST_CHAT_TEMPLATE)",
+            status=400,
+            code="invalid_parameter",
+            param="chat_template_kwargs.chat_template",
+        )
     return kwargs
 
 
@@ -149,12 +164,17 @@ def check_dimensions(asked: int | None, native: int | None) -> None:
     returns anyway and passes; any other is 400 ``field_not_honoured``. ``native`` None:
     not known yet (checked again once the model is resident)."""
     if asked is not None and native is not None and asked != native:
-        raise OpenAIError(f"dimensions cannot be honoured: embeddings have the model's hidden "
-                          f"size ({native}); shortening them is not available", status=400,
-                          code="field_not_honoured", param="dimensions")
+        raise OpenAIError(
+            f"dimensions cannot be honoured: embeddings have the model's hidden "
+            f"size ({native}); shortening them is not available",
+            status=400,
+            code="field_not_honoured",
+            param="dimensions",
+        )
 
 
 # --------------------------------------------------------------------------- unused
+
 
 def _key(name: str) -> str:
     # printable ASCII as is; anything else JSON-escaped, so a location is plain ASCII
@@ -162,8 +182,7 @@ def _key(name: str) -> str:
     return "".join(c if " " <= c <= "~" else json.dumps(c)[1:-1] for c in name)
 
 
-def _walk(raw: dict[str, Any], parsed: BaseModel, path: str, checked: frozenset[str],
-          out: list[str]) -> None:
+def _walk(raw: dict[str, Any], parsed: BaseModel, path: str, checked: frozenset[str], out: list[str]) -> None:
     fields = type(parsed).model_fields
     unread = parsed.unread_fields() if hasattr(parsed, "unread_fields") else frozenset()
     for name, value in raw.items():
@@ -197,8 +216,7 @@ def _sf_string(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def ignored_header_value(fields: Sequence[str],
-                         limit: int = IGNORED_HEADER_MAX_BYTES) -> str:
+def ignored_header_value(fields: Sequence[str], limit: int = IGNORED_HEADER_MAX_BYTES) -> str:
     """``fields`` as an RFC 8941 list of strings of at most ``limit`` bytes: as many as
     fit, then ``"+N more"`` for the rest."""
     items = [_sf_string(f) for f in fields]
@@ -211,7 +229,7 @@ def ignored_header_value(fields: Sequence[str],
         more = _sf_string(f"+{len(items) - k} more")
         if prefix[k] + (2 if k else 0) + len(more) <= limit:
             return ", ".join([*items[:k], more])
-    raise AssertionError("the limit cannot hold even the \"+N more\" item")
+    raise AssertionError('the limit cannot hold even the "+N more" item')
 
 
 def ignored_headers(fields: Sequence[str]) -> dict[str, str]:
@@ -231,7 +249,11 @@ def check_fields(*, data: dict[str, Any], req: BaseModel, strict: bool) -> list[
     unused = unused_fields(data, req)
     if strict and unused:
         listed = ignored_header_value(unused)
-        raise OpenAIError(f"{STRICT_HEADER} refuses fields this server does not read: "
-                          f"{listed}", status=400, code="unused_fields_refused",
-                          param=unused[0], headers=ignored_headers(unused))
+        raise OpenAIError(
+            f"{STRICT_HEADER} refuses fields this server does not read: {listed}",
+            status=400,
+            code="unused_fields_refused",
+            param=unused[0],
+            headers=ignored_headers(unused),
+        )
     return unused

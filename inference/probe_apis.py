@@ -23,24 +23,24 @@ def _body(request: HttpRequest) -> Any:
     try:
         return json.loads(request.body.decode("utf-8") or "{}")
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ProbeScoreRequestInvalid(f"the body is not valid JSON: {type(exc).__name__}",
-                                       details={"param": None}) from None
+        raise ProbeScoreRequestInvalid(
+            f"the body is not valid JSON: {type(exc).__name__}", details={"param": None}
+        ) from None
 
 
 @csrf_exempt
 async def probe_score_api(request: HttpRequest) -> JsonResponse:
     if request.method != "POST":
-        response = error_json("METHOD_NOT_ALLOWED", f"Method {request.method} not allowed",
-                              status_code=405)
+        response = error_json("METHOD_NOT_ALLOWED", f"Method {request.method} not allowed", status_code=405)
         response["Allow"] = "POST"  # RFC 9110
         return response
     try:
-        body, headers = await probe_score(probe_score_parse(_body(request)),
-                                          scope=Scope.of_request(request))
+        body, headers = await probe_score(probe_score_parse(_body(request)), scope=Scope.of_request(request))
     except (MillmError, EngineError) as exc:
         err = from_engine_error(exc) if isinstance(exc, EngineError) else exc
-        return error_json(err.code, err.message, status_code=err.status, details=err.details,
-                          retry_after=err.retry_after)
+        return error_json(
+            err.code, err.message, status_code=err.status, details=err.details, retry_after=err.retry_after
+        )
     return JsonResponse({"success": True, "data": body, "error": None}, headers=headers)
 
 

@@ -80,8 +80,7 @@ class ScoreInput(_Strict):
     def _one_kind(self) -> ScoreInput:
         given = [k for k in ("text", "messages", "token_ids") if getattr(self, k) is not None]
         if len(given) != 1:
-            raise ValueError("an input gives exactly one of text, messages or token_ids "
-                             f"(got {given or 'none'})")
+            raise ValueError(f"an input gives exactly one of text, messages or token_ids (got {given or 'none'})")
         if self.text is not None and not self.text.strip():
             raise ValueError("text is empty")
         if self.token_ids is not None and any(t < 0 for t in self.token_ids):
@@ -96,8 +95,10 @@ class ScoreInput(_Strict):
         if self.token_ids is not None:
             return {"prompt_token_ids": list(self.token_ids)}
         assert self.messages is not None
-        return {"messages": [m.for_template() for m in self.messages],
-                "add_generation_prompt": self.add_generation_prompt}
+        return {
+            "messages": [m.for_template() for m in self.messages],
+            "add_generation_prompt": self.add_generation_prompt,
+        }
 
 
 class ProbeScoreRequest(_Strict):
@@ -119,23 +120,21 @@ def probe_score_parse(data: Any, *, model_required: bool = False) -> ProbeScoreR
     """The request, or 400 ``INVALID_PROBE_SCORE_REQUEST`` naming the first bad field
     (unknown fields included: nothing is ignored)."""
     if not isinstance(data, dict):
-        raise ProbeScoreRequestInvalid("the body must be a JSON object",
-                                       details={"param": None})
+        raise ProbeScoreRequestInvalid("the body must be a JSON object", details={"param": None})
     if model_required and not isinstance(data.get("model"), str):
-        raise ProbeScoreRequestInvalid("model: a /v1 scoring request names the model",
-                                       details={"param": "model"})
+        raise ProbeScoreRequestInvalid("model: a /v1 scoring request names the model", details={"param": "model"})
     try:
         req = ProbeScoreRequest.model_validate(data)
     except ValidationError as exc:
         error = openai_error_from_validation(exc)
         raise ProbeScoreRequestInvalid(error.message, details={"param": error.param}) from None
     except RecursionError:
-        raise ProbeScoreRequestInvalid("the body is nested too deeply",
-                                       details={"param": None}) from None
+        raise ProbeScoreRequestInvalid("the body is nested too deeply", details={"param": None}) from None
     if req.probes is not None and not req.probes:
-        raise ProbeScoreRequestInvalid("probes is empty: name at least one probe, or omit "
-                                       "probes to score with the armed ones",
-                                       details={"param": "probes"})
+        raise ProbeScoreRequestInvalid(
+            "probes is empty: name at least one probe, or omit probes to score with the armed ones",
+            details={"param": "probes"},
+        )
     return req
 
 
@@ -145,18 +144,19 @@ def _plan(asked: list[Any] | None, status: EngineStatus, scope: Scope = EVERYONE
     try:
         plan = probe_request_plan(asked=asked, status=status, choices=1, scope=scope)
     except ProbeNotFound as exc:
-        raise ProbeScoreRequestInvalid(exc.message, details={"param": "probes",
-                                                             **exc.details}) from None
+        raise ProbeScoreRequestInvalid(exc.message, details={"param": "probes", **exc.details}) from None
     if plan is None:
-        raise ProbeScoreRequestInvalid("no probes named and none armed: name probes, or arm "
-                                       "some (POST /api/probes/{id}/arm)",
-                                       details={"param": "probes"})
+        raise ProbeScoreRequestInvalid(
+            "no probes named and none armed: name probes, or arm some (POST /api/probes/{id}/arm)",
+            details={"param": "probes"},
+        )
     if not plan.heads:
         skipped = [{"probe": h.name, "reason": r} for h, r in zip(plan.skipped, plan.reasons)]
         raise ProbeScoreRequestInvalid(
             "no armed probe can be scored on the resident model: "
             + ", ".join(f"{s['probe']} ({s['reason']})" for s in skipped),
-            details={"param": "probes", "skipped": skipped})
+            details={"param": "probes", "skipped": skipped},
+        )
     return plan
 
 
@@ -164,29 +164,35 @@ async def _model(name: str | None, status: EngineStatus) -> ModelRef:
     resident = resident_model_id(status)
     if name is None:
         if resident is None:
-            raise ModelNotLoaded("No model is loaded; probe scoring runs on the resident "
-                                 "model and never loads one", details={"param": "model"})
+            raise ModelNotLoaded(
+                "No model is loaded; probe scoring runs on the resident model and never loads one",
+                details={"param": "model"},
+            )
         return ModelRef(None, resident, "loaded")
     model, profile = await resolve_model(name, status)
     if profile is not None:
         raise ProbeScoreRequestInvalid(
-            f"model {name!r} selects profile {profile!r}: probe scoring is never steered",
-            details={"param": "model"})
-    runtime().residency.check_policy(model, policy=POLICY, resident=resident,
-                                     draining=status.draining)
+            f"model {name!r} selects profile {profile!r}: probe scoring is never steered", details={"param": "model"}
+        )
+    runtime().residency.check_policy(model, policy=POLICY, resident=resident, draining=status.draining)
     return model
 
 
-def _jobs(req: ProbeScoreRequest, plan: ProbePlan, model: str, priority: str
-          ) -> list[GenerationJob]:
+def _jobs(req: ProbeScoreRequest, plan: ProbePlan, model: str, priority: str) -> list[GenerationJob]:
     entries = plan.monitor_entries(ROWS)
     need = plan.capture_need(ROWS)
     capture = capture_spec_for(need, None, **capture_limits(model)) if need else None
-    return [GenerationJob(request_id=f"prbscore-{uuid.uuid4().hex}",
-                          sampling=SamplingParams(max_tokens=1, temperature=0.0),
-                          monitor=MonitorSpec(entries) if entries else None, capture=capture,
-                          priority=priority, **item.job_args())
-            for item in req.inputs]
+    return [
+        GenerationJob(
+            request_id=f"prbscore-{uuid.uuid4().hex}",
+            sampling=SamplingParams(max_tokens=1, temperature=0.0),
+            monitor=MonitorSpec(entries) if entries else None,
+            capture=capture,
+            priority=priority,
+            **item.job_args(),
+        )
+        for item in req.inputs
+    ]
 
 
 async def _run(choice: Choice) -> Outcome:
@@ -198,14 +204,15 @@ async def _run(choice: Choice) -> Outcome:
         elif isinstance(event, FinishEvent):
             return Outcome(choice, event, tokens)
         elif isinstance(event, ErrorEvent):
-            raise from_engine_error(error_from_dict(
-                {"code": event.code, "message": event.message, "details": event.details}))
+            raise from_engine_error(
+                error_from_dict({"code": event.code, "message": event.message, "details": event.details})
+            )
     raise MillmError("the scoring pass ended without a result")
 
 
-async def probe_score(req: ProbeScoreRequest, *, priority: str = "interactive",
-                      admit: bool = True, scope: Scope = EVERYONE
-                      ) -> tuple[dict[str, Any], dict[str, str]]:
+async def probe_score(
+    req: ProbeScoreRequest, *, priority: str = "interactive", admit: bool = True, scope: Scope = EVERYONE
+) -> tuple[dict[str, Any], dict[str, str]]:
     """Score every input with the probes (module docstring): the answer's body (the
     /api envelope's ``data``, /v1's whole body) and its headers. ``admit``: take an
     admission slot (the interactive routes); a batch line does not."""
@@ -218,12 +225,11 @@ async def probe_score(req: ProbeScoreRequest, *, priority: str = "interactive",
     try:
         # a status read before a wait in the queue may be stale: read it again then
         use = await residency.acquire(
-            model, policy=POLICY, status=None if permit is not None and permit.waited
-            else status)
+            model, policy=POLICY, status=None if permit is not None and permit.waited else status
+        )
         if use.status.model_id != status.model_id:  # swapped while this request queued
             plan = await off_view_thread(_plan)(req.probes, use.status, scope)
-        choices = [Choice(i, job) for i, job in
-                   enumerate(_jobs(req, plan, model.name, priority))]
+        choices = [Choice(i, job) for i, job in enumerate(_jobs(req, plan, model.name, priority))]
         results = await asyncio.gather(*(_run(c) for c in choices), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
@@ -235,13 +241,21 @@ async def probe_score(req: ProbeScoreRequest, *, priority: str = "interactive",
             permit.release()
     prompt_tokens = sum(o.finish.usage.prompt_tokens for o in outcomes)
     record_tokens(model=model.name, completion_tokens=0, prompt_tokens=prompt_tokens)
-    data = [{"index": o.choice.index, "prompt_tokens": o.finish.usage.prompt_tokens,
-             "probes": [{k: v for k, v in verdict.items() if k != "choice"}
-                        for verdict in verdicts]}
-            for o, verdicts in zip(outcomes, scored)]
-    body = {"object": "probe_score", "model": model.name, "data": data,
-            "forward_passes": sum(o.finish.forward_passes for o in outcomes),
-            "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+    data = [
+        {
+            "index": o.choice.index,
+            "prompt_tokens": o.finish.usage.prompt_tokens,
+            "probes": [{k: v for k, v in verdict.items() if k != "choice"} for verdict in verdicts],
+        }
+        for o, verdicts in zip(outcomes, scored)
+    ]
+    body = {
+        "object": "probe_score",
+        "model": model.name,
+        "data": data,
+        "forward_passes": sum(o.finish.forward_passes for o in outcomes),
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
     return body, {"X-miLLM-Backend": runtime_.engine.backend_name, "X-miLLM-Steering": "none"}
 
 

@@ -113,18 +113,24 @@ def _logit_bias(value: Any) -> dict[str, float] | None:
         raise ValueError("logit_bias must be an object mapping token ids to biases")
     out: dict[str, float] = {}
     for key, bias in value.items():
-        if not (key.isascii() and key.isdigit()) or str(int(key)) != key \
-                or int(key) > 2**31:
+        if not (key.isascii() and key.isdigit()) or str(int(key)) != key or int(key) > 2**31:
             raise ValueError(f"logit_bias keys must be token ids (got {key!r})")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
-                or not math.isfinite(bias) or abs(bias) > MAX_LOGIT_BIAS:
-            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
-                             f"{MAX_LOGIT_BIAS:g}] (got {bias!r} for {key})")
+        if (
+            isinstance(bias, bool)
+            or not isinstance(bias, (int, float))
+            or not math.isfinite(bias)
+            or abs(bias) > MAX_LOGIT_BIAS
+        ):
+            raise ValueError(
+                f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, "
+                f"{MAX_LOGIT_BIAS:g}] (got {bias!r} for {key})"
+            )
         out[key] = float(bias)
     return out
 
 
 # --------------------------------------------------------------------------- requests
+
 
 @dataclass(frozen=True)
 class SamplingDefaults:
@@ -155,8 +161,7 @@ def _response_format(value: Any) -> dict[str, Any] | None:
             raise ValueError("a json_schema response_format needs a json_schema object")
         name = spec.get("name")
         if not isinstance(name, str) or not NAME_RE.match(name):
-            raise ValueError("json_schema.name must be 1 to 64 characters of a-z, A-Z, 0-9, "
-                             "_ and -")
+            raise ValueError("json_schema.name must be 1 to 64 characters of a-z, A-Z, 0-9, _ and -")
         if spec.get("schema") is not None and not isinstance(spec["schema"], (dict, bool)):
             raise ValueError("json_schema.schema must be a JSON schema object")
         if spec.get("strict") is not None and not isinstance(spec["strict"], bool):
@@ -186,35 +191,29 @@ class _GenerationRequest(_Wire):
     ignore_eos: bool = False
     # vLLM's: token ids that end the generation like EOS (finish_reason "stop"; the token
     # itself is not in the text); on vLLM they also end a grammar
-    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(
-        default=None, max_length=64)
+    stop_token_ids: list[Annotated[int, Field(ge=0, le=2**31 - 1)]] | None = Field(default=None, max_length=64)
     # miLLM extensions
     profile: str | None = Field(default=None, min_length=1, max_length=200)
     steering: InlineSteering | None = None
     steering_intensity: float | None = None
     return_sae_activations: ReturnSaeActivations | None = None
     capture: CaptureRequest | None = None
-    analyze: list[AnalyzeRequest] | None = Field(default=None, min_length=1,
-                                                 max_length=MAX_ANALYZERS)
+    analyze: list[AnalyzeRequest] | None = Field(default=None, min_length=1, max_length=MAX_ANALYZERS)
     # probes scored on this request instead of the armed set; [] scores none
     probes: list[str | ProbeAsk] | None = Field(default=None, max_length=MAX_PROBES)
     # scoring mode (the original's, vLLM's names): the next token's distribution over these
     # ids, one forward pass, nothing generated (``inference.scoring``)
-    allowed_token_ids: list[int] | None = Field(default=None, min_length=1,
-                                                max_length=MAX_ALLOWED_TOKEN_IDS)
+    allowed_token_ids: list[int] | None = Field(default=None, min_length=1, max_length=MAX_ALLOWED_TOKEN_IDS)
     return_tokens_as_token_ids: bool = False
     # constrained decoding (inference.structured); the unsupported types are refused by
     # inference.policy
     response_format: dict[str, Any] | None = None
 
     _stop = field_validator("stop", mode="before")(classmethod(lambda cls, v: _stop(v)))
-    _intensity = field_validator("steering_intensity", mode="before")(
-        classmethod(lambda cls, v: _intensity(v)))
-    _logit_bias = field_validator("logit_bias", mode="before")(
-        classmethod(lambda cls, v: _logit_bias(v)))
+    _intensity = field_validator("steering_intensity", mode="before")(classmethod(lambda cls, v: _intensity(v)))
+    _logit_bias = field_validator("logit_bias", mode="before")(classmethod(lambda cls, v: _logit_bias(v)))
     # one analyzer ({name, params}) or a list of them
-    _analyze = field_validator("analyze", mode="before")(
-        classmethod(lambda cls, v: [v] if isinstance(v, dict) else v))
+    _analyze = field_validator("analyze", mode="before")(classmethod(lambda cls, v: [v] if isinstance(v, dict) else v))
 
     @field_validator("allowed_token_ids")
     @classmethod
@@ -224,8 +223,10 @@ class _GenerationRequest(_Wire):
         if value is not None and len(set(value)) != len(value):
             raise ValueError("a token id is listed twice")
         return value
+
     _response_format = field_validator("response_format", mode="before")(
-        classmethod(lambda cls, v: _response_format(v)))
+        classmethod(lambda cls, v: _response_format(v))
+    )
 
     def structured(self) -> StructuredOutput | None:
         """The engine's grammar request, or None (text); 400 response_format_unsupported
@@ -236,8 +237,7 @@ class _GenerationRequest(_Wire):
         # OpenAI: "only set this when you set stream: true"
         unread = frozenset() if self.stream else frozenset({"stream_options"})
         # keys top_logprobs of scoring mode only
-        return unread if self.allowed_token_ids is not None else \
-            unread | {"return_tokens_as_token_ids"}
+        return unread if self.allowed_token_ids is not None else unread | {"return_tokens_as_token_ids"}
 
     @property
     def include_usage(self) -> bool:
@@ -245,15 +245,31 @@ class _GenerationRequest(_Wire):
 
     @property
     def uses_extensions(self) -> bool:
-        return any(x is not None for x in (self.profile, self.steering,
-                                           self.steering_intensity,
-                                           self.return_sae_activations, self.capture,
-                                           self.analyze, self.probes))
+        return any(
+            x is not None
+            for x in (
+                self.profile,
+                self.steering,
+                self.steering_intensity,
+                self.return_sae_activations,
+                self.capture,
+                self.analyze,
+                self.probes,
+            )
+        )
 
-    def _sampling(self, *, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-                  prompt_logprobs: bool, choice: int, defaults: SamplingDefaults,
-                  max_tokens_default: int | None = None,
-                  prompt_top_logprobs: int = 0) -> SamplingParams:
+    def _sampling(
+        self,
+        *,
+        max_tokens: int | None,
+        logprobs: bool,
+        top_logprobs: int,
+        prompt_logprobs: bool,
+        choice: int,
+        defaults: SamplingDefaults,
+        max_tokens_default: int | None = None,
+        prompt_top_logprobs: int = 0,
+    ) -> SamplingParams:
         seed = self.seed
         if seed is not None and choice:
             # n > 1 with a seed: each choice gets its own (still reproducible) stream
@@ -295,7 +311,8 @@ class ChatCompletionRequest(_GenerationRequest):
     # the original's: more conversations in the same request (one queue slot), run
     # together; conversation c's choices are indexes c·n … c·n + n − 1
     extra_messages: list[list[ChatMessage]] | None = Field(
-        default=None, min_length=1, max_length=MAX_EXTRA_CONVERSATIONS)
+        default=None, min_length=1, max_length=MAX_EXTRA_CONVERSATIONS
+    )
     # rendered by the chat template where it supports tools, else refused by name; calls
     # parsed and constrained (inference.tools)
     tools: list[Tool] | None = Field(default=None, max_length=MAX_TOOLS)
@@ -318,8 +335,10 @@ class ChatCompletionRequest(_GenerationRequest):
         """``tools`` as chat templates take them (None without tools)."""
         if not self.tools:
             return None
-        return [{"type": "function", "function": t.function.model_dump(
-            exclude_none=True, exclude={"strict"})} for t in self.tools]
+        return [
+            {"type": "function", "function": t.function.model_dump(exclude_none=True, exclude={"strict"})}
+            for t in self.tools
+        ]
 
     def tool_choice_mode(self) -> str:
         """none | auto | required | named (OpenAI's default: auto with tools, else none)."""
@@ -342,15 +361,18 @@ class ChatCompletionRequest(_GenerationRequest):
 
     @property
     def effective_max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
-    def sampling(self, choice: int = 0, defaults: SamplingDefaults = OPENAI_DEFAULTS
-                 ) -> SamplingParams:
-        return self._sampling(max_tokens=self.effective_max_tokens, logprobs=self.logprobs,
-                              top_logprobs=self.top_logprobs or 0, prompt_logprobs=False,
-                              choice=choice, defaults=defaults,
-                              max_tokens_default=defaults.max_tokens)
+    def sampling(self, choice: int = 0, defaults: SamplingDefaults = OPENAI_DEFAULTS) -> SamplingParams:
+        return self._sampling(
+            max_tokens=self.effective_max_tokens,
+            logprobs=self.logprobs,
+            top_logprobs=self.top_logprobs or 0,
+            prompt_logprobs=False,
+            choice=choice,
+            defaults=defaults,
+            max_tokens_default=defaults.max_tokens,
+        )
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.for_template() for m in self.messages]
@@ -361,6 +383,7 @@ PromptItem = str | list[int]
 
 def _prompt(value: Any) -> list[PromptItem]:
     """string | [string] | [int] | [[int]] → a list of prompts (text or token ids)."""
+
     def ids(seq: list[Any]) -> list[int]:
         if not seq:
             raise ValueError("a token-id prompt is empty")
@@ -379,8 +402,9 @@ def _prompt(value: Any) -> list[PromptItem]:
             return [ids(value)]
         if all(isinstance(x, list) for x in value):
             return [ids(x) for x in value]
-    raise ValueError("prompt must be a string, a list of strings, a list of token ids or a "
-                     "list of token-id lists, and not empty")
+    raise ValueError(
+        "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists, and not empty"
+    )
 
 
 class CompletionRequest(_GenerationRequest):
@@ -414,8 +438,7 @@ class CompletionRequest(_GenerationRequest):
         # echo shows the prompt (and its tokens, with logprobs)
         return self.echo or self.return_sae_activations is not None
 
-    def sampling(self, choice: int = 0, defaults: SamplingDefaults = OPENAI_DEFAULTS
-                 ) -> SamplingParams:
+    def sampling(self, choice: int = 0, defaults: SamplingDefaults = OPENAI_DEFAULTS) -> SamplingParams:
         if self.max_tokens is not None:
             # max_tokens 0: one token, never shown (its forward is the prompt's prefill)
             max_tokens, ceiling = max(self.max_tokens, 1), None
@@ -423,13 +446,18 @@ class CompletionRequest(_GenerationRequest):
             max_tokens, ceiling = 16, None  # OpenAI's legacy default
         else:
             max_tokens, ceiling = None, defaults.max_tokens
-        return self._sampling(max_tokens=max_tokens, max_tokens_default=ceiling,
-                              logprobs=self.wants_logprobs, top_logprobs=self.logprobs or 0,
-                              prompt_logprobs=self.echo and self.wants_logprobs,
-                              # the alternatives at each prompt position, from the same
-                              # (steered) prefill
-                              prompt_top_logprobs=(self.logprobs or 0) if self.echo else 0,
-                              choice=choice, defaults=defaults)
+        return self._sampling(
+            max_tokens=max_tokens,
+            max_tokens_default=ceiling,
+            logprobs=self.wants_logprobs,
+            top_logprobs=self.logprobs or 0,
+            prompt_logprobs=self.echo and self.wants_logprobs,
+            # the alternatives at each prompt position, from the same
+            # (steered) prefill
+            prompt_top_logprobs=(self.logprobs or 0) if self.echo else 0,
+            choice=choice,
+            defaults=defaults,
+        )
 
 
 def _embedding_input(value: Any) -> list[PromptItem]:
@@ -448,11 +476,11 @@ class EmbeddingRequest(_Wire):
     # only the model's own size is honoured (``inference.policy.check_dimensions``)
     dimensions: int | None = Field(default=None, ge=1)
 
-    _input = field_validator("input", mode="before")(
-        classmethod(lambda cls, v: _embedding_input(v)))
+    _input = field_validator("input", mode="before")(classmethod(lambda cls, v: _embedding_input(v)))
 
 
 # --------------------------------------------------------------------------- responses
+
 
 class UsageInfo(_Wire):
     prompt_tokens: int = 0

@@ -25,8 +25,7 @@ class _Wire(BaseModel):
     # strict: a number is a number and a boolean a boolean (``"n": "2"``, ``"stream":
     # "true"`` and ``"max_tokens": 2.0`` are 400 naming the field, as OpenAI answers them);
     # a float field still takes an integer
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True,
-                              strict=True)
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True, strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -35,8 +34,7 @@ class _Wire(BaseModel):
         # clients send null for "not given": an optional field's null is its default
         if isinstance(data, dict):
             fields = cls.model_fields
-            return {k: v for k, v in data.items()
-                    if v is not None or k not in fields or fields[k].is_required()}
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
         return data
 
     def unread_fields(self) -> frozenset[str]:

@@ -92,10 +92,8 @@ class ChatMessage(_Wire):
             return value
         if isinstance(value, list):
             for part in value:
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise ValueError("only text content parts ({type: text, text}) are "
-                                     "supported")
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({type: text, text}) are supported")
             return value
         raise ValueError("content must be a string or a list of text parts")
 
@@ -106,14 +104,18 @@ class ChatMessage(_Wire):
         return self.content or ""
 
     def for_template(self) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
-                                   "content": self.text}
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": self.text}
         if self.tool_calls:
             # as transformers' chat templates take a call: its arguments as an object
             # (vLLM does the same); arguments that are not a JSON object stay text
-            message["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}}
-                for c in self.tool_calls]
+            message["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function.arguments)},
+                }
+                for c in self.tool_calls
+            ]
         if self.tool_call_id is not None:
             message["tool_call_id"] = self.tool_call_id
         return message

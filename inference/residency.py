@@ -86,27 +86,32 @@ class Residency:
             return engine.status()
         return await asyncio.to_thread(engine.status)
 
-    def check_policy(self, model: ModelRef, *, policy: str, resident: str | None,
-                     draining: str | None = None) -> None:
+    def check_policy(self, model: ModelRef, *, policy: str, resident: str | None, draining: str | None = None) -> None:
         """Refusals that must come before the request queues: the model is being unloaded
         (its row, or the engine draining for it), another model is loading, or (refuse
         policy) this one is not resident. ``draining``: the engine status's."""
         if model.status == "unloading" or (draining == "unloading" and resident == model.name):
-            raise ModelBusy(f"Model {model.name!r} is being unloaded; retry shortly",
-                            details={"model": model.name, "state": "unloading"},
-                            retry_after=settings.RETRY_AFTER_UNLOAD_S)
+            raise ModelBusy(
+                f"Model {model.name!r} is being unloaded; retry shortly",
+                details={"model": model.name, "state": "unloading"},
+                retry_after=settings.RETRY_AFTER_UNLOAD_S,
+            )
         with self._lock:
             other_load = next((n for n in self._loading if n != model.name), None)
         if other_load is not None:
-            raise ModelBusy(f"Model {other_load!r} is being loaded; retry shortly",
-                            details={"model": model.name, "loading": other_load},
-                            retry_after=settings.RETRY_AFTER_LOAD_S)
+            raise ModelBusy(
+                f"Model {other_load!r} is being loaded; retry shortly",
+                details={"model": model.name, "loading": other_load},
+                retry_after=settings.RETRY_AFTER_LOAD_S,
+            )
         loading_here = self.loading(model.name)
         if draining is not None and not loading_here and model.status != "loading":
             # the engine is swapping the model under this request's: it would be refused
-            raise ModelBusy(f"The engine is {draining} a model; retry shortly",
-                            details={"model": model.name, "state": draining},
-                            retry_after=settings.RETRY_AFTER_LOAD_S)
+            raise ModelBusy(
+                f"The engine is {draining} a model; retry shortly",
+                details={"model": model.name, "state": draining},
+                retry_after=settings.RETRY_AFTER_LOAD_S,
+            )
         if resident == model.name and not loading_here:
             return
         # model.status was read before any wait: a "loading" seen then may be over now,
@@ -114,22 +119,27 @@ class Residency:
         # process is awaited like one running here.
         if loading_here or model.status == "loading":
             if policy != "auto":
-                raise ModelLoading(f"Model {model.name!r} is loading; retry shortly",
-                                   details={"model": model.name},
-                                   retry_after=settings.RETRY_AFTER_LOAD_S)
+                raise ModelLoading(
+                    f"Model {model.name!r} is loading; retry shortly",
+                    details={"model": model.name},
+                    retry_after=settings.RETRY_AFTER_LOAD_S,
+                )
             return
         if policy == ADMIN_ONLY:
             raise ModelNotResident(
                 f"Model {model.name!r} is not loaded, and loading a model needs an admin key "
                 "(MILLM_ADMIN_API_KEYS); this key is an inference key",
-                details={"model": model.name, "resident": resident})
+                details={"model": model.name, "resident": resident},
+            )
         if policy == "refuse":
             raise ModelNotResident(
                 f"Model {model.name!r} is not loaded and X-miLLM-Load-Policy is refuse",
-                details={"model": model.name, "resident": resident})
+                details={"model": model.name, "resident": resident},
+            )
 
-    async def acquire(self, model: ModelRef, *, policy: str,
-                      status: EngineStatus | None = None, lease: str | None = None) -> Use:
+    async def acquire(
+        self, model: ModelRef, *, policy: str, status: EngineStatus | None = None, lease: str | None = None
+    ) -> Use:
         """Make ``model`` resident (loading it if needed and allowed) and register a use
         of it; the returned ``Use`` must be released when the request ends. ``status``:
         an engine status the caller has just read (saves reading it again). ``lease``:
@@ -138,17 +148,17 @@ class Residency:
             if status is None:
                 status = await self.status()
             resident = resident_model_id(status)
-            self.check_policy(model, policy=policy, resident=resident,
-                              draining=status.draining)
+            self.check_policy(model, policy=policy, resident=resident, draining=status.draining)
             if resident != model.name and not self.loading(model.name):
-                await sync_to_async(_check_lease, thread_sensitive=False)(
-                    model, lease)  # 409 model_leased
+                await sync_to_async(_check_lease, thread_sensitive=False)(model, lease)  # 409 model_leased
             with self._lock:
                 other_load = next((n for n in self._loading if n != model.name), None)
                 if other_load is not None:
-                    raise ModelBusy(f"Model {other_load!r} is being loaded; retry shortly",
-                                    details={"model": model.name, "loading": other_load},
-                                    retry_after=settings.RETRY_AFTER_LOAD_S)
+                    raise ModelBusy(
+                        f"Model {other_load!r} is being loaded; retry shortly",
+                        details={"model": model.name, "loading": other_load},
+                        retry_after=settings.RETRY_AFTER_LOAD_S,
+                    )
                 if resident == model.name and model.name not in self._loading:
                     return Use(status)
                 future = self._loading.get(model.name)
@@ -159,14 +169,18 @@ class Residency:
                 else:
                     starter = False
             if starter:
-                threading.Thread(target=self._load, args=(model, future),
-                                 name=f"millm-load-{model.name}", daemon=True).start()
+                threading.Thread(
+                    target=self._load, args=(model, future), name=f"millm-load-{model.name}", daemon=True
+                ).start()
             await asyncio.wrap_future(future)
             status = None
             # what the wait changed is read again: a row that said "loading" then
             model = dataclasses.replace(model, status="unknown")
-        raise ModelBusy(f"Model {model.name!r} was swapped out while this request waited",
-                        details={"model": model.name}, retry_after=settings.RETRY_AFTER_LOAD_S)
+        raise ModelBusy(
+            f"Model {model.name!r} was swapped out while this request waited",
+            details={"model": model.name},
+            retry_after=settings.RETRY_AFTER_LOAD_S,
+        )
 
     def _load(self, model: ModelRef, future: Future) -> None:
         close_old_connections()

@@ -67,8 +67,7 @@ def check_scoring(req: ChatCompletionRequest | CompletionRequest) -> None:
         "analyze": getattr(req, "analyze", None) is not None,
         "probes": bool(getattr(req, "probes", None)),
         "tools": bool(getattr(req, "tools", None)),
-        "response_format": (getattr(req, "response_format", None) or {}).get("type", "text")
-        != "text",
+        "response_format": (getattr(req, "response_format", None) or {}).get("type", "text") != "text",
         "echo": bool(getattr(req, "echo", False)),
         "extra_messages": bool(getattr(req, "extra_messages", None)),
     }
@@ -150,10 +149,7 @@ async def serve_scoring(
     ignored: list[str] | None,
 ) -> JsonResponse:
     check_scoring(req)
-    results = [
-        await asyncio.to_thread(client.score, job, timeout_s=ENGINE_CALL_TIMEOUT_S)
-        for job in _jobs(req)
-    ]
+    results = [await asyncio.to_thread(client.score, job, timeout_s=ENGINE_CALL_TIMEOUT_S) for job in _jobs(req)]
     as_ids = req.return_tokens_as_token_ids
     common = {
         "created": int(time.time()),
@@ -183,8 +179,7 @@ async def serve_scoring(
                 logprob=best_lp,
                 bytes=list(best_text.encode()),
                 top_logprobs=[
-                    wire.TopLogprob(token=_key(i, t, as_ids), logprob=lp, bytes=list(t.encode()))
-                    for i, t, lp in ranked
+                    wire.TopLogprob(token=_key(i, t, as_ids), logprob=lp, bytes=list(t.encode())) for i, t, lp in ranked
                 ],
             )
             logprobs = wire.ChatLogprobs(content=[entry])
@@ -216,14 +211,8 @@ async def serve_scoring(
                 top_logprobs=[{_key(i, t, as_ids): lp for i, t, lp in ranked}],
                 text_offset=[offset],
             )
-        choices.append(
-            wire.CompletionChoice(
-                index=index, text=best_text, logprobs=logprobs, finish_reason="length"
-            )
-        )
-    body = wire.Completion(
-        id=f"cmpl-{uuid.uuid4().hex}", **common, usage=usage, choices=choices
-    ).dump()
+        choices.append(wire.CompletionChoice(index=index, text=best_text, logprobs=logprobs, finish_reason="length"))
+    body = wire.Completion(id=f"cmpl-{uuid.uuid4().hex}", **common, usage=usage, choices=choices).dump()
     return JsonResponse(body, headers=headers)
 
 

@@ -24,8 +24,7 @@ def model_resolve(*, name: str) -> tuple[ModelRef, str | None]:
         base, _, profile = name.rpartition("@")
         row = Model.objects.filter(name=base).first() if base and profile else None
     if row is None:
-        raise ModelNotFound(f"The model {name!r} does not exist",
-                            details={"model": name, "param": "model"})
+        raise ModelNotFound(f"The model {name!r} does not exist", details={"model": name, "param": "model"})
     return ModelRef(row.pk, row.name, row.status, row.hidden_size), profile
 
 
@@ -55,10 +54,8 @@ def model_listed(*, name: str) -> Model:
     if row is None and "@" in name:
         base, _, profile = name.rpartition("@")
         candidate = Model.objects.filter(name=base).first() if base and profile else None
-        if candidate is not None and any(
-                p.name == profile for p in profiles_for_model(model_name=candidate.name)):
+        if candidate is not None and any(p.name == profile for p in profiles_for_model(model_name=candidate.name)):
             row = candidate
     if row is None:
-        raise ModelNotFound(f"The model {name!r} does not exist",
-                            details={"model": name, "param": "model"})
+        raise ModelNotFound(f"The model {name!r} does not exist", details={"model": name, "param": "model"})
     return row

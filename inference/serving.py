@@ -56,8 +56,9 @@ from inference.tools import refuse_tools_before_load
 from monitoring.ownership import EVERYONE, Scope
 
 
-async def answer_plan(plan: Plan, client: EngineClient, *, together: bool = True
-                      ) -> tuple[dict[str, Any], dict[str, str]]:
+async def answer_plan(
+    plan: Plan, client: EngineClient, *, together: bool = True
+) -> tuple[dict[str, Any], dict[str, str]]:
     """Run the plan's choices to their finish and answer them: the JSON body and its headers.
     The one execution of a non-streamed generation request, for the route and for a batch
     line (``batches.lines``). ``together``: every choice submitted at once (on a batching
@@ -65,8 +66,7 @@ async def answer_plan(plan: Plan, client: EngineClient, *, together: bool = True
     one they queue in order); a batch line's run one after another, so a line holds the
     engine rows the runner counted for it."""
     if together:
-        results = await asyncio.gather(*(run_choice(client, choice) for choice in plan.choices),
-                                       return_exceptions=True)
+        results = await asyncio.gather(*(run_choice(client, choice) for choice in plan.choices), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -98,17 +98,19 @@ async def respond(plan: Plan, client: EngineClient, res: Resources) -> Any:
     if isinstance(first, ErrorEvent):
         raise openai_error_event(first.code, first.message, first.details)
     res.later = [Submitted(client.agenerate(choice.job)) for choice in plan.choices[1:]]
-    return SSEResponse(stream_choices(plan, client, res, first), on_close=res.release,
-                       headers=plan.headers)
+    return SSEResponse(stream_choices(plan, client, res, first), on_close=res.release, headers=plan.headers)
 
 
 def check_profile(req: ChatCompletionRequest | CompletionRequest, profile: str | None) -> None:
     """A model name that selects a profile (``model@profile``) and a body that names another
     are a contradiction, refused."""
     if profile is not None and req.profile is not None and profile != req.profile:
-        raise OpenAIError(f"The model name selects profile {profile!r} but the body names "
-                          f"{req.profile!r}", status=400, code="invalid_parameter",
-                          param="profile")
+        raise OpenAIError(
+            f"The model name selects profile {profile!r} but the body names {req.profile!r}",
+            status=400,
+            code="invalid_parameter",
+            param="profile",
+        )
 
 
 # threads that wait for the engine's grammar builds (each at most the deadline; the engine
@@ -116,8 +118,7 @@ def check_profile(req: ChatCompletionRequest | CompletionRequest, profile: str |
 _GRAMMAR_WAITS = ThreadPoolExecutor(8, thread_name_prefix="millm-grammar-wait")
 
 
-async def build_grammar(client: EngineClient, req: ChatCompletionRequest | CompletionRequest
-                        ) -> None:
+async def build_grammar(client: EngineClient, req: ChatCompletionRequest | CompletionRequest) -> None:
     """A ``response_format``'s grammar, built by the engine before the request takes an
     admission slot: a costly schema holds no one's slot while it builds, and one not built
     within STRUCTURED_COMPILE_TIMEOUT_S is 400 ``schema_too_complex`` here. (A tool call's
@@ -129,15 +130,20 @@ async def build_grammar(client: EngineClient, req: ChatCompletionRequest | Compl
     try:
         # its own threads: a build waits up to its deadline, and must not take the default
         # executor's, which the views' database work runs on (off_view_thread)
-        await asyncio.get_running_loop().run_in_executor(_GRAMMAR_WAITS, client.build_grammar,
-                                                         spec)
+        await asyncio.get_running_loop().run_in_executor(_GRAMMAR_WAITS, client.build_grammar, spec)
     except Exception as exc:  # noqa: BLE001 - the engine's refusal, in /v1's shape
         raise openai_error_from_exception(exc) from None
 
 
-async def serve_generation(*, kind: str, req: ChatCompletionRequest | CompletionRequest,
-                           policy: str, lease: str | None = None,
-                           ignored: list[str] | None = None, scope: Scope = EVERYONE) -> Any:
+async def serve_generation(
+    *,
+    kind: str,
+    req: ChatCompletionRequest | CompletionRequest,
+    policy: str,
+    lease: str | None = None,
+    ignored: list[str] | None = None,
+    scope: Scope = EVERYONE,
+) -> Any:
     client = runtime().engine
     residency = runtime().residency
     status = await residency.status()
@@ -145,30 +151,33 @@ async def serve_generation(*, kind: str, req: ChatCompletionRequest | Completion
     check_profile(req, profile)
     if req.allowed_token_ids is not None:
         check_scoring(req)  # scoring mode: refused before anything loads or queues
-    if getattr(req, "tools", None) and model.pk is not None \
-            and resident_model_id(status) != model.name:
+    if getattr(req, "tools", None) and model.pk is not None and resident_model_id(status) != model.name:
         await off_view_thread(refuse_tools_before_load)(model.pk)
     # before queueing
-    residency.check_policy(model, policy=policy, resident=resident_model_id(status),
-                           draining=status.draining)
+    residency.check_policy(model, policy=policy, resident=resident_model_id(status), draining=status.draining)
     await build_grammar(client, req)
     permit = await runtime().admission.acquire()
     res = Resources(permit)
     handed_over = False
     try:
         # a status read before a wait in the queue may be stale: read it again then
-        res.use = await residency.acquire(model, policy=policy,
-                                          status=None if permit.waited else status,
-                                          lease=lease)
+        res.use = await residency.acquire(model, policy=policy, status=None if permit.waited else status, lease=lease)
         if req.allowed_token_ids is not None:
             arrived()  # a score, not a generation: no batch waits for it
-            return await serve_scoring(kind=kind, req=req, model_name=model.name, client=client,
-                                       status=res.use.status, ignored=ignored)
-        plan = await plan_generation(kind=kind, req=req, model=model,
-                                     profile=req.profile or profile, client=client,
-                                     attachments=list(res.use.status.attachments),
-                                     status=res.use.status, ignored_fields=ignored,
-                                     scope=scope)
+            return await serve_scoring(
+                kind=kind, req=req, model_name=model.name, client=client, status=res.use.status, ignored=ignored
+            )
+        plan = await plan_generation(
+            kind=kind,
+            req=req,
+            model=model,
+            profile=req.profile or profile,
+            client=client,
+            attachments=list(res.use.status.attachments),
+            status=res.use.status,
+            ignored_fields=ignored,
+            scope=scope,
+        )
         response = await respond(plan, client, res)
         handed_over = isinstance(response, SSEResponse)
         return response

@@ -42,10 +42,17 @@ def _fired(outcomes: list[Outcome]) -> list[dict[str, Any]]:
     for o in outcomes:
         last_prompt_row = len(o.finish.prompt_token_ids) - 1
         for f in o.finish.steering_fired:
-            out.append({"choice": o.choice.index, "sae_id": f.sae_id, "layer": f.layer,
-                        "index": f.index, "mode": f.mode, "positions": list(f.positions),
-                        "token_indices": [p - last_prompt_row for p in f.positions
-                                          if p >= last_prompt_row]})
+            out.append(
+                {
+                    "choice": o.choice.index,
+                    "sae_id": f.sae_id,
+                    "layer": f.layer,
+                    "index": f.index,
+                    "mode": f.mode,
+                    "positions": list(f.positions),
+                    "token_indices": [p - last_prompt_row for p in f.positions if p >= last_prompt_row],
+                }
+            )
     return out
 
 
@@ -57,10 +64,14 @@ def _speculative(outcomes: list[Outcome]) -> dict[str, Any] | None:
         return None
     used = [s for s in stats if s.used]
     drafted, accepted = sum(s.drafted for s in used), sum(s.accepted for s in used)
-    out: dict[str, Any] = {"used": bool(used), "source": stats[0].source,
-                           "num_tokens": stats[0].num_tokens, "drafted": drafted,
-                           "accepted": accepted,
-                           "acceptance_rate": round(accepted / drafted, 4) if drafted else None}
+    out: dict[str, Any] = {
+        "used": bool(used),
+        "source": stats[0].source,
+        "num_tokens": stats[0].num_tokens,
+        "drafted": drafted,
+        "accepted": accepted,
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+    }
     if not used:
         out["reason"] = stats[0].reason
     return out
@@ -97,10 +108,14 @@ def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
         for t in out.tokens:
             records.extend(t.activations)
         obj["sae_activations"] = activations_payload(
-            records=records, attachment=plan.attachment,
+            records=records,
+            attachment=plan.attachment,
             read_point=plan.monitor.entries[0].read_point,
-            prompt_ids=out.finish.prompt_token_ids, token_ids=out.finish.token_ids,
-            prompt_tokens=out.finish.prompt_tokens, tokens=out.finish.tokens)
+            prompt_ids=out.finish.prompt_token_ids,
+            token_ids=out.finish.token_ids,
+            prompt_tokens=out.finish.prompt_tokens,
+            tokens=out.finish.tokens,
+        )
     return obj
 
 
@@ -114,22 +129,19 @@ def usage_of(plan: Plan, outcomes: list[Outcome]) -> wire.Usage:
             seen.add(group)
             prompt += out.finish.usage.prompt_tokens
     completion = sum(o.finish.usage.completion_tokens for o in outcomes)
-    return wire.Usage(prompt_tokens=prompt, completion_tokens=completion,
-                      total_tokens=prompt + completion)
+    return wire.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def count_usage(plan: Plan, usage: wire.Usage, *, unfinished: int = 0,
-                outcomes: list[Outcome] | None = None) -> None:
+def count_usage(plan: Plan, usage: wire.Usage, *, unfinished: int = 0, outcomes: list[Outcome] | None = None) -> None:
     """Advance the token counters once per answered request, by the usage it reports
     (plus the tokens a stream sent for a choice that never finished), and the speculative
     decoding counters by its choices' drafts."""
-    record_tokens(model=plan.model.name,
-                  completion_tokens=usage.completion_tokens + unfinished,
-                  prompt_tokens=usage.prompt_tokens)
+    record_tokens(
+        model=plan.model.name, completion_tokens=usage.completion_tokens + unfinished, prompt_tokens=usage.prompt_tokens
+    )
     speculative = _speculative(outcomes or [])
     if speculative is not None and speculative["used"]:
-        record_speculative(model=plan.model.name, drafted=speculative["drafted"],
-                           accepted=speculative["accepted"])
+        record_speculative(model=plan.model.name, drafted=speculative["drafted"], accepted=speculative["accepted"])
 
 
 def _text_offsets(tokens: list[str], text: str) -> list[int]:
@@ -172,37 +184,56 @@ def _completion_logprobs(plan: Plan, out: Outcome, text: str) -> wire.Completion
         tokens.append(t.logprob.token)
         token_logprobs.append(t.logprob.logprob)
         top.append(top_dict(t.logprob))
-    return wire.CompletionLogprobs(tokens=tokens, token_logprobs=token_logprobs,
-                                   top_logprobs=top, text_offset=_text_offsets(tokens, text))
+    return wire.CompletionLogprobs(
+        tokens=tokens, token_logprobs=token_logprobs, top_logprobs=top, text_offset=_text_offsets(tokens, text)
+    )
 
 
 def build_body(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
     millm = millm_object(plan, outcomes) if wants_millm(plan, outcomes) else None
-    common = {"id": plan.object_id, "created": plan.created, "model": plan.model.name,
-              "system_fingerprint": plan.fingerprint, "usage": usage_of(plan, outcomes),
-              "millm": millm}
+    common = {
+        "id": plan.object_id,
+        "created": plan.created,
+        "model": plan.model.name,
+        "system_fingerprint": plan.fingerprint,
+        "usage": usage_of(plan, outcomes),
+        "millm": millm,
+    }
     if plan.kind == "chat":
         wants = bool(getattr(plan.request, "logprobs", False))
-        return wire.ChatCompletion(**common, choices=[wire.ChatChoice(
-            index=out.choice.index,
-            message=chat_message(plan, out.finish.text),
-            logprobs=wire.ChatLogprobs(content=[wire.ChatTokenLogprob.of(t.logprob)
-                                                for t in out.tokens
-                                                if t.logprob is not None]) if wants else None,
-            finish_reason=chat_finish_reason(plan, out.finish))
-            for out in outcomes]).dump()
+        return wire.ChatCompletion(
+            **common,
+            choices=[
+                wire.ChatChoice(
+                    index=out.choice.index,
+                    message=chat_message(plan, out.finish.text),
+                    logprobs=wire.ChatLogprobs(
+                        content=[wire.ChatTokenLogprob.of(t.logprob) for t in out.tokens if t.logprob is not None]
+                    )
+                    if wants
+                    else None,
+                    finish_reason=chat_finish_reason(plan, out.finish),
+                )
+                for out in outcomes
+            ],
+        ).dump()
     req = plan.request
     assert isinstance(req, CompletionRequest)
     choices = []
     for out in outcomes:
         text = out.finish.text
         if req.echo:
-            text = (out.choice.prompt_text if out.choice.prompt_text is not None
-                    else out.finish.prompt_text or "") + text
-        choices.append(wire.CompletionChoice(
-            index=out.choice.index, text=text,
-            logprobs=_completion_logprobs(plan, out, text) if req.wants_logprobs else None,
-            finish_reason=wire.finish_reason(out.finish.finish_reason)))
+            text = (
+                out.choice.prompt_text if out.choice.prompt_text is not None else out.finish.prompt_text or ""
+            ) + text
+        choices.append(
+            wire.CompletionChoice(
+                index=out.choice.index,
+                text=text,
+                logprobs=_completion_logprobs(plan, out, text) if req.wants_logprobs else None,
+                finish_reason=wire.finish_reason(out.finish.finish_reason),
+            )
+        )
     return wire.Completion(**common, choices=choices).dump()
 
 
@@ -214,11 +245,9 @@ def chat_message(plan: Plan, text: str) -> wire.ChatMessage:
     content, calls = parse_tool_calls(text, plan.tools)
     if not calls:
         return wire.ChatMessage(content=text)
-    return wire.ChatMessage(content=content.strip() or None,
-                            tool_calls=[wire.ToolCall(**c) for c in calls])
+    return wire.ChatMessage(content=content.strip() or None, tool_calls=[wire.ToolCall(**c) for c in calls])
 
 
 def chat_finish_reason(plan: Plan, finish: FinishEvent) -> wire.FinishReason:
-    calls = plan.tools is not None and plan.tools.parses and \
-        bool(parse_tool_calls(finish.text, plan.tools)[1])
+    calls = plan.tools is not None and plan.tools.parses and bool(parse_tool_calls(finish.text, plan.tools)[1])
     return wire.finish_reason(finish.finish_reason, tool_calls=calls)

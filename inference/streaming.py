@@ -54,8 +54,7 @@ class SSEResponse(StreamingHttpResponse):
     when Django closes the response, even if the stream was never iterated (a client
     that left before the first byte)."""
 
-    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], None],
-                 headers: dict[str, str]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], *, on_close: Callable[[], None], headers: dict[str, str]) -> None:
         super().__init__(content, content_type="text/event-stream", headers=headers)
         self["Cache-Control"] = "no-cache"
         self["X-Accel-Buffering"] = "no"
@@ -145,12 +144,19 @@ class Resources:
         self.permit.release()
 
 
-def _chunk(plan: Plan, choices: list[Any], *, usage: wire.Usage | None = None,
-           millm: dict[str, Any] | None = None) -> dict[str, Any]:
+def _chunk(
+    plan: Plan, choices: list[Any], *, usage: wire.Usage | None = None, millm: dict[str, Any] | None = None
+) -> dict[str, Any]:
     model = wire.ChatCompletionChunk if plan.kind == "chat" else wire.Completion
-    data = model(id=plan.object_id, created=plan.created, model=plan.model.name,
-                 system_fingerprint=plan.fingerprint, choices=choices, usage=usage,
-                 millm=millm).dump()
+    data = model(
+        id=plan.object_id,
+        created=plan.created,
+        model=plan.model.name,
+        system_fingerprint=plan.fingerprint,
+        choices=choices,
+        usage=usage,
+        millm=millm,
+    ).dump()
     if plan.request.include_usage:
         data.setdefault("usage", None)  # null on every chunk but the usage one
     else:
@@ -158,28 +164,32 @@ def _chunk(plan: Plan, choices: list[Any], *, usage: wire.Usage | None = None,
     return data
 
 
-def _token_choice(plan: Plan, choice: Choice, event: TokenEvent,
-                  tool_stream: ToolStream | None = None, text_offset: int = 0) -> Any:
+def _token_choice(
+    plan: Plan, choice: Choice, event: TokenEvent, tool_stream: ToolStream | None = None, text_offset: int = 0
+) -> Any:
     """A token's chunk choice; ``text_offset``: where the token's text starts, counted
     as in the non-streamed answer (the texts of the choice's earlier tokens)."""
     text = event.text if tool_stream is None else tool_stream.feed(event.text)
     if not text and event.logprob is None:
         return None
     if plan.kind == "chat":
-        logprobs = (wire.ChatLogprobs(content=[wire.ChatTokenLogprob.of(event.logprob)])
-                    if event.logprob is not None and plan.request.logprobs else None)
+        logprobs = (
+            wire.ChatLogprobs(content=[wire.ChatTokenLogprob.of(event.logprob)])
+            if event.logprob is not None and plan.request.logprobs
+            else None
+        )
         if not text and logprobs is None:
             return None
-        return wire.ChatChunkChoice(index=choice.index,
-                                    delta=wire.ChatDelta(content=text),
-                                    logprobs=logprobs)
+        return wire.ChatChunkChoice(index=choice.index, delta=wire.ChatDelta(content=text), logprobs=logprobs)
     logprobs = None
     if event.logprob is not None:
         logprobs = wire.CompletionLogprobs(
-            tokens=[event.logprob.token], token_logprobs=[event.logprob.logprob],
-            top_logprobs=[top_dict(event.logprob)], text_offset=[text_offset])
-    return wire.CompletionChoice(index=choice.index, text=event.text, logprobs=logprobs,
-                                 finish_reason=None)
+            tokens=[event.logprob.token],
+            token_logprobs=[event.logprob.logprob],
+            top_logprobs=[top_dict(event.logprob)],
+            text_offset=[text_offset],
+        )
+    return wire.CompletionChoice(index=choice.index, text=event.text, logprobs=logprobs, finish_reason=None)
 
 
 def _tool_chunks(choice: Choice, tool_stream: ToolStream) -> list[Any]:
@@ -190,35 +200,36 @@ def _tool_chunks(choice: Choice, tool_stream: ToolStream) -> list[Any]:
     if rest:
         out.append(wire.ChatChunkChoice(index=choice.index, delta=wire.ChatDelta(content=rest)))
     for i, call in enumerate(calls):
-        out.append(wire.ChatChunkChoice(index=choice.index, delta=wire.ChatDelta(
-            tool_calls=[wire.ToolCallDelta(index=i, **call)])))
+        out.append(
+            wire.ChatChunkChoice(
+                index=choice.index, delta=wire.ChatDelta(tool_calls=[wire.ToolCallDelta(index=i, **call)])
+            )
+        )
     return out
 
 
 def _finish_choice(plan: Plan, choice: Choice, finish: FinishEvent) -> Any:
     if plan.kind == "chat":
-        return wire.ChatChunkChoice(index=choice.index, delta=wire.ChatDelta(),
-                                    finish_reason=chat_finish_reason(plan, finish))
+        return wire.ChatChunkChoice(
+            index=choice.index, delta=wire.ChatDelta(), finish_reason=chat_finish_reason(plan, finish)
+        )
     reason = wire.finish_reason(finish.finish_reason)
-    return wire.CompletionChoice(index=choice.index, text="", logprobs=None,
-                                 finish_reason=reason)
+    return wire.CompletionChoice(index=choice.index, text="", logprobs=None, finish_reason=reason)
 
 
 def _opening(plan: Plan, choice: Choice, first_prompt_text: str | None) -> Any:
     if plan.kind == "chat":
-        return wire.ChatChunkChoice(index=choice.index,
-                                    delta=wire.ChatDelta(role="assistant", content=""))
+        return wire.ChatChunkChoice(index=choice.index, delta=wire.ChatDelta(role="assistant", content=""))
     req = plan.request
     if isinstance(req, CompletionRequest) and req.echo:
-        text = (choice.prompt_text if choice.prompt_text is not None
-                else first_prompt_text or "")
-        return wire.CompletionChoice(index=choice.index, text=text, logprobs=None,
-                                     finish_reason=None)
+        text = choice.prompt_text if choice.prompt_text is not None else first_prompt_text or ""
+        return wire.CompletionChoice(index=choice.index, text=text, logprobs=None, finish_reason=None)
     return None
 
 
-async def stream_choices(plan: Plan, client: EngineClient, res: Resources,
-                  first: TokenEvent | FinishEvent) -> AsyncIterator[bytes]:
+async def stream_choices(
+    plan: Plan, client: EngineClient, res: Resources, first: TokenEvent | FinishEvent
+) -> AsyncIterator[bytes]:
     outcomes: list[Outcome] = []
     under_way: list[TokenEvent] = []  # the tokens sent of a choice not finished yet
     try:
@@ -233,21 +244,24 @@ async def stream_choices(plan: Plan, client: EngineClient, res: Resources,
             offset = 0  # the characters of this choice's tokens so far (text_offset)
             tokens: list[TokenEvent] = []
             under_way = [] if choice.prompt_only else tokens  # what was sent
-            tool_stream = (ToolStream(plan.tools) if plan.kind == "chat" and plan.tools
-                           is not None and plan.tools.parses else None)
+            tool_stream = (
+                ToolStream(plan.tools) if plan.kind == "chat" and plan.tools is not None and plan.tools.parses else None
+            )
             while True:
                 if pending is None:
                     try:
                         event = await anext(res.events)
                     except StopAsyncIteration:
-                        raise OpenAIError("the generation ended without a result",
-                                          status=500, code="generation_failed",
-                                          type="server_error") from None
+                        raise OpenAIError(
+                            "the generation ended without a result",
+                            status=500,
+                            code="generation_failed",
+                            type="server_error",
+                        ) from None
                 else:
                     event, pending = pending, None
                 if isinstance(event, ErrorEvent):
-                    yield held + openai_error_frame(openai_error_event(
-                        event.code, event.message, event.details))
+                    yield held + openai_error_frame(openai_error_event(event.code, event.message, event.details))
                     return
                 if not opened:
                     opened = True
@@ -277,8 +291,7 @@ async def stream_choices(plan: Plan, client: EngineClient, res: Resources,
                         for piece in _tool_chunks(choice, tool_stream):
                             yield held + _sse(_chunk(plan, [piece]))
                             held = b""
-                    yield held + _sse(_chunk(plan, [_finish_choice(plan, choice,
-                                                                      outcomes[-1].finish)]))
+                    yield held + _sse(_chunk(plan, [_finish_choice(plan, choice, outcomes[-1].finish)]))
                     held = b""
                     break
         if wants_millm(plan, outcomes):
@@ -297,7 +310,6 @@ async def stream_choices(plan: Plan, client: EngineClient, res: Resources,
         try:
             # counted however the stream ended (a client that hung up was sent tokens
             # too), and before the slot is freed: an idle server has counted everything
-            count_usage(plan, usage_of(plan, outcomes), unfinished=len(under_way),
-                        outcomes=outcomes)
+            count_usage(plan, usage_of(plan, outcomes), unfinished=len(under_way), outcomes=outcomes)
         finally:
             res.release()

@@ -46,27 +46,46 @@ MAX_SCHEMA_BYTES = 1 << 20
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 # keywords that change nothing about which documents are valid
-ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default",
-                         "examples", "deprecated", "readOnly", "writeOnly"})
+ANNOTATIONS = frozenset(
+    {"title", "description", "$schema", "$id", "$comment", "default", "examples", "deprecated", "readOnly", "writeOnly"}
+)
 # keywords the grammar enforces, by what their value holds
 _SCHEMA = frozenset({"additionalProperties", "items", "propertyNames"})  # one schema
 _SCHEMA_MAP = frozenset({"properties", "patternProperties", "$defs", "definitions"})
 _SCHEMA_LIST = frozenset({"anyOf", "prefixItems"})
-_PLAIN = frozenset({"type", "enum", "const", "required", "$ref", "minProperties",
-                    "maxProperties", "minItems", "maxItems", "minLength", "maxLength",
-                    "pattern", "format", "minimum", "maximum", "exclusiveMinimum",
-                    "exclusiveMaximum", "uniqueItems"})
+_PLAIN = frozenset(
+    {
+        "type",
+        "enum",
+        "const",
+        "required",
+        "$ref",
+        "minProperties",
+        "maxProperties",
+        "minItems",
+        "maxItems",
+        "minLength",
+        "maxLength",
+        "pattern",
+        "format",
+        "minimum",
+        "maximum",
+        "exclusiveMinimum",
+        "exclusiveMaximum",
+        "uniqueItems",
+    }
+)
 JSON_TYPES = frozenset({"object", "array", "string", "integer", "number", "boolean", "null"})
-FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4",
-                     "ipv6", "uri", "uuid"})
+FORMATS = frozenset({"date", "time", "date-time", "duration", "email", "hostname", "ipv4", "ipv6", "uri", "uuid"})
 
 
 SCHEMA_ROOT = "response_format.json_schema.schema"
 
 
 def _unsupported(where: str, why: str) -> OpenAIError:
-    return OpenAIError(f"{SCHEMA_ROOT}{where}: {why}", status=400,
-                       code="response_format_unsupported", param="response_format")
+    return OpenAIError(
+        f"{SCHEMA_ROOT}{where}: {why}", status=400, code="response_format_unsupported", param="response_format"
+    )
 
 
 def _repeat_bound(pattern: str) -> tuple[int, str, int]:
@@ -86,13 +105,13 @@ def _repeat_bound(pattern: str) -> tuple[int, str, int]:
         """(bound, end index, text) of a {…} quantifier at ``at``, else (1, at, "")."""
         if at < n and pattern[at] == "{":
             close = pattern.find("}", at)
-            body = pattern[at + 1:close] if close > 0 else ""
+            body = pattern[at + 1 : close] if close > 0 else ""
             low, comma, high = body.partition(",")
             if (low.isdigit() or (comma and high.isdigit())) and (not high or high.isdigit()):
                 # (a bound of more than 12 digits counts as 10**12: int() of thousands
                 # of digits is refused by Python itself)
                 low_n, high_n = (int(d) if len(d) <= 12 else 10**12 for d in (low or "0", high or "0"))
-                return max(low_n, high_n), close + 1, pattern[at:close + 1]
+                return max(low_n, high_n), close + 1, pattern[at : close + 1]
         return 1, at, ""
 
     while i < n:
@@ -143,31 +162,42 @@ class _Walk:
         self.repeats = 0  # what every pattern's repetitions add, over the whole schema
 
     def _too_complex(self, at: str, why: str) -> OpenAIError:
-        return OpenAIError(f"{self.root}{at}: {why}", status=400, code="schema_too_complex",
-                           param=f"{self.root}{at}")
+        return OpenAIError(f"{self.root}{at}: {why}", status=400, code="schema_too_complex", param=f"{self.root}{at}")
 
     def pattern(self, pattern: str, at: str) -> None:
         """A regex within the cost caps (the module doc), else 400 schema_too_complex."""
         if len(pattern) > self.max_pattern:
-            raise self._too_complex(at, f"the pattern is {len(pattern)} characters long; at "
-                                    f"most {self.max_pattern} are allowed "
-                                    "(STRUCTURED_MAX_PATTERN_LENGTH)")
+            raise self._too_complex(
+                at,
+                f"the pattern is {len(pattern)} characters long; at "
+                f"most {self.max_pattern} are allowed "
+                "(STRUCTURED_MAX_PATTERN_LENGTH)",
+            )
         bound, quantifier, expansion = _repeat_bound(pattern)
         if bound > self.max_repeat:
-            raise self._too_complex(at, f"the pattern repeats up to {bound} times "
-                                    f"({quantifier}, with the groups around it); at most "
-                                    f"{self.max_repeat} are allowed (STRUCTURED_MAX_REPEAT)")
+            raise self._too_complex(
+                at,
+                f"the pattern repeats up to {bound} times "
+                f"({quantifier}, with the groups around it); at most "
+                f"{self.max_repeat} are allowed (STRUCTURED_MAX_REPEAT)",
+            )
         # what its repetitions add to the grammar, over the pattern's own length
         added = max(expansion - len(pattern), 0)
         if added > self.max_repeat:
-            raise self._too_complex(at, f"the pattern's repetitions add up to {expansion} "
-                                    f"atoms; they may add at most {self.max_repeat} to its "
-                                    "length (STRUCTURED_MAX_REPEAT)")
+            raise self._too_complex(
+                at,
+                f"the pattern's repetitions add up to {expansion} "
+                f"atoms; they may add at most {self.max_repeat} to its "
+                "length (STRUCTURED_MAX_REPEAT)",
+            )
         self.repeats += added
         if self.repeats > self.max_schema_repeat:
-            raise self._too_complex(at, f"the schema's patterns together add {self.repeats} "
-                                    f"atoms by repetition; at most {self.max_schema_repeat} "
-                                    "are allowed (STRUCTURED_MAX_SCHEMA_REPEAT)")
+            raise self._too_complex(
+                at,
+                f"the schema's patterns together add {self.repeats} "
+                f"atoms by repetition; at most {self.max_schema_repeat} "
+                "are allowed (STRUCTURED_MAX_SCHEMA_REPEAT)",
+            )
 
     def schema(self, node: Any, where: str, depth: int) -> None:
         if isinstance(node, bool):
@@ -192,8 +222,9 @@ class _Walk:
                         self.pattern(name, f"{at}[{json.dumps(name)}]")
                 self.name_chars += sum(len(k) for k in value)
                 for name, sub in value.items():
-                    self.schema(sub, f"{at}[{json.dumps(name)}]",
-                                depth if key in ("$defs", "definitions") else depth + 1)
+                    self.schema(
+                        sub, f"{at}[{json.dumps(name)}]", depth if key in ("$defs", "definitions") else depth + 1
+                    )
             elif key in _SCHEMA_LIST:
                 if not isinstance(value, list) or not value:
                     raise _unsupported(at, "must be a non-empty list of schemas")
@@ -202,8 +233,9 @@ class _Walk:
             elif key in _PLAIN:
                 self.plain(key, value, at)
             else:
-                raise _unsupported(at, f"the keyword {key!r} is not supported (constrained "
-                                   "decoding could not guarantee it)")
+                raise _unsupported(
+                    at, f"the keyword {key!r} is not supported (constrained decoding could not guarantee it)"
+                )
         self._limits(where)
 
     def plain(self, key: str, value: Any, at: str) -> None:
@@ -216,18 +248,17 @@ class _Walk:
             if not isinstance(value, list) or not value:
                 raise _unsupported(at, "must be a non-empty list")
             self.enum_values += len(value)
-            self.name_chars += sum(len(v) if isinstance(v, str) else len(json.dumps(v))
-                                   for v in value)
+            self.name_chars += sum(len(v) if isinstance(v, str) else len(json.dumps(v)) for v in value)
         elif key == "const":
             self.name_chars += len(value) if isinstance(value, str) else len(json.dumps(value))
         elif key == "$ref":
             if not isinstance(value, str) or not (value == "#" or value.startswith("#/")):
-                raise _unsupported(at, "only references inside the schema (#/...) are "
-                                   "supported")
+                raise _unsupported(at, "only references inside the schema (#/...) are supported")
         elif key == "format":
             if value not in FORMATS:
-                raise _unsupported(at, f"the format {value!r} is not supported (supported: "
-                                   f"{', '.join(sorted(FORMATS))})")
+                raise _unsupported(
+                    at, f"the format {value!r} is not supported (supported: {', '.join(sorted(FORMATS))})"
+                )
         elif key == "uniqueItems":
             if value is not False:
                 raise _unsupported(at, "uniqueItems: true is not supported")
@@ -244,8 +275,10 @@ class _Walk:
         if self.enum_values > MAX_ENUM_VALUES:
             raise _unsupported(where, f"more than {MAX_ENUM_VALUES} enum values in all")
         if self.name_chars > MAX_NAME_CHARS:
-            raise _unsupported(where, f"more than {MAX_NAME_CHARS} characters of property "
-                               "names, definition names, enum and const values")
+            raise _unsupported(
+                where,
+                f"more than {MAX_NAME_CHARS} characters of property names, definition names, enum and const values",
+            )
 
 
 def check_schema(schema: Any, *, root: str = SCHEMA_ROOT) -> str:

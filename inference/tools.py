@@ -55,42 +55,60 @@ def check_tools(req: ChatCompletionRequest) -> None:
     mode = req.tool_choice_mode()
     tools = req.tools or []
     if mode in ("required", "named") and not tools:
-        raise OpenAIError(f"tool_choice {_choice_text(req)} needs tools", status=400,
-                          code="invalid_parameter", param="tool_choice")
+        raise OpenAIError(
+            f"tool_choice {_choice_text(req)} needs tools", status=400, code="invalid_parameter", param="tool_choice"
+        )
     names: set[str] = set()
     for i, tool in enumerate(tools):
         if tool.function.name in names:
-            raise OpenAIError(f"tools names the function {tool.function.name!r} twice",
-                              status=400, code="invalid_parameter", param=f"tools[{i}]")
+            raise OpenAIError(
+                f"tools names the function {tool.function.name!r} twice",
+                status=400,
+                code="invalid_parameter",
+                param=f"tools[{i}]",
+            )
         names.add(tool.function.name)
         params = _parameters(tool)
         if params.get("type", "object") != "object":
-            raise OpenAIError(f"tools[{i}].function.parameters must describe an object",
-                              status=400, code="invalid_function_parameters",
-                              param=f"tools[{i}].function.parameters")
+            raise OpenAIError(
+                f"tools[{i}].function.parameters must describe an object",
+                status=400,
+                code="invalid_function_parameters",
+                param=f"tools[{i}].function.parameters",
+            )
         try:
             check_schema(params, root=f"tools[{i}].function.parameters")
         except OpenAIError as exc:
             if exc.code == "schema_too_complex":  # names its field already
                 raise
-            message = exc.message.replace("response_format.json_schema.schema",
-                                          f"tools[{i}].function.parameters", 1)
-            raise OpenAIError(message, status=400,
-                              code="invalid_function_parameters",
-                              param=f"tools[{i}].function.parameters") from None
+            message = exc.message.replace("response_format.json_schema.schema", f"tools[{i}].function.parameters", 1)
+            raise OpenAIError(
+                message, status=400, code="invalid_function_parameters", param=f"tools[{i}].function.parameters"
+            ) from None
     if isinstance(req.tool_choice, NamedToolChoice) and req.tool_choice.function.name not in names:
-        raise OpenAIError(f"tool_choice names the function {req.tool_choice.function.name!r}, "
-                          f"which tools does not define (defined: {', '.join(sorted(names))})",
-                          status=400, code="invalid_parameter", param="tool_choice")
+        raise OpenAIError(
+            f"tool_choice names the function {req.tool_choice.function.name!r}, "
+            f"which tools does not define (defined: {', '.join(sorted(names))})",
+            status=400,
+            code="invalid_parameter",
+            param="tool_choice",
+        )
     if tools and mode != "none":
         if req.response_format is not None and req.response_format.get("type") != "text":
-            raise OpenAIError("tools with tool_choice other than none cannot be combined with "
-                              "a JSON response_format (one grammar constrains an output)",
-                              status=400, code="invalid_parameter", param="response_format")
+            raise OpenAIError(
+                "tools with tool_choice other than none cannot be combined with "
+                "a JSON response_format (one grammar constrains an output)",
+                status=400,
+                code="invalid_parameter",
+                param="response_format",
+            )
     if tools and req.allowed_token_ids is not None:
-        raise OpenAIError("tools cannot be combined with allowed_token_ids (scoring mode "
-                          "generates nothing)", status=400, code="invalid_parameter",
-                          param="tools")
+        raise OpenAIError(
+            "tools cannot be combined with allowed_token_ids (scoring mode generates nothing)",
+            status=400,
+            code="invalid_parameter",
+            param="tools",
+        )
 
 
 def _choice_text(req: ChatCompletionRequest) -> str:
@@ -121,27 +139,33 @@ def refuse_tools_before_load(model_pk: int) -> None:
     constrains calls where the template renders tools."""
     from pathlib import Path
 
-
     row = Model.objects.filter(pk=model_pk).first()
     if row is None or not row.local_path:
         return
     text = chat_template_text(Path(row.local_path))
     if text is not None and "tools" not in text:
-        raise OpenAIError(f"tools cannot be honoured on {row.name}: its chat template never "
-                          "mentions tools (refused before loading it)", status=400,
-                          code="field_not_honoured", param="tools")
+        raise OpenAIError(
+            f"tools cannot be honoured on {row.name}: its chat template never "
+            "mentions tools (refused before loading it)",
+            status=400,
+            code="field_not_honoured",
+            param="tools",
+        )
 
 
-def tool_plan(req: ChatCompletionRequest, capabilities: Capabilities | None, model: str
-              ) -> ToolPlan | None:
+def tool_plan(req: ChatCompletionRequest, capabilities: Capabilities | None, model: str) -> ToolPlan | None:
     """The request's ``ToolPlan`` on a model whose capabilities are ``capabilities``, or
     None without tools; ``400 field_not_honoured`` naming ``tools`` where its chat template
     does not render them (or nothing reports capabilities)."""
     if not req.tools:
         return None
     if capabilities is None or not capabilities.tool_calling:
-        raise OpenAIError(f"tools cannot be honoured: the chat template of {model} does not "
-                          "render tools", status=400, code="field_not_honoured", param="tools")
+        raise OpenAIError(
+            f"tools cannot be honoured: the chat template of {model} does not render tools",
+            status=400,
+            code="field_not_honoured",
+            param="tools",
+        )
     fmt = capabilities.tool_call_format or "json"
     mode = req.tool_choice_mode()
     functions = {t.function.name: _parameters(t) for t in req.tools}
@@ -150,8 +174,9 @@ def tool_plan(req: ChatCompletionRequest, capabilities: Capabilities | None, mod
         chosen = [req.tool_choice.function.name]
     structured = None
     if mode in ("required", "named") or (mode == "auto" and fmt == "hermes"):
-        schema = json.dumps([{"name": n, "parameters": functions[n]} for n in chosen],
-                            separators=(",", ":"), ensure_ascii=False)
+        schema = json.dumps(
+            [{"name": n, "parameters": functions[n]} for n in chosen], separators=(",", ":"), ensure_ascii=False
+        )
         if mode != "auto":
             tool_mode = "required"
         else:
@@ -162,9 +187,13 @@ def tool_plan(req: ChatCompletionRequest, capabilities: Capabilities | None, mod
 
 # --------------------------------------------------------------------------- parsing
 
+
 def _call(name: str, arguments: Any) -> dict[str, Any]:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+    }
 
 
 def _valid(plan: ToolPlan, obj: Any) -> dict[str, Any] | None:
@@ -205,7 +234,7 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any
             call = None
         if call is None:
             continue
-        kept.append(text[pos:match.start()])
+        kept.append(text[pos : match.start()])
         pos = match.end()
         calls.append(call)
     kept.append(text[pos:])
@@ -246,14 +275,14 @@ class ToolStream:
         return self._send(len(self.text) - keep)
 
     def _send(self, end: int) -> str:
-        out = self.text[self.sent:end]
+        out = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out
 
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         content, calls = parse_tool_calls(self.text, self.plan)
         # what was sent is a prefix of the content (nothing before the first call is cut)
-        rest = content[self.sent:] if calls else self.text[self.sent:]
+        rest = content[self.sent :] if calls else self.text[self.sent :]
         return (rest if rest.strip() or not calls else ""), calls
 
 

@@ -51,20 +51,20 @@ def _body(request: HttpRequest, schema: type[BaseModel]) -> tuple[Any, list[str]
     (refused under ``X-miLLM-Strict``, as are fields that cannot be honoured)."""
     strict = strict_mode(request.headers.get(STRICT_HEADER))
     content_type = (request.content_type or "").lower()
-    if content_type and content_type != "application/json" \
-            and not content_type.endswith("+json"):
-        raise OpenAIError(f"Content-Type must be application/json (got {content_type})",
-                          status=415, code="unsupported_media_type")
+    if content_type and content_type != "application/json" and not content_type.endswith("+json"):
+        raise OpenAIError(
+            f"Content-Type must be application/json (got {content_type})", status=415, code="unsupported_media_type"
+        )
     try:
         raw = request.body
     except RequestDataTooBig:
-        raise OpenAIError("The request body is too large", status=413,
-                          code="request_too_large") from None
+        raise OpenAIError("The request body is too large", status=413, code="request_too_large") from None
     try:
         data = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise OpenAIError(f"The body is not valid JSON: {type(exc).__name__}", status=400,
-                          code="invalid_json") from None
+        raise OpenAIError(
+            f"The body is not valid JSON: {type(exc).__name__}", status=400, code="invalid_json"
+        ) from None
     if not isinstance(data, dict):
         raise OpenAIError("The body must be a JSON object", status=400, code="invalid_json")
     try:
@@ -72,16 +72,19 @@ def _body(request: HttpRequest, schema: type[BaseModel]) -> tuple[Any, list[str]
     except ValidationError as exc:
         raise openai_error_from_validation(exc) from None
     except RecursionError:
-        raise OpenAIError("The body is nested too deeply", status=400,
-                          code="invalid_json") from None
+        raise OpenAIError("The body is nested too deeply", status=400, code="invalid_json") from None
     return req, check_fields(data=data, req=req, strict=strict)
 
 
 def _load_policy(request: HttpRequest) -> str:
     value = (request.headers.get(LOAD_POLICY_HEADER) or "auto").strip().lower()
     if value not in LOAD_POLICIES:
-        raise OpenAIError(f"{LOAD_POLICY_HEADER} must be one of {', '.join(LOAD_POLICIES)}",
-                          status=400, code="invalid_parameter", param=LOAD_POLICY_HEADER)
+        raise OpenAIError(
+            f"{LOAD_POLICY_HEADER} must be one of {', '.join(LOAD_POLICIES)}",
+            status=400,
+            code="invalid_parameter",
+            param=LOAD_POLICY_HEADER,
+        )
     if value == "auto" and not principal(request).admin:
         return ADMIN_ONLY  # an inference key never swaps the model everyone uses
     return value
@@ -89,9 +92,14 @@ def _load_policy(request: HttpRequest) -> str:
 
 async def _generation(request: HttpRequest, kind: str, schema: type[BaseModel]):
     req, ignored = _body(request, schema)
-    return await serve_generation(kind=kind, req=req, policy=_load_policy(request),
-                                  lease=request.headers.get(LEASE_HEADER), ignored=ignored,
-                                  scope=Scope.of_request(request))
+    return await serve_generation(
+        kind=kind,
+        req=req,
+        policy=_load_policy(request),
+        lease=request.headers.get(LEASE_HEADER),
+        ignored=ignored,
+        scope=Scope.of_request(request),
+    )
 
 
 @openai_view("POST")
@@ -107,22 +115,23 @@ async def completions(request: HttpRequest):
 @openai_view("POST")
 async def embeddings(request: HttpRequest):
     req, ignored = _body(request, EmbeddingRequest)
-    body, headers = await serve_embeddings(req=req, ignored=ignored, policy=_load_policy(request),
-                                           lease=request.headers.get(LEASE_HEADER))
+    body, headers = await serve_embeddings(
+        req=req, ignored=ignored, policy=_load_policy(request), lease=request.headers.get(LEASE_HEADER)
+    )
     return JsonResponse(body, headers=headers)
 
 
 def _card(row: Any, model_id: str | None = None) -> ModelCard:
-    return ModelCard(id=model_id or row.name, created=int(row.created_at.timestamp()),
-                     owned_by=row.repo_id or "local")
+    return ModelCard(id=model_id or row.name, created=int(row.created_at.timestamp()), owned_by=row.repo_id or "local")
 
 
 def _json_object(request: HttpRequest) -> Any:
     try:
         return json.loads(request.body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise OpenAIError(f"The body is not valid JSON: {type(exc).__name__}", status=400,
-                          code="invalid_json") from None
+        raise OpenAIError(
+            f"The body is not valid JSON: {type(exc).__name__}", status=400, code="invalid_json"
+        ) from None
 
 
 @openai_view("POST")
@@ -148,5 +157,4 @@ async def model_detail(request: HttpRequest, model_id: str):
 
 @openai_view("GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS")
 async def not_found(request: HttpRequest, rest: str = ""):
-    raise OpenAIError(f"Unknown endpoint {request.method} {request.path}", status=404,
-                      code="unknown_url")
+    raise OpenAIError(f"Unknown endpoint {request.method} {request.path}", status=404, code="unknown_url")

@@ -34,8 +34,9 @@ class _Body(BaseModel):
             if isinstance(value, _Body) and isinstance(data.get(name), dict):
                 data[name] = value._omit(data[name])
             elif isinstance(value, list):
-                data[name] = [v._omit(d) if isinstance(v, _Body) else d
-                              for v, d in zip(value, data.get(name) or [], strict=False)]
+                data[name] = [
+                    v._omit(d) if isinstance(v, _Body) else d for v, d in zip(value, data.get(name) or [], strict=False)
+                ]
         return data
 
 
@@ -54,8 +55,7 @@ def fingerprint(status: EngineStatus | None, version: str) -> str:
     answers only when all of those were equal."""
     parts = [version]
     if status is not None:
-        parts += [str(status.backend), str(status.model_id), str(status.device),
-                  str(status.dtype), str(status.kernels)]
+        parts += [str(status.backend), str(status.model_id), str(status.device), str(status.dtype), str(status.kernels)]
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:12]
 
 
@@ -66,6 +66,7 @@ class Usage(_Body):
 
 
 # --- chat ------------------------------------------------------------------------------
+
 
 class TopLogprob(_Body):
     token: str
@@ -78,10 +79,14 @@ class ChatTokenLogprob(TopLogprob):
 
     @classmethod
     def of(cls, lp: TokenLogprob) -> ChatTokenLogprob:
-        return cls(token=lp.token, logprob=lp.logprob, bytes=list(lp.token.encode()),
-                   top_logprobs=[TopLogprob(token=t.token, logprob=t.logprob,
-                                            bytes=list(t.token.encode()))
-                                 for t in lp.top_logprobs])
+        return cls(
+            token=lp.token,
+            logprob=lp.logprob,
+            bytes=list(lp.token.encode()),
+            top_logprobs=[
+                TopLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode())) for t in lp.top_logprobs
+            ],
+        )
 
 
 class ChatLogprobs(_Body):
@@ -164,6 +169,7 @@ class ChatCompletionChunk(_Body):
 
 
 # --- completions -----------------------------------------------------------------------
+
 
 class CompletionLogprobs(_Body):
     tokens: list[str]

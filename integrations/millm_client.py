@@ -45,19 +45,20 @@ class Completion:
 
 
 class MillmClient:
-    def __init__(self, base_url: str = "http://localhost:8000", api_key: str | None = None,
-                 **openai_kwargs: Any) -> None:
+    def __init__(
+        self, base_url: str = "http://localhost:8000", api_key: str | None = None, **openai_kwargs: Any
+    ) -> None:
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
             self.base_url = self.base_url[: -len("/v1")]
         self.api_key = api_key
-        self.openai = OpenAI(base_url=self.base_url + "/v1", api_key=api_key or "not-needed",
-                             **openai_kwargs)
+        self.openai = OpenAI(base_url=self.base_url + "/v1", api_key=api_key or "not-needed", **openai_kwargs)
 
     # ------------------------------------------------------------------ generation
 
-    def generate(self, model: str, *, messages: list[dict[str, Any]] | None = None,
-                 prompt: str | None = None, **extra: Any) -> Completion:
+    def generate(
+        self, model: str, *, messages: list[dict[str, Any]] | None = None, prompt: str | None = None, **extra: Any
+    ) -> Completion:
         """A chat completion (``messages``) or a completion (``prompt``) with miLLM's
         extension fields (``steering``, ``capture``, ``analyze``, …) in ``extra``; OpenAI's
         own fields (``max_tokens``, ``temperature``, …) too."""
@@ -65,19 +66,24 @@ class MillmClient:
             raise ValueError("give messages or prompt")
         own = {k: extra.pop(k) for k in list(extra) if k in _OPENAI_FIELDS}
         if messages is not None:
-            resp = self.openai.chat.completions.create(model=model, messages=messages,
-                                                       extra_body=extra, **own)
+            resp = self.openai.chat.completions.create(model=model, messages=messages, extra_body=extra, **own)
             text = resp.choices[0].message.content or ""
         else:
-            resp = self.openai.completions.create(model=model, prompt=prompt, extra_body=extra,
-                                                  **own)
+            resp = self.openai.completions.create(model=model, prompt=prompt, extra_body=extra, **own)
             text = resp.choices[0].text
         return Completion(text, resp, dict((resp.model_extra or {}).get("millm") or {}))
 
-    def capture(self, model: str, *, layers: list[int] | None = None, positions: str = "last",
-                attention: dict[str, Any] | None = None,
-                messages: list[dict[str, Any]] | None = None, prompt: str | None = None,
-                **extra: Any) -> tuple[str, CaptureData]:
+    def capture(
+        self,
+        model: str,
+        *,
+        layers: list[int] | None = None,
+        positions: str = "last",
+        attention: dict[str, Any] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        **extra: Any,
+    ) -> tuple[str, CaptureData]:
         """Generate with a capture armed; ``(text, tensors)``. ``attention``: ``{layers,
         heads?, positions?}`` for Q/K (docs/capture.md)."""
         spec: dict[str, Any] = {"positions": positions}
@@ -88,13 +94,21 @@ class MillmClient:
         out = self.generate(model, messages=messages, prompt=prompt, capture=spec, **extra)
         return out.text, self.fetch_capture(out.millm["capture"])
 
-    def analyze(self, model: str, name: str, *, params: dict[str, Any] | None = None,
-                messages: list[dict[str, Any]] | None = None, prompt: str | None = None,
-                **extra: Any) -> dict[str, Any]:
+    def analyze(
+        self,
+        model: str,
+        name: str,
+        *,
+        params: dict[str, Any] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        prompt: str | None = None,
+        **extra: Any,
+    ) -> dict[str, Any]:
         """Generate with analyzer ``name`` (its capture armed by the server) and return its
         result (``millm.analysis``)."""
-        out = self.generate(model, messages=messages, prompt=prompt,
-                            analyze={"name": name, "params": params or {}}, **extra)
+        out = self.generate(
+            model, messages=messages, prompt=prompt, analyze={"name": name, "params": params or {}}, **extra
+        )
         (entry,) = [a for a in out.millm.get("analysis", []) if a.get("name") == name]
         return entry
 
@@ -110,16 +124,16 @@ class MillmClient:
     def download_capture(self, capture_id: str) -> CaptureData:
         return load_capture(self._get(f"/api/captures/{capture_id}/download"))
 
-    def analyze_capture(self, capture_id: str, name: str, params: dict[str, Any] | None = None
-                        ) -> dict[str, Any]:
+    def analyze_capture(self, capture_id: str, name: str, params: dict[str, Any] | None = None) -> dict[str, Any]:
         """Run analyzer ``name`` on a stored capture (``POST /api/captures/<id>/analyze``)."""
         body = json.dumps({"name": name, "params": params or {}}).encode()
         return self._envelope(self._request(f"/api/captures/{capture_id}/analyze", body))
 
     # ------------------------------------------------------------------ probes
 
-    def score_probes(self, inputs: list[Any], probes: list[Any] | None = None, *,
-                     model: str | None = None) -> list[list[dict[str, Any]]]:
+    def score_probes(
+        self, inputs: list[Any], probes: list[Any] | None = None, *, model: str | None = None
+    ) -> list[list[dict[str, Any]]]:
         """Score ``inputs`` (texts, or ``{"text"}``, ``{"messages"}``, ``{"token_ids"}``
         objects) with ``probes`` (names, ids or ``{"name", "positions"}``; None: the armed
         set) in one forward pass each, nothing generated (``POST /api/probes/score``):
@@ -139,8 +153,9 @@ class MillmClient:
         headers = {"Content-Type": "application/json"} if body is not None else {}
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
-        req = urllib.request.Request(self.base_url + path, data=body, headers=headers,
-                                     method="POST" if body is not None else "GET")
+        req = urllib.request.Request(
+            self.base_url + path, data=body, headers=headers, method="POST" if body is not None else "GET"
+        )
         try:
             with urllib.request.urlopen(req, timeout=120) as resp:  # noqa: S310 - our server
                 return resp.read()
@@ -154,8 +169,11 @@ class MillmClient:
     def _envelope(data: bytes) -> dict[str, Any]:
         body = json.loads(data)
         if not body.get("success", False):
-            raise MillmError(body.get("error", {}).get("code", "error"),
-                             body.get("error", {}).get("message", ""), body.get("error", {}))
+            raise MillmError(
+                body.get("error", {}).get("code", "error"),
+                body.get("error", {}).get("message", ""),
+                body.get("error", {}),
+            )
         return body["data"]
 
 
@@ -176,8 +194,23 @@ class MillmError(Exception):
 
 
 # fields the openai methods take as arguments (the rest travel in extra_body)
-_OPENAI_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop",
-                  "seed", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
-                  "stream", "logit_bias", "user", "echo", "timeout"}
+_OPENAI_FIELDS = {
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stop",
+    "seed",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "stream",
+    "logit_bias",
+    "user",
+    "echo",
+    "timeout",
+}
 
 __all__ = ["Completion", "MillmClient", "MillmError", "load_capture"]

@@ -14,8 +14,17 @@ class LeaseAdmin(admin.ModelAdmin):
     list_display = ("model", "holder", "acquired_at", "expires_at", "ended_at", "end_reason")
     list_filter = ("end_reason",)
     search_fields = ("holder", "reason", "model__name")
-    readonly_fields = ("model", "holder", "reason", "ttl_seconds", "acquired_at", "renewed_at",
-                       "expires_at", "ended_at", "end_reason")
+    readonly_fields = (
+        "model",
+        "holder",
+        "reason",
+        "ttl_seconds",
+        "acquired_at",
+        "renewed_at",
+        "expires_at",
+        "ended_at",
+        "end_reason",
+    )
     exclude = ("id_hash",)
     actions = ("revoke",)
 

@@ -21,8 +21,9 @@ class Lease(models.Model):
         REVOKED = "revoked", "Revoked by an administrator"
 
     model = models.ForeignKey("registry.Model", on_delete=models.CASCADE, related_name="leases")
-    id_hash = models.CharField(max_length=64, unique=True, editable=False,
-                               help_text="sha256 of the lease id; the id itself is never stored.")
+    id_hash = models.CharField(
+        max_length=64, unique=True, editable=False, help_text="sha256 of the lease id; the id itself is never stored."
+    )
     holder = models.CharField(max_length=512)
     reason = models.TextField()
     ttl_seconds = models.PositiveIntegerField()
@@ -35,12 +36,14 @@ class Lease(models.Model):
     class Meta:
         ordering = ["-acquired_at"]
         constraints = [
-            models.UniqueConstraint(fields=["model"], condition=models.Q(ended_at__isnull=True),
-                                    name="lease_one_live_per_model"),
+            models.UniqueConstraint(
+                fields=["model"], condition=models.Q(ended_at__isnull=True), name="lease_one_live_per_model"
+            ),
             models.CheckConstraint(
                 name="lease_ended_has_reason",
                 condition=models.Q(ended_at__isnull=True, end_reason="")
-                | (models.Q(ended_at__isnull=False) & ~models.Q(end_reason=""))),
+                | (models.Q(ended_at__isnull=False) & ~models.Q(end_reason="")),
+            ),
         ]
 
     def __str__(self) -> str:

@@ -49,8 +49,9 @@ def lease_hash(lease_id: str) -> str:
 def _text(value: Any, *, param: str, limit: int) -> str:
     text = value.strip() if isinstance(value, str) else ""
     if not text or len(text) > limit:
-        raise InvalidLeaseRequest(f"{param} must be 1-{limit} characters after stripping",
-                                  details={"param": param, "max_chars": limit})
+        raise InvalidLeaseRequest(
+            f"{param} must be 1-{limit} characters after stripping", details={"param": param, "max_chars": limit}
+        )
     return text
 
 
@@ -60,15 +61,15 @@ def _ttl(value: Any) -> int:
         return int(settings.LEASE_DEFAULT_TTL_SECONDS)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= limit:
         raise InvalidLeaseRequest(
-            f"ttl_seconds must be an integer from 1 to {limit} (got {value!r}); it is "
-            "refused, never clamped", details={"param": "ttl_seconds", "min": 1, "max": limit})
+            f"ttl_seconds must be an integer from 1 to {limit} (got {value!r}); it is refused, never clamped",
+            details={"param": "ttl_seconds", "min": 1, "max": limit},
+        )
     return value
 
 
 def _need_id(lease_id: str | None) -> str:
     if not lease_id or not lease_id.strip():
-        raise InvalidLeaseRequest(f"Present the lease id in the {LEASE_HEADER} header",
-                                  details={"param": LEASE_HEADER})
+        raise InvalidLeaseRequest(f"Present the lease id in the {LEASE_HEADER} header", details={"param": LEASE_HEADER})
     return lease_id.strip()
 
 
@@ -92,8 +93,7 @@ def lease_expire_due() -> int:
     elsewhere). Called by every read and check, so expiry needs no sweeper."""
     live = Lease.objects.filter(ended_at__isnull=True)
     ended = _end(live.filter(expires_at__lte=timezone.now()), Lease.EndReason.EXPIRED)
-    ended += _end(live.exclude(model__status__in=_RESIDENT_STATES),
-                  Lease.EndReason.MODEL_UNLOADED)
+    ended += _end(live.exclude(model__status__in=_RESIDENT_STATES), Lease.EndReason.MODEL_UNLOADED)
     if ended:
         _prune_ended()
     return ended
@@ -113,18 +113,22 @@ def lease_end_for_model(*, model_id: int, reason: str = Lease.EndReason.MODEL_UN
 def _busy(model: Model) -> bool:
     if Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)).exists():
         return True
-    return Job.objects.filter(kind__in=(Job.Kind.MODEL_LOAD, Job.Kind.MODEL_UNLOAD),
-                              status__in=(Job.Status.QUEUED, Job.Status.RUNNING)).exists()
+    return Job.objects.filter(
+        kind__in=(Job.Kind.MODEL_LOAD, Job.Kind.MODEL_UNLOAD), status__in=(Job.Status.QUEUED, Job.Status.RUNNING)
+    ).exists()
 
 
 def leased_details(lease: Lease) -> dict[str, Any]:
-    return {"holder": lease.holder, "reason": lease.reason,
-            "expires_at": lease.expires_at.isoformat().replace("+00:00", "Z"),
-            "leased_model_id": lease.model_id, "leased_model_name": lease.model.name}
+    return {
+        "holder": lease.holder,
+        "reason": lease.reason,
+        "expires_at": lease.expires_at.isoformat().replace("+00:00", "Z"),
+        "leased_model_id": lease.model_id,
+        "leased_model_name": lease.model.name,
+    }
 
 
-def lease_grant(*, model: Model, holder: Any, reason: Any,
-                ttl_seconds: Any = None) -> tuple[Lease, str]:
+def lease_grant(*, model: Model, holder: Any, reason: Any, ttl_seconds: Any = None) -> tuple[Lease, str]:
     """Lease the resident model. Returns the row and the lease id — the only time the id
     exists outside the caller; the row keeps its sha256."""
     holder = _text(holder, param="holder", limit=int(settings.LEASE_HOLDER_MAX_CHARS))
@@ -133,31 +137,39 @@ def lease_grant(*, model: Model, holder: Any, reason: Any,
     lease_expire_due()
     model.refresh_from_db()
     if model.status != Model.Status.LOADED:
-        raise ModelNotResident(f"Model {model.name!r} is not resident (status {model.status}); "
-                               "only the loaded model can be leased",
-                               details={"model_id": model.id, "status": model.status})
+        raise ModelNotResident(
+            f"Model {model.name!r} is not resident (status {model.status}); only the loaded model can be leased",
+            details={"model_id": model.id, "status": model.status},
+        )
     if _busy(model):
-        raise ModelBusy(f"A model load or unload is in progress; lease {model.name!r} once it "
-                        "ends", details={"model_id": model.id},
-                        retry_after=settings.RETRY_AFTER_LOAD_S)
+        raise ModelBusy(
+            f"A model load or unload is in progress; lease {model.name!r} once it ends",
+            details={"model_id": model.id},
+            retry_after=settings.RETRY_AFTER_LOAD_S,
+        )
     lease_id = f"lease_{secrets.token_urlsafe(32)}"
     now = timezone.now()
     try:
         # The partial unique index decides races: on PostgreSQL a second insert waits for
         # the first transaction and then fails, so exactly one grant wins.
         with transaction.atomic():
-            lease = Lease.objects.create(model=model, id_hash=lease_hash(lease_id),
-                                         holder=holder, reason=reason, ttl_seconds=ttl,
-                                         acquired_at=now, renewed_at=now,
-                                         expires_at=now + timedelta(seconds=ttl))
+            lease = Lease.objects.create(
+                model=model,
+                id_hash=lease_hash(lease_id),
+                holder=holder,
+                reason=reason,
+                ttl_seconds=ttl,
+                acquired_at=now,
+                renewed_at=now,
+                expires_at=now + timedelta(seconds=ttl),
+            )
     except IntegrityError:
-        live = Lease.objects.select_related("model").filter(
-            model=model, ended_at__isnull=True).first()
+        live = Lease.objects.select_related("model").filter(model=model, ended_at__isnull=True).first()
         details = leased_details(live) if live else {"leased_model_id": model.id}
-        raise ModelLeased(f"Model {model.name!r} is already leased"
-                          + (f" by {live.holder!r}" if live else ""),
-                          details={**details, "operation": "lease",
-                                   "target_model_id": model.id}) from None
+        raise ModelLeased(
+            f"Model {model.name!r} is already leased" + (f" by {live.holder!r}" if live else ""),
+            details={**details, "operation": "lease", "target_model_id": model.id},
+        ) from None
     log.info("lease_granted", model_id=model.id, holder=holder, ttl_seconds=ttl)
     return lease, lease_id
 
@@ -170,10 +182,14 @@ def _find(*, model: Model, lease_id: str | None) -> Lease:
     if lease is None or lease.model_id != model.id:
         raise LeaseNotFound("Unknown lease for this model", details={"model_id": model.id})
     if lease.ended_at is not None:
-        raise LeaseExpired(f"The lease ended ({lease.end_reason})",
-                           details={"model_id": model.id, "end_reason": lease.end_reason,
-                                    "ended_at": lease.ended_at.isoformat().replace("+00:00",
-                                                                                   "Z")})
+        raise LeaseExpired(
+            f"The lease ended ({lease.end_reason})",
+            details={
+                "model_id": model.id,
+                "end_reason": lease.end_reason,
+                "ended_at": lease.ended_at.isoformat().replace("+00:00", "Z"),
+            },
+        )
     return lease
 
 
@@ -183,7 +199,8 @@ def lease_renew(*, model: Model, lease_id: str | None, ttl_seconds: Any = None) 
     lease = _find(model=model, lease_id=lease_id)
     now = timezone.now()
     updated = Lease.objects.filter(pk=lease.pk, ended_at__isnull=True).update(
-        renewed_at=now, expires_at=now + timedelta(seconds=ttl), ttl_seconds=ttl)
+        renewed_at=now, expires_at=now + timedelta(seconds=ttl), ttl_seconds=ttl
+    )
     if not updated:  # ended between the read and the write
         return lease_renew(model=model, lease_id=lease_id, ttl_seconds=ttl)
     lease.refresh_from_db()
@@ -208,8 +225,7 @@ def lease_revoke(*, lease: Lease) -> Lease:
     return lease
 
 
-def lease_check_change(*, operation: str, target_model: Model | None = None,
-                       lease_id: str | None = None) -> None:
+def lease_check_change(*, operation: str, target_model: Model | None = None, lease_id: str | None = None) -> None:
     """Refuse a model change (``load`` of another model, ``unload``) under a live lease
     the caller does not present (409 MODEL_LEASED). Using the model is never checked."""
     lease_expire_due()
@@ -222,5 +238,9 @@ def lease_check_change(*, operation: str, target_model: Model | None = None,
         f"Model {live.model.name!r} is leased by {live.holder!r} until "
         f"{live.expires_at.isoformat()} ({live.reason}); present that lease in "
         f"{LEASE_HEADER} to {operation}",
-        details={**leased_details(live), "operation": operation,
-                 "target_model_id": target_model.id if target_model else None})
+        details={
+            **leased_details(live),
+            "operation": operation,
+            "target_model_id": target_model.id if target_model else None,
+        },
+    )

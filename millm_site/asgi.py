@@ -69,10 +69,12 @@ from millm_site.routing import websocket_urlpatterns  # noqa: E402
 
 _websocket = WebSocketApiKeyMiddleware(URLRouter(websocket_urlpatterns))
 
-application = ProtocolTypeRouter({
-    "http": http_application,
-    "websocket": websocket_application,
-})
+application = ProtocolTypeRouter(
+    {
+        "http": http_application,
+        "websocket": websocket_application,
+    }
+)
 
 # Whatever server runs this module (manage.py serve, daphne, uvicorn), the registry is put
 # right before the first request: reconciled, in embedded mode what it records as resident

@@ -20,8 +20,7 @@ from urllib.parse import urlsplit
 
 from django.conf import settings
 
-from core.auth import (CALLER, Principal, bearer_token, identify, keys_enabled, needs_admin,
-                       protected)
+from core.auth import CALLER, Principal, bearer_token, identify, keys_enabled, needs_admin, protected
 
 # multipart uploads: their views apply each file's exact limit; this bounds what is read
 UPLOAD_PATHS = ("/v1/files", "/api/probes/import", "/api/vectors")
@@ -35,8 +34,7 @@ def _headers(scope: dict[str, Any]) -> dict[str, str]:
     scope: every check below reads them, on the path each /v1 token's request takes)."""
     cached = scope.get(HEADERS)
     if cached is None:
-        cached = {k.decode("latin-1").lower(): v.decode("latin-1")
-                  for k, v in scope.get("headers", [])}
+        cached = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         scope[HEADERS] = cached
     return cached
 
@@ -57,8 +55,7 @@ def _trusted_peer(scope: dict[str, Any]) -> bool:
         address = ipaddress.ip_address(client[0])
     except ValueError:
         return False
-    return any(address in ipaddress.ip_network(net, strict=False)
-               for net in settings.MILLM_TRUSTED_PROXIES)
+    return any(address in ipaddress.ip_network(net, strict=False) for net in settings.MILLM_TRUSTED_PROXIES)
 
 
 def trusted_scope(scope: dict[str, Any]) -> dict[str, Any]:
@@ -79,8 +76,7 @@ def trusted_scope(scope: dict[str, Any]) -> dict[str, Any]:
                 break
         proto = headers.get("x-forwarded-proto", "").split(",")[0].strip().lower()
         if proto in ("http", "https"):
-            scope["scheme"] = proto if scope["type"] == "http" else (
-                "wss" if proto == "https" else "ws")
+            scope["scheme"] = proto if scope["type"] == "http" else ("wss" if proto == "https" else "ws")
     return scope
 
 
@@ -89,7 +85,7 @@ def routed_path(scope: dict[str, Any]) -> str:
     path = scope.get("path", "") or ""
     root = scope.get("root_path", "") or ""
     if root and (path == root or path.startswith(root + "/")):
-        return path[len(root):] or "/"
+        return path[len(root) :] or "/"
     return path
 
 
@@ -135,23 +131,25 @@ def browser_refusal(scope: dict[str, Any], path: str) -> tuple[int, bytes] | Non
     page sent (a form post or a "simple" fetch needs no CORS preflight, so CORS alone does
     not stop it)."""
     if not host_allowed(scope):
-        return 400, _surface_error(path, 400, "INVALID_HOST", "The Host header does not "
-                                   "name this server (ALLOWED_HOSTS)", {})
+        return 400, _surface_error(
+            path, 400, "INVALID_HOST", "The Host header does not name this server (ALLOWED_HOSTS)", {}
+        )
     if scope.get("method", "GET") not in SAFE_METHODS and not own_origin(scope):
-        return 403, _surface_error(path, 403, "CROSS_ORIGIN_REFUSED", "A page of another "
-                                   "origin may not change this server's state (CORS_ORIGINS)",
-                                   {})
+        return 403, _surface_error(
+            path,
+            403,
+            "CROSS_ORIGIN_REFUSED",
+            "A page of another origin may not change this server's state (CORS_ORIGINS)",
+            {},
+        )
     return None
 
 
-def _surface_error(path: str, status: int, code: str, message: str,
-                   details: dict[str, Any]) -> bytes:
+def _surface_error(path: str, status: int, code: str, message: str, details: dict[str, Any]) -> bytes:
     if path.startswith("/v1"):
-        body = {"error": {"message": message, "type": "invalid_request_error", "param": None,
-                          "code": code.lower()}}
+        body = {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": code.lower()}}
     else:
-        body = {"success": False, "data": None,
-                "error": {"code": code, "message": message, "details": details}}
+        body = {"success": False, "data": None, "error": {"code": code, "message": message, "details": details}}
     return json.dumps(body).encode()
 
 
@@ -164,8 +162,7 @@ def body_refusal(scope: dict[str, Any], path: str) -> tuple[int, bytes] | None:
     try:
         size = int(declared)
     except ValueError:
-        return 400, _surface_error(path, 400, "INVALID_REQUEST", "Content-Length is not a "
-                                   "number", {})
+        return 400, _surface_error(path, 400, "INVALID_REQUEST", "Content-Length is not a number", {})
     if size > limit:
         return 413, too_large(path, limit)
     return None
@@ -174,27 +171,42 @@ def body_refusal(scope: dict[str, Any], path: str) -> tuple[int, bytes] | None:
 def unauthorized_body(path: str) -> bytes:
     """The key check's 401 body, in the surface's shape (core.auth answers the same)."""
     if path.startswith("/v1"):
-        return json.dumps({"error": {
-            "message": "Missing or invalid API key: send Authorization: Bearer <key>",
-            "type": "authentication_error", "param": None, "code": "invalid_api_key"}}
+        return json.dumps(
+            {
+                "error": {
+                    "message": "Missing or invalid API key: send Authorization: Bearer <key>",
+                    "type": "authentication_error",
+                    "param": None,
+                    "code": "invalid_api_key",
+                }
+            }
         ).encode()
-    return _surface_error(path, 401, "UNAUTHORIZED", "Missing or invalid API key: send "
-                          "Authorization: Bearer <key>", {})
+    return _surface_error(path, 401, "UNAUTHORIZED", "Missing or invalid API key: send Authorization: Bearer <key>", {})
 
 
 def too_large(path: str, limit: int) -> bytes:
     # /v1's code is request_too_large (as inference.views answers it), /api's the envelope's
-    return _surface_error(path, 413, "REQUEST_TOO_LARGE" if path.startswith("/v1")
-                          else "PAYLOAD_TOO_LARGE",
-                          f"The request body is larger than {limit} bytes",
-                          {"limit_bytes": limit})
+    return _surface_error(
+        path,
+        413,
+        "REQUEST_TOO_LARGE" if path.startswith("/v1") else "PAYLOAD_TOO_LARGE",
+        f"The request body is larger than {limit} bytes",
+        {"limit_bytes": limit},
+    )
 
 
 async def send_refusal(send, status: int, body: bytes) -> None:  # noqa: ANN001
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"connection", b"close"),
+            ],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -216,17 +228,26 @@ def key_refusal(scope: dict[str, Any], path: str) -> tuple[int, bytes, list] | N
     who = caller(scope)
     if who is None:
         return 401, unauthorized_body(path), [(b"WWW-Authenticate", b'Bearer realm="miLLM"')]
-    message = (f"{scope.get('method')} {path} needs an admin key (MILLM_ADMIN_API_KEYS); "
-               "this key is an inference key (MILLM_API_KEYS)")
+    message = (
+        f"{scope.get('method')} {path} needs an admin key (MILLM_ADMIN_API_KEYS); "
+        "this key is an inference key (MILLM_API_KEYS)"
+    )
     if path.startswith("/v1"):
-        body = json.dumps({"error": {"message": message, "type": "permission_error",
-                                     "param": None, "code": "insufficient_permissions"}})
+        body = json.dumps(
+            {
+                "error": {
+                    "message": message,
+                    "type": "permission_error",
+                    "param": None,
+                    "code": "insufficient_permissions",
+                }
+            }
+        )
         return 403, body.encode(), []
     return 403, _surface_error(path, 403, "FORBIDDEN", message, {}), []
 
 
-def header_refusal(scope: dict[str, Any], path: str,
-                   length: int | None) -> tuple[int, bytes, list] | None:
+def header_refusal(scope: dict[str, Any], path: str, length: int | None) -> tuple[int, bytes, list] | None:
     """Everything decided from the request line and headers, before a body is read:
     Host, a foreign page's state change, the declared size, and (for a request with a
     body) the key. ``length`` is the declared Content-Length (None: chunked)."""

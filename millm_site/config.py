@@ -44,8 +44,14 @@ class ConfigError(Exception):
 
 VARIABLES_BY_NAME = {v.name: v for v in VARIABLES}
 UNQUANTIZED_KV = {"f32", "f16", "bf16"}
-POSTGRES_SCHEMES = {"postgres", "postgresql", "postgresql+asyncpg", "postgresql+psycopg",
-                    "postgresql+psycopg2", "pgsql"}
+POSTGRES_SCHEMES = {
+    "postgres",
+    "postgresql",
+    "postgresql+asyncpg",
+    "postgresql+psycopg",
+    "postgresql+psycopg2",
+    "pgsql",
+}
 _TRUE = {"1", "true", "yes", "on", "y", "t"}
 _FALSE = {"0", "false", "no", "off", "n", "f"}
 
@@ -84,8 +90,11 @@ class Config(Mapping[str, Any]):
             # lines) takes the write lock first and waits for it; in SQLite's default
             # deferred mode its lock upgrade fails at once with "database is locked"
             # whenever another connection writes in between, which killed runners
-            return {"ENGINE": "django.db.backends.sqlite3", "NAME": str(path),
-                    "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"}}
+            return {
+                "ENGINE": "django.db.backends.sqlite3",
+                "NAME": str(path),
+                "OPTIONS": {"timeout": 20, "transaction_mode": "IMMEDIATE"},
+            }
         scheme, rest = url.split("://", 1)
         parsed = environ.Env.db_url_config(f"postgresql://{rest}")
         parsed["ENGINE"] = "django.db.backends.postgresql"
@@ -137,106 +146,124 @@ def _check_range(var: Var, value: Any) -> None:
 
 def _check_combinations(v: dict[str, Any]) -> None:
     if v["LEASE_DEFAULT_TTL_SECONDS"] > v["LEASE_MAX_TTL_SECONDS"]:
-        raise ConfigError("LEASE_DEFAULT_TTL_SECONDS",
-                          f"must not exceed LEASE_MAX_TTL_SECONDS ({v['LEASE_MAX_TTL_SECONDS']})",
-                          v["LEASE_DEFAULT_TTL_SECONDS"])
+        raise ConfigError(
+            "LEASE_DEFAULT_TTL_SECONDS",
+            f"must not exceed LEASE_MAX_TTL_SECONDS ({v['LEASE_MAX_TTL_SECONDS']})",
+            v["LEASE_DEFAULT_TTL_SECONDS"],
+        )
     if v["RETRY_AFTER_QUEUE_DEFAULT_S"] > v["RETRY_AFTER_MAX_S"]:
-        raise ConfigError("RETRY_AFTER_QUEUE_DEFAULT_S",
-                          f"must not exceed RETRY_AFTER_MAX_S ({v['RETRY_AFTER_MAX_S']})",
-                          v["RETRY_AFTER_QUEUE_DEFAULT_S"])
+        raise ConfigError(
+            "RETRY_AFTER_QUEUE_DEFAULT_S",
+            f"must not exceed RETRY_AFTER_MAX_S ({v['RETRY_AFTER_MAX_S']})",
+            v["RETRY_AFTER_QUEUE_DEFAULT_S"],
+        )
     if not v["GGUF_FLASH_ATTENTION"] and v["GGUF_KV_CACHE_TYPE"] not in UNQUANTIZED_KV:
-        raise ConfigError("GGUF_FLASH_ATTENTION",
-                          f"must be true when GGUF_KV_CACHE_TYPE is quantized "
-                          f"({v['GGUF_KV_CACHE_TYPE']}); use f16 to turn flash attention off",
-                          False)
+        raise ConfigError(
+            "GGUF_FLASH_ATTENTION",
+            f"must be true when GGUF_KV_CACHE_TYPE is quantized "
+            f"({v['GGUF_KV_CACHE_TYPE']}); use f16 to turn flash attention off",
+            False,
+        )
     if v["SPECULATIVE_MODEL"] and v["ENABLE_CONTINUOUS_BATCHING"]:
-        raise ConfigError("SPECULATIVE_MODEL",
-                          "speculative decoding runs on the serial path; set "
-                          "ENABLE_CONTINUOUS_BATCHING=false to use it", v["SPECULATIVE_MODEL"])
+        raise ConfigError(
+            "SPECULATIVE_MODEL",
+            "speculative decoding runs on the serial path; set ENABLE_CONTINUOUS_BATCHING=false to use it",
+            v["SPECULATIVE_MODEL"],
+        )
     if v["SPECULATIVE_MODEL"] and (v["TORCH_COMPILE"] or v["KV_CACHE_MODE"] == "static"):
-        raise ConfigError("SPECULATIVE_MODEL",
-                          "speculative decoding runs eagerly on the dynamic KV cache (it cuts the "
-                          "cache back after each verification); set TORCH_COMPILE=false and "
-                          "KV_CACHE_MODE=dynamic to use it", v["SPECULATIVE_MODEL"])
-    if v["SPECULATIVE_MODEL"].startswith("self:") and \
-            not re.fullmatch(r"self:layers=[1-9][0-9]*", v["SPECULATIVE_MODEL"]):
-        raise ConfigError("SPECULATIVE_MODEL", "a self-draft is self:layers=N (N >= 1)",
-                          v["SPECULATIVE_MODEL"])
-    if v["VLLM_DISTRIBUTED_EXECUTOR"] == "uni" and \
-            v["VLLM_TENSOR_PARALLEL_SIZE"] * v["VLLM_PIPELINE_PARALLEL_SIZE"] > 1:
-        raise ConfigError("VLLM_DISTRIBUTED_EXECUTOR",
-                          "uni runs one worker; tensor or pipeline parallelism needs mp or ray",
-                          "uni")
+        raise ConfigError(
+            "SPECULATIVE_MODEL",
+            "speculative decoding runs eagerly on the dynamic KV cache (it cuts the "
+            "cache back after each verification); set TORCH_COMPILE=false and "
+            "KV_CACHE_MODE=dynamic to use it",
+            v["SPECULATIVE_MODEL"],
+        )
+    if v["SPECULATIVE_MODEL"].startswith("self:") and not re.fullmatch(
+        r"self:layers=[1-9][0-9]*", v["SPECULATIVE_MODEL"]
+    ):
+        raise ConfigError("SPECULATIVE_MODEL", "a self-draft is self:layers=N (N >= 1)", v["SPECULATIVE_MODEL"])
+    if (
+        v["VLLM_DISTRIBUTED_EXECUTOR"] == "uni"
+        and v["VLLM_TENSOR_PARALLEL_SIZE"] * v["VLLM_PIPELINE_PARALLEL_SIZE"] > 1
+    ):
+        raise ConfigError(
+            "VLLM_DISTRIBUTED_EXECUTOR", "uni runs one worker; tensor or pipeline parallelism needs mp or ray", "uni"
+        )
     for item in v["GGUF_TENSOR_SPLIT"]:
         try:
             share = float(item)
         except ValueError:
-            raise ConfigError("GGUF_TENSOR_SPLIT", "must be comma-separated numbers",
-                              ",".join(v["GGUF_TENSOR_SPLIT"])) from None
+            raise ConfigError(
+                "GGUF_TENSOR_SPLIT", "must be comma-separated numbers", ",".join(v["GGUF_TENSOR_SPLIT"])
+            ) from None
         if not share > 0:
-            raise ConfigError("GGUF_TENSOR_SPLIT", "every proportion must be > 0",
-                              ",".join(v["GGUF_TENSOR_SPLIT"]))
+            raise ConfigError("GGUF_TENSOR_SPLIT", "every proportion must be > 0", ",".join(v["GGUF_TENSOR_SPLIT"]))
     for item in v["AUTO_ATTACH_SAES"]:
         name, _, layer = item.partition("@")
         if not name or (layer and not layer.isdigit()):
-            raise ConfigError("AUTO_ATTACH_SAES", "entries must be <sae name or id>[@<layer>]",
-                              item)
+            raise ConfigError("AUTO_ATTACH_SAES", "entries must be <sae name or id>[@<layer>]", item)
     for item in v["ANALYZERS_EXTRA"]:
         module, _, func = item.partition(":")
-        if not func or not all(p.isidentifier() for p in module.split(".")) \
-                or not func.isidentifier():
-            raise ConfigError("ANALYZERS_EXTRA", "entries must be package.module:function",
-                              item)
+        if not func or not all(p.isidentifier() for p in module.split(".")) or not func.isidentifier():
+            raise ConfigError("ANALYZERS_EXTRA", "entries must be package.module:function", item)
     if v["AUTO_ATTACH_SAES"] and not v["AUTO_LOAD_MODEL"]:
-        raise ConfigError("AUTO_ATTACH_SAES", "needs AUTO_LOAD_MODEL (SAEs attach to the "
-                          "model loaded at start-up)", ",".join(v["AUTO_ATTACH_SAES"]))
+        raise ConfigError(
+            "AUTO_ATTACH_SAES",
+            "needs AUTO_LOAD_MODEL (SAEs attach to the model loaded at start-up)",
+            ",".join(v["AUTO_ATTACH_SAES"]),
+        )
     device = v["MILLM_ENGINE_DEVICE"]
-    if device not in ("auto", "cpu", "cuda") and not (
-            device.startswith("cuda:") and device[5:].isdigit()):
+    if device not in ("auto", "cpu", "cuda") and not (device.startswith("cuda:") and device[5:].isdigit()):
         raise ConfigError("MILLM_ENGINE_DEVICE", "must be auto, cpu, cuda or cuda:N", device)
     if 0 < v["ENGINE_MAX_IN_FLIGHT"] < v["MAX_CONCURRENT_REQUESTS"]:
-        raise ConfigError("ENGINE_MAX_IN_FLIGHT",
-                          f"must be 0 or at least MAX_CONCURRENT_REQUESTS "
-                          f"({v['MAX_CONCURRENT_REQUESTS']}): admitted requests would wait "
-                          "in the engine's stream", v["ENGINE_MAX_IN_FLIGHT"])
+        raise ConfigError(
+            "ENGINE_MAX_IN_FLIGHT",
+            f"must be 0 or at least MAX_CONCURRENT_REQUESTS "
+            f"({v['MAX_CONCURRENT_REQUESTS']}): admitted requests would wait "
+            "in the engine's stream",
+            v["ENGINE_MAX_IN_FLIGHT"],
+        )
     if v["ENGINE_DEAD_AFTER_S"] < 2 * v["ENGINE_HEARTBEAT_S"]:
-        raise ConfigError("ENGINE_DEAD_AFTER_S",
-                          f"must be at least twice ENGINE_HEARTBEAT_S ({v['ENGINE_HEARTBEAT_S']:g})",
-                          v["ENGINE_DEAD_AFTER_S"])
-    if not all(c.isalnum() or c in "_-." for c in v["ENGINE_STREAM_PREFIX"]) or \
-            not v["ENGINE_STREAM_PREFIX"]:
-        raise ConfigError("ENGINE_STREAM_PREFIX", "must be non-empty letters, digits, _ - .",
-                          v["ENGINE_STREAM_PREFIX"])
+        raise ConfigError(
+            "ENGINE_DEAD_AFTER_S",
+            f"must be at least twice ENGINE_HEARTBEAT_S ({v['ENGINE_HEARTBEAT_S']:g})",
+            v["ENGINE_DEAD_AFTER_S"],
+        )
+    if not all(c.isalnum() or c in "_-." for c in v["ENGINE_STREAM_PREFIX"]) or not v["ENGINE_STREAM_PREFIX"]:
+        raise ConfigError("ENGINE_STREAM_PREFIX", "must be non-empty letters, digits, _ - .", v["ENGINE_STREAM_PREFIX"])
     url = v["DATABASE_URL"]
     if url:
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
         if scheme not in POSTGRES_SCHEMES:
-            raise ConfigError("DATABASE_URL", "must be a PostgreSQL URL "
-                              "(postgresql://user:pass@host:5432/db) or unset for SQLite",
-                              _redact(url))
+            raise ConfigError(
+                "DATABASE_URL",
+                "must be a PostgreSQL URL (postgresql://user:pass@host:5432/db) or unset for SQLite",
+                _redact(url),
+            )
         if not urlparse(url).path.strip("/"):
             raise ConfigError("DATABASE_URL", "must name a database", _redact(url))
     root = v["ROOT_PATH"]
     if root and (not root.startswith("/") or root.endswith("/") or "//" in root):
-        raise ConfigError("ROOT_PATH", "must be empty or a path like /millm (leading /, no "
-                          "trailing /)", root)
+        raise ConfigError("ROOT_PATH", "must be empty or a path like /millm (leading /, no trailing /)", root)
     import ipaddress
 
     for item in v["TRUSTED_PROXIES"]:
         try:
             ipaddress.ip_network(item, strict=False)
         except ValueError:
-            raise ConfigError("TRUSTED_PROXIES", "entries must be IP addresses or CIDR "
-                              "networks", item) from None
+            raise ConfigError("TRUSTED_PROXIES", "entries must be IP addresses or CIDR networks", item) from None
     redis_url = v["REDIS_URL"]
     if redis_url and urlparse(redis_url).scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError("REDIS_URL", "must be a redis://, rediss:// or unix:// URL",
-                          _redact(redis_url))
+        raise ConfigError("REDIS_URL", "must be a redis://, rediss:// or unix:// URL", _redact(redis_url))
     origins = v["CORS_ORIGINS"]
     if "*" in origins and not _keys_set(v):
-        raise ConfigError("CORS_ORIGINS", "* needs MILLM_API_KEYS or MILLM_ADMIN_API_KEYS: "
-                          "without keys any web page the operator opens could drive the "
-                          "server; name the origins, or set keys", "*")
+        raise ConfigError(
+            "CORS_ORIGINS",
+            "* needs MILLM_API_KEYS or MILLM_ADMIN_API_KEYS: "
+            "without keys any web page the operator opens could drive the "
+            "server; name the origins, or set keys",
+            "*",
+        )
     for origin in origins:
         if origin != "*" and urlparse(origin).scheme not in ("http", "https"):
             raise ConfigError("CORS_ORIGINS", "each origin must be * or an http(s) URL", origin)
@@ -272,8 +299,11 @@ def load_config(environ_map: Mapping[str, str] | None = None) -> Config:
         value = _parse(var, raw)
         _check_range(var, value)
         if var.unbuilt and value != var.default and value not in var.unbuilt_ok:
-            raise ConfigError(var.name, f"is accepted from the original's reference but "
-                              f"{var.unbuilt} is not built yet; leave it unset", raw)
+            raise ConfigError(
+                var.name,
+                f"is accepted from the original's reference but {var.unbuilt} is not built yet; leave it unset",
+                raw,
+            )
         values[var.name] = value
     for var in derived:
         values[var.name] = var.derive(values)

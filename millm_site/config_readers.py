@@ -17,9 +17,13 @@ from functools import lru_cache
 
 from millm_site.config import BASE_DIR, VARIABLES
 
-NOT_READERS = ("millm_site/config.py", "millm_site/config_variables.py",
-               "millm_site/config_readers.py", "millm_site/settings/engine.py",
-               "millm_site/test_settings.py")
+NOT_READERS = (
+    "millm_site/config.py",
+    "millm_site/config_variables.py",
+    "millm_site/config_readers.py",
+    "millm_site/settings/engine.py",
+    "millm_site/test_settings.py",
+)
 # variables whose effect the declarations module builds itself (Config.database turns
 # DATABASE_URL into Django's DATABASES), so no other file names them
 BUILT_IN_CONFIG = {"DATABASE_URL": "millm_site/config.py"}
@@ -29,16 +33,16 @@ NOT_SOURCE = {"tests", "docs", "benchmarks", "requirements", "data"}
 
 def _sources() -> dict[str, str]:
     texts: dict[str, str] = {}
-    tops = [p for p in BASE_DIR.iterdir()
-            if p.name not in NOT_SOURCE and (not p.name.startswith(".") or p.name == ".ci")]
+    tops = [
+        p for p in BASE_DIR.iterdir() if p.name not in NOT_SOURCE and (not p.name.startswith(".") or p.name == ".ci")
+    ]
     for root in tops:
-        for path in (root.rglob("*") if root.is_dir() else [root]):
+        for path in root.rglob("*") if root.is_dir() else [root]:
             if not path.is_file():
                 continue
             rel = path.relative_to(BASE_DIR).as_posix()
             # code and templates, and the shell scripts that start things
-            if (path.suffix not in (".py", ".html", ".js", ".sh")
-                    and not rel.startswith(("scripts/", ".ci/"))):
+            if path.suffix not in (".py", ".html", ".js", ".sh") and not rel.startswith(("scripts/", ".ci/")):
                 continue
             if rel in NOT_READERS or "/migrations/" in rel or "__pycache__" in rel:
                 continue
@@ -77,11 +81,11 @@ def _code_words(text: str) -> set[str]:
 @lru_cache(maxsize=1)
 def readers() -> dict[str, list[str]]:
     """``{variable: [files that read it, sorted]}`` for every declared variable."""
-    words = {f: _code_words(text) if f.endswith(".py")
-             else set(re.findall(r"\b[A-Z][A-Z0-9_]*\b", text))
-             for f, text in _sources().items()}
-    out = {var.name: sorted(f for f, found in words.items() if var.name in found)
-           for var in VARIABLES}
+    words = {
+        f: _code_words(text) if f.endswith(".py") else set(re.findall(r"\b[A-Z][A-Z0-9_]*\b", text))
+        for f, text in _sources().items()
+    }
+    out = {var.name: sorted(f for f, found in words.items() if var.name in found) for var in VARIABLES}
     for name, where in BUILT_IN_CONFIG.items():
         out[name] = sorted({*out[name], where})
     return out

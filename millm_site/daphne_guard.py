@@ -29,20 +29,26 @@ class GuardedRequest(http_protocol.WebRequest):
     def _scope(self) -> dict:
         raw_path = getattr(self.channel, "_path", b"/") or b"/"
         path = unquote(urlsplit(raw_path.decode("latin-1")).path)
-        headers = [(name.lower(), value)
-                   for name, values in self.requestHeaders.getAllRawHeaders()
-                   for value in values]
+        headers = [(name.lower(), value) for name, values in self.requestHeaders.getAllRawHeaders() for value in values]
         method = (getattr(self.channel, "_command", b"GET") or b"GET").decode("latin-1")
-        return {"type": "http", "method": method.upper(), "path": path, "headers": headers,
-                "root_path": settings.MILLM_ROOT_PATH}
+        return {
+            "type": "http",
+            "method": method.upper(),
+            "path": path,
+            "headers": headers,
+            "root_path": settings.MILLM_ROOT_PATH,
+        }
 
     def _refuse(self, status: int, body: bytes, extra: list[tuple[bytes, bytes]]) -> None:
         self._millm_refused = True
-        reason = {401: b"Unauthorized", 403: b"Forbidden",
-                  413: b"Payload Too Large"}.get(status, b"Bad Request")
-        head = [b"HTTP/1.1 %d %s" % (status, reason), b"Content-Type: application/json",
-                b"Content-Length: %d" % len(body), b"Connection: close",
-                *(b"%s: %s" % pair for pair in extra)]
+        reason = {401: b"Unauthorized", 403: b"Forbidden", 413: b"Payload Too Large"}.get(status, b"Bad Request")
+        head = [
+            b"HTTP/1.1 %d %s" % (status, reason),
+            b"Content-Type: application/json",
+            b"Content-Length: %d" % len(body),
+            b"Connection: close",
+            *(b"%s: %s" % pair for pair in extra),
+        ]
         self.channel.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + body)
         self.channel.loseConnection()
 
@@ -67,8 +73,7 @@ class GuardedRequest(http_protocol.WebRequest):
             return None
         self._millm_read += len(data)
         if self._millm_limit is not None and self._millm_read > self._millm_limit:
-            return self._refuse(413, boundary.too_large(self._millm_path, self._millm_limit),
-                                [])
+            return self._refuse(413, boundary.too_large(self._millm_path, self._millm_limit), [])
         return super().handleContentChunk(data)
 
     def process(self):
@@ -86,8 +91,7 @@ def install() -> None:
 
     def buildProtocol(self, addr):  # noqa: N802 - twisted's name
         protocol = build(self, addr)
-        if protocol is not None and getattr(protocol, "requestFactory", None) is \
-                http_protocol.WebRequest:
+        if protocol is not None and getattr(protocol, "requestFactory", None) is http_protocol.WebRequest:
             protocol.requestFactory = GuardedRequest
         return protocol
 

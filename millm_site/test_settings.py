@@ -7,18 +7,24 @@ PostgreSQL is the default test database (CI and the development machines run one
 import os
 import tempfile
 
-os.environ.setdefault("DATABASE_URL", os.environ.get(
-    "MILLM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres"))
+os.environ.setdefault(
+    "DATABASE_URL", os.environ.get("MILLM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
+)
 os.environ.setdefault("SECRET_KEY", "test-secret-key-not-for-production-0123456789")
 os.environ.setdefault("MILLM_DATA_DIR", tempfile.mkdtemp(prefix="millm-test-data-"))
 os.environ.setdefault("LOG_LEVEL", "WARNING")
 # Tests register local checkpoints from the asset cache and their own tmp_path folders;
 # tests/security narrows the roots itself to check the refusal.
-os.environ.setdefault("LOCAL_MODEL_ROOTS", ",".join((
-    tempfile.gettempdir(),
-    os.environ.get("MILLM_TEST_ASSET_DIR")
-    or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache",
-                    "test-assets"))))
+os.environ.setdefault(
+    "LOCAL_MODEL_ROOTS",
+    ",".join(
+        (
+            tempfile.gettempdir(),
+            os.environ.get("MILLM_TEST_ASSET_DIR")
+            or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".cache", "test-assets"),
+        )
+    ),
+)
 # A developer's own .env must not leak into the suite.
 os.environ["MILLM_ENV_FILE"] = "/nonexistent/.env"
 

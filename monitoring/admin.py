@@ -18,10 +18,18 @@ from monitoring.probes import probe_arm
 
 @admin.register(MonitoringConfig)
 class MonitoringConfigAdmin(admin.ModelAdmin):
-    list_display = ("__str__", "sae_id", "layer", "history_size", "top_k", "positions",
-                    "updated_at")
-    readonly_fields = ("sae_id", "layer", "features", "history_size", "top_k", "positions",
-                       "statistics_since", "enabled", "updated_at")
+    list_display = ("__str__", "sae_id", "layer", "history_size", "top_k", "positions", "updated_at")
+    readonly_fields = (
+        "sae_id",
+        "layer",
+        "features",
+        "history_size",
+        "top_k",
+        "positions",
+        "statistics_since",
+        "enabled",
+        "updated_at",
+    )
 
     def has_add_permission(self, request) -> bool:
         return False
@@ -32,8 +40,17 @@ class ActivationRecordAdmin(admin.ModelAdmin):
     list_display = ("request_id", "token_position", "sae_id", "layer", "owner", "timestamp")
     list_filter = ("owner",)
     search_fields = ("request_id",)
-    readonly_fields = ("timestamp", "request_id", "sae_id", "layer", "token_position",
-                       "completion_token_index", "activations", "top_k", "owner")
+    readonly_fields = (
+        "timestamp",
+        "request_id",
+        "sae_id",
+        "layer",
+        "token_position",
+        "completion_token_index",
+        "activations",
+        "top_k",
+        "owner",
+    )
 
     def has_add_permission(self, request) -> bool:
         return False
@@ -47,13 +64,28 @@ class ProbeAdmin(admin.ModelAdmin):
     """Probes are created through /api/probes (parsed and checked there); the admin shows
     them and arms or disarms the validated ones through the same service."""
 
-    list_display = ("name", "id", "owner", "basis", "sae_id", "layer", "threshold",
-                    "positions", "armed")
+    list_display = ("name", "id", "owner", "basis", "sae_id", "layer", "threshold", "positions", "armed")
     list_filter = ("owner",)
     search_fields = ("name", "id")
-    readonly_fields = ("id", "name", "owner", "basis", "sae_id", "layer", "features", "weights", "bias",
-                       "threshold", "norm_mean", "norm_std", "positions", "validation", "armed",
-                       "created_at", "updated_at")
+    readonly_fields = (
+        "id",
+        "name",
+        "owner",
+        "basis",
+        "sae_id",
+        "layer",
+        "features",
+        "weights",
+        "bias",
+        "threshold",
+        "norm_mean",
+        "norm_std",
+        "positions",
+        "validation",
+        "armed",
+        "created_at",
+        "updated_at",
+    )
     actions = ["arm", "disarm"]
 
     def has_add_permission(self, request) -> bool:

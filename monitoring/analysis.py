@@ -73,6 +73,7 @@ class PreparedAnalysis:
 def _stored_loader(scope: Scope) -> Callable[[str], Any]:
     """A stored capture by id (CoRe's N/A run): only ever a file of a ``Capture`` row the
     caller may see (another key's capture is not found, as on /api/captures)."""
+
     def load(capture_id: str) -> Any:
         from gpu_engine.api.artifacts import load_capture
         from monitoring.selectors import capture_file
@@ -87,25 +88,30 @@ def _error_entry(name: str, exc: BaseException) -> dict[str, Any]:
         return {"name": name, "error": {"code": exc.code, "message": exc.message}}
     if isinstance(exc, MillmError):
         return {"name": name, "error": {"code": exc.code.lower(), "message": exc.message}}
-    log.error("analysis_failed", analyzer=name, error_type=type(exc).__name__,
-              exc_info=(type(exc), exc, exc.__traceback__))
-    return {"name": name, "error": {"code": "analysis_failed",
-                                    "message": f"analyzer {name!r} failed on this capture"}}
+    log.error(
+        "analysis_failed", analyzer=name, error_type=type(exc).__name__, exc_info=(type(exc), exc, exc.__traceback__)
+    )
+    return {"name": name, "error": {"code": "analysis_failed", "message": f"analyzer {name!r} failed on this capture"}}
 
 
 class Analyzers:
     """The process's analyzer registry and pool (a runtime part: ``runtime().analyzers``)."""
 
-    def __init__(self, registry: AnalyzerRegistry, probe_dir: str | Path,
-                 workers: int = ANALYSIS_WORKERS, *, remote: bool = False,
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self,
+        registry: AnalyzerRegistry,
+        probe_dir: str | Path,
+        workers: int = ANALYSIS_WORKERS,
+        *,
+        remote: bool = False,
+        timeout_s: float = 120.0,
+    ) -> None:
         self.registry = registry
         self.probe_dir = Path(probe_dir)
         # distributed: analyses run on the Celery analysis queue, not on this pool
         self.remote = remote
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=workers,
-                                        thread_name_prefix="millm-analysis")
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="millm-analysis")
 
     @classmethod
     def from_settings(cls) -> Analyzers:
@@ -113,17 +119,19 @@ class Analyzers:
         entry: the site stops start-up on it); remote in distributed mode."""
         registry = default_registry()
         load_extra(registry, settings.ANALYZERS_EXTRA)
-        return cls(registry, settings.ANALYZER_PROBE_DIR,
-                   remote=not settings.MILLM_TASKS_IN_PROCESS,
-                   timeout_s=float(settings.ANALYSIS_TIMEOUT_S))
+        return cls(
+            registry,
+            settings.ANALYZER_PROBE_DIR,
+            remote=not settings.MILLM_TASKS_IN_PROCESS,
+            timeout_s=float(settings.ANALYSIS_TIMEOUT_S),
+        )
 
     def context(self, scope: Scope = EVERYONE) -> AnalysisContext:
         return AnalysisContext(probe_dir=self.probe_dir, load_capture=_stored_loader(scope))
 
     # ------------------------------------------------------------------ preparing
 
-    def prepare(self, asked: Iterable[tuple[str, dict[str, Any]]],
-                scope: Scope = EVERYONE) -> list[PreparedAnalysis]:
+    def prepare(self, asked: Iterable[tuple[str, dict[str, Any]]], scope: Scope = EVERYONE) -> list[PreparedAnalysis]:
         """Each analyzer by name with its params validated (probe files read): raises
         ``UnknownAnalyzer`` (listing the known names), ``InvalidParameter`` or
         ``InvalidProbeFile`` before anything runs."""
@@ -132,12 +140,12 @@ class Analyzers:
         for name, params in asked:
             analyzer = self.registry.get(name)
             prepared = analyzer.prepare(dict(params), ctx)
-            out.append(PreparedAnalysis(name, analyzer, prepared, analyzer.needs(prepared),
-                                        dict(params), scope))
+            out.append(PreparedAnalysis(name, analyzer, prepared, analyzer.needs(prepared), dict(params), scope))
         return out
 
-    async def aprepare(self, asked: Iterable[tuple[str, dict[str, Any]]],
-                       scope: Scope = EVERYONE) -> list[PreparedAnalysis]:
+    async def aprepare(
+        self, asked: Iterable[tuple[str, dict[str, Any]]], scope: Scope = EVERYONE
+    ) -> list[PreparedAnalysis]:
         return await self._submit(self.prepare, list(asked), scope)
 
     @staticmethod
@@ -149,8 +157,9 @@ class Analyzers:
 
     # ------------------------------------------------------------------ running
 
-    def run(self, analyses: list[PreparedAnalysis], source: bytes | Path | None, *,
-            strict: bool = False) -> list[dict[str, Any]]:
+    def run(
+        self, analyses: list[PreparedAnalysis], source: bytes | Path | None, *, strict: bool = False
+    ) -> list[dict[str, Any]]:
         """Every analysis on one capture (its bytes or its file): ``[{name, result}]``.
         A failure on this capture (a span past the prompt, a probe of another width) is
         that entry's ``error`` — the generation has been answered already — unless
@@ -168,8 +177,7 @@ class Analyzers:
         for a in analyses:
             try:
                 if capture is None:
-                    raise AnalyzerCaptureMissing(f"analyzer {a.name!r} got no capture",
-                                                 details={"param": "analyze"})
+                    raise AnalyzerCaptureMissing(f"analyzer {a.name!r} got no capture", details={"param": "analyze"})
                 check_capture(capture.meta, a.need, a.name)
                 out.append({"name": a.name, "result": a.analyzer.run(capture, a.prepared, ctx)})
             except Exception as exc:  # noqa: BLE001 - one analyzer's failure is its entry
@@ -178,29 +186,33 @@ class Analyzers:
                 out.append(_error_entry(a.name, exc))
         return out
 
-    async def arun(self, analyses: list[PreparedAnalysis], source: bytes | Path | None, *,
-                   capture_id: str | None = None) -> list[dict[str, Any]]:
+    async def arun(
+        self, analyses: list[PreparedAnalysis], source: bytes | Path | None, *, capture_id: str | None = None
+    ) -> list[dict[str, Any]]:
         """``run`` (not strict) where analyses run: this pool, or the analysis queue
         (``capture_id`` names a stored ``source`` there)."""
         if self.remote:
             try:
-                return await asyncio.to_thread(self.run_remote, analyses, source,
-                                               capture_id=capture_id)
+                return await asyncio.to_thread(self.run_remote, analyses, source, capture_id=capture_id)
             except AnalysisUnavailable as exc:
                 return [_error_entry(a.name, exc) for a in analyses]
         return await self._submit(self.run, analyses, source)
 
-    def run_stored(self, analyses: list[PreparedAnalysis], path: Path, capture_id: str
-                   ) -> list[dict[str, Any]]:
+    def run_stored(self, analyses: list[PreparedAnalysis], path: Path, capture_id: str) -> list[dict[str, Any]]:
         """``run`` strictly on a stored capture, waited for (synchronous callers): on the
         analysis queue in distributed mode, else on this pool."""
         if self.remote:
             return self.run_remote(analyses, path, capture_id=capture_id, strict=True)
         return self.run_wait(lambda: self.run(analyses, path, strict=True))
 
-    def run_remote(self, analyses: list[PreparedAnalysis], source: bytes | Path | None, *,
-                   capture_id: str | None = None, strict: bool = False
-                   ) -> list[dict[str, Any]]:
+    def run_remote(
+        self,
+        analyses: list[PreparedAnalysis],
+        source: bytes | Path | None,
+        *,
+        capture_id: str | None = None,
+        strict: bool = False,
+    ) -> list[dict[str, Any]]:
         """The analyses as one ``analysis`` queue task, its entries waited for at most
         ``timeout_s`` (``AnalysisUnavailable`` past it: nothing ran here). With ``strict``
         the worker's refusal is raised here as the error it was."""
@@ -218,8 +230,9 @@ class Analyzers:
         scope = analyses[0].scope if analyses else EVERYONE
         # by name: monitoring.tasks imports this module (core.jobs.resolve_task)
         task = resolve_task("monitoring.tasks.analysis_run_task")
-        result = task.apply_async(args=(asked, shipped, strict, [scope.owner, scope.all]),
-                                  queue="analysis", expires=self.timeout_s)
+        result = task.apply_async(
+            args=(asked, shipped, strict, [scope.owner, scope.all]), queue="analysis", expires=self.timeout_s
+        )
         try:
             out = result.get(timeout=self.timeout_s, propagate=True)
         except ResultTimeout:
@@ -227,8 +240,10 @@ class Analyzers:
             raise AnalysisUnavailable(
                 f"no analysis worker answered within {self.timeout_s:g} s: in distributed "
                 "mode analyses run on the Celery 'analysis' queue (start a worker with "
-                "-Q analysis)", details={"queue": "analysis", "timeout_s": self.timeout_s},
-                retry_after=int(self.timeout_s)) from None
+                "-Q analysis)",
+                details={"queue": "analysis", "timeout_s": self.timeout_s},
+                retry_after=int(self.timeout_s),
+            ) from None
         finally:
             result.forget()
         if "error" in out:
@@ -260,8 +275,9 @@ class Analyzers:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def analysis_check_backend(*, need: CaptureNeed, capabilities: Capabilities | None,
-                           backend: str, analyzers: list[str]) -> None:
+def analysis_check_backend(
+    *, need: CaptureNeed, capabilities: Capabilities | None, backend: str, analyzers: list[str]
+) -> None:
     """Refuse, before generation, analyzers whose capture the loaded backend cannot take
     (vLLM reports neither capture capability today; llama.cpp no Q/K on a model without
     rotary embedding)."""
@@ -276,14 +292,14 @@ def analysis_check_backend(*, need: CaptureNeed, capabilities: Capabilities | No
         if not has:
             names = ", ".join(repr(n) for n in analyzers)
             raise AnalyzerCaptureMissing(
-                f"analyzer {names} reads {what}, which the {backend} backend cannot capture "
-                f"({capability} is off)",
-                details={"param": "analyze", "backend": backend, "capability": capability,
-                         "analyzers": analyzers})
+                f"analyzer {names} reads {what}, which the {backend} backend cannot capture ({capability} is off)",
+                details={"param": "analyze", "backend": backend, "capability": capability, "analyzers": analyzers},
+            )
 
 
-def capture_analyze(*, capture_id: str, name: str, params: dict[str, Any],
-                    analyzers: Analyzers, scope: Scope = EVERYONE) -> dict[str, Any]:
+def capture_analyze(
+    *, capture_id: str, name: str, params: dict[str, Any], analyzers: Analyzers, scope: Scope = EVERYONE
+) -> dict[str, Any]:
     """Run analyzer ``name`` on a stored capture: ``CAPTURE_NOT_FOUND`` for an id that is
     not a stored capture, ``ANALYZER_CAPTURE_MISSING`` when the capture lacks what the
     analyzer reads, the analyzer's own refusals otherwise."""
@@ -301,6 +317,7 @@ def capture_analyze(*, capture_id: str, name: str, params: dict[str, Any],
 
 # ---------------------------------------------------------------------- the analysis queue
 
+
 def _shipped_error(error: dict[str, Any]) -> Exception:
     """The refusal a worker sent back (``run_shipped``), as the error it was."""
     if error.get("kind") == "engine":
@@ -311,8 +328,9 @@ def _shipped_error(error: dict[str, Any]) -> Exception:
     return out
 
 
-def run_shipped(asked: list[list[Any]], source: dict[str, str] | None, *,
-                strict: bool, scope: Scope = EVERYONE) -> dict[str, Any]:
+def run_shipped(
+    asked: list[list[Any]], source: dict[str, str] | None, *, strict: bool, scope: Scope = EVERYONE
+) -> dict[str, Any]:
     """The analysis queue's task body (``monitoring.tasks``), in the worker: the analyzers
     prepared from their names and params, run on the capture shipped (its bytes, or a
     stored capture's id, read under this worker's ``CAPTURE_DIR``). ``{"entries": [...]}``,
@@ -326,21 +344,34 @@ def run_shipped(asked: list[list[Any]], source: dict[str, str] | None, *,
     try:
         path: bytes | Path | None = None
         if source is not None:
-            path = (base64.b64decode(source["data"]) if "data" in source
-                    else capture_file(capture_id=source["capture_id"]))
-        prepared = analyzers.prepare([(str(name), dict(params)) for name, params in asked],
-                                     scope)
+            path = (
+                base64.b64decode(source["data"]) if "data" in source else capture_file(capture_id=source["capture_id"])
+            )
+        prepared = analyzers.prepare([(str(name), dict(params)) for name, params in asked], scope)
         return {"entries": analyzers.run(prepared, path, strict=strict)}
     except (EngineError, MillmError) as exc:
         if not strict:
             return {"entries": [_error_entry(str(name), exc) for name, _ in asked]}
         if isinstance(exc, EngineError):
             return {"error": {"kind": "engine", **exc.to_dict()}}
-        return {"error": {"kind": "millm", "code": exc.code, "status": exc.status,
-                          "message": exc.message, "details": exc.details}}
+        return {
+            "error": {
+                "kind": "millm",
+                "code": exc.code,
+                "status": exc.status,
+                "message": exc.message,
+                "details": exc.details,
+            }
+        }
     finally:
         connections.close_all()
 
 
-__all__ = ["ANALYSIS_WORKERS", "Analyzers", "PreparedAnalysis", "analysis_check_backend",
-           "capture_analyze", "run_shipped"]
+__all__ = [
+    "ANALYSIS_WORKERS",
+    "Analyzers",
+    "PreparedAnalysis",
+    "analysis_check_backend",
+    "capture_analyze",
+    "run_shipped",
+]

@@ -14,7 +14,8 @@ class MonitoringConfig(AppConfig):
 
         def monitored(attachment) -> bool:
             state = monitoring_state()
-            return bool(state["enabled"] and state["sae_id"] == attachment.sae_id
-                        and state["layer"] == attachment.layer)
+            return bool(
+                state["enabled"] and state["sae_id"] == attachment.sae_id and state["layer"] == attachment.layer
+            )
 
         attachment_flags.provide("monitoring_enabled", monitored)

@@ -29,15 +29,12 @@ class MonitoringConfig(models.Model):
         ALL = "all", "Every position, prompt included"
 
     enabled = models.BooleanField(default=False)
-    sae_id = models.CharField(max_length=40, blank=True,
-                              help_text="The monitored SAE; empty: the only one attached.")
+    sae_id = models.CharField(max_length=40, blank=True, help_text="The monitored SAE; empty: the only one attached.")
     layer = models.PositiveIntegerField(null=True, blank=True)
-    features = models.JSONField(null=True, blank=True,
-                                help_text="Feature indices to record; null: all (top-k).")
+    features = models.JSONField(null=True, blank=True, help_text="Feature indices to record; null: all (top-k).")
     history_size = models.PositiveIntegerField(default=100)
     top_k = models.PositiveSmallIntegerField(default=10)
-    positions = models.CharField(max_length=16, choices=Positions.choices,
-                                 default=Positions.LAST)
+    positions = models.CharField(max_length=16, choices=Positions.choices, default=Positions.LAST)
     statistics_since = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -55,9 +52,10 @@ class ActivationRecord(models.Model):
     layer = models.PositiveIntegerField()
     token_position = models.PositiveIntegerField(help_text="Residual row (prompt, then output).")
     completion_token_index = models.PositiveIntegerField(null=True, blank=True)
-    activations = models.JSONField(default=list,
-                                   help_text="[{feature_index, activation}] of the monitored "
-                                             "features (zeros included), or the top-k.")
+    activations = models.JSONField(
+        default=list,
+        help_text="[{feature_index, activation}] of the monitored features (zeros included), or the top-k.",
+    )
     top_k = models.JSONField(default=list)
     owner = _owner_field()
 
@@ -74,8 +72,7 @@ class Capture(models.Model):
     to come back inline have no row."""
 
     id = models.CharField(primary_key=True, max_length=32)  # 32 hex digits, the file stem
-    request_id = models.CharField(max_length=100, db_index=True,
-                                  help_text="The /v1 response id that produced it.")
+    request_id = models.CharField(max_length=100, db_index=True, help_text="The /v1 response id that produced it.")
     engine_request_id = models.CharField(max_length=100, blank=True)
     model = models.CharField(max_length=500, blank=True)
     backend = models.CharField(max_length=40, blank=True)
@@ -113,31 +110,26 @@ class Probe(models.Model):
     description = models.TextField(blank=True)
     owner = _owner_field()
     basis = models.CharField(max_length=16, choices=Basis.choices)
-    sae_id = models.CharField(max_length=40, blank=True,
-                              help_text="The SAE whose features it reads (sae_features).")
+    sae_id = models.CharField(max_length=40, blank=True, help_text="The SAE whose features it reads (sae_features).")
     layer = models.PositiveIntegerField()
-    features = models.JSONField(default=list, blank=True,
-                                help_text="Feature indices, one per weight (sae_features).")
+    features = models.JSONField(default=list, blank=True, help_text="Feature indices, one per weight (sae_features).")
     weights = models.JSONField(default=list)
     bias = models.FloatField(default=0.0)
-    threshold = models.FloatField(null=True, blank=True,
-                                  help_text="Verdict when score >= threshold; null: no verdict.")
+    threshold = models.FloatField(null=True, blank=True, help_text="Verdict when score >= threshold; null: no verdict.")
     norm_mean = models.JSONField(null=True, blank=True)
     norm_std = models.JSONField(null=True, blank=True)
     positions = models.CharField(max_length=16, default="last")
-    validation = models.JSONField(default=dict, blank=True,
-                                  help_text="The last successful validation: {model, sae_id, "
-                                            "layer, d_in, checked_at}.")
-    armed = models.BooleanField(default=False,
-                                help_text="Scored on /v1 requests that bring no probes.")
+    validation = models.JSONField(
+        default=dict, blank=True, help_text="The last successful validation: {model, sae_id, layer, d_in, checked_at}."
+    )
+    armed = models.BooleanField(default=False, help_text="Scored on /v1 requests that bring no probes.")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:
         ordering = ["name"]
         # names are the owner's: another key's probe of the same name is not revealed
-        constraints = [models.UniqueConstraint(fields=["owner", "name"],
-                                               name="probe_owner_name_unique")]
+        constraints = [models.UniqueConstraint(fields=["owner", "name"], name="probe_owner_name_unique")]
 
     def __str__(self) -> str:
         return self.name
@@ -171,14 +163,12 @@ class SensingArm(models.Model):
     """A cluster or circuit watched for co-firing without being active (sensing observes,
     it never steers)."""
 
-    kind = models.CharField(max_length=16, choices=[("cluster", "cluster"),
-                                                     ("circuit", "circuit")])
+    kind = models.CharField(max_length=16, choices=[("cluster", "cluster"), ("circuit", "circuit")])
     object_id = models.PositiveIntegerField()
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
-        constraints = [models.UniqueConstraint(fields=["kind", "object_id"],
-                                               name="sensing_arm_unique")]
+        constraints = [models.UniqueConstraint(fields=["kind", "object_id"], name="sensing_arm_unique")]
 
     def __str__(self) -> str:
         return f"sensing {self.kind} {self.object_id}"

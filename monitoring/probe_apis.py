@@ -39,34 +39,41 @@ class ImportInput(serializers.Serializer):
 class ProbeListApi(APIView):
     parser_classes = [JSONParser]
 
-    @extend_schema(tags=PROBES, summary="Probes, with whether each is validated against the "
-                   "resident model", responses=_ANY)
+    @extend_schema(
+        tags=PROBES, summary="Probes, with whether each is validated against the resident model", responses=_ANY
+    )
     def get(self, request) -> Response:
         return envelope(probes.probe_list(status=_status(), scope=Scope.of_request(request)))
 
-    @extend_schema(tags=PROBES, summary="Create a probe from its definition (weights, bias, "
-                   "threshold, layer, basis, features, norm_mean/norm_std, positions)",
-                   request=OpenApiTypes.OBJECT, responses=_ANY)
+    @extend_schema(
+        tags=PROBES,
+        summary="Create a probe from its definition (weights, bias, "
+        "threshold, layer, basis, features, norm_mean/norm_std, positions)",
+        request=OpenApiTypes.OBJECT,
+        responses=_ANY,
+    )
     def post(self, request) -> Response:
-        row = probes.probe_create(definition=body_object(request),
-                                  owner=Scope.of_request(request).owner)
+        row = probes.probe_create(definition=body_object(request), owner=Scope.of_request(request).owner)
         return envelope(probes.probe_out(row, _status()), status_code=201)
 
 
 class ProbeImportApi(APIView):
     parser_classes = [MultiPartParser, FormParser]
 
-    @extend_schema(tags=PROBES, summary="Import a trained probe file (.json or .npz, never "
-                   "unpickled); form fields fill or override the file's",
-                   request={"multipart/form-data": ImportInput}, responses=_ANY)
+    @extend_schema(
+        tags=PROBES,
+        summary="Import a trained probe file (.json or .npz, never unpickled); form fields fill or override the file's",
+        request={"multipart/form-data": ImportInput},
+        responses=_ANY,
+    )
     def post(self, request) -> Response:
         data = validated(ImportInput, request.data)
         upload = data.pop("file")
         if upload.size > probes.MAX_FILE_BYTES:
-            raise ProbeInvalid(f"the file is larger than {probes.MAX_FILE_BYTES} bytes",
-                               details={"field": "file"})
-        row = probes.probe_import(filename=upload.name or "", content=upload.read(),
-                                  overrides=data, owner=Scope.of_request(request).owner)
+            raise ProbeInvalid(f"the file is larger than {probes.MAX_FILE_BYTES} bytes", details={"field": "file"})
+        row = probes.probe_import(
+            filename=upload.name or "", content=upload.read(), overrides=data, owner=Scope.of_request(request).owner
+        )
         return envelope(probes.probe_out(row, _status()), status_code=201)
 
 
@@ -76,16 +83,14 @@ class ProbeDetailApi(APIView):
         row = probes.probe_get(ref=ref, scope=Scope.of_request(request))
         return envelope({**probes.probe_out(row, _status()), "weights": row.weights})
 
-    @extend_schema(tags=PROBES, summary="Delete a probe (its verdict history is kept)",
-                   responses=_ANY)
+    @extend_schema(tags=PROBES, summary="Delete a probe (its verdict history is kept)", responses=_ANY)
     def delete(self, request, ref: str) -> Response:
         probes.probe_delete(ref=ref, scope=Scope.of_request(request))
         return envelope({"deleted": ref})
 
 
 class ProbeValidateApi(APIView):
-    @extend_schema(tags=PROBES, summary="Validate against the resident model and SAE",
-                   responses=_ANY)
+    @extend_schema(tags=PROBES, summary="Validate against the resident model and SAE", responses=_ANY)
     def post(self, request, ref: str) -> Response:
         status = _status()
         row = probes.probe_validate(ref=ref, status=status, scope=Scope.of_request(request))
@@ -95,8 +100,9 @@ class ProbeValidateApi(APIView):
 class ProbeArmApi(APIView):
     armed = True
 
-    @extend_schema(tags=PROBES, summary="Arm: score on every /v1 request that brings no "
-                   "`probes` (all web workers)", responses=_ANY)
+    @extend_schema(
+        tags=PROBES, summary="Arm: score on every /v1 request that brings no `probes` (all web workers)", responses=_ANY
+    )
     def post(self, request, ref: str) -> Response:
         status = _status()
         row = probes.probe_arm(ref=ref, armed=self.armed, status=status)

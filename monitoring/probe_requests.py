@@ -58,9 +58,19 @@ class ProbePlan:
         for h in self.heads:
             if h.basis == "sae_features":
                 by_key.setdefault((h.sae_id, h.layer), set()).update(h.features)
-        return [MonitorEntry(sae_id=s, layer=layer, top_k=0, features=sorted(f),
-                             read_point=READ_POINT, positions=positions, stream=False,
-                             tag=PROBE_TAG) for (s, layer), f in sorted(by_key.items())]
+        return [
+            MonitorEntry(
+                sae_id=s,
+                layer=layer,
+                top_k=0,
+                features=sorted(f),
+                read_point=READ_POINT,
+                positions=positions,
+                stream=False,
+                tag=PROBE_TAG,
+            )
+            for (s, layer), f in sorted(by_key.items())
+        ]
 
     def capture_need(self, positions: str = "completion") -> CaptureNeed | None:
         layers = sorted({h.layer for h in self.heads if h.basis == "hidden_states"})
@@ -77,9 +87,14 @@ def _ask_ref(ask: Any) -> tuple[str, str | None]:
     return ask.name, ask.positions
 
 
-def probe_request_plan(*, asked: Sequence[Any] | None, status: EngineStatus, choices: int,
-                       armed: tuple[ProbeHead, ...] | None = None,
-                       scope: Scope = EVERYONE) -> ProbePlan | None:
+def probe_request_plan(
+    *,
+    asked: Sequence[Any] | None,
+    status: EngineStatus,
+    choices: int,
+    armed: tuple[ProbeHead, ...] | None = None,
+    scope: Scope = EVERYONE,
+) -> ProbePlan | None:
     """The probes a request scores: those it names (``probes``), refused as a whole
     before any forward when one is unknown, unvalidated or cannot be read for this
     request; else the armed set (``armed``; read from the database when None), where
@@ -105,15 +120,13 @@ def probe_request_plan(*, asked: Sequence[Any] | None, status: EngineStatus, cho
     if not asked:
         return None  # ``probes: []``: explicitly none, armed ones included
     if len(asked) > MAX_REQUEST_PROBES:
-        raise ProbeScoreRequestInvalid(f"at most {MAX_REQUEST_PROBES} probes per request",
-                                       details={"param": "probes"})
+        raise ProbeScoreRequestInvalid(f"at most {MAX_REQUEST_PROBES} probes per request", details={"param": "probes"})
     rows: list[tuple[Probe, str | None]] = []
     for ask in asked:  # the request's shape first, then each probe
         ref, positions = _ask_ref(ask)
         row = probe_get(ref=ref, scope=scope)  # a request names its owner's probes
         if any(r.id == row.id for r, _ in rows):
-            raise ProbeScoreRequestInvalid(f"probe {row.name!r} is named twice",
-                                           details={"param": "probes"})
+            raise ProbeScoreRequestInvalid(f"probe {row.name!r} is named twice", details={"param": "probes"})
         rows.append((row, positions))
     heads: list[ProbeHead] = []
     for row, positions in rows:
@@ -121,12 +134,13 @@ def probe_request_plan(*, asked: Sequence[Any] | None, status: EngineStatus, cho
         if not head.current(status):
             raise UnvalidatedProbe(
                 f"probe {row.name!r} is not validated against the resident model",
-                details={"param": "probes", "probe": row.id,
-                         "next_step": f"/api/probes/{row.id}/validate"})
+                details={"param": "probes", "probe": row.id, "next_step": f"/api/probes/{row.id}/validate"},
+            )
         if head.basis == "hidden_states" and choices != 1:
             raise ProbeScoreRequestInvalid(
-                f"hidden-state probe {row.name!r} reads one choice's capture: send one "
-                "prompt with n = 1", details={"param": "probes"})
+                f"hidden-state probe {row.name!r} reads one choice's capture: send one prompt with n = 1",
+                details={"param": "probes"},
+            )
         heads.append(head)
     return ProbePlan(heads)
 
@@ -135,15 +149,15 @@ def _ours(record: ActivationRecord) -> bool:
     return record.tag == PROBE_TAG
 
 
-def probe_take_records(*, finish: FinishEvent, tokens: Sequence[TokenEvent] = ()
-                       ) -> list[ActivationRecord]:
+def probe_take_records(*, finish: FinishEvent, tokens: Sequence[TokenEvent] = ()) -> list[ActivationRecord]:
     """Remove the probes' records from a finished generation (the request's own
     ``return_sae_activations`` never sees them) and return them."""
     return take_records(_ours, finish=finish, tokens=tokens)
 
 
-def probe_score_sae(*, heads: Sequence[ProbeHead], records: Sequence[ActivationRecord],
-                    choice: int) -> list[dict[str, Any]]:
+def probe_score_sae(
+    *, heads: Sequence[ProbeHead], records: Sequence[ActivationRecord], choice: int
+) -> list[dict[str, Any]]:
     out = []
     for h in heads:
         rows = [r for r in records if r.sae_id == h.sae_id and r.layer == h.layer]
@@ -155,8 +169,9 @@ def probe_score_sae(*, heads: Sequence[ProbeHead], records: Sequence[ActivationR
     return out
 
 
-def probe_score_hidden(heads: Sequence[ProbeHead], source: Any, choice: int,
-                       rows: str = "completion") -> list[dict[str, Any]]:
+def probe_score_hidden(
+    heads: Sequence[ProbeHead], source: Any, choice: int, rows: str = "completion"
+) -> list[dict[str, Any]]:
     """Hidden-state probes on a finished choice's capture (bytes or a file): the
     ``completion`` rows (or, for a scoring pass, the ``prompt`` rows) of each probe's
     layer. Runs in the analysis pool."""
@@ -203,8 +218,7 @@ def verdicts_header(verdicts: Sequence[Mapping[str, Any]]) -> str:
     return ", ".join(items)
 
 
-def probe_record(*, request_id: str, verdicts: Sequence[Mapping[str, Any]],
-                 owner: str = ANONYMOUS) -> int:
+def probe_record(*, request_id: str, verdicts: Sequence[Mapping[str, Any]], owner: str = ANONYMOUS) -> int:
     """The verdicts in the probe history (``/api/monitoring/history``'s
     ``probe_verdicts``) and one ``probe:verdict`` event each; never raises into the
     request (a failure is logged)."""
@@ -212,19 +226,31 @@ def probe_record(*, request_id: str, verdicts: Sequence[Mapping[str, Any]],
         return 0
     try:
         now = timezone.now()
-        rows = [ProbeVerdict(
-            timestamp=now, request_id=request_id, choice=int(v.get("choice", 0)),
-            probe_id=v["probe_id"], name=v["name"], scored=bool(v["scored"]),
-            reason=v.get("reason", ""), score=v.get("score"), threshold=v.get("threshold"),
-            verdict=v.get("verdict"), positions=v["positions"], rows=int(v.get("rows", 0)),
-            owner=owner)
-            for v in verdicts]
+        rows = [
+            ProbeVerdict(
+                timestamp=now,
+                request_id=request_id,
+                choice=int(v.get("choice", 0)),
+                probe_id=v["probe_id"],
+                name=v["name"],
+                scored=bool(v["scored"]),
+                reason=v.get("reason", ""),
+                score=v.get("score"),
+                threshold=v.get("threshold"),
+                verdict=v.get("verdict"),
+                positions=v["positions"],
+                rows=int(v.get("rows", 0)),
+                owner=owner,
+            )
+            for v in verdicts
+        ]
         with transaction.atomic():
             ProbeVerdict.objects.bulk_create(rows)
             # bounded per owner: one key's traffic never evicts another's history
             mine = ProbeVerdict.objects.filter(owner=owner)
-            cutoff = list(mine.order_by("-id").values_list("id", flat=True)
-                          [MAX_VERDICT_HISTORY:MAX_VERDICT_HISTORY + 1])
+            cutoff = list(
+                mine.order_by("-id").values_list("id", flat=True)[MAX_VERDICT_HISTORY : MAX_VERDICT_HISTORY + 1]
+            )
             if cutoff:
                 mine.filter(id__lte=cutoff[0]).delete()
         for row in rows:  # to the request's owner's sockets (and admins') only

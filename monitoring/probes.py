@@ -70,12 +70,12 @@ MAX_NPZ_BYTES = 4 * MAX_WEIGHTS * 8 + (64 << 10)
 
 # --------------------------------------------------------------------------- definitions
 
+
 def _invalid(message: str, **details: Any) -> ProbeInvalid:
     return ProbeInvalid(message, details=details)
 
 
-def _vector(data: Mapping[str, Any], key: str, size: int | None = None, *,
-            required: bool = True) -> list[float] | None:
+def _vector(data: Mapping[str, Any], key: str, size: int | None = None, *, required: bool = True) -> list[float] | None:
     if key not in data or data[key] is None:
         if required:
             raise _invalid(f"the probe has no {key}", field=key)
@@ -87,15 +87,15 @@ def _vector(data: Mapping[str, Any], key: str, size: int | None = None, *,
     if not v.size or not np.isfinite(v).all():
         raise _invalid(f"{key} must hold finite numbers", field=key)
     if size is not None and v.size != size:
-        raise _invalid(f"{key} has {v.size} values, expected {size} (one per weight)",
-                       field=key, expected=size, actual=int(v.size))
+        raise _invalid(
+            f"{key} has {v.size} values, expected {size} (one per weight)", field=key, expected=size, actual=int(v.size)
+        )
     if v.size > MAX_WEIGHTS:
         raise _invalid(f"{key} has {v.size} values; at most {MAX_WEIGHTS}", field=key)
     return v.tolist()
 
 
-def _scalar(data: Mapping[str, Any], key: str, *, required: bool, integer: bool = False
-            ) -> Any:
+def _scalar(data: Mapping[str, Any], key: str, *, required: bool, integer: bool = False) -> Any:
     value = data.get(key)
     if value is None:
         if required:
@@ -130,8 +130,20 @@ def probe_parse(data: Mapping[str, Any]) -> dict[str, Any]:
     """A definition's fields, checked (``PROBE_INVALID`` naming the first bad field).
     Keys: name, description, basis, sae_id, layer, features (sae_features), weights,
     bias, threshold, norm_mean, norm_std, positions."""
-    known = {"name", "description", "basis", "sae_id", "layer", "features", "weights", "bias",
-             "threshold", "norm_mean", "norm_std", "positions"}
+    known = {
+        "name",
+        "description",
+        "basis",
+        "sae_id",
+        "layer",
+        "features",
+        "weights",
+        "bias",
+        "threshold",
+        "norm_mean",
+        "norm_std",
+        "positions",
+    }
     unknown = sorted(set(data) - known)
     if unknown:
         raise _invalid(f"unknown fields {unknown}; known: {sorted(known)}", fields=unknown)
@@ -156,12 +168,14 @@ def probe_parse(data: Mapping[str, Any]) -> dict[str, Any]:
         try:
             raw = np.asarray(data.get("features"), dtype=np.float64).reshape(-1)
         except (TypeError, ValueError) as exc:
-            raise _invalid("features must be a list of feature indices", field="features") \
-                from exc
-        if raw.size != n or not np.isfinite(raw).all() or (raw < 0).any() \
-                or (raw != np.floor(raw)).any():
-            raise _invalid(f"features must list {n} feature indices (one per weight)",
-                           field="features", expected=n, actual=int(raw.size))
+            raise _invalid("features must be a list of feature indices", field="features") from exc
+        if raw.size != n or not np.isfinite(raw).all() or (raw < 0).any() or (raw != np.floor(raw)).any():
+            raise _invalid(
+                f"features must list {n} feature indices (one per weight)",
+                field="features",
+                expected=n,
+                actual=int(raw.size),
+            )
         features = [int(f) for f in raw]
         if len(set(features)) != n:
             raise _invalid("a feature is listed twice", field="features")
@@ -173,12 +187,20 @@ def probe_parse(data: Mapping[str, Any]) -> dict[str, Any]:
         raise _invalid("norm_mean and norm_std come together", field="norm_std")
     if std is not None and any(s <= 0 for s in std):
         raise _invalid("norm_std must be positive", field="norm_std")
-    return {"name": name, "description": _text(data, "description", ""), "basis": basis,
-            "sae_id": sae_id, "layer": _scalar(data, "layer", required=True, integer=True),
-            "features": features, "weights": weights,
-            "bias": _scalar(data, "bias", required=False) or 0.0,
-            "threshold": _scalar(data, "threshold", required=False),
-            "norm_mean": mean, "norm_std": std, "positions": positions}
+    return {
+        "name": name,
+        "description": _text(data, "description", ""),
+        "basis": basis,
+        "sae_id": sae_id,
+        "layer": _scalar(data, "layer", required=True, integer=True),
+        "features": features,
+        "weights": weights,
+        "bias": _scalar(data, "bias", required=False) or 0.0,
+        "threshold": _scalar(data, "threshold", required=False),
+        "norm_mean": mean,
+        "norm_std": std,
+        "positions": positions,
+    }
 
 
 def probe_file_read(*, filename: str, content: bytes) -> dict[str, Any]:
@@ -192,8 +214,7 @@ def probe_file_read(*, filename: str, content: bytes) -> dict[str, Any]:
         try:
             return read_npz(content, max_bytes=MAX_NPZ_BYTES)
         except ArchiveRefused as exc:
-            raise _invalid(f"not a readable .npz without pickles: {exc.message}", field="file",
-                           **exc.details) from exc
+            raise _invalid(f"not a readable .npz without pickles: {exc.message}", field="file", **exc.details) from exc
     if filename.endswith(".json"):
         try:
             data = json.loads(content.decode("utf-8"))
@@ -215,18 +236,15 @@ def probe_create(*, definition: Mapping[str, Any], owner: str = ANONYMOUS) -> Pr
     same name is neither a conflict nor revealed)."""
     fields = probe_parse(definition)
     if Probe.objects.filter(name=fields["name"], owner=owner).exists():
-        raise ProbeExists(f"a probe named {fields['name']!r} exists; delete it first",
-                          details={"name": fields["name"]})
+        raise ProbeExists(f"a probe named {fields['name']!r} exists; delete it first", details={"name": fields["name"]})
     try:
         with transaction.atomic():
             return Probe.objects.create(id=_new_id(), owner=owner, **fields)
     except IntegrityError as exc:  # a concurrent create of the same name
-        raise ProbeExists(f"a probe named {fields['name']!r} exists",
-                          details={"name": fields["name"]}) from exc
+        raise ProbeExists(f"a probe named {fields['name']!r} exists", details={"name": fields["name"]}) from exc
 
 
-def probe_import(*, filename: str, content: bytes, overrides: Mapping[str, Any],
-                 owner: str = ANONYMOUS) -> Probe:
+def probe_import(*, filename: str, content: bytes, overrides: Mapping[str, Any], owner: str = ANONYMOUS) -> Probe:
     """A probe from a file; form fields (name, sae_id, threshold, …) fill or override the
     file's."""
     data = dict(probe_file_read(filename=filename, content=content))
@@ -239,8 +257,11 @@ def probe_import(*, filename: str, content: bytes, overrides: Mapping[str, Any],
 def probe_get(*, ref: str, scope: Scope = EVERYONE) -> Probe:
     """By id, else by name (the caller's own first); another owner's probe is a 404."""
     qs = scope.filter(Probe.objects.all())
-    row = qs.filter(id=ref).first() or qs.filter(name=ref, owner=scope.owner).first() \
+    row = (
+        qs.filter(id=ref).first()
+        or qs.filter(name=ref, owner=scope.owner).first()
         or qs.filter(name=ref).order_by("created_at").first()
+    )
     if row is None:
         raise ProbeNotFound(f"no probe {ref!r}", details={"probe": ref})
     return row
@@ -261,11 +282,15 @@ def _mismatches(row: Probe, status: EngineStatus) -> list[dict[str, Any]]:
         if status.hidden_size is not None and n != status.hidden_size:
             out.append({"field": "d_model", "expected": status.hidden_size, "actual": n})
         return out
-    att = next((a for a in status.attachments
-                if a.sae_id == row.sae_id and a.layer == row.layer), None)
+    att = next((a for a in status.attachments if a.sae_id == row.sae_id and a.layer == row.layer), None)
     if att is None:
-        out.append({"field": "sae_id", "expected": f"{row.sae_id} attached at layer {row.layer}",
-                    "actual": [f"{a.sae_id}@{a.layer}" for a in status.attachments]})
+        out.append(
+            {
+                "field": "sae_id",
+                "expected": f"{row.sae_id} attached at layer {row.layer}",
+                "actual": [f"{a.sae_id}@{a.layer}" for a in status.attachments],
+            }
+        )
         return out
     top = max(row.features) if row.features else -1
     if top >= att.d_sae:
@@ -274,27 +299,24 @@ def _mismatches(row: Probe, status: EngineStatus) -> list[dict[str, Any]]:
 
 
 def _validation_for(row: Probe, status: EngineStatus) -> dict[str, Any]:
-    v: dict[str, Any] = {"model": status.model_id, "layer": row.layer,
-                         "d_in": len(row.weights)}
+    v: dict[str, Any] = {"model": status.model_id, "layer": row.layer, "d_in": len(row.weights)}
     if row.basis == "sae_features":
-        att = next(a for a in status.attachments
-                   if a.sae_id == row.sae_id and a.layer == row.layer)
+        att = next(a for a in status.attachments if a.sae_id == row.sae_id and a.layer == row.layer)
         v.update(sae_id=att.sae_id, d_sae=att.d_sae)
     else:
         v["d_model"] = status.hidden_size
     return v
 
 
-def is_current(row_validation: Mapping[str, Any], basis: str, sae_id: str, layer: int,
-               status: EngineStatus) -> bool:
+def is_current(row_validation: Mapping[str, Any], basis: str, sae_id: str, layer: int, status: EngineStatus) -> bool:
     """Whether a validation still describes the resident model (and SAE)."""
-    if not row_validation or status.state != "ready" \
-            or row_validation.get("model") != status.model_id:
+    if not row_validation or status.state != "ready" or row_validation.get("model") != status.model_id:
         return False
     if basis == "hidden_states":
         return row_validation.get("d_model") == status.hidden_size
-    return any(a.sae_id == sae_id and a.layer == layer
-               and a.d_sae == row_validation.get("d_sae") for a in status.attachments)
+    return any(
+        a.sae_id == sae_id and a.layer == layer and a.d_sae == row_validation.get("d_sae") for a in status.attachments
+    )
 
 
 def probe_validate(*, ref: str, status: EngineStatus, scope: Scope = EVERYONE) -> Probe:
@@ -302,8 +324,7 @@ def probe_validate(*, ref: str, status: EngineStatus, scope: Scope = EVERYONE) -
     every differing field (the stored validation is cleared: the probe is unvalidated)."""
     row = probe_get(ref=ref, scope=scope)
     if status.state != "ready" or not status.model_id:
-        raise ModelNotLoaded("no model is loaded to validate the probe against",
-                             details={"probe": row.id})
+        raise ModelNotLoaded("no model is loaded to validate the probe against", details={"probe": row.id})
     mismatches = _mismatches(row, status)
     with transaction.atomic():
         row = Probe.objects.select_for_update().get(pk=row.pk)
@@ -311,15 +332,17 @@ def probe_validate(*, ref: str, status: EngineStatus, scope: Scope = EVERYONE) -
             row.validation = {}
             row.save(update_fields=["validation", "updated_at"])
         else:
-            row.validation = {**_validation_for(row, status),
-                              "checked_at": timezone.now().isoformat().replace("+00:00", "Z")}
+            row.validation = {
+                **_validation_for(row, status),
+                "checked_at": timezone.now().isoformat().replace("+00:00", "Z"),
+            }
             row.save(update_fields=["validation", "updated_at"])
         transaction.on_commit(armed_copy.invalidate)
     if mismatches:
         raise ProbeModelMismatch(
-            f"probe {row.name!r} does not fit the resident model: "
-            + ", ".join(m["field"] for m in mismatches),
-            details={"probe": row.id, "mismatches": mismatches})
+            f"probe {row.name!r} does not fit the resident model: " + ", ".join(m["field"] for m in mismatches),
+            details={"probe": row.id, "mismatches": mismatches},
+        )
     return row
 
 
@@ -335,10 +358,10 @@ def probe_arm(*, ref: str, armed: bool, status: EngineStatus) -> Probe:
                 raise UnvalidatedProbe(
                     f"probe {row.name!r} is not validated against the resident model; "
                     "POST /api/probes/{id}/validate first",
-                    details={"probe": row.id, "next_step": f"/api/probes/{row.id}/validate"})
+                    details={"probe": row.id, "next_step": f"/api/probes/{row.id}/validate"},
+                )
             if Probe.objects.filter(armed=True).count() >= MAX_ARMED:
-                raise ProbeLimit(f"{MAX_ARMED} probes are armed already",
-                                 details={"limit": MAX_ARMED})
+                raise ProbeLimit(f"{MAX_ARMED} probes are armed already", details={"limit": MAX_ARMED})
         row.armed = armed
         row.save(update_fields=["armed", "updated_at"])
         transaction.on_commit(armed_copy.invalidate)
@@ -346,24 +369,36 @@ def probe_arm(*, ref: str, armed: bool, status: EngineStatus) -> Probe:
 
 
 def probe_out(row: Probe, status: EngineStatus | None = None) -> dict[str, Any]:
-    out = {"id": row.id, "name": row.name, "description": row.description, "basis": row.basis,
-           "sae_id": row.sae_id or None, "layer": row.layer, "features": row.features,
-           "d_in": len(row.weights), "bias": row.bias, "threshold": row.threshold,
-           "standardised": row.norm_mean is not None, "positions": row.positions,
-           "armed": row.armed, "validation": row.validation or None, "owner": row.owner,
-           "created_at": row.created_at.isoformat().replace("+00:00", "Z")}
+    out = {
+        "id": row.id,
+        "name": row.name,
+        "description": row.description,
+        "basis": row.basis,
+        "sae_id": row.sae_id or None,
+        "layer": row.layer,
+        "features": row.features,
+        "d_in": len(row.weights),
+        "bias": row.bias,
+        "threshold": row.threshold,
+        "standardised": row.norm_mean is not None,
+        "positions": row.positions,
+        "armed": row.armed,
+        "validation": row.validation or None,
+        "owner": row.owner,
+        "created_at": row.created_at.isoformat().replace("+00:00", "Z"),
+    }
     if status is not None:
         out["validated"] = is_current(row.validation, row.basis, row.sae_id, row.layer, status)
     return out
 
 
-def probe_list(*, status: EngineStatus | None = None, scope: Scope = EVERYONE
-               ) -> dict[str, Any]:
+def probe_list(*, status: EngineStatus | None = None, scope: Scope = EVERYONE) -> dict[str, Any]:
     rows = list(scope.filter(Probe.objects.all()))
     return {"probes": [probe_out(r, status) for r in rows], "total": len(rows)}
 
 
 # --------------------------------------------------------------------------- requests
+
 
 @dataclass(frozen=True)
 class ProbeHead:
@@ -385,11 +420,24 @@ class ProbeHead:
 
     @classmethod
     def of(cls, row: Probe, positions: str | None = None) -> ProbeHead:
-        arr = (lambda v: None if v is None else np.asarray(v, dtype=np.float64))
-        return cls(row.id, row.name, row.basis, row.sae_id, row.layer, tuple(row.features),
-                   np.asarray(row.weights, dtype=np.float64), float(row.bias), row.threshold,
-                   arr(row.norm_mean), arr(row.norm_std), positions or row.positions,
-                   dict(row.validation or {}))
+        def arr(v):
+            return None if v is None else np.asarray(v, dtype=np.float64)
+
+        return cls(
+            row.id,
+            row.name,
+            row.basis,
+            row.sae_id,
+            row.layer,
+            tuple(row.features),
+            np.asarray(row.weights, dtype=np.float64),
+            float(row.bias),
+            row.threshold,
+            arr(row.norm_mean),
+            arr(row.norm_std),
+            positions or row.positions,
+            dict(row.validation or {}),
+        )
 
     def current(self, status: EngineStatus) -> bool:
         return is_current(self.validation, self.basis, self.sae_id, self.layer, status)
@@ -411,15 +459,20 @@ class ProbeHead:
         if x.shape[0] == 0:
             return {**base, "choice": choice, "scored": False, "reason": "no_rows"}
         score, rows = self.score(x)
-        out = {**base, "choice": choice, "scored": True, "score": score,
-               "probability": _logistic(score), "rows": rows}
+        out = {**base, "choice": choice, "scored": True, "score": score, "probability": _logistic(score), "rows": rows}
         if self.threshold is not None:
             out["verdict"] = score >= self.threshold  # a score on the bar fires
         return out
 
     def header(self) -> dict[str, Any]:
-        return {"probe_id": self.id, "name": self.name, "basis": self.basis, "layer": self.layer,
-                "positions": self.positions, "threshold": self.threshold}
+        return {
+            "probe_id": self.id,
+            "name": self.name,
+            "basis": self.basis,
+            "layer": self.layer,
+            "positions": self.positions,
+            "threshold": self.threshold,
+        }
 
     def skipped(self, reason: str, choice: int = 0) -> dict[str, Any]:
         return {**self.header(), "choice": choice, "scored": False, "reason": reason}

@@ -25,10 +25,16 @@ def _prune() -> dict[str, int]:
     return capture_prune()
 
 
-_pruner = Periodic("millm-capture-pruner", _prune,
-                   interval=lambda: float(settings.CAPTURE_PRUNE_INTERVAL_S), at_once=True,
-                   log=log, started="capture_pruner_started",
-                   failed="capture_prune_failed", done="captures_pruned")
+_pruner = Periodic(
+    "millm-capture-pruner",
+    _prune,
+    interval=lambda: float(settings.CAPTURE_PRUNE_INTERVAL_S),
+    at_once=True,
+    log=log,
+    started="capture_pruner_started",
+    failed="capture_prune_failed",
+    done="captures_pruned",
+)
 
 
 def prune_once() -> dict[str, int] | None:

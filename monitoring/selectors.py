@@ -19,18 +19,32 @@ def monitoring_config() -> MonitoringConfig:
 
 
 def record_out(row: ActivationRecord) -> dict[str, Any]:
-    return {"timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
-            "request_id": row.request_id, "token_position": row.token_position,
-            "activations": row.activations, "top_k": row.top_k, "sae_id": row.sae_id,
-            "layer": row.layer, "completion_token_index": row.completion_token_index}
+    return {
+        "timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
+        "request_id": row.request_id,
+        "token_position": row.token_position,
+        "activations": row.activations,
+        "top_k": row.top_k,
+        "sae_id": row.sae_id,
+        "layer": row.layer,
+        "completion_token_index": row.completion_token_index,
+    }
 
 
 def verdict_out(row: ProbeVerdict) -> dict[str, Any]:
-    out = {"timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
-           "request_id": row.request_id, "choice": row.choice, "probe_id": row.probe_id,
-           "name": row.name, "scored": row.scored, "score": row.score,
-           "threshold": row.threshold, "verdict": row.verdict, "positions": row.positions,
-           "rows": row.rows}
+    out = {
+        "timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
+        "request_id": row.request_id,
+        "choice": row.choice,
+        "probe_id": row.probe_id,
+        "name": row.name,
+        "scored": row.scored,
+        "score": row.score,
+        "threshold": row.threshold,
+        "verdict": row.verdict,
+        "positions": row.positions,
+        "rows": row.rows,
+    }
     if not row.scored:
         out["reason"] = row.reason
     return out
@@ -44,8 +58,7 @@ def capture_dir():  # type: ignore[no-untyped-def]
     return Path(settings.CAPTURE_DIR).resolve()
 
 
-def history(*, limit: int = 50, request_id: str | None = None,
-            scope: Scope = EVERYONE) -> dict[str, Any]:
+def history(*, limit: int = 50, request_id: str | None = None, scope: Scope = EVERYONE) -> dict[str, Any]:
     qs = scope.filter(ActivationRecord.objects.order_by("-id"))
     if request_id:
         qs = qs.filter(request_id=request_id)
@@ -53,8 +66,11 @@ def history(*, limit: int = 50, request_id: str | None = None,
     verdicts = scope.filter(ProbeVerdict.objects.order_by("-id"))
     if request_id:
         verdicts = verdicts.filter(request_id=request_id)
-    return {"records": [record_out(r) for r in qs[:limit]], "total": total,
-            "probe_verdicts": [verdict_out(v) for v in verdicts[:limit]]}
+    return {
+        "records": [record_out(r) for r in qs[:limit]],
+        "total": total,
+        "probe_verdicts": [verdict_out(v) for v in verdicts[:limit]],
+    }
 
 
 def _window(scope: Scope):
@@ -65,8 +81,7 @@ def _window(scope: Scope):
     return qs, config
 
 
-def statistics(*, features: list[int] | None = None, scope: Scope = EVERYONE
-               ) -> dict[str, Any]:
+def statistics(*, features: list[int] | None = None, scope: Scope = EVERYONE) -> dict[str, Any]:
     """Per feature over the history since the last reset: its value in each record that
     reports it (every record when monitoring named the features; the records where it made
     the top-k when monitoring all) — ``count``, ``mean``, ``std`` (population), ``min``,
@@ -83,37 +98,72 @@ def statistics(*, features: list[int] | None = None, scope: Scope = EVERYONE
     for index in wanted:
         seen = values.get(index, [])
         if not seen:
-            rows.append({"feature_idx": index, "count": 0, "mean": None, "std": None,
-                         "min": None, "max": None, "active_ratio": None})
+            rows.append(
+                {
+                    "feature_idx": index,
+                    "count": 0,
+                    "mean": None,
+                    "std": None,
+                    "min": None,
+                    "max": None,
+                    "active_ratio": None,
+                }
+            )
             continue
         mean = sum(seen) / len(seen)
         std = math.sqrt(sum((v - mean) ** 2 for v in seen) / len(seen))
-        rows.append({"feature_idx": index, "count": len(seen), "mean": mean, "std": std,
-                     "min": min(seen), "max": max(seen),
-                     "active_ratio": sum(v > 0 for v in seen) / len(seen)})
+        rows.append(
+            {
+                "feature_idx": index,
+                "count": len(seen),
+                "mean": mean,
+                "std": std,
+                "min": min(seen),
+                "max": max(seen),
+                "active_ratio": sum(v > 0 for v in seen) / len(seen),
+            }
+        )
     since = config.statistics_since
-    return {"features": rows, "total_activations": total,
-            "since": since.isoformat().replace("+00:00", "Z") if since else None}
+    return {
+        "features": rows,
+        "total_activations": total,
+        "since": since.isoformat().replace("+00:00", "Z") if since else None,
+    }
 
 
-def statistics_top(*, k: int = 10, metric: str = "mean", scope: Scope = EVERYONE
-                   ) -> dict[str, Any]:
+def statistics_top(*, k: int = 10, metric: str = "mean", scope: Scope = EVERYONE) -> dict[str, Any]:
     stats = statistics(scope=scope)
     rows = [r for r in stats["features"] if r["count"]]
     rows.sort(key=lambda r: (-r[metric], r["feature_idx"]))
-    return {"features": rows[:k], "metric": metric, "k": k,
-            "total_activations": stats["total_activations"], "since": stats["since"]}
+    return {
+        "features": rows[:k],
+        "metric": metric,
+        "k": k,
+        "total_activations": stats["total_activations"],
+        "since": stats["since"],
+    }
 
 
 # --------------------------------------------------------------------------- captures
 
+
 def capture_out(row: Any) -> dict[str, Any]:
-    return {"id": row.id, "request_id": row.request_id, "model": row.model, "backend": row.backend,
-            "layers": row.layers, "positions": row.positions, "rows": row.rows, "dtype": row.dtype,
-            "steering_hash": row.steering_hash or None, "bytes": row.nbytes,
-            "created_at": row.created_at.isoformat(),
-            "expires_at": row.expires_at.isoformat() if row.expires_at else None,
-            "url": f"/api/captures/{row.id}/download", "owner": row.owner}
+    return {
+        "id": row.id,
+        "request_id": row.request_id,
+        "model": row.model,
+        "backend": row.backend,
+        "layers": row.layers,
+        "positions": row.positions,
+        "rows": row.rows,
+        "dtype": row.dtype,
+        "steering_hash": row.steering_hash or None,
+        "bytes": row.nbytes,
+        "created_at": row.created_at.isoformat(),
+        "expires_at": row.expires_at.isoformat() if row.expires_at else None,
+        "url": f"/api/captures/{row.id}/download",
+        "owner": row.owner,
+    }
 
 
 def live_captures(scope: Scope = EVERYONE) -> Any:
@@ -122,9 +172,7 @@ def live_captures(scope: Scope = EVERYONE) -> Any:
     from django.db.models import Q
     from django.utils import timezone
 
-
-    return scope.filter(Capture.objects.filter(
-        Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now())))
+    return scope.filter(Capture.objects.filter(Q(expires_at__isnull=True) | Q(expires_at__gt=timezone.now())))
 
 
 def capture_get(*, capture_id: str, scope: Scope = EVERYONE) -> Any:
@@ -135,8 +183,7 @@ def capture_get(*, capture_id: str, scope: Scope = EVERYONE) -> Any:
     return live_captures(scope).filter(id=capture_id).first()
 
 
-def capture_list(*, limit: int = 50, request_id: str | None = None,
-                 scope: Scope = EVERYONE) -> dict[str, Any]:
+def capture_list(*, limit: int = 50, request_id: str | None = None, scope: Scope = EVERYONE) -> dict[str, Any]:
     qs = live_captures(scope).order_by("-created_at")
     if request_id:
         qs = qs.filter(request_id=request_id)
@@ -147,13 +194,13 @@ def capture_detail(*, capture_id: str, scope: Scope = EVERYONE) -> dict[str, Any
     """The row and the sidecar JSON (CaptureNotFound when either is missing)."""
     import json
 
-
     path = capture_file(capture_id=capture_id, sidecar=True, scope=scope)
     try:
         meta = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise CaptureNotFound(f"capture {capture_id!r} has no readable sidecar",
-                              details={"capture_id": capture_id}) from exc
+        raise CaptureNotFound(
+            f"capture {capture_id!r} has no readable sidecar", details={"capture_id": capture_id}
+        ) from exc
     return {**capture_out(capture_get(capture_id=capture_id, scope=scope)), "metadata": meta}
 
 
@@ -165,6 +212,5 @@ def capture_file(*, capture_id: str, sidecar: bool = False, scope: Scope = EVERY
     root = capture_dir()
     path = (root / file_names(row.id)[1 if sidecar else 0]).resolve()
     if not path.is_relative_to(root) or not path.is_file():
-        raise CaptureNotFound(f"capture {capture_id!r} has no file",
-                              details={"capture_id": capture_id})
+        raise CaptureNotFound(f"capture {capture_id!r} has no file", details={"capture_id": capture_id})
     return path

@@ -83,17 +83,24 @@ class Watch:
     def held(self, status: EngineStatus) -> bool:
         keys = {(a.sae_id, a.layer, a.d_sae) for a in status.attachments}
         return bool(self.members) and all(
-            any(s == m.sae_id and layer == m.layer and m.feature < d for s, layer, d in keys)
-            for m in self.members)
+            any(s == m.sae_id and layer == m.layer and m.feature < d for s, layer, d in keys) for m in self.members
+        )
 
     def out(self) -> dict[str, Any]:
-        return {"kind": self.kind, "id": self.id, "name": self.name, "source": self.source,
-                "members": [{"sae_id": m.sae_id or None, "layer": m.layer,
-                             "feature": m.feature, "threshold": m.threshold}
-                            for m in self.members]}
+        return {
+            "kind": self.kind,
+            "id": self.id,
+            "name": self.name,
+            "source": self.source,
+            "members": [
+                {"sae_id": m.sae_id or None, "layer": m.layer, "feature": m.feature, "threshold": m.threshold}
+                for m in self.members
+            ],
+        }
 
 
 # --------------------------------------------------------------------------- documents
+
 
 def _threshold(member: Any) -> float:
     value = (getattr(member, "model_extra", None) or {}).get("threshold")
@@ -111,9 +118,10 @@ def _cluster_watch(row: Any, source: str) -> Watch:
     except Exception:  # noqa: BLE001 - a bundle item or an older text: thresholds are 0
         pass
     layer = row.layer if row.layer is not None else -1
-    members = tuple(SensedMember(row.sae_id or "", layer, m.feature_idx,
-                                 thresholds.get(m.feature_idx, 0.0))
-                    for m in cluster_members(row))
+    members = tuple(
+        SensedMember(row.sae_id or "", layer, m.feature_idx, thresholds.get(m.feature_idx, 0.0))
+        for m in cluster_members(row)
+    )
     return Watch("cluster", row.pk, row.name, source, members)
 
 
@@ -121,8 +129,7 @@ def _circuit_watch(row: Any, source: str) -> Watch:
     thresholds: dict[tuple[int, int], float] = {}
     try:
         _, layers = validate_circuit(json.loads(row.document))
-        thresholds = {(int(layer), m.feature_idx): _threshold(m)
-                      for layer, ms in layers.items() for m in ms}
+        thresholds = {(int(layer), m.feature_idx): _threshold(m) for layer, ms in layers.items() for m in ms}
     except Exception:  # noqa: BLE001 - thresholds are 0
         pass
     saes = {int(layer): sae for layer, sae in (row.serving or {}).items()}
@@ -131,9 +138,11 @@ def _circuit_watch(row: Any, source: str) -> Watch:
             sae = _resolve_sae(ref)
             if sae is not None:
                 saes[int(ref["layer"])] = sae.id
-    members = tuple(SensedMember(saes.get(layer, ""), layer, m.feature_idx,
-                                 thresholds.get((layer, m.feature_idx), 0.0))
-                    for layer, ms in sorted(layer_members(row).items()) for m in ms)
+    members = tuple(
+        SensedMember(saes.get(layer, ""), layer, m.feature_idx, thresholds.get((layer, m.feature_idx), 0.0))
+        for layer, ms in sorted(layer_members(row).items())
+        for m in ms
+    )
     return Watch("circuit", row.pk, row.name, source, members)
 
 
@@ -173,27 +182,27 @@ def _follow_live() -> None:
 
 def connect_signals() -> None:
     """Called from ``MonitoringConfig.ready``."""
+
     def dropped(**_: Any) -> None:
         transaction.on_commit(watch_copy.invalidate)
 
     for model in (Cluster, Circuit, SensingArm):
-        post_save.connect(dropped, sender=model, weak=False,
-                          dispatch_uid=f"sensing-{model.__name__}-save")
-        post_delete.connect(dropped, sender=model, weak=False,
-                            dispatch_uid=f"sensing-{model.__name__}-delete")
+        post_save.connect(dropped, sender=model, weak=False, dispatch_uid=f"sensing-{model.__name__}-save")
+        post_delete.connect(dropped, sender=model, weak=False, dispatch_uid=f"sensing-{model.__name__}-delete")
     _follow_live()
 
 
 # --------------------------------------------------------------------------- arming
 
+
 def _document(kind: Any, ref: Any) -> Any:
     if kind not in KINDS:
-        raise ValidationFailed(f"kind must be one of {KINDS}",
-                               details={"fields": {"kind": [f"one of {list(KINDS)}"]}})
+        raise ValidationFailed(f"kind must be one of {KINDS}", details={"fields": {"kind": [f"one of {list(KINDS)}"]}})
     if ref is None or isinstance(ref, bool) or (not isinstance(ref, (int, str))) or ref == "":
-        raise ValidationFailed("id names the cluster or circuit (its id or name)",
-                               details={"fields": {"id": ["required"]}})
-    return (cluster_get(cluster_id=ref) if kind == "cluster" else circuit_get(circuit_id=ref))
+        raise ValidationFailed(
+            "id names the cluster or circuit (its id or name)", details={"fields": {"id": ["required"]}}
+        )
+    return cluster_get(cluster_id=ref) if kind == "cluster" else circuit_get(circuit_id=ref)
 
 
 def sensing_arm(*, kind: Any, ref: Any) -> dict[str, Any]:
@@ -201,10 +210,8 @@ def sensing_arm(*, kind: Any, ref: Any) -> dict[str, Any]:
     is armed already changes nothing. Unknown: ``CLUSTER_NOT_FOUND`` /
     ``CIRCUIT_NOT_FOUND`` (404)."""
     row = _document(kind, ref)
-    if SensingArm.objects.count() >= MAX_ARMED and not SensingArm.objects.filter(
-            kind=kind, object_id=row.pk).exists():
-        raise ValidationFailed(f"at most {MAX_ARMED} documents are armed for sensing",
-                               details={"limit": MAX_ARMED})
+    if SensingArm.objects.count() >= MAX_ARMED and not SensingArm.objects.filter(kind=kind, object_id=row.pk).exists():
+        raise ValidationFailed(f"at most {MAX_ARMED} documents are armed for sensing", details={"limit": MAX_ARMED})
     try:
         with transaction.atomic():
             arm, _ = SensingArm.objects.get_or_create(kind=kind, object_id=row.pk)
@@ -219,36 +226,46 @@ def sensing_disarm(*, kind: Any, ref: Any) -> dict[str, Any]:
     row = _document(kind, ref)
     deleted, _ = SensingArm.objects.filter(kind=kind, object_id=row.pk).delete()
     if not deleted:
-        raise SensingNotArmed(f"{kind} {row.name!r} is not armed for sensing",
-                              details={"kind": kind, "id": row.pk})
+        raise SensingNotArmed(f"{kind} {row.name!r} is not armed for sensing", details={"kind": kind, "id": row.pk})
     return {"kind": kind, "id": row.pk, "name": row.name, "armed": False}
 
 
 def _arm_out(arm: SensingArm, name: str | None) -> dict[str, Any]:
-    return {"kind": arm.kind, "id": arm.object_id, "name": name, "armed": True,
-            "armed_at": arm.created_at.isoformat().replace("+00:00", "Z")}
+    return {
+        "kind": arm.kind,
+        "id": arm.object_id,
+        "name": name,
+        "armed": True,
+        "armed_at": arm.created_at.isoformat().replace("+00:00", "Z"),
+    }
 
 
 def sensing_list(*, status: EngineStatus | None = None) -> dict[str, Any]:
     """The arms, and every watched document (armed or active) with its members and whether
     the engine holds their attachments now."""
     arms = list(SensingArm.objects.order_by("created_at", "id"))
-    names = {("cluster", k): v for k, v in Cluster.objects.in_bulk(
-        [a.object_id for a in arms if a.kind == "cluster"]).items()}
-    names.update({("circuit", k): v for k, v in Circuit.objects.in_bulk(
-        [a.object_id for a in arms if a.kind == "circuit"]).items()})
+    names = {
+        ("cluster", k): v
+        for k, v in Cluster.objects.in_bulk([a.object_id for a in arms if a.kind == "cluster"]).items()
+    }
+    names.update(
+        {
+            ("circuit", k): v
+            for k, v in Circuit.objects.in_bulk([a.object_id for a in arms if a.kind == "circuit"]).items()
+        }
+    )
     watched = []
     for w in _read_watches():
         item = w.out()
         if status is not None:
             item["watched_now"] = w.held(status)
         watched.append(item)
-    armed = [_arm_out(a, getattr(names.get((a.kind, a.object_id)), "name", None))
-             for a in arms]
+    armed = [_arm_out(a, getattr(names.get((a.kind, a.object_id)), "name", None)) for a in arms]
     return {"armed": armed, "watched": watched, "total": len(armed)}
 
 
 # --------------------------------------------------------------------------- requests
+
 
 @dataclass
 class SensingPlan:
@@ -259,13 +276,24 @@ class SensingPlan:
         for w in self.watches:
             for m in w.members:
                 by_key.setdefault((m.sae_id, m.layer), set()).add(m.feature)
-        return [MonitorEntry(sae_id=s, layer=layer, top_k=0, features=sorted(f),
-                             read_point=READ_POINT, positions="completion", stream=False,
-                             tag=SENSING_TAG) for (s, layer), f in sorted(by_key.items())]
+        return [
+            MonitorEntry(
+                sae_id=s,
+                layer=layer,
+                top_k=0,
+                features=sorted(f),
+                read_point=READ_POINT,
+                positions="completion",
+                stream=False,
+                tag=SENSING_TAG,
+            )
+            for (s, layer), f in sorted(by_key.items())
+        ]
 
 
-def sensing_request_plan(*, status: EngineStatus | None,
-                         watches: tuple[Watch, ...] | None = None) -> SensingPlan | None:
+def sensing_request_plan(
+    *, status: EngineStatus | None, watches: tuple[Watch, ...] | None = None
+) -> SensingPlan | None:
     """The documents one request watches (those whose attachments the engine holds)."""
     if status is None or status.state != "ready":
         return None
@@ -279,20 +307,19 @@ def _ours(record: ActivationRecord) -> bool:
     return record.tag == SENSING_TAG
 
 
-def sensing_take_records(*, finish: FinishEvent, tokens: Sequence[TokenEvent] = ()
-                         ) -> list[ActivationRecord]:
+def sensing_take_records(*, finish: FinishEvent, tokens: Sequence[TokenEvent] = ()) -> list[ActivationRecord]:
     """Remove sensing's records from a finished generation and return them."""
     return take_records(_ours, finish=finish, tokens=tokens)
 
 
-def sensing_detect(*, plan: SensingPlan, records: Sequence[ActivationRecord],
-                   request_id: str, choice: int) -> list[tuple[str, dict[str, Any]]]:
+def sensing_detect(
+    *, plan: SensingPlan, records: Sequence[ActivationRecord], request_id: str, choice: int
+) -> list[tuple[str, dict[str, Any]]]:
     """The events of one choice: ``(name, data)`` per document that fired at some row."""
     table: dict[tuple[str, int, int], dict[int, float]] = {}
     token_index: dict[int, int | None] = {}
     for r in records:
-        table[(r.sae_id, r.layer, r.position)] = {a.feature_index: a.activation
-                                                  for a in r.features}
+        table[(r.sae_id, r.layer, r.position)] = {a.feature_index: a.activation for a in r.features}
         token_index[r.position] = r.token_index
     out = []
     for w in plan.watches:
@@ -304,27 +331,43 @@ def sensing_detect(*, plan: SensingPlan, records: Sequence[ActivationRecord],
         if not rows:
             continue
         first = rows[0]
-        out.append((f"sensing:{w.kind}", {
-            "kind": w.kind, "id": w.id, "name": w.name, "source": w.source,
-            "request_id": request_id, "choice": choice, "rows": rows,
-            "token_indices": [token_index[p] for p in rows],
-            "members": [{"sae_id": m.sae_id, "layer": m.layer, "feature": m.feature,
-                         "threshold": m.threshold,
-                         "activation": table[(m.sae_id, m.layer, first)][m.feature]}
-                        for m in w.members]}))
+        out.append(
+            (
+                f"sensing:{w.kind}",
+                {
+                    "kind": w.kind,
+                    "id": w.id,
+                    "name": w.name,
+                    "source": w.source,
+                    "request_id": request_id,
+                    "choice": choice,
+                    "rows": rows,
+                    "token_indices": [token_index[p] for p in rows],
+                    "members": [
+                        {
+                            "sae_id": m.sae_id,
+                            "layer": m.layer,
+                            "feature": m.feature,
+                            "threshold": m.threshold,
+                            "activation": table[(m.sae_id, m.layer, first)][m.feature],
+                        }
+                        for m in w.members
+                    ],
+                },
+            )
+        )
     return out
 
 
-def sensing_publish(*, plan: SensingPlan, records: Sequence[ActivationRecord],
-                    request_id: str, choice: int, owner: str | None = None) -> int:
+def sensing_publish(
+    *, plan: SensingPlan, records: Sequence[ActivationRecord], request_id: str, choice: int, owner: str | None = None
+) -> int:
     """Detect and publish, to the request's owner's sockets (and admins') when ``owner``
     is given; never raises into the request (a failure is logged)."""
     try:
-        found = sensing_detect(plan=plan, records=records, request_id=request_id,
-                               choice=choice)
+        found = sensing_detect(plan=plan, records=records, request_id=request_id, choice=choice)
         for name, data in found:
-            events.publish(name, data if owner is None else {**data,
-                                                             events.OWNER_FIELD: owner})
+            events.publish(name, data if owner is None else {**data, events.OWNER_FIELD: owner})
         return len(found)
     except Exception:  # noqa: BLE001 - sensing observes; it never fails the generation
         log.warning("sensing_failed", request_id=request_id, exc_info=True)

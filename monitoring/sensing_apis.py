@@ -34,20 +34,27 @@ def _ref(request) -> tuple[object, object]:  # type: ignore[no-untyped-def]
 class SensingApi(APIView):
     parser_classes = [JSONParser]
 
-    @extend_schema(tags=TAGS, summary="Armed clusters and circuits, and every watched one "
-                   "(armed or active) with its members", responses=_ANY)
+    @extend_schema(
+        tags=TAGS,
+        summary="Armed clusters and circuits, and every watched one (armed or active) with its members",
+        responses=_ANY,
+    )
     def get(self, request) -> Response:
         return envelope(sensing.sensing_list(status=_status()))
 
-    @extend_schema(tags=TAGS, summary="Arm a cluster or circuit for sensing: `{kind: "
-                   "cluster|circuit, id}` (id or name)", request=OpenApiTypes.OBJECT,
-                   responses=_ANY)
+    @extend_schema(
+        tags=TAGS,
+        summary="Arm a cluster or circuit for sensing: `{kind: cluster|circuit, id}` (id or name)",
+        request=OpenApiTypes.OBJECT,
+        responses=_ANY,
+    )
     def post(self, request) -> Response:
         kind, ref = _ref(request)
         return envelope(sensing.sensing_arm(kind=kind, ref=ref), status_code=201)
 
-    @extend_schema(tags=TAGS, summary="Disarm: `{kind, id}` in the body or the query",
-                   request=OpenApiTypes.OBJECT, responses=_ANY)
+    @extend_schema(
+        tags=TAGS, summary="Disarm: `{kind, id}` in the body or the query", request=OpenApiTypes.OBJECT, responses=_ANY
+    )
     def delete(self, request) -> Response:
         kind, ref = _ref(request)
         return envelope(sensing.sensing_disarm(kind=kind, ref=ref))

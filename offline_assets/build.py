@@ -142,9 +142,7 @@ def _build_tiny_set(root: Path, seed: int) -> AssetManifest:
             layers_path=spec.layers_path,
         )
         sae_specs = [s for s in TINY_SAES if s.model_name == model_name]
-        residuals = stacked_residuals(
-            model, tokenizer, spec.layers_path, {s.layer for s in sae_specs}, CORPUS
-        )
+        residuals = stacked_residuals(model, tokenizer, spec.layers_path, {s.layer for s in sae_specs}, CORPUS)
         for sae_spec in sae_specs:
             sae_path = build_sae(
                 _fresh_dir(root / "saes" / sae_spec.name),

@@ -152,9 +152,7 @@ def _convert_gguf(gguf: Path, out_dir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config_dict = loaded.config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):
         config_dict.pop(key, None)
@@ -237,9 +235,7 @@ def build_demo(root: Path, *, seed: int = 0) -> tuple[ModelAsset, SAEAsset]:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     sets = {"neutral": NEUTRAL_PROMPTS, **CONCEPT_PROMPTS}
     texts = [text for prompts in sets.values() for text in prompts]
-    per_text = residuals_per_text(
-        model, tokenizer, "model.layers", [DEMO_LAYER], [*texts, *CORPUS]
-    )[DEMO_LAYER]
+    per_text = residuals_per_text(model, tokenizer, "model.layers", [DEMO_LAYER], [*texts, *CORPUS])[DEMO_LAYER]
     per_set: dict[str, list[np.ndarray]] = {}
     offset = 0
     for name, prompts in sets.items():

@@ -101,9 +101,7 @@ class AssetManifest:
             data = asdict(asset)
             data["path"] = rel(asset.path)
             if isinstance(asset, SAEAsset):
-                data["feature_labels"] = {
-                    str(i): label for i, label in sorted(asset.feature_labels.items())
-                }
+                data["feature_labels"] = {str(i): label for i, label in sorted(asset.feature_labels.items())}
             return data
 
         payload = {

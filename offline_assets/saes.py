@@ -45,9 +45,7 @@ def applies_b_dec_to_input(layout: str, activation: str) -> bool:
     return layout == "saelens" and activation != "jumprelu"
 
 
-def _validate(
-    *, d_in: int, d_sae: int, layer: int, layout: str, activation: str, k: int | None
-) -> None:
+def _validate(*, d_in: int, d_sae: int, layer: int, layout: str, activation: str, k: int | None) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"unknown SAE layout {layout!r}; expected one of {LAYOUTS}")
     if activation not in ACTIVATIONS:
@@ -165,9 +163,7 @@ def save_npz_deterministic(path: Path, arrays: Mapping[str, np.ndarray]) -> None
     with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
         for name in sorted(arrays):
             buffer = io.BytesIO()
-            np.lib.format.write_array(
-                buffer, np.ascontiguousarray(arrays[name]), allow_pickle=False
-            )
+            np.lib.format.write_array(buffer, np.ascontiguousarray(arrays[name]), allow_pickle=False)
             info = zipfile.ZipInfo(f"{name}.npy", date_time=(1980, 1, 1, 0, 0, 0))
             archive.writestr(info, buffer.getvalue())
 

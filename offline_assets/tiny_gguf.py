@@ -24,11 +24,7 @@ TINY_GGUF_NAME = "tiny-llama-f32.gguf"
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """HF's half-split rotary rows → llama.cpp's interleaved pairs (per head)."""
-    return (
-        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(w.shape)
-    )
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def build_tiny_gguf(model_dir: Path, out_path: Path) -> Path:
@@ -60,11 +56,7 @@ def build_tiny_gguf(model_dir: Path, out_path: Path) -> Path:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(
-        float(
-            cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        )
-    )
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)))
     w.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
     w.add_vocab_size(int(cfg["vocab_size"]))
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -78,9 +70,14 @@ def build_tiny_gguf(model_dir: Path, out_path: Path) -> Path:
         tokens[i] = text
     # special added tokens are control tokens; the others (a template's <tool_call>) are
     # user-defined: written as text, as transformers writes them
-    types = [gguf.TokenType.NORMAL if t not in added else
-             gguf.TokenType.CONTROL if added[t].get("special", True) else gguf.TokenType.USER_DEFINED
-             for t in tokens]
+    types = [
+        gguf.TokenType.NORMAL
+        if t not in added
+        else gguf.TokenType.CONTROL
+        if added[t].get("special", True)
+        else gguf.TokenType.USER_DEFINED
+        for t in tokens
+    ]
     merges = [m if isinstance(m, str) else " ".join(m) for m in tok_json["model"]["merges"]]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt-2")

@@ -12,8 +12,13 @@ from steering.models import Circuit
 
 @admin.action(description="Activate (acknowledging a rung below 2)")
 def activate_acknowledged(modeladmin, request, queryset):
-    run_each(modeladmin, request, queryset, "Activated",
-             lambda c: services.circuit_activate(circuit=c, acknowledge_unvalidated=True))
+    run_each(
+        modeladmin,
+        request,
+        queryset,
+        "Activated",
+        lambda c: services.circuit_activate(circuit=c, acknowledge_unvalidated=True),
+    )
 
 
 class OrchestratedCircuitAdmin(CircuitAdmin):

@@ -30,8 +30,10 @@ from steering.forget import live_forget
 
 def _check_sae_ready(sae: SAE) -> None:
     if sae.status not in (SAE.Status.READY, SAE.Status.ATTACHED) or not sae.local_path:
-        raise SAEInvalid(f"SAE {sae.id} is not ready to attach (status {sae.status})",
-                         details={"sae_id": sae.id, "status": sae.status})
+        raise SAEInvalid(
+            f"SAE {sae.id} is not ready to attach (status {sae.status})",
+            details={"sae_id": sae.id, "status": sae.status},
+        )
 
 
 def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
@@ -54,11 +56,11 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
         _check_sae_ready(sae)
     existing = {(a.sae_id, a.layer): a for a in Attachment.objects.filter(model=model)}
     new = [(sae, layer) for sae, layer in ordered if (sae.id, layer) not in existing]
-    specs = [AttachSpec(sae_id=sae.id, path=sae.local_path, layer=layer,
-                        layout=sae.format or None) for sae, layer in new]
+    specs = [
+        AttachSpec(sae_id=sae.id, path=sae.local_path, layer=layer, layout=sae.format or None) for sae, layer in new
+    ]
     if new:
-        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
-                                                 settings.MILLM_ENGINE_DTYPE)
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
         check_saes_fit([sae for sae, _ in new], model=model, device=device, dtype=dtype)
     try:
         fresh = runtime().engine.attach_set(specs) if specs else []
@@ -68,30 +70,46 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
     with transaction.atomic():
         for (sae, _), result in zip(new, fresh, strict=True):
             Attachment.objects.update_or_create(
-                sae=sae, layer=result.layer,
-                defaults={"model": model, "layer_module_path": result.layer_module_path,
-                          "hook_point": result.hook_point})
-            SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ATTACHED,
-                                                 updated_at=timezone.now())
+                sae=sae,
+                layer=result.layer,
+                defaults={
+                    "model": model,
+                    "layer_module_path": result.layer_module_path,
+                    "hook_point": result.hook_point,
+                },
+            )
+            SAE.objects.filter(pk=sae.pk).update(status=SAE.Status.ATTACHED, updated_at=timezone.now())
         # Attaching locks the model, so a steered session cannot be swapped out under it.
         if fresh:
             Model.objects.filter(pk=model.pk).update(locked=True, updated_at=timezone.now())
     for result in fresh:
-        events.publish("sae:attached", {"sae_id": result.sae_id, "layer": result.layer,
-                                        "layer_module_path": result.layer_module_path,
-                                        "hook_point": result.hook_point,
-                                        "model_id": model.id,
-                                        "warnings": list(result.warnings)})
+        events.publish(
+            "sae:attached",
+            {
+                "sae_id": result.sae_id,
+                "layer": result.layer,
+                "layer_module_path": result.layer_module_path,
+                "hook_point": result.hook_point,
+                "model_id": model.id,
+                "warnings": list(result.warnings),
+            },
+        )
     results = []
     for sae, layer in ordered:
         result = by_key.get((sae.id, layer))
         if result is None:
             row = existing[(sae.id, layer)]
-            result = AttachResult(sae_id=sae.id, layer=layer,
-                                  layer_module_path=row.layer_module_path, d_in=sae.d_in or 0,
-                                  d_sae=sae.d_sae or 0, activation=sae.activation,
-                                  layout=sae.format, warnings=[],
-                                  hook_point=row.hook_point)
+            result = AttachResult(
+                sae_id=sae.id,
+                layer=layer,
+                layer_module_path=row.layer_module_path,
+                d_in=sae.d_in or 0,
+                d_sae=sae.d_sae or 0,
+                activation=sae.activation,
+                layout=sae.format,
+                warnings=[],
+                hook_point=row.hook_point,
+            )
         results.append(result)
     return results
 
@@ -99,18 +117,19 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
 def sae_attach(*, sae: SAE, layer: int) -> Any:
     """Attach one SAE at one layer; attaching the same pair again is refused (409)."""
     if Attachment.objects.filter(sae=sae, layer=layer).exists():
-        raise SAEAlreadyAttached(f"SAE {sae.id} is already attached at layer {layer}",
-                                 details={"sae_id": sae.id, "layer": layer})
+        raise SAEAlreadyAttached(
+            f"SAE {sae.id} is already attached at layer {layer}", details={"sae_id": sae.id, "layer": layer}
+        )
     return sae_attach_set(items=[(sae, layer)])[0]
 
 
 def sae_detach(*, sae: SAE, layer: int | None = None) -> list[tuple[str, int]]:
 
-    if not Attachment.objects.filter(sae=sae, **({} if layer is None else {"layer": layer})
-                                     ).exists():
-        raise SAENotAttached(f"SAE {sae.id} is not attached"
-                             + ("" if layer is None else f" at layer {layer}"),
-                             details={"sae_id": sae.id, "layer": layer})
+    if not Attachment.objects.filter(sae=sae, **({} if layer is None else {"layer": layer})).exists():
+        raise SAENotAttached(
+            f"SAE {sae.id} is not attached" + ("" if layer is None else f" at layer {layer}"),
+            details={"sae_id": sae.id, "layer": layer},
+        )
     try:
         keys = runtime().engine.detach(sae.id, layer)
     except EngineError as exc:
@@ -120,8 +139,7 @@ def sae_detach(*, sae: SAE, layer: int | None = None) -> list[tuple[str, int]]:
     for _, key_layer in keys or [(sae.id, layer)]:
         attachment_forget(sae_id=sae.id, layer=key_layer)
     for sae_id, key_layer in keys:
-        events.publish("sae:detached", {"sae_id": sae_id, "layer": key_layer,
-                                        "reason": "detach"})
+        events.publish("sae:detached", {"sae_id": sae_id, "layer": key_layer, "reason": "detach"})
     return keys
 
 
@@ -140,8 +158,7 @@ def attachment_forget(*, sae_id: str, layer: int | None) -> None:
     for model_id in model_ids:
         if not Attachment.objects.filter(model_id=model_id).exists():
             # the lock attaching took goes with the last SAE; an operator's own lock stays
-            Model.objects.filter(pk=model_id, locked_by_operator=False).update(
-                locked=False, updated_at=timezone.now())
+            Model.objects.filter(pk=model_id, locked_by_operator=False).update(locked=False, updated_at=timezone.now())
 
 
 def sae_check_compatibility(*, sae: SAE, layer: int) -> dict[str, Any]:
@@ -149,26 +166,27 @@ def sae_check_compatibility(*, sae: SAE, layer: int) -> dict[str, Any]:
 
     _check_sae_ready(sae)
     if model_loaded() is None:
-        raise ModelNotLoaded("No model is loaded; compatibility is judged against the "
-                             "loaded model")
+        raise ModelNotLoaded("No model is loaded; compatibility is judged against the loaded model")
     try:
         report = runtime().engine.check_sae(sae.local_path, layer, layout=sae.format or None)
     except EngineError as exc:
         raise from_engine_error(exc) from exc
-    return {"compatible": bool(report.compatible), "errors": list(report.errors),
-            "warnings": list(report.warnings)}
+    return {"compatible": bool(report.compatible), "errors": list(report.errors), "warnings": list(report.warnings)}
 
 
-def circuit_activate(*, circuit: Any, acknowledge_unvalidated: bool = False,
-                     allow_layer_overlap: bool = False, intensity: Any = None) -> Any:
+def circuit_activate(
+    *, circuit: Any, acknowledge_unvalidated: bool = False, allow_layer_overlap: bool = False, intensity: Any = None
+) -> Any:
     """Activate a circuit: its checks (steering), every member SAE attached all or nothing,
     then its live steering (steering again). Nothing changes unless every check passed."""
     items, lam = circuit_activation_plan(
-        circuit=circuit, acknowledge_unvalidated=acknowledge_unvalidated,
-        allow_layer_overlap=allow_layer_overlap, intensity=intensity)
+        circuit=circuit,
+        acknowledge_unvalidated=acknowledge_unvalidated,
+        allow_layer_overlap=allow_layer_overlap,
+        intensity=intensity,
+    )
     try:
         sae_attach_set(items=items)
     except (SAEInvalid, SAENotFound) as exc:
         raise circuit_set_incomplete(items, exc) from exc
-    return circuit_mark_active(circuit=circuit, items=items, intensity=lam,
-                               allow_layer_overlap=allow_layer_overlap)
+    return circuit_mark_active(circuit=circuit, items=items, intensity=lam, allow_layer_overlap=allow_layer_overlap)

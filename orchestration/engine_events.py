@@ -21,9 +21,9 @@ def handle(event: EngineEvent) -> None:
             services.attachment_forget(sae_id=event.data["sae_id"], layer=event.data["layer"])
         finally:
             close_old_connections()
-        events.publish("sae:detached", {"sae_id": event.data["sae_id"],
-                                        "layer": event.data["layer"],
-                                        "reason": "out_of_memory"})
+        events.publish(
+            "sae:detached", {"sae_id": event.data["sae_id"], "layer": event.data["layer"], "reason": "out_of_memory"}
+        )
     elif event.name == "engine:out_of_memory":
         log.error("engine_out_of_memory", detached=event.data.get("detached"))
     elif event.name == "memory:released":
@@ -36,5 +36,4 @@ def handle(event: EngineEvent) -> None:
         finally:
             close_old_connections()
         log.info("engine_memory_released", bytes=event.data.get("bytes"), model=name)
-        events.publish("memory:released", {"bytes": event.data.get("bytes"),
-                                           "model_id": model_id, "model_name": name})
+        events.publish("memory:released", {"bytes": event.data.get("bytes"), "model_id": model_id, "model_name": name})

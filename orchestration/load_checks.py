@@ -51,19 +51,26 @@ def _check_quantization(model: Model) -> None:
     if state is not None and state.get("available"):
         return
     if state is None:
-        why = (f"the {backend} backend loads transformers checkpoints at FP32/FP16 only "
-               "(the transformers backend quantizes at load)")
+        why = (
+            f"the {backend} backend loads transformers checkpoints at FP32/FP16 only "
+            "(the transformers backend quantizes at load)"
+        )
     elif state.get("missing"):
-        why = (f"{model.quantization} needs {', '.join(state['missing'])}, not installed on the "
-               f"engine's host (install it with `{entry.get('install')}`)")
+        why = (
+            f"{model.quantization} needs {', '.join(state['missing'])}, not installed on the "
+            f"engine's host (install it with `{entry.get('install')}`)"
+        )
     else:
         why = str(state.get("reason") or "no kernel for it here")
     raise UnsupportedQuantization(
-        f"Model {model.name!r} is registered as {model.quantization}, which this engine cannot "
-        f"load: {why}",
-        details={"model_id": model.id, "quantization": model.quantization, "backend": backend,
-                 "supported": list(FULL_PRECISION) + sorted(
-                     k for k, v in offered.items() if v.get("available"))})
+        f"Model {model.name!r} is registered as {model.quantization}, which this engine cannot load: {why}",
+        details={
+            "model_id": model.id,
+            "quantization": model.quantization,
+            "backend": backend,
+            "supported": list(FULL_PRECISION) + sorted(k for k, v in offered.items() if v.get("available")),
+        },
+    )
 
 
 def _check_engine_accepts(model: Model) -> None:
@@ -72,8 +79,7 @@ def _check_engine_accepts(model: Model) -> None:
     method cannot load on its host), so that a refusal is a 400 now rather than a failed
     job. An engine that does not answer is left to the load itself."""
     try:
-        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
-                                                 settings.MILLM_ENGINE_DTYPE)
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
         runtime().engine.check_load(load_job(model, device=device, dtype=dtype))
     except EngineError as exc:
         if exc.code in _NO_ANSWER:
@@ -88,14 +94,19 @@ def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
     # a setting left unset (TORCH_COMPILE=auto) leaves its option out: the backend decides
     # the setting each option comes from is declared with the option in the engine's
     # backend registry (gpu_engine.backends)
-    options = {option: getattr(settings, name)
-               for option, name in backend_option_settings(backend).items()
-               if getattr(settings, name) is not None}
+    options = {
+        option: getattr(settings, name)
+        for option, name in backend_option_settings(backend).items()
+        if getattr(settings, name) is not None
+    }
     if model.format == Model.Format.GGUF and model.gguf_file:
         # a directory holding the file (hub downloads): which GGUF in it
         options["gguf_file"] = model.gguf_file
-    if (backend == "transformers" and model.format == Model.Format.TRANSFORMERS
-            and model.quantization not in FULL_PRECISION):
+    if (
+        backend == "transformers"
+        and model.format == Model.Format.TRANSFORMERS
+        and model.quantization not in FULL_PRECISION
+    ):
         options["quantization"] = model.quantization  # applied at load (Q8, Q4)
     draft = options.get("speculative_model")
     if draft and not draft.startswith("self:"):
@@ -105,10 +116,15 @@ def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
             options["speculative_model"] = named.local_path
     # a row registered with remote code before the operator turned ALLOW_REMOTE_CODE off
     # runs none (``_check_loadable`` refuses it first; this holds for any other caller)
-    return LoadModelJob(model_id=model.name, path=model.local_path, dtype=dtype, device=device,
-                        trust_remote_code=remote_code_enabled(model.trust_remote_code),
-                        backend=backend,
-                        options=options)
+    return LoadModelJob(
+        model_id=model.name,
+        path=model.local_path,
+        dtype=dtype,
+        device=device,
+        trust_remote_code=remote_code_enabled(model.trust_remote_code),
+        backend=backend,
+        options=options,
+    )
 
 
 def _check_backend(model: Model) -> None:
@@ -126,8 +142,13 @@ def _check_backend(model: Model) -> None:
     raise BackendUnavailable(
         f"Model {model.name!r} runs on the {backend} backend, which is not installed on the "
         f"engine's host; install it with `{entry.get('install')}`",
-        details={"model_id": model.id, "backend": backend, "missing": entry.get("missing"),
-                 "install": entry.get("install")})
+        details={
+            "model_id": model.id,
+            "backend": backend,
+            "missing": entry.get("missing"),
+            "install": entry.get("install"),
+        },
+    )
 
 
 # the backend that loads GGUF files (a GGUF model with no backend of its own uses it)
@@ -139,29 +160,35 @@ def _check_loadable(model: Model) -> Model | None:
     the job row, the load itself again when it runs): no files yet, GGUF, a quantization
     this build cannot apply, a locked resident model. The resident model it would replace."""
     if model.status == Model.Status.DOWNLOADING or not model.local_path:
-        raise ModelInvalid(f"Model {model.name!r} has no files yet (status {model.status})",
-                           details={"model_id": model.id, "status": model.status})
+        raise ModelInvalid(
+            f"Model {model.name!r} has no files yet (status {model.status})",
+            details={"model_id": model.id, "status": model.status},
+        )
     if model.trust_remote_code and not remote_code_enabled(True):
         raise RemoteCodeNotAllowed(
             f"Model {model.name!r} was registered with trust_remote_code, and running a "
             "repository's own code is off on this server (ALLOW_REMOTE_CODE); the operator "
             "enables it, or register the model again without it",
-            details={"model_id": model.id, "field": "trust_remote_code",
-                     "setting": "ALLOW_REMOTE_CODE"})
+            details={"model_id": model.id, "field": "trust_remote_code", "setting": "ALLOW_REMOTE_CODE"},
+        )
     backend = model.effective_backend()
     if (model.format == Model.Format.GGUF) != (backend == GGUF_BACKEND):
         raise UnsupportedModel(
             f"Model {model.name!r} is a {model.format} model and its backend is {backend}: "
-            + (f"GGUF models load on the {GGUF_BACKEND} backend only"
-               if model.format == Model.Format.GGUF
-               else f"the {GGUF_BACKEND} backend loads GGUF models only")
+            + (
+                f"GGUF models load on the {GGUF_BACKEND} backend only"
+                if model.format == Model.Format.GGUF
+                else f"the {GGUF_BACKEND} backend loads GGUF models only"
+            )
             + " (set the model's backend: PATCH /api/models/{id})",
-            details={"model_id": model.id, "format": model.format, "backend": backend})
+            details={"model_id": model.id, "format": model.format, "backend": backend},
+        )
     _check_quantization(model)
     _check_backend(model)
     _check_engine_accepts(model)
     resident = model_loaded(other_than=model)
     if resident is not None and resident.locked:
-        raise ModelLocked(f"Model {resident.name!r} is resident and locked; unlock it first",
-                          details={"model_id": resident.id})
+        raise ModelLocked(
+            f"Model {resident.name!r} is resident and locked; unlock it first", details={"model_id": resident.id}
+        )
     return resident

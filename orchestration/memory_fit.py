@@ -65,8 +65,7 @@ def model_needs(model: Model, dtype: str) -> ModelNeeds | None:
     window = info.context_length or int(settings.TRANSFORMERS_MIN_CONTEXT)
     reserve = min(window, int(settings.TRANSFORMERS_MIN_CONTEXT))
     kv_per_token = 2 * info.num_layers * info.num_key_value_heads * info.head_dim * width
-    return ModelNeeds(weights=info.param_count * width, kv_per_token=kv_per_token,
-                      reserve_tokens=reserve)
+    return ModelNeeds(weights=info.param_count * width, kv_per_token=kv_per_token, reserve_tokens=reserve)
 
 
 def sae_bytes(sae: SAE) -> int:
@@ -86,14 +85,18 @@ def _cards(device: str, needed: int, reclaim: int = 0) -> tuple[list[dict[str, A
         return None
     context = int(settings.TRANSFORMERS_CUDA_CONTEXT_MB) * MB if device.startswith("cuda") else 0
     usable = max(free + reclaim - context, 0)
-    card = {"device": device, "free_mb": round(free / MB), "reclaimed_mb": round(reclaim / MB),
-            "context_reserve_mb": round(context / MB), "usable_mb": round(usable / MB),
-            "needed_mb": round(needed / MB)}
+    card = {
+        "device": device,
+        "free_mb": round(free / MB),
+        "reclaimed_mb": round(reclaim / MB),
+        "context_reserve_mb": round(context / MB),
+        "usable_mb": round(usable / MB),
+        "needed_mb": round(needed / MB),
+    }
     return [card], needed <= usable
 
 
-def check_model_fits(model: Model, device: str, dtype: str, *,
-                     resident: Model | None) -> None:
+def check_model_fits(model: Model, device: str, dtype: str, *, resident: Model | None) -> None:
     """Refuse (507) a transformers load that does not fit ``device`` before anything moves."""
     if model.effective_backend() != "transformers":
         return
@@ -105,8 +108,7 @@ def check_model_fits(model: Model, device: str, dtype: str, *,
     reclaim = 0
     if resident is not None:
         before = model_needs(resident, dtype)
-        reclaim = (before.weights if before is not None else resident.estimated_memory_bytes
-                   or 0)
+        reclaim = before.weights if before is not None else resident.estimated_memory_bytes or 0
     judged = _cards(device, needed, reclaim)
     if judged is None:
         return
@@ -117,10 +119,17 @@ def check_model_fits(model: Model, device: str, dtype: str, *,
         f"Model {model.name!r} needs about {needed / MB:.0f} MB on {device} (weights "
         f"{needs.weights / MB:.0f} MB + the KV cache of {needs.reserve_tokens} tokens, "
         f"{needs.kv_reserve / MB:.0f} MB); {cards[0]['usable_mb']} MB are usable there",
-        details={"model_id": model.id, "device": device, "dtype": dtype,
-                 "needed_mb": round(needed / MB), "weights_mb": round(needs.weights / MB),
-                 "kv_cache_mb": round(needs.kv_reserve / MB),
-                 "min_context_tokens": needs.reserve_tokens, "cards": cards})
+        details={
+            "model_id": model.id,
+            "device": device,
+            "dtype": dtype,
+            "needed_mb": round(needed / MB),
+            "weights_mb": round(needs.weights / MB),
+            "kv_cache_mb": round(needs.kv_reserve / MB),
+            "min_context_tokens": needs.reserve_tokens,
+            "cards": cards,
+        },
+    )
 
 
 def check_saes_fit(saes: list[SAE], *, model: Model, device: str, dtype: str) -> None:
@@ -143,10 +152,16 @@ def check_saes_fit(saes: list[SAE], *, model: Model, device: str, dtype: str) ->
         f"Attaching {', '.join(s.id for s in saes)} needs about {sizes / MB:.0f} MB on {device} "
         f"and must leave the KV cache of {needs.reserve_tokens} tokens "
         f"({needs.kv_reserve / MB:.0f} MB) free; {cards[0]['usable_mb']} MB are usable there",
-        details={"sae_ids": [s.id for s in saes], "device": device,
-                 "needed_mb": round(needed / MB), "sae_mb": round(sizes / MB),
-                 "kv_cache_mb": round(needs.kv_reserve / MB),
-                 "min_context_tokens": needs.reserve_tokens, "cards": cards})
+        details={
+            "sae_ids": [s.id for s in saes],
+            "device": device,
+            "needed_mb": round(needed / MB),
+            "sae_mb": round(sizes / MB),
+            "kv_cache_mb": round(needs.kv_reserve / MB),
+            "min_context_tokens": needs.reserve_tokens,
+            "cards": cards,
+        },
+    )
 
 
 __all__ = ["check_model_fits", "check_saes_fit", "model_needs", "sae_bytes"]

@@ -51,8 +51,7 @@ def _forget(state: RecordedState, message: str) -> None:
     model_set_status(model=state.model, status=Model.Status.ERROR, error=message)
 
 
-def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int],
-                           end_restore: Callable[[], None]) -> None:
+def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int], end_restore: Callable[[], None]) -> None:
     """Load the recorded model into ``engine`` (an ``Engine`` or an engine client) and
     attach its SAEs. ``begin_restore`` counts this attempt and returns the count (it must
     survive a crash of this process); ``end_restore`` clears it."""
@@ -69,26 +68,36 @@ def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int],
         return
     attempts = begin_restore()
     if attempts > settings.ENGINE_MAX_DELIVERIES:
-        message = (f"not restored: the engine stopped {attempts - 1} times while restoring "
-                   "this model; load it again to retry")
+        message = (
+            f"not restored: the engine stopped {attempts - 1} times while restoring this model; load it again to retry"
+        )
         log.critical("engine_restore_given_up", model=model.name, attempts=attempts - 1)
         _forget(state, message)
         end_restore()
         return
-    device, dtype = _resolve_here(model.device or settings.MILLM_ENGINE_DEVICE,
-                                  model.dtype or settings.MILLM_ENGINE_DTYPE)
-    log.info("engine_restoring", model=model.name, device=device, dtype=dtype,
-             attachments=[f"{a.sae_id}@{a.layer}" for a in state.attachments])
+    device, dtype = _resolve_here(
+        model.device or settings.MILLM_ENGINE_DEVICE, model.dtype or settings.MILLM_ENGINE_DTYPE
+    )
+    log.info(
+        "engine_restoring",
+        model=model.name,
+        device=device,
+        dtype=dtype,
+        attachments=[f"{a.sae_id}@{a.layer}" for a in state.attachments],
+    )
     try:
-        engine.load_model(services.load_job(model, device=device, dtype=dtype),
-                          timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S)
+        engine.load_model(
+            services.load_job(model, device=device, dtype=dtype), timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S
+        )
     except EngineError as exc:
         log.error("engine_restore_failed", model=model.name, code=exc.code, message=exc.message)
         _forget(state, f"not restored after an engine restart: {exc.code}: {exc.message}")
         end_restore()
         return
-    specs = [AttachSpec(sae_id=a.sae_id, path=a.sae.local_path, layer=a.layer,
-                        layout=a.sae.format or None) for a in state.attachments]
+    specs = [
+        AttachSpec(sae_id=a.sae_id, path=a.sae.local_path, layer=a.layer, layout=a.sae.format or None)
+        for a in state.attachments
+    ]
     if specs:
         try:
             engine.attach_set(specs)
@@ -98,10 +107,14 @@ def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int],
                 try:
                     engine.attach_set([spec])
                 except EngineError as exc:
-                    log.error("engine_restore_attach_failed", sae_id=spec.sae_id,
-                              layer=spec.layer, code=exc.code, message=exc.message)
+                    log.error(
+                        "engine_restore_attach_failed",
+                        sae_id=spec.sae_id,
+                        layer=spec.layer,
+                        code=exc.code,
+                        message=exc.message,
+                    )
                     services.attachment_forget(sae_id=spec.sae_id, layer=spec.layer)
     # live steering needs nothing: it is read from the database per request
     end_restore()
-    log.info("engine_restored", model=model.name,
-             attachments=[f"{a.sae_id}@{a.layer}" for a in engine.attachments()])
+    log.info("engine_restored", model=model.name, attachments=[f"{a.sae_id}@{a.layer}" for a in engine.attachments()])

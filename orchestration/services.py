@@ -84,8 +84,9 @@ def _lock_model_rows() -> None:
 
 
 def _model_in_transition(*, exclude_pk: int) -> Model | None:
-    return Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)
-                                ).exclude(pk=exclude_pk).first()
+    return (
+        Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)).exclude(pk=exclude_pk).first()
+    )
 
 
 def _engine_holds(name: str) -> bool:
@@ -103,32 +104,37 @@ def _claim_load(model: Model) -> str:
         _lock_model_rows()
         row = Model.objects.get(pk=model.pk)
         if row.status == Model.Status.LOADING:
-            raise LoadInProgress(f"Model {row.name!r} is being loaded; retry shortly",
-                                 details={"model_id": row.id, "loading": row.name},
-                                 retry_after=settings.RETRY_AFTER_LOAD_S)
+            raise LoadInProgress(
+                f"Model {row.name!r} is being loaded; retry shortly",
+                details={"model_id": row.id, "loading": row.name},
+                retry_after=settings.RETRY_AFTER_LOAD_S,
+            )
         if row.status == Model.Status.UNLOADING:
-            raise ModelBusy(f"Model {row.name!r} is being unloaded; retry shortly",
-                            details={"model_id": row.id, "state": "unloading"},
-                            retry_after=settings.RETRY_AFTER_UNLOAD_S)
+            raise ModelBusy(
+                f"Model {row.name!r} is being unloaded; retry shortly",
+                details={"model_id": row.id, "state": "unloading"},
+                retry_after=settings.RETRY_AFTER_UNLOAD_S,
+            )
         other = _model_in_transition(exclude_pk=row.pk)
         if other is not None:
-            raise ModelBusy(f"Model {other.name!r} is {other.status}; retry shortly",
-                            details={"model_id": row.id, other.status: other.name},
-                            retry_after=settings.RETRY_AFTER_LOAD_S)
+            raise ModelBusy(
+                f"Model {other.name!r} is {other.status}; retry shortly",
+                details={"model_id": row.id, other.status: other.name},
+                retry_after=settings.RETRY_AFTER_LOAD_S,
+            )
         if row.status == Model.Status.LOADED and _engine_holds(row.name):
-            raise ModelAlreadyLoaded(f"Model {row.name!r} is already loaded",
-                                     details={"model_id": row.id})
+            raise ModelAlreadyLoaded(f"Model {row.name!r} is already loaded", details={"model_id": row.id})
         if row.status not in _LOADABLE or not row.local_path:
-            raise ModelInvalid(f"Model {row.name!r} has no files yet (status {row.status})",
-                               details={"model_id": row.id, "status": row.status})
-        Model.objects.filter(pk=row.pk).update(status=Model.Status.LOADING, error_message="",
-                                               updated_at=timezone.now())
+            raise ModelInvalid(
+                f"Model {row.name!r} has no files yet (status {row.status})",
+                details={"model_id": row.id, "status": row.status},
+            )
+        Model.objects.filter(pk=row.pk).update(status=Model.Status.LOADING, error_message="", updated_at=timezone.now())
         return row.status
 
 
 def _unclaim_load(model: Model, previous: str) -> None:
-    Model.objects.filter(pk=model.pk, status=Model.Status.LOADING).update(
-        status=previous, updated_at=timezone.now())
+    Model.objects.filter(pk=model.pk, status=Model.Status.LOADING).update(status=previous, updated_at=timezone.now())
 
 
 def model_load(*, model: Model, job: Job | None = None) -> Model:
@@ -152,8 +158,7 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
         raise
     job = job or job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
     try:
-        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
-                                                 settings.MILLM_ENGINE_DTYPE)
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
         job_start(job=job, stage="preparing")
         job_progress(job=job, progress=0, stage="preparing")  # listeners hear it start
         job_progress(job=job, progress=5, stage="checking memory")
@@ -167,8 +172,9 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
     model.refresh_from_db()
     job_progress(job=job, progress=10, stage="loading weights")
     try:
-        _engine().load_model(load_job(model, device=device, dtype=dtype),
-                             timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
+        _engine().load_model(
+            load_job(model, device=device, dtype=dtype), timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT)
+        )
     except EngineError as exc:
         error = from_engine_error(exc)
         if exc.code == "engine_busy":
@@ -195,8 +201,7 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
         _forget_attachments(model, reason="model_reloaded")
         model_set_status(model=model, status=Model.Status.LOADED, device=device, dtype=dtype)
     if resident is not None:
-        events.publish("model:unload:complete", {"model_id": resident.id,
-                                                 "reason": "replaced"})
+        events.publish("model:unload:complete", {"model_id": resident.id, "reason": "replaced"})
     job_progress(job=job, progress=95, stage="recorded")
     job_finish(job=job, status=Job.Status.SUCCEEDED)
     metrics.record_load(operation="load", outcome="succeeded")
@@ -222,8 +227,9 @@ def model_jobs_reap() -> int:
     if settings.EMBEDDED:
         return 0  # the job ran in this process; a restart reconciles (startup_reconcile)
     cutoff = timezone.now() - timedelta(seconds=JOB_STALE_AFTER_S)
-    stale = Job.objects.filter(kind__in=(Job.Kind.MODEL_LOAD, Job.Kind.MODEL_UNLOAD),
-                               status=Job.Status.RUNNING, updated_at__lt=cutoff)
+    stale = Job.objects.filter(
+        kind__in=(Job.Kind.MODEL_LOAD, Job.Kind.MODEL_UNLOAD), status=Job.Status.RUNNING, updated_at__lt=cutoff
+    )
     if not stale.exists():
         return 0
     try:
@@ -237,27 +243,30 @@ def model_jobs_reap() -> int:
     with _CLAIM_LOCK, transaction.atomic():
         _lock_model_rows()
         for job in list(stale.select_for_update()):
-            job_finish(job=job, status=Job.Status.FAILED,
-                       error=f"the worker running it stopped (no heartbeat for "
-                             f"{JOB_STALE_AFTER_S:g}s)")
+            job_finish(
+                job=job,
+                status=Job.Status.FAILED,
+                error=f"the worker running it stopped (no heartbeat for {JOB_STALE_AFTER_S:g}s)",
+            )
             reaped += 1
-        for row in Model.objects.filter(status__in=(Model.Status.LOADING,
-                                                    Model.Status.UNLOADING,
-                                                    Model.Status.LOADED)):
+        for row in Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING, Model.Status.LOADED)):
             if status is not None and row.name == held:
                 if row.status != Model.Status.LOADED:
-                    model_set_status(model=row, status=Model.Status.LOADED,
-                                     device=status.device or "", dtype=status.dtype or "")
-                    transaction.on_commit(lambda r=row: events.publish(
-                        "model:load:complete", {"model_id": r.id, "reason": "reconciled"}))
+                    model_set_status(
+                        model=row, status=Model.Status.LOADED, device=status.device or "", dtype=status.dtype or ""
+                    )
+                    transaction.on_commit(
+                        lambda r=row: events.publish("model:load:complete", {"model_id": r.id, "reason": "reconciled"})
+                    )
             elif status is None and row.status != Model.Status.LOADING:
                 Model.objects.filter(pk=row.pk).update(status=Model.Status.LOADED)
             elif status is None:
                 Model.objects.filter(pk=row.pk).update(status=Model.Status.READY)
             else:
                 _forget_model_state(row, reason="unload")
-                transaction.on_commit(lambda r=row: events.publish(
-                    "model:unload:complete", {"model_id": r.id, "reason": "reconciled"}))
+                transaction.on_commit(
+                    lambda r=row: events.publish("model:unload:complete", {"model_id": r.id, "reason": "reconciled"})
+                )
     log.warning("model_jobs_reaped", jobs=reaped, engine_holds=held)
     return reaped
 
@@ -276,13 +285,14 @@ def model_load_wait(*, name: str, timeout_s: float) -> Model:
             next_reap = time.monotonic() + JOB_HEARTBEAT_S
             continue
         if time.monotonic() > deadline:
-            raise ModelBusy(f"Model {name!r} is still loading; retry shortly",
-                            details={"model_id": row.id},
-                            retry_after=settings.RETRY_AFTER_LOAD_S)
+            raise ModelBusy(
+                f"Model {name!r} is still loading; retry shortly",
+                details={"model_id": row.id},
+                retry_after=settings.RETRY_AFTER_LOAD_S,
+            )
         time.sleep(0.1)
     if row.status == Model.Status.ERROR:
-        raise ModelLoadFailed(f"Loading model {name!r} failed: {row.error_message}",
-                              details={"model_id": row.id})
+        raise ModelLoadFailed(f"Loading model {name!r} failed: {row.error_message}", details={"model_id": row.id})
     return row
 
 
@@ -294,10 +304,14 @@ def _forget_attachments(model: Model, *, reason: str) -> None:
     live_forget(attachments=attachments)
     Attachment.objects.filter(pk__in=[a.pk for a in attachments]).delete()
     SAE.objects.filter(status=SAE.Status.ATTACHED).exclude(attachments__isnull=False).update(
-        status=SAE.Status.READY, updated_at=timezone.now())
+        status=SAE.Status.READY, updated_at=timezone.now()
+    )
     for a in attachments:
-        transaction.on_commit(lambda s=a.sae_id, lay=a.layer: events.publish(
-            "sae:detached", {"sae_id": s, "layer": lay, "reason": reason}))
+        transaction.on_commit(
+            lambda s=a.sae_id, lay=a.layer: events.publish(
+                "sae:detached", {"sae_id": s, "layer": lay, "reason": reason}
+            )
+        )
 
 
 def _forget_model_state(model: Model, *, reason: str) -> None:
@@ -305,9 +319,14 @@ def _forget_model_state(model: Model, *, reason: str) -> None:
     go. Inside a transaction."""
     _forget_attachments(model, reason=reason)
     lease_end_for_model(model_id=model.pk)  # a lease ends with its model's residency
-    Model.objects.filter(pk=model.pk).update(status=Model.Status.READY, locked=False,
-                                             locked_by_operator=False, device="", dtype="",
-                                             updated_at=timezone.now())
+    Model.objects.filter(pk=model.pk).update(
+        status=Model.Status.READY,
+        locked=False,
+        locked_by_operator=False,
+        device="",
+        dtype="",
+        updated_at=timezone.now(),
+    )
 
 
 def _reconcile_after_failed_load(resident: Model | None) -> None:
@@ -338,31 +357,37 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
     Celery worker, a management command)."""
     model.refresh_from_db()
     if model.status != Model.Status.LOADED:
-        raise ModelNotLoaded(f"Model {model.name!r} is not loaded",
-                             details={"model_id": model.id, "status": model.status})
+        raise ModelNotLoaded(
+            f"Model {model.name!r} is not loaded", details={"model_id": model.id, "status": model.status}
+        )
     if model.locked:
-        raise ModelLocked(f"Model {model.name!r} is locked; unlock it first",
-                          details={"model_id": model.id})
+        raise ModelLocked(f"Model {model.name!r} is locked; unlock it first", details={"model_id": model.id})
     with _CLAIM_LOCK, transaction.atomic():
         _lock_model_rows()
         other = _model_in_transition(exclude_pk=model.pk)
-        claimed = other is None and Model.objects.filter(
-            pk=model.pk, status=Model.Status.LOADED, locked=False).update(
-            status=Model.Status.UNLOADING, updated_at=timezone.now())
+        claimed = other is None and Model.objects.filter(pk=model.pk, status=Model.Status.LOADED, locked=False).update(
+            status=Model.Status.UNLOADING, updated_at=timezone.now()
+        )
     if other is not None:
-        raise ModelBusy(f"Model {other.name!r} is {other.status}; retry shortly",
-                        details={"model_id": model.id, other.status: other.name},
-                        retry_after=settings.RETRY_AFTER_LOAD_S)
+        raise ModelBusy(
+            f"Model {other.name!r} is {other.status}; retry shortly",
+            details={"model_id": model.id, other.status: other.name},
+            retry_after=settings.RETRY_AFTER_LOAD_S,
+        )
     if not claimed:
-        raise ModelBusy(f"Model {model.name!r} changed state; retry",
-                        details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)
+        raise ModelBusy(
+            f"Model {model.name!r} changed state; retry",
+            details={"model_id": model.id},
+            retry_after=settings.RETRY_AFTER_UNLOAD_S,
+        )
     if job is not None:
         job_start(job=job, stage="waiting for running requests")
     try:
         _engine().unload_model(timeout_s=float(settings.GRACEFUL_UNLOAD_TIMEOUT))
     except EngineError as exc:
         Model.objects.filter(pk=model.pk, status=Model.Status.UNLOADING).update(
-            status=Model.Status.LOADED, updated_at=timezone.now())
+            status=Model.Status.LOADED, updated_at=timezone.now()
+        )
         error = from_engine_error(exc)
         if isinstance(error, ModelBusy) and error.retry_after is None:
             error.retry_after = settings.RETRY_AFTER_UNLOAD_S
@@ -400,11 +425,13 @@ def _model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     if model_loaded(other_than=model) is not None:
         lease_check_change(operation="load", target_model=model, lease_id=lease_id)
     if model.status == Model.Status.LOADED:
-        raise ModelAlreadyLoaded(f"Model {model.name!r} is already loaded",
-                                 details={"model_id": model.id})
+        raise ModelAlreadyLoaded(f"Model {model.name!r} is already loaded", details={"model_id": model.id})
     if model.status == Model.Status.UNLOADING:
-        raise ModelBusy(f"Model {model.name!r} is being unloaded",
-                        details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_UNLOAD_S)
+        raise ModelBusy(
+            f"Model {model.name!r} is being unloaded",
+            details={"model_id": model.id},
+            retry_after=settings.RETRY_AFTER_UNLOAD_S,
+        )
     resident = _check_loadable(model)
     _check_fits_early(model, resident)
     job = job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
@@ -417,8 +444,7 @@ def _check_fits_early(model: Model, resident: Model | None) -> None:
     decides again with what is free when it runs); skipped while no engine can say where
     it would load (distributed mode, engine down: the job decides)."""
     try:
-        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
-                                                 settings.MILLM_ENGINE_DTYPE)
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
     except EngineError:
         return
     check_model_fits(model, device, dtype, resident=resident)
@@ -436,26 +462,29 @@ def _model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     if existing is not None:
         return existing
     if model.status == Model.Status.LOADED:
-
         lease_check_change(operation="unload", target_model=model, lease_id=lease_id)
-    if active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,)) is not None or \
-            model.status == Model.Status.LOADING:
-        raise ModelBusy(f"Model {model.name!r} is being loaded; retry when it is",
-                        details={"model_id": model.id}, retry_after=settings.RETRY_AFTER_LOAD_S)
-    pending = Job.objects.filter(kind=Job.Kind.MODEL_LOAD, status__in=Job.ACTIVE).exclude(
-        model=model).first()
+    if active_job(model=model, kinds=(Job.Kind.MODEL_LOAD,)) is not None or model.status == Model.Status.LOADING:
+        raise ModelBusy(
+            f"Model {model.name!r} is being loaded; retry when it is",
+            details={"model_id": model.id},
+            retry_after=settings.RETRY_AFTER_LOAD_S,
+        )
+    pending = Job.objects.filter(kind=Job.Kind.MODEL_LOAD, status__in=Job.ACTIVE).exclude(model=model).first()
     if pending is not None:
         # that load replaces this model anyway; an unload queued beside it would only fail
-        raise ModelBusy(f"A load of {pending.target!r} is pending and will replace "
-                        f"{model.name!r}; retry when it has finished",
-                        details={"model_id": model.id, "loading": pending.target},
-                        retry_after=settings.RETRY_AFTER_LOAD_S)
+        raise ModelBusy(
+            f"A load of {pending.target!r} is pending and will replace {model.name!r}; retry when it has finished",
+            details={"model_id": model.id, "loading": pending.target},
+            retry_after=settings.RETRY_AFTER_LOAD_S,
+        )
     if model.status != Model.Status.LOADED:
-        raise ModelNotLoaded(f"Model {model.name!r} is not loaded",
-                             details={"model_id": model.id, "status": model.status})
+        raise ModelNotLoaded(
+            f"Model {model.name!r} is not loaded", details={"model_id": model.id, "status": model.status}
+        )
     if model.locked:
-        raise ModelLocked(f"Model {model.name!r} is locked; unlock it (or detach its SAEs) "
-                          "first", details={"model_id": model.id})
+        raise ModelLocked(
+            f"Model {model.name!r} is locked; unlock it (or detach its SAEs) first", details={"model_id": model.id}
+        )
     job = job_create(kind=Job.Kind.MODEL_UNLOAD, target=model.name, model=model)
     jobs.enqueue("orchestration.tasks.model_unload_task", job.id, queue="loads")
     return job

@@ -69,8 +69,7 @@ def application_start(*, auto_load_model: bool = True) -> None:
     startup_reconcile()
     if settings.EMBEDDED:
         attempts = _RestoreAttempts(Path(settings.DATA_DIR) / "restore_attempts")
-        restore_recorded_state(engine=runtime().engine, begin_restore=attempts.begin,
-                               end_restore=attempts.end)
+        restore_recorded_state(engine=runtime().engine, begin_restore=attempts.begin, end_restore=attempts.end)
     if settings.AUTO_LOAD_MODEL and auto_load_model:
         auto_load()
 
@@ -89,9 +88,13 @@ def auto_load() -> Job | None:
     targets = auto_attach_targets()  # a typo fails the start-up, not a background task
     resident = model_loaded(other_than=model)
     if resident is not None:
-        log.warning("auto_load_skipped", model=model.name, resident=resident.name,
-                    reason="the registry records another model as resident; unload it "
-                           "for AUTO_LOAD_MODEL to apply at the next start")
+        log.warning(
+            "auto_load_skipped",
+            model=model.name,
+            resident=resident.name,
+            reason="the registry records another model as resident; unload it "
+            "for AUTO_LOAD_MODEL to apply at the next start",
+        )
         return None
     job = None
     if model.status != Model.Status.LOADED:
@@ -110,12 +113,12 @@ def auto_attach_targets() -> list[tuple[SAE, int]]:
         name, _, layer = entry.partition("@")
         sae = SAE.objects.filter(Q(pk=name) | Q(name=name)).first()
         if sae is None:
-            raise SAENotFound(f"AUTO_ATTACH_SAES names {name!r}, which is not registered",
-                              details={"sae": name})
+            raise SAENotFound(f"AUTO_ATTACH_SAES names {name!r}, which is not registered", details={"sae": name})
         chosen = int(layer) if layer else sae.trained_on_layer
         if chosen is None:
-            raise ValidationFailed(f"SAE {name!r} does not say which layer it was trained on; "
-                                   f"write {name}@<layer>", details={"sae": name})
+            raise ValidationFailed(
+                f"SAE {name!r} does not say which layer it was trained on; write {name}@<layer>", details={"sae": name}
+            )
         targets.append((sae, chosen))
     return targets
 
@@ -127,13 +130,11 @@ def auto_attach(*, load_job_id: int | None, timeout_s: float) -> list:
         job = Job.objects.get(pk=load_job_id)
         if job.status in Job.FINISHED:
             if job.status != Job.Status.SUCCEEDED:
-                log.warning("auto_attach_skipped", reason=f"start-up load {job.status}",
-                            error=job.error)
+                log.warning("auto_attach_skipped", reason=f"start-up load {job.status}", error=job.error)
                 return []
             break
         if time.monotonic() > deadline:
-            log.warning("auto_attach_skipped", reason="start-up load still running",
-                        timeout_s=timeout_s)
+            log.warning("auto_attach_skipped", reason="start-up load still running", timeout_s=timeout_s)
             return []
         time.sleep(0.25)
     results = services.sae_attach_set(items=auto_attach_targets())

@@ -38,8 +38,7 @@ class _Heartbeat:
 
     def __enter__(self) -> _Heartbeat:
         if not settings.EMBEDDED:
-            self.thread = threading.Thread(target=self._beat, name=f"job-{self.job_id}-beat",
-                                           daemon=True)
+            self.thread = threading.Thread(target=self._beat, name=f"job-{self.job_id}-beat", daemon=True)
             self.thread.start()
         return self
 
@@ -49,8 +48,7 @@ class _Heartbeat:
 
         try:
             while not self.stop.wait(services.JOB_HEARTBEAT_S):
-                Job.objects.filter(pk=self.job_id, status=Job.Status.RUNNING).update(
-                    updated_at=timezone.now())
+                Job.objects.filter(pk=self.job_id, status=Job.Status.RUNNING).update(updated_at=timezone.now())
         except Exception:  # noqa: BLE001 - a missed beat is the reaper's business
             log.warning("job_heartbeat_failed", job_id=self.job_id, exc_info=True)
         finally:
@@ -96,8 +94,7 @@ def model_unload_task(job_id: int) -> str:
 @shared_task(name="orchestration.tasks.auto_attach_task")
 def auto_attach_task(load_job_id: int | None) -> str:
     try:
-        results = startup.auto_attach(load_job_id=load_job_id,
-                                          timeout_s=settings.DOWNLOAD_TIMEOUT)
+        results = startup.auto_attach(load_job_id=load_job_id, timeout_s=settings.DOWNLOAD_TIMEOUT)
     except MillmError as exc:
         log.warning("auto_attach_failed", code=exc.code, message=exc.message)
         return "failed"

@@ -11,11 +11,9 @@ urlpatterns = [
     path("models/<int:model_id>/unload", apis.ModelUnloadApi.as_view(), name="model-unload"),
     path("saes/attachment", apis.AttachmentStatusApi.as_view(), name="sae-attachment"),
     path("saes/attach-set", apis.AttachSetApi.as_view(), name="sae-attach-set"),
-    re_path(rf"^saes/{SAE_ID}/compatibility$", apis.SAECompatibilityApi.as_view(),
-            name="sae-compatibility"),
+    re_path(rf"^saes/{SAE_ID}/compatibility$", apis.SAECompatibilityApi.as_view(), name="sae-compatibility"),
     re_path(rf"^saes/{SAE_ID}/attach$", apis.SAEAttachApi.as_view(), name="sae-attach"),
     re_path(rf"^saes/{SAE_ID}/detach$", apis.SAEDetachApi.as_view(), name="sae-detach"),
     path("vectors/compute", apis.VectorComputeApi.as_view(), name="vector-compute"),
-    path("circuits/<str:circuit_id>/activate", apis.CircuitActivateApi.as_view(),
-         name="circuit-activate"),
+    path("circuits/<str:circuit_id>/activate", apis.CircuitActivateApi.as_view(), name="circuit-activate"),
 ]

@@ -29,26 +29,32 @@ from registry.vectors import check_layers, check_name_free, vector_create
 log = structlog.get_logger(__name__)
 
 
-def vector_compute(*, name: str, layer: int, pairs: Sequence[tuple[str, str]],
-                   model_name: str | None = None, pooling: str = "last") -> SAE:
+def vector_compute(
+    *, name: str, layer: int, pairs: Sequence[tuple[str, str]], model_name: str | None = None, pooling: str = "last"
+) -> SAE:
     """The mean difference of positive and negative prompts' residuals after block
     ``layer`` of the resident model, stored as a steering vector for that model."""
     model = model_loaded()
     if model is None:
-        raise ModelNotLoaded("No model is loaded; computing a steering vector runs prompts "
-                             "through the resident model")
+        raise ModelNotLoaded("No model is loaded; computing a steering vector runs prompts through the resident model")
     if model_name and model_name not in (model.name, str(model.id)):
-        raise VectorInvalid(f"model {model_name!r} is not the resident model ({model.name!r})",
-                            details={"field": "model", "resident": model.name})
+        raise VectorInvalid(
+            f"model {model_name!r} is not the resident model ({model.name!r})",
+            details={"field": "model", "resident": model.name},
+        )
     pairs = [(str(p), str(n)) for p, n in pairs]
     if not pairs or any(not p or not n for p, n in pairs):
-        raise VectorInvalid("give at least one pair, each with a non-empty positive and "
-                            "negative prompt", details={"field": "pairs"})
+        raise VectorInvalid(
+            "give at least one pair, each with a non-empty positive and negative prompt", details={"field": "pairs"}
+        )
     check_layers(model, [layer])
     check_name_free(name)  # before the prompts run
-    job = HiddenStatesJob(request_id=f"vec-{secrets.token_hex(6)}",
-                          inputs=[p for p, _ in pairs] + [n for _, n in pairs],
-                          layers=[layer], pooling=pooling)
+    job = HiddenStatesJob(
+        request_id=f"vec-{secrets.token_hex(6)}",
+        inputs=[p for p, _ in pairs] + [n for _, n in pairs],
+        layers=[layer],
+        pooling=pooling,
+    )
     try:
         result = runtime().engine.hidden_states(job)
     except EngineError as exc:
@@ -57,9 +63,17 @@ def vector_compute(*, name: str, layer: int, pairs: Sequence[tuple[str, str]],
     n = len(pairs)
     vector = states[:n].mean(axis=0) - states[n:].mean(axis=0)
     digest = hashlib.sha256(json.dumps(pairs).encode()).hexdigest()
-    recipe = {"method": "mean_difference", "pairs": n, "pooling": pooling, "layer": layer,
-              "hook_point": "resid_post", "add_special_tokens": True, "pairs_sha256": digest}
-    sae = vector_create(name=name, model=model, vectors={layer: vector},
-                        source=SAE.VectorSource.COMPUTED, recipe=recipe)
+    recipe = {
+        "method": "mean_difference",
+        "pairs": n,
+        "pooling": pooling,
+        "layer": layer,
+        "hook_point": "resid_post",
+        "add_special_tokens": True,
+        "pairs_sha256": digest,
+    }
+    sae = vector_create(
+        name=name, model=model, vectors={layer: vector}, source=SAE.VectorSource.COMPUTED, recipe=recipe
+    )
     log.info("vector_computed", sae_id=sae.id, layer=layer, pairs=n, pooling=pooling)
     return sae

@@ -26,14 +26,17 @@ def check_remote_code(*, trust_remote_code: bool, admin: bool = True) -> None:
     caller holds an admin key: the repository's Python would run in the engine."""
     if not trust_remote_code:
         return
-    details = {"field": "trust_remote_code", "setting": "ALLOW_REMOTE_CODE",
-               "fields": {"trust_remote_code": []}}
+    details = {"field": "trust_remote_code", "setting": "ALLOW_REMOTE_CODE", "fields": {"trust_remote_code": []}}
     if not settings.ALLOW_REMOTE_CODE:
-        message = ("trust_remote_code is refused: running a repository's own code is off on "
-                   "this server (the operator enables it with ALLOW_REMOTE_CODE=true)")
+        message = (
+            "trust_remote_code is refused: running a repository's own code is off on "
+            "this server (the operator enables it with ALLOW_REMOTE_CODE=true)"
+        )
     elif not admin:
-        message = ("trust_remote_code is refused: it needs an admin key (ALLOW_REMOTE_CODE "
-                   "lets admins alone register remote code)")
+        message = (
+            "trust_remote_code is refused: it needs an admin key (ALLOW_REMOTE_CODE "
+            "lets admins alone register remote code)"
+        )
     else:
         return
     details["fields"]["trust_remote_code"] = [message]
@@ -65,8 +68,7 @@ def built_here(root: Path) -> Iterator[None]:
 def local_roots() -> list[Path]:
     """LOCAL_MODEL_ROOTS resolved; empty: the model cache, the SAE cache and the data
     directory (read at call time, so a test's own cache directories count)."""
-    raw = list(settings.LOCAL_MODEL_ROOTS) or [settings.MODEL_CACHE_DIR,
-                                                settings.SAE_CACHE_DIR, settings.DATA_DIR]
+    raw = list(settings.LOCAL_MODEL_ROOTS) or [settings.MODEL_CACHE_DIR, settings.SAE_CACHE_DIR, settings.DATA_DIR]
     raw = [*raw, *_BUILT_HERE.get()]
     roots = []
     for value in raw:
@@ -82,8 +84,12 @@ def outside_roots(raw: str) -> InvalidLocalPath:
     what it resolves to, and is the same whether anything is there or not."""
     return InvalidLocalPath(
         "local_path must lie under one of the directories of LOCAL_MODEL_ROOTS",
-        details={"local_path": raw, "setting": "LOCAL_MODEL_ROOTS",
-                 "fields": {"local_path": ["not under LOCAL_MODEL_ROOTS"]}})
+        details={
+            "local_path": raw,
+            "setting": "LOCAL_MODEL_ROOTS",
+            "fields": {"local_path": ["not under LOCAL_MODEL_ROOTS"]},
+        },
+    )
 
 
 def check_under_roots(raw: str, path: Path) -> Path:

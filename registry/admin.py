@@ -22,21 +22,28 @@ class ModelRegisterForm(forms.ModelForm):
     download_model``, which follow its progress."""
 
     local_path = forms.CharField(
-        max_length=1000, label="Local path",
+        max_length=1000,
+        label="Local path",
         help_text="Absolute path of a transformers checkpoint directory (config.json + "
-                  "safetensors) or a .gguf file on the server, under LOCAL_MODEL_ROOTS. "
-                  "Deleting the model never removes these files.")
-    name = forms.CharField(max_length=200, required=False,
-                           help_text="The name clients use as `model` on /v1. Default: the "
-                                     "directory's (or GGUF file's) name.")
+        "safetensors) or a .gguf file on the server, under LOCAL_MODEL_ROOTS. "
+        "Deleting the model never removes these files.",
+    )
+    name = forms.CharField(
+        max_length=200,
+        required=False,
+        help_text="The name clients use as `model` on /v1. Default: the directory's (or GGUF file's) name.",
+    )
 
     class Meta:
         model = Model
         fields = ("local_path", "name", "quantization", "trust_remote_code", "backend")
 
     # which field a refusal belongs to, by its code; the rest go above the form
-    field_of_code = {"INVALID_LOCAL_PATH": "local_path", "MODEL_ALREADY_EXISTS": "name",
-                     "REMOTE_CODE_NOT_ALLOWED": "trust_remote_code"}
+    field_of_code = {
+        "INVALID_LOCAL_PATH": "local_path",
+        "MODEL_ALREADY_EXISTS": "name",
+        "REMOTE_CODE_NOT_ALLOWED": "trust_remote_code",
+    }
 
     def clean(self):
         data = super().clean()
@@ -45,33 +52,81 @@ class ModelRegisterForm(forms.ModelForm):
         try:
             check_remote_code(trust_remote_code=bool(data.get("trust_remote_code")))
             services.model_check_local(
-                local_path=data["local_path"], name=data.get("name") or None,
-                quantization=data.get("quantization"), backend=data.get("backend") or "")
+                local_path=data["local_path"],
+                name=data.get("name") or None,
+                quantization=data.get("quantization"),
+                backend=data.get("backend") or "",
+            )
         except MillmError as exc:
-            field = ("backend" if "backend" in exc.details.get("fields", {})
-                     else self.field_of_code.get(exc.code))
+            field = "backend" if "backend" in exc.details.get("fields", {}) else self.field_of_code.get(exc.code)
             self.add_error(field, f"{exc.message} ({exc.code})")
         return data
 
 
 @admin.register(Model)
 class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
-    list_display = ("name", "status", "source", "format", "backend_display", "architecture",
-                    "params_display",
-                    "disk_display", "locked", "updated_at")
+    list_display = (
+        "name",
+        "status",
+        "source",
+        "format",
+        "backend_display",
+        "architecture",
+        "params_display",
+        "disk_display",
+        "locked",
+        "updated_at",
+    )
     list_filter = ("status", "source", "format", "backend", "quantization", "locked")
     search_fields = ("name", "repo_id", "local_path", "architecture")
-    readonly_fields = ("status", "error_message", "architecture", "num_layers", "hidden_size",
-                       "context_length", "parameter_count", "disk_size_bytes",
-                       "estimated_memory_bytes", "locked", "loaded_at", "created_at",
-                       "updated_at")
+    readonly_fields = (
+        "status",
+        "error_message",
+        "architecture",
+        "num_layers",
+        "hidden_size",
+        "context_length",
+        "parameter_count",
+        "disk_size_bytes",
+        "estimated_memory_bytes",
+        "locked",
+        "loaded_at",
+        "created_at",
+        "updated_at",
+    )
     fieldsets = (
-        (None, {"fields": ("name", "source", "repo_id", "revision", "local_path", "format",
-                           "gguf_file", "quantization", "trust_remote_code", "backend")}),
+        (
+            None,
+            {
+                "fields": (
+                    "name",
+                    "source",
+                    "repo_id",
+                    "revision",
+                    "local_path",
+                    "format",
+                    "gguf_file",
+                    "quantization",
+                    "trust_remote_code",
+                    "backend",
+                )
+            },
+        ),
         ("State", {"fields": ("status", "error_message", "locked", "loaded_at")}),
-        ("Checkpoint", {"fields": ("architecture", "num_layers", "hidden_size",
-                                   "context_length", "parameter_count", "disk_size_bytes",
-                                   "estimated_memory_bytes")}),
+        (
+            "Checkpoint",
+            {
+                "fields": (
+                    "architecture",
+                    "num_layers",
+                    "hidden_size",
+                    "context_length",
+                    "parameter_count",
+                    "disk_size_bytes",
+                    "estimated_memory_bytes",
+                )
+            },
+        ),
         ("Timestamps", {"fields": ("created_at", "updated_at")}),
     )
     actions = ("lock_models", "unlock_models", "refresh_metadata", "delete_models")
@@ -139,9 +194,12 @@ class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
             return None
         data = form.cleaned_data
         model = services.model_register_local(
-            local_path=data["local_path"], name=data.get("name") or None,
-            quantization=data["quantization"], trust_remote_code=data["trust_remote_code"],
-            backend=data.get("backend") or "")
+            local_path=data["local_path"],
+            name=data.get("name") or None,
+            quantization=data["quantization"],
+            trust_remote_code=data["trust_remote_code"],
+            backend=data.get("backend") or "",
+        )
         # the admin goes on with ``obj`` (its message, the log entry, the redirect)
         obj.pk = model.pk
         obj.refresh_from_db()
@@ -157,13 +215,11 @@ class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
 
     @admin.action(description="Unlock selected models")
     def unlock_models(self, request, queryset):
-        run_each(self, request, queryset, "Unlocked",
-                  lambda m: services.model_unlock(model=m))
+        run_each(self, request, queryset, "Unlocked", lambda m: services.model_unlock(model=m))
 
     @admin.action(description="Re-read metadata from the files")
     def refresh_metadata(self, request, queryset):
-        run_each(self, request, queryset, "Refreshed",
-                  lambda m: services.model_refresh_metadata(model=m))
+        run_each(self, request, queryset, "Refreshed", lambda m: services.model_refresh_metadata(model=m))
 
     @admin.action(description="Delete selected models (refused while loaded or locked)")
     def delete_models(self, request, queryset):
@@ -179,10 +235,12 @@ class SAERegisterForm(forms.ModelForm):
     the row itself is made by ``sae_register_local`` in ``SAEAdmin.save_model``."""
 
     local_path = forms.CharField(
-        max_length=1000, label="Local path",
+        max_length=1000,
+        label="Local path",
         help_text="Absolute path of the SAE's directory on the server: SAELens (cfg.json + "
-                  "sae_weights.safetensors) or Gemma Scope (params.npz). Its files stay "
-                  "yours: deleting the SAE here never removes them.")
+        "sae_weights.safetensors) or Gemma Scope (params.npz). Its files stay "
+        "yours: deleting the SAE here never removes them.",
+    )
 
     class Meta:
         model = SAE
@@ -203,14 +261,37 @@ class SAERegisterForm(forms.ModelForm):
 
 @admin.register(SAE)
 class SAEAdmin(RefusableDeleteMixin, admin.ModelAdmin):
-    list_display = ("id", "name", "status", "source_display", "format", "activation", "d_in",
-                    "d_sae", "trained_on_model", "trained_on_layer", "updated_at")
+    list_display = (
+        "id",
+        "name",
+        "status",
+        "source_display",
+        "format",
+        "activation",
+        "d_in",
+        "d_sae",
+        "trained_on_model",
+        "trained_on_layer",
+        "updated_at",
+    )
     list_filter = ("status", "format", "activation")
-    search_fields = ("id", "name", "repository_id", "file_path", "local_path",
-                     "trained_on_model", "hook_name")
-    readonly_fields = ("id", "status", "error_message", "format", "d_in", "d_sae", "width",
-                       "activation", "topk_k", "trained_on_model", "trained_on_layer",
-                       "hook_name", "created_at", "updated_at")
+    search_fields = ("id", "name", "repository_id", "file_path", "local_path", "trained_on_model", "hook_name")
+    readonly_fields = (
+        "id",
+        "status",
+        "error_message",
+        "format",
+        "d_in",
+        "d_sae",
+        "width",
+        "activation",
+        "topk_k",
+        "trained_on_model",
+        "trained_on_layer",
+        "hook_name",
+        "created_at",
+        "updated_at",
+    )
     # where the files are and where they came from: the identity of the row, which delete
     # relies on (only a hub download's files are ever removed)
     identity_fields = ("repository_id", "revision", "file_path", "local_path")
@@ -240,9 +321,11 @@ class SAEAdmin(RefusableDeleteMixin, admin.ModelAdmin):
             return super().save_model(request, obj, form, change)
         data = form.cleaned_data
         sae = services.sae_register_local(
-            local_path=data["local_path"], name=data.get("name") or None,
+            local_path=data["local_path"],
+            name=data.get("name") or None,
             trained_on_model=data.get("trained_on_model") or None,
-            trained_on_layer=data.get("trained_on_layer"))
+            trained_on_layer=data.get("trained_on_layer"),
+        )
         # the admin goes on with ``obj`` (its message, the log entry, the redirect)
         obj.pk = sae.pk
         obj.refresh_from_db()
@@ -260,13 +343,14 @@ class VectorImportForm(forms.ModelForm):
     """Import a vector file from the server's disk (``vectors.vector_import``): checked on
     the form first (``vector_read_file``), so a refusal shows before anything is written."""
 
-    path = forms.CharField(max_length=1000, label="File",
-                           help_text="Absolute path of a safetensors file of layer.<L> tensors. "
-                                     "miLLM stores its own copy; this file is never changed.")
-    model = forms.ModelChoiceField(queryset=Model.objects.all(),
-                                   help_text="The model the vector was made for.")
-    layer = forms.IntegerField(min_value=0, required=False,
-                               help_text="Keep only this layer's vector (default: all).")
+    path = forms.CharField(
+        max_length=1000,
+        label="File",
+        help_text="Absolute path of a safetensors file of layer.<L> tensors. "
+        "miLLM stores its own copy; this file is never changed.",
+    )
+    model = forms.ModelChoiceField(queryset=Model.objects.all(), help_text="The model the vector was made for.")
+    layer = forms.IntegerField(min_value=0, required=False, help_text="Keep only this layer's vector (default: all).")
 
     class Meta:
         model = SteeringVector
@@ -280,8 +364,7 @@ class VectorImportForm(forms.ModelForm):
 
         try:
             vectors.check_name_free(data.get("name") or "")
-            vectors.vector_read_file(path=Path(data["path"]), model=data["model"],
-                                     layer=data.get("layer"))
+            vectors.vector_read_file(path=Path(data["path"]), model=data["model"], layer=data.get("layer"))
         except MillmError as exc:
             raise forms.ValidationError(f"{exc.message} ({exc.code})") from exc
         return data
@@ -289,13 +372,24 @@ class VectorImportForm(forms.ModelForm):
 
 @admin.register(SteeringVector)
 class SteeringVectorAdmin(RefusableDeleteMixin, admin.ModelAdmin):
-    list_display = ("id", "name", "trained_on_model", "vector_layers", "d_in", "vector_source",
-                    "status", "updated_at")
+    list_display = ("id", "name", "trained_on_model", "vector_layers", "d_in", "vector_source", "status", "updated_at")
     list_filter = ("status", "vector_source")
     search_fields = ("id", "name", "trained_on_model")
-    readonly_fields = ("id", "name", "status", "trained_on_model", "vector_layers",
-                       "vector_norms", "d_in", "vector_source", "vector_recipe", "local_path",
-                       "files_owned", "created_at", "updated_at")
+    readonly_fields = (
+        "id",
+        "name",
+        "status",
+        "trained_on_model",
+        "vector_layers",
+        "vector_norms",
+        "d_in",
+        "vector_source",
+        "vector_recipe",
+        "local_path",
+        "files_owned",
+        "created_at",
+        "updated_at",
+    )
     fields = readonly_fields
     actions = ("delete_vectors",)
 
@@ -320,8 +414,7 @@ class SteeringVectorAdmin(RefusableDeleteMixin, admin.ModelAdmin):
         if change:
             return None
         data = form.cleaned_data
-        row = vectors.vector_import(path=data["path"], name=data["name"], model=data["model"],
-                                    layer=data.get("layer"))
+        row = vectors.vector_import(path=data["path"], name=data["name"], model=data["model"], layer=data.get("layer"))
         obj.pk = row.pk
         obj.refresh_from_db()
         return None
@@ -336,13 +429,26 @@ class SteeringVectorAdmin(RefusableDeleteMixin, admin.ModelAdmin):
 
 @admin.register(Job)
 class JobAdmin(admin.ModelAdmin):
-    list_display = ("id", "kind", "target", "status", "progress", "stage", "created_at",
-                    "finished_at")
+    list_display = ("id", "kind", "target", "status", "progress", "stage", "created_at", "finished_at")
     list_filter = ("kind", "status")
     search_fields = ("target", "stage", "error")
-    readonly_fields = ("kind", "model", "sae", "target", "status", "progress", "stage",
-                       "bytes_done", "bytes_total", "error", "cancel_requested", "created_at",
-                       "started_at", "finished_at", "updated_at")
+    readonly_fields = (
+        "kind",
+        "model",
+        "sae",
+        "target",
+        "status",
+        "progress",
+        "stage",
+        "bytes_done",
+        "bytes_total",
+        "error",
+        "cancel_requested",
+        "created_at",
+        "started_at",
+        "finished_at",
+        "updated_at",
+    )
     actions = ("cancel_jobs",)
 
     def has_add_permission(self, request) -> bool:

@@ -22,54 +22,71 @@ MODELS, SAES, JOBS = ["models"], ["saes"], ["jobs"]
 
 # --- models --------------------------------------------------------------------------------
 
+
 class ModelListCreateApi(APIView):
-    @extend_schema(tags=MODELS, summary="List models", operation_id="models_list",
-                   responses=enveloped(io.ModelListOutput))
+    @extend_schema(
+        tags=MODELS, summary="List models", operation_id="models_list", responses=enveloped(io.ModelListOutput)
+    )
     def get(self, request) -> Response:
         progress = selectors.download_progress_by_model()
         models = list(selectors.model_list())
         loaded = next((m.id for m in models if m.status == Model.Status.LOADED), None)
-        return envelope({"models": [io.model_out(m, download_progress=progress.get(m.id))
-                                    for m in models],
-                         "total": len(models), "loaded_model_id": loaded})
+        return envelope(
+            {
+                "models": [io.model_out(m, download_progress=progress.get(m.id)) for m in models],
+                "total": len(models),
+                "loaded_model_id": loaded,
+            }
+        )
 
-    @extend_schema(tags=MODELS, summary="Download a model from the hub (202) or register a "
-                   "local checkpoint (201)", request=io.ModelCreateInput,
-                   responses={201: enveloped(io.ModelJobOutput),
-                              202: enveloped(io.ModelJobOutput)})
+    @extend_schema(
+        tags=MODELS,
+        summary="Download a model from the hub (202) or register a local checkpoint (201)",
+        request=io.ModelCreateInput,
+        responses={201: enveloped(io.ModelJobOutput), 202: enveloped(io.ModelJobOutput)},
+    )
     def post(self, request) -> Response:
         data = validated(io.ModelCreateInput, request.data)
         if data["source"] == Model.Source.LOCAL:
             access.require_admin(request, "registering a checkpoint from the server's disk")
-        access.check_remote_code(trust_remote_code=data["trust_remote_code"],
-                                 admin=access.caller_is_admin(request))
+        access.check_remote_code(trust_remote_code=data["trust_remote_code"], admin=access.caller_is_admin(request))
         if data["source"] == Model.Source.LOCAL:
             model = services.model_register_local(
-                local_path=data["local_path"], name=data.get("custom_name") or None,
+                local_path=data["local_path"],
+                name=data.get("custom_name") or None,
                 quantization=data["quantization"],
-                trust_remote_code=data["trust_remote_code"], backend=data["backend"])
-            return envelope({"model": io.model_view(model), "job": None},
-                            status_code=status.HTTP_201_CREATED)
+                trust_remote_code=data["trust_remote_code"],
+                backend=data["backend"],
+            )
+            return envelope({"model": io.model_view(model), "job": None}, status_code=status.HTTP_201_CREATED)
         services.check_backend_name(data["backend"])  # before anything starts
         model, job = downloads.model_download_start(
-            repo_id=data["repo_id"], revision=data.get("revision") or "main",
-            quantization=data["quantization"], trust_remote_code=data["trust_remote_code"],
-            custom_name=data.get("custom_name") or None, hf_token=data.get("hf_token") or None)
+            repo_id=data["repo_id"],
+            revision=data.get("revision") or "main",
+            quantization=data["quantization"],
+            trust_remote_code=data["trust_remote_code"],
+            custom_name=data.get("custom_name") or None,
+            hf_token=data.get("hf_token") or None,
+        )
         if data["backend"]:
             model = services.model_set_backend(model=model, backend=data["backend"])
-        return envelope({"model": io.model_view(model), "job": io.job_out(job)},
-                        status_code=status.HTTP_202_ACCEPTED)
+        return envelope({"model": io.model_view(model), "job": io.job_out(job)}, status_code=status.HTTP_202_ACCEPTED)
 
 
 class ModelPreviewApi(APIView):
-    @extend_schema(tags=MODELS, summary="Preview a hub model: size, architecture, memory "
-                   "estimates per quantization", request=io.ModelPreviewInput,
-                   responses=enveloped(OpenApiTypes.OBJECT))
+    @extend_schema(
+        tags=MODELS,
+        summary="Preview a hub model: size, architecture, memory estimates per quantization",
+        request=io.ModelPreviewInput,
+        responses=enveloped(OpenApiTypes.OBJECT),
+    )
     def post(self, request) -> Response:
         data = validated(io.ModelPreviewInput, request.data)
-        return envelope(downloads.model_preview(repo_id=data["repo_id"],
-                                                revision=data.get("revision") or "main",
-                                                hf_token=data.get("hf_token") or None))
+        return envelope(
+            downloads.model_preview(
+                repo_id=data["repo_id"], revision=data.get("revision") or "main", hf_token=data.get("hf_token") or None
+            )
+        )
 
 
 class ModelDetailApi(APIView):
@@ -77,44 +94,54 @@ class ModelDetailApi(APIView):
     def get(self, request, model_id: int) -> Response:
         return envelope(io.model_view(selectors.model_get(model_id=model_id)))
 
-    @extend_schema(tags=MODELS, summary="Change a model's settings (its backend); refused "
-                   "while it is loaded", request=io.ModelUpdateInput,
-                   responses=enveloped(io.ModelOutput))
+    @extend_schema(
+        tags=MODELS,
+        summary="Change a model's settings (its backend); refused while it is loaded",
+        request=io.ModelUpdateInput,
+        responses=enveloped(io.ModelOutput),
+    )
     def patch(self, request, model_id: int) -> Response:
         data = validated(io.ModelUpdateInput, request.data)
-        model = services.model_set_backend(model=selectors.model_get(model_id=model_id),
-                                           backend=data["backend"])
+        model = services.model_set_backend(model=selectors.model_get(model_id=model_id), backend=data["backend"])
         return envelope(io.model_view(model))
 
-    @extend_schema(tags=MODELS, summary="Delete a model (files and row); refused while "
-                   "loaded or locked", responses=enveloped(io.ModelDeleteOutput))
+    @extend_schema(
+        tags=MODELS,
+        summary="Delete a model (files and row); refused while loaded or locked",
+        responses=enveloped(io.ModelDeleteOutput),
+    )
     def delete(self, request, model_id: int) -> Response:
         model = selectors.model_get(model_id=model_id)
         size = model.disk_size_bytes if model.source == Model.Source.HUGGINGFACE else None
         services.model_delete(model=model)
-        return envelope({"status": "deleted", "id": model_id,
-                         "freed_disk_mb": None if size is None else round(size / 2**20, 3)})
+        return envelope(
+            {"status": "deleted", "id": model_id, "freed_disk_mb": None if size is None else round(size / 2**20, 3)}
+        )
 
 
 class ModelLockApi(APIView):
-    @extend_schema(tags=MODELS, summary="Lock: refuse unload, delete and swaps", request=None,
-                   responses=enveloped(io.ModelOutput))
+    @extend_schema(
+        tags=MODELS, summary="Lock: refuse unload, delete and swaps", request=None, responses=enveloped(io.ModelOutput)
+    )
     def post(self, request, model_id: int) -> Response:
         model = services.model_lock(model=selectors.model_get(model_id=model_id))
         return envelope(io.model_view(model))
 
 
 class ModelUnlockApi(APIView):
-    @extend_schema(tags=MODELS, summary="Unlock", request=None,
-                   responses=enveloped(io.ModelOutput))
+    @extend_schema(tags=MODELS, summary="Unlock", request=None, responses=enveloped(io.ModelOutput))
     def post(self, request, model_id: int) -> Response:
         model = services.model_unlock(model=selectors.model_get(model_id=model_id))
         return envelope(io.model_view(model))
 
 
 class ModelCancelApi(APIView):
-    @extend_schema(tags=MODELS, summary="Cancel the model's download in progress",
-                   request=None, responses=enveloped(io.ModelJobOutput))
+    @extend_schema(
+        tags=MODELS,
+        summary="Cancel the model's download in progress",
+        request=None,
+        responses=enveloped(io.ModelJobOutput),
+    )
     def post(self, request, model_id: int) -> Response:
         model = selectors.model_get(model_id=model_id)
         job = downloads.download_cancel(row=model)
@@ -123,6 +150,7 @@ class ModelCancelApi(APIView):
 
 
 # --- SAEs ------------------------------------------------------------------------------------
+
 
 def _layers_by_sae() -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
@@ -133,81 +161,115 @@ def _layers_by_sae() -> dict[str, list[int]]:
 
 def _sae_data(sae) -> dict:
     layers = list(sae.attachments.order_by("layer").values_list("layer", flat=True))
-    return io.sae_out(sae, layers=layers,
-                      download_progress=selectors.download_progress_by_sae().get(sae.id))
+    return io.sae_out(sae, layers=layers, download_progress=selectors.download_progress_by_sae().get(sae.id))
 
 
 class SAEListApi(APIView):
-    @extend_schema(tags=SAES, summary="List SAEs and the attachment status",
-                   operation_id="saes_list",
-                   responses=enveloped(io.SAEListOutput))
+    @extend_schema(
+        tags=SAES,
+        summary="List SAEs and the attachment status",
+        operation_id="saes_list",
+        responses=enveloped(io.SAEListOutput),
+    )
     def get(self, request) -> Response:
         layers = _layers_by_sae()
         progress = selectors.download_progress_by_sae()
         saes = list(selectors.sae_list())
         rows = list(selectors.attachment_list())
         counts = selectors.engine_attachment_counts() if rows else {}
-        return envelope({
-            "saes": [io.sae_out(s, layers=layers.get(s.id), download_progress=progress.get(s.id))
-                     for s in saes],
-            "total": len(saes),
-            "attachment": io.attachment_status(rows, counts),
-        })
+        return envelope(
+            {
+                "saes": [io.sae_out(s, layers=layers.get(s.id), download_progress=progress.get(s.id)) for s in saes],
+                "total": len(saes),
+                "attachment": io.attachment_status(rows, counts),
+            }
+        )
 
-    @extend_schema(tags=SAES, summary="Register an SAE from a local directory (201) or "
-                   "download one from the hub (202, as /api/saes/download)",
-                   operation_id="saes_create", request=io.SAECreateInput,
-                   responses={201: enveloped(io.SAEDownloadOutput),
-                              202: enveloped(io.SAEDownloadOutput)})
+    @extend_schema(
+        tags=SAES,
+        summary="Register an SAE from a local directory (201) or "
+        "download one from the hub (202, as /api/saes/download)",
+        operation_id="saes_create",
+        request=io.SAECreateInput,
+        responses={201: enveloped(io.SAEDownloadOutput), 202: enveloped(io.SAEDownloadOutput)},
+    )
     def post(self, request) -> Response:
         data = validated(io.SAECreateInput, request.data)
         if data["source"] == "local":
             access.require_admin(request, "registering an SAE from the server's disk")
             sae = services.sae_register_local(
-                local_path=data["local_path"], name=data.get("name") or None,
+                local_path=data["local_path"],
+                name=data.get("name") or None,
                 trained_on_model=data.get("trained_on") or None,
-                trained_on_layer=data.get("trained_layer"))
-            return envelope({"sae_id": sae.id, "status": "registered",
-                             "message": f"Registered from {sae.local_path}",
-                             "sae": _sae_data(sae), "job": None},
-                            status_code=status.HTTP_201_CREATED)
+                trained_on_layer=data.get("trained_layer"),
+            )
+            return envelope(
+                {
+                    "sae_id": sae.id,
+                    "status": "registered",
+                    "message": f"Registered from {sae.local_path}",
+                    "sae": _sae_data(sae),
+                    "job": None,
+                },
+                status_code=status.HTTP_201_CREATED,
+            )
         return _download(data)
 
 
 def _download(data: dict) -> Response:
     sae, job, state = downloads.sae_download_start(
-        repository_id=data["repository_id"], file_path=data.get("file_path") or "",
-        revision=data.get("revision") or "main", hf_token=data.get("hf_token") or None)
-    messages = {"downloading": "Download started", "cached": "Already downloaded",
-                "attached": "Already downloaded and attached",
-                "already_downloading": "A download of this SAE is in progress"}
-    return envelope({"sae_id": sae.id, "status": state, "message": messages[state],
-                     "sae": _sae_data(sae), "job": io.job_out(job)},
-                    status_code=status.HTTP_202_ACCEPTED)
+        repository_id=data["repository_id"],
+        file_path=data.get("file_path") or "",
+        revision=data.get("revision") or "main",
+        hf_token=data.get("hf_token") or None,
+    )
+    messages = {
+        "downloading": "Download started",
+        "cached": "Already downloaded",
+        "attached": "Already downloaded and attached",
+        "already_downloading": "A download of this SAE is in progress",
+    }
+    return envelope(
+        {"sae_id": sae.id, "status": state, "message": messages[state], "sae": _sae_data(sae), "job": io.job_out(job)},
+        status_code=status.HTTP_202_ACCEPTED,
+    )
 
 
 class SAEDownloadApi(APIView):
-    @extend_schema(tags=SAES, summary="Download an SAE (idempotent per repository, revision "
-                   "and file path)", request=io.SAEDownloadInput,
-                   responses={202: enveloped(io.SAEDownloadOutput)})
+    @extend_schema(
+        tags=SAES,
+        summary="Download an SAE (idempotent per repository, revision and file path)",
+        request=io.SAEDownloadInput,
+        responses={202: enveloped(io.SAEDownloadOutput)},
+    )
     def post(self, request) -> Response:
         return _download(validated(io.SAEDownloadInput, request.data))
 
 
 class SAEPreviewApi(APIView):
-    @extend_schema(tags=SAES, summary="List the SAE files of a hub repository",
-                   request=io.SAEPreviewInput, responses=enveloped(OpenApiTypes.OBJECT))
+    @extend_schema(
+        tags=SAES,
+        summary="List the SAE files of a hub repository",
+        request=io.SAEPreviewInput,
+        responses=enveloped(OpenApiTypes.OBJECT),
+    )
     def post(self, request) -> Response:
         data = validated(io.SAEPreviewInput, request.data)
-        return envelope(downloads.sae_preview(repository_id=data["repository_id"],
-                                              revision=data.get("revision") or "main",
-                                              hf_token=data.get("hf_token") or None))
+        return envelope(
+            downloads.sae_preview(
+                repository_id=data["repository_id"],
+                revision=data.get("revision") or "main",
+                hf_token=data.get("hf_token") or None,
+            )
+        )
 
 
 class AttachmentListApi(APIView):
-    @extend_schema(tags=SAES, summary="Every attachment (one per sae_id and layer): "
-                   "is_attached, count, entries, total_memory_usage_mb",
-                   responses=enveloped(io.AttachmentsOutput))
+    @extend_schema(
+        tags=SAES,
+        summary="Every attachment (one per sae_id and layer): is_attached, count, entries, total_memory_usage_mb",
+        responses=enveloped(io.AttachmentsOutput),
+    )
     def get(self, request) -> Response:
         rows = list(selectors.attachment_list())
         counts = selectors.engine_attachment_counts() if rows else {}
@@ -219,43 +281,56 @@ class SAEDetailApi(APIView):
     def get(self, request, sae_id: str) -> Response:
         return envelope(_sae_data(selectors.sae_get(sae_id=sae_id)))
 
-    @extend_schema(tags=SAES, summary="Delete an SAE (409 while attached)",
-                   responses=enveloped(io.DeleteOutput))
+    @extend_schema(tags=SAES, summary="Delete an SAE (409 while attached)", responses=enveloped(io.DeleteOutput))
     def delete(self, request, sae_id: str) -> Response:
         sae = selectors.sae_get(sae_id=sae_id)
         size = None
         if sae.repository_id and sae.local_path:
             from pathlib import Path
 
-            size = describe.dir_size(Path(sae.local_path)) if Path(sae.local_path).exists() \
-                else None
+            size = describe.dir_size(Path(sae.local_path)) if Path(sae.local_path).exists() else None
         services.sae_delete(sae=sae)
-        return envelope({"status": "deleted", "id": sae_id,
-                         "freed_disk_mb": None if size is None else round(size / 2**20, 3)})
+        return envelope(
+            {"status": "deleted", "id": sae_id, "freed_disk_mb": None if size is None else round(size / 2**20, 3)}
+        )
 
 
 class SAECancelApi(APIView):
-    @extend_schema(tags=SAES, summary="Cancel the SAE's download in progress", request=None,
-                   responses=enveloped(io.SAEDownloadOutput))
+    @extend_schema(
+        tags=SAES,
+        summary="Cancel the SAE's download in progress",
+        request=None,
+        responses=enveloped(io.SAEDownloadOutput),
+    )
     def post(self, request, sae_id: str) -> Response:
         sae = selectors.sae_get(sae_id=sae_id)
         job = downloads.download_cancel(row=sae)
         sae.refresh_from_db()
-        return envelope({"sae_id": sae.id, "status": sae.status,
-                         "message": "Download cancelled", "sae": _sae_data(sae),
-                         "job": io.job_out(job)})
+        return envelope(
+            {
+                "sae_id": sae.id,
+                "status": sae.status,
+                "message": "Download cancelled",
+                "sae": _sae_data(sae),
+                "job": io.job_out(job),
+            }
+        )
 
 
 # --- jobs ------------------------------------------------------------------------------------
 
+
 class JobListApi(APIView):
-    @extend_schema(tags=JOBS, summary="Recent jobs (downloads, loads, unloads)",
-                   operation_id="jobs_list",
-                   parameters=[io.JobListQuery], responses=enveloped(io.JobListOutput))
+    @extend_schema(
+        tags=JOBS,
+        summary="Recent jobs (downloads, loads, unloads)",
+        operation_id="jobs_list",
+        parameters=[io.JobListQuery],
+        responses=enveloped(io.JobListOutput),
+    )
     def get(self, request) -> Response:
         query = validated(io.JobListQuery, request.query_params)
-        rows = selectors.job_list(kind=query.get("kind"), status=query.get("status"),
-                                  limit=query["limit"])
+        rows = selectors.job_list(kind=query.get("kind"), status=query.get("status"), limit=query["limit"])
         return envelope({"jobs": [io.job_out(j) for j in rows], "total": len(rows)})
 
 
@@ -266,8 +341,7 @@ class JobDetailApi(APIView):
 
 
 class JobCancelApi(APIView):
-    @extend_schema(tags=JOBS, summary="Cancel a queued or running job", request=None,
-                   responses=enveloped(io.JobOutput))
+    @extend_schema(tags=JOBS, summary="Cancel a queued or running job", request=None, responses=enveloped(io.JobOutput))
     def post(self, request, job_id: int) -> Response:
         with transaction.atomic():
             job = selectors.job_get(job_id=job_id)

@@ -21,9 +21,25 @@ from registry.models import Model
 # Registering one of these (or anything under them) as a model directory would let the
 # model loader and prune_cache walk system files; the original refused them too.
 SYSTEM_DIRECTORIES = (
-    "/bin", "/boot", "/dev", "/etc", "/lib", "/lib32", "/lib64", "/libx32", "/proc",
-    "/run", "/sbin", "/sys", "/usr/bin", "/usr/lib", "/usr/sbin", "/usr/include",
-    "/var/lib", "/var/log", "/var/run",
+    "/bin",
+    "/boot",
+    "/dev",
+    "/etc",
+    "/lib",
+    "/lib32",
+    "/lib64",
+    "/libx32",
+    "/proc",
+    "/run",
+    "/sbin",
+    "/sys",
+    "/usr/bin",
+    "/usr/lib",
+    "/usr/sbin",
+    "/usr/include",
+    "/var/lib",
+    "/var/log",
+    "/var/run",
 )
 
 
@@ -32,21 +48,19 @@ def check_local_path(raw: str, *, what: str = "a model") -> Path:
     directories, resolved (symlinks followed, so two spellings of one directory are one
     path). A path outside the roots gets one answer whether it exists or not."""
     if not raw or not raw.strip():
-        raise InvalidLocalPath(f"local_path is required to register {what}",
-                               details={"local_path": raw})
+        raise InvalidLocalPath(f"local_path is required to register {what}", details={"local_path": raw})
     path = Path(raw.strip())
     if not path.is_absolute():
         raise InvalidLocalPath("local_path must be an absolute path", details={"local_path": raw})
     resolved = check_under_roots(raw, path)
-    if str(resolved) == "/" or any(
-            str(resolved) == d or str(resolved).startswith(d + "/") for d in SYSTEM_DIRECTORIES):
-        raise InvalidLocalPath(f"{resolved} is a system directory and cannot hold {what}",
-                               details={"local_path": raw})
+    if str(resolved) == "/" or any(str(resolved) == d or str(resolved).startswith(d + "/") for d in SYSTEM_DIRECTORIES):
+        raise InvalidLocalPath(f"{resolved} is a system directory and cannot hold {what}", details={"local_path": raw})
     try:
         exists = resolved.exists()
     except OSError as exc:  # a name too long, a folder we may not enter
-        raise InvalidLocalPath(f"{raw.strip()[:200]} cannot be read: {exc.strerror}",
-                               details={"local_path": raw}) from exc
+        raise InvalidLocalPath(
+            f"{raw.strip()[:200]} cannot be read: {exc.strerror}", details={"local_path": raw}
+        ) from exc
     if not exists:
         raise InvalidLocalPath(f"{resolved} does not exist", details={"local_path": raw})
     return resolved
@@ -61,17 +75,16 @@ def dir_size(path: Path) -> int:
 def describe_transformers_dir(path: Path, quantization: str | None = None) -> dict[str, Any]:
     import json
 
-
     try:
         info = inspect_model_dir(path)
     except EngineError as exc:
-        raise ModelInvalid(f"{path} is not a readable transformers checkpoint: {exc.message}",
-                           details={"local_path": str(path)}) from exc
+        raise ModelInvalid(
+            f"{path} is not a readable transformers checkpoint: {exc.message}", details={"local_path": str(path)}
+        ) from exc
     estimated = info.estimated_memory_bytes
     if quantization and quantization != Model.Quantization.FP32:
         config = json.loads((path / "config.json").read_text())
-        estimated = sizing.estimate_bytes(parameter_count=info.param_count, config=config,
-                                          quantization=quantization)
+        estimated = sizing.estimate_bytes(parameter_count=info.param_count, config=config, quantization=quantization)
     return {
         "architecture": info.architecture_class,
         "num_layers": info.num_layers,
@@ -119,8 +132,9 @@ def describe_gguf_file(path: Path) -> dict[str, Any]:
     try:
         reader = GGUFReader(str(path), "r")
     except Exception as exc:  # noqa: BLE001 - gguf raises assorted errors on bad files
-        raise ModelInvalid(f"{path.name} is not a readable GGUF file: {exc}",
-                           details={"local_path": str(path)}) from exc
+        raise ModelInvalid(
+            f"{path.name} is not a readable GGUF file: {exc}", details={"local_path": str(path)}
+        ) from exc
 
     def field(name: str) -> Any:
         item = reader.fields.get(name)
@@ -142,12 +156,10 @@ def describe_gguf_file(path: Path) -> dict[str, Any]:
     }
 
 
-
 def _gguf_file_quantization(file_type: Any, filename: str) -> str | None:
     """The registry's quantization of a GGUF file: its ``general.file_type`` (``MOSTLY_Q4_1``
     → Q4), else what its name states; None when neither says."""
     from gguf import LlamaFileType
-
 
     quant = None
     if file_type is not None:
@@ -163,11 +175,9 @@ def describe_sae(path: Path) -> dict[str, Any]:
     try:
         meta = read_sae_metadata(path)
     except EngineError as exc:
-        raise SAEInvalid(f"{path} is not a readable SAE: {exc.message}",
-                         details={"local_path": str(path)}) from exc
+        raise SAEInvalid(f"{path} is not a readable SAE: {exc.message}", details={"local_path": str(path)}) from exc
     except OSError as exc:  # files the server may not read
-        raise SAEInvalid(f"{path} is not a readable SAE: {exc}",
-                         details={"local_path": str(path)}) from exc
+        raise SAEInvalid(f"{path} is not a readable SAE: {exc}", details={"local_path": str(path)}) from exc
     return {
         "format": meta.layout,
         "d_in": meta.d_in,

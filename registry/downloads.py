@@ -77,6 +77,7 @@ def _slug(repo_id: str) -> str:
 
 # --- progress ----------------------------------------------------------------------------
 
+
 class _Progress:
     """Bytes of a whole download, written to the job row (throttled) and checked against
     cancel and the deadline on every write."""
@@ -123,9 +124,13 @@ class _Progress:
         if not force and now - self._last_write < PROGRESS_INTERVAL_S:
             return
         self._last_write = now
-        job_lifecycle.job_progress(job=self.job, progress=self.percent(),
-                              stage=f"downloading {self.filename}"[:100],
-                              bytes_done=self.done, bytes_total=self.total)
+        job_lifecycle.job_progress(
+            job=self.job,
+            progress=self.percent(),
+            stage=f"downloading {self.filename}"[:100],
+            bytes_done=self.done,
+            bytes_total=self.total,
+        )
         if self.on_progress is not None:
             self.on_progress(self.done, self.total)
         self.check()
@@ -133,9 +138,9 @@ class _Progress:
     def check(self) -> None:
         if time.monotonic() > self.deadline:
             raise DownloadTimedOut(
-                f"The download took longer than DOWNLOAD_TIMEOUT "
-                f"({settings.DOWNLOAD_TIMEOUT:g} s)",
-                details={"job_id": self.job.id, "timeout_s": settings.DOWNLOAD_TIMEOUT})
+                f"The download took longer than DOWNLOAD_TIMEOUT ({settings.DOWNLOAD_TIMEOUT:g} s)",
+                details={"job_id": self.job.id, "timeout_s": settings.DOWNLOAD_TIMEOUT},
+            )
         if Job.objects.filter(pk=self.job.pk, cancel_requested=True).exists():
             raise DownloadCancelled("The download was cancelled", details={"job_id": self.job.id})
 
@@ -164,19 +169,24 @@ class _Bar:
         return None
 
 
-def _fetch(*, repo_id: str, files: list[tuple[str, int]], revision: str, target: Path,
-           token: str | bool, progress: _Progress) -> None:
+def _fetch(
+    *, repo_id: str, files: list[tuple[str, int]], revision: str, target: Path, token: str | bool, progress: _Progress
+) -> None:
     target.mkdir(parents=True, exist_ok=True)
     for name, _ in files:
         progress.start_file(name)
-        path = hub.download_file(repo_id=repo_id, filename=name, revision=revision,
-                                 local_dir=target, token=token,
-                                 tqdm_class=partial(_Bar, progress))
+        path = hub.download_file(
+            repo_id=repo_id,
+            filename=name,
+            revision=revision,
+            local_dir=target,
+            token=token,
+            tqdm_class=partial(_Bar, progress),
+        )
         progress.finish_file(path.stat().st_size)
 
 
-def check_free_space(*, files: list[tuple[str, int]], cache_dir: str | Path,
-                     repo_id: str) -> None:
+def check_free_space(*, files: list[tuple[str, int]], cache_dir: str | Path, repo_id: str) -> None:
     """Refuse (507 INSUFFICIENT_STORAGE) a download whose files, by the hub's sizes, do
     not fit in the free space of the disk that holds ``cache_dir``: asked before the row,
     the job or any file exists, and again by the task before it fetches."""
@@ -189,8 +199,8 @@ def check_free_space(*, files: list[tuple[str, int]], cache_dir: str | Path,
         raise InsufficientStorage(
             f"Downloading {repo_id} needs {needed} bytes ({needed / 2**30:.2f} GiB) and the "
             f"disk of {cache_dir} has {free} bytes ({free / 2**30:.2f} GiB) free",
-            details={"repo_id": repo_id, "needed_bytes": needed, "free_bytes": free,
-                     "directory": str(cache_dir)})
+            details={"repo_id": repo_id, "needed_bytes": needed, "free_bytes": free, "directory": str(cache_dir)},
+        )
 
 
 def _clean_target(target: Path, root: Path) -> None:
@@ -200,35 +210,36 @@ def _clean_target(target: Path, root: Path) -> None:
 
 # --- models ------------------------------------------------------------------------------
 
-def _model_repo_checks(*, repo_id: str, revision: str, token: str | bool,
-                       trust_remote_code: bool) -> tuple[Any, list[tuple[str, int]]]:
+
+def _model_repo_checks(
+    *, repo_id: str, revision: str, token: str | bool, trust_remote_code: bool
+) -> tuple[Any, list[tuple[str, int]]]:
     info = hub.model_info(repo_id=repo_id, revision=revision, token=token)
     files = select_model_files(sibling_files(info), trust_remote_code=trust_remote_code)
     if info.gated and not token:
-        raise GatedModelNoToken(f"Repository {repo_id!r} is gated: accept its license on the "
-                                "hub and send an hf_token", details={"repo_id": repo_id})
+        raise GatedModelNoToken(
+            f"Repository {repo_id!r} is gated: accept its license on the hub and send an hf_token",
+            details={"repo_id": repo_id},
+        )
     if info.gated:
         # the listing is public; whether this token may read the files is not
         probe = next((n for n, _ in files if n == "config.json"), files[0][0] if files else None)
         if probe:
-            hub.file_metadata(repo_id=repo_id, filename=probe, revision=info.sha or revision,
-                              token=token)
+            hub.file_metadata(repo_id=repo_id, filename=probe, revision=info.sha or revision, token=token)
     return info, files
 
 
-def model_preview(*, repo_id: str, revision: str = "main", hf_token: str | None = None
-                  ) -> dict[str, Any]:
+def model_preview(*, repo_id: str, revision: str = "main", hf_token: str | None = None) -> dict[str, Any]:
     """What a download would fetch, and what loading it would need, before any download."""
     token = hub.resolve_token(hf_token)
-    info, files = _model_repo_checks(repo_id=repo_id, revision=revision, token=token,
-                                     trust_remote_code=True)
+    info, files = _model_repo_checks(repo_id=repo_id, revision=revision, token=token, trust_remote_code=True)
     names = {n for n, _ in files}
     config: dict[str, Any] = {}
     if "config.json" in names:
         try:
-            config = json.loads(hub.read_small_file(repo_id=repo_id, filename="config.json",
-                                                    revision=info.sha or revision,
-                                                    token=token))
+            config = json.loads(
+                hub.read_small_file(repo_id=repo_id, filename="config.json", revision=info.sha or revision, token=token)
+            )
         except ValueError:
             config = {}
     elif isinstance(info.config, dict):
@@ -241,8 +252,7 @@ def model_preview(*, repo_id: str, revision: str = "main", hf_token: str | None 
         dtype_bytes = 4 if str(config.get("torch_dtype") or config.get("dtype")) == "float32" else 2
         params = sum(s for _, s in weights) // dtype_bytes
     requires_remote_code = bool(config.get("auto_map"))
-    download_files = [(n, s) for n, s in files
-                      if not n.endswith(".py") or requires_remote_code]
+    download_files = [(n, s) for n, s in files if not n.endswith(".py") or requires_remote_code]
     disk = sum(s for _, s in download_files)
     card = getattr(info, "card_data", None)
     return {
@@ -264,8 +274,10 @@ def model_preview(*, repo_id: str, revision: str = "main", hf_token: str | None 
         "disk_size_mb": round(disk / 2**20, 3),
         "estimated_sizes": {
             quant: {"disk_mb": round(disk / 2**20, 3), "memory_mb": sizes["memory_mb"]}
-            for quant, sizes in sizing.estimates_by_quantization(
-                parameter_count=params or 0, config=config).items()} if params else None,
+            for quant, sizes in sizing.estimates_by_quantization(parameter_count=params or 0, config=config).items()
+        }
+        if params
+        else None,
         "files": [{"path": n, "size_bytes": s} for n, s in download_files],
         "downloads": info.downloads or 0,
         "likes": info.likes or 0,
@@ -275,71 +287,111 @@ def model_preview(*, repo_id: str, revision: str = "main", hf_token: str | None 
     }
 
 
-def model_download_start(*, repo_id: str, revision: str = "main",
-                         quantization: str = Model.Quantization.FP16,
-                         trust_remote_code: bool = False, custom_name: str | None = None,
-                         hf_token: str | None = None, dispatch: bool = True
-                         ) -> tuple[Model, Job]:
+def model_download_start(
+    *,
+    repo_id: str,
+    revision: str = "main",
+    quantization: str = Model.Quantization.FP16,
+    trust_remote_code: bool = False,
+    custom_name: str | None = None,
+    hf_token: str | None = None,
+    dispatch: bool = True,
+) -> tuple[Model, Job]:
     """Check the repository on the hub, create the row and its job, start the task
     (``dispatch=False``: the caller runs ``model_download_run`` itself, as a command does)."""
     check_remote_code(trust_remote_code=trust_remote_code)
     revision = revision or "main"
     token = hub.resolve_token(hf_token)
     repo_id, quant = split_repo_quant(repo_id)
-    info, files = _model_repo_checks(repo_id=repo_id, revision=revision, token=token,
-                                     trust_remote_code=trust_remote_code)
+    info, files = _model_repo_checks(
+        repo_id=repo_id, revision=revision, token=token, trust_remote_code=trust_remote_code
+    )
     ggufs = gguf_quants(sibling_files(info))
     if quant is not None or (ggufs and not any(n.endswith(".safetensors") for n, _ in files)):
-        return _gguf_download_start(repo_id=repo_id, quant=quant, ggufs=ggufs, info=info,
-                                    revision=revision, custom_name=custom_name,
-                                    hf_token=hf_token, dispatch=dispatch)
+        return _gguf_download_start(
+            repo_id=repo_id,
+            quant=quant,
+            ggufs=ggufs,
+            info=info,
+            revision=revision,
+            custom_name=custom_name,
+            hf_token=hf_token,
+            dispatch=dispatch,
+        )
     if not any(n.endswith(".safetensors") for n, _ in files):
-        raise ModelInvalid(f"Repository {repo_id!r} has no safetensors weights at its root "
-                           "(pickle checkpoints are never downloaded or loaded)",
-                           details={"repo_id": repo_id})
+        raise ModelInvalid(
+            f"Repository {repo_id!r} has no safetensors weights at its root "
+            "(pickle checkpoints are never downloaded or loaded)",
+            details={"repo_id": repo_id},
+        )
     config = info.config if isinstance(info.config, dict) else {}
     if config.get("auto_map") and not trust_remote_code:
-        raise UnsupportedModel(f"Repository {repo_id!r} ships its own model code; download it "
-                               "with trust_remote_code=true if you trust it (an admin key, "
-                               "and ALLOW_REMOTE_CODE=true on the server)",
-                               details={"repo_id": repo_id, "requires_trust_remote_code": True})
+        raise UnsupportedModel(
+            f"Repository {repo_id!r} ships its own model code; download it "
+            "with trust_remote_code=true if you trust it (an admin key, "
+            "and ALLOW_REMOTE_CODE=true on the server)",
+            details={"repo_id": repo_id, "requires_trust_remote_code": True},
+        )
     check_free_space(files=files, cache_dir=settings.MODEL_CACHE_DIR, repo_id=repo_id)
     name = (custom_name or repo_id.rsplit("/", 1)[-1]).strip()
     with transaction.atomic():
-        existing = (Model.objects.select_for_update()
-                    .filter(source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision,
-                            quantization=quantization).first())
+        existing = (
+            Model.objects.select_for_update()
+            .filter(source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision, quantization=quantization)
+            .first()
+        )
         if existing is not None and existing.status != Model.Status.ERROR:
             raise ModelAlreadyExists(
-                f"{repo_id}@{revision} ({quantization}) is already registered as "
-                f"{existing.name!r}", details={"model_id": existing.id, "name": existing.name})
-        clash = Model.objects.filter(name=name).exclude(
-            pk=existing.pk if existing is not None else None).first()
+                f"{repo_id}@{revision} ({quantization}) is already registered as {existing.name!r}",
+                details={"model_id": existing.id, "name": existing.name},
+            )
+        clash = Model.objects.filter(name=name).exclude(pk=existing.pk if existing is not None else None).first()
         if clash is not None:
-            raise ModelAlreadyExists(f"A model named {name!r} is already registered; choose "
-                                     "a custom_name", details={"name": name,
-                                                               "model_id": clash.id})
+            raise ModelAlreadyExists(
+                f"A model named {name!r} is already registered; choose a custom_name",
+                details={"name": name, "model_id": clash.id},
+            )
         if existing is not None:  # a failed or cancelled download is started again
             model = existing
             model.name, model.trust_remote_code = name, trust_remote_code
             model.status, model.error_message = Model.Status.DOWNLOADING, ""
-            model.save(update_fields=["name", "trust_remote_code", "status", "error_message",
-                                      "updated_at"])
+            model.save(update_fields=["name", "trust_remote_code", "status", "error_message", "updated_at"])
         else:
             model = Model.objects.create(
-                name=name, source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision,
-                quantization=quantization, trust_remote_code=trust_remote_code,
+                name=name,
+                source=Model.Source.HUGGINGFACE,
+                repo_id=repo_id,
+                revision=revision,
+                quantization=quantization,
+                trust_remote_code=trust_remote_code,
                 status=Model.Status.DOWNLOADING,
-                architecture=(config.get("architectures") or [""])[0])
-        job = _download_job(model, target=f"{repo_id}@{revision}", files=files, info=info,
-                            revision=revision, hf_token=hf_token, dispatch=dispatch)
-    log.info("model_download_started", model_id=model.id, repo_id=repo_id, revision=revision,
-             job_id=job.id, files=len(files))
+                architecture=(config.get("architectures") or [""])[0],
+            )
+        job = _download_job(
+            model,
+            target=f"{repo_id}@{revision}",
+            files=files,
+            info=info,
+            revision=revision,
+            hf_token=hf_token,
+            dispatch=dispatch,
+        )
+    log.info(
+        "model_download_started", model_id=model.id, repo_id=repo_id, revision=revision, job_id=job.id, files=len(files)
+    )
     return model, job
 
 
-def _download_job(model: Model, *, target: str, files: list[tuple[str, int]], info: Any,
-                  revision: str, hf_token: str | None, dispatch: bool) -> Job:
+def _download_job(
+    model: Model,
+    *,
+    target: str,
+    files: list[tuple[str, int]],
+    info: Any,
+    revision: str,
+    hf_token: str | None,
+    dispatch: bool,
+) -> Job:
     """The download job of a model row, sized by its files, and (``dispatch``) its task on
     the ``downloads`` queue. hf_token only when the request brought one: HF_TOKEN is read
     by the task itself."""
@@ -347,15 +399,27 @@ def _download_job(model: Model, *, target: str, files: list[tuple[str, int]], in
     job.bytes_total = sum(s for _, s in files) or None
     job.save(update_fields=["bytes_total", "updated_at"])
     if dispatch:
-        jobs.enqueue("registry.tasks.model_download_task", job.id, queue="downloads",
-                     commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
+        jobs.enqueue(
+            "registry.tasks.model_download_task",
+            job.id,
+            queue="downloads",
+            commit=info.sha or revision,
+            secret_kwargs={"hf_token": hf_token},
+        )
     return job
 
 
-def _gguf_download_start(*, repo_id: str, quant: str | None,
-                         ggufs: dict[str, list[tuple[str, int]]], info: Any, revision: str,
-                         custom_name: str | None, hf_token: str | None, dispatch: bool
-                         ) -> tuple[Model, Job]:
+def _gguf_download_start(
+    *,
+    repo_id: str,
+    quant: str | None,
+    ggufs: dict[str, list[tuple[str, int]]],
+    info: Any,
+    revision: str,
+    custom_name: str | None,
+    hf_token: str | None,
+    dispatch: bool,
+) -> tuple[Model, Job]:
     """A GGUF repository: the quantization named (``repo:QUANT``), or the only one there;
     a bare name over several is ambiguous. The row is a GGUF model (the llamacpp backend)
     named ``repo:QUANT`` unless a custom name is given."""
@@ -365,43 +429,75 @@ def _gguf_download_start(*, repo_id: str, quant: str | None,
             raise AmbiguousModelName(
                 f"Repository {repo_id!r} holds {len(available)} GGUF quantizations; name one as "
                 f"{repo_id}:QUANT ({', '.join(available)})",
-                details={"repo_id": repo_id, "quantizations": available})
+                details={"repo_id": repo_id, "quantizations": available},
+            )
         quant = available[0]
     if quant not in ggufs:
-        raise ModelInvalid(f"Repository {repo_id!r} has no {quant} GGUF file"
-                           + (f" (it has {', '.join(available)})" if available else ""),
-                           details={"repo_id": repo_id, "quantization": quant,
-                                    "quantizations": available})
+        raise ModelInvalid(
+            f"Repository {repo_id!r} has no {quant} GGUF file"
+            + (f" (it has {', '.join(available)})" if available else ""),
+            details={"repo_id": repo_id, "quantization": quant, "quantizations": available},
+        )
     files = ggufs[quant]
     check_free_space(files=files, cache_dir=settings.MODEL_CACHE_DIR, repo_id=repo_id)
     first = files[0][0]
     name = (custom_name or f"{repo_id.rsplit('/', 1)[-1]}:{quant}").strip()
     with transaction.atomic():
-        existing = (Model.objects.select_for_update()
-                    .filter(source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision,
-                            format=Model.Format.GGUF, gguf_file=first).first())
+        existing = (
+            Model.objects.select_for_update()
+            .filter(
+                source=Model.Source.HUGGINGFACE,
+                repo_id=repo_id,
+                revision=revision,
+                format=Model.Format.GGUF,
+                gguf_file=first,
+            )
+            .first()
+        )
         if existing is not None and existing.status != Model.Status.ERROR:
-            raise ModelAlreadyExists(f"{repo_id}@{revision} ({quant}) is already registered as "
-                                     f"{existing.name!r}",
-                                     details={"model_id": existing.id, "name": existing.name})
-        clash = Model.objects.filter(name=name).exclude(
-            pk=existing.pk if existing is not None else None).first()
+            raise ModelAlreadyExists(
+                f"{repo_id}@{revision} ({quant}) is already registered as {existing.name!r}",
+                details={"model_id": existing.id, "name": existing.name},
+            )
+        clash = Model.objects.filter(name=name).exclude(pk=existing.pk if existing is not None else None).first()
         if clash is not None:
-            raise ModelAlreadyExists(f"A model named {name!r} is already registered; choose "
-                                     "a custom_name", details={"name": name, "model_id": clash.id})
+            raise ModelAlreadyExists(
+                f"A model named {name!r} is already registered; choose a custom_name",
+                details={"name": name, "model_id": clash.id},
+            )
         if existing is not None:
             model = existing
             model.name, model.status, model.error_message = name, Model.Status.DOWNLOADING, ""
             model.save(update_fields=["name", "status", "error_message", "updated_at"])
         else:
             model = Model.objects.create(
-                name=name, source=Model.Source.HUGGINGFACE, repo_id=repo_id, revision=revision,
-                format=Model.Format.GGUF, gguf_file=first,
-                quantization=gguf_quantization(quant), status=Model.Status.DOWNLOADING)
-        job = _download_job(model, target=f"{repo_id}:{quant}@{revision}", files=files,
-                            info=info, revision=revision, hf_token=hf_token, dispatch=dispatch)
-    log.info("model_download_started", model_id=model.id, repo_id=repo_id, quantization=quant,
-             revision=revision, job_id=job.id, files=len(files))
+                name=name,
+                source=Model.Source.HUGGINGFACE,
+                repo_id=repo_id,
+                revision=revision,
+                format=Model.Format.GGUF,
+                gguf_file=first,
+                quantization=gguf_quantization(quant),
+                status=Model.Status.DOWNLOADING,
+            )
+        job = _download_job(
+            model,
+            target=f"{repo_id}:{quant}@{revision}",
+            files=files,
+            info=info,
+            revision=revision,
+            hf_token=hf_token,
+            dispatch=dispatch,
+        )
+    log.info(
+        "model_download_started",
+        model_id=model.id,
+        repo_id=repo_id,
+        quantization=quant,
+        revision=revision,
+        job_id=job.id,
+        files=len(files),
+    )
     return model, job
 
 
@@ -421,30 +517,44 @@ def model_target_dir(model: Model) -> Path:
     return Path(settings.MODEL_CACHE_DIR) / f"{_slug(model.repo_id)}--m{model.id}"
 
 
-def model_download_run(*, job_id: int, hf_token: str | None = None, commit: str | None = None,
-                       on_progress: ProgressCallback | None = None) -> Model | None:
+def model_download_run(
+    *, job_id: int, hf_token: str | None = None, commit: str | None = None, on_progress: ProgressCallback | None = None
+) -> Model | None:
     """The task body; returns the ready model, or None when the job had already ended."""
+
     def files(model: Model, info: Any) -> list[tuple[str, int]]:
         if model.format == Model.Format.GGUF:  # the chosen quantization's file(s) only
             return gguf_quants(sibling_files(info)).get(gguf_quant(model.gguf_file) or "", [])
-        return select_model_files(sibling_files(info),
-                                  trust_remote_code=remote_code_enabled(model.trust_remote_code))
+        return select_model_files(sibling_files(info), trust_remote_code=remote_code_enabled(model.trust_remote_code))
 
     def describe_at(model: Model, target: Path) -> tuple[Path, dict[str, Any]]:
         if model.format == Model.Format.GGUF:
             return target / model.gguf_file, describe.describe_gguf_file(target / model.gguf_file)
         return target, describe.describe_transformers_dir(target, model.quantization)
 
-    return _download_run(job_id=job_id, relation="model", target_of=model_target_dir,
-                         files_of=files, describe_at=describe_at, hf_token=hf_token,
-                         commit=commit, on_progress=on_progress)
+    return _download_run(
+        job_id=job_id,
+        relation="model",
+        target_of=model_target_dir,
+        files_of=files,
+        describe_at=describe_at,
+        hf_token=hf_token,
+        commit=commit,
+        on_progress=on_progress,
+    )
 
 
-def _download_run(*, job_id: int, relation: str, target_of: Callable[[Any], Path],
-                  files_of: Callable[[Any, Any], list[tuple[str, int]]],
-                  describe_at: Callable[[Any, Path], tuple[Path, dict[str, Any]]],
-                  hf_token: str | None, commit: str | None,
-                  on_progress: ProgressCallback | None) -> Model | SAE | None:
+def _download_run(
+    *,
+    job_id: int,
+    relation: str,
+    target_of: Callable[[Any], Path],
+    files_of: Callable[[Any, Any], list[tuple[str, int]]],
+    describe_at: Callable[[Any, Path], tuple[Path, dict[str, Any]]],
+    hf_token: str | None,
+    commit: str | None,
+    on_progress: ProgressCallback | None,
+) -> Model | SAE | None:
     """One download, model or SAE: claim the job, fetch the chosen files of the repository
     at the revision, describe what arrived, and record it on the row (or record the failure
     and leave no files)."""
@@ -462,8 +572,14 @@ def _download_run(*, job_id: int, relation: str, target_of: Callable[[Any], Path
         files = files_of(row, info)
         check_free_space(files=files, cache_dir=target.parent, repo_id=repo_id)
         progress = _Progress(job, sum(s for _, s in files), on_progress)
-        _fetch(repo_id=repo_id, files=files, revision=info.sha or commit or row.revision,
-               target=target, token=token, progress=progress)
+        _fetch(
+            repo_id=repo_id,
+            files=files,
+            revision=info.sha or commit or row.revision,
+            target=target,
+            token=token,
+            progress=progress,
+        )
         # huggingface_hub's bookkeeping for local_dir downloads is not part of the files
         if (target / ".cache").exists():
             services.remove_files(target / ".cache")
@@ -475,13 +591,12 @@ def _download_run(*, job_id: int, relation: str, target_of: Callable[[Any], Path
         raise
     with transaction.atomic():
         type(row).objects.filter(pk=row.pk).update(
-            local_path=str(path.resolve()), status=row.Status.READY, error_message="",
-            updated_at=timezone.now(), **meta)
+            local_path=str(path.resolve()), status=row.Status.READY, error_message="", updated_at=timezone.now(), **meta
+        )
         job_lifecycle.job_finish(job=job, status=Job.Status.SUCCEEDED)
     metrics.record_download(kind=relation, outcome="succeeded")
     row.refresh_from_db()
-    log.info(f"{relation}_download_finished", **{f"{relation}_id": row.pk},
-             bytes=meta.get("disk_size_bytes"))
+    log.info(f"{relation}_download_finished", **{f"{relation}_id": row.pk}, bytes=meta.get("disk_size_bytes"))
     return row
 
 
@@ -490,18 +605,25 @@ def _download_failed(*, job: Job, row: Model | SAE, target: Path, exc: BaseExcep
     kind = "model" if isinstance(row, Model) else "sae"
     cache = settings.MODEL_CACHE_DIR if kind == "model" else settings.SAE_CACHE_DIR
     cancelled = isinstance(exc, DownloadCancelled)
-    message = "Download cancelled" if cancelled else getattr(exc, "message", None) or \
-        f"Download failed: {type(exc).__name__}"
+    message = (
+        "Download cancelled" if cancelled else getattr(exc, "message", None) or f"Download failed: {type(exc).__name__}"
+    )
     _clean_target(target, Path(cache))
-    type(row).objects.filter(pk=row.pk).update(status=row.Status.ERROR, error_message=message,
-                                               local_path="", updated_at=timezone.now())
+    type(row).objects.filter(pk=row.pk).update(
+        status=row.Status.ERROR, error_message=message, local_path="", updated_at=timezone.now()
+    )
     job.refresh_from_db()
     if job.status not in Job.FINISHED:
-        job_lifecycle.job_finish(job=job, status=Job.Status.CANCELLED if cancelled
-                            else Job.Status.FAILED, error=message)
+        job_lifecycle.job_finish(
+            job=job, status=Job.Status.CANCELLED if cancelled else Job.Status.FAILED, error=message
+        )
     metrics.record_download(kind=kind, outcome="cancelled" if cancelled else "failed")
-    log.warning(f"{kind}_download_failed", **{f"{kind}_id": row.pk}, job_id=job.id,
-                code=getattr(exc, "code", type(exc).__name__))
+    log.warning(
+        f"{kind}_download_failed",
+        **{f"{kind}_id": row.pk},
+        job_id=job.id,
+        code=getattr(exc, "code", type(exc).__name__),
+    )
 
 
 def download_cancel(*, row: Model | SAE) -> Job:
@@ -512,23 +634,24 @@ def download_cancel(*, row: Model | SAE) -> Job:
     job = selectors.active_job(kinds=(kind,), **{relation: row})
     label = f"Model {row.name!r}" if relation == "model" else f"SAE {row.pk}"
     if job is None:
-        raise JobFinished(f"{label} has no download in progress",
-                          details={f"{relation}_id": row.pk, "status": row.status})
+        raise JobFinished(
+            f"{label} has no download in progress", details={f"{relation}_id": row.pk, "status": row.status}
+        )
     job = job_lifecycle.job_cancel(job=job)
     if job.status == Job.Status.CANCELLED:  # it never started
-        type(row).objects.filter(pk=row.pk).update(status=row.Status.ERROR,
-                                                   error_message="Download cancelled",
-                                                   updated_at=timezone.now())
-        events.publish(f"{relation}:download:error", {"job_id": job.id,
-                                                      f"{relation}_id": row.pk,
-                                                      "error": "Download cancelled"})
+        type(row).objects.filter(pk=row.pk).update(
+            status=row.Status.ERROR, error_message="Download cancelled", updated_at=timezone.now()
+        )
+        events.publish(
+            f"{relation}:download:error", {"job_id": job.id, f"{relation}_id": row.pk, "error": "Download cancelled"}
+        )
     return job
 
 
 # --- SAEs ----------------------------------------------------------------------------------
 
-def sae_preview(*, repository_id: str, revision: str = "main", hf_token: str | None = None
-                ) -> dict[str, Any]:
+
+def sae_preview(*, repository_id: str, revision: str = "main", hf_token: str | None = None) -> dict[str, Any]:
     """The SAEs a repository offers (one entry per SAE file), without downloading."""
     token = hub.resolve_token(hf_token)
     info = hub.model_info(repo_id=repository_id, revision=revision, token=token)
@@ -536,24 +659,39 @@ def sae_preview(*, repository_id: str, revision: str = "main", hf_token: str | N
     for name, size in sibling_files(info):
         base = PurePosixPath(name).name
         if base in ("params.npz", "sae_weights.safetensors"):
-            files.append({"path": name, "size_bytes": size, **describe_sae_path(name),
-                          "layout": "gemmascope" if base == "params.npz" else "saelens"})
-    return {"repository_id": repository_id, "revision": revision, "sha": info.sha,
-            "is_gated": bool(info.gated),
-            "model_id": repository_id.rsplit("/", 1)[-1], "files": files,
-            "total_files": len(files)}
+            files.append(
+                {
+                    "path": name,
+                    "size_bytes": size,
+                    **describe_sae_path(name),
+                    "layout": "gemmascope" if base == "params.npz" else "saelens",
+                }
+            )
+    return {
+        "repository_id": repository_id,
+        "revision": revision,
+        "sha": info.sha,
+        "is_gated": bool(info.gated),
+        "model_id": repository_id.rsplit("/", 1)[-1],
+        "files": files,
+        "total_files": len(files),
+    }
 
 
-def sae_download_start(*, repository_id: str, file_path: str = "", revision: str = "main",
-                       hf_token: str | None = None, dispatch: bool = True
-                       ) -> tuple[SAE, Job | None, str]:
+def sae_download_start(
+    *,
+    repository_id: str,
+    file_path: str = "",
+    revision: str = "main",
+    hf_token: str | None = None,
+    dispatch: bool = True,
+) -> tuple[SAE, Job | None, str]:
     """Idempotent per repository + revision + file path. Returns the row, the job (None
     when nothing is downloaded) and the documented status: downloading, cached, attached
     or already_downloading."""
     revision = revision or "main"
     file_path = (file_path or "").strip("/")
-    existing = SAE.objects.filter(repository_id=repository_id, revision=revision,
-                                  file_path=file_path).first()
+    existing = SAE.objects.filter(repository_id=repository_id, revision=revision, file_path=file_path).first()
     if existing is not None and existing.status == SAE.Status.ATTACHED:
         return existing, None, "attached"
     if existing is not None and existing.status == SAE.Status.READY:
@@ -565,40 +703,48 @@ def sae_download_start(*, repository_id: str, file_path: str = "", revision: str
     info = hub.model_info(repo_id=repository_id, revision=revision, token=token)
     files = select_sae_files(sibling_files(info), file_path)
     if not files:
-        raise SAEInvalid(f"No SAE files (.json, .safetensors, .npz) at {file_path or 'the root'}"
-                         f" of {repository_id!r}",
-                         details={"repository_id": repository_id, "file_path": file_path})
+        raise SAEInvalid(
+            f"No SAE files (.json, .safetensors, .npz) at {file_path or 'the root'} of {repository_id!r}",
+            details={"repository_id": repository_id, "file_path": file_path},
+        )
     if info.gated:
         if not token:
-            raise GatedModelNoToken(f"Repository {repository_id!r} is gated: send an hf_token",
-                                    details={"repo_id": repository_id})
-        hub.file_metadata(repo_id=repository_id, filename=files[0][0],
-                          revision=info.sha or revision, token=token)
+            raise GatedModelNoToken(
+                f"Repository {repository_id!r} is gated: send an hf_token", details={"repo_id": repository_id}
+            )
+        hub.file_metadata(repo_id=repository_id, filename=files[0][0], revision=info.sha or revision, token=token)
     check_free_space(files=files, cache_dir=settings.SAE_CACHE_DIR, repo_id=repository_id)
     hints = describe_sae_path(file_path)
     with transaction.atomic():
-        sae = (SAE.objects.select_for_update().filter(pk=existing.pk).first()
-               if existing is not None else None)
+        sae = SAE.objects.select_for_update().filter(pk=existing.pk).first() if existing is not None else None
         if sae is None:
             sae = SAE.objects.create(
-                name=(PurePosixPath(sae_dir_of(file_path)).name if file_path else
-                      repository_id.rsplit("/", 1)[-1]) or repository_id.rsplit("/", 1)[-1],
-                repository_id=repository_id, revision=revision, file_path=file_path,
-                status=SAE.Status.DOWNLOADING, trained_on_layer=hints["layer"],
-                average_l0=hints["average_l0"])
+                name=(PurePosixPath(sae_dir_of(file_path)).name if file_path else repository_id.rsplit("/", 1)[-1])
+                or repository_id.rsplit("/", 1)[-1],
+                repository_id=repository_id,
+                revision=revision,
+                file_path=file_path,
+                status=SAE.Status.DOWNLOADING,
+                trained_on_layer=hints["layer"],
+                average_l0=hints["average_l0"],
+            )
         else:
             sae.status, sae.error_message = SAE.Status.DOWNLOADING, ""
             sae.save(update_fields=["status", "error_message", "updated_at"])
-        job = job_lifecycle.job_create(kind=Job.Kind.SAE_DOWNLOAD,
-                                  target=f"{repository_id}@{revision}:{file_path}"[:500],
-                                  sae=sae)
+        job = job_lifecycle.job_create(
+            kind=Job.Kind.SAE_DOWNLOAD, target=f"{repository_id}@{revision}:{file_path}"[:500], sae=sae
+        )
         job.bytes_total = sum(s for _, s in files) or None
         job.save(update_fields=["bytes_total", "updated_at"])
         if dispatch:
-            jobs.enqueue("registry.tasks.sae_download_task", job.id, queue="downloads",
-                         commit=info.sha or revision, secret_kwargs={"hf_token": hf_token})
-    log.info("sae_download_started", sae_id=sae.id, repository_id=repository_id,
-             file_path=file_path, job_id=job.id)
+            jobs.enqueue(
+                "registry.tasks.sae_download_task",
+                job.id,
+                queue="downloads",
+                commit=info.sha or revision,
+                secret_kwargs={"hf_token": hf_token},
+            )
+    log.info("sae_download_started", sae_id=sae.id, repository_id=repository_id, file_path=file_path, job_id=job.id)
     return sae, job, "downloading"
 
 
@@ -606,8 +752,9 @@ def sae_target_dir(sae: SAE) -> Path:
     return Path(settings.SAE_CACHE_DIR) / _slug(sae.repository_id) / sae.id
 
 
-def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | None = None,
-                     on_progress: ProgressCallback | None = None) -> SAE | None:
+def sae_download_run(
+    *, job_id: int, hf_token: str | None = None, commit: str | None = None, on_progress: ProgressCallback | None = None
+) -> SAE | None:
     def describe_at(sae: SAE, target: Path) -> tuple[Path, dict[str, Any]]:
         folder = sae_dir_of(sae.file_path) if sae.file_path else ""
         path = (target / folder) if folder else target
@@ -619,8 +766,13 @@ def sae_download_run(*, job_id: int, hf_token: str | None = None, commit: str | 
             meta["trained_on_layer"] = sae.trained_on_layer
         return path, meta
 
-    return _download_run(job_id=job_id, relation="sae", target_of=sae_target_dir,
-                         files_of=lambda sae, info: select_sae_files(sibling_files(info),
-                                                                     sae.file_path),
-                         describe_at=describe_at, hf_token=hf_token, commit=commit,
-                         on_progress=on_progress)
+    return _download_run(
+        job_id=job_id,
+        relation="sae",
+        target_of=sae_target_dir,
+        files_of=lambda sae, info: select_sae_files(sibling_files(info), sae.file_path),
+        describe_at=describe_at,
+        hf_token=hf_token,
+        commit=commit,
+        on_progress=on_progress,
+    )

@@ -108,7 +108,6 @@ class CircuitNotFound(MillmError):
     code, status = "CIRCUIT_NOT_FOUND", 404
 
 
-
 class VectorInvalid(MillmError):
     """A steering vector file or its creation arguments were refused; ``details.field``
     names what (``file``, ``layer``, ``model``, ``pairs``)."""

@@ -105,12 +105,14 @@ class HubBreakers:
             found = self._breakers.get(name)
             if found is None:
                 if name != HUB:
-                    raise CircuitNotFound(f"No circuit breaker named {name!r}",
-                                          details={"name": name, "known": [HUB]})
+                    raise CircuitNotFound(f"No circuit breaker named {name!r}", details={"name": name, "known": [HUB]})
                 found = pybreaker.CircuitBreaker(
                     fail_max=settings.HF_CIRCUIT_FAIL_MAX,
                     reset_timeout=settings.HF_CIRCUIT_RESET_TIMEOUT_S,
-                    exclude=[_is_request_error], name=name, throw_new_error_on_trip=False)
+                    exclude=[_is_request_error],
+                    name=name,
+                    throw_new_error_on_trip=False,
+                )
                 self._breakers[name] = found
             return found
 
@@ -154,12 +156,12 @@ def circuit_reset(*, name: str) -> dict[str, Any]:
     return circuit_state(cb)
 
 
-def _unavailable(cb: pybreaker.CircuitBreaker, cause: BaseException | None = None
-                 ) -> HubUnavailable:
+def _unavailable(cb: pybreaker.CircuitBreaker, cause: BaseException | None = None) -> HubUnavailable:
     if cb.current_state == pybreaker.STATE_OPEN:
         retry_after = _seconds_left(cb)
-        message = (f"The Hugging Face hub is unavailable (circuit open after "
-                   f"{cb.fail_max} failures); retry in {retry_after} s")
+        message = (
+            f"The Hugging Face hub is unavailable (circuit open after {cb.fail_max} failures); retry in {retry_after} s"
+        )
     else:
         retry_after = int(settings.HF_CIRCUIT_RESET_TIMEOUT_S)
         message = "The Hugging Face hub could not be reached"
@@ -169,8 +171,14 @@ def _unavailable(cb: pybreaker.CircuitBreaker, cause: BaseException | None = Non
     return HubUnavailable(message, details=details, retry_after=retry_after)
 
 
-def translate(exc: BaseException, *, repo_id: str, revision: str | None = None,
-              filename: str | None = None, token_given: bool = False) -> MillmError:
+def translate(
+    exc: BaseException,
+    *,
+    repo_id: str,
+    revision: str | None = None,
+    filename: str | None = None,
+    token_given: bool = False,
+) -> MillmError:
     """The domain error for a huggingface_hub failure (never quoting a token)."""
     details: dict[str, Any] = {"repo_id": repo_id}
     if revision:
@@ -179,43 +187,50 @@ def translate(exc: BaseException, *, repo_id: str, revision: str | None = None,
         details["file_path"] = filename
     if isinstance(exc, GatedRepoError):
         if token_given:
-            return InvalidHFToken(f"The token was refused for gated repository {repo_id!r}: "
-                                  "accept its license on the hub with that account",
-                                  details=details)
-        return GatedModelNoToken(f"Repository {repo_id!r} is gated: accept its license on the "
-                                 "hub and send an hf_token", details=details)
+            return InvalidHFToken(
+                f"The token was refused for gated repository {repo_id!r}: "
+                "accept its license on the hub with that account",
+                details=details,
+            )
+        return GatedModelNoToken(
+            f"Repository {repo_id!r} is gated: accept its license on the hub and send an hf_token", details=details
+        )
     if isinstance(exc, RepositoryNotFoundError):
         if token_given and _status(exc) == 401:
             return InvalidHFToken("The hub refused the token", details=details)
-        return RepoNotFound(f"Repository {repo_id!r} was not found on the hub (or is private)",
-                            details=details)
+        return RepoNotFound(f"Repository {repo_id!r} was not found on the hub (or is private)", details=details)
     if isinstance(exc, RevisionNotFoundError):
-        return RevisionNotFound(f"Revision {revision!r} of {repo_id!r} was not found",
-                                details=details)
+        return RevisionNotFound(f"Revision {revision!r} of {repo_id!r} was not found", details=details)
     if isinstance(exc, EntryNotFoundError) and not isinstance(exc, LocalEntryNotFoundError):
-        return FileNotFoundOnHub(f"{filename or 'The file'} is not in {repo_id!r}",
-                                 details=details)
+        return FileNotFoundOnHub(f"{filename or 'The file'} is not in {repo_id!r}", details=details)
     if isinstance(exc, HfHubHTTPError) and _status(exc) in (401, 403):
         if token_given:
             return InvalidHFToken("The hub refused the token", details=details)
         return GatedModelNoToken(f"Repository {repo_id!r} needs a token", details=details)
     if isinstance(exc, HFValidationError):
-        return ValidationFailed(f"The hub refuses this request: {str(exc).splitlines()[0]}",
-                                details=details)
+        return ValidationFailed(f"The hub refuses this request: {str(exc).splitlines()[0]}", details=details)
     if is_transient(exc):
         return _unavailable(breaker(HUB), exc)
-    return DownloadFailed(f"The hub call failed: {type(exc).__name__}",
-                          details={**details, "status": _status(exc)})
+    return DownloadFailed(f"The hub call failed: {type(exc).__name__}", details={**details, "status": _status(exc)})
 
 
 def _retrying() -> Retrying:
-    return Retrying(stop=stop_after_attempt(settings.HF_RETRY_ATTEMPTS),
-                    wait=wait_exponential(multiplier=0.25, max=2),
-                    retry=retry_if_exception(is_transient), reraise=True)
+    return Retrying(
+        stop=stop_after_attempt(settings.HF_RETRY_ATTEMPTS),
+        wait=wait_exponential(multiplier=0.25, max=2),
+        retry=retry_if_exception(is_transient),
+        reraise=True,
+    )
 
 
-def call(fn: Callable[[], T], *, repo_id: str, revision: str | None = None,
-         filename: str | None = None, token_given: bool = False) -> T:
+def call(
+    fn: Callable[[], T],
+    *,
+    repo_id: str,
+    revision: str | None = None,
+    filename: str | None = None,
+    token_given: bool = False,
+) -> T:
     """Run a short hub call: retried on transient errors, inside the breaker."""
     cb = breaker(HUB)
     try:
@@ -225,21 +240,24 @@ def call(fn: Callable[[], T], *, repo_id: str, revision: str | None = None,
     except MillmError:
         raise
     except Exception as exc:  # noqa: BLE001 - translated to the contract's codes
-        raise translate(exc, repo_id=repo_id, revision=revision, filename=filename,
-                        token_given=token_given) from None
+        raise translate(exc, repo_id=repo_id, revision=revision, filename=filename, token_given=token_given) from None
 
 
 def check_available() -> None:
     """Refuse at once while the breaker is open (before a long transfer)."""
     cb = breaker(HUB)
     opened = cb._state_storage.opened_at
-    if cb.current_state == pybreaker.STATE_OPEN and opened is not None and \
-            (datetime.now(UTC) - opened).total_seconds() < cb.reset_timeout:
+    if (
+        cb.current_state == pybreaker.STATE_OPEN
+        and opened is not None
+        and (datetime.now(UTC) - opened).total_seconds() < cb.reset_timeout
+    ):
         raise _unavailable(cb)
 
 
 def record_outcome(exc: BaseException | None) -> None:
     """Tell the breaker how a transfer (run outside it) ended."""
+
     def outcome() -> None:
         if exc is not None:
             raise exc
@@ -265,49 +283,77 @@ def _api(token: str | bool) -> HfApi:
 
 # --- calls -----------------------------------------------------------------------------
 
+
 def model_info(*, repo_id: str, revision: str | None, token: str | bool) -> Any:
     """Repository metadata with file sizes (``siblings``) at a revision."""
-    return call(lambda: _api(token).model_info(
-        repo_id, revision=revision or None, files_metadata=True,
-        timeout=settings.HF_REQUEST_TIMEOUT_S),
-        repo_id=repo_id, revision=revision, token_given=bool(token))
+    return call(
+        lambda: _api(token).model_info(
+            repo_id, revision=revision or None, files_metadata=True, timeout=settings.HF_REQUEST_TIMEOUT_S
+        ),
+        repo_id=repo_id,
+        revision=revision,
+        token_given=bool(token),
+    )
 
 
 def file_metadata(*, repo_id: str, filename: str, revision: str, token: str | bool) -> Any:
     """HEAD of one file: checks that this token may read it (gated repositories)."""
     url = hf_hub_url(repo_id, filename, revision=revision, endpoint=endpoint())
-    return call(lambda: get_hf_file_metadata(url, token=token,
-                                             timeout=settings.HF_REQUEST_TIMEOUT_S),
-                repo_id=repo_id, revision=revision, filename=filename,
-                token_given=bool(token))
+    return call(
+        lambda: get_hf_file_metadata(url, token=token, timeout=settings.HF_REQUEST_TIMEOUT_S),
+        repo_id=repo_id,
+        revision=revision,
+        filename=filename,
+        token_given=bool(token),
+    )
 
 
 def read_small_file(*, repo_id: str, filename: str, revision: str, token: str | bool) -> bytes:
     """A small file's bytes (config.json for a preview), through a throw-away folder."""
     with tempfile.TemporaryDirectory(prefix="millm-hub-") as tmp:
-        path = call(lambda: hf_hub_download(
-            repo_id, filename, revision=revision, local_dir=tmp, token=token,
-            endpoint=endpoint(), etag_timeout=settings.HF_REQUEST_TIMEOUT_S),
-            repo_id=repo_id, revision=revision, filename=filename, token_given=bool(token))
+        path = call(
+            lambda: hf_hub_download(
+                repo_id,
+                filename,
+                revision=revision,
+                local_dir=tmp,
+                token=token,
+                endpoint=endpoint(),
+                etag_timeout=settings.HF_REQUEST_TIMEOUT_S,
+            ),
+            repo_id=repo_id,
+            revision=revision,
+            filename=filename,
+            token_given=bool(token),
+        )
         return Path(path).read_bytes()
 
 
-def download_file(*, repo_id: str, filename: str, revision: str, local_dir: Path,
-                  token: str | bool, tqdm_class: Any = None) -> Path:
+def download_file(
+    *, repo_id: str, filename: str, revision: str, local_dir: Path, token: str | bool, tqdm_class: Any = None
+) -> Path:
     """Download one file into ``local_dir`` with huggingface_hub (resuming inside the
     transfer after a dropped connection); the outcome is reported to the breaker."""
     check_available()
     try:
-        path = hf_hub_download(repo_id, filename, revision=revision, local_dir=str(local_dir),
-                               token=token, endpoint=endpoint(), tqdm_class=tqdm_class,
-                               etag_timeout=settings.HF_REQUEST_TIMEOUT_S)
+        path = hf_hub_download(
+            repo_id,
+            filename,
+            revision=revision,
+            local_dir=str(local_dir),
+            token=token,
+            endpoint=endpoint(),
+            tqdm_class=tqdm_class,
+            etag_timeout=settings.HF_REQUEST_TIMEOUT_S,
+        )
     except MillmError:
         raise
     except Exception as exc:
         if is_transient(exc) or isinstance(exc, (HfHubHTTPError, EntryNotFoundError)):
             record_outcome(exc)
-            raise translate(exc, repo_id=repo_id, revision=revision, filename=filename,
-                            token_given=bool(token)) from None
+            raise translate(
+                exc, repo_id=repo_id, revision=revision, filename=filename, token_given=bool(token)
+            ) from None
         raise
     record_outcome(None)
     return Path(path)

@@ -56,12 +56,13 @@ def gguf_quantization(quant: str) -> str:
         return "FP16"
     bits = int(re.search(r"\d", q).group())  # type: ignore[union-attr]
     return "Q8" if bits >= 5 else "Q4" if bits >= 3 else "Q2"
+
+
 def sibling_files(info: Any) -> list[tuple[str, int]]:
     return [(s.rfilename, int(s.size or 0)) for s in (info.siblings or [])]
 
 
-def select_model_files(files: list[tuple[str, int]], *, trust_remote_code: bool
-                       ) -> list[tuple[str, int]]:
+def select_model_files(files: list[tuple[str, int]], *, trust_remote_code: bool) -> list[tuple[str, int]]:
     """The files a transformers checkpoint needs, at the repository's root."""
     chosen = []
     for name, size in files:
@@ -95,8 +96,11 @@ def select_sae_files(files: list[tuple[str, int]], file_path: str) -> list[tuple
     return chosen
 
 
-_LAYER = re.compile(r"(?:layer[_-]?|blocks\.|\.layers?\.|(?:^|[/.-]|(?<!average)_)l)(\d+)"
-                    r"(?=[/_.-]|$)", re.IGNORECASE)
+_LAYER = re.compile(
+    r"(?:layer[_-]?|blocks\.|\.layers?\.|(?:^|[/.-]|(?<!average)_)l)(\d+)"
+    r"(?=[/_.-]|$)",
+    re.IGNORECASE,
+)
 _WIDTH = re.compile(r"width[_-]?(\w+?)(?:/|$|_)", re.IGNORECASE)
 _L0 = re.compile(r"average_l0[_-]?(\d+)", re.IGNORECASE)
 
@@ -105,6 +109,8 @@ def describe_sae_path(path: str) -> dict[str, Any]:
     layer = _LAYER.search(path)
     width = _WIDTH.search(path)
     l0 = _L0.search(path)
-    return {"layer": int(layer.group(1)) if layer else None,
-            "width": width.group(1) if width else None,
-            "average_l0": int(l0.group(1)) if l0 else None}
+    return {
+        "layer": int(layer.group(1)) if layer else None,
+        "width": width.group(1) if width else None,
+        "average_l0": int(l0.group(1)) if l0 else None,
+    }

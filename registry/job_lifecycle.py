@@ -21,13 +21,21 @@ _JOB_EVENT_PREFIX = {
 
 
 def _job_payload(job: Job) -> dict[str, Any]:
-    return {"job_id": job.id, "kind": job.kind, "model_id": job.model_id, "sae_id": job.sae_id,
-            "status": job.status, "progress": job.progress, "percent": job.progress,
-            "stage": job.stage, "bytes_done": job.bytes_done, "bytes_total": job.bytes_total}
+    return {
+        "job_id": job.id,
+        "kind": job.kind,
+        "model_id": job.model_id,
+        "sae_id": job.sae_id,
+        "status": job.status,
+        "progress": job.progress,
+        "percent": job.progress,
+        "stage": job.stage,
+        "bytes_done": job.bytes_done,
+        "bytes_total": job.bytes_total,
+    }
 
 
-def job_create(*, kind: str, target: str, model: Model | None = None,
-               sae: SAE | None = None) -> Job:
+def job_create(*, kind: str, target: str, model: Model | None = None, sae: SAE | None = None) -> Job:
     return Job.objects.create(kind=kind, target=target, model=model, sae=sae)
 
 
@@ -35,9 +43,9 @@ def job_claim(*, job: Job, stage: str = "") -> bool:
     """Move a queued job to running, atomically: False when another worker (a redelivered
     task, a second dispatch) already has it or it has ended, and then nothing is run."""
     now = timezone.now()
-    claimed = Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED,
-                                 cancel_requested=False).update(
-        status=Job.Status.RUNNING, started_at=now, stage=stage, updated_at=now)
+    claimed = Job.objects.filter(pk=job.pk, status=Job.Status.QUEUED, cancel_requested=False).update(
+        status=Job.Status.RUNNING, started_at=now, stage=stage, updated_at=now
+    )
     if claimed:
         job.status, job.started_at, job.stage = Job.Status.RUNNING, now, stage
     return bool(claimed)
@@ -51,8 +59,9 @@ def job_start(*, job: Job, stage: str = "") -> Job:
     return job
 
 
-def job_progress(*, job: Job, progress: int, stage: str | None = None,
-                 bytes_done: int | None = None, bytes_total: int | None = None) -> Job:
+def job_progress(
+    *, job: Job, progress: int, stage: str | None = None, bytes_done: int | None = None, bytes_total: int | None = None
+) -> Job:
     """Record progress on the row and push it to WebSocket listeners."""
     job.progress = max(0, min(100, int(progress)))
     fields = ["progress", "updated_at"]
@@ -93,8 +102,7 @@ def job_cancel(*, job: Job) -> Job:
     """Ask a running job to stop; a queued one is cancelled at once."""
     job = Job.objects.select_for_update().get(pk=job.pk)
     if job.status in Job.FINISHED:
-        raise JobFinished(f"Job {job.id} already {job.status}",
-                          details={"job_id": job.id, "status": job.status})
+        raise JobFinished(f"Job {job.id} already {job.status}", details={"job_id": job.id, "status": job.status})
     job.cancel_requested = True
     if job.status == Job.Status.QUEUED:
         job.status = Job.Status.CANCELLED

@@ -39,35 +39,31 @@ def startup_reconcile() -> dict[str, int]:
     now = timezone.now()
     interrupted = downloads = resident = 0
     if settings.EMBEDDED:
-        interrupted = Job.objects.filter(
-            status__in=Job.ACTIVE).update(
-            status=Job.Status.FAILED, error="Interrupted by a server restart", finished_at=now,
-            updated_at=now)
+        interrupted = Job.objects.filter(status__in=Job.ACTIVE).update(
+            status=Job.Status.FAILED, error="Interrupted by a server restart", finished_at=now, updated_at=now
+        )
         downloads = Model.objects.filter(status=Model.Status.DOWNLOADING).update(
-            status=Model.Status.ERROR, error_message="Download interrupted by a server restart",
-            updated_at=now)
+            status=Model.Status.ERROR, error_message="Download interrupted by a server restart", updated_at=now
+        )
         downloads += SAE.objects.filter(status=SAE.Status.DOWNLOADING).update(
-            status=SAE.Status.ERROR, error_message="Download interrupted by a server restart",
-            updated_at=now)
-        moving = Model.objects.filter(status__in=(Model.Status.LOADING,
-                                                  Model.Status.UNLOADING))
+            status=SAE.Status.ERROR, error_message="Download interrupted by a server restart", updated_at=now
+        )
+        moving = Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING))
         Attachment.objects.filter(model__in=moving).delete()
-        resident = moving.update(status=Model.Status.READY, locked=False, device="", dtype="",
-                                 updated_at=now)
+        resident = moving.update(status=Model.Status.READY, locked=False, device="", dtype="", updated_at=now)
         # attachments belong to a loaded model; anything else is left over
         Attachment.objects.exclude(model__status=Model.Status.LOADED).delete()
         SAE.objects.filter(status=SAE.Status.ATTACHED, attachments__isnull=True).update(
-            status=SAE.Status.READY, updated_at=now)
-    summary = {"jobs_interrupted": interrupted, "downloads_interrupted": downloads,
-               "models_reset": resident}
+            status=SAE.Status.READY, updated_at=now
+        )
+    summary = {"jobs_interrupted": interrupted, "downloads_interrupted": downloads, "models_reset": resident}
     if any(summary.values()):
         log.info("startup_reconciled", **summary)
     return summary
 
 
 def model_by_name_or_id(value: str) -> Model:
-    model = Model.objects.filter(Q(name=value) | Q(pk=ascii_int(value))
-                                 ).first()
+    model = Model.objects.filter(Q(name=value) | Q(pk=ascii_int(value))).first()
     if model is None:
         raise ModelNotFound(f"Model {value!r} is not registered", details={"model": value})
     return model
@@ -114,8 +110,7 @@ def cache_prune(*, dry_run: bool = True) -> PruneReport:
 
     def used(path: Path) -> bool:
         resolved = path.resolve()
-        return any(ref == resolved or resolved in ref.parents or ref in resolved.parents
-                   for ref in referenced)
+        return any(ref == resolved or resolved in ref.parents or ref in resolved.parents for ref in referenced)
 
     for root in (Path(settings.MODEL_CACHE_DIR), Path(settings.SAE_CACHE_DIR)):
         if not root.is_dir():

@@ -44,25 +44,26 @@ class Model(models.Model):
         UNLOADING = "unloading", "Unloading"
         ERROR = "error", "Error"
 
-    name = models.CharField(max_length=200, unique=True,
-                            help_text="The name clients use as `model` on /v1.")
+    name = models.CharField(max_length=200, unique=True, help_text="The name clients use as `model` on /v1.")
     source = models.CharField(max_length=16, choices=Source.choices)
     repo_id = models.CharField(max_length=300, blank=True)
     revision = models.CharField(max_length=100, blank=True, default="main")
-    local_path = models.CharField(max_length=1000, blank=True,
-                                  help_text="Directory (or GGUF file) holding the weights.")
-    format = models.CharField(max_length=16, choices=Format.choices,
-                              default=Format.TRANSFORMERS)
+    local_path = models.CharField(
+        max_length=1000, blank=True, help_text="Directory (or GGUF file) holding the weights."
+    )
+    format = models.CharField(max_length=16, choices=Format.choices, default=Format.TRANSFORMERS)
     gguf_file = models.CharField(max_length=300, blank=True)
-    quantization = models.CharField(max_length=8, choices=Quantization.choices,
-                                    default=Quantization.FP32)
+    quantization = models.CharField(max_length=8, choices=Quantization.choices, default=Quantization.FP32)
     trust_remote_code = models.BooleanField(default=False)
     backend = models.CharField(
-        max_length=32, blank=True, default="", validators=[validate_backend],
+        max_length=32,
+        blank=True,
+        default="",
+        validators=[validate_backend],
         help_text="The engine backend that loads and runs it (transformers, vllm, llamacpp); "
-                  "blank: the site's MILLM_BACKEND.")
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY,
-                              db_index=True)
+        "blank: the site's MILLM_BACKEND.",
+    )
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY, db_index=True)
     error_message = models.TextField(blank=True)
     architecture = models.CharField(max_length=200, blank=True)
     num_layers = models.PositiveIntegerField(null=True, blank=True)
@@ -72,18 +73,20 @@ class Model(models.Model):
     disk_size_bytes = models.BigIntegerField(null=True, blank=True)
     estimated_memory_bytes = models.BigIntegerField(null=True, blank=True)
     files_dir = models.CharField(
-        max_length=1000, blank=True,
+        max_length=1000,
+        blank=True,
         help_text="The folder the registry downloaded this row's files into; deleting the "
-                  "row removes it and nothing else (empty: the row owns no files).")
+        "row removes it and nothing else (empty: the row owns no files).",
+    )
     locked = models.BooleanField(default=False)
     locked_by_operator = models.BooleanField(
-        default=False, help_text="Locked through lock (API, admin), not only because SAEs are "
-                                 "attached: detaching the last SAE then leaves it locked.")
+        default=False,
+        help_text="Locked through lock (API, admin), not only because SAEs are "
+        "attached: detaching the last SAE then leaves it locked.",
+    )
     loaded_at = models.DateTimeField(null=True, blank=True)
-    device = models.CharField(max_length=32, blank=True,
-                              help_text="Where the resident weights are (set while loaded).")
-    dtype = models.CharField(max_length=16, blank=True,
-                             help_text="Dtype of the resident weights (set while loaded).")
+    device = models.CharField(max_length=32, blank=True, help_text="Where the resident weights are (set while loaded).")
+    dtype = models.CharField(max_length=16, blank=True, help_text="Dtype of the resident weights (set while loaded).")
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -146,11 +149,9 @@ class SAE(models.Model):
 
     id = models.CharField(primary_key=True, max_length=40, default=_sae_id, editable=False)
     name = models.CharField(max_length=200, blank=True)
-    repository_id = models.CharField(max_length=300, blank=True,
-                                     help_text="Hub repository, empty for a local SAE.")
+    repository_id = models.CharField(max_length=300, blank=True, help_text="Hub repository, empty for a local SAE.")
     revision = models.CharField(max_length=100, blank=True, default="main")
-    file_path = models.CharField(max_length=500, blank=True,
-                                 help_text="Path of the SAE inside the repository.")
+    file_path = models.CharField(max_length=500, blank=True, help_text="Path of the SAE inside the repository.")
     local_path = models.CharField(max_length=1000, blank=True)
     format = models.CharField(max_length=16, choices=Format.choices)
     d_in = models.PositiveIntegerField(null=True, blank=True)
@@ -158,31 +159,31 @@ class SAE(models.Model):
     trained_on_model = models.CharField(max_length=300, blank=True)
     trained_on_layer = models.IntegerField(null=True, blank=True)
     hook_name = models.CharField(max_length=200, blank=True)
-    activation = models.CharField(max_length=16, choices=Activation.choices,
-                                  default=Activation.RELU)
+    activation = models.CharField(max_length=16, choices=Activation.choices, default=Activation.RELU)
     topk_k = models.PositiveIntegerField(null=True, blank=True)
-    width = models.PositiveIntegerField(null=True, blank=True,
-                                        help_text="Dictionary width (= d_sae).")
+    width = models.PositiveIntegerField(null=True, blank=True, help_text="Dictionary width (= d_sae).")
     average_l0 = models.FloatField(null=True, blank=True)
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY,
-                              db_index=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY, db_index=True)
     error_message = models.TextField(blank=True)
     # steering vectors only
     vector_source = models.CharField(max_length=16, choices=VectorSource.choices, blank=True)
-    vector_layers = models.JSONField(default=list, blank=True,
-                                     help_text="The layers the vector file has a vector for.")
-    vector_norms = models.JSONField(default=list, blank=True,
-                                    help_text="The L2 norm of each layer's vector, in the order "
-                                              "of vector_layers.")
-    vector_recipe = models.JSONField(default=dict, blank=True,
-                                     help_text="How a computed vector was made (pairs, pooling).")
+    vector_layers = models.JSONField(default=list, blank=True, help_text="The layers the vector file has a vector for.")
+    vector_norms = models.JSONField(
+        default=list, blank=True, help_text="The L2 norm of each layer's vector, in the order of vector_layers."
+    )
+    vector_recipe = models.JSONField(
+        default=dict, blank=True, help_text="How a computed vector was made (pairs, pooling)."
+    )
     files_owned = models.BooleanField(
-        default=False, help_text="miLLM wrote these files (an upload or a computed vector); "
-                                 "deleting the row removes them.")
+        default=False,
+        help_text="miLLM wrote these files (an upload or a computed vector); deleting the row removes them.",
+    )
     files_dir = models.CharField(
-        max_length=1000, blank=True,
+        max_length=1000,
+        blank=True,
         help_text="The folder the registry downloaded this row's files into; deleting the "
-                  "row removes it and nothing else (empty: no download).")
+        "row removes it and nothing else (empty: no download).",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -239,15 +240,12 @@ class Job(models.Model):
     ACTIVE = (Status.QUEUED, Status.RUNNING)
 
     kind = models.CharField(max_length=32, choices=Kind.choices)
-    model = models.ForeignKey(Model, null=True, blank=True, on_delete=models.SET_NULL,
-                              related_name="jobs")
-    sae = models.ForeignKey(SAE, null=True, blank=True, on_delete=models.SET_NULL,
-                            related_name="jobs")
-    target = models.CharField(max_length=500, blank=True,
-                              help_text="What the job acts on, kept after the row it names "
-                                        "is deleted.")
-    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED,
-                              db_index=True)
+    model = models.ForeignKey(Model, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    sae = models.ForeignKey(SAE, null=True, blank=True, on_delete=models.SET_NULL, related_name="jobs")
+    target = models.CharField(
+        max_length=500, blank=True, help_text="What the job acts on, kept after the row it names is deleted."
+    )
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.QUEUED, db_index=True)
     progress = models.PositiveSmallIntegerField(default=0)
     stage = models.CharField(max_length=100, blank=True)
     bytes_done = models.BigIntegerField(default=0)
@@ -262,8 +260,7 @@ class Job(models.Model):
     class Meta:
         ordering = ["-created_at"]
         constraints = [
-            models.CheckConstraint(name="job_progress_0_100",
-                                   condition=models.Q(progress__lte=100)),
+            models.CheckConstraint(name="job_progress_0_100", condition=models.Q(progress__lte=100)),
         ]
 
     def __str__(self) -> str:

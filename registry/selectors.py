@@ -19,8 +19,7 @@ def model_get(*, model_id: int | str) -> Model:
     try:
         return get_by_pk_or_name(Model.objects.all(), model_id)
     except Model.DoesNotExist:
-        raise ModelNotFound(f"Model {model_id!r} not found",
-                            details={"model_id": model_id}) from None
+        raise ModelNotFound(f"Model {model_id!r} not found", details={"model_id": model_id}) from None
 
 
 def model_loaded(*, other_than: Model | None = None) -> Model | None:
@@ -50,26 +49,28 @@ def job_get(*, job_id: int) -> Job:
         raise JobNotFound(f"Job {job_id} not found", details={"job_id": job_id}) from None
 
 
-def active_job(*, kinds: tuple[str, ...], model: Model | None = None, sae: SAE | None = None
-               ) -> Job | None:
+def active_job(*, kinds: tuple[str, ...], model: Model | None = None, sae: SAE | None = None) -> Job | None:
     """The newest queued or running job of these kinds on the model or SAE."""
     target = {"model": model} if model is not None else {"sae": sae}
-    return (Job.objects.filter(kind__in=kinds, status__in=Job.ACTIVE, **target)
-            .order_by("-created_at").first())
+    return Job.objects.filter(kind__in=kinds, status__in=Job.ACTIVE, **target).order_by("-created_at").first()
 
 
 def download_progress_by_model() -> dict[int, int]:
     """Percent of each model's running download (list pages ask for all at once)."""
-    rows = (Job.objects.filter(kind=Job.Kind.MODEL_DOWNLOAD, model__isnull=False,
-                               status__in=Job.ACTIVE)
-            .order_by("created_at").values_list("model_id", "progress"))
+    rows = (
+        Job.objects.filter(kind=Job.Kind.MODEL_DOWNLOAD, model__isnull=False, status__in=Job.ACTIVE)
+        .order_by("created_at")
+        .values_list("model_id", "progress")
+    )
     return dict(rows)
 
 
 def download_progress_by_sae() -> dict[str, int]:
-    rows = (Job.objects.filter(kind=Job.Kind.SAE_DOWNLOAD, sae__isnull=False,
-                               status__in=Job.ACTIVE)
-            .order_by("created_at").values_list("sae_id", "progress"))
+    rows = (
+        Job.objects.filter(kind=Job.Kind.SAE_DOWNLOAD, sae__isnull=False, status__in=Job.ACTIVE)
+        .order_by("created_at")
+        .values_list("sae_id", "progress")
+    )
     return dict(rows)
 
 
@@ -77,8 +78,7 @@ def attachment_list() -> QuerySet[Attachment]:
     return Attachment.objects.select_related("sae", "model").order_by("layer", "sae_id")
 
 
-def job_list(*, kind: str | None = None, status: str | None = None,
-             limit: int = 50) -> list[Job]:
+def job_list(*, kind: str | None = None, status: str | None = None, limit: int = 50) -> list[Job]:
     qs = Job.objects.all()
     if kind:
         qs = qs.filter(kind=kind)
@@ -90,8 +90,7 @@ def job_list(*, kind: str | None = None, status: str | None = None,
 def engine_attachment_counts() -> dict[tuple[str, int], int]:
     """steering_apply_count per (sae_id, layer), from the engine; empty when it is away."""
     try:
-        return {(a.sae_id, a.layer): a.steering_apply_count
-                for a in runtime().engine.attachments()}
+        return {(a.sae_id, a.layer): a.steering_apply_count for a in runtime().engine.attachments()}
     except Exception:  # noqa: BLE001 - a read must not fail because the engine is away
         return {}
 

@@ -77,11 +77,13 @@ class RevisionField(serializers.CharField):
 
 def _revision_safe(value: str | None) -> None:
     if value and (not all(33 <= ord(c) <= 126 for c in value) or ".." in value):
-        raise serializers.ValidationError("revision must be a branch, tag or commit name "
-                                          "(printable ASCII, no spaces, no '..')")
+        raise serializers.ValidationError(
+            "revision must be a branch, tag or commit name (printable ASCII, no spaces, no '..')"
+        )
 
 
 # --- inputs ----------------------------------------------------------------------------
+
 
 class ModelCreateInput(serializers.Serializer):
     source = serializers.ChoiceField(choices=Model.Source.choices, default="huggingface")
@@ -90,25 +92,28 @@ class ModelCreateInput(serializers.Serializer):
     local_path = serializers.CharField(max_length=1000, required=False, allow_null=True)
     quantization = serializers.ChoiceField(choices=Model.Quantization.choices, default="FP16")
     trust_remote_code = serializers.BooleanField(default=False)
-    backend = serializers.CharField(max_length=32, required=False, allow_blank=True, default="",
-                                    help_text="a registered backend; blank: MILLM_BACKEND")
-    custom_name = serializers.CharField(max_length=100, required=False, allow_null=True,
-                                        allow_blank=True)
+    backend = serializers.CharField(
+        max_length=32,
+        required=False,
+        allow_blank=True,
+        default="",
+        help_text="a registered backend; blank: MILLM_BACKEND",
+    )
+    custom_name = serializers.CharField(max_length=100, required=False, allow_null=True, allow_blank=True)
     hf_token = HubTokenField()
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if attrs["source"] == Model.Source.HUGGINGFACE and not attrs.get("repo_id"):
-            raise serializers.ValidationError(
-                {"repo_id": ["repo_id is required for the huggingface source"]})
+            raise serializers.ValidationError({"repo_id": ["repo_id is required for the huggingface source"]})
         if attrs["source"] == Model.Source.LOCAL and not attrs.get("local_path"):
-            raise serializers.ValidationError(
-                {"local_path": ["local_path is required for the local source"]})
+            raise serializers.ValidationError({"local_path": ["local_path is required for the local source"]})
         return attrs
 
 
 class ModelUpdateInput(serializers.Serializer):
-    backend = serializers.CharField(max_length=32, allow_blank=True,
-                                    help_text="a registered backend; blank: MILLM_BACKEND")
+    backend = serializers.CharField(
+        max_length=32, allow_blank=True, help_text="a registered backend; blank: MILLM_BACKEND"
+    )
     # any other field (name, quantization, local_path) is refused as unknown by
     # core.api.validated: a change that cannot happen here must not answer 200
 
@@ -121,8 +126,7 @@ class ModelPreviewInput(serializers.Serializer):
 
 class SAEDownloadInput(serializers.Serializer):
     repository_id = RepoIdField()
-    file_path = serializers.CharField(max_length=500, required=False, allow_null=True,
-                                      allow_blank=True, default="")
+    file_path = serializers.CharField(max_length=500, required=False, allow_null=True, allow_blank=True, default="")
     revision = RevisionField()
     hf_token = HubTokenField()
 
@@ -137,31 +141,46 @@ class SAEDownloadInput(serializers.Serializer):
 class SAECreateInput(SAEDownloadInput):
     """``POST /api/saes``: the hub download's fields, or a local directory to register."""
 
-    source = serializers.ChoiceField(choices=[("huggingface", "Hugging Face hub"),
-                                              ("local", "Local directory")],
-                                     default="huggingface")
+    source = serializers.ChoiceField(
+        choices=[("huggingface", "Hugging Face hub"), ("local", "Local directory")], default="huggingface"
+    )
     repository_id = RepoIdField(required=False, allow_null=True)
     local_path = serializers.CharField(
-        max_length=1000, required=False, allow_null=True,
+        max_length=1000,
+        required=False,
+        allow_null=True,
         help_text="local source: the SAE's directory (SAELens cfg.json + "
-                  "sae_weights.safetensors, or Gemma Scope params.npz), absolute")
-    name = serializers.CharField(max_length=200, required=False, allow_null=True,
-                                 allow_blank=True,
-                                 help_text="local source: default the directory's name")
+        "sae_weights.safetensors, or Gemma Scope params.npz), absolute",
+    )
+    name = serializers.CharField(
+        max_length=200,
+        required=False,
+        allow_null=True,
+        allow_blank=True,
+        help_text="local source: default the directory's name",
+    )
     trained_on = serializers.CharField(
-        max_length=300, required=False, allow_null=True, allow_blank=True,
-        help_text="local source: the model it was trained on, where its files do not say")
+        max_length=300,
+        required=False,
+        allow_null=True,
+        allow_blank=True,
+        help_text="local source: the model it was trained on, where its files do not say",
+    )
     trained_layer = serializers.IntegerField(
-        min_value=0, max_value=MAX_LAYER, required=False, allow_null=True,
-        help_text="local source: the layer it was trained on, where its files do not say")
+        min_value=0,
+        max_value=MAX_LAYER,
+        required=False,
+        allow_null=True,
+        help_text="local source: the layer it was trained on, where its files do not say",
+    )
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         if attrs["source"] == "huggingface" and not attrs.get("repository_id"):
             raise serializers.ValidationError(
-                {"repository_id": ["repository_id is required for the huggingface source"]})
+                {"repository_id": ["repository_id is required for the huggingface source"]}
+            )
         if attrs["source"] == "local" and not attrs.get("local_path"):
-            raise serializers.ValidationError(
-                {"local_path": ["local_path is required for the local source"]})
+            raise serializers.ValidationError({"local_path": ["local_path is required for the local source"]})
         return attrs
 
 
@@ -176,8 +195,7 @@ class AttachInput(serializers.Serializer):
 
 
 class DetachInput(serializers.Serializer):
-    layer = serializers.IntegerField(min_value=0, max_value=MAX_LAYER, required=False,
-                                     allow_null=True)
+    layer = serializers.IntegerField(min_value=0, max_value=MAX_LAYER, required=False, allow_null=True)
 
 
 class AttachSetItem(serializers.Serializer):
@@ -188,14 +206,14 @@ class AttachSetItem(serializers.Serializer):
 class AttachSetInput(serializers.Serializer):
     attachments = AttachSetItem(many=True, allow_empty=False, max_length=64, required=False)
     # the original's clients send the set as ``saes``
-    saes = AttachSetItem(many=True, allow_empty=False, max_length=64, required=False,
-                         help_text="the same list under the original's key")
+    saes = AttachSetItem(
+        many=True, allow_empty=False, max_length=64, required=False, help_text="the same list under the original's key"
+    )
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
         given = [key for key in ("attachments", "saes") if key in attrs]
         if len(given) != 1:
-            raise serializers.ValidationError(
-                {"attachments": ["give the set as attachments (or saes), once"]})
+            raise serializers.ValidationError({"attachments": ["give the set as attachments (or saes), once"]})
         return {"attachments": attrs[given[0]]}
 
 
@@ -210,6 +228,7 @@ class JobListQuery(serializers.Serializer):
 
 
 # --- outputs -----------------------------------------------------------------------------
+
 
 class JobOutput(serializers.Serializer):
     id = serializers.IntegerField()
@@ -243,8 +262,7 @@ class ModelOutput(serializers.Serializer):
     format = serializers.CharField()
     quantization = serializers.CharField()
     trust_remote_code = serializers.BooleanField()
-    backend = serializers.CharField(allow_null=True, help_text="the row's own choice; null: "
-                                    "MILLM_BACKEND")
+    backend = serializers.CharField(allow_null=True, help_text="the row's own choice; null: MILLM_BACKEND")
     effective_backend = serializers.CharField(help_text="the backend a load uses")
     params = serializers.CharField(allow_null=True, help_text='e.g. "2.6B"')
     parameter_count = serializers.IntegerField(allow_null=True)
@@ -271,24 +289,38 @@ def model_view(model: Model) -> dict[str, Any]:
 
 
 def model_out(model: Model, *, download_progress: int | None = None) -> dict[str, Any]:
-    return ModelOutput({
-        "id": model.id, "name": model.name, "source": model.source,
-        "repo_id": model.repo_id or None, "revision": model.revision or None,
-        "local_path": model.local_path or None, "format": model.format,
-        "quantization": model.quantization, "trust_remote_code": model.trust_remote_code,
-        "backend": model.backend or None, "effective_backend": model.effective_backend(),
-        "params": sizing.format_params(model.parameter_count),
-        "parameter_count": model.parameter_count, "architecture": model.architecture or None,
-        "num_layers": model.num_layers, "hidden_size": model.hidden_size,
-        "context_length": model.context_length, "disk_size_mb": _mb(model.disk_size_bytes),
-        "estimated_memory_mb": _mb(model.estimated_memory_bytes), "status": model.status,
-        "error_message": model.error_message or None, "locked": model.locked,
-        "download_progress": (download_progress if model.status == Model.Status.DOWNLOADING
-                              else None),
-        "device": model.device or None, "dtype": model.dtype or None,
-        "loaded_at": model.loaded_at, "created_at": model.created_at,
-        "updated_at": model.updated_at,
-    }).data
+    return ModelOutput(
+        {
+            "id": model.id,
+            "name": model.name,
+            "source": model.source,
+            "repo_id": model.repo_id or None,
+            "revision": model.revision or None,
+            "local_path": model.local_path or None,
+            "format": model.format,
+            "quantization": model.quantization,
+            "trust_remote_code": model.trust_remote_code,
+            "backend": model.backend or None,
+            "effective_backend": model.effective_backend(),
+            "params": sizing.format_params(model.parameter_count),
+            "parameter_count": model.parameter_count,
+            "architecture": model.architecture or None,
+            "num_layers": model.num_layers,
+            "hidden_size": model.hidden_size,
+            "context_length": model.context_length,
+            "disk_size_mb": _mb(model.disk_size_bytes),
+            "estimated_memory_mb": _mb(model.estimated_memory_bytes),
+            "status": model.status,
+            "error_message": model.error_message or None,
+            "locked": model.locked,
+            "download_progress": (download_progress if model.status == Model.Status.DOWNLOADING else None),
+            "device": model.device or None,
+            "dtype": model.dtype or None,
+            "loaded_at": model.loaded_at,
+            "created_at": model.created_at,
+            "updated_at": model.updated_at,
+        }
+    ).data
 
 
 class ModelListOutput(serializers.Serializer):
@@ -305,8 +337,9 @@ class ModelJobOutput(serializers.Serializer):
 class SAEOutput(serializers.Serializer):
     id = serializers.CharField()
     name = serializers.CharField()
-    source = serializers.CharField(help_text="huggingface (downloaded by miLLM) or local "
-                                   "(registered from the user's directory)")
+    source = serializers.CharField(
+        help_text="huggingface (downloaded by miLLM) or local (registered from the user's directory)"
+    )
     repository_id = serializers.CharField(allow_null=True)
     revision = serializers.CharField(allow_null=True)
     file_path = serializers.CharField(allow_null=True)
@@ -334,28 +367,43 @@ def sae_memory_bytes(sae: SAE) -> int | None:
     """Encoder + decoder + biases in float32 (how the engine holds an SAE)."""
     if not sae.d_in or not sae.d_sae:
         return None
-    return 4 * (2 * sae.d_in * sae.d_sae + sae.d_sae + sae.d_in
-                + (sae.d_sae if sae.activation == SAE.Activation.JUMPRELU else 0))
+    return 4 * (
+        2 * sae.d_in * sae.d_sae
+        + sae.d_sae
+        + sae.d_in
+        + (sae.d_sae if sae.activation == SAE.Activation.JUMPRELU else 0)
+    )
 
 
-def sae_out(sae: SAE, *, layers: list[int] | None = None,
-            download_progress: int | None = None) -> dict[str, Any]:
-    return SAEOutput({
-        "id": sae.id, "name": sae.name,
-        "source": "huggingface" if sae.repository_id else "local",
-        "repository_id": sae.repository_id or None,
-        "revision": sae.revision or None, "file_path": sae.file_path or None,
-        "local_path": sae.local_path or None, "format": sae.format or None,
-        "d_in": sae.d_in, "d_sae": sae.d_sae, "activation": sae.activation,
-        "topk_k": sae.topk_k, "trained_on": sae.trained_on_model or None,
-        "trained_layer": sae.trained_on_layer, "hook_name": sae.hook_name or None,
-        "width": sae.width, "average_l0": sae.average_l0,
-        "memory_usage_mb": _mb(sae_memory_bytes(sae)), "status": sae.status,
-        "error_message": sae.error_message or None,
-        "download_progress": download_progress if sae.status == SAE.Status.DOWNLOADING else None,
-        "attached_layers": layers or [], "created_at": sae.created_at,
-        "updated_at": sae.updated_at,
-    }).data
+def sae_out(sae: SAE, *, layers: list[int] | None = None, download_progress: int | None = None) -> dict[str, Any]:
+    return SAEOutput(
+        {
+            "id": sae.id,
+            "name": sae.name,
+            "source": "huggingface" if sae.repository_id else "local",
+            "repository_id": sae.repository_id or None,
+            "revision": sae.revision or None,
+            "file_path": sae.file_path or None,
+            "local_path": sae.local_path or None,
+            "format": sae.format or None,
+            "d_in": sae.d_in,
+            "d_sae": sae.d_sae,
+            "activation": sae.activation,
+            "topk_k": sae.topk_k,
+            "trained_on": sae.trained_on_model or None,
+            "trained_layer": sae.trained_on_layer,
+            "hook_name": sae.hook_name or None,
+            "width": sae.width,
+            "average_l0": sae.average_l0,
+            "memory_usage_mb": _mb(sae_memory_bytes(sae)),
+            "status": sae.status,
+            "error_message": sae.error_message or None,
+            "download_progress": download_progress if sae.status == SAE.Status.DOWNLOADING else None,
+            "attached_layers": layers or [],
+            "created_at": sae.created_at,
+            "updated_at": sae.updated_at,
+        }
+    ).data
 
 
 class AttachmentOutput(serializers.Serializer):
@@ -372,14 +420,20 @@ class AttachmentOutput(serializers.Serializer):
 
 
 def attachment_out(row: Attachment, counts: dict[tuple[str, int], int]) -> dict[str, Any]:
-    return AttachmentOutput({
-        "sae_id": row.sae_id, "layer": row.layer, "layer_module_path": row.layer_module_path,
-        "hook_point": row.hook_point, "model_id": row.model_id, "d_in": row.sae.d_in,
-        "d_sae": row.sae.d_sae,
-        "memory_usage_mb": _mb(sae_memory_bytes(row.sae)),
-        "steering_apply_count": counts.get((row.sae_id, row.layer), 0),
-        "attached_at": row.created_at,
-    }).data
+    return AttachmentOutput(
+        {
+            "sae_id": row.sae_id,
+            "layer": row.layer,
+            "layer_module_path": row.layer_module_path,
+            "hook_point": row.hook_point,
+            "model_id": row.model_id,
+            "d_in": row.sae.d_in,
+            "d_sae": row.sae.d_sae,
+            "memory_usage_mb": _mb(sae_memory_bytes(row.sae)),
+            "steering_apply_count": counts.get((row.sae_id, row.layer), 0),
+            "attached_at": row.created_at,
+        }
+    ).data
 
 
 class AttachmentStatusOutput(serializers.Serializer):
@@ -398,23 +452,23 @@ class AttachmentStatusOutput(serializers.Serializer):
     attachments_count = serializers.IntegerField()
 
 
-def attachment_status(rows: list[Attachment], counts: dict[tuple[str, int], int]
-                      ) -> dict[str, Any]:
+def attachment_status(rows: list[Attachment], counts: dict[tuple[str, int], int]) -> dict[str, Any]:
     first = rows[0] if rows else None
-    return AttachmentStatusOutput({
-        "is_attached": first is not None,
-        "sae_id": first.sae_id if first else None,
-        "layer": first.layer if first else None,
-        "layer_module_path": first.layer_module_path if first else None,
-        "hook_point": first.hook_point if first else None,
-        "memory_usage_mb": _mb(sae_memory_bytes(first.sae)) if first else None,
-        # live steering and monitoring state belong to the steering and monitoring apps,
-        # which provide these two flags (core.attachment_flags)
-        **(attachment_flags.flags(first) if first else dict.fromkeys(attachment_flags.FLAGS,
-                                                                      False)),
-        "steering_apply_count": counts.get((first.sae_id, first.layer), 0) if first else 0,
-        "attachments_count": len(rows),
-    }).data
+    return AttachmentStatusOutput(
+        {
+            "is_attached": first is not None,
+            "sae_id": first.sae_id if first else None,
+            "layer": first.layer if first else None,
+            "layer_module_path": first.layer_module_path if first else None,
+            "hook_point": first.hook_point if first else None,
+            "memory_usage_mb": _mb(sae_memory_bytes(first.sae)) if first else None,
+            # live steering and monitoring state belong to the steering and monitoring apps,
+            # which provide these two flags (core.attachment_flags)
+            **(attachment_flags.flags(first) if first else dict.fromkeys(attachment_flags.FLAGS, False)),
+            "steering_apply_count": counts.get((first.sae_id, first.layer), 0) if first else 0,
+            "attachments_count": len(rows),
+        }
+    ).data
 
 
 class SAEListOutput(serializers.Serializer):
@@ -455,13 +509,17 @@ class AttachmentsOutput(serializers.Serializer):
     total_memory_usage_mb = serializers.FloatField()
 
 
-def attachments_out(rows: list[Attachment], counts: dict[tuple[str, int], int]
-                    ) -> dict[str, Any]:
+def attachments_out(rows: list[Attachment], counts: dict[tuple[str, int], int]) -> dict[str, Any]:
     entries = [attachment_out(row, counts) for row in rows]
-    return AttachmentsOutput({
-        "is_attached": bool(rows), "count": len(rows), "entries": entries,
-        "total": len(rows), "total_memory_usage_mb": round(sum(e["memory_usage_mb"] or 0.0 for e in entries), 3),
-    }).data
+    return AttachmentsOutput(
+        {
+            "is_attached": bool(rows),
+            "count": len(rows),
+            "entries": entries,
+            "total": len(rows),
+            "total_memory_usage_mb": round(sum(e["memory_usage_mb"] or 0.0 for e in entries), 3),
+        }
+    ).data
 
 
 class CompatibilityOutput(serializers.Serializer):
@@ -475,8 +533,9 @@ class CompatibilityOutput(serializers.Serializer):
 
 class SAEDownloadOutput(serializers.Serializer):
     sae_id = serializers.CharField()
-    status = serializers.CharField(help_text=("downloading | cached | attached | "
-                                              "already_downloading | registered (local)"))
+    status = serializers.CharField(
+        help_text=("downloading | cached | attached | already_downloading | registered (local)")
+    )
     message = serializers.CharField()
     sae = SAEOutput()
     job = JobOutput(allow_null=True)

@@ -33,8 +33,10 @@ log = structlog.get_logger(__name__)
 # the registry's quantized levels (a transformers row is quantized to them at load)
 QUANTIZED = (Model.Quantization.Q8, Model.Quantization.Q4, Model.Quantization.Q2)
 
-def model_check_local(*, local_path: str, name: str | None = None,
-                      quantization: str | None = None, backend: str = "") -> dict:
+
+def model_check_local(
+    *, local_path: str, name: str | None = None, quantization: str | None = None, backend: str = ""
+) -> dict:
     """What registering ``local_path`` as a model would record, or the refusal it would
     meet: an unknown backend, a path that is not an existing transformers directory or
     .gguf file outside the system directories, a name already taken. Nothing is written,
@@ -44,11 +46,11 @@ def model_check_local(*, local_path: str, name: str | None = None,
     if path.is_file() and path.suffix == ".gguf":
         fmt, gguf_file, meta = Model.Format.GGUF, path.name, describe.describe_gguf_file(path)
     elif path.is_dir():
-        fmt, gguf_file, meta = (Model.Format.TRANSFORMERS, "",
-                                describe.describe_transformers_dir(path, quantization))
+        fmt, gguf_file, meta = (Model.Format.TRANSFORMERS, "", describe.describe_transformers_dir(path, quantization))
     else:
-        raise InvalidLocalPath(f"{path} is neither a model directory nor a .gguf file",
-                               details={"local_path": local_path})
+        raise InvalidLocalPath(
+            f"{path} is neither a model directory nor a .gguf file", details={"local_path": local_path}
+        )
     if fmt == Model.Format.GGUF:
         # a GGUF file carries its own quantization; naming a quantized level it does not
         # have asks for a quantize-at-load llama.cpp does not do (FP32/FP16, the forms'
@@ -58,42 +60,46 @@ def model_check_local(*, local_path: str, name: str | None = None,
             raise UnsupportedQuantization(
                 f"{path.name} is a {own} GGUF file: a GGUF model loads at its file's own "
                 f"quantization, not {quantization} (register it without a quantization)",
-                details={"local_path": local_path, "quantization": quantization,
-                         "file_quantization": own})
+                details={"local_path": local_path, "quantization": quantization, "file_quantization": own},
+            )
         meta["quantization"] = own or quantization or Model.Quantization.FP32
     own_quantization = meta.get("quantization") or quantization or Model.Quantization.FP32
-    twin = Model.objects.filter(local_path=str(path), quantization=own_quantization,
-                                backend=backend).first()
+    twin = Model.objects.filter(local_path=str(path), quantization=own_quantization, backend=backend).first()
     if twin is not None:
         # one checkpoint, one row per way of loading it (another quantization or backend
         # is another registration)
         raise ModelAlreadyExists(
             f"{path} is already registered as model {twin.name!r} (id {twin.id}) with "
-            f"quantization {own_quantization}"
-            + (f" and backend {backend}" if backend else ""),
-            details={"model_id": twin.id, "name": twin.name, "local_path": str(path)})
+            f"quantization {own_quantization}" + (f" and backend {backend}" if backend else ""),
+            details={"model_id": twin.id, "name": twin.name, "local_path": str(path)},
+        )
     name = (name or (path.stem if path.is_file() else path.name)).strip()
     if Model.objects.filter(name=name).exists():
-        raise ModelAlreadyExists(f"A model named {name!r} is already registered",
-                                 details={"name": name})
-    return {"name": name, "local_path": str(path), "format": fmt, "gguf_file": gguf_file,
-            **meta}
+        raise ModelAlreadyExists(f"A model named {name!r} is already registered", details={"name": name})
+    return {"name": name, "local_path": str(path), "format": fmt, "gguf_file": gguf_file, **meta}
 
 
 @transaction.atomic
-def model_register_local(*, local_path: str, name: str | None = None,
-                         quantization: str | None = None,
-                         trust_remote_code: bool = False, backend: str = "") -> Model:
+def model_register_local(
+    *,
+    local_path: str,
+    name: str | None = None,
+    quantization: str | None = None,
+    trust_remote_code: bool = False,
+    backend: str = "",
+) -> Model:
     """Register a checkpoint already on disk: a transformers directory or a GGUF file.
     ``trust_remote_code`` only where the operator allows it (ALLOW_REMOTE_CODE); the API
     also asks for an admin key (``registry.access``)."""
     check_remote_code(trust_remote_code=trust_remote_code)
-    fields = model_check_local(local_path=local_path, name=name, quantization=quantization,
-                               backend=backend)
+    fields = model_check_local(local_path=local_path, name=name, quantization=quantization, backend=backend)
     quantization = fields.pop("quantization", None) or quantization or Model.Quantization.FP32
     model = Model.objects.create(
-        source=Model.Source.LOCAL, quantization=quantization,
-        trust_remote_code=trust_remote_code, backend=backend, status=Model.Status.READY,
+        source=Model.Source.LOCAL,
+        quantization=quantization,
+        trust_remote_code=trust_remote_code,
+        backend=backend,
+        status=Model.Status.READY,
         **fields,
     )
     log.info("model_registered", model_id=model.id, name=model.name, path=model.local_path)
@@ -103,8 +109,7 @@ def model_register_local(*, local_path: str, name: str | None = None,
 def check_backend_name(backend: str) -> None:
     if backend and backend not in backend_names():
         message = f"unknown backend {backend!r}; known: {', '.join(backend_names())}"
-        raise ValidationFailed(message, details={"fields": {"backend": [message]},
-                                                 "known": list(backend_names())})
+        raise ValidationFailed(message, details={"fields": {"backend": [message]}, "known": list(backend_names())})
 
 
 @transaction.atomic
@@ -114,8 +119,10 @@ def model_set_backend(*, model: Model, backend: str) -> Model:
     check_backend_name(backend)
     model = Model.objects.select_for_update().get(pk=model.pk)
     if model.status in (Model.Status.LOADED, Model.Status.LOADING, Model.Status.UNLOADING):
-        raise ModelLoaded(f"Model {model.name!r} is {model.status}; unload it before changing "
-                          "its backend", details={"model_id": model.id, "status": model.status})
+        raise ModelLoaded(
+            f"Model {model.name!r} is {model.status}; unload it before changing its backend",
+            details={"model_id": model.id, "status": model.status},
+        )
     model.backend = backend
     model.save(update_fields=["backend", "updated_at"])
     log.info("model_backend_set", model_id=model.id, backend=backend or None)
@@ -125,19 +132,20 @@ def model_set_backend(*, model: Model, backend: str) -> Model:
 def model_refresh_metadata(*, model: Model) -> Model:
     """Re-read architecture and sizes from the files (after a manual copy, say)."""
     if not model.local_path:
-        raise ModelInvalid(f"Model {model.name!r} has no files yet",
-                           details={"model_id": model.id})
+        raise ModelInvalid(f"Model {model.name!r} has no files yet", details={"model_id": model.id})
     path = Path(model.local_path)
-    meta = (describe.describe_gguf_file(path) if model.format == Model.Format.GGUF
-            else describe.describe_transformers_dir(path, model.quantization))
+    meta = (
+        describe.describe_gguf_file(path)
+        if model.format == Model.Format.GGUF
+        else describe.describe_transformers_dir(path, model.quantization)
+    )
     for key, value in meta.items():
         setattr(model, key, value)
     model.save(update_fields=[*meta.keys(), "updated_at"])
     return model
 
 
-def model_set_status(*, model: Model, status: str, error: str = "", device: str = "",
-                     dtype: str = "") -> Model:
+def model_set_status(*, model: Model, status: str, error: str = "", device: str = "", dtype: str = "") -> Model:
     model.status = status
     model.error_message = error
     fields = ["status", "error_message", "updated_at"]
@@ -153,15 +161,13 @@ def model_set_status(*, model: Model, status: str, error: str = "", device: str 
 
 
 def model_lock(*, model: Model) -> Model:
-    Model.objects.filter(pk=model.pk).update(locked=True, locked_by_operator=True,
-                                             updated_at=timezone.now())
+    Model.objects.filter(pk=model.pk).update(locked=True, locked_by_operator=True, updated_at=timezone.now())
     model.refresh_from_db()
     return model
 
 
 def model_unlock(*, model: Model) -> Model:
-    Model.objects.filter(pk=model.pk).update(locked=False, locked_by_operator=False,
-                                             updated_at=timezone.now())
+    Model.objects.filter(pk=model.pk).update(locked=False, locked_by_operator=False, updated_at=timezone.now())
     model.refresh_from_db()
     return model
 
@@ -184,13 +190,13 @@ def model_delete(*, model: Model) -> None:
     """
     model = Model.objects.select_for_update().get(pk=model.pk)
     if model.locked:
-        raise ModelLocked(f"Model {model.name!r} is locked; unlock it first",
-                          details={"model_id": model.id})
+        raise ModelLocked(f"Model {model.name!r} is locked; unlock it first", details={"model_id": model.id})
     if model.status in (Model.Status.LOADED, Model.Status.LOADING, Model.Status.UNLOADING):
-        raise ModelLoaded(f"Model {model.name!r} is {model.status}; unload it first",
-                          details={"model_id": model.id, "status": model.status})
-    Job.objects.filter(model=model, status__in=Job.ACTIVE).update(
-        cancel_requested=True, updated_at=timezone.now())
+        raise ModelLoaded(
+            f"Model {model.name!r} is {model.status}; unload it first",
+            details={"model_id": model.id, "status": model.status},
+        )
+    Job.objects.filter(model=model, status__in=Job.ACTIVE).update(cancel_requested=True, updated_at=timezone.now())
     model_id, owned = model.id, model.files_dir
     model.delete()
     kept = _release_files(owned, cache=Path(settings.MODEL_CACHE_DIR))
@@ -201,10 +207,12 @@ def _in_use(path: Path) -> bool:
     """Whether a row that remains reads files inside ``path`` (its weights, its download
     folder): such a folder is never removed with another row."""
     target = path.resolve()
-    for value in [*Model.objects.exclude(local_path="").values_list("local_path", flat=True),
-                  *Model.objects.exclude(files_dir="").values_list("files_dir", flat=True),
-                  *SAE.objects.exclude(local_path="").values_list("local_path", flat=True),
-                  *SAE.objects.exclude(files_dir="").values_list("files_dir", flat=True)]:
+    for value in [
+        *Model.objects.exclude(local_path="").values_list("local_path", flat=True),
+        *Model.objects.exclude(files_dir="").values_list("files_dir", flat=True),
+        *SAE.objects.exclude(local_path="").values_list("local_path", flat=True),
+        *SAE.objects.exclude(files_dir="").values_list("files_dir", flat=True),
+    ]:
         used = Path(value).resolve()
         if used == target or target in used.parents:
             return True
@@ -235,6 +243,7 @@ def remove_files(path: Path) -> None:
 
 # --- SAEs ------------------------------------------------------------------------------
 
+
 def sae_check_local(*, local_path: str) -> tuple[Path, dict]:
     """What registering ``local_path`` as an SAE would record, or the refusal it would meet.
 
@@ -246,23 +255,28 @@ def sae_check_local(*, local_path: str) -> tuple[Path, dict]:
     """
     path = describe.check_local_path(local_path, what="an SAE")
     meta = describe.describe_sae(path)
-    if path.is_file() and (path.suffix in (".json", ".safetensors")
-                           or path.name == "params.npz"):
+    if path.is_file() and (path.suffix in (".json", ".safetensors") or path.name == "params.npz"):
         # one path per SAE: a SAELens file, or a Gemma Scope params.npz, names the SAE
         # that its directory holds (any other .npz is an SAE of its own)
         path = path.parent
     existing = SAE.objects.filter(repository_id="", local_path=str(path)).first()
     if existing is not None:
-        raise SAEAlreadyExists(f"{path} is already registered as SAE {existing.id}",
-                               details={"sae_id": existing.id, "local_path": str(path)})
+        raise SAEAlreadyExists(
+            f"{path} is already registered as SAE {existing.id}",
+            details={"sae_id": existing.id, "local_path": str(path)},
+        )
     return path, meta
 
 
 @transaction.atomic
-def sae_register_local(*, local_path: str, name: str | None = None,
-                       average_l0: float | None = None,
-                       trained_on_model: str | None = None,
-                       trained_on_layer: int | None = None) -> SAE:
+def sae_register_local(
+    *,
+    local_path: str,
+    name: str | None = None,
+    average_l0: float | None = None,
+    trained_on_model: str | None = None,
+    trained_on_layer: int | None = None,
+) -> SAE:
     """Register an SAE directory (SAELens) or params.npz (Gemma Scope) already on disk: one
     a researcher trained, or the offline demo's. It is ready to attach at once; its files
     stay the user's (``sae_delete`` never removes them).
@@ -277,8 +291,11 @@ def sae_register_local(*, local_path: str, name: str | None = None,
         meta["trained_on_layer"] = trained_on_layer
     default_name = path.name if path.is_dir() else path.parent.name
     sae = SAE.objects.create(
-        name=(name or "").strip() or default_name, local_path=str(path),
-        average_l0=average_l0, status=SAE.Status.READY, **meta,
+        name=(name or "").strip() or default_name,
+        local_path=str(path),
+        average_l0=average_l0,
+        status=SAE.Status.READY,
+        **meta,
     )
     log.info("sae_registered", sae_id=sae.id, path=str(path))
     return sae
@@ -294,10 +311,8 @@ def sae_delete(*, sae: SAE) -> None:
     wherever they are, even inside the cache (another row's download, say)."""
     sae = SAE.objects.select_for_update().get(pk=sae.pk)
     if sae.status == SAE.Status.ATTACHED or sae.attachments.exists():
-        raise SAEAlreadyAttached(f"SAE {sae.id} is attached; detach it first",
-                                 details={"sae_id": sae.id})
-    Job.objects.filter(sae=sae, status__in=Job.ACTIVE).update(
-        cancel_requested=True, updated_at=timezone.now())
+        raise SAEAlreadyAttached(f"SAE {sae.id} is attached; detach it first", details={"sae_id": sae.id})
+    Job.objects.filter(sae=sae, status__in=Job.ACTIVE).update(cancel_requested=True, updated_at=timezone.now())
     # a steering vector's own copy (registry.vectors), never the file it came from
     owned = sae.files_dir or (sae.local_path if sae.files_owned else "")
     sae_id = sae.id
@@ -308,8 +323,8 @@ def sae_delete(*, sae: SAE) -> None:
 
 # --- Demo assets -----------------------------------------------------------------------
 
-def demo_assets_install(*, root: Path, seed: int = 0, include_demo: bool = True
-                        ) -> tuple[list[Model], list[SAE]]:
+
+def demo_assets_install(*, root: Path, seed: int = 0, include_demo: bool = True) -> tuple[list[Model], list[SAE]]:
     """Build the offline demo/test assets (cached) and register every one of them.
 
     Idempotent: a model or SAE already registered at the same path is refreshed, not
@@ -335,13 +350,17 @@ def _demo_assets_register(manifest: Any) -> tuple[list[Model], list[SAE]]:
             raise ModelAlreadyExists(
                 f"A model named {asset.name!r} is registered at another path "
                 f"({existing.local_path}); delete it or rename it first",
-                details={"name": asset.name})
+                details={"name": asset.name},
+            )
         models.append(model_register_local(local_path=str(asset.path), name=asset.name))
     saes: list[SAE] = []
     for asset in manifest.saes.values():
         path = str(Path(asset.path).resolve())
         existing = SAE.objects.filter(local_path=path).first()
-        saes.append(existing or sae_register_local(
-            local_path=path, name=asset.name, trained_on_model=asset.model_name,
-            trained_on_layer=asset.layer))
+        saes.append(
+            existing
+            or sae_register_local(
+                local_path=path, name=asset.name, trained_on_model=asset.model_name, trained_on_layer=asset.layer
+            )
+        )
     return models, saes

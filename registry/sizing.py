@@ -19,8 +19,7 @@ KV_BYTES: dict[str, int] = {"FP32": 4, "FP16": 2, "Q8": 2, "Q4": 2, "Q2": 2}
 _LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 _HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model", "dim")
 _HEAD_KEYS = ("num_attention_heads", "n_head", "num_heads")
-_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
-                 "seq_length")
+_CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "seq_length")
 
 
 def _first(cfg: dict[str, Any], keys: tuple[str, ...]) -> Any:
@@ -60,15 +59,16 @@ def estimate_bytes(*, parameter_count: int, config: dict[str, Any], quantization
     return int(weights + kv_bytes_per_token(config, quantization) * reserve)
 
 
-def estimates_by_quantization(*, parameter_count: int, config: dict[str, Any]
-                              ) -> dict[str, dict[str, float]]:
+def estimates_by_quantization(*, parameter_count: int, config: dict[str, Any]) -> dict[str, dict[str, float]]:
     """Per quantization: weights on disk as published are not changed by the choice (the
     download stores the checkpoint as is); memory is what a load at that precision needs."""
     return {
-        quant: {"memory_mb": round(estimate_bytes(parameter_count=parameter_count,
-                                                  config=config, quantization=quant) / 2**20,
-                                   3),
-                "weights_mb": round(parameter_count * per_param / 2**20, 3)}
+        quant: {
+            "memory_mb": round(
+                estimate_bytes(parameter_count=parameter_count, config=config, quantization=quant) / 2**20, 3
+            ),
+            "weights_mb": round(parameter_count * per_param / 2**20, 3),
+        }
         for quant, per_param in WEIGHT_BYTES.items()
     }
 

@@ -21,13 +21,11 @@ log = structlog.get_logger(__name__)
 def finish_unexpected(job_id: int, exc: BaseException) -> None:
     job = Job.objects.filter(pk=job_id).first()
     if job is not None and job.status not in Job.FINISHED:
-        job_lifecycle.job_finish(job=job, status=Job.Status.FAILED,
-                            error=f"Unexpected error: {type(exc).__name__}")
+        job_lifecycle.job_finish(job=job, status=Job.Status.FAILED, error=f"Unexpected error: {type(exc).__name__}")
 
 
 @shared_task(name="registry.tasks.model_download_task")
-def model_download_task(job_id: int, hf_token: str | None = None, commit: str | None = None
-                        ) -> str:
+def model_download_task(job_id: int, hf_token: str | None = None, commit: str | None = None) -> str:
     try:
         model = downloads.model_download_run(job_id=job_id, hf_token=hf_token, commit=commit)
     except BaseException as exc:
@@ -37,8 +35,7 @@ def model_download_task(job_id: int, hf_token: str | None = None, commit: str | 
 
 
 @shared_task(name="registry.tasks.sae_download_task")
-def sae_download_task(job_id: int, hf_token: str | None = None, commit: str | None = None
-                      ) -> str:
+def sae_download_task(job_id: int, hf_token: str | None = None, commit: str | None = None) -> str:
     try:
         sae = downloads.sae_download_run(job_id=job_id, hf_token=hf_token, commit=commit)
     except BaseException as exc:

@@ -24,8 +24,11 @@ urlpatterns = [
     re_path(rf"^saes/{SAE_ID}$", apis.SAEDetailApi.as_view(), name="sae-detail"),
     re_path(rf"^saes/{SAE_ID}/cancel$", apis.SAECancelApi.as_view(), name="sae-cancel"),
     path("vectors", vector_apis.VectorListCreateApi.as_view(), name="vectors"),
-    re_path(rf"^vectors/{SAE_ID.replace('sae_id', 'vector_id')}$",
-            vector_apis.VectorDetailApi.as_view(), name="vector-detail"),
+    re_path(
+        rf"^vectors/{SAE_ID.replace('sae_id', 'vector_id')}$",
+        vector_apis.VectorDetailApi.as_view(),
+        name="vector-detail",
+    ),
     path("jobs", apis.JobListApi.as_view(), name="jobs"),
     path("jobs/<int:job_id>", apis.JobDetailApi.as_view(), name="job-detail"),
     path("jobs/<int:job_id>/cancel", apis.JobCancelApi.as_view(), name="job-cancel"),

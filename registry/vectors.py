@@ -43,8 +43,7 @@ def vector_dir(sae_id: str) -> Path:
     return Path(settings.SAE_CACHE_DIR) / VECTOR_DIR / sae_id
 
 
-def vector_read_file(*, path: Path, model: Model, layer: int | None = None
-                     ) -> dict[int, np.ndarray]:
+def vector_read_file(*, path: Path, model: Model, layer: int | None = None) -> dict[int, np.ndarray]:
     """The vectors of a file checked for ``model`` (every layer's, or ``layer``'s alone),
     or ``VectorInvalid`` naming the field: ``file`` (not a vector file, pickle, NaN, the
     wrong width) or ``layer`` (not in the file, past the model's blocks)."""
@@ -56,13 +55,20 @@ def vector_read_file(*, path: Path, model: Model, layer: int | None = None
     except OSError as exc:
         raise _invalid(f"cannot read the file: {exc}", "file") from exc
     if model.hidden_size and info.d_model != model.hidden_size:
-        raise _invalid(f"the vectors have {info.d_model} values; model {model.name!r} has hidden "
-                       f"size {model.hidden_size}", "file", d_model=info.d_model,
-                       hidden_size=model.hidden_size)
+        raise _invalid(
+            f"the vectors have {info.d_model} values; model {model.name!r} has hidden size {model.hidden_size}",
+            "file",
+            d_model=info.d_model,
+            hidden_size=model.hidden_size,
+        )
     if layer is not None:
         if layer not in vectors:
-            raise _invalid(f"the file has no vector for layer {layer} (it has {list(info.layers)})",
-                           "layer", layer=layer, layers=list(info.layers))
+            raise _invalid(
+                f"the file has no vector for layer {layer} (it has {list(info.layers)})",
+                "layer",
+                layer=layer,
+                layers=list(info.layers),
+            )
         vectors = {layer: vectors[layer]}
     check_layers(model, vectors)
     return vectors
@@ -71,9 +77,12 @@ def vector_read_file(*, path: Path, model: Model, layer: int | None = None
 def check_layers(model: Model, layers: Iterable[int]) -> None:
     for layer in layers:
         if layer < 0 or (model.num_layers is not None and layer >= model.num_layers):
-            raise _invalid(f"layer {layer} is out of range: model {model.name!r} has "
-                           f"{model.num_layers} decoder blocks", "layer", layer=layer,
-                           num_layers=model.num_layers)
+            raise _invalid(
+                f"layer {layer} is out of range: model {model.name!r} has {model.num_layers} decoder blocks",
+                "layer",
+                layer=layer,
+                num_layers=model.num_layers,
+            )
 
 
 def check_name_free(name: str) -> str:
@@ -82,14 +91,16 @@ def check_name_free(name: str) -> str:
         raise _invalid("a steering vector needs a name", "name")
     existing = SAE.objects.filter(format=SAE.Format.VECTOR, name=name).first()
     if existing is not None:
-        raise VectorAlreadyExists(f"a steering vector named {name!r} exists ({existing.id})",
-                                  details={"sae_id": existing.id, "name": name})
+        raise VectorAlreadyExists(
+            f"a steering vector named {name!r} exists ({existing.id})", details={"sae_id": existing.id, "name": name}
+        )
     return name
 
 
 @transaction.atomic
-def vector_create(*, name: str, model: Model, vectors: Mapping[int, Any], source: str,
-                  recipe: Mapping[str, Any] | None = None) -> SAE:
+def vector_create(
+    *, name: str, model: Model, vectors: Mapping[int, Any], source: str, recipe: Mapping[str, Any] | None = None
+) -> SAE:
     """Write ``vectors`` (layer -> 1-D array of the model's width) as our own vector file
     and record the row; the norms are recorded per layer."""
     name = check_name_free(name)
@@ -99,22 +110,38 @@ def vector_create(*, name: str, model: Model, vectors: Mapping[int, Any], source
     check_layers(model, arrays)
     widths = {a.shape[0] for a in arrays.values()}
     if model.hidden_size and widths != {model.hidden_size}:
-        raise _invalid(f"the vectors have {sorted(widths)} values; model {model.name!r} has "
-                       f"hidden size {model.hidden_size}", "file", hidden_size=model.hidden_size)
+        raise _invalid(
+            f"the vectors have {sorted(widths)} values; model {model.name!r} has hidden size {model.hidden_size}",
+            "file",
+            hidden_size=model.hidden_size,
+        )
     if not all(np.isfinite(a).all() for a in arrays.values()):
         raise _invalid("a vector contains NaN or Inf", "file")
     layers = sorted(arrays)
-    sae = SAE(name=name, format=SAE.Format.VECTOR, d_in=widths.pop(), d_sae=1, width=1,
-              activation=SAE.Activation.NONE, trained_on_model=model.name,
-              trained_on_layer=layers[0] if len(layers) == 1 else None,
-              hook_name=f"blocks.{layers[0]}.hook_resid_post" if len(layers) == 1 else "",
-              status=SAE.Status.READY, vector_source=source, vector_layers=layers,
-              vector_norms=[float(np.linalg.norm(arrays[k].astype(np.float64))) for k in layers],
-              vector_recipe=dict(recipe or {}), files_owned=True)
+    sae = SAE(
+        name=name,
+        format=SAE.Format.VECTOR,
+        d_in=widths.pop(),
+        d_sae=1,
+        width=1,
+        activation=SAE.Activation.NONE,
+        trained_on_model=model.name,
+        trained_on_layer=layers[0] if len(layers) == 1 else None,
+        hook_name=f"blocks.{layers[0]}.hook_resid_post" if len(layers) == 1 else "",
+        status=SAE.Status.READY,
+        vector_source=source,
+        vector_layers=layers,
+        vector_norms=[float(np.linalg.norm(arrays[k].astype(np.float64))) for k in layers],
+        vector_recipe=dict(recipe or {}),
+        files_owned=True,
+    )
     folder = vector_dir(sae.id)
     sae.local_path = str(folder)
-    write_vector_file(folder / "vector.safetensors", arrays, {
-        "model_name": model.name, "hook_point": "resid_post", "name": name, "source": source})
+    write_vector_file(
+        folder / "vector.safetensors",
+        arrays,
+        {"model_name": model.name, "hook_point": "resid_post", "name": name, "source": source},
+    )
     try:
         sae.save(force_insert=True)
     except BaseException:
@@ -124,25 +151,28 @@ def vector_create(*, name: str, model: Model, vectors: Mapping[int, Any], source
     return sae
 
 
-def vector_import(*, path: str | Path, name: str, model: Model, layer: int | None = None
-                  ) -> SAE:
+def vector_import(*, path: str | Path, name: str, model: Model, layer: int | None = None) -> SAE:
     """Register a vector file from the server's disk (``manage.py vector import``): checked,
     then copied into our own file; ``path`` is never written or removed."""
     p = Path(path)
     if not p.is_absolute() or not p.is_file():
         raise _invalid(f"{p} is not an absolute path to a file", "file", path=str(p))
     check_name_free(name)
-    return vector_create(name=name, model=model, source=SAE.VectorSource.UPLOAD,
-                         vectors=vector_read_file(path=p, model=model, layer=layer))
+    return vector_create(
+        name=name,
+        model=model,
+        source=SAE.VectorSource.UPLOAD,
+        vectors=vector_read_file(path=p, model=model, layer=layer),
+    )
 
 
-def vector_upload(*, chunks: Iterable[bytes], size: int | None, name: str, model: Model,
-                  layer: int | None = None) -> SAE:
+def vector_upload(
+    *, chunks: Iterable[bytes], size: int | None, name: str, model: Model, layer: int | None = None
+) -> SAE:
     """An uploaded file (its bytes), checked like an import: written to a temporary file
     first, read only as safetensors, never unpickled."""
     if size is not None and size > MAX_VECTOR_FILE_BYTES:
-        raise _invalid(f"the file is {size} bytes; at most {MAX_VECTOR_FILE_BYTES} are accepted",
-                       "file", size=size)
+        raise _invalid(f"the file is {size} bytes; at most {MAX_VECTOR_FILE_BYTES} are accepted", "file", size=size)
     check_name_free(name)
     incoming = Path(settings.SAE_CACHE_DIR) / VECTOR_DIR
     incoming.mkdir(parents=True, exist_ok=True)
@@ -162,9 +192,17 @@ def vector_get(*, vector_id: str) -> SAE:
     try:
         return vector_list().get(pk=vector_id)
     except SAE.DoesNotExist:
-        raise VectorNotFound(f"steering vector {vector_id!r} not found",
-                             details={"vector_id": vector_id}) from None
+        raise VectorNotFound(f"steering vector {vector_id!r} not found", details={"vector_id": vector_id}) from None
 
 
-__all__ = ["check_layers", "check_name_free", "vector_create", "vector_dir", "vector_get",
-           "vector_import", "vector_list", "vector_read_file", "vector_upload"]
+__all__ = [
+    "check_layers",
+    "check_name_free",
+    "vector_create",
+    "vector_dir",
+    "vector_get",
+    "vector_import",
+    "vector_list",
+    "vector_read_file",
+    "vector_upload",
+]

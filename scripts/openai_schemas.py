@@ -15,9 +15,15 @@ from pathlib import Path
 
 import yaml
 
-ROOTS = ["CreateChatCompletionResponse", "CreateChatCompletionStreamResponse",
-         "CreateCompletionResponse", "CreateEmbeddingResponse", "ListModelsResponse", "Model",
-         "ErrorResponse"]
+ROOTS = [
+    "CreateChatCompletionResponse",
+    "CreateChatCompletionStreamResponse",
+    "CreateCompletionResponse",
+    "CreateEmbeddingResponse",
+    "ListModelsResponse",
+    "Model",
+    "ErrorResponse",
+]
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -34,8 +40,7 @@ def refs(node, out: set[str]) -> None:
 
 
 def main() -> None:
-    source = Path(sys.argv[1]) if len(sys.argv) > 1 else \
-        REPO.parent / "shared" / "reference" / "openai-openapi.yaml"
+    source = Path(sys.argv[1]) if len(sys.argv) > 1 else REPO.parent / "shared" / "reference" / "openai-openapi.yaml"
     schemas = yaml.safe_load(source.read_text())["components"]["schemas"]
     keep: dict[str, object] = {}
     todo = list(ROOTS)
@@ -48,10 +53,18 @@ def main() -> None:
         refs(schemas[name], found)
         todo += sorted(found - set(keep))
     out = REPO / "tests" / "fixtures" / "openai_schemas.json"
-    out.write_text(json.dumps({
-        "source": "openai/openai-openapi commit f85dbe2 (MIT; tests/fixtures/"
-                  "openai-openapi.LICENSE), components.schemas",
-        "schemas": dict(sorted(keep.items()))}, indent=1, sort_keys=False) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "source": "openai/openai-openapi commit f85dbe2 (MIT; tests/fixtures/"
+                "openai-openapi.LICENSE), components.schemas",
+                "schemas": dict(sorted(keep.items())),
+            },
+            indent=1,
+            sort_keys=False,
+        )
+        + "\n"
+    )
     print(f"{len(keep)} schemas -> {out.relative_to(REPO)}")
 
 

@@ -28,14 +28,14 @@ def _download(payload: str, filename: str) -> HttpResponse:
 
 
 class ImportForm(forms.Form):
-    document = forms.CharField(widget=forms.Textarea(attrs={"rows": 16, "cols": 100}),
-                               required=False, help_text="Paste the JSON document")
+    document = forms.CharField(
+        widget=forms.Textarea(attrs={"rows": 16, "cols": 100}), required=False, help_text="Paste the JSON document"
+    )
     file = forms.FileField(required=False, help_text="…or upload it")
 
     def text(self) -> str:
         upload = self.cleaned_data.get("file")
-        return upload.read().decode("utf-8", "replace") if upload else \
-            self.cleaned_data.get("document") or ""
+        return upload.read().decode("utf-8", "replace") if upload else self.cleaned_data.get("document") or ""
 
 
 class ImportMixin:
@@ -45,8 +45,14 @@ class ImportMixin:
 
     def get_urls(self):
         opts = self.model._meta
-        return [path("import/", self.admin_site.admin_view(self.import_view),
-                     name=f"{opts.app_label}_{opts.model_name}_import"), *super().get_urls()]
+        return [
+            path(
+                "import/",
+                self.admin_site.admin_view(self.import_view),
+                name=f"{opts.app_label}_{opts.model_name}_import",
+            ),
+            *super().get_urls(),
+        ]
 
     # Each admin using the mixin defines do_import(data, text) -> the message to show.
     do_import: Callable[[dict, str | None], str]
@@ -58,26 +64,30 @@ class ImportMixin:
                 data, text = load_document(form.text())
                 self.message_user(request, self.do_import(data, text), level=messages.SUCCESS)
                 opts = self.model._meta
-                return HttpResponseRedirect(
-                    reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist"))
+                return HttpResponseRedirect(reverse(f"admin:{opts.app_label}_{opts.model_name}_changelist"))
             except MillmError as exc:
                 self.message_user(request, f"{exc.message} ({exc.code})", level=messages.ERROR)
-        context = {**self.admin_site.each_context(request), "opts": self.model._meta,
-                   "form": form, "title": f"Import {self.model._meta.verbose_name_plural}",
-                   "help": self.import_help}
+        context = {
+            **self.admin_site.each_context(request),
+            "opts": self.model._meta,
+            "form": form,
+            "title": f"Import {self.model._meta.verbose_name_plural}",
+            "help": self.import_help,
+        }
         return TemplateResponse(request, "admin/steering/import.html", context)
 
 
 class ProfileForm(forms.ModelForm):
     steering = forms.JSONField(help_text='{"<index>": strength}, each within ±200')
-    controls = forms.JSONField(required=False, initial=list,
-                               help_text="[{index, mode, value, phase, window, condition}] "
-                                         "(docs/steering.md, Modes)")
+    controls = forms.JSONField(
+        required=False,
+        initial=list,
+        help_text="[{index, mode, value, phase, window, condition}] (docs/steering.md, Modes)",
+    )
 
     class Meta:
         model = Profile
-        fields = ("name", "description", "model_name", "sae_id", "layer", "steering",
-                  "controls", "intensity")
+        fields = ("name", "description", "model_name", "sae_id", "layer", "steering", "controls", "intensity")
 
     def clean_steering(self):
         try:
@@ -87,8 +97,7 @@ class ProfileForm(forms.ModelForm):
 
     def clean_controls(self):
         try:
-            return [rules.control_json(c) for c in rules.controls_parse(
-                self.cleaned_data.get("controls") or [])]
+            return [rules.control_json(c) for c in rules.controls_parse(self.cleaned_data.get("controls") or [])]
         except MillmError as exc:
             raise forms.ValidationError(exc.message) from None
 
@@ -97,11 +106,11 @@ class ProfileForm(forms.ModelForm):
         try:
             features = rules.feature_set(
                 {int(k): v for k, v in (data.get("steering") or {}).items()},
-                rules.controls_parse(data.get("controls") or []))
+                rules.controls_parse(data.get("controls") or []),
+            )
         except MillmError as exc:
             raise forms.ValidationError(exc.message) from None
-        data["steering"], data["controls"] = (features.stored_values(),
-                                              features.stored_controls())
+        data["steering"], data["controls"] = (features.stored_values(), features.stored_controls())
         if features and (not data.get("sae_id") or data.get("layer") is None):
             raise forms.ValidationError("A profile with values names its sae_id and layer")
         return data
@@ -110,8 +119,7 @@ class ProfileForm(forms.ModelForm):
 @admin.register(Profile)
 class ProfileAdmin(RefusableDeleteMixin, ImportMixin, admin.ModelAdmin):
     form = ProfileForm
-    list_display = ("name", "sae_id", "layer", "feature_count", "intensity", "is_active",
-                    "updated_at")
+    list_display = ("name", "sae_id", "layer", "feature_count", "intensity", "is_active", "updated_at")
     list_filter = ("is_active",)
     search_fields = ("name", "description", "sae_id", "model_name")
     readonly_fields = ("is_active", "created_at", "updated_at")
@@ -131,18 +139,30 @@ class ProfileAdmin(RefusableDeleteMixin, ImportMixin, admin.ModelAdmin):
     def save_model(self, request, obj, form, change):
         data = form.cleaned_data
         if change:
-            updated = services.profile_update(profile=Profile.objects.get(pk=obj.pk), data={
-                "name": data["name"], "description": data["description"],
-                "model_name": data["model_name"], "steering": data["steering"],
-                "controls": data.get("controls") or [],
-                "sae_id": data["sae_id"], "layer": data["layer"],
-                "intensity": data["intensity"]})
+            updated = services.profile_update(
+                profile=Profile.objects.get(pk=obj.pk),
+                data={
+                    "name": data["name"],
+                    "description": data["description"],
+                    "model_name": data["model_name"],
+                    "steering": data["steering"],
+                    "controls": data.get("controls") or [],
+                    "sae_id": data["sae_id"],
+                    "layer": data["layer"],
+                    "intensity": data["intensity"],
+                },
+            )
         else:
             updated = services.profile_create(
-                name=data["name"], steering=data["steering"],
-                controls=data.get("controls") or [], sae_id=data["sae_id"] or None,
-                layer=data["layer"], model_name=data["model_name"] or "",
-                description=data["description"] or "", intensity=data["intensity"])
+                name=data["name"],
+                steering=data["steering"],
+                controls=data.get("controls") or [],
+                sae_id=data["sae_id"] or None,
+                layer=data["layer"],
+                model_name=data["model_name"] or "",
+                description=data["description"] or "",
+                intensity=data["intensity"],
+            )
         obj.pk = updated.pk
 
     def delete_model(self, request, obj):
@@ -154,13 +174,11 @@ class ProfileAdmin(RefusableDeleteMixin, ImportMixin, admin.ModelAdmin):
 
     @admin.action(description="Activate (replaces the live steering)")
     def activate(self, request, queryset):
-        run_each(self, request, queryset[:1], "Activated",
-                  lambda p: services.profile_activate(profile=p))
+        run_each(self, request, queryset[:1], "Activated", lambda p: services.profile_activate(profile=p))
 
     @admin.action(description="Deactivate")
     def deactivate(self, request, queryset):
-        run_each(self, request, queryset, "Deactivated",
-                  lambda p: services.profile_deactivate(profile=p))
+        run_each(self, request, queryset, "Deactivated", lambda p: services.profile_deactivate(profile=p))
 
     @admin.action(description="Export selected (JSON)")
     def export(self, request, queryset):
@@ -171,8 +189,7 @@ class ProfileAdmin(RefusableDeleteMixin, ImportMixin, admin.ModelAdmin):
 
     @admin.action(description="Delete selected profiles")
     def delete_profiles(self, request, queryset):
-        run_each(self, request, queryset, "Deleted", lambda p: services.profile_delete(
-            profile=p))
+        run_each(self, request, queryset, "Deleted", lambda p: services.profile_delete(profile=p))
 
 
 class DocumentAdmin(RefusableDeleteMixin, ImportMixin, admin.ModelAdmin):
@@ -191,25 +208,40 @@ class DocumentAdmin(RefusableDeleteMixin, ImportMixin, admin.ModelAdmin):
 
 @admin.register(Cluster)
 class ClusterAdmin(DocumentAdmin):
-    list_display = ("name", "sae_id", "layer", "member_count", "intensity", "is_active",
-                    "unbound_reason", "updated_at")
+    list_display = ("name", "sae_id", "layer", "member_count", "intensity", "is_active", "unbound_reason", "updated_at")
     list_filter = ("is_active",)
     search_fields = ("name", "narrative", "model_ref")
-    fields = ("name", "narrative", "intensity", "intensity_range", "sae_id", "layer",
-              "unbound_reason", "warnings", "members", "model_ref", "sae_ref", "n_features",
-              "is_active", "document", "created_at", "updated_at")
+    fields = (
+        "name",
+        "narrative",
+        "intensity",
+        "intensity_range",
+        "sae_id",
+        "layer",
+        "unbound_reason",
+        "warnings",
+        "members",
+        "model_ref",
+        "sae_ref",
+        "n_features",
+        "is_active",
+        "document",
+        "created_at",
+        "updated_at",
+    )
     readonly_fields = tuple(f for f in fields if f not in ("name", "narrative"))
     actions = ("activate", "deactivate", "export", "delete_clusters")
-    import_help = ("A mistudio.cluster-definition/v1 document or a mistudio.cluster-bundle/v1 "
-                   "(≤ 50 definitions, ≤ 20 members each, ≤ 1 MB).")
+    import_help = (
+        "A mistudio.cluster-definition/v1 document or a mistudio.cluster-bundle/v1 "
+        "(≤ 50 definitions, ≤ 20 members each, ≤ 1 MB)."
+    )
 
     @admin.display(description="Members")
     def member_count(self, obj: Cluster) -> int:
         return len(obj.members)
 
     def save_model(self, request, obj, form, change):
-        services.cluster_update(cluster=Cluster.objects.get(pk=obj.pk), name=obj.name,
-                                narrative=obj.narrative)
+        services.cluster_update(cluster=Cluster.objects.get(pk=obj.pk), name=obj.name, narrative=obj.narrative)
 
     def delete_model(self, request, obj):
         services.cluster_delete(cluster=obj)
@@ -220,44 +252,57 @@ class ClusterAdmin(DocumentAdmin):
 
     @admin.action(description="Activate (replaces the live steering)")
     def activate(self, request, queryset):
-        run_each(self, request, queryset[:1], "Activated",
-                  lambda c: services.cluster_activate(cluster=c))
+        run_each(self, request, queryset[:1], "Activated", lambda c: services.cluster_activate(cluster=c))
 
     @admin.action(description="Deactivate")
     def deactivate(self, request, queryset):
-        run_each(self, request, queryset, "Deactivated",
-                  lambda c: services.cluster_deactivate(cluster=c))
+        run_each(self, request, queryset, "Deactivated", lambda c: services.cluster_deactivate(cluster=c))
 
     @admin.action(description="Export selected (the documents as imported)")
     def export(self, request, queryset):
         rows = list(queryset)
         if len(rows) == 1:
             return _download(rows[0].document, f"{rows[0].name}.cluster.json")
-        bundle = {"kind": "mistudio.cluster-bundle", "schema_version": "1",
-                  "definitions": [json.loads(c.document) for c in rows]}
-        return _download(json.dumps(bundle, indent=2, ensure_ascii=False),
-                         "clusters.bundle.json")
+        bundle = {
+            "kind": "mistudio.cluster-bundle",
+            "schema_version": "1",
+            "definitions": [json.loads(c.document) for c in rows],
+        }
+        return _download(json.dumps(bundle, indent=2, ensure_ascii=False), "clusters.bundle.json")
 
     @admin.action(description="Delete selected clusters")
     def delete_clusters(self, request, queryset):
-        run_each(self, request, queryset, "Deleted",
-                  lambda c: services.cluster_delete(cluster=c))
+        run_each(self, request, queryset, "Deleted", lambda c: services.cluster_delete(cluster=c))
 
 
 @admin.register(Circuit)
 class CircuitAdmin(DocumentAdmin):
-    list_display = ("name", "rung", "layers", "edges_count", "intensity", "is_active",
-                    "updated_at")
+    list_display = ("name", "rung", "layers", "edges_count", "intensity", "is_active", "updated_at")
     list_filter = ("is_active", "rung")
     search_fields = ("name", "narrative")
-    fields = ("name", "narrative", "rung", "intensity", "intensity_range", "saes", "members",
-              "edges_count", "is_active", "serving", "composed_layers", "document",
-              "created_at", "updated_at")
+    fields = (
+        "name",
+        "narrative",
+        "rung",
+        "intensity",
+        "intensity_range",
+        "saes",
+        "members",
+        "edges_count",
+        "is_active",
+        "serving",
+        "composed_layers",
+        "document",
+        "created_at",
+        "updated_at",
+    )
     readonly_fields = fields
     # "Activate" attaches SAEs, so orchestration.admin adds it
     actions = ("deactivate", "export", "delete_circuits")
-    import_help = ("A mistudio.circuit-definition/v1 document (≤ 16 SAEs, ≤ 20 members per "
-                   "layer, ≤ 200 edges). Import never activates.")
+    import_help = (
+        "A mistudio.circuit-definition/v1 document (≤ 16 SAEs, ≤ 20 members per "
+        "layer, ≤ 200 edges). Import never activates."
+    )
 
     @admin.display(description="Layers")
     def layers(self, obj: Circuit) -> str:
@@ -272,8 +317,7 @@ class CircuitAdmin(DocumentAdmin):
 
     @admin.action(description="Deactivate")
     def deactivate(self, request, queryset):
-        run_each(self, request, queryset, "Deactivated",
-                  lambda c: services.circuit_deactivate(circuit=c))
+        run_each(self, request, queryset, "Deactivated", lambda c: services.circuit_deactivate(circuit=c))
 
     @admin.action(description="Export selected (the document as imported)")
     def export(self, request, queryset):
@@ -282,8 +326,7 @@ class CircuitAdmin(DocumentAdmin):
 
     @admin.action(description="Delete selected circuits")
     def delete_circuits(self, request, queryset):
-        run_each(self, request, queryset, "Deleted",
-                  lambda c: services.circuit_delete(circuit=c))
+        run_each(self, request, queryset, "Deleted", lambda c: services.circuit_delete(circuit=c))
 
 
 @admin.register(LiveSteering)
@@ -300,5 +343,4 @@ class LiveSteeringAdmin(admin.ModelAdmin):
 
     @admin.action(description="Clear (and disable)")
     def clear(self, request, queryset):
-        run_each(self, request, queryset, "Cleared",
-                  lambda r: services.live_clear(attachment=r.attachment))
+        run_each(self, request, queryset, "Cleared", lambda r: services.live_clear(attachment=r.attachment))

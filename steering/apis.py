@@ -24,8 +24,7 @@ from steering.models import Profile
 from steering.profiles import steering_map
 
 STEERING, PROFILES = ["steering"], ["profiles"]
-TARGET = [OpenApiParameter("sae_id", str, required=False),
-          OpenApiParameter("layer", int, required=False)]
+TARGET = [OpenApiParameter("sae_id", str, required=False), OpenApiParameter("layer", int, required=False)]
 
 
 def _target(request) -> dict:
@@ -41,8 +40,7 @@ def raw_document(request) -> tuple[dict, str | None]:
     try:
         body = request.body
     except RequestDataTooBig:
-        raise PayloadTooLarge("The document is larger than the server accepts",
-                              details={}) from None
+        raise PayloadTooLarge("The document is larger than the server accepts", details={}) from None
     data, text = load_document(body)
     if set(data) >= {"success", "data"} and isinstance(data.get("data"), dict):
         data, text = data["data"], None  # an answer of ours, saved with its envelope
@@ -57,10 +55,14 @@ def raw_json(text: str, filename: str) -> HttpResponse:
 
 # --------------------------------------------------------------------------- live steering
 
+
 class SteeringApi(APIView):
-    @extend_schema(tags=STEERING, summary="Live steering of one attachment (the named one, "
-                   "else the only one)", parameters=TARGET,
-                   responses=enveloped(io.SteeringStateOutput))
+    @extend_schema(
+        tags=STEERING,
+        summary="Live steering of one attachment (the named one, else the only one)",
+        parameters=TARGET,
+        responses=enveloped(io.SteeringStateOutput),
+    )
     def get(self, request) -> Response:
         target = _target(request)
         try:
@@ -68,45 +70,72 @@ class SteeringApi(APIView):
         except SAENotAttached:
             if target["sae_id"] is not None or target["layer"] is not None:
                 raise
-            return envelope({"sae_id": None, "layer": None, "enabled": False, "values": {},
-                             "controls": [], "active_count": 0, "source": "manual"})
+            return envelope(
+                {
+                    "sae_id": None,
+                    "layer": None,
+                    "enabled": False,
+                    "values": {},
+                    "controls": [],
+                    "active_count": 0,
+                    "source": "manual",
+                }
+            )
         return envelope(services.live_state(attachment=attachment))
 
-    @extend_schema(tags=STEERING, summary="Set one feature's value (enables steering)",
-                   request=io.SteeringSetInput, responses=enveloped(io.SteeringStateOutput))
+    @extend_schema(
+        tags=STEERING,
+        summary="Set one feature's value (enables steering)",
+        request=io.SteeringSetInput,
+        responses=enveloped(io.SteeringStateOutput),
+    )
     def post(self, request) -> Response:
         data = validated(io.SteeringSetInput, body_object(request))
-        control = rules.control_parse({"index": data["feature_idx"], **{
-            k: data[k] for k in ("mode", "value", "phase", "window", "condition")
-            if data.get(k) is not None}})
+        control = rules.control_parse(
+            {
+                "index": data["feature_idx"],
+                **{k: data[k] for k in ("mode", "value", "phase", "window", "condition") if data.get(k) is not None},
+            }
+        )
         attachment = services.attachment_choose(**_target(request))
-        return envelope(services.live_set(attachment=attachment, values={},
-                                          controls=[control]))
+        return envelope(services.live_set(attachment=attachment, values={}, controls=[control]))
 
-    @extend_schema(tags=STEERING, summary="Clear every value and disable", parameters=TARGET,
-                   request=None, responses=enveloped(io.SteeringStateOutput))
+    @extend_schema(
+        tags=STEERING,
+        summary="Clear every value and disable",
+        parameters=TARGET,
+        request=None,
+        responses=enveloped(io.SteeringStateOutput),
+    )
     def delete(self, request) -> Response:
         attachment = services.attachment_choose(**_target(request))
         return envelope(services.live_clear(attachment=attachment))
 
 
 class SteeringBatchApi(APIView):
-    @extend_schema(tags=STEERING, summary="Set up to 1000 values, all or nothing",
-                   request=io.SteeringBatchInput, responses=enveloped(io.SteeringStateOutput))
+    @extend_schema(
+        tags=STEERING,
+        summary="Set up to 1000 values, all or nothing",
+        request=io.SteeringBatchInput,
+        responses=enveloped(io.SteeringStateOutput),
+    )
     def post(self, request) -> Response:
         data = validated(io.SteeringBatchInput, body_object(request))
         values = steering_map(data["steering"])
         controls = rules.controls_parse(data["controls"])
         attachment = services.attachment_choose(**_target(request))
-        return envelope(services.live_set(attachment=attachment, values=values,
-                                          controls=controls))
+        return envelope(services.live_set(attachment=attachment, values=values, controls=controls))
 
 
 class SteeringEnableApi(APIView):
     enabled = True
 
-    @extend_schema(tags=STEERING, summary="Apply (or stop applying) the configured values",
-                   request=io.TargetInput, responses=enveloped(io.SteeringStateOutput))
+    @extend_schema(
+        tags=STEERING,
+        summary="Apply (or stop applying) the configured values",
+        request=io.TargetInput,
+        responses=enveloped(io.SteeringStateOutput),
+    )
     def post(self, request) -> Response:
         attachment = services.attachment_choose(**_target(request))
         return envelope(services.live_enable(attachment=attachment, enabled=self.enabled))
@@ -117,9 +146,14 @@ class SteeringDisableApi(SteeringEnableApi):
 
 
 class SteeringFeatureApi(APIView):
-    @extend_schema(tags=STEERING, summary="Remove one feature (the last one disables)",
-                   operation_id="saes_steering_feature_destroy", parameters=TARGET, request=None,
-                   responses=enveloped(io.SteeringStateOutput))
+    @extend_schema(
+        tags=STEERING,
+        summary="Remove one feature (the last one disables)",
+        operation_id="saes_steering_feature_destroy",
+        parameters=TARGET,
+        request=None,
+        responses=enveloped(io.SteeringStateOutput),
+    )
     def delete(self, request, feature_idx: int) -> Response:
         attachment = services.attachment_choose(**_target(request))
         return envelope(services.live_remove(attachment=attachment, index=feature_idx))
@@ -127,67 +161,87 @@ class SteeringFeatureApi(APIView):
 
 # --------------------------------------------------------------------------- profiles
 
+
 class ProfileListApi(APIView):
-    @extend_schema(tags=PROFILES, summary="List profiles", operation_id="profiles_list",
-                   responses=enveloped(OpenApiTypes.OBJECT))
+    @extend_schema(
+        tags=PROFILES, summary="List profiles", operation_id="profiles_list", responses=enveloped(OpenApiTypes.OBJECT)
+    )
     def get(self, request) -> Response:
         rows = [io.profile_out(p) for p in Profile.objects.all()]
         return envelope({"profiles": rows, "total": len(rows)})
 
-    @extend_schema(tags=PROFILES, summary="Create a profile (unique name)",
-                   request=io.ProfileInput, responses={201: enveloped(OpenApiTypes.OBJECT)})
+    @extend_schema(
+        tags=PROFILES,
+        summary="Create a profile (unique name)",
+        request=io.ProfileInput,
+        responses={201: enveloped(OpenApiTypes.OBJECT)},
+    )
     def post(self, request) -> Response:
         data = validated(io.ProfileInput, body_object(request))
         profile = services.profile_create(
-            name=data["name"], steering=data.get("steering") or {},
+            name=data["name"],
+            steering=data.get("steering") or {},
             controls=data.get("controls") or [],
-            sae_id=data.get("sae_id") or None, layer=data.get("layer"),
-            model_name=data.get("model_id") or "", description=data.get("description") or "",
-            intensity=data.get("intensity", 1.0))
+            sae_id=data.get("sae_id") or None,
+            layer=data.get("layer"),
+            model_name=data.get("model_id") or "",
+            description=data.get("description") or "",
+            intensity=data.get("intensity", 1.0),
+        )
         return envelope(io.profile_out(profile), status_code=status.HTTP_201_CREATED)
 
 
 class ProfileSaveCurrentApi(APIView):
-    @extend_schema(tags=PROFILES, summary="Save the live steering of one attachment as a "
-                   "profile", request=io.SaveCurrentInput,
-                   responses={201: enveloped(OpenApiTypes.OBJECT)})
+    @extend_schema(
+        tags=PROFILES,
+        summary="Save the live steering of one attachment as a profile",
+        request=io.SaveCurrentInput,
+        responses={201: enveloped(OpenApiTypes.OBJECT)},
+    )
     def post(self, request) -> Response:
         data = validated(io.SaveCurrentInput, body_object(request))
         profile = services.profile_save_current(
-            name=data["name"], description=data.get("description") or "",
-            sae_id=data.get("sae_id"), layer=data.get("layer"))
+            name=data["name"],
+            description=data.get("description") or "",
+            sae_id=data.get("sae_id"),
+            layer=data.get("layer"),
+        )
         return envelope(io.profile_out(profile), status_code=status.HTTP_201_CREATED)
 
 
 class ProfileActiveApi(APIView):
-    @extend_schema(tags=PROFILES, summary="The active profile (or null)",
-                   responses=enveloped(OpenApiTypes.OBJECT))
+    @extend_schema(tags=PROFILES, summary="The active profile (or null)", responses=enveloped(OpenApiTypes.OBJECT))
     def get(self, request) -> Response:
         profile = Profile.objects.filter(is_active=True).first()
         return envelope(io.profile_out(profile) if profile else None)
 
 
 class ProfileImportApi(APIView):
-    @extend_schema(tags=PROFILES, summary="Import a profile export (also the features form)",
-                   parameters=[OpenApiParameter("on_conflict", str, required=False,
-                                                enum=["fail", "rename"])],
-                   request=OpenApiTypes.OBJECT, responses={201: enveloped(OpenApiTypes.OBJECT)})
+    @extend_schema(
+        tags=PROFILES,
+        summary="Import a profile export (also the features form)",
+        parameters=[OpenApiParameter("on_conflict", str, required=False, enum=["fail", "rename"])],
+        request=OpenApiTypes.OBJECT,
+        responses={201: enveloped(OpenApiTypes.OBJECT)},
+    )
     def post(self, request) -> Response:
         query = validated(io.ImportQuery, request.query_params)
         data, _ = raw_document(request)
-        profile = services.profile_import(document=data,
-                                          on_conflict=query.get("on_conflict") or "fail")
+        profile = services.profile_import(document=data, on_conflict=query.get("on_conflict") or "fail")
         return envelope(io.profile_out(profile), status_code=status.HTTP_201_CREATED)
 
 
 class ProfileDetailApi(APIView):
-    @extend_schema(tags=PROFILES, summary="One profile (by id or name)",
-                   responses=enveloped(OpenApiTypes.OBJECT))
+    @extend_schema(tags=PROFILES, summary="One profile (by id or name)", responses=enveloped(OpenApiTypes.OBJECT))
     def get(self, request, profile_id: str) -> Response:
         return envelope(io.profile_out(services.profile_get(profile_id=profile_id)))
 
-    @extend_schema(tags=PROFILES, summary="Update (steering, when given, replaces the map)",
-                   request=io.ProfileUpdateInput, responses=enveloped(OpenApiTypes.OBJECT))
+    @extend_schema(
+        tags=PROFILES,
+        summary="Update (steering, when given, replaces the map)",
+        request=io.ProfileUpdateInput,
+        responses=enveloped(OpenApiTypes.OBJECT),
+    )
     def patch(self, request, profile_id: str) -> Response:
         profile = services.profile_get(profile_id=profile_id)
         data = validated(io.ProfileUpdateInput, body_object(request))
@@ -195,8 +249,11 @@ class ProfileDetailApi(APIView):
 
     put = patch
 
-    @extend_schema(tags=PROFILES, summary="Delete (an active profile is deactivated first)",
-                   responses=enveloped(OpenApiTypes.OBJECT))
+    @extend_schema(
+        tags=PROFILES,
+        summary="Delete (an active profile is deactivated first)",
+        responses=enveloped(OpenApiTypes.OBJECT),
+    )
     def delete(self, request, profile_id: str) -> Response:
         profile = services.profile_get(profile_id=profile_id)
         services.profile_delete(profile=profile)
@@ -204,9 +261,12 @@ class ProfileDetailApi(APIView):
 
 
 class ProfileActivateApi(APIView):
-    @extend_schema(tags=PROFILES, summary="Activate: replaces the live steering (validated "
-                   "first; values × λ, each clamped to ±200)", request=io.IntensityInput,
-                   responses=enveloped(OpenApiTypes.OBJECT))
+    @extend_schema(
+        tags=PROFILES,
+        summary="Activate: replaces the live steering (validated first; values × λ, each clamped to ±200)",
+        request=io.IntensityInput,
+        responses=enveloped(OpenApiTypes.OBJECT),
+    )
     def post(self, request, profile_id: str) -> Response:
         profile = services.profile_get(profile_id=profile_id)
         data = validated(io.IntensityInput, {**request.query_params.dict(), **body_object(request)})
@@ -215,10 +275,13 @@ class ProfileActivateApi(APIView):
 
 
 class ProfileDeactivateApi(APIView):
-    @extend_schema(tags=PROFILES, summary="Deactivate (clears the live steering unless "
-                   "clear_steering=false)", parameters=[OpenApiParameter(
-                       "clear_steering", bool, required=False)], request=None,
-                   responses=enveloped(OpenApiTypes.OBJECT))
+    @extend_schema(
+        tags=PROFILES,
+        summary="Deactivate (clears the live steering unless clear_steering=false)",
+        parameters=[OpenApiParameter("clear_steering", bool, required=False)],
+        request=None,
+        responses=enveloped(OpenApiTypes.OBJECT),
+    )
     def post(self, request, profile_id: str) -> Response:
         profile = services.profile_get(profile_id=profile_id)
         clear = str(request.query_params.get("clear_steering", "true")).lower() != "false"
@@ -227,9 +290,11 @@ class ProfileDeactivateApi(APIView):
 
 
 class ProfileExportApi(APIView):
-    @extend_schema(tags=PROFILES, summary="Export as versioned JSON (the document itself, "
-                   "ready for import)", responses={(200, "application/json"): OpenApiTypes.OBJECT})
+    @extend_schema(
+        tags=PROFILES,
+        summary="Export as versioned JSON (the document itself, ready for import)",
+        responses={(200, "application/json"): OpenApiTypes.OBJECT},
+    )
     def get(self, request, profile_id: str) -> HttpResponse:
         profile = services.profile_get(profile_id=profile_id)
-        return raw_json(json.dumps(services.profile_export(profile=profile), indent=2),
-                        f"{profile.name}.profile.json")
+        return raw_json(json.dumps(services.profile_export(profile=profile), indent=2), f"{profile.name}.profile.json")

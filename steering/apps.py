@@ -9,5 +9,4 @@ class SteeringConfig(AppConfig):
         from core import attachment_flags
         from steering.live import live_state
 
-        attachment_flags.provide("steering_enabled",
-                                 lambda attachment: live_state(attachment=attachment)["enabled"])
+        attachment_flags.provide("steering_enabled", lambda attachment: live_state(attachment=attachment)["enabled"])

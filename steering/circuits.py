@@ -66,9 +66,11 @@ from steering.names import check_name
 
 log = structlog.get_logger(__name__)
 
-HAZARD = {"note": "Deltas on one layer add up (x + Σ sᵢ·W_dec[i]); the ±200 clamp bounds "
-                  "each member, nothing bounds the sum. Two circuits composed on one layer "
-                  "can push the residual stream further than either was validated for."}
+HAZARD = {
+    "note": "Deltas on one layer add up (x + Σ sᵢ·W_dec[i]); the ±200 clamp bounds "
+    "each member, nothing bounds the sum. Two circuits composed on one layer "
+    "can push the residual stream further than either was validated for."
+}
 
 
 class CircuitServing(MillmError):
@@ -85,8 +87,7 @@ def circuit_get(*, circuit_id: int | str) -> Circuit:
     try:
         return get_by_pk_or_name(Circuit.objects.all(), circuit_id)
     except Circuit.DoesNotExist:
-        raise DocumentNotFound(f"Circuit {circuit_id!r} not found",
-                               details={"circuit_id": circuit_id}) from None
+        raise DocumentNotFound(f"Circuit {circuit_id!r} not found", details={"circuit_id": circuit_id}) from None
 
 
 def rung_language(rung: int) -> str:
@@ -94,20 +95,18 @@ def rung_language(rung: int) -> str:
 
 
 def layer_members(circuit: Circuit) -> dict[int, list[Member]]:
-    return {int(layer): [Member.model_validate(m) for m in members]
-            for layer, members in circuit.members.items()}
+    return {int(layer): [Member.model_validate(m) for m in members] for layer, members in circuit.members.items()}
 
 
-def layer_values(circuit: Circuit, intensity: float | None = None
-                 ) -> dict[int, rules.FeatureSet]:
+def layer_values(circuit: Circuit, intensity: float | None = None) -> dict[int, rules.FeatureSet]:
     """Per layer, what the circuit steers at λ (one λ for every layer; sign rule; each
     value clamped to ±200; members with a mode or a gate as controls)."""
     lam = circuit.intensity if intensity is None else intensity
-    return {layer: members_features(members, lam)
-            for layer, members in layer_members(circuit).items()}
+    return {layer: members_features(members, lam) for layer, members in layer_members(circuit).items()}
 
 
 # --------------------------------------------------------------------------- import
+
 
 def _free_name(name: str) -> str:
     base, n = name, 2
@@ -116,64 +115,63 @@ def _free_name(name: str) -> str:
     return name
 
 
-def circuit_import(*, document: dict[str, Any], text: str | None = None,
-                   on_conflict: str = "rename") -> Circuit:
+def circuit_import(*, document: dict[str, Any], text: str | None = None, on_conflict: str = "rename") -> Circuit:
     """Store a circuit definition. Import never activates: the evidence gate is always a
     separate, explicit step."""
     if on_conflict not in ("rename", "fail"):
-        raise ValidationFailed("on_conflict must be rename or fail",
-                               details={"fields": {"on_conflict": ["rename", "fail"]}})
+        raise ValidationFailed(
+            "on_conflict must be rename or fail", details={"fields": {"on_conflict": ["rename", "fail"]}}
+        )
     definition, layers = validate_circuit(document)
     name = definition.name.strip()
     check_name(name, collection="circuits", what="Circuit")
     if Circuit.objects.filter(name=name).exists():
         if on_conflict == "fail":
-            raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
-                                       details={"name": name})
+            raise CircuitAlreadyExists(f"A circuit named {name!r} already exists", details={"name": name})
         name = _free_name(name)
     budget = definition.budget
     try:
         with transaction.atomic():
             circuit = Circuit.objects.create(
-                name=name, narrative=definition.narrative or "",
+                name=name,
+                narrative=definition.narrative or "",
                 document=text if text is not None else document_text(document),
                 saes=[s.row() for s in definition.saes],
-                members={str(layer): [m.row() for m in members]
-                         for layer, members in sorted(layers.items())},
-                edges_count=len(definition.edges), rung=circuit_rung(definition),
+                members={str(layer): [m.row() for m in members] for layer, members in sorted(layers.items())},
+                edges_count=len(definition.edges),
+                rung=circuit_rung(definition),
                 intensity=budget.intensity if budget else 1.0,
-                intensity_range=budget.intensity_range if budget else None)
+                intensity_range=budget.intensity_range if budget else None,
+            )
     except IntegrityError:
-        raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
-                                   details={"name": name}) from None
+        raise CircuitAlreadyExists(f"A circuit named {name!r} already exists", details={"name": name}) from None
     log.info("circuit_imported", circuit=circuit.name, rung=circuit.rung)
     return circuit
 
 
 @transaction.atomic
-def circuit_replace(*, circuit: Circuit, document: dict[str, Any],
-                    text: str | None = None) -> Circuit:
+def circuit_replace(*, circuit: Circuit, document: dict[str, Any], text: str | None = None) -> Circuit:
     """Replace a stored circuit's document in place: the same id, the new name, narrative,
     SAEs, members, edges and budget (the page's editor saves through this). A serving
     circuit is refused (its layers run the old members: deactivate it first); so is a name
     another circuit holds; a document that does not validate changes nothing."""
     circuit = Circuit.objects.select_for_update().get(pk=circuit.pk)
     if circuit.is_active:
-        raise CircuitServing(f"Circuit {circuit.name!r} is serving: deactivate it before "
-                             "replacing its document", details={"circuit_id": circuit.pk})
+        raise CircuitServing(
+            f"Circuit {circuit.name!r} is serving: deactivate it before replacing its document",
+            details={"circuit_id": circuit.pk},
+        )
     definition, layers = validate_circuit(document)
     name = definition.name.strip()
     check_name(name, collection="circuits", what="Circuit")
     if Circuit.objects.filter(name=name).exclude(pk=circuit.pk).exists():
-        raise CircuitAlreadyExists(f"A circuit named {name!r} already exists",
-                                   details={"name": name})
+        raise CircuitAlreadyExists(f"A circuit named {name!r} already exists", details={"name": name})
     budget = definition.budget
     circuit.name = name
     circuit.narrative = definition.narrative or ""
     circuit.document = text if text is not None else document_text(document)
     circuit.saes = [s.row() for s in definition.saes]
-    circuit.members = {str(layer): [m.row() for m in members]
-                       for layer, members in sorted(layers.items())}
+    circuit.members = {str(layer): [m.row() for m in members] for layer, members in sorted(layers.items())}
     circuit.edges_count = len(definition.edges)
     circuit.rung = circuit_rung(definition)
     circuit.intensity = budget.intensity if budget else 1.0
@@ -184,6 +182,7 @@ def circuit_replace(*, circuit: Circuit, document: dict[str, Any],
 
 
 # --------------------------------------------------------------------------- activation
+
 
 def _resolve_sae(ref: dict[str, Any]) -> SAE | None:
     """The registered SAE a definition's reference names: its id here (or its name), or
@@ -198,8 +197,7 @@ def _resolve_sae(ref: dict[str, Any]) -> SAE | None:
         parts = hint[3:].strip("/").split("/")
         if len(parts) >= 2:
             repo, path = "/".join(parts[:2]), "/".join(parts[2:])
-            return SAE.objects.filter(repository_id=repo, file_path__in=(path, path + "/")
-                                      ).first()
+            return SAE.objects.filter(repository_id=repo, file_path__in=(path, path + "/")).first()
     return None
 
 
@@ -217,24 +215,26 @@ def _member_saes(circuit: Circuit) -> list[tuple[SAE, int]]:
         elif sae.status not in (SAE.Status.READY, SAE.Status.ATTACHED) or not sae.local_path:
             reason = f"not ready to attach (status {sae.status})"
         if reason:
-            offenders += [{"feature_idx": m.feature_idx, "layer": layer,
-                           "sae_id": ref.get("ref"), "reason": reason} for m in features] \
-                or [{"feature_idx": None, "layer": layer, "sae_id": ref.get("ref"),
-                     "reason": reason}]
+            offenders += [
+                {"feature_idx": m.feature_idx, "layer": layer, "sae_id": ref.get("ref"), "reason": reason}
+                for m in features
+            ] or [{"feature_idx": None, "layer": layer, "sae_id": ref.get("ref"), "reason": reason}]
             continue
         if ref.get("n_features") and sae.d_sae and ref["n_features"] != sae.d_sae:
             raise IncompatibleFeatureSpace(
-                f"Layer {layer}: the circuit declares {ref['n_features']} features; SAE "
-                f"{sae.id} has {sae.d_sae}", details={"layer": layer, "sae_id": sae.id,
-                                                       "n_features": ref["n_features"],
-                                                       "d_sae": sae.d_sae})
-        rules.check_indices(sae_id=sae.id, d_sae=sae.d_sae, param=f"layers.{layer}",
-                            indices=[i for m in features for i in m.indices()])
+                f"Layer {layer}: the circuit declares {ref['n_features']} features; SAE {sae.id} has {sae.d_sae}",
+                details={"layer": layer, "sae_id": sae.id, "n_features": ref["n_features"], "d_sae": sae.d_sae},
+            )
+        rules.check_indices(
+            sae_id=sae.id, d_sae=sae.d_sae, param=f"layers.{layer}", indices=[i for m in features for i in m.indices()]
+        )
         items.append((sae, layer))
     if offenders:
         raise SAESetIncomplete(
             f"{len({o['layer'] for o in offenders})} of the circuit's SAEs cannot be "
-            "attached; the circuit is not served", details={"offenders": offenders})
+            "attached; the circuit is not served",
+            details={"offenders": offenders},
+        )
     return items
 
 
@@ -249,30 +249,36 @@ def _contention(circuit: Circuit, allow_layer_overlap: bool) -> list[int]:
         if not layers:
             continue
         shared.update(layers)
-        incumbents.append({"circuit_id": other.pk, "circuit_name": other.name,
-                           "layers": layers})
-        colliding += [{"layer": layer, "feature_idx": idx, "circuit_id": other.pk}
-                      for layer in layers for idx in sorted(mine[layer] & theirs[layer])]
+        incumbents.append({"circuit_id": other.pk, "circuit_name": other.name, "layers": layers})
+        colliding += [
+            {"layer": layer, "feature_idx": idx, "circuit_id": other.pk}
+            for layer in layers
+            for idx in sorted(mine[layer] & theirs[layer])
+        ]
     if colliding:
         raise CircuitLayerContention(
             "The circuit would steer a (layer, feature) another active circuit steers; one "
             "strength would overwrite the other. This cannot be overridden.",
-            details={"overridable": False, "incumbents": incumbents,
-                     "colliding_keys": colliding})
+            details={"overridable": False, "incumbents": incumbents, "colliding_keys": colliding},
+        )
     if incumbents and not allow_layer_overlap:
         raise CircuitLayerContention(
             f"Layers {sorted(shared)} are steered by another active circuit; re-send with "
             "allow_layer_overlap=true to compose onto them",
-            details={"overridable": True, "override_param": "allow_layer_overlap",
-                     "incumbents": incumbents, "layers": sorted(shared),
-                     "measured_hazard": HAZARD})
+            details={
+                "overridable": True,
+                "override_param": "allow_layer_overlap",
+                "incumbents": incumbents,
+                "layers": sorted(shared),
+                "measured_hazard": HAZARD,
+            },
+        )
     return sorted(shared)
 
 
 def _attachments(serving: dict[str, str]) -> dict[int, Attachment]:
     rows = {(a.sae_id, a.layer): a for a in Attachment.objects.select_related("sae")}
-    return {int(layer): rows[(sae_id, int(layer))] for layer, sae_id in serving.items()
-            if (sae_id, int(layer)) in rows}
+    return {int(layer): rows[(sae_id, int(layer))] for layer, sae_id in serving.items() if (sae_id, int(layer)) in rows}
 
 
 def _union(circuits: list[Circuit]) -> dict[Attachment, rules.FeatureSet]:
@@ -283,7 +289,8 @@ def _union(circuits: list[Circuit]) -> dict[Attachment, rules.FeatureSet]:
         values = layer_values(c)
         for layer, attachment in _attachments(c.serving).items():
             entries[attachment] = entries.get(attachment, rules.FeatureSet()).merged(
-                values.get(layer, rules.FeatureSet()))
+                values.get(layer, rules.FeatureSet())
+            )
     return entries
 
 
@@ -293,19 +300,22 @@ def _gate(circuit: Circuit, acknowledge_unvalidated: bool) -> None:
             f"Circuit {circuit.name!r} is at rung {circuit.rung} "
             f"({rung_language(circuit.rung)}); activating it needs "
             "acknowledge_unvalidated=true",
-            details={"rung": circuit.rung, "rung_language": rung_language(circuit.rung),
-                     "param": "acknowledge_unvalidated"})
+            details={
+                "rung": circuit.rung,
+                "rung_language": rung_language(circuit.rung),
+                "param": "acknowledge_unvalidated",
+            },
+        )
 
 
-def circuit_activation_plan(*, circuit: Circuit, acknowledge_unvalidated: bool = False,
-                            allow_layer_overlap: bool = False, intensity: Any = None
-                            ) -> tuple[list[tuple[SAE, int]], float]:
+def circuit_activation_plan(
+    *, circuit: Circuit, acknowledge_unvalidated: bool = False, allow_layer_overlap: bool = False, intensity: Any = None
+) -> tuple[list[tuple[SAE, int]], float]:
     """Checks 1–3 of an activation, nothing changed: the (SAE, layer) pairs to attach and
     the intensity λ. ``orchestration.services.circuit_activate`` attaches them and then
     calls ``circuit_mark_active``."""
     _gate(circuit, acknowledge_unvalidated)
-    lam = circuit.intensity if intensity is None else check_intensity(
-        intensity, circuit.intensity_range)
+    lam = circuit.intensity if intensity is None else check_intensity(intensity, circuit.intensity_range)
     if not Model.objects.filter(status=Model.Status.LOADED).exists():
         raise ModelNotLoaded("No model is loaded; a circuit steers the loaded model")
     items = _member_saes(circuit)
@@ -315,14 +325,15 @@ def circuit_activation_plan(*, circuit: Circuit, acknowledge_unvalidated: bool =
 
 def circuit_set_incomplete(items: list[tuple[SAE, int]], exc: MillmError) -> SAESetIncomplete:
     """The refusal when the member SAEs could not all be attached."""
-    return SAESetIncomplete(f"The circuit's SAEs could not all be attached: {exc.message}",
-                            details={"offenders": [{"layer": layer, "sae_id": sae.id,
-                                                    "reason": exc.message}
-                                                   for sae, layer in items]})
+    return SAESetIncomplete(
+        f"The circuit's SAEs could not all be attached: {exc.message}",
+        details={"offenders": [{"layer": layer, "sae_id": sae.id, "reason": exc.message} for sae, layer in items]},
+    )
 
 
-def circuit_mark_active(*, circuit: Circuit, items: list[tuple[SAE, int]], intensity: float,
-                        allow_layer_overlap: bool = False) -> Circuit:
+def circuit_mark_active(
+    *, circuit: Circuit, items: list[tuple[SAE, int]], intensity: float, allow_layer_overlap: bool = False
+) -> Circuit:
     """Step 5, once the member SAEs are attached: the circuit is active and the live
     steering is the union of the active circuits, in one locked transaction."""
     lam = intensity
@@ -332,17 +343,15 @@ def circuit_mark_active(*, circuit: Circuit, items: list[tuple[SAE, int]], inten
         composed = _contention(circuit, allow_layer_overlap)  # again, under the lock
         live.documents_deactivate(keep_circuits=True)
         Circuit.objects.filter(pk=circuit.pk).update(
-            is_active=True, serving=serving, composed_layers=composed, intensity=lam,
-            updated_at=timezone.now())
+            is_active=True, serving=serving, composed_layers=composed, intensity=lam, updated_at=timezone.now()
+        )
         for other in Circuit.objects.filter(is_active=True).exclude(pk=circuit.pk):
-            shared = sorted(set(other.composed_layers) | (
-                {int(k) for k in other.serving} & set(composed)))
+            shared = sorted(set(other.composed_layers) | ({int(k) for k in other.serving} & set(composed)))
             Circuit.objects.filter(pk=other.pk).update(composed_layers=shared)
         active = list(Circuit.objects.filter(is_active=True))
         live.live_replace_all(entries=_union(active), source=LiveSteering.Source.CIRCUIT)
     circuit.refresh_from_db()
-    log.info("circuit_activated", circuit=circuit.name, rung=circuit.rung, intensity=lam,
-             composed_layers=composed)
+    log.info("circuit_activated", circuit=circuit.name, rung=circuit.rung, intensity=lam, composed_layers=composed)
     return circuit
 
 
@@ -368,8 +377,7 @@ def circuit_deactivate(*, circuit: Circuit) -> Circuit:
         circuit = Circuit.objects.get(pk=circuit.pk)
         if circuit.is_active:
             attachments = _attachments(circuit.serving)
-            Circuit.objects.filter(pk=circuit.pk).update(is_active=False, serving={},
-                                                         composed_layers=[])
+            Circuit.objects.filter(pk=circuit.pk).update(is_active=False, serving={}, composed_layers=[])
             for other in Circuit.objects.filter(is_active=True):
                 still = sorted(set(other.composed_layers) & set(_shared_with_others(other)))
                 Circuit.objects.filter(pk=other.pk).update(composed_layers=still)
@@ -386,8 +394,9 @@ def _shared_with_others(circuit: Circuit) -> list[int]:
     return sorted(mine & others)
 
 
-def circuit_set_intensity(*, circuit: Circuit, intensity: Any, reapply: bool = True,
-                          acknowledge_unvalidated: bool = False) -> tuple[Circuit, bool]:
+def circuit_set_intensity(
+    *, circuit: Circuit, intensity: Any, reapply: bool = True, acknowledge_unvalidated: bool = False
+) -> tuple[Circuit, bool]:
     """One λ for every layer. An active circuit re-applies at once — and re-passes the
     evidence gate, since a stronger dial is a new decision to serve it."""
     lam = check_intensity(intensity, circuit.intensity_range)
@@ -409,18 +418,20 @@ def circuits_active() -> list[Circuit]:
     return list(Circuit.objects.filter(is_active=True).order_by("name"))
 
 
-def circuit_set_active_intensity(*, intensity: Any, reapply: bool = True,
-                                 acknowledge_unvalidated: bool = False
-                                 ) -> tuple[Circuit, bool]:
+def circuit_set_active_intensity(
+    *, intensity: Any, reapply: bool = True, acknowledge_unvalidated: bool = False
+) -> tuple[Circuit, bool]:
     active = circuits_active()
     if not active:
         raise NoActiveCircuit("No circuit is active", details={})
     if len(active) > 1:
         raise AmbiguousActiveCircuit(
             "Several circuits are serving, so there is no single active circuit to dial",
-            details={"active_circuits": [{"id": c.pk, "name": c.name} for c in active]})
-    return circuit_set_intensity(circuit=active[0], intensity=intensity, reapply=reapply,
-                                 acknowledge_unvalidated=acknowledge_unvalidated)
+            details={"active_circuits": [{"id": c.pk, "name": c.name} for c in active]},
+        )
+    return circuit_set_intensity(
+        circuit=active[0], intensity=intensity, reapply=reapply, acknowledge_unvalidated=acknowledge_unvalidated
+    )
 
 
 def circuit_claims() -> list[dict[str, Any]]:
@@ -429,12 +440,16 @@ def circuit_claims() -> list[dict[str, Any]]:
     for circuit in circuits_active():
         values = layer_values(circuit)
         for layer in sorted(int(k) for k in circuit.serving):
-            rows.append({"layer": layer, "circuit_id": circuit.pk,
-                         "circuit_name": circuit.name,
-                         "sae_id": circuit.serving[str(layer)],
-                         "composed": layer in circuit.composed_layers,
-                         "steering_keys": sorted(values.get(
-                             layer, rules.FeatureSet()).indices())})
+            rows.append(
+                {
+                    "layer": layer,
+                    "circuit_id": circuit.pk,
+                    "circuit_name": circuit.name,
+                    "sae_id": circuit.serving[str(layer)],
+                    "composed": layer in circuit.composed_layers,
+                    "steering_keys": sorted(values.get(layer, rules.FeatureSet()).indices()),
+                }
+            )
     return sorted(rows, key=lambda r: (r["layer"], r["circuit_id"]))
 
 

@@ -52,8 +52,12 @@ PROFILE_VERSION = "1.0"
 
 # The evidence ladder, rendered verbatim from the producer's vocabulary: below rung 2
 # nothing is described as causal.
-RUNG_LANGUAGE = {0: "associated", 1: "suggested (attribution-supported)",
-                 2: "causally validated (edge)", 3: "faithfulness-tested (circuit)"}
+RUNG_LANGUAGE = {
+    0: "associated",
+    1: "suggested (attribution-supported)",
+    2: "causally validated (edge)",
+    3: "faithfulness-tested (circuit)",
+}
 VALIDATED_RUNG = 2
 
 _PATHLIKE = re.compile(r"^(/|~|\\|[A-Za-z]:[\\/]|file:)")
@@ -96,8 +100,12 @@ class Member(_Doc):
 
     @property
     def plain(self) -> bool:
-        return (self.mode in (None, "add") and self.phase in (None, "all")
-                and self.window is None and self.condition is None)
+        return (
+            self.mode in (None, "add")
+            and self.phase in (None, "all")
+            and self.window is None
+            and self.condition is None
+        )
 
     def signed(self) -> float:
         """The sign rule: a negative strength is already directional; otherwise the
@@ -114,23 +122,26 @@ class Member(_Doc):
         if self.plain or intensity == 0:
             return None
         mode = self.mode or "add"
-        value = rules.dial(self.signed(), intensity) if mode == "add" else float(
-            self.value or 0.0)
+        value = rules.dial(self.signed(), intensity) if mode == "add" else float(self.value or 0.0)
         return FeatureControl(
-            self.feature_idx, mode=mode, value=value, phase=self.phase or "all",
-            window=(PositionRange(self.window.start, self.window.end)
-                    if self.window is not None else None),
-            condition=(SteeringCondition(self.condition.feature, self.condition.threshold)
-                       if self.condition is not None else None))
+            self.feature_idx,
+            mode=mode,
+            value=value,
+            phase=self.phase or "all",
+            window=(PositionRange(self.window.start, self.window.end) if self.window is not None else None),
+            condition=(
+                SteeringCondition(self.condition.feature, self.condition.threshold)
+                if self.condition is not None
+                else None
+            ),
+        )
 
     def indices(self) -> list[int]:
         """The feature it steers and the trigger it reads."""
-        return [self.feature_idx] + (
-            [self.condition.feature] if self.condition is not None else [])
+        return [self.feature_idx] + ([self.condition.feature] if self.condition is not None else [])
 
     def row(self) -> dict[str, Any]:
-        out = {"feature_idx": self.feature_idx, "strength": self.strength,
-               "sign": self.sign, "label": self.label}
+        out = {"feature_idx": self.feature_idx, "strength": self.strength, "sign": self.sign, "label": self.label}
         for key in ("mode", "value", "phase", "window", "condition"):
             value = getattr(self, key)
             if value is not None:
@@ -172,8 +183,7 @@ class SAERef(_Doc):
         return self.mistudio_sae_id or self.sae_id
 
     def row(self) -> dict[str, Any]:
-        return {"ref": self.ref, "layer": self.layer, "n_features": self.n_features,
-                "source_hint": self.source_hint}
+        return {"ref": self.ref, "layer": self.layer, "n_features": self.n_features, "source_hint": self.source_hint}
 
 
 class ModelRef(_Doc):
@@ -184,8 +194,7 @@ class ModelRef(_Doc):
 def _intensity_range(value: list[float] | None) -> list[float] | None:
     if value in (None, []):
         return None
-    if len(value) != 2 or not (0 <= value[0] <= value[1]) \
-            or not all(math.isfinite(v) for v in value):
+    if len(value) != 2 or not (0 <= value[0] <= value[1]) or not all(math.isfinite(v) for v in value):
         raise ValueError("intensity_range must be [low, high] with 0 <= low <= high")
     return [float(value[0]), float(value[1])]
 
@@ -243,8 +252,7 @@ class CircuitMember(_Doc):
     layer: int = Field(ge=0)
     member_kind: Literal["feature_ref", "cluster_ref"] = "feature_ref"
     feature: Member | None = None
-    expanded_members: list[Member] | None = Field(default=None,
-                                                  max_length=MAX_CIRCUIT_MEMBERS_PER_LAYER)
+    expanded_members: list[Member] | None = Field(default=None, max_length=MAX_CIRCUIT_MEMBERS_PER_LAYER)
 
     def features(self) -> list[Member]:
         if self.member_kind == "feature_ref":
@@ -252,8 +260,7 @@ class CircuitMember(_Doc):
                 raise ValueError(f"a feature_ref member at layer {self.layer} has no feature")
             return [self.feature]
         if not self.expanded_members:
-            raise ValueError(f"a cluster_ref member at layer {self.layer} has no "
-                             "expanded_members to steer")
+            raise ValueError(f"a cluster_ref member at layer {self.layer} has no expanded_members to steer")
         return list(self.expanded_members)
 
 
@@ -295,6 +302,7 @@ class CircuitDefinition(_Versioned):
 
 # --------------------------------------------------------------------------- parsing
 
+
 def _kind(data: dict[str, Any]) -> str | None:
     kind = data.get("kind")
     if kind is None:
@@ -314,8 +322,7 @@ def _fields(exc: ValidationError) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for err in exc.errors(include_url=False, include_input=False):
         loc = ".".join(str(p) for p in err.get("loc", ())) or "document"
-        out.setdefault(loc, []).append(str(err.get("msg", "invalid")).removeprefix(
-            "Value error, "))
+        out.setdefault(loc, []).append(str(err.get("msg", "invalid")).removeprefix("Value error, "))
     return out
 
 
@@ -323,8 +330,7 @@ def invalid(exc: ValidationError | ValueError, what: str) -> ValidationFailed:
     if isinstance(exc, ValidationError):
         fields = _fields(exc)
         first = next(iter(fields.items()))
-        return ValidationFailed(f"Invalid {what}: {first[0]}: {first[1][0]}",
-                                details={"fields": fields})
+        return ValidationFailed(f"Invalid {what}: {first[0]}: {first[1][0]}", details={"fields": fields})
     return ValidationFailed(f"Invalid {what}: {exc}", details={"fields": {"document": [str(exc)]}})
 
 
@@ -340,18 +346,21 @@ def load_document(raw: bytes | str | dict[str, Any]) -> tuple[dict[str, Any], st
         text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
         data = None
     if size > MAX_DOCUMENT_BYTES:
-        raise PayloadTooLarge(f"The document is {size} bytes; the limit is "
-                              f"{MAX_DOCUMENT_BYTES}", details={"bytes": size,
-                                                                "limit": MAX_DOCUMENT_BYTES})
+        raise PayloadTooLarge(
+            f"The document is {size} bytes; the limit is {MAX_DOCUMENT_BYTES}",
+            details={"bytes": size, "limit": MAX_DOCUMENT_BYTES},
+        )
     if data is None:
         try:
             data = json.loads(text)
         except ValueError as exc:
-            raise ValidationFailed(f"The document is not JSON: {exc}",
-                                   details={"fields": {"document": [str(exc)]}}) from None
+            raise ValidationFailed(
+                f"The document is not JSON: {exc}", details={"fields": {"document": [str(exc)]}}
+            ) from None
     if not isinstance(data, dict):
-        raise ValidationFailed("The document must be a JSON object",
-                               details={"fields": {"document": ["not an object"]}})
+        raise ValidationFailed(
+            "The document must be a JSON object", details={"fields": {"document": ["not an object"]}}
+        )
     return data, text
 
 
@@ -373,16 +382,19 @@ def parse_cluster_document(data: dict[str, Any]) -> list[dict[str, Any]]:
         except ValidationError as exc:
             raise invalid(exc, "cluster bundle") from None
         return bundle.definitions
-    raise UnknownKind(f"Not a cluster definition or bundle (kind {data.get('kind')!r})"
-                      + ("; import circuits at /api/circuits/import" if kind == CIRCUIT_KIND
-                         else ""), details={"kind": data.get("kind"),
-                                            "accepted": [CLUSTER_KIND, BUNDLE_KIND]})
+    raise UnknownKind(
+        f"Not a cluster definition or bundle (kind {data.get('kind')!r})"
+        + ("; import circuits at /api/circuits/import" if kind == CIRCUIT_KIND else ""),
+        details={"kind": data.get("kind"), "accepted": [CLUSTER_KIND, BUNDLE_KIND]},
+    )
 
 
 def validate_cluster(data: Any) -> ClusterDefinition:
     if not isinstance(data, dict) or _kind(data) != CLUSTER_KIND:
-        raise UnknownKind("A bundle item is not a cluster definition",
-                          details={"kind": data.get("kind") if isinstance(data, dict) else None})
+        raise UnknownKind(
+            "A bundle item is not a cluster definition",
+            details={"kind": data.get("kind") if isinstance(data, dict) else None},
+        )
     try:
         return ClusterDefinition.model_validate(data)
     except ValidationError as exc:
@@ -394,8 +406,10 @@ def validate_circuit(data: dict[str, Any]) -> tuple[CircuitDefinition, dict[int,
     problem (UNKNOWN_KIND for another kind of document)."""
     kind = _kind(data)
     if kind != CIRCUIT_KIND:
-        raise UnknownKind(f"Not a circuit definition (kind {data.get('kind')!r})",
-                          details={"kind": data.get("kind"), "accepted": [CIRCUIT_KIND]})
+        raise UnknownKind(
+            f"Not a circuit definition (kind {data.get('kind')!r})",
+            details={"kind": data.get("kind"), "accepted": [CIRCUIT_KIND]},
+        )
     try:
         circuit = CircuitDefinition.model_validate(data)
         layers: dict[int, list[Member]] = {}
@@ -410,24 +424,23 @@ def validate_circuit(data: dict[str, Any]) -> tuple[CircuitDefinition, dict[int,
         if sae.layer is None:
             raise invalid(ValueError(f"saes[{i}] names no layer"), "circuit definition")
         if not sae.ref and not sae.source_hint:
-            raise invalid(ValueError(f"saes[{i}] names no SAE (mistudio_sae_id, sae_id or "
-                                     "source_hint)"), "circuit definition")
+            raise invalid(
+                ValueError(f"saes[{i}] names no SAE (mistudio_sae_id, sae_id or source_hint)"), "circuit definition"
+            )
         if sae.layer in sae_layers:
-            raise invalid(ValueError(f"two SAEs are named for layer {sae.layer}"),
-                          "circuit definition")
+            raise invalid(ValueError(f"two SAEs are named for layer {sae.layer}"), "circuit definition")
         sae_layers[sae.layer] = sae
     for layer, members in layers.items():
         if layer not in sae_layers:
-            raise invalid(ValueError(f"members at layer {layer} have no SAE in saes"),
-                          "circuit definition")
+            raise invalid(ValueError(f"members at layer {layer} have no SAE in saes"), "circuit definition")
         if len(members) > MAX_CIRCUIT_MEMBERS_PER_LAYER:
-            raise invalid(ValueError(f"layer {layer} has {len(members)} members; the limit "
-                                     f"is {MAX_CIRCUIT_MEMBERS_PER_LAYER}"),
-                          "circuit definition")
+            raise invalid(
+                ValueError(f"layer {layer} has {len(members)} members; the limit is {MAX_CIRCUIT_MEMBERS_PER_LAYER}"),
+                "circuit definition",
+            )
         indices = [m.feature_idx for m in members]
         if len(set(indices)) != len(indices):
-            raise invalid(ValueError(f"a feature_idx appears twice at layer {layer}"),
-                          "circuit definition")
+            raise invalid(ValueError(f"a feature_idx appears twice at layer {layer}"), "circuit definition")
     return circuit, layers
 
 
@@ -438,8 +451,10 @@ def circuit_rung(circuit: CircuitDefinition) -> int:
 
 def refuse_cluster_as_profile(data: dict[str, Any]) -> None:
     if _kind(data) in (CLUSTER_KIND, BUNDLE_KIND):
-        raise IsClusterDocument("This is a cluster definition; import it at "
-                                "/api/clusters/import", details={"kind": data.get("kind")})
+        raise IsClusterDocument(
+            "This is a cluster definition; import it at /api/clusters/import", details={"kind": data.get("kind")}
+        )
     if _kind(data) == CIRCUIT_KIND:
-        raise UnknownKind("This is a circuit definition; import it at /api/circuits/import",
-                          details={"kind": data.get("kind")})
+        raise UnknownKind(
+            "This is a circuit definition; import it at /api/circuits/import", details={"kind": data.get("kind")}
+        )

@@ -58,6 +58,7 @@ class SAESetIncomplete(MillmError):
 # original documents them — with HTTP 200 and ``success: false``: clients branch on
 # ``error.code`` and re-send with the acknowledgement or override the details describe.
 
+
 class UnvalidatedCircuit(MillmError):
     code, status = "UNVALIDATED_CIRCUIT", 200
 

@@ -32,12 +32,21 @@ def live_forget(*, attachments: Iterable[Attachment]) -> None:
         for attachment in attachments:
             if attachment.pk in had:
                 sae_id, layer = attachment.sae_id, attachment.layer
-                transaction.on_commit(lambda s=sae_id, lay=layer: events.publish(
-                    "steering:update", {"sae_id": s, "layer": lay, "enabled": False,
-                                        "values": {}, "controls": [],
-                                        "active_count": 0,
-                                        "source": LiveSteering.Source.MANUAL,
-                                        "reason": "detach"}))
+                transaction.on_commit(
+                    lambda s=sae_id, lay=layer: events.publish(
+                        "steering:update",
+                        {
+                            "sae_id": s,
+                            "layer": lay,
+                            "enabled": False,
+                            "values": {},
+                            "controls": [],
+                            "active_count": 0,
+                            "source": LiveSteering.Source.MANUAL,
+                            "reason": "detach",
+                        },
+                    )
+                )
 
 
 def _documents_forget(keys: set[tuple[str, int]]) -> None:

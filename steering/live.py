@@ -41,8 +41,8 @@ MAX_BATCH = 1000
 
 # --------------------------------------------------------------------------- reads
 
-def attachment_choose(*, sae_id: str | None = None, layer: int | None = None,
-                      param: str = "sae_id") -> Attachment:
+
+def attachment_choose(*, sae_id: str | None = None, layer: int | None = None, param: str = "sae_id") -> Attachment:
     """The attachment row a management call acts on (``attachment_pick``'s rule)."""
     rows = list(Attachment.objects.select_related("sae", "model").order_by("layer", "sae_id"))
     return attachment_pick(attachments=rows, sae_id=sae_id, layer=layer, param=param)
@@ -56,18 +56,21 @@ def row_features(row: LiveSteering | None) -> rules.FeatureSet:
     """A row's values and controls (written through the rules, so read as stored)."""
     if row is None:
         return rules.FeatureSet()
-    return rules.FeatureSet({int(k): float(v) for k, v in row.values.items()},
-                            rules.controls_parse(row.controls or []))
+    return rules.FeatureSet({int(k): float(v) for k, v in row.values.items()}, rules.controls_parse(row.controls or []))
 
 
 def _state(attachment: Attachment, row: LiveSteering | None) -> dict[str, Any]:
     features = row_features(row)
     enabled = bool(row and row.enabled and features)
-    return {"sae_id": attachment.sae_id, "layer": attachment.layer, "enabled": enabled,
-            "values": values_out(row.values) if row else {},
-            "controls": features.stored_controls(),
-            "active_count": len(features.indices()) if row and row.enabled else 0,
-            "source": row.source if row else LiveSteering.Source.MANUAL}
+    return {
+        "sae_id": attachment.sae_id,
+        "layer": attachment.layer,
+        "enabled": enabled,
+        "values": values_out(row.values) if row else {},
+        "controls": features.stored_controls(),
+        "active_count": len(features.indices()) if row and row.enabled else 0,
+        "source": row.source if row else LiveSteering.Source.MANUAL,
+    }
 
 
 def live_state(*, attachment: Attachment) -> dict[str, Any]:
@@ -76,8 +79,13 @@ def live_state(*, attachment: Attachment) -> dict[str, Any]:
 
 def live_rows() -> list[LiveSteering]:
     """Every attachment's live steering that runs (enabled, with values or controls)."""
-    return [r for r in LiveSteering.objects.select_related("attachment").filter(enabled=True)
-            .order_by("attachment__layer", "attachment__sae_id") if r.values or r.controls]
+    return [
+        r
+        for r in LiveSteering.objects.select_related("attachment")
+        .filter(enabled=True)
+        .order_by("attachment__layer", "attachment__sae_id")
+        if r.values or r.controls
+    ]
 
 
 class LiveEntries(list):
@@ -90,11 +98,9 @@ class LiveEntries(list):
 
 def _read_live_entries() -> LiveEntries:
     rows = live_rows()
-    out = LiveEntries(SteeringEntry(r.attachment.sae_id, r.attachment.layer,
-                                    *_values_controls(r)) for r in rows)
+    out = LiveEntries(SteeringEntry(r.attachment.sae_id, r.attachment.layer, *_values_controls(r)) for r in rows)
     if rows and all(r.source == LiveSteering.Source.CIRCUIT for r in rows):
-        out.circuits = tuple((c.pk, float(c.intensity))
-                             for c in Circuit.objects.filter(is_active=True).order_by("pk"))
+        out.circuits = tuple((c.pk, float(c.intensity)) for c in Circuit.objects.filter(is_active=True).order_by("pk"))
     return out
 
 
@@ -116,18 +122,24 @@ def live_values() -> list[SteeringEntry]:
 
 # --------------------------------------------------------------------------- checks
 
+
 def check_indices(*, attachment: Attachment, indices: Iterable[int], param: str) -> None:
     """``rules.check_indices`` against an attachment row's SAE."""
-    rules.check_indices(sae_id=attachment.sae_id, d_sae=attachment.sae.d_sae, indices=indices,
-                        param=param)
+    rules.check_indices(sae_id=attachment.sae_id, d_sae=attachment.sae.d_sae, indices=indices, param=param)
 
 
-def check_features(*, attachment: Attachment, features: rules.FeatureSet, param: str,
-                   trigger_param: str | None = None) -> None:
+def check_features(
+    *, attachment: Attachment, features: rules.FeatureSet, param: str, trigger_param: str | None = None
+) -> None:
     """``rules.check_features`` (indices and triggers) against an attachment row's SAE,
     and controls against what the loaded backend can run."""
-    rules.check_features(sae_id=attachment.sae_id, d_sae=attachment.sae.d_sae,
-                         features=features, param=param, trigger_param=trigger_param)
+    rules.check_features(
+        sae_id=attachment.sae_id,
+        d_sae=attachment.sae.d_sae,
+        features=features,
+        param=param,
+        trigger_param=trigger_param,
+    )
     if features.controls:
         check_backend_runs_controls()
 
@@ -136,11 +148,11 @@ def check_backend_runs_controls() -> None:
     """Refuse controls the loaded backend reports it cannot run (llama.cpp and vLLM:
     ``steering_controls`` off) when they are set, rather than failing every request that
     would run them later."""
-    require_capability("steering_controls", what="steering modes, phases, windows or "
-                       "conditions", param="mode")
+    require_capability("steering_controls", what="steering modes, phases, windows or conditions", param="mode")
 
 
 # --------------------------------------------------------------------------- writes
+
 
 def steering_lock() -> SteeringState:
     """Serialise live-steering changes across workers (call inside a transaction)."""
@@ -159,28 +171,34 @@ def _publish(attachment: Attachment, row: LiveSteering | None, *, reason: str) -
 
 def _on_commit_publish(attachment: Attachment, *, reason: str) -> None:
     def send() -> None:
-        _publish(attachment, LiveSteering.objects.filter(attachment=attachment).first(),
-                 reason=reason)
+        _publish(attachment, LiveSteering.objects.filter(attachment=attachment).first(), reason=reason)
 
     transaction.on_commit(send)
 
 
-def _save(attachment: Attachment, features: rules.FeatureSet, *, enabled: bool,
-          source: str) -> LiveSteering:
+def _save(attachment: Attachment, features: rules.FeatureSet, *, enabled: bool, source: str) -> LiveSteering:
     if enabled and features:  # what every request without steering of its own will run
         require_capability("per_request_steering", what="steering", param="steering")
     row, _ = LiveSteering.objects.update_or_create(
         attachment=attachment,
-        defaults={"values": features.stored_values(),
-                  "controls": features.stored_controls(),
-                  "enabled": bool(enabled and features), "source": source})
+        defaults={
+            "values": features.stored_values(),
+            "controls": features.stored_controls(),
+            "enabled": bool(enabled and features),
+            "source": source,
+        },
+    )
     return row
 
 
 @transaction.atomic
-def live_set(*, attachment: Attachment, values: Mapping[int, float],
-             controls: Iterable[FeatureControl] = (),
-             source: str = LiveSteering.Source.MANUAL) -> dict[str, Any]:
+def live_set(
+    *,
+    attachment: Attachment,
+    values: Mapping[int, float],
+    controls: Iterable[FeatureControl] = (),
+    source: str = LiveSteering.Source.MANUAL,
+) -> dict[str, Any]:
     """Set feature values and controls (each replacing what the attachment's live steering
     had for that index) and enable steering. All or nothing: one bad index, value or
     control refuses the whole call."""
@@ -188,11 +206,11 @@ def live_set(*, attachment: Attachment, values: Mapping[int, float],
     if len(values) + len(controls) > MAX_BATCH:
         raise ValidationFailed(
             f"At most {MAX_BATCH} features per call (got {len(values) + len(controls)})",
-            details={"fields": {"steering": [f"at most {MAX_BATCH}"]}})
+            details={"fields": {"steering": [f"at most {MAX_BATCH}"]}},
+        )
     values = rules.check_direct(values, "steering")
     given = rules.feature_set(values, controls, param="controls")
-    check_features(attachment=attachment, features=given, param="feature_idx",
-                   trigger_param="condition.feature")
+    check_features(attachment=attachment, features=given, param="feature_idx", trigger_param="condition.feature")
     steering_lock()
     row = LiveSteering.objects.filter(attachment=attachment).first()
     _save(attachment, row_features(row).merged(given), enabled=True, source=source)
@@ -227,21 +245,26 @@ def live_enable(*, attachment: Attachment, enabled: bool) -> dict[str, Any]:
     steering stays reported disabled."""
     steering_lock()
     row = LiveSteering.objects.filter(attachment=attachment).first()
-    _save(attachment, row_features(row), enabled=enabled,
-          source=row.source if row else LiveSteering.Source.MANUAL)
+    _save(attachment, row_features(row), enabled=enabled, source=row.source if row else LiveSteering.Source.MANUAL)
     _on_commit_publish(attachment, reason="enable" if enabled else "disable")
     return live_state(attachment=attachment)
 
 
-def live_replace_all(*, entries: Mapping[Attachment, rules.FeatureSet], source: str,
-                     keep: Iterable[Attachment] = (), reason: str = "activate") -> None:
+def live_replace_all(
+    *,
+    entries: Mapping[Attachment, rules.FeatureSet],
+    source: str,
+    keep: Iterable[Attachment] = (),
+    reason: str = "activate",
+) -> None:
     """Make ``entries`` the whole live steering (every other attachment cleared, except
     those in ``keep``). Call inside a transaction holding ``steering_lock``; values and
     controls are already validated (and dialled)."""
     keep_ids = {a.pk for a in keep}
     touched: list[Attachment] = []
     for row in LiveSteering.objects.select_related("attachment").exclude(
-            attachment_id__in=[a.pk for a in entries] + list(keep_ids)):
+        attachment_id__in=[a.pk for a in entries] + list(keep_ids)
+    ):
         if row.values or row.controls or row.enabled:
             touched.append(row.attachment)
         row.delete()
@@ -252,16 +275,13 @@ def live_replace_all(*, entries: Mapping[Attachment, rules.FeatureSet], source: 
         _on_commit_publish(attachment, reason=reason)
 
 
-def documents_deactivate(*, keep_profile: Profile | None = None,
-                         keep_cluster: Cluster | None = None,
-                         keep_circuits: bool = False) -> None:
+def documents_deactivate(
+    *, keep_profile: Profile | None = None, keep_cluster: Cluster | None = None, keep_circuits: bool = False
+) -> None:
     """One active steering configuration at a time: a profile or cluster activation ends
     every other profile, cluster and circuit (circuits may share the live steering among
     themselves). Inside the locked transaction."""
-    Profile.objects.filter(is_active=True).exclude(
-        pk=keep_profile.pk if keep_profile else None).update(is_active=False)
-    Cluster.objects.filter(is_active=True).exclude(
-        pk=keep_cluster.pk if keep_cluster else None).update(is_active=False)
+    Profile.objects.filter(is_active=True).exclude(pk=keep_profile.pk if keep_profile else None).update(is_active=False)
+    Cluster.objects.filter(is_active=True).exclude(pk=keep_cluster.pk if keep_cluster else None).update(is_active=False)
     if not keep_circuits:
-        Circuit.objects.filter(is_active=True).update(is_active=False, serving={},
-                                                      composed_layers=[])
+        Circuit.objects.filter(is_active=True).update(is_active=False, serving={}, composed_layers=[])

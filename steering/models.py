@@ -23,25 +23,30 @@ from django.db import models
 
 
 class Profile(models.Model):
-    name = models.CharField(max_length=200, unique=True,
-                            help_text="What /v1 requests name as `profile` (or `model@name`).")
+    name = models.CharField(
+        max_length=200, unique=True, help_text="What /v1 requests name as `profile` (or `model@name`)."
+    )
     description = models.TextField(blank=True)
-    model_name = models.CharField(max_length=200, blank=True,
-                                  help_text="The model the profile was made for; empty for any.")
-    sae_id = models.CharField(max_length=40, blank=True,
-                              help_text="The SAE whose decoder rows the strengths scale "
-                                        "(empty: an unbound profile, which must be empty).")
-    layer = models.PositiveIntegerField(null=True, blank=True,
-                                        help_text="The decoder block the SAE is attached at.")
-    steering = models.JSONField(default=dict, blank=True,
-                                help_text='Feature strengths: {"<index>": strength}.')
-    controls = models.JSONField(default=list, blank=True,
-                                help_text="Features steered in another mode or only where a "
-                                          "gate is open: [{index, mode, value, phase, "
-                                          "window, condition}] (docs/steering.md, Modes).")
-    intensity = models.FloatField(default=1.0,
-                                  help_text="λ applied at activation (0-2); each scaled value "
-                                            "is clamped to ±200.")
+    model_name = models.CharField(
+        max_length=200, blank=True, help_text="The model the profile was made for; empty for any."
+    )
+    sae_id = models.CharField(
+        max_length=40,
+        blank=True,
+        help_text="The SAE whose decoder rows the strengths scale (empty: an unbound profile, which must be empty).",
+    )
+    layer = models.PositiveIntegerField(null=True, blank=True, help_text="The decoder block the SAE is attached at.")
+    steering = models.JSONField(default=dict, blank=True, help_text='Feature strengths: {"<index>": strength}.')
+    controls = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="Features steered in another mode or only where a "
+        "gate is open: [{index, mode, value, phase, "
+        "window, condition}] (docs/steering.md, Modes).",
+    )
+    intensity = models.FloatField(
+        default=1.0, help_text="λ applied at activation (0-2); each scaled value is clamped to ±200."
+    )
     is_active = models.BooleanField(default=False)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -49,8 +54,9 @@ class Profile(models.Model):
     class Meta:
         ordering = ["name"]
         constraints = [
-            models.UniqueConstraint(fields=["is_active"], condition=models.Q(is_active=True),
-                                    name="profile_one_active"),
+            models.UniqueConstraint(
+                fields=["is_active"], condition=models.Q(is_active=True), name="profile_one_active"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -61,14 +67,10 @@ class Cluster(models.Model):
     name = models.CharField(max_length=200, unique=True)
     narrative = models.TextField(blank=True)
     document = models.TextField(help_text="The definition exactly as imported (exported as is).")
-    members = models.JSONField(default=list,
-                               help_text="[{feature_idx, strength, sign, label}] as authored.")
-    model_ref = models.CharField(max_length=300, blank=True,
-                                 help_text="The model the definition names (hf_id).")
-    sae_ref = models.JSONField(default=dict, blank=True,
-                               help_text="The SAE reference of the definition.")
-    n_features = models.PositiveIntegerField(null=True, blank=True,
-                                             help_text="Declared feature space (d_sae).")
+    members = models.JSONField(default=list, help_text="[{feature_idx, strength, sign, label}] as authored.")
+    model_ref = models.CharField(max_length=300, blank=True, help_text="The model the definition names (hf_id).")
+    sae_ref = models.JSONField(default=dict, blank=True, help_text="The SAE reference of the definition.")
+    n_features = models.PositiveIntegerField(null=True, blank=True, help_text="Declared feature space (d_sae).")
     intensity = models.FloatField(default=1.0)
     intensity_range = models.JSONField(null=True, blank=True)
     sae_id = models.CharField(max_length=40, blank=True, help_text="Bound SAE; empty: unbound.")
@@ -82,8 +84,9 @@ class Cluster(models.Model):
     class Meta:
         ordering = ["name"]
         constraints = [
-            models.UniqueConstraint(fields=["is_active"], condition=models.Q(is_active=True),
-                                    name="cluster_one_active"),
+            models.UniqueConstraint(
+                fields=["is_active"], condition=models.Q(is_active=True), name="cluster_one_active"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -95,19 +98,18 @@ class Circuit(models.Model):
     narrative = models.TextField(blank=True)
     document = models.TextField(help_text="The definition exactly as imported (exported as is).")
     saes = models.JSONField(default=list, help_text="[{layer, ref, source_hint, n_features}]")
-    members = models.JSONField(default=dict,
-                               help_text='{"<layer>": [{feature_idx, strength, sign, label}]}')
+    members = models.JSONField(default=dict, help_text='{"<layer>": [{feature_idx, strength, sign, label}]}')
     edges_count = models.PositiveIntegerField(default=0)
-    rung = models.PositiveSmallIntegerField(default=0,
-                                            help_text="Minimum over the edges (0 without edges).")
+    rung = models.PositiveSmallIntegerField(default=0, help_text="Minimum over the edges (0 without edges).")
     intensity = models.FloatField(default=1.0)
     intensity_range = models.JSONField(null=True, blank=True)
     is_active = models.BooleanField(default=False)
-    serving = models.JSONField(default=dict, blank=True,
-                               help_text='While active: {"<layer>": sae_id} it steers through.')
-    composed_layers = models.JSONField(default=list, blank=True,
-                                       help_text="Layers shared with another circuit "
-                                                 "(allow_layer_overlap).")
+    serving = models.JSONField(
+        default=dict, blank=True, help_text='While active: {"<layer>": sae_id} it steers through.'
+    )
+    composed_layers = models.JSONField(
+        default=list, blank=True, help_text="Layers shared with another circuit (allow_layer_overlap)."
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 
@@ -130,14 +132,14 @@ class LiveSteering(models.Model):
         CLUSTER = "cluster", "Cluster"
         CIRCUIT = "circuit", "Circuit"
 
-    attachment = models.OneToOneField("registry.Attachment", on_delete=models.CASCADE,
-                                      related_name="live_steering")
+    attachment = models.OneToOneField("registry.Attachment", on_delete=models.CASCADE, related_name="live_steering")
     enabled = models.BooleanField(default=False)
-    values = models.JSONField(default=dict, blank=True,
-                              help_text='{"<index>": strength}, each within ±200.')
-    controls = models.JSONField(default=list, blank=True,
-                                help_text="[{index, mode, value, phase, window, condition}]: "
-                                          "the features steered otherwise than a plain add.")
+    values = models.JSONField(default=dict, blank=True, help_text='{"<index>": strength}, each within ±200.')
+    controls = models.JSONField(
+        default=list,
+        blank=True,
+        help_text="[{index, mode, value, phase, window, condition}]: the features steered otherwise than a plain add.",
+    )
     source = models.CharField(max_length=16, choices=Source.choices, default=Source.MANUAL)
     updated_at = models.DateTimeField(auto_now=True)
 

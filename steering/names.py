@@ -33,5 +33,6 @@ def check_name(name: str, *, collection: str, what: str) -> None:
     """Refuse (422 VALIDATION_ERROR naming the field, as every /api schema refusal) a name
     its route would shadow."""
     if problem := name_problem(name, collection=collection):
-        raise ValidationFailed(f"{what} name {name!r} is not allowed: {problem}",
-                               details={"name": name, "fields": {"name": [problem]}})
+        raise ValidationFailed(
+            f"{what} name {name!r} is not allowed: {problem}", details={"name": name, "fields": {"name": [problem]}}
+        )

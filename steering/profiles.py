@@ -45,8 +45,7 @@ def profile_get(*, profile_id: int | str) -> Profile:
     try:
         return get_by_pk_or_name(Profile.objects.all(), profile_id)
     except Profile.DoesNotExist:
-        raise ProfileNotFound(f"Profile {profile_id!r} not found",
-                              details={"profile_id": profile_id}) from None
+        raise ProfileNotFound(f"Profile {profile_id!r} not found", details={"profile_id": profile_id}) from None
 
 
 def steering_map(raw: Any, *, param: str = "steering") -> dict[int, float]:
@@ -60,14 +59,16 @@ def steering_map(raw: Any, *, param: str = "steering") -> dict[int, float]:
             else:
                 bad.append(str(i))
         if bad:
-            raise ValidationFailed(f"{param}: entries {', '.join(bad)} are not "
-                                   "{index, strength}", details={"invalid_keys": bad,
-                                                                 "fields": {param: bad}})
+            raise ValidationFailed(
+                f"{param}: entries {', '.join(bad)} are not {{index, strength}}",
+                details={"invalid_keys": bad, "fields": {param: bad}},
+            )
     elif isinstance(raw, Mapping):
         pairs = list(raw.items())
     else:
-        raise ValidationFailed(f"{param} must be an object of index → strength",
-                               details={"fields": {param: ["not an object"]}})
+        raise ValidationFailed(
+            f"{param} must be an object of index → strength", details={"fields": {param: ["not an object"]}}
+        )
     values: dict[int, float] = {}
     bad: list[str] = []
     for key, value in pairs:
@@ -87,9 +88,9 @@ def steering_map(raw: Any, *, param: str = "steering") -> dict[int, float]:
         values[index] = strength
     if bad:
         raise ValidationFailed(
-            f"{param}: entries that are not index → strength within ±"
-            f"{MAX_STEERING_STRENGTH:g}: {', '.join(bad)}",
-            details={"invalid_keys": bad, "fields": {param: [f"invalid keys: {bad}"]}})
+            f"{param}: entries that are not index → strength within ±{MAX_STEERING_STRENGTH:g}: {', '.join(bad)}",
+            details={"invalid_keys": bad, "fields": {param: [f"invalid keys: {bad}"]}},
+        )
     return values
 
 
@@ -99,8 +100,10 @@ def _intensity(value: Any) -> float:
     except (TypeError, ValueError):
         out = float("nan")
     if not (0 <= out <= MAX_INTENSITY):
-        raise ValidationFailed(f"intensity must lie in [0, {MAX_INTENSITY:g}]",
-                               details={"fields": {"intensity": [f"0..{MAX_INTENSITY:g}"]}})
+        raise ValidationFailed(
+            f"intensity must lie in [0, {MAX_INTENSITY:g}]",
+            details={"fields": {"intensity": [f"0..{MAX_INTENSITY:g}"]}},
+        )
     return out
 
 
@@ -109,13 +112,12 @@ def _features(steering: Any, controls: Any, *, param: str = "steering") -> rules
     ``steering`` (``[{index, strength}]``) may hold controls too (the inline /v1 shape)."""
     extra: list[FeatureControl] = []
     if isinstance(steering, list) and any(
-            isinstance(item, Mapping) and set(item) - {"index", "strength"}
-            for item in steering):
+        isinstance(item, Mapping) and set(item) - {"index", "strength"} for item in steering
+    ):
         extra = rules.controls_parse(steering, param=param)
         steering = {}
     values = steering_map(steering, param=param)
-    return rules.feature_set(values, [*extra, *rules.controls_parse(controls)],
-                             param="controls")
+    return rules.feature_set(values, [*extra, *rules.controls_parse(controls)], param="controls")
 
 
 def _binding(sae_id: str | None, layer: int | None, values: Any) -> tuple[str, int | None]:
@@ -127,9 +129,10 @@ def _binding(sae_id: str | None, layer: int | None, values: Any) -> tuple[str, i
             if len(rows) == 1:
                 layer = rows[0].layer
             else:
-                raise ValidationFailed("layer is required with sae_id (the SAE is not "
-                                       "attached at exactly one layer)",
-                                       details={"fields": {"layer": ["required"]}})
+                raise ValidationFailed(
+                    "layer is required with sae_id (the SAE is not attached at exactly one layer)",
+                    details={"fields": {"layer": ["required"]}},
+                )
         return sae_id, int(layer)
     if not values:
         return "", None
@@ -168,21 +171,28 @@ def _check_fits(sae_id: str, features: rules.FeatureSet, *, param: str = "steeri
 def _unique_name(name: str, *, exclude: int | None = None) -> str:
     name = (name or "").strip()
     if not name or len(name) > 200:
-        raise ValidationFailed("name must be 1-200 characters",
-                               details={"fields": {"name": ["1-200 characters"]}})
+        raise ValidationFailed("name must be 1-200 characters", details={"fields": {"name": ["1-200 characters"]}})
     if problem := _name_problem(name):
-        raise ValidationFailed(f"Profile name {name!r} is not allowed: {problem}",
-                               details={"name": name, "fields": {"name": [problem]}})
+        raise ValidationFailed(
+            f"Profile name {name!r} is not allowed: {problem}", details={"name": name, "fields": {"name": [problem]}}
+        )
     if Profile.objects.filter(name=name).exclude(pk=exclude).exists():
-        raise ProfileAlreadyExists(f"A profile named {name!r} already exists",
-                                   details={"name": name})
+        raise ProfileAlreadyExists(f"A profile named {name!r} already exists", details={"name": name})
     return name
 
 
 @transaction.atomic
-def profile_create(*, name: str, steering: Any, controls: Any = None,
-                   sae_id: str | None = None, layer: int | None = None, model_name: str = "",
-                   description: str = "", intensity: float = 1.0) -> Profile:
+def profile_create(
+    *,
+    name: str,
+    steering: Any,
+    controls: Any = None,
+    sae_id: str | None = None,
+    layer: int | None = None,
+    model_name: str = "",
+    description: str = "",
+    intensity: float = 1.0,
+) -> Profile:
     """Save a profile; strengths and control values are set directly, so they must lie in
     [-200, 200]."""
     features = _features(steering, controls)
@@ -191,13 +201,17 @@ def profile_create(*, name: str, steering: Any, controls: Any = None,
     try:
         with transaction.atomic():
             return Profile.objects.create(
-                name=_unique_name(name), sae_id=sae_id, layer=layer,
-                steering=features.stored_values(), controls=features.stored_controls(),
-                model_name=model_name or "", description=description or "",
-                intensity=_intensity(intensity))
+                name=_unique_name(name),
+                sae_id=sae_id,
+                layer=layer,
+                steering=features.stored_values(),
+                controls=features.stored_controls(),
+                model_name=model_name or "",
+                description=description or "",
+                intensity=_intensity(intensity),
+            )
     except IntegrityError:
-        raise ProfileAlreadyExists(f"A profile named {name!r} already exists",
-                                   details={"name": name}) from None
+        raise ProfileAlreadyExists(f"A profile named {name!r} already exists", details={"name": name}) from None
 
 
 @transaction.atomic
@@ -214,15 +228,17 @@ def profile_update(*, profile: Profile, data: Mapping[str, Any]) -> Profile:
         profile.model_name = data.get("model_id", data.get("model_name")) or ""
     if "intensity" in data:
         profile.intensity = _intensity(data["intensity"])
-    features = _features(data["steering"] if "steering" in data else profile.steering,
-                         data["controls"] if "controls" in data else profile.controls)
+    features = _features(
+        data["steering"] if "steering" in data else profile.steering,
+        data["controls"] if "controls" in data else profile.controls,
+    )
     profile.steering = features.stored_values()
     profile.controls = features.stored_controls()
     changed = "steering" in data or "controls" in data
     if "sae_id" in data or "layer" in data or (changed and not profile.sae_id):
-        profile.sae_id, profile.layer = _binding(data.get("sae_id", profile.sae_id),
-                                                 data.get("layer", profile.layer),
-                                                 features.indices())
+        profile.sae_id, profile.layer = _binding(
+            data.get("sae_id", profile.sae_id), data.get("layer", profile.layer), features.indices()
+        )
     if changed or "sae_id" in data or "layer" in data:
         _check_fits(profile.sae_id, features)
     profile.save()
@@ -230,16 +246,22 @@ def profile_update(*, profile: Profile, data: Mapping[str, Any]) -> Profile:
 
 
 @transaction.atomic
-def profile_save_current(*, name: str, description: str = "", sae_id: str | None = None,
-                         layer: int | None = None) -> Profile:
+def profile_save_current(
+    *, name: str, description: str = "", sae_id: str | None = None, layer: int | None = None
+) -> Profile:
     """The live steering of one attachment, saved as a profile (with its SAE, layer and
     the loaded model)."""
     attachment = live.attachment_choose(sae_id=sae_id, layer=layer)
     state = live.live_state(attachment=attachment)
-    return profile_create(name=name, steering=state["values"], controls=state["controls"],
-                          sae_id=attachment.sae_id,
-                          layer=attachment.layer, model_name=attachment.model.name,
-                          description=description)
+    return profile_create(
+        name=name,
+        steering=state["values"],
+        controls=state["controls"],
+        sae_id=attachment.sae_id,
+        layer=attachment.layer,
+        model_name=attachment.model.name,
+        description=description,
+    )
 
 
 def profile_features(profile: Profile) -> rules.FeatureSet:
@@ -248,8 +270,9 @@ def profile_features(profile: Profile) -> rules.FeatureSet:
     try:
         return _features(profile.steering, profile.controls or [])
     except ValidationFailed as exc:
-        raise ProfileIncompatible(f"Profile {profile.name!r} holds invalid steering: "
-                                  f"{exc.message}", details={"profile": profile.name}) from None
+        raise ProfileIncompatible(
+            f"Profile {profile.name!r} holds invalid steering: {exc.message}", details={"profile": profile.name}
+        ) from None
 
 
 def profile_activate(*, profile: Profile, intensity: float | None = None) -> Profile:
@@ -258,28 +281,32 @@ def profile_activate(*, profile: Profile, intensity: float | None = None) -> Pro
     features = profile_features(profile)
     entries: dict[Attachment, rules.FeatureSet] = {}
     if features:
-        attachment = Attachment.objects.select_related("sae", "model").filter(
-            sae_id=profile.sae_id, layer=profile.layer).first()
+        attachment = (
+            Attachment.objects.select_related("sae", "model").filter(sae_id=profile.sae_id, layer=profile.layer).first()
+        )
         if attachment is None:
             raise SAENotAttached(
                 f"Profile {profile.name!r} steers SAE {profile.sae_id!r} at layer "
                 f"{profile.layer}, which is not attached",
-                details={"profile": profile.name, "sae_id": profile.sae_id,
-                         "layer": profile.layer,
-                         "choices": attachment_choices(Attachment.objects.all())})
+                details={
+                    "profile": profile.name,
+                    "sae_id": profile.sae_id,
+                    "layer": profile.layer,
+                    "choices": attachment_choices(Attachment.objects.all()),
+                },
+            )
         if profile.model_name and attachment.model.name != profile.model_name:
             raise ProfileIncompatible(
-                f"Profile {profile.name!r} was made for model {profile.model_name!r}, not "
-                f"{attachment.model.name!r}", details={"profile": profile.name,
-                                                       "model": attachment.model.name})
+                f"Profile {profile.name!r} was made for model {profile.model_name!r}, not {attachment.model.name!r}",
+                details={"profile": profile.name, "model": attachment.model.name},
+            )
         live.check_features(attachment=attachment, features=features, param="steering")
         entries[attachment] = features.dialled(lam)
     with transaction.atomic():
         live.steering_lock()
         live.documents_deactivate(keep_profile=profile)
         live.live_replace_all(entries=entries, source=LiveSteering.Source.PROFILE)
-        Profile.objects.filter(pk=profile.pk).update(is_active=True, intensity=lam,
-                                                     updated_at=timezone.now())
+        Profile.objects.filter(pk=profile.pk).update(is_active=True, intensity=lam, updated_at=timezone.now())
     profile.refresh_from_db()
     log.info("profile_activated", profile=profile.name, intensity=lam)
     return profile
@@ -288,11 +315,9 @@ def profile_activate(*, profile: Profile, intensity: float | None = None) -> Pro
 def profile_deactivate(*, profile: Profile, clear_steering: bool = True) -> Profile:
     with transaction.atomic():
         live.steering_lock()
-        was_active = Profile.objects.filter(pk=profile.pk, is_active=True).update(
-            is_active=False)
+        was_active = Profile.objects.filter(pk=profile.pk, is_active=True).update(is_active=False)
         if was_active and clear_steering:
-            live.live_replace_all(entries={}, source=LiveSteering.Source.MANUAL,
-                                  reason="deactivate")
+            live.live_replace_all(entries={}, source=LiveSteering.Source.MANUAL, reason="deactivate")
     profile.refresh_from_db()
     return profile
 
@@ -305,20 +330,29 @@ def profile_delete(*, profile: Profile) -> None:
 
 # --------------------------------------------------------------------------- export/import
 
+
 def _iso(value: datetime) -> str:
     return value.isoformat().replace("+00:00", "Z")
 
 
 def profile_export(*, profile: Profile) -> dict[str, Any]:
-    out = {"version": PROFILE_VERSION, "name": profile.name,
-           "description": profile.description, "model_id": profile.model_name or None,
-           "sae_id": profile.sae_id or None, "layer": profile.layer,
-           "steering": {str(k): float(v) for k, v in sorted(
-               profile.steering.items(), key=lambda kv: int(kv[0]))}}
+    out = {
+        "version": PROFILE_VERSION,
+        "name": profile.name,
+        "description": profile.description,
+        "model_id": profile.model_name or None,
+        "sae_id": profile.sae_id or None,
+        "layer": profile.layer,
+        "steering": {str(k): float(v) for k, v in sorted(profile.steering.items(), key=lambda kv: int(kv[0]))},
+    }
     if profile.controls:  # absent when empty: a profile without controls exports as before
         out["controls"] = list(profile.controls)
-    return {**out, "intensity": profile.intensity,
-            "created_at": _iso(profile.created_at), "updated_at": _iso(profile.updated_at)}
+    return {
+        **out,
+        "intensity": profile.intensity,
+        "created_at": _iso(profile.created_at),
+        "updated_at": _iso(profile.updated_at),
+    }
 
 
 def _time(value: Any, param: str) -> datetime | None:
@@ -326,8 +360,9 @@ def _time(value: Any, param: str) -> datetime | None:
         return None
     parsed = parse_datetime(str(value)) if isinstance(value, str) else None
     if parsed is None:
-        raise ValidationFailed(f"{param} is not an ISO-8601 time",
-                               details={"fields": {param: ["not an ISO-8601 time"]}})
+        raise ValidationFailed(
+            f"{param} is not an ISO-8601 time", details={"fields": {param: ["not an ISO-8601 time"]}}
+        )
     return parsed if parsed.tzinfo else parsed.replace(tzinfo=UTC)
 
 
@@ -335,13 +370,11 @@ def _text(value: Any, param: str) -> str | None:
     if value is None or value == "":
         return None
     if not isinstance(value, str):
-        raise ValidationFailed(f"{param} must be a string",
-                               details={"fields": {param: ["not a string"]}})
+        raise ValidationFailed(f"{param} must be a string", details={"fields": {param: ["not a string"]}})
     return value.strip() or None
 
 
-def _document_sae(data: Mapping[str, Any], sae: Mapping[str, Any], layer: int | None
-                  ) -> tuple[str | None, int | None]:
+def _document_sae(data: Mapping[str, Any], sae: Mapping[str, Any], layer: int | None) -> tuple[str | None, int | None]:
     """The SAE (and layer) an imported profile steers: its ``sae_id`` (this server's
     export, kept as written), else the original's ``sae`` object — ``{id, layer}`` or
     ``{repo_id, layer, file_path?}`` — resolved against the registered SAEs
@@ -352,10 +385,12 @@ def _document_sae(data: Mapping[str, Any], sae: Mapping[str, Any], layer: int | 
     repo_id = _text(sae.get("repo_id"), "sae.repo_id")
     if not ref and not repo_id:
         return None, layer
-    row = sae_for_reference(sae_id=ref, repo_id=None if ref else repo_id,
-                            layer=None if ref else layer,
-                            file_path=None if ref else _text(sae.get("file_path"),
-                                                             "sae.file_path"))
+    row = sae_for_reference(
+        sae_id=ref,
+        repo_id=None if ref else repo_id,
+        layer=None if ref else layer,
+        file_path=None if ref else _text(sae.get("file_path"), "sae.file_path"),
+    )
     return row.id, layer if layer is not None else row.trained_on_layer
 
 
@@ -363,12 +398,10 @@ def _document_model(data: Mapping[str, Any], model: Mapping[str, Any]) -> str:
     """The registered model name an imported profile is made for: ``model_id`` (this
     server's export) or ``model.name`` as written, else the original's ``model.repo_id``
     resolved against the registered models; empty for any model."""
-    if name := _text(data.get("model_id"), "model_id") or _text(model.get("name"),
-                                                                 "model.name"):
+    if name := _text(data.get("model_id"), "model_id") or _text(model.get("name"), "model.name"):
         return name
     if repo_id := _text(model.get("repo_id"), "model.repo_id"):
-        return model_for_repo(repo_id=repo_id, quantization=_text(
-            model.get("quantization"), "model.quantization")).name
+        return model_for_repo(repo_id=repo_id, quantization=_text(model.get("quantization"), "model.quantization")).name
     return ""
 
 
@@ -389,9 +422,10 @@ def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") ->
     refuse_cluster_as_profile(data)
     version = data.get("version", PROFILE_VERSION)
     if str(version) not in ("1", "1.0"):
-        raise ValidationFailed(f"Unsupported profile version {version!r} (this server reads "
-                               f"{PROFILE_VERSION})", details={"fields": {"version": [
-                                   "unsupported"]}})
+        raise ValidationFailed(
+            f"Unsupported profile version {version!r} (this server reads {PROFILE_VERSION})",
+            details={"fields": {"version": ["unsupported"]}},
+        )
     if "steering" in data and data["steering"] is not None:
         features = _features(data["steering"], data.get("controls"))
     elif "features" in data:
@@ -401,10 +435,10 @@ def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") ->
     sae = data.get("sae") if isinstance(data.get("sae"), Mapping) else {}
     model = data.get("model") if isinstance(data.get("model"), Mapping) else {}
     layer = data.get("layer", sae.get("layer"))
-    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int)
-                              or layer < 0):
-        raise ValidationFailed("layer must be a non-negative integer",
-                               details={"fields": {"layer": ["non-negative integer"]}})
+    if layer is not None and (isinstance(layer, bool) or not isinstance(layer, int) or layer < 0):
+        raise ValidationFailed(
+            "layer must be a non-negative integer", details={"fields": {"layer": ["non-negative integer"]}}
+        )
     name = data.get("name")
     if not isinstance(name, str) or not name.strip():
         raise ValidationFailed("name is required", details={"fields": {"name": ["required"]}})
@@ -412,18 +446,22 @@ def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") ->
         name = _free_name(name.strip())
     sae_id, layer = _document_sae(data, sae, layer)
     if features and not sae_id:
-        raise ValidationFailed("A profile with steering values must name its SAE (sae_id, "
-                               "or an sae object with id or repo_id)",
-                               details={"fields": {"sae_id": ["required"]}})
+        raise ValidationFailed(
+            "A profile with steering values must name its SAE (sae_id, or an sae object with id or repo_id)",
+            details={"fields": {"sae_id": ["required"]}},
+        )
     model_name = _document_model(data, model)
-    created, updated = _time(data.get("created_at"), "created_at"), _time(
-        data.get("updated_at"), "updated_at")
+    created, updated = _time(data.get("created_at"), "created_at"), _time(data.get("updated_at"), "updated_at")
     profile = profile_create(
-        name=name, steering=features.values, controls=features.stored_controls(),
-        sae_id=sae_id, layer=layer if sae_id else None,
+        name=name,
+        steering=features.values,
+        controls=features.stored_controls(),
+        sae_id=sae_id,
+        layer=layer if sae_id else None,
         model_name=model_name,
         description=data.get("description") or "",
-        intensity=data.get("intensity", 1.0) if data.get("intensity") is not None else 1.0)
+        intensity=data.get("intensity", 1.0) if data.get("intensity") is not None else 1.0,
+    )
     stamps = {k: v for k, v in (("created_at", created), ("updated_at", updated)) if v}
     if stamps:
         # update() skips auto_now, so the document's own times are what the row keeps

@@ -69,9 +69,9 @@ def check_direct(values: Mapping[int, float], param: str) -> dict[int, float]:
         problem = strength_problem(float(value))
         if problem:
             raise ValidationFailed(
-                f"Steering value {float(value)!r} for feature {index} is outside "
-                f"[-{LIMIT}, {LIMIT}]",
-                details={"param": param, "fields": {param: [f"feature {index}: {problem}"]}})
+                f"Steering value {float(value)!r} for feature {index} is outside [-{LIMIT}, {LIMIT}]",
+                details={"param": param, "fields": {param: [f"feature {index}: {problem}"]}},
+            )
         out[int(index)] = float(value)
     return out
 
@@ -81,18 +81,18 @@ def dial(value: float, intensity: float) -> float:
     return max(-MAX_STEERING_STRENGTH, min(MAX_STEERING_STRENGTH, value * intensity))
 
 
-def check_indices(*, sae_id: str, d_sae: int | None, indices: Iterable[int],
-                  param: str) -> None:
+def check_indices(*, sae_id: str, d_sae: int | None, indices: Iterable[int], param: str) -> None:
     """Every index inside the SAE's feature space (d_sae unknown: only ≥ 0)."""
     for index in indices:
         if index < 0 or (d_sae is not None and index >= d_sae):
             raise InvalidFeatureIndex(
                 f"Feature index {index} is out of range for SAE {sae_id!r} (d_sae={d_sae})",
-                details={"param": param, "feature_idx": index, "sae_id": sae_id,
-                         "d_sae": d_sae})
+                details={"param": param, "feature_idx": index, "sae_id": sae_id, "d_sae": d_sae},
+            )
 
 
 # --------------------------------------------------------------------------- controls
+
 
 def mode_value_problem(mode: str, strength: float | None, value: float | None) -> str | None:
     """Which of ``strength`` / ``value`` a mode takes, or why the pair is refused."""
@@ -161,11 +161,17 @@ class ControlInput(_Strict):
         amount = self.strength if self.strength is not None else self.value
         with prechecked():
             return FeatureControl(
-                self.index, mode=self.mode, value=float(amount or 0.0), phase=self.phase,
-                window=(PositionRange(self.window.start, self.window.end)
-                        if self.window is not None else None),
-                condition=(SteeringCondition(self.condition.feature, self.condition.threshold)
-                           if self.condition is not None else None))
+                self.index,
+                mode=self.mode,
+                value=float(amount or 0.0),
+                phase=self.phase,
+                window=(PositionRange(self.window.start, self.window.end) if self.window is not None else None),
+                condition=(
+                    SteeringCondition(self.condition.feature, self.condition.threshold)
+                    if self.condition is not None
+                    else None
+                ),
+            )
 
 
 def _loc(param: str, loc: Sequence[Any]) -> str:
@@ -177,8 +183,9 @@ def _loc(param: str, loc: Sequence[Any]) -> str:
 
 def _refusal(fields: dict[str, list[str]]) -> ValidationFailed:
     first, problems = next(iter(fields.items()))
-    return ValidationFailed(f"Invalid steering control: {first}: {problems[0]}",
-                            details={"param": first, "fields": fields})
+    return ValidationFailed(
+        f"Invalid steering control: {first}: {problems[0]}", details={"param": first, "fields": fields}
+    )
 
 
 def _parse(item: Any, prefix: str, fields: dict[str, list[str]]) -> FeatureControl | None:
@@ -188,8 +195,7 @@ def _parse(item: Any, prefix: str, fields: dict[str, list[str]]) -> FeatureContr
         for err in exc.errors(include_url=False, include_input=False):
             # the whole-entry checks are all about which value a mode takes
             where = _loc(prefix, err.get("loc", ()) or ("value",)).lstrip(".")
-            fields.setdefault(where, []).append(
-                str(err.get("msg", "invalid")).removeprefix("Value error, "))
+            fields.setdefault(where, []).append(str(err.get("msg", "invalid")).removeprefix("Value error, "))
         return None
 
 
@@ -210,8 +216,9 @@ def controls_parse(raw: Any, *, param: str = "controls") -> list[FeatureControl]
     if raw is None:
         return []
     if not isinstance(raw, list):
-        raise ValidationFailed(f"{param} must be a list of controls",
-                               details={"param": param, "fields": {param: ["not a list"]}})
+        raise ValidationFailed(
+            f"{param} must be a list of controls", details={"param": param, "fields": {param: ["not a list"]}}
+        )
     out: list[FeatureControl] = []
     fields: dict[str, list[str]] = {}
     for i, item in enumerate(raw):
@@ -233,20 +240,17 @@ def control_json(c: FeatureControl) -> dict[str, Any]:
     if c.window is not None:
         out["window"] = {"start": c.window.start, "end": c.window.end}
     if c.condition is not None:
-        out["condition"] = {"feature": c.condition.feature,
-                            "threshold": c.condition.threshold}
+        out["condition"] = {"feature": c.condition.feature, "threshold": c.condition.threshold}
     return out
 
 
-def dial_controls(controls: Iterable[FeatureControl], intensity: float
-                  ) -> list[FeatureControl]:
+def dial_controls(controls: Iterable[FeatureControl], intensity: float) -> list[FeatureControl]:
     """Controls under a dial: ``add`` values scaled (and clamped), the other modes as
     written; λ = 0 is off, so nothing is left."""
     if intensity == 0:
         return []
     with prechecked():  # a dialled value is clamped into the range
-        return [msgspec.structs.replace(c, value=dial(c.value, intensity)) if c.mode == "add"
-                else c for c in controls]
+        return [msgspec.structs.replace(c, value=dial(c.value, intensity)) if c.mode == "add" else c for c in controls]
 
 
 @dataclass(frozen=True)
@@ -266,8 +270,9 @@ class FeatureSet:
         return [c.condition.feature for c in self.controls if c.condition is not None]
 
     def dialled(self, intensity: float) -> FeatureSet:
-        return FeatureSet({i: dial(v, intensity) for i, v in self.values.items()},
-                          dial_controls(self.controls, intensity))
+        return FeatureSet(
+            {i: dial(v, intensity) for i, v in self.values.items()}, dial_controls(self.controls, intensity)
+        )
 
     def merged(self, other: FeatureSet) -> FeatureSet:
         """``other``'s features replace this set's entries for the same indices."""
@@ -278,8 +283,9 @@ class FeatureSet:
         return FeatureSet(values, sorted(controls, key=lambda c: c.index))
 
     def without(self, index: int) -> FeatureSet:
-        return FeatureSet({i: v for i, v in self.values.items() if i != index},
-                          [c for c in self.controls if c.index != index])
+        return FeatureSet(
+            {i: v for i, v in self.values.items() if i != index}, [c for c in self.controls if c.index != index]
+        )
 
     def stored_values(self) -> dict[str, float]:
         return {str(k): float(v) for k, v in sorted(self.values.items())}
@@ -288,8 +294,9 @@ class FeatureSet:
         return [control_json(c) for c in sorted(self.controls, key=lambda c: c.index)]
 
 
-def feature_set(values: Mapping[int, float], controls: Iterable[FeatureControl], *,
-                param: str = "controls") -> FeatureSet:
+def feature_set(
+    values: Mapping[int, float], controls: Iterable[FeatureControl], *, param: str = "controls"
+) -> FeatureSet:
     """Strengths and controls as one set: a plain add given as a control is a strength
     (the same request, the same hash), and a feature named twice is refused."""
     out = {int(k): float(v) for k, v in values.items()}
@@ -297,9 +304,13 @@ def feature_set(values: Mapping[int, float], controls: Iterable[FeatureControl],
     for c in controls:
         if c.index in out or any(k.index == c.index for k in kept):
             raise ValidationFailed(
-                f"Feature {c.index} is named twice", details={
-                    "param": param, "feature_idx": c.index,
-                    "fields": {param: [f"feature {c.index} is named twice"]}})
+                f"Feature {c.index} is named twice",
+                details={
+                    "param": param,
+                    "feature_idx": c.index,
+                    "fields": {param: [f"feature {c.index} is named twice"]},
+                },
+            )
         if c.plain:
             out[c.index] = c.value
         else:
@@ -307,9 +318,11 @@ def feature_set(values: Mapping[int, float], controls: Iterable[FeatureControl],
     return FeatureSet(out, sorted(kept, key=lambda c: c.index))
 
 
-def check_features(*, sae_id: str, d_sae: int | None, features: FeatureSet,
-                   param: str, trigger_param: str | None = None) -> None:
+def check_features(
+    *, sae_id: str, d_sae: int | None, features: FeatureSet, param: str, trigger_param: str | None = None
+) -> None:
     """``check_indices`` for a set: its features, then its controls' triggers."""
     check_indices(sae_id=sae_id, d_sae=d_sae, indices=features.indices(), param=param)
-    check_indices(sae_id=sae_id, d_sae=d_sae, indices=features.triggers(),
-                  param=trigger_param or f"{param}.condition.feature")
+    check_indices(
+        sae_id=sae_id, d_sae=d_sae, indices=features.triggers(), param=trigger_param or f"{param}.condition.feature"
+    )

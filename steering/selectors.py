@@ -26,8 +26,9 @@ def profiles_for_model(*, model_name: str) -> list[Profile]:
     return list(Profile.objects.filter(model_name__in=("", model_name)).order_by("name"))
 
 
-def sae_for_reference(*, sae_id: str | None = None, repo_id: str | None = None,
-                      layer: int | None = None, file_path: str | None = None) -> SAE:
+def sae_for_reference(
+    *, sae_id: str | None = None, repo_id: str | None = None, layer: int | None = None, file_path: str | None = None
+) -> SAE:
     """The registered SAE a document names: by its id here, else by its hub repository
     (``SAE.repository_id``), narrowed to the layer it was trained at and its file in the
     repository when the document gives them. SAE_NOT_FOUND naming what was looked for
@@ -36,8 +37,7 @@ def sae_for_reference(*, sae_id: str | None = None, repo_id: str | None = None,
     if sae_id:
         sae = SAE.objects.filter(pk=sae_id).first()
         if sae is None:
-            raise SAENotFound(f"SAE {sae_id!r} is not registered on this server",
-                              details={"sae": {"id": sae_id}})
+            raise SAENotFound(f"SAE {sae_id!r} is not registered on this server", details={"sae": {"id": sae_id}})
         return sae
     looked_for: dict[str, Any] = {"repo_id": repo_id}
     rows = SAE.objects.filter(repository_id=repo_id)
@@ -51,13 +51,15 @@ def sae_for_reference(*, sae_id: str | None = None, repo_id: str | None = None,
     found = list(rows.order_by("id")[:21])
     what = ", ".join(f"{k}={v!r}" for k, v in looked_for.items())
     if not found:
-        raise SAENotFound(f"No registered SAE matches {what}; download or register it first",
-                          details={"sae": looked_for})
+        raise SAENotFound(
+            f"No registered SAE matches {what}; download or register it first", details={"sae": looked_for}
+        )
     if len(found) > 1:
         choices = [f"{s.id}@{s.trained_on_layer}" for s in found]
-        raise AmbiguousSAE(f"Several registered SAEs match {what}; name one with sae.id or "
-                           f"sae.file_path: {', '.join(choices)}",
-                           details={"param": "sae", "sae": looked_for, "choices": choices})
+        raise AmbiguousSAE(
+            f"Several registered SAEs match {what}; name one with sae.id or sae.file_path: {', '.join(choices)}",
+            details={"param": "sae", "sae": looked_for, "choices": choices},
+        )
     return found[0]
 
 
@@ -65,18 +67,19 @@ def model_for_repo(*, repo_id: str, quantization: str | None = None) -> Model:
     """The registered model a document names by hub repository (``Model.repo_id``, else a
     model registered under that name); the document's quantization picks among several.
     MODEL_NOT_FOUND or AMBIGUOUS_MODEL_NAME (``details.choices``) otherwise."""
-    rows = list(Model.objects.filter(repo_id=repo_id).order_by("name")) or list(
-        Model.objects.filter(name=repo_id))
+    rows = list(Model.objects.filter(repo_id=repo_id).order_by("name")) or list(Model.objects.filter(name=repo_id))
     if len(rows) > 1 and quantization:
         rows = [m for m in rows if m.quantization == quantization] or rows
     if not rows:
-        raise ModelNotFound(f"No registered model comes from {repo_id!r}; register it first",
-                            details={"model": {"repo_id": repo_id}})
+        raise ModelNotFound(
+            f"No registered model comes from {repo_id!r}; register it first", details={"model": {"repo_id": repo_id}}
+        )
     if len(rows) > 1:
         choices = [m.name for m in rows]
-        raise AmbiguousModelName(f"Several registered models come from {repo_id!r}; name "
-                                 f"one with model_id: {', '.join(choices)}",
-                                 details={"param": "model_id", "choices": choices})
+        raise AmbiguousModelName(
+            f"Several registered models come from {repo_id!r}; name one with model_id: {', '.join(choices)}",
+            details={"param": "model_id", "choices": choices},
+        )
     return rows[0]
 
 
@@ -84,8 +87,9 @@ def attachment_choices(attachments: Iterable[Any]) -> list[str]:
     return [f"{a.sae_id}@{a.layer}" for a in attachments]
 
 
-def attachment_pick(*, attachments: Sequence[Any], sae_id: str | None = None,
-                    layer: int | None = None, param: str = "sae_id") -> Any:
+def attachment_pick(
+    *, attachments: Sequence[Any], sae_id: str | None = None, layer: int | None = None, param: str = "sae_id"
+) -> Any:
     """The one rule for which attachment a call means, for every surface: the one named by
     ``sae_id`` (and ``layer``), else the only one attached. ``attachments`` are registry
     rows or the engine's ``AttachmentStatus`` (anything with ``sae_id`` and ``layer``).
@@ -96,19 +100,19 @@ def attachment_pick(*, attachments: Sequence[Any], sae_id: str | None = None,
     """
     if not attachments:
         raise SAENotAttached("No SAE is attached; attach one first", details={"param": param})
-    matches = [a for a in attachments if (sae_id is None or a.sae_id == sae_id)
-               and (layer is None or a.layer == layer)]
+    matches = [a for a in attachments if (sae_id is None or a.sae_id == sae_id) and (layer is None or a.layer == layer)]
     if not matches:
         named = f"sae_id={sae_id!r}" + ("" if layer is None else f" layer={layer}")
         raise SAENotAttached(
-            f"No attachment matches {named}; attached: "
-            f"{', '.join(attachment_choices(attachments))}",
-            details={"param": param, "sae_id": sae_id, "layer": layer,
-                     "choices": attachment_choices(attachments)})
+            f"No attachment matches {named}; attached: {', '.join(attachment_choices(attachments))}",
+            details={"param": param, "sae_id": sae_id, "layer": layer, "choices": attachment_choices(attachments)},
+        )
     if len(matches) > 1:
         raise AmbiguousSAE(
             f"Several attachments match; name one with {param}"
-            + ("" if param.endswith("layer") else " (and layer)") + ": "
+            + ("" if param.endswith("layer") else " (and layer)")
+            + ": "
             f"{', '.join(attachment_choices(matches))}",
-            details={"param": param, "choices": attachment_choices(matches)})
+            details={"param": param, "choices": attachment_choices(matches)},
+        )
     return matches[0]

@@ -42,8 +42,7 @@ class TargetInput(serializers.Serializer):
     """The attachment a live-steering call acts on (else the only one attached)."""
 
     sae_id = serializers.CharField(required=False, allow_null=True, max_length=40)
-    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
-                                     max_value=MAX_LAYER)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_LAYER)
 
 
 def _strength(value: float) -> None:
@@ -58,25 +57,30 @@ class SteeringSetInput(TargetInput):
     and the gates make it a control (checked by ``steering.rules.control_parse``)."""
 
     feature_idx = JSONIntegerField(min_value=0, max_value=MAX_INDEX)
-    value = JSONFloatField(required=False, allow_null=True, validators=[_strength],
-                                   help_text="the strength (add), target activation "
-                                             "(clamp) or factor (scale); none for ablate")
-    mode = serializers.CharField(required=False, help_text="add (default) | clamp | scale | "
-                                                           "ablate")
-    phase = serializers.CharField(required=False, help_text="all (default) | prompt | "
-                                                            "completion")
+    value = JSONFloatField(
+        required=False,
+        allow_null=True,
+        validators=[_strength],
+        help_text="the strength (add), target activation (clamp) or factor (scale); none for ablate",
+    )
+    mode = serializers.CharField(required=False, help_text="add (default) | clamp | scale | ablate")
+    phase = serializers.CharField(required=False, help_text="all (default) | prompt | completion")
     window = serializers.JSONField(required=False, help_text="{start, end?}: row positions")
-    condition = serializers.JSONField(required=False, help_text="{feature, threshold}: only "
-                                                                "where the trigger is above")
+    condition = serializers.JSONField(required=False, help_text="{feature, threshold}: only where the trigger is above")
 
 
 class SteeringBatchInput(TargetInput):
-    steering = serializers.DictField(child=serializers.JSONField(), required=False,
-                                     default=dict,
-                                     help_text='{"<index>": value}, at most 1000, all or none')
-    controls = serializers.JSONField(required=False, default=list,
-                                     help_text="[{index, mode, value, phase, window, "
-                                               "condition}], with steering at most 1000")
+    steering = serializers.DictField(
+        child=serializers.JSONField(),
+        required=False,
+        default=dict,
+        help_text='{"<index>": value}, at most 1000, all or none',
+    )
+    controls = serializers.JSONField(
+        required=False,
+        default=list,
+        help_text="[{index, mode, value, phase, window, condition}], with steering at most 1000",
+    )
 
 
 class SteeringStateOutput(serializers.Serializer):
@@ -93,15 +97,12 @@ class ProfileInput(serializers.Serializer):
     name = serializers.CharField(max_length=200)
     description = serializers.CharField(required=False, allow_blank=True, allow_null=True)
     steering = serializers.JSONField(required=False, default=dict)
-    controls = serializers.JSONField(required=False, default=list,
-                                     help_text="[{index, mode, value, phase, window, "
-                                               "condition}]")
-    sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
-                                   max_length=40)
-    layer = JSONIntegerField(required=False, allow_null=True, min_value=0,
-                             max_value=MAX_LAYER)
-    model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
-                                     max_length=200)
+    controls = serializers.JSONField(
+        required=False, default=list, help_text="[{index, mode, value, phase, window, condition}]"
+    )
+    sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
+    layer = JSONIntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_LAYER)
+    model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=200)
     intensity = JSONFloatField(required=False, min_value=0, max_value=2, default=1.0)
 
 
@@ -110,12 +111,9 @@ class ProfileUpdateInput(serializers.Serializer):
     description = serializers.CharField(required=False, allow_blank=True, allow_null=True)
     steering = serializers.JSONField(required=False)
     controls = serializers.JSONField(required=False)
-    sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
-                                   max_length=40)
-    layer = JSONIntegerField(required=False, allow_null=True, min_value=0,
-                             max_value=MAX_LAYER)
-    model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True,
-                                     max_length=200)
+    sae_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=40)
+    layer = JSONIntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_LAYER)
+    model_id = serializers.CharField(required=False, allow_null=True, allow_blank=True, max_length=200)
     intensity = JSONFloatField(required=False, min_value=0, max_value=2)
 
 
@@ -130,8 +128,7 @@ class IntensityInput(serializers.Serializer):
 
 class ActivateInput(IntensityInput):
     sae_id = serializers.CharField(required=False, allow_null=True, max_length=40)
-    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0,
-                                     max_value=MAX_LAYER)
+    layer = serializers.IntegerField(required=False, allow_null=True, min_value=0, max_value=MAX_LAYER)
 
 
 class DialInput(serializers.Serializer):
@@ -156,29 +153,45 @@ class ClusterUpdateInput(serializers.Serializer):
 
 
 def profile_out(profile: Profile) -> dict[str, Any]:
-    return {"id": profile.pk, "name": profile.name, "description": profile.description,
-            "model_id": profile.model_name or None, "sae_id": profile.sae_id or None,
-            "layer": profile.layer,
-            "steering": {str(k): float(v) for k, v in sorted(profile.steering.items(),
-                                                              key=lambda kv: int(kv[0]))},
-            "controls": list(profile.controls or []),
-            "intensity": profile.intensity, "is_active": profile.is_active,
-            "source_kind": "manual",
-            "created_at": _iso(profile.created_at), "updated_at": _iso(profile.updated_at)}
+    return {
+        "id": profile.pk,
+        "name": profile.name,
+        "description": profile.description,
+        "model_id": profile.model_name or None,
+        "sae_id": profile.sae_id or None,
+        "layer": profile.layer,
+        "steering": {str(k): float(v) for k, v in sorted(profile.steering.items(), key=lambda kv: int(kv[0]))},
+        "controls": list(profile.controls or []),
+        "intensity": profile.intensity,
+        "is_active": profile.is_active,
+        "source_kind": "manual",
+        "created_at": _iso(profile.created_at),
+        "updated_at": _iso(profile.updated_at),
+    }
 
 
 def cluster_out(cluster: Cluster, *, full: bool = False) -> dict[str, Any]:
-    out = {"id": cluster.pk, "name": cluster.name, "narrative": cluster.narrative,
-           "source_kind": "cluster", "model_ref": cluster.model_ref or None,
-           "declared_sae": cluster.sae_ref, "n_features": cluster.n_features,
-           "bound": bool(cluster.sae_id), "sae_id": cluster.sae_id or None,
-           "layer": cluster.layer, "unbound_reason": cluster.unbound_reason or None,
-           "warnings": cluster.warnings, "intensity": cluster.intensity,
-           "intensity_range": cluster.intensity_range, "is_active": cluster.is_active,
-           "member_count": len(cluster.members),
-           "members": [[m["feature_idx"], m.get("label"), m["strength"]]
-                       for m in cluster.members[:20]],
-           "created_at": _iso(cluster.created_at), "updated_at": _iso(cluster.updated_at)}
+    out = {
+        "id": cluster.pk,
+        "name": cluster.name,
+        "narrative": cluster.narrative,
+        "source_kind": "cluster",
+        "model_ref": cluster.model_ref or None,
+        "declared_sae": cluster.sae_ref,
+        "n_features": cluster.n_features,
+        "bound": bool(cluster.sae_id),
+        "sae_id": cluster.sae_id or None,
+        "layer": cluster.layer,
+        "unbound_reason": cluster.unbound_reason or None,
+        "warnings": cluster.warnings,
+        "intensity": cluster.intensity,
+        "intensity_range": cluster.intensity_range,
+        "is_active": cluster.is_active,
+        "member_count": len(cluster.members),
+        "members": [[m["feature_idx"], m.get("label"), m["strength"]] for m in cluster.members[:20]],
+        "created_at": _iso(cluster.created_at),
+        "updated_at": _iso(cluster.updated_at),
+    }
     if full:
         out["member_details"] = cluster.members
     return out
@@ -186,17 +199,25 @@ def cluster_out(cluster: Cluster, *, full: bool = False) -> dict[str, Any]:
 
 def circuit_out(circuit: Circuit, *, full: bool = False) -> dict[str, Any]:
     layers = sorted(int(k) for k in circuit.members)
-    out = {"id": circuit.pk, "name": circuit.name, "narrative": circuit.narrative,
-           "rung": circuit.rung, "rung_language": RUNG_LANGUAGE[circuit.rung],
-           "layers": layers, "saes": circuit.saes, "edge_count": circuit.edges_count,
-           "member_count": sum(len(v) for v in circuit.members.values()),
-           "intensity": circuit.intensity, "intensity_range": circuit.intensity_range,
-           "is_active": circuit.is_active,
-           "serving_mode": "full" if circuit.is_active else None,
-           "serving": {str(k): v for k, v in sorted(circuit.serving.items(),
-                                                    key=lambda kv: int(kv[0]))},
-           "composed_layers": circuit.composed_layers,
-           "created_at": _iso(circuit.created_at), "updated_at": _iso(circuit.updated_at)}
+    out = {
+        "id": circuit.pk,
+        "name": circuit.name,
+        "narrative": circuit.narrative,
+        "rung": circuit.rung,
+        "rung_language": RUNG_LANGUAGE[circuit.rung],
+        "layers": layers,
+        "saes": circuit.saes,
+        "edge_count": circuit.edges_count,
+        "member_count": sum(len(v) for v in circuit.members.values()),
+        "intensity": circuit.intensity,
+        "intensity_range": circuit.intensity_range,
+        "is_active": circuit.is_active,
+        "serving_mode": "full" if circuit.is_active else None,
+        "serving": {str(k): v for k, v in sorted(circuit.serving.items(), key=lambda kv: int(kv[0]))},
+        "composed_layers": circuit.composed_layers,
+        "created_at": _iso(circuit.created_at),
+        "updated_at": _iso(circuit.updated_at),
+    }
     if full:
         out["members"] = circuit.members
     return out

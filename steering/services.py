@@ -67,8 +67,14 @@ class ResolvedSteering:
 
     def summary(self) -> dict[str, Any]:
         """The ``millm.steering`` object of a /v1 response: what actually ran."""
-        return {"mode": self.mode, "description": self.header, "profile": self.profile,
-                "intensity": self.intensity, "entries": self.entries, "hash": self.hash}
+        return {
+            "mode": self.mode,
+            "description": self.header,
+            "profile": self.profile,
+            "intensity": self.intensity,
+            "entries": self.entries,
+            "hash": self.hash,
+        }
 
 
 NONE = ResolvedSteering(mode="none", spec=None, header="none")
@@ -88,51 +94,71 @@ def _check_indices(att: AttachmentStatus, indices: Sequence[int], param: str) ->
     rules.check_indices(sae_id=att.sae_id, d_sae=att.d_sae, indices=indices, param=param)
 
 
-def _resolved(mode: str, att: AttachmentStatus, features: dict[int, float], header: str,
-              *, profile: str | None = None, intensity: float | None = None,
-              controls: Sequence[FeatureControl] = ()) -> ResolvedSteering:
+def _resolved(
+    mode: str,
+    att: AttachmentStatus,
+    features: dict[int, float],
+    header: str,
+    *,
+    profile: str | None = None,
+    intensity: float | None = None,
+    controls: Sequence[FeatureControl] = (),
+) -> ResolvedSteering:
     entry = SteeringEntry(att.sae_id, att.layer, features, list(controls))
-    return ResolvedSteering(mode=mode, spec=SteeringSpec([entry]), header=header,
-                            profile=profile, intensity=intensity,
-                            entries=[_entry_summary(entry)])
+    return ResolvedSteering(
+        mode=mode,
+        spec=SteeringSpec([entry]),
+        header=header,
+        profile=profile,
+        intensity=intensity,
+        entries=[_entry_summary(entry)],
+    )
 
 
 def _entry_summary(entry: SteeringEntry) -> dict[str, Any]:
     """An entry as /v1 requests write it (``features: [{index, strength}]``, and a
     control's ``{index, mode, value, phase, window, condition}``)."""
-    return {"sae_id": entry.sae_id, "layer": entry.layer,
-            "features": [{"index": i, "strength": s} for i, s in entry.features.items()]
-            + [rules.control_json(c) for c in entry.controls]}
+    return {
+        "sae_id": entry.sae_id,
+        "layer": entry.layer,
+        "features": [{"index": i, "strength": s} for i, s in entry.features.items()]
+        + [rules.control_json(c) for c in entry.controls],
+    }
 
 
-def _inline(*, attachments: Sequence[AttachmentStatus], sae_id: str | None,
-            features: Sequence[tuple[int, float] | FeatureControl], intensity: float | None
-            ) -> ResolvedSteering:
+def _inline(
+    *,
+    attachments: Sequence[AttachmentStatus],
+    sae_id: str | None,
+    features: Sequence[tuple[int, float] | FeatureControl],
+    intensity: float | None,
+) -> ResolvedSteering:
     """Inline features: (index, strength) adds and ``FeatureControl``s.  The dial λ scales
     what is added (plain and gated adds); clamp targets, scale factors and ablations are
     levels, not amounts, and run as written."""
     if not features:
         return EXPLICITLY_UNSTEERED
     # a plain add (an add at every position) counts as a feature, not a control
-    plain = [(f.index, f.value) if isinstance(f, FeatureControl) else f for f in features
-             if not isinstance(f, FeatureControl) or f.plain]
+    plain = [
+        (f.index, f.value) if isinstance(f, FeatureControl) else f
+        for f in features
+        if not isinstance(f, FeatureControl) or f.plain
+    ]
     controls = [f for f in features if isinstance(f, FeatureControl) and not f.plain]
     indices = [index for index, _ in plain] + [c.index for c in controls]
     if len(set(indices)) != len(indices):
-        raise SteeringInvalid("steering.features names a feature index twice",
-                              details={"param": "steering.features"})
+        raise SteeringInvalid("steering.features names a feature index twice", details={"param": "steering.features"})
     att = attachment_pick(attachments=attachments, sae_id=sae_id, param="steering.sae_id")
     _check_indices(att, indices, "steering.features")
-    _check_indices(att, [c.condition.feature for c in controls if c.condition is not None],
-                   "steering.features.condition.feature")
+    _check_indices(
+        att, [c.condition.feature for c in controls if c.condition is not None], "steering.features.condition.feature"
+    )
     if intensity == 0:
         return EXPLICITLY_UNSTEERED
-    values = {index: (strength if intensity is None else rules.dial(strength, intensity))
-              for index, strength in plain}
+    values = {index: (strength if intensity is None else rules.dial(strength, intensity)) for index, strength in plain}
     if intensity is not None:
         controls = rules.dial_controls(controls, intensity)
-    header = (f"inline;sae={_header_value(att.sae_id)};layer={att.layer};"
-              f"features={len(values) + len(controls)}")
+    header = f"inline;sae={_header_value(att.sae_id)};layer={att.layer};features={len(values) + len(controls)}"
     if controls:
         header += f";controls={len(controls)}"
     if intensity is not None:
@@ -151,13 +177,20 @@ def _cluster_as_profile(name: str) -> Profile | None:
         return None
 
     features = cluster_features(cluster, 1.0)
-    return Profile(name=name, sae_id=cluster.sae_id, layer=cluster.layer,
-                   steering=features.stored_values(), controls=features.stored_controls(),
-                   intensity=cluster.intensity, model_name="")
+    return Profile(
+        name=name,
+        sae_id=cluster.sae_id,
+        layer=cluster.layer,
+        steering=features.stored_values(),
+        controls=features.stored_controls(),
+        intensity=cluster.intensity,
+        model_name="",
+    )
 
 
-def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: str | None,
-             intensity: float | None) -> ResolvedSteering:
+def _profile(
+    *, attachments: Sequence[AttachmentStatus], name: str, model_name: str | None, intensity: float | None
+) -> ResolvedSteering:
     try:
         profile = profile_get_by_name(name=name)
     except ProfileNotFound:
@@ -171,8 +204,8 @@ def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: 
     if profile.model_name and model_name and profile.model_name != model_name:
         raise ProfileIncompatible(
             f"Profile {name!r} was made for model {profile.model_name!r}, not {model_name!r}",
-            details={"profile": name, "model": model_name,
-                     "profile_model": profile.model_name})
+            details={"profile": name, "model": model_name, "profile_model": profile.model_name},
+        )
 
     features = profile_features(profile)
     if not features:
@@ -182,28 +215,33 @@ def _profile(*, attachments: Sequence[AttachmentStatus], name: str, model_name: 
         # (and says so in X-miLLM-Steering) rather than failing.
         return NONE
     if not profile.sae_id:
-        raise ProfileIncompatible(f"{name!r} is not bound to an SAE attachment (a cluster "
-                                  "binds when it is activated)", details={"profile": name})
-    att = next((a for a in attachments
-                if a.sae_id == profile.sae_id and a.layer == profile.layer), None)
+        raise ProfileIncompatible(
+            f"{name!r} is not bound to an SAE attachment (a cluster binds when it is activated)",
+            details={"profile": name},
+        )
+    att = next((a for a in attachments if a.sae_id == profile.sae_id and a.layer == profile.layer), None)
     if att is None:
         raise ProfileIncompatible(
             f"Profile {name!r} steers SAE {profile.sae_id!r} at layer {profile.layer}, "
             f"which is not attached (attached: {', '.join(attachment_choices(attachments))})",
-            details={"profile": name, "sae_id": profile.sae_id, "layer": profile.layer,
-                     "choices": attachment_choices(attachments)})
-    rules.check_features(sae_id=att.sae_id, d_sae=att.d_sae, features=features,
-                         param="profile")
+            details={
+                "profile": name,
+                "sae_id": profile.sae_id,
+                "layer": profile.layer,
+                "choices": attachment_choices(attachments),
+            },
+        )
+    rules.check_features(sae_id=att.sae_id, d_sae=att.d_sae, features=features, param="profile")
     scaled = features.dialled(dial)
     header = f"profile;name={_header_value(name)};intensity={_fmt(dial)}"
     if scaled.controls:
         header += f";controls={len(scaled.controls)}"
-    return _resolved("profile", att, scaled.values, header, profile=name, intensity=dial,
-                     controls=scaled.controls)
+    return _resolved("profile", att, scaled.values, header, profile=name, intensity=dial, controls=scaled.controls)
 
 
-def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None,
-          values: list[SteeringEntry] | None) -> ResolvedSteering:
+def _live(
+    *, attachments: Sequence[AttachmentStatus], intensity: float | None, values: list[SteeringEntry] | None
+) -> ResolvedSteering:
     """The live steering of the attachments the engine holds (rows for attachments it
     does not hold, e.g. during a detach, are skipped), dialled by the request's λ.
     ``values``: this process's copy (``live.live_copy``); None reads the database."""
@@ -226,33 +264,39 @@ def _live(*, attachments: Sequence[AttachmentStatus], intensity: float | None,
     if circuits:
         # serving circuits set all of it: the original's form, each circuit's own λ; a
         # request's dial multiplies on top of it
-        header = (f"circuit;id={','.join(str(i) for i, _ in circuits)};"
-                  f"intensity={','.join(_fmt(lam) for _, lam in circuits)}")
+        header = (
+            f"circuit;id={','.join(str(i) for i, _ in circuits)};intensity={','.join(_fmt(lam) for _, lam in circuits)}"
+        )
         if intensity is not None:
             header += f";dial={_fmt(intensity)}"
     else:
         if len(entries) == 1:
-            header = (f"live;sae={_header_value(entries[0].sae_id)};layer={entries[0].layer};"
-                      f"features={count}")
+            header = f"live;sae={_header_value(entries[0].sae_id)};layer={entries[0].layer};features={count}"
         else:
             header = f"live;attachments={len(entries)};features={count}"
         if controls:
             header += f";controls={controls}"
         if intensity is not None:
             header += f";intensity={_fmt(intensity)}"
-    return ResolvedSteering(mode="live", spec=SteeringSpec(entries), header=header,
-                            intensity=intensity, entries=[_entry_summary(e) for e in entries])
+    return ResolvedSteering(
+        mode="live",
+        spec=SteeringSpec(entries),
+        header=header,
+        intensity=intensity,
+        entries=[_entry_summary(e) for e in entries],
+    )
 
 
-def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
-                             model_name: str | None = None,
-                             inline_sae_id: str | None = None,
-                             inline_features: Sequence[tuple[int, float] | FeatureControl]
-                             | None = None,
-                             profile: str | None = None,
-                             intensity: float | None = None,
-                             live_values: list[SteeringEntry] | None = None
-                             ) -> ResolvedSteering:
+def steering_resolve_request(
+    *,
+    attachments: Sequence[AttachmentStatus],
+    model_name: str | None = None,
+    inline_sae_id: str | None = None,
+    inline_features: Sequence[tuple[int, float] | FeatureControl] | None = None,
+    profile: str | None = None,
+    intensity: float | None = None,
+    live_values: list[SteeringEntry] | None = None,
+) -> ResolvedSteering:
     """Resolve one request's steering against the attachments the engine holds now.
 
     ``inline_features=None`` means the request sent no ``steering`` object; ``[]`` means
@@ -262,17 +306,15 @@ def steering_resolve_request(*, attachments: Sequence[AttachmentStatus],
     without steering of its own reads no database; None reads it.
     """
     if intensity is not None and not (0 <= intensity <= MAX_INTENSITY):
-        raise SteeringInvalid(f"steering_intensity must lie in [0, {MAX_INTENSITY:g}]",
-                              details={"param": "steering_intensity"})
+        raise SteeringInvalid(
+            f"steering_intensity must lie in [0, {MAX_INTENSITY:g}]", details={"param": "steering_intensity"}
+        )
     if inline_features is not None and profile is not None:
-        raise SteeringInvalid("Give either steering or a profile, not both",
-                              details={"param": "profile"})
+        raise SteeringInvalid("Give either steering or a profile, not both", details={"param": "profile"})
     if inline_features is not None:
-        return _inline(attachments=attachments, sae_id=inline_sae_id,
-                       features=inline_features, intensity=intensity)
+        return _inline(attachments=attachments, sae_id=inline_sae_id, features=inline_features, intensity=intensity)
     if profile is not None:
-        return _profile(attachments=attachments, name=profile, model_name=model_name,
-                        intensity=intensity)
+        return _profile(attachments=attachments, name=profile, model_name=model_name, intensity=intensity)
     # Nothing asked for: the live steering set through /api.
     return _live(attachments=attachments, intensity=intensity, values=live_values)
 
@@ -326,13 +368,42 @@ from steering.profiles import (
 )
 
 __all__ = [
-    "EXPLICITLY_UNSTEERED", "NONE", "ResolvedSteering", "attachment_choose",
-    "circuit_claims", "circuit_deactivate", "circuit_delete", "circuit_replace",
-    "circuit_get", "circuit_import", "circuit_set_active_intensity", "circuit_set_intensity",
-    "circuits_active", "cluster_activate", "cluster_active", "cluster_deactivate",
-    "cluster_delete", "cluster_get", "cluster_import", "cluster_set_active_intensity",
-    "cluster_set_intensity", "cluster_update", "live_clear", "live_enable", "live_forget",
-    "live_remove", "live_set", "live_state", "profile_activate",
-    "profile_create", "profile_deactivate", "profile_delete", "profile_export", "profile_get",
-    "profile_import", "profile_save_current", "profile_update", "steering_resolve_request",
+    "EXPLICITLY_UNSTEERED",
+    "NONE",
+    "ResolvedSteering",
+    "attachment_choose",
+    "circuit_claims",
+    "circuit_deactivate",
+    "circuit_delete",
+    "circuit_replace",
+    "circuit_get",
+    "circuit_import",
+    "circuit_set_active_intensity",
+    "circuit_set_intensity",
+    "circuits_active",
+    "cluster_activate",
+    "cluster_active",
+    "cluster_deactivate",
+    "cluster_delete",
+    "cluster_get",
+    "cluster_import",
+    "cluster_set_active_intensity",
+    "cluster_set_intensity",
+    "cluster_update",
+    "live_clear",
+    "live_enable",
+    "live_forget",
+    "live_remove",
+    "live_set",
+    "live_state",
+    "profile_activate",
+    "profile_create",
+    "profile_deactivate",
+    "profile_delete",
+    "profile_export",
+    "profile_get",
+    "profile_import",
+    "profile_save_current",
+    "profile_update",
+    "steering_resolve_request",
 ]

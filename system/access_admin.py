@@ -15,10 +15,11 @@ from system.health import access_summary
 
 
 def access_view(request: HttpRequest) -> HttpResponse:
-    keys = [{"label": label, "kind": kind, "owner": f"key:{label}"}
-            for kind, entries in (("admin", settings.MILLM_ADMIN_API_KEYS),
-                                  ("inference", settings.MILLM_API_KEYS))
-            for label in (parse_key(entry).label for entry in entries)]
+    keys = [
+        {"label": label, "kind": kind, "owner": f"key:{label}"}
+        for kind, entries in (("admin", settings.MILLM_ADMIN_API_KEYS), ("inference", settings.MILLM_API_KEYS))
+        for label in (parse_key(entry).label for entry in entries)
+    ]
     context = {
         **admin.site.each_context(request),
         "title": "Access",

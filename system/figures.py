@@ -23,8 +23,7 @@ def engine_snapshot() -> dict[str, Any]:
     try:
         status = runtime().engine.status()
     except Exception as exc:  # noqa: BLE001 - health must answer whatever the engine does
-        return {"state": "unavailable", "error": getattr(exc, "message", str(exc)),
-                "attachments": []}
+        return {"state": "unavailable", "error": getattr(exc, "message", str(exc)), "attachments": []}
     data = to_builtins(status)
     data.pop("model_path", None)
     return data
@@ -36,7 +35,12 @@ def inference_figures() -> dict[str, Any]:
         figures = dict(queue_figures())
     except Exception as exc:  # noqa: BLE001 - the /v1 tier may not be importable yet
         log.warning("queue_figures_unavailable", error=repr(exc))
-        figures = {"slots": settings.MAX_CONCURRENT_REQUESTS,
-                   "max_pending": settings.MAX_PENDING_REQUESTS, "in_flight": None,
-                   "waiting": None, "pending": None, "estimated_wait_seconds": None}
+        figures = {
+            "slots": settings.MAX_CONCURRENT_REQUESTS,
+            "max_pending": settings.MAX_PENDING_REQUESTS,
+            "in_flight": None,
+            "waiting": None,
+            "pending": None,
+            "estimated_wait_seconds": None,
+        }
     return figures

@@ -56,17 +56,23 @@ def _check_database() -> dict[str, Any]:
             cursor.fetchone()
     except Exception as exc:  # noqa: BLE001
         return {"name": "database", "status": "unhealthy", "message": type(exc).__name__}
-    return {"name": "database", "status": "healthy", "vendor": connection.vendor,
-            "latency_ms": round((time.perf_counter() - started) * 1000, 2)}
+    return {
+        "name": "database",
+        "status": "healthy",
+        "vendor": connection.vendor,
+        "latency_ms": round((time.perf_counter() - started) * 1000, 2),
+    }
 
 
 def _check_engine(engine: dict[str, Any]) -> dict[str, Any]:
     if engine["state"] == "unavailable":
         return {"name": "engine", "status": "unhealthy", "message": engine.get("error")}
     loaded = engine["state"] == "ready"
-    return {"name": "engine", "status": "healthy" if loaded else "degraded",
-            "message": f"model {engine.get('model_id')} resident" if loaded
-            else "no model loaded"}
+    return {
+        "name": "engine",
+        "status": "healthy" if loaded else "degraded",
+        "message": f"model {engine.get('model_id')} resident" if loaded else "no model loaded",
+    }
 
 
 def _check_channel_layer() -> dict[str, Any]:
@@ -80,15 +86,20 @@ def _check_channel_layer() -> dict[str, Any]:
 
 def _model_transition() -> dict[str, Any] | None:
     model_jobs_reap()  # a load or unload whose worker died is not a transition
-    moving = Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)
-                                  ).values_list("name", "status").first()
+    moving = (
+        Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING))
+        .values_list("name", "status")
+        .first()
+    )
     if moving is not None:
         return {"model": moving[0], "status": moving[1]}
-    job = Job.objects.filter(kind__in=(Job.Kind.MODEL_LOAD, Job.Kind.MODEL_UNLOAD),
-                             status=Job.Status.RUNNING).values_list("target", "kind").first()
+    job = (
+        Job.objects.filter(kind__in=(Job.Kind.MODEL_LOAD, Job.Kind.MODEL_UNLOAD), status=Job.Status.RUNNING)
+        .values_list("target", "kind")
+        .first()
+    )
     if job is not None:
-        return {"model": job[0], "status": "loading" if job[1] == Job.Kind.MODEL_LOAD
-                else "unloading"}
+        return {"model": job[0], "status": "loading" if job[1] == Job.Kind.MODEL_LOAD else "unloading"}
     return None
 
 
@@ -105,20 +116,25 @@ def readiness() -> tuple[bool, dict[str, Any]]:
         # recorded, which a restart restored and the setting then leaves in place
         checks["auto_load_model"] = engine.get("model_id") is not None
     ready = all(checks.values())
-    data = {"ready": ready, "checks": checks, "model_loaded": engine.get("state") == "ready",
-            "model_name": engine.get("model_id"), "transition": transition,
-            "version": version(), "timestamp": _now()}
+    data = {
+        "ready": ready,
+        "checks": checks,
+        "model_loaded": engine.get("state") == "ready",
+        "model_name": engine.get("model_id"),
+        "transition": transition,
+        "version": version(),
+        "timestamp": _now(),
+    }
     return ready, data
-
 
 
 # --- GPUs ---------------------------------------------------------------------------------
 
+
 def gpu_cards() -> tuple[list[dict[str, Any]], str | None]:
     """Per-card memory, or no cards and the reason; never invented zeros."""
     if not settings.EMBEDDED:
-        return [], ("distributed mode: the GPUs belong to the run_engine process; this web "
-                    "process does not use CUDA")
+        return [], ("distributed mode: the GPUs belong to the run_engine process; this web process does not use CUDA")
     try:
         import torch
     except ImportError:
@@ -131,15 +147,18 @@ def gpu_cards() -> tuple[list[dict[str, Any]], str | None]:
         # mem_get_info asks the driver (a CUDA context on that card), so what other
         # processes hold is included, as nvidia-smi shows it.
         free, total = torch.cuda.mem_get_info(index)
-        cards.append({
-            "index": index, "name": props.name,
-            "memory_total_mb": round(total / 2**20),
-            "memory_used_mb": round((total - free) / 2**20),
-            "memory_free_mb": round(free / 2**20),
-            "allocated_by_millm_mb": round(torch.cuda.memory_allocated(index) / 2**20),
-            "reserved_by_millm_mb": round(torch.cuda.memory_reserved(index) / 2**20),
-            "compute_capability": f"{props.major}.{props.minor}",
-        })
+        cards.append(
+            {
+                "index": index,
+                "name": props.name,
+                "memory_total_mb": round(total / 2**20),
+                "memory_used_mb": round((total - free) / 2**20),
+                "memory_free_mb": round(free / 2**20),
+                "allocated_by_millm_mb": round(torch.cuda.memory_allocated(index) / 2**20),
+                "reserved_by_millm_mb": round(torch.cuda.memory_reserved(index) / 2**20),
+                "compute_capability": f"{props.major}.{props.minor}",
+            }
+        )
     return cards, None
 
 
@@ -149,16 +168,32 @@ _any = serializers.JSONField()
 
 
 class LivenessView(APIView):
-    @extend_schema(summary="Liveness: the process answers", tags=["health"],
-                   responses=enveloped(inline_serializer("Liveness", {
-                       "status": serializers.CharField(), "version": serializers.CharField(),
-                       "timestamp": serializers.CharField(),
-                       "uptime_seconds": serializers.FloatField(),
-                       "access": serializers.DictField()})))
+    @extend_schema(
+        summary="Liveness: the process answers",
+        tags=["health"],
+        responses=enveloped(
+            inline_serializer(
+                "Liveness",
+                {
+                    "status": serializers.CharField(),
+                    "version": serializers.CharField(),
+                    "timestamp": serializers.CharField(),
+                    "uptime_seconds": serializers.FloatField(),
+                    "access": serializers.DictField(),
+                },
+            )
+        ),
+    )
     def get(self, request) -> Response:
-        return envelope({"status": "healthy", "version": version(), "timestamp": _now(),
-                         "uptime_seconds": round(time.time() - STARTED_AT, 3),
-                         "access": access_summary()})
+        return envelope(
+            {
+                "status": "healthy",
+                "version": version(),
+                "timestamp": _now(),
+                "uptime_seconds": round(time.time() - STARTED_AT, 3),
+                "access": access_summary(),
+            }
+        )
 
 
 def access_summary() -> dict[str, Any]:
@@ -168,33 +203,44 @@ def access_summary() -> dict[str, Any]:
         "keys_required": on,
         "inference_keys": len(settings.MILLM_API_KEYS),
         "admin_keys": len(settings.MILLM_ADMIN_API_KEYS),
-        "protected": ["/v1", "/api (but /api/health and /api/health/ready)", "/ws/events"]
-        if on else [],
+        "protected": ["/v1", "/api (but /api/health and /api/health/ready)", "/ws/events"] if on else [],
         "admin_only": "changes of shared state on /api (registry, load and unload, attach, "
-                      "live steering, documents, leases)" if on else None,
+        "live steering, documents, leases)"
+        if on
+        else None,
         "open": ["/api/health", "/api/health/ready"],
-        "browser_origins": "*" if getattr(settings, "CORS_ALLOW_ALL_ORIGINS", False)
+        "browser_origins": "*"
+        if getattr(settings, "CORS_ALLOW_ALL_ORIGINS", False)
         else list(getattr(settings, "CORS_ALLOWED_ORIGINS", [])),
         "remote_code": bool(getattr(settings, "ALLOW_REMOTE_CODE", False)),
     }
 
 
 class ReadinessView(APIView):
-    @extend_schema(summary="Readiness (503 + Retry-After while not ready)", tags=["health"],
-                   responses={200: enveloped(_any), 503: OpenApiResponse(
-                       description="Not ready: error NOT_READY, failing checks in details")})
+    @extend_schema(
+        summary="Readiness (503 + Retry-After while not ready)",
+        tags=["health"],
+        responses={
+            200: enveloped(_any),
+            503: OpenApiResponse(description="Not ready: error NOT_READY, failing checks in details"),
+        },
+    )
     def get(self, request) -> Response:
         ready, data = readiness()
         if not ready:
             failing = sorted(k for k, ok in data["checks"].items() if not ok)
-            raise NotReady("Not ready: " + ", ".join(failing), details=data,
-                           retry_after=settings.RETRY_AFTER_READINESS_S)
+            raise NotReady(
+                "Not ready: " + ", ".join(failing), details=data, retry_after=settings.RETRY_AFTER_READINESS_S
+            )
         return envelope(data)
 
 
 class DetailedHealthView(APIView):
-    @extend_schema(summary="Components, circuit breakers, inference queue, model and SAEs",
-                   tags=["health"], responses=enveloped(_any))
+    @extend_schema(
+        summary="Components, circuit breakers, inference queue, model and SAEs",
+        tags=["health"],
+        responses=enveloped(_any),
+    )
     def get(self, request) -> Response:
         from registry import hub, selectors
 
@@ -202,42 +248,59 @@ class DetailedHealthView(APIView):
         components = [_check_database(), _check_engine(engine), _check_channel_layer()]
         circuits = hub.circuit_states()
         for circuit in circuits:
-            components.append({"name": f"{circuit['name']}_circuit",
-                               "status": "degraded" if circuit["is_open"] else "healthy",
-                               "message": f"circuit {circuit['state']}"})
-        worst = ("unhealthy" if any(c["status"] == "unhealthy" for c in components)
-                 else "degraded" if any(c["status"] == "degraded" for c in components)
-                 else "healthy")
+            components.append(
+                {
+                    "name": f"{circuit['name']}_circuit",
+                    "status": "degraded" if circuit["is_open"] else "healthy",
+                    "message": f"circuit {circuit['state']}",
+                }
+            )
+        worst = (
+            "unhealthy"
+            if any(c["status"] == "unhealthy" for c in components)
+            else "degraded"
+            if any(c["status"] == "degraded" for c in components)
+            else "healthy"
+        )
         attachments = engine.get("attachments", [])
         resident = selectors.model_loaded()
         ready, ready_data = readiness()
-        return envelope({
-            "status": worst,
-            "ready": ready,
-            "readiness_checks": ready_data["checks"],
-            "version": version(),
-            "timestamp": _now(),
-            "uptime_seconds": round(time.time() - STARTED_AT, 3),
-            "mode": "embedded" if settings.EMBEDDED else "distributed",
-            "components": components,
-            "circuit_breakers": circuits,
-            "model_loaded": engine.get("state") == "ready",
-            "model_name": engine.get("model_id"),
-            "model_id": resident.pk if resident else None,
-            "device": engine.get("device"),
-            "dtype": engine.get("dtype"),
-            "sae_attached": bool(attachments),
-            "attachments": [{"sae_id": a["sae_id"], "layer": a["layer"],
-                             "layer_module_path": a["layer_module_path"],
-                             "hook_point": a.get("hook_point", "resid_post"),
-                             "steering_apply_count": a.get("steering_apply_count", 0)}
-                            for a in attachments],
-            "inference": {**inference_figures(),
-                          "backend": engine.get("backend"),
-                          "continuous_batching": settings.ENABLE_CONTINUOUS_BATCHING},
-            "lease": _lease_block(),
-            "active_profile": _active_profile(),
-        })
+        return envelope(
+            {
+                "status": worst,
+                "ready": ready,
+                "readiness_checks": ready_data["checks"],
+                "version": version(),
+                "timestamp": _now(),
+                "uptime_seconds": round(time.time() - STARTED_AT, 3),
+                "mode": "embedded" if settings.EMBEDDED else "distributed",
+                "components": components,
+                "circuit_breakers": circuits,
+                "model_loaded": engine.get("state") == "ready",
+                "model_name": engine.get("model_id"),
+                "model_id": resident.pk if resident else None,
+                "device": engine.get("device"),
+                "dtype": engine.get("dtype"),
+                "sae_attached": bool(attachments),
+                "attachments": [
+                    {
+                        "sae_id": a["sae_id"],
+                        "layer": a["layer"],
+                        "layer_module_path": a["layer_module_path"],
+                        "hook_point": a.get("hook_point", "resid_post"),
+                        "steering_apply_count": a.get("steering_apply_count", 0),
+                    }
+                    for a in attachments
+                ],
+                "inference": {
+                    **inference_figures(),
+                    "backend": engine.get("backend"),
+                    "continuous_batching": settings.ENABLE_CONTINUOUS_BATCHING,
+                },
+                "lease": _lease_block(),
+                "active_profile": _active_profile(),
+            }
+        )
 
 
 def _active_profile() -> dict[str, Any] | None:
@@ -245,8 +308,7 @@ def _active_profile() -> dict[str, Any] | None:
     for model, kind in ((Profile, "manual"), (Cluster, "cluster")):
         row = model.objects.filter(is_active=True).first()
         if row is not None:
-            return {"id": row.pk, "name": row.name, "source_kind": kind,
-                    "intensity": row.intensity}
+            return {"id": row.pk, "name": row.name, "source_kind": kind, "intensity": row.intensity}
     return None
 
 
@@ -257,51 +319,55 @@ def _lease_block() -> dict[str, Any] | None:
 
 
 class InferenceHealthView(APIView):
-    @extend_schema(summary="Active inference backend and its capabilities", tags=["health"],
-                   responses=enveloped(_any))
+    @extend_schema(summary="Active inference backend and its capabilities", tags=["health"], responses=enveloped(_any))
     def get(self, request) -> Response:
         engine = engine_snapshot()
         # what the engine actually runs (its own report), else what the settings ask for
         engine_batching = engine.get("batching") or {}
         batching = bool(engine_batching.get("enabled", settings.ENABLE_CONTINUOUS_BATCHING))
-        return envelope({
-            # the loaded model's backend (None while nothing is loaded), the one a model
-            # without its own choice loads on, and every backend the engine's host knows
-            "backend": engine.get("backend"),
-            "default_backend": settings.MILLM_BACKEND,
-            "backends": engine.get("backends") or [],
-            "mode": engine_batching.get("mode") or ("continuous_batching" if batching
-                                                    else "serial"),
-            "batching": engine_batching,
-            "kernels": engine.get("kernels"),
-            # the resident weights: Q8/Q4 applied at load or a checkpoint's own method,
-            # and the bytes they take per dtype; empty while nothing is loaded
-            "weights": engine.get("weights") or {},
-            # what the backend keeps between requests and its idle releases
-            # (TRANSFORMERS_IDLE_CACHE_RELEASE_S); empty while nothing is loaded
-            "memory": engine.get("memory") or {},
-            "engine_state": engine["state"],
-            "model_name": engine.get("model_id"),
-            "max_concurrent_requests": settings.MAX_CONCURRENT_REQUESTS,
-            "max_pending_requests": settings.MAX_PENDING_REQUESTS,
-            "queue": inference_figures(),
-            # as the loaded backend reports them (empty while nothing is loaded), plus
-            # what the web tier itself provides
-            "capabilities": {
-                "streaming": True,
-                # the loaded backend says (SPECULATIVE_MODEL on the transformers backend)
-                "speculative_decoding": False,
-                **engine_batching.get("capabilities", {}),
-                "continuous_batching": batching,
-            },
-            "limitations": [] if batching else [
-                "serial backend: one generation at a time, others wait in the queue"],
-        })
+        return envelope(
+            {
+                # the loaded model's backend (None while nothing is loaded), the one a model
+                # without its own choice loads on, and every backend the engine's host knows
+                "backend": engine.get("backend"),
+                "default_backend": settings.MILLM_BACKEND,
+                "backends": engine.get("backends") or [],
+                "mode": engine_batching.get("mode") or ("continuous_batching" if batching else "serial"),
+                "batching": engine_batching,
+                "kernels": engine.get("kernels"),
+                # the resident weights: Q8/Q4 applied at load or a checkpoint's own method,
+                # and the bytes they take per dtype; empty while nothing is loaded
+                "weights": engine.get("weights") or {},
+                # what the backend keeps between requests and its idle releases
+                # (TRANSFORMERS_IDLE_CACHE_RELEASE_S); empty while nothing is loaded
+                "memory": engine.get("memory") or {},
+                "engine_state": engine["state"],
+                "model_name": engine.get("model_id"),
+                "max_concurrent_requests": settings.MAX_CONCURRENT_REQUESTS,
+                "max_pending_requests": settings.MAX_PENDING_REQUESTS,
+                "queue": inference_figures(),
+                # as the loaded backend reports them (empty while nothing is loaded), plus
+                # what the web tier itself provides
+                "capabilities": {
+                    "streaming": True,
+                    # the loaded backend says (SPECULATIVE_MODEL on the transformers backend)
+                    "speculative_decoding": False,
+                    **engine_batching.get("capabilities", {}),
+                    "continuous_batching": batching,
+                },
+                "limitations": []
+                if batching
+                else ["serial backend: one generation at a time, others wait in the queue"],
+            }
+        )
 
 
 class GpusView(APIView):
-    @extend_schema(summary="Per-card GPU memory (cards: [] with a reason where there is none)",
-                   tags=["health"], responses=enveloped(_any))
+    @extend_schema(
+        summary="Per-card GPU memory (cards: [] with a reason where there is none)",
+        tags=["health"],
+        responses=enveloped(_any),
+    )
     def get(self, request) -> Response:
         cards, reason = gpu_cards()
         return envelope({"cards": cards, "total": len(cards), "reason": reason})
@@ -327,9 +393,11 @@ class PrometheusView(APIView):
     # Scrapers and curl ask for text/plain; JSON stays available for error answers.
     renderer_classes = (_PlainTextRenderer, JSONRenderer)
 
-    @extend_schema(summary="Metrics in the Prometheus text format (not enveloped)",
-                   tags=["health"],
-                   responses={(200, "text/plain"): OpenApiResponse(description="exposition")})
+    @extend_schema(
+        summary="Metrics in the Prometheus text format (not enveloped)",
+        tags=["health"],
+        responses={(200, "text/plain"): OpenApiResponse(description="exposition")},
+    )
     def get(self, request):
         from django.http import HttpResponse
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -340,8 +408,7 @@ class PrometheusView(APIView):
 
 
 class CircuitsView(APIView):
-    @extend_schema(summary="Circuit breakers (the hub's)", tags=["health"],
-                   responses=enveloped(_any))
+    @extend_schema(summary="Circuit breakers (the hub's)", tags=["health"], responses=enveloped(_any))
     def get(self, request) -> Response:
         from registry import hub
 
@@ -350,8 +417,7 @@ class CircuitsView(APIView):
 
 
 class CircuitResetView(APIView):
-    @extend_schema(summary="Close a tripped circuit breaker", tags=["health"], request=None,
-                   responses=enveloped(_any))
+    @extend_schema(summary="Close a tripped circuit breaker", tags=["health"], request=None, responses=enveloped(_any))
     def post(self, request, name: str) -> Response:
         from registry import hub
 
@@ -363,5 +429,6 @@ class VersionView(APIView):
     def get(self, request) -> Response:
         import django
 
-        return envelope({"app": "miLLM", "version": version(),
-                         "python": platform.python_version(), "django": django.get_version()})
+        return envelope(
+            {"app": "miLLM", "version": version(), "python": platform.python_version(), "django": django.get_version()}
+        )

@@ -33,8 +33,16 @@ log = structlog.get_logger(__name__)
 
 EVENT = "system:metrics"
 # the figures a dashboard shows; the rest of /api/health/metrics stays a request away
-PUSHED_KEYS = ("uptime_seconds", "requests", "queue", "tokens_generated", "prompt_tokens",
-               "refusals", "model_loaded", "model_name")
+PUSHED_KEYS = (
+    "uptime_seconds",
+    "requests",
+    "queue",
+    "tokens_generated",
+    "prompt_tokens",
+    "refusals",
+    "model_loaded",
+    "model_name",
+)
 
 
 class _LiveCollector:
@@ -54,11 +62,12 @@ class _LiveCollector:
         in_flight.add_metric([], figures.get("in_flight") or 0)
         yield in_flight
         # the admission controller's own totals (queue_full refusals included)
-        for key, help_text in (("admitted_total", "Generation requests given a slot"),
-                               ("refused_total", "Generation requests refused: queue full")):
+        for key, help_text in (
+            ("admitted_total", "Generation requests given a slot"),
+            ("refused_total", "Generation requests refused: queue full"),
+        ):
             if figures.get(key) is not None:
-                family = CounterMetricFamily(f"millm_admission_{key.removesuffix('_total')}",
-                                             help_text)
+                family = CounterMetricFamily(f"millm_admission_{key.removesuffix('_total')}", help_text)
                 family.add_metric([], figures[key])
                 yield family
 
@@ -69,25 +78,28 @@ class _LiveCollector:
         steering = GaugeMetricFamily(
             "millm_steering_apply_count",
             "Forward passes in which an attachment's steering delta was really added "
-            "(cumulative per attachment; restarts at attach)", labels=["sae_id", "layer"])
+            "(cumulative per attachment; restarts at attach)",
+            labels=["sae_id", "layer"],
+        )
         for attachment in engine.get("attachments", []):
-            steering.add_metric([attachment["sae_id"], str(attachment["layer"])],
-                                attachment.get("steering_apply_count", 0))
+            steering.add_metric(
+                [attachment["sae_id"], str(attachment["layer"])], attachment.get("steering_apply_count", 0)
+            )
         yield steering
         # TORCH_COMPILE: graphs compiled since the model loaded, recompiles included
         caps = capabilities_of((engine.get("batching") or {}).get("capabilities"))
         compiled = caps.torch_compile_status if caps is not None else None
         if compiled:
-            graphs = CounterMetricFamily("millm_torch_compile_graphs",
-                                         "Graphs torch.compile built for the loaded model's decode "
-                                         "step, recompiles included (restarts at load)")
+            graphs = CounterMetricFamily(
+                "millm_torch_compile_graphs",
+                "Graphs torch.compile built for the loaded model's decode step, recompiles included (restarts at load)",
+            )
             graphs.add_metric([], compiled["compiles"])
             yield graphs
 
         from registry import hub
 
-        circuit = GaugeMetricFamily("millm_circuit_open", "1 while a circuit breaker is open",
-                                    labels=["name"])
+        circuit = GaugeMetricFamily("millm_circuit_open", "1 while a circuit breaker is open", labels=["name"])
         for state in hub.circuit_states():
             circuit.add_metric([state["name"]], 1 if state["state"] == "open" else 0)
         yield circuit
@@ -118,9 +130,9 @@ def snapshot() -> dict[str, Any]:
         "prompt_tokens": int(_sum(PROMPT_TOKENS)),
         "refusals": {k: int(v) for k, v in sorted(_by_label(REFUSALS, "reason").items())},
         "steering_apply_count": [
-            {"sae_id": a["sae_id"], "layer": a["layer"],
-             "steering_apply_count": a.get("steering_apply_count", 0)}
-            for a in engine.get("attachments", [])],
+            {"sae_id": a["sae_id"], "layer": a["layer"], "steering_apply_count": a.get("steering_apply_count", 0)}
+            for a in engine.get("attachments", [])
+        ],
         "downloads": {f"{k}": int(v) for k, v in sorted(_by_label(DOWNLOADS, "outcome").items())},
         "model_loads": {k: int(v) for k, v in sorted(_by_label(LOADS, "outcome").items())},
         "model_loaded": engine.get("state") == "ready",

@@ -14,20 +14,26 @@ pytest_plugins = ["tests.fixtures.assets", "tests.fixtures.llamacpp"]
 REPO = Path(__file__).resolve().parent.parent
 
 
-def manage(*args: str, env: dict[str, str] | None = None,
-           timeout: float = 120) -> subprocess.CompletedProcess:
+def manage(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``manage.py`` in a fresh process with exactly the given environment additions.
 
     Start-up behaviour (configuration refusals, the SQLite default, logging) can only be
     observed in a new process, so these tests do not reuse the test runner's settings.
     """
-    base = {k: v for k, v in os.environ.items()
-            if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")
-            or k.startswith("OPENBLAS")}
+    base = {
+        k: v
+        for k, v in os.environ.items()
+        if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH") or k.startswith("OPENBLAS")
+    }
     base["MILLM_ENV_FILE"] = "/nonexistent/.env"
-    return subprocess.run([sys.executable, str(REPO / "manage.py"), *args],
-                          env={**base, **(env or {})}, cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "manage.py"), *args],
+        env={**base, **(env or {})},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @pytest.fixture

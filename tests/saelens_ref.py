@@ -60,8 +60,13 @@ def _stand_ins() -> None:
     hook_points.HookPoint = HookPoint  # type: ignore[attr-defined]
     hooked.HookedRootModule = HookedRootModule  # type: ignore[attr-defined]
     root.hook_points, root.HookedTransformer = hook_points, hooked  # type: ignore[attr-defined]
-    sys.modules.update({"transformer_lens": root, "transformer_lens.hook_points": hook_points,
-                        "transformer_lens.HookedTransformer": hooked})
+    sys.modules.update(
+        {
+            "transformer_lens": root,
+            "transformer_lens.hook_points": hook_points,
+            "transformer_lens.HookedTransformer": hooked,
+        }
+    )
 
 
 @cache

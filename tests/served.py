@@ -44,11 +44,15 @@ def database_url() -> str:
     from django.db import connection
 
     if connection.vendor != "postgresql":
-        pytest.fail("a served process shares the test database with the tests, which needs "
-                    "PostgreSQL (see README: scripts/test)")
+        pytest.fail(
+            "a served process shares the test database with the tests, which needs "
+            "PostgreSQL (see README: scripts/test)"
+        )
     db = connection.settings_dict
-    return (f"postgresql://{db['USER']}{':' + db['PASSWORD'] if db['PASSWORD'] else ''}"
-            f"@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}")
+    return (
+        f"postgresql://{db['USER']}{':' + db['PASSWORD'] if db['PASSWORD'] else ''}"
+        f"@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/{db['NAME']}"
+    )
 
 
 def answers(url: str, timeout: float = 2) -> bool:
@@ -70,9 +74,14 @@ def stop(process: subprocess.Popen) -> None:
 
 
 @contextmanager
-def served_process(tmp: Path, env: dict[str, str], *, args: Sequence[str] = (),
-                   ready: str | Callable[[str], bool] = "/api/health",
-                   timeout_s: float = 90) -> Iterator[Serving]:
+def served_process(
+    tmp: Path,
+    env: dict[str, str],
+    *,
+    args: Sequence[str] = (),
+    ready: str | Callable[[str], bool] = "/api/health",
+    timeout_s: float = 90,
+) -> Iterator[Serving]:
     """``manage.py serve *args`` on a free loopback port, logging to ``tmp/serve.log``,
     with the runner's PATH and the like, no .env file, the test database, and ``env``.
     Yields once ``ready`` (a path that must answer a GET with 200, or a check given the
@@ -80,13 +89,16 @@ def served_process(tmp: Path, env: dict[str, str], *, args: Sequence[str] = (),
     ``timeout_s``. The server is stopped on leaving."""
     port = free_port()
     full = {k: v for k, v in os.environ.items() if k in INHERITED}
-    full.update({"MILLM_ENV_FILE": "/nonexistent/.env", "DATABASE_URL": database_url(),
-                 **env})
+    full.update({"MILLM_ENV_FILE": "/nonexistent/.env", "DATABASE_URL": database_url(), **env})
     log = tmp / "serve.log"
     with open(log, "wb") as sink:
         process = subprocess.Popen(
-            [sys.executable, str(REPO / "manage.py"), "serve", *args, "--host", "127.0.0.1",
-             "--port", str(port)], cwd=REPO, env=full, stdout=sink, stderr=subprocess.STDOUT)
+            [sys.executable, str(REPO / "manage.py"), "serve", *args, "--host", "127.0.0.1", "--port", str(port)],
+            cwd=REPO,
+            env=full,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     check = ready if callable(ready) else (lambda base: answers(base + ready))
     try:

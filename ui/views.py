@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from django.conf import settings
 from django.contrib.staticfiles.views import serve
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
@@ -54,15 +53,19 @@ class Page(TemplateView):
 
     def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
         context = super().get_context_data(**kwargs)
-        context.update({
-            "page": self.page, "title": self.title, "nav": NAV,
-            "ui_config": {
+        context.update(
+            {
                 "page": self.page,
-                "api_keys_required": keys_enabled(),
-                "max_strength": MAX_STEERING_STRENGTH,
-                **self.page_config(),
-            },
-        })
+                "title": self.title,
+                "nav": NAV,
+                "ui_config": {
+                    "page": self.page,
+                    "api_keys_required": keys_enabled(),
+                    "max_strength": MAX_STEERING_STRENGTH,
+                    **self.page_config(),
+                },
+            }
+        )
         return context
 
     def page_config(self) -> dict[str, Any]:
@@ -70,8 +73,9 @@ class Page(TemplateView):
 
 
 def page(name: str, title: str, **config: Any):
-    return type(f"{name.title()}Page", (Page,), {
-        "page": name, "title": title, "page_config": lambda self: dict(config)}).as_view()
+    return type(
+        f"{name.title()}Page", (Page,), {"page": name, "title": title, "page_config": lambda self: dict(config)}
+    ).as_view()
 
 
 def static(request: HttpRequest, path: str) -> HttpResponse:
@@ -120,5 +124,4 @@ def _read_labels(local_path: str) -> dict[str, str]:
         return {}
     if not isinstance(raw, dict):
         return {}
-    return {str(pk): str(v) for k, v in raw.items()
-            if (pk := ascii_int(k)) is not None and isinstance(v, str)}
+    return {str(pk): str(v) for k, v in raw.items() if (pk := ascii_int(k)) is not None and isinstance(v, str)}

@@ -4,14 +4,13 @@ from django.db import migrations
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('batches', '0001_initial'),
+        ("batches", "0001_initial"),
     ]
 
     operations = [
         migrations.AlterModelOptions(
-            name='batch',
-            options={'ordering': ['-created_at', '-id'], 'verbose_name_plural': 'batches'},
+            name="batch",
+            options={"ordering": ["-created_at", "-id"], "verbose_name_plural": "batches"},
         ),
     ]

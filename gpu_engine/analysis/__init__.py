@@ -18,5 +18,13 @@ from .registry import (
 )
 from .builtin import default_registry
 
-__all__ = ["AnalysisContext", "Analyzer", "AnalyzerRegistry", "CaptureNeed", "capture_spec_for", "check_capture",
-           "default_registry", "load_extra"]
+__all__ = [
+    "AnalysisContext",
+    "Analyzer",
+    "AnalyzerRegistry",
+    "CaptureNeed",
+    "capture_spec_for",
+    "check_capture",
+    "default_registry",
+    "load_extra",
+]

@@ -76,8 +76,14 @@ def select_rows(positions: np.ndarray, mode: str, prompt_len: int) -> np.ndarray
     return np.nonzero(mask)[0]
 
 
-def tracker_head_score(q: np.ndarray, keys: np.ndarray, scale: float, instruction: tuple[int, int],
-                       data: tuple[int, int], attn_func: str = "sum_normalize") -> float:
+def tracker_head_score(
+    q: np.ndarray,
+    keys: np.ndarray,
+    scale: float,
+    instruction: tuple[int, int],
+    data: tuple[int, int],
+    attn_func: str = "sum_normalize",
+) -> float:
     """One head's Attention Tracker score: attention of the last token's ``q`` (d,) over
     the prompt's ``keys`` (P, d), its mass on the instruction span ÷ (instruction + data
     mass + 1e-8) (``sum_normalize``; ``max`` takes the span's peak instead of its sum)."""
@@ -127,8 +133,11 @@ def attnlink_select(scores: list[float], temperature: float, top_p: float) -> di
 
 
 def _span(name: str, value: Any, analyzer: str) -> tuple[int, int]:
-    if (not isinstance(value, (list, tuple)) or len(value) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+    if (
+        not isinstance(value, (list, tuple))
+        or len(value) != 2
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    ):
         raise params_error(analyzer, f"{name} must be a [start, end) pair of token indices")
     return int(value[0]), int(value[1])
 
@@ -142,15 +151,19 @@ def _resolve(span: tuple[int, int], n: int, name: str, analyzer: str) -> tuple[i
 
 def _layer_heads(value: Any, analyzer: str, *, one: bool = False) -> dict[int, list[int]]:
     if not isinstance(value, dict) or not value:
-        raise params_error(analyzer, "layer_heads must map layers to lists of query heads, e.g. {\"2\": [0, 1]}")
+        raise params_error(analyzer, 'layer_heads must map layers to lists of query heads, e.g. {"2": [0, 1]}')
     out: dict[int, list[int]] = {}
     for k, heads in value.items():
         try:
             layer = int(k)
         except (TypeError, ValueError):
             raise params_error(analyzer, f"layer_heads key {k!r} is not a layer") from None
-        if (layer < 0 or not isinstance(heads, list) or not heads
-                or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads)):
+        if (
+            layer < 0
+            or not isinstance(heads, list)
+            or not heads
+            or not all(isinstance(h, int) and not isinstance(h, bool) and h >= 0 for h in heads)
+        ):
             raise params_error(analyzer, f"layer_heads[{k!r}] must be a non-empty list of head indices")
         out[layer] = sorted(set(heads))
     if one and (len(out) != 1 or len(next(iter(out.values()))) != 1):
@@ -160,8 +173,9 @@ def _layer_heads(value: Any, analyzer: str, *, one: bool = False) -> dict[int, l
 
 def _qk_need(layer_heads: dict[int, list[int]], q_positions: str) -> CaptureNeed:
     heads = sorted({h for hs in layer_heads.values() for h in hs})
-    return CaptureNeed(qk_layers=tuple(sorted(layer_heads)), heads=tuple(heads), q_positions=q_positions,
-                       k_positions="prompt")
+    return CaptureNeed(
+        qk_layers=tuple(sorted(layer_heads)), heads=tuple(heads), q_positions=q_positions, k_positions="prompt"
+    )
 
 
 def _prompt_len(capture: Any) -> int:
@@ -196,12 +210,16 @@ def _probe_path(ctx: AnalysisContext, name: Any, analyzer: str, suffixes: tuple[
     if ctx.probe_dir is None:
         raise params_error(analyzer, "no probe directory is configured (ANALYZER_PROBE_DIR)")
     if not name.endswith(suffixes):
-        raise InvalidProbeFile(f"probe {name!r} must be a {' or '.join(suffixes)} file",
-                               details={"param": "analyze.params.probe", "probe": name})
+        raise InvalidProbeFile(
+            f"probe {name!r} must be a {' or '.join(suffixes)} file",
+            details={"param": "analyze.params.probe", "probe": name},
+        )
     path = Path(ctx.probe_dir) / name
     if not path.is_file():
-        raise InvalidProbeFile(f"probe {name!r} does not exist in the probe directory",
-                               details={"param": "analyze.params.probe", "probe": name})
+        raise InvalidProbeFile(
+            f"probe {name!r} does not exist in the probe directory",
+            details={"param": "analyze.params.probe", "probe": name},
+        )
     return path
 
 
@@ -209,11 +227,15 @@ def _vector(data: Any, key: str, probe: str, size: int | None = None) -> np.ndar
     try:
         v = np.asarray(data[key], dtype=np.float64).reshape(-1)
     except (KeyError, TypeError, ValueError) as exc:
-        raise InvalidProbeFile(f"probe {probe!r}: {key} is missing or not numeric",
-                               details={"param": "analyze.params.probe", "probe": probe, "key": key}) from exc
+        raise InvalidProbeFile(
+            f"probe {probe!r}: {key} is missing or not numeric",
+            details={"param": "analyze.params.probe", "probe": probe, "key": key},
+        ) from exc
     if (size is not None and v.size != size) or not np.isfinite(v).all():
-        raise InvalidProbeFile(f"probe {probe!r}: {key} has {v.size} finite values, expected {size}",
-                               details={"param": "analyze.params.probe", "probe": probe, "key": key})
+        raise InvalidProbeFile(
+            f"probe {probe!r}: {key} has {v.size} finite values, expected {size}",
+            details={"param": "analyze.params.probe", "probe": probe, "key": key},
+        )
     return v
 
 
@@ -223,9 +245,10 @@ def _load_npz(path: Path, probe: str) -> dict[str, np.ndarray]:
     try:  # checked by its headers before inflating; never unpickled
         return read_npz(path, max_bytes=PROBE_NPZ_MAX_BYTES)
     except ArchiveRefused as exc:
-        raise InvalidProbeFile(f"probe {probe!r} is not a readable .npz file: {exc.message}",
-                               details={"param": "analyze.params.probe", "probe": probe,
-                                        **exc.details}) from exc
+        raise InvalidProbeFile(
+            f"probe {probe!r} is not a readable .npz file: {exc.message}",
+            details={"param": "analyze.params.probe", "probe": probe, **exc.details},
+        ) from exc
 
 
 def _threshold(params: dict[str, Any], analyzer: str, default: float = 0.5) -> float:
@@ -257,8 +280,11 @@ class HiddenStates:
         if reduce not in self.REDUCES:
             raise params_error(self.name, f"reduce must be one of {self.REDUCES}")
         layers = params.get("layers")
-        if (not isinstance(layers, list) or not layers
-                or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)):
+        if (
+            not isinstance(layers, list)
+            or not layers
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers)
+        ):
             raise params_error(self.name, "layers must list decoder layers")
         positions = params.get("positions", "last" if reduce == "last" else "all")
         from ..api.protocol import CAPTURE_POSITIONS
@@ -281,17 +307,22 @@ class HiddenStates:
 
 class AttentionTracker:
     name = "attention_tracker"
-    description = ("prompt-injection score: the last prompt token's attention to the instruction span "
-                   "over instruction + data, averaged over heads (lower: likely injection)")
+    description = (
+        "prompt-injection score: the last prompt token's attention to the instruction span "
+        "over instruction + data, averaged over heads (lower: likely injection)"
+    )
 
     def prepare(self, params: dict[str, Any], ctx: AnalysisContext) -> dict[str, Any]:
         _unknown_keys(params, {"layer_heads", "instruction", "data", "attn_func"}, self.name)
         attn_func = params.get("attn_func", "sum_normalize")
         if attn_func not in ("sum", "sum_normalize", "max", "max_normalize"):
             raise params_error(self.name, "attn_func must be sum, sum_normalize, max or max_normalize")
-        return {"layer_heads": _layer_heads(params.get("layer_heads"), self.name),
-                "instruction": _span("instruction", params.get("instruction"), self.name),
-                "data": _span("data", params.get("data"), self.name), "attn_func": attn_func}
+        return {
+            "layer_heads": _layer_heads(params.get("layer_heads"), self.name),
+            "instruction": _span("instruction", params.get("instruction"), self.name),
+            "data": _span("data", params.get("data"), self.name),
+            "attn_func": attn_func,
+        }
 
     def needs(self, p: dict[str, Any]) -> CaptureNeed:
         return _qk_need(p["layer_heads"], "last_prompt")
@@ -305,10 +336,16 @@ class AttentionTracker:
             for h in hs:
                 q, k, scale = _head_q_k(capture, layer, h)
                 qi = q[_row(capture.q_positions, n - 1)]
-                heads.append({"layer": layer, "head": h,
-                              "score": tracker_head_score(qi, k, scale, inst, data, p["attn_func"])})
-        return {"score": float(np.mean([x["score"] for x in heads])), "heads": heads,
-                "instruction": list(inst), "data": list(data), "attn_func": p["attn_func"]}
+                heads.append(
+                    {"layer": layer, "head": h, "score": tracker_head_score(qi, k, scale, inst, data, p["attn_func"])}
+                )
+        return {
+            "score": float(np.mean([x["score"] for x in heads])),
+            "heads": heads,
+            "instruction": list(inst),
+            "data": list(data),
+            "attn_func": p["attn_func"],
+        }
 
 
 @dataclass
@@ -327,16 +364,25 @@ class HNodeProbe:
         try:
             best_layer = int(np.asarray(data["best_layer"]).reshape(-1)[0])
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise InvalidProbeFile(f"probe {probe!r}: best_layer is missing",
-                                   details={"param": "analyze.params.probe", "probe": probe}) from exc
+            raise InvalidProbeFile(
+                f"probe {probe!r}: best_layer is missing", details={"param": "analyze.params.probe", "probe": probe}
+            ) from exc
         w = _vector(data, "weights", probe)
         idx = _vector(data, "h_node_indices", probe)
         if (idx < 0).any() or (idx >= w.size).any() or (idx != np.round(idx)).any():
-            raise InvalidProbeFile(f"probe {probe!r}: h_node_indices must index the hidden state",
-                                   details={"param": "analyze.params.probe", "probe": probe})
-        return cls(best_layer, w, float(_vector(data, "bias", probe, 1)[0]),
-                   _vector(data, "scaler_mean", probe, w.size), _vector(data, "scaler_scale", probe, w.size),
-                   idx.astype(np.int64), _vector(data, "h_node_baselines", probe, idx.size))
+            raise InvalidProbeFile(
+                f"probe {probe!r}: h_node_indices must index the hidden state",
+                details={"param": "analyze.params.probe", "probe": probe},
+            )
+        return cls(
+            best_layer,
+            w,
+            float(_vector(data, "bias", probe, 1)[0]),
+            _vector(data, "scaler_mean", probe, w.size),
+            _vector(data, "scaler_scale", probe, w.size),
+            idx.astype(np.int64),
+            _vector(data, "h_node_baselines", probe, idx.size),
+        )
 
 
 def hnode_score(h: np.ndarray, probe: HNodeProbe) -> dict[str, float]:
@@ -347,8 +393,11 @@ def hnode_score(h: np.ndarray, probe: HNodeProbe) -> dict[str, float]:
     scale = np.where(probe.scaler_scale == 0, 1.0, probe.scaler_scale)
     margin = float(((h - probe.scaler_mean) / scale) @ probe.weights + probe.bias)
     excess = np.maximum(0.0, h[probe.h_node_indices] - probe.h_node_baselines)
-    return {"probability": float(sigmoid(margin)), "margin": margin,
-            "h_node_excess": float(excess.mean()) if excess.size else 0.0}
+    return {
+        "probability": float(sigmoid(margin)),
+        "margin": margin,
+        "h_node_excess": float(excess.mean()) if excess.size else 0.0,
+    }
 
 
 class HNodeHallucination:
@@ -368,12 +417,18 @@ class HNodeHallucination:
         probe = p["probe"]
         h = np.asarray(capture.hidden[probe.best_layer])[-1]
         if h.shape[0] != probe.weights.size:
-            raise InvalidProbeFile(f"probe {p['name']!r} has {probe.weights.size} weights; the hidden state has "
-                                   f"{h.shape[0]}", details={"param": "analyze.params.probe", "probe": p["name"]})
+            raise InvalidProbeFile(
+                f"probe {p['name']!r} has {probe.weights.size} weights; the hidden state has {h.shape[0]}",
+                details={"param": "analyze.params.probe", "probe": p["name"]},
+            )
         score = hnode_score(h, probe)
-        return {**score, "verdict": "hallucinated" if score["probability"] >= p["threshold"] else "grounded",
-                "best_layer": probe.best_layer, "threshold": p["threshold"],
-                "n_h_nodes": int(probe.h_node_indices.size)}
+        return {
+            **score,
+            "verdict": "hallucinated" if score["probability"] >= p["threshold"] else "grounded",
+            "best_layer": probe.best_layer,
+            "threshold": p["threshold"],
+            "n_h_nodes": int(probe.h_node_indices.size),
+        }
 
 
 class ScienceHallucination:
@@ -388,21 +443,30 @@ class ScienceHallucination:
             try:
                 data = json.loads(path.read_text())
             except (OSError, ValueError) as exc:
-                raise InvalidProbeFile(f"probe {name!r} is not readable JSON: {exc}",
-                                       details={"param": "analyze.params.probe", "probe": name}) from exc
+                raise InvalidProbeFile(
+                    f"probe {name!r} is not readable JSON: {exc}",
+                    details={"param": "analyze.params.probe", "probe": name},
+                ) from exc
             if not isinstance(data, dict):
-                raise InvalidProbeFile(f"probe {name!r} must be a JSON object",
-                                       details={"param": "analyze.params.probe", "probe": name})
+                raise InvalidProbeFile(
+                    f"probe {name!r} must be a JSON object", details={"param": "analyze.params.probe", "probe": name}
+                )
         else:
             data = _load_npz(path, name)
         w = _vector(data, "weights", name)
         try:
             layer = int(np.asarray(data["layer"]).reshape(-1)[0])
         except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise InvalidProbeFile(f"probe {name!r}: layer is missing",
-                                   details={"param": "analyze.params.probe", "probe": name}) from exc
-        return {"name": name, "layer": layer, "weights": w, "bias": float(_vector(data, "bias", name, 1)[0]),
-                "threshold": _threshold(params, self.name)}
+            raise InvalidProbeFile(
+                f"probe {name!r}: layer is missing", details={"param": "analyze.params.probe", "probe": name}
+            ) from exc
+        return {
+            "name": name,
+            "layer": layer,
+            "weights": w,
+            "bias": float(_vector(data, "bias", name, 1)[0]),
+            "threshold": _threshold(params, self.name),
+        }
 
     def needs(self, p: dict[str, Any]) -> CaptureNeed:
         return CaptureNeed(layers=(p["layer"],), positions="completion")
@@ -413,20 +477,29 @@ class ScienceHallucination:
         pos = np.asarray(capture.positions)
         rows = rows[pos >= n - 1]  # the rows that produced completion tokens
         if rows.shape[-1] != p["weights"].size:
-            raise InvalidProbeFile(f"probe {p['name']!r} has {p['weights'].size} weights; the hidden state has "
-                                   f"{rows.shape[-1]}", details={"param": "analyze.params.probe", "probe": p["name"]})
+            raise InvalidProbeFile(
+                f"probe {p['name']!r} has {p['weights'].size} weights; the hidden state has {rows.shape[-1]}",
+                details={"param": "analyze.params.probe", "probe": p["name"]},
+            )
         if not rows.shape[0]:
             raise params_error(self.name, "the capture holds no completion rows")
         margin = float(rows.mean(axis=0) @ p["weights"] + p["bias"])
         prob = float(sigmoid(margin))
-        return {"probability": prob, "margin": margin, "layer": p["layer"], "threshold": p["threshold"],
-                "verdict": "hallucinated" if prob >= p["threshold"] else "grounded"}
+        return {
+            "probability": prob,
+            "margin": margin,
+            "layer": p["layer"],
+            "threshold": p["threshold"],
+            "verdict": "hallucinated" if prob >= p["threshold"] else "grounded",
+        }
 
 
 class CoReReranker:
     name = "core_reranker"
-    description = ("document relevance: attention from the query tokens to each document's tokens at chosen "
-                   "layers/heads, calibrated against an N/A-query run (na_capture)")
+    description = (
+        "document relevance: attention from the query tokens to each document's tokens at chosen "
+        "layers/heads, calibrated against an N/A-query run (na_capture)"
+    )
 
     def prepare(self, params: dict[str, Any], ctx: AnalysisContext) -> dict[str, Any]:
         _unknown_keys(params, {"layer_heads", "documents", "query", "na_capture", "na_query"}, self.name)
@@ -436,10 +509,13 @@ class CoReReranker:
         na = params.get("na_capture")
         if not isinstance(na, str) or not na:
             raise params_error(self.name, "na_capture must name the capture of the run with the 'N/A' query")
-        return {"layer_heads": _layer_heads(params.get("layer_heads"), self.name),
-                "documents": [_span(f"documents[{i}]", d, self.name) for i, d in enumerate(docs)],
-                "query": _span("query", params.get("query"), self.name),
-                "na_query": _span("na_query", params.get("na_query"), self.name), "na_capture": na}
+        return {
+            "layer_heads": _layer_heads(params.get("layer_heads"), self.name),
+            "documents": [_span(f"documents[{i}]", d, self.name) for i, d in enumerate(docs)],
+            "query": _span("query", params.get("query"), self.name),
+            "na_query": _span("na_query", params.get("na_query"), self.name),
+            "na_capture": na,
+        }
 
     def needs(self, p: dict[str, Any]) -> CaptureNeed:
         return _qk_need(p["layer_heads"], "prompt")
@@ -466,8 +542,12 @@ class CoReReranker:
         docs = [_resolve(d, n, f"documents[{i}]", self.name) for i, d in enumerate(p["documents"])]
         scores = core_document_scores(tok, tok_na, docs)
         ranking = sorted(range(len(scores)), key=lambda i: -scores[i])
-        return {"scores": scores, "ranking": ranking, "sorted_scores": [scores[i] for i in ranking],
-                "documents": [list(d) for d in docs]}
+        return {
+            "scores": scores,
+            "ranking": ranking,
+            "sorted_scores": [scores[i] for i in ranking],
+            "documents": [list(d) for d in docs],
+        }
 
 
 class AttnLinkU:
@@ -489,31 +569,61 @@ class AttnLinkU:
             raise params_error(self.name, "temperature must be finite and positive")
         if not isinstance(top_p, (int, float)) or isinstance(top_p, bool) or not 0 < top_p <= 1:
             raise params_error(self.name, "top_p must be in (0, 1]")
-        return {"layer_heads": _layer_heads(params.get("layer_heads"), self.name, one=True), "candidates": cands,
-                "spans": [_span(f"candidate_spans[{i}]", s, self.name) for i, s in enumerate(spans)],
-                "temperature": float(t), "top_p": float(top_p)}
+        return {
+            "layer_heads": _layer_heads(params.get("layer_heads"), self.name, one=True),
+            "candidates": cands,
+            "spans": [_span(f"candidate_spans[{i}]", s, self.name) for i, s in enumerate(spans)],
+            "temperature": float(t),
+            "top_p": float(top_p),
+        }
 
     def needs(self, p: dict[str, Any]) -> CaptureNeed:
         return _qk_need(p["layer_heads"], "last_prompt")
 
     def run(self, capture: Any, p: dict[str, Any], ctx: AnalysisContext) -> dict[str, Any]:
-        (layer, (head,)), = p["layer_heads"].items()
+        ((layer, (head,)),) = p["layer_heads"].items()
         n = _prompt_len(capture)
         q, k, scale = _head_q_k(capture, layer, head)
         a = softmax(k.astype(np.float64) @ q[_row(capture.q_positions, n - 1)].astype(np.float64) * scale)
         spans = [_resolve(s, n, f"candidate_spans[{i}]", self.name) for i, s in enumerate(p["spans"])]
         scores = [float(a[s:e].mean()) for s, e in spans]
-        return {"candidates": p["candidates"], "scores": scores, "layer": layer, "head": head,
-                **attnlink_select(scores, p["temperature"], p["top_p"])}
+        return {
+            "candidates": p["candidates"],
+            "scores": scores,
+            "layer": layer,
+            "head": head,
+            **attnlink_select(scores, p["temperature"], p["top_p"]),
+        }
 
 
-BUILTIN = (HiddenStates(), AttentionTracker(), HNodeHallucination(), ScienceHallucination(), CoReReranker(),
-           AttnLinkU())
+BUILTIN = (
+    HiddenStates(),
+    AttentionTracker(),
+    HNodeHallucination(),
+    ScienceHallucination(),
+    CoReReranker(),
+    AttnLinkU(),
+)
 
-__all__ = ["BUILTIN", "AttentionTracker", "AttnLinkU", "CoReReranker", "HNodeHallucination", "HNodeProbe",
-           "HiddenStates", "ScienceHallucination", "attnlink_select", "core_document_scores", "hnode_score",
-           "query_attention", "reduce_hidden", "select_rows", "sigmoid", "softmax",
-           "tracker_head_score"]
+__all__ = [
+    "BUILTIN",
+    "AttentionTracker",
+    "AttnLinkU",
+    "CoReReranker",
+    "HNodeHallucination",
+    "HNodeProbe",
+    "HiddenStates",
+    "ScienceHallucination",
+    "attnlink_select",
+    "core_document_scores",
+    "hnode_score",
+    "query_attention",
+    "reduce_hidden",
+    "select_rows",
+    "sigmoid",
+    "softmax",
+    "tracker_head_score",
+]
 
 
 def default_registry() -> AnalyzerRegistry:

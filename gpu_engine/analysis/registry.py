@@ -19,9 +19,13 @@ from ..api.protocol import AttentionCaptureSpec, CaptureSpec
 
 # which positions modes hold the rows of which others (gpu_engine.interp.capture.rows_for):
 # ``all`` holds every row; ``prompt`` holds row P-1; ``completion`` holds the last row
-_COVERS = {"all": {"all", "prompt", "completion", "last", "last_prompt"},
-           "prompt": {"prompt", "last_prompt"}, "completion": {"completion", "last"},
-           "last": {"last"}, "last_prompt": {"last_prompt"}}
+_COVERS = {
+    "all": {"all", "prompt", "completion", "last", "last_prompt"},
+    "prompt": {"prompt", "last_prompt"},
+    "completion": {"completion", "last"},
+    "last": {"last"},
+    "last_prompt": {"last_prompt"},
+}
 
 
 def covers(have: str, need: str) -> bool:
@@ -52,8 +56,7 @@ class CaptureNeed:
 
     def merged(self, other: CaptureNeed) -> CaptureNeed:
         sides = [x for x in (self, other) if x.qk_layers]
-        heads = None if any(x.heads is None for x in sides) else \
-            tuple(sorted(set().union(*(x.heads for x in sides))))  # type: ignore[arg-type]
+        heads = None if any(x.heads is None for x in sides) else tuple(sorted(set().union(*(x.heads for x in sides))))  # type: ignore[arg-type]
         return CaptureNeed(
             layers=tuple(sorted(set(self.layers) | set(other.layers))),
             positions=merge_positions(self.positions, other.positions),
@@ -108,8 +111,10 @@ class AnalyzerRegistry:
         analyzer = self.analyzers.get(name)
         if analyzer is None:
             known = self.names()
-            raise UnknownAnalyzer(f"unknown analyzer {name!r}; known analyzers: {', '.join(known)}",
-                                  details={"param": "analyze", "analyzer": name, "known": known})
+            raise UnknownAnalyzer(
+                f"unknown analyzer {name!r}; known analyzers: {', '.join(known)}",
+                details={"param": "analyze", "analyzer": name, "known": known},
+            )
         return analyzer
 
 
@@ -134,19 +139,32 @@ def capture_spec_for(need: CaptureNeed, base: CaptureSpec | None, **limits: Any)
         have = CaptureNeed(layers=tuple(base.layers), positions=base.positions if base.layers else None)
         att = base.attention
         if att is not None:
-            have = CaptureNeed(layers=have.layers, positions=have.positions, qk_layers=tuple(att.layers),
-                               heads=tuple(att.heads) if att.heads is not None else None,
-                               q_positions=att.query_positions, k_positions=att.positions)
+            have = CaptureNeed(
+                layers=have.layers,
+                positions=have.positions,
+                qk_layers=tuple(att.layers),
+                heads=tuple(att.heads) if att.heads is not None else None,
+                q_positions=att.query_positions,
+                k_positions=att.positions,
+            )
         need = have.merged(need)
-        limits = {"max_bytes": base.max_bytes, "inline_max_bytes": base.inline_max_bytes,
-                  "directory": base.directory, "model": base.model, **limits}
+        limits = {
+            "max_bytes": base.max_bytes,
+            "inline_max_bytes": base.inline_max_bytes,
+            "directory": base.directory,
+            "model": base.model,
+            **limits,
+        }
     attention = None
     if need.qk_layers:
         k = need.k_positions or "prompt"
         q = need.q_positions or k
-        attention = AttentionCaptureSpec(layers=list(need.qk_layers),
-                                         heads=list(need.heads) if need.heads is not None else None,
-                                         positions=k, q_positions=None if q == k else q)
+        attention = AttentionCaptureSpec(
+            layers=list(need.qk_layers),
+            heads=list(need.heads) if need.heads is not None else None,
+            positions=k,
+            q_positions=None if q == k else q,
+        )
     return CaptureSpec(layers=list(need.layers), positions=need.positions or "last", attention=attention, **limits)
 
 
@@ -175,14 +193,25 @@ def check_capture(meta: dict[str, Any], need: CaptureNeed, analyzer: str) -> Non
             if need.k_positions and not covers(att["positions"], need.k_positions):
                 missing.append(f"K positions {need.k_positions!r} (captured {att['positions']!r})")
     if missing:
-        raise AnalyzerCaptureMissing(f"analyzer {analyzer!r} needs {'; '.join(missing)}, which the capture lacks",
-                                     details={"param": "analyze", "analyzer": analyzer, "missing": missing})
+        raise AnalyzerCaptureMissing(
+            f"analyzer {analyzer!r} needs {'; '.join(missing)}, which the capture lacks",
+            details={"param": "analyze", "analyzer": analyzer, "missing": missing},
+        )
 
 
 def params_error(analyzer: str, message: str) -> InvalidParameter:
-    return InvalidParameter(f"analyzer {analyzer!r}: {message}", param="analyze.params",
-                            details={"analyzer": analyzer})
+    return InvalidParameter(f"analyzer {analyzer!r}: {message}", param="analyze.params", details={"analyzer": analyzer})
 
 
-__all__ = ["AnalysisContext", "Analyzer", "AnalyzerRegistry", "CaptureNeed", "capture_spec_for", "check_capture",
-           "covers", "load_extra", "merge_positions", "params_error"]
+__all__ = [
+    "AnalysisContext",
+    "Analyzer",
+    "AnalyzerRegistry",
+    "CaptureNeed",
+    "capture_spec_for",
+    "check_capture",
+    "covers",
+    "load_extra",
+    "merge_positions",
+    "params_error",
+]

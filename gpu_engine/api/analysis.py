@@ -11,5 +11,13 @@ from gpu_engine.analysis import (
     load_extra,
 )
 
-__all__ = ["AnalysisContext", "Analyzer", "AnalyzerRegistry", "CaptureNeed", "capture_spec_for",
-           "check_capture", "default_registry", "load_extra"]
+__all__ = [
+    "AnalysisContext",
+    "Analyzer",
+    "AnalyzerRegistry",
+    "CaptureNeed",
+    "capture_spec_for",
+    "check_capture",
+    "default_registry",
+    "load_extra",
+]

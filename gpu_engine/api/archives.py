@@ -42,8 +42,21 @@ _CHUNK = 1 << 20
 
 # safetensors dtype tags -> bytes per element (the format's table)
 SAFETENSORS_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-    "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
 }
 # the safetensors library refuses longer headers too
 SAFETENSORS_HEADER_MAX = 100_000_000
@@ -85,40 +98,49 @@ def _member_header(zf: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[NpyMembe
         try:
             version = np.lib.format.read_magic(fh)
             if version == (1, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_1_0(
-                    fh, max_header_size=_NPY_HEADER_MAX)
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(  # type: ignore[call-arg]
+                    fh, max_header_size=_NPY_HEADER_MAX
+                )  # numpy >= 1.24 takes it; its stubs lag
             elif version == (2, 0):
-                shape, fortran, dtype = np.lib.format.read_array_header_2_0(
-                    fh, max_header_size=_NPY_HEADER_MAX)
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(  # type: ignore[call-arg]
+                    fh, max_header_size=_NPY_HEADER_MAX
+                )
             else:
                 raise ValueError(f".npy format version {version} is not read here")
         except (ValueError, EOFError, OSError, SyntaxError) as exc:
-            raise ArchiveRefused(f"member {info.filename!r} has no readable .npy header: {exc}",
-                                 member=info.filename) from exc
+            raise ArchiveRefused(
+                f"member {info.filename!r} has no readable .npy header: {exc}", member=info.filename
+            ) from exc
         offset = fh.tell()
     if dtype.hasobject or dtype.kind not in _NPY_KINDS:
-        raise ArchiveRefused(f"member {info.filename!r} has dtype {dtype.str}, which is not "
-                             "plain numbers or text (objects are never unpickled)",
-                             member=info.filename, dtype=dtype.str)
+        raise ArchiveRefused(
+            f"member {info.filename!r} has dtype {dtype.str}, which is not "
+            "plain numbers or text (objects are never unpickled)",
+            member=info.filename,
+            dtype=dtype.str,
+        )
     if any(not isinstance(d, int) or d < 0 for d in shape):
-        raise ArchiveRefused(f"member {info.filename!r} declares shape {shape}",
-                             member=info.filename)
+        raise ArchiveRefused(f"member {info.filename!r} declares shape {shape}", member=info.filename)
     nbytes = math.prod(shape) * dtype.itemsize
     return NpyMember(name, tuple(int(d) for d in shape), dtype, bool(fortran), nbytes), offset
 
 
-def npz_members(source: Source, *, max_bytes: int, max_member_bytes: int | None = None,
-                max_members: int = MAX_MEMBERS) -> list[NpyMember]:
+def npz_members(
+    source: Source, *, max_bytes: int, max_member_bytes: int | None = None, max_members: int = MAX_MEMBERS
+) -> list[NpyMember]:
     """Every member of an ``.npz`` as its header declares it, checked against the limits
     and the zip directory; nothing beyond the headers is inflated."""
-    return [m for m, _ in _checked_members(source, max_bytes=max_bytes,
-                                           max_member_bytes=max_member_bytes,
-                                           max_members=max_members, keep_open=None)]
+    return [
+        m
+        for m, _ in _checked_members(
+            source, max_bytes=max_bytes, max_member_bytes=max_member_bytes, max_members=max_members, keep_open=None
+        )
+    ]
 
 
-def _checked_members(source: Source, *, max_bytes: int, max_member_bytes: int | None,
-                     max_members: int, keep_open: list[Any] | None
-                     ) -> list[tuple[NpyMember, zipfile.ZipInfo]]:
+def _checked_members(
+    source: Source, *, max_bytes: int, max_member_bytes: int | None, max_members: int, keep_open: list[Any] | None
+) -> list[tuple[NpyMember, zipfile.ZipInfo]]:
     try:
         zf = zipfile.ZipFile(_opened(source))
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
@@ -128,37 +150,43 @@ def _checked_members(source: Source, *, max_bytes: int, max_member_bytes: int | 
     try:
         infos = zf.infolist()
         if len(infos) > max_members:
-            raise ArchiveRefused(f"the archive has {len(infos)} members; at most {max_members}",
-                                 members=len(infos), limit=max_members)
+            raise ArchiveRefused(
+                f"the archive has {len(infos)} members; at most {max_members}", members=len(infos), limit=max_members
+            )
         seen: set[str] = set()
         total = 0
         for info in infos:
             if info.is_dir() or not info.filename.endswith(".npy"):
-                raise ArchiveRefused(f"member {info.filename!r} is not a .npy array",
-                                     member=info.filename)
+                raise ArchiveRefused(f"member {info.filename!r} is not a .npy array", member=info.filename)
             if info.filename in seen:
-                raise ArchiveRefused(f"member {info.filename!r} appears twice",
-                                     member=info.filename)
+                raise ArchiveRefused(f"member {info.filename!r} appears twice", member=info.filename)
             seen.add(info.filename)
             # the directory's own claim first: a member that says it inflates past the
             # limit is refused before one byte of it is inflated
             if info.file_size > per_member + _NPY_HEADER_MAX + 16:
                 raise ArchiveRefused(
-                    f"member {info.filename!r} inflates to {info.file_size} bytes; at most "
-                    f"{per_member} are read", member=info.filename,
-                    declared_bytes=info.file_size, limit=per_member)
+                    f"member {info.filename!r} inflates to {info.file_size} bytes; at most {per_member} are read",
+                    member=info.filename,
+                    declared_bytes=info.file_size,
+                    limit=per_member,
+                )
             member, offset = _member_header(zf, info)
             if member.nbytes > per_member or total + member.nbytes > max_bytes:
                 raise ArchiveRefused(
                     f"member {info.filename!r} declares shape {list(member.shape)} of "
                     f"{member.dtype.str} ({member.nbytes} bytes); at most {per_member} per "
-                    f"member and {max_bytes} in all are read", member=info.filename,
-                    declared_bytes=member.nbytes, limit=per_member)
+                    f"member and {max_bytes} in all are read",
+                    member=info.filename,
+                    declared_bytes=member.nbytes,
+                    limit=per_member,
+                )
             if offset + member.nbytes != info.file_size:
                 raise ArchiveRefused(
                     f"member {info.filename!r} declares {member.nbytes} bytes of data but the "
-                    f"zip directory says {info.file_size - offset}", member=info.filename,
-                    declared_bytes=member.nbytes)
+                    f"zip directory says {info.file_size - offset}",
+                    member=info.filename,
+                    declared_bytes=member.nbytes,
+                )
             total += member.nbytes
             out.append((member, info))
     except BaseException:
@@ -171,14 +199,16 @@ def _checked_members(source: Source, *, max_bytes: int, max_member_bytes: int | 
     return out
 
 
-def read_npz(source: Source, *, max_bytes: int, max_member_bytes: int | None = None,
-             max_members: int = MAX_MEMBERS) -> dict[str, np.ndarray]:
+def read_npz(
+    source: Source, *, max_bytes: int, max_member_bytes: int | None = None, max_members: int = MAX_MEMBERS
+) -> dict[str, np.ndarray]:
     """The arrays of an ``.npz`` (name -> array, as ``np.load`` names them), each member
     checked by its header first and then read into a buffer of exactly its declared size;
     never more than ``max_bytes`` in all. ``ArchiveRefused`` names the member at fault."""
     holder: list[Any] = []
-    checked = _checked_members(source, max_bytes=max_bytes, max_member_bytes=max_member_bytes,
-                               max_members=max_members, keep_open=holder)
+    checked = _checked_members(
+        source, max_bytes=max_bytes, max_member_bytes=max_member_bytes, max_members=max_members, keep_open=holder
+    )
     zf: zipfile.ZipFile = holder[0]
     out: dict[str, np.ndarray] = {}
     try:
@@ -198,26 +228,26 @@ def _read_member(zf: zipfile.ZipFile, info: zipfile.ZipInfo, member: NpyMember) 
             fh.seek(info.file_size - member.nbytes)
             got = 0
             while got < member.nbytes:
-                n = fh.readinto(view[got:got + _CHUNK])
+                n = fh.readinto(view[got : got + _CHUNK])  # type: ignore[attr-defined]  # a ZipExtFile reads into
                 if not n:
                     break
                 got += n
             if got != member.nbytes:
-                raise ArchiveRefused(f"member {info.filename!r} ends after {got} of its "
-                                     f"{member.nbytes} bytes", member=info.filename)
+                raise ArchiveRefused(
+                    f"member {info.filename!r} ends after {got} of its {member.nbytes} bytes", member=info.filename
+                )
             if fh.read(1):  # zipfile stops at the directory's size; reaching it checks the CRC
-                raise ArchiveRefused(f"member {info.filename!r} holds more than it declares",
-                                     member=info.filename)
+                raise ArchiveRefused(f"member {info.filename!r} holds more than it declares", member=info.filename)
     except (zipfile.BadZipFile, OSError, EOFError, ValueError) as exc:
         if isinstance(exc, ArchiveRefused):
             raise
-        raise ArchiveRefused(f"member {info.filename!r} is corrupt: {exc}",
-                             member=info.filename) from exc
+        raise ArchiveRefused(f"member {info.filename!r} is corrupt: {exc}", member=info.filename) from exc
     arr = np.frombuffer(buf, dtype=member.dtype)
     return arr.reshape(member.shape, order="F" if member.fortran_order else "C")
 
 
 # --------------------------------------------------------------------------- safetensors
+
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
@@ -237,8 +267,7 @@ def _read_prefix(fh: BinaryIO, size: int | None, max_bytes: int) -> tuple[dict[s
     (n,) = struct.unpack("<Q", raw)
     limit = min(SAFETENSORS_HEADER_MAX, max(1024, max_bytes))
     if n < 2 or n > limit:
-        raise ArchiveRefused(f"the safetensors header declares {n} bytes; at most {limit}",
-                             header_bytes=n)
+        raise ArchiveRefused(f"the safetensors header declares {n} bytes; at most {limit}", header_bytes=n)
     if size is not None and 8 + n > size:
         raise ArchiveRefused(f"the safetensors header declares {n} bytes; the file has {size}")
     text = fh.read(n)
@@ -270,8 +299,7 @@ def check_safetensors(source: Source, *, max_bytes: int) -> SafetensorsHeader:
         except OSError as exc:
             raise ArchiveRefused(f"cannot read {Path(source).name}: {exc}") from exc
     meta = header.pop("__metadata__", None) or {}
-    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str)
-                                             for k, v in meta.items()):
+    if not isinstance(meta, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise ArchiveRefused("the safetensors __metadata__ is not a map of strings")
     spans: list[tuple[int, int, str]] = []
     for name, info in header.items():
@@ -281,42 +309,53 @@ def check_safetensors(source: Source, *, max_bytes: int) -> SafetensorsHeader:
         if dtype not in SAFETENSORS_DTYPE_BYTES:
             raise ArchiveRefused(f"tensor {name!r} has unknown dtype {dtype!r}", member=name)
         if not isinstance(shape, list) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise ArchiveRefused(f"tensor {name!r} has shape {shape!r}", member=name)
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(
-                isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
-                and offsets[0] <= offsets[1]):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offsets)
+            and offsets[0] <= offsets[1]
+        ):
             raise ArchiveRefused(f"tensor {name!r} has data_offsets {offsets!r}", member=name)
         declared = math.prod(shape) * SAFETENSORS_DTYPE_BYTES[dtype]
         if declared > max_bytes:
-            raise ArchiveRefused(f"tensor {name!r} declares shape {shape} of {dtype} "
-                                 f"({declared} bytes); at most {max_bytes} are read",
-                                 member=name, declared_bytes=declared, limit=max_bytes)
+            raise ArchiveRefused(
+                f"tensor {name!r} declares shape {shape} of {dtype} ({declared} bytes); at most {max_bytes} are read",
+                member=name,
+                declared_bytes=declared,
+                limit=max_bytes,
+            )
         if offsets[1] - offsets[0] != declared:
-            raise ArchiveRefused(f"tensor {name!r} declares {declared} bytes but its offsets "
-                                 f"span {offsets[1] - offsets[0]}", member=name)
+            raise ArchiveRefused(
+                f"tensor {name!r} declares {declared} bytes but its offsets span {offsets[1] - offsets[0]}", member=name
+            )
         spans.append((offsets[0], offsets[1], name))
     held = size - 8 - n  # the data bytes the file holds after its header
     end = 0
     for begin, stop, name in sorted(spans):
         if stop > held:
-            raise ArchiveRefused(f"tensor {name!r} ends at byte {stop} of the data; the file "
-                                 f"holds {held}", member=name, declared_bytes=stop - begin)
+            raise ArchiveRefused(
+                f"tensor {name!r} ends at byte {stop} of the data; the file holds {held}",
+                member=name,
+                declared_bytes=stop - begin,
+            )
         if begin != end:
-            raise ArchiveRefused(f"tensor {name!r} starts at {begin}, not where the previous "
-                                 f"one ends ({end})", member=name)
+            raise ArchiveRefused(
+                f"tensor {name!r} starts at {begin}, not where the previous one ends ({end})", member=name
+            )
         end = stop
     if end > max_bytes:
-        raise ArchiveRefused(f"the tensors hold {end} bytes; at most {max_bytes} are read",
-                             declared_bytes=end, limit=max_bytes)
+        raise ArchiveRefused(
+            f"the tensors hold {end} bytes; at most {max_bytes} are read", declared_bytes=end, limit=max_bytes
+        )
     if 8 + n + end != size:
-        raise ArchiveRefused(f"the tensors declare {end} bytes of data; the file holds "
-                             f"{size - 8 - n}")
+        raise ArchiveRefused(f"the tensors declare {end} bytes of data; the file holds {size - 8 - n}")
     return SafetensorsHeader(header, meta, end, n)
 
 
-def read_safetensors(source: Source, *, max_bytes: int, framework: str = "numpy"
-                     ) -> dict[str, Any]:
+def read_safetensors(source: Source, *, max_bytes: int, framework: str = "numpy") -> dict[str, Any]:
     """Every tensor of a checked safetensors file or buffer (numpy arrays, or torch
     tensors with ``framework="torch"``)."""
     check_safetensors(source, max_bytes=max_bytes)
@@ -329,8 +368,10 @@ def read_safetensors(source: Source, *, max_bytes: int, framework: str = "numpy"
             return dict(load(bytes(source)))
         if framework == "torch":
             from safetensors.torch import load_file
+
             return dict(load_file(os.fspath(source), device="cpu"))
         from safetensors.numpy import load_file as np_load_file
+
         return dict(np_load_file(os.fspath(source)))
     except ArchiveRefused:
         raise
@@ -338,5 +379,12 @@ def read_safetensors(source: Source, *, max_bytes: int, framework: str = "numpy"
         raise ArchiveRefused(f"not a readable safetensors file: {exc}") from exc
 
 
-__all__ = ["ArchiveRefused", "NpyMember", "SafetensorsHeader", "check_safetensors",
-           "npz_members", "read_npz", "read_safetensors"]
+__all__ = [
+    "ArchiveRefused",
+    "NpyMember",
+    "SafetensorsHeader",
+    "check_safetensors",
+    "npz_members",
+    "read_npz",
+    "read_safetensors",
+]

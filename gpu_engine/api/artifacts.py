@@ -126,8 +126,13 @@ def load_capture(source: str | Path | bytes, *, framework: str = "numpy") -> Cap
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
     if meta.get("format") != FORMAT:
         raise ValueError(f"not a miLLM capture (format {meta.get('format')!r}, expected {FORMAT!r})")
-    out = CaptureData(meta=meta, positions=tensors.get("positions"), token_ids=tensors.get("token_ids"),
-                      q_positions=tensors.get("q_positions"), k_positions=tensors.get("k_positions"))
+    out = CaptureData(
+        meta=meta,
+        positions=tensors.get("positions"),
+        token_ids=tensors.get("token_ids"),
+        q_positions=tensors.get("q_positions"),
+        k_positions=tensors.get("k_positions"),
+    )
     for name, value in tensors.items():
         kind, _, layer = name.partition(".")
         if kind == "layer":

@@ -92,8 +92,7 @@ class Capabilities(msgspec.Struct, kw_only=True):
 
 
 # the keys every backend reports (the struct's first fields, each a plain bool)
-CAPABILITY_KEYS = tuple(name for name in Capabilities.__struct_fields__
-                        if Capabilities.__annotations__[name] == "bool")
+CAPABILITY_KEYS = tuple(name for name in Capabilities.__struct_fields__ if Capabilities.__annotations__[name] == "bool")
 
 
 def capabilities_of(report: Capabilities | Mapping[str, Any] | None) -> Capabilities | None:

@@ -72,8 +72,9 @@ class CaptureSpec(msgspec.Struct):
     def __post_init__(self) -> None:
         check_fields(self)
         if not self.layers and self.attention is None:
-            raise InvalidParameter("capture.layers must list at least one layer (or give capture.attention)",
-                                   param="capture.layers")
+            raise InvalidParameter(
+                "capture.layers must list at least one layer (or give capture.attention)", param="capture.layers"
+            )
         self.layers = sorted(set(self.layers))
 
 

@@ -33,8 +33,10 @@ _ENCODER = msgspec.json.Encoder(enc_hook=_enc_hook)
 # msgspec's messages end "- at `$.a.b[0]`", or "- at `key` in `$.a.d`" for a dict key
 _WHERE = re.compile(r" - at `(?:(?P<key>key)` in `)?\$\.?(?P<path>[^`]*)`$")
 # a value outside a declared constraint (a range, a length, a literal), not a wrong shape
-_RANGE = re.compile(r"^(Expected `\w+`( of length)? [<>]=? |Expected `str` matching"
-                    r"|Number out of range|Invalid enum value)")
+_RANGE = re.compile(
+    r"^(Expected `\w+`( of length)? [<>]=? |Expected `str` matching"
+    r"|Number out of range|Invalid enum value)"
+)
 _STEP = re.compile(r"\.(\w+)|\[(\d+|\.\.\.)\]")
 
 
@@ -121,7 +123,9 @@ def _unwrap(t: Any, name: str) -> Any:
     if isinstance(t, mi.UnionType):
         members = [m for m in t.types if not isinstance(m, mi.NoneType)]
         if name:
-            return next((m for m in members if isinstance(m, mi.StructType)
-                         and any(f.encode_name == name for f in m.fields)), members[0] if members else t)
+            return next(
+                (m for m in members if isinstance(m, mi.StructType) and any(f.encode_name == name for f in m.fields)),
+                members[0] if members else t,
+            )
         return next((m for m in members if not isinstance(m, mi.StructType)), members[0] if members else t)
     return t

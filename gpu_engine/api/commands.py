@@ -161,22 +161,25 @@ class Command:
         return str(args.job.request_id)  # type: ignore[attr-defined]
 
 
-COMMANDS: Mapping[str, Command] = {c.name: c for c in (
-    Command("status", StatusArgs, EngineStatus, Lane.STATE),
-    Command("check_load", CheckLoadArgs, None, Lane.CONTROL),
-    Command("load_model", LoadModelArgs, EngineStatus, Lane.CONTROL),
-    Command("unload_model", UnloadModelArgs, None, Lane.CONTROL),
-    Command("attach_set", AttachSetArgs, list[AttachResult], Lane.CONTROL),
-    Command("detach", DetachArgs, list[tuple[str, int]], Lane.CONTROL),
-    Command("check_sae", CheckSaeArgs, CompatibilityReport, Lane.CONTROL),
-    Command("cancel_all", CancelAllArgs, int, Lane.CONTROL),
-    # a structured request's grammar, built before the request takes an admission slot
-    Command("build_grammar", BuildGrammarArgs, None, Lane.CONTROL),
-    Command("generate", GenerateArgs, GenerationEvent, Lane.STREAM),
-    Command("embed", EmbedArgs, EmbedResult, Lane.WORK),
-    Command("score", ScoreArgs, ScoreResult, Lane.WORK),
-    Command("hidden_states", HiddenStatesArgs, HiddenStatesResult, Lane.WORK),
-)}
+COMMANDS: Mapping[str, Command] = {
+    c.name: c
+    for c in (
+        Command("status", StatusArgs, EngineStatus, Lane.STATE),
+        Command("check_load", CheckLoadArgs, None, Lane.CONTROL),
+        Command("load_model", LoadModelArgs, EngineStatus, Lane.CONTROL),
+        Command("unload_model", UnloadModelArgs, None, Lane.CONTROL),
+        Command("attach_set", AttachSetArgs, list[AttachResult], Lane.CONTROL),
+        Command("detach", DetachArgs, list[tuple[str, int]], Lane.CONTROL),
+        Command("check_sae", CheckSaeArgs, CompatibilityReport, Lane.CONTROL),
+        Command("cancel_all", CancelAllArgs, int, Lane.CONTROL),
+        # a structured request's grammar, built before the request takes an admission slot
+        Command("build_grammar", BuildGrammarArgs, None, Lane.CONTROL),
+        Command("generate", GenerateArgs, GenerationEvent, Lane.STREAM),
+        Command("embed", EmbedArgs, EmbedResult, Lane.WORK),
+        Command("score", ScoreArgs, ScoreResult, Lane.WORK),
+        Command("hidden_states", HiddenStatesArgs, HiddenStatesResult, Lane.WORK),
+    )
+}
 
 
 def command(name: str) -> Command:
@@ -192,18 +195,37 @@ def check_implements(cls: type, *, where: str | None = None) -> None:
         if not callable(method):
             problems.append(f"{cmd.name}: missing")
             continue
-        params = [p.name for p in inspect.signature(method).parameters.values()
-                  if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        params = [
+            p.name
+            for p in inspect.signature(method).parameters.values()
+            if p.name != "self" and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+        ]
         if tuple(params) != cmd.parameters:
             problems.append(f"{cmd.name}{tuple(params)}: the table says {cmd.parameters}")
     if problems:
-        raise TypeError(f"{where or cls.__qualname__} does not implement the engine commands "
-                        "as declared in gpu_engine.api.commands: " + "; ".join(problems))
+        raise TypeError(
+            f"{where or cls.__qualname__} does not implement the engine commands "
+            "as declared in gpu_engine.api.commands: " + "; ".join(problems)
+        )
 
 
 __all__ = [
-    "COMMANDS", "AttachSetArgs", "BuildGrammarArgs", "CancelAllArgs", "CheckLoadArgs", "CheckSaeArgs", "Command",
+    "COMMANDS",
+    "AttachSetArgs",
+    "BuildGrammarArgs",
+    "CancelAllArgs",
+    "CheckLoadArgs",
+    "CheckSaeArgs",
+    "Command",
     "DetachArgs",
-    "EmbedArgs", "GenerateArgs", "HiddenStatesArgs", "Lane", "LoadModelArgs", "ScoreArgs", "StatusArgs",
-    "UnloadModelArgs", "check_implements", "command",
+    "EmbedArgs",
+    "GenerateArgs",
+    "HiddenStatesArgs",
+    "Lane",
+    "LoadModelArgs",
+    "ScoreArgs",
+    "StatusArgs",
+    "UnloadModelArgs",
+    "check_implements",
+    "command",
 ]

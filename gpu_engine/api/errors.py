@@ -95,8 +95,14 @@ class CaptureTooLarge(EngineError):
             f"the capture would take up to {estimate_bytes} bytes ({rows} rows x {layers} layers), "
             f"more than the limit of {max_bytes} bytes: capture fewer layers or positions, or "
             f"ask for fewer tokens",
-            details={"param": "capture", "estimate_bytes": estimate_bytes, "max_bytes": max_bytes,
-                     "rows": rows, "layers": layers})
+            details={
+                "param": "capture",
+                "estimate_bytes": estimate_bytes,
+                "max_bytes": max_bytes,
+                "rows": rows,
+                "layers": layers,
+            },
+        )
 
 
 class CaptureStoreFull(EngineError):
@@ -111,8 +117,13 @@ class CaptureStoreFull(EngineError):
             f"the capture store is full: this capture may take up to {estimate_bytes} bytes "
             f"and {room_bytes} are left under CAPTURE_DIR_MAX_BYTES; delete stored captures "
             "(DELETE /api/captures/{id}), wait for expired ones to be pruned, or capture less",
-            details={"param": "capture", "estimate_bytes": estimate_bytes,
-                     "room_bytes": room_bytes, "setting": "CAPTURE_DIR_MAX_BYTES"})
+            details={
+                "param": "capture",
+                "estimate_bytes": estimate_bytes,
+                "room_bytes": room_bytes,
+                "setting": "CAPTURE_DIR_MAX_BYTES",
+            },
+        )
 
 
 class UnknownAnalyzer(EngineError):
@@ -153,8 +164,7 @@ class UnsupportedArchitecture(EngineError):
 
     def __init__(self, architecture_class: str) -> None:
         super().__init__(
-            f"Unsupported architecture {architecture_class!r}: no decoder-block resolver "
-            "is registered for it.",
+            f"Unsupported architecture {architecture_class!r}: no decoder-block resolver is registered for it.",
             details={"architecture_class": architecture_class},
         )
 

@@ -47,7 +47,7 @@ class Range:
 
     @property
     def meta(self) -> msgspec.Meta:
-        return msgspec.Meta(**self.bounds())
+        return msgspec.Meta(**self.bounds())  # type: ignore[call-overload]  # Meta's overloads: one per bound pair
 
 
 MAX_STEERING_STRENGTH = 200.0
@@ -121,8 +121,12 @@ def _bounded(c: Any) -> bool:
 
 
 def _inside(value: float, c: Any) -> bool:
-    return not ((c.ge is not None and not value >= c.ge) or (c.gt is not None and not value > c.gt)
-                or (c.le is not None and not value <= c.le) or (c.lt is not None and not value < c.lt))
+    return not (
+        (c.ge is not None and not value >= c.ge)
+        or (c.gt is not None and not value > c.gt)
+        or (c.le is not None and not value <= c.le)
+        or (c.lt is not None and not value < c.lt)
+    )
 
 
 Check = Callable[[Any], Any]
@@ -132,20 +136,24 @@ def _scalar(t: Any, param: str) -> Check | None:
     """A check of one value against ``t``'s constraints (returning the value to keep), or
     None when ``t`` declares none."""
     if isinstance(t, mi.FloatType) and _bounded(t):
+
         def check_float(value: Any) -> float:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
                 raise InvalidParameter(f"{param} must be a finite number, got {value!r}", param=param)
             if not _inside(value, t):
                 raise InvalidParameter(f"{param} must be {_describe(t)}, got {value}", param=param)
             return float(value)
+
         return check_float
     if isinstance(t, mi.IntType) and _bounded(t):
+
         def check_int(value: Any) -> int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise InvalidParameter(f"{param} must be an integer, got {value!r}", param=param)
             if not _inside(value, t):
                 raise InvalidParameter(f"{param} must be {_describe(t)}, got {value}", param=param)
             return value
+
         return check_int
     if isinstance(t, mi.StrType) and (t.min_length or t.pattern):
         pattern = re.compile(t.pattern) if t.pattern else None
@@ -156,15 +164,18 @@ def _scalar(t: Any, param: str) -> Check | None:
             if pattern is not None and not pattern.search(value):
                 raise InvalidParameter(f"{param} must match {t.pattern}, got {value!r}", param=param)
             return value
+
         return check_str
     if isinstance(t, mi.LiteralType):
         allowed = tuple(t.values)
 
         def check_literal(value: Any) -> Any:
             if value not in allowed:
-                raise InvalidParameter(f"{param} must be one of {', '.join(map(str, allowed))}, got {value!r}",
-                                       param=param)
+                raise InvalidParameter(
+                    f"{param} must be one of {', '.join(map(str, allowed))}, got {value!r}", param=param
+                )
             return value
+
         return check_literal
     return None
 
@@ -181,6 +192,7 @@ def _length(t: Any, param: str, what: str) -> Check | None:
         if hi is not None and len(value) > hi:
             raise InvalidParameter(f"{param} allows at most {hi} {what}", param=param)
         return value
+
     return check_length
 
 

@@ -24,19 +24,35 @@ Inputs = Annotated[list[str | list[int]], msgspec.Meta(min_length=1)]
 # renders a chat template (the conversation, the generation prompt, the request's tools,
 # the special tokens) or change what rendering returns (tokenize, return_*, padding, …):
 # refused by name. Every other key is a variable of the template.
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "conversation", "messages", "tools", "add_generation_prompt", "continue_final_message",
-    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
-    "return_assistant_tokens_mask", "tokenizer_kwargs", "bos_token", "eos_token",
-})
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+        "bos_token",
+        "eos_token",
+    }
+)
 
 
 def check_template_kwargs(kwargs: dict[str, Any]) -> None:
     """``chat_template_kwargs`` without a key of ``RESERVED_TEMPLATE_KWARGS``."""
     for key in kwargs:
         if key in RESERVED_TEMPLATE_KWARGS:
-            raise InvalidParameter(f"chat_template_kwargs.{key} is set by the server and cannot be given",
-                                   param=f"chat_template_kwargs.{key}")
+            raise InvalidParameter(
+                f"chat_template_kwargs.{key} is set by the server and cannot be given",
+                param=f"chat_template_kwargs.{key}",
+            )
 
 
 class GenerationJob(msgspec.Struct):
@@ -189,5 +205,17 @@ class AttachSpec(msgspec.Struct):
         check_fields(self)
 
 
-__all__ = ["HIDDEN_POOLINGS", "POOLINGS", "PRIORITIES", "RESERVED_TEMPLATE_KWARGS", "AttachSpec", "BatchingOptions",
-           "EmbedJob", "GenerationJob", "HiddenStatesJob", "LoadModelJob", "ScoreJob", "check_template_kwargs"]
+__all__ = [
+    "HIDDEN_POOLINGS",
+    "POOLINGS",
+    "PRIORITIES",
+    "RESERVED_TEMPLATE_KWARGS",
+    "AttachSpec",
+    "BatchingOptions",
+    "EmbedJob",
+    "GenerationJob",
+    "HiddenStatesJob",
+    "LoadModelJob",
+    "ScoreJob",
+    "check_template_kwargs",
+]

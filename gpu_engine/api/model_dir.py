@@ -20,8 +20,21 @@ DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # safetensors dtype tags -> bytes per element
 _ST_DTYPE_BYTES = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-    "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "U16": 2, "U32": 4, "U64": 8,
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
 }
 
 # Context reserved for the memory estimate when the caller gives none: the documented
@@ -114,9 +127,7 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     return cfg
 
 
-def inspect_model_dir(
-    path: str | Path, dtype: str = "float32", *, context_tokens: int | None = None
-) -> ModelInfo:
+def inspect_model_dir(path: str | Path, dtype: str = "float32", *, context_tokens: int | None = None) -> ModelInfo:
     """Read what the web tier needs to list, preview and size a model directory.
 
     ``estimated_memory_bytes`` = weights at ``dtype`` + KV cache for ``context_tokens``

@@ -84,5 +84,13 @@ class ActivationRecord(msgspec.Struct):
     tag: str = ""  # the entry's ``MonitorEntry.tag``
 
 
-__all__ = ["POSITION_KEYWORDS", "READ_POINTS", "ActivationRecord", "FeatureActivation", "MonitorEntry", "MonitorSpec",
-           "PositionRange", "Positions"]
+__all__ = [
+    "POSITION_KEYWORDS",
+    "READ_POINTS",
+    "ActivationRecord",
+    "FeatureActivation",
+    "MonitorEntry",
+    "MonitorSpec",
+    "PositionRange",
+    "Positions",
+]

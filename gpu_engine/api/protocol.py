@@ -52,11 +52,40 @@ from .results import *  # noqa: F403
 from .sampling import *  # noqa: F403
 from .steering import *  # noqa: F403
 
-__all__ = sorted({
-    "CONDITION_THRESHOLD", "LOGIT_BIAS", "MAX_BATCH_ROWS", "MAX_LOGIT_BIAS", "MAX_MONITOR_TOP_K",
-    "MAX_STEERING_STRENGTH", "MAX_STOP_SEQUENCES", "MAX_TOP_LOGPROBS", "MONITOR_TOP_K", "PENALTY", "PRIORITIES",
-    "REPETITION_PENALTY", "SEED_MAX", "SEED_MIN", "STEERING_STRENGTH", "TEMPERATURE", "TOP_K", "TOP_LOGPROBS",
-    "TOP_P", "AttachmentKey", "PositionRange", "Range", "from_builtins", "from_json", "to_builtins", "to_json",
-    *_capabilities.__all__, *_capture.__all__, *_jobs.__all__, *_monitoring.__all__, *_results.__all__, *_sampling.__all__,
-    *_steering.__all__,
-})
+__all__ = sorted(
+    {
+        "CONDITION_THRESHOLD",
+        "LOGIT_BIAS",
+        "MAX_BATCH_ROWS",
+        "MAX_LOGIT_BIAS",
+        "MAX_MONITOR_TOP_K",
+        "MAX_STEERING_STRENGTH",
+        "MAX_STOP_SEQUENCES",
+        "MAX_TOP_LOGPROBS",
+        "MONITOR_TOP_K",
+        "PENALTY",
+        "PRIORITIES",
+        "REPETITION_PENALTY",
+        "SEED_MAX",
+        "SEED_MIN",
+        "STEERING_STRENGTH",
+        "TEMPERATURE",
+        "TOP_K",
+        "TOP_LOGPROBS",
+        "TOP_P",
+        "AttachmentKey",
+        "PositionRange",
+        "Range",
+        "from_builtins",
+        "from_json",
+        "to_builtins",
+        "to_json",
+        *_capabilities.__all__,
+        *_capture.__all__,
+        *_jobs.__all__,
+        *_monitoring.__all__,
+        *_results.__all__,
+        *_sampling.__all__,
+        *_steering.__all__,
+    }
+)

@@ -15,6 +15,7 @@ from .monitoring import ActivationRecord
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
+
 class Usage(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -312,7 +313,27 @@ class CompatibilityReport:
             raise SAEIncompatible(f"{label} is incompatible: " + "; ".join(self.errors), details=self.to_dict())
 
 
-__all__ = ["FINISH_REASONS", "AttachResult", "AttachmentStatus", "CompatibilityReport", "EmbedResult", "EngineEvent", "EngineStatus",
-           "ErrorEvent", "FinishEvent", "GenerationEvent", "GenerationResult", "HiddenStatesResult", "LogprobEntry",
-           "ResultEvent", "ScoreResult", "SpeculativeStats", "SteeringCount", "SteeringFired", "StreamEvent",
-           "TokenEvent", "TokenLogprob", "Usage"]
+__all__ = [
+    "FINISH_REASONS",
+    "AttachResult",
+    "AttachmentStatus",
+    "CompatibilityReport",
+    "EmbedResult",
+    "EngineEvent",
+    "EngineStatus",
+    "ErrorEvent",
+    "FinishEvent",
+    "GenerationEvent",
+    "GenerationResult",
+    "HiddenStatesResult",
+    "LogprobEntry",
+    "ResultEvent",
+    "ScoreResult",
+    "SpeculativeStats",
+    "SteeringCount",
+    "SteeringFired",
+    "StreamEvent",
+    "TokenEvent",
+    "TokenLogprob",
+    "Usage",
+]

@@ -7,5 +7,12 @@ from gpu_engine.sae.config import SAEConfig
 from gpu_engine.sae.layouts import read_sae_metadata
 from gpu_engine.sae.vectors import read_vector_header, read_vectors, write_vector_file
 
-__all__ = ["CompatibilityReport", "SAEConfig", "check_compatibility", "read_sae_metadata",
-           "read_vector_header", "read_vectors", "write_vector_file"]
+__all__ = [
+    "CompatibilityReport",
+    "SAEConfig",
+    "check_compatibility",
+    "read_sae_metadata",
+    "read_vector_header",
+    "read_vectors",
+    "write_vector_file",
+]

@@ -56,12 +56,15 @@ class StructuredOutput(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         check_fields(self)
         if (self.type in ("json_schema", "tool_call")) != bool(self.schema):
-            raise InvalidParameter("structured.schema is given exactly when the type is json_schema or tool_call",
-                                   param="response_format")
+            raise InvalidParameter(
+                "structured.schema is given exactly when the type is json_schema or tool_call", param="response_format"
+            )
         if self.type == "tool_call":
             if self.tool_format not in TOOL_CALL_FORMATS or self.tool_mode not in TOOL_CALL_MODES:
-                raise InvalidParameter(f"a tool_call grammar needs tool_format in {TOOL_CALL_FORMATS} and "
-                                       f"tool_mode in {TOOL_CALL_MODES}", param="tool_choice")
+                raise InvalidParameter(
+                    f"a tool_call grammar needs tool_format in {TOOL_CALL_FORMATS} and tool_mode in {TOOL_CALL_MODES}",
+                    param="tool_choice",
+                )
             if self.tool_format == "json" and self.tool_mode != "required":
                 # a bare JSON call has no opening marker to constrain from
                 raise InvalidParameter("tool_mode auto needs the hermes tool_format", param="tool_choice")
@@ -122,10 +125,12 @@ class SamplingParams(msgspec.Struct):
         elif self.stop is None:
             self.stop = []
         check_fields(self)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
-                                      or not SEED_MIN <= self.seed <= SEED_MAX):
-            raise InvalidParameter(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}",
-                                   param="seed")
+        if self.seed is not None and (
+            isinstance(self.seed, bool) or not isinstance(self.seed, int) or not SEED_MIN <= self.seed <= SEED_MAX
+        ):
+            raise InvalidParameter(
+                f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}], got {self.seed!r}", param="seed"
+            )
         if self.prompt_top_logprobs and not self.prompt_logprobs:
             raise InvalidParameter("prompt_top_logprobs needs prompt_logprobs", param="prompt_top_logprobs")
 

@@ -122,16 +122,18 @@ class SteeringEntry(msgspec.Struct, omit_defaults=True):
 
     def __post_init__(self) -> None:
         # a mapping built from JSON-native values keys its indices by their text
-        self.features = {int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v
-                         for k, v in dict(self.features).items()}
+        self.features = {
+            int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in dict(self.features).items()
+        }
         check_fields(self)
         clean = self.features
         controls: list[FeatureControl] = []
         for c in self.controls:
             c = FeatureControl(**c) if isinstance(c, Mapping) else c
             if c.index in clean or any(o.index == c.index for o in controls):
-                raise InvalidParameter(f"steering names feature {c.index} twice", param="steering.features",
-                                       details={"index": c.index})
+                raise InvalidParameter(
+                    f"steering names feature {c.index} twice", param="steering.features", details={"index": c.index}
+                )
             if c.plain:
                 clean[c.index] = c.value
             else:
@@ -208,5 +210,13 @@ class SteeringSpec(msgspec.Struct):
         return "sha256:" + hashlib.sha256(self.canonical_text().encode()).hexdigest()
 
 
-__all__ = ["MAX_STEERING_STRENGTH", "STEERING_MODES", "STEERING_PHASES", "AttachmentKey", "FeatureControl",
-           "SteeringCondition", "SteeringEntry", "SteeringSpec"]
+__all__ = [
+    "MAX_STEERING_STRENGTH",
+    "STEERING_MODES",
+    "STEERING_PHASES",
+    "AttachmentKey",
+    "FeatureControl",
+    "SteeringCondition",
+    "SteeringEntry",
+    "SteeringSpec",
+]

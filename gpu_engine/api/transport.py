@@ -118,20 +118,18 @@ class Envelope(msgspec.Struct):
     sent_at: float = 0.0
 
     @classmethod
-    def new(cls, command: Command, request_id: str, args: msgspec.Struct, *, wait_s: float
-            ) -> Envelope:
+    def new(cls, command: Command, request_id: str, args: msgspec.Struct, *, wait_s: float) -> Envelope:
         if not isinstance(args, command.args):
             raise TypeError(f"{command.name} takes {command.args.__name__}")
         now = time.time()
-        return cls(command.name, check_id(request_id), msgspec.Raw(to_json(args)), now + wait_s,
-                   now)
+        return cls(command.name, check_id(request_id), msgspec.Raw(to_json(args)), now + wait_s, now)
 
     def encode(self) -> dict[str, str]:
         return {FIELD: to_json(self).decode()}
 
     @classmethod
     def decode(cls, fields: Mapping[Any, Any]) -> Envelope:
-        env = from_json(_raw(fields), cls)
+        env: Envelope = from_json(_raw(fields), cls)
         check_id(env.request_id)
         return env
 
@@ -173,11 +171,19 @@ def job_error(exc: BaseException) -> EngineError:
     """A decoding failure as the engine error the client receives."""
     if isinstance(exc, EngineError):
         return exc
-    return InvalidParameter(f"the job could not be decoded: {type(exc).__name__}: {exc}",
-                            param="job")
+    return InvalidParameter(f"the job could not be decoded: {type(exc).__name__}: {exc}", param="job")
 
 
 __all__ = [
-    "FIELD", "GROUP", "Envelope", "Keys", "check_id", "decode_event", "encode_event", "error_event",
-    "is_final", "job_error", "result_event",
+    "FIELD",
+    "GROUP",
+    "Envelope",
+    "Keys",
+    "check_id",
+    "decode_event",
+    "encode_event",
+    "error_event",
+    "is_final",
+    "job_error",
+    "result_event",
 ]

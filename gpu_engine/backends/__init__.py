@@ -77,12 +77,14 @@ class BackendEntry:
             option = self.options.get(key)
             if option is None:
                 known = ", ".join(sorted(self.options)) or "none"
-                raise InvalidParameter(f"the {self.name} backend takes no load option {key!r} (it takes: {known})",
-                                       param=f"options.{key}")
+                raise InvalidParameter(
+                    f"the {self.name} backend takes no load option {key!r} (it takes: {known})", param=f"options.{key}"
+                )
             kind = option.kind if isinstance(option, Option) else option
             if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-                raise InvalidParameter(f"load option {key!r} of the {self.name} backend must be a {kind.__name__}",
-                                       param=f"options.{key}")
+                raise InvalidParameter(
+                    f"load option {key!r} of the {self.name} backend must be a {kind.__name__}", param=f"options.{key}"
+                )
 
     def check_job(self, job: Any) -> None:
         """Refuse ``job`` before anything drains: unknown options, wrong types, and what
@@ -98,7 +100,8 @@ class BackendEntry:
             raise BackendUnavailable(
                 f"The {self.name} backend is not installed here (missing: {', '.join(missing)}); "
                 f"install it with `{self.install}`",
-                details={"backend": self.name, "missing": missing, "install": self.install})
+                details={"backend": self.name, "missing": missing, "install": self.install},
+            )
 
     def load(self, job: Any, **context: Any) -> Any:
         """The loaded model (a ``ModelBackend``) for ``job``."""
@@ -113,9 +116,15 @@ class BackendEntry:
         if self.quantizations and not missing:
             module_name, _, func = self.quantizations.partition(":")
             quantizations = getattr(importlib.import_module(module_name), func)()
-        return {"name": self.name, "summary": self.summary, "available": not missing,
-                "missing": missing, "install": self.install, "options": sorted(self.options),
-                "quantizations": quantizations}
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "available": not missing,
+            "missing": missing,
+            "install": self.install,
+            "options": sorted(self.options),
+            "quantizations": quantizations,
+        }
 
 
 _BACKENDS: dict[str, BackendEntry] = {}
@@ -135,8 +144,11 @@ def get_backend(name: str) -> BackendEntry:
     try:
         return _BACKENDS[name]
     except KeyError:
-        raise InvalidParameter(f"unknown backend {name!r}; known: {', '.join(_BACKENDS)}", param="backend",
-                               details={"backend": name, "known": list(_BACKENDS)}) from None
+        raise InvalidParameter(
+            f"unknown backend {name!r}; known: {', '.join(_BACKENDS)}",
+            param="backend",
+            details={"backend": name, "known": list(_BACKENDS)},
+        ) from None
 
 
 # the report looks for packages on disk (~0.2 ms); every engine status carries it, and a
@@ -162,67 +174,87 @@ def backends_report() -> list[dict[str, Any]]:
     return [dict(item) for item in _report[2]]
 
 
-register_backend(BackendEntry(
-    name="transformers",
-    summary="PyTorch through Hugging Face transformers: safetensors checkpoints, our own continuous batching",
-    requires=("torch", "transformers"),
-    install="scripts/setup run",  # what the quick start installs: web + engine
-    loader="gpu_engine.backends.transformers:load",
-    # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py);
-    # quantization: the registry row's Q8/Q4, applied at load (transformers/quantization.py);
-    # speculative_*: SPECULATIVE_MODEL's draft (transformers/speculative.py);
-    # TORCH_COMPILE (absent: auto, compile on CUDA), TORCH_COMPILE_MODE, KV_CACHE_MODE:
-    # backends/transformers/compiled.py; lean_decode (MILLM_ENGINE_LEAN_DECODE): the serial
-    # and batched one-token step without model.forward, backends/transformers/lean.py;
-    # fused_cpu_kernels (MILLM_ENGINE_FUSED_KERNELS): that step's small ops in C on CPU float32,
-    # backends/transformers/cpu_fused.py
-    options={"pack_cpu_weights": Option(bool, "MILLM_ENGINE_PACK_WEIGHTS"),
-             "quantization": Option(str),  # the registry row's
-             "speculative_model": Option(str, "SPECULATIVE_MODEL"),
-             "speculative_num_tokens": Option(int, "SPECULATIVE_NUM_TOKENS"),
-             "torch_compile": Option(bool, "TORCH_COMPILE"),
-             "torch_compile_mode": Option(str, "TORCH_COMPILE_MODE"),
-             "kv_cache_mode": Option(str, "KV_CACHE_MODE"),
-             "lean_decode": Option(bool, "MILLM_ENGINE_LEAN_DECODE"),
-             "fused_cpu_kernels": Option(bool, "MILLM_ENGINE_FUSED_KERNELS")},
-    validator="gpu_engine.backends.transformers:check_job",
-    quantizations="gpu_engine.backends.transformers.quantization:quantization_report",
-))
+register_backend(
+    BackendEntry(
+        name="transformers",
+        summary="PyTorch through Hugging Face transformers: safetensors checkpoints, our own continuous batching",
+        requires=("torch", "transformers"),
+        install="scripts/setup run",  # what the quick start installs: web + engine
+        loader="gpu_engine.backends.transformers:load",
+        # CPU float32: repack linear weights for oneDNN at load (backends/transformers/cpu_kernels.py);
+        # quantization: the registry row's Q8/Q4, applied at load (transformers/quantization.py);
+        # speculative_*: SPECULATIVE_MODEL's draft (transformers/speculative.py);
+        # TORCH_COMPILE (absent: auto, compile on CUDA), TORCH_COMPILE_MODE, KV_CACHE_MODE:
+        # backends/transformers/compiled.py; lean_decode (MILLM_ENGINE_LEAN_DECODE): the serial
+        # and batched one-token step without model.forward, backends/transformers/lean.py;
+        # fused_cpu_kernels (MILLM_ENGINE_FUSED_KERNELS): that step's small ops in C on CPU float32,
+        # backends/transformers/cpu_fused.py
+        options={
+            "pack_cpu_weights": Option(bool, "MILLM_ENGINE_PACK_WEIGHTS"),
+            "quantization": Option(str),  # the registry row's
+            "speculative_model": Option(str, "SPECULATIVE_MODEL"),
+            "speculative_num_tokens": Option(int, "SPECULATIVE_NUM_TOKENS"),
+            "torch_compile": Option(bool, "TORCH_COMPILE"),
+            "torch_compile_mode": Option(str, "TORCH_COMPILE_MODE"),
+            "kv_cache_mode": Option(str, "KV_CACHE_MODE"),
+            "lean_decode": Option(bool, "MILLM_ENGINE_LEAN_DECODE"),
+            "fused_cpu_kernels": Option(bool, "MILLM_ENGINE_FUSED_KERNELS"),
+        },
+        validator="gpu_engine.backends.transformers:check_job",
+        quantizations="gpu_engine.backends.transformers.quantization:quantization_report",
+    )
+)
 
-register_backend(BackendEntry(
-    name="vllm",
-    summary="vLLM's V1 engine: its scheduling, continuous batching and paged KV cache; tensor and "
-            "pipeline parallelism over processes or a Ray cluster; steering and monitoring in its workers",
-    requires=("vllm",),
-    install="scripts/setup vllm",
-    loader="gpu_engine.backends.vllm:load",
-    # from the site's VLLM_* settings
-    options={"tensor_parallel_size": Option(int, "VLLM_TENSOR_PARALLEL_SIZE"),
-             "pipeline_parallel_size": Option(int, "VLLM_PIPELINE_PARALLEL_SIZE"),
-             "distributed_executor_backend": Option(str, "VLLM_DISTRIBUTED_EXECUTOR"),
-             "gpu_memory_utilization": Option(float, "VLLM_GPU_MEMORY_UTILIZATION"),
-             "max_model_len": Option(int, "VLLM_MAX_MODEL_LEN"),
-             "max_num_seqs": Option(int, "VLLM_MAX_NUM_SEQS"),
-             "enforce_eager": Option(bool, "VLLM_ENFORCE_EAGER")},
-))
+register_backend(
+    BackendEntry(
+        name="vllm",
+        summary="vLLM's V1 engine: its scheduling, continuous batching and paged KV cache; tensor and "
+        "pipeline parallelism over processes or a Ray cluster; steering and monitoring in its workers",
+        requires=("vllm",),
+        install="scripts/setup vllm",
+        loader="gpu_engine.backends.vllm:load",
+        # from the site's VLLM_* settings
+        options={
+            "tensor_parallel_size": Option(int, "VLLM_TENSOR_PARALLEL_SIZE"),
+            "pipeline_parallel_size": Option(int, "VLLM_PIPELINE_PARALLEL_SIZE"),
+            "distributed_executor_backend": Option(str, "VLLM_DISTRIBUTED_EXECUTOR"),
+            "gpu_memory_utilization": Option(float, "VLLM_GPU_MEMORY_UTILIZATION"),
+            "max_model_len": Option(int, "VLLM_MAX_MODEL_LEN"),
+            "max_num_seqs": Option(int, "VLLM_MAX_NUM_SEQS"),
+            "enforce_eager": Option(bool, "VLLM_ENFORCE_EAGER"),
+        },
+    )
+)
 
-register_backend(BackendEntry(
-    name="llamacpp",
-    summary="GGUF models through llama.cpp (llama-cpp-python): control vectors and the "
-            "eval callback for steering and monitoring, multi-sequence batches",
-    requires=("llama_cpp",),
-    install="scripts/setup llamacpp",
-    loader="gpu_engine.backends.llamacpp:load",
-    validator="gpu_engine.backends.llamacpp:check_job",
-    # from the site's GGUF_* settings (backends/llamacpp/backend.py says what each does)
-    options={"context_length": Option(int, "GGUF_CONTEXT_LENGTH"),
-             "kv_cache_type": Option(str, "GGUF_KV_CACHE_TYPE"),
-             "flash_attention": Option(bool, "GGUF_FLASH_ATTENTION"),
-             "tensor_split": Option(list, "GGUF_TENSOR_SPLIT"),
-             "enable_embeddings": Option(bool, "GGUF_ENABLE_EMBEDDINGS"),
-             "steering_mode": Option(str, "GGUF_STEERING_MODE"),
-             "gguf_file": Option(str)},  # the registry row's
-))
+register_backend(
+    BackendEntry(
+        name="llamacpp",
+        summary="GGUF models through llama.cpp (llama-cpp-python): control vectors and the "
+        "eval callback for steering and monitoring, multi-sequence batches",
+        requires=("llama_cpp",),
+        install="scripts/setup llamacpp",
+        loader="gpu_engine.backends.llamacpp:load",
+        validator="gpu_engine.backends.llamacpp:check_job",
+        # from the site's GGUF_* settings (backends/llamacpp/backend.py says what each does)
+        options={
+            "context_length": Option(int, "GGUF_CONTEXT_LENGTH"),
+            "kv_cache_type": Option(str, "GGUF_KV_CACHE_TYPE"),
+            "flash_attention": Option(bool, "GGUF_FLASH_ATTENTION"),
+            "tensor_split": Option(list, "GGUF_TENSOR_SPLIT"),
+            "enable_embeddings": Option(bool, "GGUF_ENABLE_EMBEDDINGS"),
+            "steering_mode": Option(str, "GGUF_STEERING_MODE"),
+            "gguf_file": Option(str),
+        },  # the registry row's
+    )
+)
 
-__all__ = ["DEFAULT_BACKEND", "BackendEntry", "Option", "backend_names", "backend_option_settings", "backends_report",
-           "get_backend", "register_backend"]
+__all__ = [
+    "DEFAULT_BACKEND",
+    "BackendEntry",
+    "Option",
+    "backend_names",
+    "backend_option_settings",
+    "backends_report",
+    "get_backend",
+    "register_backend",
+]

@@ -50,6 +50,7 @@ if TYPE_CHECKING:
     )
     from ..sae.module import SAE
 
+
 class AttachedSAE(Protocol):
     """An SAE the runtime attached (``gpu_engine.runtime.attachments.Attachment``), as a
     backend sees it in ``attach``: declared here so that a backend names no runtime module."""
@@ -117,8 +118,9 @@ class ModelBackend(Protocol):
     # ---- tokens
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
 
-    def encode_messages(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool,
-                        **kwargs: Any) -> list[int]: ...
+    def encode_messages(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any
+    ) -> list[int]: ...
 
     def token_text(self, token_id: int) -> str: ...
 
@@ -134,9 +136,17 @@ class ModelBackend(Protocol):
         ...
 
     # ---- generation
-    def generate(self, *, request_id: str, prompt_ids: list[int], sampling: SamplingParams, max_tokens: int,
-                 request_hooks: RequestHooks | None, should_stop: Callable[[], bool],
-                 emit: Callable[[GenerationEvent], None]) -> FinishEvent:
+    def generate(
+        self,
+        *,
+        request_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        max_tokens: int,
+        request_hooks: RequestHooks | None,
+        should_stop: Callable[[], bool],
+        emit: Callable[[GenerationEvent], None],
+    ) -> FinishEvent:
         """One generation run to its end on the caller's thread (serial mode)."""
         ...
 
@@ -144,9 +154,16 @@ class ModelBackend(Protocol):
         """What runs the rows of the engine's continuous batch on this model."""
         ...
 
-    def new_sequence(self, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int,
-                     request_hooks: RequestHooks | None, emit: Callable[[GenerationEvent], None],
-                     should_stop: Callable[[], bool]) -> Any:
+    def new_sequence(
+        self,
+        job: GenerationJob,
+        *,
+        prompt_ids: list[int],
+        max_tokens: int,
+        request_hooks: RequestHooks | None,
+        emit: Callable[[GenerationEvent], None],
+        should_stop: Callable[[], bool],
+    ) -> Any:
         """A request's decode state for ``batch_runner``'s rows."""
         ...
 
@@ -203,7 +220,9 @@ class CountsLeanSteps(Protocol):
 
 def _members(protocol: type) -> list[str]:
     names = set(getattr(protocol, "__annotations__", {}))
-    names |= {n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))}
+    names |= {
+        n for n, v in vars(protocol).items() if not n.startswith("_") and (callable(v) or isinstance(v, property))
+    }
     return sorted(names)
 
 
@@ -213,5 +232,14 @@ def missing_members(backend: object) -> list[str]:
     return [n for n in _members(ModelBackend) if n not in present]
 
 
-__all__ = ["AttachedSAE", "BatchBackend", "CachesRows", "Closeable", "CountsLeanSteps", "ModelBackend",
-           "ReadsHiddenStates", "ReleasesCachedMemory", "missing_members"]
+__all__ = [
+    "AttachedSAE",
+    "BatchBackend",
+    "CachesRows",
+    "Closeable",
+    "CountsLeanSteps",
+    "ModelBackend",
+    "ReadsHiddenStates",
+    "ReleasesCachedMemory",
+    "missing_members",
+]

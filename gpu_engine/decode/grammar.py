@@ -69,15 +69,16 @@ HERMES_END = "}\n</tool_call>"
 
 def _unsupported(exc: Exception) -> ResponseFormatUnsupported:
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-    return ResponseFormatUnsupported(f"response_format: the schema cannot be compiled to a grammar: {reason}",
-                                     reason=reason)
+    return ResponseFormatUnsupported(
+        f"response_format: the schema cannot be compiled to a grammar: {reason}", reason=reason
+    )
 
 
 # xgrammar 0.2.8 writes a string with a length bound as repetitions of this class, which
 # lets raw control characters (U+0000-U+001F other than CR/LF) into the string: invalid
 # JSON.  JSON's own string characters are the class below it.
-_LOOSE_STRING_CHAR = r'[^\"\\\r\n]'
-_JSON_STRING_CHAR = r'[^\0-\x1f\"\\]'
+_LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
+_JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
 
 
 def _json(schema: str, *, strict: bool) -> xg.Grammar:
@@ -91,17 +92,33 @@ def _json(schema: str, *, strict: bool) -> xg.Grammar:
 def _tool_call(spec: StructuredOutput) -> xg.Grammar:
     functions = json.loads(spec.schema)
     if spec.tool_format == "json":
-        envelopes = [{"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                      "required": ["name", "arguments"]} for f in functions]
+        envelopes = [
+            {
+                "type": "object",
+                "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                "required": ["name", "arguments"],
+            }
+            for f in functions
+        ]
         return _json(json.dumps({"anyOf": envelopes}), strict=True)
-    tags = [{"type": "tag", "begin": HERMES_BEGIN + json.dumps(f["name"]) + ', "arguments": ',
-             "content": {"type": "grammar", "grammar": str(_json(json.dumps(f["parameters"]), strict=True))},
-             "end": HERMES_END} for f in functions]
+    tags = [
+        {
+            "type": "tag",
+            "begin": HERMES_BEGIN + json.dumps(f["name"]) + ', "arguments": ',
+            "content": {"type": "grammar", "grammar": str(_json(json.dumps(f["parameters"]), strict=True))},
+            "end": HERMES_END,
+        }
+        for f in functions
+    ]
     if spec.tool_mode == "required":
         fmt: dict[str, Any] = tags[0] if len(tags) == 1 else {"type": "or", "elements": tags}
     else:
-        fmt = {"type": "triggered_tags", "triggers": [HERMES_TRIGGER], "tags": tags,
-               "stop_after_first": spec.tool_mode == "auto_single"}
+        fmt = {
+            "type": "triggered_tags",
+            "triggers": [HERMES_TRIGGER],
+            "tags": tags,
+            "stop_after_first": spec.tool_mode == "auto_single",
+        }
     return xg.Grammar.from_structural_tag(json.dumps({"type": "structural_tag", "format": fmt}))
 
 
@@ -174,9 +191,14 @@ class _Child:
         # the directory above the gpu_engine package (this file is gpu_engine/decode/grammar.py)
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-        self.proc = subprocess.Popen([sys.executable, "-m", "gpu_engine.decode.grammar_worker"],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=env, cwd=root)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gpu_engine.decode.grammar_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            cwd=root,
+        )
         self._buf = b""
         if self.read(time.monotonic() + WORKER_START_TIMEOUT_S) != {"ready": True}:
             self.kill()
@@ -197,8 +219,12 @@ class _Child:
         return json.loads(line)
 
     def ask(self, spec: StructuredOutput, deadline: float) -> dict[str, Any] | None:
-        request = {"type": spec.type, "schema": spec.schema, "tool_format": spec.tool_format,
-                   "tool_mode": spec.tool_mode}
+        request = {
+            "type": spec.type,
+            "schema": spec.schema,
+            "tool_format": spec.tool_format,
+            "tool_mode": spec.tool_mode,
+        }
         try:
             self.proc.stdin.write(json.dumps(request).encode() + b"\n")  # type: ignore[union-attr]
             self.proc.stdin.flush()  # type: ignore[union-attr]
@@ -285,10 +311,12 @@ class GrammarBuilder:
                 self._give_back(None)
                 with self._cond:
                     self.stats["timed_out"] += 1
-                raise SchemaTooComplex(f"response_format: the schema's grammar was not built within "
-                                       f"{self.timeout_s:g} s (STRUCTURED_COMPILE_TIMEOUT_S); simplify it "
-                                       f"(fewer or shorter patterns, smaller repetition bounds)",
-                                       timeout_s=self.timeout_s)
+                raise SchemaTooComplex(
+                    f"response_format: the schema's grammar was not built within "
+                    f"{self.timeout_s:g} s (STRUCTURED_COMPILE_TIMEOUT_S); simplify it "
+                    f"(fewer or shorter patterns, smaller repetition bounds)",
+                    timeout_s=self.timeout_s,
+                )
             self._give_back(child)
         finally:
             with self._cond:
@@ -325,16 +353,19 @@ class Grammars:
     @classmethod
     def from_huggingface(cls, tokenizer: Any, *, vocab_size: int, stop_token_ids: set[int]) -> Grammars:
         """From a Hugging Face tokenizer (xgrammar reads its vocabulary type itself)."""
-        return cls(xg.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                     stop_token_ids=sorted(stop_token_ids)), vocab_size=vocab_size)
+        return cls(
+            xg.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)),
+            vocab_size=vocab_size,
+        )
 
     @classmethod
     def from_vocabulary(cls, pieces: Sequence[bytes], *, stop_token_ids: set[int]) -> Grammars:
         """From each token's bytes as it decodes (``pieces[id]``; ``b""`` for a token that
         never appears in text, such as a control token: the mask allows it nowhere, or
         only at the end where it is a stop token)."""
-        info = xg.TokenizerInfo(list(pieces), xg.VocabType.RAW, vocab_size=len(pieces),
-                                stop_token_ids=sorted(stop_token_ids))
+        info = xg.TokenizerInfo(
+            list(pieces), xg.VocabType.RAW, vocab_size=len(pieces), stop_token_ids=sorted(stop_token_ids)
+        )
         return cls(info, vocab_size=len(pieces))
 
     def compile(self, spec: StructuredOutput) -> xg.CompiledGrammar:
@@ -385,5 +416,13 @@ class RequestGrammar:
         return self.matcher.is_terminated()
 
 
-__all__ = ["GRAMMAR_CACHE_SIZE", "GrammarBuilder", "Grammars", "RequestGrammar", "build_grammar", "grammar_for",
-           "grammar_text", "remember"]
+__all__ = [
+    "GRAMMAR_CACHE_SIZE",
+    "GrammarBuilder",
+    "Grammars",
+    "RequestGrammar",
+    "build_grammar",
+    "grammar_for",
+    "grammar_text",
+    "remember",
+]

@@ -28,8 +28,10 @@ def main() -> None:
             spec = StructuredOutput(**json.loads(line))
             answer = {"grammar": build_grammar(spec).serialize_json()}
         except Exception as exc:  # noqa: BLE001 - every failure is this request's answer
-            answer = {"error": getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}",
-                      "reason": (getattr(exc, "details", None) or {}).get("reason", "")}
+            answer = {
+                "error": getattr(exc, "message", None) or f"{type(exc).__name__}: {exc}",
+                "reason": (getattr(exc, "details", None) or {}).get("reason", ""),
+            }
         out.write(json.dumps(answer) + "\n")
         out.flush()
 

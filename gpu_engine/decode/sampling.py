@@ -21,8 +21,15 @@ from ..api.protocol import LogprobEntry, SamplingParams, ScoreJob, ScoreResult
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams, *, vocab_size: int, device: torch.device, prompt_ids: torch.Tensor,
-                 grammar: Any = None) -> None:
+    def __init__(
+        self,
+        params: SamplingParams,
+        *,
+        vocab_size: int,
+        device: torch.device,
+        prompt_ids: torch.Tensor,
+        grammar: Any = None,
+    ) -> None:
         self.p = params
         self.grammar = grammar  # gpu_engine.decode.grammar.RequestGrammar, or None
         self.greedy = params.temperature == 0.0 or params.top_k == 1
@@ -30,8 +37,9 @@ class Sampler:
         self.pres_freq = params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
         self.bias = _bias(params.logit_bias, vocab_size, device)
         # argmax of the raw logits: rows like this are sampled together in a batch
-        self.plain_greedy = (self.greedy and not self.rep and not self.pres_freq and self.bias is None
-                             and grammar is None)
+        self.plain_greedy = (
+            self.greedy and not self.rep and not self.pres_freq and self.bias is None and grammar is None
+        )
         self.seen: torch.Tensor | None = None
         self.counts: torch.Tensor | None = None
         if self.rep:
@@ -63,7 +71,9 @@ class Sampler:
             r = self.p.repetition_penalty
             logits = torch.where(self.seen, torch.where(logits > 0, logits / r, logits * r), logits)
         if self.counts is not None:
-            logits = logits - self.p.frequency_penalty * self.counts - self.p.presence_penalty * (self.counts > 0).float()
+            logits = (
+                logits - self.p.frequency_penalty * self.counts - self.p.presence_penalty * (self.counts > 0).float()
+            )
         if self.grammar is not None:
             # masked in place: on a copy, never on the batch's logits (other rows, logprobs)
             logits = self.grammar.mask(logits.clone())
@@ -96,8 +106,11 @@ def _bias(logit_bias: dict[int, float], vocab_size: int, device: torch.device) -
         return None
     outside = sorted(t for t in logit_bias if not 0 <= t < vocab_size)
     if outside:
-        raise InvalidParameter(f"logit_bias names token id {outside[0]}, outside the vocabulary (0..{vocab_size - 1})",
-                               param="logit_bias", details={"token_id": outside[0], "vocab_size": vocab_size})
+        raise InvalidParameter(
+            f"logit_bias names token id {outside[0]}, outside the vocabulary (0..{vocab_size - 1})",
+            param="logit_bias",
+            details={"token_id": outside[0], "vocab_size": vocab_size},
+        )
     bias = torch.zeros(vocab_size, dtype=torch.float32)
     ids = torch.tensor(list(logit_bias), dtype=torch.long)
     bias[ids] = torch.tensor(list(logit_bias.values()), dtype=torch.float32)
@@ -137,8 +150,9 @@ def choose_rows(seqs: list[Any], logits: torch.Tensor) -> tuple[list[int], torch
     return tokens.tolist(), lsm
 
 
-def score_result(job: ScoreJob, logits: torch.Tensor, prompt_ids: list[int],
-                 token_text: Callable[[int], str]) -> ScoreResult:
+def score_result(
+    job: ScoreJob, logits: torch.Tensor, prompt_ids: list[int], token_text: Callable[[int], str]
+) -> ScoreResult:
     """A ``ScoreJob``'s answer from the prompt's float logits (rows = prompt positions):
     the next token's log-probabilities (of the allowed ids, or the top ``top_k``) and, when
     asked, each prompt token's — for every backend that scores (transformers, llama.cpp)."""
@@ -153,8 +167,7 @@ def score_result(job: ScoreJob, logits: torch.Tensor, prompt_ids: list[int],
             top = sorted(allowed, key=lambda e: -e.logprob)[: job.top_k]
     elif job.top_k:
         vals_t, idx_t = torch.topk(lsm, min(job.top_k, lsm.shape[0]))
-        top = [LogprobEntry(int(i), token_text(int(i)), float(v))
-               for v, i in zip(vals_t.tolist(), idx_t.tolist())]
+        top = [LogprobEntry(int(i), token_text(int(i)), float(v)) for v, i in zip(vals_t.tolist(), idx_t.tolist())]
     prompt_lp = None
     if job.prompt_logprobs:
         all_lsm = torch.log_softmax(logits[:-1], dim=-1)

@@ -64,8 +64,11 @@ def token_logprob(runner, lsm: torch.Tensor, token_id: int, n_top: int) -> Token
     return TokenLogprob(token_id, runner.token_text(token_id), float(lsm[token_id]), top)
 
 
-def prompt_top_entries(runner, vals: list[list[float]], idx: list[list[int]]  # type: ignore[no-untyped-def]
-                       ) -> list[list[LogprobEntry]]:
+def prompt_top_entries(
+    runner,
+    vals: list[list[float]],
+    idx: list[list[int]],  # type: ignore[no-untyped-def]
+) -> list[list[LogprobEntry]]:
     """Per prompt position, its top entries (best first) from parallel value/id rows;
     each token's text decoded once (the same few tokens recur across positions)."""
     texts: dict[int, str] = {}
@@ -112,8 +115,9 @@ class Sequence:
         self.prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         # response_format: this request's grammar matcher (compiled, or refused, now)
         self.grammar = structured_grammar(runner, sampling) if self.samples_here else None
-        self.sampler = Sampler(sampling, vocab_size=runner.vocab_size, device=device, prompt_ids=self.prompt,
-                               grammar=self.grammar)
+        self.sampler = Sampler(
+            sampling, vocab_size=runner.vocab_size, device=device, prompt_ids=self.prompt, grammar=self.grammar
+        )
         self.detok = IncrementalDetokenizer(runner.tokenizer, prompt_ids)
         self.stopper = StopMatcher(sampling.stop)
         self.end_ids = set(sampling.stop_token_ids)
@@ -220,8 +224,9 @@ class Sequence:
         return last_step
 
     def prompt_text(self) -> str:
-        return self.runner.tokenizer.decode(self.prompt_ids, skip_special_tokens=False,
-                                            clean_up_tokenization_spaces=False)
+        return self.runner.tokenizer.decode(
+            self.prompt_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
 
     def cancel(self) -> None:
         self.finish_reason = "cancelled"
@@ -252,7 +257,8 @@ class Sequence:
             steering_apply_count=counts,
             steering_fired=fired,
             capture=self.capture.result(prompt_ids=self.prompt_ids, generated=self.generated)
-            if self.capture is not None else None,
+            if self.capture is not None
+            else None,
             forward_passes=self.forwards,
             speculative=self.speculative,
             prompt_text=self.prompt_text() if texts else None,

@@ -83,9 +83,14 @@ class StopMatcher:
 
 
 # a tool for probing a chat template: rendering with it must differ from rendering without
-_PROBE_TOOL = {"type": "function", "function": {
-    "name": "millm_probe_tool", "description": "probe",
-    "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]}}}
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "millm_probe_tool",
+        "description": "probe",
+        "parameters": {"type": "object", "properties": {"x": {"type": "string"}}, "required": ["x"]},
+    },
+}
 
 
 def tool_template_format(template: Any, render: Callable[..., str]) -> str | None:

@@ -76,8 +76,15 @@ class AttentionGeometry:
         return sorted({h // self.group for h in heads})
 
 
-def estimate_bytes(spec: CaptureSpec, *, prompt_len: int, max_tokens: int, hidden_size: int,
-                   itemsize: int, geometry: AttentionGeometry | None = None) -> tuple[int, int]:
+def estimate_bytes(
+    spec: CaptureSpec,
+    *,
+    prompt_len: int,
+    max_tokens: int,
+    hidden_size: int,
+    itemsize: int,
+    geometry: AttentionGeometry | None = None,
+) -> tuple[int, int]:
     """(worst-case tensor bytes of the artifact, rows of the largest part)."""
     rows = rows_for(spec.positions, prompt_len, max_tokens) if spec.layers else 0
     total = rows * (len(spec.layers) * hidden_size * itemsize + ROW_META_BYTES)
@@ -99,9 +106,18 @@ class RowBuffer:
     minus the first position captured (``last``: always row 0).  ``select``: the heads
     kept (index along the row's first dimension), or None for whole rows."""
 
-    def __init__(self, positions: str, layers: list[int], shape: tuple[int, ...], *, prompt_len: int,
-                 max_tokens: int, dtype: torch.dtype, device: torch.device,
-                 select: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        positions: str,
+        layers: list[int],
+        shape: tuple[int, ...],
+        *,
+        prompt_len: int,
+        max_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        select: list[int] | None = None,
+    ) -> None:
         self.mode = positions
         self.layers = list(layers)
         self.index = {layer: i for i, layer in enumerate(self.layers)}
@@ -170,10 +186,22 @@ class CapturePlan:
     runs a plan of its own over what it holds (``for_shard``) and the driver's plan packs
     the parts they drained (``receive``)."""
 
-    def __init__(self, spec: CaptureSpec, *, request_id: str, prompt_len: int, max_tokens: int,
-                 hidden_size: int, dtype: torch.dtype, device: torch.device | None, model: str, backend: str,
-                 steering_hash: str | None, geometry: AttentionGeometry | None = None,
-                 scaling: dict[int, float] | None = None) -> None:
+    def __init__(
+        self,
+        spec: CaptureSpec,
+        *,
+        request_id: str,
+        prompt_len: int,
+        max_tokens: int,
+        hidden_size: int,
+        dtype: torch.dtype,
+        device: torch.device | None,
+        model: str,
+        backend: str,
+        steering_hash: str | None,
+        geometry: AttentionGeometry | None = None,
+        scaling: dict[int, float] | None = None,
+    ) -> None:
         self.spec = spec
         self.request_id = request_id
         self.layers = list(spec.layers)
@@ -198,11 +226,21 @@ class CapturePlan:
             self.kv_heads = geometry.kv_heads_for(self.heads)
             self.qk_layers = list(att.layers)
             if local:
-                self.q = RowBuffer(att.query_positions, self.qk_layers, (len(self.heads), geometry.head_dim), **kw,
-                                   select=None if att.heads is None else self.heads)
+                self.q = RowBuffer(
+                    att.query_positions,
+                    self.qk_layers,
+                    (len(self.heads), geometry.head_dim),
+                    **kw,
+                    select=None if att.heads is None else self.heads,
+                )
                 every_kv = self.kv_heads == list(range(geometry.num_kv_heads))
-                self.k = RowBuffer(att.positions, self.qk_layers, (len(self.kv_heads), geometry.head_dim), **kw,
-                                   select=None if every_kv else self.kv_heads)
+                self.k = RowBuffer(
+                    att.positions,
+                    self.qk_layers,
+                    (len(self.kv_heads), geometry.head_dim),
+                    **kw,
+                    select=None if every_kv else self.kv_heads,
+                )
         self.qk_index = set(self.qk_layers)
         self.model = model
         self.backend = backend
@@ -241,8 +279,16 @@ class CapturePlan:
             self.q.take(q_stage, slot, position)
             self.k.take(k_stage, slot, position)  # type: ignore[union-attr]
 
-    def take_span(self, lo: int, hi: int, start: int, *, hidden: torch.Tensor | None = None,
-                  q: torch.Tensor | None = None, k: torch.Tensor | None = None) -> None:
+    def take_span(
+        self,
+        lo: int,
+        hi: int,
+        start: int,
+        *,
+        hidden: torch.Tensor | None = None,
+        q: torch.Tensor | None = None,
+        k: torch.Tensor | None = None,
+    ) -> None:
         """Rows ``lo:hi`` of stages indexed by layer — hidden (num_layers, rows,
         hidden_size), q (num_layers, rows, heads, head_dim), k likewise over the KV heads —
         at positions ``start, start + 1, …`` (a backend that stages a whole decode, prefill
@@ -307,8 +353,9 @@ class CapturePlan:
         empty = torch.zeros(0, dtype=torch.int64)
         if self.layers and "positions" not in tensors:
             tensors["positions"] = empty
-            tensors.update({f"layer.{layer}": torch.empty((0, self.hidden_size), dtype=self.dtype)
-                            for layer in self.layers})
+            tensors.update(
+                {f"layer.{layer}": torch.empty((0, self.hidden_size), dtype=self.dtype) for layer in self.layers}
+            )
         if self.qk_layers and not qk_parts and self.geometry is not None:
             d = self.geometry.head_dim
             tensors["q_positions"], tensors["k_positions"] = empty, empty.clone()
@@ -419,12 +466,14 @@ class HeadShard:
         return cls(rank, rank * local, local, kv_start, local_kv, head_dim)
 
 
-def for_shard(spec: CaptureSpec, shard: HeadShard, *, hidden: bool,
-              held: set[int] | None = None) -> tuple[CaptureSpec | None, list[int], list[int]]:
+def for_shard(
+    spec: CaptureSpec, shard: HeadShard, *, hidden: bool, held: set[int] | None = None
+) -> tuple[CaptureSpec | None, list[int], list[int]]:
     """The part of ``spec`` one worker takes: hidden layers only where ``hidden`` (one TP
     rank suffices) and it holds the layer (``held``: None = all), the asked heads it holds,
     renumbered local to its shard.  Returns (the local spec or None when it takes nothing,
     the global query heads and the global KV heads its Q/K rows are)."""
+
     def holds(layer: int) -> bool:
         return held is None or layer in held
 
@@ -438,8 +487,9 @@ def for_shard(spec: CaptureSpec, shard: HeadShard, *, hidden: bool,
         wanted = att.heads if att.heads is not None else range(shard.head_start, shard.head_start + shard.num_heads)
         local = [h - shard.head_start for h in wanted if shard.head_start <= h < shard.head_start + shard.num_heads]
         if qk_layers and local:
-            local_att = msgspec.structs.replace(att, layers=qk_layers,
-                                                heads=None if len(local) == shard.num_heads else local)
+            local_att = msgspec.structs.replace(
+                att, layers=qk_layers, heads=None if len(local) == shard.num_heads else local
+            )
             geometry = AttentionGeometry(shard.num_heads, shard.num_kv_heads, shard.head_dim)
             heads = [shard.head_start + h for h in local]
             kv_heads = [shard.kv_start + kv for kv in geometry.kv_heads_for(local)]
@@ -453,8 +503,12 @@ def is_pair(output: Any) -> bool:
     than the stream itself (vLLM's GPT-2 blocks add their residual inside): a hook
     installed with ``residual_pair`` on a block of the other kind treats it as a plain
     block."""
-    return (isinstance(output, tuple) and len(output) >= 2 and isinstance(output[1], torch.Tensor)
-            and output[1].shape == output[0].shape)
+    return (
+        isinstance(output, tuple)
+        and len(output) >= 2
+        and isinstance(output[1], torch.Tensor)
+        and output[1].shape == output[0].shape
+    )
 
 
 class CaptureHook:
@@ -473,8 +527,9 @@ class CaptureHook:
             return None
         hidden = output[0] if isinstance(output, tuple) else output
         stage = ctx.capture_stage
-        if stage is None and not any(s.request.capture is not None and self.layer in s.request.capture.index
-                                     for s in ctx.segments):
+        if stage is None and not any(
+            s.request.capture is not None and self.layer in s.request.capture.index for s in ctx.segments
+        ):
             return None
         if self.residual_pair and is_pair(output):
             hidden = hidden + output[1]
@@ -531,5 +586,16 @@ def armed(manager: Any, runner: Any, plan: CapturePlan | None) -> Iterator[None]
             runner.disarm_qk(layer)
 
 
-__all__ = ["AttentionGeometry", "CaptureHook", "CapturePart", "CapturePlan", "HeadShard", "RowBuffer", "armed",
-           "estimate_bytes", "for_shard", "route_qk", "rows_for"]
+__all__ = [
+    "AttentionGeometry",
+    "CaptureHook",
+    "CapturePart",
+    "CapturePlan",
+    "HeadShard",
+    "RowBuffer",
+    "armed",
+    "estimate_bytes",
+    "for_shard",
+    "route_qk",
+    "rows_for",
+]

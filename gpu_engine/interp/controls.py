@@ -95,8 +95,12 @@ class ControlTable:
         alpha, beta, gamma, lo, hi = [], [], [], [], []
         for c in controls:
             v = float(c.value)
-            a, b, g = {"add": (v, 0.0, 0.0), "clamp": (v, -1.0, 0.0), "scale": (0.0, v - 1.0, 0.0),
-                       "ablate": (0.0, 0.0, -1.0)}[c.mode]
+            a, b, g = {
+                "add": (v, 0.0, 0.0),
+                "clamp": (v, -1.0, 0.0),
+                "scale": (0.0, v - 1.0, 0.0),
+                "ablate": (0.0, 0.0, -1.0),
+            }[c.mode]
             alpha.append(a)
             beta.append(b)
             gamma.append(g)
@@ -113,15 +117,23 @@ class ControlTable:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         return cls(
-            sae=sae, modes=tuple(c.mode for c in controls), indices=tuple(feats),
-            slot=torch.zeros(len(controls), dtype=torch.long, device=dev), feat=idx, dirs=rows.contiguous(),
-            alpha=vec(alpha, dt), beta=vec(beta, dt), gamma=vec(gamma, dt),
-            lo=vec(lo, torch.long), hi=vec(hi, torch.long),
+            sae=sae,
+            modes=tuple(c.mode for c in controls),
+            indices=tuple(feats),
+            slot=torch.zeros(len(controls), dtype=torch.long, device=dev),
+            feat=idx,
+            dirs=rows.contiguous(),
+            alpha=vec(alpha, dt),
+            beta=vec(beta, dt),
+            gamma=vec(gamma, dt),
+            lo=vec(lo, torch.long),
+            hi=vec(hi, torch.long),
             cond_feat=vec([k.feature if k is not None else 0 for k in conds], torch.long),
             cond_thr=vec([k.threshold if k is not None else 0.0 for k in conds], dt),
             has_cond=vec([k is not None for k in conds], torch.bool),
             conditional=tuple(k is not None for k in conds),
-            encodes=any(b != 0 for b in beta), projects=any(g != 0 for g in gamma),
+            encodes=any(b != 0 for b in beta),
+            projects=any(g != 0 for g in gamma),
             gated_by_feature=any(k is not None for k in conds),
         )
 
@@ -136,17 +148,34 @@ class ControlTable:
             return torch.cat([getattr(t, name) for t in tables])
 
         return cls(
-            sae=first.sae, modes=sum((t.modes for t in tables), ()), indices=sum((t.indices for t in tables), ()),
-            slot=torch.cat([torch.full_like(t.slot, s) for t, s in parts]), feat=cat("feat"), dirs=cat("dirs"),
-            alpha=cat("alpha"), beta=cat("beta"), gamma=cat("gamma"), lo=cat("lo"), hi=cat("hi"),
-            cond_feat=cat("cond_feat"), cond_thr=cat("cond_thr"), has_cond=cat("has_cond"),
+            sae=first.sae,
+            modes=sum((t.modes for t in tables), ()),
+            indices=sum((t.indices for t in tables), ()),
+            slot=torch.cat([torch.full_like(t.slot, s) for t, s in parts]),
+            feat=cat("feat"),
+            dirs=cat("dirs"),
+            alpha=cat("alpha"),
+            beta=cat("beta"),
+            gamma=cat("gamma"),
+            lo=cat("lo"),
+            hi=cat("hi"),
+            cond_feat=cat("cond_feat"),
+            cond_thr=cat("cond_thr"),
+            has_cond=cat("has_cond"),
             conditional=sum((t.conditional for t in tables), ()),
-            encodes=any(t.encodes for t in tables), projects=any(t.projects for t in tables),
+            encodes=any(t.encodes for t in tables),
+            projects=any(t.projects for t in tables),
             gated_by_feature=any(t.gated_by_feature for t in tables),
         )
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor, row_slots: torch.Tensor | None = None, *,
-              written: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def apply(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        row_slots: torch.Tensor | None = None,
+        *,
+        written: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(delta (n, d) in the SAE dtype, gate (n, J) bool)`` for rows ``x`` (n, d) at
         ``positions`` (n,); ``row_slots`` (n,) in a batch, None for one request.
         ``written``: the rows the delta is added to when they are not ``x`` (a transcoder

@@ -169,8 +169,14 @@ class MonitorPlan:
                 tok = pos - (self.prompt_len - 1)
                 out.append(
                     ActivationRecord(
-                        sae_id=e.sae_id, layer=e.layer, read_point=e.read_point, position=pos,
-                        token_index=tok if tok >= 0 else None, top_k=top, features=feats, tag=e.tag,
+                        sae_id=e.sae_id,
+                        layer=e.layer,
+                        read_point=e.read_point,
+                        position=pos,
+                        token_index=tok if tok >= 0 else None,
+                        top_k=top,
+                        features=feats,
+                        tag=e.tag,
                     )
                 )
         self.pending.clear()
@@ -227,8 +233,11 @@ class AttachmentPlan:
                     if open_ and table.conditional[j]:
                         positions[j].append(start + r)
         self.gates.clear()
-        return [SteeringFired(self.key[0], self.key[1], table.indices[j], table.modes[j], sorted(set(positions[j])))
-                for j in range(table.size) if table.conditional[j]]
+        return [
+            SteeringFired(self.key[0], self.key[1], table.indices[j], table.modes[j], sorted(set(positions[j])))
+            for j in range(table.size)
+            if table.conditional[j]
+        ]
 
 
 @dataclass
@@ -324,8 +333,15 @@ class AttachmentStats:
 class AttachmentHook:
     """The forward hook for one (sae_id, layer); reads the manager's current context."""
 
-    def __init__(self, key: AttachmentKey, manager: HookManager, stats: AttachmentStats, *,
-                 residual_pair: bool = False, read_input: bool = False) -> None:
+    def __init__(
+        self,
+        key: AttachmentKey,
+        manager: HookManager,
+        stats: AttachmentStats,
+        *,
+        residual_pair: bool = False,
+        read_input: bool = False,
+    ) -> None:
         self.key = key
         self.manager = manager
         self.stats = stats
@@ -411,7 +427,9 @@ class AttachmentHook:
             for seg in ctx.segments:
                 plan = seg.request.plans.get(key)
                 if plan is not None and plan.conditional:
-                    plan.record_gates(seg.start_position, gate[seg.row_start : seg.row_end, plan.cols[0] : plan.cols[1]])
+                    plan.record_gates(
+                        seg.start_position, gate[seg.row_start : seg.row_end, plan.cols[0] : plan.cols[1]]
+                    )
         if table is not None or controls is not None:
             ctx.applied.add(key)
             self.stats.steering_apply_count += 1
@@ -420,7 +438,6 @@ class AttachmentHook:
             for m in plan.post:
                 m.observe(after[seg.row_start : seg.row_end], seg.start_position)
         return flat.view_as(hidden) if flat is not written else hidden
-
 
     def _pair(self, ctx: BatchContext, hidden: torch.Tensor, residual: torch.Tensor, output: tuple) -> Any:
         """Batched mode for a block returning ``(hidden, residual)``: monitors read the sum,
@@ -459,15 +476,21 @@ class HookManager:
         self._handles: dict[AttachmentKey, Any] = {}
         self._captures: dict[int, list[Any]] = {}  # layer -> [handle, module, references, residual_pair]
 
-    def install(self, key: AttachmentKey, module: torch.nn.Module, stats: AttachmentStats, *,
-                residual_pair: bool = False, read_input: bool = False,
-                graph_break: bool = False) -> None:
+    def install(
+        self,
+        key: AttachmentKey,
+        module: torch.nn.Module,
+        stats: AttachmentStats,
+        *,
+        residual_pair: bool = False,
+        read_input: bool = False,
+        graph_break: bool = False,
+    ) -> None:
         """``graph_break``: the model runs compiled (backends/transformers/compiled.py); the
         hook is kept out of the graph and runs as written, at a graph break."""
         if key in self._handles:
             raise RuntimeError(f"a hook for {key} is already installed")
-        hook: Any = AttachmentHook(key, self, stats, residual_pair=residual_pair,
-                                   read_input=read_input)
+        hook: Any = AttachmentHook(key, self, stats, residual_pair=residual_pair, read_input=read_input)
         if graph_break:
             hook = torch.compiler.disable(hook)
         self._handles[key] = module.register_forward_hook(hook)

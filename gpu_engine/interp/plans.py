@@ -64,15 +64,19 @@ def refuse_encoder_controls(entry: SteeringEntry) -> None:
     scale and conditions (which read an activation) are refused, naming the field."""
     for c in entry.controls:
         if c.mode in ENCODER_MODES:
-            raise InvalidParameter(f"{entry.sae_id!r} is a raw steering vector: mode {c.mode!r} reads a "
-                                   "feature's activation, which a vector has no encoder for (use add or ablate)",
-                                   param="steering.features.mode",
-                                   details={"sae_id": entry.sae_id, "index": c.index, "mode": c.mode})
+            raise InvalidParameter(
+                f"{entry.sae_id!r} is a raw steering vector: mode {c.mode!r} reads a "
+                "feature's activation, which a vector has no encoder for (use add or ablate)",
+                param="steering.features.mode",
+                details={"sae_id": entry.sae_id, "index": c.index, "mode": c.mode},
+            )
         if c.condition is not None:
-            raise InvalidParameter(f"{entry.sae_id!r} is a raw steering vector: a condition reads its "
-                                   "trigger's activation, which a vector has no encoder for",
-                                   param="steering.features.condition",
-                                   details={"sae_id": entry.sae_id, "index": c.index})
+            raise InvalidParameter(
+                f"{entry.sae_id!r} is a raw steering vector: a condition reads its "
+                "trigger's activation, which a vector has no encoder for",
+                param="steering.features.condition",
+                details={"sae_id": entry.sae_id, "index": c.index},
+            )
 
 
 def steering_entries(job: GenerationJob) -> list[SteeringEntry]:
@@ -87,13 +91,20 @@ def monitor_entries(job: GenerationJob) -> list[MonitorEntry]:
 def _attached(saes: Mapping[AttachmentKey, SAE], key: AttachmentKey) -> SAE:
     sae = saes.get(key)
     if sae is None:
-        raise SAENotAttached(f"SAE {key[0]!r} is not attached at layer {key[1]}",
-                             details={"sae_id": key[0], "layer": key[1]})
+        raise SAENotAttached(
+            f"SAE {key[0]!r} is not attached at layer {key[1]}", details={"sae_id": key[0], "layer": key[1]}
+        )
     return sae
 
 
-def check_request(saes: Mapping[AttachmentKey, SAE], steering: Iterable[SteeringEntry],
-                  monitors: Iterable[MonitorEntry], *, n_prompt: int, context_length: int) -> None:
+def check_request(
+    saes: Mapping[AttachmentKey, SAE],
+    steering: Iterable[SteeringEntry],
+    monitors: Iterable[MonitorEntry],
+    *,
+    n_prompt: int,
+    context_length: int,
+) -> None:
     """Refuse, before anything is built or queued, a plan the model or its attachments
     cannot carry out; ``build_hooks`` then trusts what it is given."""
     for entry in steering:
@@ -107,26 +118,38 @@ def check_request(saes: Mapping[AttachmentKey, SAE], steering: Iterable[Steering
             start, end = control_range(c, n_prompt)
             if c.window is not None and c.window.start >= context_length:
                 raise InvalidParameter(
-                    f"steering window starts at {c.window.start}, past the context window "
-                    f"({context_length} positions)", param="steering.features.window",
-                    details={"index": c.index, "context_length": context_length})
+                    f"steering window starts at {c.window.start}, past the context window ({context_length} positions)",
+                    param="steering.features.window",
+                    details={"index": c.index, "context_length": context_length},
+                )
             if start >= min(end, context_length):
                 raise InvalidParameter(
                     f"feature {c.index}'s phase {c.phase!r} and window select no position of this "
-                    f"request (prompt of {n_prompt} tokens)", param="steering.features.window",
-                    details={"index": c.index, "prompt_tokens": n_prompt})
+                    f"request (prompt of {n_prompt} tokens)",
+                    param="steering.features.window",
+                    details={"index": c.index, "prompt_tokens": n_prompt},
+                )
     for mon in monitors:
         sae = _attached(saes, mon.key)
         if not sae.has_encoder:
-            raise InvalidParameter(f"{mon.sae_id!r} is a raw steering vector: it has no encoder, so nothing "
-                                   "can be monitored with it", param="monitor.sae_id",
-                                   details={"sae_id": mon.sae_id, "layer": mon.layer})
+            raise InvalidParameter(
+                f"{mon.sae_id!r} is a raw steering vector: it has no encoder, so nothing can be monitored with it",
+                param="monitor.sae_id",
+                details={"sae_id": mon.sae_id, "layer": mon.layer},
+            )
         sae.check_indices(mon.sae_id, mon.features)
 
 
-def build_hooks(saes: Mapping[AttachmentKey, SAE], request_id: str, steering: Iterable[SteeringEntry],
-                monitors: Iterable[MonitorEntry], *, n_prompt: int, dtype: torch.dtype,
-                device: torch.device | str) -> RequestHooks:
+def build_hooks(
+    saes: Mapping[AttachmentKey, SAE],
+    request_id: str,
+    steering: Iterable[SteeringEntry],
+    monitors: Iterable[MonitorEntry],
+    *,
+    n_prompt: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> RequestHooks:
     """The request's plans from checked entries (``check_request``): an attachment missing
     from ``saes`` is one this caller does not hold (a pipeline stage) and is skipped."""
     plans: dict[AttachmentKey, AttachmentPlan] = {}
@@ -151,23 +174,25 @@ def build_hooks(saes: Mapping[AttachmentKey, SAE], request_id: str, steering: It
     return RequestHooks(request_id, plans)
 
 
-def request_hooks(backend: PlansFor, attachments: Mapping[AttachmentKey, HoldsSAE], job: GenerationJob,
-                  n_prompt: int) -> RequestHooks | None:
+def request_hooks(
+    backend: PlansFor, attachments: Mapping[AttachmentKey, HoldsSAE], job: GenerationJob, n_prompt: int
+) -> RequestHooks | None:
     """The engine's half: check the job against the backend and its attachments, then
     build its plans (None when it steers and monitors nothing)."""
     steering, monitors = steering_entries(job), monitor_entries(job)
     if not steering and not monitors:
         return None
-    saes = {k: attachments[k].sae for k in {*(e.key for e in steering), *(m.key for m in monitors)}
-            if k in attachments}
+    saes = {k: attachments[k].sae for k in {*(e.key for e in steering), *(m.key for m in monitors)} if k in attachments}
     check_request(saes, steering, monitors, n_prompt=n_prompt, context_length=backend.context_length)
-    hooks = build_hooks(saes, job.request_id, steering, monitors, n_prompt=n_prompt, dtype=backend.dtype,
-                        device=backend.sae_device)
+    hooks = build_hooks(
+        saes, job.request_id, steering, monitors, n_prompt=n_prompt, dtype=backend.dtype, device=backend.sae_device
+    )
     return hooks if hooks.plans else None
 
 
-def with_capture(backend: PlansFor, job: GenerationJob, hooks: RequestHooks | None, n_prompt: int,
-                 max_tokens: int) -> RequestHooks | None:
+def with_capture(
+    backend: PlansFor, job: GenerationJob, hooks: RequestHooks | None, n_prompt: int, max_tokens: int
+) -> RequestHooks | None:
     """Add the request's capture plan (its buffer allocated now) to its hooks, after
     checking its layers and its worst-case size (``capture_too_large``): before any
     forward runs."""
@@ -177,44 +202,85 @@ def with_capture(backend: PlansFor, job: GenerationJob, hooks: RequestHooks | No
     n_layers = backend.num_layers
     bad = [layer for layer in spec.layers if layer >= n_layers]
     if bad:
-        raise InvalidParameter(f"capture.layers {bad} out of range: the model has layers 0..{n_layers - 1}",
-                               param="capture.layers", details={"layers": bad, "num_layers": n_layers})
+        raise InvalidParameter(
+            f"capture.layers {bad} out of range: the model has layers 0..{n_layers - 1}",
+            param="capture.layers",
+            details={"layers": bad, "num_layers": n_layers},
+        )
     geometry = scaling = None
     att = spec.attention
     if att is not None:
         geometry = backend.attention_geometry
         bad = [layer for layer in att.layers if layer >= n_layers]
         if bad:
-            raise InvalidParameter(f"capture.attention.layers {bad} out of range: the model has layers "
-                                   f"0..{n_layers - 1}", param="capture.attention.layers",
-                                   details={"layers": bad, "num_layers": n_layers})
+            raise InvalidParameter(
+                f"capture.attention.layers {bad} out of range: the model has layers 0..{n_layers - 1}",
+                param="capture.attention.layers",
+                details={"layers": bad, "num_layers": n_layers},
+            )
         bad = [h for h in att.heads or () if h >= geometry.num_heads]
         if bad:
-            raise InvalidParameter(f"capture.attention.heads {bad} out of range: the model has heads "
-                                   f"0..{geometry.num_heads - 1}", param="capture.attention.heads",
-                                   details={"heads": bad, "num_heads": geometry.num_heads})
+            raise InvalidParameter(
+                f"capture.attention.heads {bad} out of range: the model has heads 0..{geometry.num_heads - 1}",
+                param="capture.attention.heads",
+                details={"heads": bad, "num_heads": geometry.num_heads},
+            )
         scaling = {layer: backend.attention_scaling(layer) for layer in att.layers}
     dtype = backend.dtype
-    estimate, rows = estimate_bytes(spec, prompt_len=n_prompt, max_tokens=max_tokens,
-                                    hidden_size=backend.hidden_size, itemsize=dtype.itemsize, geometry=geometry)
+    estimate, rows = estimate_bytes(
+        spec,
+        prompt_len=n_prompt,
+        max_tokens=max_tokens,
+        hidden_size=backend.hidden_size,
+        itemsize=dtype.itemsize,
+        geometry=geometry,
+    )
     if spec.max_bytes and estimate > spec.max_bytes:
-        raise CaptureTooLarge(estimate_bytes=estimate, max_bytes=spec.max_bytes, rows=rows,
-                              layers=len(set(spec.layers) | set(att.layers if att is not None else ())))
-    if (spec.store_max_bytes is not None and spec.directory is not None
-            and estimate > spec.inline_max_bytes and estimate > spec.store_max_bytes):
+        raise CaptureTooLarge(
+            estimate_bytes=estimate,
+            max_bytes=spec.max_bytes,
+            rows=rows,
+            layers=len(set(spec.layers) | set(att.layers if att is not None else ())),
+        )
+    if (
+        spec.store_max_bytes is not None
+        and spec.directory is not None
+        and estimate > spec.inline_max_bytes
+        and estimate > spec.store_max_bytes
+    ):
         raise CaptureStoreFull(estimate_bytes=estimate, room_bytes=max(0, spec.store_max_bytes))
     steered = job.steering is not None and not job.steering.is_empty()
     model = spec.model or backend.job.model_id or ""
     # a backend whose workers take the rows (vLLM) gets a plan that only packs their parts
     device = None if backend.captures_in_workers else backend.device
-    plan = CapturePlan(spec, request_id=job.request_id, prompt_len=n_prompt, max_tokens=max_tokens,
-                       hidden_size=backend.hidden_size, dtype=dtype, device=device, model=model,
-                       backend=backend.name, steering_hash=job.steering.canonical_hash() if steered else None,
-                       geometry=geometry, scaling=scaling)
+    plan = CapturePlan(
+        spec,
+        request_id=job.request_id,
+        prompt_len=n_prompt,
+        max_tokens=max_tokens,
+        hidden_size=backend.hidden_size,
+        dtype=dtype,
+        device=device,
+        model=model,
+        backend=backend.name,
+        steering_hash=job.steering.canonical_hash() if steered else None,
+        geometry=geometry,
+        scaling=scaling,
+    )
     hooks = hooks if hooks is not None else RequestHooks(job.request_id)
     hooks.capture = plan
     return hooks
 
 
-__all__ = ["ENCODER_MODES", "HoldsSAE", "PlansFor", "build_hooks", "check_request", "monitor_entries", "refuse_encoder_controls",
-           "request_hooks", "steering_entries", "with_capture"]
+__all__ = [
+    "ENCODER_MODES",
+    "HoldsSAE",
+    "PlansFor",
+    "build_hooks",
+    "check_request",
+    "monitor_entries",
+    "refuse_encoder_controls",
+    "request_hooks",
+    "steering_entries",
+    "with_capture",
+]

@@ -175,9 +175,15 @@ class RowRouter:
         counts = np.fromiter((b - a for _, a, b, _ in parts), dtype=np.int64, count=len(parts))
         return torch.from_numpy(np.repeat(slots, counts)).to(self.device)
 
-    def context(self, parts: Sequence[tuple[Row, int, int, int]], *, row_slots: torch.Tensor | None = None,
-                only_present: bool = False, capture_stage: torch.Tensor | None = None,
-                qk_stage: tuple[torch.Tensor, torch.Tensor] | None = None) -> BatchContext:
+    def context(
+        self,
+        parts: Sequence[tuple[Row, int, int, int]],
+        *,
+        row_slots: torch.Tensor | None = None,
+        only_present: bool = False,
+        capture_stage: torch.Tensor | None = None,
+        qk_stage: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> BatchContext:
         """The ``BatchContext`` of one forward of ``parts``.  ``only_present``: hand the
         hooks only the tables of attachments this forward's requests steer (vLLM runs
         fewer requests in a forward than its workers hold; an attachment nobody in the
@@ -194,14 +200,24 @@ class RowRouter:
             counts = np.fromiter((b - a for _, a, b, _ in parts), dtype=np.int64, count=len(parts))
             n = int(counts.sum())
             positions = torch.from_numpy(np.arange(n, dtype=np.int64) + np.repeat(offsets, counts)).to(self.device)
-        segments = [Segment(r.hooks, a - min(pos, 0), b, max(pos, 0))  # type: ignore[arg-type]
-                    for r, a, b, pos in parts if r.watched]
-        return BatchContext(segments, row_slots=row_slots if row_slots is not None else self.row_slots(parts),
-                            delta_tables=tables, control_tables=controls, row_positions=positions,
-                            capture_stage=capture_stage, qk_stage=qk_stage)
+        segments = [
+            Segment(r.hooks, a - min(pos, 0), b, max(pos, 0))  # type: ignore[arg-type]
+            for r, a, b, pos in parts
+            if r.watched
+        ]
+        return BatchContext(
+            segments,
+            row_slots=row_slots if row_slots is not None else self.row_slots(parts),
+            delta_tables=tables,
+            control_tables=controls,
+            row_positions=positions,
+            capture_stage=capture_stage,
+            qk_stage=qk_stage,
+        )
 
-    def layer_deltas(self, row_slots: torch.Tensor,
-                     rows: Iterable[Row]) -> dict[int, tuple[torch.Tensor, set[AttachmentKey]]]:
+    def layer_deltas(
+        self, row_slots: torch.Tensor, rows: Iterable[Row]
+    ) -> dict[int, tuple[torch.Tensor, set[AttachmentKey]]]:
         """Per layer, every row's delta summed over the attachments ``rows`` steer there
         (gathered from the tables by ``row_slots``), and those attachments: for a backend
         that writes rows itself rather than through the hooks (llama.cpp's eval

@@ -43,9 +43,16 @@ class Attachment:
     def status(self) -> AttachmentStatus:
         cfg = self.sae.cfg
         return AttachmentStatus(
-            sae_id=self.sae_id, layer=self.layer, layer_module_path=self.layer_module_path,
-            d_in=cfg.d_in, d_sae=cfg.d_sae, activation=cfg.activation, layout=cfg.layout,
-            path=cfg.path, steering_apply_count=self.stats.steering_apply_count, hook_point=cfg.hook_point,
+            sae_id=self.sae_id,
+            layer=self.layer,
+            layer_module_path=self.layer_module_path,
+            d_in=cfg.d_in,
+            d_sae=cfg.d_sae,
+            activation=cfg.activation,
+            layout=cfg.layout,
+            path=cfg.path,
+            steering_apply_count=self.stats.steering_apply_count,
+            hook_point=cfg.hook_point,
         )
 
 

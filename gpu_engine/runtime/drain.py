@@ -50,7 +50,8 @@ class WorkLedger:
             if self._draining is not None:
                 return EngineBusy(
                     f"the engine is {self._draining} model {self._draining_model!r}; retry shortly",
-                    details={"reason": self._draining, "model_id": self._draining_model})
+                    details={"reason": self._draining, "model_id": self._draining_model},
+                )
             if stream is None:
                 self._calls += 1
             else:
@@ -75,29 +76,37 @@ class WorkLedger:
                 self._cv.wait(left)
             return True
 
-    def drained(self, reason: str, model_id: str | None, timeout: float, *, stop_after: bool,
-                run: Callable[[], Any]) -> Any:
+    def drained(
+        self, reason: str, model_id: str | None, timeout: float, *, stop_after: bool, run: Callable[[], Any]
+    ) -> Any:
         """``run()`` (the control operation) once the work already accepted has finished:
         new work is refused from now on; what is still running after ``timeout`` seconds is
         stopped (its clients get engine_busy) when ``stop_after``, else the operation is
         refused with engine_busy and serving resumes."""
         with self._cv:
             if self._draining is not None:
-                raise EngineBusy(f"the engine is already {self._draining} model {self._draining_model!r}",
-                                 details={"reason": self._draining})
+                raise EngineBusy(
+                    f"the engine is already {self._draining} model {self._draining_model!r}",
+                    details={"reason": self._draining},
+                )
             self._draining, self._draining_model = reason, model_id
         try:
             if not self.wait(time.monotonic() + timeout):
                 if not stop_after:
-                    raise EngineBusy("timed out waiting for in-flight work to drain",
-                                     details={"timeout_s": timeout, "in_flight": self.live()})
+                    raise EngineBusy(
+                        "timed out waiting for in-flight work to drain",
+                        details={"timeout_s": timeout, "in_flight": self.live()},
+                    )
                 with self._cv:
                     streams = list(self._streams)
-                log.warning("%s: %d request(s) outlasted the %.1fs grace period; stopping them",
-                            reason, len(streams), timeout)
-                error = EngineBusy(f"the request was stopped: the engine is {reason} model {model_id!r} "
-                                   f"and the {timeout:g}s grace period ran out",
-                                   details={"reason": reason})
+                log.warning(
+                    "%s: %d request(s) outlasted the %.1fs grace period; stopping them", reason, len(streams), timeout
+                )
+                error = EngineBusy(
+                    f"the request was stopped: the engine is {reason} model {model_id!r} "
+                    f"and the {timeout:g}s grace period ran out",
+                    details={"reason": reason},
+                )
                 for stream in streams:
                     stream._stop(error)
                 # a stopped generation ends before its next forward pass

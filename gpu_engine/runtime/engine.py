@@ -142,8 +142,13 @@ class Engine(ModelLoading):
             hooks = prepare.request_hooks(backend, self._attachments, job, len(prompt_ids))
             hooks = prepare.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
             finish = backend.generate(
-                request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling, max_tokens=max_tokens,
-                request_hooks=hooks, should_stop=stream._cancel.is_set, emit=stream._put,
+                request_id=job.request_id,
+                prompt_ids=prompt_ids,
+                sampling=job.sampling,
+                max_tokens=max_tokens,
+                request_hooks=hooks,
+                should_stop=stream._cancel.is_set,
+                emit=stream._put,
             )
             stream._put(finish)
         except EngineError as exc:
@@ -162,7 +167,6 @@ class Engine(ModelLoading):
             with self._state_lock:
                 self._in_flight -= 1
 
-
     def _make_sequence(self, job: GenerationJob, stream: GenerationStream) -> Any:
         """Validate a job against the loaded model and build its decode state (batched path;
         runs on the worker when the request gets a row, like the serial path's checks)."""
@@ -172,9 +176,14 @@ class Engine(ModelLoading):
         max_tokens = prepare.token_budget(backend, job, len(prompt_ids))
         hooks = prepare.request_hooks(backend, self._attachments, job, len(prompt_ids))
         hooks = prepare.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
-        return backend.new_sequence(job, prompt_ids=prompt_ids, max_tokens=max_tokens, request_hooks=hooks,
-                                    emit=stream._put, should_stop=stream._cancel.is_set)
-
+        return backend.new_sequence(
+            job,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            request_hooks=hooks,
+            emit=stream._put,
+            should_stop=stream._cancel.is_set,
+        )
 
     def _enqueue(self, job: GenerationJob, stream: GenerationStream) -> None:
         try:
@@ -270,8 +279,11 @@ class Engine(ModelLoading):
         def op() -> EmbedResult:
             backend = self._require_backend()
             if not backend.capabilities().embeddings:
-                raise InvalidParameter(f"the {backend.name} backend does not compute embeddings", param="input",
-                                       details={"backend": backend.name, "capability": "embeddings"})
+                raise InvalidParameter(
+                    f"the {backend.name} backend does not compute embeddings",
+                    param="input",
+                    details={"backend": backend.name, "capability": "embeddings"},
+                )
             inputs = prepare.encode_inputs(backend, job.inputs, "input")
             return backend.embed(job, inputs)
 
@@ -281,8 +293,11 @@ class Engine(ModelLoading):
         def op() -> ScoreResult:
             backend = self._require_backend()
             if not backend.capabilities().scoring:
-                raise InvalidParameter(f"the {backend.name} backend does not score prompts", param="prompt",
-                                       details={"backend": backend.name, "capability": "scoring"})
+                raise InvalidParameter(
+                    f"the {backend.name} backend does not score prompts",
+                    param="prompt",
+                    details={"backend": backend.name, "capability": "scoring"},
+                )
             if job.prompt_token_ids is not None:
                 ids = prepare.encode_inputs(backend, [list(job.prompt_token_ids)], "prompt")[0]
             elif job.messages is not None:
@@ -303,15 +318,20 @@ class Engine(ModelLoading):
         def op() -> HiddenStatesResult:
             backend = self._require_backend()
             if not backend.capabilities().hidden_states or not isinstance(backend, ReadsHiddenStates):
-                raise InvalidParameter(f"the {backend.name} backend cannot return hidden states "
-                                       "(computing a steering vector needs the transformers backend)",
-                                       param="layers", details={"backend": backend.name,
-                                                                "capability": "hidden_states"})
+                raise InvalidParameter(
+                    f"the {backend.name} backend cannot return hidden states "
+                    "(computing a steering vector needs the transformers backend)",
+                    param="layers",
+                    details={"backend": backend.name, "capability": "hidden_states"},
+                )
             for layer in job.layers:
                 if layer >= backend.num_layers:
-                    raise InvalidParameter(f"layer {layer} is out of range: the model has {backend.num_layers} "
-                                           f"decoder blocks (0..{backend.num_layers - 1})", param="layers",
-                                           details={"layer": layer, "num_layers": backend.num_layers})
+                    raise InvalidParameter(
+                        f"layer {layer} is out of range: the model has {backend.num_layers} "
+                        f"decoder blocks (0..{backend.num_layers - 1})",
+                        param="layers",
+                        details={"layer": layer, "num_layers": backend.num_layers},
+                    )
             inputs = prepare.encode_inputs(backend, job.inputs, "inputs", job.add_special_tokens)
             return backend.hidden_states(job, inputs)
 
@@ -321,5 +341,12 @@ class Engine(ModelLoading):
 # every command of the protocol table is an Engine method with the declared arguments
 check_implements(Engine)
 
-__all__ = ["DEFAULT_DRAIN_TIMEOUT_S", "DEFAULT_STRUCTURED_TIMEOUT_S", "Arrival", "Attachment", "Engine",
-           "GenerationStream", "is_out_of_memory"]
+__all__ = [
+    "DEFAULT_DRAIN_TIMEOUT_S",
+    "DEFAULT_STRUCTURED_TIMEOUT_S",
+    "Arrival",
+    "Attachment",
+    "Engine",
+    "GenerationStream",
+    "is_out_of_memory",
+]

@@ -53,12 +53,18 @@ class ModelLoading(StatusReports):
     # a request's decode state for the batch scheduler (``runtime.engine.Engine``)
     _make_sequence: Callable[[GenerationJob, GenerationStream], Any]
 
-    def _drained(self, reason: str, model_id: str | None, timeout_s: float | None, *, stop_after: bool,
-                 op: Callable[[], Any]) -> Any:
+    def _drained(
+        self, reason: str, model_id: str | None, timeout_s: float | None, *, stop_after: bool, op: Callable[[], Any]
+    ) -> Any:
         """Run control ``op`` once the work already accepted has finished (``WorkLedger.drained``)."""
         timeout = self.drain_timeout_s if timeout_s is None else float(timeout_s)
-        return self._ledger.drained(reason, model_id, timeout, stop_after=stop_after,
-                                    run=lambda: self._call(op, timeout_s=max(timeout, STOP_WAIT_S)))
+        return self._ledger.drained(
+            reason,
+            model_id,
+            timeout,
+            stop_after=stop_after,
+            run=lambda: self._call(op, timeout_s=max(timeout, STOP_WAIT_S)),
+        )
 
     def cancel_all(self, reason: str = "cancel_all") -> int:
         """Stop every running generation; their clients get ``engine_busy``."""
@@ -98,12 +104,16 @@ class ModelLoading(StatusReports):
             if self._scheduler is None and not backend.capabilities().serial_mode:
                 # a backend that only batches (vLLM) runs every generation through a batch
                 # scheduler even on a serial engine; it goes with the backend (_unload)
-                self._scheduler = BatchScheduler(msgspec.structs.replace(self.batching, enabled=True),
-                                                 make_sequence=self._make_sequence, classify=self._classify)
+                self._scheduler = BatchScheduler(
+                    msgspec.structs.replace(self.batching, enabled=True),
+                    make_sequence=self._make_sequence,
+                    classify=self._classify,
+                )
                 self._backend_scheduler = True
             if self._scheduler is not None:
-                self._scheduler.set_backend(backend.batch_runner(
-                    max_rows=self.batching.max_batch_size + self.batching.batch_rows))
+                self._scheduler.set_backend(
+                    backend.batch_runner(max_rows=self.batching.max_batch_size + self.batching.batch_rows)
+                )
             self._emit("model:load:complete", model_id=job.model_id)
             return self.status()
 
@@ -185,11 +195,25 @@ class ModelLoading(StatusReports):
             for att, warnings in prepared:
                 cfg = att.sae.cfg
                 results.append(
-                    AttachResult(att.sae_id, att.layer, att.layer_module_path, cfg.d_in, cfg.d_sae,
-                                 cfg.activation, cfg.layout, warnings, hook_point=att.hook_point)
+                    AttachResult(
+                        att.sae_id,
+                        att.layer,
+                        att.layer_module_path,
+                        cfg.d_in,
+                        cfg.d_sae,
+                        cfg.activation,
+                        cfg.layout,
+                        warnings,
+                        hook_point=att.hook_point,
+                    )
                 )
-                self._emit("sae:attached", sae_id=att.sae_id, layer=att.layer, layer_module_path=att.layer_module_path,
-                           hook_point=att.hook_point)
+                self._emit(
+                    "sae:attached",
+                    sae_id=att.sae_id,
+                    layer=att.layer,
+                    layer_module_path=att.layer_module_path,
+                    hook_point=att.hook_point,
+                )
             return results
 
         return self._call(op, timeout_s=timeout_s)
@@ -213,18 +237,23 @@ class ModelLoading(StatusReports):
             self._emit("sae:detached", sae_id=sae_id, layer=layer, reason=reason)
         return keys
 
-    def detach(self, sae_id: str | None = None, layer: int | None = None, *, timeout_s: float | None = None) -> list[AttachmentKey]:
+    def detach(
+        self, sae_id: str | None = None, layer: int | None = None, *, timeout_s: float | None = None
+    ) -> list[AttachmentKey]:
         """Detach matching attachments (``sae_id=None``: all).  Unknown → SAENotAttached."""
 
         def op() -> list[AttachmentKey]:
-            keys = [k for k in self._attachments if (sae_id is None or k[0] == sae_id) and (layer is None or k[1] == layer)]
+            keys = [
+                k for k in self._attachments if (sae_id is None or k[0] == sae_id) and (layer is None or k[1] == layer)
+            ]
             if not keys and sae_id is not None:
-                raise SAENotAttached(f"SAE {sae_id!r}{'' if layer is None else f' at layer {layer}'} is not attached",
-                                     details={"sae_id": sae_id, "layer": layer})
+                raise SAENotAttached(
+                    f"SAE {sae_id!r}{'' if layer is None else f' at layer {layer}'} is not attached",
+                    details={"sae_id": sae_id, "layer": layer},
+                )
             return self._detach_keys(keys, reason="detach")
 
         return self._call(op, timeout_s=timeout_s)
-
 
     def _handle_oom(self, exc: BaseException) -> None:
         keys = list(self._attachments)
@@ -236,7 +265,6 @@ class ModelLoading(StatusReports):
             torch.cuda.empty_cache()
         self._emit("engine:out_of_memory", detached=[{"sae_id": s, "layer": layer} for s, layer in keys])
 
-
     def _classify(self, exc: BaseException) -> EngineError:
         if is_out_of_memory(exc):
             self._handle_oom(exc)
@@ -244,7 +272,6 @@ class ModelLoading(StatusReports):
                 "out of memory during generation; attached SAEs were detached, the base model keeps serving"
             )
         return GenerationFailed(f"generation failed: {type(exc).__name__}: {exc}")
-
 
 
 __all__ = ["ModelLoading"]

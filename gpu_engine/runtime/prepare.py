@@ -17,8 +17,11 @@ def validate_ids(backend: Any, ids: Sequence[int], param: str) -> list[int]:
     vocab = backend.vocab_size
     for t in ids:
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-            raise InvalidParameter(f"token id {t!r} is outside the vocabulary (0..{vocab - 1})", param=param,
-                                   details={"token_id": t, "vocab_size": vocab})
+            raise InvalidParameter(
+                f"token id {t!r} is outside the vocabulary (0..{vocab - 1})",
+                param=param,
+                details={"token_id": t, "vocab_size": vocab},
+            )
     return list(ids)
 
 
@@ -48,8 +51,11 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
         needs.append(("tool_calling", caps.tool_calling, "tools"))
     for capability, has, param in needs:
         if not has:
-            raise InvalidParameter(f"the {backend.name} backend cannot honour {param} ({capability} is off)",
-                                   param=param, details={"backend": backend.name, "capability": capability})
+            raise InvalidParameter(
+                f"the {backend.name} backend cannot honour {param} ({capability} is off)",
+                param=param,
+                details={"backend": backend.name, "capability": capability},
+            )
 
 
 def prompt_ids(backend: Any, job: GenerationJob) -> list[int]:
@@ -97,5 +103,14 @@ def encode_inputs(backend: Any, items: Sequence[Any], param: str, add_special_to
     return out
 
 
-__all__ = ["ENCODER_MODES", "check_capabilities", "encode_inputs", "prompt_ids", "refuse_encoder_controls",
-           "request_hooks", "token_budget", "validate_ids", "with_capture"]
+__all__ = [
+    "ENCODER_MODES",
+    "check_capabilities",
+    "encode_inputs",
+    "prompt_ids",
+    "refuse_encoder_controls",
+    "request_hooks",
+    "token_budget",
+    "validate_ids",
+    "with_capture",
+]

@@ -158,14 +158,19 @@ class BatchScheduler:
             return
         self._start(admitted)
 
-    def _admit_from(self, waiting: deque[tuple[GenerationJob, _Stream]], batch: bool, admitted: list[Any],
-                    budget: int) -> int:
+    def _admit_from(
+        self, waiting: deque[tuple[GenerationJob, _Stream]], batch: bool, admitted: list[Any], budget: int
+    ) -> int:
         o = self.options
         total_rows = o.max_batch_size + o.batch_rows
         limit = self._row_limit(batch)
         running_here = self._running_of(batch)
-        while waiting and len(self.running) + len(admitted) < total_rows and running_here < limit and (
-                budget > 0 or not admitted):
+        while (
+            waiting
+            and len(self.running) + len(admitted) < total_rows
+            and running_here < limit
+            and (budget > 0 or not admitted)
+        ):
             if self._exclusive:
                 break
             job, stream = waiting[0]

@@ -26,12 +26,10 @@ class StatusReports(EngineWorker):
         data["cached_bytes"] = int(runner.cached_bytes()) if isinstance(runner, CachesRows) else None
         return data
 
-
     def attachments(self) -> list[AttachmentStatus]:
         with self._state_lock:
             current = list(self._attachments.values())
         return [a.status() for a in current]
-
 
     def batching_status(self) -> dict[str, Any]:
         """The generation mode and what the loaded backend can do per request, as the
@@ -41,8 +39,11 @@ class StatusReports(EngineWorker):
         caps: dict[str, Any] = {}
         if backend is not None:
             # the backend's report as JSON (the keys it has), with the runtime's own two
-            caps = to_builtins(msgspec.structs.replace(backend.capabilities(), shared_forward_passes=sched is not None,
-                                                       serial_fallback=False))
+            caps = to_builtins(
+                msgspec.structs.replace(
+                    backend.capabilities(), shared_forward_passes=sched is not None, serial_fallback=False
+                )
+            )
         data: dict[str, Any] = {
             "enabled": sched is not None,
             "mode": "continuous_batching" if sched is not None else "serial",
@@ -63,16 +64,34 @@ class StatusReports(EngineWorker):
     def status(self) -> EngineStatus:
         b = self._backend
         if b is None:
-            return EngineStatus(state="empty", in_flight=self._in_flight_total(), queued=max(self._queued, 0),
-                                batching=self.batching_status(), draining=self._ledger.draining,
-                                backends=backends_report())
+            return EngineStatus(
+                state="empty",
+                in_flight=self._in_flight_total(),
+                queued=max(self._queued, 0),
+                batching=self.batching_status(),
+                draining=self._ledger.draining,
+                backends=backends_report(),
+            )
         return EngineStatus(
-            state="ready", draining=self._ledger.draining, backend=b.name, model_id=self._model_id, model_path=str(self._load_job.path) if self._load_job else None,
-            dtype=self._load_job.dtype if self._load_job else None, device=str(b.device), context_length=b.context_length,
-            num_layers=b.num_layers, hidden_size=b.hidden_size, vocab_size=b.vocab_size,
-            attachments=self.attachments(), in_flight=self._in_flight_total(), queued=max(self._queued, 0),
-            batching=self.batching_status(), kernels=b.kernels, backends=backends_report(),
-            memory=self.memory_status(), weights=dict(b.weights),
+            state="ready",
+            draining=self._ledger.draining,
+            backend=b.name,
+            model_id=self._model_id,
+            model_path=str(self._load_job.path) if self._load_job else None,
+            dtype=self._load_job.dtype if self._load_job else None,
+            device=str(b.device),
+            context_length=b.context_length,
+            num_layers=b.num_layers,
+            hidden_size=b.hidden_size,
+            vocab_size=b.vocab_size,
+            attachments=self.attachments(),
+            in_flight=self._in_flight_total(),
+            queued=max(self._queued, 0),
+            batching=self.batching_status(),
+            kernels=b.kernels,
+            backends=backends_report(),
+            memory=self.memory_status(),
+            weights=dict(b.weights),
         )
 
     @property
@@ -87,7 +106,6 @@ class StatusReports(EngineWorker):
     def backend_name(self) -> str | None:
         backend = self._backend
         return backend.name if backend is not None else None
-
 
 
 __all__ = ["StatusReports"]

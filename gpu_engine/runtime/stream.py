@@ -97,8 +97,7 @@ class GenerationStream:
         if self._on_end is not None:
             self._on_end(self)
 
-    def deliver_to(self, deliver: Callable[[GenerationEvent], None],
-                   wake: Callable[[], None] | None = None) -> None:
+    def deliver_to(self, deliver: Callable[[GenerationEvent], None], wake: Callable[[], None] | None = None) -> None:
         """Hand every event to ``deliver`` as it is produced (on the engine's thread; it
         must not block), those already produced first — instead of ``events()``. With
         ``wake``, ``deliver`` only leaves the event where the consumer will look, and

@@ -52,7 +52,9 @@ _CONTROL, _WORK, _BATCH_WORK = 0, 1, 2
 class _Task:
     __slots__ = ("control", "fn", "future", "on_drop")
 
-    def __init__(self, fn: Callable[[], Any], on_drop: Callable[[], None] | None = None, *, control: bool = False) -> None:
+    def __init__(
+        self, fn: Callable[[], Any], on_drop: Callable[[], None] | None = None, *, control: bool = False
+    ) -> None:
         self.fn = fn
         self.future: Future = Future()
         self.on_drop = on_drop
@@ -212,7 +214,6 @@ class EngineWorker:
             self._memory["released_bytes"] += freed
         self._emit("memory:released", bytes=freed, model_id=self._model_id)
 
-
     def arriving(self) -> Arrival:
         """Announce a generation request the caller has accepted and will submit soon
         (the serving tier calls this as a request comes in, and releases it once the
@@ -316,7 +317,6 @@ class EngineWorker:
         if self._backend is None:
             raise ModelNotLoaded("no model is loaded")
         return self._backend
-
 
     def _work(self, fn: Callable[[], Any], timeout_s: float | None, priority: str = "interactive") -> Any:
         refused = self._ledger.admit()

@@ -52,11 +52,15 @@ class SAEConfig:
         for name in ("d_in", "d_sae"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise SAEFormatError(f"SAE {name} must be a positive integer, got {value!r}", details={"path": self.path})
+                raise SAEFormatError(
+                    f"SAE {name} must be a positive integer, got {value!r}", details={"path": self.path}
+                )
         if not self.has_encoder:
             if self.activation != "none":
-                raise SAEFormatError(f"an SAE without an encoder has activation 'none', got {self.activation!r}",
-                                     details={"path": self.path})
+                raise SAEFormatError(
+                    f"an SAE without an encoder has activation 'none', got {self.activation!r}",
+                    details={"path": self.path},
+                )
         elif self.activation not in ACTIVATIONS:
             raise SAEFormatError(
                 f"Unsupported SAE activation {self.activation!r}; supported: {', '.join(ACTIVATIONS)}",
@@ -81,9 +85,15 @@ class SAEConfig:
             )
         factor = self.norm_scaling_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0):
-            raise SAEFormatError(f"norm_scaling_factor must be a positive number, got {factor!r}", details={"path": self.path})
-        if self.layer is not None and (isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0):
-            raise SAEFormatError(f"SAE trained-on layer must be a non-negative integer, got {self.layer!r}", details={"path": self.path})
+            raise SAEFormatError(
+                f"norm_scaling_factor must be a positive number, got {factor!r}", details={"path": self.path}
+            )
+        if self.layer is not None and (
+            isinstance(self.layer, bool) or not isinstance(self.layer, int) or self.layer < 0
+        ):
+            raise SAEFormatError(
+                f"SAE trained-on layer must be a non-negative integer, got {self.layer!r}", details={"path": self.path}
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

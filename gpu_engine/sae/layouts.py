@@ -160,7 +160,9 @@ def _resolve_shapes(shapes: dict[str, tuple[int, ...]], source: str) -> dict[str
     return found
 
 
-def _dims_from_shapes(shapes: dict[str, tuple[int, ...]], names: dict[str, tuple[str, str]], source: str) -> tuple[int, int]:
+def _dims_from_shapes(
+    shapes: dict[str, tuple[int, ...]], names: dict[str, tuple[str, str]], source: str
+) -> tuple[int, int]:
     stored, tag = names["W_enc"]
     shape = shapes[stored]
     if len(shape) != 2:
@@ -168,7 +170,9 @@ def _dims_from_shapes(shapes: dict[str, tuple[int, ...]], names: dict[str, tuple
     return (shape[0], shape[1]) if tag == "in_sae" else (shape[1], shape[0])
 
 
-def _check_shapes(cfg_dims: tuple[int, int], shapes: dict[str, tuple[int, ...]], names: dict[str, tuple[str, str]], source: str) -> None:
+def _check_shapes(
+    cfg_dims: tuple[int, int], shapes: dict[str, tuple[int, ...]], names: dict[str, tuple[str, str]], source: str
+) -> None:
     d_in, d_sae = cfg_dims
     for canonical in ("W_enc", "W_dec"):
         stored, _ = names[canonical]
@@ -232,11 +236,14 @@ def canonical_tensors(raw: dict[str, torch.Tensor], cfg: SAEConfig) -> dict[str,
         raise SAEFormatError(f"SAE weights in {cfg.path} lack b_enc", details={"path": cfg.path, "missing": "b_enc"})
     for name, t in out.items():
         if not torch.isfinite(t).all():
-            raise SAEFormatError(f"{name} in {cfg.path} contains NaN or Inf", details={"path": cfg.path, "tensor": name})
+            raise SAEFormatError(
+                f"{name} in {cfg.path} contains NaN or Inf", details={"path": cfg.path, "tensor": name}
+            )
     return out
 
 
 # ----------------------------------------------------------------------------- SAELens
+
 
 def _saelens_detect(p: Path) -> Path | None:
     directory = p.parent if p.is_file() else p
@@ -271,7 +278,9 @@ def _saelens_metadata(directory: Path) -> SAEConfig:
     try:
         header = read_safetensors_header(weights)
     except ModelLoadFailed as exc:
-        raise SAEFormatError(f"Corrupt SAE weights file {weights}: {exc.message}", details={"path": str(weights)}) from exc
+        raise SAEFormatError(
+            f"Corrupt SAE weights file {weights}: {exc.message}", details={"path": str(weights)}
+        ) from exc
     shapes = {k: tuple(int(d) for d in v.get("shape", [])) for k, v in header.items() if k != "__metadata__"}
     names = _resolve_shapes(shapes, str(weights))
     shape_dims = _dims_from_shapes(shapes, names, str(weights))
@@ -291,8 +300,10 @@ def _saelens_metadata(directory: Path) -> SAEConfig:
     hook_name_out = cfg.get("hook_name_out") or cfg.get("hook_point_out") or meta.get("hook_name_out")
     transcoder = architecture in _TRANSCODER_ARCHITECTURES
     if architecture in ("skip_transcoder", "jumprelu_skip_transcoder"):
-        raise SAEFormatError(f"Skip transcoders ({architecture}) are not supported",
-                             details={"path": str(directory), "architecture": architecture})
+        raise SAEFormatError(
+            f"Skip transcoders ({architecture}) are not supported",
+            details={"path": str(directory), "architecture": architecture},
+        )
     if transcoder:
         d_out = cfg.get("d_out")
         if d_out is not None and int(d_out) != d_in:
@@ -301,15 +312,23 @@ def _saelens_metadata(directory: Path) -> SAEConfig:
                 details={"path": str(directory), "d_out": d_out},
             )
         if not hook_name_out:
-            raise SAEFormatError(f"Transcoder at {directory} names no output hook point (hook_name_out)",
-                                 details={"path": str(directory)})
+            raise SAEFormatError(
+                f"Transcoder at {directory} names no output hook point (hook_name_out)",
+                details={"path": str(directory)},
+            )
         architecture = _TRANSCODER_ARCHITECTURES[architecture]
     elif hook_name_out:
-        raise SAEFormatError(f"SAE at {directory} names an output hook point but is not a transcoder ({architecture or '-'})",
-                             details={"path": str(directory), "hook_name_out": hook_name_out})
+        raise SAEFormatError(
+            f"SAE at {directory} names an output hook point but is not a transcoder ({architecture or '-'})",
+            details={"path": str(directory), "hook_name_out": hook_name_out},
+        )
     if architecture == "gated":
         activation = "gated"
-    elif architecture == "jumprelu" or act_fn == "jumprelu" or ("threshold" in names and architecture in ("", "jumprelu")):
+    elif (
+        architecture == "jumprelu"
+        or act_fn == "jumprelu"
+        or ("threshold" in names and architecture in ("", "jumprelu"))
+    ):
         activation = "jumprelu"
     elif architecture in ("topk", "batchtopk") or act_fn == "topk" or (k is not None and architecture in ("",)):
         activation = "topk"
@@ -346,7 +365,9 @@ def _saelens_metadata(directory: Path) -> SAEConfig:
         hook_name=str(hook_name) if hook_name else None,
         hook_point=hook_point,
         normalize_activations=str(norm),
-        norm_scaling_factor=float(factor) if isinstance(factor, (int, float)) and not isinstance(factor, bool) else factor,
+        norm_scaling_factor=float(factor)
+        if isinstance(factor, (int, float)) and not isinstance(factor, bool)
+        else factor,
         rescale_acts_by_decoder_norm=bool(cfg.get("rescale_acts_by_decoder_norm", False)),
         apply_b_dec_to_input=bool(cfg.get("apply_b_dec_to_input", not transcoder)),
         dtype=str(cfg.get("dtype") or "float32"),
@@ -359,12 +380,12 @@ def _saelens_load(cfg: SAEConfig) -> dict[str, torch.Tensor]:
     try:
         # checked from its header first (offsets = shapes x dtypes = the file's size): a
         # safetensors file never materialises more than it holds
-        raw = read_safetensors(cfg.weights_file, max_bytes=os.path.getsize(cfg.weights_file),
-                               framework="torch")
+        raw = read_safetensors(cfg.weights_file, max_bytes=os.path.getsize(cfg.weights_file), framework="torch")
     except (ArchiveRefused, OSError) as exc:
-        raise SAEFormatError(f"Cannot load SAE weights {cfg.weights_file}: {exc}",
-                             details={"path": cfg.weights_file,
-                                      **getattr(exc, "details", {})}) from exc
+        raise SAEFormatError(
+            f"Cannot load SAE weights {cfg.weights_file}: {exc}",
+            details={"path": cfg.weights_file, **getattr(exc, "details", {})},
+        ) from exc
     return canonical_tensors(raw, cfg)
 
 
@@ -385,8 +406,9 @@ def _npz_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     try:  # headers only, each checked against the zip directory (gpu_engine.api.archives)
         members = npz_members(path, max_bytes=NPZ_HEADER_SCAN_MAX_BYTES)
     except ArchiveRefused as exc:
-        raise SAEFormatError(f"Corrupt Gemma Scope file {path}: {exc.message}",
-                             details={"path": str(path), **exc.details}) from exc
+        raise SAEFormatError(
+            f"Corrupt Gemma Scope file {path}: {exc.message}", details={"path": str(path), **exc.details}
+        ) from exc
     return {m.name: m.shape for m in members}
 
 
@@ -420,9 +442,11 @@ def _gemmascope_metadata(npz: Path) -> SAEConfig:
         # Gemma Scope repos say what they were trained on in their names (-res, -mlp,
         # -att: concatenated head outputs before o_proj, refused; -transcoders)
         kind = re.search(r"gemma-scope-[^/]*-(res|mlp|att|transcoders)\b", text)
-        hook_name = {"mlp": f"blocks.{layer}.hook_mlp_out", "att": f"blocks.{layer}.attn.hook_z",
-                     "transcoders": f"blocks.{layer}.hook_mlp_in"}.get(kind.group(1) if kind else "",
-                                                                         f"blocks.{layer}.hook_resid_post")
+        hook_name = {
+            "mlp": f"blocks.{layer}.hook_mlp_out",
+            "att": f"blocks.{layer}.attn.hook_z",
+            "transcoders": f"blocks.{layer}.hook_mlp_in",
+        }.get(kind.group(1) if kind else "", f"blocks.{layer}.hook_resid_post")
         if kind and kind.group(1) == "transcoders":
             hook_name_out = f"blocks.{layer}.hook_mlp_out"
     hook_point = parse_hook_point(hook_name, hook_name_out, source=str(npz))
@@ -451,8 +475,10 @@ def _gemmascope_load(cfg: SAEConfig) -> dict[str, torch.Tensor]:
     try:
         raw = {k: torch.from_numpy(v) for k, v in read_npz(cfg.weights_file, max_bytes=limit).items()}
     except ArchiveRefused as exc:
-        raise SAEFormatError(f"Cannot load Gemma Scope file {cfg.weights_file}: {exc.message}",
-                             details={"path": cfg.weights_file, **exc.details}) from exc
+        raise SAEFormatError(
+            f"Cannot load Gemma Scope file {cfg.weights_file}: {exc.message}",
+            details={"path": cfg.weights_file, **exc.details},
+        ) from exc
     return canonical_tensors(raw, cfg)
 
 

@@ -14,7 +14,6 @@ Encoding follows SAELens's inference classes (``StandardSAE``, ``JumpReLUSAE``,
   which a steering delta has no row of, so steering adds raw decoder rows (SPEC §3).
 """
 
-
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
@@ -89,7 +88,16 @@ class SAE:
         return self.W_enc is not None
 
     def nbytes(self) -> int:
-        ts = [self.W_enc, self.W_dec, self.b_enc, self.b_dec, self.threshold, self.b_mag, self.mag_scale, self.dec_norms]
+        ts = [
+            self.W_enc,
+            self.W_dec,
+            self.b_enc,
+            self.b_dec,
+            self.threshold,
+            self.b_mag,
+            self.mag_scale,
+            self.dec_norms,
+        ]
         unique = {id(t): t for t in ts if t is not None}
         return sum(t.numel() * t.element_size() for t in unique.values())
 
@@ -101,7 +109,7 @@ class SAE:
             raise ValueError(f"{self.cfg.path} has no encoder (a raw steering vector)")
         x = x.to(self.dtype)
         if self.cfg.normalize_activations == "constant_norm_rescale":
-            x = x * ((self.cfg.d_in ** 0.5) / x.norm(dim=-1, keepdim=True))
+            x = x * ((self.cfg.d_in**0.5) / x.norm(dim=-1, keepdim=True))
         return x - self.b_dec if self.cfg.apply_b_dec_to_input else x
 
     def pre_activations(self, x: torch.Tensor) -> torch.Tensor:
@@ -114,7 +122,9 @@ class SAE:
             acts = acts * (pre > threshold)
         return acts
 
-    def _gated(self, proj: torch.Tensor, b_gate: torch.Tensor, b_mag: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def _gated(
+        self, proj: torch.Tensor, b_gate: torch.Tensor, b_mag: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
         """``proj`` = the prepared input times (some of) W_enc's columns."""
         active = (proj + b_gate > 0).to(self.dtype)
         return active * torch.relu(proj * scale + b_mag)
@@ -156,7 +166,9 @@ class SAE:
             if not 0 <= int(i) < self.d_sae:
                 raise InvalidFeatureIndex(sae_id=sae_id, index=int(i), d_sae=self.d_sae)
 
-    def steering_delta(self, features: Mapping[int, float], *, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    def steering_delta(
+        self, features: Mapping[int, float], *, dtype: torch.dtype, device: torch.device | str
+    ) -> torch.Tensor:
         """``Σ s_i · W_dec[i]`` (raw rows), summed in the SAE dtype and cast once."""
         idx = torch.tensor(list(features.keys()), dtype=torch.long, device=self.W_dec.device)
         strengths = torch.tensor(list(features.values()), dtype=self.dtype, device=self.W_dec.device)

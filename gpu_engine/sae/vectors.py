@@ -78,30 +78,38 @@ def read_vector_header(path: str | Path) -> VectorFile:
         raise SAEFormatError("the safetensors metadata is not a map of strings", details={"path": source})
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     if not tensors:
-        raise SAEFormatError("the file holds no tensor; expected one layer.<L> tensor per layer",
-                             details={"path": source})
+        raise SAEFormatError(
+            "the file holds no tensor; expected one layer.<L> tensor per layer", details={"path": source}
+        )
     layers: dict[int, int] = {}
     for name, info in tensors.items():
         match = TENSOR_NAME.match(name)
         if match is None:
-            raise SAEFormatError(f"tensor {name!r} is not named layer.<L>; a vector file holds one "
-                                 "layer.<L> tensor per layer", details={"path": source, "tensor": name})
+            raise SAEFormatError(
+                f"tensor {name!r} is not named layer.<L>; a vector file holds one layer.<L> tensor per layer",
+                details={"path": source, "tensor": name},
+            )
         shape = info.get("shape") if isinstance(info, dict) else None
         dtype = info.get("dtype") if isinstance(info, dict) else None
         if dtype not in FLOAT_DTYPES:
-            raise SAEFormatError(f"tensor {name} has dtype {dtype}; expected one of {', '.join(FLOAT_DTYPES)}",
-                                 details={"path": source, "tensor": name})
+            raise SAEFormatError(
+                f"tensor {name} has dtype {dtype}; expected one of {', '.join(FLOAT_DTYPES)}",
+                details={"path": source, "tensor": name},
+            )
         if not isinstance(shape, list) or len(shape) != 1 or not isinstance(shape[0], int) or shape[0] <= 0:
-            raise SAEFormatError(f"tensor {name} has shape {shape}; expected [d_model]",
-                                 details={"path": source, "tensor": name})
+            raise SAEFormatError(
+                f"tensor {name} has shape {shape}; expected [d_model]", details={"path": source, "tensor": name}
+            )
         layers[int(match.group(1))] = shape[0]
     widths = set(layers.values())
     if len(widths) != 1:
         raise SAEFormatError(f"the vectors have different lengths ({sorted(widths)})", details={"path": source})
     hook_point = meta.get("hook_point") or DEFAULT_HOOK_POINT
     if hook_point not in VECTOR_HOOK_POINTS:
-        raise SAEFormatError(f"hook_point {hook_point!r} in the metadata is not one of "
-                             f"{', '.join(VECTOR_HOOK_POINTS)}", details={"path": source})
+        raise SAEFormatError(
+            f"hook_point {hook_point!r} in the metadata is not one of {', '.join(VECTOR_HOOK_POINTS)}",
+            details={"path": source},
+        )
     return VectorFile(source, widths.pop(), tuple(sorted(layers)), dict(meta))
 
 
@@ -113,14 +121,16 @@ def read_vectors(path: str | Path) -> dict[int, np.ndarray]:
     try:  # checked from its header first: never more than the layers' vectors it declares
         raw = read_safetensors(info.path, max_bytes=len(info.layers) * info.d_model * 8)
     except ArchiveRefused as exc:
-        raise SAEFormatError(f"cannot read the vectors: {exc.message}",
-                             details={"path": info.path, **exc.details}) from exc
+        raise SAEFormatError(
+            f"cannot read the vectors: {exc.message}", details={"path": info.path, **exc.details}
+        ) from exc
     out = {}
     for layer in info.layers:
         v = np.asarray(raw[tensor_name(layer)], dtype=np.float32)
         if not np.isfinite(v).all():
-            raise SAEFormatError(f"the vector of layer {layer} contains NaN or Inf",
-                                 details={"path": info.path, "layer": layer})
+            raise SAEFormatError(
+                f"the vector of layer {layer} contains NaN or Inf", details={"path": info.path, "layer": layer}
+            )
         out[layer] = v
     return out
 
@@ -131,13 +141,16 @@ def write_vector_file(path: str | Path, vectors: Mapping[int, Any], metadata: Ma
 
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {tensor_name(layer): np.ascontiguousarray(np.asarray(v, dtype=np.float32).reshape(-1))
-               for layer, v in sorted(vectors.items())}
+    tensors = {
+        tensor_name(layer): np.ascontiguousarray(np.asarray(v, dtype=np.float32).reshape(-1))
+        for layer, v in sorted(vectors.items())
+    }
     save_file(tensors, str(p), metadata={str(k): str(v) for k, v in metadata.items()})
     return p
 
 
 # ----------------------------------------------------------------------------- the layout
+
 
 def _detect(p: Path) -> Path | None:
     if p.is_dir():
@@ -158,9 +171,16 @@ def _metadata(path: Path) -> SAEConfig:
     info = read_vector_header(path)
     model_name = info.metadata.get("model_name") or None
     return SAEConfig(
-        d_in=info.d_model, d_sae=1, activation="none", layout=LAYOUT, path=info.path,
-        model_name=model_name, layer=info.layers[0] if len(info.layers) == 1 else None,
-        hook_point=info.hook_point, weights_file=info.path, has_encoder=False,
+        d_in=info.d_model,
+        d_sae=1,
+        activation="none",
+        layout=LAYOUT,
+        path=info.path,
+        model_name=model_name,
+        layer=info.layers[0] if len(info.layers) == 1 else None,
+        hook_point=info.hook_point,
+        weights_file=info.path,
+        has_encoder=False,
         extra={"layers": list(info.layers)},
     )
 
@@ -168,8 +188,10 @@ def _metadata(path: Path) -> SAEConfig:
 def _for_layer(cfg: SAEConfig, layer: int) -> SAEConfig:
     layers = list(cfg.extra.get("layers") or [])
     if layer not in layers:
-        raise SAEIncompatible(f"the steering vector file has no vector for layer {layer} "
-                              f"(it has layers {layers})", details={"layer": layer, "layers": layers})
+        raise SAEIncompatible(
+            f"the steering vector file has no vector for layer {layer} (it has layers {layers})",
+            details={"layer": layer, "layers": layers},
+        )
     return replace(cfg, layer=layer)
 
 
@@ -185,5 +207,12 @@ def _load(cfg: SAEConfig) -> dict[str, torch.Tensor]:
 register_layout(SAELayout(LAYOUT, _detect, _metadata, _load, for_layer=_for_layer))
 
 
-__all__ = ["LAYOUT", "VECTOR_FILE", "VectorFile", "read_vector_header", "read_vectors", "tensor_name",
-           "write_vector_file"]
+__all__ = [
+    "LAYOUT",
+    "VECTOR_FILE",
+    "VectorFile",
+    "read_vector_header",
+    "read_vectors",
+    "tensor_name",
+    "write_vector_file",
+]

@@ -62,14 +62,18 @@ class PrefixOwnership:
             if time.monotonic() >= deadline:
                 raise EngineAlreadyRunning(
                     f"engine {holder!r} is serving the prefix {self.keys.prefix!r}; one "
-                    "engine per prefix (set ENGINE_STREAM_PREFIX to run another)")
+                    "engine per prefix (set ENGINE_STREAM_PREFIX to run another)"
+                )
             time.sleep(poll_s)
 
     def beat(self, payload: str) -> bool:
         """Refresh the claim and write the heartbeat; False when another engine owns the
         prefix now (nothing written)."""
-        return bool(self._heartbeat(keys=[self.keys.owner, self.keys.heartbeat],
-                                    args=[self.engine_id, self.dead_after_ms, payload]))
+        return bool(
+            self._heartbeat(
+                keys=[self.keys.owner, self.keys.heartbeat], args=[self.engine_id, self.dead_after_ms, payload]
+            )
+        )
 
     def release(self) -> None:
         """Give the prefix back (owner and heartbeat keys), if it is still ours."""

@@ -39,8 +39,9 @@ class ResultWriter:
         pipe.expire(key, self.config.result_ttl_s)
         pipe.execute()
 
-    def store_final(self, stream: str, msg_id: str, request_id: str,
-                    payload: StreamEvent, dead: dict[str, Any] | None = None) -> None:
+    def store_final(
+        self, stream: str, msg_id: str, request_id: str, payload: StreamEvent, dead: dict[str, Any] | None = None
+    ) -> None:
         """The final event, the acknowledgement and (optionally) a dead-letter record in
         one MULTI: the entry is acked exactly when its result is stored."""
         key = self.keys.events(request_id)
@@ -49,10 +50,13 @@ class ResultWriter:
             try:
                 pipe = self.redis.pipeline(transaction=True)
                 if dead is not None:
-                    pipe.xadd(self.keys.dead_letter, {"data": json.dumps(dead, default=str)},
-                              maxlen=DEAD_LETTER_MAXLEN, approximate=True)
-                pipe.xadd(key, encode_event(payload), maxlen=self.config.stream_maxlen,
-                          approximate=True)
+                    pipe.xadd(
+                        self.keys.dead_letter,
+                        {"data": json.dumps(dead, default=str)},
+                        maxlen=DEAD_LETTER_MAXLEN,
+                        approximate=True,
+                    )
+                pipe.xadd(key, encode_event(payload), maxlen=self.config.stream_maxlen, approximate=True)
                 pipe.expire(key, self.config.result_ttl_s)
                 pipe.xack(stream, self.keys.group, msg_id)
                 pipe.xdel(stream, msg_id)
@@ -66,26 +70,36 @@ class ResultWriter:
                 time.sleep(delay)
                 delay *= 2
 
-    def dead_record(self, stream: str, msg_id: str, fields: Any, reason: str,
-                    error: str) -> dict[str, Any]:
+    def dead_record(self, stream: str, msg_id: str, fields: Any, reason: str, error: str) -> dict[str, Any]:
         raw = fields.get("data") if isinstance(fields, dict) else None
-        return {"reason": reason, "stream": stream, "id": msg_id, "entry": raw,
-                "engine_id": self.engine_id, "time": time.time(), "error": error}
+        return {
+            "reason": reason,
+            "stream": stream,
+            "id": msg_id,
+            "entry": raw,
+            "engine_id": self.engine_id,
+            "time": time.time(),
+            "error": error,
+        }
 
-    def dead_letter(self, stream: str, msg_id: str, fields: Any, reason: str,
-                    error: str) -> None:
+    def dead_letter(self, stream: str, msg_id: str, fields: Any, reason: str, error: str) -> None:
         log.error("engine_dead_letter stream=%s id=%s reason=%s", stream, msg_id, reason)
-        self.redis.xadd(self.keys.dead_letter,
-                        {"data": json.dumps(self.dead_record(stream, msg_id, fields, reason,
-                                                             error), default=str)},
-                        maxlen=DEAD_LETTER_MAXLEN, approximate=True)
+        self.redis.xadd(
+            self.keys.dead_letter,
+            {"data": json.dumps(self.dead_record(stream, msg_id, fields, reason, error), default=str)},
+            maxlen=DEAD_LETTER_MAXLEN,
+            approximate=True,
+        )
 
-    def give_up(self, stream: str, msg_id: str, fields: Any, request_id: str, reason: str,
-                error: EngineError) -> None:
-        log.error("engine_dead_letter stream=%s id=%s request_id=%s reason=%s", stream, msg_id,
-                  request_id, reason)
-        self.store_final(stream, msg_id, request_id, error_event(request_id, error),
-                         dead=self.dead_record(stream, msg_id, fields, reason, error.message))
+    def give_up(self, stream: str, msg_id: str, fields: Any, request_id: str, reason: str, error: EngineError) -> None:
+        log.error("engine_dead_letter stream=%s id=%s request_id=%s reason=%s", stream, msg_id, request_id, reason)
+        self.store_final(
+            stream,
+            msg_id,
+            request_id,
+            error_event(request_id, error),
+            dead=self.dead_record(stream, msg_id, fields, reason, error.message),
+        )
 
 
 __all__ = ["DEAD_LETTER_MAXLEN", "ResultWriter"]

@@ -116,15 +116,20 @@ def _entries(response: Any) -> list[tuple[str, list[tuple[str, Any]]]]:
 class EngineServer:
     """Serve one ``Engine`` to the web tier over Redis Streams (see the module doc)."""
 
-    def __init__(self, engine: Any, client: redis.Redis, config: ServerConfig | None = None,
-                 *, engine_id: str | None = None,
-                 describe: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(
+        self,
+        engine: Any,
+        client: redis.Redis,
+        config: ServerConfig | None = None,
+        *,
+        engine_id: str | None = None,
+        describe: Callable[[], dict[str, Any]] | None = None,
+    ) -> None:
         self.engine = engine
         self.redis = client
         self.config = config or ServerConfig()
         self.keys = Keys(self.config.prefix)
-        self.engine_id = engine_id or (
-            f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+        self.engine_id = engine_id or (f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
         self.describe = describe or dict
         self.phase = "starting"
         self.started_at = time.time()
@@ -136,13 +141,11 @@ class EngineServer:
         self._room = threading.Condition(self._lock)
         self._inflight: dict[str, _InFlight] = {}
         self._command: _InFlight | None = None
-        self._pool = ThreadPoolExecutor(max_workers=self.config.max_in_flight,
-                                        thread_name_prefix="millm-job")
+        self._pool = ThreadPoolExecutor(max_workers=self.config.max_in_flight, thread_name_prefix="millm-job")
         self._threads: list[threading.Thread] = []
         self._heartbeat_thread: threading.Thread | None = None
         self._results = ResultWriter(client, self.keys, self.config, self.engine_id)
-        self._owner = PrefixOwnership(client, self.keys, self.engine_id,
-                                      dead_after_ms=self.config.dead_after_ms)
+        self._owner = PrefixOwnership(client, self.keys, self.engine_id, dead_after_ms=self.config.dead_after_ms)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -164,8 +167,7 @@ class EngineServer:
     def start_heartbeat(self, phase: str = "restoring") -> None:
         self.phase = phase
         self.heartbeat_once()
-        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop,
-                                                  name="millm-heartbeat", daemon=True)
+        self._heartbeat_thread = threading.Thread(target=self._heartbeat_loop, name="millm-heartbeat", daemon=True)
         self._heartbeat_thread.start()
 
     def begin_restore(self) -> int:
@@ -179,8 +181,9 @@ class EngineServer:
     def end_restore(self) -> None:
         self.redis.delete(self.keys.restore_attempts)
 
-    def run(self, stop: threading.Event, *, restore: Callable[[], None] | None = None,
-            ownership_wait_s: float | None = None) -> None:
+    def run(
+        self, stop: threading.Event, *, restore: Callable[[], None] | None = None, ownership_wait_s: float | None = None
+    ) -> None:
         """Own the prefix, restore (``restore()``, with the heartbeat saying so), serve
         until ``stop`` is set (or ownership is lost), then shut down cleanly."""
         self.acquire_ownership(ownership_wait_s)
@@ -197,14 +200,20 @@ class EngineServer:
         self.ensure_groups()
         self.phase = "serving"
         self.heartbeat_once()
-        for target, name in ((self._request_loop, "millm-requests"),
-                             (self._command_loop, "millm-commands"),
-                             (self._watch_loop, "millm-cancel-watch")):
+        for target, name in (
+            (self._request_loop, "millm-requests"),
+            (self._command_loop, "millm-commands"),
+            (self._watch_loop, "millm-cancel-watch"),
+        ):
             thread = threading.Thread(target=target, name=name, daemon=True)
             thread.start()
             self._threads.append(thread)
-        log.info("engine_serving engine_id=%s prefix=%s max_in_flight=%d", self.engine_id,
-                 self.config.prefix, self.config.max_in_flight)
+        log.info(
+            "engine_serving engine_id=%s prefix=%s max_in_flight=%d",
+            self.engine_id,
+            self.config.prefix,
+            self.config.max_in_flight,
+        )
         while not stop.is_set() and not self._stopping.is_set():
             stop.wait(0.25)
         self.shutdown()
@@ -223,9 +232,9 @@ class EngineServer:
         deadline = time.monotonic() + self.config.shutdown_grace_s
         while self.in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)
-        leftover = self._fail_all(EngineShutdown(
-            "the engine process is shutting down; the request was stopped and will not be "
-            "run again"))
+        leftover = self._fail_all(
+            EngineShutdown("the engine process is shutting down; the request was stopped and will not be run again")
+        )
         if leftover:
             log.warning("engine_shutdown_failed_requests count=%d", leftover)
         deadline = time.monotonic() + 10.0
@@ -268,8 +277,7 @@ class EngineServer:
             "max_in_flight": self.config.max_in_flight,
             "heartbeat_s": self.config.heartbeat_s,
             # the ``state`` commands' latest results, under their names (``status``)
-            **{c.name: to_builtins(c.call(self.engine, c.args())) for c in COMMANDS.values()
-               if c.lane is Lane.STATE},
+            **{c.name: to_builtins(c.call(self.engine, c.args())) for c in COMMANDS.values() if c.lane is Lane.STATE},
             **self.describe(),
         }
 
@@ -282,9 +290,12 @@ class EngineServer:
             owned = self._owner.beat(payload)
         if not owned:
             if not self.lost_ownership:
-                log.critical("engine_ownership_lost engine_id=%s: another engine took the "
-                             "prefix %r while this one stalled; stopping", self.engine_id,
-                             self.config.prefix)
+                log.critical(
+                    "engine_ownership_lost engine_id=%s: another engine took the "
+                    "prefix %r while this one stalled; stopping",
+                    self.engine_id,
+                    self.config.prefix,
+                )
             self.lost_ownership = True
             self._stopping.set()
             return
@@ -338,8 +349,7 @@ class EngineServer:
                     log.error("engine_redis_error loop=%s error=%r", loop_name, exc)
                     time.sleep(backoff)
             except redis.RedisError as exc:
-                log.warning("engine_redis_unavailable loop=%s error=%r retry_in=%.1fs",
-                            loop_name, exc, backoff)
+                log.warning("engine_redis_unavailable loop=%s error=%r retry_in=%.1fs", loop_name, exc, backoff)
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
             except Exception:  # noqa: BLE001 - logged; the loop keeps serving
@@ -363,9 +373,9 @@ class EngineServer:
             room = self._room_left(0.5)
             if room <= 0 or self._stopping.is_set():
                 return
-            response = self.redis.xreadgroup(self.keys.group, self.engine_id,
-                                             {self.keys.requests: ">"}, count=room,
-                                             block=READ_BLOCK_MS)
+            response = self.redis.xreadgroup(
+                self.keys.group, self.engine_id, {self.keys.requests: ">"}, count=room, block=READ_BLOCK_MS
+            )
             for _, entries in _entries(response):
                 for msg_id, fields in entries:
                     self._accept_request(msg_id, fields, 1)
@@ -380,27 +390,30 @@ class EngineServer:
             if now >= next_reclaim[0]:
                 next_reclaim[0] = now + max(self.config.heartbeat_s, self.config.dead_after_s / 2)
                 self._reclaim(self.keys.commands, self._accept_command, room=1)
-            response = self.redis.xreadgroup(self.keys.group, self.engine_id,
-                                             {self.keys.commands: ">"}, count=1,
-                                             block=READ_BLOCK_MS)
+            response = self.redis.xreadgroup(
+                self.keys.group, self.engine_id, {self.keys.commands: ">"}, count=1, block=READ_BLOCK_MS
+            )
             for _, entries in _entries(response):
                 for msg_id, fields in entries:
                     self._accept_command(msg_id, fields, 1)
 
         self._guarded("commands", step)
 
-    def _reclaim(self, stream: str, accept: Callable[[str, Any, int], None], *,
-                 room: int | None = None) -> None:
+    def _reclaim(self, stream: str, accept: Callable[[str, Any, int], None], *, room: int | None = None) -> None:
         """Take over entries a dead engine read and never acknowledged."""
         start = "0-0"
         for _ in range(100):  # bounded: at most 100 pages per pass
-            count = room if room is not None else max(
-                self.config.max_in_flight - self.in_flight(), 0)
+            count = room if room is not None else max(self.config.max_in_flight - self.in_flight(), 0)
             if count <= 0 or self._stopping.is_set():
                 return
-            result = self.redis.xautoclaim(stream, self.keys.group, self.engine_id,
-                                           min_idle_time=self.config.dead_after_ms,
-                                           start_id=start, count=count)
+            result = self.redis.xautoclaim(
+                stream,
+                self.keys.group,
+                self.engine_id,
+                min_idle_time=self.config.dead_after_ms,
+                start_id=start,
+                count=count,
+            )
             start, claimed = result[0], result[1]
             deleted = result[2] if len(result) > 2 else []
             if deleted:
@@ -411,22 +424,30 @@ class EngineServer:
                     continue
                 info = self.redis.xpending_range(stream, self.keys.group, msg_id, msg_id, 1)
                 delivered = int(info[0]["times_delivered"]) if info else 1
-                log.warning("engine_reclaimed stream=%s id=%s deliveries=%d", stream, msg_id,
-                            delivered)
+                log.warning("engine_reclaimed stream=%s id=%s deliveries=%d", stream, msg_id, delivered)
                 accept(msg_id, fields, delivered)
             if start in ("0-0", b"0-0"):
                 return
 
     # ------------------------------------------------------------------ requests
 
-    def _claim_start(self, stream: str, msg_id: str, fields: Any, request_id: str,
-                     delivered: int, deadline: float) -> bool:
+    def _claim_start(
+        self, stream: str, msg_id: str, fields: Any, request_id: str, delivered: int, deadline: float
+    ) -> bool:
         """The checks before work starts; False when the entry was settled here."""
         if delivered > self.config.max_deliveries:
-            self._results.give_up(stream, msg_id, fields, request_id, "max_deliveries", GenerationFailed(
-                f"the job was delivered {delivered} times without finishing (each time the "
-                "engine stopped while holding it); it was moved to the dead-letter stream",
-                details={"deliveries": delivered}))
+            self._results.give_up(
+                stream,
+                msg_id,
+                fields,
+                request_id,
+                "max_deliveries",
+                GenerationFailed(
+                    f"the job was delivered {delivered} times without finishing (each time the "
+                    "engine stopped while holding it); it was moved to the dead-letter stream",
+                    details={"deliveries": delivered},
+                ),
+            )
             return False
         started_key = self.keys.started(request_id)
         starter = self.redis.get(started_key)
@@ -434,16 +455,27 @@ class EngineServer:
             if time.time() > deadline or not self.redis.exists(self.keys.live(request_id)):
                 # nobody waits for it any more (the client left or gave up): drop it unrun
                 log.info("engine_dropped_abandoned id=%s request_id=%s", msg_id, request_id)
-                self._results.store_final(stream, msg_id, request_id, error_event(
-                    request_id, EngineBusy("the client stopped waiting before the job started")))
+                self._results.store_final(
+                    stream,
+                    msg_id,
+                    request_id,
+                    error_event(request_id, EngineBusy("the client stopped waiting before the job started")),
+                )
                 return False
             if self.redis.set(started_key, self.engine_id, nx=True, ex=self.config.result_ttl_s):
                 return True
             starter = self.redis.get(started_key)
-        self._results.give_up(stream, msg_id, fields, request_id, "engine_died_while_running",
-                      EngineShutdown(
-                          f"the engine process running this job ({starter}) stopped before it "
-                          "finished; it is not run again", details={"started_by": starter}))
+        self._results.give_up(
+            stream,
+            msg_id,
+            fields,
+            request_id,
+            "engine_died_while_running",
+            EngineShutdown(
+                f"the engine process running this job ({starter}) stopped before it finished; it is not run again",
+                details={"started_by": starter},
+            ),
+        )
         return False
 
     def _decode(self, stream: str, msg_id: str, fields: Any) -> Envelope | None:
@@ -462,8 +494,7 @@ class EngineServer:
         if env is None:
             return
         rid = env.request_id
-        if not self._claim_start(self.keys.requests, msg_id, fields, rid, delivered,
-                                 env.deadline):
+        if not self._claim_start(self.keys.requests, msg_id, fields, rid, delivered, env.deadline):
             return
         entry = _InFlight(msg_id, self.keys.requests, rid, env.kind)
         with self._lock:
@@ -503,8 +534,7 @@ class EngineServer:
             final = error_event(rid, GenerationFailed(f"{type(exc).__name__}: {exc}"))
         if final is None:
             final = error_event(rid, GenerationFailed("the generation ended without a result"))
-        if entry.fail_with is not None and not (
-                isinstance(final, FinishEvent) and final.finish_reason != "cancelled"):
+        if entry.fail_with is not None and not (isinstance(final, FinishEvent) and final.finish_reason != "cancelled"):
             final = error_event(rid, entry.fail_with)
         self._finish(entry, final)
         self._done(entry)
@@ -535,8 +565,7 @@ class EngineServer:
     def _watch_loop(self) -> None:
         while not self._closed.wait(self.config.cancel_poll_s):
             with self._lock:
-                watched = [e for e in self._inflight.values()
-                           if e.handle is not None and not e.cancel_sent]
+                watched = [e for e in self._inflight.values() if e.handle is not None and not e.cancel_sent]
             if not watched:
                 continue
             try:
@@ -569,8 +598,7 @@ class EngineServer:
         if env is None:
             return
         cid = env.request_id
-        if not self._claim_start(self.keys.commands, msg_id, fields, cid, delivered,
-                                 env.deadline):
+        if not self._claim_start(self.keys.commands, msg_id, fields, cid, delivered, env.deadline):
             return
         entry = _InFlight(msg_id, self.keys.commands, cid, env.kind)
         with self._lock:
@@ -585,8 +613,7 @@ class EngineServer:
             payload = error_event(cid, exc)
         except Exception as exc:  # noqa: BLE001 - the caller gets it as an error reply
             log.exception("engine_command_failed kind=%s", env.kind)
-            payload = error_event(cid, GenerationFailed(
-                f"command {env.kind} failed: {type(exc).__name__}: {exc}"))
+            payload = error_event(cid, GenerationFailed(f"command {env.kind} failed: {type(exc).__name__}: {exc}"))
         # the status clients read next must already show what the command changed
         self._safe_heartbeat()
         self._finish(entry, payload)
@@ -599,8 +626,7 @@ def _on_lane(env: Envelope, *lanes: Lane) -> Command:
     not travel on this stream."""
     cmd = env.command
     if cmd.lane not in lanes:
-        raise InvalidParameter(f"engine command {cmd.name!r} travels on the {cmd.lane} lane",
-                               param="kind")
+        raise InvalidParameter(f"engine command {cmd.name!r} travels on the {cmd.lane} lane", param="kind")
     return cmd
 
 

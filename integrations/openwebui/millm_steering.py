@@ -66,8 +66,7 @@ def parse_features(text: str) -> list[dict[str, Any]]:
             raise ValueError(f"feature {item!r} is not index:strength")
         if not index.strip().isascii() or not index.strip().isdecimal():
             raise ValueError(f"feature {item!r}: the index is not a whole number >= 0")
-        out.append({"index": int(index), "strength": _number(strength.strip(),
-                                                             f"feature {item!r}: strength")})
+        out.append({"index": int(index), "strength": _number(strength.strip(), f"feature {item!r}: strength")})
     return out
 
 
@@ -92,27 +91,50 @@ def menu_profile(model: Any) -> str | None:
 class Filter:
     class Valves(BaseModel):
         priority: int = Field(default=0, description="Order among filters (lower runs first).")
-        profile: str = Field(default="", description=(
-            "Steering profile applied by default (empty: none). Wins over features when "
-            "both are set; a model picked as <model>@<profile> keeps its own profile."))
-        intensity: str = Field(default="", description=(
-            'Default intensity, 0-2 or "off" (empty: the server\'s 1); it also scales a '
-            "profile picked from the model menu."))
+        profile: str = Field(
+            default="",
+            description=(
+                "Steering profile applied by default (empty: none). Wins over features when "
+                "both are set; a model picked as <model>@<profile> keeps its own profile."
+            ),
+        )
+        intensity: str = Field(
+            default="",
+            description=(
+                'Default intensity, 0-2 or "off" (empty: the server\'s 1); it also scales a '
+                "profile picked from the model menu."
+            ),
+        )
         sae_id: str = Field(default="", description="SAE of the inline features (empty: the one attached).")
-        features: str = Field(default="", description=(
-            'Inline features, e.g. "12:4.0, 40:-2", used only while profile is empty and '
-            "no <model>@<profile> is picked (empty: none)."))
+        features: str = Field(
+            default="",
+            description=(
+                'Inline features, e.g. "12:4.0, 40:-2", used only while profile is empty and '
+                "no <model>@<profile> is picked (empty: none)."
+            ),
+        )
 
     class UserValves(BaseModel):
-        profile: str = Field(default="", description=(
-            "Your steering profile (empty: the admin's); replaces the admin's choice and "
-            "wins over your features. A model picked as <model>@<profile> keeps its own."))
-        intensity: str = Field(default="", description=(
-            'Your intensity, 0-2 or "off" (empty: the admin\'s); also scales a profile '
-            "picked from the model menu."))
-        features: str = Field(default="", description=(
-            'Your inline features, e.g. "12:4.0"; replace the admin\'s choice, used only '
-            "while your profile is empty (empty: the admin's)."))
+        profile: str = Field(
+            default="",
+            description=(
+                "Your steering profile (empty: the admin's); replaces the admin's choice and "
+                "wins over your features. A model picked as <model>@<profile> keeps its own."
+            ),
+        )
+        intensity: str = Field(
+            default="",
+            description=(
+                'Your intensity, 0-2 or "off" (empty: the admin\'s); also scales a profile picked from the model menu.'
+            ),
+        )
+        features: str = Field(
+            default="",
+            description=(
+                'Your inline features, e.g. "12:4.0"; replace the admin\'s choice, used only '
+                "while your profile is empty (empty: the admin's)."
+            ),
+        )
 
     def __init__(self) -> None:
         self.valves = self.Valves()

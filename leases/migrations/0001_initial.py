@@ -5,32 +5,70 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
-        ('registry', '0003_model_device_dtype_unloading'),
+        ("registry", "0003_model_device_dtype_unloading"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Lease',
+            name="Lease",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('id_hash', models.CharField(editable=False, help_text='sha256 of the lease id; the id itself is never stored.', max_length=64, unique=True)),
-                ('holder', models.CharField(max_length=512)),
-                ('reason', models.TextField()),
-                ('ttl_seconds', models.PositiveIntegerField()),
-                ('acquired_at', models.DateTimeField()),
-                ('renewed_at', models.DateTimeField()),
-                ('expires_at', models.DateTimeField(db_index=True)),
-                ('ended_at', models.DateTimeField(blank=True, db_index=True, null=True)),
-                ('end_reason', models.CharField(blank=True, choices=[('expired', 'Expired'), ('released', 'Released'), ('model_unloaded', 'Model unloaded'), ('revoked', 'Revoked by an administrator')], max_length=16)),
-                ('model', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='leases', to='registry.model')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "id_hash",
+                    models.CharField(
+                        editable=False,
+                        help_text="sha256 of the lease id; the id itself is never stored.",
+                        max_length=64,
+                        unique=True,
+                    ),
+                ),
+                ("holder", models.CharField(max_length=512)),
+                ("reason", models.TextField()),
+                ("ttl_seconds", models.PositiveIntegerField()),
+                ("acquired_at", models.DateTimeField()),
+                ("renewed_at", models.DateTimeField()),
+                ("expires_at", models.DateTimeField(db_index=True)),
+                ("ended_at", models.DateTimeField(blank=True, db_index=True, null=True)),
+                (
+                    "end_reason",
+                    models.CharField(
+                        blank=True,
+                        choices=[
+                            ("expired", "Expired"),
+                            ("released", "Released"),
+                            ("model_unloaded", "Model unloaded"),
+                            ("revoked", "Revoked by an administrator"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "model",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="leases", to="registry.model"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-acquired_at'],
-                'constraints': [models.UniqueConstraint(condition=models.Q(('ended_at__isnull', True)), fields=('model',), name='lease_one_live_per_model'), models.CheckConstraint(condition=models.Q(models.Q(('end_reason', ''), ('ended_at__isnull', True)), models.Q(('ended_at__isnull', False), models.Q(('end_reason', ''), _negated=True)), _connector='OR'), name='lease_ended_has_reason')],
+                "ordering": ["-acquired_at"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(("ended_at__isnull", True)),
+                        fields=("model",),
+                        name="lease_one_live_per_model",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            models.Q(("end_reason", ""), ("ended_at__isnull", True)),
+                            models.Q(("ended_at__isnull", False), models.Q(("end_reason", ""), _negated=True)),
+                            _connector="OR",
+                        ),
+                        name="lease_ended_has_reason",
+                    ),
+                ],
             },
         ),
     ]

@@ -13,9 +13,16 @@ else:
 # what a browser client may send and read: every X-miLLM-* request header the server reads
 # and every response header it sets (tests/v1/test_cors.py keeps the lists whole)
 CORS_ALLOW_HEADERS = (*default_headers, "x-millm-lease", "x-millm-load-policy", "x-millm-strict")
-CORS_EXPOSE_HEADERS = ["Retry-After", "X-miLLM-Backend", "X-miLLM-Steering", "X-miLLM-Seed",
-                       "X-miLLM-Ignored-Fields", "X-miLLM-Batch", "X-miLLM-Probe-Verdicts",
-                       "X-miLLM-Scoring"]
+CORS_EXPOSE_HEADERS = [
+    "Retry-After",
+    "X-miLLM-Backend",
+    "X-miLLM-Steering",
+    "X-miLLM-Seed",
+    "X-miLLM-Ignored-Fields",
+    "X-miLLM-Batch",
+    "X-miLLM-Probe-Verdicts",
+    "X-miLLM-Scoring",
+]
 
 REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
@@ -36,7 +43,8 @@ SPECTACULAR_SETTINGS = {
         "Management API (/api): every response is the envelope "
         "{success, data, error: {code, message, details}}; every 503 carries Retry-After. "
         "With MILLM_API_KEYS or MILLM_ADMIN_API_KEYS set, send Authorization: Bearer "
-        "<key>; changes of shared state need an admin key."),
+        "<key>; changes of shared state need an admin key."
+    ),
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
     "SWAGGER_UI_DIST": "SIDECAR",

@@ -28,8 +28,7 @@ LOGGING = {
     "formatters": {
         "millm": {
             "()": structlog.stdlib.ProcessorFormatter,
-            "processors": [structlog.stdlib.ProcessorFormatter.remove_processors_meta,
-                           *_shared_extra, _renderer],
+            "processors": [structlog.stdlib.ProcessorFormatter.remove_processors_meta, *_shared_extra, _renderer],
             "foreign_pre_chain": _shared,
         },
     },

@@ -4,46 +4,69 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='ActivationRecord',
+            name="ActivationRecord",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('timestamp', models.DateTimeField(db_index=True)),
-                ('request_id', models.CharField(db_index=True, max_length=100)),
-                ('sae_id', models.CharField(max_length=40)),
-                ('layer', models.PositiveIntegerField()),
-                ('token_position', models.PositiveIntegerField(help_text='Residual row (prompt, then output).')),
-                ('completion_token_index', models.PositiveIntegerField(blank=True, null=True)),
-                ('activations', models.JSONField(default=list, help_text='[{feature_index, activation}] of the monitored features (zeros included), or the top-k.')),
-                ('top_k', models.JSONField(default=list)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("timestamp", models.DateTimeField(db_index=True)),
+                ("request_id", models.CharField(db_index=True, max_length=100)),
+                ("sae_id", models.CharField(max_length=40)),
+                ("layer", models.PositiveIntegerField()),
+                ("token_position", models.PositiveIntegerField(help_text="Residual row (prompt, then output).")),
+                ("completion_token_index", models.PositiveIntegerField(blank=True, null=True)),
+                (
+                    "activations",
+                    models.JSONField(
+                        default=list,
+                        help_text="[{feature_index, activation}] of the monitored features (zeros included), or the top-k.",
+                    ),
+                ),
+                ("top_k", models.JSONField(default=list)),
             ],
             options={
-                'ordering': ['-id'],
+                "ordering": ["-id"],
             },
         ),
         migrations.CreateModel(
-            name='MonitoringConfig',
+            name="MonitoringConfig",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('enabled', models.BooleanField(default=False)),
-                ('sae_id', models.CharField(blank=True, help_text='The monitored SAE; empty: the only one attached.', max_length=40)),
-                ('layer', models.PositiveIntegerField(blank=True, null=True)),
-                ('features', models.JSONField(blank=True, help_text='Feature indices to record; null: all (top-k).', null=True)),
-                ('history_size', models.PositiveIntegerField(default=100)),
-                ('top_k', models.PositiveSmallIntegerField(default=10)),
-                ('positions', models.CharField(choices=[('last', 'The last position of each generation'), ('completion', 'Every generated token'), ('all', 'Every position, prompt included')], default='last', max_length=16)),
-                ('statistics_since', models.DateTimeField(blank=True, null=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("enabled", models.BooleanField(default=False)),
+                (
+                    "sae_id",
+                    models.CharField(
+                        blank=True, help_text="The monitored SAE; empty: the only one attached.", max_length=40
+                    ),
+                ),
+                ("layer", models.PositiveIntegerField(blank=True, null=True)),
+                (
+                    "features",
+                    models.JSONField(blank=True, help_text="Feature indices to record; null: all (top-k).", null=True),
+                ),
+                ("history_size", models.PositiveIntegerField(default=100)),
+                ("top_k", models.PositiveSmallIntegerField(default=10)),
+                (
+                    "positions",
+                    models.CharField(
+                        choices=[
+                            ("last", "The last position of each generation"),
+                            ("completion", "Every generated token"),
+                            ("all", "Every position, prompt included"),
+                        ],
+                        default="last",
+                        max_length=16,
+                    ),
+                ),
+                ("statistics_since", models.DateTimeField(blank=True, null=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'verbose_name': 'monitoring configuration',
+                "verbose_name": "monitoring configuration",
             },
         ),
     ]

@@ -4,31 +4,33 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('monitoring', '0001_initial'),
+        ("monitoring", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Capture',
+            name="Capture",
             fields=[
-                ('id', models.CharField(max_length=32, primary_key=True, serialize=False)),
-                ('request_id', models.CharField(db_index=True, help_text='The /v1 response id that produced it.', max_length=100)),
-                ('engine_request_id', models.CharField(blank=True, max_length=100)),
-                ('model', models.CharField(blank=True, max_length=500)),
-                ('backend', models.CharField(blank=True, max_length=40)),
-                ('layers', models.JSONField(default=list)),
-                ('positions', models.CharField(max_length=16)),
-                ('rows', models.PositiveIntegerField(default=0)),
-                ('dtype', models.CharField(blank=True, max_length=16)),
-                ('steering_hash', models.CharField(blank=True, max_length=80)),
-                ('nbytes', models.PositiveBigIntegerField(default=0)),
-                ('created_at', models.DateTimeField(db_index=True)),
-                ('expires_at', models.DateTimeField(blank=True, db_index=True, null=True)),
+                ("id", models.CharField(max_length=32, primary_key=True, serialize=False)),
+                (
+                    "request_id",
+                    models.CharField(db_index=True, help_text="The /v1 response id that produced it.", max_length=100),
+                ),
+                ("engine_request_id", models.CharField(blank=True, max_length=100)),
+                ("model", models.CharField(blank=True, max_length=500)),
+                ("backend", models.CharField(blank=True, max_length=40)),
+                ("layers", models.JSONField(default=list)),
+                ("positions", models.CharField(max_length=16)),
+                ("rows", models.PositiveIntegerField(default=0)),
+                ("dtype", models.CharField(blank=True, max_length=16)),
+                ("steering_hash", models.CharField(blank=True, max_length=80)),
+                ("nbytes", models.PositiveBigIntegerField(default=0)),
+                ("created_at", models.DateTimeField(db_index=True)),
+                ("expires_at", models.DateTimeField(blank=True, db_index=True, null=True)),
             ],
             options={
-                'ordering': ['-created_at'],
+                "ordering": ["-created_at"],
             },
         ),
     ]

@@ -4,68 +4,95 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('monitoring', '0002_capture'),
+        ("monitoring", "0002_capture"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Probe',
+            name="Probe",
             fields=[
-                ('id', models.CharField(max_length=24, primary_key=True, serialize=False)),
-                ('name', models.CharField(max_length=120, unique=True)),
-                ('description', models.TextField(blank=True)),
-                ('basis', models.CharField(choices=[('sae_features', 'SAE feature activations'), ('hidden_states', 'Hidden states')], max_length=16)),
-                ('sae_id', models.CharField(blank=True, help_text='The SAE whose features it reads (sae_features).', max_length=40)),
-                ('layer', models.PositiveIntegerField()),
-                ('features', models.JSONField(blank=True, default=list, help_text='Feature indices, one per weight (sae_features).')),
-                ('weights', models.JSONField(default=list)),
-                ('bias', models.FloatField(default=0.0)),
-                ('threshold', models.FloatField(blank=True, help_text='Verdict when score >= threshold; null: no verdict.', null=True)),
-                ('norm_mean', models.JSONField(blank=True, null=True)),
-                ('norm_std', models.JSONField(blank=True, null=True)),
-                ('positions', models.CharField(default='last', max_length=16)),
-                ('validation', models.JSONField(blank=True, default=dict, help_text='The last successful validation: {model, sae_id, layer, d_in, checked_at}.')),
-                ('armed', models.BooleanField(default=False, help_text='Scored on /v1 requests that bring no probes.')),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.CharField(max_length=24, primary_key=True, serialize=False)),
+                ("name", models.CharField(max_length=120, unique=True)),
+                ("description", models.TextField(blank=True)),
+                (
+                    "basis",
+                    models.CharField(
+                        choices=[("sae_features", "SAE feature activations"), ("hidden_states", "Hidden states")],
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "sae_id",
+                    models.CharField(
+                        blank=True, help_text="The SAE whose features it reads (sae_features).", max_length=40
+                    ),
+                ),
+                ("layer", models.PositiveIntegerField()),
+                (
+                    "features",
+                    models.JSONField(
+                        blank=True, default=list, help_text="Feature indices, one per weight (sae_features)."
+                    ),
+                ),
+                ("weights", models.JSONField(default=list)),
+                ("bias", models.FloatField(default=0.0)),
+                (
+                    "threshold",
+                    models.FloatField(
+                        blank=True, help_text="Verdict when score >= threshold; null: no verdict.", null=True
+                    ),
+                ),
+                ("norm_mean", models.JSONField(blank=True, null=True)),
+                ("norm_std", models.JSONField(blank=True, null=True)),
+                ("positions", models.CharField(default="last", max_length=16)),
+                (
+                    "validation",
+                    models.JSONField(
+                        blank=True,
+                        default=dict,
+                        help_text="The last successful validation: {model, sae_id, layer, d_in, checked_at}.",
+                    ),
+                ),
+                ("armed", models.BooleanField(default=False, help_text="Scored on /v1 requests that bring no probes.")),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='ProbeVerdict',
+            name="ProbeVerdict",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('timestamp', models.DateTimeField(db_index=True)),
-                ('request_id', models.CharField(db_index=True, max_length=100)),
-                ('choice', models.PositiveIntegerField(default=0)),
-                ('probe_id', models.CharField(db_index=True, max_length=24)),
-                ('name', models.CharField(max_length=120)),
-                ('scored', models.BooleanField(default=True)),
-                ('reason', models.CharField(blank=True, max_length=64)),
-                ('score', models.FloatField(blank=True, null=True)),
-                ('threshold', models.FloatField(blank=True, null=True)),
-                ('verdict', models.BooleanField(blank=True, null=True)),
-                ('positions', models.CharField(max_length=16)),
-                ('rows', models.PositiveIntegerField(default=0)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("timestamp", models.DateTimeField(db_index=True)),
+                ("request_id", models.CharField(db_index=True, max_length=100)),
+                ("choice", models.PositiveIntegerField(default=0)),
+                ("probe_id", models.CharField(db_index=True, max_length=24)),
+                ("name", models.CharField(max_length=120)),
+                ("scored", models.BooleanField(default=True)),
+                ("reason", models.CharField(blank=True, max_length=64)),
+                ("score", models.FloatField(blank=True, null=True)),
+                ("threshold", models.FloatField(blank=True, null=True)),
+                ("verdict", models.BooleanField(blank=True, null=True)),
+                ("positions", models.CharField(max_length=16)),
+                ("rows", models.PositiveIntegerField(default=0)),
             ],
             options={
-                'ordering': ['-id'],
+                "ordering": ["-id"],
             },
         ),
         migrations.CreateModel(
-            name='SensingArm',
+            name="SensingArm",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(choices=[('cluster', 'cluster'), ('circuit', 'circuit')], max_length=16)),
-                ('object_id', models.PositiveIntegerField()),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("kind", models.CharField(choices=[("cluster", "cluster"), ("circuit", "circuit")], max_length=16)),
+                ("object_id", models.PositiveIntegerField()),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('kind', 'object_id'), name='sensing_arm_unique')],
+                "constraints": [models.UniqueConstraint(fields=("kind", "object_id"), name="sensing_arm_unique")],
             },
         ),
     ]

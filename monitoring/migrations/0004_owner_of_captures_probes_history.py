@@ -4,39 +4,38 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('monitoring', '0003_probes'),
+        ("monitoring", "0003_probes"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='activationrecord',
-            name='owner',
-            field=models.CharField(db_index=True, default='anonymous', max_length=80),
+            model_name="activationrecord",
+            name="owner",
+            field=models.CharField(db_index=True, default="anonymous", max_length=80),
         ),
         migrations.AddField(
-            model_name='capture',
-            name='owner',
-            field=models.CharField(db_index=True, default='anonymous', max_length=80),
+            model_name="capture",
+            name="owner",
+            field=models.CharField(db_index=True, default="anonymous", max_length=80),
         ),
         migrations.AddField(
-            model_name='probe',
-            name='owner',
-            field=models.CharField(db_index=True, default='anonymous', max_length=80),
+            model_name="probe",
+            name="owner",
+            field=models.CharField(db_index=True, default="anonymous", max_length=80),
         ),
         migrations.AddField(
-            model_name='probeverdict',
-            name='owner',
-            field=models.CharField(db_index=True, default='anonymous', max_length=80),
+            model_name="probeverdict",
+            name="owner",
+            field=models.CharField(db_index=True, default="anonymous", max_length=80),
         ),
         migrations.AlterField(
-            model_name='probe',
-            name='name',
+            model_name="probe",
+            name="name",
             field=models.CharField(max_length=120),
         ),
         migrations.AddConstraint(
-            model_name='probe',
-            constraint=models.UniqueConstraint(fields=('owner', 'name'), name='probe_owner_name_unique'),
+            model_name="probe",
+            constraint=models.UniqueConstraint(fields=("owner", "name"), name="probe_owner_name_unique"),
         ),
     ]

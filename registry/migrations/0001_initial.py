@@ -7,98 +7,263 @@ import registry.models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Model',
+            name="Model",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(help_text='The name clients use as `model` on /v1.', max_length=200, unique=True)),
-                ('source', models.CharField(choices=[('huggingface', 'Hugging Face hub'), ('local', 'Local directory')], max_length=16)),
-                ('repo_id', models.CharField(blank=True, max_length=300)),
-                ('revision', models.CharField(blank=True, default='main', max_length=100)),
-                ('local_path', models.CharField(blank=True, help_text='Directory (or GGUF file) holding the weights.', max_length=1000)),
-                ('format', models.CharField(choices=[('transformers', 'transformers (safetensors)'), ('gguf', 'GGUF')], default='transformers', max_length=16)),
-                ('gguf_file', models.CharField(blank=True, max_length=300)),
-                ('quantization', models.CharField(choices=[('FP32', 'FP32'), ('FP16', 'FP16 / BF16'), ('Q8', '8-bit'), ('Q4', '4-bit'), ('Q2', '2-bit')], default='FP32', max_length=8)),
-                ('trust_remote_code', models.BooleanField(default=False)),
-                ('status', models.CharField(choices=[('downloading', 'Downloading'), ('ready', 'Ready'), ('loading', 'Loading'), ('loaded', 'Loaded'), ('error', 'Error')], db_index=True, default='ready', max_length=16)),
-                ('error_message', models.TextField(blank=True)),
-                ('architecture', models.CharField(blank=True, max_length=200)),
-                ('num_layers', models.PositiveIntegerField(blank=True, null=True)),
-                ('hidden_size', models.PositiveIntegerField(blank=True, null=True)),
-                ('context_length', models.PositiveIntegerField(blank=True, null=True)),
-                ('parameter_count', models.BigIntegerField(blank=True, null=True)),
-                ('disk_size_bytes', models.BigIntegerField(blank=True, null=True)),
-                ('estimated_memory_bytes', models.BigIntegerField(blank=True, null=True)),
-                ('locked', models.BooleanField(default=False)),
-                ('loaded_at', models.DateTimeField(blank=True, null=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "name",
+                    models.CharField(help_text="The name clients use as `model` on /v1.", max_length=200, unique=True),
+                ),
+                (
+                    "source",
+                    models.CharField(
+                        choices=[("huggingface", "Hugging Face hub"), ("local", "Local directory")], max_length=16
+                    ),
+                ),
+                ("repo_id", models.CharField(blank=True, max_length=300)),
+                ("revision", models.CharField(blank=True, default="main", max_length=100)),
+                (
+                    "local_path",
+                    models.CharField(
+                        blank=True, help_text="Directory (or GGUF file) holding the weights.", max_length=1000
+                    ),
+                ),
+                (
+                    "format",
+                    models.CharField(
+                        choices=[("transformers", "transformers (safetensors)"), ("gguf", "GGUF")],
+                        default="transformers",
+                        max_length=16,
+                    ),
+                ),
+                ("gguf_file", models.CharField(blank=True, max_length=300)),
+                (
+                    "quantization",
+                    models.CharField(
+                        choices=[
+                            ("FP32", "FP32"),
+                            ("FP16", "FP16 / BF16"),
+                            ("Q8", "8-bit"),
+                            ("Q4", "4-bit"),
+                            ("Q2", "2-bit"),
+                        ],
+                        default="FP32",
+                        max_length=8,
+                    ),
+                ),
+                ("trust_remote_code", models.BooleanField(default=False)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("downloading", "Downloading"),
+                            ("ready", "Ready"),
+                            ("loading", "Loading"),
+                            ("loaded", "Loaded"),
+                            ("error", "Error"),
+                        ],
+                        db_index=True,
+                        default="ready",
+                        max_length=16,
+                    ),
+                ),
+                ("error_message", models.TextField(blank=True)),
+                ("architecture", models.CharField(blank=True, max_length=200)),
+                ("num_layers", models.PositiveIntegerField(blank=True, null=True)),
+                ("hidden_size", models.PositiveIntegerField(blank=True, null=True)),
+                ("context_length", models.PositiveIntegerField(blank=True, null=True)),
+                ("parameter_count", models.BigIntegerField(blank=True, null=True)),
+                ("disk_size_bytes", models.BigIntegerField(blank=True, null=True)),
+                ("estimated_memory_bytes", models.BigIntegerField(blank=True, null=True)),
+                ("locked", models.BooleanField(default=False)),
+                ("loaded_at", models.DateTimeField(blank=True, null=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
-                'constraints': [models.CheckConstraint(condition=models.Q(models.Q(('source', 'huggingface'), _negated=True), models.Q(('repo_id', ''), _negated=True), _connector='OR'), name='model_hub_needs_repo'), models.CheckConstraint(condition=models.Q(models.Q(('source', 'local'), _negated=True), models.Q(('local_path', ''), _negated=True), _connector='OR'), name='model_local_needs_path')],
+                "ordering": ["name"],
+                "constraints": [
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            models.Q(("source", "huggingface"), _negated=True),
+                            models.Q(("repo_id", ""), _negated=True),
+                            _connector="OR",
+                        ),
+                        name="model_hub_needs_repo",
+                    ),
+                    models.CheckConstraint(
+                        condition=models.Q(
+                            models.Q(("source", "local"), _negated=True),
+                            models.Q(("local_path", ""), _negated=True),
+                            _connector="OR",
+                        ),
+                        name="model_local_needs_path",
+                    ),
+                ],
             },
         ),
         migrations.CreateModel(
-            name='SAE',
+            name="SAE",
             fields=[
-                ('id', models.CharField(default=registry.models._sae_id, editable=False, max_length=40, primary_key=True, serialize=False)),
-                ('name', models.CharField(blank=True, max_length=200)),
-                ('repository_id', models.CharField(blank=True, help_text='Hub repository, empty for a local SAE.', max_length=300)),
-                ('revision', models.CharField(blank=True, default='main', max_length=100)),
-                ('file_path', models.CharField(blank=True, help_text='Path of the SAE inside the repository.', max_length=500)),
-                ('local_path', models.CharField(blank=True, max_length=1000)),
-                ('format', models.CharField(choices=[('saelens', 'SAELens (cfg.json + safetensors)'), ('gemmascope', 'Gemma Scope (params.npz)')], max_length=16)),
-                ('d_in', models.PositiveIntegerField(blank=True, null=True)),
-                ('d_sae', models.PositiveIntegerField(blank=True, null=True)),
-                ('trained_on_model', models.CharField(blank=True, max_length=300)),
-                ('trained_on_layer', models.IntegerField(blank=True, null=True)),
-                ('hook_name', models.CharField(blank=True, max_length=200)),
-                ('activation', models.CharField(choices=[('relu', 'ReLU'), ('jumprelu', 'JumpReLU'), ('topk', 'TopK')], default='relu', max_length=16)),
-                ('topk_k', models.PositiveIntegerField(blank=True, null=True)),
-                ('width', models.PositiveIntegerField(blank=True, help_text='Dictionary width (= d_sae).', null=True)),
-                ('average_l0', models.FloatField(blank=True, null=True)),
-                ('status', models.CharField(choices=[('downloading', 'Downloading'), ('ready', 'Ready'), ('attached', 'Attached'), ('error', 'Error')], db_index=True, default='ready', max_length=16)),
-                ('error_message', models.TextField(blank=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                (
+                    "id",
+                    models.CharField(
+                        default=registry.models._sae_id,
+                        editable=False,
+                        max_length=40,
+                        primary_key=True,
+                        serialize=False,
+                    ),
+                ),
+                ("name", models.CharField(blank=True, max_length=200)),
+                (
+                    "repository_id",
+                    models.CharField(blank=True, help_text="Hub repository, empty for a local SAE.", max_length=300),
+                ),
+                ("revision", models.CharField(blank=True, default="main", max_length=100)),
+                (
+                    "file_path",
+                    models.CharField(blank=True, help_text="Path of the SAE inside the repository.", max_length=500),
+                ),
+                ("local_path", models.CharField(blank=True, max_length=1000)),
+                (
+                    "format",
+                    models.CharField(
+                        choices=[
+                            ("saelens", "SAELens (cfg.json + safetensors)"),
+                            ("gemmascope", "Gemma Scope (params.npz)"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                ("d_in", models.PositiveIntegerField(blank=True, null=True)),
+                ("d_sae", models.PositiveIntegerField(blank=True, null=True)),
+                ("trained_on_model", models.CharField(blank=True, max_length=300)),
+                ("trained_on_layer", models.IntegerField(blank=True, null=True)),
+                ("hook_name", models.CharField(blank=True, max_length=200)),
+                (
+                    "activation",
+                    models.CharField(
+                        choices=[("relu", "ReLU"), ("jumprelu", "JumpReLU"), ("topk", "TopK")],
+                        default="relu",
+                        max_length=16,
+                    ),
+                ),
+                ("topk_k", models.PositiveIntegerField(blank=True, null=True)),
+                ("width", models.PositiveIntegerField(blank=True, help_text="Dictionary width (= d_sae).", null=True)),
+                ("average_l0", models.FloatField(blank=True, null=True)),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("downloading", "Downloading"),
+                            ("ready", "Ready"),
+                            ("attached", "Attached"),
+                            ("error", "Error"),
+                        ],
+                        db_index=True,
+                        default="ready",
+                        max_length=16,
+                    ),
+                ),
+                ("error_message", models.TextField(blank=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'verbose_name': 'SAE',
-                'ordering': ['name', 'id'],
-                'constraints': [models.UniqueConstraint(condition=models.Q(('repository_id', ''), _negated=True), fields=('repository_id', 'revision', 'file_path'), name='sae_unique_hub_file')],
+                "verbose_name": "SAE",
+                "ordering": ["name", "id"],
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(("repository_id", ""), _negated=True),
+                        fields=("repository_id", "revision", "file_path"),
+                        name="sae_unique_hub_file",
+                    )
+                ],
             },
         ),
         migrations.CreateModel(
-            name='Job',
+            name="Job",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(choices=[('model_download', 'Model download'), ('sae_download', 'SAE download'), ('model_load', 'Model load'), ('model_unload', 'Model unload'), ('maintenance', 'Maintenance')], max_length=32)),
-                ('target', models.CharField(blank=True, help_text='What the job acts on, kept after the row it names is deleted.', max_length=500)),
-                ('status', models.CharField(choices=[('queued', 'Queued'), ('running', 'Running'), ('succeeded', 'Succeeded'), ('failed', 'Failed'), ('cancelled', 'Cancelled')], db_index=True, default='queued', max_length=16)),
-                ('progress', models.PositiveSmallIntegerField(default=0)),
-                ('stage', models.CharField(blank=True, max_length=100)),
-                ('bytes_done', models.BigIntegerField(default=0)),
-                ('bytes_total', models.BigIntegerField(blank=True, null=True)),
-                ('error', models.TextField(blank=True)),
-                ('cancel_requested', models.BooleanField(default=False)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('started_at', models.DateTimeField(blank=True, null=True)),
-                ('finished_at', models.DateTimeField(blank=True, null=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
-                ('model', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='jobs', to='registry.model')),
-                ('sae', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, related_name='jobs', to='registry.sae')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("model_download", "Model download"),
+                            ("sae_download", "SAE download"),
+                            ("model_load", "Model load"),
+                            ("model_unload", "Model unload"),
+                            ("maintenance", "Maintenance"),
+                        ],
+                        max_length=32,
+                    ),
+                ),
+                (
+                    "target",
+                    models.CharField(
+                        blank=True,
+                        help_text="What the job acts on, kept after the row it names is deleted.",
+                        max_length=500,
+                    ),
+                ),
+                (
+                    "status",
+                    models.CharField(
+                        choices=[
+                            ("queued", "Queued"),
+                            ("running", "Running"),
+                            ("succeeded", "Succeeded"),
+                            ("failed", "Failed"),
+                            ("cancelled", "Cancelled"),
+                        ],
+                        db_index=True,
+                        default="queued",
+                        max_length=16,
+                    ),
+                ),
+                ("progress", models.PositiveSmallIntegerField(default=0)),
+                ("stage", models.CharField(blank=True, max_length=100)),
+                ("bytes_done", models.BigIntegerField(default=0)),
+                ("bytes_total", models.BigIntegerField(blank=True, null=True)),
+                ("error", models.TextField(blank=True)),
+                ("cancel_requested", models.BooleanField(default=False)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("started_at", models.DateTimeField(blank=True, null=True)),
+                ("finished_at", models.DateTimeField(blank=True, null=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
+                (
+                    "model",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="jobs",
+                        to="registry.model",
+                    ),
+                ),
+                (
+                    "sae",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        related_name="jobs",
+                        to="registry.sae",
+                    ),
+                ),
             ],
             options={
-                'ordering': ['-created_at'],
-                'constraints': [models.CheckConstraint(condition=models.Q(('progress__lte', 100)), name='job_progress_0_100')],
+                "ordering": ["-created_at"],
+                "constraints": [
+                    models.CheckConstraint(condition=models.Q(("progress__lte", 100)), name="job_progress_0_100")
+                ],
             },
         ),
     ]

@@ -5,25 +5,34 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('registry', '0001_initial'),
+        ("registry", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Attachment',
+            name="Attachment",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('layer', models.PositiveIntegerField()),
-                ('layer_module_path', models.CharField(max_length=200)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('model', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='attachments', to='registry.model')),
-                ('sae', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='attachments', to='registry.sae')),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("layer", models.PositiveIntegerField()),
+                ("layer_module_path", models.CharField(max_length=200)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                (
+                    "model",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="attachments", to="registry.model"
+                    ),
+                ),
+                (
+                    "sae",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE, related_name="attachments", to="registry.sae"
+                    ),
+                ),
             ],
             options={
-                'ordering': ['layer', 'sae_id'],
-                'constraints': [models.UniqueConstraint(fields=('sae', 'layer'), name='attachment_unique_sae_layer')],
+                "ordering": ["layer", "sae_id"],
+                "constraints": [models.UniqueConstraint(fields=("sae", "layer"), name="attachment_unique_sae_layer")],
             },
         ),
     ]

@@ -4,25 +4,40 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('registry', '0002_attachment'),
+        ("registry", "0002_attachment"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='model',
-            name='device',
-            field=models.CharField(blank=True, help_text='Where the resident weights are (set while loaded).', max_length=32),
+            model_name="model",
+            name="device",
+            field=models.CharField(
+                blank=True, help_text="Where the resident weights are (set while loaded).", max_length=32
+            ),
         ),
         migrations.AddField(
-            model_name='model',
-            name='dtype',
-            field=models.CharField(blank=True, help_text='Dtype of the resident weights (set while loaded).', max_length=16),
+            model_name="model",
+            name="dtype",
+            field=models.CharField(
+                blank=True, help_text="Dtype of the resident weights (set while loaded).", max_length=16
+            ),
         ),
         migrations.AlterField(
-            model_name='model',
-            name='status',
-            field=models.CharField(choices=[('downloading', 'Downloading'), ('ready', 'Ready'), ('loading', 'Loading'), ('loaded', 'Loaded'), ('unloading', 'Unloading'), ('error', 'Error')], db_index=True, default='ready', max_length=16),
+            model_name="model",
+            name="status",
+            field=models.CharField(
+                choices=[
+                    ("downloading", "Downloading"),
+                    ("ready", "Ready"),
+                    ("loading", "Loading"),
+                    ("loaded", "Loaded"),
+                    ("unloading", "Unloading"),
+                    ("error", "Error"),
+                ],
+                db_index=True,
+                default="ready",
+                max_length=16,
+            ),
         ),
     ]

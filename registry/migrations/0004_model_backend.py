@@ -6,15 +6,20 @@ import registry.models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('registry', '0003_model_device_dtype_unloading'),
+        ("registry", "0003_model_device_dtype_unloading"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='model',
-            name='backend',
-            field=models.CharField(blank=True, default='', help_text="The engine backend that loads and runs it (transformers, vllm, llamacpp); blank: the site's MILLM_BACKEND.", max_length=32, validators=[registry.models.validate_backend]),
+            model_name="model",
+            name="backend",
+            field=models.CharField(
+                blank=True,
+                default="",
+                help_text="The engine backend that loads and runs it (transformers, vllm, llamacpp); blank: the site's MILLM_BACKEND.",
+                max_length=32,
+                validators=[registry.models.validate_backend],
+            ),
         ),
     ]

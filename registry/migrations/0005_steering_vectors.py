@@ -4,57 +4,85 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('registry', '0004_model_backend'),
+        ("registry", "0004_model_backend"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='SteeringVector',
-            fields=[
-            ],
+            name="SteeringVector",
+            fields=[],
             options={
-                'verbose_name': 'steering vector',
-                'proxy': True,
-                'indexes': [],
-                'constraints': [],
+                "verbose_name": "steering vector",
+                "proxy": True,
+                "indexes": [],
+                "constraints": [],
             },
-            bases=('registry.sae',),
+            bases=("registry.sae",),
         ),
         migrations.AddField(
-            model_name='sae',
-            name='files_owned',
-            field=models.BooleanField(default=False, help_text='miLLM wrote these files (an upload or a computed vector); deleting the row removes them.'),
+            model_name="sae",
+            name="files_owned",
+            field=models.BooleanField(
+                default=False,
+                help_text="miLLM wrote these files (an upload or a computed vector); deleting the row removes them.",
+            ),
         ),
         migrations.AddField(
-            model_name='sae',
-            name='vector_layers',
-            field=models.JSONField(blank=True, default=list, help_text='The layers the vector file has a vector for.'),
+            model_name="sae",
+            name="vector_layers",
+            field=models.JSONField(blank=True, default=list, help_text="The layers the vector file has a vector for."),
         ),
         migrations.AddField(
-            model_name='sae',
-            name='vector_norms',
-            field=models.JSONField(blank=True, default=list, help_text="The L2 norm of each layer's vector, in the order of vector_layers."),
+            model_name="sae",
+            name="vector_norms",
+            field=models.JSONField(
+                blank=True, default=list, help_text="The L2 norm of each layer's vector, in the order of vector_layers."
+            ),
         ),
         migrations.AddField(
-            model_name='sae',
-            name='vector_recipe',
-            field=models.JSONField(blank=True, default=dict, help_text='How a computed vector was made (pairs, pooling).'),
+            model_name="sae",
+            name="vector_recipe",
+            field=models.JSONField(
+                blank=True, default=dict, help_text="How a computed vector was made (pairs, pooling)."
+            ),
         ),
         migrations.AddField(
-            model_name='sae',
-            name='vector_source',
-            field=models.CharField(blank=True, choices=[('upload', 'Uploaded (or imported) file'), ('computed', 'Computed from contrastive prompt pairs')], max_length=16),
+            model_name="sae",
+            name="vector_source",
+            field=models.CharField(
+                blank=True,
+                choices=[
+                    ("upload", "Uploaded (or imported) file"),
+                    ("computed", "Computed from contrastive prompt pairs"),
+                ],
+                max_length=16,
+            ),
         ),
         migrations.AlterField(
-            model_name='sae',
-            name='activation',
-            field=models.CharField(choices=[('relu', 'ReLU'), ('jumprelu', 'JumpReLU'), ('topk', 'TopK'), ('none', 'None (a steering vector: no encoder)')], default='relu', max_length=16),
+            model_name="sae",
+            name="activation",
+            field=models.CharField(
+                choices=[
+                    ("relu", "ReLU"),
+                    ("jumprelu", "JumpReLU"),
+                    ("topk", "TopK"),
+                    ("none", "None (a steering vector: no encoder)"),
+                ],
+                default="relu",
+                max_length=16,
+            ),
         ),
         migrations.AlterField(
-            model_name='sae',
-            name='format',
-            field=models.CharField(choices=[('saelens', 'SAELens (cfg.json + safetensors)'), ('gemmascope', 'Gemma Scope (params.npz)'), ('vector', 'Steering vector (layer.<L> safetensors)')], max_length=16),
+            model_name="sae",
+            name="format",
+            field=models.CharField(
+                choices=[
+                    ("saelens", "SAELens (cfg.json + safetensors)"),
+                    ("gemmascope", "Gemma Scope (params.npz)"),
+                    ("vector", "Steering vector (layer.<L> safetensors)"),
+                ],
+                max_length=16,
+            ),
         ),
     ]

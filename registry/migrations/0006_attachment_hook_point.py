@@ -4,15 +4,14 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('registry', '0005_steering_vectors'),
+        ("registry", "0005_steering_vectors"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='attachment',
-            name='hook_point',
-            field=models.CharField(default='resid_post', max_length=32),
+            model_name="attachment",
+            name="hook_point",
+            field=models.CharField(default="resid_post", max_length=32),
         ),
     ]

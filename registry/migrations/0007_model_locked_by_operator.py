@@ -10,16 +10,18 @@ def operator_locks(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('registry', '0006_attachment_hook_point'),
+        ("registry", "0006_attachment_hook_point"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='model',
-            name='locked_by_operator',
-            field=models.BooleanField(default=False, help_text='Locked through lock (API, admin), not only because SAEs are attached: detaching the last SAE then leaves it locked.'),
+            model_name="model",
+            name="locked_by_operator",
+            field=models.BooleanField(
+                default=False,
+                help_text="Locked through lock (API, admin), not only because SAEs are attached: detaching the last SAE then leaves it locked.",
+            ),
         ),
         migrations.RunPython(operator_locks, migrations.RunPython.noop),
     ]

@@ -30,17 +30,25 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.AddField(
-            model_name="model", name="files_dir",
+            model_name="model",
+            name="files_dir",
             field=models.CharField(
-                blank=True, max_length=1000,
+                blank=True,
+                max_length=1000,
                 help_text="The folder the registry downloaded this row's files into; deleting "
-                          "the row removes it and nothing else (empty: the row owns no "
-                          "files).")),
+                "the row removes it and nothing else (empty: the row owns no "
+                "files).",
+            ),
+        ),
         migrations.AddField(
-            model_name="sae", name="files_dir",
+            model_name="sae",
+            name="files_dir",
             field=models.CharField(
-                blank=True, max_length=1000,
+                blank=True,
+                max_length=1000,
                 help_text="The folder the registry downloaded this row's files into; deleting "
-                          "the row removes it and nothing else (empty: no download).")),
+                "the row removes it and nothing else (empty: no download).",
+            ),
+        ),
         migrations.RunPython(record_downloads, migrations.RunPython.noop),
     ]

@@ -4,28 +4,42 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Profile',
+            name="Profile",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(help_text='What /v1 requests name as `profile` (or `model@name`).', max_length=200, unique=True)),
-                ('description', models.TextField(blank=True)),
-                ('model_name', models.CharField(blank=True, help_text='The model the profile was made for; empty for any.', max_length=200)),
-                ('sae_id', models.CharField(help_text='The SAE whose decoder rows the strengths scale.', max_length=40)),
-                ('layer', models.PositiveIntegerField(help_text='The decoder block the SAE is attached at.')),
-                ('steering', models.JSONField(blank=True, default=dict, help_text='Feature strengths: {"<index>": strength}.')),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                (
+                    "name",
+                    models.CharField(
+                        help_text="What /v1 requests name as `profile` (or `model@name`).", max_length=200, unique=True
+                    ),
+                ),
+                ("description", models.TextField(blank=True)),
+                (
+                    "model_name",
+                    models.CharField(
+                        blank=True, help_text="The model the profile was made for; empty for any.", max_length=200
+                    ),
+                ),
+                (
+                    "sae_id",
+                    models.CharField(help_text="The SAE whose decoder rows the strengths scale.", max_length=40),
+                ),
+                ("layer", models.PositiveIntegerField(help_text="The decoder block the SAE is attached at.")),
+                (
+                    "steering",
+                    models.JSONField(blank=True, default=dict, help_text='Feature strengths: {"<index>": strength}.'),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
     ]

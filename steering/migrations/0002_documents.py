@@ -5,117 +5,173 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('registry', '0003_model_device_dtype_unloading'),
-        ('steering', '0001_initial'),
+        ("registry", "0003_model_device_dtype_unloading"),
+        ("steering", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='Circuit',
+            name="Circuit",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200, unique=True)),
-                ('narrative', models.TextField(blank=True)),
-                ('document', models.TextField(help_text='The definition exactly as imported (exported as is).')),
-                ('saes', models.JSONField(default=list, help_text='[{layer, ref, source_hint, n_features}]')),
-                ('members', models.JSONField(default=dict, help_text='{"<layer>": [{feature_idx, strength, sign, label}]}')),
-                ('edges_count', models.PositiveIntegerField(default=0)),
-                ('rung', models.PositiveSmallIntegerField(default=0, help_text='Minimum over the edges (0 without edges).')),
-                ('intensity', models.FloatField(default=1.0)),
-                ('intensity_range', models.JSONField(blank=True, null=True)),
-                ('is_active', models.BooleanField(default=False)),
-                ('serving', models.JSONField(blank=True, default=dict, help_text='While active: {"<layer>": sae_id} it steers through.')),
-                ('composed_layers', models.JSONField(blank=True, default=list, help_text='Layers shared with another circuit (allow_layer_overlap).')),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.CharField(max_length=200, unique=True)),
+                ("narrative", models.TextField(blank=True)),
+                ("document", models.TextField(help_text="The definition exactly as imported (exported as is).")),
+                ("saes", models.JSONField(default=list, help_text="[{layer, ref, source_hint, n_features}]")),
+                (
+                    "members",
+                    models.JSONField(default=dict, help_text='{"<layer>": [{feature_idx, strength, sign, label}]}'),
+                ),
+                ("edges_count", models.PositiveIntegerField(default=0)),
+                (
+                    "rung",
+                    models.PositiveSmallIntegerField(default=0, help_text="Minimum over the edges (0 without edges)."),
+                ),
+                ("intensity", models.FloatField(default=1.0)),
+                ("intensity_range", models.JSONField(blank=True, null=True)),
+                ("is_active", models.BooleanField(default=False)),
+                (
+                    "serving",
+                    models.JSONField(
+                        blank=True, default=dict, help_text='While active: {"<layer>": sae_id} it steers through.'
+                    ),
+                ),
+                (
+                    "composed_layers",
+                    models.JSONField(
+                        blank=True, default=list, help_text="Layers shared with another circuit (allow_layer_overlap)."
+                    ),
+                ),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='Cluster',
+            name="Cluster",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=200, unique=True)),
-                ('narrative', models.TextField(blank=True)),
-                ('document', models.TextField(help_text='The definition exactly as imported (exported as is).')),
-                ('members', models.JSONField(default=list, help_text='[{feature_idx, strength, sign, label}] as authored.')),
-                ('model_ref', models.CharField(blank=True, help_text='The model the definition names (hf_id).', max_length=300)),
-                ('sae_ref', models.JSONField(blank=True, default=dict, help_text='The SAE reference of the definition.')),
-                ('n_features', models.PositiveIntegerField(blank=True, help_text='Declared feature space (d_sae).', null=True)),
-                ('intensity', models.FloatField(default=1.0)),
-                ('intensity_range', models.JSONField(blank=True, null=True)),
-                ('sae_id', models.CharField(blank=True, help_text='Bound SAE; empty: unbound.', max_length=40)),
-                ('layer', models.PositiveIntegerField(blank=True, help_text='Bound layer.', null=True)),
-                ('unbound_reason', models.CharField(blank=True, max_length=500)),
-                ('warnings', models.JSONField(blank=True, default=list)),
-                ('is_active', models.BooleanField(default=False)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("name", models.CharField(max_length=200, unique=True)),
+                ("narrative", models.TextField(blank=True)),
+                ("document", models.TextField(help_text="The definition exactly as imported (exported as is).")),
+                (
+                    "members",
+                    models.JSONField(default=list, help_text="[{feature_idx, strength, sign, label}] as authored."),
+                ),
+                (
+                    "model_ref",
+                    models.CharField(blank=True, help_text="The model the definition names (hf_id).", max_length=300),
+                ),
+                (
+                    "sae_ref",
+                    models.JSONField(blank=True, default=dict, help_text="The SAE reference of the definition."),
+                ),
+                (
+                    "n_features",
+                    models.PositiveIntegerField(blank=True, help_text="Declared feature space (d_sae).", null=True),
+                ),
+                ("intensity", models.FloatField(default=1.0)),
+                ("intensity_range", models.JSONField(blank=True, null=True)),
+                ("sae_id", models.CharField(blank=True, help_text="Bound SAE; empty: unbound.", max_length=40)),
+                ("layer", models.PositiveIntegerField(blank=True, help_text="Bound layer.", null=True)),
+                ("unbound_reason", models.CharField(blank=True, max_length=500)),
+                ("warnings", models.JSONField(blank=True, default=list)),
+                ("is_active", models.BooleanField(default=False)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'ordering': ['name'],
+                "ordering": ["name"],
             },
         ),
         migrations.CreateModel(
-            name='LiveSteering',
+            name="LiveSteering",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('enabled', models.BooleanField(default=False)),
-                ('values', models.JSONField(blank=True, default=dict, help_text='{"<index>": strength}, each within ±200.')),
-                ('source', models.CharField(choices=[('manual', 'Set directly'), ('profile', 'Profile'), ('cluster', 'Cluster'), ('circuit', 'Circuit')], default='manual', max_length=16)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("enabled", models.BooleanField(default=False)),
+                (
+                    "values",
+                    models.JSONField(blank=True, default=dict, help_text='{"<index>": strength}, each within ±200.'),
+                ),
+                (
+                    "source",
+                    models.CharField(
+                        choices=[
+                            ("manual", "Set directly"),
+                            ("profile", "Profile"),
+                            ("cluster", "Cluster"),
+                            ("circuit", "Circuit"),
+                        ],
+                        default="manual",
+                        max_length=16,
+                    ),
+                ),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
             options={
-                'verbose_name_plural': 'live steering',
+                "verbose_name_plural": "live steering",
             },
         ),
         migrations.CreateModel(
-            name='SteeringState',
+            name="SteeringState",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('version', models.PositiveBigIntegerField(default=0)),
-                ('updated_at', models.DateTimeField(auto_now=True)),
+                ("id", models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name="ID")),
+                ("version", models.PositiveBigIntegerField(default=0)),
+                ("updated_at", models.DateTimeField(auto_now=True)),
             ],
         ),
         migrations.AddField(
-            model_name='profile',
-            name='intensity',
-            field=models.FloatField(default=1.0, help_text='λ applied at activation (0-2); each scaled value is clamped to ±200.'),
+            model_name="profile",
+            name="intensity",
+            field=models.FloatField(
+                default=1.0, help_text="λ applied at activation (0-2); each scaled value is clamped to ±200."
+            ),
         ),
         migrations.AddField(
-            model_name='profile',
-            name='is_active',
+            model_name="profile",
+            name="is_active",
             field=models.BooleanField(default=False),
         ),
         migrations.AlterField(
-            model_name='profile',
-            name='layer',
-            field=models.PositiveIntegerField(blank=True, help_text='The decoder block the SAE is attached at.', null=True),
+            model_name="profile",
+            name="layer",
+            field=models.PositiveIntegerField(
+                blank=True, help_text="The decoder block the SAE is attached at.", null=True
+            ),
         ),
         migrations.AlterField(
-            model_name='profile',
-            name='sae_id',
-            field=models.CharField(blank=True, help_text='The SAE whose decoder rows the strengths scale (empty: an unbound profile, which must be empty).', max_length=40),
+            model_name="profile",
+            name="sae_id",
+            field=models.CharField(
+                blank=True,
+                help_text="The SAE whose decoder rows the strengths scale (empty: an unbound profile, which must be empty).",
+                max_length=40,
+            ),
         ),
         migrations.AddConstraint(
-            model_name='profile',
-            constraint=models.UniqueConstraint(condition=models.Q(('is_active', True)), fields=('is_active',), name='profile_one_active'),
+            model_name="profile",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("is_active", True)), fields=("is_active",), name="profile_one_active"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='circuit',
-            constraint=models.CheckConstraint(condition=models.Q(('rung__lte', 3)), name='circuit_rung_0_3'),
+            model_name="circuit",
+            constraint=models.CheckConstraint(condition=models.Q(("rung__lte", 3)), name="circuit_rung_0_3"),
         ),
         migrations.AddConstraint(
-            model_name='cluster',
-            constraint=models.UniqueConstraint(condition=models.Q(('is_active', True)), fields=('is_active',), name='cluster_one_active'),
+            model_name="cluster",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("is_active", True)), fields=("is_active",), name="cluster_one_active"
+            ),
         ),
         migrations.AddField(
-            model_name='livesteering',
-            name='attachment',
-            field=models.OneToOneField(on_delete=django.db.models.deletion.CASCADE, related_name='live_steering', to='registry.attachment'),
+            model_name="livesteering",
+            name="attachment",
+            field=models.OneToOneField(
+                on_delete=django.db.models.deletion.CASCADE, related_name="live_steering", to="registry.attachment"
+            ),
         ),
     ]

@@ -4,20 +4,27 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('steering', '0002_documents'),
+        ("steering", "0002_documents"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='livesteering',
-            name='controls',
-            field=models.JSONField(blank=True, default=list, help_text='[{index, mode, value, phase, window, condition}]: the features steered otherwise than a plain add.'),
+            model_name="livesteering",
+            name="controls",
+            field=models.JSONField(
+                blank=True,
+                default=list,
+                help_text="[{index, mode, value, phase, window, condition}]: the features steered otherwise than a plain add.",
+            ),
         ),
         migrations.AddField(
-            model_name='profile',
-            name='controls',
-            field=models.JSONField(blank=True, default=list, help_text='Features steered in another mode or only where a gate is open: [{index, mode, value, phase, window, condition}] (docs/steering.md, Modes).'),
+            model_name="profile",
+            name="controls",
+            field=models.JSONField(
+                blank=True,
+                default=list,
+                help_text="Features steered in another mode or only where a gate is open: [{index, mode, value, phase, window, condition}] (docs/steering.md, Modes).",
+            ),
         ),
     ]

@@ -30,8 +30,11 @@ def _param_count(model_dir: Path) -> int:
 def standin_hub(tiny_assets):
     hub = StandInHub().start()
     llama = tiny_assets.models["tiny-llama"].path
-    extra = {"pytorch_model.bin": b"\x80\x04 a pickle that must never be fetched",
-             "original/consolidated.pth": b"never fetched either", "README.md": b"# tiny\n"}
+    extra = {
+        "pytorch_model.bin": b"\x80\x04 a pickle that must never be fetched",
+        "original/consolidated.pth": b"never fetched either",
+        "README.md": b"# tiny\n",
+    }
     repo = hub.add_directory(MODEL_REPO, llama, extra=extra)
     repo.parameter_count = _param_count(llama)
     hub.add_directory(GATED_REPO, llama, gated=True)
@@ -105,16 +108,17 @@ def engine_client(settings):
 def tiny_llama(tiny_assets):
     from registry import services
 
-    return services.model_register_local(
-        local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
+    return services.model_register_local(local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
 
 
 @pytest.fixture
 def llama_saes(tiny_assets):
     from registry import services
 
-    return {a.name: services.sae_register_local(local_path=str(a.path), name=a.name)
-            for a in tiny_assets.saes_for("tiny-llama")}
+    return {
+        a.name: services.sae_register_local(local_path=str(a.path), name=a.name)
+        for a in tiny_assets.saes_for("tiny-llama")
+    }
 
 
 @pytest.fixture
@@ -128,13 +132,27 @@ def mismatched_sae(tmp_path):
     folder = tmp_path / "sae-d32"
     folder.mkdir()
     rng = np.random.default_rng(0)
-    save_file({"W_enc": rng.standard_normal((32, 16), dtype=np.float32),
-               "W_dec": rng.standard_normal((16, 32), dtype=np.float32),
-               "b_enc": np.zeros(16, np.float32), "b_dec": np.zeros(32, np.float32)},
-              str(folder / "sae_weights.safetensors"))
-    (folder / "cfg.json").write_text(json.dumps({
-        "d_in": 32, "d_sae": 16, "architecture": "standard", "hook_name":
-        "blocks.1.hook_resid_post", "model_name": "elsewhere", "normalize_activations": "none"}))
+    save_file(
+        {
+            "W_enc": rng.standard_normal((32, 16), dtype=np.float32),
+            "W_dec": rng.standard_normal((16, 32), dtype=np.float32),
+            "b_enc": np.zeros(16, np.float32),
+            "b_dec": np.zeros(32, np.float32),
+        },
+        str(folder / "sae_weights.safetensors"),
+    )
+    (folder / "cfg.json").write_text(
+        json.dumps(
+            {
+                "d_in": 32,
+                "d_sae": 16,
+                "architecture": "standard",
+                "hook_name": "blocks.1.hook_resid_post",
+                "model_name": "elsewhere",
+                "normalize_activations": "none",
+            }
+        )
+    )
     return services.sae_register_local(local_path=str(folder), name="d32")
 
 

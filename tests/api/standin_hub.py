@@ -73,8 +73,7 @@ class StandInHub:
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name="standin-hub", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="standin-hub", daemon=True)
 
     @property
     def url(self) -> str:
@@ -101,10 +100,12 @@ class StandInHub:
         self.repos[repo.repo_id] = repo
         return repo
 
-    def add_directory(self, repo_id: str, root: Path, *, prefix: str = "",
-                      gated: bool = False, extra: dict[str, bytes] | None = None) -> Repo:
-        files = {f"{prefix}{p.relative_to(root).as_posix()}": p.read_bytes()
-                 for p in sorted(root.rglob("*")) if p.is_file()}
+    def add_directory(
+        self, repo_id: str, root: Path, *, prefix: str = "", gated: bool = False, extra: dict[str, bytes] | None = None
+    ) -> Repo:
+        files = {
+            f"{prefix}{p.relative_to(root).as_posix()}": p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()
+        }
         repo = self.repos.get(repo_id)
         if repo is None:
             config = {}
@@ -144,8 +145,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     # --- plumbing ---------------------------------------------------------------------
 
-    def _send(self, status: int, body: bytes = b"", headers: dict[str, str] | None = None,
-              *, head: bool = False) -> None:
+    def _send(
+        self, status: int, body: bytes = b"", headers: dict[str, str] | None = None, *, head: bool = False
+    ) -> None:
         self.send_response(status)
         for key, value in (headers or {}).items():
             self.send_header(key, value)
@@ -159,14 +161,14 @@ class _Handler(BaseHTTPRequestHandler):
         body = json.dumps(data).encode()
         self._send(status, body, {"Content-Type": "application/json", **(headers or {})})
 
-    def _error(self, status: int, code: str | None, message: str,
-               head: bool = False, extra: dict[str, str] | None = None) -> None:
+    def _error(
+        self, status: int, code: str | None, message: str, head: bool = False, extra: dict[str, str] | None = None
+    ) -> None:
         headers = {"Content-Type": "application/json", "X-Error-Message": message}
         if code:
             headers["X-Error-Code"] = code
         headers.update(extra or {})
-        self._send(status, b"" if head else json.dumps({"error": message}).encode(), headers,
-                   head=head)
+        self._send(status, b"" if head else json.dumps({"error": message}).encode(), headers, head=head)
 
     def _token(self) -> str | None:
         header = self.headers.get("Authorization")
@@ -175,8 +177,9 @@ class _Handler(BaseHTTPRequestHandler):
         return None
 
     def _record(self) -> None:
-        self.owner.record(Request(self.command, self.path, self.headers.get("Authorization"),
-                                  self.headers.get("Range")))
+        self.owner.record(
+            Request(self.command, self.path, self.headers.get("Authorization"), self.headers.get("Range"))
+        )
 
     # --- routes -----------------------------------------------------------------------
 
@@ -221,20 +224,28 @@ class _Handler(BaseHTTPRequestHandler):
                 entry["blobId"] = hashlib.sha1(data).hexdigest()
             siblings.append(entry)
         info: dict[str, Any] = {
-            "id": repo.repo_id, "modelId": repo.repo_id, "sha": repo.sha,
-            "private": False, "gated": "manual" if repo.gated else False,
-            "disabled": False, "downloads": 7, "likes": 3, "tags": ["test"],
-            "pipeline_tag": "text-generation", "library_name": "transformers",
-            "siblings": siblings, "cardData": {"license": "apache-2.0"},
+            "id": repo.repo_id,
+            "modelId": repo.repo_id,
+            "sha": repo.sha,
+            "private": False,
+            "gated": "manual" if repo.gated else False,
+            "disabled": False,
+            "downloads": 7,
+            "likes": 3,
+            "tags": ["test"],
+            "pipeline_tag": "text-generation",
+            "library_name": "transformers",
+            "siblings": siblings,
+            "cardData": {"license": "apache-2.0"},
             "lastModified": "2026-01-01T00:00:00.000Z",
             "createdAt": "2026-01-01T00:00:00.000Z",
         }
         if repo.config:
-            info["config"] = {k: repo.config[k] for k in ("architectures", "model_type",
-                                                           "auto_map") if k in repo.config}
+            info["config"] = {
+                k: repo.config[k] for k in ("architectures", "model_type", "auto_map") if k in repo.config
+            }
         if repo.parameter_count:
-            info["safetensors"] = {"parameters": {"F32": repo.parameter_count},
-                                   "total": repo.parameter_count}
+            info["safetensors"] = {"parameters": {"F32": repo.parameter_count}, "total": repo.parameter_count}
         self._json(200, info)
 
     def _resolve(self, *, head: bool) -> None:
@@ -258,8 +269,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(401, None, "Invalid credentials in Authorization header", head=head)
             return
         if repo.gated and token != VALID_TOKEN:
-            self._error(401, "GatedRepo", f"Access to model {repo.repo_id} is restricted.",
-                        head=head, extra=commit)
+            self._error(401, "GatedRepo", f"Access to model {repo.repo_id} is restricted.", head=head, extra=commit)
             return
         path = match["path"]
         data = repo.files.get(path)
@@ -267,8 +277,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "EntryNotFound", "Entry not found", head=head, extra=commit)
             return
         etag = f'"{hashlib.sha256(data).hexdigest()}"'
-        headers = {**commit, "ETag": etag, "Accept-Ranges": "bytes",
-                   "Content-Type": "application/octet-stream"}
+        headers = {**commit, "ETag": etag, "Accept-Ranges": "bytes", "Content-Type": "application/octet-stream"}
         if head:
             self._send(200, b"", {**headers, "Content-Length": str(len(data))}, head=True)
             return

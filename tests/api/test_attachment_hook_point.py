@@ -27,24 +27,22 @@ def test_the_hook_point_and_module_of_a_resid_pre_sae(api, engine_client, tiny_l
     assert run_job(tasks.model_load_task, load["job"]["id"]) == "succeeded"
 
     attached = ok(api.post(f"/api/saes/{sae_id}/attach", {"layer": 2}, format="json"))
-    assert (attached["hook_point"], attached["layer_module_path"]) == ("resid_pre",
-                                                                       "model.layers.1")
+    assert (attached["hook_point"], attached["layer_module_path"]) == ("resid_pre", "model.layers.1")
     row = Attachment.objects.get(sae_id=sae_id)
     assert (row.hook_point, row.layer_module_path) == ("resid_pre", "model.layers.1")
 
     entries = ok(api.get("/api/saes/attachments"))["entries"]
-    assert [(e["sae_id"], e["layer"], e["hook_point"], e["layer_module_path"])
-            for e in entries] == [(sae_id, 2, "resid_pre", "model.layers.1")]
+    assert [(e["sae_id"], e["layer"], e["hook_point"], e["layer_module_path"]) for e in entries] == [
+        (sae_id, 2, "resid_pre", "model.layers.1")
+    ]
     status = ok(api.get("/api/saes/attachment"))
-    assert (status["hook_point"], status["layer_module_path"]) == ("resid_pre",
-                                                                   "model.layers.1")
-    again = ok(api.post("/api/saes/attach-set",
-                        {"attachments": [{"sae_id": sae_id, "layer": 2}]}, format="json"))
-    assert [(a["status"], a["hook_point"]) for a in again["attachments"]] == [
-        ("already_attached", "resid_pre")]
+    assert (status["hook_point"], status["layer_module_path"]) == ("resid_pre", "model.layers.1")
+    again = ok(api.post("/api/saes/attach-set", {"attachments": [{"sae_id": sae_id, "layer": 2}]}, format="json"))
+    assert [(a["status"], a["hook_point"]) for a in again["attachments"]] == [("already_attached", "resid_pre")]
     health = ok(api.get("/api/health/detailed"))
-    assert [(a["sae_id"], a["hook_point"], a["layer_module_path"])
-            for a in health["attachments"]] == [(sae_id, "resid_pre", "model.layers.1")]
+    assert [(a["sae_id"], a["hook_point"], a["layer_module_path"]) for a in health["attachments"]] == [
+        (sae_id, "resid_pre", "model.layers.1")
+    ]
 
 
 def test_a_resid_post_sae_reports_its_own_block(api, engine_client, tiny_llama, tmp_path):
@@ -53,8 +51,6 @@ def test_a_resid_post_sae_reports_its_own_block(api, engine_client, tiny_llama, 
     load = ok(api.post(f"/api/models/{tiny_llama.id}/load"), 202)
     assert run_job(tasks.model_load_task, load["job"]["id"]) == "succeeded"
     attached = ok(api.post(f"/api/saes/{sae_id}/attach", {"layer": 1}, format="json"))
-    assert (attached["hook_point"], attached["layer_module_path"]) == ("resid_post",
-                                                                       "model.layers.1")
+    assert (attached["hook_point"], attached["layer_module_path"]) == ("resid_post", "model.layers.1")
     entries = ok(api.get("/api/saes/attachments"))["entries"]
-    assert [(e["hook_point"], e["layer_module_path"]) for e in entries] == [
-        ("resid_post", "model.layers.1")]
+    assert [(e["hook_point"], e["layer_module_path"]) for e in entries] == [("resid_post", "model.layers.1")]

@@ -50,8 +50,9 @@ def test_v1_refuses_in_openai_shape(api, keys):
     assert set(body) == {"error"}
     assert body["error"]["type"] == "authentication_error"
     assert body["error"]["code"] == "invalid_api_key"
-    response = api.post("/v1/chat/completions", {"model": "x", "messages": []}, format="json",
-                        HTTP_AUTHORIZATION="Bearer nope")
+    response = api.post(
+        "/v1/chat/completions", {"model": "x", "messages": []}, format="json", HTTP_AUTHORIZATION="Bearer nope"
+    )
     assert response.status_code == 401
     assert json.loads(response.content)["error"]["code"] == "invalid_api_key"
     assert api.get("/v1/models", HTTP_AUTHORIZATION=f"Bearer {KEY}").status_code == 200
@@ -85,10 +86,8 @@ def test_websocket_needs_the_key(keys):
 
     assert async_to_sync(attempt)("/ws/events") == (False, 4401)
     assert async_to_sync(attempt)("/ws/events?api_key=wrong") == (False, 4401)
-    assert async_to_sync(attempt)("/ws/events", [(b"authorization", b"Bearer wrong")]) == \
-        (False, 4401)
-    assert async_to_sync(attempt)("/ws/events", [(b"authorization",
-                                                  f"Bearer {KEY}".encode())])[0] is True
+    assert async_to_sync(attempt)("/ws/events", [(b"authorization", b"Bearer wrong")]) == (False, 4401)
+    assert async_to_sync(attempt)("/ws/events", [(b"authorization", f"Bearer {KEY}".encode())])[0] is True
     assert async_to_sync(attempt)(f"/ws/events?api_key={KEY}")[0] is True
 
 
@@ -114,8 +113,9 @@ def test_websocket_relays_events_without_keys(settings):
         assert connected
         from channels.layers import get_channel_layer
 
-        await get_channel_layer().group_send(events.GROUP, {
-            "type": "millm.event", "event": "sae:attached", "data": {"sae_id": "sae_x"}})
+        await get_channel_layer().group_send(
+            events.GROUP, {"type": "millm.event", "event": "sae:attached", "data": {"sae_id": "sae_x"}}
+        )
         message = await communicator.receive_json_from(timeout=5)
         await communicator.send_to(text_data="ignored, not even JSON")
         await communicator.disconnect()
@@ -143,14 +143,13 @@ def test_bind_host(settings):
 
 
 def test_keys_come_from_the_environment(run_manage, tmp_path):
-    code = ("from django.conf import settings; "
-            "print(len(settings.MILLM_API_KEYS), settings.MILLM_HOST_EXPLICIT)")
-    result = run_manage("shell", "-v", "0", "-c", code,
-                        env={"MILLM_DATA_DIR": str(tmp_path), "MILLM_API_KEYS": "a, b ,"})
+    code = "from django.conf import settings; print(len(settings.MILLM_API_KEYS), settings.MILLM_HOST_EXPLICIT)"
+    result = run_manage(
+        "shell", "-v", "0", "-c", code, env={"MILLM_DATA_DIR": str(tmp_path), "MILLM_API_KEYS": "a, b ,"}
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "2 False"
-    result = run_manage("check_config", env={"MILLM_DATA_DIR": str(tmp_path),
-                                             "MILLM_API_KEYS": "supersecret"})
+    result = run_manage("check_config", env={"MILLM_DATA_DIR": str(tmp_path), "MILLM_API_KEYS": "supersecret"})
     assert "MILLM_API_KEYS=(set)" in result.stdout and "supersecret" not in result.stdout
 
 
@@ -162,19 +161,17 @@ def test_inference_and_admin_keys(api, settings):
     ok(api.get("/api/models", HTTP_AUTHORIZATION="Bearer secret-a"))
     ok(api.get("/api/models", HTTP_AUTHORIZATION="Bearer bare-secret"))
     # the label is not a key
-    refused(api.get("/api/models", HTTP_AUTHORIZATION="Bearer alice:secret-a"), 401,
-            "UNAUTHORIZED")
-    error = refused(api.post("/api/saes/steering/enable", {}, format="json",
-                             HTTP_AUTHORIZATION="Bearer secret-a"), 403, "FORBIDDEN")
+    refused(api.get("/api/models", HTTP_AUTHORIZATION="Bearer alice:secret-a"), 401, "UNAUTHORIZED")
+    error = refused(
+        api.post("/api/saes/steering/enable", {}, format="json", HTTP_AUTHORIZATION="Bearer secret-a"), 403, "FORBIDDEN"
+    )
     assert "MILLM_ADMIN_API_KEYS" in error["message"] and "secret" not in error["message"]
-    refused(api.delete("/api/models/1", HTTP_AUTHORIZATION="Bearer bare-secret"), 403,
-            "FORBIDDEN")
+    refused(api.delete("/api/models/1", HTTP_AUTHORIZATION="Bearer bare-secret"), 403, "FORBIDDEN")
     # what it may change of its own reaches the view (404: there is no such capture)
     response = api.delete("/api/captures/cap_nope", HTTP_AUTHORIZATION="Bearer secret-a")
     assert response.status_code == 404
     # the admin key passes the gate (the view's own answer, not 401/403)
-    response = api.post("/api/saes/steering/enable", {}, format="json",
-                        HTTP_AUTHORIZATION="Bearer secret-r")
+    response = api.post("/api/saes/steering/enable", {}, format="json", HTTP_AUTHORIZATION="Bearer secret-r")
     assert response.status_code not in (401, 403)
     # /v1 takes both kinds
     assert api.get("/v1/models", HTTP_AUTHORIZATION="Bearer secret-a").status_code == 200
@@ -207,11 +204,15 @@ def test_an_owners_events_reach_only_its_sockets(settings):
             connected, _ = await sockets[name].connect(timeout=5)
             assert connected
         layer = get_channel_layer()
-        await layer.group_send(events.GROUP, {
-            "type": "millm.event", "event": "batch:progress",
-            "data": {"batch_id": "batch_a", events.OWNER_FIELD: "key:alice"}})
-        await layer.group_send(events.GROUP, {
-            "type": "millm.event", "event": "sae:attached", "data": {"sae_id": "s"}})
+        await layer.group_send(
+            events.GROUP,
+            {
+                "type": "millm.event",
+                "event": "batch:progress",
+                "data": {"batch_id": "batch_a", events.OWNER_FIELD: "key:alice"},
+            },
+        )
+        await layer.group_send(events.GROUP, {"type": "millm.event", "event": "sae:attached", "data": {"sae_id": "s"}})
         got = {}
         for name, socket in sockets.items():
             got[name] = [await socket.receive_json_from(timeout=5)]

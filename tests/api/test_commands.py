@@ -39,15 +39,13 @@ def test_download_model_gated_token_from_the_environment(hub, monkeypatch):
     with pytest.raises(CommandError, match="GATED_MODEL_NO_TOKEN"):
         _run("download_model", "millm-test/gated-llama", "--quantization", "FP32")
     monkeypatch.setenv("MY_HF", VALID_TOKEN)
-    out, _ = _run("download_model", "millm-test/gated-llama", "--quantization", "FP32",
-                  "--hf-token-env", "MY_HF")
+    out, _ = _run("download_model", "millm-test/gated-llama", "--quantization", "FP32", "--hf-token-env", "MY_HF")
     assert Model.objects.get(repo_id="millm-test/gated-llama").status == "ready"
     assert VALID_TOKEN not in out
 
 
 def test_download_model_local(tiny_assets):
-    out, _ = _run("download_model", "--local", str(tiny_assets.models["tiny-gpt2"].path),
-                  "--quantization", "FP32")
+    out, _ = _run("download_model", "--local", str(tiny_assets.models["tiny-gpt2"].path), "--quantization", "FP32")
     assert Model.objects.get(name="tiny-gpt2").source == "local" and "Registered" in out
     with pytest.raises(CommandError, match="INVALID_LOCAL_PATH"):
         _run("download_model", "--local", "/etc")
@@ -64,15 +62,20 @@ def test_download_sae(hub):
 
 
 def test_engine_commands_point_at_the_api_in_embedded_mode(tiny_llama):
-    for args in (("load_model", "tiny-llama"), ("unload_model", "tiny-llama"),
-                 ("attach_sae", "sae_x", "1"), ("detach_sae", "sae_x")):
+    for args in (
+        ("load_model", "tiny-llama"),
+        ("unload_model", "tiny-llama"),
+        ("attach_sae", "sae_x", "1"),
+        ("detach_sae", "sae_x"),
+    ):
         with pytest.raises(CommandError, match="Embedded mode"):
             _run(*args)
     assert Model.objects.get(pk=tiny_llama.id).status == "ready"
 
 
 def test_engine_commands_call_the_services_where_the_engine_is_reachable(
-        settings, engine_client, tiny_llama, llama_saes, tiny_assets, tmp_path):
+    settings, engine_client, tiny_llama, llama_saes, tiny_assets, tmp_path
+):
     settings.EMBEDDED = False  # as in distributed mode, where run_engine is reachable
     out, _ = _run("load_model", "tiny-llama")
     assert "Loaded tiny-llama on cpu" in out
@@ -86,13 +89,11 @@ def test_engine_commands_call_the_services_where_the_engine_is_reachable(
     # answered with this model's activations under that name
     from registry import services as registry_services
 
-    registry_services.model_register_local(
-        local_path=str(tiny_assets.models["tiny-gpt2"].path), name="tiny-gpt2")
+    registry_services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path), name="tiny-gpt2")
     prompts = tmp_path / "capture-prompts.jsonl"
     prompts.write_text('{"prompt": "hi"}\n')
     with pytest.raises(CommandError, match="the engine holds tiny-llama, not tiny-gpt2"):
-        _run("capture", "tiny-gpt2", "--input", str(prompts), "--out", str(tmp_path / "caps"),
-             "--layers", "0")
+        _run("capture", "tiny-gpt2", "--input", str(prompts), "--out", str(tmp_path / "caps"), "--layers", "0")
     _run("unload_model", str(tiny_llama.id))
     assert Model.objects.get(pk=tiny_llama.id).status == "ready"
     with pytest.raises(CommandError, match="MODEL_NOT_FOUND"):
@@ -136,8 +137,7 @@ def test_check_config_lists_the_new_variables(run_manage, tmp_path):
         assert name in result.stdout
 
 
-def test_capture_command_writes_one_artifact_per_prompt_offline(tiny_llama, tiny_assets, tmp_path,
-                                                                settings):
+def test_capture_command_writes_one_artifact_per_prompt_offline(tiny_llama, tiny_assets, tmp_path, settings):
     """manage.py capture (embedded: its own engine in this process) writes each prompt's
     capture; the rows equal a float32 forward of the same weights made here."""
     import json
@@ -150,11 +150,24 @@ def test_capture_command_writes_one_artifact_per_prompt_offline(tiny_llama, tiny
 
     settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = "cpu", "float32"
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"id": "a", "prompt": "the sea and the sky"}\n\n'
-                       '{"prompt": "a quick brown fox", "max_tokens": 3}\n')
+    prompts.write_text(
+        '{"id": "a", "prompt": "the sea and the sky"}\n\n{"prompt": "a quick brown fox", "max_tokens": 3}\n'
+    )
     out_dir = tmp_path / "caps"
-    out, _ = _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(out_dir),
-                  "--layers", "0,2", "--positions", "prompt", "--max-tokens", "4")
+    out, _ = _run(
+        "capture",
+        "tiny-llama",
+        "--input",
+        str(prompts),
+        "--out",
+        str(out_dir),
+        "--layers",
+        "0,2",
+        "--positions",
+        "prompt",
+        "--max-tokens",
+        "4",
+    )
     assert "2 capture(s) written" in out
     index = [json.loads(line) for line in (out_dir / "index.jsonl").read_text().splitlines()]
     assert [(r["line"], r["id"]) for r in index] == [(1, "a"), (3, None)]
@@ -177,22 +190,27 @@ def test_capture_command_writes_one_artifact_per_prompt_offline(tiny_llama, tiny
     with pytest.raises(CommandError, match="line 2: give exactly one of prompt, messages"):
         _run("capture", "tiny-llama", "--input", str(bad), "--out", str(out_dir), "--layers", "0")
     with pytest.raises(CommandError, match="invalid_parameter"):
-        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(out_dir),
-             "--layers", "0", "--positions", "middle")
+        _run(
+            "capture",
+            "tiny-llama",
+            "--input",
+            str(prompts),
+            "--out",
+            str(out_dir),
+            "--layers",
+            "0",
+            "--positions",
+            "middle",
+        )
     # refused before anything runs: no folder made, no weights loaded, one line each
     fresh = tmp_path / "never-made"
     num_layers = Model.objects.get(pk=tiny_llama.id).num_layers
-    with pytest.raises(CommandError, match=f"--layers: tiny-llama has layers 0-{num_layers - 1}"
-                                           f", not {num_layers}"):
-        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(fresh),
-             "--layers", f"0,{num_layers}")
+    with pytest.raises(CommandError, match=f"--layers: tiny-llama has layers 0-{num_layers - 1}, not {num_layers}"):
+        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(fresh), "--layers", f"0,{num_layers}")
     with pytest.raises(CommandError, match="--attention-layers"):
-        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(fresh),
-             "--attention-layers", "99")
+        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(fresh), "--attention-layers", "99")
     with pytest.raises(CommandError, match="invalid_parameter"):
-        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(fresh),
-             "--positions", "middle")
+        _run("capture", "tiny-llama", "--input", str(prompts), "--out", str(fresh), "--positions", "middle")
     assert not fresh.exists()
     with pytest.raises(CommandError, match="cannot create it"):
-        _run("capture", "tiny-llama", "--input", str(prompts), "--out", "/proc/no/such",
-             "--layers", "0")
+        _run("capture", "tiny-llama", "--input", str(prompts), "--out", "/proc/no/such", "--layers", "0")

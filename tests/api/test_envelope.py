@@ -33,38 +33,38 @@ def test_method_not_allowed(api):
 
 
 def test_validation_errors_are_422_with_the_field_errors(api):
-    error = refused(api.post("/api/saes/download", {"repository_id": "no-slash",
-                                                    "revision": 7 * "x" * 20}, format="json"),
-                    422, "VALIDATION_ERROR")
+    error = refused(
+        api.post("/api/saes/download", {"repository_id": "no-slash", "revision": 7 * "x" * 20}, format="json"),
+        422,
+        "VALIDATION_ERROR",
+    )
     fields = error["details"]["fields"]
     assert set(fields) == {"repository_id", "revision"}
     assert all(isinstance(v, list) and v for v in fields.values())
 
-    error = refused(api.post("/api/saes/sae_0123/attach", {"layer": -1}, format="json"),
-                    422, "VALIDATION_ERROR")
+    error = refused(api.post("/api/saes/sae_0123/attach", {"layer": -1}, format="json"), 422, "VALIDATION_ERROR")
     assert "layer" in error["details"]["fields"]
-    error = refused(api.post("/api/saes/attach-set", {"attachments": []}, format="json"),
-                    422, "VALIDATION_ERROR")
+    error = refused(api.post("/api/saes/attach-set", {"attachments": []}, format="json"), 422, "VALIDATION_ERROR")
     assert "attachments" in error["details"]["fields"]
 
 
 def test_a_body_that_is_not_json_is_a_validation_error(api):
-    error = refused(api.post("/api/models", "{not json", content_type="application/json"),
-                    422, "VALIDATION_ERROR")
+    error = refused(api.post("/api/models", "{not json", content_type="application/json"), 422, "VALIDATION_ERROR")
     assert "body" in error["details"]["fields"]
-    refused(api.post("/api/models", "a=b", content_type="application/x-www-form-urlencoded"),
-            415, "UNSUPPORTED_MEDIA_TYPE")
+    refused(
+        api.post("/api/models", "a=b", content_type="application/x-www-form-urlencoded"), 415, "UNSUPPORTED_MEDIA_TYPE"
+    )
 
 
 def test_a_body_too_large_or_too_deep_is_refused_not_a_500(api, settings):
     deep = "[" * 100_000 + "]" * 100_000
-    error = refused(api.post("/api/saes/steering", deep, content_type="application/json"),
-                    422, "VALIDATION_ERROR")
+    error = refused(api.post("/api/saes/steering", deep, content_type="application/json"), 422, "VALIDATION_ERROR")
     assert error["details"]["fields"] == {"body": ["nested too deeply"]}
     settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
     big = '{"steering": {"1": 1.0}, "pad": "' + "x" * 2000 + '"}'
-    error = refused(api.post("/api/saes/steering/batch", big, content_type="application/json"),
-                    413, "PAYLOAD_TOO_LARGE")
+    error = refused(
+        api.post("/api/saes/steering/batch", big, content_type="application/json"), 413, "PAYLOAD_TOO_LARGE"
+    )
     assert error["details"] == {"limit_bytes": 1000}
 
 
@@ -107,8 +107,7 @@ def test_every_503_carries_retry_after(api, monkeypatch, settings, caplog):
 
 
 def test_error_body_shape_is_the_same_for_every_refusal(api):
-    for response in (api.get("/api/models/12345"), api.get("/api/saes/sae_missing"),
-                     api.get("/api/jobs/999")):
+    for response in (api.get("/api/models/12345"), api.get("/api/saes/sae_missing"), api.get("/api/jobs/999")):
         data = body(response)
         assert set(data) == {"success", "data", "error"}
         assert data["success"] is False and data["data"] is None

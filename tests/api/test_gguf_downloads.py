@@ -24,17 +24,23 @@ GGUF_REPO = "millm-test/tiny-gguf"
 @pytest.fixture
 def gguf_repo(hub, tiny_gguf):
     data = tiny_gguf.read_bytes()
-    hub.add_repo(Repo(GGUF_REPO, {"tiny-llama.F32.gguf": data,
-                                  "tiny-llama-Q8_0-00001-of-00002.gguf": b"part one",
-                                  "tiny-llama-Q8_0-00002-of-00002.gguf": b"part two",
-                                  "README.md": b"# gguf\n"}))
+    hub.add_repo(
+        Repo(
+            GGUF_REPO,
+            {
+                "tiny-llama.F32.gguf": data,
+                "tiny-llama-Q8_0-00001-of-00002.gguf": b"part one",
+                "tiny-llama-Q8_0-00002-of-00002.gguf": b"part two",
+                "README.md": b"# gguf\n",
+            },
+        )
+    )
     yield hub
     hub.repos.pop(GGUF_REPO, None)
 
 
 def _download(api, repo_id: str, **extra):
-    return api.post("/api/models", {"source": "huggingface", "repo_id": repo_id, **extra},
-                    format="json")
+    return api.post("/api/models", {"source": "huggingface", "repo_id": repo_id, **extra}, format="json")
 
 
 def test_a_bare_name_over_several_quantizations_is_ambiguous(api, gguf_repo):
@@ -44,31 +50,28 @@ def test_a_bare_name_over_several_quantizations_is_ambiguous(api, gguf_repo):
     assert not Model.objects.exists()
 
 
-def test_repo_quant_downloads_that_file_and_loads_on_llamacpp(api, gguf_repo, engine_client,
-                                                                tiny_gguf):
+def test_repo_quant_downloads_that_file_and_loads_on_llamacpp(api, gguf_repo, engine_client, tiny_gguf):
     data = ok(_download(api, f"{GGUF_REPO}:f32"), 202)
     model = data["model"]
     assert model["name"] == "tiny-gguf:F32" and model["quantization"] == "FP32"
     assert tasks.model_download_task(data["job"]["id"]) == "succeeded"
     row = Model.objects.get(pk=model["id"])
-    assert (row.status, row.format, row.gguf_file, row.backend) == (
-        "ready", "gguf", "tiny-llama.F32.gguf", "")
+    assert (row.status, row.format, row.gguf_file, row.backend) == ("ready", "gguf", "tiny-llama.F32.gguf", "")
     assert Path(row.local_path).read_bytes() == tiny_gguf.read_bytes()
     assert row.num_layers == 4 and row.hidden_size == 64
     fetched = {r.path.rsplit("/", 1)[-1] for r in gguf_repo.requests if "/resolve/" in r.path}
     assert fetched == {"tiny-llama.F32.gguf"}  # not the other quantization's parts
     # a split quantization: every part, first part first
     data = ok(_download(api, f"{GGUF_REPO}:Q8_0"), 202)
-    assert Model.objects.get(pk=data["model"]["id"]).gguf_file == \
-        "tiny-llama-Q8_0-00001-of-00002.gguf"
+    assert Model.objects.get(pk=data["model"]["id"]).gguf_file == "tiny-llama-Q8_0-00001-of-00002.gguf"
     # loads with no backend named: GGUF means llamacpp
     load = ok(api.post(f"/api/models/{row.id}/load"), 202)
     assert run_job(orchestration_tasks.model_load_task, load["job"]["id"]) == "succeeded"
     status = engine_client.status()
     assert (status.backend, status.model_id) == ("llamacpp", "tiny-gguf:F32")
     out = engine_client.engine.generate_sync(
-        GenerationJob("g", prompt="the cat",
-                      sampling=SamplingParams(max_tokens=3, ignore_eos=True)))
+        GenerationJob("g", prompt="the cat", sampling=SamplingParams(max_tokens=3, ignore_eos=True))
+    )
     assert out.usage.completion_tokens == 3
 
 
@@ -77,11 +80,19 @@ def test_a_local_gguf_takes_its_files_quantization(api, tiny_gguf):
     the form's default FP16 gives way to it, a quantized level the file does not have is
     400 UNSUPPORTED_QUANTIZATION (llama.cpp does not quantize at load), and nothing is
     registered."""
-    made = ok(api.post("/api/models", {"source": "local", "local_path": str(tiny_gguf),
-                                       "custom_name": "g1"}, format="json"), 201)
+    made = ok(
+        api.post("/api/models", {"source": "local", "local_path": str(tiny_gguf), "custom_name": "g1"}, format="json"),
+        201,
+    )
     assert (made["model"]["format"], made["model"]["quantization"]) == ("gguf", "FP32")
-    error = refused(api.post("/api/models", {"source": "local", "local_path": str(tiny_gguf),
-                                             "custom_name": "g2", "quantization": "Q4"},
-                             format="json"), 400, "UNSUPPORTED_QUANTIZATION")
+    error = refused(
+        api.post(
+            "/api/models",
+            {"source": "local", "local_path": str(tiny_gguf), "custom_name": "g2", "quantization": "Q4"},
+            format="json",
+        ),
+        400,
+        "UNSUPPORTED_QUANTIZATION",
+    )
     assert error["details"]["file_quantization"] == "FP32"
     assert not Model.objects.filter(name="g2").exists()

@@ -26,8 +26,7 @@ def test_ready_without_a_model(api, engine_client):
     assert data["checks"] == {"database": True, "engine": True, "no_model_transition": True}
 
 
-def test_not_ready_until_the_auto_load_model_is_resident(api, engine_client, settings,
-                                                         tiny_llama):
+def test_not_ready_until_the_auto_load_model_is_resident(api, engine_client, settings, tiny_llama):
 
     settings.AUTO_LOAD_MODEL = "tiny-llama"
     response = api.get("/api/health/ready")
@@ -75,8 +74,7 @@ def test_detailed(api, engine_client, tiny_llama, llama_saes):
     assert data["sae_attached"] is True
     assert data["attachments"][0]["layer_module_path"] == "model.layers.1"
     inference = data["inference"]
-    for key in ("pending", "in_flight", "waiting", "estimated_wait_seconds", "slots",
-                "max_pending", "backend"):
+    for key in ("pending", "in_flight", "waiting", "estimated_wait_seconds", "slots", "max_pending", "backend"):
         assert key in inference, key
     assert inference["in_flight"] == 0 and inference["waiting"] == 0
     assert data["lease"] is None  # no lease held (tests/documents/test_leases.py fills it)
@@ -94,8 +92,7 @@ def test_inference(api, engine_client, settings):
 
 
 @pytest.mark.parametrize("pack, kernels", [(True, "onednn_packed"), (False, "default")])
-def test_inference_reports_the_kernels_the_pack_setting_chose(api, engine_client, tiny_llama, settings,
-                                                              pack, kernels):
+def test_inference_reports_the_kernels_the_pack_setting_chose(api, engine_client, tiny_llama, settings, pack, kernels):
 
     assert ok(api.get("/api/health/inference"))["kernels"] is None  # nothing loaded yet
     settings.MILLM_ENGINE_PACK_WEIGHTS = pack
@@ -135,21 +132,24 @@ def test_inference_reports_the_fused_kernels_setting(api, engine_client, tiny_ll
     assert caps["fused_cpu_kernels_reason"] == (None if fused is None else "off (fused_cpu_kernels)")
 
 
-@pytest.mark.parametrize("compile_setting, kv, compiled, kv_in_force", [
-    (None, "dynamic", False, "dynamic"),  # auto: not on the CPU
-    (None, "static", False, "static"),
-    (True, "dynamic", True, "static"),  # a compiled model decodes with the static cache
-])
+@pytest.mark.parametrize(
+    "compile_setting, kv, compiled, kv_in_force",
+    [
+        (None, "dynamic", False, "dynamic"),  # auto: not on the CPU
+        (None, "static", False, "static"),
+        (True, "dynamic", True, "static"),  # a compiled model decodes with the static cache
+    ],
+)
 def test_inference_reports_compile_and_kv_cache_as_the_settings_chose(
-        api, engine_client, tiny_llama, settings, compile_setting, kv, compiled, kv_in_force):
+    api, engine_client, tiny_llama, settings, compile_setting, kv, compiled, kv_in_force
+):
     settings.TORCH_COMPILE, settings.KV_CACHE_MODE = compile_setting, kv
     orchestration_services.model_load(model=tiny_llama)
     caps = ok(api.get("/api/health/inference"))["capabilities"]
     assert (caps["torch_compile"], caps["kv_cache_mode"]) == (compiled, kv_in_force)
     text = api.get("/api/health/metrics/prometheus", HTTP_ACCEPT="text/plain").content.decode()
     if compiled:  # nothing generated yet: nothing compiled (the first decode step compiles)
-        assert caps["torch_compile_status"] == {"mode": settings.TORCH_COMPILE_MODE, "compiles": 0,
-                                                "cache_resets": 0}
+        assert caps["torch_compile_status"] == {"mode": settings.TORCH_COMPILE_MODE, "compiles": 0, "cache_resets": 0}
         assert "millm_torch_compile_graphs_total 0.0" in text
     else:
         assert caps["torch_compile_status"] is None and "millm_torch_compile_graphs" not in text
@@ -192,15 +192,17 @@ def test_metrics_json_and_prometheus(api, engine_client, tiny_llama, llama_saes)
     assert _grown(before["refusals"], data["refusals"]) == {"model_locked": 1}
     assert data["requests"]["by_code"]["404"] >= 1
     assert data["requests"]["total"] == before["requests"]["total"] + 3  # + the first read
-    assert data["steering_apply_count"] == [{"sae_id": sae.id, "layer": 1,
-                                             "steering_apply_count": 0}]
+    assert data["steering_apply_count"] == [{"sae_id": sae.id, "layer": 1, "steering_apply_count": 0}]
     assert data["model_loaded"] is True and "waiting" in data["queue"]
 
     response = api.get("/api/health/metrics/prometheus", HTTP_ACCEPT="text/plain")
     assert response.status_code == 200 and response["Content-Type"].startswith("text/plain")
     text = response.content.decode()
-    assert re.search(r'millm_http_requests_total\{code="404",method="GET",'
-                     r'route="api/models/<int:model_id>",surface="api"\} \d', text)
+    assert re.search(
+        r'millm_http_requests_total\{code="404",method="GET",'
+        r'route="api/models/<int:model_id>",surface="api"\} \d',
+        text,
+    )
     assert re.search(r"millm_queue_depth \d", text)
     assert re.search(r'millm_refusals_total\{reason="model_locked"\} \d', text)
     assert f'millm_steering_apply_count{{layer="1",sae_id="{sae.id}"}} 0.0' in text
@@ -209,8 +211,7 @@ def test_metrics_json_and_prometheus(api, engine_client, tiny_llama, llama_saes)
     assert 'millm_circuit_open{name="huggingface"} 0.0' in text
 
 
-def test_refusals_count_each_refused_answer_once(api, engine_client, settings, monkeypatch,
-                                                 tiny_llama):
+def test_refusals_count_each_refused_answer_once(api, engine_client, settings, monkeypatch, tiny_llama):
     from core.errors import ModelBusy
     from registry import selectors
 
@@ -227,8 +228,7 @@ def test_refusals_count_each_refused_answer_once(api, engine_client, settings, m
 
     monkeypatch.setattr(selectors, "model_list", busy)
     refused(api.get("/api/models"), 503, "MODEL_BUSY")
-    refused(api.post("/api/saes/attach-set", {"attachments": []}, format="json"), 422,
-            "VALIDATION_ERROR")
+    refused(api.post("/api/saes/attach-set", {"attachments": []}, format="json"), 422, "VALIDATION_ERROR")
     assert _grown(before, _metrics(api)["refusals"]) == {"unauthorized": 2, "model_busy": 1}
 
 
@@ -241,7 +241,13 @@ def test_circuits(api, hub):
     data = ok(api.get("/api/health/circuits"))
     assert data["total"] == 1
     circuit = data["circuits"][0]
-    assert circuit == {"name": "huggingface", "state": "closed", "is_open": False,
-                       "failure_count": 0, "fail_max": circuit["fail_max"],
-                       "reset_timeout_seconds": circuit["reset_timeout_seconds"],
-                       "opened_at": None, "retry_after_seconds": None}
+    assert circuit == {
+        "name": "huggingface",
+        "state": "closed",
+        "is_open": False,
+        "failure_count": 0,
+        "fail_max": circuit["fail_max"],
+        "reset_timeout_seconds": circuit["reset_timeout_seconds"],
+        "opened_at": None,
+        "retry_after_seconds": None,
+    }

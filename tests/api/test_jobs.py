@@ -11,9 +11,12 @@ pytestmark = pytest.mark.django_db
 
 
 def test_list_detail_and_cancel(api, hub, tiny_llama):
-    download = ok(api.post("/api/models", {"repo_id": MODEL_REPO, "quantization": "FP32",
-                                           "custom_name": "hub-copy"},
-                           format="json"), 202)
+    download = ok(
+        api.post(
+            "/api/models", {"repo_id": MODEL_REPO, "quantization": "FP32", "custom_name": "hub-copy"}, format="json"
+        ),
+        202,
+    )
     load = ok(api.post(f"/api/models/{tiny_llama.id}/load"), 202)
     listed = ok(api.get("/api/jobs"))
     assert listed["total"] == 2
@@ -25,8 +28,10 @@ def test_list_detail_and_cancel(api, hub, tiny_llama):
 
     detail = ok(api.get(f"/api/jobs/{download['job']['id']}"))
     assert (detail["kind"], detail["model_id"], detail["bytes_total"]) == (
-        "model_download", download["model"]["id"], Job.objects.get(
-            pk=download["job"]["id"]).bytes_total)
+        "model_download",
+        download["model"]["id"],
+        Job.objects.get(pk=download["job"]["id"]).bytes_total,
+    )
 
     # cancelling a download job through /api/jobs is the model's cancel
     cancelled = ok(api.post(f"/api/jobs/{download['job']['id']}/cancel"))

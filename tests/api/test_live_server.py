@@ -34,8 +34,9 @@ class Served:
     process: subprocess.Popen
     log: Path
 
-    def call(self, method: str, path: str, body: dict | None = None, *, key: bool = True,
-             timeout: float = 30) -> tuple[int, dict, dict]:
+    def call(
+        self, method: str, path: str, body: dict | None = None, *, key: bool = True, timeout: float = 30
+    ) -> tuple[int, dict, dict]:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method=method)
         request.add_header("Content-Type", "application/json")
@@ -58,16 +59,21 @@ def served(django_db_setup, django_db_blocker, standin_hub, tiny_assets, tmp_pat
     from registry.models import SAE, Attachment, Job, Model
 
     with django_db_blocker.unblock():
-        services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
-                                      name="auto-gpt2")
+        services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path), name="auto-gpt2")
     root = tmp_path_factory.mktemp("served")
     env = {
         "SECRET_KEY": "live-server-secret-key-0123456789abcdef",
-        "MILLM_DATA_DIR": str(root), "MODEL_CACHE_DIR": str(root / "models"),
-        "SAE_CACHE_DIR": str(root / "saes"), "HF_ENDPOINT": standin_hub.url,
-        "MILLM_ADMIN_API_KEYS": KEY, "AUTO_LOAD_MODEL": "auto-gpt2",
-        "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32",
-        "LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1",
+        "MILLM_DATA_DIR": str(root),
+        "MODEL_CACHE_DIR": str(root / "models"),
+        "SAE_CACHE_DIR": str(root / "saes"),
+        "HF_ENDPOINT": standin_hub.url,
+        "MILLM_ADMIN_API_KEYS": KEY,
+        "AUTO_LOAD_MODEL": "auto-gpt2",
+        "MILLM_ENGINE_DEVICE": "cpu",
+        "MILLM_ENGINE_DTYPE": "float32",
+        "LOG_LEVEL": "WARNING",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "OMP_NUM_THREADS": "1",
     }
     try:
         with served_process(root, env) as serving:
@@ -99,8 +105,7 @@ def test_auto_load_and_readiness(served):
     assert body["data"]["model_name"] == "auto-gpt2" and body["data"]["ready"] is True
     # until then, what was missing was the start-up load (not yet resident, or its job not
     # yet recorded)
-    assert all(checks["auto_load_model"] is False or checks["no_model_transition"] is False
-               for checks in not_ready)
+    assert all(checks["auto_load_model"] is False or checks["no_model_transition"] is False for checks in not_ready)
     assert all(checks["database"] and checks["engine"] for checks in not_ready)
     status, listing, _ = served.call("GET", "/api/models")
     assert status == 200
@@ -135,15 +140,19 @@ def _events_until(ws, done, timeout_s: float = 90) -> list[tuple[str, dict]]:
 
 
 def test_download_and_load_progress_over_a_real_websocket(served):
-    with connect(served.ws_url, additional_headers={"Authorization": f"Bearer {KEY}"},
-                 open_timeout=10) as ws:
-        status, body, _ = served.call("POST", "/api/models", {
-            "repo_id": MODEL_REPO, "quantization": "FP32", "custom_name": "live-llama"})
+    with connect(served.ws_url, additional_headers={"Authorization": f"Bearer {KEY}"}, open_timeout=10) as ws:
+        status, body, _ = served.call(
+            "POST", "/api/models", {"repo_id": MODEL_REPO, "quantization": "FP32", "custom_name": "live-llama"}
+        )
         assert status == 202, body
         model_id, job_id = body["data"]["model"]["id"], body["data"]["job"]["id"]
 
-        events = _events_until(ws, lambda name, data: name.startswith("model:download:")
-                               and not name.endswith("progress") and data["job_id"] == job_id)
+        events = _events_until(
+            ws,
+            lambda name, data: (
+                name.startswith("model:download:") and not name.endswith("progress") and data["job_id"] == job_id
+            ),
+        )
         mine = [(n, d) for n, d in events if d.get("job_id") == job_id]
         assert mine[-1][0] == "model:download:complete"
         progress = [d for n, d in mine if n == "model:download:progress"]
@@ -162,17 +171,17 @@ def test_download_and_load_progress_over_a_real_websocket(served):
         status, body, _ = served.call("POST", f"/api/models/{model_id}/load")
         assert status == 202, body
         load_job = body["data"]["job"]["id"]
-        events = _events_until(ws, lambda name, data: name in (
-            "model:load:complete", "model:load:error") and data.get("job_id") == load_job)
+        events = _events_until(
+            ws,
+            lambda name, data: name in ("model:load:complete", "model:load:error") and data.get("job_id") == load_job,
+        )
         names = [n for n, d in events if d.get("job_id") == load_job]
         assert names[-1] == "model:load:complete"
         assert names[:-1] and set(names[:-1]) == {"model:load:progress"}
-        percents = [d["percent"] for n, d in events if n == "model:load:progress"
-                    and d.get("job_id") == load_job]
+        percents = [d["percent"] for n, d in events if n == "model:load:progress" and d.get("job_id") == load_job]
         assert percents == sorted(percents)
         # the auto-loaded model made room for it
-        assert any(n == "model:unload:complete" and d["reason"] == "replaced"
-                   for n, d in events)
+        assert any(n == "model:unload:complete" and d["reason"] == "replaced" for n, d in events)
 
     status, model, _ = served.call("GET", f"/api/models/{model_id}")
     assert (model["data"]["status"], model["data"]["device"]) == ("loaded", "cpu")

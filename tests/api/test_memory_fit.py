@@ -68,12 +68,12 @@ def _numel(shape) -> int:
 
 
 def test_a_load_that_does_not_fit_the_hosts_memory_is_refused_before_anything_moves(
-        api, engine_client, long_window_llama, settings):
+    api, engine_client, long_window_llama, settings
+):
     weights, kv = checkpoint(long_window_llama)
     # twice what the host has free, in KV cache alone
     settings.TRANSFORMERS_MIN_CONTEXT = 2 * mem_available() // kv
-    error = refused(api.post(f"/api/models/{long_window_llama.id}/load"), 507,
-                    "INSUFFICIENT_MEMORY")
+    error = refused(api.post(f"/api/models/{long_window_llama.id}/load"), 507, "INSUFFICIENT_MEMORY")
     d = error["details"]
     expected = weights + kv * settings.TRANSFORMERS_MIN_CONTEXT
     assert d["needed_mb"] == round(expected / MB)
@@ -98,8 +98,7 @@ def test_a_load_that_does_not_fit_the_hosts_memory_is_refused_before_anything_mo
     assert memory["idle_releases"] == 0
 
 
-def test_the_load_job_decides_again_with_what_is_free_when_it_runs(
-        api, engine_client, long_window_llama, settings):
+def test_the_load_job_decides_again_with_what_is_free_when_it_runs(api, engine_client, long_window_llama, settings):
     data = ok(api.post(f"/api/models/{long_window_llama.id}/load"), 202)
     # between the request and the job, the room needed grows past what the host has
     _, kv = checkpoint(long_window_llama)
@@ -111,8 +110,7 @@ def test_the_load_job_decides_again_with_what_is_free_when_it_runs(
     assert engine_client.status().state == "empty"
 
 
-def test_an_sae_attach_keeps_the_kv_room_free(api, engine_client, long_window_llama,
-                                              llama_saes, settings, published):
+def test_an_sae_attach_keeps_the_kv_room_free(api, engine_client, long_window_llama, llama_saes, settings, published):
     settings.TRANSFORMERS_MIN_CONTEXT = 4096
     data = ok(api.post(f"/api/models/{long_window_llama.id}/load"), 202)
     assert run_job(tasks.model_load_task, data["job"]["id"]) == "succeeded"
@@ -121,8 +119,7 @@ def test_an_sae_attach_keeps_the_kv_room_free(api, engine_client, long_window_ll
     # the model is resident; leaving the KV room of this many tokens would take more than
     # the host has free
     settings.TRANSFORMERS_MIN_CONTEXT = 2 * mem_available() // kv
-    error = refused(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"),
-                    507, "INSUFFICIENT_MEMORY")
+    error = refused(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"), 507, "INSUFFICIENT_MEMORY")
     d = error["details"]
     assert d["sae_ids"] == [sae.id]
     assert d["kv_cache_mb"] == round(kv * settings.TRANSFORMERS_MIN_CONTEXT / MB)

@@ -19,24 +19,49 @@ from tests.api.standin_hub import VALID_TOKEN
 
 pytestmark = pytest.mark.django_db
 
-DOCUMENTED_FIELDS = {"id", "name", "source", "repo_id", "quantization", "params",
-                     "architecture", "disk_size_mb", "estimated_memory_mb", "status", "locked",
-                     "device", "dtype", "loaded_at"}
+DOCUMENTED_FIELDS = {
+    "id",
+    "name",
+    "source",
+    "repo_id",
+    "quantization",
+    "params",
+    "architecture",
+    "disk_size_mb",
+    "estimated_memory_mb",
+    "status",
+    "locked",
+    "device",
+    "dtype",
+    "loaded_at",
+}
 
 
 def _start_download(api, **extra) -> tuple[dict, dict]:
-    data = ok(api.post("/api/models", {"source": "huggingface", "repo_id": MODEL_REPO,
-                                       "quantization": "FP32", **extra}, format="json"), 202)
+    data = ok(
+        api.post(
+            "/api/models",
+            {"source": "huggingface", "repo_id": MODEL_REPO, "quantization": "FP32", **extra},
+            format="json",
+        ),
+        202,
+    )
     return data["model"], data["job"]
 
 
 # --- local registration ------------------------------------------------------------------
 
+
 def test_register_a_local_checkpoint(api, tiny_assets):
     path = tiny_assets.models["tiny-llama"].path
-    data = ok(api.post("/api/models", {"source": "local", "local_path": str(path),
-                                       "custom_name": "my-llama", "quantization": "FP32"},
-                       format="json"), 201)
+    data = ok(
+        api.post(
+            "/api/models",
+            {"source": "local", "local_path": str(path), "custom_name": "my-llama", "quantization": "FP32"},
+            format="json",
+        ),
+        201,
+    )
     model = data["model"]
     assert DOCUMENTED_FIELDS <= set(model)
     assert (model["name"], model["source"], model["status"]) == ("my-llama", "local", "ready")
@@ -45,27 +70,27 @@ def test_register_a_local_checkpoint(api, tiny_assets):
     row = Model.objects.get(pk=model["id"])
     assert (row.name, row.local_path, row.status) == ("my-llama", str(path.resolve()), "ready")
     # the same name twice is refused
-    refused(api.post("/api/models", {"source": "local", "local_path": str(path),
-                                     "custom_name": "my-llama"}, format="json"),
-            409, "MODEL_ALREADY_EXISTS")
+    refused(
+        api.post("/api/models", {"source": "local", "local_path": str(path), "custom_name": "my-llama"}, format="json"),
+        409,
+        "MODEL_ALREADY_EXISTS",
+    )
 
 
-@pytest.mark.parametrize("path", ["/etc", "/usr/lib", "relative/dir", "/nonexistent/dir",
-                                  "/proc/self"])
+@pytest.mark.parametrize("path", ["/etc", "/usr/lib", "relative/dir", "/nonexistent/dir", "/proc/self"])
 def test_local_paths_refused(api, path):
-    error = refused(api.post("/api/models", {"source": "local", "local_path": path},
-                             format="json"), 400, "INVALID_LOCAL_PATH")
+    error = refused(
+        api.post("/api/models", {"source": "local", "local_path": path}, format="json"), 400, "INVALID_LOCAL_PATH"
+    )
     assert error["details"]["local_path"] == path
     assert not Model.objects.exists()
 
 
 def test_local_source_needs_a_path_and_hub_source_a_repo(api):
     refused(api.post("/api/models", {"source": "local"}, format="json"), 422, "VALIDATION_ERROR")
-    error = refused(api.post("/api/models", {"source": "huggingface"}, format="json"),
-                    422, "VALIDATION_ERROR")
+    error = refused(api.post("/api/models", {"source": "huggingface"}, format="json"), 422, "VALIDATION_ERROR")
     assert "repo_id" in error["details"]["fields"]
-    refused(api.post("/api/models", {"repo_id": "../../etc"}, format="json"), 422,
-            "VALIDATION_ERROR")
+    refused(api.post("/api/models", {"repo_id": "../../etc"}, format="json"), 422, "VALIDATION_ERROR")
 
 
 def test_list_and_detail(api, tiny_llama):
@@ -103,6 +128,7 @@ def test_delete_refused_while_loaded(api, tiny_llama):
 
 # --- preview -------------------------------------------------------------------------------
 
+
 def test_preview_reports_size_architecture_and_memory_per_quantization(api, hub):
     data = ok(api.post("/api/models/preview", {"repo_id": MODEL_REPO}, format="json"))
     assert data["architecture"] == "LlamaForCausalLM" and data["is_gated"] is False
@@ -118,22 +144,23 @@ def test_preview_reports_size_architecture_and_memory_per_quantization(api, hub)
 
 
 def test_preview_of_a_missing_repository(api, hub):
-    error = refused(api.post("/api/models/preview", {"repo_id": "millm-test/nothing-here"},
-                             format="json"), 404, "REPO_NOT_FOUND")
+    error = refused(
+        api.post("/api/models/preview", {"repo_id": "millm-test/nothing-here"}, format="json"), 404, "REPO_NOT_FOUND"
+    )
     assert error["details"]["repo_id"] == "millm-test/nothing-here"
 
 
 def test_preview_of_a_gated_repository(api, hub):
-    refused(api.post("/api/models/preview", {"repo_id": GATED_REPO}, format="json"),
-            401, "GATED_MODEL_NO_TOKEN")
-    refused(api.post("/api/models/preview", {"repo_id": GATED_REPO, "hf_token": "hf_wrong"},
-                     format="json"), 401, "INVALID_HF_TOKEN")
-    data = ok(api.post("/api/models/preview", {"repo_id": GATED_REPO, "hf_token": VALID_TOKEN},
-                       format="json"))
+    refused(api.post("/api/models/preview", {"repo_id": GATED_REPO}, format="json"), 401, "GATED_MODEL_NO_TOKEN")
+    refused(
+        api.post("/api/models/preview", {"repo_id": GATED_REPO, "hf_token": "hf_wrong"}, format="json"),
+        401,
+        "INVALID_HF_TOKEN",
+    )
+    data = ok(api.post("/api/models/preview", {"repo_id": GATED_REPO, "hf_token": VALID_TOKEN}, format="json"))
     assert data["is_gated"] is True
     # the token reached the hub, on the file it needed
-    assert any(r.authorization == f"Bearer {VALID_TOKEN}" and "/resolve/" in r.path
-               for r in hub.requests)
+    assert any(r.authorization == f"Bearer {VALID_TOKEN}" and "/resolve/" in r.path for r in hub.requests)
 
 
 def test_server_token_is_used_when_the_request_brings_none(api, hub, settings):
@@ -141,27 +168,34 @@ def test_server_token_is_used_when_the_request_brings_none(api, hub, settings):
     ok(api.post("/api/models/preview", {"repo_id": GATED_REPO}, format="json"))
     # a per-request token wins over the server's
     hub.requests.clear()
-    refused(api.post("/api/models/preview", {"repo_id": GATED_REPO, "hf_token": "hf_other"},
-                     format="json"), 401, "INVALID_HF_TOKEN")
+    refused(
+        api.post("/api/models/preview", {"repo_id": GATED_REPO, "hf_token": "hf_other"}, format="json"),
+        401,
+        "INVALID_HF_TOKEN",
+    )
     assert {r.authorization for r in hub.requests} == {"Bearer hf_other"}
 
 
 def test_unknown_revision(api, hub):
-    refused(api.post("/api/models/preview", {"repo_id": MODEL_REPO, "revision": "v9"},
-                     format="json"), 404, "REVISION_NOT_FOUND")
+    refused(
+        api.post("/api/models/preview", {"repo_id": MODEL_REPO, "revision": "v9"}, format="json"),
+        404,
+        "REVISION_NOT_FOUND",
+    )
 
 
 # --- download --------------------------------------------------------------------------------
 
+
 def test_download_records_progress_and_registers_the_model(api, hub, published, settings):
     model, job = _start_download(api, custom_name="hub-llama")
-    assert (model["status"], model["repo_id"], model["name"]) == (
-        "downloading", MODEL_REPO, "hub-llama")
+    assert (model["status"], model["repo_id"], model["name"]) == ("downloading", MODEL_REPO, "hub-llama")
     assert job["kind"] == "model_download" and job["status"] == "queued"
     row = Model.objects.get(pk=model["id"])
     assert row.status == "downloading" and row.local_path == ""
-    expected = {n: d for n, d in hub.repos[MODEL_REPO].files.items()
-                if "/" not in n and not n.endswith((".bin", ".md"))}
+    expected = {
+        n: d for n, d in hub.repos[MODEL_REPO].files.items() if "/" not in n and not n.endswith((".bin", ".md"))
+    }
     assert Job.objects.get(pk=job["id"]).bytes_total == sum(len(d) for d in expected.values())
 
     assert tasks.model_download_task(job["id"]) == "succeeded"
@@ -192,21 +226,26 @@ def test_download_records_progress_and_registers_the_model(api, hub, published, 
 
 def test_download_of_the_same_repo_twice_is_refused(api, hub):
     _start_download(api)
-    refused(api.post("/api/models", {"repo_id": MODEL_REPO, "quantization": "FP32"},
-                     format="json"), 409, "MODEL_ALREADY_EXISTS")
+    refused(
+        api.post("/api/models", {"repo_id": MODEL_REPO, "quantization": "FP32"}, format="json"),
+        409,
+        "MODEL_ALREADY_EXISTS",
+    )
 
 
 def test_download_refusals_are_immediate(api, hub):
-    refused(api.post("/api/models", {"repo_id": "millm-test/nothing-here"}, format="json"),
-            404, "REPO_NOT_FOUND")
-    refused(api.post("/api/models", {"repo_id": GATED_REPO}, format="json"),
-            401, "GATED_MODEL_NO_TOKEN")
+    refused(api.post("/api/models", {"repo_id": "millm-test/nothing-here"}, format="json"), 404, "REPO_NOT_FOUND")
+    refused(api.post("/api/models", {"repo_id": GATED_REPO}, format="json"), 401, "GATED_MODEL_NO_TOKEN")
     assert not Model.objects.exists() and not Job.objects.exists()
 
 
 def test_gated_download_with_a_token(api, hub):
-    data = ok(api.post("/api/models", {"repo_id": GATED_REPO, "hf_token": VALID_TOKEN,
-                                       "quantization": "FP32"}, format="json"), 202)
+    data = ok(
+        api.post(
+            "/api/models", {"repo_id": GATED_REPO, "hf_token": VALID_TOKEN, "quantization": "FP32"}, format="json"
+        ),
+        202,
+    )
     # the task gets the request's token as an argument (the dispatcher would pass it)
     assert tasks.model_download_task(data["job"]["id"], hf_token=VALID_TOKEN) == "succeeded"
     assert Model.objects.get(pk=data["model"]["id"]).status == "ready"
@@ -216,20 +255,21 @@ def test_hf_token_is_never_stored_logged_or_echoed(api, hub, caplog):
     secret = VALID_TOKEN
     with caplog.at_level(logging.DEBUG):
         responses = [
-            api.post("/api/models/preview", {"repo_id": GATED_REPO, "hf_token": secret},
-                     format="json"),
-            api.post("/api/models", {"repo_id": GATED_REPO, "hf_token": secret,
-                                     "quantization": "FP32"}, format="json"),
+            api.post("/api/models/preview", {"repo_id": GATED_REPO, "hf_token": secret}, format="json"),
+            api.post("/api/models", {"repo_id": GATED_REPO, "hf_token": secret, "quantization": "FP32"}, format="json"),
         ]
         job_id = body(responses[1])["data"]["job"]["id"]
         tasks.model_download_task(job_id, hf_token=secret)
         responses.append(api.get("/api/models"))
         responses.append(api.get(f"/api/jobs/{job_id}"))
-        responses.append(api.post("/api/models", {"repo_id": GATED_REPO, "hf_token": secret},
-                                  format="json"))  # refused: already exists
-        responses.append(api.post("/api/saes/download", {"repository_id": "x/y", "hf_token":
-                                                         secret, "revision": "r" * 200},
-                                  format="json"))  # validation error echoes fields
+        responses.append(
+            api.post("/api/models", {"repo_id": GATED_REPO, "hf_token": secret}, format="json")
+        )  # refused: already exists
+        responses.append(
+            api.post(
+                "/api/saes/download", {"repository_id": "x/y", "hf_token": secret, "revision": "r" * 200}, format="json"
+            )
+        )  # validation error echoes fields
     assert Model.objects.get().status == "ready"  # the token really was used
     for response in responses:
         assert secret not in response.content.decode()
@@ -256,10 +296,9 @@ def test_interrupted_transfer_resumes(api, hub, monkeypatch):
     written = Path(row.local_path, "model.safetensors").read_bytes()
     assert hashlib.sha256(written).digest() == hashlib.sha256(source).digest()
     # huggingface_hub resumed where the dropped connection stopped
-    ranges = [r.range for r in hub.requests if r.method == "GET"
-              and r.path.endswith("/model.safetensors")]
+    ranges = [r.range for r in hub.requests if r.method == "GET" and r.path.endswith("/model.safetensors")]
     assert ranges[0] is None and ranges[1].startswith("bytes=")
-    resumed_at = int(ranges[1][len("bytes="):-1])
+    resumed_at = int(ranges[1][len("bytes=") : -1])
     assert 0 < resumed_at <= len(source) // 2 and resumed_at % (64 * 1024) == 0
 
 
@@ -277,8 +316,7 @@ def test_interrupted_transfer_that_cannot_resume_fails_cleanly(api, hub, publish
     assert published[-1][0] == "model:download:error"
     # the failed row can be downloaded again (and this time the hub behaves)
     hub.interrupt.clear()
-    data = ok(api.post("/api/models", {"repo_id": MODEL_REPO, "quantization": "FP32"},
-                       format="json"), 202)
+    data = ok(api.post("/api/models", {"repo_id": MODEL_REPO, "quantization": "FP32"}, format="json"), 202)
     assert data["model"]["id"] == row.id
     assert tasks.model_download_task(data["job"]["id"]) == "succeeded"
     assert Model.objects.get(pk=row.id).status == "ready"
@@ -289,9 +327,10 @@ def test_cancel_a_queued_download(api, hub, published):
     data = ok(api.post(f"/api/models/{model['id']}/cancel"))
     assert data["job"]["status"] == "cancelled"
     assert Model.objects.get(pk=model["id"]).status == "error"
-    assert published[-1] == ("model:download:error", {"job_id": job["id"],
-                                                      "model_id": model["id"],
-                                                      "error": "Download cancelled"})
+    assert published[-1] == (
+        "model:download:error",
+        {"job_id": job["id"], "model_id": model["id"], "error": "Download cancelled"},
+    )
     # the task, when it runs, finds the job ended and does nothing
     assert tasks.model_download_task(job["id"]) == "ended"
     assert not downloads.model_target_dir(Model.objects.get(pk=model["id"])).exists()
@@ -345,12 +384,15 @@ def test_trust_remote_code_is_an_opt_in(api, hub, settings):
     repo.config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     repo.files["modeling_x.py"] = b"raise SystemExit('remote code ran')\n"
     try:
-        refused(api.post("/api/models", {"repo_id": MODEL_REPO}, format="json"),
-                400, "UNSUPPORTED_MODEL")
+        refused(api.post("/api/models", {"repo_id": MODEL_REPO}, format="json"), 400, "UNSUPPORTED_MODEL")
         # the operator's opt-in first (ALLOW_REMOTE_CODE, off by default: tests/security)
         settings.ALLOW_REMOTE_CODE = True
-        data = ok(api.post("/api/models", {"repo_id": MODEL_REPO, "trust_remote_code": True,
-                                           "quantization": "FP32"}, format="json"), 202)
+        data = ok(
+            api.post(
+                "/api/models", {"repo_id": MODEL_REPO, "trust_remote_code": True, "quantization": "FP32"}, format="json"
+            ),
+            202,
+        )
         tasks.model_download_task(data["job"]["id"])
         row = Model.objects.get(pk=data["model"]["id"])
         assert row.trust_remote_code and Path(row.local_path, "modeling_x.py").is_file()
@@ -360,6 +402,7 @@ def test_trust_remote_code_is_an_opt_in(api, hub, settings):
 
 
 # --- the hub's circuit breaker -----------------------------------------------------------
+
 
 def test_hub_outage_opens_the_breaker(api, hub, settings):
     hub.outage = True
@@ -391,8 +434,9 @@ def test_hub_outage_opens_the_breaker(api, hub, settings):
 
 def test_client_errors_do_not_trip_the_breaker(api, hub, settings):
     for _ in range(settings.HF_CIRCUIT_FAIL_MAX + 1):
-        refused(api.post("/api/models/preview", {"repo_id": "millm-test/missing"},
-                         format="json"), 404, "REPO_NOT_FOUND")
+        refused(
+            api.post("/api/models/preview", {"repo_id": "millm-test/missing"}, format="json"), 404, "REPO_NOT_FOUND"
+        )
     assert ok(api.get("/api/health/circuits"))["circuits"][0]["state"] == "closed"
 
 

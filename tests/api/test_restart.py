@@ -29,25 +29,20 @@ class Attempts:
 
 def _recorded(model, sae, layer: int = 1) -> None:
     """The rows a server leaves when it dies with ``model`` loaded and ``sae`` attached."""
-    Model.objects.filter(pk=model.pk).update(status="loaded", locked=True, device="cpu",
-                                             dtype="float32")
-    Attachment.objects.create(model=model, sae=sae, layer=layer,
-                              layer_module_path=f"model.layers.{layer}")
+    Model.objects.filter(pk=model.pk).update(status="loaded", locked=True, device="cpu", dtype="float32")
+    Attachment.objects.create(model=model, sae=sae, layer=layer, layer_module_path=f"model.layers.{layer}")
     SAE.objects.filter(pk=sae.pk).update(status="attached")
 
 
-def test_reconcile_keeps_what_was_resident_and_resets_what_was_moving(
-        tiny_llama, llama_saes, tiny_assets, settings):
+def test_reconcile_keeps_what_was_resident_and_resets_what_was_moving(tiny_llama, llama_saes, tiny_assets, settings):
     from registry import services
 
     settings.EMBEDDED = True
     sae = llama_saes["tiny-llama-L1-relu"]
     _recorded(tiny_llama, sae)
-    moving = services.model_register_local(
-        local_path=str(tiny_assets.models["tiny-gpt2"].path), name="was-unloading")
+    moving = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path), name="was-unloading")
     Model.objects.filter(pk=moving.pk).update(status="unloading")
-    job = Job.objects.create(kind="model_unload", target=moving.name, model=moving,
-                             status="running")
+    job = Job.objects.create(kind="model_unload", target=moving.name, model=moving, status="running")
     summary = startup_reconcile()
     assert summary == {"jobs_interrupted": 1, "downloads_interrupted": 0, "models_reset": 1}
     row = Model.objects.get(pk=tiny_llama.pk)
@@ -59,30 +54,25 @@ def test_reconcile_keeps_what_was_resident_and_resets_what_was_moving(
     assert (job.status, job.error) == ("failed", "Interrupted by a server restart")
 
 
-def test_restore_puts_the_recorded_model_and_saes_back(engine_client, tiny_llama,
-                                                       llama_saes):
+def test_restore_puts_the_recorded_model_and_saes_back(engine_client, tiny_llama, llama_saes):
     sae = llama_saes["tiny-llama-L1-relu"]
     _recorded(tiny_llama, sae)
     assert engine_client.status().state == "empty"
     attempts = Attempts()
-    restore_recorded_state(engine=engine_client, begin_restore=attempts.begin,
-                           end_restore=attempts.end)
+    restore_recorded_state(engine=engine_client, begin_restore=attempts.begin, end_restore=attempts.end)
     status = engine_client.status()
     assert (status.state, status.model_id) == ("ready", "tiny-llama")
-    assert [(a.sae_id, a.layer, a.layer_module_path) for a in status.attachments] == \
-        [(sae.id, 1, "model.layers.1")]
+    assert [(a.sae_id, a.layer, a.layer_module_path) for a in status.attachments] == [(sae.id, 1, "model.layers.1")]
     assert attempts.count == 1 and attempts.ended
     row = Model.objects.get(pk=tiny_llama.pk)
     assert (row.status, row.locked) == ("loaded", True)
 
 
-def test_a_restore_that_fails_says_so_on_the_rows(engine_client, tiny_llama, llama_saes,
-                                                  tmp_path):
+def test_a_restore_that_fails_says_so_on_the_rows(engine_client, tiny_llama, llama_saes, tmp_path):
     sae = llama_saes["tiny-llama-L1-relu"]
     _recorded(tiny_llama, sae)
     Model.objects.filter(pk=tiny_llama.pk).update(local_path=str(tmp_path / "gone"))
-    restore_recorded_state(engine=engine_client, begin_restore=Attempts().begin,
-                           end_restore=lambda: None)
+    restore_recorded_state(engine=engine_client, begin_restore=Attempts().begin, end_restore=lambda: None)
     assert engine_client.status().state == "empty"
     row = Model.objects.get(pk=tiny_llama.pk)
     assert row.status == "error" and "not restored" in row.error_message
@@ -90,32 +80,27 @@ def test_a_restore_that_fails_says_so_on_the_rows(engine_client, tiny_llama, lla
     assert SAE.objects.get(pk=sae.pk).status == "ready"
 
 
-def test_a_restore_that_keeps_killing_the_process_is_given_up(engine_client, tiny_llama,
-                                                              llama_saes, settings):
+def test_a_restore_that_keeps_killing_the_process_is_given_up(engine_client, tiny_llama, llama_saes, settings):
     settings.ENGINE_MAX_DELIVERIES = 3
     _recorded(tiny_llama, llama_saes["tiny-llama-L1-relu"])
     attempts = Attempts(count=3)  # three starts died while restoring
-    restore_recorded_state(engine=engine_client, begin_restore=attempts.begin,
-                           end_restore=attempts.end)
+    restore_recorded_state(engine=engine_client, begin_restore=attempts.begin, end_restore=attempts.end)
     assert engine_client.status().state == "empty" and attempts.ended
     row = Model.objects.get(pk=tiny_llama.pk)
     assert row.status == "error" and "stopped 3 times" in row.error_message
     assert not Attachment.objects.exists()
 
 
-def test_auto_load_leaves_a_restored_model_resident(engine_client, tiny_llama, llama_saes,
-                                                    tiny_assets, settings):
+def test_auto_load_leaves_a_restored_model_resident(engine_client, tiny_llama, llama_saes, tiny_assets, settings):
     """AUTO_LOAD_MODEL names another model than the one a restart restored (locked, with an
     SAE attached): the recorded state wins, nothing is queued, nothing is refused."""
     from orchestration.startup import auto_load
     from registry import services
 
-    gpt2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
-                                         name="tiny-gpt2")
+    gpt2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path), name="tiny-gpt2")
     sae = llama_saes["tiny-llama-L1-relu"]
     _recorded(tiny_llama, sae)
-    restore_recorded_state(engine=engine_client, begin_restore=Attempts().begin,
-                           end_restore=Attempts().end)
+    restore_recorded_state(engine=engine_client, begin_restore=Attempts().begin, end_restore=Attempts().end)
     settings.AUTO_LOAD_MODEL = "tiny-gpt2"
     settings.AUTO_ATTACH_SAES = []
     assert auto_load() is None

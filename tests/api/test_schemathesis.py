@@ -19,15 +19,26 @@ schema = schemathesis.openapi.from_wsgi("/api/schema", APP)
 
 def test_the_schema_documents_the_api():
     paths = set(schema.raw_schema["paths"])
-    for path in ("/api/models", "/api/models/{model_id}/load", "/api/saes/attach-set",
-                 "/api/saes/{sae_id}/compatibility", "/api/health/ready",
-                 "/api/health/circuits/{name}/reset", "/api/jobs/{job_id}",
-                 "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/models",
-                 "/v1/files", "/v1/files/{file_id}/content", "/v1/batches",
-                 "/v1/batches/{batch_id}/cancel", "/v1/probes/score"):
+    for path in (
+        "/api/models",
+        "/api/models/{model_id}/load",
+        "/api/saes/attach-set",
+        "/api/saes/{sae_id}/compatibility",
+        "/api/health/ready",
+        "/api/health/circuits/{name}/reset",
+        "/api/jobs/{job_id}",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/embeddings",
+        "/v1/models",
+        "/v1/files",
+        "/v1/files/{file_id}/content",
+        "/v1/batches",
+        "/v1/batches/{batch_id}/cancel",
+        "/v1/probes/score",
+    ):
         assert path in paths, path
-    assert schema.raw_schema["components"]["securitySchemes"]["bearerAuth"]["scheme"] == \
-        "bearer"
+    assert schema.raw_schema["components"]["securitySchemes"]["bearerAuth"]["scheme"] == "bearer"
     chat = schema.raw_schema["paths"]["/v1/chat/completions"]["post"]
     body = chat["requestBody"]["content"]["application/json"]["schema"]
     request = schema.raw_schema["components"]["schemas"][body["$ref"].rsplit("/", 1)[1]]
@@ -65,10 +76,9 @@ def keep_test_connection():
 
 @pytest.mark.django_db
 @schema.include(path_regex=r"^/api/").parametrize()
-@hypothesis_settings(max_examples=6, deadline=None, database=None,
-                     suppress_health_check=list(HealthCheck))
+@hypothesis_settings(max_examples=6, deadline=None, database=None, suppress_health_check=list(HealthCheck))
 def test_no_server_errors(case, hub, engine_client, keep_test_connection):
     response = case.call()
     assert response.status_code < 500, (
-        f"{case.method} {case.formatted_path} -> {response.status_code}: "
-        f"{response.text[:500]}")
+        f"{case.method} {case.formatted_path} -> {response.status_code}: {response.text[:500]}"
+    )

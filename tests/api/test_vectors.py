@@ -78,14 +78,19 @@ def rows_through(engine_client, layer: int, steering: SteeringSpec | None):
         def hook(mod, args, output):
             out = output[0] if isinstance(output, tuple) else output
             into.append(out[0].detach().double().numpy().copy())
+
         return hook
 
-    handles = [module.register_forward_hook(grab(raw), prepend=True),
-               module.register_forward_hook(grab(post))]
+    handles = [module.register_forward_hook(grab(raw), prepend=True), module.register_forward_hook(grab(post))]
     try:
-        handle = engine_client.generate(GenerationJob(
-            request_id=f"r-{os.urandom(4).hex()}", prompt=PROMPT, steering=steering,
-            sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)))
+        handle = engine_client.generate(
+            GenerationJob(
+                request_id=f"r-{os.urandom(4).hex()}",
+                prompt=PROMPT,
+                steering=steering,
+                sampling=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+            )
+        )
         events = list(handle.events(timeout_s=60))
     finally:
         for h in handles:
@@ -96,19 +101,30 @@ def rows_through(engine_client, layer: int, steering: SteeringSpec | None):
 
 # --- upload -> attach -> steer ---------------------------------------------------------------
 
-def test_upload_attach_and_steer_by_exactly_strength_times_v(api, engine_client, tiny_llama, cache,
-                                                            tmp_path):
+
+def test_upload_attach_and_steer_by_exactly_strength_times_v(api, engine_client, tiny_llama, cache, tmp_path):
     sent = write_vectors(tmp_path / "mine" / "honesty.safetensors")
-    data = ok(upload(api, tmp_path / "mine" / "honesty.safetensors", name="honesty",
-                     model="tiny-llama", layer=1), 201)
+    data = ok(upload(api, tmp_path / "mine" / "honesty.safetensors", name="honesty", model="tiny-llama", layer=1), 201)
     row = SAE.objects.get()
-    assert (data["id"], data["name"], data["model"], data["layers"], data["d_model"],
-            data["source"], data["hook_point"]) == (row.id, "honesty", "tiny-llama", [1], D,
-                                                    "upload", "resid_post")
+    assert (
+        data["id"],
+        data["name"],
+        data["model"],
+        data["layers"],
+        data["d_model"],
+        data["source"],
+        data["hook_point"],
+    ) == (row.id, "honesty", "tiny-llama", [1], D, "upload", "resid_post")
     norm = float(np.linalg.norm(sent[1].astype(np.float64)))
     assert data["norms"] == {"1": pytest.approx(norm)}
-    assert (row.format, row.d_in, row.d_sae, row.activation, row.files_owned,
-            row.vector_layers) == ("vector", D, 1, "none", True, [1])
+    assert (row.format, row.d_in, row.d_sae, row.activation, row.files_owned, row.vector_layers) == (
+        "vector",
+        D,
+        1,
+        "none",
+        True,
+        [1],
+    )
     assert our_file(row).parent.parent == cache / "vectors"
     written = load_file(str(our_file(row)))
     assert list(written) == ["layer.1"]  # only the layer asked for
@@ -137,6 +153,7 @@ def test_upload_attach_and_steer_by_exactly_strength_times_v(api, engine_client,
 
     # with an SAE at the same layer in the same request: both deltas land
     from registry import services
+
     sae = services.sae_register_local(local_path=str(_tiny_sae_path()), name="l1")
     ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"))
     w_dec = load_file(str(_tiny_sae_path() / "sae_weights.safetensors"))["W_dec"].astype(np.float64)
@@ -165,39 +182,52 @@ def _tiny_paths(tiny_assets):
     _TINY["l1"] = Path(tiny_assets.saes["tiny-llama-L1-relu"].path)
 
 
-def test_encoder_modes_and_monitoring_on_a_vector_are_refused(api, engine_client, tiny_llama, cache,
-                                                              tmp_path):
+def test_encoder_modes_and_monitoring_on_a_vector_are_refused(api, engine_client, tiny_llama, cache, tmp_path):
     from gpu_engine.api.protocol import SteeringCondition
 
     write_vectors(tmp_path / "v.safetensors", layers=(1,))
     vid = ok(upload(api, tmp_path / "v.safetensors", name="v", model="tiny-llama"), 201)["id"]
     load(api, tiny_llama)
     ok(api.post(f"/api/saes/{vid}/attach", {"layer": 1}, format="json"))
-    for control, param in ((FeatureControl(0, mode="clamp", value=1.0), "steering.features.mode"),
-                           (FeatureControl(0, mode="scale", value=2.0), "steering.features.mode"),
-                           (FeatureControl(0, value=2.0, condition=SteeringCondition(0, 0.0)),
-                            "steering.features.condition")):
-        handle = engine_client.generate(GenerationJob(
-            request_id=f"r-{os.urandom(4).hex()}", prompt=PROMPT,
-            steering=SteeringSpec([SteeringEntry(vid, 1, controls=[control])]),
-            sampling=SamplingParams(max_tokens=2)))
+    for control, param in (
+        (FeatureControl(0, mode="clamp", value=1.0), "steering.features.mode"),
+        (FeatureControl(0, mode="scale", value=2.0), "steering.features.mode"),
+        (FeatureControl(0, value=2.0, condition=SteeringCondition(0, 0.0)), "steering.features.condition"),
+    ):
+        handle = engine_client.generate(
+            GenerationJob(
+                request_id=f"r-{os.urandom(4).hex()}",
+                prompt=PROMPT,
+                steering=SteeringSpec([SteeringEntry(vid, 1, controls=[control])]),
+                sampling=SamplingParams(max_tokens=2),
+            )
+        )
         events = list(handle.events(timeout_s=60))
         assert [type(e).__name__ for e in events] == ["ErrorEvent"]  # before any token
         assert events[0].code == "invalid_parameter" and events[0].details["param"] == param
     # /v1: monitoring a vector is a 400 naming the field, before generation
-    response = api.post("/v1/completions", {
-        "model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2,
-        "return_sae_activations": {"sae_id": vid, "top_k": 1}}, format="json")
+    response = api.post(
+        "/v1/completions",
+        {
+            "model": "tiny-llama",
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "return_sae_activations": {"sae_id": vid, "top_k": 1},
+        },
+        format="json",
+    )
     body = json.loads(response.content)
     assert response.status_code == 400, body
     assert "raw steering vector" in body["error"]["message"], body
     assert body["error"]["param"] == "monitor.sae_id", body
-    error = refused(api.post("/api/monitoring/configure", {"sae_id": vid, "top_k": 3},
-                             format="json"), 400, "VECTOR_INVALID")
+    error = refused(
+        api.post("/api/monitoring/configure", {"sae_id": vid, "top_k": 3}, format="json"), 400, "VECTOR_INVALID"
+    )
     assert error["details"]["field"] == "sae_id"
 
 
 # --- refusals --------------------------------------------------------------------------------
+
 
 def test_upload_refusals_create_nothing(api, tiny_llama, cache, tmp_path):
     write_vectors(tmp_path / "narrow.safetensors", d=32)
@@ -215,37 +245,36 @@ def test_upload_refusals_create_nothing(api, tiny_llama, cache, tmp_path):
         ("ok", {"layer": 2}, 400, "VECTOR_INVALID", "layer"),  # the file has no layer 2
     ]
     for stem, extra, status, code, field in cases:
-        error = refused(upload(api, tmp_path / f"{stem}.safetensors", name=stem, model="tiny-llama",
-                               **extra), status, code)
+        error = refused(
+            upload(api, tmp_path / f"{stem}.safetensors", name=stem, model="tiny-llama", **extra), status, code
+        )
         assert error["details"]["field"] == field, (stem, error)
-    refused(upload(api, tmp_path / "ok.safetensors", name="x", model="nope"), 404,
-            "MODEL_NOT_FOUND")
+    refused(upload(api, tmp_path / "ok.safetensors", name="x", model="nope"), 404, "MODEL_NOT_FOUND")
     refused(upload(api, tmp_path / "ok.safetensors", model="tiny-llama"), 422, "VALIDATION_ERROR")
     assert not SAE.objects.exists()
     assert not (cache / "vectors").exists() or not list((cache / "vectors").iterdir())
     ok(upload(api, tmp_path / "ok.safetensors", name="once", model="tiny-llama"), 201)
-    refused(upload(api, tmp_path / "ok.safetensors", name="once", model="tiny-llama"), 409,
-            "VECTOR_ALREADY_EXISTS")
+    refused(upload(api, tmp_path / "ok.safetensors", name="once", model="tiny-llama"), 409, "VECTOR_ALREADY_EXISTS")
     assert SAE.objects.count() == 1
     refused(api.get("/api/vectors/sae_nothere"), 404, "VECTOR_NOT_FOUND")
 
 
-def test_a_vector_without_the_layer_is_refused_at_attach(api, engine_client, tiny_llama, cache,
-                                                         tmp_path):
+def test_a_vector_without_the_layer_is_refused_at_attach(api, engine_client, tiny_llama, cache, tmp_path):
     write_vectors(tmp_path / "v.safetensors", layers=(1,))
     vid = ok(upload(api, tmp_path / "v.safetensors", name="v", model="tiny-llama"), 201)["id"]
     load(api, tiny_llama)
-    error = refused(api.post(f"/api/saes/{vid}/attach", {"layer": 2}, format="json"), 400,
-                    "SAE_INCOMPATIBLE")
+    error = refused(api.post(f"/api/saes/{vid}/attach", {"layer": 2}, format="json"), 400, "SAE_INCOMPATIBLE")
     assert error["details"]["layer"] == 2 and error["details"]["layers"] == [1]
     assert engine_client.attachments() == []
 
 
 # --- compute from pairs ----------------------------------------------------------------------
 
-PAIRS = [("I love this, it is wonderful", "I hate this, it is awful"),
-         ("a happy bright day", "a sad dark day"),
-         ("joy", "grief")]
+PAIRS = [
+    ("I love this, it is wonderful", "I hate this, it is awful"),
+    ("a happy bright day", "a sad dark day"),
+    ("joy", "grief"),
+]
 
 
 def hf_mean_difference(path: Path, layer: int) -> np.ndarray:
@@ -267,8 +296,7 @@ def hf_mean_difference(path: Path, layer: int) -> np.ndarray:
     return pos - neg
 
 
-def test_compute_from_pairs_equals_an_independent_mean_difference(api, engine_client, tiny_llama,
-                                                                  cache, tiny_assets):
+def test_compute_from_pairs_equals_an_independent_mean_difference(api, engine_client, tiny_llama, cache, tiny_assets):
     body = {"name": "joy", "layer": 2, "pairs": [{"positive": p, "negative": n} for p, n in PAIRS]}
     refused(api.post("/api/vectors/compute", body, format="json"), 400, "MODEL_NOT_LOADED")
     load(api, tiny_llama)
@@ -281,15 +309,18 @@ def test_compute_from_pairs_equals_an_independent_mean_difference(api, engine_cl
     assert (data["source"], data["layers"], data["model"]) == ("computed", [2], "tiny-llama")
     assert data["norms"]["2"] == pytest.approx(float(np.linalg.norm(got)), rel=1e-6)
     assert data["recipe"]["pairs"] == 3 and data["recipe"]["pooling"] == "last"
-    for bad, code, status in (({**body, "name": "x", "layer": 7}, "VECTOR_INVALID", 400),
-                              ({**body, "name": "y", "pairs": []}, "VALIDATION_ERROR", 422),
-                              ({**body, "name": "z", "model": "other"}, "VECTOR_INVALID", 400),
-                              (body, "VECTOR_ALREADY_EXISTS", 409)):
+    for bad, code, status in (
+        ({**body, "name": "x", "layer": 7}, "VECTOR_INVALID", 400),
+        ({**body, "name": "y", "pairs": []}, "VALIDATION_ERROR", 422),
+        ({**body, "name": "z", "model": "other"}, "VECTOR_INVALID", 400),
+        (body, "VECTOR_ALREADY_EXISTS", 409),
+    ):
         refused(api.post("/api/vectors/compute", bad, format="json"), status, code)
     assert SAE.objects.count() == 1
 
 
 # --- manage.py vector ------------------------------------------------------------------------
+
 
 def _run(*args) -> dict:
     out, err = io.StringIO(), io.StringIO()
@@ -309,8 +340,19 @@ def test_vector_command_import_list_delete_keeps_the_source(tiny_llama, cache, t
     assert _run("list")["data"]["total"] == 1
     out = io.StringIO()
     with pytest.raises(CommandError, match="VECTOR_INVALID"):
-        call_command("vector", "import", str(source), "--name", "again", "--model", "tiny-llama",
-                     "--layer", "1", stdout=out, stderr=io.StringIO())
+        call_command(
+            "vector",
+            "import",
+            str(source),
+            "--name",
+            "again",
+            "--model",
+            "tiny-llama",
+            "--layer",
+            "1",
+            stdout=out,
+            stderr=io.StringIO(),
+        )
     error = json.loads(out.getvalue())
     assert error["success"] is False and error["error"]["code"] == "VECTOR_INVALID"
     assert error["error"]["details"]["field"] == "layer"
@@ -320,8 +362,7 @@ def test_vector_command_import_list_delete_keeps_the_source(tiny_llama, cache, t
     assert not folder.exists() and fingerprint(source) == before  # only our copy went
 
 
-def test_vector_command_compute(settings, api, engine_client, tiny_llama, cache, tiny_assets,
-                                tmp_path):
+def test_vector_command_compute(settings, api, engine_client, tiny_llama, cache, tiny_assets, tmp_path):
     pairs = tmp_path / "pairs.jsonl"
     pairs.write_text("".join(json.dumps({"positive": p, "negative": n}) + "\n" for p, n in PAIRS))
     with pytest.raises(CommandError, match="Embedded mode"):
@@ -331,11 +372,11 @@ def test_vector_command_compute(settings, api, engine_client, tiny_llama, cache,
     data = _run("compute", "--pairs", str(pairs), "--layer", "1", "--name", "cli")["data"]
     row = SAE.objects.get(pk=data["id"])
     got = load_file(str(our_file(row)))["layer.1"].astype(np.float64)
-    np.testing.assert_allclose(got, hf_mean_difference(tiny_assets.models["tiny-llama"].path, 1),
-                               atol=1e-5)
+    np.testing.assert_allclose(got, hf_mean_difference(tiny_assets.models["tiny-llama"].path, 1), atol=1e-5)
 
 
 # --- admin -----------------------------------------------------------------------------------
+
 
 def test_admin_imports_and_deletes_through_the_services(tiny_llama, cache, tmp_path):
     from django.contrib.auth import get_user_model
@@ -346,17 +387,18 @@ def test_admin_imports_and_deletes_through_the_services(tiny_llama, cache, tmp_p
     client.force_login(user)
     source = tmp_path / "a.safetensors"
     write_vectors(source, layers=(1,), d=32)
-    page = client.post("/admin/registry/steeringvector/add/", {
-        "name": "adm", "path": str(source), "model": tiny_llama.pk, "layer": ""})
+    page = client.post(
+        "/admin/registry/steeringvector/add/", {"name": "adm", "path": str(source), "model": tiny_llama.pk, "layer": ""}
+    )
     assert page.status_code == 200 and "VECTOR_INVALID" in page.content.decode()
     write_vectors(source, layers=(1,))
-    page = client.post("/admin/registry/steeringvector/add/", {
-        "name": "adm", "path": str(source), "model": tiny_llama.pk, "layer": ""})
+    page = client.post(
+        "/admin/registry/steeringvector/add/", {"name": "adm", "path": str(source), "model": tiny_llama.pk, "layer": ""}
+    )
     assert page.status_code == 302, page.content.decode()[:2000]
     row = SAE.objects.get()
     assert (row.name, row.format, row.vector_layers) == ("adm", "vector", [1])
     assert "adm" in client.get("/admin/registry/steeringvector/").content.decode()
     with TestCase.captureOnCommitCallbacks(execute=True):
-        client.post("/admin/registry/steeringvector/", {"action": "delete_vectors",
-                                                        "_selected_action": [row.pk]})
+        client.post("/admin/registry/steeringvector/", {"action": "delete_vectors", "_selected_action": [row.pk]})
     assert not SAE.objects.exists() and source.exists()

@@ -58,9 +58,7 @@ def _digests(root: Path) -> dict[str, str]:
 
 
 def _mtimes(root: Path) -> dict[str, int]:
-    return {
-        p.relative_to(root).as_posix(): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()
-    }
+    return {p.relative_to(root).as_posix(): p.stat().st_mtime_ns for p in root.rglob("*") if p.is_file()}
 
 
 def _load(model: ModelAsset):
@@ -183,14 +181,11 @@ def test_tokenizer_round_trips_and_formats_chat(tiny_assets: AssetManifest) -> N
     ]
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert prompt == (
-        "<s><|im_start|>system\nBe brief.<|im_end|>\n"
-        "<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
+        "<s><|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi there<|im_end|>\n<|im_start|>assistant\n"
     )
     without = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=False)
     assert not without.endswith("assistant\n")
-    chat_ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_dict=False
-    )
+    chat_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
     for token in ("<|im_start|>", "<|im_end|>"):
         assert tokenizer.convert_tokens_to_ids(token) in chat_ids
     assert {tokenizer.eos_token, tokenizer.pad_token, tokenizer.bos_token} == {
@@ -238,15 +233,11 @@ def test_sae_files_have_exact_layout(tiny_assets: AssetManifest, name: str) -> N
 
 
 @pytest.mark.parametrize("name", [n for n, spec in EXPECTED_SAES.items() if spec[3] == "jumprelu"])
-def test_jumprelu_threshold_decides_on_real_residuals(
-    tiny_assets: AssetManifest, name: str
-) -> None:
+def test_jumprelu_threshold_decides_on_real_residuals(tiny_assets: AssetManifest, name: str) -> None:
     sae = tiny_assets.saes[name]
     model = tiny_assets.models[sae.model_name]
     hf_model, tokenizer = _load(model)
-    pre, params = _pre_activations(
-        sae, _block_output(model, hf_model, tokenizer, sae.layer, HELD_OUT_TEXT)
-    )
+    pre, params = _pre_activations(sae, _block_output(model, hf_model, tokenizer, sae.layer, HELD_OUT_TEXT))
     threshold = params["threshold"]
     assert (threshold > 0).all()
     passed = pre > threshold
@@ -257,22 +248,16 @@ def test_jumprelu_threshold_decides_on_real_residuals(
 
 
 @pytest.mark.parametrize("name", [n for n, spec in EXPECTED_SAES.items() if spec[3] != "jumprelu"])
-def test_relu_and_topk_saes_fire_sparsely_on_real_residuals(
-    tiny_assets: AssetManifest, name: str
-) -> None:
+def test_relu_and_topk_saes_fire_sparsely_on_real_residuals(tiny_assets: AssetManifest, name: str) -> None:
     sae = tiny_assets.saes[name]
     model = tiny_assets.models[sae.model_name]
     hf_model, tokenizer = _load(model)
-    pre, _params = _pre_activations(
-        sae, _block_output(model, hf_model, tokenizer, sae.layer, HELD_OUT_TEXT)
-    )
+    pre, _params = _pre_activations(sae, _block_output(model, hf_model, tokenizer, sae.layer, HELD_OUT_TEXT))
     firing = pre > 0
     assert 0.01 < firing.mean() < 0.5, firing.mean()
     assert firing.any(axis=0).mean() > 0.25, "most features are dead"
     if sae.activation == "topk":
-        assert (firing.sum(axis=1) >= sae.k).all(), (
-            "top-k would select non-positive values everywhere"
-        )
+        assert (firing.sum(axis=1) >= sae.k).all(), "top-k would select non-positive values everywhere"
 
 
 def test_same_seed_gives_identical_bytes_across_concurrent_builds(
@@ -305,9 +290,7 @@ def test_seed_changes_weights_and_not_the_callers_rng(tmp_path: Path) -> None:
     assert tokenizers[0] == tokenizers[1]
 
 
-@pytest.mark.parametrize(
-    ("layout", "activation", "k"), [("saelens", "topk", 4), ("gemmascope", "jumprelu", None)]
-)
+@pytest.mark.parametrize(("layout", "activation", "k"), [("saelens", "topk", 4), ("gemmascope", "jumprelu", None)])
 def test_build_sae_is_deterministic_without_a_model(
     tmp_path: Path, layout: str, activation: str, k: int | None
 ) -> None:
@@ -337,9 +320,7 @@ def test_build_sae_is_deterministic_without_a_model(
         ("npz", "relu", None),
     ],
 )
-def test_build_sae_refuses_inconsistent_specs(
-    tmp_path: Path, layout: str, activation: str, k: int | None
-) -> None:
+def test_build_sae_refuses_inconsistent_specs(tmp_path: Path, layout: str, activation: str, k: int | None) -> None:
     with pytest.raises(ValueError):
         build_sae(
             tmp_path,

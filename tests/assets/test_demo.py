@@ -34,9 +34,7 @@ def demo(demo_assets: AssetManifest):
 
 
 @torch.no_grad()
-def _greedy(
-    model, tokenizer, layer_path: str, delta: np.ndarray | None, max_new_tokens: int = 24
-) -> str:
+def _greedy(model, tokenizer, layer_path: str, delta: np.ndarray | None, max_new_tokens: int = 24) -> str:
     enc = tokenizer.apply_chat_template(
         [{"role": "user", "content": PROMPT}], add_generation_prompt=True, return_tensors="pt"
     )
@@ -89,9 +87,7 @@ def test_labelled_features_visibly_steer_greedy_text(demo) -> None:
     layer_path = model_asset.layer_module_path(sae.layer)
     baseline = _greedy(model, tokenizer, layer_path, None)
     for index, label in sae.feature_labels.items():
-        steered = _greedy(
-            model, tokenizer, layer_path, sae.steering_strength * weights["W_dec"][index]
-        )
+        steered = _greedy(model, tokenizer, layer_path, sae.steering_strength * weights["W_dec"][index])
         assert steered != baseline, f"feature {index} ({label}) did not change the text"
         if label.startswith("ocean"):
             assert any(word in steered.lower() for word in OCEAN_WORDS), steered

@@ -84,11 +84,14 @@ class Choreography:
         """The rows prefilled before the first decode step (prompts of different lengths
         are prefilled in groups: ``prefill_groups``), and the rows of every decode step."""
         first_decode = next(i for i, (_, tokens) in enumerate(self.shapes) if tokens == 1)
-        return (sum(rows for rows, _ in self.shapes[:first_decode]),
-                [rows for rows, tokens in self.shapes if tokens == 1])
+        return (
+            sum(rows for rows, _ in self.shapes[:first_decode]),
+            [rows for rows, tokens in self.shapes if tokens == 1],
+        )
 
-    def run_together(self, send: Callable[[Any], None], items: Iterable[Any], *,
-                     on_release: Callable[[], None] | None = None) -> None:
+    def run_together(
+        self, send: Callable[[Any], None], items: Iterable[Any], *, on_release: Callable[[], None] | None = None
+    ) -> None:
         """``send(item)`` for every item, each on a thread of its own, all released at
         once by a barrier (``on_release`` runs as they are), with this choreography
         installed until every thread has ended."""

@@ -57,8 +57,13 @@ def test_each_capture_in_a_mixed_batch_equals_its_solo_capture(engines, tiny_ass
         assert got.token_ids.tolist() == want.token_ids.tolist()
         assert got.layers == want.layers == CAPTURES[name].layers
         for layer in got.layers:
-            np.testing.assert_allclose(got.hidden[layer], want.hidden[layer], atol=BATCH_ENCODE_ATOL,
-                                       rtol=BATCH_ENCODE_RTOL, err_msg=f"{name} layer {layer}")
+            np.testing.assert_allclose(
+                got.hidden[layer],
+                want.hidden[layer],
+                atol=BATCH_ENCODE_ATOL,
+                rtol=BATCH_ENCODE_RTOL,
+                err_msg=f"{name} layer {layer}",
+            )
             # positive control: another request's rows (or zeros) do not pass
             assert not np.allclose(np.zeros_like(want.hidden[layer]), want.hidden[layer], atol=1e-3)
     a, g = load_capture(mixed["A"].capture.data), load_capture(mixed["G"].capture.data)
@@ -103,12 +108,14 @@ def test_each_qk_capture_in_a_mixed_batch_equals_its_solo_capture(engines, tiny_
         for layer in got.q:
             for kind in ("q", "k"):
                 g, w = getattr(got, kind)[layer], getattr(want, kind)[layer]
-                np.testing.assert_allclose(g, w, atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL,
-                                           err_msg=f"{name} {kind} layer {layer}")
+                np.testing.assert_allclose(
+                    g, w, atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL, err_msg=f"{name} {kind} layer {layer}"
+                )
                 assert not np.allclose(np.zeros_like(w), w, atol=1e-3)
         for layer in got.hidden:
-            np.testing.assert_allclose(got.hidden[layer], want.hidden[layer], atol=BATCH_ENCODE_ATOL,
-                                       rtol=BATCH_ENCODE_RTOL)
+            np.testing.assert_allclose(
+                got.hidden[layer], want.hidden[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL
+            )
     # positive control: G's and A's layer-0 keys are different requests' keys
     a, g = load_capture(mixed["A"].capture.data), load_capture(mixed["G"].capture.data)
     assert not np.allclose(a.k[0][:4], g.k[0][:4], atol=1e-3)

@@ -79,8 +79,9 @@ def test_a_batch_wakes_its_consumer_once_per_step_not_once_per_row(engines):
     """Four requests decoding together: each step's four events come with one wake,
     and each stream still gets all its events, in order, ending with its finish."""
     batched, serial = engines("tiny-llama")
-    solo = [serial.generate_sync(GenerationJob(f"solo-{i}", prompt=p, sampling=greedy()))
-            for i, p in enumerate(PROMPTS)]
+    solo = [
+        serial.generate_sync(GenerationJob(f"solo-{i}", prompt=p, sampling=greedy())) for i, p in enumerate(PROMPTS)
+    ]
     lock = threading.Lock()
     got: dict[int, list] = {i: [] for i in range(len(PROMPTS))}
     wakes: list[int] = []
@@ -92,6 +93,7 @@ def test_a_batch_wakes_its_consumer_once_per_step_not_once_per_row(engines):
                 got[i].append(event)
                 if sum(isinstance(e[-1], FinishEvent) for e in got.values() if e) == len(PROMPTS):
                     done.set()
+
         return take
 
     def wake() -> None:
@@ -102,8 +104,7 @@ def test_a_batch_wakes_its_consumer_once_per_step_not_once_per_row(engines):
     # start in one step
     gate = threading.Event()
     batched._submit(gate.wait, _WORK)
-    streams = [batched.generate(GenerationJob(f"row-{i}", prompt=p, sampling=greedy()))
-               for i, p in enumerate(PROMPTS)]
+    streams = [batched.generate(GenerationJob(f"row-{i}", prompt=p, sampling=greedy())) for i, p in enumerate(PROMPTS)]
     for i, s in enumerate(streams):
         s.deliver_to(deliver(i), wake)
     gate.set()
@@ -137,6 +138,7 @@ def test_a_first_token_is_handed_over_before_the_next_decode_step(engines):
                 first_at[name] = len(choreo.batch_sizes)  # forward passes started so far
             if isinstance(event, FinishEvent) and name == "joins":
                 done.set()
+
         return take
 
     def submit(name: str, prompt: str) -> None:  # on the engine's thread, before a forward
@@ -160,8 +162,10 @@ def test_the_web_tiers_loop_is_woken_once_per_step_for_all_its_streams(engines):
     engine schedules the loop once per batch step (``call_soon_threadsafe``), and every
     stream yields its whole generation."""
     batched, serial = engines("tiny-llama")
-    solo = [serial.generate_sync(GenerationJob(f"solo2-{i}", prompt=p, sampling=greedy())).token_ids
-            for i, p in enumerate(PROMPTS)]
+    solo = [
+        serial.generate_sync(GenerationJob(f"solo2-{i}", prompt=p, sampling=greedy())).token_ids
+        for i, p in enumerate(PROMPTS)
+    ]
     client = EmbeddedEngineClient.__new__(EmbeddedEngineClient)
     client._engine = batched  # the module's batching engine, not one built from settings
     scheduled: list[object] = []

@@ -59,15 +59,21 @@ def steer(sae, features: dict[int, float] | None) -> SteeringSpec | None:
 
 
 def monitor(sae, read_point: str, positions: str) -> MonitorSpec:
-    return MonitorSpec([MonitorEntry(sae.name, sae.layer, top_k=5, features=FEATURES, read_point=read_point,
-                                     positions=positions)])
+    return MonitorSpec(
+        [MonitorEntry(sae.name, sae.layer, top_k=5, features=FEATURES, read_point=read_point, positions=positions)]
+    )
 
 
 def scenario(sae) -> dict[str, GenerationJob]:
     return {
         # steered and monitored (post-steering, every row), first in
-        "A": GenerationJob("A", prompt=SHORT, sampling=greedy(40), steering=steer(sae, {3: 8.0, 17: -5.0}),
-                           monitor=monitor(sae, "post_steering", "all")),
+        "A": GenerationJob(
+            "A",
+            prompt=SHORT,
+            sampling=greedy(40),
+            steering=steer(sae, {3: 8.0, 17: -5.0}),
+            monitor=monitor(sae, "post_steering", "all"),
+        ),
         # unsteered, a long prompt that joins later (the batch cache shifts right for it)
         "B": GenerationJob("B", prompt=LONG, sampling=greedy(30), monitor=monitor(sae, "pre_steering", "completion")),
         # other steering, medium prompt
@@ -77,27 +83,55 @@ def scenario(sae) -> dict[str, GenerationJob]:
         # steered, long max_tokens, cancelled midway
         "E": GenerationJob("E", prompt=MEDIUM + " and", sampling=greedy(200), steering=steer(sae, {3: -4.0})),
         # seeded sampling with penalties, steered
-        "F": GenerationJob("F", prompt=SHORT + " then", steering=steer(sae, {17: 6.0}), sampling=SamplingParams(
-            max_tokens=20, temperature=1.1, top_p=0.9, top_k=40, seed=1234, repetition_penalty=1.1,
-            presence_penalty=0.3, frequency_penalty=0.2, ignore_eos=True)),
+        "F": GenerationJob(
+            "F",
+            prompt=SHORT + " then",
+            steering=steer(sae, {17: 6.0}),
+            sampling=SamplingParams(
+                max_tokens=20,
+                temperature=1.1,
+                top_p=0.9,
+                top_k=40,
+                seed=1234,
+                repetition_penalty=1.1,
+                presence_penalty=0.3,
+                frequency_penalty=0.2,
+                ignore_eos=True,
+            ),
+        ),
         # joining together and prefilled in one padded forward: steered + monitored prompt rows,
         # and unsteered + monitored pre-steering
-        "G": GenerationJob("G", prompt=PAIR[0], sampling=greedy(18), steering=steer(sae, {5: 7.0}),
-                           monitor=monitor(sae, "post_steering", "prompt")),
+        "G": GenerationJob(
+            "G",
+            prompt=PAIR[0],
+            sampling=greedy(18),
+            steering=steer(sae, {5: 7.0}),
+            monitor=monitor(sae, "post_steering", "prompt"),
+        ),
         "H": GenerationJob("H", prompt=PAIR[1], sampling=greedy(22), monitor=monitor(sae, "pre_steering", "all")),
     }
 
 
 def assert_same_records(got, want) -> None:
-    assert [(r.read_point, r.position, r.token_index) for r in got] == [(r.read_point, r.position, r.token_index) for r in want]
+    assert [(r.read_point, r.position, r.token_index) for r in got] == [
+        (r.read_point, r.position, r.token_index) for r in want
+    ]
     assert got, "the monitor recorded nothing"
     for g, w in zip(got, want):
         assert [f.feature_index for f in g.features] == [f.feature_index for f in w.features] == FEATURES
-        np.testing.assert_allclose([f.activation for f in g.features], [f.activation for f in w.features],
-                                   atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
+        np.testing.assert_allclose(
+            [f.activation for f in g.features],
+            [f.activation for f in w.features],
+            atol=BATCH_ENCODE_ATOL,
+            rtol=BATCH_ENCODE_RTOL,
+        )
         assert [f.feature_index for f in g.top_k] == [f.feature_index for f in w.top_k]
-        np.testing.assert_allclose([f.activation for f in g.top_k], [f.activation for f in w.top_k],
-                                   atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
+        np.testing.assert_allclose(
+            [f.activation for f in g.top_k],
+            [f.activation for f in w.top_k],
+            atol=BATCH_ENCODE_ATOL,
+            rtol=BATCH_ENCODE_RTOL,
+        )
 
 
 def counts(result: GenerationResult) -> list[tuple[str, int, int]]:
@@ -196,20 +230,27 @@ def test_a_batched_request_matches_hf_generate_with_the_tests_own_hook(engines, 
     ref_sae = RefSAE(sae)
     ids = batched.backend.encode_text(SHORT)
     with torch.inference_mode(), add_delta(module, ref_sae.delta({3: 8.0, 17: -5.0})), capture(module) as post:
-        out = model.generate(torch.tensor([ids]), max_new_tokens=40, min_new_tokens=40, do_sample=False,
-                             pad_token_id=batched.backend.tokenizer.pad_token_id)
-    assert a.token_ids == out[0, len(ids):].tolist()
+        out = model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=40,
+            min_new_tokens=40,
+            do_sample=False,
+            pad_token_id=batched.backend.tokenizer.pad_token_id,
+        )
+    assert a.token_ids == out[0, len(ids) :].tolist()
     # residual rows in sequence order: the prefill's rows, then one row per decode step
     rows = np.concatenate(post, axis=0)[: len(ids) + len(a.token_ids) - 1]
     ref_acts = ref_sae.encode(rows)
     assert [r.position for r in a.activations] == list(range(len(rows)))
     fired = 0
     for rec in a.activations:
-        np.testing.assert_allclose([f.activation for f in rec.features], ref_acts[rec.position][FEATURES],
-                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+        np.testing.assert_allclose(
+            [f.activation for f in rec.features], ref_acts[rec.position][FEATURES], atol=ENCODE_ATOL, rtol=ENCODE_RTOL
+        )
         got = np.array([f.activation for f in rec.top_k])
-        np.testing.assert_allclose(got, ref_acts[rec.position][[f.feature_index for f in rec.top_k]],
-                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+        np.testing.assert_allclose(
+            got, ref_acts[rec.position][[f.feature_index for f in rec.top_k]], atol=ENCODE_ATOL, rtol=ENCODE_RTOL
+        )
         want = np.sort(ref_acts[rec.position][ref_acts[rec.position] > 0])[::-1][:5]
         np.testing.assert_allclose(np.sort(got)[::-1], want, atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
         fired += len(rec.top_k)
@@ -232,14 +273,17 @@ def test_each_row_gets_its_own_requests_delta(engines, tiny_assets):
         def hook(mod, args, output):  # type: ignore[no-untyped-def]
             h = output[0] if isinstance(output, tuple) else output
             store.append(h.detach().double().numpy().copy())
+
         return hook
 
     h_raw = module.register_forward_hook(grab(seen_raw), prepend=True)
     h_post = module.register_forward_hook(grab(seen_post))
     try:
-        streams = [batched.generate(GenerationJob("s1", prompt=SHORT, sampling=greedy(12), steering=steer(sae, f1))),
-                   batched.generate(GenerationJob("u", prompt=MEDIUM, sampling=greedy(12))),
-                   batched.generate(GenerationJob("s2", prompt=TINY, sampling=greedy(12), steering=steer(sae, f2)))]
+        streams = [
+            batched.generate(GenerationJob("s1", prompt=SHORT, sampling=greedy(12), steering=steer(sae, f1))),
+            batched.generate(GenerationJob("u", prompt=MEDIUM, sampling=greedy(12))),
+            batched.generate(GenerationJob("s2", prompt=TINY, sampling=greedy(12), steering=steer(sae, f2))),
+        ]
         for s in streams:
             s.result(timeout_s=60)
     finally:

@@ -84,8 +84,7 @@ def test_the_wait_ends_when_an_announced_request_is_withdrawn(gathering):
     """A request that ends before it submits anything (a 400, a client that left)
     releases its announcement: the batch starts then, not at the end of gather_ms."""
     withdrawn = gathering.arriving()
-    submitted, first = one_request(gathering, "alone",
-                                   lambda: threading.Timer(0.2, withdrawn.release).start())
+    submitted, first = one_request(gathering, "alone", lambda: threading.Timer(0.2, withdrawn.release).start())
     assert 0.15 < first - submitted < 1.5, first - submitted  # gather_ms is 2 s
 
 

@@ -33,12 +33,20 @@ def wide_llama(tiny_assets, tmp_path_factory):
         if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
             shutil.copy(f, out / f.name)
     base = LlamaConfig.from_pretrained(src)
-    config = LlamaConfig(hidden_size=KV_HEADS * HEAD_DIM, intermediate_size=256,
-                         num_hidden_layers=LAYERS, num_attention_heads=KV_HEADS,
-                         num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
-                         max_position_embeddings=4096, vocab_size=base.vocab_size,
-                         bos_token_id=base.bos_token_id, eos_token_id=base.eos_token_id,
-                         pad_token_id=base.pad_token_id, tie_word_embeddings=False)
+    config = LlamaConfig(
+        hidden_size=KV_HEADS * HEAD_DIM,
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=KV_HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=4096,
+        vocab_size=base.vocab_size,
+        bos_token_id=base.bos_token_id,
+        eos_token_id=base.eos_token_id,
+        pad_token_id=base.pad_token_id,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out, safe_serialization=True)
     return out
@@ -59,9 +67,11 @@ def kv_bytes_at_least(rows: int, tokens: int) -> int:
 
 def engine(path, idle_release_s):
     events: list[tuple[float, str]] = []
-    eng = Engine(on_event=lambda e: events.append((time.monotonic(), e.name)),
-                 batching=BatchingOptions(enabled=True, max_batch_size=ROWS),
-                 idle_release_s=idle_release_s)
+    eng = Engine(
+        on_event=lambda e: events.append((time.monotonic(), e.name)),
+        batching=BatchingOptions(enabled=True, max_batch_size=ROWS),
+        idle_release_s=idle_release_s,
+    )
     eng.load_model(LoadModelJob("wide-llama", str(path), dtype="float32", device="cpu"))
     return eng, events
 
@@ -82,9 +92,10 @@ def wait_releases(events, n: int, timeout_s: float = 30.0) -> None:
 def run_batch(eng, n_tokens: int = 40) -> None:
     # long enough that every row is still running when the last one is admitted
     greedy = SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
-    jobs = [GenerationJob(f"r{i}", sampling=greedy,
-                          prompt_token_ids=[5 + (i + t) % 50 for t in range(PROMPT_TOKENS)])
-            for i in range(ROWS)]
+    jobs = [
+        GenerationJob(f"r{i}", sampling=greedy, prompt_token_ids=[5 + (i + t) % 50 for t in range(PROMPT_TOKENS)])
+        for i in range(ROWS)
+    ]
     streams = [eng.generate(j) for j in jobs]
     for s in streams:
         assert s.result(120).finish_reason == "length"
@@ -118,9 +129,11 @@ def test_the_release_never_runs_during_a_request_and_a_request_cancels_it(wide_l
         # a request arrives before the idle period ends and runs past it
         time.sleep(0.2)
         started = time.monotonic()
-        job = GenerationJob("long", prompt_token_ids=[7] * 64,
-                            sampling=SamplingParams(max_tokens=1500, temperature=0.0,
-                                                    ignore_eos=True))
+        job = GenerationJob(
+            "long",
+            prompt_token_ids=[7] * 64,
+            sampling=SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True),
+        )
         eng.generate(job).result(300)
         ended = time.monotonic()
         assert ended - started > 1.0, "the request must outlast the idle period"
@@ -160,4 +173,3 @@ def test_the_setting_reaches_the_engine(settings):
         assert client.engine.idle_release_s is None
     finally:
         client.engine.shutdown()
-

@@ -19,8 +19,7 @@ from .test_scheduler import PROMPTS, greedy, wait_running
 
 @pytest.fixture(scope="module")
 def pair(tiny_assets):
-    batched = load(tiny_assets, "tiny-llama",
-                   batching=BatchingOptions(enabled=True, max_batch_size=2, batch_rows=2))
+    batched = load(tiny_assets, "tiny-llama", batching=BatchingOptions(enabled=True, max_batch_size=2, batch_rows=2))
     serial = load(tiny_assets, "tiny-llama")
     yield batched, serial
     batched.shutdown()
@@ -81,8 +80,7 @@ def test_batch_lines_hold_only_their_rows_and_interactive_prefill_runs_alone(pai
 def test_waiting_interactive_requests_go_before_waiting_batch_lines(tiny_assets):
     """Shared rows (batch_rows=0): a batch line waiting for a row lets every interactive
     request that arrives meanwhile go first."""
-    eng = load(tiny_assets, "tiny-llama",
-               batching=BatchingOptions(enabled=True, max_batch_size=1, batch_rows=0))
+    eng = load(tiny_assets, "tiny-llama", batching=BatchingOptions(enabled=True, max_batch_size=1, batch_rows=0))
     try:
         # long enough to be still running when "later" comes 50 ms after "line"
         first = eng.generate(job("long", PROMPTS[0], 150))
@@ -94,9 +92,10 @@ def test_waiting_interactive_requests_go_before_waiting_batch_lines(tiny_assets)
         time.sleep(0.05)  # the line is waiting before the interactive request comes
         later = eng.generate(job("later", PROMPTS[2], 12))
         ended: dict[str, float] = {}
-        threads = [threading.Thread(target=lambda s=s, k=k: (s.result(timeout_s=60),
-                                                             ended.__setitem__(k, time.monotonic())))
-                   for k, s in (("long", first), ("line", line), ("later", later))]
+        threads = [
+            threading.Thread(target=lambda s=s, k=k: (s.result(timeout_s=60), ended.__setitem__(k, time.monotonic())))
+            for k, s in (("long", first), ("line", line), ("later", later))
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -113,8 +112,9 @@ def test_serial_engine_runs_batch_lines_after_queued_interactive_requests(pair):
     later = serial.generate(job("later", PROMPTS[2], 3))
     ended: dict[str, float] = {}
     for key, stream in (("long", first), ("line", line), ("later", later)):
-        threading.Thread(target=lambda s=stream, k=key: (
-            s.result(timeout_s=60), ended.__setitem__(k, time.monotonic())), daemon=True).start()
+        threading.Thread(
+            target=lambda s=stream, k=key: (s.result(timeout_s=60), ended.__setitem__(k, time.monotonic())), daemon=True
+        ).start()
     deadline = time.monotonic() + 60
     while len(ended) < 3:
         assert time.monotonic() < deadline

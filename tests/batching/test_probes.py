@@ -20,14 +20,27 @@ def test_two_requests_with_different_probes_in_one_batch(batching_server):  # no
     server = batching_server
     sae = attach("tiny-llama-L1-relu", 1)
     for name, features, weights in (("a", [1, 2], [1.0, -1.0]), ("b", [3, 7, 9], [0.5, 0.5, 2.0])):
-        resp = request(server.url, "POST", "/api/probes", {
-            "name": name, "sae_id": sae.id, "layer": 1, "features": features, "weights": weights,
-            "threshold": 0.0, "positions": "mean"})
+        resp = request(
+            server.url,
+            "POST",
+            "/api/probes",
+            {
+                "name": name,
+                "sae_id": sae.id,
+                "layer": 1,
+                "features": features,
+                "weights": weights,
+                "threshold": 0.0,
+                "positions": "mean",
+            },
+        )
         assert resp.status == 201, resp.body
         assert request(server.url, "POST", f"/api/probes/{name}/validate").status == 200
     base = {"model": "tiny-llama", "max_tokens": 16, "temperature": 0, "ignore_eos": True}
-    bodies = {"a": {**base, "prompt": "the sea and the sky", "probes": ["a"]},
-              "b": {**base, "prompt": "a quick brown fox", "probes": ["b"]}}
+    bodies = {
+        "a": {**base, "prompt": "the sea and the sky", "probes": ["a"]},
+        "b": {**base, "prompt": "a quick brown fox", "probes": ["b"]},
+    }
     alone = {k: request(server.base_url, "POST", "/completions", b).json() for k, b in bodies.items()}
     together: dict[str, dict] = {}
 

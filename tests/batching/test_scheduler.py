@@ -64,9 +64,11 @@ def test_stop_sequences_and_stop_tokens_end_only_their_request(llama):
     stop = base.text[len(base.text) // 3 :][:3]
     assert stop.strip()
     stop_id = base.token_ids[4]
-    jobs = [GenerationJob("s", prompt=PROMPTS[0], sampling=greedy(30, stop=[stop])),
-            GenerationJob("t", prompt=PROMPTS[0], sampling=greedy(30, stop_token_ids=[stop_id])),
-            GenerationJob("l", prompt=PROMPTS[1], sampling=greedy(30))]
+    jobs = [
+        GenerationJob("s", prompt=PROMPTS[0], sampling=greedy(30, stop=[stop])),
+        GenerationJob("t", prompt=PROMPTS[0], sampling=greedy(30, stop_token_ids=[stop_id])),
+        GenerationJob("l", prompt=PROMPTS[1], sampling=greedy(30)),
+    ]
     streams = [batched.generate(j) for j in jobs]
     events = [list(s) for s in streams]
     results = [GenerationResult.from_events(e) for e in events]
@@ -83,8 +85,10 @@ def test_stop_sequences_and_stop_tokens_end_only_their_request(llama):
 
 def test_logprobs_in_a_batch_equal_the_solo_run(llama):
     batched, serial, _ = llama
-    jobs = [GenerationJob(f"l{i}", prompt=p, sampling=greedy(8, logprobs=True, top_logprobs=3, prompt_logprobs=i == 0))
-            for i, p in enumerate(PROMPTS)]
+    jobs = [
+        GenerationJob(f"l{i}", prompt=p, sampling=greedy(8, logprobs=True, top_logprobs=3, prompt_logprobs=i == 0))
+        for i, p in enumerate(PROMPTS)
+    ]
     for job, res in zip(jobs, together(batched, jobs)):
         alone = serial.generate_sync(job)
         assert res.token_ids == alone.token_ids
@@ -102,10 +106,12 @@ def test_prompt_alternatives_in_a_batch_equal_the_solo_run(llama):
     batched, serial, sae = llama
     steering = SteeringSpec.from_mapping({(sae.name, sae.layer): {3: 6.0}})
     echo = greedy(4, prompt_logprobs=True, prompt_top_logprobs=3)
-    jobs = [GenerationJob("e", prompt=PROMPTS[0], sampling=echo, steering=steering),
-            GenerationJob("p", prompt=PROMPTS[0], sampling=echo),
-            GenerationJob("x", prompt=PROMPTS[1], sampling=greedy(8), steering=steering),
-            GenerationJob("y", prompt=PROMPTS[3], sampling=echo)]
+    jobs = [
+        GenerationJob("e", prompt=PROMPTS[0], sampling=echo, steering=steering),
+        GenerationJob("p", prompt=PROMPTS[0], sampling=echo),
+        GenerationJob("x", prompt=PROMPTS[1], sampling=greedy(8), steering=steering),
+        GenerationJob("y", prompt=PROMPTS[3], sampling=echo),
+    ]
     results = together(batched, jobs)
     for job, res in zip(jobs, results):
         alone = serial.generate_sync(job)
@@ -126,8 +132,10 @@ def test_streaming_monitor_records_travel_with_their_tokens(llama):
     batched, serial, sae = llama
     mon = MonitorSpec([MonitorEntry(sae.name, sae.layer, top_k=4, features=[1, 2], stream=True)])
     steering = SteeringSpec.from_mapping({(sae.name, sae.layer): {3: 5.0}})
-    jobs = [GenerationJob("m", prompt=PROMPTS[0], sampling=greedy(10), monitor=mon, steering=steering),
-            GenerationJob("u", prompt=PROMPTS[1], sampling=greedy(12))]
+    jobs = [
+        GenerationJob("m", prompt=PROMPTS[0], sampling=greedy(10), monitor=mon, steering=steering),
+        GenerationJob("u", prompt=PROMPTS[1], sampling=greedy(12)),
+    ]
     streams = [batched.generate(j) for j in jobs]
     events = list(streams[0])
     streams[1].result(timeout_s=60)
@@ -138,14 +146,20 @@ def test_streaming_monitor_records_travel_with_their_tokens(llama):
     for t, s in zip(tokens, solo_tokens):
         assert [r.token_index for r in t.activations] == [r.token_index for r in s.activations] == [t.index]
         for a, b in zip(t.activations, s.activations):
-            np.testing.assert_allclose([f.activation for f in a.features], [f.activation for f in b.features],
-                                       atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
+            np.testing.assert_allclose(
+                [f.activation for f in a.features],
+                [f.activation for f in b.features],
+                atol=BATCH_ENCODE_ATOL,
+                rtol=BATCH_ENCODE_RTOL,
+            )
 
 
 def test_detach_drains_the_running_batch_and_a_short_wait_is_refused(llama, tiny_assets):
     batched, _, sae = llama
     steering = SteeringSpec.from_mapping({(sae.name, sae.layer): {3: 5.0}})
-    jobs = [GenerationJob(f"d{i}", prompt=p, sampling=greedy(300), steering=steering) for i, p in enumerate(PROMPTS[:3])]
+    jobs = [
+        GenerationJob(f"d{i}", prompt=p, sampling=greedy(300), steering=steering) for i, p in enumerate(PROMPTS[:3])
+    ]
     streams = [batched.generate(j) for j in jobs]
     wait_running(batched, 3)
     # a wait too short for the batch to drain: refused, nothing changed, the batch goes on
@@ -169,8 +183,10 @@ def test_embeddings_and_scores_run_between_steps_unsteered(llama):
     before_e = serial.embed(EmbedJob("e", [PROMPTS[0]])).embeddings
     before_s = serial.score(ScoreJob("s", prompt=PROMPTS[0], top_k=3)).top
     steering = SteeringSpec.from_mapping({(sae.name, sae.layer): {3: 50.0}})
-    streams = [batched.generate(GenerationJob(f"g{i}", prompt=p, sampling=greedy(400), steering=steering))
-               for i, p in enumerate(PROMPTS[:2])]
+    streams = [
+        batched.generate(GenerationJob(f"g{i}", prompt=p, sampling=greedy(400), steering=steering))
+        for i, p in enumerate(PROMPTS[:2])
+    ]
     wait_running(batched, 2)
     t0 = time.monotonic()
     emb = batched.embed(EmbedJob("e", [PROMPTS[0]]), timeout_s=30).embeddings
@@ -188,11 +204,18 @@ def test_embeddings_and_scores_run_between_steps_unsteered(llama):
 def test_a_bad_request_fails_alone(llama):
     batched, serial, sae = llama
     good = [GenerationJob(f"g{i}", prompt=p, sampling=greedy(12)) for i, p in enumerate(PROMPTS[:2])]
-    bad = [GenerationJob("x", prompt=PROMPTS[2], sampling=greedy(5),
-                         steering=SteeringSpec.from_mapping({("nope", 1): {1: 1.0}})),
-           GenerationJob("y", prompt=PROMPTS[2], sampling=greedy(5),
-                         steering=SteeringSpec.from_mapping({(sae.name, sae.layer): {10_000: 1.0}})),
-           GenerationJob("z", prompt_token_ids=[1, 10_000], sampling=greedy(5))]
+    bad = [
+        GenerationJob(
+            "x", prompt=PROMPTS[2], sampling=greedy(5), steering=SteeringSpec.from_mapping({("nope", 1): {1: 1.0}})
+        ),
+        GenerationJob(
+            "y",
+            prompt=PROMPTS[2],
+            sampling=greedy(5),
+            steering=SteeringSpec.from_mapping({(sae.name, sae.layer): {10_000: 1.0}}),
+        ),
+        GenerationJob("z", prompt_token_ids=[1, 10_000], sampling=greedy(5)),
+    ]
     streams = [batched.generate(j) for j in good[:1] + bad + good[1:]]
     outcomes = [list(s)[-1] for s in streams]
     assert [o.code for o in outcomes[1:4]] == ["sae_not_attached", "invalid_feature_index", "invalid_parameter"]
@@ -221,9 +244,14 @@ def test_force_serial_monitoring_runs_monitored_requests_alone(tiny_assets):
         mon = MonitorSpec([MonitorEntry(sae.name, sae.layer, top_k=3)])
         choreo = Choreography(eng.backend.model)
         with choreo.installed():
-            results = together(eng, [GenerationJob("m", prompt=PROMPTS[0], sampling=greedy(10), monitor=mon),
-                                     GenerationJob("u1", prompt=PROMPTS[1], sampling=greedy(10)),
-                                     GenerationJob("u2", prompt=PROMPTS[2], sampling=greedy(10))])
+            results = together(
+                eng,
+                [
+                    GenerationJob("m", prompt=PROMPTS[0], sampling=greedy(10), monitor=mon),
+                    GenerationJob("u1", prompt=PROMPTS[1], sampling=greedy(10)),
+                    GenerationJob("u2", prompt=PROMPTS[2], sampling=greedy(10)),
+                ],
+            )
         n = results[0].forward_passes
         assert choreo.batch_sizes[:n] == [1] * n  # the monitored request ran alone
         assert max(choreo.batch_sizes[n:]) == 2  # the others then shared their steps
@@ -245,6 +273,7 @@ def test_out_of_memory_in_a_step_fails_the_batch_detaches_and_keeps_serving(tiny
                 if calls["n"] == 3:
                     raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
                 return real(*a, **kw)
+
             return step
 
         # the third model step fails, whichever path takes it: model.forward for the
@@ -253,8 +282,10 @@ def test_out_of_memory_in_a_step_fails_the_batch_detaches_and_keeps_serving(tiny
         assert runner.lean is not None
         monkeypatch.setattr(runner.lean, "step_rows", flaky(runner.lean.step_rows))
         steering = SteeringSpec.from_mapping({(sae.name, sae.layer): {3: 5.0}})
-        streams = [eng.generate(GenerationJob(f"o{i}", prompt=p, sampling=greedy(20), steering=steering))
-                   for i, p in enumerate(PROMPTS[:2])]
+        streams = [
+            eng.generate(GenerationJob(f"o{i}", prompt=p, sampling=greedy(20), steering=steering))
+            for i, p in enumerate(PROMPTS[:2])
+        ]
         ends = [list(s)[-1] for s in streams]
         assert all(isinstance(e, ErrorEvent) and e.code == "insufficient_memory" for e in ends)
         assert eng.attachments() == [] and eng.hook_manager.installed() == []

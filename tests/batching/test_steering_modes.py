@@ -42,22 +42,46 @@ def jobs_for(sae, trigger: int, threshold: float, phase_prompt_len: int) -> dict
         return SteeringSpec([SteeringEntry(sae.name, sae.layer, features or {}, list(controls))])
 
     return {
-        "clamp": GenerationJob("clamp", prompt=PROMPTS[0], sampling=greedy(16),
-                               steering=spec(controls=[FeatureControl(3, mode="clamp", value=9.0),
-                                                       FeatureControl(17, mode="clamp", value=0.0)])),
-        "scale": GenerationJob("scale", prompt=PROMPTS[1], sampling=greedy(14),
-                               steering=spec(controls=[FeatureControl(trigger, mode="scale", value=60.0)])),
+        "clamp": GenerationJob(
+            "clamp",
+            prompt=PROMPTS[0],
+            sampling=greedy(16),
+            steering=spec(
+                controls=[FeatureControl(3, mode="clamp", value=9.0), FeatureControl(17, mode="clamp", value=0.0)]
+            ),
+        ),
+        "scale": GenerationJob(
+            "scale",
+            prompt=PROMPTS[1],
+            sampling=greedy(14),
+            steering=spec(controls=[FeatureControl(trigger, mode="scale", value=60.0)]),
+        ),
         "plain": GenerationJob("plain", prompt=PROMPTS[2], sampling=greedy(12), steering=spec({40: -6.0})),
-        "ablate": GenerationJob("ablate", prompt=PROMPTS[3], sampling=greedy(15),
-                                steering=spec({5: 4.0}, [FeatureControl(40, mode="ablate")]),
-                                monitor=MonitorSpec([MonitorEntry(sae.name, sae.layer, features=[40],
-                                                                  positions="all")])),
-        "phase": GenerationJob("phase", prompt=PROMPTS[4], sampling=greedy(13),
-                               steering=spec(controls=[FeatureControl(3, value=12.0, phase="completion",
-                                                                      window=PositionRange(0, phase_prompt_len + 6))])),
-        "cond": GenerationJob("cond", prompt=PROMPTS[5], sampling=greedy(12),
-                              steering=spec(controls=[FeatureControl(7, mode="clamp", value=15.0,
-                                                                     condition=SteeringCondition(trigger, threshold))])),
+        "ablate": GenerationJob(
+            "ablate",
+            prompt=PROMPTS[3],
+            sampling=greedy(15),
+            steering=spec({5: 4.0}, [FeatureControl(40, mode="ablate")]),
+            monitor=MonitorSpec([MonitorEntry(sae.name, sae.layer, features=[40], positions="all")]),
+        ),
+        "phase": GenerationJob(
+            "phase",
+            prompt=PROMPTS[4],
+            sampling=greedy(13),
+            steering=spec(
+                controls=[
+                    FeatureControl(3, value=12.0, phase="completion", window=PositionRange(0, phase_prompt_len + 6))
+                ]
+            ),
+        ),
+        "cond": GenerationJob(
+            "cond",
+            prompt=PROMPTS[5],
+            sampling=greedy(12),
+            steering=spec(
+                controls=[FeatureControl(7, mode="clamp", value=15.0, condition=SteeringCondition(trigger, threshold))]
+            ),
+        ),
         "none": GenerationJob("none", prompt=PROMPTS[0] + " then", sampling=greedy(10)),
     }
 
@@ -68,8 +92,16 @@ def test_a_mixed_batch_of_every_mode_equals_each_solo_run(engines, tiny_assets, 
     sae = tiny_assets.saes[MODEL_SAE[model_name]]
     # a trigger that fires at some rows of the conditional prompt and not others, found
     # from the unsteered residual (the hook's input at the SAE's layer)
-    probe = serial.generate_sync(GenerationJob("p", prompt=PROMPTS[5], sampling=greedy(1), monitor=MonitorSpec(
-        [MonitorEntry(sae.name, sae.layer, top_k=8, read_point="pre_steering", positions="prompt")])))
+    probe = serial.generate_sync(
+        GenerationJob(
+            "p",
+            prompt=PROMPTS[5],
+            sampling=greedy(1),
+            monitor=MonitorSpec(
+                [MonitorEntry(sae.name, sae.layer, top_k=8, read_point="pre_steering", positions="prompt")]
+            ),
+        )
+    )
     counts: dict[int, list[float]] = {}
     for rec in probe.activations:
         for f in rec.top_k:
@@ -101,17 +133,21 @@ def test_a_mixed_batch_of_every_mode_equals_each_solo_run(engines, tiny_assets, 
         got = mixed[name]
         assert got.token_ids == solo.token_ids == alone.token_ids, name
         assert got.forward_passes == len(got.token_ids)
-        assert [(c.count, c.modes) for c in got.steering_apply_count] == \
-            [(c.count, c.modes) for c in alone.steering_apply_count], name
-        assert [(f.index, f.positions) for f in got.steering_fired] == \
-            [(f.index, f.positions) for f in alone.steering_fired], name
+        assert [(c.count, c.modes) for c in got.steering_apply_count] == [
+            (c.count, c.modes) for c in alone.steering_apply_count
+        ], name
+        assert [(f.index, f.positions) for f in got.steering_fired] == [
+            (f.index, f.positions) for f in alone.steering_fired
+        ], name
         for g, w in zip(got.activations, alone.activations):
             assert g.position == w.position
-            np.testing.assert_allclose([f.activation for f in g.features], [f.activation for f in w.features],
-                                       atol=1e-4, rtol=1e-4)
+            np.testing.assert_allclose(
+                [f.activation for f in g.features], [f.activation for f in w.features], atol=1e-4, rtol=1e-4
+            )
         if job.steering is not None:
             modes = {c.mode for e in job.steering.entries for c in e.controls} | (
-                {"add"} if any(e.features for e in job.steering.entries) else set())
+                {"add"} if any(e.features for e in job.steering.entries) else set()
+            )
             assert got.steering_apply_count[0].modes == dict.fromkeys(modes, got.forward_passes), name
             # positive control: the steering changed the request's tokens
             plain = GenerationJob(f"{name}-plain", prompt=job.prompt, sampling=job.sampling)

@@ -49,8 +49,11 @@ def _bodies(sae_id: str) -> dict[str, dict]:
         "inline": {**base, "steering": {"features": [{"index": 3, "strength": 12.0}]}},
         "profile": {**base, "profile": "sea-lover", "steering_intensity": 0.5},
         "at_profile": {**base, "model": "tiny-llama@sea-lover", "prompt": PROMPT + " and"},
-        "activations": {**base, "steering": {"features": [{"index": 40, "strength": -6.0}]},
-                        "return_sae_activations": {"top_k": 4, "features": [3, 7], "positions": "all"}},
+        "activations": {
+            **base,
+            "steering": {"features": [{"index": 40, "strength": -6.0}]},
+            "return_sae_activations": {"top_k": 4, "features": [3, 7], "positions": "all"},
+        },
         "plain": {**base, "prompt": "a quick brown fox"},
         "empty": {**base, "steering": {"features": []}},
     }
@@ -59,8 +62,9 @@ def _bodies(sae_id: str) -> dict[str, dict]:
 def test_mixed_v1_requests_share_steps_and_answer_as_alone(batching_server):
     server = batching_server
     sae = attach("tiny-llama-L1-relu", 1)
-    profile_create(name="sea-lover", sae_id=sae.id, layer=1, steering={"3": 150.0, "40": -20.0},
-                   model_name="tiny-llama")
+    profile_create(
+        name="sea-lover", sae_id=sae.id, layer=1, steering={"3": 150.0, "40": -20.0}, model_name="tiny-llama"
+    )
     bodies = _bodies(sae.id)
 
     alone = {}
@@ -83,8 +87,11 @@ def test_mixed_v1_requests_share_steps_and_answer_as_alone(batching_server):
     choreo.run_together(send, bodies)
     assert max(choreo.batch_sizes) >= 4, choreo.batch_sizes  # they shared decode steps
     # batched requests count their tokens as served ones do: each by the usage it reports
-    assert tokens_generated() - counted == sum(
-        r["body"]["usage"]["completion_tokens"] for r in together.values()) == 24 * len(bodies)
+    assert (
+        tokens_generated() - counted
+        == sum(r["body"]["usage"]["completion_tokens"] for r in together.values())
+        == 24 * len(bodies)
+    )
 
     for name, want in alone.items():
         got = together[name]
@@ -96,8 +103,8 @@ def test_mixed_v1_requests_share_steps_and_answer_as_alone(batching_server):
     # positive control: steering changes the text
     assert alone["inline"]["choices"][0]["text"] != alone["empty"]["choices"][0]["text"]
     assert together["profile"]["steering"] == (
-        "profile;name=sea-lover;intensity=0.5;"
-        f'hash="{together["profile"]["body"]["millm"]["steering"]["hash"]}"')
+        f'profile;name=sea-lover;intensity=0.5;hash="{together["profile"]["body"]["millm"]["steering"]["hash"]}"'
+    )
     got = together["activations"]["body"]["millm"]["sae_activations"]["positions"]
     want = alone["activations"]["millm"]["sae_activations"]["positions"]
     assert [r["position"] for r in got] == [r["position"] for r in want] and got
@@ -127,14 +134,14 @@ def test_each_row_of_a_batch_keeps_its_own_logit_bias(batching_server, tiny_asse
 
     server = batching_server
     tok = AutoTokenizer.from_pretrained(tiny_assets.models["tiny-llama"].path)
-    base = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 16, "temperature": 0,
-            "ignore_eos": True}
+    base = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
     plain = request(server.base_url, "POST", "/completions", base)
     assert plain.status == 200, plain.body[:300]
     ids = tok.encode(PROMPT, add_special_tokens=False)
     # the greedy first token, found without the server: the model's own argmax
-    first = server.engine.generate_sync(GenerationJob("ref", prompt=PROMPT, sampling=SamplingParams(
-        max_tokens=1, temperature=0, ignore_eos=True))).token_ids[0]
+    first = server.engine.generate_sync(
+        GenerationJob("ref", prompt=PROMPT, sampling=SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+    ).token_ids[0]
     target = tok.encode(" lighthouse", add_special_tokens=False)[0]
     bodies = {
         "plain": base,
@@ -147,10 +154,10 @@ def test_each_row_of_a_batch_keeps_its_own_logit_bias(batching_server, tiny_asse
         assert resp.status == 200, resp.body[:300]
         alone[name] = resp.json()["choices"][0]["text"]
     assert alone["plain"] == plain.json()["choices"][0]["text"]
-    assert alone["force"] == tok.decode([target] * 16, skip_special_tokens=True,
-                                        clean_up_tokenization_spaces=False)
+    assert alone["force"] == tok.decode([target] * 16, skip_special_tokens=True, clean_up_tokenization_spaces=False)
     assert alone["ban"] != alone["plain"] and not alone["ban"].startswith(
-        tok.decode([first], skip_special_tokens=True, clean_up_tokenization_spaces=False))
+        tok.decode([first], skip_special_tokens=True, clean_up_tokenization_spaces=False)
+    )
 
     choreo = Choreography(server.engine.backend.model)
     together: dict[str, str] = {}
@@ -172,27 +179,46 @@ def test_a_request_that_sends_no_sampling_gets_the_cbm_defaults(batching_server,
     settings.CBM_DEFAULT_MAX_TOKENS = 7
 
     def engine_text(**sampling) -> str:
-        return server.engine.generate_sync(GenerationJob("ref", prompt=PROMPT, sampling=SamplingParams(
-            ignore_eos=True, seed=5, **sampling))).text
+        return server.engine.generate_sync(
+            GenerationJob("ref", prompt=PROMPT, sampling=SamplingParams(ignore_eos=True, seed=5, **sampling))
+        ).text
 
-    resp = request(server.base_url, "POST", "/completions",
-                   {"model": "tiny-llama", "prompt": PROMPT, "seed": 5, "ignore_eos": True})
+    resp = request(
+        server.base_url,
+        "POST",
+        "/completions",
+        {"model": "tiny-llama", "prompt": PROMPT, "seed": 5, "ignore_eos": True},
+    )
     assert resp.status == 200, resp.body[:300]
     body = resp.json()
     assert body["usage"]["completion_tokens"] == 7
     assert body["choices"][0]["text"] == engine_text(max_tokens=7, temperature=1.3, top_p=0.5)
     # positive control: OpenAI's defaults would have drawn another text
     assert body["choices"][0]["text"] != engine_text(max_tokens=7, temperature=1.0, top_p=1.0)
-    own = request(server.base_url, "POST", "/completions", {
-        "model": "tiny-llama", "prompt": PROMPT, "seed": 5, "ignore_eos": True,
-        "temperature": 1.0, "top_p": 1.0, "max_tokens": 3}).json()
+    own = request(
+        server.base_url,
+        "POST",
+        "/completions",
+        {
+            "model": "tiny-llama",
+            "prompt": PROMPT,
+            "seed": 5,
+            "ignore_eos": True,
+            "temperature": 1.0,
+            "top_p": 1.0,
+            "max_tokens": 3,
+        },
+    ).json()
     assert own["choices"][0]["text"] == engine_text(max_tokens=3, temperature=1.0, top_p=1.0)
     # a prompt that leaves less room than the default: the room, not context_length_exceeded
     window = server.engine.backend.context_length
     settings.CBM_DEFAULT_MAX_TOKENS = 512
-    long = request(server.base_url, "POST", "/completions", {
-        "model": "tiny-llama", "prompt": [5] * (window - 6), "temperature": 0,
-        "ignore_eos": True})
+    long = request(
+        server.base_url,
+        "POST",
+        "/completions",
+        {"model": "tiny-llama", "prompt": [5] * (window - 6), "temperature": 0, "ignore_eos": True},
+    )
     assert long.status == 200, long.body[:300]
     assert long.json()["usage"]["completion_tokens"] == 6
     assert long.json()["choices"][0]["finish_reason"] == "length"
@@ -202,21 +228,25 @@ def test_extra_messages_run_together_and_answer_as_alone(batching_server):
     """extra_messages: several conversations in one request and one queue slot, run in one
     batch; choice c·n + i is conversation c's i-th choice, each what it answers alone."""
     server = batching_server
-    conversations = [[{"role": "user", "content": "tell me about the sea"}],
-                     [{"role": "system", "content": "be brief"},
-                      {"role": "user", "content": "and the sky?"}],
-                     [{"role": "user", "content": "a fox"}]]
+    conversations = [
+        [{"role": "user", "content": "tell me about the sea"}],
+        [{"role": "system", "content": "be brief"}, {"role": "user", "content": "and the sky?"}],
+        [{"role": "user", "content": "a fox"}],
+    ]
     base = {"model": "tiny-llama", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
     alone = []
     for messages in conversations:
-        resp = request(server.base_url, "POST", "/chat/completions",
-                       {**base, "messages": messages})
+        resp = request(server.base_url, "POST", "/chat/completions", {**base, "messages": messages})
         assert resp.status == 200, resp.body[:300]
         alone.append(resp.json())
     choreo = Choreography(server.engine.backend.model)
     with choreo.installed():
-        resp = request(server.base_url, "POST", "/chat/completions", {
-            **base, "messages": conversations[0], "extra_messages": conversations[1:]})
+        resp = request(
+            server.base_url,
+            "POST",
+            "/chat/completions",
+            {**base, "messages": conversations[0], "extra_messages": conversations[1:]},
+        )
     assert resp.status == 200, resp.body[:300]
     assert max(choreo.batch_sizes) == 3, choreo.batch_sizes  # one batch, not three runs
     body = resp.json()
@@ -227,13 +257,19 @@ def test_extra_messages_run_together_and_answer_as_alone(batching_server):
     assert body["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
     assert body["usage"]["completion_tokens"] == 36
     # with n = 2: conversation c's choices are 2c and 2c + 1
-    two = request(server.base_url, "POST", "/chat/completions", {
-        **base, "n": 2, "messages": conversations[0], "extra_messages": conversations[2:]}).json()
+    two = request(
+        server.base_url,
+        "POST",
+        "/chat/completions",
+        {**base, "n": 2, "messages": conversations[0], "extra_messages": conversations[2:]},
+    ).json()
     texts = [c["message"]["content"] for c in two["choices"]]
-    assert texts == [alone[0]["choices"][0]["message"]["content"]] * 2 + \
-        [alone[2]["choices"][0]["message"]["content"]] * 2
-    bad = request(server.base_url, "POST", "/chat/completions", {
-        **base, "messages": conversations[0], "extra_messages": [[]]})
+    assert (
+        texts == [alone[0]["choices"][0]["message"]["content"]] * 2 + [alone[2]["choices"][0]["message"]["content"]] * 2
+    )
+    bad = request(
+        server.base_url, "POST", "/chat/completions", {**base, "messages": conversations[0], "extra_messages": [[]]}
+    )
     assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_parameter"
 
 
@@ -264,8 +300,12 @@ def test_a_burst_of_v1_requests_starts_as_one_batch(gather_3s, batching_server, 
 
     monkeypatch.setattr(serving, "plan_generation", plan_slowly)
     base = {"model": "tiny-llama", "max_tokens": 6, "temperature": 0, "ignore_eos": True}
-    bodies = [{**base, "prompt": PROMPT}, {**base, "prompt": PROMPT, "stream": True},
-              {**base, "prompt": "a quick brown fox"}, {**base, "prompt": slow_prompt}]
+    bodies = [
+        {**base, "prompt": PROMPT},
+        {**base, "prompt": PROMPT, "stream": True},
+        {**base, "prompt": "a quick brown fox"},
+        {**base, "prompt": slow_prompt},
+    ]
     statuses: list[int] = []
     sent: list[float] = []
 
@@ -292,12 +332,20 @@ def test_every_v1_request_withdraws_its_announcement(batching_server):
     what is announced)."""
     server = batching_server
     base = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 3}
-    for body, status in (({**base}, 200), ({**base, "stream": True}, 200),
-                         ({**base, "temperature": 7}, 400), ({**base, "model": "no-such-model"}, 404)):
+    for body, status in (
+        ({**base}, 200),
+        ({**base, "stream": True}, 200),
+        ({**base, "temperature": 7}, 400),
+        ({**base, "model": "no-such-model"}, 404),
+    ):
         resp = request(server.base_url, "POST", "/completions", body)
         assert resp.status == status, resp.body[:300]
-    resp = request(server.base_url, "POST", "/chat/completions",
-                   {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    resp = request(
+        server.base_url,
+        "POST",
+        "/chat/completions",
+        {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert resp.status == 200, resp.body[:300]
     batching = request(server.url + "/api", "GET", "/health/inference").json()["data"]["batching"]
     assert batching["arriving"] == 0 and batching["gather_ms"] == 50

@@ -51,13 +51,17 @@ def redis_port() -> Iterator[int]:
         return
     binary = shutil.which("redis-server")
     if binary is None:
-        pytest.fail("Redis is not running on 127.0.0.1:6379 and redis-server is not installed "
-                    "(apt-get install redis-server, or run scripts/test)")
+        pytest.fail(
+            "Redis is not running on 127.0.0.1:6379 and redis-server is not installed "
+            "(apt-get install redis-server, or run scripts/test)"
+        )
     port = free_port()
     workdir = tempfile.mkdtemp(prefix="millm-redis-")
-    proc = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                             "--appendonly", "no", "--dir", workdir],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly", "no", "--dir", workdir],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.monotonic() + 10
     while not _redis_answers(port):
         if time.monotonic() > deadline:
@@ -99,8 +103,7 @@ def redis_url(redis_port: int) -> Iterator[str]:
 
 
 def _pg_base() -> str:
-    return os.environ.get("MILLM_TEST_DATABASE_URL",
-                          "postgresql://postgres@127.0.0.1:5432/postgres")
+    return os.environ.get("MILLM_TEST_DATABASE_URL", "postgresql://postgres@127.0.0.1:5432/postgres")
 
 
 @pytest.fixture
@@ -110,14 +113,15 @@ def pg_database_url() -> Iterator[str]:
 
     base = _pg_base()
     if not base:
-        pytest.fail("the multi-process test needs PostgreSQL (MILLM_TEST_DATABASE_URL is "
-                    "empty); run scripts/test, which starts one on 127.0.0.1:5432")
+        pytest.fail(
+            "the multi-process test needs PostgreSQL (MILLM_TEST_DATABASE_URL is "
+            "empty); run scripts/test, which starts one on 127.0.0.1:5432"
+        )
     name = f"millm_dist_{secrets.token_hex(4)}"
     try:
         admin = psycopg.connect(base, autocommit=True, connect_timeout=5)
     except psycopg.OperationalError as exc:
-        pytest.fail(f"PostgreSQL is not reachable at {base}: {exc} (scripts/services starts "
-                    "one)")
+        pytest.fail(f"PostgreSQL is not reachable at {base}: {exc} (scripts/services starts one)")
     with admin:
         admin.execute(f'CREATE DATABASE "{name}"')
     parsed = urlparse(base)
@@ -137,8 +141,9 @@ class Proc:
         self.args = args
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self.popen = subprocess.Popen(args, env=env, cwd=REPO, stdout=self._log,
-                                      stderr=subprocess.STDOUT, start_new_session=True)
+        self.popen = subprocess.Popen(
+            args, env=env, cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.stopped_on_purpose = False
 
     @property
@@ -217,14 +222,16 @@ def procs(tmp_path: Path) -> Iterator[list[Proc]]:
 def base_env(**extra: str) -> dict[str, str]:
     keep = ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR")
     env = {k: v for k, v in os.environ.items() if k in keep}
-    env.update({
-        "MILLM_ENV_FILE": "/nonexistent/.env",
-        "PYTHONPATH": str(REPO),
-        "PYTHONUNBUFFERED": "1",
-        # two cores shared with other test sessions: no thread oversubscription
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    })
+    env.update(
+        {
+            "MILLM_ENV_FILE": "/nonexistent/.env",
+            "PYTHONPATH": str(REPO),
+            "PYTHONUNBUFFERED": "1",
+            # two cores shared with other test sessions: no thread oversubscription
+            "OMP_NUM_THREADS": "1",
+            "MKL_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
     env.update(extra)
     return env

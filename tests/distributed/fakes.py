@@ -80,14 +80,27 @@ class FakeEngine:
 
     def status(self) -> EngineStatus:
         return EngineStatus(
-            state="ready" if self.model_id else "empty", backend="fake",
-            model_id=self.model_id, attachments=self.attachments(),
-            in_flight=sum(1 for s in self.streams.values() if s.cancelled_at is None))
+            state="ready" if self.model_id else "empty",
+            backend="fake",
+            model_id=self.model_id,
+            attachments=self.attachments(),
+            in_flight=sum(1 for s in self.streams.values() if s.cancelled_at is None),
+        )
 
     def attachments(self) -> list[AttachmentStatus]:
-        return [AttachmentStatus(sae_id=s, layer=n, layer_module_path=f"model.layers.{n}",
-                                 d_in=8, d_sae=16, activation="relu", layout="saelens",
-                                 path=p) for (s, n), p in self.attached.items()]
+        return [
+            AttachmentStatus(
+                sae_id=s,
+                layer=n,
+                layer_module_path=f"model.layers.{n}",
+                d_in=8,
+                d_sae=16,
+                activation="relu",
+                layout="saelens",
+                path=p,
+            )
+            for (s, n), p in self.attached.items()
+        ]
 
     def check_load(self, job: Any) -> None:
         return None
@@ -108,24 +121,23 @@ class FakeEngine:
         out = []
         for spec in specs:
             self.attached[(spec.sae_id, spec.layer)] = spec.path
-            out.append(AttachResult(spec.sae_id, spec.layer, f"model.layers.{spec.layer}", 8, 16,
-                                    "relu", "saelens"))
+            out.append(AttachResult(spec.sae_id, spec.layer, f"model.layers.{spec.layer}", 8, 16, "relu", "saelens"))
         return out
 
-    def detach(self, sae_id: str | None = None, layer: int | None = None, *,
-               timeout_s: float | None = None) -> list[tuple[str, int]]:
-        keys = [k for k in self.attached
-                if (sae_id is None or k[0] == sae_id) and (layer is None or k[1] == layer)]
+    def detach(
+        self, sae_id: str | None = None, layer: int | None = None, *, timeout_s: float | None = None
+    ) -> list[tuple[str, int]]:
+        keys = [k for k in self.attached if (sae_id is None or k[0] == sae_id) and (layer is None or k[1] == layer)]
         if not keys and sae_id is not None:
-            raise SAENotAttached(f"SAE {sae_id!r} is not attached",
-                                 details={"sae_id": sae_id, "layer": layer})
+            raise SAENotAttached(f"SAE {sae_id!r} is not attached", details={"sae_id": sae_id, "layer": layer})
         for k in keys:
             del self.attached[k]
         return keys
 
     def check_sae(self, path: str, layer: int, *, layout: str | None = None) -> Any:
-        return CompatibilityReport(compatible=layer < 4, errors=[] if layer < 4 else ["range"],
-                                   warnings=["trained elsewhere"])
+        return CompatibilityReport(
+            compatible=layer < 4, errors=[] if layer < 4 else ["range"], warnings=["trained elsewhere"]
+        )
 
     def generate(self, job: Any) -> FakeStream:
         self.generated.append(job.request_id)
@@ -142,9 +154,10 @@ class FakeEngine:
             if stream._cancel.is_set():
                 err = stream.fail_with
                 stream._events.put(
-                    FinishEvent(job.request_id, "cancelled", text, list(range(i)),
-                                Usage(3, i, 3 + i)) if err is None else
-                    ErrorEvent(job.request_id, err.code, err.message, err.details))
+                    FinishEvent(job.request_id, "cancelled", text, list(range(i)), Usage(3, i, 3 + i))
+                    if err is None
+                    else ErrorEvent(job.request_id, err.code, err.message, err.details)
+                )
                 stream.finished = True
                 return
             if job.prompt == "hang":
@@ -155,8 +168,9 @@ class FakeEngine:
             text += piece
             stream._events.put(TokenEvent(job.request_id, i, i, piece))
             i += 1
-        stream._events.put(FinishEvent(job.request_id, "length", text, list(range(n)),
-                                       Usage(3, n, 3 + n), forward_passes=n))
+        stream._events.put(
+            FinishEvent(job.request_id, "length", text, list(range(n)), Usage(3, n, 3 + n), forward_passes=n)
+        )
         stream.finished = True
 
     def cancel_all(self, reason: str = "cancel_all") -> int:
@@ -168,16 +182,18 @@ class FakeEngine:
 
     def embed(self, job: Any, *, timeout_s: float | None = None) -> EmbedResult:
         self.embedded.append(job.request_id)
-        return EmbedResult(job.request_id, [[1.0, 0.0]] * len(job.inputs),
-                           Usage(len(job.inputs), 0, len(job.inputs)))
+        return EmbedResult(job.request_id, [[1.0, 0.0]] * len(job.inputs), Usage(len(job.inputs), 0, len(job.inputs)))
 
     def score(self, job: Any, *, timeout_s: float | None = None) -> ScoreResult:
         return ScoreResult(job.request_id, 3, top=[LogprobEntry(1, "a", -0.5)])
 
     def hidden_states(self, job: Any, *, timeout_s: float | None = None) -> HiddenStatesResult:
-        return HiddenStatesResult(job.request_id, list(job.layers),
-                                  [[[1.0, 0.0]] * len(job.layers)] * len(job.inputs),
-                                  Usage(len(job.inputs), 0, len(job.inputs)))
+        return HiddenStatesResult(
+            job.request_id,
+            list(job.layers),
+            [[[1.0, 0.0]] * len(job.layers)] * len(job.inputs),
+            Usage(len(job.inputs), 0, len(job.inputs)),
+        )
 
 
 # The in-process servers share the pytest process's heap: the engine's gc.collect() after an
@@ -187,13 +203,11 @@ FAST = {"heartbeat_s": 0.1, "dead_after_s": 2.0, "cancel_poll_s": 0.05}
 
 
 @contextmanager
-def running_server(url: str, engine: Any, prefix: str, **overrides: Any
-                   ) -> Iterator[EngineServer]:
+def running_server(url: str, engine: Any, prefix: str, **overrides: Any) -> Iterator[EngineServer]:
     """An EngineServer serving ``engine`` on a thread until the block ends."""
     client = redis.Redis.from_url(url, decode_responses=True)
     config = ServerConfig(prefix=prefix, **{**FAST, **overrides})
-    server = EngineServer(engine, client, config,
-                          describe=lambda: {"defaults": {"device": "cpu", "dtype": "float32"}})
+    server = EngineServer(engine, client, config, describe=lambda: {"defaults": {"device": "cpu", "dtype": "float32"}})
     stop = threading.Event()
     thread = threading.Thread(target=server.run, args=(stop,), daemon=True)
     thread.start()
@@ -215,18 +229,23 @@ def running_server(url: str, engine: Any, prefix: str, **overrides: Any
 
 
 @contextmanager
-def fake_heartbeat(url: str, prefix: str, engine_id: str, *,
-                   ttl_ms: int = int(FAST["dead_after_s"] * 1000),
-                   every_s: float = 0.1) -> Iterator[threading.Event]:
+def fake_heartbeat(
+    url: str, prefix: str, engine_id: str, *, ttl_ms: int = int(FAST["dead_after_s"] * 1000), every_s: float = 0.1
+) -> Iterator[threading.Event]:
     """A heartbeat as a serving engine would write it (expiring ``dead_after`` after its
     last beat), until the returned event is set (then it simply stops, as a killed
     engine's does)."""
     client = redis.Redis.from_url(url, decode_responses=True)
     keys = Keys(prefix)
     stop = threading.Event()
-    payload = json.dumps({"engine_id": engine_id, "phase": "serving",
-                          "status": to_builtins(EngineStatus(state="ready", model_id="fake")),
-                          "defaults": {"device": "cpu", "dtype": "float32"}})
+    payload = json.dumps(
+        {
+            "engine_id": engine_id,
+            "phase": "serving",
+            "status": to_builtins(EngineStatus(state="ready", model_id="fake")),
+            "defaults": {"device": "cpu", "dtype": "float32"},
+        }
+    )
 
     def beat() -> None:
         while not stop.is_set():

@@ -26,11 +26,20 @@ def make(redis_url):
     prefix = f"adm{secrets.token_hex(3)}"
     made: list[SharedAdmissionController] = []
 
-    def factory(slots: int = 1, pending: int = 1, lease_s: float = 0.6, url: str = "",
-                **kw) -> SharedAdmissionController:
-        ctl = SharedAdmissionController(url=url or redis_url, prefix=prefix, slots=slots,
-                                        max_pending=pending, window=3, retry_default_s=5,
-                                        retry_max_s=60, lease_s=lease_s, **kw)
+    def factory(
+        slots: int = 1, pending: int = 1, lease_s: float = 0.6, url: str = "", **kw
+    ) -> SharedAdmissionController:
+        ctl = SharedAdmissionController(
+            url=url or redis_url,
+            prefix=prefix,
+            slots=slots,
+            max_pending=pending,
+            window=3,
+            retry_default_s=5,
+            retry_max_s=60,
+            lease_s=lease_s,
+            **kw,
+        )
         ctl.prefix = prefix
         made.append(ctl)
         return ctl
@@ -86,8 +95,7 @@ def test_waiters_are_served_in_arrival_order_across_processes(make):
             permit.release()
 
         tasks = []
-        for queued, (ctl, name) in enumerate(((b, "b1"), (c, "c1"), (b, "b2"), (a, "a1")),
-                                             start=1):
+        for queued, (ctl, name) in enumerate(((b, "b1"), (c, "c1"), (b, "b2"), (a, "a1")), start=1):
             tasks.append(asyncio.create_task(wait(ctl, name)))
             await eventually(lambda n=queued: a.stats().waiting == n)
         first.release()
@@ -158,6 +166,7 @@ def test_a_cancelled_waiter_leaves_the_queue(make):
 
 
 # ---------------------------------------------------------------- never blocking the loop
+
 
 @contextmanager
 def slow_redis(port: int, delay_s: float) -> Iterator[int]:
@@ -250,8 +259,7 @@ def test_an_unreachable_redis_is_a_quick_503_without_stalling_the_loop(server):
     port = listener.getsockname()[1]
     if server == "closed port":
         listener.close()
-    ctl = SharedAdmissionController(url=f"redis://127.0.0.1:{port}/0", prefix="unreachable",
-                                    slots=1, max_pending=1)
+    ctl = SharedAdmissionController(url=f"redis://127.0.0.1:{port}/0", prefix="unreachable", slots=1, max_pending=1)
 
     async def scenario() -> tuple[BaseException, float, float]:
         stop = asyncio.Event()
@@ -293,9 +301,13 @@ def test_a_slot_released_by_another_process_admits_the_waiter_at_once(make, redi
     """The waiter re-checks on its own only every 5 s here: being admitted well within
     that can only come from the release waking it."""
     waiting = make(slots=1, pending=1, wake_poll_s=5.0)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, redis_url, waiting.prefix],
-                              cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, redis_url, waiting.prefix],
+        cwd=REPO,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
 
@@ -320,8 +332,7 @@ def test_a_slot_released_by_another_process_admits_the_waiter_at_once(make, redi
 
 
 def test_a_release_on_an_event_loop_wakes_a_waiter_of_another_process(make):
-    a, b = make(slots=1, pending=1, wake_poll_s=5.0), make(slots=1, pending=1,
-                                                           wake_poll_s=5.0)
+    a, b = make(slots=1, pending=1, wake_poll_s=5.0), make(slots=1, pending=1, wake_poll_s=5.0)
 
     async def scenario() -> float:
         held = await a.acquire()
@@ -354,6 +365,7 @@ def test_a_waiter_takes_a_slot_that_comes_back_by_lease_expiry(make):
 
 # ---------------------------------------------------------------- one owner of the queue
 
+
 def test_the_engine_takes_every_job_admission_can_have_let_in(redis_url, settings):
     """Admission decides the queue. run_engine, configured from the same settings, reads
     every job that MAX_CONCURRENT_REQUESTS slots + MAX_PENDING_REQUESTS places can have let
@@ -369,19 +381,25 @@ def test_the_engine_takes_every_job_admission_can_have_let_in(redis_url, setting
     admitted_at_most = 1 + 2
     prefix = f"one{secrets.token_hex(3)}"
     engine = FakeEngine()
-    with running_server(redis_url, engine, prefix,
-                        max_in_flight=server_config().max_in_flight):
-        client = RedisEngineClient(url=redis_url, prefix=prefix, heartbeat_s=FAST["heartbeat_s"],
-                                   dead_after_s=FAST["dead_after_s"], command_timeout_s=10)
-        handles = [client.generate(GenerationJob(
-            request_id=f"req-{i}", prompt="hang", sampling=SamplingParams(max_tokens=5)))
-            for i in range(admitted_at_most)]
+    with running_server(redis_url, engine, prefix, max_in_flight=server_config().max_in_flight):
+        client = RedisEngineClient(
+            url=redis_url,
+            prefix=prefix,
+            heartbeat_s=FAST["heartbeat_s"],
+            dead_after_s=FAST["dead_after_s"],
+            command_timeout_s=10,
+        )
+        handles = [
+            client.generate(GenerationJob(request_id=f"req-{i}", prompt="hang", sampling=SamplingParams(max_tokens=5)))
+            for i in range(admitted_at_most)
+        ]
         try:
             deadline = time.monotonic() + 3
             while len(engine.generated) < admitted_at_most:
                 assert time.monotonic() < deadline, (
                     f"the engine started {len(engine.generated)} of {admitted_at_most} "
-                    "admitted jobs; the rest wait in the stream")
+                    "admitted jobs; the rest wait in the stream"
+                )
                 time.sleep(0.02)
         finally:
             for handle in handles:
@@ -389,8 +407,7 @@ def test_the_engine_takes_every_job_admission_can_have_let_in(redis_url, setting
 
 
 @pytest.mark.parametrize(("slots", "pending", "cbm_queue"), [(1, 3, 1), (4, 8, 2), (2, 0, 256)])
-def test_the_batch_queue_never_refuses_what_admission_let_in(settings, slots, pending,
-                                                            cbm_queue):
+def test_the_batch_queue_never_refuses_what_admission_let_in(settings, slots, pending, cbm_queue):
     """Even with CBM_MAX_QUEUE_SIZE below the admission queue, the engine's batch scheduler
     built from the settings accepts every job admission can have let in at once (all of
     them arriving before its next step); only work beyond that meets its own bound."""
@@ -412,12 +429,10 @@ def test_the_batch_queue_never_refuses_what_admission_let_in(settings, slots, pe
         def _put(self, event) -> None:
             pass
 
-    scheduler = BatchScheduler(batching_options(), make_sequence=lambda *a: None,
-                               classify=lambda exc: exc)
+    scheduler = BatchScheduler(batching_options(), make_sequence=lambda *a: None, classify=lambda exc: exc)
 
     def enqueue(i: int) -> None:
-        scheduler.enqueue(GenerationJob(f"r{i}", prompt="hi",
-                                        sampling=SamplingParams(max_tokens=1)), Stream(f"r{i}"))
+        scheduler.enqueue(GenerationJob(f"r{i}", prompt="hi", sampling=SamplingParams(max_tokens=1)), Stream(f"r{i}"))
 
     for i in range(slots + pending):
         enqueue(i)

@@ -34,15 +34,29 @@ TASK = "monitoring.tasks.analysis_run_task"
 
 
 def close(got, want) -> bool:
-    return np.allclose(np.asarray(got, dtype=np.float64), want, atol=ANALYSIS_ATOL,
-                       rtol=ANALYSIS_RTOL)
+    return np.allclose(np.asarray(got, dtype=np.float64), want, atol=ANALYSIS_ATOL, rtol=ANALYSIS_RTOL)
 
 
 def start_celery(c: Cluster, name: str, queues: str) -> Proc:
-    return c.start(name, [CELERY, "-A", "millm_site", "worker", "-Q", queues,
-                          "--pool=prefork", "--concurrency=1", "--loglevel=INFO",
-                          "-n", f"{c.prefix}-{name}@%h", "--without-gossip",
-                          "--without-mingle", "--without-heartbeat"])
+    return c.start(
+        name,
+        [
+            CELERY,
+            "-A",
+            "millm_site",
+            "worker",
+            "-Q",
+            queues,
+            "--pool=prefork",
+            "--concurrency=1",
+            "--loglevel=INFO",
+            "-n",
+            f"{c.prefix}-{name}@%h",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ],
+    )
 
 
 def ran_tasks(proc: Proc) -> int:
@@ -61,8 +75,7 @@ def assert_ran(proc: Proc, n: int, timeout_s: float = 10.0) -> None:
 
 
 def completion(c: Cluster, **extra):
-    body = {"model": "tiny-llama", "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0,
-            "ignore_eos": True, **extra}
+    body = {"model": "tiny-llama", "prompt": PROMPT_IDS, "max_tokens": 8, "temperature": 0, "ignore_eos": True, **extra}
     resp = c.api("web", "POST", "/v1/completions", json=body)
     assert resp.status_code == 200, resp.text
     return resp.json()
@@ -81,20 +94,25 @@ def test_analyses_run_on_the_analysis_queue_and_nowhere_else(cluster: Cluster, p
     models = c.api("web", "GET", "/api/models").json()["data"]["models"]
     model_id = next(m["id"] for m in models if m["name"] == "tiny-llama")
     job = c.api("web", "POST", f"/api/models/{model_id}/load").json()["data"]["job"]["id"]
-    wait_for("the load job", lambda: c.api("web", "GET", f"/api/jobs/{job}").json()
-             ["data"]["status"] == "succeeded", 120, procs)
+    wait_for(
+        "the load job",
+        lambda: c.api("web", "GET", f"/api/jobs/{job}").json()["data"]["status"] == "succeeded",
+        120,
+        procs,
+    )
     wait_for("the analysis worker", lambda: "ready" in analyst.log_path.read_text(), 60, procs)
 
     asset = tiny_assets.models["tiny-llama"]
-    model = AutoModelForCausalLM.from_pretrained(str(asset.path), dtype=torch.float32,
-                                                 local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(asset.path), dtype=torch.float32, local_files_only=True).eval()
     p = len(PROMPT_IDS)
 
     # --- /v1, inline capture: the worker gets its bytes (the capture asked for too, so the
     # response names the generated tokens the reference needs)
-    got = completion(c, capture={"layers": [0], "positions": "last"},
-                     analyze={"name": "hidden_states",
-                              "params": {"layers": [2], "reduce": "norm", "positions": "prompt"}})
+    got = completion(
+        c,
+        capture={"layers": [0], "positions": "last"},
+        analyze={"name": "hidden_states", "params": {"layers": [2], "reduce": "norm", "positions": "prompt"}},
+    )
     assert got["millm"]["capture"]["inline"] is True
     ids = PROMPT_IDS + got["millm"]["capture"]["metadata"]["completion_token_ids"][:-1]
     ref = reference_blocks(asset, model, ids)
@@ -105,23 +123,34 @@ def test_analyses_run_on_the_analysis_queue_and_nowhere_else(cluster: Cluster, p
     assert_ran(analyst, 1)
 
     # --- a stored capture, analyzed with the /v1 request and again through /api/captures
-    got = completion(c, capture={"layers": [0, 1, 2, 3], "positions": "all"},
-                     analyze={"name": "hidden_states",
-                              "params": {"layers": [3], "reduce": "mean", "positions": "completion"}})
+    got = completion(
+        c,
+        capture={"layers": [0, 1, 2, 3], "positions": "all"},
+        analyze={"name": "hidden_states", "params": {"layers": [3], "reduce": "mean", "positions": "completion"}},
+    )
     capture = got["millm"]["capture"]
     assert capture["inline"] is False
     (entry,) = got["millm"]["analysis"]
     assert entry["capture_id"] == capture["id"]
-    assert close(entry["result"]["layers"]["3"], ref[3][p - 1:].mean(axis=0))
-    resp = c.api("web", "POST", f"/api/captures/{capture['id']}/analyze",
-                 json={"name": "hidden_states", "params": {"layers": [1], "reduce": "last",
-                                                           "positions": "all"}})
+    assert close(entry["result"]["layers"]["3"], ref[3][p - 1 :].mean(axis=0))
+    resp = c.api(
+        "web",
+        "POST",
+        f"/api/captures/{capture['id']}/analyze",
+        json={"name": "hidden_states", "params": {"layers": [1], "reduce": "last", "positions": "all"}},
+    )
     assert resp.status_code == 200, resp.text
     assert close(resp.json()["data"]["result"]["layers"]["1"], ref[1][-1])
     # a refusal where the analysis runs comes back as the documented error
-    resp = c.api("web", "POST", f"/api/captures/{capture['id']}/analyze",
-                 json={"name": "attention_tracker", "params": {
-                     "layer_heads": {"1": [0]}, "instruction": [0, 2], "data": [2, 4]}})
+    resp = c.api(
+        "web",
+        "POST",
+        f"/api/captures/{capture['id']}/analyze",
+        json={
+            "name": "attention_tracker",
+            "params": {"layer_heads": {"1": [0]}, "instruction": [0, 2], "data": [2, 4]},
+        },
+    )
     assert resp.status_code == 400 and resp.json()["error"]["code"] == "ANALYZER_CAPTURE_MISSING"
     assert_ran(analyst, 4)
     assert not analyst.maps_library("libtorch")  # the worker runs numpy, never torch
@@ -134,19 +163,24 @@ def test_analyses_run_on_the_analysis_queue_and_nowhere_else(cluster: Cluster, p
     (entry,) = got["millm"]["analysis"]
     assert "result" not in entry and entry["error"]["code"] == "analysis_unavailable", entry
     assert got["choices"][0]["text"]  # the generation itself is answered
-    resp = c.api("web", "POST", f"/api/captures/{capture['id']}/analyze",
-                 json={"name": "hidden_states", "params": {"layers": [1], "reduce": "norm"}})
+    resp = c.api(
+        "web",
+        "POST",
+        f"/api/captures/{capture['id']}/analyze",
+        json={"name": "hidden_states", "params": {"layers": [1], "reduce": "norm"}},
+    )
     assert resp.status_code == 503, resp.text
     assert resp.json()["error"]["code"] == "ANALYSIS_UNAVAILABLE"
 
     # --- a worker back on the queue serves the next one (the expired ones are not run)
     again = start_celery(c, "analyst-2", "analysis")
-    wait_for("the second analysis worker", lambda: "ready" in again.log_path.read_text(), 60,
-             procs)
-    resp = c.api("web", "POST", f"/api/captures/{capture['id']}/analyze",
-                 json={"name": "hidden_states", "params": {"layers": [2], "reduce": "norm",
-                                                           "positions": "prompt"}})
+    wait_for("the second analysis worker", lambda: "ready" in again.log_path.read_text(), 60, procs)
+    resp = c.api(
+        "web",
+        "POST",
+        f"/api/captures/{capture['id']}/analyze",
+        json={"name": "hidden_states", "params": {"layers": [2], "reduce": "norm", "positions": "prompt"}},
+    )
     assert resp.status_code == 200, resp.text
     assert close(resp.json()["data"]["result"]["layers"]["2"], np.linalg.norm(ref[2][:p]))
     assert_ran(again, 1)
-

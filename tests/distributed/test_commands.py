@@ -54,14 +54,19 @@ def reference(tiny_assets) -> dict[str, Any]:
     model.eval()
     ids = torch.tensor([PROMPT_IDS])
     with torch.inference_mode():
-        greedy = model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                do_sample=False, pad_token_id=0)[0, len(PROMPT_IDS):].tolist()
+        greedy = model.generate(
+            ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )[0, len(PROMPT_IDS) :].tolist()
         out = model(ids, output_hidden_states=True)
         logprobs = torch.log_softmax(out.logits[0, -1].double(), -1)
     top = torch.topk(logprobs, 3)
     # block 1's output at the last token (hidden_states[L + 1] is block L's output)
-    return {"greedy": greedy, "top_ids": top.indices.tolist(), "top_logprobs": top.values.tolist(),
-            "hidden_l1_last": out.hidden_states[2][0, -1].tolist()}
+    return {
+        "greedy": greedy,
+        "top_ids": top.indices.tolist(),
+        "top_logprobs": top.values.tolist(),
+        "hidden_l1_last": out.hidden_states[2][0, -1].tolist(),
+    }
 
 
 @contextmanager
@@ -89,8 +94,9 @@ def over_redis(url: str, prefix: str) -> Iterator[EngineClient]:
 
 def _long_generation(client: EngineClient, rid: str) -> Iterator[Any]:
     """A greedy generation far longer than the test lets it run; its first token seen."""
-    job = GenerationJob(rid, prompt_token_ids=PROMPT_IDS, sampling=SamplingParams(
-        max_tokens=480, temperature=0, ignore_eos=True))
+    job = GenerationJob(
+        rid, prompt_token_ids=PROMPT_IDS, sampling=SamplingParams(max_tokens=480, temperature=0, ignore_eos=True)
+    )
     events = client.generate(job).events(30)
     assert isinstance(next(events), TokenEvent)
     return events
@@ -109,11 +115,13 @@ def step_status(client, assets, ref):
 
 def step_check_load(client, assets, ref):
     model = assets.models["tiny-llama"]
-    fine = client.check_load(LoadModelJob("tiny-llama", str(model.path), dtype="float32",
-                                          device="cpu", options={"quantization": "Q8"}))
+    fine = client.check_load(
+        LoadModelJob("tiny-llama", str(model.path), dtype="float32", device="cpu", options={"quantization": "Q8"})
+    )
     with pytest.raises(UnsupportedQuantization) as refused:
-        client.check_load(LoadModelJob("tiny-llama", str(model.path), dtype="float32",
-                                       device="cpu", options={"quantization": "Q2"}))
+        client.check_load(
+            LoadModelJob("tiny-llama", str(model.path), dtype="float32", device="cpu", options={"quantization": "Q2"})
+        )
     assert refused.value.details["quantization"] == "Q2"
     assert client.status().state == "empty"  # a check loads nothing
     return [fine, refused.value.code]
@@ -121,11 +129,13 @@ def step_check_load(client, assets, ref):
 
 def step_load_model(client, assets, ref):
     model = assets.models["tiny-llama"]
-    status = client.load_model(LoadModelJob("tiny-llama", str(model.path), dtype="float32",
-                                            device="cpu"))
+    status = client.load_model(LoadModelJob("tiny-llama", str(model.path), dtype="float32", device="cpu"))
     assert (status.state, status.model_id) == ("ready", "tiny-llama")
     assert (status.num_layers, status.hidden_size, status.vocab_size) == (
-        model.num_layers, model.hidden_size, model.vocab_size)
+        model.num_layers,
+        model.hidden_size,
+        model.vocab_size,
+    )
     assert client.status().model_id == "tiny-llama"
     return [status.state, status.num_layers, status.hidden_size, status.vocab_size]
 
@@ -143,22 +153,30 @@ def step_attach_set(client, assets, ref):
     sae = assets.saes["tiny-llama-L1-relu"]
     [result] = client.attach_set([AttachSpec("sae_t", str(sae.path), 1)])
     assert (result.sae_id, result.layer, result.layer_module_path) == (
-        "sae_t", 1, assets.models["tiny-llama"].layer_module_path(1))
+        "sae_t",
+        1,
+        assets.models["tiny-llama"].layer_module_path(1),
+    )
     assert (result.d_in, result.d_sae) == (sae.d_in, sae.d_sae)
     assert [(a.sae_id, a.layer) for a in client.attachments()] == [("sae_t", 1)]
     return [result.layer_module_path, result.d_in, result.d_sae]
 
 
 def step_generate(client, assets, ref):
-    job = GenerationJob(f"gen-{secrets.token_hex(4)}", prompt_token_ids=PROMPT_IDS,
-                        sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0,
-                                                ignore_eos=True))
+    job = GenerationJob(
+        f"gen-{secrets.token_hex(4)}",
+        prompt_token_ids=PROMPT_IDS,
+        sampling=SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+    )
     events = list(client.generate(job).events(30))
     finish = events[-1]
     assert [type(e).__name__ for e in events] == ["TokenEvent"] * NEW_TOKENS + ["FinishEvent"]
     assert [e.token_id for e in events[:-1]] == finish.token_ids == ref["greedy"]
-    assert (finish.finish_reason, finish.usage.prompt_tokens, finish.usage.completion_tokens) \
-        == ("length", len(PROMPT_IDS), NEW_TOKENS)
+    assert (finish.finish_reason, finish.usage.prompt_tokens, finish.usage.completion_tokens) == (
+        "length",
+        len(PROMPT_IDS),
+        NEW_TOKENS,
+    )
     return [finish.token_ids, finish.text]
 
 
@@ -173,16 +191,16 @@ def step_embed(client, assets, ref):
 
 
 def step_score(client, assets, ref):
-    result = client.score(ScoreJob(f"score-{secrets.token_hex(4)}",
-                                   prompt_token_ids=PROMPT_IDS, top_k=3))
+    result = client.score(ScoreJob(f"score-{secrets.token_hex(4)}", prompt_token_ids=PROMPT_IDS, top_k=3))
     assert [e.token_id for e in result.top] == ref["top_ids"]
     assert [e.logprob for e in result.top] == pytest.approx(ref["top_logprobs"], abs=1e-4)
     return [[e.token_id, round(e.logprob, 4)] for e in result.top]
 
 
 def step_hidden_states(client, assets, ref):
-    result = client.hidden_states(HiddenStatesJob(f"hs-{secrets.token_hex(4)}", [PROMPT_IDS],
-                                                  layers=[1], pooling="last"))
+    result = client.hidden_states(
+        HiddenStatesJob(f"hs-{secrets.token_hex(4)}", [PROMPT_IDS], layers=[1], pooling="last")
+    )
     assert result.layers == [1] and result.usage.prompt_tokens == len(PROMPT_IDS)
     assert result.states[0][0] == pytest.approx(ref["hidden_l1_last"], abs=1e-5)
     return [round(x, 4) for x in result.states[0][0]]
@@ -206,8 +224,12 @@ def step_detach(client, assets, ref):
 
 
 def step_build_grammar(client, assets, ref):
-    built = client.build_grammar(StructuredOutput("json_schema", json.dumps(
-        {"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}})))
+    built = client.build_grammar(
+        StructuredOutput(
+            "json_schema",
+            json.dumps({"type": "object", "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}$"}}}),
+        )
+    )
     with pytest.raises(ResponseFormatUnsupported) as refused:
         client.build_grammar(StructuredOutput("json_schema", json.dumps({"type": "string", "pattern": "(?<=a)b"})))
     return [built, refused.value.details["param"]]
@@ -245,8 +267,10 @@ def test_every_command_through_both_transports(redis_url, tiny_assets, reference
     seen: dict[str, dict[str, Any]] = {}
     for name, transport in (("embedded", embedded), ("redis", over_redis)):
         with transport(redis_url, f"t{secrets.token_hex(4)}") as client:
-            seen[name] = {cmd: json.loads(msgspec.json.encode(step(client, tiny_assets, reference)))
-                          for cmd, step in STEPS.items()}
+            seen[name] = {
+                cmd: json.loads(msgspec.json.encode(step(client, tiny_assets, reference)))
+                for cmd, step in STEPS.items()
+            }
     assert seen["redis"] == seen["embedded"]
 
 
@@ -270,6 +294,7 @@ def test_a_transport_cannot_answer_a_command_itself():
     """Transports implement invoke() only: a client class that answers a command on its
     own (and could drift from the table) is refused when it is defined."""
     with pytest.raises(TypeError, match=r"overrides \['cancel_all', 'status'\]"):
+
         class Drifting(EmbeddedEngineClient):
             def status(self): ...
             def cancel_all(self, *, reason="x"): ...
@@ -283,8 +308,11 @@ def test_an_unknown_or_misrouted_command_is_answered_not_dropped(redis_url):
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
         with running_server(redis_url, FakeEngine(), prefix):
-            for stream, kind in ((keys.commands, "reticulate_splines"),
-                                 (keys.commands, "generate"), (keys.requests, "load_model")):
+            for stream, kind in (
+                (keys.commands, "reticulate_splines"),
+                (keys.commands, "generate"),
+                (keys.requests, "load_model"),
+            ):
                 rid = f"cmd-{secrets.token_hex(4)}"
                 r.set(keys.live(rid), "1", px=5000)
                 env = Envelope(kind, rid, msgspec.Raw(b"{}"), time.time() + 30, time.time())

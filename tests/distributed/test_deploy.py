@@ -15,8 +15,14 @@ from millm_site.config import VARIABLES_BY_NAME
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # set in the files for the images themselves, not read by miLLM's configuration
-FOREIGN = {"POSTGRES_USER", "POSTGRES_PASSWORD", "POSTGRES_DB", "PGDATA",
-           "DJANGO_SETTINGS_MODULE", "CUDA_VISIBLE_DEVICES"}
+FOREIGN = {
+    "POSTGRES_USER",
+    "POSTGRES_PASSWORD",
+    "POSTGRES_DB",
+    "PGDATA",
+    "DJANGO_SETTINGS_MODULE",
+    "CUDA_VISIBLE_DEVICES",
+}
 
 
 def _known(name: str) -> bool:
@@ -67,8 +73,7 @@ def test_kubernetes_manifests():
         assert d.get("apiVersion") and d.get("kind"), d
         by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
     deployments = by_kind["Deployment"]
-    assert {"millm-web", "millm-worker", "millm-loader", "millm-analyst",
-            "millm-engine"} <= set(deployments)
+    assert {"millm-web", "millm-worker", "millm-loader", "millm-analyst", "millm-engine"} <= set(deployments)
     [analyst] = deployments["millm-analyst"]["spec"]["template"]["spec"]["containers"]
     assert analyst["command"][analyst["command"].index("-Q") + 1] == "analysis"
     assert analyst["volumeMounts"][0]["mountPath"] == "/app"
@@ -83,8 +88,7 @@ def test_kubernetes_manifests():
     assert engine["template"]["spec"]["terminationGracePeriodSeconds"] > grace
     # selectors match their pod labels
     for d in [*deployments.values(), *by_kind["StatefulSet"].values()]:
-        assert d["spec"]["selector"]["matchLabels"].items() <= \
-            d["spec"]["template"]["metadata"]["labels"].items()
+        assert d["spec"]["selector"]["matchLabels"].items() <= d["spec"]["template"]["metadata"]["labels"].items()
     for name in ("millm-config",):
         unknown = [k for k in by_kind["ConfigMap"][name]["data"] if not _known(k)]
         assert not unknown, unknown
@@ -93,8 +97,7 @@ def test_kubernetes_manifests():
     assert not [k for k in secret if not _known(k)]
     for d in deployments.values():
         for c in d["spec"]["template"]["spec"]["containers"]:
-            refs = {e.get("configMapRef", e.get("secretRef", {})).get("name")
-                    for e in c.get("envFrom", [])}
+            refs = {e.get("configMapRef", e.get("secretRef", {})).get("name") for e in c.get("envFrom", [])}
             assert refs == {"millm-config", "millm-secrets"}, d["metadata"]["name"]
             assert not [e["name"] for e in c.get("env", []) if not _known(e["name"])]
     kustomization = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())
@@ -102,13 +105,16 @@ def test_kubernetes_manifests():
     assert listed == {p.name for p in (DEPLOY / "k8s").glob("*.yaml")} - {"kustomization.yaml"}
 
 
-@pytest.mark.parametrize("unit, command", [
-    ("millm-web@.service", "manage.py serve"),
-    ("millm-worker.service", "celery -A millm_site worker"),
-    ("millm-analysis.service", "celery -A millm_site worker -Q analysis"),
-    ("millm-batches.service", "celery -A millm_site worker -Q batches"),
-    ("millm-engine.service", "manage.py run_engine"),
-])
+@pytest.mark.parametrize(
+    "unit, command",
+    [
+        ("millm-web@.service", "manage.py serve"),
+        ("millm-worker.service", "celery -A millm_site worker"),
+        ("millm-analysis.service", "celery -A millm_site worker -Q analysis"),
+        ("millm-batches.service", "celery -A millm_site worker -Q batches"),
+        ("millm-engine.service", "manage.py run_engine"),
+    ],
+)
 def test_systemd_units(unit, command):
     parser = configparser.ConfigParser(strict=False, interpolation=None)
     parser.optionxform = str  # systemd keys are case-sensitive
@@ -119,8 +125,7 @@ def test_systemd_units(unit, command):
     assert service["KillSignal"] == "SIGTERM" and service["Restart"] == "on-failure"
     assert parser["Install"]["WantedBy"] == "multi-user.target"
     env = DEPLOY / "systemd" / "millm.env.example"
-    names = [line.split("=", 1)[0] for line in env.read_text().splitlines()
-             if line and not line.startswith("#")]
+    names = [line.split("=", 1)[0] for line in env.read_text().splitlines() if line and not line.startswith("#")]
     assert all(_known(n) for n in names), names
 
 
@@ -128,16 +133,14 @@ def test_engine_unit_outlasts_the_shutdown_grace():
     parser = configparser.ConfigParser(strict=False, interpolation=None)
     parser.optionxform = str
     parser.read(DEPLOY / "systemd" / "millm-engine.service")
-    assert int(parser["Service"]["TimeoutStopSec"]) > \
-        VARIABLES_BY_NAME["ENGINE_SHUTDOWN_GRACE_S"].default
+    assert int(parser["Service"]["TimeoutStopSec"]) > VARIABLES_BY_NAME["ENGINE_SHUTDOWN_GRACE_S"].default
     assert parser["Service"]["RestartPreventExitStatus"] == "3"
 
 
 def _queues_consumed(commands: list[str]) -> set[str]:
     import re
 
-    return {q for c in commands for m in re.finditer(r"-Q[ =]([\w,]+)", c)
-            for q in m.group(1).split(",")}
+    return {q for c in commands for m in re.finditer(r"-Q[ =]([\w,]+)", c) for q in m.group(1).split(",")}
 
 
 def test_every_routed_queue_has_a_worker_in_each_deployment():
@@ -153,15 +156,16 @@ def test_every_routed_queue_has_a_worker_in_each_deployment():
         parser.read(unit)
         units.append(parser["Service"]["ExecStart"])
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
-    services = [" ".join(s["command"]) for s in compose["services"].values()
-                if isinstance(s.get("command"), list)]
-    k8s = [" ".join(c["command"]) for doc in yaml.safe_load_all(
-        (DEPLOY / "k8s" / "worker.yaml").read_text()) if doc
-        for c in doc["spec"]["template"]["spec"]["containers"] if c.get("command")]
-    readme = [line for line in (DEPLOY.parent / "README.md").read_text().splitlines()
-              if line.startswith("celery ")]
-    for name, commands in (("systemd", units), ("compose", services), ("k8s", k8s),
-                           ("README", readme)):
+    services = [" ".join(s["command"]) for s in compose["services"].values() if isinstance(s.get("command"), list)]
+    k8s = [
+        " ".join(c["command"])
+        for doc in yaml.safe_load_all((DEPLOY / "k8s" / "worker.yaml").read_text())
+        if doc
+        for c in doc["spec"]["template"]["spec"]["containers"]
+        if c.get("command")
+    ]
+    readme = [line for line in (DEPLOY.parent / "README.md").read_text().splitlines() if line.startswith("celery ")]
+    for name, commands in (("systemd", units), ("compose", services), ("k8s", k8s), ("README", readme)):
         assert routed <= _queues_consumed(commands), (name, routed - _queues_consumed(commands))
 
 

@@ -44,25 +44,36 @@ class Embedded:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = base_env(
-            DATABASE_URL=database_url, SECRET_KEY="embedded-test-secret-key-0123456789abcdef",
-            MILLM_DATA_DIR=str(tmp / "data"), LOG_LEVEL="INFO",
-            MILLM_ENGINE_DEVICE="cpu", MILLM_ENGINE_DTYPE="float32",
-            GRACEFUL_UNLOAD_TIMEOUT=str(GRACE_S), MAX_CONCURRENT_REQUESTS=str(STREAMS))
+            DATABASE_URL=database_url,
+            SECRET_KEY="embedded-test-secret-key-0123456789abcdef",
+            MILLM_DATA_DIR=str(tmp / "data"),
+            LOG_LEVEL="INFO",
+            MILLM_ENGINE_DEVICE="cpu",
+            MILLM_ENGINE_DTYPE="float32",
+            GRACEFUL_UNLOAD_TIMEOUT=str(GRACE_S),
+            MAX_CONCURRENT_REQUESTS=str(STREAMS),
+        )
 
     def manage(self, *args: str) -> None:
         import subprocess
 
-        result = subprocess.run([PYTHON, str(REPO / "manage.py"), *args], env=self.env,
-                                cwd=REPO, capture_output=True, text=True, timeout=180,
-                                check=False)
+        result = subprocess.run(
+            [PYTHON, str(REPO / "manage.py"), *args],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            check=False,
+        )
         assert result.returncode == 0, result.stderr[-3000:]
 
     def start(self, name: str) -> Proc:
-        proc = Proc(name, [DAPHNE, "-b", "127.0.0.1", "-p", str(self.port),
-                           "millm_site.asgi:application"], self.env, self.tmp)
+        proc = Proc(
+            name, [DAPHNE, "-b", "127.0.0.1", "-p", str(self.port), "millm_site.asgi:application"], self.env, self.tmp
+        )
         self.procs.append(proc)
-        wait_for(f"{name} to answer", lambda: self.call("GET", "/api/health").status_code
-                 == 200, 120, [proc])
+        wait_for(f"{name} to answer", lambda: self.call("GET", "/api/health").status_code == 200, 120, [proc])
         return proc
 
     def call(self, method: str, path: str, **kw) -> httpx.Response:
@@ -75,9 +86,12 @@ class Embedded:
 
     def run_job(self, path: str) -> dict:
         job_id = self.data("POST", path, 202)["job"]["id"]
-        return wait_for(f"job {job_id}", lambda: (j := self.data(
-            "GET", f"/api/jobs/{job_id}"))["status"] in ("succeeded", "failed") and j,
-            120, self.procs)
+        return wait_for(
+            f"job {job_id}",
+            lambda: (j := self.data("GET", f"/api/jobs/{job_id}"))["status"] in ("succeeded", "failed") and j,
+            120,
+            self.procs,
+        )
 
     def model(self, name: str) -> dict:
         return next(m for m in self.data("GET", "/api/models")["models"] if m["name"] == name)
@@ -87,8 +101,9 @@ class Embedded:
         return [(a["sae_id"], a["layer"]) for a in rows]
 
     def steer(self) -> httpx.Response:
-        return self.call("POST", "/v1/chat/completions", json=chat_body(
-            4, steering={"features": [{"index": 3, "strength": 8}]}))
+        return self.call(
+            "POST", "/v1/chat/completions", json=chat_body(4, steering={"features": [{"index": 3, "strength": 8}]})
+        )
 
     def steered(self) -> int:
         """Forward passes that really added the steering delta in one request: > 0 only
@@ -103,16 +118,19 @@ class Embedded:
 def embedded(tmp_path, pg_database_url, procs, tiny_assets) -> Embedded:
     e = Embedded(tmp_path, pg_database_url, procs)
     e.manage("migrate", "--noinput")
-    e.manage("shell", "-c", textwrap.dedent(f"""
+    e.manage(
+        "shell",
+        "-c",
+        textwrap.dedent(f"""
         from pathlib import Path
         from registry.services import demo_assets_install
         demo_assets_install(root=Path({str(asset_cache_dir())!r}), include_demo=False)
-        """))
+        """),
+    )
     return e
 
 
-def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded,
-                                                             procs: list[Proc]):
+def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded, procs: list[Proc]):
     e = embedded
     server = e.start("daphne-1")
     llama = e.model("tiny-llama")
@@ -124,12 +142,13 @@ def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded,
     # end (~0.5 s) before the unload reaches the engine. They refuse an on-demand load, so that one
     # still waiting when the unload is done does not bring the model back.
     outs = [Outcome() for _ in range(STREAMS)]
-    streamers = [threading.Thread(target=stream_chat, args=(
-        e.url, chat_body(LONG), out, 120, {"X-miLLM-Load-Policy": "refuse"})) for out in outs]
+    streamers = [
+        threading.Thread(target=stream_chat, args=(e.url, chat_body(LONG), out, 120, {"X-miLLM-Load-Policy": "refuse"}))
+        for out in outs
+    ]
     for t in streamers:
         t.start()
-    wait_for("a stream's first token", lambda: any(o.first_token.is_set() for o in outs), 60,
-             procs, every_s=0.01)
+    wait_for("a stream's first token", lambda: any(o.first_token.is_set() for o in outs), 60, procs, every_s=0.01)
     asked = time.monotonic()
     job = e.run_job(f"/api/models/{llama['id']}/unload")
     for t in streamers:
@@ -156,8 +175,7 @@ def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded,
 
     # --- load and attach, then kill -9 the server
     assert e.run_job(f"/api/models/{llama['id']}/load")["status"] == "succeeded"
-    sae_id = next(s["id"] for s in e.data("GET", "/api/saes")["saes"]
-                  if s["name"] == "tiny-llama-L1-relu")
+    sae_id = next(s["id"] for s in e.data("GET", "/api/saes")["saes"] if s["name"] == "tiny-llama-L1-relu")
     e.data("POST", f"/api/saes/{sae_id}/attach", json={"layer": 1})
     assert e.steered() > 0
     server.kill9()

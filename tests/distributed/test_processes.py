@@ -82,12 +82,16 @@ class Outcome:
         return frame or refused
 
 
-def stream_chat(base: str, body: dict[str, Any], out: Outcome, timeout_s: float = 60,
-                headers: dict[str, str] | None = None) -> None:
+def stream_chat(
+    base: str, body: dict[str, Any], out: Outcome, timeout_s: float = 60, headers: dict[str, str] | None = None
+) -> None:
     try:
-        with httpx.Client(timeout=timeout_s) as client, client.stream(
-                "POST", f"{base}/v1/chat/completions", json={**body, "stream": True},
-                headers=headers) as resp:
+        with (
+            httpx.Client(timeout=timeout_s) as client,
+            client.stream(
+                "POST", f"{base}/v1/chat/completions", json={**body, "stream": True}, headers=headers
+            ) as resp,
+        ):
             out.status = resp.status_code
             out.retry_after = resp.headers.get("retry-after")
             if resp.status_code != 200:
@@ -96,7 +100,7 @@ def stream_chat(base: str, body: dict[str, Any], out: Outcome, timeout_s: float 
             for line in resp.iter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     out.done = True
                     break
@@ -117,9 +121,14 @@ def stream_chat(base: str, body: dict[str, Any], out: Outcome, timeout_s: float 
 
 
 def chat_body(max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"model": "tiny-llama", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "messages": [{"role": "user", "content": "tell me a story"}],
-            **extra}
+    return {
+        "model": "tiny-llama",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "tell me a story"}],
+        **extra,
+    }
 
 
 class Cluster:
@@ -130,20 +139,34 @@ class Cluster:
         self.keys = Keys(self.prefix)
         self.redis = redis.Redis.from_url(redis_url, decode_responses=True)
         self.env = base_env(
-            DATABASE_URL=database_url, REDIS_URL=redis_url,
+            DATABASE_URL=database_url,
+            REDIS_URL=redis_url,
             SECRET_KEY="distributed-test-secret-key-0123456789abcdef",
-            MILLM_DATA_DIR=str(tmp / "data"), LOG_LEVEL="INFO",
-            ENGINE_STREAM_PREFIX=self.prefix, ENGINE_HEARTBEAT_S=str(HEARTBEAT_S),
-            ENGINE_DEAD_AFTER_S=str(DEAD_AFTER_S), ENGINE_SHUTDOWN_GRACE_S="3",
-            MILLM_ENGINE_DEVICE="cpu", MILLM_ENGINE_DTYPE="float32",
-            ENABLE_CONTINUOUS_BATCHING="true", MAX_CONCURRENT_REQUESTS="4",
-            MAX_PENDING_REQUESTS="8", GRACEFUL_UNLOAD_TIMEOUT="5")
+            MILLM_DATA_DIR=str(tmp / "data"),
+            LOG_LEVEL="INFO",
+            ENGINE_STREAM_PREFIX=self.prefix,
+            ENGINE_HEARTBEAT_S=str(HEARTBEAT_S),
+            ENGINE_DEAD_AFTER_S=str(DEAD_AFTER_S),
+            ENGINE_SHUTDOWN_GRACE_S="3",
+            MILLM_ENGINE_DEVICE="cpu",
+            MILLM_ENGINE_DTYPE="float32",
+            ENABLE_CONTINUOUS_BATCHING="true",
+            MAX_CONCURRENT_REQUESTS="4",
+            MAX_PENDING_REQUESTS="8",
+            GRACEFUL_UNLOAD_TIMEOUT="5",
+        )
         self.webs: dict[str, str] = {}
 
     def manage(self, *args: str, timeout_s: float = 180) -> str:
-        result = subprocess.run([PYTHON, str(REPO / "manage.py"), *args], env=self.env,
-                                cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                                check=False)
+        result = subprocess.run(
+            [PYTHON, str(REPO / "manage.py"), *args],
+            env=self.env,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            check=False,
+        )
         assert result.returncode == 0, f"manage.py {args[0]} failed:\n{result.stderr[-3000:]}"
         return result.stdout
 
@@ -158,15 +181,31 @@ class Cluster:
     def start_web(self, name: str) -> Proc:
         port = free_port()
         self.webs[name] = f"http://127.0.0.1:{port}"
-        return self.start(name, [PYTHON, str(REPO / "manage.py"), "serve", "--host",
-                                 "127.0.0.1", "--port", str(port), "--no-auto-load"])
+        return self.start(
+            name,
+            [PYTHON, str(REPO / "manage.py"), "serve", "--host", "127.0.0.1", "--port", str(port), "--no-auto-load"],
+        )
 
     def start_worker(self) -> Proc:
-        return self.start("worker", [CELERY, "-A", "millm_site", "worker",
-                                     "-Q", "downloads,loads,maintenance",
-                                     "--pool=prefork", "--concurrency=1", "--loglevel=INFO",
-                                     "-n", f"{self.prefix}@%h", "--without-gossip",
-                                     "--without-mingle", "--without-heartbeat"])
+        return self.start(
+            "worker",
+            [
+                CELERY,
+                "-A",
+                "millm_site",
+                "worker",
+                "-Q",
+                "downloads,loads,maintenance",
+                "--pool=prefork",
+                "--concurrency=1",
+                "--loglevel=INFO",
+                "-n",
+                f"{self.prefix}@%h",
+                "--without-gossip",
+                "--without-mingle",
+                "--without-heartbeat",
+            ],
+        )
 
     def heartbeat(self) -> dict[str, Any] | None:
         raw = self.redis.get(self.keys.heartbeat)
@@ -187,11 +226,15 @@ class Cluster:
 def cluster(tmp_path, pg_database_url, redis_url, procs, tiny_assets) -> Cluster:
     c = Cluster(tmp_path, pg_database_url, redis_url, procs)
     c.manage("migrate", "--noinput")
-    c.manage("shell", "-c", textwrap.dedent(f"""
+    c.manage(
+        "shell",
+        "-c",
+        textwrap.dedent(f"""
         from pathlib import Path
         from registry.services import demo_assets_install
         demo_assets_install(root=Path({str(asset_cache_dir())!r}), include_demo=False)
-        """))
+        """),
+    )
     yield c
     c.redis.close()
 
@@ -211,8 +254,12 @@ def test_engine_and_web_crashes(cluster: Cluster, procs: list[Proc]):
     resp = c.api("web-a", "POST", f"/api/models/{ids['tiny-llama']}/load")
     assert resp.status_code == 202, resp.text
     job_id = resp.json()["data"]["job"]["id"]
-    wait_for("the load job", lambda: c.api("web-b", "GET", f"/api/jobs/{job_id}").json()
-             ["data"]["status"] == "succeeded", 90, procs)
+    wait_for(
+        "the load job",
+        lambda: c.api("web-b", "GET", f"/api/jobs/{job_id}").json()["data"]["status"] == "succeeded",
+        90,
+        procs,
+    )
     assert c.serving()["status"]["model_id"] == "tiny-llama"
     saes = c.api("web-b", "GET", "/api/saes").json()["data"]["saes"]
     sae_id = next(s["id"] for s in saes if s["name"] == "tiny-llama-L1-relu")
@@ -227,8 +274,9 @@ def test_engine_and_web_crashes(cluster: Cluster, procs: list[Proc]):
         assert resp.json()["millm"]["steering_apply_count"][0]["count"] > 0
 
     # --- a web process in distributed mode never imports torch
-    probe = subprocess.run([PYTHON, "-c", TORCH_FREE_PROBE], env=c.env, cwd=REPO,
-                           capture_output=True, text=True, timeout=120, check=False)
+    probe = subprocess.run(
+        [PYTHON, "-c", TORCH_FREE_PROBE], env=c.env, cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
     assert probe.returncode == 0, probe.stderr[-3000:]
     report = json.loads(probe.stdout.strip().splitlines()[-1])
     assert report["statuses"] == [200, 200, 200, 200], report
@@ -241,13 +289,15 @@ def test_engine_and_web_crashes(cluster: Cluster, procs: list[Proc]):
 
     # --- kill -9 the engine while several clients stream
     outcomes = [Outcome() for _ in range(6)]
-    threads = [threading.Thread(target=stream_chat, args=(
-        c.webs["web-a" if i % 2 else "web-b"], chat_body(LONG), out)) for i, out in
-        enumerate(outcomes)]
+    threads = [
+        threading.Thread(target=stream_chat, args=(c.webs["web-a" if i % 2 else "web-b"], chat_body(LONG), out))
+        for i, out in enumerate(outcomes)
+    ]
     for t in threads:
         t.start()
-    wait_for("two clients streaming", lambda: sum(o.first_token.is_set() for o in outcomes)
-             >= 2, 60, procs, every_s=0.01)
+    wait_for(
+        "two clients streaming", lambda: sum(o.first_token.is_set() for o in outcomes) >= 2, 60, procs, every_s=0.01
+    )
     streaming = sum(o.first_token.is_set() and not o.finished for o in outcomes)
     engine.kill9()
     killed = time.monotonic()
@@ -267,8 +317,12 @@ def test_engine_and_web_crashes(cluster: Cluster, procs: list[Proc]):
 
     # --- restart: the recorded model and attachment come back, requests succeed again
     c.start_engine("engine-2")
-    hb = wait_for("the restarted engine", lambda: (hb := c.serving()) and
-                  hb["status"]["model_id"] == "tiny-llama" and hb, 120, procs)
+    hb = wait_for(
+        "the restarted engine",
+        lambda: (hb := c.serving()) and hb["status"]["model_id"] == "tiny-llama" and hb,
+        120,
+        procs,
+    )
     assert [(a["sae_id"], a["layer"]) for a in hb["status"]["attachments"]] == [(sae_id, 1)]
     for web in ("web-a", "web-b"):
         out = Outcome()
@@ -280,17 +334,21 @@ def test_engine_and_web_crashes(cluster: Cluster, procs: list[Proc]):
     rows = c.api("web-a", "GET", "/api/saes/attachments").json()["data"]["entries"]
     assert [(a["sae_id"], a["layer"]) for a in rows] == [(sae_id, 1)]
     # the interrupted generations were given up (dead-letter stream), never run again
-    dead = wait_for("the dead-letter records", lambda: [
-        json.loads(f["data"]) for _, f in c.redis.xrange(c.keys.dead_letter)], 30, procs)
+    dead = wait_for(
+        "the dead-letter records",
+        lambda: [json.loads(f["data"]) for _, f in c.redis.xrange(c.keys.dead_letter)],
+        30,
+        procs,
+    )
     assert {d["reason"] for d in dead} == {"engine_died_while_running"}
     assert len(dead) >= streaming
-    assert wait_for("no pending work", lambda: int(c.redis.xpending(
-        c.keys.requests, c.keys.group)["pending"]) == 0, 30, procs)
+    assert wait_for(
+        "no pending work", lambda: int(c.redis.xpending(c.keys.requests, c.keys.group)["pending"]) == 0, 30, procs
+    )
 
     # --- kill -9 a web server: its stream ends, its job still completes, the other serves
     lost = Outcome()
-    lost_thread = threading.Thread(target=stream_chat, args=(c.webs["web-a"], chat_body(LONG),
-                                                             lost))
+    lost_thread = threading.Thread(target=stream_chat, args=(c.webs["web-a"], chat_body(LONG), lost))
     lost_thread.start()
     wait_for("a stream on web-a", lost.first_token.is_set, 30, procs, every_s=0.01)
 
@@ -308,16 +366,19 @@ def test_engine_and_web_crashes(cluster: Cluster, procs: list[Proc]):
     lost_thread.join(timeout=30)
     assert not lost_thread.is_alive()
     # the dead server's slot comes back once its lease lapses (2 x ENGINE_DEAD_AFTER_S)
-    wait_for("web-a's slot to come back", lambda: queue_b()["in_flight"] == 0,
-             2 * DEAD_AFTER_S + 10, procs)
-    job = wait_for("the job web-a accepted", lambda: (j := c.api(
-        "web-b", "GET", f"/api/jobs/{swap_job}").json()["data"])["status"] in
-        ("succeeded", "failed") and j, 120, procs)
+    wait_for("web-a's slot to come back", lambda: queue_b()["in_flight"] == 0, 2 * DEAD_AFTER_S + 10, procs)
+    job = wait_for(
+        "the job web-a accepted",
+        lambda: (
+            (j := c.api("web-b", "GET", f"/api/jobs/{swap_job}").json()["data"])["status"] in ("succeeded", "failed")
+            and j
+        ),
+        120,
+        procs,
+    )
     assert job["status"] == "succeeded", job
-    wait_for("tiny-gpt2 resident", lambda: c.serving()["status"]["model_id"] == "tiny-gpt2",
-             30, procs)
-    resp = c.api("web-b", "POST", "/v1/chat/completions",
-                 json={**chat_body(6), "model": "tiny-gpt2"})
+    wait_for("tiny-gpt2 resident", lambda: c.serving()["status"]["model_id"] == "tiny-gpt2", 30, procs)
+    resp = c.api("web-b", "POST", "/v1/chat/completions", json={**chat_body(6), "model": "tiny-gpt2"})
     assert resp.status_code == 200, resp.text
 
     # --- SIGTERM: the engine stops cleanly and says so (no heartbeat left behind)

@@ -38,8 +38,7 @@ LONG = 480  # tokens: a stream of several seconds on tiny-llama
 
 
 def _load_jobs(c: Cluster) -> list[dict]:
-    return c.api("web-a", "GET", "/api/jobs", params={"kind": "model_load", "limit": 100}
-                 ).json()["data"]["jobs"]
+    return c.api("web-a", "GET", "/api/jobs", params={"kind": "model_load", "limit": 100}).json()["data"]["jobs"]
 
 
 def _model(c: Cluster, web: str, name: str) -> dict:
@@ -47,8 +46,10 @@ def _model(c: Cluster, web: str, name: str) -> dict:
     return next(m for m in models if m["name"] == name)
 
 
-def test_loads_race_once_and_unloads_hold_across_workers(cluster: Cluster,  # noqa: F811
-                                                         procs: list[Proc]):
+def test_loads_race_once_and_unloads_hold_across_workers(
+    cluster: Cluster,  # noqa: F811
+    procs: list[Proc],
+):
     c = cluster
     c.env["GRACEFUL_UNLOAD_TIMEOUT"] = "120"  # the stream below finishes well within it
     engine = c.start_engine()
@@ -67,13 +68,11 @@ def test_loads_race_once_and_unloads_hold_across_workers(cluster: Cluster,  # no
     def ask(web: str) -> None:
         barrier.wait(10)
         try:
-            results.append(httpx.post(f"{c.webs[web]}/v1/chat/completions",
-                                      json=chat_body(4), timeout=180))
+            results.append(httpx.post(f"{c.webs[web]}/v1/chat/completions", json=chat_body(4), timeout=180))
         except httpx.HTTPError as exc:
             results.append(exc)
 
-    threads = [threading.Thread(target=ask, args=("web-a" if i % 2 else "web-b",))
-               for i in range(6)]
+    threads = [threading.Thread(target=ask, args=("web-a" if i % 2 else "web-b",)) for i in range(6)]
     for t in threads:
         t.start()
     for t in threads:
@@ -90,16 +89,20 @@ def test_loads_race_once_and_unloads_hold_across_workers(cluster: Cluster,  # no
 
     # --- a stream on A; the unload asked through B runs on Celery and waits for it
     out = Outcome()
-    streamer = threading.Thread(target=stream_chat, args=(c.webs["web-a"], chat_body(LONG),
-                                                          out, 180))
+    streamer = threading.Thread(target=stream_chat, args=(c.webs["web-a"], chat_body(LONG), out, 180))
     streamer.start()
     wait_for("a stream on web-a", out.first_token.is_set, 60, procs, every_s=0.01)
     resp = c.api("web-b", "POST", f"/api/models/{model_id}/unload")
     assert resp.status_code == 202, resp.text
     unload_job = resp.json()["data"]["job"]["id"]
     # the engine has begun draining (the unload reached it from the Celery worker)
-    wait_for("the unload to start draining", lambda: (c.heartbeat() or {}).get(
-        "status", {}).get("draining") == "unloading", 60, procs, every_s=0.02)
+    wait_for(
+        "the unload to start draining",
+        lambda: (c.heartbeat() or {}).get("status", {}).get("draining") == "unloading",
+        60,
+        procs,
+        every_s=0.02,
+    )
     assert not out.ended_at, "the stream ended before the unload could be observed"
     for web in ("web-a", "web-b", "web-a", "web-b"):
         late = c.api(web, "POST", "/v1/chat/completions", json=chat_body(4))
@@ -112,9 +115,15 @@ def test_loads_race_once_and_unloads_hold_across_workers(cluster: Cluster,  # no
         assert '"model_busy"' in streamed.body
     assert _model(c, "web-a", "tiny-llama")["status"] == "unloading"
     streamer.join(180)
-    job = wait_for("the unload job", lambda: (j := c.api(
-        "web-b", "GET", f"/api/jobs/{unload_job}").json()["data"])["status"] in
-        ("succeeded", "failed") and j, 120, procs)
+    job = wait_for(
+        "the unload job",
+        lambda: (
+            (j := c.api("web-b", "GET", f"/api/jobs/{unload_job}").json()["data"])["status"] in ("succeeded", "failed")
+            and j
+        ),
+        120,
+        procs,
+    )
     assert job["status"] == "succeeded", job
     # the running stream was not cut: it finished in full, and before the unload did
     assert out.status == 200 and out.finished and out.done and out.error is None, out
@@ -133,17 +142,19 @@ def test_loads_race_once_and_unloads_hold_across_workers(cluster: Cluster,  # no
     trigger, ready = c.tmp / "unload-now", c.tmp / "unloader-ready"
     # the service a Celery task calls, in a process of its own, set up before the stream
     unloader = subprocess.Popen(
-        [PYTHON, str(REPO / "manage.py"), "shell", "-c", UNLOADER.format(
-            trigger=str(trigger), ready=str(ready))],
+        [PYTHON, str(REPO / "manage.py"), "shell", "-c", UNLOADER.format(trigger=str(trigger), ready=str(ready))],
         # 0.2 s: far below the ~1 s+ a 480-token stream takes (with 1 s, a fast machine
         # finished the whole stream inside the grace period)
-        env={**c.env, "GRACEFUL_UNLOAD_TIMEOUT": "0.2"}, cwd=REPO, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True)
+        env={**c.env, "GRACEFUL_UNLOAD_TIMEOUT": "0.2"},
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         wait_for("the unloader process", ready.exists, 120, procs)
         cut = Outcome()
-        streamer = threading.Thread(target=stream_chat, args=(
-            c.webs["web-b"], chat_body(LONG), cut, 180))
+        streamer = threading.Thread(target=stream_chat, args=(c.webs["web-b"], chat_body(LONG), cut, 180))
         streamer.start()
         wait_for("a stream on web-b", cut.first_token.is_set, 60, procs, every_s=0.01)
         started = time.monotonic()

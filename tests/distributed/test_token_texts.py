@@ -47,7 +47,7 @@ def _offsets_index_text(lp: dict[str, Any], text: str) -> None:
     given as text) is the one token not there."""
     tokens, offsets = lp["tokens"], lp["text_offset"]
     assert len(offsets) == len(tokens) == len(lp["token_logprobs"]) == len(lp["top_logprobs"])
-    placed = [t for t, o in zip(tokens, offsets, strict=True) if text[o:o + len(t)] == t]
+    placed = [t for t, o in zip(tokens, offsets, strict=True) if text[o : o + len(t)] == t]
     absent = [] if text.startswith("<s>") else ["<s>"]
     assert [t for t in tokens if t not in absent] == placed, (lp, text)
     assert "".join(placed) == text and offsets == sorted(offsets), (lp, text)
@@ -62,39 +62,47 @@ def _post(c: Cluster, path: str, body: dict[str, Any], bodies: list[str]) -> dic
 
 def _stream_text(c: Cluster, body: dict[str, Any], bodies: list[str]) -> str:
     text = []
-    with httpx.Client(timeout=60) as client, client.stream(
-            "POST", f"{c.webs['web']}/v1/completions", json={**body, "stream": True}) as resp:
+    with (
+        httpx.Client(timeout=60) as client,
+        client.stream("POST", f"{c.webs['web']}/v1/completions", json={**body, "stream": True}) as resp,
+    ):
         assert resp.status_code == 200, resp.read().decode()
         for line in resp.iter_lines():
             bodies.append(line)
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            obj = json.loads(line[len("data: "):])
+            obj = json.loads(line[len("data: ") :])
             assert "error" not in obj, obj
             text += [ch["text"] for ch in obj["choices"]]
     return "".join(text)
 
 
-def test_token_texts_come_from_the_engine(cluster: Cluster, procs: list[Proc],  # noqa: F811
-                                          tiny_assets):
+def test_token_texts_come_from_the_engine(
+    cluster: Cluster,
+    procs: list[Proc],  # noqa: F811
+    tiny_assets,
+):
     c = cluster
     source = Path(tiny_assets.models["tiny-llama"].path)
     tok = Tokenizer.from_file(str(source / "tokenizer.json"))
     # the model is served from a copy of its own, moved away once the engine has it
     files = c.tmp / "tiny-llama"
     shutil.copytree(source, files)
-    c.manage("shell", "-c", textwrap.dedent(f"""
+    c.manage(
+        "shell",
+        "-c",
+        textwrap.dedent(f"""
         from registry.models import Model
         assert Model.objects.filter(name="tiny-llama").update(local_path={str(files)!r}) == 1
-        """))
+        """),
+    )
     engine = c.start_engine()
     web = c.start_web("web")
     wait_for("the engine's heartbeat", c.serving, 120, procs)
     wait_for("the web server", lambda: c.live("web"), 60, procs)
 
     bodies: list[str] = []  # every response body, searched for a placeholder at the end
-    base = {"model": "tiny-llama", "temperature": 0, "ignore_eos": True,
-            "max_tokens": MAX_TOKENS}
+    base = {"model": "tiny-llama", "temperature": 0, "ignore_eos": True, "max_tokens": MAX_TOKENS}
     # an on-demand load (the web process asks the engine over Redis), then an SAE
     _post(c, "/v1/completions", {**base, "prompt": "hello", "max_tokens": 1}, bodies)
     assert c.serving()["status"]["model_id"] == "tiny-llama"
@@ -109,33 +117,36 @@ def test_token_texts_come_from_the_engine(cluster: Cluster, procs: list[Proc],  
     prompt_tokens = [_text(tok, [i]) for i in ids]
 
     # --- (3) return_sae_activations: every position's token, prompt and completion
-    body = _post(c, "/v1/completions", {**base, "prompt": PROMPT, "return_sae_activations": {
-        "sae_id": sae_id, "top_k": 2, "positions": "all"}}, bodies)
+    body = _post(
+        c,
+        "/v1/completions",
+        {**base, "prompt": PROMPT, "return_sae_activations": {"sae_id": sae_id, "top_k": 2, "positions": "all"}},
+        bodies,
+    )
     acts = body["millm"]["sae_activations"]
     assert (acts["sae_id"], acts["layer"], acts["prompt_tokens"]) == (sae_id, 1, len(ids))
     rows = acts["positions"]
     assert [r["position"] for r in rows] == list(range(len(rows)))
     assert len(rows) >= len(ids) + MAX_TOKENS - 1, rows
-    assert [r["token_id"] for r in rows[:len(ids)]] == ids
+    assert [r["token_id"] for r in rows[: len(ids)]] == ids
     for row in rows:
         assert row["token"] == _text(tok, [row["token_id"]]), row
     completion = body["choices"][0]["text"]
-    completion_ids = [r["token_id"] for r in rows[len(ids):]]
+    completion_ids = [r["token_id"] for r in rows[len(ids) :]]
     # the completion's text is its tokens' text (the rows read all but maybe the last)
     assert completion.startswith(_text(tok, completion_ids)), (completion, completion_ids)
 
     # --- (1) echo with logprobs 2: the prompt, then each token's text and its offset
-    body = _post(c, "/v1/completions", {**base, "prompt": PROMPT, "echo": True,
-                                        "logprobs": 2}, bodies)
+    body = _post(c, "/v1/completions", {**base, "prompt": PROMPT, "echo": True, "logprobs": 2}, bodies)
     choice = body["choices"][0]
     assert body["usage"]["prompt_tokens"] == len(ids)
     assert choice["text"] == PROMPT + completion  # greedy: the same completion as above
     lp = choice["logprobs"]
-    assert lp["tokens"][:len(ids)] == prompt_tokens
+    assert lp["tokens"][: len(ids)] == prompt_tokens
     assert len(lp["tokens"]) == len(ids) + MAX_TOKENS
-    generated = lp["tokens"][len(ids):]
+    generated = lp["tokens"][len(ids) :]
     assert "".join(generated) == completion
-    assert generated[:len(completion_ids)] == [_text(tok, [i]) for i in completion_ids]
+    assert generated[: len(completion_ids)] == [_text(tok, [i]) for i in completion_ids]
     _offsets_index_text(lp, choice["text"])
     # the alternatives name tokens by their text too, the chosen one among them
     assert lp["top_logprobs"][0] is None
@@ -147,12 +158,11 @@ def test_token_texts_come_from_the_engine(cluster: Cluster, procs: list[Proc],  
     id_prompt = tok.encode("the dog ran to the cat").ids
     id_text = _text(tok, id_prompt)
     assert id_text.startswith("<s>the dog")
-    body = _post(c, "/v1/completions", {**base, "prompt": id_prompt, "echo": True,
-                                        "logprobs": 0}, bodies)
+    body = _post(c, "/v1/completions", {**base, "prompt": id_prompt, "echo": True, "logprobs": 0}, bodies)
     choice = body["choices"][0]
     lp = choice["logprobs"]
-    assert lp["tokens"][:len(id_prompt)] == [_text(tok, [i]) for i in id_prompt]
-    assert choice["text"] == id_text + "".join(lp["tokens"][len(id_prompt):])
+    assert lp["tokens"][: len(id_prompt)] == [_text(tok, [i]) for i in id_prompt]
+    assert choice["text"] == id_text + "".join(lp["tokens"][len(id_prompt) :])
     _offsets_index_text(lp, choice["text"])
     # streamed, the first chunk carries the prompt's text (the first token's event)
     streamed = _stream_text(c, {**base, "prompt": id_prompt, "echo": True}, bodies)

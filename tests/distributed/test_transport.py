@@ -46,14 +46,22 @@ def r(redis_url: str) -> redis.Redis:
 
 
 def make_client(url: str, prefix: str, **kw) -> RedisEngineClient:
-    return RedisEngineClient(url=url, prefix=prefix, heartbeat_s=FAST["heartbeat_s"],
-                             dead_after_s=FAST["dead_after_s"],
-                             command_timeout_s=kw.pop("command_timeout_s", 10), **kw)
+    return RedisEngineClient(
+        url=url,
+        prefix=prefix,
+        heartbeat_s=FAST["heartbeat_s"],
+        dead_after_s=FAST["dead_after_s"],
+        command_timeout_s=kw.pop("command_timeout_s", 10),
+        **kw,
+    )
 
 
 def gen_job(prompt: str = "hi", max_tokens: int = 5, rid: str | None = None) -> GenerationJob:
-    return GenerationJob(request_id=rid or f"req-{secrets.token_hex(6)}", prompt=prompt,
-                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0))
+    return GenerationJob(
+        request_id=rid or f"req-{secrets.token_hex(6)}",
+        prompt=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0),
+    )
 
 
 def pending(r: redis.Redis, keys: Keys, stream: str | None = None) -> int:
@@ -255,8 +263,7 @@ def test_a_job_nobody_waits_for_any_more_is_never_run(redis_url, r, prefix):
     with running_server(redis_url, engine, prefix):
         # queued by a client that then went away (its live key is gone)
         job = gen_job()
-        r.xadd(keys.requests, Envelope.new(COMMANDS["generate"], job.request_id,
-                                           GenerateArgs(job), wait_s=60).encode())
+        r.xadd(keys.requests, Envelope.new(COMMANDS["generate"], job.request_id, GenerateArgs(job), wait_s=60).encode())
         deadline = time.monotonic() + 5
         while r.xlen(keys.requests) and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -285,8 +292,9 @@ def test_shutdown_fails_running_requests_cleanly(redis_url, r, prefix):
 
 def test_one_engine_per_prefix(redis_url, prefix):
     with running_server(redis_url, FakeEngine(), prefix):
-        other = EngineServer(FakeEngine(), redis.Redis.from_url(redis_url, decode_responses=True),
-                             ServerConfig(prefix=prefix, **FAST))
+        other = EngineServer(
+            FakeEngine(), redis.Redis.from_url(redis_url, decode_responses=True), ServerConfig(prefix=prefix, **FAST)
+        )
         with pytest.raises(EngineAlreadyRunning):
             other.acquire_ownership(wait_s=0.3)
 
@@ -303,29 +311,30 @@ def test_tokens_over_redis_equal_the_engine_in_process(redis_url, prefix, tiny_a
     try:
         with running_server(redis_url, engine, prefix):
             client = make_client(redis_url, prefix)
-            client.load_model(LoadModelJob(model_id="tiny-llama", path=str(model.path),
-                                           dtype="float32", device="cpu"))
+            client.load_model(LoadModelJob(model_id="tiny-llama", path=str(model.path), dtype="float32", device="cpu"))
             client.attach_set([AttachSpec(sae_id="sae_t", path=str(sae.path), layer=1)])
 
             def job(rid: str) -> GenerationJob:
                 return GenerationJob(
-                    request_id=rid, prompt="the sea", sampling=SamplingParams(
-                        max_tokens=12, temperature=0, logprobs=True, top_logprobs=2),
+                    request_id=rid,
+                    prompt="the sea",
+                    sampling=SamplingParams(max_tokens=12, temperature=0, logprobs=True, top_logprobs=2),
                     steering=SteeringSpec.from_mapping({("sae_t", 1): {3: 4.0}}),
-                    monitor=MonitorSpec([MonitorEntry("sae_t", 1, top_k=3)]))
+                    monitor=MonitorSpec([MonitorEntry("sae_t", 1, top_k=3)]),
+                )
 
             remote = list(client.generate(job("over-redis")).events(30))
             local = list(engine.generate(job("in-process")).events(30))
-        assert [to_builtins(e) | {"request_id": ""} for e in remote] == \
-            [to_builtins(e) | {"request_id": ""} for e in local]
+        assert [to_builtins(e) | {"request_id": ""} for e in remote] == [
+            to_builtins(e) | {"request_id": ""} for e in local
+        ]
         assert remote[-1].steering_apply_count[0].count == remote[-1].forward_passes > 0
     finally:
         engine.shutdown()
 
 
 @pytest.mark.django_db
-def test_with_no_engine_running_api_says_engine_unavailable_and_v1_model_not_loaded(
-        redis_url, settings, tiny_assets):
+def test_with_no_engine_running_api_says_engine_unavailable_and_v1_model_not_loaded(redis_url, settings, tiny_assets):
     """No run_engine heartbeat: /api's engine routes answer 503 ENGINE_UNAVAILABLE with
     Retry-After (an attach was a 500, a load a 400 MODEL_NOT_LOADED), /v1 its documented
     503 model_not_loaded (docs/deploy.md, "Submitting")."""
@@ -337,22 +346,23 @@ def test_with_no_engine_running_api_says_engine_unavailable_and_v1_model_not_loa
 
     settings.EMBEDDED = False
     settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = "auto", "auto"
-    llama = services.model_register_local(
-        local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
-    gpt2 = services.model_register_local(
-        local_path=str(tiny_assets.models["tiny-gpt2"].path), name="tiny-gpt2")
-    sae = services.sae_register_local(local_path=str(tiny_assets.saes["tiny-llama-L1-relu"].path),
-                                      name="relu")
+    llama = services.model_register_local(local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
+    gpt2 = services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path), name="tiny-gpt2")
+    sae = services.sae_register_local(local_path=str(tiny_assets.saes["tiny-llama-L1-relu"].path), name="relu")
     Model.objects.filter(pk=llama.pk).update(status="loaded")  # what the rows recorded
     api = APIClient()
     with runtime().replaced(engine=make_client(redis_url, f"t{secrets.token_hex(4)}")):
-        for response in (api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"),
-                         api.post(f"/api/models/{gpt2.id}/load")):
+        for response in (
+            api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"),
+            api.post(f"/api/models/{gpt2.id}/load"),
+        ):
             assert response.status_code == 503, response.content
             assert response.json()["error"]["code"] == "ENGINE_UNAVAILABLE"
             assert response["Retry-After"] == str(settings.RETRY_AFTER_NOT_LOADED_S)
-        v1 = api.post("/v1/chat/completions", {"model": "tiny-llama", "max_tokens": 2,
-                                                "messages": [{"role": "user", "content": "hi"}]},
-                      format="json")
+        v1 = api.post(
+            "/v1/chat/completions",
+            {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+            format="json",
+        )
         assert v1.status_code == 503 and v1.json()["error"]["code"] == "model_not_loaded"
         assert v1["Retry-After"]

@@ -56,11 +56,13 @@ def register_llama(tiny_assets) -> tuple[Any, dict[str, Any]]:
     from registry.models import SAE, Model
 
     model = Model.objects.filter(name="tiny-llama").first() or services.model_register_local(
-        local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
+        local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama"
+    )
     saes = {}
     for asset in tiny_assets.saes_for("tiny-llama"):
-        saes[asset.name] = SAE.objects.filter(name=asset.name).first() or \
-            services.sae_register_local(local_path=str(asset.path), name=asset.name)
+        saes[asset.name] = SAE.objects.filter(name=asset.name).first() or services.sae_register_local(
+            local_path=str(asset.path), name=asset.name
+        )
     return model, saes
 
 
@@ -74,8 +76,7 @@ def make_resident(engine, model) -> None:
         model_load(model=model)
     else:
         engine.engine.detach(None)  # an earlier test's attachments (its rows are gone)
-        model_set_status(model=model, status=Model.Status.LOADED, device="cpu",
-                         dtype="float32")
+        model_set_status(model=model, status=Model.Status.LOADED, device="cpu", dtype="float32")
     model.refresh_from_db()
 
 
@@ -109,5 +110,3 @@ def published(monkeypatch):
 
     monkeypatch.setattr(events, "publish", record)
     return seen
-
-

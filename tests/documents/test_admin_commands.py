@@ -22,8 +22,14 @@ pytestmark = pytest.mark.django_db
 def test_admin_pages_import_and_export(admin_client, relu, llama):
     profile_create(name="p1", steering={"1": 2.0})
     cluster_import(document=definition())
-    for page in ("steering/profile", "steering/cluster", "steering/circuit", "leases/lease",
-                 "steering/livesteering", "monitoring/activationrecord"):
+    for page in (
+        "steering/profile",
+        "steering/cluster",
+        "steering/circuit",
+        "leases/lease",
+        "steering/livesteering",
+        "monitoring/activationrecord",
+    ):
         assert admin_client.get(f"/admin/{page}/").status_code == 200, page
 
     # import views
@@ -37,53 +43,71 @@ def test_admin_pages_import_and_export(admin_client, relu, llama):
     assert Circuit.objects.filter(name="c-admin").exists()
     bad = admin_client.post("/admin/steering/circuit/import/", {"document": "{}"}, follow=True)
     assert b"UNKNOWN_KIND" in bad.content
-    export = {"version": "1.0", "name": "imported", "sae_id": relu.id, "layer": 1,
-              "steering": {"4": 1.5}}
+    export = {"version": "1.0", "name": "imported", "sae_id": relu.id, "layer": 1, "steering": {"4": 1.5}}
     admin_client.post("/admin/steering/profile/import/", {"document": json.dumps(export)})
     assert Profile.objects.get(name="imported").steering == {"4": 1.5}
 
     # export actions
     p1 = Profile.objects.get(name="p1")
-    out = admin_client.post("/admin/steering/profile/", {"action": "export",
-                                                         "_selected_action": [p1.pk]})
+    out = admin_client.post("/admin/steering/profile/", {"action": "export", "_selected_action": [p1.pk]})
     assert json.loads(out.content)["steering"] == {"1": 2.0}
     via = Cluster.objects.get(name="via-admin")
-    out = admin_client.post("/admin/steering/cluster/", {"action": "export",
-                                                         "_selected_action": [via.pk]})
+    out = admin_client.post("/admin/steering/cluster/", {"action": "export", "_selected_action": [via.pk]})
     assert out.content.decode() == text
     # activation through an action reads like the API's refusals
-    admin_client.post("/admin/steering/cluster/", {"action": "activate",
-                                                   "_selected_action": [via.pk]})
+    admin_client.post("/admin/steering/cluster/", {"action": "activate", "_selected_action": [via.pk]})
     assert Cluster.objects.get(pk=via.pk).is_active
     # adding a profile in the admin goes through the service's checks
-    added = admin_client.post("/admin/steering/profile/add/", {
-        "name": "added", "description": "", "model_name": "", "sae_id": relu.id,
-        "layer": 1, "steering": '{"3": 250}', "intensity": 1})
+    added = admin_client.post(
+        "/admin/steering/profile/add/",
+        {
+            "name": "added",
+            "description": "",
+            "model_name": "",
+            "sae_id": relu.id,
+            "layer": 1,
+            "steering": '{"3": 250}',
+            "intensity": 1,
+        },
+    )
     assert added.status_code == 200 and not Profile.objects.filter(name="added").exists()
-    added = admin_client.post("/admin/steering/profile/add/", {
-        "name": "added", "description": "", "model_name": "", "sae_id": relu.id,
-        "layer": 1, "steering": '{"30": 1}', "intensity": 1})
-    assert added.status_code == 302 and Profile.objects.get(name="added").steering == {
-        "30": 1.0}
+    added = admin_client.post(
+        "/admin/steering/profile/add/",
+        {
+            "name": "added",
+            "description": "",
+            "model_name": "",
+            "sae_id": relu.id,
+            "layer": 1,
+            "steering": '{"30": 1}',
+            "intensity": 1,
+        },
+    )
+    assert added.status_code == 302 and Profile.objects.get(name="added").steering == {"30": 1.0}
     # controls too, through the same rules
-    gated = {"name": "gated", "description": "", "model_name": "", "sae_id": relu.id,
-             "layer": 1, "steering": '{"3": 1}', "intensity": 1}
-    added = admin_client.post("/admin/steering/profile/add/", {
-        **gated, "controls": '[{"index": 4, "mode": "clamp"}]'})
+    gated = {
+        "name": "gated",
+        "description": "",
+        "model_name": "",
+        "sae_id": relu.id,
+        "layer": 1,
+        "steering": '{"3": 1}',
+        "intensity": 1,
+    }
+    added = admin_client.post("/admin/steering/profile/add/", {**gated, "controls": '[{"index": 4, "mode": "clamp"}]'})
     assert added.status_code == 200 and not Profile.objects.filter(name="gated").exists()
-    added = admin_client.post("/admin/steering/profile/add/", {
-        **gated, "controls": '[{"index": 3, "mode": "ablate"}]'})  # 3 twice
+    added = admin_client.post(
+        "/admin/steering/profile/add/", {**gated, "controls": '[{"index": 3, "mode": "ablate"}]'}
+    )  # 3 twice
     assert added.status_code == 200 and not Profile.objects.filter(name="gated").exists()
-    added = admin_client.post("/admin/steering/profile/add/", {
-        **gated, "controls": '[{"index": 4, "mode": "ablate"}]'})
+    added = admin_client.post("/admin/steering/profile/add/", {**gated, "controls": '[{"index": 4, "mode": "ablate"}]'})
     assert added.status_code == 302
     assert Profile.objects.get(name="gated").controls == [{"index": 4, "mode": "ablate"}]
 
     # leases: read-only rows, ended by an action
     lease_grant(model=llama.model, holder="h", reason="r")
     assert b"h" in admin_client.get("/admin/leases/lease/").content
-    admin_client.post("/admin/leases/lease/", {"action": "revoke",
-                                               "_selected_action": [Lease.objects.get().pk]})
+    admin_client.post("/admin/leases/lease/", {"action": "revoke", "_selected_action": [Lease.objects.get().pk]})
     assert Lease.objects.get().end_reason == "revoked"
 
 
@@ -111,17 +135,25 @@ def test_profile_commands_refuse_unreadable_paths_in_one_line(relu, tmp_path):
     profile_create(name="kept", steering={"1": 2.0})
     latin1 = tmp_path / "latin1.json"
     latin1.write_bytes(b'{"name": "caf\xe9"}')
-    for path, message in ((tmp_path / "missing.json", "cannot read it"),
-                          (tmp_path, "cannot read it"),
-                          (latin1, "is not UTF-8 text")):
+    for path, message in (
+        (tmp_path / "missing.json", "cannot read it"),
+        (tmp_path, "cannot read it"),
+        (latin1, "is not UTF-8 text"),
+    ):
         with pytest.raises(CommandError, match=message):
             call_command("import_profiles", str(path))
     with pytest.raises(CommandError, match="cannot write it"):
         call_command("export_profiles", "-o", str(tmp_path / "no" / "such" / "dir.json"))
     # a batch whose second entry is refused imports nothing, and says nothing was imported
     batch = tmp_path / "batch.json"
-    batch.write_text(json.dumps([{"version": 1, "name": "fresh", "steering": {"2": 1.0}},
-                                 {"version": 1, "name": "kept", "steering": {"2": 1.0}}]))
+    batch.write_text(
+        json.dumps(
+            [
+                {"version": 1, "name": "fresh", "steering": {"2": 1.0}},
+                {"version": 1, "name": "kept", "steering": {"2": 1.0}},
+            ]
+        )
+    )
     with pytest.raises(CommandError, match="nothing was imported"):
         call_command("import_profiles", str(batch))
     assert sorted(Profile.objects.values_list("name", flat=True)) == ["kept"]

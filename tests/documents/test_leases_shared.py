@@ -24,16 +24,14 @@ def resident(tiny_assets, transactional_db):
     # the row is enough here: leases are a database matter (no engine call is made)
     from registry.services import model_register_local
 
-    model = model_register_local(local_path=str(tiny_assets.models["tiny-llama"].path),
-                                 name="tiny-llama")
+    model = model_register_local(local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
     Model.objects.filter(pk=model.pk).update(status=Model.Status.LOADED)
     return model
 
 
 def test_two_racing_clients_get_exactly_one_lease(resident):
     if connection.vendor != "postgresql":
-        pytest.skip("the race is decided by PostgreSQL's unique index; this run is on "
-                    f"{connection.vendor}")
+        pytest.skip(f"the race is decided by PostgreSQL's unique index; this run is on {connection.vendor}")
     barrier = threading.Barrier(2)
     outcomes: list[tuple[str, str]] = []
 
@@ -44,8 +42,7 @@ def test_two_racing_clients_get_exactly_one_lease(resident):
             with transaction.atomic():
                 barrier.wait(5)
                 try:
-                    lease_grant(model=Model.objects.get(pk=resident.pk), holder=name,
-                                reason="race")
+                    lease_grant(model=Model.objects.get(pk=resident.pk), holder=name, reason="race")
                     outcomes.append((name, "granted"))
                 except MillmError as exc:
                     outcomes.append((name, exc.code))
@@ -66,8 +63,11 @@ def test_two_racing_clients_get_exactly_one_lease(resident):
 def test_another_process_sees_and_enforces_the_lease(resident, tmp_path):
     _, lease_id = lease_grant(model=resident, holder="worker-1", reason="shared")
     db = connection.settings_dict
-    url = f"postgresql://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}" \
-        if connection.vendor == "postgresql" else None
+    url = (
+        f"postgresql://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}"
+        if connection.vendor == "postgresql"
+        else None
+    )
     if url is None:
         pytest.skip("needs a database another process can open (PostgreSQL)")
     script = (
@@ -81,10 +81,14 @@ def test_another_process_sees_and_enforces_the_lease(resident, tmp_path):
         "    print('BLOCKED', exc.code, exc.details['holder'])\n"
         f"lease_check_change(operation='unload', target_model=m, lease_id='{lease_id}')\n"
         f"print('RENEWED', lease_renew(model=m, lease_id='{lease_id}', ttl_seconds=42)"
-        ".ttl_seconds)\n")
-    out = manage("shell", "-c", script, env={
-        "DATABASE_URL": url, "SECRET_KEY": "x" * 40, "LOG_LEVEL": "ERROR",
-        "MILLM_DATA_DIR": str(tmp_path)})
+        ".ttl_seconds)\n"
+    )
+    out = manage(
+        "shell",
+        "-c",
+        script,
+        env={"DATABASE_URL": url, "SECRET_KEY": "x" * 40, "LOG_LEVEL": "ERROR", "MILLM_DATA_DIR": str(tmp_path)},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "BLOCKED MODEL_LEASED worker-1" in out.stdout
     assert "RENEWED 42" in out.stdout

@@ -103,14 +103,15 @@ def block(engine, asset, layer: int) -> torch.nn.Module:
     return engine.backend.model.get_submodule(asset.layer_module_path(layer))
 
 
-def prompt_log_softmax(engine, ids: list[int], *, steer: tuple[torch.nn.Module, np.ndarray] | None = None
-                       ) -> np.ndarray:
+def prompt_log_softmax(
+    engine, ids: list[int], *, steer: tuple[torch.nn.Module, np.ndarray] | None = None
+) -> np.ndarray:
     """log_softmax of a plain float32 ``model(ids)`` forward over the whole prompt (row
     j - 1 predicts token j), with ``steer`` = (block, delta) adding the delta with the
     test's own hook: the reference for prompt log-probabilities and their alternatives."""
     import contextlib
 
-    with torch.inference_mode(), (add_delta(*steer) if steer is not None else contextlib.nullcontext()):
+    with torch.inference_mode(), add_delta(*steer) if steer is not None else contextlib.nullcontext():
         logits = engine.backend.model(torch.tensor([ids])).logits[0].float()
     return torch.log_softmax(logits, dim=-1).double().numpy()
 
@@ -119,8 +120,7 @@ def assert_prompt_alternatives(got, lsm: np.ndarray, ids: list[int], k: int, ato
     """A result's prompt logprobs and top-``k`` alternatives equal ``lsm``'s rows."""
     assert got.prompt_logprobs[0] is None and got.prompt_top_logprobs[0] is None
     assert len(got.prompt_top_logprobs) == len(got.prompt_logprobs) == len(ids)
-    np.testing.assert_allclose(got.prompt_logprobs[1:], [lsm[j - 1][ids[j]] for j in range(1, len(ids))],
-                               atol=atol)
+    np.testing.assert_allclose(got.prompt_logprobs[1:], [lsm[j - 1][ids[j]] for j in range(1, len(ids))], atol=atol)
     for j in range(1, len(ids)):
         row = lsm[j - 1]
         top = np.argsort(-row, kind="stable")[:k]

@@ -15,8 +15,7 @@ from gpu_engine.runtime.engine import Engine
 
 # members the engine reads that no earlier contract named (issue 32): a backend without
 # them used to be probed with getattr and a default
-LATE_MEMBERS = ("sae_device", "captures_in_workers", "job", "weights", "attention_geometry",
-                "attention_scaling")
+LATE_MEMBERS = ("sae_device", "captures_in_workers", "job", "weights", "attention_geometry", "attention_scaling")
 
 
 class _Without:
@@ -48,15 +47,27 @@ def load_without(job, *, hooks):
 
 @pytest.mark.parametrize("member", LATE_MEMBERS)
 def test_a_backend_missing_one_member_fails_the_load_naming_it(tiny_assets, monkeypatch, member):
-    monkeypatch.setitem(backends._BACKENDS, "partial", BackendEntry(
-        name="partial", summary="test", requires=("torch",), install="scripts/setup partial",
-        loader="tests.engine.test_backend_contract:load_without", options={"hide": str}))
+    monkeypatch.setitem(
+        backends._BACKENDS,
+        "partial",
+        BackendEntry(
+            name="partial",
+            summary="test",
+            requires=("torch",),
+            install="scripts/setup partial",
+            loader="tests.engine.test_backend_contract:load_without",
+            options={"hide": str},
+        ),
+    )
     model = tiny_assets.models["tiny-llama"]
     _closed.clear()
     with Engine() as eng:
         with pytest.raises(ModelLoadFailed) as err:
-            eng.load_model(LoadModelJob("m", str(model.path), dtype="float32", device="cpu",
-                                        backend="partial", options={"hide": member}))
+            eng.load_model(
+                LoadModelJob(
+                    "m", str(model.path), dtype="float32", device="cpu", backend="partial", options={"hide": member}
+                )
+            )
         assert err.value.code == "model_load_failed"
         assert err.value.message.endswith(f"(missing: {member})")
         assert eng.status().state == "empty"

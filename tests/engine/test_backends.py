@@ -69,11 +69,19 @@ def load_broken(job, *, hooks):
 @pytest.fixture
 def registered(monkeypatch):
     """Register test backends for one test (the registry is module state)."""
+
     def add(name: str, loader: str, requires=("torch",), options=None) -> BackendEntry:
-        entry = BackendEntry(name=name, summary="test", requires=requires, install=f"scripts/setup {name}",
-                             loader=loader, options=options or {})
+        entry = BackendEntry(
+            name=name,
+            summary="test",
+            requires=requires,
+            install=f"scripts/setup {name}",
+            loader=loader,
+            options=options or {},
+        )
         monkeypatch.setitem(backends._BACKENDS, name, entry)
         return entry
+
     return add
 
 
@@ -82,8 +90,9 @@ def _job(asset, backend="transformers", **kw) -> LoadModelJob:
 
 
 def _greedy(rid: str, steering=None) -> GenerationJob:
-    return GenerationJob(rid, prompt=PROMPT, steering=steering,
-                         sampling=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    return GenerationJob(
+        rid, prompt=PROMPT, steering=steering, sampling=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    )
 
 
 def test_transformers_is_registered_and_reports_itself():
@@ -92,8 +101,16 @@ def test_transformers_is_registered_and_reports_itself():
     report = {b["name"]: b for b in backends_report()}
     assert report["transformers"]["available"] is True
     assert sorted(report["transformers"]["options"]) == [
-        "fused_cpu_kernels", "kv_cache_mode", "lean_decode", "pack_cpu_weights", "quantization", "speculative_model",
-        "speculative_num_tokens", "torch_compile", "torch_compile_mode"]
+        "fused_cpu_kernels",
+        "kv_cache_mode",
+        "lean_decode",
+        "pack_cpu_weights",
+        "quantization",
+        "speculative_model",
+        "speculative_num_tokens",
+        "torch_compile",
+        "torch_compile_mode",
+    ]
     assert report["transformers"]["quantizations"]["Q8"]["available"] is True
     assert report["transformers"]["quantizations"]["Q2"]["available"] is False
 
@@ -139,8 +156,11 @@ def test_an_uninstalled_backend_is_refused_before_anything_drains(tiny_assets, r
         with pytest.raises(BackendUnavailable) as err:
             eng.load_model(_job(model, backend="absent"))
         assert err.value.code == "backend_unavailable"
-        assert err.value.details == {"backend": "absent", "missing": ["no_such_package_xyz"],
-                                     "install": "scripts/setup absent"}
+        assert err.value.details == {
+            "backend": "absent",
+            "missing": ["no_such_package_xyz"],
+            "install": "scripts/setup absent",
+        }
         assert "scripts/setup absent" in err.value.message
         # the resident model was not touched
         status = eng.status()
@@ -176,8 +196,9 @@ class _Mute(_Plugged):
     name = "mute"
 
     def capabilities(self) -> Capabilities:
-        return msgspec.structs.replace(super().capabilities(), per_request_monitoring=False, logprobs=False,
-                                       embeddings=False)
+        return msgspec.structs.replace(
+            super().capabilities(), per_request_monitoring=False, logprobs=False, embeddings=False
+        )
 
 
 def load_mute(job, *, hooks):
@@ -193,8 +214,12 @@ def test_what_the_backend_cannot_do_is_refused_by_name_never_ignored(tiny_assets
     with Engine(batching=BatchingOptions(enabled=batched)) as eng:
         eng.load_model(_job(tiny_assets.models["tiny-llama"], backend="mute"))
         eng.attach(AttachSpec(sae.name, str(sae.path), 1))
-        monitored = GenerationJob("mon", prompt=PROMPT, sampling=SamplingParams(max_tokens=4),
-                                  monitor=MonitorSpec([MonitorEntry(sae.name, 1, top_k=3)]))
+        monitored = GenerationJob(
+            "mon",
+            prompt=PROMPT,
+            sampling=SamplingParams(max_tokens=4),
+            monitor=MonitorSpec([MonitorEntry(sae.name, 1, top_k=3)]),
+        )
         events = list(eng.generate(monitored).events(30))
         assert len(events) == 1 and events[0].code == "invalid_parameter"
         assert events[0].details["param"] == "monitor" and "mute" in events[0].message
@@ -207,6 +232,7 @@ def test_what_the_backend_cannot_do_is_refused_by_name_never_ignored(tiny_assets
         # what it can do still runs: steering is on
         steering = SteeringSpec.from_mapping({(sae.name, 1): {3: 8.0}})
         assert len(eng.generate_sync(_greedy("ok", steering)).token_ids) == 8
+
 
 def test_vllm_is_registered_and_without_vllm_refuses_with_its_install_command(tiny_assets, monkeypatch):
     entry = get_backend("vllm")
@@ -242,5 +268,4 @@ def test_every_backends_install_command_installs_what_it_requires():
         pinned = pinned.replace("_", "-")
         for package in entry.requires:  # an import name; its distribution may extend it
             name = re.escape(package.replace("_", "-"))
-            assert re.search(rf"^{name}(-[a-z0-9-]+)?==", pinned, re.MULTILINE), (entry.name,
-                                                                                 package)
+            assert re.search(rf"^{name}(-[a-z0-9-]+)?==", pinned, re.MULTILINE), (entry.name, package)

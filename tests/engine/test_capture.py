@@ -32,9 +32,13 @@ MODELS = ["tiny-llama", "tiny-gemma2", "tiny-gpt2"]
 
 
 def job(request_id: str, capture: CaptureSpec | None = None, steering=None, max_tokens: int = 6) -> GenerationJob:
-    return GenerationJob(request_id, prompt=PROMPT, capture=capture, steering=steering,
-                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                 logprobs=True))
+    return GenerationJob(
+        request_id,
+        prompt=PROMPT,
+        capture=capture,
+        steering=steering,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +60,9 @@ def reference(tiny_assets):
     def get(name: str):
         if name not in made:
             asset = tiny_assets.models[name]
-            model = AutoModelForCausalLM.from_pretrained(str(asset.path), dtype=torch.float32,
-                                                         local_files_only=True).eval()
+            model = AutoModelForCausalLM.from_pretrained(
+                str(asset.path), dtype=torch.float32, local_files_only=True
+            ).eval()
             made[name] = (asset, model)
         return made[name]
 
@@ -80,8 +85,9 @@ def reference_blocks(asset, model, ids: list[int], delta=None, delta_layer: int 
     if delta is not None:
         # prepended: HF records hidden states with forward hooks of its own, installed at
         # the first call, and must record the steered output
-        handles.append(model.get_submodule(asset.layer_module_path(delta_layer))
-                       .register_forward_hook(steer, prepend=True))
+        handles.append(
+            model.get_submodule(asset.layer_module_path(delta_layer)).register_forward_hook(steer, prepend=True)
+        )
     try:
         with torch.no_grad():
             out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
@@ -98,8 +104,12 @@ def close(a, b) -> bool:
 
 def expected_positions(mode: str, n_prompt: int, n_gen: int) -> list[int]:
     total = n_prompt + n_gen - 1
-    return {"last": [total - 1], "all": list(range(total)), "prompt": list(range(n_prompt)),
-            "completion": list(range(n_prompt - 1, total))}[mode]
+    return {
+        "last": [total - 1],
+        "all": list(range(total)),
+        "prompt": list(range(n_prompt)),
+        "completion": list(range(n_prompt - 1, total)),
+    }[mode]
 
 
 def captured_beside_plain(eng, plain_job, capture_job, positions: str):
@@ -126,7 +136,8 @@ def test_capture_equals_reference_and_changes_no_token(engines, reference, model
     asset, model = reference(model_name)
     layers = list(range(asset.num_layers))
     out, cap, pos = captured_beside_plain(
-        eng, job("plain"), job("cap", CaptureSpec(layers=layers, positions=positions)), positions)
+        eng, job("plain"), job("cap", CaptureSpec(layers=layers, positions=positions)), positions
+    )
     n_prompt = out.usage.prompt_tokens
     full = cap.meta["prompt_token_ids"] + out.token_ids
     assert cap.meta["layers"] == layers and cap.meta["request_id"] == "cap" and cap.meta["model"] == model_name
@@ -182,8 +193,9 @@ def test_bad_layers_and_oversized_captures_are_refused_before_any_forward(engine
 
 
 def test_large_capture_is_written_to_the_directory(engine, tmp_path):
-    out = engine.generate_sync(job("big", CaptureSpec(layers=[0, 1], positions="all", inline_max_bytes=100,
-                                                      directory=str(tmp_path))))
+    out = engine.generate_sync(
+        job("big", CaptureSpec(layers=[0, 1], positions="all", inline_max_bytes=100, directory=str(tmp_path)))
+    )
     assert out.capture.data is None and out.capture.file == f"{out.capture.capture_id}.safetensors"
     path = tmp_path / out.capture.file
     assert path.stat().st_size == out.capture.nbytes
@@ -209,5 +221,4 @@ def test_a_cancelled_request_still_gets_its_rows(engine):
     cap = load_capture(finish.capture.data)
     n = len(finish.token_ids)
     assert 3 <= n < 50
-    assert cap.positions.tolist() == list(range(finish.usage.prompt_tokens - 1,
-                                                finish.usage.prompt_tokens - 1 + n))
+    assert cap.positions.tolist() == list(range(finish.usage.prompt_tokens - 1, finish.usage.prompt_tokens - 1 + n))

@@ -28,9 +28,12 @@ MODELS = ["tiny-llama", "tiny-gemma2", "tiny-gpt2"]
 
 
 def job(request_id: str, capture: CaptureSpec | None = None, max_tokens: int = 6, prompt: str = PROMPT):
-    return GenerationJob(request_id, prompt=prompt, capture=capture,
-                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                                                 logprobs=True))
+    return GenerationJob(
+        request_id,
+        prompt=prompt,
+        capture=capture,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True),
+    )
 
 
 def attention_of(model, asset, layer: int):
@@ -44,9 +47,11 @@ def reference_qk(asset, model, ids: list[int], *, rotate: bool = True) -> dict[i
     inputs: dict[int, torch.Tensor] = {}
     handles = []
     for layer in range(asset.num_layers):
+
         def keep(mod, args, kwargs, layer=layer):
             x = args[0] if args else kwargs["hidden_states"]
             inputs[layer] = x[0].detach().clone()
+
         handles.append(attention_of(model, asset, layer).register_forward_pre_hook(keep, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -126,8 +131,11 @@ def test_heads_select_kv_heads_and_positions_differ_for_q_and_k(engines, referen
     asset, model = reference("tiny-llama")
     g = eng.backend.attention_geometry
     assert g.num_heads == 2 and g.num_kv_heads == 1  # GQA: both query heads read kv head 0
-    spec = CaptureSpec(layers=[1], positions="last", attention=AttentionCaptureSpec(
-        layers=[2], heads=[1], positions="prompt", q_positions="last_prompt"))
+    spec = CaptureSpec(
+        layers=[1],
+        positions="last",
+        attention=AttentionCaptureSpec(layers=[2], heads=[1], positions="prompt", q_positions="last_prompt"),
+    )
     out = eng.generate_sync(job("h", spec))
     cap = load_capture(out.capture.data)
     n = out.usage.prompt_tokens
@@ -153,8 +161,9 @@ def test_bad_heads_layers_and_sizes_are_refused_before_any_forward(engine):
             engine.generate_sync(job("x", CaptureSpec(attention=AttentionCaptureSpec(layers=[0], heads=[g.num_heads]))))
         assert bad.value.param == "capture.attention.heads"
         with pytest.raises(CaptureTooLarge) as big:
-            engine.generate_sync(job("y", CaptureSpec(max_bytes=1000, attention=AttentionCaptureSpec(
-                layers=[0, 1], positions="all"))))
+            engine.generate_sync(
+                job("y", CaptureSpec(max_bytes=1000, attention=AttentionCaptureSpec(layers=[0, 1], positions="all")))
+            )
         rows = big.value.details["rows"]
         # Q: rows x 2 layers x heads x head_dim x 4 + 8; K: the same with kv heads
         want = rows * (2 * g.num_heads * g.head_dim * 4 + 8) + rows * (2 * g.num_kv_heads * g.head_dim * 4 + 8)

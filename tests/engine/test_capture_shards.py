@@ -34,8 +34,10 @@ def test_head_shards_follow_the_tensor_parallel_split(shape):
     assert [(s.head_start, s.num_heads, s.kv_start, s.num_kv_heads) for s in got] == SHARDS[shape]
     group = heads // kv
     for s in got:  # every query head a rank holds reads a KV head the same rank holds
-        assert all(s.kv_start <= h // group < s.kv_start + s.num_kv_heads
-                   for h in range(s.head_start, s.head_start + s.num_heads))
+        assert all(
+            s.kv_start <= h // group < s.kv_start + s.num_kv_heads
+            for h in range(s.head_start, s.head_start + s.num_heads)
+        )
 
 
 def test_for_shard_gives_each_rank_its_own_heads_and_rank_zero_the_hidden_states():
@@ -54,8 +56,15 @@ def test_for_shard_gives_each_rank_its_own_heads_and_rank_zero_the_hidden_states
     assert for_shard(spec, shards[0], hidden=True, held={2})[0].attention.layers == [2]
 
 
-def _part(rank: int, q: dict[int, np.ndarray], k: dict[int, np.ndarray], heads, kv_heads, rows: int,
-          hidden: dict[int, np.ndarray] | None = None) -> CapturePart:
+def _part(
+    rank: int,
+    q: dict[int, np.ndarray],
+    k: dict[int, np.ndarray],
+    heads,
+    kv_heads,
+    rows: int,
+    hidden: dict[int, np.ndarray] | None = None,
+) -> CapturePart:
     tensors = {f"q.{layer}": torch.from_numpy(v.copy()) for layer, v in q.items()}
     tensors.update({f"k.{layer}": torch.from_numpy(v.copy()) for layer, v in k.items()})
     tensors["q_positions"], tensors["k_positions"] = torch.arange(rows), torch.arange(rows)
@@ -66,8 +75,19 @@ def _part(rank: int, q: dict[int, np.ndarray], k: dict[int, np.ndarray], heads, 
 
 
 def _driver_plan(spec: CaptureSpec, geometry: AttentionGeometry, prompt: int) -> CapturePlan:
-    return CapturePlan(spec, request_id="r", prompt_len=prompt, max_tokens=3, hidden_size=8, dtype=torch.float32,
-                       device=None, model="m", backend="vllm", steering_hash=None, geometry=geometry)
+    return CapturePlan(
+        spec,
+        request_id="r",
+        prompt_len=prompt,
+        max_tokens=3,
+        hidden_size=8,
+        dtype=torch.float32,
+        device=None,
+        model="m",
+        backend="vllm",
+        steering_hash=None,
+        geometry=geometry,
+    )
 
 
 @pytest.mark.parametrize("framework", ["numpy", "torch"])
@@ -78,12 +98,23 @@ def test_shards_are_merged_on_read_into_the_asked_heads(framework):
     full_k = {layer: rng.standard_normal((rows, 2, d)).astype(np.float32) for layer in (0, 2)}
     hidden = {1: rng.standard_normal((rows, 8)).astype(np.float32)}
     heads = [1, 2, 5, 6]
-    spec = CaptureSpec(layers=[1], positions="all", attention=AttentionCaptureSpec(layers=[0, 2], heads=heads,
-                                                                                   positions="all"))
+    spec = CaptureSpec(
+        layers=[1], positions="all", attention=AttentionCaptureSpec(layers=[0, 2], heads=heads, positions="all")
+    )
     # what ranks 0..3 of TP=4 hold of those heads (SHARDS[(8, 2, 4)]): one query head each
     ranks = [(0, [1], [0]), (1, [2], [0]), (2, [5], [1]), (3, [6], [1])]
-    parts = [_part(r, {L: full_q[L][:, h] for L in (0, 2)}, {L: full_k[L][:, kv] for L in (0, 2)}, h, kv, rows,
-                   hidden if r == 0 else None) for r, h, kv in ranks]
+    parts = [
+        _part(
+            r,
+            {L: full_q[L][:, h] for L in (0, 2)},
+            {L: full_k[L][:, kv] for L in (0, 2)},
+            h,
+            kv,
+            rows,
+            hidden if r == 0 else None,
+        )
+        for r, h, kv in ranks
+    ]
     plan = _driver_plan(spec, AttentionGeometry(8, 2, d), prompt=3)
     plan.receive(parts[::-1])  # ranks report in any order
     result = plan.result(prompt_ids=[5, 6, 7], generated=[8, 9, 10])

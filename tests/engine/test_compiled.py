@@ -25,8 +25,7 @@ from gpu_engine.api.protocol import (
 )
 
 SAE = "tiny-llama-L1-relu"
-MODEL_SAE = {"tiny-llama": SAE, "tiny-gemma2": "tiny-gemma2-L1-jumprelu",
-             "tiny-gpt2": "tiny-gpt2-L1-relu"}
+MODEL_SAE = {"tiny-llama": SAE, "tiny-gemma2": "tiny-gemma2-L1-jumprelu", "tiny-gpt2": "tiny-gpt2-L1-relu"}
 PROMPTS = [
     "the cat sat on the mat and",
     "one two three four five six seven",
@@ -34,14 +33,10 @@ PROMPTS = [
 ]
 
 
-def _engine(
-    tiny_assets, options: dict, *, attach: bool = True, batch: int = 0, model: str = "tiny-llama"
-) -> Engine:
+def _engine(tiny_assets, options: dict, *, attach: bool = True, batch: int = 0, model: str = "tiny-llama") -> Engine:
     asset = tiny_assets.models[model]
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=batch) if batch else None)
-    eng.load_model(
-        LoadModelJob(model, str(asset.path), dtype="float32", device="cpu", options=options)
-    )
+    eng.load_model(LoadModelJob(model, str(asset.path), dtype="float32", device="cpu", options=options))
     if attach:
         sae = tiny_assets.saes[MODEL_SAE[model]]
         eng.attach(AttachSpec(sae.name, str(sae.path), sae.layer))
@@ -104,9 +99,7 @@ def same_records(got, ref) -> None:
         )
 
 
-def test_compiled_decoding_gives_eager_tokens_activations_and_steering_counts(
-    tiny_assets, eager, compiled
-):
+def test_compiled_decoding_gives_eager_tokens_activations_and_steering_counts(tiny_assets, eager, compiled):
     for i, prompt in enumerate(PROMPTS[:2]):
         kw = {"steering": steering(tiny_assets), "monitor": monitor(tiny_assets)}
         ref = eager.generate_sync(job(f"e{i}", prompt, 24, **kw))
@@ -143,9 +136,7 @@ def test_a_hook_installed_after_compilation_runs_at_every_step(tiny_assets, comp
     assert compiled.backend.capabilities().torch_compile_status["compiles"] >= graphs
 
 
-def test_steering_attached_after_compilation_counts_every_forward_pass(
-    tiny_assets, eager, compiled
-):
+def test_steering_attached_after_compilation_counts_every_forward_pass(tiny_assets, eager, compiled):
     """The engine's attach path: detach, compile without the SAE, attach it again — the
     steered request is steered at every forward pass and decodes as eager does."""
     sae = tiny_assets.saes[SAE]
@@ -174,11 +165,11 @@ def test_static_cache_gives_dynamic_cache_tokens_and_records(tiny_assets, model,
     static = _engine(tiny_assets, {"kv_cache_mode": "static"}, batch=batch, model=model)
     try:
         assert static.backend.capabilities().kv_cache_mode == "static"
-        kw = {"steering": steering(tiny_assets, sae_name=MODEL_SAE[model]),
-              "monitor": monitor(tiny_assets, sae_name=MODEL_SAE[model])}
-        refs = [
-            dynamic.generate_sync(job(f"e{i}", p, 20 + 5 * i, **kw)) for i, p in enumerate(PROMPTS)
-        ]
+        kw = {
+            "steering": steering(tiny_assets, sae_name=MODEL_SAE[model]),
+            "monitor": monitor(tiny_assets, sae_name=MODEL_SAE[model]),
+        }
+        refs = [dynamic.generate_sync(job(f"e{i}", p, 20 + 5 * i, **kw)) for i, p in enumerate(PROMPTS)]
         got: list = [None] * len(PROMPTS)
 
         def run(i: int) -> None:
@@ -206,10 +197,7 @@ def test_compiled_batch_recompiles_only_per_bucket_as_requests_join_and_leave(ti
     batched = _engine(tiny_assets, {"torch_compile": True}, attach=False, batch=2)
     try:
         lengths = [30, 12, 22, 8]
-        refs = [
-            eager.generate_sync(job(f"e{i}", PROMPTS[i % 3], n)).token_ids
-            for i, n in enumerate(lengths)
-        ]
+        refs = [eager.generate_sync(job(f"e{i}", PROMPTS[i % 3], n)).token_ids for i, n in enumerate(lengths)]
         got: list = [None] * len(lengths)
 
         def run(i: int) -> None:

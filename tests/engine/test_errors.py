@@ -23,8 +23,12 @@ PROMPT = "once upon a time"
 
 
 def greedy(rid: str, steering=None, max_tokens: int = 8) -> GenerationJob:
-    return GenerationJob(rid, prompt=PROMPT, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-                         steering=steering)
+    return GenerationJob(
+        rid,
+        prompt=PROMPT,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        steering=steering,
+    )
 
 
 @pytest.fixture
@@ -38,7 +42,9 @@ def assert_serving(engine, baseline):
 
 
 def test_wrong_d_in_is_refused(engine, baseline, tmp_path):
-    path = build_sae(tmp_path / "wide", d_in=48, d_sae=32, layer=1, layout="saelens", activation="relu", model_name="tiny-llama")
+    path = build_sae(
+        tmp_path / "wide", d_in=48, d_sae=32, layer=1, layout="saelens", activation="relu", model_name="tiny-llama"
+    )
     with pytest.raises(SAEIncompatible, match="d_in=48 does not match the model hidden size 64"):
         engine.attach(AttachSpec("wide", str(path), 1))
     assert engine.attachments() == []

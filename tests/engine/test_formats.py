@@ -27,7 +27,12 @@ from gpu_engine.sae import (
 def test_metadata_of_every_tiny_sae(tiny_assets):
     for asset in tiny_assets.saes.values():
         cfg = read_sae_metadata(asset.path)
-        assert (cfg.d_in, cfg.d_sae, cfg.activation, cfg.layout) == (asset.d_in, asset.d_sae, asset.activation, asset.layout)
+        assert (cfg.d_in, cfg.d_sae, cfg.activation, cfg.layout) == (
+            asset.d_in,
+            asset.d_sae,
+            asset.activation,
+            asset.layout,
+        )
         assert cfg.k == asset.k
         if asset.layout == "saelens":
             assert (cfg.model_name, cfg.layer, cfg.hook_name) == (asset.model_name, asset.layer, asset.hook_name)
@@ -65,13 +70,34 @@ def test_saelens_aliases_and_transposed_linear_weights(tiny_assets, tmp_path):
     raw = load_file(str(asset.path / "sae_weights.safetensors"))
     out = tmp_path / "alias"
     out.mkdir()
-    save_file({"encoder.weight": np.ascontiguousarray(raw["W_enc"].T), "encoder.bias": raw["b_enc"],
-               "decoder.weight": np.ascontiguousarray(raw["W_dec"].T), "b_dec": raw["b_dec"]},
-              str(out / "sae_weights.safetensors"))
-    (out / "sae_cfg.json").write_text(json.dumps({"activation_dim": 64, "dict_size": 256, "layer": 1,
-                                                  "model_name": "tiny-llama", "apply_b_dec_to_input": True}))
+    save_file(
+        {
+            "encoder.weight": np.ascontiguousarray(raw["W_enc"].T),
+            "encoder.bias": raw["b_enc"],
+            "decoder.weight": np.ascontiguousarray(raw["W_dec"].T),
+            "b_dec": raw["b_dec"],
+        },
+        str(out / "sae_weights.safetensors"),
+    )
+    (out / "sae_cfg.json").write_text(
+        json.dumps(
+            {
+                "activation_dim": 64,
+                "dict_size": 256,
+                "layer": 1,
+                "model_name": "tiny-llama",
+                "apply_b_dec_to_input": True,
+            }
+        )
+    )
     cfg = read_sae_metadata(out)
-    assert (cfg.d_in, cfg.d_sae, cfg.layer, cfg.activation, cfg.config_file.endswith("sae_cfg.json")) == (64, 256, 1, "relu", True)
+    assert (cfg.d_in, cfg.d_sae, cfg.layer, cfg.activation, cfg.config_file.endswith("sae_cfg.json")) == (
+        64,
+        256,
+        1,
+        "relu",
+        True,
+    )
     a, b = load_sae(out), load_sae(asset.path)
     assert torch.equal(a.W_dec, b.W_dec) and torch.equal(a.W_enc, b.W_enc)
     x = torch.randn(3, 64)
@@ -140,18 +166,34 @@ def test_inspect_model_dir_counts_without_loading(tiny_assets):
         # tied embeddings are stored once, and so are counted once
         n_params = sum(p.numel() for p in model.parameters())
         assert info.param_count == n_params
-        assert (info.architecture_class, info.num_layers, info.hidden_size) == (asset.architecture_class, asset.num_layers, asset.hidden_size)
+        assert (info.architecture_class, info.num_layers, info.hidden_size) == (
+            asset.architecture_class,
+            asset.num_layers,
+            asset.hidden_size,
+        )
         assert info.vocab_size == model.config.vocab_size
         assert info.context_length > 0 and info.supported and info.has_chat_template
         assert info.disk_size_bytes == sum(f.stat().st_size for f in asset.path.glob("*.safetensors"))
         half = inspect_model_dir(asset.path, "bfloat16")
         assert half.weights_bytes * 2 == info.weights_bytes == 4 * n_params
-        assert info.estimated_memory_bytes == info.weights_bytes + info.kv_cache_bytes_per_token * info.estimate_context_tokens
+        assert (
+            info.estimated_memory_bytes
+            == info.weights_bytes + info.kv_cache_bytes_per_token * info.estimate_context_tokens
+        )
 
 
-TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 2, "num_key_value_heads": 2, "max_position_embeddings": 64,
-        "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+TINY = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
 
 
 @pytest.mark.parametrize(
@@ -194,7 +236,9 @@ def test_block_resolver_per_architecture(config_cls, model_cls, path):
     delta = torch.linspace(-1, 1, 32)
     request = RequestHooks("r", {("s", 1): AttachmentPlan(("s", 1), delta=delta)})
     seen = {}
-    pre = module.register_forward_hook(lambda m, a, o: seen.__setitem__("raw", (o[0] if isinstance(o, tuple) else o).clone()), prepend=True)
+    pre = module.register_forward_hook(
+        lambda m, a, o: seen.__setitem__("raw", (o[0] if isinstance(o, tuple) else o).clone()), prepend=True
+    )
     post = module.register_forward_hook(lambda m, a, o: seen.__setitem__("post", o[0] if isinstance(o, tuple) else o))
     try:
         with torch.no_grad(), manager.active(BatchContext([Segment(request, 0, 5, 0)])):
@@ -222,5 +266,10 @@ def test_gemma_scope_metadata_from_its_path(tiny_assets, tmp_path):
     shutil.copy(asset.path / "params.npz", deep / "params.npz")
     cfg = read_sae_metadata(deep / "params.npz")
     assert (cfg.layout, cfg.activation, cfg.layer, cfg.model_name, cfg.hook_name) == (
-        "gemmascope", "jumprelu", 12, "gemma-2-2b", "blocks.12.hook_resid_post")
+        "gemmascope",
+        "jumprelu",
+        12,
+        "gemma-2-2b",
+        "blocks.12.hook_resid_post",
+    )
     assert not cfg.apply_b_dec_to_input and math.isclose(cfg.d_in, 64)

@@ -52,8 +52,7 @@ def test_add_rms_is_llama_rms_norm_of_the_sum_and_leaves_its_input_alone():
     want = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
     torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
     K.add_rms(ptr(h), None, ptr(w), 1e-6, 3, 96, None, ptr(out))  # no residual: the norm of h
-    torch.testing.assert_close(out, w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)),
-                               rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, w * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)), rtol=1e-6, atol=1e-6)
 
 
 def test_silu_mul_is_silu_of_the_gate_times_up():
@@ -85,15 +84,31 @@ def test_attention_writes_the_rotated_key_and_attends_like_grouped_query_attenti
     pad = torch.zeros(rows, slot + 1, dtype=torch.bool)
     pad[1, :2] = True
     scores, out = torch.empty(rows * heads * (slot + 1)), torch.empty(rows, heads * hd)
-    K.attention(ptr(qkv), ptr(cos), ptr(signed), ptr(positions), ptr(k_buf), ptr(v_buf), slots, slot, ptr(pad),
-                rows, heads, kv, hd, 0.25, ptr(scores), ptr(out))
+    K.attention(
+        ptr(qkv),
+        ptr(cos),
+        ptr(signed),
+        ptr(positions),
+        ptr(k_buf),
+        ptr(v_buf),
+        slots,
+        slot,
+        ptr(pad),
+        rows,
+        heads,
+        kv,
+        hd,
+        0.25,
+        ptr(scores),
+        ptr(out),
+    )
 
     def rotate(x, p):  # HF's apply_rotary_pos_emb for one position
         return x * cos[p] + torch.cat((-x[..., half:], x[..., :half]), -1) * sin[p]
 
-    q = qkv[:, :heads * hd].view(rows, heads, hd)
-    k = qkv[:, heads * hd:(heads + kv) * hd].view(rows, kv, hd)
-    v = qkv[:, (heads + kv) * hd:].view(rows, kv, hd)
+    q = qkv[:, : heads * hd].view(rows, heads, hd)
+    k = qkv[:, heads * hd : (heads + kv) * hd].view(rows, kv, hd)
+    v = qkv[:, (heads + kv) * hd :].view(rows, kv, hd)
     for r in range(rows):
         p = int(positions[r])
         want_k, want_v = k_before.clone(), v_before.clone()
@@ -101,8 +116,8 @@ def test_attention_writes_the_rotated_key_and_attends_like_grouped_query_attenti
         want_v[r, :, slot] = v[r]
         torch.testing.assert_close(k_buf[r], want_k[r], rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(v_buf[r], want_v[r], rtol=0, atol=0, equal_nan=True)
-        keys = want_k[r, :, :slot + 1].repeat_interleave(heads // kv, dim=0)  # (heads, end, hd)
-        values = want_v[r, :, :slot + 1].repeat_interleave(heads // kv, dim=0)
+        keys = want_k[r, :, : slot + 1].repeat_interleave(heads // kv, dim=0)  # (heads, end, hd)
+        values = want_v[r, :, : slot + 1].repeat_interleave(heads // kv, dim=0)
         values = values.masked_fill(pad[r][None, :, None], 0.0)  # weight 0: never read
         logits = (rotate(q[r], p)[:, None, :] * keys).sum(-1) * 0.25  # (heads, end)
         logits = logits.masked_fill(pad[r], float("-inf"))
@@ -145,16 +160,23 @@ def spy_fused(monkeypatch) -> list[int]:
 
 
 def job(rid: str, prompt: str, *, steering=None, monitor=None) -> GenerationJob:
-    return GenerationJob(rid, prompt=prompt, steering=steering, monitor=monitor,
-                         sampling=SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True,
-                                                 logprobs=True))
+    return GenerationJob(
+        rid,
+        prompt=prompt,
+        steering=steering,
+        monitor=monitor,
+        sampling=SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=True),
+    )
 
 
-@pytest.mark.parametrize("weights", [{"pack_cpu_weights": False}, {"pack_cpu_weights": True},
-                                     {"pack_cpu_weights": False, "quantization": "Q8"}],
-                         ids=["plain", "onednn-packed", "q8"])
-def test_decoding_through_the_kernels_equals_the_pytorch_step_and_model_forward(tmp_path, tiny_assets,
-                                                                                monkeypatch, weights):
+@pytest.mark.parametrize(
+    "weights",
+    [{"pack_cpu_weights": False}, {"pack_cpu_weights": True}, {"pack_cpu_weights": False, "quantization": "Q8"}],
+    ids=["plain", "onednn-packed", "q8"],
+)
+def test_decoding_through_the_kernels_equals_the_pytorch_step_and_model_forward(
+    tmp_path, tiny_assets, monkeypatch, weights
+):
     """Steered and monitored at a block's output, the kernels give the tokens, logprobs,
     activations and steering counts of the lean step's PyTorch calls and of
     model.forward, whatever the products are: plain weights concatenated (one product for
@@ -164,15 +186,16 @@ def test_decoding_through_the_kernels_equals_the_pytorch_step_and_model_forward(
     monitor = MonitorSpec([MonitorEntry("s", layer, top_k=5, features=[0, 3, 17], positions="all")])
     rows = spy_fused(monkeypatch)
     out = {}
-    for name, options in (("fused", {}), ("torch", {"fused_cpu_kernels": False}),
-                          ("forward", {"lean_decode": False})):
+    for name, options in (("fused", {}), ("torch", {"fused_cpu_kernels": False}), ("forward", {"lean_decode": False})):
         with load(tiny_assets, **weights, **options) as eng:
             caps = eng.backend.capabilities()
             assert caps.fused_cpu_kernels is (name == "fused")
             eng.attach(AttachSpec("s", str(sae_dir), layer))
             before = len(rows)
-            out[name] = (eng.generate_sync(job("st", "the cat sat on", steering=steering, monitor=monitor)),
-                         eng.generate_sync(job("plain", "the cat sat on")))
+            out[name] = (
+                eng.generate_sync(job("st", "the cat sat on", steering=steering, monitor=monitor)),
+                eng.generate_sync(job("plain", "the cat sat on")),
+            )
             assert len(rows) - before == (2 * (TOKENS - 1) if name == "fused" else 0)
     fused, plain = out["fused"]
     assert fused.token_ids != plain.token_ids  # the steer did something
@@ -189,13 +212,17 @@ def test_decoding_through_the_kernels_equals_the_pytorch_step_and_model_forward(
 
 
 def test_a_batch_of_different_lengths_and_steerings_decodes_through_the_kernels_as_each_solo(
-        tmp_path, tiny_assets, monkeypatch):
+    tmp_path, tiny_assets, monkeypatch
+):
     """Rows of different prompt lengths (left padding masked) and different steering,
     batched through the kernels, equal each request decoded alone by model.forward."""
     sae_dir, _, layer = sae_at(tmp_path, tiny_assets, "resid_post")
     prompts = ["the cat", "a very long prompt about the cat that sat on the mat", "one two three"]
-    steerings = [SteeringSpec.from_mapping({("s", layer): {3: 8.0}}), None,
-                 SteeringSpec.from_mapping({("s", layer): {17: -6.0}})]
+    steerings = [
+        SteeringSpec.from_mapping({("s", layer): {3: 8.0}}),
+        None,
+        SteeringSpec.from_mapping({("s", layer): {17: -6.0}}),
+    ]
     with load(tiny_assets, lean_decode=False) as solo:
         solo.attach(AttachSpec("s", str(sae_dir), layer))
         want = [solo.generate_sync(job(f"s{i}", p, steering=s)) for i, (p, s) in enumerate(zip(prompts, steerings))]
@@ -225,8 +252,14 @@ def test_the_setting_turns_them_off_and_true_refuses_a_machine_that_cannot_build
             assert "could not be built" in caps.fused_cpu_kernels_reason
             assert len(eng.generate_sync(job("g", "the cat")).token_ids) == TOKENS
         with Engine() as eng, pytest.raises(EngineError) as err:
-            eng.load_model(LoadModelJob("tiny-llama", str(tiny_assets.models["tiny-llama"].path), device="cpu",
-                                        options={"fused_cpu_kernels": True}))
+            eng.load_model(
+                LoadModelJob(
+                    "tiny-llama",
+                    str(tiny_assets.models["tiny-llama"].path),
+                    device="cpu",
+                    options={"fused_cpu_kernels": True},
+                )
+            )
         assert err.value.code == "invalid_parameter" and "could not be built" in str(err.value)
         assert eng.status().state == "empty"  # nothing half-loaded
     finally:

@@ -37,14 +37,22 @@ def test_greedy_equals_hf_generate(engine):
     out = engine.generate_sync(GenerationJob("g", prompt=PROMPT, sampling=sp(max_tokens=16)))
     with torch.inference_mode():
         ref = backend.model.generate(
-            torch.tensor([ids]), max_new_tokens=16, do_sample=False, min_new_tokens=16,
+            torch.tensor([ids]),
+            max_new_tokens=16,
+            do_sample=False,
+            min_new_tokens=16,
             pad_token_id=backend.tokenizer.pad_token_id,
-        )[0, len(ids):].tolist()
+        )[0, len(ids) :].tolist()
     assert out.token_ids == ref
     assert out.finish_reason == "length"
-    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (len(ids), 16, len(ids) + 16)
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens, out.usage.total_tokens) == (
+        len(ids),
+        16,
+        len(ids) + 16,
+    )
     assert out.text == backend.tokenizer.decode(ref, skip_special_tokens=True) or out.text.endswith(
-        backend.tokenizer.decode(ref, skip_special_tokens=True).strip())
+        backend.tokenizer.decode(ref, skip_special_tokens=True).strip()
+    )
 
 
 def test_stop_sequence_cuts_text_and_stops_generation_early(engine):
@@ -56,15 +64,20 @@ def test_stop_sequence_cuts_text_and_stops_generation_early(engine):
     assert stop.strip(), "baseline text too uniform to pick a stop sequence"
     first = text.find(stop)
     with count_forwards(engine.backend.model) as n:
-        out = engine.generate_sync(GenerationJob("s", prompt=PROMPT, sampling=sp(max_tokens=30, stop=[stop, "\x00never"])))
+        out = engine.generate_sync(
+            GenerationJob("s", prompt=PROMPT, sampling=sp(max_tokens=30, stop=[stop, "\x00never"]))
+        )
     assert out.finish_reason == "stop"
     assert out.text == text[:first]
     assert stop not in out.text
     assert n[0] == out.forward_passes == len(out.token_ids) < 30
     assert out.token_ids == base.token_ids[: len(out.token_ids)]
     # streamed deltas add up to the same text and never leak the stop sequence
-    deltas = "".join(e.text for e in engine.generate(GenerationJob("s2", prompt=PROMPT, sampling=sp(max_tokens=30, stop=[stop])))
-                     if isinstance(e, TokenEvent))
+    deltas = "".join(
+        e.text
+        for e in engine.generate(GenerationJob("s2", prompt=PROMPT, sampling=sp(max_tokens=30, stop=[stop])))
+        if isinstance(e, TokenEvent)
+    )
     assert deltas == out.text
 
 
@@ -79,8 +92,16 @@ def test_eos_finishes_with_stop(engine):
 
 
 def test_seeded_sampling_is_reproducible_and_streaming_equals_non_streaming(engine):
-    params = {"max_tokens": 20, "temperature": 1.3, "top_p": 0.9, "top_k": 50, "seed": 1234,
-              "repetition_penalty": 1.1, "presence_penalty": 0.3, "frequency_penalty": 0.2}
+    params = {
+        "max_tokens": 20,
+        "temperature": 1.3,
+        "top_p": 0.9,
+        "top_k": 50,
+        "seed": 1234,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.3,
+        "frequency_penalty": 0.2,
+    }
     a = engine.generate_sync(GenerationJob("a", prompt=PROMPT, sampling=sp(**params)))
     events = list(engine.generate(GenerationJob("b", prompt=PROMPT, sampling=sp(**params))))
     b = GenerationResult.from_events(events)
@@ -114,7 +135,8 @@ def test_delivered_events_equal_the_iterated_ones(engine):
     assert done.wait(30)
     assert [type(e) for e in got] == [type(e) for e in iterated]
     assert [(e.token_id, e.text) for e in got if isinstance(e, TokenEvent)] == [
-        (e.token_id, e.text) for e in iterated if isinstance(e, TokenEvent)]
+        (e.token_id, e.text) for e in iterated if isinstance(e, TokenEvent)
+    ]
     assert got[-1].text == iterated[-1].text and got[-1].token_ids == iterated[-1].token_ids
 
 
@@ -124,15 +146,11 @@ def test_token_texts_come_from_the_engine_when_asked(engine, tiny_assets):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(tiny_assets.models["tiny-llama"].path / "tokenizer.json"))
-    events = list(engine.generate(GenerationJob("t", prompt=PROMPT,
-                                                sampling=sp(max_tokens=5, token_texts=True))))
+    events = list(engine.generate(GenerationJob("t", prompt=PROMPT, sampling=sp(max_tokens=5, token_texts=True))))
     finish = events[-1]
-    assert events[0].prompt_text == finish.prompt_text == tok.decode(
-        finish.prompt_token_ids, skip_special_tokens=False)
-    assert finish.prompt_tokens == [tok.decode([t], skip_special_tokens=False)
-                                    for t in finish.prompt_token_ids]
-    assert finish.tokens == [tok.decode([t], skip_special_tokens=False)
-                             for t in finish.token_ids]
+    assert events[0].prompt_text == finish.prompt_text == tok.decode(finish.prompt_token_ids, skip_special_tokens=False)
+    assert finish.prompt_tokens == [tok.decode([t], skip_special_tokens=False) for t in finish.prompt_token_ids]
+    assert finish.tokens == [tok.decode([t], skip_special_tokens=False) for t in finish.token_ids]
     plain = engine.generate_sync(GenerationJob("p", prompt=PROMPT, sampling=sp(max_tokens=5)))
     assert plain.token_ids == finish.token_ids  # asking for texts changes no token
 
@@ -189,8 +207,9 @@ def test_token_id_prompts_are_validated(engine):
 def test_chat_messages_use_the_chat_template(engine):
     tok = engine.backend.tokenizer
     messages = [{"role": "user", "content": "hello there"}]
-    expected = tok(tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                   add_special_tokens=False)["input_ids"]
+    expected = tok(
+        tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    )["input_ids"]
     out = engine.generate_sync(GenerationJob("m", messages=messages, sampling=sp(max_tokens=3)))
     by_ids = engine.generate_sync(GenerationJob("i", prompt_token_ids=expected, sampling=sp(max_tokens=3)))
     assert out.usage.prompt_tokens == len(expected)
@@ -213,12 +232,13 @@ def test_logit_bias_is_added_to_the_logits_before_the_greedy_choice(engine):
     ref = list(ids)
     for _ in range(8):
         ref.append(int(torch.argmax(_own_logits(engine, ref)[-1] + dense)))
-    assert out.token_ids == ref[len(ids):]
+    assert out.token_ids == ref[len(ids) :]
     assert out.token_ids != plain.token_ids and out.token_ids[0] == top2[1]
     vocab = engine.backend.vocab_size
     with pytest.raises(InvalidParameter) as err:
-        engine.generate_sync(GenerationJob("v", prompt_token_ids=ids,
-                                           sampling=sp(max_tokens=2, logit_bias={vocab: 1.0})))
+        engine.generate_sync(
+            GenerationJob("v", prompt_token_ids=ids, sampling=sp(max_tokens=2, logit_bias={vocab: 1.0}))
+        )
     assert err.value.param == "logit_bias" and err.value.details["vocab_size"] == vocab
 
 
@@ -229,8 +249,11 @@ def _own_logits(engine, ids):
 
 def test_logprobs_match_the_models_distribution(engine):
     ids = engine.backend.encode_text(PROMPT)
-    out = engine.generate_sync(GenerationJob("l", prompt_token_ids=ids, sampling=sp(max_tokens=5, logprobs=True,
-                                                                                    top_logprobs=3, prompt_logprobs=True)))
+    out = engine.generate_sync(
+        GenerationJob(
+            "l", prompt_token_ids=ids, sampling=sp(max_tokens=5, logprobs=True, top_logprobs=3, prompt_logprobs=True)
+        )
+    )
     lsm = torch.log_softmax(_own_logits(engine, ids + out.token_ids), dim=-1).numpy()
     for i, (tok, lp) in enumerate(zip(out.token_ids, out.logprobs)):
         row = lsm[len(ids) - 1 + i]
@@ -240,7 +263,9 @@ def test_logprobs_match_the_models_distribution(engine):
         assert [e.token_id for e in lp.top_logprobs] == top.tolist()
         np.testing.assert_allclose([e.logprob for e in lp.top_logprobs], row[top], atol=LOGPROB_ATOL)
     assert out.prompt_logprobs[0] is None
-    np.testing.assert_allclose(out.prompt_logprobs[1:], [lsm[j - 1][ids[j]] for j in range(1, len(ids))], atol=LOGPROB_ATOL)
+    np.testing.assert_allclose(
+        out.prompt_logprobs[1:], [lsm[j - 1][ids[j]] for j in range(1, len(ids))], atol=LOGPROB_ATOL
+    )
 
 
 def test_prompt_alternatives_are_the_prefills_top_k(engine):
@@ -248,14 +273,19 @@ def test_prompt_alternatives_are_the_prefills_top_k(engine):
     plain forward's log_softmax."""
     ids = engine.backend.encode_text(PROMPT)
     with count_forwards(engine.backend.model) as n:
-        out = engine.generate_sync(GenerationJob("p", prompt_token_ids=ids, sampling=sp(
-            max_tokens=1, prompt_logprobs=True, prompt_top_logprobs=4)))
+        out = engine.generate_sync(
+            GenerationJob(
+                "p", prompt_token_ids=ids, sampling=sp(max_tokens=1, prompt_logprobs=True, prompt_top_logprobs=4)
+            )
+        )
     assert n[0] == out.forward_passes == 1  # one forward, whatever the prompt's length
     assert_prompt_alternatives(out, prompt_log_softmax(engine, ids), ids, 4, LOGPROB_ATOL)
     assert out.prompt_top_logprobs[1][0].token == engine.backend.tokenizer.decode(
-        [out.prompt_top_logprobs[1][0].token_id])
-    plain = engine.generate_sync(GenerationJob("q", prompt_token_ids=ids, sampling=sp(
-        max_tokens=1, prompt_logprobs=True)))
+        [out.prompt_top_logprobs[1][0].token_id]
+    )
+    plain = engine.generate_sync(
+        GenerationJob("q", prompt_token_ids=ids, sampling=sp(max_tokens=1, prompt_logprobs=True))
+    )
     assert plain.prompt_top_logprobs is None and plain.prompt_logprobs == out.prompt_logprobs
     with pytest.raises(InvalidParameter) as err:
         sp(max_tokens=1, prompt_top_logprobs=2)
@@ -294,8 +324,14 @@ def test_embeddings_and_scores_are_never_steered(engine, tiny_assets):
     before_s = engine.score(ScoreJob("s", prompt=PROMPT, top_k=3)).top
     engine.attach(AttachSpec(asset.name, str(asset.path), 1))
     # a steered generation runs concurrently with the embedding/score requests
-    steered = engine.generate(GenerationJob("g", prompt=PROMPT, sampling=sp(max_tokens=20),
-                                            steering=SteeringSpec.from_mapping({(asset.name, 1): {3: 50.0}})))
+    steered = engine.generate(
+        GenerationJob(
+            "g",
+            prompt=PROMPT,
+            sampling=sp(max_tokens=20),
+            steering=SteeringSpec.from_mapping({(asset.name, 1): {3: 50.0}}),
+        )
+    )
     assert engine.embed(EmbedJob("e", [PROMPT])).embeddings == before_e
     assert engine.score(ScoreJob("s", prompt=PROMPT, top_k=3)).top == before_s
     steered.result(timeout_s=60)

@@ -52,8 +52,13 @@ EXPECTED = {
 
 
 def greedy(rid: str, steering=None, monitor=None, max_tokens: int = 8) -> GenerationJob:
-    return GenerationJob(rid, prompt=PROMPT, steering=steering, monitor=monitor,
-                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return GenerationJob(
+        rid,
+        prompt=PROMPT,
+        steering=steering,
+        monitor=monitor,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
 
 
 def sae_at(tmp_path, tiny_assets, case: str, *, source: str = "tiny-llama-L1-relu", name: str | None = None):
@@ -128,8 +133,9 @@ def test_monitoring_reads_the_hook_points_module(engine, tiny_assets, tmp_path, 
     _, _, _, module_path, reads_input = EXPECTED[case]
     engine.attach(AttachSpec("hp", str(path), layer))
     module = engine.backend.model.get_submodule(module_path)
-    monitor = MonitorSpec([MonitorEntry("hp", layer, top_k=5, features=REQUESTED, read_point="pre_steering",
-                                        positions="all")])
+    monitor = MonitorSpec(
+        [MonitorEntry("hp", layer, top_k=5, features=REQUESTED, read_point="pre_steering", positions="all")]
+    )
     late = engine.backend.model.get_submodule(f"model.layers.{layer}")
     if reads_input:
         seen, handle = _capture_input(module)
@@ -169,8 +175,9 @@ def test_two_saes_on_one_module_both_apply(engine, tiny_assets, tmp_path):
         np.testing.assert_allclose(p, r + ref1.delta(FEATURES) + ref2.delta(f2), atol=HOOK_ATOL, rtol=HOOK_RTOL)
 
 
-def test_a_transcoder_is_refused_on_sandwich_norm_blocks_before_anything_is_installed(engine_factory, tiny_assets,
-                                                                                      tmp_path):
+def test_a_transcoder_is_refused_on_sandwich_norm_blocks_before_anything_is_installed(
+    engine_factory, tiny_assets, tmp_path
+):
     eng = engine_factory("tiny-gemma2")
     path, _, layer = sae_at(tmp_path, tiny_assets, "mlp_transcoder", source="tiny-gemma2-L1-jumprelu")
     with pytest.raises(SAEIncompatible, match="post-feedforward norm") as err:

@@ -33,9 +33,13 @@ TOKENS = 16
 
 
 def job(rid: str, *, steering=None, monitor=None, logprobs: bool = False) -> GenerationJob:
-    return GenerationJob(rid, prompt=PROMPT, steering=steering, monitor=monitor,
-                         sampling=SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True,
-                                                 logprobs=logprobs))
+    return GenerationJob(
+        rid,
+        prompt=PROMPT,
+        steering=steering,
+        monitor=monitor,
+        sampling=SamplingParams(max_tokens=TOKENS, temperature=0.0, ignore_eos=True, logprobs=logprobs),
+    )
 
 
 def load(model: str, tiny_assets, **options) -> Engine:
@@ -74,7 +78,8 @@ def test_lean_decoding_equals_an_independent_transformers_decode(tiny_assets, mo
         qkv, gate_up = eng.backend.lean.fused[1]
         assert qkv is not None and gate_up is not None
         assert {p.untyped_storage().data_ptr() for p in (attn.q_proj.weight, attn.v_proj.weight)} == {
-            qkv[0].keywords["weight"].untyped_storage().data_ptr()}
+            qkv[0].keywords["weight"].untyped_storage().data_ptr()
+        }
         calls = spy_steps(eng, monkeypatch)
         out = eng.generate_sync(job("g", logprobs=True))
         prompt = eng.backend.encode_text(PROMPT)
@@ -94,8 +99,7 @@ def test_lean_decoding_equals_an_independent_transformers_decode(tiny_assets, mo
 
 
 @pytest.mark.parametrize("case", ["resid_post", "resid_pre_0", "attn_out", "mlp_out", "mlp_transcoder"])
-def test_steering_and_monitoring_equal_model_forward_at_every_hook_point(tmp_path, tiny_assets, monkeypatch,
-                                                                         case):
+def test_steering_and_monitoring_equal_model_forward_at_every_hook_point(tmp_path, tiny_assets, monkeypatch, case):
     """Steered and monitored, the lean step gives model.forward's tokens, activations and
     steering counts; the steer changes the tokens (positive control)."""
     sae_dir, _, layer = sae_at(tmp_path, tiny_assets, case)
@@ -106,8 +110,10 @@ def test_steering_and_monitoring_equal_model_forward_at_every_hook_point(tmp_pat
         with load("tiny-llama", tiny_assets, lean_decode=lean) as eng:
             eng.attach(AttachSpec("s", str(sae_dir), layer))
             calls = spy_steps(eng, monkeypatch) if lean else []
-            results[lean] = (eng.generate_sync(job("st", steering=steering, monitor=monitor)),
-                             eng.generate_sync(job("plain")))
+            results[lean] = (
+                eng.generate_sync(job("st", steering=steering, monitor=monitor)),
+                eng.generate_sync(job("plain")),
+            )
             assert len(calls) == (2 * (TOKENS - 1) if lean else 0)  # both requests
     (lean_out, lean_plain), (ref_out, ref_plain) = results[True], results[False]
     assert lean_out.token_ids == ref_out.token_ids
@@ -156,8 +162,9 @@ def test_other_architectures_keep_model_forward_and_say_why(tiny_assets, model):
 
 
 @pytest.mark.parametrize("packed_faster, kernels", [(True, "onednn_packed"), (False, "default")])
-def test_auto_packing_follows_the_one_row_probe_and_a_batching_engine_packs(tiny_assets, monkeypatch,
-                                                                            packed_faster, kernels):
+def test_auto_packing_follows_the_one_row_probe_and_a_batching_engine_packs(
+    tiny_assets, monkeypatch, packed_faster, kernels
+):
     """MILLM_ENGINE_PACK_WEIGHTS=auto (no option): a serial engine keeps what the probe
     timed faster; a batching engine packs whatever the probe said; both decode alike."""
     probe = {"packed_ms": 1.0, "default_ms": 2.0} if packed_faster else {"packed_ms": 2.0, "default_ms": 1.0}
@@ -173,16 +180,17 @@ def test_auto_packing_follows_the_one_row_probe_and_a_batching_engine_packs(tiny
         assert packed is packed_faster
         assert batching.status().kernels == "onednn_packed"
         # packed: q/k/v and gate/up each one packed group, whose product the step calls
-        assert all(qkv is not None and gate_up is not None and qkv[0].__self__ is not gate_up[0].__self__
-                   for qkv, gate_up in batching.backend.lean.fused)
+        assert all(
+            qkv is not None and gate_up is not None and qkv[0].__self__ is not gate_up[0].__self__
+            for qkv, gate_up in batching.backend.lean.fused
+        )
         assert not any(type(m) is torch.nn.Linear for m in batching.backend.model.modules())
         assert serial.generate_sync(job("s")).token_ids == batching.generate_sync(job("b")).token_ids
         packed_later = batching.status().weights
     with Engine() as packed_at_load:
         # packed later or at load, the status reports the same weights (a tied head's
         # packed copy included)
-        packed_at_load.load_model(LoadModelJob("m", str(asset.path), device="cpu",
-                                               options={"pack_cpu_weights": True}))
+        packed_at_load.load_model(LoadModelJob("m", str(asset.path), device="cpu", options={"pack_cpu_weights": True}))
         assert packed_later == packed_at_load.status().weights
 
 

@@ -87,9 +87,7 @@ def greedy(rid: str, ids: list[int], *, steering=None, monitor=None, n: int = 10
         prompt_token_ids=ids,
         steering=steering,
         monitor=monitor,
-        sampling=SamplingParams(
-            max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5
-        ),
+        sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=5),
     )
 
 
@@ -120,9 +118,9 @@ def test_tokenizer_and_chat_template_match_the_checkpoints(both):
             text, add_special_tokens=False
         )
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-    assert gg.backend.encode_messages(
+    assert gg.backend.encode_messages(messages, add_generation_prompt=True) == hf.backend.encode_messages(
         messages, add_generation_prompt=True
-    ) == hf.backend.encode_messages(messages, add_generation_prompt=True)
+    )
     ids = hf.backend.encode_text(PROMPTS[0])
     assert [gg.backend.token_text(t) for t in ids] == [hf.backend.token_text(t) for t in ids]
     assert gg.backend.eos_token_ids >= {2}
@@ -168,9 +166,7 @@ def test_text_stops_seeds_and_usage(both):
         job = GenerationJob(
             "s2",
             prompt=PROMPTS[1],
-            sampling=SamplingParams(
-                max_tokens=12, temperature=0.9, seed=7, ignore_eos=True, stop=[stop]
-            ),
+            sampling=SamplingParams(max_tokens=12, temperature=0.9, seed=7, ignore_eos=True, stop=[stop]),
         )
         got, want = gg.generate_sync(job), hf.generate_sync(job)
         assert got.text == want.text and got.finish_reason == want.finish_reason == "stop"
@@ -183,9 +179,7 @@ def test_text_stops_seeds_and_usage(both):
         ("tiny-llama-L1-relu", {3: 6.0}),  # layer 1: the first layer a control vector reaches
     ],
 )
-def test_control_vector_steering_equals_a_hook_adding_the_same_delta(
-    both, tiny_assets, sae_name, features
-):
+def test_control_vector_steering_equals_a_hook_adding_the_same_delta(both, tiny_assets, sae_name, features):
     hf, gg, _ = both
     asset = tiny_assets.saes[sae_name]
     model = tiny_assets.models["tiny-llama"]
@@ -194,19 +188,13 @@ def test_control_vector_steering_equals_a_hook_adding_the_same_delta(
         want = hf.generate_sync(greedy("ref", ids))
     plain = hf.generate_sync(greedy("plain", ids))
     assert (
-        want.token_ids != plain.token_ids
-        or np.abs(logprob_matrix(want)[1] - logprob_matrix(plain)[1]).max() > 0.05
+        want.token_ids != plain.token_ids or np.abs(logprob_matrix(want)[1] - logprob_matrix(plain)[1]).max() > 0.05
     )  # the steer does something
     gg.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
     before = dict(gg.backend.steering_forwards)
-    got = gg.generate_sync(
-        greedy("gg", ids, steering=SteeringSpec.from_mapping({(asset.name, asset.layer): features}))
-    )
+    got = gg.generate_sync(greedy("gg", ids, steering=SteeringSpec.from_mapping({(asset.name, asset.layer): features})))
     assert_same_generation(got, want)
-    assert (
-        gg.backend.steering_forwards["control_vector"] - before["control_vector"]
-        == got.forward_passes
-    )
+    assert gg.backend.steering_forwards["control_vector"] - before["control_vector"] == got.forward_passes
     assert gg.backend.steering_forwards["eval_callback"] == before["eval_callback"]
     assert [(c.sae_id, c.layer, c.count) for c in got.steering_apply_count] == [
         (asset.name, asset.layer, got.forward_passes)
@@ -227,14 +215,9 @@ def test_layer_zero_steering_goes_through_the_eval_callback(both, tiny_assets):
     with add_delta(block(hf, model, 0), RefSAE(asset).delta(features)):
         want = hf.generate_sync(greedy("ref", ids))
     before = dict(gg.backend.steering_forwards)
-    got = gg.generate_sync(
-        greedy("gg", ids, steering=SteeringSpec.from_mapping({(asset.name, 0): features}))
-    )
+    got = gg.generate_sync(greedy("gg", ids, steering=SteeringSpec.from_mapping({(asset.name, 0): features})))
     assert_same_generation(got, want)
-    assert (
-        gg.backend.steering_forwards["eval_callback"] - before["eval_callback"]
-        == got.forward_passes
-    )
+    assert gg.backend.steering_forwards["eval_callback"] - before["eval_callback"] == got.forward_passes
 
 
 def test_steering_controls_are_refused_before_anything_runs(both, tiny_assets):
@@ -254,9 +237,7 @@ def test_steering_controls_are_refused_before_anything_runs(both, tiny_assets):
 
 
 @pytest.mark.parametrize("read_point", ["pre_steering", "post_steering"])
-@pytest.mark.parametrize(
-    "sae_name", ["tiny-llama-L2-topk", "tiny-llama-L3-relu"]
-)  # L3: the last layer
+@pytest.mark.parametrize("sae_name", ["tiny-llama-L2-topk", "tiny-llama-L3-relu"])  # L3: the last layer
 def test_monitoring_equals_the_transformers_backend(both, tiny_assets, sae_name, read_point):
     hf, gg, gb = both
     asset = tiny_assets.saes[sae_name]
@@ -321,28 +302,20 @@ def test_mixed_steering_in_one_batch_equals_the_solo_runs(both, tiny_assets):
             n=12,
             steering=SteeringSpec.from_mapping({(l1.name, 1): {3: 5.0}, (l2.name, 2): {9: 2.0}}),
         ),
-        greedy(
-            "l2-again", ids[1], n=12, steering=SteeringSpec.from_mapping({(l2.name, 2): {5: 4.0}})
-        ),
+        greedy("l2-again", ids[1], n=12, steering=SteeringSpec.from_mapping({(l2.name, 2): {5: 4.0}})),
     ]
     solo = [gb.generate_sync(j) for j in jobs]
     before = dict(gb.backend.steering_forwards)
     streams = [gb.generate(j) for j in jobs]
     mixed = [s.result(60) for s in streams]
-    assert (
-        gb.backend.steering_forwards["eval_callback"] > before["eval_callback"]
-    )  # rows steered differently
+    assert gb.backend.steering_forwards["eval_callback"] > before["eval_callback"]  # rows steered differently
     for got, want in zip(mixed, solo):
         assert_same_generation(got, want, atol=2e-5)
-        assert [c.count for c in got.steering_apply_count] == [got.forward_passes] * len(
-            got.steering_apply_count
-        )
+        assert [c.count for c in got.steering_apply_count] == [got.forward_passes] * len(got.steering_apply_count)
         for g, w in zip(got.activations, want.activations):
             assert g.position == w.position
             assert [f.feature_index for f in g.top_k] == [f.feature_index for f in w.top_k]
-            np.testing.assert_allclose(
-                [f.activation for f in g.top_k], [f.activation for f in w.top_k], atol=2e-5
-            )
+            np.testing.assert_allclose([f.activation for f in g.top_k], [f.activation for f in w.top_k], atol=2e-5)
     # and the steered solo runs are the transformers backend's
     hf.attach(AttachSpec(l2.name, str(l2.path), 2))
     try:
@@ -359,9 +332,7 @@ def test_embeddings_and_scores_equal_the_transformers_backend(both):
     job = ScoreJob("s", prompt=PROMPTS[0], top_k=5, prompt_logprobs=True)
     got, want = gg.score(job), hf.score(job)
     assert [e.token_id for e in got.top] == [e.token_id for e in want.top]
-    np.testing.assert_allclose(
-        [e.logprob for e in got.top], [e.logprob for e in want.top], atol=LOGPROB_ATOL
-    )
+    np.testing.assert_allclose([e.logprob for e in got.top], [e.logprob for e in want.top], atol=LOGPROB_ATOL)
     np.testing.assert_allclose(got.prompt_logprobs[1:], want.prompt_logprobs[1:], atol=LOGPROB_ATOL)
 
 
@@ -377,9 +348,7 @@ def test_prompt_logprobs_in_generation(both):
     for eng in (gg, gb):
         got = eng.generate_sync(job)
         assert got.prompt_logprobs[0] is None
-        np.testing.assert_allclose(
-            got.prompt_logprobs[1:], want.prompt_logprobs[1:], atol=LOGPROB_ATOL
-        )
+        np.testing.assert_allclose(got.prompt_logprobs[1:], want.prompt_logprobs[1:], atol=LOGPROB_ATOL)
 
 
 def test_prompt_alternatives_are_the_steered_prefills(both, tiny_assets):
@@ -392,21 +361,15 @@ def test_prompt_alternatives_are_the_steered_prefills(both, tiny_assets):
     features = {5: 4.0, 9: -2.0}
     ids = prompt_ids(hf, PROMPTS[0])
     plain_ref = prompt_log_softmax(hf, ids)
-    steered_ref = prompt_log_softmax(
-        hf, ids, steer=(block(hf, model, asset.layer), RefSAE(asset).delta(features))
-    )
+    steered_ref = prompt_log_softmax(hf, ids, steer=(block(hf, model, asset.layer), RefSAE(asset).delta(features)))
     assert np.abs(steered_ref[:-1] - plain_ref[:-1]).max() > 0.05  # the steer moves them
-    sampling = SamplingParams(
-        max_tokens=2, temperature=0.0, prompt_logprobs=True, prompt_top_logprobs=3
-    )
+    sampling = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=True, prompt_top_logprobs=3)
     steering = SteeringSpec.from_mapping({(asset.name, asset.layer): features})
     for eng in (gg, gb):
         eng.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
         plain = eng.generate_sync(GenerationJob("p", prompt_token_ids=ids, sampling=sampling))
         assert_prompt_alternatives(plain, plain_ref, ids, 3, LOGPROB_ATOL)
-        got = eng.generate_sync(
-            GenerationJob("s", prompt_token_ids=ids, sampling=sampling, steering=steering)
-        )
+        got = eng.generate_sync(GenerationJob("s", prompt_token_ids=ids, sampling=sampling, steering=steering))
         assert_prompt_alternatives(got, steered_ref, ids, 3, LOGPROB_ATOL)
 
 
@@ -423,9 +386,7 @@ def test_load_options_do_what_the_configuration_says(tiny_gguf):
         assert status.batching["capabilities"]["steering_mode"] == "eval_callback_per_row"
         eng.load_model(gguf_job(tiny_gguf, kv_cache_type="q8_0", flash_attention=True))
         out = eng.generate_sync(
-            GenerationJob(
-                "q", prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=4, ignore_eos=True)
-            )
+            GenerationJob("q", prompt=PROMPTS[0], sampling=SamplingParams(max_tokens=4, ignore_eos=True))
         )
         assert out.usage.completion_tokens == 4  # a sampled EOS would end it early
         eng.load_model(gguf_job(tiny_gguf, enable_embeddings=False))

@@ -61,16 +61,12 @@ def job(
         prompt=prompt,
         capture=capture,
         steering=steering,
-        sampling=SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True
-        ),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=True),
     )
 
 
 def close(a, b) -> bool:
-    return a.shape == b.shape and np.allclose(
-        a, b, atol=LLAMACPP_CAPTURE_ATOL, rtol=LLAMACPP_CAPTURE_RTOL
-    )
+    return a.shape == b.shape and np.allclose(a, b, atol=LLAMACPP_CAPTURE_ATOL, rtol=LLAMACPP_CAPTURE_RTOL)
 
 
 def interleaved(x: np.ndarray) -> np.ndarray:
@@ -121,7 +117,8 @@ def test_capture_equals_reference_and_changes_no_token(gguf, reference, which, p
     asset, model = reference("tiny-llama")
     layers = list(range(asset.num_layers))
     out, cap, pos = captured_beside_plain(
-        eng, job("plain"), job("cap", CaptureSpec(layers=layers, positions=positions)), positions)
+        eng, job("plain"), job("cap", CaptureSpec(layers=layers, positions=positions)), positions
+    )
     n_prompt = out.usage.prompt_tokens
     full = cap.meta["prompt_token_ids"] + out.token_ids
     assert cap.meta["backend"] == "llamacpp" and cap.meta["layers"] == layers
@@ -141,9 +138,7 @@ def test_qk_capture_equals_the_rotary_reference(gguf, reference, which):  # noqa
     asset, model = reference("tiny-llama")
     layers = list(range(asset.num_layers))
     plain = eng.generate_sync(job("plain"))
-    out = eng.generate_sync(
-        job("qk", CaptureSpec(attention=AttentionCaptureSpec(layers=layers, positions="all")))
-    )
+    out = eng.generate_sync(job("qk", CaptureSpec(attention=AttentionCaptureSpec(layers=layers, positions="all"))))
     assert out.token_ids == plain.token_ids
     assert [lp.logprob for lp in out.logprobs] == [lp.logprob for lp in plain.logprobs]
     cap = load_capture(out.capture.data)
@@ -167,9 +162,7 @@ def test_qk_capture_equals_the_rotary_reference(gguf, reference, which):  # noqa
         assert not close(k, ref[(layer + 1) % len(layers)][1])  # the neighbouring layer fails
         # llama.cpp's own layout (each head's halves interleaved by the GGUF converter) fails
         assert not close(q, interleaved(ref[layer][0]))
-        assert att["scaling"][str(layer)] == pytest.approx(
-            float(attention_of(model, asset, layer).scaling)
-        )
+        assert att["scaling"][str(layer)] == pytest.approx(float(attention_of(model, asset, layer).scaling))
     unrotated = reference_qk(asset, model, ids, rotate=False)  # row 0 has angle 0
     assert not close(cap.k[0][1:].astype(np.float64), unrotated[0][1][1:])
 
@@ -182,9 +175,7 @@ def test_heads_map_to_kv_heads_as_transformers_does(gguf, reference):  # noqa: F
     spec = CaptureSpec(
         layers=[1],
         positions="last",
-        attention=AttentionCaptureSpec(
-            layers=[2], heads=[1], positions="prompt", q_positions="last_prompt"
-        ),
+        attention=AttentionCaptureSpec(layers=[2], heads=[1], positions="prompt", q_positions="last_prompt"),
     )
     out = eng.generate_sync(job("h", spec))
     cap = load_capture(out.capture.data)
@@ -219,9 +210,7 @@ def test_a_steered_request_captures_its_steered_stream(
     steering = SteeringSpec.from_mapping({(sae.name, attach_layer): features})
     layers = [attach_layer, attach_layer + 1]
     before = dict(eng.backend.steering_forwards)
-    out = eng.generate_sync(
-        job("s", CaptureSpec(layers=layers, positions="all"), steering=steering)
-    )
+    out = eng.generate_sync(job("s", CaptureSpec(layers=layers, positions="all"), steering=steering))
     assert eng.backend.steering_forwards[path] - before[path] == out.forward_passes
     cap = load_capture(out.capture.data)
     assert cap.meta["steering_hash"] == steering.canonical_hash()
@@ -264,9 +253,7 @@ def test_each_capture_in_a_mixed_batch_equals_its_solo_capture(gguf, tiny_assets
             CaptureSpec(
                 layers=[2],
                 positions="last",
-                attention=AttentionCaptureSpec(
-                    layers=[0, 3], heads=[1], positions="all", q_positions="completion"
-                ),
+                attention=AttentionCaptureSpec(layers=[0, 3], heads=[1], positions="all", q_positions="completion"),
             ),
             prompt=PROMPTS[1],
             max_tokens=8,
@@ -308,16 +295,14 @@ def test_each_capture_in_a_mixed_batch_equals_its_solo_capture(gguf, tiny_assets
             assert g.q_positions.tolist() == w.q_positions.tolist()
             assert g.k_positions.tolist() == w.k_positions.tolist()
             for layer in w.q:
-                np.testing.assert_allclose(
-                    g.q[layer], w.q[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL
-                )
-                np.testing.assert_allclose(
-                    g.k[layer], w.k[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL
-                )
+                np.testing.assert_allclose(g.q[layer], w.q[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
+                np.testing.assert_allclose(g.k[layer], w.k[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
 
 
 def test_a_staged_capture_runs_no_python_inside_the_decode(
-    gguf, reference, monkeypatch  # noqa: F811
+    gguf,
+    reference,
+    monkeypatch,  # noqa: F811
 ):
     """With the C filter, captured nodes are copied in C: a capture-only request never
     reaches the Python side of the callback, which the test breaks (the unstaged engine,
@@ -361,9 +346,7 @@ def test_bad_layers_heads_and_sizes_are_refused_before_any_forward(gguf, monkeyp
     heads = eng.backend.attention_geometry.num_heads
     decodes = []
     decode = eng.backend.context.decode
-    monkeypatch.setattr(
-        eng.backend.context, "decode", lambda tokens: (decodes.append(1), decode(tokens))
-    )
+    monkeypatch.setattr(eng.backend.context, "decode", lambda tokens: (decodes.append(1), decode(tokens)))
     for spec, param in (
         (CaptureSpec(layers=[0, n]), "capture.layers"),
         (CaptureSpec(attention=AttentionCaptureSpec(layers=[n])), "capture.attention.layers"),
@@ -376,9 +359,7 @@ def test_bad_layers_heads_and_sizes_are_refused_before_any_forward(gguf, monkeyp
             eng.generate_sync(job("x", spec))
         assert bad.value.param == param
     with pytest.raises(CaptureTooLarge):
-        eng.generate_sync(
-            job("y", CaptureSpec(layers=list(range(n)), positions="all", max_bytes=1000))
-        )
+        eng.generate_sync(job("y", CaptureSpec(layers=list(range(n)), positions="all", max_bytes=1000)))
     assert decodes == []
     assert eng.generate_sync(job("ok", CaptureSpec(layers=[0]))).capture is not None
     assert decodes  # the counter counts
@@ -394,8 +375,9 @@ def test_a_small_stage_budget_keeps_the_rows_and_the_memory_bound(gguf, monkeypa
     widths = sum(taps.rows)
     budget = n * 8 * widths * 4
     monkeypatch.setattr(taps, "stage_max_bytes", budget)
-    spec = CaptureSpec(layers=list(range(n)), positions="all",
-                       attention=AttentionCaptureSpec(layers=[0, n - 1], positions="all"))
+    spec = CaptureSpec(
+        layers=list(range(n)), positions="all", attention=AttentionCaptureSpec(layers=[0, n - 1], positions="all")
+    )
     long_prompt = " ".join(PROMPTS)  # more than 8 tokens
     got = eng.generate_sync(job("small", spec, prompt=long_prompt, max_tokens=5))
     want = ref_eng.generate_sync(job("default", spec, prompt=long_prompt, max_tokens=5))
@@ -405,10 +387,7 @@ def test_a_small_stage_budget_keeps_the_rows_and_the_memory_bound(gguf, monkeypa
     g, w = load_capture(got.capture.data), load_capture(want.capture.data)
     assert g.positions.tolist() == w.positions.tolist()
     for layer in g.layers:
-        np.testing.assert_allclose(g.hidden[layer], w.hidden[layer], atol=BATCH_ENCODE_ATOL,
-                                   rtol=BATCH_ENCODE_RTOL)
+        np.testing.assert_allclose(g.hidden[layer], w.hidden[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
     for layer in w.q:
-        np.testing.assert_allclose(g.q[layer], w.q[layer], atol=BATCH_ENCODE_ATOL,
-                                   rtol=BATCH_ENCODE_RTOL)
-        np.testing.assert_allclose(g.k[layer], w.k[layer], atol=BATCH_ENCODE_ATOL,
-                                   rtol=BATCH_ENCODE_RTOL)
+        np.testing.assert_allclose(g.q[layer], w.q[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)
+        np.testing.assert_allclose(g.k[layer], w.k[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL)

@@ -60,7 +60,10 @@ def test_quantized_gguf_prefills_and_decodes_on_this_cpu(demo_assets, llamacpp):
 
     done = subprocess.run(
         [sys.executable, "-c", FORWARD, str(demo_gguf_path())],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert done.returncode == 0, (
         f"a Q4_1 forward ended with {done.returncode} (negative: killed by that signal); "

@@ -139,9 +139,7 @@ def test_tool_choice_required_and_named_write_one_valid_call(gguf_tools, functio
     assert res.finish_reason == "stop", res.text
     check_tool_call(res.text, functions)
     # sampled too
-    res = gguf_tools.generate_sync(
-        tool_job("call", functions, temperature=1.0, seed=11), timeout_s=240
-    )
+    res = gguf_tools.generate_sync(tool_job("call", functions, temperature=1.0, seed=11), timeout_s=240)
     assert res.finish_reason == "stop", res.text
     check_tool_call(res.text, functions)
 

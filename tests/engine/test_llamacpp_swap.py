@@ -110,8 +110,7 @@ class DecodeLog:
         real_decode, real_cvec = lc.llama_decode, lc.llama_set_adapter_cvec
 
         def decode(ctx, batch):
-            rows = [(batch.token[i], batch.pos[i], batch.seq_id[i][0])
-                    for i in range(batch.n_tokens)]
+            rows = [(batch.token[i], batch.pos[i], batch.seq_id[i][0]) for i in range(batch.n_tokens)]
             self.calls.append((rows, self._cvec.get(ctx)))
             return real_decode(ctx, batch)
 
@@ -181,7 +180,8 @@ def mixed_run(eng, jobs, first: int) -> list[GenerationResult]:
 
 
 def test_a_mixed_batch_never_mixes_steering_in_one_decode_and_equals_the_solo_runs(
-        swap_engine, per_row_engine, engine, tiny_assets, monkeypatch):
+    swap_engine, per_row_engine, engine, tiny_assets, monkeypatch
+):
     l1, l2 = tiny_assets.saes["tiny-llama-L1-relu"], tiny_assets.saes["tiny-llama-L2-jumprelu"]
     saes = {l1.name: l1, l2.name: l2}
     for eng in (swap_engine, per_row_engine):
@@ -201,13 +201,22 @@ def test_a_mixed_batch_never_mixes_steering_in_one_decode_and_equals_the_solo_ru
         "r5": {},
     }
     # r2 monitors its steered layer before and after the steering
-    monitor = MonitorSpec([MonitorEntry(l1.name, 1, top_k=4, positions="all",
-                                        read_point=rp, features=[3, 7])
-                           for rp in ("pre_steering", "post_steering")])
-    jobs = [greedy(name, ids[name], n=24 if i < 3 else 12,
-                   steering=SteeringSpec.from_mapping(steer[name]) if steer[name] else None,
-                   monitor=monitor if name == "r2" else None)
-            for i, name in enumerate(steer)]
+    monitor = MonitorSpec(
+        [
+            MonitorEntry(l1.name, 1, top_k=4, positions="all", read_point=rp, features=[3, 7])
+            for rp in ("pre_steering", "post_steering")
+        ]
+    )
+    jobs = [
+        greedy(
+            name,
+            ids[name],
+            n=24 if i < 3 else 12,
+            steering=SteeringSpec.from_mapping(steer[name]) if steer[name] else None,
+            monitor=monitor if name == "r2" else None,
+        )
+        for i, name in enumerate(steer)
+    ]
     solo = [swap_engine.generate_sync(j) for j in jobs]
     per_row = mixed_run(per_row_engine, jobs, first=3)
     swap_engine.generate_sync(greedy("warm", ids["r0"], n=1))  # the control vector cleared
@@ -218,13 +227,13 @@ def test_a_mixed_batch_never_mixes_steering_in_one_decode_and_equals_the_solo_ru
     for got, want, other in zip(mixed, solo, per_row):
         assert_same_generation(got, want, atol=2e-5)
         assert_same_generation(got, other, atol=2e-5)
-        assert [c.count for c in got.steering_apply_count] == \
-            [got.forward_passes] * len(got.steering_apply_count)
+        assert [c.count for c in got.steering_apply_count] == [got.forward_passes] * len(got.steering_apply_count)
         assert len(got.activations) == len(want.activations)
         for g, w in zip(got.activations, want.activations):
             assert (g.read_point, g.position) == (w.read_point, w.position)
-            np.testing.assert_allclose([f.activation for f in g.features],
-                                       [f.activation for f in w.features], atol=2e-5)
+            np.testing.assert_allclose(
+                [f.activation for f in g.features], [f.activation for f in w.features], atol=2e-5
+            )
     # the monitored request against the transformers backend (before/after its steering)
     engine.attach(AttachSpec(l1.name, str(l1.path), 1))
     try:
@@ -235,18 +244,19 @@ def test_a_mixed_batch_never_mixes_steering_in_one_decode_and_equals_the_solo_ru
     assert_same_generation(got, want)
     for g, w in zip(got.activations, want.activations):
         assert (g.read_point, g.position) == (w.read_point, w.position)
-        np.testing.assert_allclose([f.activation for f in g.features],
-                                   [f.activation for f in w.features], atol=ENCODE_ATOL)
+        np.testing.assert_allclose(
+            [f.activation for f in g.features], [f.activation for f in w.features], atol=ENCODE_ATOL
+        )
     pre = [a for a in got.activations if a.read_point == "pre_steering"]
     post = [a for a in got.activations if a.read_point == "post_steering"]
-    assert max(abs(f.activation - g.activation) for a, b in zip(pre, post)
-               for f, g in zip(a.features, b.features)) > 1e-3  # the two reads do differ
+    assert (
+        max(abs(f.activation - g.activation) for a, b in zip(pre, post) for f, g in zip(a.features, b.features)) > 1e-3
+    )  # the two reads do differ
 
     # what llama.cpp was asked to do
     backend = swap_engine.backend
     calls = log.owned(ids)
-    sig = {name: tuple(sorted((k, tuple(sorted(v.items()))) for k, v in s.items()))
-           for name, s in steer.items()}
+    sig = {name: tuple(sorted((k, tuple(sorted(v.items()))) for k, v in s.items())) for name, s in steer.items()}
     joined_late = False
     for names, cvec, _ in calls:
         assert len({sig[n] for n in names}) == 1, f"one decode mixed steering: {names}"
@@ -260,15 +270,14 @@ def test_a_mixed_batch_never_mixes_steering_in_one_decode_and_equals_the_solo_ru
     for i, (names, _, step) in enumerate(calls):
         late = {"r3", "r4", "r5"} & set(names)
         if not step and late:  # a late prefill while an early request is still running
-            joined_late |= any(n in {"r0", "r1", "r2"} for later in calls[i + 1:]
-                               for n in later[0])
+            joined_late |= any(n in {"r0", "r1", "r2"} for later in calls[i + 1 :] for n in later[0])
     assert joined_late
     # every steering group keeps its turn: from a request's prefill to its first step and
     # between two of its steps, at most one step of each other group
     groups = len(set(sig.values()))
     for name in steer:
         mine = [i for i, (names, _, _) in enumerate(calls) if name in names]
-        waits = [sum(step for _, _, step in calls[a + 1:b]) for a, b in zip(mine, mine[1:])]
+        waits = [sum(step for _, _, step in calls[a + 1 : b]) for a, b in zip(mine, mine[1:])]
         assert len(mine) > 1 and max(waits) <= groups - 1, (name, waits)
 
     # the observer does see mixing: the eval-callback mode puts several steerings in a call
@@ -307,16 +316,15 @@ def test_layer_zero_steering_is_refused_by_name_in_the_swap_mode(swap_engine, ti
     swap_engine.attach(AttachSpec(asset.name, str(asset.path), 1))
     ids = swap_engine.backend.encode_text(TEXTS[2])
     with pytest.raises(InvalidParameter) as exc:
-        swap_engine.generate_sync(
-            greedy("l0", ids, steering=SteeringSpec.from_mapping({(asset.name, 0): {3: 6.0}})))
+        swap_engine.generate_sync(greedy("l0", ids, steering=SteeringSpec.from_mapping({(asset.name, 0): {3: 6.0}})))
     assert exc.value.param == "steering"
     assert (exc.value.details["layer"], exc.value.details["steering_mode"]) == (0, SWAP)
-    out = swap_engine.generate_sync(
-        greedy("l1", ids, steering=SteeringSpec.from_mapping({(asset.name, 1): {3: 6.0}})))
+    out = swap_engine.generate_sync(greedy("l1", ids, steering=SteeringSpec.from_mapping({(asset.name, 1): {3: 6.0}})))
     assert out.steering_apply_count[0].count == out.forward_passes
     # monitoring at layer 0 only reads: it runs
-    out = swap_engine.generate_sync(greedy("m0", ids, monitor=MonitorSpec(
-        [MonitorEntry(asset.name, 0, top_k=3, positions="all")])))
+    out = swap_engine.generate_sync(
+        greedy("m0", ids, monitor=MonitorSpec([MonitorEntry(asset.name, 0, top_k=3, positions="all")]))
+    )
     assert len(out.activations) == len(ids) + 10 - 1
     swap_engine.detach(None)
 
@@ -328,8 +336,7 @@ def test_cancelling_a_waiting_group_leaves_the_others_running(swap_engine, tiny_
     swap_engine.detach(None)
     swap_engine.attach(AttachSpec(asset.name, str(asset.path), 2))
     ids = swap_engine.backend.encode_text(TEXTS[1])
-    steered = greedy("s", ids, n=40,
-                     steering=SteeringSpec.from_mapping({(asset.name, 2): {5: 4.0}}))
+    steered = greedy("s", ids, n=40, steering=SteeringSpec.from_mapping({(asset.name, 2): {5: 4.0}}))
     plain = greedy("p", ids, n=40)
     want = swap_engine.generate_sync(plain)
     got: list = []

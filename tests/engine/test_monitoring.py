@@ -25,9 +25,11 @@ REQUESTED = [0, 7, 100, 255]
 
 def job(request_id: str, monitor=None, steering=None, max_tokens: int = 5, **sampling) -> GenerationJob:
     return GenerationJob(
-        request_id, prompt=PROMPT,
+        request_id,
+        prompt=PROMPT,
         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **sampling),
-        monitor=monitor, steering=steering,
+        monitor=monitor,
+        steering=steering,
     )
 
 
@@ -39,7 +41,9 @@ def rows_by_position(captured: list[np.ndarray]) -> np.ndarray:
 def check_record(rec, ref_acts: np.ndarray) -> None:
     # requested features: exact values (zeros included)
     assert [f.feature_index for f in rec.features] == REQUESTED
-    np.testing.assert_allclose([f.activation for f in rec.features], ref_acts[REQUESTED], atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+    np.testing.assert_allclose(
+        [f.activation for f in rec.features], ref_acts[REQUESTED], atol=ENCODE_ATOL, rtol=ENCODE_RTOL
+    )
     # top-k: each reported value is that feature's value, and the values are the k largest
     got_idx = [f.feature_index for f in rec.top_k]
     got_val = np.array([f.activation for f in rec.top_k])
@@ -49,15 +53,28 @@ def check_record(rec, ref_acts: np.ndarray) -> None:
 
 
 @pytest.mark.parametrize("sae_name", ["tiny-llama-L1-relu", "tiny-llama-L2-jumprelu", "tiny-llama-L2-topk"])
-@pytest.mark.parametrize("read_point, stream", [("pre_steering", False), ("post_steering", False), ("post_steering", True)])
+@pytest.mark.parametrize(
+    "read_point, stream", [("pre_steering", False), ("post_steering", False), ("post_steering", True)]
+)
 def test_monitoring_equals_an_independent_encode(engine, tiny_assets, sae_name, read_point, stream):
     model = tiny_assets.models["tiny-llama"]
     asset = tiny_assets.saes[sae_name]
     ref = RefSAE(asset)
     engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
     steering = SteeringSpec.from_mapping({(asset.name, asset.layer): {5: 3.0, 9: -2.0}})
-    monitor = MonitorSpec([MonitorEntry(asset.name, asset.layer, top_k=TOP_K, features=REQUESTED,
-                                        read_point=read_point, positions="all", stream=stream)])
+    monitor = MonitorSpec(
+        [
+            MonitorEntry(
+                asset.name,
+                asset.layer,
+                top_k=TOP_K,
+                features=REQUESTED,
+                read_point=read_point,
+                positions="all",
+                stream=stream,
+            )
+        ]
+    )
     module = block(engine, model, asset.layer)
     with capture(module, before_engine=True) as raw, capture(module) as post:
         out = engine.generate_sync(job("m", monitor, steering))
@@ -84,7 +101,9 @@ def test_arming_monitoring_does_not_change_generation(engine, tiny_assets):
     engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
     kw = {"max_tokens": 10, "logprobs": True, "top_logprobs": 3}
     plain = engine.generate_sync(job("plain", **kw))
-    monitored = engine.generate_sync(job("mon", MonitorSpec([MonitorEntry(asset.name, 2, top_k=8, features=[1, 2])]), **kw))
+    monitored = engine.generate_sync(
+        job("mon", MonitorSpec([MonitorEntry(asset.name, 2, top_k=8, features=[1, 2])]), **kw)
+    )
     assert monitored.token_ids == plain.token_ids
     assert [lp.logprob for lp in monitored.logprobs] == [lp.logprob for lp in plain.logprobs]
     assert monitored.activations and not plain.activations
@@ -132,8 +151,9 @@ def test_monitor_requests_only_what_it_asks(engine, tiny_assets):
     ref_acts = RefSAE(asset).encode(rows_by_position(post))
     for rec in out.activations:
         assert rec.top_k == []
-        np.testing.assert_allclose([f.activation for f in rec.features], ref_acts[rec.position][REQUESTED],
-                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+        np.testing.assert_allclose(
+            [f.activation for f in rec.features], ref_acts[rec.position][REQUESTED], atol=ENCODE_ATOL, rtol=ENCODE_RTOL
+        )
 
 
 def test_batched_encode_in_chunks_gives_the_same_records(engine, tiny_assets, monkeypatch):
@@ -148,8 +168,9 @@ def test_batched_encode_in_chunks_gives_the_same_records(engine, tiny_assets, mo
     assert [r.position for r in chunked] == [r.position for r in whole]
     for a, b in zip(chunked, whole):
         assert [f.feature_index for f in a.top_k] == [f.feature_index for f in b.top_k]
-        np.testing.assert_allclose([f.activation for f in a.features], [f.activation for f in b.features],
-                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+        np.testing.assert_allclose(
+            [f.activation for f in a.features], [f.activation for f in b.features], atol=ENCODE_ATOL, rtol=ENCODE_RTOL
+        )
 
 
 def test_rows_computed_again_are_recorded_once(tiny_assets):

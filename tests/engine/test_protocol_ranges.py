@@ -41,32 +41,43 @@ def _steer(entry: dict) -> dict:
 
 # (built in Python, the same as a JSON body, the parameter both name)
 CASES = [
-    (lambda: SteeringEntry("s", 1, {3: 200.5}),
-     _steer({"features": {"3": 200.5}}), "steering.features.strength"),
-    (lambda: SteeringEntry("s", 1, {-3: 1.0}),
-     _steer({"features": {"-3": 1.0}}), "steering.features.index"),
-    (lambda: SteeringEntry("", 1),
-     _steer({"sae_id": ""}), "steering.sae_id"),
-    (lambda: FeatureControl(2, mode="clamp", value=-201.0),
-     _steer({"controls": [{"index": 2, "mode": "clamp", "value": -201.0}]}), "steering.features.value"),
-    (lambda: FeatureControl(2, mode="boost"),
-     _steer({"controls": [{"index": 2, "mode": "boost"}]}), "steering.features.mode"),
-    (lambda: SteeringCondition(4, 1e7),
-     _steer({"controls": [{"index": 2, "mode": "clamp", "value": 1.0,
-                           "condition": {"feature": 4, "threshold": 1e7}}]}), "steering.condition.threshold"),
+    (lambda: SteeringEntry("s", 1, {3: 200.5}), _steer({"features": {"3": 200.5}}), "steering.features.strength"),
+    (lambda: SteeringEntry("s", 1, {-3: 1.0}), _steer({"features": {"-3": 1.0}}), "steering.features.index"),
+    (lambda: SteeringEntry("", 1), _steer({"sae_id": ""}), "steering.sae_id"),
+    (
+        lambda: FeatureControl(2, mode="clamp", value=-201.0),
+        _steer({"controls": [{"index": 2, "mode": "clamp", "value": -201.0}]}),
+        "steering.features.value",
+    ),
+    (
+        lambda: FeatureControl(2, mode="boost"),
+        _steer({"controls": [{"index": 2, "mode": "boost"}]}),
+        "steering.features.mode",
+    ),
+    (
+        lambda: SteeringCondition(4, 1e7),
+        _steer(
+            {"controls": [{"index": 2, "mode": "clamp", "value": 1.0, "condition": {"feature": 4, "threshold": 1e7}}]}
+        ),
+        "steering.condition.threshold",
+    ),
     (lambda: SamplingParams(top_p=0.0), _job(sampling={"top_p": 0.0}), "top_p"),
     (lambda: SamplingParams(presence_penalty=2.5), _job(sampling={"presence_penalty": 2.5}), "presence_penalty"),
     (lambda: SamplingParams(logit_bias={5: -100.5}), _job(sampling={"logit_bias": {"5": -100.5}}), "logit_bias"),
     (lambda: SamplingParams(stop=["a", "b", "c", "d", "e"]), _job(sampling={"stop": list("abcde")}), "stop"),
     (lambda: SamplingParams(stop_token_ids=[3, -1]), _job(sampling={"stop_token_ids": [3, -1]}), "stop_token_ids"),
-    (lambda: MonitorEntry("s", 1, top_k=1025), _job(monitor={"entries": [{"sae_id": "s", "layer": 1, "top_k": 1025}]}),
-     "monitor.top_k"),
-    (lambda: MonitorEntry("s", 1, top_k=1, read_point="middle"),
-     _job(monitor={"entries": [{"sae_id": "s", "layer": 1, "top_k": 1, "read_point": "middle"}]}),
-     "monitor.read_point"),
+    (
+        lambda: MonitorEntry("s", 1, top_k=1025),
+        _job(monitor={"entries": [{"sae_id": "s", "layer": 1, "top_k": 1025}]}),
+        "monitor.top_k",
+    ),
+    (
+        lambda: MonitorEntry("s", 1, top_k=1, read_point="middle"),
+        _job(monitor={"entries": [{"sae_id": "s", "layer": 1, "top_k": 1, "read_point": "middle"}]}),
+        "monitor.read_point",
+    ),
     (lambda: CaptureSpec([1], max_bytes=-1), _job(capture={"layers": [1], "max_bytes": -1}), "capture.max_bytes"),
-    (lambda: GenerationJob("r", prompt_token_ids=[1, -2]),
-     {"request_id": "r", "prompt_token_ids": [1, -2]}, "prompt"),
+    (lambda: GenerationJob("r", prompt_token_ids=[1, -2]), {"request_id": "r", "prompt_token_ids": [1, -2]}, "prompt"),
     (lambda: GenerationJob("r", prompt="x", priority="urgent"), _job(priority="urgent"), "priority"),
 ]
 
@@ -79,14 +90,26 @@ def test_built_and_decoded_are_refused_naming_the_same_parameter(build, body, pa
 
 
 def test_the_bounds_themselves_are_allowed():
-    spec = SteeringSpec([SteeringEntry("s", 1, {0: 200.0, 1: -200.0},
-                                       [FeatureControl(2, mode="clamp", value=-200.0)])])
+    spec = SteeringSpec([SteeringEntry("s", 1, {0: 200.0, 1: -200.0}, [FeatureControl(2, mode="clamp", value=-200.0)])])
     assert spec.entries[0].features == {0: 200.0, 1: -200.0}
-    sampling = SamplingParams(top_p=1.0, presence_penalty=-2.0, logit_bias={0: 100.0}, top_logprobs=20,
-                              repetition_penalty=10.0, top_k=-1)
-    decoded = from_json(json.dumps(_job(sampling={"top_p": 1.0, "presence_penalty": -2.0, "logit_bias": {"0": 100},
-                                                   "top_logprobs": 20, "repetition_penalty": 10, "top_k": -1})),
-                        GenerationJob)
+    sampling = SamplingParams(
+        top_p=1.0, presence_penalty=-2.0, logit_bias={0: 100.0}, top_logprobs=20, repetition_penalty=10.0, top_k=-1
+    )
+    decoded = from_json(
+        json.dumps(
+            _job(
+                sampling={
+                    "top_p": 1.0,
+                    "presence_penalty": -2.0,
+                    "logit_bias": {"0": 100},
+                    "top_logprobs": 20,
+                    "repetition_penalty": 10,
+                    "top_k": -1,
+                }
+            )
+        ),
+        GenerationJob,
+    )
     assert decoded.sampling == sampling
     assert BatchingOptions(max_batch_size=4096, gather_ms=0).max_batch_size == 4096
 
@@ -106,13 +129,16 @@ def test_a_wrong_shape_names_where_it_is():
     assert err.param == "temperature"
 
 
-@pytest.mark.parametrize("field, refused, allowed", [
-    ("top_p", 0.0, 1.0),
-    ("presence_penalty", 2.01, -2.0),
-    ("frequency_penalty", -2.01, 2.0),
-    ("repetition_penalty", 0.0, 10.0),
-    ("top_k", -2, -1),
-])
+@pytest.mark.parametrize(
+    "field, refused, allowed",
+    [
+        ("top_p", 0.0, 1.0),
+        ("presence_penalty", 2.01, -2.0),
+        ("frequency_penalty", -2.01, 2.0),
+        ("repetition_penalty", 0.0, 10.0),
+        ("top_k", -2, -1),
+    ],
+)
 def test_the_v1_model_refuses_where_the_engine_does(field, refused, allowed):
     """The /v1 body and the engine's job share the declared bound (inference.protocol
     reads it from gpu_engine.api)."""

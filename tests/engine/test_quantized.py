@@ -47,8 +47,13 @@ BLOCK_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
 
 
 def load_job(asset, quantization: str | None, path=None) -> LoadModelJob:
-    return LoadModelJob(asset.name, str(path or asset.path), dtype="float32", device="cpu",
-                        options={"quantization": quantization} if quantization else {})
+    return LoadModelJob(
+        asset.name,
+        str(path or asset.path),
+        dtype="float32",
+        device="cpu",
+        options={"quantization": quantization} if quantization else {},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -67,16 +72,22 @@ def q8(q8_engine):
 
 
 def greedy(request_id: str, prompt: str = PROMPTS[0], max_tokens: int = 8, **kw) -> GenerationJob:
-    return GenerationJob(request_id, prompt=prompt, sampling=SamplingParams(
-        max_tokens=max_tokens, temperature=0.0, ignore_eos=True), **kw)
+    return GenerationJob(
+        request_id,
+        prompt=prompt,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        **kw,
+    )
 
 
 def block_linear_shapes(asset) -> list[tuple[int, int]]:
     """(out, in) of every decoder-block linear weight, read from the checkpoint's header."""
     with safe_open(str(asset.path / "model.safetensors"), "pt") as f:
-        return [tuple(f.get_slice(name).get_shape()) for name in f.keys()
-                if ".layers." in name and name.endswith(".weight")
-                and name.split(".")[-2] in BLOCK_LINEARS]
+        return [
+            tuple(f.get_slice(name).get_shape())
+            for name in f.keys()
+            if ".layers." in name and name.endswith(".weight") and name.split(".")[-2] in BLOCK_LINEARS
+        ]
 
 
 # ------------------------------------------------------------------ the weights
@@ -103,8 +114,10 @@ def test_q8_weights_are_int8_in_memory_and_the_status_says_so(q8, tiny_assets):
     assert status.kernels == f"q8_weight_only+{head}"
     # one int8 per block weight, one bf16 scale per output row; the rest stays float32
     assert weights["bytes_by_dtype"] == {
-        "int8": n_weights, "bfloat16": 2 * rows,
-        "float32": plain["bytes_by_dtype"]["float32"] - 4 * n_weights}
+        "int8": n_weights,
+        "bfloat16": 2 * rows,
+        "float32": plain["bytes_by_dtype"]["float32"] - 4 * n_weights,
+    }
     assert weights["bytes"] == plain["bytes"] - 3 * n_weights + 2 * rows
     assert plain["quantization"] is None and set(plain["bytes_by_dtype"]) == {"float32"}
 
@@ -135,8 +148,7 @@ def test_q8_steered_output_is_the_quantized_output_plus_the_delta(q8, tiny_asset
     delta = RefSAE(asset).delta(FEATURES)
     module = block(q8, model, 1)
     steering = SteeringSpec.from_mapping({(asset.name, 1): FEATURES})
-    with capture(module, before_engine=True) as raw, capture(module) as post, \
-            count_forwards(q8.backend.model) as n:
+    with capture(module, before_engine=True) as raw, capture(module) as post, count_forwards(q8.backend.model) as n:
         out = q8.generate_sync(greedy("s", max_tokens=6, steering=steering))
     assert n[0] == out.forward_passes == 6 == len(raw) == len(post)
     assert [(c.layer, c.count) for c in out.steering_apply_count] == [(1, 6)]
@@ -175,8 +187,9 @@ def test_q8_monitoring_equals_an_independent_encode(q8, tiny_assets, read_point)
     asset = tiny_assets.saes["tiny-llama-L1-relu"]
     ref = RefSAE(asset)
     q8.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
-    monitor = MonitorSpec([MonitorEntry(asset.name, asset.layer, top_k=5, features=[0, 7, 100],
-                                        read_point=read_point, positions="all")])
+    monitor = MonitorSpec(
+        [MonitorEntry(asset.name, asset.layer, top_k=5, features=[0, 7, 100], read_point=read_point, positions="all")]
+    )
     steering = SteeringSpec.from_mapping({(asset.name, asset.layer): {5: 3.0, 9: -2.0}})
     module = block(q8, model, asset.layer)
     with capture(module, before_engine=True) as raw, capture(module) as post:
@@ -185,15 +198,17 @@ def test_q8_monitoring_equals_an_independent_encode(q8, tiny_assets, read_point)
     acts = ref.encode(rows)  # float64, from the files, of the quantized model's residual
     fired = 0
     for rec in out.activations:
-        np.testing.assert_allclose([f.activation for f in rec.features],
-                                   acts[rec.position][[0, 7, 100]], atol=ENCODE_ATOL,
-                                   rtol=ENCODE_RTOL)
+        np.testing.assert_allclose(
+            [f.activation for f in rec.features], acts[rec.position][[0, 7, 100]], atol=ENCODE_ATOL, rtol=ENCODE_RTOL
+        )
         top = [(f.feature_index, f.activation) for f in rec.top_k]
-        np.testing.assert_allclose([v for _, v in top], acts[rec.position][[i for i, _ in top]],
-                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+        np.testing.assert_allclose(
+            [v for _, v in top], acts[rec.position][[i for i, _ in top]], atol=ENCODE_ATOL, rtol=ENCODE_RTOL
+        )
         expected = np.sort(acts[rec.position][acts[rec.position] > 0])[::-1][:5]
-        np.testing.assert_allclose(sorted((v for _, v in top), reverse=True), expected,
-                                   atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+        np.testing.assert_allclose(
+            sorted((v for _, v in top), reverse=True), expected, atol=ENCODE_ATOL, rtol=ENCODE_RTOL
+        )
         fired += len(top)
     assert fired > 0 and [r.position for r in out.activations] == list(range(len(rows)))
 
@@ -217,7 +232,7 @@ def test_q8_greedy_follows_float32(q8, tiny_assets):
                 ref = fp32.backend.full_logits(ids)
                 got = q8.backend.full_logits(ids)
             n = len(ids) - len(out.token_ids)
-            agree += int((got[n - 1:-1].argmax(-1) == ref[n - 1:-1].argmax(-1)).sum())
+            agree += int((got[n - 1 : -1].argmax(-1) == ref[n - 1 : -1].argmax(-1)).sum())
             total += len(out.token_ids)
             assert not torch.equal(got, ref)  # the quantized weights are in use
     finally:
@@ -246,18 +261,15 @@ def _copy_with_config(asset, tmp_path, **extra):
     return target
 
 
-def test_a_prequantized_checkpoint_this_host_cannot_load_is_refused_by_name(q8, tiny_assets,
-                                                                            tmp_path):
+def test_a_prequantized_checkpoint_this_host_cannot_load_is_refused_by_name(q8, tiny_assets, tmp_path):
     asset = tiny_assets.models["tiny-llama"]
-    bnb = _copy_with_config(asset, tmp_path, quantization_config={
-        "quant_method": "bitsandbytes", "load_in_8bit": True})
+    bnb = _copy_with_config(asset, tmp_path, quantization_config={"quant_method": "bitsandbytes", "load_in_8bit": True})
     with pytest.raises(UnsupportedQuantization, match="bitsandbytes_8bit") as refused:
         q8.check_load(load_job(asset, None, bnb))
     assert refused.value.details["checkpoint_quantization"] == "bitsandbytes_8bit"
     with pytest.raises(UnsupportedQuantization, match="bitsandbytes"):
         q8.load_model(load_job(asset, "Q8", bnb))
-    unknown = _copy_with_config(asset, tmp_path / "u", quantization_config={
-        "quant_method": "made-up"})
+    unknown = _copy_with_config(asset, tmp_path / "u", quantization_config={"quant_method": "made-up"})
     with pytest.raises(UnsupportedQuantization, match="made-up"):
         q8.check_load(load_job(asset, None, unknown))
     assert q8.status().model_id == "tiny-llama"  # nothing unloaded
@@ -274,8 +286,8 @@ def test_a_prequantized_checkpoint_loads_at_its_own_precision(tiny_assets, tmp_p
     asset = tiny_assets.models["tiny-llama"]
     target = tmp_path / "torchao-int8"
     AutoModelForCausalLM.from_pretrained(
-        str(asset.path), dtype=torch.float32,
-        quantization_config=TorchAoConfig(Int8WeightOnlyConfig())).save_pretrained(target)
+        str(asset.path), dtype=torch.float32, quantization_config=TorchAoConfig(Int8WeightOnlyConfig())
+    ).save_pretrained(target)
     for name in asset.path.iterdir():  # the tokenizer and chat template
         if not (target / name.name).exists():
             shutil.copy(name, target / name.name)

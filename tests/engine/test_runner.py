@@ -19,7 +19,9 @@ def test_half_precision_load_and_generate(tiny_assets, dtype, torch_dtype):
         status = eng.load_model(LoadModelJob("m", str(asset.path), dtype=dtype, device="auto"))
         assert (status.dtype, status.device) == (dtype, "cuda" if torch.cuda.is_available() else "cpu")
         assert next(eng.backend.model.parameters()).dtype == torch_dtype
-        out = eng.generate_sync(GenerationJob("g", prompt="hello", sampling=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
+        out = eng.generate_sync(
+            GenerationJob("g", prompt="hello", sampling=SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        )
         assert len(out.token_ids) == 3
 
 
@@ -94,8 +96,15 @@ def test_cpu_float32_weights_are_packed_and_give_the_plain_models_results(tiny_a
         assert all(g._x is None and g._out is None for g in groups)
         prompt = packed.backend.encode_text("the cat")
         with torch.inference_mode():
-            ref = plain.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                 max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
-        job = GenerationJob("g", prompt="the cat", sampling=SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+            ref = plain.generate(
+                torch.tensor([prompt]),
+                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                max_new_tokens=24,
+                min_new_tokens=24,
+                do_sample=False,
+            )[0, len(prompt) :].tolist()
+        job = GenerationJob(
+            "g", prompt="the cat", sampling=SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+        )
         assert packed.generate_sync(job).token_ids == ref
         assert unpacked.generate_sync(job).token_ids == ref

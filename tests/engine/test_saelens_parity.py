@@ -30,8 +30,15 @@ def _metadata(hook_name: str, **extra):
     return SAEMetadata(hook_name=hook_name, model_name="tiny-llama", **extra)
 
 
-def _build(tmp_path, arch: str, *, hook_name: str = "blocks.1.hook_resid_pre", extra_cfg: dict | None = None,
-           metadata: dict | None = None, **cfg_kwargs):
+def _build(
+    tmp_path,
+    arch: str,
+    *,
+    hook_name: str = "blocks.1.hook_resid_pre",
+    extra_cfg: dict | None = None,
+    metadata: dict | None = None,
+    **cfg_kwargs,
+):
     sl = saelens()
     cls, cfg_cls = sl.classes[arch]
     cfg = cfg_cls(d_in=D_IN, d_sae=D_SAE, metadata=_metadata(hook_name, **(metadata or {})), **cfg_kwargs)
@@ -70,8 +77,9 @@ def _compare(path, *, fold_factor: float | None = None, check_decode: bool = Tru
         assert expected.abs().sum() > 0 and (expected == 0).any()  # a real sparse code, not all-zero
         torch.testing.assert_close(got, expected, atol=SAELENS_ATOL, rtol=SAELENS_RTOL)
         idx = torch.tensor(sorted(FEATURES), dtype=torch.long)
-        torch.testing.assert_close(ours.encode_selected(x, idx), expected.index_select(-1, idx),
-                                   atol=SAELENS_ATOL, rtol=SAELENS_RTOL)
+        torch.testing.assert_close(
+            ours.encode_selected(x, idx), expected.index_select(-1, idx), atol=SAELENS_ATOL, rtol=SAELENS_RTOL
+        )
         values, indices = ours.top_features(x.reshape(-1, D_IN), 5)
         ref_top = torch.topk(expected.reshape(-1, D_SAE), 5, dim=-1)
         torch.testing.assert_close(values, ref_top.values, atol=SAELENS_ATOL, rtol=SAELENS_RTOL)
@@ -134,8 +142,9 @@ def test_gated_constant_norm_rescale(tmp_path):
 
 def test_expected_average_with_a_stored_factor(tmp_path):
     """A file giving ``norm_scaling_factor`` is what SAELens's from_pretrained folds in."""
-    path = _build(tmp_path, "standard", normalize_activations="expected_average_only_in",
-                  extra_cfg={"norm_scaling_factor": 2.75})
+    path = _build(
+        tmp_path, "standard", normalize_activations="expected_average_only_in", extra_cfg={"norm_scaling_factor": 2.75}
+    )
     ours = _compare(path, fold_factor=2.75)
     assert ours.cfg.norm_scaling_factor == 2.75
     # positive control: the unfolded SAELens SAE encodes differently
@@ -155,8 +164,14 @@ def test_expected_average_without_a_factor_is_what_load_from_disk_does(tmp_path)
 
 @pytest.mark.parametrize("arch", ["transcoder", "jumprelu_transcoder"])
 def test_transcoder(tmp_path, arch):
-    path = _build(tmp_path, arch, hook_name="blocks.1.ln2.hook_normalized", d_out=D_IN, apply_b_dec_to_input=False,
-                  metadata={"hook_name_out": "blocks.1.hook_mlp_out"})
+    path = _build(
+        tmp_path,
+        arch,
+        hook_name="blocks.1.ln2.hook_normalized",
+        d_out=D_IN,
+        apply_b_dec_to_input=False,
+        metadata={"hook_name_out": "blocks.1.hook_mlp_out"},
+    )
     ours = _compare(path)
     assert ours.cfg.hook_point == "mlp_transcoder" and not ours.cfg.apply_b_dec_to_input
 

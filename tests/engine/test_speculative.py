@@ -19,16 +19,18 @@ from gpu_engine.api.protocol import (
     SteeringSpec,
 )
 
-PROMPTS = ["the cat sat on the mat and", "one two three four five six seven",
-           "a quick brown fox jumps over the lazy dog while the sun"]
+PROMPTS = [
+    "the cat sat on the mat and",
+    "one two three four five six seven",
+    "a quick brown fox jumps over the lazy dog while the sun",
+]
 
 
 def _engine(tiny_assets, draft: str | None, k: int = 4) -> Engine:
     asset = tiny_assets.models["tiny-llama"]
     options = {"speculative_model": draft, "speculative_num_tokens": k} if draft else {}
     eng = Engine()
-    eng.load_model(LoadModelJob("tiny-llama", str(asset.path), dtype="float32", device="cpu",
-                                options=options))
+    eng.load_model(LoadModelJob("tiny-llama", str(asset.path), dtype="float32", device="cpu", options=options))
     sae = tiny_assets.saes["tiny-llama-L1-relu"]
     eng.attach(AttachSpec(sae.name, str(sae.path), sae.layer))
     return eng
@@ -57,8 +59,7 @@ def half(tiny_assets):
 
 def job(rid: str, prompt: str, n: int, *, steering=None, monitor=None, **sampling) -> GenerationJob:
     params = {"max_tokens": n, "temperature": 0.0, "ignore_eos": True, **sampling}
-    return GenerationJob(rid, prompt=prompt, sampling=SamplingParams(**params), steering=steering,
-                         monitor=monitor)
+    return GenerationJob(rid, prompt=prompt, sampling=SamplingParams(**params), steering=steering, monitor=monitor)
 
 
 def steer(tiny_assets, features):
@@ -68,14 +69,23 @@ def steer(tiny_assets, features):
 
 def monitor(tiny_assets, positions="all", stream=False):
     sae = tiny_assets.saes["tiny-llama-L1-relu"]
-    return MonitorSpec([MonitorEntry(sae.name, sae.layer, top_k=5, features=[0, 7, 100],
-                                     read_point="post_steering", positions=positions,
-                                     stream=stream)])
+    return MonitorSpec(
+        [
+            MonitorEntry(
+                sae.name,
+                sae.layer,
+                top_k=5,
+                features=[0, 7, 100],
+                read_point="post_steering",
+                positions=positions,
+                stream=stream,
+            )
+        ]
+    )
 
 
 def records(result):
-    return [(r.position, r.token_index, [f.feature_index for f in r.top_k])
-            for r in result.activations]
+    return [(r.position, r.token_index, [f.feature_index for f in r.top_k]) for r in result.activations]
 
 
 def same_records(got, ref) -> None:
@@ -104,13 +114,12 @@ def test_a_draft_that_is_the_model_itself_is_always_accepted(plain, all_layers):
 
 @pytest.mark.parametrize("features", [None, {3: 8.0, 17: -5.0}, {40: -6.0, 41: 4.0}])
 def test_greedy_tokens_and_monitoring_equal_plain_decoding_with_and_without_steering(
-        tiny_assets, plain, half, features):
+    tiny_assets, plain, half, features
+):
     steering = steer(tiny_assets, features) if features else None
     for i, prompt in enumerate(PROMPTS):
-        ref = plain.generate_sync(job(f"p{i}", prompt, 48, steering=steering,
-                                      monitor=monitor(tiny_assets)))
-        got = half.generate_sync(job(f"s{i}", prompt, 48, steering=steering,
-                                     monitor=monitor(tiny_assets)))
+        ref = plain.generate_sync(job(f"p{i}", prompt, 48, steering=steering, monitor=monitor(tiny_assets)))
+        got = half.generate_sync(job(f"s{i}", prompt, 48, steering=steering, monitor=monitor(tiny_assets)))
         assert got.token_ids == ref.token_ids
         same_records(got, ref)
         assert got.speculative.used and got.speculative.drafted > 0
@@ -120,8 +129,7 @@ def test_greedy_tokens_and_monitoring_equal_plain_decoding_with_and_without_stee
             assert count.count == got.forward_passes
 
 
-def test_a_half_model_draft_is_sometimes_rejected_and_that_changes_nothing(tiny_assets, plain,
-                                                                            half):
+def test_a_half_model_draft_is_sometimes_rejected_and_that_changes_nothing(tiny_assets, plain, half):
     """The 2-block draft disagrees with the 4-block model somewhere in these runs (else the
     equality tests above would not test rejection)."""
     rejected = 0
@@ -132,8 +140,7 @@ def test_a_half_model_draft_is_sometimes_rejected_and_that_changes_nothing(tiny_
 
 
 @pytest.mark.parametrize("positions", ["last", "completion"])
-def test_streamed_and_last_position_monitors_see_only_accepted_rows(tiny_assets, plain, half,
-                                                                     positions):
+def test_streamed_and_last_position_monitors_see_only_accepted_rows(tiny_assets, plain, half, positions):
     steering = steer(tiny_assets, {3: 8.0})
     for stream in (False, True):
         if positions == "last" and stream:
@@ -148,13 +155,16 @@ def test_streamed_and_last_position_monitors_see_only_accepted_rows(tiny_assets,
 def test_stop_sequences_max_tokens_and_logit_bias_are_honoured(tiny_assets, plain, half):
     base = plain.generate_sync(job("p", PROMPTS[0], 30))
     stop_word = base.text.split()[3] if len(base.text.split()) > 3 else base.text[:3]
-    for kwargs in ({"stop": [stop_word]}, {"logit_bias": {base.token_ids[2]: -100.0}},
-                   {"repetition_penalty": 1.3}, {"max_tokens": 7}):
+    for kwargs in (
+        {"stop": [stop_word]},
+        {"logit_bias": {base.token_ids[2]: -100.0}},
+        {"repetition_penalty": 1.3},
+        {"max_tokens": 7},
+    ):
         n = kwargs.pop("max_tokens", 30)
         ref = plain.generate_sync(job("p", PROMPTS[0], n, **kwargs))
         got = half.generate_sync(job("s", PROMPTS[0], n, **kwargs))
-        assert (got.token_ids, got.text, got.finish_reason) == \
-            (ref.token_ids, ref.text, ref.finish_reason), kwargs
+        assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason), kwargs
 
 
 def test_sampled_requests_decode_plainly_and_say_why(plain, half):
@@ -171,9 +181,15 @@ def test_a_bad_draft_is_refused_at_load(tiny_assets):
     eng = Engine()
     try:
         with pytest.raises(InvalidParameter) as err:
-            eng.load_model(LoadModelJob("tiny-llama", str(asset.path), dtype="float32",
-                                        device="cpu",
-                                        options={"speculative_model": "self:layers=9"}))
+            eng.load_model(
+                LoadModelJob(
+                    "tiny-llama",
+                    str(asset.path),
+                    dtype="float32",
+                    device="cpu",
+                    options={"speculative_model": "self:layers=9"},
+                )
+            )
         assert err.value.details["param"] == "options.speculative_model"
         assert eng.status().state == "empty"
     finally:

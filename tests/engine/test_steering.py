@@ -24,8 +24,11 @@ FEATURES = {3: 8.0, 17: -5.0}
 
 def greedy(request_id: str, max_tokens: int = 12, steering: SteeringSpec | None = None, **kw) -> GenerationJob:
     return GenerationJob(
-        request_id, prompt=PROMPT, sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
-        steering=steering, **kw,
+        request_id,
+        prompt=PROMPT,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        steering=steering,
+        **kw,
     )
 
 
@@ -97,10 +100,12 @@ def test_prompt_logprobs_and_alternatives_are_the_steered_prefills(engine, tiny_
     unsteered = prompt_log_softmax(engine, ids)
     assert np.abs(want[:-1] - unsteered[:-1]).max() > POSITIVE_CONTROL_MIN  # the steer moves them
     attach(engine, asset)
-    sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=True,
-                              prompt_top_logprobs=3)
-    got = engine.generate_sync(GenerationJob("s", prompt_token_ids=ids, sampling=sampling,
-                                             steering=steer(asset.name, 1)))
+    sampling = SamplingParams(
+        max_tokens=1, temperature=0.0, ignore_eos=True, prompt_logprobs=True, prompt_top_logprobs=3
+    )
+    got = engine.generate_sync(
+        GenerationJob("s", prompt_token_ids=ids, sampling=sampling, steering=steer(asset.name, 1))
+    )
     assert_prompt_alternatives(got, want, ids, 3, LOGPROB_ATOL)
     assert [(c.layer, c.count) for c in got.steering_apply_count] == [(1, 1)]
     plain = engine.generate_sync(GenerationJob("u", prompt_token_ids=ids, sampling=sampling))
@@ -154,9 +159,7 @@ def test_requests_carry_their_own_steering(engine, tiny_assets):
     attach(engine, asset)
     alone = engine.generate_sync(greedy("alone", steering=steer(asset.name, 1)))
     assert alone.token_ids != base.token_ids
-    streams = [
-        engine.generate(greedy(f"r{i}", steering=steer(asset.name, 1) if i % 2 else None)) for i in range(4)
-    ]
+    streams = [engine.generate(greedy(f"r{i}", steering=steer(asset.name, 1) if i % 2 else None)) for i in range(4)]
     results = [s.result(timeout_s=60) for s in streams]
     for i, r in enumerate(results):
         assert r.token_ids == (alone.token_ids if i % 2 else base.token_ids)

@@ -26,11 +26,20 @@ PROMPT = "the cat sat on the mat and"
 N_TOKENS = 6
 
 
-def job(request_id: str, controls: list[FeatureControl], sae, features: dict[int, float] | None = None,
-        max_tokens: int = N_TOKENS) -> GenerationJob:
+def job(
+    request_id: str,
+    controls: list[FeatureControl],
+    sae,
+    features: dict[int, float] | None = None,
+    max_tokens: int = N_TOKENS,
+) -> GenerationJob:
     spec = SteeringSpec([SteeringEntry(sae.name, sae.layer, features or {}, controls)])
-    return GenerationJob(request_id, prompt=PROMPT, steering=spec,
-                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return GenerationJob(
+        request_id,
+        prompt=PROMPT,
+        steering=spec,
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
 
 
 def run(engine, model, sae, controls, features=None):
@@ -125,8 +134,9 @@ def test_phase_and_window_choose_the_positions(attached):
     assert_rows(post, want, inside)
     np.testing.assert_array_equal(post[~inside], raw[~inside])
     # a window and a phase intersect
-    out, raw, post = run(engine, model, sae,
-                         [FeatureControl(3, value=8.0, phase="completion", window=PositionRange(0, p + 2))])
+    out, raw, post = run(
+        engine, model, sae, [FeatureControl(3, value=8.0, phase="completion", window=PositionRange(0, p + 2))]
+    )
     inside = np.zeros(len(raw), bool)
     inside[p : p + 2] = True
     np.testing.assert_allclose(post, raw + inside[:, None] * delta, atol=HOOK_ATOL, rtol=HOOK_RTOL)
@@ -154,13 +164,21 @@ def test_conditional_steering_fires_only_where_the_trigger_does_and_says_where(a
 
 def test_modes_compose_from_the_same_residual(attached):
     engine, model, sae, ref = attached
-    controls = [FeatureControl(3, mode="clamp", value=4.0), FeatureControl(40, mode="ablate"),
-                FeatureControl(17, mode="scale", value=0.0)]
+    controls = [
+        FeatureControl(3, mode="clamp", value=4.0),
+        FeatureControl(40, mode="ablate"),
+        FeatureControl(17, mode="scale", value=0.0),
+    ]
     out, raw, post = run(engine, model, sae, controls, features={5: -3.0})
     enc = ref.encode(raw)
     d = ref.W_dec[40] / np.linalg.norm(ref.W_dec[40])
-    want = (raw - 3.0 * ref.W_dec[5] + (4.0 - enc[:, 3])[:, None] * ref.W_dec[3]
-            - (raw @ d)[:, None] * d - enc[:, 17][:, None] * ref.W_dec[17])
+    want = (
+        raw
+        - 3.0 * ref.W_dec[5]
+        + (4.0 - enc[:, 3])[:, None] * ref.W_dec[3]
+        - (raw @ d)[:, None] * d
+        - enc[:, 17][:, None] * ref.W_dec[17]
+    )
     np.testing.assert_allclose(post, want, atol=HOOK_ATOL, rtol=HOOK_RTOL)
 
 
@@ -178,12 +196,14 @@ def test_bad_controls_are_refused_naming_the_field_before_anything_runs(attached
     with pytest.raises(InvalidParameter):
         SteeringEntry(sae.name, sae.layer, {3: 1.0}, [FeatureControl(3, mode="clamp", value=1.0)])
     with pytest.raises(InvalidFeatureIndex):
-        engine.generate_sync(job("t", [FeatureControl(3, mode="clamp", value=1.0,
-                                                      condition=SteeringCondition(sae.d_sae, 0.0))], sae))
+        engine.generate_sync(
+            job("t", [FeatureControl(3, mode="clamp", value=1.0, condition=SteeringCondition(sae.d_sae, 0.0))], sae)
+        )
     with pytest.raises(InvalidParameter) as exc:
         engine.generate_sync(job("w", [FeatureControl(3, value=1.0, window=PositionRange(100_000, None))], sae))
     assert exc.value.details["param"] == "steering.features.window"
     with pytest.raises(InvalidParameter) as exc:  # a window that ends inside the prompt, completion only
-        engine.generate_sync(job("e", [FeatureControl(3, value=1.0, phase="completion",
-                                                      window=PositionRange(0, 2))], sae))
+        engine.generate_sync(
+            job("e", [FeatureControl(3, value=1.0, phase="completion", window=PositionRange(0, 2))], sae)
+        )
     assert exc.value.details["param"] == "steering.features.window"

@@ -33,6 +33,7 @@ from tests.engine.structured_cases import SCHEMAS, structured_job
 
 pytestmark = pytest.mark.demo_model
 
+
 @pytest.fixture(scope="module")
 def demo_engine(demo_assets):
     eng = Engine(on_event=lambda e: None, batching=BatchingOptions(enabled=True, max_batch_size=24))
@@ -53,8 +54,10 @@ def test_twenty_schemas_parse_and_validate(demo_engine):
         assert res.finish_reason == "stop", (what, res.text)
         jsonschema.validate(json.loads(res.text), schema)
     # sampled decoding respects the mask too
-    sampled = [demo_engine.generate(structured_job(f"t{i}", what, schema, temperature=1.0, seed=i))
-               for i, (what, schema) in enumerate(SCHEMAS[:6])]
+    sampled = [
+        demo_engine.generate(structured_job(f"t{i}", what, schema, temperature=1.0, seed=i))
+        for i, (what, schema) in enumerate(SCHEMAS[:6])
+    ]
     for (what, schema), stream in zip(SCHEMAS[:6], sampled):
         res = stream.result(timeout_s=240)
         assert res.finish_reason == "stop", (what, res.text)
@@ -63,15 +66,20 @@ def test_twenty_schemas_parse_and_validate(demo_engine):
 
 
 def test_json_object_is_a_json_object_and_ends_with_stop(demo_engine):
-    res = demo_engine.generate_sync(structured_job("o", "a person with a name and an age", None, max_tokens=200),
-                                    timeout_s=240)
+    res = demo_engine.generate_sync(
+        structured_job("o", "a person with a name and an age", None, max_tokens=200), timeout_s=240
+    )
     assert res.finish_reason == "stop", res.text
     assert isinstance(json.loads(res.text), dict)
     # positive control: unconstrained, the same prompt is not JSON
-    plain = demo_engine.generate_sync(GenerationJob("p", messages=[{"role": "user", "content":
-                                                                    "Answer with JSON: a person with a name and an age."}],
-                                                    sampling=SamplingParams(max_tokens=30, temperature=0.0)),
-                                      timeout_s=240)
+    plain = demo_engine.generate_sync(
+        GenerationJob(
+            "p",
+            messages=[{"role": "user", "content": "Answer with JSON: a person with a name and an age."}],
+            sampling=SamplingParams(max_tokens=30, temperature=0.0),
+        ),
+        timeout_s=240,
+    )
     with pytest.raises(ValueError):
         json.loads(plain.text)
 
@@ -81,8 +89,12 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(demo_engine):
     greedy = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     jobs = {
         "plain": GenerationJob("plain", prompt="The weather today is", sampling=greedy),
-        "steered": GenerationJob("steered", prompt="My favourite food is", sampling=greedy,
-                                 steering=SteeringSpec.from_mapping({(sae.name, sae.layer): {0: 12.0, 3: -8.0}})),
+        "steered": GenerationJob(
+            "steered",
+            prompt="My favourite food is",
+            sampling=greedy,
+            steering=SteeringSpec.from_mapping({(sae.name, sae.layer): {0: 12.0, 3: -8.0}}),
+        ),
         "json": structured_job("json", "a task", SCHEMAS[13][1], max_tokens=60),
         "sampled": structured_job("sampled", "a person", SCHEMAS[0][1], max_tokens=60, temperature=0.9, seed=7),
     }
@@ -106,7 +118,9 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(demo_engine):
         assert mixed[name].finish_reason == "stop"
         jsonschema.validate(json.loads(mixed[name].text), SCHEMAS[13 if name == "json" else 0][1])
     # positive control: without its grammar the structured prompt says something else
-    free = GenerationJob("free", messages=jobs["json"].messages, sampling=SamplingParams(max_tokens=60, temperature=0.0))
+    free = GenerationJob(
+        "free", messages=jobs["json"].messages, sampling=SamplingParams(max_tokens=60, temperature=0.0)
+    )
     assert demo_engine.generate_sync(free, timeout_s=240).token_ids != solo["json"].token_ids
 
 

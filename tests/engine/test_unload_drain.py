@@ -24,9 +24,9 @@ STEP_S = 0.05  # each forward pass is slowed to this, so a stream's length is kn
 
 
 def job(rid: str, max_tokens: int) -> GenerationJob:
-    return GenerationJob(rid, prompt="once upon a time",
-                         sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                 ignore_eos=True))
+    return GenerationJob(
+        rid, prompt="once upon a time", sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    )
 
 
 @pytest.fixture(params=[False, True], ids=["serial", "batched"])
@@ -102,8 +102,7 @@ def test_a_swap_gives_up_when_running_work_outlasts_its_wait(engine, tiny_assets
     gpt2 = tiny_assets.models["tiny-gpt2"]
     started = time.monotonic()
     with pytest.raises(EngineBusy):
-        engine.load_model(LoadModelJob("tiny-gpt2", str(gpt2.path), dtype="float32",
-                                       device="cpu"), timeout_s=0.5)
+        engine.load_model(LoadModelJob("tiny-gpt2", str(gpt2.path), dtype="float32", device="cpu"), timeout_s=0.5)
     assert time.monotonic() - started < 5
     status = engine.status()
     assert status.model_id == "tiny-llama" and status.draining is None

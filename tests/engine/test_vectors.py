@@ -39,8 +39,11 @@ def vector_file(tmp_path_factory, tiny_assets):
     d = tiny_assets.models["tiny-llama"].hidden_size
     rng = np.random.default_rng(7)
     path = tmp_path_factory.mktemp("vec") / "honesty.safetensors"
-    save_file({f"layer.{L}": rng.normal(size=d).astype(np.float32) for L in LAYERS}, str(path),
-              metadata={"model_name": "tiny-llama"})
+    save_file(
+        {f"layer.{L}": rng.normal(size=d).astype(np.float32) for L in LAYERS},
+        str(path),
+        metadata={"model_name": "tiny-llama"},
+    )
     return path
 
 
@@ -50,8 +53,12 @@ def file_vector(path, layer: int) -> np.ndarray:
 
 def steered(engine, model, layer: int, entry: SteeringEntry, max_tokens: int = 5):
     module = block(engine, model, layer)
-    job = GenerationJob("v", prompt=PROMPT, steering=SteeringSpec([entry]),
-                        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    job = GenerationJob(
+        "v",
+        prompt=PROMPT,
+        steering=SteeringSpec([entry]),
+        sampling=SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+    )
     with capture(module, before_engine=True) as raw, capture(module) as post:
         engine.generate_sync(job)
     return np.concatenate(raw, axis=0), np.concatenate(post, axis=0)
@@ -92,16 +99,25 @@ def test_ablate_removes_the_direction(attached, vector_file):
     assert np.abs(raw @ unit).max() > POSITIVE_CONTROL_MIN  # there was something to remove
 
 
-@pytest.mark.parametrize(("control", "param"), [
-    (FeatureControl(0, mode="clamp", value=2.0), "steering.features.mode"),
-    (FeatureControl(0, mode="scale", value=2.0), "steering.features.mode"),
-    (FeatureControl(0, mode="add", value=2.0, condition=SteeringCondition(0, 0.1)), "steering.features.condition"),
-])
+@pytest.mark.parametrize(
+    ("control", "param"),
+    [
+        (FeatureControl(0, mode="clamp", value=2.0), "steering.features.mode"),
+        (FeatureControl(0, mode="scale", value=2.0), "steering.features.mode"),
+        (FeatureControl(0, mode="add", value=2.0, condition=SteeringCondition(0, 0.1)), "steering.features.condition"),
+    ],
+)
 def test_what_needs_an_encoder_is_refused_before_anything_runs(attached, control, param):
     engine, model = attached
     with capture(block(engine, model, 1)) as rows, pytest.raises(InvalidParameter) as exc:
-        engine.generate_sync(GenerationJob("r", prompt=PROMPT, steering=SteeringSpec([
-            SteeringEntry("vec", 1, controls=[control])]), sampling=SamplingParams(max_tokens=2)))
+        engine.generate_sync(
+            GenerationJob(
+                "r",
+                prompt=PROMPT,
+                steering=SteeringSpec([SteeringEntry("vec", 1, controls=[control])]),
+                sampling=SamplingParams(max_tokens=2),
+            )
+        )
     assert exc.value.details["param"] == param
     assert "raw steering vector" in exc.value.message
     assert rows == []  # no forward ran
@@ -110,8 +126,14 @@ def test_what_needs_an_encoder_is_refused_before_anything_runs(attached, control
 def test_monitoring_a_vector_is_refused(attached):
     engine, model = attached
     with capture(block(engine, model, 1)) as rows, pytest.raises(InvalidParameter) as exc:
-        engine.generate_sync(GenerationJob("m", prompt=PROMPT, monitor=MonitorSpec([MonitorEntry("vec", 1, top_k=1)]),
-                                           sampling=SamplingParams(max_tokens=2)))
+        engine.generate_sync(
+            GenerationJob(
+                "m",
+                prompt=PROMPT,
+                monitor=MonitorSpec([MonitorEntry("vec", 1, top_k=1)]),
+                sampling=SamplingParams(max_tokens=2),
+            )
+        )
     assert exc.value.details["param"] == "monitor.sae_id"
     assert rows == []
 

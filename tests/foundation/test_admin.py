@@ -10,17 +10,20 @@ from registry.models import Job, Model
 
 pytestmark = pytest.mark.django_db
 
-PAGES = ["/admin/", "/admin/registry/model/", "/admin/registry/sae/", "/admin/registry/job/",
-         "/admin/registry/model/?status__exact=ready&locked__exact=0",
-         "/admin/registry/sae/?q=tiny"]
+PAGES = [
+    "/admin/",
+    "/admin/registry/model/",
+    "/admin/registry/sae/",
+    "/admin/registry/job/",
+    "/admin/registry/model/?status__exact=ready&locked__exact=0",
+    "/admin/registry/sae/?q=tiny",
+]
 
 
 @pytest.fixture
 def registered(tiny_assets):
-    models = [services.model_register_local(local_path=str(a.path), name=a.name)
-              for a in tiny_assets.models.values()]
-    saes = [services.sae_register_local(local_path=str(a.path), name=a.name)
-            for a in tiny_assets.saes.values()]
+    models = [services.model_register_local(local_path=str(a.path), name=a.name) for a in tiny_assets.models.values()]
+    saes = [services.sae_register_local(local_path=str(a.path), name=a.name) for a in tiny_assets.saes.values()]
     job = job_lifecycle.job_create(kind=Job.Kind.MODEL_LOAD, target="tiny-llama", model=models[0])
     return models, saes, job
 
@@ -57,25 +60,24 @@ def test_status_fields_are_read_only(staff_client, registered):
 
 def test_lock_action_and_refused_delete(staff_client, registered):
     model = registered[0][0]
-    response = staff_client.post("/admin/registry/model/", {
-        "action": "lock_models", "_selected_action": [model.pk]}, follow=True)
+    response = staff_client.post(
+        "/admin/registry/model/", {"action": "lock_models", "_selected_action": [model.pk]}, follow=True
+    )
     assert response.status_code == 200
     assert Model.objects.get(pk=model.pk).locked
-    response = staff_client.post("/admin/registry/model/", {
-        "action": "delete_models", "_selected_action": [model.pk]}, follow=True)
+    response = staff_client.post(
+        "/admin/registry/model/", {"action": "delete_models", "_selected_action": [model.pk]}, follow=True
+    )
     assert "MODEL_LOCKED" in response.content.decode()
     assert Model.objects.filter(pk=model.pk).exists()
-    staff_client.post("/admin/registry/model/", {
-        "action": "unlock_models", "_selected_action": [model.pk]})
-    staff_client.post("/admin/registry/model/", {
-        "action": "delete_models", "_selected_action": [model.pk]})
+    staff_client.post("/admin/registry/model/", {"action": "unlock_models", "_selected_action": [model.pk]})
+    staff_client.post("/admin/registry/model/", {"action": "delete_models", "_selected_action": [model.pk]})
     assert not Model.objects.filter(pk=model.pk).exists()
 
 
 def test_cancel_job_action(staff_client, registered):
     job = registered[2]
-    staff_client.post("/admin/registry/job/", {"action": "cancel_jobs",
-                                               "_selected_action": [job.pk]})
+    staff_client.post("/admin/registry/job/", {"action": "cancel_jobs", "_selected_action": [job.pk]})
     assert Job.objects.get(pk=job.pk).status == "cancelled"
 
 

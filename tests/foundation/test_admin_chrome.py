@@ -15,11 +15,16 @@ ICON = '<link rel="icon" href="/static/ui/favicon.svg" type="image/svg+xml">'
 
 
 def test_every_kind_of_admin_page_links_the_icon(staff_client, client, tiny_assets):
-    model = services.model_register_local(
-        local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
-    pages = ["/admin/", "/admin/registry/model/", f"/admin/registry/model/{model.pk}/change/",
-             f"/admin/registry/model/{model.pk}/delete/", "/admin/registry/model/add/",
-             "/admin/steering/profile/import/", "/admin/batches/batch/"]
+    model = services.model_register_local(local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
+    pages = [
+        "/admin/",
+        "/admin/registry/model/",
+        f"/admin/registry/model/{model.pk}/change/",
+        f"/admin/registry/model/{model.pk}/delete/",
+        "/admin/registry/model/add/",
+        "/admin/steering/profile/import/",
+        "/admin/batches/batch/",
+    ]
     for url in pages:
         response = staff_client.get(url)
         assert response.status_code == 200, url

@@ -16,14 +16,19 @@ ROW_KEYS = {"group", "what", "ratio", "target", "op", "threshold", "status", "no
 
 def _run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, ASSET_DIR_ENV: str(asset_cache_dir())}
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "run.py"), *argv], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "run.py"), *argv],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def test_quick_run_writes_rows_json_and_plot(tiny_assets, tmp_path):
     out = tmp_path / "bench"
-    proc = _run("--quick", "--only", "decode,speculative,quantized,compile", "--out", str(out),
-                timeout=900)
+    proc = _run("--quick", "--only", "decode,speculative,quantized,compile", "--out", str(out), timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "FIGURES ARE MEANINGLESS" in proc.stdout
 
@@ -158,11 +163,32 @@ def test_the_prepared_gpu_checks_run_on_the_cpu(tiny_assets, tmp_path):
     report_path = tmp_path / "gpu_checks.json"
     env = {**os.environ, ASSET_DIR_ENV: str(asset_cache_dir())}
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / "gpu_checks.py"), "--device", "cpu",
-         "--tokens", "8", "--speed-shape", "small", "--speed-tokens", "4", "--rounds", "1",
-         "--work", str(tmp_path / "work"), "--assets", str(asset_cache_dir()),
-         "--json", str(report_path)],
-        cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gpu_checks.py"),
+            "--device",
+            "cpu",
+            "--tokens",
+            "8",
+            "--speed-shape",
+            "small",
+            "--speed-tokens",
+            "4",
+            "--rounds",
+            "1",
+            "--work",
+            str(tmp_path / "work"),
+            "--assets",
+            str(asset_cache_dir()),
+            "--json",
+            str(report_path),
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(report_path.read_text())
     assert report["environment"]["device"] == "cpu"
@@ -184,8 +210,9 @@ def test_the_prepared_gpu_checks_run_on_the_cpu(tiny_assets, tmp_path):
     # on every forward pass (the figures of a tiny model on a CPU mean nothing)
     speed = checks["decode_speed"]
     assert speed["limit_tok_s"] > 0 and speed["bandwidth"]["buffer_bytes"] > 0
-    assert set(speed["modes"]) == {f"{c} {m}" for c in ("eager", "compiled")
-                                   for m in ("sae_idle", "steer", "steer_monitor")}
+    assert set(speed["modes"]) == {
+        f"{c} {m}" for c in ("eager", "compiled") for m in ("sae_idle", "steer", "steer_monitor")
+    }
     assert all(v["tok_s"] > 0 and v["apply_count_minus_passes"] == [0] for v in speed["modes"].values())
     # warmed up: the compiled model compiles nothing more while it is timed
     assert speed["compiled torch_compile"]["compiled_during_rounds"] == 0

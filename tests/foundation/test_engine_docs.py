@@ -78,8 +78,9 @@ def test_the_module_table_names_every_package_and_only_what_exists():
                 named.add(found.parent if found.is_file() and found.name == "__init__.py" else found)
     assert missing == [], "rows name what does not exist under gpu_engine: " + ", ".join(missing)
 
-    packages = sorted(p.parent for p in ENGINE.rglob("__init__.py")
-                      if p.parent != ENGINE and "__pycache__" not in p.parts)
+    packages = sorted(
+        p.parent for p in ENGINE.rglob("__init__.py") if p.parent != ENGINE and "__pycache__" not in p.parts
+    )
     top_modules = sorted(p for p in ENGINE.glob("*.py") if p.name != "__init__.py")
 
     def covered(path: Path) -> bool:

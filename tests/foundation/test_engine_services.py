@@ -29,10 +29,11 @@ def engine_client(settings):
 
 @pytest.fixture
 def llama(tiny_assets):
-    model = services.model_register_local(local_path=str(tiny_assets.models["tiny-llama"].path),
-                                          name="tiny-llama")
-    saes = {a.name: services.sae_register_local(local_path=str(a.path), name=a.name)
-            for a in tiny_assets.saes_for("tiny-llama")}
+    model = services.model_register_local(local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama")
+    saes = {
+        a.name: services.sae_register_local(local_path=str(a.path), name=a.name)
+        for a in tiny_assets.saes_for("tiny-llama")
+    }
     gpt2_sae = next(iter(tiny_assets.saes_for("tiny-gpt2")))
     saes["gpt2"] = services.sae_register_local(local_path=str(gpt2_sae.path), name="g")
     return model, saes
@@ -50,8 +51,7 @@ def test_load_attach_detach_unload(engine_client, llama):
     result = orchestration_services.sae_attach(sae=saes["tiny-llama-L1-relu"], layer=1)
     assert result.layer_module_path == "model.layers.1"
     row = Attachment.objects.get()
-    assert (row.sae_id, row.layer, row.layer_module_path) == (
-        saes["tiny-llama-L1-relu"].id, 1, "model.layers.1")
+    assert (row.sae_id, row.layer, row.layer_module_path) == (saes["tiny-llama-L1-relu"].id, 1, "model.layers.1")
     assert SAE.objects.get(pk=row.sae_id).status == "attached"
     assert Model.objects.get(pk=model.pk).locked
     assert [(a.sae_id, a.layer) for a in engine_client.attachments()] == [(row.sae_id, 1)]
@@ -70,8 +70,7 @@ def test_load_attach_detach_unload(engine_client, llama):
     assert engine_client.status().state == "empty"
 
 
-def test_an_unload_past_its_grace_period_stops_the_running_requests(engine_client, llama,
-                                                                   settings):
+def test_an_unload_past_its_grace_period_stops_the_running_requests(engine_client, llama, settings):
     """In embedded mode too: a generation that outlasts GRACEFUL_UNLOAD_TIMEOUT ends with
     engine_busy (it would run for seconds more) and the model is unloaded."""
     model, _ = llama
@@ -79,10 +78,13 @@ def test_an_unload_past_its_grace_period_stops_the_running_requests(engine_clien
     # machine (with 1 s, a fast one finished the whole generation inside the grace period)
     settings.GRACEFUL_UNLOAD_TIMEOUT = 0.1
     orchestration_services.model_load(model=model)
-    events = engine_client.generate(GenerationJob("long", prompt_token_ids=[5, 17, 42],
-                                                  sampling=SamplingParams(
-                                                      max_tokens=480, temperature=0,
-                                                      ignore_eos=True))).events(30)
+    events = engine_client.generate(
+        GenerationJob(
+            "long",
+            prompt_token_ids=[5, 17, 42],
+            sampling=SamplingParams(max_tokens=480, temperature=0, ignore_eos=True),
+        )
+    ).events(30)
     assert isinstance(next(events), TokenEvent)
     orchestration_services.model_unload(model=model)
     rest = list(events)
@@ -102,7 +104,6 @@ def test_attach_set_is_all_or_nothing(engine_client, llama):
     assert not Attachment.objects.exists()
     assert engine_client.attachments() == []
     assert SAE.objects.filter(status="attached").count() == 0
-    orchestration_services.sae_attach_set(items=[(saes["tiny-llama-L1-relu"], 1),
-                                   (saes["tiny-llama-L3-relu"], 3)])
+    orchestration_services.sae_attach_set(items=[(saes["tiny-llama-L1-relu"], 1), (saes["tiny-llama-L3-relu"], 3)])
     assert sorted(Attachment.objects.values_list("layer", flat=True)) == [1, 3]
     assert len(engine_client.attachments()) == 2

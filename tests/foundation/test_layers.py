@@ -14,8 +14,9 @@ REPO = Path(__file__).resolve().parents[2]
 def _lint(*args: str) -> subprocess.CompletedProcess:
     exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
     assert exe, "import-linter is a test requirement (requirements/dev.txt)"
-    return subprocess.run([exe, "--no-cache", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=300, check=False)
+    return subprocess.run(
+        [exe, "--no-cache", *args], cwd=REPO, capture_output=True, text=True, timeout=300, check=False
+    )
 
 
 def test_every_import_contract_is_kept():
@@ -38,8 +39,7 @@ def _lint_with_probe(tmp_path, module: str, line: str):
 
 def test_a_wrong_way_import_breaks_the_layers(tmp_path):
     """Positive control: the same contracts refuse registry importing orchestration."""
-    done = _lint_with_probe(tmp_path, "registry/_layer_probe.py",
-                            "import orchestration.services")
+    done = _lint_with_probe(tmp_path, "registry/_layer_probe.py", "import orchestration.services")
     assert done.returncode != 0
     assert "registry is not allowed to import orchestration" in done.stdout
 
@@ -55,8 +55,11 @@ def test_engine_md_declares_every_command_and_error_code():
     text = (BASE_DIR / "docs" / "engine.md").read_text()
     tables = "\n".join(line for line in text.splitlines() if line.startswith("|"))
     named = set(re.findall(r"`([a-z_]+)`", tables))
-    codes = {cls.code for cls in vars(errors).values() if isinstance(cls, type)
-             and issubclass(cls, errors.EngineError) and cls is not errors.EngineError}
+    codes = {
+        cls.code
+        for cls in vars(errors).values()
+        if isinstance(cls, type) and issubclass(cls, errors.EngineError) and cls is not errors.EngineError
+    }
     assert codes - named == set()
     assert set(commands.COMMANDS) - named == set()
 
@@ -104,19 +107,37 @@ def test_gpu_engine_api_imports_no_torch():
         "    importlib.import_module(f'gpu_engine.api.{m.name}')\n"
         "print(sorted(k for k in ('torch', 'transformers', 'vllm', 'llama_cpp') if k in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, check=False)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
-    probe = subprocess.run([sys.executable, "-c", code.replace("import gpu_engine.api as api\n",
-                                                               "import gpu_engine.api as api, torch\n")],
-                           cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    probe = subprocess.run(
+        [sys.executable, "-c", code.replace("import gpu_engine.api as api\n", "import gpu_engine.api as api, torch\n")],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert probe.stdout.strip() == "['torch']"  # positive control: the check sees torch
 
 
-PROJECT_PACKAGES = ("millm_site", "system", "ui", "batches", "inference", "orchestration",
-                    "monitoring", "steering", "leases", "registry", "core", "gpu_engine",
-                    "offline_assets")
+PROJECT_PACKAGES = (
+    "millm_site",
+    "system",
+    "ui",
+    "batches",
+    "inference",
+    "orchestration",
+    "monitoring",
+    "steering",
+    "leases",
+    "registry",
+    "core",
+    "gpu_engine",
+    "offline_assets",
+)
 
 
 def _import_graph(root: Path) -> dict[str, set[str]]:
@@ -158,8 +179,7 @@ def _import_graph(root: Path) -> dict[str, set[str]]:
                 if node.level:
                     up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                     base = ".".join(up + ([base] if base else []))
-                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
-                         for a in node.names]
+                names = [f"{base}.{a.name}" if f"{base}.{a.name}" in files else base for a in node.names]
             found |= {name for name in names if name in files and name != module}
         graph[module] = found
     return graph

@@ -38,10 +38,8 @@ def _get(url: str) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def quickstart_server(tiny_assets, tmp_path_factory):
     data = tmp_path_factory.mktemp("quickstart-data")
-    env = {"MILLM_DATA_DIR": str(data), "MILLM_ENGINE_DEVICE": "cpu",
-           "MILLM_ENGINE_DTYPE": "float32"}
-    for args in (("migrate", "--noinput"),
-                 ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root))):
+    env = {"MILLM_DATA_DIR": str(data), "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32"}
+    for args in (("migrate", "--noinput"), ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root))):
         result = manage(*args, env=env, timeout=300)
         assert result.returncode == 0, result.stderr
     port = _free_port()
@@ -49,9 +47,18 @@ def quickstart_server(tiny_assets, tmp_path_factory):
     log = (data / "serve.log").open("w")
     process = subprocess.Popen(
         [sys.executable, str(REPO / "manage.py"), "serve", "--port", str(port)],
-        env={**base, **env, "MILLM_ENV_FILE": "/nonexistent/.env",
-             "AUTO_LOAD_MODEL": "tiny-llama", "AUTO_ATTACH_SAES": "tiny-llama-L1-relu"},
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        env={
+            **base,
+            **env,
+            "MILLM_ENV_FILE": "/nonexistent/.env",
+            "AUTO_LOAD_MODEL": "tiny-llama",
+            "AUTO_ATTACH_SAES": "tiny-llama-L1-relu",
+        },
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -75,12 +82,10 @@ def quickstart_server(tiny_assets, tmp_path_factory):
         log.close()
 
 
-def test_server_starts_with_the_demo_model_loaded_and_its_sae_attached(quickstart_server,
-                                                                       tiny_assets):
+def test_server_starts_with_the_demo_model_loaded_and_its_sae_attached(quickstart_server, tiny_assets):
     url, attachments = quickstart_server
     sae = tiny_assets.saes["tiny-llama-L1-relu"]
-    assert [(a["layer"], a["layer_module_path"]) for a in attachments] == [
-        (sae.layer, "model.layers.1")]
+    assert [(a["layer"], a["layer_module_path"]) for a in attachments] == [(sae.layer, "model.layers.1")]
     status, models = _get(url + "/api/models")
     loaded = [m["name"] for m in models["data"]["models"] if m["status"] == "loaded"]
     assert loaded == ["tiny-llama"]
@@ -90,13 +95,20 @@ def test_readme_steered_chat_completion_works(quickstart_server):
     url, _ = quickstart_server
 
     def chat(steering: dict):
-        body = {"model": "tiny-llama", "max_tokens": 8, "temperature": 0,
-                "messages": [{"role": "user", "content": "Tell me about your weekend."}],
-                "steering": steering,
-                "return_sae_activations": {"top_k": 5, "positions": "last"}}
-        request = urllib.request.Request(url + "/v1/chat/completions",
-                                         data=json.dumps(body).encode(), method="POST",
-                                         headers={"Content-Type": "application/json"})
+        body = {
+            "model": "tiny-llama",
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "Tell me about your weekend."}],
+            "steering": steering,
+            "return_sae_activations": {"top_k": 5, "positions": "last"},
+        }
+        request = urllib.request.Request(
+            url + "/v1/chat/completions",
+            data=json.dumps(body).encode(),
+            method="POST",
+            headers={"Content-Type": "application/json"},
+        )
         with urllib.request.urlopen(request, timeout=60) as response:
             return json.loads(response.read()), response.headers
 
@@ -112,28 +124,30 @@ def test_readme_steered_chat_completion_works(quickstart_server):
 
 
 def test_auto_attach_names_must_exist(tmp_path):
-    result = manage("check", env={"MILLM_DATA_DIR": str(tmp_path),
-                                  "AUTO_ATTACH_SAES": "x@1"})
+    result = manage("check", env={"MILLM_DATA_DIR": str(tmp_path), "AUTO_ATTACH_SAES": "x@1"})
     assert result.returncode == 2
     assert "AUTO_ATTACH_SAES: needs AUTO_LOAD_MODEL" in result.stderr
 
 
 def test_a_taken_port_is_refused_before_the_model_starts_loading(tiny_assets, tmp_path):
     env = {"MILLM_DATA_DIR": str(tmp_path), "MILLM_ENGINE_DEVICE": "cpu"}
-    for args in (("migrate", "--noinput"),
-                 ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root))):
+    for args in (("migrate", "--noinput"), ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root))):
         assert manage(*args, env=env, timeout=300).returncode == 0
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = manage("serve", "--port", str(port),
-                        env={**env, "AUTO_LOAD_MODEL": "tiny-llama"}, timeout=120)
+        result = manage("serve", "--port", str(port), env={**env, "AUTO_LOAD_MODEL": "tiny-llama"}, timeout=120)
     assert result.returncode == 1
     assert f"cannot listen on 127.0.0.1:{port}" in result.stderr
     assert "Traceback" not in result.stderr + result.stdout
     # the registry is as it was: the model was never started loading, so it is not failed
-    status = manage("shell", "-v", "0", "-c",
-                    "from registry.models import Model; "
-                    "print(Model.objects.get(name='tiny-llama').status)", env=env)
+    status = manage(
+        "shell",
+        "-v",
+        "0",
+        "-c",
+        "from registry.models import Model; print(Model.objects.get(name='tiny-llama').status)",
+        env=env,
+    )
     assert status.stdout.strip() == "ready", status.stderr

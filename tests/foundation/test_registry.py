@@ -52,25 +52,27 @@ def test_register_local_transformers_model_reads_its_files(tiny_assets):
     assert row.hidden_size == cfg["hidden_size"]
     assert row.context_length == cfg["max_position_embeddings"]
     assert row.parameter_count == _param_count(Path(asset.path))
-    assert row.disk_size_bytes == sum(p.stat().st_size for p in Path(asset.path).glob(
-        "*.safetensors"))
+    assert row.disk_size_bytes == sum(p.stat().st_size for p in Path(asset.path).glob("*.safetensors"))
     # Estimated memory covers at least the float32 weights.
     assert row.estimated_memory_bytes >= row.parameter_count * 4
     assert selectors.model_get(model_id="llama-local").pk == row.pk
     assert selectors.model_get(model_id=str(row.pk)).pk == row.pk
 
 
-@pytest.mark.parametrize(("path", "fragment", "roots"), [
-    ("relative/dir", "absolute", None),
-    # outside LOCAL_MODEL_ROOTS: one answer whether it exists or not
-    ("/nonexistent/model", "LOCAL_MODEL_ROOTS", None),
-    ("/etc", "LOCAL_MODEL_ROOTS", None),
-    # an operator whose roots take in the whole disk still cannot register these
-    ("/nonexistent/model", "does not exist", ("/",)),
-    ("/etc", "system directory", ("/",)),
-    ("/usr/lib/python3", "system directory", ("/",)),
-    ("/", "system directory", ("/",)),
-])
+@pytest.mark.parametrize(
+    ("path", "fragment", "roots"),
+    [
+        ("relative/dir", "absolute", None),
+        # outside LOCAL_MODEL_ROOTS: one answer whether it exists or not
+        ("/nonexistent/model", "LOCAL_MODEL_ROOTS", None),
+        ("/etc", "LOCAL_MODEL_ROOTS", None),
+        # an operator whose roots take in the whole disk still cannot register these
+        ("/nonexistent/model", "does not exist", ("/",)),
+        ("/etc", "system directory", ("/",)),
+        ("/usr/lib/python3", "system directory", ("/",)),
+        ("/", "system directory", ("/",)),
+    ],
+)
 def test_register_local_refuses_bad_paths(path, fragment, roots, settings):
     if roots is not None:
         settings.LOCAL_MODEL_ROOTS = roots
@@ -109,8 +111,7 @@ def test_delete_is_refused_while_locked_or_loaded(tiny_assets):
     assert Model.objects.get(pk=model.pk).loaded_at is not None
 
 
-def test_delete_never_removes_a_local_registrations_files(
-        tiny_assets, tmp_path, django_capture_on_commit_callbacks):
+def test_delete_never_removes_a_local_registrations_files(tiny_assets, tmp_path, django_capture_on_commit_callbacks):
     """A row removes only what the registry downloaded for it (docs/security.md): a local
     registration keeps its files, in the model cache (it may be another model's download)
     or anywhere else."""
@@ -149,8 +150,7 @@ def test_register_saes_in_both_layouts(tiny_assets):
             # params.npz names no layer; what the operator knows fills the gap.
             assert row.trained_on_layer is None
             services.sae_delete(sae=row)  # the same files are registered once
-            hinted = services.sae_register_local(local_path=str(asset.path),
-                                                 trained_on_layer=asset.layer)
+            hinted = services.sae_register_local(local_path=str(asset.path), trained_on_layer=asset.layer)
             assert SAE.objects.get(pk=hinted.pk).trained_on_layer == asset.layer
         assert row.width == row.d_sae
 
@@ -179,12 +179,10 @@ def test_job_progress_is_stored_and_published_in_order():
         job_lifecycle.job_progress(job=job, progress=done, bytes_done=done * 10, bytes_total=1000)
     job_lifecycle.job_finish(job=job, status=Job.Status.SUCCEEDED)
     row = Job.objects.get(pk=job.pk)
-    assert (row.status, row.progress, row.bytes_done, row.bytes_total) == (
-        "succeeded", 100, 750, 1000)
+    assert (row.status, row.progress, row.bytes_done, row.bytes_total) == ("succeeded", 100, 750, 1000)
     assert row.started_at <= row.finished_at
     received = [async_to_sync(layer.receive)(channel) for _ in range(4)]
-    assert [m["event"] for m in received] == ["model:download:progress"] * 3 + [
-        "model:download:complete"]
+    assert [m["event"] for m in received] == ["model:download:progress"] * 3 + ["model:download:complete"]
     assert [m["data"]["progress"] for m in received] == [25, 50, 75, 100]
     assert all(m["data"]["job_id"] == job.pk for m in received)
 

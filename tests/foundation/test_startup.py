@@ -17,8 +17,7 @@ def test_embedded_default_uses_an_sqlite_file_and_keeps_a_generated_secret(tmp_p
     assert result.returncode == 0, result.stderr
     db = data / "millm.sqlite3"
     assert db.is_file()
-    tables = {row[0] for row in sqlite3.connect(db).execute(
-        "select name from sqlite_master where type='table'")}
+    tables = {row[0] for row in sqlite3.connect(db).execute("select name from sqlite_master where type='table'")}
     assert {"registry_model", "registry_sae", "registry_job"} <= tables
 
     key_file = data / "secret_key"
@@ -32,8 +31,7 @@ def test_embedded_default_uses_an_sqlite_file_and_keeps_a_generated_secret(tmp_p
 
 def test_explicit_secret_key_is_used_and_nothing_is_written(tmp_path):
     code = "from django.conf import settings; print(settings.SECRET_KEY)"
-    result = manage("shell", "-v", "0", "-c", code, env={"MILLM_DATA_DIR": str(tmp_path),
-                                              "SECRET_KEY": "k" * 40})
+    result = manage("shell", "-v", "0", "-c", code, env={"MILLM_DATA_DIR": str(tmp_path), "SECRET_KEY": "k" * 40})
     assert result.stdout.strip() == "k" * 40
     assert not (tmp_path / "secret_key").exists()
 

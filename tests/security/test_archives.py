@@ -39,8 +39,7 @@ FLAT_BYTES = 64 << 20  # "flat": far below what inflating would take
 
 def _npy_header(shape: tuple[int, ...], descr: str = "<f8") -> bytes:
     out = io.BytesIO()
-    np.lib.format.write_array_header_1_0(out, {"descr": descr, "fortran_order": False,
-                                               "shape": shape})
+    np.lib.format.write_array_header_1_0(out, {"descr": descr, "fortran_order": False, "shape": shape})
     return out.getvalue()
 
 
@@ -96,9 +95,12 @@ class PeakRss:
 
 
 def _import(server, name: str, content: bytes) -> requests.Response:
-    return requests.post(f"{server.url}/api/probes/import",
-                         files={"file": (name, content, "application/octet-stream")},
-                         data={"layer": "0"}, timeout=120)
+    return requests.post(
+        f"{server.url}/api/probes/import",
+        files={"file": (name, content, "application/octet-stream")},
+        data={"layer": "0"},
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize("kind", ["compressible", "lying"])
@@ -135,8 +137,7 @@ def test_an_object_array_is_refused_never_unpickled(v1_server):
 
 def test_an_honest_npz_probe_still_imports(v1_server):
     buf = io.BytesIO()
-    np.savez(buf, weights=np.array([0.5, -1.0, 2.0]), bias=np.array(0.25),
-             name=np.array("honest"))
+    np.savez(buf, weights=np.array([0.5, -1.0, 2.0]), bias=np.array(0.25), name=np.array("honest"))
     resp = _import(v1_server, "honest.npz", buf.getvalue())
     assert resp.status_code == 201, resp.text
     data = resp.json()["data"]
@@ -147,12 +148,11 @@ def test_an_honest_npz_probe_still_imports(v1_server):
 
 # ------------------------------------------------------------------ the engine's loaders
 
+
 def _max_rss_of(code: str) -> tuple[int, str]:
     """Peak RSS (bytes) of a fresh interpreter running ``code``, and what it printed."""
-    wrapper = (code + "\nimport resource, sys\n"
-               "print('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n")
-    out = subprocess.run([sys.executable, "-c", wrapper], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    wrapper = code + "\nimport resource, sys\nprint('MAXRSS', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    out = subprocess.run([sys.executable, "-c", wrapper], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     kib = int(out.stdout.rsplit("MAXRSS", 1)[1].split()[0])
     return kib * 1024, out.stdout
@@ -175,10 +175,9 @@ def _deflated(archive: bytes) -> tuple[bytes, int, int]:
     its bytes, CRC and inflated size."""
     with zipfile.ZipFile(io.BytesIO(archive)) as zf:
         info = zf.infolist()[0]
-    name_len, extra_len = struct.unpack("<HH", archive[info.header_offset + 26:
-                                                       info.header_offset + 30])
+    name_len, extra_len = struct.unpack("<HH", archive[info.header_offset + 26 : info.header_offset + 30])
     start = info.header_offset + 30 + name_len + extra_len
-    return archive[start:start + info.compress_size], info.CRC, info.file_size
+    return archive[start : start + info.compress_size], info.CRC, info.file_size
 
 
 def _zip(members: list[tuple[str, int, bytes, int, int]]) -> bytes:
@@ -190,39 +189,65 @@ def _zip(members: list[tuple[str, int, bytes, int, int]]) -> bytes:
         offset = out.tell()
         encoded = name.encode()
         z64 = struct.pack("<HHQQ", 1, 16, usize, len(payload))
-        out.write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45, 0, method, 0, 0, crc,
-                              0xFFFFFFFF, 0xFFFFFFFF, len(encoded), len(z64)))
+        out.write(
+            struct.pack(
+                "<IHHHHHIIIHH", 0x04034B50, 45, 0, method, 0, 0, crc, 0xFFFFFFFF, 0xFFFFFFFF, len(encoded), len(z64)
+            )
+        )
         out.write(encoded + z64 + payload)
         cz64 = struct.pack("<HHQQQ", 1, 24, usize, len(payload), offset)
-        central.append(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, 45, 45, 0, method, 0, 0,
-                                   crc, 0xFFFFFFFF, 0xFFFFFFFF, len(encoded), len(cz64), 0,
-                                   0, 0, 0, 0xFFFFFFFF) + encoded + cz64)
+        central.append(
+            struct.pack(
+                "<IHHHHHHIIIHHHHHII",
+                0x02014B50,
+                45,
+                45,
+                0,
+                method,
+                0,
+                0,
+                crc,
+                0xFFFFFFFF,
+                0xFFFFFFFF,
+                len(encoded),
+                len(cz64),
+                0,
+                0,
+                0,
+                0,
+                0xFFFFFFFF,
+            )
+            + encoded
+            + cz64
+        )
     cd_offset = out.tell()
     for entry in central:
         out.write(entry)
     cd_size = out.tell() - cd_offset
     z64_end = out.tell()
-    out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, len(central),
-                          len(central), cd_size, cd_offset))
+    out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, len(central), len(central), cd_size, cd_offset))
     out.write(struct.pack("<IIQI", 0x07064B50, 0, z64_end, 1))
-    out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF,
-                          0xFFFFFFFF, 0))
+    out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 0))
     return out.getvalue()
 
 
 def _gemmascope(directory: Path, bomb: bytes | None) -> Path:
     """A valid Gemma Scope params.npz (d_in 8, d_sae 16), plus ``bomb``'s member."""
     rng = np.random.default_rng(0)
-    arrays = {"W_enc": rng.standard_normal((8, 16)).astype(np.float32),
-              "W_dec": rng.standard_normal((16, 8)).astype(np.float32),
-              "b_enc": np.zeros(16, np.float32), "b_dec": np.zeros(8, np.float32),
-              "threshold": np.full(16, 0.1, np.float32)}
+    arrays = {
+        "W_enc": rng.standard_normal((8, 16)).astype(np.float32),
+        "W_dec": rng.standard_normal((16, 8)).astype(np.float32),
+        "b_enc": np.zeros(16, np.float32),
+        "b_dec": np.zeros(8, np.float32),
+        "threshold": np.full(16, 0.1, np.float32),
+    }
     members = []
     for key, value in arrays.items():
         raw = io.BytesIO()
         np.save(raw, value)
-        members.append((f"{key}.npy", zipfile.ZIP_STORED, raw.getvalue(),
-                        zlib.crc32(raw.getvalue()), len(raw.getvalue())))
+        members.append(
+            (f"{key}.npy", zipfile.ZIP_STORED, raw.getvalue(), zlib.crc32(raw.getvalue()), len(raw.getvalue()))
+        )
     if bomb is not None:
         payload, crc, size = _deflated(bomb)
         members.append(("bomb.npy", zipfile.ZIP_DEFLATED, payload, crc, size))
@@ -253,8 +278,10 @@ def test_a_safetensors_header_that_lies_is_refused_before_any_tensor(tmp_path):
     from gpu_engine.api.errors import SAEFormatError
     from gpu_engine.sae.vectors import read_vectors
 
-    header = {"layer.0": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 4 << 30]},
-              "__metadata__": {"hook_point": "resid_post"}}
+    header = {
+        "layer.0": {"dtype": "F32", "shape": [1 << 30], "data_offsets": [0, 4 << 30]},
+        "__metadata__": {"hook_point": "resid_post"},
+    }
     raw = json.dumps(header).encode()
     path = tmp_path / "vector.safetensors"
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(64))

@@ -37,8 +37,7 @@ from tests.v1.test_batches import TERMINAL, batch_server, chat_line, jsonl, uplo
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789",
-        "root": "sk-root-0123456789"}
+KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789", "root": "sk-root-0123456789"}
 
 
 @pytest.fixture
@@ -46,8 +45,10 @@ def keyed(v1_server, settings):  # noqa: F811
     """Keys on: alice and bob hold inference keys, root an admin key; a client each."""
     settings.MILLM_API_KEYS = [f"alice:{KEYS['alice']}", f"bob:{KEYS['bob']}"]
     settings.MILLM_ADMIN_API_KEYS = [f"root:{KEYS['root']}"]
-    clients = {name: openai.OpenAI(base_url=v1_server.base_url, api_key=key, max_retries=0,
-                                   timeout=60) for name, key in KEYS.items()}
+    clients = {
+        name: openai.OpenAI(base_url=v1_server.base_url, api_key=key, max_retries=0, timeout=60)
+        for name, key in KEYS.items()
+    }
     yield clients
     for client in clients.values():
         client.close()
@@ -60,11 +61,12 @@ def test_one_keys_files_and_batches_are_a_404_for_another(batch_server, keyed): 
     bobs = upload(bob, rows[:1])
     assert File.objects.get(id=file.id).owner == "key:alice"
     # bob can neither read, list, delete nor use alice's file
-    for attempt in (lambda: bob.files.retrieve(file.id), lambda: bob.files.content(file.id),
-                    lambda: bob.files.delete(file.id),
-                    lambda: bob.batches.create(input_file_id=file.id,
-                                               endpoint="/v1/chat/completions",
-                                               completion_window="24h")):
+    for attempt in (
+        lambda: bob.files.retrieve(file.id),
+        lambda: bob.files.content(file.id),
+        lambda: bob.files.delete(file.id),
+        lambda: bob.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"),
+    ):
         with pytest.raises(openai.NotFoundError) as info:
             attempt()
         assert info.value.status_code == 404 and file.id in info.value.message
@@ -75,10 +77,8 @@ def test_one_keys_files_and_batches_are_a_404_for_another(batch_server, keyed): 
     assert not Batch.objects.exists()
     assert alice.files.content(file.id).content == jsonl(rows)
 
-    batch = alice.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                 completion_window="24h")
-    for attempt in (lambda: bob.batches.retrieve(batch.id),
-                    lambda: bob.batches.cancel(batch.id)):
+    batch = alice.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
+    for attempt in (lambda: bob.batches.retrieve(batch.id), lambda: bob.batches.cancel(batch.id)):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert batch.id not in [b.id for b in bob.batches.list()]
@@ -97,8 +97,11 @@ def test_one_keys_files_and_batches_are_a_404_for_another(batch_server, keyed): 
     assert root.files.content(out).content == alice.files.content(out).content
 
 
-def test_uploads_past_a_quota_are_refused_and_store_nothing(batch_server, keyed,  # noqa: F811
-                                                            settings):
+def test_uploads_past_a_quota_are_refused_and_store_nothing(
+    batch_server,
+    keyed,  # noqa: F811
+    settings,
+):
     alice, bob = keyed["alice"], keyed["bob"]
     rows = [chat_line(i) for i in range(4)]
     size = len(jsonl(rows))
@@ -127,8 +130,10 @@ def test_uploads_past_a_quota_are_refused_and_store_nothing(batch_server, keyed,
     assert File.objects.filter(owner="key:bob").count() == 2
 
 
-def test_creating_and_finalizing_a_batch_holds_a_few_chunks_not_the_file(v1_server,  # noqa: F811
-                                                                         monkeypatch):
+def test_creating_and_finalizing_a_batch_holds_a_few_chunks_not_the_file(
+    v1_server,  # noqa: F811
+    monkeypatch,
+):
     """A 16 MiB input file becomes a batch, and as many answers become its output file,
     with Python's peak allocation under 12 chunks (3 MiB, a fifth of the file): the whole
     file parsed at once took about 24 times its size."""
@@ -136,8 +141,7 @@ def test_creating_and_finalizing_a_batch_holds_a_few_chunks_not_the_file(v1_serv
 
     monkeypatch.setattr(services, "enqueue", lambda *a, **k: None)  # no runner: we finalize
     filler = "x" * 1500
-    rows = [{**chat_line(i), "body": {**chat_line(i)["body"], "user": filler}}
-            for i in range(11000)]
+    rows = [{**chat_line(i), "body": {**chat_line(i)["body"], "user": filler}} for i in range(11000)]
     content = jsonl(rows)
     assert len(content) > 16 * 1024 * 1024
     limit = 12 * services.CHUNK_BYTES
@@ -149,8 +153,7 @@ def test_creating_and_finalizing_a_batch_holds_a_few_chunks_not_the_file(v1_serv
         file = services.file_create(filename="big.jsonl", purpose="batch", content=stream)
         _, peak_upload = tracemalloc.get_traced_memory()
         tracemalloc.reset_peak()
-        batch = services.batch_create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                      completion_window="24h")
+        batch = services.batch_create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
         _, peak_create = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -161,8 +164,7 @@ def test_creating_and_finalizing_a_batch_holds_a_few_chunks_not_the_file(v1_serv
 
     # every line answered with a 1.5 KB body: the output is written a chunk at a time
     answer = {"object": "chat.completion", "choices": [{"message": {"content": filler}}]}
-    BatchLine.objects.filter(batch_id=batch.id).update(status="done", status_code=200,
-                                                       response=answer, headers={})
+    BatchLine.objects.filter(batch_id=batch.id).update(status="done", status_code=200, response=answer, headers={})
     tracemalloc.start()
     try:
         done = services.batch_finalize(batch_id=batch.id, outcome="completed")
@@ -176,9 +178,12 @@ def test_creating_and_finalizing_a_batch_holds_a_few_chunks_not_the_file(v1_serv
     assert FileChunk.objects.filter(file=out).count() == -(-out.bytes // services.CHUNK_BYTES)
 
 
-def test_a_killed_runner_process_is_swept_and_its_batch_completes(batch_server,  # noqa: F811
-                                                                  openai_client, settings,
-                                                                  tmp_path):
+def test_a_killed_runner_process_is_swept_and_its_batch_completes(
+    batch_server,  # noqa: F811
+    openai_client,
+    settings,
+    tmp_path,
+):
     """A runner in another process (its own engine, on which the model is not resident:
     it waits, beating its heartbeat) is SIGKILLed. The sweeper finds its heartbeat stale
     and queues a new runner (here: this server's), which answers every line."""
@@ -194,23 +199,31 @@ def test_a_killed_runner_process_is_swept_and_its_batch_completes(batch_server, 
     file = upload(openai_client, rows)
     with pytest.MonkeyPatch.context() as patch:  # the runner is the other process
         patch.setattr(services, "enqueue", lambda *a, **k: None)
-        batch = openai_client.batches.create(input_file_id=file.id,
-                                             endpoint="/v1/chat/completions",
-                                             completion_window="24h")
-    env = {k: v for k, v in os.environ.items()
-           if k in ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH")}
-    env.update({"DATABASE_URL": database_url(), "SECRET_KEY": "x" * 50,
-                "MILLM_ENV_FILE": "/nonexistent/.env", "MILLM_DATA_DIR": str(tmp_path),
-                "BATCH_RUNNER_STALE_S": "1", "MILLM_ENGINE_DEVICE": "cpu"})
-    code = ("import django; django.setup(); from batches.runner import batch_run; "
-            f"batch_run(batch_id={batch.id!r})")
-    runner = subprocess.Popen([sys.executable, str(REPO / "manage.py"), "shell", "-c", code],
-                              env=env, cwd=REPO, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)
+        batch = openai_client.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR", "PYTHONPATH")}
+    env.update(
+        {
+            "DATABASE_URL": database_url(),
+            "SECRET_KEY": "x" * 50,
+            "MILLM_ENV_FILE": "/nonexistent/.env",
+            "MILLM_DATA_DIR": str(tmp_path),
+            "BATCH_RUNNER_STALE_S": "1",
+            "MILLM_ENGINE_DEVICE": "cpu",
+        }
+    )
+    code = f"import django; django.setup(); from batches.runner import batch_run; batch_run(batch_id={batch.id!r})"
+    runner = subprocess.Popen(
+        [sys.executable, str(REPO / "manage.py"), "shell", "-c", code],
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 60
-        while not (Batch.objects.filter(id=batch.id, runner__contains=f":{runner.pid}:")
-                   .exists()):
+        while not (Batch.objects.filter(id=batch.id, runner__contains=f":{runner.pid}:").exists()):
             assert runner.poll() is None, "the runner process ended on its own"
             assert time.monotonic() < deadline, "the other process never took the batch"
             time.sleep(0.1)
@@ -229,8 +242,12 @@ def test_a_killed_runner_process_is_swept_and_its_batch_completes(batch_server, 
     assert Batch.objects.get(id=batch.id).resumes == 1
 
 
-def test_sweeper_ends_expired_stuck_and_hopeless_batches(batch_server, openai_client,  # noqa: F811
-                                                         settings, monkeypatch):
+def test_sweeper_ends_expired_stuck_and_hopeless_batches(
+    batch_server,
+    openai_client,  # noqa: F811
+    settings,
+    monkeypatch,
+):
     from batches import services
 
     settings.BATCH_RUNNER_STALE_S = 1.0
@@ -239,9 +256,9 @@ def test_sweeper_ends_expired_stuck_and_hopeless_batches(batch_server, openai_cl
 
     def make(n: int) -> str:
         file = upload(openai_client, [chat_line(i) for i in range(n)])
-        return openai_client.batches.create(input_file_id=file.id,
-                                            endpoint="/v1/chat/completions",
-                                            completion_window="24h").id
+        return openai_client.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
 
     long_ago = timezone.now() - timedelta(seconds=30)
     # 1. its window is over and no runner holds it: expired, every line batch_expired
@@ -249,32 +266,29 @@ def test_sweeper_ends_expired_stuck_and_hopeless_batches(batch_server, openai_cl
     Batch.objects.filter(id=expired).update(expires_at=timezone.now() - timedelta(seconds=1))
     # 2. a runner that died while finalizing (two lines answered, one never)
     stuck = make(3)
-    Batch.objects.filter(id=stuck).update(status="finalizing", runner="dead:1:x",
-                                          runner_seen_at=long_ago, finalizing_at=long_ago,
-                                          in_progress_at=long_ago)
+    Batch.objects.filter(id=stuck).update(
+        status="finalizing", runner="dead:1:x", runner_seen_at=long_ago, finalizing_at=long_ago, in_progress_at=long_ago
+    )
     lines = list(BatchLine.objects.filter(batch_id=stuck).order_by("line"))
     for line in lines[:2]:
-        services.batch_line_answer(line_id=line.id, status_code=200,
-                                   response={"object": "chat.completion"}, headers={})
+        services.batch_line_answer(line_id=line.id, status_code=200, response={"object": "chat.completion"}, headers={})
     # 3. its runners keep dying: resumed BATCH_MAX_RESUMES times, then failed
     hopeless = make(2)
     # 4. alive: a fresh heartbeat is left alone
     alive = make(2)
-    Batch.objects.filter(id=alive).update(status="in_progress", runner="live:1:x",
-                                          runner_seen_at=timezone.now() + timedelta(hours=1))
+    Batch.objects.filter(id=alive).update(
+        status="in_progress", runner="live:1:x", runner_seen_at=timezone.now() + timedelta(hours=1)
+    )
 
     for resume in range(3):
-        Batch.objects.filter(id=hopeless).update(status="in_progress", runner=f"dead:{resume}",
-                                                 runner_seen_at=long_ago)
+        Batch.objects.filter(id=hopeless).update(status="in_progress", runner=f"dead:{resume}", runner_seen_at=long_ago)
         services.batches_sweep()
     got = {b: openai_client.batches.retrieve(b) for b in (expired, stuck, hopeless, alive)}
     assert got[expired].status == "expired" and got[expired].expired_at
-    assert [x["error"]["code"] for x in _lines(openai_client, got[expired].error_file_id)] \
-        == ["batch_expired"] * 3
+    assert [x["error"]["code"] for x in _lines(openai_client, got[expired].error_file_id)] == ["batch_expired"] * 3
     assert got[stuck].status == "completed"
     assert len(_lines(openai_client, got[stuck].output_file_id)) == 2
-    assert [x["error"]["code"] for x in _lines(openai_client, got[stuck].error_file_id)] \
-        == ["batch_failed"]
+    assert [x["error"]["code"] for x in _lines(openai_client, got[stuck].error_file_id)] == ["batch_failed"]
     assert got[hopeless].status == "failed" and got[hopeless].failed_at
     assert got[hopeless].errors.data[0].code == "batch_runner_failed"
     assert Batch.objects.get(id=hopeless).resumes == 2

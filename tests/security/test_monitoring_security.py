@@ -49,9 +49,13 @@ def call(server, key, method, path, body=None, **kw):
 
 
 def completion(server, key, **extra):
-    resp = call(server, key, "POST", "/v1/completions",
-                {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
-                 "ignore_eos": True, **extra})
+    resp = call(
+        server,
+        key,
+        "POST",
+        "/v1/completions",
+        {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True, **extra},
+    )
     return resp
 
 
@@ -64,13 +68,17 @@ def _probe_file() -> bytes:
 def _import_probe(server, key, name):
     import requests
 
-    return requests.post(f"{server.url}/api/probes/import",
-                         headers={"Authorization": f"Bearer {key}"},
-                         files={"file": ("p.npz", _probe_file(), "application/octet-stream")},
-                         data={"name": name, "layer": "0"}, timeout=60)
+    return requests.post(
+        f"{server.url}/api/probes/import",
+        headers={"Authorization": f"Bearer {key}"},
+        files={"file": ("p.npz", _probe_file(), "application/octet-stream")},
+        data={"name": name, "layer": "0"},
+        timeout=60,
+    )
 
 
 # ----------------------------------------------------------------------------- probes
+
 
 def test_one_keys_probe_is_a_404_for_another_and_all_the_admins(llama, keys):
     from monitoring.models import Probe
@@ -83,8 +91,11 @@ def test_one_keys_probe_is_a_404_for_another_and_all_the_admins(llama, keys):
     listed = call(llama, BOB, "GET", "/api/probes").json()["data"]
     assert listed == {"probes": [], "total": 0}
     for ref in (probe_id, "secret-probe"):
-        for method, path in (("GET", f"/api/probes/{ref}"), ("DELETE", f"/api/probes/{ref}"),
-                             ("POST", f"/api/probes/{ref}/validate")):
+        for method, path in (
+            ("GET", f"/api/probes/{ref}"),
+            ("DELETE", f"/api/probes/{ref}"),
+            ("POST", f"/api/probes/{ref}/validate"),
+        ):
             resp = call(llama, BOB, method, path)
             assert resp.status == 404, (method, path, resp.body[:300])
             assert resp.json()["error"]["code"] == "PROBE_NOT_FOUND"
@@ -111,6 +122,7 @@ def test_one_keys_probe_is_a_404_for_another_and_all_the_admins(llama, keys):
 
 # --------------------------------------------------------------------------- captures
 
+
 def test_a_capture_made_through_v1_is_its_keys_alone(llama, keys):
     from monitoring.models import Capture
 
@@ -124,11 +136,12 @@ def test_a_capture_made_through_v1_is_its_keys_alone(llama, keys):
     assert files == [f"{cid}.json", f"{cid}.safetensors"]
 
     assert call(llama, BOB, "GET", "/api/captures").json()["data"]["total"] == 0
-    for method, path, body in (("GET", f"/api/captures/{cid}", None),
-                               ("GET", f"/api/captures/{cid}/download", None),
-                               ("POST", f"/api/captures/{cid}/analyze",
-                                {"name": "hidden_states"}),
-                               ("DELETE", f"/api/captures/{cid}", None)):
+    for method, path, body in (
+        ("GET", f"/api/captures/{cid}", None),
+        ("GET", f"/api/captures/{cid}/download", None),
+        ("POST", f"/api/captures/{cid}/analyze", {"name": "hidden_states"}),
+        ("DELETE", f"/api/captures/{cid}", None),
+    ):
         got = call(llama, BOB, method, path, body)
         assert got.status == 404, (method, path, got.body[:300])
         assert got.json()["error"]["code"] == "CAPTURE_NOT_FOUND"
@@ -150,8 +163,7 @@ def test_a_capture_made_through_v1_is_its_keys_alone(llama, keys):
     analyzers = runtime().analyzers
     with pytest.raises(CaptureNotFound):
         analyzers.context(Scope(owner="key:bob", all=False)).load_capture(cid)
-    (bobs,) = analyzers.prepare([("hidden_states", {"layers": [0]})],
-                                Scope(owner="key:bob", all=False))
+    (bobs,) = analyzers.prepare([("hidden_states", {"layers": [0]})], Scope(owner="key:bob", all=False))
     with pytest.raises(CaptureNotFound):
         analyzers.context(bobs.scope).load_capture(cid)
     assert analyzers.context(Scope(owner="key:alice", all=False)).load_capture(cid).meta
@@ -162,17 +174,23 @@ def test_a_batch_lines_capture_is_its_batch_owners(llama, keys):
 
     from monitoring.models import Capture
 
-    line = {"custom_id": "c0", "method": "POST", "url": "/v1/completions",
-            "body": {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 2,
-                     "temperature": 0, "capture": {"layers": [0], "positions": "last"}}}
+    line = {
+        "custom_id": "c0",
+        "method": "POST",
+        "url": "/v1/completions",
+        "body": {
+            "model": "tiny-llama",
+            "prompt": PROMPT,
+            "max_tokens": 2,
+            "temperature": 0,
+            "capture": {"layers": [0], "positions": "last"},
+        },
+    }
     with OpenAI(base_url=llama.base_url, api_key=ALICE, max_retries=0, timeout=60) as alice:
-        file = alice.files.create(file=("in.jsonl", io.BytesIO((json.dumps(line) + "\n")
-                                                               .encode())), purpose="batch")
-        batch = alice.batches.create(input_file_id=file.id, endpoint="/v1/completions",
-                                     completion_window="24h")
+        file = alice.files.create(file=("in.jsonl", io.BytesIO((json.dumps(line) + "\n").encode())), purpose="batch")
+        batch = alice.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
         deadline = time.monotonic() + 120
-        while (batch := alice.batches.retrieve(batch.id)).status not in (
-                "completed", "failed", "expired", "cancelled"):
+        while (batch := alice.batches.retrieve(batch.id)).status not in ("completed", "failed", "expired", "cancelled"):
             assert time.monotonic() < deadline, batch
             time.sleep(0.1)
         assert batch.status == "completed", batch
@@ -212,23 +230,29 @@ def test_a_capture_over_the_directory_quota_is_507_before_generation(llama, keys
 
 # ---------------------------------------------------------------- monitoring history
 
+
 def test_monitoring_history_is_per_key(llama, keys):
     from monitoring.models import ActivationRecord
 
     attach(SAE, 1)
-    configured = call(llama, ROOT, "POST", "/api/monitoring/configure",
-                      {"enabled": True, "sae_id": None, "layer": 1, "top_k": 3,
-                       "positions": "last"})
+    configured = call(
+        llama,
+        ROOT,
+        "POST",
+        "/api/monitoring/configure",
+        {"enabled": True, "sae_id": None, "layer": 1, "top_k": 3, "positions": "last"},
+    )
     assert configured.status == 200, configured.body[:300]
     mine = completion(llama, ALICE).json()["id"]
     theirs = completion(llama, BOB).json()["id"]
     assert set(ActivationRecord.objects.values_list("request_id", "owner")) == {
-        (mine, "key:alice"), (theirs, "key:bob")}
+        (mine, "key:alice"),
+        (theirs, "key:bob"),
+    }
 
     seen = call(llama, ALICE, "GET", "/api/monitoring/history").json()["data"]
     assert {r["request_id"] for r in seen["records"]} == {mine} and seen["total"] == 1
-    assert call(llama, ALICE, "GET", f"/api/monitoring/history?request_id={theirs}"
-                ).json()["data"]["total"] == 0
+    assert call(llama, ALICE, "GET", f"/api/monitoring/history?request_id={theirs}").json()["data"]["total"] == 0
     stats = call(llama, ALICE, "GET", "/api/monitoring/statistics").json()["data"]
     assert stats["total_activations"] == 1
 
@@ -243,9 +267,11 @@ def test_monitoring_history_is_per_key(llama, keys):
 
 # ------------------------------------------------------------------------ retention
 
+
 def _post(url: str, body: dict, timeout: float = 120) -> tuple[int, dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -261,26 +287,37 @@ def _status(url: str) -> int:
         return exc.code
 
 
-def test_expired_captures_leave_the_disk_with_nobody_running_a_command(
-        v1_server, django_db_blocker, tmp_path):
+def test_expired_captures_leave_the_disk_with_nobody_running_a_command(v1_server, django_db_blocker, tmp_path):
     from registry.models import Job
 
     name = "tiny-llama"  # registered (and committed) by the live-server fixtures
     captures = tmp_path / "captures"
     env = {
         "SECRET_KEY": "capture-retention-secret-key-0123456789abcdef",
-        "MILLM_DATA_DIR": str(tmp_path), "AUTO_LOAD_MODEL": name,
-        "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32",
-        "LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
-        "CAPTURE_INLINE_MAX_BYTES": "0", "CAPTURE_RETENTION_S": "2",
+        "MILLM_DATA_DIR": str(tmp_path),
+        "AUTO_LOAD_MODEL": name,
+        "MILLM_ENGINE_DEVICE": "cpu",
+        "MILLM_ENGINE_DTYPE": "float32",
+        "LOG_LEVEL": "WARNING",
+        "OMP_NUM_THREADS": "1",
+        "CAPTURE_INLINE_MAX_BYTES": "0",
+        "CAPTURE_RETENTION_S": "2",
         "CAPTURE_PRUNE_INTERVAL_S": "1",
     }
     answered: dict = {}
 
     def captured(base: str) -> bool:  # ready, and the model it was told to load is resident
-        status, answered["body"] = _post(base + "/v1/completions", {
-            "model": name, "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
-            "capture": {"layers": [0], "positions": "last"}}, timeout=30)
+        status, answered["body"] = _post(
+            base + "/v1/completions",
+            {
+                "model": name,
+                "prompt": PROMPT,
+                "max_tokens": 2,
+                "temperature": 0,
+                "capture": {"layers": [0], "positions": "last"},
+            },
+            timeout=30,
+        )
         return status == 200
 
     try:

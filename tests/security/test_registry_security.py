@@ -28,9 +28,9 @@ ADMIN_KEY = "registry-security-admin-key"
 USER_KEY = "registry-security-inference-key"
 REMOTE_REPO = "millm-test/remote-code-llama"
 # imported by transformers with trust_remote_code: it leaves a marker and fails the load
-MARKER_CODE = ("import os, pathlib\n"
-               "pathlib.Path(os.environ.get('MILLM_DATA_DIR', '/tmp'), 'REMOTE_CODE_RAN')"
-               ".write_text('ran')\n")
+MARKER_CODE = (
+    "import os, pathlib\npathlib.Path(os.environ.get('MILLM_DATA_DIR', '/tmp'), 'REMOTE_CODE_RAN').write_text('ran')\n"
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -41,8 +41,9 @@ class Served:
     root: Path
     log: Path
 
-    def call(self, method: str, path: str, body: dict | None = None, *,
-             key: str | None = ADMIN_KEY) -> tuple[int, dict]:
+    def call(
+        self, method: str, path: str, body: dict | None = None, *, key: str | None = ADMIN_KEY
+    ) -> tuple[int, dict]:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method=method)
         request.add_header("Content-Type", "application/json")
@@ -68,25 +69,36 @@ class Served:
 
 @pytest.fixture(scope="module")
 def remote_repo(standin_hub, tiny_assets):  # noqa: F811 - the stand-in hub fixture
-    repo = standin_hub.add_directory(REMOTE_REPO, tiny_assets.models["tiny-llama"].path,
-                                     extra={"modeling_x.py": MARKER_CODE.encode()})
+    repo = standin_hub.add_directory(
+        REMOTE_REPO, tiny_assets.models["tiny-llama"].path, extra={"modeling_x.py": MARKER_CODE.encode()}
+    )
     repo.config["auto_map"] = {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}
     return repo
 
 
 @pytest.fixture(scope="module")
-def served(django_db_setup, django_db_blocker, standin_hub, remote_repo,  # noqa: F811
-           tmp_path_factory):
+def served(
+    django_db_setup,
+    django_db_blocker,
+    standin_hub,
+    remote_repo,  # noqa: F811
+    tmp_path_factory,
+):
     from registry.models import SAE, Attachment, Job, Model
 
     root = tmp_path_factory.mktemp("registry-served")
     # LOCAL_MODEL_ROOTS and ALLOW_REMOTE_CODE unset: the defaults are what is under test
     env = {
         "SECRET_KEY": "registry-security-secret-key-0123456789abcdef",
-        "MILLM_DATA_DIR": str(root / "data"), "HF_ENDPOINT": standin_hub.url,
-        "MILLM_API_KEYS": f"alice:{USER_KEY}", "MILLM_ADMIN_API_KEYS": f"ops:{ADMIN_KEY}",
-        "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32",
-        "LOG_LEVEL": "WARNING", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "OMP_NUM_THREADS": "1",
+        "MILLM_DATA_DIR": str(root / "data"),
+        "HF_ENDPOINT": standin_hub.url,
+        "MILLM_API_KEYS": f"alice:{USER_KEY}",
+        "MILLM_ADMIN_API_KEYS": f"ops:{ADMIN_KEY}",
+        "MILLM_ENGINE_DEVICE": "cpu",
+        "MILLM_ENGINE_DTYPE": "float32",
+        "LOG_LEVEL": "WARNING",
+        "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+        "OMP_NUM_THREADS": "1",
     }
     try:
         with served_process(root, env) as serving:
@@ -103,12 +115,14 @@ def _files(root: Path) -> list[str]:
 
 # --- item 2: remote code ---------------------------------------------------------------
 
+
 def test_remote_code_is_refused_and_nothing_is_fetched(served, standin_hub):  # noqa: F811
     seen = len(standin_hub.requests)
     for key in (ADMIN_KEY, USER_KEY):
-        for body in ({"repo_id": REMOTE_REPO, "trust_remote_code": True},
-                     {"source": "local", "local_path": str(served.root / "data"),
-                      "trust_remote_code": True}):
+        for body in (
+            {"repo_id": REMOTE_REPO, "trust_remote_code": True},
+            {"source": "local", "local_path": str(served.root / "data"), "trust_remote_code": True},
+        ):
             code, answer = served.call("POST", "/api/models", body, key=key)
             if key == USER_KEY:  # an inference key changes no registry at all
                 assert code == 403 and answer["error"]["code"] == "FORBIDDEN", answer
@@ -116,10 +130,11 @@ def test_remote_code_is_refused_and_nothing_is_fetched(served, standin_hub):  # 
             assert code == 400, answer
             error = answer["error"]
             assert error["code"] == "REMOTE_CODE_NOT_ALLOWED", answer
-            assert "trust_remote_code" in error["message"] and "ALLOW_REMOTE_CODE" in \
-                error["message"]
+            assert "trust_remote_code" in error["message"] and "ALLOW_REMOTE_CODE" in error["message"]
             assert (error["details"]["field"], error["details"]["setting"]) == (
-                "trust_remote_code", "ALLOW_REMOTE_CODE")
+                "trust_remote_code",
+                "ALLOW_REMOTE_CODE",
+            )
     code, answer = served.call("GET", "/api/models")
     assert answer["data"]["total"] == 0
     # no file of the repository was fetched, the .py least of all, and nothing ran
@@ -132,26 +147,35 @@ def test_remote_code_is_refused_and_nothing_is_fetched(served, standin_hub):  # 
 
 # --- item 9: local paths ---------------------------------------------------------------
 
-def test_a_path_outside_the_roots_gets_one_answer_whether_it_exists_or_not(served, tmp_path,
-                                                                          tiny_assets):
+
+def test_a_path_outside_the_roots_gets_one_answer_whether_it_exists_or_not(served, tmp_path, tiny_assets):
     # a real checkpoint outside the data directory, a real secret folder, missing paths
     secret = tmp_path / ".ssh"
     secret.mkdir()
     (secret / "id_rsa").write_text("not for you")
     inside = served.root / "data" / "link-out"
     inside.symlink_to(tiny_assets.models["tiny-llama"].path)  # a symlink out of a root
-    paths = [str(tiny_assets.models["tiny-llama"].path), str(secret),
-             str(tmp_path / "missing"), "/root/.ssh", "/etc/shadow",
-             str(served.root / "data" / ".." / ".." / secret.name), str(inside)]
+    paths = [
+        str(tiny_assets.models["tiny-llama"].path),
+        str(secret),
+        str(tmp_path / "missing"),
+        "/root/.ssh",
+        "/etc/shadow",
+        str(served.root / "data" / ".." / ".." / secret.name),
+        str(inside),
+    ]
     answers = []
     for path in paths:
-        for route, body in (("/api/models", {"source": "local", "local_path": path}),
-                            ("/api/saes", {"source": "local", "local_path": path})):
+        for route, body in (
+            ("/api/models", {"source": "local", "local_path": path}),
+            ("/api/saes", {"source": "local", "local_path": path}),
+        ):
             code, answer = served.call("POST", route, body)
             assert not answer["success"], (route, path, answer)
             error = answer["error"]
-            answers.append((code, error["code"], error["message"],
-                            tuple(sorted(k for k in error["details"] if k != "local_path"))))
+            answers.append(
+                (code, error["code"], error["message"], tuple(sorted(k for k in error["details"] if k != "local_path")))
+            )
             assert error["details"]["local_path"] == path
             # an inference key is refused before any path is looked at
             code, answer = served.call("POST", route, body, key=USER_KEY)
@@ -166,19 +190,22 @@ def test_a_path_outside_the_roots_gets_one_answer_whether_it_exists_or_not(serve
 
 # --- item 8: a delete never takes another row's files ------------------------------------
 
+
 def test_deleting_a_local_alias_keeps_the_downloaded_models_files(served):
-    code, answer = served.call("POST", "/api/models", {"repo_id": MODEL_REPO,
-                                                       "quantization": "FP32",
-                                                       "custom_name": "downloaded"})
+    code, answer = served.call(
+        "POST", "/api/models", {"repo_id": MODEL_REPO, "quantization": "FP32", "custom_name": "downloaded"}
+    )
     assert code == 202, answer
     downloaded = served.wait_model(answer["data"]["model"]["id"])
     folder = Path(downloaded["local_path"])
     before = _files(folder)
     assert "model.safetensors" in before
     # the same files registered again (under the data directory, so allowed), as Q8
-    code, answer = served.call("POST", "/api/models", {
-        "source": "local", "local_path": str(folder), "custom_name": "alias",
-        "quantization": "Q8"})
+    code, answer = served.call(
+        "POST",
+        "/api/models",
+        {"source": "local", "local_path": str(folder), "custom_name": "alias", "quantization": "Q8"},
+    )
     assert code == 201, answer
     alias = answer["data"]["model"]
     code, answer = served.call("DELETE", f"/api/models/{alias['id']}")
@@ -188,9 +215,11 @@ def test_deleting_a_local_alias_keeps_the_downloaded_models_files(served):
     # an alias again, and this time the downloaded row goes first: its folder stays while
     # the alias reads it (the alias's weights), and the alias, which downloaded nothing,
     # never removes it either (manage.py prune_cache does, once no row reads it)
-    code, answer = served.call("POST", "/api/models", {
-        "source": "local", "local_path": str(folder), "custom_name": "alias2",
-        "quantization": "Q8"})
+    code, answer = served.call(
+        "POST",
+        "/api/models",
+        {"source": "local", "local_path": str(folder), "custom_name": "alias2", "quantization": "Q8"},
+    )
     assert code == 201, answer
     alias2 = answer["data"]["model"]
     assert served.call("DELETE", f"/api/models/{downloaded['id']}")[0] == 200
@@ -200,8 +229,7 @@ def test_deleting_a_local_alias_keeps_the_downloaded_models_files(served):
 
 
 def test_deleting_a_downloaded_model_removes_its_own_download(served):
-    code, answer = served.call("POST", "/api/models", {"repo_id": "millm-test/tiny-gpt2",
-                                                       "quantization": "FP32"})
+    code, answer = served.call("POST", "/api/models", {"repo_id": "millm-test/tiny-gpt2", "quantization": "FP32"})
     assert code == 202, answer
     downloaded = served.wait_model(answer["data"]["model"]["id"])
     folder = Path(downloaded["local_path"])
@@ -218,53 +246,59 @@ def test_deleting_a_downloaded_model_removes_its_own_download(served):
 DiskUsage = namedtuple("DiskUsage", "total used free")
 
 
-def test_a_download_that_does_not_fit_is_refused_before_anything(hub, settings,  # noqa: F811
-                                                                  monkeypatch):
+def test_a_download_that_does_not_fit_is_refused_before_anything(
+    hub,
+    settings,  # noqa: F811
+    monkeypatch,
+):
     from registry.models import SAE, Job, Model
 
     files = hub.repos[MODEL_REPO].files
-    needed = sum(len(data) for name, data in files.items()
-                 if "/" not in name and name.endswith((".safetensors", ".json", ".txt",
-                                                       ".model", ".jinja", ".tiktoken")))
+    needed = sum(
+        len(data)
+        for name, data in files.items()
+        if "/" not in name and name.endswith((".safetensors", ".json", ".txt", ".model", ".jinja", ".tiktoken"))
+    )
     free = needed - 1
-    monkeypatch.setattr(shutil, "disk_usage",
-                        lambda path: DiskUsage(10 * needed, 10 * needed - free, free))
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: DiskUsage(10 * needed, 10 * needed - free, free))
     seen = len(hub.requests)
     # (the served tests' rows, committed by another process, may be there too)
     rows = (Model.objects.count(), SAE.objects.count(), Job.objects.count())
     api = APIClient()
-    error = refused(api.post("/api/models", {"repo_id": MODEL_REPO}, format="json"),
-                    507, "INSUFFICIENT_STORAGE")
+    error = refused(api.post("/api/models", {"repo_id": MODEL_REPO}, format="json"), 507, "INSUFFICIENT_STORAGE")
     assert (error["details"]["needed_bytes"], error["details"]["free_bytes"]) == (needed, free)
     assert str(needed) in error["message"] and str(free) in error["message"]
     sae_files = hub.repos[SAE_REPO].files
     sae_needed = sum(len(d) for n, d in sae_files.items() if n.startswith(f"{SAELENS_DIR}/"))
-    monkeypatch.setattr(shutil, "disk_usage",
-                        lambda path: DiskUsage(sae_needed, sae_needed, sae_needed - 1))
-    error = refused(api.post("/api/saes/download", {"repository_id": SAE_REPO,
-                                                     "file_path": SAELENS_DIR},
-                             format="json"), 507, "INSUFFICIENT_STORAGE")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: DiskUsage(sae_needed, sae_needed, sae_needed - 1))
+    error = refused(
+        api.post("/api/saes/download", {"repository_id": SAE_REPO, "file_path": SAELENS_DIR}, format="json"),
+        507,
+        "INSUFFICIENT_STORAGE",
+    )
     assert error["details"]["needed_bytes"] == sae_needed
     assert (Model.objects.count(), SAE.objects.count(), Job.objects.count()) == rows
     assert not any("/resolve/" in r.path and r.method == "GET" for r in hub.requests[seen:])
-    assert not Path(settings.MODEL_CACHE_DIR).exists() or not any(
-        Path(settings.MODEL_CACHE_DIR).iterdir())
+    assert not Path(settings.MODEL_CACHE_DIR).exists() or not any(Path(settings.MODEL_CACHE_DIR).iterdir())
 
 
 # --- remote code at load: a row saved earlier runs none once the setting is off ---------
 
+
 def test_a_row_registered_with_remote_code_is_refused_at_load(tiny_assets, settings):
     from registry.models import Job, Model
 
-    row = Model.objects.create(name="legacy", source="local", status="ready",
-                               local_path=str(tiny_assets.models["tiny-llama"].path),
-                               trust_remote_code=True)
+    row = Model.objects.create(
+        name="legacy",
+        source="local",
+        status="ready",
+        local_path=str(tiny_assets.models["tiny-llama"].path),
+        trust_remote_code=True,
+    )
     settings.ALLOW_REMOTE_CODE = False
     jobs = Job.objects.count()
-    error = refused(APIClient().post(f"/api/models/{row.id}/load"), 400,
-                    "REMOTE_CODE_NOT_ALLOWED")
-    assert (error["details"]["setting"], error["details"]["model_id"]) == (
-        "ALLOW_REMOTE_CODE", row.id)
+    error = refused(APIClient().post(f"/api/models/{row.id}/load"), 400, "REMOTE_CODE_NOT_ALLOWED")
+    assert (error["details"]["setting"], error["details"]["model_id"]) == ("ALLOW_REMOTE_CODE", row.id)
     assert Job.objects.count() == jobs
     row.refresh_from_db()
     assert row.status == "ready"
@@ -278,6 +312,7 @@ def test_a_row_registered_with_remote_code_is_refused_at_load(tiny_assets, setti
 
 # --- strict /api bodies ------------------------------------------------------------------
 
+
 def test_unknown_and_mistyped_fields_are_refused_naming_them(tiny_assets):
     from registry.models import Model
 
@@ -286,8 +321,7 @@ def test_unknown_and_mistyped_fields_are_refused_naming_them(tiny_assets):
     cases = [
         # "name" is custom_name's name elsewhere: it used to be dropped in silence
         ({"source": "local", "local_path": path, "name": "mine"}, "name"),
-        ({"source": "local", "local_path": path, "trust_remote_code": "false"},
-         "trust_remote_code"),
+        ({"source": "local", "local_path": path, "trust_remote_code": "false"}, "trust_remote_code"),
         ({"source": "local", "local_path": path, "custom_name": 7}, "custom_name"),
     ]
     for body, field in cases:
@@ -295,10 +329,12 @@ def test_unknown_and_mistyped_fields_are_refused_naming_them(tiny_assets):
         assert field in error["details"]["fields"], error
         assert field in error["message"]
     assert not Model.objects.filter(local_path=path).exists()
-    made = ok(api.post("/api/models", {"source": "local", "local_path": path,
-                                       "custom_name": "mine"}, format="json"), 201)["model"]
-    error = refused(api.patch(f"/api/models/{made['id']}", {"backend": "", "name": "x"},
-                              format="json"), 422, "VALIDATION_ERROR")
+    made = ok(
+        api.post("/api/models", {"source": "local", "local_path": path, "custom_name": "mine"}, format="json"), 201
+    )["model"]
+    error = refused(
+        api.patch(f"/api/models/{made['id']}", {"backend": "", "name": "x"}, format="json"), 422, "VALIDATION_ERROR"
+    )
     assert list(error["details"]["fields"]) == ["name"]
     error = refused(api.get("/api/jobs?limit=2x"), 422, "VALIDATION_ERROR")  # still checked
     ok(api.get("/api/jobs?limit=2"))  # a query string is text: "2" is 2 there
@@ -310,31 +346,48 @@ def test_the_same_checkpoint_is_registered_once(tiny_assets):
 
     api = APIClient()
     path = tiny_assets.models["tiny-llama"].path
-    first = ok(api.post("/api/models", {"source": "local", "local_path": str(path),
-                                        "custom_name": "one"}, format="json"), 201)["model"]
+    first = ok(
+        api.post("/api/models", {"source": "local", "local_path": str(path), "custom_name": "one"}, format="json"), 201
+    )["model"]
     for spelling in (str(path), f"{path}/", str(path.parent / "." / path.name)):
-        error = refused(api.post("/api/models", {"source": "local", "local_path": spelling,
-                                                 "custom_name": "two"}, format="json"),
-                        409, "MODEL_ALREADY_EXISTS")
+        error = refused(
+            api.post("/api/models", {"source": "local", "local_path": spelling, "custom_name": "two"}, format="json"),
+            409,
+            "MODEL_ALREADY_EXISTS",
+        )
         assert error["details"]["model_id"] == first["id"] and "'one'" in error["message"]
     assert Model.objects.filter(local_path=str(path.resolve())).count() == 1
 
 
-@pytest.mark.parametrize(("collection", "name"), [
-    ("clusters", "active"), ("clusters", "import"), ("clusters", "12"),
-    ("circuits", "active"), ("circuits", "import"), ("circuits", "claims"),
-])
+@pytest.mark.parametrize(
+    ("collection", "name"),
+    [
+        ("clusters", "active"),
+        ("clusters", "import"),
+        ("clusters", "12"),
+        ("circuits", "active"),
+        ("circuits", "import"),
+        ("circuits", "claims"),
+    ],
+)
 def test_document_names_that_shadow_their_routes_are_refused(collection, name):
     from steering.models import Circuit, Cluster
 
     if collection == "clusters":
-        doc = {"kind": "mistudio.cluster-definition", "schema_version": "1", "name": name,
-               "members": [{"feature_idx": 1, "strength": 50}]}
+        doc = {
+            "kind": "mistudio.cluster-definition",
+            "schema_version": "1",
+            "name": name,
+            "members": [{"feature_idx": 1, "strength": 50}],
+        }
     else:
-        doc = {"kind": "mistudio.circuit-definition", "schema_version": "1", "name": name,
-               "saes": [{"sae_id": "some-sae", "layer": 1}],
-               "members": [{"layer": 1, "feature": {"feature_idx": 1, "strength": 5}}]}
-    error = refused(APIClient().post(f"/api/{collection}/import", doc, format="json"), 422,
-                    "VALIDATION_ERROR")
+        doc = {
+            "kind": "mistudio.circuit-definition",
+            "schema_version": "1",
+            "name": name,
+            "saes": [{"sae_id": "some-sae", "layer": 1}],
+            "members": [{"layer": 1, "feature": {"feature_idx": 1, "strength": 5}}],
+        }
+    error = refused(APIClient().post(f"/api/{collection}/import", doc, format="json"), 422, "VALIDATION_ERROR")
     assert "name" in error["details"]["fields"] and repr(name) in error["message"]
     assert not Cluster.objects.exists() and not Circuit.objects.exists()

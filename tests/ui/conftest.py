@@ -28,9 +28,15 @@ REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "ui"
 SLOW_REPO = "millm-ui/slow-llama"
 # Debian's chromium; a machine without internet must not fetch anything in the background
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run",
-                 "--disable-dev-shm-usage"]
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+    "--disable-dev-shm-usage",
+]
 VIEWPORT = {"width": 1366, "height": 768}
 
 
@@ -41,6 +47,7 @@ def free_port() -> int:
 
 
 # --- the stand-in hub, slowed down -------------------------------------------------------
+
 
 class SlowHub(StandInHub):
     """The /api tests' stand-in hub with file bodies sent at ``rate`` bytes per second.
@@ -55,8 +62,7 @@ class SlowHub(StandInHub):
 
         class Throttled(base):
             def _send(self, status, body=b"", headers=None, *, head=False):
-                if head or len(body) < 4096 or self.command != "GET" \
-                        or "/resolve/" not in self.path:
+                if head or len(body) < 4096 or self.command != "GET" or "/resolve/" not in self.path:
                     return super()._send(status, body, headers, head=head)
                 self.send_response(status)
                 for key, value in (headers or {}).items():
@@ -66,7 +72,7 @@ class SlowHub(StandInHub):
                 self.end_headers()
                 piece = 16 * 1024
                 for start in range(0, len(body), piece):
-                    self.wfile.write(body[start:start + piece])
+                    self.wfile.write(body[start : start + piece])
                     self.wfile.flush()
                     time.sleep(piece / rate)
 
@@ -76,14 +82,14 @@ class SlowHub(StandInHub):
 @pytest.fixture(scope="session")
 def slow_hub(tiny_assets):
     hub = SlowHub(rate=256 * 1024).start()
-    fillers = {f"notes-{i}.json": json.dumps({"notes": "x" * 180_000, "part": i}).encode()
-               for i in range(5)}
+    fillers = {f"notes-{i}.json": json.dumps({"notes": "x" * 180_000, "part": i}).encode() for i in range(5)}
     hub.add_directory(SLOW_REPO, tiny_assets.models["tiny-llama"].path, extra=fillers)
     yield hub
     hub.stop()
 
 
 # --- the server ------------------------------------------------------------------------
+
 
 @dataclass
 class Server:
@@ -93,8 +99,7 @@ class Server:
     key: str | None = None
     sae_id: str | None = None
 
-    def call(self, method: str, path: str, body: dict | None = None, *,
-             timeout: float = 30) -> tuple[int, dict]:
+    def call(self, method: str, path: str, body: dict | None = None, *, timeout: float = 30) -> tuple[int, dict]:
         data = None if body is None else json.dumps(body).encode()
         request = urllib.request.Request(self.url + path, data=data, method=method)
         request.add_header("Content-Type", "application/json")
@@ -125,20 +130,27 @@ class Server:
 
 
 def _env(root: Path, hub_url: str, extra: dict[str, str] | None = None) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")}
-    env.update({
-        "MILLM_ENV_FILE": "/nonexistent/.env", "MILLM_DATA_DIR": str(root),
-        "SECRET_KEY": "ui-test-secret-key-0123456789abcdefghijklmnop",
-        "MODEL_CACHE_DIR": str(root / "models"), "SAE_CACHE_DIR": str(root / "saes"),
-        "HF_ENDPOINT": hub_url, "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-        "HF_HUB_DISABLE_TELEMETRY": "1", "MILLM_ENGINE_DEVICE": "cpu",
-        "MILLM_ENGINE_DTYPE": "float32", "LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1",
-        "MAX_PENDING_REQUESTS": "10",
-        # the operator's local roots: the tests' own folders and the asset cache
-        # (millm_site.test_settings), where the pages register checkpoints and SAEs from
-        "LOCAL_MODEL_ROOTS": os.environ.get("LOCAL_MODEL_ROOTS", ""),
-    })
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "PYTHONPATH")}
+    env.update(
+        {
+            "MILLM_ENV_FILE": "/nonexistent/.env",
+            "MILLM_DATA_DIR": str(root),
+            "SECRET_KEY": "ui-test-secret-key-0123456789abcdefghijklmnop",
+            "MODEL_CACHE_DIR": str(root / "models"),
+            "SAE_CACHE_DIR": str(root / "saes"),
+            "HF_ENDPOINT": hub_url,
+            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1",
+            "MILLM_ENGINE_DEVICE": "cpu",
+            "MILLM_ENGINE_DTYPE": "float32",
+            "LOG_LEVEL": "WARNING",
+            "OMP_NUM_THREADS": "1",
+            "MAX_PENDING_REQUESTS": "10",
+            # the operator's local roots: the tests' own folders and the asset cache
+            # (millm_site.test_settings), where the pages register checkpoints and SAEs from
+            "LOCAL_MODEL_ROOTS": os.environ.get("LOCAL_MODEL_ROOTS", ""),
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -146,20 +158,25 @@ def _env(root: Path, hub_url: str, extra: dict[str, str] | None = None) -> dict[
 def start_server(root: Path, hub_url: str, extra: dict[str, str] | None = None) -> Server:
     env = _env(root, hub_url, extra)
     manage = [sys.executable, str(REPO / "manage.py")]
-    for args in (["migrate", "-v0"],
-                 ["create_demo_assets", "--tiny-only", "--output", str(asset_cache_dir())]):
-        done = subprocess.run([*manage, *args], cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=180)
+    for args in (["migrate", "-v0"], ["create_demo_assets", "--tiny-only", "--output", str(asset_cache_dir())]):
+        done = subprocess.run([*manage, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
         assert done.returncode == 0, f"{args[0]} failed:\n{done.stdout}\n{done.stderr}"
     port = free_port()
     log = root / "serve.log"
     with open(log, "wb") as sink:
-        process = subprocess.Popen([*manage, "serve", "--host", "127.0.0.1", "--port",
-                                    str(port), "--no-auto-load"], cwd=REPO, env=env,
-                                   stdout=sink, stderr=subprocess.STDOUT)
-    server = Server(f"http://127.0.0.1:{port}", process, log,
-                    key=(extra or {}).get("MILLM_ADMIN_API_KEYS")
-                    or (extra or {}).get("MILLM_API_KEYS"))
+        process = subprocess.Popen(
+            [*manage, "serve", "--host", "127.0.0.1", "--port", str(port), "--no-auto-load"],
+            cwd=REPO,
+            env=env,
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    server = Server(
+        f"http://127.0.0.1:{port}",
+        process,
+        log,
+        key=(extra or {}).get("MILLM_ADMIN_API_KEYS") or (extra or {}).get("MILLM_API_KEYS"),
+    )
 
     def answers() -> bool:
         try:
@@ -186,29 +203,47 @@ def server(tiny_assets, slow_hub, tmp_path_factory):
     circuit imported, monitoring recording and a few generations in its history. Every
     capture is stored (CAPTURE_INLINE_MAX_BYTES=0), so the captures page has something
     to list."""
-    srv = start_server(tmp_path_factory.mktemp("ui-server"), slow_hub.url,
-                       {"CAPTURE_INLINE_MAX_BYTES": "0"})
+    srv = start_server(tmp_path_factory.mktemp("ui-server"), slow_hub.url, {"CAPTURE_INLINE_MAX_BYTES": "0"})
     try:
         models = {m["name"]: m for m in srv.api("GET", "/api/models")["models"]}
         saes = {s["name"]: s for s in srv.api("GET", "/api/saes")["saes"]}
         srv.api("POST", f"/api/models/{models['tiny-llama']['id']}/load")
-        srv.wait_for("tiny-llama to load", lambda: srv.api(
-            "GET", f"/api/models/{models['tiny-llama']['id']}")["status"] == "loaded")
+        srv.wait_for(
+            "tiny-llama to load",
+            lambda: srv.api("GET", f"/api/models/{models['tiny-llama']['id']}")["status"] == "loaded",
+        )
         srv.api("POST", f"/api/saes/{saes['tiny-llama-L1-relu']['id']}/attach", {"layer": 1})
         srv.sae_id = saes["tiny-llama-L1-relu"]["id"]
-        for path, doc in (("/api/clusters/import", documents.CLUSTER),
-                          ("/api/circuits/import", documents.CIRCUIT)):
+        for path, doc in (("/api/clusters/import", documents.CLUSTER), ("/api/circuits/import", documents.CIRCUIT)):
             srv.api("POST", path, doc)
-        srv.api("POST", "/api/profiles", {"name": "gentle", "description": "Two features",
-                                          "sae_id": srv.sae_id, "layer": 1,
-                                          "steering": {"1": 6, "2": -4}})
-        srv.api("POST", "/api/monitoring/configure",
-                {"enabled": True, "top_k": 5, "positions": "completion",
-                 "sae_id": srv.sae_id, "layer": 1})
+        srv.api(
+            "POST",
+            "/api/profiles",
+            {
+                "name": "gentle",
+                "description": "Two features",
+                "sae_id": srv.sae_id,
+                "layer": 1,
+                "steering": {"1": 6, "2": -4},
+            },
+        )
+        srv.api(
+            "POST",
+            "/api/monitoring/configure",
+            {"enabled": True, "top_k": 5, "positions": "completion", "sae_id": srv.sae_id, "layer": 1},
+        )
         for i in range(2):
-            status, _ = srv.call("POST", "/v1/chat/completions", {
-                "model": "tiny-llama", "max_tokens": 8, "temperature": 0,
-                "messages": [{"role": "user", "content": f"warm-up {i}"}]}, timeout=60)
+            status, _ = srv.call(
+                "POST",
+                "/v1/chat/completions",
+                {
+                    "model": "tiny-llama",
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "messages": [{"role": "user", "content": f"warm-up {i}"}],
+                },
+                timeout=60,
+            )
             assert status == 200
         yield srv
     finally:
@@ -217,17 +252,19 @@ def server(tiny_assets, slow_hub, tmp_path_factory):
 
 # --- the browser ---------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def browser():
     executable = shutil.which("chromium")
     if executable is None:
-        pytest.fail("chromium is not installed: apt-get install -y chromium "
-                    "(scripts/test does it; Playwright never downloads a browser here)")
+        pytest.fail(
+            "chromium is not installed: apt-get install -y chromium "
+            "(scripts/test does it; Playwright never downloads a browser here)"
+        )
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as playwright:
-        instance = playwright.chromium.launch(executable_path=executable, headless=True,
-                                              args=CHROMIUM_ARGS)
+        instance = playwright.chromium.launch(executable_path=executable, headless=True, args=CHROMIUM_ARGS)
         yield instance
         instance.close()
 
@@ -237,9 +274,14 @@ class Console:
 
     def __init__(self, page) -> None:
         self.errors: list[str] = []
-        page.on("console", lambda m: self.errors.append(f"console.error: {m.text} "
-                                                        f"({m.location.get('url', '')})")
-                if m.type == "error" else None)
+        page.on(
+            "console",
+            lambda m: (
+                self.errors.append(f"console.error: {m.text} ({m.location.get('url', '')})")
+                if m.type == "error"
+                else None
+            ),
+        )
         page.on("pageerror", lambda e: self.errors.append(f"pageerror: {e}"))
 
     def assert_clean(self) -> None:

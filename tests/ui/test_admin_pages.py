@@ -6,8 +6,7 @@ from __future__ import annotations
 
 def test_admin_login_loads_without_a_failed_request(server, page):
     failed: list[str] = []
-    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400
-            else None)
+    page.on("response", lambda r: failed.append(f"{r.status} {r.url}") if r.status >= 400 else None)
     page.goto(server.url + "/admin/login/")
     page.wait_for_load_state("networkidle")
     assert page.title() == "Log in | miLLM admin"

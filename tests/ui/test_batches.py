@@ -30,10 +30,15 @@ def _upload(server, lines: list[dict]) -> str:
     """POST /v1/files (multipart, purpose=batch); the file's id."""
     boundary = uuid.uuid4().hex
     content = "".join(json.dumps(x) + "\n" for x in lines).encode()
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; "
-            f"filename=\"in.jsonl\"\r\nContent-Type: application/jsonl\r\n\r\n").encode() \
-        + content + f"\r\n--{boundary}--\r\n".encode()
+    body = (
+        (
+            f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+            f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+            f'filename="in.jsonl"\r\nContent-Type: application/jsonl\r\n\r\n'
+        ).encode()
+        + content
+        + f"\r\n--{boundary}--\r\n".encode()
+    )
     request = urllib.request.Request(server.url + "/v1/files", data=body, method="POST")
     request.add_header("Content-Type", f"multipart/form-data; boundary={boundary}")
     with urllib.request.urlopen(request, timeout=30) as response:
@@ -41,14 +46,26 @@ def _upload(server, lines: list[dict]) -> str:
 
 
 def _create(server, n: int, max_tokens: int) -> str:
-    lines = [{"custom_id": f"ui-{i}", "method": "POST", "url": "/v1/chat/completions",
-              "body": {"model": "tiny-llama", "max_tokens": max_tokens, "temperature": 0,
-                       "ignore_eos": True,
-                       "messages": [{"role": "user", "content": f"line {i}"}]}}
-             for i in range(n)]
-    status, batch = server.call("POST", "/v1/batches", {
-        "input_file_id": _upload(server, lines), "endpoint": "/v1/chat/completions",
-        "completion_window": "24h"})
+    lines = [
+        {
+            "custom_id": f"ui-{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "tiny-llama",
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"line {i}"}],
+            },
+        }
+        for i in range(n)
+    ]
+    status, batch = server.call(
+        "POST",
+        "/v1/batches",
+        {"input_file_id": _upload(server, lines), "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
     assert status == 200, batch
     return batch["id"]
 
@@ -61,8 +78,10 @@ def _server_batch(server, batch_id: str) -> dict:
 
 def test_the_progress_bar_follows_a_running_batch(server, page):
     lists: list[str] = []
-    page.on("request", lambda r: lists.append(r.url)
-            if r.method == "GET" and r.url.split("?")[0].endswith("/v1/batches") else None)
+    page.on(
+        "request",
+        lambda r: lists.append(r.url) if r.method == "GET" and r.url.split("?")[0].endswith("/v1/batches") else None,
+    )
     page.goto(server.url + "/batches/")
     page.wait_for_function("document.querySelector('#ws-status').textContent.includes('live')")
     page.wait_for_selector("#batches tr", state="attached")
@@ -90,7 +109,10 @@ def test_the_progress_bar_follows_a_running_batch(server, page):
     assert final["status"] == "completed"
     last = seen[-1]
     assert (last["completed"], last["failed"], last["total"]) == (
-        final["request_counts"]["completed"], final["request_counts"]["failed"], n)
+        final["request_counts"]["completed"],
+        final["request_counts"]["failed"],
+        n,
+    )
     assert last["bar"] == 100 and last["text"].startswith(f"{n} of {n}")
     assert not last["cancel"]  # a finished batch cannot be cancelled
     values = [s["completed"] for s in seen]
@@ -102,8 +124,7 @@ def test_the_progress_bar_follows_a_running_batch(server, page):
     assert len(lists) <= 4, lists
     assert len(lists) < len(moving) + 2
     # the finished batch's output file, named by the list the page read again
-    page.wait_for_selector(f"{ROW.format(id=batch_id)} [data-file=output]"
-                           f"[title='{final['output_file_id']}']")
+    page.wait_for_selector(f"{ROW.format(id=batch_id)} [data-file=output][title='{final['output_file_id']}']")
     screenshot(page, "batches")
     page.console.assert_clean()
 
@@ -129,13 +150,17 @@ def test_cancel_asks_first_and_the_row_ends_cancelled(server, page):
     assert len(asked) == 1 and batch_id in asked[0]
     assert _server_batch(server, batch_id)["status"] in ("validating", "in_progress")
     row.get_by_role("button", name=f"Cancel batch {batch_id}").click()
-    page.wait_for_function(f"""(() => {{ const tr = document.querySelector(
+    page.wait_for_function(
+        f"""(() => {{ const tr = document.querySelector(
         "{ROW.format(id=batch_id)}"); return tr && tr.dataset.status === 'cancelled'; }})()""",
-                           timeout=60_000)
+        timeout=60_000,
+    )
     final = _server_batch(server, batch_id)
     assert final["status"] == "cancelled"
     shown = page.evaluate(SHOWN, batch_id)
-    assert (shown["completed"], shown["failed"]) == (final["request_counts"]["completed"],
-                                                     final["request_counts"]["failed"])
+    assert (shown["completed"], shown["failed"]) == (
+        final["request_counts"]["completed"],
+        final["request_counts"]["failed"],
+    )
     assert final["request_counts"]["completed"] < 400 and not shown["cancel"]
     page.console.assert_clean()

@@ -12,17 +12,29 @@ from tests.ui.test_captures import _download, _store_capture
 
 def test_an_inline_capture_is_not_called_kept(server, page):
     capture_id, _ = _store_capture(server, "inline", {"layers": [0, 1], "positions": "last"})
-    status, answer = server.call("POST", "/v1/chat/completions", {
-        "model": "tiny-llama", "max_tokens": 3, "temperature": 0,
-        "messages": [{"role": "user", "content": "inline"}],
-        "capture": {"layers": [0, 1], "positions": "last"}}, timeout=60)
+    status, answer = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": "tiny-llama",
+            "max_tokens": 3,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "inline"}],
+            "capture": {"layers": [0, 1], "positions": "last"},
+        },
+        timeout=60,
+    )
     assert status == 200
     stored = answer["millm"]["capture"]
     # the inline form (docs/capture.md): {id, inline: true, format, bytes, data, metadata}
     answer["millm"]["capture"] = {
-        "id": stored["id"], "inline": True, "format": stored["format"], "bytes": stored["bytes"],
+        "id": stored["id"],
+        "inline": True,
+        "format": stored["format"],
+        "bytes": stored["bytes"],
         "data": base64.b64encode(_download(server, stored["id"])).decode(),
-        "metadata": server.api("GET", f"/api/captures/{stored['id']}")["metadata"]}
+        "metadata": server.api("GET", f"/api/captures/{stored['id']}")["metadata"],
+    }
     page.route("**/v1/chat/completions", lambda route: route.fulfill(json=answer))
     page.goto(server.url + "/captures/")
     page.wait_for_selector("#c-model option[value='tiny-llama']", state="attached")
@@ -31,8 +43,7 @@ def test_an_inline_capture_is_not_called_kept(server, page):
     page.fill("#c-prompt", "inline")
     page.click("#c-send")
     page.wait_for_selector(f"#detail[data-state=ready][data-capture-id='{stored['id']}']")
-    assert "inline (at most CAPTURE_INLINE_MAX_BYTES: shown, not stored)" in \
-        page.inner_text("#c-result")
+    assert "inline (at most CAPTURE_INLINE_MAX_BYTES: shown, not stored)" in page.inner_text("#c-result")
     note = page.inner_text("#detail-note")
     assert note.endswith(" · not stored: gone on reload"), note
     assert "kept until deleted" not in note and "expires" not in note

@@ -16,17 +16,26 @@ from gpu_engine.api.artifacts import load_capture
 from tests.ui.conftest import screenshot
 from tests.ui.test_pages import UNLABELLED
 
-RTOL = 1e-9    # float64 in the page and here; only the order of the sums differs
+RTOL = 1e-9  # float64 in the page and here; only the order of the sums differs
 ATOL = 1e-12
-CAPTURE = {"layers": [0, 1, 2, 3], "positions": "all",
-           "attention": {"layers": [1, 3], "positions": "prompt"}}
+CAPTURE = {"layers": [0, 1, 2, 3], "positions": "all", "attention": {"layers": [1, 3], "positions": "prompt"}}
 
 
 def _store_capture(server, content: str, capture: dict) -> tuple[str, str]:
     """(capture id, the response's id)."""
-    status, out = server.call("POST", "/v1/chat/completions", {
-        "model": "tiny-llama", "max_tokens": 5, "temperature": 0, "ignore_eos": True,
-        "messages": [{"role": "user", "content": content}], "capture": capture}, timeout=60)
+    status, out = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": "tiny-llama",
+            "max_tokens": 5,
+            "temperature": 0,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": content}],
+            "capture": capture,
+        },
+        timeout=60,
+    )
     assert status == 200, out
     obj = out["millm"]["capture"]
     assert obj["inline"] is False, obj  # the UI server stores every capture
@@ -34,8 +43,7 @@ def _store_capture(server, content: str, capture: dict) -> tuple[str, str]:
 
 
 def _download(server, capture_id: str) -> bytes:
-    with urllib.request.urlopen(f"{server.url}/api/captures/{capture_id}/download",
-                                timeout=30) as response:
+    with urllib.request.urlopen(f"{server.url}/api/captures/{capture_id}/download", timeout=30) as response:
         return response.read()
 
 
@@ -45,8 +53,7 @@ def _listed(server) -> list[str]:
 
 def _open(server, page, capture_id: str) -> None:
     page.goto(server.url + "/captures/")
-    page.locator(f"#captures tr[data-capture-id='{capture_id}'] button",
-                 has_text="Open").click()
+    page.locator(f"#captures tr[data-capture-id='{capture_id}'] button", has_text="Open").click()
     page.wait_for_selector(f"#detail[data-state=ready][data-capture-id='{capture_id}']")
 
 
@@ -84,8 +91,7 @@ def _heat_map(page, layer: int, head: int, cap) -> np.ndarray:
 def _check_norms(page, cap, layers: list[int]) -> None:
     """Every (row, layer) cell of the norm table and the plotted mean and highlighted
     lines equal the L2 norms of the file's rows, computed here."""
-    expected = {layer: np.linalg.norm(cap.hidden[layer].astype(np.float64), axis=1)
-                for layer in layers}
+    expected = {layer: np.linalg.norm(cap.hidden[layer].astype(np.float64), axis=1) for layer in layers}
     cells = page.evaluate("""() => [...document.querySelectorAll(
         '#norm-table tbody td[data-norm]')].map((td) => [Number(td.closest('tr').dataset.row),
         Number(td.dataset.layer), Number(td.dataset.norm)])""")
@@ -100,13 +106,11 @@ def _check_norms(page, cap, layers: list[int]) -> None:
     last = len(cap.positions) - 1  # the highlighted row by default
     chosen = page.evaluate("""() => [...document.querySelectorAll('#norm-plot circle.dot.chosen')]
         .map((c) => Number(c.dataset.norm))""")
-    np.testing.assert_allclose(chosen, [expected[layer][last] for layer in layers],
-                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(chosen, [expected[layer][last] for layer in layers], rtol=RTOL, atol=ATOL)
 
 
 def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
-    capture_id, response_id = _store_capture(server, "Show me where the attention goes.",
-                                             CAPTURE)
+    capture_id, response_id = _store_capture(server, "Show me where the attention goes.", CAPTURE)
     cap = load_capture(_download(server, capture_id))
     assert cap.meta["attention"]["num_kv_heads"] < cap.meta["attention"]["num_heads"]  # GQA
     _open(server, page, capture_id)
@@ -122,8 +126,7 @@ def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
     want = _reference_attention(cap, 3, 1)
     shown = _heat_map(page, 3, 1, cap)
     np.testing.assert_array_equal(np.isnan(shown), np.isnan(want))  # causal: same mask
-    np.testing.assert_allclose(shown[~np.isnan(want)], want[~np.isnan(want)],
-                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(shown[~np.isnan(want)], want[~np.isnan(want)], rtol=RTOL, atol=ATOL)
     # labels: the token id at each key's position, from the sidecar
     tokens = cap.meta["prompt_token_ids"] + cap.meta["completion_token_ids"]
     labels = page.locator("#att-map thead th.key").all_inner_texts()
@@ -134,8 +137,7 @@ def test_norm_plot_and_heat_map_equal_the_downloaded_file(server, page):
     for layer, head in ((3, 0), (1, 1)):
         shown = _heat_map(page, layer, head, cap)
         want = _reference_attention(cap, layer, head)
-        np.testing.assert_allclose(shown[~np.isnan(want)], want[~np.isnan(want)],
-                                   rtol=RTOL, atol=ATOL)
+        np.testing.assert_allclose(shown[~np.isnan(want)], want[~np.isnan(want)], rtol=RTOL, atol=ATOL)
     page.console.assert_clean()
 
 
@@ -161,8 +163,10 @@ def test_a_tensor_parallel_capture_is_drawn_from_its_shards(server, page):
         for rank in (0, 1):
             tensors[f"q.{layer}.tp{rank}"] = np.ascontiguousarray(q[:, [rank]])
             tensors[f"k.{layer}.tp{rank}"] = np.ascontiguousarray(k[:, [0]])
-    meta["attention"]["shards"] = [{"rank": 0, "heads": [0], "kv_heads": [0]},
-                                   {"rank": 1, "heads": [1], "kv_heads": [0]}]
+    meta["attention"]["shards"] = [
+        {"rank": 0, "heads": [0], "kv_heads": [0]},
+        {"rank": 1, "heads": [1], "kv_heads": [0]},
+    ]
     sharded = save(tensors, metadata={SIDECAR_KEY: json.dumps(meta)})
     merged = load_capture(sharded)  # the Python reader merges them back
     assert all(np.array_equal(merged.q[layer], cap.q[layer]) for layer in cap.q)
@@ -200,15 +204,13 @@ def test_the_form_captures_a_prompt_through_v1_and_opens_it(server, page):
     _check_norms(page, cap, [1, 3])
     shown = _heat_map(page, 2, 0, cap)
     want = _reference_attention(cap, 2, 0)
-    np.testing.assert_allclose(shown[~np.isnan(want)], want[~np.isnan(want)],
-                               rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(shown[~np.isnan(want)], want[~np.isnan(want)], rtol=RTOL, atol=ATOL)
     page.console.assert_clean()
 
 
 def test_an_empty_max_tokens_is_said_not_replaced(server, page):
     sent = []
-    page.on("request", lambda r: sent.append(r.url) if r.url.endswith("/v1/chat/completions")
-            else None)
+    page.on("request", lambda r: sent.append(r.url) if r.url.endswith("/v1/chat/completions") else None)
     page.goto(server.url + "/captures/")
     page.wait_for_selector("#c-model option[value='tiny-llama']", state="attached")
     page.fill("#c-prompt", "Capture me.")
@@ -217,19 +219,16 @@ def test_an_empty_max_tokens_is_said_not_replaced(server, page):
     page.click("#c-send")
     error = page.locator(".notice.error")
     error.wait_for()
-    assert "Max tokens must be a whole number from 1 to 512 (it is empty)" in \
-        error.inner_text()
+    assert "Max tokens must be a whole number from 1 to 512 (it is empty)" in error.inner_text()
     assert page.get_attribute("#c-max", "aria-invalid") == "true" and sent == []
 
 
 def test_delete_asks_first_and_removes_the_capture(server, page):
-    capture_id, _ = _store_capture(server, "A capture to delete.",
-                                {"layers": [2], "positions": "last"})
+    capture_id, _ = _store_capture(server, "A capture to delete.", {"layers": [2], "positions": "last"})
     deletes: list[str] = []
     page.on("request", lambda r: deletes.append(r.url) if r.method == "DELETE" else None)
     page.goto(server.url + "/captures/")
-    delete = page.locator(f"#captures tr[data-capture-id='{capture_id}'] button",
-                          has_text="Delete")
+    delete = page.locator(f"#captures tr[data-capture-id='{capture_id}'] button", has_text="Delete")
     page.once("dialog", lambda dialog: dialog.dismiss())
     delete.click()
     assert deletes == [] and capture_id in _listed(server)  # dismissed: nothing sent
@@ -262,12 +261,17 @@ def test_the_pages_safetensors_reader_widens_every_float_dtype(server, page, dty
 
     torch_dtype = getattr(torch, dtype)
     info = torch.finfo(torch_dtype)
-    special = torch.tensor([0.0, -0.0, 1.0, -2.5, info.tiny, info.tiny / 4, info.max, -info.max,
-                            float("inf"), float("-inf")], dtype=torch.float64)
-    values = torch.cat([special, torch.randn(3, 6, generator=torch.Generator().manual_seed(0),
-                                             dtype=torch.float64).flatten()]).to(torch_dtype)
-    data = save({"x": values.reshape(-1, 2), "ids": torch.arange(5, dtype=torch.int64) * 10**12},
-                metadata={"note": "written by the test"})
+    special = torch.tensor(
+        [0.0, -0.0, 1.0, -2.5, info.tiny, info.tiny / 4, info.max, -info.max, float("inf"), float("-inf")],
+        dtype=torch.float64,
+    )
+    values = torch.cat(
+        [special, torch.randn(3, 6, generator=torch.Generator().manual_seed(0), dtype=torch.float64).flatten()]
+    ).to(torch_dtype)
+    data = save(
+        {"x": values.reshape(-1, 2), "ids": torch.arange(5, dtype=torch.int64) * 10**12},
+        metadata={"note": "written by the test"},
+    )
     page.goto(server.url + "/captures/")
     read = page.evaluate(READ, base64.b64encode(data).decode())
     assert read["metadata"] == {"note": "written by the test"}
@@ -275,7 +279,6 @@ def test_the_pages_safetensors_reader_widens_every_float_dtype(server, page, dty
     assert x["dtype"] == {"float16": "F16", "bfloat16": "BF16", "float32": "F32"}[dtype]
     assert x["shape"] == [len(values) // 2, 2]
     assert x["data"] == values.to(torch.float64).tolist()  # exact, signed zero aside
-    assert [np.signbit(v) for v in x["data"]] == [bool(np.signbit(v))
-                                                  for v in values.to(torch.float64).tolist()]
+    assert [np.signbit(v) for v in x["data"]] == [bool(np.signbit(v)) for v in values.to(torch.float64).tolist()]
     assert read["tensors"]["ids"]["data"] == [i * 10**12 for i in range(5)]
     page.console.assert_clean()

@@ -17,8 +17,7 @@ def _passes(server) -> int:
 
 def test_steered_passes_follow_a_generation_without_a_reload(server, page):
     sae = server.sae_id
-    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 2,
-                                              "value": 5})
+    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 2, "value": 5})
     try:
         page.goto(server.url + "/")
         page.wait_for_function("document.querySelector('#ws-status').textContent.includes('live')")
@@ -26,9 +25,17 @@ def test_steered_passes_follow_a_generation_without_a_reload(server, page):
         before = int(page.evaluate(PASSES))
         assert before == _passes(server)
         loaded = time.monotonic()
-        status, _ = server.call("POST", "/v1/chat/completions", {
-            "model": "tiny-llama", "max_tokens": 4, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "passes"}]}, timeout=60)
+        status, _ = server.call(
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": "tiny-llama",
+                "max_tokens": 4,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "passes"}],
+            },
+            timeout=60,
+        )
         assert status == 200
         after = _passes(server)
         assert after > before  # the positive control: the generation was steered
@@ -52,9 +59,12 @@ def test_request_figure_counts_v1_only(server, page):
     for path in ("/models/", "/static/ui/css/ui.css", "/admin/login/"):
         assert server.call("GET", "/api/health")[0] == 200
         page.context.request.get(server.url + path)
-    status, _ = server.call("POST", "/v1/chat/completions", {
-        "model": "tiny-llama", "max_tokens": 2,
-        "messages": [{"role": "user", "content": "count me"}]}, timeout=60)
+    status, _ = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny-llama", "max_tokens": 2, "messages": [{"role": "user", "content": "count me"}]},
+        timeout=60,
+    )
     assert status == 200
     metrics = server.api("GET", "/api/health/metrics")["requests"]
     v1 = metrics["by_surface"]["v1"]

@@ -21,7 +21,8 @@ def test_heat_cells_are_reached_and_read_by_keyboard(server, page):
     count = page.locator("#transcript-steered .heat-cell").count()
     assert count >= 2
     labels = page.locator("#transcript-steered .heat-cell").evaluate_all(
-        "cells => cells.map(c => c.getAttribute('aria-label'))")
+        "cells => cells.map(c => c.getAttribute('aria-label'))"
+    )
     # Tab from the top of the page until a cell has the focus
     page.locator("body").focus()
     reached = None
@@ -44,7 +45,9 @@ def test_heat_cells_are_reached_and_read_by_keyboard(server, page):
     assert page.evaluate(ACTIVE)["index"] == 0
     # the strip is one Tab stop: the next Tab goes to the other column's strip
     page.keyboard.press("Tab")
-    assert page.evaluate(ACTIVE) == {"index": 0, "column": "transcript-plain",
-                                     "label": page.locator("#transcript-plain .heat-cell")
-                                     .first.get_attribute("aria-label")}
+    assert page.evaluate(ACTIVE) == {
+        "index": 0,
+        "column": "transcript-plain",
+        "label": page.locator("#transcript-plain .heat-cell").first.get_attribute("aria-label"),
+    }
     page.console.assert_clean()

@@ -18,18 +18,17 @@ pytestmark = pytest.mark.django_db
 def labelled_sae(tiny_assets, tmp_path):
     folder = tmp_path / "labelled"
     shutil.copytree(tiny_assets.saes["tiny-llama-L1-relu"].path, folder)
-    (folder / "feature_labels.json").write_text(json.dumps(
-        {"0": "ocean / sea", "3": "formal register", "x": "not an index", "5": 7}))
+    (folder / "feature_labels.json").write_text(
+        json.dumps({"0": "ocean / sea", "3": "formal register", "x": "not an index", "5": 7})
+    )
     return services.sae_register_local(local_path=str(folder), name="labelled")
 
 
 def test_labels_come_from_the_sae_folder(client, labelled_sae, tiny_assets):
     response = client.get(f"/ui/saes/{labelled_sae.id}/labels")
     assert response.status_code == 200
-    assert response.json() == {"sae_id": labelled_sae.id,
-                               "labels": {"0": "ocean / sea", "3": "formal register"}}
-    plain = services.sae_register_local(
-        local_path=str(tiny_assets.saes["tiny-llama-L3-relu"].path), name="plain")
+    assert response.json() == {"sae_id": labelled_sae.id, "labels": {"0": "ocean / sea", "3": "formal register"}}
+    plain = services.sae_register_local(local_path=str(tiny_assets.saes["tiny-llama-L3-relu"].path), name="plain")
     assert client.get(f"/ui/saes/{plain.id}/labels").json()["labels"] == {}
     assert client.get("/ui/saes/sae_0000000000000000/labels").status_code == 404
 

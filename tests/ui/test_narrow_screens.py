@@ -47,16 +47,20 @@ def test_playground_is_usable_on_a_phone(server, narrow):
     send = narrow.locator("#send").bounding_box()
     on_top = narrow.evaluate(
         "([x, y]) => document.elementFromPoint(x, y)?.id",
-        [send["x"] + send["width"] / 2, send["y"] + send["height"] / 2])
+        [send["x"] + send["width"] / 2, send["y"] + send["height"] / 2],
+    )
     assert on_top == "send"
     screenshot(narrow, "narrow-playground")
 
 
-@pytest.mark.parametrize("path, ready", [
-    ("/", "#attachments tr"),
-    ("/monitoring/", "#requests li"),
-    ("/circuits/", "tr[data-circuit-id]"),
-])
+@pytest.mark.parametrize(
+    "path, ready",
+    [
+        ("/", "#attachments tr"),
+        ("/monitoring/", "#requests li"),
+        ("/circuits/", "tr[data-circuit-id]"),
+    ],
+)
 def test_tables_scroll_inside_their_panel(server, narrow, path, ready):
     narrow.goto(server.url + path)
     narrow.wait_for_selector(ready)
@@ -73,8 +77,7 @@ def test_tables_scroll_inside_their_panel(server, narrow, path, ready):
 def test_a_long_steering_description_wraps(server, page):
     # two columns side by side on a laptop screen: the description is wider than one
     sae = server.sae_id
-    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 3,
-                                              "value": 4})
+    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 3, "value": 4})
     try:
         page.goto(server.url + "/playground/")
         page.wait_for_selector("#heat-sae option[value^=sae_]", state="attached")
@@ -82,8 +85,7 @@ def test_a_long_steering_description_wraps(server, page):
         page.fill("#message", "wrap")
         page.click("#send")
         meta = page.locator("#transcript-steered .turn.assistant .meta").first
-        page.wait_for_function(
-            "document.querySelector('#transcript-steered .meta').textContent.includes('hash')")
+        page.wait_for_function("document.querySelector('#transcript-steered .meta').textContent.includes('hash')")
         text = meta.inner_text()
         # the whole description is there (the hash's 64 hex digits and its closing quote)
         assert f"sae={sae}" in text and text.rstrip().endswith('"'), text

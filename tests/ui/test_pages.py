@@ -59,15 +59,22 @@ TOKENS_SHOWN = "Number(document.querySelector('#tok-total').textContent.replace(
 
 def test_dashboard_figures_follow_the_pushed_metrics(server, page):
     polls: list[str] = []
-    page.on("request", lambda r: polls.append(r.url) if "/api/health/metrics" in r.url
-            else None)
+    page.on("request", lambda r: polls.append(r.url) if "/api/health/metrics" in r.url else None)
     page.goto(server.url + "/")
     page.wait_for_function("document.querySelector('#ws-status').textContent.includes('live')")
     page.wait_for_function("document.querySelector('#tok-total').textContent !== '—'")
     polled = len(polls)  # at most the one poll made before the socket opened
-    status, body = server.call("POST", "/v1/chat/completions", {
-        "model": "tiny-llama", "max_tokens": 6, "ignore_eos": True,
-        "messages": [{"role": "user", "content": "figures"}]}, timeout=60)
+    status, body = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": "tiny-llama",
+            "max_tokens": 6,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "figures"}],
+        },
+        timeout=60,
+    )
     assert status == 200 and body["usage"]["completion_tokens"] == 6
     total = server.api("GET", "/api/health/metrics")["tokens_generated"]
     page.wait_for_function(f"{TOKENS_SHOWN} === {total}", timeout=10_000)  # no reload

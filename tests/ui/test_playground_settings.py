@@ -18,31 +18,41 @@ def _ready(page, server) -> None:
 
 def _bodies(page) -> list[dict]:
     bodies: list[dict] = []
-    page.on("request", lambda r: bodies.append(json.loads(r.post_data))
-            if r.url.endswith("/v1/chat/completions") else None)
+    page.on(
+        "request", lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith("/v1/chat/completions") else None
+    )
     return bodies
 
 
 def _answer(page, column: str) -> str:
     selector = f"#transcript-{column} .turn.assistant:not(.streaming) .meta"
     page.wait_for_function(
-        f"[...document.querySelectorAll('{selector}')].some(m => m.textContent.includes('tokens in'))",
-        timeout=60_000)
+        f"[...document.querySelectorAll('{selector}')].some(m => m.textContent.includes('tokens in'))", timeout=60_000
+    )
     return page.locator(f"#transcript-{column} .turn.assistant .text").last.inner_text()
 
 
 def _direct(server, **extra) -> str:
-    status, out = server.call("POST", "/v1/chat/completions", {
-        "model": "tiny-llama", "max_tokens": 6, "temperature": 0, "seed": 0,
-        "messages": [{"role": "user", "content": MESSAGE}], **extra}, timeout=60)
+    status, out = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": "tiny-llama",
+            "max_tokens": 6,
+            "temperature": 0,
+            "seed": 0,
+            "messages": [{"role": "user", "content": MESSAGE}],
+            **extra,
+        },
+        timeout=60,
+    )
     assert status == 200, out
     return out["choices"][0]["message"]["content"]
 
 
 def test_lambda_dials_the_live_steering(server, page):
     sae = server.sae_id
-    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 1,
-                                              "value": 20})
+    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 1, "value": 20})
     try:
         # the live steering changes this answer (the positive control), and λ = 0.5
         # changes it again: the page must send λ for the answer to be the half-steered one
@@ -67,14 +77,17 @@ def test_lambda_dials_the_live_steering(server, page):
     page.console.assert_clean()
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("#max-tokens", "0", "Max tokens must be a whole number from 1 to 4096 (it is “0”)"),
-    ("#max-tokens", "5000", "Max tokens must be a whole number from 1 to 4096 (it is “5000”)"),
-    ("#max-tokens", "2.5", "Max tokens must be a whole number from 1 to 4096 (it is “2.5”)"),
-    ("#max-tokens", "", "Max tokens must be a whole number from 1 to 4096 (it is empty)"),
-    ("#temperature", "3", "Temperature must be from 0 to 2 (it is “3”)"),
-    ("#seed", "-1", "Seed must be a whole number 0 or more (it is “-1”)"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("#max-tokens", "0", "Max tokens must be a whole number from 1 to 4096 (it is “0”)"),
+        ("#max-tokens", "5000", "Max tokens must be a whole number from 1 to 4096 (it is “5000”)"),
+        ("#max-tokens", "2.5", "Max tokens must be a whole number from 1 to 4096 (it is “2.5”)"),
+        ("#max-tokens", "", "Max tokens must be a whole number from 1 to 4096 (it is empty)"),
+        ("#temperature", "3", "Temperature must be from 0 to 2 (it is “3”)"),
+        ("#seed", "-1", "Seed must be a whole number 0 or more (it is “-1”)"),
+    ],
+)
 def test_a_setting_out_of_range_is_refused_in_the_page(server, page, field, value, message):
     bodies = _bodies(page)
     _ready(page, server)

@@ -16,8 +16,9 @@ def _row(page, index: str, strength: str) -> None:
 
 
 def test_duplicate_feature_rows_are_flagged_and_not_saved(server, page):
-    created = server.api("POST", "/api/profiles", {
-        "name": "dup-check", "sae_id": server.sae_id, "layer": 1, "steering": {"3": 5}})
+    created = server.api(
+        "POST", "/api/profiles", {"name": "dup-check", "sae_id": server.sae_id, "layer": 1, "steering": {"3": 5}}
+    )
     try:
         page.goto(server.url + "/profiles/")
         page.locator("tr:has(th:has-text('dup-check')) button:text-is('Edit')").click()
@@ -45,9 +46,11 @@ def test_duplicate_feature_rows_are_flagged_and_not_saved(server, page):
 def test_a_profile_shows_its_controls(server, page):
     sae = server.sae_id
     server.api("DELETE", f"/api/saes/steering?sae_id={sae}&layer=1")
-    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 9,
-                                              "mode": "clamp", "value": 3,
-                                              "phase": "completion"})
+    server.api(
+        "POST",
+        "/api/saes/steering",
+        {"sae_id": sae, "layer": 1, "feature_idx": 9, "mode": "clamp", "value": 3, "phase": "completion"},
+    )
     try:
         # saved from the Steering page: the notice counts the control
         page.goto(server.url + "/steering/")
@@ -73,8 +76,7 @@ def test_a_profile_shows_its_controls(server, page):
         saved = _profile(server, "with-control")
         assert saved["steering"] == {"4": 6.0} and saved["controls"] == stored["controls"]
         # the list is drawn again after the save's notice: wait for it, not a fixed moment
-        page.wait_for_selector("tr:has(th:has-text('with-control')) "
-                               "td.num:text-is('1 value, 1 control')")
+        page.wait_for_selector("tr:has(th:has-text('with-control')) td.num:text-is('1 value, 1 control')")
     finally:
         server.api("DELETE", f"/api/saes/steering?sae_id={sae}&layer=1")
         server.api("DELETE", f"/api/profiles/{_profile(server, 'with-control')['id']}")

@@ -15,24 +15,39 @@ MAX_TOKENS = 24
 def _base_body(server) -> dict:
     """What the playground sends for MESSAGE with its defaults (seed 0, greedy, logprobs
     and the heat strip's activations), minus the steering."""
-    return {"model": "tiny-llama", "max_tokens": MAX_TOKENS, "temperature": 0, "seed": 0,
-            "messages": [{"role": "user", "content": MESSAGE}], "logprobs": True,
-            "return_sae_activations": {"sae_id": server.sae_id, "top_k": 3,
-                                       "positions": "completion"}}
+    return {
+        "model": "tiny-llama",
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "seed": 0,
+        "messages": [{"role": "user", "content": MESSAGE}],
+        "logprobs": True,
+        "return_sae_activations": {"sae_id": server.sae_id, "top_k": 3, "positions": "completion"},
+    }
 
 
 def _trigger(server) -> int:
     """A feature of the attached SAE that is active at some completion rows of the
     unsteered answer and not at others, so a condition on it fires at some tokens only."""
-    status, out = server.call("POST", "/v1/chat/completions", {
-        **_base_body(server), "steering": {"features": []},
-        "return_sae_activations": {"sae_id": server.sae_id, "top_k": 1,
-                                   "positions": "completion", "read_point": "pre_steering",
-                                   "features": list(range(256))}}, timeout=60)
+    status, out = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            **_base_body(server),
+            "steering": {"features": []},
+            "return_sae_activations": {
+                "sae_id": server.sae_id,
+                "top_k": 1,
+                "positions": "completion",
+                "read_point": "pre_steering",
+                "features": list(range(256)),
+            },
+        },
+        timeout=60,
+    )
     assert status == 200, out
     rows = out["millm"]["sae_activations"]["positions"]
-    active = {i: sum(1 for r in rows if r["features"][i]["activation"] > 0)
-              for i in range(256)}
+    active = {i: sum(1 for r in rows if r["features"][i]["activation"] > 0) for i in range(256)}
     best = min(active, key=lambda i: (abs(active[i] - len(rows) / 2), i))
     assert 0 < active[best] < len(rows), active[best]
     return best
@@ -60,11 +75,13 @@ def _control(page, n: int, **fields):
 
 def test_playground_shows_where_conditional_steering_fired(server, page):
     trigger = _trigger(server)
-    controls = [{"index": 5, "mode": "clamp", "value": 30, "phase": "completion"},
-                {"index": 7, "mode": "add", "value": 40,
-                 "condition": {"feature": trigger, "threshold": 0}}]
-    status, reference = server.call("POST", "/v1/chat/completions", {
-        **_base_body(server), "steering": {"features": controls}}, timeout=60)
+    controls = [
+        {"index": 5, "mode": "clamp", "value": 30, "phase": "completion"},
+        {"index": 7, "mode": "add", "value": 40, "condition": {"feature": trigger, "threshold": 0}},
+    ]
+    status, reference = server.call(
+        "POST", "/v1/chat/completions", {**_base_body(server), "steering": {"features": controls}}, timeout=60
+    )
     assert status == 200, reference
     millm = reference["millm"]
     fired = [f for f in millm["steering_fired"] if f["choice"] == 0]
@@ -74,32 +91,33 @@ def test_playground_shows_where_conditional_steering_fired(server, page):
 
     _open_playground(server, page)
     _control(page, 0, index=5, mode="clamp", value=30, phase="completion")
-    _control(page, 1, index=7, mode="add", value=40, **{"cond-feature": trigger,
-                                                        "cond-threshold": 0})
+    _control(page, 1, index=7, mode="add", value=40, **{"cond-feature": trigger, "cond-threshold": 0})
     page.fill("#message", MESSAGE)
     page.click("#send")
     report = page.locator("#transcript-steered .steering-report")
     report.wait_for(timeout=60_000)
 
     # the same text the API answered for the same request
-    assert page.inner_text("#transcript-steered .turn.assistant .text") == \
-        reference["choices"][0]["message"]["content"]
+    assert page.inner_text("#transcript-steered .turn.assistant .text") == reference["choices"][0]["message"]["content"]
     # exactly the fired token indices the API reports are highlighted
-    shown = [int(i) for i in page.eval_on_selector_all(
-        "#transcript-steered .fired-tok.fired", "(n) => n.map((x) => x.dataset.tokenIndex)")]
+    shown = [
+        int(i)
+        for i in page.eval_on_selector_all(
+            "#transcript-steered .fired-tok.fired", "(n) => n.map((x) => x.dataset.tokenIndex)"
+        )
+    ]
     assert shown == expected_tokens
-    assert page.locator("#transcript-steered .fired-tok").count() == \
-        reference["usage"]["completion_tokens"]
+    assert page.locator("#transcript-steered .fired-tok").count() == reference["usage"]["completion_tokens"]
     legend = page.locator("#transcript-steered .fired-control")
     assert legend.count() == len(fired)
-    assert legend.first.get_attribute("data-token-indices") == \
-        ",".join(str(t) for t in fired[0]["token_indices"])
-    assert legend.first.get_attribute("data-positions") == \
-        ",".join(str(p) for p in fired[0]["positions"])
+    assert legend.first.get_attribute("data-token-indices") == ",".join(str(t) for t in fired[0]["token_indices"])
+    assert legend.first.get_attribute("data-positions") == ",".join(str(p) for p in fired[0]["positions"])
     # per-mode counts and the hash, as the API reports them
-    modes = dict(page.eval_on_selector_all(
-        "#transcript-steered .mode-count",
-        "(n) => n.map((x) => [x.dataset.mode, Number(x.dataset.count)])"))
+    modes = dict(
+        page.eval_on_selector_all(
+            "#transcript-steered .mode-count", "(n) => n.map((x) => [x.dataset.mode, Number(x.dataset.count)])"
+        )
+    )
     assert modes == millm["steering_apply_count"][0]["modes"] and {"clamp", "add"} <= set(modes)
     assert page.inner_text("#transcript-steered .steering-hash") == millm["steering"]["hash"]
     screenshot(page, "playground-conditional")
@@ -107,16 +125,15 @@ def test_playground_shows_where_conditional_steering_fired(server, page):
 
 
 def test_a_bad_control_shows_the_servers_refusal(server, page):
-    bad = [{"index": 5, "mode": "clamp", "value": 3, "condition": {"feature": 9999,
-                                                                    "threshold": 0}}]
-    status, refusal = server.call("POST", "/v1/chat/completions", {
-        **_base_body(server), "steering": {"features": bad}}, timeout=60)
+    bad = [{"index": 5, "mode": "clamp", "value": 3, "condition": {"feature": 9999, "threshold": 0}}]
+    status, refusal = server.call(
+        "POST", "/v1/chat/completions", {**_base_body(server), "steering": {"features": bad}}, timeout=60
+    )
     assert status == 400, refusal
     error = refusal["error"]
 
     _open_playground(server, page)
-    _control(page, 0, index=5, mode="clamp", value=3, **{"cond-feature": 9999,
-                                                         "cond-threshold": 0})
+    _control(page, 0, index=5, mode="clamp", value=3, **{"cond-feature": 9999, "cond-threshold": 0})
     page.fill("#message", MESSAGE)
     page.click("#send")
     shown = page.locator("#transcript-steered .meta .status-text.bad")
@@ -159,8 +176,7 @@ def _member(page, n: int, layer, feature, strength, label="", sign="1"):
 
 
 def _circuits_named(server, prefix: str) -> list[dict]:
-    return [c for c in server.api("GET", "/api/circuits")["circuits"]
-            if c["name"].startswith(prefix)]
+    return [c for c in server.api("GET", "/api/circuits")["circuits"] if c["name"].startswith(prefix)]
 
 
 def test_a_circuit_created_and_edited_in_the_page(server, page):
@@ -182,9 +198,12 @@ def test_a_circuit_created_and_edited_in_the_page(server, page):
     stored = server.api("GET", f"/api/circuits/{made[0]['id']}")
     assert stored["narrative"] == "Made in the page"
     assert [s["ref"] for s in stored["saes"]] == [server.sae_id]
-    assert stored["members"] == {"1": [
-        {"feature_idx": 4, "strength": 12.0, "sign": 1, "label": "four"},
-        {"feature_idx": 6, "strength": 3.0, "sign": -1, "label": None}]}
+    assert stored["members"] == {
+        "1": [
+            {"feature_idx": 4, "strength": 12.0, "sign": 1, "label": "four"},
+            {"feature_idx": 6, "strength": 3.0, "sign": -1, "label": None},
+        ]
+    }
 
     # edit: another strength, one member removed, one added; the name kept
     page.click("button[aria-label='Edit ui-made']")
@@ -202,9 +221,12 @@ def test_a_circuit_created_and_edited_in_the_page(server, page):
     assert [c["name"] for c in made] == ["ui-made"]  # no copy left behind
     assert made[0]["id"] == first_id  # replaced in place: the same circuit
     stored = server.api("GET", f"/api/circuits/{made[0]['id']}")
-    assert stored["members"] == {"1": [
-        {"feature_idx": 4, "strength": 20.0, "sign": 1, "label": "four"},
-        {"feature_idx": 8, "strength": -5.0, "sign": 1, "label": "eight"}]}
+    assert stored["members"] == {
+        "1": [
+            {"feature_idx": 4, "strength": 20.0, "sign": 1, "label": "four"},
+            {"feature_idx": 8, "strength": -5.0, "sign": 1, "label": "eight"},
+        ]
+    }
     page.wait_for_selector("#detail-h:has-text('ui-made')")
     assert page.locator("#members tr").count() == 2
 
@@ -240,13 +262,29 @@ def test_live_controls_set_listed_and_removed_in_the_steering_page(server, page)
     page.wait_for_selector("#controls li[data-index='7'][data-mode='clamp']")
     state = server.api("GET", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")
     assert state["enabled"] is True and state["values"] == {}
-    assert state["controls"] == [{"index": 7, "mode": "clamp", "value": 9.0, "phase": "completion",
-                                  "condition": {"feature": 3, "threshold": 0.5}}]
+    assert state["controls"] == [
+        {
+            "index": 7,
+            "mode": "clamp",
+            "value": 9.0,
+            "phase": "completion",
+            "condition": {"feature": 3, "threshold": 0.5},
+        }
+    ]
     assert "where #3 > 0.5" in page.inner_text("#controls li[data-index='7']")
     # a /v1 request without steering of its own runs it (the hash covers the control)
-    status, out = server.call("POST", "/v1/chat/completions", {
-        "model": "tiny-llama", "max_tokens": 4, "temperature": 0, "steering_intensity": 1,
-        "messages": [{"role": "user", "content": MESSAGE}]}, timeout=60)  # λ = 1: the millm object
+    status, out = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": "tiny-llama",
+            "max_tokens": 4,
+            "temperature": 0,
+            "steering_intensity": 1,
+            "messages": [{"role": "user", "content": MESSAGE}],
+        },
+        timeout=60,
+    )  # λ = 1: the millm object
     assert status == 200 and out["millm"]["steering"]["mode"] == "live"
     assert out["millm"]["steering"]["entries"][0]["features"] == state["controls"]
     # a refusal (ablate with a value) is shown and changes nothing
@@ -255,8 +293,7 @@ def test_live_controls_set_listed_and_removed_in_the_steering_page(server, page)
     box.locator("[name=mode]").select_option("scale")
     page.click("#control-set")  # scale without a value
     page.wait_for_selector(".notice.error")
-    assert server.api("GET", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")["controls"] \
-        == state["controls"]
+    assert server.api("GET", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")["controls"] == state["controls"]
     page.click("button[aria-label='Remove control on feature 7']")
     page.wait_for_selector("#controls-empty:not(.hidden)")
     assert server.api("GET", f"/api/saes/steering?sae_id={server.sae_id}&layer=1")["controls"] == []

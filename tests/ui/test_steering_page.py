@@ -20,8 +20,7 @@ def _open(server, page) -> None:
 def test_a_refused_value_gives_way_to_the_server_value(server, page):
     sae = server.sae_id
     server.api("DELETE", f"/api/saes/steering?sae_id={sae}&layer=1")
-    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 5,
-                                              "value": 10})
+    server.api("POST", "/api/saes/steering", {"sae_id": sae, "layer": 1, "feature_idx": 5, "value": 10})
     try:
         _open(server, page)
         page.wait_for_selector("#f-5-value")
@@ -46,12 +45,12 @@ def test_browse_lists_every_feature_labelled_first(server, page, tiny_assets, tm
     shutil.copytree(tiny_assets.saes["tiny-llama-L1-relu"].path, folder)
     labels = {"5": "ocean", "200": "formal register"}
     (folder / "feature_labels.json").write_text(json.dumps(labels))
-    sae = server.api("POST", "/api/saes", {"source": "local", "local_path": str(folder),
-                                           "name": "labelled-ui"})["sae_id"]
+    sae = server.api("POST", "/api/saes", {"source": "local", "local_path": str(folder), "name": "labelled-ui"})[
+        "sae_id"
+    ]
     server.api("POST", f"/api/saes/{sae}/attach", {"layer": 2})
     try:
-        d_sae = next(a["d_sae"] for a in server.api("GET", "/api/saes/attachments")["entries"]
-                     if a["sae_id"] == sae)
+        d_sae = next(a["d_sae"] for a in server.api("GET", "/api/saes/attachments")["entries"] if a["sae_id"] == sae)
         order = [5, 200] + [i for i in range(d_sae) if i not in (5, 200)]
         pages = -(-d_sae // 12)
         _open(server, page)
@@ -70,7 +69,7 @@ def test_browse_lists_every_feature_labelled_first(server, page, tiny_assets, tm
             if page.is_disabled("#browse-next"):
                 break
             page.click("#browse-next")
-        assert shown() == order[12 * (pages - 1):]
+        assert shown() == order[12 * (pages - 1) :]
         assert shown()[-1] == d_sae - 1
         assert page.inner_text("#browse-note") == f"labelled first · page {pages} of {pages}"
     finally:

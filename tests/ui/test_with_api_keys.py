@@ -13,8 +13,7 @@ KEY = "ui-test-key-0123456789"
 
 @pytest.fixture(scope="module")
 def keyed_server(tiny_assets, slow_hub, tmp_path_factory):
-    srv = start_server(tmp_path_factory.mktemp("ui-keys"), slow_hub.url,
-                       {"MILLM_ADMIN_API_KEYS": KEY})
+    srv = start_server(tmp_path_factory.mktemp("ui-keys"), slow_hub.url, {"MILLM_ADMIN_API_KEYS": KEY})
     yield srv
     stop_server(srv)
 

@@ -41,17 +41,14 @@ def test_download_progress_bar_moves(server, page):
     # the bar moved through several values, never backwards, and the download ended ready
     assert len(seen) >= 3, seen
     assert seen == sorted(seen) and seen[-1] > seen[0], seen
-    page.wait_for_selector("tr:has(th:text-is('slow-llama')) .badge:text-is('ready')",
-                           timeout=30_000)
-    model = next(m for m in server.api("GET", "/api/models")["models"]
-                 if m["name"] == "slow-llama")
+    page.wait_for_selector("tr:has(th:text-is('slow-llama')) .badge:text-is('ready')", timeout=30_000)
+    model = next(m for m in server.api("GET", "/api/models")["models"] if m["name"] == "slow-llama")
     assert model["status"] == "ready" and model["repo_id"] == SLOW_REPO
     page.console.assert_clean()
 
 
 def test_lease_taken_renewed_and_released_from_the_models_page(server, page):
-    resident = next(m for m in server.api("GET", "/api/models")["models"]
-                    if m["status"] == "loaded")
+    resident = next(m for m in server.api("GET", "/api/models")["models"] if m["status"] == "loaded")
     page.goto(server.url + "/models/")
     page.wait_for_selector("#lease-badge .badge")
     page.fill("#lease-holder", "ui-test")
@@ -82,18 +79,18 @@ def test_slider_and_number_change_the_live_steering(server, page):
     slider.focus()
     for _ in range(7):
         page.keyboard.press("ArrowRight")
-    server.wait_for("feature 5 at 7", lambda: _steering(server)["values"].get("5") == 7.0,
-                    timeout=10, interval=0.1)
+    server.wait_for("feature 5 at 7", lambda: _steering(server)["values"].get("5") == 7.0, timeout=10, interval=0.1)
     state = _steering(server)
     assert state["enabled"] is True and state["values"] == {"5": 7.0}
     # the numeric input sets the same feature; the slider follows it
     page.fill("#f-5-value", "-42.5")
     page.press("#f-5-value", "Enter")
-    server.wait_for("feature 5 at -42.5",
-                    lambda: _steering(server)["values"].get("5") == -42.5, timeout=10,
-                    interval=0.1)
-    assert page.input_value("#f-5-range") == "-42.5" or \
-        float(page.input_value("#f-5-range")) == -42  # a range input rounds to its step
+    server.wait_for(
+        "feature 5 at -42.5", lambda: _steering(server)["values"].get("5") == -42.5, timeout=10, interval=0.1
+    )
+    assert (
+        page.input_value("#f-5-range") == "-42.5" or float(page.input_value("#f-5-range")) == -42
+    )  # a range input rounds to its step
     # a value outside the range is refused in the page and never sent
     page.fill("#f-5-value", "250")
     page.press("#f-5-value", "Enter")
@@ -101,17 +98,14 @@ def test_slider_and_number_change_the_live_steering(server, page):
     assert _steering(server)["values"] == {"5": -42.5}
     # disabling keeps the values and stops applying them
     page.uncheck("#enabled")
-    server.wait_for("steering disabled", lambda: _steering(server)["enabled"] is False,
-                    timeout=10, interval=0.1)
+    server.wait_for("steering disabled", lambda: _steering(server)["enabled"] is False, timeout=10, interval=0.1)
     page.check("#enabled")
-    server.wait_for("steering enabled", lambda: _steering(server)["enabled"] is True,
-                    timeout=10, interval=0.1)
+    server.wait_for("steering enabled", lambda: _steering(server)["enabled"] is True, timeout=10, interval=0.1)
     # save as a profile
     page.fill("#profile-name", "ui-saved")
     page.click("#save-form button[type=submit]")
     page.wait_for_selector(".notice.ok:has-text('ui-saved')")
-    profile = next(p for p in server.api("GET", "/api/profiles")["profiles"]
-                   if p["name"] == "ui-saved")
+    profile = next(p for p in server.api("GET", "/api/profiles")["profiles"] if p["name"] == "ui-saved")
     assert profile["steering"] == {"5": -42.5} and profile["sae_id"] == server.sae_id
     screenshot(page, "steering-set")
     # the refused 250 left one error notice but no console error
@@ -127,19 +121,20 @@ def test_profile_imported_activated_and_dialled(server, page):
     page.click("#import-form button[type=submit]")
     row = page.locator("tr:has(th:has-text('imported-profile'))")
     row.wait_for()
-    profile = next(p for p in server.api("GET", "/api/profiles")["profiles"]
-                   if p["name"] == "imported-profile")
+    profile = next(p for p in server.api("GET", "/api/profiles")["profiles"] if p["name"] == "imported-profile")
     assert profile["steering"] == {"4": 9.5, "9": -3.0} and profile["layer"] == 1
     row.locator("button:text-is('Activate')").click()
-    server.wait_for("the profile to be live", lambda: _steering(server)["values"] == {
-        "4": 9.5, "9": -3.0}, timeout=10, interval=0.1)
+    server.wait_for(
+        "the profile to be live", lambda: _steering(server)["values"] == {"4": 9.5, "9": -3.0}, timeout=10, interval=0.1
+    )
     # the dial re-applies an active profile: values × λ
     row = page.locator("tr:has(th:has-text('imported-profile'))")
     row.locator(".badge:text-is('active')").wait_for()
     row.locator("input[type=number]").fill("2")
     row.locator("input[type=number]").press("Enter")
-    server.wait_for("the profile at λ 2", lambda: _steering(server)["values"] == {
-        "4": 19.0, "9": -6.0}, timeout=10, interval=0.1)
+    server.wait_for(
+        "the profile at λ 2", lambda: _steering(server)["values"] == {"4": 19.0, "9": -6.0}, timeout=10, interval=0.1
+    )
     screenshot(page, "profiles-active")
     page.locator("tr:has(th:has-text('imported-profile')) button:text-is('Deactivate')").click()
     server.wait_for("the profile to end", lambda: not _steering(server)["enabled"], timeout=10)
@@ -177,19 +172,28 @@ def test_playground_streams_side_by_side_with_a_heat_strip(server, page):
 
     steered = page.inner_text("#transcript-steered .turn.assistant .text")
     plain = page.inner_text("#transcript-plain .turn.assistant .text")
-    cells = {col: page.locator(f"#transcript-{col} .heat-cell").count()
-             for col in ("steered", "plain")}
+    cells = {col: page.locator(f"#transcript-{col} .heat-cell").count() for col in ("steered", "plain")}
     # the unsteered column is exactly what the same request answers without streaming
-    status, reference = server.call("POST", "/v1/chat/completions", {
-        "model": "tiny-llama", "max_tokens": 150, "temperature": 0, "seed": 0,
-        "messages": [{"role": "user", "content": "Tell me about your weekend."}],
-        "steering": {"features": []}}, timeout=60)
+    status, reference = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": "tiny-llama",
+            "max_tokens": 150,
+            "temperature": 0,
+            "seed": 0,
+            "messages": [{"role": "user", "content": "Tell me about your weekend."}],
+            "steering": {"features": []},
+        },
+        timeout=60,
+    )
     assert status == 200
     assert plain == reference["choices"][0]["message"]["content"]
     # one cell per generated token
     assert cells["plain"] == reference["usage"]["completion_tokens"] > 0
     assert cells["steered"] > 0 and cells["steered"] == int(
-        page.locator("#transcript-steered .heat-strip").get_attribute("data-cells"))
+        page.locator("#transcript-steered .heat-strip").get_attribute("data-cells")
+    )
     # the left column really ran steered (and said so), so the answers differ
     assert steered != plain
     assert "inline" in page.inner_text("#transcript-steered .meta")
@@ -219,6 +223,5 @@ def test_circuit_activation_needs_the_rung_acknowledgement(server, page):
     page.wait_for_selector("#claims tr:nth-child(2)")
     screenshot(page, "circuits-serving")
     page.click("button[aria-label='Deactivate greeting-chain']")
-    server.wait_for("the circuit to stop", lambda: server.api(
-        "GET", "/api/circuits/active")["total"] == 0, timeout=15)
+    server.wait_for("the circuit to stop", lambda: server.api("GET", "/api/circuits/active")["total"] == 0, timeout=15)
     page.console.assert_clean()

@@ -49,8 +49,9 @@ class V1Server:
             if status.in_flight == 0 and stats.in_flight == 0 and stats.waiting == 0:
                 return
             time.sleep(0.02)
-        raise AssertionError(f"not idle after {timeout_s}s: engine {self.engine.status()}, "
-                             f"admission {runtime().admission.stats()}")
+        raise AssertionError(
+            f"not idle after {timeout_s}s: engine {self.engine.status()}, admission {runtime().admission.stats()}"
+        )
 
 
 def _register_assets() -> None:
@@ -131,8 +132,7 @@ def llama(v1_server):
 def openai_client(v1_server):
     from openai import OpenAI
 
-    with OpenAI(base_url=v1_server.base_url, api_key="not-needed", max_retries=0,
-                timeout=60) as client:
+    with OpenAI(base_url=v1_server.base_url, api_key="not-needed", max_retries=0, timeout=60) as client:
         yield client
 
 
@@ -145,6 +145,7 @@ def admission(v1_server):
     from inference.admission import AdmissionController
 
     with ExitStack() as stack:
+
         def make(slots: int = 1, pending: int = 0, **kwargs: Any) -> AdmissionController:
             controller = AdmissionController(slots=slots, max_pending=pending, **kwargs)
             stack.enter_context(runtime().replaced(admission=controller))

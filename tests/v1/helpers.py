@@ -22,16 +22,22 @@ class Raw:
 
     def frames(self) -> list[str]:
         """The ``data:`` payloads of an SSE body, in order."""
-        return [line[len("data: "):] for line in self.body.decode().split("\n")
-                if line.startswith("data: ")]
+        return [line[len("data: ") :] for line in self.body.decode().split("\n") if line.startswith("data: ")]
 
     def events(self) -> list[Any]:
         return [f if f == "[DONE]" else json.loads(f) for f in self.frames()]
 
 
-def request(base_url: str, method: str, path: str, body: Any = None, *,
-            raw: bytes | None = None, headers: dict[str, str] | None = None,
-            timeout: float = 60) -> Raw:
+def request(
+    base_url: str,
+    method: str,
+    path: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> Raw:
     url = urlparse(base_url)
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout)
     data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
@@ -70,7 +76,8 @@ def open_stream(base_url: str, path: str, body: Any) -> tuple[socket.socket, byt
     sock.sendall(
         f"POST {url.path.rstrip('/')}{path} HTTP/1.1\r\nHost: {url.hostname}\r\n"
         f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
-        + data)
+        + data
+    )
     received = b""
     while b"data: " not in received or received.count(b"\n\n") < 3:
         chunk = sock.recv(65536)

@@ -57,9 +57,14 @@ def live_server(timeout_s: float = 30.0) -> LiveServer:
 
         from millm_site.asgi import application
 
-        server = Server(application, endpoints=["tcp:port=0:interface=127.0.0.1"],
-                        signal_handlers=False, verbosity=0, http_timeout=None,
-                        application_close_timeout=10)
+        server = Server(
+            application,
+            endpoints=["tcp:port=0:interface=127.0.0.1"],
+            signal_handlers=False,
+            verbosity=0,
+            http_timeout=None,
+            application_close_timeout=10,
+        )
         errors: list[BaseException] = []
 
         def run() -> None:

@@ -34,13 +34,10 @@ def _nullable(node: Any) -> Any:
 # ``finish_reason: null`` until the last one (as the official client types it), and with
 # ``echo`` the first prompt token has no log-probability, sent as null (as the legacy API
 # always did), though the file says string / number / object there.
-_LOGPROBS = ("properties", "choices", "items", "properties", "logprobs", "anyOf", 0,
-             "properties")
+_LOGPROBS = ("properties", "choices", "items", "properties", "logprobs", "anyOf", 0, "properties")
 _SPEC_FIXES = [
-    ("CreateChatCompletionStreamResponse", ("properties", "choices", "items", "properties",
-                                            "finish_reason")),
-    ("CreateCompletionResponse", ("properties", "choices", "items", "properties",
-                                  "finish_reason")),
+    ("CreateChatCompletionStreamResponse", ("properties", "choices", "items", "properties", "finish_reason")),
+    ("CreateCompletionResponse", ("properties", "choices", "items", "properties", "finish_reason")),
     ("CreateCompletionResponse", (*_LOGPROBS, "token_logprobs", "items")),
     ("CreateCompletionResponse", (*_LOGPROBS, "top_logprobs", "items")),
 ]
@@ -55,15 +52,12 @@ def _registry() -> Registry:
             parent = parent[key]
         parent[path[-1]] = {"anyOf": [parent[path[-1]], {"type": "null"}]}
     root = {"$id": BASE, "components": {"schemas": schemas}}
-    return Registry().with_resource(BASE, Resource.from_contents(
-        root, default_specification=DRAFT202012))
+    return Registry().with_resource(BASE, Resource.from_contents(root, default_specification=DRAFT202012))
 
 
 def violations(name: str, body: Any) -> list[str]:
-    validator = Draft202012Validator({"$ref": f"{BASE}#/components/schemas/{name}"},
-                                     registry=_registry())
-    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}"
-            for e in validator.iter_errors(body)]
+    validator = Draft202012Validator({"$ref": f"{BASE}#/components/schemas/{name}"}, registry=_registry())
+    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(body)]
 
 
 def assert_schema(name: str, body: Any) -> None:

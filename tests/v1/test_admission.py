@@ -14,15 +14,14 @@ import pytest
 from inference.admission import AdmissionController, QueueFull, queue_figures
 from tests.v1.helpers import assert_openai_error, open_stream, request
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 4}
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 # ---------------------------------------------------------------- the controller itself
 
+
 def test_estimate_is_median_duration_times_position_capped():
-    ctl = AdmissionController(slots=1, max_pending=1, window=3, retry_default_s=5,
-                              retry_max_s=60)
+    ctl = AdmissionController(slots=1, max_pending=1, window=3, retry_default_s=5, retry_max_s=60)
     permit = ctl.try_acquire()
     with pytest.raises(QueueFull) as err:
         ctl.try_acquire()
@@ -94,6 +93,7 @@ def test_slots_are_shared_across_threads_and_loops():
 
 # ---------------------------------------------------------------- over the socket
 
+
 def test_queue_full_is_refused_at_once_with_retry_after(llama, admission):
     ctl = admission(slots=1, pending=0, retry_default_s=7)
     held = ctl.try_acquire()
@@ -104,8 +104,7 @@ def test_queue_full_is_refused_at_once_with_retry_after(llama, admission):
         assert_openai_error(resp, 503, "queue_full")
         assert resp.headers["retry-after"] == "7"
         ctl._durations.extend([1.2, 1.4, 40.0])  # median 1.4 s → ceil(1.4 × 1) = 2
-        resp = request(llama.base_url, "POST", "/embeddings",
-                       {"model": "tiny-llama", "input": "x"})
+        resp = request(llama.base_url, "POST", "/embeddings", {"model": "tiny-llama", "input": "x"})
         assert_openai_error(resp, 503, "queue_full")
         assert resp.headers["retry-after"] == "2"
         figures = queue_figures()
@@ -140,8 +139,7 @@ def test_waiting_requests_are_served_in_turn(llama, admission):
     results: list[int] = []
 
     def call() -> None:
-        results.append(request(llama.base_url, "POST", "/chat/completions",
-                               {**CHAT, "max_tokens": 12}).status)
+        results.append(request(llama.base_url, "POST", "/chat/completions", {**CHAT, "max_tokens": 12}).status)
 
     threads = [threading.Thread(target=call) for _ in range(4)]
     for t in threads:
@@ -154,8 +152,14 @@ def test_waiting_requests_are_served_in_turn(llama, admission):
 def test_a_client_that_hangs_up_frees_its_slot_and_stops_generating(llama):
     from core.runtime import runtime
 
-    body = {"model": "tiny-llama", "prompt": "the sea", "max_tokens": 400, "stream": True,
-            "ignore_eos": True, "temperature": 0}
+    body = {
+        "model": "tiny-llama",
+        "prompt": "the sea",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    }
     sock, first = open_stream(llama.base_url, "/completions", body)
     assert b" 200 " in first.split(b"\r\n", 1)[0]
     assert runtime().admission.stats().in_flight == 1
@@ -163,15 +167,13 @@ def test_a_client_that_hangs_up_frees_its_slot_and_stops_generating(llama):
     assert before.in_flight == 1
     sock.close()
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and (llama.engine.status().in_flight
-                                           or runtime().admission.stats().in_flight):
+    while time.monotonic() < deadline and (llama.engine.status().in_flight or runtime().admission.stats().in_flight):
         time.sleep(0.01)
     assert llama.engine.status().in_flight == 0
     assert runtime().admission.stats().in_flight == 0
     # it stopped well before max_tokens: a following request is served at once
     started = time.monotonic()
-    resp = request(llama.base_url, "POST", "/completions",
-                   {"model": "tiny-llama", "prompt": "x", "max_tokens": 2})
+    resp = request(llama.base_url, "POST", "/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": 2})
     assert resp.status == 200
     assert time.monotonic() - started < 5
 
@@ -184,11 +186,13 @@ def test_a_non_streaming_client_that_hangs_up_stops_its_generation(llama):
     from core.runtime import runtime
 
     url = urlparse(llama.base_url)
-    data = json.dumps({"model": "tiny-llama", "prompt": "the sea", "max_tokens": 480,
-                       "ignore_eos": True}).encode()
+    data = json.dumps({"model": "tiny-llama", "prompt": "the sea", "max_tokens": 480, "ignore_eos": True}).encode()
     sock = socket.create_connection((url.hostname, url.port), timeout=10)
-    sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: "
-                 f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+    sock.sendall(
+        f"POST /v1/completions HTTP/1.1\r\nHost: {url.netloc}\r\nContent-Type: "
+        f"application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and llama.engine.status().in_flight == 0:
         time.sleep(0.005)

@@ -37,8 +37,7 @@ PROMPT_IDS = [5, 17, 23, 42, 8, 11, 60, 3, 29, 14]  # a completions prompt given
 @pytest.fixture(scope="module")
 def hf(tiny_assets):
     asset = tiny_assets.models["tiny-llama"]
-    model = AutoModelForCausalLM.from_pretrained(str(asset.path), dtype=torch.float32,
-                                                 local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(asset.path), dtype=torch.float32, local_files_only=True).eval()
     return asset, model
 
 
@@ -68,21 +67,30 @@ def sigmoid(z: float) -> float:
 
 def write_probe(directory, d: int = 64) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(7)
-    probe = {"best_layer": np.array(2), "weights": rng.normal(size=d) * 0.2, "bias": np.array(0.3),
-             "scaler_mean": rng.normal(size=d) * 0.1, "scaler_scale": rng.uniform(0.5, 2.0, size=d),
-             "h_node_indices": np.array([3, 17, 40]), "h_node_baselines": np.array([0.0, -0.5, 0.2])}
+    probe = {
+        "best_layer": np.array(2),
+        "weights": rng.normal(size=d) * 0.2,
+        "bias": np.array(0.3),
+        "scaler_mean": rng.normal(size=d) * 0.1,
+        "scaler_scale": rng.uniform(0.5, 2.0, size=d),
+        "h_node_indices": np.array([3, 17, 40]),
+        "h_node_baselines": np.array([0.0, -0.5, 0.2]),
+    }
     np.savez(directory / "hnode.npz", **probe)
     return probe
 
 
 def test_hidden_state_reductions_and_the_hnode_probe(llama, openai_client, probes, hf):
     probe = write_probe(probes)
-    analyze = [{"name": "hidden_states", "params": {"layers": [1, 3], "reduce": "mean", "positions": "completion"}},
-               {"name": "hidden_states", "params": {"layers": [2], "reduce": "norm", "positions": "prompt"}},
-               {"name": "hnode_hallucination", "params": {"probe": "hnode.npz"}}]
+    analyze = [
+        {"name": "hidden_states", "params": {"layers": [1, 3], "reduce": "mean", "positions": "completion"}},
+        {"name": "hidden_states", "params": {"layers": [2], "reduce": "norm", "positions": "prompt"}},
+        {"name": "hnode_hallucination", "params": {"probe": "hnode.npz"}},
+    ]
     kw = {"model": "tiny-llama", "messages": CHAT, "max_tokens": 5, "temperature": 0}
     resp = openai_client.chat.completions.create(
-        **kw, extra_body={"ignore_eos": True, "capture": {"layers": [0], "positions": "all"}, "analyze": analyze})
+        **kw, extra_body={"ignore_eos": True, "capture": {"layers": [0], "positions": "all"}, "analyze": analyze}
+    )
     plain = openai_client.chat.completions.create(**kw, extra_body={"ignore_eos": True})
     assert resp.choices[0].message.content == plain.choices[0].message.content  # analysis changes no token
     millm = resp.model_extra["millm"]
@@ -95,8 +103,8 @@ def test_hidden_state_reductions_and_the_hnode_probe(llama, openai_client, probe
     means, norm, hnode = (e["result"] for e in millm["analysis"])
     assert means["reduce"] == "mean" and set(means["layers"]) == {"1", "3"}
     for layer in (1, 3):
-        assert close(means["layers"][str(layer)], ref[layer][p - 1:].mean(axis=0)), layer
-    assert not close(means["layers"]["1"], ref[2][p - 1:].mean(axis=0))  # the neighbouring layer fails
+        assert close(means["layers"][str(layer)], ref[layer][p - 1 :].mean(axis=0)), layer
+    assert not close(means["layers"]["1"], ref[2][p - 1 :].mean(axis=0))  # the neighbouring layer fails
     assert close(norm["layers"]["2"], np.linalg.norm(ref[2][:p]))
     h = ref[2][-1]
     margin = float(((h - probe["scaler_mean"]) / probe["scaler_scale"]) @ probe["weights"] + 0.3)
@@ -131,8 +139,14 @@ TRACKER = {"layer_heads": {"1": [0, 1], "3": [1]}, "instruction": [0, 4], "data"
 
 def test_attention_tracker_on_completions_and_streams(llama, probes, hf):
     want = tracker_want(hf, PROMPT_IDS, {1: [0, 1], 3: [1]}, (0, 4), (4, len(PROMPT_IDS) - 1))
-    body = {"model": "tiny-llama", "prompt": PROMPT_IDS, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
-            "analyze": {"name": "attention_tracker", "params": TRACKER}}
+    body = {
+        "model": "tiny-llama",
+        "prompt": PROMPT_IDS,
+        "max_tokens": 3,
+        "temperature": 0,
+        "ignore_eos": True,
+        "analyze": {"name": "attention_tracker", "params": TRACKER},
+    }
     resp = request(llama.base_url, "POST", "/completions", body)
     assert resp.status == 200, resp.body
     millm = resp.json()["millm"]
@@ -161,11 +175,23 @@ def test_analyzers_run_on_a_llamacpp_capture(v1_server, tiny_gguf, probes, hf, s
     v1_server.wait_idle()
     assert v1_server.engine.status().backend == "llamacpp"
     want = tracker_want(hf, PROMPT_IDS, {1: [0, 1], 3: [1]}, (0, 4), (4, len(PROMPT_IDS) - 1))
-    resp = request(v1_server.base_url, "POST", "/completions", {
-        "model": "tiny-llama-gguf", "prompt": PROMPT_IDS, "max_tokens": 3, "temperature": 0, "ignore_eos": True,
-        "capture": {"layers": [3], "positions": "all"},
-        "analyze": [{"name": "attention_tracker", "params": TRACKER},
-                    {"name": "hidden_states", "params": {"layers": [2], "reduce": "norm", "positions": "prompt"}}]})
+    resp = request(
+        v1_server.base_url,
+        "POST",
+        "/completions",
+        {
+            "model": "tiny-llama-gguf",
+            "prompt": PROMPT_IDS,
+            "max_tokens": 3,
+            "temperature": 0,
+            "ignore_eos": True,
+            "capture": {"layers": [3], "positions": "all"},
+            "analyze": [
+                {"name": "attention_tracker", "params": TRACKER},
+                {"name": "hidden_states", "params": {"layers": [2], "reduce": "norm", "positions": "prompt"}},
+            ],
+        },
+    )
     assert resp.status == 200, resp.body
     millm = resp.json()["millm"]
     cap = load_capture(base64.b64decode(millm["capture"]["data"]))
@@ -179,9 +205,20 @@ def test_analyzers_run_on_a_llamacpp_capture(v1_server, tiny_gguf, probes, hf, s
 
 
 def test_capture_attention_comes_back_with_the_request(llama, hf):
-    resp = request(llama.base_url, "POST", "/completions", {
-        "model": "tiny-llama", "prompt": PROMPT_IDS, "max_tokens": 2, "temperature": 0,
-        "capture": {"attention": {"layers": [2], "heads": [1], "positions": "prompt", "q_positions": "last_prompt"}}})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/completions",
+        {
+            "model": "tiny-llama",
+            "prompt": PROMPT_IDS,
+            "max_tokens": 2,
+            "temperature": 0,
+            "capture": {
+                "attention": {"layers": [2], "heads": [1], "positions": "prompt", "q_positions": "last_prompt"}
+            },
+        },
+    )
     assert resp.status == 200, resp.body
     cap = load_capture(base64.b64decode(resp.json()["millm"]["capture"]["data"]))
     n = len(PROMPT_IDS)
@@ -196,14 +233,21 @@ def test_capture_attention_comes_back_with_the_request(llama, hf):
 
 def refusals(llama, openai_client, probes):
     def chat(analyze, **kw):
-        return openai_client.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=4,
-                                                     extra_body={"analyze": analyze}, **kw)
+        return openai_client.chat.completions.create(
+            model="tiny-llama", messages=CHAT, max_tokens=4, extra_body={"analyze": analyze}, **kw
+        )
 
     with pytest.raises(openai.BadRequestError) as exc:
         chat({"name": "tea_leaves"})
     assert exc.value.code == "unknown_analyzer"
-    for known in ("attention_tracker", "attnlink", "core_reranker", "hidden_states", "hnode_hallucination",
-                  "science_hallucination"):
+    for known in (
+        "attention_tracker",
+        "attnlink",
+        "core_reranker",
+        "hidden_states",
+        "hnode_hallucination",
+        "science_hallucination",
+    ):
         assert known in exc.value.message
     write_probe(probes)
     (probes.parent / "outside.npz").write_bytes((probes / "hnode.npz").read_bytes())
@@ -226,8 +270,12 @@ def refusals(llama, openai_client, probes):
     with pytest.raises(openai.BadRequestError) as exc:
         chat({"name": "hidden_states", "params": {"layers": [0]}}, n=2)
     assert exc.value.code == "invalid_parameter" and exc.value.param == "analyze"
-    resp = request(llama.base_url, "POST", "/chat/completions",
-                   {"model": "tiny-llama", "messages": CHAT, "analyze": {"params": {}}})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/chat/completions",
+        {"model": "tiny-llama", "messages": CHAT, "analyze": {"params": {}}},
+    )
     assert_openai_error(resp, 400, "invalid_parameter")
 
 
@@ -262,10 +310,16 @@ def test_backends_without_capture_refuse_analyzers_before_generation(backend, pr
     else:
         from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
 
-        caps = LlamaCppBackend.capabilities(SimpleNamespace(
-            opts={"embeddings": True}, taps=SimpleNamespace(native_filter=False),
-            native=SimpleNamespace(rotary=False), tool_call_format=None,
-            steering_mode="eval_callback_per_row", steering_mode_reason=""))
+        caps = LlamaCppBackend.capabilities(
+            SimpleNamespace(
+                opts={"embeddings": True},
+                taps=SimpleNamespace(native_filter=False),
+                native=SimpleNamespace(rotary=False),
+                tool_call_format=None,
+                steering_mode="eval_callback_per_row",
+                steering_mode_reason="",
+            )
+        )
         refused, taken = (tracker,), (hidden,)
     status = EngineStatus(state="ready", backend=backend, batching={"capabilities": caps})
     for analyze, capability in refused:
@@ -278,17 +332,26 @@ def test_backends_without_capture_refuse_analyzers_before_generation(backend, pr
     for analyze, _ in taken:
         req = ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT, "analyze": analyze})
         assert asyncio.run(prepare_analyses(req, status, backend))
-    transformers = EngineStatus(state="ready", backend="transformers", batching={
-        "capabilities": msgspec.structs.replace(caps, hidden_state_capture=True, attention_capture=True)})
+    transformers = EngineStatus(
+        state="ready",
+        backend="transformers",
+        batching={"capabilities": msgspec.structs.replace(caps, hidden_state_capture=True, attention_capture=True)},
+    )
     assert asyncio.run(prepare_analyses(req, transformers, "transformers"))  # the positive control
 
 
 def test_a_stored_capture_is_analyzed_again_through_the_api(llama, openai_client, probes, settings, hf):
     settings.CAPTURE_INLINE_MAX_BYTES = 0
     resp = openai_client.chat.completions.create(
-        model="tiny-llama", messages=CHAT, max_tokens=4, temperature=0,
-        extra_body={"ignore_eos": True, "analyze": {"name": "hidden_states",
-                                                    "params": {"layers": [1, 2], "reduce": "last"}}})
+        model="tiny-llama",
+        messages=CHAT,
+        max_tokens=4,
+        temperature=0,
+        extra_body={
+            "ignore_eos": True,
+            "analyze": {"name": "hidden_states", "params": {"layers": [1, 2], "reduce": "last"}},
+        },
+    )
     (entry,) = resp.model_extra["millm"]["analysis"]
     cid = entry["capture_id"]  # stored (above the inline size): it can be analyzed again
     assert "capture" not in resp.model_extra["millm"]
@@ -298,28 +361,42 @@ def test_a_stored_capture_is_analyzed_again_through_the_api(llama, openai_client
     ids = meta["prompt_token_ids"] + meta["completion_token_ids"][:-1]
     ref = reference_blocks(*hf, ids)
     assert close(entry["result"]["layers"]["2"], ref[2][-1])
-    again = request(llama.url, "POST", f"/api/captures/{cid}/analyze",
-                    {"name": "hidden_states", "params": {"layers": [1], "reduce": "norm", "positions": "last"}})
+    again = request(
+        llama.url,
+        "POST",
+        f"/api/captures/{cid}/analyze",
+        {"name": "hidden_states", "params": {"layers": [1], "reduce": "norm", "positions": "last"}},
+    )
     assert again.status == 200, again.body
     data = again.json()["data"]
     assert data["capture_id"] == cid and data["name"] == "hidden_states"
     assert close(data["result"]["layers"]["1"], np.linalg.norm(ref[1][-1]))
-    missing = request(llama.url, "POST", f"/api/captures/{cid}/analyze",
-                      {"name": "attention_tracker", "params": TRACKER})
+    missing = request(
+        llama.url, "POST", f"/api/captures/{cid}/analyze", {"name": "attention_tracker", "params": TRACKER}
+    )
     assert missing.status == 400 and missing.json()["error"]["code"] == "ANALYZER_CAPTURE_MISSING"
     assert "attention Q/K" in missing.json()["error"]["message"]
-    wider = request(llama.url, "POST", f"/api/captures/{cid}/analyze",
-                    {"name": "hidden_states", "params": {"layers": [3], "reduce": "last"}})
+    wider = request(
+        llama.url,
+        "POST",
+        f"/api/captures/{cid}/analyze",
+        {"name": "hidden_states", "params": {"layers": [3], "reduce": "last"}},
+    )
     assert wider.status == 400 and wider.json()["error"]["code"] == "ANALYZER_CAPTURE_MISSING"
     unknown = request(llama.url, "POST", f"/api/captures/{cid}/analyze", {"name": "tea_leaves"})
     assert unknown.status == 400 and unknown.json()["error"]["code"] == "UNKNOWN_ANALYZER"
     assert "hidden_states" in unknown.json()["error"]["message"]
-    bad = request(llama.url, "POST", f"/api/captures/{cid}/analyze",
-                  {"name": "hidden_states", "params": {"layers": [1], "reduce": "max"}})
+    bad = request(
+        llama.url,
+        "POST",
+        f"/api/captures/{cid}/analyze",
+        {"name": "hidden_states", "params": {"layers": [1], "reduce": "max"}},
+    )
     assert bad.status == 422 and bad.json()["error"]["code"] == "VALIDATION_ERROR"
     for other in ("0" * 32, "..%2F..%2Fmillm.sqlite3"):
-        gone = request(llama.url, "POST", f"/api/captures/{other}/analyze", {"name": "hidden_states",
-                                                                            "params": {"layers": [1]}})
+        gone = request(
+            llama.url, "POST", f"/api/captures/{other}/analyze", {"name": "hidden_states", "params": {"layers": [1]}}
+        )
         assert gone.status in (400, 404) and b"SQLite" not in gone.body
 
 
@@ -331,9 +408,16 @@ def test_analyzers_extra_loads_a_deployments_analyzer(llama, openai_client, prob
     analyzers = Analyzers.from_settings()  # what the site builds at start
     with runtime().replaced(analyzers=analyzers):
         resp = openai_client.chat.completions.create(
-            model="tiny-llama", messages=CHAT, max_tokens=3, temperature=0,
-            extra_body={"ignore_eos": True, "capture": {"layers": [0], "positions": "all"},
-                        "analyze": [{"name": "last_row_sum", "params": {"layer": 2, "tag": "mine"}}]})
+            model="tiny-llama",
+            messages=CHAT,
+            max_tokens=3,
+            temperature=0,
+            extra_body={
+                "ignore_eos": True,
+                "capture": {"layers": [0], "positions": "all"},
+                "analyze": [{"name": "last_row_sum", "params": {"layer": 2, "tag": "mine"}}],
+            },
+        )
     analyzers.shutdown()
     millm = resp.model_extra["millm"]
     meta = load_capture(base64.b64decode(millm["capture"]["data"])).meta
@@ -343,19 +427,21 @@ def test_analyzers_extra_loads_a_deployments_analyzer(llama, openai_client, prob
     assert close(entry["result"]["sum"], ref[2][-1].sum())
     # not in the built-in registry: the default analyzers refuse it
     with pytest.raises(openai.BadRequestError) as exc:
-        openai_client.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=1,
-                                              extra_body={"analyze": {"name": "last_row_sum"}})
+        openai_client.chat.completions.create(
+            model="tiny-llama", messages=CHAT, max_tokens=1, extra_body={"analyze": {"name": "last_row_sum"}}
+        )
     assert exc.value.code == "unknown_analyzer"
 
 
 def test_a_bad_analyzers_extra_stops_start_up_with_one_line(tmp_path):
     ok = manage("check", env={"MILLM_DATA_DIR": str(tmp_path), "ANALYZERS_EXTRA": "tests.v1.extra_analyzer:register"})
     assert ok.returncode == 0, ok.stderr
-    for value, words in (("tests.v1.no_such_module:register", "cannot be imported"),
-                         ("tests.v1.extra_analyzer:nope", "cannot be imported"),
-                         ("tests.v1.extra_analyzer", "package.module:function"),
-                         ("tests.v1.extra_analyzer:register,tests.v1.extra_analyzer:register",
-                          "registered already")):
+    for value, words in (
+        ("tests.v1.no_such_module:register", "cannot be imported"),
+        ("tests.v1.extra_analyzer:nope", "cannot be imported"),
+        ("tests.v1.extra_analyzer", "package.module:function"),
+        ("tests.v1.extra_analyzer:register,tests.v1.extra_analyzer:register", "registered already"),
+    ):
         result = manage("check", env={"MILLM_DATA_DIR": str(tmp_path), "ANALYZERS_EXTRA": value})
         assert result.returncode == 2, (value, result.stderr)
         lines = result.stderr.strip().splitlines()

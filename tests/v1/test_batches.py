@@ -28,9 +28,18 @@ def jsonl(rows: list[dict[str, Any]]) -> bytes:
 
 
 def chat_line(i: int, **body: Any) -> dict[str, Any]:
-    return {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "tiny-llama", "max_tokens": 6, "temperature": 0,
-                     "messages": [{"role": "user", "content": f"count to {i}"}], **body}}
+    return {
+        "custom_id": f"req-{i}",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "tiny-llama",
+            "max_tokens": 6,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": f"count to {i}"}],
+            **body,
+        },
+    }
 
 
 def upload(client, rows: list[dict[str, Any]]) -> Any:
@@ -124,14 +133,12 @@ def batch_server(llama):
 
         batch_cancel(batch_id=batch.id)
     deadline = time.monotonic() + 60
-    while Batch.objects.exclude(status__in=Batch.TERMINAL).exists() \
-            or Batch.objects.exclude(runner=None).exists():
+    while Batch.objects.exclude(status__in=Batch.TERMINAL).exists() or Batch.objects.exclude(runner=None).exists():
         assert time.monotonic() < deadline, "a batch runner did not end"
         time.sleep(0.05)
 
 
-def test_official_client_runs_a_chat_batch_answering_every_line_once(batch_server,
-                                                                    openai_client):
+def test_official_client_runs_a_chat_batch_answering_every_line_once(batch_server, openai_client):
     from core.runtime import runtime
 
     events = Events()
@@ -139,15 +146,13 @@ def test_official_client_runs_a_chat_batch_answering_every_line_once(batch_serve
     with runtime().replaced(events=events):
         file = upload(openai_client, rows)
         assert (file.object, file.purpose, file.bytes) == ("file", "batch", len(jsonl(rows)))
-        batch = openai_client.batches.create(input_file_id=file.id,
-                                             endpoint="/v1/chat/completions",
-                                             completion_window="24h",
-                                             metadata={"run": "unit"})
+        batch = openai_client.batches.create(
+            input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h", metadata={"run": "unit"}
+        )
         assert batch.status in ("validating", "in_progress") and batch.metadata == {"run": "unit"}
         done = wait_status(openai_client, batch.id, ("completed", "failed"))
     assert done.status == "completed", done
-    assert (done.request_counts.total, done.request_counts.completed,
-            done.request_counts.failed) == (12, 12, 0)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (12, 12, 0)
     assert done.error_file_id is None and done.model == "tiny-llama"
     assert done.in_progress_at and done.finalizing_at and done.completed_at
     lines = output(openai_client, done.output_file_id)
@@ -161,13 +166,17 @@ def test_official_client_runs_a_chat_batch_answering_every_line_once(batch_serve
         assert got["body"]["object"] == "chat.completion"
         assert got["body"]["choices"][0]["message"] == sync.json()["choices"][0]["message"]
         assert got["body"]["usage"] == sync.json()["usage"]
-        assert got["headers"] == {"X-miLLM-Backend": sync.headers["x-millm-backend"],
-                                  "X-miLLM-Steering": sync.headers["x-millm-steering"]}
+        assert got["headers"] == {
+            "X-miLLM-Backend": sync.headers["x-millm-backend"],
+            "X-miLLM-Steering": sync.headers["x-millm-steering"],
+        }
     # the rows: every line answered once, the usage summed
     assert BatchLine.objects.filter(batch_id=done.id, status="done", attempts=1).count() == 12
     row = Batch.objects.get(id=done.id)
-    assert row.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"]
-                                    for x in lines) and row.runner is None
+    assert (
+        row.output_tokens == sum(x["response"]["body"]["usage"]["completion_tokens"] for x in lines)
+        and row.runner is None
+    )
     progress = [d for e, d in events.published if e == "batch:progress"]
     assert progress[-1]["batch_id"] == done.id and progress[-1]["status"] == "completed"
     assert progress[-1]["request_counts"] == {"total": 12, "completed": 12, "failed": 0}
@@ -182,40 +191,69 @@ def test_official_client_runs_a_chat_batch_answering_every_line_once(batch_serve
 
 
 def test_completion_and_embedding_batches_answer_like_the_routes(batch_server, openai_client):
-    rows = [{"custom_id": f"c{i}", "method": "POST", "url": "/v1/completions",
-             "body": {"model": "tiny-llama", "prompt": f"the sea {i}", "max_tokens": 5,
-                      "temperature": 0, "steering": {"features": []}}} for i in range(3)]
-    rows.append({"custom_id": "bad", "method": "POST", "url": "/v1/completions",
-                 "body": {"model": "tiny-llama", "prompt": "x", "max_tokens": -3}})
+    rows = [
+        {
+            "custom_id": f"c{i}",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {
+                "model": "tiny-llama",
+                "prompt": f"the sea {i}",
+                "max_tokens": 5,
+                "temperature": 0,
+                "steering": {"features": []},
+            },
+        }
+        for i in range(3)
+    ]
+    rows.append(
+        {
+            "custom_id": "bad",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny-llama", "prompt": "x", "max_tokens": -3},
+        }
+    )
     # the synchronous route's field policy holds for a line too: a field it cannot honour
     # is the line's 400, a field nothing reads is named in the line's header
-    rows.append({"custom_id": "suffix", "method": "POST", "url": "/v1/completions",
-                 "body": {"model": "tiny-llama", "prompt": "x", "max_tokens": 2,
-                          "suffix": "the end"}})
+    rows.append(
+        {
+            "custom_id": "suffix",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": "tiny-llama", "prompt": "x", "max_tokens": 2, "suffix": "the end"},
+        }
+    )
     rows[0]["body"]["user"] = "someone"
     file = upload(openai_client, rows)
-    batch = openai_client.batches.create(input_file_id=file.id, endpoint="/v1/completions",
-                                         completion_window="24h")
+    batch = openai_client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
     done = wait_status(openai_client, batch.id, ("completed", "failed"))
-    assert (done.status, done.request_counts.completed, done.request_counts.failed) == (
-        "completed", 3, 2)
+    assert (done.status, done.request_counts.completed, done.request_counts.failed) == ("completed", 3, 2)
     good = output(openai_client, done.output_file_id)
     assert good[0]["response"]["headers"]["X-miLLM-Ignored-Fields"] == '"user"'
     sync = request(batch_server.url, "POST", "/v1/completions", rows[1]["body"])
     assert good[1]["response"]["body"]["choices"][0]["text"] == sync.json()["choices"][0]["text"]
     assert good[1]["response"]["headers"]["X-miLLM-Steering"] == sync.headers["x-millm-steering"]
-    bad, suffix = sorted(output(openai_client, done.error_file_id),
-                         key=lambda line: line["custom_id"])
+    bad, suffix = sorted(output(openai_client, done.error_file_id), key=lambda line: line["custom_id"])
     assert bad["custom_id"] == "bad" and bad["response"]["status_code"] == 400
     assert bad["response"]["body"]["error"]["param"] == "max_tokens"
     assert suffix["response"]["status_code"] == 400
-    assert (suffix["response"]["body"]["error"]["code"],
-            suffix["response"]["body"]["error"]["param"]) == ("field_not_honoured", "suffix")
+    assert (suffix["response"]["body"]["error"]["code"], suffix["response"]["body"]["error"]["param"]) == (
+        "field_not_honoured",
+        "suffix",
+    )
 
-    emb = [{"custom_id": "e0", "method": "POST", "url": "/v1/embeddings",
-            "body": {"model": "tiny-llama", "input": ["hello there", "the sea"]}}]
-    batch = openai_client.batches.create(input_file_id=upload(openai_client, emb).id,
-                                         endpoint="/v1/embeddings", completion_window="24h")
+    emb = [
+        {
+            "custom_id": "e0",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": "tiny-llama", "input": ["hello there", "the sea"]},
+        }
+    ]
+    batch = openai_client.batches.create(
+        input_file_id=upload(openai_client, emb).id, endpoint="/v1/embeddings", completion_window="24h"
+    )
     done = wait_status(openai_client, batch.id, ("completed", "failed"))
     (line,) = output(openai_client, done.output_file_id)
     sync = request(batch_server.url, "POST", "/v1/embeddings", emb[0]["body"]).json()
@@ -238,37 +276,33 @@ def test_limits_and_bad_requests_are_openai_shaped_400s(batch_server, openai_cli
         assert info.value.body["type"] == "invalid_request_error"
         assert info.value.body["param"] == "file"
     with pytest.raises(openai.BadRequestError) as info:
-        openai_client.files.create(file=("big.jsonl", io.BytesIO(b"{}\n" * 600)),
-                                   purpose="batch")
+        openai_client.files.create(file=("big.jsonl", io.BytesIO(b"{}\n" * 600)), purpose="batch")
     assert info.value.code == "file_too_large"
     with pytest.raises(openai.BadRequestError) as info:
         openai_client.files.create(file=("x.jsonl", io.BytesIO(b"not json\n")), purpose="batch")
     assert info.value.code == "invalid_file"
     with pytest.raises(openai.BadRequestError) as info:
-        openai_client.files.create(file=("x.jsonl", io.BytesIO(jsonl([chat_line(0)]))),
-                                   purpose="fine-tune")
+        openai_client.files.create(file=("x.jsonl", io.BytesIO(jsonl([chat_line(0)]))), purpose="fine-tune")
     assert (info.value.code, info.value.body["param"]) == ("invalid_file", "purpose")
     file = upload(openai_client, [chat_line(0)])
     with pytest.raises(openai.BadRequestError) as info:
-        openai_client.batches.create(input_file_id=file.id, endpoint="/v1/moderations",
-                                     completion_window="24h")
+        openai_client.batches.create(input_file_id=file.id, endpoint="/v1/moderations", completion_window="24h")
     assert info.value.body["param"] == "endpoint"
     with pytest.raises(openai.NotFoundError):
-        openai_client.batches.create(input_file_id="file-nope",
-                                     endpoint="/v1/chat/completions", completion_window="24h")
+        openai_client.batches.create(
+            input_file_id="file-nope", endpoint="/v1/chat/completions", completion_window="24h"
+        )
     # malformed lines: the batch is created failed, its errors name the lines (OpenAI)
     rows = [chat_line(0), chat_line(0), {**chat_line(2), "url": "/v1/completions"}]
-    batch = openai_client.batches.create(input_file_id=upload(openai_client, rows).id,
-                                         endpoint="/v1/chat/completions",
-                                         completion_window="24h")
+    batch = openai_client.batches.create(
+        input_file_id=upload(openai_client, rows).id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     assert batch.status == "failed" and batch.failed_at
-    assert [(e.code, e.line) for e in batch.errors.data] == [("duplicate_custom_id", 2),
-                                                             ("invalid_url", 3)]
+    assert [(e.code, e.line) for e in batch.errors.data] == [("duplicate_custom_id", 2), ("invalid_url", 3)]
     assert not BatchLine.objects.filter(batch_id=batch.id).exists()
 
 
-def test_cancel_keeps_what_was_answered_and_ends_the_rest(batch_server, openai_client,
-                                                         settings):
+def test_cancel_keeps_what_was_answered_and_ends_the_rest(batch_server, openai_client, settings):
     """The third line is held at the engine until the cancel is recorded: it is answered
     (a line at the engine finishes), no later line starts, and the batch ends
     ``cancelled`` with the 27 others in the error file as ``batch_cancelled``."""
@@ -279,9 +313,9 @@ def test_cancel_keeps_what_was_answered_and_ends_the_rest(batch_server, openai_c
     engine = GatedEngine(runtime().engine, hold=3)
     try:
         with runtime().replaced(engine=engine):
-            batch = openai_client.batches.create(input_file_id=upload(openai_client, rows).id,
-                                                 endpoint="/v1/chat/completions",
-                                                 completion_window="24h")
+            batch = openai_client.batches.create(
+                input_file_id=upload(openai_client, rows).id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
             assert engine.reached.wait(60), "the third line never reached the engine"
             assert BatchLine.objects.filter(batch_id=batch.id, status="done").count() == 2
             cancelling = openai_client.batches.cancel(batch.id)
@@ -299,20 +333,28 @@ def test_cancel_keeps_what_was_answered_and_ends_the_rest(batch_server, openai_c
     assert {x["error"]["code"] for x in ended} == {"batch_cancelled"}
     assert (done.request_counts.completed, done.request_counts.failed) == (3, 27)
     with pytest.raises(openai.ConflictError):
-        openai_client.batches.cancel(wait_status(openai_client, (
-            openai_client.batches.create(input_file_id=upload(openai_client, rows[:1]).id,
-                                         endpoint="/v1/chat/completions",
-                                         completion_window="24h")).id, ("completed",)).id)
+        openai_client.batches.cancel(
+            wait_status(
+                openai_client,
+                (
+                    openai_client.batches.create(
+                        input_file_id=upload(openai_client, rows[:1]).id,
+                        endpoint="/v1/chat/completions",
+                        completion_window="24h",
+                    )
+                ).id,
+                ("completed",),
+            ).id
+        )
 
 
 def test_a_batch_waits_for_its_model_and_never_loads_it(batch_server, openai_client, settings):
     """The model named by the lines is not resident: nothing runs, nothing is loaded; once
     an operator loads it, the batch runs to the end."""
-    rows = [{**chat_line(i), "body": {**chat_line(i)["body"], "model": "tiny-gemma2"}}
-            for i in range(3)]
-    batch = openai_client.batches.create(input_file_id=upload(openai_client, rows).id,
-                                         endpoint="/v1/chat/completions",
-                                         completion_window="24h")
+    rows = [{**chat_line(i), "body": {**chat_line(i)["body"], "model": "tiny-gemma2"}} for i in range(3)]
+    batch = openai_client.batches.create(
+        input_file_id=upload(openai_client, rows).id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     time.sleep(1.5)
     waiting = openai_client.batches.retrieve(batch.id)
     assert waiting.status == "in_progress" and waiting.request_counts.completed == 0
@@ -323,8 +365,7 @@ def test_a_batch_waits_for_its_model_and_never_loads_it(batch_server, openai_cli
     model_resident(batch_server, "tiny-llama")
 
 
-def test_a_dead_runner_is_taken_over_without_repeating_a_line(batch_server, settings,
-                                                              monkeypatch):
+def test_a_dead_runner_is_taken_over_without_repeating_a_line(batch_server, settings, monkeypatch):
     """The runner dies mid-batch (as with its web or Celery worker): the next one re-runs
     only the lines that were at the engine unanswered; every line is answered once."""
     from django.db import connections
@@ -338,11 +379,11 @@ def test_a_dead_runner_is_taken_over_without_repeating_a_line(batch_server, sett
     monkeypatch.setattr(services, "enqueue", lambda *a, **k: None)  # this test runs it
     rows = [chat_line(i, max_tokens=12, ignore_eos=True) for i in range(10)]
     file = services.file_create(filename="in.jsonl", purpose="batch", content=jsonl(rows))
-    batch = services.batch_create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                  completion_window="24h")
+    batch = services.batch_create(input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h")
     engine = CountingEngine(runtime().engine)
     stop = threading.Event()
     with runtime().replaced(engine=engine):
+
         def run_first() -> None:
             try:
                 batch_run(batch_id=batch.id, stop=stop)
@@ -357,10 +398,10 @@ def test_a_dead_runner_is_taken_over_without_repeating_a_line(batch_server, sett
             time.sleep(0.005)
         stop.set()  # dies: its lines at the engine stay claimed and unanswered
         first.join(30)
-        before = {x.custom_id: x.answered_at for x in
-                  BatchLine.objects.filter(batch_id=batch.id, status="done")}
-        orphaned = set(BatchLine.objects.filter(batch_id=batch.id, status="running")
-                       .values_list("custom_id", flat=True))
+        before = {x.custom_id: x.answered_at for x in BatchLine.objects.filter(batch_id=batch.id, status="done")}
+        orphaned = set(
+            BatchLine.objects.filter(batch_id=batch.id, status="running").values_list("custom_id", flat=True)
+        )
         assert 4 <= len(before) < 10
         # a second runner waits for the first one's heartbeat to go stale, then resumes
         assert batch_run(batch_id=batch.id) == "completed"
@@ -377,8 +418,7 @@ def test_a_dead_runner_is_taken_over_without_repeating_a_line(batch_server, sett
     from batches.selectors import file_content
     from core.auth import ANONYMOUS
 
-    out = [json.loads(x) for x in b"".join(file_content(
-        file_id=done.output_file_id, principal=ANONYMOUS)).splitlines()]
+    out = [json.loads(x) for x in b"".join(file_content(file_id=done.output_file_id, principal=ANONYMOUS)).splitlines()]
     assert sorted(x["custom_id"] for x in out) == sorted(r["custom_id"] for r in rows)
 
 
@@ -388,12 +428,12 @@ def test_a_thousand_line_batch_answers_every_line_once(batch_server, openai_clie
     benchmarks/batch_ttft.py, in docs/performance.md — not a timed test)."""
     rows = [chat_line(i, max_tokens=1) for i in range(1000)]
     file = upload(openai_client, rows)
-    batch = openai_client.batches.create(input_file_id=file.id, endpoint="/v1/chat/completions",
-                                         completion_window="24h")
+    batch = openai_client.batches.create(
+        input_file_id=file.id, endpoint="/v1/chat/completions", completion_window="24h"
+    )
     done = wait_status(openai_client, batch.id, ("completed", "failed"), timeout_s=600)
     assert done.status == "completed", done
-    assert (done.request_counts.total, done.request_counts.completed,
-            done.request_counts.failed) == (1000, 1000, 0)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (1000, 1000, 0)
     lines = output(openai_client, done.output_file_id)
     assert sorted(x["custom_id"] for x in lines) == sorted(f"req-{i}" for i in range(1000))
     assert len({x["id"] for x in lines}) == 1000  # one answer per line, none repeated

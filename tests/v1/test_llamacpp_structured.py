@@ -45,26 +45,20 @@ def gguf_tools_model(v1_server, tools_gguf, tiny_gguf):
     from registry.models import Model
     from registry.services import model_register_local
 
-    row = Model.objects.filter(name=NAME).first() or model_register_local(
-        local_path=str(tools_gguf), name=NAME
-    )
+    row = Model.objects.filter(name=NAME).first() or model_register_local(local_path=str(tools_gguf), name=NAME)
     assert row.format == Model.Format.GGUF and row.effective_backend() == "llamacpp"
     refuse_tools_before_load(row.pk)  # the GGUF's template mentions tools: not refused
     plain = model_register_local(local_path=str(tiny_gguf), name="tiny-llama-gguf")
     with pytest.raises(OpenAIError) as caught:
         refuse_tools_before_load(plain.pk)
-    assert (
-        caught.value.code == "field_not_honoured" and "never mentions tools" in caught.value.message
-    )
+    assert caught.value.code == "field_not_honoured" and "never mentions tools" in caught.value.message
     model_resident(v1_server, NAME)
     v1_server.wait_idle()
     yield v1_server
     v1_server.wait_idle()
 
 
-def test_tools_and_json_schema_on_llamacpp_through_the_openai_client(
-    gguf_tools_model, openai_client
-):
+def test_tools_and_json_schema_on_llamacpp_through_the_openai_client(gguf_tools_model, openai_client):
     server = gguf_tools_model
     # named: one call of that function, arguments valid for it
     out = openai_client.chat.completions.create(
@@ -119,9 +113,7 @@ def test_tools_and_json_schema_on_llamacpp_through_the_openai_client(
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     jsonschema.validate(json.loads(text), SCHEMA)
     # positive control: unconstrained, the random model's text is not JSON
-    free = openai_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, max_tokens=20, temperature=0
-    )
+    free = openai_client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20, temperature=0)
     with pytest.raises(ValueError):
         json.loads(free.choices[0].message.content)
     # a schema outside the subset is still refused by name, before anything runs

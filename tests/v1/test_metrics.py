@@ -13,8 +13,7 @@ from websockets.sync.client import connect
 
 from tests.v1.helpers import assert_openai_error, request
 
-CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 4}
+CHAT = {"model": "tiny-llama", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
 
 def metrics(server) -> dict[str, Any]:
@@ -42,24 +41,39 @@ def test_tokens_generated_grow_by_the_usage_responses_report(llama):
     usages = [
         request(url, "POST", "/chat/completions", {**CHAT, "n": 2}).json()["usage"],
         # a batch of prompts in one request
-        request(url, "POST", "/completions",
-                {"model": "tiny-llama", "prompt": ["the sea", "a cat sat"], "max_tokens": 5,
-                 "ignore_eos": True}).json()["usage"],
-        usage_of_stream(request(url, "POST", "/chat/completions",
-                                {**CHAT, "stream": True,
-                                 "stream_options": {"include_usage": True}})),
-        usage_of_stream(request(url, "POST", "/completions",
-                                {"model": "tiny-llama", "prompt": "once", "max_tokens": 6,
-                                 "n": 2, "stream": True,
-                                 "stream_options": {"include_usage": True}})),
+        request(
+            url,
+            "POST",
+            "/completions",
+            {"model": "tiny-llama", "prompt": ["the sea", "a cat sat"], "max_tokens": 5, "ignore_eos": True},
+        ).json()["usage"],
+        usage_of_stream(
+            request(
+                url, "POST", "/chat/completions", {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+            )
+        ),
+        usage_of_stream(
+            request(
+                url,
+                "POST",
+                "/completions",
+                {
+                    "model": "tiny-llama",
+                    "prompt": "once",
+                    "max_tokens": 6,
+                    "n": 2,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+        ),
     ]
     llama.wait_idle()
     after = metrics(llama)
     completion = sum(u["completion_tokens"] for u in usages)
     assert completion >= 4 + 10 + 1 + 2
     assert after["tokens_generated"] - before["tokens_generated"] == completion
-    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(u["prompt_tokens"]
-                                                                   for u in usages)
+    assert after["prompt_tokens"] - before["prompt_tokens"] == sum(u["prompt_tokens"] for u in usages)
     assert grown(before["refusals"], after["refusals"]) == {}
 
 
@@ -68,45 +82,60 @@ def test_each_refusal_is_counted_once_by_reason(llama, admission):
     ctl = admission(slots=1, pending=0)
     held = ctl.try_acquire()
     try:
-        assert_openai_error(request(llama.base_url, "POST", "/chat/completions", CHAT),
-                            503, "queue_full")
+        assert_openai_error(request(llama.base_url, "POST", "/chat/completions", CHAT), 503, "queue_full")
     finally:
         held.release()
 
     never = {"X-miLLM-Load-Policy": "refuse"}
-    assert_openai_error(request(llama.base_url, "POST", "/completions",
-                                {"model": "tiny-gpt2", "prompt": "x", "max_tokens": 2},
-                                headers=never), 409, "model_not_resident")
+    assert_openai_error(
+        request(
+            llama.base_url,
+            "POST",
+            "/completions",
+            {"model": "tiny-gpt2", "prompt": "x", "max_tokens": 2},
+            headers=never,
+        ),
+        409,
+        "model_not_resident",
+    )
 
     from registry.models import Model
 
     model_id = Model.objects.get(name="tiny-llama").id
-    grant = request(llama.url, "POST", f"/api/models/{model_id}/lease",
-                    {"holder": "metrics-test", "reason": "refusals", "ttl_seconds": 60})
+    grant = request(
+        llama.url,
+        "POST",
+        f"/api/models/{model_id}/lease",
+        {"holder": "metrics-test", "reason": "refusals", "ttl_seconds": 60},
+    )
     assert grant.status == 201, grant.body[:300]
     lease_id = grant.json()["data"]["lease_id"]
     try:
         # auto-loading another model would swap out the leased one
-        assert_openai_error(request(llama.base_url, "POST", "/completions",
-                                    {"model": "tiny-gpt2", "prompt": "x", "max_tokens": 2}),
-                            409, "model_leased")
+        assert_openai_error(
+            request(llama.base_url, "POST", "/completions", {"model": "tiny-gpt2", "prompt": "x", "max_tokens": 2}),
+            409,
+            "model_leased",
+        )
         refused = request(llama.url, "POST", f"/api/models/{model_id}/unload")
         assert refused.status == 409 and refused.json()["error"]["code"] == "MODEL_LEASED"
     finally:
-        released = request(llama.url, "DELETE", f"/api/models/{model_id}/lease",
-                           headers={"X-miLLM-Lease": lease_id})
+        released = request(llama.url, "DELETE", f"/api/models/{model_id}/lease", headers={"X-miLLM-Lease": lease_id})
         assert released.status == 200, released.body[:300]
 
     # wrong requests are not refusals
-    assert_openai_error(request(llama.base_url, "POST", "/completions",
-                                {"model": "no-such-model", "prompt": "x"}),
-                        404, "model_not_found")
-    assert_openai_error(request(llama.base_url, "POST", "/completions",
-                                {"model": "tiny-llama", "prompt": "x", "max_tokens": -1}),
-                        400, "invalid_parameter")
+    assert_openai_error(
+        request(llama.base_url, "POST", "/completions", {"model": "no-such-model", "prompt": "x"}),
+        404,
+        "model_not_found",
+    )
+    assert_openai_error(
+        request(llama.base_url, "POST", "/completions", {"model": "tiny-llama", "prompt": "x", "max_tokens": -1}),
+        400,
+        "invalid_parameter",
+    )
 
-    assert grown(before, metrics(llama)["refusals"]) == {
-        "queue_full": 1, "model_not_resident": 1, "model_leased": 2}
+    assert grown(before, metrics(llama)["refusals"]) == {"queue_full": 1, "model_not_resident": 1, "model_leased": 2}
 
 
 def _metrics_events(ws, until, timeout_s: float = 15.0) -> dict[str, Any]:
@@ -135,8 +164,12 @@ def test_websocket_clients_get_system_metrics_pushed(llama, settings):
         assert {"in_flight", "waiting"} <= set(first["queue"])
         assert runtime().metrics_push.running
 
-        body = {"model": "tiny-llama", "max_tokens": 5, "ignore_eos": True,
-                "messages": [{"role": "user", "content": "tell me about the lighthouse"}]}
+        body = {
+            "model": "tiny-llama",
+            "max_tokens": 5,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": "tell me about the lighthouse"}],
+        }
         usage = request(llama.base_url, "POST", "/chat/completions", body).json()["usage"]
         expected = first["tokens_generated"] + usage["completion_tokens"]
         seen = _metrics_events(ws, lambda data: data["tokens_generated"] >= expected)

@@ -37,8 +37,7 @@ def test_models_list_each_profile_as_a_model_variant(llama, openai_client):
     Profile.objects.create(name="anywhere")  # made for any model
     Profile.objects.create(name="gemma-only", model_name="tiny-gemma2")
     ids = [m.id for m in openai_client.models.list().data]
-    assert ids[ids.index("tiny-llama") + 1: ids.index("tiny-llama") + 3] == [
-        "tiny-llama@anywhere", "tiny-llama@sea"]
+    assert ids[ids.index("tiny-llama") + 1 : ids.index("tiny-llama") + 3] == ["tiny-llama@anywhere", "tiny-llama@sea"]
     assert "tiny-gemma2@gemma-only" in ids and "tiny-llama@gemma-only" not in ids
     card = openai_client.models.retrieve("tiny-llama@sea")
     assert card.id == "tiny-llama@sea" and card.owned_by == "local"
@@ -46,7 +45,8 @@ def test_models_list_each_profile_as_a_model_variant(llama, openai_client):
         openai_client.models.retrieve("tiny-llama@gemma-only")
     # a listed variant is servable as it is listed (an empty profile steers nothing)
     out = openai_client.chat.completions.with_raw_response.create(
-        model="tiny-llama@anywhere", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+        model="tiny-llama@anywhere", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+    )
     assert out.status_code == 200 and out.parse().model == "tiny-llama"
     assert out.headers["x-millm-steering"] == "none"
 
@@ -59,8 +59,12 @@ def test_embeddings_equal_the_engine_and_are_never_steered(llama, openai_client)
     for got, exp in zip(out.data, ref.embeddings):
         assert got.embedding == pytest.approx(exp, abs=1e-6)
     assert out.usage.prompt_tokens == out.usage.total_tokens == ref.usage.prompt_tokens
-    raw = request(llama.base_url, "POST", "/embeddings", {
-        "model": "tiny-llama", "input": [[5, 6, 7]], "encoding_format": "base64"})
+    raw = request(
+        llama.base_url,
+        "POST",
+        "/embeddings",
+        {"model": "tiny-llama", "input": [[5, 6, 7]], "encoding_format": "base64"},
+    )
     vector = base64.b64decode(raw.json()["data"][0]["embedding"])
     floats = struct.unpack(f"<{len(vector) // 4}f", vector)
     exp = llama.engine.embed(EmbedJob("ref", inputs=[[5, 6, 7]])).embeddings[0]
@@ -69,11 +73,15 @@ def test_embeddings_equal_the_engine_and_are_never_steered(llama, openai_client)
     attach("tiny-llama-L1-relu", 1)  # an attached SAE changes nothing
     again = openai_client.embeddings.create(model="tiny-llama", input=texts)
     assert again.data[0].embedding == pytest.approx(out.data[0].embedding, abs=1e-7)
-    assert_openai_error(request(llama.base_url, "POST", "/embeddings",
-                                {"model": "tiny-llama", "input": ""}), 400, "invalid_parameter")
-    assert_openai_error(request(llama.base_url, "POST", "/embeddings",
-                                {"model": "tiny-llama", "input": "x", "dimensions": 8}),
-                        400, "field_not_honoured", "dimensions")
+    assert_openai_error(
+        request(llama.base_url, "POST", "/embeddings", {"model": "tiny-llama", "input": ""}), 400, "invalid_parameter"
+    )
+    assert_openai_error(
+        request(llama.base_url, "POST", "/embeddings", {"model": "tiny-llama", "input": "x", "dimensions": 8}),
+        400,
+        "field_not_honoured",
+        "dimensions",
+    )
 
 
 def test_dimensions_equal_to_the_models_own_size_pass(llama, openai_client, tiny_assets):
@@ -92,13 +100,17 @@ def test_dimensions_equal_to_the_models_own_size_pass(llama, openai_client, tiny
     assert len(same.data[0].embedding) == size
     assert same.data[0].embedding == pytest.approx(plain.data[0].embedding, abs=1e-7)
     for model, asked in (("tiny-llama", size - 1), ("tiny-gpt2", hidden("tiny-gpt2") + 1)):
-        assert_openai_error(request(llama.base_url, "POST", "/embeddings",
-                                    {"model": model, "input": "x", "dimensions": asked}),
-                            400, "field_not_honoured", "dimensions")
+        assert_openai_error(
+            request(llama.base_url, "POST", "/embeddings", {"model": model, "input": "x", "dimensions": asked}),
+            400,
+            "field_not_honoured",
+            "dimensions",
+        )
     assert llama.engine.status().model_id == "tiny-llama"  # tiny-gpt2 was never loaded
     # the size of a model that is not resident, when it is what that model gives: loaded
-    gpt2 = request(llama.base_url, "POST", "/embeddings",
-                   {"model": "tiny-gpt2", "input": "x", "dimensions": hidden("tiny-gpt2")})
+    gpt2 = request(
+        llama.base_url, "POST", "/embeddings", {"model": "tiny-gpt2", "input": "x", "dimensions": hidden("tiny-gpt2")}
+    )
     assert gpt2.status == 200, gpt2.body[:300]
     assert len(gpt2.json()["data"][0]["embedding"]) == hidden("tiny-gpt2")
 
@@ -142,8 +154,7 @@ def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monke
         during = request(llama.base_url, "POST", "/completions", body, headers=refuse)
         assert_openai_error(during, 503, "model_loading")
         assert during.headers["retry-after"] == "15"  # RETRY_AFTER_LOAD_S
-        other = request(llama.base_url, "POST", "/completions",
-                        {**body, "model": "tiny-gemma2"})
+        other = request(llama.base_url, "POST", "/completions", {**body, "model": "tiny-gemma2"})
         assert_openai_error(other, 503, "model_busy")
         for t in threads:
             t.join(60)
@@ -157,7 +168,6 @@ def test_a_registered_model_is_loaded_on_demand_once(llama, openai_client, monke
 
 def test_a_locked_model_is_not_swapped_by_a_request(llama):
     attach("tiny-llama-L1-relu", 1)
-    resp = request(llama.base_url, "POST", "/completions",
-                   {"model": "tiny-gpt2", "prompt": "x", "max_tokens": 2})
+    resp = request(llama.base_url, "POST", "/completions", {"model": "tiny-gpt2", "prompt": "x", "max_tokens": 2})
     assert_openai_error(resp, 409, "model_locked")
     assert llama.engine.status().model_id == "tiny-llama"

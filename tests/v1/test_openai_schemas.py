@@ -13,17 +13,26 @@ from tests.v1.openai_schema import assert_schema, violations
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-CHAT = {"model": "tiny-llama", "max_tokens": 6, "temperature": 0,
-        "messages": [{"role": "user", "content": "the sea"}]}
-COMPLETION = {"model": "tiny-llama", "prompt": "the sea and", "max_tokens": 6,
-              "temperature": 0}
+CHAT = {"model": "tiny-llama", "max_tokens": 6, "temperature": 0, "messages": [{"role": "user", "content": "the sea"}]}
+COMPLETION = {"model": "tiny-llama", "prompt": "the sea and", "max_tokens": 6, "temperature": 0}
 
 
 def test_the_schemas_catch_a_broken_answer():
     """Positive control: a chat completion without its message's required fields fails."""
-    good = {"id": "x", "object": "chat.completion", "created": 1, "model": "m",
-            "choices": [{"index": 0, "finish_reason": "stop", "logprobs": None,
-                         "message": {"role": "assistant", "content": "hi", "refusal": None}}]}
+    good = {
+        "id": "x",
+        "object": "chat.completion",
+        "created": 1,
+        "model": "m",
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "stop",
+                "logprobs": None,
+                "message": {"role": "assistant", "content": "hi", "refusal": None},
+            }
+        ],
+    }
     assert violations("CreateChatCompletionResponse", good) == []
     broken = copy.deepcopy(good)
     del broken["choices"][0]["message"]["refusal"]
@@ -38,9 +47,12 @@ def test_chat_completion(llama):
 
 
 def test_chat_stream_chunks(llama):
-    resp = request(llama.base_url, "POST", "/chat/completions",
-                   {**CHAT, "stream": True, "stream_options": {"include_usage": True},
-                    "logprobs": True, "top_logprobs": 1})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/chat/completions",
+        {**CHAT, "stream": True, "stream_options": {"include_usage": True}, "logprobs": True, "top_logprobs": 1},
+    )
     assert resp.status == 200
     events = resp.events()
     assert events[-1] == "[DONE]"
@@ -49,8 +61,7 @@ def test_chat_stream_chunks(llama):
 
 
 def test_completion(llama):
-    for body in (COMPLETION, {**COMPLETION, "logprobs": 2, "echo": True},
-                 {**COMPLETION, "prompt": ["a", "b"], "n": 2}):
+    for body in (COMPLETION, {**COMPLETION, "logprobs": 2, "echo": True}, {**COMPLETION, "prompt": ["a", "b"], "n": 2}):
         resp = request(llama.base_url, "POST", "/completions", body)
         assert resp.status == 200, resp.body[:300]
         assert_schema("CreateCompletionResponse", resp.json())
@@ -61,8 +72,7 @@ def test_completion(llama):
 
 
 def test_embeddings_models_and_errors(llama):
-    resp = request(llama.base_url, "POST", "/embeddings",
-                   {"model": "tiny-llama", "input": ["a", "b c"]})
+    resp = request(llama.base_url, "POST", "/embeddings", {"model": "tiny-llama", "input": ["a", "b c"]})
     assert resp.status == 200, resp.body[:300]
     assert_schema("CreateEmbeddingResponse", resp.json())
     models = request(llama.base_url, "GET", "/models")

@@ -25,8 +25,13 @@ def owui_filter():
 
 def _body() -> dict:
     # what Open WebUI hands a filter for a chat turn (the fields it sends on to /v1)
-    return {"model": "tiny-llama", "stream": False, "temperature": 0, "max_tokens": 12,
-            "messages": [{"role": "user", "content": "Tell me about the sea"}]}
+    return {
+        "model": "tiny-llama",
+        "stream": False,
+        "temperature": 0,
+        "max_tokens": 12,
+        "messages": [{"role": "user", "content": "Tell me about the sea"}],
+    }
 
 
 def _chat(server, body):
@@ -37,8 +42,7 @@ def test_the_dial_steers_through_v1_as_explicit_fields_do(llama, owui_filter):
     from steering.services import profile_create
 
     sae = attach("tiny-llama-L1-relu", 1)
-    profile_create(name="sea", sae_id=sae.id, layer=1, steering={"3": 60.0},
-                   model_name="tiny-llama")
+    profile_create(name="sea", sae_id=sae.id, layer=1, steering={"3": 60.0}, model_name="tiny-llama")
     plain = _chat(llama, _body())
     assert plain.headers["x-millm-steering"] == "none"
 
@@ -57,14 +61,12 @@ def test_the_dial_steers_through_v1_as_explicit_fields_do(llama, owui_filter):
 
     # a user's own valves win over the admin's: inline features, or "off"
     mine = flt.inlet(_body(), __user__={"id": "u2", "valves": flt.UserValves(features="3:60, 40:-2")})
-    assert mine["steering"] == {"features": [{"index": 3, "strength": 60.0},
-                                             {"index": 40, "strength": -2.0}]}
+    assert mine["steering"] == {"features": [{"index": 3, "strength": 60.0}, {"index": 40, "strength": -2.0}]}
     inline = _chat(llama, mine)
     assert inline.status == 200 and inline.headers["x-millm-steering"].startswith("inline")
     off = _chat(llama, flt.inlet(_body(), __user__={"valves": flt.UserValves(intensity="off")}))
     assert off.headers["x-millm-steering"] == "none"
-    assert off.json()["choices"][0]["message"]["content"] == \
-        plain.json()["choices"][0]["message"]["content"]
+    assert off.json()["choices"][0]["message"]["content"] == plain.json()["choices"][0]["message"]["content"]
 
 
 def test_an_explicit_client_field_wins_and_bad_features_are_refused(owui_filter):
@@ -85,8 +87,7 @@ def test_the_filter_never_sends_what_the_server_refuses(llama, owui_filter):
 
     sae = attach("tiny-llama-L1-relu", 1)
     for name, feature in (("sea", "3"), ("calm", "40")):
-        profile_create(name=name, sae_id=sae.id, layer=1, steering={feature: 60.0},
-                       model_name="tiny-llama")
+        profile_create(name=name, sae_id=sae.id, layer=1, steering={feature: 60.0}, model_name="tiny-llama")
     flt = owui_filter()
 
     def sent(valves, user_valves=None, model="tiny-llama"):
@@ -97,28 +98,38 @@ def test_the_filter_never_sends_what_the_server_refuses(llama, owui_filter):
         return response.headers["x-millm-steering"]
 
     # the admin's profile and features: the profile wins, as the valves say
-    assert sent(flt.Valves(profile="sea", features="3:50")).startswith(
-        "profile;name=sea;intensity=1;")
+    assert sent(flt.Valves(profile="sea", features="3:50")).startswith("profile;name=sea;intensity=1;")
     # a menu pick keeps its profile whatever the valves hold; the intensity still dials it
-    assert sent(flt.Valves(features="3:50"), model="tiny-llama@sea").startswith(
-        "profile;name=sea;intensity=1;")
-    assert sent(flt.Valves(profile="sea", intensity="0.5"), model="tiny-llama@calm"
-                ).startswith("profile;name=calm;intensity=0.5;")
-    assert sent(flt.Valves(profile="sea"), flt.UserValves(features="3:50", intensity="off"),
-                model="tiny-llama@calm") == "none"
+    assert sent(flt.Valves(features="3:50"), model="tiny-llama@sea").startswith("profile;name=sea;intensity=1;")
+    assert sent(flt.Valves(profile="sea", intensity="0.5"), model="tiny-llama@calm").startswith(
+        "profile;name=calm;intensity=0.5;"
+    )
+    assert (
+        sent(flt.Valves(profile="sea"), flt.UserValves(features="3:50", intensity="off"), model="tiny-llama@calm")
+        == "none"
+    )
     # a user's profile and features: the profile wins, and replaces the admin's features
-    assert sent(flt.Valves(features="3:50"), flt.UserValves(profile="calm", features="40:5")
-                ).startswith("profile;name=calm;intensity=1;")
+    assert sent(flt.Valves(features="3:50"), flt.UserValves(profile="calm", features="40:5")).startswith(
+        "profile;name=calm;intensity=1;"
+    )
     # the user's features replace the admin's profile
-    assert sent(flt.Valves(profile="sea"), flt.UserValves(features="40:5")).startswith(
-        "inline")
+    assert sent(flt.Valves(profile="sea"), flt.UserValves(features="40:5")).startswith("inline")
 
 
-@pytest.mark.parametrize("valves", [
-    {"intensity": "nan"}, {"intensity": "inf"}, {"intensity": "-0.5"}, {"intensity": "3"},
-    {"intensity": "loud"}, {"features": "3:nan"}, {"features": "3:-inf"},
-    {"features": "-3:1"}, {"features": "x:1"},
-])
+@pytest.mark.parametrize(
+    "valves",
+    [
+        {"intensity": "nan"},
+        {"intensity": "inf"},
+        {"intensity": "-0.5"},
+        {"intensity": "3"},
+        {"intensity": "loud"},
+        {"features": "3:nan"},
+        {"features": "3:-inf"},
+        {"features": "-3:1"},
+        {"features": "x:1"},
+    ],
+)
 def test_bad_valves_are_refused_before_anything_is_sent(owui_filter, valves):
     # "nan" and "inf" read as floats, which no JSON body can carry: refused like "loud"
     flt = owui_filter()

@@ -30,8 +30,7 @@ SAE = "tiny-llama-L1-relu"
 @pytest.fixture(scope="module")
 def hf(tiny_assets):
     asset = tiny_assets.models["tiny-llama"]
-    model = AutoModelForCausalLM.from_pretrained(str(asset.path), dtype=torch.float32,
-                                                 local_files_only=True).eval()
+    model = AutoModelForCausalLM.from_pretrained(str(asset.path), dtype=torch.float32, local_files_only=True).eval()
     return asset, model
 
 
@@ -60,9 +59,12 @@ def parse_verdicts(header: str) -> dict[str, dict]:
 
 
 def completion(server, body):
-    resp = request(server.base_url, "POST", "/completions",
-                   {"model": "tiny-llama", "prompt": PROMPT_IDS, "max_tokens": 6,
-                    "temperature": 0, "ignore_eos": True, **body})
+    resp = request(
+        server.base_url,
+        "POST",
+        "/completions",
+        {"model": "tiny-llama", "prompt": PROMPT_IDS, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **body},
+    )
     assert resp.status == 200, resp.body[:500]
     return resp
 
@@ -78,7 +80,7 @@ def reference_rows(hf, server, layer: int) -> tuple[np.ndarray, list[int]]:
     meta = load_capture(base64.b64decode(resp.json()["millm"]["capture"]["data"])).meta
     ids = meta["completion_token_ids"]
     ref = reference_blocks(*hf, PROMPT_IDS + ids[:-1])
-    return ref[layer][len(PROMPT_IDS) - 1:], ids
+    return ref[layer][len(PROMPT_IDS) - 1 :], ids
 
 
 def test_sae_probe_scores_exactly_inline_and_streamed(llama, hf, tiny_assets):
@@ -92,12 +94,18 @@ def test_sae_probe_scores_exactly_inline_and_streamed(llama, hf, tiny_assets):
     per_row = ((acts[:, features] - mean) / std) @ weights + 0.25
     last, avg = float(per_row[-1]), float(per_row.mean())
     assert abs(last) > 1e-3  # the probe reads something
-    body = {"sae_id": sae.id, "layer": 1, "features": features, "weights": weights.tolist(),
-            "bias": 0.25, "norm_mean": mean.tolist(), "norm_std": std.tolist()}
+    body = {
+        "sae_id": sae.id,
+        "layer": 1,
+        "features": features,
+        "weights": weights.tolist(),
+        "bias": 0.25,
+        "norm_mean": mean.tolist(),
+        "norm_std": std.tolist(),
+    }
     fires = api(llama, "POST", "/api/probes", {**body, "name": "fires", "threshold": last - 0.05})
     assert fires.status == 201, fires.body
-    quiet = api(llama, "POST", "/api/probes", {**body, "name": "quiet", "threshold": avg + 0.05,
-                                               "positions": "mean"})
+    quiet = api(llama, "POST", "/api/probes", {**body, "name": "quiet", "threshold": avg + 0.05, "positions": "mean"})
     probe_id = fires.json()["data"]["id"]
     assert fires.json()["data"]["validated"] is False
     for name in ("fires", "quiet"):
@@ -119,12 +127,10 @@ def test_sae_probe_scores_exactly_inline_and_streamed(llama, hf, tiny_assets):
     assert "millm" not in plain or "probes" not in plain["millm"]
     # the history has them, under the response id
     hist = api(llama, "GET", f"/api/monitoring/history?request_id={got['id']}").json()["data"]
-    assert {v["name"]: v["verdict"] for v in hist["probe_verdicts"]} == {"fires": True,
-                                                                        "quiet": False}
+    assert {v["name"]: v["verdict"] for v in hist["probe_verdicts"]} == {"fires": True, "quiet": False}
     assert hist["probe_verdicts"][0]["probe_id"] in (probe_id, quiet.json()["data"]["id"])
 
-    stream = completion(llama, {"probes": [{"name": probe_id, "positions": "max"}],
-                                "stream": True})
+    stream = completion(llama, {"probes": [{"name": probe_id, "positions": "max"}], "stream": True})
     events = stream.events()
     assert events[-1] == "[DONE]"
     (v,) = events[-2]["millm"]["probes"]
@@ -155,15 +161,18 @@ def _multipart(server, path, files, fields):
     boundary = "probeboundary7"
     parts = []
     for key, value in fields.items():
-        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"\r\n\r\n'
-                     f"{value}\r\n".encode())
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"\r\n\r\n{value}\r\n'.encode())
     for key, (name, data) in files.items():
-        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"; '
-                     f'filename="{name}"\r\nContent-Type: application/octet-stream\r\n\r\n'
-                     .encode() + data + b"\r\n")
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{key}"; '
+            f'filename="{name}"\r\nContent-Type: application/octet-stream\r\n\r\n'.encode()
+            + data
+            + b"\r\n"
+        )
     raw = b"".join(parts) + f"--{boundary}--\r\n".encode()
-    return request(server.url, "POST", path, raw=raw,
-                   headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+    return request(
+        server.url, "POST", path, raw=raw, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    )
 
 
 def test_global_arming_applies_to_requests_without_their_own(llama, hf, tiny_assets):
@@ -197,7 +206,9 @@ def test_global_arming_applies_to_requests_without_their_own(llama, hf, tiny_ass
     armed_copy.invalidate()
     skipped = completion(llama, {})
     assert parse_verdicts(skipped.headers["x-millm-probe-verdicts"])["armed"] == {
-        "not-scored": True, "reason": "unvalidated"}
+        "not-scored": True,
+        "reason": "unvalidated",
+    }
     assert api(llama, "POST", "/api/probes/armed/disarm").json()["data"]["armed"] is False
     assert "x-millm-probe-verdicts" not in completion(llama, {}).headers
 
@@ -226,8 +237,13 @@ def test_refusals_create_nothing_and_run_no_forward(llama, openai_client):
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("weights.npy", pickled.getvalue())
         z.writestr("layer.npy", _npy(np.array(1)))
-    for name, data in (("p.npz", buf.getvalue()), ("p.npz", b"not a zip"),
-                       ("p.json", b"{not json"), ("p.json", b"[1, 2]"), ("p.pkl", b"x")):
+    for name, data in (
+        ("p.npz", buf.getvalue()),
+        ("p.npz", b"not a zip"),
+        ("p.json", b"{not json"),
+        ("p.json", b"[1, 2]"),
+        ("p.pkl", b"x"),
+    ):
         resp = _multipart(llama, "/api/probes/import", {"file": (name, data)}, {})
         assert resp.status == 400, (name, resp.body)
         assert resp.json()["error"]["code"] == "PROBE_INVALID"
@@ -238,8 +254,7 @@ def test_refusals_create_nothing_and_run_no_forward(llama, openai_client):
     mismatch = api(llama, "POST", "/api/probes/p/validate")
     assert mismatch.status == 409 and mismatch.json()["error"]["code"] == "PROBE_MODEL_MISMATCH"
     assert [m["field"] for m in mismatch.json()["error"]["details"]["mismatches"]] == ["d_sae"]
-    assert api(llama, "POST", "/api/probes", {"name": "h", "layer": 1,
-                                              "weights": [1.0] * 3}).status == 201
+    assert api(llama, "POST", "/api/probes", {"name": "h", "layer": 1, "weights": [1.0] * 3}).status == 201
     mismatch = api(llama, "POST", "/api/probes/h/validate").json()["error"]
     assert mismatch["details"]["mismatches"][0]["field"] == "d_model"
     assert api(llama, "GET", "/api/probes/nope").json()["error"]["code"] == "PROBE_NOT_FOUND"
@@ -247,15 +262,23 @@ def test_refusals_create_nothing_and_run_no_forward(llama, openai_client):
 
     base = {"model": "tiny-llama", "prompt": "the sea", "max_tokens": 3}
     with count_forwards(llama.engine.backend.model) as forwards:
-        assert_openai_error(request(llama.base_url, "POST", "/completions",
-                                    {**base, "probes": ["nope"]}), 404, "probe_not_found")
-        assert_openai_error(request(llama.base_url, "POST", "/completions",
-                                    {**base, "probes": ["p"]}), 409, "unvalidated_probe")
-        assert_openai_error(request(llama.base_url, "POST", "/completions",
-                                    {**base, "probes": ["p", "p"]}), 400,
-                            "invalid_probe_score_request")
-        assert request(llama.base_url, "POST", "/completions",
-                       {**base, "probes": [{"name": "p", "positions": "first"}]}).status == 400
+        assert_openai_error(
+            request(llama.base_url, "POST", "/completions", {**base, "probes": ["nope"]}), 404, "probe_not_found"
+        )
+        assert_openai_error(
+            request(llama.base_url, "POST", "/completions", {**base, "probes": ["p"]}), 409, "unvalidated_probe"
+        )
+        assert_openai_error(
+            request(llama.base_url, "POST", "/completions", {**base, "probes": ["p", "p"]}),
+            400,
+            "invalid_probe_score_request",
+        )
+        assert (
+            request(
+                llama.base_url, "POST", "/completions", {**base, "probes": [{"name": "p", "positions": "first"}]}
+            ).status
+            == 400
+        )
     assert forwards[0] == 0
     assert not ProbeVerdict.objects.exists()
 

@@ -9,10 +9,10 @@ from tests.v1.helpers import assert_openai_error, request
 
 
 def test_a_q8_row_is_loaded_quantized_on_demand(llama, openai_client, tiny_assets):
-    services.model_register_local(local_path=str(tiny_assets.models["tiny-llama"].path),
-                                  name="tiny-llama-q8", quantization="Q8")
-    out = openai_client.completions.create(model="tiny-llama-q8", prompt="the sea", max_tokens=3,
-                                           temperature=0)
+    services.model_register_local(
+        local_path=str(tiny_assets.models["tiny-llama"].path), name="tiny-llama-q8", quantization="Q8"
+    )
+    out = openai_client.completions.create(model="tiny-llama-q8", prompt="the sea", max_tokens=3, temperature=0)
     assert out.model == "tiny-llama-q8" and out.usage.completion_tokens == 3
     status = llama.engine.status()
     assert status.model_id == "tiny-llama-q8" and status.weights["quantization"] == "Q8"
@@ -21,10 +21,12 @@ def test_a_q8_row_is_loaded_quantized_on_demand(llama, openai_client, tiny_asset
 
 
 def test_a_q2_row_is_refused_without_swapping(llama, tiny_assets):
-    services.model_register_local(local_path=str(tiny_assets.models["tiny-gpt2"].path),
-                                  name="tiny-gpt2-q2", quantization="Q2")
-    resp = request(llama.base_url, "POST", "/completions",
-                   {"model": "tiny-gpt2-q2", "prompt": "the sea", "max_tokens": 3})
+    services.model_register_local(
+        local_path=str(tiny_assets.models["tiny-gpt2"].path), name="tiny-gpt2-q2", quantization="Q2"
+    )
+    resp = request(
+        llama.base_url, "POST", "/completions", {"model": "tiny-gpt2-q2", "prompt": "the sea", "max_tokens": 3}
+    )
     error = assert_openai_error(resp, 400, "unsupported_quantization")
     assert "2-bit" in error["message"]
     assert llama.engine.status().model_id == "tiny-llama"

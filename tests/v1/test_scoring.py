@@ -15,9 +15,7 @@ from tests.v1.helpers import assert_openai_error, request
 PROMPT = "the sea and the sky"
 
 
-def reference(
-    server, ids: list[int], allowed: list[int], temperature: float | None = None
-) -> list[tuple[int, float]]:
+def reference(server, ids: list[int], allowed: list[int], temperature: float | None = None) -> list[tuple[int, float]]:
     """``(id, logprob)`` over ``allowed``, most probable first, from a plain forward."""
     model = server.engine.backend.model
     with torch.inference_mode():
@@ -64,9 +62,7 @@ def test_completions_scoring_is_normalised_over_the_allowed_ids(llama):
         }
     # keyed by id on request; without logprobs the choice carries none
     keyed = _score(llama, allowed_token_ids=allowed, logprobs=1, return_tokens_as_token_ids=True)
-    assert set(keyed.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == {
-        f"token_id:{i}" for i in allowed
-    }
+    assert set(keyed.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == {f"token_id:{i}" for i in allowed}
     bare = _score(llama, allowed_token_ids=allowed)
     assert bare.json()["choices"][0]["logprobs"] is None
     # several prompts: one choice each
@@ -89,12 +85,7 @@ def test_scoring_is_never_steered(llama):
         {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 8, "temperature": 0},
     ).json()
     api = llama.base_url.rsplit("/v1", 1)[0] + "/api"
-    assert (
-        request(
-            api, "POST", "/saes/steering", {"sae_id": sae.id, "feature_idx": 3, "value": 150.0}
-        ).status
-        == 200
-    )
+    assert request(api, "POST", "/saes/steering", {"sae_id": sae.id, "feature_idx": 3, "value": 150.0}).status == 200
     try:
         steered = request(
             llama.base_url,

@@ -38,7 +38,7 @@ def _references(hf, server, tiny_assets, saes):  # noqa: F811
     out = {}
     for name, layer in saes:
         ref = RefSAE(tiny_assets.saes[name])
-        x = np.asarray(blocks[layer][len(PROMPT_IDS) - 1:], dtype=np.float64)
+        x = np.asarray(blocks[layer][len(PROMPT_IDS) - 1 :], dtype=np.float64)
         if ref.apply_b_dec:
             x = x - ref.b_dec
         assert ref.activation == "relu"
@@ -71,9 +71,13 @@ def _pairs(pre):
 
 
 def _cluster(server, name, features):
-    doc = {"kind": "mistudio.cluster-definition", "schema_version": "1", "name": name,
-           "members": [{"feature_idx": f, "strength": 1.0} for f in features],
-           "sae": {"n_features": 256, "layer": 1}}
+    doc = {
+        "kind": "mistudio.cluster-definition",
+        "schema_version": "1",
+        "name": name,
+        "members": [{"feature_idx": f, "strength": 1.0} for f in features],
+        "sae": {"n_features": 256, "layer": 1},
+    }
     resp = api(server, "POST", "/api/clusters/import", doc)
     assert resp.status == 201, resp.body[:500]
     cluster = resp.json()["data"]["cluster"]
@@ -109,8 +113,7 @@ def test_armed_cluster_fires_at_the_rows_its_members_cofire(llama, hf, tiny_asse
     assert [(a["kind"], a["id"]) for a in listed["armed"]] == [("cluster", cid)]
     (watched,) = listed["watched"]
     assert watched["watched_now"] is True and watched["source"] == "armed"
-    assert [(m["sae_id"], m["layer"], m["feature"]) for m in watched["members"]] == [
-        (sae.id, 1, f) for f in co]
+    assert [(m["sae_id"], m["layer"], m["feature"]) for m in watched["members"]] == [(sae.id, 1, f) for f in co]
 
     ws_url = llama.url.replace("http://", "ws://") + "/ws/events"
     with connect(ws_url, open_timeout=10) as ws:
@@ -138,23 +141,18 @@ def test_armed_cluster_fires_at_the_rows_its_members_cofire(llama, hf, tiny_asse
         for stream in (False, True):
             resp = completion(llama, {"return_sae_activations": asked, "stream": stream})
             acts = (resp.events()[-2] if stream else resp.json())["millm"]["sae_activations"]
-            assert [r["position"] for r in acts["positions"]] == [
-                n_prompt - 1 + i for i in range(len(pre))]
-            assert all([a["feature_index"] for a in r["features"]] == [co[1]]
-                       for r in acts["positions"])
+            assert [r["position"] for r in acts["positions"]] == [n_prompt - 1 + i for i in range(len(pre))]
+            assert all([a["feature_index"] for a in r["features"]] == [co[1]] for r in acts["positions"])
             assert len(_sensing_events(ws, 5.0)) == 1
 
         # members that never co-fire: no event
-        assert api(llama, "DELETE", "/api/monitoring/sensing",
-                   {"kind": "cluster", "id": cid}).status == 200
-        assert api(llama, "POST", "/api/monitoring/sensing",
-                   {"kind": "cluster", "id": "apart"}).status == 201
+        assert api(llama, "DELETE", "/api/monitoring/sensing", {"kind": "cluster", "id": cid}).status == 200
+        assert api(llama, "POST", "/api/monitoring/sensing", {"kind": "cluster", "id": "apart"}).status == 201
         assert completion(llama, {}).json()["choices"][0]["text"] == plain_text
         assert _sensing_events(ws, 2.0) == []
 
         # disarmed: no event either, though the members would co-fire
-        assert api(llama, "DELETE", "/api/monitoring/sensing",
-                   {"kind": "cluster", "id": quiet}).status == 200
+        assert api(llama, "DELETE", "/api/monitoring/sensing", {"kind": "cluster", "id": quiet}).status == 200
         assert api(llama, "GET", "/api/monitoring/sensing").json()["data"]["armed"] == []
         completion(llama, {})
         assert _sensing_events(ws, 2.0) == []
@@ -177,6 +175,7 @@ def _circuit_members(pre1, pre3):
     the rule's edges by MARGIN at every row, such that they co-fire at some rows but not
     all, and fewer than with threshold 0 (so the threshold shows); and a pair that never
     co-fires."""
+
     def clear(pre, threshold=0.0):
         return [int(f) for f in np.where((np.abs(pre - threshold) > MARGIN).all(axis=0))[0]]
 
@@ -212,13 +211,17 @@ def _circuit(server, name, sae1, sae3, members, threshold=None):
     second = {"feature_idx": f3, "strength": 1.0}
     if threshold is not None:
         second["threshold"] = threshold
-    doc = {"kind": "mistudio.circuit-definition", "schema_version": "1", "name": name,
-           "saes": [{"mistudio_sae_id": sae1.id, "layer": 1, "n_features": 256},
-                    {"mistudio_sae_id": sae3.id, "layer": 3, "n_features": 256}],
-           "members": [{"layer": 1, "feature": {"feature_idx": f1, "strength": 1.0}},
-                       {"layer": 3, "feature": second}],
-           "edges": [{"up": {"layer": 1, "feature_idx": f1},
-                      "down": {"layer": 3, "feature_idx": f3}, "rung": 1}]}
+    doc = {
+        "kind": "mistudio.circuit-definition",
+        "schema_version": "1",
+        "name": name,
+        "saes": [
+            {"mistudio_sae_id": sae1.id, "layer": 1, "n_features": 256},
+            {"mistudio_sae_id": sae3.id, "layer": 3, "n_features": 256},
+        ],
+        "members": [{"layer": 1, "feature": {"feature_idx": f1, "strength": 1.0}}, {"layer": 3, "feature": second}],
+        "edges": [{"up": {"layer": 1, "feature_idx": f1}, "down": {"layer": 3, "feature_idx": f3}, "rung": 1}],
+    }
     resp = api(server, "POST", "/api/circuits/import", doc)
     assert resp.status == 201, resp.body[:500]
     return resp.json()["data"]["id"]
@@ -240,7 +243,9 @@ def test_armed_circuit_fires_where_its_members_cofire_across_layers(llama, hf, t
     (watched,) = api(llama, "GET", "/api/monitoring/sensing").json()["data"]["watched"]
     assert watched["kind"] == "circuit" and watched["watched_now"] is True
     assert [(m["sae_id"], m["layer"], m["feature"], m["threshold"]) for m in watched["members"]] == [
-        (sae1.id, 1, f1, 0.0), (sae3.id, 3, f3, pytest.approx(threshold))]
+        (sae1.id, 1, f1, 0.0),
+        (sae3.id, 3, f3, pytest.approx(threshold)),
+    ]
 
     ws_url = llama.url.replace("http://", "ws://") + "/ws/events"
     with connect(ws_url, open_timeout=10) as ws:
@@ -249,8 +254,7 @@ def test_armed_circuit_fires_where_its_members_cofire_across_layers(llama, hf, t
         (event,) = _sensing_events(ws, 5.0)
         assert event["event"] == "sensing:circuit"
         data = event["data"]
-        assert (data["kind"], data["id"], data["name"], data["source"]) == (
-            "circuit", cid, "cofire-circuit", "armed")
+        assert (data["kind"], data["id"], data["name"], data["source"]) == ("circuit", cid, "cofire-circuit", "armed")
         assert data["request_id"] == got["id"] and data["choice"] == 0
         assert data["rows"] == [n_prompt - 1 + i for i in co_rows]
         assert data["token_indices"] == co_rows
@@ -260,27 +264,30 @@ def test_armed_circuit_fires_where_its_members_cofire_across_layers(llama, hf, t
             assert m["activation"] == pytest.approx(pre[layer][first, f], abs=5e-3)
 
         # members that never co-fire: no event
-        assert api(llama, "DELETE", "/api/monitoring/sensing",
-                   {"kind": "circuit", "id": cid}).status == 200
-        assert api(llama, "POST", "/api/monitoring/sensing",
-                   {"kind": "circuit", "id": quiet}).status == 201
+        assert api(llama, "DELETE", "/api/monitoring/sensing", {"kind": "circuit", "id": cid}).status == 200
+        assert api(llama, "POST", "/api/monitoring/sensing", {"kind": "circuit", "id": quiet}).status == 201
         assert completion(llama, {}).json()["choices"][0]["text"] == plain_text
         assert _sensing_events(ws, 2.0) == []
-        assert api(llama, "DELETE", "/api/monitoring/sensing",
-                   {"kind": "circuit", "id": quiet}).status == 200
+        assert api(llama, "DELETE", "/api/monitoring/sensing", {"kind": "circuit", "id": quiet}).status == 200
 
 
 def test_refusals(llama):
     for body, status, code in (
-            ({"kind": "cluster", "id": 987654}, 404, "CLUSTER_NOT_FOUND"),
-            ({"kind": "circuit", "id": 987654}, 404, "CIRCUIT_NOT_FOUND"),
-            ({"kind": "profile", "id": 1}, 422, "VALIDATION_ERROR"),
-            ({"kind": "cluster"}, 422, "VALIDATION_ERROR")):
+        ({"kind": "cluster", "id": 987654}, 404, "CLUSTER_NOT_FOUND"),
+        ({"kind": "circuit", "id": 987654}, 404, "CIRCUIT_NOT_FOUND"),
+        ({"kind": "profile", "id": 1}, 422, "VALIDATION_ERROR"),
+        ({"kind": "cluster"}, 422, "VALIDATION_ERROR"),
+    ):
         resp = api(llama, "POST", "/api/monitoring/sensing", body)
         assert resp.status == status, resp.body
         assert resp.json()["error"]["code"] == code
-    doc = {"kind": "mistudio.cluster-definition", "schema_version": "1", "name": "idle",
-           "members": [{"feature_idx": 1, "strength": 1.0}], "sae": {"n_features": 256}}
+    doc = {
+        "kind": "mistudio.cluster-definition",
+        "schema_version": "1",
+        "name": "idle",
+        "members": [{"feature_idx": 1, "strength": 1.0}],
+        "sae": {"n_features": 256},
+    }
     cid = api(llama, "POST", "/api/clusters/import", doc).json()["data"]["cluster"]["id"]
     resp = api(llama, "DELETE", f"/api/monitoring/sensing?kind=cluster&id={cid}")
     assert resp.status == 404 and resp.json()["error"]["code"] == "SENSING_NOT_ARMED"

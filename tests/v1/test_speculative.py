@@ -31,8 +31,11 @@ def _drafted(url: str) -> tuple[float, float]:
     text = request(url, "GET", "/api/health/metrics/prometheus").body.decode()
     found = {}
     for kind in ("drafted", "accepted"):
-        m = re.search(r'millm_speculative_tokens_total\{[^}]*kind="' + kind + r'"[^}]*model="tiny-llama"'
-                      r'[^}]*\} ([0-9.e+]+)', text)
+        m = re.search(
+            r'millm_speculative_tokens_total\{[^}]*kind="' + kind + r'"[^}]*model="tiny-llama"'
+            r"[^}]*\} ([0-9.e+]+)",
+            text,
+        )
         found[kind] = float(m.group(1)) if m else 0.0
     return found["drafted"], found["accepted"]
 
@@ -47,30 +50,32 @@ def speculative(v1_server, settings):
 
 def test_speculative_decoding_through_v1(speculative, openai_client, settings):
     before = _drafted(speculative.url)
-    got = openai_client.chat.completions.create(model="tiny-llama", messages=MESSAGES,
-                                                max_tokens=32, temperature=0)
+    got = openai_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=32, temperature=0)
     spec = got.model_extra["millm"]["speculative"]
     assert spec["used"] is True and spec["source"] == "self:layers=2" and spec["num_tokens"] == 4
-    assert spec["drafted"] > 0 and spec["acceptance_rate"] == round(
-        spec["accepted"] / spec["drafted"], 4)
+    assert spec["drafted"] > 0 and spec["acceptance_rate"] == round(spec["accepted"] / spec["drafted"], 4)
     after = _drafted(speculative.url)
     assert (after[0] - before[0], after[1] - before[1]) == (spec["drafted"], spec["accepted"])
-    caps = request(speculative.url, "GET", "/api/health/inference").json()["data"][
-        "capabilities"]
+    caps = request(speculative.url, "GET", "/api/health/inference").json()["data"]["capabilities"]
     assert caps["speculative_decoding"] is True and caps["speculative_model"] == "self:layers=2"
 
-    sampled = openai_client.chat.completions.create(model="tiny-llama", messages=MESSAGES,
-                                                    max_tokens=8, temperature=0.7, seed=3)
+    sampled = openai_client.chat.completions.create(
+        model="tiny-llama", messages=MESSAGES, max_tokens=8, temperature=0.7, seed=3
+    )
     assert sampled.model_extra["millm"]["speculative"] == {
-        "used": False, "source": "self:layers=2", "num_tokens": 4, "drafted": 0, "accepted": 0,
-        "acceptance_rate": None, "reason": "sampling"}
+        "used": False,
+        "source": "self:layers=2",
+        "num_tokens": 4,
+        "drafted": 0,
+        "accepted": 0,
+        "acceptance_rate": None,
+        "reason": "sampling",
+    }
 
     # the same greedy request on the model loaded without a draft: the same answer
     _reload(speculative, settings, "")
-    plain = openai_client.chat.completions.create(model="tiny-llama", messages=MESSAGES,
-                                                  max_tokens=32, temperature=0)
+    plain = openai_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=32, temperature=0)
     assert plain.choices[0].message.content == got.choices[0].message.content
     assert "millm" not in (plain.model_extra or {}) or plain.model_extra["millm"] is None
-    caps = request(speculative.url, "GET", "/api/health/inference").json()["data"][
-        "capabilities"]
+    caps = request(speculative.url, "GET", "/api/health/inference").json()["data"]["capabilities"]
     assert caps["speculative_decoding"] is False

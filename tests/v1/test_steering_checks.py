@@ -32,8 +32,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 def _v1_refusal(feature: dict) -> tuple[int, str, str | None]:
     with pytest.raises(ValidationError) as err:
-        ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT,
-                                              "steering": {"features": [feature]}})
+        ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT, "steering": {"features": [feature]}})
     error = openai_error_from_validation(err.value)
     return error.status, error.code, error.param
 
@@ -77,16 +76,27 @@ def test_what_the_body_checked_reaches_the_engine_structs_without_a_second_check
     checked: list[str] = []
     FeatureControl(0), SteeringEntry("s", 0)  # each struct's checks, cached on first use
     for cls in (FeatureControl, SteeringEntry):
-        monkeypatch.setitem(fields._CHECKS, cls, tuple(
-            (name, lambda value, where=f"{cls.__name__}.{name}", check=check: (checked.append(where),
-                                                                                check(value))[1])
-            for name, check in fields._CHECKS[cls]))
+        monkeypatch.setitem(
+            fields._CHECKS,
+            cls,
+            tuple(
+                (
+                    name,
+                    lambda value, where=f"{cls.__name__}.{name}", check=check: (checked.append(where), check(value))[1],
+                )
+                for name, check in fields._CHECKS[cls]
+            ),
+        )
     assert any(name == "features" for name, _ in fields._CHECKS[SteeringEntry])
-    req = ChatCompletionRequest.model_validate({"model": "m", "messages": CHAT, "steering": {"features": [
-        {"index": 3, "strength": 200.0}, {"index": 5, "mode": "clamp", "value": -7.5}]}})
+    req = ChatCompletionRequest.model_validate(
+        {
+            "model": "m",
+            "messages": CHAT,
+            "steering": {"features": [{"index": 3, "strength": 200.0}, {"index": 5, "mode": "clamp", "value": -7.5}]},
+        }
+    )
     att = AttachmentStatus("sae_a", 1, "model.layers.1", 8, 16, "relu", "saelens", "/x")
-    resolved = steering_resolve_request(attachments=[att],
-                                        inline_features=[f.control() for f in req.steering.features])
+    resolved = steering_resolve_request(attachments=[att], inline_features=[f.control() for f in req.steering.features])
     job = GenerationJob("r", prompt="x", sampling=SamplingParams(), steering=resolved.spec)
     decoded = from_json(to_json(job), GenerationJob)
     assert checked == []

@@ -25,8 +25,11 @@ from tests.v1.test_steering import PROMPT, _complete, _direct, relu  # noqa: E40
 def _trigger(server, sae_id: str) -> tuple[int, float]:
     """A feature that fires at some of the prompt's rows, and a threshold between two of
     its observed values (read from an unsteered run's pre-steering monitor)."""
-    probe = _direct(server, monitor=MonitorSpec([MonitorEntry(
-        sae_id, 1, top_k=8, read_point="pre_steering", positions="prompt")]), max_tokens=1)
+    probe = _direct(
+        server,
+        monitor=MonitorSpec([MonitorEntry(sae_id, 1, top_k=8, read_point="pre_steering", positions="prompt")]),
+        max_tokens=1,
+    )
     seen: dict[int, list[float]] = {}
     for rec in probe.activations:
         for f in rec.top_k:
@@ -47,21 +50,35 @@ def test_modes_on_v1_run_the_named_spec_and_report_what_ran(relu, llama, openai_
         {"index": 7, "mode": "clamp", "value": 12.0, "condition": {"feature": trigger, "threshold": threshold}},
     ]
     out = openai_client.completions.with_raw_response.create(
-        model="tiny-llama", prompt=PROMPT, max_tokens=16, temperature=0,
-        extra_body={"ignore_eos": True, "steering": {"features": features}})
+        model="tiny-llama",
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "steering": {"features": features}},
+    )
     body = out.parse()
-    spec = SteeringSpec([SteeringEntry(relu.id, 1, {3: 6.0}, [
-        FeatureControl(17, mode="clamp", value=9.0),
-        FeatureControl(40, mode="ablate", phase="completion"),
-        FeatureControl(5, mode="scale", value=4.0, window=PositionRange(1, 30)),
-        FeatureControl(7, mode="clamp", value=12.0, condition=SteeringCondition(trigger, threshold)),
-    ])])
+    spec = SteeringSpec(
+        [
+            SteeringEntry(
+                relu.id,
+                1,
+                {3: 6.0},
+                [
+                    FeatureControl(17, mode="clamp", value=9.0),
+                    FeatureControl(40, mode="ablate", phase="completion"),
+                    FeatureControl(5, mode="scale", value=4.0, window=PositionRange(1, 30)),
+                    FeatureControl(7, mode="clamp", value=12.0, condition=SteeringCondition(trigger, threshold)),
+                ],
+            )
+        ]
+    )
     want = _direct(llama, steering=spec)
     only_add = _direct(llama, steering=SteeringSpec([SteeringEntry(relu.id, 1, {3: 6.0})]))
     assert want.text != only_add.text  # positive control: the controls change the output
     assert body.choices[0].text == want.text
     assert out.headers["x-millm-steering"] == (
-        f"inline;sae={relu.id};layer=1;features=5;controls=4;" f'hash="{spec.canonical_hash()}"')
+        f'inline;sae={relu.id};layer=1;features=5;controls=4;hash="{spec.canonical_hash()}"'
+    )
     millm = body.model_extra["millm"]
     assert millm["steering"]["hash"] == spec.canonical_hash()
     assert millm["steering"]["entries"][0]["features"] == [
@@ -72,15 +89,22 @@ def test_modes_on_v1_run_the_named_spec_and_report_what_ran(relu, llama, openai_
         {"index": 7, "mode": "clamp", "value": 12.0, "condition": {"feature": trigger, "threshold": threshold}},
     ]
     n = want.forward_passes
-    assert millm["steering_apply_count"] == [{"sae_id": relu.id, "layer": 1, "count": n, "modes": {
-        "add": n, "clamp": n, "ablate": n, "scale": n}}]
+    assert millm["steering_apply_count"] == [
+        {"sae_id": relu.id, "layer": 1, "count": n, "modes": {"add": n, "clamp": n, "ablate": n, "scale": n}}
+    ]
     (fired,) = want.steering_fired
     assert fired.positions  # the condition split the rows (threshold between two values)
     (got,) = millm["steering_fired"]
     prompt_rows = want.usage.prompt_tokens
-    assert got == {"choice": 0, "sae_id": relu.id, "layer": 1, "index": 7, "mode": "clamp",
-                   "positions": fired.positions,
-                   "token_indices": [p - (prompt_rows - 1) for p in fired.positions if p >= prompt_rows - 1]}
+    assert got == {
+        "choice": 0,
+        "sae_id": relu.id,
+        "layer": 1,
+        "index": 7,
+        "mode": "clamp",
+        "positions": fired.positions,
+        "token_indices": [p - (prompt_rows - 1) for p in fired.positions if p >= prompt_rows - 1],
+    }
 
 
 def test_a_plain_add_spelled_as_a_mode_is_the_same_request(relu, llama):
@@ -91,23 +115,41 @@ def test_a_plain_add_spelled_as_a_mode_is_the_same_request(relu, llama):
 
 
 def test_the_dial_scales_adds_and_leaves_levels_as_written(relu, llama):
-    resp = _complete(llama, steering_intensity=0.5, steering={"features": [
-        {"index": 3, "mode": "add", "value": 8.0, "phase": "completion"},
-        {"index": 17, "mode": "clamp", "value": 9.0}]})
-    spec = SteeringSpec([SteeringEntry(relu.id, 1, {}, [
-        FeatureControl(3, value=4.0, phase="completion"), FeatureControl(17, mode="clamp", value=9.0)])])
+    resp = _complete(
+        llama,
+        steering_intensity=0.5,
+        steering={
+            "features": [
+                {"index": 3, "mode": "add", "value": 8.0, "phase": "completion"},
+                {"index": 17, "mode": "clamp", "value": 9.0},
+            ]
+        },
+    )
+    spec = SteeringSpec(
+        [
+            SteeringEntry(
+                relu.id,
+                1,
+                {},
+                [FeatureControl(3, value=4.0, phase="completion"), FeatureControl(17, mode="clamp", value=9.0)],
+            )
+        ]
+    )
     assert resp.json()["choices"][0]["text"] == _direct(llama, steering=spec).text
     assert resp.json()["millm"]["steering"]["hash"] == spec.canonical_hash()
 
 
-@pytest.mark.parametrize(("feature", "param"), [
-    ({"index": 3, "mode": "boost", "value": 1}, "steering.features[0].mode"),
-    ({"index": 3, "strength": 1, "phase": "decode"}, "steering.features[0].phase"),
-    ({"index": 3, "mode": "clamp"}, "steering.features[0]"),
-    ({"index": 3, "mode": "ablate", "value": 2}, "steering.features[0]"),
-    ({"index": 3, "mode": "clamp", "value": 500}, "steering.features[0].value"),
-    ({"index": 3, "strength": 1, "window": {"start": 5, "end": 2}}, "steering.features[0].window"),
-])
+@pytest.mark.parametrize(
+    ("feature", "param"),
+    [
+        ({"index": 3, "mode": "boost", "value": 1}, "steering.features[0].mode"),
+        ({"index": 3, "strength": 1, "phase": "decode"}, "steering.features[0].phase"),
+        ({"index": 3, "mode": "clamp"}, "steering.features[0]"),
+        ({"index": 3, "mode": "ablate", "value": 2}, "steering.features[0]"),
+        ({"index": 3, "mode": "clamp", "value": 500}, "steering.features[0].value"),
+        ({"index": 3, "strength": 1, "window": {"start": 5, "end": 2}}, "steering.features[0].window"),
+    ],
+)
 def test_bad_controls_are_refused_naming_the_field(relu, llama, feature, param):
     assert_openai_error(_complete(llama, steering={"features": [feature]}), 400, "invalid_parameter", param)
 
@@ -117,8 +159,9 @@ def test_controls_that_cannot_apply_are_refused_before_anything_runs(relu, llama
     error = assert_openai_error(_complete(llama, steering={"features": [cond]}), 400, "invalid_feature_index")
     assert "256" in error["message"]
     far = {"index": 3, "strength": 1, "window": {"start": 100000}}
-    assert_openai_error(_complete(llama, steering={"features": [far]}), 400, "invalid_parameter",
-                        "steering.features.window")
+    assert_openai_error(
+        _complete(llama, steering={"features": [far]}), 400, "invalid_parameter", "steering.features.window"
+    )
 
 
 def test_a_raw_vector_adds_and_ablates_on_v1_and_refuses_what_needs_an_encoder(llama, tmp_path):
@@ -142,12 +185,12 @@ def test_a_raw_vector_adds_and_ablates_on_v1_and_refuses_what_needs_an_encoder(l
         resp = _complete(llama, steering={"features": [{"index": 0, "mode": "ablate"}]})
         spec = SteeringSpec([SteeringEntry(row.id, 1, {}, [FeatureControl(0, mode="ablate")])])
         assert resp.json()["choices"][0]["text"] == _direct(llama, steering=spec).text
-        for feature, param in (({"index": 0, "mode": "clamp", "value": 1.0}, "steering.features.mode"),
-                               ({"index": 0, "mode": "scale", "value": 2.0}, "steering.features.mode"),
-                               ({"index": 0, "strength": 1.0, "condition": {"feature": 0, "threshold": 0}},
-                                "steering.features.condition")):
-            assert_openai_error(_complete(llama, steering={"features": [feature]}), 400,
-                                "invalid_parameter", param)
+        for feature, param in (
+            ({"index": 0, "mode": "clamp", "value": 1.0}, "steering.features.mode"),
+            ({"index": 0, "mode": "scale", "value": 2.0}, "steering.features.mode"),
+            ({"index": 0, "strength": 1.0, "condition": {"feature": 0, "threshold": 0}}, "steering.features.condition"),
+        ):
+            assert_openai_error(_complete(llama, steering={"features": [feature]}), 400, "invalid_parameter", param)
     finally:
         from orchestration.services import sae_detach
 

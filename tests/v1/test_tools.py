@@ -23,25 +23,37 @@ from tests.v1.tools_model import NAME
 
 OPEN_ID = 512  # <tool_call>, the first token added to tiny-llama's 512
 
-WEATHER = {"type": "object", "properties": {
-    "city": {"type": "string", "maxLength": 8},
-    "unit": {"enum": ["c", "f"]}}, "required": ["city", "unit"], "additionalProperties": False}
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+    "required": ["city", "unit"],
+    "additionalProperties": False,
+}
 SCHEMAS = {
     "get_weather": WEATHER,
-    "set_alarm": {"type": "object", "properties": {
-        "hour": {"type": "integer", "minimum": 0, "maximum": 23},
-        "minute": {"type": "integer", "minimum": 0, "maximum": 59},
-        "repeat": {"type": "boolean"}}, "required": ["hour", "minute", "repeat"]},
-    "tag_items": {"type": "object", "properties": {
-        "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "minItems": 1,
-                 "maxItems": 3},
-        "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 6}]}},
-        "required": ["tags", "note"]},
+    "set_alarm": {
+        "type": "object",
+        "properties": {
+            "hour": {"type": "integer", "minimum": 0, "maximum": 23},
+            "minute": {"type": "integer", "minimum": 0, "maximum": 59},
+            "repeat": {"type": "boolean"},
+        },
+        "required": ["hour", "minute", "repeat"],
+    },
+    "tag_items": {
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"enum": ["red", "blue"]}, "minItems": 1, "maxItems": 3},
+            "note": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 6}]},
+        },
+        "required": ["tags", "note"],
+    },
     "ping": None,  # no parameters: an empty object
 }
-TOOLS = [{"type": "function", "function": {"name": n, "description": f"{n} tool",
-                                           **({"parameters": s} if s else {})}}
-         for n, s in SCHEMAS.items()]
+TOOLS = [
+    {"type": "function", "function": {"name": n, "description": f"{n} tool", **({"parameters": s} if s else {})}}
+    for n, s in SCHEMAS.items()
+]
 MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
 
 
@@ -76,8 +88,13 @@ def test_the_capability_is_reported_where_the_template_renders_tools(tools_llm):
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_a_named_function_is_called_with_valid_arguments(tools_llm, openai_client, name):
     out = openai_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
-        tool_choice={"type": "function", "function": {"name": name}})
+        model=NAME,
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=200,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": name}},
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.content is None and len(choice.message.tool_calls) == 1
@@ -85,46 +102,72 @@ def test_a_named_function_is_called_with_valid_arguments(tools_llm, openai_clien
 
 
 def test_required_calls_one_of_the_tools_and_answers_openais_schema(tools_llm):
-    body = {"model": NAME, "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required",
-            "max_tokens": 200, "temperature": 1.0, "seed": 3, "n": 2}
+    body = {
+        "model": NAME,
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 2,
+    }
     resp = request(tools_llm.base_url, "POST", "/chat/completions", body)
     assert resp.status == 200, resp.body[:300]
     assert_schema("CreateChatCompletionResponse", resp.json())
     for choice in resp.json()["choices"]:
         assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
         (call,) = choice["message"]["tool_calls"]
-        jsonschema.validate(json.loads(call["function"]["arguments"]),
-                            _schema(call["function"]["name"]))
+        jsonschema.validate(json.loads(call["function"]["arguments"]), _schema(call["function"]["name"]))
 
 
 def test_auto_parses_a_call_when_one_is_made_and_text_otherwise(tools_llm, openai_client):
     # the model opens a call (forced by logit_bias); the grammar writes a valid one
     out = openai_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="auto", max_tokens=200,
-        temperature=0, logit_bias={str(OPEN_ID): 100}, parallel_tool_calls=False)
+        model=NAME,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="auto",
+        max_tokens=200,
+        temperature=0,
+        logit_bias={str(OPEN_ID): 100},
+        parallel_tool_calls=False,
+    )
     choice = out.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     (call,) = choice.message.tool_calls
     _check_call(call)
     # it never opens one: text, no calls
     out = openai_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=8, temperature=0,
-        logit_bias={str(OPEN_ID): -100})
+        model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=8, temperature=0, logit_bias={str(OPEN_ID): -100}
+    )
     choice = out.choices[0]
     assert choice.finish_reason in ("stop", "length") and choice.message.tool_calls is None
     assert isinstance(choice.message.content, str)
     # none: tools rendered, nothing parsed, a forced opening stays text
     out = openai_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, tools=TOOLS, tool_choice="none", max_tokens=4,
-        temperature=0, logit_bias={str(OPEN_ID): 100})
+        model=NAME,
+        messages=MESSAGES,
+        tools=TOOLS,
+        tool_choice="none",
+        max_tokens=4,
+        temperature=0,
+        logit_bias={str(OPEN_ID): 100},
+    )
     assert out.choices[0].message.tool_calls is None
     assert out.choices[0].message.content.startswith("<tool_call>")
 
 
 def test_tool_calls_stream_as_whole_call_deltas(tools_llm, openai_client):
     stream = openai_client.chat.completions.create(
-        model=NAME, messages=MESSAGES, tools=TOOLS, max_tokens=200, temperature=0,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True)
+        model=NAME,
+        messages=MESSAGES,
+        tools=TOOLS,
+        max_tokens=200,
+        temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        stream=True,
+    )
     chunks = [c for c in stream if c.choices]
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""
@@ -132,10 +175,21 @@ def test_tool_calls_stream_as_whole_call_deltas(tools_llm, openai_client):
     assert len(deltas) == 1 and deltas[0].index == 0
     _check_call(deltas[0], ("get_weather",))
     # every chunk in OpenAI's schema, a forced auto call among text included
-    resp = request(tools_llm.base_url, "POST", "/chat/completions", {
-        "model": NAME, "messages": MESSAGES, "tools": TOOLS, "max_tokens": 200,
-        "temperature": 0, "stream": True, "logit_bias": {str(OPEN_ID): 100},
-        "parallel_tool_calls": False})
+    resp = request(
+        tools_llm.base_url,
+        "POST",
+        "/chat/completions",
+        {
+            "model": NAME,
+            "messages": MESSAGES,
+            "tools": TOOLS,
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+            "logit_bias": {str(OPEN_ID): 100},
+            "parallel_tool_calls": False,
+        },
+    )
     events = resp.events()
     assert events[-1] == "[DONE]"
     for chunk in events[:-1]:
@@ -146,9 +200,17 @@ def test_tool_calls_stream_as_whole_call_deltas(tools_llm, openai_client):
 CONVERSATION = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Weather in Oslo?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Oslo", "unit": "c"}'},
+            }
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"},
 ]
 
@@ -164,25 +226,34 @@ def test_a_multi_turn_conversation_renders_as_the_template_does(tools_llm, tools
     expected_messages = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "Weather in Oslo?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "4 degrees"},
     ]
-    text = tok.apply_chat_template(expected_messages, tools=[TOOLS[0]], tokenize=False,
-                                   add_generation_prompt=True)
+    text = tok.apply_chat_template(expected_messages, tools=[TOOLS[0]], tokenize=False, add_generation_prompt=True)
     assert '"arguments": {"city": "Oslo", "unit": "c"}' in text and 'id="call_1"' in text
     expected = tok(text, add_special_tokens=False)["input_ids"]
     # what /v1 hands the engine for the same request, encoded by the loaded backend
-    req = ChatCompletionRequest.model_validate(
-        {"model": NAME, "messages": CONVERSATION, "tools": [TOOLS[0]]})
-    job = GenerationJob(request_id="t", messages=req.conversations()[0],
-                        tools=req.template_tools())
+    req = ChatCompletionRequest.model_validate({"model": NAME, "messages": CONVERSATION, "tools": [TOOLS[0]]})
+    job = GenerationJob(request_id="t", messages=req.conversations()[0], tools=req.template_tools())
     assert prompt_ids(tools_llm.engine._backend, job) == expected
     # and the served request's prompt is that long
-    resp = request(tools_llm.base_url, "POST", "/chat/completions",
-                   {"model": NAME, "messages": CONVERSATION, "tools": [TOOLS[0]],
-                    "max_tokens": 1, "tool_choice": "none"}, headers={"X-miLLM-Strict": "1"})
+    resp = request(
+        tools_llm.base_url,
+        "POST",
+        "/chat/completions",
+        {"model": NAME, "messages": CONVERSATION, "tools": [TOOLS[0]], "max_tokens": 1, "tool_choice": "none"},
+        headers={"X-miLLM-Strict": "1"},
+    )
     assert resp.status == 200, resp.body[:300]
     assert resp.json()["usage"]["prompt_tokens"] == len(expected)
 
@@ -194,29 +265,36 @@ def test_refusals(llama):
     error = assert_openai_error(resp, 400, "field_not_honoured", "tools")
     assert "tiny-llama" in error["message"]
     named = {"type": "function", "function": {"name": "nope"}}
-    resp = request(llama.base_url, "POST", "/chat/completions",
-                   {**base, "tools": TOOLS, "tool_choice": named})
+    resp = request(llama.base_url, "POST", "/chat/completions", {**base, "tools": TOOLS, "tool_choice": named})
     assert "nope" in assert_openai_error(resp, 400, "invalid_parameter", "tool_choice")["message"]
     for choice in ("required", named):
         resp = request(llama.base_url, "POST", "/chat/completions", {**base, "tool_choice": choice})
         assert_openai_error(resp, 400, "invalid_parameter", "tool_choice")
-    bad = [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]
+    bad = [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"x": {"not": {"type": "string"}}}},
+            },
+        }
+    ]
     resp = request(llama.base_url, "POST", "/chat/completions", {**base, "tools": bad})
-    error = assert_openai_error(resp, 400, "invalid_function_parameters",
-                                "tools[0].function.parameters")
+    error = assert_openai_error(resp, 400, "invalid_function_parameters", "tools[0].function.parameters")
     assert "not" in error["message"]
-    resp = request(llama.base_url, "POST", "/chat/completions",
-                   {**base, "tools": TOOLS, "response_format": {"type": "json_object"}})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/chat/completions",
+        {**base, "tools": TOOLS, "response_format": {"type": "json_object"}},
+    )
     assert_openai_error(resp, 400, "invalid_parameter", "response_format")
-    resp = request(llama.base_url, "POST", "/chat/completions",
-                   {**base, "tools": TOOLS + TOOLS[:1]})
+    resp = request(llama.base_url, "POST", "/chat/completions", {**base, "tools": TOOLS + TOOLS[:1]})
     assert_openai_error(resp, 400, "invalid_parameter", "tools[4]")
 
 
 PLAN = ToolPlan("hermes", "auto", {"get_weather": WEATHER})
-CALL = ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n'
-        '</tool_call>')
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call>'
 
 
 def test_parsing_and_streaming_hold_back_only_what_may_open_a_call():
@@ -245,8 +323,12 @@ def test_tools_for_a_model_that_is_not_loaded_are_refused_before_loading_it(llam
 
     other = Model.objects.get(name="tiny-gpt2")
     before = llama.engine.status().model_id
-    resp = request(llama.base_url, "POST", "/chat/completions", {
-        "model": "tiny-gpt2", "messages": MESSAGES, "max_tokens": 2, "tools": TOOLS})
+    resp = request(
+        llama.base_url,
+        "POST",
+        "/chat/completions",
+        {"model": "tiny-gpt2", "messages": MESSAGES, "max_tokens": 2, "tools": TOOLS},
+    )
     error = assert_openai_error(resp, 400, "field_not_honoured", "tools")
     assert "refused before loading" in error["message"]
     assert llama.engine.status().model_id == before == "tiny-llama"

@@ -81,8 +81,7 @@ def on_vllm(v1_server, django_db_blocker, tiny_assets):
         assert Model.objects.get(pk=model.id).status == "loaded"
     settings.MILLM_BACKEND = "vllm"
     hf = Engine()
-    hf.load_model(LoadModelJob("tiny-llama", str(tiny_assets.models["tiny-llama"].path),
-                               dtype="float32", device="cpu"))
+    hf.load_model(LoadModelJob("tiny-llama", str(tiny_assets.models["tiny-llama"].path), dtype="float32", device="cpu"))
     yield hf
     hf.shutdown()
     # the next module's tests get the transformers backend again
@@ -105,17 +104,22 @@ def vllm_llama(on_vllm, v1_server):
     v1_server.wait_idle()
 
 
-def ref(hf: Engine, relu, *, steering: dict[int, float] | None = None, monitor=None,
-        prompt: str = PROMPT):
+def ref(hf: Engine, relu, *, steering: dict[int, float] | None = None, monitor=None, prompt: str = PROMPT):
     """The transformers backend's greedy run of ``prompt`` under the same spec (the SAE
     attached under this test's id: each test registers its rows afresh)."""
     hf.detach(None)
     hf.attach(AttachSpec(relu.id, relu.local_path, 1, layout=relu.format or None))
     spec = SteeringSpec([SteeringEntry(relu.id, 1, steering)]) if steering else None
-    return hf.generate_sync(GenerationJob(
-        request_id="ref", prompt=prompt, steering=spec,
-        monitor=MonitorSpec(monitor) if monitor else None,
-        sampling=SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)), timeout_s=60)
+    return hf.generate_sync(
+        GenerationJob(
+            request_id="ref",
+            prompt=prompt,
+            steering=spec,
+            monitor=MonitorSpec(monitor) if monitor else None,
+            sampling=SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True),
+        ),
+        timeout_s=60,
+    )
 
 
 def steered_header(description: str, relu, features: dict[int, float]) -> str:
@@ -125,15 +129,22 @@ def steered_header(description: str, relu, features: dict[int, float]) -> str:
 
 
 def complete(client, **extra):
-    body = {k: extra.pop(k) for k in ("steering", "return_sae_activations", "steering_intensity",
-                                      "profile", "capture") if k in extra}
+    body = {
+        k: extra.pop(k)
+        for k in ("steering", "return_sae_activations", "steering_intensity", "profile", "capture")
+        if k in extra
+    }
     return client.completions.with_raw_response.create(
-        model=extra.pop("model", "tiny-llama"), prompt=extra.pop("prompt", PROMPT),
-        max_tokens=TOKENS, temperature=0, extra_body={"ignore_eos": True, **body}, **extra)
+        model=extra.pop("model", "tiny-llama"),
+        prompt=extra.pop("prompt", PROMPT),
+        max_tokens=TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True, **body},
+        **extra,
+    )
 
 
-def test_the_api_shows_the_vllm_backend_and_greedy_equals_transformers(vllm_llama, on_vllm,
-                                                                       openai_client):
+def test_the_api_shows_the_vllm_backend_and_greedy_equals_transformers(vllm_llama, on_vllm, openai_client):
     server, relu = vllm_llama
     health = _call(server, "GET", "/health/inference")
     assert health["backend"] == "vllm"
@@ -151,21 +162,26 @@ def test_the_api_shows_the_vllm_backend_and_greedy_equals_transformers(vllm_llam
     assert out.choices[0].text == want.text
     assert out.usage.completion_tokens == len(want.token_ids) == TOKENS
     # streamed, the same text
-    chunks = list(openai_client.completions.create(
-        model="tiny-llama", prompt=PROMPT, max_tokens=TOKENS, temperature=0, stream=True,
-        extra_body={"ignore_eos": True}))
+    chunks = list(
+        openai_client.completions.create(
+            model="tiny-llama",
+            prompt=PROMPT,
+            max_tokens=TOKENS,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     # the engine ran it on vLLM: the batch stepped
     assert server.engine._scheduler.backend.steps > 0
 
 
-def test_inline_steering_equals_transformers_and_changes_the_output(vllm_llama, on_vllm,
-                                                                    openai_client):
+def test_inline_steering_equals_transformers_and_changes_the_output(vllm_llama, on_vllm, openai_client):
     server, relu = vllm_llama
     features = [{"index": k, "strength": v} for k, v in FEATURES.items()]
     raw = complete(openai_client, steering={"features": features})
-    assert raw.headers["x-millm-steering"] == steered_header(
-        f"inline;sae={relu.id};layer=1;features=2", relu, FEATURES)
+    assert raw.headers["x-millm-steering"] == steered_header(f"inline;sae={relu.id};layer=1;features=2", relu, FEATURES)
     assert raw.headers["x-millm-backend"] == "vllm"
     body = raw.parse()
     steered = ref(on_vllm, relu, steering=FEATURES)
@@ -173,9 +189,9 @@ def test_inline_steering_equals_transformers_and_changes_the_output(vllm_llama, 
     assert body.choices[0].text == steered.text
     # the delta was added in every forward pass (a hook that did not run reports fewer)
     millm = body.model_extra["millm"]
-    assert millm["steering_apply_count"] == [{"sae_id": relu.id, "layer": 1,
-                                              "count": steered.forward_passes,
-                                              "modes": {"add": steered.forward_passes}}]
+    assert millm["steering_apply_count"] == [
+        {"sae_id": relu.id, "layer": 1, "count": steered.forward_passes, "modes": {"add": steered.forward_passes}}
+    ]
     # a steered and an unsteered request, concurrently in one vLLM batch, each its own
     import concurrent.futures
 
@@ -191,11 +207,11 @@ def test_sae_activations_and_monitoring_records(vllm_llama, on_vllm, openai_clie
 
     server, relu = vllm_llama
     asked = {"top_k": 4, "features": [3, 7], "positions": "all"}
-    raw = complete(openai_client, steering={"features": [{"index": 3, "strength": 8.0}]},
-                   return_sae_activations=asked)
+    raw = complete(openai_client, steering={"features": [{"index": 3, "strength": 8.0}]}, return_sae_activations=asked)
     acts = raw.parse().model_extra["millm"]["sae_activations"]
-    want = ref(on_vllm, relu, steering={3: 8.0},
-               monitor=[MonitorEntry(relu.id, 1, top_k=4, features=[3, 7], positions="all")])
+    want = ref(
+        on_vllm, relu, steering={3: 8.0}, monitor=[MonitorEntry(relu.id, 1, top_k=4, features=[3, 7], positions="all")]
+    )
     assert (acts["sae_id"], acts["layer"], acts["read_point"]) == (relu.id, 1, "post_steering")
     got = {row["position"]: row for row in acts["positions"]}
     assert sorted(got) == [r.position for r in want.activations]  # one record per position
@@ -203,45 +219,58 @@ def test_sae_activations_and_monitoring_records(vllm_llama, on_vllm, openai_clie
         row = got[rec.position]
         assert [a["feature_index"] for a in row["features"]] == [3, 7]
         assert [a["activation"] for a in row["features"]] == pytest.approx(
-            [a.activation for a in rec.features], abs=VLLM_ACT_ATOL)
+            [a.activation for a in rec.features], abs=VLLM_ACT_ATOL
+        )
         assert sorted(a["activation"] for a in row["top_k"]) == pytest.approx(
-            sorted(a.activation for a in rec.top_k), abs=VLLM_ACT_ATOL)
+            sorted(a.activation for a in rec.top_k), abs=VLLM_ACT_ATOL
+        )
 
     # monitoring armed through /api: records of /v1 generations, per request, in the database
-    _call(server, "POST", "/monitoring/configure",
-          {"features": [3, 17, 40], "top_k": 4, "history_size": 500, "positions": "completion"})
+    _call(
+        server,
+        "POST",
+        "/monitoring/configure",
+        {"features": [3, 17, 40], "top_k": 4, "history_size": 500, "positions": "completion"},
+    )
     out = complete(openai_client).parse()
     assert out.choices[0].text == ref(on_vllm, relu).text  # monitoring changes no token
-    want = ref(on_vllm, relu, monitor=[MonitorEntry(relu.id, 1, top_k=4, features=[3, 17, 40],
-                                                    read_point="pre_steering",
-                                                    positions="completion")])
+    want = ref(
+        on_vllm,
+        relu,
+        monitor=[
+            MonitorEntry(relu.id, 1, top_k=4, features=[3, 17, 40], read_point="pre_steering", positions="completion")
+        ],
+    )
     rows = list(ActivationRecord.objects.filter(request_id=out.id).order_by("token_position"))
     assert [r.token_position for r in rows] == [r.position for r in want.activations]
     for row, expected in zip(rows, want.activations, strict=True):
         assert [p["feature_index"] for p in row.activations] == [3, 17, 40]
         assert [p["activation"] for p in row.activations] == pytest.approx(
-            [a.activation for a in expected.features], abs=VLLM_ACT_ATOL)
+            [a.activation for a in expected.features], abs=VLLM_ACT_ATOL
+        )
 
 
 def test_a_profile_and_live_steering_steer_on_vllm(vllm_llama, on_vllm, openai_client):
     from steering.services import profile_create
 
     server, relu = vllm_llama
-    profile_create(name="sea-lover", sae_id=relu.id, layer=1,
-                   steering={str(k): v for k, v in FEATURES.items()}, model_name="tiny-llama")
+    profile_create(
+        name="sea-lover",
+        sae_id=relu.id,
+        layer=1,
+        steering={str(k): v for k, v in FEATURES.items()},
+        model_name="tiny-llama",
+    )
     raw = complete(openai_client, model="tiny-llama@sea-lover")
-    assert raw.headers["x-millm-steering"] == steered_header(
-        "profile;name=sea-lover;intensity=1", relu, FEATURES)
+    assert raw.headers["x-millm-steering"] == steered_header("profile;name=sea-lover;intensity=1", relu, FEATURES)
     want = ref(on_vllm, relu, steering=FEATURES)
     assert raw.parse().choices[0].text == want.text
     half = complete(openai_client, profile="sea-lover", steering_intensity=0.5).parse()
-    assert half.choices[0].text == ref(
-        on_vllm, relu, steering={k: v * 0.5 for k, v in FEATURES.items()}).text
+    assert half.choices[0].text == ref(on_vllm, relu, steering={k: v * 0.5 for k, v in FEATURES.items()}).text
 
     _call(server, "POST", "/saes/steering/batch", {"steering": {"3": 12, "40": -6.5}})
     live = complete(openai_client)
-    assert live.headers["x-millm-steering"] == steered_header(
-        f"live;sae={relu.id};layer=1;features=2", relu, FEATURES)
+    assert live.headers["x-millm-steering"] == steered_header(f"live;sae={relu.id};layer=1;features=2", relu, FEATURES)
     assert live.parse().choices[0].text == want.text
     opted_out = complete(openai_client, steering={"features": []}).parse()
     assert opted_out.choices[0].text == ref(on_vllm, relu).text != want.text
@@ -262,8 +291,11 @@ def test_capture_on_vllm_is_stored_and_equals_transformers(vllm_llama, on_vllm, 
     server, relu = vllm_llama
     settings.CAPTURE_INLINE_MAX_BYTES = 0
     features = [{"index": k, "strength": v} for k, v in FEATURES.items()]
-    capture = {"layers": [1, 2], "positions": "all",
-               "attention": {"layers": [2], "positions": "prompt", "q_positions": "last_prompt"}}
+    capture = {
+        "layers": [1, 2],
+        "positions": "all",
+        "attention": {"layers": [2], "positions": "prompt", "q_positions": "last_prompt"},
+    }
     body = complete(openai_client, steering={"features": features}, capture=capture).parse()
     cap_obj = body.model_extra["millm"]["capture"]
     assert cap_obj["inline"] is False
@@ -272,15 +304,28 @@ def test_capture_on_vllm_is_stored_and_equals_transformers(vllm_llama, on_vllm, 
     dl = request(server.url, "GET", cap_obj["url"])
     assert dl.status == 200
     got = load_capture(dl.body)
-    assert got.meta["backend"] == "vllm" and got.meta["steering_hash"] == \
-        SteeringSpec([SteeringEntry(relu.id, 1, FEATURES)]).canonical_hash()
+    assert (
+        got.meta["backend"] == "vllm"
+        and got.meta["steering_hash"] == SteeringSpec([SteeringEntry(relu.id, 1, FEATURES)]).canonical_hash()
+    )
     on_vllm.detach(None)
     on_vllm.attach(AttachSpec(relu.id, relu.local_path, 1, layout=relu.format or None))
-    want = load_capture(on_vllm.generate_sync(GenerationJob(
-        "ref", prompt=PROMPT, steering=SteeringSpec([SteeringEntry(relu.id, 1, FEATURES)]),
-        capture=CaptureSpec(layers=[1, 2], positions="all", attention=AttentionCaptureSpec(
-            layers=[2], positions="prompt", q_positions="last_prompt")),
-        sampling=SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)), timeout_s=60).capture.data)
+    want = load_capture(
+        on_vllm.generate_sync(
+            GenerationJob(
+                "ref",
+                prompt=PROMPT,
+                steering=SteeringSpec([SteeringEntry(relu.id, 1, FEATURES)]),
+                capture=CaptureSpec(
+                    layers=[1, 2],
+                    positions="all",
+                    attention=AttentionCaptureSpec(layers=[2], positions="prompt", q_positions="last_prompt"),
+                ),
+                sampling=SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True),
+            ),
+            timeout_s=60,
+        ).capture.data
+    )
     assert got.meta["completion_token_ids"] == want.meta["completion_token_ids"]
     assert got.positions.tolist() == want.positions.tolist()
     for layer in (1, 2):
@@ -316,21 +361,24 @@ def test_response_format_on_vllm_parses_and_validates(vllm_llama, openai_client)
     caps = server.engine.status().batching["capabilities"]
     assert caps["structured_output"] is True and caps["tool_calling"] is False
     out = openai_client.chat.completions.create(
-        model="tiny-llama", messages=MESSAGES, max_tokens=120, temperature=0,
-        response_format=FORMAT)
+        model="tiny-llama", messages=MESSAGES, max_tokens=120, temperature=0, response_format=FORMAT
+    )
     assert out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
     out = openai_client.chat.completions.create(
-        model="tiny-llama", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=5, n=2,
-        response_format=FORMAT)
+        model="tiny-llama", messages=MESSAGES, max_tokens=120, temperature=1.0, seed=5, n=2, response_format=FORMAT
+    )
     for choice in out.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(json.loads(choice.message.content), SCHEMA)
-    free = openai_client.chat.completions.create(
-        model="tiny-llama", messages=MESSAGES, max_tokens=20, temperature=0)
+    free = openai_client.chat.completions.create(model="tiny-llama", messages=MESSAGES, max_tokens=20, temperature=0)
     with pytest.raises(ValueError):
         json.loads(free.choices[0].message.content)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-    resp = request(server.base_url, "POST", "/chat/completions", {
-        "model": "tiny-llama", "messages": MESSAGES, "max_tokens": 2, "tools": tools})
+    resp = request(
+        server.base_url,
+        "POST",
+        "/chat/completions",
+        {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 2, "tools": tools},
+    )
     assert_openai_error(resp, 400, "field_not_honoured", "tools")

@@ -20,8 +20,7 @@ def require_vllm() -> None:
 
 
 def _attach(eng: Engine, tiny_assets) -> None:
-    eng.attach_set([AttachSpec(name, str(tiny_assets.saes[name].path), tiny_assets.saes[name].layer)
-                    for name in SAES])
+    eng.attach_set([AttachSpec(name, str(tiny_assets.saes[name].path), tiny_assets.saes[name].layer) for name in SAES])
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +30,16 @@ def vllm_engine(tiny_assets):
     require_vllm()
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=8), drain_timeout_s=300)
     asset = tiny_assets.models["tiny-llama"]
-    eng.load_model(LoadModelJob("tiny-llama", str(asset.path), dtype="float32", device="cpu", backend="vllm",
-                                options={"distributed_executor_backend": "uni", "max_num_seqs": 8}))
+    eng.load_model(
+        LoadModelJob(
+            "tiny-llama",
+            str(asset.path),
+            dtype="float32",
+            device="cpu",
+            backend="vllm",
+            options={"distributed_executor_backend": "uni", "max_num_seqs": 8},
+        )
+    )
     _attach(eng, tiny_assets)
     yield eng
     eng.shutdown()

@@ -46,12 +46,17 @@ L1 = (SAES[0], 1)
 BATCH_ATOL = 2e-5  # vLLM against itself in a batch (test_vllm_engine's mixed-batch bound)
 
 
-def job(rid: str, capture: CaptureSpec | None = None, prompt: str = PROMPTS[0], steering=None, n: int = 8,
-        monitor=None) -> GenerationJob:
-    return GenerationJob(rid, prompt=prompt, capture=capture,
-                         steering=SteeringSpec.from_mapping(steering) if steering else None,
-                         monitor=MonitorSpec(entries=monitor) if monitor else None,
-                         sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+def job(
+    rid: str, capture: CaptureSpec | None = None, prompt: str = PROMPTS[0], steering=None, n: int = 8, monitor=None
+) -> GenerationJob:
+    return GenerationJob(
+        rid,
+        prompt=prompt,
+        capture=capture,
+        steering=SteeringSpec.from_mapping(steering) if steering else None,
+        monitor=MonitorSpec(entries=monitor) if monitor else None,
+        sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+    )
 
 
 def close(a, b, atol: float = VLLM_ACT_ATOL) -> bool:
@@ -84,10 +89,15 @@ def test_capabilities_report_capture_and_graphs_refuse_it(vllm_engine):
     caps = vllm_engine.status().batching["capabilities"]
     assert caps["hidden_state_capture"] is True and caps["attention_capture"] is True
     # with CUDA graphs the workers' hooks never run: capture is off, like steering
-    graphs = VllmBackend.capabilities(SimpleNamespace(enforce_eager=False, num_layers=4,
-                                                      attention_geometry=vllm_engine.backend.attention_geometry,
-                                                      _attention_layers={0, 1, 2, 3},
-                                                      tool_call_format=None))
+    graphs = VllmBackend.capabilities(
+        SimpleNamespace(
+            enforce_eager=False,
+            num_layers=4,
+            attention_geometry=vllm_engine.backend.attention_geometry,
+            _attention_layers={0, 1, 2, 3},
+            tool_call_format=None,
+        )
+    )
     assert graphs.hidden_state_capture is False and graphs.attention_capture is False
 
 
@@ -101,15 +111,37 @@ def test_capture_changes_no_token_and_equals_transformers_and_the_qk_reference(v
     assert got.token_ids == plain.token_ids == want.token_ids
     cap, ref_cap = load_capture(got.capture.data), load_capture(want.capture.data)
     assert cap.meta["backend"] == "vllm" and ref_cap.meta["backend"] == "transformers"
-    for key in ("layers", "positions", "row_positions", "token_ids", "prompt_token_ids", "completion_token_ids",
-                "dtype", "hidden_size", "rows", "request_id", "model"):
+    for key in (
+        "layers",
+        "positions",
+        "row_positions",
+        "token_ids",
+        "prompt_token_ids",
+        "completion_token_ids",
+        "dtype",
+        "hidden_size",
+        "rows",
+        "request_id",
+        "model",
+    ):
         assert cap.meta[key] == ref_cap.meta[key], key
-    for key in ("layers", "heads", "kv_heads", "num_heads", "num_kv_heads", "head_dim", "q_row_positions",
-                "k_row_positions"):
+    for key in (
+        "layers",
+        "heads",
+        "kv_heads",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "q_row_positions",
+        "k_row_positions",
+    ):
         assert cap.attention[key] == ref_cap.attention[key], key
     assert "shards" not in cap.attention  # one rank: plain q.<L>/k.<L>
-    assert cap.positions.tolist() == ref_cap.positions.tolist() == list(range(len(cap.meta["prompt_token_ids"])
-                                                                               + len(got.token_ids) - 1))
+    assert (
+        cap.positions.tolist()
+        == ref_cap.positions.tolist()
+        == list(range(len(cap.meta["prompt_token_ids"]) + len(got.token_ids) - 1))
+    )
     for layer in layers:
         assert close(cap.hidden[layer], ref_cap.hidden[layer]), (layer, worst(cap.hidden[layer], ref_cap.hidden[layer]))
         # positive controls: zeros, the neighbouring layer
@@ -132,13 +164,20 @@ def test_capture_changes_no_token_and_equals_transformers_and_the_qk_reference(v
 @pytest.mark.parametrize("positions", ["last", "prompt", "completion", "last_prompt"])
 def test_positions_modes_and_heads_equal_transformers(vllm_engine, hf_engine, positions):
     # the Attention Tracker's shape: one head's Q at the prompt's last token, K over the prompt
-    spec = CaptureSpec(layers=[1, 3], positions=positions, attention=AttentionCaptureSpec(
-        layers=[2], heads=[1], positions="prompt", q_positions="last_prompt"))
+    spec = CaptureSpec(
+        layers=[1, 3],
+        positions=positions,
+        attention=AttentionCaptureSpec(layers=[2], heads=[1], positions="prompt", q_positions="last_prompt"),
+    )
     got = load_capture(vllm_engine.generate_sync(job("m", spec, PROMPTS[2], n=5)).capture.data)
     want = load_capture(hf_engine.generate_sync(job("m", spec, PROMPTS[2], n=5)).capture.data)
     n_prompt = len(got.meta["prompt_token_ids"])
-    expected = {"last": [n_prompt + 3], "prompt": list(range(n_prompt)), "completion": list(range(n_prompt - 1, n_prompt + 4)),
-                "last_prompt": [n_prompt - 1]}[positions]
+    expected = {
+        "last": [n_prompt + 3],
+        "prompt": list(range(n_prompt)),
+        "completion": list(range(n_prompt - 1, n_prompt + 4)),
+        "last_prompt": [n_prompt - 1],
+    }[positions]
     assert got.positions.tolist() == want.positions.tolist() == expected
     assert got.token_ids.tolist() == want.token_ids.tolist()
     for layer in (1, 3):
@@ -172,12 +211,21 @@ def test_mixed_batch_each_capture_equals_its_solo_capture(vllm_engine):
     qk = AttentionCaptureSpec(layers=[0, 3], heads=[0], positions="all", q_positions="completion")
     jobs = {
         "all": job("all", CaptureSpec(layers=[0, 2, 3], positions="all", attention=qk), PROMPTS[0], n=10),
-        "steered": job("steered", CaptureSpec(layers=[1, 2], positions="completion"), PROMPTS[0],
-                       steering={L1: {3: 8.0}}, n=9),
+        "steered": job(
+            "steered", CaptureSpec(layers=[1, 2], positions="completion"), PROMPTS[0], steering={L1: {3: 8.0}}, n=9
+        ),
         "plain": job("plain", None, PROMPTS[1], n=12),
-        "last": job("last", CaptureSpec(layers=[3], positions="last", attention=AttentionCaptureSpec(
-            layers=[1], positions="prompt", q_positions="last_prompt")), PROMPTS[2], n=7,
-            monitor=[MonitorEntry(SAES[1], 2, top_k=3, positions="all")]),
+        "last": job(
+            "last",
+            CaptureSpec(
+                layers=[3],
+                positions="last",
+                attention=AttentionCaptureSpec(layers=[1], positions="prompt", q_positions="last_prompt"),
+            ),
+            PROMPTS[2],
+            n=7,
+            monitor=[MonitorEntry(SAES[1], 2, top_k=3, positions="all")],
+        ),
         "prompt": job("prompt", CaptureSpec(layers=[0, 1], positions="prompt"), PROMPTS[1], n=6),
     }
     solo = {name: vllm_engine.generate_sync(j, timeout_s=120) for name, j in jobs.items()}
@@ -207,7 +255,10 @@ def test_mixed_batch_each_capture_equals_its_solo_capture(vllm_engine):
             assert close(a.hidden[layer], b.hidden[layer], BATCH_ATOL), (name, layer)
         for layer in (a.attention or {}).get("layers", []):
             assert a.q_positions.tolist() == b.q_positions.tolist() and a.k_positions.tolist() == b.k_positions.tolist()
-            assert close(a.q[layer], b.q[layer], BATCH_ATOL) and close(a.k[layer], b.k[layer], BATCH_ATOL), (name, layer)
+            assert close(a.q[layer], b.q[layer], BATCH_ATOL) and close(a.k[layer], b.k[layer], BATCH_ATOL), (
+                name,
+                layer,
+            )
     # the cancelled request keeps the rows of the tokens it made: a prefix of its solo rows
     assert cancelled.finish_reason == "cancelled" and 0 < len(cancelled.token_ids) < 40
     c, s = load_capture(cancelled.capture.data), load_capture(victim_solo.capture.data)
@@ -235,8 +286,10 @@ def test_bad_captures_are_refused_before_vllm_runs_them(vllm_engine):
     assert batch.steps == before  # nothing reached vLLM
 
 
-@pytest.mark.skipif(os.environ.get("MILLM_VLLM_TP2") != "1",
-                    reason="two vLLM workers take minutes to start on two cores: set MILLM_VLLM_TP2=1")
+@pytest.mark.skipif(
+    os.environ.get("MILLM_VLLM_TP2") != "1",
+    reason="two vLLM workers take minutes to start on two cores: set MILLM_VLLM_TP2=1",
+)
 def test_tp2_q_k_shards_merge_to_the_tp1_capture(tiny_assets, vllm_engine, monkeypatch, tmp_path):
     """tensor_parallel_size=2 (mp executor): each rank writes the Q/K of its own head, the
     reader merges the shards into the TP=1 capture; hidden states come from rank 0."""
@@ -250,24 +303,37 @@ def test_tp2_q_k_shards_merge_to_the_tp1_capture(tiny_assets, vllm_engine, monke
     # automatic thread binding): read it afresh for this one
     if hasattr(envs, "disable_envs_cache"):
         envs.disable_envs_cache()
-    spec = CaptureSpec(layers=[0, 3], positions="all", attention=AttentionCaptureSpec(layers=[0, 2, 3], positions="all"),
-                       directory=str(tmp_path), inline_max_bytes=0)
+    spec = CaptureSpec(
+        layers=[0, 3],
+        positions="all",
+        attention=AttentionCaptureSpec(layers=[0, 2, 3], positions="all"),
+        directory=str(tmp_path),
+        inline_max_bytes=0,
+    )
     one = vllm_engine.generate_sync(job("tp1", spec, n=5))
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4), drain_timeout_s=600)
     try:
-        eng.load_model(LoadModelJob("tiny-llama", str(tiny_assets.models["tiny-llama"].path), dtype="float32",
-                                    device="cpu", backend="vllm",
-                                    options={"distributed_executor_backend": "mp", "tensor_parallel_size": 2,
-                                             "max_num_seqs": 4}), timeout_s=600)
+        eng.load_model(
+            LoadModelJob(
+                "tiny-llama",
+                str(tiny_assets.models["tiny-llama"].path),
+                dtype="float32",
+                device="cpu",
+                backend="vllm",
+                options={"distributed_executor_backend": "mp", "tensor_parallel_size": 2, "max_num_seqs": 4},
+            ),
+            timeout_s=600,
+        )
         two = eng.generate_sync(job("tp2", spec, n=5), timeout_s=600)
     finally:
         eng.shutdown()
     assert two.token_ids == one.token_ids
     a, b = load_capture(tmp_path / one.capture.file), load_capture(tmp_path / two.capture.file)
-    assert b.attention["shards"] == [{"rank": 0, "heads": [0], "kv_heads": [0]},
-                                     {"rank": 1, "heads": [1], "kv_heads": [0]}]
+    assert b.attention["shards"] == [
+        {"rank": 0, "heads": [0], "kv_heads": [0]},
+        {"rank": 1, "heads": [1], "kv_heads": [0]},
+    ]
     for layer in (0, 2, 3):
         assert close(b.q[layer], a.q[layer], BATCH_ATOL) and close(b.k[layer], a.k[layer], BATCH_ATOL), layer
     for layer in (0, 3):
         assert close(b.hidden[layer], a.hidden[layer], BATCH_ATOL), layer
-

@@ -36,9 +36,13 @@ PROMPTS = ("the cat sat on the mat and", "a quick brown fox", "the sea and the s
 
 
 def job(rid: str, prompt: str = PROMPTS[0], steering=None, monitor=None, n: int = 10) -> GenerationJob:
-    return GenerationJob(rid, prompt=prompt, steering=SteeringSpec.from_mapping(steering) if steering else None,
-                         monitor=MonitorSpec(entries=monitor) if monitor else None,
-                         sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    return GenerationJob(
+        rid,
+        prompt=prompt,
+        steering=SteeringSpec.from_mapping(steering) if steering else None,
+        monitor=MonitorSpec(entries=monitor) if monitor else None,
+        sampling=SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True),
+    )
 
 
 def check_steered(result, unsteered) -> None:
@@ -50,8 +54,9 @@ def check_steered(result, unsteered) -> None:
 
 
 def assert_records_close(got, want, atol: float = VLLM_ACT_ATOL) -> None:
-    assert [(r.sae_id, r.layer, r.read_point, r.position, r.token_index) for r in got] == \
-        [(r.sae_id, r.layer, r.read_point, r.position, r.token_index) for r in want]
+    assert [(r.sae_id, r.layer, r.read_point, r.position, r.token_index) for r in got] == [
+        (r.sae_id, r.layer, r.read_point, r.position, r.token_index) for r in want
+    ]
     for g, w in zip(got, want):
         assert [f.feature_index for f in g.features] == [f.feature_index for f in w.features]
         for a, b in zip(g.features, w.features):
@@ -85,9 +90,14 @@ def test_logit_bias_is_honoured_like_transformers(vllm_engine, hf_engine):
     down."""
     plain = hf_engine.generate_sync(job("hf-plain", n=8))
     for bias in ({plain.token_ids[0]: -100.0}, {7: 30.0}):
+
         def biased(rid, bias=bias):
-            return GenerationJob(rid, prompt=PROMPTS[0], sampling=SamplingParams(
-                max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias=bias))
+            return GenerationJob(
+                rid,
+                prompt=PROMPTS[0],
+                sampling=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logit_bias=bias),
+            )
+
         want = hf_engine.generate_sync(biased("hf")).token_ids
         assert want != plain.token_ids  # the bias matters
         assert vllm_engine.generate_sync(biased("v"), timeout_s=120).token_ids == want
@@ -95,10 +105,12 @@ def test_logit_bias_is_honoured_like_transformers(vllm_engine, hf_engine):
 
 def test_steering_and_monitoring_equal_transformers(vllm_engine, hf_engine):
     steering = {L1: {3: 8.0, 17: -5.0}, L3: {5: 4.0}}
-    monitor = [MonitorEntry(L1[0], 1, top_k=4, features=[3, 17], positions="all"),
-               MonitorEntry(L2[0], 2, top_k=3, features=[7], read_point="pre_steering", positions="all"),
-               MonitorEntry(L3[0], 3, features=[5, 9], read_point="pre_steering", positions="completion"),
-               MonitorEntry(L3[0], 3, features=[5, 9], positions="completion")]
+    monitor = [
+        MonitorEntry(L1[0], 1, top_k=4, features=[3, 17], positions="all"),
+        MonitorEntry(L2[0], 2, top_k=3, features=[7], read_point="pre_steering", positions="all"),
+        MonitorEntry(L3[0], 3, features=[5, 9], read_point="pre_steering", positions="completion"),
+        MonitorEntry(L3[0], 3, features=[5, 9], positions="completion"),
+    ]
     plain = vllm_engine.generate_sync(job("plain"))
     got = vllm_engine.generate_sync(job("steered", steering=steering, monitor=monitor))
     want = hf_engine.generate_sync(job("steered", steering=steering, monitor=monitor))
@@ -113,8 +125,13 @@ def test_steering_and_monitoring_equal_transformers(vllm_engine, hf_engine):
     wpre = [r for r in want.activations if r.layer == 3 and r.read_point == "pre_steering"]
     wpost = [r for r in want.activations if r.layer == 3 and r.read_point == "post_steering"]
     for a, b, c, d in zip(pre, post, wpre, wpost):
-        assert abs((b.features[0].activation - a.features[0].activation)
-                   - (d.features[0].activation - c.features[0].activation)) <= VLLM_ACT_ATOL
+        assert (
+            abs(
+                (b.features[0].activation - a.features[0].activation)
+                - (d.features[0].activation - c.features[0].activation)
+            )
+            <= VLLM_ACT_ATOL
+        )
 
 
 def test_streamed_monitor_records_travel_with_their_tokens(vllm_engine, hf_engine):
@@ -133,8 +150,13 @@ def test_mixed_batch_each_request_equals_its_solo_run(vllm_engine):
         "l1": job("l1", PROMPTS[0], steering={L1: {3: 8.0}}, n=14),
         "l1b": job("l1b", PROMPTS[0], steering={L1: {40: -6.0, 3: 2.0}}, n=12),
         "l2": job("l2", PROMPTS[2], steering={L2: {7: 10.0}}, n=14),
-        "l1l3": job("l1l3", PROMPTS[2], steering={L1: {3: 4.0}, L3: {5: 6.0}},
-                    monitor=[MonitorEntry(L3[0], 3, top_k=4, features=[5], positions="all")], n=10),
+        "l1l3": job(
+            "l1l3",
+            PROMPTS[2],
+            steering={L1: {3: 4.0}, L3: {5: 6.0}},
+            monitor=[MonitorEntry(L3[0], 3, top_k=4, features=[5], positions="all")],
+            n=10,
+        ),
         "mon": job("mon", PROMPTS[1], monitor=[MonitorEntry(L2[0], 2, top_k=4, positions="all")], n=9),
     }
     solo = {name: vllm_engine.generate_sync(j, timeout_s=120) for name, j in jobs.items()}
@@ -159,8 +181,12 @@ def test_mixed_batch_each_request_equals_its_solo_run(vllm_engine):
         assert res.steering_apply_count == solo[name].steering_apply_count, name
         assert_records_close(res.activations, solo[name].activations, atol=2e-5)
     for name in ("l1", "l1b", "l2", "l1l3"):
-        check_steered(together[name], unsteered if name.startswith("l1") and name != "l1l3" else
-                      vllm_engine.generate_sync(job("u2", jobs[name].prompt, n=jobs[name].sampling.max_tokens)))
+        check_steered(
+            together[name],
+            unsteered
+            if name.startswith("l1") and name != "l1l3"
+            else vllm_engine.generate_sync(job("u2", jobs[name].prompt, n=jobs[name].sampling.max_tokens)),
+        )
 
 
 def test_a_steer_whose_hook_does_not_run_fails_the_checks(vllm_engine):
@@ -198,8 +224,12 @@ def test_a_steered_request_does_not_reuse_an_unsteered_prefix(vllm_engine, hf_en
     steering = {L1: {3: 8.0, 17: -5.0}}
 
     def ids_job(rid: str, steer=None) -> GenerationJob:
-        return GenerationJob(rid, prompt_token_ids=ids, steering=SteeringSpec.from_mapping(steer) if steer else None,
-                             sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True))
+        return GenerationJob(
+            rid,
+            prompt_token_ids=ids,
+            steering=SteeringSpec.from_mapping(steer) if steer else None,
+            sampling=SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True),
+        )
 
     def run(rid: str, steer=None):
         res = vllm_engine.generate_sync(ids_job(rid, steer))
@@ -241,15 +271,17 @@ def test_prompt_alternatives_are_the_steered_prefills(vllm_engine, hf_engine, ti
     features = {5: 4.0, 9: -2.0}
     ids = hf_engine.backend.encode_text(PROMPTS[0])
     plain_ref = prompt_log_softmax(hf_engine, ids)
-    steered_ref = prompt_log_softmax(hf_engine, ids, steer=(
-        block(hf_engine, model, layer), RefSAE(tiny_assets.saes[name]).delta(features)))
+    steered_ref = prompt_log_softmax(
+        hf_engine, ids, steer=(block(hf_engine, model, layer), RefSAE(tiny_assets.saes[name]).delta(features))
+    )
     assert abs(steered_ref[:-1] - plain_ref[:-1]).max() > 0.05  # the steer moves them
-    sampling = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=True,
-                              prompt_top_logprobs=3)
+    sampling = SamplingParams(
+        max_tokens=2, temperature=0.0, ignore_eos=True, prompt_logprobs=True, prompt_top_logprobs=3
+    )
     plain = vllm_engine.generate_sync(GenerationJob("p", prompt_token_ids=ids, sampling=sampling))
-    steered = vllm_engine.generate_sync(GenerationJob(
-        "s", prompt_token_ids=ids, sampling=sampling,
-        steering=SteeringSpec.from_mapping({L2: features})))
+    steered = vllm_engine.generate_sync(
+        GenerationJob("s", prompt_token_ids=ids, sampling=sampling, steering=SteeringSpec.from_mapping({L2: features}))
+    )
     assert_prompt_alternatives(plain, plain_ref, ids, 3, 1e-4)
     assert_prompt_alternatives(steered, steered_ref, ids, 3, 1e-4)
 

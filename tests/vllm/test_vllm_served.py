@@ -26,8 +26,16 @@ def engines(tiny_assets):
     require_vllm()
     asset, sae = tiny_assets.models["tiny-gpt2"], tiny_assets.saes[SAE]
     vllm = Engine(drain_timeout_s=300)
-    vllm.load_model(LoadModelJob("tiny-gpt2", str(asset.path), dtype="float32", device="cpu",
-                                 backend="vllm", options={"distributed_executor_backend": "uni"}))
+    vllm.load_model(
+        LoadModelJob(
+            "tiny-gpt2",
+            str(asset.path),
+            dtype="float32",
+            device="cpu",
+            backend="vllm",
+            options={"distributed_executor_backend": "uni"},
+        )
+    )
     hf = Engine()
     hf.load_model(LoadModelJob("tiny-gpt2", str(asset.path), dtype="float32", device="cpu"))
     for eng in (vllm, hf):
@@ -42,8 +50,7 @@ def test_gpt2_steering_monitoring_and_capture_equal_transformers(engines):
 
     vllm, hf, layer = engines
     steering = {(SAE, layer): {3: 8.0, 17: -5.0}}
-    monitor = [MonitorEntry(SAE, layer, top_k=4, features=[3, 17], read_point="pre_steering",
-                            positions="all")]
+    monitor = [MonitorEntry(SAE, layer, top_k=4, features=[3, 17], read_point="pre_steering", positions="all")]
     spec = CaptureSpec(layers=[0, layer], positions="all")
     plain = vllm.generate_sync(job("plain", n=8))
     got = vllm.generate_sync(job("s", spec, steering=steering, monitor=monitor, n=8))
@@ -53,8 +60,7 @@ def test_gpt2_steering_monitoring_and_capture_equal_transformers(engines):
     assert_records_close(got.activations, want.activations)
     a, b = load_capture(got.capture.data), load_capture(want.capture.data)
     for captured in (0, layer):
-        assert close(a.hidden[captured], b.hidden[captured]), worst(a.hidden[captured],
-                                                                    b.hidden[captured])
+        assert close(a.hidden[captured], b.hidden[captured]), worst(a.hidden[captured], b.hidden[captured])
 
 
 def test_serve_exits_on_sigterm_with_a_vllm_model_resident(tiny_assets, tmp_path):
@@ -71,12 +77,16 @@ def test_serve_exits_on_sigterm_with_a_vllm_model_resident(tiny_assets, tmp_path
     from tests.conftest import REPO, manage
 
     require_vllm()
-    env = {"MILLM_DATA_DIR": str(tmp_path), "MILLM_ENGINE_DEVICE": "cpu",
-           "MILLM_ENGINE_DTYPE": "float32"}
-    for args in (("migrate", "--noinput"),
-                 ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root)),
-                 ("shell", "-c", "from registry.models import Model; "
-                                 "Model.objects.filter(name='tiny-llama').update(backend='vllm')")):
+    env = {"MILLM_DATA_DIR": str(tmp_path), "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32"}
+    for args in (
+        ("migrate", "--noinput"),
+        ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root)),
+        (
+            "shell",
+            "-c",
+            "from registry.models import Model; Model.objects.filter(name='tiny-llama').update(backend='vllm')",
+        ),
+    ):
         result = manage(*args, env=env, timeout=300)
         assert result.returncode == 0, result.stderr[-2000:]
     with socket.socket() as sock:
@@ -87,14 +97,17 @@ def test_serve_exits_on_sigterm_with_a_vllm_model_resident(tiny_assets, tmp_path
     server = subprocess.Popen(
         [sys.executable, str(REPO / "manage.py"), "serve", "--port", str(port)],
         env={**base, **env, "MILLM_ENV_FILE": "/nonexistent/.env", "AUTO_LOAD_MODEL": "tiny-llama"},
-        cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        cwd=REPO,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
             try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health/ready",
-                                            timeout=5) as response:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/health/ready", timeout=5) as response:
                     if response.status == 200:
                         break
             except OSError:
@@ -120,9 +133,16 @@ def test_a_max_model_len_above_the_models_window_serves_the_models_own(tiny_asse
     own = json.loads((asset.path / "config.json").read_text())["max_position_embeddings"]
     eng = Engine(drain_timeout_s=300)
     try:
-        status = eng.load_model(LoadModelJob(
-            "tiny-llama", str(asset.path), dtype="float32", device="cpu", backend="vllm",
-            options={"distributed_executor_backend": "uni", "max_model_len": own * 8}))
+        status = eng.load_model(
+            LoadModelJob(
+                "tiny-llama",
+                str(asset.path),
+                dtype="float32",
+                device="cpu",
+                backend="vllm",
+                options={"distributed_executor_backend": "uni", "max_model_len": own * 8},
+            )
+        )
         assert status.context_length == own
     finally:
         eng.shutdown()

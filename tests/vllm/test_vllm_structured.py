@@ -84,9 +84,7 @@ def test_every_schema_parses_and_validates(vllm_models):
     check_every_schema(eng, timeout_s=300)
     # json_object; the grammar's end ends the request even under ignore_eos
     res = eng.generate_sync(
-        structured_job(
-            "o", "a person with a name and an age", None, max_tokens=200, ignore_eos=True
-        ),
+        structured_job("o", "a person with a name and an age", None, max_tokens=200, ignore_eos=True),
         timeout_s=300,
     )
     assert res.finish_reason == "stop", res.text

@@ -110,8 +110,7 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
     fa = o.get("flash_attention", True)
     if not fa and kv not in UNQUANTIZED_KV:
         raise InvalidParameter(
-            f"GGUF_FLASH_ATTENTION=false cannot run a quantized KV cache ({kv}); "
-            "use f16 or turn flash attention on",
+            f"GGUF_FLASH_ATTENTION=false cannot run a quantized KV cache ({kv}); use f16 or turn flash attention on",
             param="options.flash_attention",
             details={"kv_cache_type": kv},
         )
@@ -119,9 +118,7 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
     if ctx < 0:
         raise InvalidParameter("GGUF_CONTEXT_LENGTH must be >= 0", param="options.context_length")
     if job.trust_remote_code:
-        raise InvalidParameter(
-            "trust_remote_code has no meaning for a GGUF model", param="trust_remote_code"
-        )
+        raise InvalidParameter("trust_remote_code has no meaning for a GGUF model", param="trust_remote_code")
     n_gpu = gpu_device_count()
     if job.device.startswith("cuda") and n_gpu == 0:
         raise ModelLoadFailed(
@@ -140,8 +137,7 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
     steering_mode = o.get("steering_mode", "auto")
     if steering_mode not in STEERING_MODE_OPTIONS:
         raise InvalidParameter(
-            f"GGUF_STEERING_MODE {steering_mode!r} is not one of "
-            f"{', '.join(STEERING_MODE_OPTIONS)}",
+            f"GGUF_STEERING_MODE {steering_mode!r} is not one of {', '.join(STEERING_MODE_OPTIONS)}",
             param="options.steering_mode",
         )
     return {
@@ -195,17 +191,18 @@ class LlamaCppBackend:
             self.context_length = self._window()
             self.attachment_stats: dict[AttachmentKey, AttachmentStats] = {}
             self.attention_geometry = AttentionGeometry(
-                num_heads=self.native.n_head, num_kv_heads=self.native.n_head_kv,
-                head_dim=self.native.head_dim)
-            self.taps = EvalTaps(self.num_layers, interleaved_rope=self.native.interleaved_rope,
-                                 hidden_size=self.hidden_size,
-                                 heads=(self.native.n_head, self.native.n_head_kv,
-                                        self.native.head_dim))
+                num_heads=self.native.n_head, num_kv_heads=self.native.n_head_kv, head_dim=self.native.head_dim
+            )
+            self.taps = EvalTaps(
+                self.num_layers,
+                interleaved_rope=self.native.interleaved_rope,
+                hidden_size=self.hidden_size,
+                heads=(self.native.n_head, self.native.n_head_kv, self.native.head_dim),
+            )
             # steered forwards by path: a control vector over a batch steered alike, per
             # row in the eval callback, a control vector over one steering group of the
             # batch (``control_vector_swap`` mode)
-            self.steering_forwards = {"control_vector": 0, "eval_callback": 0,
-                                      "control_vector_swap": 0}
+            self.steering_forwards = {"control_vector": 0, "eval_callback": 0, "control_vector_swap": 0}
             self.context: NativeContext | None = None
             self._rows = 0
             self._open_context(1)
@@ -257,8 +254,7 @@ class LlamaCppBackend:
         self.context = None
         if old is not None:
             old.close()
-        self.context = NativeContext(self.native, settings, self.taps.callback,
-                                     self.taps.user_data)
+        self.context = NativeContext(self.native, settings, self.taps.callback, self.taps.user_data)
         self._rows = rows
 
     @property
@@ -275,14 +271,14 @@ class LlamaCppBackend:
             return CONTROL_VECTOR_SWAP, "layers offloaded to a GPU"
         if gpu_device_count() > 0:
             return CONTROL_VECTOR_SWAP, (
-                "this llama.cpp build has a GPU ggml backend, which may compute layer "
-                "outputs off the CPU")
+                "this llama.cpp build has a GPU ggml backend, which may compute layer outputs off the CPU"
+            )
         failure = check_per_row_writes(self)
         if failure is not None:
             return CONTROL_VECTOR_SWAP, f"per-row write self-check failed: {failure}"
         return EVAL_CALLBACK_PER_ROW, (
-            "CPU backend; a row written in the eval callback reached the next layer "
-            "(self-check at load)")
+            "CPU backend; a row written in the eval callback reached the next layer (self-check at load)"
+        )
 
     def _check_steering(self, request_hooks: Any) -> None:
         """What the fallback cannot run, refused by name before the request runs: a
@@ -297,8 +293,12 @@ class LlamaCppBackend:
                     f"(steering_mode {CONTROL_VECTOR_SWAP}: {self.steering_mode_reason}), "
                     "which start at layer 1",
                     param="steering",
-                    details={"backend": self.name, "sae_id": sae_id, "layer": layer,
-                             "steering_mode": self.steering_mode},
+                    details={
+                        "backend": self.name,
+                        "sae_id": sae_id,
+                        "layer": layer,
+                        "steering_mode": self.steering_mode,
+                    },
                 )
 
     # ------------------------------------------------------------------ contract
@@ -347,13 +347,16 @@ class LlamaCppBackend:
         source = kwargs.pop("chat_template", None)
         if source is not None:  # a request's own template (the web tier allows it or not)
             if not isinstance(source, str) or not source:
-                raise InvalidParameter("chat_template must be a non-empty Jinja template string",
-                                       param="chat_template_kwargs.chat_template")
+                raise InvalidParameter(
+                    "chat_template must be a non-empty Jinja template string",
+                    param="chat_template_kwargs.chat_template",
+                )
             try:
                 chat = ChatTemplate(source, bos=chat.bos, eos=chat.eos)
             except Exception as exc:  # a Jinja syntax error
-                raise InvalidParameter(f"cannot read the chat template: {exc}",
-                                       param="chat_template_kwargs.chat_template") from exc
+                raise InvalidParameter(
+                    f"cannot read the chat template: {exc}", param="chat_template_kwargs.chat_template"
+                ) from exc
         text = chat.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode_text(text, add_special_tokens=False)
 

@@ -79,9 +79,7 @@ def steering_signature(seq: Sequence) -> tuple:
         if seq.hooks is not None:
             for key, plan in sorted(seq.hooks.plans.items()):
                 if plan.delta is not None:
-                    items.append(
-                        (key, plan.delta.detach().to(torch.float32).cpu().numpy().tobytes())
-                    )
+                    items.append((key, plan.delta.detach().to(torch.float32).cpu().numpy().tobytes()))
         sig = tuple(items)
         seq._steer_sig = sig  # type: ignore[attr-defined]
     return sig
@@ -125,8 +123,7 @@ def check_per_row_writes(backend: Any) -> str | None:
     reader = CaptureReader(lambda _layer, rows, _pos: read.append(rows.clone()), layer)
     try:
         ctx.set_cvec(None, None)
-        plain = decode(ForwardPlan(
-            {layer: LayerPlan(segments=[MonitorSegment([reader], 0, 2, 0, False)])}, 2, [0, 1]))
+        plain = decode(ForwardPlan({layer: LayerPlan(segments=[MonitorSegment([reader], 0, 2, 0, False)])}, 2, [0, 1]))
         if not read or read[0].shape != (2, d):
             return f"the eval callback did not hand over the rows of l_out-{layer}"
         norm = float(read[0][0].norm())
@@ -151,8 +148,10 @@ def check_per_row_writes(backend: Any) -> str | None:
             ctx.set_cvec(key, data)
             cvec = decode(None)
             if np.abs(written[0] - cvec[0]).max() > tol:
-                return (f"a row written in l_out-{layer} gave other logits than llama.cpp's "
-                        "control vector adding the same vector there")
+                return (
+                    f"a row written in l_out-{layer} gave other logits than llama.cpp's "
+                    "control vector adding the same vector there"
+                )
     except Exception as exc:  # noqa: BLE001 - any failure means: do not write rows
         return f"{type(exc).__name__}: {exc}"
     finally:
@@ -183,9 +182,7 @@ class LlamaBatchRunner:
 
     # ------------------------------------------------------------------ plans
 
-    def _forward(
-        self, parts: list[tuple[Sequence, int, int, int]], tokens: list[tuple[int, int, int, bool]]
-    ) -> None:
+    def _forward(self, parts: list[tuple[Sequence, int, int, int]], tokens: list[tuple[int, int, int, bool]]) -> None:
         """One ``llama_decode`` of ``tokens``; ``parts``: (sequence, first batch index,
         end batch index, position of the first) for each request in it."""
         backend = self.backend
@@ -202,8 +199,7 @@ class LlamaBatchRunner:
         for seq, *_ in capturing:
             stage.update(seq.capture.layers)  # type: ignore[union-attr]
             stage_qk.update(seq.capture.qk_layers)  # type: ignore[union-attr]
-        staged = bool(capturing) and backend.taps.stage_fits(len(tokens), bool(stage),
-                                                             bool(stage_qk))
+        staged = bool(capturing) and backend.taps.stage_fits(len(tokens), bool(stage), bool(stage_qk))
         if not staged:
             stage, stage_qk = set(), set()
         for seq, a, b, pos in parts:
@@ -232,9 +228,7 @@ class LlamaBatchRunner:
         # the swap mode steers with control vectors only (layer 0 is refused at admission);
         # a pre-steering monitor then reads the output less the control vector
         use_cvec = (
-            uniform
-            and bool(sigs[0])
-            and all(il >= 1 and (self.swap or il not in pre_layers) for il in steered_layers)
+            uniform and bool(sigs[0]) and all(il >= 1 and (self.swap or il not in pre_layers) for il in steered_layers)
         )
         applied: set = set()
         if use_cvec:
@@ -260,8 +254,11 @@ class LlamaBatchRunner:
                     lp.keys = keys
                 backend.steering_forwards["eval_callback"] += 1
         outputs = [i for i, t in enumerate(tokens) if t[3]]
-        fplan = (ForwardPlan(layers, len(tokens), outputs, qk=qk, stage=stage, stage_qk=stage_qk)
-                 if layers or qk or staged else None)
+        fplan = (
+            ForwardPlan(layers, len(tokens), outputs, qk=qk, stage=stage, stage_qk=stage_qk)
+            if layers or qk or staged
+            else None
+        )
         backend.taps.run(fplan, lambda: self.ctx.decode(tokens))
         if fplan is not None:
             applied |= fplan.applied
@@ -269,7 +266,8 @@ class LlamaBatchRunner:
             rows = fplan.staged  # type: ignore[union-attr]
             for seq, a, b, pos in capturing:
                 seq.capture.take_span(  # type: ignore[union-attr]
-                    a, b, pos, hidden=rows.hidden, q=rows.q, k=rows.k)
+                    a, b, pos, hidden=rows.hidden, q=rows.q, k=rows.k
+                )
         if applied:
             for key in applied:
                 stats = backend.attachment_stats.get(key)
@@ -311,8 +309,9 @@ class LlamaBatchRunner:
                 self.rows.append(seq)
         return finished
 
-    def _prefill(self, seqs: list[Sequence], logits: dict[int, torch.Tensor],
-                 echo: dict[int, list[np.ndarray]]) -> None:
+    def _prefill(
+        self, seqs: list[Sequence], logits: dict[int, torch.Tensor], echo: dict[int, list[np.ndarray]]
+    ) -> None:
         """The prompts of ``seqs`` through the model, packed into decodes of up to n_batch
         tokens: each one's last-position logits into ``logits`` (by ``id``), its prompt
         logits into ``echo`` where it asked for prompt logprobs."""
@@ -327,8 +326,11 @@ class LlamaBatchRunner:
             while queue and len(tokens) < n_batch:
                 seq, off = queue.pop(0)
                 take = min(seq.n_prompt - off, n_batch - len(tokens))
-                all_out = (seq.sampling.prompt_logprobs or self._monitors_layer(seq, last_layer)
-                           or self._captures_prompt_rows(seq, last_layer))
+                all_out = (
+                    seq.sampling.prompt_logprobs
+                    or self._monitors_layer(seq, last_layer)
+                    or self._captures_prompt_rows(seq, last_layer)
+                )
                 a = len(tokens)
                 for p in range(off, off + take):
                     last = p == seq.n_prompt - 1
@@ -358,15 +360,11 @@ class LlamaBatchRunner:
         """The request captures prompt rows of the last layer, whose output llama.cpp
         keeps only for rows that produce logits: every prompt row must then produce one."""
         plan = seq.capture
-        return (plan is not None and layer in plan.layers
-                and plan.spec.positions in ("all", "prompt"))
+        return plan is not None and layer in plan.layers and plan.spec.positions in ("all", "prompt")
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[bool]:
         ids, lsm = choose_rows(seqs, logits)
-        return [
-            s.accept(ids[i], lsm[i] if lsm is not None and s.want_lp else None)
-            for i, s in enumerate(seqs)
-        ]
+        return [s.accept(ids[i], lsm[i] if lsm is not None and s.want_lp else None) for i, s in enumerate(seqs)]
 
     def _turn(self) -> list[Sequence]:
         """The rows the next decode step runs: every row, or in the swap mode the steering

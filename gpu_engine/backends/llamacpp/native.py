@@ -59,7 +59,6 @@ KV_CACHE_TYPES = {
 UNQUANTIZED_KV = ("f32", "f16", "bf16")
 
 
-
 def _load_ggml(name: str) -> ctypes.CDLL | None:
     """One of the ggml libraries llama-cpp-python ships beside its own (the device and
     tensor functions are not in its Python bindings)."""
@@ -87,7 +86,6 @@ if GGML is not None:
     GGML.ggml_backend_dev_get.restype = ctypes.c_void_p
     GGML.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
     GGML.ggml_backend_dev_type.restype = ctypes.c_int
-
 
 
 def _op_id(name: bytes) -> int | None:
@@ -202,8 +200,7 @@ class NativeModel:
         self.head_dim = int(key_length) if key_length else self.n_embd // max(self.n_head, 1)
         # llama.cpp's kq_scale: the file's attention.scale, else 1/sqrt(head_dim)
         scale = self.meta(f"{arch}.attention.scale")
-        self.attention_scale = (float(scale) if scale and float(scale) != 0.0
-                                else self.head_dim ** -0.5)
+        self.attention_scale = float(scale) if scale and float(scale) != 0.0 else self.head_dim**-0.5
 
     def meta(self, key: str) -> str | None:
         buf = ctypes.create_string_buffer(1 << 16)
@@ -253,8 +250,9 @@ class NativeContext:
     multi-sequence batch is split into ubatches in order), the eval callback, control
     vectors, and a reusable batch."""
 
-    def __init__(self, model: NativeModel, settings: ContextSettings, eval_callback: object,
-                 eval_user_data: int | None = None) -> None:
+    def __init__(
+        self, model: NativeModel, settings: ContextSettings, eval_callback: object, eval_user_data: int | None = None
+    ) -> None:
         params = lc.llama_context_default_params()
         params.n_ctx = settings.n_ctx
         params.n_batch = settings.n_batch
@@ -265,9 +263,7 @@ class NativeContext:
         params.kv_unified = True
         params.pooling_type = lc.LLAMA_POOLING_TYPE_NONE
         params.flash_attn_type = (
-            lc.LLAMA_FLASH_ATTN_TYPE_ENABLED
-            if settings.flash_attention
-            else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            lc.LLAMA_FLASH_ATTN_TYPE_ENABLED if settings.flash_attention else lc.LLAMA_FLASH_ATTN_TYPE_DISABLED
         )
         params.type_k = params.type_v = KV_CACHE_TYPES[settings.kv_type]
         params.embeddings = False
@@ -280,8 +276,7 @@ class NativeContext:
         self.ptr = lc.llama_init_from_model(model.ptr, params)
         if not self.ptr:
             raise ModelLoadFailed(
-                "llama.cpp could not create a context "
-                f"(n_ctx {settings.n_ctx}, KV {settings.kv_type})"
+                f"llama.cpp could not create a context (n_ctx {settings.n_ctx}, KV {settings.kv_type})"
             )
         self.mem = lc.llama_get_memory(self.ptr)
         self.batch = lc.llama_batch_init(settings.n_batch, 0, 1)
@@ -295,9 +290,7 @@ class NativeContext:
         lc.llama_memory_clear(self.mem, True)
 
     # ---- control vectors
-    def set_cvec(
-        self, key: object, data: np.ndarray | None, il_start: int = 1, il_end: int = -1
-    ) -> None:
+    def set_cvec(self, key: object, data: np.ndarray | None, il_start: int = 1, il_end: int = -1) -> None:
         """Set the context's control vector (``data``: (n_layer - 1, n_embd) float32 for
         layers 1..n_layer-1 — llama.cpp's buffer starts at layer 1), or clear it."""
         if key == self.cvec_key:
@@ -349,17 +342,13 @@ class NativeContext:
     def logits_rows(self, idx: list[int]) -> np.ndarray:
         out = np.empty((len(idx), self.model.n_vocab), dtype=np.float32)
         for r, i in enumerate(idx):
-            out[r] = np.ctypeslib.as_array(
-                lc.llama_get_logits_ith(self.ptr, i), shape=(self.model.n_vocab,)
-            )
+            out[r] = np.ctypeslib.as_array(lc.llama_get_logits_ith(self.ptr, i), shape=(self.model.n_vocab,))
         return out
 
     def embeddings_rows(self, idx: list[int]) -> np.ndarray:
         out = np.empty((len(idx), self.model.n_embd), dtype=np.float32)
         for r, i in enumerate(idx):
-            out[r] = np.ctypeslib.as_array(
-                lc.llama_get_embeddings_ith(self.ptr, i), shape=(self.model.n_embd,)
-            )
+            out[r] = np.ctypeslib.as_array(lc.llama_get_embeddings_ith(self.ptr, i), shape=(self.model.n_embd,))
         return out
 
     def set_embeddings(self, on: bool) -> None:
@@ -381,9 +370,7 @@ def check_tensor_split(split: list[float], n_devices: int) -> list[float]:
             details={"tensor_split": split, "devices": n_devices},
         )
     if any(not s > 0 for s in split):
-        raise InvalidParameter(
-            "every GGUF_TENSOR_SPLIT proportion must be > 0", param="options.tensor_split"
-        )
+        raise InvalidParameter("every GGUF_TENSOR_SPLIT proportion must be > 0", param="options.tensor_split")
     total = sum(split)
     return [s / total for s in split]
 
@@ -396,8 +383,11 @@ def gpu_device_count() -> int:
         return 1
     _backend_init()
     gpu = 1  # GGML_BACKEND_DEVICE_TYPE_GPU
-    return sum(1 for i in range(GGML.ggml_backend_dev_count())
-               if GGML.ggml_backend_dev_type(GGML.ggml_backend_dev_get(i)) == gpu)
+    return sum(
+        1
+        for i in range(GGML.ggml_backend_dev_count())
+        if GGML.ggml_backend_dev_type(GGML.ggml_backend_dev_get(i)) == gpu
+    )
 
 
 __all__ = [

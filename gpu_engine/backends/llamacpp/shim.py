@@ -215,8 +215,9 @@ def load_filter() -> ctypes.CDLL | None:
             src = Path(tmp) / "filter.c"
             src.write_text(SOURCE)
             out = Path(tmp) / "filter.so"
-            done = subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)],
-                                  capture_output=True, timeout=120)
+            done = subprocess.run(
+                [cc, "-O2", "-shared", "-fPIC", "-o", str(out), str(src)], capture_output=True, timeout=120
+            )
             if done.returncode != 0:
                 return None
             os.replace(out, target)  # atomic: a parallel build leaves one whole file

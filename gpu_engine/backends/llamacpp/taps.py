@@ -152,12 +152,20 @@ class EvalTaps:
     capture copies; without them (or without the C filter) captured nodes are read in
     Python."""
 
-    def __init__(self, n_layer: int, *, interleaved_rope: bool = False,
-                 hidden_size: int | None = None,
-                 heads: tuple[int, int, int] | None = None) -> None:
+    def __init__(
+        self,
+        n_layer: int,
+        *,
+        interleaved_rope: bool = False,
+        hidden_size: int | None = None,
+        heads: tuple[int, int, int] | None = None,
+    ) -> None:
         self.n_layer = n_layer
-        self.names = {f"{prefix}-{il}".encode(): (kind, il) for il in range(n_layer)
-                      for kind, prefix in ((LAYER_OUT, "l_out"), (QUERY, "Qcur"), (KEY, "Kcur"))}
+        self.names = {
+            f"{prefix}-{il}".encode(): (kind, il)
+            for il in range(n_layer)
+            for kind, prefix in ((LAYER_OUT, "l_out"), (QUERY, "Qcur"), (KEY, "Kcur"))
+        }
         # Q/K rows of a rope-NORM model come in interleaved pairs (see the module doc)
         self.interleaved_rope = interleaved_rope
         self.plan: ForwardPlan | None = None
@@ -168,8 +176,11 @@ class EvalTaps:
         self.heads = heads
         self.stage_max_bytes = STAGE_MAX_BYTES
         # floats per row: a layer output, a rotated query, a rotated key (0: not staged)
-        rows = None if hidden_size is None else (
-            hidden_size, heads[0] * heads[2] if heads else 0, heads[1] * heads[2] if heads else 0)
+        rows = (
+            None
+            if hidden_size is None
+            else (hidden_size, heads[0] * heads[2] if heads else 0, heads[1] * heads[2] if heads else 0)
+        )
         self.rows = rows
         # the stage: per kind a (n_layer, capacity, row) float32 buffer, made on first use
         self._stage: list[np.ndarray | None] = [None, None, None]
@@ -192,8 +203,7 @@ class EvalTaps:
                 self.filter.type_offset = GGMLTensor.type.offset
                 self.filter.ne_offset = GGMLTensor.ne.offset
                 self.filter.nb_offset = GGMLTensor.nb.offset
-                self.filter.tensor_get = ctypes.cast(GGML_BASE.ggml_backend_tensor_get,
-                                                     ctypes.c_void_p).value
+                self.filter.tensor_get = ctypes.cast(GGML_BASE.ggml_backend_tensor_get, ctypes.c_void_p).value
                 for kind, width in enumerate(rows):
                     self.filter.row_floats[kind] = width
                 self.filter.got = self._got.ctypes.data
@@ -236,8 +246,7 @@ class EvalTaps:
         for kind in need:
             if self._stage[kind] is None:
                 width = self.rows[kind]  # type: ignore[index]
-                self._stage[kind] = np.empty((self.n_layer, self._capacity, width),
-                                             dtype=np.float32)
+                self._stage[kind] = np.empty((self.n_layer, self._capacity, width), dtype=np.float32)
         for kind in range(3):
             buf = self._stage[kind]
             self.filter.stage[kind] = buf.ctypes.data if buf is not None else None
@@ -248,10 +257,15 @@ class EvalTaps:
         """The decode's staged rows (see ``Staged``), after checking that every staged node
         handed over every row it owes."""
         n = plan.n_tokens
-        missing = [f"l_out-{il}" for il in sorted(plan.stage)
-                   if self._got[LAYER_OUT, il] not in (n, len(plan.output_rows))]
-        missing += [f"{name}-{il} (after rope)" for il in sorted(plan.stage_qk)
-                    for kind, name in ((QUERY, "Qcur"), (KEY, "Kcur")) if self._got[kind, il] != n]
+        missing = [
+            f"l_out-{il}" for il in sorted(plan.stage) if self._got[LAYER_OUT, il] not in (n, len(plan.output_rows))
+        ]
+        missing += [
+            f"{name}-{il} (after rope)"
+            for il in sorted(plan.stage_qk)
+            for kind, name in ((QUERY, "Qcur"), (KEY, "Kcur"))
+            if self._got[kind, il] != n
+        ]
         _raise_missing(missing, n)
         hidden = q = k = None
         if plan.stage:
@@ -260,11 +274,12 @@ class EvalTaps:
             m = int(self._got[LAYER_OUT, last])
             if last in plan.stage and m != n:  # the last layer's rows are the output rows
                 rows = hidden[last, :m].clone()
-                hidden[last].index_copy_(0, torch.tensor(plan.output_rows, dtype=torch.long),
-                                         rows)
+                hidden[last].index_copy_(0, torch.tensor(plan.output_rows, dtype=torch.long), rows)
         if plan.stage_qk:
-            qs, ks = (torch.from_numpy(self._stage[kind])[:, :n]  # type: ignore[arg-type]
-                      for kind in (QUERY, KEY))
+            qs, ks = (
+                torch.from_numpy(self._stage[kind])[:, :n]  # type: ignore[arg-type]
+                for kind in (QUERY, KEY)
+            )
             heads, kv_heads, head_dim = self.heads  # type: ignore[misc]
             q = qs.unflatten(-1, (heads, head_dim))
             k = ks.unflatten(-1, (kv_heads, head_dim))
@@ -310,8 +325,11 @@ class EvalTaps:
         if staging and self.filter.error:
             kind, il = self.filter.error_kind, self.filter.error_layer
             name = ("l_out", "Qcur", "Kcur")[kind]
-            why = ("is not a dense float32 block of the model's rows" if self.filter.error == 1
-                   else "has more rows than the decode")
+            why = (
+                "is not a dense float32 block of the model's rows"
+                if self.filter.error == 1
+                else "has more rows than the decode"
+            )
             raise RuntimeError(f"capture: llama.cpp's {name}-{il} {why}")
         if published is not None:
             self._check_captured(published)
@@ -369,9 +387,7 @@ class EvalTaps:
         return self._tap(t, kind, il)
 
     @staticmethod
-    def _host_array(
-        tensor: GGMLTensor, shape: tuple[int, ...], what: str
-    ) -> tuple[np.ndarray, bool]:
+    def _host_array(tensor: GGMLTensor, shape: tuple[int, ...], what: str) -> tuple[np.ndarray, bool]:
         """The tensor's float32 data as an array of ``shape`` (ggml's dims reversed):
         a view of host memory, or a copy of a device buffer (then False)."""
         buf = tensor.buffer
@@ -379,24 +395,24 @@ class EvalTaps:
         if host and not tensor.data:
             raise RuntimeError(f"{what} has no data")
         if host:
-            arr = np.ctypeslib.as_array(
-                ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float)), shape=shape
-            )
+            arr = np.ctypeslib.as_array(ctypes.cast(tensor.data, ctypes.POINTER(ctypes.c_float)), shape=shape)
         else:  # a device buffer: copied out (and written back by the caller if changed)
             arr = np.empty(shape, dtype=np.float32)
-            GGML_BASE.ggml_backend_tensor_get(ctypes.addressof(tensor), arr.ctypes.data, 0,
-                                              arr.nbytes)
+            GGML_BASE.ggml_backend_tensor_get(ctypes.addressof(tensor), arr.ctypes.data, 0, arr.nbytes)
         return arr, host
 
-    def _apply_qk(
-        self, tensor: GGMLTensor, kind: int, il: int, segments: list[MonitorSegment]
-    ) -> None:
+    def _apply_qk(self, tensor: GGMLTensor, kind: int, il: int, segments: list[MonitorSegment]) -> None:
         what = f"{'Qcur' if kind == QUERY else 'Kcur'}-{il}"
         d, h, n = int(tensor.ne[0]), int(tensor.ne[1]), int(tensor.ne[2])
-        if tensor.type != GGML_TYPE_F32 or int(tensor.ne[3]) != 1 or (
-                int(tensor.nb[0]), int(tensor.nb[1]), int(tensor.nb[2])) != (4, 4 * d, 4 * d * h):
-            raise RuntimeError(f"{what} is not a dense float32 (tokens, heads, head_dim) block "
-                               f"(type {tensor.type}, ne {list(tensor.ne)}, nb {list(tensor.nb)})")
+        if (
+            tensor.type != GGML_TYPE_F32
+            or int(tensor.ne[3]) != 1
+            or (int(tensor.nb[0]), int(tensor.nb[1]), int(tensor.nb[2])) != (4, 4 * d, 4 * d * h)
+        ):
+            raise RuntimeError(
+                f"{what} is not a dense float32 (tokens, heads, head_dim) block "
+                f"(type {tensor.type}, ne {list(tensor.ne)}, nb {list(tensor.nb)})"
+            )
         arr, _ = self._host_array(tensor, (n, h, d), what)
         rows = torch.from_numpy(arr)
         if self.interleaved_rope:  # pairs (2i, 2i+1) back to the halves (i, i + d/2)
@@ -415,11 +431,9 @@ class EvalTaps:
         d, n = int(tensor.ne[0]), int(tensor.ne[1])
         # rows are read and written as one dense (n, d) float32 block: refuse anything else
         # rather than touch memory outside the tensor
-        if (int(tensor.ne[2]), int(tensor.ne[3])) != (1, 1) or (
-            int(tensor.nb[0]), int(tensor.nb[1])) != (4, 4 * d):
+        if (int(tensor.ne[2]), int(tensor.ne[3])) != (1, 1) or (int(tensor.nb[0]), int(tensor.nb[1])) != (4, 4 * d):
             raise RuntimeError(
-                f"layer output {il} is not a dense float32 matrix "
-                f"(ne {list(tensor.ne)}, nb {list(tensor.nb)})"
+                f"layer output {il} is not a dense float32 matrix (ne {list(tensor.ne)}, nb {list(tensor.nb)})"
             )
         arr, host = self._host_array(tensor, (n, d), f"layer output {il}")
         rows = torch.from_numpy(arr)
@@ -456,8 +470,7 @@ class EvalTaps:
                 for m in seg.monitors:
                     m.observe(got[0], got[1])
         if not host and lp.deltas is not None:
-            GGML_BASE.ggml_backend_tensor_set(ctypes.addressof(tensor), arr.ctypes.data, 0,
-                                              arr.nbytes)
+            GGML_BASE.ggml_backend_tensor_set(ctypes.addressof(tensor), arr.ctypes.data, 0, arr.nbytes)
 
 
 __all__ = [

@@ -71,9 +71,7 @@ class ChatTemplate:
             def raise_exception(message: str) -> None:
                 raise ValueError(message)
 
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-            )
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
             env.globals["raise_exception"] = raise_exception
             self._template = env.from_string(source)
 
@@ -90,13 +88,9 @@ class ChatTemplate:
             eos=text(lc.llama_vocab_eos(native.vocab)),
         )
 
-    def render(
-        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any
-    ) -> str:
+    def render(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any) -> str:
         if self._template is None:
-            raise InvalidParameter(
-                "this model has no chat template; send a prompt instead", param="messages"
-            )
+            raise InvalidParameter("this model has no chat template; send a prompt instead", param="messages")
         try:
             return self._template.render(
                 messages=messages,
@@ -106,9 +100,7 @@ class ChatTemplate:
                 **kwargs,
             )
         except Exception as exc:  # jinja errors for malformed messages
-            raise InvalidParameter(
-                f"cannot apply the chat template: {exc}", param="messages"
-            ) from exc
+            raise InvalidParameter(f"cannot apply the chat template: {exc}", param="messages") from exc
 
 
 __all__ = ["ChatTemplate", "LlamaTokenizer", "grammar_vocabulary"]

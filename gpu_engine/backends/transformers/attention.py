@@ -20,21 +20,40 @@ import torch
 NAME = "millm_grouped_sdpa"
 
 
-def grouped_sdpa_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                                   value: torch.Tensor, attention_mask: torch.Tensor | None,
-                                   dropout: float = 0.0, scaling: float | None = None,
-                                   is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+def grouped_sdpa_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
-    if (groups <= 1 or attention_mask is None or query.device.type != "cpu"
-            or kwargs.get("position_bias") is not None or kwargs.get("cache") is not None
-            or kwargs.get("output_attentions")):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)
+    if (
+        groups <= 1
+        or attention_mask is None
+        or query.device.type != "cpu"
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("cache") is not None
+        or kwargs.get("output_attentions")
+    ):
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
     # with a mask transformers' sdpa never uses is_causal; the mask carries causality
     out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=attention_mask, dropout_p=dropout, scale=scaling, is_causal=False,
+        query,
+        key,
+        value,
+        attn_mask=attention_mask,
+        dropout_p=dropout,
+        scale=scaling,
+        is_causal=False,
         enable_gqa=True,
     )
     return out.transpose(1, 2).contiguous(), None

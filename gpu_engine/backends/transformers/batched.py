@@ -83,8 +83,7 @@ class BatchedRunner:
     def _new_cache(self) -> BatchKVCache:
         # KV_CACHE_MODE=static or a compiled step: the fixed-shape slab (kv_cache.py)
         fixed = self.max_rows if self.runner.static_kv else 0
-        return BatchKVCache(self.runner.num_layers, device=self.device, dtype=self.runner.dtype,
-                            fixed_rows=fixed)
+        return BatchKVCache(self.runner.num_layers, device=self.device, dtype=self.runner.dtype, fixed_rows=fixed)
 
     # ------------------------------------------------------------------ rows
 
@@ -230,8 +229,10 @@ class BatchedRunner:
             r = self.runner
             g = r.attention_geometry
             shape = (r.num_layers, self.max_rows)
-            self._qk_stage = (torch.zeros((*shape, g.num_heads, g.head_dim), dtype=r.dtype, device=self.device),
-                              torch.zeros((*shape, g.num_kv_heads, g.head_dim), dtype=r.dtype, device=self.device))
+            self._qk_stage = (
+                torch.zeros((*shape, g.num_heads, g.head_dim), dtype=r.dtype, device=self.device),
+                torch.zeros((*shape, g.num_kv_heads, g.head_dim), dtype=r.dtype, device=self.device),
+            )
         return self._qk_stage
 
     def step(self) -> list[Sequence]:
@@ -245,33 +246,39 @@ class BatchedRunner:
         if not cache.fixed_rows:
             position_ids, mask = cache.step_inputs()
         # the row fed now is the last generated token, at position n_prompt + n - 1
-        parts = [(s.row, r, r + 1, s.n_prompt + len(s.generated) - 1)  # type: ignore[attr-defined]
-                 for r, s in enumerate(rows)]
+        parts = [
+            (s.row, r, r + 1, s.n_prompt + len(s.generated) - 1)  # type: ignore[attr-defined]
+            for r, s in enumerate(rows)
+        ]
         if self._row_slots is None:  # kept while the batch is unchanged
             self._row_slots = self.router.row_slots(parts)
         capturing = [s for s in rows if s.capture is not None]
         hidden = any(s.capture.layers for s in capturing)  # type: ignore[union-attr]
         qk = any(s.capture.qk_layers for s in capturing)  # type: ignore[union-attr]
-        ctx = self.router.context(parts, row_slots=self._row_slots,
-                                  capture_stage=self._capture_stage() if hidden else None,
-                                  qk_stage=self._capture_qk_stage() if qk else None)
+        ctx = self.router.context(
+            parts,
+            row_slots=self._row_slots,
+            capture_stage=self._capture_stage() if hidden else None,
+            qk_stage=self._capture_qk_stage() if qk else None,
+        )
         tokens = [[s.last_token] for s in rows]
         with self.hooks.active(ctx):
             if cache.fixed_rows:
                 bucket, position_ids, mask, slot = cache.fixed_step_inputs()
                 tokens += [[0]] * (bucket - len(rows))  # padding rows (kv_cache.py, fixed mode)
                 input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-                logits = self.runner.forward_rows_fixed(input_ids, position_ids=position_ids,
-                                                        attention_mask=mask, past=cache, slot=slot,
-                                                        rows=bucket)[: len(rows)]
+                logits = self.runner.forward_rows_fixed(
+                    input_ids, position_ids=position_ids, attention_mask=mask, past=cache, slot=slot, rows=bucket
+                )[: len(rows)]
             else:
                 input_ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
                 if lean is not None:
                     logits = lean.step_rows(input_ids, cache, position_ids, mask)
                     self.lean_steps += 1
                 else:
-                    logits = self.runner.forward_rows(input_ids, position_ids=position_ids,
-                                                      attention_mask=mask, past=cache)
+                    logits = self.runner.forward_rows(
+                        input_ids, position_ids=position_ids, attention_mask=mask, past=cache
+                    )
         cache.advance(1)
         for s in capturing:  # each capturing request's slot, all its layers at once
             position = s.n_prompt + len(s.generated) - 1

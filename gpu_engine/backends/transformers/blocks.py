@@ -83,8 +83,10 @@ def resolve_hook_module(model: Any, layer: int, hook_point: str) -> tuple[Any, s
         path = f"{parent}.{EMBED_OUTPUT_NAMES.get(type(model).__name__, 'embed_tokens')}"
         module = _walk(model, path)
         if module is None:
-            raise SAEIncompatible(f"hook point resid_pre of layer 0: {type(model).__name__} has no {path}",
-                                  details={"hook_point": hook_point, "layer": layer})
+            raise SAEIncompatible(
+                f"hook point resid_pre of layer 0: {type(model).__name__} has no {path}",
+                details={"hook_point": hook_point, "layer": layer},
+            )
         return module, path, False
     sandwich = getattr(block, "post_feedforward_layernorm", None) is not None
     if hook_point == "attn_out":
@@ -119,8 +121,17 @@ def resolve_attention(model: Any, layer: int) -> tuple[Any, str]:
         module = getattr(block, name, None)
         if module is not None:
             return module, f"{block_path}.{name}"
-    raise UnsupportedArchitecture(f"{type(model).__name__}: block {block_path} has none of {', '.join(_ATTENTION_NAMES)}")
+    raise UnsupportedArchitecture(
+        f"{type(model).__name__}: block {block_path} has none of {', '.join(_ATTENTION_NAMES)}"
+    )
 
 
-__all__ = ["BLOCK_LIST_PATHS", "EMBED_OUTPUT_NAMES", "is_supported_architecture", "resolve_block",
-           "resolve_attention", "resolve_block_list", "resolve_hook_module"]
+__all__ = [
+    "BLOCK_LIST_PATHS",
+    "EMBED_OUTPUT_NAMES",
+    "is_supported_architecture",
+    "resolve_block",
+    "resolve_attention",
+    "resolve_block_list",
+    "resolve_hook_module",
+]

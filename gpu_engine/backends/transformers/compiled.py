@@ -122,24 +122,17 @@ class CompiledDecode:
         torch._dynamo.config.skip_nnmodule_hook_guards = False
         cfg = torch._dynamo.config
         cfg.recompile_limit = max(cfg.recompile_limit, RECOMPILE_LIMIT)
-        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit,
-                                              ACCUMULATED_RECOMPILE_LIMIT)
+        cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, ACCUMULATED_RECOMPILE_LIMIT)
         self.mode = mode
         # on the CPU, freezing turns the weights into constants inductor packs for oneDNN
         options = {"freezing": True} if device.type == "cpu" else None
         self.backend = _CountingBackend(torch._TorchCompileInductorWrapper(mode, options, False))
         self.cache_resets = 0
         self.model = model
-        self.serial: Callable[..., Any] = torch.compile(
-            self._serial, backend=self.backend, dynamic=False
-        )
-        self.rows: Callable[..., Any] = torch.compile(
-            self._rows, backend=self.backend, dynamic=False
-        )
+        self.serial: Callable[..., Any] = torch.compile(self._serial, backend=self.backend, dynamic=False)
+        self.rows: Callable[..., Any] = torch.compile(self._rows, backend=self.backend, dynamic=False)
 
-    def _serial(
-        self, input_ids: torch.Tensor, past: Any, cache_position: torch.Tensor
-    ) -> torch.Tensor:
+    def _serial(self, input_ids: torch.Tensor, past: Any, cache_position: torch.Tensor) -> torch.Tensor:
         out = self.model(
             input_ids=input_ids,
             past_key_values=past,

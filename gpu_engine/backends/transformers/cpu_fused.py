@@ -52,8 +52,7 @@ _i64, _f32, _ptr = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 _SIGNATURES = {
     "millm_add_rms": (_ptr, _ptr, _ptr, _f32, _i64, _i64, _ptr, _ptr),
     "millm_silu_mul": (_ptr, _i64, _i64, _ptr),
-    "millm_attention": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64,
-                        _f32, _ptr, _ptr),
+    "millm_attention": (_ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, _i64, _f32, _ptr, _ptr),
 }
 
 _why_not: str | None = None
@@ -89,8 +88,9 @@ def _build(threads: tuple[str, ...] = THREADS) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     source = SOURCE.read_bytes()
     flags = (*FLAGS, *threads)
-    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(),
-                                     _cpu_identity().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_identity().encode()])
+    ).hexdigest()[:16]
     directory = Path(tempfile.gettempdir()) / f"millm-kernels-{os.getuid() if hasattr(os, 'getuid') else 0}"
     target = directory / f"cpu_fused-{key}.so"
     if target.exists():
@@ -99,8 +99,9 @@ def _build(threads: tuple[str, ...] = THREADS) -> Path:
     fd, partial = tempfile.mkstemp(suffix=".so", dir=directory)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True,
-                              timeout=120)
+        done = subprocess.run(
+            [cc, *flags, "-o", partial, str(SOURCE), "-lm"], capture_output=True, text=True, timeout=120
+        )
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(partial, target)  # atomic: a concurrent build leaves one whole file

@@ -41,15 +41,24 @@ log = logging.getLogger("gpu_engine.transformers")
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
-    return (device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    return (
+        device.type == "cpu"
+        and dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 class PackedLinear(torch.nn.Module):
     """``nn.Linear`` whose weight lives in oneDNN's blocked layout (inference only)."""
 
-    def __init__(self, linear: torch.nn.Linear | None = None, *,
-                 weight: torch.Tensor | None = None, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        linear: torch.nn.Linear | None = None,
+        *,
+        weight: torch.Tensor | None = None,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         if linear is not None:
             weight = linear.weight.detach()
@@ -84,7 +93,7 @@ class PackedGroup(PackedLinear):
 
     def __init__(self, linears: list[torch.nn.Linear]) -> None:
         weight = torch.cat([m.weight.detach() for m in linears])
-        bias = (torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None)
+        bias = torch.cat([m.bias.detach() for m in linears]) if linears[0].bias is not None else None
         super().__init__(weight=weight, bias=bias)
         self.sizes = [m.out_features for m in linears]
         self._x: torch.Tensor | None = None
@@ -115,7 +124,7 @@ class PackedSlice(torch.nn.Module):
         object.__setattr__(self, "group", group)  # not a child: its module owns it, once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.rows(x)[..., self.start:self.end]
+        return self.group.rows(x)[..., self.start : self.end]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, rows={self.start}:{self.end} of a packed group"
@@ -171,8 +180,7 @@ def one_row_probe(model: torch.nn.Module, *, budget: int = PROBE_BYTES, rounds: 
 
 
 def _packable(m: Any) -> bool:
-    return (type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter
-            and m.weight.dtype == torch.float32)
+    return type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter and m.weight.dtype == torch.float32
 
 
 def pack_linears(model: torch.nn.Module) -> int:
@@ -186,8 +194,10 @@ def pack_linears(model: torch.nn.Module) -> int:
     for parent in list(model.modules()):
         for names in GROUPS:
             members = [getattr(parent, name, None) for name in names]
-            if not all(_packable(m) for m in members) or len({
-                    (m.in_features, m.bias is None, m.weight.device) for m in members}) != 1:  # type: ignore[union-attr]
+            if (
+                not all(_packable(m) for m in members)
+                or len({(m.in_features, m.bias is None, m.weight.device) for m in members}) != 1
+            ):  # type: ignore[union-attr]
                 continue
             group = PackedGroup(members)  # type: ignore[arg-type]
             parent.add_module("packed_" + "_".join(name.split("_")[0] for name in names), group)
@@ -196,8 +206,12 @@ def pack_linears(model: torch.nn.Module) -> int:
                 setattr(parent, name, PackedSlice(group, start, start + size))
                 start += size
             n += len(names)
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if _packable(child)]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if _packable(child)
+    ]
     for parent, name, child in targets:
         setattr(parent, name, PackedLinear(child))
     n += len(targets)
@@ -205,5 +219,4 @@ def pack_linears(model: torch.nn.Module) -> int:
     return n
 
 
-__all__ = ["GROUPS", "PackedGroup", "PackedLinear", "PackedSlice", "one_row_probe", "pack_linears",
-           "packing_available"]
+__all__ = ["GROUPS", "PackedGroup", "PackedLinear", "PackedSlice", "one_row_probe", "pack_linears", "packing_available"]

@@ -37,16 +37,26 @@ def run_generation(
     should_stop: Callable[[], bool],
     emit: Emit,
 ) -> FinishEvent:
-    seq = Sequence(runner, request_id=request_id, prompt_ids=prompt_ids, sampling=sampling, max_tokens=max_tokens,
-                   request_hooks=request_hooks, emit=emit, should_stop=should_stop)
+    seq = Sequence(
+        runner,
+        request_id=request_id,
+        prompt_ids=prompt_ids,
+        sampling=sampling,
+        max_tokens=max_tokens,
+        request_hooks=request_hooks,
+        emit=emit,
+        should_stop=should_stop,
+    )
     drafter = runner.drafter  # None without SPECULATIVE_MODEL
     if drafter is not None:
         why_not = spec_eligible(seq)
         if why_not is None:
-            return _run_speculative(runner, seq, drafter, hook_manager=hook_manager, request_hooks=request_hooks,
-                                    should_stop=should_stop)
-        seq.speculative = SpeculativeStats(used=False, source=drafter.source, num_tokens=drafter.num_tokens,
-                                           reason=why_not)
+            return _run_speculative(
+                runner, seq, drafter, hook_manager=hook_manager, request_hooks=request_hooks, should_stop=should_stop
+            )
+        seq.speculative = SpeculativeStats(
+            used=False, source=drafter.source, num_tokens=drafter.num_tokens, reason=why_not
+        )
     device = runner.device
     n_prompt = seq.n_prompt
     sampler = seq.sampler
@@ -97,8 +107,15 @@ def run_generation(
     return seq.finish()
 
 
-def _run_speculative(runner: TransformersRunner, seq: Sequence, drafter: Any, *, hook_manager: HookManager,
-                     request_hooks: RequestHooks | None, should_stop: Callable[[], bool]) -> FinishEvent:
+def _run_speculative(
+    runner: TransformersRunner,
+    seq: Sequence,
+    drafter: Any,
+    *,
+    hook_manager: HookManager,
+    request_hooks: RequestHooks | None,
+    should_stop: Callable[[], bool],
+) -> FinishEvent:
     """Greedy decoding with a draft (``speculative``): each main forward verifies up to
     ``drafter.num_tokens`` draft tokens and keeps the longest prefix the request's own
     sampler would have chosen, plus that sampler's next choice."""
@@ -119,8 +136,9 @@ def _run_speculative(runner: TransformersRunner, seq: Sequence, drafter: Any, *,
     with torch.inference_mode(), hook_manager.active(ctx):
         # the prefill, as in plain decoding
         echo = bool(sampling.prompt_logprobs)
-        logits, past = runner.forward(seq.prompt, past, cache_position=torch.arange(n_prompt, device=device),
-                                      all_logits=echo)
+        logits, past = runner.forward(
+            seq.prompt, past, cache_position=torch.arange(n_prompt, device=device), all_logits=echo
+        )
         seq.forwards += 1
         if echo:
             seq.echo_logprobs(logits)
@@ -138,8 +156,9 @@ def _run_speculative(runner: TransformersRunner, seq: Sequence, drafter: Any, *,
             if segment is not None:
                 segment.row_end = ids.shape[1]
                 segment.start_position = pos0
-            logits, past = runner.forward(ids, past, cache_position=torch.arange(pos0, pos0 + ids.shape[1],
-                                                                                 device=device), all_logits=True)
+            logits, past = runner.forward(
+                ids, past, cache_position=torch.arange(pos0, pos0 + ids.shape[1], device=device), all_logits=True
+            )
             seq.forwards += 1
             # how many drafts the main model agrees with (its sampler's choice, in order)
             choices = _choices(sampler, logits, drafts)

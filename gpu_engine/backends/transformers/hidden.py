@@ -23,6 +23,7 @@ def block_outputs(modules: Mapping[int, torch.nn.Module]) -> Iterator[dict[int, 
     handles = []
     try:
         for layer, module in modules.items():
+
             def hook(_module: Any, _args: Any, output: Any, layer: int = layer) -> None:
                 # HF blocks return a tensor or a tuple whose first item is the residual
                 seen[layer] = output[0] if isinstance(output, tuple) else output

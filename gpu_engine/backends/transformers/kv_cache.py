@@ -58,8 +58,9 @@ class _SlabLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         raise RuntimeError("BatchKVCache layers are allocated by merge(), not by a forward pass")
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         o = self.owner
         if o.fixed_write is not None:  # a fixed-shape step (module doc): every slot, in place
             slot, rows = o.fixed_write
@@ -93,8 +94,7 @@ class _SlabLayer(DynamicLayer):
 class BatchKVCache(Cache):
     """Left-padded slab cache for ``rows`` running sequences (see the module doc)."""
 
-    def __init__(self, num_layers: int, *, device: torch.device, dtype: torch.dtype,
-                 fixed_rows: int = 0) -> None:
+    def __init__(self, num_layers: int, *, device: torch.device, dtype: torch.dtype, fixed_rows: int = 0) -> None:
         super().__init__(layers=[_SlabLayer(self) for _ in range(num_layers)])
         self.device = device
         self.dtype = dtype
@@ -157,7 +157,9 @@ class BatchKVCache(Cache):
     def merge(self, past: Any, *, row: int = 0, skip: int = 0) -> int:
         """Append one prefilled sequence — row ``row`` of a prefill cache, without its first
         ``skip`` (left-padding) positions; returns its row here."""
-        per_layer = [(layer.keys[row : row + 1, :, skip:], layer.values[row : row + 1, :, skip:]) for layer in past.layers]
+        per_layer = [
+            (layer.keys[row : row + 1, :, skip:], layer.values[row : row + 1, :, skip:]) for layer in past.layers
+        ]
         if len(per_layer) != len(self.layers):
             raise RuntimeError(f"prefill cache has {len(per_layer)} layers, the batch cache {len(self.layers)}")
         p = int(per_layer[0][0].shape[-2])
@@ -253,8 +255,9 @@ class BatchKVCache(Cache):
         return bucket, pos, mask.long(), slot
 
     def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for layer in self.layers for b in (layer.k_buf, layer.v_buf)
-                   if b is not None)
+        return sum(
+            b.numel() * b.element_size() for layer in self.layers for b in (layer.k_buf, layer.v_buf) if b is not None
+        )
 
 
 __all__ = ["BatchKVCache"]

@@ -79,12 +79,17 @@ def why_not(model: Any) -> str | None:
         return "layer count differs from the config"
     for block in layers:
         attn, mlp = getattr(block, "self_attn", None), getattr(block, "mlp", None)
-        if attn is None or mlp is None or not all(
-                hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling")) or not all(
-                hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj")):
+        if (
+            attn is None
+            or mlp is None
+            or not all(hasattr(attn, n) for n in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling"))
+            or not all(hasattr(mlp, n) for n in ("gate_proj", "up_proj", "down_proj"))
+        ):
             return "a decoder block of another shape"
-        if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight")
-                   for n in (block.input_layernorm, block.post_attention_layernorm)):
+        if not all(
+            hasattr(n, "variance_epsilon") and hasattr(n, "weight")
+            for n in (block.input_layernorm, block.post_attention_layernorm)
+        ):
             return "a norm other than LlamaRMSNorm"
     if not hasattr(model.model.norm, "variance_epsilon"):
         return "a final norm other than LlamaRMSNorm"
@@ -102,15 +107,19 @@ def _fuse(*linears: torch.nn.Module) -> tuple[Callable[[torch.Tensor], torch.Ten
     if all(type(m) is PackedSlice for m in linears):
         group = linears[0].group  # type: ignore[union-attr]
         ends = [0] + [m.end for m in linears]  # type: ignore[union-attr]
-        if all(m.group is group and m.start == ends[i] for i, m in enumerate(linears)) and \
-                ends[-1] == sum(group.sizes):  # type: ignore[union-attr]
+        if all(m.group is group and m.start == ends[i] for i, m in enumerate(linears)) and ends[-1] == sum(group.sizes):  # type: ignore[union-attr]
             return group.forward, linears[0].out_features  # type: ignore[return-value]
         return None
     if not all(type(m) is torch.nn.Linear and type(m.weight) is torch.nn.Parameter for m in linears):
         return None
     ref = linears[0].weight
-    if any(m.weight.shape[1] != ref.shape[1] or m.weight.dtype != ref.dtype or m.weight.device != ref.device
-           or (m.bias is None) != (linears[0].bias is None) for m in linears):
+    if any(
+        m.weight.shape[1] != ref.shape[1]
+        or m.weight.dtype != ref.dtype
+        or m.weight.device != ref.device
+        or (m.bias is None) != (linears[0].bias is None)
+        for m in linears
+    ):
         return None
     with torch.no_grad():
         weight = torch.cat([m.weight.detach() for m in linears])
@@ -118,9 +127,9 @@ def _fuse(*linears: torch.nn.Module) -> tuple[Callable[[torch.Tensor], torch.Ten
         row = 0
         for m in linears:
             n = m.weight.shape[0]
-            m.weight = torch.nn.Parameter(weight[row:row + n], requires_grad=False)
+            m.weight = torch.nn.Parameter(weight[row : row + n], requires_grad=False)
             if bias is not None:
-                m.bias = torch.nn.Parameter(bias[row:row + n], requires_grad=False)
+                m.bias = torch.nn.Parameter(bias[row : row + n], requires_grad=False)
             row += n
     first = linears[0].weight.shape[0]
     return functools.partial(torch.nn.functional.linear, weight=weight, bias=bias), first
@@ -167,24 +176,31 @@ class LeanDecode:
         self._all = list(model.modules())
         # q/k/v and gate/up as one product each: a packed group's, or plain weights made one
         # (views: no copy)
-        self.fused = [(_fuse(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj),
-                       _fuse(b.mlp.gate_proj, b.mlp.up_proj)) for b in self.layers]
+        self.fused = [
+            (_fuse(b.self_attn.q_proj, b.self_attn.k_proj, b.self_attn.v_proj), _fuse(b.mlp.gate_proj, b.mlp.up_proj))
+            for b in self.layers
+        ]
         # MILLM_ENGINE_FUSED_KERNELS: the small ops between the products as C calls
         # (cpu_fused.py) on CPU float32: None = where they build, False = never
         self.kernels: Any = None
         self.kernels_reason: str | None = "off (fused_cpu_kernels)" if fused is False else None
         ref = self.layers[0].input_layernorm.weight
         if fused is not False:
-            if ref.device.type != "cpu" or any(t.dtype != torch.float32 for t in (
-                    ref, self.embed.weight, self.norm.weight, self.layers[-1].post_attention_layernorm.weight)):
+            if ref.device.type != "cpu" or any(
+                t.dtype != torch.float32
+                for t in (ref, self.embed.weight, self.norm.weight, self.layers[-1].post_attention_layernorm.weight)
+            ):
                 self.kernels_reason = "not CPU float32"
             else:
                 from . import cpu_fused
 
                 self.kernels = cpu_fused.kernels()
                 self.kernels_reason = cpu_fused.why_not() if self.kernels is None else None
-        self.inter = int(self.layers[0].mlp.down_proj.in_features) if hasattr(
-            self.layers[0].mlp.down_proj, "in_features") else int(cfg.intermediate_size)
+        self.inter = (
+            int(self.layers[0].mlp.down_proj.in_features)
+            if hasattr(self.layers[0].mlp.down_proj, "in_features")
+            else int(cfg.intermediate_size)
+        )
         # the serial request's buffers, (1, kv_heads, needed, head_dim) per layer
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
@@ -197,8 +213,11 @@ class LeanDecode:
     def usable(self) -> bool:
         """Whether every hook now in the model is one this step runs (the serial path checks
         once per request, the batch once per step: captures are armed as rows join)."""
-        if (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
-                or getattr(_nn_module, "_global_forward_hooks_always_called", None)):
+        if (
+            _nn_module._global_forward_hooks
+            or _nn_module._global_forward_pre_hooks
+            or getattr(_nn_module, "_global_forward_hooks_always_called", None)
+        ):
             return False
         for m in self._all:
             if m is self.embed:  # called through __call__ by the step: all its hooks run
@@ -265,8 +284,9 @@ class LeanDecode:
         h = self._blocks(input_ids, self.cos[pos], self.sin[pos], self.k, self.v, position, None)  # type: ignore[index]
         return self.head.forward(_rms(self.norm, h))[0]
 
-    def step_rows(self, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor,
-                  mask: torch.Tensor | None) -> torch.Tensor:
+    def step_rows(
+        self, input_ids: torch.Tensor, cache: Any, position_ids: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """One decode step of every row of the batch cache ``cache`` (``BatchKVCache``,
         growing layout): ``input_ids`` (rows, 1), at ``position_ids`` (rows, 1) with the
         padding ``mask`` (rows, length+1; 0 on a row's left padding, None when no row has
@@ -280,23 +300,47 @@ class LeanDecode:
         if self._fused_now(cache.layers[0].k_buf):
             k_bufs = [layer.k_buf for layer in cache.layers]
             v_bufs = [layer.v_buf for layer in cache.layers]
-            return self.head.forward(self._blocks_fused(
-                input_ids, positions.to(torch.int64).contiguous(), k_bufs, v_bufs, slot,
-                None if pad is None else pad.contiguous()))
-        h = self._blocks(input_ids, self.cos[positions], self.sin[positions],  # type: ignore[index]
-                         [layer.k_buf for layer in cache.layers], [layer.v_buf for layer in cache.layers],
-                         slot, pad)
+            return self.head.forward(
+                self._blocks_fused(
+                    input_ids,
+                    positions.to(torch.int64).contiguous(),
+                    k_bufs,
+                    v_bufs,
+                    slot,
+                    None if pad is None else pad.contiguous(),
+                )
+            )
+        h = self._blocks(
+            input_ids,
+            self.cos[positions],
+            self.sin[positions],  # type: ignore[index]
+            [layer.k_buf for layer in cache.layers],
+            [layer.v_buf for layer in cache.layers],
+            slot,
+            pad,
+        )
         return self.head.forward(_rms(self.norm, h))[:, -1]
 
     def _fused_now(self, k_buf: torch.Tensor) -> bool:
         """Whether this step runs the C kernels: they are built, the cache (its first
         layer's keys ``k_buf``) is contiguous float32 as they read it, and no Q/K capture
         tap (which needs the rotated query as a tensor) is armed."""
-        return (self.kernels is not None and k_buf.dtype == torch.float32 and k_buf.is_contiguous()
-                and not any(getattr(b.self_attn, TAP_ATTR, None) is not None for b in self.layers))
+        return (
+            self.kernels is not None
+            and k_buf.dtype == torch.float32
+            and k_buf.is_contiguous()
+            and not any(getattr(b.self_attn, TAP_ATTR, None) is not None for b in self.layers)
+        )
 
-    def _blocks_fused(self, input_ids: torch.Tensor, positions: torch.Tensor, k_bufs: list[torch.Tensor],
-                      v_bufs: list[torch.Tensor], slot: int, pad: torch.Tensor | None) -> torch.Tensor:
+    def _blocks_fused(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        k_bufs: list[torch.Tensor],
+        v_bufs: list[torch.Tensor],
+        slot: int,
+        pad: torch.Tensor | None,
+    ) -> torch.Tensor:
         """``_blocks`` and the final norm, with the small ops between the products as C
         calls (cpu_fused.c): the same products, hooks and cache writes, the rotary tables
         read at ``positions`` (rows,) int64; returns the normed last hidden state (rows, d)."""
@@ -319,30 +363,64 @@ class LeanDecode:
             norm = block.input_layernorm
             x = empty(rows, d)
             if pending is None:
-                K.add_rms(h.data_ptr(), None, norm.weight.data_ptr(), norm.variance_epsilon, rows, d, None,
-                          x.data_ptr())
+                K.add_rms(
+                    h.data_ptr(), None, norm.weight.data_ptr(), norm.variance_epsilon, rows, d, None, x.data_ptr()
+                )
             else:
                 s = empty(rows, d)
-                K.add_rms(h.data_ptr(), pending.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon,
-                          rows, d, s.data_ptr(), x.data_ptr())
+                K.add_rms(
+                    h.data_ptr(),
+                    pending.data_ptr(),
+                    norm.weight.data_ptr(),
+                    norm.variance_epsilon,
+                    rows,
+                    d,
+                    s.data_ptr(),
+                    x.data_ptr(),
+                )
                 h = s
             block_in = h
             qkv_w, gate_up_w = self.fused[i]
             if qkv_w is not None:
                 qkv = qkv_w[0](x).contiguous()  # (rows, (heads + 2 kv) · head_dim): already is
             else:
-                qkv = torch.cat((attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)),
-                                dim=-1).contiguous()
-            K.attention(qkv.data_ptr(), cos, sin, pos, k_bufs[i].data_ptr(), v_bufs[i].data_ptr(), slots, slot,
-                        mask, rows, heads, kv, hd, self.scaling, scores.data_ptr(), att.data_ptr())
+                qkv = torch.cat(
+                    (attn.q_proj.forward(x), attn.k_proj.forward(x), attn.v_proj.forward(x)), dim=-1
+                ).contiguous()
+            K.attention(
+                qkv.data_ptr(),
+                cos,
+                sin,
+                pos,
+                k_bufs[i].data_ptr(),
+                v_bufs[i].data_ptr(),
+                slots,
+                slot,
+                mask,
+                rows,
+                heads,
+                kv,
+                hd,
+                self.scaling,
+                scores.data_ptr(),
+                att.data_ptr(),
+            )
             o = attn.o_proj.forward(att)
             if attn._forward_hooks:
                 o = _run_hooks(attn, (), (o.view(rows, 1, d), None))[0].reshape(rows, d)
             o = o.contiguous()
             norm = block.post_attention_layernorm
             s, x = empty(rows, d), empty(rows, d)
-            K.add_rms(h.data_ptr(), o.data_ptr(), norm.weight.data_ptr(), norm.variance_epsilon, rows, d,
-                      s.data_ptr(), x.data_ptr())
+            K.add_rms(
+                h.data_ptr(),
+                o.data_ptr(),
+                norm.weight.data_ptr(),
+                norm.variance_epsilon,
+                rows,
+                d,
+                s.data_ptr(),
+                x.data_ptr(),
+            )
             h = s
             if gate_up_w is not None:
                 gu = gate_up_w[0](x).contiguous()
@@ -360,17 +438,33 @@ class LeanDecode:
                 pending = m.contiguous()
         x = empty(rows, d)
         if pending is None:
-            K.add_rms(h.data_ptr(), None, self.norm.weight.data_ptr(), self.norm.variance_epsilon, rows, d, None,
-                      x.data_ptr())
+            K.add_rms(
+                h.data_ptr(), None, self.norm.weight.data_ptr(), self.norm.variance_epsilon, rows, d, None, x.data_ptr()
+            )
         else:
             s = empty(rows, d)  # held: the C call writes it
-            K.add_rms(h.data_ptr(), pending.data_ptr(), self.norm.weight.data_ptr(), self.norm.variance_epsilon,
-                      rows, d, s.data_ptr(), x.data_ptr())
+            K.add_rms(
+                h.data_ptr(),
+                pending.data_ptr(),
+                self.norm.weight.data_ptr(),
+                self.norm.variance_epsilon,
+                rows,
+                d,
+                s.data_ptr(),
+                x.data_ptr(),
+            )
         return x
 
-    def _blocks(self, input_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor], slot: int,
-                pad: torch.Tensor | None) -> torch.Tensor:
+    def _blocks(
+        self,
+        input_ids: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_bufs: list[torch.Tensor],
+        v_bufs: list[torch.Tensor],
+        slot: int,
+        pad: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The decoder over ``input_ids`` (rows, 1), row r at the rotary angle ``cos[r]`` /
         ``sin[r]`` (rows, head_dim): each layer's new key and value are written to slot
         ``slot`` of its buffers (rows × kv_heads × slots × head_dim), and the query
@@ -416,7 +510,7 @@ class LeanDecode:
             x = _rms(block.post_attention_layernorm, h)
             if gate_up_w is not None:
                 gu = gate_up_w[0](x)
-                gate, up = gu[..., :gate_up_w[1]], gu[..., gate_up_w[1]:]
+                gate, up = gu[..., : gate_up_w[1]], gu[..., gate_up_w[1] :]
             else:
                 gate, up = mlp.gate_proj.forward(x), mlp.up_proj.forward(x)
             m = mlp.down_proj.forward(torch.nn.functional.silu(gate) * up)

@@ -75,17 +75,29 @@ class Method:
 
 
 METHODS: dict[str, Method] = {
-    "Q8": Method("Q8", 8, {"cpu": "aten._weight_int8pack_mm (int8 weights, bf16 activations)",
-                           "cuda": "aten._weight_int8pack_mm (int8 weights, bf16 activations)"}),
-    "Q4": Method("Q4", 4, {"cpu": "aten._weight_int4pack_mm_for_cpu (torchao Int4OpaqueTensor)",
-                           "cuda": "aten._weight_int4pack_mm (torchao Int4TilePackedTo4dTensor)"}),
+    "Q8": Method(
+        "Q8",
+        8,
+        {
+            "cpu": "aten._weight_int8pack_mm (int8 weights, bf16 activations)",
+            "cuda": "aten._weight_int8pack_mm (int8 weights, bf16 activations)",
+        },
+    ),
+    "Q4": Method(
+        "Q4",
+        4,
+        {
+            "cpu": "aten._weight_int4pack_mm_for_cpu (torchao Int4OpaqueTensor)",
+            "cuda": "aten._weight_int4pack_mm (torchao Int4TilePackedTo4dTensor)",
+        },
+    ),
 }
 
 # registry quantizations no kernel here runs, and why (refused by name at load)
 REFUSED: dict[str, str] = {
     "Q2": "there is no 2-bit weight matmul kernel for x86 CPUs or CUDA in torch or torchao "
-          "(torchao's 2-bit IntxWeightOnlyConfig runs fast only on ARM CPUs, and anywhere "
-          "else dequantizes the weight on every call, slower than FP32)",
+    "(torchao's 2-bit IntxWeightOnlyConfig runs fast only on ARM CPUs, and anywhere "
+    "else dequantizes the weight on every call, slower than FP32)",
 }
 
 
@@ -104,6 +116,7 @@ def import_torchao_quietly() -> None:
         lg.setLevel(logging.ERROR)
     try:
         import torchao  # noqa: F401
+
         # what transformers' torchao quantizer imports too (more of the same Enum warnings)
         with contextlib.suppress(ImportError):
             importlib.import_module("torchao.prototype.safetensors.safetensors_support")
@@ -118,8 +131,7 @@ def quantization_report() -> dict[str, dict[str, Any]]:
     report: dict[str, dict[str, Any]] = {}
     for name, method in METHODS.items():
         missing = [p for p in method.requires if importlib.util.find_spec(p) is None]
-        report[name] = {"available": not missing, "missing": missing,
-                        "kernels": dict(method.kernels)}
+        report[name] = {"available": not missing, "missing": missing, "kernels": dict(method.kernels)}
     for name, reason in REFUSED.items():
         report[name] = {"available": False, "missing": [], "reason": reason}
     return report
@@ -131,27 +143,30 @@ def check_method(name: str, device: str) -> Method:
     if name in REFUSED:
         raise UnsupportedQuantization(
             f"{name} cannot load on the transformers backend: {REFUSED[name]}",
-            details={"quantization": name, "supported": sorted(METHODS)})
+            details={"quantization": name, "supported": sorted(METHODS)},
+        )
     method = METHODS.get(name)
     if method is None:
         raise UnsupportedQuantization(
-            f"unknown quantization {name!r}; the transformers backend applies "
-            f"{', '.join(sorted(METHODS))} at load",
-            details={"quantization": name, "supported": sorted(METHODS)})
+            f"unknown quantization {name!r}; the transformers backend applies {', '.join(sorted(METHODS))} at load",
+            details={"quantization": name, "supported": sorted(METHODS)},
+        )
     missing = [p for p in method.requires if importlib.util.find_spec(p) is None]
     if missing:
         raise UnsupportedQuantization(
             f"{name} needs {', '.join(missing)}, not installed on the engine's host; install "
             "it with `scripts/setup run` (requirements/engine.txt)",
-            details={"quantization": name, "missing": missing})
+            details={"quantization": name, "missing": missing},
+        )
     if _device_type(device) not in method.kernels:
-        raise UnsupportedQuantization(f"{name} has no kernel on {device}",
-                                      details={"quantization": name, "device": device})
+        raise UnsupportedQuantization(
+            f"{name} has no kernel on {device}", details={"quantization": name, "device": device}
+        )
     return method
 
 
 def _device_type(device: str) -> str:
-    """"cuda" or "cpu" for a load job's device (``auto`` as ``pick_device`` resolves it)."""
+    """ "cuda" or "cpu" for a load job's device (``auto`` as ``pick_device`` resolves it)."""
     if device.startswith("cuda") or (device == "auto" and torch.cuda.is_available()):
         return "cuda"
     return "cpu"
@@ -191,16 +206,18 @@ def check_prequantized(qconfig: dict[str, Any], device: str) -> str:
         # transformers would load the packed weights as if they were plain: never
         raise UnsupportedQuantization(
             f"the checkpoint is pre-quantized with {method!r}, a method transformers "
-            f"{__import__('transformers').__version__} does not know", details=details)
+            f"{__import__('transformers').__version__} does not know",
+            details=details,
+        )
     target = _device_type(device)
     try:
         quantizer = AutoHfQuantizer.from_config(qconfig, pre_quantized=True)
         quantizer.validate_environment(device_map={"": target}, weights_only=True)
     except (ImportError, ValueError, RuntimeError, NotImplementedError, TypeError) as exc:
         raise UnsupportedQuantization(
-            f"the checkpoint is pre-quantized with {method!r}, which cannot load on {target} "
-            f"here: {exc}",
-            details={**details, "reason": str(exc)}) from exc
+            f"the checkpoint is pre-quantized with {method!r}, which cannot load on {target} here: {exc}",
+            details={**details, "reason": str(exc)},
+        ) from exc
     return method
 
 
@@ -242,8 +259,7 @@ class WeightOnlyLinear(torch.nn.Module):
             self.register_buffer("scales", scale.reshape(-1).to(KERNEL_DTYPE), persistent=False)
             self.register_buffer("qweight4", None, persistent=False)
         else:
-            packed = _int4_layout(w.device).from_hp(w.to(KERNEL_DTYPE).contiguous(),
-                                                    [1, Q4_GROUP_SIZE])
+            packed = _int4_layout(w.device).from_hp(w.to(KERNEL_DTYPE).contiguous(), [1, Q4_GROUP_SIZE])
             self.register_buffer("qweight4", packed, persistent=False)
         self.register_buffer("bias", bias.detach() if bias is not None else None, persistent=False)
 
@@ -266,8 +282,10 @@ class WeightOnlyLinear(torch.nn.Module):
         return y + self.bias if self.bias is not None else y
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.bias is not None}, quantization={self.method}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, quantization={self.method}"
+        )
 
 
 def _linear_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
@@ -296,9 +314,11 @@ def quantize_blocks(blocks: torch.nn.ModuleList, blocks_path: str, name: str) ->
     method = METHODS[name]
     quantized, kept = 0, []
     for index, block in enumerate(blocks):
-        targets = [(parent, child_name, child, f"{blocks_path}.{index}.{parent_name}".rstrip("."))
-                   for parent_name, parent in block.named_modules()
-                   for child_name, child in parent.named_children()]
+        targets = [
+            (parent, child_name, child, f"{blocks_path}.{index}.{parent_name}".rstrip("."))
+            for parent_name, parent in block.named_modules()
+            for child_name, child in parent.named_children()
+        ]
         for parent, child_name, child, where in targets:
             found = _linear_weight(child)
             if found is None:
@@ -328,8 +348,7 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
             return
         try:
             key: Any = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
-            size = (t.untyped_storage().nbytes() if t.storage_offset() == 0
-                    else t.numel() * t.element_size())
+            size = t.untyped_storage().nbytes() if t.storage_offset() == 0 else t.numel() * t.element_size()
         except (RuntimeError, NotImplementedError):  # opaque (oneDNN) tensors have no storage
             key, size = ("opaque", id(t)), t.numel() * t.element_size()
         if key in seen:
@@ -345,7 +364,19 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     return by_dtype
 
 
-__all__ = ["KERNEL_DTYPE", "METHODS", "Q4_GROUP_SIZE", "REFUSED", "QuantizationResult",
-           "WeightOnlyLinear", "check_method", "check_prequantized", "checkpoint_quantization",
-           "import_torchao_quietly", "method_name", "quantization_report", "quantize_blocks",
-           "weight_bytes"]
+__all__ = [
+    "KERNEL_DTYPE",
+    "METHODS",
+    "Q4_GROUP_SIZE",
+    "REFUSED",
+    "QuantizationResult",
+    "WeightOnlyLinear",
+    "check_method",
+    "check_prequantized",
+    "checkpoint_quantization",
+    "import_torchao_quietly",
+    "method_name",
+    "quantization_report",
+    "quantize_blocks",
+    "weight_bytes",
+]

@@ -92,8 +92,7 @@ class TransformersRunner:
         # TORCH_COMPILE / TORCH_COMPILE_MODE / KV_CACHE_MODE (compiled.py); a compiled
         # step needs the fixed shapes of the static cache
         compile_opt, compile_mode, kv_cache_mode = decode_options(job.options)
-        compile_on = compile_wanted(compile_opt, self.device,
-                                    speculative=bool(job.options.get("speculative_model")))
+        compile_on = compile_wanted(compile_opt, self.device, speculative=bool(job.options.get("speculative_model")))
         self.static_kv = compile_on or kv_cache_mode == "static"
         try:
             # local files only, safetensors only: nothing is fetched, nothing unpickled
@@ -145,7 +144,8 @@ class TransformersRunner:
             "checkpoint_quantization": method_name(prequantized) if prequantized else None,
             "quantized_layers": quantized.quantized if quantized else 0,
             "unquantized_block_layers": quantized.kept if quantized else [],
-            "bytes": sum(by_dtype.values()), "bytes_by_dtype": by_dtype,
+            "bytes": sum(by_dtype.values()),
+            "bytes_by_dtype": by_dtype,
         }
         cfg = self.model.config
         text_cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -170,26 +170,31 @@ class TransformersRunner:
         # GenerationJob.tools: whether (and how) the chat template renders tools
         self.tool_call_format = tool_template_format(
             getattr(self.tokenizer, "chat_template", None),
-            functools.partial(self.tokenizer.apply_chat_template, tokenize=False))
+            functools.partial(self.tokenizer.apply_chat_template, tokenize=False),
+        )
         # SPECULATIVE_MODEL: the serial path's draft (speculative.py), or None
         spec = spec_config(job.options)
         self.drafter = Drafter(self, spec) if spec is not None else None
-        self.compiled = CompiledDecode(self.model, mode=compile_mode, device=self.device) \
-            if compile_on else None
+        self.compiled = CompiledDecode(self.model, mode=compile_mode, device=self.device) if compile_on else None
         # the serial path's StaticCache (serial_cache) and its length
         self._static_cache: Any = None
         self._static_length = 0
         # the one-token decode step without model.forward (lean.py), serial and batched: Llama-family
         # models on the dynamic cache, unless the load turns it off
         lean_off = job.options.get("lean_decode") is False
-        self.lean_reason = ("turned off (lean_decode)" if lean_off else
-                            "the static KV cache or a compiled step is in force" if self.static_kv else
-                            why_not(self.model))
+        self.lean_reason = (
+            "turned off (lean_decode)"
+            if lean_off
+            else "the static KV cache or a compiled step is in force"
+            if self.static_kv
+            else why_not(self.model)
+        )
         self._fused_option = job.options.get("fused_cpu_kernels")
         self.lean = LeanDecode(self.model, fused=self._fused_option) if self.lean_reason is None else None
         if self._fused_option is True and self.lean is not None and self.lean.kernels is None:
-            raise InvalidParameter(f"MILLM_ENGINE_FUSED_KERNELS is true but {self.lean.kernels_reason}",
-                                   param="options.fused_cpu_kernels")
+            raise InvalidParameter(
+                f"MILLM_ENGINE_FUSED_KERNELS is true but {self.lean.kernels_reason}", param="options.fused_cpu_kernels"
+            )
 
     # ------------------------------------------------------------------ structure
 
@@ -217,8 +222,9 @@ class TransformersRunner:
 
     def attach(self, attachment: Any) -> None:
         module, _, read_input = resolve_hook_module(self.model, attachment.layer, attachment.hook_point)
-        self.hooks.install(attachment.key, module, attachment.stats, read_input=read_input,
-                           graph_break=self.compiled is not None)
+        self.hooks.install(
+            attachment.key, module, attachment.stats, read_input=read_input, graph_break=self.compiled is not None
+        )
         if self.compiled is not None:
             self.compiled.reset()
 
@@ -229,26 +235,29 @@ class TransformersRunner:
 
     def capabilities(self) -> Capabilities:
         # ``hidden_states``: this backend's own key (Engine.hidden_states refuses without it)
-        return Capabilities(hook_points=list(HOOK_POINTS), hidden_states=True,
-                                tool_calling=self.tool_call_format is not None,
-                                tool_call_format=self.tool_call_format,
-                                # SPECULATIVE_MODEL: the serial path's draft, when one is set
-                                speculative_decoding=self.drafter is not None,
-                                speculative_model=self.drafter.source if self.drafter else None,
-                                # TORCH_COMPILE (with its figures) and KV_CACHE_MODE as in force
-                                torch_compile=self.compiled is not None,
-                                torch_compile_status=(self.compiled.status() if self.compiled
-                                                      else None),
-                                kv_cache_mode="static" if self.static_kv else "dynamic",
-                                # the one-token decode step without model.forward (lean.py)
-                                lean_decode=self.lean is not None,
-                                lean_decode_reason=self.lean_reason,
-                                # MILLM_ENGINE_FUSED_KERNELS: the lean step's small ops in C
-                                fused_cpu_kernels=self.lean is not None and self.lean.kernels is not None,
-                                fused_cpu_kernels_reason=(self.lean.kernels_reason if self.lean is not None
-                                                          else "the lean step is not in force"),
-                                # MILLM_ENGINE_PACK_WEIGHTS=auto: the one-row timings it chose by
-                                kernel_probe=self.kernel_probe)
+        return Capabilities(
+            hook_points=list(HOOK_POINTS),
+            hidden_states=True,
+            tool_calling=self.tool_call_format is not None,
+            tool_call_format=self.tool_call_format,
+            # SPECULATIVE_MODEL: the serial path's draft, when one is set
+            speculative_decoding=self.drafter is not None,
+            speculative_model=self.drafter.source if self.drafter else None,
+            # TORCH_COMPILE (with its figures) and KV_CACHE_MODE as in force
+            torch_compile=self.compiled is not None,
+            torch_compile_status=(self.compiled.status() if self.compiled else None),
+            kv_cache_mode="static" if self.static_kv else "dynamic",
+            # the one-token decode step without model.forward (lean.py)
+            lean_decode=self.lean is not None,
+            lean_decode_reason=self.lean_reason,
+            # MILLM_ENGINE_FUSED_KERNELS: the lean step's small ops in C
+            fused_cpu_kernels=self.lean is not None and self.lean.kernels is not None,
+            fused_cpu_kernels_reason=(
+                self.lean.kernels_reason if self.lean is not None else "the lean step is not in force"
+            ),
+            # MILLM_ENGINE_PACK_WEIGHTS=auto: the one-row timings it chose by
+            kernel_probe=self.kernel_probe,
+        )
 
     def structured_grammars(self) -> Any:
         """This model's ``structured.Grammars`` (vocabulary info built once, grammars
@@ -256,8 +265,9 @@ class TransformersRunner:
         if self._grammars is None:
             from ...decode.grammar import Grammars
 
-            self._grammars = Grammars.from_huggingface(self.tokenizer, vocab_size=self.vocab_size,
-                                                       stop_token_ids=self.eos_token_ids)
+            self._grammars = Grammars.from_huggingface(
+                self.tokenizer, vocab_size=self.vocab_size, stop_token_ids=self.eos_token_ids
+            )
         return self._grammars
 
     def _eos_ids(self) -> set[int]:
@@ -274,7 +284,9 @@ class TransformersRunner:
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_messages(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any) -> list[int]:
+    def encode_messages(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidParameter("this model has no chat template; send a prompt instead", param="messages")
         try:
@@ -321,16 +333,14 @@ class TransformersRunner:
 
     def _compiled_usable(self) -> bool:
         # captures and attention taps are armed per request: those steps run eagerly
-        return (self.compiled is not None and not self.hooks.armed_captures()
-                and not self.qk_taps.armed())
+        return self.compiled is not None and not self.hooks.armed_captures() and not self.qk_taps.armed()
 
     def forward(
         self, input_ids: torch.Tensor, past: Any, *, cache_position: torch.Tensor, all_logits: bool = False
     ) -> tuple[torch.Tensor, Any]:
         """One forward over ``input_ids`` (1, T); returns (logits (T' , V), cache).  A
         one-token step on the static cache runs compiled when the model is."""
-        if input_ids.shape[1] == 1 and past is not None and past is self._static_cache \
-                and self._compiled_usable():
+        if input_ids.shape[1] == 1 and past is not None and past is self._static_cache and self._compiled_usable():
             logits = self.compiled.serial(input_ids, past, cache_position)  # type: ignore[union-attr]
             return logits[0], past
         kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": past, "cache_position": cache_position}
@@ -358,28 +368,44 @@ class TransformersRunner:
         from transformers import DynamicCache
 
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": DynamicCache(), "position_ids": position_ids,
-                                  "attention_mask": attention_mask}
+        kwargs: dict[str, Any] = {
+            "use_cache": True,
+            "past_key_values": DynamicCache(),
+            "position_ids": position_ids,
+            "attention_mask": attention_mask,
+        }
         if self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         out = self.model(input_ids=input_ids, **kwargs)
         return out.logits[:, -1], out.past_key_values
 
-    def forward_rows(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor,
-                     attention_mask: torch.Tensor | None, past: Any) -> torch.Tensor:
+    def forward_rows(
+        self, input_ids: torch.Tensor, *, position_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: Any
+    ) -> torch.Tensor:
         """One decode step for every row of a batch cache: ``input_ids`` (rows, 1) at
         per-row ``position_ids``, padding given by the 2-D ``attention_mask``; returns the
         last-position logits (rows, V)."""
-        kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": past, "position_ids": position_ids,
-                                  "attention_mask": attention_mask}
+        kwargs: dict[str, Any] = {
+            "use_cache": True,
+            "past_key_values": past,
+            "position_ids": position_ids,
+            "attention_mask": attention_mask,
+        }
         if self._has_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         out = self.model(input_ids=input_ids, **kwargs)
         return out.logits[:, -1]
 
-    def forward_rows_fixed(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor,
-                           attention_mask: torch.Tensor, past: Any, slot: torch.Tensor,
-                           rows: int) -> torch.Tensor:
+    def forward_rows_fixed(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        past: Any,
+        slot: torch.Tensor,
+        rows: int,
+    ) -> torch.Tensor:
         """``forward_rows`` as a fixed-shape step of the slab cache (kv_cache.py, fixed
         mode): ``rows`` rows, padding included, the new keys written at ``slot``; runs
         compiled when the model is."""
@@ -387,11 +413,16 @@ class TransformersRunner:
         try:
             if self._compiled_usable():
                 logits = self.compiled.rows(  # type: ignore[union-attr]
-                    input_ids, past, position_ids, attention_mask, slot)
+                    input_ids, past, position_ids, attention_mask, slot
+                )
             else:
-                kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": past,
-                                          "position_ids": position_ids,
-                                          "attention_mask": attention_mask, "cache_position": slot}
+                kwargs: dict[str, Any] = {
+                    "use_cache": True,
+                    "past_key_values": past,
+                    "position_ids": position_ids,
+                    "attention_mask": attention_mask,
+                    "cache_position": slot,
+                }
                 if self._has_logits_to_keep:
                     kwargs["logits_to_keep"] = 1
                 logits = self.model(input_ids=input_ids, **kwargs).logits
@@ -435,10 +466,26 @@ class TransformersRunner:
 
         return BatchedRunner(self, self.hooks, max_rows=max_rows)
 
-    def new_sequence(self, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int, request_hooks: Any,
-                     emit: Any, should_stop: Any) -> Any:
-        return DecodeState(self, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
-                           max_tokens=max_tokens, request_hooks=request_hooks, emit=emit, should_stop=should_stop)
+    def new_sequence(
+        self,
+        job: GenerationJob,
+        *,
+        prompt_ids: list[int],
+        max_tokens: int,
+        request_hooks: Any,
+        emit: Any,
+        should_stop: Any,
+    ) -> Any:
+        return DecodeState(
+            self,
+            request_id=job.request_id,
+            prompt_ids=prompt_ids,
+            sampling=job.sampling,
+            max_tokens=max_tokens,
+            request_hooks=request_hooks,
+            emit=emit,
+            should_stop=should_stop,
+        )
 
     def embed(self, job: EmbedJob, inputs: Sequence[list[int]]) -> EmbedResult:
         vectors: list[list[float]] = []

@@ -96,13 +96,14 @@ class Drafter:
         self.source = config.model
         if config.model.startswith(SELF_PREFIX):
             try:
-                layers = int(config.model[len(SELF_PREFIX):])
+                layers = int(config.model[len(SELF_PREFIX) :])
             except ValueError:
                 layers = 0
             if not 1 <= layers <= runner.num_layers:
                 raise InvalidParameter(
-                    f"SPECULATIVE_MODEL {config.model!r}: layers must be 1..{runner.num_layers} "
-                    "for this model", param="options.speculative_model")
+                    f"SPECULATIVE_MODEL {config.model!r}: layers must be 1..{runner.num_layers} for this model",
+                    param="options.speculative_model",
+                )
             self.layers = layers
             self.model = _truncated(runner.model, runner.blocks_path, layers)
         else:
@@ -117,16 +118,20 @@ class Drafter:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=self.runner.dtype, local_files_only=True,
-                                                         use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(path), dtype=self.runner.dtype, local_files_only=True, use_safetensors=True
+            )
             tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         except (OSError, ValueError, KeyError) as exc:
-            raise ModelLoadFailed(f"Cannot load the draft model from {path}: {exc}",
-                                  details={"speculative_model": str(path)}) from exc
+            raise ModelLoadFailed(
+                f"Cannot load the draft model from {path}: {exc}", details={"speculative_model": str(path)}
+            ) from exc
         if tok.get_vocab() != self.runner.tokenizer.get_vocab():
             raise InvalidParameter(
                 f"the draft model at {path} has another vocabulary than the loaded model: "
-                "a draft must share its tokenizer", param="options.speculative_model")
+                "a draft must share its tokenizer",
+                param="options.speculative_model",
+            )
         return model.to(self.runner.device).eval()
 
     # ------------------------------------------------------------------ per request
@@ -140,14 +145,15 @@ class Drafter:
     def propose(self, context: list[int], k: int) -> list[int]:
         """``k`` greedy draft tokens after ``context`` (the prompt and what was accepted)."""
         device = self.runner.device
-        pending = context[self.fed:]
+        pending = context[self.fed :]
         drafts: list[int] = []
         with self.runner.hooks.suppressed():
             for _ in range(k):
                 ids = torch.tensor([pending], dtype=torch.long, device=device)
                 pos = torch.arange(self.fed, self.fed + len(pending), device=device)
-                out = self.model(input_ids=ids, past_key_values=self.cache, cache_position=pos, use_cache=True,
-                                 logits_to_keep=1)
+                out = self.model(
+                    input_ids=ids, past_key_values=self.cache, cache_position=pos, use_cache=True, logits_to_keep=1
+                )
                 self.cache = out.past_key_values
                 self.fed += len(pending)
                 token = int(torch.argmax(out.logits[0, -1]))
@@ -164,8 +170,9 @@ class Drafter:
             self.fed = keep
 
     def stats(self) -> SpeculativeStats:
-        return SpeculativeStats(used=True, source=self.source, num_tokens=self.num_tokens, drafted=self.drafted,
-                                accepted=self.accepted)
+        return SpeculativeStats(
+            used=True, source=self.source, num_tokens=self.num_tokens, drafted=self.drafted, accepted=self.accepted
+        )
 
 
 def cut_cache(cache: Any, keep: int) -> None:

@@ -85,19 +85,25 @@ class VllmBackend:
         self.pp = int(opts.get("pipeline_parallel_size", 1))
         executor = opts.get("distributed_executor_backend") or None
         if executor == "uni" and self.tp * self.pp > 1:
-            raise InvalidParameter("the uni executor runs one worker: tensor or pipeline parallelism needs mp or ray",
-                                   param="options.distributed_executor_backend")
+            raise InvalidParameter(
+                "the uni executor runs one worker: tensor or pipeline parallelism needs mp or ray",
+                param="options.distributed_executor_backend",
+            )
         # VLLM_MAX_MODEL_LEN is a ceiling, as GGUF_CONTEXT_LENGTH is: above the model's own
         # window vLLM refuses the load outright (after the resident model is gone)
         own = job.max_context_length or self.info.context_length or None
         asked = opts.get("max_model_len") or None
         max_len = min(int(asked), int(own)) if asked and own else (asked or own)
         args: dict[str, Any] = dict(
-            model=str(path), tokenizer=str(path), dtype=job.dtype, seed=0,
+            model=str(path),
+            tokenizer=str(path),
+            dtype=job.dtype,
+            seed=0,
             trust_remote_code=job.trust_remote_code,
             max_model_len=max_len,
             max_num_seqs=int(opts.get("max_num_seqs") or 16),
-            tensor_parallel_size=self.tp, pipeline_parallel_size=self.pp,
+            tensor_parallel_size=self.tp,
+            pipeline_parallel_size=self.pp,
             distributed_executor_backend=executor,
             # Python hooks do not run inside captured CUDA graphs or compiled graphs:
             # eager keeps steering on (capabilities report it; steer counts prove it)
@@ -116,8 +122,9 @@ class VllmBackend:
         if self.enforce_eager:
             args["compilation_config"] = {"mode": 0}
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True,
-                                                           trust_remote_code=job.trust_remote_code)
+            self.tokenizer = AutoTokenizer.from_pretrained(
+                str(path), local_files_only=True, trust_remote_code=job.trust_remote_code
+            )
             self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise ModelLoadFailed(f"vLLM cannot load {path}: {exc}", details={"path": str(path)}) from exc
@@ -138,7 +145,8 @@ class VllmBackend:
         # GenerationJob.tools: whether (and how) the chat template renders tools
         self.tool_call_format = tool_template_format(
             getattr(self.tokenizer, "chat_template", None),
-            functools.partial(self.tokenizer.apply_chat_template, tokenize=False))
+            functools.partial(self.tokenizer.apply_chat_template, tokenize=False),
+        )
         self.kernels = f"vllm:{'eager' if self.enforce_eager else 'graphs'}"
         self.weights: dict[str, Any] = {}  # vLLM's own business (its memory profile)
         self._attachments: dict[AttachmentKey, Any] = {}
@@ -147,8 +155,11 @@ class VllmBackend:
         self._ids = itertools.count(1)
         # capture: the workers take the rows (each its own shard), the driver packs them
         att = first.get("attention")
-        self.attention_geometry = None if att is None else AttentionGeometry(
-            int(att["num_heads"]), int(att["num_kv_heads"]), int(att["head_dim"]))
+        self.attention_geometry = (
+            None
+            if att is None
+            else AttentionGeometry(int(att["num_heads"]), int(att["num_kv_heads"]), int(att["head_dim"]))
+        )
         self._attention_layers = set(att["layers"]) if att is not None else set()
         self._scaling = list(att["scaling"]) if att is not None else []
 
@@ -177,8 +188,9 @@ class VllmBackend:
     def capabilities(self) -> Capabilities:
         hooks_live = self.enforce_eager
         # Q/K capture taps vLLM's Attention module: every layer must have one
-        qk = getattr(self, "attention_geometry", None) is not None and \
-            getattr(self, "_attention_layers", set()) == set(range(getattr(self, "num_layers", 0)))
+        qk = getattr(self, "attention_geometry", None) is not None and getattr(self, "_attention_layers", set()) == set(
+            range(getattr(self, "num_layers", 0))
+        )
         return Capabilities(
             per_request_steering=hooks_live,
             # the worker's hooks add per-row delta tables only (no encode in the forward)
@@ -209,12 +221,15 @@ class VllmBackend:
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def encode_messages(self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any) -> list[int]:
+    def encode_messages(
+        self, messages: list[dict[str, Any]], *, add_generation_prompt: bool, **kwargs: Any
+    ) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidParameter("this model has no chat template; send a prompt instead", param="messages")
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=False, **kwargs)
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, **kwargs
+            )
         except Exception as exc:  # jinja errors for malformed messages
             raise InvalidParameter(f"cannot apply the chat template: {exc}", param="messages") from exc
         return self.encode_text(text, add_special_tokens=False)
@@ -231,8 +246,9 @@ class VllmBackend:
 
     def attach(self, attachment: Any) -> None:
         cfg = attachment.sae.cfg
-        done = self.engine.collective_rpc("millm_attach", args=(attachment.sae_id, attachment.layer,
-                                                                str(cfg.path), cfg.layout))
+        done = self.engine.collective_rpc(
+            "millm_attach", args=(attachment.sae_id, attachment.layer, str(cfg.path), cfg.layout)
+        )
         if not any(done):
             raise ModelLoadFailed(f"no vLLM worker holds layer {hook_layer(attachment.layer, cfg.hook_point)}")
         self._attachments[attachment.key] = attachment
@@ -247,25 +263,43 @@ class VllmBackend:
     # ------------------------------------------------------------------ generation
 
     def generate(self, **kwargs: Any) -> Any:
-        raise InvalidParameter("the vLLM backend runs generations in its batch only (serial_mode is False)",
-                               param="batching")
+        raise InvalidParameter(
+            "the vLLM backend runs generations in its batch only (serial_mode is False)", param="batching"
+        )
 
     def batch_runner(self, *, max_rows: int) -> Any:
         from .batch import VllmBatch
 
         return VllmBatch(self, max_rows=max_rows)
 
-    def new_sequence(self, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int, request_hooks: Any,
-                     emit: Any, should_stop: Any) -> Any:
+    def new_sequence(
+        self,
+        job: GenerationJob,
+        *,
+        prompt_ids: list[int],
+        max_tokens: int,
+        request_hooks: Any,
+        emit: Any,
+        should_stop: Any,
+    ) -> Any:
         from .batch import VllmSequence
 
         if request_hooks is not None and not self.enforce_eager:
             raise InvalidParameter(
                 "steering and monitoring need eager execution on the vLLM backend (CUDA graphs and "
                 "torch.compile skip hooks); load the model with VLLM_ENFORCE_EAGER=true",
-                param="steering", details={"backend": self.name, "cuda_graphs": True})
-        return VllmSequence(self, job, prompt_ids=prompt_ids, max_tokens=max_tokens, request_hooks=request_hooks,
-                            emit=emit, should_stop=should_stop)
+                param="steering",
+                details={"backend": self.name, "cuda_graphs": True},
+            )
+        return VllmSequence(
+            self,
+            job,
+            prompt_ids=prompt_ids,
+            max_tokens=max_tokens,
+            request_hooks=request_hooks,
+            emit=emit,
+            should_stop=should_stop,
+        )
 
     def next_request_id(self, request_id: str) -> str:
         # vLLM needs unique ids among its live requests; ours may repeat
@@ -274,9 +308,12 @@ class VllmBackend:
     # ------------------------------------------------------------------ one-shot work
 
     def embed(self, job: EmbedJob, inputs: Sequence[list[int]]) -> EmbedResult:
-        raise InvalidParameter("the vLLM backend serves generation models only: embeddings are not available "
-                               "(load the model on the transformers backend for /v1/embeddings)",
-                               param="model", details={"backend": self.name, "capability": "embeddings"})
+        raise InvalidParameter(
+            "the vLLM backend serves generation models only: embeddings are not available "
+            "(load the model on the transformers backend for /v1/embeddings)",
+            param="model",
+            details={"backend": self.name, "capability": "embeddings"},
+        )
 
     def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:
         """Next-token log-probabilities (top-k) and prompt log-probabilities, from one
@@ -284,11 +321,19 @@ class VllmBackend:
         from vllm import SamplingParams as VllmSampling
 
         if job.allowed_token_ids is not None:
-            raise InvalidParameter("the vLLM backend cannot score restricted to allowed_token_ids",
-                                   param="allowed_token_ids", details={"backend": self.name})
+            raise InvalidParameter(
+                "the vLLM backend cannot score restricted to allowed_token_ids",
+                param="allowed_token_ids",
+                details={"backend": self.name},
+            )
         top_k = int(job.top_k or 0)
-        params = VllmSampling(max_tokens=1, temperature=0.0, logprobs=top_k or None,
-                              prompt_logprobs=0 if job.prompt_logprobs else None, ignore_eos=True)
+        params = VllmSampling(
+            max_tokens=1,
+            temperature=0.0,
+            logprobs=top_k or None,
+            prompt_logprobs=0 if job.prompt_logprobs else None,
+            ignore_eos=True,
+        )
         rid = self.next_request_id(job.request_id)
         worker_rid = self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params)
         final = None
@@ -307,8 +352,11 @@ class VllmBackend:
         comp = final.outputs[0]
         if top_k and comp.logprobs:
             entries = sorted(comp.logprobs[0].items(), key=lambda kv: kv[1].rank)
-            top = [LogprobEntry(int(t), self.token_text(int(t)), float(lp.logprob))
-                   for t, lp in entries if lp.rank <= top_k][:top_k]
+            top = [
+                LogprobEntry(int(t), self.token_text(int(t)), float(lp.logprob))
+                for t, lp in entries
+                if lp.rank <= top_k
+            ][:top_k]
         prompt_lp = None
         if job.prompt_logprobs:
             prompt_lp = [None] + [float(d[t].logprob) for d, t in zip(final.prompt_logprobs[1:], prompt_ids[1:])]

@@ -39,10 +39,27 @@ class VllmSequence(Sequence):
     # (its xgrammar backend), which masks that request's row in vLLM's batch
     samples_here = False
 
-    def __init__(self, backend: Any, job: GenerationJob, *, prompt_ids: list[int], max_tokens: int,
-                 request_hooks: Any, emit: Any, should_stop: Any) -> None:
-        super().__init__(backend, request_id=job.request_id, prompt_ids=prompt_ids, sampling=job.sampling,
-                         max_tokens=max_tokens, request_hooks=request_hooks, emit=emit, should_stop=should_stop)
+    def __init__(
+        self,
+        backend: Any,
+        job: GenerationJob,
+        *,
+        prompt_ids: list[int],
+        max_tokens: int,
+        request_hooks: Any,
+        emit: Any,
+        should_stop: Any,
+    ) -> None:
+        super().__init__(
+            backend,
+            request_id=job.request_id,
+            prompt_ids=prompt_ids,
+            sampling=job.sampling,
+            max_tokens=max_tokens,
+            request_hooks=request_hooks,
+            emit=emit,
+            should_stop=should_stop,
+        )
         self.backend = backend
         self.vllm_id = backend.next_request_id(job.request_id)
         extra = wire.request_args(job) if request_hooks is not None else None
@@ -76,14 +93,19 @@ class VllmSequence(Sequence):
             structured = StructuredOutputsParams(grammar=grammar_text(p.structured))
         try:
             return VllmSampling(
-                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k if p.top_k > 0 else 0,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                top_k=p.top_k if p.top_k > 0 else 0,
                 seed=None if p.seed is None else p.seed % (2**63),
-                repetition_penalty=p.repetition_penalty, presence_penalty=p.presence_penalty,
-                frequency_penalty=p.frequency_penalty, max_tokens=self.max_tokens,
+                repetition_penalty=p.repetition_penalty,
+                presence_penalty=p.presence_penalty,
+                frequency_penalty=p.frequency_penalty,
+                max_tokens=self.max_tokens,
                 # checked against the vocabulary by this request's Sampler already
                 logit_bias=dict(p.logit_bias) or None,
                 # the same end tokens as our own decode state; stop strings are matched here
-                ignore_eos=True, stop_token_ids=sorted(self.end_ids),
+                ignore_eos=True,
+                stop_token_ids=sorted(self.end_ids),
                 logprobs=p.top_logprobs if self.want_lp else None,
                 # vLLM's prompt_logprobs=k: the prompt token's own entry and the top k
                 prompt_logprobs=p.prompt_top_logprobs if p.prompt_logprobs else None,
@@ -92,8 +114,9 @@ class VllmSequence(Sequence):
                 extra_args={wire.EXTRA_KEY: extra} if extra else None,
             )
         except (ValueError, TypeError) as exc:
-            raise InvalidParameter(f"vLLM refuses these sampling parameters: {exc}", param="sampling",
-                                   details={"backend": "vllm"}) from exc
+            raise InvalidParameter(
+                f"vLLM refuses these sampling parameters: {exc}", param="sampling", details={"backend": "vllm"}
+            ) from exc
 
     def vllm_prompt(self) -> dict[str, Any]:
         out: dict[str, Any] = {"prompt_token_ids": list(self.prompt_ids)}
@@ -117,8 +140,12 @@ class VllmSequence(Sequence):
             self.pending.clear()
             self.forwards = int(result["forwards"])
             if self.capture is not None:
-                self.capture.receive([CapturePart(int(p["rank"]), bytes(p["data"]), tuple(p["heads"]),
-                                                  tuple(p["kv_heads"])) for p in result.get("capture", [])])
+                self.capture.receive(
+                    [
+                        CapturePart(int(p["rank"]), bytes(p["data"]), tuple(p["heads"]), tuple(p["kv_heads"]))
+                        for p in result.get("capture", [])
+                    ]
+                )
             if self.hooks is not None:
                 for key, n in result["applied"].items():
                     plan = self.hooks.plans.get(key)
@@ -131,8 +158,10 @@ class VllmSequence(Sequence):
         """A prompt position's top ``prompt_top_logprobs`` entries, best first (vLLM's dict
         also holds the prompt token itself, at its own rank)."""
         n = self.sampling.prompt_top_logprobs
-        top = sorted(((int(t), lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= n),
-                     key=lambda kv: kv[1].rank)[:n]
+        top = sorted(
+            ((int(t), lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= n),
+            key=lambda kv: kv[1].rank,
+        )[:n]
         text = self.backend.token_text
         return [LogprobEntry(t, text(t), float(lp.logprob)) for t, lp in top]
 
@@ -140,11 +169,21 @@ class VllmSequence(Sequence):
         if not self.want_lp or not entries:
             return None
         n = self.sampling.top_logprobs
-        top = sorted(((int(t), lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= n),
-                     key=lambda kv: kv[1].rank)[:n] if n else []
+        top = (
+            sorted(
+                ((int(t), lp) for t, lp in entries.items() if lp.rank is not None and lp.rank <= n),
+                key=lambda kv: kv[1].rank,
+            )[:n]
+            if n
+            else []
+        )
         text = self.backend.token_text
-        return TokenLogprob(token_id, text(token_id), float(entries[token_id].logprob),
-                            [LogprobEntry(t, text(t), float(lp.logprob)) for t, lp in top])
+        return TokenLogprob(
+            token_id,
+            text(token_id),
+            float(entries[token_id].logprob),
+            [LogprobEntry(t, text(t), float(lp.logprob)) for t, lp in top],
+        )
 
 
 class VllmBatch:

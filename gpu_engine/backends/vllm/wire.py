@@ -106,5 +106,4 @@ def records_from(raw: list[Any]) -> list[ActivationRecord]:
     return [from_builtins(r, ActivationRecord) for r in raw]
 
 
-__all__ = ["EXTRA_KEY", "decode_args", "decode_capture", "records_from", "request_args",
-           "steering_salt"]
+__all__ = ["EXTRA_KEY", "decode_args", "decode_capture", "records_from", "request_args", "steering_salt"]

@@ -146,11 +146,18 @@ class _State:
         if first is not None:  # the model's heads: each rank's times the ranks
             self.num_heads = int(first.num_heads) * self.tp_size
             self.num_kv_heads = int(getattr(text_cfg, "num_key_value_heads", None) or self.num_heads)
-            self.shard = HeadShard.of(self.tp_rank, self.tp_size, num_heads=self.num_heads,
-                                      num_kv_heads=self.num_kv_heads, head_dim=int(first.head_size))
+            self.shard = HeadShard.of(
+                self.tp_rank,
+                self.tp_size,
+                num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads,
+                head_dim=int(first.head_size),
+            )
         self.qk_hooks: dict[int, list[Any]] = {}  # layer -> [handle, references]
-        self._handles = [self.model.register_forward_pre_hook(self._before),
-                         self.model.register_forward_hook(self._after)]
+        self._handles = [
+            self.model.register_forward_pre_hook(self._before),
+            self.model.register_forward_hook(self._after),
+        ]
 
     # ------------------------------------------------------------------ attachments
 
@@ -189,9 +196,13 @@ class _State:
         if self.shard is None:
             return None
         scaling = [None if a is None else getattr(getattr(a, "impl", None), "scale", None) for a in self.attention]
-        return {"num_heads": self.num_heads, "num_kv_heads": self.num_kv_heads, "head_dim": self.shard.head_dim,
-                "layers": [i for i, a in enumerate(self.attention) if a is not None],
-                "scaling": [None if v is None else float(v) for v in scaling]}
+        return {
+            "num_heads": self.num_heads,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.shard.head_dim,
+            "layers": [i for i, a in enumerate(self.attention) if a is not None],
+            "scaling": [None if v is None else float(v) for v in scaling],
+        }
 
     def _capture_plan(self, req_id: str, raw: Any, n_prompt: int, max_tokens: int) -> tuple[Any, list[int], list[int]]:
         spec = decode_capture(raw)
@@ -205,9 +216,19 @@ class _State:
         geometry = None
         if local.attention is not None:
             geometry = AttentionGeometry(shard.num_heads, shard.num_kv_heads, shard.head_dim)
-        plan = CapturePlan(local, request_id=req_id, prompt_len=n_prompt, max_tokens=max_tokens,
-                           hidden_size=self.hidden_size, dtype=self.dtype, device=self.device, model="",
-                           backend="vllm", steering_hash=None, geometry=geometry)
+        plan = CapturePlan(
+            local,
+            request_id=req_id,
+            prompt_len=n_prompt,
+            max_tokens=max_tokens,
+            hidden_size=self.hidden_size,
+            dtype=self.dtype,
+            device=self.device,
+            model="",
+            backend="vllm",
+            steering_hash=None,
+            geometry=geometry,
+        )
         return plan, heads, kv_heads
 
     def _arm(self, req: _Request) -> None:
@@ -259,8 +280,15 @@ class _State:
         kv_heads: list[int] = []
         if extra:
             steering, monitors = decode_args(extra)
-            hooks = build_hooks(self.saes, req_id, steering, monitors if self.monitor_rank else [],
-                                n_prompt=n_prompt, dtype=self.dtype, device=self.device)
+            hooks = build_hooks(
+                self.saes,
+                req_id,
+                steering,
+                monitors if self.monitor_rank else [],
+                n_prompt=n_prompt,
+                dtype=self.dtype,
+                device=self.device,
+            )
             hooks.capture, heads, kv_heads = self._capture_plan(req_id, extra, n_prompt, int(params.max_tokens or 1))
         req = _Request(hooks)
         req.heads, req.kv_heads = heads, kv_heads
@@ -358,8 +386,12 @@ class _State:
         took (drained to the host), its TP rank and the global heads of its Q/K."""
         from safetensors.torch import save
 
-        return {"rank": self.tp_rank, "data": save(req.hooks.capture.drain()),
-                "heads": list(req.heads), "kv_heads": list(req.kv_heads)}
+        return {
+            "rank": self.tp_rank,
+            "data": save(req.hooks.capture.drain()),
+            "heads": list(req.heads),
+            "kv_heads": list(req.kv_heads),
+        }
 
     def close(self) -> None:
         for req in [*self.requests.values(), *self.gone.values()]:
@@ -390,8 +422,9 @@ class _QKHook:
         query = args[0] if len(args) > 0 else kwargs["query"]
         key = args[1] if len(args) > 1 else kwargs["key"]
         n = query.shape[0]
-        route_qk(ctx, self.layer, query.reshape(n, self.heads, self.head_dim),
-                 key.reshape(n, self.kv_heads, self.head_dim))
+        route_qk(
+            ctx, self.layer, query.reshape(n, self.heads, self.head_dim), key.reshape(n, self.kv_heads, self.head_dim)
+        )
         return None
 
 
@@ -408,10 +441,17 @@ class MillmWorkerExtension:
 
     def millm_describe(self) -> dict[str, Any]:
         s = self._millm()
-        return {"layers_path": s.layers_path, "num_layers": len(s.layers), "device": str(s.device),
-                "dtype": str(s.dtype).replace("torch.", ""), "monitor_rank": s.monitor_rank,
-                "hidden_size": s.hidden_size, "tp_rank": s.tp_rank, "tp_size": s.tp_size,
-                "attention": s.describe_attention()}
+        return {
+            "layers_path": s.layers_path,
+            "num_layers": len(s.layers),
+            "device": str(s.device),
+            "dtype": str(s.dtype).replace("torch.", ""),
+            "monitor_rank": s.monitor_rank,
+            "hidden_size": s.hidden_size,
+            "tp_rank": s.tp_rank,
+            "tp_size": s.tp_size,
+            "attention": s.describe_attention(),
+        }
 
     def millm_armed(self) -> dict[str, list[int]]:
         return self._millm().armed()

@@ -32,5 +32,6 @@ class Command(BaseCommand):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as sink:
             sink.write(f"{username}:{password}\n")
-        self.stdout.write(self.style.SUCCESS(
-            f"Created admin login {username!r} with password {password!r} (saved in {path})."))
+        self.stdout.write(
+            self.style.SUCCESS(f"Created admin login {username!r} with password {password!r} (saved in {path}).")
+        )

@@ -31,15 +31,18 @@ def bind_host(explicit: str | None = None) -> tuple[str, str]:
     else:
         host = "127.0.0.1"
     if keys_enabled():
-        note = (f"API keys required on /api, /v1 and /ws/events "
-                f"({len(settings.MILLM_API_KEYS)} inference key(s), "
-                f"{len(settings.MILLM_ADMIN_API_KEYS)} admin key(s) configured)")
+        note = (
+            f"API keys required on /api, /v1 and /ws/events "
+            f"({len(settings.MILLM_API_KEYS)} inference key(s), "
+            f"{len(settings.MILLM_ADMIN_API_KEYS)} admin key(s) configured)"
+        )
     elif host in ("127.0.0.1", "localhost", "::1"):
-        note = ("no MILLM_API_KEYS: authentication is off, so the server listens on "
-                f"{host} only (set MILLM_API_KEYS, or HOST explicitly, to listen elsewhere)")
+        note = (
+            "no MILLM_API_KEYS: authentication is off, so the server listens on "
+            f"{host} only (set MILLM_API_KEYS, or HOST explicitly, to listen elsewhere)"
+        )
     else:
-        note = (f"WARNING: no MILLM_API_KEYS and HOST={host}: /api and /v1 are open to "
-                "anyone who can reach this address")
+        note = f"WARNING: no MILLM_API_KEYS and HOST={host}: /api and /v1 are open to anyone who can reach this address"
     return host, note
 
 
@@ -70,11 +73,9 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument("--host", default=None)
         parser.add_argument("--port", type=int, default=None)
-        parser.add_argument("--no-auto-load", action="store_true",
-                            help="Do not load AUTO_LOAD_MODEL at start-up.")
+        parser.add_argument("--no-auto-load", action="store_true", help="Do not load AUTO_LOAD_MODEL at start-up.")
 
-    def handle(self, *args, host: str | None, port: int | None, no_auto_load: bool,
-               **options):
+    def handle(self, *args, host: str | None, port: int | None, no_auto_load: bool, **options):
         from orchestration import startup
 
         host, access = bind_host(host)
@@ -84,12 +85,18 @@ class Command(BaseCommand):
         try:
             startup.application_start(auto_load_model=not no_auto_load)
         except MillmError as exc:
-            raise CommandError(f"AUTO_LOAD_MODEL={settings.AUTO_LOAD_MODEL}: "
-                               f"{exc.code}: {exc.message}") from exc
-        log.info("serving", host=host, port=port, mode=mode, access=access,
-                 database=settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1])
-        self.stdout.write(f"miLLM listening on http://{host}:{port}/ ({mode} mode); "
-                          f"admin at /admin/, API docs at /api/docs")
+            raise CommandError(f"AUTO_LOAD_MODEL={settings.AUTO_LOAD_MODEL}: {exc.code}: {exc.message}") from exc
+        log.info(
+            "serving",
+            host=host,
+            port=port,
+            mode=mode,
+            access=access,
+            database=settings.DATABASES["default"]["ENGINE"].rsplit(".", 1)[-1],
+        )
+        self.stdout.write(
+            f"miLLM listening on http://{host}:{port}/ ({mode} mode); admin at /admin/, API docs at /api/docs"
+        )
         self.stdout.write(f"Access: {access}")
         self.stdout.flush()
         try:
@@ -98,8 +105,7 @@ class Command(BaseCommand):
             from millm_site.daphne_guard import install
 
             install()  # bodies refused before daphne reads them (millm_site.daphne_guard)
-            CommandLineInterface().run(["-b", host, "-p", str(port),
-                                        "millm_site.asgi:application"])
+            CommandLineInterface().run(["-b", host, "-p", str(port), "millm_site.asgi:application"])
         finally:
             # daphne has stopped (SIGTERM, SIGINT): the engine and the pools go down with
             # the server, the vLLM backend's engine-core process included (left running, it

@@ -12,5 +12,4 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options) -> None:  # type: ignore[no-untyped-def]
         result = capture_prune()
-        self.stdout.write(f"deleted {result['deleted']} capture(s), "
-                          f"{result['orphan_files']} orphan file(s)")
+        self.stdout.write(f"deleted {result['deleted']} capture(s), {result['orphan_files']} orphan file(s)")

@@ -23,5 +23,4 @@ class Command(BaseCommand):
             raise fail(exc) from exc
         for warning in result.warnings:
             self.stderr.write(f"warning: {warning}")
-        self.stdout.write(self.style.SUCCESS(
-            f"Attached {result.sae_id} at {result.layer_module_path}"))
+        self.stdout.write(self.style.SUCCESS(f"Attached {result.sae_id} at {result.layer_module_path}"))

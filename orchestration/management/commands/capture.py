@@ -66,8 +66,15 @@ def _read_lines(path: Path, max_tokens: int) -> list[dict[str, Any]]:
         tokens = item.get("max_tokens", max_tokens)
         if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
             raise CommandError(f"line {n}: max_tokens must be a positive integer")
-        items.append({"line": n, "id": item.get("id"), "prompt": item.get("prompt"),
-                      "messages": item.get("messages"), "max_tokens": tokens})
+        items.append(
+            {
+                "line": n,
+                "id": item.get("id"),
+                "prompt": item.get("prompt"),
+                "messages": item.get("messages"),
+                "max_tokens": tokens,
+            }
+        )
     if not items:
         raise CommandError(f"--input {path} holds no prompts")
     return items
@@ -81,14 +88,12 @@ class Command(BaseCommand):
         parser.add_argument("--input", required=True, type=Path, help="JSONL of prompts")
         parser.add_argument("--out", required=True, type=Path, help="directory for the artifacts")
         parser.add_argument("--layers", default="", help="comma-separated decoder blocks")
-        parser.add_argument("--positions", default="last",
-                            help="last | last_prompt | prompt | completion | all")
+        parser.add_argument("--positions", default="last", help="last | last_prompt | prompt | completion | all")
         parser.add_argument("--attention-layers", default="", help="layers whose Q/K to capture")
         parser.add_argument("--heads", default="", help="query heads (default: all)")
         parser.add_argument("--max-tokens", type=int, default=16)
 
-    def handle(self, *args, model, input, out, layers, positions, attention_layers, heads,
-               max_tokens, **options):
+    def handle(self, *args, model, input, out, layers, positions, attention_layers, heads, max_tokens, **options):
         items = _read_lines(input, max_tokens)
         try:
             row = maintenance.model_by_name_or_id(model)
@@ -99,20 +104,28 @@ class Command(BaseCommand):
             if attention_layers:
                 attention = AttentionCaptureSpec(
                     layers=_ints(attention_layers, "attention-layers"),
-                    heads=_ints(heads, "heads") or None, positions=positions)
-            spec = CaptureSpec(layers=_ints(layers, "layers"), positions=positions,
-                               attention=attention, max_bytes=int(settings.CAPTURE_MAX_BYTES),
-                               inline_max_bytes=0, directory=str(out.resolve()), model=row.name)
+                    heads=_ints(heads, "heads") or None,
+                    positions=positions,
+                )
+            spec = CaptureSpec(
+                layers=_ints(layers, "layers"),
+                positions=positions,
+                attention=attention,
+                max_bytes=int(settings.CAPTURE_MAX_BYTES),
+                inline_max_bytes=0,
+                directory=str(out.resolve()),
+                model=row.name,
+            )
         except InvalidParameter as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from None
         if row.num_layers:  # what the registry knows is checked before the weights load
-            wanted = {"--layers": spec.layers,
-                      "--attention-layers": attention.layers if attention else []}
+            wanted = {"--layers": spec.layers, "--attention-layers": attention.layers if attention else []}
             for option, chosen in wanted.items():
                 outside = [layer for layer in chosen if layer >= row.num_layers]
                 if outside:
-                    raise CommandError(f"{option}: {row.name} has layers 0-{row.num_layers - 1}"
-                                       f", not {', '.join(map(str, outside))}")
+                    raise CommandError(
+                        f"{option}: {row.name} has layers 0-{row.num_layers - 1}, not {', '.join(map(str, outside))}"
+                    )
         if not settings.EMBEDDED:
             self._check_resident(row)
         try:
@@ -136,8 +149,10 @@ class Command(BaseCommand):
         except (EngineError, MillmError) as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from None
         if held != row.name:
-            raise CommandError(f"the engine holds {held or 'no model'}, not {row.name}: "
-                               f"load it first (manage.py load_model {row.name})")
+            raise CommandError(
+                f"the engine holds {held or 'no model'}, not {row.name}: "
+                f"load it first (manage.py load_model {row.name})"
+            )
 
     def _engine(self, row):  # type: ignore[no-untyped-def]
         from core.engine_client import EmbeddedEngineClient, resolve_device_and_dtype
@@ -146,8 +161,7 @@ class Command(BaseCommand):
         if not settings.EMBEDDED:
             return runtime().engine, False
         client = EmbeddedEngineClient()
-        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE,
-                                                 settings.MILLM_ENGINE_DTYPE)
+        device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
         try:
             client.load_model(load_job(row, device=device, dtype=dtype))
         except (EngineError, MillmError) as exc:
@@ -159,9 +173,12 @@ class Command(BaseCommand):
         handles = []
         for item in items:
             job = GenerationJob(
-                f"capture-{uuid.uuid4().hex}", prompt=item["prompt"], messages=item["messages"],
-                capture=spec, sampling=SamplingParams(max_tokens=item["max_tokens"],
-                                                      temperature=0.0))
+                f"capture-{uuid.uuid4().hex}",
+                prompt=item["prompt"],
+                messages=item["messages"],
+                capture=spec,
+                sampling=SamplingParams(max_tokens=item["max_tokens"], temperature=0.0),
+            )
             handles.append((item, client.generate(job)))  # all at once: one batch
         written = 0
         with (out / "index.jsonl").open("a") as index:
@@ -171,12 +188,22 @@ class Command(BaseCommand):
                 except (EngineError, MillmError) as exc:
                     raise CommandError(f"line {item['line']}: {exc.code}: {exc.message}") from None
                 cap = result.capture
-                index.write(json.dumps({
-                    "line": item["line"], "id": item["id"],
-                    "capture_id": cap.capture_id if cap else None,
-                    "file": cap.file if cap else None, "text": result.text,
-                    "finish_reason": result.finish_reason,
-                    "usage": {"prompt_tokens": result.usage.prompt_tokens,
-                              "completion_tokens": result.usage.completion_tokens}}) + "\n")
+                index.write(
+                    json.dumps(
+                        {
+                            "line": item["line"],
+                            "id": item["id"],
+                            "capture_id": cap.capture_id if cap else None,
+                            "file": cap.file if cap else None,
+                            "text": result.text,
+                            "finish_reason": result.finish_reason,
+                            "usage": {
+                                "prompt_tokens": result.usage.prompt_tokens,
+                                "completion_tokens": result.usage.completion_tokens,
+                            },
+                        }
+                    )
+                    + "\n"
+                )
                 written += 1
         self.stdout.write(self.style.SUCCESS(f"{written} capture(s) written to {out}"))

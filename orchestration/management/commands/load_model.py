@@ -14,10 +14,13 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("model", help="name or id")
-        parser.add_argument("--backend", default=None,
-                            help="load it on this backend (transformers, vllm, llamacpp) and "
-                                 "keep that choice on the model; default: the model's own, "
-                                 "else MILLM_BACKEND")
+        parser.add_argument(
+            "--backend",
+            default=None,
+            help="load it on this backend (transformers, vllm, llamacpp) and "
+            "keep that choice on the model; default: the model's own, "
+            "else MILLM_BACKEND",
+        )
 
     def handle(self, *args, model, backend=None, **options):
         require_engine()
@@ -29,5 +32,6 @@ class Command(BaseCommand):
         except MillmError as exc:
             raise fail(exc) from exc
         row.refresh_from_db()
-        self.stdout.write(self.style.SUCCESS(
-            f"Loaded {row.name} on {row.device} ({row.dtype}, {row.effective_backend()} backend)"))
+        self.stdout.write(
+            self.style.SUCCESS(f"Loaded {row.name} on {row.device} ({row.dtype}, {row.effective_backend()} backend)")
+        )

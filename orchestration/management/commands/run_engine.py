@@ -81,19 +81,24 @@ def _on_engine_event(event: Any) -> None:
 
 
 class Command(BaseCommand):
-    help = ("Run the engine process: serve web workers over Redis Streams (needs REDIS_URL), "
-            "restoring the model and SAEs the database records as resident.")
+    help = (
+        "Run the engine process: serve web workers over Redis Streams (needs REDIS_URL), "
+        "restoring the model and SAEs the database records as resident."
+    )
 
     def add_arguments(self, parser):
-        parser.add_argument("--no-restore", action="store_true",
-                            help="Start empty instead of restoring the recorded state.")
-        parser.add_argument("--engine-id", default=None,
-                            help="Consumer name on the streams (default: host-pid-random).")
+        parser.add_argument(
+            "--no-restore", action="store_true", help="Start empty instead of restoring the recorded state."
+        )
+        parser.add_argument(
+            "--engine-id", default=None, help="Consumer name on the streams (default: host-pid-random)."
+        )
 
     def handle(self, *args, no_restore: bool, engine_id: str | None, **options):
         if settings.EMBEDDED:
-            raise CommandError("run_engine needs REDIS_URL: without it the engine runs inside "
-                               "`manage.py serve` (embedded mode)")
+            raise CommandError(
+                "run_engine needs REDIS_URL: without it the engine runs inside `manage.py serve` (embedded mode)"
+            )
         import redis
 
         from core.engine_client import batching_options, idle_release_s
@@ -104,8 +109,11 @@ class Command(BaseCommand):
 
         def on_signal(signum, frame):  # noqa: ARG001 - signal handler signature
             if stop.is_set():
-                log.warning("engine_second_signal_ignored", signal=signum,
-                            note="in-flight requests are being finished or failed")
+                log.warning(
+                    "engine_second_signal_ignored",
+                    signal=signum,
+                    note="in-flight requests are being finished or failed",
+                )
                 return
             log.info("engine_stopping", signal=signal.Signals(signum).name)
             stop.set()
@@ -114,17 +122,28 @@ class Command(BaseCommand):
         signal.signal(signal.SIGINT, on_signal)
 
         config = server_config()
-        client = redis.Redis.from_url(settings.REDIS_URL, decode_responses=True,
-                                      socket_timeout=15, socket_connect_timeout=5,
-                                      health_check_interval=30)
-        engine = Engine(on_event=_on_engine_event,
-                        drain_timeout_s=settings.GRACEFUL_UNLOAD_TIMEOUT,
-                        batching=batching_options(), idle_release_s=idle_release_s(),
-                        structured_timeout_s=float(settings.STRUCTURED_COMPILE_TIMEOUT_S))
-        server = EngineServer(engine, client, config, engine_id=engine_id,
-                              describe=host_description())
-        log.info("engine_starting", engine_id=server.engine_id, prefix=config.prefix,
-                 max_in_flight=config.max_in_flight, batching=engine.batching.enabled)
+        client = redis.Redis.from_url(
+            settings.REDIS_URL,
+            decode_responses=True,
+            socket_timeout=15,
+            socket_connect_timeout=5,
+            health_check_interval=30,
+        )
+        engine = Engine(
+            on_event=_on_engine_event,
+            drain_timeout_s=settings.GRACEFUL_UNLOAD_TIMEOUT,
+            batching=batching_options(),
+            idle_release_s=idle_release_s(),
+            structured_timeout_s=float(settings.STRUCTURED_COMPILE_TIMEOUT_S),
+        )
+        server = EngineServer(engine, client, config, engine_id=engine_id, describe=host_description())
+        log.info(
+            "engine_starting",
+            engine_id=server.engine_id,
+            prefix=config.prefix,
+            max_in_flight=config.max_in_flight,
+            batching=engine.batching.enabled,
+        )
 
         def restore() -> None:
             if no_restore:
@@ -132,8 +151,9 @@ class Command(BaseCommand):
             from orchestration.restore import restore_recorded_state
 
             try:
-                restore_recorded_state(engine=engine, begin_restore=server.begin_restore,
-                                       end_restore=server.end_restore)
+                restore_recorded_state(
+                    engine=engine, begin_restore=server.begin_restore, end_restore=server.end_restore
+                )
             finally:
                 # the restore's connections must not linger through the serving life
                 close_old_connections()

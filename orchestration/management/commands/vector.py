@@ -33,8 +33,10 @@ def read_pairs(path: str) -> list[tuple[str, str]]:
             item = json.loads(line)
             pairs.append((item["positive"], item["negative"]))
         except (ValueError, KeyError, TypeError) as exc:
-            raise VectorInvalid(f"{path} line {number} is not {{\"positive\": …, \"negative\": …}}",
-                                details={"field": "pairs", "line": number}) from exc
+            raise VectorInvalid(
+                f'{path} line {number} is not {{"positive": …, "negative": …}}',
+                details={"field": "pairs", "line": number},
+            ) from exc
     return pairs
 
 
@@ -43,17 +45,19 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         sub = parser.add_subparsers(dest="action", required=True)
-        imp = sub.add_parser("import", help="register a vector file (safetensors, layer.<L> "
-                                            "tensors); miLLM keeps its own copy")
+        imp = sub.add_parser(
+            "import", help="register a vector file (safetensors, layer.<L> tensors); miLLM keeps its own copy"
+        )
         imp.add_argument("path", help="absolute path of the file")
         imp.add_argument("--name", required=True)
         imp.add_argument("--model", required=True, help="the registered model (id or name)")
-        imp.add_argument("--layer", type=int, default=None,
-                         help="keep only this layer's vector (default: all in the file)")
-        comp = sub.add_parser("compute", help="mean difference of the resident model's "
-                                              "residuals over contrastive prompt pairs")
-        comp.add_argument("--pairs", required=True,
-                          help='JSONL file, one {"positive": …, "negative": …} per line')
+        imp.add_argument(
+            "--layer", type=int, default=None, help="keep only this layer's vector (default: all in the file)"
+        )
+        comp = sub.add_parser(
+            "compute", help="mean difference of the resident model's residuals over contrastive prompt pairs"
+        )
+        comp.add_argument("--pairs", required=True, help='JSONL file, one {"positive": …, "negative": …} per line')
         comp.add_argument("--layer", type=int, required=True)
         comp.add_argument("--name", required=True)
         comp.add_argument("--model", default=None, help="must name the resident model")
@@ -74,14 +78,12 @@ class Command(BaseCommand):
         self._print({"success": True, "data": data, "error": None})
 
     def _import(self, *, path, name, model, layer, **_):
-        row = vectors.vector_import(path=path, name=name, layer=layer,
-                                    model=selectors.model_get(model_id=model))
+        row = vectors.vector_import(path=path, name=name, layer=layer, model=selectors.model_get(model_id=model))
         return vector_out(row)
 
     def _compute(self, *, pairs, layer, name, model, pooling, **_):
         require_engine()
-        row = vector_compute(name=name, layer=layer, pairs=read_pairs(pairs), model_name=model,
-                             pooling=pooling)
+        row = vector_compute(name=name, layer=layer, pairs=read_pairs(pairs), model_name=model, pooling=pooling)
         return vector_out(row)
 
     def _list(self, **_):

@@ -15,8 +15,16 @@ from core.errors import MillmError
 
 @contextmanager
 def byte_bar(description: str, stream):
-    bar = tqdm(total=None, unit="B", unit_scale=True, unit_divisor=1024, desc=description,
-               file=stream, dynamic_ncols=True, mininterval=0.2)
+    bar = tqdm(
+        total=None,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=description,
+        file=stream,
+        dynamic_ncols=True,
+        mininterval=0.2,
+    )
 
     def update(done: int, total: int | None) -> None:
         if total and bar.total != total:
@@ -47,7 +55,8 @@ def require_engine() -> None:
             "Embedded mode: the engine lives inside the `manage.py serve` process, which a "
             "separate command cannot reach. Use the API instead (POST /api/models/{id}/load, "
             "/unload, /api/saes/{id}/attach, /detach), or run the distributed topology "
-            "(REDIS_URL set), where commands reach run_engine.")
+            "(REDIS_URL set), where commands reach run_engine."
+        )
 
 
 def fail(exc: MillmError) -> CommandError:

@@ -7,8 +7,9 @@ from registry import maintenance
 
 
 class Command(BaseCommand):
-    help = ("Delete cache files and folders that no model or SAE row references "
-            "(--dry-run lists them and deletes nothing).")
+    help = (
+        "Delete cache files and folders that no model or SAE row references (--dry-run lists them and deletes nothing)."
+    )
 
     def add_arguments(self, parser):
         parser.add_argument("--dry-run", action="store_true")
@@ -18,7 +19,7 @@ class Command(BaseCommand):
         verb = "would remove" if dry_run else "removed"
         for path in report.removed:
             self.stdout.write(f"{verb} {path}")
-        summary = (f"{len(report.removed)} unreferenced item(s), "
-                   f"{filesizeformat(report.bytes_freed)}; {len(report.kept)} kept")
-        self.stdout.write(self.style.SUCCESS(
-            f"Dry run: {summary}" if dry_run else f"Pruned {summary}"))
+        summary = (
+            f"{len(report.removed)} unreferenced item(s), {filesizeformat(report.bytes_freed)}; {len(report.kept)} kept"
+        )
+        self.stdout.write(self.style.SUCCESS(f"Dry run: {summary}" if dry_run else f"Pruned {summary}"))

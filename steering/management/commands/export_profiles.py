@@ -21,8 +21,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, names, output, **options):
         try:
-            profiles = ([services.profile_get(profile_id=n) for n in names] if names
-                        else list(Profile.objects.all()))
+            profiles = [services.profile_get(profile_id=n) for n in names] if names else list(Profile.objects.all())
         except MillmError as exc:
             raise CommandError(exc.message) from None
         docs = [services.profile_export(profile=p) for p in profiles]

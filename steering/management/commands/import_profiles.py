@@ -17,8 +17,12 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("file", help="The JSON file ('-' for stdin)")
-        parser.add_argument("--on-conflict", choices=("fail", "rename"), default="fail",
-                            help="A name that exists: refuse (default) or import renamed")
+        parser.add_argument(
+            "--on-conflict",
+            choices=("fail", "rename"),
+            default="fail",
+            help="A name that exists: refuse (default) or import renamed",
+        )
 
     def handle(self, *args, file, on_conflict, **options):
         import sys
@@ -38,8 +42,7 @@ class Command(BaseCommand):
             raise CommandError("Every entry must be a profile document; nothing was imported")
         try:
             with transaction.atomic():  # all or nothing
-                imported = [services.profile_import(document=doc, on_conflict=on_conflict)
-                            for doc in docs]
+                imported = [services.profile_import(document=doc, on_conflict=on_conflict) for doc in docs]
         except MillmError as exc:
             raise CommandError(f"{exc.message} ({exc.code}); nothing was imported") from None
         for profile in imported:
