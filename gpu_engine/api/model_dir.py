@@ -18,24 +18,6 @@ from .errors import InvalidParameter, ModelLoadFailed
 
 DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
-# safetensors dtype tags -> bytes per element
-_ST_DTYPE_BYTES = {
-    "F64": 8,
-    "F32": 4,
-    "F16": 2,
-    "BF16": 2,
-    "I64": 8,
-    "I32": 4,
-    "I16": 2,
-    "I8": 1,
-    "U8": 1,
-    "BOOL": 1,
-    "F8_E4M3": 1,
-    "F8_E5M2": 1,
-    "U16": 2,
-    "U32": 4,
-    "U64": 8,
-}
 
 # Context reserved for the memory estimate when the caller gives none: the documented
 # TRANSFORMERS_MIN_CONTEXT default, or the model's own window if that is shorter.
