@@ -72,30 +72,12 @@ from gpu_engine.api.protocol import (
     SteeringEntry,
     SteeringSpec,
 )
+from benchmarks.prompts import story_prompt
 from offline_assets import ensure_assets
-
-TOPICS = [
-    "a lighthouse keeper",
-    "a lost robot",
-    "two rival bakers",
-    "a talking cat",
-    "an old map",
-    "a desert caravan",
-    "a violin maker",
-    "a snowed-in village",
-    "a deep-sea diver",
-    "a chess prodigy",
-    "a forgotten library",
-    "a runaway balloon",
-    "a night train",
-    "a garden gnome",
-    "a jazz drummer",
-    "a retired astronaut",
-]
 
 
 def prompt(i: int) -> str:
-    return f"Write a short story about {TOPICS[i % len(TOPICS)]} who finds a message in a bottle."
+    return story_prompt(i)
 
 
 def asset_root() -> Path:

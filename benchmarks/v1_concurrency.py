@@ -48,26 +48,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.sse import stream_clients  # noqa: E402
+from benchmarks.prompts import story_prompt
+from benchmarks.sse import stream_clients
 
-TOPICS = [
-    "a lighthouse keeper",
-    "a lost robot",
-    "two rival bakers",
-    "a talking cat",
-    "an old map",
-    "a desert caravan",
-    "a violin maker",
-    "a snowed-in village",
-    "a deep-sea diver",
-    "a chess prodigy",
-    "a forgotten library",
-    "a runaway balloon",
-    "a night train",
-    "a garden gnome",
-    "a jazz drummer",
-    "a retired astronaut",
-]
 MODES = ("serial", "batched")
 STEERINGS = ("unsteered", "mixed")
 
@@ -177,7 +160,7 @@ def setup_steering(server: Server, model: str) -> tuple[str, int]:
 def body(i: int, *, model: str, tokens: int, steering: str, d_sae: int) -> dict:
     b = {
         "model": model,
-        "prompt": f"Write a short story about {TOPICS[i % len(TOPICS)]} who finds a message in a bottle.",
+        "prompt": story_prompt(i),
         "max_tokens": tokens,
         "temperature": 0,
         "ignore_eos": True,

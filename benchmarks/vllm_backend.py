@@ -43,7 +43,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.v1_concurrency import TOPICS, Server, run_clients, setup_steering  # noqa: E402
+from benchmarks.prompts import TOPICS  # noqa: E402
+from benchmarks.v1_concurrency import Server, run_clients, setup_steering  # noqa: E402
 from benchmarks.v1_concurrency import body as v1_body  # noqa: E402
 
 STEERINGS = ("unsteered", "mixed", "monitored")
