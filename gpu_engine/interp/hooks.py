@@ -397,75 +397,81 @@ class AttachmentHook:
         return (new, *output[1:]) if is_tuple else new
 
     def _batched(self, ctx: BatchContext, hidden: torch.Tensor, inputs: torch.Tensor | None) -> torch.Tensor | None:
-        key = self.key
-        table = ctx.delta_tables.get(key)
-        controls = ctx.control_tables.get(key)
-        monitored = [(s, p) for s in ctx.segments if (p := s.request.plans.get(key)) is not None and (p.pre or p.post)]
-        if table is None and controls is None and not monitored:
-            return None
         flat = hidden.reshape(-1, hidden.shape[-1])
-        read = inputs.reshape(-1, inputs.shape[-1]) if inputs is not None else flat
+        read = inputs.reshape(-1, inputs.shape[-1]) if inputs is not None else None
         n = ctx.row_slots.shape[0]  # type: ignore[union-attr]
         if flat.shape[0] > n:
             # a fixed-shape step's padding rows (kv_cache.BatchKVCache): left as they are
-            head = flat[:n]
-            new = self._batched(ctx, head, read[:n] if inputs is not None else None)
-            if new is None or new is head:
-                return None
-            return torch.cat([new, flat[n:]]).view_as(hidden)
-        for seg, plan in monitored:
-            for m in plan.pre:
-                m.observe(read[seg.row_start : seg.row_end], seg.start_position)
-        written = flat
-        if table is not None:
-            # each row gets its own request's delta (zeros for unsteered requests)
-            flat = flat + table.index_select(0, ctx.row_slots)  # type: ignore[arg-type]
-        if controls is not None:
-            # every row computes every request's controls, masked by slot: one pass
-            delta, gate = controls.apply(read, ctx.row_positions, ctx.row_slots, written=written)  # type: ignore[arg-type]
-            flat = flat + delta.to(flat.dtype)
-            for seg in ctx.segments:
-                plan = seg.request.plans.get(key)
-                if plan is not None and plan.conditional:
-                    plan.record_gates(
-                        seg.start_position, gate[seg.row_start : seg.row_end, plan.cols[0] : plan.cols[1]]
-                    )
-        if table is not None or controls is not None:
-            ctx.applied.add(key)
-            self.stats.steering_apply_count += 1
-        after = read if inputs is not None else flat
+            new = route(ctx, self.key, self.stats, flat[:n], read=read[:n] if read is not None else None)
+            return None if new is None else torch.cat([new, flat[n:]]).view_as(hidden)
+        new = route(ctx, self.key, self.stats, flat, read=read)
+        return None if new is None else new.view_as(hidden)
+
+    def _pair(self, ctx: BatchContext, hidden: torch.Tensor, residual: torch.Tensor, output: tuple) -> Any:
+        """Batched mode for a block returning ``(hidden, residual)``: monitors and controls
+        read the sum, the delta goes into ``hidden`` alone (the sum changes once)."""
+        n = ctx.row_slots.shape[0] if ctx.row_slots is not None else hidden.shape[0]
+        if hidden.shape[0] > n:
+            # rows past the batch's tokens (padding) keep their values
+            new = route(ctx, self.key, self.stats, hidden[:n], rest=residual[:n])
+            return None if new is None else (torch.cat([new, hidden[n:]]), *output[1:])
+        new = route(ctx, self.key, self.stats, hidden, rest=residual)
+        return None if new is None else (new, *output[1:])
+
+
+def route(
+    ctx: BatchContext,
+    key: AttachmentKey,
+    stats: AttachmentStats,
+    rows: torch.Tensor,
+    *,
+    read: torch.Tensor | None = None,
+    rest: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """One attachment's work on the rows of a batched forward, for any backend that can
+    hand over a view of them.  ``rows`` (n, d) are what the steering is added to (row i
+    is ``ctx``'s row i); the residual stream there is ``rows + rest`` (a block that defers
+    its residual add) or ``rows``; monitors and controls read ``read`` instead where it is
+    given (a transcoder's input).
+
+    Pre-steering monitors read the stream; each row gets its own request's delta (one
+    gather) and feature controls (one masked pass over every request's controls, which
+    read the stream before this attachment's steering); the gates of conditional controls
+    are kept; post-steering monitors read the steered stream.  Returns the steered rows,
+    or None where nothing at ``key`` steers in this forward (the rows are unchanged).  The
+    transformers hooks, vLLM's workers and llama.cpp's eval callback all steer here."""
+    table = ctx.delta_tables.get(key)
+    controls = ctx.control_tables.get(key)
+    monitored = [(s, p) for s in ctx.segments if (p := s.request.plans.get(key)) is not None and (p.pre or p.post)]
+    if table is None and controls is None and not monitored:
+        return None
+    # the stream's values are needed only by monitors and controls (a plain add needs none)
+    stream = rows if rest is None or (controls is None and not monitored) else rows + rest
+    src = read if read is not None else stream
+    for seg, plan in monitored:
+        for m in plan.pre:
+            m.observe(src[seg.row_start : seg.row_end], seg.start_position)
+    new = rows
+    if table is not None:
+        # each row gets its own request's delta (zeros for unsteered requests)
+        new = new + table.index_select(0, ctx.row_slots)  # type: ignore[arg-type]
+    if controls is not None:
+        # every row computes every request's controls, masked by slot: one pass
+        delta, gate = controls.apply(src, ctx.row_positions, ctx.row_slots, written=stream)  # type: ignore[arg-type]
+        new = new + delta.to(new.dtype)
+        for seg in ctx.segments:
+            plan = seg.request.plans.get(key)
+            if plan is not None and plan.conditional:
+                plan.record_gates(seg.start_position, gate[seg.row_start : seg.row_end, plan.cols[0] : plan.cols[1]])
+    if table is not None or controls is not None:
+        ctx.applied.add(key)
+        stats.steering_apply_count += 1
+    if any(p.post for _, p in monitored):
+        after = read if read is not None else (new if rest is None else new + rest)
         for seg, plan in monitored:
             for m in plan.post:
                 m.observe(after[seg.row_start : seg.row_end], seg.start_position)
-        return flat.view_as(hidden) if flat is not written else hidden
-
-    def _pair(self, ctx: BatchContext, hidden: torch.Tensor, residual: torch.Tensor, output: tuple) -> Any:
-        """Batched mode for a block returning ``(hidden, residual)``: monitors read the sum,
-        the delta goes into ``hidden`` alone (the sum changes once)."""
-        key = self.key
-        table = ctx.delta_tables.get(key)
-        monitored = [(s, p) for s in ctx.segments if (p := s.request.plans.get(key)) is not None and (p.pre or p.post)]
-        if table is None and not monitored:
-            return None
-        n = ctx.row_slots.shape[0] if ctx.row_slots is not None else hidden.shape[0]
-        if any(p.pre for _, p in monitored):
-            stream = hidden + residual
-            for seg, plan in monitored:
-                for m in plan.pre:
-                    m.observe(stream[seg.row_start : seg.row_end], seg.start_position)
-        new = hidden
-        if table is not None:
-            # rows past the batch's tokens (padding) keep their values: only n rows are added
-            gathered = table.index_select(0, ctx.row_slots)  # type: ignore[arg-type]
-            new = torch.cat([hidden[:n] + gathered, hidden[n:]]) if hidden.shape[0] > n else hidden + gathered
-            ctx.applied.add(key)
-            self.stats.steering_apply_count += 1
-        if any(p.post for _, p in monitored):
-            stream = new + residual
-            for seg, plan in monitored:
-                for m in plan.post:
-                    m.observe(stream[seg.row_start : seg.row_end], seg.start_position)
-        return None if new is hidden else (new, *output[1:])
+    return None if new is rows else new
 
 
 class HookManager:
@@ -557,4 +563,5 @@ __all__ = [
     "MonitorPlan",
     "RequestHooks",
     "Segment",
+    "route",
 ]
