@@ -24,6 +24,8 @@ from .fields import (
 
 STEERING_MODES = ("add", "clamp", "scale", "ablate")
 STEERING_PHASES = ("all", "prompt", "completion")
+# what reads a feature's activation, and so needs an encoder (a raw vector has none)
+ENCODER_MODES = ("clamp", "scale")
 
 
 class SteeringCondition(msgspec.Struct, frozen=True):
@@ -210,7 +212,30 @@ class SteeringSpec(msgspec.Struct):
         return "sha256:" + hashlib.sha256(self.canonical_text().encode()).hexdigest()
 
 
+def refuse_encoder_controls(entry: SteeringEntry) -> None:
+    """A raw steering vector has decoder rows only: add and ablate work on it; clamp,
+    scale and conditions (which read an activation) are refused, naming the field. The
+    engine asks it of every entry on an attachment without an encoder; ``manage.py
+    capture`` of every line's entries on a vector before it runs anything."""
+    for c in entry.controls:
+        if c.mode in ENCODER_MODES:
+            raise InvalidParameter(
+                f"{entry.sae_id!r} is a raw steering vector: mode {c.mode!r} reads a "
+                "feature's activation, which a vector has no encoder for (use add or ablate)",
+                param="steering.features.mode",
+                details={"sae_id": entry.sae_id, "index": c.index, "mode": c.mode},
+            )
+        if c.condition is not None:
+            raise InvalidParameter(
+                f"{entry.sae_id!r} is a raw steering vector: a condition reads its "
+                "trigger's activation, which a vector has no encoder for",
+                param="steering.features.condition",
+                details={"sae_id": entry.sae_id, "index": c.index},
+            )
+
+
 __all__ = [
+    "ENCODER_MODES",
     "MAX_STEERING_STRENGTH",
     "STEERING_MODES",
     "STEERING_PHASES",
@@ -219,4 +244,5 @@ __all__ = [
     "SteeringCondition",
     "SteeringEntry",
     "SteeringSpec",
+    "refuse_encoder_controls",
 ]

@@ -256,7 +256,7 @@ class Sequence:
             activations=self.extra_records,
             steering_apply_count=counts,
             steering_fired=fired,
-            capture=self.capture.result(prompt_ids=self.prompt_ids, generated=self.generated)
+            capture=self.capture.result(prompt_ids=self.prompt_ids, generated=self.generated, steering_counts=counts)
             if self.capture is not None
             else None,
             forward_passes=self.forwards,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -364,8 +364,11 @@ class CapturePlan:
                 tensors[f"k.{layer}"] = torch.empty((0, len(self.kv_heads), d), dtype=self.dtype)
         return tensors, shards
 
-    def result(self, *, prompt_ids: list[int], generated: list[int]) -> CaptureResult:
-        """Drain the rows taken so far (or pack the workers' parts) into the artifact."""
+    def result(
+        self, *, prompt_ids: list[int], generated: list[int], steering_counts: Sequence[Any] = ()
+    ) -> CaptureResult:
+        """Drain the rows taken so far (or pack the workers' parts) into the artifact;
+        ``steering_counts``: the request's ``SteeringCount``s, recorded beside its hash."""
         from safetensors.torch import save
 
         full = list(prompt_ids) + list(generated)
@@ -401,6 +404,11 @@ class CapturePlan:
             "hidden_size": int(self.hidden_size),
             "rows": len(positions),
             "steering_hash": self.steering_hash,
+            # the forward passes in which the steering was added, as /v1 reports them
+            "steering_apply_count": [
+                {"sae_id": c.sae_id, "layer": c.layer, "count": c.count, "modes": dict(c.modes)}
+                for c in steering_counts
+            ],
             "created_at": time.time(),
         }
         if self.spec.attention is not None and self.geometry is not None:

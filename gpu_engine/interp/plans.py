@@ -23,13 +23,11 @@ import torch
 
 from ..api.errors import CaptureStoreFull, CaptureTooLarge, InvalidParameter, SAENotAttached
 from ..api.protocol import AttachmentKey, GenerationJob, LoadModelJob, MonitorEntry, SteeringEntry
+from ..api.steering import ENCODER_MODES, refuse_encoder_controls
 from ..sae.module import SAE
 from .capture import AttentionGeometry, CapturePlan, estimate_bytes
 from .controls import ControlTable, control_range
 from .hooks import AttachmentPlan, MonitorPlan, RequestHooks
-
-# what reads a feature's activation, and so needs an encoder
-ENCODER_MODES = ("clamp", "scale")
 
 
 class HoldsSAE(Protocol):
@@ -57,26 +55,6 @@ class PlansFor(Protocol):
     captures_in_workers: bool
 
     def attention_scaling(self, layer: int) -> float | None: ...
-
-
-def refuse_encoder_controls(entry: SteeringEntry) -> None:
-    """A raw steering vector has decoder rows only: add and ablate work on it; clamp,
-    scale and conditions (which read an activation) are refused, naming the field."""
-    for c in entry.controls:
-        if c.mode in ENCODER_MODES:
-            raise InvalidParameter(
-                f"{entry.sae_id!r} is a raw steering vector: mode {c.mode!r} reads a "
-                "feature's activation, which a vector has no encoder for (use add or ablate)",
-                param="steering.features.mode",
-                details={"sae_id": entry.sae_id, "index": c.index, "mode": c.mode},
-            )
-        if c.condition is not None:
-            raise InvalidParameter(
-                f"{entry.sae_id!r} is a raw steering vector: a condition reads its "
-                "trigger's activation, which a vector has no encoder for",
-                param="steering.features.condition",
-                details={"sae_id": entry.sae_id, "index": c.index},
-            )
 
 
 def steering_entries(job: GenerationJob) -> list[SteeringEntry]:
