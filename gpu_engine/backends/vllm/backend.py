@@ -193,8 +193,8 @@ class VllmBackend:
         )
         return Capabilities(
             per_request_steering=hooks_live,
-            # the worker's hooks add per-row delta tables only (no encode in the forward)
-            steering_controls=False,
+            # the workers' hooks route every request's controls (interp.hooks.route): eager only
+            steering_controls=hooks_live,
             # the capture hooks run in the workers' forward like steering's: eager only
             hidden_state_capture=hooks_live,
             attention_capture=hooks_live and qk,
@@ -363,22 +363,30 @@ class VllmBackend:
         return ScoreResult(job.request_id, len(prompt_ids), top, [], prompt_lp)
 
     def collect(self, request_ids: list[str], *, final: bool) -> dict[str, Any]:
-        """Counts, monitor records and capture parts from the workers, merged over ranks:
-        the first rank that reports a request's record wins (TP ranks compute the same;
-        only TP rank 0 encodes), steering counts are the largest any rank saw (pipeline
-        stages hold different layers), every rank's capture part is kept (each holds its
-        own heads; ``CapturePlan`` packs them)."""
+        """Counts, monitor records, fired positions and capture parts from the workers,
+        merged over ranks: records and fired positions come from the first TP rank of
+        each pipeline stage only (TP ranks compute the same; a stage reports the
+        attachments it holds), steering counts — in all and per mode — are the largest
+        any rank saw (pipeline stages hold different layers), every rank's capture part
+        is kept (each holds its own heads; ``CapturePlan`` packs them).  Per request:
+        ``applied`` ``{key: (count, {mode: count})}``, ``fired`` ``{key: [[index, mode,
+        positions], ...]}`` (the plan's order)."""
         merged: dict[str, Any] = {}
         stats: dict[AttachmentKey, int] = {}
         for part in self.engine.collective_rpc("millm_collect", args=(list(request_ids), final)):
             for sae_id, layer, n in part["stats"]:
                 stats[(sae_id, int(layer))] = max(stats.get((sae_id, int(layer)), 0), int(n))
             for rid, got in part["requests"].items():
-                cur = merged.setdefault(rid, {"forwards": 0, "applied": {}, "records": [], "capture": []})
+                cur = merged.setdefault(rid, {"forwards": 0, "applied": {}, "fired": {}, "records": [], "capture": []})
                 cur["forwards"] = max(cur["forwards"], got["forwards"])
-                for sae_id, layer, n in got["applied"]:
+                for sae_id, layer, n, modes in got["applied"]:
                     key = (sae_id, int(layer))
-                    cur["applied"][key] = max(cur["applied"].get(key, 0), int(n))
+                    count, seen = cur["applied"].get(key, (0, {}))
+                    for mode, m in modes.items():
+                        seen[mode] = max(seen.get(mode, 0), int(m))
+                    cur["applied"][key] = (max(count, int(n)), seen)
+                for sae_id, layer, index, mode, positions in got.get("fired", []):
+                    cur["fired"].setdefault((sae_id, int(layer)), []).append([int(index), mode, list(positions)])
                 cur["records"].extend(got["records"])
                 cur["capture"].extend(got.get("capture", []))
         self._stats = stats

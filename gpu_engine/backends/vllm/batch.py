@@ -13,9 +13,13 @@ outputs (``gpu_engine.decode.grammar.grammar_text``): vLLM masks that row, and t
 end, an EOS token, ends the request with ``stop``.
 
 Prefix caching: a steered request's blocks are salted with its canonical steering hash
-(``wire.steering_salt``), so it reuses KV only from requests steered identically; a
-monitored or capturing request gets a salt of its own, since a cached prompt row is never
-computed and so could not be read.
+(``wire.steering_salt``; with its prompt's length where a control's phase depends on it),
+so it reuses KV only from requests steered identically; a monitored or capturing request,
+or one with a conditional control, gets a salt of its own, since a cached prompt row is
+never computed and so could not be read (nor its gate reported in ``steering_fired``).
+
+Steering counts (per mode) and conditional controls' fired positions are the workers'
+(``take``): the driver's plans of the request only name what it asked for.
 
 Capture: the request's ``CapturePlan`` here allocates nothing (the backend's
 ``captures_in_workers``); the workers take the rows and the final collect hands their
@@ -30,7 +34,14 @@ from typing import Any
 from ...interp.capture import CapturePart
 from ...decode.sequence import Sequence
 from ...api.errors import InvalidParameter
-from ...api.protocol import ActivationRecord, GenerationJob, LogprobEntry, TokenLogprob
+from ...api.protocol import (
+    ActivationRecord,
+    FinishEvent,
+    GenerationJob,
+    LogprobEntry,
+    SteeringFired,
+    TokenLogprob,
+)
 from . import wire
 
 
@@ -63,16 +74,17 @@ class VllmSequence(Sequence):
         self.backend = backend
         self.vllm_id = backend.next_request_id(job.request_id)
         extra = wire.request_args(job) if request_hooks is not None else None
-        if extra and (extra["monitor"] or extra["capture"] is not None):
+        if extra and (extra["monitor"] or extra["capture"] is not None or wire.keeps_gates(extra)):
             self.cache_salt: str | None = f"millm-watch-{self.vllm_id}"
         else:
-            self.cache_salt = wire.steering_salt(extra, backend._generation)
+            self.cache_salt = wire.steering_salt(extra, backend._generation, n_prompt=len(prompt_ids))
         if job.sampling.structured is not None:
             # the grammar's end is an EOS token (vLLM's grammar ends on its request's stop
             # tokens): it ends the request there, ignore_eos or not, as on transformers
             self.end_ids |= backend.eos_token_ids
         self.params = self._vllm_params(extra)
         self.pending: dict[int, list[ActivationRecord]] = {}
+        self.fired: list[SteeringFired] = []
         self.worker_id = self.vllm_id
         self.seen = 0  # tokens of vLLM's output already fed to accept
         self.vllm_done = False
@@ -147,12 +159,35 @@ class VllmSequence(Sequence):
                     ]
                 )
             if self.hooks is not None:
-                for key, n in result["applied"].items():
+                for key, (n, modes) in result["applied"].items():
                     plan = self.hooks.plans.get(key)
-                    if plan is not None:  # plain adds only: controls are refused on vLLM
+                    if plan is not None:
                         plan.count = n
-                        plan.mode_counts = {"add": n} if n else {}
+                        plan.mode_counts = {mode: m for mode, m in modes.items() if m}
+                self.fired = self._fired(result.get("fired", {}))
             self.collected = True
+
+    def _fired(self, reported: dict[Any, list[Any]]) -> list[SteeringFired]:
+        """The workers' fired positions in this request's plan order (the transformers
+        backend's order): per attachment with conditional controls, one record per
+        conditional control, empty where its gate never opened."""
+        out: list[SteeringFired] = []
+        for key, plan in self.hooks.plans.items():  # type: ignore[union-attr]
+            if not plan.conditional:
+                continue
+            got = {(int(i), m): p for i, m, p in reported.get(key, [])}
+            table = plan.controls
+            for j in range(table.size):  # type: ignore[union-attr]
+                if table.conditional[j]:  # type: ignore[union-attr]
+                    index, mode = table.indices[j], table.modes[j]  # type: ignore[union-attr]
+                    out.append(SteeringFired(key[0], key[1], index, mode, sorted(got.get((index, mode), []))))
+        return out
+
+    def finish(self) -> FinishEvent:
+        event = super().finish()
+        # the driver's plans ran no forward: where gates opened is what the workers saw
+        event.steering_fired = self.fired
+        return event
 
     def top_entries(self, entries: dict[int, Any]) -> list[LogprobEntry]:
         """A prompt position's top ``prompt_top_logprobs`` entries, best first (vLLM's dict
@@ -257,7 +292,7 @@ class VllmBatch:
 
     def _collect(self, seqs: list[VllmSequence], *, final: bool) -> None:
         results = self.backend.collect([s.worker_id for s in seqs], final=final)
-        empty = {"forwards": 0, "applied": {}, "records": [], "capture": []}
+        empty = {"forwards": 0, "applied": {}, "fired": {}, "records": [], "capture": []}
         for s in seqs:
             s.take(results.get(s.worker_id, empty), final=final)
         if final:

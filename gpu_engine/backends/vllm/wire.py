@@ -82,15 +82,28 @@ def decode_capture(args: dict[str, Any]) -> CaptureSpec | None:
     return None if raw is None else from_builtins(raw, CaptureSpec)
 
 
-def steering_salt(args: dict[str, Any] | None, generations: dict[AttachmentKey, str]) -> str | None:
+def keeps_gates(args: dict[str, Any] | None) -> bool:
+    """Whether the request has a conditional control, whose gates are reported for every
+    row (``steering_fired``): its prompt rows must be computed, never read from cache."""
+    return bool(args) and any(c.get("condition") for e in args["steering"] for c in e.get("controls") or ())
+
+
+def steering_salt(
+    args: dict[str, Any] | None, generations: dict[AttachmentKey, str], *, n_prompt: int | None = None
+) -> str | None:
     """The prefix-cache salt of a steered request: a hash of its canonical steering (entries
     sorted, features by index, strengths as floats, controls as given) and of which SAE
     files the attachments it names hold (``generations``: the key's attachment identity),
     so KV computed under one steering is only ever reused by a request under the same
-    steering.  None when unsteered."""
+    steering.  A control with a ``prompt`` or ``completion`` phase steers a position by
+    where the prompt ends, which a cached block (prompt and generated tokens alike) does
+    not record: such a request's salt also holds its prompt length ``n_prompt``.  None
+    when unsteered."""
     if not args or not args["steering"]:
         return None
-    canon = []
+    canon: list[Any] = []
+    if any((c.get("phase") or "all") != "all" for e in args["steering"] for c in e.get("controls") or ()):
+        canon.append(["prompt_len", n_prompt])
     for e in args["steering"]:
         key = (e["sae_id"], int(e["layer"]))
         feats = sorted([int(i), float(s)] for i, s in (e.get("features") or {}).items())
@@ -106,4 +119,12 @@ def records_from(raw: list[Any]) -> list[ActivationRecord]:
     return [from_builtins(r, ActivationRecord) for r in raw]
 
 
-__all__ = ["EXTRA_KEY", "decode_args", "decode_capture", "records_from", "request_args", "steering_salt"]
+__all__ = [
+    "EXTRA_KEY",
+    "decode_args",
+    "decode_capture",
+    "keeps_gates",
+    "records_from",
+    "request_args",
+    "steering_salt",
+]

@@ -12,12 +12,21 @@ What it does on the worker:
   from the runner's batch (``input_batch.req_ids`` in batch order, ``query_start_loc``,
   ``num_computed_tokens`` for positions) and publishes the row router's ``BatchContext``
   (``gpu_engine.interp.rows``): per attachment a delta table with each steered request's
-  delta in its slot, ``row_slots`` for the one gather, and the monitored requests' row
-  segments.  A request's steering and monitors come from its own
+  delta in its slot, ``row_slots`` for the one gather, the batch ``ControlTable`` of the
+  requests' feature controls (clamp, scale, ablate, phases, windows, conditions: one
+  masked pass, ``interp.hooks.route``) with every row's sequence position, and the row
+  segments of the requests that monitor or keep gates.  A row's position is vLLM's own
+  (the RoPE position it computes the same way): the request's ``num_computed_tokens``
+  before this forward plus its offset in the forward's rows, so prefill chunks, decode
+  steps, prefix-cache hits (their rows are never run) and a preempted request's
+  recompute (from its cached prefix, or 0) all land on the positions the transformers
+  backend gives them.  A request's steering and monitors come from its own
   ``SamplingParams.extra_args`` (``wire``), read the first time the worker sees it, and
   become its plans through the engine's own builder (``gpu_engine.interp.plans``) from
   the SAEs this worker holds.  The post-hook counts, per request, its forward passes and
-  the passes in which each of its deltas was really added (``steering_apply_count``).
+  the passes in which its steering at each attachment was really added, per mode
+  (``steering_apply_count``); conditional controls keep their gates until the final
+  collect reads where they opened (``steering_fired``).
 - Capture (``gpu_engine.interp.capture``): a request whose ``extra_args`` carry a capture spec
   gets a plan of its own on each worker for what that worker holds (``for_shard``):
   hidden states on the first TP rank only (every rank has the same stream after the
@@ -33,7 +42,8 @@ What it does on the worker:
   global heads); ``final`` forgets them.
 
 Under tensor parallelism every rank holds the full hidden state after its all-reduce, so
-every rank adds the same delta; monitors are encoded on the first TP rank only.  vLLM's
+every rank adds the same delta and computes the same controls and gates; monitors are
+encoded, and fired positions reported, on the first TP rank only.  vLLM's
 decoder layers return ``(hidden, residual)``: the hook reads their sum and adds the delta
 to ``hidden`` once (``HookManager.install(..., residual_pair=True)``).
 """
@@ -53,7 +63,7 @@ from ...interp.hooks import AttachmentStats, HookManager, RequestHooks
 from ...interp.plans import build_hooks
 from ...interp.rows import Row, RowRouter
 from ...api.protocol import AttachmentKey, to_builtins
-from ...sae.layouts import get_layout
+from ...sae.layouts import config_at_layer, get_layout
 from ...sae.module import SAE
 from .wire import EXTRA_KEY, decode_args, decode_capture, hook_layer
 
@@ -170,7 +180,8 @@ class _State:
         self.detach(sae_id, layer)
         lay = get_layout(layout)
         found = lay.detect(Path(path))
-        cfg = lay.read_metadata(found if found is not None else Path(path))
+        # a raw vector file holds a vector per layer: the one of the attach layer
+        cfg = config_at_layer(lay, lay.read_metadata(found if found is not None else Path(path)), layer)
         # the key keeps the attach layer; the hook sits on the layer whose output pair is
         # the SAE's point (layer - 1 for resid_pre)
         module_layer = hook_layer(layer, cfg.hook_point)
@@ -359,8 +370,13 @@ class _State:
     # ------------------------------------------------------------------ results
 
     def collect(self, request_ids: list[str], final: bool) -> dict[str, Any]:
-        """``{"requests": {id: {forwards, applied, records}}, "stats": [[sae_id, layer, n]]}``
-        (``stats``: this worker's cumulative steering_apply_count per attachment)."""
+        """``{"requests": {id: {forwards, applied, fired, records, capture}}, "stats": [[sae_id,
+        layer, n]]}``: ``applied`` ``[[sae_id, layer, count, {mode: count}]]``, the forwards
+        in which the request's steering at an attachment was added, in all and per mode
+        (``AttachmentPlan.applied``); ``fired`` (``final`` only, first TP rank only: every
+        rank computes the same gates) ``[[sae_id, layer, index, mode, positions]]``, where
+        each conditional control's gate opened (``AttachmentPlan.fired``), in the plan's
+        order; ``stats``: this worker's cumulative steering_apply_count per attachment."""
         out: dict[str, Any] = {}
         for rid in request_ids:
             req = self.requests.get(rid) or self.gone.get(rid)
@@ -368,9 +384,16 @@ class _State:
                 continue
             with torch.inference_mode():
                 records = req.hooks.finalize() if final else req.hooks.collect()
+            fired = []
+            if final and req.hooks.conditional:
+                # read (and so dropped) on every rank; reported by the first
+                got = req.hooks.steering_fired()
+                if self.monitor_rank:
+                    fired = [[f.sae_id, f.layer, f.index, f.mode, f.positions] for f in got]
             out[rid] = {
                 "forwards": req.forwards,
-                "applied": [[c.sae_id, c.layer, c.count] for c in req.hooks.steering_counts()],
+                "applied": [[c.sae_id, c.layer, c.count, c.modes] for c in req.hooks.steering_counts()],
+                "fired": fired,
                 "records": [to_builtins(r) for r in records],
                 "capture": [self._part(req)] if final and req.hooks.capture is not None else [],
             }
