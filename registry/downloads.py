@@ -3,16 +3,17 @@
 Same style as ``registry.services`` (keyword-only ``<entity>_<verb>`` functions called by
 views, tasks and commands alike). A download is two halves:
 
-- ``*_download_start`` runs in the request: it asks the hub about the repository (so a
-  missing repository, a gated one without a token or a hub outage is answered at once,
-  with its code), creates the row (``downloading``) and a ``Job``, and enqueues the task
-  after commit. The per-request ``hf_token`` travels to the task as an argument only.
-- ``*_download_run`` is the task body: it downloads the selected files one by one with
-  huggingface_hub (``hf_hub_download``: resume after a dropped connection, revisions,
-  tokens, the endpoint), records bytes and percent on the job row and publishes progress
-  events, honours cancel (``Job.cancel_requested``) and DOWNLOAD_TIMEOUT, and only then
-  marks the row ready. A download that fails or is cancelled leaves no files behind and
-  nothing marked ready.
+- ``*_download_start`` (this module) runs in the request: it asks the hub about the
+  repository (so a missing repository, a gated one without a token or a hub outage is
+  answered at once, with its code), creates the row (``downloading``) and a ``Job``, and
+  enqueues the task after commit. The per-request ``hf_token`` travels to the task as an
+  argument only. ``*_preview`` says what a download would fetch; ``download_cancel``
+  asks a running one to stop.
+- ``*_download_run`` (``registry.download_run``) is the task body: it downloads the
+  selected files one by one (``registry.transfer``: huggingface_hub's ``hf_hub_download``,
+  bytes and percent on the job row, progress events, cancel and DOWNLOAD_TIMEOUT), and
+  only then marks the row ready. A download that fails or is cancelled leaves no files
+  behind and nothing marked ready.
 
 Only safetensors, JSON, tokenizer and template files are fetched for a model (pickle
 formats are never downloaded, let alone loaded); ``.py`` files only with
@@ -23,13 +24,7 @@ A download checks the free space of its cache first (507 INSUFFICIENT_STORAGE).
 from __future__ import annotations
 
 import json
-import re
-import shutil
-import threading
-import time
-from collections.abc import Callable
-from functools import partial
-from pathlib import Path, PurePosixPath
+from pathlib import PurePosixPath
 from typing import Any
 
 import structlog
@@ -37,23 +32,19 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from core import events, jobs, metrics
-from core.errors import MillmError, SAEInvalid, UnsupportedModel
-from registry import describe, hub, job_lifecycle, selectors, services, sizing
-from registry.access import check_remote_code, remote_code_enabled
+from core import events, jobs
+from core.errors import SAEInvalid, UnsupportedModel
+from registry import hub, job_lifecycle, selectors, sizing
+from registry.access import check_remote_code
 from registry.errors import (
     AmbiguousModelName,
-    DownloadCancelled,
-    DownloadTimedOut,
     GatedModelNoToken,
-    InsufficientStorage,
     JobFinished,
     ModelAlreadyExists,
     ModelInvalid,
 )
 from registry.hub_files import (
     describe_sae_path,
-    gguf_quant,
     gguf_quantization,
     gguf_quants,
     sae_dir_of,
@@ -63,150 +54,9 @@ from registry.hub_files import (
     split_repo_quant,
 )
 from registry.models import SAE, Job, Model
+from registry.transfer import check_free_space
 
 log = structlog.get_logger(__name__)
-
-PROGRESS_INTERVAL_S = 0.25
-
-ProgressCallback = Callable[[int, int | None], None]
-
-
-def _slug(repo_id: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", repo_id.replace("/", "--"))
-
-
-# --- progress ----------------------------------------------------------------------------
-
-
-class _Progress:
-    """Bytes of a whole download, written to the job row (throttled) and checked against
-    cancel and the deadline on every write."""
-
-    def __init__(self, job: Job, total: int, on_progress: ProgressCallback | None) -> None:
-        self.job = job
-        self.total = total or None
-        self.finished_bytes = 0
-        self.current = 0
-        self.filename = ""
-        self.deadline = time.monotonic() + float(settings.DOWNLOAD_TIMEOUT)
-        self.on_progress = on_progress
-        self._last_write = 0.0
-        self._lock = threading.Lock()
-
-    @property
-    def done(self) -> int:
-        return self.finished_bytes + max(0, self.current)
-
-    def percent(self) -> int:
-        if not self.total:
-            return 0
-        # 100 only when the job succeeds; a finished last file still has its check to go
-        return min(99, int(self.done * 100 / self.total))
-
-    def start_file(self, filename: str) -> None:
-        self.filename = filename
-        self.current = 0
-        self.check()
-        self.write(force=True)
-
-    def finish_file(self, size_on_disk: int) -> None:
-        self.finished_bytes += size_on_disk
-        self.current = 0
-        self.write(force=True)
-
-    def advance(self, n: float) -> None:
-        with self._lock:
-            self.current += int(n)
-        self.write()
-
-    def write(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_write < PROGRESS_INTERVAL_S:
-            return
-        self._last_write = now
-        job_lifecycle.job_progress(
-            job=self.job,
-            progress=self.percent(),
-            stage=f"downloading {self.filename}"[:100],
-            bytes_done=self.done,
-            bytes_total=self.total,
-        )
-        if self.on_progress is not None:
-            self.on_progress(self.done, self.total)
-        self.check()
-
-    def check(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise DownloadTimedOut(
-                f"The download took longer than DOWNLOAD_TIMEOUT ({settings.DOWNLOAD_TIMEOUT:g} s)",
-                details={"job_id": self.job.id, "timeout_s": settings.DOWNLOAD_TIMEOUT},
-            )
-        if Job.objects.filter(pk=self.job.pk, cancel_requested=True).exists():
-            raise DownloadCancelled("The download was cancelled", details={"job_id": self.job.id})
-
-
-class _Bar:
-    """What huggingface_hub's ``tqdm_class`` needs (constructor, update, context manager),
-    feeding ``_Progress``. Negative updates happen when a resumed transfer restarts."""
-
-    def __init__(self, progress: _Progress, **kwargs: Any) -> None:
-        self.progress = progress
-        self.n = int(kwargs.get("initial") or 0)
-        if self.n:
-            progress.advance(self.n)
-
-    def update(self, n: float = 1) -> None:
-        self.n += int(n)
-        self.progress.advance(n)
-
-    def close(self) -> None:
-        return None
-
-    def __enter__(self) -> _Bar:  # noqa: PYI034 - a plain class, not subclassed
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-def _fetch(
-    *, repo_id: str, files: list[tuple[str, int]], revision: str, target: Path, token: str | bool, progress: _Progress
-) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    for name, _ in files:
-        progress.start_file(name)
-        path = hub.download_file(
-            repo_id=repo_id,
-            filename=name,
-            revision=revision,
-            local_dir=target,
-            token=token,
-            tqdm_class=partial(_Bar, progress),
-        )
-        progress.finish_file(path.stat().st_size)
-
-
-def check_free_space(*, files: list[tuple[str, int]], cache_dir: str | Path, repo_id: str) -> None:
-    """Refuse (507 INSUFFICIENT_STORAGE) a download whose files, by the hub's sizes, do
-    not fit in the free space of the disk that holds ``cache_dir``: asked before the row,
-    the job or any file exists, and again by the task before it fetches."""
-    needed = sum(size for _, size in files)
-    probe = Path(cache_dir).resolve()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent  # the cache is made by the download; its disk is its parent's
-    free = shutil.disk_usage(probe).free
-    if needed > free:
-        raise InsufficientStorage(
-            f"Downloading {repo_id} needs {needed} bytes ({needed / 2**30:.2f} GiB) and the "
-            f"disk of {cache_dir} has {free} bytes ({free / 2**30:.2f} GiB) free",
-            details={"repo_id": repo_id, "needed_bytes": needed, "free_bytes": free, "directory": str(cache_dir)},
-        )
-
-
-def _clean_target(target: Path, root: Path) -> None:
-    if target.exists() and services._is_under(target, root):
-        services.remove_files(target)
-
 
 # --- models ------------------------------------------------------------------------------
 
@@ -501,131 +351,6 @@ def _gguf_download_start(
     return model, job
 
 
-def _claim_download(job_id: int, relation: str) -> tuple[Job, Model | SAE] | None:
-    """The job and its row, claimed for this worker; None when it already ended, its row
-    is gone, or another worker claimed it (a redelivered task never downloads twice)."""
-    job = Job.objects.select_related(relation).get(pk=job_id)
-    row = getattr(job, relation)
-    if job.status in Job.FINISHED or row is None:
-        return None
-    if not job_lifecycle.job_claim(job=job, stage="listing files"):
-        return None
-    return job, row
-
-
-def model_target_dir(model: Model) -> Path:
-    return Path(settings.MODEL_CACHE_DIR) / f"{_slug(model.repo_id)}--m{model.id}"
-
-
-def model_download_run(
-    *, job_id: int, hf_token: str | None = None, commit: str | None = None, on_progress: ProgressCallback | None = None
-) -> Model | None:
-    """The task body; returns the ready model, or None when the job had already ended."""
-
-    def files(model: Model, info: Any) -> list[tuple[str, int]]:
-        if model.format == Model.Format.GGUF:  # the chosen quantization's file(s) only
-            return gguf_quants(sibling_files(info)).get(gguf_quant(model.gguf_file) or "", [])
-        return select_model_files(sibling_files(info), trust_remote_code=remote_code_enabled(model.trust_remote_code))
-
-    def describe_at(model: Model, target: Path) -> tuple[Path, dict[str, Any]]:
-        if model.format == Model.Format.GGUF:
-            return target / model.gguf_file, describe.describe_gguf_file(target / model.gguf_file)
-        return target, describe.describe_transformers_dir(target, model.quantization)
-
-    return _download_run(
-        job_id=job_id,
-        relation="model",
-        target_of=model_target_dir,
-        files_of=files,
-        describe_at=describe_at,
-        hf_token=hf_token,
-        commit=commit,
-        on_progress=on_progress,
-    )
-
-
-def _download_run(
-    *,
-    job_id: int,
-    relation: str,
-    target_of: Callable[[Any], Path],
-    files_of: Callable[[Any, Any], list[tuple[str, int]]],
-    describe_at: Callable[[Any, Path], tuple[Path, dict[str, Any]]],
-    hf_token: str | None,
-    commit: str | None,
-    on_progress: ProgressCallback | None,
-) -> Model | SAE | None:
-    """One download, model or SAE: claim the job, fetch the chosen files of the repository
-    at the revision, describe what arrived, and record it on the row (or record the failure
-    and leave no files)."""
-    claimed = _claim_download(job_id, relation)
-    if claimed is None:
-        return None
-    job, row = claimed
-    repo_id = row.repo_id if relation == "model" else row.repository_id
-    target = target_of(row)
-    # recorded before any file is written: deleting the row removes this folder only
-    type(row).objects.filter(pk=row.pk).update(files_dir=str(target))
-    token = hub.resolve_token(hf_token)
-    try:
-        info = hub.model_info(repo_id=repo_id, revision=commit or row.revision, token=token)
-        files = files_of(row, info)
-        check_free_space(files=files, cache_dir=target.parent, repo_id=repo_id)
-        progress = _Progress(job, sum(s for _, s in files), on_progress)
-        _fetch(
-            repo_id=repo_id,
-            files=files,
-            revision=info.sha or commit or row.revision,
-            target=target,
-            token=token,
-            progress=progress,
-        )
-        # huggingface_hub's bookkeeping for local_dir downloads is not part of the files
-        if (target / ".cache").exists():
-            services.remove_files(target / ".cache")
-        path, meta = describe_at(row, target)
-    except BaseException as exc:
-        _download_failed(job=job, row=row, target=target, exc=exc)
-        if isinstance(exc, MillmError):
-            return None
-        raise
-    with transaction.atomic():
-        type(row).objects.filter(pk=row.pk).update(
-            local_path=str(path.resolve()), status=row.Status.READY, error_message="", updated_at=timezone.now(), **meta
-        )
-        job_lifecycle.job_finish(job=job, status=Job.Status.SUCCEEDED)
-    metrics.record_download(kind=relation, outcome="succeeded")
-    row.refresh_from_db()
-    log.info(f"{relation}_download_finished", **{f"{relation}_id": row.pk}, bytes=meta.get("disk_size_bytes"))
-    return row
-
-
-def _download_failed(*, job: Job, row: Model | SAE, target: Path, exc: BaseException) -> None:
-    """A failed or cancelled download leaves no files and no row that says ready."""
-    kind = "model" if isinstance(row, Model) else "sae"
-    cache = settings.MODEL_CACHE_DIR if kind == "model" else settings.SAE_CACHE_DIR
-    cancelled = isinstance(exc, DownloadCancelled)
-    message = (
-        "Download cancelled" if cancelled else getattr(exc, "message", None) or f"Download failed: {type(exc).__name__}"
-    )
-    _clean_target(target, Path(cache))
-    type(row).objects.filter(pk=row.pk).update(
-        status=row.Status.ERROR, error_message=message, local_path="", updated_at=timezone.now()
-    )
-    job.refresh_from_db()
-    if job.status not in Job.FINISHED:
-        job_lifecycle.job_finish(
-            job=job, status=Job.Status.CANCELLED if cancelled else Job.Status.FAILED, error=message
-        )
-    metrics.record_download(kind=kind, outcome="cancelled" if cancelled else "failed")
-    log.warning(
-        f"{kind}_download_failed",
-        **{f"{kind}_id": row.pk},
-        job_id=job.id,
-        code=getattr(exc, "code", type(exc).__name__),
-    )
-
-
 def download_cancel(*, row: Model | SAE) -> Job:
     """Ask the row's running download to stop (it stops within a moment and removes its
     files); a queued one is cancelled at once."""
@@ -746,33 +471,3 @@ def sae_download_start(
             )
     log.info("sae_download_started", sae_id=sae.id, repository_id=repository_id, file_path=file_path, job_id=job.id)
     return sae, job, "downloading"
-
-
-def sae_target_dir(sae: SAE) -> Path:
-    return Path(settings.SAE_CACHE_DIR) / _slug(sae.repository_id) / sae.id
-
-
-def sae_download_run(
-    *, job_id: int, hf_token: str | None = None, commit: str | None = None, on_progress: ProgressCallback | None = None
-) -> SAE | None:
-    def describe_at(sae: SAE, target: Path) -> tuple[Path, dict[str, Any]]:
-        folder = sae_dir_of(sae.file_path) if sae.file_path else ""
-        path = (target / folder) if folder else target
-        meta = describe.describe_sae(path)
-        # what the files do not say, the registration's hints do
-        if not meta["trained_on_model"]:
-            meta["trained_on_model"] = sae.trained_on_model
-        if meta["trained_on_layer"] is None:
-            meta["trained_on_layer"] = sae.trained_on_layer
-        return path, meta
-
-    return _download_run(
-        job_id=job_id,
-        relation="sae",
-        target_of=sae_target_dir,
-        files_of=lambda sae, info: select_sae_files(sibling_files(info), sae.file_path),
-        describe_at=describe_at,
-        hf_token=hf_token,
-        commit=commit,
-        on_progress=on_progress,
-    )

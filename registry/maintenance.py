@@ -13,7 +13,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from core.ids import ascii_int
-from registry.downloads import model_target_dir, sae_target_dir
+from registry.transfer import model_target_dir, sae_target_dir
 from registry.errors import ModelNotFound
 from registry.models import SAE, Attachment, Job, Model
 from registry.services import remove_files

@@ -12,7 +12,7 @@ from __future__ import annotations
 import structlog
 from celery import shared_task
 
-from registry import downloads, job_lifecycle
+from registry import download_run, job_lifecycle
 from registry.models import Job
 
 log = structlog.get_logger(__name__)
@@ -27,7 +27,7 @@ def finish_unexpected(job_id: int, exc: BaseException) -> None:
 @shared_task(name="registry.tasks.model_download_task")
 def model_download_task(job_id: int, hf_token: str | None = None, commit: str | None = None) -> str:
     try:
-        model = downloads.model_download_run(job_id=job_id, hf_token=hf_token, commit=commit)
+        model = download_run.model_download_run(job_id=job_id, hf_token=hf_token, commit=commit)
     except BaseException as exc:
         finish_unexpected(job_id, exc)
         raise
@@ -37,7 +37,7 @@ def model_download_task(job_id: int, hf_token: str | None = None, commit: str | 
 @shared_task(name="registry.tasks.sae_download_task")
 def sae_download_task(job_id: int, hf_token: str | None = None, commit: str | None = None) -> str:
     try:
-        sae = downloads.sae_download_run(job_id=job_id, hf_token=hf_token, commit=commit)
+        sae = download_run.sae_download_run(job_id=job_id, hf_token=hf_token, commit=commit)
     except BaseException as exc:
         finish_unexpected(job_id, exc)
         raise

@@ -9,7 +9,7 @@ import pytest
 from django.core.management import call_command
 from django.core.management.base import CommandError
 
-from registry import downloads
+from registry import transfer
 from registry.models import SAE, Job, Model
 from tests.api.conftest import MODEL_REPO, NPZ_PATH, SAE_REPO
 from tests.api.standin_hub import VALID_TOKEN
@@ -111,7 +111,7 @@ def test_prune_cache(hub, settings):
     (orphan_model / "model.safetensors").write_bytes(b"x" * 1000)
     stray_file = models_root / "stray.bin"
     stray_file.write_bytes(b"y" * 10)
-    repo_dir = downloads.sae_target_dir(sae).parent
+    repo_dir = transfer.sae_target_dir(sae).parent
     orphan_sae = repo_dir / "sae_deadbeef"
     orphan_sae.mkdir()
     (orphan_sae / "params.npz").write_bytes(b"z" * 100)

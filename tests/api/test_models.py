@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from django.db import connection
 
-from registry import downloads, tasks
+from registry import tasks, transfer
 from registry.models import Job, Model
 from tests.api.conftest import GATED_REPO, MODEL_REPO, body, ok, refused
 from tests.api.standin_hub import VALID_TOKEN
@@ -203,7 +203,7 @@ def test_download_records_progress_and_registers_the_model(api, hub, published, 
     row.refresh_from_db()
     assert row.status == "ready" and row.architecture == "LlamaForCausalLM"
     target = Path(row.local_path)
-    assert target == downloads.model_target_dir(row).resolve()
+    assert target == transfer.model_target_dir(row).resolve()
     assert target.parent == Path(settings.MODEL_CACHE_DIR).resolve()
     on_disk = {p.name: p.read_bytes() for p in target.iterdir() if p.is_file()}
     assert on_disk == expected  # byte for byte, and nothing else (no pickle, no .cache)
@@ -311,7 +311,7 @@ def test_interrupted_transfer_that_cannot_resume_fails_cleanly(api, hub, publish
     failed = Job.objects.get(pk=job["id"])
     assert failed.status == "failed" and failed.error
     # nothing half-written is left, and nothing is registered as ready
-    assert not downloads.model_target_dir(row).exists()
+    assert not transfer.model_target_dir(row).exists()
     assert not Model.objects.filter(status="ready").exists()
     assert published[-1][0] == "model:download:error"
     # the failed row can be downloaded again (and this time the hub behaves)
@@ -333,7 +333,7 @@ def test_cancel_a_queued_download(api, hub, published):
     )
     # the task, when it runs, finds the job ended and does nothing
     assert tasks.model_download_task(job["id"]) == "ended"
-    assert not downloads.model_target_dir(Model.objects.get(pk=model["id"])).exists()
+    assert not transfer.model_target_dir(Model.objects.get(pk=model["id"])).exists()
     refused(api.post(f"/api/models/{model['id']}/cancel"), 409, "JOB_ALREADY_FINISHED")
 
 
@@ -348,7 +348,7 @@ def test_cancel_a_running_download(api, hub):
     _wait_for(lambda: Job.objects.get(pk=job["id"]).status == "cancelled")
     row = Model.objects.get(pk=model["id"])
     assert (row.status, row.error_message) == ("error", "Download cancelled")
-    _wait_for(lambda: not downloads.model_target_dir(row).exists())
+    _wait_for(lambda: not transfer.model_target_dir(row).exists())
 
 
 def _wait_for(condition, timeout_s: float = 15.0) -> None:

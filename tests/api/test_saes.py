@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from registry import downloads, tasks
+from registry import tasks, transfer
 from registry.models import SAE, Job
 from tests.api.conftest import GATED_SAE_REPO, NPZ_PATH, SAE_REPO, SAELENS_DIR, ok, refused
 from tests.api.standin_hub import VALID_TOKEN
@@ -66,7 +66,7 @@ def test_download_an_sae(api, hub, published, file_path, layout, layer):
     row.refresh_from_db()
     assert (row.status, row.format, row.d_in, row.d_sae) == ("ready", layout, 64, row.d_sae)
     assert row.d_sae and row.trained_on_layer == layer
-    assert Path(row.local_path).is_relative_to(downloads.sae_target_dir(row))
+    assert Path(row.local_path).is_relative_to(transfer.sae_target_dir(row))
     job = Job.objects.get(pk=data["job"]["id"])
     assert (job.status, job.progress) == ("succeeded", 100)
     assert job.bytes_done == job.bytes_total > 0
@@ -130,7 +130,7 @@ def test_failed_sae_download_leaves_nothing(api, hub):
     assert tasks.sae_download_task(data["job"]["id"]) == "ended"
     row = SAE.objects.get(pk=data["sae_id"])
     assert row.status == "error" and row.local_path == ""
-    assert not downloads.sae_target_dir(row).exists()
+    assert not transfer.sae_target_dir(row).exists()
     assert Job.objects.get(pk=data["job"]["id"]).status == "failed"
 
 
@@ -166,7 +166,7 @@ def test_delete_a_downloaded_sae_removes_its_files(api, hub):
 
     data = ok(api.post("/api/saes/download", {"repository_id": SAE_REPO, "file_path": NPZ_PATH}, format="json"), 202)
     tasks.sae_download_task(data["job"]["id"])
-    target = downloads.sae_target_dir(SAE.objects.get(pk=data["sae_id"]))
+    target = transfer.sae_target_dir(SAE.objects.get(pk=data["sae_id"]))
     assert target.is_dir()
     with TestCase.captureOnCommitCallbacks(execute=True):
         assert ok(api.delete(f"/api/saes/{data['sae_id']}"))["freed_disk_mb"] > 0

@@ -4,7 +4,7 @@ progress bar. The same services as POST /api/models."""
 from django.core.management.base import BaseCommand, CommandError
 
 from core.errors import MillmError
-from registry import downloads, services
+from registry import download_run, downloads, services
 from registry.management.commands._progress import byte_bar, fail, token_from_env
 from registry.models import Model
 
@@ -48,7 +48,7 @@ class Command(BaseCommand):
                 dispatch=False,
             )
             with byte_bar(model.name, self.stderr) as update:
-                result = downloads.model_download_run(job_id=job.id, hf_token=token, on_progress=update)
+                result = download_run.model_download_run(job_id=job.id, hf_token=token, on_progress=update)
         except MillmError as exc:
             raise fail(exc) from exc
         if result is None:

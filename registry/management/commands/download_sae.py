@@ -4,7 +4,7 @@ as POST /api/saes/download (idempotent per repository, revision and file path)."
 from django.core.management.base import BaseCommand, CommandError
 
 from core.errors import MillmError
-from registry import downloads
+from registry import download_run, downloads
 from registry.management.commands._progress import byte_bar, fail, token_from_env
 
 
@@ -31,7 +31,7 @@ class Command(BaseCommand):
                 self.stdout.write(f"{sae.id}: {state}")
                 return
             with byte_bar(sae.name, self.stderr) as update:
-                result = downloads.sae_download_run(job_id=job.id, hf_token=token, on_progress=update)
+                result = download_run.sae_download_run(job_id=job.id, hf_token=token, on_progress=update)
         except MillmError as exc:
             raise fail(exc) from exc
         if result is None:
