@@ -3,7 +3,8 @@
 Django-free and torch-free: an analyzer reads a ``gpu_engine.api.artifacts.CaptureData``
 (numpy arrays) and returns plain JSON.  ``registry`` holds the names, the capture each
 analyzer declares (``CaptureNeed``) and how needs become a ``CaptureSpec``;
-``builtin`` the analyzers of the issue, each with its math in a numpy function the tests
+``builtin`` the analyzers of the issue (``hidden``, ``attention``, ``probes``: one module
+per family, ``common`` what they share), each with its math in a numpy function the tests
 check against hand-computed numbers.
 """
 

@@ -18,7 +18,7 @@ from gpu_engine.analysis import (
     default_registry,
     load_extra,
 )
-from gpu_engine.analysis.builtin import core_document_scores, query_attention
+from gpu_engine.analysis.attention import core_document_scores, query_attention
 from gpu_engine.api.artifacts import CaptureData, load_capture
 from gpu_engine.api.errors import (
     AnalyzerCaptureMissing,
