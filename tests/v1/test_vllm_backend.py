@@ -104,12 +104,12 @@ def vllm_llama(on_vllm, v1_server):
     v1_server.wait_idle()
 
 
-def ref(hf: Engine, relu, *, steering: dict[int, float] | None = None, monitor=None, prompt: str = PROMPT):
+def ref(hf: Engine, relu, *, steering: dict[int, float] | None = None, controls=(), monitor=None, prompt: str = PROMPT):
     """The transformers backend's greedy run of ``prompt`` under the same spec (the SAE
     attached under this test's id: each test registers its rows afresh)."""
     hf.detach(None)
     hf.attach(AttachSpec(relu.id, relu.local_path, 1, layout=relu.format or None))
-    spec = SteeringSpec([SteeringEntry(relu.id, 1, steering)]) if steering else None
+    spec = SteeringSpec([SteeringEntry(relu.id, 1, steering or {}, list(controls))]) if steering or controls else None
     return hf.generate_sync(
         GenerationJob(
             request_id="ref",
@@ -200,6 +200,31 @@ def test_inline_steering_equals_transformers_and_changes_the_output(vllm_llama, 
         again = pool.submit(complete, openai_client, steering={"features": features})
         assert plain.result().parse().choices[0].text == ref(on_vllm, relu).text
         assert again.result().parse().choices[0].text == steered.text
+
+
+def test_a_clamp_control_steers_like_transformers(vllm_llama, on_vllm, openai_client):
+    """A clamp (and a completion-phase ablate beside it) through /v1 on vLLM: the text is
+    the transformers backend's under the same spec, which differs from the unsteered text;
+    the response counts each mode once per forward pass and names the spec's hash."""
+    from gpu_engine.api.protocol import FeatureControl
+
+    server, relu = vllm_llama
+    features = [{"index": 3, "mode": "clamp", "value": 9.0}, {"index": 40, "mode": "ablate", "phase": "completion"}]
+    controls = [FeatureControl(3, mode="clamp", value=9.0), FeatureControl(40, mode="ablate", phase="completion")]
+    raw = complete(openai_client, steering={"features": features})
+    assert raw.headers["x-millm-backend"] == "vllm"
+    spec = SteeringSpec([SteeringEntry(relu.id, 1, {}, controls)])
+    assert raw.headers["x-millm-steering"] == (
+        f'inline;sae={relu.id};layer=1;features=2;controls=2;hash="{spec.canonical_hash()}"'
+    )
+    body = raw.parse()
+    want = ref(on_vllm, relu, controls=controls)
+    assert want.text != ref(on_vllm, relu).text  # positive control on the reference
+    assert body.choices[0].text == want.text
+    n = want.forward_passes
+    assert body.model_extra["millm"]["steering_apply_count"] == [
+        {"sae_id": relu.id, "layer": 1, "count": n, "modes": {"clamp": n, "ablate": n}}
+    ]
 
 
 def test_sae_activations_and_monitoring_records(vllm_llama, on_vllm, openai_client):
