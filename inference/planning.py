@@ -146,7 +146,9 @@ def off_view_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     return sync_to_async(run, thread_sensitive=False)
 
 
-def _steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None) -> dict[str, Any]:
+def steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None) -> dict[str, Any]:
+    """A request's ``steering``, ``profile`` and ``steering_intensity`` as
+    ``steering_resolve_request`` takes them (here and in ``manage.py capture``)."""
     inline = req.steering
     return {
         "inline_sae_id": inline.sae_id if inline is not None else None,
@@ -171,7 +173,7 @@ async def plan_generation(
 ) -> Plan:
     if attachments is None:
         attachments = await asyncio.to_thread(client.attachments)
-    args = _steering_args(req, profile)
+    args = steering_args(req, profile)
 
     def resolve() -> tuple[ResolvedSteering, MonitorEntry | None]:
         # a profile or the live steering a request without its own falls back to, and

@@ -188,15 +188,30 @@ def _cluster_as_profile(name: str) -> Profile | None:
     )
 
 
-def _profile(
-    *, attachments: Sequence[AttachmentStatus], name: str, model_name: str | None, intensity: float | None
-) -> ResolvedSteering:
+def _profile_document(name: str) -> Profile:
+    """The profile a request's ``profile`` names, else the cluster of that name (as a
+    profile); ``PROFILE_NOT_FOUND`` when neither exists."""
     try:
-        profile = profile_get_by_name(name=name)
+        return profile_get_by_name(name=name)
     except ProfileNotFound:
         profile = _cluster_as_profile(name)
         if profile is None:
             raise
+        return profile
+
+
+def steering_profile_binding(*, name: str) -> tuple[str, int] | None:
+    """The attachment ``(sae_id, layer)`` the profile (or cluster) a request names steers,
+    found as the resolver finds it; None when it is bound to none (a cluster not yet
+    activated). ``manage.py capture`` attaches it to its own engine."""
+    profile = _profile_document(name)
+    return (profile.sae_id, int(profile.layer)) if profile.sae_id and profile.layer is not None else None
+
+
+def _profile(
+    *, attachments: Sequence[AttachmentStatus], name: str, model_name: str | None, intensity: float | None
+) -> ResolvedSteering:
+    profile = _profile_document(name)
     # the request's λ, else the document's own (a profile's or cluster's stored dial)
     dial = float(profile.intensity) if intensity is None else intensity
     if dial == 0:
@@ -405,5 +420,6 @@ __all__ = [
     "profile_import",
     "profile_save_current",
     "profile_update",
+    "steering_profile_binding",
     "steering_resolve_request",
 ]
