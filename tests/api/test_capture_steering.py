@@ -318,3 +318,14 @@ def test_distributed_mode_steers_with_the_engines_attachments(
     finally:
         _run("detach_sae", sae.id)
         _run("unload_model", "tiny-llama")
+
+
+def test_a_refused_line_exits_non_zero_without_a_traceback(run_manage, tmp_path):
+    bad = _lines(tmp_path / "p.jsonl", {"prompt": PROMPT}, {"prompt": PROMPT, "steerng": {"features": []}})
+    result = run_manage(
+        "capture", "tiny-llama", "--input", str(bad), "--out", str(tmp_path / "out"),
+        env={"MILLM_DATA_DIR": str(tmp_path / "data")},
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "CommandError: line 2: unknown key(s) steerng" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
