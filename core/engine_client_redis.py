@@ -17,7 +17,7 @@ How a command travels is its lane:
   whenever nothing arrives for a heartbeat period: a dead engine ends the wait with
   ``engine_shutdown`` within ENGINE_DEAD_AFTER_S.
 
-Delivery semantics are the server's (``gpu_engine.server.server``); docs/deploy.md.
+Delivery semantics are the server's (``gpu_engine.server.server``, ``gpu_engine.server.delivery``); docs/deploy.md.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ events, ``Keys``) are ``gpu_engine.api.transport``, which the web tier's client 
   an ``Engine``: consumer-group reads with bounded concurrency, acknowledgement only once
   the result is stored, "started" markers so nothing is generated twice, reclaiming and
   dead-lettering the work of a dead engine, heartbeat, cancellation and clean shutdown.
+- ``delivery``: which entries the server read may run (decoding, the deliveries and
+  started-marker checks, reclaiming a dead engine's entries).
+- ``config``: ``ServerConfig``, the server's timing and bounds.
 - ``results``: what the engine writes back (a request's events, its final result stored
   with the job's acknowledgement in one MULTI, dead-letter records).
 - ``ownership``: one engine per prefix (the owner key, refreshed with the heartbeat in

@@ -16,7 +16,7 @@ from ..api.protocol import StreamEvent
 from ..api.transport import Keys, encode_event, error_event
 
 if TYPE_CHECKING:
-    from .server import ServerConfig
+    from .config import ServerConfig
 
 log = logging.getLogger("gpu_engine.server")
 

@@ -50,7 +50,6 @@ import redis
 
 from ..api.commands import COMMANDS, Command, Lane
 from ..api.errors import (
-    EngineBusy,
     EngineError,
     EngineShutdown,
     GenerationFailed,
@@ -58,38 +57,14 @@ from ..api.errors import (
 )
 from ..api.protocol import ErrorEvent, FinishEvent, StreamEvent, to_builtins
 from ..api.transport import Envelope, Keys, error_event, job_error, result_event
+from .config import ServerConfig
+from .delivery import Delivery, read_entries
 from .ownership import EngineAlreadyRunning, PrefixOwnership
 from .results import ResultWriter
 
 log = logging.getLogger("gpu_engine.server")
 
 READ_BLOCK_MS = 500
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    prefix: str = "millm"
-    heartbeat_s: float = 1.0
-    dead_after_s: float = 5.0
-    max_deliveries: int = 3
-    max_in_flight: int = 1
-    result_ttl_s: int = 600
-    shutdown_grace_s: float = 30.0
-    cancel_poll_s: float = 0.2
-    # bounds the wait for a generation's next event, and an embed/score call
-    event_timeout_s: float = 600.0
-    # approximate cap of one request's event stream (tokens + final)
-    stream_maxlen: int = 100_000
-
-    def __post_init__(self) -> None:
-        if self.heartbeat_s <= 0 or self.dead_after_s < 2 * self.heartbeat_s:
-            raise ValueError("dead_after_s must be at least twice heartbeat_s (and > 0)")
-        if self.max_deliveries < 1 or self.max_in_flight < 1:
-            raise ValueError("max_deliveries and max_in_flight must be >= 1")
-
-    @property
-    def dead_after_ms(self) -> int:
-        return max(int(self.dead_after_s * 1000), 1)
 
 
 @dataclass
@@ -102,15 +77,6 @@ class _InFlight:
     fail_with: EngineError | None = None  # shutdown: the error to send
     cancel_sent: bool = False
     started_at: float = field(default_factory=time.monotonic)
-
-
-def _entries(response: Any) -> list[tuple[str, list[tuple[str, Any]]]]:
-    """XREADGROUP's answer as [(stream, [(id, fields)])] under RESP2 and RESP3."""
-    if not response:
-        return []
-    if isinstance(response, dict):
-        return [(k, v[0] if v and isinstance(v[0], list) else v) for k, v in response.items()]
-    return [(stream, entries) for stream, entries in response]
 
 
 class EngineServer:
@@ -145,6 +111,7 @@ class EngineServer:
         self._threads: list[threading.Thread] = []
         self._heartbeat_thread: threading.Thread | None = None
         self._results = ResultWriter(client, self.keys, self.config, self.engine_id)
+        self._delivery = Delivery(client, self.keys, self.config, self.engine_id, self._results)
         self._owner = PrefixOwnership(client, self.keys, self.engine_id, dead_after_ms=self.config.dead_after_ms)
 
     # ------------------------------------------------------------------ lifecycle
@@ -369,14 +336,19 @@ class EngineServer:
             now = time.monotonic()
             if now >= next_reclaim[0]:
                 next_reclaim[0] = now + max(self.config.heartbeat_s, self.config.dead_after_s / 2)
-                self._reclaim(self.keys.requests, self._accept_request)
+                self._delivery.reclaim(
+                    self.keys.requests,
+                    self._accept_request,
+                    room=lambda: max(self.config.max_in_flight - self.in_flight(), 0),
+                    stopping=self._stopping,
+                )
             room = self._room_left(0.5)
             if room <= 0 or self._stopping.is_set():
                 return
             response = self.redis.xreadgroup(
                 self.keys.group, self.engine_id, {self.keys.requests: ">"}, count=room, block=READ_BLOCK_MS
             )
-            for _, entries in _entries(response):
+            for _, entries in read_entries(response):
                 for msg_id, fields in entries:
                     self._accept_request(msg_id, fields, 1)
 
@@ -389,112 +361,26 @@ class EngineServer:
             now = time.monotonic()
             if now >= next_reclaim[0]:
                 next_reclaim[0] = now + max(self.config.heartbeat_s, self.config.dead_after_s / 2)
-                self._reclaim(self.keys.commands, self._accept_command, room=1)
+                self._delivery.reclaim(
+                    self.keys.commands, self._accept_command, room=lambda: 1, stopping=self._stopping
+                )
             response = self.redis.xreadgroup(
                 self.keys.group, self.engine_id, {self.keys.commands: ">"}, count=1, block=READ_BLOCK_MS
             )
-            for _, entries in _entries(response):
+            for _, entries in read_entries(response):
                 for msg_id, fields in entries:
                     self._accept_command(msg_id, fields, 1)
 
         self._guarded("commands", step)
 
-    def _reclaim(self, stream: str, accept: Callable[[str, Any, int], None], *, room: int | None = None) -> None:
-        """Take over entries a dead engine read and never acknowledged."""
-        start = "0-0"
-        for _ in range(100):  # bounded: at most 100 pages per pass
-            count = room if room is not None else max(self.config.max_in_flight - self.in_flight(), 0)
-            if count <= 0 or self._stopping.is_set():
-                return
-            result = self.redis.xautoclaim(
-                stream,
-                self.keys.group,
-                self.engine_id,
-                min_idle_time=self.config.dead_after_ms,
-                start_id=start,
-                count=count,
-            )
-            start, claimed = result[0], result[1]
-            deleted = result[2] if len(result) > 2 else []
-            if deleted:
-                self.redis.xack(stream, self.keys.group, *deleted)
-            for msg_id, fields in claimed:
-                if not fields:  # deleted from the stream meanwhile
-                    self.redis.xack(stream, self.keys.group, msg_id)
-                    continue
-                info = self.redis.xpending_range(stream, self.keys.group, msg_id, msg_id, 1)
-                delivered = int(info[0]["times_delivered"]) if info else 1
-                log.warning("engine_reclaimed stream=%s id=%s deliveries=%d", stream, msg_id, delivered)
-                accept(msg_id, fields, delivered)
-            if start in ("0-0", b"0-0"):
-                return
-
     # ------------------------------------------------------------------ requests
 
-    def _claim_start(
-        self, stream: str, msg_id: str, fields: Any, request_id: str, delivered: int, deadline: float
-    ) -> bool:
-        """The checks before work starts; False when the entry was settled here."""
-        if delivered > self.config.max_deliveries:
-            self._results.give_up(
-                stream,
-                msg_id,
-                fields,
-                request_id,
-                "max_deliveries",
-                GenerationFailed(
-                    f"the job was delivered {delivered} times without finishing (each time the "
-                    "engine stopped while holding it); it was moved to the dead-letter stream",
-                    details={"deliveries": delivered},
-                ),
-            )
-            return False
-        started_key = self.keys.started(request_id)
-        starter = self.redis.get(started_key)
-        if starter is None:
-            if time.time() > deadline or not self.redis.exists(self.keys.live(request_id)):
-                # nobody waits for it any more (the client left or gave up): drop it unrun
-                log.info("engine_dropped_abandoned id=%s request_id=%s", msg_id, request_id)
-                self._results.store_final(
-                    stream,
-                    msg_id,
-                    request_id,
-                    error_event(request_id, EngineBusy("the client stopped waiting before the job started")),
-                )
-                return False
-            if self.redis.set(started_key, self.engine_id, nx=True, ex=self.config.result_ttl_s):
-                return True
-            starter = self.redis.get(started_key)
-        self._results.give_up(
-            stream,
-            msg_id,
-            fields,
-            request_id,
-            "engine_died_while_running",
-            EngineShutdown(
-                f"the engine process running this job ({starter}) stopped before it finished; it is not run again",
-                details={"started_by": starter},
-            ),
-        )
-        return False
-
-    def _decode(self, stream: str, msg_id: str, fields: Any) -> Envelope | None:
-        """The entry's envelope, or None once a malformed entry (it names no reply
-        stream, so it cannot be answered) was dead-lettered."""
-        try:
-            return Envelope.decode(fields)
-        except Exception as exc:  # noqa: BLE001 - a malformed entry is dead-lettered
-            self._results.dead_letter(stream, msg_id, fields, "undecodable", repr(exc))
-            self.redis.xack(stream, self.keys.group, msg_id)
-            self.redis.xdel(stream, msg_id)
-            return None
-
     def _accept_request(self, msg_id: str, fields: Any, delivered: int) -> None:
-        env = self._decode(self.keys.requests, msg_id, fields)
+        env = self._delivery.decode(self.keys.requests, msg_id, fields)
         if env is None:
             return
         rid = env.request_id
-        if not self._claim_start(self.keys.requests, msg_id, fields, rid, delivered, env.deadline):
+        if not self._delivery.claim_start(self.keys.requests, msg_id, fields, rid, delivered, env.deadline):
             return
         entry = _InFlight(msg_id, self.keys.requests, rid, env.kind)
         with self._lock:
@@ -594,11 +480,11 @@ class EngineServer:
     # ------------------------------------------------------------------ commands
 
     def _accept_command(self, msg_id: str, fields: Any, delivered: int) -> None:
-        env = self._decode(self.keys.commands, msg_id, fields)
+        env = self._delivery.decode(self.keys.commands, msg_id, fields)
         if env is None:
             return
         cid = env.request_id
-        if not self._claim_start(self.keys.commands, msg_id, fields, cid, delivered, env.deadline):
+        if not self._delivery.claim_start(self.keys.commands, msg_id, fields, cid, delivered, env.deadline):
             return
         entry = _InFlight(msg_id, self.keys.commands, cid, env.kind)
         with self._lock:
@@ -630,4 +516,4 @@ def _on_lane(env: Envelope, *lanes: Lane) -> Command:
     return cmd
 
 
-__all__ = ["EngineAlreadyRunning", "EngineServer", "ServerConfig"]
+__all__ = ["EngineAlreadyRunning", "EngineServer"]

@@ -30,7 +30,8 @@ from gpu_engine.api.protocol import (
     to_builtins,
 )
 from gpu_engine.api.transport import Keys
-from gpu_engine.server.server import EngineServer, ServerConfig
+from gpu_engine.server.config import ServerConfig
+from gpu_engine.server.server import EngineServer
 
 
 class FakeStream:

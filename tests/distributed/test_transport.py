@@ -29,7 +29,8 @@ from gpu_engine.api.protocol import (
     to_builtins,
 )
 from gpu_engine.api.transport import Envelope, Keys
-from gpu_engine.server.server import EngineAlreadyRunning, EngineServer, ServerConfig
+from gpu_engine.server.config import ServerConfig
+from gpu_engine.server.server import EngineAlreadyRunning, EngineServer
 from tests.distributed.fakes import FAST, FakeEngine, fake_heartbeat, running_server
 
 

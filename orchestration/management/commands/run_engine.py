@@ -32,7 +32,7 @@ log = structlog.get_logger("millm.engine")
 
 def server_config() -> Any:
     from core.engine_client import engine_bounds
-    from gpu_engine.server.server import ServerConfig
+    from gpu_engine.server.config import ServerConfig
 
     return ServerConfig(
         prefix=settings.ENGINE_STREAM_PREFIX,
