@@ -9,6 +9,8 @@ module (tests/vllm/conftest.py)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -175,6 +177,29 @@ class BatchWatch:
 def test_the_backend_reports_steering_controls(vllm_engine):
     caps = vllm_engine.status().batching["capabilities"]
     assert caps["steering_controls"] is True and caps["per_request_steering"] is True
+
+
+def test_with_cuda_graphs_a_control_is_refused_naming_the_backend():
+    """``VLLM_ENFORCE_EAGER=false``: the hooks would not run, so steering and its controls
+    are reported off and a request with a control is refused before anything runs, naming
+    the field, the backend and the capability that is off (no vLLM started: the backend's
+    own capabilities and the engine's check)."""
+    from gpu_engine.backends.vllm.backend import VllmBackend
+    from gpu_engine.runtime.prepare import check_capabilities
+
+    graphs = VllmBackend.__new__(VllmBackend)
+    graphs.enforce_eager, graphs.tool_call_format = False, None
+    caps = graphs.capabilities()
+    assert caps.steering_controls is False and caps.per_request_steering is False and caps.cuda_graphs is True
+    job = GenerationJob("g", prompt="x", steering=spec(L1, controls=[FeatureControl(3, mode="clamp", value=2.0)]))
+    with pytest.raises(InvalidParameter) as err:
+        check_capabilities(graphs, job)
+    assert err.value.details["param"] == "steering"
+    assert err.value.details["backend"] == "vllm" and err.value.details["capability"] == "per_request_steering"
+    eager = VllmBackend.__new__(VllmBackend)
+    eager.enforce_eager, eager.tool_call_format = True, None
+    assert eager.capabilities().steering_controls is True
+    check_capabilities(eager, job)  # runs
 
 
 def test_a_mixed_batch_of_every_mode_equals_transformers(vllm_engine, hf_engine):
@@ -346,3 +371,72 @@ def test_a_control_that_selects_no_position_is_refused_before_anything_runs(vllm
             vllm_engine.generate_sync(job, timeout_s=60)
         assert err.value.details["param"] == "steering.features.window"
     assert batch.steps == steps and vllm_engine.status().in_flight == 0
+
+
+@pytest.mark.skipif(
+    os.environ.get("MILLM_VLLM_TP2") != "1",
+    reason="two vLLM workers take minutes to start on two cores: set MILLM_VLLM_TP2=1",
+)
+def test_tp2_runs_every_control_like_tp1(tiny_assets, vllm_engine, hf_engine, monkeypatch):
+    """tensor_parallel_size=2 (mp executor): both ranks compute every request's controls
+    (a rank that did not would hold another stream than the other after the all-reduce),
+    the counts are one rank's and the fired positions are reported once."""
+    from vllm import envs
+
+    from gpu_engine.api.protocol import BatchingOptions, LoadModelJob
+    from gpu_engine.runtime.engine import Engine
+
+    from .conftest import _attach
+
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
+    if hasattr(envs, "disable_envs_cache"):
+        envs.disable_envs_cache()
+    trigger, threshold = choose_trigger(hf_engine, prompt=PROMPTS["cond"])
+    jobs = [
+        GenerationJob(
+            "clamp",
+            prompt=PROMPTS["clamp"],
+            sampling=greedy(8),
+            steering=spec(L1, {5: 3.0}, [FeatureControl(3, mode="clamp", value=9.0)]),
+        ),
+        GenerationJob(
+            "cond",
+            prompt=PROMPTS["cond"],
+            sampling=greedy(8),
+            steering=spec(
+                L2,
+                controls=[
+                    FeatureControl(7, value=15.0, condition=SteeringCondition(trigger, threshold)),
+                    FeatureControl(40, mode="ablate", phase="completion"),
+                ],
+            ),
+        ),
+    ]
+    one = [vllm_engine.generate_sync(j, timeout_s=120) for j in jobs]
+    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4), drain_timeout_s=600)
+    try:
+        eng.load_model(
+            LoadModelJob(
+                "tiny-llama",
+                str(tiny_assets.models["tiny-llama"].path),
+                dtype="float32",
+                device="cpu",
+                backend="vllm",
+                options={"distributed_executor_backend": "mp", "tensor_parallel_size": 2, "max_num_seqs": 4},
+            ),
+            timeout_s=600,
+        )
+        _attach(eng, tiny_assets)
+        streams = [eng.generate(j) for j in jobs]
+        two = [s.result(600) for s in streams]
+    finally:
+        eng.shutdown()
+    for a, b in zip(one, two):
+        assert b.token_ids == a.token_ids
+        assert [(c.count, c.modes) for c in b.steering_apply_count] == [
+            (c.count, c.modes) for c in a.steering_apply_count
+        ]
+        assert [(f.index, f.mode, f.positions) for f in b.steering_fired] == [
+            (f.index, f.mode, f.positions) for f in a.steering_fired
+        ]
+    assert one[1].steering_fired[0].positions
