@@ -1,4 +1,5 @@
-"""Admission control for generation: MAX_CONCURRENT_REQUESTS slots plus
+"""Admission control for generation: the slots in force (MAX_CONCURRENT_REQUESTS, or with it
+unset the loaded backend's: ``core.engine_client.interactive_slots``) plus
 MAX_PENDING_REQUESTS places in a queue; anything beyond is refused at once (STYLE §11).
 
 A request either takes a slot, or waits in the queue for one, or is refused with
@@ -30,6 +31,7 @@ import statistics
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -107,11 +109,17 @@ class _Waiter:
 
 class AdmissionController:
     def __init__(
-        self, *, slots: int, max_pending: int, window: int = 50, retry_default_s: int = 5, retry_max_s: int = 60
+        self,
+        *,
+        slots: int | Callable[[], int],
+        max_pending: int,
+        window: int = 50,
+        retry_default_s: int = 5,
+        retry_max_s: int = 60,
     ) -> None:
-        if slots < 1 or max_pending < 0:
+        self._slots = slots if callable(slots) else _fixed(slots)
+        if self.slots < 1 or max_pending < 0:
             raise ValueError("slots must be >= 1 and max_pending >= 0")
-        self.slots = slots
         self.max_pending = max_pending
         self.retry_default_s = retry_default_s
         self.retry_max_s = retry_max_s
@@ -122,10 +130,17 @@ class AdmissionController:
         self._refused = 0
         self._admitted = 0
 
+    @property
+    def slots(self) -> int:
+        """The slots in force: with MAX_CONCURRENT_REQUESTS unset they follow the loaded
+        model's backend (``core.engine_client.interactive_slots``), so a load or an unload
+        changes them. Fewer than are held: nobody new starts until enough are released."""
+        return max(int(self._slots()), 1)
+
     @classmethod
     def from_settings(cls) -> AdmissionController:
         return cls(
-            slots=settings.MAX_CONCURRENT_REQUESTS,
+            slots=current_slots,
             max_pending=settings.MAX_PENDING_REQUESTS,
             window=settings.QUEUE_DURATION_WINDOW,
             retry_default_s=settings.RETRY_AFTER_QUEUE_DEFAULT_S,
@@ -159,6 +174,7 @@ class AdmissionController:
 
     def try_acquire(self) -> Permit:
         """A slot now, or QueueFull; never waits."""
+        self._fill()
         with self._lock:
             if self._in_flight < self.slots and not self._waiters:
                 self._in_flight += 1
@@ -173,6 +189,7 @@ class AdmissionController:
         handed to it in the same instant is passed on, never lost.
         """
         loop = asyncio.get_running_loop()
+        self._fill()
         with self._lock:
             if self._in_flight < self.slots and not self._waiters:
                 self._in_flight += 1
@@ -205,17 +222,33 @@ class AdmissionController:
         self._release_slot()
 
     def _release_slot(self) -> None:
-        """Hand the slot to the first live waiter, or free it."""
+        """Hand the slot to the first live waiter, or free it (also when the slots have
+        shrunk below those held: a model on another backend was loaded)."""
         while True:
             with self._lock:
-                if not self._waiters:
+                if not self._waiters or self._in_flight > self.slots:
                     self._in_flight -= 1
-                    return
+                    break
                 waiter = self._waiters.popleft()
                 self._admitted += 1
             # The slot stays counted in _in_flight: it moves to the waiter.
             if self._wake(waiter):
-                return
+                break
+        self._fill()
+
+    def _fill(self) -> None:
+        """Hand the slots that are free to waiters: the slots grew (a model on vLLM was
+        loaded) while requests waited for the fewer there were."""
+        while True:
+            with self._lock:
+                if not self._waiters or self._in_flight >= self.slots:
+                    return
+                waiter = self._waiters.popleft()
+                self._in_flight += 1
+                self._admitted += 1
+            if not self._wake(waiter):
+                with self._lock:
+                    self._in_flight -= 1
 
     @staticmethod
     def _wake(waiter: _Waiter) -> bool:
@@ -251,6 +284,17 @@ class AdmissionController:
                 refused_total=self._refused,
                 admitted_total=self._admitted,
             )
+
+
+def _fixed(slots: int) -> Callable[[], int]:
+    return lambda: slots
+
+
+def current_slots() -> int:
+    """The slots admission grants now (``core.engine_client.interactive_slots``)."""
+    from core.engine_client import interactive_slots
+
+    return interactive_slots().value
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:

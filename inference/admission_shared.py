@@ -15,12 +15,13 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
 
 from core.errors import EngineUnavailable, MillmError
-from inference.admission import AdmissionStats, Permit, QueueFull, _running_loop
+from inference.admission import AdmissionStats, Permit, QueueFull, _fixed, _running_loop, current_slots
 
 # Both scripts first drop holders and waiters whose lease lapsed (a web process that died).
 # Keys: holders, waiters, waiter_expiry, seq, durations. ARGV[1] = now (ms).
@@ -169,7 +170,7 @@ class SharedAdmissionController:
         *,
         url: str,
         prefix: str,
-        slots: int,
+        slots: int | Callable[[], int],
         max_pending: int,
         window: int = 50,
         retry_default_s: int = 5,
@@ -181,11 +182,11 @@ class SharedAdmissionController:
         import redis
         import redis.asyncio  # ~0.1 s to import: here, not in a request on the loop
 
-        if slots < 1 or max_pending < 0:
+        self._slots = slots if callable(slots) else _fixed(slots)
+        if self.slots < 1 or max_pending < 0:
             raise ValueError("slots must be >= 1 and max_pending >= 0")
         if timeout_s <= 0 or wake_poll_s <= 0:
             raise ValueError("timeout_s and wake_poll_s must be > 0")
-        self.slots = slots
         self.max_pending = max_pending
         self.window = window
         self.retry_default_s = retry_default_s
@@ -211,12 +212,20 @@ class SharedAdmissionController:
         self._keeper = threading.Thread(target=self._keep_alive, name="millm-admission", daemon=True)
         self._keeper.start()
 
+    @property
+    def slots(self) -> int:
+        """The slots in force, read at every admission step: with MAX_CONCURRENT_REQUESTS
+        unset they follow the backend of the model the engine last reported (its status,
+        which each /v1 request reads before it asks for a slot); a waiter re-checks its
+        place with the value of the moment."""
+        return max(int(self._slots()), 1)
+
     @classmethod
     def from_settings(cls) -> SharedAdmissionController:
         return cls(
             url=settings.REDIS_URL,
             prefix=settings.ENGINE_STREAM_PREFIX,
-            slots=settings.MAX_CONCURRENT_REQUESTS,
+            slots=current_slots,
             max_pending=settings.MAX_PENDING_REQUESTS,
             window=settings.QUEUE_DURATION_WINDOW,
             retry_default_s=settings.RETRY_AFTER_QUEUE_DEFAULT_S,

@@ -335,13 +335,17 @@ VARIABLES: tuple[Var, ...] = (
         "MAX_CONCURRENT_REQUESTS",
         "Concurrency & timeouts",
         "int",
-        1,
+        0,
         "Generation slots of /v1. Every request carries its own steering and monitoring, "
         "so any value is correct. Serial backend: admitted requests run one at a time in "
         "arrival order. Continuous batching: the batch's rows, up to this many requests "
         "share every forward pass (a request with n choices brings n rows; extra rows wait "
-        "in the engine).",
-        minimum=1,
+        "in the engine). 0 (the default) follows the loaded model's backend: a model on "
+        "vLLM gets VLLM_MAX_NUM_SEQS slots (its own batch's rows), any other backend 1. A "
+        "value of 1 or more caps the slots on every backend; on vLLM they are never more "
+        "than VLLM_MAX_NUM_SEQS (a slot beyond its batch would only wait inside vLLM). "
+        "GET /api/health/inference reports the slots in force and where they come from.",
+        minimum=0,
     ),
     Var(
         "MAX_PENDING_REQUESTS",
@@ -610,7 +614,8 @@ VARIABLES: tuple[Var, ...] = (
         "int",
         0,
         "Jobs run_engine takes from the request stream at once, a safety net behind /v1's "
-        "admission (which decides the queue); 0 = MAX_CONCURRENT_REQUESTS + "
+        "admission (which decides the queue); 0 = the most slots a model can get "
+        "(MAX_CONCURRENT_REQUESTS; unset, the larger of 1 and VLLM_MAX_NUM_SEQS) + "
         "MAX_PENDING_REQUESTS + BATCH_ENGINE_ROWS, so no admitted job waits in the stream "
         "behind batch lines. Otherwise at least "
         "MAX_CONCURRENT_REQUESTS.",
@@ -660,8 +665,8 @@ VARIABLES: tuple[Var, ...] = (
         256,
         "With batching: sequences the engine holds beyond its free rows, waiting for one; "
         "more are refused at once (503 model_busy). A safety net behind /v1's admission: "
-        "never less than the jobs run_engine takes beyond the rows (ENGINE_MAX_IN_FLIGHT - "
-        "MAX_CONCURRENT_REQUESTS), so admitted work is never refused.",
+        "never less than the jobs run_engine takes beyond the fewest rows a model can get "
+        "(ENGINE_MAX_IN_FLIGHT - 1), so admitted work is never refused.",
         minimum=1,
     ),
     Var(
@@ -722,7 +727,7 @@ VARIABLES: tuple[Var, ...] = (
         "int",
         4,
         "Batch API lines one batch runner keeps at the engine at once. With continuous "
-        "batching these are extra rows beyond MAX_CONCURRENT_REQUESTS that only batch lines "
+        "batching these are extra rows beyond the interactive slots that only batch lines "
         "use, so interactive requests keep their own rows (and their time to first token); "
         "batch lines start only when no interactive request waits. Serial backend: batch "
         "lines queue behind every interactive request.",
@@ -1075,7 +1080,9 @@ VARIABLES: tuple[Var, ...] = (
         "vLLM models",
         "int",
         16,
-        "Requests vLLM runs in one batch at most (its continuous batch's rows).",
+        "Requests vLLM runs in one batch at most (its continuous batch's rows). With "
+        "MAX_CONCURRENT_REQUESTS unset (0) a model on vLLM gets this many /v1 slots; "
+        "MAX_CONCURRENT_REQUESTS set caps them (the smaller of the two wins).",
         minimum=1,
         maximum=4096,
     ),

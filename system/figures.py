@@ -11,6 +11,7 @@ from typing import Any
 import structlog
 from django.conf import settings
 
+from core.engine_client import interactive_slots
 from core.runtime import runtime
 from gpu_engine.api.protocol import to_builtins
 from inference.admission import queue_figures
@@ -30,17 +31,21 @@ def engine_snapshot() -> dict[str, Any]:
 
 
 def inference_figures() -> dict[str, Any]:
-    """pending / in flight / waiting / estimated_wait_seconds from /v1's admission."""
+    """pending / in flight / waiting / estimated_wait_seconds from /v1's admission, with
+    the slots in force and the setting they come from (``slots_source``)."""
+    slots = interactive_slots()
     try:
         figures = dict(queue_figures())
     except Exception as exc:  # noqa: BLE001 - the /v1 tier may not be importable yet
         log.warning("queue_figures_unavailable", error=repr(exc))
         figures = {
-            "slots": settings.MAX_CONCURRENT_REQUESTS,
+            "slots": slots.value,
             "max_pending": settings.MAX_PENDING_REQUESTS,
             "in_flight": None,
             "waiting": None,
             "pending": None,
             "estimated_wait_seconds": None,
         }
+    # where the slots come from: MAX_CONCURRENT_REQUESTS, or with it unset the loaded backend
+    figures["slots_source"] = slots.source
     return figures

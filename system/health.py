@@ -30,6 +30,7 @@ from rest_framework.views import APIView
 
 from core.api import envelope
 from core.auth import keys_enabled
+from core.engine_client import interactive_slots
 from core.errors import NotReady
 from core.schema import enveloped
 from core.version import version
@@ -325,6 +326,7 @@ class InferenceHealthView(APIView):
         # what the engine actually runs (its own report), else what the settings ask for
         engine_batching = engine.get("batching") or {}
         batching = bool(engine_batching.get("enabled", settings.ENABLE_CONTINUOUS_BATCHING))
+        slots = interactive_slots(engine.get("backend") or "none")
         return envelope(
             {
                 # the loaded model's backend (None while nothing is loaded), the one a model
@@ -343,7 +345,10 @@ class InferenceHealthView(APIView):
                 "memory": engine.get("memory") or {},
                 "engine_state": engine["state"],
                 "model_name": engine.get("model_id"),
-                "max_concurrent_requests": settings.MAX_CONCURRENT_REQUESTS,
+                # the slots in force for the loaded backend, and the setting they come from
+                # (MAX_CONCURRENT_REQUESTS unset follows the backend: vLLM's VLLM_MAX_NUM_SEQS)
+                "max_concurrent_requests": slots.value,
+                "slots": slots.to_dict(),
                 "max_pending_requests": settings.MAX_PENDING_REQUESTS,
                 "queue": inference_figures(),
                 # as the loaded backend reports them (empty while nothing is loaded), plus

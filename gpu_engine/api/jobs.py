@@ -181,6 +181,12 @@ class BatchingOptions(msgspec.Struct):
     others it has announced (``Engine.arriving``), the first prefill waits for them, at
     most this long, so a burst is prefilled in one pass rather than the late ones behind
     the early ones' prefill (0: never wait).
+
+    ``follow_backend``: the operator left the rows to the backend (MAX_CONCURRENT_REQUESTS
+    unset). A backend that runs a batch of its own (vLLM: its ``max_num_seqs`` load
+    option, ``BackendEntry.rows``) then gets that many interactive rows; otherwise, and
+    for a backend without one, ``max_batch_size`` stands, capped on such a backend by its
+    own batch (``gpu_engine.backends.batch_rows``).
     """
 
     enabled: bool = False
@@ -190,6 +196,7 @@ class BatchingOptions(msgspec.Struct):
     force_serial_monitoring: bool = False
     batch_rows: Annotated[int, msgspec.Meta(ge=0, le=MAX_BATCH_ROWS)] = 0
     gather_ms: Annotated[int, GATHER_MS.meta] = 50
+    follow_backend: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self)

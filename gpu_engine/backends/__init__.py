@@ -56,6 +56,11 @@ class BackendEntry:
     # (Q8, Q4, Q2), whether a load on this backend can apply it here and with what kernel
     # or why not; a backend without one applies none (``report``'s ``quantizations``)
     quantizations: str = ""
+    # a backend that runs a batch of its own sizes it with this load option (vLLM's
+    # max_num_seqs), ``rows_default`` when the job leaves it out: the engine's rows, and
+    # /v1's slots, follow it unless the operator caps them (``batch_rows``)
+    rows_option: str = ""
+    rows_default: int = 0
 
     def __post_init__(self) -> None:
         options = {k: v if isinstance(v, Option) else Option(v) for k, v in self.options.items()}
@@ -64,6 +69,13 @@ class BackendEntry:
     def option_settings(self) -> dict[str, str]:
         """Each load option a site setting fills, and that setting's name."""
         return {k: o.setting for k, o in self.options.items() if isinstance(o, Option) and o.setting}
+
+    def rows(self, options: Mapping[str, Any]) -> int | None:
+        """The rows this backend's own batch runs with under load ``options`` (None: it
+        has no batch of its own, the engine's BatchingOptions size it)."""
+        if not self.rows_option:
+            return None
+        return int(options.get(self.rows_option) or self.rows_default) or None
 
     def missing(self) -> list[str]:
         return [name for name in self.requires if importlib.util.find_spec(name) is None]
@@ -165,6 +177,28 @@ def backend_option_settings(name: str) -> dict[str, str]:
     return entry.option_settings() if entry is not None else {}
 
 
+def batch_rows(max_batch_size: int, native: int | None, *, follow_backend: bool) -> int:
+    """The interactive rows (and /v1 slots) a model gets: ``native`` (its backend's own
+    batch, ``BackendEntry.rows``) when the operator left them to the backend, capped by
+    ``native`` when the operator set ``max_batch_size`` (a row beyond the backend's batch
+    would only wait inside it, unseen); ``max_batch_size`` for a backend without a batch
+    of its own."""
+    if native is None:
+        return max_batch_size
+    return native if follow_backend else min(max_batch_size, native)
+
+
+def backend_rows_setting(name: str) -> tuple[str, int] | None:
+    """The site setting that sizes ``name``'s own batch and the value it takes when unset
+    (None: a backend without a batch of its own, or not registered)."""
+    entry = _BACKENDS.get(name)
+    if entry is None or not entry.rows_option:
+        return None
+    option = entry.options.get(entry.rows_option)
+    setting = option.setting if isinstance(option, Option) else ""
+    return (setting, entry.rows_default) if setting else None
+
+
 def backends_report() -> list[dict[str, Any]]:
     """Every registered backend, whether it can load here, and how to install it."""
     global _report
@@ -223,6 +257,9 @@ register_backend(
             "max_num_seqs": Option(int, "VLLM_MAX_NUM_SEQS"),
             "enforce_eager": Option(bool, "VLLM_ENFORCE_EAGER"),
         },
+        # vLLM schedules at most max_num_seqs sequences per step (its own default 16)
+        rows_option="max_num_seqs",
+        rows_default=16,
     )
 )
 
@@ -254,6 +291,8 @@ __all__ = [
     "Option",
     "backend_names",
     "backend_option_settings",
+    "backend_rows_setting",
+    "batch_rows",
     "backends_report",
     "get_backend",
     "register_backend",

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import torch
 
-from ..backends import get_backend
+from ..backends import batch_rows, get_backend
 from ..backends.base import Closeable, missing_members
 from ..api.errors import (
     EngineError,
@@ -101,6 +101,11 @@ class ModelLoading(StatusReports):
                     backend.close()
                 raise ModelLoadFailed(f"the {entry.name} backend broke its contract (missing: {', '.join(missing)})")
             self._backend, self._model_id, self._load_job = backend, job.model_id, job
+            # the interactive rows: a backend with a batch of its own (vLLM's max_num_seqs)
+            # sizes them unless the operator set them, and caps them when the operator did
+            rows = batch_rows(
+                self.batching.max_batch_size, entry.rows(job.options), follow_backend=self.batching.follow_backend
+            )
             if self._scheduler is None and not backend.capabilities().serial_mode:
                 # a backend that only batches (vLLM) runs every generation through a batch
                 # scheduler even on a serial engine; it goes with the backend (_unload)
@@ -111,9 +116,8 @@ class ModelLoading(StatusReports):
                 )
                 self._backend_scheduler = True
             if self._scheduler is not None:
-                self._scheduler.set_backend(
-                    backend.batch_runner(max_rows=self.batching.max_batch_size + self.batching.batch_rows)
-                )
+                self._scheduler.options = msgspec.structs.replace(self._scheduler.options, max_batch_size=rows)
+                self._scheduler.set_backend(backend.batch_runner(max_rows=rows + self.batching.batch_rows))
             self._emit("model:load:complete", model_id=job.model_id)
             return self.status()
 
@@ -127,6 +131,10 @@ class ModelLoading(StatusReports):
         self._backend = self._model_id = self._load_job = None
         if self._scheduler is not None:
             self._scheduler.set_backend(None)
+            # the engine's own rows again until the next model's backend sizes them
+            self._scheduler.options = msgspec.structs.replace(
+                self._scheduler.options, max_batch_size=self.batching.max_batch_size
+            )
         if self._backend_scheduler:
             self._scheduler, self._backend_scheduler = None, False
         try:

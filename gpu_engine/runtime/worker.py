@@ -242,7 +242,7 @@ class EngineWorker:
                 self._gather_from = now
                 self._gather_until = now + self.batching.gather_ms / 1000
         left = self._gather_until - now
-        if left > 0 and self._arriving > 0 and len(sched.waiting) < self.batching.max_batch_size:
+        if left > 0 and self._arriving > 0 and len(sched.waiting) < sched.options.max_batch_size:
             return min(left, _GATHER_POLL_S)  # a withdrawn arrival is noticed within a poll
         if self._gather_from is not None:
             with self._state_lock:

@@ -88,7 +88,17 @@ def test_inference(api, engine_client, settings):
     assert data["default_backend"] == "transformers"
     assert "per_request_steering" not in data["capabilities"]
     assert {b["name"]: b["available"] for b in data["backends"]}["transformers"] is True
-    assert data["max_concurrent_requests"] == settings.MAX_CONCURRENT_REQUESTS
+    # MAX_CONCURRENT_REQUESTS unset: the slots follow the backend, and with nothing (or a
+    # transformers model) loaded that is today's single slot
+    assert settings.MAX_CONCURRENT_REQUESTS == 0
+    assert data["max_concurrent_requests"] == 1
+    assert data["slots"] == {
+        "slots": 1,
+        "source": "default",
+        "backend": "none",
+        "follows_backend": True,
+        "max_concurrent_requests": 0,
+    }
 
 
 @pytest.mark.parametrize("pack, kernels", [(True, "onednn_packed"), (False, "default")])

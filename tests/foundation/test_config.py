@@ -20,7 +20,7 @@ SEED_DEFAULTS = {
     "AUTO_LOAD_MODEL": "",
     "LOG_LEVEL": "INFO",
     "LOG_FORMAT": "console",
-    "MAX_CONCURRENT_REQUESTS": 1,
+    "MAX_CONCURRENT_REQUESTS": 0,  # unset: the slots follow the loaded model's backend
     "MAX_PENDING_REQUESTS": 10,
     "MAX_DOWNLOAD_WORKERS": 2,
     "MAX_LOAD_WORKERS": 1,
@@ -131,7 +131,7 @@ def test_redis_url_selects_distributed_mode():
 
 REFUSALS = [
     ({"MAX_PENDING_REQUESTS": "-1"}, "MAX_PENDING_REQUESTS", "must be >= 0"),
-    ({"MAX_CONCURRENT_REQUESTS": "0"}, "MAX_CONCURRENT_REQUESTS", "must be >= 1"),
+    ({"MAX_CONCURRENT_REQUESTS": "-1"}, "MAX_CONCURRENT_REQUESTS", "must be >= 0"),
     ({"PORT": "eighty"}, "PORT", "must be an integer"),
     ({"PORT": "70000"}, "PORT", "must be <= 65535"),
     ({"METRICS_PUSH_INTERVAL_S": "-1"}, "METRICS_PUSH_INTERVAL_S", "must be >= 0"),
@@ -416,6 +416,29 @@ def test_check_config_says_where_each_variable_takes_effect(tmp_path):
         else:
             want = sorted(f for f, w in words.items() if v.name in w)
             assert notes[v.name] == "read in " + ", ".join(want), v.name
+
+
+def test_check_config_says_which_setting_sizes_the_slots_on_each_backend(tmp_path):
+    def slots(**env: str) -> list[str]:
+        result = manage("check_config", env={"MILLM_DATA_DIR": str(tmp_path), **env})
+        assert result.returncode == 0, result.stderr
+        lines = result.stdout.splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("[Generation slots of /v1]"))
+        return lines[start : start + 4]
+
+    assert slots(VLLM_MAX_NUM_SEQS="8") == [
+        "[Generation slots of /v1] MAX_CONCURRENT_REQUESTS unset (0): they follow the loaded model's backend",
+        "a model on transformers: 1 slot(s), from default",
+        "a model on vllm: 8 slot(s), from VLLM_MAX_NUM_SEQS",
+        "a model on llamacpp: 1 slot(s), from default",
+    ]
+    # set, it caps every backend; vLLM's own batch caps it in turn (the smaller wins)
+    assert slots(MAX_CONCURRENT_REQUESTS="12", VLLM_MAX_NUM_SEQS="8")[1:] == [
+        "a model on transformers: 12 slot(s), from MAX_CONCURRENT_REQUESTS",
+        "a model on vllm: 8 slot(s), from VLLM_MAX_NUM_SEQS",
+        "a model on llamacpp: 12 slot(s), from MAX_CONCURRENT_REQUESTS",
+    ]
+    assert slots(MAX_CONCURRENT_REQUESTS="2")[2] == "a model on vllm: 2 slot(s), from MAX_CONCURRENT_REQUESTS"
 
 
 def test_check_config_counts_code_not_prose_as_reading_a_variable():

@@ -91,6 +91,35 @@ def test_slots_are_shared_across_threads_and_loops():
     assert peak[0] <= 2 and ctl.stats().in_flight == 0 and ctl.stats().admitted_total == 12
 
 
+def test_slots_follow_their_source_when_it_changes():
+    """The slots are read at every step (MAX_CONCURRENT_REQUESTS unset: the loaded model's
+    backend): more slots admit the waiters, fewer hand out none until enough are released."""
+    slots = [1]
+    ctl = AdmissionController(slots=lambda: slots[0], max_pending=5)
+
+    async def scenario() -> None:
+        first = await ctl.acquire()
+        waiters = [asyncio.ensure_future(ctl.acquire()) for _ in range(2)]
+        await asyncio.sleep(0)
+        assert (ctl.stats().in_flight, ctl.stats().waiting) == (1, 2)
+        slots[0] = 3  # a model on vLLM was loaded: three slots
+        first.release()  # hands its slot on, and the two new ones go to the waiters too
+        held = [await asyncio.wait_for(w, 2) for w in waiters]
+        assert (ctl.stats().slots, ctl.stats().in_flight, ctl.stats().waiting) == (3, 2, 0)
+        slots[0] = 1  # back to a model with one slot: two are held
+        late = asyncio.ensure_future(ctl.acquire())
+        await asyncio.sleep(0)
+        assert ctl.stats().waiting == 1
+        held[0].release()  # still one held, the only slot there is: nobody new starts
+        await asyncio.sleep(0)
+        assert (ctl.stats().in_flight, ctl.stats().waiting) == (1, 1) and not late.done()
+        held[1].release()
+        (await asyncio.wait_for(late, 2)).release()
+
+    asyncio.run(scenario())
+    assert (ctl.stats().in_flight, ctl.stats().waiting) == (0, 0)
+
+
 # ---------------------------------------------------------------- over the socket
 
 

@@ -10,6 +10,9 @@ runs.  Like tests/vllm, this fails instead of skipping when ``MILLM_REQUIRE_VLLM
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
+import threading
 import time
 
 import openai
@@ -407,3 +410,103 @@ def test_response_format_on_vllm_parses_and_validates(vllm_llama, openai_client)
         {"model": "tiny-llama", "messages": MESSAGES, "max_tokens": 2, "tools": tools},
     )
     assert_openai_error(resp, 400, "field_not_honoured", "tools")
+
+
+# ---------------------------------------------------------------- slots (issue 33, item 4)
+
+
+@contextlib.contextmanager
+def held_batch(server, rows: int):
+    """Hold the engine's vLLM batch once one of its steps has run ``rows`` rows at once.
+
+    The first step waits until the engine has accepted ``rows`` generations (so a request
+    that reached it late does not miss the batch on a slow host: an event, not a margin);
+    the step after which ``rows`` sequences are running sets ``full`` and blocks until the
+    test sets ``go`` (on leaving the block at the latest). Yields (full, go)."""
+    engine = server.engine
+    batch = engine._scheduler.backend
+    step = batch.step
+    full, go = threading.Event(), threading.Event()
+    first = [True]
+
+    def gated():
+        if first[0]:
+            first[0] = False
+            deadline = time.monotonic() + 120
+            while engine._ledger.live() < rows and time.monotonic() < deadline and not go.is_set():
+                time.sleep(0.005)
+        finished = step()
+        if not full.is_set() and len(engine._scheduler.running) >= rows:
+            full.set()
+            go.wait(300)
+        return finished
+
+    batch.step = gated
+    try:
+        yield full, go
+    finally:
+        go.set()
+        del batch.step
+
+
+def test_slots_follow_vllm_max_num_seqs_when_max_concurrent_requests_is_unset(vllm_llama, on_vllm, openai_client):
+    """MAX_CONCURRENT_REQUESTS unset: a model on vLLM gets VLLM_MAX_NUM_SEQS slots, and that
+    many concurrent /v1 requests are all admitted and share vLLM's steps."""
+    from django.conf import settings
+
+    server, relu = vllm_llama
+    assert settings.MAX_CONCURRENT_REQUESTS == 0  # the default: follow the backend
+    n = settings.VLLM_MAX_NUM_SEQS  # 8, the fixture's
+    health = _call(server, "GET", "/health/inference")
+    assert health["max_concurrent_requests"] == n
+    assert health["slots"] == {
+        "slots": n,
+        "source": "VLLM_MAX_NUM_SEQS",
+        "backend": "vllm",
+        "follows_backend": True,
+        "max_concurrent_requests": 0,
+    }
+    assert health["batching"]["max_batch_size"] == n  # the engine's rows follow it too
+    want = ref(on_vllm, relu).text
+    steps_before = health["batching"]["decode_steps"]
+    with held_batch(server, n) as (full, go), concurrent.futures.ThreadPoolExecutor(n) as pool:
+        futures = [pool.submit(complete, openai_client) for _ in range(n)]
+        assert full.wait(300), "the n requests never ran in one vLLM step"
+        # held with all n running: every one holds a slot, none waits
+        inference = _call(server, "GET", "/health/detailed")["inference"]
+        assert (inference["slots"], inference["in_flight"], inference["waiting"]) == (n, n, 0)
+        assert inference["slots_source"] == "VLLM_MAX_NUM_SEQS"
+        batching = _call(server, "GET", "/health/inference")["batching"]
+        assert (batching["running"], batching["waiting"]) == (n, 0)
+        go.set()
+        outs = [f.result(timeout=300).parse() for f in futures]
+    assert [o.choices[0].text for o in outs] == [want] * n
+    # they shared vLLM's steps: one after another they would take n × TOKENS steps
+    steps = _call(server, "GET", "/health/inference")["batching"]["decode_steps"] - steps_before
+    assert TOKENS <= steps < n * TOKENS // 2
+
+
+def test_max_concurrent_requests_set_caps_the_slots_on_vllm(vllm_llama, on_vllm, openai_client, settings):
+    """MAX_CONCURRENT_REQUESTS=2 set: two requests run at once on vLLM, the third waits in
+    /v1's queue for a slot and then runs."""
+    server, relu = vllm_llama
+    settings.MAX_CONCURRENT_REQUESTS = 2
+    health = _call(server, "GET", "/health/inference")
+    assert health["max_concurrent_requests"] == 2
+    assert health["slots"]["source"] == "MAX_CONCURRENT_REQUESTS"
+    want = ref(on_vllm, relu).text
+    with held_batch(server, 2) as (full, go), concurrent.futures.ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(complete, openai_client) for _ in range(3)]
+        assert full.wait(300)
+        deadline = time.monotonic() + 60
+        while (inference := _call(server, "GET", "/health/detailed")["inference"])["waiting"] < 1:
+            assert time.monotonic() < deadline, inference
+            time.sleep(0.02)
+        assert (inference["slots"], inference["in_flight"], inference["waiting"]) == (2, 2, 1)
+        assert inference["slots_source"] == "MAX_CONCURRENT_REQUESTS"
+        assert _call(server, "GET", "/health/inference")["batching"]["running"] == 2
+        go.set()
+        outs = [f.result(timeout=300).parse() for f in futures]
+    assert [o.choices[0].text for o in outs] == [want] * 3
+    inference = _call(server, "GET", "/health/detailed")["inference"]
+    assert (inference["in_flight"], inference["waiting"]) == (0, 0)
