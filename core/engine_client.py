@@ -487,6 +487,12 @@ def most_slots() -> int:
     return max([1, *(n[1] for n in map(_native_rows, backend_names()) if n is not None)])
 
 
+def fewest_slots() -> int:
+    """The fewest slots any model can get here (the engine's fewest interactive rows):
+    the batch scheduler's queue holds at least what run_engine takes beyond them."""
+    return min(interactive_slots(name).value for name in backend_names())
+
+
 @dataclass(frozen=True)
 class EngineBounds:
     max_in_flight: int  # jobs run_engine takes from the request stream at once
@@ -503,7 +509,7 @@ def engine_bounds() -> EngineBounds:
     (``most_slots``: the slots follow the loaded backend) + MAX_PENDING_REQUESTS jobs:
     everything admission can have let in, so an admitted job never waits in the stream.
     The batch scheduler holds at least as many beyond its rows as that can bring (its
-    rows can be as few as 1), so it never refuses one with ``model_busy``;
+    rows can be as few as ``fewest_slots``), so it never refuses one with ``model_busy``;
     CBM_MAX_QUEUE_SIZE only raises that. A batch runner keeps BATCH_ENGINE_ROWS Batch API
     lines at the engine besides, outside admission: run_engine takes those too, so they
     never hold an admitted job in the stream.
@@ -512,7 +518,9 @@ def engine_bounds() -> EngineBounds:
     in_flight = int(settings.ENGINE_MAX_IN_FLIGHT) or (
         slots + int(settings.MAX_PENDING_REQUESTS) + int(settings.BATCH_ENGINE_ROWS)
     )
-    return EngineBounds(max_in_flight=in_flight, max_queue_size=max(int(settings.CBM_MAX_QUEUE_SIZE), in_flight - 1, 1))
+    return EngineBounds(
+        max_in_flight=in_flight, max_queue_size=max(int(settings.CBM_MAX_QUEUE_SIZE), in_flight - fewest_slots(), 1)
+    )
 
 
 def idle_release_s() -> float | None:

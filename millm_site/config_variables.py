@@ -665,8 +665,9 @@ VARIABLES: tuple[Var, ...] = (
         256,
         "With batching: sequences the engine holds beyond its free rows, waiting for one; "
         "more are refused at once (503 model_busy). A safety net behind /v1's admission: "
-        "never less than the jobs run_engine takes beyond the fewest rows a model can get "
-        "(ENGINE_MAX_IN_FLIGHT - 1), so admitted work is never refused.",
+        "never less than the jobs run_engine takes beyond the fewest slots a model can get "
+        "(ENGINE_MAX_IN_FLIGHT - MAX_CONCURRENT_REQUESTS, or fewer on vLLM; with it unset, "
+        "ENGINE_MAX_IN_FLIGHT - 1), so admitted work is never refused.",
         minimum=1,
     ),
     Var(

@@ -105,6 +105,34 @@ def test_waiters_are_served_in_arrival_order_across_processes(make):
     assert asyncio.run(scenario()) == ["b1", "c1", "b2", "a1"]
 
 
+def test_the_shared_slots_follow_their_source_when_it_changes(make):
+    """Every web process reads the slots at every step (MAX_CONCURRENT_REQUESTS unset: the
+    backend the engine reports): more slots admit the waiters, fewer admit nobody until
+    enough are released."""
+    box = [1]
+    a, b = make(slots=lambda: box[0], pending=5), make(slots=lambda: box[0], pending=5)
+
+    async def scenario() -> None:
+        first = a.try_acquire()
+        waiter = asyncio.create_task(b.acquire())
+        await eventually(lambda: a.stats().waiting == 1)
+        box[0] = 3  # a model on vLLM was loaded: the waiter takes a new slot at its re-check
+        second = await asyncio.wait_for(waiter, 3)
+        assert (a.stats().slots, a.stats().in_flight, a.stats().waiting) == (3, 2, 0)
+        box[0] = 1  # back to one slot, two held
+        late = asyncio.create_task(a.acquire())
+        await eventually(lambda: b.stats().waiting == 1)
+        first.release()
+        await eventually(lambda: a.stats().in_flight == 1)
+        # the release woke nobody: one slot, held by ``second``
+        assert not late.done() and a.stats().waiting == 1
+        second.release()
+        (await asyncio.wait_for(late, 3)).release()
+        await eventually(lambda: a.stats().in_flight == 0)
+
+    asyncio.run(scenario())
+
+
 def test_a_dead_process_gives_its_slots_back(make):
     dead, alive = make(slots=2, pending=0, lease_s=0.6), make(slots=2, pending=0)
     dead.try_acquire()
