@@ -77,6 +77,9 @@ class Capabilities(msgspec.Struct, kw_only=True):
     # MILLM_ENGINE_PACK_WEIGHTS=auto: the one-row timings it chose by (default_ms,
     # packed_ms, bytes)
     kernel_probe: dict[str, Any] | None | UnsetType = UNSET
+    # why ``steering_controls`` is off, where a backend says (llama.cpp's swap mode); the
+    # refusal of a request with a control carries it
+    steering_controls_reason: str | None | UnsetType = UNSET
     # llama.cpp: how requests with different steering share a batch, and why
     steering_mode: str | UnsetType = UNSET
     steering_mode_reason: str | None | UnsetType = UNSET

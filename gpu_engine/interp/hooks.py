@@ -29,6 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..api.protocol import (
@@ -323,6 +324,55 @@ class BatchContext:
     # batched decode with a Q/K capture armed: (q (num_layers, slots, heads, head_dim),
     # k (num_layers, slots, kv_heads, head_dim)), written by the attention taps
     qk_stage: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def window(self, lo: int, hi: int) -> BatchContext:
+        """The context of rows ``[lo, hi)`` of this forward, renumbered from 0: for a
+        backend whose node holds a slice of the forward's rows (llama.cpp computes a batch
+        in ubatches).  The tables and ``applied`` are shared with this context."""
+        if lo == 0 and self.row_slots is not None and hi == self.row_slots.shape[0]:
+            return self
+        segments = []
+        for seg in self.segments:
+            a, b = max(seg.row_start, lo), min(seg.row_end, hi)
+            if a < b:
+                segments.append(Segment(seg.request, a - lo, b - lo, seg.start_position + (a - seg.row_start)))
+        return self._rows(segments, slice(lo, hi))
+
+    def select(self, index: list[int]) -> BatchContext:
+        """The context of rows ``index`` (ascending) of this forward, renumbered 0, 1, …: a
+        node holding only some rows (llama.cpp's last layer keeps the rows that produce
+        logits).  A request's picked rows that are not consecutive positions become one
+        segment per run."""
+        if self.row_slots is not None and len(index) == self.row_slots.shape[0]:
+            return self  # every row, in order
+        picked = np.asarray(index, dtype=np.int64)
+        segments = []
+        for seg in self.segments:
+            k0, k1 = np.searchsorted(picked, (seg.row_start, seg.row_end))
+            if k0 == k1:
+                continue
+            run = picked[k0:k1]
+            cuts = [0, *(np.flatnonzero(np.diff(run) != 1) + 1).tolist(), len(run)]
+            for a, b in zip(cuts, cuts[1:]):
+                start = seg.start_position + int(run[a]) - seg.row_start
+                segments.append(Segment(seg.request, int(k0) + a, int(k0) + b, start))
+        rows = torch.from_numpy(picked)
+        return self._rows(segments, rows)
+
+    def _rows(self, segments: list[Segment], rows: slice | torch.Tensor) -> BatchContext:
+        def take(t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
+            return t[rows] if isinstance(rows, slice) else t.index_select(0, rows.to(t.device))
+
+        return BatchContext(
+            segments,
+            row_slots=take(self.row_slots),
+            delta_tables=self.delta_tables,
+            applied=self.applied,
+            control_tables=self.control_tables,
+            row_positions=take(self.row_positions),
+        )
 
 
 @dataclass

@@ -215,26 +215,6 @@ class RowRouter:
             qk_stage=qk_stage,
         )
 
-    def layer_deltas(
-        self, row_slots: torch.Tensor, rows: Iterable[Row]
-    ) -> dict[int, tuple[torch.Tensor, set[AttachmentKey]]]:
-        """Per layer, every row's delta summed over the attachments ``rows`` steer there
-        (gathered from the tables by ``row_slots``), and those attachments: for a backend
-        that writes rows itself rather than through the hooks (llama.cpp's eval
-        callback)."""
-        by_layer: dict[int, set[AttachmentKey]] = {}
-        for row in rows:
-            for key in row.deltas:
-                by_layer.setdefault(key[1], set()).add(key)
-        out = {}
-        for layer, keys in by_layer.items():
-            total = None
-            for key in sorted(keys):
-                got = self.tables[key].index_select(0, row_slots)
-                total = got if total is None else total + got
-            out[layer] = (total, keys)  # type: ignore[assignment]
-        return out  # type: ignore[return-value]
-
     @staticmethod
     def count(rows: Iterable[Row], applied: set[AttachmentKey]) -> None:
         """+1 for each request whose steering the hooks really added in this forward at

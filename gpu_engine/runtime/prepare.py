@@ -51,10 +51,16 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
         needs.append(("tool_calling", caps.tool_calling, "tools"))
     for capability, has, param in needs:
         if not has:
+            # a backend may say why (``Capabilities.<capability>_reason``)
+            reason = getattr(caps, f"{capability}_reason", None) or None
+            details = {"backend": backend.name, "capability": capability}
+            if reason:
+                details["reason"] = reason
             raise InvalidParameter(
-                f"the {backend.name} backend cannot honour {param} ({capability} is off)",
+                f"the {backend.name} backend cannot honour {param} ({capability} is off"
+                + (f": {reason})" if reason else ")"),
                 param=param,
-                details={"backend": backend.name, "capability": capability},
+                details=details,
             )
 
 

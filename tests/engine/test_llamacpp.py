@@ -19,14 +19,12 @@ from gpu_engine.api.protocol import (
     AttachSpec,
     BatchingOptions,
     EmbedJob,
-    FeatureControl,
     GenerationJob,
     LoadModelJob,
     MonitorEntry,
     MonitorSpec,
     SamplingParams,
     ScoreJob,
-    SteeringEntry,
     SteeringSpec,
 )
 
@@ -218,22 +216,6 @@ def test_layer_zero_steering_goes_through_the_eval_callback(both, tiny_assets):
     got = gg.generate_sync(greedy("gg", ids, steering=SteeringSpec.from_mapping({(asset.name, 0): features})))
     assert_same_generation(got, want)
     assert gg.backend.steering_forwards["eval_callback"] - before["eval_callback"] == got.forward_passes
-
-
-def test_steering_controls_are_refused_before_anything_runs(both, tiny_assets):
-    """The eval callback adds precomputed deltas only: clamp, scale, ablate and gated
-    controls need an encode in the forward, so the backend reports them off and a request
-    asking for one is refused naming the field, never run as a plain add."""
-    _, gg, gb = both
-    asset = tiny_assets.saes["tiny-llama-L1-relu"]
-    for eng in (gg, gb):
-        eng.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
-        assert eng.status().batching["capabilities"]["steering_controls"] is False
-        spec = SteeringSpec([SteeringEntry(asset.name, asset.layer, {}, [FeatureControl(3, mode="clamp", value=2.0)])])
-        with pytest.raises(InvalidParameter) as exc:
-            eng.generate_sync(greedy("c", [1, 2, 3], steering=spec))
-        assert exc.value.details["param"] == "steering.features.mode"
-        assert exc.value.details["capability"] == "steering_controls"
 
 
 @pytest.mark.parametrize("read_point", ["pre_steering", "post_steering"])

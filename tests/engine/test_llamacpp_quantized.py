@@ -98,15 +98,18 @@ def test_eval_callback_refuses_a_layer_output_it_cannot_address(llamacpp):
     import torch
 
     from gpu_engine.backends.llamacpp.taps import EvalTaps, ForwardPlan, LayerPlan
+    from gpu_engine.interp.hooks import BatchContext
 
     taps = EvalTaps(2)
-    lp = LayerPlan(deltas=torch.ones((3, 4)))
+    key = ("sae", 0)
+    rows = BatchContext([], row_slots=torch.tensor([0, 1, 2]), delta_tables={key: torch.ones((3, 4))})
+    lp = LayerPlan(keys=[key])
     dense = np.zeros((3, 4), dtype=np.float32)
-    taps._apply(_tensor(dense, 4, 3), 0, lp, ForwardPlan({0: lp}, 3, [0, 1, 2]))
+    taps._apply(_tensor(dense, 4, 3), 0, lp, ForwardPlan({0: lp}, 3, [0, 1, 2], ctx=rows))
     np.testing.assert_array_equal(dense, np.ones((3, 4)))
 
     padded = np.zeros((3, 8), dtype=np.float32)
     taps._offsets = {}
     with pytest.raises(RuntimeError, match="not a dense float32 matrix"):
-        taps._apply(_tensor(padded, 4, 3), 0, lp, ForwardPlan({0: lp}, 3, [0, 1, 2]))
+        taps._apply(_tensor(padded, 4, 3), 0, lp, ForwardPlan({0: lp}, 3, [0, 1, 2], ctx=rows))
     assert not padded.any()

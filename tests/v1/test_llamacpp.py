@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_engine.api.protocol import GenerationJob, SamplingParams, SteeringEntry, SteeringSpec
+from gpu_engine.api.protocol import FeatureControl, GenerationJob, SamplingParams, SteeringEntry, SteeringSpec
 from offline_assets import DEMO_SAE_NAME, demo_gguf_path
 
 NAME = "smollm2-gguf"
@@ -88,33 +88,38 @@ def test_smollm2_gguf_loads_chats_and_steers_through_v1(smollm2_gguf, openai_cli
     assert len(emb.data) == 2 and len(emb.data[0].embedding) == 576
 
 
-def test_controls_are_refused_on_llamacpp_when_set_and_when_sent(smollm2_gguf, openai_client):
-    """The eval callback runs plain strengths only: a clamp sent inline is refused naming
-    the field, and one set in live steering is refused when it is set (not by failing
-    every later request), while a plain live value is taken."""
-    import openai
-
+def test_a_clamp_runs_per_row_on_llamacpp_when_sent_and_when_set(smollm2_gguf, openai_client):
+    """The CPU build's eval callback runs feature controls per row (docs/steering.md, what
+    runs where): a clamp sent inline answers as the engine's own run of the same spec —
+    another answer than unsteered — reporting its hash and its per-mode count, and one set
+    in live steering is taken."""
     from tests.v1.helpers import request
 
     server, sae, asset = smollm2_gguf
-    with pytest.raises(openai.BadRequestError) as err:
-        openai_client.chat.completions.create(
-            model=NAME,
-            messages=MESSAGES,
-            max_tokens=4,
-            temperature=0,
-            extra_body={"steering": {"features": [{"index": 0, "mode": "clamp", "value": 2.0}]}},
-        )
-    assert err.value.code == "invalid_parameter"
-    assert err.value.body["param"] == "steering.features.mode"
     base = server.base_url.rsplit("/v1", 1)[0] + "/api"
-    refused = request(
-        base, "POST", "/saes/steering", {"sae_id": sae.id, "feature_idx": 0, "value": 2.0, "mode": "clamp"}
+    caps = request(base, "GET", "/health/inference").json()["data"]["capabilities"]
+    assert caps["steering_controls"] is True, caps.get("steering_controls_reason")
+    value = asset.steering_strength
+    out = openai_client.chat.completions.with_raw_response.create(
+        model=NAME,
+        messages=MESSAGES,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"steering": {"features": [{"index": 0, "mode": "clamp", "value": value}]}},
     )
-    assert refused.status == 422, refused.body[:300]
-    assert refused.json()["error"]["details"]["param"] == "mode"
-    state = request(base, "GET", f"/saes/steering?sae_id={sae.id}").json()["data"]
-    assert state["controls"] == [] and not state["values"]
-    taken = request(base, "POST", "/saes/steering", {"sae_id": sae.id, "feature_idx": 0, "value": 2.0})
+    body = out.parse()
+    spec = SteeringSpec([SteeringEntry(sae.id, asset.layer, {}, [FeatureControl(0, mode="clamp", value=value)])])
+    want = _direct(server, steering=spec)
+    assert body.choices[0].message.content == want.text
+    assert want.text != _direct(server).text  # positive control: the clamp changes the answer
+    millm = body.model_extra["millm"]
+    assert millm["steering"]["hash"] == spec.canonical_hash()
+    n = want.forward_passes
+    assert millm["steering_apply_count"] == [
+        {"sae_id": sae.id, "layer": asset.layer, "count": n, "modes": {"clamp": n}}
+    ]
+    taken = request(base, "POST", "/saes/steering", {"sae_id": sae.id, "feature_idx": 0, "value": 2.0, "mode": "clamp"})
     assert taken.status == 200, taken.body[:300]
+    state = request(base, "GET", f"/saes/steering?sae_id={sae.id}").json()["data"]
+    assert [c["mode"] for c in state["controls"]] == ["clamp"]
     assert request(base, "DELETE", f"/saes/steering?sae_id={sae.id}").status == 200

@@ -280,12 +280,38 @@ class LlamaCppBackend:
             "CPU backend; a row written in the eval callback reached the next layer (self-check at load)"
         )
 
+    def _controls_refused(self) -> str | None:
+        """Why this load cannot run feature controls (None: it can)."""
+        if self.steering_mode != CONTROL_VECTOR_SWAP:
+            return None
+        return (
+            "clamp, scale, ablate, phases, windows and conditions read each row's own "
+            "activations, which needs per-row writes in the eval callback; this llama.cpp "
+            f"load steers with control vectors swapped between requests (steering_mode "
+            f"{CONTROL_VECTOR_SWAP}: {self.steering_mode_reason})"
+        )
+
     def _check_steering(self, request_hooks: Any) -> None:
         """What the fallback cannot run, refused by name before the request runs: a
-        control vector has no tensor at layer 0 (llama.cpp's buffer starts at layer 1)."""
+        control vector has no tensor at layer 0 (llama.cpp's buffer starts at layer 1),
+        and adds one vector to every row (feature controls depend on the row; the engine
+        refuses them from the capabilities first, this holds for a direct caller)."""
         if self.steering_mode != CONTROL_VECTOR_SWAP or request_hooks is None:
             return
         for (sae_id, layer), plan in request_hooks.plans.items():
+            if plan.controls is not None:
+                raise InvalidParameter(
+                    f"the {self.name} backend cannot run steering.features.mode here: {self._controls_refused()}",
+                    param="steering.features.mode",
+                    details={
+                        "backend": self.name,
+                        "capability": "steering_controls",
+                        "sae_id": sae_id,
+                        "layer": layer,
+                        "steering_mode": self.steering_mode,
+                        "reason": self._controls_refused(),
+                    },
+                )
             if layer == 0 and plan.delta is not None:
                 raise InvalidParameter(
                     "steering at layer 0 needs per-row writes in the eval callback; this "
@@ -306,8 +332,10 @@ class LlamaCppBackend:
     def capabilities(self) -> Capabilities:
         return Capabilities(
             embeddings=self.opts["embeddings"],
-            # the eval callback adds precomputed deltas only (no encode on its rows yet)
-            steering_controls=False,
+            # feature controls run per row in the eval callback (``taps.py``: ``route``);
+            # a control vector cannot carry them (refused, with the reason, in the swap mode)
+            steering_controls=self.steering_mode == EVAL_CALLBACK_PER_ROW,
+            steering_controls_reason=self._controls_refused(),
             # capture reads the eval callback's nodes (``taps.py``); Q/K needs rope's output
             # (a model without rotary embedding has no node that is its Q/K as attended)
             attention_capture=self.native.rotary and GGML_OP_ROPE is not None,

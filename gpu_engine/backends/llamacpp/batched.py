@@ -46,7 +46,9 @@ import numpy as np
 import torch
 
 from ...decode.sampling import choose_rows
+from ...api.protocol import AttachmentKey
 from ...decode.sequence import Sequence
+from ...interp.hooks import BatchContext
 from ...interp.rows import RowRouter
 from .taps import KEY, QUERY, CaptureReader, ForwardPlan, LayerPlan, MonitorSegment
 
@@ -123,16 +125,19 @@ def check_per_row_writes(backend: Any) -> str | None:
     reader = CaptureReader(lambda _layer, rows, _pos: read.append(rows.clone()), layer)
     try:
         ctx.set_cvec(None, None)
-        plain = decode(ForwardPlan({layer: LayerPlan(segments=[MonitorSegment([reader], 0, 2, 0, False)])}, 2, [0, 1]))
+        plain = decode(ForwardPlan({layer: LayerPlan(segments=[MonitorSegment([reader], 0, 2, 0)])}, 2, [0, 1]))
         if not read or read[0].shape != (2, d):
             return f"the eval callback did not hand over the rows of l_out-{layer}"
         norm = float(read[0][0].norm())
         rng = np.random.default_rng(0)
         delta = rng.standard_normal(d).astype(np.float32)
         delta *= max(norm, 1.0) / float(np.linalg.norm(delta))
-        deltas = torch.zeros((2, d), dtype=torch.float32)
-        deltas[0] = torch.from_numpy(delta)
-        plan = ForwardPlan({layer: LayerPlan(deltas=deltas, keys={key})}, 2, [0, 1])
+        # the write goes through ``route`` as every steered row does: the delta in slot 0
+        # of a table, the first row in slot 0, the second in the zero slot 1
+        table = torch.zeros((2, d), dtype=torch.float32)
+        table[0] = torch.from_numpy(delta)
+        rows = BatchContext([], row_slots=torch.tensor([0, 1]), delta_tables={key: table})
+        plan = ForwardPlan({layer: LayerPlan(keys=[key])}, 2, [0, 1], ctx=rows)
         written = decode(plan)
         if key not in plan.applied:
             return f"the eval callback never reached l_out-{layer}"
@@ -190,7 +195,8 @@ class LlamaBatchRunner:
         layers: dict[int, LayerPlan] = {}
         sigs = [steering_signature(s) for s, *_ in parts]
         uniform = all(sig == sigs[0] for sig in sigs)
-        pre_layers = set()
+        # feature controls read each row's own activations: never a control vector
+        controlled = any(seq.row.controls for seq, *_ in parts)  # type: ignore[attr-defined]
         qk: dict[tuple[int, int], list[MonitorSegment]] = {}
         # capture: staged by the C filter where the decode's stage fits, else read in Python
         capturing = [(seq, a, b, pos) for seq, a, b, pos in parts if seq.capture is not None]
@@ -202,12 +208,14 @@ class LlamaBatchRunner:
         staged = bool(capturing) and backend.taps.stage_fits(len(tokens), bool(stage), bool(stage_qk))
         if not staged:
             stage, stage_qk = set(), set()
+        monitored: set[AttachmentKey] = set()
+        pre_layers: set[int] = set()
         for seq, a, b, pos in parts:
             if seq.hooks is None:
                 continue
-            # capture reads the layer's output after every delta (as a post monitor does)
+            # capture reads the layer's output after every attachment's steering
             for kind, layer, reader in () if staged else capture_readers(seq):
-                seg = MonitorSegment([reader], a, b, pos, False)
+                seg = MonitorSegment([reader], a, b, pos)
                 if kind is None:
                     lp = layers.setdefault(layer, LayerPlan())
                     lp.segments.append(seg)
@@ -215,21 +223,39 @@ class LlamaBatchRunner:
                 else:
                     qk.setdefault((kind, layer), []).append(seg)
             for key, plan in seq.hooks.plans.items():
-                for pre, monitors in ((True, plan.pre), (False, plan.post)):
-                    if monitors:
-                        layers.setdefault(key[1], LayerPlan()).segments.append(
-                            MonitorSegment(list(monitors), a, b, pos, pre)
-                        )
-                        if pre:
-                            pre_layers.add(key[1])
+                if plan.pre or plan.post:
+                    monitored.add(key)
+                    if plan.pre:
+                        pre_layers.add(key[1])
         steered_layers = {key[1] for key, _ in sigs[0]} if uniform else set()
         if self.swap and not uniform:
             raise RuntimeError("control_vector_swap: a decode holds one steering only")
+        if self.swap and controlled:
+            # refused at admission (``LlamaCppBackend._check_steering``): never run unsteered
+            raise RuntimeError("control_vector_swap: feature controls cannot run under a control vector")
         # the swap mode steers with control vectors only (layer 0 is refused at admission);
         # a pre-steering monitor then reads the output less the control vector
         use_cvec = (
-            uniform and bool(sigs[0]) and all(il >= 1 and (self.swap or il not in pre_layers) for il in steered_layers)
+            uniform
+            and bool(sigs[0])
+            and not controlled
+            and all(il >= 1 and (self.swap or il not in pre_layers) for il in steered_layers)
         )
+        ctx = None
+        if monitored or (not use_cvec and (any(sigs) or controlled)):
+            rows = [(seq.row, a, b, pos) for seq, a, b, pos in parts]  # type: ignore[attr-defined]
+            ctx = self.router.context(rows, only_present=True)
+            # the attachments ``route`` runs at each claimed layer: every one a monitor reads;
+            # per row, every one that steers; under a control vector, the steered ones at a
+            # monitored layer (their deltas added back to the rows less the vector)
+            keys = set(monitored)
+            steering = {*ctx.delta_tables, *ctx.control_tables}
+            if use_cvec:
+                steering = {k for k in steering if k[1] in {m[1] for m in monitored}}
+            keys |= steering
+            order = {k: i for i, k in enumerate(backend.attachment_stats)}
+            for key in sorted(keys, key=lambda k: (order.get(k, len(order)), k)):
+                layers.setdefault(key[1], LayerPlan()).keys.append(key)
         applied: set = set()
         if use_cvec:
             seq0 = parts[0][0]
@@ -238,24 +264,17 @@ class LlamaBatchRunner:
                 if plan.delta is not None:
                     data[key[1] - 1] += plan.delta.detach().to(torch.float32).cpu().numpy()
                     applied.add(key)
-            for il in pre_layers & steered_layers:
+            for il in steered_layers & {il for il, lp in layers.items() if lp.keys}:
                 layers[il].preset = torch.from_numpy(data[il - 1].copy())
             self.ctx.set_cvec(sigs[0], data)
             backend.steering_forwards["control_vector_swap" if self.swap else "control_vector"] += 1
         else:
             self.ctx.set_cvec(None, None)
-            if any(sigs):
-                # each row's delta from its slot of the router's tables, summed per layer
-                rows = [seq.row for seq, *_ in parts]  # type: ignore[attr-defined]
-                row_slots = self.router.row_slots([(row, a, b, pos) for row, (_, a, b, pos) in zip(rows, parts)])
-                for layer, (deltas, keys) in self.router.layer_deltas(row_slots, rows).items():
-                    lp = layers.setdefault(layer, LayerPlan())
-                    lp.deltas = deltas.to(torch.float32)
-                    lp.keys = keys
+            if ctx is not None and (ctx.delta_tables or ctx.control_tables):
                 backend.steering_forwards["eval_callback"] += 1
         outputs = [i for i, t in enumerate(tokens) if t[3]]
         fplan = (
-            ForwardPlan(layers, len(tokens), outputs, qk=qk, stage=stage, stage_qk=stage_qk)
+            ForwardPlan(layers, len(tokens), outputs, ctx=ctx, qk=qk, stage=stage, stage_qk=stage_qk)
             if layers or qk or staged
             else None
         )
@@ -263,12 +282,13 @@ class LlamaBatchRunner:
         if fplan is not None:
             applied |= fplan.applied
         if staged:
-            rows = fplan.staged  # type: ignore[union-attr]
+            got = fplan.staged  # type: ignore[union-attr]
             for seq, a, b, pos in capturing:
                 seq.capture.take_span(  # type: ignore[union-attr]
-                    a, b, pos, hidden=rows.hidden, q=rows.q, k=rows.k
+                    a, b, pos, hidden=got.hidden, q=got.q, k=got.k
                 )
         if applied:
+            # once per decode, whatever the ubatches: as the transformers hooks count
             for key in applied:
                 stats = backend.attachment_stats.get(key)
                 if stats is not None:
@@ -328,7 +348,7 @@ class LlamaBatchRunner:
                 take = min(seq.n_prompt - off, n_batch - len(tokens))
                 all_out = (
                     seq.sampling.prompt_logprobs
-                    or self._monitors_layer(seq, last_layer)
+                    or self._reads_layer(seq, last_layer)
                     or self._captures_prompt_rows(seq, last_layer)
                 )
                 a = len(tokens)
@@ -350,9 +370,12 @@ class LlamaBatchRunner:
                     logits[id(seq)] = torch.from_numpy(self.ctx.logits(b - 1))
 
     @staticmethod
-    def _monitors_layer(seq: Sequence, layer: int) -> bool:
+    def _reads_layer(seq: Sequence, layer: int) -> bool:
+        """The request monitors ``layer`` or gates a control there by a feature: every
+        prompt row must reach it (llama.cpp keeps the last layer's rows only where they
+        produce logits), or the records and fired positions would miss rows."""
         return seq.hooks is not None and any(
-            key[1] == layer and (p.pre or p.post) for key, p in seq.hooks.plans.items()
+            key[1] == layer and (p.pre or p.post or p.conditional) for key, p in seq.hooks.plans.items()
         )
 
     @staticmethod

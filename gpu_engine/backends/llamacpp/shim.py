@@ -9,8 +9,8 @@ names (and, for a Q/K capture, the ``Qcur-{il}``/``Kcur-{il}`` nodes rope made).
 
 A claimed node gets one or both of two things (``wanted``'s bits):
 
-- ``TAP`` — the Python side (``taps.EvalTaps``) runs once for the node: steering deltas
-  added per row, SAE monitors handed the rows;
+- ``TAP`` — the Python side (``taps.EvalTaps``) runs once for the node: its rows go
+  through ``route`` (per-row deltas and feature controls, SAE monitors);
 - ``STAGE`` — the node's rows are copied, in C, into the capture stage: one float32
   buffer per kind (layer outputs, queries, keys) of (n_layer, capacity, row) that the
   Python side allocated, at the layer's next free row (``got`` counts the rows copied

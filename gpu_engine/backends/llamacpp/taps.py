@@ -7,24 +7,32 @@ scheduler asks the callback about every graph node (``ask=True``); for a node we
 it computes the graph up to that node and calls again (``ask=False``) before any later
 node runs, so rows written there are what the next layer reads.
 
-Before each decode the batch runner publishes a ``ForwardPlan``: per layer, the rows'
-steering deltas (one row per batch token, zeros for unsteered requests) and the
-monitored segments.  The callback adds the deltas in place (per request inside one
-multi-sequence batch) and hands monitors a torch view of the rows, as the transformers
-hook does.  Where a control vector steers the decode instead (every row steered alike,
-and always in the ``control_vector_swap`` mode, ``batched.py``) the node already holds
-it: a layer's ``preset`` is that vector, taken off the rows a pre-steering monitor reads.
-With no plan published the callback claims nothing and costs one Python call per graph
-node — or none at all with the C filter (``shim.py``), which answers llama.cpp's per-node
-questions without entering Python.
+Before each decode the batch runner publishes a ``ForwardPlan``: the forward's
+``BatchContext`` (``gpu_engine.interp.rows.RowRouter.context``: each row's slot and
+position, the delta and control tables, the monitored segments) and, per claimed layer,
+the attachments there.  The callback hands each attachment's rows to
+``gpu_engine.interp.hooks.route`` — the one per-row step the transformers hooks and
+vLLM's workers run: pre-steering monitors, each row's delta, every request's feature
+controls in one masked pass, the gates of conditional controls, post-steering monitors —
+in attach order (the order the transformers hooks run in), and writes the steered rows
+back in place, so the next layer reads them.  Where a control vector steers the decode
+instead (every row steered alike, and always in the ``control_vector_swap`` mode,
+``batched.py``) the node already holds it: at a monitored layer, a layer's ``preset`` is
+that vector, and ``route`` reads the rows less it and adds the deltas back itself in a
+copy that is written nowhere (monitors read what they would on transformers; the graph
+keeps llama.cpp's own add).  With no plan published the callback claims nothing and costs
+one Python call per graph node — or none at all with the C filter (``shim.py``), which
+answers llama.cpp's per-node questions without entering Python.
 
 Rows: llama.cpp splits a batch into ubatches in order (one KV stream: ``split_simple``),
-so the callback keeps a per-layer row offset.  The last layer's output only holds the
-rows that produce logits (llama.cpp drops the others before the last block's FFN), so
-its rows map to the batch's output tokens instead.
+so the callback keeps a per-layer row offset and hands ``route`` that window of the
+context (``BatchContext.window``).  The last layer's output only holds the rows that
+produce logits (llama.cpp drops the others before the last block's FFN), so its rows map
+to the batch's output tokens instead (``BatchContext.select``); the runner asks for
+logits at every prompt row of a request that monitors or gates the last layer.
 
 Capture (``gpu_engine.interp.capture``) reads the same nodes: a request's hidden-state rows
-are taken from ``l_out-{il}`` after the deltas are added (so a steered request captures
+are taken from ``l_out-{il}`` after the steering (so a steered request captures
 its steered stream), like a post-steering monitor.  Q/K capture claims two more nodes per
 layer: the graph names the query projection, its reshape and the rotary embedding's
 output all ``Qcur-{il}`` (``Kcur-{il}`` likewise), so only the one made by
@@ -54,8 +62,8 @@ import llama_cpp.llama_cpp as lc
 import numpy as np
 import torch
 
-from ...interp.hooks import MonitorPlan
 from ...api.protocol import AttachmentKey
+from ...interp.hooks import AttachmentStats, BatchContext, route
 from .native import GGML_BASE, GGML_OP_ROPE, GGML_TYPE_F32, NAME_OFFSET, OP_OFFSET, GGMLTensor
 from .shim import STAGE, TAP, TAP_FN, Filter, load_filter
 
@@ -85,25 +93,32 @@ class CaptureReader:
 @dataclass
 class MonitorSegment:
     """Batch tokens [start, end) of one request, at sequence positions from ``position``:
-    its ``monitors`` (SAE monitors, or a ``CaptureReader``) are handed those rows."""
+    its ``monitors`` (a ``CaptureReader``, anything with ``observe(rows, position)``) are
+    handed those rows of a node, after its steering.  SAE monitors are not segments here:
+    ``route`` runs them from the plan's ``BatchContext``."""
 
-    monitors: list[MonitorPlan | CaptureReader]
+    monitors: list[CaptureReader]
     start: int
     end: int
     position: int
-    pre: bool
 
 
 @dataclass
 class LayerPlan:
-    # (n_tokens, d) float32 deltas added to the layer's output rows, or None
-    deltas: torch.Tensor | None = None
-    keys: set[AttachmentKey] = field(default_factory=set)
+    # the attachments at this layer whose rows go through ``route`` (steering, SAE
+    # monitors), in the order the transformers backend's hooks run (attach order)
+    keys: list[AttachmentKey] = field(default_factory=list)
+    # readers of the layer's rows after every attachment's steering (capture)
     segments: list[MonitorSegment] = field(default_factory=list)
     captured: bool = False  # some segment is a capture: every row must arrive
     # (d,) what llama.cpp's control vector already added to every row of this node:
-    # pre-steering monitors read the rows less it
+    # ``route`` reads the rows less it and adds the deltas back in a copy, written nowhere
     preset: torch.Tensor | None = None
+
+
+# ``route``'s per-call attachment counter: the runner counts each attachment once per
+# ``llama_decode`` (from ``BatchContext.applied``), however many ubatches the callback saw
+_PER_CALL = AttachmentStats()
 
 
 @dataclass
@@ -111,7 +126,8 @@ class ForwardPlan:
     layers: dict[int, LayerPlan]
     n_tokens: int
     output_rows: list[int]  # batch indices with logits, in order (the last layer's rows)
-    applied: set[AttachmentKey] = field(default_factory=set)
+    # the decode's rows as ``route`` reads them (None: the plan only captures)
+    ctx: BatchContext | None = None
     # Q/K capture: per (QUERY or KEY, layer), the segments reading the rotated rows
     qk: dict[tuple[int, int], list[MonitorSegment]] = field(default_factory=dict)
     # staged capture (``EvalTaps.stages``): layers whose output rows, and layers whose
@@ -123,6 +139,11 @@ class ForwardPlan:
     @property
     def empty(self) -> bool:
         return not self.layers and not self.qk and not self.stage and not self.stage_qk
+
+    @property
+    def applied(self) -> set[AttachmentKey]:
+        """The attachments whose steering the callback added (``BatchContext.applied``)."""
+        return self.ctx.applied if self.ctx is not None else set()
 
 
 @dataclass
@@ -442,34 +463,35 @@ class EvalTaps:
         index = plan.output_rows[lo : lo + n] if last else None
         self._offsets[(LAYER_OUT, il)] = lo + n
 
-        def segment_rows(seg: MonitorSegment) -> tuple[torch.Tensor, int] | None:
+        written = False
+        if lp.keys and plan.ctx is not None:
+            # the context of the rows this node holds: a ubatch's window, or the output rows
+            ctx = plan.ctx.select(index) if index is not None else plan.ctx.window(lo, lo + n)
+            src = rows if lp.preset is None else rows - lp.preset
+            cur = src
+            for key in lp.keys:
+                new = route(ctx, key, _PER_CALL, cur)
+                if new is not None:
+                    cur = new
+            if cur is not src and lp.preset is None:
+                rows.copy_(cur)
+                written = True
+        for seg in lp.segments:
             if index is None:
                 a, b = max(seg.start, lo), min(seg.end, lo + n)
                 if a >= b:
-                    return None
-                return rows[a - lo : b - lo], seg.position + (a - seg.start)
-            picked = [r for r, tok in enumerate(index) if seg.start <= tok < seg.end]
-            if not picked:
-                return None
-            # output rows of one request are its last positions, contiguous
-            return rows[picked[0] : picked[-1] + 1], seg.position + (index[picked[0]] - seg.start)
-
-        for seg in lp.segments:
-            if seg.pre and (got := segment_rows(seg)) is not None:
-                pre = got[0] if lp.preset is None else got[0] - lp.preset
-                for m in seg.monitors:
-                    m.observe(pre, got[1])
-        if lp.deltas is not None:
-            if index is None:
-                rows += lp.deltas[lo : lo + n]
+                    continue
+                got, position = rows[a - lo : b - lo], seg.position + (a - seg.start)
             else:
-                rows += lp.deltas[torch.tensor(index, dtype=torch.long)]
-            plan.applied |= lp.keys
-        for seg in lp.segments:
-            if not seg.pre and (got := segment_rows(seg)) is not None:
-                for m in seg.monitors:
-                    m.observe(got[0], got[1])
-        if not host and lp.deltas is not None:
+                picked = [r for r, tok in enumerate(index) if seg.start <= tok < seg.end]
+                if not picked:
+                    continue
+                # output rows of one request are its last positions, contiguous
+                got = rows[picked[0] : picked[-1] + 1]
+                position = seg.position + (index[picked[0]] - seg.start)
+            for m in seg.monitors:
+                m.observe(got, position)
+        if not host and written:
             GGML_BASE.ggml_backend_tensor_set(ctypes.addressof(tensor), arr.ctypes.data, 0, arr.nbytes)
 
 
