@@ -114,6 +114,21 @@ def test_inference_reports_the_kernels_the_pack_setting_chose(api, engine_client
     assert data["capabilities"]["per_request_steering"] is True
 
 
+def test_a_transformers_model_keeps_one_slot_unless_the_operator_sets_them(api, engine_client, tiny_llama, settings):
+    settings.VLLM_MAX_NUM_SEQS = 8  # vLLM's batch does not size a transformers model's slots
+    orchestration_services.model_load(model=tiny_llama)
+    data = ok(api.get("/api/health/inference"))
+    assert data["backend"] == "transformers"
+    assert data["max_concurrent_requests"] == 1
+    assert (data["slots"]["source"], data["slots"]["backend"]) == ("default", "transformers")
+    assert ok(api.get("/api/health/detailed"))["inference"]["slots"] == 1
+    settings.MAX_CONCURRENT_REQUESTS = 3  # set: the operator's value
+    data = ok(api.get("/api/health/inference"))
+    assert (data["max_concurrent_requests"], data["slots"]["source"]) == (3, "MAX_CONCURRENT_REQUESTS")
+    inference = ok(api.get("/api/health/detailed"))["inference"]
+    assert (inference["slots"], inference["slots_source"]) == (3, "MAX_CONCURRENT_REQUESTS")
+
+
 def test_inference_reports_the_auto_kernels_by_their_probe(api, engine_client, tiny_llama, settings):
     settings.MILLM_ENGINE_PACK_WEIGHTS = None  # auto: the one-row probe decides at load
     orchestration_services.model_load(model=tiny_llama)
