@@ -14,7 +14,7 @@ from rest_framework.views import APIView
 from core.api import body_object, envelope, validated
 from core.schema import enveloped
 from orchestration import services, vectors
-from registry import selectors, vector_io
+from registry import outputs, selectors, vector_io
 from registry import serializers as io
 from registry.models import Attachment
 from steering import serializers as steering_io
@@ -29,7 +29,9 @@ def _enqueued(request, model_id: int, enqueue) -> Response:
     model = selectors.model_get(model_id=model_id)
     job = enqueue(model=model, lease_id=request.headers.get("X-miLLM-Lease"))
     model.refresh_from_db()
-    return envelope({"model": io.model_view(model), "job": io.job_out(job)}, status_code=status.HTTP_202_ACCEPTED)
+    return envelope(
+        {"model": outputs.model_view(model), "job": outputs.job_out(job)}, status_code=status.HTTP_202_ACCEPTED
+    )
 
 
 class ModelLoadApi(APIView):
@@ -37,7 +39,7 @@ class ModelLoadApi(APIView):
         tags=MODELS,
         summary="Load a model in the background (202 + job; model:load:* events)",
         request=None,
-        responses={202: enveloped(io.ModelJobOutput)},
+        responses={202: enveloped(outputs.ModelJobOutput)},
     )
     def post(self, request, model_id: int) -> Response:
         return _enqueued(request, model_id, services.model_load_enqueue)
@@ -48,7 +50,7 @@ class ModelUnloadApi(APIView):
         tags=MODELS,
         summary="Unload the model in the background after running requests finish (GRACEFUL_UNLOAD_TIMEOUT)",
         request=None,
-        responses={202: enveloped(io.ModelJobOutput)},
+        responses={202: enveloped(outputs.ModelJobOutput)},
     )
     def post(self, request, model_id: int) -> Response:
         return _enqueued(request, model_id, services.model_unload_enqueue)
@@ -58,11 +60,11 @@ class AttachmentStatusApi(APIView):
     @extend_schema(
         tags=SAES,
         summary="Attachment status (with steering_apply_count)",
-        responses=enveloped(io.AttachmentStatusOutput),
+        responses=enveloped(outputs.AttachmentStatusOutput),
     )
     def get(self, request) -> Response:
         rows = list(selectors.attachment_list())
-        return envelope(io.attachment_status(rows, selectors.engine_attachment_counts() if rows else {}))
+        return envelope(outputs.attachment_status(rows, selectors.engine_attachment_counts() if rows else {}))
 
 
 def _attach_data(result, sae, state: str) -> dict:
@@ -72,7 +74,7 @@ def _attach_data(result, sae, state: str) -> dict:
         "layer": result.layer,
         "layer_module_path": result.layer_module_path,
         "hook_point": result.hook_point,
-        "memory_usage_mb": io.sae_out(sae)["memory_usage_mb"],
+        "memory_usage_mb": outputs.sae_out(sae)["memory_usage_mb"],
         "warnings": list(result.warnings),
     }
 
@@ -82,7 +84,7 @@ class AttachSetApi(APIView):
         tags=SAES,
         summary="Attach several SAEs at once, all or nothing (idempotent per sae_id and layer)",
         request=io.AttachSetInput,
-        responses=enveloped(io.AttachSetOutput),
+        responses=enveloped(outputs.AttachSetOutput),
     )
     def post(self, request) -> Response:
         data = validated(io.AttachSetInput, request.data)
@@ -101,7 +103,7 @@ class SAECompatibilityApi(APIView):
         tags=SAES,
         summary="Dry-run compatibility with the loaded model",
         parameters=[OpenApiParameter("layer", int, required=True)],
-        responses=enveloped(io.CompatibilityOutput),
+        responses=enveloped(outputs.CompatibilityOutput),
     )
     def get(self, request, sae_id: str) -> Response:
         query = validated(io.CompatibilityQuery, request.query_params)
@@ -118,7 +120,7 @@ class SAEAttachApi(APIView):
         tags=SAES,
         summary="Attach to the loaded model at a layer",
         request=io.AttachInput,
-        responses=enveloped(io.AttachOutput),
+        responses=enveloped(outputs.AttachOutput),
     )
     def post(self, request, sae_id: str) -> Response:
         data = validated(io.AttachInput, request.data)
@@ -132,14 +134,14 @@ class SAEDetachApi(APIView):
         tags=SAES,
         summary="Detach (one layer, or every layer of this SAE)",
         request=io.DetachInput,
-        responses=enveloped(io.DetachOutput),
+        responses=enveloped(outputs.DetachOutput),
     )
     def post(self, request, sae_id: str) -> Response:
         data = validated(io.DetachInput, request.data or {})
         sae = selectors.sae_get(sae_id=sae_id)
         keys = services.sae_detach(sae=sae, layer=data.get("layer"))
         layers = sorted({layer for _, layer in keys}) or ([data["layer"]] if data.get("layer") is not None else [])
-        memory = io.sae_out(sae)["memory_usage_mb"]
+        memory = outputs.sae_out(sae)["memory_usage_mb"]
         return envelope({"status": "detached", "sae_id": sae.id, "layers": layers, "memory_freed_mb": memory})
 
 

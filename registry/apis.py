@@ -13,7 +13,7 @@ from rest_framework.views import APIView
 
 from core.api import envelope, validated
 from core.schema import enveloped
-from registry import access, describe, downloads, job_lifecycle, selectors, services
+from registry import access, describe, downloads, job_lifecycle, outputs, selectors, services
 from registry import serializers as io
 from registry.models import Attachment, Model
 
@@ -25,7 +25,7 @@ MODELS, SAES, JOBS = ["models"], ["saes"], ["jobs"]
 
 class ModelListCreateApi(APIView):
     @extend_schema(
-        tags=MODELS, summary="List models", operation_id="models_list", responses=enveloped(io.ModelListOutput)
+        tags=MODELS, summary="List models", operation_id="models_list", responses=enveloped(outputs.ModelListOutput)
     )
     def get(self, request) -> Response:
         progress = selectors.download_progress_by_model()
@@ -33,7 +33,7 @@ class ModelListCreateApi(APIView):
         loaded = next((m.id for m in models if m.status == Model.Status.LOADED), None)
         return envelope(
             {
-                "models": [io.model_out(m, download_progress=progress.get(m.id)) for m in models],
+                "models": [outputs.model_out(m, download_progress=progress.get(m.id)) for m in models],
                 "total": len(models),
                 "loaded_model_id": loaded,
             }
@@ -43,7 +43,7 @@ class ModelListCreateApi(APIView):
         tags=MODELS,
         summary="Download a model from the hub (202) or register a local checkpoint (201)",
         request=io.ModelCreateInput,
-        responses={201: enveloped(io.ModelJobOutput), 202: enveloped(io.ModelJobOutput)},
+        responses={201: enveloped(outputs.ModelJobOutput), 202: enveloped(outputs.ModelJobOutput)},
     )
     def post(self, request) -> Response:
         data = validated(io.ModelCreateInput, request.data)
@@ -58,7 +58,7 @@ class ModelListCreateApi(APIView):
                 trust_remote_code=data["trust_remote_code"],
                 backend=data["backend"],
             )
-            return envelope({"model": io.model_view(model), "job": None}, status_code=status.HTTP_201_CREATED)
+            return envelope({"model": outputs.model_view(model), "job": None}, status_code=status.HTTP_201_CREATED)
         services.check_backend_name(data["backend"])  # before anything starts
         model, job = downloads.model_download_start(
             repo_id=data["repo_id"],
@@ -70,7 +70,9 @@ class ModelListCreateApi(APIView):
         )
         if data["backend"]:
             model = services.model_set_backend(model=model, backend=data["backend"])
-        return envelope({"model": io.model_view(model), "job": io.job_out(job)}, status_code=status.HTTP_202_ACCEPTED)
+        return envelope(
+            {"model": outputs.model_view(model), "job": outputs.job_out(job)}, status_code=status.HTTP_202_ACCEPTED
+        )
 
 
 class ModelPreviewApi(APIView):
@@ -90,25 +92,25 @@ class ModelPreviewApi(APIView):
 
 
 class ModelDetailApi(APIView):
-    @extend_schema(tags=MODELS, summary="Model details", responses=enveloped(io.ModelOutput))
+    @extend_schema(tags=MODELS, summary="Model details", responses=enveloped(outputs.ModelOutput))
     def get(self, request, model_id: int) -> Response:
-        return envelope(io.model_view(selectors.model_get(model_id=model_id)))
+        return envelope(outputs.model_view(selectors.model_get(model_id=model_id)))
 
     @extend_schema(
         tags=MODELS,
         summary="Change a model's settings (its backend); refused while it is loaded",
         request=io.ModelUpdateInput,
-        responses=enveloped(io.ModelOutput),
+        responses=enveloped(outputs.ModelOutput),
     )
     def patch(self, request, model_id: int) -> Response:
         data = validated(io.ModelUpdateInput, request.data)
         model = services.model_set_backend(model=selectors.model_get(model_id=model_id), backend=data["backend"])
-        return envelope(io.model_view(model))
+        return envelope(outputs.model_view(model))
 
     @extend_schema(
         tags=MODELS,
         summary="Delete a model (files and row); refused while loaded or locked",
-        responses=enveloped(io.ModelDeleteOutput),
+        responses=enveloped(outputs.ModelDeleteOutput),
     )
     def delete(self, request, model_id: int) -> Response:
         model = selectors.model_get(model_id=model_id)
@@ -121,18 +123,21 @@ class ModelDetailApi(APIView):
 
 class ModelLockApi(APIView):
     @extend_schema(
-        tags=MODELS, summary="Lock: refuse unload, delete and swaps", request=None, responses=enveloped(io.ModelOutput)
+        tags=MODELS,
+        summary="Lock: refuse unload, delete and swaps",
+        request=None,
+        responses=enveloped(outputs.ModelOutput),
     )
     def post(self, request, model_id: int) -> Response:
         model = services.model_lock(model=selectors.model_get(model_id=model_id))
-        return envelope(io.model_view(model))
+        return envelope(outputs.model_view(model))
 
 
 class ModelUnlockApi(APIView):
-    @extend_schema(tags=MODELS, summary="Unlock", request=None, responses=enveloped(io.ModelOutput))
+    @extend_schema(tags=MODELS, summary="Unlock", request=None, responses=enveloped(outputs.ModelOutput))
     def post(self, request, model_id: int) -> Response:
         model = services.model_unlock(model=selectors.model_get(model_id=model_id))
-        return envelope(io.model_view(model))
+        return envelope(outputs.model_view(model))
 
 
 class ModelCancelApi(APIView):
@@ -140,13 +145,13 @@ class ModelCancelApi(APIView):
         tags=MODELS,
         summary="Cancel the model's download in progress",
         request=None,
-        responses=enveloped(io.ModelJobOutput),
+        responses=enveloped(outputs.ModelJobOutput),
     )
     def post(self, request, model_id: int) -> Response:
         model = selectors.model_get(model_id=model_id)
         job = downloads.download_cancel(row=model)
         model.refresh_from_db()
-        return envelope({"model": io.model_view(model), "job": io.job_out(job)})
+        return envelope({"model": outputs.model_view(model), "job": outputs.job_out(job)})
 
 
 # --- SAEs ------------------------------------------------------------------------------------
@@ -161,7 +166,7 @@ def _layers_by_sae() -> dict[str, list[int]]:
 
 def _sae_data(sae) -> dict:
     layers = list(sae.attachments.order_by("layer").values_list("layer", flat=True))
-    return io.sae_out(sae, layers=layers, download_progress=selectors.download_progress_by_sae().get(sae.id))
+    return outputs.sae_out(sae, layers=layers, download_progress=selectors.download_progress_by_sae().get(sae.id))
 
 
 class SAEListApi(APIView):
@@ -169,7 +174,7 @@ class SAEListApi(APIView):
         tags=SAES,
         summary="List SAEs and the attachment status",
         operation_id="saes_list",
-        responses=enveloped(io.SAEListOutput),
+        responses=enveloped(outputs.SAEListOutput),
     )
     def get(self, request) -> Response:
         layers = _layers_by_sae()
@@ -179,9 +184,11 @@ class SAEListApi(APIView):
         counts = selectors.engine_attachment_counts() if rows else {}
         return envelope(
             {
-                "saes": [io.sae_out(s, layers=layers.get(s.id), download_progress=progress.get(s.id)) for s in saes],
+                "saes": [
+                    outputs.sae_out(s, layers=layers.get(s.id), download_progress=progress.get(s.id)) for s in saes
+                ],
                 "total": len(saes),
-                "attachment": io.attachment_status(rows, counts),
+                "attachment": outputs.attachment_status(rows, counts),
             }
         )
 
@@ -191,7 +198,7 @@ class SAEListApi(APIView):
         "download one from the hub (202, as /api/saes/download)",
         operation_id="saes_create",
         request=io.SAECreateInput,
-        responses={201: enveloped(io.SAEDownloadOutput), 202: enveloped(io.SAEDownloadOutput)},
+        responses={201: enveloped(outputs.SAEDownloadOutput), 202: enveloped(outputs.SAEDownloadOutput)},
     )
     def post(self, request) -> Response:
         data = validated(io.SAECreateInput, request.data)
@@ -230,7 +237,13 @@ def _download(data: dict) -> Response:
         "already_downloading": "A download of this SAE is in progress",
     }
     return envelope(
-        {"sae_id": sae.id, "status": state, "message": messages[state], "sae": _sae_data(sae), "job": io.job_out(job)},
+        {
+            "sae_id": sae.id,
+            "status": state,
+            "message": messages[state],
+            "sae": _sae_data(sae),
+            "job": outputs.job_out(job),
+        },
         status_code=status.HTTP_202_ACCEPTED,
     )
 
@@ -240,7 +253,7 @@ class SAEDownloadApi(APIView):
         tags=SAES,
         summary="Download an SAE (idempotent per repository, revision and file path)",
         request=io.SAEDownloadInput,
-        responses={202: enveloped(io.SAEDownloadOutput)},
+        responses={202: enveloped(outputs.SAEDownloadOutput)},
     )
     def post(self, request) -> Response:
         return _download(validated(io.SAEDownloadInput, request.data))
@@ -268,20 +281,20 @@ class AttachmentListApi(APIView):
     @extend_schema(
         tags=SAES,
         summary="Every attachment (one per sae_id and layer): is_attached, count, entries, total_memory_usage_mb",
-        responses=enveloped(io.AttachmentsOutput),
+        responses=enveloped(outputs.AttachmentsOutput),
     )
     def get(self, request) -> Response:
         rows = list(selectors.attachment_list())
         counts = selectors.engine_attachment_counts() if rows else {}
-        return envelope(io.attachments_out(rows, counts))
+        return envelope(outputs.attachments_out(rows, counts))
 
 
 class SAEDetailApi(APIView):
-    @extend_schema(tags=SAES, summary="SAE details", responses=enveloped(io.SAEOutput))
+    @extend_schema(tags=SAES, summary="SAE details", responses=enveloped(outputs.SAEOutput))
     def get(self, request, sae_id: str) -> Response:
         return envelope(_sae_data(selectors.sae_get(sae_id=sae_id)))
 
-    @extend_schema(tags=SAES, summary="Delete an SAE (409 while attached)", responses=enveloped(io.DeleteOutput))
+    @extend_schema(tags=SAES, summary="Delete an SAE (409 while attached)", responses=enveloped(outputs.DeleteOutput))
     def delete(self, request, sae_id: str) -> Response:
         sae = selectors.sae_get(sae_id=sae_id)
         size = None
@@ -300,7 +313,7 @@ class SAECancelApi(APIView):
         tags=SAES,
         summary="Cancel the SAE's download in progress",
         request=None,
-        responses=enveloped(io.SAEDownloadOutput),
+        responses=enveloped(outputs.SAEDownloadOutput),
     )
     def post(self, request, sae_id: str) -> Response:
         sae = selectors.sae_get(sae_id=sae_id)
@@ -312,7 +325,7 @@ class SAECancelApi(APIView):
                 "status": sae.status,
                 "message": "Download cancelled",
                 "sae": _sae_data(sae),
-                "job": io.job_out(job),
+                "job": outputs.job_out(job),
             }
         )
 
@@ -326,22 +339,24 @@ class JobListApi(APIView):
         summary="Recent jobs (downloads, loads, unloads)",
         operation_id="jobs_list",
         parameters=[io.JobListQuery],
-        responses=enveloped(io.JobListOutput),
+        responses=enveloped(outputs.JobListOutput),
     )
     def get(self, request) -> Response:
         query = validated(io.JobListQuery, request.query_params)
         rows = selectors.job_list(kind=query.get("kind"), status=query.get("status"), limit=query["limit"])
-        return envelope({"jobs": [io.job_out(j) for j in rows], "total": len(rows)})
+        return envelope({"jobs": [outputs.job_out(j) for j in rows], "total": len(rows)})
 
 
 class JobDetailApi(APIView):
-    @extend_schema(tags=JOBS, summary="One job's progress", responses=enveloped(io.JobOutput))
+    @extend_schema(tags=JOBS, summary="One job's progress", responses=enveloped(outputs.JobOutput))
     def get(self, request, job_id: int) -> Response:
-        return envelope(io.job_out(selectors.job_get(job_id=job_id)))
+        return envelope(outputs.job_out(selectors.job_get(job_id=job_id)))
 
 
 class JobCancelApi(APIView):
-    @extend_schema(tags=JOBS, summary="Cancel a queued or running job", request=None, responses=enveloped(io.JobOutput))
+    @extend_schema(
+        tags=JOBS, summary="Cancel a queued or running job", request=None, responses=enveloped(outputs.JobOutput)
+    )
     def post(self, request, job_id: int) -> Response:
         with transaction.atomic():
             job = selectors.job_get(job_id=job_id)
@@ -351,4 +366,4 @@ class JobCancelApi(APIView):
                 job = downloads.download_cancel(row=job.sae)
             else:
                 job = job_lifecycle.job_cancel(job=job)
-        return envelope(io.job_out(job))
+        return envelope(outputs.job_out(job))

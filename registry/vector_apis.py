@@ -12,7 +12,7 @@ from rest_framework.views import APIView
 from core.api import JSONBodyParser, envelope, validated
 from core.schema import enveloped
 from registry import selectors, services, vector_io, vectors
-from registry import serializers as io
+from registry import outputs
 
 VECTORS = ["vectors"]
 
@@ -58,7 +58,7 @@ class VectorDetailApi(APIView):
     @extend_schema(
         tags=VECTORS,
         summary="Delete a steering vector and the copy miLLM wrote (409 while attached)",
-        responses=enveloped(io.DeleteOutput),
+        responses=enveloped(outputs.DeleteOutput),
     )
     def delete(self, request, vector_id: str) -> Response:
         services.sae_delete(sae=vectors.vector_get(vector_id=vector_id))
