@@ -228,6 +228,16 @@ def test_a_clamp_control_steers_like_transformers(vllm_llama, on_vllm, openai_cl
     assert body.model_extra["millm"]["steering_apply_count"] == [
         {"sae_id": relu.id, "layer": 1, "count": n, "modes": {"clamp": n, "ablate": n}}
     ]
+    # the same controls set as live steering (accepted: vLLM reports steering_controls)
+    _call(server, "POST", "/saes/steering/batch", {"controls": features})
+    try:
+        live = complete(openai_client)
+        assert live.headers["x-millm-steering"].startswith("live;")
+        assert live.headers["x-millm-steering"].endswith(f'hash="{spec.canonical_hash()}"')
+        assert live.parse().choices[0].text == want.text
+    finally:
+        _call(server, "DELETE", "/saes/steering")
+    assert complete(openai_client).parse().choices[0].text == ref(on_vllm, relu).text
 
 
 def test_sae_activations_and_monitoring_records(vllm_llama, on_vllm, openai_client):
