@@ -152,6 +152,18 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
     }
 
 
+def controls_refused(steering_mode: str, steering_mode_reason: str) -> str | None:
+    """Why a load in ``steering_mode`` cannot run feature controls (None: it can)."""
+    if steering_mode != CONTROL_VECTOR_SWAP:
+        return None
+    return (
+        "clamp, scale, ablate, phases, windows and conditions read each row's own "
+        "activations, which needs per-row writes in the eval callback; this llama.cpp "
+        f"load steers with control vectors swapped between requests (steering_mode "
+        f"{CONTROL_VECTOR_SWAP}: {steering_mode_reason})"
+    )
+
+
 class LlamaCppBackend:
     """``gpu_engine.backends.base.ModelBackend`` on llama.cpp (see the module doc)."""
 
@@ -280,17 +292,6 @@ class LlamaCppBackend:
             "CPU backend; a row written in the eval callback reached the next layer (self-check at load)"
         )
 
-    def _controls_refused(self) -> str | None:
-        """Why this load cannot run feature controls (None: it can)."""
-        if self.steering_mode != CONTROL_VECTOR_SWAP:
-            return None
-        return (
-            "clamp, scale, ablate, phases, windows and conditions read each row's own "
-            "activations, which needs per-row writes in the eval callback; this llama.cpp "
-            f"load steers with control vectors swapped between requests (steering_mode "
-            f"{CONTROL_VECTOR_SWAP}: {self.steering_mode_reason})"
-        )
-
     def _check_steering(self, request_hooks: Any) -> None:
         """What the fallback cannot run, refused by name before the request runs: a
         control vector has no tensor at layer 0 (llama.cpp's buffer starts at layer 1),
@@ -300,8 +301,9 @@ class LlamaCppBackend:
             return
         for (sae_id, layer), plan in request_hooks.plans.items():
             if plan.controls is not None:
+                why = controls_refused(self.steering_mode, self.steering_mode_reason)
                 raise InvalidParameter(
-                    f"the {self.name} backend cannot run steering.features.mode here: {self._controls_refused()}",
+                    f"the {self.name} backend cannot run steering.features.mode here: {why}",
                     param="steering.features.mode",
                     details={
                         "backend": self.name,
@@ -309,7 +311,7 @@ class LlamaCppBackend:
                         "sae_id": sae_id,
                         "layer": layer,
                         "steering_mode": self.steering_mode,
-                        "reason": self._controls_refused(),
+                        "reason": why,
                     },
                 )
             if layer == 0 and plan.delta is not None:
@@ -335,7 +337,7 @@ class LlamaCppBackend:
             # feature controls run per row in the eval callback (``taps.py``: ``route``);
             # a control vector cannot carry them (refused, with the reason, in the swap mode)
             steering_controls=self.steering_mode == EVAL_CALLBACK_PER_ROW,
-            steering_controls_reason=self._controls_refused(),
+            steering_controls_reason=controls_refused(self.steering_mode, self.steering_mode_reason),
             # capture reads the eval callback's nodes (``taps.py``); Q/K needs rope's output
             # (a model without rotary embedding has no node that is its Q/K as attended)
             attention_capture=self.native.rotary and GGML_OP_ROPE is not None,
