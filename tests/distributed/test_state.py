@@ -8,8 +8,12 @@ Celery worker and ``manage.py run_engine`` on PostgreSQL and Redis of their own.
   for it: the stream finishes in full before the unload does, and meanwhile new /v1
   requests on either worker get 503 model_busy with Retry-After and start no load.
 - An unload run from yet another process (the service the Celery task calls, with
-  GRACEFUL_UNLOAD_TIMEOUT=1) stops a stream that outlasts its grace period (an error
+  GRACEFUL_UNLOAD_TIMEOUT=0.2) stops a stream that outlasts its grace period (an error
   frame, model_busy) and goes ahead.
+
+The streams that must still run while the test looks are held at a token by the engine
+(``held_engine.py``) until the test lets them go, or the unload stops them: no stream
+length is chosen for the machine's speed.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from tests.distributed.test_processes import (  # noqa: F401 - the cluster fixtu
 
 pytestmark = pytest.mark.slow
 
-LONG = 480  # tokens: a stream of several seconds on tiny-llama
+LONG = 480  # tokens: held at HOLD_AT (held_engine.py) while the test checks what it must
+HELD_ENGINE = REPO / "tests" / "distributed" / "held_engine.py"
 
 
 def _load_jobs(c: Cluster) -> list[dict]:
@@ -52,7 +57,9 @@ def test_loads_race_once_and_unloads_hold_across_workers(
 ):
     c = cluster
     c.env["GRACEFUL_UNLOAD_TIMEOUT"] = "120"  # the stream below finishes well within it
-    engine = c.start_engine()
+    hold = f"{c.prefix}:test-hold"
+    c.env["MILLM_TEST_HOLD_KEY"] = hold
+    engine = c.start("engine", [PYTHON, str(HELD_ENGINE)])
     c.start_web("web-a")
     c.start_web("web-b")
     c.start_worker()
@@ -89,6 +96,7 @@ def test_loads_race_once_and_unloads_hold_across_workers(
 
     # --- a stream on A; the unload asked through B runs on Celery and waits for it
     out = Outcome()
+    c.redis.set(hold, "1")  # the stream waits at its HOLD_AT-th token until this goes
     streamer = threading.Thread(target=stream_chat, args=(c.webs["web-a"], chat_body(LONG), out, 180))
     streamer.start()
     wait_for("a stream on web-a", out.first_token.is_set, 60, procs, every_s=0.01)
@@ -114,6 +122,8 @@ def test_loads_race_once_and_unloads_hold_across_workers(
         assert streamed.status == 503 and streamed.retry_after, streamed
         assert '"model_busy"' in streamed.body
     assert _model(c, "web-a", "tiny-llama")["status"] == "unloading"
+    assert not out.ended_at, "the held stream ended while the late requests were refused"
+    c.redis.delete(hold)  # the stream goes on to its end, then the unload runs
     streamer.join(180)
     job = wait_for(
         "the unload job",
@@ -143,8 +153,7 @@ def test_loads_race_once_and_unloads_hold_across_workers(
     # the service a Celery task calls, in a process of its own, set up before the stream
     unloader = subprocess.Popen(
         [PYTHON, str(REPO / "manage.py"), "shell", "-c", UNLOADER.format(trigger=str(trigger), ready=str(ready))],
-        # 0.2 s: far below the ~1 s+ a 480-token stream takes (with 1 s, a fast machine
-        # finished the whole stream inside the grace period)
+        # the stream below is held until the unload stops it, past this grace period
         env={**c.env, "GRACEFUL_UNLOAD_TIMEOUT": "0.2"},
         cwd=REPO,
         stdout=subprocess.PIPE,
@@ -154,6 +163,7 @@ def test_loads_race_once_and_unloads_hold_across_workers(
     try:
         wait_for("the unloader process", ready.exists, 120, procs)
         cut = Outcome()
+        c.redis.set(hold, "1")  # held until the unload's grace period runs out and stops it
         streamer = threading.Thread(target=stream_chat, args=(c.webs["web-b"], chat_body(LONG), cut, 180))
         streamer.start()
         wait_for("a stream on web-b", cut.first_token.is_set, 60, procs, every_s=0.01)
@@ -162,6 +172,7 @@ def test_loads_race_once_and_unloads_hold_across_workers(
         output, _ = unloader.communicate(timeout=120)
         streamer.join(60)
     finally:
+        c.redis.delete(hold)
         if unloader.poll() is None:
             unloader.kill()
     assert unloader.returncode == 0, output[-3000:]
