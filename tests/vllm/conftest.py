@@ -19,6 +19,18 @@ def require_vllm() -> None:
     require_backend("vllm")
 
 
+def vllm_job(tiny_assets, **options) -> LoadModelJob:
+    """tiny-llama on vLLM, float32 on the CPU, with vLLM's ``options``."""
+    return LoadModelJob(
+        "tiny-llama",
+        str(tiny_assets.models["tiny-llama"].path),
+        dtype="float32",
+        device="cpu",
+        backend="vllm",
+        options=options,
+    )
+
+
 def _attach(eng: Engine, tiny_assets) -> None:
     eng.attach_set([AttachSpec(name, str(tiny_assets.saes[name].path), tiny_assets.saes[name].layer) for name in SAES])
 
@@ -29,17 +41,7 @@ def vllm_engine(tiny_assets):
     SAEs attached; the engine's batch holds 8 requests."""
     require_vllm()
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=8), drain_timeout_s=300)
-    asset = tiny_assets.models["tiny-llama"]
-    eng.load_model(
-        LoadModelJob(
-            "tiny-llama",
-            str(asset.path),
-            dtype="float32",
-            device="cpu",
-            backend="vllm",
-            options={"distributed_executor_backend": "uni", "max_num_seqs": 8},
-        )
-    )
+    eng.load_model(vllm_job(tiny_assets, distributed_executor_backend="uni", max_num_seqs=8))
     _attach(eng, tiny_assets)
     yield eng
     eng.shutdown()

@@ -39,7 +39,7 @@ from gpu_engine.api.protocol import (
 from tests.engine.test_capture_qk import reference_qk
 from tests.engine.tolerances import POSITIVE_CONTROL_MIN
 
-from .conftest import SAES
+from .conftest import SAES, vllm_job
 from .test_vllm_engine import PROMPTS, VLLM_ACT_ATOL
 
 L1 = (SAES[0], 1)
@@ -296,7 +296,7 @@ def test_tp2_q_k_shards_merge_to_the_tp1_capture(tiny_assets, vllm_engine, monke
     from vllm import envs
 
     from gpu_engine.runtime.engine import Engine
-    from gpu_engine.api.protocol import BatchingOptions, LoadModelJob
+    from gpu_engine.api.protocol import BatchingOptions
 
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
     # the TP=1 engine in this process cached vLLM's environment (in-process engine core,
@@ -314,14 +314,7 @@ def test_tp2_q_k_shards_merge_to_the_tp1_capture(tiny_assets, vllm_engine, monke
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4), drain_timeout_s=600)
     try:
         eng.load_model(
-            LoadModelJob(
-                "tiny-llama",
-                str(tiny_assets.models["tiny-llama"].path),
-                dtype="float32",
-                device="cpu",
-                backend="vllm",
-                options={"distributed_executor_backend": "mp", "tensor_parallel_size": 2, "max_num_seqs": 4},
-            ),
+            vllm_job(tiny_assets, distributed_executor_backend="mp", tensor_parallel_size=2, max_num_seqs=4),
             timeout_s=600,
         )
         two = eng.generate_sync(job("tp2", spec, n=5), timeout_s=600)

@@ -12,22 +12,13 @@ import time
 
 from gpu_engine.api.protocol import BatchingOptions, GenerationJob, LoadModelJob, SamplingParams
 from gpu_engine.runtime.engine import Engine
-from tests.vllm.conftest import require_vllm
+from tests.vllm.conftest import require_vllm, vllm_job
 
 PROMPT = "the cat sat on the mat and"
 
 
 def _load_vllm(eng: Engine, tiny_assets, max_num_seqs: int) -> None:
-    eng.load_model(
-        LoadModelJob(
-            "tiny-llama",
-            str(tiny_assets.models["tiny-llama"].path),
-            dtype="float32",
-            device="cpu",
-            backend="vllm",
-            options={"distributed_executor_backend": "uni", "max_num_seqs": max_num_seqs},
-        )
-    )
+    eng.load_model(vllm_job(tiny_assets, distributed_executor_backend="uni", max_num_seqs=max_num_seqs))
 
 
 def _job(rid: str) -> GenerationJob:

@@ -29,7 +29,7 @@ from gpu_engine.api.protocol import (
 )
 from gpu_engine.backends.vllm import wire
 
-from .conftest import SAES
+from .conftest import SAES, vllm_job
 from .test_vllm_engine import VLLM_ACT_ATOL, assert_records_close
 
 L1, L2 = (SAES[0], 1), (SAES[1], 2)
@@ -383,7 +383,7 @@ def test_tp2_runs_every_control_like_tp1(tiny_assets, vllm_engine, hf_engine, mo
     the counts are one rank's and the fired positions are reported once."""
     from vllm import envs
 
-    from gpu_engine.api.protocol import BatchingOptions, LoadModelJob
+    from gpu_engine.api.protocol import BatchingOptions
     from gpu_engine.runtime.engine import Engine
 
     from .conftest import _attach
@@ -416,14 +416,7 @@ def test_tp2_runs_every_control_like_tp1(tiny_assets, vllm_engine, hf_engine, mo
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4), drain_timeout_s=600)
     try:
         eng.load_model(
-            LoadModelJob(
-                "tiny-llama",
-                str(tiny_assets.models["tiny-llama"].path),
-                dtype="float32",
-                device="cpu",
-                backend="vllm",
-                options={"distributed_executor_backend": "mp", "tensor_parallel_size": 2, "max_num_seqs": 4},
-            ),
+            vllm_job(tiny_assets, distributed_executor_backend="mp", tensor_parallel_size=2, max_num_seqs=4),
             timeout_s=600,
         )
         _attach(eng, tiny_assets)
