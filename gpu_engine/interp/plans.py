@@ -27,7 +27,8 @@ from ..api.steering import ENCODER_MODES, refuse_encoder_controls
 from ..sae.module import SAE
 from .capture import AttentionGeometry, CapturePlan, estimate_bytes
 from .controls import ControlTable, control_range
-from .hooks import AttachmentPlan, MonitorPlan, RequestHooks
+from .hooks import AttachmentPlan, RequestHooks
+from .monitors import MonitorPlan
 
 
 class HoldsSAE(Protocol):

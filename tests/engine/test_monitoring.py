@@ -157,13 +157,13 @@ def test_monitor_requests_only_what_it_asks(engine, tiny_assets):
 
 
 def test_batched_encode_in_chunks_gives_the_same_records(engine, tiny_assets, monkeypatch):
-    from gpu_engine.interp import hooks
+    from gpu_engine.interp import monitors
 
     asset = tiny_assets.saes["tiny-llama-L2-topk"]
     engine.attach(AttachSpec(asset.name, str(asset.path), asset.layer))
     spec = MonitorSpec([MonitorEntry(asset.name, 2, top_k=TOP_K, features=REQUESTED, positions="all")])
     whole = engine.generate_sync(job("w", spec, max_tokens=6)).activations
-    monkeypatch.setattr(hooks, "FLUSH_CHUNK_ROWS", 3)
+    monkeypatch.setattr(monitors, "FLUSH_CHUNK_ROWS", 3)
     chunked = engine.generate_sync(job("c", spec, max_tokens=6)).activations
     assert [r.position for r in chunked] == [r.position for r in whole]
     for a, b in zip(chunked, whole):
@@ -178,7 +178,7 @@ def test_rows_computed_again_are_recorded_once(tiny_assets):
     the monitor sees positions it has seen before and must not record them twice."""
     import torch
 
-    from gpu_engine.interp import hooks
+    from gpu_engine.interp import monitors
     from gpu_engine.sae.layouts import get_layout
     from gpu_engine.sae.module import SAE
 
@@ -188,7 +188,7 @@ def test_rows_computed_again_are_recorded_once(tiny_assets):
     sae = SAE(cfg, lay.load_tensors(cfg), device=torch.device("cpu"))
     rows = torch.randn(12, sae.d_in)
     entry = MonitorEntry(asset.name, 1, top_k=TOP_K, features=REQUESTED, positions="all")
-    once, again = (hooks.MonitorPlan(entry, sae, prompt_len=6) for _ in range(2))
+    once, again = (monitors.MonitorPlan(entry, sae, prompt_len=6) for _ in range(2))
     once.observe(rows[:6], 0)
     once.observe(rows[6:9], 6)
     once.observe(rows[9:], 9)
