@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..api.errors import InvalidParameter
-from ..api.protocol import LogprobEntry, SamplingParams, ScoreJob, ScoreResult
+from ..api.protocol import EmbedJob, LogprobEntry, SamplingParams, ScoreJob, ScoreResult
 
 
 class Sampler:
@@ -177,4 +177,20 @@ def score_result(
     return ScoreResult(job.request_id, len(prompt_ids), top, allowed, prompt_lp)
 
 
-__all__ = ["Sampler", "choose_rows", "sample_rows", "score_result"]
+def embed_vector(job: EmbedJob, hidden: torch.Tensor) -> list[float]:
+    """One input's embedding from its final hidden states (T, d): pooled as the job asks
+    (``mean`` over the tokens, the ``last`` token, else the first: ``cls``) in float32,
+    L2-normalised when asked — for every backend that embeds (transformers, llama.cpp)."""
+    hidden = hidden.float()
+    if job.pooling == "mean":
+        vec = hidden.mean(dim=0)
+    elif job.pooling == "last":
+        vec = hidden[-1]
+    else:  # cls: the first token
+        vec = hidden[0]
+    if job.normalize:
+        vec = torch.nn.functional.normalize(vec, dim=0)
+    return vec.tolist()
+
+
+__all__ = ["Sampler", "choose_rows", "embed_vector", "sample_rows", "score_result"]

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from ...interp.capture import AttentionGeometry
-from ...decode.sampling import score_result
+from ...decode.sampling import embed_vector, score_result
 from ...decode.sequence import Sequence
 from ...decode.text import tool_template_format
 from ...api.errors import InvalidParameter, ModelLoadFailed, SAEIncompatible
@@ -509,17 +509,8 @@ class LlamaCppBackend:
         vectors: list[list[float]] = []
         total = 0
         for ids in inputs:
-            hidden = self._scratch_forward(list(ids), embeddings=True)
+            vectors.append(embed_vector(job, self._scratch_forward(list(ids), embeddings=True)))
             total += len(ids)
-            if job.pooling == "mean":
-                vec = hidden.mean(dim=0)
-            elif job.pooling == "last":
-                vec = hidden[-1]
-            else:
-                vec = hidden[0]
-            if job.normalize:
-                vec = torch.nn.functional.normalize(vec, dim=0)
-            vectors.append(vec.tolist())
         return EmbedResult(job.request_id, vectors, Usage(total, 0, total))
 
     def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:

@@ -48,7 +48,7 @@ from .quantization import (
     quantize_blocks,
     weight_bytes,
 )
-from ...decode.sampling import score_result
+from ...decode.sampling import embed_vector, score_result
 from .speculative import Drafter, spec_config
 from .batched import BatchedRunner
 from .generation import run_generation
@@ -493,17 +493,8 @@ class TransformersRunner:
         # embeddings and scores read the unsteered model
         with torch.inference_mode(), self.hooks.suppressed():
             for ids in inputs:
-                hidden = self.last_hidden(ids).float()
+                vectors.append(embed_vector(job, self.last_hidden(ids)))
                 total += len(ids)
-                if job.pooling == "mean":
-                    vec = hidden.mean(dim=0)
-                elif job.pooling == "last":
-                    vec = hidden[-1]
-                else:  # cls: the first token
-                    vec = hidden[0]
-                if job.normalize:
-                    vec = torch.nn.functional.normalize(vec, dim=0)
-                vectors.append(vec.tolist())
         return EmbedResult(job.request_id, vectors, Usage(total, 0, total))
 
     def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:
