@@ -1,5 +1,5 @@
 """Admission control for generation: the slots in force (MAX_CONCURRENT_REQUESTS, or with it
-unset the loaded backend's: ``core.engine_client.interactive_slots``) plus
+unset the loaded backend's: ``core.engine_options.interactive_slots``) plus
 MAX_PENDING_REQUESTS places in a queue; anything beyond is refused at once (STYLE §11).
 
 A request either takes a slot, or waits in the queue for one, or is refused with
@@ -19,7 +19,7 @@ blocks the event loop. Both offer the same interface (``acquire`` / ``try_acquir
 
 This admission is the one queue of the deployment: the engine's own bounds (run_engine's
 jobs in flight, the batch scheduler's queue) are derived from the same settings so that
-they never queue or refuse what was admitted (``core.engine_client.engine_bounds``;
+they never queue or refuse what was admitted (``core.engine_options.engine_bounds``;
 docs/api-v1.md, "Who decides the queue").
 """
 
@@ -133,7 +133,7 @@ class AdmissionController:
     @property
     def slots(self) -> int:
         """The slots in force: with MAX_CONCURRENT_REQUESTS unset they follow the loaded
-        model's backend (``core.engine_client.interactive_slots``), so a load or an unload
+        model's backend (``core.engine_options.interactive_slots``), so a load or an unload
         changes them. Fewer than are held: nobody new starts until enough are released."""
         return max(int(self._slots()), 1)
 
@@ -291,8 +291,8 @@ def _fixed(slots: int) -> Callable[[], int]:
 
 
 def current_slots() -> int:
-    """The slots admission grants now (``core.engine_client.interactive_slots``)."""
-    from core.engine_client import interactive_slots
+    """The slots admission grants now (``core.engine_options.interactive_slots``)."""
+    from core.engine_options import interactive_slots
 
     return interactive_slots().value
 

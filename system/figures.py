@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 from django.conf import settings
 
-from core.engine_client import interactive_slots
+from core.engine_options import interactive_slots
 from core.runtime import runtime
 from gpu_engine.api.protocol import to_builtins
 from inference.admission import queue_figures

@@ -30,7 +30,7 @@ from rest_framework.views import APIView
 
 from core.api import envelope
 from core.auth import keys_enabled
-from core.engine_client import interactive_slots
+from core.engine_options import interactive_slots
 from core.errors import NotReady
 from core.schema import enveloped
 from core.version import version

@@ -439,7 +439,7 @@ def test_the_batch_queue_never_refuses_what_admission_let_in(settings, slots, pe
     """Even with CBM_MAX_QUEUE_SIZE below the admission queue, the engine's batch scheduler
     built from the settings accepts every job admission can have let in at once (all of
     them arriving before its next step); only work beyond that meets its own bound."""
-    from core.engine_client import batching_options
+    from core.engine_options import batching_options
     from gpu_engine.api.errors import EngineBusy
     from gpu_engine.api.protocol import GenerationJob, SamplingParams
     from gpu_engine.runtime.scheduler import BatchScheduler

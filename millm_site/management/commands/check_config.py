@@ -48,7 +48,7 @@ class Command(BaseCommand):
 
     def _slots(self, config) -> None:
         """Which setting sizes /v1's generation slots, for a model on each backend."""
-        from core.engine_client import interactive_slots
+        from core.engine_options import interactive_slots
         from gpu_engine.api.host import backend_names
 
         asked = config["MAX_CONCURRENT_REQUESTS"]

@@ -31,7 +31,7 @@ log = structlog.get_logger("millm.engine")
 
 
 def server_config() -> Any:
-    from core.engine_client import engine_bounds
+    from core.engine_options import engine_bounds
     from gpu_engine.server.config import ServerConfig
 
     return ServerConfig(
@@ -101,7 +101,7 @@ class Command(BaseCommand):
             )
         import redis
 
-        from core.engine_client import batching_options, idle_release_s
+        from core.engine_options import batching_options, idle_release_s
         from gpu_engine.runtime.engine import Engine
         from gpu_engine.server.server import EngineAlreadyRunning, EngineServer
 
