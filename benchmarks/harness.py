@@ -1,8 +1,9 @@
 """The harness of ``benchmarks/run.py``: a table row and its verdict against a target
-(``Row``, ``target``), the machine a run was measured on (``machine``), running one
-benchmark script as a subprocess of its own and reading its JSON (``Ctx.script``, which
-raises ``Failed`` with its log), and the output (the table, the PNG plot). The groups
-that use it are ``benchmarks/suites.py``."""
+(``Row``, ``target``), the machine a run was measured on and its kind (``machine``,
+``cpu_facts``, ``machine_kind``) and the software (``software``), running one benchmark
+script as a subprocess of its own and reading its JSON (``Ctx.script``, which raises
+``Failed`` with its log), and the output (the table, the PNG plot). The groups that use
+it are ``benchmarks/suites.py``; comparing results files is ``benchmarks/compare.py``."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -30,6 +32,7 @@ class Row:
     threshold: float | None = None
     status: str = ""  # met / missed / — / not built / not installed / failed / not measured
     note: str = ""
+    machine: str = ""  # the machine kind it was measured on (``machine_kind``), set by run.py
 
     def judge(self, quick: bool = False) -> Row:
         if self.status:
@@ -53,12 +56,99 @@ def target(op: str, value: float, source: str) -> dict:
 # ------------------------------------------------------------------ the machine
 
 
+# the ISA flags of /proc/cpuinfo that decide which kernels the CPU runs (recorded as they are)
+KEY_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+# (family, first model, last model) -> microarchitecture, for the server CPUs this project meets
+_UARCH = {
+    "AMD": [
+        (0x17, 0x00, 0x2F, "Zen"),
+        (0x17, 0x30, 0xFF, "Zen 2"),
+        (0x19, 0x00, 0x0F, "Zen 3"),
+        (0x19, 0x10, 0x1F, "Zen 4"),
+        (0x19, 0x20, 0x5F, "Zen 3"),
+        (0x19, 0x60, 0xAF, "Zen 4"),
+        (0x1A, 0x00, 0xFF, "Zen 5"),
+    ],
+    "Intel": [
+        (6, 0x55, 0x55, "Skylake/Cascade Lake"),
+        (6, 0x6A, 0x6C, "Ice Lake"),
+        (6, 0x8F, 0x8F, "Sapphire Rapids"),
+        (6, 0xCF, 0xCF, "Emerald Rapids"),
+        (6, 0xAD, 0xAE, "Granite Rapids"),
+    ],
+}
+_VENDORS = {"GenuineIntel": "Intel", "AuthenticAMD": "AMD"}
+
+
+def product_line(model_name: str) -> str:
+    """The vendor and product line of a CPU's model name: ``Intel(R) Xeon(R) Platinum
+    8488C`` -> ``Intel Xeon``, ``AMD EPYC 9R14 96-Core Processor`` -> ``AMD EPYC``."""
+    words = re.sub(r"\((R|TM|tm|r)\)", " ", model_name).split()
+    return " ".join(words[:2])
+
+
+def machine_kind(vendor: str, model_name: str, family: int | None, model: int | None, flags: list[str]) -> str:
+    """What makes two machines comparable: product line, microarchitecture where the
+    family and model say it, and the vector ISA (``AMD EPYC Zen 4 (AVX-512)``,
+    ``Intel Xeon Sapphire Rapids (AVX-512, AMX)``, ``Intel Xeon Emerald Rapids (AVX-512)``
+    where a VM hides AMX). Two runs compare as before and after only on one kind."""
+    line = product_line(model_name) or vendor or platform.machine()
+    uarch = next(
+        (u for f, lo, hi, u in _UARCH.get(vendor, []) if f == family and model is not None and lo <= model <= hi),
+        "",
+    )
+    isa = ", ".join(name for flag, name in (("avx512f", "AVX-512"), ("amx_tile", "AMX")) if flag in flags) or (
+        "AVX2" if "avx2" in flags else ""
+    )
+    return " ".join(p for p in (line, uarch) if p) + (f" ({isa})" if isa else "")
+
+
+def cpu_facts(cpuinfo: str) -> dict:
+    """Vendor, model name, family and model, the ``KEY_FLAGS`` present and the kind, from
+    the text of /proc/cpuinfo (its first processor)."""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            if fields:
+                break
+            continue
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    vendor = _VENDORS.get(fields.get("vendor_id", ""), fields.get("vendor_id", ""))
+    model_name = fields.get("model name", "") or platform.processor()
+    present = set(fields.get("flags", "").split())
+    flags = [f for f in KEY_FLAGS if f in present]
+
+    def number(key: str) -> int | None:
+        return int(fields[key]) if fields.get(key, "").isdigit() else None
+
+    family, model = number("cpu family"), number("model")
+    return {
+        "kind": machine_kind(vendor, model_name, family, model, flags),
+        "vendor": vendor,
+        "model_name": model_name,
+        "family": family,
+        "model": model,
+        "flags": flags,
+    }
+
+
 def machine() -> dict:
-    cpu = platform.processor()
+    """The machine block of results.json, at the start of a run: ``cpu_facts`` of
+    /proc/cpuinfo, the logical CPUs this process may use and the load average (run.py
+    adds the load average at the end and the bandwidth)."""
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+        cpuinfo = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        cpuinfo = ""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count()
+    return cpu_facts(cpuinfo) | {"cpus": cpus, "load_average_start": os.getloadavg()}
+
+
+def software() -> dict:
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
@@ -68,15 +158,12 @@ def machine() -> dict:
     import torch
 
     return {
-        "cpu": cpu,
-        "cpus": os.cpu_count(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.is_available(),
         "python": platform.python_version(),
         "commit": commit,
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "load_average_start": os.getloadavg(),
     }
 
 

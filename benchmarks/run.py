@@ -4,6 +4,8 @@
     .venv/bin/python benchmarks/run.py                       # everything (one to two hours on 2 cores)
     .venv/bin/python benchmarks/run.py --only decode,batching
     .venv/bin/python benchmarks/run.py --quick               # smoke: tiny model, figures meaningless
+    .venv/bin/python benchmarks/run.py --only decode --against OLD/results.json   # run, then compare
+    .venv/bin/python benchmarks/run.py --compare-only --against A.json --against B.json  # run nothing
 
 The measurements are the existing scripts of ``benchmarks/``, each run as a subprocess of
 its own (so no two engines share a process: see serial_path.py on GNU OpenMP's second
@@ -47,9 +49,25 @@ with its log; nothing is left out of the table silently.  Written to ``--out`` (
 ``.cache/benchmarks/<date>``): ``results.json`` (every row, the machine, each script's
 own JSON), ``ratios.png``, the scripts' own plots, and ``logs/<group>.log``.
 
+Every row carries the machine kind it was measured on (``machine`` in results.json, e.g.
+``AMD EPYC Zen 4 (AVX-512)``: product line, microarchitecture and vector ISA from
+/proc/cpuinfo, ``harness.machine_kind``), and results.json's ``machine`` block keeps the
+vendor, model name, family and model, the ISA flags that matter, the logical CPUs, the
+load average at the start and end, and a 512 MiB copy's bandwidth measured after the groups.
+
+``--against FILE`` (a results.json or the folder holding it; repeatable) prints, after the
+run's own table, one more: every ratio row with its target and its value per machine kind
+side by side — a column per kind, or, for a kind that several files hold (this run counts
+as the last file), "before" and "after" and the difference — with "—" where a file lacks
+the row (``benchmarks/compare.py``). ``--compare-only`` runs no group and writes nothing:
+it prints that table for the ``--against`` files alone. A file that is missing, not JSON
+or not shaped as results.json stops the command before any group runs, with one line on
+stderr and exit status 2.
+
 This file is the command (its options, the groups' loop, what a group that cannot run
-shows); the groups are ``benchmarks/suites.py`` and their harness (rows, running a
-script, the machine, the table and plot) ``benchmarks/harness.py``.
+shows); the groups are ``benchmarks/suites.py``, their harness (rows, running a script,
+the machine, the table and plot) ``benchmarks/harness.py``, and the comparison
+``benchmarks/compare.py``.
 """
 
 from __future__ import annotations
@@ -65,8 +83,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bandwidth import measured  # noqa: E402
-from benchmarks.harness import Ctx, Failed, Row, machine, plot, print_table  # noqa: E402
+from benchmarks.bandwidth import copy_bandwidth, measured  # noqa: E402
+from benchmarks.compare import BadResults, load, table  # noqa: E402
+from benchmarks.harness import Ctx, Failed, Row, machine, plot, print_table, software  # noqa: E402
 from benchmarks.suites import GROUPS, RUNNERS, llamacpp_missing, vllm_missing  # noqa: E402
 
 MISSING = {"llamacpp": llamacpp_missing, "vllm": vllm_missing}
@@ -100,7 +119,26 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, help="new tokens per request (default 64; --quick: 4)")
     ap.add_argument("--rounds", type=int, help="rounds per script (default 3; --quick: 1)")
     ap.add_argument("--timeout", type=int, default=7200, help="seconds one script may run")
+    ap.add_argument(
+        "--against",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="an earlier results.json (or its folder) to compare with, per machine kind (repeatable)",
+    )
+    ap.add_argument("--compare-only", action="store_true", help="run no group: compare the --against files and exit")
     args = ap.parse_args()
+    if args.compare_only and not args.against:
+        ap.error("--compare-only needs at least one --against FILE")
+    try:  # before any group runs: a bad file must not wait for the end of a long run
+        earlier = [load(f) for f in args.against]
+    except BadResults as e:
+        print(f"benchmarks/run.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if args.compare_only:
+        print(table(earlier))
+        return
     groups = GROUPS if not args.only else tuple(g.strip() for g in args.only.split(",") if g.strip())
     unknown = [g for g in groups if g not in GROUPS]
     if unknown:
@@ -109,7 +147,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(REPO))
     ctx = Ctx(args)
-    meta = machine() | {
+    mach = machine()
+    meta = software() | {
         "quick": ctx.quick,
         "model": ctx.model,
         "tokens": ctx.tokens,
@@ -133,25 +172,34 @@ def main() -> None:
             rows.append(Row(g, PLACEHOLDER[g], status="failed", note=f"{type(e).__name__}: {e}"))
         timings[g] = time.monotonic() - t0
         print(f"[{g}] done in {timings[g]:.0f} s", file=sys.stderr, flush=True)
-    meta["load_average_end"] = os.getloadavg()
+    for r in rows:
+        r.machine = mach["kind"]
+    mach["load_average_end"] = os.getloadavg()
     meta["group_seconds"] = timings
     print_table(rows, ctx.quick)
     if meta["groups_not_run"]:
         print(f"groups not run (--only): {', '.join(meta['groups_not_run'])}")
-    bw = {str(k): v for k, v in measured().items()}
-    for v in bw.values():
+    bw = {str(k): v for k, v in measured().items()}  # the groups' limits, by weight bytes
+    # the machine's own figure, one size for every run (a small model's weights sit in the cache)
+    copy = copy_bandwidth(512 << 20, reps=5)
+    mach["bandwidth"] = {k: copy[k] for k in ("buffer_bytes", "reps", "gb_s", "read_gb_s", "convention")}
+    for v in [*bw.values(), copy]:
         print(
             f"bandwidth: copy of {v['buffer_bytes'] / 1e6:.0f} MB, best of {v['reps']}: {v['gb_s']:.1f} GB/s "
             f"read + written (a plain read of it: {v['read_gb_s']:.1f} GB/s)"
         )
     print(
-        f"{meta['cpu']}, {meta['cpus']} CPUs, torch {meta['torch']} ({meta['torch_threads']} threads), "
-        f"load average {meta['load_average_start'][0]:.1f} → {meta['load_average_end'][0]:.1f}, commit {meta['commit']}"
+        f"{mach['kind']}: {mach['model_name']}, {mach['cpus']} CPUs, torch {meta['torch']} "
+        f"({meta['torch_threads']} threads), load average {mach['load_average_start'][0]:.1f} → "
+        f"{mach['load_average_end'][0]:.1f}, commit {meta['commit']}"
     )
-    result = {"meta": meta, "bandwidth": bw, "rows": [asdict(r) for r in rows], "raw": ctx.raw}
+    result = {"meta": meta, "machine": mach, "bandwidth": bw, "rows": [asdict(r) for r in rows], "raw": ctx.raw}
     (args.out / "results.json").write_text(json.dumps(result, indent=2))
+    if earlier:
+        print()
+        print(table([*earlier, load(args.out / "results.json", label=f"this run ({args.out})")]))
     title = (
-        f"miLLM benchmarks/run.py, {ctx.model}, {ctx.tokens} tokens, {meta['cpu']} ({meta['cpus']} CPUs), "
+        f"miLLM benchmarks/run.py, {ctx.model}, {ctx.tokens} tokens, {mach['kind']} ({mach['cpus']} CPUs), "
         f"{meta['date']}" + ("\n--quick: FIGURES MEANINGLESS (smoke run)" if ctx.quick else "")
     )
     try:

@@ -11,7 +11,7 @@ import sys
 from tests.conftest import REPO
 from tests.fixtures.assets import ASSET_DIR_ENV, asset_cache_dir
 
-ROW_KEYS = {"group", "what", "ratio", "target", "op", "threshold", "status", "note"}
+ROW_KEYS = {"group", "what", "ratio", "target", "op", "threshold", "status", "note", "machine"}
 
 
 def _run(*argv: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -45,6 +45,11 @@ def test_quick_run_writes_rows_json_and_plot(tiny_assets, tmp_path):
 
     rows = result["rows"]
     assert all(set(r) == ROW_KEYS for r in rows)
+    # the machine block, and every row carries its kind (what --against compares by)
+    machine = result["machine"]
+    assert set(machine) >= {"kind", "vendor", "model_name", "flags", "cpus", "load_average_start", "load_average_end"}
+    assert machine["bandwidth"]["buffer_bytes"] == 512 << 20 and machine["bandwidth"]["gb_s"] > 0
+    assert machine["kind"] and all(r["machine"] == machine["kind"] for r in rows)
     decode = [r for r in rows if r["group"] == "decode"]
     assert len(decode) == 7
     assert all(isinstance(r["ratio"], float) and r["ratio"] > 0 for r in decode)
