@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,11 +128,11 @@ def table(files: list[Results]) -> str:
             by.setdefault((k, i), {}).setdefault(row_key(r), r)
             if not keys.get(row_key(r)):
                 keys[row_key(r)] = r.get("target") or ""
-    # columns: (kind, header, function of a key -> text)
-    groups: list[tuple[str, list[tuple[str, object]]]] = []
+    # per kind, its columns: (header, the cell of a row's key)
+    groups: list[tuple[str, list[tuple[str, Callable[[tuple[str, str]], str]]]]] = []
     for k in kinds:
         held = [i for i in range(len(files)) if (k, i) in by]
-        cols: list[tuple[str, object]] = []
+        cols: list[tuple[str, Callable[[tuple[str, str]], str]]] = []
         if len(held) == 1:
             cols.append((f"[{held[0] + 1}]", lambda key, s=by[(k, held[0])]: cell(s.get(key))))
         else:
@@ -139,7 +140,7 @@ def table(files: list[Results]) -> str:
             for name, i in zip(names, held):
                 cols.append(((f"{name} " if name else "") + f"[{i + 1}]", lambda key, s=by[(k, i)]: cell(s.get(key))))
 
-            def diff(key, first=by[(k, held[0])], last=by[(k, held[-1])]) -> str:
+            def diff(key: tuple[str, str], first=by[(k, held[0])], last=by[(k, held[-1])]) -> str:
                 a, b = first.get(key), last.get(key)
                 if a is None or b is None or a.get("ratio") is None or b.get("ratio") is None:
                     return ""
