@@ -130,7 +130,7 @@ def resolve(
         return None
     try:
         resolved = steering_resolve_request(
-            attachments=attachments, model_name=model, **steering_args(req, req.profile)
+            attachments=attachments, model_name=model, check_indices=True, **steering_args(req, req.profile)
         )
         spec = resolved.spec
         if spec is None:

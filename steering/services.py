@@ -132,6 +132,7 @@ def _inline(
     sae_id: str | None,
     features: Sequence[tuple[int, float] | FeatureControl],
     intensity: float | None,
+    check_indices: bool,
 ) -> ResolvedSteering:
     """Inline features: (index, strength) adds and ``FeatureControl``s.  The dial λ scales
     what is added (plain and gated adds); clamp targets, scale factors and ablations are
@@ -149,10 +150,15 @@ def _inline(
     if len(set(indices)) != len(indices):
         raise SteeringInvalid("steering.features names a feature index twice", details={"param": "steering.features"})
     att = attachment_pick(attachments=attachments, sae_id=sae_id, param="steering.sae_id")
-    _check_indices(att, indices, "steering.features")
-    _check_indices(
-        att, [c.condition.feature for c in controls if c.condition is not None], "steering.features.condition.feature"
-    )
+    if check_indices or intensity == 0:
+        # the engine's plan check is otherwise the one range check of these indices (against
+        # the SAE it holds): refuse here what it would refuse, where it will not see them
+        _check_indices(att, indices, "steering.features")
+        _check_indices(
+            att,
+            [c.condition.feature for c in controls if c.condition is not None],
+            "steering.features.condition.feature",
+        )
     if intensity == 0:
         return EXPLICITLY_UNSTEERED
     values = {index: (strength if intensity is None else rules.dial(strength, intensity)) for index, strength in plain}
@@ -311,6 +317,7 @@ def steering_resolve_request(
     profile: str | None = None,
     intensity: float | None = None,
     live_values: list[SteeringEntry] | None = None,
+    check_indices: bool = False,
 ) -> ResolvedSteering:
     """Resolve one request's steering against the attachments the engine holds now.
 
@@ -318,7 +325,11 @@ def steering_resolve_request(
     it asked to run unsteered. ``intensity`` (λ in [0, 2]) scales whichever base the
     request names; 0 turns steering off for the request. ``live_values``: the live
     steering as this process holds it (``steering.live.live_copy``), so that a request
-    without steering of its own reads no database; None reads it.
+    without steering of its own reads no database; None reads it. An inline request's
+    feature indices are range-checked once, by the engine against the SAE it holds (its
+    ``invalid_feature_index`` names the field); ``check_indices=True`` checks them here
+    too, for a caller that refuses a whole list before any of it runs (``manage.py
+    capture``), and they are checked here whenever nothing reaches the engine (a dial of 0).
     """
     if intensity is not None and not (0 <= intensity <= MAX_INTENSITY):
         raise SteeringInvalid(
@@ -327,7 +338,13 @@ def steering_resolve_request(
     if inline_features is not None and profile is not None:
         raise SteeringInvalid("Give either steering or a profile, not both", details={"param": "profile"})
     if inline_features is not None:
-        return _inline(attachments=attachments, sae_id=inline_sae_id, features=inline_features, intensity=intensity)
+        return _inline(
+            attachments=attachments,
+            sae_id=inline_sae_id,
+            features=inline_features,
+            intensity=intensity,
+            check_indices=check_indices,
+        )
     if profile is not None:
         return _profile(attachments=attachments, name=profile, model_name=model_name, intensity=intensity)
     # Nothing asked for: the live steering set through /api.

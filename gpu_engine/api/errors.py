@@ -188,11 +188,11 @@ class SAENotAttached(EngineError):
 class InvalidFeatureIndex(EngineError):
     code = "invalid_feature_index"
 
-    def __init__(self, *, sae_id: str, index: int, d_sae: int) -> None:
-        super().__init__(
-            f"Feature index {index} is out of range for SAE {sae_id!r} (d_sae={d_sae}).",
-            details={"sae_id": sae_id, "index": index, "d_sae": d_sae},
-        )
+    def __init__(self, *, sae_id: str, index: int, d_sae: int, param: str | None = None) -> None:
+        details = {"sae_id": sae_id, "feature_idx": index, "d_sae": d_sae}
+        if param is not None:
+            details["param"] = param  # the request field that named it
+        super().__init__(f"Feature index {index} is out of range for SAE {sae_id!r} (d_sae={d_sae}).", details=details)
 
 
 class UnsupportedQuantization(EngineError):

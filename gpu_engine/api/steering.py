@@ -143,15 +143,6 @@ class SteeringEntry(msgspec.Struct, omit_defaults=True):
         self.features = clean
         self.controls = controls
 
-    def indices(self) -> list[int]:
-        """Every feature index the entry reads or writes (conditions' triggers included)."""
-        out = list(self.features)
-        for c in self.controls:
-            out.append(c.index)
-            if c.condition is not None:
-                out.append(c.condition.feature)
-        return out
-
     def is_empty(self) -> bool:
         return not self.features and not any(not c.no_op for c in self.controls)
 

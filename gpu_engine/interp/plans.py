@@ -88,7 +88,11 @@ def check_request(
     cannot carry out; ``build_hooks`` then trusts what it is given."""
     for entry in steering:
         sae = _attached(saes, entry.key)
-        sae.check_indices(entry.sae_id, entry.indices())
+        # the one range check of a request's steering indices (the web checks none of
+        # what it sends here); ``param`` names the field as /v1 writes it
+        sae.check_indices(entry.sae_id, [*entry.features, *(c.index for c in entry.controls)], "steering.features")
+        triggers = [c.condition.feature for c in entry.controls if c.condition is not None]
+        sae.check_indices(entry.sae_id, triggers, "steering.features.condition.feature")
         if not sae.has_encoder:
             refuse_encoder_controls(entry)
         for c in entry.controls:
@@ -116,7 +120,7 @@ def check_request(
                 param="monitor.sae_id",
                 details={"sae_id": mon.sae_id, "layer": mon.layer},
             )
-        sae.check_indices(mon.sae_id, mon.features)
+        sae.check_indices(mon.sae_id, mon.features, "monitor.features")
 
 
 def build_hooks(

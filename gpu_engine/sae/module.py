@@ -161,10 +161,10 @@ class SAE:
 
     # ------------------------------------------------------------------ decode / steer
 
-    def check_indices(self, sae_id: str, indices: Iterable[int]) -> None:
+    def check_indices(self, sae_id: str, indices: Iterable[int], param: str | None = None) -> None:
         for i in indices:
             if not 0 <= int(i) < self.d_sae:
-                raise InvalidFeatureIndex(sae_id=sae_id, index=int(i), d_sae=self.d_sae)
+                raise InvalidFeatureIndex(sae_id=sae_id, index=int(i), d_sae=self.d_sae, param=param)
 
     def steering_delta(
         self, features: Mapping[int, float], *, dtype: torch.dtype, device: torch.device | str

@@ -137,9 +137,16 @@ def test_steering_refusals(relu, llama, openai_client):
             model="tiny-llama", messages=[{"role": "user", "content": "x"}], extra_body={"profile": "no-such-profile"}
         )
     assert err.value.code == "profile_not_found"
-    assert_openai_error(
-        _complete(llama, steering={"features": [{"index": 256, "strength": 1}]}), 400, "invalid_feature_index"
-    )
+    # checked once, against the SAE the engine holds, naming the field; with the dial at 0
+    # nothing reaches the engine, and the web refuses the same index the same way
+    for dial in ({}, {"steering_intensity": 0}):
+        error = assert_openai_error(
+            _complete(llama, steering={"features": [{"index": 256, "strength": 1}]}, **dial),
+            400,
+            "invalid_feature_index",
+            "steering.features",
+        )
+        assert "256" in error["message"] and "d_sae=256" in error["message"], error
     assert_openai_error(
         _complete(llama, steering={"features": [{"index": 1, "strength": 201}]}),
         400,

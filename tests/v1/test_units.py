@@ -70,8 +70,10 @@ def test_resolver_inline_rules():
     assert steering_resolve_request(attachments=one).spec is None  # nothing asked
     with pytest.raises(AmbiguousSAE):  # one rule for every surface: AMBIGUOUS_SAE
         steering_resolve_request(attachments=[_att(), _att("sae_b", 2)], inline_features=[(1, 1.0)])
+    # the engine's plan check is the one range check of what reaches it (tests/v1/test_steering.py
+    # sees its 400 on /v1); the resolver refuses an index only where nothing reaches the engine
     with pytest.raises(domain.InvalidFeatureIndex):
-        steering_resolve_request(attachments=one, inline_features=[(16, 1.0)])
+        steering_resolve_request(attachments=one, inline_features=[(16, 1.0)], intensity=0.0)
     with pytest.raises(domain.SAENotAttached):
         steering_resolve_request(attachments=[], inline_features=[(1, 1.0)])
     with pytest.raises(SteeringInvalid):
