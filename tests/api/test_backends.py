@@ -8,7 +8,7 @@ import pytest
 from django.core.management import call_command
 from django.test import Client
 
-from gpu_engine import backends
+from gpu_engine.api import backends
 from gpu_engine.backends import BackendEntry
 from orchestration import services as orchestration_services
 from registry.models import Job, Model

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_engine import backends
+from gpu_engine.api import backends
 from gpu_engine.backends import BackendEntry
 from gpu_engine.backends.transformers.runner import TransformersRunner
 from gpu_engine.api.errors import ModelLoadFailed

@@ -12,7 +12,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from gpu_engine import backends
+from gpu_engine.api import backends
 from gpu_engine.backends import BackendEntry, backends_report, get_backend
 from gpu_engine.backends.transformers.runner import TransformersRunner
 from gpu_engine.runtime.engine import Engine

@@ -79,9 +79,9 @@ def test_a_wrong_way_import_breaks_the_engine_layers(tmp_path):
     done = _lint_with_probe(tmp_path, "gpu_engine/api/_layer_probe.py", "import gpu_engine.runtime.stream")
     assert done.returncode != 0
     assert "gpu_engine.api is not allowed to import gpu_engine.runtime" in done.stdout
-    done = _lint_with_probe(tmp_path, "gpu_engine/decode/_door_probe.py", "import gpu_engine.api.host")
+    done = _lint_with_probe(tmp_path, "gpu_engine/decode/_door_probe.py", "import gpu_engine.api.analysis")
     assert done.returncode != 0
-    assert "gpu_engine.decode is not allowed to import gpu_engine.api.host" in done.stdout
+    assert "gpu_engine.decode is not allowed to import gpu_engine.api.analysis" in done.stdout
 
 
 def test_the_engine_never_imports_the_offline_asset_builders(tmp_path):
