@@ -157,7 +157,10 @@ def test_bad_controls_are_refused_naming_the_field(relu, llama, feature, param):
 def test_controls_that_cannot_apply_are_refused_before_anything_runs(relu, llama):
     cond = {"index": 3, "mode": "clamp", "value": 1, "condition": {"feature": 256, "threshold": 0}}
     error = assert_openai_error(
-        _complete(llama, steering={"features": [cond]}), 400, "invalid_feature_index", "steering.features.condition.feature"
+        _complete(llama, steering={"features": [cond]}),
+        400,
+        "invalid_feature_index",
+        "steering.features.condition.feature",
     )
     assert "256" in error["message"]
     far = {"index": 3, "strength": 1, "window": {"start": 100000}}
