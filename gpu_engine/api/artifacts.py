@@ -36,7 +36,8 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, BinaryIO
 
 FORMAT = "millm-capture/1"
 SIDECAR_KEY = "millm_capture"
@@ -54,26 +55,93 @@ def file_names(capture_id: str) -> tuple[str, str]:
     return f"{capture_id}.safetensors", f"{capture_id}.json"
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def _write_atomic(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """``write`` into a temporary file beside ``path``, flushed to disk, then renamed to
+    ``path``: a reader sees the whole file under its name or nothing; on any failure the
+    temporary file is removed."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
 
-def write_files(directory: str | Path, capture_id: str, data: bytes, meta: dict[str, Any]) -> str:
-    """Write ``<id>.safetensors`` and ``<id>.json`` under ``directory`` (each atomically);
-    returns the safetensors file's name."""
-    root = Path(directory)
+def _write_pair(root: Path, capture_id: str, meta: dict[str, Any], write: Callable[[BinaryIO], object]) -> str:
+    """The sidecar, then the tensors file (each atomically); the sidecar is removed again
+    when the tensors file cannot be written, so a failed capture leaves nothing under its
+    names."""
     root.mkdir(parents=True, exist_ok=True)
     tensors_name, sidecar_name = file_names(capture_id)
-    _write_atomic(root / sidecar_name, json.dumps(meta, sort_keys=True).encode())
-    _write_atomic(root / tensors_name, data)
+    sidecar = root / sidecar_name
+    _write_atomic(sidecar, lambda fh: fh.write(json.dumps(meta, sort_keys=True).encode()))
+    try:
+        _write_atomic(root / tensors_name, write)
+    except BaseException:
+        sidecar.unlink(missing_ok=True)
+        raise
     return tensors_name
+
+
+def write_files(directory: str | Path, capture_id: str, data: bytes, meta: dict[str, Any]) -> str:
+    """Write ``<id>.safetensors`` (``data``, a whole safetensors file) and ``<id>.json``
+    under ``directory`` (each atomically); returns the safetensors file's name."""
+    return _write_pair(Path(directory), capture_id, meta, lambda fh: fh.write(data))
+
+
+@dataclass
+class TensorBytes:
+    """One tensor to stream into a safetensors file: its safetensors ``dtype`` (``F32``,
+    ``BF16``, ``I64``, …), ``shape``, and its bytes in row-major little-endian order (any
+    object with the buffer protocol: a numpy array's memory, not a copy)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: Any
+    nbytes: int
+
+
+def safetensors_layout(tensors: list[TensorBytes], metadata: dict[str, str]) -> tuple[bytes, list[TensorBytes]]:
+    """The safetensors prefix (8-byte little-endian header length, then the JSON header
+    padded with spaces to 8 bytes) and the tensors in the order their bytes follow it:
+    ``__metadata__`` first, tensors by element size, largest first, then by name — for
+    the dtypes a capture holds (int64 beside one float type) the layout ``safetensors``'
+    own ``save`` writes, byte for byte."""
+    from .archives import SAFETENSORS_DTYPE_BYTES
+
+    ordered = sorted(tensors, key=lambda t: (-SAFETENSORS_DTYPE_BYTES[t.dtype], t.name))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for t in ordered:
+        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * ((8 - len(raw) % 8) % 8)
+    return len(raw).to_bytes(8, "little") + raw, ordered
+
+
+def write_streamed(
+    directory: str | Path, capture_id: str, tensors: list[TensorBytes], metadata: dict[str, str], meta: dict[str, Any]
+) -> tuple[str, int]:
+    """``write_files`` for a capture too large to hold twice in memory: the safetensors
+    file is written tensor by tensor from the tensors' own memory (no serialised copy;
+    the interpreter lock is released while the bytes go to the file).  Returns the file's
+    name and size."""
+    prefix, ordered = safetensors_layout(tensors, metadata)
+
+    def write(fh: BinaryIO) -> None:
+        fh.write(prefix)
+        for t in ordered:
+            if t.nbytes:
+                fh.write(t.data)
+
+    name = _write_pair(Path(directory), capture_id, meta, write)
+    return name, len(prefix) + sum(t.nbytes for t in ordered)
 
 
 @dataclass
@@ -181,4 +249,15 @@ def _header_metadata(data: bytes) -> dict[str, str]:
     return dict(json.loads(data[8 : 8 + n]).get("__metadata__") or {})
 
 
-__all__ = ["FORMAT", "SIDECAR_KEY", "CaptureData", "file_names", "is_capture_id", "load_capture", "write_files"]
+__all__ = [
+    "FORMAT",
+    "SIDECAR_KEY",
+    "CaptureData",
+    "TensorBytes",
+    "file_names",
+    "is_capture_id",
+    "load_capture",
+    "safetensors_layout",
+    "write_files",
+    "write_streamed",
+]

@@ -233,7 +233,9 @@ class Sequence:
         self.done = True
 
     def finish(self) -> FinishEvent:
-        """Encode buffered monitor rows and build the ``FinishEvent``."""
+        """Encode buffered monitor rows and build the ``FinishEvent``; a capture's rows are
+        drained to the host here (and packed here too unless the runtime packs them on
+        its capture writer: ``CapturePlan.finish``)."""
         if self.monitoring:
             if self.speculative is not None and self.speculative.used:
                 # rows past the last fed token (drafts verified after the end) never count
@@ -256,7 +258,8 @@ class Sequence:
             activations=self.extra_records,
             steering_apply_count=counts,
             steering_fired=fired,
-            capture=self.capture.result(prompt_ids=self.prompt_ids, generated=self.generated, steering_counts=counts)
+            # None while the engine's capture writer packs it (``CapturePlan.deferred``)
+            capture=self.capture.finish(prompt_ids=self.prompt_ids, generated=self.generated, steering_counts=counts)
             if self.capture is not None
             else None,
             forward_passes=self.forwards,

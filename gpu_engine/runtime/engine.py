@@ -18,7 +18,9 @@ The facade is built in layers, one module each: the worker thread and its queue
 (``loading``), and here the work itself: generations (serial or batched, structured ones
 after their grammar is built off the worker), embeddings, scores and hidden states.
 Apart from it: the ledger of accepted work and draining it (``drain``), preparing a
-request for the model (``prepare``), and an attached SAE (``attachments``).
+request for the model (``prepare``), an attached SAE (``attachments``), and the thread
+that packs and writes finished captures before their requests' final events
+(``capture_writer``; ``capture_writer=`` takes one built by the caller, as tests do).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ from ..api.protocol import (
 )
 from . import prepare
 from .attachments import Attachment, is_out_of_memory
+from .capture_writer import CaptureWriter, deliver
 from .drain import WorkLedger
 from .loading import ModelLoading
 from .scheduler import BatchScheduler
@@ -82,6 +85,7 @@ class Engine(ModelLoading):
         batching: BatchingOptions | None = None,
         idle_release_s: float | None = None,
         structured_timeout_s: float = DEFAULT_STRUCTURED_TIMEOUT_S,
+        capture_writer: CaptureWriter | None = None,
     ) -> None:
         self.on_event = on_event
         self.drain_timeout_s = drain_timeout_s
@@ -93,8 +97,15 @@ class Engine(ModelLoading):
         self.batching = batching or BatchingOptions()
         self._scheduler = None
         self._backend_scheduler = False
+        # finished captures are packed and written here, off the worker (capture_writer)
+        self._capture_writer = capture_writer if capture_writer is not None else CaptureWriter()
         if self.batching.enabled:
-            self._scheduler = BatchScheduler(self.batching, make_sequence=self._make_sequence, classify=self._classify)
+            self._scheduler = BatchScheduler(
+                self.batching,
+                make_sequence=self._make_sequence,
+                classify=self._classify,
+                writer=self._capture_writer,
+            )
         self._queue = queue.PriorityQueue()
         self._seq = itertools.count()
         self._backend = None
@@ -141,6 +152,9 @@ class Engine(ModelLoading):
             max_tokens = prepare.token_budget(backend, job, len(prompt_ids))
             hooks = prepare.request_hooks(backend, self._attachments, job, len(prompt_ids))
             hooks = prepare.with_capture(backend, job, hooks, len(prompt_ids), max_tokens)
+            capture = hooks.capture if hooks is not None else None
+            if capture is not None:
+                capture.deferred = True  # packed by the capture writer, after the rows are drained
             finish = backend.generate(
                 request_id=job.request_id,
                 prompt_ids=prompt_ids,
@@ -150,7 +164,7 @@ class Engine(ModelLoading):
                 should_stop=stream._cancel.is_set,
                 emit=stream._put,
             )
-            stream._put(finish)
+            deliver(self._capture_writer, capture, finish, stream._put)
         except EngineError as exc:
             stream._put(ErrorEvent(job.request_id, exc.code, exc.message, exc.details))
         except Exception as exc:

@@ -113,6 +113,7 @@ class ModelLoading(StatusReports):
                     msgspec.structs.replace(self.batching, enabled=True),
                     make_sequence=self._make_sequence,
                     classify=self._classify,
+                    writer=self._capture_writer,
                 )
                 self._backend_scheduler = True
             if self._scheduler is not None:

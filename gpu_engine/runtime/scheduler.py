@@ -22,7 +22,11 @@ One ``step``:
    free for the next iteration's admissions.
 
 The events of admission (first tokens, refusals) and of the decode step are each handed
-to their consumers in one burst when that phase ends (``stream.held_deliveries``).
+to their consumers in one burst when that phase ends (``stream.held_deliveries``).  A
+finished request with a capture is drained to the host in its phase, and its final event
+goes, after that burst, to the engine's capture writer, which packs the artifact on its
+own thread and then delivers the event (``capture_writer``): the batch never waits for a
+capture's file.
 
 Failures: a request whose prefill fails ends with that error and the batch goes on; a
 failed decode step ends every running request with the error (the batch's state is
@@ -40,6 +44,7 @@ from typing import Any, Protocol
 from ..backends.base import BatchBackend, CountsLeanSteps
 from ..api.errors import EngineBusy, EngineError, ModelNotLoaded
 from ..api.protocol import BatchingOptions, ErrorEvent, FinishEvent, GenerationJob, Usage
+from .capture_writer import CaptureWriter, deliver
 from .stream import held_deliveries
 
 log = logging.getLogger("gpu_engine.scheduler")  # the name operators' log filters know
@@ -61,10 +66,15 @@ class BatchScheduler:
         *,
         make_sequence: Callable[[GenerationJob, Any], Any],
         classify: Callable[[BaseException], EngineError],
+        writer: CaptureWriter | None = None,
     ) -> None:
         self.options = options
         self.make_sequence = make_sequence
         self.classify = classify
+        # packs finished captures off this thread; None: packed here, at the request's end
+        self.writer = writer
+        # (capture plan, final event, emit) of this phase's finished captures, for the writer
+        self._packing: list[tuple[Any, FinishEvent, Callable[[Any], None]]] = []
         self.backend: BatchBackend | None = None
         self.waiting: deque[tuple[GenerationJob, _Stream]] = deque()
         self.waiting_batch: deque[tuple[GenerationJob, _Stream]] = deque()
@@ -117,16 +127,37 @@ class BatchScheduler:
     # ------------------------------------------------------------------ step
 
     def step(self, *, admit: bool = True) -> None:
-        self._reap_cancelled()
-        # each phase's events (a row's first token from its prefill, then one token per
-        # running row) reach their consumers in one burst as soon as that phase is done:
-        # a prefill's first tokens do not wait for the decode step after it
-        if admit:
-            with held_deliveries():
-                self._admit()
-        if self.running:
-            with held_deliveries():
-                self._decode()
+        try:
+            self._reap_cancelled()
+            self._to_writer()
+            # each phase's events (a row's first token from its prefill, then one token per
+            # running row) reach their consumers in one burst as soon as that phase is done:
+            # a prefill's first tokens do not wait for the decode step after it
+            if admit:
+                with held_deliveries():
+                    self._admit()
+                self._to_writer()
+            if self.running:
+                with held_deliveries():
+                    self._decode()
+        finally:
+            # after the burst: a request's tokens are all delivered before its final event
+            self._to_writer()
+
+    def _finish(self, seq: Any) -> None:
+        """End a sequence: its final event now, or its capture's artifact (drained to the
+        host here) and final event kept for the writer until the phase's burst is out."""
+        if self.writer is None or seq.capture is None:
+            seq.emit(seq.finish())
+            return
+        seq.capture.deferred = True
+        event = seq.finish()
+        self._packing.append((seq.capture, event, seq.emit))
+
+    def _to_writer(self) -> None:
+        packing, self._packing = self._packing, []
+        for capture, event, emit in packing:
+            deliver(self.writer, capture, event, emit)  # type: ignore[arg-type]
 
     def _reap_cancelled(self) -> None:
         self.waiting = self._reap_waiting(self.waiting)
@@ -213,7 +244,7 @@ class BatchScheduler:
             if seq in finished:
                 if seq.exclusive:
                     self._exclusive = False
-                seq.emit(seq.finish())
+                self._finish(seq)
             else:
                 self.running.append(seq)
 
@@ -231,7 +262,7 @@ class BatchScheduler:
         self.running.remove(seq)
         if seq.exclusive:
             self._exclusive = False
-        seq.emit(seq.finish())
+        self._finish(seq)
 
     def _error(self, exc: BaseException, request_id: str | None) -> EngineError:
         if not isinstance(exc, EngineError):
@@ -253,6 +284,7 @@ class BatchScheduler:
         self.waiting.clear()
         self.waiting_batch.clear()
         self._fail_running(err)
+        self._to_writer()
 
     # ------------------------------------------------------------------ status
 

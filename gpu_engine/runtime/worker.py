@@ -32,6 +32,7 @@ from ..api.errors import EngineBusy, EngineError, EngineShutdown, GenerationFail
 from ..interp.hooks import HookManager
 from ..api.protocol import BatchingOptions, EngineEvent, LoadModelJob
 from .attachments import Attachment
+from .capture_writer import CaptureWriter
 from .drain import WorkLedger
 from .scheduler import BatchScheduler
 
@@ -129,6 +130,7 @@ class EngineWorker:
     _grammar_builder: GrammarBuilder | None
     _grammar_threads: ThreadPoolExecutor | None
     _thread: threading.Thread
+    _capture_writer: CaptureWriter
     # unloads the resident model on shutdown (``runtime.loading.ModelLoading``)
     _unload: Callable[[], None]
 
@@ -302,6 +304,9 @@ class EngineWorker:
         self._closed = True
         self._queue.put((-1, next(self._seq), None))
         self._thread.join(timeout=timeout_s)
+        # the artifacts of requests that finished are written (or, past the wait, failed
+        # with engine_shutdown) before their final events: none is lost unannounced
+        self._capture_writer.close(timeout_s)
         if self._grammar_builder is not None:
             self._grammar_builder.close()
         if self._grammar_threads is not None:

@@ -21,21 +21,27 @@ How (the "aperture"):
   step writes every row into the batch's stage with one ``index_copy_`` per captured
   layer (``BatchContext.capture_stage``: (num_layers, slots, hidden_size)), then each
   capturing request copies its slot's column into its buffer (``CapturePlan.take``);
-- when the request ends (finished, stopped or cancelled) ``result`` drains the rows it has
-  to the host and packs the artifact (``gpu_engine.api.artifacts``): inline when small, else
-  written under the spec's directory.
+- when the request ends (finished, stopped or cancelled) ``finish`` drains the rows it has
+  to the host (``artifact``: the one device-to-host copy, on the engine's thread) and the
+  ``Artifact`` is packed (``gpu_engine.api.artifacts``): inline when small, else streamed
+  to a file under the spec's directory.  The engine packs on its capture writer's thread
+  (``gpu_engine.runtime.capture_writer``; the plan is ``deferred``), so a large artifact
+  never holds the batch; ``result`` drains and packs at once, on the caller's thread.
 """
 
 from .hook import CaptureHook, armed, is_pair, route_qk
-from .plan import CapturePlan, RowBuffer
+from .plan import Artifact, CaptureDiskFull, CapturePlan, CaptureWriteFailed, RowBuffer
 from .shards import CapturePart, HeadShard, for_shard
 from .sizing import AttentionGeometry, estimate_bytes, rows_for
 
 __all__ = [
+    "Artifact",
     "AttentionGeometry",
+    "CaptureDiskFull",
     "CaptureHook",
     "CapturePart",
     "CapturePlan",
+    "CaptureWriteFailed",
     "HeadShard",
     "RowBuffer",
     "armed",

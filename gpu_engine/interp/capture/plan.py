@@ -1,9 +1,11 @@
 """One request's capture: its buffers (``RowBuffer``: hidden states, Q or K, allocated
-once) and its plan (``CapturePlan``: where rows go, what a batched step's stage hands it,
-and the artifact it drains to when the request ends)."""
+once), its plan (``CapturePlan``: where rows go, what a batched step's stage hands it,
+and the artifact it drains to when the request ends) and that artifact (``Artifact``:
+the rows on the host, packed and written by ``pack``)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import time
 import uuid
@@ -12,7 +14,8 @@ from typing import Any
 
 import torch
 
-from ...api.artifacts import FORMAT, SIDECAR_KEY, write_files
+from ...api.artifacts import FORMAT, SIDECAR_KEY, TensorBytes, safetensors_layout, write_streamed
+from ...api.errors import CaptureStoreFull, EngineError, GenerationFailed
 from ...api.protocol import CaptureResult, CaptureSpec
 from .shards import CapturePart
 from .sizing import AttentionGeometry, rows_for
@@ -165,6 +168,10 @@ class CapturePlan:
         self.steering_hash = steering_hash
         self.dtype = dtype
         self.hidden_size = hidden_size
+        # set by a runtime that packs artifacts on a thread of its own: ``finish`` then
+        # only drains the rows and leaves the ``Artifact`` here for it
+        self.deferred = False
+        self.pending: Artifact | None = None
 
     def observe(self, layer: int, rows: torch.Tensor, start: int) -> None:
         """Block ``layer``'s output rows for positions ``start, start + 1, …``."""
@@ -282,74 +289,193 @@ class CapturePlan:
                 tensors[f"k.{layer}"] = torch.empty((0, len(self.kv_heads), d), dtype=self.dtype)
         return tensors, shards
 
+    def artifact(self, *, prompt_ids: list[int], generated: list[int], steering_counts: Sequence[Any] = ()) -> Artifact:
+        """The rows taken so far drained to the host (the one device-to-host copy, on the
+        calling thread), nothing serialised or written yet: ``Artifact.pack`` does that,
+        on whichever thread the caller chooses.  A ``device=None`` plan's parts are host
+        bytes already; they are merged when packed."""
+        return Artifact(
+            self,
+            None if self.remote else self.drain(),
+            prompt_ids=list(prompt_ids),
+            generated=list(generated),
+            # plain data now: the hooks' counts may change once the request is gone
+            steering_apply_count=[
+                {"sae_id": c.sae_id, "layer": c.layer, "count": c.count, "modes": dict(c.modes)}
+                for c in steering_counts
+            ],
+        )
+
+    def finish(
+        self, *, prompt_ids: list[int], generated: list[int], steering_counts: Sequence[Any] = ()
+    ) -> CaptureResult | None:
+        """At the request's end (``Sequence.finish``): its artifact packed now, or — for a
+        plan whose runtime packs elsewhere (``deferred``, set by the engine, which hands
+        ``pending`` to its capture writer) — drained to the host and kept as ``pending``
+        (None returned)."""
+        art = self.artifact(prompt_ids=prompt_ids, generated=generated, steering_counts=steering_counts)
+        if self.deferred:
+            self.pending = art
+            return None
+        return art.pack()
+
     def result(
         self, *, prompt_ids: list[int], generated: list[int], steering_counts: Sequence[Any] = ()
     ) -> CaptureResult:
-        """Drain the rows taken so far (or pack the workers' parts) into the artifact;
-        ``steering_counts``: the request's ``SteeringCount``s, recorded beside its hash."""
+        """Drain the rows taken so far (or pack the workers' parts) into the artifact, on
+        this thread; ``steering_counts``: the request's ``SteeringCount``s, recorded beside
+        its hash."""
+        return self.artifact(prompt_ids=prompt_ids, generated=generated, steering_counts=steering_counts).pack()
+
+
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+}
+
+
+def _tensor_bytes(name: str, t: torch.Tensor) -> TensorBytes:
+    """A host tensor's own memory, as the streamed writer takes it (no copy when it is
+    contiguous already, as drained rows are)."""
+    t = t.contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    return TensorBytes(name, _ST_DTYPES[t.dtype], tuple(t.shape), raw, t.numel() * t.element_size())
+
+
+class Artifact:
+    """A finished request's capture on the host, not packed yet (``CapturePlan.artifact``).
+    ``pack`` builds the sidecar and the safetensors file and returns the
+    ``CaptureResult``: inline bytes when small, else the file written under the spec's
+    directory (streamed from the rows' memory, temporary name then rename, so the id
+    names a whole file or none).  Packing touches nothing of the running batch: the
+    engine runs it on its capture writer's thread (``gpu_engine.runtime.capture_writer``).
+    A file that cannot be written raises ``CaptureWriteFailed``, or ``CaptureDiskFull``
+    when the disk has no room."""
+
+    def __init__(
+        self,
+        plan: CapturePlan,
+        tensors: dict[str, torch.Tensor] | None,
+        *,
+        prompt_ids: list[int],
+        generated: list[int],
+        steering_apply_count: list[dict[str, Any]],
+    ) -> None:
+        self.plan = plan
+        self.tensors = tensors
+        self.prompt_ids = prompt_ids
+        self.generated = generated
+        self.steering_apply_count = steering_apply_count
+        self.created_at = time.time()
+        self.capture_id = uuid.uuid4().hex
+
+    @property
+    def request_id(self) -> str:
+        return self.plan.request_id
+
+    def pack(self) -> CaptureResult:
         from safetensors.torch import save
 
-        full = list(prompt_ids) + list(generated)
+        plan = self.plan
+        full = self.prompt_ids + self.generated
         shards: list[dict[str, Any]] = []
-        if self.remote:
-            tensors, shards = self._merged()
+        if self.tensors is None:
+            tensors, shards = plan._merged()
         else:
-            tensors = self.drain()
+            tensors = dict(self.tensors)
         positions: list[int] = []
         token_ids: list[int] = []
         if "positions" in tensors:
             positions = [p for p in tensors["positions"].tolist() if p < len(full)]
             token_ids = [full[p] for p in positions]
             tensors["positions"] = tensors["positions"][: len(positions)]
-            for layer in self.layers:
+            for layer in plan.layers:
                 tensors[f"layer.{layer}"] = tensors[f"layer.{layer}"][: len(positions)].contiguous()
             tensors["token_ids"] = torch.tensor(token_ids, dtype=torch.int64)
-        capture_id = uuid.uuid4().hex
+        capture_id = self.capture_id
         meta: dict[str, Any] = {
             "format": FORMAT,
             "capture_id": capture_id,
-            "request_id": self.request_id,
-            "model": self.model,
-            "backend": self.backend,
-            "layers": self.layers,
-            "positions": self.spec.positions,
+            "request_id": plan.request_id,
+            "model": plan.model,
+            "backend": plan.backend,
+            "layers": plan.layers,
+            "positions": plan.spec.positions,
             "read_point": "block_output_after_steering",
             "row_positions": positions,
             "token_ids": token_ids,
-            "prompt_token_ids": list(prompt_ids),
-            "completion_token_ids": list(generated),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "hidden_size": int(self.hidden_size),
+            "prompt_token_ids": list(self.prompt_ids),
+            "completion_token_ids": list(self.generated),
+            "dtype": str(plan.dtype).removeprefix("torch."),
+            "hidden_size": int(plan.hidden_size),
             "rows": len(positions),
-            "steering_hash": self.steering_hash,
+            "steering_hash": plan.steering_hash,
             # the forward passes in which the steering was added, as /v1 reports them
-            "steering_apply_count": [
-                {"sae_id": c.sae_id, "layer": c.layer, "count": c.count, "modes": dict(c.modes)}
-                for c in steering_counts
-            ],
-            "created_at": time.time(),
+            "steering_apply_count": self.steering_apply_count,
+            "created_at": self.created_at,
         }
-        if self.spec.attention is not None and self.geometry is not None:
-            att = self.spec.attention
+        if plan.spec.attention is not None and plan.geometry is not None:
+            att = plan.spec.attention
             meta["attention"] = {
-                "layers": self.qk_layers,
-                "heads": self.heads,
-                "kv_heads": self.kv_heads,
-                "num_heads": self.geometry.num_heads,
-                "num_kv_heads": self.geometry.num_kv_heads,
-                "head_dim": self.geometry.head_dim,
+                "layers": plan.qk_layers,
+                "heads": plan.heads,
+                "kv_heads": plan.kv_heads,
+                "num_heads": plan.geometry.num_heads,
+                "num_kv_heads": plan.geometry.num_kv_heads,
+                "head_dim": plan.geometry.head_dim,
                 "positions": att.positions,
                 "q_positions": att.query_positions,
                 "q_row_positions": tensors["q_positions"].tolist() if "q_positions" in tensors else [],
                 "k_row_positions": tensors["k_positions"].tolist() if "k_positions" in tensors else [],
-                "scaling": {str(layer): self.scaling.get(layer) for layer in self.qk_layers},
+                "scaling": {str(layer): plan.scaling.get(layer) for layer in plan.qk_layers},
                 "read_point": "attention_input_after_position_encoding",
             }
             if shards:
                 meta["attention"]["shards"] = shards
-        data = save(tensors, metadata={SIDECAR_KEY: json.dumps(meta, sort_keys=True)})
-        spec = self.spec
-        if spec.directory is None or len(data) <= spec.inline_max_bytes:
+        metadata = {SIDECAR_KEY: json.dumps(meta, sort_keys=True)}
+        parts = [_tensor_bytes(name, t) for name, t in tensors.items()]
+        prefix, _ = safetensors_layout(parts, metadata)
+        size = len(prefix) + sum(p.nbytes for p in parts)
+        spec = plan.spec
+        if spec.directory is None or size <= spec.inline_max_bytes:
+            data = save(tensors, metadata=metadata)
             return CaptureResult(capture_id, len(data), meta, data=data)
-        name = write_files(spec.directory, capture_id, data, meta)
-        return CaptureResult(capture_id, len(data), meta, file=name)
+        try:
+            name, size = write_streamed(spec.directory, capture_id, parts, metadata, meta)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise CaptureDiskFull(nbytes=size) from exc
+            raise CaptureWriteFailed(exc) from exc
+        return CaptureResult(capture_id, size, meta, file=name)
+
+
+class CaptureDiskFull(CaptureStoreFull):
+    """The disk under the capture directory had no room for a finished capture (ENOSPC,
+    EDQUOT) although the quota check passed: ``capture_store_full``, as a request refused
+    by that check."""
+
+    def __init__(self, *, nbytes: int) -> None:
+        EngineError.__init__(
+            self,
+            f"the capture store is full: the disk had no room for this capture's {nbytes} bytes; "
+            "delete stored captures (DELETE /api/captures/{id}), wait for expired ones to be pruned, "
+            "or capture less",
+            details={"param": "capture", "estimate_bytes": nbytes, "room_bytes": 0, "reason": "disk_full"},
+        )
+
+
+class CaptureWriteFailed(GenerationFailed):
+    """A finished capture's file could not be written (permissions, a missing mount, an
+    I/O error): the request ends with ``generation_failed`` naming the system's reason,
+    never the path."""
+
+    def __init__(self, exc: OSError) -> None:
+        reason = exc.strerror or type(exc).__name__
+        super().__init__(
+            f"the capture could not be stored: {reason}",
+            details={"param": "capture", "errno": errno.errorcode.get(exc.errno or 0, "")},
+        )
