@@ -5,8 +5,8 @@ the session's one real server), an SAE attached through /api, and then the offic
 weights and the same resolved spec, ``return_sae_activations`` and /api monitoring return
 records, profiles (``model@profile``) and live steering steer, ``capture`` is stored and
 equals the transformers backend's, the backend names itself
-(X-miLLM-Backend, /api/health/inference), and what vLLM cannot do is a 400 before anything
-runs.  Like tests/vllm, this fails instead of skipping when ``MILLM_REQUIRE_VLLM=1``."""
+(X-miLLM-Backend, /api/health/inference), scoring mode (``allowed_token_ids``) equals the
+test's own forward, and what vLLM cannot do is a 400 before anything runs.  Like tests/vllm, this fails instead of skipping when ``MILLM_REQUIRE_VLLM=1``."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import contextlib
 import threading
 import time
 
+import numpy as np
 import openai
 import pytest
+import torch
 
 from gpu_engine.runtime.engine import Engine
 from gpu_engine.api.protocol import (
@@ -384,6 +386,38 @@ def test_what_vllm_cannot_do_is_a_400_before_anything_runs(vllm_llama, openai_cl
     raw = request(server.base_url, "POST", "/embeddings", {"model": "tiny-llama", "input": "x"})
     assert_openai_error(raw, 400, "invalid_parameter")
     assert batch.steps == steps and server.engine.status().in_flight == 0
+
+
+def test_scoring_mode_on_vllm_equals_a_plain_forward(vllm_llama, on_vllm):
+    """/v1/completions with ``allowed_token_ids`` on vLLM — 200 ids, more than one vLLM
+    request carries — answers each id's probability normalised over the set after the
+    temperature, as the test computes it from a float32 forward of the same checkpoint;
+    the text is the most probable id's."""
+    server, _ = vllm_llama
+    ids = on_vllm.backend.encode_text(PROMPT)
+    allowed = [int(t) for t in np.random.default_rng(1).permutation(on_vllm.backend.vocab_size)[:200]]
+    with torch.inference_mode():
+        logits = on_vllm.backend.model(torch.tensor([ids])).logits[0, -1].double()
+    scaled = logits[allowed] / 0.5
+    want = dict(zip(allowed, (scaled - torch.logsumexp(scaled, 0)).tolist()))
+    body = {
+        "model": "tiny-llama",
+        "prompt": PROMPT,
+        "max_tokens": 1,
+        "temperature": 0.5,
+        "logprobs": 1,
+        "allowed_token_ids": allowed,
+        "return_tokens_as_token_ids": True,
+    }
+    raw = request(server.base_url, "POST", "/completions", body, timeout=300)
+    assert raw.status == 200, raw.body[:300]
+    assert raw.headers["x-millm-backend"] == "vllm"
+    (choice,) = raw.json()["choices"]
+    got = {int(k.removeprefix("token_id:")): v for k, v in choice["logprobs"]["top_logprobs"][0].items()}
+    assert got == pytest.approx(want, abs=1e-4)
+    best = max(want, key=want.get)
+    assert choice["text"] == on_vllm.backend.token_text(best)
+    assert choice["logprobs"]["token_logprobs"][0] == pytest.approx(want[best], abs=1e-4)
 
 
 def test_response_format_on_vllm_parses_and_validates(vllm_llama, openai_client):

@@ -1,13 +1,16 @@
 """The vLLM backend against the transformers backend on the same weights (float32, greedy):
 the same tokens, the same steering, monitored activations within ``VLLM_ACT_ATOL``; in a
 mixed batch every request equals its solo run; a steer whose hook does not run fails the
-checks (positive control); a steered request never reuses KV from an unsteered prefix.
+checks (positive control); a steered request never reuses KV from an unsteered prefix;
+scores (top-k and ``allowed_token_ids``) equal a plain float32 forward's log_softmax.
 One vLLM engine for the module (tests/vllm/conftest.py)."""
 
 from __future__ import annotations
 
+import math
 import threading
 
+import numpy as np
 import pytest
 
 from gpu_engine.api.errors import InvalidParameter
@@ -22,6 +25,7 @@ from gpu_engine.api.protocol import (
     TokenEvent,
 )
 
+from tests.engine.tolerances import LOGPROB_ATOL
 from tests.engine.helpers import RefSAE, assert_prompt_alternatives, block, prompt_log_softmax
 
 from .conftest import SAES
@@ -248,18 +252,50 @@ def test_a_steered_request_does_not_reuse_an_unsteered_prefix(vllm_engine, hf_en
     assert cached == 0
 
 
-def test_what_vllm_cannot_do_is_refused_and_scores_match(vllm_engine, hf_engine):
+def test_embeddings_are_refused_and_top_k_scores_match(vllm_engine, hf_engine):
     with pytest.raises(InvalidParameter) as err:
         vllm_engine.embed(EmbedJob("e", ["hello"]))
     assert err.value.details["capability"] == "embeddings"
-    with pytest.raises(InvalidParameter):
-        vllm_engine.score(ScoreJob("s", prompt=PROMPTS[0], allowed_token_ids=[3, 4]))
     got = vllm_engine.score(ScoreJob("s", prompt=PROMPTS[0], top_k=5, prompt_logprobs=True))
     want = hf_engine.score(ScoreJob("s", prompt=PROMPTS[0], top_k=5, prompt_logprobs=True))
     assert [e.token_id for e in got.top] == [e.token_id for e in want.top]
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in zip(got.top, want.top))
     assert got.prompt_logprobs[0] is None
     assert all(abs(a - b) < 1e-4 for a, b in zip(got.prompt_logprobs[1:], want.prompt_logprobs[1:]))
+
+
+def test_allowed_token_ids_scores_equal_the_log_softmax_of_a_plain_forward(vllm_engine, hf_engine):
+    """Scoring restricted to allowed ids on vLLM: each id's full-vocabulary log-probability
+    (log_softmax of the test's own float32 forward of the checkpoint) in the order given,
+    duplicates answered twice, ``top`` the top_k among them — also over more ids than one
+    vLLM request carries (128): every id of tiny-llama's 512, whose probabilities then sum
+    to 1. An id outside the vocabulary is refused before anything runs."""
+    ids = hf_engine.backend.encode_text(PROMPTS[1])
+    lsm = prompt_log_softmax(hf_engine, ids)[-1]
+    vocab = vllm_engine.backend.vocab_size
+    assert vocab == lsm.shape[0] == 512
+    few = [300, 5, 17, 5, 42]
+    every = [int(t) for t in np.random.default_rng(0).permutation(vocab)] + [7, 300]
+    for allowed in (few, every):
+        got = vllm_engine.score(ScoreJob("a", prompt_token_ids=ids, allowed_token_ids=allowed, top_k=4))
+        assert [e.token_id for e in got.allowed] == allowed
+        assert [e.token for e in got.allowed] == [hf_engine.backend.token_text(t) for t in allowed]
+        np.testing.assert_allclose([e.logprob for e in got.allowed], lsm[allowed], atol=LOGPROB_ATOL, rtol=0)
+        # the top_k of the entries as given (an id listed twice can fill two places)
+        want_top = sorted(allowed, key=lambda t: -lsm[t])[:4]
+        assert sorted(e.token_id for e in got.top) == sorted(want_top)
+        assert [e.logprob for e in got.top] == sorted((e.logprob for e in got.top), reverse=True)
+        assert got.prompt_tokens == len(ids) and got.prompt_logprobs is None
+    assert math.fsum(math.exp(e.logprob) for e in got.allowed[:vocab]) == pytest.approx(1.0, abs=1e-5)
+    with_prompt = vllm_engine.score(ScoreJob("p", prompt=PROMPTS[1], allowed_token_ids=every, prompt_logprobs=True))
+    assert with_prompt.prompt_logprobs[0] is None
+    full = prompt_log_softmax(hf_engine, ids)
+    np.testing.assert_allclose(
+        with_prompt.prompt_logprobs[1:], [full[j - 1][ids[j]] for j in range(1, len(ids))], atol=LOGPROB_ATOL, rtol=0
+    )
+    with pytest.raises(InvalidParameter) as err:
+        vllm_engine.score(ScoreJob("v", prompt=PROMPTS[1], allowed_token_ids=[3, vocab]))
+    assert err.value.param == "allowed_token_ids"
 
 
 def test_prompt_alternatives_are_the_steered_prefills(vllm_engine, hf_engine, tiny_assets):

@@ -5,10 +5,9 @@ them through the worker extension (``worker.MillmWorkerExtension``) and ride wit
 request (``wire``).
 
 What vLLM cannot honour is refused before generation with a clear code, never ignored:
-embeddings (a generation engine has no pooling runner here), scores restricted to
-``allowed_token_ids``, and — when CUDA graphs / torch.compile are on
-(``enforce_eager=False``), where Python hooks do not run — any steered or monitored
-request.  Structured output and tool calls go to vLLM's own structured outputs (its
+embeddings (a generation engine has no pooling runner here) and — when CUDA graphs /
+torch.compile are on (``enforce_eager=False``), where Python hooks do not run — any
+steered or monitored request.  Structured output and tool calls go to vLLM's own structured outputs (its
 xgrammar backend) with the grammar every backend enforces (``batch.py``).  Serial mode
 does not exist: the engine drives this backend through its batch
 scheduler (``capabilities().serial_mode is False``).
@@ -316,42 +315,53 @@ class VllmBackend:
         )
 
     def score(self, job: ScoreJob, prompt_ids: list[int]) -> ScoreResult:
-        """Next-token log-probabilities (top-k) and prompt log-probabilities, from one
-        one-token vLLM request (unsteered: scores read the plain model)."""
-        from vllm import SamplingParams as VllmSampling
+        """Next-token log-probabilities and prompt log-probabilities from one-token vLLM
+        requests (unsteered: scores read the plain model), as ``sampling.score_result``
+        computes them on the other backends: the top ``top_k`` of the vocabulary, or the
+        ``allowed_token_ids`` in the order given (``top``: the ``top_k`` among them).
 
-        if job.allowed_token_ids is not None:
-            raise InvalidParameter(
-                "the vLLM backend cannot score restricted to allowed_token_ids",
-                param="allowed_token_ids",
-                details={"backend": self.name},
-            )
+        Allowed ids ride in ``SamplingParams.logprob_token_ids``, which vLLM's sampler
+        gathers from the raw log-softmax of the full vocabulary (before temperature, bias
+        or any logits processor), at most ``MAX_LOGPROB_TOKEN_IDS`` (128) ids a request: a
+        longer set is split, its first request run alone so that the others (all added
+        together) read the prompt's KV from the prefix cache."""
+        from vllm import SamplingParams as VllmSampling
+        from vllm.sampling_params import MAX_LOGPROB_TOKEN_IDS
+
         top_k = int(job.top_k or 0)
-        params = VllmSampling(
-            max_tokens=1,
-            temperature=0.0,
-            logprobs=top_k or None,
-            prompt_logprobs=0 if job.prompt_logprobs else None,
-            ignore_eos=True,
-        )
-        rid = self.next_request_id(job.request_id)
-        worker_rid = self.engine.add_request(rid, {"prompt_token_ids": list(prompt_ids)}, params)
-        final = None
-        try:
-            while final is None:
-                for out in self.engine.step():
-                    if out.request_id == rid and out.finished:
-                        final = out
-        except BaseException:
-            self.engine.abort_request([rid])
-            raise
-        finally:
-            # a score runs unsteered, but the workers saw it pass: forget it there
-            self.collect([worker_rid], final=True)
+        allowed_ids = None if job.allowed_token_ids is None else [int(t) for t in job.allowed_token_ids]
+        prompt = {"prompt_token_ids": list(prompt_ids)}
+
+        def params(ids: list[int] | None, first: bool) -> Any:
+            return VllmSampling(
+                max_tokens=1,
+                temperature=0.0,
+                logprobs=(top_k or None) if allowed_ids is None else None,
+                logprob_token_ids=ids,
+                prompt_logprobs=0 if job.prompt_logprobs and first else None,
+                ignore_eos=True,
+            )
+
+        distinct = list(dict.fromkeys(allowed_ids or []))
+        # no allowed ids (or an empty set, which still answers the prompt's logprobs): one request
+        chunks = [distinct[i : i + MAX_LOGPROB_TOKEN_IDS] for i in range(0, len(distinct), MAX_LOGPROB_TOKEN_IDS)]
+        first, *rest = [params(c, n == 0) for n, c in enumerate(chunks or [None])]
+        batches = [[first], rest] if rest else [[first]]
+        finals = [out for batch in batches for out in self._one_token(job.request_id, prompt, batch)]
+        first_out = finals[0]
         top: list[LogprobEntry] = []
-        comp = final.outputs[0]
-        if top_k and comp.logprobs:
-            entries = sorted(comp.logprobs[0].items(), key=lambda kv: kv[1].rank)
+        allowed: list[LogprobEntry] = []
+        if allowed_ids is not None:
+            # vLLM's entry for one position is keyed by token id (the sampled token's too)
+            read: dict[int, float] = {}
+            for out in finals:
+                if out.outputs[0].logprobs:
+                    read.update({int(t): float(lp.logprob) for t, lp in out.outputs[0].logprobs[0].items()})
+            allowed = [LogprobEntry(t, self.token_text(t), read[t]) for t in allowed_ids]
+            if top_k:
+                top = sorted(allowed, key=lambda e: -e.logprob)[:top_k]
+        elif top_k and first_out.outputs[0].logprobs:
+            entries = sorted(first_out.outputs[0].logprobs[0].items(), key=lambda kv: kv[1].rank)
             top = [
                 LogprobEntry(int(t), self.token_text(int(t)), float(lp.logprob))
                 for t, lp in entries
@@ -359,8 +369,29 @@ class VllmBackend:
             ][:top_k]
         prompt_lp = None
         if job.prompt_logprobs:
-            prompt_lp = [None] + [float(d[t].logprob) for d, t in zip(final.prompt_logprobs[1:], prompt_ids[1:])]
-        return ScoreResult(job.request_id, len(prompt_ids), top, [], prompt_lp)
+            prompt_lp = [None] + [float(d[t].logprob) for d, t in zip(first_out.prompt_logprobs[1:], prompt_ids[1:])]
+        return ScoreResult(job.request_id, len(prompt_ids), top, allowed, prompt_lp)
+
+    def _one_token(self, request_id: str, prompt: dict[str, Any], batch: list[Any]) -> list[Any]:
+        """Run one-token requests (vLLM ``SamplingParams``, all added before the first
+        step) on one prompt to their end; their final outputs in ``batch``'s order."""
+        rids = [self.next_request_id(request_id) for _ in batch]
+        worker_rids = []
+        finals: dict[str, Any] = {}
+        try:
+            for rid, p in zip(rids, batch):
+                worker_rids.append(self.engine.add_request(rid, dict(prompt), p))
+            while len(finals) < len(rids):
+                for out in self.engine.step():
+                    if out.request_id in rids and out.finished:
+                        finals[out.request_id] = out
+        except BaseException:
+            self.engine.abort_request([r for r in rids if r not in finals])
+            raise
+        finally:
+            # a score runs unsteered, but the workers saw it pass: forget it there
+            self.collect(worker_rids, final=True)
+        return [finals[rid] for rid in rids]
 
     def collect(self, request_ids: list[str], *, final: bool) -> dict[str, Any]:
         """Counts, monitor records, fired positions and capture parts from the workers,
