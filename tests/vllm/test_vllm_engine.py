@@ -25,7 +25,7 @@ from gpu_engine.api.protocol import (
     TokenEvent,
 )
 
-from tests.engine.tolerances import LOGPROB_ATOL
+from tests.engine.tolerances import BATCH_LOGPROB_ATOL, LOGPROB_ATOL
 from tests.engine.helpers import RefSAE, assert_prompt_alternatives, block, prompt_log_softmax
 
 from .conftest import SAES
@@ -296,6 +296,34 @@ def test_allowed_token_ids_scores_equal_the_log_softmax_of_a_plain_forward(vllm_
     with pytest.raises(InvalidParameter) as err:
         vllm_engine.score(ScoreJob("v", prompt=PROMPTS[1], allowed_token_ids=[3, vocab]))
     assert err.value.param == "allowed_token_ids"
+
+
+def test_scores_between_the_batch_steps_leave_its_generations_whole(vllm_engine):
+    """A score runs between the batch's steps, and its own vLLM steps advance the running
+    generations: each of them still ends with all its tokens, equal to its solo run, and
+    each score equals the same score run alone."""
+    import concurrent.futures
+
+    def gen(i: int):
+        sampling = SamplingParams(max_tokens=2 + i, temperature=0.0, ignore_eos=True)
+        return vllm_engine.generate_sync(GenerationJob(f"g{i}", prompt=PROMPTS[i % 3], sampling=sampling), timeout_s=60)
+
+    def score(i: int):
+        job = ScoreJob(f"s{i}", prompt=PROMPTS[i % 3], allowed_token_ids=list(range(300)), top_k=3)
+        return vllm_engine.score(job, timeout_s=60)
+
+    solo_gens = [gen(i).token_ids for i in range(6)]
+    solo_scores = [score(i) for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        gens = [pool.submit(gen, i) for i in range(6)]
+        scores = [pool.submit(score, i) for i in range(6)]
+        assert [f.result(timeout=120).token_ids for f in gens] == solo_gens
+        for i, f in enumerate(scores):
+            got, want = f.result(timeout=120), solo_scores[i % 3]
+            assert [e.token_id for e in got.top] == [e.token_id for e in want.top]
+            np.testing.assert_allclose(
+                [e.logprob for e in got.allowed], [e.logprob for e in want.allowed], atol=BATCH_LOGPROB_ATOL, rtol=0
+            )
 
 
 def test_prompt_alternatives_are_the_steered_prefills(vllm_engine, hf_engine, tiny_assets):

@@ -152,6 +152,8 @@ class VllmBackend:
         self._generation: dict[AttachmentKey, str] = {}
         self._attach_counter = itertools.count(1)
         self._ids = itertools.count(1)
+        # other requests' outputs a score's steps produced, for the batch's next step
+        self._held: dict[str, Any] = {}
         # capture: the workers take the rows (each its own shard), the driver packs them
         att = first.get("attention")
         self.attention_geometry = (
@@ -374,7 +376,9 @@ class VllmBackend:
 
     def _one_token(self, request_id: str, prompt: dict[str, Any], batch: list[Any]) -> list[Any]:
         """Run one-token requests (vLLM ``SamplingParams``, all added before the first
-        step) on one prompt to their end; their final outputs in ``batch``'s order."""
+        step) on one prompt to their end; their final outputs in ``batch``'s order.  A
+        score runs between the batch's steps, so these steps advance its generations too:
+        their outputs are held for the batch (``take_held``), never dropped."""
         rids = [self.next_request_id(request_id) for _ in batch]
         worker_rids = []
         finals: dict[str, Any] = {}
@@ -383,8 +387,12 @@ class VllmBackend:
                 worker_rids.append(self.engine.add_request(rid, dict(prompt), p))
             while len(finals) < len(rids):
                 for out in self.engine.step():
-                    if out.request_id in rids and out.finished:
-                        finals[out.request_id] = out
+                    if out.request_id in rids:
+                        if out.finished:
+                            finals[out.request_id] = out
+                    else:
+                        # a running generation's: the batch reads it at its next step
+                        self._held[out.request_id] = out
         except BaseException:
             self.engine.abort_request([r for r in rids if r not in finals])
             raise
@@ -392,6 +400,13 @@ class VllmBackend:
             # a score runs unsteered, but the workers saw it pass: forget it there
             self.collect(worker_rids, final=True)
         return [finals[rid] for rid in rids]
+
+    def take_held(self) -> list[Any]:
+        """The running generations' outputs that scores' steps produced since the batch's
+        last step, the latest of each request (vLLM's cumulative outputs: it holds the
+        earlier ones' tokens and logprobs)."""
+        held, self._held = list(self._held.values()), {}
+        return held
 
     def collect(self, request_ids: list[str], *, final: bool) -> dict[str, Any]:
         """Counts, monitor records, fired positions and capture parts from the workers,

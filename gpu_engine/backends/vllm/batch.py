@@ -246,7 +246,10 @@ class VllmBatch:
         return []  # their first tokens come from the next step
 
     def step(self) -> list[VllmSequence]:
-        outputs = self.engine.step()
+        # what a score's steps (between ours) produced for our rows comes first; vLLM's
+        # outputs are cumulative, so a request's latest one replaces any held
+        latest = {out.request_id: out for out in [*self.backend.take_held(), *self.engine.step()]}
+        outputs = list(latest.values())
         self.steps += 1
         fresh: list[tuple[VllmSequence, Any]] = []
         for out in outputs:
