@@ -85,7 +85,8 @@ class Capabilities(msgspec.Struct, kw_only=True):
     steering_mode_reason: str | None | UnsetType = UNSET
     control_vectors: bool | UnsetType = UNSET
     native_eval_filter: bool | UnsetType = UNSET
-    # vLLM: CUDA graphs (off whenever steering is possible), prefix caching keyed by steering
+    # vLLM: CUDA graphs (compiled on CUDA, piecewise around the steering taps), prefix
+    # caching keyed by steering
     cuda_graphs: bool | UnsetType = UNSET
     prefix_caching: bool | UnsetType = UNSET
     steered_prefix_cache_keyed_by_steering: bool | UnsetType = UNSET

@@ -23,7 +23,7 @@ stream itself (vLLM's GPT-2) is read and steered as a plain block (``capture.is_
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +40,7 @@ from ..api.protocol import (
 from .capture import CaptureHook, is_pair
 from .controls import ControlTable
 from .monitors import MonitorPlan
+from .taps import Tap
 
 
 @dataclass
@@ -383,12 +384,19 @@ def route(
 
 
 class HookManager:
-    """Owns every installed hook handle; ``remove``/``remove_all`` are the only ways out."""
+    """Owns every installed hook handle; ``remove``/``remove_all`` are the only ways out.
+    ``taps``: modules that carry a graph-safe hook site (``interp.taps``, a model compiled
+    once); a hook on one of them is added to its tap, not to the module."""
 
-    def __init__(self) -> None:
+    def __init__(self, taps: Mapping[torch.nn.Module, Tap] | None = None) -> None:
         self.current: BatchContext | None = None
+        self.taps: Mapping[torch.nn.Module, Tap] = taps or {}
         self._handles: dict[AttachmentKey, Any] = {}
         self._captures: dict[int, list[Any]] = {}  # layer -> [handle, module, references, residual_pair]
+
+    def _register(self, module: torch.nn.Module, hook: Any) -> Any:
+        tap = self.taps.get(module)
+        return tap.add(hook) if tap is not None else module.register_forward_hook(hook)
 
     def install(
         self,
@@ -407,11 +415,11 @@ class HookManager:
         hook: Any = AttachmentHook(key, self, stats, residual_pair=residual_pair, read_input=read_input)
         if graph_break:
             hook = torch.compiler.disable(hook)
-        self._handles[key] = module.register_forward_hook(hook)
+        self._handles[key] = self._register(module, hook)
         for layer, entry in self._captures.items():
             if entry[1] is module:  # a capture reads what the next layer sees: stay last
                 entry[0].remove()
-                entry[0] = module.register_forward_hook(CaptureHook(layer, self, residual_pair=entry[3]))
+                entry[0] = self._register(module, CaptureHook(layer, self, residual_pair=entry[3]))
 
     def arm_capture(self, layer: int, module: torch.nn.Module, *, residual_pair: bool = False) -> None:
         """A capture hook on block ``layer`` while some request captures it (counted), the
@@ -422,7 +430,7 @@ class HookManager:
             entry[2] += 1
             return
         hook = CaptureHook(layer, self, residual_pair=residual_pair)
-        self._captures[layer] = [module.register_forward_hook(hook), module, 1, residual_pair]
+        self._captures[layer] = [self._register(module, hook), module, 1, residual_pair]
 
     def disarm_capture(self, layer: int) -> None:
         entry = self._captures.get(layer)

@@ -292,8 +292,9 @@ def test_refusals_create_nothing_and_run_no_forward(llama, openai_client, probes
 def test_backends_without_capture_refuse_analyzers_before_generation(backend, probes):
     """The capabilities those backends report (their own ``capabilities()``, on stand-ins
     for their loaded state) refuse an analyzer's capture in planning, naming both: vLLM
-    captures nothing under CUDA graphs (its hooks do not run there); llama.cpp captures hidden
-    states, and Q/K only where the model has a rotary embedding (the stand-in's has none)."""
+    captures hidden states (compiled, through its layers' taps) and Q/K only where every
+    layer has vLLM's Attention module (the stand-in has none); llama.cpp captures hidden states, and Q/K only where the model has a rotary
+    embedding (the stand-in's has none)."""
     from inference.errors import openai_error_from_exception
     from inference.planning import prepare_analyses
     from inference.protocol import ChatCompletionRequest
@@ -305,8 +306,12 @@ def test_backends_without_capture_refuse_analyzers_before_generation(backend, pr
     if backend == "vllm":
         from gpu_engine.backends.vllm.backend import VllmBackend
 
-        caps = VllmBackend.capabilities(SimpleNamespace(enforce_eager=False, tool_call_format=None))
-        refused, taken = (hidden, tracker), ()
+        # a model whose attention vLLM's Attention module does not take (no Q/K geometry):
+        # hidden states through the layers' taps, no Q/K
+        caps = VllmBackend.capabilities(
+            SimpleNamespace(enforce_eager=False, tool_call_format=None, worker_device="cpu")
+        )
+        refused, taken = (tracker,), (hidden,)
     else:
         from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
 

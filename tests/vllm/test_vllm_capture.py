@@ -81,14 +81,15 @@ def hf_model(tiny_assets):
     return asset, model
 
 
-def test_capabilities_report_capture_and_graphs_refuse_it(vllm_engine):
+def test_capabilities_report_capture_eager_and_compiled(vllm_engine):
     from types import SimpleNamespace
 
     from gpu_engine.backends.vllm.backend import VllmBackend
 
     caps = vllm_engine.status().batching["capabilities"]
     assert caps["hidden_state_capture"] is True and caps["attention_capture"] is True
-    # with CUDA graphs the workers' hooks never run: capture is off, like steering
+    # compiled, both are captured through the layers' and Attention modules' taps
+    # (test_vllm_compiled.py runs them)
     graphs = VllmBackend.capabilities(
         SimpleNamespace(
             enforce_eager=False,
@@ -96,12 +97,19 @@ def test_capabilities_report_capture_and_graphs_refuse_it(vllm_engine):
             attention_geometry=vllm_engine.backend.attention_geometry,
             _attention_layers={0, 1, 2, 3},
             tool_call_format=None,
+            worker_device="cpu",
         )
     )
-    assert graphs.hidden_state_capture is False and graphs.attention_capture is False
+    assert graphs.hidden_state_capture is True and graphs.attention_capture is True
 
 
 def test_capture_changes_no_token_and_equals_transformers_and_the_qk_reference(vllm_engine, hf_engine, hf_model):
+    assert_capture_equals_transformers_and_the_qk_reference(vllm_engine, hf_engine, hf_model)
+
+
+def assert_capture_equals_transformers_and_the_qk_reference(vllm_engine, hf_engine, hf_model):
+    """Every layer's hidden states and Q/K, against the transformers backend and the Q/K
+    reference (eager here; compiled in test_vllm_compiled.py)."""
     asset, model = hf_model
     layers = list(range(asset.num_layers))
     spec = CaptureSpec(layers=layers, positions="all", attention=AttentionCaptureSpec(layers=layers, positions="all"))
@@ -189,6 +197,12 @@ def test_positions_modes_and_heads_equal_transformers(vllm_engine, hf_engine, po
 
 
 def test_a_steered_request_captures_its_steered_stream(vllm_engine, hf_engine):
+    assert_steered_capture_equals_transformers(vllm_engine, hf_engine)
+
+
+def assert_steered_capture_equals_transformers(vllm_engine, hf_engine):
+    """A steered capture against the transformers backend's, and its steer where it is
+    (eager here; compiled in test_vllm_compiled.py)."""
     steering = {L1: {3: 8.0, 17: -5.0}}
     spec = CaptureSpec(layers=[0, 1, 2], positions="all")
     unsteered = load_capture(vllm_engine.generate_sync(job("u", spec)).capture.data)

@@ -179,30 +179,32 @@ def test_the_backend_reports_steering_controls(vllm_engine):
     assert caps["steering_controls"] is True and caps["per_request_steering"] is True
 
 
-def test_with_cuda_graphs_a_control_is_refused_naming_the_backend():
-    """``VLLM_ENFORCE_EAGER=false``: the hooks would not run, so steering and its controls
-    are reported off and a request with a control is refused before anything runs, naming
-    the field, the backend and the capability that is off (no vLLM started: the backend's
+def test_compiled_the_backend_still_reports_every_control():
+    """``VLLM_ENFORCE_EAGER=false``: the layers' taps run the same hooks inside the compiled
+    graph (test_vllm_compiled.py runs them), so steering and its controls stay on and a
+    request with a control passes the engine's check; Q/K capture, whose hook sits on the
+    Attention module inside the graph, is off and says why (no vLLM started: the backend's
     own capabilities and the engine's check)."""
     from gpu_engine.backends.vllm.backend import VllmBackend
     from gpu_engine.runtime.prepare import check_capabilities
 
-    graphs = VllmBackend.__new__(VllmBackend)
-    graphs.enforce_eager, graphs.tool_call_format = False, None
-    caps = graphs.capabilities()
-    assert caps.steering_controls is False and caps.per_request_steering is False and caps.cuda_graphs is True
-    job = GenerationJob("g", prompt="x", steering=spec(L1, controls=[FeatureControl(3, mode="clamp", value=2.0)]))
-    with pytest.raises(InvalidParameter) as err:
-        check_capabilities(graphs, job)
-    assert err.value.details["param"] == "steering"
-    assert err.value.details["backend"] == "vllm" and err.value.details["capability"] == "per_request_steering"
-    eager = VllmBackend.__new__(VllmBackend)
-    eager.enforce_eager, eager.tool_call_format = True, None
-    assert eager.capabilities().steering_controls is True
-    check_capabilities(eager, job)  # runs
+    for eager in (False, True):
+        backend = VllmBackend.__new__(VllmBackend)
+        backend.enforce_eager, backend.tool_call_format, backend.worker_device = eager, None, "cpu"
+        caps = backend.capabilities()
+        assert caps.steering_controls is True and caps.per_request_steering is True
+        assert caps.torch_compile is (not eager) and caps.cuda_graphs is False  # no CUDA here
+        job = GenerationJob("g", prompt="x", steering=spec(L1, controls=[FeatureControl(3, mode="clamp", value=2.0)]))
+        check_capabilities(backend, job)  # runs
 
 
 def test_a_mixed_batch_of_every_mode_equals_transformers(vllm_engine, hf_engine):
+    assert_mixed_batch_equals_transformers(vllm_engine, hf_engine)
+
+
+def assert_mixed_batch_equals_transformers(vllm_engine, hf_engine):
+    """Every mode in one vLLM batch, each request against the transformers backend (eager
+    here; compiled in test_vllm_compiled.py)."""
     trigger, threshold = choose_trigger(hf_engine, prompt=PROMPTS["cond"])
     # the scaled feature: L2's most active one on its prompt (a scale of zero is nothing)
     scaled = int(l2_reading(hf_engine, prompt=PROMPTS["scale"]).sum(axis=0).argmax())

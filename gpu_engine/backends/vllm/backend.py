@@ -5,12 +5,16 @@ them through the worker extension (``worker.MillmWorkerExtension``) and ride wit
 request (``wire``).
 
 What vLLM cannot honour is refused before generation with a clear code, never ignored:
-embeddings (a generation engine has no pooling runner here) and — when CUDA graphs /
-torch.compile are on (``enforce_eager=False``), where Python hooks do not run — any
-steered or monitored request.  Structured output and tool calls go to vLLM's own structured outputs (its
-xgrammar backend) with the grammar every backend enforces (``batch.py``).  Serial mode
-does not exist: the engine drives this backend through its batch
-scheduler (``capabilities().serial_mode is False``).
+embeddings (a generation engine has no pooling runner here).  With vLLM's compiled graphs
+on (``enforce_eager=False``) the model is loaded by our loader (``loader.py``,
+``load_format="millm"``), which puts a graph-safe tap on every decoder layer and every
+``Attention`` module before vLLM compiles: steering, its controls, monitoring and
+hidden-state and Q/K capture run through them exactly as eager (``steering_apply_count``
+counts the forwards they ran in).  On CUDA the tap is one of the compiler's splitting ops
+and graphs are captured piecewise around it.  Structured output and tool calls go to
+vLLM's own structured outputs (its xgrammar backend) with the grammar every backend
+enforces (``batch.py``).  Serial mode does not exist: the engine drives this backend
+through its batch scheduler (``capabilities().serial_mode is False``).
 """
 
 from __future__ import annotations
@@ -41,10 +45,32 @@ from ...api.protocol import (
     ScoreResult,
 )
 from ...api.capabilities import Capabilities
+from .loader import LOAD_FORMAT
 from .wire import VLLM_HOOK_POINTS, hook_layer
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKER_EXTENSION = "gpu_engine.backends.vllm.worker.MillmWorkerExtension"
+
+
+def compiled_config() -> dict[str, Any]:
+    """vLLM's compilation config for a compiled load: its own defaults, plus, on CUDA, the
+    steering tap (``interp.taps``) among the splitting ops, so that graphs are captured
+    piecewise around it and its Python body runs at every forward (full graphs would
+    replay without it)."""
+    from vllm.config import CompilationConfig
+    from vllm.platforms import current_platform
+
+    from ...interp.taps import OP_NAME
+
+    if not current_platform.is_cuda_alike():
+        return {}
+    splitting = [
+        *CompilationConfig._attention_ops,
+        "vllm::unified_kv_cache_update",
+        "vllm::unified_mla_kv_cache_update",
+        OP_NAME,
+    ]
+    return {"splitting_ops": splitting, "cudagraph_mode": "PIECEWISE"}
 
 
 def _prepare_env(options: dict[str, Any]) -> None:
@@ -104,8 +130,7 @@ class VllmBackend:
             tensor_parallel_size=self.tp,
             pipeline_parallel_size=self.pp,
             distributed_executor_backend=executor,
-            # Python hooks do not run inside captured CUDA graphs or compiled graphs:
-            # eager keeps steering on (capabilities report it; steer counts prove it)
+            # compiled: the loader taps every layer before vLLM traces it (loader.py)
             enforce_eager=self.enforce_eager,
             enable_prefix_caching=True,
             # positions come from the runner's num_computed_tokens, exact only when the
@@ -120,6 +145,11 @@ class VllmBackend:
             args["gpu_memory_utilization"] = float(opts["gpu_memory_utilization"])
         if self.enforce_eager:
             args["compilation_config"] = {"mode": 0}
+        else:
+            args["load_format"] = LOAD_FORMAT
+            compilation = compiled_config()
+            if compilation:
+                args["compilation_config"] = compilation
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(
                 str(path), local_files_only=True, trust_remote_code=job.trust_remote_code
@@ -187,30 +217,29 @@ class VllmBackend:
         return self._scaling[layer] if layer < len(self._scaling) else None
 
     def capabilities(self) -> Capabilities:
-        hooks_live = self.enforce_eager
         # Q/K capture taps vLLM's Attention module: every layer must have one
         qk = getattr(self, "attention_geometry", None) is not None and getattr(self, "_attention_layers", set()) == set(
             range(getattr(self, "num_layers", 0))
         )
         return Capabilities(
-            per_request_steering=hooks_live,
-            # the workers' hooks route every request's controls (interp.hooks.route): eager only
-            steering_controls=hooks_live,
-            # the capture hooks run in the workers' forward like steering's: eager only
-            hidden_state_capture=hooks_live,
-            attention_capture=hooks_live and qk,
+            # eager: hooks on the layers; compiled: the same hooks on the layers' taps
+            per_request_steering=True,
+            # the workers' hooks route every request's controls (interp.hooks.route)
+            steering_controls=True,
+            hidden_state_capture=True,
+            attention_capture=qk,
             # SamplingParams.structured rides to vLLM's own structured outputs (batch.py)
             structured_output=True,
             # where the chat template renders tools; calls constrained as structured output
             tool_calling=self.tool_call_format is not None,
             tool_call_format=self.tool_call_format,
-            per_request_monitoring=hooks_live,
-            exact_monitoring_attribution=hooks_live,
+            per_request_monitoring=True,
+            exact_monitoring_attribution=True,
             embeddings=False,
             serial_mode=False,
-            # item 4: CUDA graphs and torch.compile skip Python hooks, so they are off
-            # whenever steering is possible; steering_apply_count proves the hooks ran
-            cuda_graphs=not self.enforce_eager,
+            # compiled: vLLM's torch.compile, and on CUDA its graphs (piecewise, around the
+            # taps); steering_apply_count proves the taps ran at every forward
+            cuda_graphs=not self.enforce_eager and self.worker_device.startswith("cuda"),
             torch_compile=not self.enforce_eager,
             prefix_caching=True,
             steered_prefix_cache_keyed_by_steering=True,
@@ -285,13 +314,6 @@ class VllmBackend:
     ) -> Any:
         from .batch import VllmSequence
 
-        if request_hooks is not None and not self.enforce_eager:
-            raise InvalidParameter(
-                "steering and monitoring need eager execution on the vLLM backend (CUDA graphs and "
-                "torch.compile skip hooks); load the model with VLLM_ENFORCE_EAGER=true",
-                param="steering",
-                details={"backend": self.name, "cuda_graphs": True},
-            )
         return VllmSequence(
             self,
             job,

@@ -65,6 +65,7 @@ from ...interp.rows import Row, RowRouter
 from ...api.protocol import AttachmentKey, to_builtins
 from ...sae.layouts import config_at_layer, get_layout
 from ...sae.module import SAE
+from .loader import find_attention, find_layers, held, taps_of
 from .wire import EXTRA_KEY, decode_args, decode_capture, hook_layer
 
 log = logging.getLogger("gpu_engine.vllm.worker")
@@ -72,33 +73,6 @@ log = logging.getLogger("gpu_engine.vllm.worker")
 # requests vLLM dropped before the driver collected them (aborted, or collected late) are
 # kept this long, then forgotten: the worker never grows without bound
 FORGET_AFTER_S = 120.0
-
-
-def find_layers(model: torch.nn.Module) -> tuple[str, torch.nn.ModuleList]:
-    """The decoder layers of a vLLM model: the largest ``ModuleList`` named ``layers``/``h``."""
-    best: tuple[str, torch.nn.ModuleList] | None = None
-    for name, mod in model.named_modules():
-        if isinstance(mod, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] in ("layers", "h"):
-            if best is None or len(mod) > len(best[1]):
-                best = (name, mod)
-    if best is None:
-        raise RuntimeError(f"no decoder layer list found in {type(model).__name__}")
-    return best
-
-
-def find_attention(layer: torch.nn.Module) -> torch.nn.Module | None:
-    """vLLM's ``Attention`` module of a decoder layer (it takes the rotated q, k and v,
-    split over heads as ``num_heads``/``num_kv_heads`` × ``head_size``), or None: a layer
-    without one (MLA and other attention kinds take something else), or a pipeline
-    stage's placeholder."""
-    try:
-        from vllm.model_executor.layers.attention.attention import Attention
-    except ImportError:  # another vLLM layout: match the class by name
-        Attention = None  # noqa: N806
-    for _, mod in layer.named_modules():
-        if isinstance(mod, Attention) if Attention is not None else type(mod).__name__ == "Attention":
-            return mod
-    return None
 
 
 class _Request:
@@ -130,7 +104,8 @@ class _State:
         self.layers_path, self.layers = find_layers(self.model)
         self.device = next(self.model.parameters()).device
         self.dtype = runner.model_config.dtype
-        self.manager = HookManager()
+        # compiled (load_format millm): the hooks go on the layers' taps, which the graph calls
+        self.manager = HookManager(taps_of(self.model))
         self.saes: dict[AttachmentKey, SAE] = {}
         self.stats: dict[AttachmentKey, AttachmentStats] = {}
         self.requests: dict[str, _Request] = {}
@@ -173,7 +148,7 @@ class _State:
 
     def holds(self, layer: int) -> bool:
         """Whether this rank runs ``layer`` (pipeline parallelism leaves the others empty)."""
-        return type(self.layers[layer]).__name__ != "PPMissingLayer"
+        return held(self.layers[layer])
 
     def attach(self, sae_id: str, layer: int, path: str, layout: str) -> bool:
         key = (sae_id, layer)
@@ -251,8 +226,11 @@ class _State:
             if entry is not None:
                 entry[1] += 1
                 continue
-            hook = _QKHook(layer, self.manager, self.attention[layer])  # type: ignore[arg-type]
-            handle = self.attention[layer].register_forward_pre_hook(hook, with_kwargs=True)  # type: ignore[union-attr]
+            module = self.attention[layer]
+            hook = _QKHook(layer, self.manager, module)  # type: ignore[arg-type]
+            tap = self.manager.taps.get(module)  # type: ignore[arg-type]
+            # compiled: the module's tap runs it (a hook added to the module would not run)
+            handle = tap.add(hook) if tap is not None else module.register_forward_pre_hook(hook, with_kwargs=True)  # type: ignore[union-attr]
             self.qk_hooks[layer] = [handle, 1]
         req.armed = True
 
@@ -500,4 +478,4 @@ class MillmWorkerExtension:
             self._millm_state = None
 
 
-__all__ = ["MillmWorkerExtension", "find_layers"]
+__all__ = ["MillmWorkerExtension"]
