@@ -1,6 +1,6 @@
 """Refusing at once what the loaded backend reports it cannot run, where a setting would
-otherwise be accepted and then fail every later request that runs it (live steering on
-vLLM under CUDA graphs, say). The request path refuses the same in its own words; an
+otherwise be accepted and then fail every later request that runs it (a live control on
+llama.cpp in its control_vector_swap mode, say). The request path refuses the same in its own words; an
 engine that cannot be asked is not a reason to refuse here."""
 
 from __future__ import annotations

@@ -1092,8 +1092,9 @@ VARIABLES: tuple[Var, ...] = (
         "vLLM models",
         "bool",
         True,
-        "Run vLLM eagerly (no CUDA graphs, no torch.compile). Graphs skip the Python hooks "
-        "that steer and monitor, so with false every steered or monitored request is "
-        "refused (400 invalid_parameter) and the capabilities say cuda_graphs.",
+        "Run vLLM eagerly (no CUDA graphs, no torch.compile). With false vLLM compiles the "
+        "model at load (about a minute on two CPU cores) and, on CUDA, captures piecewise "
+        "CUDA graphs; steering, monitoring and capture run in both (the compiled graph "
+        "calls the taps miLLM's loader puts on every layer).",
     ),
 )

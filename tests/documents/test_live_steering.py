@@ -204,9 +204,10 @@ def test_controls_set_elsewhere_reach_this_process_copy(settings, relu):
 
 
 def test_live_steering_and_monitoring_a_backend_cannot_run_are_refused_when_set(api, relu, llama, monkeypatch):
-    """vLLM under CUDA graphs reports per_request_steering and per_request_monitoring off:
-    live steering or monitoring accepted then would fail every later /v1 request with a
-    field its client never sent, so they are refused when set, and nothing is stored."""
+    """A backend reporting per_request_steering and per_request_monitoring off (a stand-in
+    status: every backend today runs both): live steering or monitoring accepted then would
+    fail every later /v1 request with a field its client never sent, so they are refused
+    when set, and nothing is stored."""
     import msgspec
 
     real = llama.engine.status
