@@ -60,20 +60,37 @@ class Tap:
     ``(hidden, residual)`` (vLLM's decoder layers); the hooks see that pair, and only
     ``hidden`` may change (steering adds to it; the sum changes once).  ``inputs``: the
     site is the module's first two inputs instead (``query`` and ``key`` of vLLM's
-    ``Attention``), and its hooks are forward pre-hooks that read them and change nothing."""
+    ``Attention``), and its hooks are forward pre-hooks that read them and change nothing.
+    ``with_input``: an output site whose hooks also see the module's first input as their
+    ``args`` (a transcoder reads the MLP's input and writes its output)."""
 
-    def __init__(self, module: torch.nn.Module, *, residual_pair: bool = False, inputs: bool = False) -> None:
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        *,
+        residual_pair: bool = False,
+        inputs: bool = False,
+        with_input: bool = False,
+    ) -> None:
         self.module = module
         self.residual_pair = residual_pair
         self.inputs = inputs
+        self.with_input = with_input
         self.site = next(_NEXT_SITE)
         self.hooks: dict[int, Callable[..., Any]] = {}
         self._keys = itertools.count()
         _SITES[self.site] = self
         if inputs:
             self._handle = module.register_forward_pre_hook(self._pre, with_kwargs=True)
+        elif with_input:
+            self._handle = module.register_forward_hook(self._forward_with_input, with_kwargs=True)
         else:
             self._handle = module.register_forward_hook(self._forward)
+
+    def _forward_with_input(self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        first = args[0] if len(args) > 0 else next(iter(kwargs.values()))
+        torch.ops.millm.tap(output[0] if isinstance(output, tuple) else output, first, self.site)
+        return output
 
     def _forward(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         if self.residual_pair:
@@ -90,7 +107,8 @@ class Tap:
 
     def add(self, hook: Callable[..., Any]) -> TapHandle:
         """Run ``hook`` at each forward, after those added before: ``hook(module, (),
-        output)`` on an output site, ``hook(module, (first, second), {})`` on an input one."""
+        output)`` on an output site (``hook(module, (input,), output)`` with
+        ``with_input``), ``hook(module, (first, second), {})`` on an input one."""
         key = next(self._keys)
         self.hooks[key] = hook
         return TapHandle(self, key)
@@ -101,8 +119,10 @@ class Tap:
                 hook(self.module, (hidden, residual), {})
             return
         output: Any = (hidden, residual) if self.residual_pair else hidden
+        # an output site with its input: the op's second tensor is the module's input
+        args = (residual,) if self.with_input else ()
         for hook in list(self.hooks.values()):
-            new = hook(self.module, (), output)
+            new = hook(self.module, args, output)
             if new is not None:
                 output = new
         result = output[0] if isinstance(output, tuple) else output
@@ -116,10 +136,10 @@ class Tap:
 
 
 def install_taps(
-    modules: list[torch.nn.Module], *, residual_pair: bool = False, inputs: bool = False
+    modules: list[torch.nn.Module], *, residual_pair: bool = False, inputs: bool = False, with_input: bool = False
 ) -> dict[torch.nn.Module, Tap]:
     """A tap on each of ``modules`` (before the model is compiled), keyed by module."""
-    return {m: Tap(m, residual_pair=residual_pair, inputs=inputs) for m in modules}
+    return {m: Tap(m, residual_pair=residual_pair, inputs=inputs, with_input=with_input) for m in modules}
 
 
 __all__ = ["OP_NAME", "Tap", "TapHandle", "install_taps"]

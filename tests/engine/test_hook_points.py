@@ -216,12 +216,18 @@ def test_gpt2_resid_pre_of_layer_0_includes_position_embeddings(engine_factory, 
 
 
 def test_llamacpp_and_vllm_refuse_what_they_cannot_hook():
-    from gpu_engine.backends.vllm.wire import hook_layer
+    from gpu_engine.backends.vllm.wire import hook_site
 
-    assert hook_layer(3, "resid_post") == 3 and hook_layer(3, "resid_pre") == 2
-    for point, layer in (("resid_pre", 0), ("attn_out", 2), ("mlp_out", 2), ("mlp_transcoder", 2)):
+    # vLLM reaches every point where its model gives it exactly (its workers' sites);
+    # tests/vllm/test_vllm_hook_points.py holds each to this backend
+    sites = {"layers": "model.layers", "embed": None, "attn_out": "self_attn", "mlp_out": None, "why": {}}
+    sites["mlp_transcoder"] = None
+    assert hook_site(3, "resid_post", sites)[0] == "model.layers.3"
+    assert hook_site(3, "resid_pre", sites)[0] == "model.layers.2"
+    assert hook_site(3, "attn_out", sites)[0] == "model.layers.3.self_attn"
+    for point, layer in (("resid_pre", 0), ("mlp_out", 2), ("mlp_transcoder", 2)):
         with pytest.raises(SAEIncompatible, match=point):
-            hook_layer(layer, point)
+            hook_site(layer, point, sites)
     from tests.fixtures.backends import require_backend
 
     require_backend("llamacpp")  # skips, or fails under MILLM_REQUIRE_LLAMACPP=1 (CI)

@@ -7,7 +7,9 @@ transformers backend on the same fp32 weights exactly as the eager backend is: a
 batch of every steering mode (tokens, per-mode ``steering_apply_count`` equal to the
 forward passes — a hook the graph skipped counts 0 —, fired positions, monitored
 activations), a steered hidden-state capture, and every layer's hidden states and Q/K
-against the transformers backend and the Q/K reference.  One compiled vLLM engine for the
+against the transformers backend and the Q/K reference; an SAE at each hook point inside
+a layer and at the embeddings (resid_pre of 0, attn_out, mlp_out, a transcoder) through
+the taps the loader put on those modules.  One compiled vLLM engine for the
 module (its compile costs about a minute on two cores)."""
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .test_vllm_capture import (
     assert_steered_capture_equals_transformers,
     hf_model,  # noqa: F401 - the module fixture the Q/K reference reads
 )
+from .test_vllm_hook_points import assert_hook_points_equal_transformers
 from .test_vllm_steering_modes import assert_mixed_batch_equals_transformers
 
 
@@ -54,3 +57,9 @@ def test_compiled_a_steered_request_captures_its_steered_stream(vllm_compiled, h
 
 def test_compiled_capture_equals_transformers_and_the_qk_reference(vllm_compiled, hf_engine, hf_model):  # noqa: F811
     assert_capture_equals_transformers_and_the_qk_reference(vllm_compiled, hf_engine, hf_model)
+
+
+def test_compiled_every_hook_point_steers_and_monitors_like_transformers(
+    vllm_compiled, hf_engine, tiny_assets, tmp_path
+):
+    assert_hook_points_equal_transformers(vllm_compiled, hf_engine, tiny_assets, tmp_path)

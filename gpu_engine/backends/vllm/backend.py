@@ -7,7 +7,8 @@ request (``wire``).
 What vLLM cannot honour is refused before generation with a clear code, never ignored:
 embeddings (a generation engine has no pooling runner here).  With vLLM's compiled graphs
 on (``enforce_eager=False``) the model is loaded by our loader (``loader.py``,
-``load_format="millm"``), which puts a graph-safe tap on every decoder layer and every
+``load_format="millm"``), which puts a graph-safe tap on every module a hook point may
+use (decoder layers, their attention and MLP modules, the embeddings) and every
 ``Attention`` module before vLLM compiles: steering, its controls, monitoring and
 hidden-state and Q/K capture run through them exactly as eager (``steering_apply_count``
 counts the forwards they ran in).  On CUDA the tap is one of the compiler's splitting ops
@@ -46,7 +47,7 @@ from ...api.protocol import (
 )
 from ...api.capabilities import Capabilities
 from .loader import LOAD_FORMAT
-from .wire import VLLM_HOOK_POINTS, hook_layer
+from .wire import hook_site, supported_points
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 WORKER_EXTENSION = "gpu_engine.backends.vllm.worker.MillmWorkerExtension"
@@ -160,6 +161,8 @@ class VllmBackend:
         described = self.engine.collective_rpc("millm_describe")
         first = described[0]
         self.layers_path = first["layers_path"]
+        # where each hook point is on this model (the first rank's: it holds layer 0)
+        self.hook_sites = first["hook_sites"]
         self.num_layers = int(first["num_layers"])
         self.worker_device = first["device"]
         # the engine keeps its SAE copy (validation, driver-side plans) on the host: the
@@ -243,7 +246,8 @@ class VllmBackend:
             torch_compile=not self.enforce_eager,
             prefix_caching=True,
             steered_prefix_cache_keyed_by_steering=True,
-            hook_points=list(VLLM_HOOK_POINTS),
+            # the points this model gives exactly (wire.hook_site refuses the others)
+            hook_points=supported_points(getattr(self, "hook_sites", None)),
         )
 
     # ------------------------------------------------------------------ tokens
@@ -272,7 +276,7 @@ class VllmBackend:
     def layer_module_path(self, layer: int, hook_point: str = "resid_post") -> str:
         if not 0 <= layer < self.num_layers:
             raise InvalidParameter(f"layer {layer} is outside 0..{self.num_layers - 1}", param="layer")
-        return f"{self.layers_path}.{hook_layer(layer, hook_point)}"
+        return hook_site(layer, hook_point, self.hook_sites)[0]
 
     def attach(self, attachment: Any) -> None:
         cfg = attachment.sae.cfg
@@ -280,7 +284,9 @@ class VllmBackend:
             "millm_attach", args=(attachment.sae_id, attachment.layer, str(cfg.path), cfg.layout)
         )
         if not any(done):
-            raise ModelLoadFailed(f"no vLLM worker holds layer {hook_layer(attachment.layer, cfg.hook_point)}")
+            raise ModelLoadFailed(
+                f"no vLLM worker holds {hook_site(attachment.layer, cfg.hook_point, self.hook_sites)[0]}"
+            )
         self._attachments[attachment.key] = attachment
         # a re-attached key is another SAE: cached KV of the old one must not be reused
         self._generation[attachment.key] = f"{cfg.path}#{next(self._attach_counter)}"

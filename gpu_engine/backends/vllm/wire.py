@@ -27,31 +27,55 @@ from ...api.protocol import (
     from_builtins,
     to_builtins,
 )
+from ...sae.hookpoints import HOOK_POINTS
 
 EXTRA_KEY = "millm"
 
-# the hook points the workers reach exactly: vLLM's decoder layers return the
-# ``(hidden, residual)`` pair, so the residual stream is a layer's output pair — after
-# layer L (resid_post) or after layer L-1 (resid_pre of L >= 1).  Sub-block outputs and
-# transcoders are refused: nothing here has tested where vLLM's fused modules put them.
-VLLM_HOOK_POINTS = ("resid_post", "resid_pre")
+# every hook point the transformers backend hooks (gpu_engine.sae.hookpoints), each on the
+# module whose output is that tensor on vLLM's model (the workers' ``hook_sites``, loader.py):
+# resid_post / resid_pre of L >= 1 the decoder layer's ``(hidden, residual)`` pair,
+# resid_pre of 0 the embedding module, attn_out / mlp_out the sub-block's module (its
+# output after the row-parallel projection's all-reduce), a transcoder the MLP (reads its
+# input, writes its output).  A point a model cannot give exactly is refused there.
+VLLM_HOOK_POINTS = HOOK_POINTS
 
 
-def hook_layer(layer: int, hook_point: str) -> int:
-    """The decoder layer whose output pair an SAE of ``hook_point`` attached at ``layer``
-    hooks; refuses (``sae_incompatible``) what the workers cannot hook exactly."""
+def hook_site(layer: int, hook_point: str, sites: dict[str, Any]) -> tuple[str, int, str]:
+    """``(module path, decoder layer, kind)`` of an SAE of ``hook_point`` attached at
+    ``layer``, from a worker's ``hook_sites``: the module the hook goes on, the decoder
+    layer a rank must hold to run it (pipeline parallelism), and how it hooks (``pair``:
+    the layer's ``(hidden, residual)`` pair; ``output``: the module's output; ``input``:
+    reads the module's input, writes its output).  Refuses (``sae_incompatible``, naming
+    the points this model supports) what the workers cannot hook exactly."""
     from ...api.errors import SAEIncompatible
 
+    layers = sites["layers"]
     if hook_point == "resid_post":
-        return layer
+        return f"{layers}.{layer}", layer, "pair"
     if hook_point == "resid_pre" and layer > 0:
-        return layer - 1
-    where = "resid_pre of layer 0 (the embeddings' output)" if hook_point == "resid_pre" else repr(hook_point)
+        return f"{layers}.{layer - 1}", layer - 1, "pair"
+    site = "embed" if hook_point == "resid_pre" else hook_point
+    name = sites.get(site)
+    if name is not None:
+        if site == "embed":
+            return name, 0, "output"
+        return f"{layers}.{layer}.{name}", layer, "input" if hook_point == "mlp_transcoder" else "output"
+    where = "resid_pre of layer 0 (the embeddings' output)" if site == "embed" else hook_point
+    why = sites.get("why", {}).get(site) or "this model has no module that gives it exactly"
+    supported = supported_points(sites)
     raise SAEIncompatible(
-        f"the vLLM backend cannot hook {where}; it supports resid_post and resid_pre of layers >= 1 "
-        "(the transformers backend hooks every point)",
-        details={"backend": "vllm", "hook_point": hook_point, "layer": layer, "supported": list(VLLM_HOOK_POINTS)},
+        f"the vLLM backend cannot hook {where} on this model: {why}; it supports {', '.join(supported)}"
+        + (" (resid_pre of layers >= 1)" if sites.get("embed") is None else ""),
+        details={"backend": "vllm", "hook_point": hook_point, "layer": layer, "supported": supported},
     )
+
+
+def supported_points(sites: dict[str, Any] | None) -> list[str]:
+    """The hook points a model with ``sites`` reaches at some layer (all of them with no
+    sites known: resid_pre counts where only layers >= 1 are reached)."""
+    if sites is None:
+        return list(VLLM_HOOK_POINTS)
+    return [p for p in VLLM_HOOK_POINTS if p in ("resid_post", "resid_pre") or sites.get(p) is not None]
 
 
 def request_args(job: GenerationJob) -> dict[str, Any] | None:
@@ -121,10 +145,13 @@ def records_from(raw: list[Any]) -> list[ActivationRecord]:
 
 __all__ = [
     "EXTRA_KEY",
+    "VLLM_HOOK_POINTS",
     "decode_args",
+    "hook_site",
     "decode_capture",
     "keeps_gates",
     "records_from",
     "request_args",
     "steering_salt",
+    "supported_points",
 ]

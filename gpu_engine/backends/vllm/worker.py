@@ -7,7 +7,10 @@ What it does on the worker:
 
 - ``millm_attach`` / ``millm_detach``: load an SAE from its files onto this worker's
   device and install (remove) the engine's own attachment hook (``gpu_engine.interp.hooks``) on
-  that decoder layer — on the ranks that hold the layer (pipeline parallelism).
+  the module of its hook point (``loader.hook_sites``, ``wire.hook_site``): a decoder
+  layer's output pair (resid_post, resid_pre of L >= 1), the embedding module (resid_pre
+  of 0), a layer's attention or MLP module (attn_out, mlp_out; a transcoder reads the
+  MLP's input) — on the ranks that hold it (pipeline parallelism).
 - Around every forward pass of the model, a pre-hook maps each token row to its request
   from the runner's batch (``input_batch.req_ids`` in batch order, ``query_start_loc``,
   ``num_computed_tokens`` for positions) and publishes the row router's ``BatchContext``
@@ -65,8 +68,8 @@ from ...interp.rows import Row, RowRouter
 from ...api.protocol import AttachmentKey, to_builtins
 from ...sae.layouts import config_at_layer, get_layout
 from ...sae.module import SAE
-from .loader import find_attention, find_layers, held, taps_of
-from .wire import EXTRA_KEY, decode_args, decode_capture, hook_layer
+from .loader import find_attention, find_layers, held, hook_sites, taps_of
+from .wire import EXTRA_KEY, decode_args, decode_capture, hook_site
 
 log = logging.getLogger("gpu_engine.vllm.worker")
 
@@ -122,6 +125,8 @@ class _State:
         except Exception:  # noqa: BLE001 - no distributed state: a single worker
             self.tp_rank, self.tp_size = 0, 1
         self.monitor_rank = self.tp_rank == 0
+        # where each hook point is on this model (the driver refuses the others first)
+        self.sites = hook_sites(self.model, self.tp_size)
         text_cfg = runner.model_config.hf_text_config
         self.hidden_size = int(getattr(text_cfg, "hidden_size", 0))
         # Q/K capture: each layer's attention module and the heads this rank's shard holds
@@ -157,14 +162,22 @@ class _State:
         found = lay.detect(Path(path))
         # a raw vector file holds a vector per layer: the one of the attach layer
         cfg = config_at_layer(lay, lay.read_metadata(found if found is not None else Path(path)), layer)
-        # the key keeps the attach layer; the hook sits on the layer whose output pair is
-        # the SAE's point (layer - 1 for resid_pre)
-        module_layer = hook_layer(layer, cfg.hook_point)
+        # the key keeps the attach layer; the hook sits on the module of the SAE's point
+        # (layer - 1's output pair for resid_pre, the embeddings for resid_pre of 0, …)
+        path, module_layer, kind = hook_site(layer, cfg.hook_point, self.sites)
         if not self.holds(module_layer):
             return False
         self.saes[key] = SAE(cfg, lay.load_tensors(cfg), device=self.device)
         self.stats[key] = AttachmentStats()
-        self.manager.install(key, self.layers[module_layer], self.stats[key], residual_pair=True)
+        # the same BatchContext rows at every point: each module's output (the
+        # embeddings' too) has one row per token of the forward, in the batch's order
+        self.manager.install(
+            key,
+            self.model.get_submodule(path),
+            self.stats[key],
+            residual_pair=kind == "pair",
+            read_input=kind == "input",
+        )
         return True
 
     def detach(self, sae_id: str, layer: int) -> None:
@@ -452,6 +465,7 @@ class MillmWorkerExtension:
             "tp_rank": s.tp_rank,
             "tp_size": s.tp_size,
             "attention": s.describe_attention(),
+            "hook_sites": s.sites,
         }
 
     def millm_armed(self) -> dict[str, list[int]]:
