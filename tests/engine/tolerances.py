@@ -38,6 +38,15 @@ QUANTIZED_* a Q8 load (int8 weights, bfloat16 activations into its matmuls) agai
           can flip a pick; measured 47/48 on this machine; free-running greedy
           kept 2 of 3 prompts identical for 24 tokens and parted at the first token of
           the third.  SmolLM2-135M: see docs/engine.md.
+PARITY_ACT_* the demo SmolLM2-135M's monitored SAE activations (layer 12) on vLLM and
+          llama.cpp vs the transformers backend, all float32 on the same weights
+          (test_backend_parity.py): three kernel sets (their own matmul blocking,
+          attention, RMSNorm and rope summation orders) over 12 layers of a 576-wide
+          residual, each layer's rounding carried into the next, then the SAE's 576-term
+          encode; the first token's row reads activations of ~700.  Measured over every
+          monitored value of the test's batch: ≤ 2.2e-6 absolute where |value| ≤ 1, and
+          ≤ 3.9e-6 (vLLM) / 1.4e-5 (llama.cpp) relative above it, so |got − want| ≤
+          2e-5 + 1e-4·|want| leaves ≥ 7× headroom.  Tokens must be identical.
 """
 
 HOOK_ATOL = 2e-5
@@ -60,3 +69,5 @@ ANALYSIS_ATOL = 2e-4
 ANALYSIS_RTOL = 1e-4
 PROBE_ATOL = 2e-3
 QUANTIZED_GREEDY_AGREEMENT_MIN = 0.9
+PARITY_ACT_ATOL = 2e-5
+PARITY_ACT_RTOL = 1e-4
