@@ -231,10 +231,17 @@ def test_llamacpp_and_vllm_refuse_what_they_cannot_hook():
     from tests.fixtures.backends import require_backend
 
     require_backend("llamacpp")  # skips, or fails under MILLM_REQUIRE_LLAMACPP=1 (CI)
-    from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
+    from gpu_engine.backends.llamacpp.backend import SWAP_HOOK_POINTS, LlamaCppBackend
 
-    fake = SimpleNamespace(name="llamacpp")
+    # under swapped control vectors (test_llamacpp_hook_points.py runs every point per row)
+    fake = SimpleNamespace(
+        name="llamacpp",
+        steering_mode="control_vector_swap",
+        steering_mode_reason="forced",
+        hook_points=SWAP_HOOK_POINTS,
+    )
     assert LlamaCppBackend.layer_module_path(fake, 2) == "l_out-2"
-    for point in ("resid_pre", "attn_out", "mlp_out", "mlp_transcoder"):
+    assert LlamaCppBackend.layer_module_path(fake, 2, "resid_pre") == "l_out-1"
+    for point in ("attn_out", "mlp_out", "mlp_transcoder"):
         with pytest.raises(SAEIncompatible, match=point):
             LlamaCppBackend.layer_module_path(fake, 2, point)

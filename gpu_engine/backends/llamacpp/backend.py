@@ -73,12 +73,32 @@ from .native import (
     gpu_device_count,
     resolve_gguf,
 )
-from .taps import EvalTaps
+from .taps import ATTN_OUT, EMBD, FFN_OUT, LAYER_OUT, EvalTaps, node_name
 from .tokens import ChatTemplate, LlamaTokenizer, grammar_vocabulary
 
 DEFAULT_N_BATCH = 512
-# the hook points this backend reaches exactly (``gpu_engine.sae.hookpoints``)
-LLAMACPP_HOOK_POINTS = ("resid_post",)
+# the hook points this backend reaches exactly (``gpu_engine.sae.hookpoints``), per
+# steering mode: the eval callback writes any node's rows; a control vector adds to layer
+# outputs only, which are resid_post and resid_pre (block L-1's output)
+LLAMACPP_HOOK_POINTS = ("resid_post", "resid_pre", "attn_out", "mlp_out", "mlp_transcoder")
+SWAP_HOOK_POINTS = ("resid_post", "resid_pre")
+
+
+def hook_node(hook_point: str, layer: int) -> tuple[int, int]:
+    """The graph node ``(kind, layer)`` (``taps.py``) an SAE of ``hook_point`` attached at
+    ``layer`` reads and writes: resid_post ``l_out-L``; resid_pre ``l_out-{L-1}``, the
+    embeddings (``embd``) for L = 0; attn_out ``attn_out-L`` (the output projection's
+    result, before the residual add); mlp_out and a transcoder's write ``ffn_out-L`` (the
+    MLP's down projection, before the add; a transcoder reads ``ffn_norm-L``)."""
+    if hook_point == "resid_pre":
+        return (LAYER_OUT, layer - 1) if layer > 0 else (EMBD, 0)
+    if hook_point == "attn_out":
+        return (ATTN_OUT, layer)
+    if hook_point in ("mlp_out", "mlp_transcoder"):
+        return (FFN_OUT, layer)
+    return (LAYER_OUT, layer)
+
+
 # bytes per KV element for each GGUF_KV_CACHE_TYPE (block size / elements per block)
 _KV_BYTES = {
     "f32": 4.0,
@@ -202,6 +222,8 @@ class LlamaCppBackend:
             self.kernels = f"llama.cpp ({'gpu offload' if opts['offload'] else 'cpu'})"
             self.context_length = self._window()
             self.attachment_stats: dict[AttachmentKey, AttachmentStats] = {}
+            # each attachment's hook point (resid_post where none is recorded)
+            self.attachment_points: dict[AttachmentKey, str] = {}
             self.attention_geometry = AttentionGeometry(
                 num_heads=self.native.n_head, num_kv_heads=self.native.n_head_kv, head_dim=self.native.head_dim
             )
@@ -314,12 +336,14 @@ class LlamaCppBackend:
                         "reason": why,
                     },
                 )
-            if layer == 0 and plan.delta is not None:
+            kind, il = self.hook_node((sae_id, layer))
+            if (kind != LAYER_OUT or il == 0) and plan.delta is not None:
                 raise InvalidParameter(
-                    "steering at layer 0 needs per-row writes in the eval callback; this "
-                    "llama.cpp load steers with control vectors swapped between requests "
-                    f"(steering_mode {CONTROL_VECTOR_SWAP}: {self.steering_mode_reason}), "
-                    "which start at layer 1",
+                    f"steering at {node_name(kind, il)} (layer {layer}, hook point "
+                    f"{self.attachment_points.get((sae_id, layer), DEFAULT_HOOK_POINT)}) needs per-row "
+                    "writes in the eval callback; this llama.cpp load steers with control vectors "
+                    f"swapped between requests (steering_mode {CONTROL_VECTOR_SWAP}: "
+                    f"{self.steering_mode_reason}), which start at layer 1's output",
                     param="steering",
                     details={
                         "backend": self.name,
@@ -353,8 +377,22 @@ class LlamaCppBackend:
             steering_mode_reason=self.steering_mode_reason,
             control_vectors=True,
             native_eval_filter=self.taps.native_filter,
-            hook_points=list(LLAMACPP_HOOK_POINTS),
+            hook_points=list(self.hook_points),
         )
+
+    @property
+    def hook_points(self) -> tuple[str, ...]:
+        """What this load can hook: every point where the eval callback writes rows; the
+        layer outputs alone (resid_post, resid_pre) under swapped control vectors."""
+        return SWAP_HOOK_POINTS if self.steering_mode == CONTROL_VECTOR_SWAP else LLAMACPP_HOOK_POINTS
+
+    def hook_node(self, key: AttachmentKey) -> tuple[int, int]:
+        """The graph node an attachment reads and writes (``hook_node``)."""
+        return hook_node(self.attachment_points.get(key, DEFAULT_HOOK_POINT), key[1])
+
+    def reads_mlp_input(self, key: AttachmentKey) -> bool:
+        """The attachment is a transcoder (reads ``ffn_norm-L``, writes ``ffn_out-L``)."""
+        return self.attachment_points.get(key) == "mlp_transcoder"
 
     def structured_grammars(self) -> Any:
         """This model's ``gpu_engine.decode.grammar.Grammars`` over the GGUF's vocabulary (built
@@ -399,22 +437,35 @@ class LlamaCppBackend:
         return self.native.attention_scale
 
     def layer_module_path(self, layer: int, hook_point: str = DEFAULT_HOOK_POINT) -> str:
-        # the eval callback can reach only the layer outputs (``l_out-{il}``), and the
-        # batch runner keys its per-layer plans and control vectors by the attach layer:
-        # any other point is refused rather than tapped one node away from where it is
-        if hook_point not in LLAMACPP_HOOK_POINTS:
-            raise SAEIncompatible(
-                f"the llama.cpp backend cannot hook {hook_point!r}; it supports "
-                f"{', '.join(LLAMACPP_HOOK_POINTS)} (the transformers backend hooks every point)",
-                details={"backend": self.name, "hook_point": hook_point, "supported": list(LLAMACPP_HOOK_POINTS)},
+        # the eval callback reaches the nodes of ``hook_node``; under swapped control
+        # vectors only the layer outputs can be steered: any other point is refused rather
+        # than tapped one node away from where it is
+        supported = self.hook_points
+        if hook_point not in supported:
+            why = (
+                f" in steering_mode {self.steering_mode} (control vectors add to layer outputs only: "
+                f"{self.steering_mode_reason})"
+                if self.steering_mode == CONTROL_VECTOR_SWAP and hook_point in LLAMACPP_HOOK_POINTS
+                else ""
             )
-        return f"l_out-{layer}"
+            raise SAEIncompatible(
+                f"the llama.cpp backend cannot hook {hook_point!r}{why}; this load supports {', '.join(supported)}",
+                details={
+                    "backend": self.name,
+                    "hook_point": hook_point,
+                    "supported": list(supported),
+                    "steering_mode": self.steering_mode,
+                },
+            )
+        return node_name(*hook_node(hook_point, layer))
 
     def attach(self, attachment: Any) -> None:
         self.attachment_stats[attachment.key] = attachment.stats
+        self.attachment_points[attachment.key] = attachment.hook_point
 
     def detach(self, key: AttachmentKey) -> None:
         self.attachment_stats.pop(key, None)
+        self.attachment_points.pop(key, None)
 
     # ------------------------------------------------------------------ generation
 

@@ -50,7 +50,17 @@ from ...api.protocol import AttachmentKey
 from ...decode.sequence import Sequence
 from ...interp.hooks import BatchContext
 from ...interp.rows import RowRouter
-from .taps import KEY, QUERY, CaptureReader, ForwardPlan, LayerPlan, MonitorSegment
+from .taps import (
+    FFN_NORM,
+    KEY,
+    LAYER_OUT,
+    PRUNED_AT_LAST,
+    QUERY,
+    CaptureReader,
+    ForwardPlan,
+    LayerPlan,
+    MonitorSegment,
+)
 
 # the capabilities' ``steering_mode``: how requests with different steering share the model
 EVAL_CALLBACK_PER_ROW = "eval_callback_per_row"
@@ -209,7 +219,9 @@ class LlamaBatchRunner:
         if not staged:
             stage, stage_qk = set(), set()
         monitored: set[AttachmentKey] = set()
+        # the layer outputs read by a pre-steering monitor
         pre_layers: set[int] = set()
+        node_of = backend.hook_node
         for seq, a, b, pos in parts:
             if seq.hooks is None:
                 continue
@@ -225,9 +237,12 @@ class LlamaBatchRunner:
             for key, plan in seq.hooks.plans.items():
                 if plan.pre or plan.post:
                     monitored.add(key)
-                    if plan.pre:
-                        pre_layers.add(key[1])
-        steered_layers = {key[1] for key, _ in sigs[0]} if uniform else set()
+                    kind, il = node_of(key)
+                    if plan.pre and kind == LAYER_OUT:
+                        pre_layers.add(il)
+        # a control vector adds to layer outputs (``l_out``) of layers >= 1 only
+        steered_nodes = {node_of(key) for key, _ in sigs[0]} if uniform else set()
+        steered_layers = {il for kind, il in steered_nodes if kind == LAYER_OUT}
         if self.swap and not uniform:
             raise RuntimeError("control_vector_swap: a decode holds one steering only")
         if self.swap and controlled:
@@ -239,8 +254,9 @@ class LlamaBatchRunner:
             uniform
             and bool(sigs[0])
             and not controlled
-            and all(il >= 1 and (self.swap or il not in pre_layers) for il in steered_layers)
+            and all(kind == LAYER_OUT and il >= 1 and (self.swap or il not in pre_layers) for kind, il in steered_nodes)
         )
+        nodes: dict[tuple[int, int], LayerPlan] = {}
         ctx = None
         if monitored or (not use_cvec and (any(sigs) or controlled)):
             rows = [(seq.row, a, b, pos) for seq, a, b, pos in parts]  # type: ignore[attr-defined]
@@ -251,18 +267,27 @@ class LlamaBatchRunner:
             keys = set(monitored)
             steering = {*ctx.delta_tables, *ctx.control_tables}
             if use_cvec:
-                steering = {k for k in steering if k[1] in {m[1] for m in monitored}}
+                steering = {k for k in steering if node_of(k) in {node_of(m) for m in monitored}}
             keys |= steering
             order = {k: i for i, k in enumerate(backend.attachment_stats)}
             for key in sorted(keys, key=lambda k: (order.get(k, len(order)), k)):
-                layers.setdefault(key[1], LayerPlan()).keys.append(key)
+                kind, il = node_of(key)
+                if kind == LAYER_OUT:
+                    layers.setdefault(il, LayerPlan()).keys.append(key)
+                    continue
+                lp = nodes.setdefault((kind, il), LayerPlan())
+                lp.keys.append(key)
+                if backend.reads_mlp_input(key):
+                    # a transcoder: reads block il's MLP input, writes its MLP output
+                    lp.read_input.add(key)
+                    nodes.setdefault((FFN_NORM, il), LayerPlan()).stash = True
         applied: set = set()
         if use_cvec:
             seq0 = parts[0][0]
             data = np.zeros((n_layer - 1, backend.hidden_size), dtype=np.float32)
             for key, plan in seq0.hooks.plans.items():  # type: ignore[union-attr]
                 if plan.delta is not None:
-                    data[key[1] - 1] += plan.delta.detach().to(torch.float32).cpu().numpy()
+                    data[node_of(key)[1] - 1] += plan.delta.detach().to(torch.float32).cpu().numpy()
                     applied.add(key)
             for il in steered_layers & {il for il, lp in layers.items() if lp.keys}:
                 layers[il].preset = torch.from_numpy(data[il - 1].copy())
@@ -274,8 +299,8 @@ class LlamaBatchRunner:
                 backend.steering_forwards["eval_callback"] += 1
         outputs = [i for i, t in enumerate(tokens) if t[3]]
         fplan = (
-            ForwardPlan(layers, len(tokens), outputs, ctx=ctx, qk=qk, stage=stage, stage_qk=stage_qk)
-            if layers or qk or staged
+            ForwardPlan(layers, len(tokens), outputs, ctx=ctx, qk=qk, stage=stage, stage_qk=stage_qk, nodes=nodes)
+            if layers or qk or staged or nodes
             else None
         )
         backend.taps.run(fplan, lambda: self.ctx.decode(tokens))
@@ -348,7 +373,7 @@ class LlamaBatchRunner:
                 take = min(seq.n_prompt - off, n_batch - len(tokens))
                 all_out = (
                     seq.sampling.prompt_logprobs
-                    or self._reads_layer(seq, last_layer)
+                    or self._reads_pruned(seq, last_layer)
                     or self._captures_prompt_rows(seq, last_layer)
                 )
                 a = len(tokens)
@@ -369,14 +394,19 @@ class LlamaBatchRunner:
                     b = next(p[2] for p in parts if p[0] is seq)
                     logits[id(seq)] = torch.from_numpy(self.ctx.logits(b - 1))
 
-    @staticmethod
-    def _reads_layer(seq: Sequence, layer: int) -> bool:
-        """The request monitors ``layer`` or gates a control there by a feature: every
-        prompt row must reach it (llama.cpp keeps the last layer's rows only where they
-        produce logits), or the records and fired positions would miss rows."""
-        return seq.hooks is not None and any(
-            key[1] == layer and (p.pre or p.post or p.conditional) for key, p in seq.hooks.plans.items()
-        )
+    def _reads_pruned(self, seq: Sequence, layer: int) -> bool:
+        """The request monitors a node of ``layer`` (the last) that holds only the rows
+        producing logits (its output, MLP input or MLP output: llama.cpp keeps only those
+        rows after the last block's attention), or gates a control there by a feature:
+        every prompt row must then produce logits, or the records and fired positions would
+        miss rows."""
+        if seq.hooks is None:
+            return False
+        for key, p in seq.hooks.plans.items():
+            kind, il = self.backend.hook_node(key)
+            if il == layer and kind in PRUNED_AT_LAST and (p.pre or p.post or p.conditional):
+                return True
+        return False
 
     @staticmethod
     def _captures_prompt_rows(seq: Sequence, layer: int) -> bool:

@@ -5,7 +5,9 @@ token for a 30-layer model) before computing it.  A Python callback pays a ctype
 round trip for each — about a millisecond per token, a sizeable share of a 135M model's
 7 ms decode step — even when nothing is hooked.  This filter answers those questions in
 C: nothing while no plan is published, and only ``l_out-{il}`` of the layers the plan
-names (and, for a Q/K capture, the ``Qcur-{il}``/``Kcur-{il}`` nodes rope made).
+names (and, for a Q/K capture, the ``Qcur-{il}``/``Kcur-{il}`` nodes rope made; for an
+SAE at another hook point, ``attn_out-{il}``, ``ffn_out-{il}``, ``ffn_norm-{il}`` or the
+embeddings, ``embd``).
 
 A claimed node gets one or both of two things (``wanted``'s bits):
 
@@ -43,7 +45,9 @@ SOURCE = r"""
 #include <stdlib.h>
 #include <string.h>
 
-/* kind: 0 a layer output (l_out-N), 1 a query (Qcur-N), 2 a key (Kcur-N) after rope */
+/* kind: 0 a layer output (l_out-N), 1 a query (Qcur-N), 2 a key (Kcur-N) after rope;
+   tapped only: 3 attention output (attn_out-N), 4 MLP output (ffn_out-N), 5 MLP input
+   (ffn_norm-N), 6 the embeddings (embd, layer 0) */
 typedef bool (*tap_fn)(void * tensor, int kind, int layer);
 /* ggml_backend_tensor_get */
 typedef void (*get_fn)(const void * tensor, void * data, size_t offset, size_t size);
@@ -60,6 +64,7 @@ struct millm_filter {
     tap_fn tap;                 /* called with each claimed node */
     unsigned char wanted[4096];     /* layer outputs: TAP | STAGE */
     unsigned char wanted_qk[4096];  /* rotated Q and K: TAP | STAGE */
+    unsigned char wanted_sub[4][4096];  /* kinds 3 to 6: TAP */
     /* the capture stage */
     unsigned long type_offset;  /* offsetof(struct ggml_tensor, type), ne, nb */
     unsigned long ne_offset;
@@ -134,6 +139,18 @@ bool millm_eval_filter(void * tensor, bool ask, void * user_data) {
     } else if (strncmp(name, "Kcur-", 5) == 0) {
         kind = 2;
         rest = name + 5;
+    } else if (strncmp(name, "attn_out-", 9) == 0) {
+        kind = 3;
+        rest = name + 9;
+    } else if (strncmp(name, "ffn_out-", 8) == 0) {
+        kind = 4;
+        rest = name + 8;
+    } else if (strncmp(name, "ffn_norm-", 9) == 0) {
+        kind = 5;
+        rest = name + 9;
+    } else if (strcmp(name, "embd") == 0 || strcmp(name, "inp_embd") == 0) {
+        kind = 6;
+        rest = "0";
     } else {
         return false;
     }
@@ -144,6 +161,8 @@ bool millm_eval_filter(void * tensor, bool ask, void * user_data) {
     int want;
     if (kind == 0) {
         want = f->wanted[il];
+    } else if (kind >= 3) {
+        want = f->wanted_sub[kind - 3][il] & TAP;
     } else {
         /* the projection and its reshape carry the same name: only rope's output */
         int op = *(const int *) ((const char *) tensor + f->op_offset);
@@ -181,6 +200,7 @@ class Filter(ctypes.Structure):
         ("tap", TAP_FN),
         ("wanted", ctypes.c_ubyte * 4096),
         ("wanted_qk", ctypes.c_ubyte * 4096),
+        ("wanted_sub", (ctypes.c_ubyte * 4096) * 4),
         ("type_offset", ctypes.c_ulong),
         ("ne_offset", ctypes.c_ulong),
         ("nb_offset", ctypes.c_ulong),

@@ -67,8 +67,24 @@ from ...interp.hooks import AttachmentStats, BatchContext, route
 from .native import GGML_BASE, GGML_OP_ROPE, GGML_TYPE_F32, NAME_OFFSET, OP_OFFSET, GGMLTensor
 from .shim import STAGE, TAP, TAP_FN, Filter, load_filter
 
-# what a claimed node is (the C filter's ``kind``)
+# what a claimed node is (the C filter's ``kind``): a layer output, a rotated query or
+# key; and, for SAEs at other hook points (tapped, never staged), block il's attention
+# output (``attn_out-{il}``: after the output projection, before the residual add), its
+# MLP output (``ffn_out-{il}``, before the add), its MLP input (``ffn_norm-{il}``, after
+# the norm: what a transcoder reads) and the embeddings (``embd``, il = 0)
 LAYER_OUT, QUERY, KEY = 0, 1, 2
+ATTN_OUT, FFN_OUT, FFN_NORM, EMBD = 3, 4, 5, 6
+SUB_NODES = (ATTN_OUT, FFN_OUT, FFN_NORM, EMBD)
+NODE_NAMES = {LAYER_OUT: "l_out", ATTN_OUT: "attn_out", FFN_OUT: "ffn_out", FFN_NORM: "ffn_norm"}
+# nodes of the last layer that hold only the rows producing logits (llama.cpp drops the
+# others after the last block's attention)
+PRUNED_AT_LAST = (LAYER_OUT, FFN_OUT, FFN_NORM)
+
+
+def node_name(kind: int, il: int) -> str:
+    """The graph's name of node ``(kind, il)``."""
+    return "embd" if kind == EMBD else f"{NODE_NAMES[kind]}-{il}"
+
 
 # the most one decode's capture stages may take (every kind, every layer): a decode that
 # would need more (a long prefill of a wide model) reads its captured nodes in Python
@@ -114,6 +130,11 @@ class LayerPlan:
     # (d,) what llama.cpp's control vector already added to every row of this node:
     # ``route`` reads the rows less it and adds the deltas back in a copy, written nowhere
     preset: torch.Tensor | None = None
+    # the attachments among ``keys`` that read the MLP's input (transcoders: the
+    # ``ffn_norm`` rows of the same layer, kept when that node ran) and write here
+    read_input: set[AttachmentKey] = field(default_factory=set)
+    # an ``ffn_norm`` node: keep its rows for the transcoders at ``ffn_out``
+    stash: bool = False
 
 
 # ``route``'s per-call attachment counter: the runner counts each attachment once per
@@ -135,10 +156,13 @@ class ForwardPlan:
     stage: set[int] = field(default_factory=set)
     stage_qk: set[int] = field(default_factory=set)
     staged: Staged | None = None
+    # SAEs at other hook points: per (ATTN_OUT, FFN_OUT, FFN_NORM or EMBD, layer), the
+    # attachments there (``keys`` and ``read_input`` only)
+    nodes: dict[tuple[int, int], LayerPlan] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        return not self.layers and not self.qk and not self.stage and not self.stage_qk
+        return not self.layers and not self.qk and not self.stage and not self.stage_qk and not self.nodes
 
     @property
     def applied(self) -> set[AttachmentKey]:
@@ -185,8 +209,19 @@ class EvalTaps:
         self.names = {
             f"{prefix}-{il}".encode(): (kind, il)
             for il in range(n_layer)
-            for kind, prefix in ((LAYER_OUT, "l_out"), (QUERY, "Qcur"), (KEY, "Kcur"))
+            for kind, prefix in (
+                (LAYER_OUT, "l_out"),
+                (QUERY, "Qcur"),
+                (KEY, "Kcur"),
+                (ATTN_OUT, "attn_out"),
+                (FFN_OUT, "ffn_out"),
+                (FFN_NORM, "ffn_norm"),
+            )
         }
+        # the embeddings (older llama.cpp graphs named them ``inp_embd``)
+        self.names[b"embd"] = self.names[b"inp_embd"] = (EMBD, 0)
+        # per layer, the ``ffn_norm`` rows of the ubatch running (transcoders read them)
+        self._stash: dict[int, torch.Tensor] = {}
         # Q/K rows of a rope-NORM model come in interleaved pairs (see the module doc)
         self.interleaved_rope = interleaved_rope
         self.plan: ForwardPlan | None = None
@@ -329,6 +364,8 @@ class EvalTaps:
                 self.filter.wanted_qk[il] = TAP
             for il in self.plan.stage_qk:
                 self.filter.wanted_qk[il] |= STAGE
+            for kind, il in self.plan.nodes:
+                self.filter.wanted_sub[kind - ATTN_OUT][il] = TAP
             self.filter.active = 1
         try:
             decode()
@@ -340,7 +377,10 @@ class EvalTaps:
                     self.filter.wanted[il] = 0
                 for il in (*(il for _, il in published.qk), *published.stage_qk):
                     self.filter.wanted_qk[il] = 0
+                for kind, il in published.nodes:
+                    self.filter.wanted_sub[kind - ATTN_OUT][il] = 0
             self.plan = None
+            self._stash = {}
         if self._error is not None:
             raise self._error
         if staging and self.filter.error:
@@ -379,6 +419,9 @@ class EvalTaps:
             if kind == LAYER_OUT:
                 if il in plan.layers:
                     self._apply(GGMLTensor.from_address(t), il, plan.layers[il], plan)
+            elif kind in SUB_NODES:
+                if (kind, il) in plan.nodes:
+                    self._apply(GGMLTensor.from_address(t), il, plan.nodes[(kind, il)], plan, kind)
             elif (kind, il) in plan.qk:
                 self._apply_qk(GGMLTensor.from_address(t), kind, il, plan.qk[(kind, il)])
         except BaseException as exc:  # noqa: BLE001 - raised after llama_decode returns
@@ -398,6 +441,9 @@ class EvalTaps:
         kind, il = found
         if kind == LAYER_OUT:
             if il not in plan.layers:
+                return False
+        elif kind in SUB_NODES:
+            if (kind, il) not in plan.nodes:
                 return False
         elif (kind, il) not in plan.qk:
             return False
@@ -446,22 +492,24 @@ class EvalTaps:
                 for reader in seg.monitors:
                     reader.observe(rows[a - lo : b - lo], seg.position + (a - seg.start))
 
-    def _apply(self, tensor: GGMLTensor, il: int, lp: LayerPlan, plan: ForwardPlan) -> None:
+    def _apply(self, tensor: GGMLTensor, il: int, lp: LayerPlan, plan: ForwardPlan, kind: int = LAYER_OUT) -> None:
+        what = node_name(kind, il)
         if tensor.type != GGML_TYPE_F32:
-            raise RuntimeError(f"layer output {il} is not float32")
+            raise RuntimeError(f"{what} is not float32")
         d, n = int(tensor.ne[0]), int(tensor.ne[1])
         # rows are read and written as one dense (n, d) float32 block: refuse anything else
         # rather than touch memory outside the tensor
         if (int(tensor.ne[2]), int(tensor.ne[3])) != (1, 1) or (int(tensor.nb[0]), int(tensor.nb[1])) != (4, 4 * d):
-            raise RuntimeError(
-                f"layer output {il} is not a dense float32 matrix (ne {list(tensor.ne)}, nb {list(tensor.nb)})"
-            )
-        arr, host = self._host_array(tensor, (n, d), f"layer output {il}")
+            raise RuntimeError(f"{what} is not a dense float32 matrix (ne {list(tensor.ne)}, nb {list(tensor.nb)})")
+        arr, host = self._host_array(tensor, (n, d), what)
         rows = torch.from_numpy(arr)
-        last = il == self.n_layer - 1 and n != plan.n_tokens
-        lo = self._offsets.get((LAYER_OUT, il), 0)
+        last = kind in PRUNED_AT_LAST and il == self.n_layer - 1 and n != plan.n_tokens
+        lo = self._offsets.get((kind, il), 0)
         index = plan.output_rows[lo : lo + n] if last else None
-        self._offsets[(LAYER_OUT, il)] = lo + n
+        self._offsets[(kind, il)] = lo + n
+        if lp.stash:
+            # a copy: the graph reuses this node's memory once the MLP has read it
+            self._stash[il] = rows.clone()
 
         written = False
         if lp.keys and plan.ctx is not None:
@@ -470,7 +518,12 @@ class EvalTaps:
             src = rows if lp.preset is None else rows - lp.preset
             cur = src
             for key in lp.keys:
-                new = route(ctx, key, _PER_CALL, cur)
+                read = None
+                if key in lp.read_input:
+                    read = self._stash.get(il)
+                    if read is None or read.shape[0] != n:
+                        raise RuntimeError(f"{what}: the MLP input ffn_norm-{il} of these rows was not read")
+                new = route(ctx, key, _PER_CALL, cur, read=read)
                 if new is not None:
                     cur = new
             if cur is not src and lp.preset is None:
@@ -496,8 +549,13 @@ class EvalTaps:
 
 
 __all__ = [
+    "ATTN_OUT",
+    "EMBD",
+    "FFN_NORM",
+    "FFN_OUT",
     "KEY",
     "LAYER_OUT",
+    "PRUNED_AT_LAST",
     "QUERY",
     "CaptureReader",
     "EvalTaps",
@@ -506,4 +564,5 @@ __all__ = [
     "MonitorSegment",
     "STAGE_MAX_BYTES",
     "Staged",
+    "node_name",
 ]
