@@ -145,11 +145,23 @@ def test_a_batch_mixing_points_and_steerings_equals_each_request_alone(engines, 
     assert gb.backend.steering_forwards["eval_callback"] > before  # rows steered differently, per row
 
 
-def test_control_vector_swap_refuses_what_a_control_vector_cannot_reach(tiny_gguf, tiny_assets, tmp_path):
+def test_control_vector_swap_refuses_what_a_control_vector_cannot_reach(engine, tiny_gguf, tiny_assets, tmp_path):
     eng = Engine()
     eng.load_model(gguf_job(tiny_gguf, steering_mode="control_vector_swap"))
     try:
         assert eng.backend.capabilities().hook_points == ["resid_post", "resid_pre"]
+        # resid_pre of layer 2 is layer 1's output: steered there by a control vector
+        path, _, layer = sae_at(tmp_path, tiny_assets, "resid_pre")
+        spec = AttachSpec("pre", str(path), layer)
+        engine.attach(spec)
+        assert eng.attach(spec).layer_module_path == "l_out-1"
+        steering = SteeringSpec.from_mapping({("pre", layer): FEATURES})
+        want = engine.generate_sync(greedy("hf", steering=steering))
+        before = eng.backend.steering_forwards["control_vector_swap"]
+        got = eng.generate_sync(greedy("swap", steering=steering))
+        assert_same_generation(got, want)
+        assert eng.backend.steering_forwards["control_vector_swap"] - before == got.forward_passes
+        eng.detach(None)
         for case in ("attn_out", "mlp_out", "mlp_transcoder"):
             path, _, layer = sae_at(tmp_path, tiny_assets, case)
             with pytest.raises(SAEIncompatible, match="control_vector_swap") as err:
