@@ -17,9 +17,10 @@ Steering, per forward:
   router (``gpu_engine.interp.rows``): each request's delta sits in its slot of the
   attachment's table, and a forward gathers them by its rows' slots.
 
-A control vector cannot reach layer 0 (llama.cpp has no tensor there) and would hide the
-pre-steering value from a monitor, so steering at layer 0 or next to a pre-steering
-monitor always goes through the callback.  Monitoring always does, and so does capture
+A control vector reaches only layer outputs of layers >= 1 (llama.cpp has no tensor at
+layer 0, nor at the embeddings, attention or MLP outputs other hook points name:
+``taps.py``) and would hide the pre-steering value from a monitor, so steering anywhere
+else or next to a pre-steering monitor always goes through the callback.  Monitoring always does, and so does capture
 (``taps.py``: a layer's output after its deltas or control vector, and the rotated Q/K).
 
 That is the ``eval_callback_per_row`` mode.  Writing rows in the callback holds only

@@ -7,6 +7,14 @@ scheduler asks the callback about every graph node (``ask=True``); for a node we
 it computes the graph up to that node and calls again (``ask=False``) before any later
 node runs, so rows written there are what the next layer reads.
 
+An SAE at another hook point claims its own node (``ForwardPlan.nodes``; the backend's
+``hook_node`` maps a point to it): ``attn_out-{il}`` (the attention output projection's
+result, before the residual add), ``ffn_out-{il}`` (the MLP's down projection, before
+the add), ``embd`` (the token embeddings entering block 0: resid_pre of layer 0; resid_pre
+of a later layer is the previous ``l_out``); a transcoder reads ``ffn_norm-{il}`` (the
+MLP's input, after the norm's gain: its rows are kept when that node runs) and writes
+``ffn_out-{il}``.  The residual adds after those nodes read the rows written there.
+
 Before each decode the batch runner publishes a ``ForwardPlan``: the forward's
 ``BatchContext`` (``gpu_engine.interp.rows.RowRouter.context``: each row's slot and
 position, the delta and control tables, the monitored segments) and, per claimed layer,
