@@ -27,6 +27,17 @@ from other load hits every mode alike; greedy, ``--tokens`` new tokens per reque
                   every layer (issue 15; target ≤ 10% cost, i.e. ≥ 0.91× ``engine``)
   engine_capture_all   the same capturing every row (prompt and completion) of every layer
 
+  engine_capture_big   other rows' time per token while one row of the batch takes a large
+                  stored capture (every row of every layer, its prompt made long enough
+                  for ``--capture-mib``, 256 by default; it makes ``--big-tokens`` tokens and
+                  leaves), against the same batch whose long row captures nothing (issue 38:
+                  target ≤ 1.05×); the row's artifact is packed and written by the engine's
+                  capture writer while the others decode.  ``engine_capture_big_on_worker``:
+                  the same with the writer set aside, so the artifact is packed on the
+                  engine's worker (what the writer saves the others; a lower bound on the
+                  cost before issue 38, when the worker also serialised a copy with
+                  safetensors' ``save`` before writing it)
+
 ``--idle`` also measures a single serial request with and without a continuous-batching
 engine (its own model copy) idle in the same process, and with transformers' own
 ``ContinuousBatchingManager`` idle (SPEC §7: 0.94× fp32).  Usage:
@@ -38,6 +49,8 @@ engine (its own model copy) idle in the same process, and with transformers' own
     # steering modes at 16 concurrent requests (ratios against ``engine``)
     .venv/bin/python benchmarks/batching_engine.py --batch 16 --rounds 3 \
         --modes engine,engine_mixed,engine_clamp,engine_conditional
+    # a 256 MiB capture in one row: the other rows' time per token (4 rows, 64 tokens)
+    .venv/bin/python benchmarks/batching_engine.py --batch 4 --rounds 3 --modes engine_capture_big
     # smoke: the tiny model, a few tokens
     .venv/bin/python benchmarks/batching_engine.py --model tiny-llama --batch 1 --batch 2 --rounds 1 \
         --tokens 4 --modes engine,engine_capture_last,engine_capture_all
@@ -50,8 +63,11 @@ import json
 import os
 import statistics
 import sys
+import tempfile
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -64,7 +80,9 @@ from gpu_engine.api.protocol import (
     AttachSpec,
     BatchingOptions,
     CaptureSpec,
+    ErrorEvent,
     FeatureControl,
+    FinishEvent,
     GenerationJob,
     LoadModelJob,
     SamplingParams,
@@ -124,6 +142,58 @@ def jobs(
         )
         for i in range(n)
     ]
+
+
+def long_prompt(runner, n_tokens: int) -> list[int]:  # type: ignore[no-untyped-def]
+    """``n_tokens`` token ids of story text (stories joined until long enough)."""
+    ids: list[int] = []
+    i = 0
+    while len(ids) < n_tokens:
+        ids += runner.encode_text(prompt(1000 + i) + "\n")
+        i += 1
+    return ids[:n_tokens]
+
+
+def big_capture(runner, mib: float, big_tokens: int, directory: str) -> tuple[list[int], CaptureSpec, int]:  # type: ignore[no-untyped-def]
+    """A prompt and a capture of every row of every layer of about ``mib`` MiB (as many
+    rows as the model's context allows), always stored under ``directory``, and the
+    capture's size in bytes."""
+    layers = list(range(runner.num_layers))
+    row_bytes = len(layers) * runner.hidden_size * runner.dtype.itemsize + 16
+    rows = int(mib * 2**20) // row_bytes
+    n_prompt = max(8, min(rows - big_tokens + 1, runner.context_length - big_tokens - 1))
+    spec = CaptureSpec(layers=layers, positions="all", inline_max_bytes=0, directory=directory)
+    return long_prompt(runner, n_prompt), spec, (n_prompt + big_tokens - 1) * row_bytes
+
+
+def other_rows_tpot(engine: Engine, others: list[GenerationJob], big: GenerationJob) -> float:
+    """Start ``others`` and ``big`` in one prefill (the serving tier's arrival gather), then
+    the median over ``others`` of each one's time per token after its first (its decode:
+    the long row's steps, its end and its capture's packing all fall inside it)."""
+    stamps: dict[str, list[float]] = {j.request_id: [] for j in others}
+    ended: list[Any] = []
+    done = threading.Event()
+    everyone = len(others) + 1
+
+    def take(ev: Any, seen: list[float]) -> None:
+        seen.append(time.perf_counter())
+        if isinstance(ev, (FinishEvent, ErrorEvent)):
+            ended.append(ev)
+            if len(ended) == everyone:
+                done.set()
+
+    with engine.arriving():
+        streams = [engine.generate(j) for j in [*others, big]]
+    for stream in streams:
+        seen = stamps.get(stream.request_id, [])
+        stream.deliver_to(lambda ev, seen=seen: take(ev, seen))
+    if not done.wait(1200):
+        raise TimeoutError("the batch did not finish")
+    errors = [ev for ev in ended if isinstance(ev, ErrorEvent)]
+    if errors:
+        raise RuntimeError(f"{errors[0].request_id}: {errors[0].code}: {errors[0].message}")
+    # each list: one stamp per token event and one for the finish event
+    return statistics.median((t[-2] - t[0]) / (len(t) - 2) for t in stamps.values())
 
 
 def run_engine(engine: Engine, batch: list[GenerationJob]) -> float:
@@ -226,6 +296,8 @@ def main() -> None:
     ap.add_argument("--modes", default="serial,engine,engine_mixed,raw_slab,raw_dynamic,hf_static,hf_generate_batch")
     ap.add_argument("--idle", action="store_true", help="also measure the serial path beside idle batching")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--capture-mib", type=float, default=256.0, help="engine_capture_big: the capture's size")
+    ap.add_argument("--big-tokens", type=int, default=4, help="engine_capture_big: tokens of the capturing row")
     args = ap.parse_args()
     batches = args.batch or [1, 4, 8, 16]
     modes = args.modes.split(",")
@@ -239,6 +311,10 @@ def main() -> None:
     batched.load_model(load)
     runner = batched.backend
     layer = runner.num_layers // 2
+    big_dir = tempfile.mkdtemp(prefix="millm-bench-capture-")
+    big_sizes: dict[int, int] = {}
+    # engine_capture_big*: the other rows' ms per token (without, with the capture) per run
+    big_tpot: dict[str, dict[int, list[tuple[float, float]]]] = {}
     sae_path = bench_sae(args.model, runner.hidden_size, 16384, layer)
     hf_cb_model = None
     if "hf_generate_batch" in modes:
@@ -262,6 +338,33 @@ def main() -> None:
             if not batched.attachments():
                 batched.attach(AttachSpec("bench", str(sae_path), layer))
             return run_engine(batched, jobs(n, args.tokens, ("bench", layer), controls=mode[len("engine_") :]))
+        if mode.startswith("engine_capture_big"):
+            batched.detach(None)
+            ids, spec, size = big_capture(runner, args.capture_mib, args.big_tokens, big_dir)
+            big_sizes[n] = size
+            others = jobs(max(n - 1, 1), args.tokens)
+
+            def big(capture: CaptureSpec | None) -> GenerationJob:
+                return GenerationJob(
+                    "big",
+                    prompt_token_ids=ids,
+                    capture=capture,
+                    sampling=SamplingParams(max_tokens=args.big_tokens, temperature=0.0, ignore_eos=True),
+                )
+
+            plain = other_rows_tpot(batched, others, big(None))
+            sched = batched._scheduler  # the benchmark's own engine: its writer set aside
+            writer = sched.writer  # type: ignore[union-attr]
+            if mode.endswith("_on_worker"):
+                sched.writer = None  # type: ignore[union-attr]
+            try:
+                captured = other_rows_tpot(batched, others, big(spec))
+            finally:
+                sched.writer = writer  # type: ignore[union-attr]
+            for f in Path(big_dir).iterdir():
+                f.unlink()
+            big_tpot.setdefault(mode, {}).setdefault(n, []).append((plain * 1000, captured * 1000))
+            return captured / plain  # a ratio of times, not tok/s
         if mode.startswith("engine_capture_"):
             batched.detach(None)
             layers = list(range(runner.num_layers))
@@ -291,7 +394,8 @@ def main() -> None:
                     samples["serial"][n].append(samples["serial"][batches[0]][-1])
                     continue
                 samples[mode][n].append(measure(mode, n))
-                print(f"round {r} n={n} {mode}: {samples[mode][n][-1]:.1f} tok/s", file=sys.stderr)
+                unit = "× time per token" if mode.startswith("engine_capture_big") else "tok/s"
+                print(f"round {r} n={n} {mode}: {samples[mode][n][-1]:.3f} {unit}", file=sys.stderr)
         if args.idle:
             one = jobs(1, args.tokens)
             batched.unload_model()
@@ -322,8 +426,24 @@ def main() -> None:
         f"\n{args.model} dtype={args.dtype} tokens={args.tokens} rounds={args.rounds} "
         f"threads={torch.get_num_threads()}  (tok/s median | best; ratio = / serial of the same statistic)"
     )
-    print(f"  {'mode':<18}" + "".join(f"{'n=' + str(n):>26}" for n in batches))
-    for m in modes:
+    big_modes = [m for m in modes if m.startswith("engine_capture_big")]
+    for m in big_modes:
+        print(
+            f"  {m}: the other rows' time per token with a {big_sizes[batches[0]] / 2**20:.1f} MiB capture in "
+            "one row ÷ the same batch without it (1.00 = no cost; target ≤ 1.05): "
+            + ", ".join(
+                f"n={n}: median {med[m][n]:.3f}, rounds {[round(v, 3) for v in samples[m][n]]}" for n in batches
+            )
+        )
+        print(
+            "    ms per token (without, with) in each round: "
+            + ", ".join(
+                f"n={n}: {[(round(a, 1), round(b, 1)) for a, b in big_tpot[m][n][-args.rounds :]]}" for n in batches
+            )
+        )
+    if [m for m in modes if m not in big_modes]:
+        print(f"  {'mode':<18}" + "".join(f"{'n=' + str(n):>26}" for n in batches))
+    for m in [m for m in modes if m not in big_modes]:
         cells = []
         for n in batches:
             ms, bs = med[m][n], best[m][n]
@@ -347,7 +467,7 @@ def main() -> None:
                     for n in batches
                 )
             )
-    capture_modes = [m for m in modes if m.startswith("engine_capture_")]
+    capture_modes = [m for m in modes if m.startswith("engine_capture_") and m not in big_modes]
     if capture_modes and "engine" in modes:
         result_capture = {m: {n: med[m][n] / med["engine"][n] for n in batches} for m in capture_modes}
         for m, per in result_capture.items():
@@ -366,6 +486,13 @@ def main() -> None:
     }
     if capture_modes and "engine" in modes:
         result["capture_ratio"] = result_capture
+    if big_modes:
+        result["big_capture"] = {
+            "bytes": big_sizes,
+            "tpot_ratio": {m: med[m] for m in big_modes},
+            # the rounds' (without, with) ms per token; warm-up runs first
+            "tpot_ms": big_tpot,
+        }
     if args.idle:
         im = {k: statistics.median(v) for k, v in idle.items() if v}
         print(
