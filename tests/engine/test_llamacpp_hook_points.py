@@ -122,6 +122,30 @@ def test_steering_and_monitoring_at_the_point_equal_the_transformers_backend(eng
         assert eng.generate_sync(greedy("after")).token_ids == plain.token_ids
 
 
+@pytest.mark.parametrize("case", ["attn_out", "mlp_out", "mlp_transcoder"])
+def test_the_last_layers_points_monitor_every_prompt_row(engines, tiny_assets, tmp_path, case):
+    """llama.cpp keeps only the rows that produce logits after the last block's attention
+    (its ffn_norm and ffn_out hold those alone; attn_out every row): a monitor there still
+    reads every prompt position, as on transformers."""
+    hf, gg, gb = engines
+    path, _, _ = sae_at(tmp_path, tiny_assets, case)
+    last = gg.backend.num_layers - 1
+    spec = AttachSpec("hp", str(path), last)  # moved to the last layer: a warning only
+    steering = SteeringSpec.from_mapping({("hp", last): FEATURES})
+    monitor = MonitorSpec(
+        [MonitorEntry("hp", last, top_k=5, features=REQUESTED, read_point="post_steering", positions="all")]
+    )
+    hf.attach(spec)
+    want = hf.generate_sync(greedy("hf", steering=steering, monitor=monitor, n=3))
+    assert len(want.activations) == len(hf.backend.encode_text(PROMPT)) + 3 - 1
+    for eng in (gg, gb):
+        eng.attach(spec)
+        got = eng.generate_sync(greedy("gg", steering=steering, monitor=monitor, n=3))
+        assert_same_generation(got, want)
+        assert [r.position for r in got.activations] == [r.position for r in want.activations]
+        np.testing.assert_allclose(activations(got), activations(want), atol=ENCODE_ATOL)
+
+
 def test_a_batch_mixing_points_and_steerings_equals_each_request_alone(engines, tiny_assets, tmp_path):
     """Three SAEs at three points of one layer, each request steering one of them, one
     unsteered, in one continuous batch: each equals its run on the transformers backend."""
