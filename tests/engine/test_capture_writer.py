@@ -12,6 +12,7 @@ rather than hangs.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 
@@ -230,3 +231,27 @@ def test_close_past_its_wait_fails_what_is_still_queued_and_writes_what_was_begu
     cap = load_capture(tmp_path / done.capture.file)
     np.testing.assert_array_equal(cap.hidden[0], np.arange(16, dtype=np.float32).reshape(4, 4))
     assert sorted(os.listdir(tmp_path)) == [f"{first.capture_id}.json", f"{first.capture_id}.safetensors"]
+
+
+def test_a_full_disk_is_capture_store_full_for_that_request_and_leaves_no_file(tmp_path, monkeypatch):
+    """The disk fills while the tensors file is written (after its sidecar): the request
+    gets capture_store_full, and neither the sidecar nor a temporary file stays."""
+    real_fsync = os.fsync
+    calls = []
+
+    def fsync(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 2:  # the tensors file; the sidecar went through
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    writer = CaptureWriter()
+    got: list = []
+    writer.submit(plan_artifact(tmp_path, "full"), FinishEvent("full", "length", "", [4, 5], Usage()), got.append)
+    assert writer.close(timeout_s=WAIT_S)
+    [err] = got
+    assert isinstance(err, ErrorEvent) and err.request_id == "full"
+    assert err.code == "capture_store_full"
+    assert err.details["param"] == "capture" and err.details["reason"] == "disk_full"
+    assert len(calls) == 2 and os.listdir(tmp_path) == []
