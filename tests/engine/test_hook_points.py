@@ -239,6 +239,7 @@ def test_llamacpp_and_vllm_refuse_what_they_cannot_hook():
         steering_mode="control_vector_swap",
         steering_mode_reason="forced",
         hook_points=SWAP_HOOK_POINTS,
+        architecture="llama",
     )
     assert LlamaCppBackend.layer_module_path(fake, 2) == "l_out-2"
     assert LlamaCppBackend.layer_module_path(fake, 2, "resid_pre") == "l_out-1"

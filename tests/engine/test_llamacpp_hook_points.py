@@ -17,6 +17,8 @@ naming the mode and what the load supports.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -200,3 +202,21 @@ def test_control_vector_swap_refuses_what_a_control_vector_cannot_reach(engine, 
             eng.generate_sync(greedy("s", steering=SteeringSpec.from_mapping({("e", 0): FEATURES})))
     finally:
         eng.shutdown()
+
+
+def test_a_graph_not_read_for_its_other_nodes_offers_the_layer_outputs_only(llamacpp):
+    """The node names were read off llama.cpp's Llama graph; on another architecture
+    (Gemma: its embeddings are scaled after ``embd``, its sub-block outputs normed after
+    ``attn_out``/``ffn_out``) only the layer outputs are known to be the same points."""
+    from gpu_engine.backends.llamacpp.backend import LlamaCppBackend
+
+    fake = SimpleNamespace(
+        name="llamacpp", steering_mode="eval_callback_per_row", steering_mode_reason="", architecture="gemma2"
+    )
+    fake.hook_points = LlamaCppBackend.hook_points.fget(fake)
+    assert fake.hook_points == ("resid_post", "resid_pre")
+    assert LlamaCppBackend.layer_module_path(fake, 2, "resid_pre") == "l_out-1"
+    for point, layer in (("attn_out", 2), ("mlp_out", 2), ("mlp_transcoder", 2), ("resid_pre", 0)):
+        with pytest.raises(SAEIncompatible, match="'gemma2' GGUF") as err:
+            LlamaCppBackend.layer_module_path(fake, layer, point)
+        assert err.value.details["supported"] == ["resid_post", "resid_pre"]

@@ -82,6 +82,12 @@ DEFAULT_N_BATCH = 512
 # outputs only, which are resid_post and resid_pre (block L-1's output)
 LLAMACPP_HOOK_POINTS = ("resid_post", "resid_pre", "attn_out", "mlp_out", "mlp_transcoder")
 SWAP_HOOK_POINTS = ("resid_post", "resid_pre")
+# GGUF architectures whose graph was read for the nodes of ``hook_node`` other than the
+# layer outputs (``embd`` is the stream entering block 0, ``attn_out``/``ffn_out`` the
+# sub-block outputs the residual adds read): llama.cpp's Llama graph (also Mistral's GGUF
+# files).  Other graphs differ there (Gemma scales the embeddings after ``embd`` and
+# norms the sub-block outputs after those nodes), so they get the layer outputs only
+NODE_ARCHITECTURES = ("llama",)
 
 
 def hook_node(hook_point: str, layer: int) -> tuple[int, int]:
@@ -224,6 +230,7 @@ class LlamaCppBackend:
             self.attachment_stats: dict[AttachmentKey, AttachmentStats] = {}
             # each attachment's hook point (resid_post where none is recorded)
             self.attachment_points: dict[AttachmentKey, str] = {}
+            self.architecture = self.native.meta("general.architecture") or ""
             self.attention_geometry = AttentionGeometry(
                 num_heads=self.native.n_head, num_kv_heads=self.native.n_head_kv, head_dim=self.native.head_dim
             )
@@ -384,7 +391,9 @@ class LlamaCppBackend:
     def hook_points(self) -> tuple[str, ...]:
         """What this load can hook: every point where the eval callback writes rows; the
         layer outputs alone (resid_post, resid_pre) under swapped control vectors."""
-        return SWAP_HOOK_POINTS if self.steering_mode == CONTROL_VECTOR_SWAP else LLAMACPP_HOOK_POINTS
+        if self.steering_mode == CONTROL_VECTOR_SWAP or self.architecture not in NODE_ARCHITECTURES:
+            return SWAP_HOOK_POINTS
+        return LLAMACPP_HOOK_POINTS
 
     def hook_node(self, key: AttachmentKey) -> tuple[int, int]:
         """The graph node an attachment reads and writes (``hook_node``)."""
@@ -438,16 +447,27 @@ class LlamaCppBackend:
 
     def layer_module_path(self, layer: int, hook_point: str = DEFAULT_HOOK_POINT) -> str:
         # the eval callback reaches the nodes of ``hook_node``; under swapped control
-        # vectors only the layer outputs can be steered: any other point is refused rather
-        # than tapped one node away from where it is
+        # vectors only the layer outputs can be steered, and on a graph not read for the
+        # other nodes (``NODE_ARCHITECTURES``) only they are known: any other point is
+        # refused rather than tapped one node away from where it is
         supported = self.hook_points
-        if hook_point not in supported:
-            why = (
-                f" in steering_mode {self.steering_mode} (control vectors add to layer outputs only: "
-                f"{self.steering_mode_reason})"
-                if self.steering_mode == CONTROL_VECTOR_SWAP and hook_point in LLAMACPP_HOOK_POINTS
-                else ""
-            )
+        architecture = self.architecture
+        # resid_pre of layer 0 is the ``embd`` node, known only on the graphs read
+        embd_unknown = hook_point == "resid_pre" and layer == 0 and architecture not in NODE_ARCHITECTURES
+        if hook_point not in supported or embd_unknown:
+            if self.steering_mode == CONTROL_VECTOR_SWAP and hook_point in LLAMACPP_HOOK_POINTS:
+                why = (
+                    f" in steering_mode {self.steering_mode} (control vectors add to layer outputs only: "
+                    f"{self.steering_mode_reason})"
+                )
+            elif architecture not in NODE_ARCHITECTURES:
+                where = "resid_pre of layer 0" if hook_point == "resid_pre" else hook_point
+                why = (
+                    f" ({where}) on a {architecture!r} GGUF: only the layer outputs of its graph are known "
+                    f"to be the transformers backend's points (every point on {', '.join(NODE_ARCHITECTURES)})"
+                )
+            else:
+                why = ""
             raise SAEIncompatible(
                 f"the llama.cpp backend cannot hook {hook_point!r}{why}; this load supports {', '.join(supported)}",
                 details={
