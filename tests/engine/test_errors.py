@@ -94,7 +94,13 @@ def test_steering_an_unattached_sae_or_bad_feature_is_a_request_error(engine, ba
     engine.attach(AttachSpec(asset.name, str(asset.path), 1))
     with pytest.raises(InvalidFeatureIndex) as err:
         engine.generate_sync(greedy("y", SteeringSpec.from_mapping({(asset.name, 1): {asset.d_sae: 1.0}})))
-    assert err.value.details == {"sae_id": asset.name, "index": asset.d_sae, "d_sae": asset.d_sae}
+    # the field's name as /v1 writes it, and the index under the key /api and /v1 report
+    assert err.value.details == {
+        "sae_id": asset.name,
+        "feature_idx": asset.d_sae,
+        "d_sae": asset.d_sae,
+        "param": "steering.features",
+    }
     assert_serving(engine, baseline)
 
 
