@@ -97,7 +97,7 @@ def test_every_hook_point_steers_and_monitors_like_transformers(vllm_engine, hf_
     assert_hook_points_equal_transformers(vllm_engine, hf_engine, tiny_assets, tmp_path)
 
 
-def test_a_sub_block_whose_output_is_a_shard_is_refused(vllm_engine):
+def test_a_sub_block_whose_output_is_a_shard_is_refused(vllm_engine, tiny_assets, tmp_path):
     """Under tensor parallelism an attention whose output projection does not all-reduce
     (``reduce_results=False``) leaves each rank a shard: attn_out is refused there, naming
     the points still supported, and the others stay.  (The worker's real model, its
@@ -127,6 +127,17 @@ def test_a_sub_block_whose_output_is_a_shard_is_refused(vllm_engine):
     assert err.value.code == "sae_incompatible"
     assert err.value.details["supported"] == ["resid_post", "resid_pre", "mlp_out", "mlp_transcoder"]
     assert wire.hook_site(2, "mlp_out", sharded) == ("model.layers.2.mlp", 2, "output")
+    # the engine refuses it at attach, before anything is loaded or installed
+    backend = vllm_engine.backend
+    before = [(a.sae_id, a.layer) for a in vllm_engine.status().attachments]
+    path, _, layer = sae_at(tmp_path, tiny_assets, "attn_out", name="sharded")
+    whole_sites, backend.hook_sites = backend.hook_sites, sharded
+    try:
+        with pytest.raises(SAEIncompatible, match="vLLM backend cannot hook attn_out"):
+            vllm_engine.attach(AttachSpec("sharded", str(path), layer))
+    finally:
+        backend.hook_sites = whole_sites
+    assert [(a.sae_id, a.layer) for a in vllm_engine.status().attachments] == before
 
 
 def test_resid_pre_of_layer_0_is_refused_where_the_embeddings_are_changed_outside_their_module():
