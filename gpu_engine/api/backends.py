@@ -275,7 +275,7 @@ register_backend(
         install="scripts/setup llamacpp",
         loader="gpu_engine.backends.llamacpp:load",
         validator="gpu_engine.backends.llamacpp:check_job",
-        # from the site's GGUF_* settings (backends/llamacpp/backend.py says what each does)
+        # from the site's GGUF_* settings (backends/llamacpp/options.py says what each does)
         options={
             "context_length": Option(int, "GGUF_CONTEXT_LENGTH"),
             "kv_cache_type": Option(str, "GGUF_KV_CACHE_TYPE"),

@@ -15,6 +15,6 @@ def load(job: Any, *, hooks: Any) -> Any:
 
 def check_job(job: Any) -> None:
     """What llama.cpp cannot honour in ``job``, refused by name before anything unloads."""
-    from .backend import check_options
+    from .options import check_options
 
     check_options(job)

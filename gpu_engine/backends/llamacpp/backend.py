@@ -16,17 +16,7 @@ and a self-check shows a written row reaching the next layer
 GPU ggml backend, a failed self-check, or forced): each decode holds requests of one
 steering only, under that steering's control vector, the groups taking turns.
 
-Load options (``LoadModelJob.options``, from the site's GGUF_* settings):
-
-- ``context_length`` (GGUF_CONTEXT_LENGTH): a ceiling on the window, over what the file
-  declares and what fits in memory; 0 = what the file declares.
-- ``kv_cache_type`` (GGUF_KV_CACHE_TYPE) and ``flash_attention`` (GGUF_FLASH_ATTENTION):
-  a quantized KV cache needs flash attention, refused otherwise before loading.
-- ``tensor_split`` (GGUF_TENSOR_SPLIT): per-card proportions, one per card used.
-- ``enable_embeddings`` (GGUF_ENABLE_EMBEDDINGS): /v1/embeddings on this model.
-- ``steering_mode`` (GGUF_STEERING_MODE): ``auto`` (the self-check decides) or
-  ``control_vector_swap`` (the fallback, forced).
-- ``gguf_file``: which file of a directory holding several.
+Load options: ``options.py``.
 """
 
 from __future__ import annotations
@@ -65,15 +55,14 @@ from .batched import (
 )
 from .native import (
     GGML_OP_ROPE,
-    UNQUANTIZED_KV,
     ContextSettings,
     NativeContext,
     NativeModel,
-    check_tensor_split,
     gpu_device_count,
     resolve_gguf,
 )
 from .taps import ATTN_OUT, EMBD, FFN_OUT, LAYER_OUT, EvalTaps, node_name
+from .options import KV_BYTES, KV_MEMORY_SHARE, check_options
 from .tokens import ChatTemplate, LlamaTokenizer, grammar_vocabulary
 
 DEFAULT_N_BATCH = 512
@@ -103,79 +92,6 @@ def hook_node(hook_point: str, layer: int) -> tuple[int, int]:
     if hook_point in ("mlp_out", "mlp_transcoder"):
         return (FFN_OUT, layer)
     return (LAYER_OUT, layer)
-
-
-# bytes per KV element for each GGUF_KV_CACHE_TYPE (block size / elements per block)
-_KV_BYTES = {
-    "f32": 4.0,
-    "f16": 2.0,
-    "bf16": 2.0,
-    "q8_0": 34 / 32,
-    "q5_1": 24 / 32,
-    "q5_0": 22 / 32,
-    "q4_1": 20 / 32,
-    "q4_0": 18 / 32,
-    "iq4_nl": 18 / 32,
-}
-# share of the host's available memory the KV cache may take
-KV_MEMORY_SHARE = 0.5
-# GGUF_STEERING_MODE: let the load decide, or force the fallback
-STEERING_MODE_OPTIONS = ("auto", CONTROL_VECTOR_SWAP)
-
-
-def check_options(job: LoadModelJob) -> dict[str, Any]:
-    """The load options made whole and checked, before anything is read: what llama.cpp
-    cannot honour is refused by name."""
-    o = job.options
-    kv = o.get("kv_cache_type", "f16")
-    if kv not in _KV_BYTES:
-        raise InvalidParameter(
-            f"GGUF_KV_CACHE_TYPE {kv!r} is not one of {', '.join(_KV_BYTES)}",
-            param="options.kv_cache_type",
-        )
-    fa = o.get("flash_attention", True)
-    if not fa and kv not in UNQUANTIZED_KV:
-        raise InvalidParameter(
-            f"GGUF_FLASH_ATTENTION=false cannot run a quantized KV cache ({kv}); use f16 or turn flash attention on",
-            param="options.flash_attention",
-            details={"kv_cache_type": kv},
-        )
-    ctx = o.get("context_length", 0)
-    if ctx < 0:
-        raise InvalidParameter("GGUF_CONTEXT_LENGTH must be >= 0", param="options.context_length")
-    if job.trust_remote_code:
-        raise InvalidParameter("trust_remote_code has no meaning for a GGUF model", param="trust_remote_code")
-    n_gpu = gpu_device_count()
-    if job.device.startswith("cuda") and n_gpu == 0:
-        raise ModelLoadFailed(
-            "device 'cuda' requested but this llama.cpp build has no GPU offload",
-            details={"device": job.device},
-        )
-    offload = n_gpu > 0 and job.device != "cpu"
-    split = [float(x) for x in o.get("tensor_split", [])]
-    if split:
-        if not offload:
-            raise InvalidParameter(
-                "GGUF_TENSOR_SPLIT needs GPU offload; this load runs on the CPU",
-                param="options.tensor_split",
-            )
-        split = check_tensor_split(split, n_gpu)
-    steering_mode = o.get("steering_mode", "auto")
-    if steering_mode not in STEERING_MODE_OPTIONS:
-        raise InvalidParameter(
-            f"GGUF_STEERING_MODE {steering_mode!r} is not one of {', '.join(STEERING_MODE_OPTIONS)}",
-            param="options.steering_mode",
-        )
-    return {
-        "kv": kv,
-        "flash_attention": bool(fa),
-        "context_length": int(ctx),
-        "offload": offload,
-        "tensor_split": split,
-        "embeddings": bool(o.get("enable_embeddings", True)),
-        "gguf_file": o.get("gguf_file") or None,
-        "steering_mode": steering_mode,
-    }
 
 
 def controls_refused(steering_mode: str, steering_mode_reason: str) -> str | None:
@@ -260,7 +176,7 @@ class LlamaCppBackend:
         n_head = max(lc.llama_model_n_head(self.native.ptr), 1)
         n_head_kv = max(lc.llama_model_n_head_kv(self.native.ptr), 1)
         kv_dim = self.hidden_size * n_head_kv / n_head
-        return self.num_layers * 2 * kv_dim * _KV_BYTES[self.opts["kv"]]
+        return self.num_layers * 2 * kv_dim * KV_BYTES[self.opts["kv"]]
 
     def _window(self) -> int:
         """The per-request window: the file's, under GGUF_CONTEXT_LENGTH (0: the file's)
