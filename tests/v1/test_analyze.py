@@ -323,6 +323,7 @@ def test_backends_without_capture_refuse_analyzers_before_generation(backend, pr
                 tool_call_format=None,
                 steering_mode="eval_callback_per_row",
                 steering_mode_reason="",
+                hook_points=("resid_post", "resid_pre"),
             )
         )
         refused, taken = (tracker,), (hidden,)
