@@ -12,7 +12,6 @@ of its own, in a real OS process.
 from __future__ import annotations
 
 import json
-import sys
 import textwrap
 import threading
 import time
@@ -27,11 +26,11 @@ from tests.fixtures.assets import asset_cache_dir
 
 pytestmark = pytest.mark.slow
 
-DAPHNE = str(Path(sys.executable).with_name("daphne"))
-# below the ~0.5 s one 480-token stream takes on a fast machine; a single stream could
-# still end before the unload job reached the engine (CI, 2026-12-05), so several queue
-# in the engine (STREAMS admission slots: with one slot the others waited in /v1's
-# admission queue, which is not engine work, and the test failed again in CI)
+# daphne with the embedded engine, its generations held at their HOLD_AT-th token while
+# the test's hold file exists (held_engine.py): the stream running when the unload's grace
+# period runs out is still running then on any machine (a stream long enough for the
+# slowest machine ended before the unload on a fast one: CI, 2026-12-05 and 2026-12-07)
+HELD_DAPHNE = [PYTHON, str(REPO / "tests" / "distributed" / "held_engine.py"), "daphne"]
 GRACE_S = 0.2
 LONG = 480
 STREAMS = 4
@@ -52,7 +51,9 @@ class Embedded:
             MILLM_ENGINE_DTYPE="float32",
             GRACEFUL_UNLOAD_TIMEOUT=str(GRACE_S),
             MAX_CONCURRENT_REQUESTS=str(STREAMS),
+            MILLM_TEST_HOLD_FILE=str(tmp / "hold"),
         )
+        self.hold = tmp / "hold"
 
     def manage(self, *args: str) -> None:
         import subprocess
@@ -70,7 +71,10 @@ class Embedded:
 
     def start(self, name: str) -> Proc:
         proc = Proc(
-            name, [DAPHNE, "-b", "127.0.0.1", "-p", str(self.port), "millm_site.asgi:application"], self.env, self.tmp
+            name,
+            [*HELD_DAPHNE, "-b", "127.0.0.1", "-p", str(self.port), "millm_site.asgi:application"],
+            self.env,
+            self.tmp,
         )
         self.procs.append(proc)
         wait_for(f"{name} to answer", lambda: self.call("GET", "/api/health").status_code == 200, 120, [proc])
@@ -137,10 +141,11 @@ def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded,
     assert e.run_job(f"/api/models/{llama['id']}/load")["status"] == "succeeded"
 
     # --- streams that outlast GRACEFUL_UNLOAD_TIMEOUT: stopped, and the unload goes on.
-    # The engine here is serial and admits all of them, so they queue behind one another
-    # in it: seconds of accepted work on any machine, where one tiny-llama stream alone may
-    # end (~0.5 s) before the unload reaches the engine. They refuse an on-demand load, so that one
-    # still waiting when the unload is done does not bring the model back.
+    # The engine here is serial and admits all of them; the first is held at its
+    # HOLD_AT-th token (the hold file) until the unload stops it, the others wait behind it.
+    # They refuse an on-demand load, so that one still waiting when the unload is done does
+    # not bring the model back.
+    e.hold.touch()
     outs = [Outcome() for _ in range(STREAMS)]
     streamers = [
         threading.Thread(target=stream_chat, args=(e.url, chat_body(LONG), out, 120, {"X-miLLM-Load-Policy": "refuse"}))
@@ -153,6 +158,7 @@ def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded,
     job = e.run_job(f"/api/models/{llama['id']}/unload")
     for t in streamers:
         t.join(60)
+    e.hold.unlink()  # nothing later in the test is held (its requests ask fewer tokens anyway)
     assert job["status"] == "succeeded", job
     stopped = [o for o in outs if not o.finished]
     # the stream running when the grace period ran out: its tokens, then an error frame
