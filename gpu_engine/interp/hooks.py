@@ -394,9 +394,14 @@ class HookManager:
         self._handles: dict[AttachmentKey, Any] = {}
         self._captures: dict[int, list[Any]] = {}  # layer -> [handle, module, references, residual_pair]
 
-    def _register(self, module: torch.nn.Module, hook: Any) -> Any:
+    def register(self, module: torch.nn.Module, hook: Any, *, pre: bool = False) -> Any:
+        """``hook`` on ``module`` (a forward hook, or with ``pre`` a forward pre-hook taking
+        kwargs), through its tap where it has one (a hook added to a compiled module would
+        not run); returns the handle whose ``remove()`` takes it off."""
         tap = self.taps.get(module)
-        return tap.add(hook) if tap is not None else module.register_forward_hook(hook)
+        if tap is not None:
+            return tap.add(hook)
+        return module.register_forward_pre_hook(hook, with_kwargs=True) if pre else module.register_forward_hook(hook)
 
     def install(
         self,
@@ -415,11 +420,11 @@ class HookManager:
         hook: Any = AttachmentHook(key, self, stats, residual_pair=residual_pair, read_input=read_input)
         if graph_break:
             hook = torch.compiler.disable(hook)
-        self._handles[key] = self._register(module, hook)
+        self._handles[key] = self.register(module, hook)
         for layer, entry in self._captures.items():
             if entry[1] is module:  # a capture reads what the next layer sees: stay last
                 entry[0].remove()
-                entry[0] = self._register(module, CaptureHook(layer, self, residual_pair=entry[3]))
+                entry[0] = self.register(module, CaptureHook(layer, self, residual_pair=entry[3]))
 
     def arm_capture(self, layer: int, module: torch.nn.Module, *, residual_pair: bool = False) -> None:
         """A capture hook on block ``layer`` while some request captures it (counted), the
@@ -430,7 +435,7 @@ class HookManager:
             entry[2] += 1
             return
         hook = CaptureHook(layer, self, residual_pair=residual_pair)
-        self._captures[layer] = [self._register(module, hook), module, 1, residual_pair]
+        self._captures[layer] = [self.register(module, hook), module, 1, residual_pair]
 
     def disarm_capture(self, layer: int) -> None:
         entry = self._captures.get(layer)

@@ -241,9 +241,7 @@ class _State:
                 continue
             module = self.attention[layer]
             hook = _QKHook(layer, self.manager, module)  # type: ignore[arg-type]
-            tap = self.manager.taps.get(module)  # type: ignore[arg-type]
-            # compiled: the module's tap runs it (a hook added to the module would not run)
-            handle = tap.add(hook) if tap is not None else module.register_forward_pre_hook(hook, with_kwargs=True)  # type: ignore[union-attr]
+            handle = self.manager.register(module, hook, pre=True)  # type: ignore[arg-type]
             self.qk_hooks[layer] = [handle, 1]
         req.armed = True
 
