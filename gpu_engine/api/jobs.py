@@ -80,6 +80,10 @@ class GenerationJob(msgspec.Struct):
     # description?, parameters}}), rendered by the template (backends reporting
     # ``tool_calling``); None: the template is applied without tools
     tools: list[dict[str, Any]] | None = None
+    # the prefix cache's namespace (/v1's ``prompt_cache_key``): a request that names one
+    # reuses only KV stored under the same name, and its own KV is reused only under it
+    # (vLLM: its ``cache_salt``); None: the shared namespace
+    cache_namespace: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
