@@ -1,0 +1,61 @@
+"""Stored responses of the Responses API (``POST /v1/responses`` with ``store``, the default):
+the Response object a caller was answered, the input items of its request, and the link to
+the response it continued (``previous_response_id``), owned by the caller's key as files
+and batches are (``monitoring.ownership``). A ``background`` response is also a job: its
+request waits here (``request``) until a runner takes it (``inference.responses_runner``).
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+OWNER_MAX_CHARS = 80  # "anonymous" or "key:<label>" (core.auth: labels up to 64)
+
+
+class StoredResponse(models.Model):
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        IN_PROGRESS = "in_progress"
+        COMPLETED = "completed"
+        FAILED = "failed"
+        INCOMPLETE = "incomplete"
+        CANCELLED = "cancelled"
+
+    TERMINAL = (Status.COMPLETED, Status.FAILED, Status.INCOMPLETE, Status.CANCELLED)
+
+    id = models.CharField(primary_key=True, max_length=64)  # resp_<hex>
+    owner = models.CharField(max_length=OWNER_MAX_CHARS, default="anonymous", db_index=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.COMPLETED)
+    model = models.CharField(max_length=255, blank=True)
+    # the Response object as GET answers it (its status kept equal to ``status``)
+    body = models.JSONField()
+    # this request's own input items (not the chain's), each with its id
+    input_items = models.JSONField(default=list)
+    previous_response_id = models.CharField(max_length=64, null=True, blank=True)
+    # bytes of body and input_items as stored (RESPONSES_MAX_STORED_BYTES)
+    bytes = models.BigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    # background runs: the request to run, who runs it and when it last said so
+    # (BATCH_RUNNER_STALE_S), how often a dead runner's response was queued again
+    background = models.BooleanField(default=False)
+    request = models.JSONField(null=True, blank=True)
+    policy = models.CharField(max_length=32, blank=True)
+    lease = models.CharField(max_length=255, blank=True)
+    runner = models.CharField(max_length=64, null=True, blank=True)
+    runner_seen_at = models.DateTimeField(null=True, blank=True)
+    resumes = models.IntegerField(default=0)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [
+            models.Index(fields=["created_at"]),
+            models.Index(fields=["background", "status"]),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.id} ({self.status})"
+
+    @property
+    def terminal(self) -> bool:
+        return self.status in self.TERMINAL
