@@ -3,7 +3,10 @@ daemon thread of the process that runs batches — the embedded server (started 
 application, millm_site/asgi.py) and every Celery worker that consumes the ``batches``
 queue (started when it is ready, batches/tasks.py). So a batch whose runner died is
 resumed or failed, and a batch past its completion window ends ``expired``, even when no
-runner holds it.
+runner holds it. The same sweep deletes stored responses older than
+RESPONSES_RETENTION_DAYS and resumes or fails the background responses whose runner died
+(``inference.responses_store.responses_sweep``); a worker of the ``responses`` queue
+starts it too.
 
 The thread holds no database connection between sweeps: a Celery prefork worker forks
 its children from this process, and a child must not inherit a live connection.
@@ -17,13 +20,17 @@ import structlog
 from django.conf import settings
 
 from batches.services import batches_sweep
+from inference.responses_store import responses_sweep
 from core.periodic import Periodic
 
 log = structlog.get_logger(__name__)
 
 
 def _sweep() -> dict[str, int]:
-    return batches_sweep()
+    done = batches_sweep()
+    # stored responses past RESPONSES_RETENTION_DAYS, background ones whose runner died
+    done.update({f"responses_{k}": v for k, v in responses_sweep().items()})
+    return done
 
 
 _sweeper = Periodic(

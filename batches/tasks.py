@@ -30,10 +30,10 @@ def batch_run_task(batch_id: str, force: bool = False) -> str:
     return batch_run(batch_id=batch_id, force=force)
 
 
-def _consumes_batches(sender) -> bool:  # noqa: ANN001
+def _consumes(sender, queue: str) -> bool:  # noqa: ANN001
     consumer = getattr(sender, "task_consumer", None)
     queues = getattr(consumer, "queues", None) or []
-    return any(getattr(q, "name", None) == "batches" for q in queues)
+    return any(getattr(q, "name", None) == queue for q in queues)
 
 
 @worker_ready.connect
@@ -45,10 +45,16 @@ def _resume_batches(sender=None, **kwargs) -> None:  # noqa: ANN001
     import structlog
     from django.db import connections
 
-    if sender is not None and not _consumes_batches(sender):
+    from inference.responses_store import responses_resume
+
+    batches, responses = _consumes(sender, "batches"), _consumes(sender, "responses")
+    if sender is not None and not (batches or responses):
         return
     try:
-        batches_resume(force=False)
+        if sender is None or batches:
+            batches_resume(force=False)
+        if sender is None or responses:
+            responses_resume(force=False)  # background responses (POST /v1/responses)
     except Exception:  # noqa: BLE001 - a worker must start even if this fails
         structlog.get_logger(__name__).exception("batches_resume_failed")
     finally:

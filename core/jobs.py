@@ -5,8 +5,9 @@ request that asked for it; small thread pools keep the request fast while still 
 the very same Celery task function (``task.apply``) so both modes share one code path.
 There is one pool per queue, each sized from its setting: ``downloads``
 (MAX_DOWNLOAD_WORKERS), ``loads`` (MAX_LOAD_WORKERS; the engine lives in this process, so
-loads belong here), ``maintenance`` and ``batches`` (one Batch API runner at a time, each
-keeping BATCH_ENGINE_ROWS lines at the engine). In distributed mode the queue names route the task
+loads belong here), ``maintenance``, ``batches`` (one Batch API runner at a time, each
+keeping BATCH_ENGINE_ROWS lines at the engine) and ``responses`` (background responses of
+POST /v1/responses, RESPONSES_BACKGROUND_WORKERS at once). In distributed mode the queue names route the task
 to the Celery workers that consume them.
 
 Dispatch always happens after the surrounding transaction commits, so a task never looks
@@ -28,7 +29,7 @@ from core.runtime import runtime
 
 log = structlog.get_logger(__name__)
 
-QUEUES = ("downloads", "loads", "maintenance", "batches")
+QUEUES = ("downloads", "loads", "maintenance", "batches", "responses")
 
 
 def _pool_size(queue: str) -> int:
@@ -36,6 +37,8 @@ def _pool_size(queue: str) -> int:
         return int(settings.MAX_LOAD_WORKERS)
     if queue == "downloads":
         return int(settings.MAX_DOWNLOAD_WORKERS)
+    if queue == "responses":
+        return int(settings.RESPONSES_BACKGROUND_WORKERS)
     return 1
 
 

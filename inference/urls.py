@@ -1,6 +1,6 @@
 from django.urls import path, re_path
 
-from inference import views
+from inference import responses_views, views
 
 app_name = "v1"
 
@@ -11,5 +11,9 @@ urlpatterns = [
     path("completions", views.completions, name="completions"),
     path("embeddings", views.embeddings, name="embeddings"),
     path("probes/score", views.probe_score, name="probes-score"),
+    # a stored response (Responses API; POST /v1/responses is the answer itself)
+    path("responses/<str:response_id>", responses_views.response_detail, name="response"),
+    path("responses/<str:response_id>/cancel", responses_views.response_cancel, name="response-cancel"),
+    path("responses/<str:response_id>/input_items", responses_views.response_input_items, name="response-input-items"),
     re_path(r"^(?P<rest>.*)$", views.not_found, name="not-found"),
 ]

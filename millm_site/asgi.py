@@ -94,4 +94,7 @@ if settings.MILLM_APPLICATION_START:
         from batches.sweeper import sweeper_start
 
         batches_resume(force=True)
+        from inference.responses_store import responses_resume
+
+        responses_resume(force=True)  # background responses too (POST /v1/responses)
         sweeper_start()  # a batch whose runner died, or past its window, still ends

@@ -811,6 +811,39 @@ VARIABLES: tuple[Var, ...] = (
         "0: no limit.",
         minimum=0,
     ),
+    # --- Responses API ----------------------------------------------------------------
+    Var(
+        "RESPONSES_RETENTION_DAYS",
+        "Responses API",
+        "int",
+        30,
+        "Days a stored response of POST /v1/responses (store=true, the default) is kept, "
+        "as OpenAI's 30: the batch sweeper deletes older ones, after which GET and "
+        "previous_response_id to them answer 404. 0 keeps them until deleted.",
+        minimum=0,
+    ),
+    Var(
+        "RESPONSES_MAX_STORED_BYTES",
+        "Responses API",
+        "int",
+        16 * 1024 * 1024,
+        "Largest stored response (its Response object and its request's input items, as "
+        "JSON) in bytes (16 MiB): a larger one is refused with 400 response_too_large and "
+        "nothing is stored; 0: no limit.",
+        minimum=0,
+    ),
+    Var(
+        "RESPONSES_BACKGROUND_WORKERS",
+        "Responses API",
+        "int",
+        2,
+        "Embedded mode: background responses (POST /v1/responses with background=true) "
+        "run at once in this process, each a thread of the responses pool; more wait "
+        "queued. Distributed mode: the concurrency of the Celery workers of the "
+        "responses queue decides.",
+        minimum=1,
+        maximum=64,
+    ),
     # --- Capture --------------------------------------------------------------------
     Var(
         "CAPTURE_DIR",

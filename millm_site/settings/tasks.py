@@ -20,6 +20,7 @@ CELERY_TASK_ROUTES = {
     "orchestration.tasks.*": {"queue": "maintenance"},
     "registry.tasks.*": {"queue": "downloads"},
     "batches.tasks.*": {"queue": "batches"},
+    "inference.tasks.*": {"queue": "responses"},
     "monitoring.tasks.*": {"queue": "analysis"},
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
