@@ -98,6 +98,12 @@ def heartbeat(*, response_id: str, runner: str) -> str | None:
     return StoredResponse.objects.values_list("status", flat=True).filter(id=response_id).first()
 
 
+def release(*, response_id: str, runner: str) -> None:
+    """This runner no longer runs the response (it was cancelled): it says so, so nothing
+    waits for its heartbeat."""
+    StoredResponse.objects.filter(id=response_id, runner=runner).update(runner=None, runner_seen_at=None)
+
+
 def finish(*, response_id: str, runner: str, body: dict[str, Any]) -> bool:
     """Store the run's answer; False (nothing written) when the response is no longer
     this runner's or no longer ``in_progress`` (cancelled meanwhile)."""
@@ -208,6 +214,7 @@ async def _run(row: StoredResponse, runner: str, stop: threading.Event | None) -
             # cancelled, deleted or taken over: the engine job is cancelled with the task
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+            await _db(release, response_id=row.id, runner=runner)
             log.info("response_run_ended", response_id=row.id, status=status or "gone")
             return str(status or "gone")
     body = task.result()
