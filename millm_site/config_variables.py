@@ -498,6 +498,18 @@ VARIABLES: tuple[Var, ...] = (
         choices=("dynamic", "static"),
     ),
     Var(
+        "PREFIX_CACHE_MAX_MB",
+        "Performance",
+        "int",
+        256,
+        "Prefix cache of the transformers and llama.cpp backends: MiB of finished requests' "
+        "KV kept (least recently used evicted first) so that a prompt starting with a stored "
+        "one (the next turn of a chat) prefills only its new tokens; 0 = off. Keyed by "
+        "prompt_cache_key and by the steering that touches prompt rows (docs/engine.md, "
+        '"Prefix cache"). On a GPU the KV stays in GPU memory. Read when a model loads.',
+        minimum=0,
+    ),
+    Var(
         "SPECULATIVE_MODEL",
         "Performance",
         "str",

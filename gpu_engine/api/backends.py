@@ -236,6 +236,8 @@ register_backend(
             "kv_cache_mode": Option(str, "KV_CACHE_MODE"),
             "lean_decode": Option(bool, "MILLM_ENGINE_LEAN_DECODE"),
             "fused_cpu_kernels": Option(bool, "MILLM_ENGINE_FUSED_KERNELS"),
+            # PREFIX_CACHE_MAX_MB: gpu_engine/decode/prefix_cache.py
+            "prefix_cache_max_mb": Option(int, "PREFIX_CACHE_MAX_MB"),
         },
         validator="gpu_engine.backends.transformers:check_job",
         quantizations="gpu_engine.backends.transformers.quantization:quantization_report",
@@ -284,6 +286,7 @@ register_backend(
             "enable_embeddings": Option(bool, "GGUF_ENABLE_EMBEDDINGS"),
             "steering_mode": Option(str, "GGUF_STEERING_MODE"),
             "gguf_file": Option(str),
+            "prefix_cache_max_mb": Option(int, "PREFIX_CACHE_MAX_MB"),  # decode/prefix_cache.py
         },  # the registry row's
     )
 )

@@ -89,6 +89,9 @@ class Capabilities(msgspec.Struct, kw_only=True):
     # caching keyed by steering
     cuda_graphs: bool | UnsetType = UNSET
     prefix_caching: bool | UnsetType = UNSET
+    # transformers and llama.cpp: PREFIX_CACHE_MAX_MB's cache (gpu_engine/decode/prefix_cache.py)
+    # in force, and why not where it is off
+    prefix_caching_reason: str | None | UnsetType = UNSET
     steered_prefix_cache_keyed_by_steering: bool | UnsetType = UNSET
     # the runtime's own (``Engine.batching_status``): whether the batch shares forward passes
     shared_forward_passes: bool | UnsetType = UNSET

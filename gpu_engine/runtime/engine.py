@@ -58,6 +58,7 @@ from . import prepare
 from .attachments import Attachment, is_out_of_memory
 from .capture_writer import CaptureWriter, deliver
 from .drain import WorkLedger
+from ..decode.prefix_cache import prefix_kwargs
 from .loading import ModelLoading
 from .scheduler import BatchScheduler
 from .stream import GenerationStream
@@ -163,6 +164,7 @@ class Engine(ModelLoading):
                 request_hooks=hooks,
                 should_stop=stream._cancel.is_set,
                 emit=stream._put,
+                **prefix_kwargs(backend, job, prompt_ids),
             )
             deliver(self._capture_writer, capture, finish, stream._put)
         except EngineError as exc:
@@ -197,6 +199,7 @@ class Engine(ModelLoading):
             request_hooks=hooks,
             emit=stream._put,
             should_stop=stream._cancel.is_set,
+            **prefix_kwargs(backend, job, prompt_ids),
         )
 
     def _enqueue(self, job: GenerationJob, stream: GenerationStream) -> None:

@@ -24,6 +24,9 @@ class StatusReports(EngineWorker):
             data: dict[str, Any] = dict(self._memory)
         data["idle_release_s"] = self.idle_release_s
         data["cached_bytes"] = int(runner.cached_bytes()) if isinstance(runner, CachesRows) else None
+        # the backend's prefix cache (decode/prefix_cache.py), where it keeps one
+        cache = getattr(self._backend, "prefix_cache", None)
+        data["prefix_cache"] = cache.status() if cache is not None else None
         return data
 
     def attachments(self) -> list[AttachmentStatus]:

@@ -21,7 +21,7 @@ a count below ``forward_passes``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +30,7 @@ from ...decode.sequence import Sequence
 from ...interp.hooks import BatchContext, HookManager, Segment
 from ...interp.rows import RowRouter
 from .attention import use_grouped_sdpa
+from . import prefix
 from .kv_cache import BatchKVCache
 
 if TYPE_CHECKING:  # the runner builds this module's objects: a type, not an import
@@ -64,6 +65,10 @@ def prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
     return groups
 
 
+def _kv(past: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in past.layers]
+
+
 class BatchedRunner:
     def __init__(self, runner: TransformersRunner, hooks: HookManager, *, max_rows: int) -> None:
         self.runner = runner
@@ -91,16 +96,24 @@ class BatchedRunner:
         """Prefill newly admitted requests and take their first tokens; the ones not yet
         finished join the batch.  Returns the ones that finished already."""
         finished: list[Sequence] = []
-        for group in prefill_groups(seqs):
+        plain: list[Sequence] = []
+        for seq in seqs:
+            # the prefix cache (prefix.py): a hit prefills alone, on top of the stored KV
+            hit = prefix.look_up(self.runner.prefix_cache, getattr(seq, "prefix_plan", None), seq.prompt_ids)
+            if hit is not None:
+                finished.extend(self._prefill([seq], hit))
+            else:
+                plain.append(seq)
+        for group in prefill_groups(plain):
             finished.extend(self._prefill(group))
         return finished
 
-    def _prefill(self, group: list[Sequence]) -> list[Sequence]:
+    def _prefill(self, group: list[Sequence], hit: Any = None) -> list[Sequence]:
         for seq in group:
             self._register(seq)
         try:
             if len(group) == 1:
-                logits, past, skips = self._prefill_one(group[0])
+                logits, past, skips = self._prefill_one(group[0], hit)
             else:
                 logits, past, skips = self._prefill_padded(group)
         except BaseException:
@@ -114,18 +127,29 @@ class BatchedRunner:
             if seq.accept(ids[i], lsm[i] if lsm is not None and seq.want_lp else None):
                 self._unregister(seq)
                 finished.append(seq)
+                self._store(
+                    seq, seq.n_prompt, lambda i=i: [(k[i, :, skips[i] :], v[i, :, skips[i] :]) for k, v in _kv(past)]
+                )
             else:
                 self.cache.merge(past, row=i, skip=skips[i])
                 self.rows.append(seq)
                 self._row_slots = None
         return finished
 
-    def _prefill_one(self, seq: Sequence) -> tuple[torch.Tensor, object, list[int]]:
-        """Alone and unpadded: the very forward the serial path runs (hooks count it)."""
-        ctx = BatchContext([Segment(seq.hooks, 0, seq.n_prompt, 0)]) if seq.hooks is not None else None
+    def _prefill_one(self, seq: Sequence, hit: Any = None) -> tuple[torch.Tensor, object, list[int]]:
+        """Alone and unpadded: the very forward the serial path runs (hooks count it); on a
+        prefix-cache ``hit``, only the prompt past the reused positions, at their positions."""
+        start = hit.length if hit is not None else 0
+        ctx = BatchContext([Segment(seq.hooks, 0, seq.n_prompt - start, start)]) if seq.hooks is not None else None
         echo = seq.sampling.prompt_logprobs
         with self.hooks.active(ctx):
-            logits, past = self.runner.prefill_full_cache(seq.prompt, all_logits=echo)
+            if hit is not None:
+                cache_position = torch.arange(start, seq.n_prompt, device=self.device)
+                logits, past = self.runner.forward(
+                    seq.prompt[:, start:], prefix.start_cache(hit), cache_position=cache_position
+                )
+            else:
+                logits, past = self.runner.prefill_full_cache(seq.prompt, all_logits=echo)
         if echo:
             seq.echo_logprobs(logits)
         return logits[-1:], past, [0]
@@ -179,8 +203,24 @@ class BatchedRunner:
                 self.runner.disarm_qk(layer)
             seq.capture_armed = False
 
+    def _store(self, seq: Sequence, held: int, layer_kv: Any) -> None:
+        """Offer a finished request's KV to the prefix cache (prefix.py)."""
+        plan = getattr(seq, "prefix_plan", None)
+        # the KV held is the prompt's and every generated token's but the last (never fed)
+        if plan is not None and held == seq.n_prompt + len(seq.generated) - 1:
+            prefix.store(self.runner.prefix_cache, plan, seq.prompt_ids, seq.generated, held, layer_kv)
+
     def remove(self, seq: Sequence) -> None:
         row = self.rows.index(seq)
+        if getattr(seq, "prefix_plan", None) is not None:
+            c, lo = self.cache, self.cache.start[row]
+            self._store(
+                seq,
+                c.length - lo,
+                lambda: [
+                    (layer.k_buf[row, :, lo : c.length], layer.v_buf[row, :, lo : c.length]) for layer in c.layers
+                ],
+            )
         moved = self.cache.remove(row)
         if moved is not None:
             self.rows[row] = self.rows[moved]

@@ -14,11 +14,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers import DynamicCache
 
 from ...interp.capture import armed
 from ...interp.hooks import BatchContext, HookManager, RequestHooks, Segment
 from ...api.protocol import FinishEvent, SamplingParams, SpeculativeStats
 from ...decode.sequence import Emit, Sequence
+from . import prefix
 from .speculative import cut_cache, spec_eligible
 
 if TYPE_CHECKING:  # the runner builds this module's objects: a type, not an import
@@ -36,6 +38,7 @@ def run_generation(
     request_hooks: RequestHooks | None,
     should_stop: Callable[[], bool],
     emit: Emit,
+    prefix_plan: Any = None,
 ) -> FinishEvent:
     seq = Sequence(
         runner,
@@ -61,17 +64,26 @@ def run_generation(
     n_prompt = seq.n_prompt
     sampler = seq.sampler
 
-    segment = Segment(request_hooks, 0, n_prompt, 0) if request_hooks is not None else None
+    past = runner.serial_cache(n_prompt + max_tokens)  # None: the model's own DynamicCache
+    dynamic = past is None
+    # the prefix cache (prefix.py) on the dynamic cache: a hit starts from the stored KV and
+    # prefills the rest of the prompt; a miss prefills into full layers, so that every
+    # position can be stored at the end (the window still comes from the mask)
+    cached = prefix_plan is not None and dynamic and runner.prefix_cache.enabled
+    hit = prefix.look_up(runner.prefix_cache, prefix_plan, prompt_ids) if cached else None
+    start = hit.length if hit is not None else 0
+    if cached:
+        past = prefix.start_cache(hit) if hit is not None else DynamicCache()
+    segment = Segment(request_hooks, 0, n_prompt - start, start) if request_hooks is not None else None
     ctx = BatchContext([segment]) if segment is not None else None
 
-    input_ids = seq.prompt
-    cache_position = torch.arange(n_prompt, device=device)
-    past = runner.serial_cache(n_prompt + max_tokens)  # None: the model's own DynamicCache
+    input_ids = seq.prompt[:, start:]
+    cache_position = torch.arange(start, n_prompt, device=device)
 
     capture = request_hooks.capture if request_hooks is not None else None
     with torch.inference_mode(), hook_manager.active(ctx), armed(hook_manager, runner, capture):
         # decode steps after the prefill skip model.forward where they can (lean.py)
-        lean = runner.lean_step() if past is None else None
+        lean = runner.lean_step() if dynamic else None
         try:
             for i in range(max_tokens):
                 if should_stop():
@@ -79,7 +91,7 @@ def run_generation(
                     break
                 if segment is not None:
                     segment.row_end = input_ids.shape[1]
-                    segment.start_position = n_prompt + i - 1 if i else 0
+                    segment.start_position = n_prompt + i - 1 if i else start
                 echo = i == 0 and sampling.prompt_logprobs
                 if i and lean is not None:
                     logits = lean.step(input_ids, n_prompt + i - 1)
@@ -100,6 +112,14 @@ def run_generation(
                 # int(token) is the one host sync per step
                 if seq.accept(int(token), lsm):
                     break
+            if cached:
+                # the KV held: the prompt and every generated token but the last
+                held = n_prompt + max(len(seq.generated) - 1, 0)
+                if lean is not None:
+                    layers = lambda: [(k[0, :, :held], v[0, :, :held]) for k, v in zip(lean.k, lean.v)]  # noqa: E731
+                else:
+                    layers = lambda: [(layer.keys[0], layer.values[0]) for layer in past.layers]  # noqa: E731
+                prefix.store(runner.prefix_cache, prefix_plan, prompt_ids, seq.generated, held, layers)
         finally:
             if lean is not None:
                 lean.release()

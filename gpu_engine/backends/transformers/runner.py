@@ -32,6 +32,7 @@ from ...api.protocol import (
     ScoreResult,
     Usage,
 )
+from ...decode.prefix_cache import PrefixCache
 from ...sae.hookpoints import DEFAULT_HOOK_POINT, HOOK_POINTS
 from ...decode.text import tool_template_format
 from ...api.capabilities import Capabilities
@@ -189,6 +190,9 @@ class TransformersRunner:
             if self.static_kv
             else why_not(self.model)
         )
+        # PREFIX_CACHE_MAX_MB (absent: off): finished requests' KV for the next turn
+        # (prefix.py; the books: decode/prefix_cache.py); cleared on attach and detach
+        self.prefix_cache = PrefixCache.from_mb(job.options.get("prefix_cache_max_mb", 0))
         self._fused_option = job.options.get("fused_cpu_kernels")
         self.lean = LeanDecode(self.model, fused=self._fused_option) if self.lean_reason is None else None
         if self._fused_option is True and self.lean is not None and self.lean.kernels is None:
@@ -225,11 +229,13 @@ class TransformersRunner:
         self.hooks.install(
             attachment.key, module, attachment.stats, read_input=read_input, graph_break=self.compiled is not None
         )
+        self.prefix_cache.clear()  # an SAE of the same id may come back with other weights
         if self.compiled is not None:
             self.compiled.reset()
 
     def detach(self, key: AttachmentKey) -> None:
         self.hooks.remove(key)
+        self.prefix_cache.clear()
         if self.compiled is not None:
             self.compiled.reset()
 
@@ -257,6 +263,9 @@ class TransformersRunner:
             ),
             # MILLM_ENGINE_PACK_WEIGHTS=auto: the one-row timings it chose by
             kernel_probe=self.kernel_probe,
+            # PREFIX_CACHE_MAX_MB (docs/engine.md, "Prefix cache")
+            prefix_caching=self.prefix_cache.enabled,
+            prefix_caching_reason=None if self.prefix_cache.enabled else "PREFIX_CACHE_MAX_MB is 0",
         )
 
     def structured_grammars(self) -> Any:
@@ -475,8 +484,9 @@ class TransformersRunner:
         request_hooks: Any,
         emit: Any,
         should_stop: Any,
+        prefix_plan: Any = None,
     ) -> Any:
-        return DecodeState(
+        seq = DecodeState(
             self,
             request_id=job.request_id,
             prompt_ids=prompt_ids,
@@ -486,6 +496,8 @@ class TransformersRunner:
             emit=emit,
             should_stop=should_stop,
         )
+        seq.prefix_plan = prefix_plan  # decode/prefix_cache.CachePlan, None: the cache is not used
+        return seq
 
     def embed(self, job: EmbedJob, inputs: Sequence[list[int]]) -> EmbedResult:
         vectors: list[list[float]] = []
@@ -514,6 +526,7 @@ class TransformersRunner:
             trim_host_heap()
 
     def close(self) -> None:
+        self.prefix_cache.clear()
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

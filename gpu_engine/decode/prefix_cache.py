@@ -56,8 +56,9 @@ def prompt_steering(spec: SteeringSpec | None, prompt_len: int) -> SteeringSpec:
     for e in spec.entries:
         controls = [c for c in e.controls if _touches_prompt(c, prompt_len)]
         features = {i: s for i, s in e.features.items() if s != 0}
-        if features or controls:
-            entries.append(SteeringEntry(e.sae_id, e.layer, features, controls))
+        vectors = [v for v in e.vectors if not v.no_op and v.phase != "completion"]
+        if features or controls or vectors:
+            entries.append(SteeringEntry(e.sae_id, e.layer, features, controls, vectors))
     return SteeringSpec(entries)
 
 
@@ -75,7 +76,9 @@ def phase_free(spec: SteeringSpec | None) -> bool:
     with the prompt's, as if the whole sequence had been a prompt."""
     if spec is None:
         return True
-    return all(c.phase == "all" or c.no_op for e in spec.entries for c in e.controls)
+    return all(c.phase == "all" or c.no_op for e in spec.entries for c in e.controls) and all(
+        v.phase == "all" or v.no_op for e in spec.entries for v in e.vectors
+    )
 
 
 def _reads_prompt_rows(positions: Any, prompt_len: int) -> bool:
@@ -96,6 +99,7 @@ class CachePlan:
     lookup: bool
     store_generated: bool
     steering: SteeringSpec | None = None
+    namespace: str | None = None  # GenerationJob.cache_namespace
 
     def store_key(self, length: int) -> str:
         """The key to store KV of ``length`` tokens under (the steering that touches the
@@ -119,10 +123,29 @@ def plan(job: Any, prompt_len: int) -> CachePlan:
         lookup = False
     if job.capture is not None:  # any capture: its rows (and attention) are read whole
         lookup = False
+    if spec is not None and any(c.condition is not None for e in spec.entries for c in e.controls):
+        lookup = False  # a condition reports where it fired, prompt rows included
     sampling = job.sampling
     if getattr(sampling, "prompt_logprobs", False) or getattr(sampling, "echo", False):
         lookup = False
-    return CachePlan(klass=klass, key=key, lookup=lookup, store_generated=phase_free(spec), steering=spec)
+    return CachePlan(
+        klass=klass,
+        key=key,
+        lookup=lookup,
+        store_generated=phase_free(spec),
+        steering=spec,
+        namespace=job.cache_namespace,
+    )
+
+
+def prefix_kwargs(backend: Any, job: Any, prompt_ids: Sequence[int]) -> dict[str, Any]:
+    """What the runtime adds to ``generate`` / ``new_sequence`` for a backend that keeps a
+    prefix cache (its ``prefix_cache`` attribute, on): ``prefix_plan``, this request's
+    ``CachePlan``; nothing for any other backend."""
+    cache = getattr(backend, "prefix_cache", None)
+    if cache is None or not cache.enabled:
+        return {}
+    return {"prefix_plan": plan(job, len(prompt_ids))}
 
 
 @dataclass(frozen=True)
@@ -291,6 +314,7 @@ __all__ = [
     "PrefixHit",
     "phase_free",
     "plan",
+    "prefix_kwargs",
     "prompt_steering",
     "steering_key",
 ]
