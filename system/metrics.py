@@ -97,12 +97,53 @@ class _LiveCollector:
             graphs.add_metric([], compiled["compiles"])
             yield graphs
 
+        yield from _prefix_cache_families(engine)
+
         from registry import hub
 
         circuit = GaugeMetricFamily("millm_circuit_open", "1 while a circuit breaker is open", labels=["name"])
         for state in hub.circuit_states():
             circuit.add_metric([state["name"]], 1 if state["state"] == "open" else 0)
         yield circuit
+
+
+def prefix_cache_figures(engine: dict[str, Any]) -> dict[str, Any] | None:
+    """The loaded backend's prefix cache (PREFIX_CACHE_MAX_MB; docs/engine.md, "Prefix
+    cache"): budget, bytes, entries, and per class (unsteered, prompt_steered,
+    decode_only) lookups, hits, tokens reused, bypasses and the hit rate; None where the
+    backend keeps none (vLLM has its own, no model loaded)."""
+    return (engine.get("memory") or {}).get("prefix_cache")
+
+
+def _prefix_cache_families(engine: dict[str, Any]):
+    cache = prefix_cache_figures(engine)
+    if not cache:
+        return
+    for key, help_text in (
+        ("bytes", "Bytes of KV the prefix cache holds"),
+        ("budget_bytes", "The prefix cache's budget (PREFIX_CACHE_MAX_MB)"),
+        ("entries", "Sequences the prefix cache holds"),
+    ):
+        gauge = GaugeMetricFamily(f"millm_prefix_cache_{key}", help_text)
+        gauge.add_metric([], cache.get(key) or 0)
+        yield gauge
+    classes = cache.get("classes") or {}
+    for key, help_text in (
+        ("lookups", "Prefix cache lookups by request class (restarts at load)"),
+        ("hits", "Prefix cache lookups that reused stored KV, by request class (restarts at load)"),
+        ("tokens_reused", "Prompt tokens not prefilled thanks to the prefix cache, by request class"),
+        ("bypassed", "Requests that recomputed their whole prompt because they read prompt rows, by class"),
+    ):
+        family = CounterMetricFamily(f"millm_prefix_cache_{key}", help_text, labels=["class"])
+        for name, figures in sorted(classes.items()):
+            family.add_metric([name], figures.get(key) or 0)
+        yield family
+    rate = GaugeMetricFamily(
+        "millm_prefix_cache_hit_rate", "Prefix cache hits ÷ lookups by request class (0 before any)", labels=["class"]
+    )
+    for name, figures in sorted(classes.items()):
+        rate.add_metric([name], figures.get("hit_rate") or 0.0)
+    yield rate
 
 
 REGISTRY.register(_LiveCollector())
@@ -137,6 +178,7 @@ def snapshot() -> dict[str, Any]:
         "model_loads": {k: int(v) for k, v in sorted(_by_label(LOADS, "outcome").items())},
         "model_loaded": engine.get("state") == "ready",
         "model_name": engine.get("model_id"),
+        "prefix_cache": prefix_cache_figures(engine),
     }
 
 
