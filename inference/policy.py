@@ -35,6 +35,7 @@ from gpu_engine.api.errors import InvalidParameter
 from gpu_engine.api.protocol import check_template_kwargs
 from inference.errors import OpenAIError
 from inference.protocol import ChatCompletionRequest, CompletionRequest
+from inference.protocol_responses import ResponsesRequest
 from inference.structured import SUPPORTED_TYPES
 from inference.tools import check_tools
 
@@ -126,6 +127,37 @@ UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
 }
 
 
+def _no_reasoning(value: Any, req: Any) -> bool:
+    # a reasoning effort of none (or the default, on a model that does not reason), no summary
+    return value is None or (
+        isinstance(value, dict)
+        and value.get("effort") in (None, "none")
+        and value.get("summary") is None
+        and value.get("generate_summary") is None
+    )
+
+
+# /v1/responses (inference.protocol_responses); its built-in tools, a tool_choice other than
+# none/auto/required/a function, and text.verbosity are refused by inference.responses,
+# naming the item
+UNHONOURED[ResponsesRequest] = (
+    Unhonoured(
+        "reasoning", 'the served model has no reasoning-effort control; only effort "none" is honoured', _no_reasoning
+    ),
+    Unhonoured("include", "none of the additional output data (logprobs, tool sources, …) is available", _one_of([])),
+    Unhonoured(
+        "truncation",
+        'truncation is not available; "disabled" (a 400 past the context) is honoured',
+        _one_of("disabled"),
+    ),
+    Unhonoured("prompt", "stored prompt templates are not available", _one_of()),
+    Unhonoured("conversation", "conversations are not available; chain responses with previous_response_id", _one_of()),
+    Unhonoured("context_management", "context management (compaction) is not available", _one_of()),
+    Unhonoured("moderation", "moderation of the input and output is not available", _one_of()),
+    Unhonoured("top_logprobs", "log-probabilities are not available on /v1/responses", _one_of(0)),
+)
+
+
 def refuse_unhonoured(data: dict[str, Any], req: BaseModel) -> None:
     """400 ``field_not_honoured`` for the first output-changing field ``data`` sends with a
     value this server cannot honour."""
@@ -183,7 +215,8 @@ def _key(name: str) -> str:
 
 
 def _walk(raw: dict[str, Any], parsed: BaseModel, path: str, checked: frozenset[str], out: list[str]) -> None:
-    fields = type(parsed).model_fields
+    # a field is sent under its alias where it has one (``text.format.schema``)
+    fields = {(info.alias or field): field for field, info in type(parsed).model_fields.items()}
     unread = parsed.unread_fields() if hasattr(parsed, "unread_fields") else frozenset()
     for name, value in raw.items():
         if name in checked:
@@ -193,7 +226,7 @@ def _walk(raw: dict[str, Any], parsed: BaseModel, path: str, checked: frozenset[
             # (a declared field's null is "not given", unread or not)
             out.append(location)
         else:
-            _descend(value, getattr(parsed, name), location, out)
+            _descend(value, getattr(parsed, fields[name]), location, out)
 
 
 def _descend(raw: Any, parsed: Any, location: str, out: list[str]) -> None:

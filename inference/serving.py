@@ -16,6 +16,7 @@ Its parts: a choice run and finished (``inference.outcomes``), the JSON body
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -85,20 +86,25 @@ async def answer_plan(
     return body, {**plan.headers, **probe_headers(plan, outcomes)}
 
 
-async def respond(plan: Plan, client: EngineClient, res: Resources) -> Any:
-    """Run the plan: a JSON response, or an SSE response that owns ``res`` from here."""
-    if not plan.request.stream:
-        body, headers = await answer_plan(plan, client)
-        return JsonResponse(body, headers=headers)
-    # Wait for the first event before answering, so a refusal the engine makes at the
-    # start (context length, a detached SAE) is a proper HTTP error, not a frame.
+async def open_stream(plan: Plan, client: EngineClient, res: Resources) -> AsyncIterator[bytes]:
+    """The plan's SSE frames (``stream_choices``), once the engine's first event came: a
+    refusal the engine makes at the start (context length, a detached SAE) is raised
+    here, a proper HTTP error rather than a frame. Whoever sends the frames owns ``res``."""
     res.loop = asyncio.get_running_loop()
     res.events = client.agenerate(plan.choices[0].job)
     first = await anext(res.events)
     if isinstance(first, ErrorEvent):
         raise openai_error_event(first.code, first.message, first.details)
     res.later = [Submitted(client.agenerate(choice.job)) for choice in plan.choices[1:]]
-    return SSEResponse(stream_choices(plan, client, res, first), on_close=res.release, headers=plan.headers)
+    return stream_choices(plan, client, res, first)
+
+
+async def respond(plan: Plan, client: EngineClient, res: Resources) -> Any:
+    """Run the plan: a JSON response, or an SSE response that owns ``res`` from here."""
+    if not plan.request.stream:
+        body, headers = await answer_plan(plan, client)
+        return JsonResponse(body, headers=headers)
+    return SSEResponse(await open_stream(plan, client, res), on_close=res.release, headers=plan.headers)
 
 
 def check_profile(req: ChatCompletionRequest | CompletionRequest, profile: str | None) -> None:
@@ -143,7 +149,11 @@ async def serve_generation(
     lease: str | None = None,
     ignored: list[str] | None = None,
     scope: Scope = EVERYONE,
+    answer: Callable[[Plan, EngineClient, Resources], Awaitable[Any]] = respond,
 ) -> Any:
+    """Serve one generation request. ``answer`` runs the plan (``respond``: chat and
+    completions; /v1/responses shapes its own answer, ``inference.responses_answer``); an
+    ``SSEResponse`` it returns owns the request's resources from there."""
     client = runtime().engine
     residency = runtime().residency
     status = await residency.status()
@@ -178,7 +188,7 @@ async def serve_generation(
             ignored_fields=ignored,
             scope=scope,
         )
-        response = await respond(plan, client, res)
+        response = await answer(plan, client, res)
         handed_over = isinstance(response, SSEResponse)
         return response
     finally:

@@ -1,6 +1,6 @@
 from django.urls import path, re_path
 
-from inference import responses_views, views
+from inference import responses_answer, responses_views, views
 
 app_name = "v1"
 
@@ -11,6 +11,7 @@ urlpatterns = [
     path("completions", views.completions, name="completions"),
     path("embeddings", views.embeddings, name="embeddings"),
     path("probes/score", views.probe_score, name="probes-score"),
+    path("responses", responses_answer.responses_create, name="responses"),
     # a stored response (Responses API; POST /v1/responses is the answer itself)
     path("responses/<str:response_id>", responses_views.response_detail, name="response"),
     path("responses/<str:response_id>/cancel", responses_views.response_cancel, name="response-cancel"),

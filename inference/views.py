@@ -46,10 +46,9 @@ LOAD_POLICY_HEADER = "X-miLLM-Load-Policy"
 LEASE_HEADER = "X-miLLM-Lease"
 
 
-def _body(request: HttpRequest, schema: type[BaseModel]) -> tuple[Any, list[str]]:
-    """The validated body and the locations of the fields it sent that nothing reads
-    (refused under ``X-miLLM-Strict``, as are fields that cannot be honoured)."""
-    strict = strict_mode(request.headers.get(STRICT_HEADER))
+def json_body(request: HttpRequest) -> dict[str, Any]:
+    """The request's JSON object: 415 for another content type, 413 past the size limit,
+    400 ``invalid_json`` for anything but a JSON object."""
     content_type = (request.content_type or "").lower()
     if content_type and content_type != "application/json" and not content_type.endswith("+json"):
         raise OpenAIError(
@@ -67,6 +66,14 @@ def _body(request: HttpRequest, schema: type[BaseModel]) -> tuple[Any, list[str]
         ) from None
     if not isinstance(data, dict):
         raise OpenAIError("The body must be a JSON object", status=400, code="invalid_json")
+    return data
+
+
+def _body(request: HttpRequest, schema: type[BaseModel]) -> tuple[Any, list[str]]:
+    """The validated body and the locations of the fields it sent that nothing reads
+    (refused under ``X-miLLM-Strict``, as are fields that cannot be honoured)."""
+    strict = strict_mode(request.headers.get(STRICT_HEADER))
+    data = json_body(request)
     try:
         req = schema.model_validate(data)
     except ValidationError as exc:
@@ -76,7 +83,7 @@ def _body(request: HttpRequest, schema: type[BaseModel]) -> tuple[Any, list[str]
     return req, check_fields(data=data, req=req, strict=strict)
 
 
-def _load_policy(request: HttpRequest) -> str:
+def load_policy(request: HttpRequest) -> str:
     value = (request.headers.get(LOAD_POLICY_HEADER) or "auto").strip().lower()
     if value not in LOAD_POLICIES:
         raise OpenAIError(
@@ -95,7 +102,7 @@ async def _generation(request: HttpRequest, kind: str, schema: type[BaseModel]):
     return await serve_generation(
         kind=kind,
         req=req,
-        policy=_load_policy(request),
+        policy=load_policy(request),
         lease=request.headers.get(LEASE_HEADER),
         ignored=ignored,
         scope=Scope.of_request(request),
@@ -116,7 +123,7 @@ async def completions(request: HttpRequest):
 async def embeddings(request: HttpRequest):
     req, ignored = _body(request, EmbeddingRequest)
     body, headers = await serve_embeddings(
-        req=req, ignored=ignored, policy=_load_policy(request), lease=request.headers.get(LEASE_HEADER)
+        req=req, ignored=ignored, policy=load_policy(request), lease=request.headers.get(LEASE_HEADER)
     )
     return JsonResponse(body, headers=headers)
 

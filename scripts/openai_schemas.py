@@ -23,6 +23,22 @@ ROOTS = [
     "ListModelsResponse",
     "Model",
     "ErrorResponse",
+    # /v1/responses: the Response object and the stream events it sends
+    "Response",
+    "ResponseCreatedEvent",
+    "ResponseInProgressEvent",
+    "ResponseOutputItemAddedEvent",
+    "ResponseContentPartAddedEvent",
+    "ResponseTextDeltaEvent",
+    "ResponseTextDoneEvent",
+    "ResponseContentPartDoneEvent",
+    "ResponseOutputItemDoneEvent",
+    "ResponseFunctionCallArgumentsDeltaEvent",
+    "ResponseFunctionCallArgumentsDoneEvent",
+    "ResponseCompletedEvent",
+    "ResponseIncompleteEvent",
+    "ResponseFailedEvent",
+    "ResponseErrorEvent",
 ]
 REPO = Path(__file__).resolve().parents[1]
 
