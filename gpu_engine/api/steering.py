@@ -21,6 +21,7 @@ from .fields import (
     PositionRange,
     check_fields,
 )
+from .vectors import ITEMSIZE, VECTOR_DTYPES, as_float32
 
 STEERING_MODES = ("add", "clamp", "scale", "ablate")
 STEERING_PHASES = ("all", "prompt", "completion")
@@ -99,6 +100,45 @@ class FeatureControl(msgspec.Struct, omit_defaults=True):
         return "\t".join(fields) + "\n"
 
 
+class SteeringVector(msgspec.Struct, omit_defaults=True):
+    """A raw vector sent with the request, added at its attachment's hook point:
+    ``strength · v`` on the rows its ``phase`` selects (``all``: every row; ``prompt``;
+    ``completion``). ``data``: the vector's bytes, little-endian ``dtype``
+    (``gpu_engine.api.vectors``); its width is checked against the hook's by the plan
+    builder."""
+
+    _where = "steering.vectors."
+
+    data: bytes
+    dtype: Literal[VECTOR_DTYPES] = "float32"  # type: ignore[valid-type]
+    strength: Annotated[float, STEERING_STRENGTH.meta] = 1.0
+    phase: Literal[STEERING_PHASES] = "all"  # type: ignore[valid-type]
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if not self.data:
+            raise InvalidParameter("steering.vectors.data is empty", param="steering.vectors.data")
+        as_float32(self.dtype, self.data, "steering.vectors.data")  # whole values, finite
+
+    @property
+    def width(self) -> int:
+        return len(self.data) // ITEMSIZE[self.dtype]
+
+    @property
+    def no_op(self) -> bool:
+        return self.strength == 0
+
+    def canonical_line(self, sae_id: str, layer: int) -> str:
+        """Its line of ``SteeringSpec.canonical_text``: the vector named by the SHA-256 of
+        its bytes as sent, with their dtype."""
+        digest = hashlib.sha256(self.data).hexdigest()
+        fields = [sae_id, str(layer), "vector", f"dtype={self.dtype}", f"sha256={digest}"]
+        fields.append(f"strength={_bits(self.strength)}")
+        if self.phase != "all":
+            fields.append(f"phase={self.phase}")
+        return "\t".join(fields) + "\n"
+
+
 def _bits(value: float) -> str:
     """16 hex digits of the IEEE-754 binary64 bits, big-endian (-0.0 written as 0)."""
     return struct.pack(">d", float(value) + 0.0).hex()
@@ -121,8 +161,10 @@ class SteeringEntry(msgspec.Struct, omit_defaults=True):
     layer: Index
     features: dict[Index, Annotated[float, STEERING_STRENGTH.meta]] = msgspec.field(default_factory=dict)
     controls: list[FeatureControl] = msgspec.field(default_factory=list)
+    vectors: list[SteeringVector] = msgspec.field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self.vectors = [SteeringVector(**v) if isinstance(v, Mapping) else v for v in self.vectors]
         # a mapping built from JSON-native values keys its indices by their text
         self.features = {
             int(k) if isinstance(k, str) and k.lstrip("-").isdigit() else k: v for k, v in dict(self.features).items()
@@ -144,7 +186,11 @@ class SteeringEntry(msgspec.Struct, omit_defaults=True):
         self.controls = controls
 
     def is_empty(self) -> bool:
-        return not self.features and not any(not c.no_op for c in self.controls)
+        return (
+            not self.features
+            and not any(not c.no_op for c in self.controls)
+            and not any(not v.no_op for v in self.vectors)
+        )
 
     @property
     def key(self) -> AttachmentKey:
@@ -174,7 +220,8 @@ class SteeringSpec(msgspec.Struct):
         return all(e.is_empty() for e in self.entries)
 
     def has_controls(self) -> bool:
-        return any(e.controls for e in self.entries)
+        # a vector gated to a phase runs as a control (per row)
+        return any(e.controls or any(v.phase != "all" for v in e.vectors) for e in self.entries)
 
     def canonical_text(self) -> str:
         """The applied set, one line per feature that changes something, in a form every
@@ -195,6 +242,9 @@ class SteeringSpec(msgspec.Struct):
             for c in e.controls:
                 if not c.no_op:
                     lines.append((e.sae_id.encode(), e.layer, c.index, c.canonical_line(e.sae_id, e.layer)))
+            for v in e.vectors:
+                if not v.no_op:  # sorted before the features of their attachment
+                    lines.append((e.sae_id.encode(), e.layer, -1, v.canonical_line(e.sae_id, e.layer)))
         return "".join(line for *_, line in sorted(lines))
 
     def canonical_hash(self) -> str:
@@ -235,5 +285,6 @@ __all__ = [
     "SteeringCondition",
     "SteeringEntry",
     "SteeringSpec",
+    "SteeringVector",
     "refuse_encoder_controls",
 ]

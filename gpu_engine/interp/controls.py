@@ -38,17 +38,19 @@ from dataclasses import dataclass
 import torch
 
 from ..api.protocol import FeatureControl
+from ..api.steering import SteeringVector
 from ..sae.module import SAE, SelectedEncoder
 
 # "no upper end" for a position range
 FAR = 2**62
 
 
-def control_range(control: FeatureControl, prompt_len: int) -> tuple[int, int]:
-    """The row positions ``[start, end)`` a control may steer: its phase (``prompt``: rows
-    below ``prompt_len``; ``completion``: the rows of generated tokens) and its window."""
+def control_range(control: FeatureControl | SteeringVector, prompt_len: int) -> tuple[int, int]:
+    """The row positions ``[start, end)`` a control (or a phased vector) may steer: its
+    phase (``prompt``: rows below ``prompt_len``; ``completion``: the rows of generated
+    tokens) and its window."""
     start, end = {"all": (0, FAR), "prompt": (0, prompt_len), "completion": (prompt_len, FAR)}[control.phase]
-    if control.window is not None:
+    if isinstance(control, FeatureControl) and control.window is not None:
         start = max(start, control.window.start)
         end = min(end, control.window.end if control.window.end is not None else FAR)
     return start, end
@@ -86,14 +88,36 @@ class ControlTable:
         return len(self.modes)
 
     @classmethod
-    def build(cls, controls: Sequence[FeatureControl], sae: SAE, *, prompt_len: int) -> ControlTable:
-        """One request's controls (slot 0); ``prompt_len`` places its phases."""
+    def build(
+        cls,
+        controls: Sequence[FeatureControl],
+        sae: SAE,
+        *,
+        prompt_len: int,
+        vectors: Sequence[tuple[SteeringVector, torch.Tensor]] = (),
+    ) -> ControlTable:
+        """One request's controls (slot 0); ``prompt_len`` places its phases. ``vectors``:
+        raw vectors gated to a phase, each with its direction already scaled by its
+        strength (``(d,)`` in the SAE dtype): adds of 1 along it (index -1 in records)."""
         dev, dt = sae.W_dec.device, sae.dtype
         feats = [c.index for c in controls]
         idx = torch.tensor(feats, dtype=torch.long, device=dev)
         rows = sae.W_dec.index_select(0, idx)
+        if vectors:
+            rows = torch.cat([rows, torch.stack([v for _, v in vectors]).to(device=dev, dtype=rows.dtype)])
+            idx = torch.cat([idx, torch.zeros(len(vectors), dtype=torch.long, device=dev)])
+            feats = [*feats, *(-1 for _ in vectors)]
+            controls = [*controls, *(v for v, _ in vectors)]
         alpha, beta, gamma, lo, hi = [], [], [], [], []
         for c in controls:
+            if isinstance(c, SteeringVector):
+                alpha.append(1.0)
+                beta.append(0.0)
+                gamma.append(0.0)
+                start, end = control_range(c, prompt_len)
+                lo.append(start)
+                hi.append(end)
+                continue
             v = float(c.value)
             a, b, g = {
                 "add": (v, 0.0, 0.0),
@@ -107,18 +131,19 @@ class ControlTable:
             start, end = control_range(c, prompt_len)
             lo.append(start)
             hi.append(end)
-        ablate = torch.tensor([c.mode == "ablate" for c in controls], device=dev)
+        modes = tuple("add" if isinstance(c, SteeringVector) else c.mode for c in controls)
+        ablate = torch.tensor([m == "ablate" for m in modes], dtype=torch.bool, device=dev)
         if bool(ablate.any()):
             unit = rows / rows.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(dt).tiny)
             rows = torch.where(ablate[:, None], unit, rows)
-        conds = [c.condition for c in controls]
+        conds = [None if isinstance(c, SteeringVector) else c.condition for c in controls]
 
         def vec(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         return cls(
             sae=sae,
-            modes=tuple(c.mode for c in controls),
+            modes=modes,
             indices=tuple(feats),
             slot=torch.zeros(len(controls), dtype=torch.long, device=dev),
             feat=idx,

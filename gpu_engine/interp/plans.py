@@ -23,7 +23,8 @@ import torch
 
 from ..api.errors import CaptureStoreFull, CaptureTooLarge, InvalidParameter, SAENotAttached
 from ..api.protocol import AttachmentKey, GenerationJob, LoadModelJob, MonitorEntry, SteeringEntry
-from ..api.steering import ENCODER_MODES, refuse_encoder_controls
+from ..api.steering import ENCODER_MODES, SteeringVector, refuse_encoder_controls
+from ..api.vectors import as_float32
 from ..sae.module import SAE
 from .capture import AttentionGeometry, CapturePlan, estimate_bytes
 from .controls import ControlTable, control_range
@@ -95,6 +96,14 @@ def check_request(
         sae.check_indices(entry.sae_id, triggers, "steering.features.condition.feature")
         if not sae.has_encoder:
             refuse_encoder_controls(entry)
+        for v in entry.vectors:
+            if v.width != sae.d_in:
+                raise InvalidParameter(
+                    f"an inline steering vector at {entry.sae_id!r} (layer {entry.layer}) is {v.width} wide; "
+                    f"the stream it is added to there is {sae.d_in} wide",
+                    param="steering.vectors.data",
+                    details={"sae_id": entry.sae_id, "layer": entry.layer, "width": v.width, "expected": sae.d_in},
+                )
         for c in entry.controls:
             if c.no_op:
                 continue
@@ -141,11 +150,20 @@ def build_hooks(
         if sae is None or entry.is_empty():
             continue
         plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
-        if entry.features:
-            plan.delta = sae.steering_delta(entry.features, dtype=dtype, device=device)
+        vectors = [(v, _vector(v, sae)) for v in entry.vectors if not v.no_op]
+        everywhere = [t for v, t in vectors if v.phase == "all"]
+        if entry.features or everywhere:
+            # summed in the SAE dtype and cast once, as the features' delta is
+            delta = (
+                sae.steering_delta(entry.features, dtype=sae.dtype, device=sae.W_dec.device) if entry.features else None
+            )
+            for t in everywhere:
+                delta = t if delta is None else delta + t
+            plan.delta = delta.to(device=device, dtype=dtype)  # type: ignore[union-attr]
         controls = [c for c in entry.controls if not c.no_op]
-        if controls:
-            plan.controls = ControlTable.build(controls, sae, prompt_len=n_prompt)
+        phased = [(v, t) for v, t in vectors if v.phase != "all"]
+        if controls or phased:
+            plan.controls = ControlTable.build(controls, sae, prompt_len=n_prompt, vectors=phased)
             plan.cols = (0, plan.controls.size)
     for mon in monitors:
         sae = saes.get(mon.key)
@@ -155,6 +173,12 @@ def build_hooks(
         mp = MonitorPlan(mon, sae, prompt_len=n_prompt)
         (plan.pre if mon.read_point == "pre_steering" else plan.post).append(mp)
     return RequestHooks(request_id, plans)
+
+
+def _vector(vector: SteeringVector, sae: SAE) -> torch.Tensor:
+    """``strength · v`` in the SAE dtype, on its device (checked: ``check_request``)."""
+    values = torch.from_numpy(as_float32(vector.dtype, vector.data, "steering.vectors.data").copy())
+    return values.to(device=sae.W_dec.device, dtype=sae.dtype) * vector.strength
 
 
 def request_hooks(

@@ -126,7 +126,11 @@ def steering_salt(
     if not args or not args["steering"]:
         return None
     canon: list[Any] = []
-    if any((c.get("phase") or "all") != "all" for e in args["steering"] for c in e.get("controls") or ()):
+    if any(
+        (c.get("phase") or "all") != "all"
+        for e in args["steering"]
+        for c in [*(e.get("controls") or ()), *(e.get("vectors") or ())]
+    ):
         canon.append(["prompt_len", n_prompt])
     for e in args["steering"]:
         key = (e["sae_id"], int(e["layer"]))
@@ -134,6 +138,9 @@ def steering_salt(
         item = [key[0], key[1], feats, generations.get(key, "")]
         if e.get("controls"):
             item.append(e["controls"])
+        if e.get("vectors"):
+            # inline vectors as sent (their bytes are base64 text in builtins)
+            item.append(e["vectors"])
         canon.append(item)
     canon.sort(key=lambda item: json.dumps(item, sort_keys=True))
     return "millm-steer-" + hashlib.sha256(json.dumps(canon).encode()).hexdigest()[:32]
