@@ -173,6 +173,25 @@ def test_steering_changes_the_answer_as_on_chat(relu, llama, openai_client):
     millm = json.loads(raw.text)["millm"]
     assert millm["steering"] == json.loads(chat.text)["millm"]["steering"]
     assert millm["steering"]["mode"] == "inline"
+    # streamed: the same text, and the millm object on the final Response
+    stream = _post(
+        llama, {"model": MODEL, "input": PROMPT, **common, "ignore_eos": True, "steering": steering, "stream": True}
+    )
+    events = [data for _, data in sse_events(stream)]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == steered.output_text
+    assert events[-1]["response"]["millm"]["steering"] == millm["steering"]
+    assert stream.headers["x-millm-steering"] == chat.headers["x-millm-steering"]
+
+
+def test_the_load_policy_and_the_errors_of_the_chat_path_apply(llama):
+    refuse = {"X-miLLM-Load-Policy": "refuse"}
+    body = {"model": "tiny-gpt2", "input": PROMPT, "max_output_tokens": 2}
+    assert_openai_error(_post(llama, body, headers=refuse), 409, "model_not_resident", "model")
+    assert_openai_error(_post(llama, {**body, "model": "no-such"}), 404, "model_not_found", "model")
+    assert_openai_error(
+        _post(llama, {**body, "model": MODEL, "profile": "no-such"}), 404, "profile_not_found", "profile"
+    )
+    assert llama.engine.status().model_id == "tiny-llama"
 
 
 # --------------------------------------------------------------------------- text.format
@@ -312,3 +331,57 @@ def test_neutral_values_pass_and_unread_fields_are_named(llama):
     assert resp.headers["x-millm-ignored-fields"] == '"user"'
     strict = _post(llama, body, headers={"X-miLLM-Strict": "true"})
     assert_openai_error(strict, 400, "unused_fields_refused", "user")
+
+
+async def _chunks(*blobs: bytes):
+    for blob in blobs:
+        yield blob
+
+
+def test_an_error_after_the_first_event_is_an_error_event_then_response_failed():
+    """The chat stream's error frame after a token (``openai_error_frame``, as
+    ``stream_choices`` sends it) becomes OpenAI's ``error`` event and ``response.failed``,
+    the failed Response stored with what was sent."""
+    import asyncio
+
+    from inference.errors import OpenAIError, openai_error_frame
+    from inference.protocol_responses import ResponsesRequest
+    from inference.responses_shape import response_skeleton
+    from inference.responses_stream import response_events
+
+    req = ResponsesRequest.model_validate({"model": MODEL, "input": PROMPT, "stream": True})
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"the"}}]}\n\n'
+    error = OpenAIError("the engine stopped", status=500, code="generation_failed", type="server_error")
+    saved: list[dict] = []
+
+    async def save(body):
+        saved.append(body)
+
+    async def run():
+        events = response_events(
+            response_skeleton(req, "resp_x", 1), _chunks(token, openai_error_frame(error)), model=MODEL, save=save
+        )
+        return b"".join([blob async for blob in events])
+
+    raw = Raw(200, {}, asyncio.run(run()))
+    events = sse_events(raw)
+    assert [name for name, _ in events] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "error",
+        "response.failed",
+    ]
+    for name, data in events:
+        assert_schema(EVENT_SCHEMAS[name], data)
+    assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
+    assert events[-2][1]["code"] == "generation_failed"
+    failed = events[-1][1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert failed["output"][0]["content"][0]["text"] == "the" and failed["output"][0]["status"] == "incomplete"
+    assert saved == [failed]
