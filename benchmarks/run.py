@@ -43,6 +43,11 @@ memory bandwidth itself, and turns everything into ratios:
                   the float32 load, batch 1
   compile         compiled_decode.py: TORCH_COMPILE=true against eager, KV_CACHE_MODE=static
                   against dynamic (batch 1, steered), each with its exact-token check
+  chat_turns      chat_turns.py (suite_chat_turns.py): a 10-turn chat through
+                  /v1/chat/completions streaming, the conversation resent each turn, on the
+                  transformers demo model and its GGUF (llama.cpp, where installed): the last
+                  turn's TTFT with the prefix cache on ÷ off (PREFIX_CACHE_MAX_MB 256 / 0),
+                  and the cache's hit rate
 
 A group whose backend is missing prints "not installed", one that failed prints "failed"
 with its log; nothing is left out of the table silently.  Written to ``--out`` (default
@@ -103,6 +108,7 @@ PLACEHOLDER = {
     "speculative": "speculative decoding against plain",
     "quantized": "Q8 / Q4 against fp32",
     "compile": "compiled against eager, static against dynamic KV cache",
+    "chat_turns": "10-turn chat, prefix cache on against off",
 }
 
 

@@ -10,6 +10,7 @@ import statistics
 
 from benchmarks.bandwidth import limit_tok_s, weight_bytes
 from benchmarks.harness import Ctx, Row, target
+from benchmarks.suite_chat_turns import group_chat_turns
 
 GROUPS = (
     "decode",
@@ -24,6 +25,7 @@ GROUPS = (
     "speculative",
     "quantized",
     "compile",
+    "chat_turns",
 )
 BATCHES = (1, 4, 8, 16)
 
@@ -477,6 +479,7 @@ RUNNERS = {
     "speculative": group_speculative,
     "quantized": group_quantized,
     "compile": group_compile,
+    "chat_turns": lambda ctx: group_chat_turns(ctx, llamacpp_missing()),
 }
 
 
