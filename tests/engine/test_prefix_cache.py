@@ -36,10 +36,10 @@ MODES = ["serial", "batched"]
 QUESTIONS = ["tell me about foxes", "and about dogs?", "which one is faster", "thanks, one more"]
 
 
-def _engine(tiny_assets, mode: str, mb: int, model: str = "tiny-llama") -> Engine:
+def _engine(tiny_assets, mode: str, mb: int, model: str = "tiny-llama", **options) -> Engine:
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4) if mode == "batched" else None)
     asset = tiny_assets.models[model]
-    options = {"prefix_cache_max_mb": mb}
+    options = {"prefix_cache_max_mb": mb, **options}
     eng.load_model(LoadModelJob(model, str(asset.path), dtype="float32", device="cpu", options=options))
     return eng
 
@@ -269,6 +269,24 @@ def test_a_sliding_window_model_gives_the_same_chat(engines, tiny_assets):
     got, widths = chat(engines("batched", 64, "tiny-gemma2"), 3)
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
     assert widths[2] < got[2].usage.prompt_tokens
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_static_kv_cache(tiny_assets, mode):
+    """KV_CACHE_MODE=static: the batch's fixed slab takes cached rows like any prefill; the
+    serial path's StaticCache does not use the prefix cache (it prefills every prompt)."""
+    made = [_engine(tiny_assets, mode, mb, kv_cache_mode="static") for mb in (0, 64)]
+    try:
+        expected, full = chat(made[0], 3)
+        got, widths = chat(made[1], 3)
+        assert [r.token_ids for r in got] == [r.token_ids for r in expected]
+        if mode == "batched":
+            assert all(w < f for w, f in zip(widths[1:], full[1:]))
+        else:
+            assert widths == full
+    finally:
+        for eng in made:
+            eng.shutdown()
 
 
 def ids_job(rid: str, ids: list[int]) -> GenerationJob:
