@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
+from asgiref.sync import async_to_sync
 from django.conf import settings
 from django.db import close_old_connections, connections, transaction
 from django.utils import timezone
@@ -150,7 +151,10 @@ def response_run(*, response_id: str, force: bool = False, stop: threading.Event
     if row is None:
         return "done"
     log.info("response_run_start", response_id=response_id, runner=runner)
-    return asyncio.run(_main(row, runner, stop))
+    # async_to_sync, not asyncio.run: the route's thread-sensitive database calls
+    # (sync_to_async) then run on this thread, whose connection its pool closes when the
+    # job ends, instead of on asgiref's process-wide thread, which would keep one open
+    return async_to_sync(_main)(row, runner, stop)
 
 
 async def _main(row: StoredResponse, runner: str, stop: threading.Event | None) -> str:
@@ -188,7 +192,13 @@ async def _answer(row: StoredResponse) -> dict[str, Any]:
         parse, answer_response = _api()
         req, ignored = parse(dict(row.request or {}))
         body, _headers = await answer_response(
-            req, scope=scope, policy=row.policy or "refuse", lease=row.lease or None, ignored=ignored
+            req,
+            scope=scope,
+            policy=row.policy or "refuse",
+            lease=row.lease or None,
+            ignored=ignored,
+            response_id=row.id,
+            created_at=row.body.get("created_at"),
         )
         return body
     except asyncio.CancelledError:
