@@ -254,3 +254,13 @@ def parse_responses_request(data: dict[str, Any], *, strict: bool = False) -> tu
     ignored = check_fields(data=data, req=req, strict=strict)
     check_chat(to_chat(req))  # the translated request's own checks, before anything runs
     return req, ignored
+
+
+def __getattr__(name: str) -> Any:
+    # ``answer_response`` lives with the route (it imports this module): reachable from
+    # here too, for the background runner (``inference.responses_runner``)
+    if name == "answer_response":
+        from inference.responses_answer import answer_response
+
+        return answer_response
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
