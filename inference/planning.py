@@ -25,6 +25,7 @@ from core.engine_client import EngineClient
 from core.runtime import runtime
 from core.version import version
 from gpu_engine.api.analysis import CaptureNeed, capture_spec_for
+from gpu_engine.api.steering import SteeringVector
 from gpu_engine.api.protocol import (
     AttachmentStatus,
     AttentionCaptureSpec,
@@ -44,6 +45,7 @@ from inference.protocol import (
     CompletionRequest,
     SamplingDefaults,
 )
+from inference.protocol_extensions import InlineVector
 from inference.residency import ModelRef
 from inference.tools import ToolPlan, tool_plan
 from monitoring.analysis import PreparedAnalysis, analysis_check_backend
@@ -58,6 +60,7 @@ from monitoring.services import (
     monitoring_request_entry,
 )
 from steering.live import live_copy
+from steering.inline_vectors import VectorAsk
 from steering.services import ResolvedSteering, steering_resolve_request
 
 
@@ -146,14 +149,33 @@ def off_view_thread(fn: Callable[..., Any]) -> Callable[..., Any]:
     return sync_to_async(run, thread_sensitive=False)
 
 
+def vector_asks(vectors: list[InlineVector], params: tuple[tuple[str, str], ...]) -> list[VectorAsk]:
+    """A request's inline vectors as the resolver places them; ``params``: the body
+    locations another tool's shape sent them at (miLLM's own: ``steering.vectors[i]``)."""
+    asks = []
+    for i, v in enumerate(vectors):
+        layer_param, data_param = (
+            params[i] if i < len(params) else (f"steering.vectors[{i}].layer", f"steering.vectors[{i}].data")
+        )
+        vector = SteeringVector(v.data.raw, v.data.dtype, v.strength, v.phase)
+        asks.append(VectorAsk(vector, v.data.width, v.layer, v.hook, layer_param, data_param))
+    return asks
+
+
 def steering_args(req: ChatCompletionRequest | CompletionRequest, profile: str | None) -> dict[str, Any]:
     """A request's ``steering``, ``profile`` and ``steering_intensity`` as
     ``steering_resolve_request`` takes them (here and in ``manage.py capture``)."""
     inline = req.steering
+    alias = req.steering_alias  # another tool's shape: its errors name its fields
     return {
         "inline_sae_id": inline.sae_id if inline is not None else None,
         # each feature as the engine's FeatureControl, its ranges checked by the body's model
         "inline_features": ([f.control() for f in inline.features] if inline is not None else None),
+        "inline_layer": inline.layer if inline is not None else None,
+        "inline_vectors": vector_asks(inline.vectors, alias.vector_params if alias is not None else ())
+        if inline is not None
+        else (),
+        "sae_param": (alias.sae_param if alias is not None else None) or "steering.sae_id",
         "profile": profile,
         "intensity": req.steering_intensity,
     }
@@ -240,6 +262,8 @@ async def plan_generation(
                             chat_template_kwargs=template_kwargs(req),
                             capture=capture,
                             tools=req.template_tools(),
+                            cache_namespace=req.cache_namespace,
+                            priority=req.priority,
                         ),
                     )
                 )
@@ -264,6 +288,8 @@ async def plan_generation(
                             steering=steering.spec,
                             monitor=monitor,
                             capture=capture,
+                            cache_namespace=req.cache_namespace,
+                            priority=req.priority,
                             **job_args,
                         ),
                         prompt_text=prompt if isinstance(prompt, str) else None,

@@ -241,8 +241,12 @@ def unused_fields(data: dict[str, Any], req: BaseModel) -> list[str]:
     """The locations of the fields ``data`` sends that nothing reads, in body order."""
     out: list[str] = []
     checked = frozenset(rule.name for rule in UNHONOURED.get(type(req), ()))
+    # the keys of another tool's steering shape were read as miLLM's (inference.steering_aliases)
+    alias = getattr(req, "steering_alias", None)
+    if alias is not None:
+        checked |= frozenset(alias.keys)
     _walk(data, req, "", checked, out)
-    return out
+    return out + list(alias.ignored if alias is not None else ())
 
 
 def _sf_string(value: str) -> str:

@@ -68,6 +68,8 @@ from inference.protocol_messages import (  # noqa: F401 - re-exported: the reque
     ToolCallFunction,
     ToolCallIn,
 )
+from inference.steering_aliases import AliasRecord
+from inference.steering_aliases import rewrite as rewrite_aliases
 from inference.structured import NAME_RE, structured_output
 
 
@@ -196,6 +198,8 @@ class _GenerationRequest(_Wire):
     profile: str | None = Field(default=None, min_length=1, max_length=200)
     steering: InlineSteering | None = None
     steering_intensity: float | None = None
+    # which steering shape of another tool the body used (``inference.steering_aliases``)
+    steering_alias: AliasRecord | None = None
     return_sae_activations: ReturnSaeActivations | None = None
     capture: CaptureRequest | None = None
     analyze: list[AnalyzeRequest] | None = Field(default=None, min_length=1, max_length=MAX_ANALYZERS)
@@ -209,6 +213,8 @@ class _GenerationRequest(_Wire):
     # inference.policy
     response_format: dict[str, Any] | None = None
 
+    # the steering shapes of other tools, as miLLM's own fields (docs/api-v1.md)
+    _aliases = model_validator(mode="before")(classmethod(lambda cls, data: rewrite_aliases(data)))
     _stop = field_validator("stop", mode="before")(classmethod(lambda cls, v: _stop(v)))
     _intensity = field_validator("steering_intensity", mode="before")(classmethod(lambda cls, v: _intensity(v)))
     _logit_bias = field_validator("logit_bias", mode="before")(classmethod(lambda cls, v: _logit_bias(v)))

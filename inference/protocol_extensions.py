@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from gpu_engine.api.fields import MAX_STEERING_STRENGTH
 from inference.protocol_base import MAX_ACTIVATION_FEATURES, MAX_ACTIVATION_TOP_K, _Strict
 from steering.rules import ControlInput
 
@@ -21,12 +22,61 @@ class SteeringFeature(ControlInput):
     the engine's ``FeatureControl`` (``control()``)."""
 
 
+class PackedVector:
+    """A decoded inline vector (``gpu_engine.api.vectors.unpack``): its dtype, the bytes as
+    sent and its width. Built by ``inference.steering_aliases`` from the request's packed
+    ``{dtype, shape, data}`` (or a JSON list), which names a malformed one's field."""
+
+    __slots__ = ("dtype", "raw", "width")
+
+    def __init__(self, dtype: str, raw: bytes, width: int) -> None:
+        self.dtype, self.raw, self.width = dtype, raw, width
+
+
+MAX_INLINE_VECTORS = 64
+
+
+class InlineVector(_Strict):
+    """``{data, layer?, hook?, strength?, phase?}``: ``strength · data`` added at the
+    attachment whose hook is at ``layer`` (``hook``: resid_post, the default, or
+    resid_pre; the attachment the steering object names when no layer is given), on the
+    rows ``phase`` selects (docs/steering.md, "Inline vectors")."""
+
+    model_config = {**_Strict.model_config, "arbitrary_types_allowed": True}
+
+    data: PackedVector
+    layer: int | None = Field(default=None, ge=0, le=100_000)
+    hook: Literal["resid_post", "resid_pre"] = "resid_post"
+    strength: float = Field(default=1.0, ge=-MAX_STEERING_STRENGTH, le=MAX_STEERING_STRENGTH)
+    phase: Literal["all", "prompt", "completion"] = "all"
+
+    @field_validator("data", mode="before")
+    @classmethod
+    def _decoded(cls, value: Any) -> Any:
+        if not isinstance(value, PackedVector):
+            # ``inference.steering_aliases`` decodes every vector before validation
+            raise ValueError("a vector is {dtype, shape, data} (base64) or a list of numbers")
+        return value
+
+
 class InlineSteering(_Strict):
-    """``{sae_id?, features: [{index, strength} | {index, mode, value, phase, window,
-    condition}]}``; ``features: []`` = explicitly unsteered."""
+    """``{sae_id?, layer?, features: [{index, strength} | {index, mode, value, phase,
+    window, condition}], vectors?: [{data, layer?, hook?, strength?, phase?}]}``;
+    ``features: []`` (and no vectors) = explicitly unsteered. ``layer`` picks the
+    attachment at that layer where several are attached (the shapes of other tools name
+    their SAE by layer)."""
 
     sae_id: str | None = Field(default=None, min_length=1, max_length=200)
-    features: list[SteeringFeature] = Field(max_length=4096)
+    layer: int | None = Field(default=None, ge=0, le=100_000)
+    features: list[SteeringFeature] = Field(default_factory=list, max_length=4096)
+    vectors: list[InlineVector] = Field(default_factory=list, max_length=MAX_INLINE_VECTORS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _asks(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "features" not in data and "vectors" not in data:
+            raise ValueError("steering needs features (or vectors); features: [] runs unsteered")
+        return data
 
 
 class PositionRange(_Strict):

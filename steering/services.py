@@ -17,6 +17,7 @@ clamped to ±200 per feature.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +32,7 @@ from gpu_engine.api.protocol import (
 )
 from steering import live, rules
 from steering.errors import ProfileIncompatible, ProfileNotFound, SteeringInvalid
+from steering.inline_vectors import VectorAsk, place_vectors
 from steering.models import Cluster, Profile
 from steering.selectors import attachment_choices, attachment_pick, profile_get_by_name
 
@@ -133,10 +135,24 @@ def _inline(
     features: Sequence[tuple[int, float] | FeatureControl],
     intensity: float | None,
     check_indices: bool,
+    layer: int | None = None,
+    vectors: Sequence[VectorAsk] = (),
+    sae_param: str = "steering.sae_id",
 ) -> ResolvedSteering:
     """Inline features: (index, strength) adds and ``FeatureControl``s.  The dial λ scales
-    what is added (plain and gated adds); clamp targets, scale factors and ablations are
-    levels, not amounts, and run as written."""
+    what is added (plain and gated adds, and inline vectors); clamp targets, scale factors
+    and ablations are levels, not amounts, and run as written."""
+    if vectors:
+        return _with_vectors(
+            attachments=attachments,
+            sae_id=sae_id,
+            layer=layer,
+            features=features,
+            vectors=vectors,
+            intensity=intensity,
+            check_indices=check_indices,
+            sae_param=sae_param,
+        )
     if not features:
         return EXPLICITLY_UNSTEERED
     # a plain add (an add at every position) counts as a feature, not a control
@@ -149,7 +165,7 @@ def _inline(
     indices = [index for index, _ in plain] + [c.index for c in controls]
     if len(set(indices)) != len(indices):
         raise SteeringInvalid("steering.features names a feature index twice", details={"param": "steering.features"})
-    att = attachment_pick(attachments=attachments, sae_id=sae_id, param="steering.sae_id")
+    att = attachment_pick(attachments=attachments, sae_id=sae_id, layer=layer, param=sae_param)
     if check_indices or intensity == 0:
         # the engine's plan check is otherwise the one range check of these indices (against
         # the SAE it holds): refuse here what it would refuse, where it will not see them
@@ -172,6 +188,63 @@ def _inline(
     # the values' ranges were checked where the request was read (or dialled into them)
     with prechecked():
         return _resolved("inline", att, values, header, intensity=intensity, controls=controls)
+
+
+def _with_vectors(
+    *,
+    attachments: Sequence[AttachmentStatus],
+    sae_id: str | None,
+    layer: int | None,
+    features: Sequence[tuple[int, float] | FeatureControl],
+    vectors: Sequence[VectorAsk],
+    intensity: float | None,
+    check_indices: bool,
+    sae_param: str,
+) -> ResolvedSteering:
+    """Inline features (at the attachment the object names) and raw vectors (at theirs,
+    ``steering.inline_vectors``) as one spec: an entry per attachment."""
+    placed = place_vectors(
+        attachments=attachments, asks=vectors, sae_id=sae_id, layer=layer, sae_param=sae_param, intensity=intensity
+    )
+    if intensity == 0:
+        return EXPLICITLY_UNSTEERED
+    entries: dict[tuple[str, int], SteeringEntry] = {}
+    if features:
+        base = _inline(
+            attachments=attachments,
+            sae_id=sae_id,
+            layer=layer,
+            features=features,
+            intensity=intensity,
+            check_indices=check_indices,
+            sae_param=sae_param,
+        )
+        entries.update({e.key: e for e in base.spec.entries} if base.spec is not None else {})
+    with prechecked():
+        for key, found in placed.items():
+            e = entries.get(key)
+            entries[key] = (
+                SteeringEntry(key[0], key[1], dict(e.features), list(e.controls), found)
+                if e
+                else SteeringEntry(key[0], key[1], vectors=found)
+            )
+    spec = SteeringSpec(list(entries.values()))
+    header = f"inline;vectors={len(vectors)};features={len(features)}"
+    if intensity is not None:
+        header += f";intensity={_fmt(intensity)}"
+    summaries = [_entry_summary(e) for e in spec.entries]
+    for summary, e in zip(summaries, spec.entries, strict=True):
+        summary["vectors"] = [
+            {
+                "dtype": v.dtype,
+                "width": v.width,
+                "strength": v.strength,
+                "phase": v.phase,
+                "sha256": hashlib.sha256(v.data).hexdigest(),
+            }
+            for v in e.vectors
+        ]
+    return ResolvedSteering(mode="inline", spec=spec, header=header, intensity=intensity, entries=summaries)
 
 
 def _cluster_as_profile(name: str) -> Profile | None:
@@ -314,6 +387,9 @@ def steering_resolve_request(
     model_name: str | None = None,
     inline_sae_id: str | None = None,
     inline_features: Sequence[tuple[int, float] | FeatureControl] | None = None,
+    inline_layer: int | None = None,
+    inline_vectors: Sequence[VectorAsk] = (),
+    sae_param: str = "steering.sae_id",
     profile: str | None = None,
     intensity: float | None = None,
     live_values: list[SteeringEntry] | None = None,
@@ -344,6 +420,9 @@ def steering_resolve_request(
             features=inline_features,
             intensity=intensity,
             check_indices=check_indices,
+            layer=inline_layer,
+            vectors=inline_vectors,
+            sae_param=sae_param,
         )
     if profile is not None:
         return _profile(attachments=attachments, name=profile, model_name=model_name, intensity=intensity)
