@@ -60,7 +60,7 @@ def check_scoring(req: ChatCompletionRequest | CompletionRequest) -> None:
         "top_k": req.top_k not in (None, -1, 0),
         "top_p": req.top_p not in (None, 1.0),
         "profile": req.profile is not None,
-        "steering": req.steering is not None and bool(req.steering.features),
+        "steering": req.steering is not None and bool(req.steering.features or req.steering.vectors),
         "steering_intensity": req.steering_intensity is not None,
         "return_sae_activations": req.return_sae_activations is not None,
         "capture": req.capture is not None,
