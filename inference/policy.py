@@ -34,7 +34,7 @@ from pydantic import BaseModel
 from gpu_engine.api.errors import InvalidParameter
 from gpu_engine.api.protocol import check_template_kwargs
 from inference.errors import OpenAIError
-from inference.protocol import ChatCompletionRequest, CompletionRequest
+from inference.protocol import SERVICE_TIERS, ChatCompletionRequest, CompletionRequest
 from inference.protocol_responses import ResponsesRequest
 from inference.structured import SUPPORTED_TYPES
 from inference.tools import check_tools
@@ -93,6 +93,14 @@ def _best_of_n(value: Any, req: Any) -> bool:
 # (inference.tools); the deprecated function-calling fields are not
 _TOOLS = "the deprecated function calling is not available; send tools and tool_choice"
 _FORMATS = "the response formats are text, json_object and json_schema"
+_TIERS = (
+    Unhonoured(
+        "service_tier",
+        'the tiers are "auto" and "default" (interactive) and "flex" (behind interactive work); '
+        "none runs ahead of interactive work",
+        _one_of(*SERVICE_TIERS),
+    ),
+)
 UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
     ChatCompletionRequest: (
         Unhonoured("functions", _TOOLS, _one_of([])),
@@ -108,18 +116,27 @@ UNHONOURED: dict[type[BaseModel], tuple[Unhonoured, ...]] = {
         ),
         Unhonoured("web_search_options", "web search is not available", _one_of()),
         Unhonoured("moderation", "moderation of the input and output is not available", _one_of()),
+        # OpenAI's values: none, minimal, low, medium, high, xhigh, max
         Unhonoured(
             "reasoning_effort",
             'the served model has no reasoning-effort control; only "none" is honoured',
             _one_of("none"),
         ),
+        # OpenAI's values: low, medium, high
         Unhonoured(
             "verbosity",
             'verbosity control is not available; "medium" (the model\'s own) is honoured',
             _one_of("medium"),
         ),
+        Unhonoured(
+            "store",
+            "stored chat completions are not available (there is no /v1/chat/completions/{id} to read them back)",
+            _one_of(False),
+        ),
+        *_TIERS,
     ),
     CompletionRequest: (
+        *_TIERS,
         Unhonoured("response_format", _FORMATS, _known_format),
         Unhonoured("suffix", "insertion (text after the completion) is not available", _one_of("")),
         Unhonoured("best_of", "ranking best_of candidates is not available; best_of must equal n", _best_of_n),
@@ -166,6 +183,19 @@ def refuse_unhonoured(data: dict[str, Any], req: BaseModel) -> None:
             raise OpenAIError(
                 f"{rule.name} cannot be honoured: {rule.why}", status=400, code="field_not_honoured", param=rule.name
             )
+
+
+def check_cache_key(req: BaseModel) -> None:
+    """``cache_salt`` (vLLM's name) is ``prompt_cache_key``'s alias: both sent and
+    different is 400 ``invalid_parameter`` naming ``cache_salt``."""
+    key, salt = getattr(req, "prompt_cache_key", None), getattr(req, "cache_salt", None)
+    if key is not None and salt is not None and key != salt:
+        raise OpenAIError(
+            "cache_salt is prompt_cache_key's alias: send one of them, or the same value in both",
+            status=400,
+            code="invalid_parameter",
+            param="cache_salt",
+        )
 
 
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
@@ -278,6 +308,7 @@ def check_fields(*, data: dict[str, Any], req: BaseModel, strict: bool) -> list[
     """The request's field policy, before anything runs: refuses what cannot be honoured,
     and under ``strict`` what nothing reads; returns the unused locations otherwise."""
     refuse_unhonoured(data, req)
+    check_cache_key(req)
     if hasattr(req, "structured"):
         req.structured()  # 400 response_format_unsupported, before anything is loaded
     if isinstance(req, ChatCompletionRequest):

@@ -75,6 +75,15 @@ from inference.structured import NAME_RE, structured_output
 
 class StreamOptions(_Wire):
     include_usage: bool = False
+    # OpenAI's default is true; miLLM pads only when asked (``inference.streaming``)
+    include_obfuscation: bool = False
+
+
+# service_tier: "auto" and "default" are what every request gets; "flex" runs at the
+# engine's batch priority (behind interactive work); "priority", "fast" and "scale" are
+# refused by inference.policy (no tier above interactive)
+SERVICE_TIERS = {"auto": "default", "default": "default", "flex": "flex"}
+MAX_CACHE_KEY = 256  # GenerationJob.cache_namespace's limit
 
 
 def _intensity(value: Any) -> float | None:
@@ -212,6 +221,11 @@ class _GenerationRequest(_Wire):
     # constrained decoding (inference.structured); the unsupported types are refused by
     # inference.policy
     response_format: dict[str, Any] | None = None
+    # the prefix cache's namespace (GenerationJob.cache_namespace); cache_salt is vLLM's
+    # name for the same thing (both given: equal)
+    prompt_cache_key: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_KEY)
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=MAX_CACHE_KEY)
+    service_tier: str | None = None
 
     # the steering shapes of other tools, as miLLM's own fields (docs/api-v1.md)
     _aliases = model_validator(mode="before")(classmethod(lambda cls, data: rewrite_aliases(data)))
@@ -220,6 +234,23 @@ class _GenerationRequest(_Wire):
     _logit_bias = field_validator("logit_bias", mode="before")(classmethod(lambda cls, v: _logit_bias(v)))
     # one analyzer ({name, params}) or a list of them
     _analyze = field_validator("analyze", mode="before")(classmethod(lambda cls, v: [v] if isinstance(v, dict) else v))
+
+    @property
+    def cache_namespace(self) -> str | None:
+        return self.prompt_cache_key if self.prompt_cache_key is not None else self.cache_salt
+
+    @property
+    def answered_tier(self) -> str | None:
+        """The ``service_tier`` an answer echoes (only when the request sent one)."""
+        return None if self.service_tier is None else SERVICE_TIERS.get(self.service_tier)
+
+    @property
+    def priority(self) -> str:
+        return "batch" if self.service_tier == "flex" else "interactive"
+
+    @property
+    def obfuscate(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_obfuscation)
 
     @field_validator("allowed_token_ids")
     @classmethod
@@ -242,8 +273,11 @@ class _GenerationRequest(_Wire):
     def unread_fields(self) -> frozenset[str]:
         # OpenAI: "only set this when you set stream: true"
         unread = frozenset() if self.stream else frozenset({"stream_options"})
+        if self.allowed_token_ids is not None:
+            # scoring mode: one forward pass, no prefix cache, answered at once
+            return unread | {"prompt_cache_key", "cache_salt"}
         # keys top_logprobs of scoring mode only
-        return unread if self.allowed_token_ids is not None else unread | {"return_tokens_as_token_ids"}
+        return unread | {"return_tokens_as_token_ids"}
 
     @property
     def include_usage(self) -> bool:

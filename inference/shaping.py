@@ -203,6 +203,7 @@ def build_body(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
         wants = bool(getattr(plan.request, "logprobs", False))
         return wire.ChatCompletion(
             **common,
+            service_tier=plan.request.answered_tier,
             choices=[
                 wire.ChatChoice(
                     index=out.choice.index,

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
+import string
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -147,21 +149,41 @@ class Resources:
 def _chunk(
     plan: Plan, choices: list[Any], *, usage: wire.Usage | None = None, millm: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    model = wire.ChatCompletionChunk if plan.kind == "chat" else wire.Completion
-    data = model(
-        id=plan.object_id,
-        created=plan.created,
-        model=plan.model.name,
-        system_fingerprint=plan.fingerprint,
-        choices=choices,
-        usage=usage,
-        millm=millm,
-    ).dump()
+    common: dict[str, Any] = {
+        "id": plan.object_id,
+        "created": plan.created,
+        "model": plan.model.name,
+        "system_fingerprint": plan.fingerprint,
+        "choices": choices,
+        "usage": usage,
+        "millm": millm,
+    }
+    if plan.kind == "chat":
+        data = wire.ChatCompletionChunk(**common, service_tier=plan.request.answered_tier).dump()
+    else:
+        data = wire.Completion(**common).dump()
     if plan.request.include_usage:
         data.setdefault("usage", None)  # null on every chunk but the usage one
     else:
         data.pop("usage", None)
+    if plan.request.obfuscate and choices:
+        data["obfuscation"] = obfuscation(data)
     return data
+
+
+OBFUSCATION_BLOCK = 64
+_OBFUSCATION_ALPHABET = string.ascii_letters + string.digits
+# ',"obfuscation":""' — what the field adds to the compact JSON besides its characters
+_OBFUSCATION_OVERHEAD = 17
+
+
+def obfuscation(data: dict[str, Any]) -> str:
+    """``stream_options.include_obfuscation``: random characters that pad the chunk's
+    compact JSON to a multiple of ``OBFUSCATION_BLOCK`` bytes (at least one), so a
+    delta's size on the wire no longer tells its text's length within a block."""
+    size = len(json.dumps(data, separators=(",", ":")).encode()) + _OBFUSCATION_OVERHEAD + 1
+    pad = 1 + (-size) % OBFUSCATION_BLOCK
+    return "".join(secrets.choice(_OBFUSCATION_ALPHABET) for _ in range(pad))
 
 
 def _token_choice(

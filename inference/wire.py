@@ -128,7 +128,7 @@ class ChatChoice(_Body):
 
 
 class ChatCompletion(_Body):
-    OMIT_IF_NONE = frozenset({"millm"})
+    OMIT_IF_NONE = frozenset({"millm", "service_tier"})
 
     id: str
     object: Literal["chat.completion"] = "chat.completion"
@@ -137,6 +137,8 @@ class ChatCompletion(_Body):
     system_fingerprint: str
     choices: list[ChatChoice]
     usage: Usage
+    # the tier that served it, when the request sent service_tier (as OpenAI answers)
+    service_tier: str | None = None
     millm: dict[str, Any] | None = None
 
 
@@ -156,7 +158,7 @@ class ChatChunkChoice(_Body):
 
 
 class ChatCompletionChunk(_Body):
-    OMIT_IF_NONE = frozenset({"millm"})
+    OMIT_IF_NONE = frozenset({"millm", "service_tier"})
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -165,6 +167,7 @@ class ChatCompletionChunk(_Body):
     system_fingerprint: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None  # present (null until the last chunk) with include_usage
+    service_tier: str | None = None
     millm: dict[str, Any] | None = None
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 
 ROOTS = [
+    "CreateChatCompletionRequest",
     "CreateChatCompletionResponse",
     "CreateChatCompletionStreamResponse",
     "CreateCompletionResponse",

@@ -56,9 +56,10 @@ UNUSED_CHAT = {
     ],
     "user": "u-1",
     "metadata": {"k": "v"},
-    "store": False,
+    "safety_identifier": "s-1",
     "frobnicate": None,
     # read (neutral values ask for what the server does anyway)
+    "store": False,
     "tools": [],
     "tool_choice": "none",
     "logit_bias": {},
@@ -73,7 +74,7 @@ UNUSED_CHAT_FIELDS = [
     "messages[1].content[0].cache_control",
     "user",
     "metadata",
-    "store",
+    "safety_identifier",
     "frobnicate",
 ]
 
@@ -106,7 +107,7 @@ def test_streamed_answers_carry_the_header(llama):
     body = {**UNUSED_CHAT, "stream": True, "stream_options": {"include_usage": True, "include_obfuscation": False}}
     resp = request(llama.base_url, "POST", "/chat/completions", body)
     assert resp.status == 200 and resp.events()[-1] == "[DONE]"
-    assert ignored(resp) == [*UNUSED_CHAT_FIELDS, "stream_options.include_obfuscation"]
+    assert ignored(resp) == UNUSED_CHAT_FIELDS  # include_obfuscation is read
     completion = request(
         llama.base_url,
         "POST",
@@ -239,6 +240,9 @@ NOT_HONOURED = [
     ("/chat/completions", "moderation", {"model": "omni-moderation-latest"}),
     ("/chat/completions", "reasoning_effort", "low"),
     ("/chat/completions", "verbosity", "high"),
+    ("/chat/completions", "store", True),
+    ("/chat/completions", "service_tier", "priority"),
+    ("/completions", "service_tier", "scale"),
     ("/completions", "suffix", " and the sky"),
     ("/completions", "best_of", 3),
     ("/embeddings", "dimensions", 8),
@@ -280,6 +284,8 @@ def test_neutral_values_change_nothing_and_pass(llama, openai_client):
         "reasoning_effort": "none",
         "verbosity": "medium",
         "top_logprobs": 0,
+        "store": False,
+        "service_tier": "auto",
     }
     resp = request(llama.base_url, "POST", "/chat/completions", {**CHAT, **neutral}, headers={STRICT: "true"})
     assert resp.status == 200, resp.body[:300]

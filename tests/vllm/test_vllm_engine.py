@@ -252,6 +252,39 @@ def test_a_steered_request_does_not_reuse_an_unsteered_prefix(vllm_engine, hf_en
     assert cached == 0
 
 
+def test_a_cache_namespace_reuses_only_its_own_prefix(vllm_engine):
+    """``GenerationJob.cache_namespace`` (/v1's ``prompt_cache_key``) is vLLM's cache salt:
+    a prompt computed under one namespace is reused only under the same namespace (and the
+    same steering), never by the shared namespace or another one."""
+    block = vllm_engine.backend.engine.vllm_config.cache_config.block_size
+    words = "a long road runs by the river and the hills where the old mill stood ".split()
+    text = " ".join(words[i % len(words)] for i in range(3 * block))
+    ids = vllm_engine.backend.encode_text(text)[: 2 * block + 10]
+    batch = vllm_engine._scheduler.backend
+
+    def run(rid: str, namespace=None, steer=None) -> int:
+        job = GenerationJob(
+            rid,
+            prompt_token_ids=ids,
+            steering=SteeringSpec.from_mapping(steer) if steer else None,
+            sampling=SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
+            cache_namespace=namespace,
+        )
+        vllm_engine.generate_sync(job)
+        return batch.cached_tokens[rid]
+
+    run("ns-shared")
+    assert run("ns-shared-again") >= block  # control: the shared namespace hits
+    assert run("ns-a", "tenant-a") == 0  # not the shared namespace's blocks
+    assert run("ns-a-again", "tenant-a") >= block
+    assert run("ns-b", "tenant-b") == 0
+    assert run("ns-shared-after") >= block
+    steering = {L1: {3: 8.0, 17: -5.0}}
+    assert run("ns-a-steered", "tenant-a", steering) == 0  # namespace and steering both isolate
+    assert run("ns-a-steered-again", "tenant-a", steering) >= block
+    assert run("ns-b-steered", "tenant-b", steering) == 0
+
+
 def test_embeddings_are_refused_and_top_k_scores_match(vllm_engine, hf_engine):
     with pytest.raises(InvalidParameter) as err:
         vllm_engine.embed(EmbedJob("e", ["hello"]))

@@ -77,7 +77,8 @@ class VllmSequence(Sequence):
         if extra and (extra["monitor"] or extra["capture"] is not None or wire.keeps_gates(extra)):
             self.cache_salt: str | None = f"millm-watch-{self.vllm_id}"
         else:
-            self.cache_salt = wire.steering_salt(extra, backend._generation, n_prompt=len(prompt_ids))
+            steer = wire.steering_salt(extra, backend._generation, n_prompt=len(prompt_ids))
+            self.cache_salt = wire.namespaced_salt(steer, job.cache_namespace)
         if job.sampling.structured is not None:
             # the grammar's end is an EOS token (vLLM's grammar ends on its request's stop
             # tokens): it ends the request there, ignore_eos or not, as on transformers

@@ -146,6 +146,16 @@ def steering_salt(
     return "millm-steer-" + hashlib.sha256(json.dumps(canon).encode()).hexdigest()[:32]
 
 
+def namespaced_salt(salt: str | None, namespace: str | None) -> str | None:
+    """The prefix-cache salt of a request in a cache namespace (``GenerationJob.cache_namespace``,
+    /v1's ``prompt_cache_key``): a hash of the namespace and of its steering salt, so its KV
+    is reused only by requests under the same namespace and the same steering. ``salt``
+    unchanged without a namespace."""
+    if namespace is None:
+        return salt
+    return "millm-ns-" + hashlib.sha256(json.dumps([namespace, salt]).encode()).hexdigest()[:32]
+
+
 def records_from(raw: list[Any]) -> list[ActivationRecord]:
     return [from_builtins(r, ActivationRecord) for r in raw]
 
