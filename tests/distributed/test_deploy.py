@@ -112,6 +112,7 @@ def test_kubernetes_manifests():
         ("millm-worker.service", "celery -A millm_site worker"),
         ("millm-analysis.service", "celery -A millm_site worker -Q analysis"),
         ("millm-batches.service", "celery -A millm_site worker -Q batches"),
+        ("millm-responses.service", "celery -A millm_site worker -Q responses"),
         ("millm-engine.service", "manage.py run_engine"),
     ],
 )
