@@ -253,6 +253,14 @@ def test_the_stream_adds_up_to_the_answer_in_openais_event_order(llama, openai_c
     assert final.output_text == text and final.incomplete_details.reason == "max_output_tokens"
     assert final.usage.model_dump() == whole.usage.model_dump()
     assert final.id == events[0].response.id and events[0].response.status == "in_progress"
+    # the client's stream helper rebuilds a completed Response from the events (stopped
+    # inside the text: the helper takes only response.completed as an end)
+    stopped = {"ignore_eos": True, "stop": [whole.output_text[3:6]]}
+    with openai_client.responses.stream(**common, extra_body=stopped) as stream:
+        text = "".join(e.delta for e in stream if e.type == "response.output_text.delta")
+        rebuilt = stream.get_final_response()
+    assert rebuilt.status == "completed" and text == rebuilt.output_text
+    assert whole.output_text.startswith(text) and len(text) < len(whole.output_text)
     # raw: each event's ``event:`` line names its type, each validates against OpenAI's schema
     raw = _post(llama, {**common, "stream": True, "ignore_eos": True})
     assert raw.status == 200 and raw.headers["content-type"].startswith("text/event-stream")
