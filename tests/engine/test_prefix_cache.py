@@ -284,6 +284,8 @@ def test_the_static_kv_cache(tiny_assets, mode):
             assert all(w < f for w, f in zip(widths[1:], full[1:]))
         else:
             assert widths == full
+            caps = made[1].status().batching["capabilities"]
+            assert "static KV cache" in caps["prefix_caching_reason"]
     finally:
         for eng in made:
             eng.shutdown()

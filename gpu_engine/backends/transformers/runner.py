@@ -265,7 +265,13 @@ class TransformersRunner:
             kernel_probe=self.kernel_probe,
             # PREFIX_CACHE_MAX_MB (docs/engine.md, "Prefix cache")
             prefix_caching=self.prefix_cache.enabled,
-            prefix_caching_reason=None if self.prefix_cache.enabled else "PREFIX_CACHE_MAX_MB is 0",
+            prefix_caching_reason=(
+                "PREFIX_CACHE_MAX_MB is 0"
+                if not self.prefix_cache.enabled
+                else "the serial path's static KV cache does not use it (the batched path does)"
+                if self.static_kv
+                else None
+            ),
         )
 
     def structured_grammars(self) -> Any:
