@@ -158,6 +158,7 @@ def _no_reasoning(value: Any, req: Any) -> bool:
 # none/auto/required/a function, and text.verbosity are refused by inference.responses,
 # naming the item
 UNHONOURED[ResponsesRequest] = (
+    *_TIERS,
     Unhonoured(
         "reasoning", 'the served model has no reasoning-effort control; only effort "none" is honoured', _no_reasoning
     ),

@@ -323,6 +323,10 @@ class ResponsesRequest(_Wire):
     reasoning: dict[str, Any] | None = None
     include: list[str] | None = None
     truncation: str | None = None
+    # as on chat: the prefix cache's namespace, and the tier (refused above interactive
+    # by inference.policy)
+    prompt_cache_key: Any = None
+    service_tier: str | None = None
     # sampling extras, checked as the chat request checks them
     seed: Any = None
     stop: Any = None
@@ -364,6 +368,8 @@ class ResponsesRequest(_Wire):
 
 # extension and sampling fields handed to the chat request as they are
 PASSED = (
+    "prompt_cache_key",
+    "service_tier",
     "seed",
     "stop",
     "top_k",

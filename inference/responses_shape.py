@@ -10,6 +10,7 @@ import time
 import uuid
 from typing import Any
 
+from inference.protocol import SERVICE_TIERS
 from inference.protocol_responses import FunctionTool, ResponsesRequest, ToolChoiceFunction
 
 
@@ -66,6 +67,7 @@ def response_skeleton(req: ResponsesRequest, response_id: str, created_at: int) 
         "tool_choice": _tool_choice(req),
         "truncation": "disabled",
         "metadata": dict(req.metadata or {}),
+        **({} if req.service_tier is None else {"service_tier": SERVICE_TIERS.get(req.service_tier)}),
         # usage: none until the end (OpenAI's schema has no null for it)
     }
 

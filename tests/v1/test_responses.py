@@ -92,6 +92,8 @@ def test_a_stopped_answer_is_completed_and_its_body_is_openais_response(llama, o
         "stop": [stop],
         "metadata": {"run": "a"},
         "store": False,
+        "service_tier": "flex",  # behind interactive work: the same answer
+        "prompt_cache_key": "responses-test",
     }
     resp = _post(llama, body)
     assert resp.status == 200, resp.body[:300]
@@ -100,6 +102,7 @@ def test_a_stopped_answer_is_completed_and_its_body_is_openais_response(llama, o
     assert out["status"] == "completed" and out["incomplete_details"] is None and out["error"] is None
     assert out["output"][0]["content"] == [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     assert out["metadata"] == {"run": "a"} and out["store"] is False and out["completed_at"] >= out["created_at"]
+    assert out["service_tier"] == "flex"
     assert resp.headers["x-millm-backend"] and "x-millm-ignored-fields" not in resp.headers
     assert "millm" not in out  # no extension used
 
@@ -301,6 +304,8 @@ BAD = [
     ({"reasoning": {"effort": "high"}}, "field_not_honoured", "reasoning"),
     ({"include": ["message.output_text.logprobs"]}, "field_not_honoured", "include"),
     ({"truncation": "auto"}, "field_not_honoured", "truncation"),
+    ({"service_tier": "priority"}, "field_not_honoured", "service_tier"),
+    ({"prompt_cache_key": ""}, "invalid_parameter", "prompt_cache_key"),
     ({"prompt": {"id": "pmpt_1"}}, "field_not_honoured", "prompt"),
     ({"conversation": "conv_1"}, "field_not_honoured", "conversation"),
     ({"text": {"format": {"type": "json_schema", "schema": SCHEMA}}}, "invalid_parameter", "text.format"),
