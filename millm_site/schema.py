@@ -217,3 +217,14 @@ def _add_batch_and_probe_paths(paths: dict[str, Any], error: dict[str, Any]) -> 
     paths["/v1/probes/score"] = {
         "post": op("probes_score", "Score text with linear probes on SAE features", body=json_body)
     }
+    # a stored response of the Responses API (docs/api-v1.md, "Responses API")
+    paths["/v1/responses/{response_id}"] = {
+        "get": op("response", "A stored response", params=("response_id",)),
+        "delete": op("response_delete", "Delete a stored response", params=("response_id",)),
+    }
+    paths["/v1/responses/{response_id}/cancel"] = {
+        "post": op("response_cancel", "Cancel a background response", params=("response_id",))
+    }
+    paths["/v1/responses/{response_id}/input_items"] = {
+        "get": op("response_input_items", "A stored response's input items", params=("response_id",))
+    }
