@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -179,8 +179,16 @@ class PrefixCache:
     ``lookup`` stays valid for its holder even if the entry is evicted meanwhile (the
     cache only drops its reference)."""
 
-    def __init__(self, max_bytes: int) -> None:
+    def __init__(
+        self, max_bytes: int, *, max_entries: int | None = None, on_drop: Callable[[Any], None] | None = None
+    ) -> None:
         self.max_bytes = max(0, int(max_bytes))
+        # a backend whose entries are scarce handles (llama.cpp: KV sequence ids) caps
+        # their number, and is handed each dropped entry's payload to free it (``on_drop``,
+        # called outside the lock for every entry superseded, evicted or cleared)
+        self.max_entries = max_entries
+        self.on_drop = on_drop
+        self._dropped: list[Any] = []
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str, tuple[int, ...]], _Entry] = OrderedDict()
         self._bytes = 0
@@ -190,9 +198,9 @@ class PrefixCache:
         self._clears = 0
 
     @classmethod
-    def from_mb(cls, mb: Any) -> PrefixCache:
-        """A cache of ``mb`` MiB (None: ``DEFAULT_MAX_MB``)."""
-        return cls(int((DEFAULT_MAX_MB if mb is None else float(mb)) * 1024 * 1024))
+    def from_mb(cls, mb: Any, **kw: Any) -> PrefixCache:
+        """A cache of ``mb`` MiB (None: ``DEFAULT_MAX_MB``); ``kw``: ``max_entries``, ``on_drop``."""
+        return cls(int((DEFAULT_MAX_MB if mb is None else float(mb)) * 1024 * 1024), **kw)
 
     @property
     def enabled(self) -> bool:
@@ -249,7 +257,13 @@ class PrefixCache:
         than the budget, or already covered)."""
         if not self.enabled or not tokens or nbytes > self.max_bytes:
             return False
-        ns, t = namespace or "", tuple(tokens)
+        try:
+            return self._store(namespace, key, tuple(tokens), payload, int(nbytes))
+        finally:
+            self._release()
+
+    def _store(self, namespace: str | None, key: str, t: tuple[int, ...], payload: Any, nbytes: int) -> bool:
+        ns = namespace or ""
         with self._lock:
             for k, entry in list(self._entries.items()):
                 if k[0] != ns or k[1] != key:
@@ -262,7 +276,9 @@ class PrefixCache:
             self._entries[(ns, key, t)] = _Entry(t, payload, int(nbytes))
             self._bytes += int(nbytes)
             self._stores += 1
-            while self._bytes > self.max_bytes:
+            while self._bytes > self.max_bytes or (
+                self.max_entries is not None and len(self._entries) > self.max_entries
+            ):
                 self._drop(next(iter(self._entries)))
                 self._evictions += 1
             return True
@@ -270,14 +286,36 @@ class PrefixCache:
     def _drop(self, k: tuple[str, str, tuple[int, ...]]) -> None:
         entry = self._entries.pop(k)
         self._bytes -= entry.nbytes
+        self._dropped.append(entry.payload)
+
+    def _release(self) -> None:
+        """Hand the dropped entries' payloads to ``on_drop``, outside the lock."""
+        with self._lock:
+            dropped, self._dropped = self._dropped, []
+        if self.on_drop is not None:
+            for payload in dropped:
+                self.on_drop(payload)
+
+    def evict_lru(self) -> bool:
+        """Drop the least recently used entry (counted as an eviction): a backend that
+        needs its room back (llama.cpp: a decode with no free KV cell).  False: none."""
+        with self._lock:
+            if not self._entries:
+                return False
+            self._drop(next(iter(self._entries)))
+            self._evictions += 1
+        self._release()
+        return True
 
     def clear(self) -> None:
         """Forget every entry (a model load or unload, an attachment change)."""
         with self._lock:
             if self._entries:
                 self._clears += 1
+            self._dropped.extend(e.payload for e in self._entries.values())
             self._entries.clear()
             self._bytes = 0
+        self._release()
 
     @property
     def nbytes(self) -> int:

@@ -324,6 +324,7 @@ def test_backends_without_capture_refuse_analyzers_before_generation(backend, pr
                 steering_mode="eval_callback_per_row",
                 steering_mode_reason="",
                 hook_points=("resid_post", "resid_pre"),
+                prefix=SimpleNamespace(enabled=False),
             )
         )
         refused, taken = (tracker,), (hidden,)

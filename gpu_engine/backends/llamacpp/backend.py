@@ -44,6 +44,7 @@ from ...api.protocol import (
     ScoreResult,
     Usage,
 )
+from ...decode.prefix_cache import CachePlan
 from ...sae.hookpoints import DEFAULT_HOOK_POINT
 from ...api.capabilities import Capabilities
 from .batched import (
@@ -63,6 +64,7 @@ from .native import (
 )
 from .taps import ATTN_OUT, EMBD, FFN_OUT, LAYER_OUT, EvalTaps, node_name
 from .options import KV_BYTES, KV_MEMORY_SHARE, check_options
+from .prefix import ResidentPrefixCache
 from .tokens import ChatTemplate, LlamaTokenizer, grammar_vocabulary
 
 DEFAULT_N_BATCH = 512
@@ -162,6 +164,10 @@ class LlamaCppBackend:
             self.steering_forwards = {"control_vector": 0, "eval_callback": 0, "control_vector_swap": 0}
             self.context: NativeContext | None = None
             self._rows = 0
+            # PREFIX_CACHE_MAX_MB: stored prompt KV, resident in the context (prefix.py)
+            self.prefix = ResidentPrefixCache(self, opts["prefix_cache_max_mb"])
+            # the bookkeeping the runtime plans requests against and reads status from
+            self.prefix_cache = self.prefix.cache
             self._open_context(1)
             self.steering_mode, self.steering_mode_reason = self._choose_steering_mode()
         except BaseException:
@@ -194,14 +200,15 @@ class LlamaCppBackend:
 
     def _open_context(self, rows: int) -> None:
         """A context for ``rows`` batch rows plus one scratch sequence (serial generation,
-        embeddings, scores); the KV cache holds a full window per sequence while memory
-        allows, else what fits."""
+        embeddings, scores), then the prefix cache's slots; the KV cache holds a full
+        window per live sequence while memory allows, else what fits (the prefix cache
+        lives in the cells they leave free)."""
         n_seq = rows + 1
         budget = int(available_memory() * KV_MEMORY_SHARE / self._kv_bytes_per_token())
         n_ctx = max(min(self.context_length * n_seq, budget), self.context_length)
         settings = ContextSettings(
             n_ctx=n_ctx,
-            n_seq=n_seq,
+            n_seq=n_seq + self.prefix.n_slots,
             n_batch=DEFAULT_N_BATCH,
             kv_type=self.opts["kv"],
             flash_attention=self.opts["flash_attention"],
@@ -213,6 +220,7 @@ class LlamaCppBackend:
             old.close()
         self.context = NativeContext(self.native, settings, self.taps.callback, self.taps.user_data)
         self._rows = rows
+        self.prefix.reset(n_seq)
 
     @property
     def scratch_seq(self) -> int:
@@ -301,6 +309,9 @@ class LlamaCppBackend:
             control_vectors=True,
             native_eval_filter=self.taps.native_filter,
             hook_points=list(self.hook_points),
+            # PREFIX_CACHE_MAX_MB: stored prompt KV reused by later prompts (prefix.py)
+            prefix_caching=self.prefix.enabled,
+            prefix_caching_reason=None if self.prefix.enabled else "PREFIX_CACHE_MAX_MB=0",
         )
 
     @property
@@ -398,10 +409,12 @@ class LlamaCppBackend:
     def attach(self, attachment: Any) -> None:
         self.attachment_stats[attachment.key] = attachment.stats
         self.attachment_points[attachment.key] = attachment.hook_point
+        self.prefix.clear()  # stored KV names SAEs by id: another one may take the id
 
     def detach(self, key: AttachmentKey) -> None:
         self.attachment_stats.pop(key, None)
         self.attachment_points.pop(key, None)
+        self.prefix.clear()
 
     # ------------------------------------------------------------------ generation
 
@@ -414,9 +427,10 @@ class LlamaCppBackend:
         request_hooks: Any,
         emit: Any,
         should_stop: Any,
+        prefix_plan: CachePlan | None = None,
     ) -> Sequence:
         self._check_steering(request_hooks)
-        return Sequence(
+        seq = Sequence(
             self,
             request_id=job.request_id,
             prompt_ids=prompt_ids,
@@ -426,6 +440,8 @@ class LlamaCppBackend:
             emit=emit,
             should_stop=should_stop,
         )
+        self.prefix.admit(seq, prefix_plan)
+        return seq
 
     def batch_runner(self, *, max_rows: int) -> LlamaBatchRunner:
         if max_rows != self._rows:
@@ -442,6 +458,7 @@ class LlamaCppBackend:
         request_hooks: Any,
         should_stop: Any,
         emit: Any,
+        prefix_plan: CachePlan | None = None,
     ) -> Any:
         self._check_steering(request_hooks)
         seq = Sequence(
@@ -454,6 +471,7 @@ class LlamaCppBackend:
             emit=emit,
             should_stop=should_stop,
         )
+        self.prefix.admit(seq, prefix_plan)  # None (a direct caller): no prefix cache
         runner = LlamaBatchRunner(self, max_rows=1, seq_ids=[self.scratch_seq])
         with torch.inference_mode():
             run_serial(runner, seq, should_stop)
@@ -476,7 +494,7 @@ class LlamaCppBackend:
             for off in range(0, len(ids), n_batch):
                 part = ids[off : off + n_batch]
                 toks = [(t, off + i, sid, True) for i, t in enumerate(part)]
-                self.taps.run(None, lambda toks=toks: ctx.decode(toks))
+                self.taps.run(None, lambda toks=toks: self.prefix.decode(toks))
                 rows = list(range(len(part)))
                 chunks.append(ctx.embeddings_rows(rows) if embeddings else ctx.logits_rows(rows))
         finally:

@@ -304,7 +304,8 @@ class LlamaBatchRunner:
             if layers or qk or staged or nodes
             else None
         )
-        backend.taps.run(fplan, lambda: self.ctx.decode(tokens))
+        # a KV with no free cell for ``tokens`` drops prefix cache entries first (prefix.py)
+        backend.taps.run(fplan, lambda: backend.prefix.decode(tokens))
         if fplan is not None:
             applied |= fplan.applied
         if staged:
@@ -336,12 +337,17 @@ class LlamaBatchRunner:
             seq.row = self.router.add(seq.hooks)  # type: ignore[attr-defined]
             self.ctx.seq_clear(seq.seq_id)  # type: ignore[attr-defined]
         try:
+            for seq in seqs:
+                # the prefix cache's cells for the prompt's longest stored prefix (prefix.py)
+                seq.kv_reused = self.backend.prefix.reuse(seq)  # type: ignore[attr-defined]
             for group in by_signature(seqs).values() if self.swap else [seqs]:
                 self._prefill(group, logits, echo)
         except BaseException:
             for seq in seqs:
                 self._release(seq)
             raise
+        for seq in seqs:
+            seq.kv_ready = True  # type: ignore[attr-defined]  # its KV: the prompt, then each fed token
         for seq in seqs:
             if seq.sampling.prompt_logprobs:
                 seq.echo_logprobs(torch.from_numpy(np.concatenate(echo[id(seq)], axis=0)))
@@ -360,11 +366,12 @@ class LlamaBatchRunner:
     ) -> None:
         """The prompts of ``seqs`` through the model, packed into decodes of up to n_batch
         tokens: each one's last-position logits into ``logits`` (by ``id``), its prompt
-        logits into ``echo`` where it asked for prompt logprobs."""
+        logits into ``echo`` where it asked for prompt logprobs.  A prompt the prefix cache
+        gave a prefix of (``kv_reused`` tokens) prefills from there, at its own positions."""
         n_batch = self.ctx.settings.n_batch
         last_layer = self.backend.num_layers - 1
         # (sequence, offset into its prompt) still to prefill, in order
-        queue = [(s, 0) for s in seqs]
+        queue = [(s, getattr(s, "kv_reused", 0)) for s in seqs]
         while queue:
             tokens: list[tuple[int, int, int, bool]] = []
             parts: list[tuple[Sequence, int, int, int]] = []
@@ -445,7 +452,12 @@ class LlamaBatchRunner:
             pos = s.n_prompt + len(s.generated) - 1
             tokens.append((s.last_token, pos, s.seq_id, True))  # type: ignore[attr-defined]
             parts.append((s, i, i + 1, pos))
-        self._forward(parts, tokens)
+        try:
+            self._forward(parts, tokens)
+        except BaseException:
+            for s in rows:
+                s.kv_ready = False  # type: ignore[attr-defined]  # not offered to the prefix cache
+            raise
         self.steps += 1
         logits = torch.from_numpy(self.ctx.logits_rows(list(range(len(rows)))))
         finished = []
@@ -458,6 +470,7 @@ class LlamaBatchRunner:
     def _release(self, seq: Sequence) -> None:
         sid = getattr(seq, "seq_id", -1)
         if sid >= 0:
+            self.backend.prefix.keep(seq)  # its KV stored for later prompts (prefix.py)
             self.ctx.seq_clear(sid)
             self._free_ids.append(sid)
             seq.seq_id = -1  # type: ignore[attr-defined]

@@ -289,6 +289,11 @@ class NativeContext:
     def clear(self) -> None:
         lc.llama_memory_clear(self.mem, True)
 
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Positions ``p0..p1-1`` of sequence ``src`` become ``dst``'s too: the unified KV
+        cache adds ``dst`` to the cells' owners, nothing is copied (the prefix cache)."""
+        lc.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
     # ---- control vectors
     def set_cvec(self, key: object, data: np.ndarray | None, il_start: int = 1, il_end: int = -1) -> None:
         """Set the context's control vector (``data``: (n_layer - 1, n_embd) float32 for

@@ -13,6 +13,8 @@ Load options (``LoadModelJob.options``, from the site's GGUF_* settings):
 - ``steering_mode`` (GGUF_STEERING_MODE): ``auto`` (the self-check decides) or
   ``control_vector_swap`` (the fallback, forced).
 - ``gguf_file``: which file of a directory holding several.
+- ``prefix_cache_max_mb`` (PREFIX_CACHE_MAX_MB): the prefix cache's budget in MiB
+  (``prefix.py``); 0 or absent = off.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
                 param="options.tensor_split",
             )
         split = check_tensor_split(split, n_gpu)
+    cache_mb = o.get("prefix_cache_max_mb", 0)
+    if cache_mb < 0:
+        raise InvalidParameter("PREFIX_CACHE_MAX_MB must be >= 0", param="options.prefix_cache_max_mb")
     steering_mode = o.get("steering_mode", "auto")
     if steering_mode not in STEERING_MODE_OPTIONS:
         raise InvalidParameter(
@@ -94,6 +99,8 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
         "embeddings": bool(o.get("enable_embeddings", True)),
         "gguf_file": o.get("gguf_file") or None,
         "steering_mode": steering_mode,
+        # MiB; 0 (and absent: an engine-level load) off (gpu_engine/decode/prefix_cache.py)
+        "prefix_cache_max_mb": cache_mb,
     }
 
 
