@@ -21,6 +21,8 @@ from inference.protocol_extensions import (
     ReturnSaeActivations,
 )
 from inference.protocol_messages import MAX_TOOLS
+from inference.steering_aliases import AliasRecord
+from inference.steering_aliases import rewrite as rewrite_aliases
 from inference.structured import NAME_RE
 
 MAX_INPUT_ITEMS = 4096
@@ -326,6 +328,7 @@ class ResponsesRequest(_Wire):
     # as on chat: the prefix cache's namespace, and the tier (refused above interactive
     # by inference.policy)
     prompt_cache_key: Any = None
+    cache_salt: Any = None  # vLLM's name for it (both: equal, inference.policy)
     service_tier: str | None = None
     # sampling extras, checked as the chat request checks them
     seed: Any = None
@@ -336,6 +339,7 @@ class ResponsesRequest(_Wire):
     frequency_penalty: Any = None
     logit_bias: Any = None
     stop_token_ids: Any = None
+    ignore_eos: Any = None
     # miLLM extensions, as on chat
     profile: str | None = Field(default=None, min_length=1, max_length=200)
     steering: InlineSteering | None = None
@@ -345,6 +349,11 @@ class ResponsesRequest(_Wire):
     analyze: list[AnalyzeRequest] | None = Field(default=None, min_length=1, max_length=MAX_ANALYZERS)
     probes: list[str | ProbeAsk] | None = Field(default=None, max_length=MAX_PROBES)
     chat_template_kwargs: dict[str, Any] | None = None
+    # which steering shape of another tool the body used (``inference.steering_aliases``)
+    steering_alias: AliasRecord | None = None
+
+    # the steering shapes of other tools (vllm_xargs, EasySteer, …) as on chat
+    _aliases = model_validator(mode="before")(classmethod(lambda cls, data: rewrite_aliases(data)))
 
     _metadata = field_validator("metadata", mode="before")(classmethod(lambda cls, v: _metadata(v)))
     _analyze = field_validator("analyze", mode="before")(classmethod(lambda cls, v: [v] if isinstance(v, dict) else v))
@@ -369,6 +378,8 @@ class ResponsesRequest(_Wire):
 # extension and sampling fields handed to the chat request as they are
 PASSED = (
     "prompt_cache_key",
+    "cache_salt",
+    "ignore_eos",
     "service_tier",
     "seed",
     "stop",

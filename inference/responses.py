@@ -173,9 +173,11 @@ def to_chat(req: ResponsesRequest, chain: list[Any] | None = None) -> ChatComple
         if value is not None:
             chat[name] = value
     try:
-        return ChatCompletionRequest.model_validate(chat)
+        out = ChatCompletionRequest.model_validate(chat)
     except ValidationError as exc:
         raise rename(openai_error_from_validation(exc)) from None
+    # another tool's steering shape was read on the Responses body: its errors name its fields
+    return out if req.steering_alias is None else out.model_copy(update={"steering_alias": req.steering_alias})
 
 
 # chat's parameter names → the Responses request's

@@ -184,6 +184,11 @@ def test_steering_changes_the_answer_as_on_chat(relu, llama, openai_client):
     assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == steered.output_text
     assert events[-1]["response"]["millm"]["steering"] == millm["steering"]
     assert stream.headers["x-millm-steering"] == chat.headers["x-millm-steering"]
+    # another tool's shape (vLLM's vllm_xargs, a JSON string) is read as on chat
+    xargs = {"steering": json.dumps(steering), "ngram_size": 30}
+    aliased = _post(llama, {"model": MODEL, "input": PROMPT, **common, "ignore_eos": True, "vllm_xargs": xargs})
+    assert aliased.json()["output"][0]["content"][0]["text"] == steered.output_text
+    assert aliased.headers["x-millm-ignored-fields"] == '"vllm_xargs.ngram_size"'
 
 
 def test_the_load_policy_and_the_errors_of_the_chat_path_apply(llama):
