@@ -1,12 +1,13 @@
 from django.urls import path, re_path
 
-from inference import responses_answer, responses_views, views
+from inference import capabilities, responses_answer, responses_views, views
 
 app_name = "v1"
 
 urlpatterns = [
     path("models", views.models, name="models"),
     path("models/<path:model_id>", views.model_detail, name="model"),
+    path("capabilities", capabilities.capabilities, name="capabilities"),
     path("chat/completions", views.chat_completions, name="chat-completions"),
     path("completions", views.completions, name="completions"),
     path("embeddings", views.embeddings, name="embeddings"),

@@ -34,6 +34,7 @@ from core.engine_options import interactive_slots
 from core.errors import NotReady
 from core.schema import enveloped
 from core.version import version
+from inference.capabilities import batching_enabled, served_capabilities
 from leases.selectors import lease_live, lease_out
 from orchestration.services import model_jobs_reap
 from registry.models import Job, Model
@@ -325,7 +326,7 @@ class InferenceHealthView(APIView):
         engine = engine_snapshot()
         # what the engine actually runs (its own report), else what the settings ask for
         engine_batching = engine.get("batching") or {}
-        batching = bool(engine_batching.get("enabled", settings.ENABLE_CONTINUOUS_BATCHING))
+        batching = batching_enabled(engine)
         slots = interactive_slots(engine.get("backend") or "none")
         return envelope(
             {
@@ -353,13 +354,8 @@ class InferenceHealthView(APIView):
                 "queue": inference_figures(),
                 # as the loaded backend reports them (empty while nothing is loaded), plus
                 # what the web tier itself provides
-                "capabilities": {
-                    "streaming": True,
-                    # the loaded backend says (SPECULATIVE_MODEL on the transformers backend)
-                    "speculative_decoding": False,
-                    **engine_batching.get("capabilities", {}),
-                    "continuous_batching": batching,
-                },
+                # one builder with /v1/capabilities, so the two never disagree
+                "capabilities": served_capabilities(engine),
                 "limitations": []
                 if batching
                 else ["serial backend: one generation at a time, others wait in the queue"],
