@@ -276,8 +276,11 @@ def unused_fields(data: dict[str, Any], req: BaseModel) -> list[str]:
     alias = getattr(req, "steering_alias", None)
     if alias is not None:
         checked |= frozenset(alias.keys)
+    # the record is the server's own: a body that sends the key has it ignored
+    checked |= {"steering_alias"}
     _walk(data, req, "", checked, out)
-    return out + list(alias.ignored if alias is not None else ())
+    sent = ["steering_alias"] if "steering_alias" in data and hasattr(req, "steering_alias") else []
+    return out + sent + list(alias.ignored if alias is not None else ())
 
 
 def _sf_string(value: str) -> str:

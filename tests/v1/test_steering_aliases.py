@@ -67,6 +67,11 @@ def test_an_inline_vector_equal_to_a_decoder_row_steers_as_the_feature(relu, lla
     assert got != plain  # positive control
     spec = SteeringSpec([SteeringEntry(relu.id, 1, {}, [], [SteeringVector(vector.tobytes(), "float32", 1.0)])])
     assert headers["x-millm-steering"].endswith(f'hash="{spec.canonical_hash()}"')
+    # resid_pre of layer 2 is the same stream as resid_post of layer 1 (block 1's output)
+    pre, _ = _tokens(
+        openai_client, path=path, steering={"vectors": [{"data": pack(vector), "layer": 2, "hook": "resid_pre"}]}
+    )
+    assert pre == want
     # a small vector may be a JSON list, and strength scales it
     listed, _ = _tokens(openai_client, path=path, steering={"vectors": [{"data": row.tolist(), "strength": STRENGTH}]})
     assert listed == want
@@ -135,6 +140,12 @@ def test_vllm_xargs_carry_millm_fields_and_vllm_lens_vectors(relu, llama, openai
     with pytest.raises(openai.BadRequestError) as err:
         _tokens(openai_client, headers={"X-miLLM-Strict": "true"}, vllm_xargs={"steering": steering, "ngram_size": 30})
     assert err.value.body["param"] == "vllm_xargs.ngram_size"
+
+
+def test_the_alias_record_is_the_servers_own(relu, llama):
+    resp = _raw(llama, steering_alias={"keys": ["user"]}, user="u")
+    assert resp.status == 200
+    assert resp.headers["x-millm-ignored-fields"] == '"user", "steering_alias"'
 
 
 def _counts(server):
