@@ -104,14 +104,18 @@ class OtherContent(_Wire):
 def _part_kind(value: Any) -> str | None:
     if isinstance(value, dict):
         kind = value.get("type")
-        return "text" if kind in ("input_text", "output_text") else "other" if isinstance(kind, str) else None
+        return "<text>" if kind in ("input_text", "output_text") else "<other>" if isinstance(kind, str) else None
     return None
 
 
 ContentPart = Annotated[
-    Annotated[TextContent, Tag("text")] | Annotated[OtherContent, Tag("other")],
+    Annotated[TextContent, Tag("<text>")] | Annotated[OtherContent, Tag("<other>")],
     Discriminator(_part_kind, custom_error_type="invalid_part", custom_error_message="a content part needs a type"),
 ]
+
+
+def _parts(value: Any) -> Any:
+    return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
 
 
 class MessageItem(_Wire):
@@ -120,14 +124,14 @@ class MessageItem(_Wire):
 
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[ContentPart]
+    content: list[ContentPart]  # a string is one text part
     id: str | None = Field(default=None, max_length=200)
     status: str | None = None
 
+    _content = field_validator("content", mode="before")(classmethod(lambda cls, v: _parts(v)))
+
     @property
     def text(self) -> str:
-        if isinstance(self.content, str):
-            return self.content
         return "".join(p.text for p in self.content if isinstance(p, TextContent))
 
 
@@ -147,14 +151,14 @@ class FunctionCallOutputItem(_Wire):
 
     type: Literal["function_call_output"]
     call_id: str = Field(min_length=1, max_length=200)
-    output: str | list[ContentPart]
+    output: list[ContentPart]  # a string is one text part
     id: str | None = Field(default=None, max_length=200)
     status: str | None = None
 
+    _output = field_validator("output", mode="before")(classmethod(lambda cls, v: _parts(v)))
+
     @property
     def text(self) -> str:
-        if isinstance(self.output, str):
-            return self.output
         return "".join(p.text for p in self.output if isinstance(p, TextContent))
 
 
@@ -167,17 +171,17 @@ def _item_kind(value: Any) -> str | None:
         return None
     kind = value.get("type")
     if kind is None and "role" in value:
-        return "message"  # EasyInputMessage's type is optional
+        return "<message>"  # EasyInputMessage's type is optional
     if kind in ("message", "function_call", "function_call_output"):
-        return kind
-    return "other" if isinstance(kind, str) else None
+        return f"<{kind}>"
+    return "<other>" if isinstance(kind, str) else None
 
 
 InputItem = Annotated[
-    Annotated[MessageItem, Tag("message")]
-    | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
-    | Annotated[OtherItem, Tag("other")],
+    Annotated[MessageItem, Tag("<message>")]
+    | Annotated[FunctionCallItem, Tag("<function_call>")]
+    | Annotated[FunctionCallOutputItem, Tag("<function_call_output>")]
+    | Annotated[OtherItem, Tag("<other>")],
     Discriminator(
         _item_kind,
         custom_error_type="invalid_item",
@@ -218,12 +222,12 @@ def _tool_kind(value: Any) -> str | None:
         return None
     kind = value.get("type")
     if kind == "function":
-        return "function"
-    return "builtin" if kind in BUILTIN_TOOL_TYPES else None
+        return "<function>"
+    return "<builtin>" if kind in BUILTIN_TOOL_TYPES else None
 
 
 ResponsesTool = Annotated[
-    Annotated[FunctionTool, Tag("function")] | Annotated[BuiltinTool, Tag("builtin")],
+    Annotated[FunctionTool, Tag("<function>")] | Annotated[BuiltinTool, Tag("<builtin>")],
     Discriminator(
         _tool_kind,
         custom_error_type="invalid_tool",
@@ -242,6 +246,26 @@ class ToolChoiceOther(_Wire):
     """allowed_tools, a hosted tool, mcp, custom: refused by ``inference.policy``."""
 
     type: str
+
+
+def _choice_kind(value: Any) -> str | None:
+    if isinstance(value, str):
+        return "<mode>"
+    if isinstance(value, dict):
+        return "<function>" if value.get("type") == "function" else "<other>"
+    return None
+
+
+ToolChoice = Annotated[
+    Annotated[Literal["none", "auto", "required"], Tag("<mode>")]
+    | Annotated[ToolChoiceFunction, Tag("<function>")]
+    | Annotated[ToolChoiceOther, Tag("<other>")],
+    Discriminator(
+        _choice_kind,
+        custom_error_type="invalid_tool_choice",
+        custom_error_message='tool_choice is "none", "auto", "required" or {"type": "function", "name"}',
+    ),
+]
 
 
 class TextFormat(_Wire):
@@ -314,7 +338,7 @@ class ResponsesRequest(_Wire):
     top_p: float | None = Field(default=None, **TOP_P.bounds())
     text: TextConfig | None = None
     tools: list[ResponsesTool] | None = Field(default=None, max_length=MAX_TOOLS)
-    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | ToolChoiceOther | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     stream: bool = False
     store: bool = True

@@ -70,9 +70,9 @@ def check_items(items: list[Any], where: str = "input") -> None:
                     raise refuse(part.type, f"{where}[{i}].{field}[{j}].type", part.type in OPENAI_PART_TYPES)
         if isinstance(item, MessageItem) and isinstance(item.content, list):
             for j, part in enumerate(item.content):
-                if isinstance(part, TextContent) and (part.type == "output_text") != (item.role == "assistant"):
+                if isinstance(part, TextContent) and part.type == "output_text" and item.role != "assistant":
                     raise OpenAIError(
-                        f"{where}[{i}].content[{j}]: output_text belongs to assistant messages, input_text to the others",
+                        f"{where}[{i}].content[{j}]: output_text belongs to assistant messages",
                         status=400,
                         code="invalid_parameter",
                         param=f"{where}[{i}].content[{j}].type",

@@ -289,6 +289,14 @@ BAD = [
         "input[0].content[0].type",
     ),
     ({"input": [42]}, "invalid_parameter", "input[0]"),
+    ({"input": [{"type": "message", "content": "x"}]}, "invalid_parameter", "input[0].role"),
+    (
+        {"input": [{"role": "user", "content": [{"type": "input_text"}]}]},
+        "invalid_parameter",
+        "input[0].content[0].text",
+    ),
+    ({"input": [{"type": "function_call_output", "output": "3"}]}, "invalid_parameter", "input[0].call_id"),
+    ({"tool_choice": {"type": "function"}}, "invalid_parameter", "tool_choice.name"),
     ({"input": []}, "invalid_parameter", "input"),
     (
         {"input": [{"role": "user", "content": [{"type": "output_text", "text": "x"}]}]},
