@@ -146,6 +146,23 @@ def test_input_items_are_the_chat_messages_they_name(llama, openai_client):
         max_tokens=8,
     )
     assert follow.output_text == chained.output_text == text
+    # instructions are not carried over by previous_response_id (OpenAI's rule): the
+    # chained request without them reads the first request's input items only
+    first = openai_client.responses.create(
+        model=MODEL, instructions=SYSTEM, input="the sea", max_output_tokens=4, temperature=0
+    )
+    again = openai_client.responses.create(
+        model=MODEL, previous_response_id=first.id, input="and the sky", max_output_tokens=6, temperature=0
+    )
+    history = [
+        {"role": "user", "content": "the sea"},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "and the sky"},
+    ]
+    without, _ = _chat_text(openai_client, history, max_tokens=6)
+    with_system, _ = _chat_text(openai_client, [{"role": "system", "content": SYSTEM}, *history], max_tokens=6)
+    assert again.output_text == without and again.instructions is None
+    assert with_system != without  # a positive control: the instructions would change it
 
 
 @pytest.fixture
