@@ -19,6 +19,7 @@ from gpu_engine.api.steering import SteeringVector
 from gpu_engine.api.vectors import pack
 from tests.engine.helpers import RefSAE
 from tests.v1.helpers import assert_openai_error, request
+from tests.v1.test_batches import batch_server  # noqa: F401 - fixture
 from tests.v1.test_steering import PROMPT, relu  # noqa: F401 - fixture
 
 STRENGTH = 12.0
@@ -214,3 +215,34 @@ def test_two_shapes_are_named_both(relu, llama):
     resp = _raw(llama, steering={"features": []}, steering_vectors={"post_block": {"1": [1.0]}})
     message = assert_openai_error(resp, 400, "invalid_parameter", "steering_vectors")["message"]
     assert "steering and steering_vectors" in message
+
+
+def test_batch_lines_take_the_shapes_and_refuse_what_cannot_be_mapped(relu, batch_server, openai_client, row):
+    from tests.v1.test_batches import output, upload, wait_status
+
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    packed = {**pack(row[None, :]), "layer_indices": [1], "scales": [STRENGTH]}
+    rows = [
+        {
+            "custom_id": "fork",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {**body, "steering_vectors": {"post_block": packed}},
+        },
+        {
+            "custom_id": "bad",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {**body, "steering_vectors": {"post_mlp": packed}},
+        },
+    ]
+    batch = openai_client.batches.create(
+        input_file_id=upload(openai_client, rows).id, endpoint="/v1/completions", completion_window="24h"
+    )
+    done = wait_status(openai_client, batch.id, ("completed", "failed"))
+    lines = {x["custom_id"]: x for x in output(openai_client, done.output_file_id)}
+    lines.update({x["custom_id"]: x for x in output(openai_client, done.error_file_id)})
+    want, _ = _tokens(openai_client, **_native_feature())
+    assert lines["fork"]["response"]["body"]["choices"][0]["text"] == want
+    bad = lines["bad"]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "steering_vectors.post_mlp"
