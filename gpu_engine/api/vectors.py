@@ -80,14 +80,14 @@ def unpack(value: Any, param: str, *, max_rows: int = 1) -> tuple[str, np.ndarra
         or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in shape)
     ):
         raise _bad(f"{param}.shape must be [d] or [rows, d] of positive integers", f"{param}.shape")
-    rows, width = (1, shape[0]) if len(shape) == 1 else (shape[0], shape[1])
-    if rows > max_rows:
-        raise _bad(f"{param}.shape: at most {max_rows} row(s) here (got {rows})", f"{param}.shape")
+    n_rows, width = (1, shape[0]) if len(shape) == 1 else (shape[0], shape[1])
+    if n_rows > max_rows:
+        raise _bad(f"{param}.shape: at most {max_rows} row(s) here (got {n_rows})", f"{param}.shape")
     if width > MAX_VECTOR_WIDTH:
         raise _bad(f"{param}.shape: a vector is at most {MAX_VECTOR_WIDTH} wide (got {width})", f"{param}.shape")
     if not isinstance(data, str):
         raise _bad(f"{param}.data must be a base64 string", f"{param}.data")
-    expected = rows * width * ITEMSIZE[dtype]
+    expected = n_rows * width * ITEMSIZE[dtype]
     # the base64 of ``expected`` bytes is this long: refuse a larger body before decoding it
     if len(data) > 4 * ((expected + 2) // 3) + 4:
         raise _bad(f"{param}.data: more than the {expected} bytes shape {shape} of {dtype} holds", f"{param}.data")
@@ -97,7 +97,7 @@ def unpack(value: Any, param: str, *, max_rows: int = 1) -> tuple[str, np.ndarra
         raise _bad(f"{param}.data is not valid base64", f"{param}.data") from None
     if len(raw) != expected:
         raise _bad(f"{param}.data: {len(raw)} bytes, but shape {shape} of {dtype} is {expected} bytes", f"{param}.data")
-    return dtype, as_float32(dtype, raw, f"{param}.data").reshape(rows, width), raw
+    return dtype, as_float32(dtype, raw, f"{param}.data").reshape(n_rows, width), raw
 
 
 def pack(values: np.ndarray, dtype: str = "float32") -> dict[str, Any]:
