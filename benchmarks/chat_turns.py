@@ -158,7 +158,7 @@ def responses_tpot(client, model: str, messages: list[dict], max_tokens: int) ->
     for event in stream:
         if event.type == "response.output_text.delta":
             stamps.append(time.perf_counter())
-        elif event.type == "response.completed":
+        elif event.type in ("response.completed", "response.incomplete"):  # incomplete: max_output_tokens
             tokens = event.response.usage.output_tokens
     return per_token(stamps, tokens)
 
@@ -189,10 +189,7 @@ def main() -> None:
 
     system = SYSTEM[: args.system_chars] if args.system_chars else SYSTEM
     conversation(client, model, "warm-up", 2, args.max_tokens, system)  # the first requests' costs
-    runs = [
-        conversation(client, model, f"{time.time_ns()}-{r}", args.turns, args.max_tokens, system)
-        for r in range(args.rounds)
-    ]
+    runs = [conversation(client, model, f"round-{r}", args.turns, args.max_tokens, system) for r in range(args.rounds)]
     last = [r["ttft_ms"][-1] for r in runs]
     first = [r["ttft_ms"][0] for r in runs]
     digest = hashlib.sha256(json.dumps([r["answers"] for r in runs[:1]]).encode()).hexdigest()[:16]

@@ -47,7 +47,8 @@ memory bandwidth itself, and turns everything into ratios:
                   /v1/chat/completions streaming, the conversation resent each turn, on the
                   transformers demo model and its GGUF (llama.cpp, where installed): the last
                   turn's TTFT with the prefix cache on ÷ off (PREFIX_CACHE_MAX_MB 256 / 0),
-                  and the cache's hit rate
+                  the cache's hit rate, and /v1/responses ÷ /v1/chat/completions streaming
+                  per output token (transformers)
 
 A group whose backend is missing prints "not installed", one that failed prints "failed"
 with its log; nothing is left out of the table silently.  Written to ``--out`` (default
