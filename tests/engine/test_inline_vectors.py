@@ -179,3 +179,17 @@ def test_prefix_cache_keys_tell_vectors_apart_and_skip_completion_only_ones():
     assert steering_key(spec(a, "prompt"), 5) != UNSTEERED
     assert steering_key(spec(a, "completion"), 5) == UNSTEERED  # the prompt's KV is the unsteered one
     assert phase_free(spec(a)) and not phase_free(spec(a, "completion"))
+
+
+def test_vllm_prefix_cache_salts_tell_vectors_apart():
+    from gpu_engine.backends.vllm.wire import request_args, steering_salt
+
+    def salt(data, phase="all", n_prompt=5):
+        spec = SteeringSpec([SteeringEntry("s", 1, {}, [], [SteeringVector(data.tobytes(), "float32", 1.0, phase)])])
+        job = GenerationJob("j", prompt="x", steering=spec, sampling=SamplingParams(max_tokens=1))
+        return steering_salt(request_args(job), {}, n_prompt=n_prompt)
+
+    a, b = np.ones(4, np.float32), np.full(4, 2.0, np.float32)
+    assert salt(a) is not None and salt(a) != salt(b)
+    assert salt(a) == salt(a, n_prompt=9)  # an everywhere-vector steers a row whatever the prompt length
+    assert salt(a, "completion") != salt(a, "completion", n_prompt=9)  # a phased one does not
