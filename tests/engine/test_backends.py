@@ -105,6 +105,7 @@ def test_transformers_is_registered_and_reports_itself():
         "kv_cache_mode",
         "lean_decode",
         "pack_cpu_weights",
+        "prefix_cache_max_mb",
         "quantization",
         "speculative_model",
         "speculative_num_tokens",
