@@ -4,8 +4,9 @@ The oracle is the same engine without the cache (``prefix_cache_max_mb`` 0), on 
 tiny float32 GGUF: a multi-turn chat — each turn the conversation so far resent with the
 previous answers, as a chat client does — gives the same greedy tokens, top-5 logprobs
 and monitored activations turn by turn with the cache on as off, unsteered, with prompt
-steering and with decode-only steering, on the serial and the batched paths; and the
-later turns did reuse stored KV (the status' hit counters, which the metrics show).
+steering and with decode-only steering, on the serial and the batched paths (the batched
+one in both steering modes: per row in the eval callback, and the control_vector_swap
+fallback, which refuses feature controls); and the later turns did reuse stored KV (the status' hit counters, which the metrics show).
 Prompt-steered requests never reuse unsteered KV (a counter that stays at 0, outputs equal
 to the uncached run, and a positive control where keying everything as unsteered does
 change the outputs); namespaces (``cache_namespace``, /v1's ``prompt_cache_key``) keep
@@ -42,11 +43,16 @@ TURNS = [
     "a quick brown fox jumps over the lazy dog while the sun sets",
     "one two three four five six seven eight nine ten",
 ]
-PATHS = ("serial", "batched")
+# the batched path in both steering modes: per row in the eval callback (this CPU build's
+# choice) and the control_vector_swap fallback (forced)
+PATHS = ("serial", "batched", "swap")
+KINDS = ("none", "monitored", "prompt", "decode_only")
 
 
 def _engine(tiny_gguf, path: str, mb: int, rows: int = 4, **options) -> Engine:
-    batching = BatchingOptions(enabled=True, max_batch_size=rows) if path == "batched" else None
+    batching = BatchingOptions(enabled=True, max_batch_size=rows) if path != "serial" else None
+    if path == "swap":
+        options["steering_mode"] = "control_vector_swap"
     eng = Engine(batching=batching)
     eng.load_model(gguf_job(tiny_gguf, prefix_cache_max_mb=mb, **options))
     return eng
@@ -57,8 +63,10 @@ def engines(tiny_gguf, tiny_assets):
     """{(path, cache on): engine}, each with the layer-1 SAE attached."""
     made = {(p, on): _engine(tiny_gguf, p, CACHE_MB if on else 0) for p in PATHS for on in (True, False)}
     a = tiny_assets.saes[L1]
-    for eng in made.values():
+    for (path, _on), eng in made.items():
         eng.attach(AttachSpec(a.name, str(a.path), a.layer))
+        mode = eng.status().batching["capabilities"]["steering_mode"] if path != "serial" else None
+        assert mode == {"serial": None, "batched": "eval_callback_per_row", "swap": "control_vector_swap"}[path]
     yield made
     for eng in made.values():
         eng.shutdown()
@@ -117,8 +125,8 @@ def assert_same_records(got, want) -> None:
         assert [f.feature_index for f in g.top_k] == [f.feature_index for f in w.top_k]
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("kind", ["none", "monitored", "prompt", "decode_only"])
+# the swap mode refuses feature controls (phase included) before anything runs
+@pytest.mark.parametrize(("path", "kind"), [(p, k) for p in PATHS for k in KINDS if (p, k) != ("swap", "decode_only")])
 def test_a_chat_with_the_prefix_cache_equals_the_chat_without(engines, path, kind):
     on, off = engines[(path, True)], engines[(path, False)]
     kw = {"steering": steering(kind), "monitor": MONITOR if kind == "monitored" else None}
