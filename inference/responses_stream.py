@@ -10,7 +10,8 @@ Responses API's typed events, each an SSE ``event:`` line and its ``data:``, num
 ``function_call``), ``response.function_call_arguments.delta`` (the whole arguments: a call
 is sent once parsed, as on chat), ``response.function_call_arguments.done``,
 ``response.output_item.done``; then ``response.completed`` or ``response.incomplete``
-(``max_output_tokens``) with the whole Response, its usage and its ``millm`` object.
+(``max_output_tokens``) with the whole Response, its usage and its ``millm`` object (a
+chat chunk's own ``millm``, were one sent with its text, rides on its delta event).
 An error after the first event is an ``error`` event, then ``response.failed``.
 
 The Response is stored (``save_response``) before its last event is sent.
@@ -148,7 +149,10 @@ async def response_events(
                         ):
                             yield frame
                         return
-                    millm = payload.get("millm", millm)
+                    extension = payload.get("millm")
+                    if extension is not None and not payload.get("choices"):
+                        millm = extension  # the request's millm object, after its tokens
+                        extension = None
                     usage = payload.get("usage") or usage
                     for choice in payload.get("choices", ()):
                         delta = choice.get("delta") or {}
@@ -165,6 +169,8 @@ async def response_events(
                                     content_index=0,
                                     delta=delta["content"],
                                     logprobs=[],
+                                    # a chunk's own extension, where chat sends one
+                                    **({} if extension is None else {"millm": extension}),
                                 )
                             )
                         for chat_call in delta.get("tool_calls") or ():

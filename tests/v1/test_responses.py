@@ -393,7 +393,8 @@ def test_an_error_after_the_first_event_is_an_error_event_then_response_failed()
     from inference.responses_stream import response_events
 
     req = ResponsesRequest.model_validate({"model": MODEL, "input": PROMPT, "stream": True})
-    token = b'data: {"choices":[{"index":0,"delta":{"content":"the"}}]}\n\n'
+    # a token chunk carrying its own extension (its millm rides on the delta event)
+    token = b'data: {"choices":[{"index":0,"delta":{"content":"the"}}],"millm":{"tick":1}}\n\n'
     error = OpenAIError("the engine stopped", status=500, code="generation_failed", type="server_error")
     saved: list[dict] = []
 
@@ -424,6 +425,7 @@ def test_an_error_after_the_first_event_is_an_error_event_then_response_failed()
         assert_schema(EVENT_SCHEMAS[name], data)
     assert [data["sequence_number"] for _, data in events] == list(range(len(events)))
     assert events[-2][1]["code"] == "generation_failed"
+    assert events[4][1]["millm"] == {"tick": 1}
     failed = events[-1][1]["response"]
     assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
     assert failed["output"][0]["content"][0]["text"] == "the" and failed["output"][0]["status"] == "incomplete"
