@@ -311,7 +311,9 @@ def _neuronpedia(data: dict[str, Any], features: Any, record: dict[str, Any]) ->
     steering: dict[str, Any] = {"features": out}
     if source is not None:
         match = _LAYER_SOURCE.match(source)
-        steering.update({"layer": int(match.group(1))} if match else {"sae_id": source[:200]})
+        if match is None and len(source) > 200:
+            raise _refuse("features[0].source names no attached SAE", "features[0].source")
+        steering.update({"layer": int(match.group(1))} if match else {"sae_id": source})
         record["sae_param"] = "features[0].source"
     return steering
 
@@ -321,8 +323,8 @@ def _xarg(value: Any, param: str) -> Any:
     if isinstance(value, str) and (value[:1] in ("{", "[") or value in ("true", "false", "null")):
         try:
             return json.loads(value)
-        except ValueError:
-            raise _refuse(f"{param} is not valid JSON", param) from None
+        except (ValueError, RecursionError):
+            raise _refuse(f"{param} is not valid JSON (or is nested too deeply)", param) from None
     if isinstance(value, str):
         try:
             number = json.loads(value)

@@ -73,6 +73,14 @@ def test_an_inline_vector_equal_to_a_decoder_row_steers_as_the_feature(relu, lla
         openai_client, path=path, steering={"vectors": [{"data": pack(vector), "layer": 2, "hook": "resid_pre"}]}
     )
     assert pre == want
+    # features and vectors in one object add up (6·W[3] twice is 12·W[3] exactly)
+    half = (np.float32(STRENGTH / 2) * row).astype(np.float32)
+    both, _ = _tokens(
+        openai_client,
+        path=path,
+        steering={"features": [{"index": 3, "strength": STRENGTH / 2}], "vectors": [{"data": pack(half)}]},
+    )
+    assert both == want
     # a small vector may be a JSON list, and strength scales it
     listed, _ = _tokens(openai_client, path=path, steering={"vectors": [{"data": row.tolist(), "strength": STRENGTH}]})
     assert listed == want
@@ -188,6 +196,7 @@ GOOD = {"dtype": "float32", "shape": [4], "data": base64.b64encode(b"\0" * 16).d
         ({"steering": {"vectors": [{"source": "/etc/passwd", "layers": [1]}]}}, "steering.vectors[0].source"),
         ({"vllm_xargs": {"apply_hooks": "gASV"}}, "vllm_xargs.apply_hooks"),
         ({"vllm_xargs": {"steering": "{not json"}}, "vllm_xargs.steering"),
+        ({"vllm_xargs": {"steering": "[" * 100_000}}, "vllm_xargs.steering"),
         # two shapes in one request
         ({"steering": {"features": []}, "steering_vectors": {"post_block": {"1": [1.0]}}}, "steering_vectors"),
         (
