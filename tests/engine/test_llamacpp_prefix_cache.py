@@ -221,3 +221,14 @@ def test_a_full_kv_cache_drops_entries_and_answers_as_without(tiny_gguf, path):
     finally:
         on.shutdown()
         off.shutdown()
+
+
+def test_the_capabilities_say_whether_the_cache_runs(engines):
+    on = engines[("batched", True)].status().batching["capabilities"]
+    off = engines[("batched", False)].status().batching["capabilities"]
+    assert (on["prefix_caching"], on["prefix_caching_reason"], on["steered_prefix_cache_keyed_by_steering"]) == (
+        True,
+        None,
+        True,
+    )
+    assert (off["prefix_caching"], off["prefix_caching_reason"]) == (False, "PREFIX_CACHE_MAX_MB is 0")

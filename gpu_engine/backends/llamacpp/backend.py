@@ -311,7 +311,9 @@ class LlamaCppBackend:
             hook_points=list(self.hook_points),
             # PREFIX_CACHE_MAX_MB: stored prompt KV reused by later prompts (prefix.py)
             prefix_caching=self.prefix.enabled,
-            prefix_caching_reason=None if self.prefix.enabled else "PREFIX_CACHE_MAX_MB=0",
+            prefix_caching_reason=None if self.prefix.enabled else "PREFIX_CACHE_MAX_MB is 0",
+            # entries are keyed by the steering that touches the prompt (decode/prefix_cache.py)
+            steered_prefix_cache_keyed_by_steering=self.prefix.enabled,
         )
 
     @property
