@@ -41,7 +41,7 @@ class StoredResponse(models.Model):
     background = models.BooleanField(default=False)
     request = models.JSONField(null=True, blank=True)
     policy = models.CharField(max_length=32, blank=True)
-    lease = models.CharField(max_length=255, blank=True)
+    lease = models.TextField(blank=True)  # the X-miLLM-Lease header as sent
     runner = models.CharField(max_length=64, null=True, blank=True)
     runner_seen_at = models.DateTimeField(null=True, blank=True)
     resumes = models.IntegerField(default=0)

@@ -106,8 +106,9 @@ def release(*, response_id: str, runner: str) -> None:
 
 
 def finish(*, response_id: str, runner: str, body: dict[str, Any]) -> bool:
-    """Store the run's answer; False (nothing written) when the response is no longer
-    this runner's or no longer ``in_progress`` (cancelled meanwhile)."""
+    """Store the run's answer; False (nothing written but the end of this runner's claim)
+    when the response is no longer this runner's or no longer ``in_progress`` (cancelled
+    meanwhile)."""
     with transaction.atomic():
         row = (
             StoredResponse.objects.select_for_update()
@@ -115,6 +116,9 @@ def finish(*, response_id: str, runner: str, body: dict[str, Any]) -> bool:
             .first()
         )
         if row is None:
+            # cancelled (or deleted) while the answer came: nothing is kept, and the claim
+            # goes, so nothing waits for this runner's heartbeat
+            StoredResponse.objects.filter(id=response_id, runner=runner).update(runner=None, runner_seen_at=None)
             return False
         status = str(body.get("status") or StoredResponse.Status.COMPLETED)
         if status not in StoredResponse.TERMINAL:

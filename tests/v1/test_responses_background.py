@@ -14,6 +14,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -48,7 +50,10 @@ def wait_released(response_id: str, timeout_s: float = 60) -> None:
     """Until no runner holds the response (its run has ended)."""
     deadline = time.monotonic() + timeout_s
     while StoredResponse.objects.filter(id=response_id, runner__isnull=False).exists():
-        assert time.monotonic() < deadline, f"the runner of {response_id} did not end"
+        assert time.monotonic() < deadline, (
+            f"the runner of {response_id} did not end",
+            list(StoredResponse.objects.filter(id=response_id).values("status", "runner", "runner_seen_at", "body")),
+        )
         time.sleep(0.05)
 
 
@@ -209,3 +214,53 @@ def test_a_response_whose_runner_died_is_run_again(responses_server, openai_clie
     assert responses_resume(force=True) == 1
     again = wait_status(openai_client, made[1])
     assert again.status == sync.status and again.output_text == sync.output_text
+
+
+class StoppableEngine(GatedEngine):
+    """GatedEngine whose held generation sets ``stopped`` when it is cancelled (its runner
+    stopped it) before it ever reached the engine."""
+
+    def __init__(self, inner, hold: int) -> None:  # noqa: ANN001
+        super().__init__(inner, hold)
+        self.stopped = threading.Event()
+
+    async def _held(self, job):  # noqa: ANN001
+        try:
+            async for event in super()._held(job):
+                yield event
+        except asyncio.CancelledError:
+            self.stopped.set()
+            raise
+
+
+def test_deleting_a_running_background_response_stops_it(responses_server, openai_client):
+    from core.runtime import runtime
+
+    engine = StoppableEngine(runtime().engine, hold=1)
+    try:
+        with runtime().replaced(engine=engine):
+            queued = openai_client.responses.create(model=MODEL, input="Delete me", background=True, **GREEDY)
+            assert engine.reached.wait(60), "the background response never reached the engine"
+            deleted = request(responses_server.base_url, "DELETE", f"/responses/{queued.id}")
+            assert deleted.json() == {"id": queued.id, "object": "response", "deleted": True}
+            assert engine.stopped.wait(60), "the runner did not stop the deleted response's generation"
+    finally:
+        engine.release.set()
+    responses_server.wait_idle()
+    assert not StoredResponse.objects.filter(id=queued.id).exists()  # nothing written back
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(queued.id)
+
+
+def test_an_attackers_background_request_is_refused_or_stored_never_a_500(responses_server):
+    """Headers and bodies at their limits: a long lease, an unknown load policy, a huge
+    metadata value; each is a 4xx in OpenAI's shape or a stored response, never a 500."""
+    base = responses_server.base_url
+    body = {"model": MODEL, "input": "x", "background": True, **GREEDY}
+    for headers in ({"X-miLLM-Lease": "l" * 2000}, {"X-miLLM-Load-Policy": "never-heard-of"}):
+        answer = request(base, "POST", "/responses", body, headers=headers)
+        assert answer.status < 500, (headers, answer.body[:300])
+        if answer.status >= 400:
+            assert "error" in answer.json()
+    for path in ("/responses/" + "r" * 5000, "/responses/" + "r" * 5000 + "/input_items?after=" + "a" * 5000):
+        assert_openai_error(request(base, "GET", path), 404, "response_not_found")

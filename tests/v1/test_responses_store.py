@@ -310,3 +310,22 @@ def test_a_running_response_cannot_be_continued_and_a_dead_runner_is_failed(v1_s
     )
     assert sweep_once()["responses_failed"] == 0
     assert StoredResponse.objects.get(id=live["id"]).status == "in_progress"
+
+
+def test_a_cancel_that_lands_while_the_answer_comes_wins(v1_server):
+    """The runner's answer arrives after the cancel was recorded: nothing of it is kept,
+    and the runner's claim ends (nothing waits for its heartbeat)."""
+    from inference.responses_runner import finish, take_over
+    from inference.responses_store import response_cancel
+
+    body = response_body("", status="queued", background=True, output=[], usage=None)
+    save_response_sync(body, [user_item("q")], ANON, store=True)
+    StoredResponse.objects.filter(id=body["id"]).update(status="queued", background=True)
+    row = take_over(response_id=body["id"], runner="me:1:x")
+    assert row is not None and row.status == "in_progress"
+    assert take_over(response_id=body["id"], runner="other:1:y") is None  # one runner at a time
+    assert response_cancel(body["id"], ANON)["status"] == "cancelled"
+    answered = response_body("the answer nobody wants")
+    assert finish(response_id=body["id"], runner="me:1:x", body=answered) is False
+    row = StoredResponse.objects.get(id=body["id"])
+    assert (row.status, row.runner, row.body["output"], row.body["usage"]) == ("cancelled", None, [], None)
