@@ -10,6 +10,7 @@ delta chunk, and every value of the spec's enums is honoured or refused by name.
 from __future__ import annotations
 
 import json
+import uuid
 from pathlib import Path
 
 import pytest
@@ -168,6 +169,33 @@ def test_prompt_cache_key_and_flex_reach_every_engine_job(llama, jobs):
     # none sent: the shared namespace, at interactive priority
     assert request(llama.base_url, "POST", "/chat/completions", CHAT).status == 200
     assert [(j.cache_namespace, j.priority) for j in jobs] == [(None, "interactive")]
+
+
+def test_prompt_cache_key_is_the_prefix_caches_namespace(llama):
+    """The engine's own prefix-cache figures: an identical prompt hits the cache only under
+    the key it was stored with (no key: the shared namespace)."""
+    from tests.v1.test_prefix_cache import figures
+
+    assert figures(llama)["enabled"] is True
+    # a prompt no earlier request stored
+    prompt = f"{uuid.uuid4().hex} tell me about the sea, the sky and the hills " * 3
+    body = {**CHAT, "messages": [{"role": "user", "content": prompt}]}
+
+    def hit(**extra) -> bool:
+        """Whether this prompt was found stored: most of it reused (a short reuse is the
+        chat template's opening, which every earlier request in the namespace shares)."""
+        before = figures(llama)["classes"]["unsteered"]["tokens_reused"]
+        resp = request(llama.base_url, "POST", "/chat/completions", {**body, **extra})
+        assert resp.status == 200, resp.body[:300]
+        reused = figures(llama)["classes"]["unsteered"]["tokens_reused"] - before
+        return reused > resp.json()["usage"]["prompt_tokens"] // 2
+
+    assert not hit(prompt_cache_key="tenant-a")
+    assert hit(prompt_cache_key="tenant-a")  # positive control: the same key hits
+    assert hit(cache_salt="tenant-a")  # vLLM's name for the same namespace
+    assert not hit(prompt_cache_key="tenant-b")
+    assert not hit()  # the shared namespace holds none of theirs
+    assert hit()
 
 
 @pytest.mark.parametrize(
