@@ -158,6 +158,11 @@ def test_the_api_shows_the_vllm_backend_and_greedy_equals_transformers(vllm_llam
     assert caps["serial_mode"] is False and caps["batched_mode"] is True
     assert caps["embeddings"] is False and caps["cuda_graphs"] is False
     assert {b["name"]: b["available"] for b in health["backends"]}["vllm"] is True
+    # /v1/capabilities says the same (one builder), graphs off as VLLM_ENFORCE_EAGER loads it
+    (entry,) = [e for e in request(server.base_url, "GET", "/capabilities").json()["data"] if e["id"] == "tiny-llama"]
+    assert (entry["resident"], entry["backend"], entry["mode"]) == (True, "vllm", health["mode"])
+    assert entry["capabilities"] == caps and entry["capabilities"]["cuda_graphs"] is False
+    assert entry["limits"]["max_concurrent_requests"] == health["max_concurrent_requests"]
 
     want = ref(on_vllm, relu)
     raw = complete(openai_client)
