@@ -182,18 +182,51 @@ def test_prompt_steered_and_unsteered_never_share_kv(engines, tiny_assets, mode)
     assert widths[0] == plain.usage.prompt_tokens
 
 
+def decode_only_kinds(n_prompt: int) -> dict[str, SteeringSpec]:
+    """Steering that leaves every prompt row alone: gated to the completion, or a window
+    that starts where the prompt ends."""
+    return {
+        "phase": steering(FeatureControl(5, "add", 4.0, phase="completion")),
+        "window": steering(FeatureControl(5, "add", 4.0, window={"start": n_prompt})),
+    }
+
+
 @pytest.mark.parametrize("mode", MODES)
-def test_decode_only_steering_reuses_unsteered_prompt_kv(engines, tiny_assets, mode):
+@pytest.mark.parametrize("kind", ["phase", "window"])
+def test_decode_only_steering_reuses_unsteered_prompt_kv(engines, tiny_assets, mode, kind):
     off = fresh(engines(mode, 0), tiny_assets)
     on = fresh(engines(mode, 64), tiny_assets)
     messages = [{"role": "user", "content": QUESTIONS[0]}]
+    n_prompt = len(on.backend.encode_messages(messages, add_generation_prompt=True))
+    spec = decode_only_kinds(n_prompt)[kind]
     on.generate_sync(turn_job("u", messages))
     before = counts(on)
     with prefill_widths(on) as widths:
-        got = on.generate_sync(turn_job("d", messages, steering=spec_of("decode_only")))
+        got = on.generate_sync(turn_job("d", messages, steering=spec))
     assert widths[0] == 1  # all but the last prompt token came from the unsteered entry
-    assert got.token_ids == off.generate_sync(turn_job("d", messages, steering=spec_of("decode_only"))).token_ids
+    want = off.generate_sync(turn_job("d", messages, steering=spec))
+    assert got.token_ids == want.token_ids
+    # positive control: the steering does change the answer
+    assert want.token_ids != off.generate_sync(turn_job("plain", messages)).token_ids
     assert since(on, before, "decode_only")["hits"] == 1
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_window_reaching_into_the_prompt_or_a_condition_is_not_decode_only(engines, tiny_assets, mode):
+    off = fresh(engines(mode, 0), tiny_assets)
+    on = fresh(engines(mode, 64), tiny_assets)
+    messages = [{"role": "user", "content": QUESTIONS[0]}]
+    n_prompt = len(on.backend.encode_messages(messages, add_generation_prompt=True))
+    on.generate_sync(turn_job("u", messages))
+    # a window starting on the prompt's last row steers that row: its own key, no hit
+    reaching = steering(FeatureControl(5, "add", 4.0, window={"start": n_prompt - 1}))
+    # a conditional control recomputes its prompt (its gate reports where it fired)
+    conditional = steering(FeatureControl(5, "add", 4.0, phase="completion", condition={"feature": 7}))
+    for spec in (reaching, conditional):
+        with prefill_widths(on) as widths:
+            got = on.generate_sync(turn_job("w", messages, steering=spec))
+        assert widths[0] == n_prompt
+        assert got.token_ids == off.generate_sync(turn_job("w", messages, steering=spec)).token_ids
 
 
 @pytest.mark.parametrize("mode", MODES)
