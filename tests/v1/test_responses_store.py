@@ -329,3 +329,16 @@ def test_a_cancel_that_lands_while_the_answer_comes_wins(v1_server):
     assert finish(response_id=body["id"], runner="me:1:x", body=answered) is False
     row = StoredResponse.objects.get(id=body["id"])
     assert (row.status, row.runner, row.body["output"], row.body["usage"]) == ("cancelled", None, [], None)
+
+
+def test_the_admin_lists_stored_responses_read_only(v1_server, staff_client):
+    body = stored(ALICE, "admin sees", "this")
+    listing = staff_client.get("/admin/inference/storedresponse/")
+    assert listing.status_code == 200 and body["id"].encode() in listing.content
+    page = staff_client.get(f"/admin/inference/storedresponse/{body['id']}/change/")
+    assert page.status_code == 200 and b"key:alice" in page.content
+    assert staff_client.get("/admin/inference/storedresponse/add/").status_code == 403
+    # a POST to the change page changes nothing
+    staff_client.post(f"/admin/inference/storedresponse/{body['id']}/change/", {"owner": "key:bob", "status": "failed"})
+    row = StoredResponse.objects.get(id=body["id"])
+    assert (row.owner, row.status) == ("key:alice", "completed")
