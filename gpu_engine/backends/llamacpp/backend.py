@@ -208,7 +208,7 @@ class LlamaCppBackend:
         n_ctx = max(min(self.context_length * n_seq, budget), self.context_length)
         settings = ContextSettings(
             n_ctx=n_ctx,
-            n_seq=n_seq + self.prefix.n_slots,
+            n_seq=n_seq + self.prefix.n_slots(n_seq),
             n_batch=DEFAULT_N_BATCH,
             kv_type=self.opts["kv"],
             flash_attention=self.opts["flash_attention"],

@@ -31,8 +31,11 @@ from typing import Any
 from ...api.errors import InsufficientMemory
 from ...decode.prefix_cache import CachePlan, PrefixCache
 
-# sequence ids kept for stored entries (llama.cpp allows LLAMA_MAX_SEQ in all)
+# sequence ids kept for stored entries
 CACHE_SLOTS = 16
+# llama.cpp's LLAMA_MAX_SEQ (src/llama-cparams.h; not in the Python bindings): sequence
+# ids a context may have in all, live rows and scratch first
+MAX_SEQ = 256
 
 
 class ResidentPrefixCache:
@@ -49,9 +52,9 @@ class ResidentPrefixCache:
     def enabled(self) -> bool:
         return self.cache.enabled
 
-    @property
-    def n_slots(self) -> int:
-        return CACHE_SLOTS if self.enabled else 0
+    def n_slots(self, first_seq: int) -> int:
+        """The slots a context whose live sequences are ``0..first_seq-1`` keeps."""
+        return max(0, min(CACHE_SLOTS, MAX_SEQ - first_seq)) if self.enabled else 0
 
     def reset(self, first_seq: int) -> None:
         """A new context: its slots are ``first_seq..``; every entry is gone with the old
@@ -59,7 +62,7 @@ class ResidentPrefixCache:
         self.slots = []
         self._free = []
         self.cache.clear()
-        self.slots = list(range(first_seq, first_seq + self.n_slots))
+        self.slots = list(range(first_seq, first_seq + self.n_slots(first_seq)))
         self._free = list(reversed(self.slots))
 
     def clear(self) -> None:
@@ -115,8 +118,9 @@ class ResidentPrefixCache:
         ns = p.namespace
         if not self.cache.wants(namespace=ns, key=key, tokens=tokens):
             return
-        if not self._free and not self.evict_one():
-            return
+        while not self._free:
+            if not self.evict_one():
+                return
         slot = self._free.pop()
         ctx = self.backend.context
         ctx.seq_clear(slot)
