@@ -11,6 +11,7 @@ fresh).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 import uuid
 from collections.abc import Callable
@@ -94,12 +95,20 @@ class Plan:
     fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
     tools: ToolPlan | None = None  # chat tools on the loaded model (inference.tools)
     response_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # the id its records (monitoring history, captures, probe verdicts, sensing) are kept
+    # under: the answer's own id (``object_id``) unless the route answers under another
+    # (/v1/responses: its ``resp_…`` id)
+    record_id: str | None = None
     scope: Scope = EVERYONE  # whose request: its captures and history are the owner's
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def object_id(self) -> str:
         return ("chatcmpl-" if self.kind == "chat" else "cmpl-") + self.response_id
+
+    @property
+    def history_id(self) -> str:
+        return self.record_id or self.object_id
 
     @property
     def headers(self) -> dict[str, str]:
@@ -242,6 +251,7 @@ async def plan_generation(
     capture = capture_spec(req, model.name, n_prompts * req.n, need=need, room=room)
     choices: list[Choice] = []
     tools = None
+    namespace = cache_namespace(req.cache_namespace, scope)
     if isinstance(req, ChatCompletionRequest):
         # refused by name (field_not_honoured) where the loaded template renders no tools
         tools = tool_plan(req, status.capabilities if status is not None else None, model.name)
@@ -262,7 +272,7 @@ async def plan_generation(
                             chat_template_kwargs=template_kwargs(req),
                             capture=capture,
                             tools=req.template_tools(),
-                            cache_namespace=req.cache_namespace,
+                            cache_namespace=namespace,
                             priority=req.priority,
                         ),
                     )
@@ -288,7 +298,7 @@ async def plan_generation(
                             steering=steering.spec,
                             monitor=monitor,
                             capture=capture,
-                            cache_namespace=req.cache_namespace,
+                            cache_namespace=namespace,
                             priority=req.priority,
                             **job_args,
                         ),
@@ -314,6 +324,15 @@ async def plan_generation(
         sensing=sensing,
         scope=scope,
     )
+
+
+def cache_namespace(key: str | None, scope: Scope) -> str | None:
+    """The engine's prefix-cache namespace of a request's ``prompt_cache_key``: the key
+    within its caller's (the API key's owner), so another key naming the same
+    ``prompt_cache_key`` neither reuses nor probes its entries. None: the shared one."""
+    if key is None:
+        return None
+    return "key-" + hashlib.sha256(f"{scope.owner}\0{key}".encode()).hexdigest()
 
 
 async def plan_probes(

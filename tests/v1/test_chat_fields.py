@@ -157,45 +157,68 @@ def test_prompt_cache_key_and_flex_reach_every_engine_job(llama, jobs):
     resp = request(llama.base_url, "POST", "/chat/completions", body)
     assert resp.status == 200, resp.body[:300]
     assert len(resp.json()["choices"]) == 4 and ignored(resp) is None
-    assert [(j.cache_namespace, j.priority) for j in jobs] == [("tenant-a", "batch")] * 4
+    (tenant_a,) = {j.cache_namespace for j in jobs}  # one namespace for every choice
+    assert tenant_a is not None and [j.priority for j in jobs] == ["batch"] * 4
     jobs.clear()
     # vLLM's own name for it, streamed, and on completions
-    resp = request(llama.base_url, "POST", "/chat/completions", {**CHAT, "cache_salt": "tenant-b", "stream": True})
+    resp = request(llama.base_url, "POST", "/chat/completions", {**CHAT, "cache_salt": "tenant-a", "stream": True})
     assert resp.status == 200 and resp.events()[-1] == "[DONE]"
     both = {"model": "tiny-llama", "prompt": ["a", "b"], "max_tokens": 1, "prompt_cache_key": "k", "cache_salt": "k"}
     assert request(llama.base_url, "POST", "/completions", both).status == 200
-    assert [j.cache_namespace for j in jobs] == ["tenant-b", "k", "k"]
+    salted, k1, k2 = (j.cache_namespace for j in jobs)
+    assert salted == tenant_a and k1 == k2 not in (None, tenant_a)
     jobs.clear()
     # none sent: the shared namespace, at interactive priority
     assert request(llama.base_url, "POST", "/chat/completions", CHAT).status == 200
     assert [(j.cache_namespace, j.priority) for j in jobs] == [(None, "interactive")]
 
 
-def test_prompt_cache_key_is_the_prefix_caches_namespace(llama):
-    """The engine's own prefix-cache figures: an identical prompt hits the cache only under
-    the key it was stored with (no key: the shared namespace)."""
-    from tests.v1.test_prefix_cache import figures
+def _found(server, body: dict, headers: dict | None = None, admin: dict | None = None) -> bool:
+    """Whether the engine's prefix cache found ``body``'s prompt stored (its own figures in
+    /api/health/metrics): most of it reused — a short reuse is the chat template's opening,
+    which every earlier request in the namespace shares."""
 
-    assert figures(llama)["enabled"] is True
+    def reused() -> int:
+        resp = request(server.url, "GET", "/api/health/metrics", headers=admin)
+        assert resp.status == 200, resp.body[:300]
+        return resp.json()["data"]["prefix_cache"]["classes"]["unsteered"]["tokens_reused"]
+
+    before = reused()
+    resp = request(server.base_url, "POST", "/chat/completions", body, headers=headers)
+    assert resp.status == 200, resp.body[:300]
+    return reused() - before > resp.json()["usage"]["prompt_tokens"] // 2
+
+
+def _fresh_chat() -> dict:
     # a prompt no earlier request stored
     prompt = f"{uuid.uuid4().hex} tell me about the sea, the sky and the hills " * 3
-    body = {**CHAT, "messages": [{"role": "user", "content": prompt}]}
+    return {**CHAT, "messages": [{"role": "user", "content": prompt}]}
 
-    def hit(**extra) -> bool:
-        """Whether this prompt was found stored: most of it reused (a short reuse is the
-        chat template's opening, which every earlier request in the namespace shares)."""
-        before = figures(llama)["classes"]["unsteered"]["tokens_reused"]
-        resp = request(llama.base_url, "POST", "/chat/completions", {**body, **extra})
-        assert resp.status == 200, resp.body[:300]
-        reused = figures(llama)["classes"]["unsteered"]["tokens_reused"] - before
-        return reused > resp.json()["usage"]["prompt_tokens"] // 2
 
-    assert not hit(prompt_cache_key="tenant-a")
-    assert hit(prompt_cache_key="tenant-a")  # positive control: the same key hits
-    assert hit(cache_salt="tenant-a")  # vLLM's name for the same namespace
-    assert not hit(prompt_cache_key="tenant-b")
-    assert not hit()  # the shared namespace holds none of theirs
-    assert hit()
+def test_prompt_cache_key_is_the_prefix_caches_namespace(llama):
+    """An identical prompt is found stored only under the key it was stored with (no key:
+    the shared namespace)."""
+    body = _fresh_chat()
+    assert not _found(llama, {**body, "prompt_cache_key": "tenant-a"})
+    assert _found(llama, {**body, "prompt_cache_key": "tenant-a"})  # positive control
+    assert _found(llama, {**body, "cache_salt": "tenant-a"})  # vLLM's name for the same namespace
+    assert not _found(llama, {**body, "prompt_cache_key": "tenant-b"})
+    assert not _found(llama, body)  # the shared namespace holds none of theirs
+    assert _found(llama, body)
+
+
+def test_another_api_key_naming_the_same_prompt_cache_key_reaches_nothing(llama, settings):
+    """A prompt_cache_key is the caller's: another key that names it neither reuses nor
+    probes the entries stored under it (each key has its own namespace of that name)."""
+    settings.MILLM_API_KEYS = ("bob:kb", "eve:ke")
+    settings.MILLM_ADMIN_API_KEYS = ("root:kr",)
+    bob, eve, root = ({"Authorization": f"Bearer {k}"} for k in ("kb", "ke", "kr"))
+    body = {**_fresh_chat(), "prompt_cache_key": "team"}
+    assert not _found(llama, body, bob, root)
+    assert _found(llama, body, bob, root)  # positive control: bob's own entry
+    assert not _found(llama, body, eve, root)  # eve's "team" is not bob's
+    assert _found(llama, body, eve, root)
+    assert _found(llama, body, bob, root)
 
 
 @pytest.mark.parametrize(
