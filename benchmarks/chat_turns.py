@@ -121,6 +121,9 @@ def conversation(client, model: str, tag: str, turns: int, max_tokens: int, syst
     for q in QUESTIONS[:turns]:
         messages.append({"role": "user", "content": q})
         t, answer, n_prompt = chat_turn(client, model, messages, max_tokens)
+        print(
+            f"{tag} turn {len(ttft) + 1}: {n_prompt} prompt tokens, TTFT {t * 1000:.0f} ms", file=sys.stderr, flush=True
+        )
         ttft.append(t * 1000)
         prompts.append(n_prompt)
         answers.append(answer)
