@@ -32,6 +32,24 @@ class PackedVector:
     def __init__(self, dtype: str, raw: bytes, width: int) -> None:
         self.dtype, self.raw, self.width = dtype, raw, width
 
+    @classmethod
+    def __get_pydantic_json_schema__(cls, core_schema: Any, handler: Any) -> dict[str, Any]:
+        # the wire form it is decoded from, for /api/schema (an instance check has none)
+        return {
+            "oneOf": [
+                {
+                    "type": "object",
+                    "required": ["dtype", "data"],
+                    "properties": {
+                        "dtype": {"type": "string", "enum": ["float32", "float16", "bfloat16"]},
+                        "shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
+                        "data": {"type": "string", "contentEncoding": "base64"},
+                    },
+                },
+                {"type": "array", "items": {"type": "number"}},
+            ]
+        }
+
 
 MAX_INLINE_VECTORS = 64
 
