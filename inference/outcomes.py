@@ -49,7 +49,7 @@ async def record_monitoring(plan: Plan, outcome: Outcome) -> None:
         return
     records = monitoring_take_records(entry=plan.monitoring, finish=outcome.finish, tokens=outcome.tokens)
     await off_view_thread(monitoring_record)(
-        request_id=plan.object_id, entry=plan.monitoring, records=records, owner=plan.scope.owner
+        request_id=plan.history_id, entry=plan.monitoring, records=records, owner=plan.scope.owner
     )
 
 
@@ -69,7 +69,7 @@ async def register_capture(plan: Plan, outcome: Outcome) -> None:
             "metadata": result.meta,
         }
         return
-    await off_view_thread(capture_register)(request_id=plan.object_id, result=result, owner=plan.scope.owner)
+    await off_view_thread(capture_register)(request_id=plan.history_id, result=result, owner=plan.scope.owner)
     outcome.capture = {
         "id": result.capture_id,
         "inline": False,
@@ -134,7 +134,7 @@ async def score_probes(plan: Plan, outcome: Outcome) -> None:
     if plan.probes is None:
         return
     outcome.probes = await probe_verdicts(plan.probes, outcome)
-    await off_view_thread(probe_record)(request_id=plan.object_id, verdicts=outcome.probes, owner=plan.scope.owner)
+    await off_view_thread(probe_record)(request_id=plan.history_id, verdicts=outcome.probes, owner=plan.scope.owner)
 
 
 def sense(plan: Plan, outcome: Outcome) -> None:
@@ -147,7 +147,7 @@ def sense(plan: Plan, outcome: Outcome) -> None:
     sensing_publish(
         plan=plan.sensing,
         records=records,
-        request_id=plan.object_id,
+        request_id=plan.history_id,
         choice=outcome.choice.index,
         owner=plan.scope.owner,
     )

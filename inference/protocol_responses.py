@@ -302,6 +302,13 @@ class TextFormat(_Wire):
         return out
 
 
+class ResponseStreamOptions(_Wire):
+    """``stream_options``: OpenAI's default pads every delta event; miLLM pads only when
+    asked, as on chat (``inference.streaming.obfuscation``)."""
+
+    include_obfuscation: bool = False
+
+
 class TextConfig(_Wire):
     format: TextFormat | None = None
     verbosity: str | None = None  # only "medium" (the model's own) is honoured: inference.policy
@@ -331,7 +338,9 @@ class ResponsesRequest(_Wire):
     not read are named in ``X-miLLM-Ignored-Fields``."""
 
     model: str = Field(min_length=1, max_length=500)
-    input: list[InputItem] = Field(min_length=1, max_length=MAX_INPUT_ITEMS)
+    # optional, as OpenAI's: after ``previous_response_id`` a request may send none (only,
+    # say, new ``instructions``); with nothing to answer it is refused (``inference.responses``)
+    input: list[InputItem] = Field(default_factory=list, max_length=MAX_INPUT_ITEMS)
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_TOKENS_LIMIT)
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -341,6 +350,7 @@ class ResponsesRequest(_Wire):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     stream: bool = False
+    stream_options: ResponseStreamOptions | None = None
     store: bool = True
     background: bool = False
     previous_response_id: str | None = Field(default=None, min_length=1, max_length=200)
@@ -390,7 +400,12 @@ class ResponsesRequest(_Wire):
         return value
 
     def unread_fields(self) -> frozenset[str]:
-        return frozenset() if self.tools else frozenset({"parallel_tool_calls"})
+        unread = frozenset() if self.tools else frozenset({"parallel_tool_calls"})
+        return unread if self.stream else unread | {"stream_options"}
+
+    @property
+    def obfuscate(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_obfuscation)
 
     @property
     def text_format(self) -> dict[str, Any]:

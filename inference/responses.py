@@ -241,6 +241,9 @@ def refuse_unhonoured_parts(req: ResponsesRequest) -> None:
         raise _not_honoured("text.verbosity", 'verbosity control is not available; "medium" (the model\'s own) is')
 
 
+_STAND_IN = MessageItem(role="user", content="")
+
+
 def parse_responses_request(data: dict[str, Any], *, strict: bool = False) -> tuple[ResponsesRequest, list[str]]:
     """The route's validation of a raw body: the request, and the locations of the fields
     nothing reads (``inference.policy``); raises OpenAIError. The background runner
@@ -251,10 +254,19 @@ def parse_responses_request(data: dict[str, Any], *, strict: bool = False) -> tu
         raise openai_error_from_validation(exc) from None
     except RecursionError:
         raise OpenAIError("The body is nested too deeply", status=400, code="invalid_json") from None
+    if not req.input and req.previous_response_id is None:
+        raise OpenAIError(
+            "input: nothing to answer: send input items (or previous_response_id to continue a response)",
+            status=400,
+            code="invalid_parameter",
+            param="input",
+        )
     refuse_unhonoured_parts(req)
     check_items(req.input)
     ignored = check_fields(data=data, req=req, strict=strict)
-    check_chat(to_chat(req))  # the translated request's own checks, before anything runs
+    # the translated request's own checks, before anything runs (a request that only
+    # continues its chain is checked with a stand-in for the chain's turns)
+    check_chat(to_chat(req, None if req.input else [_STAND_IN]))
     return req, ignored
 
 

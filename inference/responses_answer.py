@@ -60,6 +60,16 @@ async def _serve(
         raise rename(exc) from None
 
 
+def ran_as(plan: Plan, skeleton: dict[str, Any]) -> None:
+    """What the plan settled, on the Response: the ``temperature`` and ``top_p`` it runs
+    with (the request's, else the server's defaults: ``inference.planning.sampling_defaults``);
+    and the plan's records (monitoring history, captures, probe verdicts, sensing) are
+    kept under the Response's ``resp_…`` id."""
+    plan.record_id = skeleton["id"]
+    sampling = plan.choices[0].job.sampling
+    skeleton.update(temperature=sampling.temperature, top_p=sampling.top_p)
+
+
 async def answer_response(
     req: ResponsesRequest,
     *,
@@ -78,6 +88,7 @@ async def answer_response(
     skeleton = response_skeleton(req, response_id or new_response_id(), created_at or int(time.time()))
 
     async def answer(plan: Plan, client: EngineClient, res: Resources) -> tuple[dict[str, Any], dict[str, str]]:
+        ran_as(plan, skeleton)
         chat, headers = await answer_plan(plan, client)
         return response_body(skeleton, chat), headers
 
@@ -93,7 +104,7 @@ async def responses_create(request: HttpRequest):
     req, ignored = parse_responses_request(data, strict=strict)
     scope = Scope.of_request(request)
     policy, lease = load_policy(request), request.headers.get(LEASE_HEADER)
-    items = input_items_of(data["input"])
+    items = input_items_of(data.get("input"))
     response_id, created_at = new_response_id(), int(time.time())
     if req.background:
         skeleton = response_skeleton(req, response_id, created_at)
@@ -117,8 +128,9 @@ async def responses_create(request: HttpRequest):
         await save_response(body, items, scope, store=req.store)
 
     async def answer(plan: Plan, client: EngineClient, res: Resources) -> SSEResponse:
+        ran_as(plan, skeleton)
         chunks = await open_stream(plan, client, res)
-        events = response_events(skeleton, chunks, model=plan.model.name, save=save)
+        events = response_events(skeleton, chunks, model=plan.model.name, save=save, obfuscate=req.obfuscate)
         return SSEResponse(events, on_close=res.release, headers=plan.headers)
 
     return await _serve(

@@ -26,6 +26,7 @@ from typing import Any
 
 from inference.errors import OpenAIError, openai_error_from_exception
 from inference.responses_shape import call_item, failed, finished, item_id, message_item, text_part
+from inference.streaming import obfuscation
 
 
 def _frames(blob: bytes) -> list[Any]:
@@ -38,15 +39,22 @@ def _frames(blob: bytes) -> list[Any]:
     return out
 
 
+# the delta events ``stream_options.include_obfuscation`` pads (OpenAI's ``obfuscation``)
+_DELTAS = frozenset({"response.output_text.delta", "response.function_call_arguments.delta"})
+
+
 class _Events:
     """The typed events of one Response, numbered."""
 
-    def __init__(self) -> None:
+    def __init__(self, obfuscate: bool = False) -> None:
         self.sequence = 0
+        self.obfuscate = obfuscate
 
     def __call__(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, **fields, "sequence_number": self.sequence}
         self.sequence += 1
+        if self.obfuscate and kind in _DELTAS:  # padded as chat pads its chunks
+            data["obfuscation"] = obfuscation(data)
         return f"event: {kind}\ndata: ".encode() + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -65,8 +73,9 @@ async def response_events(
     *,
     model: str,
     save: Callable[[dict[str, Any]], Awaitable[None]],
+    obfuscate: bool = False,
 ) -> AsyncIterator[bytes]:
-    event = _Events()
+    event = _Events(obfuscate)
     output: list[dict[str, Any]] = []
     message: _Message | None = None
     finish: str | None = None

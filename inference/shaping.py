@@ -14,7 +14,7 @@ from inference.activations import activations_payload
 from inference.outcomes import Outcome
 from inference.planning import Plan
 from inference.protocol import CompletionRequest
-from inference.tools import parse_tool_calls
+from inference.tools import parse_tool_calls, tool_content
 
 
 def top_dict(lp: TokenLogprob) -> dict[str, float]:
@@ -246,7 +246,7 @@ def chat_message(plan: Plan, text: str) -> wire.ChatMessage:
     content, calls = parse_tool_calls(text, plan.tools)
     if not calls:
         return wire.ChatMessage(content=text)
-    return wire.ChatMessage(content=content.strip() or None, tool_calls=[wire.ToolCall(**c) for c in calls])
+    return wire.ChatMessage(content=tool_content(content, calls), tool_calls=[wire.ToolCall(**c) for c in calls])
 
 
 def chat_finish_reason(plan: Plan, finish: FinishEvent) -> wire.FinishReason:

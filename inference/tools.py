@@ -245,7 +245,10 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str, list[dict[str, Any
 class ToolStream:
     """One streamed choice's text under tools: content is sent as it comes until a call
     may be starting (a ``<tool_call>`` prefix, or a ``json`` answer opening with ``{``);
-    from there it is held, and ``finish`` returns the rest of the content and the calls."""
+    from there it is held, and ``finish`` returns the rest of the content and the calls.
+    Whitespace is sent only once text follows it, so that what is sent and the rest add
+    up to the unstreamed answer's content (``tool_content``: without its trailing
+    whitespace when there are calls)."""
 
     plan: ToolPlan
     text: str = ""
@@ -275,6 +278,8 @@ class ToolStream:
         return self._send(len(self.text) - keep)
 
     def _send(self, end: int) -> str:
+        if self.plan.format != "json":
+            end = len(self.text[:end].rstrip())  # whitespace waits for what follows it
         out = self.text[self.sent : end]
         self.sent = max(self.sent, end)
         return out
@@ -282,8 +287,16 @@ class ToolStream:
     def finish(self) -> tuple[str, list[dict[str, Any]]]:
         content, calls = parse_tool_calls(self.text, self.plan)
         # what was sent is a prefix of the content (nothing before the first call is cut)
-        rest = content[self.sent :] if calls else self.text[self.sent :]
-        return (rest if rest.strip() or not calls else ""), calls
+        return (tool_content(content, calls) or "")[self.sent :], calls
 
 
-__all__ = ["ToolPlan", "ToolStream", "check_tools", "parse_tool_calls", "tool_plan"]
+def tool_content(content: str, calls: list[dict[str, Any]]) -> str | None:
+    """A message's content under tools (``parse_tool_calls``'s text outside the calls):
+    as written without calls; with calls, without its trailing whitespace, and none when
+    only whitespace is left. What ``ToolStream`` sends adds up to it."""
+    if not calls:
+        return content
+    return content.rstrip() or None
+
+
+__all__ = ["ToolPlan", "ToolStream", "check_tools", "parse_tool_calls", "tool_content", "tool_plan"]

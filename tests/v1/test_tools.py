@@ -307,12 +307,14 @@ def test_parsing_and_streaming_hold_back_only_what_may_open_a_call():
     stream = ToolStream(PLAN)
     pieces = ["Let me", " look. <to", "ol_c", "all>\n{", CALL[13:], " done"]
     sent = [stream.feed(p) for p in pieces]
-    assert sent == ["Let me", " look. ", "", "", "", ""]
+    # whitespace waits for the text after it (here: after the call, in the rest)
+    assert sent == ["Let me", " look.", "", "", "", ""]
     rest, calls = stream.finish()
-    assert rest == " done" and len(calls) == 1
+    assert rest == "  done" and len(calls) == 1
+    assert "".join(sent) + rest == content
     # a "<" that opens no call is sent once it cannot
     stream = ToolStream(PLAN)
-    assert [stream.feed(p) for p in ["a <", "b"]] == ["a ", "<b"]
+    assert [stream.feed(p) for p in ["a <", "b"]] == ["a", " <b"]
     assert stream.finish() == ("", [])
 
 
