@@ -42,7 +42,8 @@ def _tool_choice(req: ResponsesRequest) -> Any:
 
 def response_skeleton(req: ResponsesRequest, response_id: str, created_at: int) -> dict[str, Any]:
     """The Response before its output: ``in_progress``, the request's parameters echoed
-    (a sampling parameter the request left out is null: the server's default applied)."""
+    (a sampling parameter the request left out is null until the plan settles it:
+    ``inference.responses_answer.ran_as``)."""
     return {
         "id": response_id,
         "object": "response",

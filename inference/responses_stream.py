@@ -12,7 +12,8 @@ is sent once parsed, as on chat), ``response.function_call_arguments.done``,
 ``response.output_item.done``; then ``response.completed`` or ``response.incomplete``
 (``max_output_tokens``) with the whole Response, its usage and its ``millm`` object (a
 chat chunk's own ``millm``, were one sent with its text, rides on its delta event).
-An error after the first event is an ``error`` event, then ``response.failed``.
+An error after the first event is an ``error`` event, then ``response.failed``. With
+``stream_options.include_obfuscation`` the delta events carry chat's ``obfuscation`` padding.
 
 The Response is stored (``save_response``) before its last event is sent.
 """
