@@ -189,4 +189,5 @@ def test_a_gguf_model_is_loaded_with_the_gguf_settings_as_its_options(tiny_llama
         "tensor_split": [],
         "enable_embeddings": True,
         "steering_mode": "control_vector_swap",
+        "prefix_cache_max_mb": 256,
     }
