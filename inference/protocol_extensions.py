@@ -39,7 +39,7 @@ class PackedVector:
             "oneOf": [
                 {
                     "type": "object",
-                    "required": ["dtype", "data"],
+                    "required": ["dtype", "shape", "data"],
                     "properties": {
                         "dtype": {"type": "string", "enum": ["float32", "float16", "bfloat16"]},
                         "shape": {"type": "array", "items": {"type": "integer", "minimum": 1}},
