@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from gpu_engine.api.protocol import (
     MAX_LOGIT_BIAS,
@@ -207,8 +208,9 @@ class _GenerationRequest(_Wire):
     profile: str | None = Field(default=None, min_length=1, max_length=200)
     steering: InlineSteering | None = None
     steering_intensity: float | None = None
-    # which steering shape of another tool the body used (``inference.steering_aliases``)
-    steering_alias: AliasRecord | None = None
+    # which steering shape of another tool the body used (``inference.steering_aliases``):
+    # the server's own record, not a field a client sends (kept out of the schema)
+    steering_alias: SkipJsonSchema[AliasRecord | None] = None
     return_sae_activations: ReturnSaeActivations | None = None
     capture: CaptureRequest | None = None
     analyze: list[AnalyzeRequest] | None = Field(default=None, min_length=1, max_length=MAX_ANALYZERS)
