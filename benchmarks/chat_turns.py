@@ -89,8 +89,11 @@ def load(backend: str, model: str) -> str:
     return DEMO_GGUF_NAME
 
 
-def chat_turn(client, model: str, messages: list[dict], max_tokens: int) -> tuple[float, str, int]:
-    """One streamed turn: (seconds to the first content chunk, answer, prompt tokens)."""
+def chat_turn(
+    client, model: str, messages: list[dict], max_tokens: int, cache_key: str | None = None
+) -> tuple[float, str, int]:
+    """One streamed turn: (seconds to the first content chunk, answer, prompt tokens);
+    ``cache_key``: its ``prompt_cache_key`` (the prefix cache's namespace)."""
     started = time.perf_counter()
     stream = client.chat.completions.create(
         model=model,
@@ -99,6 +102,7 @@ def chat_turn(client, model: str, messages: list[dict], max_tokens: int) -> tupl
         temperature=0,
         stream=True,
         stream_options={"include_usage": True},
+        **({"extra_body": {"prompt_cache_key": cache_key}} if cache_key else {}),
     )
     ttft = None
     parts: list[str] = []
@@ -128,7 +132,11 @@ def conversation(client, model: str, tag: str, turns: int, max_tokens: int, syst
         prompts.append(n_prompt)
         answers.append(answer)
         messages.append({"role": "assistant", "content": answer})
-    return {"ttft_ms": ttft, "prompt_tokens": prompts, "answers": answers}
+    # the last turn again at once under a namespace nothing is stored in: the same prompt
+    # prefilled whole on the same server a moment later (with the cache off: the same as
+    # the turn itself), a pair the machine's load changes alike
+    cold, _, _ = chat_turn(client, model, messages[:-1], max_tokens, cache_key=f"cold-{tag}-{time.time_ns()}")
+    return {"ttft_ms": ttft, "prompt_tokens": prompts, "answers": answers, "cold_last_ttft_ms": cold * 1000}
 
 
 def per_token(stamps: list[float], tokens: int) -> float:
@@ -208,6 +216,8 @@ def main() -> None:
         "prompt_tokens": runs[0]["prompt_tokens"],
         "last_turn_ttft_ms": statistics.median(last),
         "first_turn_ttft_ms": statistics.median(first),
+        # the last turn ÷ the same prompt at once in an empty namespace (paired, same load)
+        "last_over_cold": statistics.median(r["ttft_ms"][-1] / r["cold_last_ttft_ms"] for r in runs),
         # the first conversation's answers, hashed: greedy, so the same with the cache on and off
         "answers_sha256": digest,
         "prefix_cache": (status.memory or {}).get("prefix_cache"),
@@ -231,6 +241,7 @@ def main() -> None:
     for i, r in enumerate(runs):
         print(f"round {i}: TTFT ms per turn " + " ".join(f"{t:.0f}" for t in r["ttft_ms"]))
     print(f"last-turn TTFT (median): {figures['last_turn_ttft_ms']:.1f} ms; answers {digest}")
+    print(f"last turn ÷ the same prompt in an empty namespace (median): {figures['last_over_cold']:.3f}")
     cache = figures["prefix_cache"]
     if cache:
         for klass, c in cache.get("classes", {}).items():

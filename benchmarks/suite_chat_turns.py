@@ -48,6 +48,14 @@ def group_chat_turns(ctx: Ctx, llamacpp_missing: str | None) -> list[Row]:
                 **target("<=", 0.3, "issue 36"),
             )
         )
+        rows.append(
+            Row(
+                GROUP,
+                f"{backend}: last-turn TTFT ÷ the same prompt at once in an empty prompt_cache_key (cache on, paired)",
+                on.get("last_over_cold"),
+                note="the pair shares the machine's load; the row above compares two processes",
+            )
+        )
         counts = ((on.get("prefix_cache") or {}).get("classes") or {}).get("unsteered") or {}
         rows.append(
             Row(
