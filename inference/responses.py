@@ -268,13 +268,3 @@ def parse_responses_request(data: dict[str, Any], *, strict: bool = False) -> tu
     # continues its chain is checked with a stand-in for the chain's turns)
     check_chat(to_chat(req, None if req.input else [_STAND_IN]))
     return req, ignored
-
-
-def __getattr__(name: str) -> Any:
-    # ``answer_response`` lives with the route (it imports this module): reachable from
-    # here too, for the background runner (``inference.responses_runner``)
-    if name == "answer_response":
-        from inference.responses_answer import answer_response
-
-        return answer_response
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -24,7 +24,6 @@ re-queues every response not finished (``responses_resume``).
 from __future__ import annotations
 
 import asyncio
-import importlib
 import os
 import socket
 import threading
@@ -48,23 +47,15 @@ log = structlog.get_logger(__name__)
 
 HEARTBEAT_S = 1.0
 EXECUTOR_THREADS = 4
-# the Responses API's modules (the POST route's): the request's parser, and the answer
-PARSER_MODULE = "inference.responses"
-ANSWER_MODULES = ("inference.responses_answer", "inference.responses")
 
 
 def _api() -> tuple[Any, Any]:
     """``parse_responses_request`` and ``answer_response`` of the Responses API, imported
-    at run time (they import this package's store, not the other way round)."""
-    parse = importlib.import_module(PARSER_MODULE).parse_responses_request
-    for name in ANSWER_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ImportError:
-            continue
-        if hasattr(module, "answer_response"):
-            return parse, module.answer_response
-    raise RuntimeError("the Responses API's answer_response is not installed")
+    at run time (their modules import this package's store, not the other way round)."""
+    from inference.responses import parse_responses_request
+    from inference.responses_answer import answer_response
+
+    return parse_responses_request, answer_response
 
 
 def new_runner_id() -> str:
