@@ -282,7 +282,9 @@ def start_background_sync(
             code="invalid_parameter",
             param="stream",
         )
-    body = {**response, "status": StoredResponse.Status.QUEUED, "background": True, "output": [], "usage": None}
+    # no usage until the run ends: OpenAI's Response has it as an object or absent, never null
+    body = {**response, "status": StoredResponse.Status.QUEUED, "background": True, "output": []}
+    body.pop("usage", None)
     with transaction.atomic():
         row = save_response_sync(body, input_items, scope, store=True)
         assert row is not None

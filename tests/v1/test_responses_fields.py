@@ -13,6 +13,7 @@ import pytest
 
 from tests.v1.helpers import Raw, assert_openai_error, request
 from tests.v1.openai_schema import assert_schema
+from tests.v1.test_responses_background import responses_server, wait_status  # noqa: F401
 from tests.v1.test_responses import EVENT_SCHEMAS, MODEL, PROMPT, SYSTEM, relu, sse_events  # noqa: F401
 from tests.v1.test_responses_tools import CHAT_TOOL, TOOL, tools_llm  # noqa: F401
 from tests.v1.tools_model import NAME as TOOLS_MODEL
@@ -261,3 +262,22 @@ def test_chat_stream_text_adds_up_to_the_body_content(text, pieces):
         rest, calls = stream.finish()
         assert sent + rest == (body.content or ""), (size, sent, rest)
         assert len(calls) == len(body.tool_calls or [])
+
+
+# --------------------------------------------------------------------------- background
+
+
+def test_a_queued_response_has_no_null_usage_and_its_run_echoes_the_sampling_it_ran(
+    responses_server,  # noqa: F811
+    openai_client,
+):
+    queued = _post(responses_server, {"model": MODEL, "input": PROMPT, "max_output_tokens": 3, "background": True})
+    assert queued.status == 200, queued.body[:300]
+    body = queued.json()
+    assert body["status"] == "queued" and "usage" not in body  # OpenAI's Response: an object or absent
+    assert_schema("Response", body)
+    done = wait_status(openai_client, body["id"])
+    # the run echoes what it ran with, as the synchronous answer does
+    sync = _post(responses_server, {"model": MODEL, "input": PROMPT, "max_output_tokens": 3}).json()
+    assert sync["temperature"] is not None and sync["top_p"] is not None
+    assert done.usage is not None and (done.temperature, done.top_p) == (sync["temperature"], sync["top_p"])
