@@ -26,6 +26,7 @@ from gpu_engine.api.protocol import (
     GenerationJob,
     MonitorEntry,
     MonitorSpec,
+    PositionRange,
     SamplingParams,
     SteeringEntry,
     SteeringSpec,
@@ -232,3 +233,35 @@ def test_the_capabilities_say_whether_the_cache_runs(engines):
         True,
     )
     assert (off["prefix_caching"], off["prefix_caching_reason"]) == (False, "PREFIX_CACHE_MAX_MB is 0")
+
+
+@pytest.mark.parametrize("path", ("serial", "batched"))
+def test_a_window_past_the_first_turn_steers_the_rows_after_a_reused_prefix(engines, path):
+    """A control whose window starts past the first turn's prompt: the turns whose prompts
+    reach it are keyed by it, and a turn that reuses a stored prefix prefills the rest —
+    rows inside the window among them — at their own positions, steered as the uncached
+    run steers them."""
+    on, off = engines[(path, True)], engines[(path, False)]
+    spec = SteeringSpec([SteeringEntry(L1, 1, {}, [FeatureControl(3, value=12.0, window=PositionRange(60, 180))])])
+    before = counters(on, "prompt_steered")
+    cached = converse(on, f"{path}-window", steering=spec)
+    after = counters(on, "prompt_steered")
+    plain = converse(off, f"{path}-window", steering=spec)
+    for got, want in zip(cached, plain):
+        assert_same_generation(got, want)
+    prompts = [r.usage.prompt_tokens for r in cached]
+    assert prompts[0] + 6 < 60 < prompts[1] < 180 < prompts[-1], prompts  # the first turn's rows all before it
+    # the turns after the second reused the steered KV their predecessor stored
+    assert after["hits"] - before["hits"] >= len(TURNS) - 2
+    # the window changes the answers: a run that left those rows unsteered would differ
+    unsteered = converse(off, f"{path}-window")
+    assert unsteered[0].token_ids == plain[0].token_ids
+    assert any(
+        u.token_ids != p.token_ids
+        or np.abs(
+            np.array([[e.logprob for e in t.top_logprobs] for t in u.logprobs])
+            - np.array([[e.logprob for e in t.top_logprobs] for t in p.logprobs])
+        ).max()
+        > 1e-3
+        for u, p in zip(unsteered[1:], plain[1:])
+    )
