@@ -4,11 +4,13 @@ what they add (docs/steering.md, "The steering hash")."""
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import msgspec
+import numpy as np
 
 from .errors import InvalidParameter
 from .fields import (
@@ -25,6 +27,9 @@ from .vectors import ITEMSIZE, VECTOR_DTYPES, as_float32
 
 STEERING_MODES = ("add", "clamp", "scale", "ablate")
 STEERING_PHASES = ("all", "prompt", "completion")
+VECTOR_MODES = ("add", "clamp")
+# the widest bound a vector clamp may hold its projection to
+MAX_CLAMP_BOUND = 1e6
 # what reads a feature's activation, and so needs an encoder (a raw vector has none)
 ENCODER_MODES = ("clamp", "scale")
 
@@ -101,11 +106,15 @@ class FeatureControl(msgspec.Struct, omit_defaults=True):
 
 
 class SteeringVector(msgspec.Struct, omit_defaults=True):
-    """A raw vector sent with the request, added at its attachment's hook point:
-    ``strength · v`` on the rows its ``phase`` selects (``all``: every row; ``prompt``;
-    ``completion``). ``data``: the vector's bytes, little-endian ``dtype``
-    (``gpu_engine.api.vectors``); its width is checked against the hook's by the plan
-    builder."""
+    """A raw vector sent with the request, applied at its attachment's hook point on the
+    rows its ``phase`` selects (``all``: every row; ``prompt``; ``completion``).
+    ``data``: the vector's bytes, little-endian ``dtype`` (``gpu_engine.api.vectors``);
+    its width is checked against the hook's by the plan builder.
+
+    - ``add`` (default): ``strength · v``;
+    - ``clamp``: the projection ``c = x · u`` on the unit direction ``u = v / ‖v‖`` held
+      within ``[min, max]`` (``None``: unbounded on that side), blended by ``strength``
+      in [0, 1]: ``strength · (clip(c, min, max) − c) · u``."""
 
     _where = "steering.vectors."
 
@@ -113,12 +122,25 @@ class SteeringVector(msgspec.Struct, omit_defaults=True):
     dtype: Literal[VECTOR_DTYPES] = "float32"  # type: ignore[valid-type]
     strength: Annotated[float, STEERING_STRENGTH.meta] = 1.0
     phase: Literal[STEERING_PHASES] = "all"  # type: ignore[valid-type]
+    mode: Literal[VECTOR_MODES] = "add"  # type: ignore[valid-type]
+    min: float | None = None
+    max: float | None = None
 
     def __post_init__(self) -> None:
         check_fields(self)
         if not self.data:
             raise InvalidParameter("steering.vectors.data is empty", param="steering.vectors.data")
-        as_float32(self.dtype, self.data, "steering.vectors.data")  # whole values, finite
+        values = as_float32(self.dtype, self.data, "steering.vectors.data")  # whole values, finite
+        if self.mode == "add":
+            if self.min is not None or self.max is not None:
+                raise InvalidParameter("min and max bound a clamp: send mode clamp", param="steering.vectors.mode")
+            return
+        check_clamp(values, self.min, self.max, self.strength)
+
+    @property
+    def projects(self) -> bool:
+        """Reads the row's projection on the vector (a clamp): runs per row."""
+        return self.mode == "clamp"
 
     @property
     def width(self) -> int:
@@ -134,9 +156,38 @@ class SteeringVector(msgspec.Struct, omit_defaults=True):
         digest = hashlib.sha256(self.data).hexdigest()
         fields = [sae_id, str(layer), "vector", f"dtype={self.dtype}", f"sha256={digest}"]
         fields.append(f"strength={_bits(self.strength)}")
+        if self.mode != "add":
+            fields.append(f"mode={self.mode}")
+            if self.min is not None:
+                fields.append(f"min={_bits(self.min)}")
+            if self.max is not None:
+                fields.append(f"max={_bits(self.max)}")
         if self.phase != "all":
             fields.append(f"phase={self.phase}")
         return "\t".join(fields) + "\n"
+
+
+def check_clamp(
+    values: np.ndarray, lo: float | None, hi: float | None, strength: float, where: str = "steering.vectors"
+) -> None:
+    """A clamp's direction, bounds and strength, each refusal naming its field under
+    ``where``: a direction of zero length, no bound, ``min > max``, a non-finite bound,
+    a strength outside [0, 1]."""
+    norm = float(np.linalg.norm(values.astype(np.float64)))
+    if not np.isfinite(norm) or norm == 0:
+        raise InvalidParameter(f"{where}.data: a clamp's direction must be non-zero", param=f"{where}.data")
+    for name, bound in (("min", lo), ("max", hi)):
+        if bound is not None and not (math.isfinite(bound) and abs(bound) <= MAX_CLAMP_BOUND):
+            raise InvalidParameter(
+                f"{where}.{name} must be a finite number in [-{MAX_CLAMP_BOUND:g}, {MAX_CLAMP_BOUND:g}]",
+                param=f"{where}.{name}",
+            )
+    if lo is None and hi is None:
+        raise InvalidParameter(f"{where}: a clamp needs min, max or value", param=f"{where}.min")
+    if lo is not None and hi is not None and lo > hi:
+        raise InvalidParameter(f"{where}.min ({lo:g}) is above max ({hi:g})", param=f"{where}.min")
+    if not 0 <= strength <= 1:
+        raise InvalidParameter(f"{where}.strength: a clamp's strength lies in [0, 1]", param=f"{where}.strength")
 
 
 def _bits(value: float) -> str:
@@ -220,8 +271,8 @@ class SteeringSpec(msgspec.Struct):
         return all(e.is_empty() for e in self.entries)
 
     def has_controls(self) -> bool:
-        # a vector gated to a phase runs as a control (per row)
-        return any(e.controls or any(v.phase != "all" for v in e.vectors) for e in self.entries)
+        # a vector gated to a phase, or clamping, runs as a control (per row)
+        return any(e.controls or any(v.phase != "all" or v.projects for v in e.vectors) for e in self.entries)
 
     def canonical_text(self) -> str:
         """The applied set, one line per feature that changes something, in a form every
@@ -286,5 +337,8 @@ __all__ = [
     "SteeringEntry",
     "SteeringSpec",
     "SteeringVector",
+    "MAX_CLAMP_BOUND",
+    "VECTOR_MODES",
+    "check_clamp",
     "refuse_encoder_controls",
 ]

@@ -5,25 +5,32 @@ operations.  For the residual rows ``x`` (n, d) arriving at the hook, with their
 positions and (in a batch) the slot of the request each row belongs to, operation j
 contributes to row r::
 
-    gate[r, j] · (alpha[j] + beta[j] · a_j(x_r) + gamma[j] · (x_r · dirs[j])) · dirs[j]
+    gate[r, j] · (alpha[j] + beta[j] · a_j(x_r) + gamma[j] · (clip(c, lo_j, hi_j) − c)) · dirs[j]
+    with c = x_r · dirs[j]
 
 where ``a_j`` is the activation of feature ``feat[j]`` (encoded from the SAE's selected
 columns only, never the whole dictionary), and ``dirs[j]`` is ``W_dec[feat[j]]`` (the unit
-row for ``ablate``):
+direction ``d̂`` for an operation that projects: ``ablate`` and a vector's clamp); ``lo`` /
+``hi`` are ``clip_lo`` / ``clip_hi`` (±inf where unbounded):
 
-==========  =====  ======  ======  ===========================
-mode        alpha  beta    gamma   contribution
-==========  =====  ======  ======  ===========================
-add         v      0       0       v · d
-clamp       v      −1      0       (v − a) · d
-scale       0      v − 1   0       (v − 1) · a · d
-ablate      0      0       −1      −(x · d̂) · d̂
-==========  =====  ======  ======  ===========================
+============  =====  ======  ========  ==========  ===================================
+mode          alpha  beta    gamma     clip        contribution
+============  =====  ======  ========  ==========  ===================================
+add           v      0       0         —           v · d
+clamp         v      −1      0         —           (v − a) · d
+scale         0      v − 1   0         —           (v − 1) · a · d
+ablate        0      0       1         [0, 0]      −(x · d̂) · d̂
+vector add    1      0       0         —           strength · v (the row already scaled)
+vector clamp  0      0       strength  [min, max]  strength · (clip(c) − c) · d̂
+============  =====  ======  ========  ==========  ===================================
 
 ``gate[r, j]`` is 1 where row r belongs to operation j's request, its position lies in the
 operation's ``[lo, hi)`` (phase and window combined) and, for a conditional operation,
 the trigger feature's activation at the row is above the threshold.  Every operation
-reads the same ``x``: the residual before this attachment's steering.
+reads the same ``x``: the residual before this attachment's steering — except a vector's
+clamp, which runs after the others, in order, each reading ``x`` plus everything added
+before it (the plan builder puts an attachment's plain adds into its table as one add
+when it has a clamp, so a clamp reads the row as steered).
 
 In a batch the runner concatenates the tables of every request steering at the attachment
 (``ControlTable.concat``); the hook computes all J operations for all n rows with two
@@ -67,12 +74,15 @@ class ControlTable:
     alpha: torch.Tensor  # (J,)
     beta: torch.Tensor  # (J,)
     gamma: torch.Tensor  # (J,)
+    clip_lo: torch.Tensor  # (J,): the projection's lower bound (-inf: none)
+    clip_hi: torch.Tensor  # (J,): its upper bound (+inf: none)
     lo: torch.Tensor  # (J,) long
     hi: torch.Tensor  # (J,) long
     cond_feat: torch.Tensor  # (J,) long
     cond_thr: torch.Tensor  # (J,)
     has_cond: torch.Tensor  # (J,) bool
     conditional: tuple[bool, ...]  # per operation, on the host
+    ordered: tuple[bool, ...]  # per operation, on the host: a vector's clamp (runs after the rest, in order)
     encodes: bool  # some operation reads a feature's activation
     projects: bool  # some operation reads x · d
     gated_by_feature: bool  # some operation has a condition
@@ -97,8 +107,9 @@ class ControlTable:
         vectors: Sequence[tuple[SteeringVector, torch.Tensor]] = (),
     ) -> ControlTable:
         """One request's controls (slot 0); ``prompt_len`` places its phases. ``vectors``:
-        raw vectors gated to a phase, each with its direction already scaled by its
-        strength (``(d,)`` in the SAE dtype): adds of 1 along it (index -1 in records)."""
+        raw vectors run per row (index -1 in records), ``(d,)`` in the SAE dtype: an add
+        (gated to a phase) with its direction already scaled by its strength, added once;
+        a clamp with its direction as sent (normalised here)."""
         dev, dt = sae.W_dec.device, sae.dtype
         feats = [c.index for c in controls]
         idx = torch.tensor(feats, dtype=torch.long, device=dev)
@@ -108,12 +119,16 @@ class ControlTable:
             idx = torch.cat([idx, torch.zeros(len(vectors), dtype=torch.long, device=dev)])
             feats = [*feats, *(-1 for _ in vectors)]
             controls = [*controls, *(v for v, _ in vectors)]
-        alpha, beta, gamma, lo, hi = [], [], [], [], []
+        inf = float("inf")
+        alpha, beta, gamma, clip_lo, clip_hi, lo, hi = [], [], [], [], [], [], []
         for c in controls:
             if isinstance(c, SteeringVector):
-                alpha.append(1.0)
+                clamp = c.mode == "clamp"
+                alpha.append(0.0 if clamp else 1.0)
                 beta.append(0.0)
-                gamma.append(0.0)
+                gamma.append(float(c.strength) if clamp else 0.0)
+                clip_lo.append(-inf if not clamp or c.min is None else float(c.min))
+                clip_hi.append(inf if not clamp or c.max is None else float(c.max))
                 start, end = control_range(c, prompt_len)
                 lo.append(start)
                 hi.append(end)
@@ -123,19 +138,23 @@ class ControlTable:
                 "add": (v, 0.0, 0.0),
                 "clamp": (v, -1.0, 0.0),
                 "scale": (0.0, v - 1.0, 0.0),
-                "ablate": (0.0, 0.0, -1.0),
+                "ablate": (0.0, 0.0, 1.0),  # the projection clipped to [0, 0]
             }[c.mode]
             alpha.append(a)
             beta.append(b)
             gamma.append(g)
+            clip_lo.append(0.0 if c.mode == "ablate" else -inf)
+            clip_hi.append(0.0 if c.mode == "ablate" else inf)
             start, end = control_range(c, prompt_len)
             lo.append(start)
             hi.append(end)
-        modes = tuple("add" if isinstance(c, SteeringVector) else c.mode for c in controls)
-        ablate = torch.tensor([m == "ablate" for m in modes], dtype=torch.bool, device=dev)
-        if bool(ablate.any()):
-            unit = rows / rows.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(dt).tiny)
-            rows = torch.where(ablate[:, None], unit, rows)
+        modes = tuple(c.mode for c in controls)
+        # what projects reads and writes along the unit direction (normed in float32)
+        projecting = torch.tensor([g != 0 for g in gamma], dtype=torch.bool, device=dev)
+        if bool(projecting.any()):
+            wide = rows.float()
+            unit = (wide / wide.norm(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)).to(rows.dtype)
+            rows = torch.where(projecting[:, None], unit, rows)
         conds = [None if isinstance(c, SteeringVector) else c.condition for c in controls]
 
         def vec(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
@@ -151,12 +170,15 @@ class ControlTable:
             alpha=vec(alpha, dt),
             beta=vec(beta, dt),
             gamma=vec(gamma, dt),
+            clip_lo=vec(clip_lo, dt),
+            clip_hi=vec(clip_hi, dt),
             lo=vec(lo, torch.long),
             hi=vec(hi, torch.long),
             cond_feat=vec([k.feature if k is not None else 0 for k in conds], torch.long),
             cond_thr=vec([k.threshold if k is not None else 0.0 for k in conds], dt),
             has_cond=vec([k is not None for k in conds], torch.bool),
             conditional=tuple(k is not None for k in conds),
+            ordered=tuple(isinstance(c, SteeringVector) and c.projects for c in controls),
             encodes=any(b != 0 for b in beta),
             projects=any(g != 0 for g in gamma),
             gated_by_feature=any(k is not None for k in conds),
@@ -182,12 +204,15 @@ class ControlTable:
             alpha=cat("alpha"),
             beta=cat("beta"),
             gamma=cat("gamma"),
+            clip_lo=cat("clip_lo"),
+            clip_hi=cat("clip_hi"),
             lo=cat("lo"),
             hi=cat("hi"),
             cond_feat=cat("cond_feat"),
             cond_thr=cat("cond_thr"),
             has_cond=cat("has_cond"),
             conditional=sum((t.conditional for t in tables), ()),
+            ordered=sum((t.ordered for t in tables), ()),
             encodes=any(t.encodes for t in tables),
             projects=any(t.projects for t in tables),
             gated_by_feature=any(t.gated_by_feature for t in tables),
@@ -204,7 +229,8 @@ class ControlTable:
         """``(delta (n, d) in the SAE dtype, gate (n, J) bool)`` for rows ``x`` (n, d) at
         ``positions`` (n,); ``row_slots`` (n,) in a batch, None for one request.
         ``written``: the rows the delta is added to when they are not ``x`` (a transcoder
-        reads its module's input and writes its output); ``ablate`` projects those."""
+        reads its module's input and writes its output); ``ablate`` and a vector's clamp
+        project those."""
         xs = x.to(self.sae.dtype)
         gate = (positions[:, None] >= self.lo) & (positions[:, None] < self.hi)
         if row_slots is not None:
@@ -215,10 +241,24 @@ class ControlTable:
         coef = self.alpha.expand(xs.shape[0], -1)
         if self.encodes:
             coef = coef + self.beta * self.encode_feat(xs)  # type: ignore[misc]
+        out = xs if written is None else written.to(self.sae.dtype)
         if self.projects:
-            out = xs if written is None else written.to(self.sae.dtype)
-            coef = coef + self.gamma * (out @ self.dirs.T)
-        return (coef * gate) @ self.dirs, gate
+            proj = out @ self.dirs.T
+            clipped = torch.minimum(torch.maximum(proj, self.clip_lo), self.clip_hi)
+            # an operation that does not project has gamma 0 and unbounded clips: adds 0
+            coef = coef + self.gamma * (clipped - proj)
+        if not any(self.ordered):
+            return (coef * gate) @ self.dirs, gate
+        together = torch.tensor([not o for o in self.ordered], dtype=torch.bool, device=gate.device)
+        delta = (coef * (gate & together)) @ self.dirs
+        for j, ordered in enumerate(self.ordered):
+            if ordered:  # reads the row with everything before it added
+                u = self.dirs[j]
+                c = (out + delta) @ u
+                clipped = torch.minimum(torch.maximum(c, self.clip_lo[j]), self.clip_hi[j])
+                step = self.gamma[j] * (clipped - c) * gate[:, j]
+                delta = delta + step[:, None] * u
+        return delta, gate
 
 
 __all__ = ["FAR", "ControlTable", "control_range"]

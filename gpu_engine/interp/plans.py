@@ -151,7 +151,8 @@ def build_hooks(
             continue
         plan = plans.setdefault(entry.key, AttachmentPlan(entry.key))
         vectors = [(v, _vector(v, sae)) for v in entry.vectors if not v.no_op]
-        everywhere = [t for v, t in vectors if v.phase == "all"]
+        everywhere = [t for v, t in vectors if v.phase == "all" and not v.projects]
+        phased = [(v, t) for v, t in vectors if v.phase != "all" or v.projects]
         if entry.features or everywhere:
             # summed in the SAE dtype and cast once, as the features' delta is
             delta = (
@@ -159,9 +160,12 @@ def build_hooks(
             )
             for t in everywhere:
                 delta = t if delta is None else delta + t
-            plan.delta = delta.to(device=device, dtype=dtype)  # type: ignore[union-attr]
+            if any(v.projects for v, _ in phased):
+                # a clamp reads the row as steered: the plain adds run first, in its table
+                phased.insert(0, (_PLAIN_ADDS, delta))  # type: ignore[arg-type]
+            else:
+                plan.delta = delta.to(device=device, dtype=dtype)  # type: ignore[union-attr]
         controls = [c for c in entry.controls if not c.no_op]
-        phased = [(v, t) for v, t in vectors if v.phase != "all"]
         if controls or phased:
             plan.controls = ControlTable.build(controls, sae, prompt_len=n_prompt, vectors=phased)
             plan.cols = (0, plan.controls.size)
@@ -175,10 +179,17 @@ def build_hooks(
     return RequestHooks(request_id, plans)
 
 
+# the op of an attachment's plain adds (features, unphased vector adds) in a table that
+# clamps: an add of its row, 1 at every position (its bytes are never read)
+_PLAIN_ADDS = SteeringVector(b"\0\0\0\0")
+
+
 def _vector(vector: SteeringVector, sae: SAE) -> torch.Tensor:
-    """``strength · v`` in the SAE dtype, on its device (checked: ``check_request``)."""
+    """An add's ``strength · v``, a clamp's ``v`` (its table normalises it and applies the
+    strength per row), in the SAE dtype, on its device (checked: ``check_request``)."""
     values = torch.from_numpy(as_float32(vector.dtype, vector.data, "steering.vectors.data").copy())
-    return values.to(device=sae.W_dec.device, dtype=sae.dtype) * vector.strength
+    values = values.to(device=sae.W_dec.device, dtype=sae.dtype)
+    return values if vector.projects else values * vector.strength
 
 
 def request_hooks(

@@ -34,9 +34,12 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
     if job.steering is not None and not job.steering.is_empty():
         needs.append(("per_request_steering", caps.per_request_steering, "steering"))
     if job.steering is not None and job.steering.has_controls():
-        # feature controls, or only inline vectors gated to a phase
+        # feature controls, or only inline vectors gated to a phase or clamping
         controls = any(e.controls for e in job.steering.entries)
-        param = "steering.features.mode" if controls else "steering.vectors.phase"
+        clamps = any(v.projects for e in job.steering.entries for v in e.vectors)
+        param = (
+            "steering.features.mode" if controls else "steering.vectors.mode" if clamps else "steering.vectors.phase"
+        )
         needs.append(("steering_controls", caps.steering_controls, param))
     if job.monitor is not None and job.monitor.entries:
         needs.append(("per_request_monitoring", caps.per_request_monitoring, "monitor"))
