@@ -166,7 +166,7 @@ def vector_asks(vectors: list[InlineVector], params: tuple[tuple[str, str], ...]
         layer_param, data_param = (
             params[i] if i < len(params) else (f"steering.vectors[{i}].layer", f"steering.vectors[{i}].data")
         )
-        vector = SteeringVector(v.data.raw, v.data.dtype, v.strength, v.phase)
+        vector = SteeringVector(v.data.raw, v.data.dtype, v.strength, v.phase, v.mode, v.min, v.max)
         asks.append(VectorAsk(vector, v.data.width, v.layer, v.hook, layer_param, data_param))
     return asks
 

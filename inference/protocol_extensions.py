@@ -9,6 +9,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from gpu_engine.api.fields import MAX_STEERING_STRENGTH
+from gpu_engine.api.steering import MAX_CLAMP_BOUND
+from gpu_engine.api.vectors import as_float32
 from inference.protocol_base import MAX_ACTIVATION_FEATURES, MAX_ACTIVATION_TOP_K, _Strict
 from steering.rules import ControlInput
 
@@ -55,10 +57,12 @@ MAX_INLINE_VECTORS = 64
 
 
 class InlineVector(_Strict):
-    """``{data, layer?, hook?, strength?, phase?}``: ``strength · data`` added at the
-    attachment whose hook is at ``layer`` (``hook``: resid_post, the default, or
-    resid_pre; the attachment the steering object names when no layer is given), on the
-    rows ``phase`` selects (docs/steering.md, "Inline vectors")."""
+    """``{data, layer?, hook?, strength?, phase?, mode?, min?, max?, value?}``:
+    ``strength · data`` added at the attachment whose hook is at ``layer`` (``hook``:
+    resid_post, the default, or resid_pre; the attachment the steering object names when
+    no layer is given), on the rows ``phase`` selects; ``mode: clamp`` holds the row's
+    projection on the unit direction within ``[min, max]`` (``value``: both), blended by
+    ``strength`` in [0, 1] (docs/steering.md, "Inline vectors")."""
 
     model_config = {**_Strict.model_config, "arbitrary_types_allowed": True}
 
@@ -67,6 +71,11 @@ class InlineVector(_Strict):
     hook: Literal["resid_post", "resid_pre"] = "resid_post"
     strength: float = Field(default=1.0, ge=-MAX_STEERING_STRENGTH, le=MAX_STEERING_STRENGTH)
     phase: Literal["all", "prompt", "completion"] = "all"
+    # a clamp of the projection on the vector's unit direction (docs/steering.md, "Inline vectors")
+    mode: Literal["add", "clamp"] = "add"
+    min: float | None = Field(default=None, ge=-MAX_CLAMP_BOUND, le=MAX_CLAMP_BOUND)
+    max: float | None = Field(default=None, ge=-MAX_CLAMP_BOUND, le=MAX_CLAMP_BOUND)
+    value: float | None = Field(default=None, ge=-MAX_CLAMP_BOUND, le=MAX_CLAMP_BOUND)
 
     @field_validator("data", mode="before")
     @classmethod
@@ -75,6 +84,28 @@ class InlineVector(_Strict):
             # ``inference.steering_aliases`` decodes every vector before validation
             raise ValueError("a vector is {dtype, shape, data} (base64) or a list of numbers")
         return value
+
+    @model_validator(mode="after")
+    def _clamp(self) -> InlineVector:
+        """``value`` is ``min = max = value``; bounds belong to a clamp."""
+        if self.mode == "add":
+            if self.min is not None or self.max is not None or self.value is not None:
+                raise ValueError("min, max and value bound a clamp: send mode clamp")
+            return self
+        if self.value is not None:
+            if self.min is not None or self.max is not None:
+                raise ValueError("a clamp takes value or min/max, not both")
+            self.min = self.max = self.value
+            self.value = None
+        if self.min is None and self.max is None:
+            raise ValueError("a clamp needs min, max or value")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError("min is above max")
+        if not 0 <= self.strength <= 1:
+            raise ValueError("a clamp's strength lies in [0, 1]")
+        if not any(as_float32(self.data.dtype, self.data.raw, "data")):
+            raise ValueError("a clamp's direction must be non-zero")
+        return self
 
 
 class InlineSteering(_Strict):

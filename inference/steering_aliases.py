@@ -17,8 +17,10 @@ naming the field; nothing runs.
 - The RhizoNymph vLLM steering fork: ``steering_vectors`` (phase all),
   ``prefill_steering_vectors`` (prompt), ``decode_steering_vectors`` (completion), each
   ``{hook: packed {dtype, shape, layer_indices, data, scales?} | {layer: list | {vector,
-  scale}}}``; hook ``post_block`` is resid_post, ``pre_attn`` resid_pre. Its clamps and
-  named modules are refused.
+  scale}}}``; hook ``post_block`` is resid_post, ``pre_attn`` resid_pre. Its clamps
+  (``steering_clamps`` and the ``prefill_`` / ``decode_`` tiers, ``{hook: {layer:
+  [{vector, min?, max?, value?, strength?}]}}``) are clamp vectors (``mode: clamp``), in
+  order, base tier first; its named modules are refused.
 - EasySteer's ``steering: {vectors: [{data, algorithm, scale, layers, apply, …}]}``
   (``steering: false``: unsteered). miLLM's own ``steering`` has ``features``; a
   ``steering`` object whose vectors carry EasySteer's keys is EasySteer's.
@@ -38,7 +40,8 @@ from pydantic import BaseModel, ConfigDict
 from core.openai_errors import OpenAIError
 from gpu_engine.api.errors import InvalidParameter
 from gpu_engine.api.fields import MAX_STEERING_STRENGTH
-from gpu_engine.api.vectors import ITEMSIZE, MAX_PACKED_ROWS, unpack
+from gpu_engine.api.steering import MAX_CLAMP_BOUND
+from gpu_engine.api.vectors import ITEMSIZE, MAX_PACKED_ROWS, as_float32, unpack
 from inference.protocol_extensions import PackedVector
 
 RECORD = "steering_alias"
@@ -47,10 +50,14 @@ RHIZO_TIERS = (
     ("prefill_steering_vectors", "prompt"),
     ("decode_steering_vectors", "completion"),
 )
+# its clamps: {hook: {layer: [{vector, min?, max?, value?, strength?}, ...]}}, native clamp vectors
+RHIZO_CLAMP_TIERS = (
+    ("steering_clamps", "all"),
+    ("prefill_steering_clamps", "prompt"),
+    ("decode_steering_clamps", "completion"),
+)
+RHIZO_CLAMP_KEYS = frozenset({"vector", "min", "max", "value", "strength"})
 RHIZO_REFUSED = {
-    "steering_clamps": "clamping a projection onto a raw direction is not available in miLLM",
-    "prefill_steering_clamps": "clamping a projection onto a raw direction is not available in miLLM",
-    "decode_steering_clamps": "clamping a projection onto a raw direction is not available in miLLM",
     "steering_name": "named steering modules are miLLM profiles here: send profile",
 }
 # the fork's hook points with an exact miLLM equivalent
@@ -378,6 +385,69 @@ def _xargs(
     return vectors
 
 
+def _bound(entry: dict[str, Any], key: str, param: str) -> float | None:
+    value = entry.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= MAX_CLAMP_BOUND:
+        raise _refuse(f"{param} must be a number in [-{MAX_CLAMP_BOUND:g}, {MAX_CLAMP_BOUND:g}]", param)
+    return float(value)
+
+
+def _rhizo_clamps(tiers: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    """The fork's clamps as clamp vectors: for each row, ``c = x · u`` (``u`` the vector
+    normalised) becomes ``c + strength · (clip(c, min, max) − c)``."""
+    vectors: list[dict[str, Any]] = []
+    params: list[tuple[str, str]] = []
+    for name, phase in RHIZO_CLAMP_TIERS:
+        spec = tiers.get(name)
+        if spec is None:
+            continue
+        if not isinstance(spec, dict):
+            raise _refuse(f"{name} is an object keyed by hook point", name)
+        for hook, layers in spec.items():
+            where = f"{name}.{hook}"
+            if hook not in RHIZO_HOOKS:
+                raise _refuse(
+                    f"{where}: hook point {hook!r} has no miLLM equivalent (post_block is resid_post, "
+                    "pre_attn is resid_pre)",
+                    where,
+                )
+            if not isinstance(layers, dict):
+                raise _refuse(f"{where} is an object keyed by layer", where)
+            for key, entries in layers.items():
+                at = f"{where}.{key}"
+                layer = _layer(key, at)
+                if not isinstance(entries, list):
+                    raise _refuse(f"{at} is a list of clamps [{{vector, min?, max?, value?, strength?}}]", at)
+                for i, entry in enumerate(entries):
+                    here = f"{at}[{i}]"
+                    if not isinstance(entry, dict) or "vector" not in entry:
+                        raise _refuse(f"{here} is {{vector, min?, max?, value?, strength?}}", here)
+                    unknown = sorted(set(entry) - RHIZO_CLAMP_KEYS)
+                    if unknown:
+                        raise _refuse(f"{here}: unknown key {unknown[0]!r}", f"{here}.{unknown[0]}")
+                    lo, hi, value = (_bound(entry, k, f"{here}.{k}") for k in ("min", "max", "value"))
+                    if value is not None:
+                        if lo is not None or hi is not None:
+                            raise _refuse(f"{here}: value is min = max = value; send value or min/max", f"{here}.value")
+                        lo = hi = value
+                    if lo is None and hi is None:
+                        raise _refuse(f"{here}: a clamp needs min, max or value", here)
+                    if lo is not None and hi is not None and lo > hi:
+                        raise _refuse(f"{here}.min ({lo:g}) is above max ({hi:g})", f"{here}.min")
+                    strength = entry.get("strength", 1.0)
+                    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 <= strength <= 1:
+                        raise _refuse(f"{here}.strength must be a number in [0, 1]", f"{here}.strength")
+                    data = _rows(entry["vector"], f"{here}.vector", 1)[0]
+                    if not as_float32(data.dtype, data.raw, f"{here}.vector").any():
+                        raise _refuse(f"{here}.vector: a clamp's direction must be non-zero", f"{here}.vector")
+                    clamp = {"data": data, "layer": layer, "hook": RHIZO_HOOKS[hook], "phase": phase}
+                    vectors.append({**clamp, "mode": "clamp", "min": lo, "max": hi, "strength": float(strength)})
+                    params.append((at, f"{here}.vector"))
+    return vectors, params
+
+
 def rewrite(data: Any) -> Any:
     """The body with every alias rewritten into miLLM's fields (see the module)."""
     if not isinstance(data, dict):
@@ -408,14 +478,15 @@ def rewrite(data: Any) -> Any:
     for name in RHIZO_REFUSED:
         if data.get(name):
             raise _refuse(f"{name}: {RHIZO_REFUSED[name]}", name)
-    tiers = {name: data.pop(name) for name, _ in RHIZO_TIERS if name in data}
+    tiers = {name: data.pop(name) for name, _ in (*RHIZO_TIERS, *RHIZO_CLAMP_TIERS) if name in data}
     record["keys"] += [*tiers, *(n for n in RHIZO_REFUSED if n in data)]
     for n in RHIZO_REFUSED:
         data.pop(n, None)
     if any(v for v in tiers.values()):
-        found, params = _rhizo(tiers)
-        vectors += found
-        record["vector_params"] += params
+        for parse in (_rhizo, _rhizo_clamps):  # the adds, then the clamps (which read the row as steered)
+            found, params = parse(tiers)
+            vectors += found
+            record["vector_params"] += params
         shapes.append((next(n for n, v in tiers.items() if v), next(n for n, v in tiers.items() if v)))
     if isinstance(data.get("features"), list):
         features = data.pop("features")

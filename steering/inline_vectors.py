@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from core.errors import SAENotAttached
 from gpu_engine.api.steering import SteeringVector
 from steering import rules
@@ -77,8 +79,8 @@ def place_vectors(
                 details={"param": ask.data_param, "width": ask.width, "expected": att.d_in},
             )
         vector = ask.vector
-        if intensity is not None:
-            vector = SteeringVector(vector.data, vector.dtype, rules.dial(vector.strength, intensity), vector.phase)
+        if intensity is not None and not vector.projects:  # a clamp's strength is a blend in [0, 1]: not dialled
+            vector = msgspec.structs.replace(vector, strength=rules.dial(vector.strength, intensity))
         placed.setdefault((att.sae_id, att.layer), []).append(vector)
     return placed
 

@@ -187,7 +187,7 @@ GOOD = {"dtype": "float32", "shape": [4], "data": base64.b64encode(b"\0" * 16).d
         ),  # 4 wide
         # what cannot be mapped
         ({"steering_vectors": {"post_mlp": {"1": [1.0]}}}, "steering_vectors.post_mlp"),
-        ({"steering_clamps": {"post_block": {"1": [{"vector": [1.0], "value": 1.0}]}}}, "steering_clamps"),
+        ({"steering_clamps": {"post_mlp": {"1": [{"vector": [1.0], "value": 1.0}]}}}, "steering_clamps.post_mlp"),
         ({"features": [{"source": "7-res-jb", "index": 3, "strength": 1}]}, "features[0].source"),
         (
             {"features": [{"source": "1-res-jb", "index": 3, "strength": 1}], "steer_method": "ORTHOGONAL_DECOMP"},
