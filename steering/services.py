@@ -241,6 +241,8 @@ def _with_vectors(
                 "strength": v.strength,
                 "phase": v.phase,
                 "sha256": hashlib.sha256(v.data).hexdigest(),
+                # a clamp's bounds (docs/steering.md, "Inline vectors")
+                **({"mode": v.mode, "min": v.min, "max": v.max} if v.projects else {}),
             }
             for v in e.vectors
         ]

@@ -169,3 +169,16 @@ def test_a_clamp_changes_the_steering_hash_and_sorts_its_bounds_into_it():
     assert len({a.canonical_hash(), b.canonical_hash(), add.canonical_hash()}) == 3
     assert a.canonical_text().endswith("\tmode=clamp\tmin=0000000000000000\tmax=3ff0000000000000\n")
     assert a.has_controls() and not add.has_controls()
+
+
+def test_a_clamp_keys_the_prompts_kv_unless_it_is_gated_to_the_completion():
+    from gpu_engine.decode.prefix_cache import UNSTEERED, steering_key
+
+    data = _direction(8).tobytes()
+
+    def key(phase):
+        vector = SteeringVector(data, "float32", 1.0, phase, mode="clamp", max=0.0)
+        return steering_key(SteeringSpec([SteeringEntry("s", 1, {}, [], [vector])]), 5)
+
+    assert key("completion") == UNSTEERED
+    assert key("all") != UNSTEERED and key("prompt") != UNSTEERED and key("all") != key("prompt")

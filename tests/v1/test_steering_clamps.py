@@ -128,3 +128,11 @@ def test_a_malformed_native_clamp_is_refused_and_nothing_runs(relu, llama, row, 
     assert (error["param"] or "").startswith("steering.vectors"), error
     assert "Traceback" not in error["message"]
     assert _counts(llama) == before
+
+
+def test_the_response_reports_each_clamps_bounds(relu, llama, row):
+    resp = _raw(llama, steering_clamps={"post_block": {"1": [{"vector": row.tolist(), "min": -1.0, "strength": 0.25}]}})
+    assert resp.status == 200, resp.body[:300]
+    (vector,) = resp.json()["millm"]["steering"]["entries"][0]["vectors"]
+    assert vector["mode"] == "clamp" and vector["min"] == -1.0 and vector["max"] is None
+    assert vector["strength"] == 0.25 and vector["phase"] == "all"
