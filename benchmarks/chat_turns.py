@@ -89,13 +89,10 @@ def load(backend: str, model: str) -> str:
     return DEMO_GGUF_NAME
 
 
-def chat_turn(
-    client, model: str, messages: list[dict], max_tokens: int, cache_key: str | None = None
-) -> tuple[float, str, int]:
-    """One streamed turn: (seconds to the first content chunk, answer, prompt tokens);
-    ``cache_key``: its ``prompt_cache_key`` (the prefix cache's namespace)."""
-    started = time.perf_counter()
-    stream = client.chat.completions.create(
+def stream_chat(client, model: str, messages: list[dict], max_tokens: int, cache_key: str | None = None):
+    """A greedy streamed chat completion whose last chunk carries the usage; ``cache_key``:
+    its ``prompt_cache_key`` (the prefix cache's namespace)."""
+    return client.chat.completions.create(
         model=model,
         messages=messages,
         max_tokens=max_tokens,
@@ -104,6 +101,15 @@ def chat_turn(
         stream_options={"include_usage": True},
         **({"extra_body": {"prompt_cache_key": cache_key}} if cache_key else {}),
     )
+
+
+def chat_turn(
+    client, model: str, messages: list[dict], max_tokens: int, cache_key: str | None = None
+) -> tuple[float, str, int]:
+    """One streamed turn: (seconds to the first content chunk, answer, prompt tokens);
+    ``cache_key``: its ``prompt_cache_key`` (the prefix cache's namespace)."""
+    started = time.perf_counter()
+    stream = stream_chat(client, model, messages, max_tokens, cache_key)
     ttft = None
     parts: list[str] = []
     prompt_tokens = 0
@@ -144,14 +150,7 @@ def per_token(stamps: list[float], tokens: int) -> float:
 
 
 def chat_tpot(client, model: str, messages: list[dict], max_tokens: int) -> float:
-    stream = client.chat.completions.create(
-        model=model,
-        messages=messages,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
+    stream = stream_chat(client, model, messages, max_tokens)
     stamps, tokens = [], 0
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:
