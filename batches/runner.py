@@ -29,11 +29,8 @@ run again by the next runner (the engine job gets a fresh id; the line keeps its
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import threading
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -45,19 +42,14 @@ from django.utils import timezone
 from batches import services
 from batches.lines import Answer, Unavailable, answer_line
 from batches.models import Batch, BatchLine
-from core.jobs import enqueue
+from core.jobs import enqueue, new_runner_id, run_with_closing_pool
 from inference.errors import OpenAIError
 from monitoring.ownership import ANONYMOUS, Scope
 
 log = structlog.get_logger(__name__)
 
 HEARTBEAT_S = 1.0
-EXECUTOR_THREADS = 4
 MAX_PAUSE_S = 30.0
-
-
-def new_runner_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def batch_run(*, batch_id: str, force: bool = False, stop: threading.Event | None = None) -> str:
@@ -84,24 +76,9 @@ def batch_run(*, batch_id: str, force: bool = False, stop: threading.Event | Non
 
 
 async def _main(runner: _Runner) -> str:
-    # The planning's database reads run on the loop's default executor: a pool of this
-    # run, whose threads close their connections before it ends (a thread that ended with
-    # one open would pin a PostgreSQL session)
-    loop = asyncio.get_running_loop()
-    pool = ThreadPoolExecutor(max_workers=EXECUTOR_THREADS, thread_name_prefix="millm-batch")
-    loop.set_default_executor(pool)
-    try:
-        return await runner.run()
-    finally:
-        barrier = threading.Barrier(EXECUTOR_THREADS)
-
-        def close() -> None:
-            barrier.wait(timeout=30)  # one call on each thread of the pool
-            connections.close_all()
-
-        await asyncio.gather(
-            *(loop.run_in_executor(pool, close) for _ in range(EXECUTOR_THREADS)), return_exceptions=True
-        )
+    # the planning's database reads run on the loop's default executor: a pool of this run
+    # that closes its connections before it ends
+    return await run_with_closing_pool(runner.run, thread_name_prefix="millm-batch")
 
 
 class _Runner:

@@ -16,10 +16,15 @@ for a row that is not there yet.
 
 from __future__ import annotations
 
+import asyncio
 import importlib
+import os
+import socket
 import threading
+import uuid
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from django.conf import settings
@@ -30,6 +35,9 @@ from core.runtime import runtime
 log = structlog.get_logger(__name__)
 
 QUEUES = ("downloads", "loads", "maintenance", "batches", "responses")
+RUN_EXECUTOR_THREADS = 4
+
+T = TypeVar("T")
 
 
 def _pool_size(queue: str) -> int:
@@ -145,3 +153,34 @@ def shutdown(wait: bool = False) -> None:
     dispatch = runtime().built("jobs")
     if dispatch is not None:
         dispatch.shutdown(wait=wait)
+
+
+# --------------------------------------------------------------------------- long runs
+
+
+def new_runner_id() -> str:
+    """A runner's id for a long run's heartbeat (a batch's, a background response's): the
+    host, the process and a random tail, so two runners never share one."""
+    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+async def run_with_closing_pool(main: Callable[[], Awaitable[T]], *, thread_name_prefix: str) -> T:
+    """``await main()`` with the loop's default executor a pool of this run, whose threads
+    close their database connections before it ends: a thread that ended with one open
+    would pin a PostgreSQL session. What the run hands the default executor
+    (``run_in_executor(None, ...)``) runs on this pool."""
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=RUN_EXECUTOR_THREADS, thread_name_prefix=thread_name_prefix)
+    loop.set_default_executor(pool)
+    try:
+        return await main()
+    finally:
+        barrier = threading.Barrier(RUN_EXECUTOR_THREADS)
+
+        def close() -> None:
+            barrier.wait(timeout=30)  # one call on each thread of the pool
+            connections.close_all()
+
+        await asyncio.gather(
+            *(loop.run_in_executor(pool, close) for _ in range(RUN_EXECUTOR_THREADS)), return_exceptions=True
+        )

@@ -24,20 +24,17 @@ re-queues every response not finished (``responses_resume``).
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
 import threading
 import time
-import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
 from asgiref.sync import async_to_sync
 from django.conf import settings
-from django.db import close_old_connections, connections, transaction
+from django.db import close_old_connections, transaction
 from django.utils import timezone
 
+from core.jobs import new_runner_id, run_with_closing_pool
 from inference.errors import OpenAIError, openai_error_from_exception
 from inference.models import StoredResponse
 from inference.responses_store import _set_status
@@ -46,7 +43,6 @@ from monitoring.ownership import Scope
 log = structlog.get_logger(__name__)
 
 HEARTBEAT_S = 1.0
-EXECUTOR_THREADS = 4
 
 
 def _api() -> tuple[Any, Any]:
@@ -56,10 +52,6 @@ def _api() -> tuple[Any, Any]:
     from inference.responses_answer import answer_response
 
     return parse_responses_request, answer_response
-
-
-def new_runner_id() -> str:
-    return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def _stale(row: StoredResponse) -> bool:
@@ -153,23 +145,9 @@ def response_run(*, response_id: str, force: bool = False, stop: threading.Event
 
 
 async def _main(row: StoredResponse, runner: str, stop: threading.Event | None) -> str:
-    # the route's database reads run on the loop's default executor: a pool of this run,
-    # whose threads close their connections before it ends
-    loop = asyncio.get_running_loop()
-    pool = ThreadPoolExecutor(max_workers=EXECUTOR_THREADS, thread_name_prefix="millm-response")
-    loop.set_default_executor(pool)
-    try:
-        return await _run(row, runner, stop)
-    finally:
-        barrier = threading.Barrier(EXECUTOR_THREADS)
-
-        def close() -> None:
-            barrier.wait(timeout=30)  # one call on each thread of the pool
-            connections.close_all()
-
-        await asyncio.gather(
-            *(loop.run_in_executor(pool, close) for _ in range(EXECUTOR_THREADS)), return_exceptions=True
-        )
+    # the route's database reads run on the loop's default executor: a pool of this run
+    # that closes its connections before it ends
+    return await run_with_closing_pool(lambda: _run(row, runner, stop), thread_name_prefix="millm-response")
 
 
 async def _db(fn: Any, **kwargs: Any) -> Any:
