@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 from django.conf import settings
 from django.http import HttpRequest
 from django.views.decorators.csrf import csrf_exempt
+from pydantic import BaseModel, ValidationError
 
 from core.errors import MillmError, ModelNotLoaded, from_engine_error
 from core.openai_errors import (  # noqa: F401 - the /v1 code imports them from here
@@ -106,6 +107,21 @@ def openai_error_from_validation(exc: Any) -> OpenAIError:
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more problem{'s' if len(errors) > 2 else ''})"
     return OpenAIError(message, status=400, code="invalid_parameter", param=param)
+
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def validate_body(schema: type[Model], data: Any) -> Model:
+    """``schema.model_validate(data)`` with its failures as /v1 400s: a ValidationError
+    names the first bad field (``openai_error_from_validation``); a body nested past
+    Python's recursion limit is ``invalid_json``."""
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        raise openai_error_from_validation(exc) from None
+    except RecursionError:
+        raise OpenAIError("The body is nested too deeply", status=400, code="invalid_json") from None
 
 
 def openai_error_from_exception(exc: BaseException, *, param: str | None = None) -> OpenAIError:

@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import TypeAdapter, ValidationError
 
-from inference.errors import OpenAIError, openai_error_from_validation
+from inference.errors import OpenAIError, openai_error_from_validation, validate_body
 from inference.policy import check_fields, template_kwargs
 from inference.protocol import ChatCompletionRequest
 from inference.protocol_responses import (
@@ -248,12 +248,7 @@ def parse_responses_request(data: dict[str, Any], *, strict: bool = False) -> tu
     """The route's validation of a raw body: the request, and the locations of the fields
     nothing reads (``inference.policy``); raises OpenAIError. The background runner
     (``inference.responses_store``) validates a queued body again with it."""
-    try:
-        req = ResponsesRequest.model_validate(data)
-    except ValidationError as exc:
-        raise openai_error_from_validation(exc) from None
-    except RecursionError:
-        raise OpenAIError("The body is nested too deeply", status=400, code="invalid_json") from None
+    req = validate_body(ResponsesRequest, data)
     if not req.input and req.previous_response_id is None:
         raise OpenAIError(
             "input: nothing to answer: send input items (or previous_response_id to continue a response)",

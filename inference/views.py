@@ -12,15 +12,15 @@ import structlog
 from asgiref.sync import sync_to_async
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpRequest, JsonResponse
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from core.auth import principal
 from inference import selectors
 from inference.embeddings import serve_embeddings
 from inference.errors import (
     OpenAIError,
-    openai_error_from_validation,
     openai_view,
+    validate_body,
 )
 from inference.policy import (
     STRICT_HEADER,
@@ -74,12 +74,7 @@ def _body(request: HttpRequest, schema: type[BaseModel]) -> tuple[Any, list[str]
     (refused under ``X-miLLM-Strict``, as are fields that cannot be honoured)."""
     strict = strict_mode(request.headers.get(STRICT_HEADER))
     data = json_body(request)
-    try:
-        req = schema.model_validate(data)
-    except ValidationError as exc:
-        raise openai_error_from_validation(exc) from None
-    except RecursionError:
-        raise OpenAIError("The body is nested too deeply", status=400, code="invalid_json") from None
+    req = validate_body(schema, data)
     return req, check_fields(data=data, req=req, strict=strict)
 
 
