@@ -12,6 +12,9 @@ to the Celery workers that consume them.
 
 Dispatch always happens after the surrounding transaction commits, so a task never looks
 for a row that is not there yet.
+
+The long runs these tasks start (a batch's runner, a background response's) share their
+runner id (``new_runner_id``) and their run-scoped executor (``run_with_closing_pool``).
 """
 
 from __future__ import annotations
