@@ -32,26 +32,10 @@ from django.utils import timezone
 
 from batches.models import Batch, BatchLine, File, FileChunk
 from tests.served import database_url
-from tests.v1.conftest import _v1_db, llama, openai_client, v1_server  # noqa: F401
+from tests.v1.conftest import _v1_db, keyed, llama, openai_client, v1_server  # noqa: F401
 from tests.v1.test_batches import TERMINAL, batch_server, chat_line, jsonl, upload, wait_status  # noqa: F401
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789", "root": "sk-root-0123456789"}
-
-
-@pytest.fixture
-def keyed(v1_server, settings):  # noqa: F811
-    """Keys on: alice and bob hold inference keys, root an admin key; a client each."""
-    settings.MILLM_API_KEYS = [f"alice:{KEYS['alice']}", f"bob:{KEYS['bob']}"]
-    settings.MILLM_ADMIN_API_KEYS = [f"root:{KEYS['root']}"]
-    clients = {
-        name: openai.OpenAI(base_url=v1_server.base_url, api_key=key, max_retries=0, timeout=60)
-        for name, key in KEYS.items()
-    }
-    yield clients
-    for client in clients.values():
-        client.close()
 
 
 def test_one_keys_files_and_batches_are_a_404_for_another(batch_server, keyed):  # noqa: F811

@@ -12,9 +12,12 @@ from typing import Any
 import pytest
 
 from tests.fixtures.assets import asset_cache_dir
+from tests.v1.tools_model import NAME as TOOLS_NAME
 from tests.v1.live_server import live_server
 
 V1_DIR = __file__.rsplit("/", 1)[0]
+# the API keys of the ``keyed`` fixture: two inference keys and an admin key
+KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789", "root": "sk-root-0123456789"}
 
 
 def pytest_collection_modifyitems(items):
@@ -126,6 +129,35 @@ def llama(v1_server):
     v1_server.wait_idle()
     yield v1_server
     v1_server.wait_idle()
+
+
+@pytest.fixture
+def tools_llm(v1_server, tools_model_dir):
+    """The tool-calling model (``tests.v1.tools_model``) resident, every slot free."""
+    from registry.models import Model
+    from registry.services import model_register_local
+
+    if not Model.objects.filter(name=TOOLS_NAME).exists():
+        model_register_local(local_path=str(tools_model_dir), name=TOOLS_NAME)
+    model_resident(v1_server, TOOLS_NAME)
+    v1_server.wait_idle()
+    yield v1_server
+    v1_server.wait_idle()
+
+
+@pytest.fixture
+def keyed(v1_server, settings):
+    """Keys on: alice and bob hold inference keys, root an admin key; a client each."""
+    from openai import OpenAI
+
+    settings.MILLM_API_KEYS = [f"alice:{KEYS['alice']}", f"bob:{KEYS['bob']}"]
+    settings.MILLM_ADMIN_API_KEYS = [f"root:{KEYS['root']}"]
+    clients = {
+        name: OpenAI(base_url=v1_server.base_url, api_key=key, max_retries=0, timeout=60) for name, key in KEYS.items()
+    }
+    yield clients
+    for client in clients.values():
+        client.close()
 
 
 @pytest.fixture

@@ -6,6 +6,8 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlparse
@@ -85,3 +87,15 @@ def open_stream(base_url: str, path: str, body: Any) -> tuple[socket.socket, byt
             break
         received += chunk
     return sock, received
+
+
+def wait_for_status(fetch: Callable[[], Any], statuses: tuple[str, ...], timeout_s: float, every_s: float) -> Any:
+    """Poll ``fetch()`` (a retrieve through the official client) every ``every_s`` until
+    the object's ``status`` is one of ``statuses``; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = fetch()
+        if got.status in statuses:
+            return got
+        assert time.monotonic() < deadline, f"still {got.status} after {timeout_s} s: {got}"
+        time.sleep(every_s)

@@ -18,7 +18,7 @@ import pytest
 
 from batches.models import Batch, BatchLine
 from tests.v1.conftest import model_resident
-from tests.v1.helpers import request
+from tests.v1.helpers import request, wait_for_status
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -47,13 +47,7 @@ def upload(client, rows: list[dict[str, Any]]) -> Any:
 
 
 def wait_status(client, batch_id: str, statuses: tuple[str, ...], timeout_s: float = 120):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        batch = client.batches.retrieve(batch_id)
-        if batch.status in statuses:
-            return batch
-        assert time.monotonic() < deadline, f"batch stuck in {batch.status}: {batch}"
-        time.sleep(0.1)
+    return wait_for_status(lambda: client.batches.retrieve(batch_id), statuses, timeout_s, every_s=0.1)
 
 
 def output(client, file_id: str | None) -> list[dict[str, Any]]:

@@ -25,9 +25,8 @@ import pytest
 from django.utils import timezone
 
 from inference.models import StoredResponse
-from tests.v1.helpers import assert_openai_error, request
+from tests.v1.helpers import assert_openai_error, request, wait_for_status
 from tests.v1.test_batches import GatedEngine
-from tests.v1.test_responses_store import KEYS, keyed  # noqa: F401
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -37,13 +36,7 @@ TERMINAL = ("completed", "failed", "incomplete", "cancelled")
 
 
 def wait_status(client: Any, response_id: str, statuses: tuple[str, ...] = TERMINAL, timeout_s: float = 120) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = client.responses.retrieve(response_id)
-        if got.status in statuses:
-            return got
-        assert time.monotonic() < deadline, f"{response_id} still {got.status}"
-        time.sleep(0.05)
+    return wait_for_status(lambda: client.responses.retrieve(response_id), statuses, timeout_s, every_s=0.05)
 
 
 def wait_released(response_id: str, timeout_s: float = 60) -> None:
@@ -115,7 +108,7 @@ def test_a_chain_answers_as_the_whole_conversation(responses_server, openai_clie
     assert not StoredResponse.objects.filter(id=unstored.id).exists()
 
 
-def test_another_key_can_neither_read_nor_continue_a_response(responses_server, keyed):  # noqa: F811
+def test_another_key_can_neither_read_nor_continue_a_response(responses_server, keyed):
     alice, bob = keyed["alice"], keyed["bob"]
     mine = alice.responses.create(model=MODEL, input="Alice's secret is", **GREEDY)
     assert StoredResponse.objects.get(id=mine.id).owner == "key:alice"

@@ -15,7 +15,7 @@ from tests.v1.helpers import Raw, assert_openai_error, request
 from tests.v1.openai_schema import assert_schema
 from tests.v1.test_responses_background import responses_server, wait_status  # noqa: F401
 from tests.v1.test_responses import EVENT_SCHEMAS, MODEL, PROMPT, SYSTEM, relu, sse_events  # noqa: F401
-from tests.v1.test_responses_tools import CHAT_TOOL, TOOL, tools_llm  # noqa: F401
+from tests.v1.test_responses_tools import CHAT_TOOL, TOOL
 from tests.v1.tools_model import NAME as TOOLS_MODEL
 
 DELTAS = ("response.output_text.delta", "response.function_call_arguments.delta")
@@ -189,7 +189,7 @@ def _items(output):
     return [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in output]
 
 
-def test_a_stream_under_auto_gives_the_unstreamed_items(tools_llm, openai_client):  # noqa: F811
+def test_a_stream_under_auto_gives_the_unstreamed_items(tools_llm, openai_client):
     # logit_bias makes newlines, one other byte and <tool_call> the likely tokens: the model
     # writes text (newlines first) before the call the grammar completes
     body = {
@@ -208,15 +208,17 @@ def test_a_stream_under_auto_gives_the_unstreamed_items(tools_llm, openai_client
     assert [item["type"] for item in output] == ["message", "function_call"]  # text, then the call
     text = output[0]["content"][0]["text"]
     assert text.strip() and text != text.strip()  # text the model wrote around whitespace
-    chat = openai_client.chat.completions.create(
-        model=TOOLS_MODEL,
-        messages=[{"role": "user", "content": body["input"]}],
-        tools=[CHAT_TOOL],
-        max_tokens=200,
-        temperature=0,
-        parallel_tool_calls=False,
-        logit_bias=body["logit_bias"],
-    )
+    # the same request through chat
+    chat_request = {
+        "model": TOOLS_MODEL,
+        "messages": [{"role": "user", "content": body["input"]}],
+        "tools": [CHAT_TOOL],
+        "max_tokens": 200,
+        "temperature": 0,
+        "parallel_tool_calls": False,
+        "logit_bias": body["logit_bias"],
+    }
+    chat = openai_client.chat.completions.create(**chat_request)
     assert text == chat.choices[0].message.content  # as chat answers it
     events = sse_events(_post(tools_llm, {**body, "stream": True}))
     final = events[-1][1]["response"]
@@ -224,16 +226,7 @@ def test_a_stream_under_auto_gives_the_unstreamed_items(tools_llm, openai_client
     assert _items(final["output"]) == _items(output)
     assert "".join(d["delta"] for k, d in events if k == "response.output_text.delta") == text
     # and chat's own stream adds up to its body's content
-    stream = openai_client.chat.completions.create(
-        model=TOOLS_MODEL,
-        messages=[{"role": "user", "content": body["input"]}],
-        tools=[CHAT_TOOL],
-        max_tokens=200,
-        temperature=0,
-        parallel_tool_calls=False,
-        logit_bias=body["logit_bias"],
-        stream=True,
-    )
+    stream = openai_client.chat.completions.create(**chat_request, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == text
 
 

@@ -40,7 +40,6 @@ from tests.v1.helpers import assert_openai_error, request
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-KEYS = {"alice": "sk-alice-0123456789", "bob": "sk-bob-0123456789", "root": "sk-root-0123456789"}
 ANON = Scope()
 ALICE = Scope(owner="key:alice", all=False)
 BOB = Scope(owner="key:bob", all=False)
@@ -91,20 +90,6 @@ def stored(scope: Scope, question: str, answer: str, previous: str | None = None
     body = response_body(answer, previous)
     save_response_sync(body, [user_item(question)], scope, store=True)
     return body
-
-
-@pytest.fixture
-def keyed(v1_server, settings):
-    """Keys on: alice and bob hold inference keys, root an admin key; a client each."""
-    settings.MILLM_API_KEYS = [f"alice:{KEYS['alice']}", f"bob:{KEYS['bob']}"]
-    settings.MILLM_ADMIN_API_KEYS = [f"root:{KEYS['root']}"]
-    clients = {
-        name: openai.OpenAI(base_url=v1_server.base_url, api_key=key, max_retries=0, timeout=60)
-        for name, key in KEYS.items()
-    }
-    yield clients
-    for client in clients.values():
-        client.close()
 
 
 def test_retrieve_page_and_delete_through_the_official_client(v1_server, openai_client):

@@ -10,9 +10,7 @@ from __future__ import annotations
 import json
 
 import jsonschema
-import pytest
 
-from tests.v1.conftest import model_resident
 from tests.v1.helpers import request
 from tests.v1.openai_schema import assert_schema
 from tests.v1.test_responses import EVENT_SCHEMAS, sse_events
@@ -31,19 +29,6 @@ CHAT_TOOL = {
 }
 QUESTION = "What is the weather in Oslo?"
 RESULT = '{"temperature": 3}'
-
-
-@pytest.fixture
-def tools_llm(v1_server, tools_model_dir):
-    from registry.models import Model
-    from registry.services import model_register_local
-
-    if not Model.objects.filter(name=NAME).exists():
-        model_register_local(local_path=str(tools_model_dir), name=NAME)
-    model_resident(v1_server, NAME)
-    v1_server.wait_idle()
-    yield v1_server
-    v1_server.wait_idle()
 
 
 def _chat(openai_client, messages, **kw):

@@ -16,7 +16,6 @@ import pytest
 
 from inference.protocol import ChatCompletionRequest
 from inference.tools import ToolPlan, ToolStream, parse_tool_calls
-from tests.v1.conftest import model_resident
 from tests.v1.helpers import assert_openai_error, request
 from tests.v1.openai_schema import assert_schema
 from tests.v1.tools_model import NAME
@@ -65,19 +64,6 @@ def _check_call(call, names=tuple(SCHEMAS)) -> None:
     assert call.type == "function" and call.id.startswith("call_")
     assert call.function.name in names
     jsonschema.validate(json.loads(call.function.arguments), _schema(call.function.name))
-
-
-@pytest.fixture
-def tools_llm(v1_server, tools_model_dir):
-    from registry.models import Model
-    from registry.services import model_register_local
-
-    if not Model.objects.filter(name=NAME).exists():
-        model_register_local(local_path=str(tools_model_dir), name=NAME)
-    model_resident(v1_server, NAME)
-    v1_server.wait_idle()
-    yield v1_server
-    v1_server.wait_idle()
 
 
 def test_the_capability_is_reported_where_the_template_renders_tools(tools_llm):
