@@ -59,6 +59,20 @@ def start_celery(c: Cluster, name: str, queues: str) -> Proc:
     )
 
 
+def load_tiny_llama(c: Cluster, procs: list[Proc]) -> None:
+    """Load tiny-llama through web's management API (a job of the ``loads`` worker) and
+    wait for the job to succeed."""
+    models = c.api("web", "GET", "/api/models").json()["data"]["models"]
+    model_id = next(m["id"] for m in models if m["name"] == "tiny-llama")
+    job = c.api("web", "POST", f"/api/models/{model_id}/load").json()["data"]["job"]["id"]
+    wait_for(
+        "the load job",
+        lambda: c.api("web", "GET", f"/api/jobs/{job}").json()["data"]["status"] == "succeeded",
+        120,
+        procs,
+    )
+
+
 def ran_tasks(proc: Proc) -> int:
     """Analyses this worker finished, from its own log (Celery's success line)."""
     text = proc.log_path.read_text(errors="replace")
@@ -91,15 +105,7 @@ def test_analyses_run_on_the_analysis_queue_and_nowhere_else(cluster: Cluster, p
     analyst = start_celery(c, "analyst", "analysis")
     wait_for("the engine's heartbeat", c.serving, 120, procs)
     wait_for("the web server", lambda: c.live("web"), 60, procs)
-    models = c.api("web", "GET", "/api/models").json()["data"]["models"]
-    model_id = next(m["id"] for m in models if m["name"] == "tiny-llama")
-    job = c.api("web", "POST", f"/api/models/{model_id}/load").json()["data"]["job"]["id"]
-    wait_for(
-        "the load job",
-        lambda: c.api("web", "GET", f"/api/jobs/{job}").json()["data"]["status"] == "succeeded",
-        120,
-        procs,
-    )
+    load_tiny_llama(c, procs)
     wait_for("the analysis worker", lambda: "ready" in analyst.log_path.read_text(), 60, procs)
 
     asset = tiny_assets.models["tiny-llama"]

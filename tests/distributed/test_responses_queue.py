@@ -23,7 +23,7 @@ import pytest
 
 from tests.distributed.conftest import PYTHON, REPO, Proc
 from tests.distributed.held_engine import HOLD_AT
-from tests.distributed.test_analysis_queue import start_celery
+from tests.distributed.test_analysis_queue import load_tiny_llama, start_celery
 from tests.distributed.test_processes import Cluster, cluster, wait_for  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -79,15 +79,7 @@ def test_background_responses_run_on_the_responses_queue(cluster: Cluster, procs
     responder = start_celery(c, "responder", "responses")
     wait_for("the engine's heartbeat", c.serving, 120, procs)
     wait_for("the web server", lambda: c.live("web"), 60, procs)
-    models = c.api("web", "GET", "/api/models").json()["data"]["models"]
-    model_id = next(m["id"] for m in models if m["name"] == "tiny-llama")
-    job = c.api("web", "POST", f"/api/models/{model_id}/load").json()["data"]["job"]["id"]
-    wait_for(
-        "the load job",
-        lambda: c.api("web", "GET", f"/api/jobs/{job}").json()["data"]["status"] == "succeeded",
-        120,
-        procs,
-    )
+    load_tiny_llama(c, procs)
     wait_for("the responder", lambda: "ready" in responder.log_path.read_text(), 60, procs)
 
     # --- the responder runs it: queued, then the synchronous answer under its own id
