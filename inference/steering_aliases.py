@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -134,10 +135,10 @@ def _native_vectors(steering: dict[str, Any], where: str) -> tuple[dict[str, Any
     return {**steering, "vectors": out}, params
 
 
-def _rhizo(tiers: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
-    vectors: list[dict[str, Any]] = []
-    params: list[tuple[str, str]] = []
-    for name, phase in RHIZO_TIERS:
+def _rhizo_sites(tiers: dict[str, Any], table: Any) -> Iterator[tuple[str, str, Any, str]]:
+    """``(phase, hook, its entry, its location)`` of each hook point of the fork's tiers in
+    ``table`` (``(field, phase)`` pairs) that the request sent, hook points checked."""
+    for name, phase in table:
         spec = tiers.get(name)
         if spec is None:
             continue
@@ -151,57 +152,64 @@ def _rhizo(tiers: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[str,
                     "pre_attn is resid_pre)",
                     where,
                 )
-            if isinstance(entry, dict) and "data" in entry:
-                layers = entry.get("layer_indices")
-                if not isinstance(layers, list) or not layers or len(layers) > MAX_PACKED_ROWS:
-                    raise _refuse(f"{where}.layer_indices must list the rows' layers", f"{where}.layer_indices")
-                layers = [_layer(x, f"{where}.layer_indices") for x in layers]
-                scales = entry.get("scales")
-                if scales is not None and (not isinstance(scales, list) or len(scales) != len(layers)):
-                    raise _refuse(f"{where}.scales must hold one scale per layer", f"{where}.scales")
-                unknown = sorted(set(entry) - {"dtype", "shape", "data", "layer_indices", "scales"})
-                if unknown:
-                    raise _refuse(f"{where}: unknown key {unknown[0]!r}", f"{where}.{unknown[0]}")
-                packed = {k: entry.get(k) for k in ("dtype", "shape", "data")}
-                shape = packed["shape"]
-                if isinstance(shape, list) and len(shape) == 2 and shape[0] != len(layers):
-                    raise _refuse(f"{where}: {shape[0]} rows for {len(layers)} layer_indices", f"{where}.shape")
-                rows = _rows(packed, where, len(layers))
-                for r, layer in enumerate(layers):
-                    strength = _strength(scales[r] if scales else None, f"{where}.scales")
-                    vectors.append(
-                        {
-                            "data": rows[r],
-                            "layer": layer,
-                            "hook": RHIZO_HOOKS[hook],
-                            "strength": strength,
-                            "phase": phase,
-                        }
-                    )
-                    params.append((f"{where}.layer_indices", f"{where}.data"))
-            elif isinstance(entry, dict):
-                for key, v in entry.items():
-                    at = f"{where}.{key}"
-                    layer = _layer(key, at)
-                    scale = None
-                    if isinstance(v, dict):
-                        unknown = sorted(set(v) - {"vector", "scale"})
-                        if unknown:
-                            raise _refuse(f"{at}: unknown key {unknown[0]!r}", f"{at}.{unknown[0]}")
-                        v, scale = v.get("vector"), v.get("scale")
-                    data = _rows(v, at, 1)[0]
-                    vectors.append(
-                        {
-                            "data": data,
-                            "layer": layer,
-                            "hook": RHIZO_HOOKS[hook],
-                            "strength": _strength(scale, f"{at}.scale"),
-                            "phase": phase,
-                        }
-                    )
-                    params.append((at, at))
-            else:
-                raise _refuse(f"{where} is a packed {{dtype, shape, layer_indices, data}} or {{layer: vector}}", where)
+            yield phase, hook, entry, where
+
+
+def _rhizo(tiers: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tuple[str, str]]]:
+    vectors: list[dict[str, Any]] = []
+    params: list[tuple[str, str]] = []
+    for phase, hook, entry, where in _rhizo_sites(tiers, RHIZO_TIERS):
+        if isinstance(entry, dict) and "data" in entry:
+            layers = entry.get("layer_indices")
+            if not isinstance(layers, list) or not layers or len(layers) > MAX_PACKED_ROWS:
+                raise _refuse(f"{where}.layer_indices must list the rows' layers", f"{where}.layer_indices")
+            layers = [_layer(x, f"{where}.layer_indices") for x in layers]
+            scales = entry.get("scales")
+            if scales is not None and (not isinstance(scales, list) or len(scales) != len(layers)):
+                raise _refuse(f"{where}.scales must hold one scale per layer", f"{where}.scales")
+            unknown = sorted(set(entry) - {"dtype", "shape", "data", "layer_indices", "scales"})
+            if unknown:
+                raise _refuse(f"{where}: unknown key {unknown[0]!r}", f"{where}.{unknown[0]}")
+            packed = {k: entry.get(k) for k in ("dtype", "shape", "data")}
+            shape = packed["shape"]
+            if isinstance(shape, list) and len(shape) == 2 and shape[0] != len(layers):
+                raise _refuse(f"{where}: {shape[0]} rows for {len(layers)} layer_indices", f"{where}.shape")
+            rows = _rows(packed, where, len(layers))
+            for r, layer in enumerate(layers):
+                strength = _strength(scales[r] if scales else None, f"{where}.scales")
+                vectors.append(
+                    {
+                        "data": rows[r],
+                        "layer": layer,
+                        "hook": RHIZO_HOOKS[hook],
+                        "strength": strength,
+                        "phase": phase,
+                    }
+                )
+                params.append((f"{where}.layer_indices", f"{where}.data"))
+        elif isinstance(entry, dict):
+            for key, v in entry.items():
+                at = f"{where}.{key}"
+                layer = _layer(key, at)
+                scale = None
+                if isinstance(v, dict):
+                    unknown = sorted(set(v) - {"vector", "scale"})
+                    if unknown:
+                        raise _refuse(f"{at}: unknown key {unknown[0]!r}", f"{at}.{unknown[0]}")
+                    v, scale = v.get("vector"), v.get("scale")
+                data = _rows(v, at, 1)[0]
+                vectors.append(
+                    {
+                        "data": data,
+                        "layer": layer,
+                        "hook": RHIZO_HOOKS[hook],
+                        "strength": _strength(scale, f"{at}.scale"),
+                        "phase": phase,
+                    }
+                )
+                params.append((at, at))
+        else:
+            raise _refuse(f"{where} is a packed {{dtype, shape, layer_indices, data}} or {{layer: vector}}", where)
     return vectors, params
 
 
@@ -399,52 +407,39 @@ def _rhizo_clamps(tiers: dict[str, Any]) -> tuple[list[dict[str, Any]], list[tup
     normalised) becomes ``c + strength · (clip(c, min, max) − c)``."""
     vectors: list[dict[str, Any]] = []
     params: list[tuple[str, str]] = []
-    for name, phase in RHIZO_CLAMP_TIERS:
-        spec = tiers.get(name)
-        if spec is None:
-            continue
-        if not isinstance(spec, dict):
-            raise _refuse(f"{name} is an object keyed by hook point", name)
-        for hook, layers in spec.items():
-            where = f"{name}.{hook}"
-            if hook not in RHIZO_HOOKS:
-                raise _refuse(
-                    f"{where}: hook point {hook!r} has no miLLM equivalent (post_block is resid_post, "
-                    "pre_attn is resid_pre)",
-                    where,
-                )
-            if not isinstance(layers, dict):
-                raise _refuse(f"{where} is an object keyed by layer", where)
-            for key, entries in layers.items():
-                at = f"{where}.{key}"
-                layer = _layer(key, at)
-                if not isinstance(entries, list):
-                    raise _refuse(f"{at} is a list of clamps [{{vector, min?, max?, value?, strength?}}]", at)
-                for i, entry in enumerate(entries):
-                    here = f"{at}[{i}]"
-                    if not isinstance(entry, dict) or "vector" not in entry:
-                        raise _refuse(f"{here} is {{vector, min?, max?, value?, strength?}}", here)
-                    unknown = sorted(set(entry) - RHIZO_CLAMP_KEYS)
-                    if unknown:
-                        raise _refuse(f"{here}: unknown key {unknown[0]!r}", f"{here}.{unknown[0]}")
-                    lo, hi, value = (_bound(entry, k, f"{here}.{k}") for k in ("min", "max", "value"))
-                    if value is not None:
-                        if lo is not None or hi is not None:
-                            raise _refuse(f"{here}: value is min = max = value; send value or min/max", f"{here}.value")
-                        lo = hi = value
-                    if lo is None and hi is None:
-                        raise _refuse(f"{here}: a clamp needs min, max or value", here)
-                    if lo is not None and hi is not None and lo > hi:
-                        raise _refuse(f"{here}.min ({lo:g}) is above max ({hi:g})", f"{here}.min")
-                    strength = entry.get("strength", 1.0)
-                    if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 <= strength <= 1:
-                        raise _refuse(f"{here}.strength must be a number in [0, 1]", f"{here}.strength")
-                    data = _rows(entry["vector"], f"{here}.vector", 1)[0]
-                    if not as_float32(data.dtype, data.raw, f"{here}.vector").any():
-                        raise _refuse(f"{here}.vector: a clamp's direction must be non-zero", f"{here}.vector")
-                    clamp = {"data": data, "layer": layer, "hook": RHIZO_HOOKS[hook], "phase": phase}
-                    vectors.append({**clamp, "mode": "clamp", "min": lo, "max": hi, "strength": float(strength)})
-                    params.append((at, f"{here}.vector"))
+    for phase, hook, layers, where in _rhizo_sites(tiers, RHIZO_CLAMP_TIERS):
+        if not isinstance(layers, dict):
+            raise _refuse(f"{where} is an object keyed by layer", where)
+        for key, entries in layers.items():
+            at = f"{where}.{key}"
+            layer = _layer(key, at)
+            if not isinstance(entries, list):
+                raise _refuse(f"{at} is a list of clamps [{{vector, min?, max?, value?, strength?}}]", at)
+            for i, entry in enumerate(entries):
+                here = f"{at}[{i}]"
+                if not isinstance(entry, dict) or "vector" not in entry:
+                    raise _refuse(f"{here} is {{vector, min?, max?, value?, strength?}}", here)
+                unknown = sorted(set(entry) - RHIZO_CLAMP_KEYS)
+                if unknown:
+                    raise _refuse(f"{here}: unknown key {unknown[0]!r}", f"{here}.{unknown[0]}")
+                lo, hi, value = (_bound(entry, k, f"{here}.{k}") for k in ("min", "max", "value"))
+                if value is not None:
+                    if lo is not None or hi is not None:
+                        raise _refuse(f"{here}: value is min = max = value; send value or min/max", f"{here}.value")
+                    lo = hi = value
+                if lo is None and hi is None:
+                    raise _refuse(f"{here}: a clamp needs min, max or value", here)
+                if lo is not None and hi is not None and lo > hi:
+                    raise _refuse(f"{here}.min ({lo:g}) is above max ({hi:g})", f"{here}.min")
+                strength = entry.get("strength", 1.0)
+                if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0 <= strength <= 1:
+                    raise _refuse(f"{here}.strength must be a number in [0, 1]", f"{here}.strength")
+                data = _rows(entry["vector"], f"{here}.vector", 1)[0]
+                if not as_float32(data.dtype, data.raw, f"{here}.vector").any():
+                    raise _refuse(f"{here}.vector: a clamp's direction must be non-zero", f"{here}.vector")
+                clamp = {"data": data, "layer": layer, "hook": RHIZO_HOOKS[hook], "phase": phase}
+                vectors.append({**clamp, "mode": "clamp", "min": lo, "max": hi, "strength": float(strength)})
+                params.append((at, f"{here}.vector"))
     return vectors, params
 
 
