@@ -89,6 +89,69 @@ def run_batch(load: LoadModelJob, sae, jobs: dict[str, GenerationJob], **caps) -
         gc.collect()
 
 
+def demo_loads(model, gguf) -> tuple[LoadModelJob, LoadModelJob, LoadModelJob]:
+    """The demo's one set of float32 weights as each backend loads it: transformers, vLLM
+    (eager, in-process), llama.cpp (its f32 GGUF, f32 KV, no flash attention)."""
+    hf_load = LoadModelJob(model.name, str(model.path), dtype="float32", device="cpu", max_context_length=512)
+    vllm_load = LoadModelJob(
+        model.name,
+        str(model.path),
+        dtype="float32",
+        device="cpu",
+        backend="vllm",
+        max_context_length=512,
+        options={"distributed_executor_backend": "uni", "max_num_seqs": 8, "enforce_eager": True},
+    )
+    gguf_load = LoadModelJob(
+        model.name,
+        str(gguf),
+        device="cpu",
+        backend="llamacpp",
+        max_context_length=512,
+        options={"kv_cache_type": "f32", "flash_attention": False},
+    )
+    return hf_load, vllm_load, gguf_load
+
+
+def solo_reference(hf_load: LoadModelJob, sae, prompts: dict[str, str], specs: dict) -> tuple[dict, dict, dict]:
+    """On the transformers backend, each prompt run alone: its token ids, its tokens under
+    ``specs[name]`` and its unsteered tokens (the positive control's)."""
+    hf = Engine()
+    try:
+        hf.load_model(hf_load)
+        hf.attach(AttachSpec(sae.name, str(sae.path), sae.layer))
+        ids = {name: hf.backend.encode_text(text) for name, text in prompts.items()}
+        want = {
+            name: hf.generate_sync(GenerationJob(name, prompt_token_ids=ids[name], sampling=greedy(), steering=spec))
+            for name, spec in specs.items()
+        }
+        plain = {
+            name: hf.generate_sync(GenerationJob(name, prompt_token_ids=ids[name], sampling=greedy())).token_ids
+            for name in prompts
+        }
+    finally:
+        hf.shutdown()
+        del hf
+        gc.collect()
+    return ids, want, plain
+
+
+def assert_every_backend_steers_as_alone(demo, jobs: dict[str, GenerationJob], want: dict, plain: dict) -> None:
+    """``jobs`` in one concurrent batch on each backend (llama.cpp in its per-row eval
+    callback) give the tokens ``want`` has, differ from ``plain`` and steer every pass."""
+    model, sae, gguf = demo
+    hf_load, vllm_load, gguf_load = demo_loads(model, gguf)
+    results = {"transformers": run_batch(hf_load, sae, jobs)}
+    results["vllm"] = run_batch(vllm_load, sae, jobs)
+    results["llamacpp"] = run_batch(gguf_load, sae, jobs, steering_mode="eval_callback_per_row")
+    for backend, got in results.items():
+        for name in jobs:
+            assert got[name].token_ids == want[name].token_ids, (backend, name)
+            assert got[name].token_ids != plain[name], (backend, name)
+            (applied,) = got[name].steering_apply_count
+            assert applied.count == got[name].forward_passes, (backend, name)
+
+
 def choose_trigger(hf: Engine, sae, ids: list[int]) -> tuple[int, float]:
     """A feature that fires at some of the prompt's rows and not at others (read before
     the steering), and a threshold in the widest gap between its values there: no row
@@ -221,24 +284,7 @@ def act_diff(got, want) -> tuple[float, float, float]:
 
 def test_three_backends_give_the_same_tokens_activations_and_counts(demo):
     model, sae, gguf = demo
-    hf_load = LoadModelJob(model.name, str(model.path), dtype="float32", device="cpu", max_context_length=512)
-    vllm_load = LoadModelJob(
-        model.name,
-        str(model.path),
-        dtype="float32",
-        device="cpu",
-        backend="vllm",
-        max_context_length=512,
-        options={"distributed_executor_backend": "uni", "max_num_seqs": 8, "enforce_eager": True},
-    )
-    gguf_load = LoadModelJob(
-        model.name,
-        str(gguf),
-        device="cpu",
-        backend="llamacpp",
-        max_context_length=512,
-        options={"kv_cache_type": "f32", "flash_attention": False},
-    )
+    hf_load, vllm_load, gguf_load = demo_loads(model, gguf)
 
     # the requests, from the transformers backend's tokenizer and unsteered reads
     hf = Engine()
