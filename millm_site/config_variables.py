@@ -856,6 +856,81 @@ VARIABLES: tuple[Var, ...] = (
         minimum=1,
         maximum=64,
     ),
+    # --- Feature dashboards and explanations -----------------------------------------
+    Var(
+        "DASHBOARD_DIR",
+        "Feature dashboards",
+        "str",
+        None,
+        "Where a running feature-dashboard job keeps its working files (each context's "
+        "activations, the checkpoint it resumes from after a restart); removed when the "
+        "run ends (default MILLM_DATA_DIR/dashboards). In distributed mode a path the "
+        "workers of the dashboards queue share.",
+        derive=_under_data("dashboards"),
+    ),
+    Var(
+        "DASHBOARD_MAX_TOKENS",
+        "Feature dashboards",
+        "int",
+        2_000_000,
+        "Largest token_budget one dashboard run may ask for (POST /api/saes/{id}/dashboards, "
+        "manage.py dashboards); a larger one is refused with 422 naming token_budget.",
+        minimum=1,
+    ),
+    Var(
+        "DASHBOARD_ENGINE_ROWS",
+        "Feature dashboards",
+        "int",
+        16,
+        "Corpus contexts a dashboard run keeps at the engine at once (they are batched "
+        "together as concurrent requests are).",
+        minimum=1,
+        maximum=256,
+    ),
+    Var(
+        "DASHBOARD_WORKERS",
+        "Feature dashboards",
+        "int",
+        1,
+        "Embedded mode: dashboard runs at once in this process (the dashboards pool); more "
+        "wait queued. Distributed mode: the concurrency of the Celery workers of the "
+        "dashboards queue decides.",
+        minimum=1,
+        maximum=16,
+    ),
+    Var(
+        "EXPLAINER_BASE_URL",
+        "Feature dashboards",
+        "str",
+        "",
+        "An OpenAI-compatible endpoint (its /v1 base URL, e.g. http://127.0.0.1:8000/v1 for "
+        "this server's own) that writes explanations of features from their top contexts "
+        "(POST /api/saes/{id}/explanations/generate). Empty: automatic explanations are "
+        "refused with 409 explainer_not_configured.",
+    ),
+    Var(
+        "EXPLAINER_MODEL",
+        "Feature dashboards",
+        "str",
+        "",
+        "The model name sent to EXPLAINER_BASE_URL (empty: the first of its /v1/models).",
+    ),
+    Var(
+        "EXPLAINER_API_KEY",
+        "Feature dashboards",
+        "str",
+        "",
+        "Bearer key sent to EXPLAINER_BASE_URL (empty: none).",
+        secret=True,
+    ),
+    Var(
+        "EXPLAINER_TIMEOUT_S",
+        "Feature dashboards",
+        "float",
+        120.0,
+        "Seconds one call to the explainer may take before the explanation fails.",
+        minimum=1,
+    ),
     # --- Capture --------------------------------------------------------------------
     Var(
         "CAPTURE_DIR",

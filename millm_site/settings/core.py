@@ -53,6 +53,7 @@ INSTALLED_APPS = [
     "monitoring",
     "leases",
     "orchestration",
+    "features",
     "ui",
     "system",
 ]

@@ -127,6 +127,7 @@ PROJECT_PACKAGES = (
     "millm_site",
     "system",
     "ui",
+    "features",
     "batches",
     "inference",
     "orchestration",

@@ -1,0 +1,1 @@
+"""The /api routes of feature dashboards and search (features/urls.py)."""
