@@ -1,0 +1,20 @@
+"""Routes of feature dashboards, search and explanations under /api (docs/api.md, "Feature
+dashboards"). SAE ids match registry's ``SAE_ID`` (they start with ``sae_``), so
+``/api/saes/steering…`` and the other fixed ``saes/…`` routes never read as one."""
+
+from django.urls import re_path
+
+from features import apis
+from registry.urls import SAE_ID
+
+RUN_ID = r"(?P<run_id>[A-Za-z0-9_.-]{1,64})"
+# any integer, negative included: one outside the SAE is refused as INVALID_FEATURE_INDEX
+INDEX = r"(?P<index>-?[0-9]{1,20})"
+
+urlpatterns = [
+    re_path(rf"^saes/{SAE_ID}/dashboards$", apis.DashboardListCreateApi.as_view(), name="sae-dashboards"),
+    re_path(rf"^dashboards/{RUN_ID}$", apis.DashboardDetailApi.as_view(), name="dashboard-detail"),
+    re_path(rf"^dashboards/{RUN_ID}/cancel$", apis.DashboardCancelApi.as_view(), name="dashboard-cancel"),
+    re_path(rf"^saes/{SAE_ID}/features$", apis.FeatureSearchApi.as_view(), name="sae-features"),
+    re_path(rf"^saes/{SAE_ID}/features/{INDEX}$", apis.FeatureDetailApi.as_view(), name="sae-feature"),
+]
