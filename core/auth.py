@@ -56,6 +56,9 @@ INFERENCE_WRITES: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
         ({"DELETE"}, r"^/api/monitoring/history/?$"),
         ({"POST"}, r"^/api/probes/?$"),
         ({"POST"}, r"^/api/monitoring/statistics/top/?$"),
+        # a dashboard run over the sample or the caller's own file; cancel only one's own
+        ({"POST"}, r"^/api/saes/[^/]+/dashboards/?$"),
+        ({"POST"}, r"^/api/dashboards/[^/]+/cancel/?$"),
     )
 )
 
