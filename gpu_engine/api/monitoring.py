@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from typing import Annotated, Literal
 
 import msgspec
+import numpy as np
 
 from .errors import InvalidParameter
 from .fields import MONITOR_TOP_K, AttachmentKey, Index, Name, PositionRange, check_fields
@@ -28,6 +29,11 @@ class MonitorEntry(msgspec.Struct):
     every record arrives in the ``FinishEvent`` (cheapest: the encoder is read once).
     ``stream=True``: each step is encoded as it runs and a completion row's record travels
     with its ``TokenEvent`` (``positions="last"`` is always delivered at the end).
+
+    ``packed=True`` reports every non-zero feature of every row read, as CSR bytes
+    (``PackedRows``): one record per encoded chunk of consecutive rows, all in the
+    ``FinishEvent`` (a packed entry never streams, and takes neither ``top_k`` nor
+    ``features``).  Meant for corpus-wide statistics (feature dashboards).
     """
 
     _where = "monitor."
@@ -43,12 +49,24 @@ class MonitorEntry(msgspec.Struct):
     # point with different tags are read apart, and each record carries its entry's tag
     # (probes and sensing ride on monitors without colliding with the request's own)
     tag: str = ""
+    # every non-zero feature of each row, packed (``PackedRows``), instead of top_k/features
+    packed: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.positions, Mapping):
             self.positions = PositionRange(**self.positions)
         check_fields(self)
-        if not self.top_k and not self.features:
+        if self.packed:
+            if self.top_k or self.features:
+                raise InvalidParameter(
+                    "a packed monitor entry reports every non-zero feature: give neither top_k nor features",
+                    param="monitor",
+                )
+            if self.stream:
+                raise InvalidParameter(
+                    "a packed monitor entry never streams: its records come at the end", param="monitor"
+                )
+        elif not self.top_k and not self.features:
             raise InvalidParameter("monitor entry asks for nothing: give top_k or features", param="monitor")
 
     @property
@@ -73,6 +91,31 @@ class FeatureActivation(msgspec.Struct):
     activation: float
 
 
+class PackedRows(msgspec.Struct):
+    """Every non-zero activation of ``rows`` consecutive rows, as CSR: little-endian int32
+    ``row_ptr`` (rows + 1 entries), int32 feature ``indices`` (ascending within a row) and
+    float32 ``values`` (``unpack`` reads them as numpy arrays)."""
+
+    rows: int
+    row_ptr: bytes
+    indices: bytes
+    values: bytes
+
+
+def unpack(p: PackedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(row_ptr, indices, values)`` of packed rows as numpy arrays (int32, int32,
+    float32); row ``r``'s features are ``indices[row_ptr[r]:row_ptr[r + 1]]``."""
+    row_ptr = np.frombuffer(p.row_ptr, dtype="<i4")
+    indices = np.frombuffer(p.indices, dtype="<i4")
+    values = np.frombuffer(p.values, dtype="<f4")
+    if row_ptr.shape[0] != p.rows + 1 or indices.shape != values.shape or int(row_ptr[-1]) != indices.shape[0]:
+        raise ValueError(
+            f"packed rows do not agree: {p.rows} rows, {row_ptr.shape[0]} row pointers, "
+            f"{indices.shape[0]} indices, {values.shape[0]} values"
+        )
+    return row_ptr, indices, values
+
+
 class ActivationRecord(msgspec.Struct):
     sae_id: str
     layer: int
@@ -82,6 +125,9 @@ class ActivationRecord(msgspec.Struct):
     top_k: list[FeatureActivation] = msgspec.field(default_factory=list)
     features: list[FeatureActivation] = msgspec.field(default_factory=list)
     tag: str = ""  # the entry's ``MonitorEntry.tag``
+    # a packed entry's record: rows ``position .. position + packed.rows - 1``, every
+    # non-zero feature (``top_k`` and ``features`` then stay empty, ``token_index`` None)
+    packed: PackedRows | None = None
 
 
 __all__ = [
@@ -91,6 +137,8 @@ __all__ = [
     "FeatureActivation",
     "MonitorEntry",
     "MonitorSpec",
+    "PackedRows",
     "PositionRange",
     "Positions",
+    "unpack",
 ]

@@ -3,7 +3,9 @@
 A ``MonitorPlan`` is handed a forward's rows of its request (``observe``) by whatever
 steers and monitors there (``hooks.route``, the serial hook, llama.cpp's eval callback,
 vLLM's workers); it keeps the rows it was asked for and encodes them, in one batch when
-the request finishes unless the entry streams.
+the request finishes unless the entry streams.  A packed entry (``MonitorEntry.packed``)
+keeps every non-zero activation of each encoded chunk, extracted on device (one
+``nonzero`` and one gather per chunk) and shipped as CSR bytes.
 """
 
 from __future__ import annotations
@@ -11,9 +13,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 import torch
 
-from ..api.protocol import ActivationRecord, FeatureActivation, MonitorEntry, PositionRange
+from ..api.protocol import ActivationRecord, FeatureActivation, MonitorEntry, PackedRows, PositionRange
 from ..sae.module import SAE
 
 _INF = math.inf
@@ -39,11 +42,12 @@ class MonitorPlan:
         self.sae = sae
         self.prompt_len = prompt_len
         self.top_k = int(entry.top_k)
+        self.packed = bool(entry.packed)
         self.sel_idx = (
             torch.tensor(entry.features, dtype=torch.long, device=sae.W_enc.device) if entry.features else None
         )
         self.last_only = entry.positions == "last"
-        self.stream = bool(entry.stream) and not self.last_only
+        self.stream = bool(entry.stream) and not self.last_only and not self.packed
         pos = entry.positions
         if pos == "prompt":
             self.lo, self.hi = 0, prompt_len
@@ -55,6 +59,8 @@ class MonitorPlan:
             self.lo, self.hi = 0, _INF
         self.buffer: list[tuple[int, torch.Tensor]] = []
         self.pending: list[tuple[int, Any, Any, Any]] = []
+        # a packed entry's chunks: (first row, rows, per-row counts, feature indices, values)
+        self.packed_pending: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # positions below this were observed already: a forward that computes them again
         # (vLLM recomputes a preempted request from position 0, or from its cached prefix)
         # must not record them twice
@@ -79,6 +85,9 @@ class MonitorPlan:
             self.buffer.append((int(lo), x.clone()))
 
     def _encode(self, lo: int, x: torch.Tensor) -> None:
+        if self.packed:
+            self._encode_packed(lo, x)
+            return
         top_v = top_i = sel = None
         if self.top_k:
             acts = self.sae.encode(x)
@@ -90,6 +99,15 @@ class MonitorPlan:
             # only the requested encoder columns (all of them for a TopK SAE)
             sel = self.sae.encode_selected(x, self.sel_idx)
         self.pending.append((lo, top_v, top_i, sel))
+
+    def _encode_packed(self, lo: int, x: torch.Tensor) -> None:
+        acts = self.sae.encode(x)
+        # row-major: rows ascending, then feature indices ascending within a row
+        nz = torch.nonzero(acts)
+        rows_i, cols = nz[:, 0], nz[:, 1]
+        values = acts[rows_i, cols].float()
+        counts = torch.bincount(rows_i, minlength=x.shape[0])
+        self.packed_pending.append((lo, int(x.shape[0]), counts, cols, values))
 
     def rewind(self, position: int) -> None:
         """Forget every row at ``position`` or later (speculative decoding: the rows of
@@ -125,6 +143,21 @@ class MonitorPlan:
         """Move pending results to host as records."""
         out: list[ActivationRecord] = []
         e = self.entry
+        for lo, n, counts, cols, values in self.packed_pending:
+            row_ptr = np.zeros(n + 1, dtype="<i4")
+            np.cumsum(counts.cpu().numpy(), out=row_ptr[1:])
+            packed = PackedRows(
+                rows=n,
+                row_ptr=row_ptr.tobytes(),
+                indices=cols.to(torch.int32).cpu().numpy().astype("<i4", copy=False).tobytes(),
+                values=values.cpu().numpy().astype("<f4", copy=False).tobytes(),
+            )
+            out.append(
+                ActivationRecord(
+                    sae_id=e.sae_id, layer=e.layer, read_point=e.read_point, position=lo, packed=packed, tag=e.tag
+                )
+            )
+        self.packed_pending.clear()
         for lo, top_v, top_i, sel in self.pending:
             tv = top_v.tolist() if top_v is not None else None
             ti = top_i.tolist() if top_i is not None else None
