@@ -99,8 +99,8 @@ def activations_payload(
     n_prompt = len(prompt_ids)
     rows = []
     for rec in sorted(records, key=lambda r: r.position):
-        if rec.sae_id != attachment.sae_id or rec.layer != attachment.layer:
-            continue
+        if rec.sae_id != attachment.sae_id or rec.layer != attachment.layer or rec.packed is not None:
+            continue  # another attachment's, or a packed (dashboard) record
         pos = rec.position
         if pos < n_prompt:
             token_id = prompt_ids[pos]
