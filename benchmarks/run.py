@@ -49,6 +49,11 @@ memory bandwidth itself, and turns everything into ratios:
                   turn's TTFT with the prefix cache on ÷ off (PREFIX_CACHE_MAX_MB 256 / 0),
                   the cache's hit rate, and /v1/responses ÷ /v1/chat/completions streaming
                   per output token (transformers)
+  dashboards      dashboards.py (suite_dashboards.py), one process per backend
+                  (transformers, vLLM and llama.cpp where installed): a feature dashboard
+                  run of the demo SAE over the offline sample corpus, corpus tokens/s ÷
+                  a plain batched forward of the same contexts (max_tokens=1, no monitor,
+                  DASHBOARD_ENGINE_ROWS at once)
 
 A group whose backend is missing prints "not installed", one that failed prints "failed"
 with its log; nothing is left out of the table silently.  Written to ``--out`` (default
@@ -110,6 +115,7 @@ PLACEHOLDER = {
     "quantized": "Q8 / Q4 against fp32",
     "compile": "compiled against eager, static against dynamic KV cache",
     "chat_turns": "10-turn chat, prefix cache on against off",
+    "dashboards": "feature dashboards against a plain batched forward",
 }
 
 

@@ -11,6 +11,7 @@ import statistics
 from benchmarks.bandwidth import limit_tok_s, weight_bytes
 from benchmarks.harness import Ctx, Row, target
 from benchmarks.suite_chat_turns import group_chat_turns
+from benchmarks.suite_dashboards import group_dashboards
 
 GROUPS = (
     "decode",
@@ -26,6 +27,7 @@ GROUPS = (
     "quantized",
     "compile",
     "chat_turns",
+    "dashboards",
 )
 BATCHES = (1, 4, 8, 16)
 
@@ -480,6 +482,7 @@ RUNNERS = {
     "quantized": group_quantized,
     "compile": group_compile,
     "chat_turns": lambda ctx: group_chat_turns(ctx, llamacpp_missing()),
+    "dashboards": lambda ctx: group_dashboards(ctx, {"vllm": vllm_missing(), "llamacpp": llamacpp_missing()}),
 }
 
 
