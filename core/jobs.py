@@ -7,7 +7,8 @@ There is one pool per queue, each sized from its setting: ``downloads``
 (MAX_DOWNLOAD_WORKERS), ``loads`` (MAX_LOAD_WORKERS; the engine lives in this process, so
 loads belong here), ``maintenance``, ``batches`` (one Batch API runner at a time, each
 keeping BATCH_ENGINE_ROWS lines at the engine) and ``responses`` (background responses of
-POST /v1/responses, RESPONSES_BACKGROUND_WORKERS at once). In distributed mode the queue names route the task
+POST /v1/responses, RESPONSES_BACKGROUND_WORKERS at once) and ``dashboards`` (feature
+dashboard runs, DASHBOARD_WORKERS at once). In distributed mode the queue names route the task
 to the Celery workers that consume them.
 
 Dispatch always happens after the surrounding transaction commits, so a task never looks
@@ -37,7 +38,7 @@ from core.runtime import runtime
 
 log = structlog.get_logger(__name__)
 
-QUEUES = ("downloads", "loads", "maintenance", "batches", "responses")
+QUEUES = ("downloads", "loads", "maintenance", "batches", "responses", "dashboards")
 RUN_EXECUTOR_THREADS = 4
 
 T = TypeVar("T")
@@ -50,6 +51,8 @@ def _pool_size(queue: str) -> int:
         return int(settings.MAX_DOWNLOAD_WORKERS)
     if queue == "responses":
         return int(settings.RESPONSES_BACKGROUND_WORKERS)
+    if queue == "dashboards":
+        return int(settings.DASHBOARD_WORKERS)
     return 1
 
 

@@ -97,4 +97,7 @@ if settings.MILLM_APPLICATION_START:
         from inference.responses_store import responses_resume
 
         responses_resume(force=True)  # background responses too (POST /v1/responses)
+        from features.services import dashboards_resume
+
+        dashboards_resume(force=True)  # feature dashboard runs, from their last checkpoint
         sweeper_start()  # a batch whose runner died, or past its window, still ends

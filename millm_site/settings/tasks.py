@@ -21,6 +21,7 @@ CELERY_TASK_ROUTES = {
     "registry.tasks.*": {"queue": "downloads"},
     "batches.tasks.*": {"queue": "batches"},
     "inference.tasks.*": {"queue": "responses"},
+    "features.tasks.*": {"queue": "dashboards"},
     "monitoring.tasks.*": {"queue": "analysis"},
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

@@ -1,0 +1,480 @@
+"""Running a dashboard: one runner per run, DASHBOARD_ENGINE_ROWS contexts at the engine.
+
+The runner is a Celery task of the ``dashboards`` queue in distributed mode and a job of
+the in-process ``dashboards`` pool embedded (``core.jobs``); either way it is this one
+function, ``dashboard_run``. It takes the run over (``services.dashboard_take_over``: a run
+has one runner; one whose heartbeat is older than BATCH_RUNNER_STALE_S is presumed dead),
+then:
+
+1. reads the SAE's attachment from the engine (its d_sae; not attached: ``failed`` with
+   SAE_NOT_ATTACHED);
+2. reads the corpus (the offline sample, or the owner's /v1 file a chunk at a time),
+   tokenizes it at the engine (``tokenize``) and packs the tokens into contexts of
+   ``context_tokens`` up to ``token_budget`` (``features.corpus``); the contexts are kept
+   in the run's working folder (DASHBOARD_DIR/<run id>), so a resumed run reads the same;
+3. keeps DASHBOARD_ENGINE_ROWS contexts at the engine at once, each a greedy one-token
+   ``GenerationJob`` of ``priority="batch"``, unsteered, with a packed monitor entry on
+   the prompt (every non-zero feature of every token); each context's records go to the
+   ``FeatureAccumulator`` in context order (a context that finishes early waits for the
+   ones before it), so a run's figures do not depend on the engine's timing;
+4. every CHECKPOINT_CONTEXTS contexts saves the accumulator (``checkpoint.json`` names
+   the last complete checkpoint; written after it, atomically): a runner that dies is
+   resumed by the next from there;
+5. heartbeat, progress (``dashboard:progress``) and the run's status every HEARTBEAT_S:
+   ``cancelling`` cancels the contexts at the engine and ends the run ``cancelled``;
+6. once every context is in: the logit effects of every feature (``feature_logits``),
+   ``accumulator.finish``, and every feature's row with the summary and ``complete=True``
+   in one transaction (``services.dashboard_store``); the working folder is deleted.
+
+An engine error (the model unloaded, the SAE detached) ends the run ``failed`` with the
+error's code; nothing is stored. A crash (the ``stop`` event in tests, a killed worker)
+leaves the run ``running`` with its checkpoint; a restarted server (``force``) or the next
+worker once the heartbeat is stale resumes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import structlog
+from django.conf import settings
+from django.db import close_old_connections, connections
+
+from core.auth import Principal
+from core.errors import MillmError, from_engine_error
+from core.jobs import new_runner_id, run_with_closing_pool
+from core.runtime import runtime
+from features import services
+from features.models import DashboardRun
+
+log = structlog.get_logger(__name__)
+
+HEARTBEAT_S = 1.0
+CHECKPOINT_CONTEXTS = 256  # contexts between two checkpoints of the accumulator
+TOKENIZE_TEXTS = 256  # texts per tokenize command
+LOGIT_FEATURES = 4096  # features per feature_logits command
+LOGIT_TOP_N = 10
+
+
+class _Stopped(Exception):
+    """The run stopped without an end of its own: a crash (``stop``) or taken over."""
+
+
+def dashboard_run(*, run_id: str, force: bool = False, stop: threading.Event | None = None) -> str:
+    """Run the dashboard to its end; ``force`` takes it over even from a runner that looks
+    alive (embedded start-up: this process is the only runner there is). ``stop`` ends
+    the run abruptly, as a crash would (tests). Returns how it ended."""
+    runner = new_runner_id()
+    stale_s = float(settings.BATCH_RUNNER_STALE_S)
+    deadline = time.monotonic() + 2 * stale_s
+    while True:
+        close_old_connections()
+        verdict, run = services.dashboard_take_over(run_id=run_id, runner=runner, force=force)
+        if verdict != "wait":
+            break
+        if time.monotonic() > deadline:
+            log.info("dashboard_held_elsewhere", run_id=run_id, runner=run.runner)
+            return "held"
+        time.sleep(min(stale_s / 3, 5.0))
+    if verdict == "done":
+        return "done"
+    log.info("dashboard_run_start", run_id=run_id, runner=runner)
+    return asyncio.run(run_with_closing_pool(_Runner(run, runner, stop).run, thread_name_prefix="millm-dashboard"))
+
+
+class _Runner:
+    def __init__(self, run: DashboardRun, runner: str, stop: threading.Event | None) -> None:
+        self.run_id = run.id
+        self.sae_id = run.sae_id
+        self.layer = run.layer
+        self.owner = run.owner
+        self.corpus = run.corpus
+        self.file_id = run.corpus_file_id
+        self.text_field = run.text_field or "text"
+        self.budget = run.token_budget
+        self.context_tokens = run.context_tokens
+        self.top_k = run.top_k
+        self.window = run.window
+        self.runner = runner
+        self.stop = stop
+        self.rows = int(settings.DASHBOARD_ENGINE_ROWS)
+        self.workdir = services.workdir(run.id)
+        self.backend: str | None = None
+        self.model: str | None = None
+        # one thread for the database: writes in the order they happen, its connection
+        # closed when the run ends
+        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="millm-dashboard-db")
+
+    async def db(self, fn: Any, **kwargs: Any) -> Any:
+        def call() -> Any:
+            close_old_connections()
+            return fn(**kwargs)
+
+        return await asyncio.get_running_loop().run_in_executor(self._db, call)
+
+    async def off(self, fn: Any, *args: Any) -> Any:
+        """Blocking work (the engine's commands, numpy, files) off the loop."""
+        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+    async def run(self) -> str:
+        try:
+            return await self._run()
+        finally:
+            await asyncio.get_running_loop().run_in_executor(self._db, connections.close_all)
+            self._db.shutdown(wait=True)
+
+    async def _run(self) -> str:
+        try:
+            d_sae = await self.off(self._attachment)
+            contexts = await self.off(self._contexts)
+            if not contexts:
+                from features.corpus import CorpusError
+
+                raise CorpusError("empty", "The corpus has no text to read (no context of 2 tokens or more)", "corpus")
+            acc, done, tokens = await self.off(self._accumulator, d_sae)
+            if not await self.db(
+                services.dashboard_advance,
+                run_id=self.run_id,
+                runner=self.runner,
+                contexts_done=done,
+                tokens_done=tokens,
+                contexts_total=len(contexts),
+                force=True,
+            ):
+                raise _Stopped("lost")
+            outcome = await self._loop(contexts, acc, done, tokens)
+            if outcome != "read":
+                return outcome
+            logits = await self.off(self._logits, d_sae)
+            rows, summary = await self.off(acc.finish, logits)
+            summary = {**summary, "backend": self.backend, "model": self.model, "layer": self.layer}
+            outcome = await self.db(
+                services.dashboard_store, run_id=self.run_id, runner=self.runner, rows=rows, summary=summary
+            )
+            if outcome != "lost":
+                services.remove_workdir(self.run_id)
+            return outcome
+        except _Stopped as exc:
+            return str(exc)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure ends the run with its code
+            code, message = _error_of(exc)
+            if code == "INTERNAL_ERROR":
+                log.exception("dashboard_run_error", run_id=self.run_id)
+            if await self.db(
+                services.dashboard_fail, run_id=self.run_id, runner=self.runner, code=code, message=message
+            ):
+                services.remove_workdir(self.run_id)
+            return "failed"
+
+    # ------------------------------------------------------------------ before the loop
+
+    def _attachment(self) -> int:
+        status = runtime().engine.status()
+        self.backend, self.model = status.backend, status.model_id
+        attachment = services.attached_layer(sae_id=self.sae_id, layer=self.layer, attachments=list(status.attachments))
+        return int(attachment.d_sae)
+
+    def _texts(self) -> Any:
+        from features.corpus import parse_corpus, sample_texts
+
+        if self.corpus == DashboardRun.Corpus.SAMPLE:
+            yield from sample_texts()
+            return
+        from batches.selectors import file_content
+
+        # the owner's file was checked at the start; read it as the owner's
+        owner = Principal(owner=self.owner, label=self.owner, admin=True)
+        yield from parse_corpus(file_content(file_id=self.file_id, principal=owner), text_field=self.text_field)
+
+    def _token_lists(self) -> Any:
+        """The corpus's documents as token lists, tokenized at the engine a few hundred
+        at a time, until the budget is covered."""
+        from gpu_engine.api.protocol import TokenizeJob
+
+        seen = 0
+        group: list[str] = []
+
+        def tokenize(texts: list[str]) -> list[list[int]]:
+            job = TokenizeJob(request_id=f"{self.run_id}-tok-{uuid.uuid4().hex[:8]}", texts=texts)
+            try:
+                return list(runtime().engine.tokenize(job).token_ids)
+            except MillmError:
+                raise
+            except Exception as exc:
+                if hasattr(exc, "code"):
+                    raise from_engine_error(exc) from exc
+                raise
+
+        for text in self._texts():
+            group.append(text)
+            if len(group) < TOKENIZE_TEXTS:
+                continue
+            for ids in tokenize(group):
+                seen += len(ids)
+                yield ids
+            group = []
+            if seen >= self.budget:
+                return
+        if group:
+            yield from tokenize(group)
+
+    def _contexts(self) -> list[list[int]]:
+        """The run's contexts: packed once and kept in the working folder, so a resumed
+        run reads exactly the same ones."""
+        from features.corpus import pack_contexts
+
+        path = self.workdir / "contexts.npz"
+        if path.exists():
+            with np.load(path) as data:
+                flat, offsets = data["tokens"], data["offsets"]
+            return [flat[offsets[i] : offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
+        contexts = pack_contexts(self._token_lists(), context_tokens=self.context_tokens, budget=self.budget)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        offsets = np.cumsum([0] + [len(c) for c in contexts]).astype(np.int64)
+        flat = np.asarray([t for c in contexts for t in c], dtype=np.int64)
+        tmp = self.workdir / "contexts.tmp.npz"
+        np.savez(tmp, tokens=flat, offsets=offsets)
+        os.replace(tmp, path)
+        return [list(c) for c in contexts]
+
+    def _accumulator(self, d_sae: int) -> tuple[Any, int, int]:
+        """A fresh accumulator, or the last checkpoint's with the contexts and tokens it
+        holds."""
+        from features.accumulate import FeatureAccumulator
+
+        accdir = self.workdir / "acc"
+        accdir.mkdir(parents=True, exist_ok=True)
+        meta = self.workdir / "checkpoint.json"
+        if meta.exists():
+            saved = json.loads(meta.read_text())
+            path = self.workdir / saved["file"]
+            if path.exists():
+                log.info("dashboard_resumed", run_id=self.run_id, contexts_done=saved["contexts_done"])
+                return FeatureAccumulator.load(path, accdir), int(saved["contexts_done"]), int(saved["tokens_done"])
+        acc = FeatureAccumulator(d_sae, top_k=self.top_k, window=self.window, workdir=accdir)
+        return acc, 0, 0
+
+    def _checkpoint(self, acc: Any, done: int, tokens: int) -> str:
+        path = self.workdir / f"checkpoint-{done}.npz"
+        acc.save(path)
+        meta = self.workdir / "checkpoint.json"
+        tmp = self.workdir / "checkpoint.json.tmp"
+        tmp.write_text(json.dumps({"contexts_done": done, "tokens_done": tokens, "file": path.name}))
+        os.replace(tmp, meta)
+        for old in self.workdir.glob("checkpoint-*.npz"):
+            if old != path:
+                old.unlink(missing_ok=True)
+        return str(path)
+
+    # ------------------------------------------------------------------ the loop
+
+    def _job(self, index: int, context: list[int]) -> Any:
+        from gpu_engine.api.protocol import (
+            GenerationJob,
+            MonitorEntry,
+            MonitorSpec,
+            SamplingParams,
+            SteeringSpec,
+        )
+
+        return GenerationJob(
+            request_id=f"{self.run_id}-{index}-{uuid.uuid4().hex[:8]}",
+            prompt_token_ids=context,
+            add_special_tokens=False,
+            sampling=SamplingParams(max_tokens=1, temperature=0, token_texts=True),
+            monitor=MonitorSpec(
+                [
+                    MonitorEntry(
+                        sae_id=self.sae_id,
+                        layer=self.layer,
+                        packed=True,
+                        positions="prompt",
+                        read_point="pre_steering",
+                    )
+                ]
+            ),
+            steering=SteeringSpec(),
+            priority="batch",
+        )
+
+    async def _context(self, index: int, context: list[int]) -> tuple[list[str], Any, Any, Any]:
+        """One context at the engine: its tokens' texts and its rows' CSR."""
+        from gpu_engine.api.protocol import ErrorEvent, FinishEvent
+
+        finish = None
+        async for event in runtime().engine.agenerate(self._job(index, context)):
+            if isinstance(event, ErrorEvent):
+                raise event.to_exception()
+            if isinstance(event, FinishEvent):
+                finish = event
+        if finish is None:
+            raise MillmError("The engine ended a context without finishing it")
+        tokens = list(finish.prompt_tokens)
+        if len(tokens) != len(context):
+            raise MillmError(f"The engine gave {len(tokens)} token texts for a context of {len(context)} tokens")
+        return (tokens, *csr_of(finish.activations, len(context), sae_id=self.sae_id, layer=self.layer))
+
+    async def _loop(self, contexts: list[list[int]], acc: Any, done: int, tokens_done: int) -> str:
+        at_engine: dict[asyncio.Task, int] = {}
+        ready: dict[int, tuple] = {}
+        submitted = done
+        since_checkpoint = 0
+        beat = 0.0
+        total = len(contexts)
+        try:
+            while True:
+                if self.stop is not None and self.stop.is_set():
+                    log.warning("dashboard_run_stopped", run_id=self.run_id, contexts_done=done)
+                    raise _Stopped("stopped")
+                now = time.monotonic()
+                if now - beat >= HEARTBEAT_S:
+                    beat = now
+                    status = await self.db(services.dashboard_heartbeat, run_id=self.run_id, runner=self.runner)
+                    if status is None:
+                        raise _Stopped("lost")
+                    if status == DashboardRun.Status.CANCELLING:
+                        await _cancel(at_engine)
+                        if await self.db(services.dashboard_cancelled, run_id=self.run_id, runner=self.runner):
+                            services.remove_workdir(self.run_id)
+                        log.info("dashboard_cancelled", run_id=self.run_id, contexts_done=done)
+                        return DashboardRun.Status.CANCELLED
+                    await self.db(
+                        services.dashboard_advance,
+                        run_id=self.run_id,
+                        runner=self.runner,
+                        contexts_done=done,
+                        tokens_done=tokens_done,
+                    )
+                while len(at_engine) < self.rows and submitted < total:
+                    at_engine[asyncio.ensure_future(self._context(submitted, contexts[submitted]))] = submitted
+                    submitted += 1
+                if done >= total:
+                    break
+                finished, _ = await asyncio.wait(at_engine, timeout=HEARTBEAT_S, return_when=asyncio.FIRST_COMPLETED)
+                for task in finished:
+                    ready[at_engine.pop(task)] = task.result()  # an engine error ends the run
+                while done in ready:
+                    tokens, row_ptr, indices, values = ready.pop(done)
+                    await self.off(acc.add, done, contexts[done], tokens, row_ptr, indices, values)
+                    tokens_done += len(contexts[done])
+                    done += 1
+                    since_checkpoint += 1
+                if since_checkpoint >= CHECKPOINT_CONTEXTS and done < total:
+                    since_checkpoint = 0
+                    path = await self.off(self._checkpoint, acc, done, tokens_done)
+                    await self.db(
+                        services.dashboard_advance,
+                        run_id=self.run_id,
+                        runner=self.runner,
+                        contexts_done=done,
+                        tokens_done=tokens_done,
+                        checkpoint_path=path,
+                    )
+        finally:
+            await _cancel(at_engine)
+        await self.db(
+            services.dashboard_advance,
+            run_id=self.run_id,
+            runner=self.runner,
+            contexts_done=done,
+            tokens_done=tokens_done,
+            force=True,
+        )
+        return "read"
+
+    # ------------------------------------------------------------------ after the loop
+
+    def _logits(self, d_sae: int) -> dict[int, dict[str, list[dict[str, Any]]]]:
+        """Every feature's logit effect (W_dec[i] @ W_U.T): its top and bottom tokens."""
+        from gpu_engine.api.protocol import FeatureLogitsJob
+
+        out: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        for start in range(0, d_sae, LOGIT_FEATURES):
+            job = FeatureLogitsJob(
+                request_id=f"{self.run_id}-logits-{start}",
+                sae_id=self.sae_id,
+                layer=self.layer,
+                features=list(range(start, min(start + LOGIT_FEATURES, d_sae))),
+                top_n=LOGIT_TOP_N,
+            )
+            try:
+                result = runtime().engine.feature_logits(job)
+            except MillmError:
+                raise
+            except Exception as exc:
+                if hasattr(exc, "code"):
+                    raise from_engine_error(exc) from exc
+                raise
+            for n, index in enumerate(result.features):
+                out[int(index)] = {
+                    "logit_top": _effects(result.top_ids[n], result.top_tokens[n], result.top_values[n]),
+                    "logit_bottom": _effects(result.bottom_ids[n], result.bottom_tokens[n], result.bottom_values[n]),
+                }
+        return out
+
+
+def _effects(ids: list[int], tokens: list[str], values: list[float]) -> list[dict[str, Any]]:
+    return [{"token_id": int(i), "token": t, "value": float(v)} for i, t, v in zip(ids, tokens, values, strict=True)]
+
+
+async def _cancel(tasks: dict[asyncio.Task, int]) -> None:
+    """Cancel the contexts at the engine (each task's stream cancels its job) and wait
+    until each has let go."""
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.gather(*tasks, return_exceptions=True)
+    tasks.clear()
+
+
+def csr_of(records: list[Any], rows: int, *, sae_id: str, layer: int) -> tuple[Any, Any, Any]:
+    """One CSR (row_ptr, indices, values) over a context's ``rows`` prompt rows from the
+    packed records of its FinishEvent (one per encoded chunk of consecutive rows); a row
+    no record covers has no non-zero feature."""
+    from gpu_engine.api.monitoring import unpack
+
+    per_row: list[tuple[Any, Any] | None] = [None] * rows
+    for record in records:
+        if record.packed is None or record.sae_id != sae_id or record.layer != layer:
+            continue
+        row_ptr, indices, values = unpack(record.packed)
+        for r in range(record.packed.rows):
+            at = record.position + r
+            if 0 <= at < rows:
+                per_row[at] = (indices[row_ptr[r] : row_ptr[r + 1]], values[row_ptr[r] : row_ptr[r + 1]])
+    counts = np.zeros(rows + 1, dtype=np.int64)
+    for r, entry in enumerate(per_row):
+        counts[r + 1] = 0 if entry is None else len(entry[0])
+    row_ptr = np.cumsum(counts)
+    kept = [e for e in per_row if e is not None and len(e[0])]
+    indices = np.concatenate([e[0] for e in kept]).astype(np.int64) if kept else np.zeros(0, dtype=np.int64)
+    values = np.concatenate([e[1] for e in kept]).astype(np.float32) if kept else np.zeros(0, dtype=np.float32)
+    return row_ptr, indices, values
+
+
+def _error_of(exc: Exception) -> tuple[str, str]:
+    """The run's error {code, message} for what ended it."""
+    if isinstance(exc, MillmError):
+        return exc.code, exc.message
+    from features.corpus import CorpusError
+
+    if isinstance(exc, CorpusError):
+        return services.corpus_error(exc).code, str(getattr(exc, "message", exc))
+    if hasattr(exc, "code") and isinstance(getattr(exc, "code", None), str):
+        error = from_engine_error(exc)
+        return error.code, error.message
+    return "INTERNAL_ERROR", f"The dashboard run failed: {exc!r}"
+
+
+def dashboards_resume(*, force: bool) -> int:
+    return services.dashboards_resume(force=force)

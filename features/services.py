@@ -1,0 +1,381 @@
+"""Mutations of the feature dashboards (docs/features.md, "How a dashboard run works").
+
+``dashboard_start`` checks what a run needs before anything is queued — the SAE exists and
+is attached (409 ``SAE_NOT_ATTACHED`` naming the layers it is attached at), the budget
+fits DASHBOARD_MAX_TOKENS (422 naming ``token_budget``), a file corpus is the caller's (404
+naming ``file_id``) and is text (400 ``INVALID_CORPUS`` naming the field) — and queues the
+run on the ``dashboards`` queue once the row is committed.
+
+A run has one runner at a time (``dashboard_take_over``: a runner whose heartbeat is older
+than BATCH_RUNNER_STALE_S is presumed dead and the next one resumes from the run's last
+checkpoint); every write of a running run names its runner and is refused to any other.
+Its results are stored by ``dashboard_store`` in one transaction that also sets
+``complete``; a cancelled or failed run stores none.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from core.auth import Principal
+from core.errors import ValidationFailed
+from core.events import OWNER_FIELD, publish
+from core.jobs import enqueue
+from features.errors import DashboardNotCancellable, DashboardSAENotAttached, InvalidCorpus
+from features.models import DashboardRun, FeatureDashboard
+from features.selectors import dashboard_get
+from registry.models import SAE
+from registry.selectors import sae_get
+
+log = structlog.get_logger(__name__)
+
+QUEUE = "dashboards"
+TASK = "features.tasks.dashboard_run_task"
+PROGRESS_EVERY_S = 0.5  # dashboard:progress while a run reads its corpus, at most this often
+
+_progress_sent: dict[str, float] = {}
+
+# the FeatureDashboard fields an accumulator row fills
+_ROW_FIELDS = (
+    "index",
+    "count",
+    "density",
+    "mean",
+    "max",
+    "histogram",
+    "top_contexts",
+    "quantile_samples",
+    "logit_top",
+    "logit_bottom",
+    "search_tokens",
+)
+
+
+def workdir(run_id: str) -> Path:
+    """Where the run keeps its contexts, accumulator and checkpoints (DASHBOARD_DIR/<id>)."""
+    return Path(settings.DASHBOARD_DIR) / run_id
+
+
+def remove_workdir(run_id: str) -> None:
+    shutil.rmtree(workdir(run_id), ignore_errors=True)
+
+
+def attached_layer(*, sae_id: str, layer: int | None, attachments: list[Any]) -> Any:
+    """The engine's attachment of ``sae_id`` (at ``layer``, or its only one), else 409
+    ``SAE_NOT_ATTACHED`` naming the layers it is attached at."""
+    mine = [a for a in attachments if a.sae_id == sae_id]
+    layers = sorted(a.layer for a in mine)
+    if layer is not None:
+        match = [a for a in mine if a.layer == layer]
+        if not match:
+            where = f"attached at layer(s) {layers}" if layers else "not attached"
+            raise DashboardSAENotAttached(
+                f"SAE {sae_id} is not attached at layer {layer} ({where}); attach it there first",
+                details={"param": "layer", "sae_id": sae_id, "layer": layer, "layers": layers},
+            )
+        return match[0]
+    if not mine:
+        raise DashboardSAENotAttached(
+            f"SAE {sae_id} is not attached; attach it to the resident model first",
+            details={"param": "sae_id", "sae_id": sae_id, "layers": []},
+        )
+    if len(mine) > 1:
+        raise ValidationFailed(
+            f"SAE {sae_id} is attached at layers {layers}; name one with layer",
+            details={"param": "layer", "fields": {"layer": [f"one of {layers}"]}, "layers": layers},
+        )
+    return mine[0]
+
+
+def _check_file(*, file_id: str, text_field: str, principal: Principal) -> None:
+    """The file is the caller's (404 naming file_id) and holds text (400 naming the field)."""
+    from batches.selectors import file_content, file_get
+    from features.corpus import CorpusError, parse_corpus
+
+    file_get(file_id=file_id, principal=principal)
+    try:
+        for _ in parse_corpus(file_content(file_id=file_id, principal=principal), text_field=text_field):
+            pass
+    except CorpusError as exc:
+        raise corpus_error(exc, default_param="file_id") from None
+
+
+def corpus_error(exc: Exception, *, default_param: str = "file_id") -> InvalidCorpus:
+    param = getattr(exc, "param", None) or default_param
+    return InvalidCorpus(
+        getattr(exc, "message", None) or str(exc),
+        details={"param": param, "reason": getattr(exc, "code", "invalid_corpus")},
+    )
+
+
+def dashboard_start(
+    *,
+    sae_id: str,
+    principal: Principal,
+    corpus: str = DashboardRun.Corpus.SAMPLE,
+    file_id: str | None = None,
+    text_field: str = "text",
+    token_budget: int,
+    context_tokens: int = 64,
+    top_k: int = 10,
+    window: int = 8,
+    layer: int | None = None,
+) -> DashboardRun:
+    """Check and queue a run (``queued``; the ``dashboards`` queue runs it)."""
+    from core.runtime import runtime
+
+    sae = sae_get(sae_id=sae_id)
+    limit = int(settings.DASHBOARD_MAX_TOKENS)
+    if not 1 <= int(token_budget) <= limit:
+        raise ValidationFailed(
+            f"token_budget must be between 1 and {limit} (DASHBOARD_MAX_TOKENS); got {token_budget}",
+            details={"param": "token_budget", "fields": {"token_budget": [f"at most {limit}"]}},
+        )
+    if sae.format == SAE.Format.VECTOR:
+        raise ValidationFailed(
+            f"{sae.id} is a steering vector: it has no features to build dashboards for",
+            details={"param": "sae_id", "fields": {"sae_id": ["a steering vector has no features"]}},
+        )
+    if corpus not in DashboardRun.Corpus.values:
+        raise ValidationFailed(
+            f"corpus must be one of {list(DashboardRun.Corpus.values)}",
+            details={"param": "corpus", "fields": {"corpus": ["unknown corpus"]}},
+        )
+    attachment = attached_layer(sae_id=sae.id, layer=layer, attachments=list(runtime().engine.status().attachments))
+    if corpus == DashboardRun.Corpus.FILE:
+        if not file_id:
+            raise ValidationFailed(
+                "file_id is required with corpus file",
+                details={"param": "file_id", "fields": {"file_id": ["required"]}},
+            )
+        _check_file(file_id=file_id, text_field=text_field, principal=principal)
+    with transaction.atomic():
+        run = DashboardRun.objects.create(
+            sae=sae,
+            layer=attachment.layer,
+            owner=principal.owner,
+            corpus=corpus,
+            corpus_file_id=(file_id or "") if corpus == DashboardRun.Corpus.FILE else "",
+            text_field=text_field or "text",
+            token_budget=int(token_budget),
+            context_tokens=int(context_tokens),
+            top_k=int(top_k),
+            window=int(window),
+        )
+        enqueue(TASK, run.id, queue=QUEUE)
+    log.info("dashboard_queued", run_id=run.id, sae_id=sae.id, layer=run.layer, budget=run.token_budget)
+    dashboard_progress(run=run, force=True)
+    return run
+
+
+def dashboard_cancel(*, run_id: str, principal: Principal) -> DashboardRun:
+    """``cancelling``: the runner stops reading the corpus, cancels its contexts at the
+    engine and ends the run ``cancelled`` with no dashboards stored; a run no live runner
+    holds (queued, or its runner dead) ends ``cancelled`` at once. 409 once it ended."""
+    dashboard_get(run_id, principal)  # 404 for another owner's
+    with transaction.atomic():
+        run = DashboardRun.objects.select_for_update().get(id=run_id)
+        if run.status in (DashboardRun.Status.CANCELLING, DashboardRun.Status.CANCELLED):
+            return run
+        if run.status in DashboardRun.TERMINAL:
+            raise DashboardNotCancellable(
+                f"Dashboard run {run.id} is {run.status} and cannot be cancelled",
+                details={"param": "run_id", "status": run.status},
+            )
+        live = run.runner is not None and not runner_stale(run)
+        if live:
+            run.status = DashboardRun.Status.CANCELLING
+            run.save(update_fields=["status"])
+        else:
+            _end(run, DashboardRun.Status.CANCELLED)
+    if not live:
+        remove_workdir(run.id)
+    dashboard_progress(run=run, force=True)
+    return run
+
+
+# --------------------------------------------------------------------------- a running run
+
+
+def runner_stale(run: DashboardRun) -> bool:
+    """The run's runner sent no heartbeat for BATCH_RUNNER_STALE_S (or has none)."""
+    seen = run.runner_seen_at
+    return seen is None or (timezone.now() - seen).total_seconds() > float(settings.BATCH_RUNNER_STALE_S)
+
+
+def dashboard_take_over(*, run_id: str, runner: str, force: bool = False) -> tuple[str, DashboardRun | None]:
+    """Become the run's runner: ``("run", run)``, ``("wait", run)`` while another runner's
+    heartbeat is fresh, ``("done", None)`` for a run that needs no runner (it ended; a
+    ``cancelling`` one nobody runs ends ``cancelled`` here)."""
+    with transaction.atomic():
+        run = DashboardRun.objects.select_for_update().filter(id=run_id).first()
+        if run is None or run.status in DashboardRun.TERMINAL:
+            return "done", None
+        if run.runner not in (None, runner) and not force and not runner_stale(run):
+            return "wait", run
+        if run.status == DashboardRun.Status.CANCELLING:
+            _end(run, DashboardRun.Status.CANCELLED)
+            cancelled = True
+        else:
+            cancelled = False
+            now = timezone.now()
+            run.runner, run.runner_seen_at = runner, now
+            run.status = DashboardRun.Status.RUNNING
+            run.started_at = run.started_at or now
+            run.save(update_fields=["runner", "runner_seen_at", "status", "started_at"])
+    if cancelled:
+        remove_workdir(run.id)
+        dashboard_progress(run=run, force=True)
+        return "done", None
+    dashboard_progress(run=run, force=True)
+    return "run", run
+
+
+def dashboard_heartbeat(*, run_id: str, runner: str) -> str | None:
+    """The run's status, or None when this runner no longer holds it."""
+    if not DashboardRun.objects.filter(id=run_id, runner=runner).update(runner_seen_at=timezone.now()):
+        return None
+    return DashboardRun.objects.values_list("status", flat=True).get(id=run_id)
+
+
+def dashboard_advance(
+    *,
+    run_id: str,
+    runner: str,
+    contexts_done: int,
+    tokens_done: int,
+    contexts_total: int | None = None,
+    checkpoint_path: str | None = None,
+    force: bool = False,
+) -> bool:
+    """Record the run's progress (and its last checkpoint); False when this runner no
+    longer holds it. ``dashboard:progress`` at most every PROGRESS_EVERY_S."""
+    fields: dict[str, Any] = {
+        "contexts_done": contexts_done,
+        "tokens_done": tokens_done,
+        "runner_seen_at": timezone.now(),
+    }
+    if contexts_total is not None:
+        fields["contexts_total"] = contexts_total
+    if checkpoint_path is not None:
+        fields["checkpoint_path"] = checkpoint_path
+    if not DashboardRun.objects.filter(id=run_id, runner=runner).update(**fields):
+        return False
+    dashboard_progress(run_id=run_id, force=force)
+    return True
+
+
+def dashboard_fail(*, run_id: str, runner: str, code: str, message: str) -> bool:
+    """End the run ``failed`` with ``error`` {code, message}: no dashboards stored."""
+    with transaction.atomic():
+        run = DashboardRun.objects.select_for_update().filter(id=run_id, runner=runner).first()
+        if run is None or run.status in DashboardRun.TERMINAL:
+            return False
+        if run.status == DashboardRun.Status.CANCELLING:
+            _end(run, DashboardRun.Status.CANCELLED)  # a recorded cancel wins
+        else:
+            run.error = {"code": code, "message": message}
+            _end(run, DashboardRun.Status.FAILED)
+    log.warning("dashboard_failed", run_id=run_id, code=code, message=message)
+    dashboard_progress(run=run, force=True)
+    if run.status == DashboardRun.Status.FAILED:
+        publish(
+            "dashboard:error",
+            {"run_id": run.id, "sae_id": run.sae_id, "code": code, "message": message, OWNER_FIELD: run.owner},
+        )
+    return True
+
+
+def dashboard_cancelled(*, run_id: str, runner: str) -> bool:
+    """The runner saw the cancel and stopped: ``cancelled``, no dashboards stored."""
+    with transaction.atomic():
+        run = DashboardRun.objects.select_for_update().filter(id=run_id, runner=runner).first()
+        if run is None or run.status in DashboardRun.TERMINAL:
+            return False
+        _end(run, DashboardRun.Status.CANCELLED)
+    dashboard_progress(run=run, force=True)
+    return True
+
+
+def dashboard_store(*, run_id: str, runner: str, rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
+    """Store every feature's dashboard, the summary and ``complete=True`` in one
+    transaction; the run's status after it (``completed``; ``cancelled`` when a cancel was
+    recorded first: nothing stored; ``lost`` when another runner holds it)."""
+    with transaction.atomic():
+        run = DashboardRun.objects.select_for_update().filter(id=run_id).first()
+        if run is None or run.runner != runner or run.status in DashboardRun.TERMINAL:
+            return "lost"
+        if run.status == DashboardRun.Status.CANCELLING:
+            _end(run, DashboardRun.Status.CANCELLED)
+        else:
+            FeatureDashboard.objects.bulk_create(
+                [
+                    FeatureDashboard(run=run, sae_id=run.sae_id, **{k: row[k] for k in _ROW_FIELDS if k in row})
+                    for row in rows
+                ],
+                batch_size=1000,
+            )
+            run.summary = summary
+            run.complete = True
+            _end(run, DashboardRun.Status.COMPLETED, extra=["summary", "complete"])
+    dashboard_progress(run=run, force=True)
+    if run.status == DashboardRun.Status.COMPLETED:
+        log.info("dashboard_completed", run_id=run.id, features=len(rows), tokens=run.tokens_done)
+        publish("dashboard:complete", {"run_id": run.id, "sae_id": run.sae_id, OWNER_FIELD: run.owner})
+    return run.status
+
+
+def _end(run: DashboardRun, status: str, *, extra: list[str] | None = None) -> None:
+    run.status = status
+    run.finished_at = timezone.now()
+    run.runner = None
+    run.save(update_fields=["status", "finished_at", "runner", "error", *(extra or [])])
+
+
+def dashboard_progress(*, run: DashboardRun | None = None, run_id: str | None = None, force: bool = False) -> None:
+    """``dashboard:progress`` over /ws/events (ids, status and counts, never corpus text),
+    to the run's owner and admin sockets only; while it runs at most every
+    PROGRESS_EVERY_S per run."""
+    key = run.id if run is not None else run_id
+    now = time.monotonic()
+    if not force and now - _progress_sent.get(key, 0.0) < PROGRESS_EVERY_S:
+        return
+    _progress_sent[key] = now
+    if run is None:
+        run = DashboardRun.objects.filter(id=key).first()
+        if run is None:
+            return
+    if run.status in DashboardRun.TERMINAL:
+        _progress_sent.pop(key, None)
+    publish(
+        "dashboard:progress",
+        {
+            "run_id": run.id,
+            "sae_id": run.sae_id,
+            "status": run.status,
+            "contexts_done": run.contexts_done,
+            "contexts_total": run.contexts_total,
+            "tokens_done": run.tokens_done,
+            OWNER_FIELD: run.owner,
+        },
+    )
+
+
+def dashboards_resume(*, force: bool) -> int:
+    """Queue a runner for every run not ended (a start-up: embedded, this process was the
+    runner, ``force``; a Celery worker of the dashboards queue, a run whose runner's
+    heartbeat stopped is taken over once it is stale). Returns how many were queued."""
+    ids = list(DashboardRun.objects.exclude(status__in=DashboardRun.TERMINAL).values_list("id", flat=True))
+    for run_id in ids:
+        enqueue(TASK, run_id, force=force, queue=QUEUE)
+    if ids:
+        log.info("dashboards_resumed", runs=len(ids))
+    return len(ids)
