@@ -96,6 +96,10 @@ def body_limit(scope: dict[str, Any], path: str) -> int:
         return int(MAX_FILE_BYTES) + MULTIPART_SLACK_BYTES
     if path.startswith(UPLOAD_PATHS):
         return int(settings.BATCH_MAX_FILE_BYTES) + MULTIPART_SLACK_BYTES
+    if path.startswith("/api/saes/") and path.rstrip("/").endswith("/explanations/import"):
+        from registry.explanations import MAX_IMPORT_BYTES
+
+        return int(MAX_IMPORT_BYTES) + MULTIPART_SLACK_BYTES
     return int(settings.MAX_REQUEST_BODY_BYTES)
 
 

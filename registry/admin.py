@@ -11,7 +11,7 @@ from core.admin_actions import RefusableDeleteMixin, run_each
 from core.errors import MillmError
 from registry import job_lifecycle, services, vectors
 from registry.access import check_remote_code
-from registry.models import SAE, Job, Model, SteeringVector
+from registry.models import SAE, FeatureExplanation, Job, Model, SteeringVector
 
 
 class ModelRegisterForm(forms.ModelForm):
@@ -272,10 +272,20 @@ class SAEAdmin(RefusableDeleteMixin, admin.ModelAdmin):
         "d_sae",
         "trained_on_model",
         "trained_on_layer",
+        "neuronpedia_id",
         "updated_at",
     )
     list_filter = ("status", "format", "activation")
-    search_fields = ("id", "name", "repository_id", "file_path", "local_path", "trained_on_model", "hook_name")
+    search_fields = (
+        "id",
+        "name",
+        "repository_id",
+        "file_path",
+        "local_path",
+        "trained_on_model",
+        "hook_name",
+        "neuronpedia_id",
+    )
     readonly_fields = (
         "id",
         "status",
@@ -457,3 +467,22 @@ class JobAdmin(admin.ModelAdmin):
     @admin.action(description="Cancel selected jobs")
     def cancel_jobs(self, request, queryset):
         run_each(self, request, queryset, "Cancelled", lambda j: job_lifecycle.job_cancel(job=j))
+
+
+@admin.register(FeatureExplanation)
+class FeatureExplanationAdmin(admin.ModelAdmin):
+    """Explanations of SAE features (registry.labels: a feature's label is its best one).
+    Written, imported and generated through /api/saes/{id}/explanations; here they can be
+    read, corrected or deleted."""
+
+    list_display = ("id", "sae", "index", "short_description", "source", "explainer_model", "score", "created_at")
+    list_filter = ("source",)
+    search_fields = ("description", "sae__id", "sae__name", "explainer_model")
+    list_select_related = ("sae",)
+    raw_id_fields = ("sae",)
+    readonly_fields = ("provenance", "score_detail", "created_by", "created_at")
+    ordering = ("sae_id", "index", "-created_at")
+
+    @admin.display(description="Description")
+    def short_description(self, obj: FeatureExplanation) -> str:
+        return obj.description if len(obj.description) <= 80 else obj.description[:79] + "…"

@@ -188,4 +188,30 @@ def describe_sae(path: Path) -> dict[str, Any]:
         "trained_on_model": meta.model_name or "",
         "trained_on_layer": meta.layer,
         "hook_name": meta.hook_name or "",
+        "neuronpedia_id": neuronpedia_id(meta.config_file),
     }
+
+
+def neuronpedia_id(config_file: str | None) -> str:
+    """A SAELens cfg.json's ``neuronpedia_id`` ("model/source", at the top or, from
+    SAELens 6, under ``metadata``), or "" (none, not a string, not model/source)."""
+    if not config_file:
+        return ""
+    try:
+        path = Path(config_file)
+        if path.stat().st_size > 2**20:
+            return ""
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(cfg, dict):
+        return ""
+    meta = cfg.get("metadata") if isinstance(cfg.get("metadata"), dict) else {}
+    value = cfg.get("neuronpedia_id") or meta.get("neuronpedia_id")
+    if not isinstance(value, str):
+        return ""
+    value = value.strip()
+    model, sep, source = value.partition("/")
+    if not (sep and model and source) or len(value) > 300:
+        return ""
+    return value

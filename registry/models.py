@@ -169,6 +169,11 @@ class SAE(models.Model):
         help_text="Neuronpedia's id of this SAE (\"model/source\", from a SAELens cfg.json's neuronpedia_id): "
         "what explanations are imported and exported under.",
     )
+    labels_file_read = models.BooleanField(
+        default=False,
+        help_text="The SAE folder's feature_labels.json was imported as explanations (registry.labels): "
+        "it is read once, so a label deleted later does not come back.",
+    )
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.READY, db_index=True)
     error_message = models.TextField(blank=True)
     # steering vectors only

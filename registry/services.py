@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from core.errors import ValidationFailed
 from gpu_engine.api.host import backend_names
-from registry import access, describe
+from registry import access, describe, labels
 from registry.access import check_remote_code
 from registry.errors import (
     InvalidLocalPath,
@@ -297,6 +297,7 @@ def sae_register_local(
         status=SAE.Status.READY,
         **meta,
     )
+    labels.import_labels_file(sae.id)  # its feature_labels.json, if it ships one
     log.info("sae_registered", sae_id=sae.id, path=str(path))
     return sae
 
