@@ -9,8 +9,6 @@ serves no static files) and the feature labels an SAE folder may ship.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Any
 
 from django.contrib.staticfiles.views import serve
@@ -19,13 +17,10 @@ from django.views.decorators.http import require_GET
 from django.views.generic import TemplateView
 
 from core.auth import bearer_token, key_is_valid, keys_enabled
-from core.ids import ascii_int
 from gpu_engine.api.protocol import MAX_STEERING_STRENGTH
+from registry.labels import labels_for
 from registry.models import SAE
 
-LABELS_FILE = "feature_labels.json"
-# A labels file is one short string per feature; anything bigger is not one.
-MAX_LABELS_BYTES = 16 * 2**20
 
 NAV = [
     ("dashboard", "/", "Dashboard"),
@@ -96,9 +91,10 @@ def _authorized(request: HttpRequest) -> bool:
 
 @require_GET
 def feature_labels(request: HttpRequest, sae_id: str) -> JsonResponse:
-    """``{sae_id, labels: {"<index>": label}}`` from the SAE folder's feature_labels.json
-    (the demo SAE ships one); ``labels: {}`` when there is none. The registry API does not
-    carry labels, and the steering page needs them to find a feature by name."""
+    """``{sae_id, labels: {"<index>": label}}``: each labelled feature's label, its best
+    explanation (``registry.labels``; an SAE folder's feature_labels.json is imported as
+    explanations, the demo SAE ships one); ``labels: {}`` when there is none. The steering
+    page needs them to find a feature by name."""
     if not _authorized(request):
         response = JsonResponse({"error": "Missing or invalid API key"}, status=401)
         response["WWW-Authenticate"] = 'Bearer realm="miLLM"'
@@ -106,22 +102,5 @@ def feature_labels(request: HttpRequest, sae_id: str) -> JsonResponse:
     sae = SAE.objects.filter(pk=sae_id).first()
     if sae is None:
         return JsonResponse({"error": f"No SAE {sae_id}"}, status=404)
-    return JsonResponse({"sae_id": sae.id, "labels": _read_labels(sae.local_path)})
-
-
-def _read_labels(local_path: str) -> dict[str, str]:
-    if not local_path:
-        return {}
-    folder = Path(local_path)
-    if folder.is_file():
-        folder = folder.parent
-    path = folder / LABELS_FILE
-    try:
-        if not path.is_file() or path.stat().st_size > MAX_LABELS_BYTES:
-            return {}
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    if not isinstance(raw, dict):
-        return {}
-    return {str(pk): str(v) for k, v in raw.items() if (pk := ascii_int(k)) is not None and isinstance(v, str)}
+    labels = labels_for(sae.id)
+    return JsonResponse({"sae_id": sae.id, "labels": {str(i): label for i, label in sorted(labels.items())}})
