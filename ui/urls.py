@@ -18,6 +18,17 @@ urlpatterns = [
     path("monitoring/", views.page("monitoring", "Monitoring"), name="ui-monitoring"),
     path("captures/", views.page("captures", "Captures"), name="ui-captures"),
     path("batches/", views.page("batches", "Batches"), name="ui-batches"),
+    path("features/", views.page("features", "Features"), name="ui-features"),
+    re_path(
+        rf"^features/{SAE_ID}/(?P<index>[0-9]{{1,9}})/$",
+        views.page("feature", "Feature", nav_key="features"),
+        name="ui-feature",
+    ),
+    path(
+        "dashboards/",
+        views.page("dashboards", "Dashboards", max_tokens=views.dashboard_max_tokens),
+        name="ui-dashboards",
+    ),
     re_path(rf"^ui/saes/{SAE_ID}/labels$", views.feature_labels, name="ui-feature-labels"),
     re_path(r"^static/(?P<path>.+)$", views.static, name="ui-static"),
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.contrib.staticfiles.views import serve
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.http import require_GET
@@ -34,6 +35,8 @@ NAV = [
     ("monitoring", "/monitoring/", "Monitoring"),
     ("captures", "/captures/", "Captures"),
     ("batches", "/batches/", "Batches"),
+    ("features", "/features/", "Features"),
+    ("dashboards", "/dashboards/", "Dashboards"),
 ]
 
 
@@ -42,6 +45,8 @@ class Page(TemplateView):
 
     page: str = ""
     title: str = ""
+    # the navigation entry it belongs under (the feature page is under Features)
+    nav_key: str = ""
 
     def get_template_names(self) -> list[str]:
         return [f"ui/{self.page}.html"]
@@ -51,6 +56,7 @@ class Page(TemplateView):
         context.update(
             {
                 "page": self.page,
+                "nav_key": self.nav_key or self.page,
                 "title": self.title,
                 "nav": NAV,
                 "ui_config": {
@@ -58,6 +64,8 @@ class Page(TemplateView):
                     "api_keys_required": keys_enabled(),
                     "max_strength": MAX_STEERING_STRENGTH,
                     **self.page_config(),
+                    # what the URL names (the feature page's SAE and index), as matched
+                    **self.kwargs,
                 },
             }
         )
@@ -67,10 +75,22 @@ class Page(TemplateView):
         return {}
 
 
-def page(name: str, title: str, **config: Any):
+def page(name: str, title: str, *, nav_key: str = "", **config: Any):
+    """A page view; a config value that is callable is read per request (a setting)."""
     return type(
-        f"{name.title()}Page", (Page,), {"page": name, "title": title, "page_config": lambda self: dict(config)}
+        f"{name.title()}Page",
+        (Page,),
+        {
+            "page": name,
+            "title": title,
+            "nav_key": nav_key,
+            "page_config": lambda self: {k: v() if callable(v) else v for k, v in config.items()},
+        },
     ).as_view()
+
+
+def dashboard_max_tokens() -> int:
+    return int(settings.DASHBOARD_MAX_TOKENS)
 
 
 def static(request: HttpRequest, path: str) -> HttpResponse:

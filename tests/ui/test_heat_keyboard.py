@@ -43,7 +43,13 @@ def test_heat_cells_are_reached_and_read_by_keyboard(server, page):
     assert page.evaluate(ACTIVE)["index"] == count - 1
     page.keyboard.press("Home")
     assert page.evaluate(ACTIVE)["index"] == 0
-    # the strip is one Tab stop: the next Tab goes to the other column's strip
+    # the strip is one Tab stop: the next Tabs go through the focused token's "open its
+    # dashboard" links (one per feature of that token), then to the other column's strip
+    links = page.locator("#transcript-steered .heat-features a").count()
+    assert links >= 1
+    for _ in range(links):
+        page.keyboard.press("Tab")
+        assert page.evaluate("() => document.activeElement.classList.contains('feature-link')")
     page.keyboard.press("Tab")
     assert page.evaluate(ACTIVE) == {
         "index": 0,

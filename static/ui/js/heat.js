@@ -45,14 +45,23 @@ function shown(token) {
   return token.replace(/\n/g, "⏎").replace(/\t/g, "⇥");
 }
 
+/** The feature page of one SAE feature (its dashboard). */
+export function featureHref(saeId, index) {
+  return `/features/${encodeURIComponent(saeId)}/${index}/`;
+}
+
 /**
  * Keyboard: the strip is one Tab stop (its current cell); the arrow keys, Home and End move
  * between cells. A focused or hovered cell's values show in the readout below the strip
- * (a title shows on hover only) and are announced from its aria-label.
+ * (a title shows on hover only) and are announced from its aria-label; with `links`, the
+ * features of that cell get an "open its dashboard" link each in the line under it.
  */
-function wireCells(strip, readout) {
+function wireCells(strip, readout, links) {
   const cells = () => [...strip.querySelectorAll(".heat-cell")];
-  const show = (cell) => { readout.textContent = cell.getAttribute("aria-label"); };
+  const show = (cell) => {
+    readout.textContent = cell.getAttribute("aria-label");
+    if (links) links(cell);
+  };
   strip.addEventListener("focusin", (ev) => {
     const cell = ev.target.closest(".heat-cell");
     if (!cell) return;
@@ -75,6 +84,24 @@ function wireCells(strip, readout) {
   });
 }
 
+function cellNode(i, label, alpha, dataset, token, extraClass = "") {
+  return el("span", {
+    class: `heat-cell${extraClass}`, role: "listitem", title: label, "aria-label": label,
+    tabindex: i === 0 ? "0" : "-1", dataset,
+    style: `background: rgba(var(--pos), ${(0.04 + 0.91 * alpha).toFixed(3)}); color: ${alpha > 0.55 ? "#fff" : "inherit"}`,
+  }, shown(token));
+}
+
+function legend(scale, what) {
+  return el("div", { class: "heat-legend", "aria-hidden": "true" },
+    "0", el("span", { class: "ramp" }), scale.toFixed(2), ` · ${what}`);
+}
+
+/**
+ * The strip of one generated answer. With `entry.saeId`, the line under the readout links
+ * each feature of the focused or hovered cell (the one it is coloured by and the
+ * position's top features) to its feature page: "open its dashboard".
+ */
 export function heatStrip(entry, scale) {
   const cells = cellsOf(entry);
   const what = entry.feature !== null && entry.feature !== undefined ? `feature ${entry.feature}` : "the top feature of each token";
@@ -88,15 +115,56 @@ export function heatStrip(entry, scale) {
     const top = c.row ? c.row.top_k.map((t) => `${t.feature_index}: ${t.activation.toFixed(2)}`).join(", ") : "";
     const label = `token ${i + 1} ${JSON.stringify(c.token)}: feature ${c.feature ?? "—"} = ${c.value.toFixed(3)}` +
       (top ? ` (top: ${top})` : "");
-    strip.append(el("span", {
-      class: "heat-cell", role: "listitem", title: label, "aria-label": label, tabindex: i === 0 ? "0" : "-1",
-      dataset: { value: c.value.toFixed(4), feature: c.feature ?? "" },
-      style: `background: rgba(var(--pos), ${(0.04 + 0.91 * alpha).toFixed(3)}); color: ${alpha > 0.55 ? "#fff" : "inherit"}`,
-    }, shown(c.token)));
+    const features = [c.feature, ...(c.row ? c.row.top_k.map((t) => t.feature_index) : [])]
+      .filter((f) => f !== null && f !== undefined && f !== "");
+    strip.append(cellNode(i, label, alpha,
+      { value: c.value.toFixed(4), feature: c.feature ?? "", features: [...new Set(features)].join(",") }, c.token));
   }
   const readout = el("div", { class: "heat-readout", "aria-hidden": "true" });
-  wireCells(strip, readout);
-  return el("div", {}, strip, readout,
-    el("div", { class: "heat-legend", "aria-hidden": "true" },
-      "0", el("span", { class: "ramp" }), scale.toFixed(2), ` · ${what}`));
+  let linkLine = null;
+  let links = null;
+  if (entry.saeId) {
+    linkLine = el("div", { class: "heat-features small" });
+    links = (cell) => {
+      const indices = (cell.dataset.features || "").split(",").filter(Boolean);
+      const token = [...strip.children].indexOf(cell) + 1;
+      linkLine.replaceChildren(...(indices.length
+        ? [`Token ${token}'s features — open its dashboard: `, ...indices.flatMap((f, k) => [k ? " · " : "",
+          el("a", { href: featureHref(entry.saeId, f), class: "feature-link", dataset: { feature: f },
+            "aria-label": `Open the dashboard of feature ${f} (token ${token})` }, `feature ${f}`)])]
+        : []));
+    };
+  }
+  wireCells(strip, readout, links);
+  return el("div", {}, strip, readout, linkLine, legend(scale, what));
 }
+
+/**
+ * One stored context of a feature dashboard: a cell per token, its background the
+ * feature's activation there on `scale` (the feature's max, shared by the page's strips),
+ * the context's max token marked. `context` is {tokens, activations, max_position,
+ * max_activation}.
+ */
+export function contextStrip(context, scale, { feature, name } = {}) {
+  const tokens = context.tokens || [];
+  const acts = context.activations || [];
+  const strip = el("div", {
+    class: "heat-strip context-strip", role: "list",
+    "aria-label": `${name || "Context"}: activation of feature ${feature} per token (${tokens.length} tokens; ` +
+      `max ${Number(context.max_activation ?? 0).toFixed(3)} at token ${(context.max_position ?? 0) + 1}; arrow keys move between tokens)`,
+    dataset: { cells: tokens.length, maxPosition: context.max_position ?? "" },
+  });
+  for (const [i, token] of tokens.entries()) {
+    const value = Number(acts[i] ?? 0);
+    const isMax = i === context.max_position;
+    const alpha = Math.max(0, Math.min(1, value / scale));
+    const label = `token ${i + 1} ${JSON.stringify(token)}: feature ${feature} = ${value.toFixed(3)}${isMax ? " (max)" : ""}`;
+    strip.append(cellNode(i, label, alpha, { value: String(value), index: i, ...(isMax ? { max: "1" } : {}) },
+      token, isMax ? " max" : ""));
+  }
+  const readout = el("div", { class: "heat-readout", "aria-hidden": "true" });
+  wireCells(strip, readout, null);
+  return el("div", { class: "context" }, strip, readout);
+}
+
+export { legend as heatLegend };

@@ -5,7 +5,10 @@
 // each generated token's text, so every token gets one heat-strip cell. Inline steering
 // may carry controls (mode, phase, window, condition); under a steered answer the page
 // shows what ran: per-mode apply counts, the steering hash, and where conditional
-// controls fired.
+// controls fired. A strip's focused cell links each of its features to its feature page
+// ("open its dashboard"). The URL may preset one feature to steer with (the feature page's
+// "Steer with it"): ?sae_id=…&feature=…&strength=…[&layer=…] selects "these features"
+// with that line, and colours the heat strip by that feature of that SAE.
 
 import { get, streamV1 } from "../api.js";
 import { $, boot, describeError, el, notice, numberFrom, showError } from "../dom.js";
@@ -127,7 +130,8 @@ async function runColumn(key, userText, extra, settings, heat, signal) {
     }
     const acts = millm?.sae_activations;
     if (acts) {
-      const entry = { node: el("div"), tokens, acts, feature: heat?.req.features?.[0] ?? null };
+      const entry = { node: el("div"), tokens, acts, feature: heat?.req.features?.[0] ?? null,
+        saeId: acts.sae_id || heat?.req.sae_id };
       col.strips.push(entry);
       reply.node.append(entry.node);
       redrawStrips();
@@ -231,8 +235,39 @@ async function loadChoices() {
   } catch (err) { showError(err, "Playground"); }
 }
 
+/** The feature preset the URL carries (see the top), or null. */
+function presetFromURL() {
+  const q = new URLSearchParams(location.search);
+  if (!q.has("feature")) return null;
+  const feature = Number(q.get("feature"));
+  const strength = q.has("strength") ? Number(q.get("strength")) : 10;
+  if (!Number.isInteger(feature) || feature < 0 || !Number.isFinite(strength)) {
+    notice(`The link's feature preset (feature=${q.get("feature")}, strength=${q.get("strength")}) is not a feature index and a strength: ignored.`, "error");
+    return null;
+  }
+  return { saeId: q.get("sae_id") || "", layer: q.get("layer"), feature, strength };
+}
+
+function applyPreset(preset) {
+  document.querySelector("input[name=steer-mode][value=inline]").checked = true;
+  document.querySelector("input[name=steer-mode][value=inline]").dispatchEvent(new Event("change"));
+  $("#inline-features").value = `${preset.feature}: ${preset.strength}`;
+  const match = attachments.find((a) => a.sae_id === preset.saeId
+    && (preset.layer === null || String(a.layer) === preset.layer));
+  if (preset.saeId && !match) {
+    notice(`SAE ${preset.saeId} is not attached: attach it on the SAEs page to steer with feature ${preset.feature}.`, "error");
+    return;
+  }
+  if (match) $("#heat-sae").value = `${match.sae_id}@${match.layer}`;
+  $("#heat-mode").value = "feature";
+  $("#heat-feature").disabled = false;
+  $("#heat-feature").value = String(preset.feature);
+  $("#preset-note").textContent = `Preset from the link: feature ${preset.feature} of ${preset.saeId || "the attached SAE"} at strength ${preset.strength}.`;
+}
+
 events.on("sae:attached", loadChoices);
 events.on("sae:detached", loadChoices);
 events.on("model:load:complete", loadChoices);
 events.onReconnect(loadChoices);
-loadChoices();
+const preset = presetFromURL();
+loadChoices().then(() => { if (preset) applyPreset(preset); });

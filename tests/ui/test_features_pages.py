@@ -1,0 +1,281 @@
+"""The features pages (issue 34): the feature page shows what the API stores for a feature —
+each heat-strip cell's value is the stored activation of that token, the max token marked,
+one histogram bar per stored bin with its count, the logit lists in order — with its label
+and explanations; "Steer with it" opens the playground with the feature preset (and the
+steered answer is what /v1 gives for that steering); "Add to a profile" adds the feature
+through the profile routes, and the server's refusal is shown with nothing changed;
+"open its dashboard" on a playground heat-strip cell leads to the feature's page.
+
+Two worlds: dashboard rows written straight into the served database (a run and a feature
+with values the test chose, so every figure on the page is checked against numbers the test
+wrote), and a real dashboard job started from the dashboards page on the offline sample
+corpus, its bar followed to complete and its features searched and opened."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.ui.conftest import REPO, _env, screenshot
+
+# --- rows written straight into the served database ---------------------------------------
+
+SEED = """
+import json, os
+from django.db import transaction
+from features.models import DashboardRun, FeatureDashboard
+from registry.models import FeatureExplanation
+spec = json.loads(os.environ["UI_SEED"])
+with transaction.atomic():
+    run = DashboardRun.objects.create(
+        sae_id=spec["sae_id"], layer=spec["layer"], token_budget=spec["tokens"],
+        status="completed", complete=True, contexts_total=4, contexts_done=4,
+        tokens_done=spec["tokens"], summary=spec["summary"])
+    for f in spec["features"]:
+        FeatureDashboard.objects.create(run=run, sae_id=spec["sae_id"], **f)
+    for x in spec["explanations"]:
+        FeatureExplanation.objects.create(sae_id=spec["sae_id"], **x)
+print(run.id)
+"""
+
+
+def seed(server, slow_hub, spec: dict) -> str:
+    """Write a complete run with its feature rows into the served database (through the ORM,
+    in the server's own environment); its run id."""
+    env = _env(server.log.parent, slow_hub.url, {"CAPTURE_INLINE_MAX_BYTES": "0", "UI_SEED": json.dumps(spec)})
+    done = subprocess.run(
+        [sys.executable, str(REPO / "manage.py"), "shell", "-c", SEED],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().splitlines()[-1]
+
+
+def context(rng, tokens: list[str], peak: int) -> dict:
+    acts = [0.0 if rng.random() < 0.4 else float(np.float32(rng.uniform(0.01, 2.0))) for _ in tokens]
+    acts[peak] = float(np.float32(3.0 + rng.random()))
+    return {
+        "context": int(rng.integers(0, 100)),
+        "tokens": tokens,
+        "token_ids": [int(t) for t in rng.integers(0, 500, len(tokens))],
+        "activations": acts,
+        "max_position": peak,
+        "max_activation": acts[peak],
+    }
+
+
+def strip_values(locator) -> list[list[float]]:
+    """Each strip's cells' values as the page holds them (data-value)."""
+    return locator.evaluate_all(
+        "strips => strips.map(s => [...s.querySelectorAll('.heat-cell')].map(c => Number(c.dataset.value)))"
+    )
+
+
+def marked(locator) -> list[list[int]]:
+    return locator.evaluate_all(
+        "strips => strips.map(s => [...s.querySelectorAll('.heat-cell')]"
+        ".flatMap((c, i) => c.dataset.max === '1' && c.classList.contains('max') ? [i] : []))"
+    )
+
+
+@pytest.fixture
+def copy_sae(server, tiny_assets, tmp_path):
+    """A second copy of the tiny SAE, registered and attached at layer 2 (its own rows and
+    profile), detached and its profile removed afterwards."""
+    folder = tmp_path / "features-copy"
+    shutil.copytree(tiny_assets.saes["tiny-llama-L1-relu"].path, folder)
+    sae = server.api("POST", "/api/saes", {"source": "local", "local_path": str(folder), "name": "features-copy"})[
+        "sae_id"
+    ]
+    server.api("POST", f"/api/saes/{sae}/attach", {"layer": 2})
+    profile = server.api(
+        "POST", "/api/profiles", {"name": "features-copy-p", "sae_id": sae, "layer": 2, "steering": {"1": 3}}
+    )
+    try:
+        yield sae
+    finally:
+        server.api("DELETE", f"/api/profiles/{profile['id']}")
+        server.api("POST", f"/api/saes/{sae}/detach", {"layer": 2})
+
+
+def test_the_feature_page_shows_the_stored_dashboard(server, slow_hub, copy_sae, page):
+    rng = np.random.default_rng(34)
+    index = 5
+    words = ["The", " rain", " in", " Spain", " falls", "\n", " mainly", " on", " the", " plain", "."]
+    top = [context(rng, words[: 7 + k], peak=2 + k) for k in range(3)]
+    bands = [
+        {"band": [0.25, 1.5], "contexts": [context(rng, words[:6], peak=1)]},
+        {"band": [0.0, 0.25], "contexts": [context(rng, words[2:9], peak=3), context(rng, words[:5], peak=0)]},
+    ]
+    counts = [int(c) for c in rng.integers(0, 40, 12)]
+    counts[4] = 0
+    edges = [float(e) for e in np.linspace(0.0, 3.9, 13)]
+    logit_top = [
+        {"token_id": 10 + i, "token": t, "value": 2.5 - 0.3 * i} for i, t in enumerate([" wet", " storm", "\t"])
+    ]
+    logit_bottom = [{"token_id": 20 + i, "token": t, "value": -1.75 + 0.2 * i} for i, t in enumerate([" dry", " sun"])]
+    spec = {
+        "sae_id": copy_sae,
+        "layer": 2,
+        "tokens": 4096,
+        "summary": {"tokens": 4096, "contexts": 64, "dead": 3, "dead_share": 3 / 256, "dense": [index], "l0": {}},
+        "features": [
+            {
+                "index": index,
+                "count": sum(counts),
+                "density": sum(counts) / 4096,
+                "mean": 1.125,
+                "max": max(c["max_activation"] for c in top),
+                "histogram": {"edges": edges, "counts": counts},
+                "top_contexts": top,
+                "quantile_samples": bands,
+                "logit_top": logit_top,
+                "logit_bottom": logit_bottom,
+                "search_tokens": "rain spain",
+            }
+        ],
+        "explanations": [
+            {
+                "index": index,
+                "description": "rain and weather words",
+                "source": "explainer",
+                "explainer_model": "stand-in-explainer",
+                "score": 0.8125,
+                "provenance": {"contexts": 3},
+                "created_by": "ui-test",
+            },
+            {"index": index, "description": "Spanish places", "source": "user", "score": None},
+        ],
+    }
+    run_id = seed(server, slow_hub, spec)
+    stored = server.api("GET", f"/api/saes/{copy_sae}/features/{index}")
+    assert stored["run_id"] == run_id and stored["dashboard"]["top_contexts"] == top  # the API gives what was written
+
+    page.goto(f"{server.url}/features/{copy_sae}/{index}/")
+    page.wait_for_selector("#top-contexts .heat-strip")
+    assert page.inner_text("h1") == f"Feature {index}"
+    assert page.locator("nav a[aria-current=page]").inner_text() == "Features"
+    assert page.inner_text("#f-label") == "rain and weather words"  # the best (highest score) explanation
+    rows = page.locator("#explanations tr")
+    assert rows.count() == 2
+    assert rows.nth(0).locator(".description").inner_text() == "rain and weather words"
+    assert rows.nth(0).locator(".score").inner_text() == "0.813"
+    assert "stand-in-explainer" in rows.nth(0).locator(".provenance").inner_text()
+    assert rows.nth(1).locator(".score").inner_text() == "—"
+
+    # every cell the stored activation of its token, each context's max token marked
+    strips = page.locator("#top-contexts .heat-strip")
+    assert strip_values(strips) == [c["activations"] for c in top]
+    assert marked(strips) == [[c["max_position"]] for c in top]
+    cell = strips.nth(0).locator(".heat-cell").nth(top[0]["max_position"])
+    assert cell.get_attribute("aria-label") == (
+        f"token {top[0]['max_position'] + 1} {json.dumps(words[top[0]['max_position']])}: "
+        f"feature {index} = {top[0]['max_activation']:.3f} (max)"
+    )
+    assert strips.nth(0).locator(".heat-cell").all_inner_texts() == [w.replace("\n", "⏎") for w in words[:7]]
+    band_strips = page.locator("#quantiles .heat-strip")
+    assert strip_values(band_strips) == [c["activations"] for b in bands for c in b["contexts"]]
+    assert marked(band_strips) == [[c["max_position"]] for b in bands for c in b["contexts"]]
+
+    # one bar per stored bin, each with its count and edges; the density bar's value
+    bars = page.locator("#hist-plot rect.hist-bar")
+    assert bars.count() == len(counts)
+    assert [int(b) for b in bars.evaluate_all("bs => bs.map(b => b.dataset.count)")] == counts
+    assert [float(x) for x in bars.evaluate_all("bs => bs.map(b => b.dataset.lo)")] == edges[:-1]
+    heights = bars.evaluate_all("bs => bs.map(b => Number(b.getAttribute('height')))")
+    assert heights[4] == 0 and heights[int(np.argmax(counts))] == max(heights) > 0
+    density = float(page.locator("#density-plot rect.density-bar").get_attribute("data-density"))
+    assert density == sum(counts) / 4096
+
+    # the logit lists, in order, with their values
+    for sel, want in (("#logit-top", logit_top), ("#logit-bottom", logit_bottom)):
+        items = page.locator(f"{sel} li")
+        assert items.locator(".tok").evaluate_all("ts => ts.map(t => JSON.parse(t.title))") == [
+            w["token"] for w in want
+        ]
+        assert [float(v) for v in items.evaluate_all("ls => ls.map(l => l.dataset.value)")] == [
+            w["value"] for w in want
+        ]
+    screenshot(page, "feature")
+
+    # Add to a profile: the server's refusal shown, nothing changed; then added
+    before = server.api("GET", "/api/profiles/features-copy-p")["steering"]
+    page.select_option("#u-profile", label="features-copy-p")
+    page.fill("#u-strength", "500")
+    page.click("#u-add")
+    refusal = page.locator("#u-status.bad")
+    refusal.wait_for()
+    assert "Not added" in refusal.inner_text()
+    assert page.locator(".notice.error").count() == 1
+    assert server.api("GET", "/api/profiles/features-copy-p")["steering"] == before
+    # the browser logs the refused call (422) as a failed resource; nothing else
+    assert [e for e in page.console.errors if "status of 422" not in e] == []
+    page.console.errors.clear()
+    page.fill("#u-strength", "12.5")
+    page.click("#u-add")
+    page.wait_for_selector("#u-status.ok")
+    assert server.api("GET", "/api/profiles/features-copy-p")["steering"] == {**before, str(index): 12.5}
+
+    # Steer with it: the playground, preset with this feature
+    page.click("#steer-link")
+    page.wait_for_url("**/playground/**")
+    page.wait_for_selector("#preset-note:has-text('Preset')")
+    assert page.locator("input[name=steer-mode][value=inline]").is_checked()
+    assert page.input_value("#inline-features") == f"{index}: 12.5"
+    assert page.input_value("#heat-sae") == f"{copy_sae}@2"
+    assert page.input_value("#heat-mode") == "feature" and page.input_value("#heat-feature") == str(index)
+    page.fill("#max-tokens", "6")
+    page.fill("#message", "Weather report")
+    page.click("#send")
+    page.wait_for_selector("#transcript-steered .heat-strip", timeout=60_000)
+    page.wait_for_selector("#transcript-plain .heat-strip", timeout=60_000)
+    status, direct = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": "tiny-llama",
+            "max_tokens": 6,
+            "temperature": 0,
+            "seed": 0,
+            "messages": [{"role": "user", "content": "Weather report"}],
+            "steering": {"features": [{"index": index, "strength": 12.5}], "sae_id": copy_sae},
+        },
+        timeout=60,
+    )
+    assert status == 200
+    assert (
+        page.locator("#transcript-steered .turn.assistant .text").inner_text()
+        == (direct["choices"][0]["message"]["content"])
+    )
+
+    # "open its dashboard" from the focused cell's line
+    page.locator("#transcript-steered .heat-cell").first.focus()
+    link = page.locator(f"#transcript-steered .heat-features a[data-feature='{index}']")
+    assert link.get_attribute("href") == f"/features/{copy_sae}/{index}/"
+    link.click()
+    page.wait_for_url(f"**/features/{copy_sae}/{index}/")
+    page.wait_for_selector("#top-contexts .heat-strip")
+    page.console.assert_clean()
+
+
+def test_a_feature_without_a_dashboard_says_so(server, copy_sae, page):
+    assert server.api("GET", f"/api/saes/{copy_sae}/features/7")["dashboard"] is None  # a fresh SAE: no run
+    page.goto(f"{server.url}/features/{copy_sae}/7/")
+    note = page.locator("#no-dashboard")
+    note.wait_for()
+    assert note.locator("a").get_attribute("href") == "/dashboards/"
+    assert page.locator("#top-contexts .heat-strip").count() == 0
+    page.console.assert_clean()
+    # a feature outside the SAE: the server's refusal, said
+    page.goto(f"{server.url}/features/{copy_sae}/99999/")
+    page.wait_for_selector(".notice.error")
+    assert "INVALID_FEATURE_INDEX" in page.inner_text("#f-label")
