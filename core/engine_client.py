@@ -38,12 +38,14 @@ from gpu_engine.api.commands import (
     Command,
     DetachArgs,
     EmbedArgs,
+    FeatureLogitsArgs,
     GenerateArgs,
     HiddenStatesArgs,
     Lane,
     LoadModelArgs,
     ScoreArgs,
     StatusArgs,
+    TokenizeArgs,
     UnloadModelArgs,
     check_implements,
 )
@@ -59,6 +61,8 @@ from gpu_engine.api.protocol import (
     EngineEvent,
     EngineStatus,
     ErrorEvent,
+    FeatureLogitsJob,
+    FeatureLogitsResult,
     FinishEvent,
     GenerationEvent,
     GenerationJob,
@@ -68,6 +72,8 @@ from gpu_engine.api.protocol import (
     ScoreJob,
     ScoreResult,
     StructuredOutput,
+    TokenizeJob,
+    TokenizeResult,
 )
 from gpu_engine.api.sae import CompatibilityReport
 
@@ -206,6 +212,12 @@ class EngineClient(ABC):
 
     def hidden_states(self, job: HiddenStatesJob, *, timeout_s: float | None = None) -> HiddenStatesResult:
         return self.invoke(COMMANDS["hidden_states"], HiddenStatesArgs(job, timeout_s))
+
+    def tokenize(self, job: TokenizeJob, *, timeout_s: float | None = None) -> TokenizeResult:
+        return self.invoke(COMMANDS["tokenize"], TokenizeArgs(job, timeout_s))
+
+    def feature_logits(self, job: FeatureLogitsJob, *, timeout_s: float | None = None) -> FeatureLogitsResult:
+        return self.invoke(COMMANDS["feature_logits"], FeatureLogitsArgs(job, timeout_s))
 
     def attachments(self) -> list[AttachmentStatus]:
         return list(self.status().attachments)

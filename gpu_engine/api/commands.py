@@ -21,7 +21,8 @@ The lane says how a command travels when the engine is in another process:
 - ``state``: answered from the engine's heartbeat, whose key ``<name>`` holds the latest
   result (no round trip; the web tier answers at once);
 - ``control``: the command stream, one at a time (load, unload, attach, detach, checks);
-- ``work``: the request stream, one result entry (embed, score, hidden_states);
+- ``work``: the request stream, one result entry (embed, score, hidden_states, tokenize,
+  feature_logits);
 - ``stream``: the request stream, token events then a final one (generate).
 
 ``work`` and ``stream`` arguments carry a ``job`` whose ``request_id`` names the request's
@@ -46,6 +47,8 @@ from .protocol import (
     EmbedJob,
     EmbedResult,
     EngineStatus,
+    FeatureLogitsJob,
+    FeatureLogitsResult,
     GenerationEvent,
     GenerationJob,
     HiddenStatesJob,
@@ -54,6 +57,8 @@ from .protocol import (
     ScoreJob,
     ScoreResult,
     StructuredOutput,
+    TokenizeJob,
+    TokenizeResult,
 )
 
 
@@ -129,6 +134,16 @@ class HiddenStatesArgs(msgspec.Struct):
     timeout_s: float | None = None
 
 
+class TokenizeArgs(msgspec.Struct):
+    job: TokenizeJob
+    timeout_s: float | None = None
+
+
+class FeatureLogitsArgs(msgspec.Struct):
+    job: FeatureLogitsJob
+    timeout_s: float | None = None
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -178,6 +193,8 @@ COMMANDS: Mapping[str, Command] = {
         Command("embed", EmbedArgs, EmbedResult, Lane.WORK),
         Command("score", ScoreArgs, ScoreResult, Lane.WORK),
         Command("hidden_states", HiddenStatesArgs, HiddenStatesResult, Lane.WORK),
+        Command("tokenize", TokenizeArgs, TokenizeResult, Lane.WORK),
+        Command("feature_logits", FeatureLogitsArgs, FeatureLogitsResult, Lane.WORK),
     )
 }
 
@@ -219,12 +236,14 @@ __all__ = [
     "Command",
     "DetachArgs",
     "EmbedArgs",
+    "FeatureLogitsArgs",
     "GenerateArgs",
     "HiddenStatesArgs",
     "Lane",
     "LoadModelArgs",
     "ScoreArgs",
     "StatusArgs",
+    "TokenizeArgs",
     "UnloadModelArgs",
     "check_implements",
     "command",

@@ -147,6 +147,46 @@ class HiddenStatesJob(msgspec.Struct):
             raise InvalidParameter("layers names a layer twice", param="layers")
 
 
+# at most this many texts in one ``TokenizeJob``, each at most this many characters
+MAX_TOKENIZE_TEXTS = 4096
+MAX_TOKENIZE_CHARS = 1_000_000
+# at most this many top (and bottom) tokens per feature in a ``FeatureLogitsJob``
+MAX_FEATURE_LOGITS_TOP_N = 100
+
+
+class TokenizeJob(msgspec.Struct):
+    """The model tokenizer's ids of each text (what a generation of that text as a prompt
+    would read); ``add_special_tokens`` adds the BOS and the like."""
+
+    request_id: str
+    texts: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=MAX_TOKENIZE_CHARS)]],
+        msgspec.Meta(min_length=1, max_length=MAX_TOKENIZE_TEXTS),
+    ]
+    add_special_tokens: bool = False
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+class FeatureLogitsJob(msgspec.Struct):
+    """The direct logit effect of SAE features: feature ``i``'s decoder row through the
+    model's unembedding, ``W_dec[i] @ W_U.T`` (``W_U`` [vocab, d_model] as the checkpoint
+    holds it, float32, no final norm), and its ``top_n`` highest and lowest entries.
+    ``features`` None: every feature of the SAE attached at ``layer``."""
+
+    request_id: str
+    sae_id: Name
+    layer: Index
+    features: list[Index] | None = None
+    top_n: Annotated[int, msgspec.Meta(ge=1, le=MAX_FEATURE_LOGITS_TOP_N)] = 10
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+        if self.features is not None and len(set(self.features)) != len(self.features):
+            raise InvalidParameter("features names a feature twice", param="features")
+
+
 class LoadModelJob(msgspec.Struct):
     model_id: str
     path: str
@@ -223,10 +263,15 @@ __all__ = [
     "RESERVED_TEMPLATE_KWARGS",
     "AttachSpec",
     "BatchingOptions",
+    "MAX_FEATURE_LOGITS_TOP_N",
+    "MAX_TOKENIZE_CHARS",
+    "MAX_TOKENIZE_TEXTS",
     "EmbedJob",
+    "FeatureLogitsJob",
     "GenerationJob",
     "HiddenStatesJob",
     "LoadModelJob",
     "ScoreJob",
+    "TokenizeJob",
     "check_template_kwargs",
 ]

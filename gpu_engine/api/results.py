@@ -150,6 +150,29 @@ class HiddenStatesResult(msgspec.Struct):
     usage: Usage
 
 
+class TokenizeResult(msgspec.Struct):
+    """``token_ids[i]``: the ids of ``TokenizeJob.texts[i]``."""
+
+    request_id: str
+    token_ids: list[list[int]]
+
+
+class FeatureLogitsResult(msgspec.Struct):
+    """Per feature (``features[j]``, in the job's order, or every index ascending): its
+    ``top_n`` highest logit effects in descending order (``top_ids``/``top_values``) and its
+    lowest in ascending order (``bottom_*``), with each token's text as the tokenizer
+    decodes that single id (``*_tokens``)."""
+
+    request_id: str
+    features: list[int]
+    top_ids: list[list[int]]
+    top_values: list[list[float]]
+    bottom_ids: list[list[int]]
+    bottom_values: list[list[float]]
+    top_tokens: list[list[str]]
+    bottom_tokens: list[list[str]]
+
+
 class TokenEvent(msgspec.Struct, tag="token", tag_field="type"):
     """One generated token; ``text`` is the text delta it releases (may be empty while a
     multi-byte character or a possible stop-sequence prefix is held back)."""
@@ -322,6 +345,7 @@ __all__ = [
     "EngineEvent",
     "EngineStatus",
     "ErrorEvent",
+    "FeatureLogitsResult",
     "FinishEvent",
     "GenerationEvent",
     "GenerationResult",
@@ -335,5 +359,6 @@ __all__ = [
     "StreamEvent",
     "TokenEvent",
     "TokenLogprob",
+    "TokenizeResult",
     "Usage",
 ]

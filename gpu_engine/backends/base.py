@@ -124,6 +124,12 @@ class ModelBackend(Protocol):
 
     def token_text(self, token_id: int) -> str: ...
 
+    def unembedding(self) -> torch.Tensor:
+        """The model's unembedding ``W_U`` [vocab, d_model] as the checkpoint holds it
+        (the output head, or the tied input embedding), float32, no final norm: what a
+        feature's logit effect is read through (``Engine.feature_logits``)."""
+        ...
+
     # ---- attachments: steering and monitoring for one (sae_id, layer)
     def layer_module_path(self, layer: int, hook_point: str = ...) -> str: ...
 

@@ -33,17 +33,30 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ..api.commands import check_implements
 from ..backends.base import ReadsHiddenStates
 from ..decode.sequence import CompilesGrammars
-from ..api.errors import EngineError, EngineShutdown, GenerationFailed, InsufficientMemory, InvalidParameter
+from ..api.errors import (
+    EngineBusy,
+    EngineError,
+    EngineShutdown,
+    GenerationFailed,
+    InsufficientMemory,
+    InvalidParameter,
+    SAENotAttached,
+)
 from ..interp.hooks import HookManager
+from ..interp.logits import feature_logit_effects
 from ..api.protocol import (
     BatchingOptions,
     EmbedJob,
     EmbedResult,
     EngineEvent,
     ErrorEvent,
+    FeatureLogitsJob,
+    FeatureLogitsResult,
     FinishEvent,
     GenerationJob,
     GenerationResult,
@@ -52,6 +65,8 @@ from ..api.protocol import (
     ScoreJob,
     ScoreResult,
     StructuredOutput,
+    TokenizeJob,
+    TokenizeResult,
     Usage,
 )
 from . import prepare
@@ -134,6 +149,8 @@ class Engine(ModelLoading):
         self.structured_timeout_s = structured_timeout_s
         self._grammar_builder = None
         self._grammar_threads = None
+        # one feature_logits product at a time (it runs on its caller's thread)
+        self._logits_lock = threading.Lock()
         self._thread = threading.Thread(target=self._worker, name="millm-engine", daemon=True)
         self._thread.start()
 
@@ -353,6 +370,72 @@ class Engine(ModelLoading):
             return backend.hidden_states(job, inputs)
 
         return self._work(op, timeout_s, job.priority)
+
+    def tokenize(self, job: TokenizeJob, *, timeout_s: float | None = None) -> TokenizeResult:
+        """The loaded tokenizer's ids of each text (``TokenizeJob``)."""
+
+        def op() -> TokenizeResult:
+            backend = self._require_backend()
+            add = job.add_special_tokens
+            return TokenizeResult(job.request_id, [backend.encode_text(t, add_special_tokens=add) for t in job.texts])
+
+        return self._work(op, timeout_s)
+
+    def feature_logits(self, job: FeatureLogitsJob, *, timeout_s: float | None = None) -> FeatureLogitsResult:
+        """Each feature's decoder row through the model's unembedding, its ``top_n``
+        highest and lowest entries (``FeatureLogitsJob``).  The worker resolves the SAE
+        and the unembedding and later decodes the tokens; the product itself runs on the
+        caller's thread, one call at a time, so a long one never stalls the batch."""
+
+        def resolve() -> tuple[Any, Any, Any]:
+            backend = self._require_backend()
+            with self._state_lock:
+                att = self._attachments.get((job.sae_id, job.layer))
+            if att is None:
+                raise SAENotAttached(
+                    f"SAE {job.sae_id!r} is not attached at layer {job.layer}",
+                    details={"sae_id": job.sae_id, "layer": job.layer},
+                )
+            sae = att.sae
+            if job.features is not None:
+                sae.check_indices(job.sae_id, job.features, "features")
+            w_u = backend.unembedding()
+            if w_u.ndim != 2 or w_u.shape[1] != sae.d_in:
+                raise InvalidParameter(
+                    f"the model's unembedding is {tuple(w_u.shape)}; {job.sae_id!r}'s decoder rows are {sae.d_in} wide",
+                    param="sae_id",
+                    details={"sae_id": job.sae_id, "layer": job.layer},
+                )
+            return backend, sae, w_u
+
+        backend, sae, w_u = self._work(resolve, timeout_s)
+        features = list(range(sae.d_sae)) if job.features is None else list(job.features)
+        with self._logits_lock:
+            with torch.inference_mode():
+                idx = torch.tensor(features, dtype=torch.long)
+                top_v, top_i, bot_v, bot_i = (t.cpu() for t in feature_logit_effects(sae.W_dec, w_u, idx, job.top_n))
+        del w_u
+        top_ids, bottom_ids = top_i.tolist(), bot_i.tolist()
+        wanted = sorted({i for row in (*top_ids, *bottom_ids) for i in row})
+
+        def decode() -> dict[int, str]:
+            if self._backend is not backend:
+                raise EngineBusy(
+                    "the model changed while its feature logits were computed", details={"sae_id": job.sae_id}
+                )
+            return {i: backend.token_text(i) for i in wanted}
+
+        text = self._work(decode, timeout_s)
+        return FeatureLogitsResult(
+            request_id=job.request_id,
+            features=features,
+            top_ids=top_ids,
+            top_values=top_v.tolist(),
+            bottom_ids=bottom_ids,
+            bottom_values=bot_v.tolist(),
+            top_tokens=[[text[i] for i in row] for row in top_ids],
+            bottom_tokens=[[text[i] for i in row] for row in bottom_ids],
+        )
 
 
 # every command of the protocol table is an Engine method with the declared arguments

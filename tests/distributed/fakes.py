@@ -23,6 +23,7 @@ from gpu_engine.api.protocol import (
     ErrorEvent,
     FinishEvent,
     HiddenStatesResult,
+    TokenizeResult,
     LogprobEntry,
     ScoreResult,
     TokenEvent,
@@ -195,6 +196,12 @@ class FakeEngine:
             [[[1.0, 0.0]] * len(job.layers)] * len(job.inputs),
             Usage(len(job.inputs), 0, len(job.inputs)),
         )
+
+    def tokenize(self, job: Any, *, timeout_s: float | None = None) -> TokenizeResult:
+        return TokenizeResult(job.request_id, [list(t.encode()) for t in job.texts])
+
+    def feature_logits(self, job: Any, *, timeout_s: float | None = None) -> Any:
+        raise SAENotAttached(f"SAE {job.sae_id!r} is not attached at layer {job.layer}")
 
 
 # The in-process servers share the pytest process's heap: the engine's gc.collect() after an

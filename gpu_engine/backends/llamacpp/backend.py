@@ -66,6 +66,7 @@ from .taps import ATTN_OUT, EMBD, FFN_OUT, LAYER_OUT, EvalTaps, node_name
 from .options import KV_BYTES, KV_MEMORY_SHARE, check_options
 from .prefix import ResidentPrefixCache
 from .tokens import ChatTemplate, LlamaTokenizer, grammar_vocabulary
+from .unembedding import gguf_unembedding
 
 DEFAULT_N_BATCH = 512
 # the hook points this backend reaches exactly (``gpu_engine.sae.hookpoints``), per
@@ -368,6 +369,11 @@ class LlamaCppBackend:
 
     def token_text(self, token_id: int) -> str:
         return self.native.detokenize([token_id], skip_special=False)
+
+    def unembedding(self) -> torch.Tensor:
+        """The GGUF's ``output.weight`` (else the tied ``token_embd.weight``),
+        dequantized to float32 with the ``gguf`` package's reader."""
+        return gguf_unembedding(self.gguf)
 
     def attention_scaling(self, layer: int) -> float:
         """The factor llama.cpp's attention multiplies q·k by (``kq_scale``: the file's

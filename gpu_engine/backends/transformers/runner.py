@@ -18,6 +18,7 @@ import torch
 from ...interp.capture import AttentionGeometry
 from ...api.errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...interp.hooks import HookManager
+from ...interp.logits import unembedding_from_safetensors
 from ...api.model_dir import ModelInfo, inspect_model_dir
 from ...api.memory import trim_host_heap
 from ...api.protocol import (
@@ -315,6 +316,25 @@ class TransformersRunner:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def unembedding(self) -> torch.Tensor:
+        """The output head's weight, else the tied input embedding's; where neither is a
+        plain floating-point tensor here (a head prepacked for oneDNN, a quantized one),
+        the checkpoint's own tensor read from its files."""
+        heads = [self.model.get_output_embeddings()]
+        if getattr(self.model.config, "tie_word_embeddings", False):
+            heads.append(self.model.get_input_embeddings())
+        for head in heads:
+            w = getattr(head, "weight", None)
+            if (
+                type(w) in (torch.Tensor, torch.nn.Parameter)
+                and w.is_floating_point()  # type: ignore[union-attr]
+                and w.layout == torch.strided  # type: ignore[union-attr]
+                and not w.is_mkldnn  # type: ignore[union-attr]
+                and w.ndim == 2  # type: ignore[union-attr]
+            ):
+                return w.detach().float()  # type: ignore[union-attr]
+        return unembedding_from_safetensors(self.job.path)
 
     # ------------------------------------------------------------------ forward
 

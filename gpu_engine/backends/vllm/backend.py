@@ -34,6 +34,7 @@ from ...interp.capture import AttentionGeometry
 from ...decode.text import tool_template_format
 from ...api.errors import InvalidParameter, ModelLoadFailed, UnsupportedArchitecture
 from ...interp.hooks import HookManager
+from ...interp.logits import unembedding_from_safetensors
 from ...api.model_dir import inspect_model_dir
 from ...api.protocol import (
     AttachmentKey,
@@ -270,6 +271,11 @@ class VllmBackend:
 
     def token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+    def unembedding(self) -> torch.Tensor:
+        """``lm_head.weight`` (or the tied input embedding) read from the checkpoint's
+        safetensors files, float32 on the host: the model itself lives in the workers."""
+        return unembedding_from_safetensors(self.job.path)
 
     # ------------------------------------------------------------------ attachments
 
