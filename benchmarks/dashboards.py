@@ -25,8 +25,10 @@ round after round and in alternating order:
              effects and storing every feature's row.
 
 The ratio dashboard ÷ plain is the median of the per-round pairs (each pair under the
-same outside load). Where the run's summary says how its time split (``summary.timing``,
-seconds per phase), the medians are reported too.
+same outside load). How a run's time splits is measured by wrapping the runner's phases
+with timers (``timed``): reading and packing the corpus, the corpus pass (engine and
+accumulating, with the accumulator's own share), the logit effects, finishing the
+accumulator and storing the rows; medians over the rounds.
 
     .venv/bin/python benchmarks/dashboards.py --backend transformers --budget 8192 --rounds 3
 """
@@ -120,15 +122,74 @@ def load(backend: str) -> tuple[object, object]:
 
 
 def contexts(budget: int, context_tokens: int) -> list[list[int]]:
-    """The contexts a dashboard run over the sample corpus reads: the runner's own
-    tokenizing (the engine's ``tokenize``) and packing (``features.corpus.pack_contexts``)."""
+    """The contexts a dashboard run over the sample corpus reads, made as the runner
+    makes them (``features.runner``): the sample's texts tokenized at the engine
+    (``tokenize``) ``TOKENIZE_TEXTS`` at a time, packed by ``features.corpus.pack_contexts``."""
     from core.runtime import runtime
     from features.corpus import pack_contexts, sample_texts
+    from features.runner import TOKENIZE_TEXTS
     from gpu_engine.api.protocol import TokenizeJob
 
     texts = sample_texts()
-    ids = runtime().engine.tokenize(TokenizeJob(request_id="bench-tok", texts=texts, add_special_tokens=False))
-    return pack_contexts(ids.token_ids, context_tokens=context_tokens, budget=budget)
+    ids: list[list[int]] = []
+    for start in range(0, len(texts), TOKENIZE_TEXTS):
+        job = TokenizeJob(request_id=f"bench-tok-{start}", texts=texts[start : start + TOKENIZE_TEXTS])
+        ids += runtime().engine.tokenize(job).token_ids
+    return pack_contexts(ids, context_tokens=context_tokens, budget=budget)
+
+
+# seconds per phase of the dashboard run in progress (``timed``)
+PHASES: dict[str, float] = {}
+
+
+def timed() -> None:
+    """Wrap the runner's phases with timers (the runner runs in this process, on the
+    embedded dashboards pool): contexts (reading, tokenizing and packing the corpus),
+    corpus_pass (every context at the engine and accumulated), accumulate (of which:
+    ``FeatureAccumulator.add``), logit_effects (``feature_logits`` of every feature),
+    finish (``FeatureAccumulator.finish``), store (every feature's row in one transaction)."""
+    import functools
+
+    from features import runner, services
+    from features.accumulate import FeatureAccumulator
+
+    def wrap(owner: object, name: str, phase: str) -> None:
+        fn = getattr(owner, name)
+        if asyncio_function(fn):
+
+            @functools.wraps(fn)
+            async def awrapper(*args, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return await fn(*args, **kwargs)
+                finally:
+                    PHASES[phase] = PHASES.get(phase, 0.0) + time.perf_counter() - t0
+
+            setattr(owner, name, awrapper)
+            return
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                PHASES[phase] = PHASES.get(phase, 0.0) + time.perf_counter() - t0
+
+        setattr(owner, name, wrapper)
+
+    wrap(runner._Runner, "_contexts", "contexts")
+    wrap(runner._Runner, "_loop", "corpus_pass")
+    wrap(FeatureAccumulator, "add", "accumulate")
+    wrap(runner._Runner, "_logits", "logit_effects")
+    wrap(FeatureAccumulator, "finish", "finish")
+    wrap(services, "dashboard_store", "store")
+
+
+def asyncio_function(fn: object) -> bool:
+    import inspect
+
+    return inspect.iscoroutinefunction(fn)
 
 
 def plain_forward(ctxs: list[list[int]], rows: int, tag: str) -> float:
@@ -181,6 +242,7 @@ def dashboard(sae, budget: int, context_tokens: int) -> dict:
     from features import services
     from features.models import DashboardRun
 
+    PHASES.clear()
     t0 = time.perf_counter()
     run = services.dashboard_start(
         sae_id=sae.id, principal=ANONYMOUS, corpus="sample", token_budget=budget, context_tokens=context_tokens
@@ -189,7 +251,7 @@ def dashboard(sae, budget: int, context_tokens: int) -> dict:
         run.refresh_from_db()
         if run.status in TERMINAL:
             break
-        time.sleep(0.02)
+        time.sleep(0.05)
     dt = time.perf_counter() - t0
     if run.status != DashboardRun.Status.COMPLETED or not run.complete:
         raise RuntimeError(f"dashboard run {run.id} ended {run.status}: {run.error}")
@@ -201,7 +263,8 @@ def dashboard(sae, budget: int, context_tokens: int) -> dict:
         "seconds": dt,
         "tok_s": run.tokens_done / dt,
         "features_stored": run.dashboards.count(),
-        "timing": summary.get("timing"),
+        "timing": {**PHASES, "total": dt},
+        "backend": summary.get("backend"),
     }
 
 
@@ -217,6 +280,7 @@ def main() -> None:
     args = ap.parse_args()
     dtype = args.dtype or ("bfloat16" if args.backend == "vllm" else "float32")
     setup(args.backend, args.rows, dtype)
+    timed()
     t0 = time.monotonic()
     model, sae = load(args.backend)
     print(f"{args.backend}: {model.name} loaded, {sae.name} attached in {time.monotonic() - t0:.0f} s", file=sys.stderr)
