@@ -16,34 +16,46 @@ from contextlib import contextmanager
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import redis
 import torch
-from transformers import AutoModelForCausalLM
+from safetensors.numpy import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from core.engine_client import EmbeddedEngineClient, EngineClient
 from gpu_engine.api.commands import COMMANDS, check_implements
 from gpu_engine.runtime.engine import Engine
-from gpu_engine.api.errors import EngineBusy, ResponseFormatUnsupported, UnsupportedQuantization
+from gpu_engine.api.errors import EngineBusy, ResponseFormatUnsupported, SAENotAttached, UnsupportedQuantization
+from gpu_engine.api.monitoring import unpack
 from gpu_engine.api.protocol import (
     AttachSpec,
     EmbedJob,
     ErrorEvent,
+    FeatureLogitsJob,
     GenerationJob,
     HiddenStatesJob,
     LoadModelJob,
+    MonitorEntry,
+    MonitorSpec,
     SamplingParams,
     ScoreJob,
     StructuredOutput,
     TokenEvent,
+    TokenizeJob,
     from_json,
 )
 from gpu_engine.api.transport import Envelope, Keys, decode_event
 from tests.distributed.fakes import FakeEngine, running_server
 from tests.distributed.test_transport import make_client
+from tests.engine.helpers import RefSAE
+from tests.engine.tolerances import ENCODE_ATOL, ENCODE_RTOL
 
 PROMPT_IDS = [5, 17, 42, 9, 33, 8]
 NEW_TOKENS = 8
+TEXTS = ["The cat sat on the mat.", "héllo  wörld\n", "a"]
+LOGIT_FEATURES = [0, 5, 17]
+TOP_N = 4
 
 
 @pytest.fixture(scope="module")
@@ -66,6 +78,11 @@ def reference(tiny_assets) -> dict[str, Any]:
         "top_ids": top.indices.tolist(),
         "top_logprobs": top.values.tolist(),
         "hidden_l1_last": out.hidden_states[2][0, -1].tolist(),
+        # block 1's output at every prompt position, float64, for the packed monitor
+        "hidden_l1": out.hidden_states[2][0].double().numpy(),
+        "tokenized": [
+            AutoTokenizer.from_pretrained(str(asset.path))(t, add_special_tokens=False)["input_ids"] for t in TEXTS
+        ],
     }
 
 
@@ -177,7 +194,27 @@ def step_generate(client, assets, ref):
         len(PROMPT_IDS),
         NEW_TOKENS,
     )
-    return [finish.token_ids, finish.text]
+    # a packed monitor: every non-zero feature of every prompt row, as CSR bytes that
+    # survive the transport, equal to the test's own float64 encode of block 1's output
+    sae = RefSAE(assets.saes["tiny-llama-L1-relu"])
+    packed = GenerationJob(
+        f"gen-{secrets.token_hex(4)}",
+        prompt_token_ids=PROMPT_IDS,
+        sampling=SamplingParams(max_tokens=1, temperature=0),
+        monitor=MonitorSpec([MonitorEntry("sae_t", 1, packed=True, positions="prompt")]),
+    )
+    [record] = list(client.generate(packed).events(30))[-1].activations
+    assert (record.position, record.packed.rows, record.top_k, record.features) == (0, len(PROMPT_IDS), [], [])
+    row_ptr, indices, values = unpack(record.packed)
+    dense = np.zeros((len(PROMPT_IDS), sae.W_enc.shape[1]))
+    for r in range(len(PROMPT_IDS)):
+        cols = indices[row_ptr[r] : row_ptr[r + 1]]
+        assert (np.diff(cols) > 0).all()
+        dense[r, cols] = values[row_ptr[r] : row_ptr[r + 1]]
+    want = sae.encode(ref["hidden_l1"])
+    assert (want > 0).sum() > len(PROMPT_IDS)  # features fire: the comparison is not of zeros
+    np.testing.assert_allclose(dense, want, atol=ENCODE_ATOL, rtol=ENCODE_RTOL)
+    return [finish.token_ids, finish.text, row_ptr.tolist(), indices.tolist()]
 
 
 def step_embed(client, assets, ref):
@@ -204,6 +241,39 @@ def step_hidden_states(client, assets, ref):
     assert result.layers == [1] and result.usage.prompt_tokens == len(PROMPT_IDS)
     assert result.states[0][0] == pytest.approx(ref["hidden_l1_last"], abs=1e-5)
     return [round(x, 4) for x in result.states[0][0]]
+
+
+def step_tokenize(client, assets, ref):
+    result = client.tokenize(TokenizeJob(f"tok-{secrets.token_hex(4)}", TEXTS))
+    assert result.token_ids == ref["tokenized"]
+    return result.token_ids
+
+
+def step_feature_logits(client, assets, ref):
+    """Each feature's W_dec[i] @ W_U.T (the test's own float64 product of the files'
+    tensors): its top and bottom tokens, and a layer the SAE is not attached at refused."""
+    sae = assets.saes["tiny-llama-L1-relu"]
+    w_dec = load_file(str(sae.path / "sae_weights.safetensors"))["W_dec"].astype(np.float64)
+    weights = load_file(str(assets.models["tiny-llama"].path / "model.safetensors"))
+    w_u = weights.get("lm_head.weight", weights["model.embed_tokens.weight"]).astype(np.float64)
+    result = client.feature_logits(
+        FeatureLogitsJob(f"fl-{secrets.token_hex(4)}", "sae_t", 1, features=LOGIT_FEATURES, top_n=TOP_N)
+    )
+    assert result.features == LOGIT_FEATURES
+    tok = AutoTokenizer.from_pretrained(str(assets.models["tiny-llama"].path))
+    for j, f in enumerate(LOGIT_FEATURES):
+        logits = w_dec[f] @ w_u.T
+        order = np.argsort(logits)
+        assert result.top_values[j] == pytest.approx(logits[order[::-1][:TOP_N]].tolist(), abs=1e-4)
+        assert result.bottom_values[j] == pytest.approx(logits[order[:TOP_N]].tolist(), abs=1e-4)
+        # the ids named carry those values (a tie may order two ids either way)
+        assert result.top_values[j] == pytest.approx(logits[result.top_ids[j]].tolist(), abs=1e-4)
+        assert result.bottom_values[j] == pytest.approx(logits[result.bottom_ids[j]].tolist(), abs=1e-4)
+        assert result.top_tokens[j] == [tok.decode([i]) for i in result.top_ids[j]]
+        assert result.bottom_tokens[j] == [tok.decode([i]) for i in result.bottom_ids[j]]
+    with pytest.raises(SAENotAttached):
+        client.feature_logits(FeatureLogitsJob(f"fl-{secrets.token_hex(4)}", "sae_t", 2))
+    return [result.top_ids, result.bottom_ids, result.top_tokens]
 
 
 def step_cancel_all(client, assets, ref):
@@ -251,6 +321,8 @@ STEPS: dict[str, Step] = {
     "embed": step_embed,
     "score": step_score,
     "hidden_states": step_hidden_states,
+    "tokenize": step_tokenize,
+    "feature_logits": step_feature_logits,
     "cancel_all": step_cancel_all,
     "build_grammar": step_build_grammar,
     "detach": step_detach,
