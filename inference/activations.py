@@ -7,7 +7,7 @@ request only, read at ``post_steering`` by default (after this layer's steering 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from core.errors import MillmError
@@ -78,8 +78,25 @@ def monitor_resolve(
     return MonitorSpec([entry]), att
 
 
-def _pairs(items: Sequence[Any]) -> list[dict[str, Any]]:
-    return [{"feature_index": a.feature_index, "activation": a.activation} for a in items]
+def _pairs(items: Sequence[Any], labels: Mapping[int, str]) -> list[dict[str, Any]]:
+    out = []
+    for a in items:
+        pair = {"feature_index": a.feature_index, "activation": a.activation}
+        label = labels.get(a.feature_index)
+        if label is not None:
+            pair["label"] = label
+        out.append(pair)
+    return out
+
+
+def _own(records: Iterable[ActivationRecord], attachment: AttachmentStatus) -> list[ActivationRecord]:
+    """The records ``millm.sae_activations`` reports: the attachment's, not packed."""
+    return [r for r in records if r.sae_id == attachment.sae_id and r.layer == attachment.layer and r.packed is None]
+
+
+def reported_features(records: Iterable[ActivationRecord], attachment: AttachmentStatus) -> set[int]:
+    """Every feature index the payload will name (whose labels it carries)."""
+    return {a.feature_index for r in _own(records, attachment) for a in (*r.top_k, *r.features)}
 
 
 def activations_payload(
@@ -91,16 +108,18 @@ def activations_payload(
     token_ids: Sequence[int],
     prompt_tokens: Sequence[str],
     tokens: Sequence[str],
+    labels: Mapping[int, str] | None = None,
 ) -> dict[str, Any]:
     """``millm.sae_activations``: one entry per position read, with the token at that
     position (the one the residual row was computed for) and its text, as the engine's
-    tokenizer reads it."""
+    tokenizer reads it; a feature entry carries ``label`` when the feature has one
+    (``labels``: read before, off the event loop, by ``inference.outcomes.label_activations``)."""
+    labels = labels or {}
     texts = [*prompt_tokens, *tokens]
     n_prompt = len(prompt_ids)
     rows = []
-    for rec in sorted(records, key=lambda r: r.position):
-        if rec.sae_id != attachment.sae_id or rec.layer != attachment.layer or rec.packed is not None:
-            continue  # another attachment's, or a packed (dashboard) record
+    # another attachment's records, and packed (dashboard) ones, are not reported
+    for rec in sorted(_own(records, attachment), key=lambda r: r.position):
         pos = rec.position
         if pos < n_prompt:
             token_id = prompt_ids[pos]
@@ -114,8 +133,8 @@ def activations_payload(
                 "token_id": token_id,
                 "token": texts[pos] if token_id is not None and pos < len(texts) else None,
                 "completion_token_index": rec.token_index,
-                "top_k": _pairs(rec.top_k),
-                "features": _pairs(rec.features),
+                "top_k": _pairs(rec.top_k, labels),
+                "features": _pairs(rec.features, labels),
             }
         )
     return {

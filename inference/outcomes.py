@@ -16,6 +16,7 @@ import msgspec
 from core.engine_client import EngineClient
 from core.runtime import runtime
 from gpu_engine.api.protocol import ErrorEvent, FinishEvent, TokenEvent, Usage
+from inference.activations import reported_features
 from inference.errors import OpenAIError, openai_error_event
 from inference.planning import Choice, Plan, off_view_thread
 from monitoring.probe_requests import (
@@ -28,6 +29,7 @@ from monitoring.probe_requests import (
 )
 from monitoring.sensing import sensing_publish, sensing_take_records
 from monitoring.services import capture_register, monitoring_record, monitoring_take_records
+from registry.labels import labels_for
 
 
 @dataclass
@@ -40,6 +42,7 @@ class Outcome:
     capture: dict[str, Any] | None = None  # millm.capture (register_capture)
     analysis: list[dict[str, Any]] | None = None  # millm.analysis (run_analyses)
     probes: list[dict[str, Any]] | None = None  # millm.probes (score_probes)
+    labels: dict[int, str] | None = None  # millm.sae_activations' labels (label_activations)
 
 
 async def record_monitoring(plan: Plan, outcome: Outcome) -> None:
@@ -51,6 +54,16 @@ async def record_monitoring(plan: Plan, outcome: Outcome) -> None:
     await off_view_thread(monitoring_record)(
         request_id=plan.history_id, entry=plan.monitoring, records=records, owner=plan.scope.owner
     )
+
+
+async def label_activations(plan: Plan, outcome: Outcome) -> None:
+    """The labels of the features ``millm.sae_activations`` will name (one query, off the
+    event loop; ``registry.labels``)."""
+    if plan.monitor is None or plan.attachment is None:
+        return
+    records = [*outcome.finish.activations, *(r for t in outcome.tokens for r in t.activations)]
+    indices = reported_features(records, plan.attachment)
+    outcome.labels = await off_view_thread(labels_for)(plan.attachment.sae_id, indices) if indices else {}
 
 
 async def register_capture(plan: Plan, outcome: Outcome) -> None:

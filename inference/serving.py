@@ -28,6 +28,7 @@ from gpu_engine.api.protocol import ErrorEvent
 from inference.errors import OpenAIError, openai_error_event, openai_error_from_exception
 from inference.outcomes import (  # noqa: F401 - re-exported: a finished choice's steps
     Outcome,
+    label_activations,
     outcome_of,
     probe_headers,
     probe_verdicts,
@@ -81,6 +82,7 @@ async def answer_plan(
         sense(plan, outcome)
     if outcomes:
         await run_analyses(plan, outcomes[0])
+        await label_activations(plan, outcomes[0])
     body = build_body(plan, outcomes)
     count_usage(plan, usage_of(plan, outcomes), outcomes=outcomes)
     return body, {**plan.headers, **probe_headers(plan, outcomes)}

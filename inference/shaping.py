@@ -115,6 +115,7 @@ def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
             token_ids=out.finish.token_ids,
             prompt_tokens=out.finish.prompt_tokens,
             tokens=out.finish.tokens,
+            labels=out.labels,
         )
     return obj
 

@@ -26,6 +26,7 @@ from inference.errors import (
 )
 from inference.outcomes import (
     Outcome,
+    label_activations,
     outcome_of,
     record_monitoring,
     register_capture,
@@ -319,6 +320,7 @@ async def stream_choices(
         if wants_millm(plan, outcomes):
             if outcomes:
                 await run_analyses(plan, outcomes[0])  # after the tokens, before [DONE]
+                await label_activations(plan, outcomes[0])
             yield _sse(_chunk(plan, [], millm=millm_object(plan, outcomes)))
         if plan.request.include_usage:
             # last before [DONE]: OpenAI clients read the usage from the last chunk

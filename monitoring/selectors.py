@@ -9,6 +9,7 @@ from gpu_engine.api.artifacts import file_names, is_capture_id
 from monitoring.errors import CaptureNotFound
 from monitoring.models import ActivationRecord, Capture, MonitoringConfig, ProbeVerdict
 from monitoring.ownership import EVERYONE, Scope
+from registry.labels import labels_for_many
 
 METRICS = ("mean", "max", "active_ratio", "count")
 
@@ -18,17 +19,40 @@ def monitoring_config() -> MonitoringConfig:
     return config
 
 
-def record_out(row: ActivationRecord) -> dict[str, Any]:
+def record_out(row: ActivationRecord, labels: dict[int, str] | None = None) -> dict[str, Any]:
+    """One history record; each ``{feature_index, activation}`` carries ``label`` when the
+    feature has one (``labels``: its SAE's, read once for the whole answer)."""
+    labels = labels or {}
     return {
         "timestamp": row.timestamp.isoformat().replace("+00:00", "Z"),
         "request_id": row.request_id,
         "token_position": row.token_position,
-        "activations": row.activations,
-        "top_k": row.top_k,
+        "activations": _labelled(row.activations, labels),
+        "top_k": _labelled(row.top_k, labels),
         "sae_id": row.sae_id,
         "layer": row.layer,
         "completion_token_index": row.completion_token_index,
     }
+
+
+def _labelled(pairs: Any, labels: dict[int, str]) -> Any:
+    if not labels or not isinstance(pairs, list):
+        return pairs
+    out = []
+    for pair in pairs:
+        label = labels.get(pair.get("feature_index")) if isinstance(pair, dict) else None
+        out.append({**pair, "label": label} if label is not None else pair)
+    return out
+
+
+def _record_labels(rows: list[ActivationRecord]) -> dict[str, dict[int, str]]:
+    """The labels of every feature the records name, by SAE: one query."""
+    wanted: dict[str, set[int]] = {}
+    for row in rows:
+        for pair in [*(row.activations or []), *(row.top_k or [])]:
+            if isinstance(pair, dict) and isinstance(pair.get("feature_index"), int):
+                wanted.setdefault(row.sae_id, set()).add(pair["feature_index"])
+    return labels_for_many(wanted) if wanted else {}
 
 
 def verdict_out(row: ProbeVerdict) -> dict[str, Any]:
@@ -66,8 +90,10 @@ def history(*, limit: int = 50, request_id: str | None = None, scope: Scope = EV
     verdicts = scope.filter(ProbeVerdict.objects.order_by("-id"))
     if request_id:
         verdicts = verdicts.filter(request_id=request_id)
+    rows = list(qs[:limit])
+    labels = _record_labels(rows)
     return {
-        "records": [record_out(r) for r in qs[:limit]],
+        "records": [record_out(r, labels.get(r.sae_id)) for r in rows],
         "total": total,
         "probe_verdicts": [verdict_out(v) for v in verdicts[:limit]],
     }
@@ -89,8 +115,10 @@ def statistics(*, features: list[int] | None = None, scope: Scope = EVERYONE) ->
     qs, config = _window(scope)
     values: dict[int, list[float]] = {}
     total = 0
-    for activations in qs.values_list("activations", flat=True).iterator():
+    saes: set[str] = set()
+    for sae_id, activations in qs.values_list("sae_id", "activations").iterator():
         total += 1
+        saes.add(sae_id)
         for pair in activations:
             values.setdefault(int(pair["feature_index"]), []).append(float(pair["activation"]))
     wanted = sorted(values) if features is None else sorted(set(features))
@@ -123,6 +151,13 @@ def statistics(*, features: list[int] | None = None, scope: Scope = EVERYONE) ->
                 "active_ratio": sum(v > 0 for v in seen) / len(seen),
             }
         )
+    if len(saes) == 1 and rows:
+        # the labels of the one SAE the records read (records of several: no labels, an
+        # index names a different feature in each)
+        labels = labels_for_many({next(iter(saes)): [r["feature_idx"] for r in rows]}).get(next(iter(saes)), {})
+        for row in rows:
+            if row["feature_idx"] in labels:
+                row["label"] = labels[row["feature_idx"]]
     since = config.statistics_since
     return {
         "features": rows,

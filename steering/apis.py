@@ -234,7 +234,7 @@ class ProfileImportApi(APIView):
 class ProfileDetailApi(APIView):
     @extend_schema(tags=PROFILES, summary="One profile (by id or name)", responses=enveloped(OpenApiTypes.OBJECT))
     def get(self, request, profile_id: str) -> Response:
-        return envelope(io.profile_out(services.profile_get(profile_id=profile_id)))
+        return envelope(io.profile_detail_out(services.profile_get(profile_id=profile_id)))
 
     @extend_schema(
         tags=PROFILES,

@@ -86,7 +86,7 @@ class ClusterActiveIntensityApi(APIView):
 class ClusterDetailApi(APIView):
     @extend_schema(tags=CLUSTERS, summary="One cluster (members in full)", responses=_ANY)
     def get(self, request, cluster_id: str) -> Response:
-        return envelope(io.cluster_out(services.cluster_get(cluster_id=cluster_id), full=True))
+        return envelope(io.cluster_detail_out(services.cluster_get(cluster_id=cluster_id)))
 
     @extend_schema(
         tags=CLUSTERS,
@@ -229,7 +229,7 @@ class CircuitClaimsApi(APIView):
 class CircuitDetailApi(APIView):
     @extend_schema(tags=CIRCUITS, summary="One circuit (members by layer)", responses=_ANY)
     def get(self, request, circuit_id: str) -> Response:
-        return envelope(io.circuit_out(services.circuit_get(circuit_id=circuit_id), full=True))
+        return envelope(io.circuit_detail_out(services.circuit_get(circuit_id=circuit_id)))
 
     @extend_schema(
         tags=CIRCUITS,

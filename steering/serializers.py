@@ -3,11 +3,13 @@ views call services and selectors, ``*_out`` functions only arrange what they re
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from rest_framework import serializers
 
 from core.schema import MAX_INDEX, MAX_LAYER
+from registry.labels import labels_for, labels_for_many
 from steering.documents import RUNG_LANGUAGE
 from steering.models import Circuit, Cluster, Profile
 from steering.rules import strength_problem
@@ -220,4 +222,46 @@ def circuit_out(circuit: Circuit, *, full: bool = False) -> dict[str, Any]:
     }
     if full:
         out["members"] = circuit.members
+    return out
+
+
+def labels_map(sae_id: str | None, indices: Iterable[Any]) -> dict[str, str]:
+    """``{"<index>": label}`` of the features a detail answer lists that have a label
+    (``registry.labels``: one query), for the SAE they belong to; {} without one."""
+    if not sae_id:
+        return {}
+    wanted = [int(i) for i in indices if str(i).isdigit()]
+    return {str(i): label for i, label in sorted(labels_for(sae_id, wanted).items())} if wanted else {}
+
+
+def profile_detail_out(profile: Profile) -> dict[str, Any]:
+    out = profile_out(profile)
+    out["labels"] = labels_map(profile.sae_id, profile.steering.keys())
+    return out
+
+
+def cluster_detail_out(cluster: Cluster) -> dict[str, Any]:
+    out = cluster_out(cluster, full=True)
+    out["labels"] = labels_map(cluster.sae_id, (m.get("feature_idx") for m in cluster.members))
+    return out
+
+
+def circuit_detail_out(circuit: Circuit) -> dict[str, Any]:
+    """With ``labels`` by layer for a serving circuit (the SAE each layer is bound to)."""
+    out = circuit_out(circuit, full=True)
+    serving = {layer: sae_id for layer, sae_id in (circuit.serving or {}).items() if isinstance(sae_id, str)}
+    listed = {
+        layer: sorted(
+            {m["feature_idx"] for m in circuit.members.get(layer, []) if isinstance(m.get("feature_idx"), int)}
+        )
+        for layer in serving
+    }
+    wanted: dict[str, set[int]] = {}
+    for layer, sae_id in serving.items():
+        wanted.setdefault(sae_id, set()).update(listed[layer])
+    found = labels_for_many(wanted) if wanted else {}
+    out["labels"] = {
+        layer: {str(i): found[sae_id][i] for i in listed[layer] if i in found.get(sae_id, {})}
+        for layer, sae_id in sorted(serving.items())
+    }
     return out
