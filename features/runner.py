@@ -138,7 +138,9 @@ class _Runner:
             if not contexts:
                 from features.corpus import CorpusError
 
-                raise CorpusError("empty", "The corpus has no text to read (no context of 2 tokens or more)", "corpus")
+                raise CorpusError(
+                    "corpus_empty", "The corpus has no text to read (no context of 2 tokens or more)", "corpus"
+                )
             acc, done, tokens = await self.off(self._accumulator, d_sae)
             if not await self.db(
                 services.dashboard_advance,
@@ -394,11 +396,13 @@ class _Runner:
 
     # ------------------------------------------------------------------ after the loop
 
-    def _logits(self, d_sae: int) -> dict[int, dict[str, list[dict[str, Any]]]]:
-        """Every feature's logit effect (W_dec[i] @ W_U.T): its top and bottom tokens."""
+    def _logits(self, d_sae: int) -> dict[str, list[Any]]:
+        """Every feature's logit effect (W_dec[i] @ W_U.T): its top and bottom tokens, as
+        one FeatureLogitsResult's fields (what ``FeatureAccumulator.finish`` reads)."""
         from gpu_engine.api.protocol import FeatureLogitsJob
 
-        out: dict[int, dict[str, list[dict[str, Any]]]] = {}
+        keys = ("features", "top_ids", "top_values", "top_tokens", "bottom_ids", "bottom_values", "bottom_tokens")
+        out: dict[str, list[Any]] = {k: [] for k in keys}
         for start in range(0, d_sae, LOGIT_FEATURES):
             job = FeatureLogitsJob(
                 request_id=f"{self.run_id}-logits-{start}",
@@ -415,16 +419,9 @@ class _Runner:
                 if hasattr(exc, "code"):
                     raise from_engine_error(exc) from exc
                 raise
-            for n, index in enumerate(result.features):
-                out[int(index)] = {
-                    "logit_top": _effects(result.top_ids[n], result.top_tokens[n], result.top_values[n]),
-                    "logit_bottom": _effects(result.bottom_ids[n], result.bottom_tokens[n], result.bottom_values[n]),
-                }
+            for key in keys:
+                out[key].extend(getattr(result, key))
         return out
-
-
-def _effects(ids: list[int], tokens: list[str], values: list[float]) -> list[dict[str, Any]]:
-    return [{"token_id": int(i), "token": t, "value": float(v)} for i, t, v in zip(ids, tokens, values, strict=True)]
 
 
 async def _cancel(tasks: dict[asyncio.Task, int]) -> None:
@@ -473,7 +470,7 @@ def _error_of(exc: Exception) -> tuple[str, str]:
     if hasattr(exc, "code") and isinstance(getattr(exc, "code", None), str):
         error = from_engine_error(exc)
         return error.code, error.message
-    return "INTERNAL_ERROR", f"The dashboard run failed: {exc!r}"
+    return "INTERNAL_ERROR", "The dashboard run failed on the server; its log says why"
 
 
 def dashboards_resume(*, force: bool) -> int:

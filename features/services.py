@@ -59,6 +59,21 @@ _ROW_FIELDS = (
 )
 
 
+NUL_SHOWN = "\u2400"  # a token's NUL character as stored: PostgreSQL text and jsonb refuse U+0000
+
+
+def storable(value: Any) -> Any:
+    """``value`` with every NUL character of its strings shown as U+2400 (a byte-level
+    vocabulary has a token for it; PostgreSQL's text and jsonb cannot hold it)."""
+    if isinstance(value, str):
+        return value.replace("\x00", NUL_SHOWN) if "\x00" in value else value
+    if isinstance(value, dict):
+        return {k: storable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [storable(v) for v in value]
+    return value
+
+
 def workdir(run_id: str) -> Path:
     """Where the run keeps its contexts, accumulator and checkpoints (DASHBOARD_DIR/<id>)."""
     return Path(settings.DASHBOARD_DIR) / run_id
@@ -318,12 +333,14 @@ def dashboard_store(*, run_id: str, runner: str, rows: list[dict[str, Any]], sum
         else:
             FeatureDashboard.objects.bulk_create(
                 [
-                    FeatureDashboard(run=run, sae_id=run.sae_id, **{k: row[k] for k in _ROW_FIELDS if k in row})
+                    FeatureDashboard(
+                        run=run, sae_id=run.sae_id, **{k: storable(row[k]) for k in _ROW_FIELDS if k in row}
+                    )
                     for row in rows
                 ],
                 batch_size=1000,
             )
-            run.summary = summary
+            run.summary = storable(summary)
             run.complete = True
             _end(run, DashboardRun.Status.COMPLETED, extra=["summary", "complete"])
     dashboard_progress(run=run, force=True)

@@ -1,0 +1,414 @@
+"""Feature dashboard runs end to end on the real engine (docs/features.md, "How a dashboard
+run works"): tiny-llama resident in this process, its ReLU SAE attached at layer 1, the
+run queued by ``features.services.dashboard_start`` on the in-process ``dashboards`` pool.
+
+Every figure is checked against the test's own computation: the contexts are the test's
+own (the model's tokenizer read with ``transformers``, packed by hand), each token's
+activations come from a separate engine request per context (a plain ``features=[...]``
+monitor, not the packed one the run uses), and density, mean, max and histogram are
+recomputed from those in float64; the logit effects are ``W_dec @ W_U.T`` from the
+safetensors; a stored top context, run again alone, gives the stored activation at its
+max token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from tests.envelope import refused
+from tests.v1.conftest import _register_assets
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SAE_NAME = "tiny-llama-L1-relu"
+LAYER = 1
+BUDGET = 640
+CONTEXT = 32
+TERMINAL = ("completed", "failed", "cancelled")
+FIELDS = ("count", "density", "mean", "max", "histogram", "top_contexts", "quantile_samples", "logit_top")
+
+
+@pytest.fixture(scope="session")
+def engine_client(django_db_setup, django_db_blocker, tiny_assets):
+    """One embedded engine for the module, float32 on CPU, as the server's."""
+    from django.conf import settings
+    from django.db import connections
+
+    from core.engine_client import EmbeddedEngineClient
+    from core.runtime import runtime
+
+    saved = settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE
+    settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = "cpu", "float32"
+    client = EmbeddedEngineClient()
+    with runtime().replaced(engine=client):
+        yield client
+    client.shutdown()
+    settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE = saved
+    connections.close_all()
+
+
+@pytest.fixture
+def sae(engine_client, transactional_db, settings, tmp_path):
+    """tiny-llama resident with its L1 ReLU SAE attached (nothing else); every run ended
+    after the test."""
+    from features.models import DashboardRun
+    from orchestration.services import model_load, sae_attach, sae_detach
+    from registry.models import SAE, Model
+    from registry.services import model_set_status
+
+    settings.DASHBOARD_DIR = str(tmp_path / "dashboards")
+    _register_assets()
+    row = Model.objects.get(name="tiny-llama")
+    if engine_client.status().model_id != "tiny-llama":
+        model_load(model=row)
+    elif row.status != Model.Status.LOADED:
+        model_set_status(model=row, status=Model.Status.LOADED)
+    for attached in SAE.objects.filter(status=SAE.Status.ATTACHED):
+        sae_detach(sae=attached)
+    engine_client.detach(None)
+    found = SAE.objects.get(name=SAE_NAME)
+    sae_attach(sae=found, layer=LAYER)
+    yield found
+    for run in DashboardRun.objects.exclude(status__in=TERMINAL):
+        DashboardRun.objects.filter(id=run.id).update(status="cancelling")
+    wait_until(lambda: not DashboardRun.objects.exclude(status__in=TERMINAL).exists(), "every run to end")
+
+
+def wait_until(check, what: str, timeout_s: float = 180.0) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def wait_run(run_id: str) -> Any:
+    from features.models import DashboardRun
+
+    return wait_until(
+        lambda: (r := DashboardRun.objects.get(id=run_id)).status in TERMINAL and r.runner is None and r,
+        f"run {run_id} to end",
+    )
+
+
+def principal() -> Any:
+    from core.auth import ANONYMOUS
+
+    return ANONYMOUS
+
+
+def start(sae_row: Any, **kwargs: Any) -> Any:
+    from features.services import dashboard_start
+
+    args = {"token_budget": BUDGET, "context_tokens": CONTEXT, "top_k": 5, "window": 4, **kwargs}
+    return dashboard_start(sae_id=sae_row.id, principal=principal(), **args)
+
+
+# --------------------------------------------------------------------------- the test's own
+
+
+def own_contexts(tiny_assets, budget: int = BUDGET, context: int = CONTEXT) -> list[list[int]]:
+    """The sample corpus tokenized by the model's own tokenizer (transformers) and cut by
+    hand: documents concatenated, contexts of ``context`` tokens up to ``budget``."""
+    from transformers import AutoTokenizer
+
+    from features.corpus import SAMPLE_PATH
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets.models["tiny-llama"].path))
+    lines = [x.strip() for x in Path(SAMPLE_PATH).read_text(encoding="utf-8").splitlines() if x.strip()]
+    flat: list[int] = []
+    for line in lines:
+        flat.extend(tok(line, add_special_tokens=False)["input_ids"])
+        if len(flat) >= budget:
+            break
+    flat = flat[:budget]
+    out = [flat[i : i + context] for i in range(0, len(flat), context)]
+    return [c for c in out if len(c) >= 2]
+
+
+def encode(client: Any, sae_id: str, context: list[int], d_sae: int) -> np.ndarray:
+    """[tokens, d_sae] activations of one context, alone at the engine, through a plain
+    monitor entry naming every feature (not the packed one a run uses)."""
+    from gpu_engine.api.protocol import (
+        FinishEvent,
+        GenerationJob,
+        MonitorEntry,
+        MonitorSpec,
+        SamplingParams,
+        SteeringSpec,
+    )
+
+    job = GenerationJob(
+        request_id=f"ref-{uuid.uuid4().hex[:8]}",
+        prompt_token_ids=context,
+        add_special_tokens=False,
+        sampling=SamplingParams(max_tokens=1, temperature=0),
+        monitor=MonitorSpec(
+            [
+                MonitorEntry(
+                    sae_id=sae_id,
+                    layer=LAYER,
+                    features=list(range(d_sae)),
+                    positions="prompt",
+                    read_point="pre_steering",
+                )
+            ]
+        ),
+        steering=SteeringSpec(),
+    )
+    out = np.full((len(context), d_sae), np.nan)
+    events = list(client.generate(job).events(120))
+    finish = events[-1]
+    assert isinstance(finish, FinishEvent), finish
+    records = [r for e in events for r in (getattr(e, "activations", None) or [])]
+    for record in records:
+        for fa in record.features:
+            out[record.position, fa.feature_index] = fa.activation
+    assert not np.isnan(out).any(), "the reference monitor left a token unread"
+    return out
+
+
+# --------------------------------------------------------------------------- tests
+
+
+def test_a_run_over_the_sample_matches_the_tests_own_computation(sae, engine_client, tiny_assets):
+    from safetensors.numpy import load_file
+
+    from features.models import DashboardRun, FeatureDashboard
+    from features.selectors import feature_dashboard, search_features
+    from features.services import workdir
+
+    run = start(sae)
+    assert run.status == "queued" and run.layer == LAYER
+    done = wait_run(run.id)
+    assert done.status == "completed" and done.complete, done.error
+    assert not workdir(run.id).exists()  # the working folder goes with the run's end
+
+    contexts = own_contexts(tiny_assets)
+    assert done.contexts_total == done.contexts_done == len(contexts)
+    tokens = sum(len(c) for c in contexts)
+    assert done.tokens_done == tokens == done.summary["tokens"]
+
+    d_sae = sae.d_sae or 256
+    acts = np.concatenate([encode(engine_client, sae.id, c, d_sae) for c in contexts]).astype(np.float64)
+    rows = {r.index: r for r in FeatureDashboard.objects.filter(run=done)}
+    fired = np.flatnonzero((acts > 0).any(axis=0))
+    assert fired.size > 10, "a corpus where few features fire tests little"
+    # positive control: the comparison below can fail (another corpus, other figures)
+    assert (acts > 0).sum() > 100
+    for f in range(d_sae):
+        col = acts[:, f]
+        nz = col[col > 0]
+        row = rows.get(f)
+        assert row is not None, f"feature {f} has no row (every feature has its logit effect)"
+        assert row.count == nz.size, f
+        assert row.density == pytest.approx(nz.size / tokens, rel=1e-12), f
+        if not nz.size:
+            assert row.max == 0 and row.top_contexts == []
+            continue
+        assert row.max == pytest.approx(nz.max(), rel=1e-5, abs=1e-6), f
+        assert row.mean == pytest.approx(nz.mean(), rel=1e-5, abs=1e-6), f
+        counts, edges = np.histogram(nz, bins=len(row.histogram["counts"]), range=(0.0, float(row.max)))
+        assert row.histogram["counts"] == counts.tolist(), f
+        assert np.allclose(row.histogram["edges"], edges, rtol=1e-6), f
+    summary = done.summary
+    assert summary["dead"] == d_sae - fired.size
+    l0 = (acts > 0).sum(axis=1)
+    assert summary["l0"]["mean"] == pytest.approx(l0.mean(), rel=1e-9)
+
+    # top contexts: the highest-max contexts, each run again alone gives the stored value
+    best = int(fired[np.argmax([rows[f].count for f in fired])])
+    row = feature_dashboard(sae.id, best)
+    assert row is not None and row.run_id == done.id
+    per_context = [encode(engine_client, sae.id, c, d_sae)[:, best].max() for c in contexts]
+    expected = [c for c in sorted(range(len(contexts)), key=lambda c: (-per_context[c], c)) if per_context[c] > 0]
+    assert [t["context"] for t in row.top_contexts] == expected[: done.top_k]
+    for top in row.top_contexts:
+        ctx = contexts[top["context"]]
+        at = top["start"] + top["max_position"]
+        assert top["token_ids"] == ctx[top["start"] : top["start"] + len(top["token_ids"])]
+        again = encode(engine_client, sae.id, ctx[: at + 1], d_sae)
+        assert again[at, best] == pytest.approx(top["max_activation"], rel=1e-4, abs=1e-5)
+        assert again[at, best] == pytest.approx(top["activations"][top["max_position"]], rel=1e-4, abs=1e-5)
+
+    # logit effects: W_dec[i] @ W_U.T from the files
+    w_dec = load_file(str(Path(sae.local_path) / "sae_weights.safetensors"))["W_dec"].astype(np.float64)
+    w_u = load_file(str(Path(tiny_assets.models["tiny-llama"].path) / "model.safetensors"))["lm_head.weight"]
+    effects = w_dec @ w_u.astype(np.float64).T
+    for f in (0, best, d_sae - 1):
+        top = rows[f].logit_top
+        want = np.argsort(-effects[f], kind="stable")[: len(top)]
+        assert [e["token_id"] for e in top] == want.tolist(), f
+        assert [e["value"] for e in top] == pytest.approx(effects[f, want].tolist(), rel=1e-4, abs=1e-5)
+        bottom = rows[f].logit_bottom
+        low = np.argsort(effects[f], kind="stable")[: len(bottom)]
+        assert [e["token_id"] for e in bottom] == low.tolist(), f
+
+    # search by a token of the feature's strongest logit effect finds it
+    token = rows[best].logit_top[0]["token"].strip()
+    if token:
+        found = search_features(sae.id, None, token, 500, 0)
+        assert best in [h["index"] for h in found["features"]]
+    # a later complete run is the one read; the older one stays
+    again_run = wait_run(start(sae).id)
+    assert again_run.complete and DashboardRun.objects.filter(sae=sae, complete=True).count() == 2
+    assert feature_dashboard(sae.id, best).run_id == again_run.id
+
+
+class GatedEngine:
+    """The engine client, holding the ``hold``-th generation (1-based) before it reaches
+    the engine until ``release`` is set; ``reached`` is set when it gets there."""
+
+    def __init__(self, inner: Any, hold: int) -> None:
+        self.inner = inner
+        self.hold = hold
+        self.calls = 0
+        self.lock = threading.Lock()
+        self.reached = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def agenerate(self, job: Any) -> Any:
+        with self.lock:
+            self.calls += 1
+            held = self.calls == self.hold
+        return self._held(job) if held else self.inner.agenerate(job)
+
+    async def _held(self, job: Any) -> Any:
+        self.reached.set()
+        await asyncio.to_thread(self.release.wait, 60)
+        async for event in self.inner.agenerate(job):
+            yield event
+
+
+def test_a_cancelled_run_stores_nothing(sae, engine_client, settings):
+    from core.runtime import runtime
+    from features.models import FeatureDashboard
+    from features.services import dashboard_cancel, workdir
+
+    settings.DASHBOARD_ENGINE_ROWS = 2
+    gate = GatedEngine(engine_client, hold=5)
+    try:
+        with runtime().replaced(engine=gate):
+            run = start(sae)
+            assert gate.reached.wait(120), "the fifth context never reached the engine"
+            assert dashboard_cancel(run_id=run.id, principal=principal()).status == "cancelling"
+            gate.release.set()
+            done = wait_run(run.id)
+    finally:
+        gate.release.set()
+    assert done.status == "cancelled" and not done.complete and done.contexts_done < done.contexts_total
+    assert gate.calls <= 6  # nothing more went to the engine once the cancel was seen
+    assert not FeatureDashboard.objects.filter(run_id=run.id).exists()
+    assert not workdir(run.id).exists()
+    assert engine_client.status().in_flight == 0  # its contexts were let go at the engine
+    # an ended run cannot be cancelled again
+    from features.errors import DashboardNotCancellable
+    from features.services import dashboard_start
+
+    finished = wait_run(dashboard_start(sae_id=sae.id, principal=principal(), token_budget=64, context_tokens=32).id)
+    with pytest.raises(DashboardNotCancellable):
+        dashboard_cancel(run_id=finished.id, principal=principal())
+
+
+def test_a_crashed_run_resumes_from_its_checkpoint_with_the_same_figures(sae, engine_client, settings, monkeypatch):
+    from core.runtime import runtime
+    from features import runner
+    from features.models import DashboardRun, FeatureDashboard
+
+    settings.DASHBOARD_ENGINE_ROWS = 2
+    monkeypatch.setattr(runner, "CHECKPOINT_CONTEXTS", 3)
+    reference = wait_run(start(sae).id)
+    assert reference.status == "completed"
+
+    # the same run, its runner called by hand (no queued task beside it)
+    run = DashboardRun.objects.create(
+        sae=sae, layer=LAYER, token_budget=BUDGET, context_tokens=CONTEXT, top_k=5, window=4
+    )
+    gate = GatedEngine(engine_client, hold=9)
+    stop = threading.Event()
+    outcome: list[str] = []
+    with runtime().replaced(engine=gate):
+        thread = threading.Thread(target=lambda: outcome.append(runner.dashboard_run(run_id=run.id, stop=stop)))
+        thread.start()
+        try:
+            assert gate.reached.wait(120), "the ninth context never reached the engine"
+            # checkpoints at 3 and 6 contexts were written before the ninth was sent
+            wait_until(lambda: DashboardRun.objects.get(id=run.id).contexts_done >= 6, "six contexts in")
+            stop.set()
+        finally:
+            gate.release.set()
+            thread.join(120)
+    assert outcome == ["stopped"]
+    crashed = DashboardRun.objects.get(id=run.id)
+    assert crashed.status == "running" and not crashed.complete and crashed.checkpoint_path
+    assert not FeatureDashboard.objects.filter(run=crashed).exists()
+    saved = int(Path(crashed.checkpoint_path).stem.split("-")[1])
+    assert saved >= 6
+
+    # a restarted server takes it over (force) and resumes from the checkpoint
+    counter = GatedEngine(engine_client, hold=0)
+    with runtime().replaced(engine=counter):
+        assert runner.dashboard_run(run_id=run.id, force=True) == "completed"
+    done = DashboardRun.objects.get(id=run.id)
+    assert done.status == "completed" and done.complete
+    assert counter.calls == done.contexts_total - saved  # only the contexts after it ran again
+    ours = {r.index: r for r in FeatureDashboard.objects.filter(run=done)}
+    theirs = {r.index: r for r in FeatureDashboard.objects.filter(run=reference)}
+    assert ours.keys() == theirs.keys()
+    for index, row in ours.items():
+        for field in FIELDS:
+            assert getattr(row, field) == getattr(theirs[index], field), (index, field)
+    assert {k: v for k, v in done.summary.items()} == reference.summary
+
+
+def test_an_sae_not_attached_is_409_and_a_detach_mid_run_fails_it(sae, engine_client, settings):
+    from rest_framework.test import APIClient
+
+    from core.runtime import runtime
+    from features.models import DashboardRun, FeatureDashboard
+    from orchestration.services import sae_detach
+    from registry.models import SAE
+
+    api = APIClient()
+    other = SAE.objects.get(name="tiny-llama-L3-relu")
+    error = refused(
+        api.post(f"/api/saes/{other.id}/dashboards", {"corpus": "sample", "token_budget": 64}, format="json"),
+        409,
+        "SAE_NOT_ATTACHED",
+    )
+    assert error["details"]["layers"] == []
+    error = refused(
+        api.post(f"/api/saes/{sae.id}/dashboards", {"corpus": "sample", "token_budget": 64, "layer": 2}, format="json"),
+        409,
+        "SAE_NOT_ATTACHED",
+    )
+    assert error["details"]["layers"] == [LAYER]
+    assert not DashboardRun.objects.exists()  # nothing queued
+
+    settings.DASHBOARD_ENGINE_ROWS = 1
+    gate = GatedEngine(engine_client, hold=3)
+    try:
+        with runtime().replaced(engine=gate):
+            run = start(sae)
+            assert gate.reached.wait(120)
+            sae_detach(sae=SAE.objects.get(id=sae.id))
+            gate.release.set()
+            done = wait_run(run.id)
+    finally:
+        gate.release.set()
+    assert done.status == "failed" and not done.complete
+    assert done.error["code"] == "SAE_NOT_ATTACHED", done.error
+    assert not FeatureDashboard.objects.filter(run=done).exists()
