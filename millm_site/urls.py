@@ -15,6 +15,8 @@ urlpatterns = [
     path("v1/", include("inference.urls")),
     path("api/", include("system.urls")),
     path("api/", include("registry.urls")),
+    # feature dashboards, search and explanations: saes/<SAE_ID>/dashboards|features|explanations
+    path("api/", include("features.urls")),
     path("api/", include("orchestration.urls")),
     path("api/", include("steering.urls")),
     # before monitoring's probes/<ref>: /api/probes/score runs on the engine
