@@ -313,7 +313,8 @@ def test_a_cancelled_run_stores_nothing(sae, engine_client, settings):
     assert gate.calls <= 6  # nothing more went to the engine once the cancel was seen
     assert not FeatureDashboard.objects.filter(run_id=run.id).exists()
     assert not workdir(run.id).exists()
-    assert engine_client.status().in_flight == 0  # its contexts were let go at the engine
+    # its contexts were let go at the engine (a cancel takes effect at its next step)
+    wait_until(lambda: engine_client.status().in_flight == 0, "the engine to let the contexts go", 60)
     # an ended run cannot be cancelled again
     from features.errors import DashboardNotCancellable
     from features.services import dashboard_start
