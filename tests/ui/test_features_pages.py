@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import urllib.parse
 import sys
 
 import numpy as np
@@ -279,3 +280,138 @@ def test_a_feature_without_a_dashboard_says_so(server, copy_sae, page):
     page.goto(f"{server.url}/features/{copy_sae}/99999/")
     page.wait_for_selector(".notice.error")
     assert "INVALID_FEATURE_INDEX" in page.inner_text("#f-label")
+
+
+# --- a real dashboard job ------------------------------------------------------------------
+
+ROW = "#runs tr[data-run-id='{id}']"
+# every value the run's bar shows, recorded in the page as the rows change
+RECORD = """() => {
+  window.__bars = [];
+  const seen = () => {
+    for (const tr of document.querySelectorAll('#runs tr[data-run-id]')) {
+      const bar = tr.querySelector('progress');
+      window.__bars.push([tr.dataset.runId, tr.dataset.status, bar ? Number(bar.value) : null]);
+    }
+  };
+  new MutationObserver(seen).observe(document.querySelector('#runs'), {childList: true, subtree: true});
+}"""
+
+
+def _locale_int(page, value: int) -> str:
+    return page.evaluate("(v) => v.toLocaleString(undefined, {maximumFractionDigits: 0})", value)
+
+
+def test_a_real_dashboard_run_from_the_page_to_a_feature_and_the_playground(server, page):
+    sae = server.sae_id
+    page.goto(f"{server.url}/dashboards/?sae_id={sae}")
+    page.wait_for_function("document.querySelector('#ws-status').textContent.includes('live')")
+    page.wait_for_selector("#runs tr")
+    assert page.input_value("#d-sae") == sae
+    page.evaluate(RECORD)
+    page.fill("#d-budget", "1024")
+    page.fill("#d-context", "32")
+    page.click("#d-start")
+    started = page.locator(".notice.ok:has-text('Started run')")
+    started.wait_for()
+    run_id = started.inner_text().split()[2]
+    row = page.locator(ROW.format(id=run_id))
+    row.wait_for()
+    page.wait_for_selector(ROW.format(id=run_id) + "[data-status=completed]", timeout=240_000)
+    run = server.api("GET", f"/api/dashboards/{run_id}")
+    assert run["status"] == "completed" and run["complete"] and run["token_budget"] == 1024
+    assert row.locator("progress").evaluate("b => b.value") == 100
+    bars = [v for rid, _, v in page.evaluate("window.__bars") if rid == run_id]
+    assert bars and bars == sorted(bars) and bars[-1] == 100  # the bar never went back
+    assert int(row.get_attribute("data-tokens-done")) == run["tokens_done"] > 0
+    # the corpus-wide figures of the complete run
+    summary = run["summary"]
+    page.wait_for_selector(f"#summary-run:text-is('{run_id}')")
+    assert page.inner_text("#s-tokens") == _locale_int(page, summary["tokens"])
+    assert page.inner_text("#s-dense") == _locale_int(page, len(summary["dense"]))
+    assert page.inner_text("#s-dead").startswith(_locale_int(page, summary["dead"]) + " ")
+    l0 = page.locator("#l0-plot rect.hist-bar")
+    assert [int(c) for c in l0.evaluate_all("bs => bs.map(b => b.dataset.count)")] == summary["l0"]["histogram"][
+        "counts"
+    ]
+    screenshot(page, "dashboards")
+
+    # search by a token of a feature's top context, as the API finds it
+    listed = server.api("GET", f"/api/saes/{sae}/features?limit=200")["features"]
+    chosen = next(f for f in listed if f["max"])
+    stored = server.api("GET", f"/api/saes/{sae}/features/{chosen['index']}")
+    assert stored["run_id"] == run_id
+    dash = stored["dashboard"]
+    best = dash["top_contexts"][0]
+    token = next(
+        (t for t in [best["tokens"][best["max_position"]], *best["tokens"]] if t.strip().isalpha()),
+        best["tokens"][best["max_position"]],
+    ).strip()
+    hits = server.api("GET", f"/api/saes/{sae}/features?token={urllib.parse.quote(token)}&limit=50")
+    assert any(h["index"] == chosen["index"] for h in hits["features"])
+    page.goto(f"{server.url}/features/?sae_id={sae}")
+    page.wait_for_selector("#f-results tr[data-index]")
+    page.fill("#f-token", token)
+    page.click("#f-search")
+    # the rows the API ranks for that token, in its order
+    page.wait_for_function(
+        "(want) => JSON.stringify([...document.querySelectorAll('#f-results tr[data-index]')]"
+        ".map(r => Number(r.dataset.index))) === JSON.stringify(want)",
+        arg=[h["index"] for h in hits["features"]],
+    )
+    assert page.inner_text("#f-total") == f"{len(hits['features'])} of {hits['total']}"
+    assert f"token={urllib.parse.quote(token)}" in page.url
+    result = page.locator(f"#f-results tr[data-index='{chosen['index']}']")
+    assert float(result.get_attribute("data-max")) == chosen["max"]
+    screenshot(page, "features")
+    result.locator("a").click()
+
+    # the feature page: the stored activations, histogram bins and logit effects
+    page.wait_for_url(f"**/features/{sae}/{chosen['index']}/")
+    page.wait_for_selector("#top-contexts .heat-strip")
+    strips = page.locator("#top-contexts .heat-strip")
+    assert strip_values(strips) == [c["activations"] for c in dash["top_contexts"]]
+    assert marked(strips) == [[c["max_position"]] for c in dash["top_contexts"]]
+    band_strips = page.locator("#quantiles .heat-strip")
+    assert strip_values(band_strips) == [c["activations"] for b in dash["quantile_samples"] for c in b["contexts"]]
+    bars = page.locator("#hist-plot rect.hist-bar")
+    assert bars.count() == len(dash["histogram"]["counts"])
+    assert [int(b) for b in bars.evaluate_all("bs => bs.map(b => b.dataset.count)")] == dash["histogram"]["counts"]
+    for sel, want in (("#logit-top", dash["logit_top"]), ("#logit-bottom", dash["logit_bottom"])):
+        assert want, "the run stores logit effects"
+        items = page.locator(f"{sel} li")
+        assert items.locator(".tok").evaluate_all("ts => ts.map(t => JSON.parse(t.title))") == [
+            w["token"] for w in want
+        ]
+        assert [float(v) for v in items.evaluate_all("ls => ls.map(l => l.dataset.value)")] == [
+            w["value"] for w in want
+        ]
+        assert [int(v) for v in items.evaluate_all("ls => ls.map(l => l.dataset.tokenId)")] == [
+            w["token_id"] for w in want
+        ]
+
+    # Steer with it: the playground preset; "open its dashboard" from a strip's cell
+    page.fill("#u-strength", "8")
+    page.click("#steer-link")
+    page.wait_for_url("**/playground/**")
+    page.wait_for_selector("#preset-note:has-text('Preset')")
+    assert page.locator("input[name=steer-mode][value=inline]").is_checked()
+    assert page.input_value("#inline-features") == f"{chosen['index']}: 8"
+    assert page.input_value("#heat-sae") == f"{sae}@1"
+    assert page.input_value("#heat-feature") == str(chosen["index"])
+    page.fill("#max-tokens", "4")
+    page.fill("#message", "Open a dashboard")
+    page.click("#send")
+    page.wait_for_selector("#transcript-steered .heat-strip", timeout=60_000)
+    cell = page.locator("#transcript-steered .heat-cell").nth(1)
+    cell.hover()
+    features = cell.get_attribute("data-features").split(",")
+    links = page.locator("#transcript-steered .heat-features a.feature-link")
+    assert links.evaluate_all("as => as.map(a => a.dataset.feature)") == features
+    other = features[-1]  # the position's own top feature (the strip is coloured by the chosen one)
+    page.locator(f"#transcript-steered .heat-features a[data-feature='{other}']").click()
+    page.wait_for_url(f"**/features/{sae}/{other}/")
+    page.wait_for_selector("#f-label:not(:text-is('Loading…'))")
+    opened = server.api("GET", f"/api/saes/{sae}/features/{other}")
+    assert page.locator("#top-contexts .heat-strip").count() == len((opened["dashboard"] or {}).get("top_contexts", []))
+    page.console.assert_clean()
