@@ -56,6 +56,10 @@ def test_compose_has_the_topology():
     assert analyst[:4] == ["celery", "-A", "millm_site", "worker"]
     assert analyst[analyst.index("-Q") + 1] == "analysis"
     assert "cache:/app" in services["analyst"]["volumes"]
+    # the dashboards queue has a worker, whose checkpoints (DASHBOARD_DIR) are on the volume
+    dashboarder = services["dashboarder"]["command"]
+    assert dashboarder[dashboarder.index("-Q") + 1] == "dashboards"
+    assert "cache:/app" in services["dashboarder"]["volumes"]
     for name in ("web", "worker", "loader", "analyst", "engine", "migrate"):
         env = services[name]["environment"]
         assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY"} <= set(env), name
@@ -113,6 +117,7 @@ def test_kubernetes_manifests():
         ("millm-analysis.service", "celery -A millm_site worker -Q analysis"),
         ("millm-batches.service", "celery -A millm_site worker -Q batches"),
         ("millm-responses.service", "celery -A millm_site worker -Q responses"),
+        ("millm-dashboards.service", "celery -A millm_site worker -Q dashboards"),
         ("millm-engine.service", "manage.py run_engine"),
     ],
 )
