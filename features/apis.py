@@ -185,6 +185,7 @@ class DashboardListCreateApi(APIView):
     @extend_schema(
         tags=DASHBOARDS,
         summary="The SAE's dashboard runs, newest first (an inference key: its own)",
+        operation_id="dashboards_list",
         parameters=[OpenApiParameter("limit", int, required=False), OpenApiParameter("offset", int, required=False)],
         responses=enveloped(RunListOutput),
     )
@@ -202,6 +203,7 @@ class DashboardListCreateApi(APIView):
     @extend_schema(
         tags=DASHBOARDS,
         summary="Start a dashboard run over a corpus (the offline sample or the caller's /v1 file)",
+        operation_id="dashboards_start",
         request=DashboardStartInput,
         responses={202: enveloped(RunEnvelopeOutput)},
     )
@@ -224,7 +226,10 @@ class DashboardListCreateApi(APIView):
 
 class DashboardDetailApi(APIView):
     @extend_schema(
-        tags=DASHBOARDS, summary="A dashboard run: status, progress, summary", responses=enveloped(RunOutput)
+        tags=DASHBOARDS,
+        summary="A dashboard run: status, progress, summary",
+        operation_id="dashboards_get",
+        responses=enveloped(RunOutput),
     )
     def get(self, request, run_id: str) -> Response:
         return envelope(run_out(selectors.dashboard_get(run_id, principal(request))))
@@ -234,6 +239,7 @@ class DashboardCancelApi(APIView):
     @extend_schema(
         tags=DASHBOARDS,
         summary="Cancel a queued or running run (its dashboards are not stored)",
+        operation_id="dashboards_cancel",
         request=None,
         responses=enveloped(RunOutput),
     )
@@ -254,6 +260,7 @@ class FeatureDetailApi(APIView):
     @extend_schema(
         tags=FEATURES,
         summary="A feature: its label, explanations and dashboard (null before any complete run)",
+        operation_id="features_get",
         responses=enveloped(FeatureOutput),
     )
     def get(self, request, sae_id: str, index: str) -> Response:
@@ -276,6 +283,7 @@ class FeatureSearchApi(APIView):
     @extend_schema(
         tags=FEATURES,
         summary="Search the SAE's features by label and explanation text (q) or by a token (token)",
+        operation_id="features_search",
         parameters=[
             OpenApiParameter("q", str, required=False, description="words of a label or explanation (≤ 200 chars)"),
             OpenApiParameter("token", str, required=False, description="a token of top contexts or logit effects"),
