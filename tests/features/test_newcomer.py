@@ -114,21 +114,19 @@ def wait_for_run(url: str, run_id: str, log) -> dict:
         if run["status"] in ("completed", "failed", "cancelled"):
             return run
         assert time.monotonic() < deadline, f"run still {run['status']}: {log.read_text()[-3000:]}"
-        time.sleep(0.25)
+        time.sleep(0.5)
 
 
 def word_of(feature: dict) -> str:
-    """A word (letters only, ≥ 3) that a top context of the feature holds at its max token,
-    else anywhere in its top contexts."""
-    words = []
-    for ctx in feature["dashboard"]["top_contexts"]:
-        at_max = ctx["tokens"][ctx["max_position"]]
-        words += [at_max] + list(ctx["tokens"])
-    for token in words:
+    """A word (letters only, 3 or more) that one of the feature's top contexts holds at its
+    max token, else one of its top logit tokens: what a researcher reads off its page."""
+    board = feature["dashboard"]
+    tokens = [ctx["tokens"][ctx["max_position"]] for ctx in board["top_contexts"]]
+    for token in tokens + [e["token"] for e in board["logit_top"]]:
         word = re.sub(r"^[\sĠ▁]+", "", token).strip()
         if re.fullmatch(r"[A-Za-z]{3,}", word):
             return word.lower()
-    raise AssertionError(f"no word in the top contexts of feature {feature['index']}")
+    raise AssertionError(f"no word at the max of feature {feature['index']}'s top contexts: {tokens}")
 
 
 def test_a_newcomer_builds_dashboards_finds_a_feature_and_steers_with_it(demo_server):
@@ -195,7 +193,8 @@ def test_a_newcomer_builds_dashboards_finds_a_feature_and_steers_with_it(demo_se
             )
 
         plain = chat([])
-        strength = max(20.0, 10 * board["max"])
+        # a few times its own largest activation, within the strength limit (±200)
+        strength = float(min(200, max(20, round(3 * board["max"]))))
         steered = chat([{"index": index, "strength": strength}])
     millm = steered.model_extra["millm"]
     counts = [c for c in millm["steering_apply_count"] if c["sae_id"] == sae["id"]]
@@ -204,4 +203,4 @@ def test_a_newcomer_builds_dashboards_finds_a_feature_and_steers_with_it(demo_se
         {"sae_id": sae["id"], "layer": sae["attached_layers"][0], "features": [{"index": index, "strength": strength}]}
     ]
     # positive control: the steer changed the greedy answer
-    assert steered.choices[0].message.content != plain.choices[0].message.content
+    assert steered.choices[0].message.content != plain.choices[0].message.content, (index, strength, plain)
