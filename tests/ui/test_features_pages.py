@@ -415,3 +415,80 @@ def test_a_real_dashboard_run_from_the_page_to_a_feature_and_the_playground(serv
     opened = server.api("GET", f"/api/saes/{sae}/features/{other}")
     assert page.locator("#top-contexts .heat-strip").count() == len((opened["dashboard"] or {}).get("top_contexts", []))
     page.console.assert_clean()
+
+
+def test_cancel_asks_first_and_the_rows_end_cancelled(server, page):
+    """Two runs over the whole sample in small contexts (the pool runs one at a time, so the
+    second waits queued): each is cancelled from the page after a confirmation, a refusal
+    to confirm changes nothing, and neither stores a dashboard."""
+    sae = server.sae_id
+    before = server.api("GET", f"/api/saes/{sae}/features?limit=1")
+    body = {"corpus": "sample", "token_budget": 200_000, "context_tokens": 8}
+    first = server.api("POST", f"/api/saes/{sae}/dashboards", body)["run"]["id"]
+    second = server.api("POST", f"/api/saes/{sae}/dashboards", body)["run"]["id"]
+    page.goto(f"{server.url}/dashboards/?sae_id={sae}")
+    asked: list[str] = []
+
+    def answer(dialog):
+        asked.append(dialog.message)
+        dialog.dismiss() if len(asked) == 1 else dialog.accept()
+
+    page.on("dialog", answer)
+    for n, run_id in enumerate((second, first)):
+        row = page.locator(ROW.format(id=run_id))
+        button = row.get_by_role("button", name=f"Cancel run {run_id}")
+        if n == 0:
+            button.click()  # dismissed: nothing sent
+            assert len(asked) == 1 and run_id in asked[0]
+            assert server.api("GET", f"/api/dashboards/{run_id}")["status"] in ("queued", "running")
+        button.click()
+        page.wait_for_selector(ROW.format(id=run_id) + "[data-status=cancelled]", timeout=60_000)
+        run = server.api("GET", f"/api/dashboards/{run_id}")
+        assert run["status"] == "cancelled" and not run["complete"]
+        assert row.get_by_role("button", name=f"Cancel run {run_id}").count() == 0
+    assert len(asked) == 3
+    # nothing of either run is a dashboard
+    assert server.api("GET", f"/api/saes/{sae}/features?limit=1")["total"] == before["total"]
+    page.console.assert_clean()
+
+
+@pytest.mark.parametrize(
+    ("path", "title", "nav", "ready"),
+    [
+        ("/features/", "Features", "Features", "#f-sae option[value^=sae_]"),
+        ("/dashboards/", "Dashboards", "Dashboards", "#d-sae option[value^=sae_]"),
+        ("/features/{sae}/3/", "Feature 3", "Features", "#u-profile option"),
+    ],
+    ids=["features", "dashboards", "feature"],
+)
+def test_the_pages_render_with_labelled_controls(server, page, path, title, nav, ready):
+    from tests.ui.test_pages import UNLABELLED
+
+    page.goto(server.url + path.format(sae=server.sae_id))
+    page.wait_for_selector(ready, state="attached")
+    page.wait_for_function("document.querySelector('#ws-status').textContent.includes('live')")
+    assert page.inner_text("h1") == title
+    assert page.locator("nav a[aria-current=page]").inner_text() == nav
+    assert page.evaluate(UNLABELLED) == []
+    page.console.assert_clean()
+
+
+def test_a_refused_start_is_said_and_starts_nothing(server, page):
+    sae = server.sae_id
+    total = server.api("GET", f"/api/saes/{sae}/dashboards")["total"]
+    page.goto(f"{server.url}/dashboards/?sae_id={sae}")
+    page.wait_for_selector("#runs tr")
+    page.check("input[name=corpus][value=file]")
+    page.fill("#d-file", "file-not-anyones")
+    page.fill("#d-budget", "64")
+    page.click("#d-start")
+    error = page.locator(".notice.error")
+    error.wait_for()
+    assert "file-not-anyones" in error.inner_text()
+    assert server.api("GET", f"/api/saes/{sae}/dashboards")["total"] == total
+    # a budget over the page's own bound (DASHBOARD_MAX_TOKENS) is said before anything is sent
+    page.check("input[name=corpus][value=sample]")
+    page.fill("#d-budget", str(int(page.get_attribute("#d-budget", "max")) + 1))
+    page.click("#d-start")
+    page.wait_for_selector(".notice.error:has-text('Token budget must be')")
+    assert server.api("GET", f"/api/saes/{sae}/dashboards")["total"] == total
