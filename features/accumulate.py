@@ -41,6 +41,17 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> np.uint64(31))
 
 
+def _stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` for non-negative integer keys below ``bound``,
+    as one or two 16-bit radix passes where the keys fit (several times faster)."""
+    if bound <= 1 << 16:
+        return np.argsort(keys.astype(np.uint16), kind="stable")
+    if bound <= 1 << 32:
+        order = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
+        return order[np.argsort((keys[order] >> 16).astype(np.uint16), kind="stable")]
+    return np.argsort(keys, kind="stable")
+
+
 def _atomic_savez(path: Path, **arrays: np.ndarray) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
@@ -142,33 +153,6 @@ class FeatureAccumulator:
         keep = values > 0
         idx, val, row = indices[keep], values[keep], row_of[keep]
         l0 = np.bincount(row, minlength=rows)
-        self.l0_counts += np.bincount(l0, minlength=self.d_sae + 1)
-        if idx.size:
-            val64 = val.astype(np.float64)
-            self.count += np.bincount(idx, minlength=self.d_sae)
-            self.total += np.bincount(idx, weights=val64, minlength=self.d_sae)
-            # per feature: the context's max and its first position (primary key: feature;
-            # then value ascending; then row descending, so a group's last is max, earliest)
-            order = np.lexsort((-row, val64, idx))
-            idx_s = idx[order]
-            last = np.flatnonzero(np.r_[idx_s[1:] != idx_s[:-1], True])
-            feats = idx_s[last]
-            peak = val64[order][last]
-            pos = row[order][last]
-            self.max[feats] = np.maximum(self.max[feats], peak)
-            kth_val = self.top_val[feats, -1]
-            kth_ctx = self.top_ctx[feats, -1]
-            better = (peak > kth_val) | ((peak == kth_val) & ((kth_ctx < 0) | (context < kth_ctx)))
-            if better.any():
-                f2 = feats[better]
-                cand_val = np.concatenate([self.top_val[f2], peak[better, None]], axis=1)
-                cand_ctx = np.concatenate([self.top_ctx[f2], np.full((f2.size, 1), context, np.int64)], axis=1)
-                cand_pos = np.concatenate([self.top_pos[f2], pos[better, None]], axis=1)
-                # rank by value descending, then the lower context id
-                rank = np.lexsort((cand_ctx, -cand_val), axis=1)[:, : self.top_k]
-                self.top_val[f2] = np.take_along_axis(cand_val, rank, axis=1)
-                self.top_ctx[f2] = np.take_along_axis(cand_ctx, rank, axis=1)
-                self.top_pos[f2] = np.take_along_axis(cand_pos, rank, axis=1)
         local_ptr = np.zeros(rows + 1, np.int64)
         np.cumsum(l0, out=local_ptr[1:])
         self._buffer.append((context, token_ids, tokens, local_ptr, idx.astype(np.int32), val))
@@ -180,6 +164,7 @@ class FeatureAccumulator:
             self._flush()
 
     def _flush(self) -> None:
+        """Fold the buffered contexts into the statistics and write them as one shard."""
         if not self._buffer:
             return
         ctx = np.array([b[0] for b in self._buffer], np.int64)
@@ -192,8 +177,10 @@ class FeatureAccumulator:
         for b in self._buffer:
             ptrs.append(b[3][1:] + offset)
             offset += int(b[3][-1])
+        row_ptr = np.concatenate(ptrs)
         indices = np.concatenate([b[4] for b in self._buffer])
         values = np.concatenate([b[5] for b in self._buffer])
+        self._update(ctx, ntok, row_ptr, indices, values)
         name = f"shard_{self._shard_seq:06d}.npz"
         _atomic_savez(
             self.workdir / name,
@@ -202,7 +189,7 @@ class FeatureAccumulator:
             token_ids=token_ids,
             token_len=token_len,
             token_bytes=token_bytes,
-            row_ptr=np.concatenate(ptrs),
+            row_ptr=row_ptr,
             indices=indices,
             values=values,
         )
@@ -210,6 +197,63 @@ class FeatureAccumulator:
         self.shards.append(name)
         self._buffer = []
         self._buffer_rows = 0
+
+    def _update(self, ctx, ntok, row_ptr, indices, values) -> None:
+        """The statistics of a batch of contexts (CSR over all their rows), vectorised."""
+        d = self.d_sae
+        self.l0_counts += np.bincount(np.diff(row_ptr), minlength=d + 1)
+        if not indices.size:
+            return
+        idx = indices.astype(np.int64)
+        val = values.astype(np.float64)
+        self.count += np.bincount(idx, minlength=d)
+        self.total += np.bincount(idx, weights=val, minlength=d)
+        rows = int(ntok.sum())
+        row_of = np.repeat(np.arange(rows, dtype=np.int64), np.diff(row_ptr))
+        ctx_slot = np.repeat(np.arange(ctx.size, dtype=np.int64), ntok)[row_of]
+        starts = np.zeros(ctx.size + 1, np.int64)
+        np.cumsum(ntok, out=starts[1:])
+        pos = row_of - starts[ctx_slot]
+        # per (feature, context): the max and its first position (the CSR is row-major, so
+        # a stable sort by feature keeps each feature's non-zeros in context and row order)
+        order = _stable_order(idx, d)
+        f_sorted, slot_sorted = idx[order], ctx_slot[order]
+        v = val[order]
+        first = np.flatnonzero(np.r_[True, (f_sorted[1:] != f_sorted[:-1]) | (slot_sorted[1:] != slot_sorted[:-1])])
+        peak = np.maximum.reduceat(v, first)
+        at_peak = v == np.repeat(peak, np.diff(np.r_[first, v.size]))
+        where = np.minimum.reduceat(np.where(at_peak, np.arange(v.size), v.size), first)
+        feats = f_sorted[first]
+        c_ctx = ctx[slot_sorted[first]]
+        c_pos = pos[order][where]
+        f_first = np.flatnonzero(np.r_[True, feats[1:] != feats[:-1]])
+        f_uniq = feats[f_first]
+        self.max[f_uniq] = np.maximum(self.max[f_uniq], np.maximum.reduceat(peak, f_first))
+        # top-k: the candidates that beat their feature's k-th, merged with its current list
+        kth_val, kth_ctx = self.top_val[feats, -1], self.top_ctx[feats, -1]
+        better = (peak > kth_val) | ((peak == kth_val) & ((kth_ctx < 0) | (c_ctx < kth_ctx)))
+        if not better.any():
+            return
+        feats, peak, c_ctx, c_pos = feats[better], peak[better], c_ctx[better], c_pos[better]
+        touched = np.unique(feats)
+        old_f = np.repeat(touched, self.top_k)
+        old_val = self.top_val[touched].ravel()
+        old_ctx = self.top_ctx[touched].ravel()
+        old_pos = self.top_pos[touched].ravel()
+        live = old_ctx >= 0
+        all_f = np.concatenate([old_f[live], feats])
+        all_val = np.concatenate([old_val[live], peak])
+        all_ctx = np.concatenate([old_ctx[live], c_ctx])
+        all_pos = np.concatenate([old_pos[live], c_pos])
+        # by feature, then value descending, then the lower context id
+        order = np.lexsort((all_ctx, -all_val, all_f))
+        all_f, all_val, all_ctx, all_pos = all_f[order], all_val[order], all_ctx[order], all_pos[order]
+        first = np.flatnonzero(np.r_[True, all_f[1:] != all_f[:-1]])
+        rank = np.arange(all_f.size) - np.repeat(first, np.diff(np.r_[first, all_f.size]))
+        keep = rank < self.top_k
+        self.top_val[touched], self.top_ctx[touched], self.top_pos[touched] = -np.inf, -1, -1
+        f, r = all_f[keep], rank[keep]
+        self.top_val[f, r], self.top_ctx[f, r], self.top_pos[f, r] = all_val[keep], all_ctx[keep], all_pos[keep]
 
     # -- checkpoint ------------------------------------------------------------------
     def save(self, path: Path) -> None:
@@ -284,6 +328,7 @@ class FeatureAccumulator:
             s["row_start"] = starts
             s["nz_ctx"] = ctx_of_row[row_of]
             s["nz_pos"] = pos_of_row[row_of]
+            s["nz_row"] = row_of
             tok_off = np.zeros(s["token_len"].size + 1, np.int64)
             np.cumsum(s["token_len"], out=tok_off[1:])
             s["tok_off"] = tok_off
@@ -296,8 +341,8 @@ class FeatureAccumulator:
         d, bins, bands, spb = self.d_sae, self.bins, self.bands, self.samples_per_band
         active = np.flatnonzero(self.count > 0)
         edges = np.zeros((d, bins + 1))
-        for f in active:
-            edges[f] = np.linspace(0.0, self.max[f], bins + 1)
+        if active.size:  # row by row as np.linspace(0, max, bins + 1) (all maxima are > 0)
+            edges[active] = np.linspace(0.0, self.max[active], bins + 1, axis=1)
         hist = np.zeros(d * bins, np.int64)
         ctx_span = (max(self._done) + 1) if self._done else 1
         valid_top = self.top_ctx >= 0
@@ -324,17 +369,27 @@ class FeatureAccumulator:
             ctx, pos = s["nz_ctx"], s["nz_pos"]
             band = (val / mx * bands).astype(np.int64)
             band[band >= bands] = bands - 1
-            keep = ~np.isin(idx * ctx_span + ctx, top_keys)
-            idx, val, ctx, pos, band = idx[keep], val[keep], ctx[keep], pos[keep], band[keep]
-            if not idx.size:
+            # one candidate per (feature, band, context): its highest, earliest occurrence
+            # there (the stable sort keeps each group's non-zeros in context and row order)
+            order = _stable_order(idx * bands + band, d * bands)
+            g, c, v = (idx * bands + band)[order], ctx[order], val[order]
+            first = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (c[1:] != c[:-1])])
+            peak = np.maximum.reduceat(v, first)
+            at_peak = v == np.repeat(peak, np.diff(np.r_[first, v.size]))
+            where = np.minimum.reduceat(np.where(at_peak, np.arange(v.size), v.size), first)
+            g, c, p = g[first], c[first], pos[order][where]
+            # the feature's top contexts are not sampled again
+            keep = ~np.isin((g // bands) * ctx_span + c, top_keys)
+            g, c, p = g[keep], c[keep], p[keep]
+            if not g.size:
                 continue
-            # one candidate per (feature, band, context): its highest, earliest occurrence there
-            order = np.lexsort((-pos, val, ctx, band, idx))
-            g = (idx * bands + band)[order]
-            c = ctx[order]
-            last = np.flatnonzero(np.r_[(g[1:] != g[:-1]) | (c[1:] != c[:-1]), True])
-            g, c, p = g[last], c[last], pos[order][last]
             key = _mix(_mix(_mix(seed ^ g.astype(np.uint64)) ^ c.astype(np.uint64)))
+            # only a key below its group's current last kept one can enter it
+            last_key, last_ctx = s_key[g * spb + spb - 1], s_ctx[g * spb + spb - 1]
+            enter = (key < last_key) | ((key == last_key) & ((last_ctx < 0) | (c < last_ctx)))
+            g, c, p, key = g[enter], c[enter], p[enter], key[enter]
+            if not g.size:
+                continue
             old = np.flatnonzero(s_ctx >= 0)
             all_g = np.concatenate([old // spb, g])
             all_key = np.concatenate([s_key[old], key])
@@ -357,43 +412,45 @@ class FeatureAccumulator:
         req_ctx = np.concatenate([self.top_ctx[top_f, top_slot], s_ctx[smp]])
         req_pos = np.concatenate([self.top_pos[top_f, top_slot], s_pos[smp]])
         windows: list[dict | None] = [None] * req_f.size
+        span = np.arange(2 * self.window + 1, dtype=np.int64)
         for s in self._shards():
-            wanted = np.flatnonzero(np.isin(req_ctx, s["ctx"]))
+            slot_of = np.argsort(s["ctx"], kind="stable")
+            sorted_ctx = s["ctx"][slot_of]
+            found = np.searchsorted(sorted_ctx, req_ctx).clip(max=sorted_ctx.size - 1)
+            wanted = np.flatnonzero(sorted_ctx[found] == req_ctx)
             if not wanted.size:
                 continue
-            where = {int(c): i for i, c in enumerate(s["ctx"])}
-            by_ctx: dict[int, list[int]] = {}
-            for r in wanted:
-                by_ctx.setdefault(int(req_ctx[r]), []).append(int(r))
-            for c, reqs in by_ctx.items():
-                i = where[c]
-                r0, r1 = int(s["row_start"][i]), int(s["row_start"][i + 1])
-                n0, n1 = int(s["row_ptr"][r0]), int(s["row_ptr"][r1])
-                feats = np.unique(req_f[reqs])
-                col = np.full(d, -1, np.int64)
-                col[feats] = np.arange(feats.size)
-                nz_idx = s["indices"][n0:n1].astype(np.int64)
-                nz_col = col[nz_idx]
-                hit = nz_col >= 0
-                dense = np.zeros((r1 - r0, feats.size), np.float32)
-                dense[s["nz_pos"][n0:n1][hit], nz_col[hit]] = s["values"][n0:n1][hit]
-                ids = s["token_ids"][r0:r1]
-                off = s["tok_off"][r0 : r1 + 1]
-                raw = s["token_bytes"][int(off[0]) : int(off[-1])].tobytes()
-                texts = [raw[a - off[0] : b - off[0]].decode("utf-8") for a, b in zip(off[:-1], off[1:])]
-                for r in reqs:
-                    p = int(req_pos[r])
-                    lo, hi = max(0, p - self.window), min(r1 - r0, p + self.window + 1)
-                    acts = dense[lo:hi, col[req_f[r]]]
-                    windows[r] = {
-                        "context": c,
-                        "tokens": texts[lo:hi],
-                        "token_ids": [int(t) for t in ids[lo:hi]],
-                        "activations": [float(a) for a in acts],
-                        "max_position": p - lo,
-                        "max_activation": float(acts[p - lo]),
-                        "start": lo,
-                    }
+            slot = slot_of[found[wanted]]
+            row0 = s["row_start"][slot]
+            n = s["ntok"][slot]
+            p = req_pos[wanted]
+            lo = np.maximum(0, p - self.window)
+            hi = np.minimum(n, p + self.window + 1)
+            rows = row0[:, None] + lo[:, None] + span[None, :]  # [requests, 2 * window + 1]
+            inside = (lo[:, None] + span[None, :]) < hi[:, None]
+            rows = np.where(inside, rows, row0[:, None])
+            # each non-zero's key row * d + feature ascends (rows in order, features ascend)
+            keys = s["nz_row"] * d + s["indices"].astype(np.int64)
+            query = rows * d + req_f[wanted][:, None]
+            at = np.searchsorted(keys, query).clip(max=max(keys.size - 1, 0))
+            hit = inside & (keys[at] == query) if keys.size else np.zeros_like(inside)
+            acts = np.where(hit, s["values"][at] if keys.size else 0, 0).astype(np.float32).tolist()
+            ids = s["token_ids"][rows].tolist()
+            raw = s["token_bytes"].tobytes()
+            off = s["tok_off"].tolist()
+            texts = [raw[a:b].decode("utf-8") for a, b in zip(off[:-1], off[1:])]
+            for j, r in enumerate(wanted.tolist()):
+                a, b, first = int(lo[j]), int(hi[j]), int(row0[j])
+                width, peak_at = b - a, int(p[j]) - a
+                windows[r] = {
+                    "context": int(req_ctx[r]),
+                    "tokens": texts[first + a : first + b],
+                    "token_ids": ids[j][:width],
+                    "activations": acts[j][:width],
+                    "max_position": peak_at,
+                    "max_activation": acts[j][peak_at],
+                    "start": a,
+                }
 
         logit_rows: dict[int, int] = {}
         if logits:

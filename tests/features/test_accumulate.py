@@ -265,9 +265,11 @@ def test_malformed_input_is_refused_and_changes_nothing(tmp_path, change, messag
     acc = new(tmp_path)
     with pytest.raises(ValueError, match=message):
         acc.add(**change(args))
-    assert acc.contexts == 0 and acc.tokens == 0 and not acc.count.any() and not acc.l0_counts.any()
-    acc.add(**args)  # positive control: the unchanged context is accepted
-    assert acc.contexts == 1 and acc.count[2] == len(item["token_ids"])
+    assert acc.contexts == 0 and acc.tokens == 0
+    acc.add(**args)  # positive control: the unchanged context is accepted, alone
+    rows, summary = acc.finish(None)
+    assert acc.contexts == 1 and summary["tokens"] == len(item["token_ids"])
+    assert {r["index"]: r["count"] for r in rows}[2] == len(item["token_ids"])
 
 
 def test_histogram_counts_values_on_and_beside_bin_edges_as_numpy_does(tmp_path):
