@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-SHARD_ROWS = 1 << 15  # token rows buffered before a shard is written
+SHARD_ROWS = 1 << 14  # token rows buffered (and folded into the statistics) before a shard is written
 CHECKPOINT_VERSION = 1
 _SHARD_NAME = re.compile(r"^shard_\d{6}\.npz$")
 _MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
@@ -134,7 +134,7 @@ class FeatureAccumulator:
         indices = np.asarray(indices, dtype=np.int64)
         values = np.asarray(values, dtype=np.float32)
         token_ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        tokens = [str(t) for t in tokens]
+        tokens = [_clean(t) for t in tokens]
         rows = row_ptr.size - 1
         if rows < 1 or token_ids.size != rows or len(tokens) != rows:
             raise ValueError(
@@ -170,7 +170,7 @@ class FeatureAccumulator:
         ctx = np.array([b[0] for b in self._buffer], np.int64)
         ntok = np.array([b[1].size for b in self._buffer], np.int64)
         token_ids = np.concatenate([b[1] for b in self._buffer])
-        encoded = [t.encode("utf-8") for b in self._buffer for t in b[2]]
+        encoded = [t.encode("utf-8", "replace") for b in self._buffer for t in b[2]]
         token_len = np.array([len(e) for e in encoded], np.int64)
         token_bytes = np.frombuffer(b"".join(encoded), dtype=np.uint8)
         ptrs, offset = [np.zeros(1, np.int64)], 0
@@ -497,7 +497,7 @@ class FeatureAccumulator:
                 i = logit_rows[f]
                 for side in ("top", "bottom"):
                     entries = [
-                        {"token_id": int(t), "token": str(tok), "value": float(v)}
+                        {"token_id": int(t), "token": _clean(tok), "value": float(v)}
                         for t, tok, v in zip(
                             logits[f"{side}_ids"][i], logits[f"{side}_tokens"][i], logits[f"{side}_values"][i]
                         )
@@ -533,6 +533,19 @@ class FeatureAccumulator:
                 "histogram": {"edges": l0_edges.tolist(), "counts": [int(x) for x in counts]},
             },
         }
+
+
+def _clean(token) -> str:
+    """A token's text as a database text column takes it: NUL shown as U+2400 and a lone
+    surrogate (half a character) as "?"."""
+    text = str(token)
+    if "\x00" in text:
+        text = text.replace("\x00", "\u2400")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        text = text.encode("utf-8", "replace").decode("utf-8")
+    return text
 
 
 def _search_tokens(words: list[str]) -> str:

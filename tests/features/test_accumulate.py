@@ -9,6 +9,8 @@ samples, L0, dead and dense features) is recomputed from the dense matrices.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -297,3 +299,30 @@ def test_histogram_counts_values_on_and_beside_bin_edges_as_numpy_does(tmp_path)
         vals = vals[vals > 0]
         counts, ref_edges = np.histogram(vals, bins=BINS, range=(0.0, vals.max()))
         assert row["histogram"] == {"edges": ref_edges.tolist(), "counts": counts.tolist()}
+
+
+def test_token_texts_a_database_cannot_hold_are_made_safe(tmp_path):
+    """A vocabulary may hold "\\x00" or half a surrogate pair; PostgreSQL's text and jsonb
+    refuse both, so the stored windows, logit tokens and search tokens carry neither."""
+    dense = np.zeros((3, D), np.float32)
+    dense[:, 4] = [0.5, 2.0, 1.0]
+    acc = new(tmp_path)
+    acc.add(0, [1, 2, 3], ["a\x00b", "\ud800x", "plain"], *csr(dense, np.random.default_rng(0)))
+    logits = {
+        "features": [4],
+        "top_ids": [[9]],
+        "top_values": [[1.5]],
+        "bottom_ids": [[8]],
+        "bottom_values": [[-1.5]],
+        "top_tokens": [["\x00"]],
+        "bottom_tokens": [["end\udfff"]],
+    }
+    rows, _ = acc.finish(logits)
+    (row,) = [r for r in rows if r["index"] == 4]
+    assert row["top_contexts"][0]["tokens"] == ["a\u2400b", "?x", "plain"]
+    assert row["top_contexts"][0]["max_position"] == 1
+    assert row["logit_top"][0]["token"] == "\u2400" and row["logit_bottom"][0]["token"] == "end?"
+    assert row["search_tokens"] == "?x \u2400 end?"
+    text = json.dumps(rows, ensure_ascii=False)
+    assert "\x00" not in text and "\\u0000" not in text
+    text.encode("utf-8")  # no lone surrogate left
