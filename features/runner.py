@@ -124,6 +124,29 @@ class _Runner:
         """Blocking work (the engine's commands, numpy, files) off the loop."""
         return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
+    async def beating(self, fn: Any, *args: Any) -> Any:
+        """``off(fn, *args)`` with the heartbeat kept up meanwhile (tokenizing a corpus,
+        the logit effects, ``finish``: longer than BATCH_RUNNER_STALE_S on a large SAE or
+        corpus); taken over meanwhile: ``_Stopped("lost")`` once it returns."""
+        lost = False
+
+        async def beat() -> None:
+            nonlocal lost
+            while True:
+                await asyncio.sleep(HEARTBEAT_S)
+                if await self.db(services.dashboard_heartbeat, run_id=self.run_id, runner=self.runner) is None:
+                    lost = True
+
+        task = asyncio.ensure_future(beat())
+        try:
+            result = await self.off(fn, *args)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        if lost:
+            raise _Stopped("lost")
+        return result
+
     async def run(self) -> str:
         try:
             return await self._run()
@@ -134,14 +157,14 @@ class _Runner:
     async def _run(self) -> str:
         try:
             d_sae = await self.off(self._attachment)
-            contexts = await self.off(self._contexts)
+            contexts = await self.beating(self._contexts)
             if not contexts:
                 from features.corpus import CorpusError
 
                 raise CorpusError(
                     "corpus_empty", "The corpus has no text to read (no context of 2 tokens or more)", "corpus"
                 )
-            acc, done, tokens = await self.off(self._accumulator, d_sae)
+            acc, done, tokens = await self.beating(self._accumulator, d_sae)
             if not await self.db(
                 services.dashboard_advance,
                 run_id=self.run_id,
@@ -155,8 +178,8 @@ class _Runner:
             outcome = await self._loop(contexts, acc, done, tokens)
             if outcome != "read":
                 return outcome
-            logits = await self.off(self._logits, d_sae)
-            rows, summary = await self.off(acc.finish, logits)
+            logits = await self.beating(self._logits, d_sae)
+            rows, summary = await self.beating(acc.finish, logits)
             summary = {**summary, "backend": self.backend, "model": self.model, "layer": self.layer}
             outcome = await self.db(
                 services.dashboard_store, run_id=self.run_id, runner=self.runner, rows=rows, summary=summary
@@ -217,8 +240,10 @@ class _Runner:
                     raise from_engine_error(exc) from exc
                 raise
 
+        from gpu_engine.api.jobs import MAX_TOKENIZE_CHARS
+
         for text in self._texts():
-            group.append(text)
+            group.append(text[:MAX_TOKENIZE_CHARS])  # the rest of so long a text is past any budget
             if len(group) < TOKENIZE_TEXTS:
                 continue
             for ids in tokenize(group):

@@ -386,6 +386,49 @@ def dashboard_progress(*, run: DashboardRun | None = None, run_id: str | None = 
     )
 
 
+def dashboards_sweep() -> dict[str, int]:
+    """Every run nobody runs any more ends or goes on (the dashboards sweeper, every
+    BATCH_SWEEP_INTERVAL_S in each process that runs dashboards):
+
+    - ``cancelling`` with no live runner: ``cancelled``, its working folder deleted;
+    - ``running`` whose runner's heartbeat is older than BATCH_RUNNER_STALE_S (the runner's
+      task ended without ending the run): a runner queued, which resumes from the last
+      checkpoint. The run is released (no runner) so that runner takes it at once; its
+      heartbeat is set to now so the next sweep waits a stale period before queuing
+      another."""
+    from datetime import timedelta
+
+    from django.db.models import Q
+
+    stale_before = timezone.now() - timedelta(seconds=float(settings.BATCH_RUNNER_STALE_S))
+    dead = Q(runner=None) | Q(runner_seen_at=None) | Q(runner_seen_at__lt=stale_before)
+    cancelled = resumed = 0
+    for run_id in list(
+        DashboardRun.objects.filter(dead, status=DashboardRun.Status.CANCELLING).values_list("id", flat=True)
+    ):
+        with transaction.atomic():
+            run = DashboardRun.objects.select_for_update().filter(dead, id=run_id, status="cancelling").first()
+            if run is None:
+                continue
+            _end(run, DashboardRun.Status.CANCELLED)
+        remove_workdir(run_id)
+        dashboard_progress(run=run, force=True)
+        cancelled += 1
+    stale = Q(runner_seen_at=None) | Q(runner_seen_at__lt=stale_before)
+    for run_id in list(
+        DashboardRun.objects.filter(stale, status=DashboardRun.Status.RUNNING).values_list("id", flat=True)
+    ):
+        with transaction.atomic():
+            if not DashboardRun.objects.filter(stale, id=run_id, status=DashboardRun.Status.RUNNING).update(
+                runner=None, runner_seen_at=timezone.now()
+            ):
+                continue
+            enqueue(TASK, run_id, queue=QUEUE)
+        log.warning("dashboard_runner_dead", run_id=run_id)
+        resumed += 1
+    return {"cancelled": cancelled, "resumed": resumed}
+
+
 def dashboards_resume(*, force: bool) -> int:
     """Queue a runner for every run not ended (a start-up: embedded, this process was the
     runner, ``force``; a Celery worker of the dashboards queue, a run whose runner's

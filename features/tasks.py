@@ -39,7 +39,8 @@ def _consumes(sender, queue: str) -> bool:  # noqa: ANN001
 def _resume_dashboards(sender=None, **kwargs) -> None:  # noqa: ANN001
     """A starting worker of the ``dashboards`` queue queues a runner for every run not
     ended (a run whose runner died with its worker is taken over once its heartbeat is
-    stale; one whose runner is alive keeps it, the extra task ends ``held``)."""
+    stale; one whose runner is alive keeps it, the extra task ends ``held``) and starts the
+    dashboards sweeper."""
     import structlog
     from django.db import connections
 
@@ -53,3 +54,6 @@ def _resume_dashboards(sender=None, **kwargs) -> None:  # noqa: ANN001
         structlog.get_logger(__name__).exception("dashboards_resume_failed")
     finally:
         connections.close_all()  # the children are forked from this process
+    from features.sweeper import sweeper_start
+
+    sweeper_start()

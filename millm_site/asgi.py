@@ -100,4 +100,7 @@ if settings.MILLM_APPLICATION_START:
         from features.services import dashboards_resume
 
         dashboards_resume(force=True)  # feature dashboard runs, from their last checkpoint
+        from features.sweeper import sweeper_start as dashboards_sweeper_start
+
+        dashboards_sweeper_start()  # a run whose runner's task ended without ending it
         sweeper_start()  # a batch whose runner died, or past its window, still ends

@@ -328,6 +328,7 @@ def test_a_crashed_run_resumes_from_its_checkpoint_with_the_same_figures(sae, en
     from core.runtime import runtime
     from features import runner
     from features.models import DashboardRun, FeatureDashboard
+    from features.services import dashboards_resume
 
     settings.DASHBOARD_ENGINE_ROWS = 2
     monkeypatch.setattr(runner, "CHECKPOINT_CONTEXTS", 3)
@@ -359,11 +360,12 @@ def test_a_crashed_run_resumes_from_its_checkpoint_with_the_same_figures(sae, en
     saved = int(Path(crashed.checkpoint_path).stem.split("-")[1])
     assert saved >= 6
 
-    # a restarted server takes it over (force) and resumes from the checkpoint
+    # a restarted server's start-up (millm_site/asgi.py) takes it over (force) and resumes
+    # from the checkpoint
     counter = GatedEngine(engine_client, hold=0)
     with runtime().replaced(engine=counter):
-        assert runner.dashboard_run(run_id=run.id, force=True) == "completed"
-    done = DashboardRun.objects.get(id=run.id)
+        assert dashboards_resume(force=True) == 1
+        done = wait_run(run.id)
     assert done.status == "completed" and done.complete
     assert counter.calls == done.contexts_total - saved  # only the contexts after it ran again
     ours = {r.index: r for r in FeatureDashboard.objects.filter(run=done)}
@@ -413,3 +415,37 @@ def test_an_sae_not_attached_is_409_and_a_detach_mid_run_fails_it(sae, engine_cl
     assert done.status == "failed" and not done.complete
     assert done.error["code"] == "SAE_NOT_ATTACHED", done.error
     assert not FeatureDashboard.objects.filter(run=done).exists()
+
+
+def test_the_sweeper_resumes_a_run_whose_runner_died_and_ends_a_cancel_nobody_ran(sae):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from features.models import DashboardRun
+    from features.sweeper import sweep_once
+
+    long_ago = timezone.now() - timedelta(hours=1)
+    dead = DashboardRun.objects.create(
+        sae=sae,
+        layer=LAYER,
+        token_budget=64,
+        context_tokens=32,
+        status="running",
+        runner="gone:1",
+        runner_seen_at=long_ago,
+        started_at=long_ago,
+    )
+    cancelled = DashboardRun.objects.create(
+        sae=sae, layer=LAYER, token_budget=64, status="cancelling", runner="gone:2", runner_seen_at=long_ago
+    )
+    alive = DashboardRun.objects.create(
+        sae=sae, layer=LAYER, token_budget=64, status="running", runner="here:3", runner_seen_at=timezone.now()
+    )
+    assert sweep_once() == {"cancelled": 1, "resumed": 1}
+    done = wait_run(dead.id)
+    assert done.status == "completed" and done.complete and done.contexts_done == 2
+    assert DashboardRun.objects.get(id=cancelled.id).status == "cancelled"
+    assert DashboardRun.objects.get(id=alive.id).runner == "here:3"  # a live runner keeps its run
+    assert sweep_once() == {"cancelled": 0, "resumed": 0}
+    DashboardRun.objects.filter(id=alive.id).update(status="cancelled", runner=None)
