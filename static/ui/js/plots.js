@@ -24,8 +24,9 @@ const short = (v) => (Math.abs(v) >= 100 ? v.toFixed(0) : Math.abs(v) >= 1 ? v.t
  * A histogram: `edges` (n+1) and `counts` (n), one bar per bin (`rect.hist-bar`, with
  * data-lo, data-hi and data-count), the x axis labelled at its ends.
  */
-export function histogramSVG({ edges = [], counts = [] } = {}, { label, xLabel = "activation", yLabel = "count" } = {}) {
-  const W = 340;
+export function histogramSVG({ edges = [], counts = [] } = {},
+  { label, xLabel = "activation", yLabel = "count", width = 340 } = {}) {
+  const W = width;
   const H = 170;
   const L = 40;
   const R = 8;
@@ -40,13 +41,13 @@ export function histogramSVG({ edges = [], counts = [] } = {}, { label, xLabel =
     svg("text", { x: L - 4, y: T + 8, "text-anchor": "end" }, String(top)),
     svg("text", { x: L - 4, y: H - B, "text-anchor": "end" }, "0"),
     svg("text", { x: 12, y: (T + H - B) / 2, "text-anchor": "middle", transform: `rotate(-90 12 ${(T + H - B) / 2})` }, yLabel));
-  const width = (W - L - R) / Math.max(1, n);
+  const step = (W - L - R) / Math.max(1, n);
   counts.forEach((count, i) => {
     const h = ((H - B - T) * count) / top;
     const lo = edges[i];
     const hi = edges[i + 1];
     root.append(svg("rect", {
-      class: "hist-bar", x: L + i * width + 0.5, y: H - B - h, width: Math.max(0.5, width - 1), height: h,
+      class: "hist-bar", x: L + i * step + 0.5, y: H - B - h, width: Math.max(0.5, step - 1), height: h,
       "data-lo": lo, "data-hi": hi, "data-count": count,
     }, svg("title", {}, `${short(Number(lo))} to ${short(Number(hi))}: ${count}`)));
   });

@@ -91,7 +91,7 @@ function renderSummary() {
       el("a", { href: featureHref(run.sae_id, i), class: "mono" }, String(i))]), dense.length > 50 ? ` … (${dense.length})` : ""]
     : []));
   $("#l0-plot").replaceChildren(s.l0?.histogram
-    ? histogramSVG(s.l0.histogram, { xLabel: "active features per token", yLabel: "tokens",
+    ? histogramSVG(s.l0.histogram, { xLabel: "active features per token", yLabel: "tokens", width: 720,
       label: `L0 histogram of run ${run.id}: mean ${fmtNumber(s.l0.mean, 2)} active features per token` })
     : "");
 }
