@@ -778,7 +778,8 @@ VARIABLES: tuple[Var, ...] = (
         30.0,
         "Seconds without a heartbeat after which a batch's runner (a Celery worker, or the "
         "embedded process) counts as gone: the next start-up or worker takes the batch over "
-        "and re-runs the lines that were running but not answered.",
+        "and re-runs the lines that were running but not answered. A feature dashboard run's "
+        "runner counts as gone after the same time (the run resumes from its last checkpoint).",
         minimum=1,
     ),
     Var(
@@ -789,7 +790,10 @@ VARIABLES: tuple[Var, ...] = (
         "Seconds between two sweeps of the batch sweeper (a thread of the embedded server "
         "and of every Celery worker of the batches queue): a batch whose runner's heartbeat "
         "is stale is queued for a new runner, one left finalizing is finalized again, and "
-        "one past its completion window with no live runner ends expired.",
+        "one past its completion window with no live runner ends expired. The dashboards "
+        "sweeper (the embedded server, every worker of the dashboards queue) runs as often: a "
+        "dashboard run whose runner is stale is queued for a new runner, a cancel no runner "
+        "saw ends cancelled.",
         minimum=1,
     ),
     Var(
