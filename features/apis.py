@@ -266,7 +266,7 @@ class FeatureDetailApi(APIView):
     def get(self, request, sae_id: str, index: str) -> Response:
         sae = registry_selectors.sae_get(sae_id=sae_id)
         value = feature_index(sae, index)
-        row = selectors.feature_dashboard(sae.id, value)
+        row = selectors.feature_dashboard(sae.id, value, principal(request))
         return envelope(
             {
                 "sae_id": sae.id,
@@ -295,4 +295,8 @@ class FeatureSearchApi(APIView):
     def get(self, request, sae_id: str) -> Response:
         query = validated(SearchQuery, request.query_params)
         registry_selectors.sae_get(sae_id=sae_id)
-        return envelope(selectors.search_features(sae_id, query["q"], query["token"], query["limit"], query["offset"]))
+        return envelope(
+            selectors.search_features(
+                sae_id, query["q"], query["token"], query["limit"], query["offset"], principal(request)
+            )
+        )

@@ -41,17 +41,28 @@ def runs_for(sae_id: str) -> QuerySet:
     return DashboardRun.objects.filter(sae_id=sae_id).order_by("-created_at", "-id")
 
 
-def latest_run(sae_id: str) -> DashboardRun | None:
-    """The SAE's newest complete run (the one every feature read takes)."""
+def visible_runs(principal: Principal | None) -> Q:
+    """The runs whose figures a caller may read: a run over the sample corpus is
+    everyone's; a run over a /v1 file keeps that file's text in its contexts, so it is its
+    owner's (as the file is); an admin key, and the server itself (None), read all."""
+    if principal is None or principal.admin:
+        return Q()
+    return Q(corpus=DashboardRun.Corpus.SAMPLE) | Q(owner=principal.owner)
+
+
+def latest_run(sae_id: str, principal: Principal | None = None) -> DashboardRun | None:
+    """The SAE's newest complete run the caller may read (the one every feature read takes)."""
     return (
-        DashboardRun.objects.filter(sae_id=sae_id, complete=True).order_by("-finished_at", "-created_at", "-id").first()
+        DashboardRun.objects.filter(visible_runs(principal), sae_id=sae_id, complete=True)
+        .order_by("-finished_at", "-created_at", "-id")
+        .first()
     )
 
 
-def feature_dashboard(sae_id: str, index: int) -> FeatureDashboard | None:
+def feature_dashboard(sae_id: str, index: int, principal: Principal | None = None) -> FeatureDashboard | None:
     """The feature's row of the newest complete run, or None (no complete run, or the
     feature never fired in it and has no logit effect)."""
-    run = latest_run(sae_id)
+    run = latest_run(sae_id, principal)
     if run is None:
         return None
     return FeatureDashboard.objects.filter(run=run, index=index).first()
@@ -100,7 +111,12 @@ def _token_places(row: dict[str, Any], token: str) -> tuple[float, list[str]]:
 
 
 def search_features(
-    sae_id: str, q: str | None = None, token: str | None = None, limit: int = 20, offset: int = 0
+    sae_id: str,
+    q: str | None = None,
+    token: str | None = None,
+    limit: int = 20,
+    offset: int = 0,
+    principal: Principal | None = None,
 ) -> dict[str, Any]:
     """The SAE's features ranked by how well they match: ``q``'s words in the feature's
     label (weight 3), its explanations (1 each) and its top contexts' and logit effects'
@@ -111,7 +127,7 @@ def search_features(
     ``token:<word>``, ``logit_top``, ``top_context_max``...)."""
     words = sorted({w.lower() for w in WORD.findall(q or "")})
     wanted = _norm(token or "")
-    run = latest_run(sae_id)
+    run = latest_run(sae_id, principal)
     rows = FeatureDashboard.objects.filter(run=run) if run is not None else FeatureDashboard.objects.none()
     labels = _labels(sae_id)
     hits: dict[int, dict[str, Any]] = {}

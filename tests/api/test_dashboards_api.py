@@ -243,11 +243,15 @@ def test_an_unknown_sae_is_404(api, keys):
 # --------------------------------------------------------------------------- features
 
 
-def completed_run(sae, *, complete: bool = True, status: str = "completed", owner: str = "key:alice") -> DashboardRun:
+def completed_run(
+    sae, *, complete: bool = True, status: str = "completed", owner: str = "key:alice", file_id: str = ""
+) -> DashboardRun:
     return DashboardRun.objects.create(
         sae=sae,
         layer=1,
         owner=owner,
+        corpus="file" if file_id else "sample",
+        corpus_file_id=file_id,
         token_budget=64,
         status=status,
         complete=complete,
@@ -259,7 +263,7 @@ def completed_run(sae, *, complete: bool = True, status: str = "completed", owne
 
 
 def feature_row(run: DashboardRun, index: int, *, density: float, tokens: str = "", **extra) -> FeatureDashboard:
-    return FeatureDashboard.objects.create(
+    fields = dict(
         run=run,
         sae=run.sae,
         index=index,
@@ -281,8 +285,9 @@ def feature_row(run: DashboardRun, index: int, *, density: float, tokens: str = 
         logit_top=[{"token_id": 9, "token": " Eiffel", "value": 1.25}],
         logit_bottom=[{"token_id": 8, "token": " bread", "value": -0.75}],
         search_tokens=tokens,
-        **extra,
     )
+    fields.update(extra)
+    return FeatureDashboard.objects.create(**fields)
 
 
 def test_a_feature_with_no_dashboard_yet(api, sae):
@@ -374,3 +379,26 @@ def test_bad_search_queries_are_422(api, sae, query, field):
 def test_bad_list_queries_are_422(api, sae, query, field):
     error = refused(api.get(f"/api/saes/{sae.id}/dashboards", query, **as_(ALICE)), 422, "VALIDATION_ERROR")
     assert field in error["details"]["fields"]
+
+
+def test_a_file_runs_text_is_its_owners_only(api, sae):
+    """A run over alice's file holds her text in its top contexts: bob's feature page and
+    search read the newest run he may see (the sample's), never hers; alice and the admin
+    see hers, the newest."""
+    sample = completed_run(sae, owner="key:root")
+    feature_row(sample, 5, density=0.25, tokens="the paris sky eiffel bread")
+    private = completed_run(sae, file_id="file-alice")
+    feature_row(
+        private,
+        5,
+        density=0.5,
+        tokens="alice secret diary",
+        top_contexts=[{"context": 0, "tokens": [" secret"], "activations": [1.0], "max_position": 0}],
+    )
+    assert ok(api.get(f"/api/saes/{sae.id}/features/5", **as_(BOB)))["run_id"] == sample.id
+    assert ok(api.get(f"/api/saes/{sae.id}/features/5", **as_(ALICE)))["run_id"] == private.id
+    assert ok(api.get(f"/api/saes/{sae.id}/features/5", **as_(ROOT)))["run_id"] == private.id
+    for query in ({"token": "secret"}, {"q": "diary"}):
+        assert ok(api.get(f"/api/saes/{sae.id}/features", query, **as_(BOB))) == {"features": [], "total": 0}
+        assert [f["index"] for f in ok(api.get(f"/api/saes/{sae.id}/features", query, **as_(ALICE)))["features"]] == [5]
+    assert ok(api.get(f"/api/saes/{sae.id}/features", {"token": "paris"}, **as_(BOB)))["total"] == 1
