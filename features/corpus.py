@@ -152,17 +152,19 @@ def pack_contexts(token_lists: Iterable[list[int]], *, context_tokens: int, budg
         raise ValueError("budget must be at least 1")
     contexts: list[list[int]] = []
     current: list[int] = []
-    taken = 0
+    left = budget
     for tokens in token_lists:
-        for token in tokens:
-            current.append(int(token))
-            taken += 1
+        tokens = [int(t) for t in tokens[:left]]
+        left -= len(tokens)
+        at = 0
+        while at < len(tokens):
+            room = context_tokens - len(current)
+            current.extend(tokens[at : at + room])
+            at += room
             if len(current) == context_tokens:
                 contexts.append(current)
                 current = []
-            if taken >= budget:
-                break
-        if taken >= budget:
+        if not left:
             break
     if len(current) >= 2:
         contexts.append(current)
