@@ -910,7 +910,7 @@ VARIABLES: tuple[Var, ...] = (
         "An OpenAI-compatible endpoint (its /v1 base URL, e.g. http://127.0.0.1:8000/v1 for "
         "this server's own) that writes explanations of features from their top contexts "
         "(POST /api/saes/{id}/explanations/generate). Empty: automatic explanations are "
-        "refused with 409 explainer_not_configured.",
+        "refused with 409 EXPLAINER_NOT_CONFIGURED; the generation runs in the request.",
     ),
     Var(
         "EXPLAINER_MODEL",
@@ -932,7 +932,8 @@ VARIABLES: tuple[Var, ...] = (
         "Feature dashboards",
         "float",
         120.0,
-        "Seconds one call to the explainer may take before the explanation fails.",
+        "Seconds one call to the explainer may take: past it, that feature's explanation fails "
+        "(reported in the answer, nothing stored for it).",
         minimum=1,
     ),
     # --- Capture --------------------------------------------------------------------
