@@ -129,10 +129,19 @@ def test_start_list_get_and_cancel_a_run(api, attached):
     assert ok(api.get(f"/api/saes/{attached.id}/dashboards", **as_(BOB))) == {"runs": [], "total": 0}
     assert ok(api.get(f"/api/saes/{attached.id}/dashboards", **as_(ROOT)))["total"] == 1
 
+    # no runner holds a queued run (nothing committed here dispatches it): cancelled at once
     cancelled = ok(api.post(f"/api/dashboards/{row.id}/cancel", **as_(ALICE)))
-    assert cancelled["id"] == row.id and cancelled["status"] in ("cancelled", "cancelling")
-    assert DashboardRun.objects.get().status == cancelled["status"]
+    assert (cancelled["id"], cancelled["status"], cancelled["complete"]) == (row.id, "cancelled", False)
+    assert cancelled["finished_at"] is not None
+    assert DashboardRun.objects.get().status == "cancelled"
     assert FeatureDashboard.objects.count() == 0
+    assert ok(api.post(f"/api/dashboards/{row.id}/cancel", **as_(ALICE)))["status"] == "cancelled"
+
+
+def test_a_run_that_ended_cannot_be_cancelled(api, sae):
+    run = completed_run(sae)
+    refused(api.post(f"/api/dashboards/{run.id}/cancel", **as_(ALICE)), 409, "DASHBOARD_NOT_CANCELLABLE")
+    assert DashboardRun.objects.get().status == "completed"
 
 
 def test_a_run_over_the_callers_own_file(api, attached):
@@ -150,7 +159,8 @@ def test_another_keys_run_is_404_and_unchanged(api, attached):
     refused(api.post(f"/api/dashboards/{run['id']}/cancel", **as_(BOB)), 404, "DASHBOARD_NOT_FOUND")
     assert DashboardRun.objects.get().status == "queued"
     # the admin may cancel anyone's
-    assert ok(api.post(f"/api/dashboards/{run['id']}/cancel", **as_(ROOT)))["status"] in ("cancelled", "cancelling")
+    assert ok(api.post(f"/api/dashboards/{run['id']}/cancel", **as_(ROOT)))["status"] == "cancelled"
+    assert DashboardRun.objects.get().status == "cancelled"
 
 
 def test_an_unknown_run_is_404(api, keys):
