@@ -57,6 +57,7 @@ VLLM_ENV = {
     "VLLM_DO_NOT_TRACK": "1",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
     "VLLM_DISTRIBUTED_EXECUTOR": "uni",
+    "VLLM_LOGGING_LEVEL": "WARNING",
 }
 TERMINAL = ("completed", "failed", "cancelled")
 
