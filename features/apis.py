@@ -40,7 +40,7 @@ class DashboardStartInput(serializers.Serializer):
         default="text",
         max_length=100,
         error_messages={"invalid": "a JSON field name: letters, digits, _ and -, at most 100"},
-        help_text="the JSONL rows' text field (a file of plain text lines needs none)",
+        help_text="the field of the file's JSONL rows that holds the text (read only for a file)",
     )
     token_budget = serializers.IntegerField(min_value=1, help_text="corpus tokens to read, ≤ DASHBOARD_MAX_TOKENS")
     context_tokens = serializers.IntegerField(required=False, default=64, min_value=8, max_value=1024)

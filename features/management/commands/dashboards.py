@@ -56,7 +56,7 @@ class Command(BaseCommand):
         parser.add_argument("--list", action="store_true", help="list the SAE's dashboard runs, newest first")
         corpus = parser.add_mutually_exclusive_group()
         corpus.add_argument("--sample", action="store_true", help="the built-in offline sample corpus (default)")
-        corpus.add_argument("--file-id", default=None, help="a /v1/files upload: text lines or JSONL rows")
+        corpus.add_argument("--file-id", default=None, help="a /v1/files upload: JSONL rows, the text in --text-field")
         parser.add_argument("--text-field", default="text", help="the JSONL rows' text field (default text)")
         parser.add_argument("--budget", type=int, default=None, help="corpus tokens to read (≤ DASHBOARD_MAX_TOKENS)")
         parser.add_argument("--context-tokens", type=int, default=64)
