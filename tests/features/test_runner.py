@@ -449,3 +449,51 @@ def test_the_sweeper_resumes_a_run_whose_runner_died_and_ends_a_cancel_nobody_ra
     assert DashboardRun.objects.get(id=alive.id).runner == "here:3"  # a live runner keeps its run
     assert sweep_once() == {"cancelled": 0, "resumed": 0}
     DashboardRun.objects.filter(id=alive.id).update(status="cancelled", runner=None)
+
+
+def test_a_run_over_a_file_reads_its_text_field_and_a_bad_file_is_refused(sae, tiny_assets):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from batches.files import file_create
+    from core.auth import Principal
+    from features.errors import InvalidCorpus
+    from features.services import dashboard_start
+
+    texts = [f"The {word} sat by the river at dawn, counting boats." for word in ("heron", "fisher", "child", "dog")]
+    rows = [json.dumps({"body": t, "text": "not this field"}) for t in texts]
+    upload = file_create(filename="c.jsonl", purpose="batch", content="\n".join(rows).encode(), owner="key:alice")
+    alice = Principal(owner="key:alice", label="alice", admin=False)
+    run = dashboard_start(
+        sae_id=sae.id,
+        principal=alice,
+        corpus="file",
+        file_id=upload.id,
+        text_field="body",
+        token_budget=10_000,
+        context_tokens=16,
+    )
+    done = wait_run(run.id)
+    assert done.status == "completed" and done.owner == "key:alice", done.error
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets.models["tiny-llama"].path))
+    flat = [i for t in texts for i in tok(t, add_special_tokens=False)["input_ids"]]
+    kept = [c for c in (flat[i : i + 16] for i in range(0, len(flat), 16)) if len(c) >= 2]
+    assert done.contexts_total == done.contexts_done == len(kept)
+    assert done.tokens_done == sum(len(c) for c in kept) == done.summary["tokens"]
+
+    # a field the rows lack, and another owner's file: refused before anything is queued
+    with pytest.raises(InvalidCorpus) as refused_field:
+        dashboard_start(
+            sae_id=sae.id, principal=alice, corpus="file", file_id=upload.id, text_field="title", token_budget=64
+        )
+    assert refused_field.value.status == 400 and refused_field.value.details["param"] == "text_field"
+    from batches.errors import FileNotFound
+
+    bob = Principal(owner="key:bob", label="bob", admin=False)
+    with pytest.raises(FileNotFound) as other:
+        dashboard_start(sae_id=sae.id, principal=bob, corpus="file", file_id=upload.id, token_budget=64)
+    assert other.value.details["param"] == "file_id"
+    from features.models import DashboardRun
+
+    assert DashboardRun.objects.count() == 1
