@@ -262,6 +262,7 @@ def test_the_feature_page_shows_the_stored_dashboard(server, slow_hub, copy_sae,
     page.locator("#transcript-steered .heat-cell").first.focus()
     link = page.locator(f"#transcript-steered .heat-features a[data-feature='{index}']")
     assert link.get_attribute("href") == f"/features/{copy_sae}/{index}/"
+    assert link.inner_text() == f"feature {index}: rain and weather words"  # with its label
     link.click()
     page.wait_for_url(f"**/features/{copy_sae}/{index}/")
     page.wait_for_selector("#top-contexts .heat-strip")

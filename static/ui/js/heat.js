@@ -100,7 +100,8 @@ function legend(scale, what) {
 /**
  * The strip of one generated answer. With `entry.saeId`, the line under the readout links
  * each feature of the focused or hovered cell (the one it is coloured by and the
- * position's top features) to its feature page: "open its dashboard".
+ * position's top features) to its feature page: "open its dashboard", with its label from
+ * `entry.labels` ({index: label}) when it has one.
  */
 export function heatStrip(entry, scale) {
   const cells = cellsOf(entry);
@@ -125,13 +126,14 @@ export function heatStrip(entry, scale) {
   let links = null;
   if (entry.saeId) {
     linkLine = el("div", { class: "heat-features small" });
+    const label = (f) => (entry.labels?.[f] ? `: ${entry.labels[f]}` : "");
     links = (cell) => {
       const indices = (cell.dataset.features || "").split(",").filter(Boolean);
       const token = [...strip.children].indexOf(cell) + 1;
       linkLine.replaceChildren(...(indices.length
         ? [`Token ${token}'s features — open its dashboard: `, ...indices.flatMap((f, k) => [k ? " · " : "",
           el("a", { href: featureHref(entry.saeId, f), class: "feature-link", dataset: { feature: f },
-            "aria-label": `Open the dashboard of feature ${f} (token ${token})` }, `feature ${f}`)])]
+            "aria-label": `Open the dashboard of feature ${f}${label(f)} (token ${token})` }, `feature ${f}${label(f)}`)])]
         : []));
     };
   }

@@ -10,7 +10,7 @@
 // "Steer with it"): ?sae_id=…&feature=…&strength=…[&layer=…] selects "these features"
 // with that line, and colours the heat strip by that feature of that SAE.
 
-import { get, streamV1 } from "../api.js";
+import { get, getJSON, streamV1 } from "../api.js";
 import { $, boot, describeError, el, notice, numberFrom, showError } from "../dom.js";
 import { controlEntries, controlRow, steeringReport } from "../controls.js";
 import { heatStrip, stripScale } from "../heat.js";
@@ -130,8 +130,9 @@ async function runColumn(key, userText, extra, settings, heat, signal) {
     }
     const acts = millm?.sae_activations;
     if (acts) {
+      const saeId = acts.sae_id || heat?.req.sae_id;
       const entry = { node: el("div"), tokens, acts, feature: heat?.req.features?.[0] ?? null,
-        saeId: acts.sae_id || heat?.req.sae_id };
+        saeId, labels: await labelsOf(saeId) };
       col.strips.push(entry);
       reply.node.append(entry.node);
       redrawStrips();
@@ -142,6 +143,17 @@ async function runColumn(key, userText, extra, settings, heat, signal) {
     meta.replaceChildren(el("span", { class: "status-text bad" }, describeError(err)));
     throw err;
   }
+}
+
+/** The SAE's feature labels (GET /ui/saes/{id}/labels), read once per SAE; none on a refusal. */
+const labelCache = new Map();
+function labelsOf(saeId) {
+  if (!saeId) return Promise.resolve({});
+  if (!labelCache.has(saeId)) {
+    labelCache.set(saeId, getJSON(`/ui/saes/${encodeURIComponent(saeId)}/labels`)
+      .then((d) => d.labels || {}).catch(() => ({})));
+  }
+  return labelCache.get(saeId);
 }
 
 /** Both columns share one colour scale, so steered and unsteered strips compare. */
