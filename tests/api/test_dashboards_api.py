@@ -232,6 +232,21 @@ def test_another_keys_file_is_404_and_no_run(api, attached):
     assert DashboardRun.objects.get().owner == "key:alice"
 
 
+def test_a_corpus_without_the_text_field_and_an_sae_not_attached_are_refused(api, attached, llama_saes):
+    file_id = alice_file("body")
+    body = {"corpus": "file", "file_id": file_id, "token_budget": 64}
+    error = refused(start(api, attached.id, body), 400, "INVALID_CORPUS")
+    assert error["details"]["param"] == "text_field"
+    error = refused(
+        start(api, attached.id, {"corpus": "sample", "token_budget": 64, "layer": 2}), 409, "SAE_NOT_ATTACHED"
+    )
+    assert error["details"]["layers"] == [1]
+    other = llama_saes["tiny-llama-L3-relu"]
+    error = refused(start(api, other.id, {"corpus": "sample", "token_budget": 64}), 409, "SAE_NOT_ATTACHED")
+    assert error["details"]["layers"] == []
+    assert DashboardRun.objects.count() == 0
+
+
 def error_code_of_file() -> str:
     return "FILE_NOT_FOUND"
 
