@@ -344,9 +344,12 @@ class FeatureAccumulator:
         if active.size:  # row by row as np.linspace(0, max, bins + 1) (all maxima are > 0)
             edges[active] = np.linspace(0.0, self.max[active], bins + 1, axis=1)
         hist = np.zeros(d * bins, np.int64)
-        ctx_span = (max(self._done) + 1) if self._done else 1
+        # (feature, context) pairs as one integer, by the context's rank among those added
+        done = np.sort(np.array(self._done, np.int64))
+        ctx_span = max(done.size, 1)
         valid_top = self.top_ctx >= 0
-        top_keys = np.unique((np.arange(d)[:, None] * ctx_span + self.top_ctx)[valid_top])
+        top_rank = np.searchsorted(done, self.top_ctx)
+        top_keys = np.unique((np.arange(d)[:, None] * ctx_span + top_rank)[valid_top])
         n_slots = d * bands * spb
         s_key = np.full(n_slots, _MASK, np.uint64)
         s_ctx = np.full(n_slots, -1, np.int64)
@@ -379,7 +382,7 @@ class FeatureAccumulator:
             where = np.minimum.reduceat(np.where(at_peak, np.arange(v.size), v.size), first)
             g, c, p = g[first], c[first], pos[order][where]
             # the feature's top contexts are not sampled again
-            keep = ~np.isin((g // bands) * ctx_span + c, top_keys)
+            keep = ~np.isin((g // bands) * ctx_span + np.searchsorted(done, c), top_keys)
             g, c, p = g[keep], c[keep], p[keep]
             if not g.size:
                 continue

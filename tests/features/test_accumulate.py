@@ -326,3 +326,23 @@ def test_token_texts_a_database_cannot_hold_are_made_safe(tmp_path):
     text = json.dumps(rows, ensure_ascii=False)
     assert "\x00" not in text and "\\u0000" not in text
     text.encode("utf-8")  # no lone surrogate left
+
+
+def test_any_context_ids_give_the_same_dashboards(tmp_path):
+    """Context ids are labels: large, sparse ids (ranked as 0..n are) change nothing else."""
+    corpus = make_corpus(seed=10, contexts=30)
+    small = new(tmp_path, name="small")
+    feed(small, corpus)
+    big = new(tmp_path, name="big")
+    feed(big, [{**item, "context": 10**15 + 7 * item["context"]} for item in corpus])
+    rows_small, summary_small = small.finish(None)
+    rows_big, summary_big = big.finish(None)
+    assert summary_big == summary_small
+    for row in rows_big:
+        for window in row["top_contexts"] + [w for band in row["quantile_samples"] for w in band["contexts"]]:
+            window["context"] = (window["context"] - 10**15) // 7
+    # the samples' random keys hash the ids, so only the top contexts must match exactly
+    for a, b in zip(rows_small, rows_big):
+        assert {k: v for k, v in a.items() if k != "quantile_samples"} == {
+            k: v for k, v in b.items() if k != "quantile_samples"
+        }
