@@ -48,13 +48,17 @@ def sample_texts() -> list[str]:
     return list(_sample())
 
 
-def _lines(chunks: Iterable[bytes], param: str) -> Iterator[tuple[int, bytes]]:
+def _lines(chunks: Iterable[bytes | bytearray | memoryview | str], param: str) -> Iterator[tuple[int, bytes]]:
     """Split a byte stream into (line number, line) without holding more than one line."""
     pending = bytearray()
     number = 0
     for chunk in chunks:
         if not chunk:
             continue
+        if isinstance(chunk, str):
+            chunk = chunk.encode("utf-8", "surrogateescape")
+        elif not isinstance(chunk, bytes):
+            chunk = bytes(chunk)  # a memoryview's ``in`` compares single bytes as ints
         if b"\x00" in chunk:
             raise CorpusError("corpus_not_text", "the corpus is binary (it holds NUL bytes), not text", param)
         pending += chunk

@@ -166,3 +166,9 @@ def test_pack_contexts_refuses_nonsense_sizes():
         pack_contexts([[1, 2, 3]], context_tokens=1, budget=10)
     with pytest.raises(ValueError):
         pack_contexts([[1, 2, 3]], context_tokens=4, budget=0)
+
+
+def test_chunks_may_be_memoryviews_or_text():
+    assert list(parse_corpus([memoryview(b"one\ntw"), bytearray(b"o\n"), "thr", "ee"])) == ["one", "two", "three"]
+    for chunk in (memoryview(b"text\x00more"), bytearray(b"\x00"), "nul\x00"):
+        assert refused([chunk]).code == "corpus_not_text"
