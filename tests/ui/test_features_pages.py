@@ -16,7 +16,9 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
+import urllib.error
 import urllib.parse
+import urllib.request
 import sys
 
 import numpy as np
@@ -493,3 +495,49 @@ def test_a_refused_start_is_said_and_starts_nothing(server, page):
     page.click("#d-start")
     page.wait_for_selector(".notice.error:has-text('Token budget must be')")
     assert server.api("GET", f"/api/saes/{sae}/dashboards")["total"] == total
+
+
+def _status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=30) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def test_odd_feature_urls_and_presets_are_refused_plainly(server, page):
+    """Page URLs outside the pattern are 404s; an unknown SAE is the API's refusal, said in
+    the page; a playground preset that is not a feature and a strength fills nothing, and
+    markup in it stays text."""
+    sae = server.sae_id
+    assert _status(f"{server.url}/features/{sae}/3/") == 200
+    for bad in (
+        f"/features/{sae}/1234567890/",
+        f"/features/{sae}/-1/",
+        "/features/sae_a%2F..%2Fb/1/",
+        "/features/x/1/",
+    ):
+        assert _status(server.url + bad) == 404, bad
+    page.goto(f"{server.url}/features/sae_nope/3/")
+    page.wait_for_selector(".notice.error")
+    assert "SAE_NOT_FOUND" in page.inner_text("#f-label")
+    assert [e for e in page.console.errors if "status of 404" not in e] == []
+    page.console.errors.clear()
+
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    markup = "<img src=x onerror=alert(1)>"
+    page.goto(f"{server.url}/playground/?" + urllib.parse.urlencode({"sae_id": markup, "feature": "abc"}))
+    error = page.locator(".notice.error")
+    error.wait_for()
+    assert "is not a feature index and a strength: ignored" in error.inner_text()
+    assert page.locator("input[name=steer-mode][value=live]").is_checked()
+    page.goto(
+        f"{server.url}/playground/?" + urllib.parse.urlencode({"sae_id": markup, "feature": "4", "strength": "3"})
+    )
+    error = page.locator(".notice.error")
+    error.wait_for()
+    assert f"SAE {markup} is not attached" in error.inner_text()  # said as text
+    assert page.input_value("#inline-features") == "4: 3"
+    assert page.locator("#notices img").count() == 0 and dialogs == []
+    page.console.assert_clean()
