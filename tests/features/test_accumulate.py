@@ -104,6 +104,7 @@ def test_figures_equal_a_float64_recomputation(tmp_path, monkeypatch):
     acc = new(tmp_path)
     feed(acc, corpus)
     rows, summary = acc.finish(None)
+    assert json.loads(json.dumps([rows, summary])) == [rows, summary]  # plain JSON types, stored as they are
 
     allrows = np.concatenate([item["dense"] for item in corpus]).astype(np.float64)
     tokens = allrows.shape[0]
