@@ -428,3 +428,16 @@ def test_an_unreachable_explainer_is_502_and_stores_nothing(api, sae, dashboard,
     settings.EXPLAINER_BASE_URL, settings.EXPLAINER_TIMEOUT_S = base_url, 5
     refused(_generate(api, sae, [5]), 502, "EXPLAINER_FAILED")
     assert not FeatureExplanation.objects.filter(sae=sae).exists()
+
+
+def test_the_admin_lists_explanations_and_the_neuronpedia_id(staff_client, sae):
+    row = FeatureExplanation.objects.create(
+        sae=sae, index=12, description="sea creatures", source="explainer", provenance={"model": "m"}, score=0.75
+    )
+    listing = staff_client.get("/admin/registry/featureexplanation/?q=creatures")
+    assert listing.status_code == 200
+    assert b"sea creatures" in listing.content and b"0.75" in listing.content
+    assert staff_client.get(f"/admin/registry/featureexplanation/{row.pk}/change/").status_code == 200
+    saes = staff_client.get("/admin/registry/sae/?q=1-res-test")
+    assert saes.status_code == 200 and NP_ID.encode() in saes.content
+    assert b"np-sae" in saes.content
