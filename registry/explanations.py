@@ -32,6 +32,7 @@ from registry.models import SAE, FeatureExplanation
 MAX_IMPORT_BYTES = 16 * 2**20
 MAX_ROWS = 200_000
 MAX_DESCRIPTION_CHARS = 2000
+MAX_INDEX = 2**31 - 1  # the column's range
 EXPLANATION_FORMATS = ("json", "jsonl")
 
 
@@ -202,7 +203,7 @@ def _index_of(row: dict[str, Any], number: int) -> int:
         raw = None
     if isinstance(raw, str) and raw.strip().isascii() and raw.strip().isdigit():
         raw = int(raw.strip())
-    if not isinstance(raw, int) or raw < 0:
+    if not isinstance(raw, int) or raw < 0 or raw > MAX_INDEX:
         raise _refuse(number, "index must be a non-negative integer (or a string of digits)")
     return raw
 
@@ -283,7 +284,7 @@ def explanations_import(
                 provenance["file"] = filename[:200]
             for name in ("modelId", "layer", "typeName", "authorId", "scores", "millmSource"):
                 if name in row and row[name] not in (None, "", []):
-                    provenance[name] = row[name]
+                    provenance[name] = _kept(row[name])
             new.append(
                 FeatureExplanation(
                     sae=sae,
@@ -291,9 +292,9 @@ def explanations_import(
                     description=description,
                     source=FeatureExplanation.Source.NEURONPEDIA,
                     explainer_model=model_name[:300],
-                    provenance=_json_safe(provenance),
+                    provenance={k: v for k, v in provenance.items() if v is not None},
                     score=_score_of(row),
-                    score_detail=row["scoreDetail"] if isinstance(row.get("scoreDetail"), dict) else {},
+                    score_detail=(_kept(row["scoreDetail"]) or {}) if isinstance(row.get("scoreDetail"), dict) else {},
                     created_by=created_by[:200],
                 )
             )
@@ -307,12 +308,12 @@ def explanations_import(
     }
 
 
-def _json_safe(value: Any) -> Any:
-    """Provenance kept from a row, at most a few KiB of it."""
-    text = json.dumps(value, default=str)
-    if len(text) > 8192:
-        return {k: v for k, v in value.items() if k != "scores"}
-    return value
+def _kept(value: Any) -> Any:
+    """A row's field kept in provenance: a string cut to 300 characters, anything else
+    only when its JSON is at most 4 KiB (None: dropped)."""
+    if isinstance(value, str):
+        return value[:300]
+    return value if len(json.dumps(value, default=str)) <= 4096 else None
 
 
 # --------------------------------------------------------------------------- export

@@ -147,6 +147,7 @@ def test_several_neuronpedia_saes_into_an_sae_without_id_needs_one_named(api, ti
         (json.dumps([{"index": 1, "description": "ok"}, {"index": 2}]).encode(), 2),
         (json.dumps([{"index": 1, "description": "ok"}, {"index": -4, "description": "x"}]).encode(), 2),
         (json.dumps([{"index": True, "description": "x"}]).encode(), 1),
+        (json.dumps([{"index": 0, "description": "ok"}, {"index": 2**40, "description": "x"}]).encode(), 2),
         (json.dumps([{"index": 1, "description": "ok"}, "not an object"]).encode(), 2),
         (b'{"index": 1, "description": "a"}\n{"index": 2, "description": "b"}\n{"index": 3, "descr', 3),
     ],
