@@ -16,6 +16,7 @@ from rest_framework.views import APIView
 
 from core.api import envelope, validated
 from core.auth import principal
+from core.errors import InvalidFeatureIndex
 from core.schema import MAX_INDEX, MAX_LAYER, enveloped
 from features import selectors, services
 from features.models import DashboardRun, FeatureDashboard
@@ -192,10 +193,7 @@ class DashboardListCreateApi(APIView):
     def get(self, request, sae_id: str) -> Response:
         query = validated(RunListQuery, request.query_params)
         registry_selectors.sae_get(sae_id=sae_id)
-        who = principal(request)
-        runs = selectors.runs_for(sae_id)
-        if not who.admin:
-            runs = runs.filter(owner=who.owner)
+        runs = selectors.runs_for(sae_id, principal(request))
         total = runs.count()
         page = runs[query["offset"] : query["offset"] + query["limit"]]
         return envelope({"runs": [run_out(r) for r in page], "total": total})
@@ -252,7 +250,10 @@ def feature_index(sae: Any, index: str) -> int:
     value = int(index)
     check_indices(sae_id=sae.id, d_sae=sae.d_sae, indices=[value], param="index")
     if value > MAX_INDEX:  # d_sae unknown: the database's integer column still bounds it
-        check_indices(sae_id=sae.id, d_sae=MAX_INDEX, indices=[value], param="index")
+        raise InvalidFeatureIndex(
+            f"Feature index {value} is out of range (at most {MAX_INDEX})",
+            details={"param": "index", "feature_idx": value, "sae_id": sae.id, "d_sae": sae.d_sae},
+        )
     return value
 
 

@@ -36,9 +36,13 @@ def dashboard_get(run_id: str, principal: Principal) -> DashboardRun:
     return run
 
 
-def runs_for(sae_id: str) -> QuerySet:
-    """The SAE's runs, newest first."""
-    return DashboardRun.objects.filter(sae_id=sae_id).order_by("-created_at", "-id")
+def runs_for(sae_id: str, principal: Principal | None = None) -> QuerySet:
+    """The SAE's runs, newest first: the caller's own (an admin key, or None for the
+    server itself: everyone's)."""
+    query = DashboardRun.objects.filter(sae_id=sae_id)
+    if principal is not None and not principal.admin:
+        query = query.filter(owner=principal.owner)
+    return query.order_by("-created_at", "-id")
 
 
 def visible_runs(principal: Principal | None) -> Q:
