@@ -265,6 +265,8 @@ def dashboard(sae, budget: int, context_tokens: int) -> dict:
         "tok_s": run.tokens_done / dt,
         "features_stored": run.dashboards.count(),
         "timing": {**PHASES, "total": dt},
+        # the corpus pass alone (engine and accumulating): what a larger budget tends to
+        "pass_tok_s": run.tokens_done / PHASES["corpus_pass"] if PHASES.get("corpus_pass") else None,
         "backend": summary.get("backend"),
     }
 
@@ -292,7 +294,7 @@ def main() -> None:
     plain_forward(ctxs[: args.rows], args.rows, "warm")
     dashboard(sae, min(args.budget, args.rows * args.context_tokens), args.context_tokens)
 
-    plain, dash, ratios, loads = [], [], [], []
+    plain, dash, ratios, pass_ratios, loads = [], [], [], [], []
     for r in range(args.rounds):
         order = ("plain", "dashboard") if r % 2 == 0 else ("dashboard", "plain")
         got: dict = {}
@@ -305,6 +307,8 @@ def main() -> None:
         plain.append(got["plain"])
         dash.append(got["dashboard"])
         ratios.append(got["dashboard"]["tok_s"] / got["plain"])
+        if got["dashboard"]["pass_tok_s"]:
+            pass_ratios.append(got["dashboard"]["pass_tok_s"] / got["plain"])
         print(
             f"round {r}: plain {got['plain']:.0f} tok/s, dashboard {got['dashboard']['tok_s']:.0f} tok/s "
             f"({got['dashboard']['tokens']} tokens in {got['dashboard']['seconds']:.2f} s), "
@@ -330,6 +334,11 @@ def main() -> None:
         "dashboard_tok_s": statistics.median(d["tok_s"] for d in dash),
         "dashboard_over_plain": statistics.median(ratios),
         "ratios": ratios,
+        # the corpus pass alone ÷ plain, and the run's seconds outside it (reading the
+        # corpus, logit effects, finishing, storing): a budget B's ratio is about
+        # B / (B / pass_tok_s + fixed_s) / plain_tok_s
+        "pass_over_plain": statistics.median(pass_ratios) if pass_ratios else None,
+        "fixed_s": statistics.median(d["timing"]["total"] - d["timing"].get("corpus_pass", 0.0) for d in dash),
         "dashboard_tokens": dash[-1]["tokens"],
         "features_stored": dash[-1]["features_stored"],
         "timing_s": split or None,
@@ -343,6 +352,11 @@ def main() -> None:
     )
     if split:
         print("dashboard time split (s, median): " + ", ".join(f"{k} {v:.2f}" for k, v in split.items()))
+    if figures["pass_over_plain"] is not None:
+        print(
+            f"corpus pass alone ÷ plain {figures['pass_over_plain']:.3f}; "
+            f"{figures['fixed_s']:.2f} s of the run outside the corpus pass"
+        )
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
     os._exit(0)  # the engine's threads are daemons; skip their joins

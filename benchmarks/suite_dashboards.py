@@ -34,6 +34,15 @@ def group_dashboards(ctx: Ctx, missing: dict[str, str | None]) -> list[Row]:
                 **target(">=", 0.8, "issue 34"),
             )
         )
+        if r.get("pass_over_plain") is not None:
+            rows.append(
+                Row(
+                    GROUP,
+                    f"{backend}: the run's corpus pass alone (engine + accumulating) ÷ plain batched forward",
+                    r["pass_over_plain"],
+                    note=f"the run's other {r['fixed_s']:.1f} s (corpus, logit effects, finish, store) left out",
+                )
+            )
     return rows
 
 
