@@ -91,14 +91,6 @@ def explanation_out(row: FeatureExplanation) -> dict[str, Any]:
     }
 
 
-def label_pairs(pairs: Iterable[dict[str, Any]], labels: Mapping[int, str], key: str = "feature_index") -> None:
-    """Add ``label`` to each ``{feature_index, ...}`` dict whose feature has one (in place)."""
-    for pair in pairs:
-        label = labels.get(pair.get(key))  # type: ignore[arg-type]
-        if label is not None:
-            pair["label"] = label
-
-
 # --------------------------------------------------------------------------- labels file
 
 
