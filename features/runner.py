@@ -16,7 +16,8 @@ then:
    ``GenerationJob`` of ``priority="batch"``, unsteered, with a packed monitor entry on
    the prompt (every non-zero feature of every token); each context's records go to the
    ``FeatureAccumulator`` in context order (a context that finishes early waits for the
-   ones before it), so a run's figures do not depend on the engine's timing;
+   ones before it, at most AHEAD x DASHBOARD_ENGINE_ROWS of them), so a run's figures do
+   not depend on the engine's timing;
 4. every CHECKPOINT_CONTEXTS contexts saves the accumulator (``checkpoint.json`` names
    the last complete checkpoint; written after it, atomically): a runner that dies is
    resumed by the next from there;
@@ -62,6 +63,7 @@ CHECKPOINT_CONTEXTS = 256  # contexts between two checkpoints of the accumulator
 TOKENIZE_TEXTS = 256  # texts per tokenize command
 LOGIT_FEATURES = 4096  # features per feature_logits command
 LOGIT_TOP_N = 10
+AHEAD = 4  # contexts read ahead of the oldest not yet accumulated, in DASHBOARD_ENGINE_ROWS
 
 
 class _Stopped(Exception):
@@ -382,7 +384,9 @@ class _Runner:
                         contexts_done=done,
                         tokens_done=tokens_done,
                     )
-                while len(at_engine) < self.rows and submitted < total:
+                # a context the engine holds long (a slow row) stops the sending once the
+                # others are AHEAD times the rows past it: what waits for it stays bounded
+                while len(at_engine) < self.rows and submitted < total and submitted - done < AHEAD * self.rows:
                     at_engine[asyncio.ensure_future(self._context(submitted, contexts[submitted]))] = submitted
                     submitted += 1
                 if done >= total:

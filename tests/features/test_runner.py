@@ -295,22 +295,29 @@ class GatedEngine:
 
 def test_a_cancelled_run_stores_nothing(sae, engine_client, settings):
     from core.runtime import runtime
-    from features.models import FeatureDashboard
+    from features import runner
+    from features.models import DashboardRun, FeatureDashboard
     from features.services import dashboard_cancel, workdir
 
     settings.DASHBOARD_ENGINE_ROWS = 2
     gate = GatedEngine(engine_client, hold=5)
+    ahead = runner.AHEAD * 2  # contexts read past the held one before the runner waits for it
     try:
         with runtime().replaced(engine=gate):
             run = start(sae)
             assert gate.reached.wait(120), "the fifth context never reached the engine"
+            # the others go on until AHEAD x rows contexts wait for the held one (index 4)
+            wait_until(lambda: gate.calls == 4 + ahead, "the runner to wait for the held context")
             assert dashboard_cancel(run_id=run.id, principal=principal()).status == "cancelling"
+            # seen at the runner's next heartbeat, with the context still held
+            ended = wait_until(lambda: (r := DashboardRun.objects.get(id=run.id)).status == "cancelled" and r, "cancel")
             gate.release.set()
             done = wait_run(run.id)
     finally:
         gate.release.set()
-    assert done.status == "cancelled" and not done.complete and done.contexts_done < done.contexts_total
-    assert gate.calls <= 6  # nothing more went to the engine once the cancel was seen
+    assert ended.contexts_done <= 4  # at most the four before the held one; the rest never counted
+    assert done.status == "cancelled" and not done.complete and done.contexts_total > 4 + ahead
+    assert gate.calls == 4 + ahead  # nothing more went to the engine: not one context after the cancel
     assert not FeatureDashboard.objects.filter(run_id=run.id).exists()
     assert not workdir(run.id).exists()
     # its contexts were let go at the engine (a cancel takes effect at its next step)
