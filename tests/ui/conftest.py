@@ -155,7 +155,12 @@ def _env(root: Path, hub_url: str, extra: dict[str, str] | None = None) -> dict[
     return env
 
 
-def start_server(root: Path, hub_url: str, extra: dict[str, str] | None = None) -> Server:
+def start_server(
+    root: Path, hub_url: str, extra: dict[str, str] | None = None, serve: list[str] | None = None
+) -> Server:
+    """``serve`` is the command that serves (its --host, --port and --no-auto-load
+    appended): ``manage.py serve`` unless a test brings its own launcher (a held engine:
+    tests/distributed/held_engine.py)."""
     env = _env(root, hub_url, extra)
     manage = [sys.executable, str(REPO / "manage.py")]
     for args in (["migrate", "-v0"], ["create_demo_assets", "--tiny-only", "--output", str(asset_cache_dir())]):
@@ -165,7 +170,7 @@ def start_server(root: Path, hub_url: str, extra: dict[str, str] | None = None) 
     log = root / "serve.log"
     with open(log, "wb") as sink:
         process = subprocess.Popen(
-            [*manage, "serve", "--host", "127.0.0.1", "--port", str(port), "--no-auto-load"],
+            [*(serve or [*manage, "serve"]), "--host", "127.0.0.1", "--port", str(port), "--no-auto-load"],
             cwd=REPO,
             env=env,
             stdout=sink,

@@ -24,7 +24,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.ui.conftest import REPO, _env, screenshot
+from tests.ui.conftest import REPO, _env, screenshot, start_server, stop_server
 
 # --- rows written straight into the served database ---------------------------------------
 
@@ -420,15 +420,52 @@ def test_a_real_dashboard_run_from_the_page_to_a_feature_and_the_playground(serv
     page.console.assert_clean()
 
 
-def test_cancel_asks_first_and_the_rows_end_cancelled(server, page):
-    """Two runs over the whole sample in small contexts (the pool runs one at a time, so the
-    second waits queued): each is cancelled from the page after a confirmation, a refusal
-    to confirm changes nothing, and neither stores a dashboard."""
+# ``manage.py serve`` with its engine holding each generation at its first token while the
+# test's hold file exists (tests/distributed/held_engine.py): a dashboard's contexts are
+# one-token generations, so a run's contexts stay at the engine until the test lets them go
+# or the run is cancelled (a run over a corpus long enough for the slowest machine ended
+# before its cancel was clicked on a fast one)
+HELD_SERVE = [sys.executable, str(REPO / "tests" / "distributed" / "held_engine.py"), "serve"]
+
+
+@pytest.fixture
+def held_server(tiny_assets, slow_hub, tmp_path):
+    """A server of the test's own, tiny-llama loaded and its layer-1 SAE attached, whose
+    engine holds generations while ``hold`` exists; ``reached`` appears once it holds one.
+    Yields (server, hold, reached)."""
+    root = tmp_path / "held-server"
+    root.mkdir()
+    hold, reached = tmp_path / "hold", tmp_path / "reached"
+    env = {"MILLM_TEST_HOLD_FILE": str(hold), "MILLM_TEST_HOLD_AT": "1", "MILLM_TEST_HOLD_REACHED": str(reached)}
+    srv = start_server(root, slow_hub.url, env, serve=HELD_SERVE)
+    try:
+        models = {m["name"]: m for m in srv.api("GET", "/api/models")["models"]}
+        saes = {s["name"]: s for s in srv.api("GET", "/api/saes")["saes"]}
+        model = models["tiny-llama"]["id"]
+        srv.api("POST", f"/api/models/{model}/load")
+        srv.wait_for("tiny-llama to load", lambda: srv.api("GET", f"/api/models/{model}")["status"] == "loaded")
+        srv.sae_id = saes["tiny-llama-L1-relu"]["id"]
+        srv.api("POST", f"/api/saes/{srv.sae_id}/attach", {"layer": 1})
+        yield srv, hold, reached
+    finally:
+        hold.unlink(missing_ok=True)
+        stop_server(srv)
+
+
+def test_cancel_asks_first_and_the_rows_end_cancelled(held_server, page):
+    """Two runs (the pool runs one at a time, so the second waits queued), the first's
+    contexts held at the engine: each is cancelled from the page after a confirmation, a
+    refusal to confirm changes nothing, and neither stores a dashboard."""
+    server, hold, reached = held_server
     sae = server.sae_id
     before = server.api("GET", f"/api/saes/{sae}/features?limit=1")
-    body = {"corpus": "sample", "token_budget": 200_000, "context_tokens": 8}
+    body = {"corpus": "sample", "token_budget": 4096, "context_tokens": 32}
+    hold.touch()
     first = server.api("POST", f"/api/saes/{sae}/dashboards", body)["run"]["id"]
     second = server.api("POST", f"/api/saes/{sae}/dashboards", body)["run"]["id"]
+    server.wait_for("the engine to hold the first run's context", reached.exists)
+    assert server.api("GET", f"/api/dashboards/{first}")["status"] == "running"
+    assert server.api("GET", f"/api/dashboards/{second}")["status"] == "queued"
     page.goto(f"{server.url}/dashboards/?sae_id={sae}")
     asked: list[str] = []
 
@@ -443,13 +480,15 @@ def test_cancel_asks_first_and_the_rows_end_cancelled(server, page):
         if n == 0:
             button.click()  # dismissed: nothing sent
             assert len(asked) == 1 and run_id in asked[0]
-            assert server.api("GET", f"/api/dashboards/{run_id}")["status"] in ("queued", "running")
+            assert server.api("GET", f"/api/dashboards/{run_id}")["status"] == "queued"
         button.click()
         page.wait_for_selector(ROW.format(id=run_id) + "[data-status=cancelled]", timeout=60_000)
         run = server.api("GET", f"/api/dashboards/{run_id}")
         assert run["status"] == "cancelled" and not run["complete"]
+        assert run["contexts_done"] == 0  # none finished: the second never ran, the first was held
         assert row.get_by_role("button", name=f"Cancel run {run_id}").count() == 0
     assert len(asked) == 3
+    hold.unlink()
     # nothing of either run is a dashboard
     assert server.api("GET", f"/api/saes/{sae}/features?limit=1")["total"] == before["total"]
     page.console.assert_clean()
