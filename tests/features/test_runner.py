@@ -288,7 +288,7 @@ class GatedEngine:
 
     async def _held(self, job: Any) -> Any:
         self.reached.set()
-        await asyncio.to_thread(self.release.wait, 60)
+        await asyncio.to_thread(self.release.wait)  # every test sets it in a finally
         async for event in self.inner.agenerate(job):
             yield event
 
@@ -446,8 +446,12 @@ def test_the_sweeper_resumes_a_run_whose_runner_died_and_ends_a_cancel_nobody_ra
     cancelled = DashboardRun.objects.create(
         sae=sae, layer=LAYER, token_budget=64, status="cancelling", runner="gone:2", runner_seen_at=long_ago
     )
+    # a heartbeat an hour ahead: live however long the dead run takes to resume (one sent
+    # now goes stale after BATCH_RUNNER_STALE_S, and a slow enough machine's second sweep
+    # would take the run over)
+    ahead = timezone.now() + timedelta(hours=1)
     alive = DashboardRun.objects.create(
-        sae=sae, layer=LAYER, token_budget=64, status="running", runner="here:3", runner_seen_at=timezone.now()
+        sae=sae, layer=LAYER, token_budget=64, status="running", runner="here:3", runner_seen_at=ahead
     )
     assert sweep_once() == {"cancelled": 1, "resumed": 1}
     done = wait_run(dead.id)
