@@ -508,3 +508,28 @@ def test_a_run_over_a_file_reads_its_text_field_and_a_bad_file_is_refused(sae, t
     from features.models import DashboardRun
 
     assert DashboardRun.objects.count() == 1
+
+
+def test_a_model_unloaded_mid_run_fails_it_with_the_engines_code(sae, engine_client, settings):
+    from core.runtime import runtime
+    from features.models import FeatureDashboard
+    from orchestration.services import model_unload
+    from registry.models import Model
+
+    settings.DASHBOARD_ENGINE_ROWS = 1
+    gate = GatedEngine(engine_client, hold=3)
+    try:
+        with runtime().replaced(engine=gate):
+            run = start(sae)
+            assert gate.reached.wait(120)
+            wait_until(lambda: engine_client.status().in_flight == 0, "the two contexts before it to end")
+            model_unload(model=Model.objects.get(name="tiny-llama"))
+            assert engine_client.status().model_id is None
+            gate.release.set()
+            done = wait_run(run.id)
+    finally:
+        gate.release.set()
+    assert done.status == "failed" and not done.complete, done
+    assert done.error["code"] == "MODEL_NOT_LOADED" and done.error["message"], done.error
+    assert done.contexts_done <= 2
+    assert not FeatureDashboard.objects.filter(run=done).exists()
