@@ -141,13 +141,15 @@ def _quota_lock() -> None:
 def file_create(
     *, filename: str, purpose: str, content: bytes | BinaryIO, owner: str = "anonymous", size: int | None = None
 ) -> File:
-    """Store a batch input file for ``owner``: its size is checked against the limits
-    and quotas before any byte is stored, then it is read, checked (BATCH_MAX_FILE_LINES,
-    BATCH_MAX_LINE_BYTES, one JSON object a line) and stored a chunk at a time. Any
-    refusal leaves nothing stored."""
-    if purpose != File.Purpose.BATCH:
+    """Store a batch input file (or a ``user_data`` text file) for ``owner``: its size is
+    checked against the limits and quotas before any byte is stored, then it is read,
+    checked (BATCH_MAX_FILE_LINES, BATCH_MAX_LINE_BYTES; a batch input holds one JSON
+    object a line, a user_data file UTF-8 text) and stored a chunk at a time. Any refusal
+    leaves nothing stored."""
+    if purpose not in (File.Purpose.BATCH, File.Purpose.USER_DATA):
         raise InvalidFile(
-            f"purpose must be 'batch' (got {purpose!r}): this server stores files for the Batch API only",
+            f"purpose must be 'batch' (Batch API input) or 'user_data' (UTF-8 text, e.g. a "
+            f"feature-dashboard corpus), got {purpose!r}",
             details={"param": "purpose"},
         )
     stream = io.BytesIO(content) if isinstance(content, bytes | bytearray) else content
@@ -174,7 +176,7 @@ def file_create(
         )
     try:
         with transaction.atomic():
-            stored, lines = _store_input(file, stream)
+            stored, lines = _store_input(file, stream, text_only=purpose == File.Purpose.USER_DATA)
             File.objects.filter(id=file.id).update(bytes=stored, lines=lines, complete=True)
     except BaseException:
         File.objects.filter(id=file.id).delete()
@@ -183,8 +185,9 @@ def file_create(
     return file
 
 
-def _store_input(file: File, stream: BinaryIO) -> tuple[int, int]:
-    """Check and store the upload chunk by chunk; its size and number of lines."""
+def _store_input(file: File, stream: BinaryIO, *, text_only: bool = False) -> tuple[int, int]:
+    """Check and store the upload chunk by chunk; its size and number of lines.
+    ``text_only``: each line must be UTF-8 text (no NUL), not a JSON request."""
     stored = 0
     index = 0
 
@@ -211,6 +214,18 @@ def _store_input(file: File, stream: BinaryIO) -> tuple[int, int]:
                 f"{settings.BATCH_MAX_FILE_LINES} requests",
                 details={"param": "file"},
             )
+        if text_only:
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                text = "\x00"
+            if "\x00" in text:
+                raise InvalidFile(
+                    f"Line {number} is not UTF-8 text; a user_data file is text",
+                    details={"param": "file", "line": number},
+                )
+            lines = number
+            continue
         try:
             value = json.loads(raw)
         except ValueError:
@@ -222,9 +237,12 @@ def _store_input(file: File, stream: BinaryIO) -> tuple[int, int]:
             )
         lines = number
     if not lines:
-        raise InvalidFile(
-            "The file is empty; a batch input file has one JSON request per line", details={"param": "file"}
+        what = (
+            "a user_data file has at least one line of text"
+            if text_only
+            else "a batch input file has one JSON request per line"
         )
+        raise InvalidFile(f"The file is empty; {what}", details={"param": "file"})
     return stored, lines
 
 

@@ -19,6 +19,9 @@ class File(models.Model):
     class Purpose(models.TextChoices):
         BATCH = "batch"
         BATCH_OUTPUT = "batch_output"
+        # text for the server's own readers (a feature-dashboard corpus: text lines or
+        # JSONL), OpenAI's purpose for files that are neither batch input nor model input
+        USER_DATA = "user_data"
 
     id = models.CharField(primary_key=True, max_length=40)  # file-<hex>
     # the principal that uploaded it (core.auth.Principal.owner); a batch's output and

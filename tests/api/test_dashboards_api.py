@@ -153,6 +153,20 @@ def test_a_run_over_the_callers_own_file(api, attached):
     assert (row.owner, row.corpus_file_id, row.text_field) == ("key:alice", file_id, "body")
 
 
+def test_a_run_over_a_text_lines_user_data_file(api, attached):
+    """A corpus of plain text lines is a /v1/files upload of purpose user_data; its text
+    is read whole by the corpus reader (a JSONL text_field is not asked of it)."""
+    text = "\n".join(f"plain line {i} of alice's notes" for i in range(6)).encode()
+    file_id = file_create(filename="notes.txt", purpose="user_data", content=text, owner="key:alice").id
+    run = ok(start(api, attached.id, {"corpus": "file", "file_id": file_id, "token_budget": 64}), 202)["run"]
+    assert (run["corpus"], run["corpus_file_id"]) == ("file", file_id)
+    refused(
+        start(api, attached.id, {"corpus": "file", "file_id": file_id, "token_budget": 64}, key=BOB),
+        404,
+        error_code_of_file(),
+    )
+
+
 def test_another_keys_run_is_404_and_unchanged(api, attached):
     run = ok(start(api, attached.id, {"corpus": "sample", "token_budget": 64}), 202)["run"]
     refused(api.get(f"/api/dashboards/{run['id']}", **as_(BOB)), 404, "DASHBOARD_NOT_FOUND")
