@@ -192,7 +192,8 @@ def test_a_run_over_the_sample_matches_the_tests_own_computation(sae, engine_cli
     assert run.status == "queued" and run.layer == LAYER
     done = wait_run(run.id)
     assert done.status == "completed" and done.complete, done.error
-    assert not workdir(run.id).exists()  # the working folder goes with the run's end
+    # the working folder goes with the run's end (deleted once the results are committed)
+    wait_until(lambda: not workdir(run.id).exists(), "the working folder to go")
 
     contexts = own_contexts(tiny_assets)
     assert done.contexts_total == done.contexts_done == len(contexts)
@@ -319,7 +320,7 @@ def test_a_cancelled_run_stores_nothing(sae, engine_client, settings):
     assert done.status == "cancelled" and not done.complete and done.contexts_total > 4 + ahead
     assert gate.calls == 4 + ahead  # nothing more went to the engine: not one context after the cancel
     assert not FeatureDashboard.objects.filter(run_id=run.id).exists()
-    assert not workdir(run.id).exists()
+    wait_until(lambda: not workdir(run.id).exists(), "the working folder to go")
     # its contexts were let go at the engine (a cancel takes effect at its next step)
     wait_until(lambda: engine_client.status().in_flight == 0, "the engine to let the contexts go", 60)
     # an ended run cannot be cancelled again
@@ -523,6 +524,7 @@ def test_a_model_unloaded_mid_run_fails_it_with_the_engines_code(sae, engine_cli
             run = start(sae)
             assert gate.reached.wait(120)
             wait_until(lambda: engine_client.status().in_flight == 0, "the two contexts before it to end")
+            Model.objects.filter(name="tiny-llama").update(locked=False)  # attaching locked it
             model_unload(model=Model.objects.get(name="tiny-llama"))
             assert engine_client.status().model_id is None
             gate.release.set()
