@@ -234,3 +234,32 @@ def test_unpack_refuses_bytes_that_do_not_agree():
     ):
         with pytest.raises(ValueError):
             unpack(bad)
+
+
+def test_millm_sae_activations_skips_packed_records():
+    """A packed record (a dashboard's) in a finish event never becomes a position of
+    ``millm.sae_activations``; the request's own top-k record does (positive control)."""
+    from gpu_engine.api.protocol import ActivationRecord, AttachmentStatus, FeatureActivation
+    from inference.activations import activations_payload
+
+    att = AttachmentStatus("s", 1, "model.layers.1", 4, 8, "relu", "saelens", "/x")
+    own = ActivationRecord("s", 1, "post_steering", 1, None, top_k=[FeatureActivation(3, 0.5)])
+    blob = PackedRows(
+        2,
+        np.array([0, 1, 1], dtype="<i4").tobytes(),
+        np.array([2], dtype="<i4").tobytes(),
+        np.array([1.0], dtype="<f4").tobytes(),
+    )
+    packed = ActivationRecord("s", 1, "post_steering", 0, packed=blob)
+    payload = activations_payload(
+        records=[packed, own],
+        attachment=att,
+        read_point="post_steering",
+        prompt_ids=[7, 8],
+        token_ids=[9],
+        prompt_tokens=["a", "b"],
+        tokens=["c"],
+    )
+    assert [(p["position"], p["top_k"]) for p in payload["positions"]] == [
+        (1, [{"feature_index": 3, "activation": 0.5}])
+    ]
