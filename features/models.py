@@ -61,6 +61,8 @@ class DashboardRun(models.Model):
     runner = models.CharField(max_length=64, null=True, blank=True)
     runner_seen_at = models.DateTimeField(null=True, blank=True)
     checkpoint_path = models.CharField(max_length=1000, blank=True)
+    # how often another runner took it over from one that died (BATCH_MAX_RESUMES)
+    resumes = models.PositiveIntegerField(default=0)
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)

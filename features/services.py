@@ -236,19 +236,35 @@ def dashboard_take_over(*, run_id: str, runner: str, force: bool = False) -> tup
             return "done", None
         if run.runner not in (None, runner) and not force and not runner_stale(run):
             return "wait", run
+        # a runner that held it and is gone (a crash, a killed worker, a restart)
+        resumed = run.runner not in (None, runner)
+        failed = False
         if run.status == DashboardRun.Status.CANCELLING:
             _end(run, DashboardRun.Status.CANCELLED)
             cancelled = True
+        elif resumed and run.resumes >= int(settings.BATCH_MAX_RESUMES):
+            # a corpus that kills its runner every time must end rather than loop
+            run.error = {
+                "code": "DASHBOARD_RUNNER_FAILED",
+                "message": f"The run's runner stopped {run.resumes + 1} times without finishing it "
+                f"(BATCH_MAX_RESUMES={settings.BATCH_MAX_RESUMES}); nothing was stored",
+            }
+            _end(run, DashboardRun.Status.FAILED)
+            cancelled = failed = True
         else:
             cancelled = False
             now = timezone.now()
             run.runner, run.runner_seen_at = runner, now
             run.status = DashboardRun.Status.RUNNING
             run.started_at = run.started_at or now
-            run.save(update_fields=["runner", "runner_seen_at", "status", "started_at"])
+            run.resumes += int(resumed)
+            run.save(update_fields=["runner", "runner_seen_at", "status", "started_at", "resumes"])
     if cancelled:
         remove_workdir(run.id)
         dashboard_progress(run=run, force=True)
+        if failed:
+            log.warning("dashboard_failed", run_id=run.id, **run.error)
+            publish("dashboard:error", {"run_id": run.id, "sae_id": run.sae_id, **run.error, OWNER_FIELD: run.owner})
         return "done", None
     dashboard_progress(run=run, force=True)
     return "run", run

@@ -803,7 +803,9 @@ VARIABLES: tuple[Var, ...] = (
         5,
         "Times the sweeper queues a new runner for a batch whose runner died; the next "
         "time it ends failed (error batch_runner_failed), its answered lines kept in the "
-        "output and error files.",
+        "output and error files. A feature-dashboard run is taken over at most this many "
+        "times from a runner that died; the next take-over ends it failed "
+        "(DASHBOARD_RUNNER_FAILED), nothing stored.",
         minimum=0,
     ),
     Var(
