@@ -283,6 +283,10 @@ def main() -> None:
     args = ap.parse_args()
     dtype = args.dtype or ("bfloat16" if args.backend == "vllm" else "float32")
     setup(args.backend, args.rows, dtype)
+    if args.backend == "llamacpp":
+        from offline_assets import demo_gguf_path
+
+        dtype = f"GGUF {demo_gguf_path().name}"  # the file's own quantization, not MILLM_ENGINE_DTYPE
     timed()
     t0 = time.monotonic()
     model, sae = load(args.backend)
