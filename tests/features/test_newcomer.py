@@ -171,11 +171,16 @@ def test_a_newcomer_builds_dashboards_finds_a_feature_and_steers_with_it(demo_se
 
     # 4. search by a word of its top contexts finds it
     word = word_of(feature)
-    query = urllib.parse.urlencode({"q": word, "limit": 200})
-    status, body = call(f"{url}/api/saes/{sae['id']}/features?{query}")
-    assert status == 200, body
-    hits = body["data"]["features"]
-    assert index in [h["index"] for h in hits], (word, hits[:10])
+    hits, total, offset = [], None, 0
+    while total is None or offset < total:  # every page: a common word matches many features
+        query = urllib.parse.urlencode({"q": word, "limit": 200, "offset": offset})
+        status, body = call(f"{url}/api/saes/{sae['id']}/features?{query}")
+        assert status == 200, body
+        hits += body["data"]["features"]
+        total, offset = body["data"]["total"], offset + 200
+    found = [h for h in hits if h["index"] == index]
+    assert found, (word, total, hits[:10])
+    assert f"token:{word}" in found[0]["matched"], found
     # a made-up word finds nothing (the search is not answering every feature)
     status, body = call(f"{url}/api/saes/{sae['id']}/features?q=zzqxjv")
     assert status == 200 and body["data"]["total"] == 0, body
