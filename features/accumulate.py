@@ -21,6 +21,8 @@ only, never on the order of adds or the shard boundaries.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import os
 import re
 from pathlib import Path
@@ -50,6 +52,21 @@ def _stable_order(keys: np.ndarray, bound: int) -> np.ndarray:
         order = np.argsort((keys & 0xFFFF).astype(np.uint16), kind="stable")
         return order[np.argsort((keys[order] >> 16).astype(np.uint16), kind="stable")]
     return np.argsort(keys, kind="stable")
+
+
+@contextlib.contextmanager
+def paused_gc():
+    """The cyclic garbage collector off meanwhile (it was on: back on after). Building a
+    dashboard's rows allocates a few hundred thousand lists and dicts, none of them in a
+    cycle, and each allocation burst would otherwise trigger full collections that walk
+    every object of the process (a server's are millions): a third of ``finish``."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _atomic_savez(path: Path, **arrays: np.ndarray) -> None:
@@ -314,11 +331,17 @@ class FeatureAccumulator:
         return acc
 
     # -- the second passes -------------------------------------------------------------
-    def _shards(self):
-        """Each shard's arrays plus, per non-zero, its context id and position."""
-        for name in self.shards:
+    def _shards(self, reuse: dict | None = None):
+        """Each shard's arrays plus, per non-zero, its context id and position; ``reuse``
+        (a shard this gave before) comes first, as it was, instead of being read again."""
+        names = list(self.shards)
+        if reuse is not None:
+            names.remove(reuse["name"])
+            yield reuse
+        for name in names:
             with np.load(self.workdir / name, allow_pickle=False) as z:
                 s = {k: z[k] for k in z.files}
+            s["name"] = name
             ntok = s["ntok"]
             ctx_of_row = np.repeat(s["ctx"], ntok)
             starts = np.zeros(ntok.size + 1, np.int64)
@@ -337,6 +360,10 @@ class FeatureAccumulator:
     def finish(self, logits: dict | None = None) -> tuple[list[dict], dict]:
         """Per-feature rows (features above 0 somewhere, plus every feature with a logit
         entry) with the fields of FeatureDashboard, and the corpus summary."""
+        with paused_gc():
+            return self._finish(logits)
+
+    def _finish(self, logits: dict | None) -> tuple[list[dict], dict]:
         self._flush()
         d, bins, bands, spb = self.d_sae, self.bins, self.bands, self.samples_per_band
         active = np.flatnonzero(self.count > 0)
@@ -355,27 +382,34 @@ class FeatureAccumulator:
         s_ctx = np.full(n_slots, -1, np.int64)
         s_pos = np.full(n_slots, -1, np.int64)
         seed = _mix(np.array([self.seed], np.uint64))[0]
+        flat_edges = edges.ravel()
+        last = None  # the last shard read, which the windows' pass reads first without reading it again
         for s in self._shards():
+            last = s
             idx = s["indices"].astype(np.int64)
             if not idx.size:
                 continue
             val = s["values"].astype(np.float64)
-            mx = self.max[idx]
+            ratio = val / self.max[idx]
             # numpy.histogram's uniform-bin arithmetic, per feature's [0, max]
-            b = ((val - 0.0) / mx * bins).astype(np.intp)
+            b = (ratio * bins).astype(np.intp)
             b[b == bins] -= 1
-            b[val < edges[idx, b]] -= 1
-            b[(val >= edges[idx, b + 1]) & (b != bins - 1)] += 1
+            at = idx * (bins + 1) + b  # edges[idx, b] as a flat index
+            low = val < flat_edges[at]
+            b[low] -= 1
+            at[low] -= 1
+            b[(val >= flat_edges[at + 1]) & (b != bins - 1)] += 1
             hist += np.bincount(idx * bins + b, minlength=d * bins)
             if not spb:
                 continue
             ctx, pos = s["nz_ctx"], s["nz_pos"]
-            band = (val / mx * bands).astype(np.int64)
+            band = (ratio * bands).astype(np.int64)
             band[band >= bands] = bands - 1
             # one candidate per (feature, band, context): its highest, earliest occurrence
             # there (the stable sort keeps each group's non-zeros in context and row order)
-            order = _stable_order(idx * bands + band, d * bands)
-            g, c, v = (idx * bands + band)[order], ctx[order], val[order]
+            group = idx * bands + band
+            order = _stable_order(group, d * bands)
+            g, c, v = group[order], ctx[order], val[order]
             first = np.flatnonzero(np.r_[True, (g[1:] != g[:-1]) | (c[1:] != c[:-1])])
             peak = np.maximum.reduceat(v, first)
             at_peak = v == np.repeat(peak, np.diff(np.r_[first, v.size]))
@@ -416,7 +450,7 @@ class FeatureAccumulator:
         req_pos = np.concatenate([self.top_pos[top_f, top_slot], s_pos[smp]])
         windows: list[dict | None] = [None] * req_f.size
         span = np.arange(2 * self.window + 1, dtype=np.int64)
-        for s in self._shards():
+        for s in self._shards(reuse=last):
             slot_of = np.argsort(s["ctx"], kind="stable")
             sorted_ctx = s["ctx"][slot_of]
             found = np.searchsorted(sorted_ctx, req_ctx).clip(max=sorted_ctx.size - 1)
@@ -442,16 +476,24 @@ class FeatureAccumulator:
             raw = s["token_bytes"].tobytes()
             off = s["tok_off"].tolist()
             texts = [raw[a:b].decode("utf-8") for a, b in zip(off[:-1], off[1:])]
-            for j, r in enumerate(wanted.tolist()):
-                a, b, first = int(lo[j]), int(hi[j]), int(row0[j])
-                width, peak_at = b - a, int(p[j]) - a
+            for r, c, a, b, first, at_max, ids_j, acts_j in zip(
+                wanted.tolist(),
+                req_ctx[wanted].tolist(),
+                lo.tolist(),
+                hi.tolist(),
+                row0.tolist(),
+                p.tolist(),
+                ids,
+                acts,
+            ):
+                width, peak_at = b - a, at_max - a
                 windows[r] = {
-                    "context": int(req_ctx[r]),
+                    "context": c,
                     "tokens": texts[first + a : first + b],
-                    "token_ids": ids[j][:width],
-                    "activations": acts[j][:width],
+                    "token_ids": ids_j[:width],
+                    "activations": acts_j[:width],
                     "max_position": peak_at,
-                    "max_activation": acts[j][peak_at],
+                    "max_activation": acts_j[peak_at],
                     "start": a,
                 }
 
@@ -468,29 +510,31 @@ class FeatureAccumulator:
             sample_windows.setdefault((f, band), []).append(windows[n_top + j])
 
         features = sorted(set(active.tolist()) | set(logit_rows))
+        # per feature as Python numbers once (the same float64 arithmetic as numpy's)
+        count_of, total_of, max_of = self.count.tolist(), self.total.tolist(), self.max.tolist()
+        hist_of = dict(zip(active.tolist(), zip(edges[active].tolist(), hist[active].tolist())))
+        clean: dict[str, str] = {}  # each logit token's text cleaned once
         rows: list[dict] = []
         for f in features:
-            n = int(self.count[f])
+            n = count_of[f]
             top = top_windows.get(f, [])
             row = {
                 "index": f,
                 "count": n,
                 "density": n / self.tokens if self.tokens else 0.0,
-                "mean": float(self.total[f] / n) if n else 0.0,
-                "max": float(self.max[f]),
-                "histogram": {"edges": edges[f].tolist(), "counts": hist[f].tolist()}
-                if n
-                else {"edges": [], "counts": []},
+                "mean": total_of[f] / n if n else 0.0,
+                "max": max_of[f],
+                "histogram": {"edges": hist_of[f][0], "counts": hist_of[f][1]} if n else {"edges": [], "counts": []},
                 "top_contexts": top,
                 "quantile_samples": [],
                 "logit_top": [],
                 "logit_bottom": [],
             }
             if n and spb:
-                step = self.max[f] / bands
+                step = max_of[f] / bands
                 row["quantile_samples"] = [
                     {
-                        "band": [float(step * b), float(self.max[f] if b == bands - 1 else step * (b + 1))],
+                        "band": [step * b, max_of[f] if b == bands - 1 else step * (b + 1)],
                         "contexts": sample_windows.get((f, b), []),
                     }
                     for b in range(bands)
@@ -500,7 +544,11 @@ class FeatureAccumulator:
                 i = logit_rows[f]
                 for side in ("top", "bottom"):
                     entries = [
-                        {"token_id": int(t), "token": _clean(tok), "value": float(v)}
+                        {
+                            "token_id": int(t),
+                            "token": clean[tok] if tok in clean else clean.setdefault(tok, _clean(tok)),
+                            "value": float(v),
+                        }
                         for t, tok, v in zip(
                             logits[f"{side}_ids"][i], logits[f"{side}_tokens"][i], logits[f"{side}_values"][i]
                         )

@@ -64,6 +64,10 @@ TOKENIZE_TEXTS = 256  # texts per tokenize command
 LOGIT_FEATURES = 4096  # features per feature_logits command
 LOGIT_TOP_N = 10
 AHEAD = 4  # contexts read ahead of the oldest not yet accumulated, in DASHBOARD_ENGINE_ROWS
+# contexts sent beyond DASHBOARD_ENGINE_ROWS: they wait in the engine's batch queue (which
+# still runs at most its batch rows at once), so a row that frees is refilled at the next
+# step instead of after the runner has accumulated the finished context and sent another
+QUEUED_EXTRA = 4
 
 
 class _Stopped(Exception):
@@ -141,7 +145,7 @@ class _Runner:
 
         task = asyncio.ensure_future(beat())
         try:
-            result = await self.off(fn, *args)
+            result = await (fn(*args) if fn is _result else self.off(fn, *args))
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -177,10 +181,19 @@ class _Runner:
                 force=True,
             ):
                 raise _Stopped("lost")
-            outcome = await self._loop(contexts, acc, done, tokens)
-            if outcome != "read":
-                return outcome
-            logits = await self.beating(self._logits, d_sae)
+            # the logit effects need no corpus: computed on a thread of their own (the
+            # engine's product runs on the caller's thread) while the corpus pass runs
+            logits_task = asyncio.ensure_future(self.off(self._logits, d_sae))
+            try:
+                outcome = await self._loop(contexts, acc, done, tokens)
+                if outcome != "read":
+                    return outcome
+                logits = await self.beating(_result, logits_task)
+            finally:
+                if not logits_task.done():  # the run ended first: let the thread finish
+                    await asyncio.gather(logits_task, return_exceptions=True)
+                elif not logits_task.cancelled():
+                    logits_task.exception()  # retrieved: an error of an ended run is moot
             rows, summary = await self.beating(acc.finish, logits)
             summary = {**summary, "backend": self.backend, "model": self.model, "layer": self.layer}
             outcome = await self.db(
@@ -386,7 +399,11 @@ class _Runner:
                     )
                 # a context the engine holds long (a slow row) stops the sending once the
                 # others are AHEAD times the rows past it: what waits for it stays bounded
-                while len(at_engine) < self.rows and submitted < total and submitted - done < AHEAD * self.rows:
+                while (
+                    len(at_engine) < self.rows + QUEUED_EXTRA
+                    and submitted < total
+                    and submitted - done < AHEAD * self.rows
+                ):
                     at_engine[asyncio.ensure_future(self._context(submitted, contexts[submitted]))] = submitted
                     submitted += 1
                 if done >= total:
@@ -451,6 +468,12 @@ class _Runner:
             for key in keys:
                 out[key].extend(getattr(result, key))
         return out
+
+
+async def _result(future: asyncio.Future) -> Any:
+    """What ``future`` gives (for ``_Runner.beating``: a task started earlier, awaited
+    with the heartbeat kept up)."""
+    return await future
 
 
 async def _cancel(tasks: dict[asyncio.Task, int]) -> None:
