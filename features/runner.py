@@ -23,9 +23,13 @@ then:
    resumed by the next from there;
 5. heartbeat, progress (``dashboard:progress``) and the run's status every HEARTBEAT_S:
    ``cancelling`` cancels the contexts at the engine and ends the run ``cancelled``;
-6. once every context is in: the logit effects of every feature (``feature_logits``),
-   ``accumulator.finish``, and every feature's row with the summary and ``complete=True``
-   in one transaction (``services.dashboard_store``); the working folder is deleted.
+6. the logit effects of every feature (``feature_logits``; they need no corpus, so they
+   are requested on a thread of their own when the corpus pass starts, and taken from the
+   newest complete run of the same SAE, layer, backend and model when the engine's
+   product for LOGIT_SPOT_CHECKS features agrees with it: ``_Runner._logits``); once every
+   context is in, ``accumulator.finish`` and every feature's row with the summary and
+   ``complete=True`` in one transaction (``services.dashboard_store``); the working
+   folder is deleted.
 
 An engine error (the model unloaded, the SAE detached) ends the run ``failed`` with the
 error's code; nothing is stored. A crash (the ``stop`` event in tests, a killed worker)
@@ -68,6 +72,9 @@ AHEAD = 4  # contexts read ahead of the oldest not yet accumulated, in DASHBOARD
 # still runs at most its batch rows at once), so a row that frees is refilled at the next
 # step instead of after the runner has accumulated the finished context and sent another
 QUEUED_EXTRA = 4
+LOGITS_DURING_PASS = True
+LOGIT_REUSE = True  # an earlier run's logit effects of the same SAE, layer, backend and model (see _logits)
+LOGIT_SPOT_CHECKS = 8  # features recomputed before the logit effects of an earlier run are reused
 
 
 class _Stopped(Exception):
@@ -183,14 +190,18 @@ class _Runner:
                 raise _Stopped("lost")
             # the logit effects need no corpus: computed on a thread of their own (the
             # engine's product runs on the caller's thread) while the corpus pass runs
-            logits_task = asyncio.ensure_future(self.off(self._logits, d_sae))
+            logits_task = asyncio.ensure_future(self.off(self._logits, d_sae)) if LOGITS_DURING_PASS else None
             try:
                 outcome = await self._loop(contexts, acc, done, tokens)
                 if outcome != "read":
                     return outcome
+                if logits_task is None:
+                    logits_task = asyncio.ensure_future(self.off(self._logits, d_sae))
                 logits = await self.beating(_result, logits_task)
             finally:
-                if not logits_task.done():  # the run ended first: let the thread finish
+                if logits_task is None:
+                    pass
+                elif not logits_task.done():  # the run ended first: let the thread finish
                     await asyncio.gather(logits_task, return_exceptions=True)
                 elif not logits_task.cancelled():
                     logits_task.exception()  # retrieved: an error of an ended run is moot
@@ -444,17 +455,71 @@ class _Runner:
 
     def _logits(self, d_sae: int) -> dict[str, list[Any]]:
         """Every feature's logit effect (W_dec[i] @ W_U.T): its top and bottom tokens, as
-        one FeatureLogitsResult's fields (what ``FeatureAccumulator.finish`` reads)."""
+        one FeatureLogitsResult's fields (what ``FeatureAccumulator.finish`` reads). They
+        depend on the model and the SAE only: the newest complete run of this SAE at this
+        layer on the same backend and model holds them, and they are taken from there
+        when the engine's own product for a few spot-check features (the first, the last
+        and LOGIT_SPOT_CHECKS - 2 spread between) gives the same tokens and values, so
+        a changed model or SAE is computed afresh."""
+        reused = self._stored_logits(d_sae) if LOGIT_REUSE else None
+        if reused is not None:
+            checks = sorted({round(i * (d_sae - 1) / max(LOGIT_SPOT_CHECKS - 1, 1)) for i in range(LOGIT_SPOT_CHECKS)})
+            fresh = self._engine_logits(checks, "spot")
+            if _same_logits(fresh, reused, checks):
+                log.info("dashboard_logits_reused", run_id=self.run_id, features=d_sae)
+                return reused
+        return self._engine_logits(list(range(d_sae)), "all")
+
+    def _stored_logits(self, d_sae: int) -> dict[str, list[Any]] | None:
+        """The logit effects of every feature as the newest complete run of this SAE,
+        layer, backend and model stored them (None: no such run, or one without them)."""
+        from features.models import FeatureDashboard
+
+        close_old_connections()
+        try:
+            previous = (
+                DashboardRun.objects.filter(sae_id=self.sae_id, layer=self.layer, complete=True)
+                .exclude(id=self.run_id)
+                .order_by("-finished_at")
+                .only("id", "summary")
+                .first()
+            )
+            if previous is None or not isinstance(previous.summary, dict):
+                return None
+            if previous.summary.get("backend") != self.backend or previous.summary.get("model") != self.model:
+                return None
+            stored = list(
+                FeatureDashboard.objects.filter(run_id=previous.id)
+                .order_by("index")
+                .values_list("index", "logit_top", "logit_bottom")
+            )
+        finally:
+            close_old_connections()
+        if [row[0] for row in stored] != list(range(d_sae)):
+            return None
+        out: dict[str, list[Any]] = {k: [] for k in _LOGIT_KEYS}
+        for index, top, bottom in stored:
+            if not top or not bottom:
+                return None
+            out["features"].append(index)
+            for side, entries in (("top", top), ("bottom", bottom)):
+                out[f"{side}_ids"].append([e["token_id"] for e in entries])
+                out[f"{side}_values"].append([e["value"] for e in entries])
+                out[f"{side}_tokens"].append([e["token"] for e in entries])
+        return out
+
+    def _engine_logits(self, features: list[int], tag: str) -> dict[str, list[Any]]:
+        """The engine's logit effects of ``features`` (``feature_logits``), LOGIT_FEATURES
+        a command."""
         from gpu_engine.api.protocol import FeatureLogitsJob
 
-        keys = ("features", "top_ids", "top_values", "top_tokens", "bottom_ids", "bottom_values", "bottom_tokens")
-        out: dict[str, list[Any]] = {k: [] for k in keys}
-        for start in range(0, d_sae, LOGIT_FEATURES):
+        out: dict[str, list[Any]] = {k: [] for k in _LOGIT_KEYS}
+        for start in range(0, len(features), LOGIT_FEATURES):
             job = FeatureLogitsJob(
-                request_id=f"{self.run_id}-logits-{start}",
+                request_id=f"{self.run_id}-logits-{tag}-{start}",
                 sae_id=self.sae_id,
                 layer=self.layer,
-                features=list(range(start, min(start + LOGIT_FEATURES, d_sae))),
+                features=features[start : start + LOGIT_FEATURES],
                 top_n=LOGIT_TOP_N,
             )
             try:
@@ -465,9 +530,35 @@ class _Runner:
                 if hasattr(exc, "code"):
                     raise from_engine_error(exc) from exc
                 raise
-            for key in keys:
+            for key in _LOGIT_KEYS:
                 out[key].extend(getattr(result, key))
         return out
+
+
+_LOGIT_KEYS = ("features", "top_ids", "top_values", "top_tokens", "bottom_ids", "bottom_values", "bottom_tokens")
+
+
+def _same_logits(fresh: dict[str, list[Any]], stored: dict[str, list[Any]], features: list[int]) -> bool:
+    """Whether the engine's fresh logit effects of ``features`` are the stored ones: the
+    same token ids (and texts, as stored) and values within float32 rounding (the
+    product over a few rows may round differently from the one over all of them)."""
+    from features.accumulate import _clean
+
+    at = {f: i for i, f in enumerate(fresh["features"])}
+    for f in features:
+        if f not in at:
+            return False
+        i = at[f]
+        for side in ("top", "bottom"):
+            if list(fresh[f"{side}_ids"][i]) != list(stored[f"{side}_ids"][f]):
+                return False
+            if [_clean(t) for t in fresh[f"{side}_tokens"][i]] != list(stored[f"{side}_tokens"][f]):
+                return False
+            a = np.asarray(fresh[f"{side}_values"][i], dtype=np.float64)
+            b = np.asarray(stored[f"{side}_values"][f], dtype=np.float64)
+            if a.shape != b.shape or not np.allclose(a, b, rtol=1e-5, atol=1e-6):
+                return False
+    return True
 
 
 async def _result(future: asyncio.Future) -> Any:
