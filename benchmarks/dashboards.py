@@ -313,6 +313,9 @@ def dashboard(sae, budget: int, context_tokens: int, file_id: str | None = None)
     dt = time.perf_counter() - t0
     if run.status != DashboardRun.Status.COMPLETED or not run.complete:
         raise RuntimeError(f"dashboard run {run.id} ended {run.status}: {run.error}")
+    stored_by = time.monotonic() + 10  # the store's timer ends just after its commit is seen here
+    while "store" not in PHASES and time.monotonic() < stored_by:
+        time.sleep(0.01)
     summary = run.summary or {}
     return {
         "run_id": run.id,
