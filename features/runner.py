@@ -68,10 +68,15 @@ TOKENIZE_TEXTS = 256  # texts per tokenize command
 LOGIT_FEATURES = 4096  # features per feature_logits command
 LOGIT_TOP_N = 10
 AHEAD = 4  # contexts read ahead of the oldest not yet accumulated, in DASHBOARD_ENGINE_ROWS
-# contexts sent beyond DASHBOARD_ENGINE_ROWS: they wait in the engine's batch queue (which
-# still runs at most its batch rows at once), so a row that frees is refilled at the next
-# step instead of after the runner has accumulated the finished context and sent another
-QUEUED_EXTRA = 4
+# contexts sent beyond DASHBOARD_ENGINE_ROWS, to wait in the engine's batch queue (which
+# still runs at most its batch rows at once) so a row that frees is refilled at the next
+# step: 4 measured slower on the 2-core benchmark machine (one loaded round: the corpus
+# pass 0.57 of the plain forward against 0.85 with none), so none
+QUEUED_EXTRA = 0
+# the logit effects on a thread of their own during the corpus pass (else after it): on 2
+# CPU cores the engine's forward and the product share the cores, so this moves their
+# time into the pass rather than saving it; it saves it only where the forward leaves
+# the cores idle
 LOGITS_DURING_PASS = True
 LOGIT_REUSE = True  # an earlier run's logit effects of the same SAE, layer, backend and model (see _logits)
 LOGIT_SPOT_CHECKS = 8  # features recomputed before the logit effects of an earlier run are reused
