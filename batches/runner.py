@@ -29,6 +29,7 @@ run again by the next runner (the engine job gets a fresh id; the line keeps its
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,7 +43,7 @@ from django.utils import timezone
 from batches import services
 from batches.lines import Answer, Unavailable, answer_line
 from batches.models import Batch, BatchLine
-from core.jobs import enqueue, new_runner_id, run_with_closing_pool
+from core.jobs import enqueue, run_with_closing_pool, take_over_run
 from inference.errors import OpenAIError
 from monitoring.ownership import ANONYMOUS, Scope
 
@@ -56,21 +57,11 @@ def batch_run(*, batch_id: str, force: bool = False, stop: threading.Event | Non
     """Run the batch to its end; ``force`` takes it over even from a runner that looks
     alive (embedded start-up: this process is the only runner there is). ``stop`` ends
     the run abruptly, as a crash would (tests). Returns how it ended."""
-    runner = new_runner_id()
-    stale_s = float(settings.BATCH_RUNNER_STALE_S)
-    deadline = time.monotonic() + 2 * stale_s
-    while True:
-        close_old_connections()
-        verdict, batch = services.batch_take_over(batch_id=batch_id, runner=runner, force=force)
-        if verdict != "wait":
-            break
-        if time.monotonic() > deadline:
-            # another runner kept its heartbeat through two stale periods: it is alive
-            log.info("batch_held_elsewhere", batch_id=batch_id, runner=batch.runner)
-            return "held"
-        time.sleep(min(stale_s / 3, 5.0))
-    if verdict == "done":
-        return "done"
+    verdict, batch, runner = take_over_run(
+        functools.partial(services.batch_take_over, batch_id=batch_id), force=force, what="batch", run_id=batch_id
+    )
+    if verdict != "run":
+        return verdict
     log.info("batch_run_start", batch_id=batch_id, runner=runner)
     return asyncio.run(_main(_Runner(batch, runner, stop)))
 

@@ -25,6 +25,7 @@ import importlib
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -168,6 +169,27 @@ def new_runner_id() -> str:
     """A runner's id for a long run's heartbeat (a batch's, a background response's): the
     host, the process and a random tail, so two runners never share one."""
     return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+def take_over_run(
+    take_over: Callable[..., tuple[str, Any]], *, force: bool, what: str, run_id: str
+) -> tuple[str, Any, str]:
+    """Become the runner of a long run (a batch, a dashboard): call ``take_over(runner=,
+    force=)`` until it answers other than ``"wait"`` (another runner's heartbeat is
+    fresh). ``(verdict, row, runner)``; the verdict is ``"held"`` once that other runner
+    kept its heartbeat through two stale periods (BATCH_RUNNER_STALE_S): it is alive."""
+    runner = new_runner_id()
+    stale_s = float(settings.BATCH_RUNNER_STALE_S)
+    deadline = time.monotonic() + 2 * stale_s
+    while True:
+        close_old_connections()
+        verdict, row = take_over(runner=runner, force=force)
+        if verdict != "wait":
+            return verdict, row, runner
+        if time.monotonic() > deadline:
+            log.info(f"{what}_held_elsewhere", run_id=run_id, runner=row.runner)
+            return "held", row, runner
+        time.sleep(min(stale_s / 3, 5.0))
 
 
 async def run_with_closing_pool(main: Callable[[], Awaitable[T]], *, thread_name_prefix: str) -> T:

@@ -40,6 +40,7 @@ worker once the heartbeat is stale resumes it.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import threading
@@ -55,7 +56,7 @@ from django.db import close_old_connections, connections
 
 from core.auth import Principal
 from core.errors import MillmError, from_engine_error
-from core.jobs import new_runner_id, run_with_closing_pool
+from core.jobs import run_with_closing_pool, take_over_run
 from core.runtime import runtime
 from features import services
 from features.models import DashboardRun
@@ -90,20 +91,11 @@ def dashboard_run(*, run_id: str, force: bool = False, stop: threading.Event | N
     """Run the dashboard to its end; ``force`` takes it over even from a runner that looks
     alive (embedded start-up: this process is the only runner there is). ``stop`` ends
     the run abruptly, as a crash would (tests). Returns how it ended."""
-    runner = new_runner_id()
-    stale_s = float(settings.BATCH_RUNNER_STALE_S)
-    deadline = time.monotonic() + 2 * stale_s
-    while True:
-        close_old_connections()
-        verdict, run = services.dashboard_take_over(run_id=run_id, runner=runner, force=force)
-        if verdict != "wait":
-            break
-        if time.monotonic() > deadline:
-            log.info("dashboard_held_elsewhere", run_id=run_id, runner=run.runner)
-            return "held"
-        time.sleep(min(stale_s / 3, 5.0))
-    if verdict == "done":
-        return "done"
+    verdict, run, runner = take_over_run(
+        functools.partial(services.dashboard_take_over, run_id=run_id), force=force, what="dashboard", run_id=run_id
+    )
+    if verdict != "run":
+        return verdict
     log.info("dashboard_run_start", run_id=run_id, runner=runner)
     return asyncio.run(run_with_closing_pool(_Runner(run, runner, stop).run, thread_name_prefix="millm-dashboard"))
 
