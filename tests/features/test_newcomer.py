@@ -8,12 +8,7 @@ completion through the official ``openai`` client that steers with it."""
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -21,18 +16,12 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import REPO, manage
+from tests.fixtures.served import quickstart_serve
 
 DEMO_MODEL = "smollm2-135m"
 DEMO_SAE = "smollm2-135m-L12-demo"
 BUDGET = 2048  # corpus tokens: 32 contexts of 64
 PROMPT = [{"role": "user", "content": "Tell me about your weekend."}]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def call(url: str, method: str = "GET", body: dict | None = None) -> tuple[int, dict]:
@@ -63,45 +52,10 @@ def get_text(url: str) -> tuple[int, str]:
 def demo_server(demo_assets, tmp_path_factory):
     """``scripts/run``'s server: the demo model loaded and its SAE attached at start-up."""
     data = tmp_path_factory.mktemp("newcomer-data")
-    env = {"MILLM_DATA_DIR": str(data), "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32"}
-    for args in (("migrate", "--noinput"), ("create_demo_assets", "--output", str(demo_assets.root))):
-        result = manage(*args, env=env, timeout=600)
-        assert result.returncode == 0, result.stderr
-    port = _free_port()
-    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    log = (data / "serve.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "manage.py"), "serve", "--port", str(port)],
-        env={
-            **base,
-            **env,
-            "MILLM_ENV_FILE": "/nonexistent/.env",
-            "AUTO_LOAD_MODEL": DEMO_MODEL,
-            "AUTO_ATTACH_SAES": DEMO_SAE,
-        },
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, (data / "serve.log").read_text()
-            status, body = call(url + "/api/saes/attachments")
-            if status == 200 and body["data"]["entries"]:
-                break
-            assert time.monotonic() < deadline, (data / "serve.log").read_text()
-            time.sleep(0.5)
+    with quickstart_serve(
+        data, assets_root=demo_assets.root, model=DEMO_MODEL, sae=DEMO_SAE, tiny_only=False, timeout_s=300
+    ) as (url, _):
         yield url, data / "serve.log"
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        log.close()
 
 
 def wait_for_run(url: str, run_id: str, log) -> dict:

@@ -13,7 +13,6 @@ max token.
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 import uuid
@@ -25,6 +24,7 @@ import pytest
 
 from tests.envelope import refused
 from tests.v1.conftest import _register_assets
+from tests.fixtures.served import GatedEngine
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -264,34 +264,6 @@ def test_a_run_over_the_sample_matches_the_tests_own_computation(sae, engine_cli
     again_run = wait_run(start(sae).id)
     assert again_run.complete and DashboardRun.objects.filter(sae=sae, complete=True).count() == 2
     assert feature_dashboard(sae.id, best).run_id == again_run.id
-
-
-class GatedEngine:
-    """The engine client, holding the ``hold``-th generation (1-based) before it reaches
-    the engine until ``release`` is set; ``reached`` is set when it gets there."""
-
-    def __init__(self, inner: Any, hold: int) -> None:
-        self.inner = inner
-        self.hold = hold
-        self.calls = 0
-        self.lock = threading.Lock()
-        self.reached = threading.Event()
-        self.release = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def agenerate(self, job: Any) -> Any:
-        with self.lock:
-            self.calls += 1
-            held = self.calls == self.hold
-        return self._held(job) if held else self.inner.agenerate(job)
-
-    async def _held(self, job: Any) -> Any:
-        self.reached.set()
-        await asyncio.to_thread(self.release.wait)  # every test sets it in a finally
-        async for event in self.inner.agenerate(job):
-            yield event
 
 
 def test_a_cancelled_run_stores_nothing(sae, engine_client, settings):

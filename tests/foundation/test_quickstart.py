@@ -5,24 +5,14 @@ AUTO_ATTACH_SAES), then the README's steered chat completion."""
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from tests.conftest import REPO, manage
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.conftest import manage
+from tests.fixtures.served import quickstart_serve
 
 
 def _get(url: str) -> tuple[int, dict]:
@@ -38,48 +28,10 @@ def _get(url: str) -> tuple[int, dict]:
 @pytest.fixture(scope="module")
 def quickstart_server(tiny_assets, tmp_path_factory):
     data = tmp_path_factory.mktemp("quickstart-data")
-    env = {"MILLM_DATA_DIR": str(data), "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32"}
-    for args in (("migrate", "--noinput"), ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root))):
-        result = manage(*args, env=env, timeout=300)
-        assert result.returncode == 0, result.stderr
-    port = _free_port()
-    base = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "TMPDIR")}
-    log = (data / "serve.log").open("w")
-    process = subprocess.Popen(
-        [sys.executable, str(REPO / "manage.py"), "serve", "--port", str(port)],
-        env={
-            **base,
-            **env,
-            "MILLM_ENV_FILE": "/nonexistent/.env",
-            "AUTO_LOAD_MODEL": "tiny-llama",
-            "AUTO_ATTACH_SAES": "tiny-llama-L1-relu",
-        },
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        attachments: list = []
-        while time.monotonic() < deadline:
-            assert process.poll() is None, (data / "serve.log").read_text()
-            status, body = _get(url + "/api/saes/attachments")
-            if status == 200:
-                attachments = body["data"]["entries"]
-                if attachments:
-                    break
-            time.sleep(0.5)
-        assert attachments, (data / "serve.log").read_text()
-        yield url, attachments
-    finally:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        log.close()
+    with quickstart_serve(
+        data, assets_root=tiny_assets.root, model="tiny-llama", sae="tiny-llama-L1-relu", tiny_only=True, timeout_s=120
+    ) as served:
+        yield served
 
 
 def test_server_starts_with_the_demo_model_loaded_and_its_sae_attached(quickstart_server, tiny_assets):

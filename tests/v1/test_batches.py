@@ -6,7 +6,6 @@ after its runner dies without repeating a line."""
 
 from __future__ import annotations
 
-import asyncio
 import io
 import json
 import threading
@@ -19,6 +18,7 @@ import pytest
 from batches.models import Batch, BatchLine
 from tests.v1.conftest import model_resident
 from tests.v1.helpers import request, wait_for_status
+from tests.fixtures.served import GatedEngine
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -85,34 +85,6 @@ class CountingEngine:
         with self.lock:
             self.started[key] = self.started.get(key, 0) + 1
         return self.inner.agenerate(job)
-
-
-class GatedEngine:
-    """The server's engine client, holding the ``hold``-th generation (1-based) before it
-    reaches the engine until ``release`` is set; ``reached`` is set when it gets there."""
-
-    def __init__(self, inner, hold: int) -> None:  # noqa: ANN001
-        self.inner = inner
-        self.hold = hold
-        self.calls = 0
-        self.lock = threading.Lock()
-        self.reached = threading.Event()
-        self.release = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    def agenerate(self, job):  # noqa: ANN001
-        with self.lock:
-            self.calls += 1
-            held = self.calls == self.hold
-        return self._held(job) if held else self.inner.agenerate(job)
-
-    async def _held(self, job):  # noqa: ANN001
-        self.reached.set()
-        await asyncio.to_thread(self.release.wait, 60)
-        async for event in self.inner.agenerate(job):
-            yield event
 
 
 TERMINAL = ("completed", "failed", "expired", "cancelled")

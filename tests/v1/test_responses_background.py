@@ -26,7 +26,7 @@ from django.utils import timezone
 
 from inference.models import StoredResponse
 from tests.v1.helpers import assert_openai_error, request, wait_for_status
-from tests.v1.test_batches import GatedEngine
+from tests.fixtures.served import GatedEngine
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
