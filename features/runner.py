@@ -74,11 +74,6 @@ AHEAD = 4  # contexts read ahead of the oldest not yet accumulated, in DASHBOARD
 # step: 4 measured slower on the 2-core benchmark machine (one loaded round: the corpus
 # pass 0.57 of the plain forward against 0.85 with none), so none
 QUEUED_EXTRA = 0
-# the logit effects on a thread of their own during the corpus pass (else after it): on 2
-# CPU cores the engine's forward and the product share the cores, so this moves their
-# time into the pass rather than saving it; it saves it only where the forward leaves
-# the cores idle
-LOGITS_DURING_PASS = True
 LOGIT_REUSE = True  # an earlier run's logit effects of the same SAE, layer, backend and model (see _logits)
 LOGIT_SPOT_CHECKS = 8  # features recomputed before the logit effects of an earlier run are reused
 
@@ -149,7 +144,7 @@ class _Runner:
 
         task = asyncio.ensure_future(beat())
         try:
-            result = await (fn(*args) if fn is _result else self.off(fn, *args))
+            result = await self.off(fn, *args)
         finally:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -185,23 +180,13 @@ class _Runner:
                 force=True,
             ):
                 raise _Stopped("lost")
-            # the logit effects need no corpus: computed on a thread of their own (the
-            # engine's product runs on the caller's thread) while the corpus pass runs
-            logits_task = asyncio.ensure_future(self.off(self._logits, d_sae)) if LOGITS_DURING_PASS else None
-            try:
-                outcome = await self._loop(contexts, acc, done, tokens)
-                if outcome != "read":
-                    return outcome
-                if logits_task is None:
-                    logits_task = asyncio.ensure_future(self.off(self._logits, d_sae))
-                logits = await self.beating(_result, logits_task)
-            finally:
-                if logits_task is None:
-                    pass
-                elif not logits_task.done():  # the run ended first: let the thread finish
-                    await asyncio.gather(logits_task, return_exceptions=True)
-                elif not logits_task.cancelled():
-                    logits_task.exception()  # retrieved: an error of an ended run is moot
+            outcome = await self._loop(contexts, acc, done, tokens)
+            if outcome != "read":
+                return outcome
+            # the logit effects after the corpus pass, not beside it: on 2 CPU cores the
+            # engine's product took the forward's cores (the pass fell from 0.93 to 0.87 of
+            # a plain forward on transformers, 0.78 on vLLM; docs/performance.md)
+            logits = await self.beating(self._logits, d_sae)
             rows, summary = await self.beating(acc.finish, logits)
             summary = {**summary, "backend": self.backend, "model": self.model, "layer": self.layer}
             outcome = await self.db(
@@ -556,12 +541,6 @@ def _same_logits(fresh: dict[str, list[Any]], stored: dict[str, list[Any]], feat
             if a.shape != b.shape or not np.allclose(a, b, rtol=1e-5, atol=1e-6):
                 return False
     return True
-
-
-async def _result(future: asyncio.Future) -> Any:
-    """What ``future`` gives (for ``_Runner.beating``: a task started earlier, awaited
-    with the heartbeat kept up)."""
-    return await future
 
 
 async def _cancel(tasks: dict[asyncio.Task, int]) -> None:
