@@ -93,9 +93,17 @@ class Capabilities(msgspec.Struct, kw_only=True):
     # in force, and why not where it is off
     prefix_caching_reason: str | None | UnsetType = UNSET
     steered_prefix_cache_keyed_by_steering: bool | UnsetType = UNSET
+    # GenerationJob.distributions_from: the full next-token log-softmax at prompt rows
+    # (transformers, llama.cpp), and why not where a backend lacks it
+    prompt_distributions: bool | UnsetType = UNSET
+    prompt_distributions_reason: str | None | UnsetType = UNSET
     # the runtime's own (``Engine.batching_status``): whether the batch shares forward passes
     shared_forward_passes: bool | UnsetType = UNSET
     serial_fallback: bool | UnsetType = UNSET
+    # the ``attribution`` command: gradients of a logit through an attached SAE
+    # (transformers); where False, the reason the refusal carries
+    gradients: bool | UnsetType = UNSET
+    gradients_reason: str | None | UnsetType = UNSET
 
 
 # the keys every backend reports (the struct's first fields, each a plain bool)

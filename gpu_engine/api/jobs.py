@@ -84,6 +84,11 @@ class GenerationJob(msgspec.Struct):
     # reuses only KV stored under the same name, and its own KV is reused only under it
     # (vLLM: its ``cache_salt``); None: the shared namespace
     cache_namespace: Annotated[str, msgspec.Meta(min_length=1, max_length=256)] | None = None
+    # teacher-forced distributions: the finish carries the full next-token log-softmax
+    # (float32, ``Distributions``) at the prompt rows that predict prompt tokens
+    # ``distributions_from .. P-1`` (1 <= it < P, the prompt's length in tokens), steered
+    # and monitored as the job says; backends reporting ``prompt_distributions``
+    distributions_from: Positive | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
@@ -152,6 +157,9 @@ MAX_TOKENIZE_TEXTS = 4096
 MAX_TOKENIZE_CHARS = 1_000_000
 # at most this many top (and bottom) tokens per feature in a ``FeatureLogitsJob``
 MAX_FEATURE_LOGITS_TOP_N = 100
+# at most this many top features in an ``AttributionJob``, and ablation checks of them
+MAX_ATTRIBUTION_TOP_N = 100
+MAX_ATTRIBUTION_ABLATE = 20
 
 
 class TokenizeJob(msgspec.Struct):
@@ -256,13 +264,49 @@ class AttachSpec(msgspec.Struct):
         check_fields(self)
 
 
+class AttributionJob(msgspec.Struct):
+    """Each feature of the SAE attached at ``layer`` attributed to one logit of the next
+    token after a prompt (exactly one of prompt / prompt_token_ids / messages, rendered as
+    a generation's would be): at every prompt position p, ``f_i(x_p) * d logit / d f_i(x_p)``
+    with the SAE spliced in at its hook point and its error term kept (``x_hat +
+    stopgrad(x - x_hat)``: the forward is the model's own), the logit being the last
+    position's ``target_token_id`` (None: the greedy next token). The ``top_n`` features by
+    the magnitude of their attribution summed over positions are listed; the first
+    ``ablate_top`` of them are checked by zeroing each one at every position and measuring
+    the logit again. Backends reporting the ``gradients`` capability only (transformers)."""
+
+    _names = {"prompt_token_ids": "prompt"}
+
+    request_id: str
+    sae_id: Name
+    layer: Index
+    prompt: str | None = None
+    prompt_token_ids: Annotated[list[Index], msgspec.Meta(min_length=1)] | None = None
+    messages: Annotated[list[dict[str, Any]], msgspec.Meta(min_length=1)] | None = None
+    target_token_id: Index | None = None
+    top_n: Annotated[int, msgspec.Meta(ge=1, le=MAX_ATTRIBUTION_TOP_N)] = 10
+    ablate_top: Annotated[int, msgspec.Meta(ge=0, le=MAX_ATTRIBUTION_ABLATE)] = 5
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
+            raise InvalidParameter("give exactly one of prompt, prompt_token_ids, messages", param="prompt")
+        check_fields(self)
+        check_template_kwargs(self.chat_template_kwargs)
+
+
 __all__ = [
     "HIDDEN_POOLINGS",
     "POOLINGS",
     "PRIORITIES",
     "RESERVED_TEMPLATE_KWARGS",
     "AttachSpec",
+    "AttributionJob",
     "BatchingOptions",
+    "MAX_ATTRIBUTION_ABLATE",
+    "MAX_ATTRIBUTION_TOP_N",
     "MAX_FEATURE_LOGITS_TOP_N",
     "MAX_TOKENIZE_CHARS",
     "MAX_TOKENIZE_TEXTS",

@@ -7,11 +7,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 import msgspec
+import numpy as np
 
 from .capabilities import Capabilities, capabilities_of
 from .capture import CaptureResult
 from .errors import EngineError, SAEIncompatible, error_from_dict
-from .monitoring import ActivationRecord
+from .monitoring import ActivationRecord, PackedRows
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
 
@@ -173,6 +174,31 @@ class FeatureLogitsResult(msgspec.Struct):
     bottom_tokens: list[list[str]]
 
 
+class Distributions(msgspec.Struct):
+    """The model's full next-token log-softmax at prompt rows (``GenerationJob.
+    distributions_from``): little-endian float32 ``logprobs``, ``rows`` × ``vocab``; row
+    ``r`` predicts prompt token ``start + r`` (it is computed from residual row
+    ``start + r - 1``). ``unpack_distributions`` reads it as a numpy array."""
+
+    start: int
+    rows: int
+    vocab: int
+    logprobs: bytes
+
+
+def unpack_distributions(d: Distributions) -> np.ndarray:
+    """``d``'s log-probabilities as a read-only ``[rows, vocab]`` float32 array; a
+    ``ValueError`` where its sizes and bytes disagree."""
+    if d.start < 1 or d.rows < 0 or d.vocab < 1:
+        raise ValueError(f"distributions do not agree: start {d.start}, {d.rows} rows, vocab {d.vocab}")
+    if len(d.logprobs) != d.rows * d.vocab * 4:
+        raise ValueError(
+            f"distributions do not agree: {d.rows} rows × {d.vocab} vocab needs "
+            f"{d.rows * d.vocab * 4} bytes, got {len(d.logprobs)}"
+        )
+    return np.frombuffer(d.logprobs, dtype="<f4").reshape(d.rows, d.vocab)
+
+
 class TokenEvent(msgspec.Struct, tag="token", tag_field="type"):
     """One generated token; ``text`` is the text delta it releases (may be empty while a
     multi-byte character or a possible stop-sequence prefix is held back)."""
@@ -232,6 +258,8 @@ class FinishEvent(msgspec.Struct, tag="finish", tag_field="type"):
     # with ``sampling.prompt_top_logprobs``: the top alternatives at each prompt position
     # (None at position 0, as ``prompt_logprobs``), from the prefill's logits
     prompt_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    # with ``GenerationJob.distributions_from``: the full log-softmax at those prompt rows
+    distributions: Distributions | None = None
 
 
 class ErrorEvent(msgspec.Struct, tag="error", tag_field="type"):
@@ -284,6 +312,7 @@ class GenerationResult(msgspec.Struct):
     capture: CaptureResult | None = None
     speculative: SpeculativeStats | None = None
     prompt_top_logprobs: list[list[LogprobEntry] | None] | None = None
+    distributions: Distributions | None = None
 
     @classmethod
     def from_events(cls, events: Iterable[GenerationEvent]) -> GenerationResult:
@@ -313,6 +342,7 @@ class GenerationResult(msgspec.Struct):
                     capture=ev.capture,
                     speculative=ev.speculative,
                     prompt_top_logprobs=ev.prompt_top_logprobs,
+                    distributions=ev.distributions,
                 )
         raise RuntimeError("generation ended without a finish event")
 
@@ -336,11 +366,44 @@ class CompatibilityReport:
             raise SAEIncompatible(f"{label} is incompatible: " + "; ".join(self.errors), details=self.to_dict())
 
 
+class AttributionFeature(msgspec.Struct):
+    """One feature's attribution to the target logit: ``attribution`` summed over the
+    prompt's positions, its activation summed likewise (``activation_sum``), the position
+    with the largest attribution by magnitude (``max_position``, its value
+    ``max_attribution``), and for the first ``AttributionJob.ablate_top`` features the
+    logit with the feature zeroed at every position minus the clean logit
+    (``ablation_delta``; None where not checked)."""
+
+    index: int
+    attribution: float
+    activation_sum: float
+    max_position: int
+    max_attribution: float
+    ablation_delta: float | None = None
+
+
+class AttributionResult(msgspec.Struct):
+    """An ``AttributionJob``'s answer: the prompt's ids, the target token and its clean logit
+    at the last position, every non-zero ``activation * gradient`` (``attributions``: row p
+    = prompt position p, ``gpu_engine.api.monitoring.unpack`` reads it) and the ``top_n``
+    features by the magnitude of their summed attribution (``top``, largest first)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    target_token_id: int
+    target_logit: float
+    attributions: PackedRows
+    top: list[AttributionFeature] = msgspec.field(default_factory=list)
+
+
 __all__ = [
     "FINISH_REASONS",
     "AttachResult",
     "AttachmentStatus",
+    "AttributionFeature",
+    "AttributionResult",
     "CompatibilityReport",
+    "Distributions",
     "EmbedResult",
     "EngineEvent",
     "EngineStatus",
@@ -361,4 +424,5 @@ __all__ = [
     "TokenLogprob",
     "TokenizeResult",
     "Usage",
+    "unpack_distributions",
 ]
