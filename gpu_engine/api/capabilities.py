@@ -93,6 +93,10 @@ class Capabilities(msgspec.Struct, kw_only=True):
     # in force, and why not where it is off
     prefix_caching_reason: str | None | UnsetType = UNSET
     steered_prefix_cache_keyed_by_steering: bool | UnsetType = UNSET
+    # SteeringEntry.splice: an attachment's hook rows replaced by the SAE's reconstruction
+    # (or zeros), and why not where a backend cannot
+    splice: bool | UnsetType = UNSET
+    splice_reason: str | None | UnsetType = UNSET
     # GenerationJob.distributions_from: the full next-token log-softmax at prompt rows
     # (transformers, llama.cpp), and why not where a backend lacks it
     prompt_distributions: bool | UnsetType = UNSET

@@ -34,6 +34,11 @@ class MonitorEntry(msgspec.Struct):
     (``PackedRows``): one record per encoded chunk of consecutive rows, all in the
     ``FinishEvent`` (a packed entry never streams, and takes neither ``top_k`` nor
     ``features``).  Meant for corpus-wide statistics (feature dashboards).
+
+    ``fidelity=True`` reports how well the SAE reconstructs the rows read, not features:
+    one ``FidelityStats`` record per encoded chunk of consecutive rows, all in the
+    ``FinishEvent`` (a fidelity entry never streams and takes neither ``top_k``,
+    ``features`` nor ``packed``).
     """
 
     _where = "monitor."
@@ -51,12 +56,25 @@ class MonitorEntry(msgspec.Struct):
     tag: str = ""
     # every non-zero feature of each row, packed (``PackedRows``), instead of top_k/features
     packed: bool = False
+    # how well the SAE reconstructs each row read (``FidelityStats``), instead of features
+    fidelity: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.positions, Mapping):
             self.positions = PositionRange(**self.positions)
         check_fields(self)
-        if self.packed:
+        if self.fidelity:
+            if self.top_k or self.features or self.packed:
+                raise InvalidParameter(
+                    "a fidelity monitor entry reports the SAE's reconstruction error, not features: "
+                    "give neither top_k, features nor packed",
+                    param="monitor.fidelity",
+                )
+            if self.stream:
+                raise InvalidParameter(
+                    "a fidelity monitor entry never streams: its records come at the end", param="monitor.fidelity"
+                )
+        elif self.packed:
             if self.top_k or self.features:
                 raise InvalidParameter(
                     "a packed monitor entry reports every non-zero feature: give neither top_k nor features",
@@ -116,6 +134,45 @@ def unpack(p: PackedRows) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return row_ptr, indices, values
 
 
+class FidelityStats(msgspec.Struct):
+    """How well the SAE reconstructs ``rows`` consecutive rows, with ``x`` the hooked
+    residual row (float32) and ``x_hat = decode(encode(x))`` (``b_dec`` included), as
+    little-endian bytes (``unpack_fidelity`` reads them as numpy arrays):
+
+    - ``l0``: int32 per row, the number of non-zero features;
+    - ``sq_err``: float32 per row, ``||x - x_hat||^2``;
+    - ``sq_norm``: float32 per row, ``||x||^2``;
+    - ``x_sum``: float32 ``[d_in]``, the sum of ``x`` over the rows.
+
+    Over many records: L0 = mean ``l0``; MSE = ``sum(sq_err) / (rows * d_in)``; explained
+    variance = ``1 - sum(sq_err) / (sum(sq_norm) - ||sum x||^2 / rows)``."""
+
+    rows: int
+    l0: bytes
+    sq_err: bytes
+    sq_norm: bytes
+    x_sum: bytes
+
+
+def unpack_fidelity(f: FidelityStats) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """``(l0, sq_err, sq_norm, x_sum)`` of a fidelity record as numpy arrays (int32
+    ``[rows]``, float32 ``[rows]``, float32 ``[rows]``, float32 ``[d_in]``); ValueError
+    where their sizes do not agree with ``rows``."""
+    if f.rows < 1:
+        raise ValueError(f"a fidelity record covers at least one row, not {f.rows}")
+    for name in ("l0", "sq_err", "sq_norm"):
+        if len(getattr(f, name)) != 4 * f.rows:
+            raise ValueError(f"fidelity {name}: {len(getattr(f, name))} bytes for {f.rows} rows")
+    if not f.x_sum or len(f.x_sum) % 4:
+        raise ValueError(f"fidelity x_sum: {len(f.x_sum)} bytes is no float32 vector")
+    return (
+        np.frombuffer(f.l0, dtype="<i4"),
+        np.frombuffer(f.sq_err, dtype="<f4"),
+        np.frombuffer(f.sq_norm, dtype="<f4"),
+        np.frombuffer(f.x_sum, dtype="<f4"),
+    )
+
+
 class ActivationRecord(msgspec.Struct):
     sae_id: str
     layer: int
@@ -128,6 +185,9 @@ class ActivationRecord(msgspec.Struct):
     # a packed entry's record: rows ``position .. position + packed.rows - 1``, every
     # non-zero feature (``top_k`` and ``features`` then stay empty, ``token_index`` None)
     packed: PackedRows | None = None
+    # a fidelity entry's record: rows ``position .. position + fidelity.rows - 1``
+    # (``top_k`` and ``features`` then stay empty, ``token_index`` None)
+    fidelity: FidelityStats | None = None
 
 
 __all__ = [
@@ -135,10 +195,12 @@ __all__ = [
     "READ_POINTS",
     "ActivationRecord",
     "FeatureActivation",
+    "FidelityStats",
     "MonitorEntry",
     "MonitorSpec",
     "PackedRows",
     "PositionRange",
     "Positions",
     "unpack",
+    "unpack_fidelity",
 ]

@@ -32,6 +32,8 @@ VECTOR_MODES = ("add", "clamp")
 MAX_CLAMP_BOUND = 1e6
 # what reads a feature's activation, and so needs an encoder (a raw vector has none)
 ENCODER_MODES = ("clamp", "scale")
+# ``SteeringEntry.splice``: every row at the hook replaced by the SAE's reconstruction, or by zeros
+SPLICE_MODES = ("reconstruction", "zero")
 
 
 class SteeringCondition(msgspec.Struct, frozen=True):
@@ -203,6 +205,9 @@ class SteeringEntry(msgspec.Struct, omit_defaults=True):
     ``controls``: features steered in another mode or only where a gate is open
     (``FeatureControl``); a plain add given as a control moves to ``features``.  A feature
     index appears once in the entry.
+    ``splice``: every row at the attachment's hook replaced by the SAE's reconstruction
+    ``decode(encode(x))`` (``"reconstruction"``) or by zeros (``"zero"``), on every
+    forward; it takes no features, controls or vectors in the same entry.
     """
 
     _where = "steering."
@@ -213,6 +218,7 @@ class SteeringEntry(msgspec.Struct, omit_defaults=True):
     features: dict[Index, Annotated[float, STEERING_STRENGTH.meta]] = msgspec.field(default_factory=dict)
     controls: list[FeatureControl] = msgspec.field(default_factory=list)
     vectors: list[SteeringVector] = msgspec.field(default_factory=list)
+    splice: Literal[SPLICE_MODES] | None = None  # type: ignore[valid-type]
 
     def __post_init__(self) -> None:
         self.vectors = [SteeringVector(**v) if isinstance(v, Mapping) else v for v in self.vectors]
@@ -235,10 +241,18 @@ class SteeringEntry(msgspec.Struct, omit_defaults=True):
                 controls.append(c)
         self.features = clean
         self.controls = controls
+        if self.splice is not None and (self.features or self.controls or self.vectors):
+            raise InvalidParameter(
+                "steering.splice replaces every row at the hook: give no features, controls or "
+                "vectors in the same entry",
+                param="steering.splice",
+                details={"sae_id": self.sae_id, "layer": self.layer, "splice": self.splice},
+            )
 
     def is_empty(self) -> bool:
         return (
-            not self.features
+            self.splice is None
+            and not self.features
             and not any(not c.no_op for c in self.controls)
             and not any(not v.no_op for v in self.vectors)
         )
@@ -280,11 +294,14 @@ class SteeringSpec(msgspec.Struct):
         ``<sae_id>\t<layer>\t<index>\t<strength as 16 hex digits of its IEEE-754 binary64
         bits, big-endian>\n`` for a plain add, and for a control
         ``<sae_id>\t<layer>\t<index>\tmode=<mode>[\tvalue=<bits>][\tphase=<phase>]``
-        ``[\twindow=<start>:<end or empty>][\tif=<feature>><threshold bits>]\n``; lines
-        sorted by (sae_id as UTF-8 bytes, layer, index).  An add of 0 or a scale by 1
-        changes nothing and writes no line; -0.0 is 0."""
+        ``[\twindow=<start>:<end or empty>][\tif=<feature>><threshold bits>]\n``; a splice
+        ``<sae_id>\t<layer>\tsplice=<reconstruction|zero>\n``; lines sorted by (sae_id as
+        UTF-8 bytes, layer, index), a splice first and a vector next in its attachment.  An
+        add of 0 or a scale by 1 changes nothing and writes no line; -0.0 is 0."""
         lines = []
         for e in self.entries:
+            if e.splice is not None:
+                lines.append((e.sae_id.encode(), e.layer, -2, f"{e.sae_id}\t{e.layer}\tsplice={e.splice}\n"))
             for index, strength in e.features.items():
                 if strength == 0:
                     continue
@@ -331,6 +348,7 @@ __all__ = [
     "MAX_STEERING_STRENGTH",
     "STEERING_MODES",
     "STEERING_PHASES",
+    "SPLICE_MODES",
     "AttachmentKey",
     "FeatureControl",
     "SteeringCondition",
