@@ -386,7 +386,9 @@ class AttributionResult(msgspec.Struct):
     """An ``AttributionJob``'s answer: the prompt's ids, the target token and its clean logit
     at the last position, every non-zero ``activation * gradient`` (``attributions``: row p
     = prompt position p, ``gpu_engine.api.monitoring.unpack`` reads it) and the ``top_n``
-    features by the magnitude of their summed attribution (``top``, largest first)."""
+    features by the magnitude of their summed attribution (``top``, largest first), with
+    each prompt token's and the target's text as the tokenizer decodes that one id
+    (``prompt_tokens``, ``target_token``: what a heat strip over the prompt shows)."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -394,6 +396,8 @@ class AttributionResult(msgspec.Struct):
     target_logit: float
     attributions: PackedRows
     top: list[AttributionFeature] = msgspec.field(default_factory=list)
+    prompt_tokens: list[str] = msgspec.field(default_factory=list)
+    target_token: str = ""
 
 
 __all__ = [
