@@ -152,8 +152,11 @@ class ModelBackend(Protocol):
         request_hooks: RequestHooks | None,
         should_stop: Callable[[], bool],
         emit: Callable[[GenerationEvent], None],
+        distributions_from: int | None = None,
     ) -> FinishEvent:
-        """One generation run to its end on the caller's thread (serial mode)."""
+        """One generation run to its end on the caller's thread (serial mode);
+        ``distributions_from``: the job's (``GenerationJob.distributions_from``), checked
+        against the prompt and the capability ``prompt_distributions`` already."""
         ...
 
     def batch_runner(self, *, max_rows: int) -> BatchBackend:

@@ -128,6 +128,9 @@ def plan(job: Any, prompt_len: int) -> CachePlan:
     sampling = job.sampling
     if getattr(sampling, "prompt_logprobs", False) or getattr(sampling, "echo", False):
         lookup = False
+    # distributions read the prompt rows' logits, which stored KV does not hold
+    if getattr(job, "distributions_from", None) is not None:
+        lookup = False
     return CachePlan(
         klass=klass,
         key=key,

@@ -19,6 +19,7 @@ from ..api.errors import InvalidParameter
 from ..interp.hooks import RequestHooks
 from ..api.protocol import (
     ActivationRecord,
+    Distributions,
     FinishEvent,
     LogprobEntry,
     SamplingParams,
@@ -100,6 +101,7 @@ class Sequence:
         emit: Emit,
         should_stop: Callable[[], bool],
         exclusive: bool = False,
+        distributions_from: int | None = None,
     ) -> None:
         self.runner = runner
         self.request_id = request_id
@@ -111,6 +113,10 @@ class Sequence:
         self.emit = emit
         self.should_stop = should_stop
         self.exclusive = exclusive
+        # GenerationJob.distributions_from: the prefill's log-softmax rows predicting prompt
+        # tokens from there on travel in the finish (checked against the prompt by the runtime)
+        self.distributions_from = distributions_from
+        self.distributions: Distributions | None = None
         device = runner.device
         self.prompt = torch.tensor([prompt_ids], dtype=torch.long, device=device)
         # response_format: this request's grammar matcher (compiled, or refused, now)
@@ -155,17 +161,52 @@ class Sequence:
     def last_token(self) -> int:
         return self.generated[-1]
 
+    @property
+    def echo_from(self) -> int | None:
+        """The first prompt row whose logits the prefill must return (``echo_logprobs``
+        reads rows from there to the last): 0 for ``prompt_logprobs``, the row before
+        ``distributions_from`` for distributions; None when only the last row is needed."""
+        if self.sampling.prompt_logprobs:
+            return 0
+        if self.distributions_from is not None:
+            return self.distributions_from - 1
+        return None
+
+    @property
+    def echo_rows(self) -> int:
+        """How many of the prompt's last rows' logits the prefill must return (0: the
+        last row's only, as every step)."""
+        start = self.echo_from
+        return 0 if start is None else self.n_prompt - start
+
     def echo_logprobs(self, logits: torch.Tensor) -> None:
-        """Prompt log-probabilities from the prefill's full logits (``prompt_logprobs``),
-        and the top ``prompt_top_logprobs`` alternatives at each position from the same
-        rows (row j - 1 predicts prompt token j)."""
-        lsm_all = torch.log_softmax(logits[:-1].float(), dim=-1)
-        picked = lsm_all.gather(1, self.prompt[0, 1:].unsqueeze(1)).squeeze(1)
-        self.prompt_logprobs = [None, *[float(v) for v in picked.tolist()]]
-        k = min(self.sampling.prompt_top_logprobs, lsm_all.shape[-1])
-        if k:
-            vals, idx = torch.topk(lsm_all, k, dim=-1)
-            self.prompt_top_logprobs = [None, *prompt_top_entries(self.runner, vals.tolist(), idx.tolist())]
+        """What a request reads from its prefill's logits (``logits``: the prompt's last
+        rows, at least ``echo_rows`` of them; row j - 1 predicts prompt token j): the prompt
+        log-probabilities (``prompt_logprobs``) with the top ``prompt_top_logprobs``
+        alternatives at each position, and the full log-softmax rows from
+        ``distributions_from`` on (``Distributions``)."""
+        if self.sampling.prompt_logprobs:
+            if logits.shape[0] < self.n_prompt:
+                raise RuntimeError(f"prompt logprobs need {self.n_prompt} rows of logits, got {logits.shape[0]}")
+            lsm_all = torch.log_softmax(logits[-self.n_prompt : -1].float(), dim=-1)
+            picked = lsm_all.gather(1, self.prompt[0, 1:].unsqueeze(1)).squeeze(1)
+            self.prompt_logprobs = [None, *[float(v) for v in picked.tolist()]]
+            k = min(self.sampling.prompt_top_logprobs, lsm_all.shape[-1])
+            if k:
+                vals, idx = torch.topk(lsm_all, k, dim=-1)
+                self.prompt_top_logprobs = [None, *prompt_top_entries(self.runner, vals.tolist(), idx.tolist())]
+        start = self.distributions_from
+        if start is not None:
+            rows = self.n_prompt - start
+            if logits.shape[0] < rows + 1:
+                raise RuntimeError(f"distributions need {rows + 1} rows of logits, got {logits.shape[0]}")
+            lsm = torch.log_softmax(logits[-rows - 1 : -1].float(), dim=-1)
+            self.distributions = Distributions(
+                start=start,
+                rows=rows,
+                vocab=int(lsm.shape[-1]),
+                logprobs=lsm.cpu().numpy().astype("<f4", copy=False).tobytes(),
+            )
 
     def accept(self, token_id: int, lsm: torch.Tensor | None) -> bool:
         """Take the token sampled for this request; emit its event.  True when finished."""
@@ -255,6 +296,7 @@ class Sequence:
             prompt_token_ids=list(self.prompt_ids),
             prompt_logprobs=self.prompt_logprobs,
             prompt_top_logprobs=self.prompt_top_logprobs,
+            distributions=self.distributions,
             activations=self.extra_records,
             steering_apply_count=counts,
             steering_fired=fired,

@@ -181,6 +181,7 @@ class Engine(ModelLoading):
                 request_hooks=hooks,
                 should_stop=stream._cancel.is_set,
                 emit=stream._put,
+                distributions_from=job.distributions_from,
                 **prefix_kwargs(backend, job, prompt_ids),
             )
             deliver(self._capture_writer, capture, finish, stream._put)

@@ -47,6 +47,9 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
         needs.append(("logprobs", caps.logprobs, "logprobs"))
     if job.sampling.prompt_logprobs:
         needs.append(("prompt_logprobs", caps.prompt_logprobs, "prompt_logprobs"))
+    if job.distributions_from is not None:
+        # a key some backends report only (UNSET, falsy: it does not say it can)
+        needs.append(("prompt_distributions", bool(caps.prompt_distributions), "distributions_from"))
     if job.capture is not None:
         needs.append(("hidden_state_capture", caps.hidden_state_capture, "capture"))
         if job.capture.attention is not None:
@@ -71,6 +74,8 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
 
 
 def prompt_ids(backend: Any, job: GenerationJob) -> list[int]:
+    """The job's prompt as checked token ids (given, rendered from ``messages`` or encoded
+    from text), its ``distributions_from`` checked against their number."""
     if job.prompt_token_ids is not None:
         ids = validate_ids(backend, job.prompt_token_ids, "prompt")
     elif job.messages is not None:
@@ -82,6 +87,14 @@ def prompt_ids(backend: Any, job: GenerationJob) -> list[int]:
         ids = backend.encode_text(job.prompt or "", add_special_tokens=job.add_special_tokens)
     if not ids:
         raise InvalidParameter("the prompt is empty after tokenisation", param="prompt")
+    start = job.distributions_from
+    if start is not None and start >= len(ids):
+        raise InvalidParameter(
+            f"distributions_from {start} must be below the prompt's length ({len(ids)} tokens): "
+            "row r predicts prompt token distributions_from + r",
+            param="distributions_from",
+            details={"distributions_from": start, "prompt_tokens": len(ids)},
+        )
     return ids
 
 

@@ -47,6 +47,13 @@ PARITY_ACT_* the demo SmolLM2-135M's monitored SAE activations (layer 12) on vLL
           monitored value of the test's batch: ≤ 2.2e-6 absolute where |value| ≤ 1, and
           ≤ 3.9e-6 (vLLM) / 1.4e-5 (llama.cpp) relative above it, so |got − want| ≤
           2e-5 + 1e-4·|want| leaves ≥ 7× headroom.  Tokens must be identical.
+DISTRIBUTION_* a generation's teacher-forced distributions (the full float32 log-softmax
+          of prompt rows) vs the test's own float64 forward of the checkpoint and its own
+          log_softmax (test_distributions.py): float32 rounding through the tiny models'
+          layers and a log-sum-exp over the vocabulary, measured ≤ 2.3e-6 on log-
+          probabilities of magnitude ≤ ~10 (steered rows included); the llama.cpp bound
+          adds its own float32 kernels (LOGPROB_* of test_llamacpp.py, ≤ 2e-6 measured
+          against transformers).
 """
 
 HOOK_ATOL = 2e-5
@@ -71,3 +78,5 @@ PROBE_ATOL = 2e-3
 QUANTIZED_GREEDY_AGREEMENT_MIN = 0.9
 PARITY_ACT_ATOL = 2e-5
 PARITY_ACT_RTOL = 1e-4
+DISTRIBUTION_ATOL = 1e-5
+LLAMACPP_DISTRIBUTION_ATOL = 1e-4

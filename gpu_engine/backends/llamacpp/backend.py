@@ -315,6 +315,8 @@ class LlamaCppBackend:
             prefix_caching_reason=None if self.prefix.enabled else "PREFIX_CACHE_MAX_MB is 0",
             # entries are keyed by the steering that touches the prompt (decode/prefix_cache.py)
             steered_prefix_cache_keyed_by_steering=self.prefix.enabled,
+            # GenerationJob.distributions_from: the prefill's logits rows (batched.py)
+            prompt_distributions=True,
         )
 
     @property
@@ -447,6 +449,7 @@ class LlamaCppBackend:
             request_hooks=request_hooks,
             emit=emit,
             should_stop=should_stop,
+            distributions_from=job.distributions_from,
         )
         self.prefix.admit(seq, prefix_plan)
         return seq
@@ -467,6 +470,7 @@ class LlamaCppBackend:
         should_stop: Any,
         emit: Any,
         prefix_plan: CachePlan | None = None,
+        distributions_from: int | None = None,
     ) -> Any:
         self._check_steering(request_hooks)
         seq = Sequence(
@@ -478,6 +482,7 @@ class LlamaCppBackend:
             request_hooks=request_hooks,
             emit=emit,
             should_stop=should_stop,
+            distributions_from=distributions_from,
         )
         self.prefix.admit(seq, prefix_plan)  # None (a direct caller): no prefix cache
         runner = LlamaBatchRunner(self, max_rows=1, seq_ids=[self.scratch_seq])

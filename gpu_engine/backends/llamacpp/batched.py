@@ -349,7 +349,7 @@ class LlamaBatchRunner:
         for seq in seqs:
             seq.kv_ready = True  # type: ignore[attr-defined]  # its KV: the prompt, then each fed token
         for seq in seqs:
-            if seq.sampling.prompt_logprobs:
+            if seq.echo_from is not None:
                 seq.echo_logprobs(torch.from_numpy(np.concatenate(echo[id(seq)], axis=0)))
         stacked = torch.stack([logits[id(s)] for s in seqs])
         finished = []
@@ -366,7 +366,7 @@ class LlamaBatchRunner:
     ) -> None:
         """The prompts of ``seqs`` through the model, packed into decodes of up to n_batch
         tokens: each one's last-position logits into ``logits`` (by ``id``), its prompt
-        logits into ``echo`` where it asked for prompt logprobs.  A prompt the prefix cache
+        logits it reads into ``echo`` (``Sequence.echo_from`` on).  A prompt the prefix cache
         gave a prefix of (``kv_reused`` tokens) prefills from there, at its own positions."""
         n_batch = self.ctx.settings.n_batch
         last_layer = self.backend.num_layers - 1
@@ -379,24 +379,26 @@ class LlamaBatchRunner:
             while queue and len(tokens) < n_batch:
                 seq, off = queue.pop(0)
                 take = min(seq.n_prompt - off, n_batch - len(tokens))
-                all_out = (
-                    seq.sampling.prompt_logprobs
-                    or self._reads_pruned(seq, last_layer)
-                    or self._captures_prompt_rows(seq, last_layer)
-                )
+                all_out = self._reads_pruned(seq, last_layer) or self._captures_prompt_rows(seq, last_layer)
+                # the rows whose logits the request reads (prompt logprobs, distributions)
+                echo_from = seq.echo_from
+                first_out = seq.n_prompt - 1 if echo_from is None else echo_from
                 a = len(tokens)
                 for p in range(off, off + take):
-                    last = p == seq.n_prompt - 1
-                    tokens.append((seq.prompt_ids[p], p, seq.seq_id, bool(all_out or last)))  # type: ignore[attr-defined]
+                    out = all_out or p >= first_out
+                    tokens.append((seq.prompt_ids[p], p, seq.seq_id, bool(out)))  # type: ignore[attr-defined]
                 parts.append((seq, a, a + take, off))
                 ends.append((seq, a, off + take == seq.n_prompt))
                 if off + take < seq.n_prompt:
                     queue.insert(0, (seq, off + take))
             self._forward(parts, tokens)
-            for seq, a, b, _off in parts:
+            for seq, a, b, off in parts:
                 seq.forwards += 1
-                if seq.sampling.prompt_logprobs:
-                    echo.setdefault(id(seq), []).append(self.ctx.logits_rows(list(range(a, b))))
+                echo_from = seq.echo_from
+                if echo_from is not None and off + (b - a) > echo_from:
+                    # this chunk's rows from echo_from on (each of them produced logits)
+                    lo = a + max(echo_from - off, 0)
+                    echo.setdefault(id(seq), []).append(self.ctx.logits_rows(list(range(lo, b))))
             for seq, _a, done in ends:
                 if done:
                     b = next(p[2] for p in parts if p[0] is seq)

@@ -39,6 +39,7 @@ def run_generation(
     should_stop: Callable[[], bool],
     emit: Emit,
     prefix_plan: Any = None,
+    distributions_from: int | None = None,
 ) -> FinishEvent:
     seq = Sequence(
         runner,
@@ -49,6 +50,7 @@ def run_generation(
         request_hooks=request_hooks,
         emit=emit,
         should_stop=should_stop,
+        distributions_from=distributions_from,
     )
     drafter = runner.drafter  # None without SPECULATIVE_MODEL
     if drafter is not None:
@@ -92,7 +94,8 @@ def run_generation(
                 if segment is not None:
                     segment.row_end = input_ids.shape[1]
                     segment.start_position = n_prompt + i - 1 if i else start
-                echo = i == 0 and sampling.prompt_logprobs
+                # the prefill returns the prompt rows' logits a request reads (echo_logprobs)
+                echo = seq.echo_rows if i == 0 else 0
                 if i and lean is not None:
                     logits = lean.step(input_ids, n_prompt + i - 1)
                 else:
@@ -142,7 +145,6 @@ def _run_speculative(
     from transformers import DynamicCache
 
     device = runner.device
-    sampling = seq.sampling
     sampler = seq.sampler
     n_prompt = seq.n_prompt
     segment = Segment(request_hooks, 0, n_prompt, 0) if request_hooks is not None else None
@@ -155,7 +157,7 @@ def _run_speculative(
     past: Any = DynamicCache()
     with torch.inference_mode(), hook_manager.active(ctx):
         # the prefill, as in plain decoding
-        echo = bool(sampling.prompt_logprobs)
+        echo = seq.echo_rows
         logits, past = runner.forward(
             seq.prompt, past, cache_position=torch.arange(n_prompt, device=device), all_logits=echo
         )

@@ -245,6 +245,8 @@ class TransformersRunner:
         return Capabilities(
             hook_points=list(HOOK_POINTS),
             hidden_states=True,
+            # GenerationJob.distributions_from: the prefill's own logits rows (Sequence)
+            prompt_distributions=True,
             tool_calling=self.tool_call_format is not None,
             tool_call_format=self.tool_call_format,
             # SPECULATIVE_MODEL: the serial path's draft, when one is set
@@ -371,20 +373,25 @@ class TransformersRunner:
         return self.compiled is not None and not self.hooks.armed_captures() and not self.qk_taps.armed()
 
     def forward(
-        self, input_ids: torch.Tensor, past: Any, *, cache_position: torch.Tensor, all_logits: bool = False
+        self, input_ids: torch.Tensor, past: Any, *, cache_position: torch.Tensor, all_logits: bool | int = False
     ) -> tuple[torch.Tensor, Any]:
-        """One forward over ``input_ids`` (1, T); returns (logits (T' , V), cache).  A
-        one-token step on the static cache runs compiled when the model is."""
+        """One forward over ``input_ids`` (1, T); returns (logits (T' , V), cache): the
+        last position's (``all_logits`` False or 0), the last ``all_logits`` positions'
+        (an int), or every position's (True); a model that cannot keep fewer returns
+        every position's.  A one-token step on the static cache runs compiled when the
+        model is."""
         if input_ids.shape[1] == 1 and past is not None and past is self._static_cache and self._compiled_usable():
             logits = self.compiled.serial(input_ids, past, cache_position)  # type: ignore[union-attr]
             return logits[0], past
         kwargs: dict[str, Any] = {"use_cache": True, "past_key_values": past, "cache_position": cache_position}
-        if self._has_logits_to_keep and not all_logits:
-            kwargs["logits_to_keep"] = 1
+        if self._has_logits_to_keep and all_logits is not True:
+            kwargs["logits_to_keep"] = max(int(all_logits), 1)
         out = self.model(input_ids=input_ids, **kwargs)
         return out.logits[0], out.past_key_values
 
-    def prefill_full_cache(self, input_ids: torch.Tensor, *, all_logits: bool = False) -> tuple[torch.Tensor, Any]:
+    def prefill_full_cache(
+        self, input_ids: torch.Tensor, *, all_logits: bool | int = False
+    ) -> tuple[torch.Tensor, Any]:
         """A batch-1 prefill into a cache that keeps every position in every layer.
 
         The model's own default cache trims sliding-window layers (Gemma 2) to the window;
@@ -521,6 +528,7 @@ class TransformersRunner:
             request_hooks=request_hooks,
             emit=emit,
             should_stop=should_stop,
+            distributions_from=job.distributions_from,
         )
         seq.prefix_plan = prefix_plan  # decode/prefix_cache.CachePlan, None: the cache is not used
         return seq

@@ -247,6 +247,13 @@ class VllmBackend:
             torch_compile=not self.enforce_eager,
             prefix_caching=True,
             steered_prefix_cache_keyed_by_steering=True,
+            # GenerationJob.distributions_from: vLLM hands back a prompt position's top
+            # ``max_logprobs`` entries as Python objects, never the whole row
+            prompt_distributions=False,
+            prompt_distributions_reason=(
+                "vLLM returns prompt log-probabilities as top-k entries (max_logprobs), not the "
+                "full vocabulary's log-softmax rows; use the transformers or llama.cpp backend"
+            ),
             # the points this model gives exactly (wire.hook_site refuses the others)
             hook_points=supported_points(getattr(self, "hook_sites", None)),
         )
