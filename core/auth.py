@@ -59,6 +59,10 @@ INFERENCE_WRITES: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
         # a dashboard run over the sample or the caller's own file; cancel only one's own
         ({"POST"}, r"^/api/saes/[^/]+/dashboards/?$"),
         ({"POST"}, r"^/api/dashboards/[^/]+/cancel/?$"),
+        # experiments (sweeps, calibrations, fidelity runs, attribution) are the caller's
+        # own; cancel only one's own; a calibration saved into a profile needs an admin key
+        ({"POST"}, r"^/api/experiments/(sweep|calibrate|fidelity|attribution)/?$"),
+        ({"POST"}, r"^/api/experiments/[^/]+/cancel/?$"),
     )
 )
 

@@ -7,15 +7,19 @@ There is one pool per queue, each sized from its setting: ``downloads``
 (MAX_DOWNLOAD_WORKERS), ``loads`` (MAX_LOAD_WORKERS; the engine lives in this process, so
 loads belong here), ``maintenance``, ``batches`` (one Batch API runner at a time, each
 keeping BATCH_ENGINE_ROWS lines at the engine) and ``responses`` (background responses of
-POST /v1/responses, RESPONSES_BACKGROUND_WORKERS at once) and ``dashboards`` (feature
-dashboard runs, DASHBOARD_WORKERS at once). In distributed mode the queue names route the task
+POST /v1/responses, RESPONSES_BACKGROUND_WORKERS at once), ``dashboards`` (feature
+dashboard runs, DASHBOARD_WORKERS at once) and ``experiments`` (sweeps, calibrations and
+fidelity runs, EXPERIMENT_WORKERS at once). In distributed mode the queue names route the task
 to the Celery workers that consume them.
 
 Dispatch always happens after the surrounding transaction commits, so a task never looks
 for a row that is not there yet.
 
 The long runs these tasks start (a batch's runner, a background response's) share their
-runner id (``new_runner_id``) and their run-scoped executor (``run_with_closing_pool``).
+runner id (``new_runner_id``), their take-over wait (``take_over_run``) and their
+run-scoped executor (``run_with_closing_pool``); ``LongRuns`` keeps the row of such a run
+(one runner at a time, its heartbeat, a cancel, the sweep that resumes a run whose runner
+died) for any model with the fields it names.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from core.runtime import runtime
 
 log = structlog.get_logger(__name__)
 
-QUEUES = ("downloads", "loads", "maintenance", "batches", "responses", "dashboards")
+QUEUES = ("downloads", "loads", "maintenance", "batches", "responses", "dashboards", "experiments")
 RUN_EXECUTOR_THREADS = 4
 
 T = TypeVar("T")
@@ -54,6 +58,8 @@ def _pool_size(queue: str) -> int:
         return int(settings.RESPONSES_BACKGROUND_WORKERS)
     if queue == "dashboards":
         return int(settings.DASHBOARD_WORKERS)
+    if queue == "experiments":
+        return int(settings.EXPERIMENT_WORKERS)
     return 1
 
 
@@ -212,3 +218,186 @@ async def run_with_closing_pool(main: Callable[[], Awaitable[T]], *, thread_name
         await asyncio.gather(
             *(loop.run_in_executor(pool, close) for _ in range(RUN_EXECUTOR_THREADS)), return_exceptions=True
         )
+
+
+class LongRuns:
+    """The row of a long run that one runner at a time holds (an experiment; the model
+    has ``status`` with the values queued, running, cancelling, cancelled, failed and
+    completed, ``runner``, ``runner_seen_at``, ``resumes``, ``error``, ``started_at`` and
+    ``finished_at``): its take-over, heartbeat, cancel and end, and the sweep and
+    start-up resume that queue a runner for a run whose runner died.
+
+    A runner whose heartbeat is older than BATCH_RUNNER_STALE_S is presumed dead; one
+    taken over more than BATCH_MAX_RESUMES times ends ``failed`` with ``failed_code``.
+    ``ending(row, status)`` may set fields of a row about to end and returns their names;
+    ``ended(row)`` is told of every end (after its transaction) and of a take-over (the
+    service publishes its progress there)."""
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        what: str,
+        task: str,
+        queue: str,
+        failed_code: str,
+        ending: Callable[[Any, str], list[str]] | None = None,
+        ended: Callable[[Any], None] | None = None,
+    ) -> None:
+        self.model, self.what, self.task, self.queue = model, what, task, queue
+        self.failed_code = failed_code
+        self._ending = ending or (lambda row, status: [])
+        self._ended = ended or (lambda row: None)
+
+    # ------------------------------------------------------------------ one row
+
+    def stale(self, row: Any) -> bool:
+        """The run's runner sent no heartbeat for BATCH_RUNNER_STALE_S (or has none)."""
+        from django.utils import timezone
+
+        seen = row.runner_seen_at
+        return seen is None or (timezone.now() - seen).total_seconds() > float(settings.BATCH_RUNNER_STALE_S)
+
+    def end(self, row: Any, status: str, *, extra: list[str] | tuple[str, ...] = ()) -> None:
+        """End ``row`` (inside the caller's transaction): ``status``, ``finished_at``, no
+        runner, and what ``ending`` sets."""
+        from django.utils import timezone
+
+        fields = self._ending(row, status)
+        row.status = status
+        row.finished_at = timezone.now()
+        row.runner = None
+        row.save(update_fields=["status", "finished_at", "runner", "error", *extra, *fields])
+
+    def enqueue(self, run_id: str, *, force: bool = False) -> Future:
+        return enqueue(self.task, run_id, force=force, queue=self.queue)
+
+    def take_over(self, *, run_id: str, runner: str, force: bool = False) -> tuple[str, Any]:
+        """Become the run's runner: ``("run", row)``, ``("wait", row)`` while another
+        runner's heartbeat is fresh, ``("done", None)`` for a run that needs no runner (it
+        ended; a ``cancelling`` one nobody runs ends ``cancelled`` here; one taken over too
+        often ends ``failed``)."""
+        from django.utils import timezone
+
+        with transaction.atomic():
+            row = self.model.objects.select_for_update().filter(id=run_id).first()
+            if row is None or row.status in self.model.TERMINAL:
+                return "done", None
+            if row.runner not in (None, runner) and not force and not self.stale(row):
+                return "wait", row
+            resumed = row.runner not in (None, runner)
+            if row.status == "cancelling":
+                self.end(row, "cancelled")
+            elif resumed and row.resumes >= int(settings.BATCH_MAX_RESUMES):
+                row.error = {
+                    "code": self.failed_code,
+                    "message": f"The run's runner stopped {row.resumes + 1} times without finishing it "
+                    f"(BATCH_MAX_RESUMES={settings.BATCH_MAX_RESUMES})",
+                }
+                self.end(row, "failed")
+            else:
+                now = timezone.now()
+                row.runner, row.runner_seen_at = runner, now
+                row.status = "running"
+                row.started_at = row.started_at or now
+                row.resumes += int(resumed)
+                row.save(update_fields=["runner", "runner_seen_at", "status", "started_at", "resumes"])
+        if row.status in self.model.TERMINAL:
+            log.warning(f"{self.what}_ended_at_take_over", run_id=run_id, status=row.status)
+            self._ended(row)
+            return "done", None
+        self._ended(row)
+        return "run", row
+
+    def heartbeat(self, *, run_id: str, runner: str, **fields: Any) -> str | None:
+        """The run's status after recording this runner's heartbeat (and ``fields``:
+        progress), or None when this runner no longer holds it."""
+        from django.utils import timezone
+
+        if not self.model.objects.filter(id=run_id, runner=runner).update(runner_seen_at=timezone.now(), **fields):
+            return None
+        return self.model.objects.values_list("status", flat=True).get(id=run_id)
+
+    def finish(
+        self, *, run_id: str, runner: str, status: str, error: dict[str, str] | None = None, **fields: Any
+    ) -> Any:
+        """End the run this runner holds ``status`` (a recorded cancel wins over a
+        completion or a failure: ``cancelled``), with ``fields`` set; the row, or None
+        when this runner no longer holds it."""
+        with transaction.atomic():
+            row = self.model.objects.select_for_update().filter(id=run_id, runner=runner).first()
+            if row is None or row.status in self.model.TERMINAL:
+                return None
+            if row.status == "cancelling":
+                status = "cancelled"
+            elif error is not None:
+                row.error = error
+            for name, value in fields.items():
+                setattr(row, name, value)
+            self.end(row, status, extra=list(fields))
+        self._ended(row)
+        return row
+
+    def cancel(self, row_id: str, *, not_cancellable: Callable[[Any], Exception]) -> Any:
+        """``cancelling`` (the runner sees it at its next heartbeat and ends the run
+        ``cancelled``); a run no live runner holds (queued, or its runner dead) ends
+        ``cancelled`` at once. ``not_cancellable(row)`` is raised for a run that ended."""
+        with transaction.atomic():
+            row = self.model.objects.select_for_update().get(id=row_id)
+            if row.status in ("cancelling", "cancelled"):
+                return row
+            if row.status in self.model.TERMINAL:
+                raise not_cancellable(row)
+            if row.runner is not None and not self.stale(row):
+                row.status = "cancelling"
+                row.save(update_fields=["status"])
+            else:
+                self.end(row, "cancelled")
+        self._ended(row)
+        return row
+
+    # ------------------------------------------------------------------ every row
+
+    def sweep(self) -> dict[str, int]:
+        """Every run nobody runs any more ends or goes on: ``cancelling`` with no live
+        runner ends ``cancelled``; ``running`` whose runner's heartbeat is stale is
+        released (its heartbeat set to now, so the next sweep waits a stale period) and
+        a runner is queued, which resumes it."""
+        from datetime import timedelta
+
+        from django.db.models import Q
+        from django.utils import timezone
+
+        stale_before = timezone.now() - timedelta(seconds=float(settings.BATCH_RUNNER_STALE_S))
+        stale = Q(runner_seen_at=None) | Q(runner_seen_at__lt=stale_before)
+        dead = Q(runner=None) | stale
+        cancelled = resumed = 0
+        for run_id in list(self.model.objects.filter(dead, status="cancelling").values_list("id", flat=True)):
+            with transaction.atomic():
+                row = self.model.objects.select_for_update().filter(dead, id=run_id, status="cancelling").first()
+                if row is None:
+                    continue
+                self.end(row, "cancelled")
+            self._ended(row)
+            cancelled += 1
+        for run_id in list(self.model.objects.filter(stale, status="running").values_list("id", flat=True)):
+            with transaction.atomic():
+                if not self.model.objects.filter(stale, id=run_id, status="running").update(
+                    runner=None, runner_seen_at=timezone.now()
+                ):
+                    continue
+                self.enqueue(run_id)
+            log.warning(f"{self.what}_runner_dead", run_id=run_id)
+            resumed += 1
+        return {"cancelled": cancelled, "resumed": resumed}
+
+    def resume(self, *, force: bool) -> int:
+        """Queue a runner for every run not ended (a start-up: embedded, this process was
+        the runner, ``force``; a worker of the queue takes over a run once its runner's
+        heartbeat is stale). How many were queued."""
+        ids = list(self.model.objects.exclude(status__in=self.model.TERMINAL).values_list("id", flat=True))
+        for run_id in ids:
+            self.enqueue(run_id, force=force)
+        if ids:
+            log.info(f"{self.what}_resumed", runs=len(ids))
+        return len(ids)

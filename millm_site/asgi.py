@@ -103,4 +103,9 @@ if settings.MILLM_APPLICATION_START:
         from features.sweeper import sweeper_start as dashboards_sweeper_start
 
         dashboards_sweeper_start()  # a run whose runner's task ended without ending it
+        from experiments.services import experiments_resume
+        from experiments.sweeper import sweeper_start as experiments_sweeper_start
+
+        experiments_resume(force=True)  # sweeps and calibrations, from the points they stored
+        experiments_sweeper_start()
         sweeper_start()  # a batch whose runner died, or past its window, still ends

@@ -904,6 +904,41 @@ VARIABLES: tuple[Var, ...] = (
         minimum=1,
         maximum=16,
     ),
+    # --- Steering experiments ---------------------------------------------------------
+    Var(
+        "EXPERIMENT_MAX_POINTS",
+        "Steering experiments",
+        "int",
+        256,
+        "Largest grid one sweep may ask for (POST /api/experiments/sweep, manage.py sweep): "
+        "prompts × (1 + variants × strengths) points, each prompt's unsteered default "
+        "included; a calibration's prompts × (max_iterations + 2) teacher-forced passes "
+        "count the same way. A larger one is refused with 422 naming the field before "
+        "anything runs.",
+        minimum=1,
+        maximum=100_000,
+    ),
+    Var(
+        "EXPERIMENT_ENGINE_ROWS",
+        "Steering experiments",
+        "int",
+        16,
+        "Engine jobs (generations and teacher-forced passes) an experiment keeps at the "
+        "engine at once; they are batched together as concurrent requests are.",
+        minimum=1,
+        maximum=256,
+    ),
+    Var(
+        "EXPERIMENT_WORKERS",
+        "Steering experiments",
+        "int",
+        1,
+        "Embedded mode: experiments run at once in this process (the experiments pool); "
+        "more wait queued. Distributed mode: the concurrency of the Celery workers of the "
+        "experiments queue decides.",
+        minimum=1,
+        maximum=16,
+    ),
     Var(
         "EXPLAINER_BASE_URL",
         "Feature dashboards",

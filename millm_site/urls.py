@@ -17,6 +17,8 @@ urlpatterns = [
     path("api/", include("registry.urls")),
     # feature dashboards, search and explanations: saes/<SAE_ID>/dashboards|features|explanations
     path("api/", include("features.urls")),
+    # steering experiments: experiments (sweep, calibrate, fidelity, attribution, <id>...)
+    path("api/", include("experiments.urls")),
     path("api/", include("orchestration.urls")),
     path("api/", include("steering.urls")),
     # before monitoring's probes/<ref>: /api/probes/score runs on the engine

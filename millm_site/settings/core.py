@@ -54,6 +54,7 @@ INSTALLED_APPS = [
     "leases",
     "orchestration",
     "features",
+    "experiments",
     "ui",
     "system",
 ]

@@ -22,6 +22,7 @@ CELERY_TASK_ROUTES = {
     "batches.tasks.*": {"queue": "batches"},
     "inference.tasks.*": {"queue": "responses"},
     "features.tasks.*": {"queue": "dashboards"},
+    "experiments.tasks.*": {"queue": "experiments"},
     "monitoring.tasks.*": {"queue": "analysis"},
 }
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1

@@ -1,0 +1,296 @@
+"""The /api routes of the steering experiments (experiments/urls.py, docs/api.md
+"Experiments"): thin views, one per action. Each validates its input with a serializer (a
+refusal is 422 VALIDATION_ERROR naming the field), calls one service or selector, and
+answers the envelope (a download answers the file). A run is its owner's: another
+inference key's run is a 404; an admin key sees all."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers, status
+from rest_framework.negotiation import BaseContentNegotiation
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from core.api import envelope, validated
+from core.auth import principal
+from core.schema import MAX_INDEX, enveloped
+from experiments import exports, selectors, services
+from experiments.models import ExperimentPoint, ExperimentRun
+from experiments.sweep import (
+    MAX_PROMPTS,
+    MAX_STRENGTHS,
+    MAX_TOKENS,
+    MAX_VARIANTS,
+)
+
+EXPERIMENTS = ["experiments"]
+
+# --------------------------------------------------------------------------- inputs
+
+
+class SweepInput(serializers.Serializer):
+    prompts = serializers.ListField(
+        child=serializers.JSONField(),
+        min_length=1,
+        max_length=MAX_PROMPTS,
+        help_text="each a text (a completion) or {messages: [...]} (a chat)",
+    )
+    variants = serializers.ListField(
+        child=serializers.DictField(),
+        min_length=1,
+        max_length=MAX_VARIANTS,
+        help_text="each {sae_id?, layer?, index, mode?, phase?, window?, condition?, target?, label?} "
+        "(an SAE feature or an attached vector) or {vector: {data, layer?, hook?, mode?, min?, max?}, "
+        "target?, label?} (an inline vector)",
+    )
+    strengths = serializers.ListField(
+        child=serializers.FloatField(), min_length=1, max_length=MAX_STRENGTHS, help_text="each variant at each"
+    )
+    max_tokens = serializers.IntegerField(required=False, default=32, min_value=1, max_value=MAX_TOKENS)
+    temperature = serializers.FloatField(required=False, default=0.0, min_value=0.0, max_value=2.0)
+    seed = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=0, max_value=2**63 - 1)
+
+
+class CalibrateInput(serializers.Serializer):
+    prompts = serializers.ListField(child=serializers.JSONField(), min_length=1, max_length=MAX_PROMPTS)
+    variant = serializers.DictField(help_text="one variant, as a sweep's")
+    target_kl = serializers.FloatField(min_value=0.0, max_value=100.0, help_text="mean KL(steered ‖ default) wanted")
+    bounds = serializers.ListField(
+        child=serializers.FloatField(), min_length=2, max_length=2, required=False, help_text="[low, high] strengths"
+    )
+    tolerance = serializers.FloatField(required=False, default=0.01, min_value=1e-9, max_value=100.0)
+    max_iterations = serializers.IntegerField(required=False, default=12, min_value=1, max_value=64)
+    max_tokens = serializers.IntegerField(required=False, default=32, min_value=1, max_value=MAX_TOKENS)
+    temperature = serializers.FloatField(required=False, default=0.0, min_value=0.0, max_value=2.0)
+    seed = serializers.IntegerField(required=False, allow_null=True, default=None, min_value=0, max_value=2**63 - 1)
+    save_profile = serializers.CharField(
+        required=False, allow_null=True, default=None, min_length=1, max_length=100, help_text="a profile's name"
+    )
+
+
+class RunListQuery(serializers.Serializer):
+    kind = serializers.ChoiceField(choices=ExperimentRun.Kind.values, required=False)
+    sae_id = serializers.CharField(required=False, max_length=200)
+    limit = serializers.IntegerField(required=False, default=50, min_value=1, max_value=200)
+    offset = serializers.IntegerField(required=False, default=0, min_value=0, max_value=MAX_INDEX)
+
+
+class PointsQuery(serializers.Serializer):
+    limit = serializers.IntegerField(required=False, default=100, min_value=1, max_value=1000)
+    offset = serializers.IntegerField(required=False, default=0, min_value=0, max_value=MAX_INDEX)
+
+
+class DownloadQuery(serializers.Serializer):
+    format = serializers.ChoiceField(choices=list(exports.FORMATS), required=False, default="jsonl")
+
+
+# --------------------------------------------------------------------------- outputs
+
+
+class RunOutput(serializers.Serializer):
+    id = serializers.CharField()
+    kind = serializers.ChoiceField(choices=ExperimentRun.Kind.values)
+    status = serializers.ChoiceField(choices=ExperimentRun.Status.values)
+    sae_id = serializers.CharField(allow_null=True)
+    layer = serializers.IntegerField(allow_null=True)
+    done = serializers.IntegerField()
+    total = serializers.IntegerField()
+    partial = serializers.BooleanField(help_text="ended before every point was stored; those stored stay")
+    error = serializers.JSONField(allow_null=True, help_text="{code, message} of a failed run")
+    result = serializers.JSONField(help_text="the kind's figures (a calibration's strength, kl, curve, iterations)")
+    spec = serializers.JSONField(help_text="the request as validated")
+    created_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+
+
+def run_out(run: ExperimentRun) -> dict[str, Any]:
+    return RunOutput(
+        {
+            "id": run.id,
+            "kind": run.kind,
+            "status": run.status,
+            "sae_id": run.sae_id or None,
+            "layer": run.layer,
+            "done": run.done,
+            "total": run.total,
+            "partial": run.partial,
+            "error": run.error,
+            "result": run.result or {},
+            "spec": exports.shown_spec(run.spec or {}),
+            "created_at": run.created_at,
+            "started_at": run.started_at,
+            "finished_at": run.finished_at,
+        }
+    ).data
+
+
+class RunEnvelopeOutput(serializers.Serializer):
+    run = RunOutput()
+
+
+class RunListOutput(serializers.Serializer):
+    runs = RunOutput(many=True)
+    total = serializers.IntegerField()
+
+
+class PointOutput(serializers.Serializer):
+    ordinal = serializers.IntegerField()
+    prompt_index = serializers.IntegerField()
+    variant_index = serializers.IntegerField(allow_null=True)
+    strength = serializers.FloatField(allow_null=True)
+    is_default = serializers.BooleanField()
+    text = serializers.CharField(allow_blank=True)
+    token_ids = serializers.ListField(child=serializers.IntegerField())
+    finish_reason = serializers.CharField(allow_blank=True)
+    kl_mean = serializers.FloatField(allow_null=True)
+    kl_per_position = serializers.ListField(child=serializers.FloatField(), allow_null=True)
+    target_before = serializers.FloatField(allow_null=True)
+    target_after = serializers.FloatField(allow_null=True)
+    target_before_per_position = serializers.JSONField(allow_null=True)
+    target_after_per_position = serializers.JSONField(allow_null=True)
+    loglik = serializers.FloatField(allow_null=True)
+    loglik_per_token = serializers.ListField(child=serializers.FloatField(), allow_null=True)
+    data = serializers.JSONField()
+
+
+def point_out(point: ExperimentPoint) -> dict[str, Any]:
+    return PointOutput(point).data
+
+
+class PointListOutput(serializers.Serializer):
+    points = PointOutput(many=True)
+    total = serializers.IntegerField()
+
+
+# --------------------------------------------------------------------------- views
+
+
+class SweepStartApi(APIView):
+    @extend_schema(
+        tags=EXPERIMENTS,
+        summary="Start a sweep: prompts × variants × strengths, plus each prompt's unsteered default",
+        operation_id="experiments_sweep",
+        request=SweepInput,
+        responses={202: enveloped(RunEnvelopeOutput)},
+    )
+    def post(self, request) -> Response:
+        data = validated(SweepInput, request.data)
+        run = services.experiment_sweep_start(principal=principal(request), data=dict(data))
+        return envelope({"run": run_out(run)}, status_code=status.HTTP_202_ACCEPTED)
+
+
+class CalibrateStartApi(APIView):
+    @extend_schema(
+        tags=EXPERIMENTS,
+        summary="Start a calibration: the strength whose mean KL meets target_kl, by bisection",
+        operation_id="experiments_calibrate",
+        request=CalibrateInput,
+        responses={202: enveloped(RunEnvelopeOutput)},
+    )
+    def post(self, request) -> Response:
+        data = validated(CalibrateInput, request.data)
+        run = services.experiment_calibrate_start(principal=principal(request), data=dict(data))
+        return envelope({"run": run_out(run)}, status_code=status.HTTP_202_ACCEPTED)
+
+
+class ExperimentListApi(APIView):
+    @extend_schema(
+        tags=EXPERIMENTS,
+        summary="Experiments, newest first (an inference key: its own)",
+        operation_id="experiments_list",
+        parameters=[
+            OpenApiParameter("kind", str, required=False, enum=ExperimentRun.Kind.values),
+            OpenApiParameter("sae_id", str, required=False),
+            OpenApiParameter("limit", int, required=False),
+            OpenApiParameter("offset", int, required=False),
+        ],
+        responses=enveloped(RunListOutput),
+    )
+    def get(self, request) -> Response:
+        query = validated(RunListQuery, request.query_params)
+        runs = selectors.experiments_for(principal(request), kind=query.get("kind"), sae_id=query.get("sae_id"))
+        total = runs.count()
+        page = runs[query["offset"] : query["offset"] + query["limit"]]
+        return envelope({"runs": [run_out(r) for r in page], "total": total})
+
+
+class ExperimentDetailApi(APIView):
+    @extend_schema(
+        tags=EXPERIMENTS,
+        summary="An experiment: status, progress, result",
+        operation_id="experiments_get",
+        responses=enveloped(RunOutput),
+    )
+    def get(self, request, run_id: str) -> Response:
+        return envelope(run_out(selectors.experiment_get(run_id, principal(request))))
+
+
+class ExperimentPointsApi(APIView):
+    @extend_schema(
+        tags=EXPERIMENTS,
+        summary="An experiment's stored points, by ordinal",
+        operation_id="experiments_points",
+        parameters=[OpenApiParameter("limit", int, required=False), OpenApiParameter("offset", int, required=False)],
+        responses=enveloped(PointListOutput),
+    )
+    def get(self, request, run_id: str) -> Response:
+        query = validated(PointsQuery, request.query_params)
+        run = selectors.experiment_get(run_id, principal(request))
+        points = selectors.points_of(run)
+        total = points.count()
+        page = points[query["offset"] : query["offset"] + query["limit"]]
+        return envelope({"points": [point_out(p) for p in page], "total": total})
+
+
+class ExperimentCancelApi(APIView):
+    @extend_schema(
+        tags=EXPERIMENTS,
+        summary="Cancel a queued or running experiment (the points stored stay; partial)",
+        operation_id="experiments_cancel",
+        request=None,
+        responses=enveloped(RunOutput),
+    )
+    def post(self, request, run_id: str) -> Response:
+        return envelope(run_out(services.experiment_cancel(run_id=run_id, principal=principal(request))))
+
+
+class _FileNegotiation(BaseContentNegotiation):
+    """A download answers whatever the client accepts, and its ``format`` query
+    parameter names the file's format, not a renderer's (DRF reads ``?format=`` as
+    one); a refusal is still the JSON envelope."""
+
+    def select_parser(self, request, parsers):  # type: ignore[no-untyped-def]
+        return parsers[0] if parsers else None
+
+    def select_renderer(self, request, renderers, format_suffix=None):  # type: ignore[no-untyped-def]
+        return renderers[0], renderers[0].media_type
+
+
+class ExperimentDownloadApi(APIView):
+    content_negotiation_class = _FileNegotiation
+
+    @extend_schema(
+        tags=EXPERIMENTS,
+        summary="An experiment's points as a file: JSONL, CSV or Parquet",
+        operation_id="experiments_download",
+        parameters=[OpenApiParameter("format", str, required=False, enum=list(exports.FORMATS))],
+        responses={
+            (200, "application/x-ndjson"): OpenApiTypes.BINARY,
+            (200, "text/csv"): OpenApiTypes.BINARY,
+            (200, "application/vnd.apache.parquet"): OpenApiTypes.BINARY,
+        },
+    )
+    def get(self, request, run_id: str):  # type: ignore[no-untyped-def]
+        from django.http import HttpResponse
+
+        query = validated(DownloadQuery, request.query_params)
+        run = selectors.experiment_get(run_id, principal(request))
+        body, content_type = exports.export(run, query["format"])
+        response = HttpResponse(body, content_type=content_type)
+        response["Content-Disposition"] = f'attachment; filename="{run.id}.{query["format"]}"'
+        return response

@@ -1,0 +1,20 @@
+"""Routes of the steering experiments under /api (docs/api.md, "Experiments"). Run ids
+start with ``exp_``, so ``/api/experiments/sweep`` and the other fixed routes never read as
+one. W2's ``experiments/fidelity`` and W4's ``experiments/attribution`` go beside the
+fixed routes here; ``saes/<SAE_ID>/fidelity`` too."""
+
+from django.urls import re_path
+
+from experiments import apis
+
+RUN_ID = r"(?P<run_id>exp_[A-Za-z0-9]{1,36})"
+
+urlpatterns = [
+    re_path(r"^experiments$", apis.ExperimentListApi.as_view(), name="experiments"),
+    re_path(r"^experiments/sweep$", apis.SweepStartApi.as_view(), name="experiments-sweep"),
+    re_path(r"^experiments/calibrate$", apis.CalibrateStartApi.as_view(), name="experiments-calibrate"),
+    re_path(rf"^experiments/{RUN_ID}$", apis.ExperimentDetailApi.as_view(), name="experiment-detail"),
+    re_path(rf"^experiments/{RUN_ID}/points$", apis.ExperimentPointsApi.as_view(), name="experiment-points"),
+    re_path(rf"^experiments/{RUN_ID}/download$", apis.ExperimentDownloadApi.as_view(), name="experiment-download"),
+    re_path(rf"^experiments/{RUN_ID}/cancel$", apis.ExperimentCancelApi.as_view(), name="experiment-cancel"),
+]
