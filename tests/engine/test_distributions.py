@@ -315,6 +315,30 @@ def test_the_transformers_backend_reports_the_capability(engine):
     assert caps.prompt_distributions is True
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kv_cache_mode": "static"},
+        {"lean_decode": False},
+        {"speculative_model": "self:layers=2", "speculative_num_tokens": 3},
+    ],
+    ids=["static-kv", "no-lean", "speculative"],
+)
+def test_every_serial_decode_path_returns_them(tiny_assets, reference, options):
+    """The serial path's other prefills (the static KV cache, model.forward steps, a
+    speculative draft's verification) give the same rows and leave the tokens alone."""
+    asset = tiny_assets.models["tiny-llama"]
+    with Engine() as e:
+        e.load_model(LoadModelJob("tiny-llama", str(asset.path), dtype="float32", device="cpu", options=options))
+        ids = e.backend.encode_text(PROMPTS[0])
+        plain = e.generate_sync(job("p", ids, None, n=8))
+        got = e.generate_sync(job("d", ids, 2, n=8))
+        assert_rows(got.distributions, reference(ids), 2, len(ids), DISTRIBUTION_ATOL)
+        assert got.token_ids == plain.token_ids
+        if "speculative_model" in options:
+            assert got.speculative is not None and got.speculative.used  # the draft path ran
+
+
 # ---------------------------------------------------------------- prefix cache
 
 
