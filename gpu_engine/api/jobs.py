@@ -160,6 +160,9 @@ MAX_FEATURE_LOGITS_TOP_N = 100
 # at most this many top features in an ``AttributionJob``, and ablation checks of them
 MAX_ATTRIBUTION_TOP_N = 100
 MAX_ATTRIBUTION_ABLATE = 20
+# at most this many bytes of ``Distributions`` in one generation (rows × vocab × 4): a job
+# asking for more is refused naming ``distributions_from`` (a Redis entry holds 512 MiB)
+MAX_DISTRIBUTION_BYTES = 256 * 2**20
 
 
 class TokenizeJob(msgspec.Struct):
@@ -307,6 +310,7 @@ __all__ = [
     "BatchingOptions",
     "MAX_ATTRIBUTION_ABLATE",
     "MAX_ATTRIBUTION_TOP_N",
+    "MAX_DISTRIBUTION_BYTES",
     "MAX_FEATURE_LOGITS_TOP_N",
     "MAX_TOKENIZE_CHARS",
     "MAX_TOKENIZE_TEXTS",

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from ..api import jobs
 from ..api.errors import ContextLengthExceeded, InvalidParameter
 from ..api.protocol import GenerationJob
 from ..interp.plans import ENCODER_MODES, refuse_encoder_controls, request_hooks, with_capture
@@ -94,6 +95,14 @@ def prompt_ids(backend: Any, job: GenerationJob) -> list[int]:
             "row r predicts prompt token distributions_from + r",
             param="distributions_from",
             details={"distributions_from": start, "prompt_tokens": len(ids)},
+        )
+    if start is not None and (len(ids) - start) * backend.vocab_size * 4 > jobs.MAX_DISTRIBUTION_BYTES:
+        rows = len(ids) - start
+        raise InvalidParameter(
+            f"distributions_from {start} asks for {rows} rows of {backend.vocab_size} log-probabilities, "
+            f"more than {jobs.MAX_DISTRIBUTION_BYTES} bytes: start later in the prompt",
+            param="distributions_from",
+            details={"rows": rows, "vocab_size": backend.vocab_size, "max_bytes": jobs.MAX_DISTRIBUTION_BYTES},
         )
     return ids
 

@@ -246,6 +246,22 @@ def test_a_start_at_or_past_the_prompt_end_is_refused_before_anything_runs(eng):
     assert error.details["param"] == "distributions_from"
 
 
+def test_more_rows_than_the_byte_bound_are_refused(eng, monkeypatch):
+    """rows × vocab × 4 above ``MAX_DISTRIBUTION_BYTES``: refused naming the field with the
+    figures, before anything runs; exactly at the bound it runs."""
+    from gpu_engine.api import jobs
+
+    ids = eng.backend.encode_text(PROMPTS[0])
+    row = eng.backend.vocab_size * 4
+    monkeypatch.setattr(jobs, "MAX_DISTRIBUTION_BYTES", 3 * row)
+    with count_forwards(eng.backend.model) as n:
+        [error] = list(eng.generate(job("big", ids, len(ids) - 4)).events(30))
+    assert n[0] == 0
+    assert error.code == "invalid_parameter" and error.details["param"] == "distributions_from"
+    assert (error.details["rows"], error.details["max_bytes"]) == (4, 3 * row)
+    assert eng.generate_sync(job("fits", ids, len(ids) - 3)).distributions.rows == 3
+
+
 def test_unpack_refuses_bytes_that_disagree_with_the_sizes():
     with pytest.raises(ValueError):
         unpack_distributions(Distributions(start=1, rows=2, vocab=3, logprobs=b"\0" * 20))
