@@ -43,6 +43,7 @@ class Outcome:
     analysis: list[dict[str, Any]] | None = None  # millm.analysis (run_analyses)
     probes: list[dict[str, Any]] | None = None  # millm.probes (score_probes)
     labels: dict[int, str] | None = None  # millm.sae_activations' labels (label_activations)
+    fidelity: Any = None  # millm.sae_fidelity's sums (inference.fidelity.measure_fidelity)
 
 
 async def record_monitoring(plan: Plan, outcome: Outcome) -> None:

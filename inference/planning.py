@@ -39,6 +39,7 @@ from gpu_engine.api.protocol import (
 from inference import selectors, wire
 from inference.activations import monitor_resolve
 from inference.errors import OpenAIError
+from inference.fidelity import FidelityPlan, fidelity_plan
 from inference.policy import ignored_headers, template_kwargs
 from inference.protocol import (
     OPENAI_DEFAULTS,
@@ -91,6 +92,7 @@ class Plan:
     analyses: list[PreparedAnalysis] = field(default_factory=list)  # analyze, prepared
     probes: ProbePlan | None = None  # the probes scored (``probes`` or the armed set)
     sensing: SensingPlan | None = None  # the watched clusters and circuits (observe only)
+    fidelity: FidelityPlan | None = None  # monitoring.fidelity: the attachments measured
     ignored_fields: list[str] = field(default_factory=list)  # sent, read by nothing
     fingerprint: str = ""  # system_fingerprint (wire.fingerprint)
     tools: ToolPlan | None = None  # chat tools on the loaded model (inference.tools)
@@ -233,6 +235,13 @@ async def plan_generation(
             asked=req.return_sae_activations, attachments=attachments, choices=n_prompts * req.n, max_tokens=max_tokens
         )
     monitor, monitored = monitoring_merge(monitor, monitored)  # /api/monitoring's entry
+    fidelity = None
+    if req.monitoring is not None and req.monitoring.fidelity:
+        # every row read pre_steering, tagged apart from the request's own entries
+        fidelity = fidelity_plan(
+            asked=req.monitoring, attachments=attachments, status=status, backend=client.backend_name
+        )
+        monitor = MonitorSpec([*(monitor.entries if monitor is not None else []), *fidelity.monitor_entries()])
     analyses = await prepare_analyses(req, status, client.backend_name, scope)
     need = runtime().analyzers.need(analyses) if analyses else None
     probes = await plan_probes(req, status, n_prompts * req.n, scope)
@@ -322,6 +331,7 @@ async def plan_generation(
         probes=probes,
         tools=tools,
         sensing=sensing,
+        fidelity=fidelity,
         scope=scope,
     )
 

@@ -3,8 +3,8 @@ engine jobs; responses are built from engine results.
 
 Field names and ranges follow OpenAI's reference schema (CreateChatCompletionRequest,
 CreateCompletionRequest, CreateEmbeddingRequest); the miLLM extensions are ``profile``,
-``steering``, ``steering_intensity``, ``return_sae_activations``, ``capture`` and
-``analyze``. A model declares
+``steering``, ``steering_intensity``, ``return_sae_activations``, ``monitoring``,
+``capture`` and ``analyze``. A model declares
 exactly the fields the server reads: any other key a request sends is named in the
 ``X-miLLM-Ignored-Fields`` response header (or refused under ``X-miLLM-Strict``), and the
 output-changing fields it cannot honour (``tools``, ``response_format`` other than text,
@@ -53,6 +53,7 @@ from inference.protocol_extensions import (  # noqa: F401 - re-exported: the req
     CapturePositions,
     CaptureRequest,
     InlineSteering,
+    MonitoringRequest,
     PositionRange,
     ProbeAsk,
     ReturnSaeActivations,
@@ -212,6 +213,8 @@ class _GenerationRequest(_Wire):
     # the server's own record, not a field a client sends (kept out of the schema)
     steering_alias: SkipJsonSchema[AliasRecord | None] = None
     return_sae_activations: ReturnSaeActivations | None = None
+    # SAE fidelity of the rows read (``inference.fidelity``): millm.sae_fidelity
+    monitoring: MonitoringRequest | None = None
     capture: CaptureRequest | None = None
     analyze: list[AnalyzeRequest] | None = Field(default=None, min_length=1, max_length=MAX_ANALYZERS)
     # probes scored on this request instead of the armed set; [] scores none
@@ -294,6 +297,7 @@ class _GenerationRequest(_Wire):
                 self.steering,
                 self.steering_intensity,
                 self.return_sae_activations,
+                self.monitoring,
                 self.capture,
                 self.analyze,
                 self.probes,

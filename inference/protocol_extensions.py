@@ -1,5 +1,5 @@
 """miLLM's extension objects of a /v1 request (``steering``, ``return_sae_activations``,
-``capture``, ``analyze``, ``probes``): strict models, a misspelt key refused. The requests
+``monitoring``, ``capture``, ``analyze``, ``probes``): strict models, a misspelt key refused. The requests
 that carry them are in ``inference.protocol``."""
 
 from __future__ import annotations
@@ -160,6 +160,23 @@ class ReturnSaeActivations(_Strict):
     def _asks_something(self) -> ReturnSaeActivations:
         if not self.top_k and not self.features:
             raise ValueError("return_sae_activations asks for nothing: give top_k or features")
+        return self
+
+
+class MonitoringRequest(_Strict):
+    """``monitoring``: ``{"fidelity": true, "sae_id"?, "layer"?}`` reports how well the
+    attached SAEs (those ``sae_id`` and ``layer`` name; every attached SAE when neither is
+    given) reconstruct the residual rows this request reads, under
+    ``millm.sae_fidelity`` (``inference.fidelity``)."""
+
+    fidelity: bool = False
+    sae_id: str | None = Field(default=None, min_length=1, max_length=200)
+    layer: int | None = Field(default=None, ge=0, le=100_000)
+
+    @model_validator(mode="after")
+    def _asks_something(self) -> MonitoringRequest:
+        if not self.fidelity:
+            raise ValueError('monitoring asks for nothing: send "fidelity": true')
         return self
 
 

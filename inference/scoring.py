@@ -63,6 +63,7 @@ def check_scoring(req: ChatCompletionRequest | CompletionRequest) -> None:
         "steering": req.steering is not None and bool(req.steering.features or req.steering.vectors),
         "steering_intensity": req.steering_intensity is not None,
         "return_sae_activations": req.return_sae_activations is not None,
+        "monitoring": getattr(req, "monitoring", None) is not None,
         "capture": req.capture is not None,
         "analyze": getattr(req, "analyze", None) is not None,
         "probes": bool(getattr(req, "probes", None)),

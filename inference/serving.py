@@ -26,6 +26,7 @@ from core.engine_client import EngineClient, arrived
 from core.runtime import runtime
 from gpu_engine.api.protocol import ErrorEvent
 from inference.errors import OpenAIError, openai_error_event, openai_error_from_exception
+from inference.fidelity import measure_fidelity
 from inference.outcomes import (  # noqa: F401 - re-exported: a finished choice's steps
     Outcome,
     label_activations,
@@ -76,6 +77,7 @@ async def answer_plan(
     else:
         outcomes = [await run_choice(client, choice) for choice in plan.choices]
     for outcome in outcomes:
+        await measure_fidelity(plan, outcome, client)
         await record_monitoring(plan, outcome)
         await register_capture(plan, outcome)
         await score_probes(plan, outcome)

@@ -11,6 +11,7 @@ from core.metrics import record_speculative, record_tokens
 from gpu_engine.api.protocol import FinishEvent, SteeringCount, TokenLogprob, to_builtins
 from inference import wire
 from inference.activations import activations_payload
+from inference.fidelity import fidelity_payload
 from inference.outcomes import Outcome
 from inference.planning import Plan
 from inference.protocol import CompletionRequest
@@ -102,6 +103,8 @@ def millm_object(plan: Plan, outcomes: list[Outcome]) -> dict[str, Any]:
         obj["analysis"] = outcomes[0].analysis
     if plan.probes is not None:
         obj["probes"] = [v for o in outcomes for v in (o.probes or [])]
+    if plan.fidelity is not None:
+        obj["sae_fidelity"] = fidelity_payload(plan, outcomes)
     if plan.monitor is not None and plan.attachment is not None and outcomes:
         out = outcomes[0]
         records = list(out.finish.activations)

@@ -24,6 +24,7 @@ from inference.errors import (
     openai_error_frame,
     openai_error_from_exception,
 )
+from inference.fidelity import measure_fidelity
 from inference.outcomes import (
     Outcome,
     label_activations,
@@ -306,6 +307,7 @@ async def stream_choices(
                 elif isinstance(event, FinishEvent):
                     outcomes.append(outcome_of(choice, event, tokens))
                     under_way = []
+                    await measure_fidelity(plan, outcomes[-1], client)
                     await record_monitoring(plan, outcomes[-1])
                     await register_capture(plan, outcomes[-1])
                     await score_probes(plan, outcomes[-1])

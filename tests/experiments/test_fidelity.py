@@ -1,0 +1,160 @@
+"""SAE fidelity (issue 35, part 3; docs/experiments.md "SAE fidelity"): per request through
+/v1's ``monitoring: {"fidelity": true}`` (the official ``openai`` client's ``extra_body``,
+raw HTTP, streaming) and per corpus as a ``fidelity`` experiment. Every figure is compared
+with the test's own float64 computation on the tiny model (``fidelity_reference``): its own
+hooked forward, its own SAE encode/decode from the SAE's file, its own spliced forwards
+for loss recovered."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.experiments.fidelity_reference import FidelityReference
+from tests.v1.conftest import _v1_db, attach, llama, openai_client, v1_server  # noqa: F401 - fixtures
+from tests.v1.helpers import assert_openai_error, request
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+L1 = "tiny-llama-L1-relu"
+L2 = "tiny-llama-L2-topk"
+PROMPT = "the sea and the sky"
+FIGURES = ("l0", "mse", "explained_variance")
+
+
+@pytest.fixture(scope="module")
+def refs(tiny_assets):
+    return {name: FidelityReference(tiny_assets, name) for name in (L1, L2)}
+
+
+def _complete(server, **extra):
+    body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True, **extra}
+    return request(server.base_url, "POST", "/completions", body)
+
+
+def _read(server, **job) -> tuple[list[int], str]:
+    """The tokens a greedy generation reads (its prompt, by the engine's tokenizer, and
+    its completion) and its text, from the engine directly; the text is checked against
+    the /v1 answer by the caller."""
+    from gpu_engine.api.protocol import GenerationJob, SamplingParams
+
+    max_tokens = job.pop("max_tokens", 6)
+    result = server.engine.generate_sync(
+        GenerationJob(
+            request_id="fidelity-ref",
+            sampling=SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True),
+            **job,
+        ),
+        timeout_s=60,
+    )
+    backend = server.engine.backend
+    if "messages" in job:
+        prompt = backend.encode_messages(job["messages"], add_generation_prompt=True)
+    else:
+        prompt = backend.encode_text(job["prompt"])
+    return [*prompt, *result.token_ids], result.text
+
+
+def _assert_equal_reference(entry: dict, ref: FidelityReference, sequences: list[list[int]]) -> None:
+    """One ``millm.sae_fidelity`` entry against the reference: the rows read are every row
+    each generation computed (its tokens less the last, which no forward read), the
+    losses over each generation's every token."""
+    x = np.concatenate([ref.residual(s)[: len(s) - 1] for s in sequences])
+    want = ref.figures(x)
+    assert entry["rows"] == want["rows"]
+    for name in FIGURES:
+        assert entry[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), name
+    losses = ref.losses(sequences)
+    assert entry["loss_tokens"] == losses["tokens"]
+    for name in ("clean", "spliced", "zero"):
+        assert entry[f"loss_{name}"] == pytest.approx(losses[name], rel=1e-4), name
+    assert entry["loss_recovered"] == pytest.approx(losses["recovered"], rel=1e-4, abs=1e-3)
+    assert entry["loss_recovered_unavailable"] is None
+
+
+def test_per_request_fidelity_equals_the_float64_reference(llama, openai_client, refs):  # noqa: F811
+    """A completion through the official client: one entry for the one attached SAE, every
+    figure equal to the reference over the prompt and completion the request read."""
+    sae = attach(L1, 1)
+    out = openai_client.completions.create(
+        model="tiny-llama",
+        prompt=PROMPT,
+        max_tokens=6,
+        temperature=0,
+        extra_body={"ignore_eos": True, "monitoring": {"fidelity": True}},
+    )
+    fidelity = out.model_extra["millm"]["sae_fidelity"]
+    assert [(e["sae_id"], e["layer"], e["read_point"]) for e in fidelity] == [(sae.id, 1, "pre_steering")]
+    ids, text = _read(llama, prompt=PROMPT)
+    assert text == out.choices[0].text
+    _assert_equal_reference(fidelity[0], refs[L1], [ids])
+    # a request without monitoring carries none
+    plain = _complete(llama).json()
+    assert "sae_fidelity" not in (plain.get("millm") or {})
+
+
+def test_chat_streamed_and_not_carry_the_same_figures_for_each_attachment(llama, refs):  # noqa: F811
+    """Raw HTTP chat with two SAEs attached: no sae_id measures both, ``layer`` picks one;
+    the stream's last chunk before [DONE] carries the same object as the JSON answer."""
+    l1, l2 = attach(L1, 1), attach(L2, 2)
+    messages = [{"role": "user", "content": PROMPT}]
+    body = {"model": "tiny-llama", "messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}
+    both = request(llama.base_url, "POST", "/chat/completions", {**body, "monitoring": {"fidelity": True}})
+    assert both.status == 200, both.body[:300]
+    fidelity = both.json()["millm"]["sae_fidelity"]
+    assert sorted((e["sae_id"], e["layer"]) for e in fidelity) == sorted([(l1.id, 1), (l2.id, 2)])
+    ids, text = _read(llama, messages=messages, max_tokens=5)
+    assert text == both.json()["choices"][0]["message"]["content"]
+    by_layer = {e["layer"]: e for e in fidelity}
+    _assert_equal_reference(by_layer[1], refs[L1], [ids])
+    _assert_equal_reference(by_layer[2], refs[L2], [ids])
+
+    one = request(llama.base_url, "POST", "/chat/completions", {**body, "monitoring": {"fidelity": True, "layer": 2}})
+    assert one.json()["millm"]["sae_fidelity"] == [by_layer[2]]
+    events = request(
+        llama.base_url, "POST", "/chat/completions", {**body, "stream": True, "monitoring": {"fidelity": True}}
+    ).events()
+    assert events[-1] == "[DONE]" and events[-2]["choices"] == []
+    assert events[-2]["millm"]["sae_fidelity"] == fidelity
+
+
+def test_several_choices_pool_their_rows_and_tokens(llama, refs):  # noqa: F811
+    """Two prompts in one completions request: the figures are over both choices' rows,
+    loss recovered over both choices' tokens."""
+    sae = attach(L1, 1)
+    prompts = [PROMPT, "a quiet morning in the hills"]
+    resp = _complete(llama, prompt=prompts, max_tokens=4, monitoring={"fidelity": True, "sae_id": sae.id})
+    assert resp.status == 200, resp.body[:300]
+    entry = resp.json()["millm"]["sae_fidelity"][0]
+    read = [_read(llama, prompt=p, max_tokens=4) for p in prompts]
+    assert [t for _, t in read] == [c["text"] for c in resp.json()["choices"]]
+    _assert_equal_reference(entry, refs[L1], [ids for ids, _ in read])
+
+
+def test_refusals_name_the_field(llama):  # noqa: F811
+    """Nothing attached, an unknown SAE, a layer where it is not attached, a monitoring
+    object asking for nothing or misspelt, and scoring mode: 400 naming the field, before
+    anything runs."""
+    asked = {"fidelity": True}
+    assert_openai_error(_complete(llama, monitoring=asked), 400, "sae_not_attached", "monitoring")
+    sae = attach(L1, 1)
+    error = assert_openai_error(
+        _complete(llama, monitoring={**asked, "sae_id": "no-such-sae"}), 400, "sae_not_attached", "monitoring.sae_id"
+    )
+    assert f"{sae.id}@1" in error["message"]  # names what is attached
+    assert_openai_error(
+        _complete(llama, monitoring={**asked, "sae_id": sae.id, "layer": 3}),
+        400,
+        "sae_not_attached",
+        "monitoring.layer",
+    )
+    assert_openai_error(_complete(llama, monitoring={"fidelity": False}), 400, "invalid_parameter", "monitoring")
+    assert_openai_error(_complete(llama, monitoring={"fidelty": True}), 400, "invalid_parameter")
+    assert_openai_error(_complete(llama, monitoring={"fidelity": "yes"}), 400, "invalid_parameter")
+    assert_openai_error(
+        _complete(llama, monitoring=asked, max_tokens=1, allowed_token_ids=[1, 2]),
+        400,
+        "invalid_parameter",
+        "monitoring",
+    )
+    assert llama.engine.status().in_flight == 0
