@@ -9,7 +9,7 @@ SAE_ID = r"(?P<sae_id>sae_[A-Za-z0-9_.-]{1,36})"
 urlpatterns = [
     path("", views.page("dashboard", "Dashboard"), name="ui-dashboard"),
     path("models/", views.page("models", "Models"), name="ui-models"),
-    path("saes/", views.page("saes", "SAEs"), name="ui-saes"),
+    path("saes/", views.page("saes", "SAEs", max_tokens=views.dashboard_max_tokens), name="ui-saes"),
     path("steering/", views.page("steering", "Steering"), name="ui-steering"),
     path("profiles/", views.page("profiles", "Profiles"), name="ui-profiles"),
     path("clusters/", views.page("clusters", "Clusters"), name="ui-clusters"),
@@ -28,6 +28,11 @@ urlpatterns = [
         "dashboards/",
         views.page("dashboards", "Dashboards", max_tokens=views.dashboard_max_tokens),
         name="ui-dashboards",
+    ),
+    path(
+        "experiments/",
+        views.page("experiments", "Experiments", max_points=views.experiment_max_points),
+        name="ui-experiments",
     ),
     re_path(rf"^ui/saes/{SAE_ID}/labels$", views.feature_labels, name="ui-feature-labels"),
     re_path(r"^static/(?P<path>.+)$", views.static, name="ui-static"),

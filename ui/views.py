@@ -37,6 +37,7 @@ NAV = [
     ("batches", "/batches/", "Batches"),
     ("features", "/features/", "Features"),
     ("dashboards", "/dashboards/", "Dashboards"),
+    ("experiments", "/experiments/", "Experiments"),
 ]
 
 
@@ -91,6 +92,10 @@ def page(name: str, title: str, *, nav_key: str = "", **config: Any):
 
 def dashboard_max_tokens() -> int:
     return int(settings.DASHBOARD_MAX_TOKENS)
+
+
+def experiment_max_points() -> int:
+    return int(settings.EXPERIMENT_MAX_POINTS)
 
 
 def static(request: HttpRequest, path: str) -> HttpResponse:

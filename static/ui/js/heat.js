@@ -170,3 +170,31 @@ export function contextStrip(context, scale, { feature, name } = {}) {
 }
 
 export { legend as heatLegend };
+
+/**
+ * A strip of signed values over tokens (the experiments page's attribution over the prompt):
+ * a cell per token, blue for a positive value and red for a negative one, its intensity
+ * |value| / `scale`; `data-value` keeps the value exactly and the title and aria-label say
+ * it. `describe(i)` may add to a cell's label (e.g. the position's top features).
+ */
+export function signedStrip(tokens, values, { name = "Values", scale, describe } = {}) {
+  const top = scale || Math.max(1e-12, ...values.map((v) => Math.abs(Number(v) || 0)));
+  const strip = el("div", {
+    class: "heat-strip signed-strip", role: "list",
+    "aria-label": `${name} per token (${tokens.length} tokens; scale ±${top.toPrecision(3)}; arrow keys move between tokens)`,
+    dataset: { cells: tokens.length },
+  });
+  for (const [i, token] of tokens.entries()) {
+    const value = Number(values[i] ?? 0);
+    const alpha = Math.max(0, Math.min(1, Math.abs(value) / top));
+    const label = `token ${i + 1} ${JSON.stringify(token)}: ${value.toPrecision(4)}${describe ? describe(i) : ""}`;
+    const node = cellNode(i, label, alpha, { value: String(value), index: i }, token, value < 0 ? " neg" : "");
+    if (value < 0) node.style.background = `rgba(var(--neg), ${(0.04 + 0.91 * alpha).toFixed(3)})`;
+    strip.append(node);
+  }
+  const readout = el("div", { class: "heat-readout", "aria-hidden": "true" });
+  wireCells(strip, readout, null);
+  const legendNode = el("div", { class: "heat-legend", "aria-hidden": "true" },
+    `−${top.toPrecision(3)}`, el("span", { class: "ramp signed" }), `+${top.toPrecision(3)}`);
+  return el("div", { class: "context" }, strip, readout, legendNode);
+}

@@ -83,3 +83,69 @@ export function densitySVG(density) {
   }
   return root;
 }
+
+/**
+ * Lines of (x, y) points on linear axes (the experiments page: KL and a feature's
+ * activation against strength). `series` is [{name, points: [{x, y}], key, dashed}]; series
+ * with the same `key` share a colour (class `series-<key mod 6>`). Every point is a
+ * `circle.dot` keeping its series and numbers in data-series, data-x and data-y and saying
+ * them in its <title>; each line is a `path.line` with data-series. `hline` {y, label} draws
+ * a dashed reference line (a KL budget), `vline` {x, label} a vertical one (the strength
+ * found). Points with a null y are left out (a figure the run could not compute).
+ */
+export function lineSVG(series, { label, xLabel = "strength", yLabel = "", width = 560, height = 240,
+  hline = null, vline = null } = {}) {
+  const W = width;
+  const H = height;
+  const L = 56;
+  const R = 12;
+  const T = 12;
+  const B = 38;
+  const pts = series.flatMap((s) => s.points.filter((p) => p.y !== null && p.y !== undefined && Number.isFinite(p.y)));
+  const xs = [...pts.map((p) => p.x), ...(vline ? [vline.x] : [])];
+  const ys = [...pts.map((p) => p.y), ...(hline ? [hline.y] : [])];
+  let [x0, x1] = xs.length ? [Math.min(...xs), Math.max(...xs)] : [0, 1];
+  let [y0, y1] = ys.length ? [Math.min(0, ...ys), Math.max(...ys)] : [0, 1];
+  if (x1 === x0) { x0 -= 1; x1 += 1; }
+  if (y1 === y0) y1 = y0 + 1;
+  y1 += (y1 - y0) * 0.05;
+  const x = (v) => L + ((W - L - R) * (v - x0)) / (x1 - x0);
+  const y = (v) => T + (H - T - B) * (1 - (v - y0) / (y1 - y0));
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, width: "100%", role: "img",
+    "aria-label": label || `${yLabel} against ${xLabel}: ${series.length} line(s)` });
+  root.append(svg("line", { x1: L, y1: H - B, x2: W - R, y2: H - B, class: "axis" }),
+    svg("line", { x1: L, y1: T, x2: L, y2: H - B, class: "axis" }));
+  for (let t = 0; t <= 4; t += 1) {
+    const v = y0 + ((y1 - y0) * t) / 4;
+    root.append(svg("line", { x1: L, x2: W - R, y1: y(v), y2: y(v), class: "grid-line" }),
+      svg("text", { x: L - 6, y: y(v) + 4, "text-anchor": "end" }, short(v)));
+  }
+  for (const v of [...new Set(pts.map((p) => p.x))].sort((a, b) => a - b)) {
+    root.append(svg("text", { x: x(v), y: H - B + 15, "text-anchor": "middle" }, short(v)));
+  }
+  root.append(svg("text", { x: (L + W - R) / 2, y: H - 4, "text-anchor": "middle" }, xLabel),
+    svg("text", { x: 12, y: (T + H - B) / 2, "text-anchor": "middle", transform: `rotate(-90 12 ${(T + H - B) / 2})` }, yLabel));
+  if (hline) {
+    root.append(svg("line", { x1: L, x2: W - R, y1: y(hline.y), y2: y(hline.y), class: "ref-line", "data-y": hline.y },
+      svg("title", {}, `${hline.label || ""} ${hline.y}`)));
+  }
+  if (vline) {
+    root.append(svg("line", { x1: x(vline.x), x2: x(vline.x), y1: T, y2: H - B, class: "ref-line", "data-x": vline.x },
+      svg("title", {}, `${vline.label || ""} ${vline.x}`)));
+  }
+  series.forEach((s, i) => {
+    const key = `series-${(s.key ?? i) % 6}`;
+    const shown = s.points.filter((p) => p.y !== null && p.y !== undefined && Number.isFinite(p.y))
+      .sort((a, b) => a.x - b.x);
+    if (shown.length > 1) {
+      root.append(svg("path", { class: `line ${key}${s.dashed ? " dashed" : ""}`, "data-series": s.name,
+        d: shown.map((p, k) => `${k ? "L" : "M"}${x(p.x).toFixed(1)},${y(p.y).toFixed(1)}`).join(" ") }));
+    }
+    for (const p of shown) {
+      root.append(svg("circle", { class: `dot ${key}${s.dashed ? " hollow" : ""}`, cx: x(p.x), cy: y(p.y), r: 3.5,
+        "data-series": s.name, "data-x": String(p.x), "data-y": String(p.y) },
+      svg("title", {}, `${s.name}, ${xLabel} ${short(p.x)}: ${p.y}`)));
+    }
+  });
+  return root;
+}
