@@ -5,7 +5,8 @@ fixed routes here; ``saes/<SAE_ID>/fidelity`` too."""
 
 from django.urls import re_path
 
-from experiments import apis
+from experiments import apis, fidelity_apis
+from registry.urls import SAE_ID
 
 RUN_ID = r"(?P<run_id>exp_[A-Za-z0-9]{1,36})"
 
@@ -13,6 +14,8 @@ urlpatterns = [
     re_path(r"^experiments$", apis.ExperimentListApi.as_view(), name="experiments"),
     re_path(r"^experiments/sweep$", apis.SweepStartApi.as_view(), name="experiments-sweep"),
     re_path(r"^experiments/calibrate$", apis.CalibrateStartApi.as_view(), name="experiments-calibrate"),
+    re_path(r"^experiments/fidelity$", fidelity_apis.FidelityStartApi.as_view(), name="experiments-fidelity"),
+    re_path(rf"^saes/{SAE_ID}/fidelity$", fidelity_apis.SaeFidelityApi.as_view(), name="sae-fidelity"),
     re_path(rf"^experiments/{RUN_ID}$", apis.ExperimentDetailApi.as_view(), name="experiment-detail"),
     re_path(rf"^experiments/{RUN_ID}/points$", apis.ExperimentPointsApi.as_view(), name="experiment-points"),
     re_path(rf"^experiments/{RUN_ID}/download$", apis.ExperimentDownloadApi.as_view(), name="experiment-download"),

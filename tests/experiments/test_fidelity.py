@@ -7,6 +7,8 @@ for loss recovered."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -158,3 +160,90 @@ def test_refusals_name_the_field(llama):  # noqa: F811
         "monitoring",
     )
     assert llama.engine.status().in_flight == 0
+
+
+# --------------------------------------------------------------------------- per corpus
+
+
+def _api(server, method: str, path: str, body=None):
+    resp = request(server.url, method, path, body)
+    return resp.status, resp.json()
+
+
+def _wait(server, run_id: str, timeout_s: float = 240) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        status, body = _api(server, "GET", f"/api/experiments/{run_id}")
+        assert status == 200, body
+        run = body["data"]
+        if run["status"] in ("completed", "failed", "cancelled"):
+            return run
+        assert time.monotonic() < deadline, f"still {run['status']} after {timeout_s} s"
+        time.sleep(0.1)
+
+
+def _contexts(tiny_assets, texts: list[str], context_tokens: int, budget: int) -> list[list[int]]:
+    """The test's own reading of a corpus: each text by the model's own tokenizer (from its
+    files, no special tokens), concatenated in order and cut into contexts of
+    ``context_tokens`` up to ``budget`` tokens (a last one of 2 or more kept)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_assets.models["tiny-llama"].path))
+    flat: list[int] = []
+    for text in texts:
+        flat += tok(text, add_special_tokens=False)["input_ids"]
+        if len(flat) >= budget:
+            break
+    flat = flat[:budget]
+    contexts = [flat[i : i + context_tokens] for i in range(0, len(flat), context_tokens)]
+    return [c for c in contexts if len(c) >= 2]
+
+
+@pytest.mark.parametrize(("name", "layer", "dense"), [(L1, 1, 0.3), (L2, 2, 0.05)])
+def test_corpus_fidelity_equals_the_float64_reference(llama, refs, tiny_assets, name, layer, dense):  # noqa: F811
+    """``POST /api/experiments/fidelity`` over the offline sample: every corpus figure
+    equals the test's own over the same contexts — L0 (mean and distribution), MSE,
+    explained variance, the clean / spliced / zero-ablated losses and loss recovered, the
+    dead and dense features — and ``GET /api/saes/{id}/fidelity`` answers it."""
+    from features.corpus import sample_texts
+
+    sae = attach(name, layer)
+    status, body = _api(llama, "GET", f"/api/saes/{sae.id}/fidelity")
+    assert (status, body["data"]["fidelity"], body["data"]["run_id"]) == (200, None, None)
+    budget, size = 300, 32
+    asked = {"sae_id": sae.id, "token_budget": budget, "context_tokens": size, "dense_threshold": dense}
+    status, body = _api(llama, "POST", "/api/experiments/fidelity", asked)
+    assert status == 202, body
+    run = _wait(llama, body["data"]["run"]["id"])
+    assert run["status"] == "completed", run
+    got = run["result"]
+
+    ref = refs[name]
+    contexts = _contexts(tiny_assets, sample_texts(), size, budget)
+    assert got["contexts"] == len(contexts) and got["tokens"] == sum(map(len, contexts))
+    x = np.concatenate([ref.residual(c) for c in contexts])  # every row of every context
+    want = ref.figures(x)
+    assert got["rows"] == want["rows"] == budget
+    for name in FIGURES:
+        assert got[name] == pytest.approx(want[name], rel=1e-4, abs=1e-6), name
+    stats = ref.stats(x)
+    values, counts = np.unique(stats["l0"], return_counts=True)
+    assert got["l0_distribution"] == {"l0": values.tolist(), "rows": counts.tolist()}
+    fired = stats["active"].sum(axis=0)
+    assert got["dead_features"] == np.flatnonzero(fired == 0).tolist()
+    assert got["dead_count"] == int((fired == 0).sum())
+    assert got["dense_features"] == np.flatnonzero(fired / len(x) > dense).tolist()
+    assert got["dense_count"] == len(got["dense_features"]) and got["dense_threshold"] == dense
+    # not trivially none or all: relu's dense features, top-k's dead and dense ones
+    assert 0 < got["dead_count"] + got["dense_count"] and got["dense_count"] < ref.sae.W_dec.shape[0]
+    losses = ref.losses(contexts)
+    assert got["loss_tokens"] == losses["tokens"]
+    for name in ("clean", "spliced", "zero"):
+        assert got[f"loss_{name}"] == pytest.approx(losses[name], rel=1e-4), name
+    assert got["loss_recovered"] == pytest.approx(losses["recovered"], rel=1e-4, abs=1e-3)
+    assert got["loss_recovered_unavailable"] is None
+
+    status, body = _api(llama, "GET", f"/api/saes/{sae.id}/fidelity")
+    assert status == 200 and body["data"]["run_id"] == run["id"] and body["data"]["layer"] == layer
+    assert body["data"]["fidelity"] == got
+    assert body["data"]["corpus"] == {"corpus": "sample", "token_budget": budget, "context_tokens": size}

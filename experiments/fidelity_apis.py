@@ -1,0 +1,173 @@
+"""The corpus SAE fidelity routes (docs/api.md, "Experiments"; docs/experiments.md, "SAE
+fidelity"): ``POST /api/experiments/fidelity`` starts a ``fidelity`` run (checked by
+``experiments.fidelity.fidelity_check``, queued by ``experiments.services.experiment_start``;
+it is then read, listed, cancelled and downloaded as every experiment is), and ``GET
+/api/saes/{id}/fidelity`` answers the SAE's newest complete corpus fidelity the caller may
+read. Thin views: a serializer checks the body or query (422 VALIDATION_ERROR naming the
+field), one service or selector does the rest."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Q
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import serializers, status
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from core.api import envelope, validated
+from core.auth import Principal, principal
+from core.schema import MAX_LAYER, enveloped
+from experiments.apis import RunEnvelopeOutput, run_out
+from experiments.fidelity import DENSE_THRESHOLD
+from experiments.models import ExperimentRun
+
+EXPERIMENTS = ["experiments"]
+TEXT_FIELD = r"^[A-Za-z0-9_-]{1,100}$"
+
+
+class FidelityStartInput(serializers.Serializer):
+    sae_id = serializers.RegexField(r"^sae_[A-Za-z0-9_.-]{1,36}$", max_length=40, help_text="the SAE's id; attached")
+    layer = serializers.IntegerField(
+        required=False, allow_null=True, default=None, min_value=0, max_value=MAX_LAYER, help_text="null: attached"
+    )
+    corpus = serializers.ChoiceField(choices=["sample", "file"], required=False, default="sample")
+    file_id = serializers.CharField(
+        required=False, max_length=40, help_text="a /v1/files id of the caller's; required iff corpus is file"
+    )
+    text_field = serializers.RegexField(
+        TEXT_FIELD,
+        required=False,
+        default="text",
+        max_length=100,
+        error_messages={"invalid": "a JSON field name: letters, digits, _ and -, at most 100"},
+        help_text="the field of the file's JSONL rows that holds the text (read only for a file)",
+    )
+    token_budget = serializers.IntegerField(min_value=1, help_text="corpus tokens to read, ≤ DASHBOARD_MAX_TOKENS")
+    context_tokens = serializers.IntegerField(required=False, default=64, min_value=8, max_value=1024)
+    dense_threshold = serializers.FloatField(
+        required=False,
+        default=DENSE_THRESHOLD,
+        min_value=1e-6,
+        max_value=1.0,
+        help_text="a feature firing on more than this share of the tokens is dense",
+    )
+
+    def validate_token_budget(self, value: int) -> int:
+        cap = settings.DASHBOARD_MAX_TOKENS
+        if value > cap:
+            raise serializers.ValidationError(f"at most {cap} (DASHBOARD_MAX_TOKENS)")
+        return value
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data["corpus"] == "file" and not data.get("file_id"):
+            raise serializers.ValidationError({"file_id": ["required when corpus is file"]})
+        if data["corpus"] != "file" and "file_id" in data:
+            raise serializers.ValidationError({"file_id": ["only with corpus file"]})
+        return data
+
+
+class FidelityQuery(serializers.Serializer):
+    layer = serializers.IntegerField(required=False, min_value=0, max_value=MAX_LAYER)
+
+
+class SaeFidelityOutput(serializers.Serializer):
+    sae_id = serializers.CharField()
+    run_id = serializers.CharField(allow_null=True, help_text="the run the figures are from; null: none yet")
+    layer = serializers.IntegerField(allow_null=True)
+    corpus = serializers.JSONField(allow_null=True, help_text="{corpus, file_id?, token_budget, context_tokens}")
+    finished_at = serializers.DateTimeField(allow_null=True)
+    fidelity = serializers.JSONField(
+        allow_null=True,
+        help_text="the run's figures: rows, l0, l0_distribution, mse, explained_variance, loss_clean, "
+        "loss_spliced, loss_zero, loss_recovered (null with loss_recovered_unavailable), dead and dense "
+        "features; null: no complete run the caller may read",
+    )
+
+
+def visible_runs(who: Principal | None) -> Q:
+    """The fidelity runs whose figures a caller may read, as a dashboard's: a run over the
+    sample corpus is everyone's, a run over a /v1 file its owner's (as the file is); an
+    admin key, and the server itself (None), read all."""
+    if who is None or who.admin:
+        return Q()
+    return ~Q(spec__corpus="file") | Q(owner=who.owner)
+
+
+def latest_fidelity(sae_id: str, who: Principal | None, layer: int | None = None) -> ExperimentRun | None:
+    """The SAE's newest complete corpus fidelity run the caller may read (at ``layer``)."""
+    query = ExperimentRun.objects.filter(
+        visible_runs(who),
+        kind=ExperimentRun.Kind.FIDELITY,
+        status=ExperimentRun.Status.COMPLETED,
+        sae_id=sae_id,
+    )
+    if layer is not None:
+        query = query.filter(layer=layer)
+    return query.order_by("-finished_at", "-created_at", "-id").first()
+
+
+class FidelityStartApi(APIView):
+    @extend_schema(
+        tags=EXPERIMENTS,
+        summary="Start a corpus SAE fidelity run: L0, MSE, explained variance, loss recovered, dead and dense features",
+        operation_id="experiments_fidelity",
+        request=FidelityStartInput,
+        responses={202: enveloped(RunEnvelopeOutput)},
+    )
+    def post(self, request) -> Response:
+        from core.runtime import runtime
+        from experiments.fidelity import fidelity_check
+        from experiments.services import experiment_start
+
+        data = validated(FidelityStartInput, request.data)
+        who = principal(request)
+        plan = fidelity_check(data=dict(data), status=runtime().engine.status(), principal=who)
+        run = experiment_start(
+            kind=ExperimentRun.Kind.FIDELITY,
+            spec=plan.spec,
+            principal=who,
+            total=plan.total,
+            sae_id=plan.sae_id,
+            layer=plan.layer,
+        )
+        return envelope({"run": run_out(run)}, status_code=status.HTTP_202_ACCEPTED)
+
+
+class SaeFidelityApi(APIView):
+    @extend_schema(
+        tags=EXPERIMENTS,
+        summary="The SAE's newest complete corpus fidelity (null when none)",
+        operation_id="saes_fidelity",
+        parameters=[OpenApiParameter("layer", int, required=False)],
+        responses=enveloped(SaeFidelityOutput),
+    )
+    def get(self, request, sae_id: str) -> Response:
+        from registry.selectors import sae_get
+
+        query = validated(FidelityQuery, request.query_params)
+        sae_get(sae_id=sae_id)  # 404 for an unknown SAE
+        run = latest_fidelity(sae_id, principal(request), query.get("layer"))
+        if run is None:
+            out = {
+                "sae_id": sae_id,
+                "run_id": None,
+                "layer": None,
+                "corpus": None,
+                "finished_at": None,
+                "fidelity": None,
+            }
+        else:
+            spec = run.spec or {}
+            corpus = {k: spec[k] for k in ("corpus", "file_id", "token_budget", "context_tokens") if k in spec}
+            out = {
+                "sae_id": sae_id,
+                "run_id": run.id,
+                "layer": run.layer,
+                "corpus": corpus,
+                "finished_at": run.finished_at,
+                "fidelity": run.result,
+            }
+        return envelope(SaeFidelityOutput(out).data)
