@@ -57,7 +57,9 @@ def prompt_steering(spec: SteeringSpec | None, prompt_len: int) -> SteeringSpec:
         controls = [c for c in e.controls if _touches_prompt(c, prompt_len)]
         features = {i: s for i, s in e.features.items() if s != 0}
         vectors = [v for v in e.vectors if not v.no_op and v.phase != "completion"]
-        if features or controls or vectors:
+        if e.splice is not None:  # replaces every row, the prompt's too
+            entries.append(SteeringEntry(e.sae_id, e.layer, splice=e.splice))
+        elif features or controls or vectors:
             entries.append(SteeringEntry(e.sae_id, e.layer, features, controls, vectors))
     return SteeringSpec(entries)
 

@@ -35,6 +35,13 @@ when it has a clamp, so a clamp reads the row as steered).
 In a batch the runner concatenates the tables of every request steering at the attachment
 (``ControlTable.concat``); the hook computes all J operations for all n rows with two
 small matmuls and masks by slot, so one forward serves every request's own controls.
+
+A splice (``SteeringEntry.splice``, alone in its entry) is a table of no operation that
+names its request's slot: every row of that slot (at a position ≥ 0) gets the delta
+``target − x`` that replaces it by ``target`` — the SAE's reconstruction
+``decode(encode(x))`` (``reconstruction``) or zeros (``zero``), with ``x`` the row read
+and the delta written where the steering goes (a transcoder: its output replaced by the
+reconstruction of its input).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from ..api.protocol import FeatureControl
-from ..api.steering import SteeringVector
+from ..api.steering import SPLICE_MODES, SteeringVector
 from ..sae.module import SAE, SelectedEncoder
 
 # "no upper end" for a position range
@@ -86,6 +93,10 @@ class ControlTable:
     encodes: bool  # some operation reads a feature's activation
     projects: bool  # some operation reads x · d
     gated_by_feature: bool  # some operation has a condition
+    # splices: the slots whose rows are replaced, whether by zeros, and each one's mode (host)
+    splice_slot: torch.Tensor  # (S,) long
+    splice_zero: torch.Tensor  # (S,) bool
+    splice_modes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # the encoder columns the forward reads, gathered once per table (not per step)
@@ -105,11 +116,15 @@ class ControlTable:
         *,
         prompt_len: int,
         vectors: Sequence[tuple[SteeringVector, torch.Tensor]] = (),
+        splice: str | None = None,
     ) -> ControlTable:
         """One request's controls (slot 0); ``prompt_len`` places its phases. ``vectors``:
         raw vectors run per row (index -1 in records), ``(d,)`` in the SAE dtype: an add
         (gated to a phase) with its direction already scaled by its strength, added once;
-        a clamp with its direction as sent (normalised here)."""
+        a clamp with its direction as sent (normalised here).  ``splice``: the request's
+        rows replaced (``SPLICE_MODES``; it comes with no control or vector)."""
+        if splice is not None and splice not in SPLICE_MODES:
+            raise ValueError(f"unknown splice {splice!r}")
         dev, dt = sae.W_dec.device, sae.dtype
         feats = [c.index for c in controls]
         idx = torch.tensor(feats, dtype=torch.long, device=dev)
@@ -182,6 +197,9 @@ class ControlTable:
             encodes=any(b != 0 for b in beta),
             projects=any(g != 0 for g in gamma),
             gated_by_feature=any(k is not None for k in conds),
+            splice_slot=torch.zeros(1 if splice else 0, dtype=torch.long, device=dev),
+            splice_zero=torch.tensor([splice == "zero"] if splice else [], dtype=torch.bool, device=dev),
+            splice_modes=(splice,) if splice else (),
         )
 
     @classmethod
@@ -216,6 +234,9 @@ class ControlTable:
             encodes=any(t.encodes for t in tables),
             projects=any(t.projects for t in tables),
             gated_by_feature=any(t.gated_by_feature for t in tables),
+            splice_slot=torch.cat([torch.full_like(t.splice_slot, s) for t, s in parts]),
+            splice_zero=cat("splice_zero"),
+            splice_modes=sum((t.splice_modes for t in tables), ()),
         )
 
     def apply(
@@ -230,7 +251,38 @@ class ControlTable:
         ``positions`` (n,); ``row_slots`` (n,) in a batch, None for one request.
         ``written``: the rows the delta is added to when they are not ``x`` (a transcoder
         reads its module's input and writes its output); ``ablate`` and a vector's clamp
-        project those."""
+        project those.  A splice replaces its slot's rows (positions ≥ 0) by their
+        target: the delta there is ``target − written`` (``x`` where nothing else is
+        written)."""
+        delta, gate = self._controls(x, positions, row_slots, written)
+        if not self.splice_modes:
+            return delta, gate
+        xs = x.to(self.sae.dtype)
+        out = xs if written is None else written.to(self.sae.dtype)
+        if row_slots is None:  # one request: every row is the splice's
+            active = positions >= 0
+            zero_rows = None if self.splice_modes[0] == "reconstruction" else active
+        else:
+            match = row_slots[:, None] == self.splice_slot
+            active = match.any(dim=1) & (positions >= 0)
+            zero_rows = (match & self.splice_zero).any(dim=1) if "zero" in self.splice_modes else None
+        if "reconstruction" in self.splice_modes:
+            target = self.sae.reconstruct(xs)[1]
+            if zero_rows is not None:
+                target = torch.where(zero_rows[:, None], torch.zeros_like(target), target)
+        else:
+            target = torch.zeros_like(out)
+        replace = torch.where(active[:, None], target - out, torch.zeros_like(out))
+        return delta + replace.to(delta.dtype), gate
+
+    def _controls(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        row_slots: torch.Tensor | None,
+        written: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``apply`` of the J operations."""
         xs = x.to(self.sae.dtype)
         gate = (positions[:, None] >= self.lo) & (positions[:, None] < self.hi)
         if row_slots is not None:

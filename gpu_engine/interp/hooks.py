@@ -69,10 +69,14 @@ class AttachmentPlan:
         return self.controls is not None and self.controls.gated_by_feature
 
     def applied(self) -> None:
-        """One forward pass in which this plan's steering was added."""
+        """One forward pass in which this plan's steering was added (a splice counts as
+        mode ``splice``)."""
         self.count += 1
         modes = {"add"} if self.delta is not None else set()
-        modes.update(self.controls.modes if self.controls is not None else ())
+        if self.controls is not None:
+            modes.update(self.controls.modes)
+            if self.controls.splice_modes:
+                modes.add("splice")
         for mode in modes:
             self.mode_counts[mode] = self.mode_counts.get(mode, 0) + 1
 

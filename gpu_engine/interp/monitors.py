@@ -5,7 +5,10 @@ steers and monitors there (``hooks.route``, the serial hook, llama.cpp's eval ca
 vLLM's workers); it keeps the rows it was asked for and encodes them, in one batch when
 the request finishes unless the entry streams.  A packed entry (``MonitorEntry.packed``)
 keeps every non-zero activation of each encoded chunk, extracted on device (one
-``nonzero`` and one gather per chunk) and shipped as CSR bytes.
+``nonzero`` and one gather per chunk) and shipped as CSR bytes.  A fidelity entry
+(``MonitorEntry.fidelity``) keeps, per encoded chunk, how well the SAE reconstructs each
+row (``FidelityStats``: non-zero features, squared error and squared norm per row, the
+rows' sum), reduced on device.
 """
 
 from __future__ import annotations
@@ -16,7 +19,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..api.protocol import ActivationRecord, FeatureActivation, MonitorEntry, PackedRows, PositionRange
+from ..api.protocol import (
+    ActivationRecord,
+    FeatureActivation,
+    FidelityStats,
+    MonitorEntry,
+    PackedRows,
+    PositionRange,
+)
 from ..sae.module import SAE
 
 _INF = math.inf
@@ -43,11 +53,12 @@ class MonitorPlan:
         self.prompt_len = prompt_len
         self.top_k = int(entry.top_k)
         self.packed = bool(entry.packed)
+        self.fidelity = bool(entry.fidelity)
         self.sel_idx = (
             torch.tensor(entry.features, dtype=torch.long, device=sae.W_enc.device) if entry.features else None
         )
         self.last_only = entry.positions == "last"
-        self.stream = bool(entry.stream) and not self.last_only and not self.packed
+        self.stream = bool(entry.stream) and not self.last_only and not self.packed and not self.fidelity
         pos = entry.positions
         if pos == "prompt":
             self.lo, self.hi = 0, prompt_len
@@ -61,6 +72,8 @@ class MonitorPlan:
         self.pending: list[tuple[int, Any, Any, Any]] = []
         # a packed entry's chunks: (first row, rows, per-row counts, feature indices, values)
         self.packed_pending: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        # a fidelity entry's chunks: (first row, l0, sq_err, sq_norm per row, the rows' sum)
+        self.fidelity_pending: list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         # positions below this were observed already: a forward that computes them again
         # (vLLM recomputes a preempted request from position 0, or from its cached prefix)
         # must not record them twice
@@ -88,6 +101,9 @@ class MonitorPlan:
         if self.packed:
             self._encode_packed(lo, x)
             return
+        if self.fidelity:
+            self._encode_fidelity(lo, x)
+            return
         top_v = top_i = sel = None
         if self.top_k:
             acts = self.sae.encode(x)
@@ -108,6 +124,17 @@ class MonitorPlan:
         values = acts[rows_i, cols].float()
         counts = torch.bincount(rows_i, minlength=x.shape[0])
         self.packed_pending.append((lo, int(x.shape[0]), counts, cols, values))
+
+    def _encode_fidelity(self, lo: int, x: torch.Tensor) -> None:
+        """Per row: the non-zero features, ``||x - x_hat||^2`` and ``||x||^2`` with ``x``
+        the row as float32 and ``x_hat = decode(encode(x))``; and the rows' sum of ``x``."""
+        acts, x_hat = self.sae.reconstruct(x)
+        xf = x.float()
+        err = xf - x_hat.float()
+        l0 = (acts != 0).sum(dim=-1)
+        sq_err = (err * err).sum(dim=-1)
+        sq_norm = (xf * xf).sum(dim=-1)
+        self.fidelity_pending.append((lo, l0, sq_err, sq_norm, xf.sum(dim=0)))
 
     def rewind(self, position: int) -> None:
         """Forget every row at ``position`` or later (speculative decoding: the rows of
@@ -158,6 +185,20 @@ class MonitorPlan:
                 )
             )
         self.packed_pending.clear()
+        for lo, l0, sq_err, sq_norm, x_sum in self.fidelity_pending:
+            stats = FidelityStats(
+                rows=int(l0.shape[0]),
+                l0=l0.to(torch.int32).cpu().numpy().astype("<i4", copy=False).tobytes(),
+                sq_err=sq_err.cpu().numpy().astype("<f4", copy=False).tobytes(),
+                sq_norm=sq_norm.cpu().numpy().astype("<f4", copy=False).tobytes(),
+                x_sum=x_sum.cpu().numpy().astype("<f4", copy=False).tobytes(),
+            )
+            out.append(
+                ActivationRecord(
+                    sae_id=e.sae_id, layer=e.layer, read_point=e.read_point, position=lo, fidelity=stats, tag=e.tag
+                )
+            )
+        self.fidelity_pending.clear()
         for lo, top_v, top_i, sel in self.pending:
             tv = top_v.tolist() if top_v is not None else None
             ti = top_i.tolist() if top_i is not None else None

@@ -6,10 +6,11 @@ Two halves, so that every check runs once and every backend builds the same tens
   attachment exists, every feature index is in range, nothing reads an encoder a raw
   vector lacks, every control's phase and window select a position;
 - ``build_hooks`` only builds: per attachment the plain adds' delta, the feature controls'
-  ``ControlTable`` and the ``MonitorPlan``s, from the SAEs the caller holds.  The engine
-  calls it (through ``request_hooks``) with its attachments; a vLLM worker calls it with
-  the SAEs loaded on its rank, from the entries its request carried (``vllm/wire.py``),
-  and skips the attachments a pipeline stage does not hold.
+  ``ControlTable`` (a splice is one of no operation) and the ``MonitorPlan``s, from the
+  SAEs the caller holds.  The engine calls it (through ``request_hooks``) with its
+  attachments; a vLLM worker calls it with the SAEs loaded on its rank, from the entries
+  its request carried (``vllm/wire.py``), and skips the attachments a pipeline stage does
+  not hold.
 
 ``with_capture`` adds the capture plan, after its own checks (layers, heads, size).
 """
@@ -96,6 +97,13 @@ def check_request(
         sae.check_indices(entry.sae_id, triggers, "steering.features.condition.feature")
         if not sae.has_encoder:
             refuse_encoder_controls(entry)
+            if entry.splice == "reconstruction":
+                raise InvalidParameter(
+                    f"{entry.sae_id!r} is a raw steering vector: it has no encoder, so it reconstructs "
+                    "nothing (splice zero needs none)",
+                    param="steering.splice",
+                    details={"sae_id": entry.sae_id, "layer": entry.layer, "splice": entry.splice},
+                )
         for v in entry.vectors:
             if v.width != sae.d_in:
                 raise InvalidParameter(
@@ -130,6 +138,13 @@ def check_request(
                 details={"sae_id": mon.sae_id, "layer": mon.layer},
             )
         sae.check_indices(mon.sae_id, mon.features, "monitor.features")
+        if mon.fidelity and sae.cfg.hook_point == "mlp_transcoder":
+            raise InvalidParameter(
+                f"{mon.sae_id!r} is a transcoder: it reads its MLP's input and predicts its output, so "
+                "the rows it reads are not what it reconstructs; a fidelity monitor reads an SAE",
+                param="monitor.fidelity",
+                details={"sae_id": mon.sae_id, "layer": mon.layer, "hook_point": sae.cfg.hook_point},
+            )
 
 
 def build_hooks(
@@ -166,8 +181,8 @@ def build_hooks(
             else:
                 plan.delta = delta.to(device=device, dtype=dtype)  # type: ignore[union-attr]
         controls = [c for c in entry.controls if not c.no_op]
-        if controls or phased:
-            plan.controls = ControlTable.build(controls, sae, prompt_len=n_prompt, vectors=phased)
+        if controls or phased or entry.splice is not None:
+            plan.controls = ControlTable.build(controls, sae, prompt_len=n_prompt, vectors=phased, splice=entry.splice)
             plan.cols = (0, plan.controls.size)
     for mon in monitors:
         sae = saes.get(mon.key)

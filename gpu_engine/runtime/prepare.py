@@ -42,6 +42,9 @@ def check_capabilities(backend: Any, job: GenerationJob) -> None:
             "steering.features.mode" if controls else "steering.vectors.mode" if clamps else "steering.vectors.phase"
         )
         needs.append(("steering_controls", caps.steering_controls, param))
+    if job.steering is not None and any(e.splice is not None for e in job.steering.entries):
+        # a key some backends report only (UNSET, falsy: it does not say it can)
+        needs.append(("splice", bool(caps.splice), "steering.splice"))
     if job.monitor is not None and job.monitor.entries:
         needs.append(("per_request_monitoring", caps.per_request_monitoring, "monitor"))
     if job.sampling.logprobs or job.sampling.top_logprobs:

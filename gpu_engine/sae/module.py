@@ -161,6 +161,26 @@ class SAE:
 
     # ------------------------------------------------------------------ decode / steer
 
+    def decode(self, acts: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The reconstruction of feature activations ``acts`` (..., d_sae) in the model's
+        space, as SAELens's ``decode``: ``acts @ W_dec + b_dec`` (``acts`` divided by the
+        decoder norms first where the SAE rescales by them); a ``constant_norm_rescale``
+        SAE undoes the per-row input scaling, which needs the rows ``x`` encoded."""
+        if self.dec_norms is not None:
+            acts = acts / self.dec_norms
+        out = acts.to(self.dtype) @ self.W_dec + self.b_dec
+        if self.cfg.normalize_activations == "constant_norm_rescale":
+            if x is None:
+                raise ValueError("a constant_norm_rescale SAE decodes with the rows it encoded")
+            x = x.to(self.dtype)
+            out = out / ((self.cfg.d_in**0.5) / x.norm(dim=-1, keepdim=True))
+        return out
+
+    def reconstruct(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(acts, x_hat)``: the rows' activations and ``decode(encode(x))``."""
+        acts = self.encode(x)
+        return acts, self.decode(acts, x)
+
     def check_indices(self, sae_id: str, indices: Iterable[int], param: str | None = None) -> None:
         for i in indices:
             if not 0 <= int(i) < self.d_sae:

@@ -97,6 +97,17 @@ def hook_node(hook_point: str, layer: int) -> tuple[int, int]:
     return (LAYER_OUT, layer)
 
 
+def splice_refused(steering_mode: str, steering_mode_reason: str) -> str | None:
+    """Why a load in ``steering_mode`` cannot splice (None: it can)."""
+    if steering_mode != CONTROL_VECTOR_SWAP:
+        return None
+    return (
+        "a splice replaces each row by the SAE's reconstruction of it, which needs per-row "
+        "writes in the eval callback; this llama.cpp load steers with control vectors "
+        f"swapped between requests (steering_mode {CONTROL_VECTOR_SWAP}: {steering_mode_reason})"
+    )
+
+
 def controls_refused(steering_mode: str, steering_mode_reason: str) -> str | None:
     """Why a load in ``steering_mode`` cannot run feature controls (None: it can)."""
     if steering_mode != CONTROL_VECTOR_SWAP:
@@ -254,6 +265,20 @@ class LlamaCppBackend:
         if self.steering_mode != CONTROL_VECTOR_SWAP or request_hooks is None:
             return
         for (sae_id, layer), plan in request_hooks.plans.items():
+            if plan.controls is not None and plan.controls.splice_modes:
+                why = splice_refused(self.steering_mode, self.steering_mode_reason)
+                raise InvalidParameter(
+                    f"the {self.name} backend cannot run steering.splice here: {why}",
+                    param="steering.splice",
+                    details={
+                        "backend": self.name,
+                        "capability": "splice",
+                        "sae_id": sae_id,
+                        "layer": layer,
+                        "steering_mode": self.steering_mode,
+                        "reason": why,
+                    },
+                )
             if plan.controls is not None:
                 why = controls_refused(self.steering_mode, self.steering_mode_reason)
                 raise InvalidParameter(
@@ -294,6 +319,9 @@ class LlamaCppBackend:
             # a control vector cannot carry them (refused, with the reason, in the swap mode)
             steering_controls=self.steering_mode == EVAL_CALLBACK_PER_ROW,
             steering_controls_reason=controls_refused(self.steering_mode, self.steering_mode_reason),
+            # SteeringEntry.splice: a control table of no operation, per row as the controls
+            splice=self.steering_mode == EVAL_CALLBACK_PER_ROW,
+            splice_reason=splice_refused(self.steering_mode, self.steering_mode_reason),
             # capture reads the eval callback's nodes (``taps.py``); Q/K needs rope's output
             # (a model without rotary embedding has no node that is its Q/K as attended)
             attention_capture=self.native.rotary and GGML_OP_ROPE is not None,

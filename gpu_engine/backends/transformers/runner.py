@@ -245,6 +245,8 @@ class TransformersRunner:
         return Capabilities(
             hook_points=list(HOOK_POINTS),
             hidden_states=True,
+            # SteeringEntry.splice: the hooks replace the rows (interp.controls), serial and batched
+            splice=True,
             # GenerationJob.distributions_from: the prefill's own logits rows (Sequence)
             prompt_distributions=True,
             tool_calling=self.tool_call_format is not None,

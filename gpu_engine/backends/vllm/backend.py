@@ -230,6 +230,8 @@ class VllmBackend:
             per_request_steering=True,
             # the workers' hooks route every request's controls (interp.hooks.route)
             steering_controls=True,
+            # SteeringEntry.splice: a control table of its own there (interp.controls)
+            splice=True,
             hidden_state_capture=True,
             attention_capture=qk,
             # SamplingParams.structured rides to vLLM's own structured outputs (batch.py)

@@ -141,6 +141,9 @@ def steering_salt(
         if e.get("vectors"):
             # inline vectors as sent (their bytes are base64 text in builtins)
             item.append(e["vectors"])
+        if e.get("splice"):
+            # every row replaced: by the reconstruction and by zeros are apart
+            item.append(["splice", e["splice"]])
         canon.append(item)
     canon.sort(key=lambda item: json.dumps(item, sort_keys=True))
     return "millm-steer-" + hashlib.sha256(json.dumps(canon).encode()).hexdigest()[:32]
