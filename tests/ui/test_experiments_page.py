@@ -171,3 +171,282 @@ def test_a_sweep_from_the_page_to_its_plots_texts_and_files(server, page):
     status, body = fetch(hrefs[2])
     assert status == 200 and body[:4] == b"PAR1" and body[-4:] == b"PAR1"
     page.console.assert_clean()
+
+
+def test_a_calibration_shows_its_curve_and_the_strength_found(server, page):
+    sae = server.sae_id
+    page.goto(f"{server.url}/experiments/")
+    page.wait_for_selector("#x-sae option[value^=sae_]", state="attached")
+    page.select_option("#x-sae", f"{sae}@1")
+    page.fill("#x-prompts", "\n".join(PROMPTS))
+    page.fill("#x-max-tokens", "5")
+    page.fill("#x-features", "3")
+    assert page.input_value("#c-feature") == "3"  # the calibration follows the sweep's first feature
+    page.fill("#c-target", "0.2")
+    page.fill("#c-max", "20")
+    page.click("#c-start")
+    started = page.locator(".notice.ok:has-text('Started calibration')")
+    started.wait_for()
+    run_id = started.inner_text().split()[2]
+    page.wait_for_selector(ROW.format(id=run_id) + "[data-status=completed]", timeout=240_000)
+    run = server.api("GET", f"/api/experiments/{run_id}")
+    assert run["spec"]["variant"] == {"sae_id": sae, "layer": 1, "index": 3, "mode": "add"}
+    assert run["spec"]["bounds"] == [0.0, 20.0] and run["spec"]["target_kl"] == 0.2
+    result = run["result"]
+    page.wait_for_selector(f"#result-run:text-is('{run_id}')")
+    page.wait_for_selector("#cal-plot circle.dot")
+    assert not page.locator("#cal-result").is_hidden() and page.locator("#sweep-result").is_hidden()
+    curve = dots(page, "#cal-plot")["mean KL"]
+    want = [(c["strength"], c["kl"]) for c in result["curve"]]
+    assert curve == want and len(curve) >= 2
+    assert curve[0] == (0.0, pytest.approx(0.0, abs=1e-6))  # strength 0: the unsteered model
+    assert float(page.get_attribute("#cal-strength", "data-value")) == result["strength"]
+    assert float(page.get_attribute("#cal-kl", "data-value")) == result["kl"]
+    # the found strength is the measured one closest to the target, marked on the plot
+    assert result["kl"] == min((k for _, k in want), key=lambda k: abs(k - 0.2))
+    assert float(page.get_attribute("#cal-plot .ref-line[data-x]", "data-x")) == result["strength"]
+    assert float(page.get_attribute("#cal-plot .ref-line[data-y]", "data-y")) == 0.2
+    outcome = page.inner_text("#cal-outcome")
+    assert outcome.startswith("Converged" if result["converged"] else "Not converged")
+    screenshot(page, "experiments-calibration")
+    page.console.assert_clean()
+
+
+def test_attribution_strip_lists_features_and_links_their_pages(server, page):
+    sae = server.sae_id
+    prompt = "The capital of France is"
+    page.goto(f"{server.url}/experiments/")
+    page.wait_for_selector("#a-sae option[value^=sae_]", state="attached")
+    page.fill("#a-prompt", prompt)
+    page.select_option("#a-sae", f"{sae}@1")
+    page.fill("#a-top", "6")
+    page.click("#a-run")
+    page.wait_for_selector("#attr-strip .heat-cell")
+    # the same request to the API: the page shows what it answers
+    want = server.api(
+        "POST",
+        "/api/experiments/attribution",
+        {"prompt": prompt, "sae_id": sae, "layer": 1, "top_n": 6, "ablate_top": 5, "target_token": None},
+    )
+    cells = page.locator("#attr-strip .heat-cell")
+    assert cells.count() == len(want["tokens"]) == len(want["heat"])
+    assert cells.all_text_contents() == [t["text"].replace("\n", "⏎").replace("\t", "⇥") or "∅" for t in want["tokens"]]
+    values = [float(v) for v in cells.evaluate_all("cs => cs.map(c => c.dataset.value)")]
+    assert values == [h["sum"] for h in want["heat"]]
+    # a negative sum is red, a positive one blue
+    classes = cells.evaluate_all("cs => cs.map(c => c.classList.contains('neg'))")
+    assert classes == [h["sum"] < 0 for h in want["heat"]]
+    label = cells.nth(len(want["heat"]) - 1).get_attribute("aria-label")
+    top = want["heat"][-1]["top"]
+    assert label.startswith(f"token {len(want['heat'])} {json.dumps(want['tokens'][-1]['text'], ensure_ascii=False)}: ")
+    assert all(f"{t['index']}" in label for t in top)
+    target = want["target"]
+    assert page.inner_text("#attr-target").startswith(
+        f"{json.dumps(target['text'], ensure_ascii=False)} (id {target['id']}, the greedy"
+    )
+    # the magnitudes instead
+    page.select_option("#attr-show", "total")
+    page.wait_for_function(
+        "(want) => JSON.stringify([...document.querySelectorAll('#attr-strip .heat-cell')]"
+        ".map(c => Number(c.dataset.value))) === JSON.stringify(want)",
+        arg=[h["total"] for h in want["heat"]],
+    )
+    # the top features, in the API's order, each with its ablation check and its page
+    rows = page.locator("#attr-top tr")
+    assert [int(i) for i in rows.evaluate_all("rs => rs.map(r => r.dataset.index)")] == [
+        f["index"] for f in want["features"]
+    ]
+    ablation = rows.locator("td.ablation").all_inner_texts()
+    for f, shown in zip(want["features"], ablation, strict=True):
+        if f["ablation_delta"] is None:
+            assert shown == "not checked"
+        else:
+            assert float(shown) == pytest.approx(f["ablation_delta"], rel=1e-3, abs=1e-12)
+    assert sum(f["ablation_delta"] is not None for f in want["features"]) == min(5, len(want["features"]))
+    screenshot(page, "experiments-attribution")
+    first = want["features"][0]
+    link = rows.nth(0).locator("a.feature-link")
+    assert link.get_attribute("href") == f"/features/{sae}/{first['index']}/"
+    link.click()
+    page.wait_for_url(f"**/features/{sae}/{first['index']}/")
+    page.wait_for_selector("#f-label:not(:text-is('Loading…'))")
+    assert page.inner_text("h1") == f"Feature {first['index']}"
+    page.console.assert_clean()
+
+
+def test_the_sae_page_measures_and_shows_fidelity(server, page):
+    sae = server.sae_id
+    page.goto(f"{server.url}/saes/")
+    page.wait_for_selector("#fid-sae option[value^=sae_]", state="attached")
+    page.select_option("#fid-sae", sae)
+    page.wait_for_function("document.querySelector('#fid-note').textContent !== 'Loading…'")
+    before = server.api("GET", f"/api/saes/{sae}/fidelity")
+    page.fill("#fid-budget", "512")
+    page.fill("#fid-context", "32")
+    page.click("#fid-start")
+    started = page.locator(".notice.ok:has-text('Started fidelity run')")
+    started.wait_for()
+    run_id = started.inner_text().split()[3]
+    page.wait_for_selector(f"#fid-progress [data-run-id='{run_id}']")
+    page.wait_for_selector(f"#fid-figures[data-run-id='{run_id}']:not(.hidden)", timeout=240_000)
+    shown = server.api("GET", f"/api/saes/{sae}/fidelity")
+    assert shown["run_id"] == run_id != before["run_id"]
+    f = shown["fidelity"]
+    assert f["tokens"] > 0 and f["rows"] > 0
+    for sel, key in (
+        ("#fid-l0", "l0"),
+        ("#fid-mse", "mse"),
+        ("#fid-ev", "explained_variance"),
+        ("#fid-lr", "loss_recovered"),
+        ("#fid-dead", "dead_count"),
+        ("#fid-dense", "dense_count"),
+    ):
+        raw = page.get_attribute(sel, "data-value")
+        assert (raw == "" and f[key] is None) or float(raw) == f[key], (sel, raw, f[key])
+    assert (
+        page.locator(f"#fid-progress [data-run-id='{run_id}'][data-status=completed] progress").evaluate("b => b.value")
+        == 100
+    )
+    assert "Next-token loss: clean" in page.inner_text("#fid-detail")
+    screenshot(page, "saes-fidelity")
+    # the run is an experiment like the others: listed on the experiments page
+    page.goto(f"{server.url}/experiments/")
+    row = page.locator(ROW.format(id=run_id))
+    row.wait_for()
+    assert row.get_attribute("data-kind") == "fidelity" and row.get_attribute("data-status") == "completed"
+    page.console.assert_clean()
+
+
+def test_the_playground_opens_its_feature_in_experiments(server, page):
+    sae = server.sae_id
+    page.goto(f"{server.url}/playground/")
+    page.wait_for_selector("#heat-sae option[value^=sae_]", state="attached")
+    page.check("input[name=steer-mode][value=inline]")
+    page.fill("#inline-features", "5: 7\n2: -3")
+    href = page.get_attribute("#exp-link", "href")
+    assert href == "/experiments/?" + urllib.parse.urlencode(
+        {"sae_id": sae, "layer": "1", "feature": "5", "strength": "7"}
+    )
+    page.click("#exp-link")
+    page.wait_for_url("**/experiments/**")
+    page.wait_for_function("document.querySelector('#x-features').value === '5'")
+    assert page.input_value("#x-sae") == f"{sae}@1"
+    assert page.input_value("#x-strengths") == "0, 3.5, 7, 14"
+    assert page.input_value("#c-feature") == "5"
+    assert page.locator("nav a[aria-current=page]").inner_text() == "Experiments"
+    page.console.assert_clean()
+
+
+def test_presets_and_refusals_are_said_and_start_nothing(server, page):
+    sae = server.sae_id
+    total = server.api("GET", "/api/experiments")["total"]
+    dialogs: list[str] = []
+    page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    markup = "<img src=x onerror=alert(1)>"
+    page.goto(f"{server.url}/experiments/?" + urllib.parse.urlencode({"sae_id": markup, "feature": "abc"}))
+    error = page.locator(".notice.error")
+    error.wait_for()
+    assert "is not a feature index and a strength: ignored" in error.inner_text()
+    page.goto(f"{server.url}/experiments/?" + urllib.parse.urlencode({"sae_id": markup, "feature": "4"}))
+    error = page.locator(".notice.error")
+    error.wait_for()
+    assert f"SAE {markup} is not attached" in error.inner_text()  # said as text
+    assert page.locator("#notices img").count() == 0 and dialogs == []
+    page.locator(".notice.error button").click()
+
+    # the page's own checks, naming the field: nothing sent
+    page.wait_for_selector("#x-sae option[value^=sae_]", state="attached")
+    page.select_option("#x-sae", f"{sae}@1")
+    page.fill("#x-features", "1")
+    page.fill("#x-strengths", "1, x")
+    page.click("#x-start")
+    page.wait_for_selector(".notice.error:has-text('is not a number')")
+    assert "Strengths" in page.inner_text(".notice.error") and "“x”" in page.inner_text(".notice.error")
+    assert page.get_attribute("#x-strengths", "aria-invalid") == "true"
+    page.locator(".notice.error button").click()
+    d_sae = next(a for a in server.api("GET", "/api/saes/attachments")["entries"] if a["sae_id"] == sae)["d_sae"]
+    page.fill("#x-strengths", "1, 2")
+    page.fill("#x-features", str(d_sae))
+    page.click("#x-start")
+    page.wait_for_selector(f".notice.error:has-text('{d_sae} is outside 0…{d_sae - 1}')")
+    page.locator(".notice.error button").click()
+    # the server's refusal: a grid above EXPERIMENT_MAX_POINTS, said in the hint first
+    page.fill("#x-features", "1, 2")
+    page.fill("#x-prompts", "\n".join(PROMPTS * 2))
+    page.fill("#x-strengths", ", ".join(str(s) for s in range(1, 33)))
+    hint = page.locator("#x-count")
+    assert "= 260 points (at most 256" in hint.inner_text() and "bad" in hint.get_attribute("class")
+    page.click("#x-start")
+    refusal = page.locator(".notice.error")
+    refusal.wait_for()
+    assert "EXPERIMENT_MAX_POINTS" in refusal.inner_text() and "260" in refusal.inner_text()
+    assert server.api("GET", "/api/experiments")["total"] == total
+    assert [e for e in page.console.errors if "status of 422" not in e] == []
+
+
+def test_the_page_renders_with_labelled_controls(server, page):
+    from tests.ui.test_pages import UNLABELLED
+
+    page.goto(f"{server.url}/experiments/")
+    page.wait_for_selector("#x-sae option[value^=sae_]", state="attached")
+    page.wait_for_function("document.querySelector('#ws-status').textContent.includes('live')")
+    assert page.inner_text("h1") == "Experiments"
+    assert page.locator("nav a[aria-current=page]").inner_text() == "Experiments"
+    assert page.evaluate(UNLABELLED) == []
+    page.console.assert_clean()
+
+
+def test_cancel_asks_first_and_keeps_the_points_done(held_server, page):
+    """A sweep whose generations the engine holds once a few points are stored: Cancel asks
+    first (a refusal to confirm changes nothing), the row ends cancelled and partial, and
+    the run's stored points (as the API lists them) are what the page opens."""
+    server, hold, reached = held_server
+    sae = server.sae_id
+    hold.touch()
+    body = {
+        "prompts": [f"{w} weather is" for w in ("Monday", "Tuesday", "Friday", "Sunday")],
+        "variants": [{"sae_id": sae, "layer": 1, "index": i, "mode": "add"} for i in (1, 3)],
+        "strengths": [float(s) for s in range(8)],
+        "max_tokens": 4,
+    }
+    run_id = server.api("POST", "/api/experiments/sweep", body)["run"]["id"]
+    server.wait_for("the engine to hold the sweep's first generation", reached.exists)
+    # let some points through, then hold the rest
+    hold.unlink()
+    server.wait_for(
+        "a point to be stored", lambda: server.api("GET", f"/api/experiments/{run_id}")["done"] >= 1, interval=0.02
+    )
+    hold.touch()
+    run = server.api("GET", f"/api/experiments/{run_id}")
+    assert run["status"] == "running" and 1 <= run["done"] < run["total"] == 4 * (1 + 2 * 8)
+
+    page.goto(f"{server.url}/experiments/")
+    row = page.locator(ROW.format(id=run_id))
+    row.wait_for()
+    asked: list[str] = []
+
+    def answer(dialog):
+        asked.append(dialog.message)
+        dialog.dismiss() if len(asked) == 1 else dialog.accept()
+
+    page.on("dialog", answer)
+    button = row.get_by_role("button", name=f"Cancel run {run_id}")
+    button.click()  # dismissed: nothing sent
+    assert len(asked) == 1 and run_id in asked[0]
+    assert server.api("GET", f"/api/experiments/{run_id}")["status"] == "running"
+    button.click()
+    page.wait_for_selector(ROW.format(id=run_id) + "[data-status=cancelled]", timeout=60_000)
+    hold.unlink()
+    run = server.api("GET", f"/api/experiments/{run_id}")
+    assert run["status"] == "cancelled" and run["partial"] and run["done"] < run["total"]
+    assert row.get_attribute("data-partial") == "1" and row.locator(".badge:text-is('partial')").count() == 1
+    assert row.get_by_role("button", name=f"Cancel run {run_id}").count() == 0
+    points = all_points(server, run_id)
+    assert 1 <= len(points) == run["done"]
+    # opened: the points stored, said to be partial
+    row.get_by_role("button", name=f"Open run {run_id}").click()
+    page.wait_for_selector(f"#result-run:text-is('{run_id}')")
+    assert "Partial" in page.inner_text("#result-note")
+    shown = page.locator("#kl-plot circle.dot").evaluate_all("ds => ds.map(d => Number(d.dataset.x))")
+    assert sorted(set(shown)) == sorted({p["strength"] for p in points if not p["is_default"]})
+    page.console.assert_clean()

@@ -443,7 +443,11 @@ $("#attr-form").addEventListener("submit", (ev) => {
     if (!prompt.trim()) throw new Error("Prompt: give one");
     const body = { prompt, sae_id, layer, top_n: numberFrom($("#a-top"), { integer: true }),
       target_token: targetToken() };
-    body.ablate_top = Math.min(5, body.top_n);
+    body.ablate_top = numberFrom($("#a-ablate"), { integer: true });
+    if (body.ablate_top > body.top_n) {
+      $("#a-ablate").setAttribute("aria-invalid", "true");
+      throw new Error(`Ablation checks must be at most Top features (${body.top_n})`);
+    }
     $("#attr-note").textContent = "Running…";
     try {
       attribution = await post("/api/experiments/attribution", body);

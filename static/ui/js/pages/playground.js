@@ -277,9 +277,24 @@ function applyPreset(preset) {
   $("#preset-note").textContent = `Preset from the link: feature ${preset.feature} of ${preset.saeId || "the attached SAE"} at strength ${preset.strength}.`;
 }
 
+/** "Open in experiments": the first `index: strength` line of these features, with the
+ * heat strip's SAE, as the experiments page's preset (?sae_id=…&layer=…&feature=…&strength=…). */
+function experimentsHref() {
+  const q = new URLSearchParams();
+  const [saeId, layer] = $("#heat-sae").value.split("@");
+  if (saeId) { q.set("sae_id", saeId); q.set("layer", layer); }
+  const m = steerMode() === "inline" && $("#inline-features").value.match(/^\s*(\d+)\s*[:=\s]\s*(-?\d+(?:\.\d+)?)/m);
+  if (m) { q.set("feature", m[1]); q.set("strength", m[2]); }
+  const qs = q.toString();
+  $("#exp-link").href = `/experiments/${qs ? `?${qs}` : ""}`;
+}
+for (const id of ["#inline-features", "#heat-sae"]) $(id).addEventListener("input", experimentsHref);
+$("#heat-sae").addEventListener("change", experimentsHref);
+for (const radio of document.querySelectorAll("input[name=steer-mode]")) radio.addEventListener("change", experimentsHref);
+
 events.on("sae:attached", loadChoices);
 events.on("sae:detached", loadChoices);
 events.on("model:load:complete", loadChoices);
 events.onReconnect(loadChoices);
 const preset = presetFromURL();
-loadChoices().then(() => { if (preset) applyPreset(preset); });
+loadChoices().then(() => { if (preset) applyPreset(preset); experimentsHref(); });

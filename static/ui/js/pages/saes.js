@@ -1,12 +1,14 @@
 // SAEs: list with download progress, attach (layer picker + compatibility check first),
-// detach, download from the hub.
+// detach, download from the hub; an SAE's corpus fidelity (fidelity.js).
 
 import { del, get, post } from "../api.js";
 import { $, badge, boot, busy, describeError, el, fillRows, fmtMB, notice, showError, statusBadge } from "../dom.js";
 import * as events from "../events.js";
 import { describeJob, pollRunning, progressCell, updateProgress } from "../jobs.js";
+import { fidelityPanel } from "../fidelity.js";
 
 boot();
+fidelityPanel();
 
 let saes = [];
 let resident = null;          // the loaded model row, or null
