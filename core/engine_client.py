@@ -31,6 +31,7 @@ from core.runtime import runtime
 from gpu_engine.api.commands import (
     COMMANDS,
     AttachSetArgs,
+    AttributionArgs,
     BuildGrammarArgs,
     CancelAllArgs,
     CheckLoadArgs,
@@ -56,6 +57,8 @@ from gpu_engine.api.protocol import (
     AttachmentStatus,
     AttachResult,
     AttachSpec,
+    AttributionJob,
+    AttributionResult,
     EmbedJob,
     EmbedResult,
     EngineEvent,
@@ -218,6 +221,9 @@ class EngineClient(ABC):
 
     def feature_logits(self, job: FeatureLogitsJob, *, timeout_s: float | None = None) -> FeatureLogitsResult:
         return self.invoke(COMMANDS["feature_logits"], FeatureLogitsArgs(job, timeout_s))
+
+    def attribution(self, job: AttributionJob, *, timeout_s: float | None = None) -> AttributionResult:
+        return self.invoke(COMMANDS["attribution"], AttributionArgs(job, timeout_s))
 
     def attachments(self) -> list[AttachmentStatus]:
         return list(self.status().attachments)

@@ -22,7 +22,7 @@ The lane says how a command travels when the engine is in another process:
   result (no round trip; the web tier answers at once);
 - ``control``: the command stream, one at a time (load, unload, attach, detach, checks);
 - ``work``: the request stream, one result entry (embed, score, hidden_states, tokenize,
-  feature_logits);
+  feature_logits, attribution);
 - ``stream``: the request stream, token events then a final one (generate).
 
 ``work`` and ``stream`` arguments carry a ``job`` whose ``request_id`` names the request's
@@ -43,6 +43,8 @@ import msgspec
 from .protocol import (
     AttachResult,
     AttachSpec,
+    AttributionJob,
+    AttributionResult,
     CompatibilityReport,
     EmbedJob,
     EmbedResult,
@@ -144,6 +146,11 @@ class FeatureLogitsArgs(msgspec.Struct):
     timeout_s: float | None = None
 
 
+class AttributionArgs(msgspec.Struct):
+    job: AttributionJob
+    timeout_s: float | None = None
+
+
 # --------------------------------------------------------------------------- the table
 
 
@@ -195,6 +202,7 @@ COMMANDS: Mapping[str, Command] = {
         Command("hidden_states", HiddenStatesArgs, HiddenStatesResult, Lane.WORK),
         Command("tokenize", TokenizeArgs, TokenizeResult, Lane.WORK),
         Command("feature_logits", FeatureLogitsArgs, FeatureLogitsResult, Lane.WORK),
+        Command("attribution", AttributionArgs, AttributionResult, Lane.WORK),
     )
 }
 
@@ -229,6 +237,7 @@ def check_implements(cls: type, *, where: str | None = None) -> None:
 __all__ = [
     "COMMANDS",
     "AttachSetArgs",
+    "AttributionArgs",
     "BuildGrammarArgs",
     "CancelAllArgs",
     "CheckLoadArgs",

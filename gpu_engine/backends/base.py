@@ -16,9 +16,9 @@ one running it elsewhere (worker processes) carries the same plans there.
 
 ``ModelBackend`` is every member the runtime reads; a loader's result lacking one fails
 the load by name (``missing_members``).  What only some backends can do is a small
-protocol of its own (``ReadsHiddenStates``, ``ReleasesCachedMemory``; on the batch runner
-``CachesRows`` and ``CountsLeanSteps``; ``CompilesGrammars`` lives with its reader in
-``gpu_engine.decode.sequence``, which imports no backend), asked with ``isinstance``:
+protocol of its own (``ReadsHiddenStates``, ``ReleasesCachedMemory``, ``ComputesAttribution``;
+on the batch runner ``CachesRows`` and ``CountsLeanSteps``; ``CompilesGrammars`` lives with
+its reader in ``gpu_engine.decode.sequence``, which imports no backend), asked with ``isinstance``:
 the runtime never probes a backend for a name.  What a backend can do as loaded is its
 ``capabilities()``, a typed ``gpu_engine.api.capabilities.Capabilities``.
 """
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from ..interp.hooks import AttachmentStats, RequestHooks
     from ..api.protocol import (
         AttachmentKey,
+        AttributionJob,
+        AttributionResult,
         EmbedJob,
         EmbedResult,
         FinishEvent,
@@ -203,6 +205,17 @@ class ReadsHiddenStates(Protocol):
 
 
 @runtime_checkable
+class ComputesAttribution(Protocol):
+    """A logit attributed to an attached SAE's features by its gradient (capability
+    ``gradients``; ``Engine.attribution`` checks the job, the ids and the target first and
+    runs this on its worker, between two steps of the batch)."""
+
+    def attribution(
+        self, job: AttributionJob, prompt_ids: list[int], attachment: AttachedSAE, target_token_id: int | None
+    ) -> AttributionResult: ...
+
+
+@runtime_checkable
 class ReleasesCachedMemory(Protocol):
     """Memory kept between requests that the engine's idle release hands back."""
 
@@ -246,6 +259,7 @@ __all__ = [
     "BatchBackend",
     "CachesRows",
     "Closeable",
+    "ComputesAttribution",
     "CountsLeanSteps",
     "ModelBackend",
     "ReadsHiddenStates",

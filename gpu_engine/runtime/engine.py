@@ -36,9 +36,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..api.commands import check_implements
-from ..backends.base import ReadsHiddenStates
+from ..backends.base import ComputesAttribution, ReadsHiddenStates
 from ..decode.sequence import CompilesGrammars
 from ..api.errors import (
+    ContextLengthExceeded,
     EngineBusy,
     EngineError,
     EngineShutdown,
@@ -50,6 +51,8 @@ from ..api.errors import (
 from ..interp.hooks import HookManager
 from ..interp.logits import feature_logit_effects
 from ..api.protocol import (
+    AttributionJob,
+    AttributionResult,
     BatchingOptions,
     EmbedJob,
     EmbedResult,
@@ -437,6 +440,71 @@ class Engine(ModelLoading):
             top_tokens=[[text[i] for i in row] for row in top_ids],
             bottom_tokens=[[text[i] for i in row] for row in bottom_ids],
         )
+
+    def attribution(self, job: AttributionJob, *, timeout_s: float | None = None) -> AttributionResult:
+        """Each feature of the SAE attached at ``job.layer`` attributed to one logit of the
+        next token after the prompt (``AttributionJob``). Refused before anything runs on a
+        backend without gradients (naming it), for an SAE not attached there or without an
+        encoder, a prompt longer than the context and a target outside the vocabulary; the
+        forwards and the backward then run on the worker at batch priority, between two
+        steps of the running batch, the model unsteered (``ComputesAttribution``)."""
+
+        def op() -> AttributionResult:
+            backend = self._require_backend()
+            caps = backend.capabilities()
+            if not caps.gradients or not isinstance(backend, ComputesAttribution):
+                reason = caps.gradients_reason or None
+                raise InvalidParameter(
+                    f"the {backend.name} backend cannot compute attributions (gradients is off"
+                    + (f": {reason})" if reason else ")"),
+                    param="backend",
+                    details={
+                        "backend": backend.name,
+                        "capability": "gradients",
+                        **({"reason": reason} if reason else {}),
+                    },
+                )
+            with self._state_lock:
+                att = self._attachments.get((job.sae_id, job.layer))
+            if att is None:
+                raise SAENotAttached(
+                    f"SAE {job.sae_id!r} is not attached at layer {job.layer}",
+                    details={"sae_id": job.sae_id, "layer": job.layer},
+                )
+            if not att.sae.has_encoder:
+                raise InvalidParameter(
+                    f"{job.sae_id!r} is a steering vector without an encoder: it has no features to attribute",
+                    param="sae_id",
+                    details={"sae_id": job.sae_id, "layer": job.layer},
+                )
+            if job.prompt_token_ids is not None:
+                ids = prepare.validate_ids(backend, job.prompt_token_ids, "prompt")
+            elif job.messages is not None:
+                ids = backend.encode_messages(
+                    job.messages, add_generation_prompt=job.add_generation_prompt, **job.chat_template_kwargs
+                )
+            else:
+                ids = backend.encode_text(job.prompt or "", add_special_tokens=job.add_special_tokens)
+            if not ids:
+                raise InvalidParameter("the prompt is empty after tokenisation", param="prompt")
+            if len(ids) > backend.context_length:
+                raise ContextLengthExceeded(prompt_tokens=len(ids), max_tokens=0, context_length=backend.context_length)
+            if job.target_token_id is not None:
+                prepare.validate_ids(backend, [job.target_token_id], "target_token_id")
+            try:
+                return backend.attribution(job, ids, att, job.target_token_id)
+            except EngineError:
+                raise
+            except Exception as exc:
+                if is_out_of_memory(exc):
+                    raise InsufficientMemory(
+                        f"the attribution of {len(ids)} prompt tokens ran out of memory; send a shorter prompt",
+                        details={"prompt_tokens": len(ids)},
+                    ) from exc
+                log.exception("attribution %s failed", job.request_id)
+                raise GenerationFailed(f"attribution failed: {type(exc).__name__}: {exc}") from exc
+
+        return self._work(op, timeout_s, "batch")
 
 
 # every command of the protocol table is an Engine method with the declared arguments

@@ -203,6 +203,9 @@ class FakeEngine:
     def feature_logits(self, job: Any, *, timeout_s: float | None = None) -> Any:
         raise SAENotAttached(f"SAE {job.sae_id!r} is not attached at layer {job.layer}")
 
+    def attribution(self, job: Any, *, timeout_s: float | None = None) -> Any:
+        raise SAENotAttached(f"SAE {job.sae_id!r} is not attached at layer {job.layer}")
+
 
 # The in-process servers share the pytest process's heap: the engine's gc.collect() after an
 # unload holds the GIL for as long as a collection of everything the suite has built takes

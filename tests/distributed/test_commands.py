@@ -26,12 +26,19 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from core.engine_client import EmbeddedEngineClient, EngineClient
 from gpu_engine.api.commands import COMMANDS, check_implements
 from gpu_engine.runtime.engine import Engine
-from gpu_engine.api.errors import EngineBusy, ResponseFormatUnsupported, SAENotAttached, UnsupportedQuantization
+from gpu_engine.api.errors import (
+    EngineBusy,
+    InvalidParameter,
+    ResponseFormatUnsupported,
+    SAENotAttached,
+    UnsupportedQuantization,
+)
 from gpu_engine.api.monitoring import unpack
 from gpu_engine.api.protocol import (
     AttachSpec,
     EmbedJob,
     ErrorEvent,
+    AttributionJob,
     FeatureLogitsJob,
     GenerationJob,
     HiddenStatesJob,
@@ -276,6 +283,42 @@ def step_feature_logits(client, assets, ref):
     return [result.top_ids, result.bottom_ids, result.top_tokens]
 
 
+def step_attribution(client, assets, ref):
+    """The greedy next token's logit attributed to the SAE's features: the packed rows name
+    exactly the features the test's own float64 encode of block 1's output activates, the
+    ablation check comes back for the first two; an SAE not attached there and a target
+    past the vocabulary are refused (tests/engine/test_attribution.py checks the values
+    against finite differences)."""
+    result = client.attribution(
+        AttributionJob(f"attr-{secrets.token_hex(4)}", "sae_t", 1, prompt_token_ids=PROMPT_IDS, top_n=4, ablate_top=2)
+    )
+    assert result.prompt_token_ids == PROMPT_IDS and result.target_token_id == ref["greedy"][0]
+    acts = RefSAE(assets.saes["tiny-llama-L1-relu"]).encode(ref["hidden_l1"])
+    row_ptr, indices, values = unpack(result.attributions)
+    for r in range(len(PROMPT_IDS)):
+        assert indices[row_ptr[r] : row_ptr[r + 1]].tolist() == np.flatnonzero(acts[r] > 0).tolist()
+    assert len(result.top) == 4 and [f.ablation_delta is None for f in result.top] == [False, False, True, True]
+    with pytest.raises(SAENotAttached):
+        client.attribution(AttributionJob(f"attr-{secrets.token_hex(4)}", "sae_t", 2, prompt_token_ids=PROMPT_IDS))
+    with pytest.raises(InvalidParameter) as refused:
+        client.attribution(
+            AttributionJob(
+                f"attr-{secrets.token_hex(4)}", "sae_t", 1, prompt_token_ids=PROMPT_IDS, target_token_id=10**6
+            )
+        )
+    assert refused.value.param == "target_token_id"
+    return [
+        result.target_token_id,
+        round(result.target_logit, 4),
+        row_ptr.tolist(),
+        [round(float(v), 4) for v in values],
+        [
+            [f.index, round(f.attribution, 4), f.max_position, f.ablation_delta and round(f.ablation_delta, 4)]
+            for f in result.top
+        ],
+    ]
+
+
 def step_cancel_all(client, assets, ref):
     assert client.cancel_all(reason="test") == 0  # nothing running
     events = _long_generation(client, f"long-{secrets.token_hex(4)}")
@@ -323,6 +366,7 @@ STEPS: dict[str, Step] = {
     "hidden_states": step_hidden_states,
     "tokenize": step_tokenize,
     "feature_logits": step_feature_logits,
+    "attribution": step_attribution,
     "cancel_all": step_cancel_all,
     "build_grammar": step_build_grammar,
     "detach": step_detach,

@@ -54,6 +54,16 @@ DISTRIBUTION_* a generation's teacher-forced distributions (the full float32 log
           probabilities of magnitude ≤ ~10 (steered rows included); the llama.cpp bound
           adds its own float32 kernels (LOGPROB_* of test_llamacpp.py, ≤ 2e-6 measured
           against transformers).
+ATTRIBUTION_* an attribution's activation × gradient (float32, the engine's one backward
+          pass) vs ``f_i`` times the test's own central difference of the target logit in a
+          float64 copy of the checkpoint (test_attribution.py), Richardson-combined at steps
+          ATTRIBUTION_FD_STEP and half of it along W_dec[i]: the tiny models' RMSNorms cast
+          to float32 even in a float64 model, so a small step measures their rounding (at
+          1e-4 the difference was off by 5e-3) and a large one the curvature; at 0.25 the
+          two terms meet. Measured over every non-zero value of the five cases: ≤ 9e-6 on
+          values of magnitude ≤ ~1, so 5e-5 leaves > 5× headroom. The ablation check
+          (a float32 forward with the feature zeroed, minus the clean one) vs the test's
+          own float64 pair: ≤ 2.3e-6 measured, 2e-5 allowed.
 """
 
 HOOK_ATOL = 2e-5
@@ -80,3 +90,7 @@ PARITY_ACT_ATOL = 2e-5
 PARITY_ACT_RTOL = 1e-4
 DISTRIBUTION_ATOL = 1e-5
 LLAMACPP_DISTRIBUTION_ATOL = 1e-4
+ATTRIBUTION_ATOL = 5e-5
+ATTRIBUTION_RTOL = 1e-4
+ATTRIBUTION_FD_STEP = 0.25
+ATTRIBUTION_ABLATION_ATOL = 2e-5

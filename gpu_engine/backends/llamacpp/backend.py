@@ -338,6 +338,12 @@ class LlamaCppBackend:
             control_vectors=True,
             native_eval_filter=self.taps.native_filter,
             hook_points=list(self.hook_points),
+            # the attribution command: llama.cpp's graph runs forward only
+            gradients=False,
+            gradients_reason=(
+                "llama.cpp computes no gradients (its graph runs forward only); load the model on the "
+                "transformers backend for attribution"
+            ),
             # PREFIX_CACHE_MAX_MB: stored prompt KV reused by later prompts (prefix.py)
             prefix_caching=self.prefix.enabled,
             prefix_caching_reason=None if self.prefix.enabled else "PREFIX_CACHE_MAX_MB is 0",

@@ -49,8 +49,26 @@ def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+class _PackedProduct(torch.autograd.Function):
+    """oneDNN's prepacked product with a gradient for its input (none for the weight):
+    ``_linear_pointwise`` has no autograd kernel, and an attribution's backward
+    (``Engine.attribution``) runs through every linear after its hook point. The dense
+    weight is read back from the packed one (``to_dense``) for the backward only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(packed)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        (packed,) = ctx.saved_tensors
+        return grad @ packed.to_dense(), None, None
+
+
 class PackedLinear(torch.nn.Module):
-    """``nn.Linear`` whose weight lives in oneDNN's blocked layout (inference only)."""
+    """``nn.Linear`` whose weight lives in oneDNN's blocked layout (inference; an input
+    that requires a gradient takes ``_PackedProduct``)."""
 
     def __init__(
         self,
@@ -71,6 +89,8 @@ class PackedLinear(torch.nn.Module):
         self.register_buffer("bias", bias, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.requires_grad and torch.is_grad_enabled():
+            return _PackedProduct.apply(x, self.packed_weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

@@ -23,6 +23,8 @@ from ...api.model_dir import ModelInfo, inspect_model_dir
 from ...api.memory import trim_host_heap
 from ...api.protocol import (
     AttachmentKey,
+    AttributionJob,
+    AttributionResult,
     EmbedJob,
     EmbedResult,
     GenerationJob,
@@ -55,6 +57,7 @@ from .speculative import Drafter, spec_config
 from .batched import BatchedRunner
 from .generation import run_generation
 from .hidden import run_hidden_states
+from .attribution import run_attribution
 from ...decode.sequence import Sequence as DecodeState
 
 TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -125,6 +128,16 @@ class TransformersRunner:
                 quantized = quantize_blocks(blocks, self.blocks_path, method)
         self.packed_linears = 0
         self._quantized = quantized
+        # why the attribution command's backward cannot run (None: it can): it passes every
+        # linear after the hook point, and the int8/int4 kernels and a pre-quantized
+        # checkpoint's layers carry no gradient
+        self.gradients_reason = (
+            f"a {quantized.method} load multiplies in integer kernels that carry no gradient"
+            if quantized
+            else f"the checkpoint is pre-quantized ({method_name(prequantized)}): its layers carry no gradient"
+            if prequantized is not None
+            else None
+        )
         # MILLM_ENGINE_PACK_WEIGHTS: True, False or absent (auto: cpu_kernels.one_row_probe
         # decides for one-row decoding; a batching engine packs in batch_runner). Compiled on
         # the CPU, inductor's freezing packs the weights itself (it cannot take ours).
@@ -245,6 +258,9 @@ class TransformersRunner:
         return Capabilities(
             hook_points=list(HOOK_POINTS),
             hidden_states=True,
+            # the attribution command: a logit's gradient through the model (attribution.py)
+            gradients=self.gradients_reason is None,
+            gradients_reason=self.gradients_reason,
             # SteeringEntry.splice: the hooks replace the rows (interp.controls), serial and batched
             splice=True,
             # GenerationJob.distributions_from: the prefill's own logits rows (Sequence)
@@ -551,6 +567,11 @@ class TransformersRunner:
 
     def hidden_states(self, job: HiddenStatesJob, inputs: Sequence[list[int]]) -> HiddenStatesResult:
         return run_hidden_states(self, job, inputs)
+
+    def attribution(
+        self, job: AttributionJob, prompt_ids: list[int], attachment: Any, target_token_id: int | None
+    ) -> AttributionResult:
+        return run_attribution(self, job, prompt_ids, attachment, target_token_id)
 
     def release_cached_memory(self) -> None:
         """Hand memory freed by finished requests back (the engine's idle release): PyTorch's

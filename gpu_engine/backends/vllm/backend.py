@@ -258,6 +258,12 @@ class VllmBackend:
             ),
             # the points this model gives exactly (wire.hook_site refuses the others)
             hook_points=supported_points(getattr(self, "hook_sites", None)),
+            # the attribution command: vLLM's workers run inference only
+            gradients=False,
+            gradients_reason=(
+                "vLLM computes no gradients (its workers run the model in inference mode); load the "
+                "model on the transformers backend for attribution"
+            ),
         )
 
     # ------------------------------------------------------------------ tokens
