@@ -5,7 +5,7 @@ fixed routes here; ``saes/<SAE_ID>/fidelity`` too."""
 
 from django.urls import re_path
 
-from experiments import apis, fidelity_apis
+from experiments import apis, attribution_apis, fidelity_apis
 from registry.urls import SAE_ID
 
 RUN_ID = r"(?P<run_id>exp_[A-Za-z0-9]{1,36})"
@@ -15,6 +15,7 @@ urlpatterns = [
     re_path(r"^experiments/sweep$", apis.SweepStartApi.as_view(), name="experiments-sweep"),
     re_path(r"^experiments/calibrate$", apis.CalibrateStartApi.as_view(), name="experiments-calibrate"),
     re_path(r"^experiments/fidelity$", fidelity_apis.FidelityStartApi.as_view(), name="experiments-fidelity"),
+    re_path(r"^experiments/attribution$", attribution_apis.AttributionApi.as_view(), name="experiments-attribution"),
     re_path(rf"^saes/{SAE_ID}/fidelity$", fidelity_apis.SaeFidelityApi.as_view(), name="sae-fidelity"),
     re_path(rf"^experiments/{RUN_ID}$", apis.ExperimentDetailApi.as_view(), name="experiment-detail"),
     re_path(rf"^experiments/{RUN_ID}/points$", apis.ExperimentPointsApi.as_view(), name="experiment-points"),
