@@ -247,3 +247,131 @@ def test_corpus_fidelity_equals_the_float64_reference(llama, refs, tiny_assets, 
     assert status == 200 and body["data"]["run_id"] == run["id"] and body["data"]["layer"] == layer
     assert body["data"]["fidelity"] == got
     assert body["data"]["corpus"] == {"corpus": "sample", "token_budget": budget, "context_tokens": size}
+
+
+def _fidelity_run(sae, **extra):
+    from core.auth import ANONYMOUS
+    from core.runtime import runtime
+    from experiments.fidelity import fidelity_check
+    from experiments.services import experiment_start
+
+    data = {"sae_id": sae.id, "corpus": "sample", "token_budget": 300, "context_tokens": 8, **extra}
+    plan = fidelity_check(data=data, status=runtime().engine.status(), principal=ANONYMOUS)
+    return plan, experiment_start(
+        kind="fidelity", spec=plan.spec, principal=ANONYMOUS, total=plan.total, sae_id=plan.sae_id, layer=plan.layer
+    )
+
+
+def _until(check, what: str, timeout_s: float = 240):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _ended(run_id: str):
+    from experiments.models import ExperimentRun
+
+    return _until(
+        lambda: (
+            (r := ExperimentRun.objects.get(id=run_id)).status in ("completed", "failed", "cancelled")
+            and r.runner is None
+            and r
+        ),
+        f"run {run_id} to end",
+    )
+
+
+def test_a_crashed_corpus_run_resumes_with_only_the_groups_missing(llama, settings):  # noqa: F811
+    """38 contexts in groups of 16: a runner stopped after two groups were stored is
+    resumed by the next, which measures only the third (its 6 contexts × 3 passes), and
+    the figures equal an uninterrupted run's exactly."""
+    import threading
+
+    from core.runtime import runtime
+    from experiments import runner
+    from experiments.models import ExperimentPoint, ExperimentRun
+    from experiments.services import experiments_resume
+    from tests.fixtures.served import GatedEngine
+
+    sae = attach(L1, 1)
+    _, first = _fidelity_run(sae)
+    reference = _ended(first.id)
+    assert reference.status == "completed" and reference.total == 3, (reference.error, reference.total)
+    assert ExperimentPoint.objects.filter(run_id=reference.id).count() == 3
+
+    run = ExperimentRun.objects.create(kind="fidelity", spec=dict(reference.spec), sae_id=sae.id, layer=1)
+    inner = runtime().engine
+    gate = GatedEngine(inner, hold=97)  # two groups of 16 contexts × 3 passes at once: the third's first
+    stop, outcome = threading.Event(), []
+    with runtime().replaced(engine=gate):
+        thread = threading.Thread(target=lambda: outcome.append(runner.experiment_run(run_id=run.id, stop=stop)))
+        thread.start()
+        try:
+            assert gate.reached.wait(240), "the third group never reached the engine"
+            _until(lambda: ExperimentPoint.objects.filter(run_id=run.id).count() == 2, "two groups stored")
+            stop.set()
+        finally:
+            gate.release.set()
+            thread.join(120)
+    assert outcome == ["stopped"]
+    assert ExperimentRun.objects.get(id=run.id).status == "running"
+
+    counter = GatedEngine(inner, hold=0)
+    with runtime().replaced(engine=counter):
+        assert experiments_resume(force=True) == 1
+        done = _ended(run.id)
+    assert done.status == "completed" and not done.partial and done.resumes == 1, done.error
+    assert counter.calls == 6 * 3
+    assert done.result == reference.result
+
+
+def test_a_backend_without_splice_reports_why_and_sends_no_splice(llama, monkeypatch, refs, tiny_assets):  # noqa: F811
+    """Where the loaded backend reports no ``splice``: /v1 and the corpus run keep every
+    other figure, leave the spliced and zero-ablated losses and loss recovered null with
+    the backend's reason, and never send the engine a spliced pass."""
+    import msgspec
+
+    from core.runtime import runtime
+
+    reason = "this backend swaps control vectors: it cannot replace rows"
+    engine = runtime().engine
+    real_status, real_generate = engine.status, engine.agenerate
+
+    def status():
+        got = real_status()
+        caps = msgspec.structs.replace(got.capabilities, splice=False, splice_reason=reason)
+        return msgspec.structs.replace(
+            got, batching={**(got.batching or {}), "capabilities": msgspec.to_builtins(caps)}
+        )
+
+    spliced: list[str] = []
+
+    def agenerate(job):
+        spliced.extend(e.splice for e in (job.steering.entries if job.steering else []) if e.splice)
+        return real_generate(job)
+
+    monkeypatch.setattr(engine, "status", status)
+    monkeypatch.setattr(engine, "agenerate", agenerate)
+    sae = attach(L1, 1)
+    entry = _complete(llama, monitoring={"fidelity": True}).json()["millm"]["sae_fidelity"][0]
+    ids, _ = _read(llama, prompt=PROMPT)
+    x = refs[L1].residual(ids)[: len(ids) - 1]
+    assert entry["l0"] == pytest.approx(refs[L1].figures(x)["l0"], rel=1e-4)
+    assert entry["loss_recovered"] is None and entry["loss_recovered_unavailable"] == reason
+    assert (entry["loss_spliced"], entry["loss_zero"]) == (None, None)
+
+    _, run = _fidelity_run(sae, context_tokens=32)
+    done = _ended(run.id)
+    assert done.status == "completed", done.error
+    got = done.result
+    assert got["loss_recovered"] is None and got["loss_recovered_unavailable"] == reason
+    assert (got["loss_spliced"], got["loss_zero"]) == (None, None)
+    from features.corpus import sample_texts
+
+    contexts = _contexts(tiny_assets, sample_texts(), 32, 300)
+    assert got["loss_clean"] == pytest.approx(refs[L1].losses(contexts)["clean"], rel=1e-4)
+    assert spliced == []
