@@ -15,6 +15,19 @@ path). The original's served client offered ``capture()``, ``analyze()`` and
                             messages=[{"role": "user", "content": "hi"}])
     client.score_probes(["some text"], probes=["toxicity"])  # per input, each probe's verdict
 
+Steering experiments (docs/experiments.md) run on the server; the client starts them,
+waits for them and downloads their points::
+
+    run = client.sweep(prompts=["The weather today"], strengths=[0, 4, 8],
+                       variants=[{"sae_id": sae, "index": 3}], max_tokens=32)
+    run = client.wait_experiment(run["id"])            # completed / failed / cancelled
+    points = client.download_experiment(run["id"])     # jsonl rows; "csv", "parquet" too
+    cal = client.wait_experiment(client.calibrate(prompts=[...], variant={...}, target_kl=0.1)["id"])
+    cal["result"]["strength"]
+    fid = client.fidelity(sae_id=sae, token_budget=4096)          # corpus L0, MSE, EV, loss recovered
+    attr = client.attribution(sae, prompt="The capital of France is")  # synchronous
+    attr["features"][0]                # index, attribution, ablation_delta, label, dashboard
+
 Everything else a request can carry (``steering``, ``profile``, ``return_sae_activations``,
 sampling fields) passes through as keyword arguments. Captures come back inline (base64
 in the response) or stored on the server (``/api/captures/<id>/download``); ``capture()``
@@ -25,10 +38,14 @@ from __future__ import annotations
 
 import base64
 import json
+import os
+import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 from openai import OpenAI
 
@@ -147,6 +164,94 @@ class MillmClient:
         data = self._envelope(self._request("/api/probes/score", json.dumps(body).encode()))
         return [item["probes"] for item in data["data"]]
 
+    # ------------------------------------------------------------------ experiments
+
+    def sweep(self, spec: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+        """Start a sweep (``POST /api/experiments/sweep``: prompts × steering variants ×
+        strengths, each prompt's unsteered DEFAULT beside them; docs/experiments.md): the
+        run as queued (``id``, ``status``, ``total``, …). ``spec`` and ``fields`` make the
+        body together."""
+        return self._start("sweep", spec, fields)
+
+    def calibrate(self, spec: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+        """Start a calibration (``POST /api/experiments/calibrate``: the strength whose mean
+        KL meets ``target_kl``): the run as queued."""
+        return self._start("calibrate", spec, fields)
+
+    def fidelity(self, spec: dict[str, Any] | None = None, **fields: Any) -> dict[str, Any]:
+        """Start a corpus fidelity run of an SAE (``POST /api/experiments/fidelity``: L0,
+        MSE, explained variance, loss recovered): the run as queued."""
+        return self._start("fidelity", spec, fields)
+
+    def attribution(
+        self,
+        sae_id: str,
+        *,
+        prompt: str | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        target_token: int | str | None = None,
+        top_n: int = 10,
+        ablate_top: int = 5,
+        layer: int | None = None,
+        **fields: Any,
+    ) -> dict[str, Any]:
+        """Attribute the next token's logit after ``prompt`` (or ``messages``) to the SAE's
+        features (``POST /api/experiments/attribution``, transformers only): ``tokens``,
+        ``target``, per-position ``heat`` and the top ``features`` with their ablation
+        check, labels and dashboard paths. ``target_token``: an id or the text of one
+        token; None: the greedy next token."""
+        if (messages is None) == (prompt is None):
+            raise ValueError("give messages or prompt")
+        body: dict[str, Any] = {"sae_id": sae_id, "top_n": top_n, "ablate_top": ablate_top, **fields}
+        body["messages" if messages is not None else "prompt"] = messages if messages is not None else prompt
+        if target_token is not None:
+            body["target_token"] = target_token
+        if layer is not None:
+            body["layer"] = layer
+        return self._envelope(self._request("/api/experiments/attribution", json.dumps(body).encode()))
+
+    def experiment(self, run_id: str) -> dict[str, Any]:
+        """A run (``GET /api/experiments/<id>``): status, progress, result."""
+        return self._envelope(self._get(f"/api/experiments/{quote(run_id, safe='')}"))
+
+    def cancel_experiment(self, run_id: str) -> dict[str, Any]:
+        """Cancel a queued or running run; the points already done stay (``partial``)."""
+        return self._envelope(self._request(f"/api/experiments/{quote(run_id, safe='')}/cancel", b"{}"))
+
+    def wait_experiment(self, run_id: str, *, timeout_s: float = 600.0, poll_s: float = 0.5) -> dict[str, Any]:
+        """Poll the run until it ends (completed, failed or cancelled) and return it;
+        TimeoutError after ``timeout_s``. A failed run is returned, not raised: its
+        ``error`` says why and its points are still readable."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            run = self.experiment(run_id)
+            if run["status"] in EXPERIMENT_TERMINAL:
+                return run
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"experiment {run_id} still {run['status']} after {timeout_s:g} s")
+            time.sleep(poll_s)
+
+    def download_experiment(
+        self, run_id: str, format: str = "jsonl", path: str | os.PathLike[str] | None = None
+    ) -> Any:
+        """A run's points (``GET /api/experiments/<id>/download?format=``): ``jsonl`` as a
+        list of dicts, ``csv`` as text, ``parquet`` as bytes; with ``path`` the file is
+        written there as downloaded and its path returned."""
+        if format not in ("jsonl", "csv", "parquet"):
+            raise ValueError("format is jsonl, csv or parquet")
+        data = self._get(f"/api/experiments/{quote(run_id, safe='')}/download?format={format}")
+        if path is not None:
+            Path(path).write_bytes(data)
+            return Path(path)
+        if format == "jsonl":
+            return [json.loads(line) for line in data.decode("utf-8").splitlines() if line.strip()]
+        return data.decode("utf-8") if format == "csv" else data
+
+    def _start(self, kind: str, spec: dict[str, Any] | None, fields: dict[str, Any]) -> dict[str, Any]:
+        body = {**(spec or {}), **fields}
+        data = self._envelope(self._request(f"/api/experiments/{kind}", json.dumps(body).encode()))
+        return data.get("run", data) if isinstance(data, dict) else data
+
     # ------------------------------------------------------------------ plumbing
 
     def _request(self, path: str, body: bytes | None = None) -> bytes:
@@ -192,6 +297,9 @@ class MillmError(Exception):
             error = {}
         return cls(error.get("code", f"HTTP_{exc.code}"), error.get("message", str(exc)), error)
 
+
+# the states a run ends in (``wait_experiment``)
+EXPERIMENT_TERMINAL = frozenset({"completed", "failed", "cancelled"})
 
 # fields the openai methods take as arguments (the rest travel in extra_body)
 _OPENAI_FIELDS = {
