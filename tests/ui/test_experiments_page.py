@@ -15,13 +15,14 @@ from __future__ import annotations
 import csv
 import io
 import json
+import urllib.error
 import urllib.parse
 import urllib.request
 
 import numpy as np
 import pytest
 
-from tests.ui.conftest import screenshot
+from tests.ui.conftest import VIEWPORT, Console, screenshot, start_server, stop_server
 from tests.ui.test_features_pages import held_server  # noqa: F401  (a fixture: a server whose engine holds)
 
 ROW = "#runs tr[data-run-id='{id}']"
@@ -385,6 +386,7 @@ def test_presets_and_refusals_are_said_and_start_nothing(server, page):
 
 
 def test_the_page_renders_with_labelled_controls(server, page):
+    from tests.ui.test_narrow_screens import NARROW, OUTSIDE
     from tests.ui.test_pages import UNLABELLED
 
     page.goto(f"{server.url}/experiments/")
@@ -393,6 +395,11 @@ def test_the_page_renders_with_labelled_controls(server, page):
     assert page.inner_text("h1") == "Experiments"
     assert page.locator("nav a[aria-current=page]").inner_text() == "Experiments"
     assert page.evaluate(UNLABELLED) == []
+    # on a phone-sized screen: one column, nothing wider than the screen outside a panel that scrolls
+    page.set_viewport_size(NARROW)
+    page.wait_for_function(f"document.documentElement.clientWidth === {NARROW['width']}")
+    assert page.evaluate(OUTSIDE) == []
+    assert page.evaluate("document.documentElement.scrollWidth") == NARROW["width"]
     page.console.assert_clean()
 
 
@@ -450,3 +457,104 @@ def test_cancel_asks_first_and_keeps_the_points_done(held_server, page):
     shown = page.locator("#kl-plot circle.dot").evaluate_all("ds => ds.map(d => Number(d.dataset.x))")
     assert sorted(set(shown)) == sorted({p["strength"] for p in points if not p["is_default"]})
     page.console.assert_clean()
+
+
+# --- with API keys ---------------------------------------------------------------------------
+
+ADMIN, ALICE, BOB = "ui-exp-admin-0123456789", "ui-exp-alice-0123456789", "ui-exp-bob-0123456789"
+
+
+def call_as(server, key: str | None, method: str, path: str, body: dict | None = None) -> tuple[int, dict | bytes]:
+    request = urllib.request.Request(
+        server.url + path, data=None if body is None else json.dumps(body).encode(), method=method
+    )
+    request.add_header("Content-Type", "application/json")
+    if key:
+        request.add_header("Authorization", f"Bearer {key}")
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            raw = response.read()
+            return response.status, json.loads(
+                raw
+            ) if response.headers.get_content_type() == "application/json" else raw
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def keyed_server(tiny_assets, slow_hub, tmp_path_factory):
+    """A server with an admin key and two inference keys, tiny-llama loaded and its layer-1
+    SAE attached (with the admin key)."""
+    srv = start_server(
+        tmp_path_factory.mktemp("ui-exp-keys"),
+        slow_hub.url,
+        {"MILLM_ADMIN_API_KEYS": ADMIN, "MILLM_API_KEYS": f"{ALICE},{BOB}"},
+    )
+    try:
+        models = {m["name"]: m for m in srv.api("GET", "/api/models")["models"]}
+        saes = {s["name"]: s for s in srv.api("GET", "/api/saes")["saes"]}
+        model = models["tiny-llama"]["id"]
+        srv.api("POST", f"/api/models/{model}/load")
+        srv.wait_for("tiny-llama to load", lambda: srv.api("GET", f"/api/models/{model}")["status"] == "loaded")
+        srv.sae_id = saes["tiny-llama-L1-relu"]["id"]
+        srv.api("POST", f"/api/saes/{srv.sae_id}/attach", {"layer": 1})
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def test_with_keys_the_owner_downloads_and_another_key_sees_nothing(keyed_server, browser):
+    server = keyed_server
+    body = {
+        "prompts": ["Keys and locks"],
+        "variants": [{"sae_id": server.sae_id, "layer": 1, "index": 2, "mode": "add"}],
+        "strengths": [0.0, 9.0],
+        "max_tokens": 3,
+    }
+    status, out = call_as(server, ALICE, "POST", "/api/experiments/sweep", body)
+    assert status == 202, out
+    run_id = out["data"]["run"]["id"]
+    server.wait_for(
+        "the sweep to complete",
+        lambda: call_as(server, ALICE, "GET", f"/api/experiments/{run_id}")[1]["data"]["status"] == "completed",
+        timeout=120,
+    )
+    points = call_as(server, ALICE, "GET", f"/api/experiments/{run_id}/points")[1]["data"]["points"]
+    href = f"/api/experiments/{run_id}/download?format=jsonl"
+    assert call_as(server, None, "GET", href)[0] == 401  # the link alone carries no key
+
+    def tab(key: str):
+        context = browser.new_context(viewport=VIEWPORT, accept_downloads=True)
+        context.set_default_timeout(15_000)
+        context.add_init_script(f"sessionStorage.setItem('millm.apiKey', {json.dumps(key)})")
+        page = context.new_page()
+        page.console = Console(page)
+        return context, page
+
+    context, page = tab(ALICE)
+    try:
+        page.goto(f"{server.url}/experiments/?run={run_id}")
+        page.wait_for_selector(f"#result-run:text-is('{run_id}')")
+        assert page.locator(ROW.format(id=run_id)).count() == 1
+        with page.expect_download() as caught:
+            page.click("#downloads a[data-format=jsonl]")
+        download = caught.value
+        assert download.suggested_filename == f"{run_id}.jsonl"
+        lines = [json.loads(line) for line in open(download.path(), encoding="utf-8")]
+        assert [x["text"] for x in lines] == [p["text"] for p in points] and len(lines) == 3
+        page.console.assert_clean()
+    finally:
+        context.close()
+
+    # another inference key: the run is not in its list, and opening it is the server's 404
+    context, page = tab(BOB)
+    try:
+        page.goto(f"{server.url}/experiments/?run={run_id}")
+        page.wait_for_selector("#runs td.empty")
+        error = page.locator(".notice.error")
+        error.wait_for()
+        assert "404" in error.inner_text() or "NOT_FOUND" in error.inner_text()
+        assert page.inner_text("#result-run") == ""
+        assert [e for e in page.console.errors if "status of 404" not in e] == []
+    finally:
+        context.close()

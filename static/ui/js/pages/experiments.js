@@ -11,7 +11,8 @@
 // /api/experiments/attribution) is a signed heat strip over the prompt's tokens with the top
 // features listed, each with its ablation check and a link to its feature page.
 // The URL may preset a feature (the playground's "open in experiments"):
-// ?sae_id=…&layer=…&feature=…&strength=…
+// ?sae_id=…&layer=…&feature=…&strength=…; ?run=<id> opens that run (the page keeps the
+// opened run's id there).
 
 import { apiKey, get, getJSON, post } from "../api.js";
 import { $, badge, boot, busy, describeError, el, fillRows, fmtDateTime, fmtNumber, notice, numberFrom, showError } from "../dom.js";
@@ -261,6 +262,9 @@ async function openRun(id) {
     }
   }
   opened = { run, points };
+  // the URL names the opened run, so a reload (or a shared link) opens it again
+  const q = new URLSearchParams(location.search);
+  if (q.get("run") !== id) history.replaceState(null, "", `?${new URLSearchParams({ run: id })}`);
   renderResult();
 }
 
