@@ -54,6 +54,12 @@ memory bandwidth itself, and turns everything into ratios:
                   run of the demo SAE over the offline sample corpus, corpus tokens/s ÷
                   a plain batched forward of the same contexts (max_tokens=1, no monitor,
                   DASHBOARD_ENGINE_ROWS at once)
+  sweeps          sweeps.py (suite_sweeps.py), one process per backend (transformers,
+                  vLLM and llama.cpp where installed): a sweep of P prompts × S
+                  strengths of one demo SAE feature through POST /api/experiments/sweep
+                  ÷ the same P×S generations as concurrent /v1 requests to the same
+                  batching server (issue 35: ≥ 0.8), and ÷ the same points sent one at a
+                  time (≥ 5), points per second
 
 A group whose backend is missing prints "not installed", one that failed prints "failed"
 with its log; nothing is left out of the table silently.  Written to ``--out`` (default
@@ -116,6 +122,7 @@ PLACEHOLDER = {
     "compile": "compiled against eager, static against dynamic KV cache",
     "chat_turns": "10-turn chat, prefix cache on against off",
     "dashboards": "feature dashboards against a plain batched forward",
+    "sweeps": "a steering sweep against the same points as /v1 requests",
 }
 
 

@@ -12,6 +12,7 @@ from benchmarks.bandwidth import limit_tok_s, weight_bytes
 from benchmarks.harness import Ctx, Row, target
 from benchmarks.suite_chat_turns import group_chat_turns
 from benchmarks.suite_dashboards import group_dashboards
+from benchmarks.suite_sweeps import group_sweeps
 
 GROUPS = (
     "decode",
@@ -28,6 +29,7 @@ GROUPS = (
     "compile",
     "chat_turns",
     "dashboards",
+    "sweeps",
 )
 BATCHES = (1, 4, 8, 16)
 
@@ -483,6 +485,7 @@ RUNNERS = {
     "compile": group_compile,
     "chat_turns": lambda ctx: group_chat_turns(ctx, llamacpp_missing()),
     "dashboards": lambda ctx: group_dashboards(ctx, {"vllm": vllm_missing(), "llamacpp": llamacpp_missing()}),
+    "sweeps": lambda ctx: group_sweeps(ctx, {"vllm": vllm_missing(), "llamacpp": llamacpp_missing()}),
 }
 
 
