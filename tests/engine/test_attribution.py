@@ -391,6 +391,22 @@ def test_a_backend_without_gradients_is_refused_naming_it(tiny_assets, monkeypat
     assert err.value.details["capability"] == "gradients" and err.value.details["backend"] == "nograd"
 
 
+def test_a_quantized_load_reports_no_gradients_and_is_refused(tiny_assets):
+    """Q8's int8 kernels carry no gradient: the load says so and the command is refused
+    by the backend's name, with that reason."""
+    model, sae_asset = tiny_assets.models["tiny-llama"], tiny_assets.saes["tiny-llama-L1-relu"]
+    with Engine() as eng:
+        eng.load_model(
+            LoadModelJob("m", str(model.path), dtype="float32", device="cpu", options={"quantization": "Q8"})
+        )
+        eng.attach(AttachSpec(sae_asset.name, str(sae_asset.path), sae_asset.layer))
+        caps = eng.status().capabilities
+        with pytest.raises(InvalidParameter) as err:
+            eng.attribution(_job(sae_asset))
+    assert caps.gradients is False and "Q8" in caps.gradients_reason
+    assert err.value.param == "backend" and "transformers" in err.value.message and "Q8" in err.value.message
+
+
 @pytest.mark.parametrize("backend", ["vllm", "llamacpp"])
 def test_vllm_and_llamacpp_refuse_attribution_by_name(tiny_assets, backend):
     require_backend(backend)
