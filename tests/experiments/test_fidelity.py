@@ -7,12 +7,15 @@ for loss recovered."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import time
 
 import numpy as np
 import pytest
 
 from tests.experiments.fidelity_reference import FidelityReference
+from tests.fixtures.served import GatedEngine
 from tests.v1.conftest import _v1_db, attach, llama, openai_client, v1_server  # noqa: F401 - fixtures
 from tests.v1.helpers import assert_openai_error, request
 
@@ -285,17 +288,32 @@ def _ended(run_id: str):
     )
 
 
+class _HeldUntilCancelled(GatedEngine):
+    """``GatedEngine`` whose held job says when it was cancelled (``cancelled``)."""
+
+    def __init__(self, inner, hold: int) -> None:
+        super().__init__(inner, hold)
+        self.cancelled = threading.Event()
+
+    async def _held(self, job):
+        self.reached.set()
+        try:
+            await asyncio.to_thread(self.release.wait)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        async for event in self.inner.agenerate(job):
+            yield event
+
+
 def test_a_crashed_corpus_run_resumes_with_only_the_groups_missing(llama, settings):  # noqa: F811
     """38 contexts in groups of 16: a runner stopped after two groups were stored is
     resumed by the next, which measures only the third (its 6 contexts × 3 passes), and
     the figures equal an uninterrupted run's exactly."""
-    import threading
-
     from core.runtime import runtime
     from experiments import runner
     from experiments.models import ExperimentPoint, ExperimentRun
     from experiments.services import experiments_resume
-    from tests.fixtures.served import GatedEngine
 
     sae = attach(L1, 1)
     _, first = _fidelity_run(sae)
@@ -305,7 +323,7 @@ def test_a_crashed_corpus_run_resumes_with_only_the_groups_missing(llama, settin
 
     run = ExperimentRun.objects.create(kind="fidelity", spec=dict(reference.spec), sae_id=sae.id, layer=1)
     inner = runtime().engine
-    gate = GatedEngine(inner, hold=97)  # two groups of 16 contexts × 3 passes at once: the third's first
+    gate = _HeldUntilCancelled(inner, hold=97)  # two groups of 16 contexts × 3 passes at once: the third's first
     stop, outcome = threading.Event(), []
     with runtime().replaced(engine=gate):
         thread = threading.Thread(target=lambda: outcome.append(runner.experiment_run(run_id=run.id, stop=stop)))
@@ -314,6 +332,8 @@ def test_a_crashed_corpus_run_resumes_with_only_the_groups_missing(llama, settin
             assert gate.reached.wait(240), "the third group never reached the engine"
             _until(lambda: ExperimentPoint.objects.filter(run_id=run.id).count() == 2, "two groups stored")
             stop.set()
+            # the crash cancels the held pass: the third group is never complete
+            assert gate.cancelled.wait(60), "the stopped runner did not cancel its jobs"
         finally:
             gate.release.set()
             thread.join(120)
