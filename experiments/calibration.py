@@ -143,7 +143,7 @@ def _check_profile(name: str, sae_id: str, layer: int) -> None:
 async def run_calibration(ctx: RunContext) -> dict[str, Any]:
     """The calibration of ``ctx.spec`` (see the module); its result."""
     spec = ctx.spec
-    plan = calibration_check(data=spec, status=ctx.status, principal=Principal("server", "server", True))
+    plan = await ctx.db(calibration_check, data=spec, status=ctx.status, principal=Principal("server", "server", True))
     prompts = plan.prompts
     n = len(prompts)
     await ctx.set_total(plan.total)
@@ -194,7 +194,7 @@ async def run_calibration(ctx: RunContext) -> dict[str, Any]:
         done = [stored.get(first + p) for p in range(n)]
         if all(d is not None and d["strength"] == strength for d in done):
             return grid.mean([d["kl_mean"] for d in done if d["kl_mean"] is not None])
-        variant = _variant(spec["variant"], [strength], ctx.status)
+        variant = await ctx.db(_variant, body=spec["variant"], strengths=[strength], status=ctx.status)
 
         async def one(p: int) -> dict[str, Any]:
             prompt_ids, continuation, ref = references[p]

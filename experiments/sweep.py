@@ -145,7 +145,7 @@ def live_prompts(status: EngineStatus, max_tokens: int, rows: int, per_prompt: i
 
 async def run_sweep(ctx: RunContext) -> dict[str, Any]:
     """The sweep of ``ctx.spec`` (see the module); its result once every point is stored."""
-    plan = sweep_check(data=ctx.spec, status=ctx.status)
+    plan = await ctx.db(sweep_check, data=ctx.spec, status=ctx.status)
     await ctx.set_total(plan.total)
     await ctx.set_result(
         backend=ctx.backend,
