@@ -37,11 +37,11 @@ In a batch the runner concatenates the tables of every request steering at the a
 small matmuls and masks by slot, so one forward serves every request's own controls.
 
 A splice (``SteeringEntry.splice``, alone in its entry) is a table of no operation that
-names its request's slot: every row of that slot (at a position ≥ 0) gets the delta
-``target − x`` that replaces it by ``target`` — the SAE's reconstruction
-``decode(encode(x))`` (``reconstruction``) or zeros (``zero``), with ``x`` the row read
-and the delta written where the steering goes (a transcoder: its output replaced by the
-reconstruction of its input).
+names its request's slot: every row of that slot (at a position ≥ 0) is replaced by its
+target (``splice_rows``) — the SAE's reconstruction ``decode(encode(x))``
+(``reconstruction``) or zeros (``zero``), with ``x`` the row read and the target written
+where the steering goes (a transcoder: its output replaced by the reconstruction of its
+input).
 """
 
 from __future__ import annotations
@@ -239,26 +239,15 @@ class ControlTable:
             splice_modes=sum((t.splice_modes for t in tables), ()),
         )
 
-    def apply(
-        self,
-        x: torch.Tensor,
-        positions: torch.Tensor,
-        row_slots: torch.Tensor | None = None,
-        *,
-        written: torch.Tensor | None = None,
+    def splice_rows(
+        self, x: torch.Tensor, positions: torch.Tensor, row_slots: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(delta (n, d) in the SAE dtype, gate (n, J) bool)`` for rows ``x`` (n, d) at
-        ``positions`` (n,); ``row_slots`` (n,) in a batch, None for one request.
-        ``written``: the rows the delta is added to when they are not ``x`` (a transcoder
-        reads its module's input and writes its output); ``ablate`` and a vector's clamp
-        project those.  A splice replaces its slot's rows (positions ≥ 0) by their
-        target: the delta there is ``target − written`` (``x`` where nothing else is
-        written)."""
-        delta, gate = self._controls(x, positions, row_slots, written)
-        if not self.splice_modes:
-            return delta, gate
+        """``(active (n,) bool, target (n, d) in the SAE dtype)``: the rows a splice
+        replaces (its slot's, at positions ≥ 0) and what replaces them — the reconstruction
+        of ``x`` (the rows read) or zeros.  The caller writes ``target`` in place of the
+        steered rows there (never adds a delta: zeros stay exactly zero, also where the
+        stream is a block's ``hidden + residual``)."""
         xs = x.to(self.sae.dtype)
-        out = xs if written is None else written.to(self.sae.dtype)
         if row_slots is None:  # one request: every row is the splice's
             active = positions >= 0
             zero_rows = None if self.splice_modes[0] == "reconstruction" else active
@@ -271,18 +260,22 @@ class ControlTable:
             if zero_rows is not None:
                 target = torch.where(zero_rows[:, None], torch.zeros_like(target), target)
         else:
-            target = torch.zeros_like(out)
-        replace = torch.where(active[:, None], target - out, torch.zeros_like(out))
-        return delta + replace.to(delta.dtype), gate
+            target = torch.zeros_like(xs)
+        return active, target
 
-    def _controls(
+    def apply(
         self,
         x: torch.Tensor,
         positions: torch.Tensor,
-        row_slots: torch.Tensor | None,
-        written: torch.Tensor | None,
+        row_slots: torch.Tensor | None = None,
+        *,
+        written: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``apply`` of the J operations."""
+        """``(delta (n, d) in the SAE dtype, gate (n, J) bool)`` for rows ``x`` (n, d) at
+        ``positions`` (n,); ``row_slots`` (n,) in a batch, None for one request.
+        ``written``: the rows the delta is added to when they are not ``x`` (a transcoder
+        reads its module's input and writes its output); ``ablate`` and a vector's clamp
+        project those."""
         xs = x.to(self.sae.dtype)
         gate = (positions[:, None] >= self.lo) & (positions[:, None] < self.hi)
         if row_slots is not None:

@@ -293,6 +293,10 @@ class AttachmentHook:
                 if plan.conditional:
                     plan.record_gates(start, gate)
                 new = new + delta.to(hidden.dtype).view_as(hidden)
+                if plan.controls.splice_modes:
+                    active, target = plan.controls.splice_rows(read.reshape(-1, read.shape[-1]), positions)
+                    flat_new = torch.where(active[:, None], target.to(hidden.dtype), new.reshape(flat.shape))
+                    new = flat_new.view_as(hidden)
             if plan.steers:
                 plan.applied()
                 self.stats.steering_apply_count += 1
@@ -350,7 +354,8 @@ def route(
     Pre-steering monitors read the stream; each row gets its own request's delta (one
     gather) and feature controls (one masked pass over every request's controls, which
     read the stream before this attachment's steering); the gates of conditional controls
-    are kept; post-steering monitors read the steered stream.  Returns the steered rows,
+    are kept; a splicing request's rows are replaced (``ControlTable.splice_rows``);
+    post-steering monitors read the steered stream.  Returns the steered rows,
     or None where nothing at ``key`` steers in this forward (the rows are unchanged).  The
     transformers hooks, vLLM's workers and llama.cpp's eval callback all steer here."""
     table = ctx.delta_tables.get(key)
@@ -376,6 +381,13 @@ def route(
             plan = seg.request.plans.get(key)
             if plan is not None and plan.conditional:
                 plan.record_gates(seg.start_position, gate[seg.row_start : seg.row_end, plan.cols[0] : plan.cols[1]])
+        if controls.splice_modes:
+            # the splicing requests' rows replaced: the stream there becomes the target
+            # exactly (a pair's ``hidden`` becomes ``target - residual``)
+            active, target = controls.splice_rows(src, ctx.row_positions, ctx.row_slots)  # type: ignore[arg-type]
+            if rest is not None:
+                target = target - rest.to(target.dtype)
+            new = torch.where(active[:, None], target.to(new.dtype), new)
     if table is not None or controls is not None:
         ctx.applied.add(key)
         stats.steering_apply_count += 1

@@ -54,8 +54,9 @@ PROMPT = "The ocean waves crashed against the old pier while the fishermen mende
 CLAMP = 8.0  # feature 0 ("ocean") clamped to this value in the neighbouring request
 # the engine's prompt logprobs vs the test's own forward (float32 through 30 layers of a
 # 576-wide residual, the splice's reconstruction in float32 against the test's float64,
-# rounded once into the stream); see the printed figures
-LOGPROB_ATOL = 2e-3
+# rounded once into the stream): measured ≤ 6.8e-5 (transformers serial and batched,
+# vLLM; a zero splice ≤ 4.3e-7), so 5e-4 leaves ≥ 7× headroom
+LOGPROB_ATOL = 5e-4
 BACKENDS = ["transformers-serial", "transformers", "vllm", "llamacpp"]
 
 
