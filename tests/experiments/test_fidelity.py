@@ -395,3 +395,29 @@ def test_a_backend_without_splice_reports_why_and_sends_no_splice(llama, monkeyp
     contexts = _contexts(tiny_assets, sample_texts(), 32, 300)
     assert got["loss_clean"] == pytest.approx(refs[L1].losses(contexts)["clean"], rel=1e-4)
     assert spliced == []
+
+
+def test_a_raw_steering_vector_has_nothing_to_reconstruct_with(llama, tiny_assets, tmp_path):  # noqa: F811
+    """A raw steering vector attached beside an SAE: named, it is refused (no encoder);
+    unnamed, only the SAE is measured."""
+    from safetensors.numpy import save_file
+
+    from gpu_engine.api.protocol import AttachSpec
+
+    sae = attach(L1, 1)
+    path = tmp_path / "direction.safetensors"
+    d = tiny_assets.models["tiny-llama"].hidden_size
+    save_file({"layer.2": np.random.default_rng(3).normal(size=d).astype(np.float32)}, str(path))
+    llama.engine.attach(AttachSpec("vec", str(path), 2, layout="vector"))
+    try:
+        error = assert_openai_error(
+            _complete(llama, monitoring={"fidelity": True, "sae_id": "vec"}),
+            400,
+            "invalid_parameter",
+            "monitoring.sae_id",
+        )
+        assert "encoder" in error["message"]
+        both = _complete(llama, monitoring={"fidelity": True})
+        assert [(e["sae_id"], e["layer"]) for e in both.json()["millm"]["sae_fidelity"]] == [(sae.id, 1)]
+    finally:
+        llama.engine.detach("vec", 2)
