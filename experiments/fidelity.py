@@ -292,7 +292,7 @@ def fidelity_figures(
     totals = FidelityTotals(d_in, l0_counts={})
     fired = np.zeros(d_sae, dtype=np.int64)
     tokens = loss_tokens = 0
-    nll = {"clean": 0.0, "spliced": 0.0, "zero": 0.0}
+    nll: dict[str, float | None] = {"clean": 0.0, "spliced": 0.0, "zero": 0.0}  # None: a group lacks it
     for g in groups:
         part = FidelityTotals(
             d_in,
@@ -309,7 +309,8 @@ def fidelity_figures(
         loss_tokens += int(g["loss_tokens"])
         for name in nll:
             value = g.get(f"nll_{name}")
-            nll[name] = nll[name] + float(value) if value is not None and nll[name] is not None else None
+            so_far = nll[name]
+            nll[name] = so_far + float(value) if value is not None and so_far is not None else None
     losses = {name: (v / loss_tokens if v is not None and loss_tokens else None) for name, v in nll.items()}
     if unavailable is not None:
         losses["spliced"] = losses["zero"] = None
