@@ -27,7 +27,7 @@ from typing import Any
 from django.db import transaction
 
 from core.auth import Principal
-from core.errors import Forbidden, ValidationFailed
+from core.errors import Forbidden, MillmError
 from experiments import grid
 from experiments.context import RunContext
 from experiments.errors import ExperimentUnavailable
@@ -53,7 +53,7 @@ def _variant(body: Any, strengths: list[float], status: EngineStatus) -> grid.Va
     bound's (``bounds``)."""
     try:
         return grid.read_variant(0, body, strengths=strengths, status=status, where="variant")
-    except ValidationFailed as exc:
+    except MillmError as exc:
         if exc.details.get("param") == "strengths":
             exc.details["param"] = "bounds"
             exc.details["fields"] = {"bounds": list((exc.details.get("fields") or {}).values())[0]}
