@@ -57,9 +57,10 @@ LONG = (
     "and wrote the numbers in a ledger that her grandfather had bound in leather. "
 )
 # each backend's float32 forward and encode/decode against the test's float64 of its own
-# float32 forward: relative to the row's own squared norm (the error, the norm and the sum
-# are sums of d_in = 576 squares or values of rows whose first one reads ~10^3)
-REL = 1e-4
+# float32 forward, relative to the row's own squared norm (the error, the norm and the sum
+# are sums of d_in = 576 squares or values of rows whose first one reads ~10^3): sq_err
+# measured ≤ 8.0e-7 (transformers serial and batched, vLLM) and 1.1e-6 (llama.cpp)
+REL = 1e-5
 # a feature whose float64 pre-activation lies this close to its threshold may fall either
 # side in float32: the engine's l0 may differ from the reference's by at most their count
 EDGE = 1e-3

@@ -322,3 +322,63 @@ def test_the_engine_refuses_a_splice_its_backend_cannot_run(demo, monkeypatch):
         eng.shutdown()
         del eng
         gc.collect()
+
+
+@pytest.mark.parametrize("case", ["resid_pre_0", "resid_post", "attn_out", "mlp_transcoder"])
+@pytest.mark.parametrize("mode", ["reconstruction", "zero"])
+def test_a_splice_replaces_what_its_hook_point_writes(engine, tiny_assets, tmp_path, case, mode):
+    """On tiny-llama (transformers, serial), at each kind of hook point: the module's
+    output after the engine's hook is the test's own float64 reconstruction of what the
+    SAE reads there (its raw output; a transcoder's MLP input, its output replaced), or
+    zeros — at every forward, prompt and decode steps alike."""
+    from .test_hook_points import EXPECTED, _capture_input, greedy, sae_at
+
+    path, ref, layer = sae_at(tmp_path, tiny_assets, case)
+    _, _, _, module_path, reads_input = EXPECTED[case]
+    engine.attach(AttachSpec("hp", str(path), layer))
+    module = engine.backend.model.get_submodule(module_path)
+    from .helpers import capture
+
+    inputs, handle = _capture_input(module) if reads_input else ([], None)
+    steering = SteeringSpec([SteeringEntry("hp", layer, splice=mode)])
+    try:
+        with capture(module, before_engine=True) as raw, capture(module) as post:
+            res = engine.generate_sync(greedy("s", steering, max_tokens=4))
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert len(raw) == len(post) == res.forward_passes == 4
+    for i, (x, got) in enumerate(zip(raw, post)):
+        read = inputs[i] if reads_input else x
+        want = decode(ref, ref.encode(read)) if mode == "reconstruction" else np.zeros_like(x)
+        if mode == "zero":
+            assert (got == 0).all()
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+        assert np.abs(got - x).max() > 1e-3  # positive control: the rows changed
+    (count,) = res.steering_apply_count
+    assert count.count == 4 and count.modes == {"splice": 4}
+
+
+def test_a_raw_vector_cannot_reconstruct_and_a_transcoder_has_no_fidelity(engine, tiny_assets, tmp_path):
+    from safetensors.numpy import save_file
+
+    from gpu_engine.api.protocol import MonitorEntry, MonitorSpec
+
+    from .test_hook_points import greedy, sae_at
+
+    d = tiny_assets.models["tiny-llama"].hidden_size
+    vec = tmp_path / "v.safetensors"
+    save_file({"layer.1": np.ones(d, dtype=np.float32)}, str(vec), metadata={"model_name": "tiny-llama"})
+    engine.attach(AttachSpec("vec", str(vec), 1, layout="vector"))
+    with pytest.raises(InvalidParameter) as refused:
+        engine.generate_sync(greedy("r", SteeringSpec([SteeringEntry("vec", 1, splice="reconstruction")])))
+    assert refused.value.param == "steering.splice"
+    # zeros need no encoder (positive control)
+    assert engine.generate_sync(greedy("z", SteeringSpec([SteeringEntry("vec", 1, splice="zero")]))).token_ids
+
+    path, _, layer = sae_at(tmp_path, tiny_assets, "mlp_transcoder")
+    engine.attach(AttachSpec("tc", str(path), layer))
+    monitor = MonitorSpec([MonitorEntry("tc", layer, fidelity=True, positions="all")])
+    with pytest.raises(InvalidParameter) as refused:
+        engine.generate_sync(greedy("f", monitor=monitor))
+    assert refused.value.param == "monitor.fidelity"
