@@ -14,6 +14,8 @@ import secrets
 
 from django.db import models
 
+from core.json_fields import FastJSONEncoder
+
 from registry.models import SAE
 
 OWNER_MAX_CHARS = 200
@@ -85,14 +87,14 @@ class FeatureDashboard(models.Model):
     mean = models.FloatField(default=0.0, help_text="Mean over the tokens above 0.")
     max = models.FloatField(default=0.0)
     # {"edges": [n+1 floats], "counts": [n ints]} over the non-zero activations
-    histogram = models.JSONField(default=dict, blank=True)
+    histogram = models.JSONField(default=dict, blank=True, encoder=FastJSONEncoder)
     # [{context, tokens: [str], token_ids, activations: [float], max_position, max_activation}]
-    top_contexts = models.JSONField(default=list, blank=True)
+    top_contexts = models.JSONField(default=list, blank=True, encoder=FastJSONEncoder)
     # [{band: [lo, hi], contexts: [same shape]}], lower quantiles
-    quantile_samples = models.JSONField(default=list, blank=True)
+    quantile_samples = models.JSONField(default=list, blank=True, encoder=FastJSONEncoder)
     # [{token_id, token, value}] of W_dec[i] @ W_U, highest and lowest
-    logit_top = models.JSONField(default=list, blank=True)
-    logit_bottom = models.JSONField(default=list, blank=True)
+    logit_top = models.JSONField(default=list, blank=True, encoder=FastJSONEncoder)
+    logit_bottom = models.JSONField(default=list, blank=True, encoder=FastJSONEncoder)
     # the top contexts' and logit effects' tokens, lower-cased, for search
     search_tokens = models.TextField(blank=True)
 

@@ -29,6 +29,7 @@ from core.auth import Principal
 from core.errors import ValidationFailed
 from core.events import OWNER_FIELD, publish
 from core.jobs import enqueue
+from core.json_fields import has_nul
 from features.accumulate import paused_gc
 from features.errors import DashboardNotCancellable, DashboardSAENotAttached, InvalidCorpus
 from features.models import DashboardRun, FeatureDashboard
@@ -117,6 +118,14 @@ def storable_row(row: dict[str, Any]) -> dict[str, Any]:
             value = storable(value)
         out[key] = value
     return out
+
+
+def _row_fields(row: dict[str, Any]) -> dict[str, Any]:
+    """A feature's row as stored: its fields as they are when no string in them holds a
+    NUL (one C-speed check, ``core.json_fields.has_nul``; the accumulator's texts are
+    already cleaned), else as :func:`storable_row` cleans them."""
+    fields = {key: row[key] for key in _ROW_FIELDS if key in row}
+    return storable_row(fields) if has_nul(fields) else fields
 
 
 def workdir(run_id: str) -> Path:
@@ -394,7 +403,7 @@ def dashboard_store(*, run_id: str, runner: str, rows: list[dict[str, Any]], sum
         else:
             with paused_gc():  # a million numbers in lists: see paused_gc
                 FeatureDashboard.objects.bulk_create(
-                    [FeatureDashboard(run=run, sae_id=run.sae_id, **storable_row(row)) for row in rows],
+                    [FeatureDashboard(run=run, sae_id=run.sae_id, **_row_fields(row)) for row in rows],
                     batch_size=1000,
                 )
             run.summary = storable(summary)
