@@ -28,6 +28,7 @@ from core.jobs import LongRuns
 from experiments.errors import ExperimentNotCancellable
 from experiments.models import ExperimentPoint, ExperimentRun
 from experiments.selectors import experiment_get
+from features.services import storable
 
 log = structlog.get_logger(__name__)
 
@@ -169,7 +170,9 @@ def experiment_points_store(*, run_id: str, runner: str, points: list[dict[str, 
         unknown = set(point) - POINT_FIELDS
         if unknown:
             raise ValueError(f"not ExperimentPoint fields: {sorted(unknown)}")
-        rows.append(ExperimentPoint(run_id=run_id, **point))
+        # a generated text may hold NUL (a byte-level vocabulary has a token for it), which
+        # PostgreSQL's text and jsonb cannot: shown as U+2400, as dashboards store tokens
+        rows.append(ExperimentPoint(run_id=run_id, **{k: storable(v) for k, v in point.items()}))
     with transaction.atomic():
         run = ExperimentRun.objects.select_for_update().filter(id=run_id, runner=runner).first()
         if run is None:
