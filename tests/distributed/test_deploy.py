@@ -60,6 +60,9 @@ def test_compose_has_the_topology():
     dashboarder = services["dashboarder"]["command"]
     assert dashboarder[dashboarder.index("-Q") + 1] == "dashboards"
     assert "cache:/app" in services["dashboarder"]["volumes"]
+    # the experiments queue has a worker (its points are rows in PostgreSQL)
+    experimenter = services["experimenter"]["command"]
+    assert experimenter[experimenter.index("-Q") + 1] == "experiments"
     for name in ("web", "worker", "loader", "analyst", "engine", "migrate"):
         env = services[name]["environment"]
         assert {"DATABASE_URL", "REDIS_URL", "SECRET_KEY"} <= set(env), name
@@ -78,6 +81,8 @@ def test_kubernetes_manifests():
         by_kind.setdefault(d["kind"], {})[d["metadata"]["name"]] = d
     deployments = by_kind["Deployment"]
     assert {"millm-web", "millm-worker", "millm-loader", "millm-analyst", "millm-engine"} <= set(deployments)
+    [experimenter] = deployments["millm-experimenter"]["spec"]["template"]["spec"]["containers"]
+    assert experimenter["command"][experimenter["command"].index("-Q") + 1] == "experiments"
     [analyst] = deployments["millm-analyst"]["spec"]["template"]["spec"]["containers"]
     assert analyst["command"][analyst["command"].index("-Q") + 1] == "analysis"
     assert analyst["volumeMounts"][0]["mountPath"] == "/app"
@@ -118,6 +123,7 @@ def test_kubernetes_manifests():
         ("millm-batches.service", "celery -A millm_site worker -Q batches"),
         ("millm-responses.service", "celery -A millm_site worker -Q responses"),
         ("millm-dashboards.service", "celery -A millm_site worker -Q dashboards"),
+        ("millm-experiments.service", "celery -A millm_site worker -Q experiments"),
         ("millm-engine.service", "manage.py run_engine"),
     ],
 )
