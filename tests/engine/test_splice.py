@@ -382,3 +382,53 @@ def test_a_raw_vector_cannot_reconstruct_and_a_transcoder_has_no_fidelity(engine
     with pytest.raises(InvalidParameter) as refused:
         engine.generate_sync(greedy("f", monitor=monitor))
     assert refused.value.param == "monitor.fidelity"
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_the_llamacpp_swap_mode_refuses_a_splice_naming_field_backend_and_reason(
+    tiny_gguf, tiny_assets, monkeypatch, batched
+):
+    """A control vector adds one vector to every row: a llama.cpp load in
+    ``control_vector_swap`` reports ``splice`` off with the reason and refuses a splice
+    before any decode runs (llama.cpp's own ``llama_decode`` is never called); the backend
+    refuses it too when handed the plans directly."""
+    import llama_cpp.llama_cpp as lc
+
+    from gpu_engine.interp.plans import build_hooks
+
+    from .test_llamacpp import gguf_job
+
+    swap = "control_vector_swap"
+    sae = tiny_assets.saes["tiny-llama-L1-relu"]
+    key = (sae.name, sae.layer)
+    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4)) if batched else Engine()
+    try:
+        eng.load_model(gguf_job(tiny_gguf, steering_mode=swap))
+        eng.attach(AttachSpec(sae.name, str(sae.path), sae.layer))
+        caps = eng.status().batching["capabilities"]
+        assert caps["splice"] is False and swap in caps["splice_reason"]
+        decodes = []
+        real = lc.llama_decode
+        monkeypatch.setattr(lc, "llama_decode", lambda ctx, batch: decodes.append(1) or real(ctx, batch))
+        job = GenerationJob(
+            "s", prompt="the cat", sampling=SamplingParams(max_tokens=2), steering=splice_spec(key, "zero")
+        )
+        with pytest.raises(InvalidParameter) as refused:
+            eng.generate_sync(job)
+        assert refused.value.param == "steering.splice"
+        assert refused.value.details["backend"] == "llamacpp" and swap in refused.value.details["reason"]
+        assert decodes == []
+        hooks = build_hooks(
+            {key: eng._attachments[key].sae},
+            "d",
+            [SteeringEntry(*key, splice="reconstruction")],
+            [],
+            n_prompt=3,
+            dtype=torch.float32,
+            device="cpu",
+        )
+        with pytest.raises(InvalidParameter) as refused:
+            eng.backend._check_steering(hooks)
+        assert refused.value.param == "steering.splice" and swap in refused.value.details["reason"]
+    finally:
+        eng.shutdown()
