@@ -109,6 +109,55 @@ def latest_fidelity(sae_id: str, who: Principal | None, layer: int | None = None
     return query.order_by("-finished_at", "-created_at", "-id").first()
 
 
+def fidelity_start(*, data: dict[str, Any], who: Principal) -> ExperimentRun:
+    """Check a corpus fidelity run (``FidelityStartInput``'s data) against the engine's
+    state and queue it: the route's and ``manage.py fidelity``'s one way in."""
+    from core.runtime import runtime
+    from experiments.fidelity import fidelity_check
+    from experiments.services import experiment_start
+
+    plan = fidelity_check(data=dict(data), status=runtime().engine.status(), principal=who)
+    return experiment_start(
+        kind=ExperimentRun.Kind.FIDELITY,
+        spec=plan.spec,
+        principal=who,
+        total=plan.total,
+        sae_id=plan.sae_id,
+        layer=plan.layer,
+    )
+
+
+def sae_fidelity(sae_id: str, who: Principal | None, layer: int | None = None) -> dict[str, Any]:
+    """``GET /api/saes/{id}/fidelity``'s answer (``SaeFidelityOutput``): the SAE's newest
+    complete corpus fidelity the caller may read, all null when none (404 for an unknown
+    SAE); ``manage.py fidelity SAE --show`` prints the same."""
+    from registry.selectors import sae_get
+
+    sae_get(sae_id=sae_id)  # 404 for an unknown SAE
+    run = latest_fidelity(sae_id, who, layer)
+    if run is None:
+        out = {
+            "sae_id": sae_id,
+            "run_id": None,
+            "layer": None,
+            "corpus": None,
+            "finished_at": None,
+            "fidelity": None,
+        }
+    else:
+        spec = run.spec or {}
+        corpus = {k: spec[k] for k in ("corpus", "file_id", "token_budget", "context_tokens") if k in spec}
+        out = {
+            "sae_id": sae_id,
+            "run_id": run.id,
+            "layer": run.layer,
+            "corpus": corpus,
+            "finished_at": run.finished_at,
+            "fidelity": run.result,
+        }
+    return SaeFidelityOutput(out).data
+
+
 class FidelityStartApi(APIView):
     @extend_schema(
         tags=EXPERIMENTS,
@@ -118,21 +167,8 @@ class FidelityStartApi(APIView):
         responses={202: enveloped(RunEnvelopeOutput)},
     )
     def post(self, request) -> Response:
-        from core.runtime import runtime
-        from experiments.fidelity import fidelity_check
-        from experiments.services import experiment_start
-
         data = validated(FidelityStartInput, request.data)
-        who = principal(request)
-        plan = fidelity_check(data=dict(data), status=runtime().engine.status(), principal=who)
-        run = experiment_start(
-            kind=ExperimentRun.Kind.FIDELITY,
-            spec=plan.spec,
-            principal=who,
-            total=plan.total,
-            sae_id=plan.sae_id,
-            layer=plan.layer,
-        )
+        run = fidelity_start(data=dict(data), who=principal(request))
         return envelope({"run": run_out(run)}, status_code=status.HTTP_202_ACCEPTED)
 
 
@@ -145,29 +181,5 @@ class SaeFidelityApi(APIView):
         responses=enveloped(SaeFidelityOutput),
     )
     def get(self, request, sae_id: str) -> Response:
-        from registry.selectors import sae_get
-
         query = validated(FidelityQuery, request.query_params)
-        sae_get(sae_id=sae_id)  # 404 for an unknown SAE
-        run = latest_fidelity(sae_id, principal(request), query.get("layer"))
-        if run is None:
-            out = {
-                "sae_id": sae_id,
-                "run_id": None,
-                "layer": None,
-                "corpus": None,
-                "finished_at": None,
-                "fidelity": None,
-            }
-        else:
-            spec = run.spec or {}
-            corpus = {k: spec[k] for k in ("corpus", "file_id", "token_budget", "context_tokens") if k in spec}
-            out = {
-                "sae_id": sae_id,
-                "run_id": run.id,
-                "layer": run.layer,
-                "corpus": corpus,
-                "finished_at": run.finished_at,
-                "fidelity": run.result,
-            }
-        return envelope(SaeFidelityOutput(out).data)
+        return envelope(sae_fidelity(sae_id, principal(request), query.get("layer")))
