@@ -103,10 +103,10 @@ def reference(demo):
         lsm = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
         return np.array([lsm[p - 1, ids[p]] for p in range(1, len(ids))])
 
-    def greedy(ids: list[int], n: int) -> list[int]:
+    def greedy(ids: list[int], n: int, edit=None) -> list[int]:
         seq = list(ids)
         for _ in range(n):
-            seq.append(int(forward(seq)[-1].argmax()))
+            seq.append(int(forward(seq, edit)[-1].argmax()))
         return seq[len(ids) :]
 
     return prompt_logprobs, greedy
@@ -209,15 +209,17 @@ def test_splice_gives_the_tests_own_spliced_forward(demo, reference, backend):
 
 @pytest.mark.parametrize("backend", ["transformers", "vllm", "llamacpp"])
 def test_the_prefix_cache_keeps_spliced_kv_apart(demo, reference, backend):
-    """KV computed under a splice is stored under its own key: a clean request after a
-    zero-spliced one of the same prompt decodes the clean model's greedy tokens, and the
-    splice after the clean one its own again."""
+    """KV computed under a splice is stored under its own key, apart for each mode: run in
+    turns on one prompt, zero-spliced, reconstruction-spliced and clean requests each
+    decode their own greedy tokens (the test's own forward's for clean and
+    reconstruction)."""
     model, sae_asset = demo
     if backend in ("vllm", "llamacpp"):
         require_backend(backend)
     _, ref_greedy = reference
     key = (sae_asset.name, sae_asset.layer)
-    ids = tokenizer_of(model)(PROMPT)
+    # longer than two of vLLM's cache blocks (its cache keeps whole blocks only)
+    ids = tokenizer_of(model)(PROMPT + ". " + " ".join([PROMPT] * 30))[:300]
     n = 4
     sampling = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
     eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4), drain_timeout_s=300)
@@ -229,20 +231,31 @@ def test_the_prefix_cache_keeps_spliced_kv_apart(demo, reference, backend):
         got = {}
         for name, steering in (
             ("zero1", splice_spec(key, "zero")),
+            ("recon1", splice_spec(key, "reconstruction")),
             ("clean", None),
+            ("recon2", splice_spec(key, "reconstruction")),
             ("zero2", splice_spec(key, "zero")),
             ("clean2", None),
         ):
             job = GenerationJob(name, prompt_token_ids=ids, sampling=sampling, steering=steering)
             got[name] = eng.generate_sync(job, timeout_s=600).token_ids
+        if backend == "vllm":
+            # control: the cache is used (the second reconstruction reads the first's KV)
+            cached = eng._scheduler.backend.cached_tokens
+            assert cached["recon2"] >= eng.backend.engine.vllm_config.cache_config.block_size
+            assert cached["recon1"] == cached["clean"] == 0
     finally:
         eng.shutdown()
         del eng
         gc.collect()
     want = ref_greedy(ids, n)
+    ref = RefSAE(sae_asset)
+    want_recon = ref_greedy(ids, n, lambda x: decode(ref, ref.encode(x)))
     assert got["clean"] == want and got["clean2"] == want
+    assert got["recon1"] == want_recon and got["recon2"] == want_recon
     assert got["zero1"] == got["zero2"]
-    assert got["zero1"] != want  # positive control: zeroing layer 12 changes the text
+    # positive controls: the three give three texts
+    assert len({tuple(want), tuple(want_recon), tuple(got["zero1"])}) == 3
 
 
 def test_splice_takes_no_features_controls_or_vectors():
