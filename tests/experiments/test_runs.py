@@ -112,6 +112,8 @@ def test_a_crashed_sweep_resumes_from_its_points_with_the_same_figures(sae, llam
             assert gate.reached.wait(120), "the tenth job never reached the engine"
             wait_until(lambda: ExperimentPoint.objects.filter(run_id=run.id).count() >= 2, "two points in")
             stop.set()
+            # the runner sees the stop at its next heartbeat with the tenth job still held
+            thread.join(120)
         finally:
             gate.release.set()
             thread.join(120)
