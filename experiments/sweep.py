@@ -1,14 +1,14 @@
 """Sweeps: prompts × steering variants × strengths, plus each prompt's unsteered DEFAULT,
 run as one batched job on the engine (docs/experiments.md, "Sweeps").
 
-Per prompt, in order: the DEFAULT generation (explicitly unsteered), then the reference
+Per prompt: the DEFAULT generation (explicitly unsteered), then the reference
 teacher-forced pass over prompt + default continuation (unsteered: its distributions are
-the reference, its prompt log-probabilities the default's log-likelihood), then every
-(variant, strength) point: its generation (the /v1 job with the variant's steering at
-that strength, the target feature monitored at every row before and after the layer's
-steering) beside its teacher-forced pass over the same default continuation (steered: the
-KL), then the unsteered teacher-forced pass over its own continuation (the steered text's
-log-likelihood under the unsteered model). A point is stored when all of it is known;
+the reference, its prompt log-probabilities the default's log-likelihood); beside them,
+from the start, every (variant, strength) point's generation (the /v1 job with the
+variant's steering at that strength, the target feature monitored at every row before
+and after the layer's steering); once the default's continuation is known, each point's
+teacher-forced pass over it (steered: the KL), then the unsteered teacher-forced pass over
+the point's own continuation (the steered text's log-likelihood under the unsteered model). A point is stored when all of it is known;
 ordinals are the grid's: prompt ``p``'s default is ``p · (1 + V·S)``, its point of
 variant ``v`` at strength ``s`` comes ``1 + v·S + s`` after it.
 
@@ -191,44 +191,65 @@ async def _prompt(
     if default_row is not None and not missing:
         return
     async with live:
-        finish, prompt_ids, continuation = await default_of(ctx, prompt, default_row)
-        kl_on = plan.kl_reason is None and bool(continuation)
-        reference = None
-        default_loglik = None
-        if kl_on or (finish is not None and plan.loglik_reason is None and continuation):
-            tf = await ctx.generate(
-                grid.teacher_forced_job(
-                    ctx.request_id(f"p{p}-reference"),
-                    prompt_ids,
-                    continuation,
-                    steering=UNSTEERED,
-                    distributions=kl_on,
-                    logprobs=plan.loglik_reason is None,
-                )
+        # the points' generations do not depend on the default: they start beside it, and
+        # only their teacher-forced KL pass waits for the default's continuation
+        reference: asyncio.Future = asyncio.get_running_loop().create_future()
+        points = [asyncio.ensure_future(_point(ctx, plan, prompt, plan.variants[v], k, reference)) for v, k in missing]
+        try:
+            reference.set_result(await _default(ctx, plan, prompt, default_row))
+        except BaseException as exc:
+            reference.set_exception(exc)
+            reference.exception()  # retrieved here: the points that await it raise it too
+            for task in points:
+                task.cancel()
+            await asyncio.gather(*points, return_exceptions=True)
+            raise
+        await asyncio.gather(*points)
+
+
+async def _default(
+    ctx: RunContext, plan: SweepPlan, prompt: PromptPlan, default_row: dict[str, Any] | None
+) -> tuple[list[int], list[int], Any]:
+    """The prompt's DEFAULT, generated and stored unless stored already, and its reference
+    teacher-forced pass: (prompt ids, default continuation, reference distributions or
+    None when KL is not measured)."""
+    p = prompt.index
+    finish, prompt_ids, continuation = await default_of(ctx, prompt, default_row)
+    kl_on = plan.kl_reason is None and bool(continuation)
+    reference = None
+    default_loglik = None
+    if kl_on or (finish is not None and plan.loglik_reason is None and continuation):
+        tf = await ctx.generate(
+            grid.teacher_forced_job(
+                ctx.request_id(f"p{p}-reference"),
+                prompt_ids,
+                continuation,
+                steering=UNSTEERED,
+                distributions=kl_on,
+                logprobs=plan.loglik_reason is None,
             )
-            if kl_on:
-                reference = await ctx.off(grid.distributions_of, tf, len(continuation))
-            if plan.loglik_reason is None:
-                default_loglik = grid.loglik_of(tf, len(prompt_ids), len(continuation))
-        if finish is not None:
-            await ctx.store_points(
-                [
-                    {
-                        "ordinal": plan.ordinal(p),
-                        "prompt_index": p,
-                        "is_default": True,
-                        "text": finish.text,
-                        "token_ids": continuation,
-                        "finish_reason": finish.finish_reason,
-                        "loglik": None if default_loglik is None else float(sum(default_loglik)),
-                        "loglik_per_token": default_loglik,
-                        "data": {"prompt_token_ids": prompt_ids},
-                    }
-                ]
-            )
-        await asyncio.gather(
-            *(_point(ctx, plan, prompt, plan.variants[v], k, prompt_ids, continuation, reference) for v, k in missing)
         )
+        if kl_on:
+            reference = await ctx.off(grid.distributions_of, tf, len(continuation))
+        if plan.loglik_reason is None:
+            default_loglik = grid.loglik_of(tf, len(prompt_ids), len(continuation))
+    if finish is not None:
+        await ctx.store_points(
+            [
+                {
+                    "ordinal": plan.ordinal(p),
+                    "prompt_index": p,
+                    "is_default": True,
+                    "text": finish.text,
+                    "token_ids": continuation,
+                    "finish_reason": finish.finish_reason,
+                    "loglik": None if default_loglik is None else float(sum(default_loglik)),
+                    "loglik_per_token": default_loglik,
+                    "data": {"prompt_token_ids": prompt_ids},
+                }
+            ]
+        )
+    return prompt_ids, continuation, reference
 
 
 async def _point(
@@ -237,26 +258,36 @@ async def _point(
     prompt: PromptPlan,
     variant: VariantPlan,
     k: int,
-    prompt_ids: list[int],
-    continuation: list[int],
-    reference: Any,
+    default: asyncio.Future,
 ) -> None:
     p, v, strength = prompt.index, variant.index, plan.strengths[k]
     spec = variant.specs[k]
     tag = f"p{p}-v{v}-s{k}"
-    generation = ctx.generate(prompt.job(ctx.request_id(tag), steering=spec, monitor=variant.monitor))
-    if reference is not None:
-        forced = ctx.generate(
-            grid.teacher_forced_job(
-                ctx.request_id(f"{tag}-kl"), prompt_ids, continuation, steering=spec, distributions=True, logprobs=False
+    generation = asyncio.ensure_future(
+        ctx.generate(prompt.job(ctx.request_id(tag), steering=spec, monitor=variant.monitor))
+    )
+    try:
+        prompt_ids, continuation, reference = await default
+        kl = None
+        if reference is not None:
+            tf = await ctx.generate(
+                grid.teacher_forced_job(
+                    ctx.request_id(f"{tag}-kl"),
+                    prompt_ids,
+                    continuation,
+                    steering=spec,
+                    distributions=True,
+                    logprobs=False,
+                )
             )
-        )
-        finish, tf = await asyncio.gather(generation, forced)
-        steered = await ctx.off(grid.distributions_of, tf, len(continuation))
-        kl = await ctx.off(grid.kl_rows, steered, reference)
-        del steered, tf
-    else:
-        finish, kl = await generation, None
+            steered = await ctx.off(grid.distributions_of, tf, len(continuation))
+            kl = await ctx.off(grid.kl_rows, steered, reference)
+            del steered, tf
+        finish = await generation
+    finally:
+        if not generation.done():
+            generation.cancel()
+            await asyncio.gather(generation, return_exceptions=True)
     tokens = list(finish.token_ids)
     loglik = None
     if plan.loglik_reason is None and tokens:
