@@ -422,3 +422,38 @@ def test_llamacpp_distributions_equal_the_float64_reference(gguf_engines, refere
                 assert armed.token_ids == plain.token_ids
         finally:
             e.detach(None)
+
+
+def test_requests_reading_their_prompt_rows_prefill_together(engine_factory, reference, monkeypatch):
+    """Requests asking for distributions or prompt log-probabilities that arrive together
+    share one padded prefill (one weight read, as plain requests do) and each still reads
+    its own prompt's rows: the float64 reference's rows and log-probabilities."""
+    from gpu_engine.backends.transformers import batched as batched_mod
+
+    # the first prefill waits for the announced arrival (released once all are queued)
+    eng = engine_factory("tiny-llama", batching=BatchingOptions(enabled=True, max_batch_size=8, gather_ms=10_000))
+    seen: list[list[int]] = []
+    real = batched_mod.prefill_groups
+
+    def spy(seqs, vocab=1):
+        groups = real(seqs, vocab)
+        seen.extend([[s.echo_rows for s in g] for g in groups])
+        return groups
+
+    monkeypatch.setattr(batched_mod, "prefill_groups", spy)
+    jobs = []
+    for i, text in enumerate(PROMPTS * 2):
+        ids = eng.backend.encode_text(text)
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=i % 2 == 1)
+        jobs.append((ids, job(f"g{i}", ids, 2 if i % 2 == 0 else None, sampling=sampling)))
+    with eng.arriving():
+        streams = [eng.generate(j) for _, j in jobs]
+    results = [GenerationResult.from_events(s.events(60)) for s in streams]
+    assert any(len(g) > 1 and all(g) for g in seen), seen  # a group of several that all read rows
+    for (ids, j), got in zip(jobs, results):
+        ref = reference(ids)
+        if j.distributions_from is not None:
+            assert_rows(got.distributions, ref, 2, len(ids), DISTRIBUTION_ATOL)
+        else:
+            want = ref[np.arange(len(ids) - 1), ids[1:]]
+            np.testing.assert_allclose(got.prompt_logprobs[1:], want, atol=DISTRIBUTION_ATOL, rtol=0)

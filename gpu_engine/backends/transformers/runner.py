@@ -422,9 +422,12 @@ class TransformersRunner:
         cache_position = torch.arange(input_ids.shape[1], device=input_ids.device)
         return self.forward(input_ids, past, cache_position=cache_position, all_logits=all_logits)
 
-    def prefill_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    def prefill_rows(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, keep: int = 0
+    ) -> tuple[torch.Tensor, Any]:
         """A prefill of several left-padded prompts (rows, T) at once into a full cache;
-        returns the last position's logits (rows, V) and the cache."""
+        returns the last position's logits (rows, V) and the cache, or with ``keep`` the
+        last ``keep`` positions' logits (rows, keep, V)."""
         from transformers import DynamicCache
 
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
@@ -435,8 +438,10 @@ class TransformersRunner:
             "attention_mask": attention_mask,
         }
         if self._has_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
+            kwargs["logits_to_keep"] = max(int(keep), 1)
         out = self.model(input_ids=input_ids, **kwargs)
+        if keep:
+            return out.logits[:, -int(keep) :], out.past_key_values
         return out.logits[:, -1], out.past_key_values
 
     def forward_rows(
