@@ -12,7 +12,8 @@ jobs built as /v1 builds them, and the teacher-forced passes with their figures.
 - A variant is one SAE feature (or attached vector, index 0) ``{sae_id?, layer?, index,
   mode?: add|clamp|scale, phase?, window?, condition?}`` whose amount is the strength
   (an add's strength, a clamp's target, a scale's factor), or one inline vector
-  ``{vector: {data, layer?, hook?, mode?, min?, max?}}`` whose strength is the strength;
+  ``{sae_id?, vector: {data, layer?, hook?, mode?, min?, max?}}`` whose strength is the
+  strength (``sae_id``: at that attachment's hook, where several are attached);
   ``target`` ``{sae_id?, layer?, index}`` names the feature whose activation is read
   (default: the variant's own feature; a vector has none unless named).
 - KL(steered ‖ default) is computed from two teacher-forced passes over the prompt and the
@@ -60,7 +61,7 @@ MAX_PROMPT_CHARS = 20_000  # a text prompt's characters; a chat's, its messages'
 REFERENCE_BYTES = 256 * 2**20
 
 FEATURE_KEYS = frozenset({"sae_id", "layer", "index", "mode", "phase", "window", "condition", "target", "label"})
-VECTOR_KEYS = frozenset({"vector", "target", "label"})
+VECTOR_KEYS = frozenset({"vector", "sae_id", "target", "label"})
 TARGET_KEYS = frozenset({"sae_id", "layer", "index"})
 SWEPT_MODES = ("add", "clamp", "scale")
 VECTOR_LAYOUT = "vector"  # a raw steering vector's attachment (no encoder)
@@ -204,7 +205,10 @@ class VariantPlan:
 def steering_body(body: dict[str, Any], strength: float) -> dict[str, Any]:
     """The /v1 ``steering`` object of a variant at one strength."""
     if "vector" in body:
-        return {"features": [], "vectors": [{**body["vector"], "strength": strength}]}
+        steering = {"features": [], "vectors": [{**body["vector"], "strength": strength}]}
+        if body.get("sae_id") is not None:  # which attachment's hook, where several are attached
+            steering["sae_id"] = body["sae_id"]
+        return steering
     mode = body.get("mode", "add")
     feature: dict[str, Any] = {"index": body["index"], "mode": mode}
     feature["strength" if mode == "add" else "value"] = strength

@@ -46,14 +46,30 @@ def no_jobs(monkeypatch):
     return sent
 
 
+def named(sae, variant):
+    """``variant`` naming the test's SAE where it names no attachment itself: the shared
+    server may hold other tests' attachments, and an unnamed variant would then be
+    refused as ambiguous before the check the case is about."""
+    if not isinstance(variant, dict) or "sae_id" in variant or "layer" in variant:
+        return variant
+    variant = {"sae_id": sae.id, **variant}
+    target = variant.get("target")
+    if isinstance(target, dict) and "sae_id" not in target and "layer" not in target:
+        variant["target"] = {"sae_id": sae.id, **target}
+    return variant
+
+
 def sweep_body(sae, **extra):
-    return {
+    body = {
         "prompts": ["the cat sat"],
         "variants": [{"sae_id": sae.id, "index": 3}],
         "strengths": [1.0],
         "max_tokens": 4,
         **extra,
     }
+    if isinstance(body["variants"], list):
+        body["variants"] = [named(sae, v) for v in body["variants"]]
+    return body
 
 
 CASES = [
@@ -196,7 +212,9 @@ def test_a_bad_calibration_is_refused_before_anything_runs(sae, llama, no_jobs):
         ({"max_iterations": 500}, 422, "VALIDATION_ERROR", None),
         ({"prompts": ["a"] * 30, "max_iterations": 20}, 422, "VALIDATION_ERROR", "prompts"),
     ):
-        refused(api(llama, "POST", "/api/experiments/calibrate", {**base, **change}), status, code, param)
+        body = {**base, **change}
+        body["variant"] = named(sae, body["variant"])
+        refused(api(llama, "POST", "/api/experiments/calibrate", body), status, code, param)
     assert not ExperimentRun.objects.exists() and no_jobs == []
 
 
