@@ -292,6 +292,7 @@ def test_usage_is_the_last_chunk_after_the_millm_chunk(llama):
             "model": "tiny-llama",
             "prompt": "the sky",
             "max_tokens": 4,
+            "ignore_eos": True,  # sampled: an EOS would end it before its fourth token
             "stream": True,
             "stream_options": {"include_usage": True},
             "steering": {"features": []},
