@@ -55,6 +55,16 @@ def check_template_kwargs(kwargs: dict[str, Any]) -> None:
             )
 
 
+def check_prompt_job(job: GenerationJob | ScoreJob | AttributionJob) -> None:
+    """A job given its prompt one way: exactly one of ``prompt``, ``prompt_token_ids``,
+    ``messages`` (refused as ``prompt``), then its fields (``check_fields``) and its
+    ``chat_template_kwargs`` (``check_template_kwargs``), in that order."""
+    if sum(x is not None for x in (job.prompt, job.prompt_token_ids, job.messages)) != 1:
+        raise InvalidParameter("give exactly one of prompt, prompt_token_ids, messages", param="prompt")
+    check_fields(job)
+    check_template_kwargs(job.chat_template_kwargs)
+
+
 class GenerationJob(msgspec.Struct):
     """One generation request.  Exactly one of prompt / prompt_token_ids / messages.
 
@@ -91,11 +101,7 @@ class GenerationJob(msgspec.Struct):
     distributions_from: Positive | None = None
 
     def __post_init__(self) -> None:
-        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
-        if sum(given) != 1:
-            raise InvalidParameter("give exactly one of prompt, prompt_token_ids, messages", param="prompt")
-        check_fields(self)
-        check_template_kwargs(self.chat_template_kwargs)
+        check_prompt_job(self)
 
 
 class EmbedJob(msgspec.Struct):
@@ -127,10 +133,7 @@ class ScoreJob(msgspec.Struct):
     chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
-            raise InvalidParameter("give exactly one of prompt, prompt_token_ids, messages", param="prompt")
-        check_fields(self)
-        check_template_kwargs(self.chat_template_kwargs)
+        check_prompt_job(self)
 
 
 class HiddenStatesJob(msgspec.Struct):
@@ -294,10 +297,7 @@ class AttributionJob(msgspec.Struct):
     chat_template_kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if sum(x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)) != 1:
-            raise InvalidParameter("give exactly one of prompt, prompt_token_ids, messages", param="prompt")
-        check_fields(self)
-        check_template_kwargs(self.chat_template_kwargs)
+        check_prompt_job(self)
 
 
 __all__ = [
