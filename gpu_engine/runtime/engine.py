@@ -385,6 +385,18 @@ class Engine(ModelLoading):
 
         return self._work(op, timeout_s)
 
+    def _attached(self, sae_id: str, layer: int) -> Attachment:
+        """The attachment of ``sae_id`` at ``layer``, read under the state lock;
+        ``SAENotAttached`` when there is none."""
+        with self._state_lock:
+            att = self._attachments.get((sae_id, layer))
+        if att is None:
+            raise SAENotAttached(
+                f"SAE {sae_id!r} is not attached at layer {layer}",
+                details={"sae_id": sae_id, "layer": layer},
+            )
+        return att
+
     def feature_logits(self, job: FeatureLogitsJob, *, timeout_s: float | None = None) -> FeatureLogitsResult:
         """Each feature's decoder row through the model's unembedding, its ``top_n``
         highest and lowest entries (``FeatureLogitsJob``).  The worker resolves the SAE
@@ -393,13 +405,7 @@ class Engine(ModelLoading):
 
         def resolve() -> tuple[Any, Any, Any]:
             backend = self._require_backend()
-            with self._state_lock:
-                att = self._attachments.get((job.sae_id, job.layer))
-            if att is None:
-                raise SAENotAttached(
-                    f"SAE {job.sae_id!r} is not attached at layer {job.layer}",
-                    details={"sae_id": job.sae_id, "layer": job.layer},
-                )
+            att = self._attached(job.sae_id, job.layer)
             sae = att.sae
             if job.features is not None:
                 sae.check_indices(job.sae_id, job.features, "features")
@@ -464,13 +470,7 @@ class Engine(ModelLoading):
                         **({"reason": reason} if reason else {}),
                     },
                 )
-            with self._state_lock:
-                att = self._attachments.get((job.sae_id, job.layer))
-            if att is None:
-                raise SAENotAttached(
-                    f"SAE {job.sae_id!r} is not attached at layer {job.layer}",
-                    details={"sae_id": job.sae_id, "layer": job.layer},
-                )
+            att = self._attached(job.sae_id, job.layer)
             if not att.sae.has_encoder:
                 raise InvalidParameter(
                     f"{job.sae_id!r} is a steering vector without an encoder: it has no features to attribute",
