@@ -265,28 +265,19 @@ class LlamaCppBackend:
         if self.steering_mode != CONTROL_VECTOR_SWAP or request_hooks is None:
             return
         for (sae_id, layer), plan in request_hooks.plans.items():
-            if plan.controls is not None and plan.controls.splice_modes:
-                why = splice_refused(self.steering_mode, self.steering_mode_reason)
-                raise InvalidParameter(
-                    f"the {self.name} backend cannot run steering.splice here: {why}",
-                    param="steering.splice",
-                    details={
-                        "backend": self.name,
-                        "capability": "splice",
-                        "sae_id": sae_id,
-                        "layer": layer,
-                        "steering_mode": self.steering_mode,
-                        "reason": why,
-                    },
-                )
             if plan.controls is not None:
-                why = controls_refused(self.steering_mode, self.steering_mode_reason)
+                if plan.controls.splice_modes:
+                    param, capability = "steering.splice", "splice"
+                    why = splice_refused(self.steering_mode, self.steering_mode_reason)
+                else:
+                    param, capability = "steering.features.mode", "steering_controls"
+                    why = controls_refused(self.steering_mode, self.steering_mode_reason)
                 raise InvalidParameter(
-                    f"the {self.name} backend cannot run steering.features.mode here: {why}",
-                    param="steering.features.mode",
+                    f"the {self.name} backend cannot run {param} here: {why}",
+                    param=param,
                     details={
                         "backend": self.name,
-                        "capability": "steering_controls",
+                        "capability": capability,
                         "sae_id": sae_id,
                         "layer": layer,
                         "steering_mode": self.steering_mode,
