@@ -115,6 +115,19 @@ export async function getJSON(path) {
   return data;
 }
 
+// Feature labels per SAE, from its folder's feature_labels.json (none: {}), read once.
+const labelCache = new Map();
+
+/** The SAE's feature labels (GET /ui/saes/{id}/labels), read once per SAE; none on a refusal. */
+export function labelsOf(saeId) {
+  if (!saeId) return Promise.resolve({});
+  if (!labelCache.has(saeId)) {
+    labelCache.set(saeId, getJSON(`/ui/saes/${encodeURIComponent(saeId)}/labels`)
+      .then((d) => d.labels || {}).catch(() => ({})));
+  }
+  return labelCache.get(saeId);
+}
+
 /**
  * POST to a /v1 route with `stream: true` and hand each SSE `data:` payload to onChunk.
  * Resolves with {headers} when `[DONE]` arrives; an error frame rejects with ApiError.

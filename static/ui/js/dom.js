@@ -103,6 +103,23 @@ export function numberFrom(input, { integer = false, empty } = {}) {
     ` (it is ${text === "" ? "empty" : `“${text}”`})`);
 }
 
+/**
+ * The feature preset a page's URL carries (?sae_id=…&feature=…&strength=…[&layer=…]; the
+ * strength 10 when absent), or null; one that is not a feature index and a strength is
+ * said (the link's `name`) and ignored.
+ */
+export function presetFromURL(name = "preset") {
+  const q = new URLSearchParams(location.search);
+  if (!q.has("feature")) return null;
+  const feature = Number(q.get("feature"));
+  const strength = q.has("strength") ? Number(q.get("strength")) : 10;
+  if (!Number.isInteger(feature) || feature < 0 || !Number.isFinite(strength)) {
+    notice(`The link's ${name} (feature=${q.get("feature")}, strength=${q.get("strength")}) is not a feature index and a strength: ignored.`, "error");
+    return null;
+  }
+  return { saeId: q.get("sae_id") || "", layer: q.get("layer"), feature, strength };
+}
+
 export function fmtNumber(value, digits = 0) {
   if (value === null || value === undefined || Number.isNaN(value)) return "—";
   return Number(value).toLocaleString(undefined, { maximumFractionDigits: digits, minimumFractionDigits: 0 });

@@ -1,6 +1,7 @@
 // Job progress for the models and SAEs pages: events (…:download:progress,
 // model:load:progress) update a progress cell in place; while something is moving, the
-// running jobs are also polled so a missed event (a reconnect) cannot freeze a bar.
+// running jobs are also polled so a missed event (a reconnect) cannot freeze a bar; the
+// dashboards and experiments pages poll their unfinished runs the same way (pollMoving).
 
 import { get } from "./api.js";
 import { el, fmtBytes } from "./dom.js";
@@ -43,6 +44,23 @@ export function pollRunning(onJob, active, ms = 1500) {
       const data = await get("/api/jobs?status=running&limit=50");
       for (const job of data.jobs) onJob({ ...job, job_id: job.id, percent: job.progress });
     } catch { /* the next tick tries again */ } finally { running = false; }
+  }, ms);
+}
+
+/**
+ * Every `ms`, `refresh` each run `moving()` lists (those not finished), one after another,
+ * so a missed event cannot freeze a run's bar; an error waits for the next tick.
+ */
+export function pollMoving(moving, refresh, ms = 1500) {
+  let polling = false;
+  setInterval(async () => {
+    if (polling || document.hidden) return;
+    const list = moving();
+    if (!list.length) return;
+    polling = true;
+    try {
+      for (const r of list) await refresh(r);
+    } catch { /* the next tick tries again */ } finally { polling = false; }
   }, ms);
 }
 

@@ -8,6 +8,7 @@
 import { get, post } from "../api.js";
 import { $, badge, boot, busy, el, fillRows, fmtDateTime, fmtNumber, notice, numberFrom, showError } from "../dom.js";
 import { featureHref } from "../heat.js";
+import { pollMoving } from "../jobs.js";
 import { histogramSVG } from "../plots.js";
 import * as events from "../events.js";
 
@@ -127,18 +128,9 @@ function update(data) {
   }
 }
 
-let polling = false;
-setInterval(async () => {
-  if (polling || document.hidden) return;
-  const moving = runs.filter((r) => !TERMINAL.has(r.status));
-  if (!moving.length) return;
-  polling = true;
-  try {
-    for (const r of moving) {
-      const run = await get(`/api/dashboards/${encodeURIComponent(r.id)}`);
-      update({ ...run, run_id: run.id });
-    }
-  } catch { /* the next tick tries again */ } finally { polling = false; }
+pollMoving(() => runs.filter((r) => !TERMINAL.has(r.status)), async (r) => {
+  const run = await get(`/api/dashboards/${encodeURIComponent(r.id)}`);
+  update({ ...run, run_id: run.id });
 }, POLL_MS);
 
 async function cancelRun(run) {

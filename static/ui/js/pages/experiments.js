@@ -14,9 +14,10 @@
 // ?sae_id=…&layer=…&feature=…&strength=…; ?run=<id> opens that run (the page keeps the
 // opened run's id there).
 
-import { apiKey, get, getJSON, post } from "../api.js";
-import { $, badge, boot, busy, describeError, el, fillRows, fmtDateTime, fmtNumber, notice, numberFrom, showError } from "../dom.js";
+import { apiKey, get, labelsOf, post } from "../api.js";
+import { $, badge, boot, busy, describeError, el, fillRows, fmtDateTime, fmtNumber, notice, numberFrom, presetFromURL, showError } from "../dom.js";
 import { featureHref, signedStrip } from "../heat.js";
+import { pollMoving } from "../jobs.js";
 import { lineSVG } from "../plots.js";
 import * as events from "../events.js";
 
@@ -32,7 +33,6 @@ let attachments = [];
 let runs = [];
 let opened = null;      // {run, points} of the run whose results show
 let reading = null;
-const labelCache = new Map();
 
 const short = (id) => (id.length > 14 ? `${id.slice(0, 14)}…` : id);
 const attachmentOf = (select) => {
@@ -40,16 +40,6 @@ const attachmentOf = (select) => {
   if (!sae_id) throw new Error("No SAE attached: attach one on the SAEs page");
   return { sae_id, layer: Number(layer) };
 };
-
-/** The SAE's feature labels (GET /ui/saes/{id}/labels), read once per SAE; none on a refusal. */
-function labelsOf(saeId) {
-  if (!saeId) return Promise.resolve({});
-  if (!labelCache.has(saeId)) {
-    labelCache.set(saeId, getJSON(`/ui/saes/${encodeURIComponent(saeId)}/labels`)
-      .then((d) => d.labels || {}).catch(() => ({})));
-  }
-  return labelCache.get(saeId);
-}
 
 /** Numbers from a comma-separated field, each checked; the field named on a refusal. */
 function numbersFrom(input, { integer = false, min = null, max = null } = {}) {
@@ -227,16 +217,8 @@ function update(data) {
   }
 }
 
-let polling = false;
-setInterval(async () => {
-  if (polling || document.hidden) return;
-  const moving = runs.filter((r) => !TERMINAL.has(r.status));
-  if (!moving.length) return;
-  polling = true;
-  try {
-    for (const r of moving) update(await get(`/api/experiments/${encodeURIComponent(r.id)}`));
-  } catch { /* the next tick tries again */ } finally { polling = false; }
-}, POLL_MS);
+pollMoving(() => runs.filter((r) => !TERMINAL.has(r.status)),
+  async (r) => update(await get(`/api/experiments/${encodeURIComponent(r.id)}`)), POLL_MS);
 
 async function cancelRun(run) {
   if (!window.confirm(`Cancel experiment ${run.id}? The points already done are kept, marked partial.`)) return;
@@ -520,18 +502,6 @@ async function loadAttachments() {
     if (d) $("#c-feature").max = d - 1;
     countHint();
   } catch (err) { showError(err, "Attachments"); }
-}
-
-function presetFromURL() {
-  const q = new URLSearchParams(location.search);
-  if (!q.has("feature")) return null;
-  const feature = Number(q.get("feature"));
-  const strength = q.has("strength") ? Number(q.get("strength")) : 10;
-  if (!Number.isInteger(feature) || feature < 0 || !Number.isFinite(strength)) {
-    notice(`The link's preset (feature=${q.get("feature")}, strength=${q.get("strength")}) is not a feature index and a strength: ignored.`, "error");
-    return null;
-  }
-  return { saeId: q.get("sae_id") || "", layer: q.get("layer"), feature, strength };
 }
 
 /** The strengths of a preset: 0, half, the strength, double (those within the bound). */

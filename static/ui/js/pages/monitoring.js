@@ -1,7 +1,7 @@
 // Monitoring: configure what /v1 generations record, live top features from
 // monitoring:activation events, statistics (top by a metric), history grouped by request.
 
-import { del, get, getJSON, post } from "../api.js";
+import { del, get, labelsOf, post } from "../api.js";
 import { $, badge, boot, busy, el, fillRows, fmtTime, notice, showError } from "../dom.js";
 import * as events from "../events.js";
 
@@ -13,17 +13,6 @@ let selectedRequest = null;
 let history = [];
 
 const fmt = (v, d = 3) => (v === null || v === undefined ? "—" : Number(v).toFixed(d));
-
-// Feature labels per SAE, from its folder's feature_labels.json (none: {}), read once.
-const labelCache = new Map();
-function labelsOf(saeId) {
-  if (!saeId) return Promise.resolve({});
-  if (!labelCache.has(saeId)) {
-    labelCache.set(saeId, getJSON(`/ui/saes/${encodeURIComponent(saeId)}/labels`)
-      .then((d) => d.labels || {}).catch(() => ({})));
-  }
-  return labelCache.get(saeId);
-}
 
 /** One bar per item; `digits` for the figure beside it (0 for counts). */
 function bars(list, items, valueOf, labels = {}, digits = 2) {

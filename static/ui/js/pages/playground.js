@@ -10,8 +10,8 @@
 // "Steer with it"): ?sae_id=…&feature=…&strength=…[&layer=…] selects "these features"
 // with that line, and colours the heat strip by that feature of that SAE.
 
-import { get, getJSON, streamV1 } from "../api.js";
-import { $, boot, describeError, el, notice, numberFrom, showError } from "../dom.js";
+import { get, labelsOf, streamV1 } from "../api.js";
+import { $, boot, describeError, el, notice, numberFrom, presetFromURL, showError } from "../dom.js";
 import { controlEntries, controlRow, steeringReport } from "../controls.js";
 import { heatStrip, stripScale } from "../heat.js";
 import * as events from "../events.js";
@@ -145,17 +145,6 @@ async function runColumn(key, userText, extra, settings, heat, signal) {
   }
 }
 
-/** The SAE's feature labels (GET /ui/saes/{id}/labels), read once per SAE; none on a refusal. */
-const labelCache = new Map();
-function labelsOf(saeId) {
-  if (!saeId) return Promise.resolve({});
-  if (!labelCache.has(saeId)) {
-    labelCache.set(saeId, getJSON(`/ui/saes/${encodeURIComponent(saeId)}/labels`)
-      .then((d) => d.labels || {}).catch(() => ({})));
-  }
-  return labelCache.get(saeId);
-}
-
 /** Both columns share one colour scale, so steered and unsteered strips compare. */
 function redrawStrips() {
   const all = [...columns.steered.strips, ...columns.plain.strips];
@@ -247,19 +236,6 @@ async function loadChoices() {
   } catch (err) { showError(err, "Playground"); }
 }
 
-/** The feature preset the URL carries (see the top), or null. */
-function presetFromURL() {
-  const q = new URLSearchParams(location.search);
-  if (!q.has("feature")) return null;
-  const feature = Number(q.get("feature"));
-  const strength = q.has("strength") ? Number(q.get("strength")) : 10;
-  if (!Number.isInteger(feature) || feature < 0 || !Number.isFinite(strength)) {
-    notice(`The link's feature preset (feature=${q.get("feature")}, strength=${q.get("strength")}) is not a feature index and a strength: ignored.`, "error");
-    return null;
-  }
-  return { saeId: q.get("sae_id") || "", layer: q.get("layer"), feature, strength };
-}
-
 function applyPreset(preset) {
   document.querySelector("input[name=steer-mode][value=inline]").checked = true;
   document.querySelector("input[name=steer-mode][value=inline]").dispatchEvent(new Event("change"));
@@ -296,5 +272,5 @@ events.on("sae:attached", loadChoices);
 events.on("sae:detached", loadChoices);
 events.on("model:load:complete", loadChoices);
 events.onReconnect(loadChoices);
-const preset = presetFromURL();
+const preset = presetFromURL("feature preset");
 loadChoices().then(() => { if (preset) applyPreset(preset); experimentsHref(); });
