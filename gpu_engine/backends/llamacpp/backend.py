@@ -97,26 +97,31 @@ def hook_node(hook_point: str, layer: int) -> tuple[int, int]:
     return (LAYER_OUT, layer)
 
 
-def splice_refused(steering_mode: str, steering_mode_reason: str) -> str | None:
-    """Why a load in ``steering_mode`` cannot splice (None: it can)."""
+def _needs_per_row(what: str, steering_mode: str, steering_mode_reason: str) -> str | None:
+    """Why a load in ``steering_mode`` cannot run ``what`` (which reads or writes each row
+    in the eval callback); None where it can."""
     if steering_mode != CONTROL_VECTOR_SWAP:
         return None
     return (
-        "a splice replaces each row by the SAE's reconstruction of it, which needs per-row "
-        "writes in the eval callback; this llama.cpp load steers with control vectors "
-        f"swapped between requests (steering_mode {CONTROL_VECTOR_SWAP}: {steering_mode_reason})"
+        f"{what}, which needs per-row writes in the eval callback; this llama.cpp load steers "
+        f"with control vectors swapped between requests (steering_mode {CONTROL_VECTOR_SWAP}: "
+        f"{steering_mode_reason})"
+    )
+
+
+def splice_refused(steering_mode: str, steering_mode_reason: str) -> str | None:
+    """Why a load in ``steering_mode`` cannot splice (None: it can)."""
+    return _needs_per_row(
+        "a splice replaces each row by the SAE's reconstruction of it", steering_mode, steering_mode_reason
     )
 
 
 def controls_refused(steering_mode: str, steering_mode_reason: str) -> str | None:
     """Why a load in ``steering_mode`` cannot run feature controls (None: it can)."""
-    if steering_mode != CONTROL_VECTOR_SWAP:
-        return None
-    return (
-        "clamp, scale, ablate, phases, windows and conditions read each row's own "
-        "activations, which needs per-row writes in the eval callback; this llama.cpp "
-        f"load steers with control vectors swapped between requests (steering_mode "
-        f"{CONTROL_VECTOR_SWAP}: {steering_mode_reason})"
+    return _needs_per_row(
+        "clamp, scale, ablate, phases, windows and conditions read each row's own activations",
+        steering_mode,
+        steering_mode_reason,
     )
 
 
