@@ -16,46 +16,30 @@ variance) computed from the records equal the reference's.
 
 from __future__ import annotations
 
-import gc
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from gpu_engine.api.errors import InvalidParameter
 from gpu_engine.api.monitoring import FidelityStats, unpack_fidelity
 from gpu_engine.api.protocol import (
     ActivationRecord,
-    AttachSpec,
-    BatchingOptions,
     GenerationJob,
     MonitorEntry,
     MonitorSpec,
     SamplingParams,
-    SteeringEntry,
-    SteeringSpec,
     from_builtins,
     from_json,
     to_builtins,
     to_json,
 )
 from gpu_engine.interp.monitors import FLUSH_CHUNK_ROWS
-from gpu_engine.runtime.engine import Engine
-from tests.fixtures.backends import require_backend
-from tests.fixtures.llamacpp import gguf_copy
 
+from .demo_batch import BACKENDS, LONG, N_TOKENS, STEER, demo, demo_engine, reference, steered_job  # noqa: F401 - fixtures
 from .helpers import RefSAE
-from .test_backend_parity import demo_loads
 
-N_TOKENS = 6
-STEER = 10.0  # the demo SAE's feature 0 ("ocean"), in its documented working range
-LONG = (
-    "The river ran past the old mill, where the miller's daughter counted sacks of flour "
-    "and wrote the numbers in a ledger that her grandfather had bound in leather. "
-)
 # each backend's float32 forward and encode/decode against the test's float64 of its own
 # float32 forward, relative to the row's own squared norm (the error, the norm and the sum
 # are sums of d_in = 576 squares or values of rows whose first one reads ~10^3): sq_err
@@ -64,29 +48,6 @@ REL = 1e-5
 # a feature whose float64 pre-activation lies this close to its threshold may fall either
 # side in float32: the engine's l0 may differ from the reference's by at most their count
 EDGE = 1e-3
-BACKENDS = ["transformers-serial", "transformers", "vllm", "llamacpp"]
-
-
-@pytest.fixture(scope="module")
-def demo(demo_assets):
-    from offline_assets import DEMO_MODEL_NAME, DEMO_SAE_NAME
-
-    return demo_assets.models[DEMO_MODEL_NAME], demo_assets.saes[DEMO_SAE_NAME]
-
-
-@pytest.fixture(scope="module")
-def reference(demo):
-    """Block ``layer``'s output over any token ids, float64 (plain transformers, float32)."""
-    model, sae = demo
-    hf = AutoModelForCausalLM.from_pretrained(str(model.path), torch_dtype=torch.float32)
-    hf.eval()
-
-    def hidden(ids: list[int]) -> np.ndarray:
-        with torch.inference_mode():
-            out = hf(torch.tensor([ids]), output_hidden_states=True)
-        return out.hidden_states[sae.layer + 1][0].double().numpy()
-
-    return hidden
 
 
 def ref_stats(ref: RefSAE, x: np.ndarray) -> dict[str, np.ndarray]:
@@ -144,11 +105,6 @@ def aggregates(s: dict, d_in: int) -> tuple[float, float, float]:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fidelity_records_equal_an_independent_reconstruction_inside_a_mixed_batch(demo, reference, backend):
     model, sae_asset = demo
-    if backend in ("vllm", "llamacpp"):
-        require_backend(backend)
-    gguf = gguf_copy(Path(model.path)) if backend == "llamacpp" else None
-    hf_load, vllm_load, gguf_load = demo_loads(model, gguf)
-    load = {"vllm": vllm_load, "llamacpp": gguf_load}.get(backend, hf_load)
     ref = RefSAE(sae_asset)
     key = (sae_asset.name, sae_asset.layer)
     tok = AutoTokenizer.from_pretrained(str(model.path))
@@ -165,25 +121,11 @@ def test_fidelity_records_equal_an_independent_reconstruction_inside_a_mixed_bat
             "fid", prompt_token_ids=long_ids, sampling=greedy, monitor=fidelity("pre_steering", "all")
         ),
         "twin": GenerationJob("twin", prompt_token_ids=long_ids, sampling=greedy),
-        "post": GenerationJob(
-            "post",
-            prompt_token_ids=steer_ids,
-            sampling=greedy,
-            steering=SteeringSpec([SteeringEntry(*key, {0: STEER})]),
-            monitor=fidelity("post_steering", "prompt"),
-        ),
+        "post": steered_job("post", steer_ids, greedy, key, fidelity("post_steering", "prompt")),
     }
-    batching = BatchingOptions(enabled=backend != "transformers-serial", max_batch_size=8)
-    eng = Engine(batching=batching, drain_timeout_s=300)
-    try:
-        eng.load_model(load)
-        eng.attach(AttachSpec(sae_asset.name, str(sae_asset.path), sae_asset.layer))
+    with demo_engine(backend, model, sae_asset) as eng:
         streams = {name: eng.generate(job) for name, job in jobs.items()}
         got = {name: s.result(600) for name, s in streams.items()}
-    finally:
-        eng.shutdown()
-        del eng
-        gc.collect()
 
     # arming the fidelity monitor changes no token
     assert got["fid"].token_ids == got["twin"].token_ids

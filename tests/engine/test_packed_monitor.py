@@ -16,72 +16,29 @@ its unmonitored twin's, bit for bit.
 
 from __future__ import annotations
 
-import gc
-from pathlib import Path
-
 import numpy as np
 import pytest
-import torch
-from transformers import AutoModelForCausalLM
 
 from gpu_engine.api.errors import InvalidParameter
 from gpu_engine.api.monitoring import PackedRows, unpack
 from gpu_engine.api.protocol import (
-    AttachSpec,
-    BatchingOptions,
     GenerationJob,
     MonitorEntry,
     MonitorSpec,
     SamplingParams,
-    SteeringEntry,
-    SteeringSpec,
     from_json,
 )
 from gpu_engine.interp.monitors import FLUSH_CHUNK_ROWS
-from gpu_engine.runtime.engine import Engine
-from tests.fixtures.backends import require_backend
-from tests.fixtures.llamacpp import gguf_copy
 
+from .demo_batch import BACKENDS, LONG, N_TOKENS, STEER, demo, demo_engine, reference, steered_job  # noqa: F401 - fixtures
 from .helpers import RefSAE
-from .test_backend_parity import demo_loads
 
-N_TOKENS = 6
-STEER = 10.0  # the demo SAE's feature 0 ("ocean"), in its documented working range
 # the packed values vs the test's float64 encode of its own float32 forward: each
 # backend's float32 (another matmul blocking, llama.cpp's own kernels) against one
 # reference, on values up to a few hundred at the first row; measured ≤ 5.3e-4 overall
 # and ≤ 2.7e-5 where |want| ≤ 1 (transformers serial and batched, vLLM, llama.cpp)
 PACKED_ATOL = 1e-3
 PACKED_RTOL = 1e-4
-LONG = (
-    "The river ran past the old mill, where the miller's daughter counted sacks of flour "
-    "and wrote the numbers in a ledger that her grandfather had bound in leather. "
-)
-
-
-@pytest.fixture(scope="module")
-def demo(demo_assets):
-    from offline_assets import DEMO_MODEL_NAME, DEMO_SAE_NAME
-
-    model = demo_assets.models[DEMO_MODEL_NAME]
-    sae = demo_assets.saes[DEMO_SAE_NAME]
-    return model, sae
-
-
-@pytest.fixture(scope="module")
-def reference(demo):
-    """The checkpoint in float32 (plain transformers, no engine): block ``layer``'s output
-    over any token ids, float64."""
-    model, sae = demo
-    hf = AutoModelForCausalLM.from_pretrained(str(model.path), torch_dtype=torch.float32)
-    hf.eval()
-
-    def hidden(ids: list[int]) -> np.ndarray:
-        with torch.inference_mode():
-            out = hf(torch.tensor([ids]), output_hidden_states=True)
-        return out.hidden_states[sae.layer + 1][0].double().numpy()  # block L's output
-
-    return hidden
 
 
 def dense(records, rows: int, d_sae: int) -> np.ndarray:
@@ -105,26 +62,14 @@ def dense(records, rows: int, d_sae: int) -> np.ndarray:
     return out
 
 
-BACKENDS = ["transformers-serial", "transformers", "vllm", "llamacpp"]
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_packed_rows_equal_an_independent_encode_inside_a_mixed_batch(demo, reference, backend):
     model, sae_asset = demo
-    if backend in ("vllm", "llamacpp"):
-        require_backend(backend)
-    gguf = gguf_copy(Path(model.path)) if backend == "llamacpp" else None
-    hf_load, vllm_load, gguf_load = demo_loads(model, gguf)
-    load = {"vllm": vllm_load, "llamacpp": gguf_load}.get(backend, hf_load)
     ref = RefSAE(sae_asset)
     d_sae = ref.W_enc.shape[1]
     key = (sae_asset.name, sae_asset.layer)
 
-    batching = BatchingOptions(enabled=backend != "transformers-serial", max_batch_size=8)
-    eng = Engine(batching=batching, drain_timeout_s=300)
-    try:
-        eng.load_model(load)
-        eng.attach(AttachSpec(sae_asset.name, str(sae_asset.path), sae_asset.layer))
+    with demo_engine(backend, model, sae_asset) as eng:
         # prompts from the checkpoint's tokenizer on every backend (ids go in as ids)
         tok = eng.backend.encode_text if backend.startswith("transformers") else None
         if tok is None:
@@ -144,26 +89,13 @@ def test_packed_rows_equal_an_independent_encode_inside_a_mixed_batch(demo, refe
         def packed(read_point: str, positions: str) -> MonitorSpec:
             return MonitorSpec([MonitorEntry(*key, packed=True, read_point=read_point, positions=positions)])
 
-        steering = SteeringSpec([SteeringEntry(*key, {0: STEER})])
         jobs = {
             "packed": GenerationJob(
                 "packed", prompt_token_ids=long_ids, sampling=greedy, monitor=packed("pre_steering", "all")
             ),
             "twin": GenerationJob("twin", prompt_token_ids=long_ids, sampling=greedy),
-            "pre": GenerationJob(
-                "pre",
-                prompt_token_ids=steer_ids,
-                sampling=greedy,
-                steering=steering,
-                monitor=packed("pre_steering", "prompt"),
-            ),
-            "post": GenerationJob(
-                "post",
-                prompt_token_ids=steer_ids,
-                sampling=greedy,
-                steering=steering,
-                monitor=packed("post_steering", "prompt"),
-            ),
+            "pre": steered_job("pre", steer_ids, greedy, key, packed("pre_steering", "prompt")),
+            "post": steered_job("post", steer_ids, greedy, key, packed("post_steering", "prompt")),
             "topk": GenerationJob(
                 "topk",
                 prompt_token_ids=other_ids,
@@ -173,10 +105,6 @@ def test_packed_rows_equal_an_independent_encode_inside_a_mixed_batch(demo, refe
         }
         streams = {name: eng.generate(job) for name, job in jobs.items()}
         got = {name: s.result(600) for name, s in streams.items()}
-    finally:
-        eng.shutdown()
-        del eng
-        gc.collect()
 
     # monitoring every row packed changes no token
     assert got["packed"].token_ids == got["twin"].token_ids
