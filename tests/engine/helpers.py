@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -83,20 +83,25 @@ def count_forwards(model: torch.nn.Module) -> Iterator[list[int]]:
 
 
 @contextmanager
-def add_delta(module: torch.nn.Module, delta: np.ndarray) -> Iterator[None]:
-    """The test's own steering hook: output + delta, for reference runs."""
-    d = torch.tensor(delta, dtype=torch.float32)
+def adding(module: torch.nn.Module, delta: torch.Tensor) -> Iterator[None]:
+    """The test's own steering hook: the module's output + ``delta`` (a tensor in the
+    reference's own dtype), for reference runs."""
 
     def hook(mod, args, output):
         if isinstance(output, tuple):
-            return (output[0] + d, *output[1:])
-        return output + d
+            return (output[0] + delta, *output[1:])
+        return output + delta
 
     handle = module.register_forward_hook(hook)
     try:
         yield
     finally:
         handle.remove()
+
+
+def add_delta(module: torch.nn.Module, delta: np.ndarray) -> AbstractContextManager[None]:
+    """The test's own steering hook: output + delta (in float32), for reference runs."""
+    return adding(module, torch.tensor(delta, dtype=torch.float32))
 
 
 def block(engine, asset, layer: int) -> torch.nn.Module:

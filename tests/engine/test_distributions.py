@@ -43,8 +43,8 @@ from gpu_engine.backends import BackendEntry
 from gpu_engine.backends.transformers.runner import TransformersRunner
 from gpu_engine.runtime.engine import Engine
 
-from .helpers import RefSAE, count_forwards
-from .tolerances import DISTRIBUTION_ATOL, LLAMACPP_DISTRIBUTION_ATOL, POSITIVE_CONTROL_MIN
+from .helpers import RefSAE, adding, count_forwards
+from .tolerances import DISTRIBUTION_ATOL, POSITIVE_CONTROL_MIN
 
 PROMPTS = ["the cat sat on the mat and then it", "a quick brown fox jumps over the lazy dog", "one two three four"]
 SAE = "tiny-llama-L1-relu"
@@ -69,26 +69,12 @@ def reference(tiny_assets):
             sae, features = steer
             delta = torch.tensor(RefSAE(sae).delta(features), dtype=torch.float64)
             module = model.get_submodule(asset.layer_module_path(sae.layer))
-            hook = _adding(module, delta)
+            hook = adding(module, delta)
         with torch.no_grad(), hook:
             logits = model(torch.tensor([ids])).logits[0]
         return torch.log_softmax(logits.double(), dim=-1).numpy()
 
     return lsm
-
-
-@contextlib.contextmanager
-def _adding(module: torch.nn.Module, delta: torch.Tensor):
-    def hook(mod, args, output):
-        if isinstance(output, tuple):
-            return (output[0] + delta, *output[1:])
-        return output + delta
-
-    handle = module.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def assert_rows(d: Distributions | None, ref: np.ndarray, start: int, n_prompt: int, atol: float) -> np.ndarray:
@@ -413,10 +399,10 @@ def test_llamacpp_distributions_equal_the_float64_reference(gguf_engines, refere
                 ids = e.backend.encode_text(text)
                 for start in (1, len(ids) - 2):
                     got = e.generate_sync(job("g", ids, start))
-                    assert_rows(got.distributions, reference(ids), start, len(ids), LLAMACPP_DISTRIBUTION_ATOL)
+                    assert_rows(got.distributions, reference(ids), start, len(ids), DISTRIBUTION_ATOL)
                 steered_ref = reference(ids, (sae, features))
                 got = e.generate_sync(job("s", ids, 2, steering=steering(sae, features)))
-                assert_rows(got.distributions, steered_ref, 2, len(ids), LLAMACPP_DISTRIBUTION_ATOL)
+                assert_rows(got.distributions, steered_ref, 2, len(ids), DISTRIBUTION_ATOL)
                 plain = e.generate_sync(job("p", ids, None, n=6))
                 armed = e.generate_sync(job("a", ids, 1, n=6))
                 assert armed.token_ids == plain.token_ids
