@@ -11,6 +11,7 @@ from rest_framework.test import APIClient
 
 from tests.api.standin_hub import Repo, StandInHub
 from tests.envelope import body, ok, refused  # noqa: F401 - re-exported to the tests
+from tests.published import recording
 
 MODEL_REPO = "millm-test/tiny-llama"
 GATED_REPO = "millm-test/gated-llama"
@@ -80,15 +81,7 @@ def published(monkeypatch):
     """Every event published, in order, as (name, data)."""
     from core import events
 
-    seen: list[tuple[str, dict]] = []
-    real = events.publish
-
-    def record(event: str, data: dict) -> None:
-        seen.append((event, json.loads(json.dumps(data))))
-        real(event, data)
-
-    monkeypatch.setattr(events, "publish", record)
-    return seen
+    return recording(monkeypatch, events)
 
 
 @pytest.fixture

@@ -7,19 +7,20 @@ code), steered by its own hook adding ``strength · W_dec[i]`` at block 1's outp
 from __future__ import annotations
 
 import contextlib
-import time
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
+from tests.background import TERMINAL, run_ended, wait_until
+from tests.engine.helpers import adding as _adding  # also tests/experiments/test_sweep.py's
+from tests.published import recording
 from tests.v1.conftest import KEYS, _v1_db, attach, keyed, llama, v1_server  # noqa: F401 - fixtures
 from tests.v1.helpers import request
 
 SAE = "tiny-llama-L1-relu"
 LAYER = 1
-TERMINAL = ("completed", "failed", "cancelled")
 # KL from the engine's float32 log-softmax rows (renormalised in float64) against the
 # test's float64 forward: float32 logits carry ~1e-6 relative error, so a KL of order 1
 # agrees to ~1e-5 and a tiny one to ~1e-7 absolute
@@ -42,24 +43,10 @@ def sae(llama):
     llama.wait_idle(60)
 
 
-def wait_until(check, what: str, timeout_s: float = 300.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 def wait_run(run_id: str, timeout_s: float = 300.0) -> Any:
     from experiments.models import ExperimentRun
 
-    return wait_until(
-        lambda: (r := ExperimentRun.objects.get(id=run_id)).status in TERMINAL and r.runner is None and r,
-        f"run {run_id} to end",
-        timeout_s,
-    )
+    return run_ended(ExperimentRun, run_id, timeout_s)
 
 
 def api(server: Any, method: str, path: str, body: Any = None, key: str | None = None, **kw: Any) -> tuple[int, Any]:
@@ -127,20 +114,6 @@ class Own:
         return np.array([lsm[p0 - 1 + k, t] for k, t in enumerate(continuation)])
 
 
-@contextlib.contextmanager
-def _adding(module: torch.nn.Module, delta: torch.Tensor):
-    def hook(mod, args, output):
-        if isinstance(output, tuple):
-            return (output[0] + delta, *output[1:])
-        return output + delta
-
-    handle = module.register_forward_hook(hook)
-    try:
-        yield
-    finally:
-        handle.remove()
-
-
 @pytest.fixture(scope="session")
 def own(tiny_assets):
     return Own(tiny_assets)
@@ -149,17 +122,6 @@ def own(tiny_assets):
 @pytest.fixture
 def published(monkeypatch):
     """Every event published on this process's bus, in order, as (name, data)."""
-    import json
-
     from core.runtime import runtime
 
-    bus = runtime().events
-    seen: list[tuple[str, dict]] = []
-    real = bus.publish
-
-    def record(event: str, data: dict) -> None:
-        seen.append((event, json.loads(json.dumps(data))))
-        real(event, data)
-
-    monkeypatch.setattr(bus, "publish", record)
-    return seen
+    return recording(monkeypatch, runtime().events)

@@ -14,6 +14,8 @@ import time
 import numpy as np
 import pytest
 
+from tests.background import runner_by_hand
+from tests.experiments.conftest import wait_run, wait_until
 from tests.experiments.fidelity_reference import FidelityReference
 from tests.fixtures.served import GatedEngine
 from tests.v1.conftest import _v1_db, attach, llama, openai_client, v1_server  # noqa: F401 - fixtures
@@ -265,29 +267,6 @@ def _fidelity_run(sae, **extra):
     )
 
 
-def _until(check, what: str, timeout_s: float = 240):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _ended(run_id: str):
-    from experiments.models import ExperimentRun
-
-    return _until(
-        lambda: (
-            (r := ExperimentRun.objects.get(id=run_id)).status in ("completed", "failed", "cancelled")
-            and r.runner is None
-            and r
-        ),
-        f"run {run_id} to end",
-    )
-
-
 class _HeldUntilCancelled(GatedEngine):
     """``GatedEngine`` whose held job says when it was cancelled (``cancelled``)."""
 
@@ -317,33 +296,26 @@ def test_a_crashed_corpus_run_resumes_with_only_the_groups_missing(llama, settin
 
     sae = attach(L1, 1)
     _, first = _fidelity_run(sae)
-    reference = _ended(first.id)
+    reference = wait_run(first.id, 240)
     assert reference.status == "completed" and reference.total == 3, (reference.error, reference.total)
     assert ExperimentPoint.objects.filter(run_id=reference.id).count() == 3
 
     run = ExperimentRun.objects.create(kind="fidelity", spec=dict(reference.spec), sae_id=sae.id, layer=1)
     inner = runtime().engine
     gate = _HeldUntilCancelled(inner, hold=97)  # two groups of 16 contexts × 3 passes at once: the third's first
-    stop, outcome = threading.Event(), []
-    with runtime().replaced(engine=gate):
-        thread = threading.Thread(target=lambda: outcome.append(runner.experiment_run(run_id=run.id, stop=stop)))
-        thread.start()
-        try:
-            assert gate.reached.wait(240), "the third group never reached the engine"
-            _until(lambda: ExperimentPoint.objects.filter(run_id=run.id).count() == 2, "two groups stored")
-            stop.set()
-            # the crash cancels the held pass: the third group is never complete
-            assert gate.cancelled.wait(60), "the stopped runner did not cancel its jobs"
-        finally:
-            gate.release.set()
-            thread.join(120)
+    with runner_by_hand(gate, lambda stop: runner.experiment_run(run_id=run.id, stop=stop)) as (stop, outcome, _):
+        assert gate.reached.wait(240), "the third group never reached the engine"
+        wait_until(lambda: ExperimentPoint.objects.filter(run_id=run.id).count() == 2, "two groups stored", 240)
+        stop.set()
+        # the crash cancels the held pass: the third group is never complete
+        assert gate.cancelled.wait(60), "the stopped runner did not cancel its jobs"
     assert outcome == ["stopped"]
     assert ExperimentRun.objects.get(id=run.id).status == "running"
 
     counter = GatedEngine(inner, hold=0)
     with runtime().replaced(engine=counter):
         assert experiments_resume(force=True) == 1
-        done = _ended(run.id)
+        done = wait_run(run.id, 240)
     assert done.status == "completed" and not done.partial and done.resumes == 1, done.error
     assert counter.calls == 6 * 3
     assert done.result == reference.result
@@ -385,7 +357,7 @@ def test_a_backend_without_splice_reports_why_and_sends_no_splice(llama, monkeyp
     assert (entry["loss_spliced"], entry["loss_zero"]) == (None, None)
 
     _, run = _fidelity_run(sae, context_tokens=32)
-    done = _ended(run.id)
+    done = wait_run(run.id, 240)
     assert done.status == "completed", done.error
     got = done.result
     assert got["loss_recovered"] is None and got["loss_recovered_unavailable"] == reason

@@ -10,11 +10,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-import threading
 from datetime import timedelta
 
 import pytest
 
+from tests.background import runner_by_hand
 from tests.experiments.conftest import api, ok, refused, wait_run, wait_until
 from tests.v1.helpers import request
 from tests.fixtures.served import GatedEngine
@@ -105,20 +105,12 @@ def test_a_crashed_sweep_resumes_from_its_points_with_the_same_figures(sae, llam
     run = ExperimentRun.objects.create(kind="sweep", spec=dict(reference.spec), total=reference.total)
     inner = runtime().engine
     gate = GatedEngine(inner, hold=10)
-    stop = threading.Event()
-    outcome: list[str] = []
-    with runtime().replaced(engine=gate):
-        thread = threading.Thread(target=lambda: outcome.append(runner.experiment_run(run_id=run.id, stop=stop)))
-        thread.start()
-        try:
-            assert gate.reached.wait(120), "the tenth job never reached the engine"
-            wait_until(lambda: ExperimentPoint.objects.filter(run_id=run.id).count() >= 2, "two points in")
-            stop.set()
-            # the runner sees the stop at its next heartbeat with the tenth job still held
-            thread.join(120)
-        finally:
-            gate.release.set()
-            thread.join(120)
+    with runner_by_hand(gate, lambda stop: runner.experiment_run(run_id=run.id, stop=stop)) as (stop, outcome, thread):
+        assert gate.reached.wait(120), "the tenth job never reached the engine"
+        wait_until(lambda: ExperimentPoint.objects.filter(run_id=run.id).count() >= 2, "two points in")
+        stop.set()
+        # the runner sees the stop at its next heartbeat with the tenth job still held
+        thread.join(120)
     assert outcome == ["stopped"]
     crashed = ExperimentRun.objects.get(id=run.id)
     assert crashed.status == "running" and crashed.runner

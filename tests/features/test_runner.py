@@ -13,8 +13,6 @@ max token.
 
 from __future__ import annotations
 
-import threading
-import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -22,6 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from tests import background
+from tests.background import TERMINAL, run_ended, runner_by_hand
 from tests.envelope import refused
 from tests.v1.conftest import _register_assets
 from tests.fixtures.served import GatedEngine
@@ -32,7 +32,6 @@ SAE_NAME = "tiny-llama-L1-relu"
 LAYER = 1
 BUDGET = 640
 CONTEXT = 32
-TERMINAL = ("completed", "failed", "cancelled")
 FIELDS = ("count", "density", "mean", "max", "histogram", "top_contexts", "quantile_samples", "logit_top")
 
 
@@ -83,22 +82,13 @@ def sae(engine_client, transactional_db, settings, tmp_path):
 
 
 def wait_until(check, what: str, timeout_s: float = 180.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        got = check()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+    return background.wait_until(check, what, timeout_s)
 
 
 def wait_run(run_id: str) -> Any:
     from features.models import DashboardRun
 
-    return wait_until(
-        lambda: (r := DashboardRun.objects.get(id=run_id)).status in TERMINAL and r.runner is None and r,
-        f"run {run_id} to end",
-    )
+    return run_ended(DashboardRun, run_id, 180.0)
 
 
 def principal() -> Any:
@@ -320,19 +310,11 @@ def test_a_crashed_run_resumes_from_its_checkpoint_with_the_same_figures(sae, en
         sae=sae, layer=LAYER, token_budget=BUDGET, context_tokens=CONTEXT, top_k=5, window=4
     )
     gate = GatedEngine(engine_client, hold=9)
-    stop = threading.Event()
-    outcome: list[str] = []
-    with runtime().replaced(engine=gate):
-        thread = threading.Thread(target=lambda: outcome.append(runner.dashboard_run(run_id=run.id, stop=stop)))
-        thread.start()
-        try:
-            assert gate.reached.wait(120), "the ninth context never reached the engine"
-            # checkpoints at 3 and 6 contexts were written before the ninth was sent
-            wait_until(lambda: DashboardRun.objects.get(id=run.id).contexts_done >= 6, "six contexts in")
-            stop.set()
-        finally:
-            gate.release.set()
-            thread.join(120)
+    with runner_by_hand(gate, lambda stop: runner.dashboard_run(run_id=run.id, stop=stop)) as (stop, outcome, _):
+        assert gate.reached.wait(120), "the ninth context never reached the engine"
+        # checkpoints at 3 and 6 contexts were written before the ninth was sent
+        wait_until(lambda: DashboardRun.objects.get(id=run.id).contexts_done >= 6, "six contexts in")
+        stop.set()
     assert outcome == ["stopped"]
     crashed = DashboardRun.objects.get(id=run.id)
     assert crashed.status == "running" and not crashed.complete and crashed.checkpoint_path
