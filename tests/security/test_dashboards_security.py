@@ -11,12 +11,13 @@ from __future__ import annotations
 import io
 import json
 import time
-from typing import Any
 from urllib.parse import quote
 
 import pytest
 
 from features.models import DashboardRun, FeatureDashboard
+from tests.security import across_keys
+from tests.security.across_keys import answer, call
 from tests.v1.conftest import KEYS, _v1_db, attach, keyed, llama, v1_server  # noqa: F401 - fixtures
 from tests.v1.helpers import request
 
@@ -24,21 +25,6 @@ pytestmark = pytest.mark.django_db(transaction=True)
 
 SAE = "tiny-llama-L1-relu"
 WORDS = "quartz lantern orbit velvet meadow harbor pepper falcon ribbon copper glacier violet".split()
-
-
-def call(server, who: str, method: str, path: str, body: Any = None, **kw) -> tuple[int, dict]:
-    resp = request(server.url, method, path, body, headers={"Authorization": f"Bearer {KEYS[who]}"}, **kw)
-    return resp.status, resp.json()
-
-
-def answer(status_body: tuple[int, dict], status: int, code: str | None = None) -> Any:
-    got, body = status_body
-    assert got == status, body
-    if code is None:
-        assert body["success"] is True, body
-        return body["data"]
-    assert body["success"] is False and body["error"]["code"] == code, body
-    return body["error"]
 
 
 @pytest.fixture
@@ -64,13 +50,7 @@ def _admin():
 
 
 def wait_ended(server, run_id: str, timeout_s: float = 180) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        run = answer(call(server, "alice", "GET", f"/api/dashboards/{run_id}"), 200)
-        if run["status"] in ("completed", "failed", "cancelled"):
-            return run
-        assert time.monotonic() < deadline, f"still {run['status']} after {timeout_s} s"
-        time.sleep(0.1)
+    return across_keys.wait_ended(server, "alice", f"/api/dashboards/{run_id}", timeout_s)
 
 
 def test_one_keys_corpus_and_run_are_a_404_for_another_and_never_shown(llama, dashboards, keyed):  # noqa: F811

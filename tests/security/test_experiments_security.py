@@ -11,59 +11,18 @@ anything runs."""
 from __future__ import annotations
 
 import json
-import time
-from typing import Any
 
 import pytest
 
 from experiments.models import ExperimentPoint, ExperimentRun
-from tests.v1.conftest import KEYS, _v1_db, attach, keyed, llama, v1_server  # noqa: F401 - fixtures
+from tests.experiments.conftest import sae, wait_run  # noqa: F401 - sae: tiny-llama with its L1 SAE, every run ended after
+from tests.security.across_keys import answer, call
+from tests.v1.conftest import KEYS, _v1_db, keyed, llama, v1_server  # noqa: F401 - fixtures
 from tests.v1.helpers import request
 
-pytestmark = pytest.mark.django_db(transaction=True)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("keyed")]  # every call is a key's
 
-SAE = "tiny-llama-L1-relu"
 SECRET = "violet harbor quartz lantern"
-
-
-def call(server, who: str | None, method: str, path: str, body: Any = None, **kw) -> tuple[int, Any]:
-    headers = {"Authorization": f"Bearer {KEYS[who]}"} if who else {}
-    resp = request(server.url, method, path, body, headers=headers, **kw)
-    try:
-        return resp.status, resp.json()
-    except ValueError:
-        return resp.status, resp.body
-
-
-def answer(got: tuple[int, Any], status: int, code: str | None = None) -> Any:
-    status_got, body = got
-    assert status_got == status, body
-    if code is None:
-        assert body["success"] is True, body
-        return body["data"]
-    assert body["success"] is False and body["error"]["code"] == code, body
-    return body["error"]
-
-
-@pytest.fixture
-def sae(llama, keyed):  # noqa: F811
-    row = attach(SAE, 1)
-    yield row
-    ExperimentRun.objects.exclude(status__in=("completed", "failed", "cancelled")).update(status="cancelling")
-    deadline = time.monotonic() + 120
-    while ExperimentRun.objects.exclude(status__in=("completed", "failed", "cancelled")).exists():
-        assert time.monotonic() < deadline, "a run did not end"
-        time.sleep(0.05)
-
-
-def wait(run_id: str) -> ExperimentRun:
-    deadline = time.monotonic() + 300
-    while True:
-        run = ExperimentRun.objects.get(id=run_id)
-        if run.status in ("completed", "failed", "cancelled") and run.runner is None:
-            return run
-        assert time.monotonic() < deadline, "the run did not end"
-        time.sleep(0.05)
 
 
 def sweep_body(sae, **extra) -> dict:
@@ -79,7 +38,7 @@ def sweep_body(sae, **extra) -> dict:
 def test_one_keys_runs_are_a_404_for_another_and_never_listed(llama, sae):  # noqa: F811
     server = llama
     run = answer(call(server, "alice", "POST", "/api/experiments/sweep", sweep_body(sae)), 202)["run"]
-    done = wait(run["id"])
+    done = wait_run(run["id"])
     assert done.status == "completed" and done.owner == "key:alice"
     points = ExperimentPoint.objects.filter(run=done).count()
     assert points == 2
@@ -107,7 +66,7 @@ def test_one_keys_runs_are_a_404_for_another_and_never_listed(llama, sae):  # no
     mine = answer(call(server, "bob", "POST", "/api/experiments/sweep", sweep_body(sae)), 202)["run"]
     assert ExperimentRun.objects.get(id=mine["id"]).owner == "key:bob"
     assert answer(call(server, "alice", "GET", f"/api/experiments/{mine['id']}"), 404, "EXPERIMENT_NOT_FOUND")
-    wait(mine["id"])
+    wait_run(mine["id"])
 
 
 def test_no_key_is_401_on_every_route_and_creates_nothing(llama, sae):  # noqa: F811
@@ -154,7 +113,7 @@ def test_bad_formats_escaping_ids_and_a_profile_save_by_an_inference_key(llama, 
 
     server = llama
     run = answer(call(server, "alice", "POST", "/api/experiments/sweep", sweep_body(sae)), 202)["run"]
-    wait(run["id"])
+    wait_run(run["id"])
     for fmt in ("xlsx", "../../etc/passwd", "json", "CSV"):
         status, body = call(server, "alice", "GET", f"/api/experiments/{run['id']}/download?format={fmt}")
         assert status == 422 and body["error"]["code"] == "VALIDATION_ERROR", (fmt, body)
@@ -178,4 +137,4 @@ def test_bad_formats_escaping_ids_and_a_profile_save_by_an_inference_key(llama, 
     assert ExperimentRun.objects.filter(kind="calibration").count() == 0
     # root may
     made = answer(call(server, "root", "POST", "/api/experiments/calibrate", {**body, "max_iterations": 2}), 202)
-    wait(made["run"]["id"])
+    wait_run(made["run"]["id"])

@@ -11,57 +11,23 @@ from __future__ import annotations
 
 import io
 import json
-import time
-from typing import Any
 
 import pytest
 
 from experiments.models import ExperimentRun
-from tests.v1.conftest import KEYS, _v1_db, attach, keyed, llama, v1_server  # noqa: F401 - fixtures
+from tests.experiments.conftest import sae  # noqa: F401 - fixture (tiny-llama with its L1 SAE; every run ended after)
+from tests.security import across_keys
+from tests.security.across_keys import answer, call
+from tests.v1.conftest import KEYS, _v1_db, keyed, llama, v1_server  # noqa: F401 - fixtures
 from tests.v1.helpers import request
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-SAE = "tiny-llama-L1-relu"
 WORDS = "quartz lantern orbit velvet meadow harbor pepper falcon ribbon copper glacier violet".split()
 
 
-def call(server, who: str | None, method: str, path: str, body: Any = None, **kw) -> tuple[int, dict]:
-    headers = {"Authorization": f"Bearer {KEYS[who]}"} if who else {}
-    resp = request(server.url, method, path, body, headers=headers, **kw)
-    return resp.status, resp.json() if resp.body else {}
-
-
-def answer(status_body: tuple[int, dict], status: int, code: str | None = None) -> Any:
-    got, body = status_body
-    assert got == status, body
-    if code is None:
-        assert body["success"] is True, body
-        return body["data"]
-    assert body["success"] is False and body["error"]["code"] == code, body
-    return body["error"]
-
-
-@pytest.fixture
-def sae(llama):  # noqa: F811
-    """tiny-llama resident with the L1 SAE attached at layer 1; every run ended after."""
-    row = attach(SAE, 1)
-    yield row
-    ExperimentRun.objects.exclude(status__in=ExperimentRun.TERMINAL).update(status="cancelling")
-    deadline = time.monotonic() + 120
-    while ExperimentRun.objects.exclude(status__in=ExperimentRun.TERMINAL).exclude(runner=None).exists():
-        assert time.monotonic() < deadline, "an experiment runner did not end"
-        time.sleep(0.05)
-
-
 def wait_ended(server, who: str, run_id: str, timeout_s: float = 240) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        run = answer(call(server, who, "GET", f"/api/experiments/{run_id}"), 200)
-        if run["status"] in ("completed", "failed", "cancelled"):
-            return run
-        assert time.monotonic() < deadline, f"still {run['status']} after {timeout_s} s"
-        time.sleep(0.1)
+    return across_keys.wait_ended(server, who, f"/api/experiments/{run_id}", timeout_s)
 
 
 def test_one_keys_corpus_fidelity_is_a_404_for_another_and_never_shown(llama, sae, keyed):  # noqa: F811
