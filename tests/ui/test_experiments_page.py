@@ -23,20 +23,9 @@ import numpy as np
 import pytest
 
 from tests.ui.conftest import VIEWPORT, Console, screenshot, start_server, stop_server
+from tests.ui.runs import RECORD, ROW, completed_row, load_llama_and_attach, refuse_first_confirm
 from tests.ui.test_features_pages import held_server  # noqa: F401  (a fixture: a server whose engine holds)
 
-ROW = "#runs tr[data-run-id='{id}']"
-# every value the run's bar shows, recorded in the page as the rows change
-RECORD = """() => {
-  window.__bars = [];
-  const seen = () => {
-    for (const tr of document.querySelectorAll('#runs tr[data-run-id]')) {
-      const bar = tr.querySelector('progress');
-      window.__bars.push([tr.dataset.runId, tr.dataset.status, bar ? Number(bar.value) : null]);
-    }
-  };
-  new MutationObserver(seen).observe(document.querySelector('#runs'), {childList: true, subtree: true});
-}"""
 PROMPTS = ["The weather today is", "My favourite food is"]
 
 
@@ -91,9 +80,7 @@ def test_a_sweep_from_the_page_to_its_plots_texts_and_files(server, page):
     run_id = start_from_page(
         page, sae, features=str(feature), strengths="0, 6, 12", prompts=PROMPTS, max_tokens=max_tokens
     )
-    row = page.locator(ROW.format(id=run_id))
-    row.wait_for()
-    page.wait_for_selector(ROW.format(id=run_id) + "[data-status=completed]", timeout=240_000)
+    row = completed_row(page, run_id)
     run = server.api("GET", f"/api/experiments/{run_id}")
     assert run["status"] == "completed" and run["kind"] == "sweep" and run["done"] == run["total"] == 8
     assert run["spec"]["variants"] == [{"sae_id": sae, "layer": 1, "index": feature, "mode": "add"}]
@@ -431,13 +418,7 @@ def test_cancel_asks_first_and_keeps_the_points_done(held_server, page):
     page.goto(f"{server.url}/experiments/")
     row = page.locator(ROW.format(id=run_id))
     row.wait_for()
-    asked: list[str] = []
-
-    def answer(dialog):
-        asked.append(dialog.message)
-        dialog.dismiss() if len(asked) == 1 else dialog.accept()
-
-    page.on("dialog", answer)
+    asked = refuse_first_confirm(page)
     button = row.get_by_role("button", name=f"Cancel run {run_id}")
     button.click()  # dismissed: nothing sent
     assert len(asked) == 1 and run_id in asked[0]
@@ -492,13 +473,7 @@ def keyed_server(tiny_assets, slow_hub, tmp_path_factory):
         {"MILLM_ADMIN_API_KEYS": ADMIN, "MILLM_API_KEYS": f"{ALICE},{BOB}"},
     )
     try:
-        models = {m["name"]: m for m in srv.api("GET", "/api/models")["models"]}
-        saes = {s["name"]: s for s in srv.api("GET", "/api/saes")["saes"]}
-        model = models["tiny-llama"]["id"]
-        srv.api("POST", f"/api/models/{model}/load")
-        srv.wait_for("tiny-llama to load", lambda: srv.api("GET", f"/api/models/{model}")["status"] == "loaded")
-        srv.sae_id = saes["tiny-llama-L1-relu"]["id"]
-        srv.api("POST", f"/api/saes/{srv.sae_id}/attach", {"layer": 1})
+        load_llama_and_attach(srv)
         yield srv
     finally:
         stop_server(srv)

@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 
 from tests.ui.conftest import REPO, _env, screenshot, start_server, stop_server
+from tests.ui.runs import RECORD, ROW, completed_row, load_llama_and_attach, refuse_first_confirm
 
 # --- rows written straight into the served database ---------------------------------------
 
@@ -287,19 +288,6 @@ def test_a_feature_without_a_dashboard_says_so(server, copy_sae, page):
 
 # --- a real dashboard job ------------------------------------------------------------------
 
-ROW = "#runs tr[data-run-id='{id}']"
-# every value the run's bar shows, recorded in the page as the rows change
-RECORD = """() => {
-  window.__bars = [];
-  const seen = () => {
-    for (const tr of document.querySelectorAll('#runs tr[data-run-id]')) {
-      const bar = tr.querySelector('progress');
-      window.__bars.push([tr.dataset.runId, tr.dataset.status, bar ? Number(bar.value) : null]);
-    }
-  };
-  new MutationObserver(seen).observe(document.querySelector('#runs'), {childList: true, subtree: true});
-}"""
-
 
 def _locale_int(page, value: int) -> str:
     return page.evaluate("(v) => v.toLocaleString(undefined, {maximumFractionDigits: 0})", value)
@@ -318,9 +306,7 @@ def test_a_real_dashboard_run_from_the_page_to_a_feature_and_the_playground(serv
     started = page.locator(".notice.ok:has-text('Started run')")
     started.wait_for()
     run_id = started.inner_text().split()[2]
-    row = page.locator(ROW.format(id=run_id))
-    row.wait_for()
-    page.wait_for_selector(ROW.format(id=run_id) + "[data-status=completed]", timeout=240_000)
+    row = completed_row(page, run_id)
     run = server.api("GET", f"/api/dashboards/{run_id}")
     assert run["status"] == "completed" and run["complete"] and run["token_budget"] == 1024
     assert row.locator("progress").evaluate("b => b.value") == 100
@@ -439,13 +425,7 @@ def held_server(tiny_assets, slow_hub, tmp_path):
     env = {"MILLM_TEST_HOLD_FILE": str(hold), "MILLM_TEST_HOLD_AT": "1", "MILLM_TEST_HOLD_REACHED": str(reached)}
     srv = start_server(root, slow_hub.url, env, serve=HELD_SERVE)
     try:
-        models = {m["name"]: m for m in srv.api("GET", "/api/models")["models"]}
-        saes = {s["name"]: s for s in srv.api("GET", "/api/saes")["saes"]}
-        model = models["tiny-llama"]["id"]
-        srv.api("POST", f"/api/models/{model}/load")
-        srv.wait_for("tiny-llama to load", lambda: srv.api("GET", f"/api/models/{model}")["status"] == "loaded")
-        srv.sae_id = saes["tiny-llama-L1-relu"]["id"]
-        srv.api("POST", f"/api/saes/{srv.sae_id}/attach", {"layer": 1})
+        load_llama_and_attach(srv)
         yield srv, hold, reached
     finally:
         hold.unlink(missing_ok=True)
@@ -467,13 +447,7 @@ def test_cancel_asks_first_and_the_rows_end_cancelled(held_server, page):
     assert server.api("GET", f"/api/dashboards/{first}")["status"] == "running"
     assert server.api("GET", f"/api/dashboards/{second}")["status"] == "queued"
     page.goto(f"{server.url}/dashboards/?sae_id={sae}")
-    asked: list[str] = []
-
-    def answer(dialog):
-        asked.append(dialog.message)
-        dialog.dismiss() if len(asked) == 1 else dialog.accept()
-
-    page.on("dialog", answer)
+    asked = refuse_first_confirm(page)
     for n, run_id in enumerate((second, first)):
         row = page.locator(ROW.format(id=run_id))
         button = row.get_by_role("button", name=f"Cancel run {run_id}")
