@@ -5,52 +5,31 @@ every refusal one line ``CODE: message`` with exit status 2 and nothing created.
 from __future__ import annotations
 
 import json
-from io import StringIO
+from functools import partial
 
 import pytest
-from django.core.management import call_command
-from django.core.management.base import CommandError
 
 from batches.files import file_create
 from features.management.commands.dashboards import Command
 from features.models import DashboardRun, FeatureDashboard
-from orchestration import tasks
-from tests.api.conftest import engine_client, llama_saes, ok, run_job, tiny_llama  # noqa: F401 - fixtures
+from tests.api.conftest import engine_client, llama_saes, tiny_llama  # noqa: F401 - fixtures
+from tests.commands.helpers import SAE, load_and_attach, refused_command, run_command
 
 pytestmark = pytest.mark.django_db
 
-SAE = "tiny-llama-L1-relu"
 
-
-def _run(*args) -> tuple[str, str]:
-    out, err = StringIO(), StringIO()
-    call_command("dashboards", *args, stdout=out, stderr=err)
-    return out.getvalue(), err.getvalue()
-
-
-def _refused(*args) -> CommandError:
-    with pytest.raises(CommandError) as info:
-        _run(*args)
-    assert info.value.returncode == 2, info.value
-    assert "\n" not in str(info.value)
-    return info.value
+_run = partial(run_command, "dashboards")
+_refused = partial(refused_command, "dashboards")
 
 
 @pytest.fixture
 def attached(settings, engine_client, tiny_llama, llama_saes, tmp_path):  # noqa: F811 - fixtures
     """As in distributed mode (the command reaches the engine): tiny-llama resident with the
     L1 SAE attached at layer 1."""
-    from rest_framework.test import APIClient
-
     settings.EMBEDDED = False
     settings.DASHBOARD_DIR = str(tmp_path / "dashboards")
     settings.DASHBOARD_MAX_TOKENS = 4096
-    api = APIClient()
-    data = ok(api.post(f"/api/models/{tiny_llama.id}/load"), 202)
-    assert run_job(tasks.model_load_task, data["job"]["id"]) == "succeeded"
-    sae = llama_saes[SAE]
-    ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"))
-    return sae
+    return load_and_attach(tiny_llama, llama_saes)
 
 
 def test_a_refusal_is_one_line_and_exit_status_2(llama_saes, capsys):  # noqa: F811 - fixture

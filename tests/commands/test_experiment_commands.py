@@ -7,48 +7,24 @@ created."""
 from __future__ import annotations
 
 import json
-from io import StringIO
 
 import pytest
-from django.core.management import call_command
-from django.core.management.base import CommandError
 
 from experiments.models import ExperimentPoint, ExperimentRun
-from orchestration import tasks
-from tests.api.conftest import engine_client, llama_saes, ok, run_job, tiny_llama  # noqa: F401 - fixtures
+from tests.api.conftest import engine_client, llama_saes, tiny_llama  # noqa: F401 - fixtures
+from tests.commands.helpers import load_and_attach
+from tests.commands.helpers import refused_command as _refused
+from tests.commands.helpers import run_command as _run
 
 pytestmark = pytest.mark.django_db(transaction=True)
-
-SAE = "tiny-llama-L1-relu"
-
-
-def _run(name: str, *args, stdin: str | None = None, monkeypatch=None) -> tuple[str, str]:
-    out, err = StringIO(), StringIO()
-    call_command(name, *args, stdout=out, stderr=err)
-    return out.getvalue(), err.getvalue()
-
-
-def _refused(name: str, *args) -> CommandError:
-    with pytest.raises(CommandError) as info:
-        _run(name, *args)
-    assert info.value.returncode == 2, info.value
-    assert "\n" not in str(info.value)
-    return info.value
 
 
 @pytest.fixture
 def attached(settings, engine_client, tiny_llama, llama_saes):  # noqa: F811 - fixtures
     """As in distributed mode (the command reaches the engine): tiny-llama resident with the
     L1 SAE attached at layer 1."""
-    from rest_framework.test import APIClient
-
     settings.EMBEDDED = False
-    api = APIClient()
-    data = ok(api.post(f"/api/models/{tiny_llama.id}/load"), 202)
-    assert run_job(tasks.model_load_task, data["job"]["id"]) == "succeeded"
-    sae = llama_saes[SAE]
-    ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"))
-    yield sae
+    yield load_and_attach(tiny_llama, llama_saes)
     settings.EMBEDDED = True
 
 
