@@ -6,6 +6,7 @@ inference key's run is a 404; an admin key sees all."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from drf_spectacular.types import OpenApiTypes
@@ -17,7 +18,8 @@ from rest_framework.views import APIView
 
 from core.api import envelope, validated
 from core.auth import principal
-from core.schema import MAX_INDEX, enveloped
+from core.run_apis import listing, listing_output, page_fields, run_envelope_output, run_route
+from core.schema import enveloped
 from experiments import exports, selectors, services
 from experiments.models import ExperimentPoint, ExperimentRun
 from experiments.sweep import (
@@ -75,13 +77,11 @@ class CalibrateInput(serializers.Serializer):
 class RunListQuery(serializers.Serializer):
     kind = serializers.ChoiceField(choices=ExperimentRun.Kind.values, required=False)
     sae_id = serializers.CharField(required=False, max_length=200)
-    limit = serializers.IntegerField(required=False, default=50, min_value=1, max_value=200)
-    offset = serializers.IntegerField(required=False, default=0, min_value=0, max_value=MAX_INDEX)
+    limit, offset = page_fields(50, 200)
 
 
 class PointsQuery(serializers.Serializer):
-    limit = serializers.IntegerField(required=False, default=100, min_value=1, max_value=1000)
-    offset = serializers.IntegerField(required=False, default=0, min_value=0, max_value=MAX_INDEX)
+    limit, offset = page_fields(100, 1000)
 
 
 class DownloadQuery(serializers.Serializer):
@@ -129,13 +129,8 @@ def run_out(run: ExperimentRun) -> dict[str, Any]:
     ).data
 
 
-class RunEnvelopeOutput(serializers.Serializer):
-    run = RunOutput()
-
-
-class RunListOutput(serializers.Serializer):
-    runs = RunOutput(many=True)
-    total = serializers.IntegerField()
+RunEnvelopeOutput = run_envelope_output(RunOutput)
+RunListOutput = listing_output("RunListOutput", "runs", RunOutput)
 
 
 class PointOutput(serializers.Serializer):
@@ -162,40 +157,39 @@ def point_out(point: ExperimentPoint) -> dict[str, Any]:
     return PointOutput(point).data
 
 
-class PointListOutput(serializers.Serializer):
-    points = PointOutput(many=True)
-    total = serializers.IntegerField()
+PointListOutput = listing_output("PointListOutput", "points", PointOutput)
 
 
 # --------------------------------------------------------------------------- views
 
 
-class SweepStartApi(APIView):
-    @extend_schema(
-        tags=EXPERIMENTS,
-        summary="Start a sweep: prompts × variants × strengths, plus each prompt's unsteered default",
-        operation_id="experiments_sweep",
-        request=SweepInput,
-        responses={202: enveloped(RunEnvelopeOutput)},
-    )
+def start_api(name: str, body: type[serializers.Serializer], start: Callable[..., ExperimentRun], **schema: Any):
+    """A start route: the body checked by ``body`` (422 naming the field), the run queued by
+    ``start(principal=…, data=…)``, answered 202 ``{run}``."""
+
+    @extend_schema(tags=EXPERIMENTS, request=body, responses={202: enveloped(RunEnvelopeOutput)}, **schema)
     def post(self, request) -> Response:
-        data = validated(SweepInput, request.data)
-        run = services.experiment_sweep_start(principal=principal(request), data=dict(data))
+        data = validated(body, request.data)
+        run = start(principal=principal(request), data=dict(data))
         return envelope({"run": run_out(run)}, status_code=status.HTTP_202_ACCEPTED)
 
+    return type(name, (APIView,), {"post": post, "__module__": body.__module__})
 
-class CalibrateStartApi(APIView):
-    @extend_schema(
-        tags=EXPERIMENTS,
-        summary="Start a calibration: the strength whose mean KL meets target_kl, by bisection",
-        operation_id="experiments_calibrate",
-        request=CalibrateInput,
-        responses={202: enveloped(RunEnvelopeOutput)},
-    )
-    def post(self, request) -> Response:
-        data = validated(CalibrateInput, request.data)
-        run = services.experiment_calibrate_start(principal=principal(request), data=dict(data))
-        return envelope({"run": run_out(run)}, status_code=status.HTTP_202_ACCEPTED)
+
+SweepStartApi = start_api(
+    "SweepStartApi",
+    SweepInput,
+    services.experiment_sweep_start,
+    summary="Start a sweep: prompts × variants × strengths, plus each prompt's unsteered default",
+    operation_id="experiments_sweep",
+)
+CalibrateStartApi = start_api(
+    "CalibrateStartApi",
+    CalibrateInput,
+    services.experiment_calibrate_start,
+    summary="Start a calibration: the strength whose mean KL meets target_kl, by bisection",
+    operation_id="experiments_calibrate",
+)
 
 
 class ExperimentListApi(APIView):
@@ -214,20 +208,19 @@ class ExperimentListApi(APIView):
     def get(self, request) -> Response:
         query = validated(RunListQuery, request.query_params)
         runs = selectors.experiments_for(principal(request), kind=query.get("kind"), sae_id=query.get("sae_id"))
-        total = runs.count()
-        page = runs[query["offset"] : query["offset"] + query["limit"]]
-        return envelope({"runs": [run_out(r) for r in page], "total": total})
+        return envelope(listing(runs, query, "runs", run_out))
 
 
-class ExperimentDetailApi(APIView):
-    @extend_schema(
-        tags=EXPERIMENTS,
-        summary="An experiment: status, progress, result",
-        operation_id="experiments_get",
-        responses=enveloped(RunOutput),
-    )
-    def get(self, request, run_id: str) -> Response:
-        return envelope(run_out(selectors.experiment_get(run_id, principal(request))))
+ExperimentDetailApi = run_route(
+    "ExperimentDetailApi",
+    "get",
+    selectors.experiment_get,
+    run_out,
+    tags=EXPERIMENTS,
+    summary="An experiment: status, progress, result",
+    operation_id="experiments_get",
+    responses=enveloped(RunOutput),
+)
 
 
 class ExperimentPointsApi(APIView):
@@ -241,22 +234,20 @@ class ExperimentPointsApi(APIView):
     def get(self, request, run_id: str) -> Response:
         query = validated(PointsQuery, request.query_params)
         run = selectors.experiment_get(run_id, principal(request))
-        points = selectors.points_of(run)
-        total = points.count()
-        page = points[query["offset"] : query["offset"] + query["limit"]]
-        return envelope({"points": [point_out(p) for p in page], "total": total})
+        return envelope(listing(selectors.points_of(run), query, "points", point_out))
 
 
-class ExperimentCancelApi(APIView):
-    @extend_schema(
-        tags=EXPERIMENTS,
-        summary="Cancel a queued or running experiment (the points stored stay; partial)",
-        operation_id="experiments_cancel",
-        request=None,
-        responses=enveloped(RunOutput),
-    )
-    def post(self, request, run_id: str) -> Response:
-        return envelope(run_out(services.experiment_cancel(run_id=run_id, principal=principal(request))))
+ExperimentCancelApi = run_route(
+    "ExperimentCancelApi",
+    "post",
+    services.experiment_cancel,
+    run_out,
+    tags=EXPERIMENTS,
+    summary="Cancel a queued or running experiment (the points stored stay; partial)",
+    operation_id="experiments_cancel",
+    request=None,
+    responses=enveloped(RunOutput),
+)
 
 
 class _FileNegotiation(BaseContentNegotiation):

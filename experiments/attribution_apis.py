@@ -14,7 +14,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import body_object, envelope, validated
-from core.schema import MAX_LAYER, enveloped
+from core.run_apis import layer_field
+from core.schema import enveloped
 from experiments.attribution import MAX_MESSAGES, MAX_PROMPT_CHARS, MAX_TARGET_CHARS, attribution_run
 from gpu_engine.api.jobs import MAX_ATTRIBUTION_ABLATE, MAX_ATTRIBUTION_TOP_N
 
@@ -28,14 +29,7 @@ class MessageInput(serializers.Serializer):
 
 class AttributionInput(serializers.Serializer):
     sae_id = serializers.CharField(max_length=100, help_text="the SAE's id; it must be attached")
-    layer = serializers.IntegerField(
-        required=False,
-        allow_null=True,
-        default=None,
-        min_value=0,
-        max_value=MAX_LAYER,
-        help_text="the attachment's layer; null: the SAE's only one",
-    )
+    layer = layer_field("the attachment's layer; null: the SAE's only one")
     prompt = serializers.CharField(
         required=False,
         max_length=MAX_PROMPT_CHARS,
@@ -153,16 +147,19 @@ class AttributionApi(APIView):
         responses=enveloped(AttributionOutput),
     )
     def post(self, request) -> Response:
-        data = validated(AttributionInput, body_object(request))
-        return envelope(
-            attribution_run(
-                sae_id=data["sae_id"],
-                layer=data["layer"],
-                prompt=data.get("prompt"),
-                messages=[dict(m) for m in data["messages"]] if "messages" in data else None,
-                add_generation_prompt=data["add_generation_prompt"],
-                target_token=data["target_token"],
-                top_n=data["top_n"],
-                ablate_top=data["ablate_top"],
-            )
-        )
+        return envelope(attribution_answer(validated(AttributionInput, body_object(request))))
+
+
+def attribution_answer(data: dict[str, Any]) -> dict[str, Any]:
+    """``AttributionOutput`` for ``AttributionInput``'s checked ``data``: the route's and
+    ``manage.py attribution``'s one way in."""
+    return attribution_run(
+        sae_id=data["sae_id"],
+        layer=data["layer"],
+        prompt=data.get("prompt"),
+        messages=[dict(m) for m in data["messages"]] if "messages" in data else None,
+        add_generation_prompt=data["add_generation_prompt"],
+        target_token=data["target_token"],
+        top_n=data["top_n"],
+        ablate_top=data["ablate_top"],
+    )

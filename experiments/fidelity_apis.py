@@ -10,43 +10,27 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from django.db.models import Q
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import serializers, status
+from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import envelope, validated
 from core.auth import Principal, principal
+from core.run_apis import layer_field
 from core.schema import MAX_LAYER, enveloped
-from experiments.apis import RunEnvelopeOutput, run_out
+from experiments.apis import EXPERIMENTS, start_api
 from experiments.fidelity import DENSE_THRESHOLD
 from experiments.models import ExperimentRun
-
-EXPERIMENTS = ["experiments"]
-TEXT_FIELD = r"^[A-Za-z0-9_-]{1,100}$"
+from features.corpus_options import CorpusChecks, corpus_fields
 
 
-class FidelityStartInput(serializers.Serializer):
+class FidelityStartInput(CorpusChecks, serializers.Serializer):
     sae_id = serializers.RegexField(r"^sae_[A-Za-z0-9_.-]{1,36}$", max_length=40, help_text="the SAE's id; attached")
-    layer = serializers.IntegerField(
-        required=False, allow_null=True, default=None, min_value=0, max_value=MAX_LAYER, help_text="null: attached"
-    )
+    layer = layer_field()
     corpus = serializers.ChoiceField(choices=["sample", "file"], required=False, default="sample")
-    file_id = serializers.CharField(
-        required=False, max_length=40, help_text="a /v1/files id of the caller's; required iff corpus is file"
-    )
-    text_field = serializers.RegexField(
-        TEXT_FIELD,
-        required=False,
-        default="text",
-        max_length=100,
-        error_messages={"invalid": "a JSON field name: letters, digits, _ and -, at most 100"},
-        help_text="the field of the file's JSONL rows that holds the text (read only for a file)",
-    )
-    token_budget = serializers.IntegerField(min_value=1, help_text="corpus tokens to read, ≤ DASHBOARD_MAX_TOKENS")
-    context_tokens = serializers.IntegerField(required=False, default=64, min_value=8, max_value=1024)
+    file_id, text_field, token_budget, context_tokens = corpus_fields()
     dense_threshold = serializers.FloatField(
         required=False,
         default=DENSE_THRESHOLD,
@@ -54,19 +38,6 @@ class FidelityStartInput(serializers.Serializer):
         max_value=1.0,
         help_text="a feature firing on more than this share of the tokens is dense",
     )
-
-    def validate_token_budget(self, value: int) -> int:
-        cap = settings.DASHBOARD_MAX_TOKENS
-        if value > cap:
-            raise serializers.ValidationError(f"at most {cap} (DASHBOARD_MAX_TOKENS)")
-        return value
-
-    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
-        if data["corpus"] == "file" and not data.get("file_id"):
-            raise serializers.ValidationError({"file_id": ["required when corpus is file"]})
-        if data["corpus"] != "file" and "file_id" in data:
-            raise serializers.ValidationError({"file_id": ["only with corpus file"]})
-        return data
 
 
 class FidelityQuery(serializers.Serializer):
@@ -158,18 +129,13 @@ def sae_fidelity(sae_id: str, who: Principal | None, layer: int | None = None) -
     return SaeFidelityOutput(out).data
 
 
-class FidelityStartApi(APIView):
-    @extend_schema(
-        tags=EXPERIMENTS,
-        summary="Start a corpus SAE fidelity run: L0, MSE, explained variance, loss recovered, dead and dense features",
-        operation_id="experiments_fidelity",
-        request=FidelityStartInput,
-        responses={202: enveloped(RunEnvelopeOutput)},
-    )
-    def post(self, request) -> Response:
-        data = validated(FidelityStartInput, request.data)
-        run = fidelity_start(data=dict(data), who=principal(request))
-        return envelope({"run": run_out(run)}, status_code=status.HTTP_202_ACCEPTED)
+FidelityStartApi = start_api(
+    "FidelityStartApi",
+    FidelityStartInput,
+    lambda principal, data: fidelity_start(data=data, who=principal),
+    summary="Start a corpus SAE fidelity run: L0, MSE, explained variance, loss recovered, dead and dense features",
+    operation_id="experiments_fidelity",
+)
 
 
 class SaeFidelityApi(APIView):

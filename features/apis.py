@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.conf import settings
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
 from rest_framework.response import Response
@@ -17,64 +16,36 @@ from rest_framework.views import APIView
 from core.api import envelope, validated
 from core.auth import principal
 from core.errors import InvalidFeatureIndex
-from core.schema import MAX_INDEX, MAX_LAYER, enveloped
+from core.run_apis import layer_field, listing, listing_output, page_fields, run_envelope_output, run_route
+from core.schema import MAX_INDEX, enveloped
 from features import selectors, services
+from features.corpus_options import CorpusChecks, corpus_fields
 from features.models import DashboardRun, FeatureDashboard
 from registry import labels
 from registry import selectors as registry_selectors
 from steering.rules import check_indices
 
 DASHBOARDS, FEATURES = ["dashboards"], ["features"]
-TEXT_FIELD = r"^[A-Za-z0-9_-]{1,100}$"
 
 # --------------------------------------------------------------------------- inputs
 
 
-class DashboardStartInput(serializers.Serializer):
+class DashboardStartInput(CorpusChecks, serializers.Serializer):
     corpus = serializers.ChoiceField(choices=DashboardRun.Corpus.values)
-    file_id = serializers.CharField(
-        required=False, max_length=40, help_text="a /v1/files id of the caller's; required iff corpus is file"
-    )
-    text_field = serializers.RegexField(
-        TEXT_FIELD,
-        required=False,
-        default="text",
-        max_length=100,
-        error_messages={"invalid": "a JSON field name: letters, digits, _ and -, at most 100"},
-        help_text="the field of the file's JSONL rows that holds the text (read only for a file)",
-    )
-    token_budget = serializers.IntegerField(min_value=1, help_text="corpus tokens to read, ≤ DASHBOARD_MAX_TOKENS")
-    context_tokens = serializers.IntegerField(required=False, default=64, min_value=8, max_value=1024)
+    file_id, text_field, token_budget, context_tokens = corpus_fields()
     top_k = serializers.IntegerField(required=False, default=10, min_value=1, max_value=100)
     window = serializers.IntegerField(required=False, default=8, min_value=0, max_value=64)
-    layer = serializers.IntegerField(
-        required=False, allow_null=True, default=None, min_value=0, max_value=MAX_LAYER, help_text="null: attached"
-    )
-
-    def validate_token_budget(self, value: int) -> int:
-        cap = settings.DASHBOARD_MAX_TOKENS
-        if value > cap:
-            raise serializers.ValidationError(f"at most {cap} (DASHBOARD_MAX_TOKENS)")
-        return value
-
-    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
-        if data["corpus"] == DashboardRun.Corpus.FILE and not data.get("file_id"):
-            raise serializers.ValidationError({"file_id": ["required when corpus is file"]})
-        if data["corpus"] != DashboardRun.Corpus.FILE and "file_id" in data:
-            raise serializers.ValidationError({"file_id": ["only with corpus file"]})
-        return data
+    layer = layer_field()
 
 
 class RunListQuery(serializers.Serializer):
-    limit = serializers.IntegerField(required=False, default=50, min_value=1, max_value=200)
-    offset = serializers.IntegerField(required=False, default=0, min_value=0, max_value=MAX_INDEX)
+    limit, offset = page_fields(50, 200)
 
 
 class SearchQuery(serializers.Serializer):
     q = serializers.CharField(required=False, allow_blank=True, default="", max_length=200, trim_whitespace=True)
     token = serializers.CharField(required=False, allow_blank=True, default="", max_length=100, trim_whitespace=False)
-    limit = serializers.IntegerField(required=False, default=50, min_value=1, max_value=200)
-    offset = serializers.IntegerField(required=False, default=0, min_value=0, max_value=MAX_INDEX)
+    limit, offset = page_fields(50, 200)
 
 
 # --------------------------------------------------------------------------- outputs
@@ -131,13 +102,8 @@ def run_out(run: DashboardRun) -> dict[str, Any]:
     ).data
 
 
-class RunEnvelopeOutput(serializers.Serializer):
-    run = RunOutput()
-
-
-class RunListOutput(serializers.Serializer):
-    runs = RunOutput(many=True)
-    total = serializers.IntegerField()
+RunEnvelopeOutput = run_envelope_output(RunOutput)
+RunListOutput = listing_output("RunListOutput", "runs", RunOutput)
 
 
 class DashboardOutput(serializers.Serializer):
@@ -174,9 +140,7 @@ class SearchHitOutput(serializers.Serializer):
     matched = serializers.ListField(child=serializers.CharField())
 
 
-class SearchOutput(serializers.Serializer):
-    features = SearchHitOutput(many=True)
-    total = serializers.IntegerField()
+SearchOutput = listing_output("SearchOutput", "features", SearchHitOutput)
 
 
 # --------------------------------------------------------------------------- views
@@ -193,10 +157,7 @@ class DashboardListCreateApi(APIView):
     def get(self, request, sae_id: str) -> Response:
         query = validated(RunListQuery, request.query_params)
         registry_selectors.sae_get(sae_id=sae_id)
-        runs = selectors.runs_for(sae_id, principal(request))
-        total = runs.count()
-        page = runs[query["offset"] : query["offset"] + query["limit"]]
-        return envelope({"runs": [run_out(r) for r in page], "total": total})
+        return envelope(listing(selectors.runs_for(sae_id, principal(request)), query, "runs", run_out))
 
     @extend_schema(
         tags=DASHBOARDS,
@@ -207,42 +168,48 @@ class DashboardListCreateApi(APIView):
     )
     def post(self, request, sae_id: str) -> Response:
         data = validated(DashboardStartInput, request.data)
-        run = services.dashboard_start(
-            sae_id=sae_id,
-            principal=principal(request),
-            corpus=data["corpus"],
-            file_id=data.get("file_id"),
-            text_field=data["text_field"],
-            token_budget=data["token_budget"],
-            context_tokens=data["context_tokens"],
-            top_k=data["top_k"],
-            window=data["window"],
-            layer=data["layer"],
-        )
+        run = dashboard_start(sae_id, principal(request), data)
         return envelope({"run": run_out(run)}, status_code=status.HTTP_202_ACCEPTED)
 
 
-class DashboardDetailApi(APIView):
-    @extend_schema(
-        tags=DASHBOARDS,
-        summary="A dashboard run: status, progress, summary",
-        operation_id="dashboards_get",
-        responses=enveloped(RunOutput),
+def dashboard_start(sae_id: str, who: Any, data: dict[str, Any]) -> DashboardRun:
+    """Queue a run of ``DashboardStartInput``'s checked ``data``: the route's and
+    ``manage.py dashboards``' one way in."""
+    return services.dashboard_start(
+        sae_id=sae_id,
+        principal=who,
+        corpus=data["corpus"],
+        file_id=data.get("file_id"),
+        text_field=data["text_field"],
+        token_budget=data["token_budget"],
+        context_tokens=data["context_tokens"],
+        top_k=data["top_k"],
+        window=data["window"],
+        layer=data["layer"],
     )
-    def get(self, request, run_id: str) -> Response:
-        return envelope(run_out(selectors.dashboard_get(run_id, principal(request))))
 
 
-class DashboardCancelApi(APIView):
-    @extend_schema(
-        tags=DASHBOARDS,
-        summary="Cancel a queued or running run (its dashboards are not stored)",
-        operation_id="dashboards_cancel",
-        request=None,
-        responses=enveloped(RunOutput),
-    )
-    def post(self, request, run_id: str) -> Response:
-        return envelope(run_out(services.dashboard_cancel(run_id=run_id, principal=principal(request))))
+DashboardDetailApi = run_route(
+    "DashboardDetailApi",
+    "get",
+    selectors.dashboard_get,
+    run_out,
+    tags=DASHBOARDS,
+    summary="A dashboard run: status, progress, summary",
+    operation_id="dashboards_get",
+    responses=enveloped(RunOutput),
+)
+DashboardCancelApi = run_route(
+    "DashboardCancelApi",
+    "post",
+    services.dashboard_cancel,
+    run_out,
+    tags=DASHBOARDS,
+    summary="Cancel a queued or running run (its dashboards are not stored)",
+    operation_id="dashboards_cancel",
+    request=None,
+    responses=enveloped(RunOutput),
+)
 
 
 def feature_index(sae: Any, index: str) -> int:

@@ -26,12 +26,10 @@ from typing import Any
 
 from django.conf import settings
 from django.core.management.base import BaseCommand
-from rest_framework.exceptions import ValidationError
 
 from core.api import validated
-from core.errors import MillmError
-from experiments.management.commands.fidelity import dumps, engine_unavailable, refused
-from experiments.management.commands.sweep import _validation_line
+from core.commands import dumps, engine_unavailable, refusals
+from core.commands import refused_line as refused
 
 ROUTE = "/api/experiments/attribution"
 BAR = 24  # the heat bar's width at the largest position
@@ -131,11 +129,10 @@ class Command(BaseCommand):
         parser.add_argument("--json", action="store_true", help="print the route's answer as JSON")
 
     def handle(self, *args, sae_id: str, prompt: str | None = None, **options: Any) -> None:
-        from experiments.attribution import attribution_run
-        from experiments.attribution_apis import AttributionInput
+        from experiments.attribution_apis import AttributionInput, attribution_answer
         from registry.selectors import sae_get
 
-        try:
+        with refusals(refuse=refused):
             body: dict[str, Any] = {
                 "sae_id": sae_id,
                 "layer": options["layer"],
@@ -153,20 +150,7 @@ class Command(BaseCommand):
             sae_get(sae_id=sae_id)  # an unknown SAE is named whatever the topology
             if settings.EMBEDDED:
                 raise engine_unavailable(ROUTE)
-            answer = attribution_run(
-                sae_id=data["sae_id"],
-                layer=data["layer"],
-                prompt=data.get("prompt"),
-                messages=[dict(m) for m in data["messages"]] if "messages" in data else None,
-                add_generation_prompt=data["add_generation_prompt"],
-                target_token=data["target_token"],
-                top_n=data["top_n"],
-                ablate_top=data["ablate_top"],
-            )
-        except MillmError as exc:
-            raise refused(exc.code, exc.message) from exc
-        except ValidationError as exc:
-            raise _validation_line(exc) from exc
+            answer = attribution_answer(data)
         if options["json"]:
             self.stdout.write(dumps(answer))
             return

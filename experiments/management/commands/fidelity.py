@@ -20,44 +20,21 @@ prints one line, ``CODE: message``, and exits 2; nothing is created.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from django.conf import settings
-from rest_framework.exceptions import ValidationError
-from rest_framework.utils.encoders import JSONEncoder
 
 from core.api import validated
 from core.auth import ANONYMOUS
-from core.errors import MillmError
+from core.commands import dumps, engine_unavailable, error_suffix, refuse_unless_completed, refusals
+from core.commands import refused_line as refused
 from experiments import selectors
 from experiments.fidelity import DENSE_THRESHOLD
-from experiments.management.commands.sweep import ExperimentCommand, _validation_line
-from experiments.management.commands.sweep import refused as _refused
+from experiments.management.commands.sweep import ExperimentCommand
 from experiments.models import ExperimentRun
+from features.corpus_options import add_corpus_arguments, corpus_body
 
 ROUTE = "/api/experiments/fidelity"
-
-
-def refused(code: str, message: str) -> Exception:
-    """One line, ``CODE: message``, exit status 2 (``manage.py sweep``'s)."""
-    return _refused(code, " ".join(str(message).splitlines()))
-
-
-def engine_unavailable(route: str) -> Exception:
-    """What a command in embedded mode answers where it needs the engine: the engine lives
-    in the ``manage.py serve`` process (as ``manage.py dashboards`` and ``sweep`` say)."""
-    return refused(
-        "ENGINE_UNAVAILABLE",
-        "embedded mode: the engine lives inside the `manage.py serve` process, which a separate "
-        f"command cannot reach; use POST {route}, or run the distributed topology "
-        "(REDIS_URL set), where commands reach run_engine",
-    )
-
-
-def dumps(data: Any) -> str:
-    """As the API renders it (DRF's encoder), indented."""
-    return json.dumps(data, cls=JSONEncoder, indent=2, ensure_ascii=False)
 
 
 def _number(value: Any, digits: int = 6) -> str:
@@ -106,12 +83,7 @@ class Command(ExperimentCommand):
             metavar="RUN_ID",
             help="show a fidelity run (exp_…), or with SAE_ID the SAE's newest complete figures",
         )
-        corpus = parser.add_mutually_exclusive_group()
-        corpus.add_argument("--sample", action="store_true", help="the built-in offline sample corpus (default)")
-        corpus.add_argument("--file-id", default=None, help="a /v1/files upload: JSONL rows, the text in --text-field")
-        parser.add_argument("--text-field", default="text", help="the JSONL rows' text field (default text)")
-        parser.add_argument("--budget", type=int, default=None, help="corpus tokens to read (≤ DASHBOARD_MAX_TOKENS)")
-        parser.add_argument("--context-tokens", type=int, default=64, help="tokens per context (default 64)")
+        add_corpus_arguments(parser, context_help="tokens per context (default 64)")
         parser.add_argument(
             "--dense-threshold",
             type=float,
@@ -123,15 +95,11 @@ class Command(ExperimentCommand):
         parser.add_argument("--json", action="store_true", help="print the route's answer as JSON")
 
     def handle(self, *args, sae_id: str | None = None, **options: Any) -> None:
-        try:
+        with refusals(refuse=refused):
             if options["show"] is not None:
                 self._show(sae_id, options["show"], options["layer"], as_json=options["json"])
             else:
                 self._start_fidelity(sae_id, options)
-        except MillmError as exc:
-            raise refused(exc.code, exc.message) from exc
-        except ValidationError as exc:
-            raise _validation_line(exc) from exc
 
     # ------------------------------------------------------------------ showing
 
@@ -178,11 +146,7 @@ class Command(ExperimentCommand):
         spec = run.spec or {}
         source = "sample corpus" if spec.get("corpus") != "file" else f"file {spec.get('file_id')}"
         line = f"{run.id}  {run.status}  {run.sae_id} at layer {run.layer}  {source}  {run.done}/{run.total} groups"
-        if run.partial:
-            line += "  partial"
-        if run.error:
-            line += f"  {run.error.get('code')}: {run.error.get('message')}"
-        self.stdout.write(line)
+        self.stdout.write(line + ("  partial" if run.partial else "") + error_suffix(run))
         result = run.result or {}
         if run.status == ExperimentRun.Status.COMPLETED and "rows" in result:
             self.stdout.write(
@@ -200,19 +164,8 @@ class Command(ExperimentCommand):
 
         if not sae_id:
             raise refused("VALIDATION_ERROR", "sae_id: the SAE to measure (sae_…) is required")
-        if options["budget"] is None:
-            raise refused("VALIDATION_ERROR", "token_budget: --budget N is required")
-        body: dict[str, Any] = {
-            "sae_id": sae_id,
-            "layer": options["layer"],
-            "corpus": "file" if options["file_id"] else "sample",
-            "token_budget": options["budget"],
-            "context_tokens": options["context_tokens"],
-            "dense_threshold": options["dense_threshold"],
-            "text_field": options["text_field"],
-        }
-        if options["file_id"]:
-            body["file_id"] = options["file_id"]
+        body = corpus_body(options)
+        body.update(sae_id=sae_id, layer=options["layer"], dense_threshold=options["dense_threshold"])
         data = validated(FidelityStartInput, body)
         sae_get(sae_id=sae_id)  # an unknown SAE is named whatever the topology
         if settings.EMBEDDED:
@@ -232,10 +185,6 @@ class Command(ExperimentCommand):
             self.stdout.write(dumps(run_out(run)))
         else:
             self._print_run(run)
-        if run.status != ExperimentRun.Status.COMPLETED:
-            error = run.error or {}
-            raise refused(
-                error.get("code") or f"EXPERIMENT_{run.status.upper()}", error.get("message") or f"run {run.status}"
-            )
+        refuse_unless_completed(run, "EXPERIMENT", refused)
         if not options["json"]:
             self.stdout.write(self.style.SUCCESS(f"Completed {run.id}: {(run.result or {}).get('tokens')} tokens"))

@@ -17,35 +17,25 @@ from __future__ import annotations
 
 import json
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
 from django.conf import settings
-from django.core.management.base import BaseCommand, CommandError
+from django.core.management.base import BaseCommand
 from django.core.serializers.json import DjangoJSONEncoder
-from django.db import connections
-from rest_framework.exceptions import ValidationError
 
 from core.api import validated
 from core.auth import ANONYMOUS
-from core.errors import MillmError
+from core.commands import (
+    engine_unavailable,
+    error_suffix,
+    refuse_unless_completed,
+    refusals,
+    refused,
+    run_in_foreground,
+)
 from experiments import exports, runner, selectors, services
 from experiments.models import ExperimentRun
-
-EXIT_REFUSED = 2
-POLL_S = 0.5
-
-
-def refused(code: str, message: str) -> CommandError:
-    return CommandError(f"{code}: {message}", returncode=EXIT_REFUSED)
-
-
-def _validation_line(exc: ValidationError) -> CommandError:
-    fields = exc.detail if isinstance(exc.detail, dict) else {"body": exc.detail}
-    name, errors = next(iter(fields.items()))
-    first = errors[0] if isinstance(errors, list) and errors else errors
-    return refused("VALIDATION_ERROR", f"{name}: {first}")
 
 
 class ExperimentCommand(BaseCommand):
@@ -63,7 +53,7 @@ class ExperimentCommand(BaseCommand):
         parser.add_argument("--out", default=None, help="the file to write (default: stdout)")
 
     def handle(self, *args, body: str | None = None, **options: Any) -> None:
-        try:
+        with refusals():
             if options["list"]:
                 self._list()
             elif options["download"]:
@@ -72,10 +62,6 @@ class ExperimentCommand(BaseCommand):
                 if not body:
                     raise refused("VALIDATION_ERROR", "body: a JSON file (or - for stdin) is required")
                 self._start(self._read(body), wait=options["wait"])
-        except MillmError as exc:
-            raise refused(exc.code, exc.message) from exc
-        except ValidationError as exc:
-            raise _validation_line(exc) from exc
 
     def _read(self, source: str) -> dict[str, Any]:
         try:
@@ -94,12 +80,7 @@ class ExperimentCommand(BaseCommand):
 
     def _start(self, data: dict[str, Any], *, wait: bool) -> None:
         if settings.EMBEDDED:
-            raise refused(
-                "ENGINE_UNAVAILABLE",
-                "embedded mode: the engine lives inside the `manage.py serve` process, which a separate "
-                f"command cannot reach; use POST {self.route}, or run the distributed topology "
-                "(REDIS_URL set), where commands reach run_engine",
-            )
+            raise engine_unavailable(self.route)
         run = self.start(data)
         if not wait:
             self.stdout.write(f"Queued {run.id} ({run.total} points); follow it with `manage.py sweep --list`")
@@ -108,11 +89,7 @@ class ExperimentCommand(BaseCommand):
         from experiments.apis import run_out
 
         self.stdout.write(json.dumps(run_out(run), cls=DjangoJSONEncoder, indent=2))
-        if run.status != ExperimentRun.Status.COMPLETED:
-            error = run.error or {}
-            raise refused(
-                error.get("code") or f"EXPERIMENT_{run.status.upper()}", error.get("message") or f"run {run.status}"
-            )
+        refuse_unless_completed(run, "EXPERIMENT")
         self.stdout.write(self.style.SUCCESS(f"Completed {run.id}: {run.done} points"))
 
     def _list(self) -> None:
@@ -122,11 +99,7 @@ class ExperimentCommand(BaseCommand):
             return
         for run in runs:
             line = f"{run.id}  {run.kind:<11}  {run.status:<10}  {run.done}/{run.total}"
-            if run.partial:
-                line += "  partial"
-            if run.error:
-                line += f"  {run.error.get('code')}: {run.error.get('message')}"
-            self.stdout.write(line)
+            self.stdout.write(line + ("  partial" if run.partial else "") + error_suffix(run))
 
     def _download(self, run_id: str, fmt: str, out: str | None) -> None:
         run = selectors.experiment_get(run_id, None)
@@ -139,41 +112,16 @@ class ExperimentCommand(BaseCommand):
             sys.stdout.flush()
 
     def _run_in_foreground(self, run_id: str) -> ExperimentRun:
-        """The run on a side thread of this process, its progress printed from the row
-        until it ends (a run has one runner: should a worker of the experiments queue take
-        it first, this waits for that one). Ctrl-C cancels it."""
-        failure: list[BaseException] = []
-
-        def work() -> None:
-            try:
-                runner.experiment_run(run_id=run_id)
-            except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-                failure.append(exc)
-            finally:
-                connections.close_all()
-
-        thread = threading.Thread(target=work, name=f"experiment-{run_id}", daemon=True)
-        thread.start()
-        last = None
-        try:
-            while True:
-                thread.join(POLL_S)
-                run = ExperimentRun.objects.get(pk=run_id)
-                now = (run.status, run.done, run.total)
-                if now != last:
-                    self.stderr.write(f"{run.id} {run.status}: {run.done}/{run.total}")
-                    last = now
-                if run.status in ExperimentRun.TERMINAL:
-                    return run
-                if failure:
-                    if isinstance(failure[0], MillmError):
-                        raise failure[0]
-                    raise refused("INTERNAL_ERROR", f"the run stopped: {type(failure[0]).__name__}: {failure[0]}")
-        except KeyboardInterrupt:
-            self.stderr.write(f"Cancelling {run_id}…")
-            services.experiment_cancel(run_id=run_id, principal=ANONYMOUS)
-            thread.join()
-            return ExperimentRun.objects.get(pk=run_id)
+        """The run here, its progress printed until it ends (``core.commands``)."""
+        return run_in_foreground(
+            self,
+            run_id,
+            model=ExperimentRun,
+            work=runner.experiment_run,
+            cancel=services.experiment_cancel,
+            progress=lambda run: f"{run.id} {run.status}: {run.done}/{run.total}",
+            name="experiment",
+        )
 
 
 class Command(ExperimentCommand):
