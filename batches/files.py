@@ -20,6 +20,7 @@ from django.db import connection, transaction
 from django.db.models import Sum
 from django.utils import timezone
 
+from audit.services import audited, of_kwarg
 from batches.errors import (
     FilesQuotaExceeded,
     FileTooLarge,
@@ -246,6 +247,7 @@ def _store_input(file: File, stream: BinaryIO, *, text_only: bool = False) -> tu
     return stored, lines
 
 
+@audited("file.delete", of_kwarg("file", "file", "filename"))
 def file_delete(*, file: File) -> None:
     """The batches that used it keep their lines (copied at creation) and their results."""
     file.delete()

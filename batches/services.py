@@ -29,6 +29,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from audit.services import audited
 from batches.errors import BatchNotCancellable, FileNotFound, InvalidBatchRequest
 from batches.files import (  # noqa: F401 - re-exported: the files' mutations
     CHUNK_BYTES,
@@ -250,6 +251,7 @@ def batch_create(
     return batch
 
 
+@audited("batch.cancel", lambda kw, r: ("batch", kw.get("batch_id", ""), ""))
 def batch_cancel(*, batch_id: str) -> Batch:
     """``cancelling``: the runner sends no new line and ends the batch ``cancelled`` once
     the lines at the engine are answered; a batch no live runner holds ends at once."""

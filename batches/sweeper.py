@@ -5,8 +5,9 @@ queue (started when it is ready, batches/tasks.py). So a batch whose runner died
 resumed or failed, and a batch past its completion window ends ``expired``, even when no
 runner holds it. The same sweep deletes stored responses older than
 RESPONSES_RETENTION_DAYS and resumes or fails the background responses whose runner died
-(``inference.responses_store.responses_sweep``); a worker of the ``responses`` queue
-starts it too.
+(``inference.responses_store.responses_sweep``), and the audit entries older than
+AUDIT_RETENTION_DAYS (``audit.services.audit_prune``); a worker of the ``responses``
+queue starts it too.
 
 The thread holds no database connection between sweeps: a Celery prefork worker forks
 its children from this process, and a child must not inherit a live connection.
@@ -19,6 +20,7 @@ import threading
 import structlog
 from django.conf import settings
 
+from audit.services import audit_prune
 from batches.services import batches_sweep
 from inference.responses_store import responses_sweep
 from core.periodic import Periodic
@@ -30,6 +32,8 @@ def _sweep() -> dict[str, int]:
     done = batches_sweep()
     # stored responses past RESPONSES_RETENTION_DAYS, background ones whose runner died
     done.update({f"responses_{k}": v for k, v in responses_sweep().items()})
+    # audit entries past AUDIT_RETENTION_DAYS
+    done.update({f"audit_{k}": v for k, v in audit_prune().items()})
     return done
 
 

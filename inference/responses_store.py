@@ -30,6 +30,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from audit.services import audited
 from core.jobs import enqueue
 from inference.errors import OpenAIError
 from inference.models import StoredResponse
@@ -190,6 +191,7 @@ def response_get(response_id: str, scope: Scope) -> dict[str, Any]:
     return row.body
 
 
+@audited("response.delete", lambda kw, r: ("response", kw.get("response_id", ""), ""))
 def response_delete(response_id: str, scope: Scope) -> dict[str, Any]:
     """Delete a stored response (a background one still running is cancelled first: its
     runner sees the row gone and stops)."""

@@ -23,6 +23,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from audit.services import audited, kwargs_of, of_kwarg
 from core.errors import ModelBusy
 from leases.errors import (
     LEASE_HEADER,
@@ -128,6 +129,11 @@ def leased_details(lease: Lease) -> dict[str, Any]:
     }
 
 
+@audited(
+    "lease.grant",
+    of_kwarg("model", "model"),
+    params=lambda kw: {"holder": kw.get("holder"), "reason": kw.get("reason"), "ttl_seconds": kw.get("ttl_seconds")},
+)
 def lease_grant(*, model: Model, holder: Any, reason: Any, ttl_seconds: Any = None) -> tuple[Lease, str]:
     """Lease the resident model. Returns the row and the lease id — the only time the id
     exists outside the caller; the row keeps its sha256."""
@@ -193,6 +199,7 @@ def _find(*, model: Model, lease_id: str | None) -> Lease:
     return lease
 
 
+@audited("lease.renew", of_kwarg("model", "model"), params=kwargs_of("ttl_seconds"))
 @transaction.atomic
 def lease_renew(*, model: Model, lease_id: str | None, ttl_seconds: Any = None) -> Lease:
     ttl = _ttl(ttl_seconds)
@@ -207,6 +214,7 @@ def lease_renew(*, model: Model, lease_id: str | None, ttl_seconds: Any = None) 
     return lease
 
 
+@audited("lease.release", of_kwarg("model", "model"))
 @transaction.atomic
 def lease_release(*, model: Model, lease_id: str | None) -> Lease:
     lease = _find(model=model, lease_id=lease_id)
@@ -217,6 +225,7 @@ def lease_release(*, model: Model, lease_id: str | None) -> Lease:
     return lease
 
 
+@audited("lease.revoke", lambda kw, r: ("lease", getattr(kw.get("lease"), "pk", ""), ""))
 def lease_revoke(*, lease: Lease) -> Lease:
     """End a live lease without its id (the admin's action)."""
     _end(Lease.objects.filter(pk=lease.pk), Lease.EndReason.REVOKED)

@@ -841,6 +841,16 @@ VARIABLES: tuple[Var, ...] = (
         minimum=0,
     ),
     Var(
+        "AUDIT_RETENTION_DAYS",
+        "Responses API",
+        "int",
+        90,
+        "Days an audit log entry (GET /api/audit, the admin's Audit log) is kept: the "
+        "batch sweeper deletes older ones with the stored responses past their retention. "
+        "0 keeps them forever.",
+        minimum=0,
+    ),
+    Var(
         "RESPONSES_MAX_STORED_BYTES",
         "Responses API",
         "int",

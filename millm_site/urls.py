@@ -25,6 +25,7 @@ urlpatterns = [
     path("api/", include("inference.api_urls")),
     path("api/", include("monitoring.urls")),
     path("api/", include("leases.urls")),
+    path("api/", include("audit.urls")),
     # the browser UI: the dashboard at the root, the other pages and /static beside it
     path("", include("ui.urls")),
 ]

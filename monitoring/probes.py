@@ -41,6 +41,7 @@ import numpy as np
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from audit.services import audited, kwargs_of
 from core.errors import ModelNotLoaded
 from core.process_copy import ProcessCopy
 from gpu_engine.api.archives import ArchiveRefused, read_npz
@@ -267,6 +268,7 @@ def probe_get(*, ref: str, scope: Scope = EVERYONE) -> Probe:
     return row
 
 
+@audited("probe.delete", lambda kw, r: ("probe", kw.get("ref", ""), ""))
 def probe_delete(*, ref: str, scope: Scope = EVERYONE) -> None:
     row = probe_get(ref=ref, scope=scope)
     row.delete()
@@ -346,6 +348,7 @@ def probe_validate(*, ref: str, status: EngineStatus, scope: Scope = EVERYONE) -
     return row
 
 
+@audited("probe.arm", lambda kw, r: ("probe", kw.get("ref", ""), ""), params=kwargs_of("armed"))
 def probe_arm(*, ref: str, armed: bool, status: EngineStatus) -> Probe:
     """Arm (score on every /v1 request that brings no ``probes``) or disarm. Arming needs
     a validation for the resident model (``UNVALIDATED_PROBE``) and at most

@@ -26,6 +26,7 @@ import structlog
 from django.db import transaction
 from django.utils import timezone
 
+from audit.services import audited, kwargs_of
 from core import events
 from core.capabilities import require_capability
 from core.errors import ValidationFailed
@@ -109,6 +110,11 @@ def _prune(history_size: int, owner: str | None = None) -> None:
 KEEP: Any = object()  # a configure field the request left out: the current value stays
 
 
+@audited(
+    "monitoring.configure",
+    lambda kw, r: ("monitoring", "", ""),
+    params=lambda kw: {k: v for k, v in kw.items() if isinstance(v, (bool, int, float, str, list, type(None)))},
+)
 @transaction.atomic
 def monitoring_configure(
     *,
@@ -173,6 +179,7 @@ def monitoring_configure(
     return monitoring_state()
 
 
+@audited("monitoring.enable", lambda kw, r: ("monitoring", "", ""), params=kwargs_of("enabled"))
 @transaction.atomic
 def monitoring_enable(*, enabled: bool) -> dict[str, Any]:
     """Toggle without reconfiguring (the watched features and top-k are kept)."""
@@ -186,6 +193,14 @@ def monitoring_enable(*, enabled: bool) -> dict[str, Any]:
     return monitoring_state()
 
 
+def _whose(scope: Scope) -> str:
+    return "all" if scope.all else scope.owner
+
+
+@audited(
+    "monitoring.history_clear",
+    lambda kw, r: ("monitoring_history", _whose(kw.get("scope", EVERYONE)), ""),
+)
 def monitoring_history_clear(*, scope: Scope = EVERYONE) -> int:
     """Clear the history the caller owns (an admin's: everyone's)."""
     deleted, _ = scope.filter(ActivationRecord.objects.all()).delete()
@@ -193,6 +208,7 @@ def monitoring_history_clear(*, scope: Scope = EVERYONE) -> int:
     return deleted
 
 
+@audited("monitoring.statistics_reset", lambda kw, r: ("monitoring", "", ""))
 def monitoring_statistics_reset() -> dict[str, Any]:
     """Statistics start again from now (the history itself is kept)."""
     config = monitoring_config()
@@ -437,6 +453,7 @@ def _capture_unlink(capture_id: str) -> None:
         (root / name).unlink(missing_ok=True)
 
 
+@audited("capture.delete", lambda kw, r: ("capture", kw.get("capture_id", ""), ""))
 def capture_delete(*, capture_id: str, scope: Scope = EVERYONE) -> None:
     row = capture_get(capture_id=capture_id, scope=scope)
     if row is None:

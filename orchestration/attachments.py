@@ -10,6 +10,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from audit.services import audited
 from core import events
 from core.engine_client import resolve_device_and_dtype
 from core.errors import ModelNotLoaded, SAEInvalid, SAENotAttached, from_engine_error
@@ -28,6 +29,15 @@ from steering.circuits import (
 from steering.forget import live_forget
 
 
+def _sae(kwargs: dict[str, Any], _result: Any) -> tuple[str, Any, str]:
+    sae = kwargs.get("sae")
+    return ("sae", getattr(sae, "id", ""), getattr(sae, "name", ""))
+
+
+def _pairs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {"attachments": [{"sae_id": sae.id, "layer": layer} for sae, layer in kwargs.get("items", [])]}
+
+
 def _check_sae_ready(sae: SAE) -> None:
     if sae.status not in (SAE.Status.READY, SAE.Status.ATTACHED) or not sae.local_path:
         raise SAEInvalid(
@@ -36,6 +46,7 @@ def _check_sae_ready(sae: SAE) -> None:
         )
 
 
+@audited("sae.attach_set", lambda kw, r: ("saes", "", ""), params=_pairs)
 def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
     """Attach several (SAE, layer) pairs, all or nothing.
 
@@ -114,6 +125,7 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
     return results
 
 
+@audited("sae.attach", _sae, params=lambda kw: {"layer": kw.get("layer")})
 def sae_attach(*, sae: SAE, layer: int) -> Any:
     """Attach one SAE at one layer; attaching the same pair again is refused (409)."""
     if Attachment.objects.filter(sae=sae, layer=layer).exists():
@@ -123,6 +135,7 @@ def sae_attach(*, sae: SAE, layer: int) -> Any:
     return sae_attach_set(items=[(sae, layer)])[0]
 
 
+@audited("sae.detach", _sae, params=lambda kw: {"layer": kw.get("layer")})
 def sae_detach(*, sae: SAE, layer: int | None = None) -> list[tuple[str, int]]:
 
     if not Attachment.objects.filter(sae=sae, **({} if layer is None else {"layer": layer})).exists():
@@ -174,6 +187,13 @@ def sae_check_compatibility(*, sae: SAE, layer: int) -> dict[str, Any]:
     return {"compatible": bool(report.compatible), "errors": list(report.errors), "warnings": list(report.warnings)}
 
 
+@audited(
+    "circuit.activate",
+    lambda kw, r: ("circuit", getattr(kw.get("circuit"), "id", ""), getattr(kw.get("circuit"), "name", "")),
+    params=lambda kw: {
+        k: kw.get(k) for k in ("acknowledge_unvalidated", "allow_layer_overlap", "intensity") if k in kw
+    },
+)
 def circuit_activate(
     *, circuit: Any, acknowledge_unvalidated: bool = False, allow_layer_overlap: bool = False, intensity: Any = None
 ) -> Any:

@@ -18,6 +18,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from audit.services import audited, error_code
 from core import events, jobs, metrics
 from core.engine_client import resolve_device_and_dtype
 from core.errors import (
@@ -137,6 +138,18 @@ def _unclaim_load(model: Model, previous: str) -> None:
     Model.objects.filter(pk=model.pk, status=Model.Status.LOADING).update(status=previous, updated_at=timezone.now())
 
 
+def _model(kwargs: dict, _result: object) -> tuple[str, object, str]:
+    model = kwargs.get("model")
+    return ("model", getattr(model, "pk", ""), getattr(model, "name", ""))
+
+
+def _lease(kwargs: dict) -> dict:
+    return {"lease": bool(kwargs.get("lease_id"))}  # whether one was shown, never the id
+
+
+# a job's run of a load finishes its request's entry (job_finish); a direct load (/v1's
+# on-demand load, start-up, manage.py) is its own entry
+@audited("model.load", _model, params=lambda kw: {"on_demand": True}, skip=lambda kw: kw.get("job") is not None)
 def model_load(*, model: Model, job: Job | None = None) -> Model:
     """Load ``model`` into the engine (replacing the resident one) and record it.
 
@@ -153,7 +166,7 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
         previous = _claim_load(model)
     except Exception as exc:
         if job is not None and job.status not in Job.FINISHED:
-            job_finish(job=job, status=Job.Status.FAILED, error=getattr(exc, "message", str(exc)))
+            job_finish(job=job, status=Job.Status.FAILED, error=getattr(exc, "message", str(exc)), code=error_code(exc))
         metrics.record_load(operation="load", outcome="refused")
         raise
     job = job or job_create(kind=Job.Kind.MODEL_LOAD, target=model.name, model=model)
@@ -166,7 +179,7 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
     except Exception as exc:
         _unclaim_load(model, previous)
         if job.status not in Job.FINISHED:
-            job_finish(job=job, status=Job.Status.FAILED, error=getattr(exc, "message", str(exc)))
+            job_finish(job=job, status=Job.Status.FAILED, error=getattr(exc, "message", str(exc)), code=error_code(exc))
         metrics.record_load(operation="load", outcome="refused")
         raise
     model.refresh_from_db()
@@ -185,13 +198,13 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
         else:
             model_set_status(model=model, status=Model.Status.ERROR, error=error.message)
             _reconcile_after_failed_load(resident)
-        job_finish(job=job, status=Job.Status.FAILED, error=error.message)
+        job_finish(job=job, status=Job.Status.FAILED, error=error.message, code=error.code)
         metrics.record_load(operation="load", outcome="failed")
         raise error from exc
     except BaseException as exc:
         model_set_status(model=model, status=Model.Status.ERROR, error=str(exc)[:500])
         _reconcile_after_failed_load(resident)
-        job_finish(job=job, status=Job.Status.FAILED, error=type(exc).__name__)
+        job_finish(job=job, status=Job.Status.FAILED, error=type(exc).__name__, code="INTERNAL_ERROR")
         metrics.record_load(operation="load", outcome="failed")
         raise
     with transaction.atomic():
@@ -392,7 +405,7 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
         if isinstance(error, ModelBusy) and error.retry_after is None:
             error.retry_after = settings.RETRY_AFTER_UNLOAD_S
         if job is not None:
-            job_finish(job=job, status=Job.Status.FAILED, error=error.message)
+            job_finish(job=job, status=Job.Status.FAILED, error=error.message, code=error.code)
         metrics.record_load(operation="unload", outcome="failed")
         raise error from exc
     with transaction.atomic():
@@ -406,6 +419,7 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
     return model
 
 
+@audited("model.load", _model, params=_lease, job=lambda job: job)
 def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     model_jobs_reap()  # committed on its own: a refusal below must not undo it
     return _model_load_enqueue(model=model, lease_id=lease_id)
@@ -450,6 +464,7 @@ def _check_fits_early(model: Model, resident: Model | None) -> None:
     check_model_fits(model, device, dtype, resident=resident)
 
 
+@audited("model.unload", _model, params=_lease, job=lambda job: job)
 def model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     model_jobs_reap()  # committed on its own: a refusal below must not undo it
     return _model_unload_enqueue(model=model, lease_id=lease_id)

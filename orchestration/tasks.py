@@ -72,7 +72,7 @@ def _run_model_job(job_id: int, operation: Callable[..., object], name: str) -> 
     except MillmError as exc:  # a named refusal: nothing to retry
         job.refresh_from_db()
         if job.status not in Job.FINISHED:
-            job_finish(job=job, status=Job.Status.FAILED, error=exc.message)
+            job_finish(job=job, status=Job.Status.FAILED, error=exc.message, code=exc.code)
         log.warning(f"{name}_failed", job_id=job_id, code=exc.code, message=exc.message)
         return "failed"
     except BaseException as exc:

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 import structlog
 
+from audit.services import audited
 from core.errors import ModelNotLoaded, from_engine_error
 from core.runtime import runtime
 from gpu_engine.api.errors import EngineError
@@ -29,6 +30,11 @@ from registry.vectors import check_layers, check_name_free, vector_create
 log = structlog.get_logger(__name__)
 
 
+@audited(
+    "vector.compute",
+    lambda kw, r: ("vector", getattr(r, "id", ""), kw.get("name", "")),
+    params=lambda kw: {"layer": kw.get("layer"), "pairs": len(kw.get("pairs") or ()), "pooling": kw.get("pooling")},
+)
 def vector_compute(
     *, name: str, layer: int, pairs: Sequence[tuple[str, str]], model_name: str | None = None, pooling: str = "last"
 ) -> SAE:

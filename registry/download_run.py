@@ -146,7 +146,10 @@ def _download_failed(*, job: Job, row: Model | SAE, target: Path, exc: BaseExcep
     job.refresh_from_db()
     if job.status not in Job.FINISHED:
         job_lifecycle.job_finish(
-            job=job, status=Job.Status.CANCELLED if cancelled else Job.Status.FAILED, error=message
+            job=job,
+            status=Job.Status.CANCELLED if cancelled else Job.Status.FAILED,
+            error=message,
+            code=getattr(exc, "code", "") if isinstance(getattr(exc, "code", ""), str) else "",
         )
     metrics.record_download(kind=kind, outcome="cancelled" if cancelled else "failed")
     log.warning(

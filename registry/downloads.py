@@ -32,6 +32,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from audit.services import audited
 from core import events, jobs
 from core.errors import SAEInvalid, UnsupportedModel
 from registry import hub, job_lifecycle, selectors, sizing
@@ -137,6 +138,25 @@ def model_preview(*, repo_id: str, revision: str = "main", hf_token: str | None 
     }
 
 
+def _first(kind: str, name_key: str):
+    def target(kwargs: dict[str, Any], result: Any) -> tuple[str, Any, str]:
+        row = result[0] if result else None
+        if row is None:
+            return (kind, "", str(kwargs.get(name_key) or ""))
+        return (kind, row.pk, row.name)
+
+    return target
+
+
+# the hub token is never kept (audit.services drops it by name anyway)
+@audited(
+    "model.download",
+    _first("model", "repo_id"),
+    params=lambda kw: {
+        k: kw[k] for k in ("repo_id", "revision", "quantization", "trust_remote_code", "custom_name") if k in kw
+    },
+    job=lambda result: result[1],
+)
 def model_download_start(
     *,
     repo_id: str,
@@ -351,6 +371,14 @@ def _gguf_download_start(
     return model, job
 
 
+@audited(
+    "download.cancel",
+    lambda kw, r: (
+        "model" if isinstance(kw.get("row"), Model) else "sae",
+        getattr(kw.get("row"), "pk", ""),
+        getattr(kw.get("row"), "name", ""),
+    ),
+)
 def download_cancel(*, row: Model | SAE) -> Job:
     """Ask the row's running download to stop (it stops within a moment and removes its
     files); a queued one is cancelled at once."""
@@ -403,6 +431,12 @@ def sae_preview(*, repository_id: str, revision: str = "main", hf_token: str | N
     }
 
 
+@audited(
+    "sae.download",
+    _first("sae", "repository_id"),
+    params=lambda kw: {k: kw[k] for k in ("repository_id", "file_path", "revision") if k in kw},
+    job=lambda result: result[1],
+)
 def sae_download_start(
     *,
     repository_id: str,

@@ -9,6 +9,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from audit.services import job_finished
 from core import events
 from registry.errors import JobFinished
 from registry.models import SAE, Job, Model
@@ -81,7 +82,9 @@ def job_progress(
     return job
 
 
-def job_finish(*, job: Job, status: str, error: str = "") -> Job:
+def job_finish(*, job: Job, status: str, error: str = "", code: str = "") -> Job:
+    """End a job; ``code`` is its error's code, kept as the result of the audit entry of
+    the request that asked for it (``audit.services.job_finished``)."""
     if status not in Job.FINISHED:
         raise ValueError(f"{status} is not a final job status")
     job.status = status
@@ -90,6 +93,7 @@ def job_finish(*, job: Job, status: str, error: str = "") -> Job:
     if status == Job.Status.SUCCEEDED:
         job.progress = 100
     job.save(update_fields=["status", "error", "finished_at", "progress", "updated_at"])
+    job_finished(job_id=job.id, status=status, error=error, code=code)
     prefix = _JOB_EVENT_PREFIX.get(job.kind)
     if prefix:
         suffix = "complete" if status == Job.Status.SUCCEEDED else "error"
@@ -108,4 +112,6 @@ def job_cancel(*, job: Job) -> Job:
         job.status = Job.Status.CANCELLED
         job.finished_at = timezone.now()
     job.save(update_fields=["cancel_requested", "status", "finished_at", "updated_at"])
+    if job.status == Job.Status.CANCELLED:
+        job_finished(job_id=job.id, status=job.status)
     return job

@@ -12,6 +12,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
+from audit.services import audited
 from core.errors import ValidationFailed
 from gpu_engine.api.host import backend_names
 from registry import access, describe, labels
@@ -79,6 +80,29 @@ def model_check_local(
     return {"name": name, "local_path": str(path), "format": fmt, "gguf_file": gguf_file, **meta}
 
 
+def _row(kind: str, key: str, name_from: str = "name"):
+    """An audit target from the keyword ``key`` (a row), else from the result."""
+
+    def target(kwargs: dict[str, Any], result: Any) -> tuple[str, Any, str]:
+        row = kwargs.get(key) if key else result
+        if row is None and not key:
+            return (kind, "", str(kwargs.get(name_from) or kwargs.get("local_path") or ""))
+        if kind == "sae" and getattr(row, "format", "") == SAE.Format.VECTOR:
+            return ("vector", getattr(row, "pk", ""), getattr(row, "name", ""))
+        return (kind, getattr(row, "pk", ""), getattr(row, "name", ""))
+
+    return target
+
+
+def _fields(*names: str):
+    return lambda kwargs: {n: kwargs[n] for n in names if n in kwargs}
+
+
+@audited(
+    "model.register",
+    _row("model", "", "name"),
+    params=_fields("local_path", "name", "quantization", "trust_remote_code", "backend"),
+)
 @transaction.atomic
 def model_register_local(
     *,
@@ -113,6 +137,7 @@ def check_backend_name(backend: str) -> None:
 
 
 @transaction.atomic
+@audited("model.update", _row("model", "model"), params=_fields("backend"))
 def model_set_backend(*, model: Model, backend: str) -> Model:
     """Choose the backend the model loads on (blank: MILLM_BACKEND). Refused while the
     model is resident or moving: the engine holds it on the backend it was loaded with."""
@@ -160,12 +185,14 @@ def model_set_status(*, model: Model, status: str, error: str = "", device: str 
     return model
 
 
+@audited("model.lock", _row("model", "model"))
 def model_lock(*, model: Model) -> Model:
     Model.objects.filter(pk=model.pk).update(locked=True, locked_by_operator=True, updated_at=timezone.now())
     model.refresh_from_db()
     return model
 
 
+@audited("model.unlock", _row("model", "model"))
 def model_unlock(*, model: Model) -> Model:
     Model.objects.filter(pk=model.pk).update(locked=False, locked_by_operator=False, updated_at=timezone.now())
     model.refresh_from_db()
@@ -180,6 +207,7 @@ def _is_under(path: Path, root: Path) -> bool:
     return True
 
 
+@audited("model.delete", _row("model", "model"))
 @transaction.atomic
 def model_delete(*, model: Model) -> None:
     """Delete the row, and the folder the registry downloaded for this row (``files_dir``).
@@ -268,6 +296,11 @@ def sae_check_local(*, local_path: str) -> tuple[Path, dict]:
     return path, meta
 
 
+@audited(
+    "sae.register",
+    _row("sae", "", "name"),
+    params=_fields("local_path", "name", "trained_on_model", "trained_on_layer"),
+)
 @transaction.atomic
 def sae_register_local(
     *,
@@ -302,6 +335,7 @@ def sae_register_local(
     return sae
 
 
+@audited("sae.delete", _row("sae", "sae"))
 @transaction.atomic
 def sae_delete(*, sae: SAE) -> None:
     """Delete the row and the files the registry wrote for it; refused while attached (409).

@@ -22,6 +22,7 @@ import structlog
 from django.conf import settings
 from django.db import transaction
 
+from audit.services import audited
 from gpu_engine.api.errors import EngineError
 from gpu_engine.api.sae import read_vector_header, read_vectors, write_vector_file
 from registry.errors import VectorAlreadyExists, VectorInvalid, VectorNotFound
@@ -97,6 +98,15 @@ def check_name_free(name: str) -> str:
     return name
 
 
+@audited(
+    "vector.register",
+    lambda kw, r: ("vector", getattr(r, "pk", ""), getattr(r, "name", "") or str(kw.get("name") or "")),
+    params=lambda kw: {
+        "model": getattr(kw.get("model"), "name", None),
+        "layers": sorted(int(k) for k in (kw.get("vectors") or {})),
+        "source": kw.get("source"),
+    },
+)
 @transaction.atomic
 def vector_create(
     *, name: str, model: Model, vectors: Mapping[int, Any], source: str, recipe: Mapping[str, Any] | None = None

@@ -34,6 +34,7 @@ import structlog
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from audit.services import audited, kwargs_of, of_kwarg
 from core.errors import (
     MillmError,
     ModelNotLoaded,
@@ -369,6 +370,7 @@ def _reapply(circuit_attachments: dict[int, Attachment]) -> None:
         live._on_commit_publish(attachment, reason="circuit")
 
 
+@audited("circuit.deactivate", of_kwarg("circuit", "circuit"))
 def circuit_deactivate(*, circuit: Circuit) -> Circuit:
     """Stop serving: release the layer claims and remove the circuit's values from the
     live steering (other circuits on the same layers keep theirs)."""
@@ -394,6 +396,11 @@ def _shared_with_others(circuit: Circuit) -> list[int]:
     return sorted(mine & others)
 
 
+@audited(
+    "circuit.intensity",
+    of_kwarg("circuit", "circuit"),
+    params=kwargs_of("intensity", "reapply", "acknowledge_unvalidated"),
+)
 def circuit_set_intensity(
     *, circuit: Circuit, intensity: Any, reapply: bool = True, acknowledge_unvalidated: bool = False
 ) -> tuple[Circuit, bool]:
@@ -453,6 +460,7 @@ def circuit_claims() -> list[dict[str, Any]]:
     return sorted(rows, key=lambda r: (r["layer"], r["circuit_id"]))
 
 
+@audited("circuit.delete", of_kwarg("circuit", "circuit"))
 def circuit_delete(*, circuit: Circuit) -> None:
     if circuit.is_active:
         circuit_deactivate(circuit=circuit)

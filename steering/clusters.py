@@ -22,6 +22,7 @@ import structlog
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
+from audit.services import audited, kwargs_of, of_kwarg
 from core.errors import MillmError, SAENotAttached, ValidationFailed
 from core.ids import get_by_pk_or_name
 from registry.models import Attachment
@@ -232,6 +233,7 @@ def cluster_import(
     return out
 
 
+@audited("cluster.activate", of_kwarg("cluster", "cluster"), params=kwargs_of("intensity", "sae_id", "layer"))
 def cluster_activate(
     *, cluster: Cluster, intensity: Any = None, sae_id: str | None = None, layer: int | None = None
 ) -> Cluster:
@@ -275,6 +277,7 @@ def cluster_activate(
     return cluster
 
 
+@audited("cluster.deactivate", of_kwarg("cluster", "cluster"), params=kwargs_of("clear_steering"))
 def cluster_deactivate(*, cluster: Cluster, clear_steering: bool = True) -> Cluster:
     with transaction.atomic():
         live.steering_lock()
@@ -285,6 +288,7 @@ def cluster_deactivate(*, cluster: Cluster, clear_steering: bool = True) -> Clus
     return cluster
 
 
+@audited("cluster.intensity", of_kwarg("cluster", "cluster"), params=kwargs_of("intensity", "reapply"))
 def cluster_set_intensity(*, cluster: Cluster, intensity: Any, reapply: bool = True) -> tuple[Cluster, bool]:
     """Set λ; an active cluster re-applies at once (in one transaction, so a failure
     leaves the old λ and the old values). Returns the cluster and whether it re-applied."""
@@ -335,6 +339,7 @@ def cluster_update(*, cluster: Cluster, name: str | None = None, narrative: str 
     return cluster
 
 
+@audited("cluster.delete", of_kwarg("cluster", "cluster"))
 def cluster_delete(*, cluster: Cluster) -> None:
     if cluster.is_active:
         cluster_deactivate(cluster=cluster)

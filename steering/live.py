@@ -24,6 +24,7 @@ from typing import Any
 import structlog
 from django.db import transaction
 
+from audit.services import audited
 from core import events
 from core.capabilities import require_capability
 from core.errors import ValidationFailed
@@ -191,6 +192,19 @@ def _save(attachment: Attachment, features: rules.FeatureSet, *, enabled: bool, 
     return row
 
 
+def _attachment(kwargs: dict[str, Any], _result: Any) -> tuple[str, Any, str]:
+    row = kwargs.get("attachment")
+    return ("attachment", f"{getattr(row, 'sae_id', '')}@{getattr(row, 'layer', '')}", "")
+
+
+@audited(
+    "steering.set",
+    _attachment,
+    params=lambda kw: {
+        "values": {str(k): v for k, v in dict(kw.get("values") or {}).items()},
+        "controls": len(list(kw.get("controls") or ())),
+    },
+)
 @transaction.atomic
 def live_set(
     *,
@@ -218,6 +232,7 @@ def live_set(
     return live_state(attachment=attachment)
 
 
+@audited("steering.remove", _attachment, params=lambda kw: {"index": kw.get("index")})
 @transaction.atomic
 def live_remove(*, attachment: Attachment, index: int) -> dict[str, Any]:
     """Remove one feature (a value or a control); removing the last one disables."""
@@ -230,6 +245,7 @@ def live_remove(*, attachment: Attachment, index: int) -> dict[str, Any]:
     return live_state(attachment=attachment)
 
 
+@audited("steering.clear", _attachment)
 @transaction.atomic
 def live_clear(*, attachment: Attachment) -> dict[str, Any]:
     """Remove every value and control, and disable."""
@@ -239,6 +255,7 @@ def live_clear(*, attachment: Attachment) -> dict[str, Any]:
     return live_state(attachment=attachment)
 
 
+@audited("steering.enable", _attachment, params=lambda kw: {"enabled": kw.get("enabled")})
 @transaction.atomic
 def live_enable(*, attachment: Attachment, enabled: bool) -> dict[str, Any]:
     """Apply (or stop applying) the configured values; with no values nothing runs, so

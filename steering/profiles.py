@@ -25,6 +25,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_datetime
 
+from audit.services import audited, kwargs_of, of_kwarg
 from core.errors import SAENotAttached, ValidationFailed
 from core.ids import ascii_int, get_by_pk_or_name
 from gpu_engine.api.protocol import MAX_STEERING_STRENGTH, FeatureControl
@@ -275,6 +276,7 @@ def profile_features(profile: Profile) -> rules.FeatureSet:
         ) from None
 
 
+@audited("profile.activate", of_kwarg("profile", "profile"), params=kwargs_of("intensity"))
 def profile_activate(*, profile: Profile, intensity: float | None = None) -> Profile:
     """Make the profile the live steering (replacing all of it), validated first."""
     lam = profile.intensity if intensity is None else _intensity(intensity)
@@ -312,6 +314,7 @@ def profile_activate(*, profile: Profile, intensity: float | None = None) -> Pro
     return profile
 
 
+@audited("profile.deactivate", of_kwarg("profile", "profile"), params=kwargs_of("clear_steering"))
 def profile_deactivate(*, profile: Profile, clear_steering: bool = True) -> Profile:
     with transaction.atomic():
         live.steering_lock()
@@ -322,6 +325,7 @@ def profile_deactivate(*, profile: Profile, clear_steering: bool = True) -> Prof
     return profile
 
 
+@audited("profile.delete", of_kwarg("profile", "profile"))
 def profile_delete(*, profile: Profile) -> None:
     if profile.is_active:
         profile_deactivate(profile=profile)

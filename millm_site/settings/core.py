@@ -46,6 +46,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "channels",
     "millm_site",
+    "audit",
     "registry",
     "steering",
     "inference",
@@ -72,6 +73,8 @@ MIDDLEWARE = [
     "django.middleware.csrf.CsrfViewMiddleware",
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "core.auth.ApiKeyMiddleware",
+    # the caller (key label, admin user) that audit entries name while the view runs
+    "audit.context.AuditActorMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
 ]
@@ -82,6 +85,7 @@ V1_MIDDLEWARE = [
     "core.metrics.MetricsMiddleware",
     "corsheaders.middleware.CorsMiddleware",
     "core.auth.ApiKeyMiddleware",
+    "audit.context.AuditActorMiddleware",
 ]
 
 ROOT_URLCONF = "millm_site.urls"
