@@ -59,3 +59,26 @@ class StoredResponse(models.Model):
     @property
     def terminal(self) -> bool:
         return self.status in self.TERMINAL
+
+
+class KeyUsage(models.Model):
+    """What one key used on one day (UTC): /v1 requests (Batch API lines and stored
+    responses included), their prompt and completion tokens as the answers reported them,
+    and how many ran steered. One upsert per request (``inference.usage``); read at
+    ``GET /api/usage`` and in the admin, never changed by hand."""
+
+    owner = models.CharField(max_length=OWNER_MAX_CHARS)  # "anonymous" or "key:<label>"
+    day = models.DateField()
+    requests = models.BigIntegerField(default=0)
+    prompt_tokens = models.BigIntegerField(default=0)
+    completion_tokens = models.BigIntegerField(default=0)
+    steered_requests = models.BigIntegerField(default=0)
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        ordering = ["-day", "owner"]
+        constraints = [models.UniqueConstraint(fields=["owner", "day"], name="inference_keyusage_owner_day")]
+        verbose_name_plural = "key usage"
+
+    def __str__(self) -> str:
+        return f"{self.owner} {self.day}"

@@ -102,6 +102,7 @@ class Plan:
     # (/v1/responses: its ``resp_…`` id)
     record_id: str | None = None
     scope: Scope = EVERYONE  # whose request: its captures and history are the owner's
+    quota: Any = None  # the key's quota ticket (inference.quotas), charged the real tokens
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property

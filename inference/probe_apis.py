@@ -15,6 +15,7 @@ from core.api import error_json
 from core.errors import MillmError, from_engine_error
 from gpu_engine.api.errors import EngineError
 from inference.probe_scoring import probe_score, probe_score_parse
+from inference.quotas import api_ticket
 from monitoring.errors import ProbeScoreRequestInvalid
 from monitoring.ownership import Scope
 
@@ -34,13 +35,20 @@ async def probe_score_api(request: HttpRequest) -> JsonResponse:
         response = error_json("METHOD_NOT_ALLOWED", f"Method {request.method} not allowed", status_code=405)
         response["Allow"] = "POST"  # RFC 9110
         return response
+    ticket = None
     try:
+        ticket = await api_ticket(request)  # 429 RATE_LIMIT_EXCEEDED over the key's quota, before any work
         body, headers = await probe_score(probe_score_parse(_body(request)), scope=Scope.of_request(request))
+        if ticket is not None:
+            ticket.charge(ticket.estimate)  # scored: its estimate stands as its tokens
     except (MillmError, EngineError) as exc:
         err = from_engine_error(exc) if isinstance(exc, EngineError) else exc
         return error_json(
             err.code, err.message, status_code=err.status, details=err.details, retry_after=err.retry_after
         )
+    finally:
+        if ticket is not None:
+            ticket.release()
     return JsonResponse({"success": True, "data": body, "error": None}, headers=headers)
 
 

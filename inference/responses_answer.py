@@ -32,6 +32,7 @@ from inference.responses_store import (
     save_response,
     start_background,
 )
+from inference.quotas import admission_ticket
 from inference.responses_stream import response_events
 from inference.serving import answer_plan, open_stream, serve_generation
 from inference.streaming import Resources, SSEResponse
@@ -102,6 +103,11 @@ async def responses_create(request: HttpRequest):
     strict = strict_mode(request.headers.get(STRICT_HEADER))
     data = json_body(request)
     req, ignored = parse_responses_request(data, strict=strict)
+    async with admission_ticket(request, max_tokens=req.max_output_tokens):  # 429 over the key's quota
+        return await _create(request, data, req, ignored)
+
+
+async def _create(request: HttpRequest, data: dict[str, Any], req: ResponsesRequest, ignored: list[str]) -> Any:
     scope = Scope.of_request(request)
     policy, lease = load_policy(request), request.headers.get(LEASE_HEADER)
     items = input_items_of(data.get("input"))

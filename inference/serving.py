@@ -43,6 +43,7 @@ from inference.outcomes import (  # noqa: F401 - re-exported: a finished choice'
 )
 from inference.planning import Plan, off_view_thread, plan_generation, resolve_model
 from inference.protocol import ChatCompletionRequest, CompletionRequest
+from inference.quotas import current_ticket
 from inference.residency import resident_model_id
 from inference.scoring import check_scoring, serve_scoring
 from inference.shaping import (  # noqa: F401 - re-exported: the body's parts
@@ -171,7 +172,7 @@ async def serve_generation(
     residency.check_policy(model, policy=policy, resident=resident_model_id(status), draining=status.draining)
     await build_grammar(client, req)
     permit = await runtime().admission.acquire()
-    res = Resources(permit)
+    res = Resources(permit, quota=current_ticket())
     handed_over = False
     try:
         # a status read before a wait in the queue may be stale: read it again then
@@ -192,6 +193,7 @@ async def serve_generation(
             ignored_fields=ignored,
             scope=scope,
         )
+        plan.quota = res.quota
         response = await answer(plan, client, res)
         handed_over = isinstance(response, SSEResponse)
         return response

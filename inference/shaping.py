@@ -16,6 +16,7 @@ from inference.outcomes import Outcome
 from inference.planning import Plan
 from inference.protocol import CompletionRequest
 from inference.tools import parse_tool_calls, tool_content
+from inference.usage import request_ended
 
 
 def top_dict(lp: TokenLogprob) -> dict[str, float]:
@@ -143,6 +144,8 @@ def count_usage(plan: Plan, usage: wire.Usage, *, unfinished: int = 0, outcomes:
     record_tokens(
         model=plan.model.name, completion_tokens=usage.completion_tokens + unfinished, prompt_tokens=usage.prompt_tokens
     )
+    # the key's usage and quota: the tokens it was answered (inference.usage)
+    request_ended(plan, prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens + unfinished)
     speculative = _speculative(outcomes or [])
     if speculative is not None and speculative["used"]:
         record_speculative(model=plan.model.name, drafted=speculative["drafted"], accepted=speculative["accepted"])

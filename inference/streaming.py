@@ -118,9 +118,12 @@ class Submitted:
 class Resources:
     """The slot and the model use a request holds, released exactly once."""
 
-    def __init__(self, permit: Permit, use: Use | None = None) -> None:
+    def __init__(self, permit: Permit, use: Use | None = None, quota: Any = None) -> None:
         self.permit = permit
         self.use = use
+        self.quota = quota  # the key's quota ticket (inference.quotas), released here
+        if quota is not None:
+            quota.owned = True
         self.events: Any = None
         self.later: list[Submitted] = []  # a stream's choices after the first
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -146,6 +149,8 @@ class Resources:
         if self.use is not None:
             self.use.release()
         self.permit.release()
+        if self.quota is not None:
+            self.quota.release()
 
 
 def _chunk(

@@ -36,8 +36,10 @@ from inference.protocol import (
     ModelCard,
     ModelList,
 )
+from inference.quotas import admission_ticket
 from inference.residency import ADMIN_ONLY, LOAD_POLICIES
 from inference.serving import serve_generation
+from inference.usage import charge_embeddings
 from monitoring.ownership import Scope
 
 log = structlog.get_logger(__name__)
@@ -94,14 +96,16 @@ def load_policy(request: HttpRequest) -> str:
 
 async def _generation(request: HttpRequest, kind: str, schema: type[BaseModel]):
     req, ignored = _body(request, schema)
-    return await serve_generation(
-        kind=kind,
-        req=req,
-        policy=load_policy(request),
-        lease=request.headers.get(LEASE_HEADER),
-        ignored=ignored,
-        scope=Scope.of_request(request),
-    )
+    max_tokens = getattr(req, "effective_max_tokens", None) if kind == "chat" else req.max_tokens
+    async with admission_ticket(request, max_tokens=max_tokens, n=req.n):  # 429 over the key's quota
+        return await serve_generation(
+            kind=kind,
+            req=req,
+            policy=load_policy(request),
+            lease=request.headers.get(LEASE_HEADER),
+            ignored=ignored,
+            scope=Scope.of_request(request),
+        )
 
 
 @openai_view("POST")
@@ -117,9 +121,11 @@ async def completions(request: HttpRequest):
 @openai_view("POST")
 async def embeddings(request: HttpRequest):
     req, ignored = _body(request, EmbeddingRequest)
-    body, headers = await serve_embeddings(
-        req=req, ignored=ignored, policy=load_policy(request), lease=request.headers.get(LEASE_HEADER)
-    )
+    async with admission_ticket(request):  # 429 over the key's quota
+        body, headers = await serve_embeddings(
+            req=req, ignored=ignored, policy=load_policy(request), lease=request.headers.get(LEASE_HEADER)
+        )
+        charge_embeddings(request, body)
     return JsonResponse(body, headers=headers)
 
 

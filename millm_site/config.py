@@ -267,6 +267,12 @@ def _check_combinations(v: dict[str, Any]) -> None:
     for origin in origins:
         if origin != "*" and urlparse(origin).scheme not in ("http", "https"):
             raise ConfigError("CORS_ORIGINS", "each origin must be * or an http(s) URL", origin)
+    from inference.quota_limits import KeyLimitsError, parse_key_limits
+
+    try:
+        parse_key_limits(v["KEY_LIMITS"])
+    except KeyLimitsError as exc:
+        raise ConfigError("KEY_LIMITS", str(exc)) from None
     if not v["DEBUG"] and v["DATABASE_URL"] and not v["SECRET_KEY"]:
         raise ConfigError("SECRET_KEY", "is required when DEBUG is off and DATABASE_URL is set")
     if v["SECRET_KEY"] and len(v["SECRET_KEY"]) < 32 and not v["DEBUG"]:

@@ -201,6 +201,19 @@ VARIABLES: tuple[Var, ...] = (
         secret=True,
     ),
     Var(
+        "KEY_LIMITS",
+        "Access & hub",
+        "str",
+        "",
+        'Per-key quotas of /v1 as JSON: {"*": {"rpm": 60, "tpm": 100000, "concurrent": 4}, '
+        '"alice": {"rpm": 600}} (requests per minute, prompt + completion tokens per minute, '
+        'requests at once; by key label, "*" for every inference key; a key\'s entry overrides '
+        '"*" field by field, null lifts a limit). Admin keys are limited only by an entry naming '
+        "them. Over a limit: 429 rate_limit_exceeded (/v1) or RATE_LIMIT_EXCEEDED (/api) with "
+        "Retry-After. Empty, or keys off: no limits. Windows are shared through Redis when "
+        "REDIS_URL is set.",
+    ),
+    Var(
         "ROOT_PATH",
         "Access & hub",
         "str",

@@ -4,6 +4,8 @@ import os
 
 from corsheaders.defaults import default_headers
 
+from inference.quota_limits import parse_key_limits
+
 from .core import CONFIG, EMBEDDED
 
 if "*" in CONFIG.CORS_ORIGINS:  # only with keys (millm_site.config refuses it without)
@@ -76,6 +78,8 @@ MILLM_HOST = CONFIG.HOST
 MILLM_PORT = CONFIG.PORT
 MILLM_API_KEYS = tuple(CONFIG.MILLM_API_KEYS)
 MILLM_ADMIN_API_KEYS = tuple(CONFIG.MILLM_ADMIN_API_KEYS)
+# per-key quotas of /v1, parsed (inference.quotas; checked at start-up by millm_site.config)
+KEY_LIMITS = parse_key_limits(CONFIG.KEY_LIMITS)
 # one limit for a request body (millm_site.boundary refuses larger ones before reading them)
 MAX_REQUEST_BODY_BYTES = CONFIG.MAX_REQUEST_BODY_BYTES
 DATA_UPLOAD_MAX_MEMORY_SIZE = CONFIG.MAX_REQUEST_BODY_BYTES
