@@ -155,12 +155,13 @@ def audited(
                     kwargs = given
             if _INSIDE.get() or (skip is not None and skip(kwargs)):
                 return fn(*args, **given)
+            before = _describe(target, kwargs, None)  # a deleted row's id is gone afterwards
             token = _INSIDE.set(True)
             try:
                 result = fn(*args, **given)
             except BaseException as exc:
                 _INSIDE.reset(token)
-                _record_call(action, target, params, kwargs, None, error_code(exc), str(exc), None)
+                _record_call(action, before, target, params, kwargs, None, error_code(exc), str(exc), None)
                 raise
             _INSIDE.reset(token)
             job_row = job(result) if job is not None else None
@@ -169,7 +170,7 @@ def audited(
                 job_id = getattr(job_row, "id", None)
                 status = getattr(job_row, "status", "")
                 outcome = AuditEntry.PENDING if status in ("queued", "running") else _job_result(job_row)
-            _record_call(action, target, params, kwargs, result, outcome, "", job_id)
+            _record_call(action, before, target, params, kwargs, result, outcome, "", job_id)
             return result
 
         return inner
@@ -184,13 +185,22 @@ def _job_result(job_row: Any) -> str:
     return "CANCELLED" if status == "cancelled" else "JOB_FAILED"
 
 
-def _record_call(action, target, params, kwargs, result, outcome, message, job_id) -> None:  # noqa: ANN001
+def _describe(target, kwargs, result) -> Target:  # noqa: ANN001
     try:
-        named = target(kwargs, result)
+        return target(kwargs, result)
+    except Exception:  # noqa: BLE001
+        log.exception("audit_describe_failed")
+        return ("", "", "")
+
+
+def _record_call(action, before, target, params, kwargs, result, outcome, message, job_id) -> None:  # noqa: ANN001
+    after = _describe(target, kwargs, result)
+    named = tuple(a if a not in (None, "") else b for a, b in zip(after, before))
+    try:
         kept = params(kwargs) if params is not None else {}
     except Exception:  # noqa: BLE001
         log.exception("audit_describe_failed", action=action)
-        named, kept = ("", "", ""), {}
+        kept = {}
     record(action, target=named, params=kept, result=outcome, message=message, job_id=job_id)
 
 

@@ -23,6 +23,7 @@ decides, not this process's memory:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import threading
 from concurrent.futures import Future
@@ -169,8 +170,12 @@ class Residency:
                 else:
                     starter = False
             if starter:
+                # in the request's context: the load's audit entry names the caller
                 threading.Thread(
-                    target=self._load, args=(model, future), name=f"millm-load-{model.name}", daemon=True
+                    target=contextvars.copy_context().run,
+                    args=(self._load, model, future),
+                    name=f"millm-load-{model.name}",
+                    daemon=True,
                 ).start()
             await asyncio.wrap_future(future)
             status = None
