@@ -16,10 +16,13 @@ Dispatch always happens after the surrounding transaction commits, so a task nev
 for a row that is not there yet.
 
 The long runs these tasks start (a batch's runner, a background response's) share their
-runner id (``new_runner_id``), their take-over wait (``take_over_run``) and their
-run-scoped executor (``run_with_closing_pool``); ``LongRuns`` keeps the row of such a run
-(one runner at a time, its heartbeat, a cancel, the sweep that resumes a run whose runner
-died) for any model with the fields it names.
+runner id (``new_runner_id``), their take-over wait (``take_over_run``), their
+run-scoped executor (``run_with_closing_pool``), their database thread (``RunDatabase``),
+their Celery task's options (``long_run_task``) and their throttled progress event
+(``Progress``); ``LongRuns`` keeps the row of such a run (one runner at a time, its
+heartbeat, a cancel, the sweep that resumes a run whose runner died, a starting worker's
+resume) for any model with the fields it names: a feature dashboard run's and an
+experiment's.
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ import structlog
 from django.conf import settings
 from django.db import close_old_connections, connections, transaction
 
+from core.errors import MillmError, from_engine_error
+from core.events import publish
+from core.periodic import Periodic
 from core.runtime import runtime
 
 log = structlog.get_logger(__name__)
@@ -220,18 +226,108 @@ async def run_with_closing_pool(main: Callable[[], Awaitable[T]], *, thread_name
         )
 
 
+class RunDatabase:
+    """A long run's database thread: one thread, so the run's writes happen in the order
+    they are made, whose connection is closed when the run ends (``async with``: a
+    thread that ended with one open would pin a PostgreSQL session)."""
+
+    def __init__(self, *, thread_name_prefix: str) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=thread_name_prefix)
+
+    async def __call__(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)`` on the run's database thread."""
+
+        def call() -> T:
+            close_old_connections()
+            return fn(*args, **kwargs)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    async def __aenter__(self) -> RunDatabase:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._pool, connections.close_all)
+        self._pool.shutdown(wait=True)
+
+
+def engine_command(fn: Callable[..., T], *args: Any) -> T:
+    """A blocking engine command of a long run (``tokenize``, ``feature_logits``): an
+    engine error is raised as the domain error of its code."""
+    try:
+        return fn(*args)
+    except MillmError:
+        raise
+    except Exception as exc:
+        if hasattr(exc, "code"):
+            raise from_engine_error(exc) from exc
+        raise
+
+
+def long_run_task(name: str, *, limit_s: int, grace_s: int = 300) -> Callable[[Callable[..., T]], Any]:
+    """The Celery task of a long run's runner: ``acks_late`` with
+    ``reject_on_worker_lost``, so a runner whose worker child is killed is not lost with
+    it (its message goes back in the queue and the next runner takes the run over once
+    the dead one's heartbeat is stale, BATCH_RUNNER_STALE_S); soft time limit
+    ``limit_s``, hard ``grace_s`` later."""
+    from celery import shared_task
+
+    return shared_task(
+        name=name,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        soft_time_limit=limit_s,
+        time_limit=limit_s + grace_s,
+    )
+
+
+def consumes(sender: Any, queue: str) -> bool:
+    """Whether the Celery worker ``sender`` (a ``worker_ready`` signal's) consumes ``queue``."""
+    consumer = getattr(sender, "task_consumer", None)
+    queues = getattr(consumer, "queues", None) or []
+    return any(getattr(q, "name", None) == queue for q in queues)
+
+
+class Progress:
+    """A long run's progress over /ws/events (``event``, with ``payload(row)``: ids,
+    status and counts, to the run's owner and admin sockets), called as
+    ``progress(run=row)`` or ``progress(run_id=id)``: while the run runs at most every
+    ``every_s`` per run unless ``force``; once it ended, its entry is forgotten."""
+
+    def __init__(self, model: Any, event: str, payload: Callable[[Any], dict[str, Any]], *, every_s: float) -> None:
+        self.model, self.event, self.payload, self.every_s = model, event, payload, every_s
+        self._sent: dict[str, float] = {}
+
+    def __call__(self, *, run: Any = None, run_id: str | None = None, force: bool = False) -> None:
+        key = run.id if run is not None else run_id
+        now = time.monotonic()
+        if not force and now - self._sent.get(key, 0.0) < self.every_s:
+            return
+        self._sent[key] = now
+        if run is None:
+            run = self.model.objects.filter(id=key).first()
+            if run is None:
+                return
+        if run.status in self.model.TERMINAL:
+            self._sent.pop(key, None)
+        publish(self.event, self.payload(run))
+
+
 class LongRuns:
-    """The row of a long run that one runner at a time holds (an experiment; the model
-    has ``status`` with the values queued, running, cancelling, cancelled, failed and
-    completed, ``runner``, ``runner_seen_at``, ``resumes``, ``error``, ``started_at`` and
-    ``finished_at``): its take-over, heartbeat, cancel and end, and the sweep and
-    start-up resume that queue a runner for a run whose runner died.
+    """The row of a long run that one runner at a time holds (an experiment, a feature
+    dashboard run; the model has ``status`` with the values queued, running, cancelling,
+    cancelled, failed and completed, ``runner``, ``runner_seen_at``, ``resumes``,
+    ``error``, ``started_at`` and ``finished_at``): its take-over, heartbeat, cancel and
+    end, and the sweep and start-up resume that queue a runner for a run whose runner
+    died.
 
     A runner whose heartbeat is older than BATCH_RUNNER_STALE_S is presumed dead; one
-    taken over more than BATCH_MAX_RESUMES times ends ``failed`` with ``failed_code``.
-    ``ending(row, status)`` may set fields of a row about to end and returns their names;
-    ``ended(row)`` is told of every end (after its transaction) and of a take-over (the
-    service publishes its progress there)."""
+    taken over more than BATCH_MAX_RESUMES times ends ``failed`` with ``failed_code``
+    (its message ending with ``failed_note``). ``ending(row, status)`` may set fields of
+    a row about to end and returns their names; ``ended(row)`` is told of every end
+    (after its transaction) and of a take-over (the service publishes its progress
+    there). ``what`` names the run in logs (``<what>_runner_dead``), the runner's
+    threads (``millm-<what>``) and, plural, its sweeper (``<what>s_swept``)."""
 
     def __init__(
         self,
@@ -241,11 +337,13 @@ class LongRuns:
         task: str,
         queue: str,
         failed_code: str,
+        failed_note: str = "",
         ending: Callable[[Any, str], list[str]] | None = None,
         ended: Callable[[Any], None] | None = None,
     ) -> None:
         self.model, self.what, self.task, self.queue = model, what, task, queue
-        self.failed_code = failed_code
+        self.runs = f"{what}s"
+        self.failed_code, self.failed_note = failed_code, failed_note
         self._ending = ending or (lambda row, status: [])
         self._ended = ended or (lambda row: None)
 
@@ -272,6 +370,28 @@ class LongRuns:
     def enqueue(self, run_id: str, *, force: bool = False) -> Future:
         return enqueue(self.task, run_id, force=force, queue=self.queue)
 
+    def run(
+        self,
+        run_id: str,
+        *,
+        force: bool,
+        main: Callable[[Any, str], Callable[[], Awaitable[str]]],
+        describe: Callable[[Any], dict[str, Any]] | None = None,
+    ) -> str:
+        """A runner's task: take the run over (``take_over_run``; ``force`` even from a
+        runner that looks alive) and ``await main(row, runner)()`` on a loop whose
+        default executor is the run's own (``run_with_closing_pool``). How it ended, or
+        the verdict of a take-over that did not run it; ``describe(row)``: more to log."""
+        import functools
+
+        verdict, row, runner = take_over_run(
+            functools.partial(self.take_over, run_id=run_id), force=force, what=self.what, run_id=run_id
+        )
+        if verdict != "run":
+            return verdict
+        log.info(f"{self.what}_run_start", run_id=run_id, **(describe(row) if describe else {}), runner=runner)
+        return asyncio.run(run_with_closing_pool(main(row, runner), thread_name_prefix=f"millm-{self.what}"))
+
     def take_over(self, *, run_id: str, runner: str, force: bool = False) -> tuple[str, Any]:
         """Become the run's runner: ``("run", row)``, ``("wait", row)`` while another
         runner's heartbeat is fresh, ``("done", None)`` for a run that needs no runner (it
@@ -285,14 +405,16 @@ class LongRuns:
                 return "done", None
             if row.runner not in (None, runner) and not force and not self.stale(row):
                 return "wait", row
+            # a runner that held it and is gone (a crash, a killed worker, a restart)
             resumed = row.runner not in (None, runner)
             if row.status == "cancelling":
                 self.end(row, "cancelled")
             elif resumed and row.resumes >= int(settings.BATCH_MAX_RESUMES):
+                # a run that kills its runner every time must end rather than loop
                 row.error = {
                     "code": self.failed_code,
                     "message": f"The run's runner stopped {row.resumes + 1} times without finishing it "
-                    f"(BATCH_MAX_RESUMES={settings.BATCH_MAX_RESUMES})",
+                    f"(BATCH_MAX_RESUMES={settings.BATCH_MAX_RESUMES}){self.failed_note}",
                 }
                 self.end(row, "failed")
             else:
@@ -309,32 +431,50 @@ class LongRuns:
         self._ended(row)
         return "run", row
 
+    def touch(self, *, run_id: str, runner: str, **fields: Any) -> bool:
+        """Record this runner's heartbeat (and ``fields``: progress); False when this
+        runner no longer holds the run."""
+        from django.utils import timezone
+
+        return bool(self.model.objects.filter(id=run_id, runner=runner).update(runner_seen_at=timezone.now(), **fields))
+
     def heartbeat(self, *, run_id: str, runner: str, **fields: Any) -> str | None:
         """The run's status after recording this runner's heartbeat (and ``fields``:
         progress), or None when this runner no longer holds it."""
-        from django.utils import timezone
-
-        if not self.model.objects.filter(id=run_id, runner=runner).update(runner_seen_at=timezone.now(), **fields):
+        if not self.touch(run_id=run_id, runner=runner, **fields):
             return None
         return self.model.objects.values_list("status", flat=True).get(id=run_id)
 
     def finish(
-        self, *, run_id: str, runner: str, status: str, error: dict[str, str] | None = None, **fields: Any
+        self,
+        *,
+        run_id: str,
+        runner: str,
+        status: str,
+        error: dict[str, str] | None = None,
+        store: Callable[[Any], list[str]] | None = None,
+        **fields: Any,
     ) -> Any:
         """End the run this runner holds ``status`` (a recorded cancel wins over a
-        completion or a failure: ``cancelled``), with ``fields`` set; the row, or None
-        when this runner no longer holds it."""
+        completion or a failure: ``cancelled``), with ``fields`` set; ``store(row)``
+        (inside the transaction, only when no cancel won) writes what the end brings and
+        names the row's fields it set. The row, or None when this runner no longer holds
+        it."""
         with transaction.atomic():
             row = self.model.objects.select_for_update().filter(id=run_id, runner=runner).first()
             if row is None or row.status in self.model.TERMINAL:
                 return None
+            extra = list(fields)
             if row.status == "cancelling":
                 status = "cancelled"
-            elif error is not None:
-                row.error = error
+            else:
+                if error is not None:
+                    row.error = error
+                if store is not None:
+                    extra += store(row)
             for name, value in fields.items():
                 setattr(row, name, value)
-            self.end(row, status, extra=list(fields))
+            self.end(row, status, extra=extra)
         self._ended(row)
         return row
 
@@ -360,9 +500,10 @@ class LongRuns:
 
     def sweep(self) -> dict[str, int]:
         """Every run nobody runs any more ends or goes on: ``cancelling`` with no live
-        runner ends ``cancelled``; ``running`` whose runner's heartbeat is stale is
-        released (its heartbeat set to now, so the next sweep waits a stale period) and
-        a runner is queued, which resumes it."""
+        runner ends ``cancelled``; ``running`` whose runner's heartbeat is stale (the
+        runner's task ended without ending the run) is released (no runner, so the runner
+        queued takes it at once; its heartbeat set to now, so the next sweep waits a stale
+        period before queuing another) and a runner is queued, which resumes it."""
         from datetime import timedelta
 
         from django.db.models import Q
@@ -399,5 +540,37 @@ class LongRuns:
         for run_id in ids:
             self.enqueue(run_id, force=force)
         if ids:
-            log.info(f"{self.what}_resumed", runs=len(ids))
+            log.info(f"{self.runs}_resumed", runs=len(ids))
         return len(ids)
+
+    def sweeper(self, work: Callable[[], dict[str, int]], *, log: Any) -> Periodic:
+        """The runs' sweeper: ``work`` (the service's sweep, ``sweep``) every
+        BATCH_SWEEP_INTERVAL_S, the first one interval after its start, on a daemon thread
+        (``millm-<what>s-sweeper``) of each process that runs them; ``log``: the
+        sweeper's logger."""
+        return Periodic(
+            f"millm-{self.runs}-sweeper",
+            work,
+            interval=lambda: float(settings.BATCH_SWEEP_INTERVAL_S),
+            at_once=False,
+            log=log,
+            started=f"{self.runs}_sweeper_started",
+            failed=f"{self.runs}_sweep_failed",
+            done=f"{self.runs}_swept",
+        )
+
+    def worker_ready(self, sender: Any, *, resume: Callable[..., int], start_sweeper: Callable[[], Any]) -> None:
+        """A starting Celery worker (``worker_ready``'s ``sender``; None: this process)
+        that consumes the runs' queue queues a runner for every run not ended
+        (``resume(force=False)``: one whose runner died with its worker is taken over once
+        its heartbeat is stale; one whose runner is alive keeps it, the extra task ends
+        ``held``) and starts the runs' sweeper."""
+        if sender is not None and not consumes(sender, self.queue):
+            return
+        try:
+            resume(force=False)
+        except Exception:  # noqa: BLE001 - a worker must start even if this fails
+            log.exception(f"{self.runs}_resume_failed")
+        finally:
+            connections.close_all()  # the children are forked from this process
+        start_sweeper()

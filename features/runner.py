@@ -2,7 +2,7 @@
 
 The runner is a Celery task of the ``dashboards`` queue in distributed mode and a job of
 the in-process ``dashboards`` pool embedded (``core.jobs``); either way it is this one
-function, ``dashboard_run``. It takes the run over (``services.dashboard_take_over``: a run
+function, ``dashboard_run``. It takes the run over (``services.RUNS``, ``core.jobs.LongRuns``: a run
 has one runner; one whose heartbeat is older than BATCH_RUNNER_STALE_S is presumed dead),
 then:
 
@@ -40,23 +40,20 @@ worker once the heartbeat is stale resumes it.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import os
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import structlog
 from django.conf import settings
-from django.db import close_old_connections, connections
+from django.db import close_old_connections
 
-from core.auth import Principal
 from core.errors import MillmError, from_engine_error
-from core.jobs import run_with_closing_pool, take_over_run
+from core.jobs import RunDatabase, engine_command
 from core.runtime import runtime
 from features import services
 from features.models import DashboardRun
@@ -83,16 +80,10 @@ class _Stopped(Exception):
 
 
 def dashboard_run(*, run_id: str, force: bool = False, stop: threading.Event | None = None) -> str:
-    """Run the dashboard to its end; ``force`` takes it over even from a runner that looks
-    alive (embedded start-up: this process is the only runner there is). ``stop`` ends
-    the run abruptly, as a crash would (tests). Returns how it ended."""
-    verdict, run, runner = take_over_run(
-        functools.partial(services.dashboard_take_over, run_id=run_id), force=force, what="dashboard", run_id=run_id
-    )
-    if verdict != "run":
-        return verdict
-    log.info("dashboard_run_start", run_id=run_id, runner=runner)
-    return asyncio.run(run_with_closing_pool(_Runner(run, runner, stop).run, thread_name_prefix="millm-dashboard"))
+    """Run the dashboard to its end (``LongRuns.run``); ``force`` takes it over even from
+    a runner that looks alive (embedded start-up: this process is the only runner there
+    is). ``stop`` ends the run abruptly, as a crash would (tests). Returns how it ended."""
+    return services.RUNS.run(run_id, force=force, main=lambda run, runner: _Runner(run, runner, stop).run)
 
 
 class _Runner:
@@ -114,16 +105,7 @@ class _Runner:
         self.workdir = services.workdir(run.id)
         self.backend: str | None = None
         self.model: str | None = None
-        # one thread for the database: writes in the order they happen, its connection
-        # closed when the run ends
-        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="millm-dashboard-db")
-
-    async def db(self, fn: Any, **kwargs: Any) -> Any:
-        def call() -> Any:
-            close_old_connections()
-            return fn(**kwargs)
-
-        return await asyncio.get_running_loop().run_in_executor(self._db, call)
+        self.db = RunDatabase(thread_name_prefix="millm-dashboard-db")
 
     async def off(self, fn: Any, *args: Any) -> Any:
         """Blocking work (the engine's commands, numpy, files) off the loop."""
@@ -153,11 +135,8 @@ class _Runner:
         return result
 
     async def run(self) -> str:
-        try:
+        async with self.db:
             return await self._run()
-        finally:
-            await asyncio.get_running_loop().run_in_executor(self._db, connections.close_all)
-            self._db.shutdown(wait=True)
 
     async def _run(self) -> str:
         try:
@@ -189,12 +168,10 @@ class _Runner:
             logits = await self.beating(self._logits, d_sae)
             rows, summary = await self.beating(acc.finish, logits)
             summary = {**summary, "backend": self.backend, "model": self.model, "layer": self.layer}
-            outcome = await self.db(
+            # its end deletes the working folder (services._ended), as a failure's and a cancel's do
+            return await self.db(
                 services.dashboard_store, run_id=self.run_id, runner=self.runner, rows=rows, summary=summary
             )
-            if outcome != "lost":
-                services.remove_workdir(self.run_id)
-            return outcome
         except _Stopped as exc:
             return str(exc)
         except asyncio.CancelledError:
@@ -203,10 +180,7 @@ class _Runner:
             code, message = _error_of(exc)
             if code == "INTERNAL_ERROR":
                 log.exception("dashboard_run_error", run_id=self.run_id)
-            if await self.db(
-                services.dashboard_fail, run_id=self.run_id, runner=self.runner, code=code, message=message
-            ):
-                services.remove_workdir(self.run_id)
+            await self.db(services.dashboard_fail, run_id=self.run_id, runner=self.runner, code=code, message=message)
             return "failed"
 
     # ------------------------------------------------------------------ before the loop
@@ -216,18 +190,6 @@ class _Runner:
         self.backend, self.model = status.backend, status.model_id
         attachment = services.attached_layer(sae_id=self.sae_id, layer=self.layer, attachments=list(status.attachments))
         return int(attachment.d_sae)
-
-    def _texts(self) -> Any:
-        from features.corpus import parse_corpus, sample_texts
-
-        if self.corpus == DashboardRun.Corpus.SAMPLE:
-            yield from sample_texts()
-            return
-        from batches.selectors import file_content
-
-        # the owner's file was checked at the start; read it as the owner's
-        owner = Principal(owner=self.owner, label=self.owner, admin=True)
-        yield from parse_corpus(file_content(file_id=self.file_id, principal=owner), text_field=self.text_field)
 
     def _token_lists(self) -> Any:
         """The corpus's documents as token lists, tokenized at the engine a few hundred
@@ -239,18 +201,14 @@ class _Runner:
 
         def tokenize(texts: list[str]) -> list[list[int]]:
             job = TokenizeJob(request_id=f"{self.run_id}-tok-{uuid.uuid4().hex[:8]}", texts=texts)
-            try:
-                return list(runtime().engine.tokenize(job).token_ids)
-            except MillmError:
-                raise
-            except Exception as exc:
-                if hasattr(exc, "code"):
-                    raise from_engine_error(exc) from exc
-                raise
+            return list(engine_command(runtime().engine.tokenize, job).token_ids)
 
         from gpu_engine.api.jobs import MAX_TOKENIZE_CHARS
 
-        for text in self._texts():
+        texts = services.corpus_texts(
+            corpus=self.corpus, file_id=self.file_id, text_field=self.text_field, owner=self.owner
+        )
+        for text in texts:
             group.append(text[:MAX_TOKENIZE_CHARS])  # the rest of so long a text is past any budget
             if len(group) < TOKENIZE_TEXTS:
                 continue
@@ -379,8 +337,7 @@ class _Runner:
                         raise _Stopped("lost")
                     if status == DashboardRun.Status.CANCELLING:
                         await _cancel(at_engine)
-                        if await self.db(services.dashboard_cancelled, run_id=self.run_id, runner=self.runner):
-                            services.remove_workdir(self.run_id)
+                        await self.db(services.dashboard_cancelled, run_id=self.run_id, runner=self.runner)
                         log.info("dashboard_cancelled", run_id=self.run_id, contexts_done=done)
                         return DashboardRun.Status.CANCELLED
                     await self.db(
@@ -504,14 +461,7 @@ class _Runner:
                 features=features[start : start + LOGIT_FEATURES],
                 top_n=LOGIT_TOP_N,
             )
-            try:
-                result = runtime().engine.feature_logits(job)
-            except MillmError:
-                raise
-            except Exception as exc:
-                if hasattr(exc, "code"):
-                    raise from_engine_error(exc) from exc
-                raise
+            result = engine_command(runtime().engine.feature_logits, job)
             for key in _LOGIT_KEYS:
                 out[key].extend(getattr(result, key))
         return out

@@ -6,9 +6,9 @@ fits DASHBOARD_MAX_TOKENS (422 naming ``token_budget``), a file corpus is the ca
 naming ``file_id``) and is text (400 ``INVALID_CORPUS`` naming the field) — and queues the
 run on the ``dashboards`` queue once the row is committed.
 
-A run has one runner at a time (``dashboard_take_over``: a runner whose heartbeat is older
-than BATCH_RUNNER_STALE_S is presumed dead and the next one resumes from the run's last
-checkpoint); every write of a running run names its runner and is refused to any other.
+A run has one runner at a time (``RUNS``, ``core.jobs.LongRuns``: a runner whose
+heartbeat is older than BATCH_RUNNER_STALE_S is presumed dead and the next one resumes
+from the run's last checkpoint); every write of a running run names its runner and is refused to any other.
 Its results are stored by ``dashboard_store`` in one transaction that also sets
 ``complete``; a cancelled or failed run stores none.
 """
@@ -16,19 +16,18 @@ Its results are stored by ``dashboard_store`` in one transaction that also sets
 from __future__ import annotations
 
 import shutil
-import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import structlog
 from django.conf import settings
 from django.db import transaction
-from django.utils import timezone
 
 from core.auth import Principal
 from core.errors import ValidationFailed
 from core.events import OWNER_FIELD, publish
-from core.jobs import enqueue
+from core.jobs import LongRuns, Progress
 from core.json_fields import has_nul
 from features.accumulate import paused_gc
 from features.errors import DashboardNotCancellable, DashboardSAENotAttached, InvalidCorpus
@@ -42,8 +41,6 @@ log = structlog.get_logger(__name__)
 QUEUE = "dashboards"
 TASK = "features.tasks.dashboard_run_task"
 PROGRESS_EVERY_S = 0.5  # dashboard:progress while a run reads its corpus, at most this often
-
-_progress_sent: dict[str, float] = {}
 
 # the FeatureDashboard fields an accumulator row fills
 _ROW_FIELDS = (
@@ -164,8 +161,9 @@ def attached_layer(*, sae_id: str, layer: int | None, attachments: list[Any]) ->
     return mine[0]
 
 
-def _check_file(*, file_id: str, text_field: str, principal: Principal) -> None:
-    """The file is the caller's (404 naming file_id) and holds text (400 naming the field)."""
+def check_corpus_file(*, file_id: str, text_field: str, principal: Principal) -> None:
+    """The file is the caller's (404 naming file_id) and holds text (400 INVALID_CORPUS
+    naming the field): a dashboard run's corpus, a fidelity run's."""
     from batches.selectors import file_content, file_get
     from features.corpus import CorpusError, parse_corpus
 
@@ -175,6 +173,20 @@ def _check_file(*, file_id: str, text_field: str, principal: Principal) -> None:
             pass
     except CorpusError as exc:
         raise corpus_error(exc, default_param="file_id") from None
+
+
+def corpus_texts(*, corpus: str, file_id: str, text_field: str, owner: str) -> Iterator[str]:
+    """A run's corpus documents: the offline sample, or the owner's /v1 file (checked at
+    the run's start) read as its owner, a chunk at a time."""
+    from features.corpus import parse_corpus, sample_texts
+
+    if corpus != DashboardRun.Corpus.FILE:
+        yield from sample_texts()
+        return
+    from batches.selectors import file_content
+
+    reader = Principal(owner=owner, label=owner, admin=True)
+    yield from parse_corpus(file_content(file_id=file_id, principal=reader), text_field=text_field)
 
 
 def corpus_error(exc: Exception, *, default_param: str = "file_id") -> InvalidCorpus:
@@ -225,7 +237,7 @@ def dashboard_start(
                 "file_id is required with corpus file",
                 details={"param": "file_id", "fields": {"file_id": ["required"]}},
             )
-        _check_file(file_id=file_id, text_field=text_field, principal=principal)
+        check_corpus_file(file_id=file_id, text_field=text_field, principal=principal)
     with transaction.atomic():
         run = DashboardRun.objects.create(
             sae=sae,
@@ -239,7 +251,7 @@ def dashboard_start(
             top_k=int(top_k),
             window=int(window),
         )
-        enqueue(TASK, run.id, queue=QUEUE)
+        RUNS.enqueue(run.id)
     log.info("dashboard_queued", run_id=run.id, sae_id=sae.id, layer=run.layer, budget=run.token_budget)
     dashboard_progress(run=run, force=True)
     return run
@@ -250,85 +262,28 @@ def dashboard_cancel(*, run_id: str, principal: Principal) -> DashboardRun:
     engine and ends the run ``cancelled`` with no dashboards stored; a run no live runner
     holds (queued, or its runner dead) ends ``cancelled`` at once. 409 once it ended."""
     dashboard_get(run_id, principal)  # 404 for another owner's
-    with transaction.atomic():
-        run = DashboardRun.objects.select_for_update().get(id=run_id)
-        if run.status in (DashboardRun.Status.CANCELLING, DashboardRun.Status.CANCELLED):
-            return run
-        if run.status in DashboardRun.TERMINAL:
-            raise DashboardNotCancellable(
-                f"Dashboard run {run.id} is {run.status} and cannot be cancelled",
-                details={"param": "run_id", "status": run.status},
-            )
-        live = run.runner is not None and not runner_stale(run)
-        if live:
-            run.status = DashboardRun.Status.CANCELLING
-            run.save(update_fields=["status"])
-        else:
-            _end(run, DashboardRun.Status.CANCELLED)
-    if not live:
-        remove_workdir(run.id)
-    dashboard_progress(run=run, force=True)
-    return run
+
+    def refused(run: DashboardRun) -> Exception:
+        return DashboardNotCancellable(
+            f"Dashboard run {run.id} is {run.status} and cannot be cancelled",
+            details={"param": "run_id", "status": run.status},
+        )
+
+    return RUNS.cancel(run_id, not_cancellable=refused)
 
 
 # --------------------------------------------------------------------------- a running run
 
 
-def runner_stale(run: DashboardRun) -> bool:
-    """The run's runner sent no heartbeat for BATCH_RUNNER_STALE_S (or has none)."""
-    seen = run.runner_seen_at
-    return seen is None or (timezone.now() - seen).total_seconds() > float(settings.BATCH_RUNNER_STALE_S)
-
-
 def dashboard_take_over(*, run_id: str, runner: str, force: bool = False) -> tuple[str, DashboardRun | None]:
-    """Become the run's runner: ``("run", run)``, ``("wait", run)`` while another runner's
-    heartbeat is fresh, ``("done", None)`` for a run that needs no runner (it ended; a
-    ``cancelling`` one nobody runs ends ``cancelled`` here)."""
-    with transaction.atomic():
-        run = DashboardRun.objects.select_for_update().filter(id=run_id).first()
-        if run is None or run.status in DashboardRun.TERMINAL:
-            return "done", None
-        if run.runner not in (None, runner) and not force and not runner_stale(run):
-            return "wait", run
-        # a runner that held it and is gone (a crash, a killed worker, a restart)
-        resumed = run.runner not in (None, runner)
-        failed = False
-        if run.status == DashboardRun.Status.CANCELLING:
-            _end(run, DashboardRun.Status.CANCELLED)
-            cancelled = True
-        elif resumed and run.resumes >= int(settings.BATCH_MAX_RESUMES):
-            # a corpus that kills its runner every time must end rather than loop
-            run.error = {
-                "code": "DASHBOARD_RUNNER_FAILED",
-                "message": f"The run's runner stopped {run.resumes + 1} times without finishing it "
-                f"(BATCH_MAX_RESUMES={settings.BATCH_MAX_RESUMES}); nothing was stored",
-            }
-            _end(run, DashboardRun.Status.FAILED)
-            cancelled = failed = True
-        else:
-            cancelled = False
-            now = timezone.now()
-            run.runner, run.runner_seen_at = runner, now
-            run.status = DashboardRun.Status.RUNNING
-            run.started_at = run.started_at or now
-            run.resumes += int(resumed)
-            run.save(update_fields=["runner", "runner_seen_at", "status", "started_at", "resumes"])
-    if cancelled:
-        remove_workdir(run.id)
-        dashboard_progress(run=run, force=True)
-        if failed:
-            log.warning("dashboard_failed", run_id=run.id, **run.error)
-            publish("dashboard:error", {"run_id": run.id, "sae_id": run.sae_id, **run.error, OWNER_FIELD: run.owner})
-        return "done", None
-    dashboard_progress(run=run, force=True)
-    return "run", run
+    """Become the run's runner: ``RUNS.take_over`` (a run taken over more than
+    BATCH_MAX_RESUMES times ends ``failed`` with DASHBOARD_RUNNER_FAILED, nothing stored)."""
+    return RUNS.take_over(run_id=run_id, runner=runner, force=force)
 
 
 def dashboard_heartbeat(*, run_id: str, runner: str) -> str | None:
     """The run's status, or None when this runner no longer holds it."""
-    if not DashboardRun.objects.filter(id=run_id, runner=runner).update(runner_seen_at=timezone.now()):
-        return None
-    return DashboardRun.objects.values_list("status", flat=True).get(id=run_id)
+    return RUNS.heartbeat(run_id=run_id, runner=runner)
 
 
 def dashboard_advance(
@@ -343,165 +298,104 @@ def dashboard_advance(
 ) -> bool:
     """Record the run's progress (and its last checkpoint); False when this runner no
     longer holds it. ``dashboard:progress`` at most every PROGRESS_EVERY_S."""
-    fields: dict[str, Any] = {
-        "contexts_done": contexts_done,
-        "tokens_done": tokens_done,
-        "runner_seen_at": timezone.now(),
-    }
+    fields: dict[str, Any] = {"contexts_done": contexts_done, "tokens_done": tokens_done}
     if contexts_total is not None:
         fields["contexts_total"] = contexts_total
     if checkpoint_path is not None:
         fields["checkpoint_path"] = checkpoint_path
-    if not DashboardRun.objects.filter(id=run_id, runner=runner).update(**fields):
+    if not RUNS.touch(run_id=run_id, runner=runner, **fields):
         return False
     dashboard_progress(run_id=run_id, force=force)
     return True
 
 
 def dashboard_fail(*, run_id: str, runner: str, code: str, message: str) -> bool:
-    """End the run ``failed`` with ``error`` {code, message}: no dashboards stored."""
-    with transaction.atomic():
-        run = DashboardRun.objects.select_for_update().filter(id=run_id, runner=runner).first()
-        if run is None or run.status in DashboardRun.TERMINAL:
-            return False
-        if run.status == DashboardRun.Status.CANCELLING:
-            _end(run, DashboardRun.Status.CANCELLED)  # a recorded cancel wins
-        else:
-            run.error = {"code": code, "message": message}
-            _end(run, DashboardRun.Status.FAILED)
-    log.warning("dashboard_failed", run_id=run_id, code=code, message=message)
-    dashboard_progress(run=run, force=True)
-    if run.status == DashboardRun.Status.FAILED:
-        publish(
-            "dashboard:error",
-            {"run_id": run.id, "sae_id": run.sae_id, "code": code, "message": message, OWNER_FIELD: run.owner},
-        )
-    return True
+    """End the run ``failed`` with ``error`` {code, message}: no dashboards stored (a
+    cancel recorded first wins: ``cancelled``). False when this runner no longer holds it."""
+    error = {"code": code, "message": message}
+    return RUNS.finish(run_id=run_id, runner=runner, status=DashboardRun.Status.FAILED, error=error) is not None
 
 
 def dashboard_cancelled(*, run_id: str, runner: str) -> bool:
     """The runner saw the cancel and stopped: ``cancelled``, no dashboards stored."""
-    with transaction.atomic():
-        run = DashboardRun.objects.select_for_update().filter(id=run_id, runner=runner).first()
-        if run is None or run.status in DashboardRun.TERMINAL:
-            return False
-        _end(run, DashboardRun.Status.CANCELLED)
-    dashboard_progress(run=run, force=True)
-    return True
+    return RUNS.finish(run_id=run_id, runner=runner, status=DashboardRun.Status.CANCELLED) is not None
 
 
 def dashboard_store(*, run_id: str, runner: str, rows: list[dict[str, Any]], summary: dict[str, Any]) -> str:
     """Store every feature's dashboard, the summary and ``complete=True`` in one
     transaction; the run's status after it (``completed``; ``cancelled`` when a cancel was
     recorded first: nothing stored; ``lost`` when another runner holds it)."""
-    with transaction.atomic():
-        run = DashboardRun.objects.select_for_update().filter(id=run_id).first()
-        if run is None or run.runner != runner or run.status in DashboardRun.TERMINAL:
-            return "lost"
-        if run.status == DashboardRun.Status.CANCELLING:
-            _end(run, DashboardRun.Status.CANCELLED)
-        else:
-            with paused_gc():  # a million numbers in lists: see paused_gc
-                FeatureDashboard.objects.bulk_create(
-                    [FeatureDashboard(run=run, sae_id=run.sae_id, **_row_fields(row)) for row in rows],
-                    batch_size=1000,
-                )
-            run.summary = storable(summary)
-            run.complete = True
-            _end(run, DashboardRun.Status.COMPLETED, extra=["summary", "complete"])
-    dashboard_progress(run=run, force=True)
+
+    def store(run: DashboardRun) -> list[str]:
+        with paused_gc():  # a million numbers in lists: see paused_gc
+            FeatureDashboard.objects.bulk_create(
+                [FeatureDashboard(run=run, sae_id=run.sae_id, **_row_fields(row)) for row in rows],
+                batch_size=1000,
+            )
+        run.summary = storable(summary)
+        run.complete = True
+        return ["summary", "complete"]
+
+    run = RUNS.finish(run_id=run_id, runner=runner, status=DashboardRun.Status.COMPLETED, store=store)
+    if run is None:
+        return "lost"
     if run.status == DashboardRun.Status.COMPLETED:
         log.info("dashboard_completed", run_id=run.id, features=len(rows), tokens=run.tokens_done)
         publish("dashboard:complete", {"run_id": run.id, "sae_id": run.sae_id, OWNER_FIELD: run.owner})
     return run.status
 
 
-def _end(run: DashboardRun, status: str, *, extra: list[str] | None = None) -> None:
-    run.status = status
-    run.finished_at = timezone.now()
-    run.runner = None
-    run.save(update_fields=["status", "finished_at", "runner", "error", *(extra or [])])
-
-
-def dashboard_progress(*, run: DashboardRun | None = None, run_id: str | None = None, force: bool = False) -> None:
-    """``dashboard:progress`` over /ws/events (ids, status and counts, never corpus text),
-    to the run's owner and admin sockets only; while it runs at most every
-    PROGRESS_EVERY_S per run."""
-    key = run.id if run is not None else run_id
-    now = time.monotonic()
-    if not force and now - _progress_sent.get(key, 0.0) < PROGRESS_EVERY_S:
-        return
-    _progress_sent[key] = now
-    if run is None:
-        run = DashboardRun.objects.filter(id=key).first()
-        if run is None:
-            return
+def _ended(run: DashboardRun) -> None:
+    """Every end of a run (``RUNS``) deletes its working folder; it and a take-over
+    publish the run's progress, and a failure ``dashboard:error``."""
     if run.status in DashboardRun.TERMINAL:
-        _progress_sent.pop(key, None)
-    publish(
-        "dashboard:progress",
-        {
-            "run_id": run.id,
-            "sae_id": run.sae_id,
-            "status": run.status,
-            "contexts_done": run.contexts_done,
-            "contexts_total": run.contexts_total,
-            "tokens_done": run.tokens_done,
-            OWNER_FIELD: run.owner,
-        },
-    )
+        remove_workdir(run.id)
+    dashboard_progress(run=run, force=True)
+    if run.status == DashboardRun.Status.FAILED:
+        error = run.error or {}
+        log.warning("dashboard_failed", run_id=run.id, **error)
+        publish("dashboard:error", {"run_id": run.id, "sae_id": run.sae_id, **error, OWNER_FIELD: run.owner})
+
+
+def _progress(run: DashboardRun) -> dict[str, Any]:
+    return {
+        "run_id": run.id,
+        "sae_id": run.sae_id,
+        "status": run.status,
+        "contexts_done": run.contexts_done,
+        "contexts_total": run.contexts_total,
+        "tokens_done": run.tokens_done,
+        OWNER_FIELD: run.owner,
+    }
+
+
+# ``dashboard:progress`` over /ws/events (ids, status and counts, never corpus text), to
+# the run's owner and admin sockets only; while it runs at most every PROGRESS_EVERY_S per
+# run: ``dashboard_progress(run=run)`` or ``(run_id=...)``, ``force`` to send it now
+dashboard_progress = Progress(DashboardRun, "dashboard:progress", _progress, every_s=PROGRESS_EVERY_S)
+
+# one runner at a time, its heartbeat, a cancel, the sweep and the resume (core.jobs);
+# a run that failed or was cancelled stores nothing
+RUNS = LongRuns(
+    DashboardRun,
+    what="dashboard",
+    task=TASK,
+    queue=QUEUE,
+    failed_code="DASHBOARD_RUNNER_FAILED",
+    failed_note="; nothing was stored",
+    ended=_ended,
+)
 
 
 def dashboards_sweep() -> dict[str, int]:
     """Every run nobody runs any more ends or goes on (the dashboards sweeper, every
-    BATCH_SWEEP_INTERVAL_S in each process that runs dashboards):
-
-    - ``cancelling`` with no live runner: ``cancelled``, its working folder deleted;
-    - ``running`` whose runner's heartbeat is older than BATCH_RUNNER_STALE_S (the runner's
-      task ended without ending the run): a runner queued, which resumes from the last
-      checkpoint. The run is released (no runner) so that runner takes it at once; its
-      heartbeat is set to now so the next sweep waits a stale period before queuing
-      another."""
-    from datetime import timedelta
-
-    from django.db.models import Q
-
-    stale_before = timezone.now() - timedelta(seconds=float(settings.BATCH_RUNNER_STALE_S))
-    dead = Q(runner=None) | Q(runner_seen_at=None) | Q(runner_seen_at__lt=stale_before)
-    cancelled = resumed = 0
-    for run_id in list(
-        DashboardRun.objects.filter(dead, status=DashboardRun.Status.CANCELLING).values_list("id", flat=True)
-    ):
-        with transaction.atomic():
-            run = DashboardRun.objects.select_for_update().filter(dead, id=run_id, status="cancelling").first()
-            if run is None:
-                continue
-            _end(run, DashboardRun.Status.CANCELLED)
-        remove_workdir(run_id)
-        dashboard_progress(run=run, force=True)
-        cancelled += 1
-    stale = Q(runner_seen_at=None) | Q(runner_seen_at__lt=stale_before)
-    for run_id in list(
-        DashboardRun.objects.filter(stale, status=DashboardRun.Status.RUNNING).values_list("id", flat=True)
-    ):
-        with transaction.atomic():
-            if not DashboardRun.objects.filter(stale, id=run_id, status=DashboardRun.Status.RUNNING).update(
-                runner=None, runner_seen_at=timezone.now()
-            ):
-                continue
-            enqueue(TASK, run_id, queue=QUEUE)
-        log.warning("dashboard_runner_dead", run_id=run_id)
-        resumed += 1
-    return {"cancelled": cancelled, "resumed": resumed}
+    BATCH_SWEEP_INTERVAL_S in each process that runs dashboards): ``LongRuns.sweep`` —
+    ``cancelling`` with no live runner ends ``cancelled``, its working folder deleted;
+    ``running`` whose runner's heartbeat is older than BATCH_RUNNER_STALE_S gets a runner
+    queued, which resumes from the last checkpoint."""
+    return RUNS.sweep()
 
 
 def dashboards_resume(*, force: bool) -> int:
-    """Queue a runner for every run not ended (a start-up: embedded, this process was the
-    runner, ``force``; a Celery worker of the dashboards queue, a run whose runner's
-    heartbeat stopped is taken over once it is stale). Returns how many were queued."""
-    ids = list(DashboardRun.objects.exclude(status__in=DashboardRun.TERMINAL).values_list("id", flat=True))
-    for run_id in ids:
-        enqueue(TASK, run_id, force=force, queue=QUEUE)
-    if ids:
-        log.info("dashboards_resumed", runs=len(ids))
-    return len(ids)
+    """Queue a runner for every run not ended (a start-up): ``LongRuns.resume``."""
+    return RUNS.resume(force=force)
