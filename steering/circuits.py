@@ -116,6 +116,11 @@ def _free_name(name: str) -> str:
     return name
 
 
+@audited(
+    "circuit.import",
+    lambda kw, r: ("circuit", getattr(r, "pk", ""), getattr(r, "name", "")),
+    params=kwargs_of("on_conflict"),
+)
 def circuit_import(*, document: dict[str, Any], text: str | None = None, on_conflict: str = "rename") -> Circuit:
     """Store a circuit definition. Import never activates: the evidence gate is always a
     separate, explicit step."""
@@ -150,6 +155,7 @@ def circuit_import(*, document: dict[str, Any], text: str | None = None, on_conf
     return circuit
 
 
+@audited("circuit.replace", of_kwarg("circuit", "circuit"))
 @transaction.atomic
 def circuit_replace(*, circuit: Circuit, document: dict[str, Any], text: str | None = None) -> Circuit:
     """Replace a stored circuit's document in place: the same id, the new name, narrative,

@@ -188,6 +188,11 @@ def _error(exc: MillmError) -> dict[str, Any]:
     return {"code": exc.code, "message": exc.message, "details": exc.details}
 
 
+@audited(
+    "cluster.import",
+    lambda kw, r: ("cluster", "", str((kw.get("document") or {}).get("name") or "")),
+    params=kwargs_of("on_conflict", "activate"),
+)
 def cluster_import(
     *, document: dict[str, Any], text: str | None = None, on_conflict: str = "rename", activate: bool = False
 ) -> dict[str, Any]:
@@ -322,6 +327,7 @@ def cluster_set_active_intensity(*, intensity: Any, reapply: bool = True) -> tup
     return cluster_set_intensity(cluster=cluster, intensity=intensity, reapply=reapply)
 
 
+@audited("cluster.update", of_kwarg("cluster", "cluster"), params=kwargs_of("name"))
 def cluster_update(*, cluster: Cluster, name: str | None = None, narrative: str | None = None) -> Cluster:
     """Name and narrative only: the members are the document's (edit the definition and
     import it again; adjust strength with the dial)."""

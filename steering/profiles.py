@@ -182,6 +182,11 @@ def _unique_name(name: str, *, exclude: int | None = None) -> str:
     return name
 
 
+@audited(
+    "profile.create",
+    lambda kw, r: ("profile", getattr(r, "pk", ""), getattr(r, "name", "") or str(kw.get("name") or "")),
+    params=kwargs_of("sae_id", "layer", "intensity"),
+)
 @transaction.atomic
 def profile_create(
     *,
@@ -215,6 +220,7 @@ def profile_create(
         raise ProfileAlreadyExists(f"A profile named {name!r} already exists", details={"name": name}) from None
 
 
+@audited("profile.update", of_kwarg("profile", "profile"))
 @transaction.atomic
 def profile_update(*, profile: Profile, data: Mapping[str, Any]) -> Profile:
     """Partial update; ``steering`` and ``controls``, when given, replace the map and the
@@ -416,6 +422,11 @@ def _free_name(name: str) -> str:
     return name
 
 
+@audited(
+    "profile.import",
+    lambda kw, r: ("profile", getattr(r, "pk", ""), getattr(r, "name", "") or str(kw.get("name") or "")),
+    params=kwargs_of("on_conflict"),
+)
 @transaction.atomic
 def profile_import(*, document: Mapping[str, Any], on_conflict: str = "fail") -> Profile:
     """A profile from its export (or the ``features: [{index, strength}]`` form, or the

@@ -90,6 +90,30 @@ def test_load_attach_steer_detach_unload_are_recorded_with_the_admin_keys_label(
     ok(api.post("/api/saes/steering/disable", {"sae_id": sae.id}, format="json", HTTP_AUTHORIZATION=ADMIN))
     assert _one(action="steering.enable").params == {"enabled": False}
 
+    # a document: its creation and activation (which sets the live steering) are one entry each
+    profile = {"name": "calm", "sae_id": sae.id, "layer": 1, "steering": {"5": 1.5}}
+    created = ok(api.post("/api/profiles", profile, format="json", HTTP_AUTHORIZATION=ADMIN), 201)
+    assert (_one(action="profile.create").target_id, _one(action="profile.create").target_name) == (
+        str(created["id"]),
+        "calm",
+    )
+    ok(api.post(f"/api/profiles/{created['id']}/activate", {}, format="json", HTTP_AUTHORIZATION=ADMIN))
+    entry = _one(action="profile.activate")
+    assert (entry.actor, entry.target_kind, entry.target_id, entry.result) == (
+        "root",
+        "profile",
+        str(created["id"]),
+        "ok",
+    )
+    assert len(_entries(action="steering.set")) == 1  # the activation's own steering is not a second entry
+    ok(api.post(f"/api/profiles/{created['id']}/deactivate", HTTP_AUTHORIZATION=ADMIN))
+    assert _one(action="profile.deactivate").result == "ok"
+    ok(api.delete(f"/api/profiles/{created['id']}", HTTP_AUTHORIZATION=ADMIN))
+    assert (_one(action="profile.delete").target_id, _one(action="profile.delete").target_name) == (
+        str(created["id"]),
+        "calm",
+    )
+
     refused(api.post(f"/api/models/{tiny_llama.id}/unload", HTTP_AUTHORIZATION=ADMIN), 409, "MODEL_LOCKED")
     assert _one(action="model.unload").result == "MODEL_LOCKED"
     ok(api.post(f"/api/saes/{sae.id}/detach", {}, format="json", HTTP_AUTHORIZATION=ADMIN))
