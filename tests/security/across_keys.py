@@ -1,25 +1,20 @@
 """What the attacks across keys share (test_experiments_security.py,
 test_fidelity_security.py, test_dashboards_security.py): a call to the live server as one
-of tests/v1's keys (or none), its envelope read, and a run polled until it ends."""
+of tests/v1's keys (or none; tests/experiments' ``api``, the key named first), its envelope
+read, and a run polled until it ends."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-from tests.v1.conftest import KEYS
-from tests.v1.helpers import request
+from tests.experiments.conftest import api
 
 
 def call(server, who: str | None, method: str, path: str, body: Any = None, **kw) -> tuple[int, Any]:
     """The status and the JSON body (the raw bytes where the body is not JSON) of a call
     made with ``who``'s key, or with no key where ``who`` is None."""
-    headers = {"Authorization": f"Bearer {KEYS[who]}"} if who else {}
-    resp = request(server.url, method, path, body, headers=headers, **kw)
-    try:
-        return resp.status, resp.json()
-    except ValueError:
-        return resp.status, resp.body
+    return api(server, method, path, body, who, **kw)
 
 
 def answer(got: tuple[int, Any], status: int, code: str | None = None) -> Any:
