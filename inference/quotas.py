@@ -295,7 +295,9 @@ class RedisLimiter:
             raise _unreachable(exc) from None
         return self._refusal(out)
 
-    def release(self, label: str, limits: Limits, ticket: str, delta: int) -> None:
+    def release(self, label: str, limits: Limits, ticket: str, delta: int) -> asyncio.Task | None:
+        """Give the place back and settle the tokens: at once from a thread, as a task
+        (returned) on an event loop, which must not wait on Redis."""
         keys = self._keys(label)[1:]
         args = [ticket, delta if limits.tpm is not None else 0, WINDOW_MS]
         try:
@@ -305,13 +307,15 @@ class RedisLimiter:
         try:
             if loop is None:
                 self._sync_release(keys=keys, args=args)
-                return
+                return None
             _, _, release = self._link()
             task = loop.create_task(release(keys=keys, args=args))
             _PENDING.add(task)
             task.add_done_callback(_done)
+            return task
         except Exception as exc:  # noqa: BLE001 - a lost release frees itself (lease, window)
             log.warning("quota_release_failed", key=label, error=str(exc))
+            return None
 
     def used(self, label: str) -> dict[str, int]:
         rpm, tpm, conc = self._keys(label)
@@ -384,6 +388,7 @@ class Ticket:
     actual: int | None = None
     owned: bool = False  # a Resources holds it (inference.streaming) and releases it
     done: bool = False
+    sent: asyncio.Task | None = None  # the release, when it was sent from an event loop
 
     def charge(self, tokens: int) -> None:
         self.actual = (self.actual or 0) + max(0, int(tokens))
@@ -393,7 +398,7 @@ class Ticket:
             return
         self.done = True
         delta = (self.actual if self.actual is not None else 0) - self.estimate
-        self.backend.release(self.label, self.limits, self.id, delta)
+        self.sent = self.backend.release(self.label, self.limits, self.id, delta)
 
 
 _CURRENT: contextvars.ContextVar[Ticket | None] = contextvars.ContextVar("millm_quota_ticket", default=None)
@@ -483,6 +488,11 @@ async def admission_ticket(request: Any, *, max_tokens: int | None = None, n: in
         _CURRENT.reset(token)
         if not outcome.owned:
             outcome.release()
+        if outcome.sent is not None:
+            # released before the answer leaves (a JSON answer): the key's next request,
+            # sent once this one is answered, finds its place free in every process
+            with contextlib.suppress(Exception):
+                await asyncio.shield(outcome.sent)
 
 
 async def api_ticket(request: Any) -> Ticket | None:

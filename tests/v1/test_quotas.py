@@ -27,6 +27,8 @@ import pytest
 
 from inference import quotas, usage
 from inference.models import KeyUsage
+from inference.quota_limits import Limits
+from tests.distributed.conftest import redis_port, redis_url  # noqa: F401
 from tests.v1.conftest import KEYS, _v1_db, keyed, llama  # noqa: F401
 from tests.v1.helpers import request
 
@@ -127,9 +129,9 @@ def test_over_requests_at_once_is_a_429_until_the_stream_ends(llama, keyed, limi
     sock = _open_stream(llama.base_url, KEYS["alice"], body)
     try:
         assert limiter.used("alice")["concurrent"] == 1
+        # refused at once, before the admission queue the stream's slot keeps busy
         error = _refused(lambda: _chat(keyed["alice"]))
         assert "requests at once" in error.message
-        _chat(keyed["bob"])  # another key is served meanwhile
     finally:
         sock.close()
     deadline = time.monotonic() + 10
@@ -161,6 +163,25 @@ def test_tokens_per_minute_charge_the_real_count_and_refuse_past_the_limit(llama
     _chat(keyed["bob"], max_tokens=8)
     # a request larger than the whole minute's tokens can never pass
     _refused(lambda: _chat(keyed["bob"], max_tokens=1000))
+
+
+def test_the_limits_hold_through_redis_across_processes(llama, keyed, settings, redis_url):  # noqa: F811
+    """The live server on the distributed topology's limiter, with another web process
+    (a second limiter on the same Redis) spending the same key's windows."""
+    settings.KEY_LIMITS = {"*": {"rpm": 2, "concurrent": 1}}
+    limits = Limits(rpm=2, concurrent=1)
+    with quotas.replaced(quotas.RedisLimiter(url=redis_url, prefix="h6v1")) as here:
+        elsewhere = quotas.RedisLimiter(url=redis_url, prefix="h6v1")
+        assert elsewhere.admit_now("alice", limits, 0, "elsewhere") is None
+        error = _refused(lambda: _chat(keyed["alice"]))  # its one place is taken over there
+        assert "requests at once" in error.message
+        elsewhere.release("alice", limits, "elsewhere", 0)
+        _chat(keyed["alice"])  # the minute's second request
+        assert here.used("alice") == {"rpm": 2, "tpm": 0, "concurrent": 0}
+        error = _refused(lambda: _chat(keyed["alice"]))
+        assert "requests per min" in error.message
+        _chat(keyed["bob"])
+        assert elsewhere.used("bob")["rpm"] == 1
 
 
 def test_no_limits_with_keys_off(llama, settings):  # noqa: F811
