@@ -68,9 +68,18 @@ def error_code(exc: BaseException) -> str:
     code = getattr(exc, "code", None)
     if isinstance(code, str) and code:
         return code[:64]
+    # a DRF refusal (the envelope names it by its status, core.api)
+    status = getattr(exc, "status_code", None)
+    by_status = {
+        400: "VALIDATION_ERROR",
+        401: "UNAUTHORIZED",
+        403: "FORBIDDEN",
+        404: "NOT_FOUND",
+        422: "VALIDATION_ERROR",
+    }
     if type(exc).__name__ == "ValidationError":
         return "VALIDATION_ERROR"
-    return "INTERNAL_ERROR"
+    return by_status.get(status, "INTERNAL_ERROR") if isinstance(status, int) else "INTERNAL_ERROR"
 
 
 def record(
