@@ -14,9 +14,10 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
 
-from asgiref.sync import iscoroutinefunction, markcoroutinefunction
+from asgiref.sync import iscoroutinefunction
 
 from core.auth import principal
+from core.middleware import LoopMiddleware
 
 # the request being served, or an explicit (actor, kind) pair
 _CALLER: ContextVar[Any] = ContextVar("millm_audit_caller", default=None)
@@ -61,17 +62,9 @@ def acting_as(actor: str, kind: str) -> Iterator[None]:
         _CALLER.reset(token)
 
 
-class AuditActorMiddleware:
+class AuditActorMiddleware(LoopMiddleware):
     """Keeps the request as the acting caller while its view runs. Runs on the event loop
     (no thread hop, no database: the name is worked out only when an entry is written)."""
-
-    sync_capable = True
-    async_capable = True
-
-    def __init__(self, get_response):
-        self.get_response = get_response
-        if iscoroutinefunction(get_response):
-            markcoroutinefunction(self)
 
     def __call__(self, request):
         if iscoroutinefunction(self):
