@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from django.urls import URLPattern, re_path
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
@@ -31,6 +32,13 @@ def layer_field(help_text: str = "null: attached") -> serializers.IntegerField:
     return serializers.IntegerField(
         required=False, allow_null=True, default=None, min_value=0, max_value=MAX_LAYER, help_text=help_text
     )
+
+
+def output_of(output: type[serializers.Serializer], row: Any, **computed: Any) -> dict[str, Any]:
+    """``output``'s answer for ``row``: each field the row's attribute of its name, but
+    those given in ``computed``."""
+    names = output().fields
+    return output({name: computed[name] if name in computed else getattr(row, name) for name in names}).data
 
 
 def listing(rows: Any, query: dict[str, Any], key: str, out: Callable[[Any], Any]) -> dict[str, Any]:
@@ -64,3 +72,17 @@ def run_route(
 
     handler.__name__ = handler.__qualname__ = method
     return type(name, (APIView,), {method: extend_schema(**schema)(handler), "__module__": out.__module__})
+
+
+def run_paths(prefix: str, run_id: str, name: str, views: dict[str, type[APIView]]) -> list[URLPattern]:
+    """The routes of one run: ``^<prefix>/<run_id>$`` for ``views[""]`` (named
+    ``<name>-detail``) and ``^<prefix>/<run_id>/<action>$`` for each other (named
+    ``<name>-<action>``), in ``views``' order."""
+    return [
+        re_path(
+            rf"^{prefix}/{run_id}{f'/{action}' if action else ''}$",
+            view.as_view(),
+            name=f"{name}-{action or 'detail'}",
+        )
+        for action, view in views.items()
+    ]

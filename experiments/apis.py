@@ -18,7 +18,7 @@ from rest_framework.views import APIView
 
 from core.api import envelope, validated
 from core.auth import principal
-from core.run_apis import listing, listing_output, page_fields, run_envelope_output, run_route
+from core.run_apis import listing, listing_output, output_of, page_fields, run_envelope_output, run_route
 from core.schema import enveloped
 from experiments import exports, selectors, services
 from experiments.models import ExperimentPoint, ExperimentRun
@@ -109,24 +109,13 @@ class RunOutput(serializers.Serializer):
 
 
 def run_out(run: ExperimentRun) -> dict[str, Any]:
-    return RunOutput(
-        {
-            "id": run.id,
-            "kind": run.kind,
-            "status": run.status,
-            "sae_id": run.sae_id or None,
-            "layer": run.layer,
-            "done": run.done,
-            "total": run.total,
-            "partial": run.partial,
-            "error": run.error,
-            "result": run.result or {},
-            "spec": exports.shown_spec(run.spec or {}),
-            "created_at": run.created_at,
-            "started_at": run.started_at,
-            "finished_at": run.finished_at,
-        }
-    ).data
+    return output_of(
+        RunOutput,
+        run,
+        sae_id=run.sae_id or None,
+        result=run.result or {},
+        spec=exports.shown_spec(run.spec or {}),
+    )
 
 
 RunEnvelopeOutput = run_envelope_output(RunOutput)

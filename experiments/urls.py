@@ -5,6 +5,7 @@ fixed routes here; ``saes/<SAE_ID>/fidelity`` too."""
 
 from django.urls import re_path
 
+from core.run_apis import run_paths
 from experiments import apis, attribution_apis, fidelity_apis
 from registry.urls import SAE_ID
 
@@ -17,8 +18,15 @@ urlpatterns = [
     re_path(r"^experiments/fidelity$", fidelity_apis.FidelityStartApi.as_view(), name="experiments-fidelity"),
     re_path(r"^experiments/attribution$", attribution_apis.AttributionApi.as_view(), name="experiments-attribution"),
     re_path(rf"^saes/{SAE_ID}/fidelity$", fidelity_apis.SaeFidelityApi.as_view(), name="sae-fidelity"),
-    re_path(rf"^experiments/{RUN_ID}$", apis.ExperimentDetailApi.as_view(), name="experiment-detail"),
-    re_path(rf"^experiments/{RUN_ID}/points$", apis.ExperimentPointsApi.as_view(), name="experiment-points"),
-    re_path(rf"^experiments/{RUN_ID}/download$", apis.ExperimentDownloadApi.as_view(), name="experiment-download"),
-    re_path(rf"^experiments/{RUN_ID}/cancel$", apis.ExperimentCancelApi.as_view(), name="experiment-cancel"),
+    *run_paths(
+        "experiments",
+        RUN_ID,
+        "experiment",
+        {
+            "": apis.ExperimentDetailApi,
+            "points": apis.ExperimentPointsApi,
+            "download": apis.ExperimentDownloadApi,
+            "cancel": apis.ExperimentCancelApi,
+        },
+    ),
 ]

@@ -16,7 +16,15 @@ from rest_framework.views import APIView
 from core.api import envelope, validated
 from core.auth import principal
 from core.errors import InvalidFeatureIndex
-from core.run_apis import layer_field, listing, listing_output, page_fields, run_envelope_output, run_route
+from core.run_apis import (
+    layer_field,
+    listing,
+    listing_output,
+    output_of,
+    page_fields,
+    run_envelope_output,
+    run_route,
+)
 from core.schema import MAX_INDEX, enveloped
 from features import selectors, services
 from features.corpus_options import CorpusChecks, corpus_fields
@@ -76,30 +84,13 @@ class RunOutput(serializers.Serializer):
 
 def run_out(run: DashboardRun) -> dict[str, Any]:
     file_run = run.corpus == DashboardRun.Corpus.FILE
-    return RunOutput(
-        {
-            "id": run.id,
-            "sae_id": run.sae_id,
-            "layer": run.layer,
-            "status": run.status,
-            "complete": run.complete,
-            "corpus": run.corpus,
-            "corpus_file_id": run.corpus_file_id if file_run else None,
-            "text_field": run.text_field if file_run else None,
-            "token_budget": run.token_budget,
-            "context_tokens": run.context_tokens,
-            "top_k": run.top_k,
-            "window": run.window,
-            "contexts_done": run.contexts_done,
-            "contexts_total": run.contexts_total,
-            "tokens_done": run.tokens_done,
-            "error": run.error,
-            "summary": run.summary or {},
-            "created_at": run.created_at,
-            "started_at": run.started_at,
-            "finished_at": run.finished_at,
-        }
-    ).data
+    return output_of(
+        RunOutput,
+        run,
+        corpus_file_id=run.corpus_file_id if file_run else None,
+        text_field=run.text_field if file_run else None,
+        summary=run.summary or {},
+    )
 
 
 RunEnvelopeOutput = run_envelope_output(RunOutput)

@@ -4,6 +4,7 @@ dashboards"). SAE ids match registry's ``SAE_ID`` (they start with ``sae_``), so
 
 from django.urls import re_path
 
+from core.run_apis import run_paths
 from features import apis, explanation_apis
 from registry.urls import SAE_ID
 
@@ -13,8 +14,7 @@ INDEX = r"(?P<index>-?[0-9]{1,20})"
 
 urlpatterns = [
     re_path(rf"^saes/{SAE_ID}/dashboards$", apis.DashboardListCreateApi.as_view(), name="sae-dashboards"),
-    re_path(rf"^dashboards/{RUN_ID}$", apis.DashboardDetailApi.as_view(), name="dashboard-detail"),
-    re_path(rf"^dashboards/{RUN_ID}/cancel$", apis.DashboardCancelApi.as_view(), name="dashboard-cancel"),
+    *run_paths("dashboards", RUN_ID, "dashboard", {"": apis.DashboardDetailApi, "cancel": apis.DashboardCancelApi}),
     re_path(rf"^saes/{SAE_ID}/features$", apis.FeatureSearchApi.as_view(), name="sae-features"),
     re_path(rf"^saes/{SAE_ID}/features/{INDEX}$", apis.FeatureDetailApi.as_view(), name="sae-feature"),
     # explanations (labels): features/explanation_apis.py
