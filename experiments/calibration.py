@@ -168,15 +168,8 @@ async def run_calibration(ctx: RunContext) -> dict[str, Any]:
             )
         if not continuation:
             return prompt_ids, continuation, None
-        tf = await ctx.generate(
-            grid.teacher_forced_job(
-                ctx.request_id(f"p{prompt.index}-reference"),
-                prompt_ids,
-                continuation,
-                steering=grid.UNSTEERED,
-                distributions=True,
-                logprobs=False,
-            )
+        tf = await grid.unsteered_pass(
+            ctx, f"p{prompt.index}-reference", prompt_ids, continuation, distributions=True, logprobs=False
         )
         return prompt_ids, continuation, await ctx.off(grid.distributions_of, tf, len(continuation))
 
@@ -198,20 +191,7 @@ async def run_calibration(ctx: RunContext) -> dict[str, Any]:
 
         async def one(p: int) -> dict[str, Any]:
             prompt_ids, continuation, ref = references[p]
-            kl = None
-            if ref is not None:
-                tf = await ctx.generate(
-                    grid.teacher_forced_job(
-                        ctx.request_id(f"e{e}-p{p}"),
-                        prompt_ids,
-                        continuation,
-                        steering=variant.specs[0],
-                        distributions=True,
-                        logprobs=False,
-                    )
-                )
-                steered = await ctx.off(grid.distributions_of, tf, len(continuation))
-                kl = await ctx.off(grid.kl_rows, steered, ref)
+            kl = await grid.steered_kl(ctx, f"e{e}-p{p}", prompt_ids, continuation, variant.specs[0], ref)
             return {
                 "ordinal": first + p,
                 "prompt_index": p,

@@ -412,6 +412,52 @@ def teacher_forced_job(
     )
 
 
+async def unsteered_pass(
+    ctx: Any,
+    tag: str,
+    prompt_ids: Sequence[int],
+    continuation: Sequence[int],
+    *,
+    distributions: bool,
+    logprobs: bool,
+) -> FinishEvent:
+    """An unsteered ``teacher_forced_job`` on the run's engine (``ctx``, the run's
+    ``RunContext``; ``tag`` names the job in its request id): a default's reference
+    distributions, or a continuation's log-likelihoods."""
+    return await ctx.generate(
+        teacher_forced_job(
+            ctx.request_id(tag),
+            prompt_ids,
+            continuation,
+            steering=UNSTEERED,
+            distributions=distributions,
+            logprobs=logprobs,
+        )
+    )
+
+
+async def steered_kl(
+    ctx: Any,
+    tag: str,
+    prompt_ids: Sequence[int],
+    continuation: Sequence[int],
+    steering: SteeringSpec,
+    reference: np.ndarray | None,
+) -> list[float] | None:
+    """KL(steered ‖ reference) at each position of the default's ``continuation``, from a
+    steered teacher-forced pass over it (``ctx``, the run's ``RunContext``; ``tag`` names
+    the job); None without a reference (KL not measured)."""
+    if reference is None:
+        return None
+    tf = await ctx.generate(
+        teacher_forced_job(
+            ctx.request_id(tag), prompt_ids, continuation, steering=steering, distributions=True, logprobs=False
+        )
+    )
+    steered = await ctx.off(distributions_of, tf, len(continuation))
+    return await ctx.off(kl_rows, steered, reference)
+
+
 def distributions_of(finish: FinishEvent, rows: int) -> np.ndarray:
     """The finish's log-softmax rows (float32 ``[rows, vocab]``), checked."""
     from gpu_engine.api.results import unpack_distributions

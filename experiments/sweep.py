@@ -219,15 +219,9 @@ async def _default(
     reference = None
     default_loglik = None
     if kl_on or (finish is not None and plan.loglik_reason is None and continuation):
-        tf = await ctx.generate(
-            grid.teacher_forced_job(
-                ctx.request_id(f"p{p}-reference"),
-                prompt_ids,
-                continuation,
-                steering=UNSTEERED,
-                distributions=kl_on,
-                logprobs=plan.loglik_reason is None,
-            )
+        loglik_on = plan.loglik_reason is None
+        tf = await grid.unsteered_pass(
+            ctx, f"p{p}-reference", prompt_ids, continuation, distributions=kl_on, logprobs=loglik_on
         )
         if kl_on:
             reference = await ctx.off(grid.distributions_of, tf, len(continuation))
@@ -268,21 +262,7 @@ async def _point(
     )
     try:
         prompt_ids, continuation, reference = await default
-        kl = None
-        if reference is not None:
-            tf = await ctx.generate(
-                grid.teacher_forced_job(
-                    ctx.request_id(f"{tag}-kl"),
-                    prompt_ids,
-                    continuation,
-                    steering=spec,
-                    distributions=True,
-                    logprobs=False,
-                )
-            )
-            steered = await ctx.off(grid.distributions_of, tf, len(continuation))
-            kl = await ctx.off(grid.kl_rows, steered, reference)
-            del steered, tf
+        kl = await grid.steered_kl(ctx, f"{tag}-kl", prompt_ids, continuation, spec, reference)
         finish = await generation
     finally:
         if not generation.done():
@@ -291,16 +271,7 @@ async def _point(
     tokens = list(finish.token_ids)
     loglik = None
     if plan.loglik_reason is None and tokens:
-        tf = await ctx.generate(
-            grid.teacher_forced_job(
-                ctx.request_id(f"{tag}-loglik"),
-                prompt_ids,
-                tokens,
-                steering=UNSTEERED,
-                distributions=False,
-                logprobs=True,
-            )
-        )
+        tf = await grid.unsteered_pass(ctx, f"{tag}-loglik", prompt_ids, tokens, distributions=False, logprobs=True)
         loglik = grid.loglik_of(tf, len(prompt_ids), len(tokens))
     point: dict[str, Any] = {
         "ordinal": plan.ordinal(p, v, k),
