@@ -43,7 +43,7 @@ from django.conf import settings
 from django.db import close_old_connections, connections, transaction
 
 from core.errors import MillmError, from_engine_error
-from core.events import publish
+from core.events import OWNER_FIELD, publish
 from core.periodic import Periodic
 from core.runtime import runtime
 
@@ -264,6 +264,18 @@ def engine_command(fn: Callable[..., T], *args: Any) -> T:
         raise
 
 
+def run_error(exc: BaseException, *, internal: str) -> tuple[str, str]:
+    """The error {code, message} a long run ends ``failed`` with for what ended it: a
+    domain error's, an engine error's as the domain error of its code, else
+    INTERNAL_ERROR with ``internal`` (the log says why)."""
+    if isinstance(exc, MillmError):
+        return exc.code, exc.message
+    if hasattr(exc, "code") and isinstance(getattr(exc, "code", None), str):
+        error = from_engine_error(exc)
+        return error.code, error.message
+    return "INTERNAL_ERROR", internal
+
+
 def long_run_task(name: str, *, limit_s: int, grace_s: int = 300) -> Callable[[Callable[..., T]], Any]:
     """The Celery task of a long run's runner: ``acks_late`` with
     ``reject_on_worker_lost``, so a runner whose worker child is killed is not lost with
@@ -289,13 +301,14 @@ def consumes(sender: Any, queue: str) -> bool:
 
 
 class Progress:
-    """A long run's progress over /ws/events (``event``, with ``payload(row)``: ids,
-    status and counts, to the run's owner and admin sockets), called as
-    ``progress(run=row)`` or ``progress(run_id=id)``: while the run runs at most every
-    ``every_s`` per run unless ``force``; once it ended, its entry is forgotten."""
+    """A long run's progress over /ws/events: ``event`` with the run's id, its ``fields``
+    (ids, status and counts, never the text it reads) and its owner, so only the owner's
+    and admin sockets get it; called as ``progress(run=row)`` or ``progress(run_id=id)``:
+    while the run runs at most every ``every_s`` per run unless ``force``; once it ended,
+    its entry is forgotten."""
 
-    def __init__(self, model: Any, event: str, payload: Callable[[Any], dict[str, Any]], *, every_s: float) -> None:
-        self.model, self.event, self.payload, self.every_s = model, event, payload, every_s
+    def __init__(self, model: Any, event: str, fields: tuple[str, ...], *, every_s: float) -> None:
+        self.model, self.event, self.fields, self.every_s = model, event, fields, every_s
         self._sent: dict[str, float] = {}
 
     def __call__(self, *, run: Any = None, run_id: str | None = None, force: bool = False) -> None:
@@ -310,7 +323,8 @@ class Progress:
                 return
         if run.status in self.model.TERMINAL:
             self._sent.pop(key, None)
-        publish(self.event, self.payload(run))
+        fields = {name: getattr(run, name) for name in self.fields}
+        publish(self.event, {"run_id": run.id, **fields, OWNER_FIELD: run.owner})
 
 
 class LongRuns:
@@ -323,10 +337,10 @@ class LongRuns:
 
     A runner whose heartbeat is older than BATCH_RUNNER_STALE_S is presumed dead; one
     taken over more than BATCH_MAX_RESUMES times ends ``failed`` with ``failed_code``
-    (its message ending with ``failed_note``). ``ending(row, status)`` may set fields of
-    a row about to end and returns their names; ``ended(row)`` is told of every end
-    (after its transaction) and of a take-over (the service publishes its progress
-    there). ``what`` names the run in logs (``<what>_runner_dead``), the runner's
+    (its message ending with ``failed_note``); ``label`` names one in a refused cancel's
+    message. ``ending(row, status)`` may set fields of a row about to end and returns
+    their names; ``ended(row)`` is told of every end (after its transaction) and of a
+    take-over (the service publishes its progress there). ``what`` names the run in logs (``<what>_runner_dead``), the runner's
     threads (``millm-<what>``) and, plural, its sweeper (``<what>s_swept``)."""
 
     def __init__(
@@ -337,13 +351,14 @@ class LongRuns:
         task: str,
         queue: str,
         failed_code: str,
+        label: str,
         failed_note: str = "",
         ending: Callable[[Any, str], list[str]] | None = None,
         ended: Callable[[Any], None] | None = None,
     ) -> None:
         self.model, self.what, self.task, self.queue = model, what, task, queue
         self.runs = f"{what}s"
-        self.failed_code, self.failed_note = failed_code, failed_note
+        self.failed_code, self.failed_note, self.label = failed_code, failed_note, label
         self._ending = ending or (lambda row, status: [])
         self._ended = ended or (lambda row: None)
 
@@ -478,16 +493,19 @@ class LongRuns:
         self._ended(row)
         return row
 
-    def cancel(self, row_id: str, *, not_cancellable: Callable[[Any], Exception]) -> Any:
+    def cancel(self, row_id: str, *, not_cancellable: type[MillmError]) -> Any:
         """``cancelling`` (the runner sees it at its next heartbeat and ends the run
         ``cancelled``); a run no live runner holds (queued, or its runner dead) ends
-        ``cancelled`` at once. ``not_cancellable(row)`` is raised for a run that ended."""
+        ``cancelled`` at once. ``not_cancellable`` (409) is raised for a run that ended."""
         with transaction.atomic():
             row = self.model.objects.select_for_update().get(id=row_id)
             if row.status in ("cancelling", "cancelled"):
                 return row
             if row.status in self.model.TERMINAL:
-                raise not_cancellable(row)
+                raise not_cancellable(
+                    f"{self.label} {row.id} is {row.status} and cannot be cancelled",
+                    details={"param": "run_id", "status": row.status},
+                )
             if row.runner is not None and not self.stale(row):
                 row.status = "cancelling"
                 row.save(update_fields=["status"])
@@ -559,18 +577,35 @@ class LongRuns:
             done=f"{self.runs}_swept",
         )
 
-    def worker_ready(self, sender: Any, *, resume: Callable[..., int], start_sweeper: Callable[[], Any]) -> None:
-        """A starting Celery worker (``worker_ready``'s ``sender``; None: this process)
-        that consumes the runs' queue queues a runner for every run not ended
+    def celery_task(self, run: Callable[..., str], *, limit_s: int) -> Any:
+        """The runner ``run(run_id=, force=)`` as the Celery task ``task`` names
+        (``long_run_task``, on the runs' queue when ``enqueue`` sends it)."""
+        module, _, name = self.task.rpartition(".")
+
+        def run_task(run_id: str, force: bool = False) -> str:
+            return run(run_id=run_id, force=force)
+
+        run_task.__module__, run_task.__name__, run_task.__qualname__ = module, name, name
+        return long_run_task(self.task, limit_s=limit_s)(run_task)
+
+    def on_worker_ready(self, *, resume: Callable[..., int], start_sweeper: Callable[[], Any]) -> Callable[..., None]:
+        """Connect (and return) the ``worker_ready`` receiver by which a starting Celery
+        worker that consumes the runs' queue queues a runner for every run not ended
         (``resume(force=False)``: one whose runner died with its worker is taken over once
         its heartbeat is stale; one whose runner is alive keeps it, the extra task ends
         ``held``) and starts the runs' sweeper."""
-        if sender is not None and not consumes(sender, self.queue):
-            return
-        try:
-            resume(force=False)
-        except Exception:  # noqa: BLE001 - a worker must start even if this fails
-            log.exception(f"{self.runs}_resume_failed")
-        finally:
-            connections.close_all()  # the children are forked from this process
-        start_sweeper()
+        from celery.signals import worker_ready
+
+        def ready(sender: Any = None, **kwargs: Any) -> None:
+            if sender is not None and not consumes(sender, self.queue):
+                return
+            try:
+                resume(force=False)
+            except Exception:  # noqa: BLE001 - a worker must start even if this fails
+                log.exception(f"{self.runs}_resume_failed")
+            finally:
+                connections.close_all()  # the children are forked from this process
+            start_sweeper()
+
+        worker_ready.connect(ready, weak=False, dispatch_uid=f"{self.task}.worker_ready")
+        return ready

@@ -22,14 +22,13 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
-from django.db import close_old_connections
 
 from core.errors import MillmError, from_engine_error
+from core.jobs import RunDatabase, engine_command
 from core.runtime import runtime
 from gpu_engine.api.protocol import EngineStatus, ErrorEvent, FinishEvent, GenerationJob, TokenEvent
 
@@ -57,7 +56,8 @@ class RunContext:
     status: EngineStatus
     # EXPERIMENT_ENGINE_ROWS
     rows: int
-    _db: ThreadPoolExecutor = field(repr=False)
+    # the runner's database thread (core.jobs.RunDatabase)
+    _db: RunDatabase = field(repr=False)
     _engine_slots: asyncio.Semaphore = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -117,14 +117,7 @@ class RunContext:
         job = TokenizeJob(request_id=self.request_id("tok"), texts=list(texts))
 
         def call() -> list[list[int]]:
-            try:
-                return [list(ids) for ids in runtime().engine.tokenize(job).token_ids]
-            except MillmError:
-                raise
-            except Exception as exc:
-                if hasattr(exc, "code"):
-                    raise from_engine_error(exc) from exc
-                raise
+            return [list(ids) for ids in engine_command(runtime().engine.tokenize, job).token_ids]
 
         async with self._engine_slots:
             return await self.off(call)
@@ -137,12 +130,7 @@ class RunContext:
 
     async def db(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
         """``fn(**kwargs)`` on the run's database thread (writes in the order made)."""
-
-        def call() -> Any:
-            close_old_connections()
-            return fn(**kwargs)
-
-        return await asyncio.get_running_loop().run_in_executor(self._db, call)
+        return await self._db(fn, **kwargs)
 
     # ------------------------------------------------------------------ the run's rows
 

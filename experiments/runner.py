@@ -2,7 +2,7 @@
 
 The runner is a Celery task of the ``experiments`` queue in distributed mode and a job of
 the in-process ``experiments`` pool embedded (``core.jobs``); either way it is this one
-function, ``experiment_run``. It takes the run over (``services.RUNS.take_over``: a run
+function, ``experiment_run``. It takes the run over (``services.RUNS.run``: a run
 has one runner; one whose heartbeat is older than BATCH_RUNNER_STALE_S is presumed dead),
 builds the run's ``RunContext`` (``experiments.context``) and awaits its kind's function
 (``KINDS``) on a task of its own while it keeps the heartbeat every HEARTBEAT_S:
@@ -21,19 +21,15 @@ error ends it ``failed`` with the error's code (the points stored stay, ``partia
 from __future__ import annotations
 
 import asyncio
-import functools
 import importlib
 import threading
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
 from django.conf import settings
-from django.db import connections
 
-from core.errors import MillmError, from_engine_error
-from core.jobs import run_with_closing_pool, take_over_run
+from core.jobs import RunDatabase, run_error
 from core.runtime import runtime
 from experiments import services
 from experiments.context import RunContext
@@ -54,13 +50,12 @@ def experiment_run(*, run_id: str, force: bool = False, stop: threading.Event | 
     """Run the experiment to its end; ``force`` takes it over even from a runner that
     looks alive (embedded start-up: this process is the only runner there is). ``stop``
     ends the run abruptly, as a crash would (tests). Returns how it ended."""
-    verdict, run, runner = take_over_run(
-        functools.partial(services.experiment_take_over, run_id=run_id), force=force, what="experiment", run_id=run_id
+    return services.RUNS.run(
+        run_id,
+        force=force,
+        main=lambda run, runner: _Runner(run, runner, stop).run,
+        describe=lambda run: {"kind": run.kind},
     )
-    if verdict != "run":
-        return verdict
-    log.info("experiment_run_start", run_id=run_id, kind=run.kind, runner=runner)
-    return asyncio.run(run_with_closing_pool(_Runner(run, runner, stop).run, thread_name_prefix="millm-experiment"))
 
 
 def kind_function(kind: str) -> Callable[[RunContext], Awaitable[dict[str, Any]]]:
@@ -78,25 +73,12 @@ class _Runner:
         self.layer = run.layer
         self.runner = runner
         self.stop = stop
-        # one thread for the database: writes in the order they happen, its connection
-        # closed when the run ends
-        self._db = ThreadPoolExecutor(max_workers=1, thread_name_prefix="millm-experiment-db")
-
-    async def db(self, fn: Any, **kwargs: Any) -> Any:
-        def call() -> Any:
-            from django.db import close_old_connections
-
-            close_old_connections()
-            return fn(**kwargs)
-
-        return await asyncio.get_running_loop().run_in_executor(self._db, call)
+        # the run's database thread, which its kind's function shares (RunContext.db)
+        self.db = RunDatabase(thread_name_prefix="millm-experiment-db")
 
     async def run(self) -> str:
-        try:
+        async with self.db:
             return await self._run()
-        finally:
-            await asyncio.get_running_loop().run_in_executor(self._db, connections.close_all)
-            self._db.shutdown(wait=True)
 
     async def _run(self) -> str:
         try:
@@ -111,7 +93,7 @@ class _Runner:
                 layer=self.layer,
                 status=status,
                 rows=int(settings.EXPERIMENT_ENGINE_ROWS),
-                _db=self._db,
+                _db=self.db,
             )
             fn = kind_function(self.kind)
         except Exception as exc:  # noqa: BLE001 - every failure ends the run with its code
@@ -164,12 +146,7 @@ async def _cancel(task: asyncio.Future) -> None:
 
 def _error_of(exc: Exception) -> tuple[str, str]:
     """The run's error {code, message} for what ended it."""
-    if isinstance(exc, MillmError):
-        return exc.code, exc.message
-    if hasattr(exc, "code") and isinstance(getattr(exc, "code", None), str):
-        error = from_engine_error(exc)
-        return error.code, error.message
-    return "INTERNAL_ERROR", "The experiment failed on the server; its log says why"
+    return run_error(exc, internal="The experiment failed on the server; its log says why")
 
 
 def experiments_resume(*, force: bool) -> int:

@@ -16,7 +16,6 @@ is marked ``partial``.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import structlog
@@ -24,7 +23,7 @@ from django.db import IntegrityError, transaction
 
 from core.auth import Principal
 from core.events import OWNER_FIELD, publish
-from core.jobs import LongRuns
+from core.jobs import LongRuns, Progress
 from experiments.errors import ExperimentNotCancellable
 from experiments.models import ExperimentPoint, ExperimentRun
 from experiments.selectors import experiment_get
@@ -35,8 +34,6 @@ log = structlog.get_logger(__name__)
 QUEUE = "experiments"
 TASK = "experiments.tasks.experiment_run_task"
 PROGRESS_EVERY_S = 0.5  # experiment:progress while a run runs, at most this often
-
-_progress_sent: dict[str, float] = {}
 
 # the ExperimentPoint fields a kind may store
 POINT_FIELDS = frozenset(
@@ -76,6 +73,7 @@ RUNS = LongRuns(
     task=TASK,
     queue=QUEUE,
     failed_code="EXPERIMENT_RUNNER_FAILED",
+    label="Experiment",
     ending=_ending,
     ended=_ended,
 )
@@ -139,14 +137,7 @@ def experiment_cancel(*, run_id: str, principal: Principal) -> ExperimentRun:
     ``cancelled`` (the points stored stay, ``partial``); a run no live runner holds ends
     ``cancelled`` at once. 409 once it ended; 404 for another owner's."""
     experiment_get(run_id, principal)
-
-    def refused(run: ExperimentRun) -> Exception:
-        return ExperimentNotCancellable(
-            f"Experiment {run.id} is {run.status} and cannot be cancelled",
-            details={"param": "run_id", "status": run.status},
-        )
-
-    return RUNS.cancel(run_id, not_cancellable=refused)
+    return RUNS.cancel(run_id, not_cancellable=ExperimentNotCancellable)
 
 
 # --------------------------------------------------------------------------- a running run
@@ -183,22 +174,13 @@ def experiment_points_store(*, run_id: str, runner: str, points: list[dict[str, 
             for row in rows:
                 ExperimentPoint.objects.get_or_create(run_id=run_id, ordinal=row.ordinal, defaults=_fields(row))
         count = ExperimentPoint.objects.filter(run_id=run_id).count()
-        fields: dict[str, Any] = {"runner_seen_at": _now()}
-        if count_done:
-            fields["done"] = count
-        ExperimentRun.objects.filter(id=run_id).update(**fields)
+        RUNS.touch(run_id=run_id, runner=runner, **({"done": count} if count_done else {}))
     experiment_progress(run_id=run_id)
     return count
 
 
 def _fields(row: ExperimentPoint) -> dict[str, Any]:
     return {name: getattr(row, name) for name in POINT_FIELDS if name != "ordinal"}
-
-
-def _now() -> Any:
-    from django.utils import timezone
-
-    return timezone.now()
 
 
 def experiment_advance(*, run_id: str, runner: str, done: int | None = None, total: int | None = None) -> bool:
@@ -208,7 +190,7 @@ def experiment_advance(*, run_id: str, runner: str, done: int | None = None, tot
         fields["done"] = done
     if total is not None:
         fields["total"] = total
-    if RUNS.heartbeat(run_id=run_id, runner=runner, **fields) is None:
+    if not RUNS.touch(run_id=run_id, runner=runner, **fields):
         return False
     experiment_progress(run_id=run_id, force=total is not None)
     return True
@@ -249,33 +231,13 @@ def experiment_cancelled(*, run_id: str, runner: str) -> str:
     return "lost" if ended is None else ended.status
 
 
-def experiment_progress(*, run: ExperimentRun | None = None, run_id: str | None = None, force: bool = False) -> None:
-    """``experiment:progress`` over /ws/events (ids, kind, status and counts, never
-    prompt text), to the run's owner and admin sockets only; while it runs at most every
-    PROGRESS_EVERY_S per run."""
-    key = run.id if run is not None else run_id
-    now = time.monotonic()
-    if not force and now - _progress_sent.get(key, 0.0) < PROGRESS_EVERY_S:
-        return
-    _progress_sent[key] = now
-    if run is None:
-        run = ExperimentRun.objects.filter(id=key).first()
-        if run is None:
-            return
-    if run.status in ExperimentRun.TERMINAL:
-        _progress_sent.pop(key, None)
-    publish(
-        "experiment:progress",
-        {
-            "run_id": run.id,
-            "kind": run.kind,
-            "status": run.status,
-            "done": run.done,
-            "total": run.total,
-            "partial": run.partial,
-            OWNER_FIELD: run.owner,
-        },
-    )
+# ``experiment:progress`` over /ws/events (ids, kind, status and counts, never prompt
+# text), to the run's owner and admin sockets only; while it runs at most every
+# PROGRESS_EVERY_S per run: ``experiment_progress(run=run)`` or ``(run_id=...)``, ``force``
+# to send it now
+experiment_progress = Progress(
+    ExperimentRun, "experiment:progress", ("kind", "status", "done", "total", "partial"), every_s=PROGRESS_EVERY_S
+)
 
 
 # --------------------------------------------------------------------------- every run

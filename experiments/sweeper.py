@@ -7,33 +7,15 @@ it."""
 
 from __future__ import annotations
 
-import threading
-
 import structlog
-from django.conf import settings
 
-from core.periodic import Periodic
-from experiments.services import experiments_sweep
+from experiments.services import RUNS, experiments_sweep
 
 log = structlog.get_logger(__name__)
 
-_sweeper = Periodic(
-    "millm-experiments-sweeper",
-    experiments_sweep,
-    interval=lambda: float(settings.BATCH_SWEEP_INTERVAL_S),
-    at_once=False,
-    log=log,
-    started="experiments_sweeper_started",
-    failed="experiments_sweep_failed",
-    done="experiments_swept",
-)
+_sweeper = RUNS.sweeper(experiments_sweep, log=log)
 
-
-def sweep_once() -> dict[str, int] | None:
-    """One sweep; None (and a log line) when it failed: the next one tries again."""
-    return _sweeper.once()
-
-
-def sweeper_start(stop: threading.Event | None = None) -> threading.Thread:
-    """Start this process's sweeper once (a later call returns the running thread)."""
-    return _sweeper.start(stop)
+# one sweep (None, and a log line, when it failed: the next one tries again)
+sweep_once = _sweeper.once
+# start this process's sweeper once (a later call returns the running thread)
+sweeper_start = _sweeper.start

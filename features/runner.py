@@ -52,8 +52,8 @@ import structlog
 from django.conf import settings
 from django.db import close_old_connections
 
-from core.errors import MillmError, from_engine_error
-from core.jobs import RunDatabase, engine_command
+from core.errors import MillmError
+from core.jobs import RunDatabase, engine_command, run_error
 from core.runtime import runtime
 from features import services
 from features.models import DashboardRun
@@ -530,16 +530,11 @@ def csr_of(records: list[Any], rows: int, *, sae_id: str, layer: int) -> tuple[A
 
 def _error_of(exc: Exception) -> tuple[str, str]:
     """The run's error {code, message} for what ended it."""
-    if isinstance(exc, MillmError):
-        return exc.code, exc.message
     from features.corpus import CorpusError
 
     if isinstance(exc, CorpusError):
         return services.corpus_error(exc).code, str(getattr(exc, "message", exc))
-    if hasattr(exc, "code") and isinstance(getattr(exc, "code", None), str):
-        error = from_engine_error(exc)
-        return error.code, error.message
-    return "INTERNAL_ERROR", "The dashboard run failed on the server; its log says why"
+    return run_error(exc, internal="The dashboard run failed on the server; its log says why")
 
 
 def dashboards_resume(*, force: bool) -> int:

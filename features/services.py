@@ -262,14 +262,7 @@ def dashboard_cancel(*, run_id: str, principal: Principal) -> DashboardRun:
     engine and ends the run ``cancelled`` with no dashboards stored; a run no live runner
     holds (queued, or its runner dead) ends ``cancelled`` at once. 409 once it ended."""
     dashboard_get(run_id, principal)  # 404 for another owner's
-
-    def refused(run: DashboardRun) -> Exception:
-        return DashboardNotCancellable(
-            f"Dashboard run {run.id} is {run.status} and cannot be cancelled",
-            details={"param": "run_id", "status": run.status},
-        )
-
-    return RUNS.cancel(run_id, not_cancellable=refused)
+    return RUNS.cancel(run_id, not_cancellable=DashboardNotCancellable)
 
 
 # --------------------------------------------------------------------------- a running run
@@ -357,22 +350,15 @@ def _ended(run: DashboardRun) -> None:
         publish("dashboard:error", {"run_id": run.id, "sae_id": run.sae_id, **error, OWNER_FIELD: run.owner})
 
 
-def _progress(run: DashboardRun) -> dict[str, Any]:
-    return {
-        "run_id": run.id,
-        "sae_id": run.sae_id,
-        "status": run.status,
-        "contexts_done": run.contexts_done,
-        "contexts_total": run.contexts_total,
-        "tokens_done": run.tokens_done,
-        OWNER_FIELD: run.owner,
-    }
-
-
 # ``dashboard:progress`` over /ws/events (ids, status and counts, never corpus text), to
 # the run's owner and admin sockets only; while it runs at most every PROGRESS_EVERY_S per
 # run: ``dashboard_progress(run=run)`` or ``(run_id=...)``, ``force`` to send it now
-dashboard_progress = Progress(DashboardRun, "dashboard:progress", _progress, every_s=PROGRESS_EVERY_S)
+dashboard_progress = Progress(
+    DashboardRun,
+    "dashboard:progress",
+    ("sae_id", "status", "contexts_done", "contexts_total", "tokens_done"),
+    every_s=PROGRESS_EVERY_S,
+)
 
 # one runner at a time, its heartbeat, a cancel, the sweep and the resume (core.jobs);
 # a run that failed or was cancelled stores nothing
@@ -382,6 +368,7 @@ RUNS = LongRuns(
     task=TASK,
     queue=QUEUE,
     failed_code="DASHBOARD_RUNNER_FAILED",
+    label="Dashboard run",
     failed_note="; nothing was stored",
     ended=_ended,
 )
