@@ -23,7 +23,7 @@ distribution), MSE, explained variance, the three losses and loss recovered, and
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
@@ -125,42 +125,14 @@ def fidelity_check(*, data: dict[str, Any], status: EngineStatus, principal: Pri
     }
     if corpus == "file":
         spec.update(file_id=str(data["file_id"]), text_field=text_field)
-        _check_file(file_id=spec["file_id"], text_field=text_field, principal=principal)
+        from features.services import check_corpus_file  # as a dashboard run checks it
+
+        check_corpus_file(file_id=spec["file_id"], text_field=text_field, principal=principal)
     contexts = -(-budget // context_tokens)
     return FidelityPlan(spec, sae_id, int(attachment.layer), -(-contexts // GROUP_CONTEXTS))
 
 
-def _check_file(*, file_id: str, text_field: str, principal: Principal) -> None:
-    """The file is the caller's (404 naming file_id) and holds text (400 INVALID_CORPUS
-    naming the field), as a dashboard run checks it."""
-    from batches.selectors import file_content, file_get
-    from features.corpus import CorpusError, parse_corpus
-    from features.services import corpus_error
-
-    file_get(file_id=file_id, principal=principal)
-    try:
-        for _ in parse_corpus(file_content(file_id=file_id, principal=principal), text_field=text_field):
-            pass
-    except CorpusError as exc:
-        raise corpus_error(exc, default_param="file_id") from None
-
-
 # --------------------------------------------------------------------------- the corpus
-
-
-def _texts(spec: dict[str, Any], owner: str) -> Iterator[str]:
-    """The corpus's documents, as a dashboard run reads them (the owner's file as its owner)."""
-    from features.corpus import parse_corpus, sample_texts
-
-    if spec["corpus"] != "file":
-        yield from sample_texts()
-        return
-    from batches.selectors import file_content
-
-    reader = Principal(owner=owner, label=owner, admin=True)
-    yield from parse_corpus(
-        file_content(file_id=spec["file_id"], principal=reader), text_field=spec.get("text_field") or "text"
-    )
 
 
 async def read_contexts(ctx: RunContext) -> list[list[int]]:
@@ -168,12 +140,18 @@ async def read_contexts(ctx: RunContext) -> list[list[int]]:
     time until the budget is covered, packed by ``features.corpus.pack_contexts``.
     The same corpus, model and budget give the same contexts (a resumed run's)."""
     from features.corpus import CorpusError, pack_contexts
-    from features.services import corpus_error
+    from features.services import corpus_error, corpus_texts
     from gpu_engine.api.jobs import MAX_TOKENIZE_CHARS
 
     spec = ctx.spec
     budget = int(spec["token_budget"])
-    documents = _texts(spec, ctx.owner)
+    # the corpus's documents, as a dashboard run reads them (the owner's file as its owner)
+    documents = corpus_texts(
+        corpus=spec["corpus"],
+        file_id=spec.get("file_id", ""),
+        text_field=spec.get("text_field") or "text",
+        owner=ctx.owner,
+    )
 
     def next_texts() -> list[str]:
         # on the run's database thread: a file corpus is read from the database
