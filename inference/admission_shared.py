@@ -125,6 +125,20 @@ class _AsyncLink:
         self.release = self.commands.register_script(_RELEASE_LUA)
 
 
+def per_loop(links: dict[asyncio.AbstractEventLoop, Any], lock: threading.Lock, make: Callable[[], Any]) -> Any:
+    """The running loop's entry of ``links`` (redis.asyncio connections belong to the loop
+    that opened them), made by ``make`` the first time; entries of loops that have ended
+    are dropped, since their connections cannot be used (or closed) again."""
+    loop = asyncio.get_running_loop()
+    with lock:
+        link = links.get(loop)
+        if link is None:
+            for ended in [lp for lp in links if lp.is_closed()]:
+                del links[ended]
+            link = links[loop] = make()
+    return link
+
+
 def _client_options(timeout_s: float) -> dict[str, Any]:
     """Fail fast: short timeouts, and one immediate reconnect (a pooled connection that a
     restarted Redis closed) instead of redis-py's default ten retries with backoff, which
@@ -236,15 +250,11 @@ class SharedAdmissionController:
     # ---------------------------------------------------------------- redis
 
     def _link(self) -> _AsyncLink:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            link = self._links.get(loop)
-            if link is None:
-                # connections of a loop that has ended cannot be used (or closed) again
-                for ended in [lp for lp in self._links if lp.is_closed()]:
-                    del self._links[ended]
-                link = self._links[loop] = _AsyncLink(self._url, timeout_s=self.timeout_s, wait_s=self.wake_poll_s)
-        return link
+        return per_loop(
+            self._links,
+            self._lock,
+            lambda: _AsyncLink(self._url, timeout_s=self.timeout_s, wait_s=self.wake_poll_s),
+        )
 
     def _admit_args(self, member: str, mode: str) -> list[Any]:
         return [int(time.time() * 1000), member, self.slots, self.max_pending, self.lease_ms, mode, self._wake_prefix]

@@ -239,23 +239,17 @@ class RedisLimiter:
         return [f"{base}:rpm", f"{base}:tpm", f"{base}:concurrent"]
 
     def _link(self) -> tuple[Any, Any, Any]:
-        loop = asyncio.get_running_loop()
-        with self._lock:
-            link = self._links.get(loop)
-            if link is None:
-                from redis import asyncio as aredis
+        from inference.admission_shared import per_loop
 
-                from inference.admission_shared import _client_options
+        def make() -> tuple[Any, Any, Any]:
+            from redis import asyncio as aredis
 
-                for ended in [lp for lp in self._links if lp.is_closed()]:
-                    del self._links[ended]
-                client = aredis.Redis.from_url(self._url, **_client_options(self._timeout_s))
-                link = self._links[loop] = (
-                    client,
-                    client.register_script(_ADMIT_LUA),
-                    client.register_script(_RELEASE_LUA),
-                )
-        return link
+            from inference.admission_shared import _client_options
+
+            client = aredis.Redis.from_url(self._url, **_client_options(self._timeout_s))
+            return client, client.register_script(_ADMIT_LUA), client.register_script(_RELEASE_LUA)
+
+        return per_loop(self._links, self._lock, make)
 
     @staticmethod
     def _args(limits: Limits, estimate: int, ticket: str) -> list[Any]:
