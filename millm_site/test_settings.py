@@ -25,6 +25,10 @@ os.environ.setdefault(
         )
     ),
 )
+# The grammar deadline of the test servers' engines: a legitimate schema's first build (the
+# builder child's xgrammar import included) can pass the product's 10 s on a loaded 2-core
+# machine; tests/security/test_costly_inputs.py sets its own short one to test the deadline.
+os.environ.setdefault("STRUCTURED_COMPILE_TIMEOUT_S", "300")
 # A developer's own .env must not leak into the suite.
 os.environ["MILLM_ENV_FILE"] = "/nonexistent/.env"
 

@@ -26,6 +26,7 @@ from gpu_engine.api.protocol import (
 )
 from offline_assets import demo_gguf_path
 from tests.engine.structured_cases import (
+    COMPILE_TIMEOUT_S,
     SCHEMAS,
     TOOL_PARAMETERS,
     check_every_schema,
@@ -52,7 +53,7 @@ def gguf_job(path, name="tiny-llama-tools") -> LoadModelJob:
 
 @pytest.fixture(scope="module")
 def gguf_demo(demo_assets, llamacpp):
-    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=24))
+    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=24), structured_timeout_s=COMPILE_TIMEOUT_S)
     eng.load_model(gguf_job(demo_gguf_path(), "smollm2-gguf"))
     yield eng
     eng.shutdown()
@@ -60,7 +61,7 @@ def gguf_demo(demo_assets, llamacpp):
 
 @pytest.fixture(scope="module")
 def gguf_tools(tools_gguf):
-    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=24))
+    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=24), structured_timeout_s=COMPILE_TIMEOUT_S)
     eng.load_model(gguf_job(tools_gguf))
     yield eng
     eng.shutdown()
@@ -71,7 +72,7 @@ def test_capabilities_say_structured_output_and_tools(gguf_tools, tiny_gguf):
     assert caps["structured_output"] is True
     assert (caps["tool_calling"], caps["tool_call_format"]) == (True, "hermes")
     # tiny-llama's own ChatML template ignores tools: no tool calling there
-    plain = Engine()
+    plain = Engine(structured_timeout_s=COMPILE_TIMEOUT_S)
     try:
         plain.load_model(gguf_job(tiny_gguf))
         caps = plain.status().batching["capabilities"]
@@ -195,7 +196,7 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(gguf_tools):
 
 
 def test_the_serial_path_masks_the_same(demo_assets, llamacpp):
-    eng = Engine()
+    eng = Engine(structured_timeout_s=COMPILE_TIMEOUT_S)
     eng.load_model(gguf_job(demo_gguf_path(), "smollm2-gguf"))
     try:
         what, schema = SCHEMAS[8]

@@ -29,14 +29,18 @@ from gpu_engine.api.protocol import (
 )
 from gpu_engine.runtime.prepare import check_capabilities
 from tests.batching.conftest import Choreography
-from tests.engine.structured_cases import SCHEMAS, structured_job
+from tests.engine.structured_cases import COMPILE_TIMEOUT_S, SCHEMAS, structured_job
 
 pytestmark = pytest.mark.demo_model
 
 
 @pytest.fixture(scope="module")
 def demo_engine(demo_assets):
-    eng = Engine(on_event=lambda e: None, batching=BatchingOptions(enabled=True, max_batch_size=24))
+    eng = Engine(
+        on_event=lambda e: None,
+        batching=BatchingOptions(enabled=True, max_batch_size=24),
+        structured_timeout_s=COMPILE_TIMEOUT_S,
+    )
     asset = demo_assets.models["smollm2-135m"]
     eng.load_model(LoadModelJob(asset.name, str(asset.path), dtype="float32", device="cpu"))
     sae = demo_assets.saes["smollm2-135m-L12-demo"]
@@ -125,7 +129,7 @@ def test_a_grammar_masks_only_its_own_row_in_a_mixed_batch(demo_engine):
 
 
 def test_the_serial_path_masks_the_same(demo_assets):
-    eng = Engine(on_event=lambda e: None)
+    eng = Engine(on_event=lambda e: None, structured_timeout_s=COMPILE_TIMEOUT_S)
     asset = demo_assets.models["smollm2-135m"]
     eng.load_model(LoadModelJob(asset.name, str(asset.path), dtype="float32", device="cpu"))
     try:

@@ -26,6 +26,7 @@ from gpu_engine.api.protocol import (
     StructuredOutput,
 )
 from tests.engine.structured_cases import (
+    COMPILE_TIMEOUT_S,
     SCHEMAS,
     TOOL_PARAMETERS,
     check_every_schema,
@@ -38,7 +39,11 @@ from .conftest import require_vllm
 
 
 def _vllm(name: str, path) -> Engine:
-    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=24), drain_timeout_s=300)
+    eng = Engine(
+        batching=BatchingOptions(enabled=True, max_batch_size=24),
+        drain_timeout_s=300,
+        structured_timeout_s=COMPILE_TIMEOUT_S,
+    )
     eng.load_model(
         LoadModelJob(
             name,
