@@ -7,6 +7,7 @@ request waits here (``request``) until a runner takes it (``inference.responses_
 
 from __future__ import annotations
 
+from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
 OWNER_MAX_CHARS = 80  # "anonymous" or "key:<label>" (core.auth: labels up to 64)
@@ -82,3 +83,45 @@ class KeyUsage(models.Model):
 
     def __str__(self) -> str:
         return f"{self.owner} {self.day}"
+
+
+class KeyLimit(models.Model):
+    """A staff-managed override of ``KEY_LIMITS`` for one key label (or ``*``), edited in
+    the Django admin: each field it sets replaces that field of the setting's entry; an
+    empty field keeps what the setting says. Every web process reads the rows again within
+    ``inference.quotas.ROWS_REFRESH_S`` seconds (the process that saved one at once)."""
+
+    label = models.CharField(
+        max_length=64,
+        unique=True,
+        validators=[RegexValidator(r"^(\*|[A-Za-z0-9_.@-]{1,64})$", "a key label (letters, digits, _ . @ -) or *")],
+        help_text="The key's label (the part before ':' in MILLM_API_KEYS / MILLM_ADMIN_API_KEYS), or * for every inference key.",
+    )
+    rpm = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(10**12)],
+        help_text="requests per minute",
+    )
+    tpm = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(10**12)],
+        help_text="prompt + completion tokens per minute",
+    )
+    concurrent = models.PositiveBigIntegerField(
+        null=True,
+        blank=True,
+        validators=[MinValueValidator(1), MaxValueValidator(10**12)],
+        help_text="requests at once",
+    )
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["label"]
+
+    def __str__(self) -> str:
+        return self.label
+
+    def fields(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in ("rpm", "tpm", "concurrent") if getattr(self, name) is not None}

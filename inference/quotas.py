@@ -27,6 +27,7 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -408,11 +409,62 @@ def _parsed(text: str) -> dict[str, dict[str, int | None]]:
     return parse_key_limits(text)
 
 
+# the staff's overrides (``KeyLimit`` rows): read by one thread at most every
+# ROWS_REFRESH_S, never on a request's path (which uses the last rows read)
+ROWS_REFRESH_S = 5.0
+_ROWS: dict[str, dict[str, int]] = {}
+_ROWS_READ_AT = -math.inf
+_ROWS_READING = threading.Lock()
+_ROW_READER = ThreadPoolExecutor(1, thread_name_prefix="millm-key-limits")
+_MERGED: tuple[Any, Any, dict[str, dict[str, int | None]]] = (None, None, {})
+
+
+def read_rows() -> None:
+    """Read the ``KeyLimit`` rows now (the reader thread; an admin save in this process)."""
+    global _ROWS, _ROWS_READ_AT
+    from django.db import connection
+
+    from inference.models import KeyLimit
+
+    try:
+        _ROWS = {row.label: row.fields() for row in KeyLimit.objects.all() if row.fields()}
+    except Exception as exc:  # noqa: BLE001 - keep the last rows; say why
+        log.warning("key_limits_read_failed", error=str(exc))
+    finally:
+        _ROWS_READ_AT = time.monotonic()
+        connection.close()
+
+
+def _read_in_background() -> None:
+    try:
+        read_rows()
+    finally:
+        _ROWS_READING.release()
+
+
+def _rows() -> dict[str, dict[str, int]]:
+    if time.monotonic() - _ROWS_READ_AT > ROWS_REFRESH_S and _ROWS_READING.acquire(blocking=False):
+        try:
+            _ROW_READER.submit(_read_in_background)
+        except RuntimeError:  # shutting down
+            _ROWS_READING.release()
+    return _ROWS
+
+
 def table() -> dict[str, dict[str, int | None]]:
+    """``KEY_LIMITS`` with the staff's rows over it, field by field."""
+    global _MERGED
     value = getattr(settings, "KEY_LIMITS", None)
-    if not value:
-        return {}
-    return _parsed(value) if isinstance(value, str) else value
+    base = (_parsed(value) if isinstance(value, str) else value) if value else {}
+    rows = _rows()
+    if not rows:
+        return base
+    if _MERGED[0] is not base or _MERGED[1] is not rows:
+        merged = {label: dict(fields) for label, fields in base.items()}
+        for label, fields in rows.items():
+            merged.setdefault(label, {}).update(fields)
+        _MERGED = (base, rows, merged)
+    return _MERGED[2]
 
 
 def estimate_tokens(body_bytes: int, max_tokens: int | None, n: int | None = 1) -> int:

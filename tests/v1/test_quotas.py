@@ -184,6 +184,38 @@ def test_the_limits_hold_through_redis_across_processes(llama, keyed, settings, 
         assert elsewhere.used("bob")["rpm"] == 1
 
 
+def test_staff_rows_override_the_setting_field_by_field(llama, keyed, limits):  # noqa: F811
+    from inference.models import KeyLimit
+
+    limits({"*": {"rpm": 100, "concurrent": 4}})
+    row = KeyLimit.objects.create(label="alice", rpm=1)
+    quotas.read_rows()  # what the admin's save does in its own process (others: within ROWS_REFRESH_S)
+    assert quotas.table()["alice"] == {"rpm": 1} and quotas.table()["*"] == {"rpm": 100, "concurrent": 4}
+    _chat(keyed["alice"])
+    error = _refused(lambda: _chat(keyed["alice"]))
+    assert "Limit 1" in error.message
+    _chat(keyed["bob"])  # the setting's default still holds for bob
+    row.delete()
+    quotas.read_rows()
+    _chat(keyed["alice"])  # back to the setting's 100 a minute
+
+
+def test_a_row_limits_with_the_setting_empty(llama, keyed, settings):  # noqa: F811
+    from inference.models import KeyLimit
+
+    settings.KEY_LIMITS = {}
+    KeyLimit.objects.create(label="*", rpm=1)
+    try:
+        with quotas.replaced(quotas.LocalLimiter()):
+            quotas.read_rows()
+            _chat(keyed["bob"])
+            _refused(lambda: _chat(keyed["bob"]))
+            _chat(keyed["root"])  # admin keys: only a row or entry naming them
+    finally:
+        KeyLimit.objects.all().delete()
+        quotas.read_rows()
+
+
 def test_no_limits_with_keys_off(llama, settings):  # noqa: F811
     settings.MILLM_API_KEYS, settings.MILLM_ADMIN_API_KEYS = [], []
     settings.KEY_LIMITS = {"*": {"rpm": 1}, "anonymous": {"rpm": 1}}
@@ -254,10 +286,18 @@ def test_usage_equals_what_the_answers_reported_and_is_each_keys_own(llama, keye
     assert _api_usage(llama.url, KEYS["root"], "?end=0001-01-01").status == 200
 
 
-def test_the_admin_shows_usage_read_only():
+def test_the_admin_shows_usage_read_only_and_edits_limits_checked():
     from django.contrib import admin
+    from django.core.exceptions import ValidationError
+
+    from inference.models import KeyLimit
 
     model_admin = admin.site._registry[KeyUsage]
     assert not model_admin.has_add_permission(None)
     assert not model_admin.has_change_permission(None)
     assert not model_admin.has_delete_permission(None)
+    assert KeyLimit in admin.site._registry
+    for bad in (KeyLimit(label="a b", rpm=1), KeyLimit(label="alice", rpm=0), KeyLimit(label="x", tpm=10**13)):
+        with pytest.raises(ValidationError):
+            bad.full_clean()
+    KeyLimit(label="*", concurrent=2).full_clean()
