@@ -12,8 +12,9 @@ in each surface's shape, before any engine work.
 Windows are one minute long and start with a key's first request in them (so the limit
 is the same whoever sends when); they live in this process embedded and in Redis in the
 distributed topology (``REDIS_URL``: one Lua script a request, so every web worker shares
-them). With ``KEY_LIMITS`` empty, or keys off, nothing here runs: ``admission_ticket`` returns
-at its first line.
+them). Staff rows (``KeyLimit``, the Django admin's Key limits) override the setting field
+by field; a background thread reads them every ``ROWS_REFRESH_S``. With neither set, or
+keys off, a request costs one settings read and a clock check (``admission_ticket``).
 """
 
 from __future__ import annotations
