@@ -453,6 +453,15 @@ class LongRuns:
 
         return bool(self.model.objects.filter(id=run_id, runner=runner).update(runner_seen_at=timezone.now(), **fields))
 
+    def advance(self, *, run_id: str, runner: str, progress: Progress, force: bool = False, **fields: Any) -> bool:
+        """Record the run's progress (``fields``; one that is None is left as it is) with
+        this runner's heartbeat, then its ``progress`` event (at most every
+        ``progress.every_s`` unless ``force``); False when this runner no longer holds it."""
+        if not self.touch(run_id=run_id, runner=runner, **{k: v for k, v in fields.items() if v is not None}):
+            return False
+        progress(run_id=run_id, force=force)
+        return True
+
     def heartbeat(self, *, run_id: str, runner: str, **fields: Any) -> str | None:
         """The run's status after recording this runner's heartbeat (and ``fields``:
         progress), or None when this runner no longer holds it."""

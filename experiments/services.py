@@ -185,15 +185,9 @@ def _fields(row: ExperimentPoint) -> dict[str, Any]:
 
 def experiment_advance(*, run_id: str, runner: str, done: int | None = None, total: int | None = None) -> bool:
     """Record the run's progress; False when this runner no longer holds it."""
-    fields: dict[str, Any] = {}
-    if done is not None:
-        fields["done"] = done
-    if total is not None:
-        fields["total"] = total
-    if not RUNS.touch(run_id=run_id, runner=runner, **fields):
-        return False
-    experiment_progress(run_id=run_id, force=total is not None)
-    return True
+    return RUNS.advance(
+        run_id=run_id, runner=runner, progress=experiment_progress, force=total is not None, done=done, total=total
+    )
 
 
 def experiment_result_merge(*, run_id: str, runner: str, fields: dict[str, Any]) -> bool:

@@ -291,15 +291,16 @@ def dashboard_advance(
 ) -> bool:
     """Record the run's progress (and its last checkpoint); False when this runner no
     longer holds it. ``dashboard:progress`` at most every PROGRESS_EVERY_S."""
-    fields: dict[str, Any] = {"contexts_done": contexts_done, "tokens_done": tokens_done}
-    if contexts_total is not None:
-        fields["contexts_total"] = contexts_total
-    if checkpoint_path is not None:
-        fields["checkpoint_path"] = checkpoint_path
-    if not RUNS.touch(run_id=run_id, runner=runner, **fields):
-        return False
-    dashboard_progress(run_id=run_id, force=force)
-    return True
+    return RUNS.advance(
+        run_id=run_id,
+        runner=runner,
+        progress=dashboard_progress,
+        force=force,
+        contexts_done=contexts_done,
+        tokens_done=tokens_done,
+        contexts_total=contexts_total,
+        checkpoint_path=checkpoint_path,
+    )
 
 
 def dashboard_fail(*, run_id: str, runner: str, code: str, message: str) -> bool:
