@@ -51,7 +51,7 @@ from typing import Any
 import torch
 import xgrammar as xg
 
-from ..api.errors import ResponseFormatUnsupported, SchemaTooComplex
+from ..api.errors import EngineBusy, ResponseFormatUnsupported, SchemaTooComplex
 from ..api.protocol import StructuredOutput
 
 log = logging.getLogger("gpu_engine.decode.grammar")
@@ -240,15 +240,26 @@ class _Child:
                 pipe.close()
 
 
+# how many build deadlines a schema may wait for a free child (GRAMMAR_WORKERS busy with
+# other schemas, each killed at its own deadline) before it is refused as engine_busy
+WAIT_DEADLINES = 3
+
+
 class GrammarBuilder:
     """Builds grammars off the engine's worker thread, with a deadline (the engine's
     ``STRUCTURED_COMPILE_TIMEOUT_S``): the schema-to-grammar conversion in a child process
     (``gpu_engine.decode.grammar_worker``, started at the first structured request and kept),
     killed when it overruns, so a costly schema ends as ``SchemaTooComplex`` and costs
-    nothing after its deadline.  Built grammars are ``remember``-ed for every backend."""
+    nothing after its deadline.  The deadline counts the schema's own build only, from
+    when a child takes it: a schema that waited for a free child (others' schemas building)
+    is not blamed for their time; one that finds none free within ``wait_s`` is
+    ``EngineBusy`` (retry).  Built grammars are ``remember``-ed for every backend."""
 
-    def __init__(self, *, timeout_s: float, workers: int = GRAMMAR_WORKERS) -> None:
+    def __init__(self, *, timeout_s: float, workers: int = GRAMMAR_WORKERS, wait_s: float | None = None) -> None:
         self.timeout_s = timeout_s
+        # the longest a schema waits for a free child before its own deadline starts:
+        # past it the request is engine_busy (retry), never blamed on its schema
+        self.wait_s = WAIT_DEADLINES * timeout_s if wait_s is None else wait_s
         self.workers = workers
         self._idle: list[_Child] = []
         self._started = 0
@@ -295,19 +306,26 @@ class GrammarBuilder:
     def build(self, spec: StructuredOutput) -> xg.Grammar:
         """``spec``'s grammar (also ``remember``-ed), ``ResponseFormatUnsupported`` when
         xgrammar refuses it, ``SchemaTooComplex`` when it is not built within the
-        deadline (waiting for a free child included)."""
+        deadline from when a child took it, ``EngineBusy`` when no child came free within
+        ``wait_s``."""
         hit = built(spec)
         if hit is not None:
             return hit
-        deadline = time.monotonic() + self.timeout_s
         with self._cond:
             self.stats["building"] += 1
         try:
-            child, start_s = self._take(deadline)
-            answer = child.ask(spec, deadline + start_s) if child is not None else None
+            child, _ = self._take(time.monotonic() + self.wait_s)
+            if child is None:  # none taken, none started: nothing to give back
+                raise EngineBusy(
+                    f"response_format: every grammar builder ({self.workers}) was busy with "
+                    f"other schemas for {self.wait_s:g} s; retry",
+                    details={"reason": "grammar_builders_busy", "wait_s": self.wait_s},
+                )
+            # the schema's own deadline starts now, its child in hand (started, if it was
+            # new, before this line: its start is not the schema's cost)
+            answer = child.ask(spec, time.monotonic() + self.timeout_s)
             if answer is None:
-                if child is not None:
-                    child.kill()  # overran (or died): its work is abandoned with it
+                child.kill()  # overran (or died): its work is abandoned with it
                 self._give_back(None)
                 with self._cond:
                     self.stats["timed_out"] += 1
