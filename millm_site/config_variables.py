@@ -160,10 +160,11 @@ VARIABLES: tuple[Var, ...] = (
         "Core",
         "str",
         "",
-        "Model id or name to load at start-up. "
-        "When the registry records another model as resident (restored at start-up with "
-        "its attachments and steering), that one stays and AUTO_LOAD_MODEL and "
-        "AUTO_ATTACH_SAES are not applied (logged as auto_load_skipped).",
+        "Model id or name to load at start-up. It wins over another model a restart "
+        "restored (that one is swapped out, its attachments and steering with it) unless "
+        "that model is locked or leased: then it stays, AUTO_LOAD_MODEL and AUTO_ATTACH_SAES "
+        "are not applied (logged as auto_load_skipped), and /api/health/ready's "
+        "auto_load_model says which model holds the engine and why.",
     ),
     Var(
         "AUTO_ATTACH_SAES",
@@ -529,8 +530,10 @@ VARIABLES: tuple[Var, ...] = (
         "",
         "Draft for speculative decoding of the transformers backend's serial path (unset = "
         "off): self:layers=N (the loaded model's first N blocks and its head, no second "
-        "model), a checkpoint directory, or a registered model's name, with the same "
-        "vocabulary. Greedy requests only; needs ENABLE_CONTINUOUS_BATCHING=false.",
+        "model), a checkpoint directory, or a registered model's name or hub repository id "
+        "(its files), with the same vocabulary. Anything else stops the start-up (and "
+        "refuses a load before the resident model is unloaded). Greedy requests only; needs "
+        "ENABLE_CONTINUOUS_BATCHING=false.",
     ),
     Var(
         "SPECULATIVE_NUM_TOKENS", "Performance", "int", 5, "Tokens the draft proposes per step.", minimum=1, maximum=64

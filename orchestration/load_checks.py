@@ -5,6 +5,8 @@ engine job (``load_job``: files, backend, the backend's options from the setting
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from django.conf import settings
 
 from core.engine_client import resolve_device_and_dtype
@@ -17,10 +19,12 @@ from registry.access import remote_code_enabled
 from registry.errors import (
     ModelInvalid,
     ModelLocked,
+    ModelNotFound,
     RemoteCodeNotAllowed,
     UnsupportedQuantization,
 )
 from registry.models import Model
+from registry.services import GGUF_BACKEND  # the backend that loads GGUF files
 from registry.selectors import model_loaded
 
 # Registry quantizations a load takes at the engine's dtype (MILLM_ENGINE_DTYPE); below
@@ -108,12 +112,9 @@ def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
         and model.quantization not in FULL_PRECISION
     ):
         options["quantization"] = model.quantization  # applied at load (Q8, Q4)
-    draft = options.get("speculative_model")
-    if draft and not draft.startswith("self:"):
+    if options.get("speculative_model"):
         # SPECULATIVE_MODEL may name a registered model: the engine reads its files
-        named = Model.objects.filter(name=draft).exclude(local_path="").first()
-        if named is not None:
-            options["speculative_model"] = named.local_path
+        options["speculative_model"] = speculative_draft(options["speculative_model"])
     # a row registered with remote code before the operator turned ALLOW_REMOTE_CODE off
     # runs none (``_check_loadable`` refuses it first; this holds for any other caller)
     return LoadModelJob(
@@ -125,6 +126,44 @@ def load_job(model: Model, *, device: str, dtype: str) -> LoadModelJob:
         backend=backend,
         options=options,
     )
+
+
+def speculative_draft(value: str) -> str:
+    """What the engine reads for SPECULATIVE_MODEL: ``self:layers=N`` as it is; a registered
+    model's name, or the hub repository id of a registered model, as that model's files; an
+    absolute path (or a directory here) as it is, the engine checks it. Anything else names
+    nothing: 404 MODEL_NOT_FOUND naming the setting (start-up refuses it, and so does every
+    load before the resident model is unloaded)."""
+    if value.startswith("self:"):
+        return value
+    named = Model.objects.filter(name=value).first()
+    if named is None:
+        # a repository registered twice (two revisions, two GGUF files): the one with files
+        same_repo = Model.objects.filter(repo_id=value).order_by("pk")
+        named = same_repo.exclude(local_path="").first() or same_repo.first()
+    if named is not None:
+        if not named.local_path:
+            raise ModelInvalid(
+                f"SPECULATIVE_MODEL={value!r} names model {named.name!r}, which has no files yet "
+                f"(status {named.status})",
+                details={"setting": "SPECULATIVE_MODEL", "value": value, "model_id": named.id},
+            )
+        return named.local_path
+    if Path(value).is_absolute() or Path(value).is_dir():
+        return value
+    raise ModelNotFound(
+        f"SPECULATIVE_MODEL={value!r} is neither self:layers=N, a registered model's name, the "
+        "repository id of a registered model, nor a checkpoint directory; register the draft "
+        "(POST /api/models) or name its directory",
+        details={"setting": "SPECULATIVE_MODEL", "value": value},
+    )
+
+
+def check_speculative_model() -> None:
+    """Start-up's check of SPECULATIVE_MODEL (``orchestration.startup``): it must name a
+    draft the engine can read, else the process refuses to start."""
+    if settings.SPECULATIVE_MODEL:
+        speculative_draft(settings.SPECULATIVE_MODEL)
 
 
 def _check_backend(model: Model) -> None:
@@ -149,10 +188,6 @@ def _check_backend(model: Model) -> None:
             "install": entry.get("install"),
         },
     )
-
-
-# the backend that loads GGUF files (a GGUF model with no backend of its own uses it)
-GGUF_BACKEND = "llamacpp"
 
 
 def _check_loadable(model: Model) -> Model | None:

@@ -16,11 +16,13 @@ from core import jobs
 from core.errors import ValidationFailed
 from core.runtime import runtime
 from orchestration import services
+from orchestration.load_checks import check_speculative_model
 from orchestration.restore import restore_recorded_state
-from registry.errors import SAENotFound
+from leases.errors import ModelLeased
+from leases.selectors import lease_live
+from registry.errors import ModelLocked, ModelNotFound, SAENotFound
 from registry.maintenance import model_by_name_or_id, startup_reconcile
 from registry.models import SAE, Job, Model
-from registry.selectors import model_loaded
 
 log = structlog.get_logger(__name__)
 
@@ -57,6 +59,8 @@ def application_start(*, auto_load_model: bool = True) -> None:
       into this process's engine again, as run_engine does in distributed mode, so the
       rows and the engine agree before the first request. What cannot be restored is
       recorded on the rows (status ``error`` with the reason; attachments dropped);
+    - SPECULATIVE_MODEL must name a draft the engine can read (a registered model's name
+      or repository id, self:layers=N, a checkpoint directory); anything else raises;
     - AUTO_LOAD_MODEL starts loading (unless ``auto_load_model`` is False: ``serve
       --no-auto-load``); a name that is not registered raises.
     """
@@ -67,6 +71,7 @@ def application_start(*, auto_load_model: bool = True) -> None:
         _started = True
 
     startup_reconcile()
+    check_speculative_model()  # a draft that names nothing refuses the start, not each load
     if settings.EMBEDDED:
         attempts = _RestoreAttempts(Path(settings.DATA_DIR) / "restore_attempts")
         restore_recorded_state(engine=runtime().engine, begin_restore=attempts.begin, end_restore=attempts.end)
@@ -77,32 +82,65 @@ def application_start(*, auto_load_model: bool = True) -> None:
 def auto_load() -> Job | None:
     """Start loading AUTO_LOAD_MODEL in the background (readiness waits for it).
 
-    What the registry records wins over the setting: when another model is resident (the
-    one a restart just restored, with its attachments and steering), AUTO_LOAD_MODEL and
-    AUTO_ATTACH_SAES are not applied, and the log says so. Swapping it out would throw
-    that state away, and a locked or leased model could not be swapped at all."""
+    The configured model wins over the one a restart restored (the registry's record of
+    the last run): the restored model is swapped out, its attachments and steering with
+    it, as any load of another model does. Unless it is held: a locked resident model, or
+    one under a live lease, stays, AUTO_LOAD_MODEL and AUTO_ATTACH_SAES are not applied,
+    the log says so, and ``/api/health/ready`` says why (``auto_load_state``)."""
     name = settings.AUTO_LOAD_MODEL
     if not name:
         return None
     model = model_by_name_or_id(name)
     targets = auto_attach_targets()  # a typo fails the start-up, not a background task
-    resident = model_loaded(other_than=model)
-    if resident is not None:
-        log.warning(
-            "auto_load_skipped",
-            model=model.name,
-            resident=resident.name,
-            reason="the registry records another model as resident; unload it "
-            "for AUTO_LOAD_MODEL to apply at the next start",
-        )
-        return None
     job = None
     if model.status != Model.Status.LOADED:
-        job = services.model_load_enqueue(model=model)
+        try:
+            job = services.model_load_enqueue(model=model)
+        except (ModelLocked, ModelLeased) as exc:
+            log.warning("auto_load_skipped", model=model.name, reason=exc.message)
+            return None
         log.info("auto_load_started", model=model.name, job_id=job.id)
     if targets:
         jobs.enqueue("orchestration.tasks.auto_attach_task", job.id if job else None, queue="maintenance")
     return job
+
+
+def auto_load_state(resident: str | None) -> dict | None:
+    """For ``/api/health/ready``: AUTO_LOAD_MODEL, what is resident, whether the setting
+    holds and, when it does not, why (a locked or leased resident model, a load under way,
+    or a model loaded since start-up). None without AUTO_LOAD_MODEL."""
+    name = settings.AUTO_LOAD_MODEL
+    if not name:
+        return None
+    model = _registered(name)
+    state = {"configured": name, "resident": resident, "applied": model is not None and resident == model.name}
+    if state["applied"]:
+        return state
+    held = Model.objects.filter(name=resident).first() if resident else None
+    lease = lease_live(model=held) if held is not None else None
+    if model is None:
+        reason = f"AUTO_LOAD_MODEL names {name!r}, which is not registered"
+    elif held is not None and held.locked:
+        reason = f"model {held.name!r} is resident and locked: unlock it and load {model.name!r}, or restart"
+    elif lease is not None:
+        reason = (
+            f"model {lease.model.name!r} is leased by {lease.holder!r} until "
+            f"{lease.expires_at.isoformat()}: AUTO_LOAD_MODEL waits for the lease to end and a restart"
+        )
+    elif Job.objects.filter(kind=Job.Kind.MODEL_LOAD, model=model, status__in=Job.ACTIVE).exists():
+        reason = f"model {model.name!r} is loading"
+    elif resident:
+        reason = f"model {resident!r} was loaded since start-up (a request or an operator chose it)"
+    else:
+        reason = f"model {model.name!r} is not resident (its start-up load did not finish: see its job)"
+    return {**state, "reason": reason}
+
+
+def _registered(name: str) -> Model | None:
+    try:
+        return model_by_name_or_id(name)
+    except ModelNotFound:
+        return None
 
 
 def auto_attach_targets() -> list[tuple[SAE, int]]:

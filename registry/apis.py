@@ -67,6 +67,7 @@ class ModelListCreateApi(APIView):
             trust_remote_code=data["trust_remote_code"],
             custom_name=data.get("custom_name") or None,
             hf_token=data.get("hf_token") or None,
+            backend=data["backend"],
         )
         if data["backend"]:
             model = services.model_set_backend(model=model, backend=data["backend"])

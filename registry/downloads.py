@@ -55,6 +55,7 @@ from registry.hub_files import (
     split_repo_quant,
 )
 from registry.models import SAE, Job, Model
+from registry.services import check_backend_format
 from registry.transfer import check_free_space
 
 log = structlog.get_logger(__name__)
@@ -166,9 +167,12 @@ def model_download_start(
     custom_name: str | None = None,
     hf_token: str | None = None,
     dispatch: bool = True,
+    backend: str = "",
 ) -> tuple[Model, Job]:
     """Check the repository on the hub, create the row and its job, start the task
-    (``dispatch=False``: the caller runs ``model_download_run`` itself, as a command does)."""
+    (``dispatch=False``: the caller runs ``model_download_run`` itself, as a command does).
+    ``backend``: the one the caller will set, refused before any row if it cannot read the
+    repository's format (``check_backend_format``)."""
     check_remote_code(trust_remote_code=trust_remote_code)
     revision = revision or "main"
     token = hub.resolve_token(hf_token)
@@ -177,7 +181,9 @@ def model_download_start(
         repo_id=repo_id, revision=revision, token=token, trust_remote_code=trust_remote_code
     )
     ggufs = gguf_quants(sibling_files(info))
-    if quant is not None or (ggufs and not any(n.endswith(".safetensors") for n, _ in files)):
+    is_gguf = quant is not None or bool(ggufs and not any(n.endswith(".safetensors") for n, _ in files))
+    check_backend_format(backend, Model.Format.GGUF if is_gguf else Model.Format.TRANSFORMERS)
+    if is_gguf:
         return _gguf_download_start(
             repo_id=repo_id,
             quant=quant,

@@ -13,7 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit.services import audited
-from core.errors import ValidationFailed
+from core.errors import UnsupportedModel, ValidationFailed
 from gpu_engine.api.host import backend_names
 from registry import access, describe, labels
 from registry.access import check_remote_code
@@ -64,6 +64,7 @@ def model_check_local(
                 details={"local_path": local_path, "quantization": quantization, "file_quantization": own},
             )
         meta["quantization"] = own or quantization or Model.Quantization.FP32
+    check_backend_format(backend, fmt)
     own_quantization = meta.get("quantization") or quantization or Model.Quantization.FP32
     twin = Model.objects.filter(local_path=str(path), quantization=own_quantization, backend=backend).first()
     if twin is not None:
@@ -136,6 +137,27 @@ def check_backend_name(backend: str) -> None:
         raise ValidationFailed(message, details={"fields": {"backend": [message]}, "known": list(backend_names())})
 
 
+# the backend that reads GGUF files, and the only one that does (llama.cpp reads nothing else)
+GGUF_BACKEND = "llamacpp"
+
+
+def check_backend_format(backend: str, fmt: str) -> None:
+    """Refuse (400 UNSUPPORTED_MODEL naming the ``backend`` field) a backend chosen for a
+    model whose format it cannot read: GGUF loads on llama.cpp only, and llama.cpp loads
+    GGUF only. A blank backend is not checked (a GGUF row then loads on llama.cpp, any
+    other on MILLM_BACKEND, which the load itself checks)."""
+    if not backend or (fmt == Model.Format.GGUF) == (backend == GGUF_BACKEND):
+        return
+    message = f"a {fmt} model cannot run on the {backend} backend: " + (
+        f"GGUF models load on the {GGUF_BACKEND} backend only"
+        if fmt == Model.Format.GGUF
+        else f"the {GGUF_BACKEND} backend loads GGUF models only"
+    )
+    raise UnsupportedModel(
+        message, details={"field": "backend", "fields": {"backend": [message]}, "format": fmt, "backend": backend}
+    )
+
+
 @transaction.atomic
 @audited("model.update", _row("model", "model"), params=_fields("backend"))
 def model_set_backend(*, model: Model, backend: str) -> Model:
@@ -148,6 +170,7 @@ def model_set_backend(*, model: Model, backend: str) -> Model:
             f"Model {model.name!r} is {model.status}; unload it before changing its backend",
             details={"model_id": model.id, "status": model.status},
         )
+    check_backend_format(backend, model.format)
     model.backend = backend
     model.save(update_fields=["backend", "updated_at"])
     log.info("model_backend_set", model_id=model.id, backend=backend or None)

@@ -5,7 +5,8 @@ Readiness rule (documented in docs/api.md): the server is ready when
 1. the database answers a query,
 2. the engine answers ``status()``,
 3. no model load or unload is running (a swap in progress would answer 503 model_busy),
-4. the AUTO_LOAD_MODEL, when one is configured, is resident.
+4. the AUTO_LOAD_MODEL, when one is configured, is resident (or the model a restart
+   restored and the setting could not swap out: ``auto_load_model`` says which and why).
 Otherwise 503 NOT_READY with Retry-After RETRY_AFTER_READINESS_S and the failing checks in
 ``details.checks``. Having no model loaded is not a failure by itself: /v1 loads a
 registered model on demand and the management API works without one.
@@ -37,6 +38,7 @@ from core.version import version
 from inference.capabilities import batching_enabled, served_capabilities
 from leases.selectors import lease_live, lease_out
 from orchestration.services import model_jobs_reap
+from orchestration.startup import auto_load_state
 from registry.models import Job, Model
 from steering.models import Cluster, Profile
 from system.figures import engine_snapshot, inference_figures
@@ -118,6 +120,7 @@ def readiness() -> tuple[bool, dict[str, Any]]:
         # recorded, which a restart restored and the setting then leaves in place
         checks["auto_load_model"] = engine.get("model_id") is not None
     ready = all(checks.values())
+    auto_load = auto_load_state(engine.get("model_id")) if checks["database"] else None
     data = {
         "ready": ready,
         "checks": checks,
@@ -127,6 +130,9 @@ def readiness() -> tuple[bool, dict[str, Any]]:
         "version": version(),
         "timestamp": _now(),
     }
+    if auto_load is not None:
+        # AUTO_LOAD_MODEL against what is resident, and why another model holds the engine
+        data["auto_load_model"] = auto_load
     return ready, data
 
 

@@ -85,7 +85,9 @@ class Command(BaseCommand):
         try:
             startup.application_start(auto_load_model=not no_auto_load)
         except MillmError as exc:
-            raise CommandError(f"AUTO_LOAD_MODEL={settings.AUTO_LOAD_MODEL}: {exc.code}: {exc.message}") from exc
+            setting = (exc.details or {}).get("setting")
+            shown = setting or f"AUTO_LOAD_MODEL={settings.AUTO_LOAD_MODEL}"
+            raise CommandError(f"{shown}: {exc.code}: {exc.message}") from exc
         log.info(
             "serving",
             host=host,
