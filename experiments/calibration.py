@@ -26,6 +26,7 @@ from typing import Any
 
 from django.db import transaction
 
+from audit.services import audited, kwargs_of
 from core.auth import Principal
 from core.errors import Forbidden, MillmError
 from experiments import grid
@@ -273,6 +274,11 @@ async def run_calibration(ctx: RunContext) -> dict[str, Any]:
     return result
 
 
+@audited(
+    "experiment.calibration_save",
+    lambda kw, r: ("profile", (r or {}).get("id", ""), kw.get("name", "")),
+    params=kwargs_of("run_id", "strength", "kl"),
+)
 def calibration_save(
     *, name: str, body: dict[str, Any], strength: float, status: EngineStatus, run_id: str, kl: float
 ) -> dict[str, Any]:

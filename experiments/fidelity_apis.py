@@ -16,6 +16,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from audit.services import audited
 from core.api import envelope, validated
 from core.auth import Principal, principal
 from core.run_apis import layer_field
@@ -23,6 +24,7 @@ from core.schema import MAX_LAYER, enveloped
 from experiments.apis import EXPERIMENTS, start_api
 from experiments.fidelity import DENSE_THRESHOLD
 from experiments.models import ExperimentRun
+from experiments.services import run_target, spec_params
 from features.corpus_options import CorpusChecks, corpus_fields
 
 
@@ -80,6 +82,7 @@ def latest_fidelity(sae_id: str, who: Principal | None, layer: int | None = None
     return query.order_by("-finished_at", "-created_at", "-id").first()
 
 
+@audited("experiment.fidelity", run_target, params=spec_params)
 def fidelity_start(*, data: dict[str, Any], who: Principal) -> ExperimentRun:
     """Check a corpus fidelity run (``FidelityStartInput``'s data) against the engine's
     state and queue it: the route's and ``manage.py fidelity``'s one way in."""

@@ -21,6 +21,7 @@ from typing import Any
 import structlog
 from django.db import IntegrityError, transaction
 
+from audit.services import audited
 from core.auth import Principal
 from core.events import OWNER_FIELD, publish
 from core.jobs import LongRuns, Progress
@@ -105,6 +106,29 @@ def experiment_start(
     return run
 
 
+def run_target(kwargs: dict[str, Any], run: ExperimentRun | None) -> tuple[str, Any, str]:
+    """An audit entry's target: the run (its kind as the name), or the run id asked for."""
+    if run is not None:
+        return ("experiment_run", run.id, run.kind)
+    return ("experiment_run", kwargs.get("run_id", ""), "")
+
+
+def spec_params(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What an audit entry keeps of a start's body: what it acts on, not its prompts."""
+    data = kwargs.get("data") or {}
+    keep = ("sae_id", "layer", "save_profile", "target_kl", "strengths", "corpus", "file_id")
+    out = {k: data[k] for k in keep if k in data}
+    if "token_budget" in data:  # a key naming "token" is never kept
+        out["budget"] = data["token_budget"]
+    variants = data.get("variants") or ([data["variant"]] if isinstance(data.get("variant"), dict) else [])
+    if variants:
+        out["variants"] = [
+            {k: v.get(k) for k in ("sae_id", "index", "layer") if k in v} for v in variants if isinstance(v, dict)
+        ]
+    return out
+
+
+@audited("experiment.sweep", run_target, params=spec_params)
 def experiment_sweep_start(*, principal: Principal, data: dict[str, Any]) -> ExperimentRun:
     """Check a sweep (``experiments.sweep.sweep_check``: everything refused before
     anything runs) and queue it."""
@@ -115,6 +139,7 @@ def experiment_sweep_start(*, principal: Principal, data: dict[str, Any]) -> Exp
     return experiment_start(kind=ExperimentRun.Kind.SWEEP, spec=plan.spec, principal=principal, total=plan.total)
 
 
+@audited("experiment.calibrate", run_target, params=spec_params)
 def experiment_calibrate_start(*, principal: Principal, data: dict[str, Any]) -> ExperimentRun:
     """Check a calibration (``experiments.calibration.calibration_check``) and queue it;
     saving into a profile needs an admin key (profiles are shared documents)."""
@@ -132,6 +157,7 @@ def experiment_calibrate_start(*, principal: Principal, data: dict[str, Any]) ->
     )
 
 
+@audited("experiment.cancel", run_target)
 def experiment_cancel(*, run_id: str, principal: Principal) -> ExperimentRun:
     """``cancelling``: the runner cancels its jobs at the engine and ends the run
     ``cancelled`` (the points stored stay, ``partial``); a run no live runner holds ends

@@ -35,6 +35,7 @@ import structlog
 from django.conf import settings
 from django.utils import timezone
 
+from audit.services import audited
 from core.errors import MillmError
 from features.models import FeatureDashboard
 from features.selectors import latest_run
@@ -316,6 +317,11 @@ def explain_one(
     )
 
 
+@audited(
+    "explanation.generate",
+    lambda kw, r: ("sae", getattr(kw.get("sae"), "pk", ""), getattr(kw.get("sae"), "name", "") or ""),
+    params=lambda kw: {"features": kw.get("features"), "score": kw.get("score")},
+)
 def generate(*, sae: SAE, features: list[int], score: bool, created_by: str = "") -> dict[str, Any]:
     """Explain (and score) each feature; every check comes before the first call: the
     explainer configured, every index of the SAE, every feature with a dashboard. A feature

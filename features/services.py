@@ -24,6 +24,7 @@ import structlog
 from django.conf import settings
 from django.db import transaction
 
+from audit.services import audited
 from core.auth import Principal
 from core.errors import ValidationFailed
 from core.events import OWNER_FIELD, publish
@@ -197,6 +198,22 @@ def corpus_error(exc: Exception, *, default_param: str = "file_id") -> InvalidCo
     )
 
 
+def _run_target(kwargs: dict[str, Any], run: DashboardRun | None) -> tuple[str, Any, str]:
+    if run is not None:
+        return ("dashboard_run", run.id, run.sae_id)
+    return ("dashboard_run", kwargs.get("run_id", ""), kwargs.get("sae_id", ""))
+
+
+@audited(
+    "dashboard.start",
+    _run_target,
+    # (a key naming "token" is never kept: the budget goes by another name)
+    params=lambda kw: {
+        **{k: kw[k] for k in ("sae_id", "corpus", "file_id", "top_k", "window", "layer") if k in kw},
+        "budget": kw.get("token_budget"),
+        "context": kw.get("context_tokens"),
+    },
+)
 def dashboard_start(
     *,
     sae_id: str,
@@ -257,6 +274,7 @@ def dashboard_start(
     return run
 
 
+@audited("dashboard.cancel", _run_target)
 def dashboard_cancel(*, run_id: str, principal: Principal) -> DashboardRun:
     """``cancelling``: the runner stops reading the corpus, cancels its contexts at the
     engine and ends the run ``cancelled`` with no dashboards stored; a run no live runner

@@ -1,5 +1,9 @@
-from django.contrib import admin
+import threading
 
+from django.contrib import admin
+from django.db import transaction
+
+from audit.services import record
 from inference.models import KeyLimit, KeyUsage, StoredResponse
 from inference.quotas import read_rows
 
@@ -46,14 +50,36 @@ class KeyLimitAdmin(admin.ModelAdmin):
     list_display = ("label", "rpm", "tpm", "concurrent", "updated_at")
     search_fields = ("label",)
 
+    # each change is in the audit log (docs/security.md, "Audit log"), the admin user as actor
+
     def save_model(self, request, obj, form, change) -> None:  # noqa: ANN001
         super().save_model(request, obj, form, change)
-        read_rows()
+        _recorded("key_limit.update" if change else "key_limit.create", obj)
+        _read_rows_after_commit()
 
     def delete_model(self, request, obj) -> None:  # noqa: ANN001
+        pk = obj.pk
         super().delete_model(request, obj)
-        read_rows()
+        _recorded("key_limit.delete", obj, pk)
+        _read_rows_after_commit()
 
     def delete_queryset(self, request, queryset) -> None:  # noqa: ANN001
+        rows = [(row, row.pk) for row in queryset]
         super().delete_queryset(request, queryset)
-        read_rows()
+        for row, pk in rows:
+            _recorded("key_limit.delete", row, pk)
+        _read_rows_after_commit()
+
+
+def _read_rows_after_commit() -> None:
+    """This process reads the rows again once the admin's transaction committed, on a
+    thread of its own: ``read_rows`` closes its thread's connection, which inside the
+    admin's atomic block broke the save (500, nothing saved)."""
+    transaction.on_commit(
+        lambda: threading.Thread(target=read_rows, name="millm-key-limits-saved", daemon=True).start()
+    )
+
+
+def _recorded(action: str, row: KeyLimit, pk: object = None) -> None:
+    fields = {name: getattr(row, name) for name in ("rpm", "tpm", "concurrent")}
+    record(action, target=("key_limit", pk if pk is not None else row.pk, row.label), params=fields)

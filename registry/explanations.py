@@ -23,6 +23,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from audit.services import audited, kwargs_of
 from core.errors import InvalidFeatureIndex, MillmError, ValidationFailed
 from registry import labels
 from registry.errors import SAENotFound
@@ -88,6 +89,17 @@ def explanation_list(
     return [labels.explanation_out(r) for r in rows], total
 
 
+def _sae_target(kwargs: dict[str, Any], _result: Any) -> tuple[str, Any, str]:
+    sae = kwargs.get("sae")
+    return ("sae", getattr(sae, "pk", ""), getattr(sae, "name", "") or "")
+
+
+def _explanation_target(kwargs: dict[str, Any], row: Any) -> tuple[str, Any, str]:
+    ident = getattr(row, "pk", None) or kwargs.get("explanation_id", "")
+    return ("explanation", ident, getattr(kwargs.get("sae"), "pk", ""))
+
+
+@audited("explanation.create", _explanation_target, params=kwargs_of("index"))
 def explanation_create(*, sae: SAE, index: int, description: str, created_by: str = "") -> FeatureExplanation:
     """A user's explanation of one feature."""
     check_index(sae, index)
@@ -126,6 +138,7 @@ def explanation_store(
     )
 
 
+@audited("explanation.delete", _explanation_target)
 def explanation_delete(*, sae: SAE, explanation_id: int) -> None:
     deleted, _ = FeatureExplanation.objects.filter(sae=sae, pk=explanation_id).delete()
     if not deleted:
@@ -215,6 +228,15 @@ def _score_of(row: dict[str, Any]) -> float | None:
     return None
 
 
+@audited(
+    "explanation.import",
+    _sae_target,
+    params=lambda kw: {
+        "neuronpedia_id": kw.get("neuronpedia_id", ""),
+        "filename": kw.get("filename", ""),
+        "bytes": len(kw.get("data") or b""),
+    },
+)
 def explanations_import(
     *, sae: SAE, data: bytes, neuronpedia_id: str = "", created_by: str = "", filename: str = ""
 ) -> dict[str, Any]:

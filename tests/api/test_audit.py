@@ -230,6 +230,149 @@ def test_a_failing_record_never_breaks_the_action(api, tiny_llama, monkeypatch):
     assert tiny_llama.locked
 
 
+def _target(entry: AuditEntry) -> tuple:
+    return (entry.actor, entry.target_kind, entry.target_id, entry.target_name, entry.result)
+
+
+def test_runs_started_and_cancelled_are_recorded(api, keys, settings, tmp_path, engine_client, tiny_llama, llama_saes):
+    settings.DASHBOARD_DIR = str(tmp_path / "dashboards")
+    sae = llama_saes["tiny-llama-L1-relu"]
+    data = ok(api.post(f"/api/models/{tiny_llama.id}/load", HTTP_AUTHORIZATION=ADMIN), 202)
+    assert run_job(tasks.model_load_task, data["job"]["id"]) == "succeeded"
+    ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json", HTTP_AUTHORIZATION=ADMIN))
+
+    # a dashboard run: start, cancel, a refused cancel
+    body = {"corpus": "sample", "token_budget": 64, "context_tokens": 16}
+    run = ok(api.post(f"/api/saes/{sae.id}/dashboards", body, format="json", HTTP_AUTHORIZATION=ALICE), 202)["run"]
+    entry = _one(action="dashboard.start")
+    assert _target(entry) == ("alice", "dashboard_run", run["id"], sae.id, "ok")
+    assert (entry.params["budget"], entry.params["context"], entry.params["corpus"]) == (64, 16, "sample")
+    ok(api.post(f"/api/dashboards/{run['id']}/cancel", HTTP_AUTHORIZATION=ALICE))
+    refused(api.post(f"/api/dashboards/{run['id']}/cancel", HTTP_AUTHORIZATION=BOB), 404, "DASHBOARD_NOT_FOUND")
+    assert [_target(e) for e in _entries(action="dashboard.cancel")] == [
+        ("alice", "dashboard_run", run["id"], sae.id, "ok"),
+        ("bob", "dashboard_run", run["id"], "", "DASHBOARD_NOT_FOUND"),
+    ]
+    # a refused start names what it asked for
+    other = llama_saes["tiny-llama-L3-relu"]
+    answer = api.post(f"/api/saes/{other.id}/dashboards", body, format="json", HTTP_AUTHORIZATION=ALICE)
+    assert answer.status_code == 409
+    assert _target(_entries(action="dashboard.start")[-1]) == (
+        "alice",
+        "dashboard_run",
+        "",
+        other.id,
+        answer.json()["error"]["code"],
+    )
+
+    # an experiment: sweep start and cancel; its prompts are not kept
+    sweep = {"prompts": ["a private prompt"], "variants": [{"sae_id": sae.id, "index": 3}], "strengths": [0.0, 2.0]}
+    run = ok(api.post("/api/experiments/sweep", sweep, format="json", HTTP_AUTHORIZATION=ALICE), 202)["run"]
+    entry = _one(action="experiment.sweep")
+    assert _target(entry) == ("alice", "experiment_run", run["id"], "sweep", "ok")
+    assert entry.params["variants"] == [{"sae_id": sae.id, "index": 3}] and "a private prompt" not in json.dumps(
+        entry.params
+    )
+    ok(api.post(f"/api/experiments/{run['id']}/cancel", HTTP_AUTHORIZATION=ALICE))
+    assert _target(_one(action="experiment.cancel")) == ("alice", "experiment_run", run["id"], "sweep", "ok")
+    # refusals: a calibration saving a profile needs an admin key; a fidelity run's SAE is attached
+    calibrate = {"prompts": ["p"], "variant": {"sae_id": sae.id, "index": 3}, "target_kl": 0.1, "save_profile": "x"}
+    refused(
+        api.post("/api/experiments/calibrate", calibrate, format="json", HTTP_AUTHORIZATION=ALICE), 403, "FORBIDDEN"
+    )
+    entry = _one(action="experiment.calibrate")
+    assert (entry.actor, entry.result, entry.params["save_profile"]) == ("alice", "FORBIDDEN", "x")
+    fidelity = {"sae_id": "sae_nothere", "token_budget": 64}
+    answer = api.post("/api/experiments/fidelity", fidelity, format="json", HTTP_AUTHORIZATION=ALICE)
+    assert answer.status_code >= 400
+    entry = _one(action="experiment.fidelity")
+    assert (entry.actor, entry.result, entry.params["sae_id"]) == (
+        "alice",
+        answer.json()["error"]["code"],
+        "sae_nothere",
+    )
+
+
+def test_explanation_changes_are_recorded(api, keys, settings, llama_saes):
+    settings.EXPLAINER_BASE_URL = ""
+    sae = llama_saes["tiny-llama-L1-relu"]
+    row = ok(
+        api.post(
+            f"/api/saes/{sae.id}/explanations",
+            {"index": 3, "description": "cats"},
+            format="json",
+            HTTP_AUTHORIZATION=ADMIN,
+        ),
+        201,
+    )
+    assert _target(_one(action="explanation.create")) == ("root", "explanation", str(row["id"]), sae.id, "ok")
+    rows = [{"index": 4, "description": "dogs"}]
+    imported = ok(api.post(f"/api/saes/{sae.id}/explanations/import", rows, format="json", HTTP_AUTHORIZATION=ADMIN))
+    assert imported["imported"] == 1
+    entry = _one(action="explanation.import")
+    assert (entry.actor, entry.target_kind, entry.target_id, entry.result) == ("root", "sae", sae.id, "ok")
+    ok(api.delete(f"/api/saes/{sae.id}/explanations/{row['id']}", HTTP_AUTHORIZATION=ADMIN))
+    refused(
+        api.delete(f"/api/saes/{sae.id}/explanations/{row['id']}", HTTP_AUTHORIZATION=ADMIN),
+        404,
+        "EXPLANATION_NOT_FOUND",
+    )
+    assert [_target(e) for e in _entries(action="explanation.delete")] == [
+        ("root", "explanation", str(row["id"]), sae.id, "ok"),
+        ("root", "explanation", str(row["id"]), sae.id, "EXPLANATION_NOT_FOUND"),
+    ]
+    refused(
+        api.post(
+            f"/api/saes/{sae.id}/explanations/generate", {"features": [3]}, format="json", HTTP_AUTHORIZATION=ADMIN
+        ),
+        409,
+        "EXPLAINER_NOT_CONFIGURED",
+    )
+    entry = _one(action="explanation.generate")
+    assert (entry.target_id, entry.params, entry.result) == (
+        sae.id,
+        {"features": [3], "score": False},
+        "EXPLAINER_NOT_CONFIGURED",
+    )
+    # an inference key may not write: refused before any service, nothing recorded
+    refused(api.delete(f"/api/saes/{sae.id}/explanations/1", HTTP_AUTHORIZATION=ALICE), 403, "FORBIDDEN")
+    assert len(_entries(action="explanation.delete")) == 2
+
+
+def test_key_limit_rows_changed_in_the_admin_name_the_admin_user(admin_client):
+    from inference.models import KeyLimit
+
+    form = {"label": "alice", "rpm": "60", "tpm": "", "concurrent": ""}
+    assert admin_client.post("/admin/inference/keylimit/add/", form).status_code == 302
+    row = KeyLimit.objects.get(label="alice")
+    entry = _one(action="key_limit.create")
+    assert (entry.actor, entry.actor_kind) == ("admin", "admin_user")
+    assert (entry.target_kind, entry.target_id, entry.target_name, entry.result) == (
+        "key_limit",
+        str(row.id),
+        "alice",
+        "ok",
+    )
+    assert entry.params == {"rpm": 60, "tpm": None, "concurrent": None}
+    form = {"label": "alice", "rpm": "", "tpm": "5000", "concurrent": "2"}
+    assert admin_client.post(f"/admin/inference/keylimit/{row.id}/change/", form).status_code == 302
+    entry = _one(action="key_limit.update")
+    assert (entry.actor, entry.target_id, entry.params) == (
+        "admin",
+        str(row.id),
+        {"rpm": None, "tpm": 5000, "concurrent": 2},
+    )
+    assert admin_client.post(f"/admin/inference/keylimit/{row.id}/delete/", {"post": "yes"}).status_code == 302
+    other = KeyLimit.objects.create(label="*", rpm=5)
+    bulk = {"action": "delete_selected", "_selected_action": [other.id], "post": "yes"}
+    assert admin_client.post("/admin/inference/keylimit/", bulk).status_code == 302
+    assert not KeyLimit.objects.exists()
+    assert [(e.actor, e.target_id, e.target_name) for e in _entries(action="key_limit.delete")] == [
+        ("admin", str(row.id), "alice"),
+        ("admin", str(other.id), "*"),
+    ]
+
+
 # --- GET /api/audit -------------------------------------------------------------------
 
 
