@@ -9,7 +9,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from audit.services import job_finished
+from audit.services import audited, job_finished
 from core import events
 from registry.errors import JobFinished
 from registry.models import SAE, Job, Model
@@ -102,6 +102,7 @@ def job_finish(*, job: Job, status: str, error: str = "", code: str = "") -> Job
 
 
 @transaction.atomic
+@audited("job.cancel", lambda kw, r: ("job", getattr(kw.get("job"), "pk", ""), getattr(kw.get("job"), "kind", "")))
 def job_cancel(*, job: Job) -> Job:
     """Ask a running job to stop; a queued one is cancelled at once."""
     job = Job.objects.select_for_update().get(pk=job.pk)

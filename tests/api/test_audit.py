@@ -293,6 +293,19 @@ def test_runs_started_and_cancelled_are_recorded(api, keys, settings, tmp_path, 
     )
 
 
+def test_a_job_cancel_is_recorded_and_its_refusal_is_lost_with_the_routes_rollback(
+    api, keys, engine_client, tiny_llama
+):
+    load = ok(api.post(f"/api/models/{tiny_llama.id}/load", HTTP_AUTHORIZATION=ADMIN), 202)["job"]
+    ok(api.post(f"/api/jobs/{load['id']}/cancel", HTTP_AUTHORIZATION=ADMIN))
+    assert _target(_one(action="job.cancel")) == ("root", "job", str(load["id"]), "model_load", "ok")
+    assert _one(action="model.load").result == "CANCELLED"
+    # the documented limitation (docs/security.md, "Audit log"): the route's own atomic
+    # block rolls the refusal back, its entry with it
+    refused(api.post(f"/api/jobs/{load['id']}/cancel", HTTP_AUTHORIZATION=ADMIN), 409, "JOB_ALREADY_FINISHED")
+    assert [e.result for e in _entries(action="job.cancel")] == ["ok"]
+
+
 def test_explanation_changes_are_recorded(api, keys, settings, llama_saes):
     settings.EXPLAINER_BASE_URL = ""
     sae = llama_saes["tiny-llama-L1-relu"]

@@ -93,6 +93,29 @@ def test_calibration_finds_a_strength_within_tolerance_and_saves_it(sae, llama, 
     assert result["profile"] == {"id": profile.id, "name": "calibrated-f3"}
     assert (profile.sae_id, profile.layer) == (sae.id, 1)
     assert profile.steering == {str(FEATURE): strength}
+    # the audit log: the start of each run, and the save as one entry of its own (the
+    # worker's, so the actor is system), not a second profile.create
+    from audit.models import AuditEntry
+
+    started = AuditEntry.objects.get(action="experiment.calibrate")
+    assert (started.target_kind, started.target_id, started.target_name, started.result) == (
+        "experiment_run",
+        run["id"],
+        "calibration",
+        "ok",
+    )
+    assert started.params["save_profile"] == "calibrated-f3" and "prompts" not in started.params
+    assert AuditEntry.objects.get(action="experiment.sweep").target_id == probe["id"]
+    saved = AuditEntry.objects.get(action="experiment.calibration_save")
+    assert (saved.actor, saved.target_kind, saved.target_id, saved.target_name, saved.result) == (
+        "system",
+        "profile",
+        str(profile.id),
+        "calibrated-f3",
+        "ok",
+    )
+    assert saved.params["run_id"] == run["id"] and saved.params["strength"] == strength
+    assert not AuditEntry.objects.filter(action="profile.create").exists()
 
 
 def test_calibration_outside_the_bounds_says_so_and_saves_nothing(sae, llama):
