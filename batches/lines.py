@@ -38,6 +38,7 @@ from inference.protocol import ChatCompletionRequest, CompletionRequest, Embeddi
 from inference.residency import resident_model_id
 from inference.serving import answer_plan, check_profile
 from monitoring.ownership import EVERYONE, Scope
+from steering.live import LiveScopes
 
 POLICY = "refuse"  # a batch never loads a model (docs/api-v1.md, "Batches")
 # Refusals that say "not now" rather than "never": the line goes back in the queue and the
@@ -74,9 +75,13 @@ class Answer:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-async def answer_line(endpoint: str, body: dict[str, Any], scope: Scope = EVERYONE) -> Answer:
+async def answer_line(
+    endpoint: str, body: dict[str, Any], scope: Scope = EVERYONE, live_pinned: LiveScopes | None = None
+) -> Answer:
     """The line's answer (2xx or an OpenAI-shaped error), or ``Unavailable``; ``scope``:
-    the batch owner's (its lines name the owner's probes, their captures are its)."""
+    the batch owner's (its lines name the owner's probes, their captures are its);
+    ``live_pinned``: the batch's creation-time live steering (``Batch.live_steering``),
+    None for the global one as of the line."""
     try:
         if endpoint == "/v1/embeddings":
             return await _embeddings(body)
@@ -85,7 +90,7 @@ async def answer_line(endpoint: str, body: dict[str, Any], scope: Scope = EVERYO
         kind, schema = (
             ("chat", ChatCompletionRequest) if endpoint == "/v1/chat/completions" else ("completion", CompletionRequest)
         )
-        return await _generation(kind, schema, body, scope)
+        return await _generation(kind, schema, body, scope, live_pinned)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - every failure is the line's answer
@@ -115,7 +120,9 @@ async def _resident(name: str) -> tuple[Any, Any, str | None]:
     return model, use, profile
 
 
-async def _generation(kind: str, schema: type, body: dict[str, Any], scope: Scope = EVERYONE) -> Answer:
+async def _generation(
+    kind: str, schema: type, body: dict[str, Any], scope: Scope = EVERYONE, live_pinned: LiveScopes | None = None
+) -> Answer:
     req, ignored = _validate(schema, body)
     if req.stream:
         raise OpenAIError("stream is not available in a batch", status=400, code="invalid_parameter", param="stream")
@@ -133,6 +140,7 @@ async def _generation(kind: str, schema: type, body: dict[str, Any], scope: Scop
             status=use.status,
             ignored_fields=ignored,
             scope=scope,
+            live_pinned=live_pinned,
         )
         for choice in plan.choices:
             choice.job.priority = "batch"

@@ -98,6 +98,10 @@ class Batch(models.Model):
     runner_seen_at = models.DateTimeField(null=True, blank=True)
     # how often the sweeper found its runner dead and queued another (BATCH_MAX_RESUMES)
     resumes = models.IntegerField(default=0)
+    # with keys on, the owner's live steering scope as it was at creation (steering.live
+    # ``scope_snapshot``): what its lines without steering of their own run; null (keys
+    # off, or a batch from before scopes) runs the global live steering as of each line
+    live_steering = models.JSONField(null=True, blank=True)
 
     class Meta:
         ordering = ["-created_at", "-id"]

@@ -46,6 +46,7 @@ from batches.models import Batch, BatchLine
 from core.jobs import enqueue, run_with_closing_pool, take_over_run
 from inference.errors import OpenAIError
 from monitoring.ownership import ANONYMOUS, Scope
+from steering.live import snapshot_scopes
 
 log = structlog.get_logger(__name__)
 
@@ -78,6 +79,9 @@ class _Runner:
         self.endpoint = batch.endpoint
         # the batch owner's: what its lines capture or record (monitoring.ownership)
         self.scope = Scope(owner=getattr(batch, "owner", ANONYMOUS), all=False)
+        # its key's live steering as of creation (keys on); None: the global one as of each line
+        snapshot = getattr(batch, "live_steering", None)
+        self.live_pinned = snapshot_scopes(snapshot) if snapshot is not None else None
         self.expires_at = batch.expires_at
         self.runner = runner
         self.rows = int(settings.BATCH_ENGINE_ROWS)
@@ -151,7 +155,7 @@ class _Runner:
         """Answer one line; the seconds to pause the batch when the engine cannot take
         it now (the line is back in the queue), else 0."""
         try:
-            answer = await answer_line(self.endpoint, line["body"], scope=self.scope)
+            answer = await answer_line(self.endpoint, line["body"], scope=self.scope, live_pinned=self.live_pinned)
         except Unavailable as exc:
             log.info(
                 "batch_line_waits",

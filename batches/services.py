@@ -59,6 +59,7 @@ from batches.running import (  # noqa: F401 - re-exported: a running batch's mut
 )
 from core.auth import ANONYMOUS, Principal
 from core.jobs import enqueue
+from steering.live import scope_snapshot
 
 log = structlog.get_logger(__name__)
 
@@ -228,6 +229,8 @@ def batch_create(
             completion_window=completion_window,
             metadata=metadata,
             expires_at=now + COMPLETION_WINDOWS[completion_window],
+            # what its lines without steering of their own run: the key's scope as of now
+            live_steering=scope_snapshot(principal.owner),
         )
         reader = _LineReader(batch, endpoint)
         with transaction.atomic():  # a savepoint: the lines go if one of them is bad

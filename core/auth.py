@@ -63,6 +63,10 @@ INFERENCE_WRITES: tuple[tuple[frozenset[str], re.Pattern[str]], ...] = tuple(
         # own; cancel only one's own; a calibration saved into a profile needs an admin key
         ({"POST"}, r"^/api/experiments/(sweep|calibrate|fidelity|attribution)/?$"),
         ({"POST"}, r"^/api/experiments/[^/]+/cancel/?$"),
+        # live steering: an inference key changes only its own scope (steering.apis._scope)
+        ({"POST", "DELETE"}, r"^/api/saes/steering/?$"),
+        ({"POST"}, r"^/api/saes/steering/(batch|enable|disable)/?$"),
+        ({"DELETE"}, r"^/api/saes/steering/\d+/?$"),
     )
 )
 

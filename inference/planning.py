@@ -61,7 +61,7 @@ from monitoring.services import (
     monitoring_request_config,
     monitoring_request_entry,
 )
-from steering.live import live_copy
+from steering.live import LiveScopes, key_scope, live_copy
 from steering.inline_vectors import VectorAsk
 from steering.services import ResolvedSteering, steering_resolve_request
 
@@ -204,21 +204,29 @@ async def plan_generation(
     status: EngineStatus | None = None,
     ignored_fields: list[str] | None = None,
     scope: Scope = EVERYONE,
+    live_pinned: LiveScopes | None = None,
 ) -> Plan:
+    """``live_pinned``: the live steering to run instead of this process's (a batch's
+    creation-time snapshot of its key's scope)."""
     if attachments is None:
         attachments = await asyncio.to_thread(client.attachments)
     args = steering_args(req, profile)
+    # the caller's own live-steering scope (keys on), an in-memory pick of live_copy's scopes
+    args["live_scope"] = key_scope(scope.owner)
+    args["show_scope"] = args["live_scope"] is not None or live_pinned is not None
 
     def resolve() -> tuple[ResolvedSteering, MonitorEntry | None]:
         # a profile or the live steering a request without its own falls back to, and
         # /api/monitoring's configuration when this process's copy is old: the database
         return (
-            steering_resolve_request(attachments=attachments, model_name=model.name, **args),
+            steering_resolve_request(attachments=attachments, model_name=model.name, live_values=live_pinned, **args),
             monitoring_request_entry(attachments=attachments),
         )
 
     config = monitoring_request_config()
-    live = live_copy.fresh() if args["inline_features"] is None else None
+    live = live_pinned
+    if live is None and args["inline_features"] is None:
+        live = live_copy.fresh()
     if config is not None and (args["inline_features"] is not None or (args["profile"] is None and live is not None)):
         # inline steering, or the live steering and the monitoring configuration as this
         # process holds them: nothing to read, so no thread hop before the first forward

@@ -331,8 +331,9 @@ class CircuitAdmin(DocumentAdmin):
 
 @admin.register(LiveSteering)
 class LiveSteeringAdmin(admin.ModelAdmin):
-    list_display = ("attachment", "enabled", "source", "updated_at")
-    readonly_fields = ("attachment", "enabled", "values", "controls", "source", "updated_at")
+    list_display = ("attachment", "scope", "enabled", "source", "updated_at")
+    list_filter = ("scope",)
+    readonly_fields = ("attachment", "scope", "enabled", "values", "controls", "source", "updated_at")
     actions = ("clear",)
 
     def has_add_permission(self, request) -> bool:
@@ -343,4 +344,6 @@ class LiveSteeringAdmin(admin.ModelAdmin):
 
     @admin.action(description="Clear (and disable)")
     def clear(self, request, queryset):
-        run_each(self, request, queryset, "Cleared", lambda r: services.live_clear(attachment=r.attachment))
+        run_each(
+            self, request, queryset, "Cleared", lambda r: services.live_clear(attachment=r.attachment, scope=r.scope)
+        )

@@ -4,6 +4,7 @@ Each validates its input, calls one service or selector and answers the envelope
 from __future__ import annotations
 
 import json
+import re
 
 from django.core.exceptions import RequestDataTooBig
 from django.http import HttpResponse
@@ -14,9 +15,10 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import body_object, envelope, validated
-from core.errors import SAENotAttached
+from core.auth import principal
+from core.errors import Forbidden, SAENotAttached, ValidationFailed
 from core.schema import enveloped
-from steering import rules, services
+from steering import live, rules, services
 from steering import serializers as io
 from steering.documents import load_document
 from steering.errors import PayloadTooLarge
@@ -24,15 +26,49 @@ from steering.models import Profile
 from steering.profiles import steering_map
 
 STEERING, PROFILES = ["steering"], ["profiles"]
-TARGET = [OpenApiParameter("sae_id", str, required=False), OpenApiParameter("layer", int, required=False)]
+TARGET = [
+    OpenApiParameter("sae_id", str, required=False),
+    OpenApiParameter("layer", int, required=False),
+    OpenApiParameter(
+        "scope",
+        str,
+        required=False,
+        description="`global` (default) or `key:<label>`; an inference key may name only its own",
+    ),
+]
+SCOPE = re.compile(r"key:[A-Za-z0-9_.@-]{1,64}")
 
 
 def _target(request) -> dict:
     """sae_id / layer from the body, else the query."""
-    data = {k: v for k, v in request.query_params.items() if k in ("sae_id", "layer")}
-    data.update({k: v for k, v in body_object(request).items() if k in ("sae_id", "layer")})
-    target = validated(io.TargetInput, data)
+    data = {k: v for k, v in request.query_params.items() if k in ("sae_id", "layer", "scope")}
+    data.update({k: v for k, v in body_object(request).items() if k in ("sae_id", "layer", "scope")})
+    target = validated(io.ScopedTargetInput, data)
     return {"sae_id": target.get("sae_id"), "layer": target.get("layer")}
+
+
+def _scope(request) -> str:
+    """The live-steering scope a call addresses: ``scope`` from the body, else the query,
+    else ``global`` (for every caller, so a call without it answers as before scopes). An
+    inference key may address only its own, ``key:<its label>`` (403 FORBIDDEN before
+    anything is read or changed); an admin key, and everyone with keys off, any."""
+    data = {k: v for k, v in request.query_params.items() if k == "scope"}
+    data.update({k: v for k, v in body_object(request).items() if k == "scope"})
+    asked = data.get("scope")
+    if asked is None:
+        asked = live.GLOBAL
+    if not isinstance(asked, str) or not (asked == live.GLOBAL or SCOPE.fullmatch(asked)):
+        raise ValidationFailed(
+            "scope must be 'global' or 'key:<label>'", details={"fields": {"scope": ["'global' or 'key:<label>'"]}}
+        )
+    caller = principal(request)
+    if not caller.admin and asked != live.key_scope(caller.owner):
+        raise Forbidden(
+            f"Live steering scope {asked!r} needs an admin key (MILLM_ADMIN_API_KEYS); "
+            f"this inference key may address only its own (scope={caller.owner})",
+            details={"param": "scope"},
+        )
+    return asked
 
 
 def raw_document(request) -> tuple[dict, str | None]:
@@ -65,6 +101,7 @@ class SteeringApi(APIView):
     )
     def get(self, request) -> Response:
         target = _target(request)
+        scope = _scope(request)
         try:
             attachment = services.attachment_choose(**target)
         except SAENotAttached:
@@ -80,8 +117,9 @@ class SteeringApi(APIView):
                     "active_count": 0,
                     "source": "manual",
                 }
+                | ({} if scope == live.GLOBAL else {"scope": scope})
             )
-        return envelope(services.live_state(attachment=attachment))
+        return envelope(services.live_state(attachment=attachment, scope=scope))
 
     @extend_schema(
         tags=STEERING,
@@ -97,8 +135,8 @@ class SteeringApi(APIView):
                 **{k: data[k] for k in ("mode", "value", "phase", "window", "condition") if data.get(k) is not None},
             }
         )
-        attachment = services.attachment_choose(**_target(request))
-        return envelope(services.live_set(attachment=attachment, values={}, controls=[control]))
+        scope, attachment = _scope(request), services.attachment_choose(**_target(request))
+        return envelope(services.live_set(attachment=attachment, values={}, controls=[control], scope=scope))
 
     @extend_schema(
         tags=STEERING,
@@ -108,8 +146,8 @@ class SteeringApi(APIView):
         responses=enveloped(io.SteeringStateOutput),
     )
     def delete(self, request) -> Response:
-        attachment = services.attachment_choose(**_target(request))
-        return envelope(services.live_clear(attachment=attachment))
+        scope, attachment = _scope(request), services.attachment_choose(**_target(request))
+        return envelope(services.live_clear(attachment=attachment, scope=scope))
 
 
 class SteeringBatchApi(APIView):
@@ -123,8 +161,8 @@ class SteeringBatchApi(APIView):
         data = validated(io.SteeringBatchInput, body_object(request))
         values = steering_map(data["steering"])
         controls = rules.controls_parse(data["controls"])
-        attachment = services.attachment_choose(**_target(request))
-        return envelope(services.live_set(attachment=attachment, values=values, controls=controls))
+        scope, attachment = _scope(request), services.attachment_choose(**_target(request))
+        return envelope(services.live_set(attachment=attachment, values=values, controls=controls, scope=scope))
 
 
 class SteeringEnableApi(APIView):
@@ -133,12 +171,12 @@ class SteeringEnableApi(APIView):
     @extend_schema(
         tags=STEERING,
         summary="Apply (or stop applying) the configured values",
-        request=io.TargetInput,
+        request=io.ScopedTargetInput,
         responses=enveloped(io.SteeringStateOutput),
     )
     def post(self, request) -> Response:
-        attachment = services.attachment_choose(**_target(request))
-        return envelope(services.live_enable(attachment=attachment, enabled=self.enabled))
+        scope, attachment = _scope(request), services.attachment_choose(**_target(request))
+        return envelope(services.live_enable(attachment=attachment, enabled=self.enabled, scope=scope))
 
 
 class SteeringDisableApi(SteeringEnableApi):
@@ -155,8 +193,8 @@ class SteeringFeatureApi(APIView):
         responses=enveloped(io.SteeringStateOutput),
     )
     def delete(self, request, feature_idx: int) -> Response:
-        attachment = services.attachment_choose(**_target(request))
-        return envelope(services.live_remove(attachment=attachment, index=feature_idx))
+        scope, attachment = _scope(request), services.attachment_choose(**_target(request))
+        return envelope(services.live_remove(attachment=attachment, index=feature_idx, scope=scope))
 
 
 # --------------------------------------------------------------------------- profiles

@@ -368,7 +368,7 @@ def _reapply(circuit_attachments: dict[int, Attachment]) -> None:
     union = _union(list(Circuit.objects.filter(is_active=True)))
     for attachment in circuit_attachments.values():
         values = union.get(attachment, rules.FeatureSet())
-        existing = LiveSteering.objects.filter(attachment=attachment)
+        existing = LiveSteering.objects.filter(attachment=attachment, scope=live.GLOBAL)
         if values:
             live._save(attachment, values, enabled=True, source=LiveSteering.Source.CIRCUIT)
         else:

@@ -11,7 +11,6 @@ from collections.abc import Iterable
 
 from django.db import transaction
 
-from core import events
 from registry.models import Attachment
 from steering import live
 from steering.circuits import circuit_deactivate
@@ -26,27 +25,25 @@ def live_forget(*, attachments: Iterable[Attachment]) -> None:
     with transaction.atomic():
         live.steering_lock()
         rows = LiveSteering.objects.filter(attachment__in=attachments)
-        had = {r.attachment_id for r in rows if r.values or r.controls or r.enabled}
+        had = {(r.attachment_id, r.scope) for r in rows if r.values or r.controls or r.enabled}
         _documents_forget({(a.sae_id, a.layer) for a in attachments})
         LiveSteering.objects.filter(attachment__in=attachments).delete()
         for attachment in attachments:
-            if attachment.pk in had:
-                sae_id, layer = attachment.sae_id, attachment.layer
-                transaction.on_commit(
-                    lambda s=sae_id, lay=layer: events.publish(
-                        "steering:update",
-                        {
-                            "sae_id": s,
-                            "layer": lay,
-                            "enabled": False,
-                            "values": {},
-                            "controls": [],
-                            "active_count": 0,
-                            "source": LiveSteering.Source.MANUAL,
-                            "reason": "detach",
-                        },
-                    )
-                )
+            for attachment_id, scope in sorted(had, key=lambda h: (h[1] != live.GLOBAL, h[1])):
+                if attachment_id != attachment.pk:
+                    continue
+                state = {
+                    "sae_id": attachment.sae_id,
+                    "layer": attachment.layer,
+                    "enabled": False,
+                    "values": {},
+                    "controls": [],
+                    "active_count": 0,
+                    "source": LiveSteering.Source.MANUAL,
+                }
+                if scope != live.GLOBAL:
+                    state["scope"] = scope
+                transaction.on_commit(lambda st=state, sc=scope: live.publish_update(st, reason="detach", scope=sc))
 
 
 def _documents_forget(keys: set[tuple[str, int]]) -> None:

@@ -1,6 +1,12 @@
 """Live steering: what runs on /v1 requests that bring no steering of their own.
 
-One ``LiveSteering`` row per attachment (values, controls + enabled), in the database so that every
+Live steering belongs to a scope (docs/steering.md, Scopes): ``global`` (what admin keys
+set; with keys off the only one) or ``key:<label>``, one key's own. A /v1 request without
+steering of its own runs its key's scope when that scope holds live steering, else the
+global one; a batch runs its owner's scope as it was at creation (``scope_snapshot``).
+Profiles, clusters and circuits activate into the global scope.
+
+One ``LiveSteering`` row per attachment and scope (values, controls + enabled), in the database so that every
 web worker resolves the same default and a restart keeps it. Every change takes the
 ``SteeringState`` row lock first, so changes from several workers apply one at a time,
 and publishes ``steering:update``. Requests resolve their spec when they are planned, so a
@@ -26,6 +32,7 @@ from django.db import transaction
 
 from audit.services import audited
 from core import events
+from core.auth import keys_enabled
 from core.capabilities import require_capability
 from core.errors import ValidationFailed
 from core.process_copy import ProcessCopy
@@ -38,6 +45,7 @@ from steering.selectors import attachment_pick
 log = structlog.get_logger(__name__)
 
 MAX_BATCH = 1000
+GLOBAL = "global"
 
 
 # --------------------------------------------------------------------------- reads
@@ -60,10 +68,10 @@ def row_features(row: LiveSteering | None) -> rules.FeatureSet:
     return rules.FeatureSet({int(k): float(v) for k, v in row.values.items()}, rules.controls_parse(row.controls or []))
 
 
-def _state(attachment: Attachment, row: LiveSteering | None) -> dict[str, Any]:
+def _state(attachment: Attachment, row: LiveSteering | None, scope: str = GLOBAL) -> dict[str, Any]:
     features = row_features(row)
     enabled = bool(row and row.enabled and features)
-    return {
+    state = {
         "sae_id": attachment.sae_id,
         "layer": attachment.layer,
         "enabled": enabled,
@@ -72,21 +80,26 @@ def _state(attachment: Attachment, row: LiveSteering | None) -> dict[str, Any]:
         "active_count": len(features.indices()) if row and row.enabled else 0,
         "source": row.source if row else LiveSteering.Source.MANUAL,
     }
+    if scope != GLOBAL:  # the global scope's answer is what it was before scopes
+        state["scope"] = scope
+    return state
 
 
-def live_state(*, attachment: Attachment) -> dict[str, Any]:
-    return _state(attachment, LiveSteering.objects.filter(attachment=attachment).first())
+def _row(attachment: Attachment, scope: str) -> LiveSteering | None:
+    return LiveSteering.objects.filter(attachment=attachment, scope=scope).first()
 
 
-def live_rows() -> list[LiveSteering]:
-    """Every attachment's live steering that runs (enabled, with values or controls)."""
-    return [
-        r
-        for r in LiveSteering.objects.select_related("attachment")
-        .filter(enabled=True)
-        .order_by("attachment__layer", "attachment__sae_id")
-        if r.values or r.controls
-    ]
+def live_state(*, attachment: Attachment, scope: str = GLOBAL) -> dict[str, Any]:
+    return _state(attachment, _row(attachment, scope), scope)
+
+
+def live_rows(scope: str | None = GLOBAL) -> list[LiveSteering]:
+    """Every attachment's live steering that runs (enabled, with values or controls), in
+    ``scope`` (None: every scope)."""
+    rows = LiveSteering.objects.select_related("attachment").filter(enabled=True)
+    if scope is not None:
+        rows = rows.filter(scope=scope)
+    return [r for r in rows.order_by("scope", "attachment__layer", "attachment__sae_id") if r.values or r.controls]
 
 
 class LiveEntries(list):
@@ -97,9 +110,34 @@ class LiveEntries(list):
     circuits: tuple[tuple[int, float], ...] = ()
 
 
-def _read_live_entries() -> LiveEntries:
-    rows = live_rows()
-    out = LiveEntries(SteeringEntry(r.attachment.sae_id, r.attachment.layer, *_values_controls(r)) for r in rows)
+class LiveScopes(LiveEntries):
+    """Every scope's running live steering: the global one's entries (the list itself, as
+    before scopes) and ``keys``, ``{"key:<label>": LiveEntries}`` for keys' scopes that
+    hold any."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.keys: dict[str, LiveEntries] = {}
+
+    def pick(self, scope: str | None) -> tuple[str, LiveEntries]:
+        """The scope a request of ``scope`` (``key:<label>``; None: no key) runs: its own
+        when it holds live steering, else the global one."""
+        if scope is not None and scope != GLOBAL and self.keys.get(scope):
+            return scope, self.keys[scope]
+        return GLOBAL, self
+
+
+def _entries(rows: list[LiveSteering]) -> LiveEntries:
+    return LiveEntries(SteeringEntry(r.attachment.sae_id, r.attachment.layer, *_values_controls(r)) for r in rows)
+
+
+def _read_live_entries() -> LiveScopes:
+    by_scope: dict[str, list[LiveSteering]] = {}
+    for r in live_rows(scope=None):
+        by_scope.setdefault(r.scope, []).append(r)
+    rows = by_scope.pop(GLOBAL, [])
+    out = LiveScopes(_entries(rows))
+    out.keys = {scope: _entries(scoped) for scope, scoped in by_scope.items()}
     if rows and all(r.source == LiveSteering.Source.CIRCUIT for r in rows):
         out.circuits = tuple((c.pk, float(c.intensity)) for c in Circuit.objects.filter(is_active=True).order_by("pk"))
     return out
@@ -110,15 +148,59 @@ def _values_controls(row: LiveSteering) -> tuple[dict[int, float], list[FeatureC
     return features.values, features.controls
 
 
-# The live steering every /v1 request without its own runs, one SteeringEntry (values and
-# controls) per attachment, kept in this process (core.process_copy): every change takes
-# steering_lock(), which drops the copy when its transaction commits.
-live_copy: ProcessCopy[LiveEntries] = ProcessCopy(_read_live_entries)
+# The live steering every /v1 request without its own runs, per scope one SteeringEntry
+# (values and controls) per attachment, kept in this process (core.process_copy): resolving
+# a request's scope is a dict lookup; every change takes steering_lock(), which drops the
+# copy when its transaction commits.
+live_copy: ProcessCopy[LiveScopes] = ProcessCopy(_read_live_entries)
 
 
-def live_values() -> list[SteeringEntry]:
-    """The live steering that runs, read from the database (and kept in ``live_copy``)."""
+def live_values() -> LiveScopes:
+    """The live steering that runs, every scope, read from the database (and kept in ``live_copy``)."""
     return live_copy.read()
+
+
+def key_scope(owner: str | None) -> str | None:
+    """The live-steering scope of a caller (``Principal.owner`` / ``Scope.owner``): its
+    ``key:<label>`` with keys on, None with keys off (everything is global then)."""
+    if owner and owner.startswith("key:") and keys_enabled():
+        return owner
+    return None
+
+
+def scope_snapshot(owner: str | None) -> dict[str, Any] | None:
+    """What a batch created now by ``owner`` runs on lines without steering of their own
+    (kept with the batch): its key's scope as it is now (``entries`` empty: unsteered).
+    None with keys off: the global live steering, as of each line, as before scopes."""
+    scope = key_scope(owner)
+    if scope is None:
+        return None
+    entries = [
+        {
+            "sae_id": r.attachment.sae_id,
+            "layer": r.attachment.layer,
+            "values": dict(r.values),
+            "controls": list(r.controls or []),
+        }
+        for r in live_rows(scope)
+    ]
+    return {"scope": scope, "entries": entries}
+
+
+def snapshot_scopes(snapshot: dict[str, Any]) -> LiveScopes:
+    """A batch's snapshot as the ``LiveScopes`` its lines resolve against: only its key's
+    scope (never the global one)."""
+    out = LiveScopes()
+    entries = LiveEntries()
+    for e in snapshot.get("entries") or []:
+        features = rules.FeatureSet(
+            {int(k): float(v) for k, v in (e.get("values") or {}).items()},
+            rules.controls_parse(e.get("controls") or []),
+        )
+        entries.append(SteeringEntry(e["sae_id"], int(e["layer"]), features.values, features.controls))
+    if entries:
+        out.keys[snapshot["scope"]] = entries
+    return out
 
 
 # --------------------------------------------------------------------------- checks
@@ -163,25 +245,36 @@ def steering_lock() -> SteeringState:
     return state
 
 
-def _publish(attachment: Attachment, row: LiveSteering | None, *, reason: str) -> None:
-    state = _state(attachment, row)
+def publish_update(state: dict[str, Any], *, reason: str, scope: str = GLOBAL) -> None:
+    """``steering:update``; a key's scope goes only to that key's sockets and admins."""
+    data = {**state, "reason": reason}
+    if scope != GLOBAL:
+        data[events.OWNER_FIELD] = scope  # a key scope is its key's owner name
+    events.publish("steering:update", data)
+
+
+def _publish(attachment: Attachment, row: LiveSteering | None, *, reason: str, scope: str = GLOBAL) -> None:
+    state = _state(attachment, row, scope)
     if not state["enabled"]:
         state["active_count"] = 0
-    events.publish("steering:update", {**state, "reason": reason})
+    publish_update(state, reason=reason, scope=scope)
 
 
-def _on_commit_publish(attachment: Attachment, *, reason: str) -> None:
+def _on_commit_publish(attachment: Attachment, *, reason: str, scope: str = GLOBAL) -> None:
     def send() -> None:
-        _publish(attachment, LiveSteering.objects.filter(attachment=attachment).first(), reason=reason)
+        _publish(attachment, _row(attachment, scope), reason=reason, scope=scope)
 
     transaction.on_commit(send)
 
 
-def _save(attachment: Attachment, features: rules.FeatureSet, *, enabled: bool, source: str) -> LiveSteering:
+def _save(
+    attachment: Attachment, features: rules.FeatureSet, *, enabled: bool, source: str, scope: str = GLOBAL
+) -> LiveSteering:
     if enabled and features:  # what every request without steering of its own will run
         require_capability("per_request_steering", what="steering", param="steering")
     row, _ = LiveSteering.objects.update_or_create(
         attachment=attachment,
+        scope=scope,
         defaults={
             "values": features.stored_values(),
             "controls": features.stored_controls(),
@@ -194,7 +287,8 @@ def _save(attachment: Attachment, features: rules.FeatureSet, *, enabled: bool, 
 
 def _attachment(kwargs: dict[str, Any], _result: Any) -> tuple[str, Any, str]:
     row = kwargs.get("attachment")
-    return ("attachment", f"{getattr(row, 'sae_id', '')}@{getattr(row, 'layer', '')}", "")
+    scope = kwargs.get("scope") or GLOBAL
+    return ("attachment", f"{getattr(row, 'sae_id', '')}@{getattr(row, 'layer', '')}", "" if scope == GLOBAL else scope)
 
 
 @audited(
@@ -212,6 +306,7 @@ def live_set(
     values: Mapping[int, float],
     controls: Iterable[FeatureControl] = (),
     source: str = LiveSteering.Source.MANUAL,
+    scope: str = GLOBAL,
 ) -> dict[str, Any]:
     """Set feature values and controls (each replacing what the attachment's live steering
     had for that index) and enable steering. All or nothing: one bad index, value or
@@ -226,45 +321,46 @@ def live_set(
     given = rules.feature_set(values, controls, param="controls")
     check_features(attachment=attachment, features=given, param="feature_idx", trigger_param="condition.feature")
     steering_lock()
-    row = LiveSteering.objects.filter(attachment=attachment).first()
-    _save(attachment, row_features(row).merged(given), enabled=True, source=source)
-    _on_commit_publish(attachment, reason="set")
-    return live_state(attachment=attachment)
+    row = _row(attachment, scope)
+    _save(attachment, row_features(row).merged(given), enabled=True, source=source, scope=scope)
+    _on_commit_publish(attachment, reason="set", scope=scope)
+    return live_state(attachment=attachment, scope=scope)
 
 
 @audited("steering.remove", _attachment, params=lambda kw: {"index": kw.get("index")})
 @transaction.atomic
-def live_remove(*, attachment: Attachment, index: int) -> dict[str, Any]:
+def live_remove(*, attachment: Attachment, index: int, scope: str = GLOBAL) -> dict[str, Any]:
     """Remove one feature (a value or a control); removing the last one disables."""
     steering_lock()
-    row = LiveSteering.objects.filter(attachment=attachment).first()
+    row = _row(attachment, scope)
     features = row_features(row)
     if row is not None and index in features.indices():
-        _save(attachment, features.without(index), enabled=row.enabled, source=row.source)
-        _on_commit_publish(attachment, reason="remove")
-    return live_state(attachment=attachment)
+        _save(attachment, features.without(index), enabled=row.enabled, source=row.source, scope=scope)
+        _on_commit_publish(attachment, reason="remove", scope=scope)
+    return live_state(attachment=attachment, scope=scope)
 
 
 @audited("steering.clear", _attachment)
 @transaction.atomic
-def live_clear(*, attachment: Attachment) -> dict[str, Any]:
+def live_clear(*, attachment: Attachment, scope: str = GLOBAL) -> dict[str, Any]:
     """Remove every value and control, and disable."""
     steering_lock()
-    _save(attachment, rules.FeatureSet(), enabled=False, source=LiveSteering.Source.MANUAL)
-    _on_commit_publish(attachment, reason="clear")
-    return live_state(attachment=attachment)
+    _save(attachment, rules.FeatureSet(), enabled=False, source=LiveSteering.Source.MANUAL, scope=scope)
+    _on_commit_publish(attachment, reason="clear", scope=scope)
+    return live_state(attachment=attachment, scope=scope)
 
 
 @audited("steering.enable", _attachment, params=lambda kw: {"enabled": kw.get("enabled")})
 @transaction.atomic
-def live_enable(*, attachment: Attachment, enabled: bool) -> dict[str, Any]:
+def live_enable(*, attachment: Attachment, enabled: bool, scope: str = GLOBAL) -> dict[str, Any]:
     """Apply (or stop applying) the configured values; with no values nothing runs, so
     steering stays reported disabled."""
     steering_lock()
-    row = LiveSteering.objects.filter(attachment=attachment).first()
-    _save(attachment, row_features(row), enabled=enabled, source=row.source if row else LiveSteering.Source.MANUAL)
-    _on_commit_publish(attachment, reason="enable" if enabled else "disable")
-    return live_state(attachment=attachment)
+    row = _row(attachment, scope)
+    source = row.source if row else LiveSteering.Source.MANUAL
+    _save(attachment, row_features(row), enabled=enabled, source=source, scope=scope)
+    _on_commit_publish(attachment, reason="enable" if enabled else "disable", scope=scope)
+    return live_state(attachment=attachment, scope=scope)
 
 
 def live_replace_all(
@@ -274,13 +370,15 @@ def live_replace_all(
     keep: Iterable[Attachment] = (),
     reason: str = "activate",
 ) -> None:
-    """Make ``entries`` the whole live steering (every other attachment cleared, except
-    those in ``keep``). Call inside a transaction holding ``steering_lock``; values and
-    controls are already validated (and dialled)."""
+    """Make ``entries`` the whole global live steering (every other attachment cleared,
+    except those in ``keep``; keys' own scopes untouched). Call inside a transaction holding
+    ``steering_lock``; values and controls are already validated (and dialled)."""
     keep_ids = {a.pk for a in keep}
     touched: list[Attachment] = []
-    for row in LiveSteering.objects.select_related("attachment").exclude(
-        attachment_id__in=[a.pk for a in entries] + list(keep_ids)
+    for row in (
+        LiveSteering.objects.select_related("attachment")
+        .filter(scope=GLOBAL)
+        .exclude(attachment_id__in=[a.pk for a in entries] + list(keep_ids))
     ):
         if row.values or row.controls or row.enabled:
             touched.append(row.attachment)

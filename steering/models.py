@@ -9,7 +9,8 @@
 - ``Circuit``: an imported ``mistudio.circuit-definition/v1`` document: members on several
   layers, each through its own SAE, with an evidence rung.
 - ``LiveSteering``: what runs on requests that bring no steering of their own, one row per
-  attachment (values, controls and an enabled flag). Stored here rather than in the engine
+  attachment and scope (``global``, or ``key:<label>`` for one key's own: docs/steering.md,
+  Scopes) with values, controls and an enabled flag. Stored here rather than in the engine
   so it survives restarts and every web worker resolves the same default.
 - ``SteeringState``: one row, locked by every change of live steering so that changes from
   several workers apply one at a time; ``version`` counts them.
@@ -124,7 +125,7 @@ class Circuit(models.Model):
 
 
 class LiveSteering(models.Model):
-    """Live steering of one attachment; goes with the attachment (detach clears it)."""
+    """Live steering of one attachment in one scope; goes with the attachment (detach clears it)."""
 
     class Source(models.TextChoices):
         MANUAL = "manual", "Set directly"
@@ -132,7 +133,12 @@ class LiveSteering(models.Model):
         CLUSTER = "cluster", "Cluster"
         CIRCUIT = "circuit", "Circuit"
 
-    attachment = models.OneToOneField("registry.Attachment", on_delete=models.CASCADE, related_name="live_steering")
+    attachment = models.ForeignKey("registry.Attachment", on_delete=models.CASCADE, related_name="live_steering")
+    scope = models.CharField(
+        max_length=80,
+        default="global",
+        help_text="Whose live steering: `global` (admin keys) or `key:<label>` (that key's own requests).",
+    )
     enabled = models.BooleanField(default=False)
     values = models.JSONField(default=dict, blank=True, help_text='{"<index>": strength}, each within ±200.')
     controls = models.JSONField(
@@ -145,9 +151,10 @@ class LiveSteering(models.Model):
 
     class Meta:
         verbose_name_plural = "live steering"
+        constraints = [models.UniqueConstraint(fields=["attachment", "scope"], name="live_steering_one_per_scope")]
 
     def __str__(self) -> str:
-        return f"live steering on {self.attachment}"
+        return f"live steering on {self.attachment} ({self.scope})"
 
 
 class SteeringState(models.Model):

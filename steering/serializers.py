@@ -54,7 +54,18 @@ def _strength(value: float) -> None:
         raise serializers.ValidationError(problem)
 
 
-class SteeringSetInput(TargetInput):
+class ScopedTargetInput(TargetInput):
+    """A live-steering call's attachment and scope (docs/steering.md, Scopes)."""
+
+    scope = serializers.CharField(
+        required=False,
+        allow_null=True,
+        max_length=80,
+        help_text="`global` (default) or `key:<label>`; an inference key may name only its own",
+    )
+
+
+class SteeringSetInput(ScopedTargetInput):
     """One feature: ``{feature_idx, value}`` adds everywhere (the original shape); ``mode``
     and the gates make it a control (checked by ``steering.rules.control_parse``)."""
 
@@ -71,7 +82,7 @@ class SteeringSetInput(TargetInput):
     condition = serializers.JSONField(required=False, help_text="{feature, threshold}: only where the trigger is above")
 
 
-class SteeringBatchInput(TargetInput):
+class SteeringBatchInput(ScopedTargetInput):
     steering = serializers.DictField(
         child=serializers.JSONField(),
         required=False,
@@ -93,6 +104,7 @@ class SteeringStateOutput(serializers.Serializer):
     controls = serializers.ListField(child=serializers.DictField())
     active_count = serializers.IntegerField()
     source = serializers.CharField()
+    scope = serializers.CharField(required=False, help_text="present for a key's scope only (`key:<label>`)")
 
 
 class ProfileInput(serializers.Serializer):

@@ -336,13 +336,20 @@ def _profile(
 
 
 def _live(
-    *, attachments: Sequence[AttachmentStatus], intensity: float | None, values: list[SteeringEntry] | None
+    *,
+    attachments: Sequence[AttachmentStatus],
+    intensity: float | None,
+    values: live.LiveScopes | None,
+    scope: str | None = None,
+    show_scope: bool = False,
 ) -> ResolvedSteering:
     """The live steering of the attachments the engine holds (rows for attachments it
     does not hold, e.g. during a detach, are skipped), dialled by the request's λ.
-    ``values``: this process's copy (``live.live_copy``); None reads the database."""
+    ``values``: every scope's, this process's copy (``live.live_copy``); None reads the
+    database. ``scope``: the request's key's scope (run when it holds live steering, else
+    the global one); ``show_scope``: the header names the scope that ran (keys on)."""
     held = {(a.sae_id, a.layer) for a in attachments}
-    source = live.live_values() if values is None else values
+    applied, source = (live.live_values() if values is None else values).pick(scope)
     rows = [e for e in source if e.key in held]
     if not rows:
         return NONE
@@ -374,6 +381,8 @@ def _live(
             header += f";controls={controls}"
         if intensity is not None:
             header += f";intensity={_fmt(intensity)}"
+    if show_scope:
+        header += f";scope={_header_value(applied)}"
     return ResolvedSteering(
         mode="live",
         spec=SteeringSpec(entries),
@@ -394,7 +403,9 @@ def steering_resolve_request(
     sae_param: str = "steering.sae_id",
     profile: str | None = None,
     intensity: float | None = None,
-    live_values: list[SteeringEntry] | None = None,
+    live_values: live.LiveScopes | None = None,
+    live_scope: str | None = None,
+    show_scope: bool = False,
     check_indices: bool = False,
 ) -> ResolvedSteering:
     """Resolve one request's steering against the attachments the engine holds now.
@@ -403,7 +414,9 @@ def steering_resolve_request(
     it asked to run unsteered. ``intensity`` (λ in [0, 2]) scales whichever base the
     request names; 0 turns steering off for the request. ``live_values``: the live
     steering as this process holds it (``steering.live.live_copy``), so that a request
-    without steering of its own reads no database; None reads it. An inline request's
+    without steering of its own reads no database; None reads it. ``live_scope``: the
+    calling key's scope (``steering.live.key_scope``), run instead of the global one when
+    it holds live steering; ``show_scope`` names the scope that ran in the header. An inline request's
     feature indices are range-checked once, by the engine against the SAE it holds (its
     ``invalid_feature_index`` names the field); ``check_indices=True`` checks them here
     too, for a caller that refuses a whole list before any of it runs (``manage.py
@@ -429,7 +442,9 @@ def steering_resolve_request(
     if profile is not None:
         return _profile(attachments=attachments, name=profile, model_name=model_name, intensity=intensity)
     # Nothing asked for: the live steering set through /api.
-    return _live(attachments=attachments, intensity=intensity, values=live_values)
+    return _live(
+        attachments=attachments, intensity=intensity, values=live_values, scope=live_scope, show_scope=show_scope
+    )
 
 
 # --------------------------------------------------------------------------- re-exports
