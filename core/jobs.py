@@ -55,7 +55,9 @@ RUN_EXECUTOR_THREADS = 4
 T = TypeVar("T")
 
 
-def _pool_size(queue: str) -> int:
+def pool_size(queue: str) -> int:
+    """How many tasks of ``queue`` run at once: the embedded pool's size, and the Celery
+    concurrency ``manage.py worker`` gives a worker of that queue."""
     if queue == "loads":
         return int(settings.MAX_LOAD_WORKERS)
     if queue == "downloads":
@@ -114,7 +116,7 @@ class JobDispatch:
         with self._lock:
             pool = self._pools.get(queue)
             if pool is None:
-                pool = ThreadPoolExecutor(max_workers=_pool_size(queue), thread_name_prefix=f"millm-{queue}")
+                pool = ThreadPoolExecutor(max_workers=pool_size(queue), thread_name_prefix=f"millm-{queue}")
                 self._pools[queue] = pool
             return pool
 

@@ -369,8 +369,24 @@ VARIABLES: tuple[Var, ...] = (
         "Queue depth beyond the concurrent slots; overflow is refused with 503 queue_full.",
         minimum=0,
     ),
-    Var("MAX_DOWNLOAD_WORKERS", "Concurrency & timeouts", "int", 2, "Parallel model/SAE downloads.", minimum=1),
-    Var("MAX_LOAD_WORKERS", "Concurrency & timeouts", "int", 1, "Parallel model loads (keep at 1).", minimum=1),
+    Var(
+        "MAX_DOWNLOAD_WORKERS",
+        "Concurrency & timeouts",
+        "int",
+        2,
+        "Parallel model/SAE downloads: the embedded pool, and the Celery concurrency `manage.py worker "
+        "-Q downloads,…` gives the deployed download worker (compose, k8s, systemd).",
+        minimum=1,
+    ),
+    Var(
+        "MAX_LOAD_WORKERS",
+        "Concurrency & timeouts",
+        "int",
+        1,
+        "Parallel model loads (keep at 1): the embedded pool, and the Celery concurrency "
+        "`manage.py worker -Q loads` gives the deployed loader.",
+        minimum=1,
+    ),
     Var(
         "GRACEFUL_UNLOAD_TIMEOUT",
         "Concurrency & timeouts",

@@ -47,7 +47,7 @@ def test_compose_has_the_topology():
     assert services["engine"]["command"][-1] == "run_engine"
     assert services["web"]["command"][:3] == ["python", "manage.py", "serve"]
     worker = services["worker"]["command"]
-    assert worker[:4] == ["celery", "-A", "millm_site", "worker"]
+    assert worker[:3] == ["python", "manage.py", "worker"]
     assert worker[worker.index("-Q") + 1] == "downloads,maintenance"
     loader = services["loader"]["command"]
     assert loader[loader.index("-Q") + 1] == "loads"
@@ -118,7 +118,8 @@ def test_kubernetes_manifests():
     "unit, command",
     [
         ("millm-web@.service", "manage.py serve"),
-        ("millm-worker.service", "celery -A millm_site worker"),
+        ("millm-worker.service", "manage.py worker -Q downloads,maintenance"),
+        ("millm-loader.service", "manage.py worker -Q loads"),
         ("millm-analysis.service", "celery -A millm_site worker -Q analysis"),
         ("millm-batches.service", "celery -A millm_site worker -Q batches"),
         ("millm-responses.service", "celery -A millm_site worker -Q responses"),
@@ -155,13 +156,8 @@ def _queues_consumed(commands: list[str]) -> set[str]:
     return {q for c in commands for m in re.finditer(r"-Q[ =]([\w,]+)", c) for q in m.group(1).split(",")}
 
 
-def test_every_routed_queue_has_a_worker_in_each_deployment():
-    """A task routed to a queue nobody consumes never runs (a /v1 batch stayed
-    'validating' under the README's and the systemd units' workers)."""
-    from django.conf import settings
-
-    routed = {r["queue"] for r in settings.CELERY_TASK_ROUTES.values()}
-    routed.add(settings.CELERY_TASK_DEFAULT_QUEUE)
+def _worker_commands() -> dict[str, list[str]]:
+    """Every Celery worker command of each deployment (systemd, compose, k8s, README)."""
     units = []
     for unit in (DEPLOY / "systemd").glob("*.service"):
         parser = configparser.ConfigParser(strict=False, interpolation=None)
@@ -176,8 +172,22 @@ def test_every_routed_queue_has_a_worker_in_each_deployment():
         for c in doc["spec"]["template"]["spec"]["containers"]
         if c.get("command")
     ]
-    readme = [line for line in (DEPLOY.parent / "README.md").read_text().splitlines() if line.startswith("celery ")]
-    for name, commands in (("systemd", units), ("compose", services), ("k8s", k8s), ("README", readme)):
+    readme = [
+        line
+        for line in (DEPLOY.parent / "README.md").read_text().splitlines()
+        if line.startswith(("celery ", "python manage.py worker "))
+    ]
+    return {"systemd": units, "compose": services, "k8s": k8s, "README": readme}
+
+
+def test_every_routed_queue_has_a_worker_in_each_deployment():
+    """A task routed to a queue nobody consumes never runs (a /v1 batch stayed
+    'validating' under the README's and the systemd units' workers)."""
+    from django.conf import settings
+
+    routed = {r["queue"] for r in settings.CELERY_TASK_ROUTES.values()}
+    routed.add(settings.CELERY_TASK_DEFAULT_QUEUE)
+    for name, commands in _worker_commands().items():
         assert routed <= _queues_consumed(commands), (name, routed - _queues_consumed(commands))
 
 
@@ -196,3 +206,58 @@ def test_compose_has_no_repeated_keys():
     Strict.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     for path in [DEPLOY / "compose.yaml", *(DEPLOY / "k8s").glob("*.yaml")]:
         list(yaml.load_all(path.read_text(), Loader=Strict))
+
+
+def test_download_and_load_workers_take_their_concurrency_from_the_settings():
+    """MAX_DOWNLOAD_WORKERS and MAX_LOAD_WORKERS hold in every deployment: the workers of
+    the downloads and loads queues are ``manage.py worker``, which sets Celery's
+    concurrency from them, never a number written in the file, and no worker runs loads
+    beside downloads (loads would then run at the download worker's concurrency)."""
+    for name, commands in _worker_commands().items():
+        for command in commands:
+            queues = _queues_consumed([command])
+            if {"downloads", "loads"} & queues:
+                assert "manage.py worker" in command, (name, command)
+                assert "--concurrency" not in command and " -c " not in command, (name, command)
+                assert not {"downloads", "loads"} <= queues, (name, command)
+        assert {"downloads", "loads"} <= _queues_consumed(commands), name
+
+
+def test_manage_py_worker_runs_celery_at_the_settings_concurrency(settings):
+    from django.core.management.base import CommandError
+
+    from millm_site.management.commands.worker import celery_argv
+
+    settings.MAX_LOAD_WORKERS = 3
+    settings.MAX_DOWNLOAD_WORKERS = 5
+    loads = celery_argv(["loads"], name="loader@%h", loglevel="INFO")
+    assert loads[1:7] == ["-m", "celery", "-A", "millm_site", "worker", "-Q"]
+    assert loads[7] == "loads" and "--concurrency=3" in loads and loads[loads.index("-n") + 1] == "loader@%h"
+    assert "--concurrency=5" in celery_argv(["downloads", "maintenance"], name=None, loglevel="INFO")
+    settings.MAX_LOAD_WORKERS = 1
+    assert "--concurrency=1" in celery_argv(["loads"], name=None, loglevel="INFO")
+    with pytest.raises(CommandError, match="one limited queue"):
+        celery_argv(["downloads", "loads"], name=None, loglevel="INFO")
+    with pytest.raises(CommandError, match="unknown queue"):
+        celery_argv(["nonsense"], name=None, loglevel="INFO")
+
+
+def test_manage_py_worker_prints_the_celery_command_from_the_environment():
+    """The same through the command line, with the variable in the environment as the
+    deployments set it (compose and k8s env, /etc/millm/millm.env)."""
+    import os
+    import subprocess
+    import sys
+
+    root = DEPLOY.parent
+    env = {**os.environ, "MAX_LOAD_WORKERS": "4", "DJANGO_SETTINGS_MODULE": "millm_site.settings"}
+    result = subprocess.run(
+        [sys.executable, "manage.py", "worker", "-Q", "loads", "--print"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "-Q loads" in result.stdout and "--concurrency=4" in result.stdout
