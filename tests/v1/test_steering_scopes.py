@@ -232,3 +232,37 @@ def test_a_keys_scope_events_name_their_owner_and_global_ones_do_not(scoped, mon
         ("steering:update", "key:alice", "key:alice", "clear"),
     ]
     assert set(sent[1][1]) == {"sae_id", "layer", "enabled", "values", "controls", "active_count", "source", "reason"}
+
+
+def test_a_keys_scope_set_elsewhere_reaches_this_process_copy(scoped, settings):
+    """Distributed: a key's scope written by another web worker (the row alone, nothing
+    invalidated here) reaches this process's copy through the background refresher, so the
+    request-time pick stays a lookup in memory."""
+    import time
+
+    from core.process_copy import refresher
+    from registry.models import Attachment
+    from steering.live import live_copy
+
+    server, sae = scoped
+    settings.EMBEDDED = False
+    settings.MILLM_PROCESS_COPY_REFRESH = True
+    live_copy.read()
+    assert live_copy.fresh().keys == {}
+    LiveSteering.objects.create(
+        attachment=Attachment.objects.get(sae_id=sae.id, layer=1), scope="key:bob", enabled=True, values={"40": -6.5}
+    )
+    deadline = time.monotonic() + live_copy.fresh_s + 2
+    seen = None
+    while time.monotonic() < deadline:
+        seen = live_copy.fresh()
+        assert seen is not None
+        if seen.keys:
+            break
+        time.sleep(0.05)
+    settings.MILLM_PROCESS_COPY_REFRESH = False
+    assert refresher.join(5)
+    settings.EMBEDDED = True
+    assert seen == [] and list(seen.keys) == ["key:bob"]
+    assert seen.pick("key:bob")[0] == "key:bob" and seen.pick("key:bob")[1][0].features == {40: -6.5}
+    assert seen.pick("key:alice")[0] == "global"
