@@ -198,6 +198,10 @@ def test_embedded_unload_past_the_grace_period_and_a_restart(embedded: Embedded,
     ready = e.call("GET", "/api/health/ready")
     assert ready.status_code == 200, ready.text
     assert ready.json()["data"]["model_loaded"] is True
+    # and readiness says why AUTO_LOAD_MODEL did not apply
+    auto_load = ready.json()["data"]["auto_load_model"]
+    assert (auto_load["configured"], auto_load["resident"], auto_load["applied"]) == ("tiny-gpt2", "tiny-llama", False)
+    assert "locked" in auto_load["reason"], auto_load
     assert e.data("GET", "/api/health/detailed")["model_name"] == "tiny-llama"
     assert e.steered() > 0  # the SAE is really attached in the new engine
 
