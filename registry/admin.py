@@ -63,6 +63,19 @@ class ModelRegisterForm(forms.ModelForm):
         return data
 
 
+class ModelChangeForm(forms.ModelForm):
+    """A registered model's page: a backend that cannot read its format is refused on the
+    form (``check_backend_format``, as ``PATCH /api/models/{id}`` refuses it)."""
+
+    def clean_backend(self):
+        backend = self.cleaned_data.get("backend") or ""
+        try:
+            services.check_backend_format(backend, self.instance.format)
+        except MillmError as exc:
+            raise forms.ValidationError(f"{exc.message} ({exc.code})") from exc
+        return backend
+
+
 @admin.register(Model)
 class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
     list_display = (
@@ -159,8 +172,7 @@ class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
     engine_fields = ("name", "quantization", "trust_remote_code", "backend")
 
     def get_form(self, request, obj=None, **kwargs):
-        if obj is None:
-            kwargs["form"] = ModelRegisterForm
+        kwargs["form"] = ModelRegisterForm if obj is None else ModelChangeForm
         return super().get_form(request, obj, **kwargs)
 
     def get_fieldsets(self, request, obj=None):

@@ -131,6 +131,16 @@ def test_a_ready_model_keeps_its_files_and_changes_its_settings(staff_client, mo
     assert (row.name, row.quantization, row.local_path, row.status) == ("renamed", "Q8", model.local_path, "ready")
 
 
+def test_a_backend_that_cannot_read_the_models_format_is_refused_on_its_page(staff_client, model):
+    url = admin_url(model)
+    response = staff_client.post(
+        url, {"name": model.name, "quantization": model.quantization, "backend": "llamacpp", "_save": "Save"}
+    )
+    assert response.status_code == 200  # the form again, with the refusal on the field
+    assert "the llamacpp backend loads GGUF models only (UNSUPPORTED_MODEL)" in response.content.decode()
+    assert Model.objects.get(pk=model.pk).backend == ""
+
+
 # --- adding a model ----------------------------------------------------------------------
 
 
