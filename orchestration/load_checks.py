@@ -24,7 +24,7 @@ from registry.errors import (
     UnsupportedQuantization,
 )
 from registry.models import Model
-from registry.services import GGUF_BACKEND  # the backend that loads GGUF files
+from registry.services import backend_format_mismatch
 from registry.selectors import model_loaded
 
 # Registry quantizations a load takes at the engine's dtype (MILLM_ENGINE_DTYPE); below
@@ -207,15 +207,11 @@ def _check_loadable(model: Model) -> Model | None:
             details={"model_id": model.id, "field": "trust_remote_code", "setting": "ALLOW_REMOTE_CODE"},
         )
     backend = model.effective_backend()
-    if (model.format == Model.Format.GGUF) != (backend == GGUF_BACKEND):
+    reason = backend_format_mismatch(backend, model.format)
+    if reason is not None:
         raise UnsupportedModel(
-            f"Model {model.name!r} is a {model.format} model and its backend is {backend}: "
-            + (
-                f"GGUF models load on the {GGUF_BACKEND} backend only"
-                if model.format == Model.Format.GGUF
-                else f"the {GGUF_BACKEND} backend loads GGUF models only"
-            )
-            + " (set the model's backend: PATCH /api/models/{id})",
+            f"Model {model.name!r} is a {model.format} model and its backend is {backend}: {reason}"
+            " (set the model's backend: PATCH /api/models/{id})",
             details={"model_id": model.id, "format": model.format, "backend": backend},
         )
     _check_quantization(model)

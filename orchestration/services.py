@@ -43,7 +43,6 @@ from orchestration.errors import LoadInProgress
 from orchestration.load_checks import (  # noqa: F401 - re-exported: a load's checks and job
     _NO_ANSWER,
     FULL_PRECISION,
-    GGUF_BACKEND,
     _check_backend,
     _check_engine_accepts,
     _check_loadable,

@@ -141,18 +141,24 @@ def check_backend_name(backend: str) -> None:
 GGUF_BACKEND = "llamacpp"
 
 
+def backend_format_mismatch(backend: str, fmt: str) -> str | None:
+    """Why ``backend`` cannot read a model of format ``fmt``, or None: GGUF loads on
+    llama.cpp only, and llama.cpp loads GGUF only (registration and load both ask)."""
+    if (fmt == Model.Format.GGUF) == (backend == GGUF_BACKEND):
+        return None
+    if fmt == Model.Format.GGUF:
+        return f"GGUF models load on the {GGUF_BACKEND} backend only"
+    return f"the {GGUF_BACKEND} backend loads GGUF models only"
+
+
 def check_backend_format(backend: str, fmt: str) -> None:
     """Refuse (400 UNSUPPORTED_MODEL naming the ``backend`` field) a backend chosen for a
-    model whose format it cannot read: GGUF loads on llama.cpp only, and llama.cpp loads
-    GGUF only. A blank backend is not checked (a GGUF row then loads on llama.cpp, any
-    other on MILLM_BACKEND, which the load itself checks)."""
-    if not backend or (fmt == Model.Format.GGUF) == (backend == GGUF_BACKEND):
+    model whose format it cannot read. A blank backend is not checked (a GGUF row then
+    loads on llama.cpp, any other on MILLM_BACKEND, which the load itself checks)."""
+    reason = backend_format_mismatch(backend, fmt) if backend else None
+    if reason is None:
         return
-    message = f"a {fmt} model cannot run on the {backend} backend: " + (
-        f"GGUF models load on the {GGUF_BACKEND} backend only"
-        if fmt == Model.Format.GGUF
-        else f"the {GGUF_BACKEND} backend loads GGUF models only"
-    )
+    message = f"a {fmt} model cannot run on the {backend} backend: {reason}"
     raise UnsupportedModel(
         message, details={"field": "backend", "fields": {"backend": [message]}, "format": fmt, "backend": backend}
     )
