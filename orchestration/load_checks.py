@@ -154,16 +154,21 @@ def speculative_draft(value: str) -> str:
     raise ModelNotFound(
         f"SPECULATIVE_MODEL={value!r} is neither self:layers=N, a registered model's name, the "
         "repository id of a registered model, nor a checkpoint directory; register the draft "
-        "(POST /api/models) or name its directory",
+        "first (manage.py download_model, or POST /api/models on a server started without "
+        "SPECULATIVE_MODEL) or name its directory",
         details={"setting": "SPECULATIVE_MODEL", "value": value},
     )
 
 
 def check_speculative_model() -> None:
     """Start-up's check of SPECULATIVE_MODEL (``orchestration.startup``): it must name a
-    draft the engine can read, else the process refuses to start."""
+    draft, else the process refuses to start. A registered draft still downloading passes
+    (its loads are refused until its files are there)."""
     if settings.SPECULATIVE_MODEL:
-        speculative_draft(settings.SPECULATIVE_MODEL)
+        try:
+            speculative_draft(settings.SPECULATIVE_MODEL)
+        except ModelInvalid:
+            pass
 
 
 def _check_backend(model: Model) -> None:

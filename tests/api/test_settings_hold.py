@@ -54,11 +54,20 @@ def test_start_up_refuses_a_speculative_model_that_names_nothing(settings, monke
         startup.application_start(auto_load_model=False)
     assert caught.value.details == {"setting": "SPECULATIVE_MODEL", "value": UNREGISTERED}
     assert "SPECULATIVE_MODEL" in caught.value.message
-    # registered under that repository id, the same start passes
-    _draft(tiny_assets)
+    # registered under that repository id, the same start passes, even while its files
+    # are still downloading (a load is refused until they are there)
+    draft = _draft(tiny_assets)
     settings.SPECULATIVE_MODEL = "millm-test/tiny-draft"
     monkeypatch.setattr(startup, "_started", False)
     startup.application_start(auto_load_model=False)
+    Model.objects.filter(pk=draft.pk).update(local_path="", status=Model.Status.DOWNLOADING)
+    monkeypatch.setattr(startup, "_started", False)
+    startup.application_start(auto_load_model=False)
+    from orchestration.load_checks import speculative_draft
+    from registry.errors import ModelInvalid
+
+    with pytest.raises(ModelInvalid, match="no files yet"):
+        speculative_draft("millm-test/tiny-draft")
 
 
 def test_a_load_with_an_unknown_draft_is_refused_before_the_resident_model_goes(

@@ -81,6 +81,21 @@ def test_auto_attach_names_must_exist(tmp_path):
     assert "AUTO_ATTACH_SAES: needs AUTO_LOAD_MODEL" in result.stderr
 
 
+def test_serve_refuses_a_speculative_model_that_names_nothing(tmp_path):
+    """A hub repository id that is not registered stops the start-up with the setting's
+    name, not every later load (issue 37)."""
+    env = {"MILLM_DATA_DIR": str(tmp_path), "MILLM_ENGINE_DEVICE": "cpu"}
+    assert manage("migrate", "--noinput", env=env, timeout=300).returncode == 0
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    draft = {"SPECULATIVE_MODEL": "millm-test/no-such-draft", "ENABLE_CONTINUOUS_BATCHING": "false"}
+    result = manage("serve", "--port", str(port), env={**env, **draft}, timeout=120)
+    assert result.returncode == 1
+    assert "SPECULATIVE_MODEL: MODEL_NOT_FOUND: SPECULATIVE_MODEL='millm-test/no-such-draft'" in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+
+
 def test_a_taken_port_is_refused_before_the_model_starts_loading(tiny_assets, tmp_path):
     env = {"MILLM_DATA_DIR": str(tmp_path), "MILLM_ENGINE_DEVICE": "cpu"}
     for args in (("migrate", "--noinput"), ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root))):
