@@ -6,6 +6,7 @@ the commands are the ones this project ships."""
 from __future__ import annotations
 
 import configparser
+import re
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,33 @@ def test_manage_py_worker_prints_the_celery_command_from_the_environment():
     )
     assert result.returncode == 0, result.stderr
     assert "-Q loads" in result.stdout and "--concurrency=4" in result.stdout
+
+
+def test_manage_py_worker_starts_celery_at_max_load_workers(redis_url, pg_database_url, tmp_path):
+    """A real worker: ``manage.py worker -Q loads`` becomes the Celery worker (exec, one
+    process tree), whose own banner says the concurrency MAX_LOAD_WORKERS gave it."""
+    import sys
+    import time
+
+    from tests.distributed.conftest import REPO, Proc, base_env
+
+    env = base_env(
+        REDIS_URL=redis_url,
+        DATABASE_URL=pg_database_url,
+        MILLM_DATA_DIR=str(tmp_path),
+        MAX_LOAD_WORKERS="3",
+        SECRET_KEY="x" * 50,
+    )
+    args = [sys.executable, str(REPO / "manage.py"), "worker", "-Q", "loads", "-n", "loader-test@%h"]
+    proc = Proc("loader", args, env, tmp_path)
+    try:
+        deadline = time.monotonic() + 90
+        text = ""
+        while time.monotonic() < deadline and "ready." not in text and proc.alive():
+            time.sleep(0.5)
+            text = proc.log_path.read_text(errors="replace")
+        assert "ready." in text, text[-3000:]
+        assert re.search(r"concurrency:\s+3 \(prefork\)", text), text[-3000:]
+        assert re.search(r"\.> loads\s", text), text[-3000:]
+    finally:
+        proc.stop()
