@@ -113,8 +113,10 @@ def record(
         else:
             entry.save(force_insert=True)
         return entry.id
-    except Exception:  # noqa: BLE001 - the audit never breaks the action it records
-        log.exception("audit_record_failed", action=action)
+    except Exception as exc:  # noqa: BLE001 - the audit never breaks the action it records
+        # one line, no traceback: a refused command (an unmigrated database in a fresh
+        # process) must still end on its own one-line refusal
+        log.error("audit_record_failed", action=action, error=f"{type(exc).__name__}: {exc}"[:500])
         return None
 
 
