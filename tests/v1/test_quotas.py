@@ -284,6 +284,11 @@ def test_usage_equals_what_the_answers_reported_and_is_each_keys_own(llama, keye
         bad = _api_usage(llama.url, KEYS["root"], query)
         assert bad.status == 422 and bad.json()["error"]["code"] == "VALIDATION_ERROR", (query, bad.body)
     assert _api_usage(llama.url, KEYS["root"], "?end=0001-01-01").status == 200
+    # no key, or a key nobody configured: 401 before anything is read
+    for header in ({}, {"Authorization": "Bearer not-a-configured-key"}):
+        anon = request(llama.url, "GET", "/api/usage", None, headers=header)
+        assert anon.status == 401, (header, anon.body)
+        assert b"alice" not in anon.body and b"bob" not in anon.body
 
 
 def test_the_admin_shows_usage_read_only_and_edits_limits_checked():
