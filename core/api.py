@@ -18,6 +18,7 @@ from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.core.exceptions import RequestDataTooBig
 from django.http import Http404
 from rest_framework import exceptions, status
+from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 
@@ -239,3 +240,16 @@ class ApiFallbackMiddleware(LoopMiddleware):
 
 def _is_api(path: str) -> bool:
     return path == "/api" or path.startswith("/api/")
+
+
+class AnyAcceptNegotiation(BaseContentNegotiation):
+    """For a route that answers a file or a format of its own choosing: whatever the client
+    accepts (``application/octet-stream`` included, which no JSON renderer matches), and
+    ``?format=`` left as the route's own parameter (DRF reads it as a renderer override);
+    a refusal is still the JSON envelope."""
+
+    def select_parser(self, request, parsers):  # type: ignore[no-untyped-def]
+        return parsers[0] if parsers else None
+
+    def select_renderer(self, request, renderers, format_suffix=None):  # type: ignore[no-untyped-def]
+        return renderers[0], renderers[0].media_type

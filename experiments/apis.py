@@ -12,11 +12,10 @@ from typing import Any
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
-from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.api import envelope, validated
+from core.api import AnyAcceptNegotiation, envelope, validated
 from core.auth import principal
 from core.run_apis import listing, listing_output, output_of, page_fields, run_envelope_output, run_route
 from core.schema import enveloped
@@ -239,20 +238,8 @@ ExperimentCancelApi = run_route(
 )
 
 
-class _FileNegotiation(BaseContentNegotiation):
-    """A download answers whatever the client accepts, and its ``format`` query
-    parameter names the file's format, not a renderer's (DRF reads ``?format=`` as
-    one); a refusal is still the JSON envelope."""
-
-    def select_parser(self, request, parsers):  # type: ignore[no-untyped-def]
-        return parsers[0] if parsers else None
-
-    def select_renderer(self, request, renderers, format_suffix=None):  # type: ignore[no-untyped-def]
-        return renderers[0], renderers[0].media_type
-
-
 class ExperimentDownloadApi(APIView):
-    content_negotiation_class = _FileNegotiation
+    content_negotiation_class = AnyAcceptNegotiation
 
     @extend_schema(
         tags=EXPERIMENTS,

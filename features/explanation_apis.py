@@ -9,12 +9,11 @@ from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers, status
-from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.api import JSONBodyParser, envelope, validated
+from core.api import AnyAcceptNegotiation, JSONBodyParser, envelope, validated
 from core.auth import principal
 from core.errors import ValidationFailed
 from core.schema import MAX_INDEX, enveloped
@@ -55,17 +54,6 @@ class GenerateInput(serializers.Serializer):
         max_length=explainer.MAX_FEATURES,
     )
     score = serializers.BooleanField(required=False, default=False)
-
-
-class _AnyNegotiation(BaseContentNegotiation):
-    """The export answers whatever the client accepts, and ``?format=`` is this route's
-    own parameter (not DRF's renderer override)."""
-
-    def select_parser(self, request, parsers):  # type: ignore[no-untyped-def]
-        return parsers[0] if parsers else None
-
-    def select_renderer(self, request, renderers, format_suffix=None):  # type: ignore[no-untyped-def]
-        return renderers[0], renderers[0].media_type
 
 
 class ExplanationListApi(APIView):
@@ -141,7 +129,7 @@ class ExplanationImportApi(APIView):
 
 
 class ExplanationExportApi(APIView):
-    content_negotiation_class = _AnyNegotiation
+    content_negotiation_class = AnyAcceptNegotiation
 
     @extend_schema(
         tags=EXPLANATIONS,

@@ -10,11 +10,10 @@ from django.http import HttpResponse
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
-from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.api import envelope, validated
+from core.api import AnyAcceptNegotiation, envelope, validated
 from core.auth import principal
 from core.errors import Forbidden, ValidationFailed
 from inference import usage
@@ -31,19 +30,8 @@ class UsageQuery(serializers.Serializer):
     format = serializers.ChoiceField(choices=["json", "csv"], required=False, default="json")
 
 
-class _AnyFormat(BaseContentNegotiation):
-    """``?format=csv`` is this route's own parameter, not DRF's renderer override: the
-    answer is the envelope (JSON) or a CSV response the view builds itself."""
-
-    def select_parser(self, request, parsers):  # type: ignore[no-untyped-def]
-        return parsers[0] if parsers else None
-
-    def select_renderer(self, request, renderers, format_suffix=None):  # type: ignore[no-untyped-def]
-        return renderers[0], renderers[0].media_type
-
-
 class UsageApi(APIView):
-    content_negotiation_class = _AnyFormat
+    content_negotiation_class = AnyAcceptNegotiation
 
     @extend_schema(
         tags=["usage"],

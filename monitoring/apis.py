@@ -5,11 +5,10 @@ from __future__ import annotations
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
-from rest_framework.negotiation import BaseContentNegotiation
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from core.api import envelope, validated
+from core.api import AnyAcceptNegotiation, envelope, validated
 from core.runtime import runtime
 from core.schema import MAX_INDEX, MAX_LAYER, enveloped
 from monitoring import selectors, services
@@ -195,19 +194,8 @@ class CaptureAnalyzeApi(APIView):
         )
 
 
-class _FileNegotiation(BaseContentNegotiation):
-    """A file route answers whatever the client accepts (``application/octet-stream``
-    included, which no JSON renderer matches); a refusal is still the JSON envelope."""
-
-    def select_parser(self, request, parsers):  # type: ignore[no-untyped-def]
-        return parsers[0] if parsers else None
-
-    def select_renderer(self, request, renderers, format_suffix=None):  # type: ignore[no-untyped-def]
-        return renderers[0], renderers[0].media_type
-
-
 class CaptureDownloadApi(APIView):
-    content_negotiation_class = _FileNegotiation
+    content_negotiation_class = AnyAcceptNegotiation
 
     @extend_schema(
         tags=CAPTURES,
