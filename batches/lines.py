@@ -35,7 +35,7 @@ from inference.planning import plan_generation, resolve_model
 from inference.policy import check_fields
 from inference.probe_scoring import probe_score, probe_score_parse
 from inference.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
-from inference.residency import resident_model_id
+from inference.residency import resident_model_id, routed
 from inference.serving import answer_plan, check_profile
 from monitoring.ownership import EVERYONE, Scope
 from steering.live import LiveScopes
@@ -83,14 +83,9 @@ async def answer_line(
     ``live_pinned``: the batch's creation-time live steering (``Batch.live_steering``),
     None for the global one as of the line."""
     try:
-        if endpoint == "/v1/embeddings":
-            return await _embeddings(body)
-        if endpoint == "/v1/probes/score":
-            return await _probe_score(body, scope)
-        kind, schema = (
-            ("chat", ChatCompletionRequest) if endpoint == "/v1/chat/completions" else ("completion", CompletionRequest)
-        )
-        return await _generation(kind, schema, body, scope, live_pinned)
+        model = body.get("model")
+        async with routed(model if isinstance(model, str) else None):  # the model's engine
+            return await _answer_line(endpoint, body, scope, live_pinned)
     except asyncio.CancelledError:
         raise
     except Exception as exc:  # noqa: BLE001 - every failure is the line's answer
@@ -98,6 +93,17 @@ async def answer_line(
         if error.status == 503 or error.code in WAIT_CODES:
             raise Unavailable(error) from None
         return Answer(error.status, error.body())
+
+
+async def _answer_line(endpoint: str, body: dict[str, Any], scope: Scope, live_pinned: LiveScopes | None) -> Answer:
+    if endpoint == "/v1/embeddings":
+        return await _embeddings(body)
+    if endpoint == "/v1/probes/score":
+        return await _probe_score(body, scope)
+    kind, schema = (
+        ("chat", ChatCompletionRequest) if endpoint == "/v1/chat/completions" else ("completion", CompletionRequest)
+    )
+    return await _generation(kind, schema, body, scope, live_pinned)
 
 
 def _validate(schema: type, body: dict[str, Any]) -> tuple[Any, list[str]]:

@@ -90,12 +90,14 @@ class RedisEngineClient(EngineClient):
         self._lock = threading.Lock()
 
     @classmethod
-    def from_settings(cls) -> RedisEngineClient:
+    def from_settings(cls, *, prefix: str | None = None) -> RedisEngineClient:
+        """``prefix``: another engine's (``core.engines.engine_prefix``); the default
+        engine's, ENGINE_STREAM_PREFIX, unless given."""
         from django.conf import settings
 
         return cls(
             url=settings.REDIS_URL,
-            prefix=settings.ENGINE_STREAM_PREFIX,
+            prefix=settings.ENGINE_STREAM_PREFIX if prefix is None else prefix,
             heartbeat_s=settings.ENGINE_HEARTBEAT_S,
             dead_after_s=settings.ENGINE_DEAD_AFTER_S,
             command_timeout_s=settings.ENGINE_COMMAND_TIMEOUT_S,

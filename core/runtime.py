@@ -18,14 +18,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+from core.engines import DEFAULT_ENGINE, selected_engine
+
 if TYPE_CHECKING:  # the types only: the web tier never imports the engine
     from core.engine_client import EngineClient
 
-PARTS = ("engine", "admission", "residency", "metrics_push", "events", "jobs", "hub", "analyzers")
+PARTS = ("engine", "engines", "admission", "residency", "metrics_push", "events", "jobs", "hub", "analyzers")
 
 
 class Runtime:
-    engine: EngineClient
+    engine: EngineClient  # the engine the running code addresses (core.engines.using_engine)
+    engines: Any  # core.engine_client_build.EngineSet: every engine's client by name
     admission: Any  # inference.admission.AdmissionController or its shared twin
     residency: Any  # inference.residency.Residency
     metrics_push: Any  # system.metrics.MetricsPush
@@ -50,6 +53,10 @@ class Runtime:
     def __getattr__(self, name: str) -> Any:
         if name not in PARTS:
             raise AttributeError(name)
+        if name == "engine":
+            selected = selected_engine()
+            if selected is not None and selected != DEFAULT_ENGINE:
+                return self.__getattr__("engines").client(selected)
         with self._lock:
             part = self._built.get(name)
             if part is None:

@@ -17,7 +17,7 @@ from gpu_engine.api.protocol import EmbedJob
 from inference.planning import resolve_model
 from inference.policy import check_dimensions, ignored_headers
 from inference.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, UsageInfo
-from inference.residency import resident_model_id
+from inference.residency import resident_model_id, routed
 
 ENGINE_CALL_TIMEOUT_S = 300.0
 
@@ -39,6 +39,15 @@ async def serve_embeddings(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """The answer's body and headers. ``admit``: take an admission slot (the route); a
     batch line does not, and its job waits behind interactive work (``priority``)."""
+    async with routed(req.model):  # with several engines: the model's engine
+        return await _serve_embeddings(
+            req=req, ignored=ignored, policy=policy, lease=lease, priority=priority, admit=admit
+        )
+
+
+async def _serve_embeddings(
+    *, req: EmbeddingRequest, ignored: list[str], policy: str, lease: str | None, priority: str, admit: bool
+) -> tuple[dict[str, Any], dict[str, str]]:
     client = runtime().engine
     residency = runtime().residency
     status = await residency.status()

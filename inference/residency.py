@@ -26,7 +26,9 @@ import asyncio
 import contextvars
 import dataclasses
 import threading
+from collections.abc import AsyncIterator
 from concurrent.futures import Future
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import structlog
@@ -34,6 +36,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, connections
 
+from core.engines import current_engine, route_model, several_engines, using_engine
 from core.errors import MillmError, ModelBusy
 from core.runtime import runtime
 from gpu_engine.api.protocol import EngineStatus
@@ -74,6 +77,13 @@ class Residency:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._loading: dict[str, Future] = {}
+        self._engine_of: dict[str, str] = {}  # the engine each running load addresses
+
+    def _other_load(self, name: str) -> str | None:
+        """A load of another model on the same engine running from this process (a load
+        on another engine changes nothing this request's engine holds). Under the lock."""
+        engine = current_engine()
+        return next((n for n in self._loading if n != name and self._engine_of.get(n) == engine), None)
 
     def loading(self, name: str) -> bool:
         with self._lock:
@@ -98,7 +108,7 @@ class Residency:
                 retry_after=settings.RETRY_AFTER_UNLOAD_S,
             )
         with self._lock:
-            other_load = next((n for n in self._loading if n != model.name), None)
+            other_load = self._other_load(model.name)
         if other_load is not None:
             raise ModelBusy(
                 f"Model {other_load!r} is being loaded; retry shortly",
@@ -153,7 +163,7 @@ class Residency:
             if resident != model.name and not self.loading(model.name):
                 await sync_to_async(_check_lease, thread_sensitive=False)(model, lease)  # 409 model_leased
             with self._lock:
-                other_load = next((n for n in self._loading if n != model.name), None)
+                other_load = self._other_load(model.name)
                 if other_load is not None:
                     raise ModelBusy(
                         f"Model {other_load!r} is being loaded; retry shortly",
@@ -166,6 +176,7 @@ class Residency:
                 if future is None:
                     future = Future()
                     self._loading[model.name] = future
+                    self._engine_of[model.name] = current_engine()
                     starter = True
                 else:
                     starter = False
@@ -207,12 +218,29 @@ class Residency:
         # "running" and waits on it again.
         with self._lock:
             self._loading.pop(model.name, None)
+            self._engine_of.pop(model.name, None)
         # this thread ends here; its connection would pin a database session
         connections.close_all()
         if error is None:
             future.set_result(None)
         else:
             future.set_exception(error)
+
+
+@asynccontextmanager
+async def routed(name: str | None) -> AsyncIterator[None]:
+    """Address the engine of the model a /v1 request names (``core.engines``) for what it
+    wraps. With one engine (ENGINE_MODELS unset) nothing changes. An unknown model is 404
+    ``model_not_found`` as before; a registered model no engine may hold is 409
+    ``model_not_routable``. ``None`` (no name): nothing to route, validation decides."""
+    if name is None or not several_engines():
+        yield
+        return
+    from inference.selectors import model_resolve  # it imports this module
+
+    ref, _ = await sync_to_async(model_resolve)(name=name)
+    with using_engine(route_model(ref.name)):
+        yield
 
 
 def _check_lease(model: ModelRef, lease: str | None) -> None:

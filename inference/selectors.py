@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
+from core.engines import engine_for_model, several_engines
 from inference.residency import ModelRef
 from registry.errors import ModelNotFound
 from registry.models import Model
@@ -32,6 +33,12 @@ def models_listed() -> QuerySet[Model]:
     """What /v1/models shows: the servable models; only the locked one while a model is
     locked for steering, so such a server presents one stable id."""
     locked = Model.objects.filter(locked=True, status=Model.Status.LOADED)
+    if locked.exists() and several_engines():
+        # per engine: a locked model hides only the models its own engine could serve
+        held = {row.engine for row in locked}
+        rows = Model.objects.filter(status__in=LISTED_STATUSES).order_by("name")
+        keep = [r.pk for r in rows if r.locked or engine_for_model(r.name) not in held]
+        return rows.filter(pk__in=keep)
     if locked.exists():
         return locked
     return Model.objects.filter(status__in=LISTED_STATUSES).order_by("name")

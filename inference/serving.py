@@ -44,7 +44,7 @@ from inference.outcomes import (  # noqa: F401 - re-exported: a finished choice'
 from inference.planning import Plan, off_view_thread, plan_generation, resolve_model
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.quotas import current_ticket
-from inference.residency import resident_model_id
+from inference.residency import resident_model_id, routed
 from inference.scoring import check_scoring, serve_scoring
 from inference.shaping import (  # noqa: F401 - re-exported: the body's parts
     build_body,
@@ -158,7 +158,24 @@ async def serve_generation(
 ) -> Any:
     """Serve one generation request. ``answer`` runs the plan (``respond``: chat and
     completions; /v1/responses shapes its own answer, ``inference.responses_answer``); an
-    ``SSEResponse`` it returns owns the request's resources from there."""
+    ``SSEResponse`` it returns owns the request's resources from there. With several
+    engines, on the engine of the model it names (``inference.residency.routed``)."""
+    async with routed(req.model):
+        return await _serve_generation(
+            kind=kind, req=req, policy=policy, lease=lease, ignored=ignored, scope=scope, answer=answer
+        )
+
+
+async def _serve_generation(
+    *,
+    kind: str,
+    req: ChatCompletionRequest | CompletionRequest,
+    policy: str,
+    lease: str | None,
+    ignored: list[str] | None,
+    scope: Scope,
+    answer: Callable[[Plan, EngineClient, Resources], Awaitable[Any]],
+) -> Any:
     client = runtime().engine
     residency = runtime().residency
     status = await residency.status()

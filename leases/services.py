@@ -24,6 +24,7 @@ from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from audit.services import audited, kwargs_of, of_kwarg
+from core.engines import current_engine, several_engines
 from core.errors import ModelBusy
 from leases.errors import (
     LEASE_HEADER,
@@ -238,7 +239,10 @@ def lease_check_change(*, operation: str, target_model: Model | None = None, lea
     """Refuse a model change (``load`` of another model, ``unload``) under a live lease
     the caller does not present (409 MODEL_LEASED). Using the model is never checked."""
     lease_expire_due()
-    live = Lease.objects.select_related("model").filter(ended_at__isnull=True).first()
+    live = Lease.objects.select_related("model").filter(ended_at__isnull=True)
+    if several_engines():  # a lease holds its model's engine (core.engines), not the others
+        live = live.filter(model__engine=current_engine())
+    live = live.first()
     if live is None:
         return
     if lease_id and lease_hash(lease_id.strip()) == live.id_hash:

@@ -8,7 +8,7 @@ class MillmSiteConfig(AppConfig):
     def ready(self) -> None:
         # The site is the top layer: it alone may import every app, so it says what the
         # process's runtime is made of (each part is built on first use, once).
-        from core.engine_client_build import build_engine_client
+        from core.engine_client_build import EngineSet, build_engine_client
         from core.events import EventBus
         from core.jobs import JobDispatch
         from core.runtime import runtime
@@ -21,6 +21,7 @@ class MillmSiteConfig(AppConfig):
 
         runtime().install(
             engine=lambda: build_engine_client(on_event=on_engine_event),
+            engines=EngineSet,
             admission=build_admission,
             residency=Residency,
             metrics_push=MetricsPush,

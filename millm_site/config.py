@@ -231,6 +231,7 @@ def _check_combinations(v: dict[str, Any]) -> None:
         )
     if not all(c.isalnum() or c in "_-." for c in v["ENGINE_STREAM_PREFIX"]) or not v["ENGINE_STREAM_PREFIX"]:
         raise ConfigError("ENGINE_STREAM_PREFIX", "must be non-empty letters, digits, _ - .", v["ENGINE_STREAM_PREFIX"])
+    _check_engines(v)
     url = v["DATABASE_URL"]
     if url:
         scheme = url.split("://", 1)[0].lower() if "://" in url else ""
@@ -277,6 +278,25 @@ def _check_combinations(v: dict[str, Any]) -> None:
         raise ConfigError("SECRET_KEY", "is required when DEBUG is off and DATABASE_URL is set")
     if v["SECRET_KEY"] and len(v["SECRET_KEY"]) < 32 and not v["DEBUG"]:
         raise ConfigError("SECRET_KEY", "must be at least 32 characters when DEBUG is off")
+
+
+def _check_engines(v: dict[str, Any]) -> None:
+    """ENGINE_NAME is a valid name; ENGINE_MODELS parses, and names engines other than the
+    default one only where engines run apart (REDIS_URL)."""
+    from core.engines import DEFAULT_ENGINE, parse_engine_models, valid_engine_name
+
+    if not valid_engine_name(v["ENGINE_NAME"]):
+        raise ConfigError("ENGINE_NAME", "must be 1-40 letters, digits, _ or -", v["ENGINE_NAME"])
+    try:
+        routes = parse_engine_models(v["ENGINE_MODELS"])
+    except ValueError as exc:
+        raise ConfigError("ENGINE_MODELS", str(exc), v["ENGINE_MODELS"]) from None
+    if not v["REDIS_URL"] and [r.name for r in routes] != [DEFAULT_ENGINE]:
+        raise ConfigError(
+            "ENGINE_MODELS",
+            "names engines other than `default`, which needs REDIS_URL (embedded mode runs one engine)",
+            v["ENGINE_MODELS"],
+        )
 
 
 def _redact(url: str) -> str:

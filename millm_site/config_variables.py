@@ -633,6 +633,26 @@ VARIABLES: tuple[Var, ...] = (
     ),
     Var(
         "ENGINE_DEAD_AFTER_S",
+    Var(
+        "ENGINE_NAME",
+        "Distributed engine",
+        "str",
+        "default",
+        "run_engine's name (also `run_engine --name`): the engine `default` uses "
+        "ENGINE_STREAM_PREFIX, any other name `<ENGINE_STREAM_PREFIX>.<name>`, so each name is "
+        "one engine; it restores only the models the registry records on it. Letters, digits, _ -.",
+    ),
+    Var(
+        "ENGINE_MODELS",
+        "Distributed engine",
+        "str",
+        "",
+        "Which engine (ENGINE_NAME) may hold which models, for the web tier and workers that "
+        "route by model name: `gpu1:model-b;default:*` (engine:name-or-pattern,...; a model "
+        "goes to the first engine naming it exactly, else the first pattern that matches). "
+        "Empty: one engine, `default`, holding any model. More than the default engine needs "
+        "REDIS_URL.",
+    ),
         "Distributed engine",
         "float",
         5.0,

@@ -18,8 +18,10 @@ from typing import Any
 
 import structlog
 from django.conf import settings
+from django.db.models import Q
 
 from core.engine_client import _resolve_here
+from core.engines import DEFAULT_ENGINE, several_engines, using_engine
 from gpu_engine.api.errors import EngineError
 from gpu_engine.api.protocol import AttachSpec
 from orchestration import services
@@ -37,8 +39,16 @@ class RecordedState:
     attachments: list[Any] = field(default_factory=list)  # its Attachment rows
 
 
-def recorded_state() -> RecordedState:
-    model = Model.objects.filter(status=Model.Status.LOADED).order_by("-loaded_at").first()
+def recorded_state(engine_name: str = DEFAULT_ENGINE) -> RecordedState:
+    """What the database records on engine ``engine_name``: with one engine (ENGINE_MODELS
+    unset and the default name) the loaded model, whichever it is; else the loaded model
+    whose row names this engine (a row from before engines had names counts as the
+    default engine's)."""
+    loaded = Model.objects.filter(status=Model.Status.LOADED)
+    if engine_name != DEFAULT_ENGINE or several_engines():
+        on_engine = Q(engine=engine_name) | Q(engine="") if engine_name == DEFAULT_ENGINE else Q(engine=engine_name)
+        loaded = loaded.filter(on_engine)
+    model = loaded.order_by("-loaded_at").first()
     if model is None:
         return RecordedState()
     rows = list(Attachment.objects.filter(model=model).select_related("sae").order_by("pk"))
@@ -51,11 +61,25 @@ def _forget(state: RecordedState, message: str) -> None:
     model_set_status(model=state.model, status=Model.Status.ERROR, error=message)
 
 
-def restore_recorded_state(*, engine: Any, begin_restore: Callable[[], int], end_restore: Callable[[], None]) -> None:
+def restore_recorded_state(
+    *,
+    engine: Any,
+    begin_restore: Callable[[], int],
+    end_restore: Callable[[], None],
+    engine_name: str = DEFAULT_ENGINE,
+) -> None:
     """Load the recorded model into ``engine`` (an ``Engine`` or an engine client) and
     attach its SAEs. ``begin_restore`` counts this attempt and returns the count (it must
-    survive a crash of this process); ``end_restore`` clears it."""
-    state = recorded_state()
+    survive a crash of this process); ``end_restore`` clears it. ``engine_name``: which
+    engine's record (``run_engine --name``)."""
+    with using_engine(engine_name):  # the rows it writes name this engine
+        _restore(engine=engine, begin_restore=begin_restore, end_restore=end_restore, engine_name=engine_name)
+
+
+def _restore(
+    *, engine: Any, begin_restore: Callable[[], int], end_restore: Callable[[], None], engine_name: str
+) -> None:
+    state = recorded_state(engine_name)
     if state.model is None:
         log.info("engine_restore_nothing_recorded")
         return

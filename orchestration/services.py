@@ -11,16 +11,27 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import ExitStack, contextmanager
 from datetime import timedelta
 
 import structlog
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
 from audit.services import audited, error_code
 from core import events, jobs, metrics
 from core.engine_client import resolve_device_and_dtype
+from core.engines import (
+    DEFAULT_ENGINE,
+    current_engine,
+    engine_for_model,
+    engine_names,
+    several_engines,
+    using_engine,
+    using_model_engine,
+)
 from core.errors import (
     ModelBusy,
     ModelLoadFailed,
@@ -68,6 +79,19 @@ def _engine():
     return runtime().engine
 
 
+@contextmanager
+def model_engine(model: Model):
+    """Address ``model``'s engine (``core.engines``) for what this wraps: the engine that
+    holds or is loading it (its row says), else the one ENGINE_MODELS gives it
+    (``model_not_routable`` when none may). With one engine nothing changes."""
+    if several_engines() and model.engine in engine_names():
+        with using_engine(model.engine) as name:
+            yield name
+    else:
+        with using_model_engine(model.name) as name:
+            yield name
+
+
 # Claims serialise here within a process (SQLite has no row locks: embedded mode is one
 # process) and through row locks across processes (PostgreSQL, distributed mode).
 _CLAIM_LOCK = threading.Lock()
@@ -84,9 +108,10 @@ def _lock_model_rows() -> None:
 
 
 def _model_in_transition(*, exclude_pk: int) -> Model | None:
-    return (
-        Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)).exclude(pk=exclude_pk).first()
-    )
+    moving = Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING)).exclude(pk=exclude_pk)
+    if several_engines():  # engines load and unload independently: the addressed one's
+        moving = moving.filter(engine=current_engine())
+    return moving.first()
 
 
 def _engine_holds(name: str) -> bool:
@@ -129,12 +154,17 @@ def _claim_load(model: Model) -> str:
                 f"Model {row.name!r} has no files yet (status {row.status})",
                 details={"model_id": row.id, "status": row.status},
             )
-        Model.objects.filter(pk=row.pk).update(status=Model.Status.LOADING, error_message="", updated_at=timezone.now())
+        Model.objects.filter(pk=row.pk).update(
+            status=Model.Status.LOADING, error_message="", engine=current_engine(), updated_at=timezone.now()
+        )
         return row.status
 
 
 def _unclaim_load(model: Model, previous: str) -> None:
-    Model.objects.filter(pk=model.pk, status=Model.Status.LOADING).update(status=previous, updated_at=timezone.now())
+    engine = {} if previous == Model.Status.LOADED else {"engine": ""}
+    Model.objects.filter(pk=model.pk, status=Model.Status.LOADING).update(
+        status=previous, updated_at=timezone.now(), **engine
+    )
 
 
 def _model(kwargs: dict, _result: object) -> tuple[str, object, str]:
@@ -150,7 +180,7 @@ def _lease(kwargs: dict) -> dict:
 # on-demand load, start-up, manage.py) is its own entry
 @audited("model.load", _model, params=lambda kw: {"on_demand": True}, skip=lambda kw: kw.get("job") is not None)
 def model_load(*, model: Model, job: Job | None = None) -> Model:
-    """Load ``model`` into the engine (replacing the resident one) and record it.
+    """Load ``model`` into its engine (replacing the one that engine holds) and record it.
 
     Synchronous: the API runs it in a background job (``model_load_enqueue``), /v1 on its
     own thread for an on-demand load. Progress goes on the job row and out as
@@ -158,6 +188,19 @@ def model_load(*, model: Model, job: Job | None = None) -> Model:
     first (``_claim_load``); a caller that loses the claim gets ``LoadInProgress`` (or
     model_busy while something else moves) and no job row of its own.
     """
+    with ExitStack() as stack:
+        try:
+            stack.enter_context(model_engine(model))
+        except Exception as exc:  # model_not_routable: the job ends with it
+            if job is not None and job.status not in Job.FINISHED:
+                job_finish(
+                    job=job, status=Job.Status.FAILED, error=getattr(exc, "message", str(exc)), code=error_code(exc)
+                )
+            raise
+        return _model_load(model=model, job=job)
+
+
+def _model_load(*, model: Model, job: Job | None) -> Model:
     try:
         model_jobs_reap()  # a load whose worker died must not block this one for ever
         model.refresh_from_db()
@@ -244,6 +287,21 @@ def model_jobs_reap() -> int:
     )
     if not stale.exists():
         return 0
+    if not several_engines():
+        return _reap(stale, Model.objects.all())
+    reaped = 0
+    for name in engine_names():
+        # each engine's jobs and rows against that engine's own status
+        on_engine = Q(engine=name) | Q(engine="") if name == DEFAULT_ENGINE else Q(engine=name)
+        with using_engine(name):
+            reaped += _reap(stale.filter(model__in=Model.objects.filter(on_engine)), Model.objects.filter(on_engine))
+    return reaped
+
+
+def _reap(stale, models) -> int:
+    """``model_jobs_reap`` for the addressed engine: ``stale`` jobs, ``models`` its rows."""
+    if not stale.exists():
+        return 0
     try:
         status = _engine().status()
     except EngineError:
@@ -261,7 +319,7 @@ def model_jobs_reap() -> int:
                 error=f"the worker running it stopped (no heartbeat for {JOB_STALE_AFTER_S:g}s)",
             )
             reaped += 1
-        for row in Model.objects.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING, Model.Status.LOADED)):
+        for row in models.filter(status__in=(Model.Status.LOADING, Model.Status.UNLOADING, Model.Status.LOADED)):
             if status is not None and row.name == held:
                 if row.status != Model.Status.LOADED:
                     model_set_status(
@@ -366,8 +424,13 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
 
     The engine does the waiting: it counts every request running on it, whichever web
     process sent it, so the grace period holds wherever this runs (a web worker, a
-    Celery worker, a management command)."""
+    Celery worker, a management command). On the engine that holds it."""
     model.refresh_from_db()
+    with model_engine(model):
+        return _model_unload(model=model, job=job)
+
+
+def _model_unload(*, model: Model, job: Job | None) -> Model:
     if model.status != Model.Status.LOADED:
         raise ModelNotLoaded(
             f"Model {model.name!r} is not loaded", details={"model_id": model.id, "status": model.status}
@@ -421,7 +484,8 @@ def model_unload(*, model: Model, job: Job | None = None) -> Model:
 @audited("model.load", _model, params=_lease, job=lambda job: job)
 def model_load_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     model_jobs_reap()  # committed on its own: a refusal below must not undo it
-    return _model_load_enqueue(model=model, lease_id=lease_id)
+    with model_engine(model):  # model_not_routable before any job row
+        return _model_load_enqueue(model=model, lease_id=lease_id)
 
 
 @transaction.atomic
@@ -466,7 +530,8 @@ def _check_fits_early(model: Model, resident: Model | None) -> None:
 @audited("model.unload", _model, params=_lease, job=lambda job: job)
 def model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
     model_jobs_reap()  # committed on its own: a refusal below must not undo it
-    return _model_unload_enqueue(model=model, lease_id=lease_id)
+    with model_engine(model):
+        return _model_unload_enqueue(model=model, lease_id=lease_id)
 
 
 @transaction.atomic
@@ -483,7 +548,14 @@ def _model_unload_enqueue(*, model: Model, lease_id: str | None = None) -> Job:
             details={"model_id": model.id},
             retry_after=settings.RETRY_AFTER_LOAD_S,
         )
-    pending = Job.objects.filter(kind=Job.Kind.MODEL_LOAD, status__in=Job.ACTIVE).exclude(model=model).first()
+    pending = next(
+        (
+            job
+            for job in Job.objects.filter(kind=Job.Kind.MODEL_LOAD, status__in=Job.ACTIVE).exclude(model=model)
+            if not several_engines() or engine_for_model(job.target) == current_engine()
+        ),
+        None,
+    )
     if pending is not None:
         # that load replaces this model anyway; an unload queued beside it would only fail
         raise ModelBusy(

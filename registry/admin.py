@@ -88,6 +88,7 @@ class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
         "params_display",
         "disk_display",
         "locked",
+        "engine",
         "updated_at",
     )
     list_filter = ("status", "source", "format", "backend", "quantization", "locked")
@@ -103,6 +104,7 @@ class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
         "disk_size_bytes",
         "estimated_memory_bytes",
         "locked",
+        "engine",
         "loaded_at",
         "created_at",
         "updated_at",
@@ -125,7 +127,7 @@ class ModelAdmin(RefusableDeleteMixin, admin.ModelAdmin):
                 )
             },
         ),
-        ("State", {"fields": ("status", "error_message", "locked", "loaded_at")}),
+        ("State", {"fields": ("status", "error_message", "locked", "engine", "loaded_at")}),
         (
             "Checkpoint",
             {

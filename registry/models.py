@@ -87,6 +87,12 @@ class Model(models.Model):
     loaded_at = models.DateTimeField(null=True, blank=True)
     device = models.CharField(max_length=32, blank=True, help_text="Where the resident weights are (set while loaded).")
     dtype = models.CharField(max_length=16, blank=True, help_text="Dtype of the resident weights (set while loaded).")
+    engine = models.CharField(
+        max_length=40,
+        blank=True,
+        default="",
+        help_text="The engine (ENGINE_NAME) that holds or is loading the model (set while loading or loaded).",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

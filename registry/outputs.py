@@ -68,6 +68,7 @@ class ModelOutput(serializers.Serializer):
     download_progress = serializers.IntegerField(allow_null=True)
     device = serializers.CharField(allow_null=True)
     dtype = serializers.CharField(allow_null=True)
+    engine = serializers.CharField(allow_null=True, help_text="The engine holding or loading it (ENGINE_MODELS).")
     loaded_at = serializers.DateTimeField(allow_null=True)
     created_at = serializers.DateTimeField()
     updated_at = serializers.DateTimeField()
@@ -106,6 +107,7 @@ def model_out(model: Model, *, download_progress: int | None = None) -> dict[str
             "download_progress": (download_progress if model.status == Model.Status.DOWNLOADING else None),
             "device": model.device or None,
             "dtype": model.dtype or None,
+            "engine": model.engine or None,
             "loaded_at": model.loaded_at,
             "created_at": model.created_at,
             "updated_at": model.updated_at,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
+from core.engines import current_engine, several_engines
 from core.ids import get_by_pk_or_name
 from core.runtime import runtime
 from registry.errors import JobNotFound, ModelNotFound, SAENotFound
@@ -26,6 +27,8 @@ def model_loaded(*, other_than: Model | None = None) -> Model | None:
     """The resident model (the row that says ``loaded``); with ``other_than``, the one a
     load of that model would replace."""
     qs = Model.objects.filter(status=Model.Status.LOADED)
+    if several_engines():  # one resident model per engine: the addressed engine's
+        qs = qs.filter(engine=current_engine())
     if other_than is not None:
         qs = qs.exclude(pk=other_than.pk)
     return qs.first()

@@ -13,6 +13,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from audit.services import audited
+from core.engines import current_engine
 from core.errors import UnsupportedModel, ValidationFailed
 from gpu_engine.api.host import backend_names
 from registry import access, describe, labels
@@ -206,10 +207,11 @@ def model_set_status(*, model: Model, status: str, error: str = "", device: str 
     if status == Model.Status.LOADED:
         model.loaded_at = timezone.now()
         model.device, model.dtype = device, dtype
-        fields += ["loaded_at", "device", "dtype"]
+        model.engine = current_engine()  # the engine this load addressed (core.engines)
+        fields += ["loaded_at", "device", "dtype", "engine"]
     elif status not in (Model.Status.UNLOADING,):
-        model.device = model.dtype = ""
-        fields += ["device", "dtype"]
+        model.device = model.dtype = model.engine = ""
+        fields += ["device", "dtype", "engine"]
     model.save(update_fields=fields)
     return model
 

@@ -30,12 +30,15 @@ log = structlog.get_logger("millm.engine")
 # --------------------------------------------------------------------------- process
 
 
-def server_config() -> Any:
+def server_config(name: str | None = None) -> Any:
+    """``name``: the engine's (``--name``, else ENGINE_NAME); its prefix is
+    ``core.engines.engine_prefix(name)``."""
     from core.engine_options import engine_bounds
+    from core.engines import engine_prefix
     from gpu_engine.server.config import ServerConfig
 
     return ServerConfig(
-        prefix=settings.ENGINE_STREAM_PREFIX,
+        prefix=engine_prefix(name or settings.ENGINE_NAME),
         heartbeat_s=settings.ENGINE_HEARTBEAT_S,
         dead_after_s=settings.ENGINE_DEAD_AFTER_S,
         max_deliveries=settings.ENGINE_MAX_DELIVERIES,
@@ -93,12 +96,22 @@ class Command(BaseCommand):
         parser.add_argument(
             "--engine-id", default=None, help="Consumer name on the streams (default: host-pid-random)."
         )
+        parser.add_argument(
+            "--name",
+            default=None,
+            help="This engine's name (default: ENGINE_NAME, `default`): its streams and the models it restores.",
+        )
 
-    def handle(self, *args, no_restore: bool, engine_id: str | None, **options):
+    def handle(self, *args, no_restore: bool, engine_id: str | None, name: str | None, **options):
         if settings.EMBEDDED:
             raise CommandError(
                 "run_engine needs REDIS_URL: without it the engine runs inside `manage.py serve` (embedded mode)"
             )
+        from core.engines import valid_engine_name
+
+        name = name or settings.ENGINE_NAME
+        if not valid_engine_name(name):
+            raise CommandError(f"--name {name!r}: must be 1-40 letters, digits, _ or -")
         import redis
 
         from core.engine_options import batching_options, idle_release_s
@@ -121,7 +134,7 @@ class Command(BaseCommand):
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
-        config = server_config()
+        config = server_config(name)
         client = redis.Redis.from_url(
             settings.REDIS_URL,
             decode_responses=True,
@@ -139,6 +152,7 @@ class Command(BaseCommand):
         server = EngineServer(engine, client, config, engine_id=engine_id, describe=host_description())
         log.info(
             "engine_starting",
+            engine=name,
             engine_id=server.engine_id,
             prefix=config.prefix,
             max_in_flight=config.max_in_flight,
@@ -152,7 +166,10 @@ class Command(BaseCommand):
 
             try:
                 restore_recorded_state(
-                    engine=engine, begin_restore=server.begin_restore, end_restore=server.end_restore
+                    engine=engine,
+                    begin_restore=server.begin_restore,
+                    end_restore=server.end_restore,
+                    engine_name=name,
                 )
             finally:
                 # the restore's connections must not linger through the serving life
