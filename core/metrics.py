@@ -9,6 +9,7 @@ scrape time by a collector instead of being copied into gauges.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -49,6 +50,41 @@ DOWNLOADS = Counter("millm_downloads", "Finished downloads by kind and outcome",
 LOADS = Counter("millm_model_loads", "Finished model loads and unloads by outcome", ["operation", "outcome"])
 
 STARTED_AT = time.time()
+
+# what the stack sums across its processes (``core.metrics_store``); the rest of the
+# scrape is read where it lives, at scrape time (``system.metrics``)
+SHARED = (REQUESTS, REQUEST_SECONDS, TOKENS, PROMPT_TOKENS, SPECULATIVE, REFUSALS, DOWNLOADS, LOADS)
+
+
+_store: Any = None
+_store_lock = threading.Lock()
+
+
+def store() -> Any:
+    """Where the figures of ``SHARED`` are read: this process's counters (embedded mode),
+    or their sum over every process in Redis (``REDIS_URL`` set: several web workers,
+    Celery). Built once per process, like the counters it reads."""
+    global _store
+    if _store is None:
+        with _store_lock:
+            if _store is None:
+                _store = _build_store()
+    return _store
+
+
+def _build_store() -> Any:
+    from django.conf import settings
+
+    from core.metrics_store import LocalStore, RedisStore
+
+    if not settings.REDIS_URL:
+        return LocalStore(SHARED, STARTED_AT)
+    return RedisStore(
+        SHARED,
+        url=settings.REDIS_URL,
+        prefix=settings.ENGINE_STREAM_PREFIX,
+        interval_s=settings.METRICS_FLUSH_INTERVAL_S,
+    )
 
 
 def record_tokens(*, model: str, completion_tokens: int, prompt_tokens: int = 0) -> None:
@@ -123,27 +159,6 @@ def record_download(*, kind: str, outcome: str) -> None:
 
 def record_load(*, operation: str, outcome: str) -> None:
     LOADS.labels(operation=operation, outcome=outcome).inc()
-
-
-def _sum(counter: Counter, **match: str) -> float:
-    total = 0.0
-    for metric in counter.collect():
-        for sample in metric.samples:
-            if not sample.name.endswith("_total"):
-                continue
-            if all(sample.labels.get(k) == v for k, v in match.items()):
-                total += sample.value
-    return total
-
-
-def _by_label(counter: Counter, label: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for metric in counter.collect():
-        for sample in metric.samples:
-            if sample.name.endswith("_total"):
-                key = sample.labels.get(label, "")
-                out[key] = out.get(key, 0.0) + sample.value
-    return out
 
 
 def _surface(path: str) -> str:

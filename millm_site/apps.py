@@ -31,6 +31,18 @@ class MillmSiteConfig(AppConfig):
             analyzers=Analyzers.from_settings,
         )
         self._check_analyzers()
+        self._share_metrics()
+
+    @staticmethod
+    def _share_metrics() -> None:
+        """Distributed mode: every process (web, Celery, commands) sends what its counters
+        grew to the stack's sums from the start (core.metrics_store), not when first read."""
+        from django.conf import settings
+
+        from core.metrics import store
+
+        if settings.REDIS_URL:
+            store()  # built now: its flusher runs from here
 
     @staticmethod
     def _check_analyzers() -> None:

@@ -344,6 +344,17 @@ VARIABLES: tuple[Var, ...] = (
         "push off and the dashboard polls GET /api/health/metrics instead.",
         minimum=0,
     ),
+    Var(
+        "METRICS_FLUSH_INTERVAL_S",
+        "HTTP & logging",
+        "float",
+        1.0,
+        "Distributed mode (REDIS_URL set): seconds between the sends of what each process's "
+        "counters grew to the stack's sums in Redis, which /api/health/metrics, the Prometheus "
+        "scrape and system:metrics read (a process reading them sends its own first, and one "
+        "that exits sends the rest). Embedded mode keeps its counters in the process.",
+        minimum=0.05,
+    ),
     # --- Concurrency & timeouts -----------------------------------------------------
     Var(
         "MAX_CONCURRENT_REQUESTS",

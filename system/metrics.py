@@ -11,22 +11,14 @@ from typing import Any
 
 import structlog
 from django.conf import settings
-from prometheus_client import REGISTRY, generate_latest
+from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from core.events import send_to
-from core.metrics import (
-    DOWNLOADS,
-    LOADS,
-    PROMPT_TOKENS,
-    REFUSALS,
-    REQUESTS,
-    STARTED_AT,
-    TOKENS,
-    _by_label,
-    _sum,
-)
+from core.metrics import DOWNLOADS, LOADS, PROMPT_TOKENS, REFUSALS, REQUESTS, SHARED, TOKENS, store
+from core.metrics_store import by_label, families, total
 from gpu_engine.api.capabilities import capabilities_of
+from system.engine_metrics import engine_families, engine_figures
 from system.figures import engine_snapshot, inference_figures
 
 log = structlog.get_logger(__name__)
@@ -42,6 +34,7 @@ PUSHED_KEYS = (
     "refusals",
     "model_loaded",
     "model_name",
+    "engines",
 )
 
 
@@ -98,6 +91,7 @@ class _LiveCollector:
             yield graphs
 
         yield from _prefix_cache_families(engine)
+        yield from engine_families(engine)
 
         from registry import hub
 
@@ -146,39 +140,62 @@ def _prefix_cache_families(engine: dict[str, Any]):
     yield rate
 
 
-REGISTRY.register(_LiveCollector())
+_LIVE = _LiveCollector()
+REGISTRY.register(_LIVE)
+
+
+class _StackCollector:
+    """Distributed mode: the stack's sums of ``core.metrics``' counters and histograms
+    (core.metrics_store), in place of this process's own."""
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        yield from families(SHARED, store().samples())
+
+
+# the scrape of a distributed stack: the sums and the figures read where they live; the
+# process_* and python_* collectors are left out, since each worker's would differ
+_STACK_REGISTRY = CollectorRegistry(auto_describe=False)
+_STACK_REGISTRY.register(_StackCollector())
+_STACK_REGISTRY.register(_LIVE)
 
 
 def prometheus_text() -> bytes:
-    return generate_latest(REGISTRY)
+    return generate_latest(_STACK_REGISTRY if store().shared else REGISTRY)
 
 
 def snapshot() -> dict[str, Any]:
-    """The JSON form of /api/health/metrics."""
-    requests_by_code = _by_label(REQUESTS, "code")
+    """The JSON form of /api/health/metrics: the stack's sums (distributed mode) or this
+    process's counters (embedded mode), and the engine's and the queue's figures now."""
+    figures = store()
+    samples = figures.samples()
+    requests_by_code = by_label(samples, REQUESTS._name, "code")
     errors = sum(v for code, v in requests_by_code.items() if code[:1] in ("4", "5"))
     engine = engine_snapshot()
     return {
-        "uptime_seconds": round(time.time() - STARTED_AT, 3),
+        "uptime_seconds": round(time.time() - figures.started_at, 3),
         "requests": {
             "total": int(sum(requests_by_code.values())),
             "errors": int(errors),
             "by_code": {k: int(v) for k, v in sorted(requests_by_code.items())},
-            "by_surface": {k: int(v) for k, v in sorted(_by_label(REQUESTS, "surface").items())},
+            "by_surface": {k: int(v) for k, v in sorted(by_label(samples, REQUESTS._name, "surface").items())},
         },
         "queue": inference_figures(),
-        "tokens_generated": int(_sum(TOKENS)),
-        "prompt_tokens": int(_sum(PROMPT_TOKENS)),
-        "refusals": {k: int(v) for k, v in sorted(_by_label(REFUSALS, "reason").items())},
+        "tokens_generated": int(total(samples, TOKENS._name)),
+        "prompt_tokens": int(total(samples, PROMPT_TOKENS._name)),
+        "refusals": {k: int(v) for k, v in sorted(by_label(samples, REFUSALS._name, "reason").items())},
         "steering_apply_count": [
             {"sae_id": a["sae_id"], "layer": a["layer"], "steering_apply_count": a.get("steering_apply_count", 0)}
             for a in engine.get("attachments", [])
         ],
-        "downloads": {f"{k}": int(v) for k, v in sorted(_by_label(DOWNLOADS, "outcome").items())},
-        "model_loads": {k: int(v) for k, v in sorted(_by_label(LOADS, "outcome").items())},
+        "downloads": {f"{k}": int(v) for k, v in sorted(by_label(samples, DOWNLOADS._name, "outcome").items())},
+        "model_loads": {k: int(v) for k, v in sorted(by_label(samples, LOADS._name, "outcome").items())},
         "model_loaded": engine.get("state") == "ready",
         "model_name": engine.get("model_id"),
         "prefix_cache": prefix_cache_figures(engine),
+        "engines": engine_figures(engine),
     }
 
 
@@ -195,9 +212,9 @@ class MetricsPush:
     on the loop that serves the sockets, started by the first client's connect and ended
     when the last one leaves. A client that joins gets the figures at once.
 
-    The figures go to this process's own consumers, not to the event group: the counters
-    are per process, and with several web processes (distributed mode) a group send would
-    interleave all their figures on every socket. The consumers call ``join``/``leave``
+    The figures go to this process's own consumers, not to the event group: each web
+    process sends the same stack-wide sums (distributed mode: core.metrics_store), and a
+    group send would repeat them on every socket once per process. The consumers call ``join``/``leave``
     on their loop, so no lock is needed."""
 
     def __init__(self) -> None:

@@ -234,6 +234,16 @@ class CachesRows(Protocol):
 
 
 @runtime_checkable
+class ReportsKV(Protocol):
+    """A batch runner that can say what its KV cache holds (engine metrics): a dict with
+    ``bytes_in_use`` (the running rows' keys and values), ``capacity_bytes`` (what is
+    reserved for them, None where unknown) and ``source`` (how it was measured). Read on
+    any thread while the worker runs: a racy figure is fine."""
+
+    def kv_usage(self, running: list[Any]) -> dict[str, Any] | None: ...
+
+
+@runtime_checkable
 class CountsLeanSteps(Protocol):
     """A batch runner some of whose decode steps skip ``model.forward`` (transformers' lean step)."""
 

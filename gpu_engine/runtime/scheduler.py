@@ -37,17 +37,71 @@ error to report (and runs the engine's out-of-memory recovery).
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..backends.base import BatchBackend, CountsLeanSteps
+from ..backends.base import BatchBackend, CountsLeanSteps, ReportsKV
 from ..api.errors import EngineBusy, EngineError, ModelNotLoaded
 from ..api.protocol import BatchingOptions, ErrorEvent, FinishEvent, GenerationJob, Usage
 from .capture_writer import CaptureWriter, deliver
 from .stream import held_deliveries
 
 log = logging.getLogger("gpu_engine.scheduler")  # the name operators' log filters know
+
+# tokens_per_second: the tokens of the steps that ended in the last this many seconds
+RATE_WINDOW_S = 10.0
+
+
+def _tokens(seqs: list[Any]) -> int:
+    return sum(len(s.generated) for s in seqs)
+
+
+class StepFigures:
+    """What the batch's forward passes cost (status: engine metrics). Written by the
+    worker thread at each step's end, read by status on any thread: plain numbers and a
+    deque, for which a racy read is a figure a step old."""
+
+    def __init__(self) -> None:
+        self.decode_steps = 0
+        self.decode_seconds = 0.0
+        self.last_step_seconds: float | None = None
+        self.prefills = 0
+        self.prefill_seconds = 0.0
+        self.generated_tokens = 0
+        self._recent: deque[tuple[float, int]] = deque(maxlen=4096)
+
+    def decoded(self, seconds: float, tokens: int) -> None:
+        self.decode_steps += 1
+        self.decode_seconds += seconds
+        self.last_step_seconds = seconds
+        self._counted(tokens)
+
+    def prefilled(self, seconds: float, tokens: int) -> None:
+        self.prefills += 1
+        self.prefill_seconds += seconds
+        self._counted(tokens)
+
+    def _counted(self, tokens: int) -> None:
+        self.generated_tokens += tokens
+        self._recent.append((time.monotonic(), tokens))
+
+    def tokens_per_second(self) -> float:
+        since = time.monotonic() - RATE_WINDOW_S
+        return round(sum(n for at, n in list(self._recent) if at >= since) / RATE_WINDOW_S, 3)
+
+    def status(self) -> dict[str, Any]:
+        steps = self.decode_steps
+        return {
+            "decode_seconds_total": round(self.decode_seconds, 6),
+            "step_seconds_last": None if self.last_step_seconds is None else round(self.last_step_seconds, 6),
+            "step_seconds_mean": round(self.decode_seconds / steps, 6) if steps else None,
+            "prefills_total": self.prefills,
+            "prefill_seconds_total": round(self.prefill_seconds, 6),
+            "generated_tokens_total": self.generated_tokens,
+            "tokens_per_second": self.tokens_per_second(),
+        }
 
 
 class _Stream(Protocol):
@@ -82,6 +136,7 @@ class BatchScheduler:
         self._exclusive = False
         self.admitted_total = 0
         self.refused_total = 0
+        self.figures = StepFigures()
 
     # ------------------------------------------------------------------ state
 
@@ -229,8 +284,10 @@ class BatchScheduler:
         return budget
 
     def _start(self, admitted: list[Any]) -> None:
+        began = time.perf_counter()
         try:
             finished = self.backend.start(admitted)  # type: ignore[union-attr]
+            self.figures.prefilled(time.perf_counter() - began, _tokens(admitted))
         except Exception as exc:  # noqa: BLE001 - reported on the requests' streams
             err = self._error(exc, admitted[0].request_id)
             for seq in admitted:
@@ -249,8 +306,12 @@ class BatchScheduler:
                 self.running.append(seq)
 
     def _decode(self) -> None:
+        rows = list(self.running)
+        before = _tokens(rows)
+        began = time.perf_counter()
         try:
             finished = self.backend.step()  # type: ignore[union-attr]
+            self.figures.decoded(time.perf_counter() - began, _tokens(rows) - before)
         except Exception as exc:  # noqa: BLE001 - every running request gets the error
             self._fail_running(self._error(exc, None))
             return
@@ -291,8 +352,16 @@ class BatchScheduler:
     def status(self) -> dict[str, Any]:
         o = self.options
         backend = self.backend
+        running = len(self.running)
+        rows = o.max_batch_size + o.batch_rows
         return {
-            "running": len(self.running),
+            # engine metrics (docs/operators.md, "Metrics"): the rows held of the rows there are
+            "occupancy": round(running / rows, 6) if rows else 0.0,
+            "max_rows": rows,
+            "queue_depth": len(self.waiting) + len(self.waiting_batch),
+            "kv": kv_usage(backend, list(self.running)),
+            **self.figures.status(),
+            "running": running,
             "waiting": len(self.waiting),
             "running_batch": self._running_of(True),
             "waiting_batch": len(self.waiting_batch),
@@ -307,6 +376,18 @@ class BatchScheduler:
             "prefill_budget_tokens": o.prefill_budget_tokens,
             "force_serial_monitoring": o.force_serial_monitoring,
         }
+
+
+def kv_usage(runner: BatchBackend | None, running: list[Any]) -> dict[str, Any] | None:
+    """The KV cache as the batch runner can tell it (``ReportsKV``): bytes the running
+    rows hold and, where known, what is reserved; None where the runner cannot say."""
+    if not isinstance(runner, ReportsKV):
+        return None
+    try:
+        return runner.kv_usage(running)
+    except Exception:  # noqa: BLE001 - a figure for status; never breaks the heartbeat
+        log.warning("kv usage unavailable", exc_info=True)
+        return None
 
 
 __all__ = ["BatchBackend", "BatchScheduler"]

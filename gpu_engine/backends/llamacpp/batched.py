@@ -444,6 +444,19 @@ class LlamaBatchRunner:
         self._served = served
         return groups[sig]
 
+    def kv_usage(self, running: list[Any]) -> dict[str, Any]:
+        """``ReportsKV``: the positions the running rows hold in the context's KV cache
+        × bytes per position (its KV type), and the context's window × the same."""
+        per_token = self.backend._kv_bytes_per_token()
+        ctx = self.backend.context
+        n_ctx = ctx.settings.n_ctx if ctx is not None else None
+        held = sum(s.n_prompt + len(s.generated) for s in running)
+        return {
+            "bytes_in_use": int(held * per_token),
+            "capacity_bytes": None if n_ctx is None else int(n_ctx * per_token),
+            "source": "llama.cpp context positions",
+        }
+
     def step(self) -> list[Sequence]:
         """One decode forward for every row (in the swap mode, for one steering group's
         rows); returns the sequences that finished."""

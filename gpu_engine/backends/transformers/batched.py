@@ -256,6 +256,15 @@ class BatchedRunner:
         self._row_slots = None
         self.cache = self._new_cache()
 
+    def kv_usage(self, running: list[Any]) -> dict[str, Any]:
+        """``ReportsKV``: the slab's slots the running rows span (rows × the longest row's
+        length, padding included: the slab is left-padded) and the slab reserved."""
+        cache = self.cache
+        reserved = cache.nbytes()
+        slots = cache.row_capacity * cache.slot_capacity
+        in_use = reserved * cache.rows * cache.length // slots if slots and running else 0
+        return {"bytes_in_use": int(in_use), "capacity_bytes": int(reserved), "source": "kv slab"}
+
     def cached_bytes(self) -> int:
         """Bytes this runner keeps between requests: the KV slab (it grows to the largest
         batch and context seen, and is kept for the next one) and the capture stages."""

@@ -238,6 +238,26 @@ class VllmBatch:
     def engine(self) -> Any:
         return self.backend.engine
 
+    def kv_usage(self, running: list[Any]) -> dict[str, Any] | None:
+        """``ReportsKV``: the paged blocks the running rows fill (vLLM allocates whole
+        blocks) × bytes per position (the model's KV heads, head size and dtype), and
+        vLLM's blocks × the same where its front end knows their number."""
+        geometry = self.backend.attention_geometry
+        if geometry is None:
+            return None
+        cache = getattr(getattr(self.engine, "vllm_config", None), "cache_config", None)
+        block = int(getattr(cache, "block_size", None) or 16)
+        per_token = (
+            self.backend.num_layers * 2 * geometry.num_kv_heads * geometry.head_dim * self.backend.dtype.itemsize
+        )
+        held = sum(-(-(s.n_prompt + len(s.generated)) // block) * block for s in running)
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return {
+            "bytes_in_use": int(held * per_token),
+            "capacity_bytes": int(blocks * block * per_token) if blocks else None,
+            "source": "vllm paged blocks",
+        }
+
     def start(self, seqs: list[VllmSequence]) -> list[VllmSequence]:
         for seq in seqs:
             # vLLM suffixes the id it runs the request under (the workers see that one)
