@@ -252,6 +252,7 @@ register_backend(
         requires=("vllm",),
         install="scripts/setup vllm",
         loader="gpu_engine.backends.vllm:load",
+        validator="gpu_engine.backends.vllm:check_job",
         # from the site's VLLM_* settings
         options={
             "tensor_parallel_size": Option(int, "VLLM_TENSOR_PARALLEL_SIZE"),

@@ -9,6 +9,19 @@ import functools
 
 # when /proc/meminfo cannot be read (not Linux): assume this much is available
 FALLBACK_AVAILABLE = 8 << 30
+# bytes per KV element of llama.cpp's cache for each GGUF_KV_CACHE_TYPE (block size /
+# elements per block): the engine sizes its window by it, the web tier's memory fit too
+GGUF_KV_BYTES = {
+    "f32": 4.0,
+    "f16": 2.0,
+    "bf16": 2.0,
+    "q8_0": 34 / 32,
+    "q5_1": 24 / 32,
+    "q5_0": 22 / 32,
+    "q4_1": 20 / 32,
+    "q4_0": 18 / 32,
+    "iq4_nl": 18 / 32,
+}
 
 
 def host_memory() -> dict[str, int] | None:
@@ -53,4 +66,4 @@ def trim_host_heap() -> bool:
     return True
 
 
-__all__ = ["available_memory", "host_memory", "trim_host_heap"]
+__all__ = ["GGUF_KV_BYTES", "available_memory", "host_memory", "trim_host_heap"]

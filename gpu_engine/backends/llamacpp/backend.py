@@ -59,11 +59,12 @@ from .native import (
     ContextSettings,
     NativeContext,
     NativeModel,
+    card_free_memory,
     gpu_device_count,
     resolve_gguf,
 )
 from .taps import ATTN_OUT, EMBD, FFN_OUT, LAYER_OUT, EvalTaps, node_name
-from .options import KV_BYTES, KV_MEMORY_SHARE, check_options
+from .options import KV_BYTES, KV_CARD_SHARE, KV_MEMORY_SHARE, check_options
 from .prefix import ResidentPrefixCache
 from .tokens import ChatTemplate, LlamaTokenizer, grammar_vocabulary
 from .unembedding import gguf_unembedding
@@ -141,6 +142,8 @@ class LlamaCppBackend:
             self.gguf,
             gpu_layers=-1 if opts["offload"] else 0,
             tensor_split=opts["tensor_split"] or None,
+            main_gpu=opts["main_gpu"],
+            split_mode=opts["split_mode"],
         )
         try:
             if not self.native.has_decoder or self.native.n_layer < 1:
@@ -201,6 +204,18 @@ class LlamaCppBackend:
         kv_dim = self.hidden_size * n_head_kv / n_head
         return self.num_layers * 2 * kv_dim * KV_BYTES[self.opts["kv"]]
 
+    def _kv_memory(self) -> tuple[float, str]:
+        """(bytes the KV cache may take, where): with the layers offloaded, KV_CARD_SHARE
+        of what the cards holding them have free once the weights are on them (llama.cpp
+        puts each offloaded layer's KV beside it); on the CPU, KV_MEMORY_SHARE of the
+        host's available memory."""
+        cards = self.opts["cards"]
+        if cards:
+            free = card_free_memory(cards)
+            if free is not None:
+                return free * KV_CARD_SHARE, ", ".join(f"cuda:{c}" for c in cards)
+        return available_memory() * KV_MEMORY_SHARE, "the host"
+
     def _window(self) -> int:
         """The per-request window: the file's, under GGUF_CONTEXT_LENGTH (0: the file's)
         and the job's ceiling, and what fits in memory."""
@@ -210,9 +225,13 @@ class LlamaCppBackend:
             window = min(window, self.opts["context_length"])
         if self.job.max_context_length:
             window = min(window, int(self.job.max_context_length))
-        fits = int(available_memory() * KV_MEMORY_SHARE / self._kv_bytes_per_token())
+        memory, where = self._kv_memory()
+        fits = int(memory / self._kv_bytes_per_token())
         if fits < 16:
-            raise ModelLoadFailed("not enough memory for a KV cache", details={"fits_tokens": fits})
+            raise ModelLoadFailed(
+                f"not enough memory for a KV cache on {where}",
+                details={"fits_tokens": fits, "memory_mb": round(memory / 2**20), "where": where},
+            )
         return max(min(window, fits), 16)
 
     def _open_context(self, rows: int) -> None:
@@ -221,7 +240,12 @@ class LlamaCppBackend:
         window per live sequence while memory allows, else what fits (the prefix cache
         lives in the cells they leave free)."""
         n_seq = rows + 1
-        budget = int(available_memory() * KV_MEMORY_SHARE / self._kv_bytes_per_token())
+        # the old context's KV cache goes first: the budget is what its memory leaves free
+        old = self.context
+        self.context = None
+        if old is not None:
+            old.close()
+        budget = int(self._kv_memory()[0] / self._kv_bytes_per_token())
         n_ctx = max(min(self.context_length * n_seq, budget), self.context_length)
         settings = ContextSettings(
             n_ctx=n_ctx,
@@ -231,10 +255,6 @@ class LlamaCppBackend:
             flash_attention=self.opts["flash_attention"],
             n_threads=len(os.sched_getaffinity(0)),
         )
-        old = self.context
-        self.context = None
-        if old is not None:
-            old.close()
         self.context = NativeContext(self.native, settings, self.taps.callback, self.taps.user_data)
         self._rows = rows
         self.prefix.reset(n_seq)

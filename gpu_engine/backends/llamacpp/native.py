@@ -17,7 +17,7 @@ from pathlib import Path
 import llama_cpp.llama_cpp as lc
 import numpy as np
 
-from ...api.errors import InsufficientMemory, InvalidParameter, ModelLoadFailed
+from ...api.errors import InsufficientMemory, ModelLoadFailed
 
 
 # ggml.h: GGML_MAX_DIMS 4, GGML_MAX_OP_PARAMS 64, GGML_MAX_SRC 10, GGML_MAX_NAME 64
@@ -86,6 +86,11 @@ if GGML is not None:
     GGML.ggml_backend_dev_get.restype = ctypes.c_void_p
     GGML.ggml_backend_dev_type.argtypes = [ctypes.c_void_p]
     GGML.ggml_backend_dev_type.restype = ctypes.c_int
+# ggml_backend_dev_memory(dev, &free, &total): in ggml-base (ggml-backend.cpp)
+_DEV_MEMORY = getattr(GGML_BASE, "ggml_backend_dev_memory", None) if GGML_BASE is not None else None
+if _DEV_MEMORY is not None:
+    _DEV_MEMORY.argtypes = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+    _DEV_MEMORY.restype = None
 
 
 def _op_id(name: bytes) -> int | None:
@@ -171,10 +176,24 @@ class ContextSettings:
 class NativeModel:
     """A loaded ``llama_model`` and its vocabulary; freed by ``close``."""
 
-    def __init__(self, gguf: Path, *, gpu_layers: int, tensor_split: list[float] | None) -> None:
+    def __init__(
+        self,
+        gguf: Path,
+        *,
+        gpu_layers: int,
+        tensor_split: list[float] | None,
+        main_gpu: int = 0,
+        split_mode: int | None = None,
+    ) -> None:
         _backend_init()
         params = lc.llama_model_default_params()
         params.n_gpu_layers = gpu_layers
+        if gpu_layers != 0:
+            # MILLM_ENGINE_DEVICE=cuda:N: the whole model on card N (split mode none);
+            # cuda: split by layer over every card (gpu_engine.api.devices.gguf_placement)
+            params.main_gpu = main_gpu
+            if split_mode is not None:
+                params.split_mode = split_mode
         params.use_mmap = True
         self._split = None
         if tensor_split:
@@ -366,18 +385,31 @@ class NativeContext:
             self.ptr = None
 
 
-def check_tensor_split(split: list[float], n_devices: int) -> list[float]:
-    """GGUF_TENSOR_SPLIT proportions: one per card used, each > 0 (normalised)."""
-    if len(split) != n_devices:
-        raise InvalidParameter(
-            f"GGUF_TENSOR_SPLIT has {len(split)} proportions but {n_devices} card(s) are used",
-            param="options.tensor_split",
-            details={"tensor_split": split, "devices": n_devices},
-        )
-    if any(not s > 0 for s in split):
-        raise InvalidParameter("every GGUF_TENSOR_SPLIT proportion must be > 0", param="options.tensor_split")
-    total = sum(split)
-    return [s / total for s in split]
+def _gpu_devices() -> list[int]:
+    """The ggml devices of GPU type, in llama.cpp's order (``main_gpu`` indexes them)."""
+    if GGML is None:
+        return []
+    _backend_init()
+    gpu = 1  # GGML_BACKEND_DEVICE_TYPE_GPU
+    return [
+        GGML.ggml_backend_dev_get(i)
+        for i in range(GGML.ggml_backend_dev_count())
+        if GGML.ggml_backend_dev_type(GGML.ggml_backend_dev_get(i)) == gpu
+    ]
+
+
+def card_free_memory(cards: list[int]) -> int | None:
+    """The free bytes of llama.cpp's GPU devices ``cards`` together, as ggml reports them
+    (``ggml_backend_dev_memory``); None when this build cannot say."""
+    devices = _gpu_devices()
+    if _DEV_MEMORY is None or not cards or any(c >= len(devices) for c in cards):
+        return None
+    total_free = 0
+    for card in cards:
+        free, total = ctypes.c_size_t(0), ctypes.c_size_t(0)
+        _DEV_MEMORY(devices[card], ctypes.byref(free), ctypes.byref(total))
+        total_free += int(free.value)
+    return total_free
 
 
 def gpu_device_count() -> int:
@@ -404,7 +436,7 @@ __all__ = [
     "ContextSettings",
     "NativeContext",
     "NativeModel",
-    "check_tensor_split",
+    "card_free_memory",
     "gpu_device_count",
     "resolve_gguf",
 ]

@@ -9,6 +9,9 @@ Load options (``LoadModelJob.options``, from the site's GGUF_* settings):
 - ``kv_cache_type`` (GGUF_KV_CACHE_TYPE) and ``flash_attention`` (GGUF_FLASH_ATTENTION):
   a quantized KV cache needs flash attention, refused otherwise before loading.
 - ``tensor_split`` (GGUF_TENSOR_SPLIT): per-card proportions, one per card used.
+- the job's device (MILLM_ENGINE_DEVICE): ``cpu`` no offload, ``cuda`` every card split by
+  layer, ``cuda:N`` all layers on card N (``main_gpu``, split mode none):
+  ``gpu_engine.api.devices.gguf_placement``.
 - ``enable_embeddings`` (GGUF_ENABLE_EMBEDDINGS): /v1/embeddings on this model.
 - ``steering_mode`` (GGUF_STEERING_MODE): ``auto`` (the self-check decides) or
   ``control_vector_swap`` (the fallback, forced).
@@ -21,25 +24,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...api.errors import InvalidParameter, ModelLoadFailed
+from ...api.errors import InvalidParameter
 from ...api.protocol import LoadModelJob
 from .batched import CONTROL_VECTOR_SWAP
-from .native import UNQUANTIZED_KV, check_tensor_split, gpu_device_count
+from ...api.devices import gguf_placement
+from ...api.memory import GGUF_KV_BYTES
+from .native import UNQUANTIZED_KV, gpu_device_count
 
-# bytes per KV element for each GGUF_KV_CACHE_TYPE (block size / elements per block)
-KV_BYTES = {
-    "f32": 4.0,
-    "f16": 2.0,
-    "bf16": 2.0,
-    "q8_0": 34 / 32,
-    "q5_1": 24 / 32,
-    "q5_0": 22 / 32,
-    "q4_1": 20 / 32,
-    "q4_0": 18 / 32,
-    "iq4_nl": 18 / 32,
-}
-# share of the host's available memory the KV cache may take
+# bytes per KV element for each GGUF_KV_CACHE_TYPE
+KV_BYTES = GGUF_KV_BYTES
+# share of the host's available memory the KV cache may take (layers on the CPU)
 KV_MEMORY_SHARE = 0.5
+# share of the cards' free memory (after the weights are on them) the KV cache may take
+# with the layers offloaded: llama.cpp's compute buffers take the rest
+KV_CARD_SHARE = 0.8
 # GGUF_STEERING_MODE: let the load decide, or force the fallback
 STEERING_MODE_OPTIONS = ("auto", CONTROL_VECTOR_SWAP)
 
@@ -67,20 +65,7 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
     if job.trust_remote_code:
         raise InvalidParameter("trust_remote_code has no meaning for a GGUF model", param="trust_remote_code")
     n_gpu = gpu_device_count()
-    if job.device.startswith("cuda") and n_gpu == 0:
-        raise ModelLoadFailed(
-            "device 'cuda' requested but this llama.cpp build has no GPU offload",
-            details={"device": job.device},
-        )
-    offload = n_gpu > 0 and job.device != "cpu"
-    split = [float(x) for x in o.get("tensor_split", [])]
-    if split:
-        if not offload:
-            raise InvalidParameter(
-                "GGUF_TENSOR_SPLIT needs GPU offload; this load runs on the CPU",
-                param="options.tensor_split",
-            )
-        split = check_tensor_split(split, n_gpu)
+    placement = gguf_placement(job.device, n_gpu, [float(x) for x in o.get("tensor_split", [])])
     cache_mb = o.get("prefix_cache_max_mb", 0)
     if cache_mb < 0:
         raise InvalidParameter("PREFIX_CACHE_MAX_MB must be >= 0", param="options.prefix_cache_max_mb")
@@ -94,8 +79,12 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
         "kv": kv,
         "flash_attention": bool(fa),
         "context_length": int(ctx),
-        "offload": offload,
-        "tensor_split": split,
+        "offload": placement.offload,
+        "tensor_split": placement.tensor_split,
+        "main_gpu": placement.main_gpu,
+        "split_mode": placement.split_mode,
+        # the cards holding the layers and the KV cache (none: the CPU)
+        "cards": placement.cards(n_gpu),
         "embeddings": bool(o.get("enable_embeddings", True)),
         "gguf_file": o.get("gguf_file") or None,
         "steering_mode": steering_mode,
@@ -104,4 +93,4 @@ def check_options(job: LoadModelJob) -> dict[str, Any]:
     }
 
 
-__all__ = ["KV_BYTES", "KV_MEMORY_SHARE", "STEERING_MODE_OPTIONS", "check_options"]
+__all__ = ["KV_BYTES", "KV_CARD_SHARE", "KV_MEMORY_SHARE", "STEERING_MODE_OPTIONS", "check_options"]

@@ -20,11 +20,12 @@ through its batch scheduler (``capabilities().serial_mode is False``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ from ...api.protocol import (
     ScoreResult,
 )
 from ...api.capabilities import Capabilities
+from . import card_env
 from .loader import LOAD_FORMAT
 from .wire import hook_site, supported_points
 
@@ -75,7 +77,7 @@ def compiled_config() -> dict[str, Any]:
     return {"splitting_ops": splitting, "cudagraph_mode": "PIECEWISE"}
 
 
-def _prepare_env(options: dict[str, Any]) -> None:
+def _prepare_env(options: dict[str, Any], card: dict[str, str] | None = None) -> None:
     """vLLM reads its environment at import: caches and sockets in a private temp dir, a
     modest CPU KV cache unless the operator set one, and whether the engine core runs in
     this process (executor ``uni``) or its own."""
@@ -85,9 +87,27 @@ def _prepare_env(options: dict[str, Any]) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("VLLM_DO_NOT_TRACK", "1")
-    # "uni": the engine core and its one worker run in this process (no extra start-up)
-    in_process = options.get("distributed_executor_backend") == "uni"
+    # "uni": the engine core and its one worker run in this process (no extra start-up);
+    # a load on one card of several (cuda:N) runs it in its own process, which alone sees
+    # that card: this process keeps its view of the cards for the loads after it
+    in_process = options.get("distributed_executor_backend") == "uni" and card is None
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+
+
+@contextlib.contextmanager
+def _environment(extra: dict[str, str] | None) -> Iterator[None]:
+    """``extra`` in this process's environment while vLLM starts its engine core's process
+    (which inherits it), restored after."""
+    saved = {key: os.environ.get(key) for key in extra or {}}
+    os.environ.update(extra or {})
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class VllmBackend:
@@ -102,7 +122,9 @@ class VllmBackend:
         self.info = inspect_model_dir(path, job.dtype)
         if not self.info.supported and not job.trust_remote_code:
             raise UnsupportedArchitecture(self.info.architecture_class or "<none in config.json>")
-        _prepare_env(opts)
+        # MILLM_ENGINE_DEVICE: cuda:N -> CUDA_VISIBLE_DEVICES for the engine core's process
+        card = card_env(job)
+        _prepare_env(opts, card)
         from transformers import AutoTokenizer
         from vllm import EngineArgs, LLMEngine
         from vllm.config import StructuredOutputsConfig
@@ -156,7 +178,8 @@ class VllmBackend:
             self.tokenizer = AutoTokenizer.from_pretrained(
                 str(path), local_files_only=True, trust_remote_code=job.trust_remote_code
             )
-            self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
+            with _environment(card):
+                self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise ModelLoadFailed(f"vLLM cannot load {path}: {exc}", details={"path": str(path)}) from exc
         described = self.engine.collective_rpc("millm_describe")
