@@ -10,9 +10,10 @@ from pathlib import Path
 from django.conf import settings
 
 from core.engine_client import resolve_device_and_dtype
-from core.errors import BackendUnavailable, UnsupportedModel, from_engine_error
+from core.errors import BackendUnavailable, UnsupportedModel, ValidationFailed, from_engine_error
 from core.runtime import runtime
-from gpu_engine.api.errors import EngineError
+from gpu_engine.api.devices import check_card
+from gpu_engine.api.errors import EngineError, InvalidParameter
 from gpu_engine.api.host import backend_option_settings
 from gpu_engine.api.protocol import LoadModelJob
 from registry.access import remote_code_enabled
@@ -169,6 +170,28 @@ def check_speculative_model() -> None:
             speculative_draft(settings.SPECULATIVE_MODEL)
         except ModelInvalid:
             pass
+
+
+def check_engine_device() -> None:
+    """Start-up's check of MILLM_ENGINE_DEVICE on the engine's host (embedded ``serve``,
+    ``run_engine``): ``cuda:N`` must name a card torch sees there, else the process refuses
+    to start (VALIDATION_ERROR naming the setting and the cards). A host whose torch sees
+    no card at all is left to each load (a llama.cpp build may offload where torch cannot):
+    the backend refuses it then, by name."""
+    device = str(settings.MILLM_ENGINE_DEVICE)
+    if not device.startswith("cuda:"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        return
+    try:
+        check_card(device, torch.cuda.device_count(), seen_by="this host")
+    except InvalidParameter as exc:
+        found = {k: v for k, v in exc.details.items() if k != "param"}
+        raise ValidationFailed(
+            exc.message, details={"setting": "MILLM_ENGINE_DEVICE", "value": device, **found}
+        ) from None
 
 
 def _check_backend(model: Model) -> None:

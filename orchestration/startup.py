@@ -16,7 +16,7 @@ from core import jobs
 from core.errors import ValidationFailed
 from core.runtime import runtime
 from orchestration import services
-from orchestration.load_checks import check_speculative_model
+from orchestration.load_checks import check_engine_device, check_speculative_model
 from orchestration.restore import restore_recorded_state
 from leases.errors import ModelLeased
 from leases.selectors import lease_live
@@ -59,6 +59,8 @@ def application_start(*, auto_load_model: bool = True) -> None:
       into this process's engine again, as run_engine does in distributed mode, so the
       rows and the engine agree before the first request. What cannot be restored is
       recorded on the rows (status ``error`` with the reason; attachments dropped);
+    - in embedded mode, MILLM_ENGINE_DEVICE=cuda:N must name a card of this host
+      (``check_engine_device``); anything else raises;
     - SPECULATIVE_MODEL must name a draft the engine can read (a registered model's name
       or repository id, self:layers=N, a checkpoint directory); anything else raises;
     - AUTO_LOAD_MODEL starts loading (unless ``auto_load_model`` is False: ``serve
@@ -73,6 +75,7 @@ def application_start(*, auto_load_model: bool = True) -> None:
     startup_reconcile()
     check_speculative_model()  # a draft that names nothing refuses the start, not each load
     if settings.EMBEDDED:
+        check_engine_device()  # a card that does not exist refuses the start, not each load
         attempts = _RestoreAttempts(Path(settings.DATA_DIR) / "restore_attempts")
         restore_recorded_state(engine=runtime().engine, begin_restore=attempts.begin, end_restore=attempts.end)
     if settings.AUTO_LOAD_MODEL and auto_load_model:

@@ -48,7 +48,7 @@ def server_config(name: str | None = None) -> Any:
     )
 
 
-def host_description() -> Any:
+def host_description(name: str = "default") -> Any:
     """The heartbeat's extra fields: what ``auto`` device/dtype mean on this host (the web
     tier asks, having no torch) and the free memory of each CUDA device."""
     import torch
@@ -69,7 +69,7 @@ def host_description() -> Any:
                 free, total = torch.cuda.mem_get_info(index)
                 memory[f"cuda:{index}"] = {"free": int(free), "total": int(total)}
             memory["cuda"] = memory.get(f"cuda:{torch.cuda.current_device()}")
-        return {"defaults": {"device": device, "dtype": dtype}, "memory": memory}
+        return {"defaults": {"device": device, "dtype": dtype}, "memory": memory, "engine_name": name}
 
     return describe
 
@@ -112,6 +112,13 @@ class Command(BaseCommand):
         name = name or settings.ENGINE_NAME
         if not valid_engine_name(name):
             raise CommandError(f"--name {name!r}: must be 1-40 letters, digits, _ or -")
+        from core.errors import MillmError
+        from orchestration.load_checks import check_engine_device
+
+        try:
+            check_engine_device()  # MILLM_ENGINE_DEVICE=cuda:N names a card of this host
+        except MillmError as exc:
+            raise CommandError(exc.message) from None
         import redis
 
         from core.engine_options import batching_options, idle_release_s
@@ -149,7 +156,7 @@ class Command(BaseCommand):
             idle_release_s=idle_release_s(),
             structured_timeout_s=float(settings.STRUCTURED_COMPILE_TIMEOUT_S),
         )
-        server = EngineServer(engine, client, config, engine_id=engine_id, describe=host_description())
+        server = EngineServer(engine, client, config, engine_id=engine_id, describe=host_description(name))
         log.info(
             "engine_starting",
             engine=name,
