@@ -12,8 +12,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import body_object, envelope, validated
+from core.auth import require_admin
 from core.schema import enveloped
-from orchestration import services, vectors
+from orchestration import engines, services, vectors
 from registry import outputs, selectors, vector_io
 from registry import serializers as io
 from registry.models import Attachment
@@ -54,6 +55,18 @@ class ModelUnloadApi(APIView):
     )
     def post(self, request, model_id: int) -> Response:
         return _enqueued(request, model_id, services.model_unload_enqueue)
+
+
+class EngineListApi(APIView):
+    @extend_schema(
+        tags=MODELS,
+        summary="The engines the front routes to and what each holds (admin keys only)",
+        operation_id="engine_list",
+        responses=enveloped(OpenApiTypes.OBJECT),
+    )
+    def get(self, request) -> Response:
+        require_admin(request, "listing the engines")
+        return envelope({"engines": engines.engines_report()})
 
 
 class AttachmentStatusApi(APIView):

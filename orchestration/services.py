@@ -331,7 +331,7 @@ def _reap(stale, models) -> int:
             elif status is None and row.status != Model.Status.LOADING:
                 Model.objects.filter(pk=row.pk).update(status=Model.Status.LOADED)
             elif status is None:
-                Model.objects.filter(pk=row.pk).update(status=Model.Status.READY)
+                Model.objects.filter(pk=row.pk).update(status=Model.Status.READY, engine="")
             else:
                 _forget_model_state(row, reason="unload")
                 transaction.on_commit(
@@ -395,6 +395,7 @@ def _forget_model_state(model: Model, *, reason: str) -> None:
         locked_by_operator=False,
         device="",
         dtype="",
+        engine="",
         updated_at=timezone.now(),
     )
 

@@ -9,6 +9,7 @@ from registry.urls import SAE_ID
 urlpatterns = [
     path("models/<int:model_id>/load", apis.ModelLoadApi.as_view(), name="model-load"),
     path("models/<int:model_id>/unload", apis.ModelUnloadApi.as_view(), name="model-unload"),
+    path("engines", apis.EngineListApi.as_view(), name="engine-list"),
     path("saes/attachment", apis.AttachmentStatusApi.as_view(), name="sae-attachment"),
     path("saes/attach-set", apis.AttachSetApi.as_view(), name="sae-attach-set"),
     re_path(rf"^saes/{SAE_ID}/compatibility$", apis.SAECompatibilityApi.as_view(), name="sae-compatibility"),
