@@ -292,3 +292,69 @@ def test_manage_py_worker_starts_celery_at_max_load_workers(redis_url, pg_databa
         assert re.search(r"\.> loads\s", text), text[-3000:]
     finally:
         proc.stop()
+
+
+def _dockerfile_stages() -> dict[str, str]:
+    """deploy/Dockerfile's stages: name -> the stage's text (its FROM line included)."""
+    stages: dict[str, str] = {}
+    name = None
+    for line in (DEPLOY / "Dockerfile").read_text().splitlines():
+        found = re.match(r"FROM\s+\S+\s+AS\s+(\S+)", line, re.IGNORECASE)
+        if found:
+            name = found.group(1)
+            stages[name] = ""
+        if name is not None:
+            stages[name] += line + "\n"
+    return stages
+
+
+def _setup_files(role: str) -> list[str]:
+    """The requirement files ``scripts/setup <role>`` installs."""
+    script = (DEPLOY.parent / "scripts" / "setup").read_text()
+    found = re.search(rf'^\s*{role}\) files="([^"]+)"', script, re.MULTILINE)
+    assert found, role
+    return found.group(1).split()
+
+
+def _parents(stages: dict[str, str], name: str) -> list[str]:
+    """``name`` and the stages it is built FROM, nearest first."""
+    chain = [name]
+    while True:
+        parent = re.match(r"FROM\s+(\S+)", stages[chain[-1]], re.IGNORECASE).group(1)
+        if parent not in stages:
+            return chain
+        chain.append(parent)
+
+
+def test_the_engine_images_are_offered_with_vllm_and_with_llamacpp():
+    """The engine image comes with each backend (issue 37, part 6): a target per backend,
+    installing what ``scripts/setup vllm|llamacpp`` installs, running run_engine; compose
+    builds the target MILLM_ENGINE_TARGET names (the plain engine by default) and the docs
+    name every target."""
+    stages = _dockerfile_stages()
+    installed = {
+        name: set(re.findall(r"-r\s+(requirements/\S+\.txt)", "".join(stages[s] for s in _parents(stages, name))))
+        for name in stages
+    }
+    # the llama.cpp image installs what scripts/setup llamacpp installs, over the engine's
+    assert set(_setup_files("llamacpp")) <= installed["engine-llamacpp"]
+    assert "requirements/engine.txt" in installed["engine-llamacpp"]
+    # the vLLM image installs requirements/engine.txt with vLLM, as scripts/setup vllm does;
+    # its default vLLM is the CUDA build requirements/vllm.txt names for CUDA hosts, and
+    # the CPU line it pins is the documented alternative
+    vllm_txt = (DEPLOY.parent / "requirements" / "vllm.txt").read_text()
+    (pinned,) = [line for line in vllm_txt.splitlines() if line and not line.startswith("#")]
+    cuda = re.search(r"CUDA hosts: install `([^`]+)`", vllm_txt).group(1)
+    assert set(_setup_files("vllm")) - {"requirements/vllm.txt"} <= installed["engine-vllm"]
+    assert re.search(rf"ARG VLLM_PACKAGE={re.escape(cuda)}\n", stages["engine-vllm"])
+    assert '"${VLLM_PACKAGE}"' in stages["engine-vllm"] and f"VLLM_PACKAGE={pinned}" in stages["engine-vllm"]
+    for name in ("engine", "engine-vllm", "engine-llamacpp"):
+        assert 'CMD ["python", "manage.py", "run_engine"]' in stages[name], name
+        assert "USER millm" in stages[name] and "STOPSIGNAL SIGTERM" in stages[name], name
+    # compose builds the engine from the target MILLM_ENGINE_TARGET names
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    target = compose["services"]["engine"]["build"]["target"]
+    assert target == "${MILLM_ENGINE_TARGET:-engine}"
+    docs = (DEPLOY.parent / "docs" / "deploy.md").read_text()
+    for name in ("engine-vllm", "engine-llamacpp", "MILLM_ENGINE_TARGET", "VLLM_PACKAGE", "LLAMACPP_CMAKE_ARGS"):
+        assert name in docs, name
