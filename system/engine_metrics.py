@@ -2,9 +2,8 @@
 occupancy, queue depth, KV bytes, step time and tokens per second, as each engine
 publishes them in its status (its heartbeat in distributed mode), labelled by engine.
 
-One engine today, named ``default`` (the name the several-engines work gives the engine of
-ENGINE_STREAM_PREFIX); a stack of several engines adds one entry per engine to
-``engine_figures``' list.
+Every engine of ENGINE_MODELS gets its entry (``default`` alone when it is unset), each
+read from that engine's own status.
 """
 
 from __future__ import annotations
@@ -30,41 +29,59 @@ _FAMILIES = (
 )
 
 
-def engine_name() -> str:
-    return "default"
+def _statuses(default: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(name, status) of every engine; ``default``: the default engine's, read already."""
+    from core.engines import DEFAULT_ENGINE, engine_names
+    from core.runtime import runtime
+    from gpu_engine.api.protocol import to_builtins
+
+    out = []
+    for name in engine_names():
+        if name == DEFAULT_ENGINE:
+            out.append((name, default))
+            continue
+        try:
+            out.append((name, to_builtins(runtime().engines.client(name).status())))
+        except Exception as exc:  # noqa: BLE001 - metrics answer whatever an engine does
+            out.append((name, {"state": "unavailable", "error": getattr(exc, "message", str(exc))}))
+    return out
 
 
 def engine_figures(engine: dict[str, Any]) -> list[dict[str, Any]]:
-    """One entry per engine: its name, state, model and the batch's figures (None where
-    the engine runs no batch: serial mode, nothing loaded, unreachable)."""
+    """One entry per engine (``engine``: the default engine's status, read already): its
+    name, state, model and the batch's figures (None where the engine runs no batch:
+    serial mode, nothing loaded, unreachable)."""
+    return [_figures(name, status) for name, status in _statuses(engine)]
+
+
+def _figures(name: str, engine: dict[str, Any]) -> dict[str, Any]:
     batching = engine.get("batching") or {}
-    batched = bool(batching.get("enabled")) and "occupancy" in batching
+    # the figures of a loaded engine, batched or serial (nothing loaded: none)
+    batched = "occupancy" in batching
     kv = batching.get("kv") or {}
 
     def pick(key: str) -> Any:
         return batching.get(key) if batched else None
 
-    return [
-        {
-            "engine": engine_name(),
-            "state": engine.get("state"),
-            "model_name": engine.get("model_id"),
-            "backend": engine.get("backend"),
-            "occupancy": pick("occupancy"),
-            "running": pick("running"),
-            "max_rows": pick("max_rows"),
-            "queue_depth": pick("queue_depth"),
-            "kv_bytes_in_use": kv.get("bytes_in_use") if batched else None,
-            "kv_capacity_bytes": kv.get("capacity_bytes") if batched else None,
-            "kv_source": kv.get("source") if batched else None,
-            "step_seconds_last": pick("step_seconds_last"),
-            "step_seconds_mean": pick("step_seconds_mean"),
-            "tokens_per_second": pick("tokens_per_second"),
-            "decode_steps": pick("decode_steps"),
-            "decode_seconds_total": pick("decode_seconds_total"),
-            "generated_tokens_total": pick("generated_tokens_total"),
-        }
-    ]
+    return {
+        "engine": name,
+        "state": engine.get("state"),
+        "model_name": engine.get("model_id"),
+        "backend": engine.get("backend"),
+        "occupancy": pick("occupancy"),
+        "running": pick("running"),
+        "max_rows": pick("max_rows"),
+        "queue_depth": pick("queue_depth"),
+        "kv_bytes_in_use": kv.get("bytes_in_use") if batched else None,
+        "kv_capacity_bytes": kv.get("capacity_bytes") if batched else None,
+        "kv_source": kv.get("source") if batched else None,
+        "step_seconds_last": pick("step_seconds_last"),
+        "step_seconds_mean": pick("step_seconds_mean"),
+        "tokens_per_second": pick("tokens_per_second"),
+        "decode_steps": pick("decode_steps"),
+        "decode_seconds_total": pick("decode_seconds_total"),
+        "generated_tokens_total": pick("generated_tokens_total"),
+    }
 
 
 def engine_families(engine: dict[str, Any]):

@@ -78,7 +78,7 @@ from .capture_writer import CaptureWriter, deliver
 from .drain import WorkLedger
 from ..decode.prefix_cache import prefix_kwargs
 from .loading import ModelLoading
-from .scheduler import BatchScheduler
+from .scheduler import BatchScheduler, StepFigures
 from .stream import GenerationStream
 from .worker import _WORK, Arrival, _priority
 
@@ -118,12 +118,15 @@ class Engine(ModelLoading):
         self._backend_scheduler = False
         # finished captures are packed and written here, off the worker (capture_writer)
         self._capture_writer = capture_writer if capture_writer is not None else CaptureWriter()
+        # step time and tokens, batched or serial (engine metrics: status ``batching``)
+        self._steps = StepFigures()
         if self.batching.enabled:
             self._scheduler = BatchScheduler(
                 self.batching,
                 make_sequence=self._make_sequence,
                 classify=self._classify,
                 writer=self._capture_writer,
+                figures=self._steps,
             )
         self._queue = queue.PriorityQueue()
         self._seq = itertools.count()
@@ -183,7 +186,7 @@ class Engine(ModelLoading):
                 max_tokens=max_tokens,
                 request_hooks=hooks,
                 should_stop=stream._cancel.is_set,
-                emit=stream._put,
+                emit=self._steps.timed(stream._put),
                 distributions_from=job.distributions_from,
                 **prefix_kwargs(backend, job, prompt_ids),
             )

@@ -114,6 +114,7 @@ class ModelLoading(StatusReports):
                     make_sequence=self._make_sequence,
                     classify=self._classify,
                     writer=self._capture_writer,
+                    figures=self._steps,
                 )
                 self._backend_scheduler = True
             if self._scheduler is not None:

@@ -45,6 +45,7 @@ from typing import Any, Protocol
 from ..backends.base import BatchBackend, CountsLeanSteps, ReportsKV
 from ..api.errors import EngineBusy, EngineError, ModelNotLoaded
 from ..api.protocol import BatchingOptions, ErrorEvent, FinishEvent, GenerationJob, Usage
+from ..api.results import TokenEvent
 from .capture_writer import CaptureWriter, deliver
 from .stream import held_deliveries
 
@@ -82,6 +83,25 @@ class StepFigures:
         self.prefills += 1
         self.prefill_seconds += seconds
         self._counted(tokens)
+
+    def timed(self, emit: Callable[[Any], None]) -> Callable[[Any], None]:
+        """``emit`` for one serial generation, timing it: its first token ends the prefill,
+        each later one a decode step (the time since the token before)."""
+        last = [time.perf_counter()]
+        seen = [False]
+
+        def timed_emit(event: Any) -> None:
+            if isinstance(event, TokenEvent):
+                now = time.perf_counter()
+                if seen[0]:
+                    self.decoded(now - last[0], 1)
+                else:
+                    self.prefilled(now - last[0], 1)
+                    seen[0] = True
+                last[0] = now
+            emit(event)
+
+        return timed_emit
 
     def _counted(self, tokens: int) -> None:
         self.generated_tokens += tokens
@@ -121,6 +141,7 @@ class BatchScheduler:
         make_sequence: Callable[[GenerationJob, Any], Any],
         classify: Callable[[BaseException], EngineError],
         writer: CaptureWriter | None = None,
+        figures: StepFigures | None = None,
     ) -> None:
         self.options = options
         self.make_sequence = make_sequence
@@ -136,7 +157,8 @@ class BatchScheduler:
         self._exclusive = False
         self.admitted_total = 0
         self.refused_total = 0
-        self.figures = StepFigures()
+        # the engine's (it outlives a batch-only backend's scheduler), or this one's own
+        self.figures = figures if figures is not None else StepFigures()
 
     # ------------------------------------------------------------------ state
 

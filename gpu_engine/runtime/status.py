@@ -56,6 +56,18 @@ class StatusReports(EngineWorker):
             data.update(sched.status())
             with self._state_lock:
                 data.update(self._gathers, arriving=self._arriving, gather_ms=self.batching.gather_ms)
+        elif backend is not None:
+            # serial: one generation at a time, the rest queued on the worker
+            running = min(self._in_flight, 1)
+            data.update(
+                occupancy=float(running),
+                max_rows=1,
+                running=running,
+                queue_depth=max(self._queued, 0),
+                kv=None,
+                decode_steps=self._steps.decode_steps,
+                **self._steps.status(),
+            )
         return data
 
     def _in_flight_total(self) -> int:

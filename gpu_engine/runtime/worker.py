@@ -34,7 +34,7 @@ from ..api.protocol import BatchingOptions, EngineEvent, LoadModelJob
 from .attachments import Attachment
 from .capture_writer import CaptureWriter
 from .drain import WorkLedger
-from .scheduler import BatchScheduler
+from .scheduler import BatchScheduler, StepFigures
 
 if TYPE_CHECKING:
     from ..decode.grammar import GrammarBuilder
@@ -109,6 +109,8 @@ class EngineWorker:
     _used_since_release: bool
     _memory: dict[str, int]
     _scheduler: BatchScheduler | None
+    # step time and tokens of every generation, batched or serial (engine metrics)
+    _steps: StepFigures
     # True while the scheduler exists only for a batch-only backend (serial engine)
     _backend_scheduler: bool
     _queue: queue.PriorityQueue[tuple[int, int, Any]]

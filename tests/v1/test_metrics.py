@@ -191,3 +191,35 @@ def test_no_push_when_the_interval_is_zero(llama, settings):
         with pytest.raises(TimeoutError):
             ws.recv(timeout=1.0)
         assert not runtime().metrics_push.running
+
+
+def test_engine_figures_count_real_generations(llama):
+    """The engine's own figures (docs/operators.md, "Metrics"): a generation of six tokens
+    is six tokens, a prefill and five timed decode steps, in the JSON and the scrape."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    before = metrics(llama)["engines"]
+    assert [e["engine"] for e in before] == ["default"]
+    body = {**CHAT, "max_tokens": 6, "ignore_eos": True}
+    usage = request(llama.base_url, "POST", "/chat/completions", body).json()["usage"]
+    assert usage["completion_tokens"] == 6
+    llama.wait_idle()
+    after = metrics(llama)["engines"][0]
+    was = before[0]
+    assert after["state"] == "ready" and after["model_name"] == "tiny-llama"
+    assert after["generated_tokens_total"] - was["generated_tokens_total"] == 6
+    assert after["decode_steps"] - was["decode_steps"] == 5
+    assert after["step_seconds_last"] > 0
+    assert after["decode_seconds_total"] > was["decode_seconds_total"]
+    assert after["step_seconds_mean"] == pytest.approx(after["decode_seconds_total"] / after["decode_steps"], rel=1e-3)
+    assert after["running"] == 0 and after["occupancy"] == 0 and after["queue_depth"] == 0
+
+    text = request(llama.url, "GET", "/api/health/metrics/prometheus").body
+    scraped = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text if isinstance(text, str) else text.decode())
+        for s in family.samples
+    }
+    label = (("engine", "default"),)
+    assert scraped[("millm_engine_generated_tokens_total", label)] == after["generated_tokens_total"]
+    assert scraped[("millm_engine_batch_occupancy", label)] == 0
