@@ -12,7 +12,12 @@ headers are the X-miLLM-* values that route would set. What differs:
   only the rows kept for them (gpu_engine/runtime/scheduler.py);
 - never a load: the residency policy is ``refuse``, so a batch cannot swap out a model —
   nor a leased one; it runs on the resident model or waits for it (``Unavailable``);
-- no stream.
+- no stream;
+- quotas: a line counts against its batch owner's requests and tokens per minute
+  (``KEY_LIMITS``, the windows its /v1 requests use), admitted when it is about to run
+  (a chat or completions line once planned, so a bad line or a model still to come costs
+  nothing) and charged what it used; over a limit it waits (back in the queue, the batch
+  paused until the window frees), never fails. The concurrent limit does not apply.
 
 Probe-scoring lines (``/v1/probes/score``, the OpenAI-style twin of
 ``/api/probes/score``): every line is a /v1 call answered in OpenAI's shape, so a batch
@@ -23,6 +28,8 @@ is a chat or completions line like any other.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,8 +42,10 @@ from inference.planning import plan_generation, resolve_model
 from inference.policy import check_fields
 from inference.probe_scoring import probe_score, probe_score_parse
 from inference.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from inference.quotas import Refusal, Ticket, batch_line_ticket
 from inference.residency import resident_model_id, routed
 from inference.serving import answer_plan, check_profile
+from inference.usage import label_of
 from monitoring.ownership import EVERYONE, Scope
 from steering.live import LiveScopes
 
@@ -54,6 +63,9 @@ WAIT_CODES = frozenset(
         "engine_busy",
         "engine_shutdown",
         "insufficient_memory",
+        # the batch owner's key is over its requests or tokens per minute (KEY_LIMITS):
+        # the line waits for its window rather than failing (inference.quotas.batch_line_ticket)
+        "rate_limit_exceeded",
     }
 )
 DEFAULT_WAIT_S = 5
@@ -73,6 +85,35 @@ class Answer:
     status_code: int
     body: dict[str, Any]
     headers: dict[str, str] = field(default_factory=dict)
+
+
+@contextlib.asynccontextmanager
+async def _quota(scope: Scope, body: dict[str, Any]) -> AsyncIterator[Ticket | None]:
+    """The line's admission against its owner's key limits: a 429 ``rate_limit_exceeded``
+    (a wait code: the line goes back in the queue) when over, else its ticket (None when
+    nothing limits it), released when the line ends — charged the tokens its answer
+    reports, the estimate given back when it reports none."""
+    outcome = await batch_line_ticket(scope.owner, body)
+    if isinstance(outcome, Refusal):
+        raise OpenAIError(
+            outcome.message(label_of(scope.owner)),
+            status=429,
+            code="rate_limit_exceeded",
+            type="requests" if outcome.limit == "rpm" else "tokens",
+            retry_after=outcome.retry_after_s,
+        )
+    try:
+        yield outcome
+    finally:
+        if outcome is not None:
+            outcome.release()
+
+
+def _charge(ticket: Ticket | None, answer: Answer) -> Answer:
+    usage = answer.body.get("usage") if isinstance(answer.body, dict) else None
+    if ticket is not None and ticket.actual is None and isinstance(usage, dict):
+        ticket.charge(int(usage.get("total_tokens") or 0))
+    return answer
 
 
 async def answer_line(
@@ -96,10 +137,11 @@ async def answer_line(
 
 
 async def _answer_line(endpoint: str, body: dict[str, Any], scope: Scope, live_pinned: LiveScopes | None) -> Answer:
-    if endpoint == "/v1/embeddings":
-        return await _embeddings(body)
-    if endpoint == "/v1/probes/score":
-        return await _probe_score(body, scope)
+    if endpoint in ("/v1/embeddings", "/v1/probes/score"):
+        async with _quota(scope, body) as ticket:
+            if endpoint == "/v1/embeddings":
+                return _charge(ticket, await _embeddings(body))
+            return _charge(ticket, await _probe_score(body, scope))
     kind, schema = (
         ("chat", ChatCompletionRequest) if endpoint == "/v1/chat/completions" else ("completion", CompletionRequest)
     )
@@ -150,9 +192,11 @@ async def _generation(
         )
         for choice in plan.choices:
             choice.job.priority = "batch"
-        # the route's own execution and body (inference.serving), its choices one by one
-        body, headers = await answer_plan(plan, client, together=False)
-        return Answer(200, body, headers)
+        async with _quota(scope, body) as ticket:
+            plan.quota = ticket  # charged the line's real tokens (inference.usage.request_ended)
+            # the route's own execution and body (inference.serving), its choices one by one
+            answered, headers = await answer_plan(plan, client, together=False)
+        return Answer(200, answered, headers)
     finally:
         use.release()
 

@@ -135,6 +135,15 @@ def identify(presented: str | None) -> Principal | None:
     return found
 
 
+def principal_for(owner: str) -> Principal | None:
+    """The configured key whose objects ``owner`` (``key:<label>``) names, or None (keys
+    off, or no such key any more): a Batch API batch's quota is its key's."""
+    for _, who in _principals(tuple(getattr(settings, "MILLM_ADMIN_API_KEYS", ())), tuple(settings.MILLM_API_KEYS)):
+        if who.owner == owner:
+            return who
+    return None
+
+
 def key_is_valid(presented: str | None) -> bool:
     return identify(presented) is not None
 

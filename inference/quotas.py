@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import contextvars
 import functools
+import json
 import math
 import threading
 import time
@@ -540,6 +541,38 @@ async def admission_ticket(request: Any, *, max_tokens: int | None = None, n: in
             # sent once this one is answered, finds its place free in every process
             with contextlib.suppress(Exception):
                 await asyncio.shield(outcome.sent)
+
+
+async def batch_line_ticket(owner: str, body: dict[str, Any]) -> Ticket | Refusal | None:
+    """A Batch API line of ``owner``'s batch (``key:<label>``), against that key's requests
+    and tokens per minute — the same windows as its /v1 requests (its concurrent limit does
+    not apply: BATCH_ENGINE_ROWS bounds a batch's lines at the engine). None when nothing
+    limits it; a ``Refusal`` is not the line's answer: the runner puts the line back and
+    pauses the batch for ``retry_after_s`` (``batches.lines.answer_line``)."""
+    rules = table()
+    if not rules:
+        return None
+    from core.auth import keys_enabled, principal_for
+
+    who = principal_for(owner) if keys_enabled() else None
+    if who is None:  # keys off, or the key is no longer configured: nothing to limit by
+        return None
+    own = limits_for(rules, who.label, admin=who.admin)
+    limits = Limits(rpm=own.rpm, tpm=own.tpm)
+    if not limits.any:
+        return None
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
+    n = body.get("n")
+    estimate = estimate_tokens(
+        len(json.dumps(body)), max_tokens if isinstance(max_tokens, int) else None, n if isinstance(n, int) else 1
+    )
+    backend = limiter()
+    ticket = Ticket(label=who.label, limits=limits, estimate=estimate if limits.tpm is not None else 0, backend=backend)
+    refusal = await backend.admit(who.label, limits, ticket.estimate, ticket.id)
+    if refusal is not None:
+        log.info("quota_batch_line_waits", key=who.label, limit=refusal.limit, retry_after=refusal.retry_after_s)
+        return refusal
+    return ticket
 
 
 async def api_ticket(request: Any) -> Ticket | None:
