@@ -174,4 +174,3 @@ __all__ = [
     "visible_card",
     "vllm_card_env",
 ]
-
