@@ -49,11 +49,19 @@ REFUSALS = Counter(
 DOWNLOADS = Counter("millm_downloads", "Finished downloads by kind and outcome", ["kind", "outcome"])
 LOADS = Counter("millm_model_loads", "Finished model loads and unloads by outcome", ["operation", "outcome"])
 
+# the shared admission controller's decisions (distributed mode), summed over the web
+# processes in place of each one's own admitted_total / refused_total (system.metrics)
+ADMISSIONS = Counter(
+    "millm_admission_decisions", "/v1 requests given a slot or refused: queue full, by outcome", ["outcome"]
+)
+
 STARTED_AT = time.time()
 
 # what the stack sums across its processes (``core.metrics_store``); the rest of the
 # scrape is read where it lives, at scrape time (``system.metrics``)
 SHARED = (REQUESTS, REQUEST_SECONDS, TOKENS, PROMPT_TOKENS, SPECULATIVE, REFUSALS, DOWNLOADS, LOADS)
+# summed too, but exposed under the admission figures' own names
+SUMMED = (*SHARED, ADMISSIONS)
 
 
 _store: Any = None
@@ -78,9 +86,9 @@ def _build_store() -> Any:
     from core.metrics_store import LocalStore, RedisStore
 
     if not settings.REDIS_URL:
-        return LocalStore(SHARED, STARTED_AT)
+        return LocalStore(SUMMED, STARTED_AT)
     return RedisStore(
-        SHARED,
+        SUMMED,
         url=settings.REDIS_URL,
         prefix=settings.ENGINE_STREAM_PREFIX,
         interval_s=settings.METRICS_FLUSH_INTERVAL_S,
@@ -99,6 +107,11 @@ def record_speculative(*, model: str, drafted: int, accepted: int) -> None:
     acceptance rate is accepted ÷ drafted."""
     SPECULATIVE.labels(model=model, kind="drafted").inc(drafted)
     SPECULATIVE.labels(model=model, kind="accepted").inc(accepted)
+
+
+def record_admission(outcome: str) -> None:
+    """``admitted`` or ``refused`` (queue full): the shared admission controller's decision."""
+    ADMISSIONS.labels(outcome=outcome).inc()
 
 
 def record_refusal(reason: str) -> None:

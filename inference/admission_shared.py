@@ -21,6 +21,7 @@ from typing import Any
 from django.conf import settings
 
 from core.errors import EngineUnavailable, MillmError
+from core.metrics import record_admission
 from inference.admission import AdmissionStats, Permit, QueueFull, _fixed, _running_loop, current_slots
 
 # Both scripts first drop holders and waiters whose lease lapsed (a web process that died).
@@ -329,6 +330,7 @@ class SharedAdmissionController:
     def _refuse(self, held: int, waiting: int, durations: list[float]) -> QueueFull:
         with self._lock:
             self._refused += 1
+        record_admission("refused")
         if durations:
             estimate = statistics.median(durations) * (waiting + 1)
             retry_after = max(1, min(self.retry_max_s, math.ceil(estimate)))
@@ -345,6 +347,7 @@ class SharedAdmissionController:
         with self._lock:
             self._ids[permit] = member
             self._admitted += 1
+        record_admission("admitted")
         return permit
 
     # ---------------------------------------------------------------- permits

@@ -15,7 +15,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from core.events import send_to
-from core.metrics import DOWNLOADS, LOADS, PROMPT_TOKENS, REFUSALS, REQUESTS, SHARED, TOKENS, store
+from core.metrics import ADMISSIONS, DOWNLOADS, LOADS, PROMPT_TOKENS, REFUSALS, REQUESTS, SHARED, TOKENS, store
 from core.metrics_store import by_label, families, total
 from gpu_engine.api.capabilities import capabilities_of
 from system.engine_metrics import engine_families, engine_figures
@@ -47,7 +47,7 @@ class _LiveCollector:
         return []
 
     def collect(self):
-        figures = inference_figures()
+        figures = _stack_queue(store().samples()) if store().shared else inference_figures()
         depth = GaugeMetricFamily("millm_queue_depth", "Requests waiting for a slot")
         depth.add_metric([], figures.get("waiting") or 0)
         yield depth
@@ -166,6 +166,17 @@ def prometheus_text() -> bytes:
     return generate_latest(_STACK_REGISTRY if store().shared else REGISTRY)
 
 
+def _stack_queue(samples: dict) -> dict[str, Any]:
+    """The queue's figures; in distributed mode its admitted and refused totals are every
+    web process's (each process's controller counts only its own)."""
+    figures = inference_figures()
+    if store().shared:
+        decisions = by_label(samples, ADMISSIONS._name, "outcome")
+        figures["admitted_total"] = int(decisions.get("admitted", 0))
+        figures["refused_total"] = int(decisions.get("refused", 0))
+    return figures
+
+
 def snapshot() -> dict[str, Any]:
     """The JSON form of /api/health/metrics: the stack's sums (distributed mode) or this
     process's counters (embedded mode), and the engine's and the queue's figures now."""
@@ -182,7 +193,7 @@ def snapshot() -> dict[str, Any]:
             "by_code": {k: int(v) for k, v in sorted(requests_by_code.items())},
             "by_surface": {k: int(v) for k, v in sorted(by_label(samples, REQUESTS._name, "surface").items())},
         },
-        "queue": inference_figures(),
+        "queue": _stack_queue(samples),
         "tokens_generated": int(total(samples, TOKENS._name)),
         "prompt_tokens": int(total(samples, PROMPT_TOKENS._name)),
         "refusals": {k: int(v) for k, v in sorted(by_label(samples, REFUSALS._name, "reason").items())},

@@ -5,6 +5,7 @@ and Redis of their own.
 - Requests answered by worker A and by worker B are counted once each, and either worker
   (and a third one started later, after B has stopped) reports their sum — in
   /api/health/metrics and in the Prometheus text — never less than it reported before.
+- So are the slots each worker's admission controller gave (``queue.admitted_total``).
 - The load the Celery worker ran is counted in what the web workers report.
 - While a stream is held at the engine (``held_engine.py``), the engine's figures say one
   row of the batch runs (occupancy = 1 ÷ the rows it may run), with KV bytes held and
@@ -130,6 +131,16 @@ def test_counters_sum_over_web_workers_and_the_engine_reports_its_batch(
         count = _sample(prom, "millm_http_request_duration_seconds_count", surface="v1")
         assert count == requests_v1 >= total_chats
         assert _sample(prom, "millm_http_request_duration_seconds_bucket", surface="v1", le="+Inf") == count
+
+    # each worker's admission controller gave its own requests their slots: both say five
+    for web in ("web-a", "web-b"):
+        wait_for(
+            f"{web} to count both workers' admissions",
+            lambda web=web: _json(c, web)["queue"]["admitted_total"] == total_chats,
+            30,
+            procs,
+        )
+        assert _sample(_prometheus(c, web), "millm_admission_admitted_total") == total_chats
 
     # the load ran in the Celery worker; the web workers count it
     for web in ("web-a", "web-b"):
