@@ -7,8 +7,6 @@ for loss recovered."""
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 
 import numpy as np
@@ -267,24 +265,6 @@ def _fidelity_run(sae, **extra):
     )
 
 
-class _HeldUntilCancelled(GatedEngine):
-    """``GatedEngine`` whose held job says when it was cancelled (``cancelled``)."""
-
-    def __init__(self, inner, hold: int) -> None:
-        super().__init__(inner, hold)
-        self.cancelled = threading.Event()
-
-    async def _held(self, job):
-        self.reached.set()
-        try:
-            await asyncio.to_thread(self.release.wait)
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
-        async for event in self.inner.agenerate(job):
-            yield event
-
-
 def test_a_crashed_corpus_run_resumes_with_only_the_groups_missing(llama, settings):  # noqa: F811
     """38 contexts in groups of 16: a runner stopped after two groups were stored is
     resumed by the next, which measures only the third (its 6 contexts × 3 passes), and
@@ -302,7 +282,7 @@ def test_a_crashed_corpus_run_resumes_with_only_the_groups_missing(llama, settin
 
     run = ExperimentRun.objects.create(kind="fidelity", spec=dict(reference.spec), sae_id=sae.id, layer=1)
     inner = runtime().engine
-    gate = _HeldUntilCancelled(inner, hold=97)  # two groups of 16 contexts × 3 passes at once: the third's first
+    gate = GatedEngine(inner, hold=97)  # two groups of 16 contexts × 3 passes at once: the third's first
     with runner_by_hand(gate, lambda stop: runner.experiment_run(run_id=run.id, stop=stop)) as (stop, outcome, _):
         assert gate.reached.wait(240), "the third group never reached the engine"
         wait_until(lambda: ExperimentPoint.objects.filter(run_id=run.id).count() == 2, "two groups stored", 240)

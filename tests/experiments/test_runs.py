@@ -105,12 +105,15 @@ def test_a_crashed_sweep_resumes_from_its_points_with_the_same_figures(sae, llam
     run = ExperimentRun.objects.create(kind="sweep", spec=dict(reference.spec), total=reference.total)
     inner = runtime().engine
     gate = GatedEngine(inner, hold=10)
-    with runner_by_hand(gate, lambda stop: runner.experiment_run(run_id=run.id, stop=stop)) as (stop, outcome, thread):
+    with runner_by_hand(gate, lambda stop: runner.experiment_run(run_id=run.id, stop=stop)) as (stop, outcome, _):
         assert gate.reached.wait(120), "the tenth job never reached the engine"
         wait_until(lambda: ExperimentPoint.objects.filter(run_id=run.id).count() >= 2, "two points in")
         stop.set()
-        # the runner sees the stop at its next heartbeat with the tenth job still held
-        thread.join(120)
+        # the runner sees the stop at its next heartbeat with the tenth job still held, and
+        # cancels it (released before, the rest of a tiny sweep could finish inside one
+        # heartbeat and leave nothing to resume); the runner's thread then ends once the
+        # gate lets the held job's waiting thread go, as it leaves this block
+        assert gate.cancelled.wait(120), "the stopped runner did not cancel its held job"
     assert outcome == ["stopped"]
     crashed = ExperimentRun.objects.get(id=run.id)
     assert crashed.status == "running" and crashed.runner
