@@ -355,6 +355,32 @@ VARIABLES: tuple[Var, ...] = (
         "that exits sends the rest). Embedded mode keeps its counters in the process.",
         minimum=0.05,
     ),
+    Var(
+        "OTEL_ENABLED",
+        "HTTP & logging",
+        "bool",
+        False,
+        "Send OpenTelemetry traces: a span for each /v1 generation request (to its response "
+        "headers) and one for each of its engine jobs (from arrival at the engine to the last "
+        "event), one trace, both carrying the request id and the steering hash. Needs "
+        "requirements/otel.txt installed (start-up says so otherwise).",
+    ),
+    Var(
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+        "HTTP & logging",
+        "str",
+        "",
+        "Where the spans go with OTEL_ENABLED (OTLP over HTTP, e.g. http://collector:4318); "
+        "empty: the exporter's own default, http://localhost:4318.",
+    ),
+    Var(
+        "OTEL_SERVICE_NAME",
+        "HTTP & logging",
+        "str",
+        "millm",
+        "The service.name of the spans with OTEL_ENABLED (give web and engine hosts their own "
+        "if you want them told apart; the span names say which side anyway).",
+    ),
     # --- Concurrency & timeouts -----------------------------------------------------
     Var(
         "MAX_CONCURRENT_REQUESTS",

@@ -4,6 +4,7 @@ circuit's activation (its SAEs attached, then its steering)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Any
 
 from django.conf import settings
@@ -13,7 +14,8 @@ from django.utils import timezone
 from audit.services import audited
 from core import events
 from core.engine_client import resolve_device_and_dtype
-from core.errors import ModelNotLoaded, SAEInvalid, SAENotAttached, from_engine_error
+from core.engines import DEFAULT_ENGINE, several_engines, using_engine
+from core.errors import ModelNotLoaded, SAEInvalid, SAENotAttached, ValidationFailed, from_engine_error
 from core.runtime import runtime
 from gpu_engine.api.errors import EngineError
 from gpu_engine.api.protocol import AttachResult, AttachSpec
@@ -38,6 +40,27 @@ def _pairs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return {"attachments": [{"sae_id": sae.id, "layer": layer} for sae, layer in kwargs.get("items", [])]}
 
 
+def _sae_engine(sae: SAE) -> str | None:
+    """With several engines, the engine an attach of ``sae`` addresses: that of the loaded
+    model the SAE was trained on (``trained_on_model`` naming the model or its repository),
+    else the default engine. None with one engine (nothing to choose)."""
+    if not several_engines():
+        return None
+    target = sae.trained_on_model
+    loaded = Model.objects.filter(status=Model.Status.LOADED).exclude(engine="")
+    row = loaded.filter(name=target).first() or (loaded.filter(repo_id=target).first() if target else None)
+    return row.engine if row is not None else DEFAULT_ENGINE
+
+
+@contextmanager
+def _addressing(engine: str | None):
+    if engine is None:
+        yield
+    else:
+        with using_engine(engine):
+            yield
+
+
 def _check_sae_ready(sae: SAE) -> None:
     if sae.status not in (SAE.Status.READY, SAE.Status.ATTACHED) or not sae.local_path:
         raise SAEInvalid(
@@ -51,8 +74,22 @@ def sae_attach_set(*, items: list[tuple[SAE, int]]) -> list[Any]:
     """Attach several (SAE, layer) pairs, all or nothing.
 
     Idempotent per (sae_id, layer): a pair that is already attached is left as it is and
-    reported again; only the new pairs reach the engine, in one all-or-nothing call.
+    reported again; only the new pairs reach the engine, in one all-or-nothing call. With
+    several engines, on the engine of the model the SAEs were trained on (``_sae_engine``;
+    one engine per call).
     """
+    engines = {_sae_engine(sae) for sae, _ in items}
+    if len(engines) > 1:
+        raise ValidationFailed(
+            "These SAEs address different engines (each attaches to the engine holding the model "
+            "it was trained on); attach them in one call per engine",
+            details={"engines": sorted(e for e in engines if e)},
+        )
+    with _addressing(next(iter(engines), None)):
+        return _attach_set(items)
+
+
+def _attach_set(items: list[tuple[SAE, int]]) -> list[Any]:
 
     model = model_loaded()
     if model is None:
@@ -143,8 +180,13 @@ def sae_detach(*, sae: SAE, layer: int | None = None) -> list[tuple[str, int]]:
             f"SAE {sae.id} is not attached" + ("" if layer is None else f" at layer {layer}"),
             details={"sae_id": sae.id, "layer": layer},
         )
+    rows = Attachment.objects.filter(sae=sae, **({} if layer is None else {"layer": layer})).select_related("model")
+    engine = None
+    if several_engines():  # the engine that holds the model the rows attach it to
+        engine = next((r.model.engine for r in rows if r.model.engine), DEFAULT_ENGINE)
     try:
-        keys = runtime().engine.detach(sae.id, layer)
+        with _addressing(engine):
+            keys = runtime().engine.detach(sae.id, layer)
     except EngineError as exc:
         if getattr(exc, "code", "") != "sae_not_attached":
             raise from_engine_error(exc) from exc
@@ -178,12 +220,13 @@ def sae_check_compatibility(*, sae: SAE, layer: int) -> dict[str, Any]:
     """Dry run of an attach: errors (refusals) and warnings, nothing changed."""
 
     _check_sae_ready(sae)
-    if model_loaded() is None:
-        raise ModelNotLoaded("No model is loaded; compatibility is judged against the loaded model")
-    try:
-        report = runtime().engine.check_sae(sae.local_path, layer, layout=sae.format or None)
-    except EngineError as exc:
-        raise from_engine_error(exc) from exc
+    with _addressing(_sae_engine(sae)):
+        if model_loaded() is None:
+            raise ModelNotLoaded("No model is loaded; compatibility is judged against the loaded model")
+        try:
+            report = runtime().engine.check_sae(sae.local_path, layer, layout=sae.format or None)
+        except EngineError as exc:
+            raise from_engine_error(exc) from exc
     return {"compatible": bool(report.compatible), "errors": list(report.errors), "warnings": list(report.warnings)}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.db.models import QuerySet
 
-from core.engines import current_engine, several_engines
+from core.engines import current_engine, engine_names, several_engines, using_engine
 from core.ids import get_by_pk_or_name
 from core.runtime import runtime
 from registry.errors import JobNotFound, ModelNotFound, SAENotFound
@@ -92,10 +92,19 @@ def job_list(*, kind: str | None = None, status: str | None = None, limit: int =
 
 def engine_attachment_counts() -> dict[tuple[str, int], int]:
     """steering_apply_count per (sae_id, layer), from the engine; empty when it is away."""
-    try:
-        return {(a.sae_id, a.layer): a.steering_apply_count for a in runtime().engine.attachments()}
-    except Exception:  # noqa: BLE001 - a read must not fail because the engine is away
-        return {}
+    counts: dict[tuple[str, int], int] = {}
+    # with several engines, each one's attachments (core.engines); else the one engine's
+    for name in engine_names() if several_engines() else [None]:
+        try:
+            if name is None:
+                attached = runtime().engine.attachments()
+            else:
+                with using_engine(name):
+                    attached = runtime().engine.attachments()
+        except Exception:  # noqa: BLE001 - a read must not fail because an engine is away
+            continue
+        counts.update({(a.sae_id, a.layer): a.steering_apply_count for a in attached})
+    return counts
 
 
 def model_transition(*, name: str) -> str | None:

@@ -181,6 +181,24 @@ def test_two_engines_serve_two_models(cluster: Cluster, procs: list[Proc], tiny_
         else:
             assert choice["text"] == alone[name], name
 
+    # --- an SAE attaches on the engine holding the model it was trained on; steering
+    # a request for that model uses it there, and the detach goes back to that engine
+    saes = {s["name"]: s["id"] for s in c.api("web", "GET", "/api/saes").json()["data"]["saes"]}
+    sae_id = saes["tiny-gpt2-L1-relu"]
+    resp = c.api("web", "POST", f"/api/saes/{sae_id}/attach", json={"layer": 1})
+    assert resp.status_code == 200, resp.text
+    attached = {e: [a["sae_id"] for a in heartbeat(c, e)["status"]["attachments"]] for e in ("default", "gpu1")}
+    assert attached == {"default": [], "gpu1": [sae_id]}
+    steer = {"steering": {"features": [{"index": 3, "strength": 8}]}}
+    resp = c.api("web", "POST", "/v1/completions", json={**greedy_body("tiny-gpt2"), **steer})
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["X-miLLM-Steering"] != "none"
+    assert resp.json()["millm"]["steering_apply_count"][0]["count"] > 0
+    assert resp.json()["choices"][0]["text"] != alone["tiny-gpt2"]
+    resp = c.api("web", "POST", f"/api/saes/{sae_id}/detach", json={})
+    assert resp.status_code == 200, resp.text
+    assert heartbeat(c, "gpu1")["status"]["attachments"] == []
+
     # --- an unload on one engine leaves the other serving; a request loads it back there
     resp = c.api("web", "POST", f"/api/models/{ids['tiny-gpt2']}/unload")
     assert resp.status_code == 202, resp.text
