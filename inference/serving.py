@@ -24,6 +24,7 @@ from django.http import JsonResponse
 
 from core.engine_client import EngineClient, arrived
 from core.runtime import runtime
+from gpu_engine.api import tracing
 from gpu_engine.api.protocol import ErrorEvent
 from inference.errors import OpenAIError, openai_error_event, openai_error_from_exception
 from inference.fidelity import measure_fidelity
@@ -211,7 +212,13 @@ async def _serve_generation(
             scope=scope,
         )
         plan.quota = res.quota
-        response = await answer(plan, client, res)
+        with tracing.request_span(
+            f"millm.v1.{kind}", {"millm.request_id": plan.object_id, "millm.steering_hash": plan.steering.hash}
+        ) as span:
+            if span is not None:  # OTEL_ENABLED: the engine's spans of the jobs are its children
+                for choice in plan.choices:
+                    choice.job.traceparent = tracing.traceparent()
+            response = await answer(plan, client, res)
         handed_over = isinstance(response, SSEResponse)
         return response
     finally:

@@ -36,13 +36,20 @@ class MillmSiteConfig(AppConfig):
     @staticmethod
     def _share_metrics() -> None:
         """Distributed mode: every process (web, Celery, commands) sends what its counters
-        grew to the stack's sums from the start (core.metrics_store), not when first read."""
+        grew to the stack's sums from the start (core.metrics_store), not when first read.
+        OTEL_ENABLED: every process traces (core.tracing)."""
         from django.conf import settings
 
         from core.metrics import store
 
         if settings.REDIS_URL:
             store()  # built now: its flusher runs from here
+        if settings.OTEL_ENABLED:
+            import atexit
+
+            from core.tracing import configure
+
+            atexit.register(configure().shutdown)  # the last spans are sent at exit
 
     @staticmethod
     def _check_analyzers() -> None:

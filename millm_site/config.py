@@ -299,6 +299,22 @@ def _check_engines(v: dict[str, Any]) -> None:
         )
 
 
+def _check_tracing(v: dict[str, Any]) -> None:
+    """OTEL_ENABLED needs the OpenTelemetry SDK and its OTLP exporter installed
+    (requirements/otel.txt): said at start-up, not at the first request."""
+    if not v["OTEL_ENABLED"]:
+        return
+    try:
+        import opentelemetry.exporter.otlp.proto.http.trace_exporter  # noqa: F401
+        import opentelemetry.sdk.trace  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(
+            "OTEL_ENABLED",
+            f"needs the OpenTelemetry packages (pip install -r requirements/otel.txt): {exc}",
+            True,
+        ) from None
+
+
 def _redact(url: str) -> str:
     parsed = urlparse(url)
     if parsed.password:
@@ -334,6 +350,7 @@ def load_config(environ_map: Mapping[str, str] | None = None) -> Config:
     for var in derived:
         values[var.name] = var.derive(values)
     _check_combinations(values)
+    _check_tracing(values)
     return Config(values)
 
 

@@ -99,6 +99,9 @@ class GenerationJob(msgspec.Struct):
     # ``distributions_from .. P-1`` (1 <= it < P, the prompt's length in tokens), steered
     # and monitored as the job says; backends reporting ``prompt_distributions``
     distributions_from: Positive | None = None
+    # the web request's span (OTEL_ENABLED), a W3C traceparent: the engine's span of this
+    # job is its child (``gpu_engine.api.tracing``)
+    traceparent: Annotated[str, msgspec.Meta(max_length=128)] | None = None
 
     def __post_init__(self) -> None:
         check_prompt_job(self)

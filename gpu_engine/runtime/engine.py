@@ -78,6 +78,7 @@ from .capture_writer import CaptureWriter, deliver
 from .drain import WorkLedger
 from ..decode.prefix_cache import prefix_kwargs
 from .loading import ModelLoading
+from ..api import tracing
 from .scheduler import BatchScheduler, StepFigures
 from .stream import GenerationStream
 from .worker import _WORK, Arrival, _priority
@@ -234,7 +235,7 @@ class Engine(ModelLoading):
 
     def generate(self, job: GenerationJob) -> GenerationStream:
         """Queue a generation; returns at once with a stream of its events."""
-        stream = GenerationStream(job.request_id, on_end=self._ledger.ended)
+        stream = GenerationStream(job.request_id, on_end=self._traced(job) or self._ledger.ended)
         refused = self._ledger.admit(stream)
         if refused is not None:
             stream._put(ErrorEvent(job.request_id, refused.code, refused.message, refused.details))
@@ -249,6 +250,30 @@ class Engine(ModelLoading):
         else:
             self._submit_generation(job, stream, dropped)
         return stream
+
+    def _traced(self, job: GenerationJob) -> Callable[[GenerationStream], None] | None:
+        """OTEL_ENABLED: the job's span (from its arrival here to its last event), a child of
+        the web request's; the stream's end ends it. None when tracing is off."""
+        steering = job.steering
+        span = tracing.start_job_span(
+            "millm.engine.generate",
+            job.traceparent,
+            {
+                "millm.request_id": job.request_id,
+                "millm.steering_hash": steering.canonical_hash() if steering and not steering.is_empty() else None,
+                "millm.model": self._model_id,
+                "millm.priority": job.priority,
+            },
+        )
+        if span is None:
+            return None
+        ended = self._ledger.ended
+
+        def end(stream: GenerationStream) -> None:
+            span.end()
+            ended(stream)
+
+        return end
 
     def _submit_generation(self, job: GenerationJob, stream: GenerationStream, dropped: Callable[[], None]) -> None:
         if self._scheduler is not None:
