@@ -44,7 +44,8 @@ def test_compose_has_the_topology():
     services = compose["services"]
     assert {"web", "worker", "loader", "engine", "postgres", "redis", "migrate"} <= set(services)
     gpu = services["engine"]["deploy"]["resources"]["reservations"]["devices"][0]
-    assert gpu["capabilities"] == ["gpu"] and gpu["count"] == 1
+    # one card (of its own: the second engine has another, device_ids)
+    assert gpu["capabilities"] == ["gpu"] and len(gpu["device_ids"]) == 1
     assert services["engine"]["command"][-1] == "run_engine"
     assert services["web"]["command"][:3] == ["python", "manage.py", "serve"]
     worker = services["worker"]["command"]
@@ -358,3 +359,47 @@ def test_the_engine_images_are_offered_with_vllm_and_with_llamacpp():
     docs = (DEPLOY.parent / "docs" / "deploy.md").read_text()
     for name in ("engine-vllm", "engine-llamacpp", "MILLM_ENGINE_TARGET", "VLLM_PACKAGE", "LLAMACPP_CMAKE_ARGS"):
         assert name in docs, name
+
+
+def _engines_routed(value: str) -> list[str]:
+    from core.engines import parse_engine_models
+
+    # compose's ${VAR:-default} with its default
+    value = re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", value)
+    return [route.name for route in parse_engine_models(value)]
+
+
+def test_every_deployment_runs_two_named_engines_that_engine_models_routes_to():
+    """Several engines, one front (docs/deploy.md): compose, Kubernetes and systemd each run
+    the default engine and a second one under its own name (its own streams), each with a
+    GPU of its own, and ENGINE_MODELS routes models to both."""
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    services = compose["services"]
+    assert services["engine-gpu1"]["command"][-3:] == ["run_engine", "--name", "gpu1"]
+    cards = [
+        services[name]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for name in ("engine", "engine-gpu1")
+    ]
+    assert cards[0] != cards[1]
+    for name in ("web", "loader", "engine", "engine-gpu1"):
+        assert set(_engines_routed(services[name]["environment"]["ENGINE_MODELS"])) == {"default", "gpu1"}, name
+
+    deployments = {d["metadata"]["name"]: d for d in _k8s() if d["kind"] == "Deployment"}
+    [second] = deployments["millm-engine-gpu1"]["spec"]["template"]["spec"]["containers"]
+    assert second["command"][-3:] == ["run_engine", "--name", "gpu1"]
+    assert second["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert deployments["millm-engine-gpu1"]["spec"]["replicas"] == 1
+    [config] = [d for d in _k8s() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "millm-config"]
+    assert set(_engines_routed(config["data"]["ENGINE_MODELS"])) == {"default", "gpu1"}
+
+    parser = configparser.ConfigParser(strict=False, interpolation=None)
+    parser.optionxform = str
+    parser.read(DEPLOY / "systemd" / "millm-engine-named@.service")
+    assert parser["Service"]["ExecStart"].endswith("manage.py run_engine --name %i")
+    assert parser["Service"]["RestartPreventExitStatus"] == "3"
+    env = dict(
+        line.split("=", 1)
+        for line in (DEPLOY / "systemd" / "millm.env.example").read_text().splitlines()
+        if line and not line.startswith("#")
+    )
+    assert set(_engines_routed(env["ENGINE_MODELS"])) == {"default", "gpu1"}
