@@ -11,14 +11,12 @@ mixed vLLM batch every request's capture equals its solo capture within 2e-5 (vL
 against itself, as the mixed-batch monitoring test).  Positive controls: zeros, the
 neighbouring layer and un-rotated keys fail the checks.
 
-Tensor parallelism: ``test_tp2_q_k_shards_merge_to_the_tp1_capture`` runs two vLLM
-workers where ``MILLM_VLLM_TP2=1`` is set (CI sets it; about two minutes on two cores),
-and tests/engine/test_capture_shards.py tests the shard merge.
+Tensor parallelism: tests/vllm/test_vllm_tp2.py (two vLLM workers, where
+``MILLM_VLLM_TP2=1`` is set), and tests/engine/test_capture_shards.py tests the shard merge.
 """
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -39,7 +37,7 @@ from gpu_engine.api.protocol import (
 from tests.engine.test_capture_qk import reference_qk
 from tests.engine.tolerances import POSITIVE_CONTROL_MIN
 
-from .conftest import SAES, vllm_job
+from .conftest import SAES
 from .test_vllm_engine import PROMPTS, VLLM_ACT_ATOL
 
 L1 = (SAES[0], 1)
@@ -298,49 +296,3 @@ def test_bad_captures_are_refused_before_vllm_runs_them(vllm_engine):
     rows = big.value.details["rows"]
     assert big.value.details["estimate_bytes"] == rows * (4 * 64 * 4 + 16)
     assert batch.steps == before  # nothing reached vLLM
-
-
-@pytest.mark.skipif(
-    os.environ.get("MILLM_VLLM_TP2") != "1",
-    reason="two vLLM workers take minutes to start on two cores: set MILLM_VLLM_TP2=1",
-)
-def test_tp2_q_k_shards_merge_to_the_tp1_capture(tiny_assets, vllm_engine, monkeypatch, tmp_path):
-    """tensor_parallel_size=2 (mp executor): each rank writes the Q/K of its own head, the
-    reader merges the shards into the TP=1 capture; hidden states come from rank 0."""
-    from vllm import envs
-
-    from gpu_engine.runtime.engine import Engine
-    from gpu_engine.api.protocol import BatchingOptions
-
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
-    # the TP=1 engine in this process cached vLLM's environment (in-process engine core,
-    # automatic thread binding): read it afresh for this one
-    if hasattr(envs, "disable_envs_cache"):
-        envs.disable_envs_cache()
-    spec = CaptureSpec(
-        layers=[0, 3],
-        positions="all",
-        attention=AttentionCaptureSpec(layers=[0, 2, 3], positions="all"),
-        directory=str(tmp_path),
-        inline_max_bytes=0,
-    )
-    one = vllm_engine.generate_sync(job("tp1", spec, n=5))
-    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4), drain_timeout_s=600)
-    try:
-        eng.load_model(
-            vllm_job(tiny_assets, distributed_executor_backend="mp", tensor_parallel_size=2, max_num_seqs=4),
-            timeout_s=600,
-        )
-        two = eng.generate_sync(job("tp2", spec, n=5), timeout_s=600)
-    finally:
-        eng.shutdown()
-    assert two.token_ids == one.token_ids
-    a, b = load_capture(tmp_path / one.capture.file), load_capture(tmp_path / two.capture.file)
-    assert b.attention["shards"] == [
-        {"rank": 0, "heads": [0], "kv_heads": [0]},
-        {"rank": 1, "heads": [1], "kv_heads": [0]},
-    ]
-    for layer in (0, 2, 3):
-        assert close(b.q[layer], a.q[layer], BATCH_ATOL) and close(b.k[layer], a.k[layer], BATCH_ATOL), layer
-    for layer in (0, 3):
-        assert close(b.hidden[layer], a.hidden[layer], BATCH_ATOL), layer

@@ -9,7 +9,6 @@ module (tests/vllm/conftest.py)."""
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ from gpu_engine.api.protocol import (
 )
 from gpu_engine.backends.vllm import wire
 
-from .conftest import SAES, vllm_job
+from .conftest import SAES
 from .test_vllm_engine import VLLM_ACT_ATOL, assert_records_close
 
 L1, L2 = (SAES[0], 1), (SAES[1], 2)
@@ -373,65 +372,3 @@ def test_a_control_that_selects_no_position_is_refused_before_anything_runs(vllm
             vllm_engine.generate_sync(job, timeout_s=60)
         assert err.value.details["param"] == "steering.features.window"
     assert batch.steps == steps and vllm_engine.status().in_flight == 0
-
-
-@pytest.mark.skipif(
-    os.environ.get("MILLM_VLLM_TP2") != "1",
-    reason="two vLLM workers take minutes to start on two cores: set MILLM_VLLM_TP2=1",
-)
-def test_tp2_runs_every_control_like_tp1(tiny_assets, vllm_engine, hf_engine, monkeypatch):
-    """tensor_parallel_size=2 (mp executor): both ranks compute every request's controls
-    (a rank that did not would hold another stream than the other after the all-reduce),
-    the counts are one rank's and the fired positions are reported once."""
-    from vllm import envs
-
-    from gpu_engine.api.protocol import BatchingOptions
-    from gpu_engine.runtime.engine import Engine
-
-    from .conftest import _attach
-
-    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "0|1"))
-    if hasattr(envs, "disable_envs_cache"):
-        envs.disable_envs_cache()
-    trigger, threshold = choose_trigger(hf_engine, prompt=PROMPTS["cond"])
-    jobs = [
-        GenerationJob(
-            "clamp",
-            prompt=PROMPTS["clamp"],
-            sampling=greedy(8),
-            steering=spec(L1, {5: 3.0}, [FeatureControl(3, mode="clamp", value=9.0)]),
-        ),
-        GenerationJob(
-            "cond",
-            prompt=PROMPTS["cond"],
-            sampling=greedy(8),
-            steering=spec(
-                L2,
-                controls=[
-                    FeatureControl(7, value=15.0, condition=SteeringCondition(trigger, threshold)),
-                    FeatureControl(40, mode="ablate", phase="completion"),
-                ],
-            ),
-        ),
-    ]
-    one = [vllm_engine.generate_sync(j, timeout_s=120) for j in jobs]
-    eng = Engine(batching=BatchingOptions(enabled=True, max_batch_size=4), drain_timeout_s=600)
-    try:
-        eng.load_model(
-            vllm_job(tiny_assets, distributed_executor_backend="mp", tensor_parallel_size=2, max_num_seqs=4),
-            timeout_s=600,
-        )
-        _attach(eng, tiny_assets)
-        streams = [eng.generate(j) for j in jobs]
-        two = [s.result(600) for s in streams]
-    finally:
-        eng.shutdown()
-    for a, b in zip(one, two):
-        assert b.token_ids == a.token_ids
-        assert [(c.count, c.modes) for c in b.steering_apply_count] == [
-            (c.count, c.modes) for c in a.steering_apply_count
-        ]
-        assert [(f.index, f.mode, f.positions) for f in b.steering_fired] == [
-            (f.index, f.mode, f.positions) for f in a.steering_fired
-        ]
-    assert one[1].steering_fired[0].positions
