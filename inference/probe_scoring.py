@@ -52,7 +52,7 @@ from inference.errors import openai_error_from_validation
 from inference.outcomes import Outcome, probe_verdicts
 from inference.planning import Choice, capture_limits, off_view_thread, resolve_model
 from inference.protocol import ChatMessage, ProbeAsk, _Strict
-from inference.residency import ModelRef, resident_model_id
+from inference.residency import ModelRef, resident_model_id, routed
 from monitoring.errors import ProbeNotFound, ProbeScoreRequestInvalid
 from monitoring.ownership import EVERYONE, Scope
 from monitoring.probe_requests import (
@@ -215,7 +215,15 @@ async def probe_score(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """Score every input with the probes (module docstring): the answer's body (the
     /api envelope's ``data``, /v1's whole body) and its headers. ``admit``: take an
-    admission slot (the interactive routes); a batch line does not."""
+    admission slot (the interactive routes); a batch line does not. With several engines, on
+    the engine of the model it names (none named: the default engine's)."""
+    async with routed(req.model):
+        return await _probe_score(req, priority=priority, admit=admit, scope=scope)
+
+
+async def _probe_score(
+    req: ProbeScoreRequest, *, priority: str, admit: bool, scope: Scope
+) -> tuple[dict[str, Any], dict[str, str]]:
     runtime_ = runtime()
     residency = runtime_.residency
     status = await residency.status()
