@@ -43,6 +43,8 @@ function actions(m) {
 function statusCell(m) {
   const parts = [statusBadge(m.status)];
   if (m.locked) parts.push(" ", badge("locked", "accent"));
+  // several engines (ENGINE_MODELS): which one holds it; the default engine goes unsaid
+  if (m.engine && m.engine !== "default") parts.push(el("div", { class: "small" }, `on engine ${m.engine}`));
   if (MOVING.has(m.status)) {
     const last = progress.get(m.id) || { percent: m.download_progress ?? 0 };
     const label = m.status === "downloading" ? `Download of ${m.name}` : `${m.status} ${m.name}`;
