@@ -71,6 +71,9 @@ def _check_database() -> dict[str, Any]:
 def _check_engine(engine: dict[str, Any]) -> dict[str, Any]:
     if engine["state"] == "unavailable":
         return {"name": "engine", "status": "unhealthy", "message": engine.get("error")}
+    if engine.get("failure"):
+        # loaded, but its backend's engine died (vLLM's engine core): every request refused
+        return {"name": "engine", "status": "unhealthy", "message": engine["failure"]}
     loaded = engine["state"] == "ready"
     return {
         "name": "engine",
@@ -112,7 +115,8 @@ def readiness() -> tuple[bool, dict[str, Any]]:
     database = _check_database()
     checks["database"] = database["status"] == "healthy"
     engine = engine_snapshot()
-    checks["engine"] = engine["state"] != "unavailable"
+    # a resident model whose backend died (EngineStatus.failure) serves nothing
+    checks["engine"] = engine["state"] != "unavailable" and not engine.get("failure")
     transition = _model_transition() if checks["database"] else None
     checks["no_model_transition"] = transition is None
     if settings.AUTO_LOAD_MODEL:
@@ -126,6 +130,7 @@ def readiness() -> tuple[bool, dict[str, Any]]:
         "checks": checks,
         "model_loaded": engine.get("state") == "ready",
         "model_name": engine.get("model_id"),
+        "engine_failure": engine.get("failure"),
         "transition": transition,
         "version": version(),
         "timestamp": _now(),
@@ -351,6 +356,8 @@ class InferenceHealthView(APIView):
                 # (TRANSFORMERS_IDLE_CACHE_RELEASE_S); empty while nothing is loaded
                 "memory": engine.get("memory") or {},
                 "engine_state": engine["state"],
+                # why the loaded model cannot serve (vLLM's engine core died), else null
+                "engine_failure": engine.get("failure"),
                 "model_name": engine.get("model_id"),
                 # the slots in force for the loaded backend, and the setting they come from
                 # (MAX_CONCURRENT_REQUESTS unset follows the backend: vLLM's VLLM_MAX_NUM_SEQS)

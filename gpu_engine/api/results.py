@@ -119,6 +119,10 @@ class EngineStatus(msgspec.Struct):
     # and capture stages) and TRANSFORMERS_IDLE_CACHE_RELEASE_S's releases of it
     # (``Engine.memory_status()``); empty while no model is loaded
     memory: dict[str, Any] = msgspec.field(default_factory=dict)
+    # why the resident model cannot serve although loaded (its backend's engine died:
+    # vLLM's engine core process exited), None while it can; every command is refused
+    # (engine_shutdown) until the model is unloaded or loaded again
+    failure: str | None = None
 
     @property
     def capabilities(self) -> Capabilities | None:

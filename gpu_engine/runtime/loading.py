@@ -43,6 +43,7 @@ from .drain import STOP_WAIT_S
 from .scheduler import BatchScheduler
 from .status import StatusReports
 from .stream import GenerationStream
+from .worker import backend_failure
 
 log = logging.getLogger("gpu_engine")
 
@@ -276,6 +277,9 @@ class ModelLoading(StatusReports):
         self._emit("engine:out_of_memory", detached=[{"sae_id": s, "layer": layer} for s, layer in keys])
 
     def _classify(self, exc: BaseException) -> EngineError:
+        dead = backend_failure(self._backend) if self._backend is not None else None
+        if dead is not None:  # the backend's engine died under the step (vLLM's core)
+            return dead
         if is_out_of_memory(exc):
             self._handle_oom(exc)
             return InsufficientMemory(

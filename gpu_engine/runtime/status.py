@@ -16,6 +16,11 @@ from ..api.protocol import AttachmentStatus, EngineStatus
 from .worker import EngineWorker
 
 
+def _failure(backend: ModelBackend) -> str | None:
+    check = getattr(backend, "failure", None)
+    return check() if check is not None else None
+
+
 class StatusReports(EngineWorker):
     def memory_status(self) -> dict[str, Any]:
         """What the backend keeps between requests now, and the idle releases so far."""
@@ -107,6 +112,7 @@ class StatusReports(EngineWorker):
             backends=backends_report(),
             memory=self.memory_status(),
             weights=dict(b.weights),
+            failure=_failure(b),
         )
 
     @property

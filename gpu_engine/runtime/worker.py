@@ -323,6 +323,9 @@ class EngineWorker:
     def _require_backend(self) -> ModelBackend:
         if self._backend is None:
             raise ModelNotLoaded("no model is loaded")
+        dead = backend_failure(self._backend)
+        if dead is not None:
+            raise dead
         return self._backend
 
     def _work(self, fn: Callable[[], Any], timeout_s: float | None, priority: str = "interactive") -> Any:
@@ -348,4 +351,18 @@ class EngineWorker:
             return False
 
 
-__all__ = ["Arrival", "EngineWorker"]
+def backend_failure(backend: Any) -> EngineShutdown | None:
+    """The refusal of every command while ``backend`` cannot serve (vLLM's engine core
+    died: ``failure()``), naming why; None while it can. 503 ``engine_unavailable`` at
+    the web tier until the model is unloaded or loaded again."""
+    check = getattr(backend, "failure", None)
+    reason = check() if check is not None else None
+    if reason is None:
+        return None
+    return EngineShutdown(
+        f"the resident model's backend cannot serve: {reason}; unload the model or load it again",
+        details={"failure": reason},
+    )
+
+
+__all__ = ["Arrival", "EngineWorker", "backend_failure"]

@@ -49,6 +49,7 @@ from ...api.protocol import (
 )
 from ...api.capabilities import Capabilities
 from . import card_env
+from .liveness import CoreWatch
 from .loader import LOAD_FORMAT
 from .wire import hook_site, supported_points
 
@@ -182,6 +183,9 @@ class VllmBackend:
                 self.engine = LLMEngine.from_engine_args(EngineArgs(**args))
         except (OSError, ValueError, KeyError, RuntimeError) as exc:
             raise ModelLoadFailed(f"vLLM cannot load {path}: {exc}", details={"path": str(path)}) from exc
+        # whether vLLM's engine core is still alive (liveness.py): status and every
+        # command ask ``failure()``
+        self._core_watch = CoreWatch(self.engine)
         described = self.engine.collective_rpc("millm_describe")
         first = described[0]
         self.layers_path = first["layers_path"]
@@ -204,7 +208,19 @@ class VllmBackend:
             functools.partial(self.tokenizer.apply_chat_template, tokenize=False),
         )
         self.kernels = f"vllm:{'eager' if self.enforce_eager else 'graphs'}"
-        self.weights: dict[str, Any] = {}  # vLLM's own business (its memory profile)
+        # the parameters vLLM's workers hold, every rank's summed (each holds its shard);
+        # the KV cache and vLLM's buffers are its memory profile's (gpu_memory_utilization)
+        by_dtype: dict[str, int] = {}
+        for part in described:
+            for name, n in (part.get("parameter_bytes") or {}).items():
+                by_dtype[name] = by_dtype.get(name, 0) + int(n)
+        self.weights: dict[str, Any] = {
+            "quantization": None,
+            "checkpoint_quantization": self._checkpoint_quantization(path),
+            "bytes": sum(by_dtype.values()),
+            "bytes_by_dtype": by_dtype,
+            "counts": "parameters",
+        }
         self._attachments: dict[AttachmentKey, Any] = {}
         self._generation: dict[AttachmentKey, str] = {}
         self._attach_counter = itertools.count(1)
@@ -220,6 +236,23 @@ class VllmBackend:
         )
         self._attention_layers = set(att["layers"]) if att is not None else set()
         self._scaling = list(att["scaling"]) if att is not None else []
+
+    @staticmethod
+    def _checkpoint_quantization(path: Path) -> str | None:
+        """A pre-quantized checkpoint's own method (config.json's quantization_config)."""
+        import json
+
+        try:
+            config = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+        method = (config.get("quantization_config") or {}).get("quant_method")
+        return str(method) if method else None
+
+    def failure(self) -> str | None:
+        """Why this backend can no longer serve (its engine core died), or None."""
+        watch = getattr(self, "_core_watch", None)
+        return watch.check() if watch is not None else None
 
     def _eos_ids(self, path: Path) -> set[int]:
         import json
@@ -522,6 +555,9 @@ class VllmBackend:
         if engine is None:
             return
         self.engine = None  # type: ignore[assignment]
+        watch = getattr(self, "_core_watch", None)
+        if watch is not None:
+            watch.close()  # shutting the core down is no failure
         try:
             engine.collective_rpc("millm_close")
         except Exception:  # noqa: BLE001 - the workers are going away anyway

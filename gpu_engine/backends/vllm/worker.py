@@ -96,6 +96,41 @@ class _Request:
         self.armed = False
 
 
+def parameter_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of ``model``'s parameters per dtype, each tensor once (a tied head is the
+    embedding's); vLLM's buffers (its rotary caches) and KV cache are its own profile's.
+    On the CPU vLLM prepacks a linear layer's weight into a oneDNN handle and leaves an
+    empty ``weight`` behind: that layer counts at its weight's own size (this rank's
+    ``output_size_per_partition`` × ``input_size_per_partition`` at ``params_dtype``)."""
+    out: dict[str, int] = {}
+    seen: set[tuple[int, int]] = set()
+
+    def add(dtype: torch.dtype, n: int) -> None:
+        name = str(dtype).replace("torch.", "")
+        out[name] = out.get(name, 0) + n
+
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            packed = (
+                name == "weight"
+                and p.numel() == 0
+                and hasattr(module, "cpu_linear")
+                and hasattr(module, "output_size_per_partition")
+                and hasattr(module, "input_size_per_partition")
+            )
+            if packed:
+                dtype = getattr(module, "params_dtype", None) or p.dtype
+                count = int(module.output_size_per_partition) * int(module.input_size_per_partition)
+                add(dtype, count * torch.empty((), dtype=dtype).element_size())
+                continue
+            key = (p.data_ptr(), p.numel())
+            if p.numel() == 0 or key in seen:
+                continue
+            seen.add(key)
+            add(p.dtype, p.numel() * p.element_size())
+    return out
+
+
 class _State:
     """Everything the extension keeps on one worker."""
 
@@ -464,6 +499,8 @@ class MillmWorkerExtension:
             "tp_size": s.tp_size,
             "attention": s.describe_attention(),
             "hook_sites": s.sites,
+            # what this rank's parameters take, per dtype (EngineStatus.weights)
+            "parameter_bytes": parameter_bytes(s.model),
         }
 
     def millm_armed(self) -> dict[str, list[int]]:
