@@ -417,3 +417,35 @@ def test_resid_pre_hooks_the_previous_layer_like_transformers(vllm_engine, hf_en
         for eng in (vllm_engine, hf_engine):
             eng.detach("pre2")
     # the other hook points, and the refusal of one a model cannot give: test_vllm_hook_points.py
+
+
+def test_engine_figures_count_a_generation_and_a_rows_kv_blocks(vllm_engine, tiny_assets):
+    """Engine metrics on vLLM (docs/operators.md, "Metrics"): five tokens generated are
+    five tokens and timed steps; a row of P prompt and G generated tokens holds the paged
+    blocks that fit P + G positions, each position the model's keys and values."""
+    import json
+    from types import SimpleNamespace
+
+    before = vllm_engine.status().batching
+    job = GenerationJob(
+        request_id="figures-1",
+        prompt=PROMPTS[0],
+        sampling=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+    )
+    assert vllm_engine.generate(job).result(120).usage.completion_tokens == 5
+    after = vllm_engine.status().batching
+    assert after["generated_tokens_total"] - before["generated_tokens_total"] == 5
+    assert after["decode_seconds_total"] > before["decode_seconds_total"]
+    assert after["step_seconds_last"] > 0
+    assert after["running"] == 0 and after["occupancy"] == 0
+    assert after["kv"]["bytes_in_use"] == 0 and after["kv"]["source"] == "vllm paged blocks"
+
+    config = json.loads((tiny_assets.models["tiny-llama"].path / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    per_position = config["num_hidden_layers"] * 2 * kv_heads * head_dim * 4  # float32 keys and values
+    runner = vllm_engine._scheduler.backend
+    block_size = runner.engine.vllm_config.cache_config.block_size
+    rows = [SimpleNamespace(n_prompt=20, generated=[1] * 5), SimpleNamespace(n_prompt=3, generated=[])]
+    blocks = math.ceil(25 / block_size) + math.ceil(3 / block_size)
+    assert runner.kv_usage(rows)["bytes_in_use"] == blocks * block_size * per_position
