@@ -67,6 +67,7 @@ from .taps import ATTN_OUT, EMBD, FFN_OUT, LAYER_OUT, EvalTaps, node_name
 from .options import KV_BYTES, KV_CARD_SHARE, KV_MEMORY_SHARE, check_options
 from .prefix import ResidentPrefixCache
 from .tokens import ChatTemplate, LlamaTokenizer, grammar_vocabulary
+from .weights import gguf_weights
 from .unembedding import gguf_unembedding
 
 DEFAULT_N_BATCH = 512
@@ -162,7 +163,9 @@ class LlamaCppBackend:
             self._grammars: Any = None  # gpu_engine.decode.grammar.Grammars, at the first use
             self.eos_token_ids = self.native.eog_ids()
             self.file_type = self.native.meta("general.file_type")
-            self.weights: dict[str, Any] = {}  # no breakdown of a GGUF's weights in status
+            # the tensors llama.cpp holds (weights.py): per GGML type from the file's table,
+            # in all as llama.cpp counts them
+            self.weights: dict[str, Any] = gguf_weights(self.gguf, self.file_type, self.native.model_size())
             self.kernels = f"llama.cpp ({'gpu offload' if opts['offload'] else 'cpu'})"
             self.context_length = self._window()
             self.attachment_stats: dict[AttachmentKey, AttachmentStats] = {}

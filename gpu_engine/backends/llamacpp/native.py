@@ -231,6 +231,10 @@ class NativeModel:
             lc.llama_model_meta_val_str(self.ptr, key.encode(), buf, len(buf))
         return buf.value.decode("utf-8", "replace")
 
+    def model_size(self) -> int:
+        """The bytes of the tensors llama.cpp holds for this model (``llama_model_size``)."""
+        return int(lc.llama_model_size(self.ptr))
+
     def eog_ids(self) -> set[int]:
         return {t for t in range(self.n_vocab) if lc.llama_vocab_is_eog(self.vocab, t)}
 
