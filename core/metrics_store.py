@@ -28,6 +28,8 @@ from typing import Any
 import structlog
 from prometheus_client.metrics import MetricWrapperBase
 
+from core.errors import EngineUnavailable
+
 log = structlog.get_logger(__name__)
 
 # a sample: (sample name, sorted label pairs)
@@ -139,14 +141,29 @@ class RedisStore:
 
     @property
     def started_at(self) -> float:
-        raw = self._client.get(self.started_key)
+        import redis
+
+        try:
+            raw = self._client.get(self.started_key)
+        except redis.RedisError:
+            raw = None  # read just after samples(): Redis went away in between
         return float(raw) if raw else time.time()
 
     def samples(self) -> dict[SampleKey, float]:
-        """Every process's sums (this one's own growth sent first)."""
-        self.flush()
+        """Every process's sums (this one's own growth sent first); ``EngineUnavailable``
+        (503) while Redis does not answer, as for admission: the stack's figures are not
+        this process's alone (what it counted meanwhile is sent once Redis is back)."""
+        import redis
+
+        try:
+            self.flush()
+            stored = self._client.hgetall(self.key)
+        except redis.RedisError as exc:
+            raise EngineUnavailable(
+                "the stack's metrics are kept in Redis, which does not answer", details={"error": repr(exc)}
+            ) from None
         out: dict[SampleKey, float] = {}
-        for field, value in self._client.hgetall(self.key).items():
+        for field, value in stored.items():
             name, labels = json.loads(field)
             out[(name, tuple(tuple(pair) for pair in labels))] = float(value)
         return out

@@ -71,7 +71,8 @@ class StepFigures:
         self.prefills = 0
         self.prefill_seconds = 0.0
         self.generated_tokens = 0
-        self._recent: deque[tuple[float, int]] = deque(maxlen=4096)
+        # a step's (or, serial, a token's) end: 16384 hold RATE_WINDOW_S at 1600 a second
+        self._recent: deque[tuple[float, int]] = deque(maxlen=16384)
 
     def decoded(self, seconds: float, tokens: int) -> None:
         self.decode_steps += 1
