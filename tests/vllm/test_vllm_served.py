@@ -78,17 +78,17 @@ def test_serve_exits_on_sigterm_with_a_vllm_model_resident(tiny_assets, tmp_path
 
     require_vllm()
     env = {"MILLM_DATA_DIR": str(tmp_path), "MILLM_ENGINE_DEVICE": "cpu", "MILLM_ENGINE_DTYPE": "float32"}
-    for args in (
-        ("migrate", "--noinput"),
-        ("create_demo_assets", "--tiny-only", "--output", str(tiny_assets.root)),
-        (
-            "shell",
-            "-c",
-            "from registry.models import Model; Model.objects.filter(name='tiny-llama').update(backend='vllm')",
-        ),
-    ):
-        result = manage(*args, env=env, timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
+    # the database, the tiny models registered and tiny-llama's backend set to vLLM, in one
+    # process (each manage.py start costs seconds; what the test is about is serve's)
+    setup = (
+        "from django.core.management import call_command\n"
+        "from registry.models import Model\n"
+        "call_command('migrate', interactive=False, verbosity=0)\n"
+        f"call_command('create_demo_assets', '--tiny-only', '--output', {str(tiny_assets.root)!r})\n"
+        "assert Model.objects.filter(name='tiny-llama').update(backend='vllm') == 1\n"
+    )
+    result = manage("shell", "-c", setup, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
