@@ -388,3 +388,38 @@ def test_load_options_do_what_the_configuration_says(tiny_gguf):
             assert exc.value.param == param
         # a refused load leaves the previous model serving
         assert eng.status().state == "ready"
+
+
+def test_engine_figures_and_a_rows_kv_positions_on_llamacpp(gguf_batched, tiny_assets):
+    """Engine metrics on llama.cpp (docs/operators.md, "Metrics"): five generated tokens
+    are five tokens and timed steps; a running row holds its prompt and generated
+    positions in the context's KV cache, each position every layer's keys and values at
+    the KV type's size (f32 here), and the context holds at least one window of them."""
+    import json
+    from types import SimpleNamespace
+
+    before = gguf_batched.status().batching
+    job = GenerationJob(
+        request_id="figures-1",
+        prompt=PROMPTS[0],
+        sampling=SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True),
+    )
+    assert gguf_batched.generate(job).result(120).usage.completion_tokens == 5
+    status = gguf_batched.status()
+    after = status.batching
+    assert after["generated_tokens_total"] - before["generated_tokens_total"] == 5
+    assert after["decode_seconds_total"] > before["decode_seconds_total"]
+    assert after["step_seconds_last"] > 0
+    assert after["running"] == 0 and after["occupancy"] == 0
+    assert after["kv"]["bytes_in_use"] == 0 and after["kv"]["source"] == "llama.cpp context positions"
+
+    config = json.loads((tiny_assets.models["tiny-llama"].path / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    kv_heads = config.get("num_key_value_heads") or heads
+    per_position = config["num_hidden_layers"] * 2 * (config["hidden_size"] * kv_heads // heads) * 4
+    runner = gguf_batched._scheduler.backend
+    rows = [SimpleNamespace(n_prompt=20, generated=[1] * 5), SimpleNamespace(n_prompt=3, generated=[])]
+    usage = runner.kv_usage(rows)
+    assert usage["bytes_in_use"] == 28 * per_position
+    assert usage["capacity_bytes"] % per_position == 0
+    assert usage["capacity_bytes"] >= status.context_length * per_position
