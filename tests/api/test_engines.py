@@ -82,3 +82,20 @@ def test_engines_route_is_for_admin_keys(api, settings, engine_client, tiny_llam
     services.model_unload(model=tiny_llama)
     model = ok(api.get(f"/api/models/{tiny_llama.id}", HTTP_AUTHORIZATION=ADMIN))
     assert model["engine"] is None
+
+
+@pytest.mark.parametrize(
+    "routes, name, match",
+    [
+        ("", "gpu1", "not one ENGINE_MODELS routes to \\(default\\)"),
+        ("gpu1:a;default:*", "gpu2", "not one ENGINE_MODELS routes to \\(gpu1, default\\)"),
+        ("gpu1:a;default:*", "bad name", "must be 1-40 letters"),
+    ],
+)
+def test_run_engine_refuses_a_name_nothing_routes_to(settings, routes, name, match):
+    from django.core.management import CommandError, call_command
+
+    settings.EMBEDDED = False  # the check comes before any connection to Redis
+    settings.ENGINE_MODELS = routes
+    with pytest.raises(CommandError, match=match):
+        call_command("run_engine", "--name", name)

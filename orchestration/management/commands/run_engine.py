@@ -107,11 +107,17 @@ class Command(BaseCommand):
             raise CommandError(
                 "run_engine needs REDIS_URL: without it the engine runs inside `manage.py serve` (embedded mode)"
             )
-        from core.engines import valid_engine_name
+        from core.engines import engine_names, valid_engine_name
 
         name = name or settings.ENGINE_NAME
         if not valid_engine_name(name):
             raise CommandError(f"--name {name!r}: must be 1-40 letters, digits, _ or -")
+        if name not in engine_names():
+            # the web tier would never route a model to it
+            raise CommandError(
+                f"engine {name!r} is not one ENGINE_MODELS routes to ({', '.join(engine_names())}); "
+                f"add `{name}:<model>` to ENGINE_MODELS on every process"
+            )
         from core.errors import MillmError
         from orchestration.load_checks import check_engine_device
 
