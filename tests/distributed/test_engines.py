@@ -7,7 +7,8 @@ interleaved /v1 requests to both are answered by the engine that holds the model
 name — scores equal to the test's own forward pass of that model's weights, greedy texts
 equal to the same request sent alone; ``/v1/models`` and ``/api/engines`` show both; an
 unload on one engine leaves the other serving, and a request for the unloaded model loads it
-again on its own engine. Bad input: an unknown model is 404 ``model_not_found``; a
+again on its own engine, and a killed engine restarted under its name restores its own model
+only. Bad input: an unknown model is 404 ``model_not_found``; a
 registered model no engine may hold is 409 ``model_not_routable`` on /v1 and
 ``MODEL_NOT_ROUTABLE`` on the load route, with no job created."""
 
@@ -83,7 +84,7 @@ def test_two_engines_serve_two_models(cluster: Cluster, procs: list[Proc], tiny_
     c.env["ENGINE_DEAD_AFTER_S"] = "30"
     manage = str(REPO / "manage.py")
     c.start("engine-default", [PYTHON, manage, "run_engine"])
-    c.start("engine-gpu1", [PYTHON, manage, "run_engine", "--name", "gpu1"])
+    gpu1 = c.start("engine-gpu1", [PYTHON, manage, "run_engine", "--name", "gpu1"])
     c.start_web("web")
     c.start_worker()
     for engine in ("default", "gpu1"):
@@ -221,3 +222,23 @@ def test_two_engines_serve_two_models(cluster: Cluster, procs: list[Proc], tiny_
     assert (holds(c, "default"), holds(c, "gpu1")) == ("tiny-llama", "tiny-gpt2")
     row = c.api("web", "GET", f"/api/models/{ids['tiny-gpt2']}").json()["data"]
     assert (row["status"], row["engine"]) == ("loaded", "gpu1")
+
+    # --- gpu1 dies and comes back: it restores its own recorded model, default keeps its own
+    dead_id = heartbeat(c, "gpu1")["engine_id"]
+    gpu1.kill9()
+    c.start("engine-gpu1-again", [PYTHON, manage, "run_engine", "--name", "gpu1"])
+    # the dead engine's last heartbeat lingers until it expires: wait for the new engine's
+    wait_for(
+        "gpu1 restored",
+        lambda: (
+            (hb := heartbeat(c, "gpu1") or {}).get("engine_id") not in (None, dead_id)
+            and hb.get("phase") == "serving"
+            and holds(c, "gpu1") == "tiny-gpt2"
+        ),
+        120,
+        procs,
+    )
+    assert holds(c, "default") == "tiny-llama"
+    for name in ENGINE_OF:
+        resp = c.api("web", "POST", "/v1/completions", json=greedy_body(name))
+        assert resp.status_code == 200 and resp.json()["choices"][0]["text"] == alone[name], resp.text
