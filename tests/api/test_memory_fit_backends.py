@@ -229,3 +229,17 @@ def test_an_sae_attach_on_vllm_needs_the_engines_copy_and_the_workers_on_the_hos
     report_free(monkeypatch, engine_client, {"cpu": 2 * size})
     ok(api.post(f"/api/saes/{sae.id}/attach", {"layer": 1}, format="json"))
     assert [a.sae_id for a in engine_client.status().attachments] == [sae.id]
+
+
+def test_run_engine_refuses_to_start_on_a_card_the_host_does_not_have(settings, monkeypatch):
+    import torch
+    from django.core.management import CommandError, call_command
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    settings.EMBEDDED = False
+    settings.REDIS_URL = ""  # refused before any connection: nothing to serve on
+    settings.MILLM_ENGINE_DEVICE = "cuda:2"
+    with pytest.raises(CommandError) as caught:
+        call_command("run_engine", "--no-restore")
+    assert "cuda:2" in str(caught.value) and "2 card(s)" in str(caught.value)
