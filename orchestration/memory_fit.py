@@ -197,7 +197,12 @@ def _judge(places: list[tuple[str, int, int]]) -> tuple[list[dict[str, Any]], bo
     cards: list[dict[str, Any]] = []
     fits = True
     for device, needed, reclaim in places:
-        free = runtime().engine.free_memory(device)
+        try:
+            free = runtime().engine.free_memory(device)
+        except (RuntimeError, AssertionError):
+            # a card torch cannot query here (a llama.cpp CUDA build beside a CPU torch):
+            # the backend fits its own window, and refuses what it cannot place
+            free = None
         if free is None:
             continue
         context = int(settings.TRANSFORMERS_CUDA_CONTEXT_MB) * MB if device.startswith("cuda") else 0

@@ -243,3 +243,17 @@ def test_run_engine_refuses_to_start_on_a_card_the_host_does_not_have(settings, 
     with pytest.raises(CommandError) as caught:
         call_command("run_engine", "--no-restore")
     assert "cuda:2" in str(caught.value) and "2 card(s)" in str(caught.value)
+
+
+def test_a_gguf_load_on_a_card_torch_cannot_query_is_left_to_llamacpp(
+    api, engine_client, gguf_llama, settings, monkeypatch
+):
+    """A llama.cpp build offloading to a card beside a CPU torch (this machine's torch is
+    CPU-only): the web tier cannot say what the card has free, so the load goes on and
+    llama.cpp fits its window to the card (tests/engine/test_devices.py), never a 500."""
+    from gpu_engine.backends.llamacpp import options
+
+    monkeypatch.setattr(options, "gpu_device_count", lambda: 1)
+    settings.MILLM_ENGINE_DEVICE = "cuda:0"
+    data = ok(api.post(f"/api/models/{gguf_llama.id}/load"), 202)
+    assert data["job"]["kind"] == "model_load"
