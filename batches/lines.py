@@ -43,7 +43,8 @@ from inference.policy import check_fields
 from inference.probe_scoring import probe_score, probe_score_parse
 from inference.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from inference.quotas import Refusal, Ticket, batch_line_ticket
-from inference.residency import resident_model_id, routed
+from inference.routing import routed
+from inference.residency import resident_model_id
 from inference.serving import answer_plan, check_profile
 from inference.usage import label_of
 from monitoring.ownership import EVERYONE, Scope

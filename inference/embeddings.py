@@ -17,7 +17,8 @@ from gpu_engine.api.protocol import EmbedJob
 from inference.planning import resolve_model
 from inference.policy import check_dimensions, ignored_headers
 from inference.protocol import EmbeddingData, EmbeddingRequest, EmbeddingResponse, UsageInfo
-from inference.residency import resident_model_id, routed
+from inference.routing import routed
+from inference.residency import resident_model_id
 
 ENGINE_CALL_TIMEOUT_S = 300.0
 

@@ -52,7 +52,8 @@ from inference.errors import openai_error_from_validation
 from inference.outcomes import Outcome, probe_verdicts
 from inference.planning import Choice, capture_limits, off_view_thread, resolve_model
 from inference.protocol import ChatMessage, ProbeAsk, _Strict
-from inference.residency import ModelRef, resident_model_id, routed
+from inference.routing import routed
+from inference.residency import ModelRef, resident_model_id
 from monitoring.errors import ProbeNotFound, ProbeScoreRequestInvalid
 from monitoring.ownership import EVERYONE, Scope
 from monitoring.probe_requests import (

@@ -26,9 +26,7 @@ import asyncio
 import contextvars
 import dataclasses
 import threading
-from collections.abc import AsyncIterator
 from concurrent.futures import Future
-from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import structlog
@@ -36,7 +34,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections, connections
 
-from core.engines import current_engine, route_model, several_engines, using_engine
+from core.engines import current_engine
 from core.errors import MillmError, ModelBusy
 from core.runtime import runtime
 from gpu_engine.api.protocol import EngineStatus
@@ -225,22 +223,6 @@ class Residency:
             future.set_result(None)
         else:
             future.set_exception(error)
-
-
-@asynccontextmanager
-async def routed(name: str | None) -> AsyncIterator[None]:
-    """Address the engine of the model a /v1 request names (``core.engines``) for what it
-    wraps. With one engine (ENGINE_MODELS unset) nothing changes. An unknown model is 404
-    ``model_not_found`` as before; a registered model no engine may hold is 409
-    ``model_not_routable``. ``None`` (no name): nothing to route, validation decides."""
-    if name is None or not several_engines():
-        yield
-        return
-    from inference.selectors import model_resolve  # it imports this module
-
-    ref, _ = await sync_to_async(model_resolve)(name=name)
-    with using_engine(route_model(ref.name)):
-        yield
 
 
 def _check_lease(model: ModelRef, lease: str | None) -> None:

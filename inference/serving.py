@@ -45,7 +45,8 @@ from inference.outcomes import (  # noqa: F401 - re-exported: a finished choice'
 from inference.planning import Plan, off_view_thread, plan_generation, resolve_model
 from inference.protocol import ChatCompletionRequest, CompletionRequest
 from inference.quotas import current_ticket
-from inference.residency import resident_model_id, routed
+from inference.routing import routed
+from inference.residency import resident_model_id
 from inference.scoring import check_scoring, serve_scoring
 from inference.shaping import (  # noqa: F401 - re-exported: the body's parts
     build_body,
