@@ -660,17 +660,6 @@ VARIABLES: tuple[Var, ...] = (
         "give each engine of a multi-engine deployment its own.",
     ),
     Var(
-        "ENGINE_HEARTBEAT_S",
-        "Distributed engine",
-        "float",
-        1.0,
-        "How often run_engine rewrites its heartbeat (its status: model, attachments, "
-        "requests in flight) and renews its claim on the work it holds.",
-        minimum=0.05,
-    ),
-    Var(
-        "ENGINE_DEAD_AFTER_S",
-    Var(
         "ENGINE_NAME",
         "Distributed engine",
         "str",
@@ -690,6 +679,17 @@ VARIABLES: tuple[Var, ...] = (
         "Empty: one engine, `default`, holding any model. More than the default engine needs "
         "REDIS_URL.",
     ),
+    Var(
+        "ENGINE_HEARTBEAT_S",
+        "Distributed engine",
+        "float",
+        1.0,
+        "How often run_engine rewrites its heartbeat (its status: model, attachments, "
+        "requests in flight) and renews its claim on the work it holds.",
+        minimum=0.05,
+    ),
+    Var(
+        "ENGINE_DEAD_AFTER_S",
         "Distributed engine",
         "float",
         5.0,
