@@ -96,7 +96,7 @@ def test_a_vllm_load_on_the_cpu_needs_its_weights_and_vllms_cpu_kv_cache(api, en
 
 
 def test_a_vllm_load_on_a_card_needs_a_whole_window_of_kv_there(api, engine_client, vllm_llama, settings, monkeypatch):
-    import gpu_engine.backends.vllm as vllm_backend
+    import gpu_engine.backends.vllm.cards as vllm_backend
 
     # a CUDA build of vLLM on a host with two cards (none exists here)
     monkeypatch.setattr(vllm_backend, "platform_cuda", lambda: True)

@@ -181,7 +181,7 @@ def test_vllm_starts_its_engine_core_on_the_named_card_only(tiny_assets, monkeyp
     require_vllm()
     import vllm
 
-    import gpu_engine.backends.vllm as vllm_backend
+    import gpu_engine.backends.vllm.cards as vllm_backend
 
     monkeypatch.setattr(vllm_backend, "platform_cuda", lambda: True)
     monkeypatch.setattr(vllm_backend, "cuda_card_count", lambda: 2)

@@ -48,7 +48,7 @@ from ...api.protocol import (
     ScoreResult,
 )
 from ...api.capabilities import Capabilities
-from . import card_env
+from .cards import card_env
 from .liveness import CoreWatch
 from .loader import LOAD_FORMAT
 from .wire import hook_site, supported_points
