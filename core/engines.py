@@ -91,6 +91,13 @@ def engine_names() -> list[str]:
     return [r.name for r in _routes()]
 
 
+def primary_engine() -> str:
+    """The engine the one-engine fields of the health routes and ``/api/models``'
+    ``loaded_model_id`` describe: ``default`` when ENGINE_MODELS lists it, else its first."""
+    names = engine_names()
+    return DEFAULT_ENGINE if DEFAULT_ENGINE in names else names[0]
+
+
 def several_engines() -> bool:
     routes = _routes()
     return len(routes) > 1 or routes[0].name != DEFAULT_ENGINE
@@ -174,6 +181,7 @@ __all__ = [
     "engine_patterns",
     "engine_prefix",
     "parse_engine_models",
+    "primary_engine",
     "route_model",
     "selected_engine",
     "several_engines",

@@ -15,7 +15,7 @@ depend on the load.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from asgiref.sync import sync_to_async
@@ -24,7 +24,9 @@ from django.http import HttpRequest, JsonResponse
 from pydantic import BaseModel
 
 from core.engine_options import interactive_slots
+from core.engines import DEFAULT_ENGINE, engine_for_model, several_engines
 from core.runtime import runtime
+from gpu_engine.api.errors import EngineError
 from gpu_engine.api.fields import MAX_LOGIT_BIAS, MAX_STOP_SEQUENCES, MAX_TOP_LOGPROBS
 from gpu_engine.api.protocol import EngineStatus, to_builtins
 from inference import selectors
@@ -141,25 +143,55 @@ def _registered(row: Any, backends: Mapping[str, Mapping[str, Any]]) -> dict[str
     }
 
 
-def capabilities_list(rows: list[Any], status: EngineStatus) -> dict[str, Any]:
+def capabilities_list(
+    rows: list[Any], statuses: Mapping[str | None, EngineStatus | None], engine_of: Callable[[str], str | None]
+) -> dict[str, Any]:
     """``/v1/capabilities``: one entry per listed model (``rows``: /v1/models' models,
-    without the ``@profile`` entries), the resident one from the engine's live status."""
-    engine = to_builtins(status)
-    backends = {b.get("name"): b for b in status.backends}
+    without the ``@profile`` entries), each answered by the engine that holds or would hold
+    it (``engine_of``, ENGINE_MODELS): the resident one from that engine's live status, a
+    registered one with that engine's backends. ``statuses``: each engine's status by
+    name, None for an engine that did not answer (its models: ``backend_available``
+    false); a model no engine may hold has ``engine: null``."""
     data = []
     for row in rows:
-        resident = status.state == "ready" and status.model_id == row.name
-        data.append(_resident(row.name, status, engine) if resident else _registered(row, backends))
+        name = engine_of(row.name)
+        status = statuses.get(name)
+        if status is None:
+            entry = _registered(row, {})
+        elif status.state == "ready" and status.model_id == row.name:
+            entry = _resident(row.name, status, to_builtins(status))
+        else:
+            entry = _registered(row, {b.get("name"): b for b in status.backends})
+        data.append({**entry, "engine": name})
     return {"object": "list", "data": data}
+
+
+def _engine_status(client: Any, several: bool) -> EngineStatus | None:
+    try:
+        return client.status()
+    except EngineError:
+        if not several:
+            raise  # one engine: as before, its error answers
+        return None  # one engine down does not hide the others' models
 
 
 @openai_view("GET")
 async def capabilities(request: HttpRequest):
     """The route: read as /v1/models is (an inference key may)."""
-    client = runtime().engine
-    status = await asyncio.to_thread(client.status) if client.status_blocks else client.status()
     rows = await sync_to_async(lambda: list(selectors.models_listed()))()
-    return JsonResponse(capabilities_list(rows, status))
+    several = several_engines()
+    engine_of = engine_for_model if several else (lambda _name: DEFAULT_ENGINE)
+    statuses: dict[str | None, EngineStatus | None] = {}
+    for name in dict.fromkeys(engine_of(row.name) for row in rows):
+        if name is None:
+            continue
+        client = runtime().engines.client(name) if several else runtime().engine
+        statuses[name] = (
+            await asyncio.to_thread(_engine_status, client, several)
+            if client.status_blocks
+            else _engine_status(client, several)
+        )
+    return JsonResponse(capabilities_list(rows, statuses, engine_of))
 
 
 __all__ = ["batching_enabled", "capabilities", "capabilities_list", "served_capabilities"]

@@ -12,6 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import envelope, validated
+from core.engines import DEFAULT_ENGINE, primary_engine
 from core.schema import enveloped
 from registry import access, describe, downloads, job_lifecycle, outputs, selectors, services
 from registry import serializers as io
@@ -30,12 +31,20 @@ class ModelListCreateApi(APIView):
     def get(self, request) -> Response:
         progress = selectors.download_progress_by_model()
         models = list(selectors.model_list())
-        loaded = next((m.id for m in models if m.status == Model.Status.LOADED), None)
+        # every engine's loaded model (ENGINE_MODELS; a row from before engines had names
+        # is the default engine's); loaded_model_id stays the default engine's
+        # (ENGINE_MODELS' first where it does not list default)
+        loaded_models = {
+            m.engine or DEFAULT_ENGINE: m.id
+            for m in sorted(models, key=lambda m: m.id)
+            if m.status == Model.Status.LOADED
+        }
         return envelope(
             {
                 "models": [outputs.model_out(m, download_progress=progress.get(m.id)) for m in models],
                 "total": len(models),
-                "loaded_model_id": loaded,
+                "loaded_model_id": loaded_models.get(primary_engine()),
+                "loaded_models": loaded_models,
             }
         )
 

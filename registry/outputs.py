@@ -119,6 +119,7 @@ class ModelListOutput(serializers.Serializer):
     models = ModelOutput(many=True)
     total = serializers.IntegerField()
     loaded_model_id = serializers.IntegerField(allow_null=True)
+    loaded_models = serializers.DictField(child=serializers.IntegerField())
 
 
 class ModelJobOutput(serializers.Serializer):

@@ -12,6 +12,7 @@ import structlog
 from django.conf import settings
 
 from core.engine_options import interactive_slots
+from core.engines import engine_names
 from core.runtime import runtime
 from gpu_engine.api.protocol import to_builtins
 from inference.admission import queue_figures
@@ -19,15 +20,24 @@ from inference.admission import queue_figures
 log = structlog.get_logger(__name__)
 
 
-def engine_snapshot() -> dict[str, Any]:
-    """The engine's own status as plain JSON, or ``state: unavailable`` and why."""
+def engine_snapshot(name: str | None = None) -> dict[str, Any]:
+    """An engine's own status as plain JSON, or ``state: unavailable`` and why: engine
+    ``name`` of ENGINE_MODELS, else the one the running code addresses (the default one
+    outside ``core.engines.using_engine``)."""
     try:
-        status = runtime().engine.status()
+        client = runtime().engine if name is None else runtime().engines.client(name)
+        status = client.status()
     except Exception as exc:  # noqa: BLE001 - health must answer whatever the engine does
         return {"state": "unavailable", "error": getattr(exc, "message", str(exc)), "attachments": []}
     data = to_builtins(status)
     data.pop("model_path", None)
     return data
+
+
+def engine_snapshots() -> dict[str, dict[str, Any]]:
+    """Every engine of ENGINE_MODELS by name (``default`` alone when it is unset), each as
+    ``engine_snapshot`` answers it."""
+    return {name: engine_snapshot(name) for name in engine_names()}
 
 
 def inference_figures() -> dict[str, Any]:

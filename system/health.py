@@ -3,7 +3,8 @@ metrics, circuit breakers, version.
 
 Readiness rule (documented in docs/api.md): the server is ready when
 1. the database answers a query,
-2. the engine answers ``status()``,
+2. every engine of ENGINE_MODELS (the one default engine when it is unset) answers
+   ``status()`` and reports no ``failure`` (``engines`` says which one does not),
 3. no model load or unload is running (a swap in progress would answer 503 model_busy),
 4. the AUTO_LOAD_MODEL, when one is configured, is resident (or the model a restart
    restored and the setting could not swap out: ``auto_load_model`` says which and why).
@@ -31,6 +32,7 @@ from rest_framework.views import APIView
 
 from core.api import envelope
 from core.auth import keys_enabled
+from core.engines import DEFAULT_ENGINE, primary_engine
 from core.engine_options import interactive_slots
 from core.errors import NotReady
 from core.schema import enveloped
@@ -41,7 +43,7 @@ from orchestration.services import model_jobs_reap
 from orchestration.startup import auto_load_state
 from registry.models import Job, Model
 from steering.models import Cluster, Profile
-from system.figures import engine_snapshot, inference_figures
+from system.figures import engine_snapshots, inference_figures
 
 log = structlog.get_logger(__name__)
 
@@ -68,17 +70,36 @@ def _check_database() -> dict[str, Any]:
     }
 
 
-def _check_engine(engine: dict[str, Any]) -> dict[str, Any]:
+def _check_engine(engine: dict[str, Any], name: str = DEFAULT_ENGINE) -> dict[str, Any]:
+    # the first engine's component keeps the name "engine" (one engine: as before), the
+    # others are "engine:<name>"; each says which engine it is in "engine"
+    label = {"name": "engine" if name == primary_engine() else f"engine:{name}", "engine": name}
     if engine["state"] == "unavailable":
-        return {"name": "engine", "status": "unhealthy", "message": engine.get("error")}
+        return {**label, "status": "unhealthy", "message": engine.get("error")}
     if engine.get("failure"):
         # loaded, but its backend's engine died (vLLM's engine core): every request refused
-        return {"name": "engine", "status": "unhealthy", "message": engine["failure"]}
+        return {**label, "status": "unhealthy", "message": engine["failure"]}
     loaded = engine["state"] == "ready"
     return {
-        "name": "engine",
+        **label,
         "status": "healthy" if loaded else "degraded",
         "message": f"model {engine.get('model_id')} resident" if loaded else "no model loaded",
+    }
+
+
+def _engine_ok(engine: dict[str, Any]) -> bool:
+    return engine["state"] != "unavailable" and not engine.get("failure")
+
+
+def _engine_entry(name: str, engine: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "name": name,
+        "alive": engine["state"] != "unavailable",
+        "ready": _engine_ok(engine),
+        "state": engine["state"],
+        "model_name": engine.get("model_id"),
+        "engine_failure": engine.get("failure"),
+        "error": engine.get("error"),
     }
 
 
@@ -114,9 +135,11 @@ def readiness() -> tuple[bool, dict[str, Any]]:
     checks: dict[str, Any] = {}
     database = _check_database()
     checks["database"] = database["status"] == "healthy"
-    engine = engine_snapshot()
-    # a resident model whose backend died (EngineStatus.failure) serves nothing
-    checks["engine"] = engine["state"] != "unavailable" and not engine.get("failure")
+    snapshots = engine_snapshots()
+    engine = snapshots[primary_engine()]
+    # every engine answers, and none holds a model whose backend died
+    # (EngineStatus.failure): that model's requests would all be refused
+    checks["engine"] = all(_engine_ok(e) for e in snapshots.values())
     transition = _model_transition() if checks["database"] else None
     checks["no_model_transition"] = transition is None
     if settings.AUTO_LOAD_MODEL:
@@ -131,6 +154,9 @@ def readiness() -> tuple[bool, dict[str, Any]]:
         "model_loaded": engine.get("state") == "ready",
         "model_name": engine.get("model_id"),
         "engine_failure": engine.get("failure"),
+        # each engine of ENGINE_MODELS; the top-level model and failure are the first's
+        "engines": [_engine_entry(name, e) for name, e in snapshots.items()],
+        "failed_engines": [name for name, e in snapshots.items() if not _engine_ok(e)],
         "transition": transition,
         "version": version(),
         "timestamp": _now(),
@@ -242,6 +268,14 @@ class ReadinessView(APIView):
         ready, data = readiness()
         if not ready:
             failing = sorted(k for k, ok in data["checks"].items() if not ok)
+            if data["failed_engines"]:
+                # which engine: "engine (gpu1: <its failure>)"
+                said = [
+                    f"{e['name']}: {e['engine_failure'] or e['error'] or e['state']}"
+                    for e in data["engines"]
+                    if not e["ready"]
+                ]
+                failing = [f"engine ({'; '.join(said)})" if k == "engine" else k for k in failing]
             raise NotReady(
                 "Not ready: " + ", ".join(failing), details=data, retry_after=settings.RETRY_AFTER_READINESS_S
             )
@@ -257,8 +291,13 @@ class DetailedHealthView(APIView):
     def get(self, request) -> Response:
         from registry import hub, selectors
 
-        engine = engine_snapshot()
-        components = [_check_database(), _check_engine(engine), _check_channel_layer()]
+        snapshots = engine_snapshots()
+        engine = snapshots[primary_engine()]
+        components = [
+            _check_database(),
+            *(_check_engine(e, name) for name, e in snapshots.items()),
+            _check_channel_layer(),
+        ]
         circuits = hub.circuit_states()
         for circuit in circuits:
             components.append(
@@ -334,7 +373,8 @@ def _lease_block() -> dict[str, Any] | None:
 class InferenceHealthView(APIView):
     @extend_schema(summary="Active inference backend and its capabilities", tags=["health"], responses=enveloped(_any))
     def get(self, request) -> Response:
-        engine = engine_snapshot()
+        snapshots = engine_snapshots()
+        engine = snapshots[primary_engine()]
         # what the engine actually runs (its own report), else what the settings ask for
         engine_batching = engine.get("batching") or {}
         batching = batching_enabled(engine)
@@ -372,6 +412,19 @@ class InferenceHealthView(APIView):
                 "limitations": []
                 if batching
                 else ["serial backend: one generation at a time, others wait in the queue"],
+                # every engine of ENGINE_MODELS (the top-level fields are the first's)
+                "engines": [
+                    {
+                        "name": name,
+                        "engine_state": e["state"],
+                        "backend": e.get("backend"),
+                        "model_name": e.get("model_id"),
+                        "weights": e.get("weights") or {},
+                        "engine_failure": e.get("failure"),
+                        "error": e.get("error"),
+                    }
+                    for name, e in snapshots.items()
+                ],
             }
         )
 
