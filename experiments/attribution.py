@@ -62,6 +62,7 @@ from gpu_engine.api.protocol import (
     TokenizeJob,
 )
 from registry import labels
+from registry.engines import addressing_sae
 from registry.models import SAE
 from registry.selectors import sae_get
 
@@ -162,11 +163,12 @@ def attribution_run(
             f"{sae.id} is a steering vector: it has no features to attribute",
             details={"param": "sae_id", "fields": {"sae_id": ["a steering vector has no features"]}},
         )
-    engine = runtime().engine
-    status = engine.status()
-    _check_backend(status)
-    attachment = attached_layer(sae_id=sae.id, layer=layer, attachments=list(status.attachments))
-    target_id = _target_id(target_token, status.vocab_size)
+    with addressing_sae(sae.id):  # the engine holding the SAE's model (registry.engines)
+        engine = runtime().engine
+        status = engine.status()
+        _check_backend(status)
+        attachment = attached_layer(sae_id=sae.id, layer=layer, attachments=list(status.attachments))
+        target_id = _target_id(target_token, status.vocab_size)
     job = AttributionJob(
         request_id=f"attr-{uuid.uuid4().hex}",
         sae_id=sae.id,

@@ -20,6 +20,7 @@ work is the context's own (one thread, writes in order).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -125,8 +126,9 @@ class RunContext:
     # ------------------------------------------------------------------ elsewhere
 
     async def off(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Blocking work (numpy, files) off the event loop."""
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        """Blocking work (numpy, files, the engine's commands) off the event loop, in this
+        task's context (the engine the run addresses, ``experiments.runner``)."""
+        return await asyncio.get_running_loop().run_in_executor(None, contextvars.copy_context().run, fn, *args)
 
     async def db(self, fn: Callable[..., Any], **kwargs: Any) -> Any:
         """``fn(**kwargs)`` on the run's database thread (writes in the order made)."""

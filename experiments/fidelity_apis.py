@@ -90,7 +90,11 @@ def fidelity_start(*, data: dict[str, Any], who: Principal) -> ExperimentRun:
     from experiments.fidelity import fidelity_check
     from experiments.services import experiment_start
 
-    plan = fidelity_check(data=dict(data), status=runtime().engine.status(), principal=who)
+    from registry.engines import addressing_sae
+
+    with addressing_sae(str(data.get("sae_id") or "")):  # the engine of the SAE's model
+        status = runtime().engine.status()
+    plan = fidelity_check(data=dict(data), status=status, principal=who)
     return experiment_start(
         kind=ExperimentRun.Kind.FIDELITY,
         spec=plan.spec,

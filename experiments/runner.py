@@ -21,6 +21,7 @@ error ends it ``failed`` with the error's code (the points stored stay, ``partia
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import importlib
 import threading
 from collections.abc import Awaitable, Callable
@@ -34,6 +35,7 @@ from core.runtime import runtime
 from experiments import services
 from experiments.context import RunContext
 from experiments.models import ExperimentRun
+from registry.engines import addressing, saes_engine
 
 log = structlog.get_logger(__name__)
 
@@ -77,12 +79,23 @@ class _Runner:
         self.db = RunDatabase(thread_name_prefix="millm-experiment-db")
 
     async def run(self) -> str:
+        # the engine of the run's SAE's model (registry.engines), derived again on every
+        # resume: a run taken over after a restart addresses the same engine
         async with self.db:
-            return await self._run()
+            engine = await self.db(saes_engine, self._sae_ids())
+            with addressing(engine):
+                return await self._run()
+
+    def _sae_ids(self) -> list[str]:
+        """The run's SAE, else its variants' (a sweep's)."""
+        variants = [*(self.spec.get("variants") or []), self.spec.get("variant")]
+        return [self.sae_id] + [str(v.get("sae_id") or "") for v in variants if isinstance(v, dict)]
 
     async def _run(self) -> str:
         try:
-            status = await asyncio.get_running_loop().run_in_executor(None, runtime().engine.status)
+            status = await asyncio.get_running_loop().run_in_executor(
+                None, contextvars.copy_context().run, runtime().engine.status
+            )
             ctx = RunContext(
                 run_id=self.run_id,
                 runner=self.runner,

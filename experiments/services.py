@@ -29,6 +29,7 @@ from experiments.errors import ExperimentNotCancellable
 from experiments.models import ExperimentPoint, ExperimentRun
 from experiments.selectors import experiment_get
 from features.services import storable
+from registry.engines import addressing, saes_engine
 
 log = structlog.get_logger(__name__)
 
@@ -135,7 +136,11 @@ def experiment_sweep_start(*, principal: Principal, data: dict[str, Any]) -> Exp
     from core.runtime import runtime
     from experiments.sweep import sweep_check
 
-    plan = sweep_check(data=data, status=runtime().engine.status())
+    variants = data.get("variants") or []
+    sae_ids = [str(v.get("sae_id") or "") for v in variants if isinstance(v, dict)]
+    with addressing(saes_engine(sae_ids)):  # the engine of the variants' SAEs (registry.engines)
+        status = runtime().engine.status()
+    plan = sweep_check(data=data, status=status)
     return experiment_start(kind=ExperimentRun.Kind.SWEEP, spec=plan.spec, principal=principal, total=plan.total)
 
 
@@ -146,7 +151,11 @@ def experiment_calibrate_start(*, principal: Principal, data: dict[str, Any]) ->
     from core.runtime import runtime
     from experiments.calibration import calibration_check
 
-    plan = calibration_check(data=data, status=runtime().engine.status(), principal=principal)
+    variant = data.get("variant")
+    sae_id = str(variant.get("sae_id") or "") if isinstance(variant, dict) else ""
+    with addressing(saes_engine([sae_id])):  # the engine of the variant's SAE's model
+        status = runtime().engine.status()
+    plan = calibration_check(data=data, status=status, principal=principal)
     return experiment_start(
         kind=ExperimentRun.Kind.CALIBRATION,
         spec=plan.spec,

@@ -44,6 +44,7 @@ import json
 import os
 import threading
 import time
+import contextvars
 import uuid
 from typing import Any
 
@@ -57,6 +58,7 @@ from core.jobs import RunDatabase, engine_command, run_error
 from core.runtime import runtime
 from features import services
 from features.models import DashboardRun
+from registry.engines import addressing, sae_engine
 
 log = structlog.get_logger(__name__)
 
@@ -108,8 +110,10 @@ class _Runner:
         self.db = RunDatabase(thread_name_prefix="millm-dashboard-db")
 
     async def off(self, fn: Any, *args: Any) -> Any:
-        """Blocking work (the engine's commands, numpy, files) off the loop."""
-        return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+        """Blocking work (the engine's commands, numpy, files) off the loop, in this
+        task's context (the engine it addresses, ``run``)."""
+        ctx = contextvars.copy_context()
+        return await asyncio.get_running_loop().run_in_executor(None, ctx.run, fn, *args)
 
     async def beating(self, fn: Any, *args: Any) -> Any:
         """``off(fn, *args)`` with the heartbeat kept up meanwhile (tokenizing a corpus,
@@ -135,8 +139,12 @@ class _Runner:
         return result
 
     async def run(self) -> str:
+        # the engine of the SAE's model (registry.engines), derived again on every
+        # resume: a run taken over after a restart addresses the same engine
         async with self.db:
-            return await self._run()
+            engine = await self.db(sae_engine, self.sae_id)
+            with addressing(engine):
+                return await self._run()
 
     async def _run(self) -> str:
         try:

@@ -34,6 +34,7 @@ from features.accumulate import paused_gc
 from features.errors import DashboardNotCancellable, DashboardSAENotAttached, InvalidCorpus
 from features.models import DashboardRun, FeatureDashboard
 from features.selectors import dashboard_get
+from registry.engines import addressing_sae
 from registry.models import SAE
 from registry.selectors import sae_get
 
@@ -247,7 +248,9 @@ def dashboard_start(
             f"corpus must be one of {list(DashboardRun.Corpus.values)}",
             details={"param": "corpus", "fields": {"corpus": ["unknown corpus"]}},
         )
-    attachment = attached_layer(sae_id=sae.id, layer=layer, attachments=list(runtime().engine.status().attachments))
+    with addressing_sae(sae.id):  # the engine holding the SAE's model (registry.engines)
+        status = runtime().engine.status()
+    attachment = attached_layer(sae_id=sae.id, layer=layer, attachments=list(status.attachments))
     if corpus == DashboardRun.Corpus.FILE:
         if not file_id:
             raise ValidationFailed(

@@ -1,0 +1,92 @@
+"""Several engines, one front (docs/deploy.md, "Several models, several engines"): the
+work on an SAE — a dashboard run, an experiment — addresses the engine holding the SAE's
+model, not the default one. In one process: the model runs on the embedded engine, which
+the test installs as engine ``gpu1``'s client behind a recorder; the default engine is a
+recorder that refuses every call, so a call that reaches it fails the run."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from core.runtime import runtime
+from gpu_engine.api.errors import EngineError
+from registry.models import Model
+
+pytestmark = pytest.mark.django_db(transaction=True)
+
+SAE = "tiny-llama-L1-relu"
+
+
+def anon():
+    from core.auth import Principal
+
+    return Principal(owner="anonymous", label="anonymous", admin=True)
+
+
+class Recorder:
+    """An engine client that records each call's name; with ``real`` it passes the call
+    on, without it refuses (the engine the work must not reach)."""
+
+    def __init__(self, real: Any = None) -> None:
+        self.real = real
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        if self.real is None:
+
+            def refused(*args: Any, **kwargs: Any) -> Any:
+                self.calls.append(name)
+                raise EngineError("WRONG_ENGINE", f"the default engine was asked for {name}")
+
+            return refused
+        attr = getattr(self.real, name)
+        if not callable(attr):
+            return attr
+
+        def passed(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append(name)
+            return attr(*args, **kwargs)
+
+        return passed
+
+
+@pytest.fixture
+def on_gpu1(settings, tmp_path, engine_client, tiny_llama, llama_saes):
+    """tiny-llama loaded with the L1 SAE attached at layer 1, then ENGINE_MODELS puts it on
+    ``gpu1``, whose client is the embedded engine (recorded); the default engine refuses."""
+    from orchestration import services
+    from orchestration.attachments import sae_attach_set
+
+    settings.DASHBOARD_DIR = str(tmp_path / "dashboards")
+    services.model_load(model=tiny_llama)
+    sae = llama_saes[SAE]
+    sae_attach_set(items=[(sae, 1)])
+    settings.ENGINE_MODELS = "gpu1:tiny-llama;default:*"
+    Model.objects.filter(pk=tiny_llama.pk).update(engine="gpu1")
+    gpu1, default = Recorder(engine_client), Recorder()
+    engines = runtime().engines
+    engines._clients["gpu1"] = gpu1
+    try:
+        with runtime().replaced(engine=default):
+            yield sae, gpu1, default
+    finally:
+        engines._clients.pop("gpu1", None)
+
+
+def test_a_dashboard_run_addresses_the_engine_of_its_saes_model(on_gpu1):
+    from features import runner, services
+    from features.models import DashboardRun
+
+    sae, gpu1, default = on_gpu1
+    run = services.dashboard_start(
+        sae_id=sae.id, layer=1, corpus="sample", token_budget=256, context_tokens=16, principal=anon()
+    )
+    assert runner.dashboard_run(run_id=run.id, force=True) == "completed"
+    row = DashboardRun.objects.get(pk=run.id)
+    assert (row.status, row.summary["model"]) == ("completed", "tiny-llama")
+    assert default.calls == []
+    assert {"status", "tokenize", "agenerate", "feature_logits"} <= set(gpu1.calls)
