@@ -85,9 +85,23 @@ async function refresh() {
 
 // --- the lease of the resident model ------------------------------------------------------
 
-const residentModel = () => models.find((m) => m.status === "loaded") || null;
+// several engines (ENGINE_MODELS) hold a model each: the select picks whose lease is shown
+const loadedModels = () => models.filter((m) => m.status === "loaded");
+const residentModel = () => {
+  const loaded = loadedModels();
+  return loaded.find((m) => String(m.id) === $("#lease-model").value) || loaded[0] || null;
+};
+
+function leaseChoices() {
+  const loaded = loadedModels();
+  const keep = $("#lease-model").value;
+  $("#lease-model").replaceChildren(...loaded.map((m) => el("option", { value: String(m.id) }, m.engine ? `${m.name} (engine ${m.engine})` : m.name)));
+  if (loaded.some((m) => String(m.id) === keep)) $("#lease-model").value = keep;
+  $("#lease-model-field").hidden = loaded.length < 2;
+}
 
 async function refreshLease() {
+  leaseChoices();
   const m = residentModel();
   const controls = ["#lease-holder", "#lease-reason", "#lease-ttl", "#lease-take", "#lease-id", "#lease-renew", "#lease-release"];
   for (const sel of controls) $(sel).disabled = !m;
@@ -120,6 +134,7 @@ $("#lease-form").addEventListener("submit", (ev) => {
     await refreshLease();
   }, "Lease");
 });
+$("#lease-model").addEventListener("change", () => refreshLease());
 $("#lease-id").addEventListener("change", () => { const m = residentModel(); if (m) setLeaseId(m.id, $("#lease-id").value.trim()); refreshLease(); });
 $("#lease-renew").addEventListener("click", (ev) => {
   const m = residentModel();
