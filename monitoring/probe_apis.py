@@ -11,19 +11,35 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import body_object, envelope, validated
+from core.engines import current_engine, several_engines
 from core.runtime import runtime
 from core.schema import enveloped
 from monitoring import probes
 from monitoring.errors import ProbeInvalid
 from monitoring.ownership import Scope
+from registry.engines import addressing_model, engine_status_of, sae_engine
 
 PROBES = ["probes"]
 _ANY = enveloped(OpenApiTypes.OBJECT)
 
 
-def _status():  # type: ignore[no-untyped-def]
+def _engine(row) -> str | None:  # type: ignore[no-untyped-def]
+    """With several engines, the engine a probe is read against (registry.engines): that of
+    the model it was last validated on, else that of its SAE's model, else the default one
+    (a residual-stream probe never validated)."""
+    if not several_engines():
+        return None
+    model = (row.validation or {}).get("model")
+    if model:
+        with addressing_model(str(model)):
+            return current_engine()
+    return sae_engine(row.sae_id or None)
 
-    return runtime().engine.status()
+
+def _status(row=None, cache=None):  # type: ignore[no-untyped-def]
+    if row is None:
+        return runtime().engine.status()
+    return engine_status_of(_engine(row), cache)
 
 
 class ImportInput(serializers.Serializer):
@@ -43,7 +59,8 @@ class ProbeListApi(APIView):
         tags=PROBES, summary="Probes, with whether each is validated against the resident model", responses=_ANY
     )
     def get(self, request) -> Response:
-        return envelope(probes.probe_list(status=_status(), scope=Scope.of_request(request)))
+        cache: dict = {}
+        return envelope(probes.probe_list(status_of=lambda row: _status(row, cache), scope=Scope.of_request(request)))
 
     @extend_schema(
         tags=PROBES,
@@ -54,7 +71,7 @@ class ProbeListApi(APIView):
     )
     def post(self, request) -> Response:
         row = probes.probe_create(definition=body_object(request), owner=Scope.of_request(request).owner)
-        return envelope(probes.probe_out(row, _status()), status_code=201)
+        return envelope(probes.probe_out(row, _status(row)), status_code=201)
 
 
 class ProbeImportApi(APIView):
@@ -74,14 +91,14 @@ class ProbeImportApi(APIView):
         row = probes.probe_import(
             filename=upload.name or "", content=upload.read(), overrides=data, owner=Scope.of_request(request).owner
         )
-        return envelope(probes.probe_out(row, _status()), status_code=201)
+        return envelope(probes.probe_out(row, _status(row)), status_code=201)
 
 
 class ProbeDetailApi(APIView):
     @extend_schema(tags=PROBES, summary="A probe (by id or name)", responses=_ANY)
     def get(self, request, ref: str) -> Response:
         row = probes.probe_get(ref=ref, scope=Scope.of_request(request))
-        return envelope({**probes.probe_out(row, _status()), "weights": row.weights})
+        return envelope({**probes.probe_out(row, _status(row)), "weights": row.weights})
 
     @extend_schema(tags=PROBES, summary="Delete a probe (its verdict history is kept)", responses=_ANY)
     def delete(self, request, ref: str) -> Response:
@@ -92,7 +109,7 @@ class ProbeDetailApi(APIView):
 class ProbeValidateApi(APIView):
     @extend_schema(tags=PROBES, summary="Validate against the resident model and SAE", responses=_ANY)
     def post(self, request, ref: str) -> Response:
-        status = _status()
+        status = _status(probes.probe_get(ref=ref, scope=Scope.of_request(request)))
         row = probes.probe_validate(ref=ref, status=status, scope=Scope.of_request(request))
         return envelope(probes.probe_out(row, status))
 
@@ -104,7 +121,7 @@ class ProbeArmApi(APIView):
         tags=PROBES, summary="Arm: score on every /v1 request that brings no `probes` (all web workers)", responses=_ANY
     )
     def post(self, request, ref: str) -> Response:
-        status = _status()
+        status = _status(probes.probe_get(ref=ref))
         row = probes.probe_arm(ref=ref, armed=self.armed, status=status)
         return envelope(probes.probe_out(row, status))
 

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -395,9 +395,16 @@ def probe_out(row: Probe, status: EngineStatus | None = None) -> dict[str, Any]:
     return out
 
 
-def probe_list(*, status: EngineStatus | None = None, scope: Scope = EVERYONE) -> dict[str, Any]:
+def probe_list(
+    *,
+    status: EngineStatus | None = None,
+    scope: Scope = EVERYONE,
+    status_of: Callable[[Probe], EngineStatus | None] | None = None,
+) -> dict[str, Any]:
+    """The scope's probes; ``status_of`` gives each probe the status of its own engine
+    (several engines), else ``status`` is every probe's."""
     rows = list(scope.filter(Probe.objects.all()))
-    return {"probes": [probe_out(r, status) for r in rows], "total": len(rows)}
+    return {"probes": [probe_out(r, status_of(r) if status_of else status) for r in rows], "total": len(rows)}
 
 
 # --------------------------------------------------------------------------- requests

@@ -22,7 +22,7 @@ a row** when every member's activation there is above its threshold (the member'
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -240,9 +240,12 @@ def _arm_out(arm: SensingArm, name: str | None) -> dict[str, Any]:
     }
 
 
-def sensing_list(*, status: EngineStatus | None = None) -> dict[str, Any]:
+def sensing_list(
+    *, status: EngineStatus | None = None, status_of: Callable[[Watch], EngineStatus | None] | None = None
+) -> dict[str, Any]:
     """The arms, and every watched document (armed or active) with its members and whether
-    the engine holds their attachments now."""
+    the engine holds their attachments now (``status_of``: each document's own engine's
+    status, with several engines; else ``status``)."""
     arms = list(SensingArm.objects.order_by("created_at", "id"))
     names = {
         ("cluster", k): v
@@ -257,8 +260,9 @@ def sensing_list(*, status: EngineStatus | None = None) -> dict[str, Any]:
     watched = []
     for w in _read_watches():
         item = w.out()
-        if status is not None:
-            item["watched_now"] = w.held(status)
+        seen = status_of(w) if status_of is not None else status
+        if seen is not None:
+            item["watched_now"] = w.held(seen)
         watched.append(item)
     armed = [_arm_out(a, getattr(names.get((a.kind, a.object_id)), "name", None)) for a in arms]
     return {"armed": armed, "watched": watched, "total": len(armed)}

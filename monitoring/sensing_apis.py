@@ -10,9 +10,11 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from core.api import body_object, envelope
+from core.engines import several_engines
 from core.runtime import runtime
 from core.schema import enveloped
 from monitoring import sensing
+from registry.engines import engine_status_of, saes_engine
 
 TAGS = ["monitoring"]
 _ANY = enveloped(OpenApiTypes.OBJECT)
@@ -21,6 +23,15 @@ _ANY = enveloped(OpenApiTypes.OBJECT)
 def _status():  # type: ignore[no-untyped-def]
 
     return runtime().engine.status()
+
+
+def _status_of():  # type: ignore[no-untyped-def]
+    """With several engines, each watched document's status is that of the engine holding
+    its members' SAEs (registry.engines); None with one engine."""
+    if not several_engines():
+        return None
+    cache: dict = {}
+    return lambda watch: engine_status_of(saes_engine([m.sae_id for m in watch.members]), cache)
 
 
 def _ref(request) -> tuple[object, object]:  # type: ignore[no-untyped-def]
@@ -40,6 +51,9 @@ class SensingApi(APIView):
         responses=_ANY,
     )
     def get(self, request) -> Response:
+        status_of = _status_of()
+        if status_of is not None:
+            return envelope(sensing.sensing_list(status_of=status_of))
         return envelope(sensing.sensing_list(status=_status()))
 
     @extend_schema(

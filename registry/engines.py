@@ -71,3 +71,16 @@ def addressing_model(model_name: str | None) -> Iterator[None]:
         return
     with using_model_engine(model_name):
         yield
+
+
+def engine_status_of(engine: str | None, cache: dict[str | None, object] | None = None):  # type: ignore[no-untyped-def]
+    """The status of ``engine`` (None: the one engine), once per ``cache``."""
+    from core.runtime import runtime
+
+    if cache is not None and engine in cache:
+        return cache[engine]
+    with addressing(engine):
+        status = runtime().engine.status()
+    if cache is not None:
+        cache[engine] = status
+    return status

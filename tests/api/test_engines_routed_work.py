@@ -90,3 +90,39 @@ def test_a_dashboard_run_addresses_the_engine_of_its_saes_model(on_gpu1):
     assert (row.status, row.summary["model"]) == ("completed", "tiny-llama")
     assert default.calls == []
     assert {"status", "tokenize", "agenerate", "feature_logits"} <= set(gpu1.calls)
+
+
+def test_probe_reads_address_the_engine_of_the_probes_model(on_gpu1, api):
+    sae, gpu1, default = on_gpu1
+    body = {"name": "p", "sae_id": sae.id, "layer": 1, "features": [1], "weights": [1.0]}
+    created = api.post("/api/probes", body, format="json")
+    assert created.status_code == 201, created.content
+    assert created.json()["data"]["validated"] is False
+    validated = api.post("/api/probes/p/validate")
+    assert validated.status_code == 200, validated.content
+    data = validated.json()["data"]
+    # validated against what gpu1 holds: tiny-llama with the SAE at layer 1
+    assert data["validated"] is True and data["validation"]["model"] == "tiny-llama"
+    listed = api.get("/api/probes").json()["data"]["probes"]
+    assert [(p["name"], p["validated"]) for p in listed] == [("p", True)]
+    assert api.get("/api/probes/p").json()["data"]["validated"] is True
+    armed = api.post("/api/probes/p/arm")
+    assert armed.status_code == 200, armed.content
+    assert armed.json()["data"]["armed"] is True
+    assert default.calls == []
+    assert gpu1.calls.count("status") >= 4
+
+
+def test_sensing_reads_the_engine_holding_the_watched_saes(on_gpu1, api):
+    from steering.models import Cluster
+
+    sae, gpu1, default = on_gpu1
+    cluster = Cluster.objects.create(
+        name="c", document="{}", sae_id=sae.id, layer=1, members=[{"feature_idx": 3, "strength": 1.0}]
+    )
+    armed = api.post("/api/monitoring/sensing", {"kind": "cluster", "id": cluster.id}, format="json")
+    assert armed.status_code in (200, 201), armed.content
+    (watched,) = api.get("/api/monitoring/sensing").json()["data"]["watched"]
+    assert watched["watched_now"] is True  # gpu1 holds the SAE at layer 1
+    assert default.calls == []
+    assert "status" in gpu1.calls
