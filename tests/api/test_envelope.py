@@ -15,7 +15,7 @@ pytestmark = pytest.mark.django_db
 
 def test_success_envelope(api):
     data = ok(api.get("/api/models"))
-    assert data == {"models": [], "total": 0, "loaded_model_id": None}
+    assert data == {"models": [], "total": 0, "loaded_model_id": None, "loaded_models": {}}
 
 
 def test_unknown_api_path_is_an_enveloped_404(api):
