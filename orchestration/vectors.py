@@ -18,12 +18,14 @@ import numpy as np
 import structlog
 
 from audit.services import audited
+from core.engines import several_engines
 from core.errors import ModelNotLoaded, from_engine_error
 from core.runtime import runtime
 from gpu_engine.api.errors import EngineError
 from gpu_engine.api.protocol import HiddenStatesJob
 from registry.errors import VectorInvalid
-from registry.models import SAE
+from registry.engines import addressing_model
+from registry.models import SAE, Model
 from registry.selectors import model_loaded
 from registry.vectors import check_layers, check_name_free, vector_create
 
@@ -39,7 +41,25 @@ def vector_compute(
     *, name: str, layer: int, pairs: Sequence[tuple[str, str]], model_name: str | None = None, pooling: str = "last"
 ) -> SAE:
     """The mean difference of positive and negative prompts' residuals after block
-    ``layer`` of the resident model, stored as a steering vector for that model."""
+    ``layer`` of the resident model, stored as a steering vector for that model. With
+    several engines, on the engine holding ``model_name`` (which is then required)."""
+    if several_engines():
+        if not model_name:
+            raise VectorInvalid(
+                "several engines (ENGINE_MODELS): name the model whose residuals to read",
+                details={"field": "model"},
+            )
+        row = Model.objects.filter(name=model_name).first()
+        if row is None and str(model_name).isdigit():
+            row = Model.objects.filter(pk=int(model_name)).first()
+        with addressing_model(row.name if row is not None else model_name):
+            return _vector_compute(name=name, layer=layer, pairs=pairs, model_name=model_name, pooling=pooling)
+    return _vector_compute(name=name, layer=layer, pairs=pairs, model_name=model_name, pooling=pooling)
+
+
+def _vector_compute(
+    *, name: str, layer: int, pairs: Sequence[tuple[str, str]], model_name: str | None, pooling: str
+) -> SAE:
     model = model_loaded()
     if model is None:
         raise ModelNotLoaded("No model is loaded; computing a steering vector runs prompts through the resident model")

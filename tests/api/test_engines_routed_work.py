@@ -126,3 +126,17 @@ def test_sensing_reads_the_engine_holding_the_watched_saes(on_gpu1, api):
     assert watched["watched_now"] is True  # gpu1 holds the SAE at layer 1
     assert default.calls == []
     assert "status" in gpu1.calls
+
+
+def test_vector_compute_reads_the_residuals_on_the_engine_of_the_model_it_names(on_gpu1):
+    from orchestration.vectors import vector_compute
+    from registry.errors import VectorInvalid
+
+    _sae, gpu1, default = on_gpu1
+    pairs = [("a happy day", "a sad day")]
+    with pytest.raises(VectorInvalid, match="name the model"):
+        vector_compute(name="v0", layer=1, pairs=pairs)  # which engine's model? refused
+    row = vector_compute(name="v1", layer=1, pairs=pairs, model_name="tiny-llama")
+    assert row.trained_on_model == "tiny-llama"
+    assert default.calls == []
+    assert "hidden_states" in gpu1.calls

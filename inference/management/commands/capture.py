@@ -229,9 +229,7 @@ class Command(BaseCommand):
                         "(manage.py attach_sae)"
                     )
                 self._check_resident(row)
-                from core.runtime import runtime
-
-                self._resolved(asked, reqs, runtime().engine, row)  # checked before the folder is made
+                self._resolved(asked, reqs, self._model_engine(row), row)  # checked before the folder is made
         except offline_steering.OfflineSteeringError as exc:
             raise CommandError(str(exc)) from None
         made = not out.exists()
@@ -328,10 +326,8 @@ class Command(BaseCommand):
     def _check_resident(self, row) -> None:  # type: ignore[no-untyped-def]
         """Distributed: run_engine captures on the model it holds, which must be ``row``
         (else the captures would be another model's, labelled as this one)."""
-        from core.runtime import runtime
-
         try:
-            held = runtime().engine.status().model_id
+            held = self._model_engine(row).status().model_id
         except (EngineError, MillmError) as exc:
             raise CommandError(f"{exc.code}: {exc.message}") from None
         if held != row.name:
@@ -340,12 +336,23 @@ class Command(BaseCommand):
                 f"load it first (manage.py load_model {row.name})"
             )
 
+    def _model_engine(self, row):  # type: ignore[no-untyped-def]
+        """Distributed: the client of the engine holding ``row`` (several engines:
+        ``registry.engines``; a model no engine may hold stops the command)."""
+        from core.runtime import runtime
+        from registry.engines import addressing_model
+
+        try:
+            with addressing_model(row.name):
+                return runtime().engine
+        except MillmError as exc:
+            raise CommandError(f"{exc.code}: {exc.message}") from None
+
     def _engine(self, row, attach):  # type: ignore[no-untyped-def]
         from core.engine_client import EmbeddedEngineClient, resolve_device_and_dtype
-        from core.runtime import runtime
 
         if not settings.EMBEDDED:
-            return runtime().engine, False
+            return self._model_engine(row), False
         client = EmbeddedEngineClient()
         device, dtype = resolve_device_and_dtype(settings.MILLM_ENGINE_DEVICE, settings.MILLM_ENGINE_DTYPE)
         where = ""
