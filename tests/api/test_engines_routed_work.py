@@ -140,3 +140,21 @@ def test_vector_compute_reads_the_residuals_on_the_engine_of_the_model_it_names(
     assert row.trained_on_model == "tiny-llama"
     assert default.calls == []
     assert "hidden_states" in gpu1.calls
+
+
+def test_capture_in_distributed_mode_runs_on_the_engine_holding_the_model(on_gpu1, settings, tmp_path):
+    import json
+
+    from django.core.management import call_command
+
+    _sae, gpu1, default = on_gpu1
+    settings.EMBEDDED = False  # as with run_engine: the command addresses the engines
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "prompt": "Hello there"}) + "\n")
+    out = tmp_path / "caps"
+    call_command("capture", "tiny-llama", "--input", str(prompts), "--out", str(out), "--layers", "1")
+    assert (out / "index.jsonl").exists()
+    index = [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines() if line]
+    assert [r["id"] for r in index] == ["a"]
+    assert default.calls == []
+    assert "status" in gpu1.calls
