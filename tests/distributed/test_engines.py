@@ -139,6 +139,21 @@ def test_two_engines_serve_two_models(cluster: Cluster, procs: list[Proc], tiny_
         assert engines[engine]["alive"] and engines[engine]["model"] == name
         assert engines[engine]["recorded"] == [name]
     assert engines["gpu1"]["prefix"] == f"{c.prefix}.gpu1"
+    # health, /api/models and /v1/capabilities answer for both engines
+    resp = c.api("web", "GET", "/api/health/ready")
+    assert resp.status_code == 200, resp.text
+    ready = resp.json()["data"]
+    assert {e["name"]: (e["ready"], e["model_name"]) for e in ready["engines"]} == {
+        engine: (True, name) for name, engine in ENGINE_OF.items()
+    }
+    inference = c.api("web", "GET", "/api/health/inference").json()["data"]
+    weights = {e["name"]: e["weights"].get("bytes") for e in inference["engines"]}
+    assert weights["gpu1"] and weights["default"] and weights["gpu1"] != weights["default"]
+    listed = c.api("web", "GET", "/api/models").json()["data"]
+    assert listed["loaded_models"] == {engine: ids[name] for name, engine in ENGINE_OF.items()}
+    caps = {e["id"]: e for e in c.api("web", "GET", "/v1/capabilities").json()["data"]}
+    for name, engine in ENGINE_OF.items():
+        assert (caps[name]["engine"], caps[name]["resident"]) == (engine, True)
 
     # --- references: each model's own weights, and each greedy answer sent alone
     want_scores = {
