@@ -158,3 +158,18 @@ def test_capture_in_distributed_mode_runs_on_the_engine_holding_the_model(on_gpu
     assert [r["id"] for r in index] == ["a"]
     assert default.calls == []
     assert "status" in gpu1.calls
+
+
+def test_a_fidelity_run_addresses_the_engine_of_its_saes_model(on_gpu1):
+    from experiments import runner
+    from experiments.fidelity_apis import fidelity_start
+    from experiments.models import ExperimentRun
+
+    sae, gpu1, default = on_gpu1
+    data = {"sae_id": sae.id, "layer": 1, "token_budget": 64, "context_tokens": 16, "corpus": "sample"}
+    run = fidelity_start(data=data, who=anon())
+    assert runner.experiment_run(run_id=run.id, force=True) == "completed"
+    row = ExperimentRun.objects.get(pk=run.id)
+    assert row.status == "completed", row.error
+    assert default.calls == []
+    assert {"status", "agenerate"} <= set(gpu1.calls)
