@@ -32,7 +32,7 @@ from rest_framework.views import APIView
 
 from core.api import envelope
 from core.auth import keys_enabled
-from core.engines import DEFAULT_ENGINE, primary_engine
+from core.engines import DEFAULT_ENGINE, engine_for_model, primary_engine
 from core.engine_options import interactive_slots
 from core.errors import NotReady
 from core.schema import enveloped
@@ -41,6 +41,8 @@ from inference.capabilities import batching_enabled, served_capabilities
 from leases.selectors import lease_live, lease_out
 from orchestration.services import model_jobs_reap
 from orchestration.startup import auto_load_state
+from registry.errors import ModelNotFound
+from registry.maintenance import model_by_name_or_id
 from registry.models import Job, Model
 from steering.models import Cluster, Profile
 from system.figures import engine_snapshots, inference_figures
@@ -131,6 +133,17 @@ def _model_transition() -> dict[str, Any] | None:
     return None
 
 
+def _auto_load_engine(snapshots: dict[str, dict[str, Any]], primary: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot of the engine AUTO_LOAD_MODEL belongs to, else the first engine's."""
+    if not settings.AUTO_LOAD_MODEL or len(snapshots) < 2:
+        return primary
+    try:
+        model = model_by_name_or_id(settings.AUTO_LOAD_MODEL)
+    except ModelNotFound:
+        return primary
+    return snapshots.get(engine_for_model(model.name) or "", primary)
+
+
 def readiness() -> tuple[bool, dict[str, Any]]:
     checks: dict[str, Any] = {}
     database = _check_database()
@@ -142,12 +155,14 @@ def readiness() -> tuple[bool, dict[str, Any]]:
     checks["engine"] = all(_engine_ok(e) for e in snapshots.values())
     transition = _model_transition() if checks["database"] else None
     checks["no_model_transition"] = transition is None
+    # AUTO_LOAD_MODEL's engine (ENGINE_MODELS): where its start-up load goes
+    auto_engine = _auto_load_engine(snapshots, engine) if checks["database"] else engine
     if settings.AUTO_LOAD_MODEL:
         # the start-up's model is resident: AUTO_LOAD_MODEL's, or the one the registry
         # recorded, which a restart restored and the setting then leaves in place
-        checks["auto_load_model"] = engine.get("model_id") is not None
+        checks["auto_load_model"] = auto_engine.get("model_id") is not None
     ready = all(checks.values())
-    auto_load = auto_load_state(engine.get("model_id")) if checks["database"] else None
+    auto_load = auto_load_state(auto_engine.get("model_id")) if checks["database"] else None
     data = {
         "ready": ready,
         "checks": checks,

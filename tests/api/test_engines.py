@@ -239,3 +239,13 @@ def test_readiness_fails_naming_the_engine_that_failed(api, two_engines, dying):
     if "gone" in dying:
         # gpu1 does not answer: its model is listed, not resident, its backend unknown
         assert (caps["tiny-gpt2"]["resident"], caps["tiny-gpt2"]["backend_available"]) == (False, False)
+
+
+@pytest.mark.django_db
+def test_auto_load_model_is_judged_on_its_own_engine(api, settings, two_engines):
+    # AUTO_LOAD_MODEL routed to gpu1 is resident there: ready, the setting applied
+    settings.AUTO_LOAD_MODEL = "tiny-gpt2"
+    ready = ok(api.get("/api/health/ready"))
+    assert ready["checks"]["auto_load_model"] is True
+    assert ready["auto_load_model"]["applied"] is True
+    assert ready["auto_load_model"]["resident"] == "tiny-gpt2"
