@@ -6,7 +6,7 @@ Readiness rule (documented in docs/api.md): the server is ready when
 2. every engine of ENGINE_MODELS (the one default engine when it is unset) answers
    ``status()`` and reports no ``failure`` (``engines`` says which one does not),
 3. no model load or unload is running (a swap in progress would answer 503 model_busy),
-4. the AUTO_LOAD_MODEL, when one is configured, is resident (or the model a restart
+4. the AUTO_LOAD_MODEL, when one is configured, is resident on its engine (or the model a restart
    restored and the setting could not swap out: ``auto_load_model`` says which and why).
 Otherwise 503 NOT_READY with Retry-After RETRY_AFTER_READINESS_S and the failing checks in
 ``details.checks``. Having no model loaded is not a failure by itself: /v1 loads a
