@@ -11,6 +11,7 @@ import { attentionMap, layerNorms, sequenceTokens } from "../capture.js";
 import { $, boot, busy, el, fillRows, fmtBytes, fmtDateTime, notice, numberFrom, showError } from "../dom.js";
 import * as events from "../events.js";
 import { parseSafetensors } from "../safetensors.js";
+import { engineNote, loadedModels } from "../loaded.js";
 
 boot();
 
@@ -286,17 +287,31 @@ function indices(text, what) {
 async function loadModels() {
   try {
     const [models, registry] = await Promise.all([get("/v1/models"), get("/api/models")]);
-    const loaded = registry.models.find((m) => m.id === registry.loaded_model_id);
+    // every engine's loaded models (the default engine's first), each on a non-default
+    // engine named in its option
+    const all = loadedModels(registry);
+    loadedByName = new Map(all.map((m) => [m.name, m]));
     const sel = $("#c-model");
     const keep = sel.value;
-    sel.replaceChildren(...models.data.map((m) => el("option", { value: m.id }, m.id)));
+    sel.replaceChildren(...models.data.map((m) => el("option", { value: m.id }, `${m.id}${engineNote(loadedByName.get(m.id))}`)));
     if (keep && models.data.some((m) => m.id === keep)) sel.value = keep;
-    else if (loaded) sel.value = loaded.name;
-    if (loaded && !$("#c-layers").value && loaded.num_layers) {
-      $("#c-layers").value = Array.from({ length: loaded.num_layers }, (_, i) => i).join(", ");
-    }
+    else if (all.length) sel.value = all[0].name;
+    fillLayers();
   } catch (err) { showError(err, "Models"); }
 }
+
+let loadedByName = new Map();
+let filledLayers = "";  // the layer list last filled in for the chosen model (not typed)
+
+/** All the chosen model's layers, unless the layers field holds something typed. */
+function fillLayers() {
+  const loaded = loadedByName.get($("#c-model").value);
+  const field = $("#c-layers");
+  if (loaded && loaded.num_layers && (!field.value || field.value === filledLayers)) {
+    field.value = filledLayers = Array.from({ length: loaded.num_layers }, (_, i) => i).join(", ");
+  }
+}
+$("#c-model").addEventListener("change", fillLayers);
 
 async function capturePrompt() {
   const layers = indices($("#c-layers").value, "Layers");

@@ -15,6 +15,7 @@ import { $, boot, describeError, el, notice, numberFrom, presetFromURL, showErro
 import { controlEntries, controlRow, steeringReport } from "../controls.js";
 import { heatStrip, stripScale } from "../heat.js";
 import * as events from "../events.js";
+import { engineNote, loadedModels } from "../loaded.js";
 
 boot();
 
@@ -216,10 +217,13 @@ async function loadChoices() {
     ]);
     const modelSel = $("#model");
     const keep = modelSel.value;
-    modelSel.replaceChildren(...models.data.map((m) => el("option", { value: m.id }, m.id)));
-    const loaded = await get("/api/models").then((d) => d.models.find((m) => m.id === d.loaded_model_id)).catch(() => null);
+    // every engine's loaded models (the default engine's first), each on a non-default
+    // engine named in its option
+    const loaded = await get("/api/models").then(loadedModels).catch(() => []);
+    const byName = new Map(loaded.map((m) => [m.name, m]));
+    modelSel.replaceChildren(...models.data.map((m) => el("option", { value: m.id }, `${m.id}${engineNote(byName.get(m.id))}`)));
     if (keep && models.data.some((m) => m.id === keep)) modelSel.value = keep;
-    else if (loaded) modelSel.value = loaded.name;
+    else if (loaded.length) modelSel.value = loaded[0].name;
     attachments = atts.entries;
     const saeSel = $("#heat-sae");
     const keepSae = saeSel.value;

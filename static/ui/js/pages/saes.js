@@ -6,12 +6,15 @@ import { $, badge, boot, busy, describeError, el, fillRows, fmtMB, notice, showE
 import * as events from "../events.js";
 import { describeJob, pollRunning, progressCell, updateProgress } from "../jobs.js";
 import { fidelityPanel } from "../fidelity.js";
+import { attachTarget, engineNote, loadedModels } from "../loaded.js";
 
 boot();
 fidelityPanel();
 
 let saes = [];
-let resident = null;          // the loaded model row, or null
+let resident = null;          // the loaded model the chosen SAE attaches to, or null
+let loaded = [];              // every engine's loaded model row, the default engine's first
+let registry = null;          // GET /api/models
 let hooks = new Map();        // "<sae_id>@<layer>" → its attachment (hook point, module)
 const progress = new Map();
 
@@ -21,7 +24,9 @@ async function refresh() {
       get("/api/saes/attachments")]);
     saes = list.saes;
     hooks = new Map(atts.entries.map((a) => [`${a.sae_id}@${a.layer}`, a]));
-    resident = models.models.find((m) => m.id === models.loaded_model_id) || null;
+    registry = models;
+    loaded = loadedModels(models);
+    resident = attachTarget(loaded, registry, saes.find((s) => s.id === $("#attach-sae").value));
     render();
     renderAttachForm();
   } catch (err) { showError(err, "SAEs"); }
@@ -85,9 +90,8 @@ function renderAttachForm() {
   select.replaceChildren(...ready.map((s) => el("option", { value: s.id },
     `${s.name} (d_in ${s.d_in}${s.trained_layer !== null ? ", trained at L" + s.trained_layer : ""})`)));
   if (ready.some((s) => s.id === keep)) select.value = keep;
-  $("#attach-model").textContent = resident
-    ? `Resident model: ${resident.name} (${resident.num_layers} layers, hidden size ${resident.hidden_size})`
-    : "No model is loaded: load one on the Models page to attach an SAE.";
+  resident = registry ? attachTarget(loaded, registry, saes.find((s) => s.id === select.value)) : null;
+  describeResident();
   const layers = $("#attach-layer");
   const previous = layers.value;
   layers.replaceChildren(...Array.from({ length: resident?.num_layers || 0 }, (_, i) => el("option", { value: i }, `Layer ${i}`)));
@@ -97,8 +101,29 @@ function renderAttachForm() {
   if (!disabled && !previous) onSaeChange();
 }
 
+/** The model the chosen SAE attaches to; with several engines, every loaded model too. */
+function describeResident() {
+  const line = (m) => `${m.name}${engineNote(m)} (${m.num_layers} layers, hidden size ${m.hidden_size})`;
+  $("#attach-model").textContent = resident
+    ? `Resident model: ${line(resident)}`
+    : "No model is loaded: load one on the Models page to attach an SAE.";
+  if (loaded.length > 1) {
+    $("#attach-model").append(el("span", { class: "loaded-models" },
+      ` · loaded: ${loaded.map((m) => `${m.name}${engineNote(m)}`).join(", ")}`));
+  }
+}
+
 function onSaeChange() {
   const sae = saes.find((s) => s.id === $("#attach-sae").value);
+  if (registry) {
+    const target = attachTarget(loaded, registry, sae);
+    if (target !== resident) {
+      resident = target;
+      describeResident();
+      const layers = $("#attach-layer");
+      layers.replaceChildren(...Array.from({ length: resident?.num_layers || 0 }, (_, i) => el("option", { value: i }, `Layer ${i}`)));
+    }
+  }
   if (sae && sae.trained_layer !== null && resident && sae.trained_layer < resident.num_layers) {
     $("#attach-layer").value = String(sae.trained_layer);
   }
