@@ -1,0 +1,102 @@
+"""Two models loaded on two engines behind one front (docs/deploy.md, "Several models,
+several engines"): ``tiny-llama`` on the default engine, ``tiny-gpt2`` on ``gpu1`` — a
+second, real in-process engine (tests/ui/two_engines_serve.py). The pages reach every
+loaded model, not the default engine's alone: the models page says which engine holds
+tiny-gpt2, the playground chats with it, the SAE page attaches tiny-gpt2's SAE to it and
+the captures page fills in its layers."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from tests.ui.conftest import REPO, screenshot, start_server, stop_server
+
+MESSAGE = "Tell me about the sea."
+
+
+@pytest.fixture(scope="module")
+def two_engines(tiny_assets, slow_hub, tmp_path_factory):
+    srv = start_server(
+        tmp_path_factory.mktemp("ui-two-engines"),
+        slow_hub.url,
+        serve=[sys.executable, str(REPO / "tests" / "ui" / "two_engines_serve.py")],
+    )
+    try:
+        srv.models = {m["name"]: m for m in srv.api("GET", "/api/models")["models"]}
+        for name in ("tiny-llama", "tiny-gpt2"):
+            model_id = srv.models[name]["id"]
+            srv.api("POST", f"/api/models/{model_id}/load")
+            srv.wait_for(f"{name} to load", lambda i=model_id: srv.api("GET", f"/api/models/{i}")["status"] == "loaded")
+        registry = srv.api("GET", "/api/models")
+        # the premise: each engine holds its own model, neither unloaded the other
+        assert registry["loaded_models"] == {
+            "gpu1": srv.models["tiny-gpt2"]["id"],
+            "default": srv.models["tiny-llama"]["id"],
+        }
+        assert registry["loaded_model_id"] == srv.models["tiny-llama"]["id"]
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+def _direct(server, model: str) -> str:
+    status, out = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": model,
+            "max_tokens": 6,
+            "temperature": 0,
+            "seed": 0,
+            "messages": [{"role": "user", "content": MESSAGE}],
+        },
+        timeout=60,
+    )
+    assert status == 200, out
+    return out["choices"][0]["message"]["content"]
+
+
+def test_models_page_says_which_engine_holds_a_model(two_engines, page):
+    page.goto(two_engines.url + "/models/")
+    gpt2 = page.locator(f"#models tr[data-model-id='{two_engines.models['tiny-gpt2']['id']}']")
+    llama = page.locator(f"#models tr[data-model-id='{two_engines.models['tiny-llama']['id']}']")
+    gpt2.wait_for()
+    assert "on engine gpu1" in gpt2.inner_text()
+    assert "on engine" not in llama.inner_text()  # the default engine goes unnamed
+    screenshot(page, "models-two-engines")
+    page.console.assert_clean()
+
+
+def test_playground_chats_with_the_second_engines_model(two_engines, page):
+    expected, other = _direct(two_engines, "tiny-gpt2"), _direct(two_engines, "tiny-llama")
+    assert expected != other  # the answer tells the two models apart
+    bodies: list[dict] = []
+    page.on(
+        "request",
+        lambda r: bodies.append(json.loads(r.post_data)) if r.url.endswith("/v1/chat/completions") else None,
+    )
+    page.goto(two_engines.url + "/playground/")
+    option = page.locator("#model option[value='tiny-gpt2']")
+    option.wait_for(state="attached")
+    # the default engine's model is chosen first; the other one is offered, its engine named
+    page.wait_for_function("document.querySelector('#model').value === 'tiny-llama'")
+    assert option.inner_text() == "tiny-gpt2 — on engine gpu1"
+    assert page.locator("#model option[value='tiny-llama']").inner_text() == "tiny-llama"
+    page.select_option("#model", "tiny-gpt2")
+    page.uncheck("#compare")
+    page.fill("#max-tokens", "6")
+    page.fill("#temperature", "0")
+    page.fill("#seed", "0")
+    page.fill("#message", MESSAGE)
+    page.click("#send")
+    selector = "#transcript-steered .turn.assistant:not(.streaming) .meta"
+    page.wait_for_function(
+        f"[...document.querySelectorAll('{selector}')].some(m => m.textContent.includes('tokens in'))", timeout=60_000
+    )
+    assert page.locator("#transcript-steered .turn.assistant .text").last.inner_text() == expected
+    assert [b["model"] for b in bodies] == ["tiny-gpt2"]
+    screenshot(page, "playground-two-engines")
+    page.console.assert_clean()
