@@ -173,3 +173,17 @@ def test_a_fidelity_run_addresses_the_engine_of_its_saes_model(on_gpu1):
     assert row.status == "completed", row.error
     assert default.calls == []
     assert {"status", "agenerate"} <= set(gpu1.calls)
+
+
+def test_a_sweep_addresses_the_engine_of_its_variants_sae(on_gpu1):
+    from experiments import runner, services
+    from experiments.models import ExperimentRun
+
+    sae, gpu1, default = on_gpu1
+    data = {"prompts": ["Hello"], "variants": [{"sae_id": sae.id, "index": 3}], "strengths": [2.0], "max_tokens": 2}
+    run = services.experiment_sweep_start(principal=anon(), data=data)
+    assert runner.experiment_run(run_id=run.id, force=True) == "completed"
+    row = ExperimentRun.objects.get(pk=run.id)
+    assert (row.status, row.done, row.total) == ("completed", 2, 2), row.error
+    assert default.calls == []
+    assert {"status", "agenerate"} <= set(gpu1.calls)
