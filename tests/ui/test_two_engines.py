@@ -22,6 +22,7 @@ def two_engines(tiny_assets, slow_hub, tmp_path_factory):
     srv = start_server(
         tmp_path_factory.mktemp("ui-two-engines"),
         slow_hub.url,
+        {"CAPTURE_INLINE_MAX_BYTES": "0"},  # every capture stored, so listed
         serve=[sys.executable, str(REPO / "tests" / "ui" / "two_engines_serve.py")],
     )
     try:
@@ -40,6 +41,13 @@ def two_engines(tiny_assets, slow_hub, tmp_path_factory):
         yield srv
     finally:
         stop_server(srv)
+
+
+def _config(tiny_assets, name: str) -> tuple[int, int]:
+    """(layers, hidden size) as the checkpoint's own config.json says."""
+    config = json.loads((tiny_assets.models[name].path / "config.json").read_text())
+    layers = config.get("num_hidden_layers", config.get("n_layer"))
+    return layers, config.get("hidden_size", config.get("n_embd"))
 
 
 def _direct(server, model: str) -> str:
@@ -99,4 +107,48 @@ def test_playground_chats_with_the_second_engines_model(two_engines, page):
     assert page.locator("#transcript-steered .turn.assistant .text").last.inner_text() == expected
     assert [b["model"] for b in bodies] == ["tiny-gpt2"]
     screenshot(page, "playground-two-engines")
+    page.console.assert_clean()
+
+
+def test_saes_page_attaches_to_the_model_on_gpu1(two_engines, tiny_assets, page):
+    layers, hidden = _config(tiny_assets, "tiny-gpt2")
+    sae = next(s for s in two_engines.api("GET", "/api/saes")["saes"] if s["name"] == "tiny-gpt2-L1-relu")
+    page.goto(two_engines.url + "/saes/")
+    page.locator(f"#attach-sae option[value='{sae['id']}']").wait_for(state="attached")
+    page.select_option("#attach-sae", sae["id"])
+    page.wait_for_function(
+        "document.querySelector('#attach-model').textContent.startsWith('Resident model: tiny-gpt2')"
+    )
+    assert page.inner_text("#attach-model").startswith(
+        f"Resident model: tiny-gpt2 — on engine gpu1 ({layers} layers, hidden size {hidden})"
+    )
+    assert page.locator("#attach-layer option").count() == layers
+    page.select_option("#attach-layer", "1")
+    page.locator("#compat .badge", has_text="compatible").wait_for()
+    page.click("#attach-button")
+    page.locator(f"tr[data-sae-id='{sae['id']}'] button", has_text="L1 ×").wait_for()
+    (entry,) = [a for a in two_engines.api("GET", "/api/saes/attachments")["entries"] if a["sae_id"] == sae["id"]]
+    assert (entry["layer"], entry["model_id"]) == (1, two_engines.models["tiny-gpt2"]["id"])
+    screenshot(page, "saes-two-engines")
+    two_engines.api("POST", f"/api/saes/{sae['id']}/detach", {"layer": 1})
+    page.console.assert_clean()
+
+
+def test_captures_page_captures_on_the_model_on_gpu1(two_engines, tiny_assets, page):
+    layers, _ = _config(tiny_assets, "tiny-gpt2")
+    page.goto(two_engines.url + "/captures/")
+    option = page.locator("#c-model option[value='tiny-gpt2']")
+    option.wait_for(state="attached")
+    page.wait_for_function("document.querySelector('#c-model').value === 'tiny-llama'")
+    assert option.inner_text() == "tiny-gpt2 — on engine gpu1"
+    page.select_option("#c-model", "tiny-gpt2")
+    # the chosen model's every layer (the two tiny models have as many)
+    assert page.input_value("#c-layers") == ", ".join(str(i) for i in range(layers))
+    page.fill("#c-prompt", MESSAGE)
+    page.fill("#c-max", "2")
+    page.click("#c-send")
+    # stored, listed with the model it ran on
+    page.locator("#captures tr", has_text="tiny-gpt2").wait_for(timeout=60_000)
+    (stored,) = two_engines.api("GET", "/api/captures")["captures"]
+    assert stored["model"] == "tiny-gpt2"
     page.console.assert_clean()
