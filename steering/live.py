@@ -34,9 +34,11 @@ from audit.services import audited
 from core import events
 from core.auth import keys_enabled
 from core.capabilities import require_capability
+from core.engines import several_engines
 from core.errors import ValidationFailed
 from core.process_copy import ProcessCopy
 from gpu_engine.api.protocol import FeatureControl, SteeringEntry
+from registry.engines import addressing_model
 from registry.models import Attachment
 from steering import rules
 from steering.models import Circuit, Cluster, LiveSteering, Profile, SteeringState
@@ -271,7 +273,9 @@ def _save(
     attachment: Attachment, features: rules.FeatureSet, *, enabled: bool, source: str, scope: str = GLOBAL
 ) -> LiveSteering:
     if enabled and features:  # what every request without steering of its own will run
-        require_capability("per_request_steering", what="steering", param="steering")
+        # asked of the engine that holds the attachment's model (several engines)
+        with addressing_model(attachment.model.name if several_engines() else None):
+            require_capability("per_request_steering", what="steering", param="steering")
     row, _ = LiveSteering.objects.update_or_create(
         attachment=attachment,
         scope=scope,

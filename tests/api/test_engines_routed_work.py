@@ -6,6 +6,7 @@ recorder that refuses every call, so a call that reaches it fails the run."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -187,3 +188,34 @@ def test_a_sweep_addresses_the_engine_of_its_variants_sae(on_gpu1):
     assert (row.status, row.done, row.total) == ("completed", 2, 2), row.error
     assert default.calls == []
     assert {"status", "agenerate"} <= set(gpu1.calls)
+
+
+def test_a_circuit_attaches_and_steers_on_the_engine_of_its_saes_model(on_gpu1, api):
+    """Activating a circuit attaches its member SAEs where their model is held (gpu1) and
+    checks its live steering against that engine's backend: nothing reaches the default
+    engine, and the circuit then serves."""
+    from registry.models import SAE as SAERow
+
+    _, gpu1, default = on_gpu1
+    sae3 = SAERow.objects.get(name="tiny-llama-L3-relu")
+    doc = {
+        "kind": "mistudio.circuit-definition",
+        "schema_version": "1",
+        "name": "on-gpu1",
+        "saes": [{"mistudio_sae_id": sae3.id, "layer": 3, "n_features": sae3.d_sae}],
+        "members": [{"layer": 3, "feature": {"feature_idx": 5, "strength": 2.0}}],
+        "edges": [],
+    }
+    created = api.post("/api/circuits/import", doc, format="json")
+    assert created.status_code == 201, created.content
+    cid = created.json()["data"]["id"]
+    gpu1.calls.clear()
+    active = api.post(f"/api/circuits/{cid}/activate?acknowledge_unvalidated=true")
+    assert active.status_code == 200, active.content
+    assert default.calls == []
+    assert {"attach_set", "status"} <= set(gpu1.calls)
+    served = api.get("/api/circuits/active").json()["data"]["circuits"]
+    assert [c["name"] for c in served] == ["on-gpu1"]
+    # the engine behind gpu1 now holds the layer-3 SAE's files
+    held = {(a.path, a.layer) for a in gpu1.real.status().attachments}
+    assert any(layer == 3 and Path(path).resolve() == Path(sae3.local_path).resolve() for path, layer in held), held
