@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from tests.ui.conftest import REPO, screenshot, start_server, stop_server
+from tests.ui.two_engines_serve import ROUTES
 
 MESSAGE = "Tell me about the sea."
 
@@ -75,6 +76,32 @@ def test_models_page_says_which_engine_holds_a_model(two_engines, page):
     assert "on engine gpu1" in gpt2.inner_text()
     assert "on engine" not in llama.inner_text()  # the default engine goes unnamed
     screenshot(page, "models-two-engines")
+    page.console.assert_clean()
+
+
+def test_models_page_lists_the_engines_and_what_each_holds(two_engines, page):
+    # what the fixture loaded where (the registry's loaded_models), and the routes the
+    # server was started with (two_engines_serve.ROUTES: "gpu1:tiny-gpt2;default:*")
+    names = {m["id"]: name for name, m in two_engines.models.items()}
+    loaded = {engine: names[i] for engine, i in two_engines.api("GET", "/api/models")["loaded_models"].items()}
+    assert loaded == {"default": "tiny-llama", "gpu1": "tiny-gpt2"}
+    allowed = dict(route.split(":", 1) for route in ROUTES.split(";"))
+    page.goto(two_engines.url + "/models/")
+    rows = page.locator("#engines tr[data-engine]")
+    rows.first.wait_for()
+    assert page.locator("#engines-panel").is_visible()
+    seen = {}
+    for i in range(rows.count()):
+        row = rows.nth(i)
+        cells = row.locator("td")
+        seen[row.locator("th").inner_text()] = (
+            cells.nth(0).inner_text(),
+            cells.nth(2).inner_text(),
+            cells.nth(3).inner_text(),
+        )
+    assert seen == {engine: ("alive", model, allowed[engine]) for engine, model in loaded.items()}
+    assert page.locator("#engines .engine-holds .status-text").count() == 0  # the registry agrees
+    screenshot(page, "models-engines-panel")
     page.console.assert_clean()
 
 

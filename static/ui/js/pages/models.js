@@ -81,6 +81,47 @@ async function refresh() {
   } catch (err) { showError(err, "Models"); }
   refreshJobs();
   refreshLease();
+  refreshEngines();
+}
+
+// --- the engines (ENGINE_MODELS) and what each holds -------------------------------------
+
+// GET /api/engines is for admin keys: another key's 403 (or 401) hides the panel, unsaid,
+// and the page stops asking
+let enginesRefused = false;
+
+/** What an engine holds: the model its status names, and what the registry records on it
+ * when the two differ (a load or unload on its way, or a row the engine no longer holds). */
+function holdsCell(e) {
+  const recorded = e.recorded || [];
+  const parts = [e.model ? el("span", { class: "mono" }, e.model) : el("span", { class: "muted" }, "nothing")];
+  const same = e.model ? recorded.length === 1 && recorded[0] === e.model : recorded.length === 0;
+  if (!same) {
+    parts.push(el("div", { class: "small status-text warn" },
+      `registry records: ${recorded.length ? recorded.join(", ") : "nothing"}`));
+  }
+  return el("td", { class: "engine-holds" }, parts);
+}
+
+function renderEngines(engines) {
+  // one engine: the models table says it all
+  $("#engines-panel").hidden = engines.length < 2;
+  fillRows($("#engines"), engines.map((e) => el("tr", { dataset: { engine: e.name } },
+    el("th", { scope: "row" }, e.name),
+    el("td", {}, e.alive ? badge("alive", "ok") : badge(e.phase || "down", "bad")),
+    el("td", {}, e.state || "—"),
+    holdsCell(e),
+    el("td", { class: "small mono" }, (e.models_allowed || []).join(", ") || "—"))), "No engines.", 5);
+}
+
+async function refreshEngines() {
+  if (enginesRefused) return;
+  try {
+    renderEngines((await get("/api/engines")).engines);
+  } catch (err) {
+    if (err.status === 401 || err.status === 403) { enginesRefused = true; $("#engines-panel").hidden = true; return; }
+    showError(err, "Engines");
+  }
 }
 
 // --- the lease of the resident model ------------------------------------------------------
