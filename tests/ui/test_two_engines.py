@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.ui.conftest import REPO, screenshot, start_server, stop_server
+from tests.ui.conftest import REPO, VIEWPORT, Console, screenshot, start_server, stop_server
 from tests.ui.two_engines_serve import ROUTES
 
 MESSAGE = "Tell me about the sea."
@@ -179,3 +179,52 @@ def test_captures_page_captures_on_the_model_on_gpu1(two_engines, tiny_assets, p
     (stored,) = two_engines.api("GET", "/api/captures")["captures"]
     assert stored["model"] == "tiny-gpt2"
     page.console.assert_clean()
+
+
+# --- with API keys: the engines are for admin keys --------------------------------------------
+
+ADMIN, ALICE = "ui-engines-admin-0123456789", "ui-engines-alice-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed_two_engines(tiny_assets, slow_hub, tmp_path_factory):
+    srv = start_server(
+        tmp_path_factory.mktemp("ui-two-engines-keys"),
+        slow_hub.url,
+        {"MILLM_ADMIN_API_KEYS": ADMIN, "MILLM_API_KEYS": ALICE},
+        serve=[sys.executable, str(REPO / "tests" / "ui" / "two_engines_serve.py")],
+    )
+    try:
+        yield srv
+    finally:
+        stop_server(srv)
+
+
+@pytest.mark.parametrize("key", [ADMIN, ALICE], ids=["admin", "inference"])
+def test_engines_panel_is_for_admin_keys(keyed_two_engines, browser, key):
+    context = browser.new_context(viewport=VIEWPORT)
+    context.set_default_timeout(15_000)
+    context.add_init_script(f"sessionStorage.setItem('millm.apiKey', {json.dumps(key)})")
+    page = context.new_page()
+    page.console = Console(page)
+    try:
+        with page.expect_response(lambda r: r.url.endswith("/api/engines")) as caught:
+            page.goto(keyed_two_engines.url + "/models/")
+        page.locator("#models tr[data-model-id]").first.wait_for()
+        if key == ADMIN:
+            assert caught.value.status == 200
+            page.locator("#engines tr[data-engine]").first.wait_for()
+            rows = page.locator("#engines tr[data-engine] th").all_inner_texts()
+            assert sorted(rows) == sorted(r.split(":", 1)[0] for r in ROUTES.split(";"))
+            assert page.locator("#engines-panel").is_visible()
+            page.console.assert_clean()
+        else:
+            # an inference key's 403: the panel stays hidden, and no error is shown
+            assert caught.value.status == 403
+            page.locator("#engines-panel[data-state='refused']").wait_for(state="attached")
+            assert not page.locator("#engines-panel").is_visible()
+            assert page.locator("#engines tr").count() == 0
+            assert page.locator("#notices .notice.error").count() == 0
+            assert [e for e in page.console.errors if "status of 403" not in e] == []
+    finally:
+        context.close()

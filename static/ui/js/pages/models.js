@@ -106,6 +106,7 @@ function holdsCell(e) {
 function renderEngines(engines) {
   // one engine: the models table says it all
   $("#engines-panel").hidden = engines.length < 2;
+  $("#engines-panel").dataset.state = engines.length < 2 ? "one" : "shown";
   fillRows($("#engines"), engines.map((e) => el("tr", { dataset: { engine: e.name } },
     el("th", { scope: "row" }, e.name),
     el("td", {}, e.alive ? badge("alive", "ok") : badge(e.phase || "down", "bad")),
@@ -119,7 +120,12 @@ async function refreshEngines() {
   try {
     renderEngines((await get("/api/engines")).engines);
   } catch (err) {
-    if (err.status === 401 || err.status === 403) { enginesRefused = true; $("#engines-panel").hidden = true; return; }
+    if (err.status === 401 || err.status === 403) {
+      enginesRefused = true;
+      $("#engines-panel").hidden = true;
+      $("#engines-panel").dataset.state = "refused";
+      return;
+    }
     showError(err, "Engines");
   }
 }
