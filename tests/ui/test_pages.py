@@ -89,3 +89,13 @@ def test_keyboard_reaches_the_navigation_and_skip_link(server, page):
     page.keyboard.press("Enter")
     assert page.evaluate("document.activeElement.id") == "main"
     page.console.assert_clean()
+
+
+def test_models_page_hides_the_engines_panel_with_one_engine(server, page):
+    (engine,) = server.api("GET", "/api/engines")["engines"]  # the premise: one engine
+    page.goto(server.url + "/models/")
+    # the report came and named one engine: the models table says it all
+    page.locator("#engines-panel[data-state='one']").wait_for(state="attached")
+    assert page.locator(f"#engines tr[data-engine='{engine['name']}']").count() == 1
+    assert not page.locator("#engines-panel").is_visible()
+    page.console.assert_clean()
