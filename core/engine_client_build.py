@@ -56,6 +56,15 @@ class EngineSet:
                 client = self._clients[name] = RedisEngineClient.from_settings(prefix=engine_prefix(name))
             return client
 
+    def built(self, name: str) -> EngineClient | None:
+        """Engine ``name``'s client if it exists already (a report must not build one)."""
+        from core.runtime import runtime
+
+        if name == DEFAULT_ENGINE:
+            return runtime().built("engine")
+        with self._lock:
+            return self._clients.get(name)
+
     def shutdown(self) -> None:
         with self._lock:
             clients, self._clients = self._clients, {}

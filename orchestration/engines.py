@@ -14,9 +14,9 @@ from gpu_engine.api.errors import EngineError
 from registry.models import Model
 
 
-def _embedded_entry() -> dict[str, Any]:
-    # the engine in this process, if it was started: a report must not start one
-    client = runtime().built("engine")
+def _embedded_entry(name: str) -> dict[str, Any]:
+    # the engine's client in this process, if it was started: a report must not start one
+    client = runtime().engines.built(name)
     if client is None:
         return {"alive": False, "phase": "not_started", "state": None, "model": None, "engine_id": None}
     status = client.status()
@@ -60,7 +60,7 @@ def engines_report() -> list[dict[str, Any]]:
         recorded.setdefault(row.engine or DEFAULT_ENGINE, []).append(row.name)
     out = []
     for name in names:
-        live = _embedded_entry() if settings.EMBEDDED else _redis_entry(name)
+        live = _embedded_entry(name) if settings.EMBEDDED else _redis_entry(name)
         out.append(
             {
                 "name": name,
