@@ -308,3 +308,23 @@ def screenshot(page, name: str) -> Path:
     path = ARTIFACTS / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
     return path
+
+
+def direct_chat(server, message: str, *, model: str = "tiny-llama", **extra) -> str:
+    """What ``/v1/chat/completions`` answers ``message`` on ``server`` (greedy, 6 tokens):
+    the text a page that sends the same request must show."""
+    status, out = server.call(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": model,
+            "max_tokens": 6,
+            "temperature": 0,
+            "seed": 0,
+            "messages": [{"role": "user", "content": message}],
+            **extra,
+        },
+        timeout=60,
+    )
+    assert status == 200, out
+    return out["choices"][0]["message"]["content"]

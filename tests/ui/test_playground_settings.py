@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from tests.ui.conftest import direct_chat
+
 MESSAGE = "Tell me about the sea."
 
 
@@ -33,21 +35,7 @@ def _answer(page, column: str) -> str:
 
 
 def _direct(server, **extra) -> str:
-    status, out = server.call(
-        "POST",
-        "/v1/chat/completions",
-        {
-            "model": "tiny-llama",
-            "max_tokens": 6,
-            "temperature": 0,
-            "seed": 0,
-            "messages": [{"role": "user", "content": MESSAGE}],
-            **extra,
-        },
-        timeout=60,
-    )
-    assert status == 200, out
-    return out["choices"][0]["message"]["content"]
+    return direct_chat(server, MESSAGE, **extra)
 
 
 def test_lambda_dials_the_live_steering(server, page):

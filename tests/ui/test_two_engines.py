@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from tests.ui.conftest import REPO, VIEWPORT, Console, screenshot, start_server, stop_server
+from tests.ui.conftest import REPO, VIEWPORT, Console, direct_chat, screenshot, start_server, stop_server
 from tests.ui.two_engines_serve import ROUTES
 
 MESSAGE = "Tell me about the sea."
@@ -52,20 +52,7 @@ def _config(tiny_assets, name: str) -> tuple[int, int]:
 
 
 def _direct(server, model: str) -> str:
-    status, out = server.call(
-        "POST",
-        "/v1/chat/completions",
-        {
-            "model": model,
-            "max_tokens": 6,
-            "temperature": 0,
-            "seed": 0,
-            "messages": [{"role": "user", "content": MESSAGE}],
-        },
-        timeout=60,
-    )
-    assert status == 200, out
-    return out["choices"][0]["message"]["content"]
+    return direct_chat(server, MESSAGE, model=model)
 
 
 def test_models_page_says_which_engine_holds_a_model(two_engines, page):
