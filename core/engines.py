@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextvars
 import fnmatch
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -83,7 +84,13 @@ def parse_engine_models(value: str) -> tuple[EngineRoute, ...]:
 def _routes() -> tuple[EngineRoute, ...]:
     from django.conf import settings
 
-    return parse_engine_models(getattr(settings, "ENGINE_MODELS", ""))
+    return _parsed(getattr(settings, "ENGINE_MODELS", ""))
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(value: str) -> tuple[EngineRoute, ...]:
+    # every /v1 request asks (several_engines); the value is parsed once per value seen
+    return parse_engine_models(value)
 
 
 def engine_names() -> list[str]:

@@ -32,19 +32,9 @@ _FAMILIES = (
 def _statuses(default: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(name, status) of every engine; ``default``: the default engine's, read already."""
     from core.engines import DEFAULT_ENGINE, engine_names
-    from core.runtime import runtime
-    from gpu_engine.api.protocol import to_builtins
+    from system.figures import engine_snapshot
 
-    out = []
-    for name in engine_names():
-        if name == DEFAULT_ENGINE:
-            out.append((name, default))
-            continue
-        try:
-            out.append((name, to_builtins(runtime().engines.client(name).status())))
-        except Exception as exc:  # noqa: BLE001 - metrics answer whatever an engine does
-            out.append((name, {"state": "unavailable", "error": getattr(exc, "message", str(exc))}))
-    return out
+    return [(name, default if name == DEFAULT_ENGINE else engine_snapshot(name)) for name in engine_names()]
 
 
 def engine_figures(engine: dict[str, Any]) -> list[dict[str, Any]]:
