@@ -30,7 +30,6 @@ from core.engines import (
     engine_names,
     several_engines,
     using_engine,
-    using_model_engine,
 )
 from core.errors import (
     ModelBusy,
@@ -61,6 +60,7 @@ from orchestration.load_checks import (  # noqa: F401 - re-exported: a load's ch
     load_job,
 )
 from orchestration.memory_fit import check_model_fits
+from registry.engines import addressing_held
 from registry.errors import (
     ModelAlreadyLoaded,
     ModelInvalid,
@@ -84,12 +84,8 @@ def model_engine(model: Model):
     """Address ``model``'s engine (``core.engines``) for what this wraps: the engine that
     holds or is loading it (its row says), else the one ENGINE_MODELS gives it
     (``model_not_routable`` when none may). With one engine nothing changes."""
-    if several_engines() and model.engine in engine_names():
-        with using_engine(model.engine) as name:
-            yield name
-    else:
-        with using_model_engine(model.name) as name:
-            yield name
+    with addressing_held(model.name, model.engine) as name:
+        yield name
 
 
 # Claims serialise here within a process (SQLite has no row locks: embedded mode is one

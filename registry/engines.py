@@ -65,12 +65,21 @@ def addressing_model(model_name: str | None) -> Iterator[None]:
         yield
         return
     row = Model.objects.filter(name=model_name).only("engine").first()
-    if row is not None and row.engine in engine_names():
-        with using_engine(row.engine):
-            yield
-        return
-    with using_model_engine(model_name):
+    with addressing_held(model_name, row.engine if row is not None else ""):
         yield
+
+
+@contextmanager
+def addressing_held(model_name: str, engine: str) -> Iterator[str]:
+    """Address ``engine`` (the engine a model row says holds or loads it) when it is one
+    of ENGINE_MODELS, else the engine ENGINE_MODELS gives ``model_name`` (409
+    ``MODEL_NOT_ROUTABLE`` when none may); yields the engine's name."""
+    if several_engines() and engine in engine_names():
+        with using_engine(engine) as name:
+            yield name
+    else:
+        with using_model_engine(model_name) as name:
+            yield name
 
 
 def engine_status_of(engine: str | None, cache: dict[str | None, object] | None = None):  # type: ignore[no-untyped-def]
