@@ -488,11 +488,17 @@ async def admit(who: Any, estimate: int) -> Ticket | Refusal | None:
     limits = limits_for(rules, who.label, admin=who.admin)
     if not limits.any:
         return None
+    return await _admit(who.label, limits, estimate, event="quota_refused")
+
+
+async def _admit(label: str, limits: Limits, estimate: int, *, event: str) -> Ticket | Refusal:
+    """Take ``label``'s place in its windows (tokens counted only under a tpm limit): a
+    ``Ticket`` when admitted, else the ``Refusal``, logged as ``event``."""
     backend = limiter()
-    ticket = Ticket(label=who.label, limits=limits, estimate=estimate if limits.tpm is not None else 0, backend=backend)
-    refusal = await backend.admit(who.label, limits, ticket.estimate, ticket.id)
+    ticket = Ticket(label=label, limits=limits, estimate=estimate if limits.tpm is not None else 0, backend=backend)
+    refusal = await backend.admit(label, limits, ticket.estimate, ticket.id)
     if refusal is not None:
-        log.info("quota_refused", key=who.label, limit=refusal.limit, retry_after=refusal.retry_after_s)
+        log.info(event, key=label, limit=refusal.limit, retry_after=refusal.retry_after_s)
         return refusal
     return ticket
 
@@ -566,13 +572,7 @@ async def batch_line_ticket(owner: str, body: dict[str, Any]) -> Ticket | Refusa
     estimate = estimate_tokens(
         len(json.dumps(body)), max_tokens if isinstance(max_tokens, int) else None, n if isinstance(n, int) else 1
     )
-    backend = limiter()
-    ticket = Ticket(label=who.label, limits=limits, estimate=estimate if limits.tpm is not None else 0, backend=backend)
-    refusal = await backend.admit(who.label, limits, ticket.estimate, ticket.id)
-    if refusal is not None:
-        log.info("quota_batch_line_waits", key=who.label, limit=refusal.limit, retry_after=refusal.retry_after_s)
-        return refusal
-    return ticket
+    return await _admit(who.label, limits, estimate, event="quota_batch_line_waits")
 
 
 async def api_ticket(request: Any) -> Ticket | None:
