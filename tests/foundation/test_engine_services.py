@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from core.engine_client import EmbeddedEngineClient
@@ -70,13 +72,22 @@ def test_load_attach_detach_unload(engine_client, llama):
     assert engine_client.status().state == "empty"
 
 
-def test_an_unload_past_its_grace_period_stops_the_running_requests(engine_client, llama, settings):
+def test_an_unload_past_its_grace_period_stops_the_running_requests(
+    engine_client, llama, settings, monkeypatch, request
+):
     """In embedded mode too: a generation that outlasts GRACEFUL_UNLOAD_TIMEOUT ends with
-    engine_busy (it would run for seconds more) and the model is unloaded."""
+    engine_busy and the model is unloaded. The generation is held at its 2nd token (as
+    tests/distributed/held_engine.py holds one) until the engine stops it, so it outlasts
+    the grace period on any machine: 480 tiny-model steps took under 0.1 s on a fast one."""
+    from gpu_engine.runtime.stream import GenerationStream
+    from tests.distributed.held_engine import install_hold
+
     model, _ = llama
-    # 0.1 s: far below the ~0.5-1 s that 480 tiny-model steps take on a quiet 2-core
-    # machine (with 1 s, a fast one finished the whole generation inside the grace period)
     settings.GRACEFUL_UNLOAD_TIMEOUT = 0.1
+    released = threading.Event()
+    request.addfinalizer(released.set)  # whatever the test's end, nothing stays held
+    monkeypatch.setattr(GenerationStream, "_put", GenerationStream._put)  # restored after the test
+    install_hold(lambda: not released.is_set(), at=2)
     orchestration_services.model_load(model=model)
     events = engine_client.generate(
         GenerationJob(
